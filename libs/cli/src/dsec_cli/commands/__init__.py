@@ -1,0 +1,1 @@
+"""CLI command groups. Each module defines ``register(app)`` and is discovered by ``main``."""

@@ -1,0 +1,85 @@
+"""``dsec events``: follow the event log live; export the bus's AsyncAPI schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dsec_cli.common import EXIT_BAD_INPUT, bus, console, fail, print_json, run
+from dsec_cli.render import event_json, event_line
+from dsec_core.bus import follow
+from dsec_core.envelope import MalformedEnvelope, decode
+from dsec_core.events import EVENT_TYPES
+from dsec_core.schema import asyncapi_document
+from dsec_core.subjects import ALL_EVENTS, STREAM, aggregate_filter
+
+events_app = typer.Typer(help="Follow the event log; export the bus schema.", no_args_is_help=True)
+
+
+def _check_types(types: list[str]) -> None:
+    for t in types:
+        if t not in EVENT_TYPES:
+            fail(f"--type {t!r} is not an event type; valid: {', '.join(sorted(EVENT_TYPES))}",
+                 EXIT_BAD_INPUT)
+
+
+async def _tail(types: list[str], sandbox: str | None, from_start: bool, as_json: bool,
+                count: int | None) -> None:
+    filt = aggregate_filter("sandbox", sandbox) if sandbox else ALL_EVENTS
+    shown = 0
+    async with bus() as (_, js):
+        info = await js.stream_info(STREAM)
+        start = 1 if from_start else info.state.last_seq + 1
+        async for batch in follow(js, filter_subject=filt, start_seq=start):
+            for seq, data in batch:
+                try:
+                    env = decode(data)
+                except MalformedEnvelope as exc:
+                    console.print(f"[red]{seq}: malformed event: {exc}[/]")
+                    continue
+                if types and env.type not in types:
+                    continue
+                if as_json:
+                    print_json(event_json(seq, env))
+                else:
+                    console.print(event_line(seq, env), highlight=False)
+                shown += 1
+                if count is not None and shown >= count:
+                    return
+
+
+@events_app.command("tail")
+def tail(
+    type_: Annotated[list[str], typer.Option("--type", "-t", help="Only this event type")] = [],  # noqa: B006
+    sandbox: Annotated[str | None, typer.Option(help="Only events of this sandbox")] = None,
+    from_start: Annotated[bool, typer.Option("--all", help="Start at the first event")] = False,
+    count: Annotated[int | None, typer.Option("-n", help="Stop after N events")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line")] = False,
+) -> None:
+    """Follow the event log live (Ctrl-C to stop)."""
+    _check_types(type_)
+    try:
+        run(_tail(type_, sandbox, from_start, as_json, count))
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+@events_app.command("schema")
+def schema(
+    out: Annotated[Path | None, typer.Option(help="Write to this file instead of stdout")] = None,
+) -> None:
+    """Export the AsyncAPI 3.0 document of every event on the bus (JSON)."""
+    text = json.dumps(asyncapi_document(), indent=2)
+    if out is None:
+        print(text)
+    else:
+        out.write_text(text + "\n")
+        console.print(f"wrote {out} ({len(EVENT_TYPES)} event types)")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``dsec events``."""
+    app.add_typer(events_app, name="events")

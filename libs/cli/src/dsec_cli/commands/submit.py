@@ -1,0 +1,210 @@
+"""``dsec submit``: publish a spec (and its code bundle) and follow its lifecycle."""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+
+from dsec_cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_TIMEOUT,
+    bus,
+    cli_publisher,
+    console,
+    err_console,
+    fail,
+    print_json,
+    run,
+    s3_client,
+    submitter,
+)
+from dsec_cli.render import event_line
+from dsec_core.bus import follow
+from dsec_core.codebundle import BundleError, build_bundle
+from dsec_core.envelope import Envelope, decode
+from dsec_core.events import TERMINAL_TYPES, BundleRef, SpecSubmitted
+from dsec_core.ids import new_sandbox_id
+from dsec_core.settings import Settings
+from dsec_core.subjects import STREAM, aggregate_filter
+
+WAIT_FOR = {
+    "validated": "spec.validated",
+    "built": "env.built",
+    "ready": "sandbox.ready",
+    "exited": "sandbox.exited",
+}
+STATE_OF = {
+    "spec.submitted": "submitted", "spec.validated": "validated", "spec.rejected": "rejected",
+    "deps.resolved": "resolved", "deps.conflict": "conflict", "env.built": "built",
+    "sandbox.scheduled": "scheduled", "sandbox.ready": "running", "sandbox.exited": "exited",
+    "sandbox.failed": "failed",
+}
+
+
+@dataclass
+class Outcome:
+    """What ``submit`` saw for one sandbox."""
+
+    sandbox_id: str
+    state: str = "submitted"
+    exit_code: int | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    stalled_after: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "sandbox_id": self.sandbox_id,
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "stalled_after": self.stalled_after,
+            "events": self.events,
+        }
+
+
+def _exclude_patterns(spec_text: str) -> list[str]:
+    """The spec's ``include_code.exclude_patterns`` if readable (validation is the service's)."""
+    try:
+        data = yaml.safe_load(spec_text)
+        patterns = data.get("include_code", {}).get("exclude_patterns", [])
+        return [str(p) for p in patterns] if isinstance(patterns, list) else []
+    except (yaml.YAMLError, AttributeError):
+        return []
+
+
+def _upload_code(code: Path, spec_text: str, settings: Settings) -> BundleRef:
+    try:
+        bundle = build_bundle(code, _exclude_patterns(spec_text))
+    except (BundleError, OSError) as exc:
+        fail(f"--code {code}: {exc}", EXIT_BAD_INPUT)
+    client = s3_client(settings)
+    key = f"bundles/{bundle.digest}.tar.zst"
+    data = bundle.read()
+    if not client.bucket_exists(settings.s3_bucket):
+        client.make_bucket(settings.s3_bucket)
+    client.put_object(settings.s3_bucket, key, io.BytesIO(data), len(data))
+    return BundleRef(digest=bundle.digest, object_key=key, size=len(data),
+                     files=len(bundle.manifest.files))
+
+
+def _record(outcome: Outcome, seq: int, env: Envelope, as_json: bool) -> None:
+    outcome.events.append({"seq": seq, "type": env.type, "time": env.time.isoformat(),
+                           "payload": env.payload})
+    outcome.state = STATE_OF.get(env.type, outcome.state)
+    if env.type == "sandbox.exited":
+        outcome.exit_code = int(env.payload["exit_code"])
+    if not as_json:
+        console.print(event_line(seq, env), highlight=False)
+        _explain(env)
+
+
+def _explain(env: Envelope) -> None:
+    """Print the details a user needs when the chain ends badly."""
+    p = env.payload
+    if env.type == "spec.rejected":
+        for e in p.get("errors", []):
+            where = f"{e.get('file')}:{e.get('line')}:{e.get('column')}"
+            console.print(f"    [red]{where}: {e.get('message')}[/]", highlight=False)
+    elif env.type == "deps.conflict":
+        console.print(f"    [red]{p.get('explanation')}[/]", highlight=False)
+        for alt in p.get("alternatives", []):
+            mark = "resolves" if alt.get("verified") else "unverified"
+            console.print(f"    try: {alt['requirement']} -> [green]{alt['suggestion']}[/] "
+                          f"({mark})", highlight=False)
+
+
+async def _submit(spec_text: str, filename: str, code_ref: BundleRef | None, wait: str,
+                  timeout: float, stall: float, as_json: bool) -> Outcome:
+    sandbox_id = new_sandbox_id()
+    outcome = Outcome(sandbox_id)
+    target = WAIT_FOR[wait]
+    async with bus() as (_, js):
+        start = (await js.stream_info(STREAM)).state.last_seq + 1
+        publisher = await cli_publisher(js)
+        await publisher.publish(
+            SpecSubmitted(spec_yaml=spec_text, filename=filename, code=code_ref,
+                          submitted_by=submitter()),
+            aggregate_id=sandbox_id,
+        )
+        deadline = time.monotonic() + timeout
+        last_event_at = time.monotonic()
+        async for batch in follow(js, filter_subject=aggregate_filter("sandbox", sandbox_id),
+                                  start_seq=start, idle_s=0.25):
+            for seq, data in batch:
+                env = decode(data)
+                _record(outcome, seq, env, as_json)
+                last_event_at = time.monotonic()
+                if env.type in TERMINAL_TYPES or env.type == target:
+                    return outcome
+            now = time.monotonic()
+            if now > deadline or now - last_event_at > stall:
+                outcome.stalled_after = outcome.events[-1]["type"] if outcome.events else None
+                return outcome
+    return outcome
+
+
+def _exit_code(outcome: Outcome) -> int:
+    if outcome.stalled_after is not None:
+        return EXIT_TIMEOUT
+    if outcome.state in ("rejected", "conflict", "failed"):
+        return EXIT_FAILED
+    if outcome.state == "exited" and outcome.exit_code != 0:
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def submit(
+    spec: Annotated[Path, typer.Argument(help="The sandbox spec (YAML)")],
+    code: Annotated[Path | None, typer.Option(help="Directory to bundle as the sandbox's code")]
+    = None,
+    wait: Annotated[str, typer.Option(help="Follow until: validated|built|ready|exited")]
+    = "exited",
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds")] = 900.0,
+    stall: Annotated[float, typer.Option(help="Stop when no event arrives for this long (s)")]
+    = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON result")] = False,
+) -> None:
+    """Submit SPEC to the bus and print its lifecycle as events arrive.
+
+    Exit 0 when the wait level is reached (and, for `exited`, the sandbox exited 0); 1 when the
+    spec ends rejected, in conflict, failed, or exited non-zero; 2 for bad input; 3 when the
+    stack is unreachable; 4 when the chain stalled or timed out before the wait level.
+    """
+    if wait not in WAIT_FOR:
+        fail(f"--wait {wait!r} is not valid; use one of {', '.join(WAIT_FOR)}", EXIT_BAD_INPUT)
+    try:
+        spec_text = spec.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"cannot read spec {spec}: {exc}", EXIT_BAD_INPUT)
+    if code is not None and not code.is_dir():
+        fail(f"--code {code} is not a directory", EXIT_BAD_INPUT)
+    settings = Settings()
+    code_ref = _upload_code(code, spec_text, settings) if code is not None else None
+    try:
+        outcome = run(_submit(spec_text, spec.name, code_ref, wait, timeout, stall, as_json))
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    if outcome.stalled_after is not None and not as_json:
+        err_console.print(
+            f"[yellow]stalled:[/] no event for {stall:.0f} s after "
+            f"{outcome.stalled_after or 'spec.submitted'}; waiting for {WAIT_FOR[wait]}. "
+            "Is the service that handles it running? (`dsec status`)"
+        )
+    if as_json:
+        print_json(outcome.as_json())
+    raise typer.Exit(_exit_code(outcome))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``dsec submit``."""
+    app.command("submit")(submit)
+
+
+__all__ = ["register"]

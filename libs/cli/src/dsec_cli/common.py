@@ -1,0 +1,131 @@
+"""Shared CLI plumbing: settings, bus connection with clear errors, output helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import socket
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any, NoReturn, TypeVar
+
+import nats
+import typer
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from rich.console import Console
+
+from dsec_core.bus import EventPublisher, ensure_stream
+from dsec_core.settings import Settings
+from dsec_core.signing import Signer, load_or_create_key
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_UNREACHABLE = 3
+EXIT_TIMEOUT = 4
+
+console = Console()
+err_console = Console(stderr=True)
+
+T = TypeVar("T")
+
+
+def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
+    """Print ``message`` to stderr and exit with ``code``."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine from a synchronous Typer command."""
+    return asyncio.run(coro)
+
+
+def print_json(value: Any) -> None:
+    """Print one JSON document on one line (machine-readable output)."""
+    print(json.dumps(value, default=str, separators=(",", ":")), flush=True)
+
+
+def submitter() -> str:
+    """``user@host`` of the person running the CLI."""
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+@asynccontextmanager
+async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, JetStreamContext]]:
+    """Connect to NATS, or exit 3 with a message that says what to do."""
+    settings = settings or Settings()
+    url = settings.nats_endpoint()
+    try:
+        nc = await nats.connect(
+            url, connect_timeout=3, max_reconnect_attempts=3, allow_reconnect=True, name="dsec-cli"
+        )
+    except Exception as exc:  # any connect failure means "unreachable" to the user
+        fail(
+            f"cannot reach NATS at {url} ({type(exc).__name__}); "
+            "start the stack with `dsec up` or set DSEC_NATS_URL",
+            EXIT_UNREACHABLE,
+        )
+    try:
+        js = nc.jetstream()
+        await ensure_stream(js)
+        yield nc, js
+    finally:
+        await nc.close()
+
+
+async def cli_publisher(js: JetStreamContext, settings: Settings | None = None) -> EventPublisher:
+    """A publisher signing as producer ``cli`` with the key under ``$DSEC_HOME/keys``."""
+    settings = settings or Settings()
+    key = load_or_create_key(settings.home / "keys" / "cli.key")
+    publisher = EventPublisher(js, Signer("cli", key))
+    await publisher.register_key()
+    return publisher
+
+
+def parse_since(value: str) -> datetime:
+    """Parse ``--since``: an ISO time (``2026-11-30T10:00``) or an age like ``15m``, ``2h``."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if value and value[-1] in units and value[:-1].isdigit():
+        return datetime.now(UTC) - timedelta(seconds=int(value[:-1]) * units[value[-1]])
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise typer.BadParameter(
+            f"{value!r} is not a time: use ISO 8601 (2026-11-30T10:00) or an age (30s, 15m, 2h, 1d)"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def s3_client(settings: Settings | None = None) -> Any:
+    """A ``minio.Minio`` client for the configured object store, or exit 3 when unset."""
+    from minio import Minio  # imported lazily: most commands never touch S3
+
+    settings = settings or Settings()
+    endpoint = settings.endpoint("s3_endpoint")
+    if not endpoint:
+        fail("no object store configured: run `dsec up` or set DSEC_S3_ENDPOINT", EXIT_UNREACHABLE)
+    return Minio(
+        str(endpoint),
+        access_key=settings.endpoint("s3_access_key"),
+        secret_key=settings.endpoint("s3_secret_key"),
+        secure=settings.s3_secure,
+    )
+
+
+async def pg_connect(settings: Settings | None = None) -> Any:
+    """An asyncpg connection to the read models, or exit 3 with what to do."""
+    import asyncpg
+
+    settings = settings or Settings()
+    dsn = settings.endpoint("postgres_dsn")
+    if not dsn:
+        fail("no PostgreSQL configured: run `dsec up` or set DSEC_POSTGRES_DSN", EXIT_UNREACHABLE)
+    try:
+        return await asyncpg.connect(str(dsn), timeout=5)
+    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+        fail(f"cannot reach PostgreSQL ({type(exc).__name__}); is the stack up? (`dsec status`)",
+             EXIT_UNREACHABLE)

@@ -1,0 +1,64 @@
+"""Human rendering of events: one line each, secret-free by construction (payload fields only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+
+from dsec_core.envelope import Envelope
+
+_STYLE = {
+    "spec.rejected": "bold red",
+    "deps.conflict": "bold red",
+    "sandbox.failed": "bold red",
+    "policy.violation": "yellow",
+    "sandbox.exited": "bold",
+    "sandbox.ready": "green",
+    "spec.validated": "green",
+    "env.built": "green",
+}
+
+
+def _summary(env: Envelope) -> str:
+    p: dict[str, Any] = env.payload
+    t = env.type
+    if t == "spec.submitted":
+        return f"{p.get('filename')} by {p.get('submitted_by') or '?'}"
+    if t == "spec.validated":
+        return f"{p.get('name')} ({len(p.get('warnings', []))} warnings)"
+    if t == "spec.rejected":
+        return f"{len(p.get('errors', []))} errors"
+    if t == "deps.resolved":
+        return f"{len(p.get('lock', []))} packages, lock {str(p.get('lock_hash'))[:12]}"
+    if t == "deps.conflict":
+        return str(p.get("explanation", "")).splitlines()[0][:120] if p.get("explanation") else ""
+    if t == "env.built":
+        reuse = "reused" if p.get("reused") else "built"
+        return f"{reuse} {str(p.get('fingerprint'))[:12]} on {p.get('node_id')}"
+    if t == "sandbox.exited":
+        return f"exit {p.get('exit_code')} ({p.get('reason')}) after {p.get('duration_s')} s"
+    if t == "sandbox.failed":
+        return f"{p.get('stage')}: {p.get('reason')}"
+    if t == "policy.violation":
+        return f"{p.get('layer')} {p.get('action')} {p.get('operation')} {p.get('target')} " \
+               f"[rule {p.get('rule_id')}]"
+    if t == "context.injected":
+        return f"{p.get('kind')} {p.get('name')} from {p.get('source')}"
+    keys = ("node_id", "snapshot", "producer", "reason")
+    return " ".join(f"{k}={p[k]}" for k in keys if k in p)
+
+
+def event_line(seq: int, env: Envelope) -> str:
+    """Rich markup for one event."""
+    style = _STYLE.get(env.type, "cyan")
+    when = env.time.strftime("%H:%M:%S.%f")[:-3]
+    return (
+        f"[dim]{seq:>6} {when}[/] [{style}]{env.type:<20}[/] "
+        f"[dim]{env.aggregate_id}[/] {escape(_summary(env))} [dim]({env.producer})[/]"
+    )
+
+
+def event_json(seq: int, env: Envelope) -> dict[str, Any]:
+    """The JSON view of one event with its stream sequence."""
+    return {"seq": seq, **env.to_json_dict()}

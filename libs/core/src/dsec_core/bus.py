@@ -1,0 +1,197 @@
+"""The event bus: one JetStream stream, signed publishing with dedup ids, and stream replay.
+
+Publishing: every envelope goes out with ``Nats-Msg-Id`` = its id, so a retried publish (after a
+crash or a lost ack) is dropped by JetStream's duplicate window instead of doubled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError
+
+from dsec_core.envelope import Envelope
+from dsec_core.events import KeyRegistered, Payload
+from dsec_core.signing import Signer, public_bytes
+from dsec_core.subjects import ALL_EVENTS, STREAM
+
+log = logging.getLogger(__name__)
+
+DUPLICATE_WINDOW_S = 120.0
+
+
+def stream_config() -> StreamConfig:
+    """The ``DSEC_EVENTS`` stream: file storage, no delete, no purge, a duplicate window."""
+    return StreamConfig(
+        name=STREAM,
+        description="DSec event log and signed audit trail",
+        subjects=[ALL_EVENTS],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        deny_delete=True,
+        deny_purge=True,
+        allow_direct=True,
+    )
+
+
+async def connect(url: str, name: str) -> NATS:
+    """Connect to NATS with unlimited reconnects (a restarting server is waited for)."""
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.2,
+        connect_timeout=5,
+        allow_reconnect=True,
+    )
+
+
+async def ensure_stream(js: JetStreamContext) -> None:
+    """Create the stream, or update it to the expected configuration."""
+    config = stream_config()
+    try:
+        await js.add_stream(config)
+    except BadRequestError:  # exists with another configuration: bring it up to date
+        await js.update_stream(config)
+
+
+@dataclass(frozen=True)
+class Published:
+    """Where an envelope landed."""
+
+    envelope: Envelope
+    stream_seq: int
+    duplicate: bool
+
+
+class EventPublisher:
+    """Signs and publishes envelopes of one producer instance."""
+
+    def __init__(self, js: JetStreamContext, signer: Signer, *, retries: int = 60) -> None:
+        self.js = js
+        self.signer = signer
+        self._retries = retries
+
+    async def register_key(self) -> Published:
+        """Publish this producer's public key (idempotent per key and chain)."""
+        reg = KeyRegistered(
+            producer=self.signer.producer,
+            key_id=self.signer.key_id,
+            public_key=public_bytes(self.signer.public_key).hex(),
+        )
+        return await self.publish(reg, aggregate_id=self.signer.producer.replace("/", "_"))
+
+    async def publish(
+        self,
+        payload: Payload,
+        *,
+        aggregate_id: str,
+        event_id: str | None = None,
+        causation: Envelope | None = None,
+        correlation_id: str | None = None,
+    ) -> Published:
+        """Sign ``payload`` into an envelope and publish it until JetStream acknowledges it."""
+        envelope, wire = self.signer.seal(
+            payload,
+            aggregate_id=aggregate_id,
+            event_id=event_id,
+            causation=causation,
+            correlation_id=correlation_id,
+        )
+        return await self.publish_sealed(envelope, wire)
+
+    async def publish_sealed(self, envelope: Envelope, wire: bytes) -> Published:
+        """Publish an already signed envelope, retrying through server restarts."""
+        headers = {"Nats-Msg-Id": envelope.id}
+        delay = 0.05
+        for attempt in range(self._retries):
+            try:
+                ack = await self.js.publish(envelope.subject, wire, headers=headers, timeout=5)
+                return Published(envelope, ack.seq, bool(ack.duplicate))
+            except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
+                log.warning("publish %s attempt %d failed: %s", envelope.type, attempt + 1, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        raise PublishFailed(f"could not publish {envelope.type} {envelope.id}")
+
+    async def publish_many(self, sealed: Sequence[tuple[Envelope, bytes]]) -> list[Published]:
+        """Publish a batch concurrently (pipelined acks); order on the wire is preserved."""
+        return list(await asyncio.gather(*(self.publish_sealed(e, w) for e, w in sealed)))
+
+
+class PublishFailed(RuntimeError):
+    """JetStream did not acknowledge an envelope after every retry."""
+
+
+def _ordered_config(filter_subject: str, start_seq: int) -> ConsumerConfig:
+    return ConsumerConfig(
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=max(start_seq, 1),
+        ack_policy=AckPolicy.NONE,
+        filter_subject=filter_subject,
+        inactive_threshold=30.0,
+        mem_storage=True,
+    )
+
+
+async def follow(
+    js: JetStreamContext,
+    *,
+    filter_subject: str = ALL_EVENTS,
+    start_seq: int = 1,
+    batch: int = 512,
+    idle_s: float = 0.5,
+) -> AsyncIterator[list[tuple[int, bytes]]]:
+    """Yield batches of ``(stream_seq, data)`` forever; an empty batch after ``idle_s`` idle."""
+    config = _ordered_config(filter_subject, start_seq)
+    sub = await js.pull_subscribe(filter_subject, stream=STREAM, config=config)
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(batch, timeout=idle_s)
+            except NatsTimeoutError:
+                yield []
+                continue
+            yield [(m.metadata.sequence.stream, m.data) for m in msgs]
+    finally:
+        await sub.unsubscribe()
+
+
+async def replay(
+    js: JetStreamContext,
+    *,
+    filter_subject: str = ALL_EVENTS,
+    start_seq: int = 1,
+    batch: int = 512,
+) -> AsyncIterator[tuple[int, bytes]]:
+    """Yield ``(stream_seq, data)`` from ``start_seq`` to the end of the stream as it is now."""
+    info = await js.stream_info(STREAM)
+    last = info.state.last_seq
+    if info.state.messages == 0 or start_seq > last:
+        return
+    async for msgs in follow(js, filter_subject=filter_subject, start_seq=start_seq, batch=batch):
+        if not msgs:  # nothing more matches the filter up to ``last``
+            return
+        for seq, data in msgs:
+            yield seq, data
+            if seq >= last:
+                return

@@ -1,0 +1,362 @@
+"""Payload models of every DSec event, with their type, aggregate and schema version.
+
+Every event on the bus is an :class:`~dsec_core.envelope.Envelope` whose ``payload`` is one of
+the models below. Each model is frozen and forbids unknown fields; ``EVENT_TYPES`` maps the event
+type to its model. A consumer that meets a newer *minor* version of a payload still decodes it
+(unknown fields are dropped, see :func:`decode_payload`); a newer *major* version is refused.
+
+Versioning rule: adding an optional field is a minor bump; removing or retyping one is a major.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Payload(BaseModel):
+    """Base of every event payload."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    TYPE: ClassVar[str]
+    AGGREGATE: ClassVar[str]
+    VERSION: ClassVar[str] = "1.0"
+    TERMINAL: ClassVar[bool] = False
+
+
+# --- shared value objects -------------------------------------------------------------------
+
+
+class BundleRef(BaseModel):
+    """A content-addressed code bundle stored in the object store."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    digest: str = Field(description="BLAKE3 hex of the archive bytes")
+    object_key: str = Field(description="Key in the DSec bucket")
+    size: int = Field(description="Archive size in bytes")
+    files: int = Field(description="Number of files in the bundle")
+
+
+class LockedPackage(BaseModel):
+    """One resolved artifact of an environment lock."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    version: str
+    sha256: str
+    source: str
+
+
+class Alternative(BaseModel):
+    """A concrete change that makes a conflicting dependency set resolve."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    requirement: str = Field(description="The requirement to change, as written in the spec")
+    suggestion: str = Field(description="The requirement that resolves, e.g. 'vllm<=0.5.4'")
+    verified: bool = Field(description="True when a re-resolution with it succeeded")
+
+
+# --- sandbox lifecycle ----------------------------------------------------------------------
+
+
+class SpecSubmitted(Payload):
+    """A user submitted a sandbox spec (and optionally a code bundle)."""
+
+    TYPE = "spec.submitted"
+    AGGREGATE = "sandbox"
+
+    spec_yaml: str = Field(description="The spec text exactly as submitted")
+    filename: str = Field(default="dsec.yaml", description="Name used in located errors")
+    code: BundleRef | None = None
+    submitted_by: str = Field(default="", description="user@host of the submitter")
+
+
+class SpecValidated(Payload):
+    """The spec is valid; carries the compiled enforcement plan."""
+
+    TYPE = "spec.validated"
+    AGGREGATE = "sandbox"
+
+    name: str
+    spec_digest: str = Field(description="BLAKE3 of the spec text")
+    plan: dict[str, Any] = Field(description="Compiled EnforcementPlan (dsec_core.spec)")
+    code: BundleRef | None = None
+    warnings: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class SpecRejected(Payload):
+    """The spec has errors; each is located at FILE:LINE:COL."""
+
+    TYPE = "spec.rejected"
+    AGGREGATE = "sandbox"
+    TERMINAL = True
+
+    errors: list[dict[str, Any]]
+    warnings: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class DepsResolved(Payload):
+    """The dependencies resolved to a lock."""
+
+    TYPE = "deps.resolved"
+    AGGREGATE = "sandbox"
+
+    lock: list[LockedPackage]
+    lock_hash: str
+    python: str
+    platform: str
+    resolve_ms: float
+
+
+class DepsConflict(Payload):
+    """The dependencies cannot be installed together; alternatives that resolve."""
+
+    TYPE = "deps.conflict"
+    AGGREGATE = "sandbox"
+    TERMINAL = True
+
+    explanation: str
+    conflicting: list[str] = Field(default_factory=list)
+    alternatives: list[Alternative] = Field(default_factory=list)
+    known_bad: bool = Field(default=False, description="Blocked by the known-bad combinations")
+
+
+class EnvBuilt(Payload):
+    """The environment for a lock exists on a node."""
+
+    TYPE = "env.built"
+    AGGREGATE = "sandbox"
+
+    lock_hash: str
+    fingerprint: str = Field(description="Stable hash of sorted name/version/sha256")
+    location: str
+    node_id: str
+    reused: bool
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+    bytes_by_tier: dict[str, int] = Field(default_factory=dict)
+    integrity_failures: list[str] = Field(default_factory=list)
+
+
+class SandboxScheduled(Payload):
+    """A node was chosen for the sandbox."""
+
+    TYPE = "sandbox.scheduled"
+    AGGREGATE = "sandbox"
+
+    node_id: str
+    reason: str = ""
+
+
+class ContextInjected(Payload):
+    """One piece of runtime context was injected: never a value, only names, hashes, leases."""
+
+    TYPE = "context.injected"
+    AGGREGATE = "sandbox"
+
+    kind: Literal["secret", "s3", "configmap"]
+    name: str
+    source: str
+    digest: str | None = None
+    lease_id: str | None = None
+    ttl_s: float | None = None
+    bytes: int | None = None
+
+
+class SandboxReady(Payload):
+    """The sandbox process runs with every isolation layer applied."""
+
+    TYPE = "sandbox.ready"
+    AGGREGATE = "sandbox"
+
+    node_id: str
+    pid: int
+    cgroup: str
+    start_latency_ms: dict[str, float] = Field(default_factory=dict)
+
+
+ExitReason = Literal["ok", "error", "oom", "pids", "timeout", "stopped", "policy"]
+
+
+class SandboxExited(Payload):
+    """The sandbox ended; everything it held was released."""
+
+    TYPE = "sandbox.exited"
+    AGGREGATE = "sandbox"
+    TERMINAL = True
+
+    exit_code: int
+    reason: ExitReason
+    duration_s: float
+
+
+class SandboxFailed(Payload):
+    """A stage could not complete for this sandbox (after bounded retries)."""
+
+    TYPE = "sandbox.failed"
+    AGGREGATE = "sandbox"
+    TERMINAL = True
+
+    stage: str = Field(description="The service/stage that failed, e.g. 'builder'")
+    reason: str
+    attempts: int = 1
+    failed_event_id: str | None = None
+
+
+class PolicyViolation(Payload):
+    """A sandbox was refused (or, by policy, logged) an action."""
+
+    TYPE = "policy.violation"
+    AGGREGATE = "sandbox"
+
+    layer: Literal["kernel", "semantic"]
+    rule_id: str
+    action: Literal["deny", "log", "redirect", "allow"]
+    operation: str = Field(description="open, connect, subprocess, http, dns, ...")
+    target: str = Field(description="Path, address or URL involved")
+    message: str = ""
+    spec_line: int | None = None
+
+
+# --- snapshots, placement, nodes, audit -----------------------------------------------------
+
+
+class SnapshotTaken(Payload):
+    """A signed, content-addressed snapshot of a sandbox was stored."""
+
+    TYPE = "snapshot.taken"
+    AGGREGATE = "sandbox"
+
+    snapshot: str
+    manifest_digest: str
+    files: int
+    bytes_total: int
+    bytes_uploaded: int
+
+
+class SnapshotRestored(Payload):
+    """A sandbox was rolled back to (or started from) a snapshot."""
+
+    TYPE = "snapshot.restored"
+    AGGREGATE = "sandbox"
+
+    snapshot: str
+    manifest_digest: str
+    duration_ms: float
+    compatibility_mode: bool = False
+
+
+class UnitPlaced(Payload):
+    """A compute unit of a job was placed on a GPU."""
+
+    TYPE = "unit.placed"
+    AGGREGATE = "unit"
+
+    job: str
+    node_id: str
+    gpu: str
+    score: float
+
+
+class UnitMigrated(Payload):
+    """A compute unit moved to another GPU; the interruption was measured."""
+
+    TYPE = "unit.migrated"
+    AGGREGATE = "unit"
+
+    job: str
+    from_gpu: str
+    to_gpu: str
+    reason: str
+    interruption_ms: float
+
+
+class NodeHeartbeat(Payload):
+    """A node agent is alive; its capacity."""
+
+    TYPE = "node.heartbeat"
+    AGGREGATE = "node"
+
+    sandboxes: int
+    cpu_count: int
+    memory_bytes: int
+    gpus: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class KeyRegistered(Payload):
+    """A producer's Ed25519 public key, registered in the log itself."""
+
+    TYPE = "audit.key_registered"
+    AGGREGATE = "producer"
+
+    producer: str
+    key_id: str
+    public_key: str = Field(description="Raw Ed25519 public key, hex")
+    endorsement: str | None = Field(
+        default=None, description="For a key rotation: the new key signed by the previous key"
+    )
+
+
+EVENT_MODELS: tuple[type[Payload], ...] = (
+    SpecSubmitted,
+    SpecValidated,
+    SpecRejected,
+    DepsResolved,
+    DepsConflict,
+    EnvBuilt,
+    SandboxScheduled,
+    ContextInjected,
+    SandboxReady,
+    SandboxExited,
+    SandboxFailed,
+    PolicyViolation,
+    SnapshotTaken,
+    SnapshotRestored,
+    UnitPlaced,
+    UnitMigrated,
+    NodeHeartbeat,
+    KeyRegistered,
+)
+
+EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}
+TERMINAL_TYPES: frozenset[str] = frozenset(m.TYPE for m in EVENT_MODELS if m.TERMINAL)
+
+
+class UnknownEventType(ValueError):
+    """The event type is not part of this version of DSec."""
+
+
+class UnsupportedSchemaVersion(ValueError):
+    """The payload's major schema version is newer than this consumer understands."""
+
+
+def model_for(event_type: str) -> type[Payload]:
+    """Return the payload model of ``event_type`` or raise :class:`UnknownEventType`."""
+    try:
+        return EVENT_TYPES[event_type]
+    except KeyError:
+        known = ", ".join(sorted(EVENT_TYPES))
+        raise UnknownEventType(f"unknown event type {event_type!r}; known: {known}") from None
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, _, minor = version.partition(".")
+    return int(major), int(minor or 0)
+
+
+def decode_payload(event_type: str, schema_version: str, payload: dict[str, Any]) -> Payload:
+    """Validate ``payload`` as ``event_type``, tolerating a newer minor schema version."""
+    model = model_for(event_type)
+    theirs, ours = _major_minor(schema_version), _major_minor(model.VERSION)
+    if theirs[0] != ours[0]:
+        raise UnsupportedSchemaVersion(
+            f"{event_type} schema {schema_version} is not readable by this consumer "
+            f"(understands {ours[0]}.x)"
+        )
+    if theirs[1] > ours[1]:
+        payload = {k: v for k, v in payload.items() if k in model.model_fields}
+    return model.model_validate(payload)

@@ -1,0 +1,233 @@
+"""Postgres read models of specs and sandboxes, projected from the event log.
+
+The projector reads the stream from the position it stored, and applies each event and the new
+position in one transaction: a crash between two events replays the second, never the first, so
+projections are exactly-once. A rebuild is ``DROP`` + replay from sequence 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+from nats.js import JetStreamContext
+
+from dsec_core.bus import follow, replay
+from dsec_core.envelope import Envelope, MalformedEnvelope, decode
+from dsec_core.subjects import ROOT
+
+log = logging.getLogger(__name__)
+
+NAME = "sandboxes"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS projection_state (
+    name text PRIMARY KEY,
+    applied_seq bigint NOT NULL
+);
+CREATE TABLE IF NOT EXISTS specs (
+    sandbox_id text PRIMARY KEY,
+    name text,
+    filename text NOT NULL,
+    spec_digest text,
+    spec_yaml text NOT NULL,
+    status text NOT NULL,
+    errors jsonb NOT NULL DEFAULT '[]',
+    plan jsonb,
+    submitted_by text NOT NULL DEFAULT '',
+    submitted_at timestamptz NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    sandbox_id text PRIMARY KEY,
+    name text,
+    state text NOT NULL,
+    terminal boolean NOT NULL DEFAULT false,
+    node_id text,
+    lock_hash text,
+    exit_code integer,
+    reason text,
+    created_at timestamptz NOT NULL,
+    updated_at timestamptz NOT NULL,
+    last_event text NOT NULL,
+    last_seq bigint NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sandbox_events (
+    sandbox_id text NOT NULL,
+    seq bigint NOT NULL,
+    type text NOT NULL,
+    producer text NOT NULL,
+    time timestamptz NOT NULL,
+    summary jsonb NOT NULL,
+    PRIMARY KEY (sandbox_id, seq)
+);
+"""
+
+DROP = "DROP TABLE IF EXISTS sandbox_events, sandboxes, specs, projection_state;"
+
+# event type -> (state, terminal)
+STATES: dict[str, tuple[str, bool]] = {
+    "spec.submitted": ("submitted", False),
+    "spec.validated": ("validated", False),
+    "spec.rejected": ("rejected", True),
+    "deps.resolved": ("resolved", False),
+    "deps.conflict": ("conflict", True),
+    "env.built": ("built", False),
+    "sandbox.scheduled": ("scheduled", False),
+    "sandbox.ready": ("running", False),
+    "sandbox.exited": ("exited", True),
+    "sandbox.failed": ("failed", True),
+}
+
+_SUMMARY_KEYS = ("reason", "exit_code", "stage", "rule_id", "node_id", "snapshot", "name", "kind")
+
+
+def summarize(env: Envelope) -> dict[str, Any]:
+    """A short, secret-free summary of an event for the timeline."""
+    return {k: env.payload[k] for k in _SUMMARY_KEYS if k in env.payload}
+
+
+async def ensure_schema(conn: asyncpg.Connection) -> None:
+    """Create the read-model tables when missing."""
+    await conn.execute(SCHEMA)
+
+
+async def applied_seq(conn: asyncpg.Connection) -> int:
+    """The last stream sequence applied to the read models."""
+    value = await conn.fetchval("SELECT applied_seq FROM projection_state WHERE name = $1", NAME)
+    return int(value or 0)
+
+
+async def _apply_spec(conn: asyncpg.Connection, env: Envelope) -> None:
+    p = env.payload
+    if env.type == "spec.submitted":
+        await conn.execute(
+            "INSERT INTO specs (sandbox_id, filename, spec_yaml, status, submitted_by,"
+            " submitted_at) VALUES ($1, $2, $3, 'submitted', $4, $5)"
+            " ON CONFLICT (sandbox_id) DO NOTHING",
+            env.aggregate_id, p["filename"], p["spec_yaml"], p.get("submitted_by", ""), env.time,
+        )
+    elif env.type == "spec.validated":
+        await conn.execute(
+            "UPDATE specs SET status = 'validated', name = $2, spec_digest = $3, plan = $4"
+            " WHERE sandbox_id = $1",
+            env.aggregate_id, p["name"], p["spec_digest"], json.dumps(p["plan"]),
+        )
+    elif env.type == "spec.rejected":
+        await conn.execute(
+            "UPDATE specs SET status = 'rejected', errors = $2 WHERE sandbox_id = $1",
+            env.aggregate_id, json.dumps(p["errors"]),
+        )
+
+
+async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> None:
+    state = STATES.get(env.type)
+    p = env.payload
+    if state is None:  # an event that does not change the state (violation, context, ...)
+        await conn.execute(
+            "UPDATE sandboxes SET updated_at = $2 WHERE sandbox_id = $1", env.aggregate_id, env.time
+        )
+        return
+    await conn.execute(
+        """
+        INSERT INTO sandboxes AS s (sandbox_id, name, state, terminal, node_id, lock_hash,
+            exit_code, reason, created_at, updated_at, last_event, last_seq)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9, $10, $11)
+        ON CONFLICT (sandbox_id) DO UPDATE SET
+            name = COALESCE(EXCLUDED.name, s.name),
+            state = CASE WHEN s.terminal THEN s.state ELSE EXCLUDED.state END,
+            terminal = s.terminal OR EXCLUDED.terminal,
+            node_id = COALESCE(EXCLUDED.node_id, s.node_id),
+            lock_hash = COALESCE(EXCLUDED.lock_hash, s.lock_hash),
+            exit_code = COALESCE(EXCLUDED.exit_code, s.exit_code),
+            reason = COALESCE(EXCLUDED.reason, s.reason),
+            updated_at = EXCLUDED.updated_at,
+            last_event = EXCLUDED.last_event,
+            last_seq = EXCLUDED.last_seq
+        """,
+        env.aggregate_id, p.get("name"), state[0], state[1], p.get("node_id"),
+        p.get("lock_hash"), p.get("exit_code"), p.get("reason") or p.get("explanation"),
+        env.time, env.type, seq,
+    )
+
+
+async def apply_event(conn: asyncpg.Connection, seq: int, env: Envelope) -> None:
+    """Apply one event to the read models (call inside a transaction)."""
+    if env.aggregate != "sandbox":
+        return
+    await _apply_spec(conn, env)
+    await _apply_sandbox(conn, seq, env)
+    await conn.execute(
+        "INSERT INTO sandbox_events (sandbox_id, seq, type, producer, time, summary)"
+        " VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+        env.aggregate_id, seq, env.type, env.producer, env.time, json.dumps(summarize(env)),
+    )
+
+
+async def apply_batch(conn: asyncpg.Connection, batch: Sequence[tuple[int, bytes]]) -> int:
+    """Apply a batch and the new position in one transaction; return the position."""
+    async with conn.transaction():
+        current = await applied_seq(conn)
+        for seq, data in batch:
+            if seq <= current:
+                continue
+            try:
+                await apply_event(conn, seq, decode(data))
+            except MalformedEnvelope as exc:
+                log.error("projection skips malformed event at seq %d: %s", seq, exc)
+            current = seq
+        await conn.execute(
+            "INSERT INTO projection_state (name, applied_seq) VALUES ($1, $2)"
+            " ON CONFLICT (name) DO UPDATE SET applied_seq = EXCLUDED.applied_seq",
+            NAME, current,
+        )
+    return current
+
+
+@dataclass
+class Projector:
+    """Keeps the read models up to date by following the stream from its stored position."""
+
+    js: JetStreamContext
+    dsn: str
+    batch_size: int = 256
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the stream until ``stop`` is set."""
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            await ensure_schema(conn)
+            start = await applied_seq(conn) + 1
+            async for batch in follow(self.js, start_seq=start, batch=self.batch_size,
+                                      filter_subject=f"{ROOT}.sandbox.>"):
+                if batch:
+                    await apply_batch(conn, batch)
+                if stop.is_set():
+                    break
+        finally:
+            await conn.close()
+
+
+async def rebuild(js: JetStreamContext, dsn: str) -> int:
+    """Drop the read models and replay the whole stream into them; return the position."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            await conn.execute(DROP)
+            await ensure_schema(conn)
+        batch: list[tuple[int, bytes]] = []
+        position = 0
+        async for item in replay(js, filter_subject=f"{ROOT}.sandbox.>"):
+            batch.append(item)
+            if len(batch) >= 512:
+                position = await apply_batch(conn, batch)
+                batch = []
+        if batch:
+            position = await apply_batch(conn, batch)
+        return position
+    finally:
+        await conn.close()

@@ -1,0 +1,231 @@
+"""The service runtime: durable FastStream consumers, idempotent handlers, retries, metrics.
+
+A service declares handlers with :meth:`Service.handles`. A handler is a function of the input
+envelope (and its typed payload) returning the output payloads; the runtime
+
+1. decodes the envelope (malformed bytes are counted, logged and terminated — never retried);
+2. calls the handler;
+3. publishes each output with an id derived from the input id (``uuid5(input, type#n)``) and
+   ``Nats-Msg-Id`` = that id, so a redelivery after a crash publishes nothing new;
+4. acknowledges the input only after every output was acknowledged by JetStream.
+
+On a handler error the input is NAKed with exponential backoff and redelivered, up to
+``max_attempts``; then a ``sandbox.failed`` event (stage = service, the error as reason) is
+published and the input acknowledged, so every request ends in a terminal event. FastStream's
+default REJECT_ON_ERROR (which silently terminates a failing message) is never used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from faststream import AckPolicy
+from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats.annotations import NatsMessage
+from nats.aio.client import Client as NATS
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from dsec_core import metrics
+from dsec_core.bus import EventPublisher, connect, ensure_stream
+from dsec_core.envelope import Envelope, MalformedEnvelope, decode
+from dsec_core.events import Payload, SandboxFailed, model_for
+from dsec_core.ids import derive_event_id
+from dsec_core.settings import Settings
+from dsec_core.signing import Signer, load_or_create_key
+from dsec_core.subjects import STREAM, filter_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Output:
+    """One event a handler wants published; defaults to the input's aggregate."""
+
+    payload: Payload
+    aggregate_id: str | None = None
+
+
+Handler = Callable[[Envelope, Any], Awaitable[Sequence[Output | Payload]]]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded redelivery with exponential backoff before the failure event."""
+
+    max_attempts: int = 5
+    base_delay_s: float = 0.2
+    max_delay_s: float = 5.0
+    ack_wait_s: float = 30.0
+
+    def delay(self, attempt: int) -> float:
+        """Backoff before redelivery after ``attempt`` (1-based) failed."""
+        return float(min(self.base_delay_s * 2 ** (attempt - 1), self.max_delay_s))
+
+
+def package_version(dist: str) -> str:
+    """Installed version of ``dist`` (``0+unknown`` when not installed as a distribution)."""
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+class Service:
+    """One DSec service process: its handlers, its publisher, its metrics endpoint."""
+
+    def __init__(self, name: str, settings: Settings | None = None) -> None:
+        self.name = name
+        self.settings = settings or Settings()
+        self.version = package_version(f"dsec-{name}")
+        self.broker = NatsBroker(self.settings.nats_endpoint(), max_reconnect_attempts=-1)
+        self._stream = JStream(name=STREAM, declare=False)
+        self.nc: NATS | None = None
+        self.publisher: EventPublisher | None = None
+        self.metrics = metrics.MetricsServer(name, self.version, self._healthy)
+        self._stopping = asyncio.Event()
+        self.on_start: list[Callable[[], Awaitable[None]]] = []
+        self.on_stop: list[Callable[[], Awaitable[None]]] = []
+
+    def _healthy(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    def handles(
+        self, event_type: str, *, retry: RetryPolicy | None = None, batch: int = 16
+    ) -> Callable[[Handler], Handler]:
+        """Register ``fn`` as the durable handler of ``event_type`` for this service."""
+        policy = retry or RetryPolicy()
+        model_for(event_type)  # fail fast on a typo
+        durable = f"{self.name}-{event_type.replace('.', '-')}"
+
+        def register(fn: Handler) -> Handler:
+            config = ConsumerConfig(
+                durable_name=durable,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=policy.ack_wait_s,
+                max_deliver=policy.max_attempts + 1,
+                max_ack_pending=1024,
+            )
+
+            async def consume(msg: NatsMessage) -> None:
+                await self._dispatch(event_type, fn, policy, msg)
+
+            self.broker.subscriber(
+                filter_for(event_type),
+                stream=self._stream,
+                durable=durable,
+                config=config,
+                pull_sub=PullSub(batch_size=batch, timeout=1.0),
+                ack_policy=AckPolicy.MANUAL,
+                title=f"{self.name}:{event_type}",
+            )(consume)
+            return fn
+
+        return register
+
+    async def _dispatch(
+        self, event_type: str, fn: Handler, policy: RetryPolicy, msg: NatsMessage
+    ) -> None:
+        attempt = int(msg.raw_message.metadata.num_delivered)
+        labels = (self.name, event_type)
+        if attempt > 1:
+            metrics.REDELIVERIES.labels(*labels).inc()
+        try:
+            envelope = decode(msg.raw_message.data)
+        except MalformedEnvelope as exc:
+            metrics.MALFORMED.labels(self.name).inc()
+            log.error("%s: malformed event on %s: %s", self.name, msg.raw_message.subject, exc)
+            await msg.reject()
+            return
+        metrics.EVENTS_CONSUMED.labels(*labels).inc()
+        started = time.perf_counter()
+        try:
+            outputs = await fn(envelope, envelope.decoded())
+            await self._publish_outputs(envelope, outputs)
+        except Exception as exc:  # any handler error: retry, then a failure event
+            await self._on_failure(envelope, exc, attempt, policy, msg)
+            return
+        await msg.ack_sync()
+        metrics.HANDLER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
+
+    async def _publish_outputs(
+        self, envelope: Envelope, outputs: Sequence[Output | Payload]
+    ) -> None:
+        assert self.publisher is not None
+        for n, item in enumerate(outputs):
+            out = item if isinstance(item, Output) else Output(item)
+            await self.publisher.publish(
+                out.payload,
+                aggregate_id=out.aggregate_id or envelope.aggregate_id,
+                event_id=derive_event_id(envelope.id, f"{out.payload.TYPE}#{n}"),
+                causation=envelope,
+            )
+            metrics.EVENTS_PUBLISHED.labels(self.name, out.payload.TYPE).inc()
+
+    async def _on_failure(
+        self, envelope: Envelope, exc: Exception, attempt: int, policy: RetryPolicy,
+        msg: NatsMessage,
+    ) -> None:
+        labels = (self.name, envelope.type)
+        reason = f"{type(exc).__name__}: {exc}"[:1000]
+        if attempt < policy.max_attempts:
+            metrics.HANDLER_FAILURES.labels(*labels, "false").inc()
+            log.warning("%s: %s attempt %d failed: %s", self.name, envelope.id, attempt, reason)
+            await msg.nack(delay=policy.delay(attempt))
+            return
+        metrics.HANDLER_FAILURES.labels(*labels, "true").inc()
+        log.error("%s: %s failed after %d attempts: %s", self.name, envelope.id, attempt, reason)
+        if envelope.aggregate == SandboxFailed.AGGREGATE:
+            failed = SandboxFailed(
+                stage=self.name, reason=reason, attempts=attempt, failed_event_id=envelope.id
+            )
+            await self._publish_outputs(envelope, [Output(failed)])
+        await msg.ack_sync()
+
+    async def start(self) -> None:
+        """Connect, declare the stream, register the key, start consuming and serving metrics."""
+        settings = self.settings
+        self.nc = await connect(settings.nats_endpoint(), f"dsec-{self.name}")
+        js = self.nc.jetstream()
+        await ensure_stream(js)
+        key = load_or_create_key(settings.home / "keys" / f"{self.name}.key")
+        self.publisher = EventPublisher(js, Signer(self.name, key))
+        await self.publisher.register_key()
+        for hook in self.on_start:
+            await hook()
+        await self.broker.start()
+        port = await self.metrics.start(settings.metrics_port)
+        log.info("%s %s ready; metrics on 127.0.0.1:%d", self.name, self.version, port)
+
+    async def stop(self) -> None:
+        """Stop consuming, run stop hooks, close connections."""
+        await self.broker.stop()
+        for hook in self.on_stop:
+            await hook()
+        await self.metrics.stop()
+        if self.nc is not None:
+            await self.nc.drain()
+
+    async def run(self) -> None:
+        """Run until SIGTERM/SIGINT."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        await self.start()
+        await self._stopping.wait()
+        await self.stop()
+
+
+def main(service: Service) -> None:
+    """Entry point used by each service's ``__main__``."""
+    logging.basicConfig(
+        level=service.settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    asyncio.run(service.run())

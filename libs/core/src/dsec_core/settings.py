@@ -1,0 +1,56 @@
+"""Settings for every DSec process: environment variables with the ``DSEC_`` prefix.
+
+Each endpoint left unset means "use the embedded stack under ``DSEC_HOME``"; set it to point at
+an existing server (NATS cluster, managed Postgres, S3/MinIO, Vault) and the stack will not start
+that server.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """All DSec settings. See the README's settings table."""
+
+    model_config = SettingsConfigDict(env_prefix="DSEC_", extra="ignore", frozen=True)
+
+    home: Path = Field(default=Path(".dsec"), description="State, data and logs of the stack")
+    nats_url: str | None = Field(default=None, description="NATS server URL (external)")
+    postgres_dsn: str | None = Field(default=None, description="PostgreSQL DSN (external)")
+    s3_endpoint: str | None = Field(default=None, description="S3 endpoint host:port (external)")
+    s3_access_key: str | None = Field(default=None, description="S3 access key")
+    s3_secret_key: str | None = Field(default=None, description="S3 secret key")
+    s3_secure: bool = Field(default=False, description="Use TLS for S3")
+    s3_bucket: str = Field(default="dsec", description="Bucket for bundles, caches, snapshots")
+    vault_addr: str | None = Field(default=None, description="Vault/OpenBao address (external)")
+    vault_token: str | None = Field(default=None, description="Vault/OpenBao token")
+    metrics_port: int = Field(default=0, description="Port for /metrics and /healthz (0 = free)")
+    node_id: str = Field(default="node-1", description="Name of this node")
+    org_policy: Path | None = Field(default=None, description="Org guardrail policy file")
+    dns_upstream: str | None = Field(default=None, description="Upstream DNS host:port")
+    log_level: str = Field(default="INFO", description="Log level of services")
+
+    def endpoint(self, name: str) -> Any:
+        """Return setting ``name`` if set, else the value ``dsec up`` recorded in stack.json."""
+        value = getattr(self, name)
+        return value if value is not None else self.stack_state.get(name)
+
+    def nats_endpoint(self) -> str:
+        """The NATS URL to use (setting, stack.json, or the conventional local default)."""
+        return str(self.endpoint("nats_url") or "nats://127.0.0.1:4222")
+
+    @cached_property
+    def stack_state(self) -> dict[str, Any]:
+        """Endpoints written by ``dsec up`` (``$DSEC_HOME/stack.json``), or ``{}``."""
+        path = self.home / "stack.json"
+        if not path.exists():
+            return {}
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data

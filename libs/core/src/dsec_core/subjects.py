@@ -1,0 +1,49 @@
+"""Subject convention: ``dsec.<aggregate>.<aggregate_id>.<event>``.
+
+The event part is the event type with a leading ``<aggregate>.`` removed, so ``sandbox.ready`` of
+sandbox ``sbx_1`` is ``dsec.sandbox.sbx_1.ready`` while ``spec.submitted`` is
+``dsec.sandbox.sbx_1.spec.submitted``. One stream, ``DSEC_EVENTS``, captures ``dsec.>``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from dsec_core.events import model_for
+
+STREAM = "DSEC_EVENTS"
+ROOT = "dsec"
+ALL_EVENTS = f"{ROOT}.>"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+class InvalidSubjectToken(ValueError):
+    """An aggregate id that cannot be one NATS subject token."""
+
+
+def event_suffix(aggregate: str, event_type: str) -> str:
+    """Return the subject suffix of ``event_type`` within ``aggregate``."""
+    prefix = f"{aggregate}."
+    return event_type[len(prefix) :] if event_type.startswith(prefix) else event_type
+
+
+def subject_for(event_type: str, aggregate_id: str) -> str:
+    """Return the subject of an event of ``event_type`` about ``aggregate_id``."""
+    if not _TOKEN.match(aggregate_id):
+        raise InvalidSubjectToken(
+            f"aggregate id {aggregate_id!r} must match [A-Za-z0-9_-]+ (one subject token)"
+        )
+    aggregate = model_for(event_type).AGGREGATE
+    return f"{ROOT}.{aggregate}.{aggregate_id}.{event_suffix(aggregate, event_type)}"
+
+
+def filter_for(event_type: str, aggregate_id: str = "*") -> str:
+    """Return the subscription filter for ``event_type`` (all aggregates by default)."""
+    aggregate = model_for(event_type).AGGREGATE
+    return f"{ROOT}.{aggregate}.{aggregate_id}.{event_suffix(aggregate, event_type)}"
+
+
+def aggregate_filter(aggregate: str, aggregate_id: str) -> str:
+    """Return the filter for every event of one aggregate, e.g. one sandbox."""
+    return f"{ROOT}.{aggregate}.{aggregate_id}.>"

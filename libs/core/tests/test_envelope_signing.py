@@ -1,0 +1,115 @@
+"""Envelope wire format, signing, chaining and schema versioning (pure, no servers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from dsec_core import canonical
+from dsec_core.envelope import MalformedEnvelope, decode, encode
+from dsec_core.events import (
+    EVENT_TYPES,
+    SandboxExited,
+    SpecSubmitted,
+    UnknownEventType,
+    UnsupportedSchemaVersion,
+    decode_payload,
+)
+from dsec_core.ids import derive_event_id
+from dsec_core.signing import Signer, envelope_hash, load_or_create_key, verify_signature
+from dsec_core.subjects import InvalidSubjectToken, subject_for
+
+pytestmark = pytest.mark.unit
+
+
+def _signer(name: str = "policy") -> Signer:
+    return Signer(name, Ed25519PrivateKey.generate())
+
+
+def test_roundtrip_preserves_every_field_and_signature() -> None:
+    signer = _signer()
+    env, wire = signer.seal(SpecSubmitted(spec_yaml="name: a\n"), aggregate_id="sbx_1")
+    back = decode(wire)
+    assert back == env
+    assert encode(back) == wire
+    assert verify_signature(back, signer.public_key.public_bytes_raw())
+    assert back.decoded() == SpecSubmitted(spec_yaml="name: a\n")
+
+
+def test_subject_follows_convention() -> None:
+    assert subject_for("sandbox.ready", "sbx_1") == "dsec.sandbox.sbx_1.ready"
+    assert subject_for("spec.submitted", "sbx_1") == "dsec.sandbox.sbx_1.spec.submitted"
+    with pytest.raises(InvalidSubjectToken, match="one subject token"):
+        subject_for("sandbox.ready", "a.b")
+
+
+def test_altered_payload_breaks_signature() -> None:
+    signer = _signer()
+    env, _ = signer.seal(SandboxExited(exit_code=0, reason="ok", duration_s=1.0),
+                         aggregate_id="sbx_1")
+    forged = env.model_copy(update={"payload": {**env.payload, "exit_code": 1}})
+    assert not verify_signature(forged, signer.public_key.public_bytes_raw())
+
+
+def test_chain_links_each_envelope_to_the_previous() -> None:
+    signer = _signer()
+    first, wire1 = signer.seal(SpecSubmitted(spec_yaml="a"), aggregate_id="sbx_1")
+    second, _ = signer.seal(SpecSubmitted(spec_yaml="b"), aggregate_id="sbx_2")
+    assert (first.chain_seq, first.prev) == (0, None)
+    assert second.chain_seq == 1
+    assert second.prev == envelope_hash(wire1)
+    assert second.chain == first.chain
+
+
+def test_derived_ids_are_stable_and_distinct() -> None:
+    assert derive_event_id("a", "deps.resolved#0") == derive_event_id("a", "deps.resolved#0")
+    assert derive_event_id("a", "deps.resolved#0") != derive_event_id("b", "deps.resolved#0")
+    assert derive_event_id("a", "deps.resolved#0") != derive_event_id("a", "deps.conflict#0")
+
+
+def test_newer_minor_version_still_decodes_newer_major_is_refused() -> None:
+    payload = {"exit_code": 0, "reason": "ok", "duration_s": 1.0, "added_in_1_1": True}
+    decoded = decode_payload("sandbox.exited", "1.1", payload)
+    assert decoded == SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+    with pytest.raises(UnsupportedSchemaVersion, match="understands 1.x"):
+        decode_payload("sandbox.exited", "2.0", payload)
+    with pytest.raises(UnknownEventType, match="known:"):
+        decode_payload("sandbox.exploded", "1.0", {})
+
+
+def test_same_minor_version_rejects_unknown_fields() -> None:
+    with pytest.raises(ValueError, match="added"):
+        decode_payload("sandbox.exited", "1.0",
+                       {"exit_code": 0, "reason": "ok", "duration_s": 1, "added": 1})
+
+
+def test_models_are_frozen() -> None:
+    event = SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+    with pytest.raises(ValueError, match="frozen"):
+        event.exit_code = 3  # type: ignore[misc]
+
+
+def test_malformed_bytes_name_the_problem() -> None:
+    with pytest.raises(MalformedEnvelope, match="not MessagePack"):
+        decode(b"\xc1")
+    with pytest.raises(MalformedEnvelope, match="must be a map"):
+        decode(canonical.pack([1, 2]))
+    with pytest.raises(MalformedEnvelope, match="invalid envelope field"):
+        decode(canonical.pack({"id": "x"}))
+
+
+def test_every_event_type_has_a_documented_model() -> None:
+    for event_type, model in EVENT_TYPES.items():
+        assert model.TYPE == event_type
+        assert (model.__doc__ or "").strip(), f"{event_type} has no docstring"
+        assert model.model_config.get("frozen") is True
+
+
+def test_key_file_is_created_once_with_private_mode(tmp_path: Path) -> None:
+    path = tmp_path / "keys" / "svc.key"
+    key = load_or_create_key(path)
+    again = load_or_create_key(path)
+    assert key.private_bytes_raw() == again.private_bytes_raw()
+    assert path.stat().st_mode & 0o777 == 0o600
