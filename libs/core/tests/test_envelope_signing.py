@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 from dsec_core import canonical
 from dsec_core.envelope import MalformedEnvelope, decode, encode
 from dsec_core.events import (
@@ -20,21 +18,23 @@ from dsec_core.events import (
 from dsec_core.ids import derive_event_id
 from dsec_core.signing import Signer, envelope_hash, load_or_create_key, verify_signature
 from dsec_core.subjects import InvalidSubjectToken, subject_for
+from nacl.signing import SigningKey
 
 pytestmark = pytest.mark.unit
 
 
 def _signer(name: str = "policy") -> Signer:
-    return Signer(name, Ed25519PrivateKey.generate())
+    return Signer(name, SigningKey.generate())
 
 
 def test_roundtrip_preserves_every_field_and_signature() -> None:
     signer = _signer()
-    env, wire = signer.seal(SpecSubmitted(spec_yaml="name: a\n"), aggregate_id="sbx_1")
+    sealed = signer.seal(SpecSubmitted(spec_yaml="name: a\n"), aggregate_id="sbx_1")
+    env, wire = sealed.envelope, sealed.wire
     back = decode(wire)
     assert back == env
     assert encode(back) == wire
-    assert verify_signature(back, signer.public_key.public_bytes_raw())
+    assert verify_signature(back, signer.public_raw)
     assert back.decoded() == SpecSubmitted(spec_yaml="name: a\n")
 
 
@@ -47,16 +47,17 @@ def test_subject_follows_convention() -> None:
 
 def test_altered_payload_breaks_signature() -> None:
     signer = _signer()
-    env, _ = signer.seal(SandboxExited(exit_code=0, reason="ok", duration_s=1.0),
-                         aggregate_id="sbx_1")
+    env = signer.seal(SandboxExited(exit_code=0, reason="ok", duration_s=1.0),
+                      aggregate_id="sbx_1").envelope
     forged = env.model_copy(update={"payload": {**env.payload, "exit_code": 1}})
-    assert not verify_signature(forged, signer.public_key.public_bytes_raw())
+    assert not verify_signature(forged, signer.public_raw)
 
 
 def test_chain_links_each_envelope_to_the_previous() -> None:
     signer = _signer()
-    first, wire1 = signer.seal(SpecSubmitted(spec_yaml="a"), aggregate_id="sbx_1")
-    second, _ = signer.seal(SpecSubmitted(spec_yaml="b"), aggregate_id="sbx_2")
+    sealed1 = signer.seal(SpecSubmitted(spec_yaml="a"), aggregate_id="sbx_1")
+    first, wire1 = sealed1.envelope, sealed1.wire
+    second = signer.seal(SpecSubmitted(spec_yaml="b"), aggregate_id="sbx_2").envelope
     assert (first.chain_seq, first.prev) == (0, None)
     assert second.chain_seq == 1
     assert second.prev == envelope_hash(wire1)
@@ -102,7 +103,7 @@ def test_malformed_bytes_name_the_problem() -> None:
 
 def test_every_event_type_has_a_documented_model() -> None:
     for event_type, model in EVENT_TYPES.items():
-        assert model.TYPE == event_type
+        assert event_type == model.TYPE
         assert (model.__doc__ or "").strip(), f"{event_type} has no docstring"
         assert model.model_config.get("frozen") is True
 
@@ -111,5 +112,5 @@ def test_key_file_is_created_once_with_private_mode(tmp_path: Path) -> None:
     path = tmp_path / "keys" / "svc.key"
     key = load_or_create_key(path)
     again = load_or_create_key(path)
-    assert key.private_bytes_raw() == again.private_bytes_raw()
+    assert bytes(key) == bytes(again)
     assert path.stat().st_mode & 0o777 == 0o600

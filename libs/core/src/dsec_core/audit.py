@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from nacl.exceptions import BadSignatureError
+from nacl.signing import VerifyKey
 
 from dsec_core import canonical
-from dsec_core.envelope import Envelope, MalformedEnvelope, decode, encode
+from dsec_core.envelope import MalformedEnvelope
 from dsec_core.events import KeyRegistered
-from dsec_core.signing import envelope_hash, verify_signature
+from dsec_core.signing import envelope_hash, verify_raw
 
 
 @dataclass(frozen=True)
@@ -61,12 +63,35 @@ class _State:
     seen_ids: dict[str, int] = field(default_factory=dict)
 
 
-def _check_registration(state: _State, env: Envelope) -> str | None:
-    reg = KeyRegistered.model_validate(env.payload)
-    raw = bytes.fromhex(reg.public_key)
-    if reg.producer != env.producer:
-        return f"key registration for {reg.producer!r} published by {env.producer!r}"
-    if not verify_signature(env, raw):
+_REQUIRED: dict[str, type | tuple[type, ...]] = {
+    "id": str, "type": str, "producer": str, "key_id": str, "chain": str, "chain_seq": int,
+    "prev": (str, type(None)), "sig": str, "payload": dict,
+}
+
+
+def _fields(data: bytes) -> dict[str, Any]:
+    """Unpack an envelope without model validation (the verifier's hot path)."""
+    try:
+        raw = canonical.unpack(data)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise MalformedEnvelope(f"not MessagePack: {exc}") from None
+    if not isinstance(raw, dict):
+        raise MalformedEnvelope("envelope must be a map")
+    for name, kind in _REQUIRED.items():
+        if not isinstance(raw.get(name), kind):
+            raise MalformedEnvelope(f"invalid envelope field {name}")
+    return raw
+
+
+def _check_registration(state: _State, f: dict[str, Any]) -> str | None:
+    try:
+        reg = KeyRegistered.model_validate(f["payload"])
+        raw = bytes.fromhex(reg.public_key)
+    except ValueError as exc:
+        return f"malformed key registration: {exc}"
+    if reg.producer != f["producer"]:
+        return f"key registration for {reg.producer!r} published by {f['producer']!r}"
+    if not verify_raw(f, raw):
         return "key registration not signed by the key it registers"
     known = state.keys.setdefault(reg.producer, {})
     if reg.key_id in known:
@@ -82,62 +107,76 @@ def _endorsed(known: dict[str, bytes], new_raw: bytes, endorsement: str | None) 
         return False
     for old_raw in known.values():
         try:
-            Ed25519PublicKey.from_public_bytes(old_raw).verify(bytes.fromhex(endorsement), new_raw)
-        except Exception:  # InvalidSignature or malformed hex: try the next known key
+            VerifyKey(old_raw).verify(new_raw, bytes.fromhex(endorsement))
+        except (BadSignatureError, ValueError):
             continue
         return True
     return False
 
 
-def _check_event(state: _State, seq: int, env: Envelope) -> str | None:
-    if env.id in state.seen_ids:
-        return f"replayed event: id already at stream sequence {state.seen_ids[env.id]}"
-    if env.type == KeyRegistered.TYPE:
-        problem = _check_registration(state, env)
+def _check_event(state: _State, seq: int, f: dict[str, Any], data: bytes) -> str | None:
+    producer, key_id = f["producer"], f["key_id"]
+    if f["id"] in state.seen_ids:
+        return f"replayed event: id already at stream sequence {state.seen_ids[f['id']]}"
+    if f["type"] == KeyRegistered.TYPE:
+        problem = _check_registration(state, f)
         if problem:
             return problem
-    raw = state.keys.get(env.producer, {}).get(env.key_id)
+    raw = state.keys.get(producer, {}).get(key_id)
     if raw is None:
-        return f"signed by key {env.key_id}, which is not registered for {env.producer!r}"
-    if not verify_signature(env, raw):
-        return f"signature invalid for key {env.key_id} of {env.producer!r} (altered content)"
-    chain = state.chains.setdefault((env.producer, env.chain), _Chain())
-    if env.chain_seq != chain.next_seq:
-        return (
-            f"chain {env.chain[:13]}… of {env.producer!r} broken: expected position "
-            f"{chain.next_seq}, found {env.chain_seq}"
-        )
-    if env.prev != chain.last_hash:
-        return f"chain {env.chain[:13]}… of {env.producer!r} broken: prev hash does not match"
+        return f"signed by key {key_id}, which is not registered for {producer!r}"
+    if not verify_raw(f, raw):
+        return f"signature invalid for key {key_id} of {producer!r} (altered content)"
+    chain = state.chains.setdefault((producer, f["chain"]), _Chain())
+    label = f"chain {f['chain'][:13]}… of {producer!r} broken"
+    if f["chain_seq"] != chain.next_seq:
+        return f"{label}: expected position {chain.next_seq}, found {f['chain_seq']}"
+    if f["prev"] != chain.last_hash:
+        return f"{label}: prev hash does not match"
     chain.next_seq += 1
-    chain.last_hash = envelope_hash(encode(env))
-    state.seen_ids[env.id] = seq
+    chain.last_hash = envelope_hash(data)
+    state.seen_ids[f["id"]] = seq
     return None
+
+
+class Verifier:
+    """Incremental verifier: feed events in stream order; the first problem sticks."""
+
+    def __init__(self) -> None:
+        self.report = VerifyReport()
+        self._state = _State()
+        self._expected: int | None = None
+
+    def feed(self, seq: int, data: bytes) -> Finding | None:
+        """Check one event; return the finding if the trail is (or already was) broken."""
+        report = self.report
+        if report.finding is not None:
+            return report.finding
+        if self._expected is not None and seq != self._expected:
+            report.finding = Finding(seq, None, None, None, f"gap: sequence {self._expected} missing")
+            return report.finding
+        self._expected = seq + 1
+        report.first_seq = report.first_seq if report.first_seq is not None else seq
+        report.last_seq = seq
+        try:
+            fields = _fields(data)
+        except MalformedEnvelope as exc:
+            report.finding = Finding(seq, None, None, None, str(exc))
+            return report.finding
+        problem = _check_event(self._state, seq, fields, data)
+        if problem:
+            report.finding = Finding(seq, fields["id"], fields["type"], fields["producer"], problem)
+            return report.finding
+        report.events += 1
+        report.producers.add(fields["producer"])
+        report.chains = len(self._state.chains)
+        return None
 
 
 def verify_stream(messages: Iterable[tuple[int, bytes]]) -> VerifyReport:
     """Verify a stream replay; stop at the first bad event."""
-    report, state = VerifyReport(), _State()
-    expected: int | None = None
+    verifier = Verifier()
     for seq, data in messages:
-        if expected is not None and seq != expected:
-            report.finding = Finding(seq, None, None, None, f"gap: sequence {expected} missing")
-            return report
-        expected = seq + 1
-        report.first_seq = report.first_seq if report.first_seq is not None else seq
-        report.last_seq = seq
-        try:
-            env = decode(data)
-            if canonical.pack(canonical.canonicalize(canonical.unpack(data))) != data:
-                raise MalformedEnvelope("bytes are not canonical")
-        except MalformedEnvelope as exc:
-            report.finding = Finding(seq, None, None, None, str(exc))
-            return report
-        problem = _check_event(state, seq, env)
-        if problem:
-            report.finding = Finding(seq, env.id, env.type, env.producer, problem)
-            return report
-        report.events += 1
-        report.producers.add(env.producer)
-    report.chains = len(state.chains)
-    return report
+        if verifier.feed(seq, data) is not None:
+            break
+    return verifier.report

@@ -29,7 +29,7 @@ from nats.js.errors import BadRequestError
 
 from dsec_core.envelope import Envelope
 from dsec_core.events import KeyRegistered, Payload
-from dsec_core.signing import Signer, public_bytes
+from dsec_core.signing import Sealed, Signer
 from dsec_core.subjects import ALL_EVENTS, STREAM
 
 log = logging.getLogger(__name__)
@@ -78,9 +78,14 @@ async def ensure_stream(js: JetStreamContext) -> None:
 class Published:
     """Where an envelope landed."""
 
-    envelope: Envelope
+    sealed: Sealed
     stream_seq: int
     duplicate: bool
+
+    @property
+    def envelope(self) -> Envelope:
+        """The published envelope."""
+        return self.sealed.envelope
 
 
 class EventPublisher:
@@ -96,7 +101,7 @@ class EventPublisher:
         reg = KeyRegistered(
             producer=self.signer.producer,
             key_id=self.signer.key_id,
-            public_key=public_bytes(self.signer.public_key).hex(),
+            public_key=self.signer.public_raw.hex(),
         )
         return await self.publish(reg, aggregate_id=self.signer.producer.replace("/", "_"))
 
@@ -110,32 +115,32 @@ class EventPublisher:
         correlation_id: str | None = None,
     ) -> Published:
         """Sign ``payload`` into an envelope and publish it until JetStream acknowledges it."""
-        envelope, wire = self.signer.seal(
+        sealed = self.signer.seal(
             payload,
             aggregate_id=aggregate_id,
             event_id=event_id,
             causation=causation,
             correlation_id=correlation_id,
         )
-        return await self.publish_sealed(envelope, wire)
+        return await self.publish_sealed(sealed)
 
-    async def publish_sealed(self, envelope: Envelope, wire: bytes) -> Published:
+    async def publish_sealed(self, sealed: Sealed) -> Published:
         """Publish an already signed envelope, retrying through server restarts."""
-        headers = {"Nats-Msg-Id": envelope.id}
+        headers = {"Nats-Msg-Id": sealed.id}
         delay = 0.05
         for attempt in range(self._retries):
             try:
-                ack = await self.js.publish(envelope.subject, wire, headers=headers, timeout=5)
-                return Published(envelope, ack.seq, bool(ack.duplicate))
-            except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
-                log.warning("publish %s attempt %d failed: %s", envelope.type, attempt + 1, exc)
+                ack = await self.js.publish(sealed.subject, sealed.wire, headers=headers, timeout=5)
+                return Published(sealed, ack.seq, bool(ack.duplicate))
+            except (TimeoutError, NatsTimeoutError, NoRespondersError) as exc:
+                log.warning("publish %s attempt %d failed: %s", sealed.type, attempt + 1, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-        raise PublishFailed(f"could not publish {envelope.type} {envelope.id}")
+        raise PublishFailed(f"could not publish {sealed.type} {sealed.id}")
 
-    async def publish_many(self, sealed: Sequence[tuple[Envelope, bytes]]) -> list[Published]:
+    async def publish_many(self, batch: Sequence[Sealed]) -> list[Published]:
         """Publish a batch concurrently (pipelined acks); order on the wire is preserved."""
-        return list(await asyncio.gather(*(self.publish_sealed(e, w) for e, w in sealed)))
+        return list(await asyncio.gather(*(self.publish_sealed(s) for s in batch)))
 
 
 class PublishFailed(RuntimeError):

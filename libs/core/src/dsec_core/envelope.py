@@ -40,8 +40,7 @@ class Envelope(BaseModel):
 
     def signed_fields(self) -> dict[str, Any]:
         """Return every field except ``sig`` as a canonical structure."""
-        data = self.model_dump()
-        data.pop("sig")
+        data = self.model_dump(mode="json", exclude={"sig"})
         data["time"] = self.time.isoformat()
         return dict(canonical.canonicalize(data))
 

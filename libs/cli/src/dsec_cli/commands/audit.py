@@ -5,6 +5,11 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
+from dsec_core.audit import Verifier, VerifyReport
+from dsec_core.bus import replay
+from dsec_core.envelope import decode
+from dsec_core.events import EVENT_TYPES
+from dsec_core.subjects import ALL_EVENTS, aggregate_filter
 from rich.table import Table
 
 from dsec_cli.common import (
@@ -18,18 +23,17 @@ from dsec_cli.common import (
     run,
 )
 from dsec_cli.render import event_json, event_line
-from dsec_core.audit import VerifyReport, verify_stream
-from dsec_core.bus import replay
-from dsec_core.envelope import decode
-from dsec_core.events import EVENT_TYPES
-from dsec_core.subjects import ALL_EVENTS, aggregate_filter
 
 audit_app = typer.Typer(help="Verify and replay the signed audit trail.", no_args_is_help=True)
 
 
-async def _collect() -> list[tuple[int, bytes]]:
+async def _verify() -> VerifyReport:
+    verifier = Verifier()
     async with bus() as (_, js):
-        return [item async for item in replay(js)]
+        async for seq, data in replay(js):
+            if verifier.feed(seq, data) is not None:
+                break
+    return verifier.report
 
 
 def _report_dict(report: VerifyReport) -> dict[str, Any]:
@@ -41,7 +45,9 @@ def _report_dict(report: VerifyReport) -> dict[str, Any]:
         "chains": report.chains,
         "first_seq": report.first_seq,
         "last_seq": report.last_seq,
-        "first_bad": None if finding is None else {
+        "first_bad": None
+        if finding is None
+        else {
             "seq": finding.stream_seq,
             "id": finding.event_id,
             "type": finding.event_type,
@@ -59,7 +65,7 @@ def verify(
 
     Exit 0 when the trail is intact; 1 naming the first bad event and why.
     """
-    report = verify_stream(run(_collect()))
+    report = run(_verify())
     result = _report_dict(report)
     if as_json:
         print_json(result)
@@ -80,8 +86,7 @@ def verify(
         raise typer.Exit(EXIT_FAILED)
 
 
-async def _replay(sandbox: str | None, types: list[str], since: str | None,
-                  as_json: bool) -> int:
+async def _replay(sandbox: str | None, types: list[str], since: str | None, as_json: bool) -> int:
     since_t = parse_since(since) if since else None
     filt = aggregate_filter("sandbox", sandbox) if sandbox else ALL_EVENTS
     shown = 0
@@ -108,8 +113,10 @@ def replay_cmd(
     """Replay recorded events, filtered by sandbox, type and time."""
     for t in type_:
         if t not in EVENT_TYPES:
-            fail(f"--type {t!r} is not an event type; valid: {', '.join(sorted(EVENT_TYPES))}",
-                 EXIT_BAD_INPUT)
+            fail(
+                f"--type {t!r} is not an event type; valid: {', '.join(sorted(EVENT_TYPES))}",
+                EXIT_BAD_INPUT,
+            )
     shown = run(_replay(sandbox, type_, since, as_json))
     if not as_json:
         console.print(f"[dim]{shown} events[/]")

@@ -1,0 +1,70 @@
+"""Shared helpers of the benchmarks: percentiles, result files, a throwaway NATS server."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def nats_server() -> Iterator[str]:
+    """A JetStream-enabled nats-server on a free port in a temp dir, for one benchmark run."""
+    binary = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
+    port, mon = free_port(), free_port()
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-nats-") as store:
+        proc = subprocess.Popen(
+            [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store, "-m", str(mon)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    url = f"http://127.0.0.1:{mon}/healthz?js-enabled-only=true"
+                    with urllib.request.urlopen(url, timeout=1) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("nats-server did not become healthy") from None
+                    time.sleep(0.02)
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def emit(bench: str, results: dict[str, Any], ratio_line: str, **extra: Any) -> None:
+    """Print the one-line ratio, write ``bench/results/<bench>.json``, print the JSON last."""
+    doc = {"bench": bench, "results": results, **extra,
+           "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{bench}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(ratio_line)
+    print(json.dumps(doc))

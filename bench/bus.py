@@ -1,0 +1,162 @@
+"""Backbone throughput: DSec (sign + encode + publish + consume + decode + verify) beside raw
+nats-py JetStream publish/consume of payloads of the same size, in one run.
+
+    uv run python bench/bus.py [--events 20000] [--quick]
+
+Each path runs as it does in production: a producer process and a consumer process at the same
+time. Both publish with pipelined acks (batches of 256 concurrent ``js.publish``) and consume
+through a pull consumer in batches of 512. The DSec producer signs every envelope (Ed25519,
+canonical MessagePack); the DSec consumer verifies every signature, chain link and sequence
+number (the logic of ``dsec audit verify``). Throughput = events / (first publish → last
+event consumed and verified).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import time
+from multiprocessing.connection import Connection
+
+import nats
+from nacl.signing import SigningKey
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+from _common import emit, nats_server, percentile
+from dsec_core.audit import Verifier
+from dsec_core.bus import EventPublisher, ensure_stream
+from dsec_core.events import SandboxExited
+from dsec_core.signing import Signer
+from dsec_core.subjects import STREAM
+
+BATCH = 256
+
+
+def _payload() -> SandboxExited:
+    return SandboxExited(exit_code=0, reason="ok", duration_s=12.5)
+
+
+def micro_sign_encode(n: int) -> dict[str, float]:
+    signer = Signer("bench", SigningKey.generate())
+    payload = _payload()
+    samples = []
+    for i in range(n):
+        t = time.perf_counter()
+        signer.seal(payload, aggregate_id=f"sbx_{i % 64}")
+        samples.append((time.perf_counter() - t) * 1e6)
+    return {"p50_us": round(percentile(samples, 0.5), 2),
+            "p99_us": round(percentile(samples, 0.99), 2)}
+
+
+async def _consume(url: str, stream: str, subject: str, n: int, verify: bool,
+                   ready: Connection) -> float:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    config = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True)
+    sub = await js.pull_subscribe(subject, stream=stream, config=config)
+    verifier = Verifier()
+    ready.send("ready")
+    got = 0
+    while got < n:
+        try:
+            msgs = await sub.fetch(512, timeout=5)
+        except nats.errors.TimeoutError:
+            continue
+        for m in msgs:
+            if verify and verifier.feed(m.metadata.sequence.stream, m.data) is not None:
+                raise SystemExit(f"verification failed: {verifier.report.finding}")
+        got += len(msgs)
+    done = time.time()
+    await nc.close()
+    return done
+
+
+def _consumer_main(url: str, stream: str, subject: str, n: int, verify: bool,
+                   conn: Connection) -> None:
+    conn.send(asyncio.run(_consume(url, stream, subject, n, verify, conn)))
+
+
+async def _raw_publish(url: str, n: int, size: int) -> None:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    body = b"x" * size
+    for base in range(0, n, BATCH):
+        await asyncio.gather(*(js.publish(f"raw.sbx_{i % 64}.ev", body)
+                               for i in range(base, min(n, base + BATCH))))
+    await nc.close()
+
+
+async def _dsec_publish(url: str, n: int) -> int:
+    nc = await nats.connect(url)
+    publisher = EventPublisher(nc.jetstream(), Signer("bench", SigningKey.generate()))
+    payload = _payload()
+    await publisher.register_key()
+    size = 0
+    for base in range(0, n - 1, BATCH):
+        batch = [publisher.signer.seal(payload, aggregate_id=f"sbx_{i % 64}")
+                 for i in range(base, min(n - 1, base + BATCH))]
+        size = len(batch[0].wire)
+        await publisher.publish_many(batch)
+    await nc.close()
+    return size
+
+
+async def _setup(url: str, dsec: bool) -> None:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    if dsec:
+        await ensure_stream(js)
+    else:
+        await js.add_stream(StreamConfig(name="RAW", subjects=["raw.>"]))
+    await nc.close()
+
+
+def run_path(url: str, n: int, dsec: bool, size: int = 0) -> tuple[float, int]:
+    """Run one producer/consumer pair; return (events per second, envelope size)."""
+    asyncio.run(_setup(url, dsec))
+    parent, child = mp.Pipe()
+    stream, subject = (STREAM, "dsec.>") if dsec else ("RAW", "raw.>")
+    proc = mp.Process(target=_consumer_main, args=(url, stream, subject, n, dsec, child))
+    proc.start()
+    assert parent.recv() == "ready"
+    started = time.time()
+    if dsec:
+        size = asyncio.run(_dsec_publish(url, n))
+    else:
+        asyncio.run(_raw_publish(url, n, size))
+    finished = parent.recv()
+    proc.join(30)
+    if proc.exitcode != 0:
+        raise SystemExit(f"consumer failed with exit code {proc.exitcode}")
+    return n / (finished - started), size
+
+
+def main(n: int) -> None:
+    sign = micro_sign_encode(min(n, 5000))
+    with nats_server() as url:
+        dsec_rate, size = run_path(url, n, dsec=True)
+    with nats_server() as url:
+        raw_rate, _ = run_path(url, n, dsec=False, size=size)
+    ratio = dsec_rate / raw_rate
+    emit(
+        "bus",
+        {
+            "sign_encode_us": sign,
+            "dsec_events_per_s": round(dsec_rate),
+            "raw_nats_py_msgs_per_s": round(raw_rate),
+            "ratio_dsec_over_raw": round(ratio, 3),
+            "events": n,
+            "envelope_bytes": size,
+        },
+        f"bus: DSec backbone {dsec_rate:,.0f} ev/s vs raw nats-py {raw_rate:,.0f} msg/s "
+        f"= {ratio:.0%} of raw; sign+encode p50 {sign['p50_us']} µs",
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--events", type=int, default=20000)
+    parser.add_argument("--quick", action="store_true", help="2,000 events")
+    args = parser.parse_args()
+    main(2000 if args.quick else args.events)

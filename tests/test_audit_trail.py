@@ -1,0 +1,139 @@
+"""`dsec audit verify` on a real stream: intact logs pass; each forgery is named.
+
+Each test gets a private NATS server (its own stream), because a forged event stays in the
+log forever — that is the point of the log.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nacl.signing import SigningKey
+from nats.js import JetStreamContext
+
+from dsec_core import canonical
+from dsec_core.bus import EventPublisher, ensure_stream
+from dsec_core.events import SandboxExited, SpecSubmitted
+from dsec_core.signing import Signer
+from dsec_testing.stack import StackFixture
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def private_nats(tmp_path: Path) -> Iterator[str]:
+    fixture = StackFixture(tmp_path / "home")
+    try:
+        yield fixture.nats_url
+    finally:
+        fixture.close()
+
+
+@pytest.fixture
+async def js(private_nats: str) -> AsyncIterator[JetStreamContext]:
+    nc = await nats.connect(private_nats)
+    js = nc.jetstream()
+    await ensure_stream(js)
+    yield js
+    await nc.close()
+
+
+async def _legit(js: JetStreamContext, producer: str = "policy") -> EventPublisher:
+    publisher = EventPublisher(js, Signer(producer, SigningKey.generate()))
+    await publisher.register_key()
+    for i in range(3):
+        await publisher.publish(SpecSubmitted(spec_yaml=f"v{i}"), aggregate_id=f"sbx_{i}")
+    return publisher
+
+
+def _verify(dsec_cli, url: str, tmp_path: Path) -> tuple[int, dict]:
+    result = dsec_cli("audit", "verify", "--json",
+                      env={"DSEC_NATS_URL": url, "DSEC_HOME": str(tmp_path / "cli")})
+    return result.exit_code, result.last_json()
+
+
+async def _raw_publish(js: JetStreamContext, subject: str, wire: bytes) -> int:
+    ack = await js.publish(subject, wire, headers={"Nats-Msg-Id": uuid.uuid4().hex})
+    return ack.seq
+
+
+async def test_intact_log_verifies(js, private_nats, dsec_cli, tmp_path) -> None:
+    await _legit(js, "policy")
+    await _legit(js, "builder")
+    code, result = _verify(dsec_cli, private_nats, tmp_path)
+    assert code == 0, result
+    assert result["ok"] and result["events"] == 8
+    assert result["producers"] == ["builder", "policy"]
+
+
+async def test_event_signed_with_another_key_is_named(js, private_nats, dsec_cli, tmp_path):
+    await _legit(js)
+    impostor = Signer("policy", SigningKey.generate())
+    forged = impostor.seal(SandboxExited(exit_code=0, reason="ok", duration_s=1),
+                           aggregate_id="sbx_0")
+    seq = await _raw_publish(js, forged.subject, forged.wire)
+    code, result = _verify(dsec_cli, private_nats, tmp_path)
+    assert code == 1
+    assert result["first_bad"]["seq"] == seq
+    assert result["first_bad"]["id"] == forged.id
+    assert "not registered for 'policy'" in result["first_bad"]["reason"]
+
+
+async def test_altered_payload_is_named(js, private_nats, dsec_cli, tmp_path) -> None:
+    publisher = await _legit(js)
+    real = publisher.signer.seal(SandboxExited(exit_code=1, reason="error", duration_s=1),
+                                 aggregate_id="sbx_0")
+    fields = canonical.unpack(real.wire)
+    fields["payload"]["exit_code"] = 0  # someone rewrites a failure into a success
+    seq = await _raw_publish(js, real.subject, canonical.pack(fields))
+    code, result = _verify(dsec_cli, private_nats, tmp_path)
+    assert code == 1
+    assert result["first_bad"]["seq"] == seq
+    assert "signature invalid" in result["first_bad"]["reason"]
+
+
+async def test_broken_chain_is_named(js, private_nats, dsec_cli, tmp_path) -> None:
+    publisher = await _legit(js)
+    publisher.signer.seal(SpecSubmitted(spec_yaml="withheld"), aggregate_id="sbx_7")
+    after = publisher.signer.seal(SpecSubmitted(spec_yaml="next"), aggregate_id="sbx_8")
+    seq = await _raw_publish(js, after.subject, after.wire)
+    code, result = _verify(dsec_cli, private_nats, tmp_path)
+    assert code == 1
+    assert result["first_bad"]["seq"] == seq
+    assert "broken: expected position 4, found 5" in result["first_bad"]["reason"]
+
+
+async def test_replayed_old_event_is_named(js, private_nats, dsec_cli, tmp_path) -> None:
+    publisher = await _legit(js)
+    old = await publisher.publish(SandboxExited(exit_code=0, reason="ok", duration_s=1),
+                                  aggregate_id="sbx_0")
+    seq = await _raw_publish(js, old.sealed.subject, old.sealed.wire)
+    code, result = _verify(dsec_cli, private_nats, tmp_path)
+    assert code == 1
+    assert result["first_bad"]["seq"] == seq
+    assert f"already at stream sequence {old.stream_seq}" in result["first_bad"]["reason"]
+
+
+async def test_replay_filters_by_sandbox_and_type(js, private_nats, dsec_cli, tmp_path) -> None:
+    await _legit(js)
+    env = {"DSEC_NATS_URL": private_nats, "DSEC_HOME": str(tmp_path / "cli")}
+    result = dsec_cli("audit", "replay", "--sandbox", "sbx_1", "--json", env=env)
+    rows = [line for line in result.output.splitlines() if line.startswith("{")]
+    assert result.exit_code == 0
+    assert len(rows) == 1 and '"aggregate_id":"sbx_1"' in rows[0]
+    result = dsec_cli("audit", "replay", "--type", "audit.key_registered", "--json", env=env)
+    assert result.output.count('"type":"audit.key_registered"') == 1
+    bad = dsec_cli("audit", "replay", "--type", "sandbox.explode", env=env)
+    assert bad.exit_code == 2 and "is not an event type" in bad.output
+
+
+def test_unreachable_bus_exits_3_and_says_what_to_do(dsec_cli, tmp_path) -> None:
+    result = dsec_cli("audit", "verify", env={"DSEC_NATS_URL": "nats://127.0.0.1:1",
+                                              "DSEC_HOME": str(tmp_path)})
+    assert result.exit_code == 3
+    assert "cannot reach NATS at nats://127.0.0.1:1" in result.output
+    assert "dsec up" in result.output

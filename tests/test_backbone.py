@@ -1,0 +1,194 @@
+"""The JetStream backbone: stream guarantees, deduplication, the service runtime's retry and
+idempotency contract — against a real NATS server."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import pytest
+from nacl.signing import SigningKey
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
+
+from dsec_core.bus import EventPublisher, ensure_stream, replay
+from dsec_core.envelope import decode
+from dsec_core.events import SandboxExited, SpecSubmitted, SpecValidated
+from dsec_core.service import RetryPolicy, Service
+from dsec_core.settings import Settings
+from dsec_core.signing import Signer
+from dsec_core.subjects import STREAM, aggregate_filter
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def js(nats_url: str) -> AsyncIterator[JetStreamContext]:
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await ensure_stream(js)
+    yield js
+    await nc.close()
+
+
+def _publisher(js: JetStreamContext, producer: str = "cli") -> EventPublisher:
+    return EventPublisher(js, Signer(producer, SigningKey.generate()))
+
+
+async def _events_of(js: JetStreamContext, sandbox: str) -> list[tuple[int, str, dict]]:
+    out = []
+    async for seq, data in replay(js, filter_subject=aggregate_filter("sandbox", sandbox)):
+        env = decode(data)
+        out.append((seq, env.type, env.payload))
+    return out
+
+
+async def _wait_for(js: JetStreamContext, sandbox: str, predicate, timeout: float = 20.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        events = await _events_of(js, sandbox)
+        if predicate(events):
+            return events
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out; events so far: {[e[1] for e in events]}")
+        await asyncio.sleep(0.05)
+
+
+async def test_stream_refuses_purge_and_message_delete(js: JetStreamContext) -> None:
+    published = await _publisher(js).publish(SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_p")
+    info = await js.stream_info(STREAM)
+    assert info.config.deny_delete and info.config.deny_purge
+    with pytest.raises(APIError):
+        await js.purge_stream(STREAM)
+    with pytest.raises(APIError):
+        await js.delete_msg(STREAM, published.stream_seq)
+    assert (await js.get_msg(STREAM, published.stream_seq)).data
+
+
+async def test_same_event_id_is_stored_once(js: JetStreamContext) -> None:
+    publisher = _publisher(js)
+    sealed = publisher.signer.seal(SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_dup")
+    first = await publisher.publish_sealed(sealed)
+    again = await publisher.publish_sealed(sealed)
+    assert not first.duplicate
+    assert again.duplicate and again.stream_seq == first.stream_seq
+    assert len(await _events_of(js, "sbx_dup")) == 1
+
+
+def _service(nats_url: str, home: Path) -> Service:
+    return Service(f"t{uuid.uuid4().hex[:8]}", Settings(nats_url=nats_url, home=home))
+
+
+async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
+    js: JetStreamContext, nats_url: str, tmp_path: Path
+) -> None:
+    service = _service(nats_url, tmp_path)
+    attempts: list[str] = []
+
+    @service.handles("spec.submitted", retry=RetryPolicy(max_attempts=3, base_delay_s=0.05))
+    async def always_fails(envelope, payload):  # type: ignore[no-untyped-def]
+        if envelope.aggregate_id == sandbox:
+            attempts.append(envelope.id)
+        raise RuntimeError("resolver exploded")
+
+    sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
+    await service.start()
+    try:
+        await _publisher(js).publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
+        events = await _wait_for(js, sandbox, lambda ev: any(t == "sandbox.failed" for _, t, _ in ev))
+        await asyncio.sleep(0.3)  # a fourth attempt would have been redelivered by now
+        events = await _events_of(js, sandbox)
+    finally:
+        await service.stop()
+    failures = [p for _, t, p in events if t == "sandbox.failed"]
+    assert len(failures) == 1
+    assert failures[0]["stage"] == service.name
+    assert failures[0]["attempts"] == 3
+    assert "RuntimeError: resolver exploded" in failures[0]["reason"]
+    assert len(attempts) == 3
+
+
+async def test_redelivery_after_a_crash_between_publish_and_ack_publishes_nothing_new(
+    js: JetStreamContext, nats_url: str, tmp_path: Path
+) -> None:
+    service = _service(nats_url, tmp_path)
+    calls = 0
+
+    @service.handles("spec.submitted", retry=RetryPolicy(max_attempts=5, base_delay_s=0.05))
+    async def validate(envelope, payload):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        if envelope.aggregate_id != sandbox:
+            return []
+        calls += 1
+        assert service.publisher is not None
+        output = SpecValidated(name="a", spec_digest="d", plan={})
+        if calls == 1:  # the output reached the log, then the process "died" before acking
+            await service._publish_outputs(envelope, [output])
+            raise ConnectionError("lost before ack")
+        return [output]
+
+    sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
+    await service.start()
+    try:
+        await _publisher(js).publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
+        await _wait_for(js, sandbox, lambda ev: calls >= 2)
+        await asyncio.sleep(0.2)
+        events = await _events_of(js, sandbox)
+    finally:
+        await service.stop()
+    assert [t for _, t, _ in events] == ["spec.submitted", "spec.validated"]
+
+
+async def test_events_are_ordered_per_aggregate_and_carry_causation(
+    js: JetStreamContext, nats_url: str, tmp_path: Path
+) -> None:
+    service = _service(nats_url, tmp_path)
+
+    @service.handles("spec.submitted")
+    async def validate(envelope, payload):  # type: ignore[no-untyped-def]
+        return [SpecValidated(name="n", spec_digest="d", plan={})]
+
+    sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
+    await service.start()
+    try:
+        sub = await _publisher(js).publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
+        await _wait_for(js, sandbox, lambda ev: len(ev) == 2)
+        raw = [decode(d) async for _, d in replay(js, filter_subject=aggregate_filter("sandbox", sandbox))]
+    finally:
+        await service.stop()
+    assert raw[1].causation_id == sub.envelope.id
+    assert raw[1].correlation_id == sub.envelope.correlation_id
+    assert raw[1].producer == service.name
+
+
+class _SpecSubmittedV1_1(SpecSubmitted):  # what a newer producer would publish
+    VERSION = "1.1"
+    priority: str = "high"
+
+
+async def test_consumer_decodes_a_newer_minor_version_from_the_bus(
+    js: JetStreamContext, nats_url: str, tmp_path: Path
+) -> None:
+    service = _service(nats_url, tmp_path)
+    seen: list[SpecSubmitted] = []
+
+    @service.handles("spec.submitted")
+    async def validate(envelope, payload):  # type: ignore[no-untyped-def]
+        if envelope.aggregate_id == sandbox:
+            seen.append(payload)
+            return [SpecValidated(name="n", spec_digest="d", plan={})]
+        return []
+
+    sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
+    await service.start()
+    try:
+        await _publisher(js).publish(_SpecSubmittedV1_1(spec_yaml="x"), aggregate_id=sandbox)
+        events = await _wait_for(js, sandbox, lambda ev: len(ev) == 2)
+    finally:
+        await service.stop()
+    assert events[0][2]["priority"] == "high"
+    assert seen == [SpecSubmitted(spec_yaml="x")]
+    assert events[1][1] == "spec.validated"
