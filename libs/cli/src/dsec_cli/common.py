@@ -13,13 +13,12 @@ from typing import Any, NoReturn, TypeVar
 
 import nats
 import typer
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-from rich.console import Console
-
 from dsec_core.bus import EventPublisher, ensure_stream
 from dsec_core.settings import Settings
 from dsec_core.signing import Signer, load_or_create_key
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from rich.console import Console
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -35,7 +34,7 @@ T = TypeVar("T")
 
 def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     """Print ``message`` to stderr and exit with ``code``."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -126,6 +125,6 @@ async def pg_connect(settings: Settings | None = None) -> Any:
         fail("no PostgreSQL configured: run `dsec up` or set DSEC_POSTGRES_DSN", EXIT_UNREACHABLE)
     try:
         return await asyncpg.connect(str(dsn), timeout=5)
-    except (OSError, asyncpg.PostgresError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         fail(f"cannot reach PostgreSQL ({type(exc).__name__}); is the stack up? (`dsec status`)",
              EXIT_UNREACHABLE)

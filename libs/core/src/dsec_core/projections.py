@@ -92,8 +92,10 @@ def summarize(env: Envelope) -> dict[str, Any]:
 
 
 async def ensure_schema(conn: asyncpg.Connection) -> None:
-    """Create the read-model tables when missing."""
-    await conn.execute(SCHEMA)
+    """Create the read-model tables when missing (serialized: concurrent DDL races)."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(7271)")
+        await conn.execute(SCHEMA)
 
 
 async def applied_seq(conn: asyncpg.Connection) -> int:

@@ -99,7 +99,7 @@ async def _replay(sandbox: str | None, types: list[str], since: str | None, as_j
             if as_json:
                 print_json(event_json(seq, env))
             else:
-                console.print(event_line(seq, env), highlight=False)
+                console.print(event_line(seq, env), highlight=False, soft_wrap=True)
     return shown
 
 

@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from dsec_cli.common import EXIT_BAD_INPUT, bus, console, fail, print_json, run
-from dsec_cli.render import event_json, event_line
 from dsec_core.bus import follow
 from dsec_core.envelope import MalformedEnvelope, decode
 from dsec_core.events import EVENT_TYPES
 from dsec_core.schema import asyncapi_document
 from dsec_core.subjects import ALL_EVENTS, STREAM, aggregate_filter
+
+from dsec_cli.common import EXIT_BAD_INPUT, bus, console, fail, print_json, run
+from dsec_cli.render import event_json, event_line
 
 events_app = typer.Typer(help="Follow the event log; export the bus schema.", no_args_is_help=True)
 
@@ -22,12 +22,15 @@ events_app = typer.Typer(help="Follow the event log; export the bus schema.", no
 def _check_types(types: list[str]) -> None:
     for t in types:
         if t not in EVENT_TYPES:
-            fail(f"--type {t!r} is not an event type; valid: {', '.join(sorted(EVENT_TYPES))}",
-                 EXIT_BAD_INPUT)
+            fail(
+                f"--type {t!r} is not an event type; valid: {', '.join(sorted(EVENT_TYPES))}",
+                EXIT_BAD_INPUT,
+            )
 
 
-async def _tail(types: list[str], sandbox: str | None, from_start: bool, as_json: bool,
-                count: int | None) -> None:
+async def _tail(
+    types: list[str], sandbox: str | None, from_start: bool, as_json: bool, count: int | None
+) -> None:
     filt = aggregate_filter("sandbox", sandbox) if sandbox else ALL_EVENTS
     shown = 0
     async with bus() as (_, js):
@@ -45,7 +48,7 @@ async def _tail(types: list[str], sandbox: str | None, from_start: bool, as_json
                 if as_json:
                     print_json(event_json(seq, env))
                 else:
-                    console.print(event_line(seq, env), highlight=False)
+                    console.print(event_line(seq, env), highlight=False, soft_wrap=True)
                 shown += 1
                 if count is not None and shown >= count:
                     return

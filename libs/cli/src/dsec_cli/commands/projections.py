@@ -6,9 +6,9 @@ import time
 from typing import Annotated
 
 import typer
+from dsec_core.projections import rebuild
 
 from dsec_cli.common import bus, console, pg_connect, print_json, run
-from dsec_core.projections import rebuild
 
 projections_app = typer.Typer(help="Manage the read models.", no_args_is_help=True)
 

@@ -6,15 +6,20 @@ import json
 from typing import Annotated, Any
 
 import typer
+from dsec_core.projections import ensure_schema
 from rich.table import Table
 
 from dsec_cli.common import EXIT_BAD_INPUT, console, fail, pg_connect, print_json, run
-from dsec_core.projections import ensure_schema
 
 sandbox_app = typer.Typer(help="List and inspect sandboxes.", no_args_is_help=True)
 
-_STATE_STYLE = {"running": "green", "exited": "bold", "rejected": "red", "conflict": "red",
-                "failed": "red"}
+_STATE_STYLE = {
+    "running": "green",
+    "exited": "bold",
+    "rejected": "red",
+    "conflict": "red",
+    "failed": "red",
+}
 
 
 async def _rows(query: str, *args: Any) -> list[dict[str, Any]]:
@@ -33,21 +38,30 @@ def list_(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
     """List sandboxes, newest first."""
-    rows = run(_rows(
-        "SELECT sandbox_id, name, state, node_id, exit_code, reason, created_at, updated_at,"
-        " last_event FROM sandboxes WHERE ($1::text IS NULL OR state = $1)"
-        " ORDER BY created_at DESC LIMIT $2", state, limit,
-    ))
+    rows = run(
+        _rows(
+            "SELECT sandbox_id, name, state, node_id, exit_code, reason, created_at, updated_at,"
+            " last_event FROM sandboxes WHERE ($1::text IS NULL OR state = $1)"
+            " ORDER BY created_at DESC LIMIT $2",
+            state,
+            limit,
+        )
+    )
     if as_json:
         print_json(rows)
         return
     table = Table("sandbox", "name", "state", "node", "exit", "last event", "updated")
     for r in rows:
         style = _STATE_STYLE.get(r["state"], "")
-        table.add_row(r["sandbox_id"], r["name"] or "", f"[{style}]{r['state']}[/]" if style
-                      else r["state"], r["node_id"] or "", "" if r["exit_code"] is None
-                      else str(r["exit_code"]), r["last_event"],
-                      r["updated_at"].strftime("%Y-%m-%d %H:%M:%S"))
+        table.add_row(
+            r["sandbox_id"],
+            r["name"] or "",
+            f"[{style}]{r['state']}[/]" if style else r["state"],
+            r["node_id"] or "",
+            "" if r["exit_code"] is None else str(r["exit_code"]),
+            r["last_event"],
+            r["updated_at"].strftime("%Y-%m-%d %H:%M:%S"),
+        )
     console.print(table)
 
 
@@ -67,13 +81,18 @@ def show(
                 return None
             spec = await conn.fetchrow(
                 "SELECT name, filename, spec_digest, status, errors FROM specs"
-                " WHERE sandbox_id = $1", sandbox_id)
+                " WHERE sandbox_id = $1",
+                sandbox_id,
+            )
             events = await conn.fetch(
                 "SELECT seq, type, producer, time, summary FROM sandbox_events"
-                " WHERE sandbox_id = $1 ORDER BY seq", sandbox_id)
+                " WHERE sandbox_id = $1 ORDER BY seq",
+                sandbox_id,
+            )
             result = dict(row)
-            result["spec"] = None if spec is None else {
-                **dict(spec), "errors": json.loads(spec["errors"])}
+            result["spec"] = (
+                None if spec is None else {**dict(spec), "errors": json.loads(spec["errors"])}
+            )
             result["events"] = [{**dict(e), "summary": json.loads(e["summary"])} for e in events]
             return result
         finally:
@@ -85,16 +104,19 @@ def show(
     if as_json:
         print_json(data)
         return
-    console.print(f"[bold]{data['sandbox_id']}[/] {data['name'] or ''} — state "
-                  f"[bold]{data['state']}[/]" + (f", exit {data['exit_code']}"
-                                                 if data["exit_code"] is not None else ""))
+    console.print(
+        f"[bold]{data['sandbox_id']}[/] {data['name'] or ''} — state "
+        f"[bold]{data['state']}[/]"
+        + (f", exit {data['exit_code']}" if data["exit_code"] is not None else "")
+    )
     if data["reason"]:
         console.print(f"reason: {data['reason']}", highlight=False)
     table = Table("seq", "time", "event", "producer", "details")
     for e in data["events"]:
         details = " ".join(f"{k}={v}" for k, v in e["summary"].items())
-        table.add_row(str(e["seq"]), e["time"].strftime("%H:%M:%S.%f")[:-3], e["type"],
-                      e["producer"], details)
+        table.add_row(
+            str(e["seq"]), e["time"].strftime("%H:%M:%S.%f")[:-3], e["type"], e["producer"], details
+        )
     console.print(table)
 
 

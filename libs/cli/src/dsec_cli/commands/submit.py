@@ -10,6 +10,13 @@ from typing import Annotated, Any
 
 import typer
 import yaml
+from dsec_core.bus import follow
+from dsec_core.codebundle import BundleError, build_bundle
+from dsec_core.envelope import Envelope, decode
+from dsec_core.events import TERMINAL_TYPES, BundleRef, SpecSubmitted
+from dsec_core.ids import new_sandbox_id
+from dsec_core.settings import Settings
+from dsec_core.subjects import STREAM, aggregate_filter
 
 from dsec_cli.common import (
     EXIT_BAD_INPUT,
@@ -27,13 +34,6 @@ from dsec_cli.common import (
     submitter,
 )
 from dsec_cli.render import event_line
-from dsec_core.bus import follow
-from dsec_core.codebundle import BundleError, build_bundle
-from dsec_core.envelope import Envelope, decode
-from dsec_core.events import TERMINAL_TYPES, BundleRef, SpecSubmitted
-from dsec_core.ids import new_sandbox_id
-from dsec_core.settings import Settings
-from dsec_core.subjects import STREAM, aggregate_filter
 
 WAIT_FOR = {
     "validated": "spec.validated",
@@ -42,9 +42,15 @@ WAIT_FOR = {
     "exited": "sandbox.exited",
 }
 STATE_OF = {
-    "spec.submitted": "submitted", "spec.validated": "validated", "spec.rejected": "rejected",
-    "deps.resolved": "resolved", "deps.conflict": "conflict", "env.built": "built",
-    "sandbox.scheduled": "scheduled", "sandbox.ready": "running", "sandbox.exited": "exited",
+    "spec.submitted": "submitted",
+    "spec.validated": "validated",
+    "spec.rejected": "rejected",
+    "deps.resolved": "resolved",
+    "deps.conflict": "conflict",
+    "env.built": "built",
+    "sandbox.scheduled": "scheduled",
+    "sandbox.ready": "running",
+    "sandbox.exited": "exited",
     "sandbox.failed": "failed",
 }
 
@@ -90,18 +96,20 @@ def _upload_code(code: Path, spec_text: str, settings: Settings) -> BundleRef:
     if not client.bucket_exists(settings.s3_bucket):
         client.make_bucket(settings.s3_bucket)
     client.put_object(settings.s3_bucket, key, io.BytesIO(data), len(data))
-    return BundleRef(digest=bundle.digest, object_key=key, size=len(data),
-                     files=len(bundle.manifest.files))
+    return BundleRef(
+        digest=bundle.digest, object_key=key, size=len(data), files=len(bundle.manifest.files)
+    )
 
 
 def _record(outcome: Outcome, seq: int, env: Envelope, as_json: bool) -> None:
-    outcome.events.append({"seq": seq, "type": env.type, "time": env.time.isoformat(),
-                           "payload": env.payload})
+    outcome.events.append(
+        {"seq": seq, "type": env.type, "time": env.time.isoformat(), "payload": env.payload}
+    )
     outcome.state = STATE_OF.get(env.type, outcome.state)
     if env.type == "sandbox.exited":
         outcome.exit_code = int(env.payload["exit_code"])
     if not as_json:
-        console.print(event_line(seq, env), highlight=False)
+        console.print(event_line(seq, env), highlight=False, soft_wrap=True)
         _explain(env)
 
 
@@ -116,12 +124,21 @@ def _explain(env: Envelope) -> None:
         console.print(f"    [red]{p.get('explanation')}[/]", highlight=False)
         for alt in p.get("alternatives", []):
             mark = "resolves" if alt.get("verified") else "unverified"
-            console.print(f"    try: {alt['requirement']} -> [green]{alt['suggestion']}[/] "
-                          f"({mark})", highlight=False)
+            console.print(
+                f"    try: {alt['requirement']} -> [green]{alt['suggestion']}[/] ({mark})",
+                highlight=False,
+            )
 
 
-async def _submit(spec_text: str, filename: str, code_ref: BundleRef | None, wait: str,
-                  timeout: float, stall: float, as_json: bool) -> Outcome:
+async def _submit(
+    spec_text: str,
+    filename: str,
+    code_ref: BundleRef | None,
+    wait: str,
+    timeout: float,
+    stall: float,
+    as_json: bool,
+) -> Outcome:
     sandbox_id = new_sandbox_id()
     outcome = Outcome(sandbox_id)
     target = WAIT_FOR[wait]
@@ -129,14 +146,16 @@ async def _submit(spec_text: str, filename: str, code_ref: BundleRef | None, wai
         start = (await js.stream_info(STREAM)).state.last_seq + 1
         publisher = await cli_publisher(js)
         await publisher.publish(
-            SpecSubmitted(spec_yaml=spec_text, filename=filename, code=code_ref,
-                          submitted_by=submitter()),
+            SpecSubmitted(
+                spec_yaml=spec_text, filename=filename, code=code_ref, submitted_by=submitter()
+            ),
             aggregate_id=sandbox_id,
         )
         deadline = time.monotonic() + timeout
         last_event_at = time.monotonic()
-        async for batch in follow(js, filter_subject=aggregate_filter("sandbox", sandbox_id),
-                                  start_seq=start, idle_s=0.25):
+        async for batch in follow(
+            js, filter_subject=aggregate_filter("sandbox", sandbox_id), start_seq=start, idle_s=0.25
+        ):
             for seq, data in batch:
                 env = decode(data)
                 _record(outcome, seq, env, as_json)
@@ -162,13 +181,16 @@ def _exit_code(outcome: Outcome) -> int:
 
 def submit(
     spec: Annotated[Path, typer.Argument(help="The sandbox spec (YAML)")],
-    code: Annotated[Path | None, typer.Option(help="Directory to bundle as the sandbox's code")]
-    = None,
-    wait: Annotated[str, typer.Option(help="Follow until: validated|built|ready|exited")]
-    = "exited",
+    code: Annotated[
+        Path | None, typer.Option(help="Directory to bundle as the sandbox's code")
+    ] = None,
+    wait: Annotated[
+        str, typer.Option(help="Follow until: validated|built|ready|exited")
+    ] = "exited",
     timeout: Annotated[float, typer.Option(help="Give up after this many seconds")] = 900.0,
-    stall: Annotated[float, typer.Option(help="Stop when no event arrives for this long (s)")]
-    = 60.0,
+    stall: Annotated[
+        float, typer.Option(help="Stop when no event arrives for this long (s)")
+    ] = 60.0,
     as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON result")] = False,
 ) -> None:
     """Submit SPEC to the bus and print its lifecycle as events arrive.

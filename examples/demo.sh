@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The DSec demo, end to end on the embedded stack. Run it with `./taskw demo`.
+# Each step says what a user would type; expected failures (a rejected spec, a conflict) are
+# part of the story and checked, not ignored.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DSEC_HOME="${DSEC_HOME:-$PWD/.dsec}"
+
+step() { printf '\n\033[1;36m== %s\033[0m\n$ %s\n' "$1" "${*:2}"; }
+expect() {  # expect CODE CMD...: run CMD, fail the demo unless it exits with CODE
+  local want=$1; shift
+  set +e; "$@"; local got=$?; set -e
+  if [ "$got" -ne "$want" ]; then
+    echo "demo: expected exit $want from '$*', got $got" >&2; exit 1
+  fi
+}
+
+trap 'echo; echo "demo failed; the stack is still up for inspection: dsec status, dsec down" >&2' ERR
+
+step "Start the embedded stack" dsec up
+dsec up
+
+step "What runs" dsec status
+dsec status
+
+step "A spec with mistakes: every error at once, at its line" dsec spec check examples/bad-spec/dsec.yaml
+expect 2 dsec spec check examples/bad-spec/dsec.yaml
+
+step "Which grants does the agent code need?" dsec policy infer --code examples/websearch-agent
+dsec policy infer --code examples/websearch-agent
+
+step "Submitting the broken spec: the policy service rejects it" \
+  dsec submit examples/bad-spec/dsec.yaml --wait validated
+expect 1 dsec submit examples/bad-spec/dsec.yaml --wait validated
+
+step "The brief's spec: vllm 0.6.1 needs newer transformers — blocked with alternatives" \
+  dsec submit examples/brief/dsec.yaml --wait built
+expect 1 dsec submit examples/brief/dsec.yaml --wait built --stall 120
+
+step "The web-search agent, end to end" \
+  dsec submit examples/websearch-agent/dsec.yaml --code examples/websearch-agent
+dsec submit examples/websearch-agent/dsec.yaml --code examples/websearch-agent --stall 120 \
+  || echo "(the chain stops where the services stop; see above)"
+
+step "Sandboxes, from the Postgres read models" dsec sandbox list
+for _ in $(seq 50); do  # the projector follows the log asynchronously
+  dsec sandbox list --json | python3 -c 'import json,sys; sys.exit(0 if len(json.load(sys.stdin))>=3 else 1)' && break
+  sleep 0.1
+done
+dsec sandbox list
+
+step "Refusals, with the rule that refused them" dsec audit replay --type policy.violation
+dsec audit replay --type policy.violation
+
+step "Prove the whole log: every signature, chain link and sequence" dsec audit verify
+dsec audit verify
+
+step "Stop everything" dsec down
+dsec down
+trap - ERR
+echo; echo "demo complete"

@@ -1,0 +1,134 @@
+"""Postgres read models projected from the log: `dsec sandbox list/show`, exactly-once
+application, and `dsec projections rebuild` giving the same rows."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import nats
+import pytest
+from nacl.signing import SigningKey
+from nats.js import JetStreamContext
+
+from dsec_core.bus import EventPublisher, ensure_stream, replay
+from dsec_core.events import (
+    DepsConflict,
+    DepsResolved,
+    EnvBuilt,
+    SandboxExited,
+    SandboxReady,
+    SpecRejected,
+    SpecSubmitted,
+    SpecValidated,
+)
+from dsec_core.projections import Projector, apply_batch, ensure_schema
+from dsec_core.signing import Signer
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def js(nats_url: str) -> AsyncIterator[JetStreamContext]:
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await ensure_stream(js)
+    yield js
+    await nc.close()
+
+
+def _sid() -> str:
+    return f"sbx_{uuid.uuid4().hex[:12]}"
+
+
+async def _lifecycle(js: JetStreamContext) -> tuple[str, str, str]:
+    pub = EventPublisher(js, Signer("cli", SigningKey.generate()))
+    ok, bad, conflict = _sid(), _sid(), _sid()
+    await pub.publish(SpecSubmitted(spec_yaml="name: a", filename="a.yaml"), aggregate_id=ok)
+    await pub.publish(SpecValidated(name="agent-a", spec_digest="d1", plan={"x": 1}),
+                      aggregate_id=ok)
+    await pub.publish(DepsResolved(lock=[], lock_hash="l1", python="3.11", platform="x",
+                                   resolve_ms=1.0), aggregate_id=ok)
+    await pub.publish(EnvBuilt(lock_hash="l1", fingerprint="f", location="/e", node_id="n1",
+                               reused=False), aggregate_id=ok)
+    await pub.publish(SandboxReady(node_id="n1", pid=42, cgroup="/c"), aggregate_id=ok)
+    await pub.publish(SandboxExited(exit_code=0, reason="ok", duration_s=2.0), aggregate_id=ok)
+    await pub.publish(SpecSubmitted(spec_yaml="nme: b", filename="b.yaml"), aggregate_id=bad)
+    await pub.publish(SpecRejected(errors=[{"file": "b.yaml", "line": 1, "column": 1,
+                                            "message": "unknown field 'nme'"}]),
+                      aggregate_id=bad)
+    await pub.publish(SpecSubmitted(spec_yaml="name: c"), aggregate_id=conflict)
+    await pub.publish(SpecValidated(name="agent-c", spec_digest="d3", plan={}),
+                      aggregate_id=conflict)
+    await pub.publish(DepsConflict(explanation="vllm needs transformers>=4.43.2"),
+                      aggregate_id=conflict)
+    return ok, bad, conflict
+
+
+async def _project_until(js: JetStreamContext, dsn: str, sandbox: str) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(Projector(js, dsn).run(stop))
+    conn = await asyncpg.connect(dsn)
+    try:
+        for _ in range(400):
+            await ensure_schema(conn)
+            if await conn.fetchval("SELECT terminal FROM sandboxes WHERE sandbox_id=$1", sandbox):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("projector did not reach the sandbox's terminal event")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        await conn.close()
+
+
+async def test_lifecycle_is_projected_and_listed(js, postgres_dsn, nats_url, dsec_cli, tmp_path):
+    ok, bad, conflict = await _lifecycle(js)
+    await _project_until(js, postgres_dsn, conflict)
+    env = {"DSEC_NATS_URL": nats_url, "DSEC_POSTGRES_DSN": postgres_dsn,
+           "DSEC_HOME": str(tmp_path)}
+    listed = dsec_cli("sandbox", "list", "--json", env=env)
+    assert listed.exit_code == 0
+    rows = {r["sandbox_id"]: r for r in listed.last_json()}
+    assert rows[ok]["state"] == "exited" and rows[ok]["exit_code"] == 0
+    assert rows[ok]["name"] == "agent-a" and rows[ok]["node_id"] == "n1"
+    assert rows[bad]["state"] == "rejected"
+    assert rows[conflict]["state"] == "conflict"
+    assert "transformers>=4.43.2" in rows[conflict]["reason"]
+
+    shown = dsec_cli("sandbox", "show", ok, "--json", env=env)
+    detail = shown.last_json()
+    assert [e["type"] for e in detail["events"]] == [
+        "spec.submitted", "spec.validated", "deps.resolved", "env.built", "sandbox.ready",
+        "sandbox.exited"]
+    assert detail["spec"]["status"] == "validated"
+    rejected = dsec_cli("sandbox", "show", bad, "--json", env=env).last_json()
+    assert rejected["spec"]["errors"][0]["message"] == "unknown field 'nme'"
+    missing = dsec_cli("sandbox", "show", "sbx_nope", env=env)
+    assert missing.exit_code == 2 and "no sandbox 'sbx_nope'" in missing.output
+
+    before = {r["sandbox_id"]: (r["state"], r["exit_code"]) for r in listed.last_json()}
+    rebuilt = dsec_cli("projections", "rebuild", "--json", env=env)
+    assert rebuilt.exit_code == 0 and rebuilt.last_json()["applied_seq"] > 0
+    after = dsec_cli("sandbox", "list", "--json", "--limit", "1000", env=env).last_json()
+    assert {r["sandbox_id"]: (r["state"], r["exit_code"]) for r in after
+            if r["sandbox_id"] in before} == before
+
+
+async def test_applying_a_batch_twice_changes_nothing(js, postgres_dsn) -> None:
+    ok, _, _ = await _lifecycle(js)
+    batch = [item async for item in replay(js, filter_subject=f"dsec.sandbox.{ok}.>")]
+    conn = await asyncpg.connect(postgres_dsn)
+    try:
+        await ensure_schema(conn)
+        await conn.execute("DELETE FROM projection_state")
+        await apply_batch(conn, batch)
+        first = await conn.fetch("SELECT * FROM sandbox_events WHERE sandbox_id=$1", ok)
+        position = await apply_batch(conn, batch)
+        second = await conn.fetch("SELECT * FROM sandbox_events WHERE sandbox_id=$1", ok)
+        assert position == batch[-1][0]
+        assert len(first) == len(second) == 6
+    finally:
+        await conn.close()

@@ -1,0 +1,70 @@
+"""`dsec submit` as a user meets it: bad input, an unreachable stack, and a chain that stops
+where the services stop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SPEC = "version: '1.2'\nname: hello\nbase: python:3.11\n"
+
+
+def _env(nats_url: str, home: Path) -> dict[str, str]:
+    return {"DSEC_NATS_URL": nats_url, "DSEC_HOME": str(home)}
+
+
+def test_missing_spec_file_is_bad_input(dsec_cli, nats_url, tmp_path) -> None:
+    result = dsec_cli("submit", str(tmp_path / "nope.yaml"), env=_env(nats_url, tmp_path))
+    assert result.exit_code == 2
+    assert "cannot read spec" in result.output and "nope.yaml" in result.output
+
+
+def test_invalid_wait_level_names_the_valid_ones(dsec_cli, nats_url, tmp_path) -> None:
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC)
+    result = dsec_cli("submit", str(spec), "--wait", "done", env=_env(nats_url, tmp_path))
+    assert result.exit_code == 2
+    assert "validated, built, ready, exited" in result.output
+
+
+def test_code_dir_must_exist(dsec_cli, nats_url, tmp_path) -> None:
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC)
+    result = dsec_cli("submit", str(spec), "--code", str(tmp_path / "missing"),
+                      env=_env(nats_url, tmp_path))
+    assert result.exit_code == 2 and "is not a directory" in result.output
+
+
+def test_unreachable_stack_exits_3(dsec_cli, tmp_path) -> None:
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC)
+    result = dsec_cli("submit", str(spec), env={"DSEC_NATS_URL": "nats://127.0.0.1:1",
+                                                "DSEC_HOME": str(tmp_path)})
+    assert result.exit_code == 3 and "cannot reach NATS" in result.output
+
+
+def test_chain_without_a_consumer_stalls_visibly(dsec_cli, nats_url, s3, tmp_path) -> None:
+    """No service consumes the custom wait target here: submit says where the chain stopped."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "main.py").write_text("print('hi')\n")
+    env = {**_env(nats_url, tmp_path), "DSEC_S3_ENDPOINT": s3.endpoint,
+           "DSEC_S3_ACCESS_KEY": s3.access_key, "DSEC_S3_SECRET_KEY": s3.secret_key,
+           "DSEC_S3_BUCKET": s3.bucket}
+    result = dsec_cli("submit", str(spec), "--code", str(code), "--wait", "exited",
+                      "--stall", "1", "--json", env=env)
+    outcome = result.last_json()
+    assert result.exit_code == 4, result.output
+    assert outcome["sandbox_id"].startswith("sbx_")
+    assert outcome["stalled_after"] is not None
+    first = outcome["events"][0]
+    assert first["type"] == "spec.submitted"
+    bundle = first["payload"]["code"]
+    assert bundle["files"] == 1
+    stat = s3.client().stat_object(s3.bucket, bundle["object_key"])
+    assert stat.size == bundle["size"]
