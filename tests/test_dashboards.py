@@ -1,0 +1,42 @@
+"""Dashboards shipped in deploy/grafana query only metrics that DSec really exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+
+import dsec_core.metrics  # noqa: F401  (registers the service metrics)
+
+pytestmark = pytest.mark.unit
+
+DASHBOARDS = sorted((Path(__file__).parents[1] / "deploy" / "grafana").glob("*.json"))
+PROMQL_FUNCTIONS = {"sum", "rate", "by", "histogram_quantile", "le", "service", "type", "final",
+                    "job", "instance", "up"}
+
+
+def _exported() -> set[str]:
+    text = generate_latest(REGISTRY).decode()
+    names: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE"):
+            _, _, name, kind = line.split()
+            names.add(name)
+            if kind == "histogram":  # series exist once observed; the names are fixed
+                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+    return names
+
+
+def test_every_dashboard_metric_is_exported() -> None:
+    assert DASHBOARDS, "no dashboards shipped"
+    exported = _exported() | {"up"}  # `up` is Prometheus' own per-target metric
+    for path in DASHBOARDS:
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                names = set(re.findall(r"\b([a-z_][a-z0-9_]*)\b(?=\s*[\{\[])", target["expr"]))
+                names -= PROMQL_FUNCTIONS - {"up"}
+                missing = names - exported
+                assert not missing, f"{path.name} panel {panel['title']!r} queries {missing}"
