@@ -10,17 +10,16 @@ from pathlib import Path
 
 import nats
 import pytest
-from nacl.signing import SigningKey
-from nats.js import JetStreamContext
-from nats.js.errors import APIError
-
 from dsec_core.bus import EventPublisher, ensure_stream, replay
 from dsec_core.envelope import decode
-from dsec_core.events import SandboxExited, SpecSubmitted, SpecValidated
+from dsec_core.events import SpecSubmitted, SpecValidated
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 from dsec_core.signing import Signer
 from dsec_core.subjects import STREAM, aggregate_filter
+from nacl.signing import SigningKey
+from nats.js import JetStreamContext
+from nats.js.errors import APIError
 
 pytestmark = pytest.mark.integration
 
@@ -78,6 +77,17 @@ async def test_same_event_id_is_stored_once(js: JetStreamContext) -> None:
     assert len(await _events_of(js, "sbx_dup")) == 1
 
 
+async def _settled(js: JetStreamContext, service: Service) -> None:
+    """Wait until the service's consumer has nothing pending or unacknowledged."""
+    durable = f"{service.name}-spec-submitted"
+    for _ in range(400):
+        info = await js.consumer_info(STREAM, durable)
+        if info.num_ack_pending == 0 and info.num_pending == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"consumer {durable} never settled: {info}")
+
+
 def _service(nats_url: str, home: Path) -> Service:
     return Service(f"t{uuid.uuid4().hex[:8]}", Settings(nats_url=nats_url, home=home))
 
@@ -98,8 +108,8 @@ async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
     await service.start()
     try:
         await _publisher(js).publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
-        events = await _wait_for(js, sandbox, lambda ev: any(t == "sandbox.failed" for _, t, _ in ev))
-        await asyncio.sleep(0.3)  # a fourth attempt would have been redelivered by now
+        await _wait_for(js, sandbox, lambda ev: any(t == "sandbox.failed" for _, t, _ in ev))
+        await _settled(js, service)
         events = await _events_of(js, sandbox)
     finally:
         await service.stop()
@@ -135,7 +145,7 @@ async def test_redelivery_after_a_crash_between_publish_and_ack_publishes_nothin
     try:
         await _publisher(js).publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
         await _wait_for(js, sandbox, lambda ev: calls >= 2)
-        await asyncio.sleep(0.2)
+        await _settled(js, service)
         events = await _events_of(js, sandbox)
     finally:
         await service.stop()
@@ -156,7 +166,10 @@ async def test_events_are_ordered_per_aggregate_and_carry_causation(
     try:
         sub = await _publisher(js).publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
         await _wait_for(js, sandbox, lambda ev: len(ev) == 2)
-        raw = [decode(d) async for _, d in replay(js, filter_subject=aggregate_filter("sandbox", sandbox))]
+        raw = [
+            decode(d)
+            async for _, d in replay(js, filter_subject=aggregate_filter("sandbox", sandbox))
+        ]
     finally:
         await service.stop()
     assert raw[1].causation_id == sub.envelope.id

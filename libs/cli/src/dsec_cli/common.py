@@ -15,7 +15,7 @@ import nats
 import typer
 from dsec_core.bus import EventPublisher, ensure_stream
 from dsec_core.settings import Settings
-from dsec_core.signing import Signer, load_or_create_key
+from dsec_core.signing import Signer, key_id_of, load_or_create_key
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from rich.console import Console
@@ -77,10 +77,12 @@ async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, Jet
 
 
 async def cli_publisher(js: JetStreamContext, settings: Settings | None = None) -> EventPublisher:
-    """A publisher signing as producer ``cli`` with the key under ``$DSEC_HOME/keys``."""
+    """A publisher signing as producer ``cli-<key id>`` with the key under ``$DSEC_HOME/keys``."""
     settings = settings or Settings()
     key = load_or_create_key(settings.home / "keys" / "cli.key")
-    publisher = EventPublisher(js, Signer("cli", key))
+    # Each CLI key is its own producer: many people submit, each with their own key, and a
+    # producer name is bound to the first key registered for it.
+    publisher = EventPublisher(js, Signer(f"cli-{key_id_of(bytes(key.verify_key))[:12]}", key))
     await publisher.register_key()
     return publisher
 
@@ -101,18 +103,12 @@ def parse_since(value: str) -> datetime:
 
 def s3_client(settings: Settings | None = None) -> Any:
     """A ``minio.Minio`` client for the configured object store, or exit 3 when unset."""
-    from minio import Minio  # imported lazily: most commands never touch S3
+    from dsec_core import objectstore  # imported lazily: most commands never touch S3
 
-    settings = settings or Settings()
-    endpoint = settings.endpoint("s3_endpoint")
-    if not endpoint:
-        fail("no object store configured: run `dsec up` or set DSEC_S3_ENDPOINT", EXIT_UNREACHABLE)
-    return Minio(
-        str(endpoint),
-        access_key=settings.endpoint("s3_access_key"),
-        secret_key=settings.endpoint("s3_secret_key"),
-        secure=settings.s3_secure,
-    )
+    try:
+        return objectstore.client(settings or Settings())
+    except objectstore.ObjectStoreNotConfigured as exc:
+        fail(str(exc), EXIT_UNREACHABLE)
 
 
 async def pg_connect(settings: Settings | None = None) -> Any:
@@ -126,5 +122,7 @@ async def pg_connect(settings: Settings | None = None) -> Any:
     try:
         return await asyncpg.connect(str(dsn), timeout=5)
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
-        fail(f"cannot reach PostgreSQL ({type(exc).__name__}); is the stack up? (`dsec status`)",
-             EXIT_UNREACHABLE)
+        fail(
+            f"cannot reach PostgreSQL ({type(exc).__name__}); is the stack up? (`dsec status`)",
+            EXIT_UNREACHABLE,
+        )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -103,7 +104,7 @@ class EventPublisher:
             key_id=self.signer.key_id,
             public_key=self.signer.public_raw.hex(),
         )
-        return await self.publish(reg, aggregate_id=self.signer.producer.replace("/", "_"))
+        return await self.publish(reg, aggregate_id=re.sub(r"[^A-Za-z0-9_-]", "_", self.signer.producer))
 
     async def publish(
         self,
@@ -173,7 +174,7 @@ async def follow(
         while True:
             try:
                 msgs = await sub.fetch(batch, timeout=idle_s)
-            except NatsTimeoutError:
+            except TimeoutError:  # nats-py raises both its own and the builtin TimeoutError
                 yield []
                 continue
             yield [(m.metadata.sequence.stream, m.data) for m in msgs]

@@ -145,14 +145,25 @@ class Service:
             return
         metrics.EVENTS_CONSUMED.labels(*labels).inc()
         started = time.perf_counter()
+        heartbeat = asyncio.create_task(self._keep_alive(msg, policy.ack_wait_s / 3))
         try:
             outputs = await fn(envelope, envelope.decoded())
             await self._publish_outputs(envelope, outputs)
         except Exception as exc:  # any handler error: retry, then a failure event
             await self._on_failure(envelope, exc, attempt, policy, msg)
             return
-        await msg.ack_sync()
+        finally:
+            heartbeat.cancel()
         metrics.HANDLER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
+        await msg.ack_sync()
+
+    @staticmethod
+    async def _keep_alive(msg: NatsMessage, every_s: float) -> None:
+        """Tell JetStream a long handler is still working, so the ack deadline can stay short
+        (a crashed handler's message is redelivered after ``ack_wait``, not after a build)."""
+        while True:
+            await asyncio.sleep(every_s)
+            await msg.in_progress()
 
     async def _publish_outputs(
         self, envelope: Envelope, outputs: Sequence[Output | Payload]
@@ -169,7 +180,11 @@ class Service:
             metrics.EVENTS_PUBLISHED.labels(self.name, out.payload.TYPE).inc()
 
     async def _on_failure(
-        self, envelope: Envelope, exc: Exception, attempt: int, policy: RetryPolicy,
+        self,
+        envelope: Envelope,
+        exc: Exception,
+        attempt: int,
+        policy: RetryPolicy,
         msg: NatsMessage,
     ) -> None:
         labels = (self.name, envelope.type)

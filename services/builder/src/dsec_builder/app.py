@@ -1,11 +1,20 @@
-"""Wiring of the builder service: its handlers on the bus."""
+"""Wiring of the builder service: resolution and environment builds on the bus."""
 
 from __future__ import annotations
 
-from dsec_core.service import Service
+from dsec_builder.handlers import BuilderHandlers
+from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 
 
 def create_service(settings: Settings | None = None) -> Service:
-    """Build the builder service with its handlers registered."""
-    return Service("builder", settings)
+    """Build the builder: ``spec.validated`` → ``deps.*``; ``deps.resolved`` → ``env.built``."""
+    service = Service("builder", settings)
+    handlers = BuilderHandlers(service.settings)
+    # Resolution and builds are slow and network-bound: fewer, longer-spaced attempts. The
+    # runtime keeps the message alive while a long build runs.
+    slow = RetryPolicy(max_attempts=3, base_delay_s=2.0, max_delay_s=20.0)
+    service.handles("spec.validated", retry=slow, batch=4)(handlers.on_validated)
+    service.handles("deps.resolved", retry=slow, batch=4)(handlers.on_resolved)
+    service.on_stop.append(handlers.close)
+    return service

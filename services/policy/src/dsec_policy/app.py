@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dsec_core.service import Service
 from dsec_core.settings import Settings
+from dsec_policy.adapters.org_policy_file import load_org_policy
+from dsec_policy.handlers import PolicyHandlers
 
 
 def create_service(settings: Settings | None = None) -> Service:
-    """Build the policy service with its handlers registered."""
-    return Service("policy", settings)
+    """Build the policy service: ``spec.submitted`` → ``spec.validated | spec.rejected``."""
+    service = Service("policy", settings)
+    handlers = PolicyHandlers(service.settings, load_org_policy(service.settings.org_policy))
+    service.handles("spec.submitted")(handlers.on_submitted)
+    return service

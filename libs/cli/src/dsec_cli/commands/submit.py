@@ -15,6 +15,7 @@ from dsec_core.codebundle import BundleError, build_bundle
 from dsec_core.envelope import Envelope, decode
 from dsec_core.events import TERMINAL_TYPES, BundleRef, SpecSubmitted
 from dsec_core.ids import new_sandbox_id
+from dsec_core.objectstore import ensure_bucket
 from dsec_core.settings import Settings
 from dsec_core.subjects import STREAM, aggregate_filter
 
@@ -93,8 +94,7 @@ def _upload_code(code: Path, spec_text: str, settings: Settings) -> BundleRef:
     client = s3_client(settings)
     key = f"bundles/{bundle.digest}.tar.zst"
     data = bundle.read()
-    if not client.bucket_exists(settings.s3_bucket):
-        client.make_bucket(settings.s3_bucket)
+    ensure_bucket(client, settings.s3_bucket)
     client.put_object(settings.s3_bucket, key, io.BytesIO(data), len(data))
     return BundleRef(
         digest=bundle.digest, object_key=key, size=len(data), files=len(bundle.manifest.files)

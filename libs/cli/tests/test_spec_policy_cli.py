@@ -1,0 +1,131 @@
+"""The ``dsec spec check`` and ``dsec policy infer`` commands, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from dsec_cli.main import app
+from typer.testing import CliRunner
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[3]
+BAD = REPO / "examples/bad-spec/dsec.yaml"
+GOOD = REPO / "examples/websearch-agent/dsec.yaml"
+CODE = REPO / "examples/websearch-agent"
+LOCATED = re.compile(r"^(?P<file>\S+):(?P<line>\d+):(?P<col>\d+): error\[[\w.-]+\]: ", re.M)
+
+
+@pytest.fixture
+def runner(monkeypatch: pytest.MonkeyPatch) -> CliRunner:
+    monkeypatch.delenv("DSEC_ORG_POLICY", raising=False)
+    return CliRunner()
+
+
+def test_bad_spec_prints_six_located_errors_and_exits_2(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["spec", "check", str(BAD)])
+    assert result.exit_code == 2
+    found = LOCATED.findall(result.stdout)
+    assert [(int(line), int(col)) for _, line, col in found] == [
+        (4, 7),
+        (10, 14),
+        (15, 11),
+        (21, 7),
+        (26, 9),
+        (29, 21),
+    ]
+    assert all(file == str(BAD) for file, _, _ in found)
+    assert "did you mean 'ttl'?" in result.stdout
+    assert "invalid (6 errors, 0 warnings)" in result.stdout
+
+
+def test_good_spec_with_its_code_exits_0(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["spec", "check", str(GOOD), "--code", str(CODE)])
+    assert result.exit_code == 0, result.stdout
+    assert "valid (0 errors, 0 warnings)" in result.stdout
+
+
+def test_json_report_carries_errors_and_plan(runner: CliRunner) -> None:
+    bad = runner.invoke(app, ["spec", "check", str(BAD), "--json"])
+    report = json.loads(bad.stdout)
+    assert bad.exit_code == 2 and report["valid"] is False and report["plan"] is None
+    assert {e["rule_id"] for e in report["errors"]} >= {"unknown-field", "invalid-value"}
+    assert all({"file", "line", "column", "path", "message"} <= e.keys() for e in report["errors"])
+    good = runner.invoke(app, ["spec", "check", str(GOOD), "--json"])
+    plan = json.loads(good.stdout)["plan"]
+    assert plan["egress"][0]["domain"] == "api.websearch.test"
+    assert plan["secrets"][0] == {
+        "env_var": "WEB_SEARCH_KEY",
+        "vault_mount": "secret",
+        "vault_path": "agent-tools/websearch",
+        "key": "key",
+        "ttl_s": 7200,
+    }
+
+
+def test_warnings_do_not_fail_the_check(runner: CliRunner, tmp_path: Path) -> None:
+    spec = tmp_path / "dsec.yaml"
+    spec.write_text(
+        GOOD.read_text().replace(
+            "write_allowed: [/workspace/output]", "write_allowed: [/workspace/output, /tmp]"
+        )
+    )
+    result = runner.invoke(app, ["spec", "check", str(spec), "--code", str(CODE)])
+    assert result.exit_code == 0
+    assert re.search(r":\d+:\d+: warning\[infer.path-unused\]: .*?/tmp", result.stdout)
+
+
+def test_missing_grant_fails_with_the_yaml_to_add(runner: CliRunner, tmp_path: Path) -> None:
+    spec = tmp_path / "dsec.yaml"
+    spec.write_text(GOOD.read_text().replace("api.websearch.test", "api.elsewhere.test"))
+    result = runner.invoke(app, ["spec", "check", str(spec), "--code", str(CODE)])
+    assert result.exit_code == 2
+    assert "would be denied at run time" in result.stdout
+    assert "- domain: api.websearch.test" in result.stdout
+
+
+def test_org_policy_file_from_settings(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    org = tmp_path / "org.yaml"
+    org.write_text('version: "1"\nrules:\n  - {id: ACME-RES-001, kind: max-memory, max: 256MiB}\n')
+    monkeypatch.setenv("DSEC_ORG_POLICY", str(org))
+    result = runner.invoke(app, ["spec", "check", str(GOOD)])
+    assert result.exit_code == 2
+    assert "error[ACME-RES-001]: resources.memory: [ACME-RES-001] memory 512MiB" in result.stdout
+
+
+def test_invalid_org_policy_is_bad_input(runner: CliRunner, tmp_path: Path) -> None:
+    org = tmp_path / "org.yaml"
+    org.write_text('version: "1"\nrules: [{id: X-1, kind: max-memroy, max: 1GiB}]\n')
+    result = runner.invoke(app, ["spec", "check", str(GOOD), "--org-policy", str(org)])
+    assert result.exit_code == 2
+    assert f"{org}:2:" in result.stderr
+
+
+def test_unreadable_inputs_exit_2(runner: CliRunner, tmp_path: Path) -> None:
+    missing = runner.invoke(app, ["spec", "check", str(tmp_path / "nope.yaml")])
+    assert missing.exit_code == 2 and "cannot read" in missing.stderr
+    no_code = runner.invoke(app, ["spec", "check", str(GOOD), "--code", str(tmp_path / "x")])
+    assert no_code.exit_code == 2 and "not a directory" in no_code.stderr
+    infer = runner.invoke(app, ["policy", "infer", "--code", str(tmp_path / "x")])
+    assert infer.exit_code == 2 and "not a directory" in infer.stderr
+
+
+def test_policy_infer_prints_a_pasteable_block(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["policy", "infer", "--code", str(CODE)])
+    assert result.exit_code == 0
+    assert "      - domain: api.websearch.test" in result.stdout
+    assert "    - name: WEB_SEARCH_KEY" in result.stdout
+    assert result.stdout.index("runtime_context:") < result.stdout.index("security_policy:")
+
+
+def test_policy_infer_json_and_tools(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["policy", "infer", "--code", str(CODE), "--json"])
+    needs = json.loads(result.stdout)
+    assert [e["host"] for e in needs["egress"]] == ["api.websearch.test"]
+    tools = runner.invoke(app, ["policy", "tools", "--json"])
+    assert len(json.loads(tools.stdout)) >= 40

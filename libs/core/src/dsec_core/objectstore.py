@@ -1,0 +1,72 @@
+"""The S3 object store as every DSec process reaches it (the ``minio`` SDK).
+
+Works unchanged against SeaweedFS (the embedded stack), MinIO and AWS S3. The SDK is
+synchronous: async callers go through :func:`get_bytes` / :func:`put_bytes`, which run it in a
+worker thread so the event loop never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+from minio import Minio
+from minio.error import S3Error
+
+from dsec_core.settings import Settings
+
+
+class ObjectStoreNotConfigured(RuntimeError):
+    """No S3 endpoint in the settings nor in the stack state."""
+
+
+class ObjectMissing(LookupError):
+    """The named object does not exist."""
+
+
+def client(settings: Settings) -> Minio:
+    """A client for the configured store (endpoint from settings or ``stack.json``)."""
+    endpoint = settings.endpoint("s3_endpoint")
+    if not endpoint:
+        raise ObjectStoreNotConfigured("no object store: run `dsec up` or set DSEC_S3_ENDPOINT")
+    return Minio(
+        str(endpoint),
+        access_key=settings.endpoint("s3_access_key"),
+        secret_key=settings.endpoint("s3_secret_key"),
+        secure=settings.s3_secure,
+    )
+
+
+def ensure_bucket(store: Minio, bucket: str) -> None:
+    """Create ``bucket`` when missing (tolerates a concurrent creator)."""
+    if store.bucket_exists(bucket):
+        return
+    try:
+        store.make_bucket(bucket)
+    except S3Error as exc:
+        if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            raise
+
+
+def _get(store: Minio, bucket: str, key: str) -> bytes:
+    try:
+        response = store.get_object(bucket, key)
+    except S3Error as exc:
+        if exc.code in ("NoSuchKey", "NoSuchBucket"):
+            raise ObjectMissing(f"s3://{bucket}/{key} does not exist") from None
+        raise
+    try:
+        return response.read()
+    finally:
+        response.close()
+        response.release_conn()
+
+
+async def get_bytes(store: Minio, bucket: str, key: str) -> bytes:
+    """Read a whole object without blocking the event loop."""
+    return await asyncio.to_thread(_get, store, bucket, key)
+
+
+async def put_bytes(store: Minio, bucket: str, key: str, data: bytes) -> None:
+    """Write a whole object without blocking the event loop."""
+    await asyncio.to_thread(store.put_object, bucket, key, io.BytesIO(data), len(data))

@@ -1,0 +1,129 @@
+"""Load a spec file: YAML -> migration -> validation, every problem located at its line."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from dsec_core.spec.errors import Severity, SpecError, sort_key
+from dsec_core.spec.locate import cross_check_raw, errors_from_validation
+from dsec_core.spec.migrate import migrate
+from dsec_core.spec.models import SandboxSpec
+from dsec_core.spec.source import SourceMap, decode, parse_yaml
+from dsec_core.spec.units import type_name
+
+M = TypeVar("M", bound=BaseModel)
+
+_SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class SpecResult:
+    """The outcome of loading a spec: the spec (when valid), errors, warnings, and positions.
+
+    ``source`` locates any field path in the file, so later checks (org guardrails, comparison
+    with the agent's code) can report at the user's line too.
+    """
+
+    spec: SandboxSpec | None
+    errors: tuple[SpecError, ...]
+    warnings: tuple[SpecError, ...]
+    source: SourceMap
+
+    @property
+    def ok(self) -> bool:
+        """True when the spec is valid (warnings allowed)."""
+        return self.spec is not None and not self.errors
+
+
+@dataclass(frozen=True)
+class DocumentResult(Generic[M]):
+    """A YAML document validated against any model (spec, org policy)."""
+
+    value: M | None
+    errors: tuple[SpecError, ...]
+    source: SourceMap
+
+
+def load_document(text: str | bytes, filename: str, model: type[M]) -> DocumentResult[M]:
+    """Parse YAML and validate it against ``model`` with located errors (no migration)."""
+    data, smap, errors = _parse(text, filename)
+    if errors:
+        return DocumentResult(None, tuple(errors), smap)
+    value, errors = _validate(data, smap, model)
+    return DocumentResult(value, tuple(sorted(errors, key=sort_key)), smap)
+
+
+def load_spec(text: str | bytes, filename: str = "dsec.yaml") -> SpecResult:
+    """Load a sandbox spec, reporting every problem at once.
+
+    Args:
+        text: The YAML, as text or UTF-8 bytes.
+        filename: Name used in every diagnostic (``FILE:LINE:COL``).
+
+    Returns:
+        A :class:`SpecResult`; ``spec`` is set only when there are no errors.
+    """
+    data, smap, errors = _parse(text, filename)
+    warnings: list[SpecError] = []
+    if not errors and not isinstance(data, dict):
+        errors.append(
+            smap.error(
+                (),
+                f"the spec must be a mapping of fields, got {type_name(data)}",
+                hint='start with:\nversion: "1.2"\nname: my-agent\nbase: dsec/python311:latest',
+                rule_id="not-a-mapping",
+            )
+        )
+    if errors:
+        return SpecResult(None, tuple(errors), (), smap)
+    assert isinstance(data, dict)
+    errors, warnings = migrate(data, smap)
+    spec, invalid = _validate(data, smap, SandboxSpec)
+    errors += invalid
+    if spec is not None:
+        warnings += _lint(spec, smap)
+    ok_spec = spec if not errors else None
+    return SpecResult(
+        ok_spec, tuple(sorted(errors, key=sort_key)), tuple(sorted(warnings, key=sort_key)), smap
+    )
+
+
+def _parse(text: str | bytes, filename: str) -> tuple[Any, SourceMap, list[SpecError]]:
+    if isinstance(text, bytes):
+        decoded, error = decode(text, filename)
+        if error is not None or decoded is None:
+            return None, SourceMap(filename), [error] if error else []
+        text = decoded
+    return parse_yaml(text, filename)
+
+
+def _validate(data: Any, smap: SourceMap, model: type[M]) -> tuple[M | None, list[SpecError]]:
+    try:
+        return model.model_validate(data), []
+    except ValidationError as exc:
+        errors = errors_from_validation(exc, data, smap, model)
+    seen = {(e.path, e.message) for e in errors}
+    errors += [e for e in cross_check_raw(data, smap, model) if (e.path, e.message) not in seen]
+    return None, errors
+
+
+def _lint(spec: SandboxSpec, smap: SourceMap) -> list[SpecError]:
+    """Warnings about valid but risky choices."""
+    out: list[SpecError] = []
+    for index, env in enumerate(spec.runtime_context.env_vars):
+        if env.value is not None and _SECRET_NAME.search(env.name):
+            out.append(
+                smap.error(
+                    ("runtime_context", "env_vars", index, "value"),
+                    f"{env.name} looks like a secret but is given as a plain value; it will be "
+                    "stored in the spec, the bundle and the event log",
+                    hint="source: vault://MOUNT/PATH#KEY with ttl: 1h",
+                    severity=Severity.WARNING,
+                    rule_id="plain-secret",
+                )
+            )
+    return out

@@ -1,0 +1,280 @@
+"""Compile a validated spec into the :class:`EnforcementPlan` the other services enforce.
+
+The plan is what ``spec.validated`` carries: every value normalized and typed for its enforcer
+(seconds, bytes, millicores, sorted de-duplicated ports and paths), secrets as references only —
+never a value.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Literal
+
+import blake3
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec_core.spec.models import Dependency, Mount, SandboxSpec
+from dsec_core.spec.models import EgressRule as SpecEgressRule
+from dsec_core.spec.units import Rate
+
+PLAN_SCHEMA_VERSION: Literal["1"] = "1"
+
+
+class PlanModel(BaseModel):
+    """Base of every plan model: immutable, strict about fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PackageRequirement(PlanModel):
+    """A dependency for the builder: canonical name, specifier, extras, marker."""
+
+    name: str
+    specifier: str
+    extras: tuple[str, ...] = ()
+    marker: str | None = None
+
+    def requirement(self) -> str:
+        """As a PEP 508 requirement string (``rich[jupyter]>=13; python_version>='3.11'``)."""
+        extras = f"[{','.join(self.extras)}]" if self.extras else ""
+        marker = f"; {self.marker}" if self.marker else ""
+        return f"{self.name}{extras}{self.specifier}{marker}"
+
+
+class PlanEgressRule(PlanModel):
+    """One allowed destination. ``kind`` says how to match: exact name, wildcard suffix, CIDR."""
+
+    kind: Literal["domain", "wildcard", "cidr", "any"]
+    domain: str | None = Field(default=None, description="Exact name, or suffix for wildcard")
+    cidr: str | None = None
+    ports: tuple[int, ...]
+    rate_limit: Rate | None = None
+    internal_only: bool = False
+
+    def allows(self, host: str, port: int) -> bool:
+        """Whether this rule admits ``host:port`` (``host`` may be a name or an address)."""
+        if port not in self.ports:
+            return False
+        host = host.lower().rstrip(".")
+        if self.kind == "any":
+            return True
+        if self.kind == "domain":
+            return host == self.domain
+        if self.kind == "wildcard":
+            return host.endswith(f".{self.domain}")
+        try:
+            return ipaddress.ip_address(host) in ipaddress.ip_network(str(self.cidr))
+        except ValueError:
+            return False
+
+
+class FilesystemPlan(PlanModel):
+    """Landlock rules: paths readable, paths writable (writable implies readable)."""
+
+    read: tuple[str, ...]
+    write: tuple[str, ...]
+
+
+class SemanticPlanRule(PlanModel):
+    """A rule of the in-process layer, in order (first match wins)."""
+
+    on: Literal["open", "subprocess", "connect", "http"]
+    path: str | None = None
+    argv: tuple[str, ...] | None = None
+    host: str | None = None
+    url: str | None = None
+    action: Literal["allow", "redirect", "log", "deny"]
+    target: str | None = None
+    message: str | None = None
+
+
+class GpuLimits(PlanModel):
+    """GPU placement needs."""
+
+    count: int
+    memory_bytes: int | None
+    type: str | None
+
+
+class ResourceLimits(PlanModel):
+    """cgroup limits and the wall-clock timeout."""
+
+    cpu_millicores: int
+    memory_bytes: int
+    pids: int
+    gpu: GpuLimits | None
+    timeout_s: int | None
+
+
+class SecretInjection(PlanModel):
+    """A secret to fetch from Vault before start and expose as an env var (reference only)."""
+
+    env_var: str
+    vault_mount: str
+    vault_path: str
+    key: str
+    ttl_s: int
+
+
+class PlainEnv(PlanModel):
+    """A non-secret environment variable."""
+
+    name: str
+    value: str
+
+
+class MountPlan(PlanModel):
+    """A mount to prepare before start."""
+
+    path: str
+    scheme: Literal["s3", "configmap"]
+    bucket: str | None = None
+    prefix: str | None = None
+    configmap: str | None = None
+    key: str | None = None
+    mode: Literal["ro", "ro-encrypted", "rw"]
+    encrypted: bool
+    cache_ttl_s: int | None = None
+
+
+class EnforcementPlan(PlanModel):
+    """Everything the builder, the context injector and the node agent enforce for one spec."""
+
+    schema_version: Literal["1"] = PLAN_SCHEMA_VERSION
+    name: str
+    base: str
+    entrypoint: tuple[str, ...] | None
+    workdir: str
+    dependencies: tuple[PackageRequirement, ...]
+    build_options: tuple[str, ...]
+    resources: ResourceLimits
+    dns_passthrough: bool
+    egress: tuple[PlanEgressRule, ...]
+    filesystem: FilesystemPlan
+    semantic: tuple[SemanticPlanRule, ...]
+    secrets: tuple[SecretInjection, ...]
+    env: tuple[PlainEnv, ...]
+    mounts: tuple[MountPlan, ...]
+    exclude_patterns: tuple[str, ...]
+
+    def digest(self) -> str:
+        """BLAKE3 of the plan's canonical JSON: equal plans, equal digests."""
+        return blake3.blake3(self.model_dump_json().encode()).hexdigest()
+
+
+def compile_plan(spec: SandboxSpec) -> EnforcementPlan:
+    """Compile a validated spec into its enforcement plan (pure)."""
+    context = spec.runtime_context
+    return EnforcementPlan(
+        name=spec.name,
+        base=spec.base,
+        entrypoint=spec.entrypoint,
+        workdir=spec.workdir,
+        dependencies=tuple(_requirement(d) for d in spec.dependencies),
+        build_options=spec.build_options,
+        resources=_resources(spec),
+        dns_passthrough=spec.security_policy.dns_passthrough,
+        egress=tuple(_egress(rule) for rule in spec.security_policy.network.egress),
+        filesystem=_filesystem(spec),
+        semantic=tuple(
+            SemanticPlanRule(
+                on=r.on,
+                path=r.match.path,
+                argv=r.match.argv,
+                host=r.match.host,
+                url=r.match.url,
+                action=r.action,
+                target=r.target,
+                message=r.message,
+            )
+            for r in spec.security_policy.semantic
+        ),
+        secrets=_secrets(spec),
+        env=tuple(PlainEnv(name=e.name, value=e.value) for e in context.env_vars if e.value),
+        mounts=tuple(_mount(m) for m in context.mounts),
+        exclude_patterns=spec.include_code.exclude_patterns,
+    )
+
+
+def _requirement(dep: Dependency) -> PackageRequirement:
+    return PackageRequirement(
+        name=dep.canonical_name,
+        specifier=dep.version,
+        extras=tuple(sorted(set(dep.extras))),
+        marker=dep.markers,
+    )
+
+
+def _resources(spec: SandboxSpec) -> ResourceLimits:
+    res = spec.resources
+    gpu = None
+    if res.gpu is not None:
+        gpu = GpuLimits(count=res.gpu.count, memory_bytes=res.gpu.memory, type=res.gpu.type)
+    return ResourceLimits(
+        cpu_millicores=max(1, round(res.cpu * 1000)),
+        memory_bytes=res.memory,
+        pids=res.pids,
+        gpu=gpu,
+        timeout_s=None if spec.timeout is None else max(1, round(spec.timeout.total_seconds())),
+    )
+
+
+def _egress(rule: SpecEgressRule) -> PlanEgressRule:
+    kind: Literal["domain", "wildcard", "cidr", "any"] = "domain"
+    domain = rule.domain
+    if rule.cidr is not None:
+        kind = "cidr"
+    elif domain == "*":
+        kind, domain = "any", None
+    elif domain is not None and domain.startswith("*."):
+        kind, domain = "wildcard", domain[2:]
+    return PlanEgressRule(
+        kind=kind,
+        domain=domain,
+        cidr=rule.cidr,
+        ports=tuple(sorted(set(rule.ports))),
+        rate_limit=rule.rate_limit,
+        internal_only=rule.allow_internal_only,
+    )
+
+
+def _filesystem(spec: SandboxSpec) -> FilesystemPlan:
+    # Mounts are granted by their mode; the code directory is always readable.
+    fs = spec.security_policy.filesystem
+    mounts = spec.runtime_context.mounts
+    write = set(fs.write_allowed) | {m.path for m in mounts if m.mode == "rw"}
+    read = set(fs.read_allowed) | {m.path for m in mounts} | {spec.workdir}
+    return FilesystemPlan(read=tuple(sorted(read - write)), write=tuple(sorted(write)))
+
+
+def _secrets(spec: SandboxSpec) -> tuple[SecretInjection, ...]:
+    out = []
+    for env in spec.runtime_context.env_vars:
+        ref = env.vault
+        if ref is None:
+            continue
+        out.append(
+            SecretInjection(
+                env_var=env.name,
+                vault_mount=ref.mount,
+                vault_path=ref.path,
+                key=ref.key,
+                ttl_s=max(1, round(env.effective_ttl.total_seconds())),
+            )
+        )
+    return tuple(out)
+
+
+def _mount(mount: Mount) -> MountPlan:
+    src = mount.parsed_source
+    return MountPlan(
+        path=mount.path,
+        scheme=src.scheme,
+        bucket=src.bucket,
+        prefix=src.prefix,
+        configmap=src.name,
+        key=src.key,
+        mode=mount.mode,
+        encrypted=mount.mode == "ro-encrypted",
+        cache_ttl_s=None if mount.cache_ttl is None else round(mount.cache_ttl.total_seconds()),
+    )

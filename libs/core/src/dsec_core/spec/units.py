@@ -1,0 +1,256 @@
+"""Durations (``2h``), sizes (``512MiB``) and rates (``100req/min``) as typed values.
+
+Each parser accepts what users write in YAML and raises a located-error-friendly exception
+naming what would be valid. The ``Annotated`` aliases plug the parsers into pydantic models and
+serialize back to a form the parser accepts, so a dumped spec re-validates to the same value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import timedelta
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
+
+from dsec_core.spec.errors import invalid
+
+# Bounds keep every value representable downstream (timedelta, MessagePack's 64-bit ints).
+MAX_DURATION_S = 10 * 365 * 86400
+MAX_SIZE = 2**60
+MAX_CORES = 4096
+
+_DURATION_UNITS: dict[str, float] = {
+    "ms": 0.001,
+    "s": 1,
+    "m": 60,
+    "min": 60,
+    "h": 3600,
+    "d": 86400,
+    "w": 604800,
+}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|min|s|m|h|d|w)")
+DURATION_HINT = "a duration such as 300s, 15m, 2h, 1h30m, 7d (units: ms, s, m/min, h, d, w)"
+
+_SIZE_UNITS: dict[str, int] = {
+    "B": 1,
+    "KB": 10**3,
+    "kB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)")
+SIZE_HINT = (
+    "a size such as 512MiB, 8GiB, 64GB or a number of bytes "
+    "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, Ki, Mi, Gi, Ti)"
+)
+
+_RATE_PERIODS: dict[str, int] = {
+    "s": 1,
+    "sec": 1,
+    "second": 1,
+    "m": 60,
+    "min": 60,
+    "minute": 60,
+    "h": 3600,
+    "hr": 3600,
+    "hour": 3600,
+    "d": 86400,
+    "day": 86400,
+}
+_RATE = re.compile(r"(\d+)\s*(?:req|requests|r)?\s*/\s*([a-z]+)")
+RATE_HINT = "a rate such as 100req/min, 10req/s or 5000req/h (periods: s, min, h, day)"
+
+_CPU = re.compile(r"(\d+(?:\.\d+)?)(m?)")
+CPU_HINT = "a number of cores such as 2 or 0.5, or millicores such as 500m"
+
+
+def _reject_bool(value: object, hint: str) -> None:
+    # YAML `true` is an int subclass in Python; it is never a sensible size or duration.
+    if isinstance(value, bool):
+        raise invalid(f"expected {hint.split(' such as')[0]}, got a boolean", hint)
+
+
+def parse_duration(value: object) -> timedelta:
+    """Parse ``90s``, ``15m``, ``2h``, ``1h30m``, ``7d`` or a number of seconds into a timedelta.
+
+    Raises:
+        PydanticCustomError: the value is not a positive duration.
+    """
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    else:
+        _reject_bool(value, DURATION_HINT)
+        if isinstance(value, int | float):
+            seconds = float(value)
+        elif isinstance(value, str):
+            seconds = _duration_seconds(value.strip())
+        else:
+            raise invalid(f"expected a duration, got {type_name(value)}", DURATION_HINT)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise invalid(f"duration must be positive, got {value!r}", DURATION_HINT)
+    if seconds > MAX_DURATION_S:
+        raise invalid(f"duration {value!r} is longer than 10 years", DURATION_HINT)
+    return timedelta(seconds=seconds)
+
+
+def _duration_seconds(text: str) -> float:
+    if re.fullmatch(r"\d+(?:\.\d+)?", text):
+        return float(text)
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise invalid(f"{text!r} is not a duration", DURATION_HINT)
+    return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+
+
+def format_duration(value: timedelta) -> str:
+    """Render a timedelta in the shortest unit that keeps it exact (``7200s`` -> ``2h``)."""
+    millis = round(value.total_seconds() * 1000)
+    for unit, factor in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if millis % (factor * 1000) == 0:
+            return f"{millis // (factor * 1000)}{unit}"
+    return f"{millis}ms"
+
+
+def parse_size(value: object) -> int:
+    """Parse ``512MiB``, ``64GB``, ``2Gi`` or a number of bytes into an int number of bytes.
+
+    Raises:
+        PydanticCustomError: the value is not a positive size.
+    """
+    _reject_bool(value, SIZE_HINT)
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        size = _size_bytes(value.strip())
+    else:
+        raise invalid(f"expected a size, got {type_name(value)}", SIZE_HINT)
+    if size <= 0:
+        raise invalid(f"size must be positive, got {value!r}", SIZE_HINT)
+    if size > MAX_SIZE:
+        raise invalid(f"size {value!r} is larger than 1 EiB", SIZE_HINT)
+    return size
+
+
+def _size_bytes(text: str) -> int:
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise invalid(f"{text!r} is not a size", SIZE_HINT)
+    number, unit = match.groups()
+    if unit and unit not in _SIZE_UNITS:
+        raise invalid(f"unknown size unit {unit!r} in {text!r}", SIZE_HINT)
+    size = float(number) * _SIZE_UNITS.get(unit, 1)
+    return int(size) if math.isfinite(size) else MAX_SIZE + 1
+
+
+def format_size(size: int) -> str:
+    """Render bytes in the largest binary unit that keeps the value exact."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if size % _SIZE_UNITS[unit] == 0:
+            return f"{size // _SIZE_UNITS[unit]}{unit}"
+    return str(size)
+
+
+def parse_cpu(value: object) -> float:
+    """Parse a CPU amount (``2``, ``0.5``, ``"500m"``) into a number of cores.
+
+    Raises:
+        PydanticCustomError: the value is not a positive CPU amount.
+    """
+    _reject_bool(value, CPU_HINT)
+    if isinstance(value, int | float):
+        cores = float(value)
+    elif isinstance(value, str):
+        match = _CPU.fullmatch(value.strip())
+        if match is None:
+            raise invalid(f"{value!r} is not a CPU amount", CPU_HINT)
+        cores = float(match.group(1)) / (1000 if match.group(2) else 1)
+    else:
+        raise invalid(f"expected a CPU amount, got {type_name(value)}", CPU_HINT)
+    if not math.isfinite(cores) or cores <= 0 or cores > MAX_CORES:
+        raise invalid(f"cpu must be between 0 and {MAX_CORES} cores, got {value!r}", CPU_HINT)
+    return cores
+
+
+class Rate(BaseModel):
+    """A request budget: ``requests`` per ``period_s`` seconds (``100req/min``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    requests: int = Field(ge=1, le=2**53)
+    period_s: int = Field(ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return parse_rate(value)
+        if isinstance(value, Rate | dict):
+            return value
+        raise invalid(f"expected a rate, got {type_name(value)}", RATE_HINT)
+
+    @property
+    def per_second(self) -> float:
+        """The budget as requests per second (what a token bucket refills at)."""
+        return self.requests / self.period_s
+
+    def __str__(self) -> str:
+        unit = {1: "s", 60: "min", 3600: "h", 86400: "day"}.get(self.period_s)
+        return f"{self.requests}req/{unit}" if unit else f"{self.requests}req/{self.period_s}s"
+
+
+def parse_rate(text: str) -> dict[str, int]:
+    """Parse ``100req/min`` into ``{"requests": 100, "period_s": 60}``.
+
+    Raises:
+        PydanticCustomError: the text is not a rate.
+    """
+    match = _RATE.fullmatch(text.strip())
+    if match is None or match.group(2) not in _RATE_PERIODS:
+        raise invalid(f"{text!r} is not a rate", RATE_HINT)
+    requests = int(match.group(1))
+    if requests <= 0:
+        raise invalid(f"a rate needs at least one request, got {text!r}", RATE_HINT)
+    return {"requests": requests, "period_s": _RATE_PERIODS[match.group(2)]}
+
+
+def type_name(value: object) -> str:
+    """Name a YAML value's type the way a user thinks of it."""
+    if value is None:
+        return "null"
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }.get(type(value), type(value).__name__)
+
+
+Duration = Annotated[
+    timedelta,
+    BeforeValidator(parse_duration),
+    PlainSerializer(format_duration, return_type=str, when_used="json"),
+]
+"""A positive duration; YAML ``2h``, JSON ``"2h"``."""
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+"""A positive number of bytes; YAML ``512MiB``."""
+
+Cores = Annotated[float, BeforeValidator(parse_cpu)]
+"""A positive number of CPU cores; YAML ``2`` or ``500m``."""

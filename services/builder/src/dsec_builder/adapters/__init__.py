@@ -1,0 +1,1 @@
+"""I/O of the builder: the uv engine, the cache tiers and the environment store."""

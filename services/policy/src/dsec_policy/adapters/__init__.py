@@ -1,0 +1,1 @@
+"""I/O at the edges of the policy service (files on disk)."""

@@ -1,0 +1,106 @@
+"""The policy service's decision, as a pure function: spec text (+ code) -> plan or errors.
+
+No I/O here: the caller passes the spec text, the code bundle as a mapping of relative paths to
+bytes, and the parsed org policy. The same function backs ``dsec spec check`` and the service's
+``spec.submitted`` handler, so users see locally exactly what the service will say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from dsec_core.spec import (
+    EnforcementPlan,
+    Severity,
+    SpecError,
+    compile_plan,
+    load_spec,
+)
+from dsec_core.spec.errors import sort_key
+from pydantic import BaseModel, ConfigDict
+
+from dsec_policy.compare import compare
+from dsec_policy.guardrails import OrgPolicy, check_guardrails, default_org_policy
+from dsec_policy.infer.analyzer import analyze_files
+from dsec_policy.infer.catalogue import Catalogue, load_catalogue
+from dsec_policy.infer.needs import InferredNeeds, infer_needs
+
+
+class ValidationOutcome(BaseModel):
+    """What validating a spec decided: a plan (when accepted), errors, warnings, code needs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    plan: EnforcementPlan | None
+    errors: tuple[SpecError, ...]
+    warnings: tuple[SpecError, ...]
+    needs: InferredNeeds | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the spec is accepted (``spec.validated``), False for ``spec.rejected``."""
+        return self.plan is not None and not self.errors
+
+
+def infer(code_files: Mapping[str, bytes], catalogue: Catalogue | None = None) -> InferredNeeds:
+    """What a code bundle needs, from static analysis and the tool catalogue (pure)."""
+    catalogue = catalogue or load_catalogue()
+    return infer_needs(analyze_files(code_files, catalogue.class_names()), catalogue)
+
+
+def validate(
+    text: str | bytes,
+    filename: str = "dsec.yaml",
+    code_files: Mapping[str, bytes] | None = None,
+    org_policy: OrgPolicy | None = None,
+    catalogue: Catalogue | None = None,
+) -> ValidationOutcome:
+    """Validate a spec against the schema, the org guardrails and (optionally) its code.
+
+    Args:
+        text: The spec YAML.
+        filename: Name used in diagnostics.
+        code_files: The code bundle (relative path -> bytes); ``None`` skips the comparison.
+        org_policy: Guardrails; ``None`` means the packaged baseline.
+        catalogue: Tool semantics; ``None`` means the packaged catalogue.
+
+    Returns:
+        The outcome: ``plan`` is set only when there is no error-level diagnostic.
+    """
+    loaded = load_spec(text, filename)
+    needs = infer(code_files, catalogue) if code_files is not None else None
+    diagnostics = [*loaded.errors, *loaded.warnings]
+    plan = None
+    if loaded.spec is not None:
+        spec = loaded.spec
+        plan = compile_plan(spec)
+        policy = org_policy if org_policy is not None else default_org_policy()
+        diagnostics += check_guardrails(spec, policy, loaded.source)
+        if needs is not None:
+            diagnostics += compare(spec, plan, needs, loaded.source)
+    if needs is not None:
+        diagnostics += _parse_failures(needs)
+    errors = sorted((d for d in diagnostics if d.severity is Severity.ERROR), key=sort_key)
+    warnings = sorted((d for d in diagnostics if d.severity is not Severity.ERROR), key=sort_key)
+    return ValidationOutcome(
+        plan=plan if not errors else None,
+        errors=tuple(errors),
+        warnings=tuple(warnings),
+        needs=needs,
+    )
+
+
+def _parse_failures(needs: InferredNeeds) -> list[SpecError]:
+    return [
+        SpecError(
+            file=failure.file,
+            line=failure.line,
+            column=failure.column,
+            path="",
+            message=f"cannot analyze this file: {failure.message}",
+            hint="fix the syntax error; its needs were not checked",
+            severity=Severity.WARNING,
+            rule_id="infer.parse-error",
+        )
+        for failure in needs.parse_failures
+    ]

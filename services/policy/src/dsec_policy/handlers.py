@@ -1,0 +1,66 @@
+"""Bus handlers of the policy service: ``spec.submitted`` → ``spec.validated | spec.rejected``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import blake3
+
+from dsec_core.envelope import Envelope
+from dsec_core.events import Payload, SpecRejected, SpecSubmitted, SpecValidated
+from dsec_core.objectstore import ObjectMissing, client, get_bytes
+from dsec_core.settings import Settings
+from dsec_core.spec import SpecError
+from dsec_policy.adapters.code_files import CodeDirError, read_bundle_sources
+from dsec_policy.domain import validate
+from dsec_policy.guardrails import OrgPolicy
+
+
+def _bundle_error(filename: str, message: str) -> SpecError:
+    return SpecError(file=filename, line=1, column=1, path="code", message=message,
+                     rule_id="code-bundle", hint="resubmit with `dsec submit --code DIR`")
+
+
+class PolicyHandlers:
+    """Validates submitted specs against the schema, the org guardrails and the agent code."""
+
+    def __init__(self, settings: Settings, org_policy: OrgPolicy | None) -> None:
+        self.settings = settings
+        self.org_policy = org_policy
+
+    async def _code_files(self, event: SpecSubmitted) -> dict[str, bytes] | SpecError:
+        if event.code is None:
+            return {}
+        try:
+            archive = await get_bytes(client(self.settings), self.settings.s3_bucket,
+                                      event.code.object_key)
+        except ObjectMissing as exc:
+            return _bundle_error(event.filename, f"code bundle missing: {exc}")
+        if blake3.blake3(archive).hexdigest() != event.code.digest:
+            return _bundle_error(event.filename, "code bundle does not match its digest "
+                                 f"{event.code.digest[:16]}… (altered in the object store?)")
+        try:
+            return await asyncio.to_thread(read_bundle_sources, archive)
+        except CodeDirError as exc:
+            return _bundle_error(event.filename, str(exc))
+
+    async def on_submitted(self, envelope: Envelope, event: SpecSubmitted) -> Sequence[Payload]:
+        """Validate one submitted spec (pure decision; bundle fetched first)."""
+        code = await self._code_files(event)
+        if isinstance(code, SpecError):
+            return [SpecRejected(errors=[code.model_dump(mode="json")])]
+        outcome = await asyncio.to_thread(
+            validate, event.spec_yaml, event.filename, code or None, self.org_policy
+        )
+        warnings = [w.model_dump(mode="json") for w in outcome.warnings]
+        if not outcome.ok or outcome.plan is None:
+            return [SpecRejected(errors=[e.model_dump(mode="json") for e in outcome.errors],
+                                 warnings=warnings)]
+        return [SpecValidated(
+            name=outcome.plan.name,
+            spec_digest=blake3.blake3(event.spec_yaml.encode()).hexdigest(),
+            plan=outcome.plan.model_dump(mode="json"),
+            code=event.code,
+            warnings=warnings,
+        )]

