@@ -222,6 +222,16 @@ class PolicyViolation(Payload):
     spec_line: int | None = None
 
 
+class SandboxStopRequested(Payload):
+    """A user asked to stop a running sandbox (``dsec sandbox stop``); the node agent acts."""
+
+    TYPE = "sandbox.stop_requested"
+    AGGREGATE = "sandbox"
+
+    requested_by: str = ""
+    grace_s: float = 5.0
+
+
 # --- snapshots, placement, nodes, audit -----------------------------------------------------
 
 
@@ -314,6 +324,7 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     SandboxExited,
     SandboxFailed,
     PolicyViolation,
+    SandboxStopRequested,
     SnapshotTaken,
     SnapshotRestored,
     UnitPlaced,

@@ -1,11 +1,34 @@
-"""Wiring of the nodeagent service: its handlers on the bus."""
+"""Wiring of the node agent: sandboxes and their egress policy on the bus."""
 
 from __future__ import annotations
 
-from dsec_core.service import Service
+from nats.js import JetStreamContext
+
+from dsec_core.events import Payload
+from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
+from dsec_nodeagent.agent import NodeAgent
+from dsec_nodeagent.egress import Egress
 
 
 def create_service(settings: Settings | None = None) -> Service:
-    """Build the nodeagent service with its handlers registered."""
-    return Service("nodeagent", settings)
+    """Build the node agent: ``env.built`` → sandbox; ``sandbox.stop_requested`` → stop."""
+    service = Service("nodeagent", settings)
+
+    async def publish(payload: Payload, aggregate_id: str, event_id: str | None) -> None:
+        assert service.publisher is not None
+        await service.publisher.publish(payload, aggregate_id=aggregate_id, event_id=event_id)
+
+    def js() -> JetStreamContext:
+        assert service.nc is not None
+        return service.nc.jetstream()
+
+    egress = Egress(service.settings, publish)
+    agent = NodeAgent(service.settings, publish, js, before_start=egress.attach,
+                      on_stopped=egress.detach)
+    retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
+    service.handles("env.built", retry=retry, batch=4)(agent.on_env_built)
+    service.handles("sandbox.stop_requested")(agent.on_stop_requested)
+    service.on_start.extend([egress.start, agent.start])
+    service.on_stop.extend([agent.shutdown, egress.close])
+    return service

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from typing import Annotated, Any
 
 import typer
 from dsec_core.projections import ensure_schema
 from rich.table import Table
 
-from dsec_cli.common import EXIT_BAD_INPUT, console, fail, pg_connect, print_json, run
+from dsec_cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    bus,
+    cli_publisher,
+    console,
+    fail,
+    pg_connect,
+    print_json,
+    run,
+    submitter,
+)
 
 sandbox_app = typer.Typer(help="List and inspect sandboxes.", no_args_is_help=True)
 
@@ -123,3 +136,93 @@ def show(
 def register(app: typer.Typer) -> None:
     """Add ``dsec sandbox``."""
     app.add_typer(sandbox_app, name="sandbox")
+
+
+def _manager() -> Any:
+    from dsec_core.settings import Settings
+    from dsec_nodeagent.sandbox.manager import SandboxManager
+
+    return SandboxManager(Settings().home)
+
+
+@sandbox_app.command("logs")
+def logs(
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox id (sbx_...)")],
+    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing until it exits")]
+    = False,
+    stderr: Annotated[bool, typer.Option("--stderr", help="Show stderr instead of stdout")]
+    = False,
+) -> None:
+    """Print a sandbox's output (kept after it exits). Runs on the sandbox's node."""
+    manager = _manager()
+    path = manager.log_paths(sandbox_id)[1 if stderr else 0]
+    if not path.exists():
+        fail(f"no logs for {sandbox_id!r} on this node ({path.parent})", EXIT_BAD_INPUT)
+
+    async def stream() -> None:
+        with open(path, errors="replace") as fh:
+            while True:
+                chunk = fh.read()
+                if chunk:
+                    sys.stdout.write(chunk)
+                    sys.stdout.flush()
+                elif not follow or manager.states.read(sandbox_id) is None:
+                    return
+                else:
+                    await asyncio.sleep(0.1)
+
+    try:
+        run(stream())
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+@sandbox_app.command("exec", context_settings={"allow_interspersed_args": False})
+def exec_(
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox id (sbx_...)")],
+    command: Annotated[list[str], typer.Argument(help="Command to run, after --")],
+) -> None:
+    """Run COMMAND inside a running sandbox, with the same isolation (no secrets)."""
+    try:
+        code = run(_manager().exec(sandbox_id, list(command)))
+    except KeyError as exc:
+        fail(f"{exc.args[0]} on this node (see `dsec sandbox list`)", EXIT_BAD_INPUT)
+    raise typer.Exit(code)
+
+
+@sandbox_app.command("stop")
+def stop(
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox id (sbx_...)")],
+    grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL")] = 5.0,
+    wait: Annotated[bool, typer.Option(help="Wait for sandbox.exited")] = True,
+) -> None:
+    """Ask the node agent to stop a sandbox (published as ``sandbox.stop_requested``)."""
+    from dsec_core.bus import follow as follow_log
+    from dsec_core.envelope import decode
+    from dsec_core.events import SandboxStopRequested
+    from dsec_core.subjects import STREAM, subject_for
+
+    async def go() -> int | None:
+        async with bus() as (_, js):
+            start = (await js.stream_info(STREAM)).state.last_seq + 1
+            publisher = await cli_publisher(js)
+            await publisher.publish(
+                SandboxStopRequested(requested_by=submitter(), grace_s=grace),
+                aggregate_id=sandbox_id,
+            )
+            if not wait:
+                return None
+            deadline = asyncio.get_running_loop().time() + grace + 30
+            async for batch in follow_log(js, filter_subject=subject_for("sandbox.exited",
+                                                                         sandbox_id),
+                                          start_seq=start):
+                for _, data in batch:
+                    return int(decode(data).payload["exit_code"])
+                if asyncio.get_running_loop().time() > deadline:
+                    fail(f"{sandbox_id} did not exit within {grace + 30:.0f} s; is its node "
+                         "agent running? (`dsec status`)", EXIT_FAILED)
+        return None
+
+    code = run(go())
+    if code is not None:
+        console.print(f"{sandbox_id} stopped (exit code {code})")

@@ -1,0 +1,168 @@
+"""Sandbox start: DSec (every layer) beside plain subprocess, `unshare` and bubblewrap, one run.
+
+    sudo .venv/bin/python bench/sandbox_start.py [--n 50]
+
+Each variant starts the same interpreter with the same one-line program and is timed from the
+launch call to the moment its first line of output can be read (launch-to-first-line). Variants
+take turns, start by start, so background load hits them alike.
+
+- DSec: ``SandboxManager.launch`` — plan, cgroup (v1 memory/cpu/pids + v2 dir), pid/mount/ipc/uts
+  namespaces, minimal read-only root via pivot_root, unprivileged uid, no capabilities,
+  no_new_privs, Landlock, seccomp, semantic layer (sitecustomize with one rule); its stdout is a
+  log file, polled every 0.2 ms. ``sandbox.ready`` (every layer applied, workload exec'd) is
+  reported too, with the per-layer breakdown.
+- subprocess: ``subprocess.Popen`` of the interpreter, no isolation.
+- unshare: util-linux ``unshare --mount --pid --ipc --uts --fork`` (namespaces only).
+- bwrap: bubblewrap with the same namespaces, a minimal read-only root (the runtime and /usr),
+  private /proc, /dev and /tmp, all capabilities dropped, and DSec's seccomp filter (--seccomp).
+  No cgroup, Landlock, uid change or semantic layer.
+
+Needs root (namespaces, cgroups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import emit, percentile
+from dsec_nodeagent.sandbox import SandboxConfig, SandboxManager
+from dsec_nodeagent.sandbox.discovery import discover
+from dsec_nodeagent.sandbox.seccomp import build_filter
+from dsec_nodeagent.semantic import compile_rules
+
+PROGRAM = "print('ready', flush=True)"
+POLL_S = 0.0002
+
+
+def _stats(samples: list[float]) -> dict[str, float]:
+    return {
+        "p50_ms": round(percentile(samples, 0.5), 2),
+        "p99_ms": round(percentile(samples, 0.99), 2),
+        "mean_ms": round(statistics.fmean(samples), 2),
+        "n": len(samples),
+    }
+
+
+def _first_line_ms(argv: list[str], **popen: Any) -> float:
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, **popen)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    elapsed = (time.perf_counter() - start) * 1000
+    proc.wait()
+    if line.strip() != b"ready":
+        raise RuntimeError(f"{argv[0]}: unexpected first line {line!r}")
+    return elapsed
+
+
+def _bwrap_argv(python: str, runtime_dirs: list[str], seccomp_fd: int) -> list[str]:
+    argv = ["bwrap"]
+    for path in runtime_dirs:
+        argv += ["--ro-bind", path, path]
+    argv += ["--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
+             "--ro-bind", "/usr/lib64", "/usr/lib64",
+             "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--new-session",
+             "--die-with-parent", "--cap-drop", "ALL", "--seccomp", str(seccomp_fd),
+             python, "-c", PROGRAM]
+    return argv
+
+
+async def _dsec_once(manager: SandboxManager, index: int, runtime: Path, rules: dict[str, Any],
+                     code_dir: Path) -> tuple[float, float, dict[str, float]]:
+    sid = f"bench-{os.getpid()}-{index}"
+    config = SandboxConfig(
+        sandbox_id=sid, argv=["python", "-c", PROGRAM], runtime=runtime, code_dir=code_dir,
+        write_allowed=["/tmp", "/workspace/output"], semantic_rules=rules,
+    )
+    stdout = manager.log_paths(sid)[0]
+    start = time.perf_counter()
+    ready = await manager.launch(config)
+    while not (stdout.exists() and stdout.stat().st_size > 0):
+        await asyncio.sleep(POLL_S)
+    first_line = (time.perf_counter() - start) * 1000
+    result = await manager.wait(sid)
+    if result.reason.value != "ok" or stdout.read_text().strip() != "ready":
+        raise RuntimeError(f"DSec sandbox {sid} ended {result.reason}: {result.detail}")
+    await manager.purge(sid)
+    return first_line, ready.ready_ms, ready.timings_ms
+
+
+async def run(n: int) -> None:
+    runtime = Path(sys.executable)
+    view = discover(runtime)
+    python = view.executable
+    rules = compile_rules({"rules": [{"name": "no-etc-writes", "on": "open",
+                                      "match": {"path": "/etc/*"}, "action": "deny"}]})
+    program = build_filter()
+    samples: dict[str, list[float]] = {"dsec": [], "subprocess": [], "unshare": [], "bwrap": []}
+    ready_ms: list[float] = []
+    layers: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-start-") as tmp:
+        home = Path(tmp) / "home"
+        code_dir = Path(tmp) / "code"
+        code_dir.mkdir()
+        manager = SandboxManager(home)
+        seccomp_path = Path(tmp) / "seccomp.bpf"
+        seccomp_path.write_bytes(program)
+        bwrap_dirs = sorted({*view.ro_dirs, "/usr/lib/x86_64-linux-gnu"})
+        await _dsec_once(manager, -1, runtime, rules, code_dir)  # warm the runtime cache
+        for index in range(n):
+            first, ready, timings = await _dsec_once(manager, index, runtime, rules, code_dir)
+            samples["dsec"].append(first)
+            ready_ms.append(ready)
+            for layer, ms in timings.items():
+                layers.setdefault(layer, []).append(ms)
+            samples["subprocess"].append(_first_line_ms([python, "-c", PROGRAM]))
+            samples["unshare"].append(_first_line_ms(
+                ["unshare", "--mount", "--pid", "--ipc", "--uts", "--fork", python, "-c", PROGRAM]))
+            with open(seccomp_path, "rb") as fh:
+                samples["bwrap"].append(_first_line_ms(
+                    _bwrap_argv(python, bwrap_dirs, fh.fileno()), pass_fds=(fh.fileno(),)))
+        await manager.shutdown(stop_sandboxes=True)
+    results: dict[str, Any] = {name: _stats(values) for name, values in samples.items()}
+    results["dsec_sandbox_ready"] = _stats(ready_ms)
+    results["dsec_sandbox_ready"]["target_p50_ms"] = 50
+    results["dsec_layers_p50_ms"] = {k: round(percentile(v, 0.5), 3) for k, v in layers.items()}
+    d, s = results["dsec"]["p50_ms"], results["subprocess"]["p50_ms"]
+    u, b = results["unshare"]["p50_ms"], results["bwrap"]["p50_ms"]
+    r = results["dsec_sandbox_ready"]["p50_ms"]
+    ratio = (
+        f"sandbox_start: DSec all layers first line p50 {d:.1f} ms (p99 "
+        f"{results['dsec']['p99_ms']:.1f}), sandbox.ready p50 {r:.1f} ms (target <= 50); "
+        f"subprocess {s:.1f} ms, unshare {u:.1f} ms, bwrap {b:.1f} ms -> DSec = "
+        f"{d / s:.2f}x subprocess, {d / u:.2f}x unshare, {d / b:.2f}x bwrap"
+    )
+    emit("sandbox_start", results, ratio, starts=n,
+         favordynmods=_favordynmods(), load_average=round(os.getloadavg()[0], 2))
+
+
+def _favordynmods() -> bool:
+    with open("/proc/self/mounts") as fh:
+        return any(" cgroup2 " in line and "favordynmods" in line for line in fh)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=50, help="starts per variant (>= 50 for p99)")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("sandbox_start needs root (namespaces and cgroups)")
+    for tool in ("unshare", "bwrap"):
+        if shutil.which(tool) is None:
+            sys.exit(f"sandbox_start needs {tool} (Debian packages util-linux, bubblewrap)")
+    asyncio.run(run(args.n))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Prepare a sandbox's runtime context, keep its leases alive, release everything at exit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsec_core.spec.plan import MountPlan, SecretInjection
+from pydantic import SecretStr
+
+from dsec_nodeagent.context.configmap import ConfigMaps
+from dsec_nodeagent.context.models import ContextError, InjectionRecord, secret_digest
+from dsec_nodeagent.context.s3 import S3Materializer, s3_uri
+from dsec_nodeagent.context.vault import Lease, VaultSecrets, vault_uri
+from dsec_nodeagent.sandbox.models import Mount
+
+log = logging.getLogger(__name__)
+
+RENEW_FRACTION = 0.5
+"""Renew a lease when this fraction of its TTL has passed."""
+
+
+@dataclass
+class PreparedContext:
+    """A sandbox's injected context.
+
+    Attributes:
+        secret_env: env vars for :attr:`SandboxConfig.secret_env` (values; never log them).
+        mounts: read-only mounts for :attr:`SandboxConfig.mounts`.
+        records: one ``context.injected`` payload per item, in the order injected.
+        leases: the Vault leases (accessors are also in :meth:`metadata`).
+        directory: per-sandbox directory holding the materialized mounts.
+    """
+
+    sandbox_id: str
+    secret_env: dict[str, SecretStr] = field(default_factory=dict)
+    mounts: list[Mount] = field(default_factory=list)
+    records: list[InjectionRecord] = field(default_factory=list)
+    leases: list[Lease] = field(default_factory=list)
+    directory: Path | None = None
+
+    def metadata(self) -> dict[str, object]:
+        """What to keep in the sandbox's state (``SandboxConfig.metadata``) so that a restarted
+        node agent can still release it: lease accessors and the context directory."""
+        return {"vault_accessors": [lease.accessor for lease in self.leases],
+                "context_dir": str(self.directory) if self.directory else None}
+
+
+class ContextInjector:
+    """Fetches secrets, object-store data and config maps for a sandbox.
+
+    Args:
+        root: where per-sandbox context directories go (``DSEC_HOME/sandboxes``).
+        vault: secrets and Transit keys, or ``None`` when no Vault is configured.
+        s3: object-store materializer, or ``None``.
+        configmaps: config map reader, or ``None``.
+    """
+
+    def __init__(
+        self, root: Path, *, vault: VaultSecrets | None = None, s3: S3Materializer | None = None,
+        configmaps: ConfigMaps | None = None,
+    ) -> None:
+        self.root = root
+        self.vault = vault
+        self.s3 = s3
+        self.configmaps = configmaps
+
+    async def prepare(
+        self, sandbox_id: str, secrets: Sequence[SecretInjection], mounts: Sequence[MountPlan]
+    ) -> PreparedContext:
+        """Inject everything, or nothing: on the first failure, what was done is undone.
+
+        Raises:
+            ContextError: naming the source that failed.
+        """
+        ctx = PreparedContext(sandbox_id, directory=self.root / sandbox_id / "context")
+        try:
+            for secret in secrets:
+                await self._secret(ctx, secret)
+            for index, mount in enumerate(mounts):
+                await self._mount(ctx, index, mount)
+        except BaseException:
+            await self.release(ctx)
+            raise
+        return ctx
+
+    async def _secret(self, ctx: PreparedContext, secret: SecretInjection) -> None:
+        uri = vault_uri(secret.vault_mount, secret.vault_path, secret.key)
+        if self.vault is None:
+            raise ContextError(uri, "no Vault configured on this node (DSEC_VAULT_ADDR)")
+        value, lease = await self.vault.read(
+            secret.vault_mount, secret.vault_path, secret.key, secret.ttl_s, ctx.sandbox_id
+        )
+        ctx.leases.append(lease)
+        ctx.secret_env[secret.env_var] = SecretStr(value)
+        ctx.records.append(InjectionRecord(
+            kind="secret", name=secret.env_var, source=uri, digest=secret_digest(value),
+            lease_id=lease.accessor, ttl_s=float(lease.ttl_s),
+        ))
+
+    async def _mount(self, ctx: PreparedContext, index: int, mount: MountPlan) -> None:
+        assert ctx.directory is not None
+        dest = ctx.directory / f"{index:02d}"
+        if mount.scheme == "s3":
+            uri = s3_uri(mount.bucket or "", mount.prefix or "")
+            if mount.mode == "rw":
+                raise ContextError(uri, "mode rw is not supported for s3 mounts; use ro")
+            if self.s3 is None:
+                raise ContextError(uri, "no object store configured on this node")
+            done = await self.s3.materialize(
+                mount.bucket or "", mount.prefix or "", dest, encrypted=mount.encrypted,
+                cache_ttl_s=mount.cache_ttl_s,
+            )
+            ctx.records.append(InjectionRecord(kind="s3", name=mount.path, source=uri,
+                                               digest=done.digest, bytes=done.bytes))
+        else:
+            uri = f"configmap://{mount.configmap}/{mount.key}"
+            if self.configmaps is None:
+                raise ContextError(uri, "no NATS configured on this node for config maps")
+            digest, size, _ = await self.configmaps.materialize(
+                mount.configmap or "", mount.key or "", dest
+            )
+            ctx.records.append(InjectionRecord(kind="configmap", name=mount.path, source=uri,
+                                               digest=digest, bytes=size))
+        ctx.mounts.append(Mount(source=dest, target=mount.path, read_only=True))
+
+    async def keepalive(self, ctx: PreparedContext) -> None:
+        """Renew every lease at half its TTL until cancelled (run it as a task while the sandbox
+        runs). A failed renewal is logged by accessor and retried at the next tick."""
+        if self.vault is None or not ctx.leases:
+            return
+        vault = self.vault
+        while True:
+            await asyncio.sleep(min(lease.ttl_s for lease in ctx.leases) * RENEW_FRACTION)
+            for lease in ctx.leases:
+                try:
+                    lease.ttl_s = await vault.renew(lease) or lease.ttl_s
+                except ContextError as exc:
+                    log.warning("sandbox %s: %s", ctx.sandbox_id, exc)
+
+    async def release(self, ctx: PreparedContext) -> list[str]:
+        """Revoke leases and delete materialized data; return accessors that could not be
+        revoked (they still expire at their TTL)."""
+        failed: list[str] = []
+        if self.vault is not None and ctx.leases:
+            failed = await self.vault.revoke([lease.accessor for lease in ctx.leases])
+        ctx.leases.clear()
+        if ctx.directory is not None:
+            await asyncio.to_thread(shutil.rmtree, ctx.directory, True)
+        return failed
+
+    async def release_metadata(self, metadata: dict[str, object]) -> list[str]:
+        """:meth:`release` from what :meth:`PreparedContext.metadata` stored (after a restart)."""
+        accessors = metadata.get("vault_accessors") or []
+        failed: list[str] = []
+        if self.vault is not None and isinstance(accessors, list) and accessors:
+            failed = await self.vault.revoke([str(a) for a in accessors])
+        directory = metadata.get("context_dir")
+        if isinstance(directory, str):
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(shutil.rmtree, directory, True)
+        return failed

@@ -1,0 +1,174 @@
+"""Secrets from OpenBao/Vault as short-lived leases, and Transit data keys (hvac adapter).
+
+Each secret is read with a *child token* created for it with the spec's TTL: the child token is
+the lease. It is renewed while the sandbox runs and revoked (by accessor) when it exits;
+anything a dynamic engine issues to it is revoked with it. Events carry the accessor, never the
+token. hvac is synchronous, so every call runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from dataclasses import dataclass, field
+
+import hvac
+import hvac.exceptions
+import requests.exceptions
+
+from dsec_nodeagent.context.models import ContextError
+
+
+@dataclass
+class Lease:
+    """A child token holding one secret's lease.
+
+    Attributes:
+        accessor: the token's accessor (safe to log, enough to revoke).
+        ttl_s: the granted TTL.
+        token: the child token itself (kept in memory only, never logged).
+    """
+
+    accessor: str
+    ttl_s: int
+    token: str = field(repr=False)
+
+
+def vault_uri(mount: str, path: str, key: str) -> str:
+    """The reference as users write it."""
+    return f"vault://{mount}/{path}#{key}"
+
+
+class VaultSecrets:
+    """Reads KV v2 secrets through per-secret child tokens; wraps Transit data keys.
+
+    Args:
+        addr: Vault/OpenBao address.
+        token: the node agent's token (needs ``auth/token/create`` and the secrets' read policy).
+        transit_mount: the Transit engine's mount (``ro-encrypted`` data keys).
+    """
+
+    def __init__(self, addr: str, token: str, *, transit_mount: str = "transit") -> None:
+        self.addr = addr
+        self._token = token
+        self.transit_mount = transit_mount
+
+    def _client(self, token: str | None = None) -> hvac.Client:
+        return hvac.Client(url=self.addr, token=token or self._token, timeout=10)
+
+    async def read(
+        self, mount: str, path: str, key: str, ttl_s: int, sandbox_id: str
+    ) -> tuple[str, Lease]:
+        """Create a child token with ``ttl_s`` and read ``key`` of ``mount/path`` with it.
+
+        Raises:
+            ContextError: the secret, the field or Vault itself is unavailable (names the source).
+        """
+        return await asyncio.to_thread(self._read, mount, path, key, ttl_s, sandbox_id)
+
+    def _read(
+        self, mount: str, path: str, key: str, ttl_s: int, sandbox_id: str
+    ) -> tuple[str, Lease]:
+        uri = vault_uri(mount, path, key)
+        lease = self._create_lease(uri, ttl_s, sandbox_id)
+        try:
+            value = self._read_field(uri, lease, mount, path, key)
+        except BaseException:
+            self._revoke(lease.accessor)
+            raise
+        return value, lease
+
+    def _create_lease(self, uri: str, ttl_s: int, sandbox_id: str) -> Lease:
+        try:
+            auth = self._client().auth.token.create(
+                ttl=f"{ttl_s}s", explicit_max_ttl=f"{max(ttl_s, 1) * 24}s", renewable=True,
+                display_name=f"dsec-{sandbox_id}"[:60], meta={"sandbox": sandbox_id},
+            )["auth"]
+        except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
+            raise ContextError(uri, f"cannot create a lease token in Vault: {_why(exc)}") from exc
+        return Lease(auth["accessor"], int(auth["lease_duration"]), auth["client_token"])
+
+    def _read_field(self, uri: str, lease: Lease, mount: str, path: str, key: str) -> str:
+        try:
+            response = self._client(lease.token).secrets.kv.v2.read_secret_version(
+                path=path, mount_point=mount, raise_on_deleted_version=True
+            )
+        except hvac.exceptions.InvalidPath as exc:
+            raise ContextError(uri, f"secret not found (KV v2 mount {mount!r}, path "
+                                    f"{path!r})") from exc
+        except hvac.exceptions.Forbidden as exc:
+            raise ContextError(uri, "permission denied: the node agent's Vault policy does not "
+                                    "allow reading it") from exc
+        except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
+            raise ContextError(uri, f"Vault read failed: {_why(exc)}") from exc
+        data = response["data"]["data"] or {}
+        if key not in data:
+            fields = ", ".join(sorted(data)) or "none"
+            raise ContextError(uri, f"the secret has no field {key!r} (fields: {fields})")
+        return str(data[key])
+
+    async def renew(self, lease: Lease) -> int:
+        """Extend a lease by its TTL; return the new TTL.
+
+        Raises:
+            ContextError: the lease is gone (expired or revoked).
+        """
+
+        def renew() -> int:
+            try:
+                auth = self._client(lease.token).auth.token.renew_self(
+                    increment=f"{lease.ttl_s}s"
+                )["auth"]
+            except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
+                raise ContextError(f"lease {lease.accessor}", f"renewal failed: {_why(exc)}") \
+                    from exc
+            return int(auth["lease_duration"])
+
+        return await asyncio.to_thread(renew)
+
+    async def revoke(self, accessors: list[str]) -> list[str]:
+        """Revoke leases by accessor; return those that could not be revoked (already gone is
+        fine)."""
+        return await asyncio.to_thread(lambda: [a for a in accessors if not self._revoke(a)])
+
+    def _revoke(self, accessor: str) -> bool:
+        try:
+            self._client().auth.token.revoke_accessor(accessor)
+        except hvac.exceptions.InvalidRequest:
+            return True  # unknown accessor: expired or revoked already
+        except (hvac.exceptions.VaultError, requests.exceptions.RequestException):
+            return False
+        return True
+
+    # -- Transit data keys (ro-encrypted) ---------------------------------------------------------
+
+    def new_data_key(self, key_name: str) -> tuple[bytes, str]:
+        """``(plaintext key, wrapped key)`` for encrypting one object (uploads, tests)."""
+        data = self._client().secrets.transit.generate_data_key(
+            name=key_name, key_type="plaintext", bits=256, mount_point=self.transit_mount
+        )["data"]
+        return base64.b64decode(data["plaintext"]), str(data["ciphertext"])
+
+    def unwrap(self, kek: str, wrapped_key: str) -> bytes:
+        """Decrypt a wrapped data key named by ``kek`` (``transit:<key name>``).
+
+        Raises:
+            ContextError: unknown KEK scheme, or Vault refused.
+        """
+        scheme, _, name = kek.partition(":")
+        if scheme != "transit" or not name:
+            raise ContextError(kek, "unsupported key-encryption key; expected transit:<name>")
+        try:
+            data = self._client().secrets.transit.decrypt_data(
+                name=name, ciphertext=wrapped_key, mount_point=self.transit_mount
+            )["data"]
+        except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
+            raise ContextError(kek, f"Vault Transit could not unwrap the data key: {_why(exc)}") \
+                from exc
+        return base64.b64decode(data["plaintext"])
+
+
+def _why(exc: BaseException) -> str:
+    # hvac errors can echo request URLs, never tokens; keep the first line only.
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__

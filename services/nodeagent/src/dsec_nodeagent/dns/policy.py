@@ -1,0 +1,71 @@
+"""Pure DNS policy: which names a sandbox may resolve, and under which egress rules.
+
+Also the lookup the semantic layer needs to count HTTP requests per rule: `match_name` gives the
+domain rules (with their ``rate_limit``) that govern a host name.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from dsec_nodeagent.ebpf.domain import DOH_HOSTNAMES
+from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule
+
+
+def normalize_name(name: str) -> str:
+    """Lower case, no trailing dot: the form rules are stored in."""
+    return name.strip().lower().rstrip(".")
+
+
+def rule_matches(rule: EgressRule, name: str) -> bool:
+    """``example.com`` matches itself only; ``*.example.com`` matches every name below it
+    (``a.example.com``, ``a.b.example.com``) but not ``example.com`` itself; ``*`` matches all."""
+    if rule.domain is None:
+        return False
+    if rule.is_any:
+        return True
+    if rule.is_wildcard:
+        return name.endswith(rule.domain[1:])
+    return name == rule.domain
+
+
+@dataclass(frozen=True, slots=True)
+class NameMatch:
+    """Domain rules that allow a name; ``exact`` when one of them names it without a wildcard."""
+
+    rules: tuple[EgressRule, ...]
+    exact: bool
+
+
+def match_name(plan: EgressPlan, name: str) -> NameMatch | None:
+    """The domain rules of ``plan`` that allow ``name``, or None.
+
+    Well-known DoH/DoT resolver names count only when a rule names them exactly.
+    """
+    name = normalize_name(name)
+    rules = tuple(r for r in plan.rules if rule_matches(r, name))
+    if not rules:
+        return None
+    exact = any(not r.is_wildcard for r in rules)
+    if name in DOH_HOSTNAMES and not exact:
+        return None
+    return NameMatch(rules=rules, exact=exact)
+
+
+class QueryAction(enum.Enum):
+    """What the proxy does with a question."""
+
+    RESOLVE = "resolve"  # forward, then open the answered addresses for the matched rules
+    PASSTHROUGH = "passthrough"  # forward, open nothing (``dns_passthrough``)
+    DENY = "deny"  # answer NXDOMAIN (or REFUSED) without asking upstream
+
+
+def decide_query(plan: EgressPlan, name: str) -> tuple[QueryAction, NameMatch | None]:
+    """Decide one question of a sandbox."""
+    match = match_name(plan, name)
+    if match is not None:
+        return QueryAction.RESOLVE, match
+    if plan.dns_passthrough:
+        return QueryAction.PASSTHROUGH, None
+    return QueryAction.DENY, None

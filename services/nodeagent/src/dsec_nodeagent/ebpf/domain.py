@@ -1,0 +1,235 @@
+"""Pure decisions of egress enforcement (no I/O): what the kernel maps must hold for a plan.
+
+The kernel side (egress.bpf.c) only looks things up; everything that needs judgement — which
+ranges count as internal, how a ``cidr`` rule becomes trie entries, which addresses a DNS answer
+may open — is decided here and tested without a kernel.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule, IPAddress, IPNetwork
+
+# `allow_internal_only` keeps a rule inside loopback and private ranges. Link-local
+# (169.254.0.0/16, fe80::/10) is deliberately absent: it holds cloud metadata endpoints.
+INTERNAL_NETWORKS: tuple[IPNetwork, ...] = (
+    ipaddress.ip_network("127.0.0.0/8"),
+    ipaddress.ip_network("10.0.0.0/8"),
+    ipaddress.ip_network("172.16.0.0/12"),
+    ipaddress.ip_network("192.168.0.0/16"),
+    ipaddress.ip_network("::1/128"),
+    ipaddress.ip_network("fc00::/7"),
+)
+
+_V4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+
+# Public DNS-over-HTTPS / DNS-over-TLS resolvers. A sandbox reaches them only through a rule that
+# names them exactly (an exact domain rule, or a host-length cidr), never through a wildcard or a
+# wide range: otherwise DNS policy could be bypassed by resolving over HTTPS.
+DOH_HOSTNAMES: frozenset[str] = frozenset(
+    {
+        "dns.google",
+        "dns.google.com",
+        "8888.google",
+        "cloudflare-dns.com",
+        "mozilla.cloudflare-dns.com",
+        "chrome.cloudflare-dns.com",
+        "one.one.one.one",
+        "1dot1dot1dot1.cloudflare-dns.com",
+        "security.cloudflare-dns.com",
+        "family.cloudflare-dns.com",
+        "dns.quad9.net",
+        "dns9.quad9.net",
+        "dns10.quad9.net",
+        "dns11.quad9.net",
+        "doh.opendns.com",
+        "dns.opendns.com",
+        "doh.familyshield.opendns.com",
+        "dns.adguard.com",
+        "dns.adguard-dns.com",
+        "unfiltered.adguard-dns.com",
+        "family.adguard-dns.com",
+        "doh.cleanbrowsing.org",
+        "dns.nextdns.io",
+        "doh.mullvad.net",
+        "dns.mullvad.net",
+        "doh.dns.sb",
+        "dns.alidns.com",
+        "doh.pub",
+        "dns.pub",
+        "dns.twnic.tw",
+        "ordns.he.net",
+        "dns.controld.com",
+        "freedns.controld.com",
+        "doh.libredns.gr",
+        "dns.switch.ch",
+        "doh.ffmuc.net",
+        "dns0.eu",
+        "dns.brahma.world",
+    }
+)
+DOH_ADDRESSES: frozenset[IPAddress] = frozenset(
+    ipaddress.ip_address(a)
+    for a in (
+        "8.8.8.8",
+        "8.8.4.4",
+        "1.1.1.1",
+        "1.0.0.1",
+        "1.1.1.2",
+        "1.0.0.2",
+        "1.1.1.3",
+        "1.0.0.3",
+        "9.9.9.9",
+        "149.112.112.112",
+        "9.9.9.10",
+        "149.112.112.10",
+        "9.9.9.11",
+        "149.112.112.11",
+        "208.67.222.222",
+        "208.67.220.220",
+        "94.140.14.14",
+        "94.140.15.15",
+        "185.228.168.9",
+        "185.228.169.9",
+        "194.242.2.2",
+        "223.5.5.5",
+        "223.6.6.6",
+        "185.222.222.222",
+        "45.11.45.11",
+        "193.110.81.0",
+        "185.253.5.0",
+        "2001:4860:4860::8888",
+        "2001:4860:4860::8844",
+        "2606:4700:4700::1111",
+        "2606:4700:4700::1001",
+        "2620:fe::fe",
+        "2620:fe::9",
+        "2620:119:35::35",
+        "2620:119:53::53",
+        "2a10:50c0::ad1:ff",
+        "2a10:50c0::ad2:ff",
+        "2a07:e340::2",
+    )
+)
+
+
+def unmap(address: IPAddress) -> IPAddress:
+    """``::ffff:a.b.c.d`` → ``a.b.c.d``; other addresses unchanged (the wire carries IPv4)."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def is_internal(address: IPAddress) -> bool:
+    """True for loopback and private addresses (IPv4-mapped IPv6 judged as IPv4)."""
+    address = unmap(address)
+    return any(address in net for net in INTERNAL_NETWORKS if net.version == address.version)
+
+
+def internal_parts(network: IPNetwork) -> list[IPNetwork]:
+    """The pieces of ``network`` that lie in internal ranges (for ``allow_internal_only``)."""
+    parts: list[IPNetwork] = []
+    for internal in INTERNAL_NETWORKS:
+        if internal.version != network.version:
+            continue
+        if network.subnet_of(internal):  # type: ignore[arg-type]
+            return [network]
+        if internal.subnet_of(network):  # type: ignore[arg-type]
+            parts.append(internal)
+    return parts
+
+
+def canonical_network(network: IPNetwork) -> IPNetwork:
+    """An IPv6 range inside ``::ffff:0:0/96`` as the IPv4 range it denotes.
+
+    Hooks judge v4-mapped destinations with the IPv4 rules, so a rule written as v4-mapped IPv6
+    must land in the IPv4 trie.
+    """
+    if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(_V4_MAPPED):
+        base = network.network_address.ipv4_mapped
+        assert base is not None  # guaranteed by subnet_of(::ffff:0:0/96)
+        return ipaddress.IPv4Network((base, network.prefixlen - 96))
+    return network
+
+
+@dataclass(frozen=True, slots=True)
+class CidrEntry:
+    """One LPM-trie entry: ``network`` on ``port`` (0 = every port) for rule ``slot``."""
+
+    network: IPNetwork
+    port: int
+    slot: int
+
+    @property
+    def host_exact(self) -> bool:
+        """True when the entry names one address (such entries may name a DoH resolver)."""
+        return self.network.prefixlen == self.network.max_prefixlen
+
+
+def rule_ports(rule: EgressRule) -> tuple[int, ...]:
+    """Ports as kernel keys: the rule's ports, or (0,) for "every port"."""
+    return tuple(sorted(set(rule.ports))) or (0,)
+
+
+_EVERYWHERE: tuple[IPNetwork, ...] = (
+    ipaddress.ip_network("0.0.0.0/0"),
+    ipaddress.ip_network("::/0"),
+)
+
+
+def cidr_entries(plan: EgressPlan) -> Iterator[CidrEntry]:
+    """Trie entries of ``cidr`` and ``*`` rules, narrowed by ``allow_internal_only``."""
+    for slot, rule in enumerate(plan.rules, start=1):
+        if rule.cidr is not None:
+            wanted = [canonical_network(rule.cidr)]
+        elif rule.is_any:
+            wanted = list(_EVERYWHERE)
+        else:
+            continue
+        networks = wanted
+        if rule.allow_internal_only:
+            networks = [part for net in wanted for part in internal_parts(net)]
+        for net in networks:
+            for port in rule_ports(rule):
+                yield CidrEntry(network=net, port=port, slot=slot)
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    """GCRA parameters of one rule's connection bucket (see egress.bpf.c ``rate_ok``)."""
+
+    slot: int
+    interval_ns: int
+    tau_ns: int
+
+
+def bucket_specs(plan: EgressPlan) -> Iterator[BucketSpec]:
+    """One bucket per rate-limited rule; ``tau`` lets ``bucket_size`` connects through at once."""
+    for slot, rule in enumerate(plan.rules, start=1):
+        limit = rule.rate_limit
+        if limit is None:
+            continue
+        interval = limit.interval_ns
+        yield BucketSpec(slot=slot, interval_ns=interval, tau_ns=(limit.bucket_size - 1) * interval)
+
+
+def grantable(
+    rule: EgressRule, addresses: Iterable[IPAddress], exact_name: bool
+) -> list[IPAddress]:
+    """The answered addresses a domain rule may open.
+
+    ``allow_internal_only`` drops public addresses; well-known DoH resolvers are dropped unless
+    the name was matched by an exact (non-wildcard) rule.
+    """
+    out: list[IPAddress] = []
+    for address in addresses:
+        plain = unmap(address)
+        if rule.allow_internal_only and not is_internal(plain):
+            continue
+        if plain in DOH_ADDRESSES and not exact_name:
+            continue
+        out.append(plain)
+    return out

@@ -1,0 +1,491 @@
+// DSec egress enforcement: cgroup/sock_addr hooks shared by every sandbox on the node.
+//
+// One program set serves all sandboxes; every map is keyed by the sandbox's cgroup v2 id.
+// Compiled by BCC (egress.py) with -DPIN_DIR="..." and the map sizes below as -D overrides.
+// Reads UAPI contexts only (struct bpf_sock_addr), so any nearby kernel header package works.
+//
+// Verdicts and layouts here must match ebpf/maps.py (ctypes) and ebpf/model.py (enums).
+
+#include <uapi/linux/bpf.h>
+
+#ifndef PIN_DIR
+#error "PIN_DIR must be defined"
+#endif
+#ifndef MAX_SANDBOXES
+#define MAX_SANDBOXES 4096
+#endif
+#ifndef MAX_CIDRS
+#define MAX_CIDRS 262144
+#endif
+#ifndef MAX_HOSTS
+#define MAX_HOSTS 65536
+#endif
+#ifndef MAX_BUCKETS
+#define MAX_BUCKETS 65536
+#endif
+#ifndef MAX_COUNTERS
+#define MAX_COUNTERS 65536
+#endif
+#ifndef RINGBUF_PAGES
+#define RINGBUF_PAGES 64
+#endif
+// A cgroup nested inside a sandbox's cgroup (e.g. one made for `sandbox exec`) inherits the
+// programs; we find its sandbox by walking ancestor ids up to this depth.
+#define MAX_CGROUP_DEPTH 16
+
+#define DNS_PORT 53
+#define DOT_PORT 853
+#define HTTPS_PORT 443
+
+// Verdicts (model.Verdict).
+#define V_ALLOW 1
+#define V_DENY_NO_RULE 2
+#define V_DENY_RATE_LIMIT 3
+#define V_DENY_EXPIRED 4
+#define V_DENY_UNKNOWN_SANDBOX 5
+#define V_REDIRECT_DNS 6
+#define V_DENY_DOH 7
+
+// Hooks (model.Hook).
+#define H_CONNECT4 1
+#define H_CONNECT6 2
+#define H_SENDMSG4 3
+#define H_SENDMSG6 4
+
+// Sandbox flags (model.SandboxFlags).
+#define SF_LOG_ALLOWED 1
+
+// Allow-entry flags.
+#define AF_HOST_EXACT 1  // entry names one address, not a range (DoH check skips it)
+
+struct sbx_cfg {
+    u32 proxy4;      // DNS proxy IPv4, network order
+    u32 proxy6[4];   // DNS proxy IPv6, network order
+    u32 proxy_port;  // DNS proxy port, network order (low 16 bits)
+    u32 flags;
+};
+
+struct cidr4_key {
+    u32 prefixlen;   // 64 (cgid) + 16 (port) + address prefix
+    u64 cgid;
+    u16 port;        // host order; 0 = any port
+    u32 addr;        // network order
+} __attribute__((packed));
+
+struct cidr6_key {
+    u32 prefixlen;
+    u64 cgid;
+    u16 port;
+    u32 addr[4];
+} __attribute__((packed));
+
+struct host4_key {
+    u64 cgid;
+    u32 addr;
+    u16 port;
+    u16 pad;
+};
+
+struct host6_key {
+    u64 cgid;
+    u32 addr[4];
+    u16 port;
+    u16 pad[3];
+};
+
+struct allow_val {
+    u32 rule;        // rule slot within the sandbox (1-based; 0 = no rule)
+    u32 flags;       // AF_*
+    u64 expires_ns;  // CLOCK_MONOTONIC deadline; 0 = never
+};
+
+struct bucket_key {
+    u64 cgid;
+    u32 rule;
+    u32 pad;
+};
+
+// GCRA form of a token bucket: one timestamp instead of (tokens, last refill).
+struct bucket {
+    struct bpf_spin_lock lock;
+    u32 pad;
+    u64 tat;          // theoretical arrival time of the next conforming connect
+    u64 interval_ns;  // time to earn one token
+    u64 tau_ns;       // (burst - 1) * interval_ns
+};
+
+struct counter_key {
+    u64 cgid;
+    u32 rule;
+    u32 verdict;
+};
+
+struct orig_dst {
+    u32 ip6[4];      // original destination (IPv4 in ip6[3] when family == 4)
+    u32 port;        // network order
+    u32 family;      // 4 or 6
+};
+
+struct verdict_event {
+    u64 ts_ns;
+    u64 cgid;
+    u32 pid;
+    u32 rule;
+    u8 verdict;
+    u8 hook;
+    u8 family;
+    u8 proto;
+    u16 port;        // host order
+    u16 pad;
+    u32 addr[4];     // network order; IPv4 in addr[0]
+    char comm[16];
+};
+
+BPF_TABLE_PINNED("hash", u64, struct sbx_cfg, sandboxes, MAX_SANDBOXES, PIN_DIR "/sandboxes");
+BPF_TABLE_PINNED("lpm_trie", struct cidr4_key, struct allow_val, cidr4, MAX_CIDRS,
+                 PIN_DIR "/cidr4", BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("lpm_trie", struct cidr6_key, struct allow_val, cidr6, MAX_CIDRS,
+                 PIN_DIR "/cidr6", BPF_F_NO_PREALLOC);
+BPF_TABLE_PINNED("hash", struct host4_key, struct allow_val, host4, MAX_HOSTS, PIN_DIR "/host4");
+BPF_TABLE_PINNED("hash", struct host6_key, struct allow_val, host6, MAX_HOSTS, PIN_DIR "/host6");
+// A spin lock needs a plain hash (an LRU hash refuses it with EOPNOTSUPP).
+BPF_TABLE_PINNED("hash", struct bucket_key, struct bucket, buckets, MAX_BUCKETS,
+                 PIN_DIR "/buckets");
+BPF_TABLE_PINNED("percpu_hash", struct counter_key, u64, counters, MAX_COUNTERS,
+                 PIN_DIR "/counters");
+BPF_TABLE_PINNED("lru_hash", u64, struct orig_dst, dns_orig, 65536, PIN_DIR "/dns_orig");
+// Well-known DoH/DoT resolver addresses; IPv4 as ::a.b.c.d (addr[3]).
+struct doh_key {
+    u32 addr[4];
+};
+BPF_TABLE_PINNED("hash", struct doh_key, u32, doh, 1024, PIN_DIR "/doh");
+
+// BPF_RINGBUF_OUTPUT, but pinned, so a restarted agent reads the same buffer.
+struct events_table_t {
+    int key;
+    u32 leaf;
+    int (*ringbuf_output)(void *, u64, u64);
+    void *(*ringbuf_reserve)(u64);
+    void (*ringbuf_discard)(void *, u64);
+    void (*ringbuf_submit)(void *, u64);
+    u32 max_entries;
+};
+__attribute__((section("maps/ringbuf:" PIN_DIR "/events")))
+struct events_table_t events = {.max_entries = RINGBUF_PAGES * PAGE_SIZE};
+
+static __always_inline struct sbx_cfg *find_sandbox(u64 *cgid) {
+    u64 id = bpf_get_current_cgroup_id();
+    struct sbx_cfg *cfg = sandboxes.lookup(&id);
+    if (cfg) {
+        *cgid = id;
+        return cfg;
+    }
+    // Slow path: the deepest registered ancestor (nested cgroups inherit the programs).
+    struct sbx_cfg *found = 0;
+#pragma unroll
+    for (int level = 1; level < MAX_CGROUP_DEPTH; level++) {
+        u64 anc = bpf_get_current_ancestor_cgroup_id(level);
+        if (anc == 0)
+            break;
+        struct sbx_cfg *c = sandboxes.lookup(&anc);
+        if (c) {
+            found = c;
+            *cgid = anc;
+        }
+    }
+    if (!found)
+        *cgid = id;
+    return found;
+}
+
+static __always_inline void count(u64 cgid, u32 rule, u32 verdict) {
+    struct counter_key k = {.cgid = cgid, .rule = rule, .verdict = verdict};
+    u64 one = 1;
+    u64 *v = counters.lookup(&k);
+    if (v)
+        *v += 1;  // per-CPU value: no atomics needed
+    else
+        counters.update(&k, &one);
+}
+
+static __always_inline void emit(u64 cgid, u32 rule, u32 verdict, u32 hook, u32 family,
+                                 struct bpf_sock_addr *ctx, u32 *addr, u16 port) {
+    struct verdict_event *e = events.ringbuf_reserve(sizeof(struct verdict_event));
+    if (!e)
+        return;  // buffer full: the counters still record the verdict
+    e->ts_ns = bpf_ktime_get_ns();
+    e->cgid = cgid;
+    e->pid = bpf_get_current_pid_tgid() >> 32;
+    e->rule = rule;
+    e->verdict = verdict;
+    e->hook = hook;
+    e->family = family;
+    e->proto = ctx->protocol;
+    e->port = port;
+    e->pad = 0;
+    e->addr[0] = addr[0];
+    e->addr[1] = addr[1];
+    e->addr[2] = addr[2];
+    e->addr[3] = addr[3];
+    bpf_get_current_comm(&e->comm, sizeof(e->comm));
+    events.ringbuf_submit(e, 0);
+}
+
+static __always_inline int finish(struct sbx_cfg *cfg, u64 cgid, u32 rule, u32 verdict,
+                                  u32 hook, u32 family, struct bpf_sock_addr *ctx, u32 *addr,
+                                  u16 port) {
+    count(cgid, rule, verdict);
+    int allowed = verdict == V_ALLOW || verdict == V_REDIRECT_DNS;
+    if (!allowed || (cfg && (cfg->flags & SF_LOG_ALLOWED)))
+        emit(cgid, rule, verdict, hook, family, ctx, addr, port);
+    return allowed;
+}
+
+// Result of an allow-map search: a live entry, an expired one, or nothing.
+struct match {
+    u32 rule;
+    u32 flags;
+    u32 expired_rule;
+};
+
+static __always_inline int take(struct allow_val *v, u64 now, struct match *m) {
+    if (!v)
+        return 0;
+    if (v->expires_ns && now > v->expires_ns) {
+        m->expired_rule = v->rule;
+        return 0;
+    }
+    m->rule = v->rule;
+    m->flags = v->flags;
+    return 1;
+}
+
+static __always_inline int is_doh(u32 *addr) {
+    struct doh_key k = {};
+    k.addr[0] = addr[0];
+    k.addr[1] = addr[1];
+    k.addr[2] = addr[2];
+    k.addr[3] = addr[3];
+    return doh.lookup(&k) != 0;
+}
+
+// DoT needs a rule naming port 853; an any-port entry does not open it.
+static __always_inline int match4(u64 cgid, u32 addr, u16 port, struct match *m) {
+    u64 now = bpf_ktime_get_ns();
+    struct host4_key hk = {.cgid = cgid, .addr = addr, .port = port};
+    if (take(host4.lookup(&hk), now, m))
+        return 1;
+    if (port != DOT_PORT) {
+        hk.port = 0;
+        if (take(host4.lookup(&hk), now, m))
+            return 1;
+    }
+    struct cidr4_key ck = {.prefixlen = 64 + 16 + 32, .cgid = cgid, .port = port, .addr = addr};
+    if (take(cidr4.lookup(&ck), now, m))
+        return 1;
+    if (port != DOT_PORT) {
+        ck.port = 0;
+        if (take(cidr4.lookup(&ck), now, m))
+            return 1;
+    }
+    return 0;
+}
+
+static __always_inline int match6(u64 cgid, u32 *addr, u16 port, struct match *m) {
+    u64 now = bpf_ktime_get_ns();
+    struct host6_key hk = {.cgid = cgid, .port = port};
+    hk.addr[0] = addr[0];
+    hk.addr[1] = addr[1];
+    hk.addr[2] = addr[2];
+    hk.addr[3] = addr[3];
+    if (take(host6.lookup(&hk), now, m))
+        return 1;
+    if (port != DOT_PORT) {
+        hk.port = 0;
+        if (take(host6.lookup(&hk), now, m))
+            return 1;
+    }
+    struct cidr6_key ck = {.prefixlen = 64 + 16 + 128, .cgid = cgid, .port = port};
+    ck.addr[0] = addr[0];
+    ck.addr[1] = addr[1];
+    ck.addr[2] = addr[2];
+    ck.addr[3] = addr[3];
+    if (take(cidr6.lookup(&ck), now, m))
+        return 1;
+    if (port != DOT_PORT) {
+        ck.port = 0;
+        if (take(cidr6.lookup(&ck), now, m))
+            return 1;
+    }
+    return 0;
+}
+
+static __always_inline int rate_ok(u64 cgid, u32 rule) {
+    struct bucket_key k = {.cgid = cgid, .rule = rule};
+    struct bucket *b = buckets.lookup(&k);
+    if (!b)
+        return 1;  // rule without a rate limit
+    u64 now = bpf_ktime_get_ns();
+    int ok = 0;
+    bpf_spin_lock(&b->lock);
+    u64 tat = b->tat > now ? b->tat : now;
+    if (tat - now <= b->tau_ns) {
+        b->tat = tat + b->interval_ns;
+        ok = 1;
+    }
+    bpf_spin_unlock(&b->lock);
+    return ok;
+}
+
+// Decide a connect/sendmsg to an IPv4 destination (also ::ffff:a.b.c.d from a v6 socket:
+// events then carry family 4 and the hook says connect6/sendmsg6).
+static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
+                                   u32 ip, u16 port, u32 hook, int is_connect) {
+    u32 family = 4;
+    u32 ev_addr[4] = {ip, 0, 0, 0};
+    struct match m = {};
+    if (!match4(cgid, ip, port, &m)) {
+        u32 v = m.expired_rule ? V_DENY_EXPIRED : V_DENY_NO_RULE;
+        return finish(cfg, cgid, m.expired_rule, v, hook, family, ctx, ev_addr, port);
+    }
+    if (!(m.flags & AF_HOST_EXACT) && (port == HTTPS_PORT || port == DOT_PORT)) {
+        u32 k[4] = {0, 0, 0, ip};
+        if (is_doh(k))
+            return finish(cfg, cgid, m.rule, V_DENY_DOH, hook, family, ctx, ev_addr, port);
+    }
+    if (is_connect && !rate_ok(cgid, m.rule))
+        return finish(cfg, cgid, m.rule, V_DENY_RATE_LIMIT, hook, family, ctx, ev_addr, port);
+    return finish(cfg, cgid, m.rule, V_ALLOW, hook, family, ctx, ev_addr, port);
+}
+
+static __always_inline int decide6(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
+                                   u32 *ip, u16 port, u32 hook, int is_connect) {
+    struct match m = {};
+    if (!match6(cgid, ip, port, &m)) {
+        u32 v = m.expired_rule ? V_DENY_EXPIRED : V_DENY_NO_RULE;
+        return finish(cfg, cgid, m.expired_rule, v, hook, 6, ctx, ip, port);
+    }
+    if (!(m.flags & AF_HOST_EXACT) && (port == HTTPS_PORT || port == DOT_PORT) && is_doh(ip))
+        return finish(cfg, cgid, m.rule, V_DENY_DOH, hook, 6, ctx, ip, port);
+    if (is_connect && !rate_ok(cgid, m.rule))
+        return finish(cfg, cgid, m.rule, V_DENY_RATE_LIMIT, hook, 6, ctx, ip, port);
+    return finish(cfg, cgid, m.rule, V_ALLOW, hook, 6, ctx, ip, port);
+}
+
+static __always_inline int hook4(struct bpf_sock_addr *ctx, u32 hook, int is_connect) {
+    u64 cgid = 0;
+    struct sbx_cfg *cfg = find_sandbox(&cgid);
+    u32 ip = ctx->user_ip4;
+    u16 port = bpf_ntohs((u16)ctx->user_port);
+    if (!cfg) {
+        u32 ev_addr[4] = {ip, 0, 0, 0};
+        return finish(0, cgid, 0, V_DENY_UNKNOWN_SANDBOX, hook, 4, ctx, ev_addr, port);
+    }
+    if (port == DNS_PORT) {
+        struct orig_dst o = {.port = ctx->user_port, .family = 4};
+        o.ip6[3] = ip;
+        u64 cookie = bpf_get_socket_cookie(ctx);
+        dns_orig.update(&cookie, &o);
+        ctx->user_ip4 = cfg->proxy4;
+        ctx->user_port = cfg->proxy_port;
+        u32 ev_addr[4] = {ip, 0, 0, 0};
+        return finish(cfg, cgid, 0, V_REDIRECT_DNS, hook, 4, ctx, ev_addr, port);
+    }
+    return decide4(ctx, cfg, cgid, ip, port, hook, is_connect);
+}
+
+static __always_inline int is_v4_mapped(u32 *a) {
+    return a[0] == 0 && a[1] == 0 && a[2] == bpf_htonl(0x0000ffff);
+}
+
+static __always_inline int hook6(struct bpf_sock_addr *ctx, u32 hook, int is_connect) {
+    u64 cgid = 0;
+    struct sbx_cfg *cfg = find_sandbox(&cgid);
+    u32 ip[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
+    u16 port = bpf_ntohs((u16)ctx->user_port);
+    if (!cfg)
+        return finish(0, cgid, 0, V_DENY_UNKNOWN_SANDBOX, hook, 6, ctx, ip, port);
+    int mapped = is_v4_mapped(ip);
+    if (port == DNS_PORT) {
+        struct orig_dst o = {.port = ctx->user_port, .family = 6};
+        o.ip6[0] = ip[0];
+        o.ip6[1] = ip[1];
+        o.ip6[2] = ip[2];
+        o.ip6[3] = ip[3];
+        u64 cookie = bpf_get_socket_cookie(ctx);
+        dns_orig.update(&cookie, &o);
+        if (mapped) {
+            // A dual-stack socket talking IPv4: send it to the proxy's IPv4 address.
+            ctx->user_ip6[0] = 0;
+            ctx->user_ip6[1] = 0;
+            ctx->user_ip6[2] = bpf_htonl(0x0000ffff);
+            ctx->user_ip6[3] = cfg->proxy4;
+        } else {
+            ctx->user_ip6[0] = cfg->proxy6[0];
+            ctx->user_ip6[1] = cfg->proxy6[1];
+            ctx->user_ip6[2] = cfg->proxy6[2];
+            ctx->user_ip6[3] = cfg->proxy6[3];
+        }
+        ctx->user_port = cfg->proxy_port;
+        return finish(cfg, cgid, 0, V_REDIRECT_DNS, hook, 6, ctx, ip, port);
+    }
+    if (mapped)  // ::ffff:a.b.c.d is IPv4 a.b.c.d on the wire: the IPv4 rules decide
+        return decide4(ctx, cfg, cgid, ip[3], port, hook, is_connect);
+    return decide6(ctx, cfg, cgid, ip, port, hook, is_connect);
+}
+
+// Replies from the proxy (recvmsg) and the peer name (getpeername) show the address the code
+// asked for, so resolvers that check the reply's source keep working.
+static __always_inline int restore4(struct bpf_sock_addr *ctx) {
+    u64 cgid = 0;
+    struct sbx_cfg *cfg = find_sandbox(&cgid);
+    if (!cfg || ctx->user_ip4 != cfg->proxy4 || ctx->user_port != cfg->proxy_port)
+        return 1;
+    u64 cookie = bpf_get_socket_cookie(ctx);
+    struct orig_dst *o = dns_orig.lookup(&cookie);
+    if (!o || o->family != 4)
+        return 1;
+    ctx->user_ip4 = o->ip6[3];
+    ctx->user_port = o->port;
+    return 1;
+}
+
+static __always_inline int restore6(struct bpf_sock_addr *ctx) {
+    u64 cgid = 0;
+    struct sbx_cfg *cfg = find_sandbox(&cgid);
+    if (!cfg || ctx->user_port != cfg->proxy_port)
+        return 1;
+    u32 ip[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
+    int from_proxy6 = ip[0] == cfg->proxy6[0] && ip[1] == cfg->proxy6[1] &&
+                      ip[2] == cfg->proxy6[2] && ip[3] == cfg->proxy6[3];
+    int from_proxy4 = is_v4_mapped(ip) && ip[3] == cfg->proxy4;
+    if (!from_proxy6 && !from_proxy4)
+        return 1;
+    u64 cookie = bpf_get_socket_cookie(ctx);
+    struct orig_dst *o = dns_orig.lookup(&cookie);
+    if (!o)
+        return 1;
+    if (o->family == 4) {
+        // sendto(::ffff:a.b.c.d) on a v6 socket runs the *sendmsg4* hook, but its reply comes
+        // through recvmsg6: show the IPv4 original as v4-mapped.
+        ctx->user_ip6[0] = 0;
+        ctx->user_ip6[1] = 0;
+        ctx->user_ip6[2] = bpf_htonl(0x0000ffff);
+    } else {
+        ctx->user_ip6[0] = o->ip6[0];
+        ctx->user_ip6[1] = o->ip6[1];
+        ctx->user_ip6[2] = o->ip6[2];
+    }
+    ctx->user_ip6[3] = o->ip6[3];
+    ctx->user_port = o->port;
+    return 1;
+}
+
+int connect4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_CONNECT4, 1); }
+int connect6(struct bpf_sock_addr *ctx) { return hook6(ctx, H_CONNECT6, 1); }
+int sendmsg4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_SENDMSG4, 0); }
+int sendmsg6(struct bpf_sock_addr *ctx) { return hook6(ctx, H_SENDMSG6, 0); }
+int recvmsg4(struct bpf_sock_addr *ctx) { return restore4(ctx); }
+int recvmsg6(struct bpf_sock_addr *ctx) { return restore6(ctx); }
+int getpeername4(struct bpf_sock_addr *ctx) { return restore4(ctx); }
+int getpeername6(struct bpf_sock_addr *ctx) { return restore6(ctx); }

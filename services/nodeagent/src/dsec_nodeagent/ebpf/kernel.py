@@ -1,0 +1,403 @@
+"""Kernel adapter: compile egress.bpf.c with BCC, attach it to cgroups, write its pinned maps.
+
+Every map is pinned under ``pin_dir`` (BPF_TABLE_PINNED creates the pin on first load and opens
+it on later loads), so a restarted agent compiles the same source and gets the *same* maps: the
+programs its predecessor attached keep working with what the new agent writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ipaddress
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec_nodeagent.ebpf import libbpf
+from dsec_nodeagent.ebpf.domain import DOH_ADDRESSES, BucketSpec, CidrEntry
+from dsec_nodeagent.ebpf.model import IPAddress
+
+if TYPE_CHECKING:  # dns imports ebpf's pure modules; keep the import graph one-way at run time
+    from dsec_nodeagent.dns.proxy import Grant
+
+SOURCE = Path(__file__).with_name("egress.bpf.c")
+BPFFS = Path("/sys/fs/bpf")
+
+# program name -> BPFAttachType (UAPI enum bpf_attach_type)
+ATTACH_TYPES: dict[str, int] = {
+    "connect4": 10,
+    "connect6": 11,
+    "sendmsg4": 14,
+    "sendmsg6": 15,
+    "recvmsg4": 19,
+    "recvmsg6": 20,
+    "getpeername4": 29,
+    "getpeername6": 30,
+}
+MAP_NAMES = (
+    "sandboxes",
+    "cidr4",
+    "cidr6",
+    "host4",
+    "host6",
+    "buckets",
+    "counters",
+    "dns_orig",
+    "doh",
+    "events",
+)
+_PER_CGROUP_MAPS = ("cidr4", "cidr6", "host4", "host6", "buckets", "counters")
+BPF_PROG_TYPE_CGROUP_SOCK_ADDR = 18
+AF_HOST_EXACT = 1
+SF_LOG_ALLOWED = 1
+_SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
+
+
+class EgressUnavailable(RuntimeError):
+    """The kernel side cannot be set up here (no BCC, no headers, no bpffs, not root)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RawEvent:
+    """A verdict record as the kernel wrote it (see struct verdict_event)."""
+
+    ts_ns: int
+    cgroup_id: int
+    pid: int
+    rule: int
+    verdict: int
+    hook: int
+    family: int
+    proto: int
+    port: int
+    address: IPAddress
+    comm: str
+
+
+def _be32_words(packed: bytes) -> list[int]:
+    """Network-order bytes as u32 words whose in-memory bytes stay in network order."""
+    return [int.from_bytes(packed[i : i + 4], sys.byteorder) for i in range(0, len(packed), 4)]
+
+
+def _words_bytes(words: Iterable[int]) -> bytes:
+    return b"".join(int(w).to_bytes(4, sys.byteorder) for w in words)
+
+
+def _htons(port: int) -> int:
+    return int.from_bytes(port.to_bytes(2, "big"), sys.byteorder)
+
+
+def ensure_bpffs() -> None:
+    """Mount bpffs at /sys/fs/bpf when nothing is mounted there (pins need it)."""
+    if os.path.ismount(BPFFS) and _fs_type(BPFFS) == "bpf":
+        return
+    try:
+        subprocess.run(
+            ["mount", "-t", "bpf", "bpf", str(BPFFS)], check=True, capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        raise EgressUnavailable(f"cannot mount bpffs at {BPFFS}: {detail.strip()}") from exc
+
+
+def _fs_type(path: Path) -> str | None:
+    """File system type of the topmost mount at exactly ``path``."""
+    found = None
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 2 and parts[1] == str(path):
+            found = parts[2]
+    return found
+
+
+def _bcc() -> Any:
+    try:
+        import bcc
+    except ImportError as exc:
+        raise EgressUnavailable(
+            "BCC is not importable: install python3-bpfcc and run scripts/setup-kernel.sh"
+        ) from exc
+    return bcc
+
+
+class EgressKernel:
+    """One loaded copy of the egress programs and typed access to their pinned maps."""
+
+    def __init__(
+        self,
+        pin_dir: Path,
+        *,
+        max_cidrs: int = 262144,
+        max_hosts: int = 65536,
+        ringbuf_pages: int = 64,
+        doh_addresses: Iterable[IPAddress] = DOH_ADDRESSES,
+    ) -> None:
+        if not _SAFE_PATH.match(str(pin_dir)) or not str(pin_dir).startswith(str(BPFFS) + "/"):
+            raise ValueError(f"pin_dir {pin_dir}: expected a plain path under {BPFFS}/")
+        self.pin_dir = pin_dir
+        self._defines = {
+            "MAX_CIDRS": max_cidrs,
+            "MAX_HOSTS": max_hosts,
+            "RINGBUF_PAGES": ringbuf_pages,
+        }
+        self._doh = frozenset(doh_addresses)
+        self._bpf: Any = None
+        self._fns: dict[str, Any] = {}
+        self._sandboxes_map_id = 0
+
+    # --- loading ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Compile and load the programs; create or re-open the pinned maps."""
+        if os.geteuid() != 0:
+            raise EgressUnavailable("egress enforcement needs root (CAP_BPF, CAP_NET_ADMIN)")
+        bcc = _bcc()
+        ensure_bpffs()
+        self.pin_dir.mkdir(parents=True, exist_ok=True)
+        cflags = [f'-DPIN_DIR="{self.pin_dir}"', "-Wno-unused-function"]
+        cflags += [f"-D{k}={v}" for k, v in self._defines.items()]
+        try:
+            self._bpf = bcc.BPF(src_file=str(SOURCE).encode(), cflags=cflags)
+            for name in ATTACH_TYPES:
+                self._fns[name] = self._bpf.load_func(
+                    name.encode(), BPF_PROG_TYPE_CGROUP_SOCK_ADDR, None, ATTACH_TYPES[name]
+                )
+        except Exception as exc:
+            self.close()
+            raise EgressUnavailable(
+                f"loading {SOURCE.name} failed ({exc}); kernel headers and BCC come from "
+                "scripts/setup-kernel.sh"
+            ) from exc
+        self._sandboxes_map_id = libbpf.map_id(self._table("sandboxes").map_fd)
+        self._load_doh()
+
+    def close(self) -> None:
+        """Close our file descriptors. Attached programs and pinned maps stay (fail-closed)."""
+        if self._bpf is not None:
+            self._bpf.cleanup()
+            self._bpf = None
+        self._fns.clear()
+
+    def unpin(self) -> None:
+        """Remove every pin (maps die once no attached program uses them)."""
+        if self.pin_dir.exists():
+            shutil.rmtree(self.pin_dir)
+        if self.pin_dir.parent != BPFFS:
+            with contextlib.suppress(OSError):  # only when empty
+                self.pin_dir.parent.rmdir()
+
+    def _table(self, name: str) -> Any:
+        if self._bpf is None:
+            raise RuntimeError("EgressKernel.load() has not run")
+        return self._bpf[name.encode()]
+
+    def _load_doh(self) -> None:
+        table = self._table("doh")
+        for address in self._doh:
+            key = table.Key()
+            packed = (
+                ipaddress.IPv6Address(b"\0" * 12 + address.packed)
+                if address.version == 4
+                else address
+            ).packed
+            key.addr[:] = _be32_words(packed)
+            table[key] = table.Leaf(1)
+
+    # --- cgroups ---------------------------------------------------------------------------
+
+    def attach(self, cgroup_dir: Path) -> None:
+        """Attach all eight programs (BPF_F_ALLOW_MULTI: a parent's programs still run too)."""
+        fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+        done: list[str] = []
+        try:
+            for name, attach_type in ATTACH_TYPES.items():
+                self._bpf.attach_func(self._fns[name], fd, attach_type, libbpf.BPF_F_ALLOW_MULTI)
+                done.append(name)
+        except Exception as exc:
+            for name in done:
+                self._bpf.detach_func(self._fns[name], fd, ATTACH_TYPES[name])
+            raise OSError(f"attaching egress programs to {cgroup_dir}: {exc}") from exc
+        finally:
+            os.close(fd)
+
+    def detach(self, cgroup_dir: Path) -> int:
+        """Detach our programs — also those a previous agent attached — and return how many.
+
+        "Ours" means: the program uses this instance's pinned ``sandboxes`` map.
+        """
+        fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+        count = 0
+        try:
+            for attach_type in ATTACH_TYPES.values():
+                for prog_id in libbpf.attached_prog_ids(fd, attach_type):
+                    _, maps = libbpf.prog_map_ids(prog_id)
+                    if self._sandboxes_map_id in maps:
+                        libbpf.detach_prog_id(fd, attach_type, prog_id)
+                        count += 1
+        finally:
+            os.close(fd)
+        return count
+
+    def attached_count(self, cgroup_dir: Path) -> int:
+        """How many of our programs are attached to a cgroup."""
+        fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return sum(
+                self._sandboxes_map_id in libbpf.prog_map_ids(prog_id)[1]
+                for attach_type in ATTACH_TYPES.values()
+                for prog_id in libbpf.attached_prog_ids(fd, attach_type)
+            )
+        finally:
+            os.close(fd)
+
+    # --- maps ------------------------------------------------------------------------------
+
+    def set_sandbox(
+        self, cgroup_id: int, proxy4: str, proxy6: str, port: int, log_allowed: bool
+    ) -> None:
+        """Register a cgroup: where its DNS goes and how loud it is."""
+        table = self._table("sandboxes")
+        leaf = table.Leaf()
+        leaf.proxy4 = _be32_words(ipaddress.IPv4Address(proxy4).packed)[0]
+        leaf.proxy6[:] = _be32_words(ipaddress.IPv6Address(proxy6).packed)
+        leaf.proxy_port = _htons(port)
+        leaf.flags = SF_LOG_ALLOWED if log_allowed else 0
+        table[ctypes.c_uint64(cgroup_id)] = leaf
+
+    def sandbox_ids(self) -> list[int]:
+        """Cgroup ids registered in the pinned map (those a restarted agent must adopt)."""
+        return [int(k.value) for k in self._table("sandboxes")]
+
+    def add_cidrs(self, cgroup_id: int, entries: Iterable[CidrEntry]) -> None:
+        """Write ``cidr`` rule entries into the tries."""
+        t4, t6 = self._table("cidr4"), self._table("cidr6")
+        for entry in entries:
+            net = entry.network
+            table = t4 if net.version == 4 else t6
+            key = table.Key()
+            key.prefixlen = 64 + 16 + net.prefixlen
+            key.cgid = cgroup_id
+            key.port = entry.port
+            words = _be32_words(net.network_address.packed)
+            if net.version == 4:
+                key.addr = words[0]
+            else:
+                key.addr[:] = words
+            leaf = table.Leaf(
+                rule=entry.slot, flags=AF_HOST_EXACT if entry.host_exact else 0, expires_ns=0
+            )
+            table[key] = leaf
+
+    def set_buckets(self, cgroup_id: int, specs: Iterable[BucketSpec]) -> None:
+        """Create (full) connection buckets for rate-limited rules."""
+        table = self._table("buckets")
+        for spec in specs:
+            key = table.Key(cgid=cgroup_id, rule=spec.slot, pad=0)
+            leaf = table.Leaf()
+            leaf.tat = 0
+            leaf.interval_ns = spec.interval_ns
+            leaf.tau_ns = spec.tau_ns
+            table[key] = leaf
+
+    def grant(self, cgroup_id: int, grants: Sequence[Grant]) -> None:
+        """Open answered addresses until their expiry (the DNS proxy's sink).
+
+        An address already open keeps the later of the two expiries.
+        """
+        t4, t6 = self._table("host4"), self._table("host6")
+        for g in grants:
+            table = t4 if g.address.version == 4 else t6
+            key = table.Key()
+            key.cgid = cgroup_id
+            key.port = g.port
+            words = _be32_words(g.address.packed)
+            if g.address.version == 4:
+                key.addr = words[0]
+            else:
+                key.addr[:] = words
+            old = table.get(key)
+            expires = g.expires_ns if old is None else max(int(old.expires_ns), g.expires_ns)
+            table[key] = table.Leaf(rule=g.slot, flags=AF_HOST_EXACT, expires_ns=expires)
+
+    def purge(self, cgroup_id: int) -> None:
+        """Remove every entry of a cgroup from every map."""
+        sandboxes = self._table("sandboxes")
+        key = ctypes.c_uint64(cgroup_id)
+        if sandboxes.get(key) is not None:
+            del sandboxes[key]
+        for name in _PER_CGROUP_MAPS:
+            table = self._table(name)
+            for k in [k for k in table if int(k.cgid) == cgroup_id]:
+                table.pop(k, None)
+
+    def sweep(self, now_ns: int) -> int:
+        """Delete expired DNS grants (the hooks already ignore them); return how many."""
+        removed = 0
+        for name in ("host4", "host6"):
+            table = self._table(name)
+            stale = [k for k, v in table.items() if v.expires_ns and v.expires_ns < now_ns]
+            for k in stale:
+                table.pop(k, None)
+            removed += len(stale)
+        return removed
+
+    def counters(self) -> dict[tuple[int, int, int], int]:
+        """(cgroup id, rule slot, verdict) -> count, summed over CPUs."""
+        out: dict[tuple[int, int, int], int] = {}
+        for k, per_cpu in self._table("counters").items():
+            out[(int(k.cgid), int(k.rule), int(k.verdict))] = sum(int(v) for v in per_cpu)
+        return out
+
+    def host_entries(self, cgroup_id: int) -> Iterator[tuple[IPAddress, int, int, int]]:
+        """(address, port, slot, expires_ns) of the DNS grants of a cgroup."""
+        for name, version in (("host4", 4), ("host6", 6)):
+            for k, v in self._table(name).items():
+                if int(k.cgid) != cgroup_id:
+                    continue
+                raw = _words_bytes([k.addr]) if version == 4 else _words_bytes(k.addr)
+                yield ipaddress.ip_address(raw), int(k.port), int(v.rule), int(v.expires_ns)
+
+    # --- events ----------------------------------------------------------------------------
+
+    def open_events(self, callback: Callable[[RawEvent], None]) -> int:
+        """Start reading the ring buffer; return an fd that is readable when events wait."""
+        table = self._table("events")
+
+        def on_event(_ctx: Any, data: Any, _size: int) -> int:
+            callback(self._decode(table.event(data)))
+            return 0
+
+        table.open_ring_buffer(on_event)
+        return libbpf.ring_buffer_epoll_fd(self._bpf._ringbuf_manager)
+
+    def consume_events(self) -> None:
+        """Deliver every waiting event to the callback (non-blocking)."""
+        if self._bpf is not None:
+            self._bpf.ring_buffer_consume()
+
+    @staticmethod
+    def _decode(ev: Any) -> RawEvent:
+        raw = _words_bytes(ev.addr)
+        address: IPAddress = (
+            ipaddress.IPv4Address(raw[:4]) if ev.family == 4 else ipaddress.IPv6Address(raw)
+        )
+        return RawEvent(
+            ts_ns=int(ev.ts_ns),
+            cgroup_id=int(ev.cgid),
+            pid=int(ev.pid),
+            rule=int(ev.rule),
+            verdict=int(ev.verdict),
+            hook=int(ev.hook),
+            family=int(ev.family),
+            proto=int(ev.proto),
+            port=int(ev.port),
+            address=address,
+            comm=bytes(ev.comm).split(b"\0", 1)[0].decode(errors="replace"),
+        )

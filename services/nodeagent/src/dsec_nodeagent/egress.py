@@ -1,0 +1,76 @@
+"""The node agent's egress layer on the bus: programs attached to each sandbox's cgroup before
+its first instruction, detached at exit, and every kernel verdict turned into a
+``policy.violation`` event (the kernel refuses; the event explains)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from prometheus_client import REGISTRY
+
+from dsec_core import events
+from dsec_core.settings import Settings
+from dsec_core.spec import EnforcementPlan
+from dsec_nodeagent.agent import Publish
+from dsec_nodeagent.ebpf import EgressPlan, VerdictEvent
+from dsec_nodeagent.ebpf.controller import EgressController
+from dsec_nodeagent.ebpf.metrics import EgressCollector
+
+log = logging.getLogger(__name__)
+
+
+def violation(event: VerdictEvent) -> events.PolicyViolation:
+    """The ``policy.violation`` payload of one kernel verdict."""
+    call = event.hook.name.lower().rstrip("46")
+    return events.PolicyViolation(
+        layer="kernel",
+        rule_id=event.rule_id or "default-deny",
+        action="deny" if event.denied else "allow",
+        operation=call,
+        target=f"{event.address}:{event.port}/{event.protocol}",
+        message=event.message(),
+    )
+
+
+class Egress:
+    """Owns the egress controller for this node."""
+
+    def __init__(self, settings: Settings, publish: Publish) -> None:
+        self.controller = EgressController(dns_upstream=settings.dns_upstream)
+        self._publish = publish
+        self._cgroups: dict[str, Path] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Load the programs (or re-open the pinned ones) and re-adopt live sandboxes."""
+        await self.controller.start()
+        report = await self.controller.reconcile()
+        log.info("egress reconciled: adopted %s, removed %s", report.adopted, report.removed)
+        self.controller.add_listener(self._on_verdict)
+        REGISTRY.register(EgressCollector(self.controller))
+
+    async def close(self) -> None:
+        """Stop reading verdicts; programs stay attached (fail-closed)."""
+        await self.controller.close()
+
+    async def attach(self, sid: str, cgroup: Path, cgroup_id: int, plan: EnforcementPlan) -> None:
+        """Put a new sandbox's cgroup under its egress plan (before its first instruction)."""
+        await self.controller.attach(cgroup, EgressPlan.from_enforcement_plan(sid, plan))
+        self._cgroups[sid] = cgroup
+
+    async def detach(self, sid: str) -> None:
+        """Remove a finished sandbox's programs, map entries and DNS listener."""
+        cgroup = self._cgroups.pop(sid, None)
+        if cgroup is not None:
+            await self.controller.detach(cgroup)
+
+    def _on_verdict(self, event: VerdictEvent) -> None:
+        if event.sandbox_id is None:
+            return
+        task: asyncio.Task[None] = asyncio.ensure_future(
+            self._publish(violation(event), event.sandbox_id, None)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,355 @@
+"""The node agent's IPC broker: creates shared-memory channels and hands them over SCM_RIGHTS.
+
+Agents connect to one Unix ``SOCK_SEQPACKET`` socket (protocol: :mod:`dsec_sdk.ipc.control`).
+The broker learns each connection's pid from ``SO_PEERCRED`` (unforgeable, translated into the
+broker's pid namespace, so it works for sandboxes with their own), keeps a pidfd of it, and gives
+each side of a channel the other's pidfd: a killed peer is then seen by poll() at once.
+
+The broker never touches the hot path: once a channel is handed over, the two agents talk through
+shared memory alone. Only calls to an agent on another node pass through it (see
+:mod:`dsec_nodeagent.ipc.remote`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsec_sdk.errors import ProtocolError
+from dsec_sdk.ipc import channel as ch
+from dsec_sdk.ipc import control
+
+from dsec_nodeagent.ipc.registry import AgentKey, Registry
+
+log = logging.getLogger(__name__)
+
+_UCRED = struct.Struct("3i")
+
+Identify = Callable[[int, int, int], AgentKey | None]
+"""Maps a connecting process ``(pid, uid, gid)`` to the only identity it may claim."""
+
+
+@dataclass(eq=False)
+class Connection:
+    """One agent connection."""
+
+    sock: socket.socket
+    pid: int
+    uid: int
+    pidfd: int
+    key: AgentKey | None = None
+    role: str = ""
+    tools: list[str] = field(default_factory=list)
+    doorbell: int = -1
+
+    @property
+    def name(self) -> str:
+        return self.key.agent if self.key else f"pid {self.pid}"
+
+
+class Broker:
+    """Creates memfd channels for the agents of this node and routes calls between them.
+
+    Args:
+        socket_path: Where to listen (parent directories are created).
+        node_id: This node's name (in answers to remote lookups).
+        nats_url: NATS server for peers on other nodes (``None``: this node only).
+        ring_capacity: Data bytes of each ring (power of two).
+        max_payload: Largest request or response body.
+        identify: Optional check of who a connecting process is; the hello must match it.
+        socket_mode: Permissions of the socket file.
+    """
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        *,
+        node_id: str = "node-1",
+        nats_url: str | None = None,
+        ring_capacity: int = ch.DEFAULT_CAPACITY,
+        max_payload: int = ch.DEFAULT_MAX_PAYLOAD,
+        identify: Identify | None = None,
+        socket_mode: int = 0o666,
+    ) -> None:
+        from dsec_sdk.ipc.ring import check_capacity
+
+        check_capacity(ring_capacity)
+        self.socket_path = Path(socket_path)
+        self.node_id = node_id
+        self.nats_url = nats_url
+        self.ring_capacity = ring_capacity
+        self.max_payload = max_payload
+        self._identify = identify
+        self._socket_mode = socket_mode
+        self._listener: socket.socket | None = None
+        self._connections: set[Connection] = set()
+        self._registry: Registry[Connection] = Registry()
+        self._next_channel = 1
+        self._self_pidfd = -1
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._remote: Any = None  # RemoteBridge, imported lazily (nats-py only when used)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Listen on :attr:`socket_path` (and connect to NATS when ``nats_url`` is set)."""
+        loop = asyncio.get_running_loop()
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(os.fspath(self.socket_path))
+            os.chmod(self.socket_path, self._socket_mode)
+            listener.listen(128)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._self_pidfd = os.pidfd_open(os.getpid())
+        if self.nats_url is not None:
+            from dsec_nodeagent.ipc.remote import RemoteBridge
+
+            self._remote = RemoteBridge(self)
+            try:
+                await self._remote.start(self.nats_url)
+            except BaseException:
+                await self.stop()
+                raise
+        loop.add_reader(listener.fileno(), self._on_accept)
+        log.info("ipc broker listening on %s", self.socket_path)
+
+    async def stop(self) -> None:
+        """Close every connection, stop the NATS bridge, remove the socket file."""
+        loop = asyncio.get_running_loop()
+        if self._listener is not None:
+            loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._remote is not None:
+            await self._remote.stop()
+            self._remote = None
+        for conn in list(self._connections):
+            self._drop(conn)
+        if self._self_pidfd >= 0:
+            os.close(self._self_pidfd)
+            self._self_pidfd = -1
+
+    async def __aenter__(self) -> Broker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ connections
+    def _on_accept(self) -> None:
+        assert self._listener is not None
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(False)
+        pid, uid, _gid = _UCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        )
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            sock.close()
+            return
+        conn = Connection(sock=sock, pid=pid, uid=uid, pidfd=pidfd)
+        self._connections.add(conn)
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._on_readable, conn)
+
+    def _on_readable(self, conn: Connection) -> None:
+        while True:
+            try:
+                received = control.recv(conn.sock)
+            except (BlockingIOError, InterruptedError):
+                return
+            except (ProtocolError, OSError) as exc:
+                log.warning("ipc: dropping %s: %s", conn.name, exc)
+                self._drop(conn)
+                return
+            if received is None:
+                self._drop(conn)
+                return
+            message, fds = received
+            control.close_fds(fds)  # agents never send fds; refuse any silently
+            self._dispatch(conn, message)
+            if conn not in self._connections:  # refused and dropped
+                return
+
+    def _dispatch(self, conn: Connection, message: dict[str, Any]) -> None:
+        op = message["op"]
+        if conn.key is None:
+            if op != "hello":
+                self._reply_error(conn, message, "bad_request", "the first message must be hello")
+                return
+            self._hello(conn, message)
+        elif op == "connect":
+            self._spawn(self._connect(conn, message))
+        else:
+            self._reply_error(conn, message, "bad_request", f"unknown op {op!r}")
+
+    def _hello(self, conn: Connection, message: dict[str, Any]) -> None:
+        try:
+            key = AgentKey(
+                control.check_name("task group", message.get("group")),  # type: ignore[arg-type]
+                control.check_name("agent name", message.get("agent")),  # type: ignore[arg-type]
+            )
+            role = message.get("role")
+            if role not in ("caller", "server"):
+                raise ValueError(f"role {role!r} is invalid: use 'caller' or 'server'")
+            tools = [control.check_tool_name(t) for t in message.get("tools") or []]
+        except ValueError as exc:
+            self._refuse(conn, str(exc))
+            return
+        if self._identify is not None:
+            allowed = self._identify(conn.pid, conn.uid, 0)
+            if allowed != key:
+                self._refuse(conn, f"process {conn.pid} may not act as {key}")
+                return
+        conn.key, conn.role, conn.tools = key, role, tools
+        welcome = {
+            "op": "welcome",
+            "node": self.node_id,
+            "ring_capacity": self.ring_capacity,
+            "max_payload": self.max_payload,
+        }
+        if role == "server":
+            reason = self._registry.claim(key, conn)
+            if reason is not None:
+                self._refuse(conn, reason)
+                return
+            conn.doorbell = ch.new_eventfd()
+            self._send(conn, welcome, [conn.doorbell])
+            if self._remote is not None:
+                self._spawn(self._remote.export(key))
+        else:
+            self._send(conn, welcome)
+
+    async def _connect(self, conn: Connection, message: dict[str, Any]) -> None:
+        assert conn.key is not None
+        ref = message.get("ref")
+        peer = message.get("peer")
+        try:
+            key = AgentKey(conn.key.group, control.check_name("agent name", peer))  # type: ignore[arg-type]
+        except ValueError as exc:
+            self._reply_error(conn, message, "bad_request", str(exc))
+            return
+        server = self._registry.lookup(key)
+        if server is not None:
+            channel_id, caller_fds = self.open_channel(server, conn.name, conn.pidfd)
+            reply = self._channel_reply(ref, channel_id, key.agent, remote=False)
+            self._send(conn, reply, [*caller_fds, server.doorbell, server.pidfd])
+            control.close_fds(caller_fds)
+            return
+        if self._remote is not None and await self._remote.locate(key):
+            channel_id, fds = self._remote.open_proxy(key, conn)
+            reply = self._channel_reply(ref, channel_id, key.agent, remote=True)
+            self._send(conn, reply, fds)
+            control.close_fds(fds)
+            return
+        where = "this node or any other" if self._remote is not None else "this node"
+        self._reply_error(conn, message, "not_found", f"not registered on {where}")
+
+    # ------------------------------------------------------------------ channels
+    def open_channel(
+        self, server: Connection, caller: str, caller_pidfd: int
+    ) -> tuple[int, list[int]]:
+        """Create a channel to ``server`` and announce it there.
+
+        Returns the channel id and the caller's fds (memfd, overflows, caller eventfd), which the
+        caller of this method sends on and then closes.
+        """
+        fds = ch.create_channel(self.ring_capacity)
+        channel_id = self.new_channel_id()
+        opening = {
+            "op": "open",
+            "channel": channel_id,
+            "caller": caller,
+            "ring_capacity": self.ring_capacity,
+        }
+        self._send(server, opening, [*fds.all(), caller_pidfd])
+        return channel_id, fds.all()
+
+    def _channel_reply(
+        self, ref: Any, channel_id: int, peer: str, *, remote: bool
+    ) -> dict[str, Any]:
+        return {
+            "op": "channel",
+            "ref": ref,
+            "channel": channel_id,
+            "peer": peer,
+            "ring_capacity": self.ring_capacity,
+            "max_payload": self.max_payload,
+            "remote": remote,
+        }
+
+    def new_channel_id(self) -> int:
+        """A fresh channel id."""
+        channel_id = self._next_channel
+        self._next_channel += 1
+        return channel_id
+
+    @property
+    def self_pidfd(self) -> int:
+        """A pidfd of this process, handed to agents whose peer is the broker itself."""
+        return self._self_pidfd
+
+    def local_server(self, key: AgentKey) -> Connection | None:
+        """The connection serving ``key`` on this node."""
+        return self._registry.lookup(key)
+
+    # ------------------------------------------------------------------ helpers
+    def _send(
+        self, conn: Connection, message: dict[str, Any], fds: list[int] | None = None
+    ) -> None:
+        try:
+            control.send(conn.sock, message, fds or ())
+        except OSError as exc:
+            log.warning("ipc: cannot reach %s (%s); dropping it", conn.name, exc)
+            self._drop(conn)
+
+    def _reply_error(self, conn: Connection, request: dict[str, Any], code: str, text: str) -> None:
+        self._send(conn, {"op": "error", "ref": request.get("ref"), "code": code, "message": text})
+
+    def _refuse(self, conn: Connection, reason: str) -> None:
+        self._send(conn, {"op": "error", "code": "refused", "message": reason})
+        self._drop(conn)
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _drop(self, conn: Connection) -> None:
+        if conn not in self._connections:
+            return
+        self._connections.discard(conn)
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(conn.sock.fileno())
+        conn.sock.close()
+        for key in self._registry.release(conn):
+            if self._remote is not None:
+                self._spawn(self._remote.unexport(key))
+        if self._remote is not None:
+            self._remote.forget(conn)
+        control.close_fds([fd for fd in (conn.pidfd, conn.doorbell) if fd >= 0])
+        conn.pidfd = conn.doorbell = -1

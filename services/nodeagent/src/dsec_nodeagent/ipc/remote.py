@@ -1,0 +1,274 @@
+"""Calls between nodes: the brokers bridge shared-memory channels over NATS request-reply.
+
+Caller on node A -> (shm) -> broker A -> NATS ``dsec.ipc.<group>.<agent>.<tool>`` -> broker B
+-> (shm) -> agent on node B, and back. Agents see the same API and the same errors as locally, and
+sandboxes need no network access to NATS: only the node agents talk to it.
+
+A reply carries one byte of frame kind (RESULT or ERROR) then the frame body, unchanged.
+A broker answers ``dsec.ipc.<group>.<agent>._locate`` for every agent it serves, which is how
+another broker learns that a name lives elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+import msgpack
+import nats
+import nats.errors
+from dsec_sdk.errors import PeerGone
+from dsec_sdk.ipc import channel as ch
+from dsec_sdk.ipc import codec, control
+from dsec_sdk.ipc.aio import AsyncCaller, AsyncServeLoop
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from dsec_nodeagent.ipc.registry import AgentKey
+
+if TYPE_CHECKING:
+    from dsec_nodeagent.ipc.broker import Broker, Connection
+
+log = logging.getLogger(__name__)
+
+LOCATE: Final = "_locate"
+LOCATE_TIMEOUT_S: Final = 1.0
+# A call without a timeout still gets one across nodes: a vanished node must not hold it forever.
+DEFAULT_REMOTE_TIMEOUT_S: Final = 300.0
+
+
+class RemoteBridge:
+    """The NATS side of one broker."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.nc: NATS | None = None
+        self._packer = codec.new_packer()
+        self._subs: dict[AgentKey, Subscription] = {}
+        self._targets: dict[int, AgentKey] = {}
+        self._inbound: dict[AgentKey, AsyncCaller] = {}
+        self._doorbell = -1
+        self._proxy: AsyncServeLoop | None = None
+        self._proxy_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, url: str) -> None:
+        """Connect to NATS and start serving proxy channels."""
+        self.nc = await nats.connect(url, name=f"dsec-ipc-{self.broker.node_id}")
+        self._doorbell = ch.new_eventfd()
+        self._proxy = AsyncServeLoop(self._doorbell, bytes, self._on_proxy_request)
+        self._proxy_task = asyncio.get_running_loop().create_task(self._proxy.run())
+
+    async def stop(self) -> None:
+        """Stop serving, unsubscribe, close NATS."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._proxy is not None and self._proxy_task is not None:
+            self._proxy.stop()
+            await self._proxy_task
+        for caller in self._inbound.values():
+            caller.close()
+        self._inbound.clear()
+        if self.nc is not None:
+            for sub in self._subs.values():
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+            self._subs.clear()
+            await self.nc.close()
+            self.nc = None
+        if self._doorbell >= 0:
+            os.close(self._doorbell)
+            self._doorbell = -1
+
+    # ------------------------------------------------------------------ registry over NATS
+    async def export(self, key: AgentKey) -> None:
+        """Answer calls from other nodes for the local agent ``key``."""
+        assert self.nc is not None
+
+        async def on_message(msg: Msg) -> None:
+            self._spawn(self._on_remote_call(key, msg))
+
+        self._subs[key] = await self.nc.subscribe(key.subject("*"), cb=on_message)
+        await self.nc.flush()
+
+    async def unexport(self, key: AgentKey) -> None:
+        """Stop answering for ``key`` (it left this node)."""
+        sub = self._subs.pop(key, None)
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        caller = self._inbound.pop(key, None)
+        if caller is not None:
+            caller.close()
+
+    async def locate(self, key: AgentKey) -> bool:
+        """Whether another node's broker serves ``key``."""
+        assert self.nc is not None
+        try:
+            await self.nc.request(key.subject(LOCATE), b"", timeout=LOCATE_TIMEOUT_S)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
+            return False
+        return True
+
+    def forget(self, conn: Connection) -> None:
+        """A connection closed; its proxy channels are reaped through their pidfds."""
+
+    # ------------------------------------------------------------------ outbound (caller here)
+    def open_proxy(self, key: AgentKey, caller: Connection) -> tuple[int, list[int]]:
+        """A channel whose server end is this broker, forwarding to ``key`` over NATS.
+
+        Returns the channel id and the fds for the caller (the broker sends, then closes them).
+        """
+        assert self._proxy is not None
+        fds = ch.create_channel(self.broker.ring_capacity)
+        channel_id = self.broker.new_channel_id()
+        server_fds = [os.dup(fd) for fd in fds.all()] + [os.dup(caller.pidfd)]
+        end = ch.ServerEnd(
+            channel_id=channel_id,
+            peer=caller.name,
+            capacity=self.broker.ring_capacity,
+            fds=server_fds,
+            doorbell=self._doorbell,
+            max_payload=self.broker.max_payload,
+        )
+        self._targets[channel_id] = key
+        self._proxy.add(end)
+        return channel_id, [*fds.all(), os.dup(self._doorbell), os.dup(self.broker.self_pidfd)]
+
+    def _on_proxy_request(self, end: ch.ServerEnd, call_id: int, body: bytes) -> None:
+        self._spawn(self._forward(end, call_id, body))
+
+    async def _forward(self, end: ch.ServerEnd, call_id: int, body: bytes) -> None:
+        assert self.nc is not None and self._proxy is not None
+        key = self._targets.get(end.channel_id)
+        kind, reply = codec.ERROR, b""
+        try:
+            tool, timeout_s = _parse_request(body)
+        except ValueError as exc:
+            reply = self._error(codec.E_BAD_ARGUMENTS, "ProtocolError", str(exc))
+        else:
+            if key is None:
+                reply = self._error(codec.E_PEER_GONE, "PeerGone", "the channel is unknown")
+            elif len(body) > self.nc.max_payload:
+                reply = self._error(
+                    codec.E_TOO_LARGE,
+                    "PayloadTooLarge",
+                    f"request is {len(body)} bytes; NATS between nodes takes at most "
+                    f"{self.nc.max_payload} bytes",
+                )
+            else:
+                kind, reply = await self._request(key, tool, body, timeout_s)
+        self._proxy.respond(end, kind, call_id, reply)
+
+    async def _request(
+        self, key: AgentKey, tool: str, body: bytes, timeout_s: float
+    ) -> tuple[int, bytes]:
+        assert self.nc is not None
+        try:
+            msg = await self.nc.request(key.subject(tool), body, timeout=timeout_s)
+        except nats.errors.NoRespondersError:
+            text = "no node serves it any more"
+            return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", text)
+        except (nats.errors.TimeoutError, TimeoutError):
+            text = f"no answer from the remote node within {timeout_s:g} s"
+            return codec.ERROR, self._error(codec.E_TIMEOUT, "CallTimeout", text)
+        data = msg.data
+        if not data or data[0] not in (codec.RESULT, codec.ERROR):
+            return codec.ERROR, self._error(codec.E_REMOTE, "ProtocolError", "malformed reply")
+        return data[0], data[1:]
+
+    # ------------------------------------------------------------------ inbound (server here)
+    async def _on_remote_call(self, key: AgentKey, msg: Msg) -> None:
+        tool = msg.subject.rsplit(".", 1)[-1]
+        if tool == LOCATE:
+            await msg.respond(self.broker.node_id.encode())
+            return
+        try:
+            _, timeout_s = _parse_request(msg.data)
+        except ValueError as exc:
+            await self._reply(
+                msg, codec.ERROR, self._error(codec.E_BAD_ARGUMENTS, "ProtocolError", str(exc))
+            )
+            return
+        kind, body = await self._call_local(key, msg.data, timeout_s)
+        assert self.nc is not None
+        if len(body) + 1 > self.nc.max_payload:
+            kind, body = (
+                codec.ERROR,
+                self._error(
+                    codec.E_TOO_LARGE,
+                    "PayloadTooLarge",
+                    f"response is {len(body)} bytes; NATS between nodes takes at most "
+                    f"{self.nc.max_payload} bytes",
+                ),
+            )
+        await self._reply(msg, kind, body)
+
+    async def _call_local(self, key: AgentKey, body: bytes, timeout_s: float) -> tuple[int, bytes]:
+        caller = self._inbound_caller(key)
+        if caller is None:
+            return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", "it left its node")
+        deadline = time.perf_counter_ns() + int(timeout_s * 1e9)
+        try:
+            frame = await caller.call(codec.REQUEST, body, deadline)
+        except PeerGone as exc:
+            self._inbound.pop(key, None)
+            return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", exc.reason)
+        if frame is None:
+            text = f"no answer within {timeout_s:g} s"
+            return codec.ERROR, self._error(codec.E_TIMEOUT, "CallTimeout", text)
+        kind, value = frame
+        return kind, bytes(value)
+
+    def _inbound_caller(self, key: AgentKey) -> AsyncCaller | None:
+        caller = self._inbound.get(key)
+        if caller is not None and not caller.closed:
+            return caller
+        server = self.broker.local_server(key)
+        if server is None:
+            return None
+        caller_name = f"remote-via-{self.broker.node_id}"
+        channel_id, fds = self.broker.open_channel(server, caller_name, self.broker.self_pidfd)
+        end = ch.CallerEnd(
+            channel_id=channel_id,
+            peer=key.agent,
+            capacity=self.broker.ring_capacity,
+            fds=[*fds, os.dup(server.doorbell), os.dup(server.pidfd)],
+            max_payload=self.broker.max_payload,
+            spin_ns=0,
+        )
+        caller = AsyncCaller(end, bytes)
+        self._inbound[key] = caller
+        return caller
+
+    # ------------------------------------------------------------------ helpers
+    async def _reply(self, msg: Msg, kind: int, body: bytes) -> None:
+        with contextlib.suppress(nats.errors.Error):
+            await msg.respond(bytes([kind]) + body)
+
+    def _error(self, code: str, error_type: str, text: str) -> bytes:
+        return codec.encode_error(self._packer, code, error_type, text)
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _parse_request(body: bytes) -> tuple[str, float]:
+    """The tool name and the timeout of a REQUEST body (``ValueError`` if malformed)."""
+    try:
+        tool, arguments, timeout_ms = msgpack.unpackb(body, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ValueError(f"malformed request: {exc}") from exc
+    if not isinstance(arguments, dict) or not isinstance(timeout_ms, int) or timeout_ms < 0:
+        raise ValueError("malformed request: expected [tool, {arguments}, timeout_ms]")
+    control.check_tool_name(tool)
+    return tool, (timeout_ms / 1000 if timeout_ms else DEFAULT_REMOTE_TIMEOUT_S)

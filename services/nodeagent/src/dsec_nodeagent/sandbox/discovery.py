@@ -1,0 +1,216 @@
+"""What a runtime needs to see: computed from the interpreter itself and ``ldd``, never a list.
+
+The interpreter is asked for its prefix, stdlib, extension-module dir and OpenSSL paths; ``ldd``
+over the interpreter and every extension module (the runtime's and the built environment's) gives
+the shared libraries; each path's symlink chain (``/lib64`` → ``usr/lib64`` on merged-/usr
+systems) is recorded so the sandbox's root can recreate it. Results are cached on disk per
+(interpreter, environment) since both are immutable once built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import blake3
+
+_PROBE = """
+import json, os, ssl, sys, sysconfig
+paths = ssl.get_default_verify_paths()
+print(json.dumps({
+    "executable": os.path.realpath(sys.executable),
+    "prefix": os.path.realpath(sys.base_prefix),
+    "exec_prefix": os.path.realpath(sys.base_exec_prefix),
+    "dynload": sysconfig.get_config_var("DESTSHARED") or "",
+    "version": "%d.%d" % sys.version_info[:2],
+    "ssl": [p for p in (paths.openssl_cafile, paths.openssl_capath) if p],
+}))
+"""
+
+_LDD_BATCH = 64
+_MAX_LINKS = 40
+
+
+class DiscoveryError(RuntimeError):
+    """The runtime cannot be inspected (missing interpreter, ldd failure)."""
+
+
+@dataclass(frozen=True)
+class RuntimeView:
+    """Host paths the sandbox's root must contain, at the same paths, read-only.
+
+    Attributes:
+        executable: real path of the interpreter binary (what ``python`` runs in the sandbox).
+        version: ``major.minor`` of the interpreter.
+        ro_dirs: directories to bind read-only (none inside another).
+        ro_files: single files to bind read-only (e.g. a CA bundle outside ``ro_dirs``).
+        symlinks: ``(path, target)`` links to recreate, parents before children.
+    """
+
+    executable: str
+    version: str
+    ro_dirs: list[str] = field(default_factory=list)
+    ro_files: list[str] = field(default_factory=list)
+    symlinks: list[tuple[str, str]] = field(default_factory=list)
+
+
+def resolve_chain(path: str, depth: int = 0) -> tuple[str, list[tuple[str, str]]]:
+    """Resolve ``path`` component by component, returning its real path and the links crossed.
+
+    Raises:
+        DiscoveryError: a symlink loop.
+    """
+    if depth > _MAX_LINKS:
+        raise DiscoveryError(f"too many symlinks resolving {path}")
+    parts = [p for p in path.split("/") if p]
+    current = ""
+    for index, part in enumerate(parts):
+        candidate = f"{current}/{part}"
+        if os.path.islink(candidate):
+            target = os.readlink(candidate)
+            base = target if target.startswith("/") else os.path.join(current or "/", target)
+            rest = "/".join(parts[index + 1 :])
+            real, links = resolve_chain(
+                os.path.normpath(os.path.join(base, rest) if rest else base), depth + 1
+            )
+            return real, [(candidate, target), *links]
+        current = candidate
+    return current or "/", []
+
+
+def _ldd(files: list[str]) -> set[str]:
+    """Shared-library paths (as the loader names them) needed by ``files``."""
+    libs: set[str] = set()
+    for start in range(0, len(files), _LDD_BATCH):
+        batch = files[start : start + _LDD_BATCH]
+        proc = subprocess.run(
+            ["ldd", *batch], capture_output=True, text=True, check=False,
+            env={"LC_ALL": "C", "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        )
+        for line in proc.stdout.splitlines():
+            line = line.strip()
+            if "=>" in line:
+                target = line.split("=>", 1)[1].strip().split(" (", 1)[0]
+                if target.startswith("/"):
+                    libs.add(target)
+            elif line.startswith("/") and " (" in line:
+                libs.add(line.split(" (", 1)[0])
+    return libs
+
+
+def _elf_files(root: Path) -> list[str]:
+    found = []
+    for path in root.rglob("*.so*"):
+        if path.is_file() and not path.is_symlink():
+            found.append(str(path))
+    return sorted(found)
+
+
+def _inside(path: str, dirs: list[str]) -> bool:
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
+
+
+def _probe(interpreter: Path) -> dict[str, object]:
+    try:
+        proc = subprocess.run(
+            [str(interpreter), "-I", "-c", _PROBE], capture_output=True, text=True, check=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        raise DiscoveryError(f"runtime {interpreter} cannot be inspected: {exc}") from exc
+    data: dict[str, object] = json.loads(proc.stdout)
+    return data
+
+
+def discover(interpreter: Path, extra: list[Path] | None = None) -> RuntimeView:
+    """Compute the read-only view for ``interpreter`` plus ``extra`` ELF files or trees.
+
+    Args:
+        interpreter: the runtime's Python (a venv's ``bin/python`` resolves to its base).
+        extra: built environments or binaries whose shared libraries the sandbox also needs.
+    """
+    info = _probe(interpreter)
+    prefixes = sorted({str(info["prefix"]), str(info["exec_prefix"])})
+    elf = [str(info["executable"])]
+    if info["dynload"] and os.path.isdir(str(info["dynload"])):
+        elf += _elf_files(Path(str(info["dynload"])))
+    covered = list(prefixes)
+    for item in extra or []:
+        if item.is_dir():
+            elf += _elf_files(item)
+            covered.append(str(item.resolve()))
+        elif item.exists():
+            elf.append(str(item.resolve()))
+    needed = _ldd(elf) | {str(x) for x in extra or [] if Path(x).is_file()}
+    return _assemble(str(info["executable"]), str(info["version"]), prefixes, needed,
+                     [str(p) for p in info["ssl"]] if isinstance(info["ssl"], list) else [],
+                     covered)
+
+
+def _assemble(
+    executable: str, version: str, prefixes: list[str], needed: set[str], ssl: list[str],
+    covered: list[str],
+) -> RuntimeView:
+    dirs = set(prefixes)
+    files: set[str] = set()
+    links: dict[str, str] = {}
+    for path in sorted(needed | {executable}):
+        real, chain = resolve_chain(path)
+        links.update(chain)
+        if not _inside(real, covered):
+            dirs.add(os.path.dirname(real))
+    for path in ssl:
+        if not os.path.exists(path):
+            continue
+        real, chain = resolve_chain(path)
+        links.update(chain)
+        if os.path.isdir(real):
+            dirs.add(real)
+            for entry in os.scandir(real):  # capath holds links into the CA store
+                if entry.is_symlink():
+                    target_real, _ = resolve_chain(entry.path)
+                    dirs.add(os.path.dirname(target_real))
+        else:
+            files.add(real)
+    ro_dirs = _outermost(sorted(dirs))
+    ro_files = sorted(f for f in files if not _inside(f, ro_dirs))
+    symlinks = sorted(
+        ((p, t) for p, t in links.items() if not _inside(p, ro_dirs)),
+        key=lambda item: item[0].count("/"),
+    )
+    return RuntimeView(executable, version, ro_dirs, ro_files, symlinks)
+
+
+def _outermost(dirs: list[str]) -> list[str]:
+    kept: list[str] = []
+    for d in sorted(dirs, key=len):
+        if not _inside(d, kept):
+            kept.append(d)
+    return sorted(kept)
+
+
+def discover_cached(
+    interpreter: Path, extra: list[Path], cache_dir: Path
+) -> RuntimeView:
+    """:func:`discover`, memoised on disk by the identity and mtime of every input."""
+    key_parts = []
+    for path in [interpreter, *extra]:
+        stat = path.stat() if path.exists() else None
+        key_parts.append(f"{path.resolve()}:{stat.st_mtime_ns if stat else 0}")
+    key = blake3.blake3("|".join(key_parts).encode()).hexdigest()[:32]
+    cache_file = cache_dir / f"{key}.json"
+    if cache_file.exists():
+        data = json.loads(cache_file.read_text())
+        return RuntimeView(
+            data["executable"], data["version"], data["ro_dirs"], data["ro_files"],
+            [(str(x[0]), str(x[1])) for x in data["symlinks"]],
+        )
+    view = discover(interpreter, extra)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(view)))
+    tmp.replace(cache_file)
+    return view

@@ -1,0 +1,90 @@
+"""Pure decisions of the sandbox lifecycle: why it ended, which uid it gets, its start latency."""
+
+from __future__ import annotations
+
+import signal as _signal
+from typing import Any
+
+import blake3
+
+from dsec_nodeagent.sandbox.models import ExitReason
+
+UID_BASE = 200_000
+UID_COUNT = 60_000
+
+STAGE_ORDER = (
+    "plan", "cgroup", "spawn", "fork", "cgroup_join", "namespaces", "mounts", "credentials",
+    "landlock", "seccomp", "exec",
+)
+
+
+def classify_exit(
+    requested: ExitReason | None,
+    exit_code: int | None,
+    signal: int | None,
+    oom_kills: int,
+    pids_limit_hits: int,
+) -> tuple[ExitReason, str]:
+    """Decide the exit reason and a one-line detail a user can act on.
+
+    A reason the node agent caused (``stopped``, ``timeout``, ``policy``) wins; then the kernel's
+    own records (an OOM kill, a refused fork), then the exit status.
+    """
+    if requested is not None:
+        return requested, f"{requested.value} by the node agent"
+    if oom_kills > 0:
+        return ExitReason.OOM, f"memory limit reached: the OOM killer ended {oom_kills} task(s)"
+    if pids_limit_hits > 0 and exit_code != 0:
+        return ExitReason.PIDS, f"pids limit reached: {pids_limit_hits} fork(s) refused"
+    if signal == _signal.SIGSYS:
+        return ExitReason.POLICY, "killed by seccomp (a foreign-architecture system call)"
+    if exit_code is None:
+        return ExitReason.ERROR, "the sandbox ended without a recorded status"
+    if signal is not None:
+        return ExitReason.ERROR, f"killed by signal {_signal.Signals(signal).name}"
+    if exit_code == 0:
+        return ExitReason.OK, "exited with code 0"
+    return ExitReason.ERROR, f"exited with code {exit_code}"
+
+
+def allocate_uid(sandbox_id: str, in_use: set[int], base: int = UID_BASE,
+                 count: int = UID_COUNT) -> int:
+    """A per-sandbox uid (so no two sandboxes share file or signal permissions).
+
+    Deterministic start from the id's hash, then the next free one.
+
+    Raises:
+        RuntimeError: every uid of the range is in use.
+    """
+    start = int.from_bytes(blake3.blake3(sandbox_id.encode()).digest()[:4], "big") % count
+    for offset in range(count):
+        uid = base + (start + offset) % count
+        if uid not in in_use:
+            return uid
+    raise RuntimeError(f"no free sandbox uid in [{base}, {base + count})")
+
+
+def stage_timings(
+    t0_ns: int, host_marks: dict[str, int], records: list[dict[str, Any]], ready_ns: int
+) -> dict[str, float]:
+    """Per-layer milliseconds from the manager's marks and the child's stage records.
+
+    Args:
+        t0_ns: launch call start (``time.monotonic_ns``).
+        host_marks: ``{"plan": end_ns, "cgroup": end_ns, "spawn_start": ns}`` from the manager.
+        records: the child's ``{"stage", "start_ns", "end_ns"}`` lines.
+        ready_ns: when the report pipe closed (``execve`` succeeded).
+    """
+    out = {
+        "plan": (host_marks["plan"] - t0_ns) / 1e6,
+        "cgroup": (host_marks["cgroup"] - host_marks["plan"]) / 1e6,
+    }
+    for record in records:
+        name = record.get("stage")
+        if name == "spawn":
+            out["spawn"] = (record["end_ns"] - host_marks["spawn_start"]) / 1e6
+        elif name == "exec":
+            out["exec"] = (ready_ns - record["start_ns"]) / 1e6
+        elif name in STAGE_ORDER and "end_ns" in record:
+            out[name] = (record["end_ns"] - record["start_ns"]) / 1e6
+    return {k: round(out[k], 3) for k in STAGE_ORDER if k in out}

@@ -1,0 +1,377 @@
+"""The sandbox's pre-exec stage: ``python -m dsec_nodeagent.sandbox.init run|exec``.
+
+Run as a fresh process (never forked from the asyncio node agent, whose threads make
+``preexec_fn`` unsafe). It reads a *plan* (plain JSON, built by :mod:`.plan`) from an inherited
+pipe and reports progress as JSON lines on another inherited pipe; standard library only, because
+its import time is part of ``sandbox.ready``.
+
+Process tree of ``run``::
+
+    supervisor (host pid ns, not in the sandbox cgroup)   waits, then writes exit.json
+      └─ init (pid 1 of a new pid ns; new mount/ipc/uts[/net] ns; in the cgroups)
+           reaps orphans, forwards SIGTERM/SIGINT, reports the workload's wait status
+           └─ workload: uid drop, no caps, no_new_privs, Landlock, seccomp, then execve
+
+The supervisor stays outside the cgroup so that ``cgroup.kill`` (stop, OOM) cannot take the
+record of how the sandbox ended with it; exit.json lets a restarted node agent learn the outcome
+of a sandbox it did not start.
+"""
+
+from __future__ import annotations
+
+import marshal
+import os
+import signal
+import sys
+import time
+
+from dsec_nodeagent.sandbox import landlock, seccomp, syscalls
+
+# Neither json nor typing: together they cost more start-up time than every layer's set-up.
+# The plan arrives marshalled; reports are Python literals (the manager reads them with
+# ast.literal_eval).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    Plan = dict[str, Any]
+
+
+class _Reporter:
+    """JSON lines on the report pipe; each line is one atomic write (< PIPE_BUF)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def send(self, **record: Any) -> None:
+        if self.fd < 0:
+            return
+        try:
+            os.write(self.fd, (repr(record) + "\n").encode())
+        except OSError:
+            self.fd = -1  # the node agent went away; the sandbox still runs
+
+    def stage(self, name: str, start_ns: int) -> None:
+        self.send(stage=name, start_ns=start_ns, end_ns=time.monotonic_ns())
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _describe(exc: BaseException) -> str:
+    """The error and the line of this module that raised it (for ``sandbox.failed``)."""
+    frame = exc.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    where = f" (init.py:{frame.tb_lineno})" if frame is not None else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _read_plan(fd: int) -> Plan:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(fd)
+    plan: Plan = marshal.loads(b"".join(chunks))
+    return plan
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def run(plan: Plan, report: _Reporter) -> int:
+    """Supervisor: new pid ns, fork init, wait, record the outcome."""
+    start = time.monotonic_ns()
+    syscalls.unshare(syscalls.CLONE_NEWPID)
+    status_r, status_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(status_r)
+        _init_main(plan, report, status_w)
+    os.close(status_w)
+    report.send(stage="fork", start_ns=start, end_ns=time.monotonic_ns(), init_pid=pid)
+    report.close()
+    _, init_status = os.waitpid(pid, 0)
+    raw = os.read(status_r, 64).decode().strip()
+    outcome = _outcome(int(raw) if raw else init_status, bool(raw))
+    _write_json_atomic(plan["exit_path"], outcome)
+    return 0
+
+
+def _outcome(wait_status: int, from_init: bool) -> dict[str, Any]:
+    """Exit code and signal of the workload (or of init, when it died first)."""
+    result: dict[str, Any] = {"source": "workload" if from_init else "init", "time": time.time()}
+    if os.WIFSIGNALED(wait_status):
+        result["signal"] = os.WTERMSIG(wait_status)
+        result["exit_code"] = 128 + os.WTERMSIG(wait_status)
+    else:
+        result["signal"] = None
+        result["exit_code"] = os.WEXITSTATUS(wait_status)
+    return result
+
+
+def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
+    import json  # after the sandbox ended: start-up time no longer matters
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
+
+
+def _init_main(plan: Plan, report: _Reporter, status_w: int) -> None:
+    """Pid 1 of the sandbox. Never returns."""
+    try:
+        start = time.monotonic_ns()
+        _join_cgroups(plan["cgroup_procs"])
+        # OOM should take the workload, not init; needs CAP_SYS_RESOURCE, not always held.
+        # (No contextlib here: every import is start-up latency.)
+        try:  # noqa: SIM105
+            _write("/proc/self/oom_score_adj", "-1000")
+        except PermissionError:
+            pass
+        report.stage("cgroup_join", start)
+        start = time.monotonic_ns()
+        flags = syscalls.CLONE_NEWNS | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS
+        if plan["unshare_net"]:
+            flags |= syscalls.CLONE_NEWNET
+        syscalls.unshare(flags)
+        syscalls.sethostname(plan["hostname"])
+        report.stage("namespaces", start)
+        start = time.monotonic_ns()
+        build_root(plan)
+        report.stage("mounts", start)
+        syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
+    except BaseException as exc:  # report every failure, then die: nothing else can
+        report.send(error=_describe(exc), stage="init")
+        os._exit(126)
+    workload = os.fork()
+    if workload == 0:
+        os.close(status_w)
+        _exec_workload(plan, report)
+    report.close()
+    os._exit(_reap_until(workload, status_w))
+
+
+def _reap_until(workload: int, status_w: int) -> int:
+    """Reap every child until the workload ends; forward stop signals to the whole ns."""
+
+    def forward(signum: int, _frame: object) -> None:
+        try:  # noqa: SIM105
+            os.kill(-1, signum)  # from pid 1: every process of the namespace but itself
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return 1
+        if pid == workload:
+            os.write(status_w, str(status).encode())
+            os.close(status_w)
+            return 0
+
+
+def _join_cgroups(procs_files: list[str]) -> None:
+    for path in procs_files:
+        _write(path, "0")  # "0" = the writing process itself
+
+
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- the root view
+
+_NOSUID_NODEV = syscalls.MS_NOSUID | syscalls.MS_NODEV
+
+
+def build_root(plan: Plan) -> None:
+    """Private mount tree → tmpfs root with the plan's entries → pivot_root → read-only root."""
+    root = plan["root"]
+    syscalls.mount(None, "/", None, syscalls.MS_REC | syscalls.MS_PRIVATE, None)
+    syscalls.mount("tmpfs", root, "tmpfs", _NOSUID_NODEV, "mode=0755,size=4m")
+    for entry in plan["layout"]:
+        _apply_entry(root, entry, plan)
+    os.chdir(root)
+    # pivot_root(".", ".") stacks the old root under the new one; detaching it leaves only ours.
+    syscalls.pivot_root(".", ".")
+    syscalls.umount2(".", syscalls.MNT_DETACH)
+    os.chdir("/")
+    syscalls.mount(
+        None, "/", None, syscalls.MS_REMOUNT | syscalls.MS_BIND | syscalls.MS_RDONLY
+        | _NOSUID_NODEV, None,
+    )
+
+
+def _apply_entry(root: str, entry: dict[str, Any], plan: Plan) -> None:
+    kind = entry["kind"]
+    dst = root + entry["path"]
+    if kind == "dir":
+        os.makedirs(dst, mode=0o755, exist_ok=True)
+    elif kind == "symlink":
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        os.symlink(entry["target"], dst)
+    elif kind == "file":
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(dst, "w") as fh:
+            fh.write(entry["content"])
+        os.chmod(dst, entry.get("mode", 0o644))
+    elif kind == "bind":
+        _bind(entry["src"], dst, entry["ro"])
+    elif kind == "tmpfs":
+        os.makedirs(dst, exist_ok=True)
+        syscalls.mount("tmpfs", dst, "tmpfs", _NOSUID_NODEV, entry["options"])
+    elif kind == "proc":
+        _mount_proc(dst)
+    elif kind == "dev":
+        _mount_dev(dst, entry["nodes"])
+    else:
+        raise ValueError(f"unknown layout entry kind {kind!r}")
+
+
+def _bind(src: str, dst: str, ro: bool) -> None:
+    if os.path.isdir(src):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if not os.path.lexists(dst):
+            os.close(os.open(dst, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+    syscalls.mount(src, dst, None, syscalls.MS_BIND | syscalls.MS_REC, None)
+    flags = syscalls.MS_REMOUNT | syscalls.MS_BIND | _NOSUID_NODEV
+    if ro:
+        flags |= syscalls.MS_RDONLY
+    syscalls.mount(None, dst, None, flags, None)
+
+
+_PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
+
+
+def _mount_proc(dst: str) -> None:
+    os.makedirs(dst, exist_ok=True)
+    syscalls.mount("proc", dst, "proc", _NOSUID_NODEV | syscalls.MS_NOEXEC, None)
+    for name in _PROC_READONLY:
+        path = f"{dst}/{name}"
+        if os.path.exists(path):
+            _bind(path, path, ro=True)
+
+
+def _mount_dev(dst: str, nodes: list[str]) -> None:
+    os.makedirs(dst, exist_ok=True)
+    syscalls.mount("tmpfs", dst, "tmpfs", syscalls.MS_NOSUID, "mode=0755,size=64k")
+    for node in nodes:
+        target = f"{dst}/{node}"
+        os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o666))
+        syscalls.mount(f"/dev/{node}", target, None, syscalls.MS_BIND, None)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{dst}/{name}")
+    os.makedirs(f"{dst}/shm")
+    syscalls.mount("tmpfs", f"{dst}/shm", "tmpfs", _NOSUID_NODEV, "mode=1777,size=64m")
+
+
+# ----------------------------------------------------------------------------- the workload
+
+
+def _exec_workload(plan: Plan, report: _Reporter) -> None:
+    """Drop privileges, confine, execve. Never returns."""
+    stage = "credentials"
+    try:
+        start = time.monotonic_ns()
+        os.setsid()
+        os.chdir(plan["cwd"])
+        _drop_privileges(plan)
+        report.stage(stage, start)
+        stage, start = "landlock", time.monotonic_ns()
+        policy = plan["landlock"]
+        landlock.restrict_self(
+            policy["read"], policy["write"], policy["tcp_connect_ports"], policy["abi"]
+        )
+        report.stage(stage, start)
+        stage, start = "seccomp", time.monotonic_ns()
+        seccomp.install(bytes.fromhex(plan["seccomp"]))
+        report.stage(stage, start)
+        stage = "exec"
+        report.send(stage="exec", start_ns=time.monotonic_ns())
+        # The report pipe is close-on-exec: the node agent's EOF is the signal that execve worked.
+        if report.fd >= 0:
+            os.set_inheritable(report.fd, False)
+        os.execve(plan["argv"][0], plan["argv"], plan["env"])
+    except BaseException as exc:
+        message = _describe(exc)
+        if report.fd < 0:
+            os.write(2, f"dsec sandbox: {stage} failed: {message}\n".encode())
+        report.send(error=message, stage=stage)
+        os._exit(127)
+
+
+def _drop_privileges(plan: Plan) -> None:
+    uid, gid = plan["uid"], plan["gid"]
+    syscalls.drop_capabilities(plan["cap_last_cap"])
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
+    os.setresuid(uid, uid, uid)
+    os.umask(0o022)
+
+
+# ----------------------------------------------------------------------------- exec
+
+
+_NS_ORDER = ("ipc", "uts", "net", "pid", "mnt")
+_NS_FLAGS = {
+    "ipc": syscalls.CLONE_NEWIPC, "uts": syscalls.CLONE_NEWUTS, "net": syscalls.CLONE_NEWNET,
+    "pid": syscalls.CLONE_NEWPID, "mnt": syscalls.CLONE_NEWNS,
+}
+
+
+def exec_into(plan: Plan, report: _Reporter) -> int:
+    """Join a running sandbox (namespaces + cgroups) and run a command with its confinement."""
+    target = plan["join_pid"]
+    fds = {ns: os.open(f"/proc/{target}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC) for ns in _NS_ORDER}
+    _join_cgroups(plan["cgroup_procs"])
+    for ns in _NS_ORDER:
+        if ns != "net" or plan["unshare_net"]:
+            syscalls.setns(fds[ns], _NS_FLAGS[ns])
+        os.close(fds[ns])
+    pid = os.fork()  # the pid namespace applies to children only
+    if pid == 0:
+        _exec_workload(plan, report)
+    report.close()
+    signal.signal(signal.SIGINT, lambda *_: os.kill(pid, signal.SIGINT))
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGTERM))
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``init run|exec PLAN_FD REPORT_FD``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] not in ("run", "exec"):
+        print("usage: python -m dsec_nodeagent.sandbox.init run|exec PLAN_FD REPORT_FD",
+              file=sys.stderr)
+        return 2
+    syscalls.check_arch()
+    report = _Reporter(int(args[2]))
+    report.send(stage="spawn", end_ns=time.monotonic_ns())
+    try:
+        plan = _read_plan(int(args[1]))
+        return run(plan, report) if args[0] == "run" else exec_into(plan, report)
+    except Exception as exc:
+        report.send(error=f"{type(exc).__name__}: {exc}", stage="supervisor")
+        return 126
+
+
+if __name__ == "__main__":
+    sys.exit(main())

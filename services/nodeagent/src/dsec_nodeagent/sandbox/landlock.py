@@ -1,0 +1,161 @@
+"""Landlock rulesets through raw syscalls (ctypes), standard library only.
+
+Why not the ``landlock`` package on PyPI: its 1.0.0.dev5 (alpha) knows only
+``handled_access_fs`` — no TCP port rules (ABI 4), no ``ioctl_dev`` (ABI 5) and no scoping of
+abstract UNIX sockets and signals (ABI 6), which the sandbox uses to keep a process from talking
+to the host's abstract sockets or signalling its own init. The kernel interface is three syscalls
+and two structs, so this module stays small and follows the kernel's best-effort rule: it asks
+only for what the running ABI knows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from dsec_nodeagent.sandbox import syscalls
+
+FS_EXECUTE = 1 << 0
+FS_WRITE_FILE = 1 << 1
+FS_READ_FILE = 1 << 2
+FS_READ_DIR = 1 << 3
+FS_REMOVE_DIR = 1 << 4
+FS_REMOVE_FILE = 1 << 5
+FS_MAKE_CHAR = 1 << 6
+FS_MAKE_DIR = 1 << 7
+FS_MAKE_REG = 1 << 8
+FS_MAKE_SOCK = 1 << 9
+FS_MAKE_FIFO = 1 << 10
+FS_MAKE_BLOCK = 1 << 11
+FS_MAKE_SYM = 1 << 12
+FS_REFER = 1 << 13  # ABI 2
+FS_TRUNCATE = 1 << 14  # ABI 3
+FS_IOCTL_DEV = 1 << 15  # ABI 5
+
+NET_BIND_TCP = 1 << 0  # ABI 4
+NET_CONNECT_TCP = 1 << 1
+
+SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
+SCOPE_SIGNAL = 1 << 1
+
+RULE_PATH_BENEATH = 1
+RULE_NET_PORT = 2
+CREATE_RULESET_VERSION = 1
+
+READ = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+"""Rights granted beneath a readable path (executing is reading code)."""
+
+_WRITE_ONLY = (
+    FS_WRITE_FILE | FS_REMOVE_DIR | FS_REMOVE_FILE | FS_MAKE_DIR | FS_MAKE_REG | FS_MAKE_SOCK
+    | FS_MAKE_FIFO | FS_MAKE_SYM | FS_REFER | FS_TRUNCATE
+)
+WRITE = READ | _WRITE_ONLY
+"""Rights granted beneath a writable path (no device nodes)."""
+
+FILE_RIGHTS = FS_EXECUTE | FS_READ_FILE | FS_WRITE_FILE | FS_TRUNCATE | FS_IOCTL_DEV
+"""The only rights the kernel accepts on a rule whose path is not a directory."""
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = (
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    )
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = (("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32))
+
+
+class _NetPortAttr(ctypes.Structure):
+    _fields_ = (("allowed_access", ctypes.c_uint64), ("port", ctypes.c_uint64))
+
+
+def abi_version() -> int:
+    """The Landlock ABI of the running kernel; 0 when Landlock is off."""
+    try:
+        return syscalls.syscall(
+            syscalls.SYS_LANDLOCK_CREATE_RULESET, None, 0, CREATE_RULESET_VERSION
+        )
+    except OSError:
+        return 0
+
+
+def handled_fs(abi: int) -> int:
+    """Every filesystem right the given ABI can restrict."""
+    rights = (1 << 13) - 1
+    if abi >= 2:
+        rights |= FS_REFER
+    if abi >= 3:
+        rights |= FS_TRUNCATE
+    if abi >= 5:
+        rights |= FS_IOCTL_DEV
+    return rights
+
+
+def restrict_self(
+    read_paths: list[str],
+    write_paths: list[str],
+    tcp_connect_ports: list[int] | None,
+    abi: int,
+) -> None:
+    """Apply a ruleset to the calling thread and its future children; irreversible.
+
+    Args:
+        read_paths: paths (files or dirs) granted ``READ`` beneath them; missing ones are skipped.
+        write_paths: paths granted ``WRITE`` beneath them.
+        tcp_connect_ports: the only TCP ports ``connect`` may reach, or ``None`` to leave TCP
+            connects to the eBPF egress layer.
+        abi: the kernel's Landlock ABI (from :func:`abi_version`, computed once by the parent).
+
+    Raises:
+        OSError: Landlock unavailable (ABI < 1) or a syscall failed. ``no_new_privs`` must be set.
+    """
+    if abi < 1:
+        raise OSError("Landlock is not enabled on this kernel; refusing to start unconfined")
+    fs = handled_fs(abi)
+    attr = _RulesetAttr(handled_access_fs=fs)
+    size = 8
+    if abi >= 4:
+        size = 16
+        attr.handled_access_net = NET_CONNECT_TCP if tcp_connect_ports is not None else 0
+    if abi >= 6:
+        size = 24
+        attr.scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
+    ruleset_fd = syscalls.syscall(
+        syscalls.SYS_LANDLOCK_CREATE_RULESET, ctypes.c_void_p(ctypes.addressof(attr)), size, 0
+    )
+    try:
+        for path in read_paths:
+            _add_path_rule(ruleset_fd, path, READ & fs)
+        for path in write_paths:
+            _add_path_rule(ruleset_fd, path, WRITE & fs)
+        if abi >= 4 and tcp_connect_ports is not None:
+            for port in tcp_connect_ports:
+                net = _NetPortAttr(allowed_access=NET_CONNECT_TCP, port=port)
+                syscalls.syscall(
+                    syscalls.SYS_LANDLOCK_ADD_RULE, ruleset_fd, RULE_NET_PORT,
+                    ctypes.c_void_p(ctypes.addressof(net)), 0,
+                )
+        syscalls.syscall(syscalls.SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, 0)
+    finally:
+        os.close(ruleset_fd)
+
+
+def _add_path_rule(ruleset_fd: int, path: str, rights: int) -> None:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        if not os.path.isdir(path):
+            rights &= FILE_RIGHTS
+        rule = _PathBeneathAttr(allowed_access=rights, parent_fd=fd)
+        syscalls.syscall(
+            syscalls.SYS_LANDLOCK_ADD_RULE, ruleset_fd, RULE_PATH_BENEATH,
+            ctypes.c_void_p(ctypes.addressof(rule)), 0,
+        )
+    finally:
+        os.close(fd)

@@ -1,0 +1,618 @@
+"""The async face of the sandbox: launch, wait, stop, exec, logs, reconcile.
+
+Event-friendly by construction: :meth:`SandboxManager.launch` returns when the workload runs with
+every layer on (a :class:`SandboxReady`), ``on_exit`` receives a :class:`SandboxExited` after
+everything was cleaned up, ``on_decision`` receives the semantic layer's decisions.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import json
+import marshal
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsec_nodeagent.sandbox import cgroups, discovery, domain, landlock, plan, seccomp
+from dsec_nodeagent.sandbox.models import (
+    ExitReason,
+    SandboxConfig,
+    SandboxExited,
+    SandboxReady,
+    SandboxStartError,
+)
+from dsec_nodeagent.sandbox.state import StateStore, is_alive, process_start_time
+from dsec_nodeagent.semantic import site_dir
+from dsec_nodeagent.semantic.channel import DecisionChannel, DecisionHandler
+
+ExitHandler = Callable[[SandboxExited], Awaitable[None]]
+CgroupHook = Callable[[str, Path, int], Awaitable[None]]
+"""``(sandbox_id, cgroup v2 dir, cgroup id)``, awaited before the workload starts."""
+
+START_TIMEOUT_S = 30.0
+RECENT_RESULTS = 256
+_SRC = Path(__file__).resolve().parents[2]
+# Run the pre-exec stage without site-packages (-S) and without executing the packages'
+# __init__ modules: only the standard library and four small modules are imported, which keeps
+# interpreter start-up (the largest layer of sandbox.ready) near its floor.
+BOOTSTRAP = (
+    "import sys\n"
+    f"src = {str(_SRC)!r}\n"
+    "for name in ('dsec_nodeagent', 'dsec_nodeagent.sandbox'):\n"
+    "    module = type(sys)(name)\n"
+    "    module.__path__ = [src + '/' + name.replace('.', '/')]\n"
+    "    sys.modules[name] = module\n"
+    "from dsec_nodeagent.sandbox.init import main\n"
+    "sys.exit(main())\n"
+)
+
+
+@dataclass
+class Sandbox:
+    """A running sandbox known to this manager."""
+
+    config_id: str
+    ready: SandboxReady
+    state: dict[str, Any]
+    cgroup: cgroups.SandboxCgroup
+    process: asyncio.subprocess.Process | None = None
+    channel: DecisionChannel | None = None
+    requested: ExitReason | None = None
+    exited: asyncio.Future[SandboxExited] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    timer: asyncio.TimerHandle | None = None
+    monitor: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True)
+class ReconcileReport:
+    """What :meth:`SandboxManager.reconcile` did.
+
+    Attributes:
+        adopted: sandboxes still running, now watched again.
+        cleaned: sandboxes that had ended (or were half-started); their exit results.
+    """
+
+    adopted: list[str]
+    cleaned: list[SandboxExited]
+
+
+class SandboxManager:
+    """Starts and supervises sandboxes on this node (root only).
+
+    Args:
+        home: ``DSEC_HOME``; state under ``run/sandboxes``, logs and outputs under ``sandboxes``.
+        python: interpreter that runs the pre-exec stage (default: this one).
+        on_exit: awaited with every :class:`SandboxExited` (publish ``sandbox.exited`` there).
+        on_decision: awaited with every semantic decision (publish ``policy.violation``).
+        tune_cgroups: remount cgroup2 with ``favordynmods`` (see
+            :func:`cgroups.favor_dynamic_modifications`).
+    """
+
+    def __init__(
+        self,
+        home: Path,
+        *,
+        python: Path | None = None,
+        on_exit: ExitHandler | None = None,
+        on_decision: DecisionHandler | None = None,
+        tune_cgroups: bool = True,
+    ) -> None:
+        self.home = home.resolve()
+        self.run_dir = self.home / "run" / "sandboxes"
+        self.data_root = self.home / "sandboxes"
+        self.cache_dir = self.home / "cache" / "runtimes"
+        self.python = python or Path(sys.executable)
+        self.on_exit = on_exit
+        self.on_decision = on_decision
+        self.tune_cgroups = tune_cgroups
+        self.states = StateStore(self.run_dir)
+        self._sandboxes: dict[str, Sandbox] = {}
+        self._ended: dict[str, SandboxExited] = {}  # recent results, for wait() after the end
+        self._hierarchy: cgroups.Hierarchy | None = None
+        self._facts: tuple[int, int, bytes] | None = None
+
+    # ------------------------------------------------------------------ queries
+
+    def get(self, sandbox_id: str) -> Sandbox | None:
+        """The running sandbox, if this manager watches it."""
+        return self._sandboxes.get(sandbox_id)
+
+    def running(self) -> list[str]:
+        """Ids of the sandboxes this manager watches."""
+        return sorted(self._sandboxes)
+
+    def log_paths(self, sandbox_id: str) -> tuple[Path, Path]:
+        """``(stdout, stderr)`` log files of a sandbox (kept after exit until :meth:`purge`)."""
+        logs = self.data_root / sandbox_id / "logs"
+        return logs / "stdout.log", logs / "stderr.log"
+
+    # ------------------------------------------------------------------ launch
+
+    async def launch(
+        self, config: SandboxConfig, *, before_start: CgroupHook | None = None
+    ) -> SandboxReady:
+        """Start a sandbox; return once the workload was exec'd with every layer on.
+
+        Args:
+            config: what to run and how.
+            before_start: awaited once the sandbox's cgroup exists and before any of its
+                processes runs — attach the eBPF egress programs here, so that no connect can
+                precede them. Its time counts in the ``cgroup`` layer; an error aborts the start.
+
+        Raises:
+            SandboxStartError: naming the failing layer; nothing is left behind.
+        """
+        t0 = time.monotonic_ns()
+        sid = config.sandbox_id
+        if sid in self._sandboxes or self.states.read(sid) is not None:
+            raise SandboxStartError(sid, "plan", "a sandbox with this id already exists")
+        run_dir = self.run_dir / sid
+        marks: dict[str, int] = {}
+        cgroup: cgroups.SandboxCgroup | None = None
+        channel: DecisionChannel | None = None
+        try:
+            built, uid = await self._plan(config, run_dir)
+            marks["plan"] = time.monotonic_ns()
+            self.states.write(sid, {"sandbox_id": sid, "phase": "starting", "cgroup": None,
+                                    "run_dir": str(run_dir)})
+            cgroup = self._create_cgroup(config)
+            self.states.write(sid, {"sandbox_id": sid, "phase": "starting",
+                                    "cgroup": cgroup.to_state(), "run_dir": str(run_dir)})
+            built.plan["cgroup_procs"] = cgroup.procs_files()
+            if before_start is not None:
+                await before_start(sid, cgroup.v2_dir, cgroup.inode)
+            self._prepare_dirs(built, uid)
+            if config.semantic_rules is not None:
+                channel = await DecisionChannel.open(
+                    sid, run_dir / "events.sock", uid, self.on_decision
+                )
+            marks["cgroup"] = time.monotonic_ns()
+            process, records, init_pid, ready_ns = await self._spawn(config, built.plan, marks)
+        except SandboxStartError:
+            await self._abort(sid, cgroup, channel, run_dir)
+            raise
+        except Exception as exc:
+            await self._abort(sid, cgroup, channel, run_dir)
+            stage = next((m for m in ("plan", "cgroup") if m not in marks), "spawn")
+            raise SandboxStartError(sid, stage, str(exc)) from exc
+        ready = self._ready(config, built, uid, cgroup, t0, marks, records, ready_ns, init_pid)
+        state = self._state(config, built.plan, ready, process.pid, init_pid, cgroup, run_dir)
+        self.states.write(sid, state)
+        sandbox = Sandbox(sid, ready, state, cgroup, process=process, channel=channel)
+        self._watch(sandbox)
+        return ready
+
+    async def _plan(self, config: SandboxConfig, run_dir: Path) -> tuple[plan.PlanResult, int]:
+        extra = [p for p in (config.env_dir, *config.extra_ro_paths) if p is not None]
+        view = await asyncio.to_thread(
+            discovery.discover_cached, config.runtime, extra, self.cache_dir
+        )
+        uid = domain.allocate_uid(config.sandbox_id, self._uids_in_use())
+        run_dir.mkdir(parents=True, exist_ok=False)
+        (run_dir / "root").mkdir()
+        rules_path = None
+        if config.semantic_rules is not None:
+            rules_path = run_dir / "rules.json"
+            rules_path.write_text(json.dumps(config.semantic_rules))
+        host = plan.HostPaths(
+            root=run_dir / "root",
+            exit_path=run_dir / "exit.json",
+            data_dir=self.data_root / config.sandbox_id,
+            semantic_site=site_dir(),
+            rules_path=rules_path,
+            events_socket=run_dir / "events.sock" if rules_path else None,
+        )
+        abi, last_cap, program = self._kernel_facts()
+        facts = plan.KernelFacts(abi, last_cap, program, [])
+        return plan.build(config, view, host, facts, uid), uid
+
+    def _kernel_facts(self) -> tuple[int, int, bytes]:
+        if self._facts is None:
+            last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+            self._facts = (landlock.abi_version(), last_cap, seccomp.build_filter())
+        return self._facts
+
+    def _create_cgroup(self, config: SandboxConfig) -> cgroups.SandboxCgroup:
+        if self._hierarchy is None:
+            self._hierarchy = cgroups.detect()
+            if self.tune_cgroups:
+                cgroups.favor_dynamic_modifications(self._hierarchy)
+        return cgroups.SandboxCgroup.create(self._hierarchy, config.sandbox_id, config.limits)
+
+    def _uids_in_use(self) -> set[int]:
+        used = {s.ready.uid for s in self._sandboxes.values()}
+        for sid in self.states.ids():
+            state = self.states.read(sid) or {}
+            if "uid" in state:
+                used.add(int(state["uid"]))
+        return used
+
+    def _prepare_dirs(self, built: plan.PlanResult, uid: int) -> None:
+        for path in built.writable_dirs:
+            path.mkdir(parents=True, exist_ok=True)
+            os.chown(path, uid, uid)
+            os.chmod(path, 0o750)
+
+    async def _spawn(
+        self, config: SandboxConfig, the_plan: dict[str, Any], marks: dict[str, int]
+    ) -> tuple[asyncio.subprocess.Process, list[dict[str, Any]], int, int]:
+        stdout_path, stderr_path = self.log_paths(config.sandbox_id)
+        stdout_path.parent.mkdir(parents=True, exist_ok=True)
+        plan_r, plan_w = os.pipe()
+        report_r, report_w = os.pipe()
+        try:
+            with open(stdout_path, "ab") as out, open(stderr_path, "ab") as err:
+                marks["spawn_start"] = time.monotonic_ns()
+                process = await asyncio.create_subprocess_exec(
+                    str(self.python), "-I", "-S", "-c", BOOTSTRAP, "run", str(plan_r),
+                    str(report_w),
+                    pass_fds=(plan_r, report_w), stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out, stderr=err, start_new_session=True, env=_init_env(),
+                )
+        finally:
+            os.close(plan_r)
+            os.close(report_w)
+        try:
+            await asyncio.to_thread(_write_all, plan_w, marshal.dumps(the_plan))
+        finally:
+            os.close(plan_w)
+        records, ready_ns = await _read_reports(report_r, START_TIMEOUT_S)
+        errors = [r for r in records if "error" in r]
+        init_pid = next((r["init_pid"] for r in records if "init_pid" in r), None)
+        if errors or init_pid is None or not any(r.get("stage") == "exec" for r in records):
+            await process.wait()
+            first = errors[0] if errors else {"stage": "spawn", "error": _tail(stderr_path)}
+            raise SandboxStartError(config.sandbox_id, first["stage"], first["error"])
+        return process, records, int(init_pid), ready_ns
+
+    def _ready(
+        self, config: SandboxConfig, built: plan.PlanResult, uid: int,
+        cgroup: cgroups.SandboxCgroup, t0: int, marks: dict[str, int],
+        records: list[dict[str, Any]], ready_ns: int, init_pid: int,
+    ) -> SandboxReady:
+        stdout_path, stderr_path = self.log_paths(config.sandbox_id)
+        return SandboxReady(
+            sandbox_id=config.sandbox_id, pid=init_pid, uid=uid,
+            cgroup_path=str(cgroup.v2_dir), cgroup_id=cgroup.inode,
+            started_at=time.time(), ready_ms=round((ready_ns - t0) / 1e6, 3),
+            timings_ms=domain.stage_timings(t0, marks, records, ready_ns),
+            stdout_path=str(stdout_path), stderr_path=str(stderr_path),
+            warnings=built.warnings, metadata=config.metadata,
+        )
+
+    def _state(
+        self, config: SandboxConfig, the_plan: dict[str, Any], ready: SandboxReady,
+        supervisor_pid: int, init_pid: int, cgroup: cgroups.SandboxCgroup, run_dir: Path,
+    ) -> dict[str, Any]:
+        secret_names = set(config.secret_env)
+        exec_plan = {k: the_plan[k] for k in ("uid", "gid", "unshare_net", "landlock", "seccomp",
+                                              "cap_last_cap", "cwd", "cgroup_procs", "python")}
+        exec_plan["env"] = {k: v for k, v in the_plan["env"].items() if k not in secret_names}
+        deadline = time.time() + config.timeout_s if config.timeout_s else None
+        return {
+            "sandbox_id": config.sandbox_id, "phase": "running", "uid": ready.uid,
+            "supervisor_pid": supervisor_pid,
+            "supervisor_start": process_start_time(supervisor_pid),
+            "init_pid": init_pid, "cgroup": cgroup.to_state(), "run_dir": str(run_dir),
+            "deadline": deadline, "ready": ready.model_dump(mode="json"),
+            "exec_plan": exec_plan, "secret_env_names": sorted(secret_names),
+        }
+
+    async def _abort(
+        self, sid: str, cgroup: cgroups.SandboxCgroup | None, channel: DecisionChannel | None,
+        run_dir: Path,
+    ) -> None:
+        if channel is not None:
+            await channel.close()
+        if cgroup is not None:
+            await asyncio.to_thread(cgroup.remove)
+        await asyncio.to_thread(shutil.rmtree, run_dir, True)
+        self.states.remove(sid)
+
+    # ------------------------------------------------------------------ supervision
+
+    def _watch(self, sandbox: Sandbox) -> None:
+        self._sandboxes[sandbox.config_id] = sandbox
+        deadline = sandbox.state.get("deadline")
+        if deadline is not None:
+            delay = max(0.0, deadline - time.time())
+            sandbox.timer = asyncio.get_running_loop().call_later(
+                delay, lambda: asyncio.ensure_future(self.stop(
+                    sandbox.config_id, reason=ExitReason.TIMEOUT, grace_s=1.0))
+            )
+        sandbox.monitor = asyncio.ensure_future(self._monitor(sandbox))
+
+    async def _monitor(self, sandbox: Sandbox) -> None:
+        if sandbox.process is not None:
+            await sandbox.process.wait()
+        else:
+            await _wait_pid(sandbox.state["supervisor_pid"], sandbox.state["supervisor_start"])
+        result = await self._finish(sandbox.state, sandbox.cgroup, sandbox.requested,
+                                    sandbox.channel)
+        self._remember(result)
+        self._sandboxes.pop(sandbox.config_id, None)
+        if sandbox.timer is not None:
+            sandbox.timer.cancel()
+        if not sandbox.exited.done():
+            sandbox.exited.set_result(result)
+        if self.on_exit is not None:
+            await self.on_exit(result)
+
+    async def _finish(
+        self, state: dict[str, Any], cgroup: cgroups.SandboxCgroup | None,
+        requested: ExitReason | None, channel: DecisionChannel | None,
+    ) -> SandboxExited:
+        """Read how it ended, classify, clean everything up."""
+        sid = state["sandbox_id"]
+        run_dir = Path(state["run_dir"])
+        outcome = _read_json(run_dir / "exit.json")
+        oom = cgroup.oom_kills() if cgroup else 0
+        pids_hits = cgroup.pids_limit_hits() if cgroup else 0
+        exit_code = outcome.get("exit_code") if outcome else None
+        sig = outcome.get("signal") if outcome else None
+        reason, detail = domain.classify_exit(requested, exit_code, sig, oom, pids_hits)
+        if channel is not None:
+            await channel.close()
+        if cgroup is not None:
+            await asyncio.to_thread(cgroup.remove)
+        await asyncio.to_thread(shutil.rmtree, run_dir, True)
+        self.states.remove(sid)
+        ready = state.get("ready") or {}
+        stdout_path, stderr_path = self.log_paths(sid)
+        return SandboxExited(
+            sandbox_id=sid, exit_code=exit_code, signal=sig, reason=reason, detail=detail,
+            started_at=ready.get("started_at", 0.0),
+            ended_at=outcome.get("time", time.time()) if outcome else time.time(),
+            oom_kills=oom, pids_limit_hits=pids_hits,
+            stdout_path=str(stdout_path), stderr_path=str(stderr_path),
+            metadata=ready.get("metadata", {}),
+        )
+
+    def _remember(self, result: SandboxExited) -> None:
+        self._ended[result.sandbox_id] = result
+        while len(self._ended) > RECENT_RESULTS:
+            self._ended.pop(next(iter(self._ended)))
+
+    async def wait(self, sandbox_id: str) -> SandboxExited:
+        """Wait for a sandbox to end (its cleanup done); returns at once if it recently ended.
+
+        Raises:
+            KeyError: the manager neither watches ``sandbox_id`` nor saw it end.
+        """
+        if sandbox_id in self._sandboxes:
+            return await asyncio.shield(self._sandboxes[sandbox_id].exited)
+        return self._ended[sandbox_id]
+
+    async def stop(
+        self, sandbox_id: str, *, reason: ExitReason = ExitReason.STOPPED, grace_s: float = 5.0
+    ) -> SandboxExited:
+        """SIGTERM to the workload, SIGKILL to the whole cgroup after ``grace_s``.
+
+        Args:
+            reason: ``stopped`` (a user), ``timeout`` or ``policy`` (the node agent's decision).
+
+        Raises:
+            KeyError: the manager does not watch ``sandbox_id``.
+        """
+        sandbox = self._sandboxes[sandbox_id]
+        if sandbox.requested is None:
+            sandbox.requested = reason
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(sandbox.ready.pid, signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(asyncio.shield(sandbox.exited), grace_s)
+        except TimeoutError:
+            await asyncio.to_thread(sandbox.cgroup.kill)
+            return await asyncio.shield(sandbox.exited)
+
+    # ------------------------------------------------------------------ exec
+
+    async def exec(
+        self, sandbox_id: str, argv: list[str], *, stdin: int | None = None,
+        stdout: int | None = None, stderr: int | None = None, env: dict[str, str] | None = None,
+    ) -> int:
+        """Run ``argv`` inside a running sandbox with its isolation; return its exit code.
+
+        The command joins the sandbox's namespaces and cgroups and gets the same uid, Landlock
+        ruleset and seccomp filter. It does not receive the sandbox's secret variables.
+
+        Raises:
+            KeyError: no running sandbox ``sandbox_id``.
+        """
+        state = self.states.read(sandbox_id)
+        if state is None or state.get("phase") != "running":
+            raise KeyError(f"no running sandbox {sandbox_id}")
+        exec_plan = build_exec_plan(state, argv, env)
+        plan_r, plan_w = os.pipe()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                str(self.python), "-I", "-S", "-c", BOOTSTRAP, "exec", str(plan_r), "-1",
+                pass_fds=(plan_r,), stdin=stdin, stdout=stdout, stderr=stderr, env=_init_env(),
+            )
+        finally:
+            os.close(plan_r)
+        try:
+            await asyncio.to_thread(_write_all, plan_w, marshal.dumps(exec_plan))
+        finally:
+            os.close(plan_w)
+        return await process.wait()
+
+    # ------------------------------------------------------------------ logs
+
+    async def follow_logs(
+        self, sandbox_id: str, stream: str = "stdout", *, follow: bool = True
+    ) -> AsyncIterator[str]:
+        """Yield log lines; with ``follow`` keep going until the sandbox has exited."""
+        path = self.log_paths(sandbox_id)[0 if stream == "stdout" else 1]
+        with open(path, errors="replace") as fh:
+            while True:
+                line = fh.readline()
+                if line:
+                    yield line
+                    continue
+                if not follow or sandbox_id not in self._sandboxes:
+                    rest = fh.read()
+                    for tail in rest.splitlines(keepends=True):
+                        yield tail
+                    return
+                await asyncio.sleep(0.05)
+
+    async def purge(self, sandbox_id: str) -> None:
+        """Delete an ended sandbox's logs and outputs.
+
+        Raises:
+            RuntimeError: the sandbox still runs.
+        """
+        if sandbox_id in self._sandboxes or self.states.read(sandbox_id) is not None:
+            raise RuntimeError(f"sandbox {sandbox_id} still runs; stop it first")
+        await asyncio.to_thread(shutil.rmtree, self.data_root / sandbox_id, True)
+
+    # ------------------------------------------------------------------ restart
+
+    async def reconcile(self) -> ReconcileReport:
+        """After a node-agent restart: re-adopt live sandboxes, clean up ended or half-made ones.
+
+        Call once at start, before launching anything. Ended sandboxes' results are returned and
+        also passed to ``on_exit``.
+        """
+        adopted: list[str] = []
+        cleaned: list[SandboxExited] = []
+        for sid in self.states.ids():
+            if sid in self._sandboxes:
+                continue
+            state = self.states.read(sid)
+            if state is None:
+                continue
+            cgroup = cgroups.SandboxCgroup.from_state(state["cgroup"]) if state.get("cgroup") \
+                else None
+            alive = state.get("phase") == "running" and is_alive(
+                state["supervisor_pid"], state.get("supervisor_start")
+            )
+            if alive and cgroup is not None:
+                ready = SandboxReady.model_validate(state["ready"])
+                self._watch(Sandbox(sid, ready, state, cgroup))
+                adopted.append(sid)
+                continue
+            result = await self._finish(state, cgroup, None, None)
+            self._remember(result)
+            cleaned.append(result)
+            if self.on_exit is not None:
+                await self.on_exit(result)
+        return ReconcileReport(adopted, cleaned)
+
+    async def shutdown(self, *, stop_sandboxes: bool = False) -> None:
+        """Stop watching (sandboxes keep running for the next :meth:`reconcile`), or stop all."""
+        for sid, sandbox in list(self._sandboxes.items()):
+            if stop_sandboxes:
+                await self.stop(sid, grace_s=1.0)
+                continue
+            if sandbox.timer is not None:
+                sandbox.timer.cancel()
+            if sandbox.monitor is not None:
+                sandbox.monitor.cancel()
+            if sandbox.channel is not None:
+                await sandbox.channel.close()
+            self._sandboxes.pop(sid, None)
+
+
+def build_exec_plan(
+    state: dict[str, Any], argv: list[str], env: dict[str, str] | None
+) -> dict[str, Any]:
+    """The ``exec`` plan for a running sandbox, from its state file (no secrets there)."""
+    exec_plan = dict(state["exec_plan"])
+    exec_plan["join_pid"] = state["init_pid"]
+    first, *rest = argv
+    if first in ("python", "python3"):
+        first = exec_plan["python"]
+    exec_plan["argv"] = [first, *rest]
+    exec_plan["env"] = {**exec_plan["env"], **(env or {})}
+    return exec_plan
+
+
+def _init_env() -> dict[str, str]:
+    # The pre-exec stage must not inherit the node agent's environment (tokens, endpoints):
+    # pid 1 of the sandbox is forked from it.
+    return {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+async def _read_reports(fd: int, timeout_s: float) -> tuple[list[dict[str, Any]], int]:
+    """Read JSON lines until EOF (the workload's execve closed the pipe)."""
+
+    def read_all() -> tuple[bytes, int]:
+        chunks = []
+        try:
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        return b"".join(chunks), time.monotonic_ns()
+
+    try:
+        raw, eof_ns = await asyncio.wait_for(asyncio.to_thread(read_all), timeout_s)
+    except TimeoutError as exc:
+        raise SandboxStartError("?", "spawn", f"no ready signal within {timeout_s}s") from exc
+    records = []
+    for line in raw.decode(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, SyntaxError):
+            record = ast.literal_eval(line)  # literals only: nothing is executed
+            if isinstance(record, dict):
+                records.append(record)
+    return records, eof_ns
+
+
+async def _wait_pid(pid: int, start_time: int | None) -> None:
+    """Wait for a process that is not our child (an adopted supervisor)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    if not is_alive(pid, start_time):
+        os.close(pidfd)
+        return
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return data
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "the pre-exec stage died without a report"
+    return text[-limit:].strip() or "the pre-exec stage died without a report"

@@ -1,0 +1,227 @@
+"""What callers give the sandbox launcher and what it gives back (event-friendly, frozen)."""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+RESERVED_PREFIXES = ("/proc", "/dev", "/opt/dsec", "/run/dsec")
+
+
+def _absolute(path: str, field_name: str) -> str:
+    pure = PurePosixPath(path)
+    if not pure.is_absolute() or ".." in pure.parts:
+        raise ValueError(f"{field_name}: {path!r} must be an absolute path without '..'")
+    return str(pure)
+
+
+class ExitReason(StrEnum):
+    """Why a sandbox ended (``sandbox.exited`` payload)."""
+
+    OK = "ok"
+    ERROR = "error"
+    OOM = "oom"
+    PIDS = "pids"
+    TIMEOUT = "timeout"
+    STOPPED = "stopped"
+    POLICY = "policy"
+
+
+class Limits(BaseModel):
+    """cgroup limits; ``None`` leaves a resource unlimited.
+
+    Attributes:
+        memory_bytes: hard memory limit (RAM + swap), the OOM killer acts beyond it.
+        cpus: CPU bandwidth in cores (``1.5`` = 150 ms per 100 ms period).
+        pids: most tasks (processes + threads) alive at once.
+    """
+
+    model_config = _FROZEN
+
+    memory_bytes: int | None = Field(default=None, ge=4 * 1024 * 1024)
+    cpus: float | None = Field(default=None, gt=0)
+    pids: int | None = Field(default=None, ge=4)
+
+
+class Mount(BaseModel):
+    """A host directory (or file) shown at ``target`` in the sandbox.
+
+    Whether the sandbox may *read* it is still decided by ``read_allowed`` (Landlock), as in the
+    spec, where mounts are listed there too.
+    """
+
+    model_config = _FROZEN
+
+    source: Path
+    target: str
+    read_only: bool = True
+
+    @field_validator("target")
+    @classmethod
+    def _target_absolute(cls, value: str) -> str:
+        return _absolute(value, "mount target")
+
+
+class SandboxConfig(BaseModel):
+    """Everything needed to start one sandbox; the lead maps the spec + ``env.built`` onto it.
+
+    Attributes:
+        sandbox_id: unique name (``[A-Za-z0-9][A-Za-z0-9_.-]{0,63}``).
+        argv: the command; ``argv[0] == "python"`` means the runtime's interpreter, otherwise an
+            absolute path inside the sandbox.
+        runtime: host path of the Python interpreter (a venv's ``bin/python`` is resolved to its
+            base installation, which is shown read-only at the same path).
+        env_dir: the built environment (a ``site-packages`` dir, or a prefix holding
+            ``lib/pythonX.Y/site-packages``), shown read-only at ``/opt/dsec/env``.
+        code_dir: the code bundle, shown read-only at ``workdir``.
+        workdir: the working directory (and where the code bundle appears).
+        env: plain environment variables.
+        secret_env: values from the runtime context; they reach only the workload's environment,
+            never a file, log or event.
+        mounts: declared mounts (materialized context, extra data).
+        read_allowed: sandbox paths the workload may read (Landlock), beyond the runtime, the
+            environment and ``workdir``. A path not provided by a mount is bound read-only from
+            the host at the same path when it exists there (e.g. ``/etc/resolv.conf``).
+        write_allowed: sandbox paths the workload may write; ``/tmp`` is a private tmpfs, others
+            are per-sandbox host directories kept after exit (outputs), or ``write_sources``.
+        write_sources: optional host directory backing a ``write_allowed`` path.
+        extra_ro_paths: host files or dirs (e.g. ``/bin/sh``) shown read-only at the same path;
+            their shared libraries are discovered too.
+        limits: memory / CPU / pids limits.
+        timeout_s: wall-clock limit; the sandbox is stopped with reason ``timeout`` after it.
+        network: keep the host network namespace (the eBPF egress layer then applies through the
+            sandbox's cgroup); ``False`` gives an empty network namespace (no network at all).
+        tcp_connect_ports: if set, Landlock lets TCP ``connect`` reach only these ports.
+        semantic_rules: compiled semantic rules (see :mod:`dsec_nodeagent.semantic`), or ``None``.
+        hostname: UTS hostname (default: the sandbox id).
+        metadata: caller data stored in the state file and echoed in results (e.g. lease ids).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sandbox_id: str
+    argv: list[str] = Field(min_length=1)
+    runtime: Path
+    env_dir: Path | None = None
+    code_dir: Path | None = None
+    workdir: str = "/workspace/code"
+    env: dict[str, str] = Field(default_factory=dict)
+    secret_env: dict[str, SecretStr] = Field(default_factory=dict)
+    mounts: list[Mount] = Field(default_factory=list)
+    read_allowed: list[str] = Field(default_factory=list)
+    write_allowed: list[str] = Field(default_factory=lambda: ["/tmp"])
+    write_sources: dict[str, Path] = Field(default_factory=dict)
+    extra_ro_paths: list[Path] = Field(default_factory=list)
+    limits: Limits = Field(default_factory=Limits)
+    timeout_s: float | None = Field(default=None, gt=0)
+    network: bool = True
+    tcp_connect_ports: list[int] | None = None
+    semantic_rules: dict[str, Any] | None = None
+    hostname: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("sandbox_id")
+    @classmethod
+    def _id_format(cls, value: str) -> str:
+        if not SANDBOX_ID_RE.match(value):
+            raise ValueError(
+                f"sandbox_id {value!r}: use 1-64 of [A-Za-z0-9_.-], starting with a letter/digit"
+            )
+        return value
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir_absolute(cls, value: str) -> str:
+        return _absolute(value, "workdir")
+
+    @field_validator("read_allowed", "write_allowed")
+    @classmethod
+    def _paths_absolute(cls, values: list[str]) -> list[str]:
+        return [_absolute(v, "read_allowed/write_allowed") for v in values]
+
+    @model_validator(mode="after")
+    def _no_reserved_targets(self) -> SandboxConfig:
+        targets = [m.target for m in self.mounts] + [p for p in self.write_allowed]
+        for target in [*targets, self.workdir]:
+            for prefix in RESERVED_PREFIXES:
+                if target == prefix or target.startswith(prefix + "/"):
+                    raise ValueError(f"{target}: {prefix} is reserved for the sandbox itself")
+        for name in self.secret_env:
+            if name in self.env:
+                raise ValueError(f"env var {name} is given both as plain env and as a secret")
+        return self
+
+
+class SandboxReady(BaseModel):
+    """The sandbox runs with every layer on (``sandbox.ready`` payload).
+
+    Attributes:
+        timings_ms: start latency per layer (``plan``, ``cgroup``, ``spawn``, ``fork``,
+            ``cgroup_join``, ``namespaces``, ``mounts``, ``credentials``, ``landlock``,
+            ``seccomp``, ``exec``) in milliseconds.
+        ready_ms: from the launch call to a successful ``execve`` of the workload.
+        cgroup_path: the sandbox's cgroup v2 directory (eBPF programs attach here).
+        cgroup_id: its inode number, equal to ``bpf_get_current_cgroup_id()`` inside.
+    """
+
+    model_config = _FROZEN
+
+    sandbox_id: str
+    pid: int
+    uid: int
+    cgroup_path: str
+    cgroup_id: int
+    started_at: float
+    ready_ms: float
+    timings_ms: dict[str, float]
+    stdout_path: str
+    stderr_path: str
+    warnings: list[str] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class SandboxExited(BaseModel):
+    """How a sandbox ended (``sandbox.exited`` payload). Everything was cleaned up before it."""
+
+    model_config = _FROZEN
+
+    sandbox_id: str
+    exit_code: int | None
+    signal: int | None
+    reason: ExitReason
+    detail: str
+    started_at: float
+    ended_at: float
+    oom_kills: int = 0
+    pids_limit_hits: int = 0
+    stdout_path: str
+    stderr_path: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class SandboxStartError(RuntimeError):
+    """The sandbox could not start; nothing is left behind (``sandbox.failed`` payload).
+
+    Attributes:
+        sandbox_id: which sandbox.
+        stage: the layer that failed (``plan``, ``cgroup``, ``mounts``, ``landlock``, ...).
+        message: what went wrong, naming the path or setting involved.
+    """
+
+    def __init__(self, sandbox_id: str, stage: str, message: str) -> None:
+        super().__init__(f"sandbox {sandbox_id}: {stage}: {message}")
+        self.sandbox_id = sandbox_id
+        self.stage = stage
+        self.message = message
+
+    def payload(self) -> dict[str, str]:
+        """Event payload for ``sandbox.failed``."""
+        return {"sandbox_id": self.sandbox_id, "stage": self.stage, "reason": self.message}

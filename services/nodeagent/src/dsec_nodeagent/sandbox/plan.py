@@ -1,0 +1,293 @@
+"""Pure translation of a :class:`SandboxConfig` into the plan the pre-exec stage executes.
+
+No I/O beyond ``os.path.exists`` on host paths named by the config: the root view's layout, the
+Landlock sets and the workload's environment are decided here, so they can be unit-tested.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from dsec_nodeagent.sandbox.discovery import RuntimeView
+from dsec_nodeagent.sandbox.models import SandboxConfig
+
+ENV_TARGET = "/opt/dsec/env"
+SEMANTIC_TARGET = "/opt/dsec/semantic"
+RUN_TARGET = "/run/dsec"
+RULES_TARGET = f"{RUN_TARGET}/rules.json"
+EVENTS_TARGET = f"{RUN_TARGET}/events.sock"
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
+DEV_WRITABLE = ("/dev/null", "/dev/zero", "/dev/full", "/dev/shm", "/dev/tty")
+TMP_OPTIONS = "mode=1777"
+
+
+class PlanError(ValueError):
+    """The config cannot be laid out (overlapping mounts, a missing source); names the path."""
+
+
+@dataclass(frozen=True)
+class HostPaths:
+    """Host-side locations of one sandbox, chosen by the manager.
+
+    Attributes:
+        root: empty directory the new root tmpfs is mounted on (inside the sandbox's mount ns).
+        exit_path: where the supervisor writes ``exit.json``.
+        data_dir: per-sandbox data (backing dirs of ``write_allowed`` paths).
+        semantic_site: directory holding ``sitecustomize.py`` of the semantic layer.
+        rules_path: the sandbox's semantic rules file, or ``None``.
+        events_socket: the node agent's datagram socket for semantic decisions, or ``None``.
+    """
+
+    root: Path
+    exit_path: Path
+    data_dir: Path
+    semantic_site: Path
+    rules_path: Path | None = None
+    events_socket: Path | None = None
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """Host facts the child cannot read once confined (computed once per node agent)."""
+
+    landlock_abi: int
+    cap_last_cap: int
+    seccomp_program: bytes
+    cgroup_procs: list[str]
+
+
+@dataclass
+class PlanResult:
+    """A plan plus what the manager must do on the host before running it.
+
+    Attributes:
+        plan: JSON-able dict for :mod:`.init` (holds secret values: pipe it, never store it).
+        writable_dirs: host directories to create and hand to the sandbox uid.
+        warnings: things the user should know (a mount nobody may read, a missing path).
+    """
+
+    plan: dict[str, Any]
+    writable_dirs: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _slug(path: str) -> str:
+    return path.strip("/").replace("/", "__") or "root"
+
+
+def env_site_dir(env_dir: Path | None, version: str) -> str | None:
+    """The sandbox path of the environment's site-packages directory."""
+    if env_dir is None:
+        return None
+    nested = env_dir / "lib" / f"python{version}" / "site-packages"
+    if nested.is_dir():
+        return f"{ENV_TARGET}/lib/python{version}/site-packages"
+    return ENV_TARGET
+
+
+def build(
+    config: SandboxConfig,
+    runtime: RuntimeView,
+    host: HostPaths,
+    kernel: KernelFacts,
+    uid: int,
+) -> PlanResult:
+    """Lay out the sandbox; raise :class:`PlanError` naming the offending path."""
+    result = PlanResult(plan={})
+    layout = _runtime_entries(runtime, config)
+    layout += _declared_entries(config, host, result)
+    layout += _system_entries(host, uid, layout)
+    _check_overlaps(layout)
+    layout.sort(key=lambda e: PurePosixPath(e["path"]).parts.__len__())
+    read, write = _landlock_sets(config, runtime, host, layout, result)
+    result.plan = {
+        "sandbox_id": config.sandbox_id,
+        "hostname": config.hostname or config.sandbox_id,
+        "uid": uid,
+        "gid": uid,
+        "cgroup_procs": kernel.cgroup_procs,
+        "unshare_net": not config.network,
+        "root": str(host.root),
+        "exit_path": str(host.exit_path),
+        "layout": layout,
+        "landlock": {
+            "abi": kernel.landlock_abi, "read": read, "write": write,
+            "tcp_connect_ports": config.tcp_connect_ports,
+        },
+        "seccomp": kernel.seccomp_program.hex(),
+        "cap_last_cap": kernel.cap_last_cap,
+        "argv": _argv(config, runtime),
+        "python": runtime.executable,
+        "env": workload_env(config, runtime, host),
+        "cwd": config.workdir,
+    }
+    return result
+
+
+def _bind(src: Path | str, dst: str, ro: bool = True) -> dict[str, Any]:
+    return {"kind": "bind", "src": str(src), "path": dst, "ro": ro}
+
+
+def _runtime_entries(runtime: RuntimeView, config: SandboxConfig) -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = [
+        {"kind": "symlink", "path": p, "target": t} for p, t in runtime.symlinks
+    ]
+    entries += [_bind(d, d) for d in runtime.ro_dirs]
+    entries += [_bind(f, f) for f in runtime.ro_files]
+    for extra in config.extra_ro_paths:
+        resolved = str(extra.resolve())
+        if not extra.exists():
+            raise PlanError(f"extra_ro_paths: {extra} does not exist on this host")
+        if not any(_under(resolved, e["path"]) for e in entries if e["kind"] == "bind"):
+            entries.append(_bind(resolved, resolved))
+        if str(extra) != resolved:
+            entries.append({"kind": "symlink", "path": str(extra), "target": resolved})
+    return entries
+
+
+def _declared_entries(
+    config: SandboxConfig, host: HostPaths, result: PlanResult
+) -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = []
+    if config.env_dir is not None:
+        entries.append(_bind(_existing(config.env_dir, "env_dir"), ENV_TARGET))
+    if config.code_dir is not None:
+        entries.append(_bind(_existing(config.code_dir, "code_dir"), config.workdir))
+    else:
+        entries.append({"kind": "dir", "path": config.workdir})
+    for mount in config.mounts:
+        entries.append(_bind(_existing(mount.source, f"mount {mount.target}"), mount.target,
+                             mount.read_only))
+    writable = [e["path"] for e in entries if e["kind"] == "bind" and not e.get("ro", True)]
+    for path in config.write_allowed:
+        if any(_under(path, t) for t in writable):
+            continue  # a writable mount, or inside one (then the mount decides)
+        if path == "/tmp":
+            entries.append({"kind": "tmpfs", "path": path, "options": TMP_OPTIONS})
+            continue
+        source = config.write_sources.get(path) or host.data_dir / "fs" / _slug(path)
+        result.writable_dirs.append(source)
+        entries.append(_bind(source, path, ro=False))
+    targets = [e["path"] for e in entries if e["kind"] in ("bind", "tmpfs")]
+    for path in config.read_allowed:
+        if any(_under(path, t) for t in targets):
+            continue
+        if os.path.exists(path):
+            entries.append(_bind(path, path))
+        else:
+            result.warnings.append(f"read_allowed {path} exists neither in a mount nor on the host")
+    return entries
+
+
+def _existing(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise PlanError(f"{what}: source {path} does not exist")
+    return path.resolve()
+
+
+def _system_entries(
+    host: HostPaths, uid: int, layout: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = [
+        {"kind": "proc", "path": "/proc"},
+        {"kind": "dev", "path": "/dev", "nodes": list(DEV_NODES)},
+        _bind(host.semantic_site, SEMANTIC_TARGET),
+    ]
+    if host.rules_path is not None:
+        entries.append(_bind(host.rules_path, RULES_TARGET))
+    if host.events_socket is not None:
+        entries.append(_bind(host.events_socket, EVENTS_TARGET, ro=False))
+    binds = [e["path"] for e in layout if e["kind"] == "bind"]
+    identity = {
+        "/etc/passwd": f"root:x:0:0::/:/nonexistent\nsandbox:x:{uid}:{uid}::/tmp:/nonexistent\n",
+        "/etc/group": f"root:x:0:\nsandbox:x:{uid}:\n",
+    }
+    for path, content in identity.items():
+        if not any(_under(path, b) for b in binds):
+            entries.append({"kind": "file", "path": path, "content": content, "mode": 0o644})
+    return entries
+
+
+def _check_overlaps(layout: list[dict[str, Any]]) -> None:
+    seen: dict[str, dict[str, Any]] = {}
+    mounts = [e for e in layout if e["kind"] in ("bind", "tmpfs", "proc", "dev")]
+    for entry in layout:
+        path = entry["path"]
+        if path in seen and entry["kind"] != "dir":
+            raise PlanError(f"{path} is the target of two mounts")
+        seen[path] = entry
+        for outer in mounts:
+            if outer is entry or not _under(path, outer["path"]) or path == outer["path"]:
+                continue
+            rel = os.path.relpath(path, outer["path"])
+            src = outer.get("src")
+            if entry["kind"] == "bind" and src and os.path.exists(os.path.join(src, rel)):
+                continue
+            raise PlanError(
+                f"{path} lies inside the mount at {outer['path']}; choose a path outside it"
+            )
+
+
+def _landlock_sets(
+    config: SandboxConfig, runtime: RuntimeView, host: HostPaths, layout: list[dict[str, Any]],
+    result: PlanResult,
+) -> tuple[list[str], list[str]]:
+    read = [*runtime.ro_dirs, *runtime.ro_files]
+    read += [str(p.resolve()) for p in config.extra_ro_paths]
+    read += [SEMANTIC_TARGET, config.workdir, "/proc", "/dev", "/etc/passwd", "/etc/group"]
+    if config.env_dir is not None:
+        read.append(ENV_TARGET)
+    if host.rules_path is not None:
+        read.append(RULES_TARGET)
+    read += config.read_allowed
+    write = list(config.write_allowed) + list(DEV_WRITABLE)
+    if host.events_socket is not None:
+        write.append(EVENTS_TARGET)
+    granted = read + write
+    for mount in config.mounts:
+        if not any(_under(mount.target, g) for g in granted):
+            result.warnings.append(
+                f"mount {mount.target} is not under read_allowed: the sandbox cannot read it"
+            )
+    return sorted(set(read)), sorted(set(write))
+
+
+def _argv(config: SandboxConfig, runtime: RuntimeView) -> list[str]:
+    first, *rest = config.argv
+    if first in ("python", "python3", f"python{runtime.version}"):
+        return [runtime.executable, *rest]
+    if not first.startswith("/"):
+        raise PlanError(f"argv[0] {first!r}: use 'python' or an absolute path in the sandbox")
+    return [first, *rest]
+
+
+def workload_env(config: SandboxConfig, runtime: RuntimeView, host: HostPaths) -> dict[str, str]:
+    """The workload's environment (secret values included; never persist the result)."""
+    bin_dirs = [os.path.dirname(runtime.executable), "/usr/bin", "/bin"]
+    env = {
+        "PATH": ":".join(bin_dirs),
+        "HOME": "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": SEMANTIC_TARGET,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "DSEC_SANDBOX_ID": config.sandbox_id,
+    }
+    site = env_site_dir(config.env_dir, runtime.version)
+    if site is not None:
+        env["DSEC_ENV_SITE"] = site
+        if config.env_dir is not None and (config.env_dir / "bin").is_dir():
+            env["PATH"] = f"{ENV_TARGET}/bin:{env['PATH']}"
+    if host.rules_path is not None:
+        env["DSEC_SEMANTIC_RULES"] = RULES_TARGET
+    if host.events_socket is not None:
+        env["DSEC_SEMANTIC_SOCKET"] = EVENTS_TARGET
+    env.update(config.env)
+    env.update({k: v.get_secret_value() for k, v in config.secret_env.items()})
+    return env

@@ -1,0 +1,66 @@
+"""Per-sandbox state files (``DSEC_HOME/run/sandboxes/<id>.json``): what a restarted node agent
+needs to re-adopt or clean up a sandbox. Never holds a secret value."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def process_start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/PID/stat`` (to tell a live process from a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            text = fh.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(text.rsplit(")", 1)[1].split()[19])
+
+
+def is_alive(pid: int, start_time: int | None) -> bool:
+    """Whether ``pid`` still runs the process that had ``start_time`` (and is not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return fields[0] != "Z" and (start_time is None or int(fields[19]) == start_time)
+
+
+class StateStore:
+    """Reads and writes state files atomically."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def path(self, sandbox_id: str) -> Path:
+        """The state file of ``sandbox_id``."""
+        return self.run_dir / f"{sandbox_id}.json"
+
+    def write(self, sandbox_id: str, state: dict[str, Any]) -> None:
+        """Replace the state file (write + rename)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / f".{sandbox_id}.json.tmp"
+        tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
+        os.chmod(tmp, 0o600)
+        tmp.replace(self.path(sandbox_id))
+
+    def read(self, sandbox_id: str) -> dict[str, Any] | None:
+        """The state, or ``None`` when there is none."""
+        try:
+            data: dict[str, Any] = json.loads(self.path(sandbox_id).read_text())
+        except FileNotFoundError:
+            return None
+        return data
+
+    def remove(self, sandbox_id: str) -> None:
+        """Delete the state file (missing is fine)."""
+        self.path(sandbox_id).unlink(missing_ok=True)
+
+    def ids(self) -> list[str]:
+        """Every sandbox with a state file."""
+        if not self.run_dir.is_dir():
+            return []
+        return sorted(p.stem for p in self.run_dir.glob("*.json") if not p.name.startswith("."))

@@ -1,0 +1,132 @@
+"""Thin ctypes wrappers over the Linux calls Python 3.11 lacks (mount, pivot_root, unshare, setns).
+
+Standard library only: this module is imported by the sandbox's pre-exec stage, whose start
+latency counts toward ``sandbox.ready`` (pydantic alone would cost more than the whole budget).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+# x86_64 numbers; the sandbox refuses to start on other architectures (see seccomp.py).
+SYS_PIVOT_ROOT = 155
+SYS_LANDLOCK_CREATE_RULESET = 444
+SYS_LANDLOCK_ADD_RULE = 445
+SYS_LANDLOCK_RESTRICT_SELF = 446
+SYS_SECCOMP = 317
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+CLONE_NEWTIME = 0x00000080
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MNT_DETACH = 0x2
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAPBSET_DROP = 24
+PR_SET_CHILD_SUBREAPER = 36
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+
+
+def check_arch() -> None:
+    """Raise unless this is x86_64, the only syscall table this module carries."""
+    machine = os.uname().machine
+    if machine != "x86_64":
+        raise OSError(f"sandbox supports x86_64 only, this machine is {machine}")
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
+
+
+def mount(
+    source: str | None, target: str, fstype: str | None, flags: int, data: str | None
+) -> None:
+    """mount(2)."""
+    _check(
+        _libc.mount(
+            source.encode() if source else None,
+            target.encode(),
+            fstype.encode() if fstype else None,
+            ctypes.c_ulong(flags),
+            data.encode() if data else None,
+        ),
+        f"mount {source or fstype} on {target}",
+    )
+
+
+def umount2(target: str, flags: int) -> None:
+    """umount2(2)."""
+    _check(_libc.umount2(target.encode(), flags), f"umount {target}")
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    """pivot_root(2) (no glibc wrapper)."""
+    _check(_syscall(SYS_PIVOT_ROOT, new_root.encode(), put_old.encode()), "pivot_root")
+
+
+def unshare(flags: int) -> None:
+    """unshare(2)."""
+    _check(_libc.unshare(flags), "unshare")
+
+
+def setns(fd: int, nstype: int) -> None:
+    """setns(2)."""
+    _check(_libc.setns(fd, nstype), "setns")
+
+
+def sethostname(name: str) -> None:
+    """sethostname(2)."""
+    raw = name.encode()
+    _check(_libc.sethostname(raw, len(raw)), "sethostname")
+
+
+def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:
+    """prctl(2)."""
+    return _check(
+        _libc.prctl(
+            option, ctypes.c_ulong(arg2), ctypes.c_ulong(arg3), ctypes.c_ulong(arg4),
+            ctypes.c_ulong(arg5),
+        ),
+        f"prctl({option})",
+    )
+
+
+def syscall(number: int, *args: int | bytes | ctypes.c_void_p | None) -> int:
+    """A raw syscall; raises OSError with errno on failure."""
+    return _check(_syscall(number, *args), f"syscall {number}")
+
+
+def drop_capabilities(last_cap: int) -> None:
+    """Empty the bounding and ambient sets so nothing exec'd can regain a capability.
+
+    Args:
+        last_cap: the host's ``/proc/sys/kernel/cap_last_cap`` (read by the parent, since the
+            child may no longer see the host's /proc).
+    """
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    for cap in range(last_cap + 1):
+        prctl(PR_CAPBSET_DROP, cap)

@@ -1,0 +1,697 @@
+"""Egress enforcement in the kernel, as a sandboxed process sees it.
+
+Each test puts a fresh client process in a fresh cgroup v2 directory with the programs attached
+(the client writes its own pid into ``cgroup.procs`` before any network call), then asserts what
+the process observes — answers, NXDOMAIN, EPERM — and the verdict events the agent receives.
+Loopback only: the DNS zone, the echo servers and every destination live in 127.0.0.0/8 or ::1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from ipaddress import ip_address
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the fixture
+from dns_zone_server import ZoneServer, start_test_dns
+
+from dsec_nodeagent.ebpf import (
+    EgressController,
+    EgressPlan,
+    EgressRule,
+    RateLimit,
+    Verdict,
+    VerdictEvent,
+)
+from dsec_nodeagent.ebpf.metrics import EgressCollector
+
+pytestmark = pytest.mark.kernel
+
+CGROUP2 = Path("/sys/fs/cgroup/unified")
+FAKE_RESOLVER = "127.0.0.99"  # nothing listens here: answers prove the redirect
+
+# The sandboxed client: joins the cgroup, then runs JSON actions and prints JSON results.
+CLIENT = r"""
+import ctypes, errno, json, os, socket, sys, time
+import dns.message, dns.query, dns.rcode
+
+cgroup, actions = sys.argv[1], json.loads(sys.argv[2])
+with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))
+held = {}
+
+def family(host):
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+def tcp(host, port):
+    s = socket.socket(family(host), socket.SOCK_STREAM)
+    s.settimeout(5)
+    try:
+        s.connect((host, port))
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+def echo(s):
+    s.sendall(b"ping")
+    return "ok" if s.recv(16) == b"ping" else "bad echo"
+
+def libc_connect(host, port):
+    libc = ctypes.CDLL(None, use_errno=True)
+    class sockaddr_in(ctypes.Structure):
+        _fields_ = [("family", ctypes.c_ushort), ("port", ctypes.c_uint16),
+                    ("addr", ctypes.c_uint8 * 4), ("zero", ctypes.c_uint8 * 8)]
+    fd = libc.socket(socket.AF_INET, socket.SOCK_STREAM, 0)
+    sa = sockaddr_in(socket.AF_INET, socket.htons(port),
+                     (ctypes.c_uint8 * 4)(*socket.inet_aton(host)))
+    rc = libc.connect(fd, ctypes.byref(sa), ctypes.sizeof(sa))
+    err = ctypes.get_errno()
+    libc.close(fd)
+    return "ok" if rc == 0 else errno.errorcode[err]
+
+def resolve(a):
+    q = dns.message.make_query(a["name"], a.get("type", "A"))
+    server, proto = a.get("server", "127.0.0.99"), a.get("proto", "udp")
+    timeout = a.get("timeout", 3)
+    if proto == "udp":
+        r = dns.query.udp(q, server, port=53, timeout=timeout)
+    elif proto == "tcp":
+        r = dns.query.tcp(q, server, port=53, timeout=timeout)
+    else:
+        r, _ = dns.query.udp_with_fallback(q, server, port=53, timeout=timeout)
+    addrs = [rd.address for rr in r.answer if rr.rdtype in (1, 28) for rd in rr]
+    return {"rcode": dns.rcode.to_text(r.rcode()), "addresses": addrs,
+            "truncated": bool(r.flags & 0x0200)}
+
+def run(a):
+    op = a["op"]
+    try:
+        if op == "connect":
+            s = tcp(a["host"], a["port"])
+            try:
+                return echo(s)
+            finally:
+                s.close()
+        if op == "hold":
+            held[a["id"]] = tcp(a["host"], a["port"])
+            return "ok"
+        if op == "use":
+            return echo(held[a["id"]])
+        if op == "burst":
+            return [run({"op": "connect", "host": a["host"], "port": a["port"]})
+                    for _ in range(a["count"])]
+        if op == "libc_connect":
+            return libc_connect(a["host"], a["port"])
+        if op == "fastopen":
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.sendto(b"x", socket.MSG_FASTOPEN, (a["host"], a["port"]))
+            finally:
+                s.close()
+            return "ok"
+        if op == "udp_sendto":
+            s = socket.socket(family(a["host"]), socket.SOCK_DGRAM)
+            try:
+                s.sendto(b"x", (a["host"], a["port"]))
+            finally:
+                s.close()
+            return "ok"
+        if op == "resolve":
+            return resolve(a)
+        if op == "getaddrinfo":
+            infos = socket.getaddrinfo(a["host"], a["port"], socket.AF_INET, socket.SOCK_STREAM)
+            return sorted({i[4][0] for i in infos})
+        if op == "udp_peer":
+            s = socket.socket(family(a["host"]), socket.SOCK_DGRAM)
+            try:
+                s.connect((a["host"], 53))
+                return list(s.getpeername()[:2])
+            finally:
+                s.close()
+        if op == "until_denied":
+            deadline = time.monotonic() + a["deadline"]
+            attempts = 0
+            while time.monotonic() < deadline:
+                attempts += 1
+                result = run({"op": "connect", "host": a["host"], "port": a["port"]})
+                if result != "ok":
+                    return {"result": result, "attempts": attempts}
+                time.sleep(0.2)
+            return {"result": "still allowed", "attempts": attempts}
+        return "unknown op " + op
+    except socket.gaierror as e:
+        return "gaierror:" + str(e.args[0])
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e)) if e.errno else type(e).__name__
+    except Exception as e:
+        return type(e).__name__
+
+print(json.dumps([run(a) for a in actions]))
+"""
+
+# A node agent in its own process: attaches one sandbox, says "ready", then waits to be killed.
+AGENT = r"""
+import asyncio, json, sys
+from pathlib import Path
+from dsec_nodeagent.ebpf import EgressController, EgressPlan
+
+async def main():
+    pin, state, upstream, sandboxes = sys.argv[1:5]
+    ctl = EgressController(dns_upstream=upstream, pin_dir=Path(pin), state_dir=Path(state))
+    await ctl.start()
+    for cgroup, plan in json.loads(sandboxes):
+        await ctl.attach(Path(cgroup), EgressPlan.model_validate(plan))
+    print("ready", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def run_client(
+    cgroup: Path, actions: list[dict[str, Any]], resolv_conf: Path | None = None
+) -> list[Any]:
+    """Run the client in ``cgroup``; with ``resolv_conf``, glibc sees that file (mount ns)."""
+    argv = [sys.executable, "-c", CLIENT, str(cgroup), json.dumps(actions)]
+    if resolv_conf is not None:
+        script = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
+        argv = ["unshare", "--mount", "sh", "-c", script, str(resolv_conf), *argv]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 90)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode == 0, err.decode()
+    result: list[Any] = json.loads(out)
+    return result
+
+
+class Echo:
+    """TCP echo servers on loopback addresses, one free port per address."""
+
+    def __init__(self) -> None:
+        self.servers: dict[tuple[str, int], asyncio.Server] = {}
+
+    async def serve(self, host: str, port: int = 0) -> int:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                data = await reader.read(16)
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, host, port)
+        bound = server.sockets[0].getsockname()[1]
+        self.servers[(host, bound)] = server
+        return int(bound)
+
+    async def close(self) -> None:
+        for server in self.servers.values():
+            server.close()
+            await server.wait_closed()
+
+
+@pytest.fixture(scope="session")
+async def zone() -> AsyncIterator[ZoneServer]:
+    server = await start_test_dns()
+    yield server
+    await server.close()
+
+
+@pytest.fixture(scope="session")
+async def egress(zone: ZoneServer) -> AsyncIterator[EgressController]:
+    tag = f"test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    ctl = EgressController(
+        dns_upstream=zone.address,
+        pin_dir=Path(f"/sys/fs/bpf/dsec-{tag}/egress"),
+        state_dir=Path(f"/run/dsec-{tag}/egress"),
+        ttl_grace_s=0.0,
+        extra_doh_addresses=("127.0.0.40",),
+    )
+    await ctl.start()
+    yield ctl
+    await ctl.uninstall()
+    for path in (Path(f"/sys/fs/bpf/dsec-{tag}"), Path(f"/run/dsec-{tag}")):
+        with contextlib.suppress(FileNotFoundError):
+            _rmtree(path)
+    assert not Path(f"/sys/fs/bpf/dsec-{tag}/egress").exists()
+
+
+def _rmtree(path: Path) -> None:
+    for child in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        child.rmdir() if child.is_dir() else child.unlink()
+    path.rmdir()
+
+
+@pytest.fixture(scope="session")
+async def echo() -> AsyncIterator[Echo]:
+    servers = Echo()
+    yield servers
+    await servers.close()
+
+
+@pytest.fixture
+def cgroup() -> Iterator[Path]:
+    path = CGROUP2 / f"dsec-egress-test-{uuid.uuid4().hex[:10]}"
+    path.mkdir()
+    yield path
+    _kill_members(path)
+    path.rmdir()
+
+
+def _kill_members(path: Path) -> None:
+    for pid in (path / "cgroup.procs").read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+@contextlib.asynccontextmanager
+async def attached(
+    egress: EgressController, cgroup: Path, plan: EgressPlan
+) -> AsyncIterator[list[VerdictEvent]]:
+    """Attach ``plan``; yield the list that receives this cgroup's verdict events; detach."""
+    events: list[VerdictEvent] = []
+    sandbox = await egress.attach(cgroup, plan)
+
+    def collect(event: VerdictEvent) -> None:
+        if event.cgroup_id == sandbox.cgroup_id:
+            events.append(event)
+
+    egress.add_listener(collect)
+    try:
+        yield events
+    finally:
+        egress.drain_events()
+        egress.remove_listener(collect)
+        await egress.detach(cgroup)
+        assert egress.kernel.attached_count(cgroup) == 0
+        assert not list(egress.kernel.host_entries(sandbox.cgroup_id))
+        assert sandbox.cgroup_id not in egress.kernel.sandbox_ids()
+        assert not [c for c in egress.counters() if c.cgroup_id == sandbox.cgroup_id]
+
+
+def denials(events: list[VerdictEvent]) -> set[tuple[str, str, int, str | None]]:
+    return {(e.verdict.name, e.address, e.port, e.rule_id) for e in events if e.denied}
+
+
+def rule(rule_id: str, **fields: Any) -> EgressRule:
+    return EgressRule(id=rule_id, **fields)
+
+
+async def test_allowed_name_resolves_and_connects_everything_else_is_refused(
+    egress: EgressController, echo: Echo, cgroup: Path
+) -> None:
+    port = await echo.serve("127.0.0.10")
+    other_port = await echo.serve("127.0.0.10")
+    denied_port = await echo.serve("127.0.0.20", port)
+    v6_port = await echo.serve("::1")
+    plan = EgressPlan(
+        sandbox_id="sbx-basic", rules=(rule("egress[0]", domain="allowed.test", ports=(port,)),)
+    )
+    async with attached(egress, cgroup, plan) as events:
+        results = await run_client(
+            cgroup,
+            [
+                {"op": "resolve", "name": "allowed.test"},
+                {"op": "connect", "host": "127.0.0.10", "port": port},
+                {"op": "resolve", "name": "denied.test"},
+                {"op": "connect", "host": "127.0.0.20", "port": denied_port},
+                {"op": "connect", "host": "127.0.0.10", "port": other_port},
+                {"op": "connect", "host": "::1", "port": v6_port},
+                {"op": "connect", "host": "::ffff:127.0.0.20", "port": denied_port},
+                {"op": "connect", "host": "::ffff:127.0.0.10", "port": port},
+                {"op": "libc_connect", "host": "127.0.0.20", "port": denied_port},
+                {"op": "libc_connect", "host": "127.0.0.10", "port": port},
+                {"op": "fastopen", "host": "127.0.0.20", "port": denied_port},
+                {"op": "udp_sendto", "host": "127.0.0.20", "port": 5353},
+                {"op": "udp_sendto", "host": "::1", "port": 5353},
+            ],
+        )
+        egress.drain_events()
+        counts = {
+            (c.rule_id, c.verdict): c.count
+            for c in egress.counters()
+            if c.sandbox_id == "sbx-basic"
+        }
+        scraped = {
+            (s.labels["rule"], s.labels["verdict"]): s.value
+            for family in EgressCollector(egress).collect()
+            for s in family.samples
+            if s.labels["sandbox"] == "sbx-basic"
+        }
+    assert results == [
+        {"rcode": "NOERROR", "addresses": ["127.0.0.10"], "truncated": False},
+        "ok",
+        {"rcode": "NXDOMAIN", "addresses": [], "truncated": False},
+        "EPERM",  # direct IP of a name the sandbox may not resolve
+        "EPERM",  # allowed address, another port
+        "EPERM",  # IPv6
+        "EPERM",  # v4-mapped IPv6 of a denied address
+        "ok",  # v4-mapped IPv6 of the allowed address: the IPv4 rule applies
+        "EPERM",  # raw libc connect (invisible to Python audit hooks)
+        "ok",
+        "EPERM",  # TCP Fast Open: sendto(MSG_FASTOPEN) connects too
+        "EPERM",  # unconnected UDP
+        "EPERM",
+    ]
+    refused = sorted((e.hook.name, e.protocol, e.address, e.port) for e in events if e.denied)
+    assert refused == sorted(
+        [
+            ("CONNECT4", "tcp", "127.0.0.20", denied_port),
+            ("CONNECT4", "tcp", "127.0.0.10", other_port),
+            ("CONNECT6", "tcp", "::1", v6_port),
+            ("CONNECT6", "tcp", "127.0.0.20", denied_port),  # v4-mapped, judged as IPv4
+            ("CONNECT4", "tcp", "127.0.0.20", denied_port),  # libc
+            ("CONNECT4", "tcp", "127.0.0.20", denied_port),  # fast open
+            ("SENDMSG4", "udp", "127.0.0.20", 5353),
+            ("SENDMSG6", "udp", "::1", 5353),
+        ]
+    )
+    refusal = next(e for e in events if e.denied and e.port == v6_port)
+    assert refusal.sandbox_id == "sbx-basic"
+    assert refusal.verdict is Verdict.DENY_NO_RULE
+    assert "denied: no egress rule allows" in refusal.message()
+    assert counts[("egress[0]", Verdict.ALLOW)] == 3
+    assert counts[(None, Verdict.DENY_NO_RULE)] == 8
+    assert counts[(None, Verdict.REDIRECT_DNS)] == 2
+    assert scraped[("egress[0]", "allow")] == 3
+    assert scraped[("", "deny_no_rule")] == 8
+
+
+async def test_dns_is_forced_to_the_proxy_whatever_resolver_the_code_names(
+    egress: EgressController, echo: Echo, cgroup: Path, tmp_path: Path
+) -> None:
+    port = await echo.serve("127.0.0.10")
+    await echo.serve("::1", port)
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text(f"nameserver {FAKE_RESOLVER}\noptions attempts:1 timeout:3\n")
+    plan = EgressPlan(
+        sandbox_id="sbx-dns",
+        rules=(
+            rule("egress[0]", domain="allowed.test", ports=(port,)),
+            rule("egress[1]", domain="big.test", ports=(port,)),
+        ),
+    )
+    async with attached(egress, cgroup, plan):
+        results = await run_client(
+            cgroup,
+            [
+                {"op": "getaddrinfo", "host": "allowed.test", "port": port},  # glibc: connected UDP
+                {"op": "connect", "host": "127.0.0.10", "port": port},
+                {"op": "getaddrinfo", "host": "denied.test", "port": port},
+                {"op": "resolve", "name": "allowed.test", "server": "127.0.0.53", "proto": "tcp"},
+                {"op": "resolve", "name": "allowed.test", "server": "::1"},
+                {"op": "resolve", "name": "allowed.test", "server": "::ffff:127.0.0.77"},
+                {"op": "resolve", "name": "big.test", "proto": "udp"},
+                {"op": "resolve", "name": "big.test", "proto": "auto"},
+                {"op": "udp_peer", "host": FAKE_RESOLVER},
+                {"op": "udp_peer", "host": "::1"},
+                {"op": "resolve", "name": "allowed.test", "type": "AAAA"},
+                {"op": "connect", "host": "::1", "port": port},  # opened by the AAAA answer
+            ],
+            resolv_conf=resolv,
+        )
+    assert results[0] == ["127.0.0.10"]
+    assert results[1] == "ok"
+    assert results[2] == "gaierror:-2"  # EAI_NONAME: NXDOMAIN
+    for answer in results[3:6]:
+        assert answer == {"rcode": "NOERROR", "addresses": ["127.0.0.10"], "truncated": False}
+    assert results[6]["truncated"] is True  # 100 records do not fit in 512 bytes of UDP
+    assert len(results[7]["addresses"]) == 100  # the client retried over TCP, redirected too
+    assert results[8] == [FAKE_RESOLVER, 53]  # getpeername shows what the code asked for
+    assert results[9] == ["::1", 53]
+    assert results[10]["addresses"] == ["::1"]
+    assert results[11] == "ok"
+
+
+async def test_bad_input_is_refused_and_leaves_nothing(
+    egress: EgressController, cgroup: Path, tmp_path: Path
+) -> None:
+    plan = EgressPlan(sandbox_id="sbx-bad")
+    with pytest.raises(ValueError, match=f"cgroup_path {tmp_path}: not a cgroup v2 directory"):
+        await egress.attach(tmp_path, plan)
+    sandbox = await egress.attach(cgroup, plan)
+    try:
+        with pytest.raises(ValueError, match=r"already attached \(sandbox sbx-bad\)"):
+            await egress.attach(cgroup, plan.model_copy(update={"sandbox_id": "other"}))
+        assert egress.kernel.attached_count(cgroup) == 8
+        assert [s.sandbox_id for s in egress.sandboxes()] == ["sbx-bad"]
+    finally:
+        await egress.detach(cgroup)
+    assert egress.kernel.attached_count(cgroup) == 0
+    assert egress.proxy.port_of(sandbox.cgroup_id) is None
+    assert not (egress.state_dir / f"{sandbox.cgroup_id}.json").exists()
+
+
+async def test_rate_limit_cuts_a_burst_at_the_bucket_size(
+    egress: EgressController, echo: Echo, cgroup: Path
+) -> None:
+    port = await echo.serve("127.0.0.30")
+    plan = EgressPlan(
+        sandbox_id="sbx-rate",
+        log_allowed=True,
+        rules=(
+            rule(
+                "egress[0]",
+                cidr="127.0.0.30/32",
+                ports=(port,),
+                rate_limit=RateLimit(count=5, per_seconds=3600),
+            ),
+        ),
+    )
+    async with attached(egress, cgroup, plan) as events:
+        (burst,) = await run_client(
+            cgroup, [{"op": "burst", "host": "127.0.0.30", "port": port, "count": 8}]
+        )
+        egress.drain_events()
+    assert burst == ["ok"] * 5 + ["EPERM"] * 3
+    assert [e.verdict for e in events] == [Verdict.ALLOW] * 5 + [Verdict.DENY_RATE_LIMIT] * 3
+    limited = [e for e in events if e.verdict is Verdict.DENY_RATE_LIMIT]
+    assert len(limited) == 3
+    assert {e.rule_id for e in limited} == {"egress[0]"}
+    assert "rate limit of rule egress[0] exceeded" in limited[0].message()
+
+
+async def test_ttl_expiry_stops_new_connects_but_not_open_ones(
+    egress: EgressController, echo: Echo, cgroup: Path
+) -> None:
+    port = await echo.serve("127.0.0.11")
+    plan = EgressPlan(
+        sandbox_id="sbx-ttl",
+        rules=(
+            rule("egress[0]", domain="short.test", ports=(port,)),  # TTL 2 s in the zone
+        ),
+    )
+    async with attached(egress, cgroup, plan) as events:
+        results = await run_client(
+            cgroup,
+            [
+                {"op": "resolve", "name": "short.test"},
+                {"op": "hold", "id": "open", "host": "127.0.0.11", "port": port},
+                {"op": "until_denied", "host": "127.0.0.11", "port": port, "deadline": 20},
+                {"op": "use", "id": "open"},
+            ],
+        )
+        egress.drain_events()
+        cgid = os.stat(cgroup).st_ino
+        assert [a for a, *_ in egress.kernel.host_entries(cgid)] == [ip_address("127.0.0.11")]
+        assert egress.kernel.sweep(time.monotonic_ns()) >= 1
+        assert list(egress.kernel.host_entries(cgid)) == []
+    assert results[0]["addresses"] == ["127.0.0.11"]
+    assert results[1] == "ok"
+    assert results[2]["result"] == "EPERM"
+    assert results[3] == "ok"  # the connection opened before expiry still works
+    assert ("DENY_EXPIRED", "127.0.0.11", port, "egress[0]") in denials(events)
+
+
+async def test_cidr_internal_only_dot_and_doh(
+    egress: EgressController, echo: Echo, cgroup: Path
+) -> None:
+    port = await echo.serve("127.0.0.21")
+    doh = await echo.serve("127.0.0.40", 443)
+    doh_exact = EgressPlan(
+        sandbox_id="sbx-doh-exact", rules=(rule("egress[0]", cidr="127.0.0.40/32", ports=(443,)),)
+    )
+    plan = EgressPlan(
+        sandbox_id="sbx-cidr",
+        rules=(
+            rule("egress[0]", cidr="0.0.0.0/0", allow_internal_only=True),  # every port
+        ),
+    )
+    async with attached(egress, cgroup, plan) as events:
+        results = await run_client(
+            cgroup,
+            [
+                {"op": "connect", "host": "127.0.0.21", "port": port},
+                {
+                    "op": "libc_connect",
+                    "host": "127.0.0.21",
+                    "port": 853,
+                },  # DoT needs port 853 named
+                {
+                    "op": "libc_connect",
+                    "host": "127.0.0.40",
+                    "port": doh,
+                },  # DoH resolver via a range
+            ],
+        )
+        egress.drain_events()
+    assert results == ["ok", "EPERM", "EPERM"]
+    assert ("DENY_NO_RULE", "127.0.0.21", 853, None) in denials(events)
+    assert ("DENY_DOH", "127.0.0.40", 443, "egress[0]") in denials(events)
+    async with attached(egress, cgroup, doh_exact):
+        assert await run_client(cgroup, [{"op": "connect", "host": "127.0.0.40", "port": doh}]) == [
+            "ok"
+        ]
+
+
+async def test_dns_passthrough_resolves_but_does_not_open(
+    egress: EgressController, echo: Echo, cgroup: Path
+) -> None:
+    port = await echo.serve("127.0.0.10")
+    denied_port = await echo.serve("127.0.0.20", port)
+    plan = EgressPlan(
+        sandbox_id="sbx-pass",
+        dns_passthrough=True,
+        rules=(rule("egress[0]", domain="allowed.test", ports=(port,)),),
+    )
+    async with attached(egress, cgroup, plan):
+        results = await run_client(
+            cgroup,
+            [
+                {"op": "resolve", "name": "denied.test"},
+                {"op": "connect", "host": "127.0.0.20", "port": denied_port},
+            ],
+        )
+    assert results == [
+        {"rcode": "NOERROR", "addresses": ["127.0.0.20"], "truncated": False},
+        "EPERM",
+    ]
+
+
+async def test_programs_stay_when_the_agent_dies_and_a_new_agent_adopts_them(
+    zone: ZoneServer, echo: Echo, cgroup: Path, tmp_path: Path
+) -> None:
+    port = await echo.serve("127.0.0.10")
+    denied_port = await echo.serve("127.0.0.20", port)
+    tag = f"restart-{uuid.uuid4().hex[:8]}"
+    pin, state = Path(f"/sys/fs/bpf/dsec-{tag}/egress"), tmp_path / "state"
+    plan = EgressPlan(
+        sandbox_id="sbx-restart",
+        rules=(
+            rule("egress[0]", domain="allowed.test", ports=(port,)),
+            rule("egress[1]", cidr="127.0.0.10/32", ports=(port,)),
+        ),
+    )
+    doomed = CGROUP2 / f"dsec-egress-test-{uuid.uuid4().hex[:10]}"
+    doomed.mkdir()
+    doomed_id = os.stat(doomed).st_ino
+    gone = plan.model_copy(update={"sandbox_id": "sbx-gone"})
+    sandboxes = [
+        (str(cgroup), plan.model_dump(mode="json")),
+        (str(doomed), gone.model_dump(mode="json")),
+    ]
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        AGENT,
+        str(pin),
+        str(state),
+        zone.address,
+        json.dumps(sandboxes),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    successor: EgressController | None = None
+    try:
+        assert agent.stdout is not None
+        line = await asyncio.wait_for(agent.stdout.readline(), 60)
+        assert line.strip() == b"ready"
+        agent.kill()  # SIGKILL: no cleanup
+        await agent.wait()
+        doomed.rmdir()  # this sandbox ends while no agent runs
+
+        orphaned = await run_client(
+            cgroup,
+            [
+                {"op": "connect", "host": "127.0.0.10", "port": port},
+                {"op": "connect", "host": "127.0.0.20", "port": denied_port},
+                {"op": "resolve", "name": "allowed.test", "timeout": 1},
+            ],
+        )
+        assert orphaned[:2] == ["ok", "EPERM"]  # fail-closed: policy still enforced
+        assert orphaned[2] in ("ECONNREFUSED", "Timeout")  # and DNS is not open either
+
+        successor = EgressController(dns_upstream=zone.address, pin_dir=pin, state_dir=state)
+        await successor.start()
+        report = await successor.reconcile()
+        assert report.adopted == ("sbx-restart",)
+        assert report.removed == (doomed_id,)
+        assert doomed_id not in successor.kernel.sandbox_ids()
+        adopted = await run_client(
+            cgroup,
+            [
+                {"op": "resolve", "name": "allowed.test"},
+                {"op": "connect", "host": "127.0.0.20", "port": denied_port},
+            ],
+        )
+        assert adopted[0]["addresses"] == ["127.0.0.10"]
+        assert adopted[1] == "EPERM"
+        assert successor.kernel.attached_count(cgroup) == 8
+        await successor.detach(cgroup)
+        assert successor.kernel.attached_count(cgroup) == 0
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()
+        if doomed.exists():
+            doomed.rmdir()
+        if successor is not None:
+            await successor.uninstall()
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                _rmtree(pin.parent)
+    assert not pin.exists()
+
+
+async def test_a_nested_cgroup_inherits_its_sandbox_policy(
+    egress: EgressController, echo: Echo, cgroup: Path
+) -> None:
+    port = await echo.serve("127.0.0.10")
+    denied_port = await echo.serve("127.0.0.20", port)
+    plan = EgressPlan(
+        sandbox_id="sbx-nested", rules=(rule("egress[0]", domain="allowed.test", ports=(port,)),)
+    )
+    async with attached(egress, cgroup, plan) as events:
+        child = cgroup / "exec-1"
+        child.mkdir()
+        try:
+            results = await run_client(
+                child,
+                [
+                    {"op": "resolve", "name": "allowed.test"},
+                    {"op": "connect", "host": "127.0.0.10", "port": port},
+                    {"op": "connect", "host": "127.0.0.20", "port": denied_port},
+                ],
+            )
+        finally:
+            child.rmdir()
+        egress.drain_events()
+    assert results[0]["addresses"] == ["127.0.0.10"]
+    assert results[1:] == ["ok", "EPERM"]
+    assert [(e.sandbox_id, e.port) for e in events if e.denied] == [("sbx-nested", denied_port)]

@@ -1,0 +1,105 @@
+"""Calls between nodes: two brokers (two "nodes") bridged by a real nats-server."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dsec_sdk import (
+    AgentNotFound,
+    CallTimeout,
+    DSecClient,
+    PayloadTooLarge,
+    PeerGone,
+    RemoteError,
+    ToolNotFound,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
+from _ipc_testkit import BrokerThread, start_agent, wait_serving
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def nodes(nats_url: str) -> Iterator[tuple[BrokerThread, BrokerThread]]:
+    root = Path(tempfile.mkdtemp(prefix="dsec-ipc-"))
+    one = BrokerThread(root / "n1.sock", node_id="node-1", nats_url=nats_url)
+    two = BrokerThread(root / "n2.sock", node_id="node-2", nats_url=nats_url)
+    yield one, two
+    one.stop()
+    two.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def remote_agent(nodes: tuple[BrokerThread, BrokerThread]) -> Iterator[DSecClient]:
+    """``agent-b`` serving on node 2; the returned client lives on node 1."""
+    one, two = nodes
+    proc = start_agent(two.socket_path, "g1", "agent-b")
+    client = DSecClient("agent-a", "g1", socket_path=one.socket_path, timeout=20)
+    try:
+        wait_serving(client, "agent-b")
+        yield client
+    finally:
+        client.close()
+        proc.kill()
+        proc.wait()
+
+
+def test_call_reaches_an_agent_on_another_node(remote_agent: DSecClient) -> None:
+    assert remote_agent.call_tool("agent-b", "echo", data="across", seq=3) == {
+        "data": "across",
+        "seq": 3,
+    }
+    blob = bytes(range(256)) * 1024  # 256 KB: larger than a ring chunk, within NATS' 1 MB
+    assert remote_agent.call_tool("agent-b", "echo", data=blob)["data"] == blob
+
+
+def test_async_calls_across_nodes(remote_agent: DSecClient) -> None:
+    import asyncio
+
+    async def many() -> list[dict[str, int]]:
+        calls = [remote_agent.acall_tool("agent-b", "echo", data=i, seq=i) for i in range(50)]
+        return await asyncio.gather(*calls)
+
+    assert asyncio.run(many()) == [{"data": i, "seq": i} for i in range(50)]
+
+
+def test_remote_errors_keep_their_type(remote_agent: DSecClient) -> None:
+    with pytest.raises(RemoteError, match=r"agent-b\.fail failed: ValueError: no quota") as info:
+        remote_agent.call_tool("agent-b", "fail", message="no quota")
+    assert "in fail" in info.value.traceback_summary
+    with pytest.raises(ToolNotFound, match="no tool named 'nope'"):
+        remote_agent.call_tool("agent-b", "nope")
+    with pytest.raises(CallTimeout):
+        remote_agent.call_tool("agent-b", "hang", timeout=0.3)
+    with pytest.raises(PayloadTooLarge, match="NATS between nodes takes at most"):
+        remote_agent.call_tool("agent-b", "echo", data=b"x" * (2 << 20))
+
+
+def test_unknown_name_on_every_node(nodes: tuple[BrokerThread, BrokerThread]) -> None:
+    client = DSecClient("agent-a", "g1", socket_path=nodes[0].socket_path)
+    with pytest.raises(AgentNotFound, match="not registered on this node or any other"):
+        client.call_tool("agent-x", "ping")
+    client.close()
+
+
+def test_remote_agent_killed_is_peer_gone(nodes: tuple[BrokerThread, BrokerThread]) -> None:
+    one, two = nodes
+    proc = start_agent(two.socket_path, "g1", "agent-k")
+    client = DSecClient("agent-a", "g1", socket_path=one.socket_path, timeout=None)
+    try:
+        wait_serving(client, "agent-k")
+        proc.kill()
+        proc.wait()
+        with pytest.raises(PeerGone, match="agent 'agent-k' is gone"):
+            client.call_tool("agent-k", "ping")
+    finally:
+        proc.kill()
+        proc.wait()
+        client.close()

@@ -1,0 +1,223 @@
+"""The semantic layer: rules applied inside the sandbox's Python, decisions streamed out."""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
+from _dsec_sandbox_testkit import (
+    Recorder,
+    managed,
+    read_json_output,
+    run_to_end,
+    snippet_config,
+)
+from dsec_core.spec.loader import load_spec
+
+from dsec_nodeagent.semantic import compile_rules, rules_from_spec, site_dir
+
+RUNTIME_FILE = site_dir() / "dsec_semantic_runtime.py"
+
+
+def _runtime() -> Any:
+    spec = importlib.util.spec_from_file_location("dsec_semantic_runtime_under_test",
+                                                  RUNTIME_FILE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _engine(rules: dict[str, Any]) -> Any:
+    return _runtime().Engine(compile_rules(rules), None)
+
+
+# ---------------------------------------------------------------- pure rule decisions (unit)
+
+
+@pytest.mark.unit
+def test_deny_message_names_the_rule_and_the_spec_line() -> None:
+    engine = _engine({"spec_file": "agent.yaml", "rules": [
+        {"name": "no-etc", "on": "open", "match": {"path": "/etc/*"}, "action": "deny",
+         "spec_line": 31, "message": "configuration is off limits"}]})
+    with pytest.raises(PermissionError) as info:
+        engine.decide("open", "/etc/passwd", {"path": "/etc/passwd"})
+    assert str(info.value) == (
+        "[dsec] open '/etc/passwd' denied by rule 'no-etc': configuration is off limits; "
+        "to allow it, change that rule in agent.yaml line 31"
+    )
+
+
+@pytest.mark.unit
+def test_first_matching_rule_wins_and_redirect_returns_the_target() -> None:
+    engine = _engine({"rules": [
+        {"name": "cache", "on": "http", "match": {"host": "*.example.com"}, "action": "redirect",
+         "target": "http://127.0.0.1:9/mirror"},
+        {"name": "all-http", "on": "http", "match": {"url": "*"}, "action": "deny"}]})
+    decision = engine.decide("http", "https://api.example.com/v1",
+                             {"url": "https://api.example.com/v1", "host": "api.example.com"})
+    assert (decision.action, decision.subject) == ("redirect", "http://127.0.0.1:9/mirror")
+    with pytest.raises(PermissionError, match="all-http"):
+        engine.decide("http", "https://other.org/", {"url": "https://other.org/",
+                                                     "host": "other.org"})
+
+
+@pytest.mark.unit
+def test_subprocess_rule_matches_argv_by_base_name() -> None:
+    engine = _engine({"rules": [
+        {"name": "no-curl", "on": "subprocess", "match": {"argv": ["curl", "*"]},
+         "action": "deny"}]})
+    with pytest.raises(PermissionError, match="no-curl"):
+        engine.decide("subprocess", "/usr/bin/curl x", {"argv": ["/usr/bin/curl", "x"]})
+    assert engine.decide("subprocess", "ls", {"argv": ["ls"]}).action == "allow"
+
+
+@pytest.mark.unit
+def test_rate_limit_counts_requests_not_connections() -> None:
+    engine = _engine({"rate_limits": [
+        {"name": "egress[0] api.example.com", "host": "api.example.com", "requests": 3,
+         "period_s": 60, "spec_line": 12}]})
+    facts = {"url": "https://api.example.com/q", "host": "api.example.com"}
+    for _ in range(3):
+        engine.decide("http", facts["url"], facts)
+    with pytest.raises(PermissionError) as info:
+        engine.decide("http", facts["url"], facts)
+    assert "rate limit 3 requests per 60s" in str(info.value)
+    assert "line 12" in str(info.value)
+
+
+@pytest.mark.unit
+def test_bad_rules_are_refused_with_the_rule_named() -> None:
+    with pytest.raises(ValidationError, match=r"'r1'.*matches on path"):
+        compile_rules({"rules": [{"name": "r1", "on": "open", "match": {"url": "x"},
+                                  "action": "deny"}]})
+    with pytest.raises(ValidationError, match="'r2': redirect needs a target"):
+        compile_rules({"rules": [{"name": "r2", "on": "subprocess",
+                                  "match": {"argv": ["x"]}, "action": "redirect",
+                                  "target": "y"}]})
+
+
+@pytest.mark.unit
+def test_rules_from_a_spec_carry_its_lines_and_rate_limits() -> None:
+    text = (
+        'version: "1.2"\nname: demo\nbase: python:3.11\n'
+        "security_policy:\n"
+        "  network:\n    egress:\n      - domain: api.example.com\n"
+        "        rate_limit: 100req/min\n"
+        "  semantic:\n"
+        "    - on: open\n      match: {path: /etc/*}\n      action: deny\n"
+    )
+    result = load_spec(text, "agent.yaml")
+    assert result.ok, result.errors
+    assert result.spec is not None
+    rules = rules_from_spec(result.spec.security_policy, result.source, "agent.yaml")
+    assert rules.rules[0].spec_line == 10
+    assert rules.rules[0].name == "semantic[0] deny open /etc/*"
+    assert (rules.rate_limits[0].requests, rules.rate_limits[0].period_s) == (100, 60)
+
+
+# ---------------------------------------------------------------- inside a real sandbox (kernel)
+
+
+class _KeepAlive(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body = b"ok"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def http_server() -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+SANDBOX_CODE = r'''
+import ctypes, http.client, json, os, subprocess, sys
+report = {}
+try:
+    open("/workspace/output/blocked.txt", "w")
+except PermissionError as exc:
+    report["deny"] = str(exc)
+open("/workspace/output/real.txt", "w").write("redirected")
+report["redirect"] = open("/workspace/output/alias.txt").read()
+open("/workspace/output/logged.txt", "w").write("x")
+try:
+    subprocess.run([sys.executable, "-c", "print(1)"])
+except PermissionError as exc:
+    report["subprocess"] = str(exc)
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.open(b"/workspace/output/blocked.txt", os.O_WRONLY | os.O_CREAT, 0o644)
+report["ctypes_bypass_fd"] = fd   # the semantic layer cannot see ctypes: it explains, not enforces
+conn = http.client.HTTPConnection("127.0.0.1", int(os.environ["PORT"]))
+statuses = []
+try:
+    for _ in range(5):
+        conn.request("GET", "/item?q=1")
+        statuses.append(conn.getresponse().read().decode())
+except PermissionError as exc:
+    report["rate"] = str(exc)
+report["served"] = statuses
+print(json.dumps(report))
+'''
+
+
+@pytest.mark.kernel
+async def test_rules_apply_inside_the_sandbox_and_every_decision_is_reported(
+    tmp_path: Path, http_server: int
+) -> None:
+    rules = compile_rules({"spec_file": "agent.yaml", "rules": [
+        {"name": "no-blocked", "on": "open", "match": {"path": "/workspace/output/blocked*"},
+         "action": "deny", "spec_line": 40},
+        {"name": "alias", "on": "open", "match": {"path": "/workspace/output/alias.txt"},
+         "action": "redirect", "target": "/workspace/output/real.txt"},
+        {"name": "watch", "on": "open", "match": {"path": "/workspace/output/logged.txt"},
+         "action": "log"},
+        {"name": "no-children", "on": "subprocess", "match": {"argv": ["*"]},
+         "action": "deny", "spec_line": 44},
+    ], "rate_limits": [{"name": "egress[0] 127.0.0.1", "host": "127.0.0.1", "requests": 3,
+                        "period_s": 60, "spec_line": 21}]})
+    recorder = Recorder()
+    async with managed(tmp_path / "home", recorder) as manager:
+        result = await run_to_end(manager, snippet_config(
+            "semantic", SANDBOX_CODE, tmp_path, semantic_rules=rules,
+            env={"PORT": str(http_server)}))
+        decisions = await recorder.wait_decisions(7)
+    report = read_json_output(result)
+    assert report["deny"] == (
+        "[dsec] open '/workspace/output/blocked.txt' denied by rule 'no-blocked'; "
+        "to allow it, change that rule in agent.yaml line 40"
+    )
+    assert report["redirect"] == "redirected"
+    assert "denied by rule 'no-children'" in report["subprocess"]
+    assert report["ctypes_bypass_fd"] >= 0
+    assert report["served"] == ["ok", "ok", "ok"]  # one keep-alive connection, 3 requests
+    assert "rate limit 3 requests per 60s" in report["rate"]
+    seen = {(d.rule, d.action) for d in decisions}
+    assert {("no-blocked", "deny"), ("alias", "redirect"), ("watch", "log"),
+            ("no-children", "deny"), (None, "deny")} <= seen
+    assert all(d.sandbox_id == "semantic" for d in decisions)
+    rate = next(d for d in decisions if d.rule is None)
+    assert rate.subject == f"http://127.0.0.1:{http_server}/item"  # no query string

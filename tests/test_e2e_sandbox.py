@@ -1,0 +1,87 @@
+"""End to end through every service as its own process: a spec with a Vault secret runs in a
+sandbox, writes its output, is refused a forbidden write, and exits; everything is released."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.kernel, pytest.mark.slow]
+
+AGENT = '''
+import os, sys
+key = os.environ.get("API_KEY", "")
+print("secret present:", bool(key), "length", len(key))
+os.makedirs("/workspace/output", exist_ok=True)
+with open("/workspace/output/result.txt", "w") as fh:
+    fh.write("done\\n")
+try:
+    open("/".join(["", "workspace", "forbidden.txt"]), "w")  # dynamic: static analysis cannot see it
+except OSError as exc:
+    print("forbidden write refused:", type(exc).__name__, exc.errno)
+else:
+    sys.exit(3)
+'''
+
+SPEC = """\
+version: "1.2"
+name: e2e-agent
+base: dsec/python311:latest
+entrypoint: [python, agent.py]
+workdir: /workspace
+dependencies:
+  - package: msgpack
+    version: ">=1.0,<2"
+resources: {cpu: 1, memory: 256MiB, pids: 64}
+timeout: 2m
+runtime_context:
+  env_vars:
+    - name: API_KEY
+      source: vault://secret/e2e/api#token
+      ttl: 10m
+security_policy:
+  filesystem:
+    write_allowed: [/workspace/output]
+"""
+
+
+@pytest.fixture
+def env(stack_env: dict[str, str]) -> dict[str, str]:
+    return dict(stack_env)
+
+
+def test_agent_runs_with_its_secret_and_is_refused_a_forbidden_write(
+    services, env, vault, dsec_cli, tmp_path
+) -> None:
+    vault.client().secrets.kv.v2.create_or_update_secret(
+        path="e2e/api", secret={"token": "s3cr3t-value-never-logged"})
+    services.start("policy", "builder", "nodeagent")
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "agent.py").write_text(AGENT)
+    spec = tmp_path / "dsec.yaml"
+    spec.write_text(SPEC)
+    result = dsec_cli("submit", str(spec), "--code", str(code), "--wait", "exited",
+                      "--stall", "120", "--json", env=env)
+    outcome = result.last_json()
+    types = [e["type"] for e in outcome["events"]]
+    assert result.exit_code == 0, result.output
+    assert outcome["state"] == "exited" and outcome["exit_code"] == 0
+    assert types.index("context.injected") < types.index("sandbox.ready")
+    injected = next(e["payload"] for e in outcome["events"] if e["type"] == "context.injected")
+    assert injected["kind"] == "secret" and injected["name"] == "API_KEY"
+    assert injected["lease_id"]
+    ready = next(e["payload"] for e in outcome["events"] if e["type"] == "sandbox.ready")
+    assert {"landlock", "seccomp", "cgroup"} <= set(ready["start_latency_ms"])
+
+    sid = outcome["sandbox_id"]
+    logs = dsec_cli("sandbox", "logs", sid, env=env)
+    assert "secret present: True length 25" in logs.output, logs.output
+    assert "forbidden write refused: PermissionError 13" in logs.output \
+        or "forbidden write refused: OSError 30" in logs.output
+
+    everything = json.dumps(outcome)
+    assert "s3cr3t-value-never-logged" not in everything
+    assert "s3cr3t-value-never-logged" not in services.log("nodeagent")
