@@ -40,7 +40,8 @@ def nats_server() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="dsec-bench-nats-") as store:
         proc = subprocess.Popen(
             [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", store, "-m", str(mon)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         try:
             deadline = time.monotonic() + 10
@@ -62,8 +63,12 @@ def nats_server() -> Iterator[str]:
 
 def emit(bench: str, results: dict[str, Any], ratio_line: str, **extra: Any) -> None:
     """Print the one-line ratio, write ``bench/results/<bench>.json``, print the JSON last."""
-    doc = {"bench": bench, "results": results, **extra,
-           "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    doc = {
+        "bench": bench,
+        "results": results,
+        **extra,
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{bench}.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(ratio_line)

@@ -20,15 +20,14 @@ import time
 from multiprocessing.connection import Connection
 
 import nats
-from nacl.signing import SigningKey
-from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
-
 from _common import emit, nats_server, percentile
 from dsec_core.audit import Verifier
 from dsec_core.bus import EventPublisher, ensure_stream
 from dsec_core.events import SandboxExited
 from dsec_core.signing import Signer
 from dsec_core.subjects import STREAM
+from nacl.signing import SigningKey
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 BATCH = 256
 
@@ -45,12 +44,15 @@ def micro_sign_encode(n: int) -> dict[str, float]:
         t = time.perf_counter()
         signer.seal(payload, aggregate_id=f"sbx_{i % 64}")
         samples.append((time.perf_counter() - t) * 1e6)
-    return {"p50_us": round(percentile(samples, 0.5), 2),
-            "p99_us": round(percentile(samples, 0.99), 2)}
+    return {
+        "p50_us": round(percentile(samples, 0.5), 2),
+        "p99_us": round(percentile(samples, 0.99), 2),
+    }
 
 
-async def _consume(url: str, stream: str, subject: str, n: int, verify: bool,
-                   ready: Connection) -> float:
+async def _consume(
+    url: str, stream: str, subject: str, n: int, verify: bool, ready: Connection
+) -> float:
     nc = await nats.connect(url)
     js = nc.jetstream()
     config = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True)
@@ -72,8 +74,9 @@ async def _consume(url: str, stream: str, subject: str, n: int, verify: bool,
     return done
 
 
-def _consumer_main(url: str, stream: str, subject: str, n: int, verify: bool,
-                   conn: Connection) -> None:
+def _consumer_main(
+    url: str, stream: str, subject: str, n: int, verify: bool, conn: Connection
+) -> None:
     conn.send(asyncio.run(_consume(url, stream, subject, n, verify, conn)))
 
 
@@ -82,8 +85,9 @@ async def _raw_publish(url: str, n: int, size: int) -> None:
     js = nc.jetstream()
     body = b"x" * size
     for base in range(0, n, BATCH):
-        await asyncio.gather(*(js.publish(f"raw.sbx_{i % 64}.ev", body)
-                               for i in range(base, min(n, base + BATCH))))
+        await asyncio.gather(
+            *(js.publish(f"raw.sbx_{i % 64}.ev", body) for i in range(base, min(n, base + BATCH)))
+        )
     await nc.close()
 
 
@@ -94,8 +98,10 @@ async def _dsec_publish(url: str, n: int) -> int:
     await publisher.register_key()
     size = 0
     for base in range(0, n - 1, BATCH):
-        batch = [publisher.signer.seal(payload, aggregate_id=f"sbx_{i % 64}")
-                 for i in range(base, min(n - 1, base + BATCH))]
+        batch = [
+            publisher.signer.seal(payload, aggregate_id=f"sbx_{i % 64}")
+            for i in range(base, min(n - 1, base + BATCH))
+        ]
         size = len(batch[0].wire)
         await publisher.publish_many(batch)
     await nc.close()

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.markup import escape
-
 from dsec_core.envelope import Envelope
+from rich.markup import escape
 
 _STYLE = {
     "spec.rejected": "bold red",
@@ -41,8 +40,10 @@ def _summary(env: Envelope) -> str:
     if t == "sandbox.failed":
         return f"{p.get('stage')}: {p.get('reason')}"
     if t == "policy.violation":
-        return f"{p.get('layer')} {p.get('action')} {p.get('operation')} {p.get('target')} " \
-               f"[rule {p.get('rule_id')}]"
+        return (
+            f"{p.get('layer')} {p.get('action')} {p.get('operation')} {p.get('target')} "
+            f"[rule {p.get('rule_id')}]"
+        )
     if t == "context.injected":
         return f"{p.get('kind')} {p.get('name')} from {p.get('source')}"
     keys = ("node_id", "snapshot", "producer", "reason")

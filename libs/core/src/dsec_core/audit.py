@@ -64,8 +64,15 @@ class _State:
 
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
-    "id": str, "type": str, "producer": str, "key_id": str, "chain": str, "chain_seq": int,
-    "prev": (str, type(None)), "sig": str, "payload": dict,
+    "id": str,
+    "type": str,
+    "producer": str,
+    "key_id": str,
+    "chain": str,
+    "chain_seq": int,
+    "prev": (str, type(None)),
+    "sig": str,
+    "payload": dict,
 }
 
 
@@ -153,7 +160,9 @@ class Verifier:
         if report.finding is not None:
             return report.finding
         if self._expected is not None and seq != self._expected:
-            report.finding = Finding(seq, None, None, None, f"gap: sequence {self._expected} missing")
+            report.finding = Finding(
+                seq, None, None, None, f"gap: sequence {self._expected} missing"
+            )
             return report.finding
         self._expected = seq + 1
         report.first_seq = report.first_seq if report.first_seq is not None else seq

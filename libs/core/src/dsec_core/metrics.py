@@ -67,8 +67,11 @@ class MetricsServer:
 
     async def _health(self, _: web.Request) -> web.Response:
         ok = self._healthy()
-        body = {"status": "ok" if ok else "unhealthy", "service": self._service,
-                "version": self._version}
+        body = {
+            "status": "ok" if ok else "unhealthy",
+            "service": self._service,
+            "version": self._version,
+        }
         return web.Response(
             text=json.dumps(body), status=200 if ok else 503, content_type="application/json"
         )

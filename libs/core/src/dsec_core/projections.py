@@ -111,18 +111,26 @@ async def _apply_spec(conn: asyncpg.Connection, env: Envelope) -> None:
             "INSERT INTO specs (sandbox_id, filename, spec_yaml, status, submitted_by,"
             " submitted_at) VALUES ($1, $2, $3, 'submitted', $4, $5)"
             " ON CONFLICT (sandbox_id) DO NOTHING",
-            env.aggregate_id, p["filename"], p["spec_yaml"], p.get("submitted_by", ""), env.time,
+            env.aggregate_id,
+            p["filename"],
+            p["spec_yaml"],
+            p.get("submitted_by", ""),
+            env.time,
         )
     elif env.type == "spec.validated":
         await conn.execute(
             "UPDATE specs SET status = 'validated', name = $2, spec_digest = $3, plan = $4"
             " WHERE sandbox_id = $1",
-            env.aggregate_id, p["name"], p["spec_digest"], json.dumps(p["plan"]),
+            env.aggregate_id,
+            p["name"],
+            p["spec_digest"],
+            json.dumps(p["plan"]),
         )
     elif env.type == "spec.rejected":
         await conn.execute(
             "UPDATE specs SET status = 'rejected', errors = $2 WHERE sandbox_id = $1",
-            env.aggregate_id, json.dumps(p["errors"]),
+            env.aggregate_id,
+            json.dumps(p["errors"]),
         )
 
 
@@ -151,9 +159,17 @@ async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> N
             last_event = EXCLUDED.last_event,
             last_seq = EXCLUDED.last_seq
         """,
-        env.aggregate_id, p.get("name"), state[0], state[1], p.get("node_id"),
-        p.get("lock_hash"), p.get("exit_code"), p.get("reason") or p.get("explanation"),
-        env.time, env.type, seq,
+        env.aggregate_id,
+        p.get("name"),
+        state[0],
+        state[1],
+        p.get("node_id"),
+        p.get("lock_hash"),
+        p.get("exit_code"),
+        p.get("reason") or p.get("explanation"),
+        env.time,
+        env.type,
+        seq,
     )
 
 
@@ -166,7 +182,12 @@ async def apply_event(conn: asyncpg.Connection, seq: int, env: Envelope) -> None
     await conn.execute(
         "INSERT INTO sandbox_events (sandbox_id, seq, type, producer, time, summary)"
         " VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-        env.aggregate_id, seq, env.type, env.producer, env.time, json.dumps(summarize(env)),
+        env.aggregate_id,
+        seq,
+        env.type,
+        env.producer,
+        env.time,
+        json.dumps(summarize(env)),
     )
 
 
@@ -185,7 +206,8 @@ async def apply_batch(conn: asyncpg.Connection, batch: Sequence[tuple[int, bytes
         await conn.execute(
             "INSERT INTO projection_state (name, applied_seq) VALUES ($1, $2)"
             " ON CONFLICT (name) DO UPDATE SET applied_seq = EXCLUDED.applied_seq",
-            NAME, current,
+            NAME,
+            current,
         )
     return current
 
@@ -204,8 +226,9 @@ class Projector:
         try:
             await ensure_schema(conn)
             start = await applied_seq(conn) + 1
-            async for batch in follow(self.js, start_seq=start, batch=self.batch_size,
-                                      filter_subject=f"{ROOT}.sandbox.>"):
+            async for batch in follow(
+                self.js, start_seq=start, batch=self.batch_size, filter_subject=f"{ROOT}.sandbox.>"
+            ):
                 if batch:
                     await apply_batch(conn, batch)
                 if stop.is_set():
