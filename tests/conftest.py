@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
-
+from nacl.signing import SigningKey
 from dsec_cli.main import app
+from dsec_core.bus import EventPublisher
+from dsec_core.signing import Signer
+from typer.testing import CliRunner
 
 
 @dataclass
@@ -46,3 +49,18 @@ def dsec_cli() -> CliFn:
             return pool.submit(call).result()
 
     return invoke
+
+
+@pytest.fixture
+def make_publisher() -> Callable[..., Any]:
+    """An async factory of publishers with a fresh producer name and key, registered in the
+    log (tests share one stream, and `audit verify` must hold for it)."""
+
+    async def make(js: Any, prefix: str = "test") -> EventPublisher:
+        publisher = EventPublisher(
+            js, Signer(f"{prefix}-{uuid.uuid4().hex[:8]}", SigningKey.generate())
+        )
+        await publisher.register_key()
+        return publisher
+
+    return make

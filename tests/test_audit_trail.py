@@ -12,14 +12,13 @@ from pathlib import Path
 
 import nats
 import pytest
-from nacl.signing import SigningKey
-from nats.js import JetStreamContext
-
 from dsec_core import canonical
 from dsec_core.bus import EventPublisher, ensure_stream
 from dsec_core.events import SandboxExited, SpecSubmitted
 from dsec_core.signing import Signer
 from dsec_testing.stack import StackFixture
+from nacl.signing import SigningKey
+from nats.js import JetStreamContext
 
 pytestmark = pytest.mark.integration
 
@@ -51,8 +50,9 @@ async def _legit(js: JetStreamContext, producer: str = "policy") -> EventPublish
 
 
 def _verify(dsec_cli, url: str, tmp_path: Path) -> tuple[int, dict]:
-    result = dsec_cli("audit", "verify", "--json",
-                      env={"DSEC_NATS_URL": url, "DSEC_HOME": str(tmp_path / "cli")})
+    result = dsec_cli(
+        "audit", "verify", "--json", env={"DSEC_NATS_URL": url, "DSEC_HOME": str(tmp_path / "cli")}
+    )
     return result.exit_code, result.last_json()
 
 
@@ -73,8 +73,9 @@ async def test_intact_log_verifies(js, private_nats, dsec_cli, tmp_path) -> None
 async def test_event_signed_with_another_key_is_named(js, private_nats, dsec_cli, tmp_path):
     await _legit(js)
     impostor = Signer("policy", SigningKey.generate())
-    forged = impostor.seal(SandboxExited(exit_code=0, reason="ok", duration_s=1),
-                           aggregate_id="sbx_0")
+    forged = impostor.seal(
+        SandboxExited(exit_code=0, reason="ok", duration_s=1), aggregate_id="sbx_0"
+    )
     seq = await _raw_publish(js, forged.subject, forged.wire)
     code, result = _verify(dsec_cli, private_nats, tmp_path)
     assert code == 1
@@ -85,8 +86,9 @@ async def test_event_signed_with_another_key_is_named(js, private_nats, dsec_cli
 
 async def test_altered_payload_is_named(js, private_nats, dsec_cli, tmp_path) -> None:
     publisher = await _legit(js)
-    real = publisher.signer.seal(SandboxExited(exit_code=1, reason="error", duration_s=1),
-                                 aggregate_id="sbx_0")
+    real = publisher.signer.seal(
+        SandboxExited(exit_code=1, reason="error", duration_s=1), aggregate_id="sbx_0"
+    )
     fields = canonical.unpack(real.wire)
     fields["payload"]["exit_code"] = 0  # someone rewrites a failure into a success
     seq = await _raw_publish(js, real.subject, canonical.pack(fields))
@@ -109,8 +111,9 @@ async def test_broken_chain_is_named(js, private_nats, dsec_cli, tmp_path) -> No
 
 async def test_replayed_old_event_is_named(js, private_nats, dsec_cli, tmp_path) -> None:
     publisher = await _legit(js)
-    old = await publisher.publish(SandboxExited(exit_code=0, reason="ok", duration_s=1),
-                                  aggregate_id="sbx_0")
+    old = await publisher.publish(
+        SandboxExited(exit_code=0, reason="ok", duration_s=1), aggregate_id="sbx_0"
+    )
     seq = await _raw_publish(js, old.sealed.subject, old.sealed.wire)
     code, result = _verify(dsec_cli, private_nats, tmp_path)
     assert code == 1
@@ -132,8 +135,9 @@ async def test_replay_filters_by_sandbox_and_type(js, private_nats, dsec_cli, tm
 
 
 def test_unreachable_bus_exits_3_and_says_what_to_do(dsec_cli, tmp_path) -> None:
-    result = dsec_cli("audit", "verify", env={"DSEC_NATS_URL": "nats://127.0.0.1:1",
-                                              "DSEC_HOME": str(tmp_path)})
+    result = dsec_cli(
+        "audit", "verify", env={"DSEC_NATS_URL": "nats://127.0.0.1:1", "DSEC_HOME": str(tmp_path)}
+    )
     assert result.exit_code == 3
     assert "cannot reach NATS at nats://127.0.0.1:1" in result.output
     assert "dsec up" in result.output

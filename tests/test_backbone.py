@@ -33,8 +33,9 @@ async def js(nats_url: str) -> AsyncIterator[JetStreamContext]:
     await nc.close()
 
 
-def _publisher(js: JetStreamContext, producer: str = "cli") -> EventPublisher:
-    return EventPublisher(js, Signer(producer, SigningKey.generate()))
+@pytest.fixture
+async def publisher(js: JetStreamContext, make_publisher) -> EventPublisher:
+    return await make_publisher(js)
 
 
 async def _events_of(js: JetStreamContext, sandbox: str) -> list[tuple[int, str, dict]]:
@@ -56,8 +57,10 @@ async def _wait_for(js: JetStreamContext, sandbox: str, predicate, timeout: floa
         await asyncio.sleep(0.05)
 
 
-async def test_stream_refuses_purge_and_message_delete(js: JetStreamContext) -> None:
-    published = await _publisher(js).publish(SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_p")
+async def test_stream_refuses_purge_and_message_delete(
+    publisher: EventPublisher, js: JetStreamContext
+) -> None:
+    published = await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_p")
     info = await js.stream_info(STREAM)
     assert info.config.deny_delete and info.config.deny_purge
     with pytest.raises(APIError):
@@ -67,8 +70,9 @@ async def test_stream_refuses_purge_and_message_delete(js: JetStreamContext) -> 
     assert (await js.get_msg(STREAM, published.stream_seq)).data
 
 
-async def test_same_event_id_is_stored_once(js: JetStreamContext) -> None:
-    publisher = _publisher(js)
+async def test_same_event_id_is_stored_once(
+    publisher: EventPublisher, js: JetStreamContext
+) -> None:
     sealed = publisher.signer.seal(SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_dup")
     first = await publisher.publish_sealed(sealed)
     again = await publisher.publish_sealed(sealed)
@@ -93,7 +97,7 @@ def _service(nats_url: str, home: Path) -> Service:
 
 
 async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
-    js: JetStreamContext, nats_url: str, tmp_path: Path
+    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path
 ) -> None:
     service = _service(nats_url, tmp_path)
     attempts: list[str] = []
@@ -107,7 +111,7 @@ async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
     sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
     await service.start()
     try:
-        await _publisher(js).publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
+        await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
         await _wait_for(js, sandbox, lambda ev: any(t == "sandbox.failed" for _, t, _ in ev))
         await _settled(js, service)
         events = await _events_of(js, sandbox)
@@ -122,7 +126,7 @@ async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
 
 
 async def test_redelivery_after_a_crash_between_publish_and_ack_publishes_nothing_new(
-    js: JetStreamContext, nats_url: str, tmp_path: Path
+    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path
 ) -> None:
     service = _service(nats_url, tmp_path)
     calls = 0
@@ -143,7 +147,7 @@ async def test_redelivery_after_a_crash_between_publish_and_ack_publishes_nothin
     sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
     await service.start()
     try:
-        await _publisher(js).publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
+        await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
         await _wait_for(js, sandbox, lambda ev: calls >= 2)
         await _settled(js, service)
         events = await _events_of(js, sandbox)
@@ -153,7 +157,7 @@ async def test_redelivery_after_a_crash_between_publish_and_ack_publishes_nothin
 
 
 async def test_events_are_ordered_per_aggregate_and_carry_causation(
-    js: JetStreamContext, nats_url: str, tmp_path: Path
+    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path
 ) -> None:
     service = _service(nats_url, tmp_path)
 
@@ -164,7 +168,7 @@ async def test_events_are_ordered_per_aggregate_and_carry_causation(
     sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
     await service.start()
     try:
-        sub = await _publisher(js).publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
+        sub = await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
         await _wait_for(js, sandbox, lambda ev: len(ev) == 2)
         raw = [
             decode(d)
@@ -183,7 +187,7 @@ class _SpecSubmittedV1_1(SpecSubmitted):  # what a newer producer would publish
 
 
 async def test_consumer_decodes_a_newer_minor_version_from_the_bus(
-    js: JetStreamContext, nats_url: str, tmp_path: Path
+    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path
 ) -> None:
     service = _service(nats_url, tmp_path)
     seen: list[SpecSubmitted] = []
@@ -198,7 +202,7 @@ async def test_consumer_decodes_a_newer_minor_version_from_the_bus(
     sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
     await service.start()
     try:
-        await _publisher(js).publish(_SpecSubmittedV1_1(spec_yaml="x"), aggregate_id=sandbox)
+        await publisher.publish(_SpecSubmittedV1_1(spec_yaml="x"), aggregate_id=sandbox)
         events = await _wait_for(js, sandbox, lambda ev: len(ev) == 2)
     finally:
         await service.stop()

@@ -6,16 +6,26 @@ import json
 import re
 from pathlib import Path
 
+import dsec_core.metrics  # noqa: F401  (registers the service metrics)
 import pytest
 from prometheus_client import REGISTRY, generate_latest
-
-import dsec_core.metrics  # noqa: F401  (registers the service metrics)
 
 pytestmark = pytest.mark.unit
 
 DASHBOARDS = sorted((Path(__file__).parents[1] / "deploy" / "grafana").glob("*.json"))
-PROMQL_FUNCTIONS = {"sum", "rate", "by", "histogram_quantile", "le", "service", "type", "final",
-                    "job", "instance", "up"}
+PROMQL_FUNCTIONS = {
+    "sum",
+    "rate",
+    "by",
+    "histogram_quantile",
+    "le",
+    "service",
+    "type",
+    "final",
+    "job",
+    "instance",
+    "up",
+}
 
 
 def _exported() -> set[str]:

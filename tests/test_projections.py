@@ -10,9 +10,6 @@ from collections.abc import AsyncIterator
 import asyncpg
 import nats
 import pytest
-from nacl.signing import SigningKey
-from nats.js import JetStreamContext
-
 from dsec_core.bus import EventPublisher, ensure_stream, replay
 from dsec_core.events import (
     DepsConflict,
@@ -26,6 +23,8 @@ from dsec_core.events import (
 )
 from dsec_core.projections import Projector, apply_batch, ensure_schema
 from dsec_core.signing import Signer
+from nacl.signing import SigningKey
+from nats.js import JetStreamContext
 
 pytestmark = pytest.mark.integration
 
@@ -44,26 +43,37 @@ def _sid() -> str:
 
 
 async def _lifecycle(js: JetStreamContext) -> tuple[str, str, str]:
-    pub = EventPublisher(js, Signer("cli", SigningKey.generate()))
+    pub = EventPublisher(js, Signer(f"proj-{uuid.uuid4().hex[:8]}", SigningKey.generate()))
+    await pub.register_key()
     ok, bad, conflict = _sid(), _sid(), _sid()
     await pub.publish(SpecSubmitted(spec_yaml="name: a", filename="a.yaml"), aggregate_id=ok)
-    await pub.publish(SpecValidated(name="agent-a", spec_digest="d1", plan={"x": 1}),
-                      aggregate_id=ok)
-    await pub.publish(DepsResolved(lock=[], lock_hash="l1", python="3.11", platform="x",
-                                   resolve_ms=1.0), aggregate_id=ok)
-    await pub.publish(EnvBuilt(lock_hash="l1", fingerprint="f", location="/e", node_id="n1",
-                               reused=False), aggregate_id=ok)
+    await pub.publish(
+        SpecValidated(name="agent-a", spec_digest="d1", plan={"x": 1}), aggregate_id=ok
+    )
+    await pub.publish(
+        DepsResolved(lock=[], lock_hash="l1", python="3.11", platform="x", resolve_ms=1.0),
+        aggregate_id=ok,
+    )
+    await pub.publish(
+        EnvBuilt(lock_hash="l1", fingerprint="f", location="/e", node_id="n1", reused=False),
+        aggregate_id=ok,
+    )
     await pub.publish(SandboxReady(node_id="n1", pid=42, cgroup="/c"), aggregate_id=ok)
     await pub.publish(SandboxExited(exit_code=0, reason="ok", duration_s=2.0), aggregate_id=ok)
     await pub.publish(SpecSubmitted(spec_yaml="nme: b", filename="b.yaml"), aggregate_id=bad)
-    await pub.publish(SpecRejected(errors=[{"file": "b.yaml", "line": 1, "column": 1,
-                                            "message": "unknown field 'nme'"}]),
-                      aggregate_id=bad)
+    await pub.publish(
+        SpecRejected(
+            errors=[{"file": "b.yaml", "line": 1, "column": 1, "message": "unknown field 'nme'"}]
+        ),
+        aggregate_id=bad,
+    )
     await pub.publish(SpecSubmitted(spec_yaml="name: c"), aggregate_id=conflict)
-    await pub.publish(SpecValidated(name="agent-c", spec_digest="d3", plan={}),
-                      aggregate_id=conflict)
-    await pub.publish(DepsConflict(explanation="vllm needs transformers>=4.43.2"),
-                      aggregate_id=conflict)
+    await pub.publish(
+        SpecValidated(name="agent-c", spec_digest="d3", plan={}), aggregate_id=conflict
+    )
+    await pub.publish(
+        DepsConflict(explanation="vllm needs transformers>=4.43.2"), aggregate_id=conflict
+    )
     return ok, bad, conflict
 
 
@@ -87,8 +97,7 @@ async def _project_until(js: JetStreamContext, dsn: str, sandbox: str) -> None:
 async def test_lifecycle_is_projected_and_listed(js, postgres_dsn, nats_url, dsec_cli, tmp_path):
     ok, bad, conflict = await _lifecycle(js)
     await _project_until(js, postgres_dsn, conflict)
-    env = {"DSEC_NATS_URL": nats_url, "DSEC_POSTGRES_DSN": postgres_dsn,
-           "DSEC_HOME": str(tmp_path)}
+    env = {"DSEC_NATS_URL": nats_url, "DSEC_POSTGRES_DSN": postgres_dsn, "DSEC_HOME": str(tmp_path)}
     listed = dsec_cli("sandbox", "list", "--json", env=env)
     assert listed.exit_code == 0
     rows = {r["sandbox_id"]: r for r in listed.last_json()}
@@ -101,8 +110,13 @@ async def test_lifecycle_is_projected_and_listed(js, postgres_dsn, nats_url, dse
     shown = dsec_cli("sandbox", "show", ok, "--json", env=env)
     detail = shown.last_json()
     assert [e["type"] for e in detail["events"]] == [
-        "spec.submitted", "spec.validated", "deps.resolved", "env.built", "sandbox.ready",
-        "sandbox.exited"]
+        "spec.submitted",
+        "spec.validated",
+        "deps.resolved",
+        "env.built",
+        "sandbox.ready",
+        "sandbox.exited",
+    ]
     assert detail["spec"]["status"] == "validated"
     rejected = dsec_cli("sandbox", "show", bad, "--json", env=env).last_json()
     assert rejected["spec"]["errors"][0]["message"] == "unknown field 'nme'"
@@ -113,8 +127,9 @@ async def test_lifecycle_is_projected_and_listed(js, postgres_dsn, nats_url, dse
     rebuilt = dsec_cli("projections", "rebuild", "--json", env=env)
     assert rebuilt.exit_code == 0 and rebuilt.last_json()["applied_seq"] > 0
     after = dsec_cli("sandbox", "list", "--json", "--limit", "1000", env=env).last_json()
-    assert {r["sandbox_id"]: (r["state"], r["exit_code"]) for r in after
-            if r["sandbox_id"] in before} == before
+    assert {
+        r["sandbox_id"]: (r["state"], r["exit_code"]) for r in after if r["sandbox_id"] in before
+    } == before
 
 
 async def test_applying_a_batch_twice_changes_nothing(js, postgres_dsn) -> None:

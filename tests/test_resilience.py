@@ -23,7 +23,8 @@ async def test_nats_restart_under_load_loses_no_acknowledged_event(nats_url, nat
     nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
     js = nc.jetstream()
     await ensure_stream(js)
-    publisher = EventPublisher(js, Signer("loadgen", SigningKey.generate()))
+    publisher = EventPublisher(js, Signer(f"loadgen-{uuid.uuid4().hex[:6]}", SigningKey.generate()))
+    await publisher.register_key()
     run = uuid.uuid4().hex[:8]
     acked: list[str] = []
 
@@ -49,3 +50,52 @@ async def test_nats_restart_under_load_loses_no_acknowledged_event(nats_url, nat
     await nc.close()
     assert set(acked) <= set(stored), f"{len(set(acked) - set(stored))} acknowledged events lost"
     assert max(stored.values()) == 1, "an event was stored twice"
+
+
+GOOD = "version: '1.2'\nname: ok-{i}\nbase: python:3.11\n"
+BAD = "version: '1.2'\nname: Bad_{i}\nbase: python:3.11\nmemroy: 1GiB\n"
+
+
+async def test_killed_service_ends_every_aggregate_with_exactly_one_outcome(
+    nats_url, services, stack_env, dsec_cli
+):
+    services.start("policy")
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    publisher = EventPublisher(js, Signer(f"load-{uuid.uuid4().hex[:6]}", SigningKey.generate()))
+    await publisher.register_key()
+    run = uuid.uuid4().hex[:8]
+    sandboxes = [f"sbx_{run}_{i}" for i in range(120)]
+    await publisher.publish_many(
+        [
+            publisher.signer.seal(
+                SpecSubmitted(spec_yaml=(GOOD if i % 2 else BAD).format(i=i)), aggregate_id=sid
+            )
+            for i, sid in enumerate(sandboxes)
+        ]
+    )
+
+    async def outcomes() -> Counter:
+        seen: Counter = Counter()
+        async for _, data in replay(js, filter_subject="dsec.sandbox.*.spec.*"):
+            env = decode(data)
+            if env.aggregate_id.startswith(f"sbx_{run}_") and env.type != "spec.submitted":
+                seen[env.aggregate_id] += 1
+        return seen
+
+    while sum((await outcomes()).values()) < 10:  # kill it in the middle of the work
+        await asyncio.sleep(0.02)
+    services.kill("policy")
+    killed_at = sum((await outcomes()).values())
+    services.start("policy")
+    for _ in range(600):
+        seen = await outcomes()
+        if len(seen) == len(sandboxes):
+            break
+        await asyncio.sleep(0.05)
+    await nc.close()
+    assert killed_at < len(sandboxes), "the kill came too late to test anything"
+    assert set(seen) == set(sandboxes), f"{len(sandboxes) - len(seen)} aggregates got no outcome"
+    assert max(seen.values()) == 1, "an aggregate got two outcomes"
+    verified = dsec_cli("audit", "verify", "--json", env=stack_env)
+    assert verified.exit_code == 0, verified.output

@@ -33,16 +33,18 @@ def test_invalid_wait_level_names_the_valid_ones(dsec_cli, nats_url, tmp_path) -
 def test_code_dir_must_exist(dsec_cli, nats_url, tmp_path) -> None:
     spec = tmp_path / "s.yaml"
     spec.write_text(SPEC)
-    result = dsec_cli("submit", str(spec), "--code", str(tmp_path / "missing"),
-                      env=_env(nats_url, tmp_path))
+    result = dsec_cli(
+        "submit", str(spec), "--code", str(tmp_path / "missing"), env=_env(nats_url, tmp_path)
+    )
     assert result.exit_code == 2 and "is not a directory" in result.output
 
 
 def test_unreachable_stack_exits_3(dsec_cli, tmp_path) -> None:
     spec = tmp_path / "s.yaml"
     spec.write_text(SPEC)
-    result = dsec_cli("submit", str(spec), env={"DSEC_NATS_URL": "nats://127.0.0.1:1",
-                                                "DSEC_HOME": str(tmp_path)})
+    result = dsec_cli(
+        "submit", str(spec), env={"DSEC_NATS_URL": "nats://127.0.0.1:1", "DSEC_HOME": str(tmp_path)}
+    )
     assert result.exit_code == 3 and "cannot reach NATS" in result.output
 
 
@@ -53,11 +55,25 @@ def test_chain_without_a_consumer_stalls_visibly(dsec_cli, nats_url, s3, tmp_pat
     code = tmp_path / "code"
     code.mkdir()
     (code / "main.py").write_text("print('hi')\n")
-    env = {**_env(nats_url, tmp_path), "DSEC_S3_ENDPOINT": s3.endpoint,
-           "DSEC_S3_ACCESS_KEY": s3.access_key, "DSEC_S3_SECRET_KEY": s3.secret_key,
-           "DSEC_S3_BUCKET": s3.bucket}
-    result = dsec_cli("submit", str(spec), "--code", str(code), "--wait", "exited",
-                      "--stall", "1", "--json", env=env)
+    env = {
+        **_env(nats_url, tmp_path),
+        "DSEC_S3_ENDPOINT": s3.endpoint,
+        "DSEC_S3_ACCESS_KEY": s3.access_key,
+        "DSEC_S3_SECRET_KEY": s3.secret_key,
+        "DSEC_S3_BUCKET": s3.bucket,
+    }
+    result = dsec_cli(
+        "submit",
+        str(spec),
+        "--code",
+        str(code),
+        "--wait",
+        "exited",
+        "--stall",
+        "1",
+        "--json",
+        env=env,
+    )
     outcome = result.last_json()
     assert result.exit_code == 4, result.output
     assert outcome["sandbox_id"].startswith("sbx_")

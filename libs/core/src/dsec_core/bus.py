@@ -96,6 +96,7 @@ class EventPublisher:
         self.js = js
         self.signer = signer
         self._retries = retries
+        self._chain_lock = asyncio.Lock()
 
     async def register_key(self) -> Published:
         """Publish this producer's public key (idempotent per key and chain)."""
@@ -115,15 +116,29 @@ class EventPublisher:
         causation: Envelope | None = None,
         correlation_id: str | None = None,
     ) -> Published:
-        """Sign ``payload`` into an envelope and publish it until JetStream acknowledges it."""
-        sealed = self.signer.seal(
-            payload,
-            aggregate_id=aggregate_id,
-            event_id=event_id,
-            causation=causation,
-            correlation_id=correlation_id,
-        )
-        return await self.publish_sealed(sealed)
+        """Sign ``payload`` into an envelope and publish it until JetStream acknowledges it.
+
+        A derived ``event_id`` that JetStream already holds (a handler's output republished
+        after a crash) is deduplicated; the new envelope then never entered the log, so its
+        chain position is taken back and the next envelope reuses it — the chain stays unbroken.
+        """
+        async with self._chain_lock:
+            sealed = self.signer.seal(
+                payload,
+                aggregate_id=aggregate_id,
+                event_id=event_id,
+                causation=causation,
+                correlation_id=correlation_id,
+            )
+            published = await self.publish_sealed(sealed)
+            if published.duplicate and not await self._stored(published):
+                self.signer.rewind(sealed)
+            return published
+
+    async def _stored(self, published: Published) -> bool:
+        """Whether the log holds exactly this envelope at the acknowledged sequence."""
+        stored = await self.js.get_msg(STREAM, published.stream_seq)
+        return stored.data == published.sealed.wire
 
     async def publish_sealed(self, sealed: Sealed) -> Published:
         """Publish an already signed envelope, retrying through server restarts."""
@@ -140,7 +155,12 @@ class EventPublisher:
         raise PublishFailed(f"could not publish {sealed.type} {sealed.id}")
 
     async def publish_many(self, batch: Sequence[Sealed]) -> list[Published]:
-        """Publish a batch concurrently (pipelined acks); order on the wire is preserved."""
+        """Publish a batch concurrently (pipelined acks); order on the wire is preserved.
+
+        For envelopes with fresh ids only: a deduplicated envelope inside a batch cannot give
+        its chain position back (later ones were sealed after it). Derived ids go through
+        :meth:`publish`.
+        """
         return list(await asyncio.gather(*(self.publish_sealed(s) for s in batch)))
 
 

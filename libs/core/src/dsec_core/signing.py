@@ -135,6 +135,19 @@ class Signer:
             self._prev = envelope_hash(wire)
         return Sealed(eid, payload.TYPE, fields["subject"], wire, ordered, now)
 
+    def rewind(self, sealed: Sealed) -> None:
+        """Take back the last sealed envelope: it never entered the log (JetStream kept an
+        earlier envelope with the same id), so its chain position must be reused.
+
+        Raises:
+            RuntimeError: ``sealed`` is not the last envelope this signer sealed.
+        """
+        with self._lock:
+            if sealed.fields["chain_seq"] != self._seq - 1 or sealed.fields["chain"] != self.chain:
+                raise RuntimeError("can only rewind the last sealed envelope of this chain")
+            self._seq -= 1
+            self._prev = sealed.fields["prev"]
+
     def endorse(self, new_public_raw: bytes) -> str:
         """Sign another public key (key rotation: the old key endorses the new one)."""
         return str(self._key.sign(new_public_raw).signature.hex())

@@ -1,0 +1,208 @@
+"""Snapshots: DSec beside `tar | zstd` + `sha256sum` and `git add + commit`, same tree, one run.
+
+    uv run python bench/snapshot.py
+
+A generated tree of 5,000 files and 50 MB (4,950 source-like text files, 50 random binaries of
+400 KB; all written an hour "ago", as code usually is) is snapshotted:
+
+- DSec: ``SnapshotStore.create`` into SeaweedFS (S3 on loopback, started like `dsec up` does),
+  cold (empty store, no stat cache), then after changing 1% of the files (50 text files get a
+  line appended); ``restore`` of the whole tree into an empty directory; and the rollback path
+  (``restore --sync`` of the changed tree back to the first snapshot).
+- tar | zstd + sha256sum: `tar -cf - | zstd -3` of the tree plus `sha256sum` of every file (an
+  archive and a hash list: what a snapshot holds), before and after the change (it has no
+  incremental mode); restore is `zstd -dc | tar -x`.
+- git: `git add -A && git commit` in a copy of the tree, before and after the change; restore is
+  `git clone` of that repository.
+
+Setting up servers, generating and copying trees are not timed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _common import emit
+from dsec_snapshot import SnapshotInputs, SnapshotStore
+from dsec_snapshot.adapters.objectstore import S3ObjectStore
+from dsec_testing.stack import StackFixture
+from nacl.signing import SigningKey
+
+TEXT_FILES = 4950
+BINARY_FILES = 50
+BINARY_SIZE = 400_000
+TEXT_SIZE = 6_060  # 4,950 x 6,060 + 50 x 400,000 = 50.0 MB
+CHANGED = 50  # 1% of the files
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "bench",
+    "GIT_AUTHOR_EMAIL": "bench@example.com",
+    "GIT_COMMITTER_NAME": "bench",
+    "GIT_COMMITTER_EMAIL": "bench@example.com",
+    "GIT_CONFIG_NOSYSTEM": "1",
+}
+WORDS = [
+    "def", "return", "self", "import", "agent", "tool", "score", "=", "(", ")", "for", "in",
+    "if", "else", "async", "await", "value", "items", "config", "#", "None", "True", "0.92",
+]  # fmt: skip
+
+
+def generate(root: Path) -> list[Path]:
+    """Write the tree; return the text files (the ones the change touches)."""
+    rng = random.Random(2026)
+    texts: list[Path] = []
+    for i in range(TEXT_FILES):
+        path = root / f"pkg{i // 100:02d}" / f"mod{i % 100:03d}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines, size = [], 0
+        while size < TEXT_SIZE:
+            line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + "\n"
+            lines.append(line)
+            size += len(line)
+        path.write_text("".join(lines)[:TEXT_SIZE])
+        texts.append(path)
+    for i in range(BINARY_FILES):
+        path = root / "data" / f"blob{i:02d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.randbytes(BINARY_SIZE))
+    hour_ago = time.time() - 3600
+    for path in root.rglob("*"):
+        os.utime(path, (hour_ago, hour_ago))
+    return texts
+
+
+def change(texts: list[Path]) -> None:
+    """Append a line to 1% of the files (spread over the tree)."""
+    for path in texts[:: len(texts) // CHANGED][:CHANGED]:
+        with path.open("a") as fh:
+            fh.write("score = 0.87  # changed\n")
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+def sh(cmd: str, cwd: Path, env: dict[str, str] | None = None) -> None:
+    subprocess.run(
+        ["bash", "-c", f"set -euo pipefail; {cmd}"],
+        cwd=cwd,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def tar_snapshot(tree: Path, out: Path) -> None:
+    sh(
+        f"tar -cf - . | zstd -3 -q -T1 -o {out}.tar.zst -f && "
+        f"find . -type f -print0 | sort -z | xargs -0 sha256sum > {out}.sha256",
+        tree,
+    )
+
+
+def bench_tar(tree: Path, texts: list[Path], work: Path) -> dict[str, float]:
+    out = work / "tar"
+    out.mkdir()
+    cold, _ = timed(lambda: tar_snapshot(tree, out / "a"))
+    change(texts)
+    incremental, _ = timed(lambda: tar_snapshot(tree, out / "b"))
+    dest = work / "tar-restore"
+    dest.mkdir()
+    restore, _ = timed(lambda: sh(f"zstd -dc -q {out}/a.tar.zst | tar -xf -", dest))
+    return {"tar_zstd_sha256_cold": cold, "tar_zstd_sha256_after_1pct": incremental,
+            "tar_zstd_restore": restore}  # fmt: skip
+
+
+def bench_git(tree: Path, texts: list[Path], work: Path) -> dict[str, float]:
+    repo = work / "git"
+    shutil.copytree(tree, repo, symlinks=True)
+    sh("git init -q && git config gc.auto 0", repo, GIT_ENV)
+    commit = "git add -A && git commit -q -m snap"
+    cold, _ = timed(lambda: sh(commit, repo, GIT_ENV))
+    change([repo / p.relative_to(tree) for p in texts])
+    incremental, _ = timed(lambda: sh(commit, repo, GIT_ENV))
+    restore, _ = timed(lambda: sh(f"git clone -q --no-hardlinks {repo} {work}/git-clone", work))
+    return {"git_add_commit_cold": cold, "git_add_commit_after_1pct": incremental,
+            "git_clone_restore": restore}  # fmt: skip
+
+
+def bench_dsec(tree: Path, texts: list[Path], work: Path, store: SnapshotStore) -> dict[str, Any]:
+    src = SnapshotInputs(code_dir=tree)
+    cold, first = timed(lambda: store.create("bench-cold", src))
+    change(texts)
+    incremental, second = timed(lambda: store.create("bench-1pct", src))
+    restore, _ = timed(lambda: store.restore("bench-cold", work / "dsec-restore"))
+    rollback, back = timed(lambda: store.restore("bench-cold", tree, sync=True))
+    verify, report = timed(lambda: store.verify("bench-1pct"))
+    assert report.ok and back.files_written == CHANGED, (report, back)
+    return {
+        "dsec_create_cold": cold,
+        "dsec_create_after_1pct": incremental,
+        "dsec_restore": restore,
+        "dsec_rollback_1pct": rollback,
+        "dsec_verify": verify,
+        "dsec_cold_chunks_uploaded": first.chunks_uploaded,
+        "dsec_cold_bytes_uploaded": first.bytes_uploaded,
+        "dsec_incremental_chunks_uploaded": second.chunks_uploaded,
+        "dsec_incremental_bytes_uploaded": second.bytes_uploaded,
+        "dsec_incremental_files_rehashed": second.files_rehashed,
+    }
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-snapshot-") as tmp:
+        work = Path(tmp)
+        stack = StackFixture(work / "stack")
+        try:
+            s3 = stack.s3
+            objects = S3ObjectStore(
+                s3.endpoint, s3.access_key, s3.secret_key, s3.bucket,
+                prefix=f"bench-{uuid.uuid4().hex}/",
+            )  # fmt: skip
+            results: dict[str, Any] = {}
+            for name, run in (
+                ("tar", bench_tar),
+                ("git", bench_git),
+                ("dsec", None),
+            ):
+                tree = work / f"tree-{name}"
+                texts = generate(tree)
+                if run is not None:
+                    results.update(run(tree, texts, work))
+                    continue
+                with SnapshotStore(
+                    objects, signing_key=SigningKey.generate(), cache_dir=work / "cache"
+                ) as store:
+                    results.update(bench_dsec(tree, texts, work, store))
+        finally:
+            stack.close()
+    results = {k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()}
+    inc = results["dsec_create_after_1pct"]
+    results["ratio_incremental_vs_tar"] = round(inc / results["tar_zstd_sha256_after_1pct"], 3)
+    results["ratio_incremental_vs_git"] = round(inc / results["git_add_commit_after_1pct"], 3)
+    for key, value in results.items():
+        if isinstance(value, float) and not key.startswith("ratio"):
+            print(f"  {key:<30} {value:8.4f} s")
+    ratio = (
+        f"snapshot ({TEXT_FILES + BINARY_FILES} files, 50 MB): after a 1% change DSec "
+        f"{inc:.3f} s (target <= 0.3 s) = {results['ratio_incremental_vs_tar']:.2f}x "
+        f"tar|zstd+sha256sum, {results['ratio_incremental_vs_git']:.2f}x git add+commit; "
+        f"cold {results['dsec_create_cold']:.2f} s; restore {results['dsec_restore']:.2f} s; "
+        f"rollback {results['dsec_rollback_1pct']:.3f} s (target <= 1 s)"
+    )
+    emit("snapshot", results, ratio, argv=sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,398 @@
+"""``dsec snapshot``: create, list, inspect, diff, verify, restore, check code, remove, retain, GC.
+
+Exit codes: 0 ok, 1 a check failed (verify, code mismatch), 2 bad input (name, directory, flag,
+unknown snapshot), 3 S3 or Vault unreachable.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from dsec_cli.commands.code import human_size
+from dsec_cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_UNREACHABLE, console, fail, print_json
+
+if TYPE_CHECKING:
+    from dsec_snapshot import SnapshotInputs, SnapshotStore
+    from dsec_snapshot.domain import Inspection, SnapshotDiff
+
+snapshot_app = typer.Typer(
+    help="Signed, content-addressed snapshots of sandbox code and state.", no_args_is_help=True
+)
+
+_DURATION = re.compile(r"^(\d+)([smhd])$")
+
+
+def _duration(value: str, flag: str) -> timedelta:
+    match = _DURATION.fullmatch(value)
+    if match is None:
+        fail(f"{flag} {value!r}: expected an age like 30s, 15m, 2h, 7d", EXIT_BAD_INPUT)
+    seconds = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+    return timedelta(seconds=int(match.group(1)) * seconds)
+
+
+@contextmanager
+def _store() -> Iterator[SnapshotStore]:
+    """Open the store; map library errors to the documented exit codes."""
+    from dsec_snapshot import SnapshotStore
+    from dsec_snapshot.errors import (
+        InvalidInput,
+        SnapshotError,
+        SnapshotExists,
+        SnapshotNotFound,
+        StoreUnavailable,
+        VerificationFailed,
+    )
+
+    try:
+        with SnapshotStore.from_settings() as store:
+            yield store
+    except (InvalidInput, SnapshotNotFound, SnapshotExists) as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    except StoreUnavailable as exc:
+        fail(str(exc), EXIT_UNREACHABLE)
+    except VerificationFailed as exc:
+        fail("\n".join([exc.subject + ":", *(f"  {p}" for p in exc.problems)]), EXIT_FAILED)
+    except SnapshotError as exc:
+        fail(str(exc), EXIT_FAILED)
+
+
+def sandbox_inputs(sandbox_id: str) -> SnapshotInputs:
+    """The inputs of a running sandbox (code dir, spec excludes, env, deps, audit segment).
+
+    Resolving a running sandbox needs the sandbox launcher's state; until it is wired, ask for
+    ``--dir``.
+    """
+    fail(
+        f"snapshotting sandbox {sandbox_id!r} by id needs the running-sandbox state, which is "
+        "not available here: pass --dir with the sandbox's code directory",
+        EXIT_BAD_INPUT,
+    )
+
+
+@snapshot_app.command("create")
+def create(
+    sandbox_id: Annotated[str | None, typer.Argument(help="Sandbox to snapshot")] = None,
+    name: Annotated[str, typer.Option("--name", "-n", help="Snapshot name (unique)")] = "",
+    directory: Annotated[Path | None, typer.Option("--dir", help="Code directory")] = None,
+    exclude: Annotated[
+        list[str], typer.Option("--exclude", "-x", help="Extra gitignore-style pattern")
+    ] = [],  # noqa: B006
+    env: Annotated[
+        list[str], typer.Option("--env", help="Record this variable (name + keyed hash only)")
+    ] = [],  # noqa: B006
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON")] = False,
+) -> None:
+    """Take a snapshot of a sandbox (SANDBOX_ID) or of a code directory (--dir)."""
+    from dsec_snapshot import SnapshotInputs
+
+    if not name:
+        fail("--name is required", EXIT_BAD_INPUT)
+    if directory is None and sandbox_id is None:
+        fail("give a SANDBOX_ID or --dir DIR", EXIT_BAD_INPUT)
+    missing = [v for v in env if v not in os.environ]
+    if missing:
+        fail(f"--env {missing[0]}: not set in this environment", EXIT_BAD_INPUT)
+    if directory is not None:
+        inputs = SnapshotInputs(
+            code_dir=directory,
+            exclude_patterns=tuple(exclude),
+            sandbox_id=sandbox_id,
+            env={v: os.environ[v] for v in env} or None,
+        )
+    else:
+        assert sandbox_id is not None
+        inputs = sandbox_inputs(sandbox_id)
+    with _store() as store:
+        result = store.create(name, inputs)
+    m = result.manifest
+    if as_json:
+        print_json(
+            {
+                "snapshot": m.name,
+                "id": m.id,
+                "manifest_digest": result.manifest_digest,
+                "parent": m.parent,
+                "files": result.files,
+                "bytes_total": result.bytes_total,
+                "bytes_uploaded": result.bytes_uploaded,
+                "chunks_total": result.chunks_total,
+                "chunks_uploaded": result.chunks_uploaded,
+                "files_rehashed": result.files_rehashed,
+                "duration_s": round(result.duration_s, 4),
+                "gpu": m.gpu.models or None,
+            }
+        )
+        return
+    console.print(
+        f"[green]snapshot {escape(m.name)}[/] {result.files} files, "
+        f"{human_size(result.bytes_total)}; uploaded {result.chunks_uploaded}/"
+        f"{result.chunks_total} chunks ({human_size(result.bytes_uploaded)}) "
+        f"in {result.duration_s:.2f} s",
+        highlight=False,
+    )
+    console.print(f"  manifest blake3:{result.manifest_digest}", highlight=False)
+    gpu = ", ".join(m.gpu.models) if m.gpu.present else f"none ({m.gpu.reason})"
+    console.print(f"  parent {m.parent or '-'}; GPU {escape(gpu)}", highlight=False)
+
+
+@snapshot_app.command("ls")
+def ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List snapshots, oldest first."""
+    with _store() as store:
+        rows = store.list_snapshots()
+    if as_json:
+        print_json([r.model_dump(mode="json") for r in rows])
+        return
+    if not rows:
+        console.print("no snapshots")
+    for r in rows:
+        when = r.created_at.strftime("%Y-%m-%d %H:%M:%S")
+        console.print(
+            f"{escape(r.name):<32} {when}  {r.files:>6} files {human_size(r.bytes_total):>10}  "
+            f"[dim]{escape(r.series)}[/]",
+            highlight=False,
+        )
+
+
+def _inspection_json(i: Inspection) -> dict[str, Any]:
+    doc = asdict(i)
+    doc["largest"] = [f.model_dump(mode="json") for f in i.largest]
+    return doc
+
+
+@snapshot_app.command("inspect")
+def inspect(
+    name: str,
+    depth: Annotated[int, typer.Option(help="Directory depth of the breakdown")] = 2,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """What takes space in a snapshot: by directory and kind, and what dominates."""
+    from dsec_snapshot.domain import inspect_manifest
+
+    with _store() as store:
+        result = inspect_manifest(store.load(name), depth=depth)
+    if as_json:
+        print_json(_inspection_json(result))
+        return
+    console.print(
+        f"[bold]{escape(name)}[/]: {result.files} files, {human_size(result.total_bytes)} "
+        f"({human_size(result.unique_bytes)} unique)",
+        highlight=False,
+    )
+    console.print(f"[yellow]{escape(result.dominant)}[/]", highlight=False)
+    total = result.total_bytes or 1
+    for title, shares in (("by directory", result.by_directory), ("by kind", result.by_kind)):
+        console.print(f"[bold]{title}[/]")
+        for s in shares[:15]:
+            console.print(
+                f"  {escape(s.key):<40} {human_size(s.bytes):>10} {100 * s.bytes / total:5.1f}%"
+                f" {s.files:>6} files",
+                highlight=False,
+            )
+    console.print("[bold]largest files[/]")
+    for f in result.largest:
+        console.print(f"  {escape(f.path):<50} {human_size(f.size):>10}", highlight=False)
+
+
+def _diff_json(d: SnapshotDiff) -> dict[str, Any]:
+    def change(c: Any) -> dict[str, Any]:
+        return {"path": c.path, "what": c.what, "diff": c.diff, "note": c.note}
+
+    return {
+        "a": d.a,
+        "b": d.b,
+        "identical": d.empty,
+        "files": {
+            "added": [f.path for f in d.code.added],
+            "removed": [f.path for f in d.code.removed],
+            "changed": [change(c) for c in d.code.changed],
+        },
+        "deps": asdict(d.deps) | {"fingerprint": list(d.deps_fingerprint)},
+        "env": asdict(d.env),
+        "kernel": asdict(d.kernel),
+        "gpu": list(d.gpu) if d.gpu else None,
+    }
+
+
+def _print_diff(d: SnapshotDiff) -> None:
+    if d.empty:
+        console.print(f"{escape(d.a)} and {escape(d.b)} record the same state")
+        return
+    for f in d.code.added:
+        console.print(f"[green]+ {escape(f.path)}[/]", highlight=False)
+    for f in d.code.removed:
+        console.print(f"[red]- {escape(f.path)}[/]", highlight=False)
+    for c in d.code.changed:
+        console.print(f"[yellow]~ {escape(c.path)}[/] ({escape(c.what)})", highlight=False)
+        if c.diff:
+            console.print(escape(c.diff.rstrip("\n")), highlight=False, markup=False)
+        elif c.note:
+            console.print(f"  ({escape(c.note)})", highlight=False)
+    for pkg, version in d.deps.added.items():
+        console.print(f"[green]+ dep {escape(pkg)}=={escape(version)}[/]", highlight=False)
+    for pkg, version in d.deps.removed.items():
+        console.print(f"[red]- dep {escape(pkg)}=={escape(version)}[/]", highlight=False)
+    for pkg, (old, new) in d.deps.changed.items():
+        console.print(f"[yellow]~ dep {escape(pkg)} {old} -> {new}[/]", highlight=False)
+    for label, names in (("+", d.env.added), ("-", d.env.removed), ("~", d.env.changed)):
+        for n in names:
+            console.print(f"{label} env {escape(n)}", highlight=False)
+    if not d.env.comparable:
+        console.print("(env values hashed under different keys: value changes not comparable)")
+    for key, (old, new) in d.kernel.changed.items():
+        console.print(f"~ kernel {key}: {escape(old)} -> {escape(new)}", highlight=False)
+    for key in (*d.kernel.added, *d.kernel.removed):
+        console.print(f"~ kernel {key} present on one side only", highlight=False)
+    if d.gpu:
+        console.print(f"~ GPU {', '.join(d.gpu[0]) or 'none'} -> {', '.join(d.gpu[1]) or 'none'}")
+
+
+@snapshot_app.command("diff")
+def diff(a: str, b: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """What changed from snapshot A to B: files (with line diffs), dependencies, env, kernel."""
+    with _store() as store:
+        result = store.diff(a, b)
+    if as_json:
+        print_json(_diff_json(result))
+    else:
+        _print_diff(result)
+
+
+@snapshot_app.command("verify")
+def verify(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Check the signature and every stored object's hash; exit 1 naming what is wrong."""
+    with _store() as store:
+        report = store.verify(name)
+    if as_json:
+        print_json(asdict(report) | {"ok": report.ok})
+    elif report.ok:
+        console.print(
+            f"[green]ok[/] {escape(name)}: signature valid, "
+            f"{report.objects_checked} objects intact",
+            highlight=False,
+        )
+    else:
+        console.print(f"[bold red]{escape(name)} failed verification:[/]", highlight=False)
+        for problem in report.problems:
+            console.print(f"  {escape(problem)}", highlight=False)
+    if not report.ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@snapshot_app.command("restore")
+def restore(
+    name: str,
+    dest: Path,
+    sync: Annotated[
+        bool, typer.Option("--sync", help="Roll an existing directory back in place")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Materialize a snapshot's code at DEST (every byte hash-checked)."""
+    with _store() as store:
+        result = store.restore(name, dest, sync=sync)
+    if as_json:
+        print_json(
+            {
+                "snapshot": name,
+                "manifest_digest": result.manifest_digest,
+                "dest": str(result.dest),
+                "files_written": result.files_written,
+                "files_removed": result.files_removed,
+                "bytes_written": result.bytes_written,
+                "duration_s": round(result.duration_s, 4),
+            }
+        )
+        return
+    console.print(
+        f"restored {escape(name)} to {escape(str(result.dest))}: {result.files_written} files "
+        f"written, {result.files_removed} removed in {result.duration_s:.2f} s",
+        highlight=False,
+    )
+
+
+@snapshot_app.command("check-code")
+def check_code(
+    name: str, directory: Path, as_json: Annotated[bool, typer.Option("--json")] = False
+) -> None:
+    """Compare DIRECTORY with a snapshot's code; exit 1 listing each file and differing lines."""
+    with _store() as store:
+        check = store.verify_code_dir(name, directory)
+    if as_json:
+        print_json({"snapshot": name, "directory": str(directory), "ok": check.ok,
+                    "mismatches": check.describe()})  # fmt: skip
+    elif check.ok:
+        console.print(f"[green]ok[/] {escape(str(directory))} matches {escape(name)}")
+    else:
+        console.print(f"[bold red]{escape(str(directory))} differs from {escape(name)}:[/]")
+        console.print(escape("\n".join(check.describe())), highlight=False, markup=False)
+    if not check.ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@snapshot_app.command("rm")
+def rm(names: Annotated[list[str], typer.Argument(help="Snapshots to delete")]) -> None:
+    """Delete snapshots (their chunks are freed by the next `gc`)."""
+    with _store() as store:
+        for name in names:
+            store.delete(name)
+            console.print(f"deleted {escape(name)}", highlight=False)
+
+
+@snapshot_app.command("retain")
+def retain(
+    keep_last: Annotated[int, typer.Option(help="Keep the newest N per series")] = 10,
+    keep_within: Annotated[str | None, typer.Option(help="Keep all younger than (7d)")] = None,
+    keep_daily: Annotated[int, typer.Option(help="Keep the newest of each of N days")] = 0,
+    series: Annotated[str | None, typer.Option(help="Only this series")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Apply a retention policy: delete the snapshots it does not keep."""
+    from dsec_snapshot.domain import RetentionPolicy
+
+    within = _duration(keep_within, "--keep-within") if keep_within else None
+    with _store() as store:
+        policy = RetentionPolicy(keep_last=keep_last, keep_within=within, keep_daily=keep_daily)
+        expired = store.apply_retention(policy, series=series, dry_run=dry_run)
+    if as_json:
+        print_json({"deleted": expired, "dry_run": dry_run})
+        return
+    verb = "would delete" if dry_run else "deleted"
+    console.print(f"{verb} {len(expired)} snapshots: {', '.join(expired) or '-'}", highlight=False)
+
+
+@snapshot_app.command("gc")
+def gc(
+    grace: Annotated[str, typer.Option(help="Keep unreferenced objects younger than")] = "1h",
+    dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Delete chunks and audit blobs that no snapshot references."""
+    period = _duration(grace, "--grace")
+    with _store() as store:
+        report = store.gc(grace=period, dry_run=dry_run)
+    if as_json:
+        print_json(asdict(report) | {"deleted": len(report.deleted)})
+        return
+    verb = "would free" if dry_run else "freed"
+    console.print(
+        f"{report.objects_stored} objects, {report.objects_referenced} referenced; {verb} "
+        f"{len(report.deleted)} ({human_size(report.bytes_freed)})",
+        highlight=False,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``dsec snapshot``."""
+    app.add_typer(snapshot_app, name="snapshot")

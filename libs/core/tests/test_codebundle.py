@@ -1,0 +1,275 @@
+"""The code bundle: what is selected, the manifest, deterministic archives, safe extraction."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import blake3
+import pytest
+import zstandard
+from dsec_core.codebundle import (
+    BundleError,
+    build_bundle,
+    extract_bundle,
+    git_info,
+    list_tree,
+    scan_tree,
+)
+
+pytestmark = pytest.mark.unit
+
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@example.com",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@example.com",
+}
+
+
+def write(root: Path, rel: str, text: str = "x\n", mode: int = 0o644) -> Path:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def git(root: Path, *args: str) -> str:
+    env = {**os.environ, **GIT_ENV}
+    proc = subprocess.run(
+        ["git", "-C", str(root), *args], check=True, capture_output=True, text=True, env=env
+    )
+    return proc.stdout.strip()
+
+
+def paths(root: Path, excludes: tuple[str, ...] = ()) -> list[str]:
+    return [e.path for e in list_tree(root, excludes)]
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "proj"
+    write(root, "agent.py", "print('hi')\n")
+    write(root, "run.sh", "#!/bin/sh\n", 0o755)
+    write(root, "pkg/util.py", "X = 1\n")
+    write(root, "pkg/__pycache__/util.cpython-311.pyc", "bytecode")
+    write(root, ".venv/lib/site.py", "venv")
+    write(root, "node_modules/left-pad/index.js", "js")
+    write(root, ".DS_Store", "mac")
+    write(root, ".dsec/keys/snapshot.key", "secret")
+    write(root, "data/big.bin", "0" * 1000)
+    write(root, "logs/run.log", "log")
+    write(root, "logs/keep.log", "keep")
+    write(root, ".gitignore", "logs/*.log\n!logs/keep.log\n")
+    write(root, "pkg/.gitignore", "generated.py\n")
+    write(root, "pkg/generated.py", "gen")
+    return root
+
+
+def test_default_excludes_gitignore_and_patterns_outside_git(tree: Path) -> None:
+    assert paths(tree, ("data/",)) == [
+        ".gitignore",
+        "agent.py",
+        "logs/keep.log",
+        "pkg/.gitignore",
+        "pkg/util.py",
+        "run.sh",
+    ]
+
+
+def test_git_tree_uses_git_ignore_rules_and_skips_dot_git(tree: Path) -> None:
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "init")
+    write(tree, "untracked.py", "new")
+    assert paths(tree, ("data/",)) == [
+        ".gitignore",
+        "agent.py",
+        "logs/keep.log",
+        "pkg/.gitignore",
+        "pkg/util.py",
+        "run.sh",
+        "untracked.py",
+    ]
+
+
+def test_git_deleted_tracked_file_is_not_listed(tree: Path) -> None:
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "init")
+    (tree / "agent.py").unlink()
+    assert "agent.py" not in paths(tree)
+
+
+def test_git_info_records_commit_path_and_dirty_state(tree: Path) -> None:
+    git(tree, "init", "-q", "-b", "main")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "init")
+    head = git(tree, "rev-parse", "HEAD")
+    info = git_info(tree / "pkg")
+    assert info is not None
+    assert (info.commit, info.branch, info.path, info.dirty) == (head, "main", "pkg", False)
+    write(tree, "pkg/util.py", "X = 2\n")
+    info = git_info(tree / "pkg")
+    assert info is not None and info.dirty
+
+
+def test_git_info_is_none_outside_git(tree: Path) -> None:
+    assert git_info(tree) is None
+
+
+def test_git_config_of_the_tree_cannot_run_programs(tree: Path, tmp_path: Path) -> None:
+    """An agent-written .git/config (fsmonitor, clean filter) must not execute on bundling."""
+    git(tree, "init", "-q")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "init")
+    marker = tmp_path / "pwned"
+    hook = write(tmp_path, "hook.sh", f"#!/bin/sh\ntouch {marker}\ncat\n", 0o755)
+    git(tree, "config", "core.fsmonitor", str(hook))
+    git(tree, "config", "filter.evil.clean", str(hook))
+    write(tree, ".gitattributes", "*.py filter=evil\n")
+    write(tree, "agent.py", "changed\n")
+    build_bundle(tree)
+    assert not marker.exists()
+
+
+def test_manifest_hashes_sizes_modes(tree: Path) -> None:
+    manifest = scan_tree(tree)
+    files = manifest.by_path()
+    assert files["run.sh"].mode == 0o755
+    assert files["agent.py"].mode == 0o644
+    assert files["agent.py"].blake3 == blake3.blake3(b"print('hi')\n").hexdigest()
+    assert files["agent.py"].size == len("print('hi')\n")
+    assert manifest.total_size == sum(f.size for f in manifest.files)
+
+
+def test_symlinks_are_stored_as_links_never_followed(tree: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    write(outside, "secret.txt", "do not bundle")
+    (tree / "ext").symlink_to(outside)
+    (tree / "alias.py").symlink_to("agent.py")
+    files = scan_tree(tree).by_path()
+    assert files["ext"].kind == "symlink" and files["ext"].target == str(outside)
+    assert files["alias.py"].target == "agent.py"
+    assert not any(p.startswith("ext/") for p in files)
+
+
+def test_archive_is_deterministic_whatever_mtimes(tree: Path) -> None:
+    first = build_bundle(tree)
+    for path in tree.rglob("*"):
+        if not path.is_symlink():
+            os.utime(path, (1_000_000, 1_000_000))
+    second = build_bundle(tree)
+    assert first.digest == second.digest
+    assert first.read() == second.read()
+    assert first.digest == blake3.blake3(first.read()).hexdigest()
+    write(tree, "agent.py", "print('changed')\n")
+    assert build_bundle(tree).digest != first.digest
+
+
+def test_bundle_to_file_and_round_trip(tree: Path, tmp_path: Path) -> None:
+    (tree / "alias.py").symlink_to("agent.py")
+    out = tmp_path / "out" / "bundle.tar.zst"
+    bundle = build_bundle(tree, out=out)
+    assert bundle.data is None and bundle.path == out
+    assert blake3.blake3(out.read_bytes()).hexdigest() == bundle.digest
+    dest = tmp_path / "restored"
+    written = extract_bundle(out, dest)
+    assert sorted(written) == [f.path for f in bundle.manifest.files]
+    assert scan_tree(dest).files == bundle.manifest.files
+    assert os.readlink(dest / "alias.py") == "agent.py"
+    assert (dest / "run.sh").stat().st_mode & 0o777 == 0o755
+
+
+def test_bad_exclude_pattern_is_named(tree: Path) -> None:
+    with pytest.raises(BundleError, match=r"exclude_patterns\[1\]"):
+        list_tree(tree, ("ok/", "bad\0"))
+
+
+def test_root_must_be_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(BundleError, match="not a directory"):
+        build_bundle(tmp_path / "missing")
+
+
+def make_archive(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return zstandard.ZstdCompressor().compress(raw.getvalue())
+
+
+def reg(name: str, data: bytes = b"x") -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    return info, data
+
+
+def sym(name: str, target: str) -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.SYMTYPE
+    info.linkname = target
+    return info, None
+
+
+@pytest.mark.parametrize(
+    ("archive", "message"),
+    [
+        (lambda: make_archive(reg("../escape")), "escaping path"),
+        (lambda: make_archive(reg("/etc/cron.d/x")), "absolute or escaping"),
+        (lambda: make_archive(sym("link", "/tmp"), reg("link/owned")), "not a real directory"),
+        (lambda: make_archive(reg("a"), reg("a")), "duplicate path"),
+        (lambda: make_archive((_hardlink(), None)), "only files and symlinks"),
+        (lambda: b"not an archive", "not a valid bundle archive"),
+    ],
+    ids=["dotdot", "absolute", "through-symlink", "duplicate", "hardlink", "garbage"],
+)
+def test_extract_refuses_hostile_archives_and_leaves_nothing(
+    archive: object, message: str, tmp_path: Path
+) -> None:
+    dest = tmp_path / "dest"
+    with pytest.raises(BundleError, match=message):
+        extract_bundle(archive(), dest)  # type: ignore[operator]
+    assert not dest.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _hardlink() -> tarfile.TarInfo:
+    info = tarfile.TarInfo("hard")
+    info.type = tarfile.LNKTYPE
+    info.linkname = "/etc/passwd"
+    return info
+
+
+def test_extract_refuses_non_empty_destination(tree: Path, tmp_path: Path) -> None:
+    bundle = build_bundle(tree)
+    dest = tmp_path / "dest"
+    write(dest, "existing.txt")
+    with pytest.raises(BundleError, match="not an empty directory"):
+        extract_bundle(bundle.read(), dest)
+    assert [p.name for p in dest.iterdir()] == ["existing.txt"]
+
+
+def test_negated_exclude_patterns_re_include(tree: Path) -> None:
+    listed = paths(tree, ("data/*", "!data/big.bin", "*.py", "!agent.py"))
+    assert "data/big.bin" in listed and "agent.py" in listed
+    assert "pkg/util.py" not in listed
+
+
+def test_combined_exclude_matcher_agrees_with_pathspec() -> None:
+    import pathspec
+    from dsec_core.codebundle import DEFAULT_EXCLUDES, _exclude_spec
+
+    probes = [
+        "a.py", "x/.venv/", ".venv/", "pkg/__pycache__/", "m.pyc", "deep/a/b.pyo", ".DS_Store",
+        "a/.DS_Store", "proj.egg-info/", "a/proj.egg-info/", ".gitignore", "x.swp", "x.swpx",
+        "node_modules/", "src/node_modules/", ".coverage", ".coverage.x", ".dsec/", "Thumbs.db",
+    ]  # fmt: skip
+    reference = pathspec.GitIgnoreSpec.from_lines([*DEFAULT_EXCLUDES, "build/", "*.log"])
+    fast = _exclude_spec(("build/", "*.log"))
+    for probe in [*probes, "build/", "a/build/", "x.log"]:
+        assert fast.match(probe) == reference.match_file(probe), probe

@@ -1,0 +1,1 @@
+"""I/O of the snapshot library: S3 objects, Vault keys, NVML, /proc, local files and caches."""

@@ -1,0 +1,158 @@
+"""Local files: content-defined chunking with BLAKE3 ids, and the stat -> hash cache.
+
+Files up to :data:`MIN_CHUNK` are one chunk whose id is the file's own BLAKE3, so the common
+case (source files) hashes once. Larger files are cut by FastCDC, so an edit in the middle of a
+big file stores only the chunks around it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+import fastcdc
+import msgpack
+from dsec_core.codebundle import TreeEntry
+
+MIN_CHUNK = 256 << 10
+AVG_CHUNK = 1 << 20
+MAX_CHUNK = 4 << 20
+_RACY_NS = 50_000_000
+"""A file modified this close to the cache write may change again unseen in the same tick."""
+
+
+class FileChanged(Exception):
+    """A file changed while it was being snapshotted."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """Where a chunk of a local file lies."""
+
+    id: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class HashedFile:
+    """A file's BLAKE3 and its chunks (empty for an empty file)."""
+
+    blake3: str
+    size: int
+    chunks: tuple[ChunkRef, ...]
+
+
+def hash_and_chunk(path: Path) -> HashedFile:
+    """Hash ``path`` (never following a final symlink) and cut it into chunks."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return HashedFile(blake3.blake3(b"").hexdigest(), 0, ())
+        if size <= MIN_CHUNK:
+            data = os.pread(fd, size + 1, 0)
+            if len(data) != size:
+                raise FileChanged(f"{path}: size changed while reading")
+            digest = blake3.blake3(data).hexdigest()
+            return HashedFile(digest, size, (ChunkRef(digest, 0, size),))
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
+            return _chunk_large(view, size)
+    finally:
+        os.close(fd)
+
+
+def _chunk_large(view: mmap.mmap, size: int) -> HashedFile:
+    whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    whole.update(view)
+    cuts = fastcdc.fastcdc(
+        view, min_size=MIN_CHUNK, avg_size=AVG_CHUNK, max_size=MAX_CHUNK, fat=False, hf=None
+    )
+    chunks = tuple(
+        ChunkRef(
+            blake3.blake3(view[c.offset : c.offset + c.length]).hexdigest(), c.offset, c.length
+        )
+        for c in cuts
+    )
+    return HashedFile(whole.hexdigest(), size, chunks)
+
+
+def read_chunk(path: Path, ref: ChunkRef) -> bytes:
+    """Read one chunk back and check it still has its id.
+
+    Raises:
+        FileChanged: the bytes at that place are not the ones hashed.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        data = os.pread(fd, ref.length, ref.offset)
+    finally:
+        os.close(fd)
+    if len(data) != ref.length or blake3.blake3(data).hexdigest() != ref.id:
+        raise FileChanged(f"{path}: changed while it was being snapshotted")
+    return data
+
+
+def stat_key(entry: TreeEntry) -> tuple[int, int, int, int, int]:
+    """What must be equal for a cached hash of ``entry`` to be trusted."""
+    return (entry.size, entry.mtime_ns, entry.ctime_ns, entry.ino, entry.dev)
+
+
+class StatCache:
+    """``path -> (stat, hash, chunks)`` of one directory, as of the last snapshot taken of it.
+
+    ``snapshot`` names that snapshot: while it exists, every chunk listed here is known to be
+    stored, so an unchanged file is neither re-read nor checked for existence.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.snapshot: str | None = None
+        self._entries: dict[str, list[Any]] = {}
+        try:
+            raw = msgpack.unpackb(path.read_bytes(), raw=False)
+        except (OSError, ValueError, msgpack.ExtraData):
+            return  # no cache (or a damaged one): everything is rehashed
+        if isinstance(raw, dict) and raw.get("v") == 1:
+            self.snapshot = raw.get("snapshot")
+            self._entries = raw.get("entries", {})
+
+    def lookup(self, entry: TreeEntry) -> HashedFile | None:
+        """The cached hash of ``entry`` if its stat data is unchanged."""
+        row = self._entries.get(entry.path)
+        if row is None or tuple(row[0]) != stat_key(entry):
+            return None
+        digest, chunks = row[1], row[2]
+        return HashedFile(digest, entry.size, tuple(ChunkRef(*c) for c in chunks))
+
+    def save(
+        self,
+        snapshot: str,
+        hashed: dict[str, tuple[TreeEntry, HashedFile]],
+        now_ns: int,
+        rehashed: set[str] | None = None,
+    ) -> None:
+        """Replace the cache with ``hashed`` as of ``snapshot`` (atomically).
+
+        Rows of files not in ``rehashed`` (cache hits) are carried over as they are.
+        """
+        old = self._entries if rehashed is not None else {}
+        entries: dict[str, list[Any]] = {}
+        for path, (entry, h) in hashed.items():
+            if entry.kind != "file" or entry.mtime_ns >= now_ns - _RACY_NS:
+                continue  # links are cheap; racily clean files are rehashed next time
+            row = old.get(path) if rehashed is not None and path not in rehashed else None
+            entries[path] = row or [
+                list(stat_key(entry)),
+                h.blake3,
+                [[c.id, c.offset, c.length] for c in h.chunks],
+            ]
+        data = msgpack.packb({"v": 1, "snapshot": snapshot, "entries": entries}, use_bin_type=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.path)

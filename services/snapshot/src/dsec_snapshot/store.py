@@ -1,0 +1,888 @@
+"""The snapshot library: create, list, inspect, diff, verify, restore, check code, retain, GC.
+
+:class:`SnapshotStore` is what the snapshot service's handlers and the ``dsec snapshot`` CLI call.
+It talks to an :class:`~dsec_snapshot.adapters.objectstore.ObjectStore` (S3) and, for env hashes
+and audit segments, a :class:`~dsec_snapshot.adapters.vault.KeyStore` (Vault); decisions come
+from :mod:`dsec_snapshot.domain`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import getpass
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path, PurePosixPath
+
+import blake3
+import pydantic
+import zstandard
+from dsec_core.codebundle import (
+    BundleError,
+    CodeManifest,
+    FileEntry,
+    TreeEntry,
+    file_entry,
+    git_info,
+    list_tree,
+)
+from dsec_core.ids import new_event_id
+from dsec_core.settings import Settings
+from dsec_core.signing import key_id_of, load_or_create_key
+from nacl.exceptions import BadSignatureError
+from nacl.signing import SigningKey, VerifyKey
+
+from dsec_snapshot import crypto, domain
+from dsec_snapshot.adapters.files import (
+    ChunkRef,
+    FileChanged,
+    HashedFile,
+    StatCache,
+    hash_and_chunk,
+    read_chunk,
+)
+from dsec_snapshot.adapters.gpu import probe_gpus
+from dsec_snapshot.adapters.kernel import read_kernel_params
+from dsec_snapshot.adapters.objectstore import ObjectMissing, ObjectStore, S3ObjectStore
+from dsec_snapshot.adapters.tree import local_bytes, place, real_parent
+from dsec_snapshot.adapters.vault import KeyMissing, KeyStore, VaultKeyStore
+from dsec_snapshot.errors import (
+    InvalidInput,
+    SnapshotError,
+    SnapshotExists,
+    SnapshotNotFound,
+    StoreUnavailable,
+    VerificationFailed,
+)
+from dsec_snapshot.manifest import (
+    AUDIT_PREFIX,
+    CHUNK_PREFIX,
+    INDEX_PREFIX,
+    MANIFEST_PREFIX,
+    AuditRecord,
+    EnvRecord,
+    GpuRecord,
+    Signature,
+    SignedManifest,
+    SnapshotManifest,
+    SnapshotSummary,
+    Source,
+    audit_key,
+    chunk_key,
+    manifest_key,
+    summary_key,
+)
+from dsec_snapshot.results import (
+    CodeCheck,
+    CreateResult,
+    GcReport,
+    RestoreResult,
+    SnapshotInputs,
+    VerifyReport,
+)
+
+_ZSTD_LEVEL = 3
+_ASK_FIRST_BYTES = 1 << 20
+"""Up to this many candidate bytes, chunks are uploaded without an existence check first
+(a content-addressed PUT is idempotent, and one round trip is saved)."""
+_MAX_LINE_DIFFS = 200
+"""Changed files shown with a line diff in one ``diff`` or code check; the rest are listed."""
+
+
+class SnapshotStore:
+    """Signed, content-addressed snapshots in an object store.
+
+    Thread-safe for concurrent calls; ``close()`` (or ``with``) stops its upload threads.
+    """
+
+    def __init__(
+        self,
+        objects: ObjectStore,
+        *,
+        signing_key: SigningKey,
+        keys: KeyStore | None = None,
+        cache_dir: Path | None = None,
+        trusted_keys: Iterable[VerifyKey] = (),
+        workers: int = 16,
+    ) -> None:
+        self.objects = objects
+        self.keys = keys
+        self._signing_key = signing_key
+        self._public = bytes(signing_key.verify_key)
+        raw_keys = [self._public, *(bytes(k) for k in trusted_keys)]
+        self._trusted = {key_id_of(k): k for k in raw_keys}
+        self._cache_dir = cache_dir
+        self._pool: Executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snap")
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None) -> SnapshotStore:
+        """Build a store from ``DSEC_*`` settings / ``$DSEC_HOME/stack.json``.
+
+        Raises:
+            StoreUnavailable: no S3 endpoint is configured.
+        """
+        settings = settings or Settings()
+        endpoint = settings.endpoint("s3_endpoint")
+        if not endpoint:
+            raise StoreUnavailable(
+                "no S3 endpoint: start the stack with `dsec up` or set DSEC_S3_ENDPOINT"
+            )
+        objects = S3ObjectStore(
+            str(endpoint),
+            settings.endpoint("s3_access_key"),
+            settings.endpoint("s3_secret_key"),
+            settings.s3_bucket,
+            secure=settings.s3_secure,
+        )
+        vault_addr = settings.endpoint("vault_addr")
+        keys = VaultKeyStore(vault_addr, settings.endpoint("vault_token")) if vault_addr else None
+        key = load_or_create_key(settings.home / "keys" / "snapshot.key")
+        return cls(
+            objects, signing_key=key, keys=keys, cache_dir=settings.home / "cache" / "snapshot"
+        )
+
+    def close(self) -> None:
+        """Stop the worker threads."""
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> SnapshotStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- create ---------------------------------------------------------------------------
+
+    def create(
+        self, name: str, inputs: SnapshotInputs, *, now: datetime | None = None
+    ) -> CreateResult:
+        """Take a snapshot called ``name``; only chunks not stored yet are uploaded.
+
+        ``now`` sets the recorded creation time (periodic snapshots pass their tick).
+
+        Raises:
+            InvalidInput: bad name, directory or exclude pattern.
+            SnapshotExists: the name is taken.
+            StoreUnavailable: S3 or Vault failed (or Vault is needed and not configured).
+            SnapshotError: a file changed while it was read.
+        """
+        started = time.perf_counter()
+        domain.validate_name(name)
+        root = Path(inputs.code_dir).absolute()
+        with _no_gc():
+            return self._create(name, inputs, root, now, started)
+
+    def _create(
+        self,
+        name: str,
+        inputs: SnapshotInputs,
+        root: Path,
+        now: datetime | None,
+        started: float,
+    ) -> CreateResult:
+        cache = self._stat_cache(root)
+        taken = self._pool.submit(self._exists, name)
+        parent_alive = self._pool.submit(self._exists, cache.snapshot) if cache.snapshot else None
+        scan_ns = time.time_ns()
+        try:
+            entries = list_tree(root, inputs.exclude_patterns)
+        except BundleError as exc:
+            raise InvalidInput(str(exc)) from exc
+        if taken.result():
+            raise SnapshotExists(f"snapshot {name!r} exists already (snapshots are immutable)")
+        parent = cache.snapshot if parent_alive is not None and parent_alive.result() else None
+        hashed, rehashed = self._hash_all(entries, cache if parent else None)
+        uploaded, uploaded_bytes, total_chunks = self._upload_missing(
+            hashed, rehashed if parent else None
+        )
+        snapshot_id = new_event_id()
+        created = now or datetime.now(UTC)
+        manifest = self._manifest(name, snapshot_id, root, inputs, hashed, parent, created)
+        try:
+            digest = self._write_manifest(manifest)
+        except BaseException:
+            if manifest.audit is not None and self.keys is not None:
+                self.keys.delete_segment_key(snapshot_id)
+            raise
+        total = manifest.code.total_size
+        self._write_summary(manifest, digest, uploaded_bytes)
+        cache.save(name, hashed, scan_ns, rehashed if parent else None)
+        return CreateResult(
+            manifest=manifest,
+            manifest_digest=digest,
+            files=len(manifest.code.files),
+            bytes_total=total,
+            bytes_uploaded=uploaded_bytes,
+            chunks_total=total_chunks,
+            chunks_uploaded=uploaded,
+            files_rehashed=len(rehashed),
+            duration_s=time.perf_counter() - started,
+        )
+
+    def _stat_cache(self, root: Path) -> StatCache:
+        if self._cache_dir is None:
+            return StatCache(Path(os.devnull))
+        ident = blake3.blake3(f"{self.objects.identity}\0{root}".encode()).hexdigest()[:32]
+        return StatCache(self._cache_dir / f"{ident}.msgpack")
+
+    def _exists(self, name: str) -> bool:
+        return self.objects.exists(manifest_key(name))
+
+    def _hash_all(
+        self, entries: list[TreeEntry], cache: StatCache | None
+    ) -> tuple[dict[str, tuple[TreeEntry, HashedFile]], set[str]]:
+        """Hash every file (reusing the stat cache); also return the paths actually read."""
+        out: dict[str, tuple[TreeEntry, HashedFile]] = {}
+        todo: list[TreeEntry] = []
+        for entry in entries:
+            if entry.kind == "symlink":
+                target = os.fsencode(entry.target or "")
+                out[entry.path] = (entry, HashedFile(blake3.blake3(target).hexdigest(), 0, ()))
+                continue
+            hit = cache.lookup(entry) if cache is not None else None
+            if hit is not None:
+                out[entry.path] = (entry, hit)
+            else:
+                todo.append(entry)
+        try:
+            for entry, result in zip(todo, self._pool.map(_hash_entry, todo), strict=True):
+                out[entry.path] = (entry, result)
+        except (FileChanged, OSError) as exc:
+            raise SnapshotError(f"cannot read the code: {exc}") from exc
+        ordered = {e.path: out[e.path] for e in entries}  # manifests list files sorted by path
+        return ordered, {e.path for e in todo}
+
+    def _upload_missing(
+        self, hashed: dict[str, tuple[TreeEntry, HashedFile]], rehashed: set[str] | None
+    ) -> tuple[int, int, int]:
+        """Upload chunks not stored yet; return (chunks uploaded, bytes uploaded, chunks).
+
+        ``rehashed`` (when the stat cache's snapshot still exists) are the files read anew:
+        only their chunks can be new, since the cached files' chunks are in that snapshot.
+        """
+        wanted: dict[str, tuple[TreeEntry, ChunkRef]] = {}
+        for entry, h in hashed.values():
+            for ref in h.chunks:
+                wanted.setdefault(ref.id, (entry, ref))
+        candidates = set(wanted)
+        if rehashed is not None:
+            candidates = {ref.id for path in rehashed for ref in hashed[path][1].chunks}
+        if sum(wanted[c][1].length for c in candidates) <= _ASK_FIRST_BYTES:
+            missing = sorted(candidates)  # sending a few small chunks costs what asking does
+        else:
+            keys = {chunk_key(c) for c in candidates}
+            present = self.objects.present(keys, CHUNK_PREFIX, self._pool)
+            missing = sorted(c for c in candidates if chunk_key(c) not in present)
+
+        def upload(chunk_id: str) -> int:
+            entry, ref = wanted[chunk_id]
+            data = read_chunk(entry.abspath, ref)
+            body = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(data)
+            self.objects.put(chunk_key(chunk_id), body)
+            return len(body)
+
+        try:
+            sizes = list(self._pool.map(upload, missing))
+        except FileChanged as exc:
+            raise SnapshotError(str(exc)) from exc
+        return len(missing), sum(sizes), len(wanted)
+
+    def _manifest(
+        self,
+        name: str,
+        snapshot_id: str,
+        root: Path,
+        inputs: SnapshotInputs,
+        hashed: dict[str, tuple[TreeEntry, HashedFile]],
+        parent: str | None,
+        created_at: datetime,
+    ) -> SnapshotManifest:
+        files = tuple(
+            file_entry(e, h.blake3, h.size if e.kind == "file" else None)
+            for e, h in hashed.values()
+        )
+        chunk_map = {
+            path: tuple(c.id for c in h.chunks)
+            for path, (_, h) in hashed.items()
+            if len(h.chunks) > 1
+        }
+        return SnapshotManifest(
+            id=snapshot_id,
+            name=name,
+            created_at=created_at,
+            created_by=f"{getpass.getuser()}@{socket.gethostname()}",
+            parent=parent,
+            source=Source(sandbox_id=inputs.sandbox_id, code_dir=str(root), node_id=inputs.node_id),
+            labels=dict(inputs.labels),
+            code=CodeManifest(
+                files=files, git=git_info(root), exclude_patterns=tuple(inputs.exclude_patterns)
+            ),
+            chunk_map=chunk_map,
+            deps=inputs.deps,
+            env=self._env_record(inputs.env),
+            kernel=dict(inputs.kernel) if inputs.kernel is not None else read_kernel_params(),
+            gpu=inputs.gpu if inputs.gpu is not None else probe_gpus(),
+            audit=self._store_audit(snapshot_id, inputs.audit_segment),
+        )
+
+    def _require_keys(self, what: str) -> KeyStore:
+        if self.keys is None:
+            raise StoreUnavailable(
+                f"{what} needs Vault to hold its key: start the stack with `dsec up` "
+                "or set DSEC_VAULT_ADDR and DSEC_VAULT_TOKEN"
+            )
+        return self.keys
+
+    def _env_record(self, env: Mapping[str, str] | None) -> EnvRecord | None:
+        if not env:
+            return None
+        key = self._require_keys("hashing environment values").env_hash_key()
+        return EnvRecord(key_id=crypto.key_id(key), hashes=crypto.hash_env(env, key))
+
+    def _store_audit(self, snapshot_id: str, segment: bytes | None) -> AuditRecord | None:
+        if segment is None:
+            return None
+        keys = self._require_keys("the audit segment")
+        key = crypto.new_key()
+        blob = crypto.encrypt_segment(segment, key, snapshot_id)
+        digest = blake3.blake3(blob).hexdigest()
+        self.objects.put(audit_key(digest), blob)
+        ref = keys.put_segment_key(snapshot_id, key)
+        return AuditRecord(
+            object_key=audit_key(digest),
+            blake3=digest,
+            size=len(blob),
+            plaintext_size=len(segment),
+            key_ref=ref,
+        )
+
+    def _write_manifest(self, manifest: SnapshotManifest) -> str:
+        signed_bytes = manifest.signed_bytes()
+        signature = Signature(
+            key_id=key_id_of(self._public),
+            public_key=self._public.hex(),
+            value=self._signing_key.sign(signed_bytes).signature.hex(),
+        )
+        # The SignedManifest layout, written without serializing the manifest a second time.
+        doc = (
+            b'{"manifest":' + signed_bytes + b',"signature":' + signature.model_dump_json().encode()
+        )
+        self.objects.put(manifest_key(manifest.name), doc + b"}")
+        return blake3.blake3(signed_bytes).hexdigest()
+
+    def _write_summary(self, m: SnapshotManifest, digest: str, uploaded: int) -> None:
+        summary = SnapshotSummary(
+            name=m.name,
+            id=m.id,
+            created_at=m.created_at,
+            series=m.source.series,
+            parent=m.parent,
+            files=len(m.code.files),
+            bytes_total=m.code.total_size,
+            bytes_uploaded=uploaded,
+            manifest_digest=digest,
+            git_commit=m.code.git.commit if m.code.git else None,
+            labels=m.labels,
+        )
+        self.objects.put(summary_key(m.name), summary.model_dump_json().encode())
+
+    # --- reading --------------------------------------------------------------------------
+
+    def load(self, name: str) -> SnapshotManifest:
+        """Return a snapshot's manifest after checking its signature.
+
+        Raises:
+            SnapshotNotFound: no such snapshot.
+            VerificationFailed: the manifest is malformed, altered, or signed by an untrusted key.
+        """
+        domain.validate_name(name)
+        manifest, problems = self._load_checked(name)
+        if manifest is None or problems:
+            raise VerificationFailed(f"snapshot {name!r}", problems)
+        return manifest
+
+    def _load_checked(self, name: str) -> tuple[SnapshotManifest | None, list[str]]:
+        key = manifest_key(name)
+        try:
+            raw = self.objects.get(key)
+        except ObjectMissing:
+            raise SnapshotNotFound(f"no snapshot named {name!r}") from None
+        try:
+            doc = SignedManifest.model_validate_json(raw)
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            return None, [f"manifest {key}: not a valid manifest (field {where!r}: {first['msg']})"]
+        problems = self._signature_problems(key, doc)
+        if doc.manifest.name != name:
+            problems.append(f"manifest {key}: records name {doc.manifest.name!r}, not {name!r}")
+        return doc.manifest, problems
+
+    def _signature_problems(self, key: str, doc: SignedManifest) -> list[str]:
+        sig = doc.signature
+        trusted = self._trusted.get(sig.key_id)
+        if trusted is None or trusted.hex() != sig.public_key:
+            return [f"manifest {key}: signed by untrusted key {sig.key_id}"]
+        try:
+            VerifyKey(trusted).verify(doc.manifest.signed_bytes(), bytes.fromhex(sig.value))
+        except (BadSignatureError, ValueError):
+            return [f"manifest {key}: signature does not match its content (altered)"]
+        return []
+
+    def list_snapshots(self) -> list[SnapshotSummary]:
+        """Every snapshot's index row, oldest first."""
+        keys = sorted(self.objects.list(INDEX_PREFIX))
+        rows = list(self._pool.map(self._summary, keys))
+        return sorted((r for r in rows if r is not None), key=lambda s: (s.created_at, s.name))
+
+    def _summary(self, key: str) -> SnapshotSummary | None:
+        try:
+            return SnapshotSummary.model_validate_json(self.objects.get(key))
+        except (ObjectMissing, pydantic.ValidationError):
+            return None  # deleted meanwhile, or a foreign object in the index
+
+    def inspect(self, name: str) -> domain.Inspection:
+        """What takes space in a snapshot (by directory and kind) and what dominates."""
+        return domain.inspect_manifest(self.load(name))
+
+    def diff(self, a: str, b: str) -> domain.SnapshotDiff:
+        """Files, lines, dependencies, env and kernel parameters that differ from ``a`` to ``b``."""
+        old, new = self.load(a), self.load(b)
+        result = domain.diff_manifests(old, new)
+        changed = self._with_line_diffs(
+            result.code.changed, old, lambda f: self._file_bytes(new, f), a, b
+        )
+        code = domain.CodeDelta(result.code.added, result.code.removed, changed)
+        return domain.SnapshotDiff(
+            a=result.a, b=result.b, code=code, deps=result.deps,
+            deps_fingerprint=result.deps_fingerprint, env=result.env, kernel=result.kernel,
+            gpu=result.gpu,
+        )  # fmt: skip
+
+    def _with_line_diffs(
+        self,
+        changes: Sequence[domain.FileChange],
+        old: SnapshotManifest,
+        new_bytes: Callable[[FileEntry], bytes],
+        old_label: str,
+        new_label: str,
+    ) -> tuple[domain.FileChange, ...]:
+        def one(change: domain.FileChange) -> domain.FileChange:
+            if change.old.blake3 == change.new.blake3 or "file" not in (
+                change.old.kind,
+                change.new.kind,
+            ):
+                return change
+            if max(change.old.size, change.new.size) > domain.TEXT_DIFF_LIMIT:
+                return _note(change, f"larger than {domain.TEXT_DIFF_LIMIT} bytes: no line diff")
+            before = self._file_bytes(old, change.old) if change.old.kind == "file" else b""
+            after = new_bytes(change.new) if change.new.kind == "file" else b""
+            text, note = domain.text_diff(
+                change.path, before, after, old_label=old_label, new_label=new_label
+            )
+            return domain.FileChange(change.path, change.old, change.new, text, note)
+
+        shown = list(self._pool.map(one, changes[:_MAX_LINE_DIFFS]))
+        rest = [_note(c, "too many changed files: no line diff") for c in changes[_MAX_LINE_DIFFS:]]
+        return tuple(shown + rest)
+
+    def _chunk(self, chunk_id: str) -> bytes:
+        """Fetch a chunk and check it is what its id says.
+
+        Raises:
+            VerificationFailed: the chunk is missing, not zstd, or its hash differs.
+        """
+        key = chunk_key(chunk_id)
+        try:
+            body = self.objects.get(key)
+        except ObjectMissing:
+            raise VerificationFailed(key, ["missing"]) from None
+        try:
+            data = zstandard.ZstdDecompressor().decompress(body)
+        except zstandard.ZstdError:
+            raise VerificationFailed(key, ["not a zstd frame (altered)"]) from None
+        if blake3.blake3(data).hexdigest() != chunk_id:
+            raise VerificationFailed(key, ["content does not match its hash (altered)"])
+        return data
+
+    def _file_bytes(self, manifest: SnapshotManifest, entry: FileEntry) -> bytes:
+        """Reassemble a file of a snapshot, checking every chunk and the whole file's hash."""
+        if entry.kind == "symlink":
+            return os.fsencode(entry.target or "")
+        data = b"".join(self._chunk(c) for c in manifest.chunks_of(entry))
+        if blake3.blake3(data).hexdigest() != entry.blake3:
+            raise VerificationFailed(entry.path, ["reassembled content does not match its hash"])
+        return data
+
+    # --- verify ---------------------------------------------------------------------------
+
+    def verify(self, name: str) -> VerifyReport:
+        """Check the signature and every object the snapshot references; name each problem.
+
+        Raises:
+            SnapshotNotFound: no such snapshot.
+        """
+        domain.validate_name(name)
+        manifest, problems = self._load_checked(name)
+        if manifest is None:
+            return VerifyReport(name, None, 1, tuple(problems))
+        users: dict[str, list[str]] = {}
+        for entry in manifest.code.files:
+            for chunk_id in manifest.chunks_of(entry):
+                users.setdefault(chunk_id, []).append(entry.path)
+
+        def check(chunk_id: str) -> str | None:
+            try:
+                self._chunk(chunk_id)
+            except VerificationFailed as exc:
+                files = ", ".join(users[chunk_id][:3])
+                return f"{exc} (used by {files})"
+            return None
+
+        problems += [p for p in self._pool.map(check, sorted(users)) if p is not None]
+        problems += self._multi_chunk_problems(manifest)
+        problems += self._audit_problems(manifest)
+        checked = 1 + len(users) + (1 if manifest.audit else 0)
+        return VerifyReport(name, manifest.digest(), checked, tuple(problems))
+
+    def _multi_chunk_problems(self, manifest: SnapshotManifest) -> list[str]:
+        split = [f for f in manifest.code.files if f.path in manifest.chunk_map]
+
+        def check(entry: FileEntry) -> str | None:
+            try:
+                self._file_bytes(manifest, entry)
+            except VerificationFailed as exc:
+                return f"file {entry.path}: {exc}"
+            return None
+
+        return [p for p in self._pool.map(check, split) if p is not None]
+
+    def _audit_problems(self, manifest: SnapshotManifest) -> list[str]:
+        audit = manifest.audit
+        if audit is None:
+            return []
+        try:
+            blob = self.objects.get(audit.object_key)
+        except ObjectMissing:
+            return [f"{audit.object_key} (audit segment): missing"]
+        if blake3.blake3(blob).hexdigest() != audit.blake3:
+            return [f"{audit.object_key} (audit segment): content does not match its hash"]
+        return []
+
+    def read_audit_segment(self, name: str) -> bytes:
+        """Decrypt a snapshot's audit segment (needs the key from Vault).
+
+        Raises:
+            SnapshotNotFound: no snapshot, or it has no audit segment.
+            VerificationFailed: the segment was altered or its key is gone.
+        """
+        manifest = self.load(name)
+        audit = manifest.audit
+        if audit is None:
+            raise SnapshotNotFound(f"snapshot {name!r} has no audit segment")
+        keys = self._require_keys("reading the audit segment")
+        try:
+            blob = self.objects.get(audit.object_key)
+            key = keys.get_segment_key(manifest.id)
+            return crypto.decrypt_segment(blob, key, manifest.id)
+        except ObjectMissing:
+            raise VerificationFailed(audit.object_key, ["missing"]) from None
+        except KeyMissing:
+            raise VerificationFailed(audit.key_ref, ["key is gone (snapshot deleted?)"]) from None
+        except crypto.DecryptionFailed:
+            raise VerificationFailed(audit.object_key, ["does not decrypt (altered)"]) from None
+
+    # --- restore and code checks ----------------------------------------------------------
+
+    def restore(self, name: str, dest: Path, *, sync: bool = False) -> RestoreResult:
+        """Materialize a snapshot's code tree at ``dest``; every byte is hash-checked.
+
+        Args:
+            name: The snapshot.
+            dest: Without ``sync``: a directory to create (absent or empty); it appears only
+                when the whole tree was written. With ``sync`` (rollback): an existing
+                directory made identical to the snapshot by rewriting only differing files
+                (each replaced atomically) and removing files the snapshot lacks; files the
+                bundle excludes (``.venv``, ignored files...) are left alone.
+            sync: See ``dest``.
+
+        Raises:
+            SnapshotNotFound: no such snapshot.
+            VerificationFailed: the manifest or an object is altered or missing (nothing of the
+                tree is left behind without ``sync``).
+            InvalidInput: ``dest`` is not usable.
+        """
+        started = time.perf_counter()
+        manifest = self.load(name)
+        dest = Path(dest).absolute()
+        if sync:
+            written, removed, size = self._sync_into(manifest, dest)
+        else:
+            written, size = self._restore_fresh(manifest, dest)
+            removed = 0
+        return RestoreResult(
+            manifest=manifest,
+            manifest_digest=manifest.digest(),
+            dest=dest,
+            files_written=written,
+            files_removed=removed,
+            bytes_written=size,
+            duration_s=time.perf_counter() - started,
+        )
+
+    def _restore_fresh(self, manifest: SnapshotManifest, dest: Path) -> tuple[int, int]:
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise InvalidInput(f"{dest}: exists and is not an empty directory")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.restore-"))
+        try:
+            size = self._write_files(manifest, staging, manifest.code.files)
+            staging.chmod(0o755)
+            if dest.exists():
+                dest.rmdir()
+            staging.rename(dest)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return len(manifest.code.files), size
+
+    def _sync_into(self, manifest: SnapshotManifest, dest: Path) -> tuple[int, int, int]:
+        if not dest.is_dir():
+            raise InvalidInput(f"{dest}: not a directory (rollback needs the existing code dir)")
+        try:
+            current_entries = list_tree(dest, manifest.code.exclude_patterns)
+        except BundleError as exc:
+            raise InvalidInput(str(exc)) from exc
+        cache = self._stat_cache(dest)
+        current, _ = self._hash_all(current_entries, cache)
+        wanted = manifest.code.by_path()
+        stale = [
+            entry
+            for path, entry in wanted.items()
+            if path not in current or not _same(entry, current[path])
+        ]
+        extra = [current[p][0] for p in current if p not in wanted]
+        size = self._write_files(manifest, dest, stale, replace=True)
+        for entry in extra:
+            entry.abspath.unlink(missing_ok=True)
+        return len(stale), len(extra), size
+
+    def _write_files(
+        self,
+        manifest: SnapshotManifest,
+        root: Path,
+        entries: Sequence[FileEntry],
+        *,
+        replace: bool = False,
+    ) -> int:
+        checked: set[PurePosixPath] = set()
+        targets = [(entry, real_parent(root, entry.path, checked)) for entry in entries]
+
+        def write(item: tuple[FileEntry, Path]) -> int:
+            entry, target = item
+            data = self._file_bytes(manifest, entry) if entry.kind == "file" else b""
+            place(entry, target, data, replace=replace)
+            return len(data)
+
+        return sum(self._pool.map(write, targets))
+
+    def verify_code_dir(self, name: str, directory: Path) -> CodeCheck:
+        """Compare ``directory`` with a snapshot's code, with line diffs of changed files.
+
+        The directory is read with the snapshot's own exclude patterns, so what the snapshot
+        left out (``.venv``, ignored files) does not count as a difference.
+
+        Raises:
+            SnapshotNotFound: no such snapshot.
+            VerificationFailed: the snapshot itself is altered.
+            InvalidInput: ``directory`` is not a directory.
+        """
+        manifest = self.load(name)
+        root = Path(directory).absolute()
+        try:
+            entries = list_tree(root, manifest.code.exclude_patterns)
+        except BundleError as exc:
+            raise InvalidInput(str(exc)) from exc
+        hashed, _ = self._hash_all(entries, self._stat_cache(root))
+        actual = CodeManifest(
+            files=tuple(
+                file_entry(e, h.blake3, h.size if e.kind == "file" else None)
+                for e, h in hashed.values()
+            )
+        )
+        delta = domain.compare_code(manifest.code, actual)
+        local = {e.path: e for e, _ in hashed.values()}
+        changed = self._with_line_diffs(
+            delta.changed, manifest, lambda f: local_bytes(local[f.path]), name, str(root)
+        )
+        return CodeCheck(name, root, domain.CodeDelta(delta.added, delta.removed, changed))
+
+    def require_code_match(self, name: str, directory: Path) -> CodeCheck:
+        """:meth:`verify_code_dir`, raising when anything differs (``run --snapshot --code``).
+
+        Raises:
+            VerificationFailed: one problem per mismatch line (file, then its line diff).
+        """
+        check = self.verify_code_dir(name, directory)
+        if not check.ok:
+            raise VerificationFailed(
+                f"{directory} does not match snapshot {name!r}", check.describe()
+            )
+        return check
+
+    def check_gpu(self, name: str, current: GpuRecord | None = None) -> domain.GpuCheck:
+        """Compare the snapshot's GPU models with this node's (differ: compatibility mode)."""
+        return domain.check_gpu(self.load(name).gpu, current or probe_gpus())
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def delete(self, name: str) -> None:
+        """Delete a snapshot's manifest, index row and audit key (chunks go at the next GC).
+
+        Raises:
+            SnapshotNotFound: no such snapshot.
+        """
+        domain.validate_name(name)
+        try:
+            raw = self.objects.get(manifest_key(name))
+        except ObjectMissing:
+            raise SnapshotNotFound(f"no snapshot named {name!r}") from None
+        try:
+            manifest: SnapshotManifest | None = SignedManifest.model_validate_json(raw).manifest
+        except pydantic.ValidationError:
+            manifest = None  # a damaged manifest can still be deleted
+        self.objects.delete_many([summary_key(name), manifest_key(name)])
+        if manifest is not None and manifest.audit is not None and self.keys is not None:
+            self.keys.delete_segment_key(manifest.id)
+
+    def apply_retention(
+        self,
+        policy: domain.RetentionPolicy,
+        *,
+        series: str | None = None,
+        now: datetime | None = None,
+        dry_run: bool = False,
+    ) -> list[str]:
+        """Delete the snapshots ``policy`` does not keep (of one series, or of all)."""
+        rows = [s for s in self.list_snapshots() if series is None or s.series == series]
+        expired = domain.select_expired(rows, policy, now or datetime.now(UTC))
+        if not dry_run:
+            for name in expired:
+                self.delete(name)
+        return expired
+
+    def run_periodic(
+        self,
+        policy: domain.PeriodicPolicy,
+        inputs: SnapshotInputs,
+        *,
+        now: datetime | None = None,
+    ) -> CreateResult | None:
+        """Take the periodic snapshot of ``inputs`` if one is due, then apply retention.
+
+        The service calls this on a timer per sandbox; it returns ``None`` when not yet due.
+        """
+        now = now or datetime.now(UTC)
+        series = Source(
+            sandbox_id=inputs.sandbox_id,
+            code_dir=str(Path(inputs.code_dir).absolute()),
+            node_id=inputs.node_id,
+        ).series
+        last = max((s.created_at for s in self._periodic(series, policy)), default=None)
+        if not domain.is_due(last, now, policy.interval):
+            return None
+        labels = {**inputs.labels, "periodic": policy.name_prefix}
+        name = domain.periodic_name(policy.name_prefix, now)
+        result = self.create(name, replace(inputs, labels=labels), now=now)
+        for expired in domain.select_expired(self._periodic(series, policy), policy.retention, now):
+            self.delete(expired)
+        return result
+
+    def _periodic(self, series: str, policy: domain.PeriodicPolicy) -> list[SnapshotSummary]:
+        return [
+            s
+            for s in self.list_snapshots()
+            if s.series == series and s.labels.get("periodic") == policy.name_prefix
+        ]
+
+    def gc(self, *, grace: timedelta = timedelta(hours=1), dry_run: bool = False) -> GcReport:
+        """Delete chunks and blobs no snapshot references (older than ``grace``).
+
+        Raises:
+            SnapshotError: a manifest cannot be read; nothing is deleted then, since its
+                objects would look unreferenced.
+        """
+        stored = {**self.objects.list(CHUNK_PREFIX), **self.objects.list(AUDIT_PREFIX)}
+        names = [
+            k[len(MANIFEST_PREFIX) : -len(".json")]
+            for k in self.objects.list(MANIFEST_PREFIX)
+            if k.endswith(".json")
+        ]
+        referenced: set[str] = set()
+        for manifest in self._pool.map(self._manifest_for_gc, names):
+            referenced |= {chunk_key(c) for c in manifest.all_chunks()}
+            if manifest.audit is not None:
+                referenced.add(manifest.audit.object_key)
+        modified = {k: info.last_modified for k, info in stored.items()}
+        doomed = domain.collectable(modified, referenced, datetime.now(UTC), grace)
+        if not dry_run:
+            self.objects.delete_many(doomed)
+        return GcReport(
+            objects_stored=len(stored),
+            objects_referenced=len(referenced & stored.keys()),
+            deleted=tuple(doomed),
+            bytes_freed=sum(stored[k].size for k in doomed),
+            dry_run=dry_run,
+        )
+
+    def _manifest_for_gc(self, name: str) -> SnapshotManifest:
+        key = manifest_key(name)
+        try:
+            return SignedManifest.model_validate_json(self.objects.get(key)).manifest
+        except (ObjectMissing, pydantic.ValidationError) as exc:
+            raise SnapshotError(
+                f"gc stopped: cannot read {key} ({type(exc).__name__}); nothing was deleted"
+            ) from exc
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Pause the cyclic GC while thousands of short-lived records are built (as Mercurial's
+    ``util.nogc`` does): collections triggered by allocation alone cost a third of an
+    incremental snapshot. Reference counting still frees everything."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _hash_entry(entry: TreeEntry) -> HashedFile:
+    return hash_and_chunk(entry.abspath)
+
+
+def _note(change: domain.FileChange, note: str) -> domain.FileChange:
+    return domain.FileChange(change.path, change.old, change.new, None, note)
+
+
+def _same(entry: FileEntry, current: tuple[TreeEntry, HashedFile]) -> bool:
+    tree, h = current
+    return (entry.kind, entry.blake3, entry.mode, entry.target) == (
+        tree.kind,
+        h.blake3,
+        tree.mode,
+        tree.target,
+    )

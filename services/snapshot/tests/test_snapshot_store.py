@@ -1,0 +1,278 @@
+"""The snapshot library against real SeaweedFS and OpenBao: dedup, diff, verify, tamper, restore."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from nacl.signing import SigningKey
+
+from dsec_snapshot import SnapshotInputs, SnapshotStore
+from dsec_snapshot.adapters.objectstore import S3ObjectStore
+from dsec_snapshot.adapters.vault import VaultKeyStore
+from dsec_snapshot.domain import PeriodicPolicy, RetentionPolicy
+from dsec_snapshot.errors import (
+    InvalidInput,
+    SnapshotExists,
+    SnapshotNotFound,
+    VerificationFailed,
+)
+from dsec_snapshot.manifest import GpuDevice, GpuRecord, chunk_key, manifest_key
+
+if TYPE_CHECKING:
+    from dsec_testing.stack import S3Info, VaultInfo
+
+pytestmark = pytest.mark.integration
+
+SECRET = "hunter2-very-secret"
+
+
+@pytest.fixture
+def objects(s3: S3Info) -> S3ObjectStore:
+    return S3ObjectStore(
+        s3.endpoint, s3.access_key, s3.secret_key, s3.bucket, prefix=f"t-{uuid.uuid4().hex}/"
+    )
+
+
+@pytest.fixture
+def store(objects: S3ObjectStore, vault: VaultInfo, tmp_path: Path) -> Iterator[SnapshotStore]:
+    keys = VaultKeyStore(vault.addr, vault.token)
+    with SnapshotStore(
+        objects, signing_key=SigningKey.generate(), keys=keys, cache_dir=tmp_path / "cache"
+    ) as s:
+        yield s
+
+
+@pytest.fixture
+def code(tmp_path: Path) -> Path:
+    root = tmp_path / "code"
+    (root / "pkg").mkdir(parents=True)
+    (root / "agent.py").write_text("import pkg\n\ndef score():\n    return 0.92\n")
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "tools.py").write_text("TOOLS = ['web_search']\n")
+    (root / "data.bin").write_bytes(random.Random(7).randbytes(700_000))  # fixed CDC cuts
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "alias.py").symlink_to("agent.py")
+    (root / ".venv").mkdir()
+    (root / ".venv" / "site.py").write_text("excluded")
+    hour_ago = (datetime.now(UTC) - timedelta(hours=1)).timestamp()
+    for path in root.rglob("*"):
+        if not path.is_symlink():  # written long before the snapshot, as code usually is
+            os.utime(path, (hour_ago, hour_ago))
+    return root
+
+
+def inputs(code: Path, **kw: object) -> SnapshotInputs:
+    return SnapshotInputs(code_dir=code, kernel={"osrelease": "6.1"}, **kw)  # type: ignore[arg-type]
+
+
+def test_second_snapshot_uploads_only_new_chunks(store: SnapshotStore, code: Path) -> None:
+    first = store.create("s1", inputs(code))
+    assert first.chunks_uploaded == first.chunks_total > 0
+    (code / "pkg" / "tools.py").write_text("TOOLS = ['web_search', 'calc']\n")
+    second = store.create("s2", inputs(code))
+    assert second.manifest.parent == "s1"
+    assert second.files_rehashed == 1
+    assert second.chunks_uploaded == 1
+    assert second.bytes_uploaded < 200
+    assert ".venv/site.py" not in second.manifest.code.by_path()
+    assert [s.name for s in store.list_snapshots()] == ["s1", "s2"]
+
+
+def test_names_are_unique_and_validated(store: SnapshotStore, code: Path) -> None:
+    store.create("s1", inputs(code))
+    with pytest.raises(SnapshotExists, match="'s1' exists"):
+        store.create("s1", inputs(code))
+    with pytest.raises(InvalidInput, match="not valid"):
+        store.create("../x", inputs(code))
+    with pytest.raises(InvalidInput, match="not a directory"):
+        store.create("s9", inputs(code / "missing"))
+    with pytest.raises(SnapshotNotFound, match="'nope'"):
+        store.verify("nope")
+
+
+def test_diff_shows_files_lines_env_and_kernel(store: SnapshotStore, code: Path) -> None:
+    store.create("a", inputs(code, env={"MODE": "train", "KEY": SECRET}))
+    (code / "agent.py").write_text("import pkg\n\ndef score():\n    return 0.87\n")
+    (code / "new.py").write_text("x = 1\n")
+    (code / "run.sh").unlink()
+    store.create("b", SnapshotInputs(code_dir=code, env={"MODE": "eval", "KEY": SECRET},
+                                     kernel={"osrelease": "6.2"}))  # fmt: skip
+    d = store.diff("a", "b")
+    assert [f.path for f in d.code.added] == ["new.py"]
+    assert [f.path for f in d.code.removed] == ["run.sh"]
+    (change,) = d.code.changed
+    assert change.path == "agent.py" and change.diff is not None
+    assert "-    return 0.92" in change.diff and "+    return 0.87" in change.diff
+    assert d.env.changed == ("MODE",)
+    assert d.kernel.changed == {"osrelease": ("6.1", "6.2")}
+
+
+def test_secrets_never_reach_the_object_store(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path
+) -> None:
+    result = store.create(
+        "s", inputs(code, env={"API_KEY": SECRET}, audit_segment=b"GET /admin " + SECRET.encode())
+    )
+    for key in objects.list(""):
+        assert SECRET.encode() not in objects.get(key), key
+    assert result.manifest.env is not None and "API_KEY" in result.manifest.env.hashes
+    assert store.read_audit_segment("s") == b"GET /admin " + SECRET.encode()
+
+
+def test_verify_passes_then_names_a_tampered_chunk(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path
+) -> None:
+    result = store.create("s", inputs(code))
+    assert store.verify("s").ok
+    tools = result.manifest.code.by_path()["pkg/tools.py"]
+    objects.put(chunk_key(tools.blake3), objects.get(chunk_key(result.manifest.code.by_path()
+                                                               ["agent.py"].blake3)))  # fmt: skip
+    report = store.verify("s")
+    assert not report.ok
+    (problem,) = report.problems
+    assert f"chunks/{tools.blake3}" in problem and "pkg/tools.py" in problem
+    with pytest.raises(VerificationFailed, match=r"pkg/tools\.py|chunks/"):
+        store.restore("s", code.parent / "out")
+    assert not (code.parent / "out").exists()
+
+
+def test_verify_names_a_missing_chunk_and_a_tampered_audit_blob(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path
+) -> None:
+    result = store.create("s", inputs(code, audit_segment=b"audit"))
+    data = result.manifest.code.by_path()["data.bin"]
+    first_chunk = result.manifest.chunks_of(data)[0]
+    objects.delete_many([chunk_key(first_chunk)])
+    assert result.manifest.audit is not None
+    objects.put(result.manifest.audit.object_key, b"forged")
+    problems = store.verify("s").problems
+    assert any(f"chunks/{first_chunk}: missing (used by data.bin)" in p for p in problems)
+    assert any("(audit segment): content does not match" in p for p in problems)
+
+
+def test_altered_manifest_fails_signature_check(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path
+) -> None:
+    store.create("s", inputs(code))
+    doc = json.loads(objects.get(manifest_key("s")))
+    (agent,) = [f for f in doc["manifest"]["code"]["files"] if f["path"] == "agent.py"]
+    agent["mode"] = 0o755
+    objects.put(manifest_key("s"), json.dumps(doc).encode())
+    report = store.verify("s")
+    assert report.problems == (
+        "manifest snapshots/s.json: signature does not match its content (altered)",
+    )
+    with pytest.raises(VerificationFailed, match="signature"):
+        store.restore("s", code.parent / "out")
+    objects.put(manifest_key("s"), b"{not json")
+    assert "not a valid manifest" in store.verify("s").problems[0]
+
+
+def test_snapshot_signed_by_another_key_is_untrusted(
+    objects: S3ObjectStore, store: SnapshotStore, code: Path, tmp_path: Path
+) -> None:
+    store.create("s", inputs(code))
+    with SnapshotStore(objects, signing_key=SigningKey.generate()) as stranger:
+        (problem,) = stranger.verify("s").problems
+    assert "signed by untrusted key" in problem
+
+
+def test_restore_materializes_the_tree(store: SnapshotStore, code: Path) -> None:
+    store.create("s", inputs(code))
+    dest = code.parent / "restored"
+    result = store.restore("s", dest)
+    assert result.files_written == 6
+    assert (dest / "agent.py").read_text() == (code / "agent.py").read_text()
+    assert (dest / "data.bin").read_bytes() == (code / "data.bin").read_bytes()
+    assert os.readlink(dest / "alias.py") == "agent.py"
+    assert (dest / "run.sh").stat().st_mode & 0o777 == 0o755
+    assert not (dest / ".venv").exists()
+    with pytest.raises(InvalidInput, match="not an empty directory"):
+        store.restore("s", dest)
+
+
+def test_rollback_syncs_in_place_and_keeps_excluded_files(store: SnapshotStore, code: Path) -> None:
+    store.create("good", inputs(code))
+    (code / "agent.py").write_text("broken\n")
+    (code / "stray.py").write_text("x\n")
+    (code / "pkg" / "tools.py").unlink()
+    result = store.restore("good", code, sync=True)
+    assert (result.files_written, result.files_removed) == (2, 1)
+    assert store.verify_code_dir("good", code).ok
+    assert (code / ".venv" / "site.py").read_text() == "excluded"
+
+
+def test_code_check_lists_each_file_and_its_lines(store: SnapshotStore, code: Path) -> None:
+    store.create("s", inputs(code))
+    (code / "agent.py").write_text("import pkg\n\ndef score():\n    return 0.5\n")
+    (code / "pkg" / "tools.py").unlink()
+    (code / "extra.txt").write_text("?")
+    check = store.verify_code_dir("s", code)
+    lines = check.describe()
+    assert "missing: pkg/tools.py" in lines
+    assert "not in snapshot: extra.txt" in lines
+    assert "changed: agent.py (content 41 -> 40 bytes)" in lines
+    assert "-    return 0.92" in lines and "+    return 0.5" in lines
+    with pytest.raises(VerificationFailed, match="does not match snapshot 's'"):
+        store.require_code_match("s", code)
+
+
+def test_gpu_model_check_uses_recorded_inventory(store: SnapshotStore, code: Path) -> None:
+    a100 = GpuRecord(
+        present=True,
+        devices=(GpuDevice(index=0, name="NVIDIA A100", uuid="GPU-0", memory_total=1),),
+    )
+    store.create("s", inputs(code, gpu=a100))
+    assert not store.check_gpu("s", a100).compatibility_mode
+    assert store.check_gpu("s", GpuRecord(present=False, reason="none")).compatibility_mode
+
+
+def test_delete_gc_and_retention(store: SnapshotStore, objects: S3ObjectStore, code: Path) -> None:
+    s1 = store.create("s1", inputs(code, audit_segment=b"a")).manifest
+    (code / "data.bin").write_bytes(os.urandom(1000))
+    s2 = store.create("s2", inputs(code)).manifest
+    expired = store.apply_retention(RetentionPolicy(keep_last=1))
+    assert expired == ["s1"]
+    assert [s.name for s in store.list_snapshots()] == ["s2"]
+    report = store.gc(grace=timedelta(0))
+    assert s1.audit is not None
+    only_s1 = {chunk_key(c) for c in s1.all_chunks() - s2.all_chunks()}
+    assert set(report.deleted) == only_s1 | {s1.audit.object_key}
+    assert store.verify("s2").ok
+    assert not any(k.startswith("snapshot-audit/") for k in objects.list(""))
+
+
+def test_gc_stops_when_a_manifest_is_unreadable(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path
+) -> None:
+    store.create("s", inputs(code))
+    objects.put(manifest_key("s"), b"garbage")
+    with pytest.raises(Exception, match=r"gc stopped: cannot read snapshots/s\.json"):
+        store.gc(grace=timedelta(0))
+    assert objects.list("chunks/")
+
+
+def test_periodic_snapshots_take_when_due_and_retain(store: SnapshotStore, code: Path) -> None:
+    policy = PeriodicPolicy(interval=timedelta(hours=1), retention=RetentionPolicy(keep_last=2))
+    t0 = datetime(2026, 11, 30, 10, 0, tzinfo=UTC)
+    src = inputs(code, sandbox_id="sbx_1")
+    taken = [store.run_periodic(policy, src, now=t0 + timedelta(minutes=m)) for m in (0, 30, 60)]
+    assert [t.manifest.name if t else None for t in taken] == [
+        "auto-20261130T100000Z",
+        None,
+        "auto-20261130T110000Z",
+    ]
+    store.run_periodic(policy, src, now=t0 + timedelta(hours=2))
+    assert [s.name for s in store.list_snapshots()] == [
+        "auto-20261130T110000Z",
+        "auto-20261130T120000Z",
+    ]
