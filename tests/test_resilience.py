@@ -14,6 +14,7 @@ from dsec_core.bus import EventPublisher, ensure_stream, replay
 from dsec_core.envelope import decode
 from dsec_core.events import SpecSubmitted
 from dsec_core.signing import Signer
+from dsec_core.subjects import STREAM
 from nacl.signing import SigningKey
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -65,7 +66,7 @@ async def test_killed_service_ends_every_aggregate_with_exactly_one_outcome(
     publisher = EventPublisher(js, Signer(f"load-{uuid.uuid4().hex[:6]}", SigningKey.generate()))
     await publisher.register_key()
     run = uuid.uuid4().hex[:8]
-    sandboxes = [f"sbx_{run}_{i}" for i in range(120)]
+    sandboxes = [f"sbx_{run}_{i}" for i in range(400)]
     await publisher.publish_many(
         [
             publisher.signer.seal(
@@ -83,9 +84,15 @@ async def test_killed_service_ends_every_aggregate_with_exactly_one_outcome(
                 seen[env.aggregate_id] += 1
         return seen
 
-    while sum((await outcomes()).values()) < 10:  # kill it in the middle of the work
-        await asyncio.sleep(0.02)
-    services.kill("policy")
+    # Kill it while it holds delivered-but-unacknowledged events, in the middle of the work.
+    held = 0
+    for _ in range(2000):
+        info = await js.consumer_info(STREAM, "policy-spec-submitted")
+        if info.num_ack_pending > 0 and info.delivered.consumer_seq > 20:
+            services.kill("policy")
+            held = info.num_ack_pending
+            break
+        await asyncio.sleep(0.002)
     killed_at = sum((await outcomes()).values())
     services.start("policy")
     for _ in range(600):
@@ -94,6 +101,7 @@ async def test_killed_service_ends_every_aggregate_with_exactly_one_outcome(
             break
         await asyncio.sleep(0.05)
     await nc.close()
+    assert held > 0, "the service was never caught holding unacknowledged events"
     assert killed_at < len(sandboxes), "the kill came too late to test anything"
     assert set(seen) == set(sandboxes), f"{len(sandboxes) - len(seen)} aggregates got no outcome"
     assert max(seen.values()) == 1, "an aggregate got two outcomes"
