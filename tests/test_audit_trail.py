@@ -141,3 +141,30 @@ def test_unreachable_bus_exits_3_and_says_what_to_do(dsec_cli, tmp_path) -> None
     assert result.exit_code == 3
     assert "cannot reach NATS at nats://127.0.0.1:1" in result.output
     assert "dsec up" in result.output
+
+
+async def test_events_tail_follows_and_filters(js, private_nats, dsec_cli, tmp_path) -> None:
+    await _legit(js)
+    env = {"DSEC_NATS_URL": private_nats, "DSEC_HOME": str(tmp_path / "cli")}
+    result = dsec_cli("events", "tail", "--all", "--type", "spec.submitted", "-n", "2", "--json",
+                      env=env)
+    rows = [line for line in result.output.splitlines() if line.startswith("{")]
+    assert result.exit_code == 0
+    assert len(rows) == 2 and all('"type":"spec.submitted"' in r for r in rows)
+    one = dsec_cli("events", "tail", "--all", "--sandbox", "sbx_2", "-n", "1", env=env)
+    assert "spec.submitted" in one.output and "sbx_2" in one.output
+
+
+def test_events_schema_documents_every_event(dsec_cli, tmp_path) -> None:
+    from dsec_core.events import EVENT_TYPES
+
+    out = tmp_path / "asyncapi.json"
+    result = dsec_cli("events", "schema", "--out", str(out), env={"DSEC_HOME": str(tmp_path)})
+    assert result.exit_code == 0
+    import json
+
+    doc = json.loads(out.read_text())
+    assert doc["asyncapi"].startswith("3.")
+    assert set(doc["channels"]) == set(EVENT_TYPES)
+    assert doc["channels"]["sandbox.ready"]["address"] == "dsec.sandbox.*.ready"
+    assert "SandboxExited" in doc["components"]["schemas"]
