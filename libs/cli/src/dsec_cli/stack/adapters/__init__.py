@@ -1,0 +1,1 @@
+"""I/O of the embedded stack: processes, ports, probes, servers, services, state file."""

@@ -1,0 +1,232 @@
+"""Health probes: one real request per server kind, usable for embedded and external servers.
+
+Each probe returns the server's version on success and raises :class:`ProbeError` (a short reason,
+never a secret) otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    import hvac
+    import minio
+
+
+class ProbeError(Exception):
+    """The server did not answer as a healthy one would.
+
+    ``fatal`` marks answers that waiting cannot fix (wrong password), so a start fails at once.
+    """
+
+    def __init__(self, message: str, *, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.fatal = fatal
+
+
+def http_get_json(url: str, timeout: float, headers: dict[str, str] | None = None) -> Any:
+    """GET ``url`` and decode JSON; raise :class:`ProbeError` unless the status is 200."""
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as exc:
+        raise ProbeError(f"GET {urlsplit(url).path} returned HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ProbeError(f"GET {urlsplit(url).path}: {reason}") from None
+    try:
+        return json.loads(body) if body.strip() else None
+    except json.JSONDecodeError:
+        raise ProbeError(f"GET {urlsplit(url).path}: response is not JSON") from None
+
+
+def http_ok(url: str, timeout: float) -> None:
+    """Raise :class:`ProbeError` unless ``GET url`` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            resp.read()
+    except urllib.error.HTTPError as exc:
+        raise ProbeError(f"GET {urlsplit(url).path} returned HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ProbeError(f"GET {urlsplit(url).path}: {getattr(exc, 'reason', exc)}") from None
+
+
+def nats_info(url: str, timeout: float) -> dict[str, Any]:
+    """Connect to a NATS server and read the ``INFO`` line it greets every client with."""
+    first = url.split(",")[0]
+    parts = urlsplit(first)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 4222
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            buf = b""
+            while b"\r\n" not in buf and len(buf) < 65536:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                buf += chunk
+    except OSError as exc:
+        raise ProbeError(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
+    line = buf.split(b"\r\n", 1)[0]
+    if not line.startswith(b"INFO "):
+        raise ProbeError(f"{host}:{port} is not a NATS server (no INFO greeting)")
+    try:
+        info: dict[str, Any] = json.loads(line[5:])
+    except json.JSONDecodeError:
+        raise ProbeError(f"{host}:{port}: malformed INFO greeting") from None
+    return info
+
+
+def probe_nats(url: str, timeout: float = 2.0) -> str:
+    """Check a NATS server has JetStream; return its version."""
+    info = nats_info(url, timeout)
+    if not info.get("jetstream"):
+        raise ProbeError("NATS server has JetStream disabled (start it with -js)")
+    return str(info.get("version", "unknown"))
+
+
+def _run_coro_in_thread(coro_fn: Any, timeout: float) -> Any:
+    """Run an async probe on a fresh loop in its own thread.
+
+    Probes are called from sync code that may itself run inside an event loop (an async test),
+    where ``asyncio.run`` is not allowed.
+    """
+    box: dict[str, Any] = {}
+
+    def runner() -> None:
+        try:
+            box["value"] = asyncio.run(coro_fn())
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=runner, name="dsec-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 5.0)
+    if thread.is_alive():
+        raise ProbeError("probe did not finish in time")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def probe_postgres(dsn: str, timeout: float = 2.0, *, database: str | None = None) -> str:
+    """Open a real connection (password auth) and return ``server_version``."""
+    import asyncpg
+
+    async def check() -> str:
+        kwargs: dict[str, Any] = {"timeout": timeout}
+        if database is not None:
+            kwargs["database"] = database
+        conn = await asyncpg.connect(dsn, **kwargs)
+        try:
+            version: str = await conn.fetchval("SHOW server_version")
+            return version
+        finally:
+            await conn.close(timeout=timeout)
+
+    try:
+        result: str = _run_coro_in_thread(check, timeout)
+    except asyncpg.InvalidAuthorizationSpecificationError as exc:
+        # Wrong password/user: the server is up and will keep refusing us.
+        raise ProbeError(f"{exc.__class__.__name__}: {exc}", fatal=True) from None
+    except (OSError, TimeoutError) as exc:
+        raise ProbeError(f"cannot connect: {exc.__class__.__name__}") from None
+    except Exception as exc:
+        # asyncpg errors carry the server's message (never the password).
+        raise ProbeError(f"{exc.__class__.__name__}: {exc}") from None
+    return result
+
+
+def postgres_ensure_database(dsn: str, database: str, timeout: float = 5.0) -> None:
+    """Create ``database`` (owned by the DSN's user) unless it exists; connects to ``postgres``."""
+    import asyncpg
+
+    async def run() -> None:
+        conn = await asyncpg.connect(dsn, database="postgres", timeout=timeout)
+        try:
+            exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", database)
+            if not exists:
+                # Identifiers cannot be bound as parameters; quote it.
+                quoted = '"' + database.replace('"', '""') + '"'
+                await conn.execute(f"CREATE DATABASE {quoted}")
+        finally:
+            await conn.close(timeout=timeout)
+
+    _run_coro_in_thread(run, timeout)
+
+
+def minio_client(
+    endpoint: str, access_key: str, secret_key: str, *, secure: bool = False, timeout: float = 5.0
+) -> minio.Minio:
+    """A MinIO SDK client that fails fast (no retries) — for probes and tests."""
+    import minio
+    import urllib3
+
+    http = urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=timeout, read=timeout),
+        retries=False,
+        maxsize=4,
+    )
+    return minio.Minio(
+        endpoint, access_key=access_key, secret_key=secret_key, secure=secure, http_client=http
+    )
+
+
+def probe_s3(
+    endpoint: str, access_key: str, secret_key: str, *, secure: bool = False, timeout: float = 2.0
+) -> list[str]:
+    """List buckets with the credentials (a signed request, so auth is checked)."""
+    from minio.error import MinioException
+
+    client = minio_client(endpoint, access_key, secret_key, secure=secure, timeout=timeout)
+    try:
+        return [b.name for b in client.list_buckets()]
+    except MinioException as exc:
+        code = getattr(exc, "code", None) or exc.__class__.__name__
+        raise ProbeError(f"S3 list_buckets failed: {code}") from None
+    except Exception as exc:
+        raise ProbeError(f"S3 list_buckets failed: {exc.__class__.__name__}") from None
+
+
+def ensure_bucket(
+    endpoint: str, access_key: str, secret_key: str, bucket: str, *, secure: bool = False
+) -> None:
+    """Create ``bucket`` unless it exists."""
+    client = minio_client(endpoint, access_key, secret_key, secure=secure)
+    if not client.bucket_exists(bucket):
+        client.make_bucket(bucket)
+
+
+def vault_client(addr: str, token: str, timeout: float = 5.0) -> hvac.Client:
+    """An hvac client for ``addr`` authenticated with ``token``."""
+    import hvac
+
+    return hvac.Client(url=addr, token=token, timeout=timeout)
+
+
+def probe_vault(addr: str, token: str, timeout: float = 2.0) -> str:
+    """Check Vault/OpenBao is initialised, unsealed and accepts the token; return its version."""
+    import hvac.exceptions
+    import requests
+
+    client = vault_client(addr, token, timeout)
+    try:
+        health = client.sys.read_health_status(method="GET")
+        if not isinstance(health, dict):
+            code = getattr(health, "status_code", "?")
+            raise ProbeError(f"sys/health returned HTTP {code} (sealed or standby)")
+        if not client.is_authenticated():
+            raise ProbeError("the token is not accepted")
+    except requests.RequestException as exc:
+        raise ProbeError(f"cannot connect: {exc.__class__.__name__}") from None
+    except hvac.exceptions.VaultError as exc:
+        raise ProbeError(f"vault answered {exc.__class__.__name__}") from None
+    return str(health.get("version", "unknown"))

@@ -1,0 +1,93 @@
+"""pytest plugin (entry point ``pytest11: dsec``): fixtures that start the embedded stack's real
+servers on free ports in a temporary directory — the same code as ``dsec up``.
+
+Session fixtures, each starting only the server it needs, on first request:
+
+- ``nats_url`` (str): NATS with JetStream.
+- ``postgres_dsn`` (str): PostgreSQL 18, user/db ``dsec``, password auth over TCP.
+- ``s3`` (:class:`~dsec_testing.stack.S3Info`): SeaweedFS with real credentials, bucket created.
+- ``vault`` (:class:`~dsec_testing.stack.VaultInfo`): OpenBao dev mode.
+- ``stack_env`` (dict): ``DSEC_*`` variables for all four plus ``DSEC_HOME``.
+
+Function fixtures:
+
+- ``nats_restart``: restart NATS on the same port and store (``kill=True`` for a crash).
+- ``services``: start DSec services as processes against ``stack_env``; stop/kill/restart one.
+
+Everything is stopped at session end; servers also die with the pytest process if it is killed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from dsec_testing.stack import NatsRestarter, S3Info, ServiceRunner, StackFixture, VaultInfo
+
+
+@pytest.fixture(scope="session")
+def dsec_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFixture]:
+    """The session's embedded stack (servers start lazily; see the other fixtures)."""
+    from dsec_testing.stack import StackFixture
+
+    fixture = StackFixture(tmp_path_factory.mktemp("dsec-home"))
+    try:
+        yield fixture
+    finally:
+        fixture.close()
+
+
+@pytest.fixture(scope="session")
+def nats_url(dsec_stack: StackFixture) -> str:
+    """URL of a NATS server with JetStream (``nats://127.0.0.1:PORT``)."""
+    return dsec_stack.nats_url
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn(dsec_stack: StackFixture) -> str:
+    """DSN of PostgreSQL (``postgresql://dsec:PW@127.0.0.1:PORT/dsec``)."""
+    return dsec_stack.postgres_dsn
+
+
+@pytest.fixture(scope="session")
+def s3(dsec_stack: StackFixture) -> S3Info:
+    """The S3 server: ``endpoint``, ``access_key``, ``secret_key``, ``bucket``, ``client()``."""
+    return dsec_stack.s3
+
+
+@pytest.fixture(scope="session")
+def vault(dsec_stack: StackFixture) -> VaultInfo:
+    """OpenBao in dev mode: ``addr``, ``token``, ``client()`` (hvac)."""
+    return dsec_stack.vault
+
+
+@pytest.fixture(scope="session")
+def stack_env(dsec_stack: StackFixture) -> dict[str, str]:
+    """``DSEC_*`` variables pointing at NATS, Postgres, S3 and OpenBao, plus ``DSEC_HOME``."""
+    return dsec_stack.env()
+
+
+@pytest.fixture
+def nats_restart(dsec_stack: StackFixture) -> NatsRestarter:
+    """Call it to restart NATS on the same port and JetStream store (``await .arestart()`` in
+    async tests; ``kill=True`` simulates a crash)."""
+    from dsec_testing.stack import NatsRestarter
+
+    dsec_stack.ensure("nats")
+    return NatsRestarter(dsec_stack)
+
+
+@pytest.fixture
+def services(dsec_stack: StackFixture) -> Iterator[ServiceRunner]:
+    """Start DSec services as processes (``services.start("policy")``); ``stop``/``kill``/
+    ``restart`` one; all are stopped when the test ends."""
+    from dsec_testing.stack import ServiceRunner
+
+    runner = ServiceRunner(dsec_stack)
+    try:
+        yield runner
+    finally:
+        runner.close()

@@ -1,0 +1,227 @@
+"""Test-side handles on the embedded stack: the same :class:`dsec_cli.stack.Stack` that
+``dsec up`` drives, on free ports in a temporary home, servers started lazily one by one."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dsec_cli.stack import CORE_SERVERS, ServiceProcess, ServiceSpec, Stack, domain
+
+if TYPE_CHECKING:
+    import hvac
+    import minio
+
+
+@dataclass(frozen=True)
+class S3Info:
+    """Endpoint and credentials of the test S3 server (SeaweedFS)."""
+
+    endpoint: str
+    access_key: str = field(repr=False)
+    secret_key: str = field(repr=False)
+    bucket: str
+    secure: bool = False
+
+    def client(self) -> minio.Minio:
+        """A MinIO SDK client with these credentials (no retries: failures show at once)."""
+        from dsec_cli.stack.adapters.probes import minio_client
+
+        return minio_client(self.endpoint, self.access_key, self.secret_key, secure=self.secure)
+
+
+@dataclass(frozen=True)
+class VaultInfo:
+    """Address and root token of the test OpenBao (dev mode, in memory)."""
+
+    addr: str
+    token: str = field(repr=False)
+
+    def client(self) -> hvac.Client:
+        """An authenticated hvac client."""
+        from dsec_cli.stack.adapters.probes import vault_client
+
+        return vault_client(self.addr, self.token)
+
+
+class StackFixture:
+    """One embedded stack per test session, under ``home``.
+
+    Servers start on first use (:meth:`ensure`) and die with the test process even when it is
+    killed (PR_SET_PDEATHSIG). :meth:`close` stops everything.
+    """
+
+    def __init__(self, home: Path, *, bucket: str = "dsec") -> None:
+        self.home = home
+        self.stack = Stack(
+            home,
+            services=[],
+            bucket=bucket,
+            with_prometheus=False,
+            die_with_parent=True,
+            server_timeout=60.0,
+            service_timeout=60.0,
+            stop_timeout=10.0,
+        )
+
+    def ensure(self, *names: str) -> None:
+        """Start the named servers (in parallel) unless they run already."""
+        self.stack.ensure_servers(names)
+
+    @property
+    def nats_url(self) -> str:
+        """URL of the NATS server (started on first use)."""
+        self.ensure("nats")
+        return _require(self.stack.state.nats_url, "nats_url")
+
+    @property
+    def postgres_dsn(self) -> str:
+        """DSN of Postgres (started on first use)."""
+        self.ensure("postgres")
+        return _require(self.stack.state.postgres_dsn, "postgres_dsn")
+
+    @property
+    def s3(self) -> S3Info:
+        """The S3 server (started on first use)."""
+        self.ensure("s3")
+        st = self.stack.state
+        return S3Info(
+            _require(st.s3_endpoint, "s3_endpoint"),
+            _require(st.s3_access_key, "s3_access_key"),
+            _require(st.s3_secret_key, "s3_secret_key"),
+            self.stack.bucket,
+        )
+
+    @property
+    def vault(self) -> VaultInfo:
+        """OpenBao (started on first use)."""
+        self.ensure("vault")
+        st = self.stack.state
+        return VaultInfo(
+            _require(st.vault_addr, "vault_addr"), _require(st.vault_token, "vault_token")
+        )
+
+    def env(self) -> dict[str, str]:
+        """``DSEC_*`` variables pointing at all four core servers (started if needed)."""
+        self.ensure(*CORE_SERVERS)
+        env = domain.service_environment(
+            self.stack.state, home=str(self.home), metrics_port=0, bucket=self.stack.bucket
+        )
+        del env["DSEC_METRICS_PORT"]
+        return env
+
+    def restart_nats(self, *, kill: bool = False, downtime: float = 0.0) -> None:
+        """Stop NATS (SIGKILL when ``kill``) and start it again on the same port and store."""
+        self.ensure("nats")
+        self.stack.restart_server("nats", kill=kill, downtime=downtime)
+
+    def close(self) -> None:
+        """Stop every service and server; raises when something keeps running."""
+        self.stack.down()
+
+
+def _require(value: str | None, key: str) -> str:
+    if not value:
+        raise RuntimeError(f"the test stack recorded no {key} after starting its server")
+    return value
+
+
+class NatsRestarter:
+    """Restart the session's NATS server on the same port and JetStream store.
+
+    Call it (``nats_restart()``) from sync code, or ``await nats_restart.arestart()`` from an async
+    test so publishers on the event loop keep running during the outage.
+    """
+
+    def __init__(self, fixture: StackFixture) -> None:
+        self._fixture = fixture
+        self.count = 0
+
+    def __call__(self, *, kill: bool = False, downtime: float = 0.0) -> None:
+        """Restart now; ``kill`` simulates a crash (SIGKILL), ``downtime`` keeps it down longer."""
+        self._fixture.restart_nats(kill=kill, downtime=downtime)
+        self.count += 1
+
+    async def arestart(self, *, kill: bool = False, downtime: float = 0.0) -> None:
+        """Like calling it, without blocking the event loop."""
+        await asyncio.to_thread(self, kill=kill, downtime=downtime)
+
+
+class ServiceRunner:
+    """Start DSec services as processes against the session stack; stop, kill or restart one.
+
+    Everything it started is stopped when the test ends.
+    """
+
+    def __init__(self, fixture: StackFixture) -> None:
+        self._fixture = fixture
+        self._started: dict[str, ServiceSpec] = {}
+        self._env: dict[str, dict[str, str]] = {}
+
+    def start(
+        self,
+        *names: str | ServiceSpec,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Start services (``"policy"`` runs ``python -m dsec_policy``) and wait for /healthz.
+
+        Raises:
+            dsec_cli.stack.StartFailed: a service exited or stayed unhealthy (log tail inside).
+        """
+        self._fixture.ensure(*CORE_SERVERS)
+        specs = [n if isinstance(n, ServiceSpec) else ServiceSpec(n) for n in names]
+        stack = self._fixture.stack
+        for spec in specs:
+            self._started[spec.name] = spec
+            self._env[spec.name] = dict(env or {})
+        default_timeout = stack.service_timeout
+        if timeout is not None:
+            stack.service_timeout = timeout
+        try:
+            stack.ensure_services(specs, extra_env=env)
+        finally:
+            stack.service_timeout = default_timeout
+
+    def process(self, name: str) -> ServiceProcess:
+        """The process handle of a started service."""
+        return self._fixture.stack.service(self._started[name])
+
+    def pid(self, name: str) -> int | None:
+        """Pid of the running service, or ``None`` when it is not running."""
+        return self.process(name).pid
+
+    def url(self, name: str) -> str:
+        """``http://127.0.0.1:<metrics port>`` of the service (``/metrics``, ``/healthz``)."""
+        return self.process(name).url
+
+    def log(self, name: str) -> str:
+        """The service's log so far."""
+        path = self.process(name).log_path
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self, name: str) -> None:
+        """SIGTERM (SIGKILL after the grace period)."""
+        self._fixture.stack.stop_service(name, sig=signal.SIGTERM)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL: a crash, with whatever it held unacknowledged."""
+        self._fixture.stack.stop_service(name, sig=signal.SIGKILL)
+
+    def restart(self, name: str, *, kill: bool = False) -> None:
+        """Stop (or kill) and start again with the same environment; waits for /healthz."""
+        if kill:
+            self.kill(name)
+        else:
+            self.stop(name)
+        self._fixture.stack.ensure_services([self._started[name]], extra_env=self._env[name])
+
+    def close(self) -> None:
+        """Stop every service this runner started."""
+        for name in list(self._started):
+            self._fixture.stack.stop_service(name)
+        self._started.clear()
