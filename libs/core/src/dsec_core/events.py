@@ -172,11 +172,17 @@ class SandboxReady(Payload):
 
     TYPE = "sandbox.ready"
     AGGREGATE = "sandbox"
+    VERSION = "1.1"
 
     node_id: str
     pid: int
     cgroup: str
     start_latency_ms: dict[str, float] = Field(default_factory=dict)
+    code_dir: str | None = Field(
+        default=None,
+        description="Host path (on node_id) of the sandbox's code copy, shown read-only at the "
+        "spec's workdir; None when it runs without a code bundle",
+    )
 
 
 ExitReason = Literal["ok", "error", "oom", "pids", "timeout", "stopped", "policy"]
@@ -248,16 +254,61 @@ class SnapshotTaken(Payload):
     bytes_uploaded: int
 
 
+class SnapshotRequested(Payload):
+    """A user asked for a snapshot of a sandbox (``dsec snapshot create ID``)."""
+
+    TYPE = "snapshot.requested"
+    AGGREGATE = "sandbox"
+
+    name: str = Field(description="Snapshot name, unique in the store")
+    requested_by: str = ""
+    include_code: bool = Field(default=True, description="Record the code tree")
+    include_deps: bool = Field(default=True, description="Record the dependency lock")
+    full_state: bool = Field(
+        default=False, description="Also the process state (not supported: refused)"
+    )
+
+
+class SnapshotRestoreRequested(Payload):
+    """A user asked to roll a running sandbox back to a snapshot (``dsec sandbox rollback``)."""
+
+    TYPE = "snapshot.restore_requested"
+    AGGREGATE = "sandbox"
+
+    snapshot: str
+    requested_by: str = ""
+
+
 class SnapshotRestored(Payload):
     """A sandbox was rolled back to (or started from) a snapshot."""
 
     TYPE = "snapshot.restored"
     AGGREGATE = "sandbox"
+    VERSION = "1.1"
 
     snapshot: str
     manifest_digest: str
     duration_ms: float
     compatibility_mode: bool = False
+    files_written: int = 0
+    files_removed: int = 0
+    deps_match: bool | None = Field(
+        default=None,
+        description="Whether the sandbox's environment has the snapshot's dependency "
+        "fingerprint (None: one of them records no environment)",
+    )
+    note: str = Field(default="", description="What was not restored, and why")
+
+
+class SnapshotFailed(Payload):
+    """A snapshot or rollback could not be done; the sandbox itself is unaffected."""
+
+    TYPE = "snapshot.failed"
+    AGGREGATE = "sandbox"
+
+    snapshot: str
+    operation: Literal["create", "restore"]
+    reason: str
 
 
 class UnitPlaced(Payload):
@@ -331,6 +382,9 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     UnitMigrated,
     NodeHeartbeat,
     KeyRegistered,
+    SnapshotRequested,
+    SnapshotRestoreRequested,
+    SnapshotFailed,
 )
 
 EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}

@@ -53,6 +53,24 @@ class Output:
 
 
 Handler = Callable[[Envelope, Any], Awaitable[Sequence[Output | Payload]]]
+FailureEvents = Callable[[Envelope, str, int], Sequence[Payload]]
+"""Builds the terminal event(s) of a request whose retries are exhausted: (input, reason,
+attempts) -> payloads. The default is ``sandbox.failed`` for events of a sandbox."""
+
+
+def sandbox_failed(service: str) -> FailureEvents:
+    """The default failure events: ``sandbox.failed`` with the stage and the reason."""
+
+    def build(envelope: Envelope, reason: str, attempts: int) -> Sequence[Payload]:
+        if envelope.aggregate != SandboxFailed.AGGREGATE:
+            return []
+        return [
+            SandboxFailed(
+                stage=service, reason=reason, attempts=attempts, failed_event_id=envelope.id
+            )
+        ]
+
+    return build
 
 
 @dataclass(frozen=True)
@@ -97,10 +115,20 @@ class Service:
         return self.nc is not None and self.nc.is_connected
 
     def handles(
-        self, event_type: str, *, retry: RetryPolicy | None = None, batch: int = 16
+        self,
+        event_type: str,
+        *,
+        retry: RetryPolicy | None = None,
+        batch: int = 16,
+        on_exhausted: FailureEvents | None = None,
     ) -> Callable[[Handler], Handler]:
-        """Register ``fn`` as the durable handler of ``event_type`` for this service."""
+        """Register ``fn`` as the durable handler of ``event_type`` for this service.
+
+        ``on_exhausted`` builds the terminal event(s) once retries are exhausted (default:
+        ``sandbox.failed``); a request must always end in a terminal event.
+        """
         policy = retry or RetryPolicy()
+        failure = on_exhausted or sandbox_failed(self.name)
         model_for(event_type)  # fail fast on a typo
         durable = f"{self.name}-{event_type.replace('.', '-')}"
 
@@ -114,7 +142,7 @@ class Service:
             )
 
             async def consume(msg: NatsMessage) -> None:
-                await self._dispatch(event_type, fn, policy, msg)
+                await self._dispatch(event_type, fn, policy, failure, msg)
 
             self.broker.subscriber(
                 filter_for(event_type),
@@ -130,7 +158,12 @@ class Service:
         return register
 
     async def _dispatch(
-        self, event_type: str, fn: Handler, policy: RetryPolicy, msg: NatsMessage
+        self,
+        event_type: str,
+        fn: Handler,
+        policy: RetryPolicy,
+        failure: FailureEvents,
+        msg: NatsMessage,
     ) -> None:
         attempt = int(msg.raw_message.metadata.num_delivered)
         labels = (self.name, event_type)
@@ -150,7 +183,7 @@ class Service:
             outputs = await fn(envelope, envelope.decoded())
             await self._publish_outputs(envelope, outputs)
         except Exception as exc:  # any handler error: retry, then a failure event
-            await self._on_failure(envelope, exc, attempt, policy, msg)
+            await self._on_failure(envelope, exc, attempt, policy, failure, msg)
             return
         finally:
             heartbeat.cancel()
@@ -185,6 +218,7 @@ class Service:
         exc: Exception,
         attempt: int,
         policy: RetryPolicy,
+        failure: FailureEvents,
         msg: NatsMessage,
     ) -> None:
         labels = (self.name, envelope.type)
@@ -196,11 +230,7 @@ class Service:
             return
         metrics.HANDLER_FAILURES.labels(*labels, "true").inc()
         log.error("%s: %s failed after %d attempts: %s", self.name, envelope.id, attempt, reason)
-        if envelope.aggregate == SandboxFailed.AGGREGATE:
-            failed = SandboxFailed(
-                stage=self.name, reason=reason, attempts=attempt, failed_event_id=envelope.id
-            )
-            await self._publish_outputs(envelope, [Output(failed)])
+        await self._publish_outputs(envelope, failure(envelope, reason, attempt))
         await msg.ack_sync()
 
     async def start(self) -> None:

@@ -36,6 +36,12 @@ class Settings(BaseSettings):
     org_policy: Path | None = Field(default=None, description="Org guardrail policy file")
     dns_upstream: str | None = Field(default=None, description="Upstream DNS host:port")
     log_level: str = Field(default="INFO", description="Log level of services")
+    snapshot_interval_s: float = Field(
+        default=0.0, ge=0, description="Periodic snapshot of each running sandbox (0 = off)"
+    )
+    snapshot_keep: int = Field(
+        default=10, ge=1, description="Periodic snapshots kept per sandbox (older are deleted)"
+    )
 
     def endpoint(self, name: str) -> Any:
         """Return setting ``name`` if set, else the value ``dsec up`` recorded in stack.json."""

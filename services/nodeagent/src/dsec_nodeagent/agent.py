@@ -117,13 +117,17 @@ class NodeAgent:
         assert raw.data is not None
         return decode(raw.data)
 
+    def _code_path(self, sandbox_id: str) -> Path:
+        """Where the sandbox's code copy lives on this node (``sandbox.ready.code_dir``)."""
+        return self.home / "sandboxes" / sandbox_id / "code"
+
     async def _code_dir(self, sandbox_id: str, code: events.BundleRef | None) -> Path | None:
         if code is None:
             return None
         data = await get_bytes(s3_client(self.settings), self.settings.s3_bucket, code.object_key)
         if blake3.blake3(data).hexdigest() != code.digest:
             raise StartRefused(f"code bundle {code.object_key} does not match its digest")
-        dest = self.home / "sandboxes" / sandbox_id / "code"
+        dest = self._code_path(sandbox_id)
         if dest.exists():  # a redelivery after a crash: the bundle is immutable, reuse it
             return dest
         try:
@@ -141,7 +145,8 @@ class NodeAgent:
         sid = envelope.aggregate_id
         running = self.manager.get(sid)
         if running is not None:  # redelivered after a crash between launch and ack
-            return [self._ready_event(running.ready)]
+            code_dir = self._code_path(sid)
+            return [self._ready_event(running.ready, code_dir if code_dir.is_dir() else None)]
         try:
             return await self._launch(sid, event)
         except (StartRefused, ContextError, SandboxStartError) as exc:
@@ -173,7 +178,7 @@ class NodeAgent:
             raise
         self._contexts[sid] = ctx
         self._keepalive[sid] = asyncio.create_task(self.injector.keepalive(ctx))
-        outputs.append(self._ready_event(ready))
+        outputs.append(self._ready_event(ready, code_dir))
         return outputs
 
     def _attach(self, plan: EnforcementPlan) -> Callable[[str, Path, int], Awaitable[None]]:
@@ -213,11 +218,12 @@ class NodeAgent:
             metadata=ctx.metadata(),
         )
 
-    def _ready_event(self, ready: SandboxReady) -> events.SandboxReady:
+    def _ready_event(self, ready: SandboxReady, code_dir: Path | None) -> events.SandboxReady:
         return events.SandboxReady(
             node_id=self.settings.node_id, pid=ready.pid, cgroup=ready.cgroup_path,
             start_latency_ms={k: round(v, 2) for k, v in ready.timings_ms.items()}
             | {"total": round(ready.ready_ms, 2)},
+            code_dir=str(code_dir) if code_dir is not None else None,
         )
 
     async def on_stop_requested(

@@ -5,10 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from dsec_core.events import SnapshotRestored, SpecSubmitted
 from dsec_core.projections import ensure_schema
+from dsec_core.settings import Settings
+from rich.markup import escape
 from rich.table import Table
 
 from dsec_cli.common import (
@@ -17,6 +24,7 @@ from dsec_cli.common import (
     bus,
     cli_publisher,
     console,
+    err_console,
     fail,
     pg_connect,
     print_json,
@@ -24,7 +32,9 @@ from dsec_cli.common import (
     submitter,
 )
 
-sandbox_app = typer.Typer(help="List and inspect sandboxes.", no_args_is_help=True)
+sandbox_app = typer.Typer(
+    help="List, inspect, stop, roll back and start sandboxes from snapshots.", no_args_is_help=True
+)
 
 _STATE_STYLE = {
     "running": "green",
@@ -139,7 +149,6 @@ def register(app: typer.Typer) -> None:
 
 
 def _manager() -> Any:
-    from dsec_core.settings import Settings
     from dsec_nodeagent.sandbox.manager import SandboxManager
 
     return SandboxManager(Settings().home)
@@ -148,10 +157,10 @@ def _manager() -> Any:
 @sandbox_app.command("logs")
 def logs(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox id (sbx_...)")],
-    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing until it exits")]
-    = False,
-    stderr: Annotated[bool, typer.Option("--stderr", help="Show stderr instead of stdout")]
-    = False,
+    follow: Annotated[
+        bool, typer.Option("-f", "--follow", help="Keep printing until it exits")
+    ] = False,
+    stderr: Annotated[bool, typer.Option("--stderr", help="Show stderr instead of stdout")] = False,
 ) -> None:
     """Print a sandbox's output (kept after it exits). Runs on the sandbox's node."""
     manager = _manager()
@@ -213,16 +222,215 @@ def stop(
             if not wait:
                 return None
             deadline = asyncio.get_running_loop().time() + grace + 30
-            async for batch in follow_log(js, filter_subject=subject_for("sandbox.exited",
-                                                                         sandbox_id),
-                                          start_seq=start):
+            async for batch in follow_log(
+                js, filter_subject=subject_for("sandbox.exited", sandbox_id), start_seq=start
+            ):
                 for _, data in batch:
                     return int(decode(data).payload["exit_code"])
                 if asyncio.get_running_loop().time() > deadline:
-                    fail(f"{sandbox_id} did not exit within {grace + 30:.0f} s; is its node "
-                         "agent running? (`dsec status`)", EXIT_FAILED)
+                    fail(
+                        f"{sandbox_id} did not exit within {grace + 30:.0f} s; is its node "
+                        "agent running? (`dsec status`)",
+                        EXIT_FAILED,
+                    )
         return None
 
     code = run(go())
     if code is not None:
         console.print(f"{sandbox_id} stopped (exit code {code})")
+
+
+@sandbox_app.command("rollback")
+def rollback(
+    sandbox_id: Annotated[str, typer.Argument(help="Running sandbox (sbx_...)")],
+    to: Annotated[str, typer.Option("--to", help="Snapshot to roll back to")],
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the snapshot service")] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Put a running sandbox's code back on a snapshot (``snapshot.restored`` records it).
+
+    The running process sees the restored files at once (its code dir is rewritten in place);
+    a different dependency environment cannot be swapped under it and is reported instead.
+    Exit 0 restored; 1 refused (exited sandbox, unknown or altered snapshot); 2 bad input;
+    3 unreachable; 4 no answer in time.
+    """
+    from dsec_core.events import SnapshotRestoreRequested
+
+    from dsec_cli.commands.snapshot import ask_snapshot_service
+
+    request = SnapshotRestoreRequested(snapshot=to, requested_by=submitter())
+    answer = ask_snapshot_service(request, sandbox_id, timeout)
+    p = answer.payload
+    ok = answer.type == "snapshot.restored"
+    if as_json:
+        print_json({"sandbox_id": sandbox_id, "event": answer.type, "ok": ok, **p})
+    elif not ok:
+        fail(f"rollback of {sandbox_id} to {to} failed: {p['reason']}", EXIT_FAILED)
+    else:
+        console.print(
+            f"[green]rolled {sandbox_id} back to {escape(to)}[/] in {p['duration_ms']:.0f} ms: "
+            f"{p.get('files_written', 0)} files written, {p.get('files_removed', 0)} removed",
+            highlight=False,
+        )
+        if p.get("note"):
+            err_console.print(f"[yellow]note:[/] {escape(p['note'])}", highlight=False)
+    if not ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@sandbox_app.command("run")
+def run_from_snapshot(
+    snapshot: Annotated[str, typer.Option("--snapshot", help="Snapshot to start from")],
+    code: Annotated[
+        Path | None,
+        typer.Option("--code", help="Run this directory; refused unless it matches the snapshot"),
+    ] = None,
+    spec: Annotated[
+        Path | None,
+        typer.Option(
+            help="Spec to run (default: the one the snapshot's sandbox was submitted "
+            "with, from the log)"
+        ),
+    ] = None,
+    wait: Annotated[str, typer.Option(help="Follow until: validated|built|ready|exited")] = "ready",
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds")] = 900.0,
+    stall: Annotated[
+        float, typer.Option(help="Stop when no event arrives for this long (s)")
+    ] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON result")] = False,
+) -> None:
+    """Start a new sandbox from a snapshot: its signature is checked, --code DIR must match the
+    snapshot's code exactly (each differing file is listed with its changed lines), the GPU
+    model is compared (a different one runs flagged as compatibility mode), then the spec is
+    submitted again, so the sandbox gets fresh leases from its own runtime context.
+
+    Exit codes as `dsec submit`; 1 also when the snapshot is altered or --code differs.
+    """
+    from dsec_cli.commands.submit import WAIT_FOR, finish, submit_and_follow, upload_code
+
+    if wait not in WAIT_FOR:
+        fail(f"--wait {wait!r} is not valid; use one of {', '.join(WAIT_FOR)}", EXIT_BAD_INPUT)
+    if code is not None and not code.is_dir():
+        fail(f"--code {code} is not a directory", EXIT_BAD_INPUT)
+    settings = Settings()
+    with tempfile.TemporaryDirectory(prefix="dsec-run-") as scratch:
+        start = _prepare_run(snapshot, code, spec, Path(scratch) / "code")
+        code_ref = upload_code(start.code_dir, start.spec_text, settings)
+    try:
+        outcome = run(
+            submit_and_follow(
+                start.spec_text,
+                start.filename,
+                code_ref,
+                wait,
+                timeout,
+                stall,
+                as_json,
+                also=[start.restored],
+            )
+        )
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    _warn_if_environment_differs(outcome.events, start.deps_fingerprint, as_json)
+    finish(outcome, wait, stall, as_json)
+
+
+@dataclass(frozen=True)
+class _RunStart:
+    """What a run from a snapshot submits."""
+
+    spec_text: str
+    filename: str
+    code_dir: Path
+    restored: SnapshotRestored
+    deps_fingerprint: str | None
+
+
+def _prepare_run(name: str, code: Path | None, spec: Path | None, scratch: Path) -> _RunStart:
+    """Check the snapshot (and ``code``) and find the spec; restore the code when not given."""
+    from dsec_cli.commands.snapshot import snapshot_store
+
+    started = time.perf_counter()
+    with snapshot_store() as store:
+        manifest = store.load(name)  # signature checked: an altered manifest exits 1
+        if code is not None:
+            check = store.verify_code_dir(name, code)
+            if not check.ok:
+                err_console.print(
+                    f"[bold red]error:[/] {escape(str(code))} does not match snapshot "
+                    f"{escape(name)}; refusing to run it:",
+                    highlight=False,
+                )
+                console.print(
+                    "\n".join(check.describe()), highlight=False, markup=False, soft_wrap=True
+                )
+                raise typer.Exit(EXIT_FAILED)
+            code_dir = code
+        else:
+            code_dir = store.restore(name, scratch).dest  # every byte hash-checked
+        gpu = store.check_gpu(name)
+    if gpu.compatibility_mode:
+        err_console.print(f"[yellow]warning:[/] {escape(gpu.message)}", highlight=False)
+    spec_text, filename = _spec_of(manifest.source.sandbox_id, spec, name)
+    how = f"code {code} verified against it" if code is not None else "code restored from it"
+    restored = SnapshotRestored(
+        snapshot=name,
+        manifest_digest=manifest.digest(),
+        duration_ms=round((time.perf_counter() - started) * 1000, 2),
+        compatibility_mode=gpu.compatibility_mode,
+        files_written=len(manifest.code.files) if code is None else 0,
+        note=f"started from snapshot {name} ({how})"
+        + (f"; {gpu.message}" if gpu.compatibility_mode else ""),
+    )
+    fingerprint = manifest.deps.fingerprint if manifest.deps is not None else None
+    return _RunStart(spec_text, filename, code_dir, restored, fingerprint)
+
+
+def _spec_of(sandbox_id: str | None, spec: Path | None, name: str) -> tuple[str, str]:
+    """The spec to submit: ``--spec``, else the snapshot's sandbox's, from the log."""
+    if spec is not None:
+        try:
+            return spec.read_text(), spec.name
+        except (OSError, UnicodeDecodeError) as exc:
+            fail(f"cannot read spec {spec}: {exc}", EXIT_BAD_INPUT)
+    if sandbox_id is None:
+        fail(
+            f"snapshot {name} was not taken of a sandbox: give the spec with --spec FILE",
+            EXIT_BAD_INPUT,
+        )
+
+    async def load() -> SpecSubmitted | None:
+        from dsec_core.envelope import decode
+        from dsec_core.subjects import STREAM, subject_for
+        from nats.js.errors import NotFoundError
+
+        async with bus() as (_, js):
+            try:
+                raw = await js.get_last_msg(STREAM, subject_for("spec.submitted", sandbox_id))
+            except NotFoundError:
+                return None
+        payload = decode(raw.data or b"").decoded()
+        return payload if isinstance(payload, SpecSubmitted) else None
+
+    submitted = run(load())
+    if submitted is None:
+        fail(
+            f"the spec of {sandbox_id} (snapshot {name}) is not in the event log: give it "
+            "with --spec FILE",
+            EXIT_BAD_INPUT,
+        )
+    return submitted.spec_yaml, submitted.filename
+
+
+def _warn_if_environment_differs(
+    events: list[dict[str, Any]], fingerprint: str | None, as_json: bool
+) -> None:
+    """The spec is resolved again: say so when that gave another environment."""
+    built = next((e["payload"] for e in events if e["type"] == "env.built"), None)
+    if as_json or built is None or fingerprint is None or built["fingerprint"] == fingerprint:
+        return
+    err_console.print(
+        f"[yellow]warning:[/] the new sandbox's environment {built['fingerprint'][:12]} differs "
+        f"from the snapshot's {fingerprint[:12]}: its spec resolves to other packages today",
+        highlight=False,
+    )

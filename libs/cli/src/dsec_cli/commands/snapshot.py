@@ -1,13 +1,17 @@
 """``dsec snapshot``: create, list, inspect, diff, verify, restore, check code, remove, retain, GC.
 
-Exit codes: 0 ok, 1 a check failed (verify, code mismatch), 2 bad input (name, directory, flag,
-unknown snapshot), 3 S3 or Vault unreachable.
+``create SANDBOX_ID`` asks the snapshot service on the bus (it reads the sandbox's code copy on
+its node); every other command works on the store directly.
+
+Exit codes: 0 ok, 1 a check failed (verify, code mismatch, snapshot refused), 2 bad input (name,
+directory, flag, unknown snapshot), 3 S3, Vault or NATS unreachable, 4 no answer in time.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -19,10 +23,25 @@ import typer
 from rich.markup import escape
 
 from dsec_cli.commands.code import human_size
-from dsec_cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_UNREACHABLE, console, fail, print_json
+from dsec_cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_TIMEOUT,
+    EXIT_UNREACHABLE,
+    bus,
+    cli_publisher,
+    console,
+    err_console,
+    fail,
+    print_json,
+    run,
+    submitter,
+)
 
 if TYPE_CHECKING:
-    from dsec_snapshot import SnapshotInputs, SnapshotStore
+    from dsec_core.envelope import Envelope
+    from dsec_core.events import Payload
+    from dsec_snapshot import SnapshotStore
     from dsec_snapshot.domain import Inspection, SnapshotDiff
 
 snapshot_app = typer.Typer(
@@ -41,7 +60,7 @@ def _duration(value: str, flag: str) -> timedelta:
 
 
 @contextmanager
-def _store() -> Iterator[SnapshotStore]:
+def snapshot_store() -> Iterator[SnapshotStore]:
     """Open the store; map library errors to the documented exit codes."""
     from dsec_snapshot import SnapshotStore
     from dsec_snapshot.errors import (
@@ -66,53 +85,181 @@ def _store() -> Iterator[SnapshotStore]:
         fail(str(exc), EXIT_FAILED)
 
 
-def sandbox_inputs(sandbox_id: str) -> SnapshotInputs:
-    """The inputs of a running sandbox (code dir, spec excludes, env, deps, audit segment).
+ANSWERS = frozenset({"snapshot.taken", "snapshot.restored", "snapshot.failed"})
 
-    Resolving a running sandbox needs the sandbox launcher's state; until it is wired, ask for
-    ``--dir``.
-    """
-    fail(
-        f"snapshotting sandbox {sandbox_id!r} by id needs the running-sandbox state, which is "
-        "not available here: pass --dir with the sandbox's code directory",
-        EXIT_BAD_INPUT,
+
+async def _ask(payload: Payload, sandbox_id: str, timeout: float) -> Envelope | None:
+    """Publish a request about a sandbox; return the snapshot service's answer to it."""
+    from dsec_core.bus import follow
+    from dsec_core.envelope import decode
+    from dsec_core.subjects import STREAM, aggregate_filter
+
+    async with bus() as (_, js):
+        start = (await js.stream_info(STREAM)).state.last_seq + 1
+        publisher = await cli_publisher(js)
+        request_id = (await publisher.publish(payload, aggregate_id=sandbox_id)).envelope.id
+        deadline = time.monotonic() + timeout
+        subject = aggregate_filter("sandbox", sandbox_id)
+        async for batch in follow(js, filter_subject=subject, start_seq=start, idle_s=0.25):
+            for _, data in batch:
+                env = decode(data)
+                if env.causation_id == request_id and env.type in ANSWERS:
+                    return env
+            if time.monotonic() > deadline:
+                return None
+    return None
+
+
+def ask_snapshot_service(payload: Payload, sandbox_id: str, timeout: float) -> Envelope:
+    """Publish ``payload`` on the sandbox's subjects and wait for the snapshot service's
+    answer (``snapshot.taken``/``restored``/``failed``); exit 4 when none comes in time."""
+    from dsec_core.subjects import InvalidSubjectToken, subject_for
+
+    try:
+        subject_for(payload.TYPE, sandbox_id)
+    except InvalidSubjectToken as exc:
+        fail(f"sandbox id: {exc}", EXIT_BAD_INPUT)
+    answer = run(_ask(payload, sandbox_id, timeout))
+    if answer is None:
+        fail(
+            f"no answer to {payload.TYPE} for {sandbox_id} within {timeout:.0f} s: is the "
+            "snapshot service running? (`dsec status`)",
+            EXIT_TIMEOUT,
+        )
+    return answer
+
+
+def _create_by_request(
+    sandbox_id: str,
+    name: str,
+    *,
+    include_code: bool,
+    include_deps: bool,
+    full_state: bool,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """``snapshot create SANDBOX_ID``: the snapshot service takes it on the sandbox's node."""
+    from dsec_core.events import SnapshotRequested
+
+    request = SnapshotRequested(
+        name=name,
+        requested_by=submitter(),
+        include_code=include_code,
+        include_deps=include_deps,
+        full_state=full_state,
     )
+    answer = ask_snapshot_service(request, sandbox_id, timeout)
+    p = answer.payload
+    ok = answer.type == "snapshot.taken"
+    if as_json:
+        print_json({"sandbox_id": sandbox_id, "event": answer.type, "ok": ok, **p})
+    elif ok:
+        console.print(
+            f"[green]snapshot {escape(name)}[/] of {sandbox_id}: {p['files']} files, "
+            f"{human_size(p['bytes_total'])}; uploaded {human_size(p['bytes_uploaded'])}",
+            highlight=False,
+        )
+        console.print(f"  manifest blake3:{p['manifest_digest']}", highlight=False)
+    else:
+        err_console.print(
+            f"[bold red]error:[/] snapshot {escape(name)} of {sandbox_id} failed: "
+            f"{escape(str(p['reason']))}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if not ok:
+        raise typer.Exit(EXIT_FAILED)
 
 
 @snapshot_app.command("create")
 def create(
     sandbox_id: Annotated[str | None, typer.Argument(help="Sandbox to snapshot")] = None,
     name: Annotated[str, typer.Option("--name", "-n", help="Snapshot name (unique)")] = "",
-    directory: Annotated[Path | None, typer.Option("--dir", help="Code directory")] = None,
+    directory: Annotated[
+        Path | None, typer.Option("--dir", help="Snapshot this directory instead of a sandbox")
+    ] = None,
     exclude: Annotated[
-        list[str], typer.Option("--exclude", "-x", help="Extra gitignore-style pattern")
+        list[str], typer.Option("--exclude", "-x", help="Extra gitignore-style pattern (--dir)")
     ] = [],  # noqa: B006
     env: Annotated[
-        list[str], typer.Option("--env", help="Record this variable (name + keyed hash only)")
+        list[str],
+        typer.Option("--env", help="Record this variable, name + keyed hash only (--dir)"),
     ] = [],  # noqa: B006
+    include_code: Annotated[
+        bool, typer.Option("--include-code/--no-include-code", help="Record the code tree")
+    ] = True,
+    include_deps: Annotated[
+        bool, typer.Option("--include-deps/--no-include-deps", help="Record the dependency lock")
+    ] = True,
+    full_state: Annotated[
+        bool, typer.Option("--full-state", help="Process state too (not supported: refused)")
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for the snapshot service (SANDBOX_ID)")
+    ] = 120.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON")] = False,
 ) -> None:
-    """Take a snapshot of a sandbox (SANDBOX_ID) or of a code directory (--dir)."""
-    from dsec_snapshot import SnapshotInputs
+    """Take a snapshot of a sandbox (SANDBOX_ID, via the snapshot service) or of a directory.
 
+    Exit 0 taken; 1 refused or failed (the reason is printed); 2 bad input; 3 unreachable;
+    4 no answer in time (is the snapshot service running?).
+    """
     if not name:
         fail("--name is required", EXIT_BAD_INPUT)
     if directory is None and sandbox_id is None:
         fail("give a SANDBOX_ID or --dir DIR", EXIT_BAD_INPUT)
+    if directory is None:
+        assert sandbox_id is not None
+        if exclude or env:
+            fail(
+                "--exclude and --env apply to --dir only (a sandbox's come from its spec)",
+                EXIT_BAD_INPUT,
+            )
+        _validate_name(name)
+        _create_by_request(
+            sandbox_id,
+            name,
+            include_code=include_code,
+            include_deps=include_deps,
+            full_state=full_state,
+            timeout=timeout,
+            as_json=as_json,
+        )
+        return
+    _create_from_dir(directory, name, sandbox_id, exclude, env, as_json)
+
+
+def _validate_name(name: str) -> None:
+    from dsec_snapshot.domain import validate_name
+    from dsec_snapshot.errors import InvalidInput
+
+    try:
+        validate_name(name)
+    except InvalidInput as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+
+
+def _create_from_dir(
+    directory: Path,
+    name: str,
+    sandbox_id: str | None,
+    exclude: list[str],
+    env: list[str],
+    as_json: bool,
+) -> None:
+    from dsec_snapshot import SnapshotInputs
+
     missing = [v for v in env if v not in os.environ]
     if missing:
         fail(f"--env {missing[0]}: not set in this environment", EXIT_BAD_INPUT)
-    if directory is not None:
-        inputs = SnapshotInputs(
-            code_dir=directory,
-            exclude_patterns=tuple(exclude),
-            sandbox_id=sandbox_id,
-            env={v: os.environ[v] for v in env} or None,
-        )
-    else:
-        assert sandbox_id is not None
-        inputs = sandbox_inputs(sandbox_id)
-    with _store() as store:
+    inputs = SnapshotInputs(
+        code_dir=directory,
+        exclude_patterns=tuple(exclude),
+        sandbox_id=sandbox_id,
+        env={v: os.environ[v] for v in env} or None,
+    )
+    with snapshot_store() as store:
         result = store.create(name, inputs)
     m = result.manifest
     if as_json:
@@ -148,7 +295,7 @@ def create(
 @snapshot_app.command("ls")
 def ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """List snapshots, oldest first."""
-    with _store() as store:
+    with snapshot_store() as store:
         rows = store.list_snapshots()
     if as_json:
         print_json([r.model_dump(mode="json") for r in rows])
@@ -179,7 +326,7 @@ def inspect(
     """What takes space in a snapshot: by directory and kind, and what dominates."""
     from dsec_snapshot.domain import inspect_manifest
 
-    with _store() as store:
+    with snapshot_store() as store:
         result = inspect_manifest(store.load(name), depth=depth)
     if as_json:
         print_json(_inspection_json(result))
@@ -260,7 +407,7 @@ def _print_diff(d: SnapshotDiff) -> None:
 @snapshot_app.command("diff")
 def diff(a: str, b: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """What changed from snapshot A to B: files (with line diffs), dependencies, env, kernel."""
-    with _store() as store:
+    with snapshot_store() as store:
         result = store.diff(a, b)
     if as_json:
         print_json(_diff_json(result))
@@ -271,7 +418,7 @@ def diff(a: str, b: str, as_json: Annotated[bool, typer.Option("--json")] = Fals
 @snapshot_app.command("verify")
 def verify(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Check the signature and every stored object's hash; exit 1 naming what is wrong."""
-    with _store() as store:
+    with snapshot_store() as store:
         report = store.verify(name)
     if as_json:
         print_json(asdict(report) | {"ok": report.ok})
@@ -299,7 +446,7 @@ def restore(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Materialize a snapshot's code at DEST (every byte hash-checked)."""
-    with _store() as store:
+    with snapshot_store() as store:
         result = store.restore(name, dest, sync=sync)
     if as_json:
         print_json(
@@ -326,7 +473,7 @@ def check_code(
     name: str, directory: Path, as_json: Annotated[bool, typer.Option("--json")] = False
 ) -> None:
     """Compare DIRECTORY with a snapshot's code; exit 1 listing each file and differing lines."""
-    with _store() as store:
+    with snapshot_store() as store:
         check = store.verify_code_dir(name, directory)
     if as_json:
         print_json({"snapshot": name, "directory": str(directory), "ok": check.ok,
@@ -343,7 +490,7 @@ def check_code(
 @snapshot_app.command("rm")
 def rm(names: Annotated[list[str], typer.Argument(help="Snapshots to delete")]) -> None:
     """Delete snapshots (their chunks are freed by the next `gc`)."""
-    with _store() as store:
+    with snapshot_store() as store:
         for name in names:
             store.delete(name)
             console.print(f"deleted {escape(name)}", highlight=False)
@@ -362,7 +509,7 @@ def retain(
     from dsec_snapshot.domain import RetentionPolicy
 
     within = _duration(keep_within, "--keep-within") if keep_within else None
-    with _store() as store:
+    with snapshot_store() as store:
         policy = RetentionPolicy(keep_last=keep_last, keep_within=within, keep_daily=keep_daily)
         expired = store.apply_retention(policy, series=series, dry_run=dry_run)
     if as_json:
@@ -380,7 +527,7 @@ def gc(
 ) -> None:
     """Delete chunks and audit blobs that no snapshot references."""
     period = _duration(grace, "--grace")
-    with _store() as store:
+    with snapshot_store() as store:
         report = store.gc(grace=period, dry_run=dry_run)
     if as_json:
         print_json(asdict(report) | {"deleted": len(report.deleted)})

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
 from dsec_core.bus import follow
 from dsec_core.codebundle import BundleError, build_bundle
 from dsec_core.envelope import Envelope, decode
-from dsec_core.events import TERMINAL_TYPES, BundleRef, SpecSubmitted
+from dsec_core.events import TERMINAL_TYPES, BundleRef, Payload, SpecSubmitted
 from dsec_core.ids import new_sandbox_id
 from dsec_core.objectstore import ensure_bucket
 from dsec_core.settings import Settings
@@ -86,7 +87,8 @@ def _exclude_patterns(spec_text: str) -> list[str]:
         return []
 
 
-def _upload_code(code: Path, spec_text: str, settings: Settings) -> BundleRef:
+def upload_code(code: Path, spec_text: str, settings: Settings) -> BundleRef:
+    """Bundle ``code`` (with the spec's exclude patterns) and store it content-addressed."""
     try:
         bundle = build_bundle(code, _exclude_patterns(spec_text))
     except (BundleError, OSError) as exc:
@@ -130,7 +132,7 @@ def _explain(env: Envelope) -> None:
             )
 
 
-async def _submit(
+async def submit_and_follow(
     spec_text: str,
     filename: str,
     code_ref: BundleRef | None,
@@ -138,7 +140,12 @@ async def _submit(
     timeout: float,
     stall: float,
     as_json: bool,
+    *,
+    also: Sequence[Payload] = (),
 ) -> Outcome:
+    """Publish ``spec.submitted`` for a new sandbox (then ``also``, e.g. the snapshot it starts
+    from) and follow the sandbox's events until ``wait`` is reached, a terminal event, a stall
+    or the timeout."""
     sandbox_id = new_sandbox_id()
     outcome = Outcome(sandbox_id)
     target = WAIT_FOR[wait]
@@ -151,6 +158,8 @@ async def _submit(
             ),
             aggregate_id=sandbox_id,
         )
+        for payload in also:
+            await publisher.publish(payload, aggregate_id=sandbox_id)
         deadline = time.monotonic() + timeout
         last_event_at = time.monotonic()
         async for batch in follow(
@@ -208,11 +217,18 @@ def submit(
     if code is not None and not code.is_dir():
         fail(f"--code {code} is not a directory", EXIT_BAD_INPUT)
     settings = Settings()
-    code_ref = _upload_code(code, spec_text, settings) if code is not None else None
+    code_ref = upload_code(code, spec_text, settings) if code is not None else None
     try:
-        outcome = run(_submit(spec_text, spec.name, code_ref, wait, timeout, stall, as_json))
+        outcome = run(
+            submit_and_follow(spec_text, spec.name, code_ref, wait, timeout, stall, as_json)
+        )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    finish(outcome, wait, stall, as_json)
+
+
+def finish(outcome: Outcome, wait: str, stall: float, as_json: bool) -> NoReturn:
+    """Report how following a submitted sandbox ended, and exit with its code."""
     if outcome.stalled_after is not None and not as_json:
         err_console.print(
             f"[yellow]stalled:[/] no event for {stall:.0f} s after "
@@ -229,4 +245,4 @@ def register(app: typer.Typer) -> None:
     app.command("submit")(submit)
 
 
-__all__ = ["register"]
+__all__ = ["WAIT_FOR", "Outcome", "finish", "register", "submit_and_follow", "upload_code"]

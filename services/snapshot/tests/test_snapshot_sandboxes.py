@@ -1,0 +1,123 @@
+"""What the snapshot service reads from a sandbox's events, and when it refuses (pure)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+from dsec_core import events
+from dsec_core.envelope import Envelope
+from dsec_core.signing import Signer
+from nacl.signing import SigningKey
+
+from dsec_snapshot import sandboxes
+from dsec_snapshot.manifest import DepsRecord
+from dsec_snapshot.sandboxes import SandboxFacts
+
+pytestmark = pytest.mark.unit
+
+SID = "sbx_test"
+ROOT = Path("/home/dsec/sandboxes")
+SIGNER = Signer("test", SigningKey.generate())
+
+
+def env(payload: events.Payload) -> Envelope:
+    return SIGNER.seal(payload, aggregate_id=SID).envelope
+
+
+PLAN = {
+    "exclude_patterns": ["*.ckpt"],
+    "env": [{"name": "MODE", "value": "eval"}],
+}
+
+
+def lifecycle(*extra: events.Payload) -> list[Envelope]:
+    payloads: list[events.Payload] = [
+        events.SpecSubmitted(spec_yaml="name: x"),
+        events.SpecValidated(name="x", spec_digest="d", plan=PLAN),
+        events.DepsResolved(
+            lock=[
+                events.LockedPackage(name="msgpack", version="1.1.0", sha256="ab", source="pypi")
+            ],
+            lock_hash="lh",
+            python="3.11",
+            platform="linux",
+            resolve_ms=1,
+        ),
+        events.EnvBuilt(
+            lock_hash="lh", fingerprint="fp-1", location="/env", node_id="n1", reused=False
+        ),
+        events.ContextInjected(kind="secret", name="API_KEY", source="vault://k", digest="sd1"),
+        events.SandboxReady(node_id="n1", pid=1, cgroup="/cg", code_dir=f"{ROOT}/{SID}/code"),
+        *extra,
+    ]
+    return [env(p) for p in payloads]
+
+
+def facts(*extra: events.Payload) -> SandboxFacts:
+    return SandboxFacts.from_events(SID, lifecycle(*extra))
+
+
+def ready_at(code_dir: str) -> SandboxFacts:
+    forged = events.SandboxReady(node_id="n1", pid=1, cgroup="/cg", code_dir=code_dir)
+    return SandboxFacts.from_events(SID, [*lifecycle()[:-1], env(forged)])
+
+
+def test_facts_record_the_environment_and_secret_digests_never_values() -> None:
+    f = facts()
+    assert f.running and f.local_code_dir("n1", ROOT) == ROOT / SID / "code"
+    assert f.local_code_dir("n2", ROOT) is None  # another node's code copy is not ours to read
+    assert sandboxes.exclude_patterns(f) == ("*.ckpt",)
+    assert sandboxes.env_values(f) == {"MODE": "eval", "API_KEY": "secret-digest:sd1"}
+    deps = sandboxes.deps_record(f)
+    assert deps is not None and deps.fingerprint == "fp-1" and deps.packages[0].name == "msgpack"
+
+
+def test_create_is_refused_for_unknown_sandboxes_and_full_state() -> None:
+    request = events.SnapshotRequested(name="s")
+    unknown = SandboxFacts.from_events(SID, [])
+    assert "no sandbox 'sbx_test' in the event log" in str(
+        sandboxes.create_refusal(unknown, request)
+    )
+    full = events.SnapshotRequested(name="s", full_state=True)
+    assert "not supported" in str(sandboxes.create_refusal(facts(), full))
+    assert sandboxes.create_refusal(facts(), request) is None
+
+
+def refusal(f: SandboxFacts, node: str = "n1") -> str | None:
+    return sandboxes.restore_refusal(f, node, ROOT, "s")
+
+
+def test_restore_is_refused_unless_running_here_with_code() -> None:
+    exited = facts(events.SandboxExited(exit_code=0, reason="ok", duration_s=1))
+    assert "has exited" in str(refusal(exited))
+    assert "dsec sandbox run --snapshot s" in str(refusal(exited))
+    assert "runs on node 'n1'" in str(refusal(facts(), "n2"))
+    assert "is not running" in str(refusal(SandboxFacts.from_events(SID, [])))
+    assert refusal(facts()) is None
+
+
+@pytest.mark.parametrize("elsewhere", ["/root/.ssh", f"{ROOT}/sbx_other/code", f"{ROOT}/../x"])
+def test_a_code_dir_outside_the_node_layout_is_never_used(elsewhere: str) -> None:
+    forged = ready_at(elsewhere)
+    assert forged.local_code_dir("n1", ROOT) is None
+    assert "not where this node keeps its code" in str(refusal(forged))
+
+
+def test_a_different_environment_is_reported_not_faked() -> None:
+    built = facts().built
+    same = DepsRecord(fingerprint="fp-1", lock_hash="lh")
+    other = DepsRecord(fingerprint="fp-0", lock_hash="lh0")
+    assert sandboxes.deps_verdict(same, built) == (True, "")
+    match, note = sandboxes.deps_verdict(other, built)
+    assert match is False and "cannot be" in note and "dsec sandbox run --snapshot" in note
+    assert sandboxes.deps_verdict(None, built)[0] is None
+
+
+def test_audit_segment_keeps_the_signed_wire_bytes_with_their_sequence() -> None:
+    records = [(3, b"\x81a\x01"), (7, b"\x81b\x02")]
+    assert msgpack.unpackb(sandboxes.audit_segment(records)) == [
+        [3, b"\x81a\x01"],
+        [7, b"\x81b\x02"],
+    ]
