@@ -9,16 +9,16 @@ import socket
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-import nats
 import typer
-from dsec_core.bus import EventPublisher, ensure_stream
 from dsec_core.settings import Settings
-from dsec_core.signing import Signer, key_id_of, load_or_create_key
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
 from rich.console import Console
+
+if TYPE_CHECKING:  # the bus client is imported when a command needs it: `dsec --help` stays fast
+    from dsec_core.bus import EventPublisher
+    from nats.aio.client import Client as NATS
+    from nats.js import JetStreamContext
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -56,6 +56,9 @@ def submitter() -> str:
 @asynccontextmanager
 async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, JetStreamContext]]:
     """Connect to NATS, or exit 3 with a message that says what to do."""
+    import nats
+    from dsec_core.bus import ensure_stream
+
     settings = settings or Settings()
     url = settings.nats_endpoint()
     try:
@@ -78,6 +81,9 @@ async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, Jet
 
 async def cli_publisher(js: JetStreamContext, settings: Settings | None = None) -> EventPublisher:
     """A publisher signing as producer ``cli-<key id>`` with the key under ``$DSEC_HOME/keys``."""
+    from dsec_core.bus import EventPublisher
+    from dsec_core.signing import Signer, key_id_of, load_or_create_key
+
     settings = settings or Settings()
     key = load_or_create_key(settings.home / "keys" / "cli.key")
     # Each CLI key is its own producer: many people submit, each with their own key, and a

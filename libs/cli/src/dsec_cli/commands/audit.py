@@ -6,7 +6,6 @@ from typing import Annotated, Any
 
 import typer
 from dsec_core.audit import Verifier, VerifyReport
-from dsec_core.bus import replay
 from dsec_core.envelope import decode
 from dsec_core.events import EVENT_TYPES
 from dsec_core.subjects import ALL_EVENTS, aggregate_filter
@@ -28,6 +27,8 @@ audit_app = typer.Typer(help="Verify and replay the signed audit trail.", no_arg
 
 
 async def _verify() -> VerifyReport:
+    from dsec_core.bus import replay
+
     verifier = Verifier()
     async with bus() as (_, js):
         async for seq, data in replay(js):
@@ -87,6 +88,8 @@ def verify(
 
 
 async def _replay(sandbox: str | None, types: list[str], since: str | None, as_json: bool) -> int:
+    from dsec_core.bus import replay
+
     since_t = parse_since(since) if since else None
     filt = aggregate_filter("sandbox", sandbox) if sandbox else ALL_EVENTS
     shown = 0
@@ -129,6 +132,8 @@ def keys(
     """List the producer keys registered in the log."""
 
     async def collect() -> list[dict[str, Any]]:
+        from dsec_core.bus import replay
+
         found: dict[tuple[str, str], dict[str, Any]] = {}
         async with bus() as (_, js):
             async for seq, data in replay(js, filter_subject="dsec.producer.>"):

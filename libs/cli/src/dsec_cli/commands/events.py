@@ -7,10 +7,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from dsec_core.bus import follow
 from dsec_core.envelope import MalformedEnvelope, decode
 from dsec_core.events import EVENT_TYPES
-from dsec_core.schema import asyncapi_document
 from dsec_core.subjects import ALL_EVENTS, STREAM, aggregate_filter
 
 from dsec_cli.common import EXIT_BAD_INPUT, bus, console, fail, print_json, run
@@ -31,6 +29,8 @@ def _check_types(types: list[str]) -> None:
 async def _tail(
     types: list[str], sandbox: str | None, from_start: bool, as_json: bool, count: int | None
 ) -> None:
+    from dsec_core.bus import follow
+
     filt = aggregate_filter("sandbox", sandbox) if sandbox else ALL_EVENTS
     shown = 0
     async with bus() as (_, js):
@@ -75,6 +75,8 @@ def schema(
     out: Annotated[Path | None, typer.Option(help="Write to this file instead of stdout")] = None,
 ) -> None:
     """Export the AsyncAPI 3.0 document of every event on the bus (JSON)."""
+    from dsec_core.schema import asyncapi_document
+
     text = json.dumps(asyncapi_document(), indent=2)
     if out is None:
         print(text)

@@ -6,7 +6,6 @@ import time
 from typing import Annotated
 
 import typer
-from dsec_core.projections import rebuild
 
 from dsec_cli.common import bus, console, pg_connect, print_json, run
 
@@ -20,6 +19,7 @@ def rebuild_cmd(
     """Drop the read models and replay the whole event log into them."""
 
     async def go() -> tuple[int, float]:
+        from dsec_core.projections import rebuild
         from dsec_core.settings import Settings
 
         conn = await pg_connect()  # fail fast with a clear message when Postgres is down

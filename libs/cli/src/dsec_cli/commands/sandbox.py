@@ -13,7 +13,6 @@ from typing import Annotated, Any
 
 import typer
 from dsec_core.events import SnapshotRestored, SpecSubmitted
-from dsec_core.projections import ensure_schema
 from dsec_core.settings import Settings
 from rich.markup import escape
 from rich.table import Table
@@ -46,6 +45,8 @@ _STATE_STYLE = {
 
 
 async def _rows(query: str, *args: Any) -> list[dict[str, Any]]:
+    from dsec_core.projections import ensure_schema
+
     conn = await pg_connect()
     try:
         await ensure_schema(conn)
@@ -96,6 +97,8 @@ def show(
     """Show one sandbox: state, spec status and its event timeline."""
 
     async def load() -> dict[str, Any] | None:
+        from dsec_core.projections import ensure_schema
+
         conn = await pg_connect()
         try:
             await ensure_schema(conn)

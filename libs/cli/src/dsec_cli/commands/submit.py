@@ -11,12 +11,10 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
-from dsec_core.bus import follow
 from dsec_core.codebundle import BundleError, build_bundle
 from dsec_core.envelope import Envelope, decode
 from dsec_core.events import TERMINAL_TYPES, BundleRef, Payload, SpecSubmitted
 from dsec_core.ids import new_sandbox_id
-from dsec_core.objectstore import ensure_bucket
 from dsec_core.settings import Settings
 from dsec_core.subjects import STREAM, aggregate_filter
 
@@ -89,6 +87,8 @@ def _exclude_patterns(spec_text: str) -> list[str]:
 
 def upload_code(code: Path, spec_text: str, settings: Settings) -> BundleRef:
     """Bundle ``code`` (with the spec's exclude patterns) and store it content-addressed."""
+    from dsec_core.objectstore import ensure_bucket
+
     try:
         bundle = build_bundle(code, _exclude_patterns(spec_text))
     except (BundleError, OSError) as exc:
@@ -146,6 +146,8 @@ async def submit_and_follow(
     """Publish ``spec.submitted`` for a new sandbox (then ``also``, e.g. the snapshot it starts
     from) and follow the sandbox's events until ``wait`` is reached, a terminal event, a stall
     or the timeout."""
+    from dsec_core.bus import follow
+
     sandbox_id = new_sandbox_id()
     outcome = Outcome(sandbox_id)
     target = WAIT_FOR[wait]
