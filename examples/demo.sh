@@ -15,6 +15,10 @@ expect() {  # expect CODE CMD...: run CMD, fail the demo unless it exits with CO
   fi
 }
 
+jq_() {  # jq_ JSON EXPR: evaluate a Python expression over the parsed JSON `d`
+  python3 -c 'import json,sys; d=json.loads(sys.argv[1]); print(eval(sys.argv[2]))' "$1" "$2"
+}
+
 trap 'echo; echo "demo failed; the stack is still up for inspection: dsec status, dsec down" >&2' ERR
 
 step "Start the embedded stack" dsec up
@@ -41,6 +45,33 @@ step "The web-search agent, end to end" \
   dsec submit examples/websearch-agent/dsec.yaml --code examples/websearch-agent
 dsec submit examples/websearch-agent/dsec.yaml --code examples/websearch-agent --stall 120 \
   || echo "(the chain stops where the services stop; see above)"
+
+step "A long-running evaluation agent" \
+  dsec submit examples/eval-agent/dsec.yaml --code examples/eval-agent --wait ready --json
+ready_json=$(dsec submit examples/eval-agent/dsec.yaml --code examples/eval-agent --wait ready \
+  --stall 120 --json | tail -n 1)
+SID=$(jq_ "$ready_json" 'd["sandbox_id"]')
+CODE_DIR=$(jq_ "$ready_json" '[e for e in d["events"] if e["type"]=="sandbox.ready"][0]["payload"]["code_dir"]')
+echo "sandbox $SID runs; its code copy on this node: $CODE_DIR"
+
+step "Snapshot it while it runs" dsec snapshot create "$SID" --name eval-good
+dsec snapshot create "$SID" --name eval-good-$SID
+dsec snapshot inspect eval-good-$SID
+
+step "Yesterday 0.92, today 0.87: run the snapshot with changed code — refused, line by line" \
+  dsec sandbox run --snapshot eval-good --code CHANGED
+changed=$(mktemp -d); cp -r examples/eval-agent/. "$changed"
+sed -i 's/0.92/0.87/' "$changed/config.txt"
+expect 1 dsec sandbox run --snapshot eval-good-$SID --code "$changed"
+rm -rf "$changed"
+
+step "A bad hot-patch reaches the running sandbox; roll it back to the snapshot" \
+  dsec sandbox rollback "$SID" --to eval-good
+sed -i 's/0.92/0.87/' "$CODE_DIR/config.txt"
+sleep 1; dsec sandbox logs "$SID" | tail -n 2
+dsec sandbox rollback "$SID" --to eval-good-$SID
+sleep 1; dsec sandbox logs "$SID" | tail -n 2
+dsec sandbox stop "$SID"
 
 step "Sandboxes, from the Postgres read models" dsec sandbox list
 for _ in $(seq 50); do  # the projector follows the log asynchronously

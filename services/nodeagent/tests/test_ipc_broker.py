@@ -406,3 +406,37 @@ def test_identify_hook_pins_identity(sock_dir: Path) -> None:
             impostor.call_tool("a", "ping")
     finally:
         thread.stop()
+
+
+def test_broker_restart_ends_serving_and_callers_reconnect(sock_dir: Path) -> None:
+    path = sock_dir / "ipc.sock"
+    first = BrokerThread(path)
+    server = DSecClient("agent-b", "g1", socket_path=path)
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            server.serve(agent_tools())
+        except BaseException as exc:
+            failure.append(exc)
+
+    serving = threading.Thread(target=serve)
+    serving.start()
+    client = DSecClient("agent-a", "g1", socket_path=path, timeout=20)
+    wait_serving(client, "agent-b")
+    first.stop()
+    serving.join(10)
+    assert len(failure) == 1 and isinstance(failure[0], BrokerUnavailable)
+    assert "closed the connection; serving stopped" in str(failure[0])
+
+    second = BrokerThread(path)
+    try:
+        replacement = ThreadServer(second, "agent-b")
+        with pytest.raises((PeerGone, BrokerUnavailable)):
+            client.call_tool("agent-b", "ping")  # the old channel's server is gone
+        wait_serving(client, "agent-b")
+        assert client.call_tool("agent-b", "echo", data=1) == {"data": 1, "seq": 0}
+        replacement.stop()
+    finally:
+        client.close()
+        second.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,9 +96,22 @@ def test_remote_agent_killed_is_peer_gone(nodes: tuple[BrokerThread, BrokerThrea
     client = DSecClient("agent-a", "g1", socket_path=one.socket_path, timeout=None)
     try:
         wait_serving(client, "agent-k")
+        outcome: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                client.call_tool("agent-k", "hang")  # no timeout: only liveness can end it
+            except BaseException as exc:
+                outcome.append(exc)
+
+        caller = threading.Thread(target=call)
+        caller.start()
         proc.kill()
-        proc.wait()
-        with pytest.raises(PeerGone, match="agent 'agent-k' is gone"):
+        caller.join(30)
+        assert not caller.is_alive(), "the call hung after the remote agent was killed"
+        assert len(outcome) == 1 and isinstance(outcome[0], PeerGone), outcome
+        assert str(outcome[0]).startswith("agent 'agent-k' is gone:")
+        with pytest.raises((PeerGone, AgentNotFound)):
             client.call_tool("agent-k", "ping")
     finally:
         proc.kill()

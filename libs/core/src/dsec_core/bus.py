@@ -7,6 +7,7 @@ crash or a lost ack) is dropped by JetStream's duplicate window instead of doubl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator, Sequence
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import nats
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -199,7 +200,9 @@ async def follow(
                 continue
             yield [(m.metadata.sequence.stream, m.data) for m in msgs]
     finally:
-        await sub.unsubscribe()
+        # The caller may close the connection before this generator is finalized.
+        with contextlib.suppress(ConnectionClosedError):
+            await sub.unsubscribe()
 
 
 async def replay(

@@ -254,10 +254,11 @@ class Broker:
             self._reply_error(conn, message, "bad_request", str(exc))
             return
         server = self._registry.lookup(key)
-        if server is not None:
-            channel_id, caller_fds = self.open_channel(server, conn.name, conn.pidfd)
+        opened = self.open_channel(server, conn.name, conn.pidfd) if server else None
+        if opened is not None:
+            channel_id, caller_fds = opened
             reply = self._channel_reply(ref, channel_id, key.agent, remote=False)
-            self._send(conn, reply, [*caller_fds, server.doorbell, server.pidfd])
+            self._send(conn, reply, caller_fds)
             control.close_fds(caller_fds)
             return
         if self._remote is not None and await self._remote.locate(key):
@@ -272,11 +273,12 @@ class Broker:
     # ------------------------------------------------------------------ channels
     def open_channel(
         self, server: Connection, caller: str, caller_pidfd: int
-    ) -> tuple[int, list[int]]:
+    ) -> tuple[int, list[int]] | None:
         """Create a channel to ``server`` and announce it there.
 
-        Returns the channel id and the caller's fds (memfd, overflows, caller eventfd), which the
-        caller of this method sends on and then closes.
+        Returns the channel id and the caller's six fds (memfd, overflows, caller eventfd,
+        server doorbell, server pidfd), now owned by whoever called this; ``None`` if the server
+        turned out to be gone.
         """
         fds = ch.create_channel(self.ring_capacity)
         channel_id = self.new_channel_id()
@@ -287,7 +289,10 @@ class Broker:
             "ring_capacity": self.ring_capacity,
         }
         self._send(server, opening, [*fds.all(), caller_pidfd])
-        return channel_id, fds.all()
+        if server not in self._connections:  # it died; _send dropped it
+            fds.close()
+            return None
+        return channel_id, [*fds.all(), os.dup(server.doorbell), os.dup(server.pidfd)]
 
     def _channel_reply(
         self, ref: Any, channel_id: int, peer: str, *, remote: bool
@@ -337,6 +342,7 @@ class Broker:
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
+        task.add_done_callback(_finished)
         task.add_done_callback(self._tasks.discard)
 
     def _drop(self, conn: Connection) -> None:
@@ -353,3 +359,9 @@ class Broker:
             self._remote.forget(conn)
         control.close_fds([fd for fd in (conn.pidfd, conn.doorbell) if fd >= 0])
         conn.pidfd = conn.doorbell = -1
+
+
+def _finished(task: asyncio.Task[None]) -> None:
+    """Log a background task's crash (it would otherwise vanish silently)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("ipc: background task failed", exc_info=task.exception())

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 LOCATE: Final = "_locate"
 LOCATE_TIMEOUT_S: Final = 1.0
+LIVENESS_EVERY_S: Final = 1.0
 # A call without a timeout still gets one across nodes: a vanished node must not hold it forever.
 DEFAULT_REMOTE_TIMEOUT_S: Final = 300.0
 
@@ -146,7 +147,17 @@ class RemoteBridge:
         self._spawn(self._forward(end, call_id, body))
 
     async def _forward(self, end: ch.ServerEnd, call_id: int, body: bytes) -> None:
-        assert self.nc is not None and self._proxy is not None
+        assert self._proxy is not None
+        try:
+            kind, reply = await self._forward_body(end, body)
+        except Exception as exc:
+            log.exception("ipc: forwarding a call over NATS failed")
+            text = f"the bridge to the other node failed: {type(exc).__name__}: {exc}"
+            kind, reply = codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", text)
+        self._proxy.respond(end, kind, call_id, reply)
+
+    async def _forward_body(self, end: ch.ServerEnd, body: bytes) -> tuple[int, bytes]:
+        assert self.nc is not None
         key = self._targets.get(end.channel_id)
         kind, reply = codec.ERROR, b""
         try:
@@ -165,20 +176,32 @@ class RemoteBridge:
                 )
             else:
                 kind, reply = await self._request(key, tool, body, timeout_s)
-        self._proxy.respond(end, kind, call_id, reply)
+        return kind, reply
 
     async def _request(
         self, key: AgentKey, tool: str, body: bytes, timeout_s: float
     ) -> tuple[int, bytes]:
         assert self.nc is not None
+        request = asyncio.ensure_future(self.nc.request(key.subject(tool), body, timeout=timeout_s))
         try:
-            msg = await self.nc.request(key.subject(tool), body, timeout=timeout_s)
+            # NATS drops a request whose responder unsubscribes at the wrong moment (only the
+            # timeout would end it), so while waiting, ask now and then whether the agent still
+            # lives: the cross-node twin of watching a local peer's pidfd.
+            while not (await asyncio.wait({request}, timeout=LIVENESS_EVERY_S))[0]:
+                if not await self.locate(key):
+                    request.cancel()
+                    text = "it left its node during the call"
+                    return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", text)
+            msg = request.result()
         except nats.errors.NoRespondersError:
             text = "no node serves it any more"
             return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", text)
         except (nats.errors.TimeoutError, TimeoutError):
             text = f"no answer from the remote node within {timeout_s:g} s"
             return codec.ERROR, self._error(codec.E_TIMEOUT, "CallTimeout", text)
+        finally:
+            if not request.done():
+                request.cancel()
         data = msg.data
         if not data or data[0] not in (codec.RESULT, codec.ERROR):
             return codec.ERROR, self._error(codec.E_REMOTE, "ProtocolError", "malformed reply")
@@ -186,6 +209,15 @@ class RemoteBridge:
 
     # ------------------------------------------------------------------ inbound (server here)
     async def _on_remote_call(self, key: AgentKey, msg: Msg) -> None:
+        try:
+            await self._answer_remote_call(key, msg)
+        except Exception as exc:
+            # Whatever broke, the calling node gets an answer rather than waiting out its timeout.
+            log.exception("ipc: remote call to %s failed", key)
+            text = f"the serving node failed: {type(exc).__name__}: {exc}"
+            await self._reply(msg, codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", text))
+
+    async def _answer_remote_call(self, key: AgentKey, msg: Msg) -> None:
         tool = msg.subject.rsplit(".", 1)[-1]
         if tool == LOCATE:
             await msg.respond(self.broker.node_id.encode())
@@ -235,12 +267,15 @@ class RemoteBridge:
         if server is None:
             return None
         caller_name = f"remote-via-{self.broker.node_id}"
-        channel_id, fds = self.broker.open_channel(server, caller_name, self.broker.self_pidfd)
+        opened = self.broker.open_channel(server, caller_name, self.broker.self_pidfd)
+        if opened is None:
+            return None
+        channel_id, fds = opened
         end = ch.CallerEnd(
             channel_id=channel_id,
             peer=key.agent,
             capacity=self.broker.ring_capacity,
-            fds=[*fds, os.dup(server.doorbell), os.dup(server.pidfd)],
+            fds=fds,
             max_payload=self.broker.max_payload,
             spin_ns=0,
         )
@@ -259,6 +294,7 @@ class RemoteBridge:
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
+        task.add_done_callback(_finished)
         task.add_done_callback(self._tasks.discard)
 
 
@@ -272,3 +308,9 @@ def _parse_request(body: bytes) -> tuple[str, float]:
         raise ValueError("malformed request: expected [tool, {arguments}, timeout_ms]")
     control.check_tool_name(tool)
     return tool, (timeout_ms / 1000 if timeout_ms else DEFAULT_REMOTE_TIMEOUT_S)
+
+
+def _finished(task: asyncio.Task[None]) -> None:
+    """Log a background task's crash (it would otherwise vanish silently)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("ipc: background task failed", exc_info=task.exception())

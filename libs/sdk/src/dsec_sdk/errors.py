@@ -1,0 +1,115 @@
+"""Typed errors of the communication plane.
+
+Every failure of a tool call surfaces as a subclass of :class:`IpcError`, so agent code can catch
+the whole family or exactly the case it handles (retry a timeout, fall back when a peer is gone).
+"""
+
+from __future__ import annotations
+
+
+class IpcError(Exception):
+    """Base class of every communication-plane error."""
+
+
+class BrokerUnavailable(IpcError):
+    """The node agent's IPC broker cannot be reached on its Unix socket."""
+
+
+class AgentNotFound(IpcError):
+    """No agent of that name serves tools in this task group (on this node or any other)."""
+
+    def __init__(self, agent: str, group: str, detail: str = "") -> None:
+        self.agent = agent
+        self.group = group
+        suffix = f": {detail}" if detail else ""
+        super().__init__(f"no agent named {agent!r} serves tools in task group {group!r}{suffix}")
+
+
+class PeerGone(IpcError):
+    """The peer died or closed the channel; the call's outcome is unknown.
+
+    A new call to the same agent reconnects through the broker (the agent may have restarted).
+    """
+
+    def __init__(self, agent: str, reason: str) -> None:
+        self.agent = agent
+        self.reason = reason
+        super().__init__(f"agent {agent!r} is gone: {reason}")
+
+
+class CallTimeout(IpcError, TimeoutError):
+    """The peer did not answer within the call's timeout."""
+
+    def __init__(self, agent: str, tool: str, timeout: float) -> None:
+        self.agent = agent
+        self.tool = tool
+        self.timeout = timeout
+        super().__init__(f"call {agent}.{tool} timed out after {timeout:g} s")
+
+
+class PayloadTooLarge(IpcError, ValueError):
+    """A request or response is larger than the transport accepts."""
+
+    def __init__(self, what: str, size: int, limit: int, *, text: str | None = None) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(text or f"{what} is {size} bytes; the limit is {limit} bytes")
+
+
+class ProtocolError(IpcError):
+    """The shared memory or a control message holds something no DSec peer writes."""
+
+
+class RemoteError(IpcError):
+    """The remote tool raised, or could not be called as asked.
+
+    Attributes:
+        agent: The agent that served the call.
+        tool: The tool that was called.
+        code: ``remote`` (the tool raised), ``unknown_tool``, ``bad_arguments`` or ``bad_result``.
+        error_type: The remote exception's class name.
+        remote_message: The remote exception's message.
+        traceback_summary: The last frames of the remote traceback, already formatted.
+    """
+
+    def __init__(
+        self,
+        agent: str,
+        tool: str,
+        code: str,
+        error_type: str,
+        remote_message: str,
+        traceback_summary: str,
+    ) -> None:
+        self.agent = agent
+        self.tool = tool
+        self.code = code
+        self.error_type = error_type
+        self.remote_message = remote_message
+        self.traceback_summary = traceback_summary
+        text = f"{agent}.{tool} failed: {error_type}: {remote_message}"
+        if traceback_summary:
+            text += f"\nremote traceback (most recent call last):\n{traceback_summary}"
+        super().__init__(text)
+
+
+class ToolNotFound(RemoteError):
+    """The peer serves no tool of that name."""
+
+
+class BadArguments(RemoteError):
+    """The tool's signature does not accept the arguments given."""
+
+
+__all__ = [
+    "AgentNotFound",
+    "BadArguments",
+    "BrokerUnavailable",
+    "CallTimeout",
+    "IpcError",
+    "PayloadTooLarge",
+    "PeerGone",
+    "ProtocolError",
+    "RemoteError",
+    "ToolNotFound",
+]

@@ -1,0 +1,306 @@
+"""asyncio ends of a channel: the event loop sleeps where the sync code would block.
+
+The same announce-then-sleep handshake as the blocking code, but the "sleep" is the loop's
+``add_reader`` on the eventfd, so many calls can be in flight on one channel (answers are matched by
+call id) and the loop keeps running other tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from dsec_sdk.errors import PeerGone, ProtocolError
+from dsec_sdk.ipc import ring as r
+from dsec_sdk.ipc.channel import CallerEnd, ServerEnd, Spin, drain
+from dsec_sdk.ipc.server import ServeCore
+
+T = TypeVar("T")
+Frame = tuple[int, Any]
+
+
+class AsyncCaller:
+    """Pipelined calls over one :class:`CallerEnd`, from one event loop.
+
+    Args:
+        end: The channel (this object owns it from now on).
+        decode: Turns a response body into a value (``codec.decode``, or ``bytes`` for a proxy).
+    """
+
+    def __init__(self, end: CallerEnd, decode: Callable[[memoryview], Any]) -> None:
+        self.end = end
+        self._decode = decode
+        self._loop = asyncio.get_running_loop()
+        self.loop = self._loop
+        self._pending: dict[int, asyncio.Future[Frame]] = {}
+        self._space = asyncio.Event()
+        self._send_lock = asyncio.Lock()
+        self._blocked_senders = 0
+        self._gone: PeerGone | None = None
+        self._loop.add_reader(end.wake_fd, self._on_wake)
+        self._loop.add_reader(end.peer_pidfd, self._on_peer_exit)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the channel can no longer be used."""
+        return self._gone is not None or self.end.is_closed
+
+    async def call(self, kind: int, body: bytes, deadline_ns: int) -> Frame | None:
+        """Send one request; its ``(kind, value)`` response, or ``None`` at the deadline.
+
+        Raises:
+            PeerGone: The server died or closed the channel.
+        """
+        self._raise_if_gone()
+        end = self.end
+        call_id = end.next_id
+        end.next_id += 1
+        future: asyncio.Future[Frame] = self._loop.create_future()
+        self._pending[call_id] = future
+        try:
+            if not await self._send(kind, call_id, body, deadline_ns):
+                return None
+            if len(self._pending) == 1 and end.spin.budget_ns:
+                self._spin(future, deadline_ns)
+            if not future.done():
+                self._arm()
+            if not future.done():
+                timeout = max(0.0, (deadline_ns - time.perf_counter_ns()) / 1e9)
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), timeout)
+                except TimeoutError:
+                    return None
+            return future.result()
+        finally:
+            self._pending.pop(call_id, None)
+            if not self._pending and not self.end.is_closed:
+                self.end.responses.hdr[r.CONSUMER_WAITING] = 0
+
+    async def _send(self, kind: int, call_id: int, body: bytes, deadline_ns: int) -> bool:
+        ring = self.end.requests
+        # Requests enter the ring in call order: once one waits for space, later ones queue
+        # behind it (asyncio.Lock is FIFO) instead of slipping into the ring ahead of it.
+        if not self._blocked_senders and ring.try_write(kind, call_id, body):
+            return True
+        self._blocked_senders += 1
+        try:
+            async with self._send_lock:
+                return await self._send_when_room(kind, call_id, body, deadline_ns)
+        finally:
+            self._blocked_senders -= 1
+
+    async def _send_when_room(self, kind: int, call_id: int, body: bytes, deadline_ns: int) -> bool:
+        ring = self.end.requests
+        while not ring.try_write(kind, call_id, body):
+            self._raise_if_gone()
+            ring.hdr[r.PRODUCER_WAITING] = 1
+            r.fence()
+            self.end.responses.wake_waiting_producer()
+            if ring.try_write(kind, call_id, body):
+                break
+            self._space.clear()
+            timeout = (deadline_ns - time.perf_counter_ns()) / 1e9
+            if timeout <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._space.wait(), timeout)
+            except TimeoutError:
+                return False
+            finally:
+                if not self.end.is_closed:
+                    ring.hdr[r.PRODUCER_WAITING] = 0
+        return True
+
+    def _spin(self, future: asyncio.Future[Frame], deadline_ns: int) -> None:
+        """Busy-wait briefly in the loop thread: a local tool often answers within microseconds."""
+        end = self.end
+        hdr = end.responses.hdr
+        clock = time.perf_counter_ns
+        now = clock()
+        stop = min(deadline_ns, now + end.spin.budget_ns)
+        yield_after = now + end.spin.pure_ns
+        spins = 0
+        while hdr[0] == hdr[8]:  # HEAD == TAIL
+            spins += 1
+            if not spins & 15:
+                now = clock()
+                if now >= stop:
+                    end.spin.miss()
+                    return
+                if now >= yield_after:
+                    end.spin.yield_cpu(now)
+        end.spin.hit()
+        self._read_all()
+
+    def _arm(self) -> None:
+        self.end.responses.hdr[r.CONSUMER_WAITING] = 1
+        r.fence()
+        self.end.responses.wake_waiting_producer()
+        self._read_all()
+
+    def _read_all(self) -> None:
+        responses = self.end.responses
+        while True:
+            try:
+                frame = responses.try_read(self._decode)
+            except ProtocolError as exc:
+                self._fail(PeerGone(self.end.peer, f"it wrote a malformed frame ({exc})"))
+                return
+            if frame is None:
+                return
+            kind, call_id, value = frame
+            future = self._pending.get(call_id)
+            # No future: the answer to a call that already timed out.
+            if future is not None and not future.done():
+                future.set_result((kind, value))
+
+    def _on_wake(self) -> None:
+        if self.end.is_closed:
+            return
+        drain(self.end.wake_fd)
+        self._space.set()
+        self._read_all()
+        reason = self.end.peer_gone_reason(check_pid=False)  # the pidfd has its own reader
+        if reason is not None:
+            self._fail(PeerGone(self.end.peer, reason))
+
+    def _on_peer_exit(self) -> None:
+        if not self.end.is_closed:
+            self._read_all()
+        self._fail(PeerGone(self.end.peer, "its process exited"))
+
+    def _raise_if_gone(self) -> None:
+        if self._gone is not None:
+            raise self._gone
+        if self.end.is_closed:
+            raise PeerGone(self.end.peer, "the channel was closed")
+
+    def _fail(self, exc: PeerGone) -> None:
+        self._gone = exc
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(exc)
+        self._space.set()
+        self.close()
+
+    def close(self) -> None:
+        """Stop watching the channel and free it; calls in flight get ``PeerGone``."""
+        if self.end.is_closed:
+            return
+        self._loop.remove_reader(self.end.wake_fd)
+        self._loop.remove_reader(self.end.peer_pidfd)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(PeerGone(self.end.peer, "the channel was closed"))
+        self.end.close()
+
+
+class AsyncServeLoop:
+    """Serve a :class:`ServeCore` from an event loop, sleeping on the doorbell between bursts.
+
+    Args:
+        doorbell: The eventfd every caller rings.
+        decode: Turns a request body into a value.
+        handle: Called with ``(end, call_id, value)``; may return an awaitable.
+        spin_ns: How long to spin for the next request before sleeping (0: never spin).
+        on_gone: Called with each channel whose caller went away.
+    """
+
+    def __init__(
+        self,
+        doorbell: int,
+        decode: Callable[[memoryview], Any],
+        handle: Callable[[ServerEnd, int, Any], Awaitable[None] | None],
+        spin_ns: int = 0,
+        on_gone: Callable[[ServerEnd], None] | None = None,
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.core = ServeCore(on_remove=self._forget)
+        self.doorbell = doorbell
+        self._decode = decode
+        self._handle = handle
+        self._spin_ns = spin_ns
+        self._spin = Spin(spin_ns)
+        self._on_gone = on_gone
+        self._wake = asyncio.Event()
+        self._stopped = False
+        self._pid_fired = False
+
+    def add(self, end: ServerEnd) -> None:
+        """Serve a new channel."""
+        self.core.add(end)
+        self._loop.add_reader(end.peer_pidfd, self._on_peer_exit)
+        self.kick()
+
+    def respond(self, end: ServerEnd, kind: int, call_id: int, body: bytes) -> None:
+        """Send a response from any task of this loop."""
+        if end.is_closed:
+            return
+        end.respond(kind, call_id, body)
+        if end.backlog:
+            self.kick()
+
+    def kick(self) -> None:
+        """Wake the loop (new channel, backlog, peer exit, stop)."""
+        self._wake.set()
+
+    def _on_peer_exit(self) -> None:
+        self._pid_fired = True
+        self.kick()
+
+    def stop(self) -> None:
+        """Make :meth:`run` return."""
+        self._stopped = True
+        self.kick()
+
+    async def run(self) -> None:
+        """Serve until :meth:`stop`; closes every channel on the way out."""
+        self._loop.add_reader(self.doorbell, self._on_doorbell)
+        try:
+            while not self._stopped:
+                if await self._serve_burst():
+                    continue
+                if self._spin_ns and self._spin_for_work():
+                    continue
+                if self.core.announce_sleep():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    self.core.woke()
+                self._reap()
+        finally:
+            self._loop.remove_reader(self.doorbell)
+            self.core.close()
+
+    async def _serve_burst(self) -> bool:
+        work = self.core.next_requests(self._decode)
+        for end, call_id, value in work:
+            pending = self._handle(end, call_id, value)
+            if pending is not None:
+                await pending
+        if work:
+            # Let the rest of the application run between bursts.
+            await asyncio.sleep(0)
+        return bool(work)
+
+    def _spin_for_work(self) -> bool:
+        spin = self._spin
+        if self.core.spin_for_work(time.perf_counter_ns() + spin.budget_ns, spin):
+            spin.hit()
+            return True
+        spin.miss()
+        return False
+
+    def _on_doorbell(self) -> None:
+        drain(self.doorbell)
+        self._wake.set()
+
+    def _forget(self, end: ServerEnd) -> None:
+        self._loop.remove_reader(end.peer_pidfd)
+        if self._on_gone is not None:
+            self._on_gone(end)
+
+    def _reap(self) -> None:
+        check_pids, self._pid_fired = self._pid_fired, False
+        self.core.reap(check_pids=check_pids)

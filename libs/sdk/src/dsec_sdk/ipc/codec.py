@@ -1,0 +1,110 @@
+"""MessagePack bodies of the frames a channel carries.
+
+A frame is ``(kind, call_id, body)``: kind and id live in the ring's fixed record header, so a
+proxy (the broker bridging to NATS) forwards a body without decoding it.
+
+* ``REQUEST``: ``[tool, arguments, timeout_ms]`` (``timeout_ms`` 0 = none)
+* ``RESULT``: the tool's return value
+* ``ERROR``: ``[code, error_type, message, traceback_summary]``
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Final, NoReturn
+
+import msgpack
+
+from dsec_sdk.errors import (
+    AgentNotFound,
+    BadArguments,
+    CallTimeout,
+    IpcError,
+    PayloadTooLarge,
+    PeerGone,
+    ProtocolError,
+    RemoteError,
+    ToolNotFound,
+)
+
+REQUEST: Final = 1
+RESULT: Final = 2
+ERROR: Final = 3
+
+# Error codes carried in ERROR bodies.
+E_REMOTE: Final = "remote"
+E_UNKNOWN_TOOL: Final = "unknown_tool"
+E_BAD_ARGUMENTS: Final = "bad_arguments"
+E_BAD_RESULT: Final = "bad_result"
+E_TOO_LARGE: Final = "payload_too_large"
+E_TIMEOUT: Final = "timeout"
+E_PEER_GONE: Final = "peer_gone"
+E_NOT_FOUND: Final = "agent_not_found"
+
+_TRACEBACK_FRAMES: Final = 6
+_TEXT_LIMIT: Final = 4000
+
+
+def new_packer() -> msgpack.Packer:
+    """A reusable packer (not thread-safe: one per channel end, used under its lock)."""
+    return msgpack.Packer(use_bin_type=True)
+
+
+def decode(body: memoryview) -> Any:
+    """Decode one body in place (the result owns its data; ``body`` may be reused)."""
+    try:
+        return msgpack.unpackb(body, raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"undecodable frame body: {exc}") from exc
+
+
+def encode_request(
+    packer: msgpack.Packer, tool: str, arguments: dict[str, Any], timeout_ms: int
+) -> bytes:
+    """Encode a call; ``TypeError`` names the argument MessagePack cannot carry."""
+    try:
+        body: bytes = packer.pack([tool, arguments, timeout_ms])
+    except (TypeError, ValueError, OverflowError) as exc:
+        packer.reset()
+        raise TypeError(
+            f"arguments of tool {tool!r} are not MessagePack-serialisable: {exc}"
+        ) from exc
+    return body
+
+
+def encode_error(
+    packer: msgpack.Packer, code: str, error_type: str, message: str, summary: str = ""
+) -> bytes:
+    """Encode an ERROR body."""
+    body: bytes = packer.pack([code, error_type, message[:_TEXT_LIMIT], summary[-_TEXT_LIMIT:]])
+    return body
+
+
+def error_from_exception(packer: msgpack.Packer, code: str, exc: BaseException) -> bytes:
+    """Encode an exception raised by a tool, with a short traceback summary."""
+    frames = traceback.extract_tb(exc.__traceback__)[-_TRACEBACK_FRAMES:]
+    summary = "".join(traceback.format_list(frames)).rstrip()
+    return encode_error(packer, code, type(exc).__name__, str(exc), summary)
+
+
+def raise_error(agent: str, tool: str, group: str, timeout: float, body: Any) -> NoReturn:
+    """Turn a decoded ERROR body into the matching typed exception."""
+    if not isinstance(body, list) or len(body) != 4:
+        raise ProtocolError(f"malformed error frame from {agent!r}: {body!r:.200}")
+    code, error_type, message, summary = (str(part) for part in body)
+    exc: IpcError
+    if code == E_UNKNOWN_TOOL:
+        exc = ToolNotFound(agent, tool, code, error_type, message, summary)
+    elif code == E_BAD_ARGUMENTS:
+        exc = BadArguments(agent, tool, code, error_type, message, summary)
+    elif code == E_TOO_LARGE:
+        exc = PayloadTooLarge("response", 0, 0, text=f"{agent}.{tool}: {message}")
+    elif code == E_TIMEOUT:
+        exc = CallTimeout(agent, tool, timeout)
+    elif code == E_PEER_GONE:
+        exc = PeerGone(agent, message)
+    elif code == E_NOT_FOUND:
+        exc = AgentNotFound(agent, group, message)
+    else:
+        exc = RemoteError(agent, tool, code, error_type, message, summary)
+    raise exc

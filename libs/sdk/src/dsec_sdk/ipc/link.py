@@ -1,0 +1,111 @@
+"""An agent's connection to the broker (one per role: calling, serving)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from dsec_sdk.errors import AgentNotFound, BrokerUnavailable, ProtocolError
+from dsec_sdk.ipc import control
+
+_CONNECT_TIMEOUT_S = 10.0
+
+
+class BrokerLink:
+    """A ``SOCK_SEQPACKET`` connection to the broker, after a successful hello.
+
+    Args:
+        path: The broker's socket.
+        agent: This agent's name.
+        group: This agent's task group.
+        role: ``caller`` or ``server``.
+        tools: Tool names (servers only).
+
+    Raises:
+        BrokerUnavailable: Nothing listens on ``path``, or the broker refused the hello.
+    """
+
+    def __init__(
+        self, path: Path, agent: str, group: str, role: str, tools: list[str] | None = None
+    ) -> None:
+        self.path = path
+        self.agent = agent
+        self.group = group
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.settimeout(_CONNECT_TIMEOUT_S)
+        try:
+            sock.connect(os.fspath(path))
+        except OSError as exc:
+            sock.close()
+            raise BrokerUnavailable(
+                f"cannot reach the DSec IPC broker at {path} ({exc.strerror or exc}); "
+                "is the node agent running? (set DSEC_IPC_SOCKET to its socket)"
+            ) from exc
+        self.sock = sock
+        self._lock = threading.Lock()
+        self._refs = itertools.count(1)
+        try:
+            hello = {
+                "op": "hello",
+                "agent": agent,
+                "group": group,
+                "role": role,
+                "tools": tools or [],
+                "pid": os.getpid(),
+            }
+            control.send(sock, hello)
+            reply = self._recv()
+        except BaseException:
+            sock.close()
+            raise
+        message, fds = reply
+        if message["op"] != "welcome":
+            control.close_fds(fds)
+            sock.close()
+            raise BrokerUnavailable(f"the broker refused {agent!r}: {message.get('message')}")
+        self.welcome = message
+        self.welcome_fds = fds
+
+    def _recv(self) -> tuple[dict[str, Any], list[int]]:
+        try:
+            reply = control.recv(self.sock)
+        except (TimeoutError, OSError) as exc:
+            raise BrokerUnavailable(f"the broker at {self.path} did not answer: {exc}") from exc
+        if reply is None:
+            raise BrokerUnavailable(f"the broker at {self.path} closed the connection")
+        return reply
+
+    def connect(self, peer: str) -> tuple[dict[str, Any], list[int]]:
+        """Ask for a channel to ``peer``: the broker's ``channel`` message and its fds.
+
+        Raises:
+            AgentNotFound: No agent of that name serves in this task group.
+            BrokerUnavailable: The broker is gone.
+        """
+        with self._lock:
+            ref = next(self._refs)
+            try:
+                control.send(self.sock, {"op": "connect", "ref": ref, "peer": peer})
+            except OSError as exc:
+                raise BrokerUnavailable(f"the broker at {self.path} is gone: {exc}") from exc
+            message, fds = self._recv()
+        if message.get("ref") != ref:
+            control.close_fds(fds)
+            raise ProtocolError(f"broker answered ref {message.get('ref')}, expected {ref}")
+        if message["op"] == "error":
+            control.close_fds(fds)
+            if message.get("code") == "not_found":
+                raise AgentNotFound(peer, self.group, str(message.get("message", "")))
+            raise BrokerUnavailable(f"broker: {message.get('message')}")
+        if message["op"] != "channel" or len(fds) != control.CALLER_FDS:
+            control.close_fds(fds)
+            raise ProtocolError(f"unexpected broker reply {message['op']!r} with {len(fds)} fds")
+        return message, fds
+
+    def close(self) -> None:
+        """Close the connection (the broker forgets a server registration with it)."""
+        self.sock.close()

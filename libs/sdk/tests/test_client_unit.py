@@ -1,0 +1,126 @@
+"""DSecClient configuration, tool registration, dispatch and error mapping (no broker)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+from dsec_sdk import (
+    AgentNotFound,
+    BadArguments,
+    BrokerUnavailable,
+    CallTimeout,
+    DSecClient,
+    PayloadTooLarge,
+    PeerGone,
+    RemoteError,
+    ToolNotFound,
+)
+from dsec_sdk.ipc import codec
+from dsec_sdk.ipc.server import Dispatcher
+
+pytestmark = pytest.mark.unit
+
+
+def test_identity_and_socket_come_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DSEC_AGENT_NAME", "agent-a")
+    monkeypatch.setenv("DSEC_TASK_GROUP", "team-7")
+    monkeypatch.setenv("DSEC_IPC_SOCKET", str(tmp_path / "x.sock"))
+    client = DSecClient()
+    assert (client.agent, client.group, client.socket_path) == (
+        "agent-a",
+        "team-7",
+        tmp_path / "x.sock",
+    )
+
+
+def test_default_socket_lives_under_dsec_home(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("DSEC_IPC_SOCKET", raising=False)
+    monkeypatch.setenv("DSEC_HOME", str(tmp_path))
+    assert DSecClient("a", "g").socket_path == tmp_path / "run" / "ipc.sock"
+
+
+def test_names_are_checked_with_a_clear_message() -> None:
+    with pytest.raises(ValueError, match=r"task group 'a.b' is invalid: use 1-63 of"):
+        DSecClient("a", "a.b")
+    client = DSecClient("a", "g")
+    with pytest.raises(ValueError, match=r"tool name 'web search' is invalid"):
+        client.add_tool("web search", lambda: None)
+    with pytest.raises(TypeError, match="tool 'x' must be callable, got int"):
+        client.add_tool("x", 3)  # type: ignore[arg-type]
+
+
+def test_decorator_registers_under_the_given_or_function_name() -> None:
+    client = DSecClient("a", "g")
+
+    @client.tool("web_search")
+    def search(query: str) -> str:
+        return query
+
+    @client.tool()
+    def summarize(text: str) -> str:
+        return text
+
+    assert client._tools == {"web_search": search, "summarize": summarize}
+
+
+def test_serving_nothing_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="nothing to serve"):
+        DSecClient("a", "g", socket_path=tmp_path / "s").serve()
+
+
+def test_no_broker_is_broker_unavailable(tmp_path: Path) -> None:
+    client = DSecClient("a", "g", socket_path=tmp_path / "none.sock")
+    with pytest.raises(BrokerUnavailable, match="is the node agent running"):
+        client.call_tool("b", "x")
+
+
+def _run(dispatcher: Dispatcher, request: object) -> tuple[int, object]:
+    outcome = dispatcher.start(request)
+    assert isinstance(outcome, tuple)
+    return outcome[0], msgpack.unpackb(outcome[1])
+
+
+def test_dispatcher_turns_every_failure_into_an_error_frame() -> None:
+    def boom() -> None:
+        raise KeyError("missing")
+
+    tools = {"echo": lambda x: x, "boom": boom, "bad": lambda: object()}
+    dispatcher = Dispatcher(tools, max_payload=1000)
+    assert _run(dispatcher, ["echo", {"x": [1, "a"]}, 0]) == (codec.RESULT, [1, "a"])
+    kind, body = _run(dispatcher, ["boom", {}, 0])
+    assert kind == codec.ERROR and body[:3] == ["remote", "KeyError", "'missing'"]
+    assert "in boom" in body[3]
+    assert _run(dispatcher, ["echo", {"y": 1}, 0])[1][0] == "bad_arguments"
+    assert _run(dispatcher, ["nope", {}, 0])[1][:2] == ["unknown_tool", "ToolNotFound"]
+    assert _run(dispatcher, ["bad", {}, 0])[1][0] == "bad_result"
+    assert _run(dispatcher, ["echo", {"x": "z" * 2000}, 0])[1][0] == "payload_too_large"
+    assert (
+        _run(
+            dispatcher,
+            "garbage",
+        )[1][0]
+        == "bad_arguments"
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("remote", RemoteError),
+        ("unknown_tool", ToolNotFound),
+        ("bad_arguments", BadArguments),
+        ("payload_too_large", PayloadTooLarge),
+        ("timeout", CallTimeout),
+        ("peer_gone", PeerGone),
+        ("agent_not_found", AgentNotFound),
+    ],
+)
+def test_error_codes_map_to_typed_errors(code: str, expected: type[Exception]) -> None:
+    with pytest.raises(expected):
+        codec.raise_error("b", "t", "g", 1.0, [code, "E", "text", ""])

@@ -1,0 +1,224 @@
+"""The shared-memory ring and channel layout, without a broker."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from dsec_sdk.errors import PayloadTooLarge, PeerGone, ProtocolError
+from dsec_sdk.ipc import channel as ch
+from dsec_sdk.ipc import ring as r
+
+CAPACITY = 4096
+
+
+class Pair:
+    """Both ends of one channel in this process (the peer pidfd is our own: never exits)."""
+
+    def __init__(self, capacity: int = CAPACITY, max_payload: int = 1 << 20) -> None:
+        fds = ch.create_channel(capacity)
+        self.doorbell = ch.new_eventfd()
+        pidfd = os.pidfd_open(os.getpid())
+        self.caller = ch.CallerEnd(
+            channel_id=1,
+            peer="b",
+            capacity=capacity,
+            fds=[os.dup(fd) for fd in fds.all()] + [os.dup(self.doorbell), os.dup(pidfd)],
+            max_payload=max_payload,
+            spin_ns=1000,
+        )
+        self.server = ch.ServerEnd(
+            channel_id=1,
+            peer="a",
+            capacity=capacity,
+            fds=[os.dup(fd) for fd in fds.all()] + [pidfd],
+            doorbell=self.doorbell,
+            max_payload=max_payload,
+        )
+        fds.close()
+
+    def close(self) -> None:
+        self.caller.close()
+        self.server.close()
+        os.close(self.doorbell)
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    yield p
+    p.close()
+
+
+@pytest.mark.unit
+def test_frames_of_every_size_come_out_in_order(pair: Pair) -> None:
+    rng = random.Random(1)
+    ring_w, ring_r = pair.caller.requests, pair.server.requests
+    sent: list[bytes] = []
+    received: list[bytes] = []
+    for i in range(3000):
+        body = rng.randbytes(rng.choice([0, 1, 15, 16, 17, 100, 1000, 2032, 2033, 9000]))
+        while not ring_w.try_write(1, i, body):
+            frame = ring_r.try_read(bytes)
+            assert frame is not None, "ring reports full but holds nothing"
+            assert frame[1] == len(received)
+            received.append(frame[2])
+        sent.append(body)
+    while (frame := ring_r.try_read(bytes)) is not None:
+        received.append(frame[2])
+    assert received == sent
+
+
+@pytest.mark.unit
+def test_full_ring_pushes_back_until_read(pair: Pair) -> None:
+    ring_w, ring_r = pair.caller.requests, pair.server.requests
+    count = 0
+    while ring_w.try_write(1, count, b"x" * 100):
+        count += 1
+    assert count == CAPACITY // 128  # 16-byte header + 100 bytes padded to 112
+    assert not ring_w.writable(100)
+    assert ring_r.try_read(bytes) == (1, 0, b"x" * 100)
+    assert ring_w.try_write(1, count, b"y" * 100)
+
+
+@pytest.mark.unit
+def test_payload_larger_than_ring_goes_through_overflow_one_at_a_time(pair: Pair) -> None:
+    ring_w, ring_r = pair.caller.requests, pair.server.requests
+    big = os.urandom(50_000)
+    assert ring_w.try_write(1, 1, big)
+    assert not ring_w.try_write(1, 2, big)  # the overflow slot is busy until read
+    assert ring_r.try_read(bytes) == (1, 1, big)
+    assert ring_w.try_write(1, 2, big[::-1])
+    assert ring_r.try_read(bytes) == (1, 2, big[::-1])
+    with pytest.raises(PayloadTooLarge, match=r"message is 2000000 bytes; the limit is 1048576"):
+        ring_w.try_write(1, 3, b"z" * 2_000_000)
+
+
+@pytest.mark.unit
+def test_garbage_in_shared_memory_is_a_protocol_error(pair: Pair) -> None:
+    ring_w, ring_r = pair.caller.requests, pair.server.requests
+    assert ring_w.try_write(1, 1, b"ok")
+    # A hostile peer overwrites the record type.
+    struct.pack_into("<IBBHQ", ring_r._data, 0, 2, 99, 1, 0, 1)
+    with pytest.raises(ProtocolError, match="unknown record type 99"):
+        ring_r.try_read(bytes)
+
+
+@pytest.mark.unit
+def test_ring_memory_cannot_be_resized_by_a_peer() -> None:
+    fds = ch.create_channel(CAPACITY)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fds.memfd, 0)  # would SIGBUS the other side's mapping
+        os.ftruncate(fds.request_overflow, 1 << 16)  # overflow may grow...
+        with pytest.raises(PermissionError):
+            os.ftruncate(fds.request_overflow, 0)  # ...never shrink
+    finally:
+        fds.close()
+
+
+@pytest.mark.unit
+def test_capacity_must_be_a_power_of_two() -> None:
+    with pytest.raises(ValueError, match="ring capacity 5000 is invalid: use a power of two"):
+        ch.create_channel(5000)
+
+
+@pytest.mark.unit
+def test_closed_channel_wakes_the_waiter_with_peer_gone(pair: Pair) -> None:
+    pair.server.close()
+    with pytest.raises(PeerGone, match="agent 'b' is gone: it closed the channel"):
+        pair.caller.wait_response(time.perf_counter_ns() + 5_000_000_000)
+
+
+@pytest.mark.unit
+def test_sleeping_reader_is_woken_by_the_writer(pair: Pair) -> None:
+    import threading
+
+    # The consumer spins 1 µs, then announces it sleeps; the writer must ring its eventfd.
+    def write_later() -> None:
+        time.sleep(0.05)
+        pair.server.respond(2, 1, b"late")
+
+    writer = threading.Thread(target=write_later)
+    writer.start()
+    assert pair.caller.wait_response(time.perf_counter_ns() + 10_000_000_000)
+    assert pair.caller.responses.try_read(bytes) == (2, 1, b"late")
+    writer.join()
+
+
+PRODUCER = r"""
+import os, random, sys
+from dsec_sdk.ipc import channel as ch
+fds = [int(x) for x in sys.argv[1:7]]
+end = ch.CallerEnd(channel_id=1, peer="consumer", capacity=4096, fds=fds,
+                   max_payload=1 << 20, spin_ns=20_000)
+rng = random.Random(7)
+for i in range(int(sys.argv[7])):
+    body = rng.randbytes(rng.choice([0, 3, 16, 500, 2000, 2032, 7000, 20000]))
+    assert end.send(1, i, body, 1 << 62)
+"""
+
+
+@pytest.mark.integration
+def test_spsc_across_processes_no_loss_duplicate_or_reorder() -> None:
+    """A producer process and this consumer run truly in parallel, with backpressure."""
+    fds = ch.create_channel(CAPACITY)
+    doorbell = ch.new_eventfd()
+    child_fds = [*fds.all(), doorbell, os.pidfd_open(os.getpid())]
+    count = 3000
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRODUCER, *map(str, child_fds), str(count)], pass_fds=child_fds
+    )
+    server = ch.ServerEnd(
+        channel_id=1,
+        peer="producer",
+        capacity=CAPACITY,
+        fds=[*(os.dup(fd) for fd in fds.all()), os.pidfd_open(proc.pid)],
+        doorbell=doorbell,
+        max_payload=1 << 20,
+    )
+    fds.close()
+    os.close(child_fds[-1])
+    sleeper = ch.Sleeper(doorbell)
+    rng = random.Random(7)
+    try:
+        for expected in range(count):
+            size = rng.choice([0, 3, 16, 500, 2000, 2032, 7000, 20000])
+            body = rng.randbytes(size)
+            while (frame := server.requests.try_read(bytes)) is None:
+                server.requests.hdr[r.CONSUMER_WAITING] = 1
+                r.fence()
+                if not server.requests.readable():
+                    assert not ch.pidfd_exited(server.peer_pidfd), "producer died"
+                    sleeper.sleep(100_000_000)
+                server.requests.hdr[r.CONSUMER_WAITING] = 0
+            assert frame == (1, expected, body)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        server.close()
+        os.close(doorbell)
+
+
+@pytest.mark.unit
+def test_server_drops_a_channel_its_caller_closed() -> None:
+    from dsec_sdk.ipc.server import ServeCore
+
+    pair = Pair()
+    core = ServeCore()
+    core.add(pair.server)
+    assert core.reap(check_pids=False) == []
+    pair.caller.close()
+    assert core.reap(check_pids=False) == [pair.server]
+    assert core.channels == []
+    assert pair.server.is_closed
+    os.close(pair.doorbell)
