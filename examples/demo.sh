@@ -21,8 +21,20 @@ jq_() {  # jq_ JSON EXPR: evaluate a Python expression over the parsed JSON `d`
 
 trap 'echo; echo "demo failed; the stack is still up for inspection: dsec status, dsec down" >&2' ERR
 
+step "A small world on loopback: DNS for websearch.test, its HTTPS search API, a tracker" \
+  python -m dsec_testing.demo_world --dir "\$DSEC_HOME/demo-world"
+WORLD="$DSEC_HOME/demo-world"
+mkdir -p "$DSEC_HOME"
+python -m dsec_testing.demo_world --dir "$WORLD" --dns-port 5354 --max-seconds 1800 \
+  > "$DSEC_HOME/demo-world.log" 2>&1 &
+WORLD_PID=$!
+for _ in $(seq 100); do [ -f "$WORLD/world.json" ] && break; sleep 0.1; done
+[ -f "$WORLD/world.json" ] || { cat "$DSEC_HOME/demo-world.log"; exit 1; }
+export DSEC_DNS_UPSTREAM=127.0.0.1:5354   # the node agent's DNS proxy asks this resolver
+
 step "Start the embedded stack" dsec up
 dsec up
+python -m dsec_testing.demo_world seed --dir "$WORLD"   # the API key into OpenBao, data into S3
 
 step "What runs" dsec status
 dsec status
@@ -41,10 +53,13 @@ step "The brief's spec: vllm 0.6.1 needs newer transformers — blocked with alt
   dsec submit examples/brief/dsec.yaml --wait built
 expect 1 dsec submit examples/brief/dsec.yaml --wait built --stall 120
 
-step "The web-search agent, end to end" \
+step "The web-search agent: secret from OpenBao, data from S3, one API allowed by name" \
   dsec submit examples/websearch-agent/dsec.yaml --code examples/websearch-agent
 dsec submit examples/websearch-agent/dsec.yaml --code examples/websearch-agent --stall 120 \
-  || echo "(the chain stops where the services stop; see above)"
+  | tee "$DSEC_HOME/websearch-submit.log"
+SEARCH_SID=$(grep -o 'sbx_[0-9a-f]*' "$DSEC_HOME/websearch-submit.log" | head -n 1)
+echo "--- what the agent printed:"
+dsec sandbox logs "$SEARCH_SID"
 
 step "A long-running evaluation agent" \
   dsec submit examples/eval-agent/dsec.yaml --code examples/eval-agent --wait ready --json
@@ -81,12 +96,16 @@ done
 dsec sandbox list
 
 step "Refusals, with the rule that refused them" dsec audit replay --type policy.violation
-dsec audit replay --type policy.violation
+dsec audit replay --type policy.violation --sandbox "$SEARCH_SID"
+echo "--- the world saw (no question about tracker, no tracker connection):"
+cat "$DSEC_HOME/demo-world.log"
 
 step "Prove the whole log: every signature, chain link and sequence" dsec audit verify
 dsec audit verify
 
 step "Stop everything" dsec down
 dsec down
+kill "$WORLD_PID" 2>/dev/null || true
+wait "$WORLD_PID" 2>/dev/null || true
 trap - ERR
 echo; echo "demo complete"

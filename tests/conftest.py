@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from nacl.signing import SigningKey
 from dsec_cli.main import app
 from dsec_core.bus import EventPublisher
 from dsec_core.signing import Signer
+from nacl.signing import SigningKey
 from typer.testing import CliRunner
 
 

@@ -146,8 +146,9 @@ def test_unreachable_bus_exits_3_and_says_what_to_do(dsec_cli, tmp_path) -> None
 async def test_events_tail_follows_and_filters(js, private_nats, dsec_cli, tmp_path) -> None:
     await _legit(js)
     env = {"DSEC_NATS_URL": private_nats, "DSEC_HOME": str(tmp_path / "cli")}
-    result = dsec_cli("events", "tail", "--all", "--type", "spec.submitted", "-n", "2", "--json",
-                      env=env)
+    result = dsec_cli(
+        "events", "tail", "--all", "--type", "spec.submitted", "-n", "2", "--json", env=env
+    )
     rows = [line for line in result.output.splitlines() if line.startswith("{")]
     assert result.exit_code == 0
     assert len(rows) == 2 and all('"type":"spec.submitted"' in r for r in rows)

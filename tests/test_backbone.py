@@ -15,9 +15,7 @@ from dsec_core.envelope import decode
 from dsec_core.events import SpecSubmitted, SpecValidated
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
-from dsec_core.signing import Signer
 from dsec_core.subjects import STREAM, aggregate_filter
-from nacl.signing import SigningKey
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 

@@ -106,7 +106,8 @@ class EventPublisher:
             key_id=self.signer.key_id,
             public_key=self.signer.public_raw.hex(),
         )
-        return await self.publish(reg, aggregate_id=re.sub(r"[^A-Za-z0-9_-]", "_", self.signer.producer))
+        aggregate_id = re.sub(r"[^A-Za-z0-9_-]", "_", self.signer.producer)
+        return await self.publish(reg, aggregate_id=aggregate_id)
 
     async def publish(
         self,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dsec_builder.handlers import BuilderHandlers
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
+
+from dsec_builder.handlers import BuilderHandlers
 
 
 def create_service(settings: Settings | None = None) -> Service:

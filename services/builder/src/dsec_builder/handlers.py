@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dsec_builder.builder import EnvironmentBuilder
-from dsec_builder.models import Conflict, Lock, LockedPackage, Requirement, Target
-from dsec_builder.resolver import Resolver
 from dsec_core import events
 from dsec_core.envelope import Envelope
 from dsec_core.settings import Settings
+
+from dsec_builder.builder import EnvironmentBuilder
+from dsec_builder.models import Conflict, Lock, LockedPackage, Requirement, Target
+from dsec_builder.resolver import Resolver
 
 
 def requirements_of(plan: dict[str, object]) -> list[Requirement]:
@@ -27,8 +28,11 @@ def requirements_of(plan: dict[str, object]) -> list[Requirement]:
     out = []
     for dep in deps:
         extras = f"[{','.join(dep['extras'])}]" if dep.get("extras") else ""
-        out.append(Requirement(name=f"{dep['name']}{extras}", specifier=dep["specifier"],
-                               marker=dep.get("marker")))
+        out.append(
+            Requirement(
+                name=f"{dep['name']}{extras}", specifier=dep["specifier"], marker=dep.get("marker")
+            )
+        )
     return out
 
 
@@ -41,8 +45,9 @@ def conflict_event(conflict: Conflict) -> events.DepsConflict:
         explanation=f"{explanation}\n{conflict.resolver_output}".strip(),
         conflicting=list(conflict.packages),
         alternatives=[
-            events.Alternative(requirement=a.replaces or "(add)", suggestion=a.requirement,
-                               verified=True)
+            events.Alternative(
+                requirement=a.replaces or "(add)", suggestion=a.requirement, verified=True
+            )
             for a in conflict.alternatives
         ],
         known_bad=conflict.kind == "known-bad",
@@ -53,8 +58,9 @@ def lock_of(event: events.DepsResolved) -> Lock:
     """Rebuild the builder's lock from ``deps.resolved`` (same lock hash on both sides)."""
     return Lock(
         target=Target(python_version=event.python, platform=event.platform),
-        packages=tuple(LockedPackage.from_source(p.name, p.version, p.sha256, p.source)
-                       for p in event.lock),
+        packages=tuple(
+            LockedPackage.from_source(p.name, p.version, p.sha256, p.source) for p in event.lock
+        ),
     )
 
 
@@ -78,27 +84,35 @@ class BuilderHandlers:
         if isinstance(outcome, Conflict):
             return [conflict_event(outcome)]
         lock = outcome.lock
-        return [events.DepsResolved(
-            lock=[events.LockedPackage(name=p.name, version=p.version, sha256=p.sha256,
-                                       source=p.url) for p in lock.packages],
-            lock_hash=outcome.lock_hash,
-            python=lock.target.python_version,
-            platform=lock.target.platform,
-            resolve_ms=round(outcome.duration_s * 1000, 1),
-        )]
+        return [
+            events.DepsResolved(
+                lock=[
+                    events.LockedPackage(
+                        name=p.name, version=p.version, sha256=p.sha256, source=p.url
+                    )
+                    for p in lock.packages
+                ],
+                lock_hash=outcome.lock_hash,
+                python=lock.target.python_version,
+                platform=lock.target.platform,
+                resolve_ms=round(outcome.duration_s * 1000, 1),
+            )
+        ]
 
     async def on_resolved(
         self, envelope: Envelope, event: events.DepsResolved
     ) -> Sequence[events.Payload]:
         """Build (or reuse) the environment of the lock on this node."""
         built = await self.builder.build(lock_of(event))
-        return [events.EnvBuilt(
-            lock_hash=built.lock_hash,
-            fingerprint=built.fingerprint,
-            location=str(built.path),
-            node_id=self.settings.node_id,
-            reused=built.reused,
-            timings_ms={k: round(v * 1000, 2) for k, v in built.timings.model_dump().items()},
-            bytes_by_tier=built.bytes_from.model_dump(),
-            integrity_failures=[f.describe() for f in built.integrity_failures],
-        )]
+        return [
+            events.EnvBuilt(
+                lock_hash=built.lock_hash,
+                fingerprint=built.fingerprint,
+                location=str(built.path),
+                node_id=self.settings.node_id,
+                reused=built.reused,
+                timings_ms={k: round(v * 1000, 2) for k, v in built.timings.model_dump().items()},
+                bytes_by_tier=built.bytes_from.model_dump(),
+                integrity_failures=[f.describe() for f in built.integrity_failures],
+            )
+        ]

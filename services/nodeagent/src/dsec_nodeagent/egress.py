@@ -8,11 +8,11 @@ import asyncio
 import logging
 from pathlib import Path
 
-from prometheus_client import REGISTRY
-
 from dsec_core import events
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan
+from prometheus_client import REGISTRY
+
 from dsec_nodeagent.agent import Publish
 from dsec_nodeagent.ebpf import EgressPlan, VerdictEvent
 from dsec_nodeagent.ebpf.controller import EgressController
@@ -49,6 +49,7 @@ class Egress:
         report = await self.controller.reconcile()
         log.info("egress reconciled: adopted %s, removed %s", report.adopted, report.removed)
         self.controller.add_listener(self._on_verdict)
+        self.controller.proxy.on_denied = self._on_dns_denied
         REGISTRY.register(EgressCollector(self.controller))
 
     async def close(self) -> None:
@@ -67,10 +68,24 @@ class Egress:
             await self.controller.detach(cgroup)
 
     def _on_verdict(self, event: VerdictEvent) -> None:
-        if event.sandbox_id is None:
-            return
-        task: asyncio.Task[None] = asyncio.ensure_future(
-            self._publish(violation(event), event.sandbox_id, None)
+        if event.sandbox_id is not None:
+            self._emit(violation(event), event.sandbox_id)
+
+    def _on_dns_denied(self, sandbox_id: str, name: str, rdtype: str) -> None:
+        self._emit(
+            events.PolicyViolation(
+                layer="kernel",
+                rule_id="default-deny",
+                action="deny",
+                operation="dns",
+                target=f"{name}/{rdtype}",
+                message=f"{name} matches no egress rule: the node's DNS proxy refused to resolve "
+                "it (the sandbox's DNS can only reach the proxy)",
+            ),
+            sandbox_id,
         )
+
+    def _emit(self, payload: events.PolicyViolation, sandbox_id: str) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(self._publish(payload, sandbox_id, None))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

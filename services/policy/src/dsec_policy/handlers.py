@@ -6,20 +6,27 @@ import asyncio
 from collections.abc import Sequence
 
 import blake3
-
 from dsec_core.envelope import Envelope
 from dsec_core.events import Payload, SpecRejected, SpecSubmitted, SpecValidated
 from dsec_core.objectstore import ObjectMissing, client, get_bytes
 from dsec_core.settings import Settings
 from dsec_core.spec import SpecError
+
 from dsec_policy.adapters.code_files import CodeDirError, read_bundle_sources
 from dsec_policy.domain import validate
 from dsec_policy.guardrails import OrgPolicy
 
 
 def _bundle_error(filename: str, message: str) -> SpecError:
-    return SpecError(file=filename, line=1, column=1, path="code", message=message,
-                     rule_id="code-bundle", hint="resubmit with `dsec submit --code DIR`")
+    return SpecError(
+        file=filename,
+        line=1,
+        column=1,
+        path="code",
+        message=message,
+        rule_id="code-bundle",
+        hint="resubmit with `dsec submit --code DIR`",
+    )
 
 
 class PolicyHandlers:
@@ -33,13 +40,17 @@ class PolicyHandlers:
         if event.code is None:
             return {}
         try:
-            archive = await get_bytes(client(self.settings), self.settings.s3_bucket,
-                                      event.code.object_key)
+            archive = await get_bytes(
+                client(self.settings), self.settings.s3_bucket, event.code.object_key
+            )
         except ObjectMissing as exc:
             return _bundle_error(event.filename, f"code bundle missing: {exc}")
         if blake3.blake3(archive).hexdigest() != event.code.digest:
-            return _bundle_error(event.filename, "code bundle does not match its digest "
-                                 f"{event.code.digest[:16]}… (altered in the object store?)")
+            return _bundle_error(
+                event.filename,
+                "code bundle does not match its digest "
+                f"{event.code.digest[:16]}… (altered in the object store?)",
+            )
         try:
             return await asyncio.to_thread(read_bundle_sources, archive)
         except CodeDirError as exc:
@@ -55,12 +66,17 @@ class PolicyHandlers:
         )
         warnings = [w.model_dump(mode="json") for w in outcome.warnings]
         if not outcome.ok or outcome.plan is None:
-            return [SpecRejected(errors=[e.model_dump(mode="json") for e in outcome.errors],
-                                 warnings=warnings)]
-        return [SpecValidated(
-            name=outcome.plan.name,
-            spec_digest=blake3.blake3(event.spec_yaml.encode()).hexdigest(),
-            plan=outcome.plan.model_dump(mode="json"),
-            code=event.code,
-            warnings=warnings,
-        )]
+            return [
+                SpecRejected(
+                    errors=[e.model_dump(mode="json") for e in outcome.errors], warnings=warnings
+                )
+            ]
+        return [
+            SpecValidated(
+                name=outcome.plan.name,
+                spec_digest=blake3.blake3(event.spec_yaml.encode()).hexdigest(),
+                plan=outcome.plan.model_dump(mode="json"),
+                code=event.code,
+                warnings=warnings,
+            )
+        ]

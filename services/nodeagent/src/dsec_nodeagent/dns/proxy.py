@@ -144,6 +144,9 @@ class DnsProxy:
         self.ttl_grace_ns = int(ttl_grace_s * 1e9)
         self.clock = clock
         self._sandboxes: dict[int, _Sandbox] = {}
+        # Called with (sandbox id, name, record type) for every refused question, so a refusal
+        # is an event and not only a counter.
+        self.on_denied: Callable[[str, str, str], None] | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -259,6 +262,10 @@ class DnsProxy:
         action, match = decide_query(sandbox.plan, name)
         DNS_QUERIES.labels(sandbox.plan.sandbox_id, action.value).inc()
         if action is QueryAction.DENY:
+            if self.on_denied is not None:
+                self.on_denied(
+                    sandbox.plan.sandbox_id, name, dns.rdatatype.to_text(question.rdtype)
+                )
             response.set_rcode(self.deny_rcode)
             return response.to_wire(max_size=max_size, prefer_truncation=True)
         try:
