@@ -14,8 +14,9 @@ pytestmark = pytest.mark.unit
 
 
 def _registration(signer: Signer) -> bytes:
-    reg = KeyRegistered(producer=signer.producer, key_id=signer.key_id,
-                        public_key=signer.public_raw.hex())
+    reg = KeyRegistered(
+        producer=signer.producer, key_id=signer.key_id, public_key=signer.public_raw.hex()
+    )
     return signer.seal(reg, aggregate_id=signer.producer).wire
 
 
@@ -43,8 +44,11 @@ def test_event_signed_with_wrong_key_is_named() -> None:
     real = Signer("policy", SigningKey.generate())
     impostor = Signer("policy", SigningKey.generate())
     wires = _log(real)
-    wires.append(impostor.seal(SandboxExited(exit_code=0, reason="ok", duration_s=1),
-                               aggregate_id="sbx_9").wire)
+    wires.append(
+        impostor.seal(
+            SandboxExited(exit_code=0, reason="ok", duration_s=1), aggregate_id="sbx_9"
+        ).wire
+    )
     report = verify_stream(_numbered(wires))
     assert report.finding is not None
     assert report.finding.stream_seq == 5
@@ -54,7 +58,7 @@ def test_event_signed_with_wrong_key_is_named() -> None:
 def test_unendorsed_second_key_registration_is_refused() -> None:
     real = Signer("policy", SigningKey.generate())
     impostor = Signer("policy", SigningKey.generate())
-    wires = _log(real) + [_registration(impostor)]
+    wires = [*_log(real), _registration(impostor)]
     report = verify_stream(_numbered(wires))
     assert report.finding is not None and "not endorsed" in report.finding.reason
 
@@ -62,10 +66,13 @@ def test_unendorsed_second_key_registration_is_refused() -> None:
 def test_endorsed_key_rotation_is_accepted() -> None:
     old = Signer("policy", SigningKey.generate())
     new = Signer("policy", SigningKey.generate())
-    reg = KeyRegistered(producer="policy", key_id=new.key_id,
-                        public_key=new.public_raw.hex(),
-                        endorsement=old.endorse(new.public_raw))
-    wires = _log(old) + [new.seal(reg, aggregate_id="policy").wire]
+    reg = KeyRegistered(
+        producer="policy",
+        key_id=new.key_id,
+        public_key=new.public_raw.hex(),
+        endorsement=old.endorse(new.public_raw),
+    )
+    wires = [*_log(old), new.seal(reg, aggregate_id="policy").wire]
     wires.append(new.seal(SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_1").wire)
     assert verify_stream(_numbered(wires)).ok
 
