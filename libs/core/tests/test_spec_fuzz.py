@@ -29,7 +29,7 @@ def check(text: bytes | str) -> None:
     assert result.errors, "rejected without an error"
     for error in result.errors:
         assert error.file == "fuzz.yaml"
-        assert 1 <= error.line <= lines + 1, error.format()
+        assert error.line >= 1 and error.line <= lines + 1, error.format()
         assert error.column >= 1
         assert error.message
         error.format()
