@@ -61,6 +61,20 @@ SEARCH_SID=$(grep -o 'sbx_[0-9a-f]*' "$DSEC_HOME/websearch-submit.log" | head -n
 echo "--- what the agent printed:"
 dsec sandbox logs "$SEARCH_SID"
 
+step "Two agents call each other's tools over shared memory (same task group)" \
+  dsec submit examples/two-agents/researcher/dsec.yaml --code examples/two-agents/researcher --wait ready
+researcher_json=$(dsec submit examples/two-agents/researcher/dsec.yaml \
+  --code examples/two-agents/researcher --wait ready --stall 120 --json | tail -n 1)
+RESEARCHER=$(jq_ "$researcher_json" 'd["sandbox_id"]')
+planner_json=$(dsec submit examples/two-agents/planner/dsec.yaml \
+  --code examples/two-agents/planner --wait exited --stall 120 --json | tail -n 1)
+PLANNER=$(jq_ "$planner_json" 'd["sandbox_id"]')
+[ "$(jq_ "$planner_json" 'd["exit_code"]')" = 0 ] || { dsec sandbox logs --stderr "$PLANNER"; exit 1; }
+echo "--- the planner (its calls to the researcher, p50/p99 in µs):"
+dsec sandbox logs "$PLANNER"
+echo "--- the researcher (ends when the planner asks it to):"
+dsec sandbox logs --follow "$RESEARCHER"
+
 step "A long-running evaluation agent" \
   dsec submit examples/eval-agent/dsec.yaml --code examples/eval-agent --wait ready --json
 ready_json=$(dsec submit examples/eval-agent/dsec.yaml --code examples/eval-agent --wait ready \

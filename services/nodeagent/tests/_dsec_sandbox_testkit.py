@@ -45,8 +45,13 @@ class Recorder:
 
 def leftover_cgroups(sandbox_ids: list[str]) -> list[str]:
     """cgroup directories of these sandboxes that still exist (v2 and v1)."""
-    roots = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup/memory", "/sys/fs/cgroup/cpu",
-             "/sys/fs/cgroup/pids", "/sys/fs/cgroup"]
+    roots = [
+        "/sys/fs/cgroup/unified",
+        "/sys/fs/cgroup/memory",
+        "/sys/fs/cgroup/cpu",
+        "/sys/fs/cgroup/pids",
+        "/sys/fs/cgroup",
+    ]
     found = []
     for root in roots:
         for sid in sandbox_ids:
@@ -57,11 +62,14 @@ def leftover_cgroups(sandbox_ids: list[str]) -> list[str]:
 
 
 @asynccontextmanager
-async def managed(home: Path, recorder: Recorder | None = None) -> AsyncIterator[SandboxManager]:
-    """A manager whose sandboxes are all stopped and cleaned when the block ends (even on
-    failure); asserts that no cgroup, state file or run directory remains."""
+async def managed(
+    home: Path, recorder: Recorder | None = None, **options: Any
+) -> AsyncIterator[SandboxManager]:
+    """A manager (``options``: more :class:`SandboxManager` arguments) whose sandboxes are all
+    stopped and cleaned when the block ends (even on failure); asserts that no cgroup, state
+    file or run directory remains."""
     rec = recorder or Recorder()
-    manager = SandboxManager(home, on_exit=rec.on_exit, on_decision=rec.on_decision)
+    manager = SandboxManager(home, on_exit=rec.on_exit, on_decision=rec.on_decision, **options)
     try:
         yield manager
     finally:
@@ -72,12 +80,17 @@ async def managed(home: Path, recorder: Recorder | None = None) -> AsyncIterator
         report = await cleanup.reconcile()
         for sid in report.adopted:
             await cleanup.stop(sid, grace_s=0.5)
-        ids = [p.name for p in (home / "sandboxes").glob("*")] if (home / "sandboxes").exists() \
+        ids = (
+            [p.name for p in (home / "sandboxes").glob("*")]
+            if (home / "sandboxes").exists()
             else []
+        )
         assert leftover_cgroups(ids) == []
-        assert list((home / "run" / "sandboxes").glob("*")) == [] if (
-            home / "run" / "sandboxes"
-        ).exists() else True
+        assert (
+            list((home / "run" / "sandboxes").glob("*")) == []
+            if (home / "run" / "sandboxes").exists()
+            else True
+        )
 
 
 def snippet_config(sandbox_id: str, code: str, tmp: Path, **overrides: Any) -> SandboxConfig:
@@ -87,8 +100,10 @@ def snippet_config(sandbox_id: str, code: str, tmp: Path, **overrides: Any) -> S
     code_dir.mkdir(parents=True, exist_ok=True)
     (code_dir / "main.py").write_text(code)
     fields: dict[str, Any] = {
-        "sandbox_id": sandbox_id, "argv": ["python", "/workspace/code/main.py"],
-        "runtime": RUNTIME, "code_dir": code_dir,
+        "sandbox_id": sandbox_id,
+        "argv": ["python", "/workspace/code/main.py"],
+        "runtime": RUNTIME,
+        "code_dir": code_dir,
         "write_allowed": ["/tmp", "/workspace/output"],
     }
     fields.update(overrides)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,9 @@ from dsec_nodeagent.sandbox import (
     Mount,
     SandboxManager,
     SandboxStartError,
+    seccomp,
 )
+from dsec_nodeagent.sandbox.notify import KernelRefusal
 from dsec_nodeagent.sandbox.state import is_alive
 
 pytestmark = [pytest.mark.kernel]
@@ -125,7 +129,12 @@ def probe_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         scratch = tmp / "scratch"
         scratch.mkdir()
         os.chmod(scratch, 0o777)
-        async with managed(tmp / "home") as manager:
+        refusals: list[KernelRefusal] = []
+
+        async def on_kernel_refusal(refusal: KernelRefusal) -> None:
+            refusals.append(refusal)
+
+        async with managed(tmp / "home", on_kernel_refusal=on_kernel_refusal) as manager:
             other = await manager.launch(snippet_config(
                 "probe-other", "import time\ntime.sleep(60)\n", tmp,
                 env={"OTHER_SECRET": "s3cr3t"},
@@ -142,6 +151,12 @@ def probe_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             result = await run_to_end(manager, config)
             report = read_json_output(result)
             report["_exit"] = result.reason.value
+            # Every refusal was handled before the exit was reported: no waiting needed.
+            report["_refusals"] = Counter(
+                r.syscall for r in refusals if r.sandbox_id == "probe-main"
+            )
+            report["_refusal_pids"] = {r.pid for r in refusals}
+            report["_other_refusals"] = [r for r in refusals if r.sandbox_id != "probe-main"]
             report["_output_file"] = (
                 tmp / "home" / "sandboxes" / "probe-main" / "fs" / "workspace__output"
                 / "result.txt"
@@ -207,6 +222,65 @@ def test_filesystem_escape_is_refused(probe_report: dict[str, Any], action: str,
 )
 def test_dangerous_system_call_gets_eperm(probe_report: dict[str, Any], action: str) -> None:
     assert probe_report[action] == "EPERM"
+
+
+# probe -> (what the refusal names, how many attempts the probe makes)
+KERNEL_REFUSALS = {
+    "ptrace": ("ptrace", 1),
+    "mount": ("mount", 1),
+    "umount": ("umount2", 1),
+    "bpf": ("bpf", 1),
+    "unshare_user": ("unshare", 2),  # with unshare_net: two attempts
+    "setns": ("setns", 1),
+    "io_uring": ("io_uring_setup", 1),
+    "perf_event_open": ("perf_event_open", 1),
+    "keyctl": ("keyctl", 1),
+    "kexec": ("kexec_load", 1),
+    "process_vm_readv": ("process_vm_readv", 1),
+    "raw_socket": ("socket(AF_INET, SOCK_RAW)", 1),
+    "packet_socket": ("socket(AF_PACKET)", 1),
+    "sethostname": ("sethostname", 1),
+}
+
+
+@pytest.mark.parametrize("action", sorted(KERNEL_REFUSALS))
+def test_denied_system_call_is_reported_once_per_attempt(probe_report: dict[str, Any],
+                                                         action: str) -> None:
+    syscall, attempts = KERNEL_REFUSALS[action]
+    assert probe_report[action] == "EPERM"
+    assert probe_report["_refusals"][syscall] == attempts
+
+
+def test_only_the_denied_calls_are_reported(probe_report: dict[str, Any]) -> None:
+    # Permitted actions, interpreter start-up, threads and subprocesses report nothing.
+    assert probe_report["_refusals"] == Counter(dict(KERNEL_REFUSALS.values()))
+    assert probe_report["_other_refusals"] == []
+    assert 0 not in probe_report["_refusal_pids"]
+
+
+def test_denied_call_fails_with_enosys_when_no_listener_remains() -> None:
+    # Fail-closed: a notifying filter whose listener is closed still refuses (the kernel's
+    # ENOSYS), while a permitted call goes through.
+    code = (
+        "import ctypes, os\n"
+        "from dsec_nodeagent.sandbox import seccomp, syscalls\n"
+        "syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)\n"
+        "os.close(seccomp.install(seccomp.build_filter(notify=True), listener=True))\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.ptrace(0, 0, 0, 0), ctypes.get_errno(), os.getpid() > 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=30, check=True)
+    assert out.stdout.split() == ["-1", str(errno.ENOSYS), "True"]
+
+
+@pytest.mark.unit
+def test_refused_calls_are_named_from_their_registers() -> None:
+    assert seccomp.describe(101, (16, 1, 0, 0, 0, 0)) == "ptrace"
+    assert seccomp.describe(41, (17, 3, 0, 0, 0, 0)) == "socket(AF_PACKET)"
+    assert seccomp.describe(41, (10, 3 | 0o2000000, 0, 0, 0, 0)) == "socket(AF_INET6, SOCK_RAW)"
+    assert seccomp.describe(56, (0x10000000 | 17, 0, 0, 0, 0, 0)) == "clone(CLONE_NEWUSER)"
+    assert seccomp.describe(9999, (0,) * 6) == "syscall 9999"
 
 
 async def test_fork_bomb_ends_with_reason_pids(tmp_path: Path) -> None:
@@ -340,3 +414,42 @@ async def test_logs_can_be_followed_until_exit_and_are_kept_after(tmp_path: Path
         kept = [line async for line in manager.follow_logs("talker", follow=False)]
     assert lines == kept == ["line 0\n", "line 1\n", "line 2\n"]
     assert result.reason is ExitReason.OK
+
+
+async def test_readopted_sandbox_still_gets_eperm_and_its_refusals_are_reported(
+    tmp_path: Path,
+) -> None:
+    # The supervisor keeps the seccomp listener: a call made while no node agent runs waits for
+    # the next one, which answers EPERM and reports it.
+    code = (
+        "import ctypes, os, time\n"
+        "deadline = time.monotonic() + 30\n"
+        "while not os.path.exists('/workspace/output/go') and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.ptrace(16, 1, 0, 0), ctypes.get_errno(), flush=True)\n"
+    )
+    home = tmp_path / "home"
+    first_seen: list[KernelRefusal] = []
+    second_seen: list[KernelRefusal] = []
+
+    async def first_report(refusal: KernelRefusal) -> None:
+        first_seen.append(refusal)
+
+    async def second_report(refusal: KernelRefusal) -> None:
+        second_seen.append(refusal)
+
+    first = SandboxManager(home, on_kernel_refusal=first_report)
+    try:
+        await first.launch(snippet_config("readopt", code, tmp_path))
+        await first.shutdown()  # the node agent "dies"; the sandbox keeps running
+        (home / "sandboxes" / "readopt" / "fs" / "workspace__output" / "go").write_text("")
+        async with managed(home, on_kernel_refusal=second_report) as second:
+            assert (await second.reconcile()).adopted == ["readopt"]
+            result = await asyncio.wait_for(second.wait("readopt"), 60)
+    finally:
+        await first.shutdown()
+    assert result.reason is ExitReason.OK
+    assert Path(result.stdout_path).read_text().split() == ["-1", str(errno.EPERM)]
+    assert first_seen == []
+    assert [(r.sandbox_id, r.syscall) for r in second_seen] == [("readopt", "ptrace")]

@@ -18,9 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import blake3
-from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
-
 from dsec_core import events
 from dsec_core.codebundle import BundleError, extract_bundle
 from dsec_core.envelope import Envelope, decode
@@ -30,6 +27,9 @@ from dsec_core.objectstore import get_bytes
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan, load_spec
 from dsec_core.subjects import STREAM, subject_for
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
 from dsec_nodeagent.context.configmap import ConfigMaps
 from dsec_nodeagent.context.injector import ContextInjector, PreparedContext
 from dsec_nodeagent.context.models import ContextError
@@ -37,6 +37,7 @@ from dsec_nodeagent.context.s3 import S3Materializer
 from dsec_nodeagent.context.vault import VaultSecrets
 from dsec_nodeagent.sandbox.manager import SandboxManager
 from dsec_nodeagent.sandbox.models import (
+    AgentIdentity,
     ExitReason,
     Limits,
     SandboxConfig,
@@ -44,6 +45,7 @@ from dsec_nodeagent.sandbox.models import (
     SandboxReady,
     SandboxStartError,
 )
+from dsec_nodeagent.sandbox.notify import KernelRefusal
 from dsec_nodeagent.semantic.compile import rules_from_spec
 from dsec_nodeagent.semantic.models import SemanticDecision
 
@@ -68,6 +70,7 @@ class NodeAgent:
         js: Callable[[], JetStreamContext],
         before_start: BeforeStart | None = None,
         on_stopped: Callable[[str], Awaitable[None]] | None = None,
+        ipc_socket: Path | None = None,
     ) -> None:
         self.settings = settings
         self.home = settings.home.resolve()
@@ -76,8 +79,12 @@ class NodeAgent:
         self._before_start = before_start
         self._on_stopped = on_stopped
         self.manager = SandboxManager(
-            self.home, python=Path(sys.executable), on_exit=self._exited,
+            self.home,
+            python=Path(sys.executable),
+            on_exit=self._exited,
             on_decision=self._decided,
+            on_kernel_refusal=self._refused,
+            ipc_socket=ipc_socket,
         )
         self.injector = self._injector()
         self._contexts: dict[str, PreparedContext] = {}
@@ -91,10 +98,12 @@ class NodeAgent:
             vault = VaultSecrets(str(addr), str(token))
         s3 = None
         if s.endpoint("s3_endpoint"):
-            s3 = S3Materializer(s3_client(s), self.home / "cache" / "s3",
-                                unwrap=vault.unwrap if vault else None)
-        return ContextInjector(self.home / "sandboxes", vault=vault, s3=s3,
-                               configmaps=ConfigMaps(s.nats_endpoint()))
+            s3 = S3Materializer(
+                s3_client(s), self.home / "cache" / "s3", unwrap=vault.unwrap if vault else None
+            )
+        return ContextInjector(
+            self.home / "sandboxes", vault=vault, s3=s3, configmaps=ConfigMaps(s.nats_endpoint())
+        )
 
     async def start(self) -> None:
         """Re-adopt sandboxes that survived a restart; clean up the ones that ended."""
@@ -150,8 +159,11 @@ class NodeAgent:
         try:
             return await self._launch(sid, event)
         except (StartRefused, ContextError, SandboxStartError) as exc:
-            return [events.SandboxFailed(stage="nodeagent", reason=_reason(exc),
-                                         failed_event_id=envelope.id)]
+            return [
+                events.SandboxFailed(
+                    stage="nodeagent", reason=_reason(exc), failed_event_id=envelope.id
+                )
+            ]
 
     async def _launch(self, sid: str, event: events.EnvBuilt) -> list[events.Payload]:
         validated = (await self._last("spec.validated", sid)).decoded()
@@ -189,8 +201,13 @@ class NodeAgent:
         return attach
 
     def _config(
-        self, sid: str, plan: EnforcementPlan, submitted: events.SpecSubmitted,
-        event: events.EnvBuilt, code_dir: Path | None, ctx: PreparedContext,
+        self,
+        sid: str,
+        plan: EnforcementPlan,
+        submitted: events.SpecSubmitted,
+        event: events.EnvBuilt,
+        code_dir: Path | None,
+        ctx: PreparedContext,
     ) -> SandboxConfig:
         spec = load_spec(submitted.spec_yaml, submitted.filename)
         semantic = None
@@ -211,16 +228,20 @@ class NodeAgent:
             mounts=ctx.mounts,
             read_allowed=list(plan.filesystem.read),
             write_allowed=list(plan.filesystem.write) or ["/tmp"],
-            limits=Limits(memory_bytes=res.memory_bytes, cpus=res.cpu_millicores / 1000,
-                          pids=res.pids),
+            limits=Limits(
+                memory_bytes=res.memory_bytes, cpus=res.cpu_millicores / 1000, pids=res.pids
+            ),
             timeout_s=res.timeout_s,
             semantic_rules=semantic,
+            agent=AgentIdentity(name=plan.name, task_group=plan.effective_task_group),
             metadata=ctx.metadata(),
         )
 
     def _ready_event(self, ready: SandboxReady, code_dir: Path | None) -> events.SandboxReady:
         return events.SandboxReady(
-            node_id=self.settings.node_id, pid=ready.pid, cgroup=ready.cgroup_path,
+            node_id=self.settings.node_id,
+            pid=ready.pid,
+            cgroup=ready.cgroup_path,
             start_latency_ms={k: round(v, 2) for k, v in ready.timings_ms.items()}
             | {"total": round(ready.ready_ms, 2)},
             code_dir=str(code_dir) if code_dir is not None else None,
@@ -231,8 +252,9 @@ class NodeAgent:
     ) -> Sequence[events.Payload]:
         """Stop a sandbox this node runs (``sandbox.exited`` follows from the exit watcher)."""
         if self.manager.get(envelope.aggregate_id) is not None:
-            await self.manager.stop(envelope.aggregate_id, reason=ExitReason.STOPPED,
-                                    grace_s=event.grace_s)
+            await self.manager.stop(
+                envelope.aggregate_id, reason=ExitReason.STOPPED, grace_s=event.grace_s
+            )
         return []
 
     # --------------------------------------------------------------- callbacks
@@ -251,19 +273,37 @@ class NodeAgent:
             await self._on_stopped(sid)
         exit_code = result.exit_code if result.exit_code is not None else -1
         payload = events.SandboxExited(
-            exit_code=exit_code, reason=result.reason.value,
+            exit_code=exit_code,
+            reason=result.reason.value,
             duration_s=round(result.ended_at - result.started_at, 3),
         )
         await self._publish(payload, sid, derive_event_id(sid, "sandbox.exited"))
 
     async def _decided(self, decision: SemanticDecision) -> None:
         payload = events.PolicyViolation(
-            layer="semantic", rule_id=decision.rule or "rate_limit",
-            action=_action(decision.action), operation=decision.on, target=decision.subject,
+            layer="semantic",
+            rule_id=decision.rule or "rate_limit",
+            action=_action(decision.action),
+            operation=decision.on,
+            target=decision.subject,
             message=f"{decision.action} {decision.on} {decision.subject}",
             spec_line=decision.spec_line,
         )
         await self._publish(payload, decision.sandbox_id, None)
+
+    async def _refused(self, refusal: KernelRefusal) -> None:
+        payload = events.PolicyViolation(
+            layer="kernel",
+            rule_id="seccomp",
+            action="deny",
+            operation="syscall",
+            target=refusal.syscall,
+            message=(
+                f"the kernel refused system call {refusal.syscall} (pid {refusal.pid}) with "
+                f"{refusal.errno_name}: the sandbox's seccomp filter denies it to every workload"
+            ),
+        )
+        await self._publish(payload, refusal.sandbox_id, None)
 
 
 def _mountpoints(code_dir: Path, plan: EnforcementPlan) -> None:

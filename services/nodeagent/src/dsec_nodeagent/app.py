@@ -1,13 +1,14 @@
-"""Wiring of the node agent: sandboxes and their egress policy on the bus."""
+"""Wiring of the node agent: sandboxes, their egress policy and their IPC broker on the bus."""
 
 from __future__ import annotations
-
-from nats.js import JetStreamContext
 
 from dsec_core.events import Payload
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
+from nats.js import JetStreamContext
+
 from dsec_nodeagent.agent import NodeAgent
+from dsec_nodeagent.communication import CommunicationPlane
 from dsec_nodeagent.egress import Egress
 
 
@@ -24,11 +25,21 @@ def create_service(settings: Settings | None = None) -> Service:
         return service.nc.jetstream()
 
     egress = Egress(service.settings, publish)
-    agent = NodeAgent(service.settings, publish, js, before_start=egress.attach,
-                      on_stopped=egress.detach)
+    comms = CommunicationPlane(service.settings)
+    agent = NodeAgent(
+        service.settings,
+        publish,
+        js,
+        before_start=egress.attach,
+        on_stopped=egress.detach,
+        ipc_socket=comms.socket_path,
+    )
+    comms.attach(agent.manager)
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
     service.handles("env.built", retry=retry, batch=4)(agent.on_env_built)
     service.handles("sandbox.stop_requested")(agent.on_stop_requested)
-    service.on_start.extend([egress.start, agent.start])
-    service.on_stop.extend([agent.shutdown, egress.close])
+    # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
+    # and stops after the node agent stops watching them.
+    service.on_start.extend([egress.start, comms.start, agent.start])
+    service.on_stop.extend([agent.shutdown, comms.stop, egress.close])
     return service

@@ -610,6 +610,12 @@ class SandboxSpec(SpecModel):
 
     version: Annotated[Literal["1.2"], BeforeValidator(_version)] = Field(examples=["1.2"])
     name: str = Field(examples=["websearch-agent"])
+    task_group: str | None = Field(
+        default=None,
+        description="Agents of one task group call each other's tools by name (DSecClient); "
+        "unset: a group of its own, named after the sandbox",
+        examples=["research-team"],
+    )
     base: str = Field(examples=["dsec/python311:latest"])
     entrypoint: Argv | None = Field(default=None, description="Command run in workdir")
     workdir: AbsPath = Field(default="/workspace", description="Where the code bundle lands")
@@ -621,10 +627,10 @@ class SandboxSpec(SpecModel):
     security_policy: SecurityPolicy = SecurityPolicy()
     include_code: IncludeCode = IncludeCode()
 
-    @field_validator("name")
+    @field_validator("name", "task_group")
     @classmethod
-    def _name(cls, value: str) -> str:
-        if not _DNS_LABEL.fullmatch(value):
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not _DNS_LABEL.fullmatch(value):
             suggestion = re.sub(r"[^a-z0-9-]+", "-", value.lower()).strip("-")[:63].strip("-")
             hint = NAME_HINT + (f"; did you mean {suggestion!r}?" if suggestion else "")
             raise invalid(f"{value!r} is not a valid name", hint)

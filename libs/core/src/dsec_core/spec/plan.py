@@ -142,6 +142,9 @@ class EnforcementPlan(PlanModel):
 
     schema_version: Literal["1"] = PLAN_SCHEMA_VERSION
     name: str
+    task_group: str | None = Field(
+        default=None, description="The spec's task group; None: a group of its own (the name)"
+    )
     base: str
     entrypoint: tuple[str, ...] | None
     workdir: str
@@ -157,6 +160,11 @@ class EnforcementPlan(PlanModel):
     mounts: tuple[MountPlan, ...]
     exclude_patterns: tuple[str, ...]
 
+    @property
+    def effective_task_group(self) -> str:
+        """The task group the sandbox's agent joins: ``task_group``, else its own ``name``."""
+        return self.task_group or self.name
+
     def digest(self) -> str:
         """BLAKE3 of the plan's canonical JSON: equal plans, equal digests."""
         return blake3.blake3(self.model_dump_json().encode()).hexdigest()
@@ -167,6 +175,7 @@ def compile_plan(spec: SandboxSpec) -> EnforcementPlan:
     context = spec.runtime_context
     return EnforcementPlan(
         name=spec.name,
+        task_group=spec.task_group,
         base=spec.base,
         entrypoint=spec.entrypoint,
         workdir=spec.workdir,

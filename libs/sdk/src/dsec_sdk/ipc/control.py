@@ -53,7 +53,7 @@ DEFAULT_SOCKET: Final = Path("run") / "ipc.sock"
 def check_name(what: str, value: str) -> str:
     """Return ``value`` if it is a valid agent or task group name, else raise ``ValueError``.
 
-    Names become NATS subject tokens (``dsec.ipc.<group>.<agent>.<tool>``), hence the alphabet.
+    Names become NATS subject tokens (``dsec_ipc.<group>.<agent>.<tool>``), hence the alphabet.
     """
     if not isinstance(value, str) or not NAME_RE.match(value):
         raise ValueError(

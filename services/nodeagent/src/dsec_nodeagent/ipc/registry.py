@@ -11,6 +11,8 @@ from typing import Generic, TypeVar
 
 C = TypeVar("C")
 
+SUBJECT_PREFIX = "dsec_ipc"
+
 
 @dataclass(frozen=True)
 class AgentKey:
@@ -20,8 +22,13 @@ class AgentKey:
     agent: str
 
     def subject(self, tool: str) -> str:
-        """The NATS subject a remote call of ``tool`` travels on."""
-        return f"dsec.ipc.{self.group}.{self.agent}.{tool}"
+        """The NATS subject a remote call of ``tool`` travels on.
+
+        Outside ``dsec.>``: the event stream captures that whole space, so JetStream would
+        answer every request there with a publish acknowledgement (a lookup would always "find"
+        the agent) and record each call in the audit log.
+        """
+        return f"{SUBJECT_PREFIX}.{self.group}.{self.agent}.{tool}"
 
     def __str__(self) -> str:
         return f"{self.group}/{self.agent}"

@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 __all__ = [
+    "AgentIdentity",
     "ExitReason",
     "Limits",
     "Mount",
@@ -22,6 +23,7 @@ __all__ = [
 ]
 
 _WHERE = {
+    "AgentIdentity": "models",
     "ExitReason": "models",
     "Limits": "models",
     "Mount": "models",

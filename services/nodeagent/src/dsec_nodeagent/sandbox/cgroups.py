@@ -9,7 +9,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from dsec_nodeagent.sandbox.models import Limits
@@ -83,7 +83,8 @@ def favor_dynamic_modifications(hierarchy: Hierarchy) -> bool:
                 return True
     result = subprocess.run(
         ["mount", "-o", "remount,favordynmods", str(hierarchy.unified)],
-        capture_output=True, check=False,
+        capture_output=True,
+        check=False,
     )
     return result.returncode == 0
 
@@ -243,6 +244,32 @@ class SandboxCgroup:
     def from_state(cls, data: dict[str, Any]) -> SandboxCgroup:
         """Inverse of :meth:`to_state`."""
         return cls(Path(data["v2_dir"]), {k: Path(v) for k, v in data["dirs"].items()})
+
+
+def sandbox_of_cgroup(proc_cgroup: str) -> str | None:
+    """The sandbox id named by a ``/proc/PID/cgroup`` text (its cgroup v2 line), or ``None``.
+
+    A sandbox's tasks live in ``<unified>/dsec/<sandbox_id>`` and cannot leave it (the cgroup
+    files belong to root), so this is an identity the task cannot forge.
+    """
+    for line in proc_cgroup.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy != "0" or controllers:
+            continue
+        parts = PurePosixPath(path).parts
+        if len(parts) >= 3 and parts[0] == "/" and parts[1] == GROUP:
+            return parts[2]
+    return None
+
+
+def sandbox_of_process(pid: int) -> str | None:
+    """The sandbox process ``pid`` belongs to, or ``None`` (not in a sandbox, or gone)."""
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return None
+    return sandbox_of_cgroup(text)
 
 
 def _counter(path: Path, key: str) -> int:

@@ -14,7 +14,10 @@ Process tree of ``run``::
 
 The supervisor stays outside the cgroup so that ``cgroup.kill`` (stop, OOM) cannot take the
 record of how the sandbox ended with it; exit.json lets a restarted node agent learn the outcome
-of a sandbox it did not start.
+of a sandbox it did not start. It also keeps the seccomp filter's notification listener, which
+the workload hands it (SCM_RIGHTS) before execve, at ``seccomp.SUPERVISOR_LISTENER_FD``: the node
+agent takes it from there with pidfd_getfd(2), at launch and after a restart. No process of the
+sandbox keeps the listener (it would answer its own refusals).
 """
 
 from __future__ import annotations
@@ -83,21 +86,43 @@ def _read_plan(fd: int) -> Plan:
 
 def run(plan: Plan, report: _Reporter) -> int:
     """Supervisor: new pid ns, fork init, wait, record the outcome."""
+    import _socket  # the listener's hand-over; imported once, before the forks
+
     start = time.monotonic_ns()
     syscalls.unshare(syscalls.CLONE_NEWPID)
     status_r, status_w = os.pipe()
+    holder, holder_peer = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
     pid = os.fork()
     if pid == 0:
         os.close(status_r)
-        _init_main(plan, report, status_w)
+        holder.close()
+        _init_main(plan, report, status_w, holder_peer.detach())
     os.close(status_w)
+    holder_peer.close()
     report.send(stage="fork", start_ns=start, end_ns=time.monotonic_ns(), init_pid=pid)
+    # Before closing the report channel: its EOF tells the node agent the listener is here.
+    _keep_listener(holder)
     report.close()
     _, init_status = os.waitpid(pid, 0)
     raw = os.read(status_r, 64).decode().strip()
     outcome = _outcome(int(raw) if raw else init_status, bool(raw))
     _write_json_atomic(plan["exit_path"], outcome)
     return 0
+
+
+def _keep_listener(holder: Any) -> None:
+    """Receive the workload's seccomp listener (or EOF: it failed before) and pin it."""
+    import _socket
+
+    try:
+        _, ancillary, _, _ = holder.recvmsg(1, _socket.CMSG_LEN(4), _socket.MSG_CMSG_CLOEXEC)
+    finally:
+        holder.close()
+    for level, kind, data in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS and len(data) >= 4:
+            fd = int.from_bytes(data[:4], sys.byteorder)
+            os.dup2(fd, seccomp.SUPERVISOR_LISTENER_FD, inheritable=False)
+            os.close(fd)
 
 
 def _outcome(wait_status: int, from_init: bool) -> dict[str, Any]:
@@ -121,7 +146,7 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _init_main(plan: Plan, report: _Reporter, status_w: int) -> None:
+def _init_main(plan: Plan, report: _Reporter, status_w: int, holder_fd: int) -> None:
     """Pid 1 of the sandbox. Never returns."""
     try:
         start = time.monotonic_ns()
@@ -150,7 +175,8 @@ def _init_main(plan: Plan, report: _Reporter, status_w: int) -> None:
     workload = os.fork()
     if workload == 0:
         os.close(status_w)
-        _exec_workload(plan, report)
+        _exec_workload(plan, report, holder_fd)
+    os.close(holder_fd)
     report.close()
     os._exit(_reap_until(workload, status_w))
 
@@ -282,8 +308,12 @@ def _mount_dev(dst: str, nodes: list[str]) -> None:
 # ----------------------------------------------------------------------------- the workload
 
 
-def _exec_workload(plan: Plan, report: _Reporter) -> None:
-    """Drop privileges, confine, execve. Never returns."""
+def _exec_workload(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
+    """Drop privileges, confine, execve. Never returns.
+
+    With ``holder_fd`` (a socket to the supervisor) the seccomp filter gets a notification
+    listener, handed over there and closed here before execve.
+    """
     stage = "credentials"
     try:
         start = time.monotonic_ns()
@@ -298,7 +328,9 @@ def _exec_workload(plan: Plan, report: _Reporter) -> None:
         )
         report.stage(stage, start)
         stage, start = "seccomp", time.monotonic_ns()
-        seccomp.install(bytes.fromhex(plan["seccomp"]))
+        listener = seccomp.install(bytes.fromhex(plan["seccomp"]), listener=holder_fd >= 0)
+        if listener >= 0:
+            _hand_over(listener, holder_fd)
         report.stage(stage, start)
         stage = "exec"
         report.send(stage="exec", start_ns=time.monotonic_ns())
@@ -312,6 +344,20 @@ def _exec_workload(plan: Plan, report: _Reporter) -> None:
             os.write(2, f"dsec sandbox: {stage} failed: {message}\n".encode())
         report.send(error=message, stage=stage)
         os._exit(127)
+
+
+def _hand_over(listener: int, holder_fd: int) -> None:
+    """Send the listener to the supervisor; keep no copy (the workload must not answer itself)."""
+    import _socket
+
+    holder = _socket.socket(fileno=holder_fd)
+    try:
+        holder.sendmsg(
+            [b"L"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, listener.to_bytes(4, sys.byteorder))]
+        )
+    finally:
+        holder.close()
+        os.close(listener)
 
 
 def _drop_privileges(plan: Plan) -> None:

@@ -11,6 +11,7 @@ import ast
 import asyncio
 import contextlib
 import json
+import logging
 import marshal
 import os
 import shutil
@@ -22,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec_nodeagent.sandbox import cgroups, discovery, domain, landlock, plan, seccomp
+from dsec_nodeagent.sandbox import cgroups, discovery, domain, landlock, notify, plan, seccomp
 from dsec_nodeagent.sandbox.models import (
+    AgentIdentity,
     ExitReason,
     SandboxConfig,
     SandboxExited,
@@ -33,6 +35,8 @@ from dsec_nodeagent.sandbox.models import (
 from dsec_nodeagent.sandbox.state import StateStore, is_alive, process_start_time
 from dsec_nodeagent.semantic import site_dir
 from dsec_nodeagent.semantic.channel import DecisionChannel, DecisionHandler
+
+log = logging.getLogger(__name__)
 
 ExitHandler = Callable[[SandboxExited], Awaitable[None]]
 CgroupHook = Callable[[str, Path, int], Awaitable[None]]
@@ -66,6 +70,7 @@ class Sandbox:
     cgroup: cgroups.SandboxCgroup
     process: asyncio.subprocess.Process | None = None
     channel: DecisionChannel | None = None
+    refusals: notify.RefusalReporter | None = None
     requested: ExitReason | None = None
     exited: asyncio.Future[SandboxExited] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -95,8 +100,12 @@ class SandboxManager:
         python: interpreter that runs the pre-exec stage (default: this one).
         on_exit: awaited with every :class:`SandboxExited` (publish ``sandbox.exited`` there).
         on_decision: awaited with every semantic decision (publish ``policy.violation``).
+        on_kernel_refusal: awaited with every system call the seccomp filter refused (the
+            caller got ``EPERM``; publish ``policy.violation`` with layer ``kernel``).
         tune_cgroups: remount cgroup2 with ``favordynmods`` (see
             :func:`cgroups.favor_dynamic_modifications`).
+        ipc_socket: the IPC broker's socket: each sandbox with an ``agent`` identity sees it
+            (through a directory of its own holding only a link to it); ``None``: no broker.
     """
 
     def __init__(
@@ -106,7 +115,9 @@ class SandboxManager:
         python: Path | None = None,
         on_exit: ExitHandler | None = None,
         on_decision: DecisionHandler | None = None,
+        on_kernel_refusal: notify.RefusalHandler | None = None,
         tune_cgroups: bool = True,
+        ipc_socket: Path | None = None,
     ) -> None:
         self.home = home.resolve()
         self.run_dir = self.home / "run" / "sandboxes"
@@ -115,8 +126,13 @@ class SandboxManager:
         self.python = python or Path(sys.executable)
         self.on_exit = on_exit
         self.on_decision = on_decision
+        self.on_kernel_refusal = on_kernel_refusal
         self.tune_cgroups = tune_cgroups
+        self.ipc_socket = ipc_socket
         self.states = StateStore(self.run_dir)
+        # sandbox id -> (uid, identity): registered before the workload's first instruction,
+        # so the broker can tell who connects before the sandbox is even reported ready.
+        self._agents: dict[str, tuple[int, AgentIdentity]] = {}
         self._sandboxes: dict[str, Sandbox] = {}
         self._ended: dict[str, SandboxExited] = {}  # recent results, for wait() after the end
         self._hierarchy: cgroups.Hierarchy | None = None
@@ -131,6 +147,19 @@ class SandboxManager:
     def running(self) -> list[str]:
         """Ids of the sandboxes this manager watches."""
         return sorted(self._sandboxes)
+
+    def identify(self, pid: int, uid: int) -> AgentIdentity | None:
+        """The agent identity of the sandbox process ``pid`` runs in, or ``None``.
+
+        The sandbox is found from the process's cgroup (which its tasks cannot leave) and must
+        also run under ``uid`` (each sandbox has a uid of its own): what the IPC broker pins a
+        connecting process to.
+        """
+        sandbox_id = cgroups.sandbox_of_process(pid)
+        entry = self._agents.get(sandbox_id) if sandbox_id is not None else None
+        if entry is None or entry[0] != uid:
+            return None
+        return entry[1]
 
     def log_paths(self, sandbox_id: str) -> tuple[Path, Path]:
         """``(stdout, stderr)`` log files of a sandbox (kept after exit until :meth:`purge`)."""
@@ -163,12 +192,23 @@ class SandboxManager:
         channel: DecisionChannel | None = None
         try:
             built, uid = await self._plan(config, run_dir)
+            if config.agent is not None:
+                self._agents[sid] = (uid, config.agent)
             marks["plan"] = time.monotonic_ns()
-            self.states.write(sid, {"sandbox_id": sid, "phase": "starting", "cgroup": None,
-                                    "run_dir": str(run_dir)})
+            self.states.write(
+                sid,
+                {"sandbox_id": sid, "phase": "starting", "cgroup": None, "run_dir": str(run_dir)},
+            )
             cgroup = self._create_cgroup(config)
-            self.states.write(sid, {"sandbox_id": sid, "phase": "starting",
-                                    "cgroup": cgroup.to_state(), "run_dir": str(run_dir)})
+            self.states.write(
+                sid,
+                {
+                    "sandbox_id": sid,
+                    "phase": "starting",
+                    "cgroup": cgroup.to_state(),
+                    "run_dir": str(run_dir),
+                },
+            )
             built.plan["cgroup_procs"] = cgroup.procs_files()
             if before_start is not None:
                 await before_start(sid, cgroup.v2_dir, cgroup.inode)
@@ -186,21 +226,26 @@ class SandboxManager:
             await self._abort(sid, cgroup, channel, run_dir)
             stage = next((m for m in ("plan", "cgroup") if m not in marks), "spawn")
             raise SandboxStartError(sid, stage, str(exc)) from exc
+        refusals = self._report_refusals(sid, process.pid, built.warnings)
         ready = self._ready(config, built, uid, cgroup, t0, marks, records, ready_ns, init_pid)
         state = self._state(config, built.plan, ready, process.pid, init_pid, cgroup, run_dir)
         self.states.write(sid, state)
-        sandbox = Sandbox(sid, ready, state, cgroup, process=process, channel=channel)
+        sandbox = Sandbox(
+            sid, ready, state, cgroup, process=process, channel=channel, refusals=refusals
+        )
         self._watch(sandbox)
         return ready
 
     async def _plan(self, config: SandboxConfig, run_dir: Path) -> tuple[plan.PlanResult, int]:
-        extra = [p for p in (config.env_dir, *config.extra_ro_paths) if p is not None]
+        sdk, sdk_deps = sdk_packages() if config.agent is not None else ((), ())
+        extra = [p for p in (config.env_dir, *config.extra_ro_paths, *sdk_deps) if p is not None]
         view = await asyncio.to_thread(
             discovery.discover_cached, config.runtime, extra, self.cache_dir
         )
         uid = domain.allocate_uid(config.sandbox_id, self._uids_in_use())
         run_dir.mkdir(parents=True, exist_ok=False)
         (run_dir / "root").mkdir()
+        ipc_dir = self._ipc_dir(config, run_dir)
         rules_path = None
         if config.semantic_rules is not None:
             rules_path = run_dir / "rules.json"
@@ -212,16 +257,71 @@ class SandboxManager:
             semantic_site=site_dir(),
             rules_path=rules_path,
             events_socket=run_dir / "events.sock" if rules_path else None,
+            ipc_dir=ipc_dir,
+            sdk_packages=sdk,
+            sdk_fallbacks=sdk_deps,
         )
         abi, last_cap, program = self._kernel_facts()
         facts = plan.KernelFacts(abi, last_cap, program, [])
-        return plan.build(config, view, host, facts, uid), uid
+        built = plan.build(config, view, host, facts, uid)
+        if ipc_dir is not None and not (ipc_dir / plan.IPC_SOCKET_NAME).exists():
+            built.warnings.append(
+                f"the IPC broker's socket {self.ipc_socket} could not be shown to the sandbox "
+                "(no broker, or another filesystem than the sandbox's run directory): its tool "
+                "calls will fail"
+            )
+        return built, uid
+
+    def _ipc_dir(self, config: SandboxConfig, run_dir: Path) -> Path | None:
+        """The sandbox's view of the broker: a directory holding only a link to its socket."""
+        if self.ipc_socket is None or config.agent is None:
+            return None
+        ipc_dir = run_dir / "ipc"
+        ipc_dir.mkdir(mode=0o755)
+        self._link_ipc(ipc_dir)
+        return ipc_dir
+
+    def _link_ipc(self, ipc_dir: Path) -> None:
+        """(Re)link the broker's socket into ``ipc_dir``.
+
+        A hard link, not a bind mount of the socket: a restarted broker binds a new socket
+        inode, and replacing the link inside the (bind-mounted) directory shows the new one to
+        sandboxes that are already running. When it cannot be linked (no broker, another
+        filesystem) the link stays absent: the sandbox runs, its calls fail with
+        ``BrokerUnavailable``, and a launch says so in its warnings.
+        """
+        assert self.ipc_socket is not None
+        staging = ipc_dir / f".{plan.IPC_SOCKET_NAME}.new"
+        with contextlib.suppress(FileNotFoundError):
+            staging.unlink()
+        try:
+            os.link(self.ipc_socket, staging)
+            os.replace(staging, ipc_dir / plan.IPC_SOCKET_NAME)
+        except OSError:
+            with contextlib.suppress(FileNotFoundError):
+                staging.unlink()
 
     def _kernel_facts(self) -> tuple[int, int, bytes]:
         if self._facts is None:
             last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
-            self._facts = (landlock.abi_version(), last_cap, seccomp.build_filter())
+            self._facts = (landlock.abi_version(), last_cap, seccomp.build_filter(notify=True))
         return self._facts
+
+    def _report_refusals(
+        self, sid: str, supervisor_pid: int, warnings: list[str] | None = None
+    ) -> notify.RefusalReporter | None:
+        """Watch the sandbox's seccomp listener (kept by its supervisor) and report refusals."""
+        try:
+            fd = notify.take_listener(supervisor_pid)
+        except OSError as exc:
+            # The filter still refuses (ENOSYS, or the call waits while the listener is held):
+            # only the events are missing.
+            message = f"kernel refusals of sandbox {sid} will not be reported: {exc}"
+            log.warning(message)
+            if warnings is not None:
+                warnings.append(message)
+            return None
+        return notify.RefusalReporter(sid, fd, self.on_kernel_refusal)
 
     def _create_cgroup(self, config: SandboxConfig) -> cgroups.SandboxCgroup:
         if self._hierarchy is None:
@@ -255,10 +355,20 @@ class SandboxManager:
             with open(stdout_path, "ab") as out, open(stderr_path, "ab") as err:
                 marks["spawn_start"] = time.monotonic_ns()
                 process = await asyncio.create_subprocess_exec(
-                    str(self.python), "-I", "-S", "-c", BOOTSTRAP, "run", str(plan_r),
+                    str(self.python),
+                    "-I",
+                    "-S",
+                    "-c",
+                    BOOTSTRAP,
+                    "run",
+                    str(plan_r),
                     str(report_w),
-                    pass_fds=(plan_r, report_w), stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out, stderr=err, start_new_session=True, env=_init_env(),
+                    pass_fds=(plan_r, report_w),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                    env=_init_env(),
                 )
         finally:
             os.close(plan_r)
@@ -277,42 +387,86 @@ class SandboxManager:
         return process, records, int(init_pid), ready_ns
 
     def _ready(
-        self, config: SandboxConfig, built: plan.PlanResult, uid: int,
-        cgroup: cgroups.SandboxCgroup, t0: int, marks: dict[str, int],
-        records: list[dict[str, Any]], ready_ns: int, init_pid: int,
+        self,
+        config: SandboxConfig,
+        built: plan.PlanResult,
+        uid: int,
+        cgroup: cgroups.SandboxCgroup,
+        t0: int,
+        marks: dict[str, int],
+        records: list[dict[str, Any]],
+        ready_ns: int,
+        init_pid: int,
     ) -> SandboxReady:
         stdout_path, stderr_path = self.log_paths(config.sandbox_id)
         return SandboxReady(
-            sandbox_id=config.sandbox_id, pid=init_pid, uid=uid,
-            cgroup_path=str(cgroup.v2_dir), cgroup_id=cgroup.inode,
-            started_at=time.time(), ready_ms=round((ready_ns - t0) / 1e6, 3),
+            sandbox_id=config.sandbox_id,
+            pid=init_pid,
+            uid=uid,
+            cgroup_path=str(cgroup.v2_dir),
+            cgroup_id=cgroup.inode,
+            started_at=time.time(),
+            ready_ms=round((ready_ns - t0) / 1e6, 3),
             timings_ms=domain.stage_timings(t0, marks, records, ready_ns),
-            stdout_path=str(stdout_path), stderr_path=str(stderr_path),
-            warnings=built.warnings, metadata=config.metadata,
+            stdout_path=str(stdout_path),
+            stderr_path=str(stderr_path),
+            warnings=built.warnings,
+            metadata=config.metadata,
         )
 
     def _state(
-        self, config: SandboxConfig, the_plan: dict[str, Any], ready: SandboxReady,
-        supervisor_pid: int, init_pid: int, cgroup: cgroups.SandboxCgroup, run_dir: Path,
+        self,
+        config: SandboxConfig,
+        the_plan: dict[str, Any],
+        ready: SandboxReady,
+        supervisor_pid: int,
+        init_pid: int,
+        cgroup: cgroups.SandboxCgroup,
+        run_dir: Path,
     ) -> dict[str, Any]:
         secret_names = set(config.secret_env)
-        exec_plan = {k: the_plan[k] for k in ("uid", "gid", "unshare_net", "landlock", "seccomp",
-                                              "cap_last_cap", "cwd", "cgroup_procs", "python")}
+        exec_plan = {
+            k: the_plan[k]
+            for k in (
+                "uid",
+                "gid",
+                "unshare_net",
+                "landlock",
+                "seccomp",
+                "cap_last_cap",
+                "cwd",
+                "cgroup_procs",
+                "python",
+            )
+        }
         exec_plan["env"] = {k: v for k, v in the_plan["env"].items() if k not in secret_names}
+        # `sandbox exec` has no listener to hand over: its filter fails denied calls itself.
+        exec_plan["seccomp"] = seccomp.build_filter().hex()
         deadline = time.time() + config.timeout_s if config.timeout_s else None
         return {
-            "sandbox_id": config.sandbox_id, "phase": "running", "uid": ready.uid,
+            "sandbox_id": config.sandbox_id,
+            "phase": "running",
+            "uid": ready.uid,
             "supervisor_pid": supervisor_pid,
             "supervisor_start": process_start_time(supervisor_pid),
-            "init_pid": init_pid, "cgroup": cgroup.to_state(), "run_dir": str(run_dir),
-            "deadline": deadline, "ready": ready.model_dump(mode="json"),
-            "exec_plan": exec_plan, "secret_env_names": sorted(secret_names),
+            "init_pid": init_pid,
+            "cgroup": cgroup.to_state(),
+            "run_dir": str(run_dir),
+            "deadline": deadline,
+            "ready": ready.model_dump(mode="json"),
+            "exec_plan": exec_plan,
+            "secret_env_names": sorted(secret_names),
+            "agent": config.agent.model_dump() if config.agent is not None else None,
         }
 
     async def _abort(
-        self, sid: str, cgroup: cgroups.SandboxCgroup | None, channel: DecisionChannel | None,
+        self,
+        sid: str,
+        cgroup: cgroups.SandboxCgroup | None,
+        channel: DecisionChannel | None,
         run_dir: Path,
     ) -> None:
+        self._agents.pop(sid, None)
         if channel is not None:
             await channel.close()
         if cgroup is not None:
@@ -328,8 +482,10 @@ class SandboxManager:
         if deadline is not None:
             delay = max(0.0, deadline - time.time())
             sandbox.timer = asyncio.get_running_loop().call_later(
-                delay, lambda: asyncio.ensure_future(self.stop(
-                    sandbox.config_id, reason=ExitReason.TIMEOUT, grace_s=1.0))
+                delay,
+                lambda: asyncio.ensure_future(
+                    self.stop(sandbox.config_id, reason=ExitReason.TIMEOUT, grace_s=1.0)
+                ),
             )
         sandbox.monitor = asyncio.ensure_future(self._monitor(sandbox))
 
@@ -338,8 +494,11 @@ class SandboxManager:
             await sandbox.process.wait()
         else:
             await _wait_pid(sandbox.state["supervisor_pid"], sandbox.state["supervisor_start"])
-        result = await self._finish(sandbox.state, sandbox.cgroup, sandbox.requested,
-                                    sandbox.channel)
+        if sandbox.refusals is not None:
+            await sandbox.refusals.close()
+        result = await self._finish(
+            sandbox.state, sandbox.cgroup, sandbox.requested, sandbox.channel
+        )
         self._remember(result)
         self._sandboxes.pop(sandbox.config_id, None)
         if sandbox.timer is not None:
@@ -350,11 +509,15 @@ class SandboxManager:
             await self.on_exit(result)
 
     async def _finish(
-        self, state: dict[str, Any], cgroup: cgroups.SandboxCgroup | None,
-        requested: ExitReason | None, channel: DecisionChannel | None,
+        self,
+        state: dict[str, Any],
+        cgroup: cgroups.SandboxCgroup | None,
+        requested: ExitReason | None,
+        channel: DecisionChannel | None,
     ) -> SandboxExited:
         """Read how it ended, classify, clean everything up."""
         sid = state["sandbox_id"]
+        self._agents.pop(sid, None)
         run_dir = Path(state["run_dir"])
         outcome = _read_json(run_dir / "exit.json")
         oom = cgroup.oom_kills() if cgroup else 0
@@ -371,11 +534,17 @@ class SandboxManager:
         ready = state.get("ready") or {}
         stdout_path, stderr_path = self.log_paths(sid)
         return SandboxExited(
-            sandbox_id=sid, exit_code=exit_code, signal=sig, reason=reason, detail=detail,
+            sandbox_id=sid,
+            exit_code=exit_code,
+            signal=sig,
+            reason=reason,
+            detail=detail,
             started_at=ready.get("started_at", 0.0),
             ended_at=outcome.get("time", time.time()) if outcome else time.time(),
-            oom_kills=oom, pids_limit_hits=pids_hits,
-            stdout_path=str(stdout_path), stderr_path=str(stderr_path),
+            oom_kills=oom,
+            pids_limit_hits=pids_hits,
+            stdout_path=str(stdout_path),
+            stderr_path=str(stderr_path),
             metadata=ready.get("metadata", {}),
         )
 
@@ -419,8 +588,14 @@ class SandboxManager:
     # ------------------------------------------------------------------ exec
 
     async def exec(
-        self, sandbox_id: str, argv: list[str], *, stdin: int | None = None,
-        stdout: int | None = None, stderr: int | None = None, env: dict[str, str] | None = None,
+        self,
+        sandbox_id: str,
+        argv: list[str],
+        *,
+        stdin: int | None = None,
+        stdout: int | None = None,
+        stderr: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> int:
         """Run ``argv`` inside a running sandbox with its isolation; return its exit code.
 
@@ -437,8 +612,19 @@ class SandboxManager:
         plan_r, plan_w = os.pipe()
         try:
             process = await asyncio.create_subprocess_exec(
-                str(self.python), "-I", "-S", "-c", BOOTSTRAP, "exec", str(plan_r), "-1",
-                pass_fds=(plan_r,), stdin=stdin, stdout=stdout, stderr=stderr, env=_init_env(),
+                str(self.python),
+                "-I",
+                "-S",
+                "-c",
+                BOOTSTRAP,
+                "exec",
+                str(plan_r),
+                "-1",
+                pass_fds=(plan_r,),
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                env=_init_env(),
             )
         finally:
             os.close(plan_r)
@@ -494,14 +680,17 @@ class SandboxManager:
             state = self.states.read(sid)
             if state is None:
                 continue
-            cgroup = cgroups.SandboxCgroup.from_state(state["cgroup"]) if state.get("cgroup") \
-                else None
+            cgroup = (
+                cgroups.SandboxCgroup.from_state(state["cgroup"]) if state.get("cgroup") else None
+            )
             alive = state.get("phase") == "running" and is_alive(
                 state["supervisor_pid"], state.get("supervisor_start")
             )
             if alive and cgroup is not None:
                 ready = SandboxReady.model_validate(state["ready"])
-                self._watch(Sandbox(sid, ready, state, cgroup))
+                self._adopt_agent(state, ready.uid)
+                refusals = self._report_refusals(sid, state["supervisor_pid"])
+                self._watch(Sandbox(sid, ready, state, cgroup, refusals=refusals))
                 adopted.append(sid)
                 continue
             result = await self._finish(state, cgroup, None, None)
@@ -510,6 +699,15 @@ class SandboxManager:
             if self.on_exit is not None:
                 await self.on_exit(result)
         return ReconcileReport(adopted, cleaned)
+
+    def _adopt_agent(self, state: dict[str, Any], uid: int) -> None:
+        """Know a re-adopted sandbox's identity again; show it the (new) broker socket."""
+        if not state.get("agent"):
+            return
+        self._agents[state["sandbox_id"]] = (uid, AgentIdentity.model_validate(state["agent"]))
+        ipc_dir = Path(state["run_dir"]) / "ipc"
+        if self.ipc_socket is not None and ipc_dir.is_dir():
+            self._link_ipc(ipc_dir)
 
     async def shutdown(self, *, stop_sandboxes: bool = False) -> None:
         """Stop watching (sandboxes keep running for the next :meth:`reconcile`), or stop all."""
@@ -523,7 +721,22 @@ class SandboxManager:
                 sandbox.monitor.cancel()
             if sandbox.channel is not None:
                 await sandbox.channel.close()
+            if sandbox.refusals is not None:
+                await sandbox.refusals.close()
             self._sandboxes.pop(sid, None)
+            self._agents.pop(sid, None)
+
+
+def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
+    """Host directories of the SDK (``dsec_sdk``) and of the packages it needs (``msgpack``).
+
+    They come from the node agent's own environment, built for the same interpreter the
+    sandbox runs, so the compiled parts load there too.
+    """
+    import dsec_sdk
+    import msgpack
+
+    return (Path(dsec_sdk.__file__).resolve().parent,), (Path(msgpack.__file__).resolve().parent,)
 
 
 def build_exec_plan(

@@ -10,6 +10,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# The communication plane's alphabet (names become NATS subject tokens; see dsec_sdk.ipc.control).
+AGENT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -70,6 +72,29 @@ class Mount(BaseModel):
         return _absolute(value, "mount target")
 
 
+class AgentIdentity(BaseModel):
+    """Who a sandbox's processes are on the communication plane (the IPC broker pins it).
+
+    Attributes:
+        name: the agent name other agents call it by (the spec's ``name``).
+        task_group: only agents of one group reach each other.
+    """
+
+    model_config = _FROZEN
+
+    name: str
+    task_group: str
+
+    @field_validator("name", "task_group")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        if not AGENT_NAME_RE.match(value):
+            raise ValueError(
+                f"{value!r}: use 1-63 of [A-Za-z0-9_-], starting with a letter or digit"
+            )
+        return value
+
+
 class SandboxConfig(BaseModel):
     """Everything needed to start one sandbox; the lead maps the spec + ``env.built`` onto it.
 
@@ -102,6 +127,9 @@ class SandboxConfig(BaseModel):
         tcp_connect_ports: if set, Landlock lets TCP ``connect`` reach only these ports.
         semantic_rules: compiled semantic rules (see :mod:`dsec_nodeagent.semantic`), or ``None``.
         hostname: UTS hostname (default: the sandbox id).
+        agent: the sandbox's identity on the communication plane: its processes get
+            ``DSEC_AGENT_NAME``/``DSEC_TASK_GROUP`` and, when the manager runs with an IPC broker,
+            the broker's socket (``DSEC_IPC_SOCKET``) and the SDK on their import path.
         metadata: caller data stored in the state file and echoed in results (e.g. lease ids).
     """
 
@@ -126,6 +154,7 @@ class SandboxConfig(BaseModel):
     tcp_connect_ports: list[int] | None = None
     semantic_rules: dict[str, Any] | None = None
     hostname: str | None = None
+    agent: AgentIdentity | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("sandbox_id")

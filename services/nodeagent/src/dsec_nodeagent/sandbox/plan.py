@@ -16,9 +16,14 @@ from dsec_nodeagent.sandbox.models import SandboxConfig
 
 ENV_TARGET = "/opt/dsec/env"
 SEMANTIC_TARGET = "/opt/dsec/semantic"
+SDK_TARGET = "/opt/dsec/sdk"
+SDK_DEPS_TARGET = "/opt/dsec/sdk-deps"
 RUN_TARGET = "/run/dsec"
 RULES_TARGET = f"{RUN_TARGET}/rules.json"
 EVENTS_TARGET = f"{RUN_TARGET}/events.sock"
+IPC_TARGET = f"{RUN_TARGET}/ipc"
+IPC_SOCKET_NAME = "ipc.sock"
+IPC_SOCKET_TARGET = f"{IPC_TARGET}/{IPC_SOCKET_NAME}"
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 DEV_WRITABLE = ("/dev/null", "/dev/zero", "/dev/full", "/dev/shm", "/dev/tty")
 TMP_OPTIONS = "mode=1777"
@@ -39,6 +44,12 @@ class HostPaths:
         semantic_site: directory holding ``sitecustomize.py`` of the semantic layer.
         rules_path: the sandbox's semantic rules file, or ``None``.
         events_socket: the node agent's datagram socket for semantic decisions, or ``None``.
+        ipc_dir: a directory holding only a link to the IPC broker's socket (shown at
+            ``/run/dsec/ipc``), or ``None``: no communication plane.
+        sdk_packages: package directories (``dsec_sdk``) put first on the import path, so the
+            SDK always speaks the protocol of this node's broker.
+        sdk_fallbacks: package directories the SDK needs (``msgpack``), placed after the
+            environment's own packages: a version the spec pinned wins.
     """
 
     root: Path
@@ -47,6 +58,9 @@ class HostPaths:
     semantic_site: Path
     rules_path: Path | None = None
     events_socket: Path | None = None
+    ipc_dir: Path | None = None
+    sdk_packages: tuple[Path, ...] = ()
+    sdk_fallbacks: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,7 +132,9 @@ def build(
         "exit_path": str(host.exit_path),
         "layout": layout,
         "landlock": {
-            "abi": kernel.landlock_abi, "read": read, "write": write,
+            "abi": kernel.landlock_abi,
+            "read": read,
+            "write": write,
             "tcp_connect_ports": config.tcp_connect_ports,
         },
         "seccomp": kernel.seccomp_program.hex(),
@@ -163,8 +179,9 @@ def _declared_entries(
     else:
         entries.append({"kind": "dir", "path": config.workdir})
     for mount in config.mounts:
-        entries.append(_bind(_existing(mount.source, f"mount {mount.target}"), mount.target,
-                             mount.read_only))
+        entries.append(
+            _bind(_existing(mount.source, f"mount {mount.target}"), mount.target, mount.read_only)
+        )
     writable = [e["path"] for e in entries if e["kind"] == "bind" and not e.get("ro", True)]
     for path in config.write_allowed:
         if any(_under(path, t) for t in writable):
@@ -204,6 +221,7 @@ def _system_entries(
         entries.append(_bind(host.rules_path, RULES_TARGET))
     if host.events_socket is not None:
         entries.append(_bind(host.events_socket, EVENTS_TARGET, ro=False))
+    entries += _communication_entries(host)
     binds = [e["path"] for e in layout if e["kind"] == "bind"]
     identity = {
         "/etc/passwd": f"root:x:0:0::/:/nonexistent\nsandbox:x:{uid}:{uid}::/tmp:/nonexistent\n",
@@ -212,6 +230,19 @@ def _system_entries(
     for path, content in identity.items():
         if not any(_under(path, b) for b in binds):
             entries.append({"kind": "file", "path": path, "content": content, "mode": 0o644})
+    return entries
+
+
+def _communication_entries(host: HostPaths) -> list[dict[str, Any]]:
+    """The SDK's packages and the broker's socket.
+
+    Only the socket's own directory is shown (read-only: connecting to a socket is not a write
+    to the filesystem), never the node agent's ``run`` directory around it.
+    """
+    entries = [_bind(p, f"{SDK_TARGET}/{p.name}") for p in host.sdk_packages]
+    entries += [_bind(p, f"{SDK_DEPS_TARGET}/{p.name}") for p in host.sdk_fallbacks]
+    if host.ipc_dir is not None:
+        entries.append(_bind(host.ipc_dir, IPC_TARGET))
     return entries
 
 
@@ -236,7 +267,10 @@ def _check_overlaps(layout: list[dict[str, Any]]) -> None:
 
 
 def _landlock_sets(
-    config: SandboxConfig, runtime: RuntimeView, host: HostPaths, layout: list[dict[str, Any]],
+    config: SandboxConfig,
+    runtime: RuntimeView,
+    host: HostPaths,
+    layout: list[dict[str, Any]],
     result: PlanResult,
 ) -> tuple[list[str], list[str]]:
     read = [*runtime.ro_dirs, *runtime.ro_files]
@@ -246,6 +280,10 @@ def _landlock_sets(
         read.append(ENV_TARGET)
     if host.rules_path is not None:
         read.append(RULES_TARGET)
+    if host.sdk_packages:
+        read.append(SDK_TARGET)
+    if host.sdk_fallbacks:
+        read.append(SDK_DEPS_TARGET)
     read += config.read_allowed
     write = list(config.write_allowed) + list(DEV_WRITABLE)
     if host.events_socket is not None:
@@ -288,6 +326,25 @@ def workload_env(config: SandboxConfig, runtime: RuntimeView, host: HostPaths) -
         env["DSEC_SEMANTIC_RULES"] = RULES_TARGET
     if host.events_socket is not None:
         env["DSEC_SEMANTIC_SOCKET"] = EVENTS_TARGET
+    if host.sdk_packages:
+        env["PYTHONPATH"] += f":{SDK_TARGET}"
+    if host.sdk_fallbacks:
+        env["DSEC_SDK_DEPS"] = SDK_DEPS_TARGET
     env.update(config.env)
     env.update({k: v.get_secret_value() for k, v in config.secret_env.items()})
+    env.update(agent_env(config))
     return env
+
+
+def agent_env(config: SandboxConfig) -> dict[str, str]:
+    """The identity and the broker's socket the SDK reads; set last, so a spec's own variables
+    cannot change them (the broker would refuse another name anyway). Without a broker
+    (``ipc_dir`` unset) the socket is absent and a call fails with a clear ``BrokerUnavailable``.
+    """
+    if config.agent is None:
+        return {}
+    return {
+        "DSEC_AGENT_NAME": config.agent.name,
+        "DSEC_TASK_GROUP": config.agent.task_group,
+        "DSEC_IPC_SOCKET": IPC_SOCKET_TARGET,
+    }

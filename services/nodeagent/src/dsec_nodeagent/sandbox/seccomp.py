@@ -4,9 +4,18 @@ Why not libseccomp: its Python binding is a Debian package built for the system 
 the filter needed is a few dozen instructions. Assembling it here keeps the pre-exec stage free of
 native dependencies and lets the parent build the program once and hand the bytes to the child.
 
-Denied calls return ``EPERM`` (what a user can read in an error message) rather than killing the
-process; a foreign architecture (32-bit or x32 entry points that would bypass the numbers below)
-kills the process, which the node agent reports as exit reason ``policy``.
+Denied calls fail with ``EPERM`` (what a user can read in an error message) rather than killing
+the process; a foreign architecture (32-bit or x32 entry points that would bypass the numbers
+below) kills the process, which the node agent reports as exit reason ``policy``.
+
+With ``notify=True`` (what a launched sandbox gets) a denied call returns ``SECCOMP_RET_USER_NOTIF``
+instead of ``ERRNO(EPERM)``: the filter is installed with ``SECCOMP_FILTER_FLAG_NEW_LISTENER`` and
+the listener goes to the node agent (:mod:`.notify`), which answers every notification with
+``EPERM`` and reports it as a ``policy.violation`` (layer ``kernel``). The decision is the
+filter's; the listener only reports it, so reading pointer arguments (and their TOCTOU) never
+matters. Fail-closed: while the listener is open and nobody answers (node agent restarting), the
+call waits (interruptibly) for the next agent; once no process holds the listener, the kernel
+fails the call with ``ENOSYS``. Either way it never runs.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ _RET_K = 0x06
 RET_ALLOW = 0x7FFF0000
 RET_KILL_PROCESS = 0x80000000
 RET_ERRNO = 0x00050000
+RET_USER_NOTIF = 0x7FC00000
 
 # offsets in struct seccomp_data
 _OFF_NR = 0
@@ -67,6 +77,10 @@ _OFF_ARG0 = 16
 _OFF_ARG1 = 24
 
 SECCOMP_SET_MODE_FILTER = 1
+SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3
+# Where the sandbox's supervisor process (init.py ``run``, root, outside the sandbox) keeps its
+# copy of the listener, so that a restarted node agent can take it back with pidfd_getfd(2).
+SUPERVISOR_LISTENER_FD = 1000
 
 
 class _Assembler:
@@ -97,8 +111,14 @@ class _Assembler:
         return offset
 
 
-def build_filter(denied: dict[str, int] | None = None) -> bytes:
-    """Assemble the sandbox's filter program (``struct sock_filter`` array bytes)."""
+def build_filter(denied: dict[str, int] | None = None, *, notify: bool = False) -> bytes:
+    """Assemble the sandbox's filter program (``struct sock_filter`` array bytes).
+
+    Args:
+        denied: syscall name -> x86_64 number (default :data:`DENIED_SYSCALLS`).
+        notify: denied calls go to the user-notification listener (which answers ``EPERM`` and
+            reports them) instead of failing with ``EPERM`` in the filter itself.
+    """
     numbers = sorted(set((denied or DENIED_SYSCALLS).values()))
     asm = _Assembler()
     asm.op(_LD_W_ABS, _OFF_ARCH)
@@ -128,7 +148,7 @@ def build_filter(denied: dict[str, int] | None = None) -> bytes:
     asm.label("enosys")
     asm.op(_RET_K, RET_ERRNO | errno.ENOSYS)
     asm.label("eperm")
-    asm.op(_RET_K, RET_ERRNO | errno.EPERM)
+    asm.op(_RET_K, RET_USER_NOTIF if notify else RET_ERRNO | errno.EPERM)
     asm.label("kill")
     asm.op(_RET_K, RET_KILL_PROCESS)
     return asm.assemble()
@@ -138,10 +158,45 @@ class _SockFprog(ctypes.Structure):
     _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
 
 
-def install(program: bytes) -> None:
-    """Load ``program`` for the calling thread; needs ``no_new_privs`` (or CAP_SYS_ADMIN)."""
+def install(program: bytes, *, listener: bool = False) -> int:
+    """Load ``program`` for the calling thread; needs ``no_new_privs`` (or CAP_SYS_ADMIN).
+
+    Args:
+        listener: also create the user-notification listener (for a ``notify`` program).
+
+    Returns:
+        The listener fd (close-on-exec), or -1 without ``listener``.
+    """
     buf = ctypes.create_string_buffer(program, len(program))
     prog = _SockFprog(len=len(program) // 8, filter=ctypes.addressof(buf))
-    syscalls.syscall(
-        syscalls.SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, 0, ctypes.c_void_p(ctypes.addressof(prog))
-    )
+    flags = SECCOMP_FILTER_FLAG_NEW_LISTENER if listener else 0
+    program_ptr = ctypes.c_void_p(ctypes.addressof(prog))
+    fd = syscalls.syscall(syscalls.SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, flags, program_ptr)
+    return fd if listener else -1
+
+
+_NAMES = {number: name for name, number in DENIED_SYSCALLS.items()}
+_FAMILIES = {1: "AF_UNIX", 2: "AF_INET", 10: "AF_INET6", 16: "AF_NETLINK", AF_PACKET: "AF_PACKET"}
+_CLONE_FLAG_NAMES = (
+    (syscalls.CLONE_NEWNS, "CLONE_NEWNS"), (syscalls.CLONE_NEWCGROUP, "CLONE_NEWCGROUP"),
+    (syscalls.CLONE_NEWUTS, "CLONE_NEWUTS"), (syscalls.CLONE_NEWIPC, "CLONE_NEWIPC"),
+    (syscalls.CLONE_NEWUSER, "CLONE_NEWUSER"), (syscalls.CLONE_NEWPID, "CLONE_NEWPID"),
+    (syscalls.CLONE_NEWNET, "CLONE_NEWNET"), (syscalls.CLONE_NEWTIME, "CLONE_NEWTIME"),
+)
+
+
+def describe(nr: int, args: tuple[int, ...]) -> str:
+    """A refused call as a user reads it: ``ptrace``, ``socket(AF_PACKET)``, ``clone(...)``.
+
+    Only the register arguments the filter itself tested are used (never memory: the
+    notification is a report, not a decision).
+    """
+    if nr == NR_SOCKET:
+        family = args[0] & 0xFFFF
+        if family == AF_PACKET:
+            return "socket(AF_PACKET)"
+        return f"socket({_FAMILIES.get(family, f'family {family}')}, SOCK_RAW)"
+    if nr == NR_CLONE:
+        flags = [name for bit, name in _CLONE_FLAG_NAMES if args[0] & bit]
+        return f"clone({'|'.join(flags)})"
+    return _NAMES.get(nr, f"syscall {nr}")

@@ -1,15 +1,21 @@
 """Run at the start of every Python process in a DSec sandbox (found via ``PYTHONPATH``).
 
-Adds the built environment's site-packages (with its ``.pth`` files) and, when the node agent
+Adds the built environment's site-packages (with its ``.pth`` files), then the packages the DSec
+SDK needs (after the environment's, so a version the spec pinned wins) and, when the node agent
 wrote rules, installs the semantic layer. Standard library only: it runs before user code.
 """
 
 import os
 import site
+import sys
 
 _env_site = os.environ.get("DSEC_ENV_SITE")
 if _env_site:
     site.addsitedir(_env_site)
+
+_sdk_deps = os.environ.get("DSEC_SDK_DEPS")
+if _sdk_deps and _sdk_deps not in sys.path:
+    sys.path.append(_sdk_deps)
 
 _rules = os.environ.get("DSEC_SEMANTIC_RULES")
 if _rules and os.path.exists(_rules):

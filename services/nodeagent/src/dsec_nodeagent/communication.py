@@ -1,0 +1,70 @@
+"""The node agent's communication plane: the IPC broker, with identities pinned to sandboxes.
+
+The broker (:mod:`dsec_nodeagent.ipc`) listens on ``$DSEC_HOME/run/ipc.sock``; each sandbox
+sees that socket through a directory of its own (see :class:`SandboxManager`). A connecting
+process may act only as the agent of the sandbox it runs in: its cgroup names the sandbox, its
+uid must be that sandbox's, and the name and task group come from the sandbox's spec. A process
+outside every sandbox is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from dsec_core.settings import Settings
+
+from dsec_nodeagent.ipc import AgentKey, Broker
+from dsec_nodeagent.sandbox.manager import SandboxManager
+
+log = logging.getLogger(__name__)
+
+SOCKET = Path("run") / "ipc.sock"
+
+
+def socket_path(settings: Settings) -> Path:
+    """Where this node's broker listens (``$DSEC_HOME/run/ipc.sock``)."""
+    return settings.home.resolve() / SOCKET
+
+
+class CommunicationPlane:
+    """Owns this node's IPC broker.
+
+    Args:
+        settings: ``home`` (the socket's place), ``node_id``, and the NATS server through which
+            agents on other nodes are reached.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.socket_path = socket_path(settings)
+        self.broker: Broker | None = None
+        self._manager: SandboxManager | None = None
+
+    def attach(self, manager: SandboxManager) -> None:
+        """Identify connecting processes through ``manager``'s sandboxes."""
+        self._manager = manager
+
+    def identify(self, pid: int, uid: int, gid: int) -> AgentKey | None:
+        """The only identity process ``pid`` may claim: its sandbox's agent, else none."""
+        identity = self._manager.identify(pid, uid) if self._manager is not None else None
+        if identity is None:
+            return None
+        return AgentKey(identity.task_group, identity.name)
+
+    async def start(self) -> None:
+        """Listen (before sandboxes are re-adopted, so they can be shown the new socket)."""
+        broker = Broker(
+            self.socket_path,
+            node_id=self.settings.node_id,
+            nats_url=self.settings.nats_endpoint(),
+            identify=self.identify,
+        )
+        await broker.start()
+        self.broker = broker
+
+    async def stop(self) -> None:
+        """Close every agent connection and remove the socket; sandboxes keep running."""
+        if self.broker is not None:
+            await self.broker.stop()
+            self.broker = None
