@@ -127,6 +127,29 @@ def _bcc() -> Any:
     return bcc
 
 
+_MADV_PAGEOUT = 21
+_COMPILER_LIBS = re.compile(r"lib(LLVM|clang|bcc)")
+
+
+def release_compiler_memory() -> None:
+    """Give back what compiling cost: the node agent stays a small idle process.
+
+    BCC compiles once at start; LLVM's heap and the pages of libLLVM/libclang it touched would
+    otherwise stay resident (about 100 MB). Freed heap goes back with ``malloc_trim``; the
+    compiler's file-backed pages are paged out with ``MADV_PAGEOUT`` (clean pages, reloaded
+    from the library file should BCC ever need them again).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.malloc_trim(0)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and _COMPILER_LIBS.search(fields[5]):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                libc.madvise(start, end - start, _MADV_PAGEOUT)  # best effort: 0 or EINVAL
+
+
 class EgressKernel:
     """One loaded copy of the egress programs and typed access to their pinned maps."""
 
@@ -177,6 +200,7 @@ class EgressKernel:
             ) from exc
         self._sandboxes_map_id = libbpf.map_id(self._table("sandboxes").map_fd)
         self._load_doh()
+        release_compiler_memory()
 
     def close(self) -> None:
         """Close our file descriptors. Attached programs and pinned maps stay (fail-closed)."""
