@@ -100,6 +100,8 @@ sed -i 's/0.92/0.87/' "$CODE_DIR/config.txt"
 sleep 1; dsec sandbox logs "$SID" | tail -n 2
 dsec sandbox rollback "$SID" --to eval-good-$SID
 sleep 1; dsec sandbox logs "$SID" | tail -n 2
+dsec sandbox logs "$SID" | tail -n 1 | grep -q "threshold 0.92" \
+  || { echo "demo: the rollback did not restore the running sandbox" >&2; exit 1; }
 dsec sandbox stop "$SID"
 
 step "Sandboxes, from the Postgres read models" dsec sandbox list

@@ -97,6 +97,18 @@ def test_git_tree_uses_git_ignore_rules_and_skips_dot_git(tree: Path) -> None:
     ]
 
 
+def test_a_directory_the_enclosing_repo_ignores_is_bundled_as_plain_files(tmp_path: Path) -> None:
+    # A sandbox's code copy lives under .dsec/ inside the user's checkout, which ignores it.
+    repo = tmp_path / "checkout"
+    code = repo / ".dsec" / "sandboxes" / "sbx_1" / "code"
+    write(repo, ".gitignore", ".dsec/\n")
+    write(code, "agent.py", "print(1)\n")
+    write(code, "config.txt", "0.92\n")
+    git(repo, "init", "-q")
+    assert paths(code) == ["agent.py", "config.txt"]
+    assert git_info(code) is None
+
+
 def test_git_deleted_tracked_file_is_not_listed(tree: Path) -> None:
     git(tree, "init", "-q")
     git(tree, "add", "-A")

@@ -324,7 +324,12 @@ def _git_toplevel(root: Path) -> Path | None:
     proc = _git(root, "rev-parse", "--show-toplevel")
     if proc.returncode != 0:
         return None
-    return Path(os.fsdecode(proc.stdout.strip()))
+    toplevel = Path(os.fsdecode(proc.stdout.strip()))
+    if toplevel != root.resolve() and _git(root, "check-ignore", "-q", ".").returncode == 0:
+        # A directory its enclosing repository ignores (e.g. a sandbox's code copy under
+        # .dsec/) is not part of that repository: bundle it as a plain directory.
+        return None
+    return toplevel
 
 
 def _git_paths(root: Path) -> list[str]:

@@ -74,7 +74,10 @@ def list_(
     if as_json:
         print_json(rows)
         return
-    table = Table("sandbox", "name", "state", "node", "exit", "last event", "updated")
+    table = Table()
+    table.add_column("sandbox", no_wrap=True)
+    for column in ("name", "state", "node", "exit", "last event", "updated"):
+        table.add_column(column)
     for r in rows:
         style = _STATE_STYLE.get(r["state"], "")
         table.add_row(
@@ -84,7 +87,7 @@ def list_(
             r["node_id"] or "",
             "" if r["exit_code"] is None else str(r["exit_code"]),
             r["last_event"],
-            r["updated_at"].strftime("%Y-%m-%d %H:%M:%S"),
+            r["updated_at"].strftime("%m-%d %H:%M:%S"),
         )
     console.print(table)
 
