@@ -569,8 +569,13 @@ def _safe_member_path(name: str) -> PurePosixPath:
     return path
 
 
-def _real_parent(dest: Path, rel: PurePosixPath, checked: set[PurePosixPath]) -> Path:
-    """Create the parents of ``rel`` under ``dest``, refusing any that is a symlink."""
+def real_parent(dest: Path, rel: PurePosixPath, checked: set[PurePosixPath]) -> Path:
+    """Create the parents of ``rel`` under ``dest``, refusing any that is a symlink or a file
+    (a write through it could land outside ``dest``); ``checked`` caches verified parents.
+
+    Raises:
+        NotADirectoryError: naming the first parent that is not a real directory.
+    """
     current = PurePosixPath()
     for part in rel.parent.parts:
         current /= part
@@ -583,9 +588,16 @@ def _real_parent(dest: Path, rel: PurePosixPath, checked: set[PurePosixPath]) ->
             target.mkdir(mode=0o755)
             st = target.lstat()
         if not stat.S_ISDIR(st.st_mode):
-            raise BundleError(f"archive member {rel}: parent {current} is not a real directory")
+            raise NotADirectoryError(f"parent {current} is not a real directory")
         checked.add(current)
     return dest / rel
+
+
+def _member_parent(dest: Path, rel: PurePosixPath, checked: set[PurePosixPath]) -> Path:
+    try:
+        return real_parent(dest, rel, checked)
+    except NotADirectoryError as exc:
+        raise BundleError(f"archive member {rel}: {exc}") from None
 
 
 def _extract_member(
@@ -593,11 +605,11 @@ def _extract_member(
 ) -> str | None:
     rel = _safe_member_path(member.name)
     if member.isdir():
-        _real_parent(dest, rel / "x", checked)
+        _member_parent(dest, rel / "x", checked)
         return None
     if not (member.isreg() or member.issym()):
         raise BundleError(f"archive member {member.name!r}: only files and symlinks are allowed")
-    target = _real_parent(dest, rel, checked)
+    target = _member_parent(dest, rel, checked)
     if member.issym():
         try:
             os.symlink(member.linkname, target)

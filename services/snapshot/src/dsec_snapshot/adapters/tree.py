@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 from pathlib import Path, PurePosixPath
 
+from dsec_core import codebundle
 from dsec_core.codebundle import FileEntry, TreeEntry
 
 from dsec_snapshot import domain
@@ -28,21 +28,10 @@ def real_parent(root: Path, rel_text: str, checked: set[PurePosixPath]) -> Path:
         rel = domain.validate_member_path(rel_text)
     except InvalidInput as exc:
         raise VerificationFailed("manifest", [str(exc)]) from None
-    current = PurePosixPath()
-    for part in rel.parent.parts:
-        current /= part
-        if current in checked:
-            continue
-        target = root / current
-        try:
-            st = target.lstat()
-        except FileNotFoundError:
-            target.mkdir(mode=0o755)
-            st = target.lstat()
-        if not stat.S_ISDIR(st.st_mode):
-            raise InvalidInput(f"{root / rel}: parent {current} is not a real directory")
-        checked.add(current)
-    return root / rel
+    try:
+        return codebundle.real_parent(root, rel, checked)
+    except NotADirectoryError as exc:
+        raise InvalidInput(f"{root / rel}: {exc}") from None
 
 
 def place(entry: FileEntry, target: Path, data: bytes, *, replace: bool) -> None:
