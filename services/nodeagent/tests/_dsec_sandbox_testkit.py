@@ -76,6 +76,7 @@ async def managed(
         for sid in manager.running():
             with contextlib.suppress(KeyError):  # it may end on its own meanwhile
                 await manager.stop(sid, grace_s=0.5)
+        await manager.shutdown()  # also closes its audit reader (restores audit's state)
         cleanup = SandboxManager(home)
         report = await cleanup.reconcile()
         for sid in report.adopted:

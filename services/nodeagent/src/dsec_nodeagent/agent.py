@@ -35,6 +35,7 @@ from dsec_nodeagent.context.injector import ContextInjector, PreparedContext
 from dsec_nodeagent.context.models import ContextError
 from dsec_nodeagent.context.s3 import S3Materializer
 from dsec_nodeagent.context.vault import VaultSecrets
+from dsec_nodeagent.sandbox.audit import LandlockRefusal, describe
 from dsec_nodeagent.sandbox.manager import SandboxManager
 from dsec_nodeagent.sandbox.models import (
     AgentIdentity,
@@ -84,6 +85,7 @@ class NodeAgent:
             on_exit=self._exited,
             on_decision=self._decided,
             on_kernel_refusal=self._refused,
+            on_landlock_refusal=self._landlock_refused,
             ipc_socket=ipc_socket,
         )
         self.injector = self._injector()
@@ -302,6 +304,17 @@ class NodeAgent:
                 f"the kernel refused system call {refusal.syscall} (pid {refusal.pid}) with "
                 f"{refusal.errno_name}: the sandbox's seccomp filter denies it to every workload"
             ),
+        )
+        await self._publish(payload, refusal.sandbox_id, None)
+
+    async def _landlock_refused(self, refusal: LandlockRefusal) -> None:
+        payload = events.PolicyViolation(
+            layer="kernel",
+            rule_id="landlock",
+            action="deny",
+            operation=refusal.operation,
+            target=refusal.target,
+            message=describe(refusal),
         )
         await self._publish(payload, refusal.sandbox_id, None)
 

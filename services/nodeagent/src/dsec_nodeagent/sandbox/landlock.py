@@ -38,6 +38,11 @@ NET_CONNECT_TCP = 1 << 1
 SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
 SCOPE_SIGNAL = 1 << 1
 
+# landlock_restrict_self(2) flags (ABI 7).
+RESTRICT_SELF_LOG_SAME_EXEC_OFF = 1 << 0
+RESTRICT_SELF_LOG_NEW_EXEC_ON = 1 << 1
+RESTRICT_SELF_LOG_SUBDOMAINS_OFF = 1 << 2
+
 RULE_PATH_BENEATH = 1
 RULE_NET_PORT = 2
 CREATE_RULESET_VERSION = 1
@@ -95,6 +100,16 @@ def handled_fs(abi: int) -> int:
     return rights
 
 
+def restrict_flags(abi: int) -> int:
+    """``landlock_restrict_self`` flags: also log the denials of the program this one execs.
+
+    By default (ABI 7) the kernel logs only denials made before the next ``execve``, i.e. those
+    of the sandbox's pre-exec stage; the workload is what the node agent reports (:mod:`.audit`).
+    Older ABIs know no flags (and log nothing).
+    """
+    return RESTRICT_SELF_LOG_NEW_EXEC_ON if abi >= 7 else 0
+
+
 def restrict_self(
     read_paths: list[str],
     write_paths: list[str],
@@ -139,7 +154,7 @@ def restrict_self(
                     syscalls.SYS_LANDLOCK_ADD_RULE, ruleset_fd, RULE_NET_PORT,
                     ctypes.c_void_p(ctypes.addressof(net)), 0,
                 )
-        syscalls.syscall(syscalls.SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, 0)
+        syscalls.syscall(syscalls.SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, restrict_flags(abi))
     finally:
         os.close(ruleset_fd)
 

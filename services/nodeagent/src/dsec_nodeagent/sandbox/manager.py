@@ -23,7 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec_nodeagent.sandbox import cgroups, discovery, domain, landlock, notify, plan, seccomp
+from dsec_nodeagent.sandbox import (
+    audit,
+    cgroups,
+    discovery,
+    domain,
+    landlock,
+    notify,
+    plan,
+    seccomp,
+)
 from dsec_nodeagent.sandbox.models import (
     AgentIdentity,
     ExitReason,
@@ -102,6 +111,10 @@ class SandboxManager:
         on_decision: awaited with every semantic decision (publish ``policy.violation``).
         on_kernel_refusal: awaited with every system call the seccomp filter refused (the
             caller got ``EPERM``; publish ``policy.violation`` with layer ``kernel``).
+        on_landlock_refusal: awaited with every file (or port, signal) access a sandbox's
+            Landlock domain refused (the caller got ``EACCES``), read from the kernel's audit
+            records by one :class:`.audit.LandlockAudit` per manager — which enables audit if it
+            is disabled, until :meth:`shutdown` (see :mod:`.audit`). ``None``: not read.
         tune_cgroups: remount cgroup2 with ``favordynmods`` (see
             :func:`cgroups.favor_dynamic_modifications`).
         ipc_socket: the IPC broker's socket: each sandbox with an ``agent`` identity sees it
@@ -116,6 +129,7 @@ class SandboxManager:
         on_exit: ExitHandler | None = None,
         on_decision: DecisionHandler | None = None,
         on_kernel_refusal: notify.RefusalHandler | None = None,
+        on_landlock_refusal: audit.LandlockHandler | None = None,
         tune_cgroups: bool = True,
         ipc_socket: Path | None = None,
     ) -> None:
@@ -127,6 +141,11 @@ class SandboxManager:
         self.on_exit = on_exit
         self.on_decision = on_decision
         self.on_kernel_refusal = on_kernel_refusal
+        self.on_landlock_refusal = on_landlock_refusal
+        self._audit: audit.LandlockAudit | None = None
+        # uid -> sandbox id, for audit records; kept after the exit (late records of the last
+        # denials), overwritten when the uid is given to a new sandbox.
+        self._uid_owners: dict[int, str] = {}
         self.tune_cgroups = tune_cgroups
         self.ipc_socket = ipc_socket
         self.states = StateStore(self.run_dir)
@@ -192,6 +211,8 @@ class SandboxManager:
         channel: DecisionChannel | None = None
         try:
             built, uid = await self._plan(config, run_dir)
+            self._uid_owners[uid] = sid
+            self._watch_landlock(built.warnings)
             if config.agent is not None:
                 self._agents[sid] = (uid, config.agent)
             marks["plan"] = time.monotonic_ns()
@@ -322,6 +343,30 @@ class SandboxManager:
                 warnings.append(message)
             return None
         return notify.RefusalReporter(sid, fd, self.on_kernel_refusal)
+
+    def _watch_landlock(self, warnings: list[str] | None = None) -> None:
+        """Start reading Landlock's audit records (once per manager), when asked to report them."""
+        if self.on_landlock_refusal is None or self._audit is not None:
+            return
+        reader = audit.LandlockAudit(self._sandbox_of, self.on_landlock_refusal)
+        try:
+            reader.start()
+        except OSError as exc:
+            # Landlock still refuses: only the events are missing.
+            message = f"Landlock refusals will not be reported (audit unavailable): {exc}"
+            log.warning(message)
+            if warnings is not None:
+                warnings.append(message)
+            return
+        self._audit = reader
+
+    def _sandbox_of(self, pid: int | None, uid: int | None) -> str | None:
+        """The sandbox of this manager an audited process belongs to: by its uid (each sandbox
+        has its own, and it outlives the process), else by the cgroup of a live ``pid``."""
+        if uid is not None and uid in self._uid_owners:
+            return self._uid_owners[uid]
+        sid = cgroups.sandbox_of_process(pid) if pid is not None else None
+        return sid if sid is not None and sid in self._sandboxes else None
 
     def _create_cgroup(self, config: SandboxConfig) -> cgroups.SandboxCgroup:
         if self._hierarchy is None:
@@ -689,6 +734,8 @@ class SandboxManager:
             if alive and cgroup is not None:
                 ready = SandboxReady.model_validate(state["ready"])
                 self._adopt_agent(state, ready.uid)
+                self._uid_owners[ready.uid] = sid
+                self._watch_landlock()
                 refusals = self._report_refusals(sid, state["supervisor_pid"])
                 self._watch(Sandbox(sid, ready, state, cgroup, refusals=refusals))
                 adopted.append(sid)
@@ -725,6 +772,9 @@ class SandboxManager:
                 await sandbox.refusals.close()
             self._sandboxes.pop(sid, None)
             self._agents.pop(sid, None)
+        if self._audit is not None:
+            await self._audit.close()
+            self._audit = None
 
 
 def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:

@@ -1,0 +1,476 @@
+"""The node agent's end of Landlock's audit records: report every file access Landlock refused.
+
+Landlock (ABI 7, with ``LANDLOCK_RESTRICT_SELF_LOG_NEW_EXEC_ON`` set by :mod:`.landlock`) logs
+each denial through the kernel's audit subsystem: an ``AUDIT_LANDLOCK_ACCESS`` record (1423: the
+domain, the blocked rights, the path), the first time a domain shows up an
+``AUDIT_LANDLOCK_DOMAIN`` record (1424: the domain, the pid and uid that created it), then the
+system call's own records (1300 ``SYSCALL``: pid, uid; ``EOE`` ends the event). One reader per
+node agent joins the read-only multicast group of ``NETLINK_AUDIT`` (``AUDIT_NLGRP_READLOG``,
+which takes nothing from auditd when one runs) and turns each 1423 record into a
+:class:`LandlockRefusal`.
+
+**It changes a system-wide setting.** Audit records exist only while audit is enabled; when it is
+disabled, :meth:`LandlockAudit.start` enables it (``AUDIT_SET``, ``AUDIT_STATUS_ENABLED``), and
+:meth:`LandlockAudit.close` restores the previous state (shared by the readers of one process,
+restored when the last one closes, and only if nobody changed it meanwhile). When it enables audit
+itself (nobody configured it: no auditd), it also raises the backlog limit to
+:data:`BACKLOG_LIMIT` and sets the backlog wait time to 0, so that a sandbox looping on a denied
+call can make records be dropped (counted in ``lost``) but never make a process on the node sleep
+in ``audit_log_start``; the kernel log gets the records too (no auditd to take them), bounded by
+printk's own rate limit. It never enables audit whose failure mode is ``panic``.
+
+A sandbox is found from the uid (each sandbox has its own) or pid in the records, through a
+``resolve`` callable of the manager; a domain once resolved stays known until Landlock logs its
+deallocation, so a refusal is attributed even after the process that made it is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import re
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter
+
+log = logging.getLogger(__name__)
+
+LANDLOCK_REFUSALS = Counter(
+    "dsec_landlock_refusals_total", "Accesses refused by a sandbox's Landlock domain", ["operation"]
+)
+
+NETLINK_AUDIT = 9
+AUDIT_GET = 1000
+AUDIT_SET = 1001
+AUDIT_SYSCALL = 1300
+AUDIT_EOE = 1320
+AUDIT_LANDLOCK_ACCESS = 1423
+AUDIT_LANDLOCK_DOMAIN = 1424
+AUDIT_NLGRP_READLOG = 1
+AUDIT_STATUS_ENABLED = 0x1
+AUDIT_STATUS_BACKLOG_LIMIT = 0x10
+AUDIT_STATUS_BACKLOG_WAIT_TIME = 0x20
+AUDIT_FAIL_PANIC = 2
+NLMSG_ERROR = 2
+NLM_F_REQUEST = 0x1
+NLM_F_ACK = 0x4
+BACKLOG_LIMIT = 8192
+"""Records the kernel queues before dropping (its default, 64, is meant for auditd)."""
+RCVBUF = 4 << 20
+MAX_BATCH = 256
+EVENT_GRACE_S = 0.2
+"""How long an event without ``EOE`` (a denial outside a system call context) waits for more."""
+
+_NLMSG = struct.Struct("=IHHII")
+# struct audit_status: mask, enabled, failure, pid, rate_limit, backlog_limit, lost, backlog,
+# feature_bitmap, backlog_wait_time, backlog_wait_time_actual.
+_STATUS = struct.Struct("=11I")
+_HEADER = re.compile(r"audit\(\d+\.\d+:(\d+)\):\s?")
+_FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')
+_HEX = re.compile(r"(?:[0-9A-F]{2})+")
+
+# Landlock's names of the rights (security/landlock/audit.c) -> what a user calls the operation.
+OPERATIONS = {
+    "fs.execute": "execute",
+    "fs.write_file": "write",
+    "fs.read_file": "read",
+    "fs.read_dir": "read",
+    "fs.remove_dir": "remove",
+    "fs.remove_file": "remove",
+    "fs.make_char": "create",
+    "fs.make_dir": "create",
+    "fs.make_reg": "create",
+    "fs.make_sock": "create",
+    "fs.make_fifo": "create",
+    "fs.make_block": "create",
+    "fs.make_sym": "create",
+    "fs.refer": "rename",
+    "fs.truncate": "truncate",
+    "fs.ioctl_dev": "ioctl",
+    "fs.change_topology": "mount",
+    "net.bind_tcp": "bind",
+    "net.connect_tcp": "connect",
+    "scope.abstract_unix_socket": "connect",
+    "scope.signal": "signal",
+}
+_READ_RIGHTS = frozenset({"fs.read_file", "fs.read_dir", "fs.execute"})
+
+
+@dataclass(frozen=True)
+class LandlockRefusal:
+    """One access of a sandbox refused by its Landlock domain (the caller got ``EACCES``).
+
+    Attributes:
+        sandbox_id: the sandbox.
+        operation: what was refused, as a user reads it (``write``, ``read``, ``create``, ...).
+        blockers: Landlock's names of the missing rights (``fs.write_file``, ``fs.make_reg``).
+        target: the path as the sandbox sees it (or the port, peer, ... of a non-file denial).
+        pid: the calling process in the node agent's pid namespace, when the records name it.
+        domain: Landlock's id of the refusing domain (hex, as audit writes it).
+    """
+
+    sandbox_id: str
+    operation: str
+    blockers: tuple[str, ...]
+    target: str
+    pid: int | None
+    domain: str
+
+
+LandlockHandler = Callable[[LandlockRefusal], Awaitable[None]]
+Resolver = Callable[[int | None, int | None], str | None]
+"""``(pid, uid) -> sandbox id`` of a sandbox this node agent watches, or ``None``."""
+
+
+# ----------------------------------------------------------------------------- pure parsing
+
+
+def parse_record(text: str) -> tuple[int, dict[str, str]] | None:
+    """``(event serial, fields)`` of one audit record's text, or ``None`` when it has no header.
+
+    Quoted values lose their quotes; values audit hex-encoded (an untrusted string with spaces,
+    quotes or control characters) are decoded.
+    """
+    header = _HEADER.match(text)
+    if header is None:
+        return None
+    fields: dict[str, str] = {}
+    for key, value in _FIELD.findall(text, header.end()):
+        if value.startswith('"'):
+            fields[key] = value[1:-1]
+        elif key in ("path", "exe", "comm", "name") and _HEX.fullmatch(value):
+            fields[key] = bytes.fromhex(value).decode("utf-8", "replace")
+        else:
+            fields[key] = value
+    return int(header.group(1)), fields
+
+
+def operation_of(blockers: tuple[str, ...]) -> str:
+    """The user's word for a denial: from its first blocked right (``fs.make_reg`` -> create)."""
+    return OPERATIONS.get(blockers[0], blockers[0]) if blockers else "access"
+
+
+def target_of(fields: dict[str, str]) -> str:
+    """What the denial was about: the path, else the network or signal peer named in the record."""
+    if "path" in fields:
+        return fields["path"]
+    for keys in (("daddr", "dest"), ("saddr", "src"), ("opid", "ocomm")):
+        found = [f"{k}={fields[k]}" for k in keys if k in fields]
+        if found:
+            return " ".join(found)
+    return fields.get("name", "")
+
+
+def describe(refusal: LandlockRefusal) -> str:
+    """What a user reads about a refusal: what was refused, the blocked rights, the list to change.
+
+    E.g. ``Landlock refused write of /etc/x (pid 7; blocked right fs.write_file) with EACCES: the
+    path is outside the spec's write_allowed``.
+    """
+    rights = ", ".join(refusal.blockers) or "unknown"
+    by = f"pid {refusal.pid}; " if refusal.pid is not None else ""
+    what = f"{refusal.operation} of {refusal.target}"
+    if refusal.operation == "create":
+        what = f"creating a file in {refusal.target}"
+    hint = ""
+    if refusal.blockers and all(b.startswith("fs.") for b in refusal.blockers):
+        reading = all(b in _READ_RIGHTS for b in refusal.blockers)
+        hint = f": the path is outside the spec's {'read' if reading else 'write'}_allowed"
+    # Scoped IPC (signals, abstract sockets) fails with EPERM; file and port accesses with EACCES.
+    errno_name = "EPERM" if rights.startswith("scope.") else "EACCES"
+    return f"Landlock refused {what} ({by}blocked right {rights}) with {errno_name}{hint}"
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+# ----------------------------------------------------------------------------- audit status
+
+
+@dataclass
+class AuditStatus:
+    """The fields of ``struct audit_status`` this module reads or restores."""
+
+    enabled: int
+    failure: int
+    backlog_limit: int
+    backlog_wait_time: int
+    lost: int
+
+
+def _request(sock: socket.socket, msg_type: int, payload: bytes, seq: int, reply: int) -> bytes:
+    """Send one audit request; return the payload of its ``reply`` message (or of the ACK).
+
+    The kernel answers ``AUDIT_GET`` from a helper thread, so its reply may follow the ACK:
+    wait for the message asked for, failing only on an error ACK.
+    """
+    flags = NLM_F_REQUEST | (NLM_F_ACK if reply == NLMSG_ERROR else 0)
+    sock.send(_NLMSG.pack(_NLMSG.size + len(payload), msg_type, flags, seq, 0) + payload)
+    while True:
+        data = sock.recv(65536)
+        offset = 0
+        while offset + _NLMSG.size <= len(data):
+            length, kind, _flags, reply_seq, _pid = _NLMSG.unpack_from(data, offset)
+            body = data[offset + _NLMSG.size : offset + length]
+            offset += (length + 3) & ~3
+            if reply_seq != seq:
+                continue
+            if kind == NLMSG_ERROR:
+                (code,) = struct.unpack_from("=i", body)
+                if code:
+                    raise OSError(-code, f"audit request {msg_type}: {os.strerror(-code)}")
+            if kind == reply:
+                return body
+
+
+def get_status(sock: socket.socket) -> AuditStatus:
+    """The kernel's audit status (``AUDIT_GET``)."""
+    body = _request(sock, AUDIT_GET, b"", 1, AUDIT_GET)
+    values = _STATUS.unpack(body[: _STATUS.size].ljust(_STATUS.size, b"\0"))
+    return AuditStatus(
+        enabled=values[1],
+        failure=values[2],
+        backlog_limit=values[5],
+        backlog_wait_time=values[9],
+        lost=values[6],
+    )
+
+
+def set_status(sock: socket.socket, mask: int, status: AuditStatus) -> None:
+    """Set the fields of ``status`` named by ``mask`` (``AUDIT_SET``)."""
+    values = [0] * 11
+    values[0], values[1] = mask, status.enabled
+    values[5], values[9] = status.backlog_limit, status.backlog_wait_time
+    _request(sock, AUDIT_SET, _STATUS.pack(*values), 2, NLMSG_ERROR)
+
+
+def _control_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT)
+    sock.settimeout(2.0)  # requests are answered synchronously by the kernel; this never waits
+    sock.bind((0, 0))
+    return sock
+
+
+class _AuditSwitch:
+    """Enables audit for the readers of this process; restores the state after the last one."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.previous: AuditStatus | None = None
+
+    def acquire(self) -> None:
+        if self.users == 0:
+            with contextlib.closing(_control_socket()) as sock:
+                status = get_status(sock)
+                if status.enabled == 0:
+                    if status.failure == AUDIT_FAIL_PANIC:
+                        raise OSError(
+                            errno.EPERM,
+                            "audit is disabled with failure=panic; "
+                            "not enabling it (a lost record would panic the node)",
+                        )
+                    mask = (
+                        AUDIT_STATUS_ENABLED
+                        | AUDIT_STATUS_BACKLOG_LIMIT
+                        | AUDIT_STATUS_BACKLOG_WAIT_TIME
+                    )
+                    wanted = AuditStatus(
+                        1, status.failure, max(status.backlog_limit, BACKLOG_LIMIT), 0, 0
+                    )
+                    set_status(sock, mask, wanted)
+                    self.previous = status
+                    log.info("audit enabled for Landlock refusals (was disabled; restored on exit)")
+        self.users += 1
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users > 0 or self.previous is None:
+            return
+        previous, self.previous = self.previous, None
+        with contextlib.closing(_control_socket()) as sock:
+            if get_status(sock).enabled != 1:
+                return  # somebody else changed it meanwhile: theirs to keep
+            mask = (
+                AUDIT_STATUS_ENABLED | AUDIT_STATUS_BACKLOG_LIMIT | AUDIT_STATUS_BACKLOG_WAIT_TIME
+            )
+            set_status(sock, mask, previous)
+
+
+_SWITCH = _AuditSwitch()
+
+
+# ----------------------------------------------------------------------------- the reader
+
+
+@dataclass
+class _Event:
+    records: list[tuple[int, dict[str, str]]] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+
+
+class LandlockAudit:
+    """Reads the audit multicast group and hands each Landlock refusal of a sandbox to ``handler``.
+
+    Args:
+        resolve: ``(pid, uid) -> sandbox id`` for the sandboxes of this node agent.
+        handler: awaited with every :class:`LandlockRefusal` (publish ``policy.violation``).
+    """
+
+    def __init__(self, resolve: Resolver, handler: LandlockHandler | None) -> None:
+        self.resolve = resolve
+        self.handler = handler
+        self.sock: socket.socket | None = None
+        self._domains: dict[str, str | None] = {}
+        self._events: dict[int, _Event] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._switched = False
+
+    def start(self) -> None:
+        """Enable audit if needed, join the read-log group, watch it from the running loop.
+
+        Raises:
+            OSError: not root in the initial namespaces, audit locked off, or failure=panic.
+        """
+        self._loop = asyncio.get_running_loop()
+        _SWITCH.acquire()
+        self._switched = True
+        try:
+            sock = socket.socket(
+                socket.AF_NETLINK,
+                socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
+                NETLINK_AUDIT,
+            )
+            try:
+                with contextlib.suppress(OSError):  # needs CAP_NET_ADMIN; the default is smaller
+                    sock.setsockopt(socket.SOL_SOCKET, 33, RCVBUF)  # SO_RCVBUFFORCE
+                sock.bind((0, 1 << (AUDIT_NLGRP_READLOG - 1)))
+            except OSError:
+                sock.close()
+                raise
+        except OSError:
+            self._switched = False
+            _SWITCH.release()
+            raise
+        self.sock = sock
+        self._loop.add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        # A bounded batch per wake-up: a sandbox looping on a denied access must not starve the
+        # node agent's other work.
+        assert self.sock is not None
+        for _ in range(MAX_BATCH):
+            try:
+                data = self.sock.recv(65536)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno == errno.ENOBUFS:  # the socket overflowed: records were lost
+                    log.warning("audit: records lost (receive buffer overflow)")
+                    continue
+                raise
+            self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        offset = 0
+        while offset + _NLMSG.size <= len(data):
+            length, kind, _flags, _seq, _pid = _NLMSG.unpack_from(data, offset)
+            body = data[offset + _NLMSG.size : offset + max(length, _NLMSG.size)]
+            offset += (max(length, _NLMSG.size) + 3) & ~3
+            if kind in (AUDIT_LANDLOCK_ACCESS, AUDIT_LANDLOCK_DOMAIN, AUDIT_SYSCALL, AUDIT_EOE):
+                self.add_record(kind, body.rstrip(b"\0").decode("utf-8", "replace"))
+
+    def add_record(self, kind: int, text: str) -> None:
+        """Take one record's text (the reader's input; also how tests feed records)."""
+        parsed = parse_record(text)
+        if parsed is None:
+            return
+        serial, fields = parsed
+        event = self._events.get(serial)
+        if event is None:
+            if kind in (AUDIT_SYSCALL, AUDIT_EOE):
+                return  # a syscall event without any Landlock record: not ours
+            event = self._events[serial] = _Event()
+            loop = self._loop or asyncio.get_running_loop()
+            event.timer = loop.call_later(EVENT_GRACE_S, self._complete, serial)
+        event.records.append((kind, fields))
+        if kind == AUDIT_EOE:
+            self._complete(serial)
+
+    def _complete(self, serial: int) -> None:
+        # Events are reported in the order they began: older pending ones go first.
+        for pending in list(self._events):
+            if pending > serial:
+                continue
+            event = self._events.pop(pending)
+            if event.timer is not None:
+                event.timer.cancel()
+            self._report(event)
+
+    def _report(self, event: _Event) -> None:
+        syscall = next((f for k, f in event.records if k == AUDIT_SYSCALL), None)
+        for kind, fields in event.records:
+            if kind == AUDIT_LANDLOCK_DOMAIN and fields.get("status") == "allocated":
+                self._domains[fields.get("domain", "")] = self.resolve(
+                    _int(fields.get("pid")), _int(fields.get("uid"))
+                )
+        for kind, fields in event.records:
+            if kind == AUDIT_LANDLOCK_ACCESS:
+                self._refused(fields, syscall)
+        for kind, fields in event.records:
+            if kind == AUDIT_LANDLOCK_DOMAIN and fields.get("status") == "deallocated":
+                self._domains.pop(fields.get("domain", ""), None)
+
+    def _refused(self, fields: dict[str, str], syscall: dict[str, str] | None) -> None:
+        domain = fields.get("domain", "")
+        pid = _int(syscall.get("pid")) if syscall else None
+        sandbox_id = self._domains.get(domain)
+        if sandbox_id is None and syscall is not None:
+            sandbox_id = self.resolve(pid, _int(syscall.get("uid")))
+            if sandbox_id is not None:
+                self._domains[domain] = sandbox_id
+        if sandbox_id is None:
+            return  # a Landlock domain of another program on this node
+        blockers = tuple(b for b in fields.get("blockers", "").split(",") if b)
+        refusal = LandlockRefusal(
+            sandbox_id, operation_of(blockers), blockers, target_of(fields), pid, domain
+        )
+        LANDLOCK_REFUSALS.labels(refusal.operation).inc()
+        if self.handler is not None:
+            task = asyncio.ensure_future(self.handler(refusal))
+            self._tasks.add(task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("Landlock refusal handler failed", exc_info=task.exception())
+
+    async def close(self) -> None:
+        """Report what is pending, stop reading, let handlers finish, restore audit's state."""
+        if self.sock is not None:
+            assert self._loop is not None
+            self._readable()
+            self._loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+        if self._events:
+            self._complete(max(self._events))
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._switched:
+            self._switched = False
+            try:
+                _SWITCH.release()
+            except OSError as exc:
+                log.warning("audit: could not restore the previous state: %s", exc)

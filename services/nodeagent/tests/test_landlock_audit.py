@@ -1,0 +1,277 @@
+"""Every file access Landlock refuses inside a sandbox becomes one report naming the path (root).
+
+The sandbox makes each forbidden access once — directly, through a symlink and through ctypes —
+plus permitted ones; the test asserts what the process saw (``EACCES``) and what the node agent's
+audit reader handed on. Records arrive asynchronously: the workload's last action is one more
+refused read (the sentinel), and the kernel delivers records in order, so once the sentinel's
+report is in, every earlier one is too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
+from _dsec_sandbox_testkit import managed, read_json_output, run_to_end, snippet_config
+
+from dsec_nodeagent.sandbox import Mount, audit
+from dsec_nodeagent.sandbox.audit import LandlockRefusal
+
+WORKLOAD = r"""
+import ctypes, errno, json, os
+
+libc = ctypes.CDLL(None, use_errno=True)
+results = {}
+
+def probe(name, fn):
+    try:
+        fn()
+        results[name] = "ok"
+    except OSError as exc:
+        results[name] = errno.errorcode.get(exc.errno, str(exc))
+
+def c_open(path, flags):
+    fd = libc.open(path.encode(), flags)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    os.close(fd)
+
+probe("write_allowed", lambda: open("/workspace/output/ok.txt", "w").write("ok"))
+probe("read_allowed", lambda: open("/workspace/data/input.txt").read())
+probe("write_existing", lambda: open("/workspace/scratch/existing.txt", "a").write("x"))
+probe("create_new", lambda: open("/workspace/scratch/new.txt", "w"))
+probe("read_direct", lambda: open("/workspace/private/direct.txt").read())
+os.symlink("/workspace/private/linked.txt", "/workspace/output/link")
+probe("read_via_symlink", lambda: open("/workspace/output/link").read())
+probe("ctypes_read", lambda: c_open("/workspace/private/ctypes.txt", os.O_RDONLY))
+probe("ctypes_write", lambda: c_open("/workspace/scratch/ctypes.txt", os.O_WRONLY))
+probe("sentinel", lambda: open("/workspace/private/sentinel.txt").read())
+print(json.dumps(results))
+"""
+
+EXPECTED = Counter(
+    {
+        ("write", "/workspace/scratch/existing.txt", ("fs.write_file",)): 1,
+        ("create", "/workspace/scratch", ("fs.make_reg",)): 1,
+        ("read", "/workspace/private/direct.txt", ("fs.read_file",)): 1,
+        ("read", "/workspace/private/linked.txt", ("fs.read_file",)): 1,  # the symlink's target
+        ("read", "/workspace/private/ctypes.txt", ("fs.read_file",)): 1,
+        ("write", "/workspace/scratch/ctypes.txt", ("fs.write_file",)): 1,
+        ("read", "/workspace/private/sentinel.txt", ("fs.read_file",)): 1,
+    }
+)
+
+
+def _audit_status() -> audit.AuditStatus:
+    with contextlib.closing(audit._control_socket()) as sock:
+        return audit.get_status(sock)
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run the workload once under a manager that reads Landlock's audit records."""
+    tmp = tmp_path_factory.mktemp("landlock-audit")
+    before = _audit_status()
+
+    async def run() -> dict[str, Any]:
+        data, private, scratch = tmp / "data", tmp / "private", tmp / "scratch"
+        for directory in (data, private, scratch):
+            directory.mkdir()
+        (data / "input.txt").write_text("input")
+        for name in ("direct", "linked", "ctypes", "sentinel"):
+            (private / f"{name}.txt").write_text("secret")
+        for name in ("existing", "ctypes"):
+            (scratch / f"{name}.txt").write_text("")
+            os.chmod(scratch / f"{name}.txt", 0o666)  # so that only Landlock can refuse
+        os.chmod(scratch, 0o777)
+        seen: list[LandlockRefusal] = []
+
+        async def on_landlock_refusal(refusal: LandlockRefusal) -> None:
+            seen.append(refusal)
+
+        async with managed(tmp / "home", on_landlock_refusal=on_landlock_refusal) as manager:
+            config = snippet_config(
+                "ll-audit",
+                WORKLOAD,
+                tmp,
+                mounts=[
+                    Mount(source=data, target="/workspace/data"),
+                    Mount(source=private, target="/workspace/private"),
+                    Mount(source=scratch, target="/workspace/scratch", read_only=False),
+                ],
+                read_allowed=["/workspace/data", "/workspace/scratch"],
+            )
+            result = await run_to_end(manager, config)
+            during = _audit_status()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while loop.time() < deadline and not any(
+                r.target == "/workspace/private/sentinel.txt" for r in seen
+            ):
+                await asyncio.sleep(0.02)
+        return {"report": read_json_output(result), "seen": seen, "during": during}
+
+    outcome = asyncio.new_event_loop()
+    try:
+        found: dict[str, Any] = outcome.run_until_complete(run())
+    finally:
+        outcome.close()
+    found["before"], found["after"] = before, _audit_status()
+    return found
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize(
+    ("action", "seen_by_process"),
+    [
+        ("write_allowed", "ok"),
+        ("read_allowed", "ok"),
+        ("write_existing", "EACCES"),
+        ("create_new", "EACCES"),
+        ("read_direct", "EACCES"),
+        ("read_via_symlink", "EACCES"),
+        ("ctypes_read", "EACCES"),
+        ("ctypes_write", "EACCES"),
+    ],
+)
+def test_the_process_sees_what_landlock_decided(
+    audited: dict[str, Any], action: str, seen_by_process: str
+) -> None:
+    assert audited["report"][action] == seen_by_process
+
+
+@pytest.mark.kernel
+def test_each_refused_access_is_reported_once_naming_the_path(audited: dict[str, Any]) -> None:
+    seen: list[LandlockRefusal] = audited["seen"]
+    assert {r.sandbox_id for r in seen} == {"ll-audit"}
+    # Exactly the refused attempts: nothing for the permitted accesses or interpreter start-up.
+    assert Counter((r.operation, r.target, r.blockers) for r in seen) == EXPECTED
+    assert all(r.domain for r in seen)
+
+
+@pytest.mark.kernel
+def test_the_report_says_landlock_refused_and_which_list_to_change(
+    audited: dict[str, Any],
+) -> None:
+    seen: list[LandlockRefusal] = audited["seen"]
+    write = next(r for r in seen if r.target == "/workspace/scratch/existing.txt")
+    assert audit.describe(write).startswith(
+        "Landlock refused write of /workspace/scratch/existing.txt ("
+    )
+    assert "blocked right fs.write_file) with EACCES" in audit.describe(write)
+    assert audit.describe(write).endswith("outside the spec's write_allowed")
+    read = next(r for r in seen if r.target == "/workspace/private/direct.txt")
+    assert audit.describe(read).endswith("outside the spec's read_allowed")
+
+
+@pytest.mark.kernel
+def test_audit_is_enabled_while_reading_and_restored_after(audited: dict[str, Any]) -> None:
+    assert audited["during"].enabled in (1, 2)
+    before, after = audited["before"], audited["after"]
+    assert (after.enabled, after.backlog_limit, after.backlog_wait_time) == (
+        before.enabled,
+        before.backlog_limit,
+        before.backlog_wait_time,
+    )
+
+
+# ----------------------------------------------------------------------------- records, no kernel
+
+ACCESS = (
+    'audit(1796009056.066:{serial}): domain=1fe blockers={blockers} path={path} dev="vda" ino=7'
+)
+ALLOCATED = (
+    "audit(1796009056.066:{serial}): domain=1fe status=allocated mode=enforcing "
+    'pid=4242 uid=65001 exe="/usr/bin/python3.11" comm="python"'
+)
+
+
+@pytest.mark.unit
+def test_record_fields_are_unquoted_and_hex_paths_decoded() -> None:
+    parsed = audit.parse_record(
+        ACCESS.format(
+            serial=5, blockers="fs.write_file,fs.truncate", path="2F746D702F6120622E747874"
+        )
+    )
+    assert parsed is not None
+    serial, fields = parsed
+    assert serial == 5
+    assert fields["path"] == "/tmp/a b.txt"  # audit hex-encodes paths with spaces
+    assert fields["blockers"] == "fs.write_file,fs.truncate"
+    assert fields["dev"] == "vda"
+    assert audit.parse_record("no header here") is None
+
+
+@pytest.mark.unit
+async def test_records_of_one_domain_are_attributed_after_its_process_is_gone() -> None:
+    seen: list[LandlockRefusal] = []
+    asked: list[tuple[int | None, int | None]] = []
+
+    async def handler(refusal: LandlockRefusal) -> None:
+        seen.append(refusal)
+
+    def resolve(pid: int | None, uid: int | None) -> str | None:
+        asked.append((pid, uid))
+        return "sbx-a" if uid == 65001 else None
+
+    reader = audit.LandlockAudit(resolve, handler)
+    reader.add_record(
+        audit.AUDIT_LANDLOCK_ACCESS,
+        ACCESS.format(serial=1, blockers="fs.make_reg", path='"/workspace/scratch"'),
+    )
+    reader.add_record(audit.AUDIT_LANDLOCK_DOMAIN, ALLOCATED.format(serial=1))
+    reader.add_record(audit.AUDIT_EOE, "audit(1796009056.066:1): ")
+    # A later denial of the same domain: no domain record, no syscall record; still known.
+    reader.add_record(
+        audit.AUDIT_LANDLOCK_ACCESS,
+        ACCESS.format(serial=2, blockers="fs.read_file", path='"/etc/x"'),
+    )
+    reader.add_record(audit.AUDIT_EOE, "audit(1796009056.066:2): ")
+    await reader.close()
+    assert asked == [(4242, 65001)]
+    assert [(r.sandbox_id, r.operation, r.target, r.pid) for r in seen] == [
+        ("sbx-a", "create", "/workspace/scratch", None),
+        ("sbx-a", "read", "/etc/x", None),
+    ]
+
+
+@pytest.mark.unit
+async def test_the_node_agent_publishes_a_kernel_policy_violation() -> None:
+    from types import SimpleNamespace
+
+    from dsec_core import events
+
+    from dsec_nodeagent.agent import NodeAgent
+
+    published: list[tuple[events.Payload, str, str | None]] = []
+
+    async def publish(payload: events.Payload, sid: str, event_id: str | None) -> None:
+        published.append((payload, sid, event_id))
+
+    refusal = LandlockRefusal(
+        "sbx-a", "write", ("fs.write_file",), "/workspace/scratch/x", 4242, "1fe"
+    )
+    await NodeAgent._landlock_refused(SimpleNamespace(_publish=publish), refusal)  # type: ignore[arg-type]
+    [(payload, sid, event_id)] = published
+    assert isinstance(payload, events.PolicyViolation)
+    assert (sid, event_id) == ("sbx-a", None)
+    assert payload.model_dump(include={"layer", "rule_id", "action", "operation", "target"}) == {
+        "layer": "kernel",
+        "rule_id": "landlock",
+        "action": "deny",
+        "operation": "write",
+        "target": "/workspace/scratch/x",
+    }
+    assert payload.message == (
+        "Landlock refused write of /workspace/scratch/x (pid 4242; blocked right fs.write_file) "
+        "with EACCES: the path is outside the spec's write_allowed"
+    )
