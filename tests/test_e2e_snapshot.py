@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -120,6 +123,34 @@ def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
     services.start("snapshot", env={"DSEC_SNAPSHOT_INTERVAL_S": "2"})
     sid, code_dir = start_agent(dsec_cli, env, tmp_path)
     poll(lambda: GOOD in thresholds(dsec_cli, env, sid), "the agent's first output")
+
+    # `dsec sandbox exec` runs inside the same isolation: the sandbox's uid, its code, no
+    # write access to it.
+    probe = (
+        "import os; print('uid', os.getuid(), 'cwd', os.getcwd(),"
+        " open('config.txt').read().strip()); open('config.txt', 'w')"
+    )
+    inside = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "dsec"),
+            "sandbox",
+            "exec",
+            sid,
+            "--",
+            "python",
+            "-c",
+            probe,
+        ],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert inside.returncode != 0, inside.stdout
+    assert f"cwd /workspace {GOOD}" in inside.stdout
+    assert "uid 0 " not in inside.stdout
+    assert "Read-only file system" in inside.stderr or "Permission denied" in inside.stderr
 
     name = f"good-{uuid.uuid4().hex[:8]}"
     taken = dsec_cli("snapshot", "create", sid, "--name", name, "--json", env=env)

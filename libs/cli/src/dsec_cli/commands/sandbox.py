@@ -199,7 +199,8 @@ def exec_(
 ) -> None:
     """Run COMMAND inside a running sandbox, with the same isolation (no secrets)."""
     try:
-        code = run(_manager().exec(sandbox_id, list(command)))
+        argv = command[1:] if command[:1] == ["--"] else list(command)
+        code = run(_manager().exec(sandbox_id, argv))
     except KeyError as exc:
         fail(f"{exc.args[0]} on this node (see `dsec sandbox list`)", EXIT_BAD_INPUT)
     raise typer.Exit(code)
