@@ -205,6 +205,50 @@ def ensure_bucket(
         client.make_bucket(bucket)
 
 
+def s3_roundtrip(
+    endpoint: str,
+    access_key: str,
+    secret_key: str,
+    bucket: str,
+    *,
+    secure: bool = False,
+    timeout: float = 20.0,
+) -> None:
+    """Write and read back a small object until it works or ``timeout`` passes.
+
+    Listing buckets only needs SeaweedFS's filer; reading objects also needs its volume server
+    registered with the master, which can lag a restart by a second or more.
+
+    Raises:
+        ProbeError: the store did not serve a write and a read within ``timeout``.
+    """
+    import io
+    import time
+
+    from minio.error import MinioException
+
+    client = minio_client(endpoint, access_key, secret_key, secure=secure)
+    key, body = ".dsec-health", b"ok"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.put_object(bucket, key, io.BytesIO(body), len(body))
+            response = client.get_object(bucket, key)
+            try:
+                if response.read() == body:
+                    return
+            finally:
+                response.close()
+                response.release_conn()
+        except (MinioException, OSError) as exc:
+            last = f"{exc.__class__.__name__}: {getattr(exc, 'code', '') or exc}"
+        else:
+            last = "read back different bytes"
+        if time.monotonic() > deadline:
+            raise ProbeError(f"S3 write/read of {bucket}/{key} failed for {timeout:.0f} s: {last}")
+        time.sleep(0.1)
+
+
 def vault_client(addr: str, token: str, timeout: float = 5.0) -> hvac.Client:
     """An hvac client for ``addr`` authenticated with ``token``."""
     import hvac

@@ -553,6 +553,13 @@ class S3Server(Server):
             self.credentials["secret_key"],
             self.bucket,
         )
+        # Healthy means objects can be written and read, not only buckets listed.
+        probes.s3_roundtrip(
+            self.s3_endpoint,
+            self.credentials["access_key"],
+            self.credentials["secret_key"],
+            self.bucket,
+        )
 
     def cleanup(self) -> None:
         # weed leaves Unix sockets named after its ports in /tmp.
