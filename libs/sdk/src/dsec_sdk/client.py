@@ -46,6 +46,9 @@ DEFAULT_TIMEOUT: Final = 30.0
 DEFAULT_GROUP: Final = "default"
 _NO_DEADLINE: Final = 1 << 62
 _unpackb = msgpack.unpackb
+_clock = time.perf_counter_ns
+_REQUEST: Final = codec.REQUEST
+_RESULT: Final = codec.RESULT
 
 
 def default_socket_path() -> Path:
@@ -66,6 +69,14 @@ class _SyncChannel:
         self.max_payload = max_payload
         self.lock = threading.Lock()
         self.packer = codec.new_packer()
+        self._pack = self.packer.pack
+        self._write = end.requests.try_write
+        self._read = end.responses.try_read
+        self._wait = end.wait_response
+        self._resp_hdr = end.responses.hdr
+        # The last timeout seen and its (timeout_ms, ns): calls usually repeat the same one.
+        self._timeout: float | None = None
+        self._timeout_parts = (0, 0)
 
     def call(self, tool: str, arguments: dict[str, Any], timeout: float | None, group: str) -> Any:
         end = self.end
@@ -74,10 +85,13 @@ class _SyncChannel:
             if timeout is None:
                 timeout_ms, deadline = 0, _NO_DEADLINE
             else:
-                timeout_ms = max(1, int(timeout * 1000))
-                deadline = time.perf_counter_ns() + int(timeout * 1e9)
+                if timeout != self._timeout:
+                    self._timeout_parts = (max(1, int(timeout * 1000)), int(timeout * 1e9))
+                    self._timeout = timeout
+                timeout_ms, timeout_ns = self._timeout_parts
+                deadline = _clock() + timeout_ns
             try:
-                body = self.packer.pack([tool, arguments, timeout_ms])
+                body = self._pack([tool, arguments, timeout_ms])
             except (TypeError, ValueError, OverflowError):
                 self.packer.reset()
                 body = codec.encode_request(self.packer, tool, arguments, timeout_ms)  # raises
@@ -87,22 +101,22 @@ class _SyncChannel:
                 raise PeerGone(end.peer, "the channel was closed")
             call_id = end.next_id
             end.next_id = call_id + 1
-            if not end.requests.try_write(codec.REQUEST, call_id, body) and not end.send(
-                codec.REQUEST, call_id, body, deadline
+            if not self._write(_REQUEST, call_id, body) and not end.send(
+                _REQUEST, call_id, body, deadline
             ):
                 raise CallTimeout(end.peer, tool, timeout or 0.0)
-            responses = end.responses
+            hdr = self._resp_hdr
             while True:
-                if not end.wait_response(deadline):
+                if hdr[0] == hdr[8] and not self._wait(deadline):  # nothing readable yet
                     raise CallTimeout(end.peer, tool, timeout or 0.0)
                 try:
-                    frame = responses.try_read(_unpackb)
+                    frame = self._read(_unpackb)
                 except (ValueError, msgpack.UnpackException) as exc:
                     raise ProtocolError(f"undecodable answer from {end.peer!r}: {exc}") from exc
                 # Another id: the late answer to a call that timed out; drop it.
                 if frame is not None and frame[1] == call_id:
                     break
-        if frame[0] == codec.RESULT:
+        if frame[0] == _RESULT:
             return frame[2]
         codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
 
@@ -234,7 +248,6 @@ class DSecClient:
             PayloadTooLarge: The request or response exceeds the limit.
             BrokerUnavailable: The node agent cannot be reached.
         """
-        seconds = self.timeout if timeout is ... else timeout
         channel = self._channels.get(agent)
         if channel is None or channel.end.is_closed:
             channel = self._channel(agent)
@@ -242,7 +255,7 @@ class DSecClient:
             return channel.call(
                 tool,
                 kwargs if arguments is None else _merge(arguments, kwargs),
-                seconds,
+                self.timeout if timeout is ... else timeout,
                 self.group,
             )
         except (PeerGone, ProtocolError):

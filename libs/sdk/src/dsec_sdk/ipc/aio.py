@@ -130,7 +130,7 @@ class AsyncCaller:
                     end.spin.miss()
                     return
                 if now >= yield_after:
-                    end.spin.yield_cpu(now)
+                    yield_after = end.spin.yield_cpu(now)
         end.spin.hit()
         self._read_all()
 

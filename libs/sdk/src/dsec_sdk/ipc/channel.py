@@ -36,6 +36,7 @@ PURE_SPIN_NS: Final = 5_000
 # was waiting for this very core, so spinning without yielding only delays it.
 _SWITCHED_NS: Final = 3_000
 
+_MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
 _RING_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -142,9 +143,12 @@ class Spin:
         self.min_ns = min(self.max_ns, 2_000)
         self.budget_ns = self.max_ns
         # Pure spinning before the first yield: drops to 0 when a yield shows that we share our
-        # core with a waiting task (then only yielding lets the peer run), regrows slowly.
+        # core with a waiting task (then only yielding lets the peer run); back to full when a
+        # yield comes straight back, else regrows by 500 ns a hit.
         self.pure_ns = PURE_SPIN_NS
         self._misses = 0
+        # True while hit() would change nothing: the hot path tests this flag instead of calling.
+        self.settled = True
 
     def hit(self) -> None:
         """The awaited event came while spinning."""
@@ -152,15 +156,27 @@ class Spin:
         self.budget_ns = self.max_ns
         if self.pure_ns < PURE_SPIN_NS:
             self.pure_ns += 500
+        self.settled = self.pure_ns >= PURE_SPIN_NS
 
-    def yield_cpu(self, now: int) -> None:
-        """Yield the core once (called while spinning past ``pure_ns``)."""
+    def yield_cpu(self, now: int) -> int:
+        """Yield the core once (when spinning past ``pure_ns``); return when to yield next.
+
+        A yield that switched to another task proves the core is shared: from then on, yield at
+        every check. One that came straight back proves nobody wants this core now, so another
+        syscall soon would only delay noticing the event: spin purely again (now and next time).
+        """
         os.sched_yield()
-        if time.perf_counter_ns() - now > _SWITCHED_NS:
+        after = time.perf_counter_ns()
+        if after - now > _SWITCHED_NS:
             self.pure_ns = 0
+            self.settled = False
+            return after
+        self.pure_ns = PURE_SPIN_NS
+        return after + PURE_SPIN_NS
 
     def miss(self) -> None:
         """Spinning was in vain."""
+        self.settled = False
         self._misses += 1
         if self._misses >= self.MISSES_BEFORE_SHRINK:
             self.budget_ns = max(self.min_ns, self.budget_ns // 2)
@@ -190,7 +206,10 @@ class _End:
         if os.fstat(memfd).st_size != size:
             close_fds(fds)
             raise ValueError(f"channel memfd is not {size} bytes for ring capacity {capacity}")
-        self._mm = mmap.mmap(memfd, size)
+        # Populated up front: a page touched for the first time costs a fault in each process
+        # (several microseconds in a VM), which a fresh channel would otherwise pay every ~18
+        # small calls until its rings have wrapped once.
+        self._mm = mmap.mmap(memfd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
         view = memoryview(self._mm)
         half = r.ring_size(capacity)
         self.requests = r.Ring(
@@ -288,25 +307,27 @@ class CallerEnd(_End):
             PeerGone: The server died or closed the channel with nothing left to read.
         """
         hdr = self.responses.hdr
-        if hdr[r.HEAD] != hdr[r.TAIL]:
+        if hdr[0] != hdr[8]:  # HEAD != TAIL
             return True
+        spin = self.spin
         clock = time.perf_counter_ns
         now = clock()
-        spin_end = min(now + self.spin.budget_ns, deadline_ns)
-        yield_after = now + self.spin.pure_ns
+        spin_end = min(now + spin.budget_ns, deadline_ns)
+        yield_after = now + spin.pure_ns
         spins = 0
-        while hdr[0] == hdr[8]:  # HEAD == TAIL
+        while hdr[0] == hdr[8]:
             spins += 1
             if not spins & _SPIN_CHECK_EVERY:
                 now = clock()
                 if now >= spin_end:
                     break
                 if now >= yield_after:
-                    self.spin.yield_cpu(now)
+                    yield_after = spin.yield_cpu(now)
         else:
-            self.spin.hit()
+            if not spin.settled:
+                spin.hit()
             return True
-        self.spin.miss()
+        spin.miss()
         while True:
             hdr[r.CONSUMER_WAITING] = 1
             r.fence()

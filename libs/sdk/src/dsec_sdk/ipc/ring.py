@@ -55,6 +55,8 @@ _RELEASE_LARGE_AT: Final = 1 << 20
 _OVERFLOW_GRANULE: Final = 1 << 16
 
 _fence_lock = threading.Lock()
+_fence_acquire = _fence_lock.acquire
+_fence_release = _fence_lock.release
 
 
 def fence() -> None:
@@ -64,8 +66,8 @@ def fence() -> None:
     read-modify-writes, which on x86-64 order every earlier store before every later load: what
     the Dekker-style sleep handshake needs (~0.1 µs, versus a lost wake-up without it).
     """
-    _fence_lock.acquire()
-    _fence_lock.release()
+    _fence_acquire()
+    _fence_release()
 
 
 def ring_size(capacity: int) -> int:
@@ -123,6 +125,7 @@ class Ring:
         # Producer's last look at the consumer's tail: re-read only when the ring looks full, so
         # the tail's cache line is not pulled across cores on every write.
         self._tail_seen = self.hdr[TAIL]
+        self._write_limit = self._tail_seen + capacity  # head may grow up to this
 
     # ---------------------------------------------------------------- producer
     # The hot paths below use literal header indexes and local names on purpose: each attribute
@@ -134,18 +137,37 @@ class Ring:
             PayloadTooLarge: ``body`` exceeds ``max_payload``.
         """
         n = len(body)
+        hdr = self.hdr
+        head = hdr[0]  # HEAD
+        end = head + 16 + ((n + 15) & ~15)
+        pos = head & self._mask
+        # Fast path: an inline record that fits before the end of the data area, in space the
+        # consumer is already known to have freed.
+        if n > self.max_inline or end > self._write_limit or pos + end - head > self.capacity:
+            return self._try_write_slow(kind, call_id, body)
+        data = self._data
+        _pack_record(data, pos, n, 1, kind, 0, call_id)  # REC_INLINE
+        data[pos + 16 : pos + 16 + n] = body
+        hdr[0] = end
+        _fence_acquire()
+        _fence_release()
+        if hdr[16]:  # CONSUMER_WAITING
+            _notify(self.consumer_wake_fd)
+        return True
+
+    def _try_write_slow(self, kind: int, call_id: int, body: bytes) -> bool:
+        n = len(body)
         if n > self.max_inline:
             return self._try_write_large(kind, call_id, body)
         hdr = self.hdr
-        head = hdr[0]  # HEAD
+        head = hdr[HEAD]
         capacity = self.capacity
-        need = 16 + ((n + 15) & ~15)
+        need = RECORD.size + ((n + 15) & ~15)
+        self._tail_seen = hdr[TAIL]
+        self._write_limit = self._tail_seen + capacity
         free = capacity - (head - self._tail_seen)
         pos = head & self._mask
         room = capacity - pos
-        if free < (need if room >= need else room + need):
-            self._tail_seen = hdr[8]  # TAIL
-            free = capacity - (head - self._tail_seen)
         data = self._data
         if room < need:
             if free < room + need:
@@ -155,11 +177,11 @@ class Ring:
             pos = 0
         elif free < need:
             return False
-        _pack_record(data, pos, n, 1, kind, 0, call_id)  # REC_INLINE
-        data[pos + 16 : pos + 16 + n] = body
-        hdr[0] = head + need
+        _pack_record(data, pos, n, REC_INLINE, kind, 0, call_id)
+        data[pos + RECORD.size : pos + RECORD.size + n] = body
+        hdr[HEAD] = head + need
         fence()
-        if hdr[16]:  # CONSUMER_WAITING
+        if hdr[CONSUMER_WAITING]:
             _notify(self.consumer_wake_fd)
         return True
 

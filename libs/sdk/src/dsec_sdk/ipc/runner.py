@@ -99,21 +99,25 @@ class BlockingServer:
                         f"the broker at {self.link.path} closed the connection; serving stopped"
                     )
                 control_due = clock() + _CONTROL_EVERY_NS
-                while self._serve_burst():
+                serve_burst = self._serve_burst
+                spin_for_work = self.core.spin_for_work
+                spin = self.spin
+                while serve_burst():
                     pass
                 # Idle: spin for the next request (and serve it), up to the adaptive budget.
                 while True:
                     now = clock()
                     if now >= control_due or stopped():
                         break
-                    until = min(control_due, now + self.spin.budget_ns)
-                    if not self.core.spin_for_work(until, self.spin):
+                    until = min(control_due, now + spin.budget_ns)
+                    if not spin_for_work(until, spin):
                         if clock() < control_due:
-                            self.spin.miss()
+                            spin.miss()
                             self._sleep()
                         break
-                    self.spin.hit()
-                    while self._serve_burst():
+                    if not spin.settled:
+                        spin.hit()
+                    while serve_burst():
                         pass
         finally:
             self.close()
@@ -132,7 +136,7 @@ class BlockingServer:
         return bool(work)
 
     def _serve_one(self, end: ServerEnd) -> bool:
-        # The common single-caller case without the round-robin bookkeeping (~0.3 µs a call).
+        # The common single-caller case (no backlog) without the round-robin bookkeeping.
         try:
             frame = end.requests.try_read(decode_request)
         except ProtocolError:
@@ -143,7 +147,9 @@ class BlockingServer:
         outcome = self.dispatcher.start(frame[2])
         if not isinstance(outcome, tuple):
             outcome = self._run_async(outcome)
-        end.respond(outcome[0], frame[1], outcome[1])
+        kind, body = outcome
+        if not end.responses.try_write(kind, frame[1], body):
+            end.backlog.append((kind, frame[1], body))
         return True
 
     def _run_async(self, pending: Awaitable[Any]) -> tuple[int, bytes]:

@@ -183,7 +183,7 @@ class ServeCore:
                     if now >= until_ns:
                         return False
                     if now >= yield_after:
-                        spin.yield_cpu(now)
+                        yield_after = spin.yield_cpu(now)
             return True
         while True:
             for hdr in headers:
@@ -193,7 +193,7 @@ class ServeCore:
             if now >= until_ns:
                 return False
             if now >= yield_after:
-                spin.yield_cpu(now)
+                yield_after = spin.yield_cpu(now)
 
     def has_work(self) -> bool:
         """Whether any channel has a request waiting (or a backlog that may drain)."""
