@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import shlex
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -121,7 +122,10 @@ def analyze_source(
 ) -> CodeFindings:
     """Analyze one Python file; a syntax error becomes a :class:`ParseFailure`."""
     try:
-        tree = ast.parse(source, filename=filename)
+        with warnings.catch_warnings():
+            # The user's code may have odd escapes; its warnings are not ours to print.
+            warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+            tree = ast.parse(source, filename=filename)
     except (SyntaxError, ValueError) as exc:
         line = getattr(exc, "lineno", None) or 1
         col = getattr(exc, "offset", None) or 1
