@@ -84,3 +84,22 @@ def test_chain_without_a_consumer_stalls_visibly(dsec_cli, nats_url, s3, tmp_pat
     assert bundle["files"] == 1
     stat = s3.client().stat_object(s3.bucket, bundle["object_key"])
     assert stat.size == bundle["size"]
+
+
+def test_stopping_an_unknown_sandbox_is_bad_input(dsec_cli, nats_url, tmp_path) -> None:
+    result = dsec_cli("sandbox", "stop", "sbx_nope", env=_env(nats_url, tmp_path))
+    assert result.exit_code == 2
+    assert "no sandbox 'sbx_nope'" in result.output
+
+
+def test_stopping_a_known_sandbox_publishes_the_request(dsec_cli, nats_url, tmp_path) -> None:
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC)
+    submitted = dsec_cli("submit", str(spec), "--stall", "1", "--json",
+                         env=_env(nats_url, tmp_path)).last_json()
+    stop = dsec_cli("sandbox", "stop", submitted["sandbox_id"], "--no-wait",
+                    env=_env(nats_url, tmp_path))
+    assert stop.exit_code == 0
+    replayed = dsec_cli("audit", "replay", "--sandbox", submitted["sandbox_id"], "--type",
+                        "sandbox.stop_requested", "--json", env=_env(nats_url, tmp_path))
+    assert replayed.output.count('"type":"sandbox.stop_requested"') == 1

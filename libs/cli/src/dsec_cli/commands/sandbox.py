@@ -206,6 +206,19 @@ def exec_(
     raise typer.Exit(code)
 
 
+async def _last_event(js: Any, event_type: str, sandbox_id: str) -> dict[str, Any] | None:
+    """The payload of the sandbox's last ``event_type`` event, or None."""
+    from dsec_core.envelope import decode
+    from dsec_core.subjects import STREAM, InvalidSubjectToken, subject_for
+    from nats.js.errors import NotFoundError
+
+    try:
+        raw = await js.get_last_msg(STREAM, subject_for(event_type, sandbox_id))
+    except (NotFoundError, InvalidSubjectToken):
+        return None
+    return dict(decode(raw.data).payload)
+
+
 @sandbox_app.command("stop")
 def stop(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox id (sbx_...)")],
@@ -220,6 +233,19 @@ def stop(
 
     async def go() -> int | None:
         async with bus() as (_, js):
+            if await _last_event(js, "spec.submitted", sandbox_id) is None:
+                fail(
+                    f"no sandbox {sandbox_id!r} in the event log (see `dsec sandbox list`)",
+                    EXIT_BAD_INPUT,
+                )
+            for ended in ("sandbox.exited", "sandbox.failed", "spec.rejected", "deps.conflict"):
+                payload = await _last_event(js, ended, sandbox_id)
+                if payload is not None:
+                    detail = (
+                        f"exit code {payload['exit_code']}" if "exit_code" in payload else ended
+                    )
+                    console.print(f"{sandbox_id} is not running: it already ended ({detail})")
+                    return None
             start = (await js.stream_info(STREAM)).state.last_seq + 1
             publisher = await cli_publisher(js)
             await publisher.publish(
