@@ -37,8 +37,10 @@ async def test_nats_restart_under_load_loses_no_acknowledged_event(nats_url, nat
             acked.append(published.envelope.id)
 
     task = asyncio.create_task(load())
-    while len(acked) < 150:  # restart in the middle of the load
+    while len(acked) < 150 and not task.done():  # restart in the middle of the load
         await asyncio.sleep(0.01)
+    if task.done():
+        task.result()  # the load failed before the restart: show why
     await nats_restart.arestart(kill=True)
     await asyncio.wait_for(task, 120)
     assert len(acked) == 600

@@ -27,7 +27,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from dsec_core.envelope import Envelope
 from dsec_core.events import KeyRegistered, Payload
@@ -69,11 +69,22 @@ async def connect(url: str, name: str) -> NATS:
 
 async def ensure_stream(js: JetStreamContext) -> None:
     """Create the stream, or update it to the expected configuration."""
-    config = stream_config()
+    wanted = stream_config()
     try:
-        await js.add_stream(config)
-    except BadRequestError:  # exists with another configuration: bring it up to date
-        await js.update_stream(config)
+        current = (await js.stream_info(STREAM)).config
+    except NotFoundError:
+        try:
+            await js.add_stream(wanted)
+            return
+        except BadRequestError:  # created concurrently
+            current = (await js.stream_info(STREAM)).config
+    # Only the guarantees DSec relies on are enforced; what an operator tuned on an external
+    # cluster (replicas, limits, placement) is kept.
+    fields = ("subjects", "deny_delete", "deny_purge", "duplicate_window")
+    if any(getattr(current, f) != getattr(wanted, f) for f in fields):
+        for f in fields:
+            setattr(current, f, getattr(wanted, f))
+        await js.update_stream(current)
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,7 @@ class EventPublisher:
         self.signer = signer
         self._retries = retries
         self._chain_lock = asyncio.Lock()
+        self._in_doubt: Sealed | None = None
 
     async def register_key(self) -> Published:
         """Publish this producer's public key (idempotent per key and chain)."""
@@ -125,6 +137,11 @@ class EventPublisher:
         chain position is taken back and the next envelope reuses it — the chain stays unbroken.
         """
         async with self._chain_lock:
+            if self._in_doubt is not None:
+                # The last envelope of this chain may not have reached the log: land it (the
+                # same id, so a copy that did arrive is deduplicated) before chaining another.
+                await self.publish_sealed(self._in_doubt)
+                self._in_doubt = None
             sealed = self.signer.seal(
                 payload,
                 aggregate_id=aggregate_id,
@@ -132,7 +149,11 @@ class EventPublisher:
                 causation=causation,
                 correlation_id=correlation_id,
             )
-            published = await self.publish_sealed(sealed)
+            try:
+                published = await self.publish_sealed(sealed)
+            except PublishFailed:
+                self._in_doubt = sealed
+                raise
             if published.duplicate and not await self._stored(published):
                 self.signer.rewind(sealed)
             return published
@@ -197,6 +218,10 @@ async def follow(
             try:
                 msgs = await sub.fetch(batch, timeout=idle_s)
             except TimeoutError:  # nats-py raises both its own and the builtin TimeoutError
+                # An idle fetch is not the end: a slow server or a sparse filter looks the
+                # same. Only report "caught up" when the consumer has nothing pending.
+                if (await sub.consumer_info()).num_pending:
+                    continue
                 yield []
                 continue
             yield [(m.metadata.sequence.stream, m.data) for m in msgs]

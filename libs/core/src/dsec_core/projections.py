@@ -112,8 +112,8 @@ async def _apply_spec(conn: asyncpg.Connection, env: Envelope) -> None:
             " submitted_at) VALUES ($1, $2, $3, 'submitted', $4, $5)"
             " ON CONFLICT (sandbox_id) DO NOTHING",
             env.aggregate_id,
-            p["filename"],
-            p["spec_yaml"],
+            p.get("filename", "dsec.yaml"),
+            p.get("spec_yaml", ""),
             p.get("submitted_by", ""),
             env.time,
         )
@@ -221,7 +221,19 @@ class Projector:
     batch_size: int = 256
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Follow the stream until ``stop`` is set."""
+        """Follow the stream until ``stop`` is set; reconnect after a failure (Postgres restart,
+        a rebuild in progress) from the stored position, with backoff."""
+        delay = 0.5
+        while not stop.is_set():
+            try:
+                await self._follow(stop)
+                return
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                log.warning("projector: %s; retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def _follow(self, stop: asyncio.Event) -> None:
         conn = await asyncpg.connect(self.dsn)
         try:
             await ensure_schema(conn)

@@ -177,6 +177,13 @@ class Service:
             await msg.reject()
             return
         metrics.EVENTS_CONSUMED.labels(*labels).inc()
+        if attempt > policy.max_attempts:
+            # The handler crashed the process (or outran ack_wait) on every attempt: this spare
+            # delivery only ends the request, it does not run the handler again.
+            reason = f"no attempt of {self.name} completed (crashed or timed out {attempt - 1}x)"
+            await self._publish_outputs(envelope, failure(envelope, reason, attempt - 1))
+            await msg.ack_sync()
+            return
         started = time.perf_counter()
         heartbeat = asyncio.create_task(self._keep_alive(msg, policy.ack_wait_s / 3))
         try:
@@ -202,8 +209,12 @@ class Service:
         self, envelope: Envelope, outputs: Sequence[Output | Payload]
     ) -> None:
         assert self.publisher is not None
-        for n, item in enumerate(outputs):
+        per_type: dict[str, int] = {}
+        for item in outputs:
             out = item if isinstance(item, Output) else Output(item)
+            # Numbered per type, not by position: a redelivery that returns fewer events
+            # (e.g. only the `ready` of a sandbox already launched) derives the same ids.
+            n = per_type[out.payload.TYPE] = per_type.get(out.payload.TYPE, -1) + 1
             await self.publisher.publish(
                 out.payload,
                 aggregate_id=out.aggregate_id or envelope.aggregate_id,

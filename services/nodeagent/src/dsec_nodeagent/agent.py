@@ -128,6 +128,28 @@ class NodeAgent:
         assert raw.data is not None
         return decode(raw.data)
 
+    async def _maybe_last(self, event_type: str, sandbox_id: str) -> Envelope | None:
+        try:
+            return await self._last(event_type, sandbox_id)
+        except StartRefused:
+            return None
+
+    async def _already_started(self, sandbox_id: str) -> bool:
+        """Whether the log shows this sandbox started (or ended) already."""
+        for event_type in ("sandbox.ready", "sandbox.exited", "sandbox.failed"):
+            if await self._maybe_last(event_type, sandbox_id) is not None:
+                return True
+        return False
+
+    def _check_environment(self, event: events.EnvBuilt) -> None:
+        """The environment must be one this node built: its path comes from an event and is
+        bound into the sandbox, so it may only ever be ``$DSEC_HOME/envs/<lock>/site-packages``."""
+        expected = self.home / "envs" / event.lock_hash / "site-packages"
+        if event.node_id != self.settings.node_id:
+            raise StartRefused(f"environment built on {event.node_id}, not on this node")
+        if not event.lock_hash.isalnum() or Path(event.location) != expected:
+            raise StartRefused(f"environment location {event.location!r} is not {expected}")
+
     def _code_path(self, sandbox_id: str) -> Path:
         """Where the sandbox's code copy lives on this node (``sandbox.ready.code_dir``)."""
         return self.home / "sandboxes" / sandbox_id / "code"
@@ -158,9 +180,14 @@ class NodeAgent:
         if running is not None:  # redelivered after a crash between launch and ack
             code_dir = self._code_path(sid)
             return [self._ready_event(running.ready, code_dir if code_dir.is_dir() else None)]
+        if await self._already_started(sid):  # redelivered after the sandbox ran: never twice
+            return []
         try:
+            self._check_environment(event)
             return await self._launch(sid, event)
         except (StartRefused, ContextError, SandboxStartError) as exc:
+            if self._on_stopped is not None:  # egress attached before a failed start
+                await self._on_stopped(sid)
             return [
                 events.SandboxFailed(
                     stage="nodeagent", reason=_reason(exc), failed_event_id=envelope.id
@@ -266,20 +293,35 @@ class NodeAgent:
         task = self._keepalive.pop(sid, None)
         if task is not None:
             task.cancel()
-        ctx = self._contexts.pop(sid, None)
-        if ctx is not None:
-            await self.injector.release(ctx)
-        else:
-            await self.injector.release_metadata(result.metadata)
-        if self._on_stopped is not None:
-            await self._on_stopped(sid)
-        exit_code = result.exit_code if result.exit_code is not None else -1
-        payload = events.SandboxExited(
-            exit_code=exit_code,
-            reason=result.reason.value,
-            duration_s=round(result.ended_at - result.started_at, 3),
-        )
-        await self._publish(payload, sid, derive_event_id(sid, "sandbox.exited"))
+        try:
+            ctx = self._contexts.pop(sid, None)
+            if ctx is not None:
+                await self.injector.release(ctx)
+            else:
+                await self.injector.release_metadata(result.metadata)
+            if self._on_stopped is not None:
+                await self._on_stopped(sid)
+        except Exception:  # a failed release must not cost the terminal event
+            log.exception("releasing the context of %s failed", sid)
+        finally:
+            await self._wait_until_ready_recorded(sid)
+            exit_code = result.exit_code if result.exit_code is not None else -1
+            payload = events.SandboxExited(
+                exit_code=exit_code,
+                reason=result.reason.value,
+                duration_s=round(result.ended_at - result.started_at, 3),
+            )
+            await self._publish(payload, sid, derive_event_id(sid, "sandbox.exited"))
+
+    async def _wait_until_ready_recorded(self, sid: str, timeout_s: float = 10.0) -> None:
+        """A workload that exits at once could beat its own ``sandbox.ready`` (published by
+        the runtime after the handler returns): keep the log's order ready → exited."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while await self._maybe_last("sandbox.ready", sid) is None:
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("%s: no sandbox.ready recorded; publishing its exit anyway", sid)
+                return
+            await asyncio.sleep(0.02)
 
     async def _decided(self, decision: SemanticDecision) -> None:
         payload = events.PolicyViolation(

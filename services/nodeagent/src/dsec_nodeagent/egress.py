@@ -64,6 +64,10 @@ class Egress:
     async def detach(self, sid: str) -> None:
         """Remove a finished sandbox's programs, map entries and DNS listener."""
         cgroup = self._cgroups.pop(sid, None)
+        if cgroup is None:  # re-adopted after a restart: only the controller knows it
+            cgroup = next(
+                (a.cgroup_path for a in self.controller.sandboxes() if a.sandbox_id == sid), None
+            )
         if cgroup is not None:
             await self.controller.detach(cgroup)
 

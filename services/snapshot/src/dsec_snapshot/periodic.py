@@ -117,6 +117,9 @@ class PeriodicSnapshots:
             except SnapshotError as exc:
                 log.warning("periodic snapshot of %s failed: %s", sid, exc)
                 continue
+            except Exception:  # S3, Vault, NATS: one sandbox must not stop the others
+                log.exception("periodic snapshot of %s failed", sid)
+                continue
             if name is not None:
                 taken.append(name)
         if taken and time.monotonic() - self._last_gc >= GC_EVERY_S:

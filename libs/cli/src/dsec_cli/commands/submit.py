@@ -23,6 +23,7 @@ from dsec_cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_TIMEOUT,
+    EXIT_UNREACHABLE,
     bus,
     cli_publisher,
     console,
@@ -87,7 +88,9 @@ def _exclude_patterns(spec_text: str) -> list[str]:
 
 def upload_code(code: Path, spec_text: str, settings: Settings) -> BundleRef:
     """Bundle ``code`` (with the spec's exclude patterns) and store it content-addressed."""
+    import urllib3
     from dsec_core.objectstore import ensure_bucket
+    from minio.error import S3Error
 
     try:
         bundle = build_bundle(code, _exclude_patterns(spec_text))
@@ -96,8 +99,15 @@ def upload_code(code: Path, spec_text: str, settings: Settings) -> BundleRef:
     client = s3_client(settings)
     key = f"bundles/{bundle.digest}.tar.zst"
     data = bundle.read()
-    ensure_bucket(client, settings.s3_bucket)
-    client.put_object(settings.s3_bucket, key, io.BytesIO(data), len(data))
+    try:
+        ensure_bucket(client, settings.s3_bucket)
+        client.put_object(settings.s3_bucket, key, io.BytesIO(data), len(data))
+    except (S3Error, urllib3.exceptions.HTTPError, OSError) as exc:
+        fail(
+            f"cannot store the code bundle in the object store "
+            f"({type(exc).__name__}); is the stack up? (`dsec status`)",
+            EXIT_UNREACHABLE,
+        )
     return BundleRef(
         digest=bundle.digest, object_key=key, size=len(data), files=len(bundle.manifest.files)
     )
