@@ -196,15 +196,6 @@ def probe_s3(
         raise ProbeError(f"S3 list_buckets failed: {exc.__class__.__name__}") from None
 
 
-def ensure_bucket(
-    endpoint: str, access_key: str, secret_key: str, bucket: str, *, secure: bool = False
-) -> None:
-    """Create ``bucket`` unless it exists."""
-    client = minio_client(endpoint, access_key, secret_key, secure=secure)
-    if not client.bucket_exists(bucket):
-        client.make_bucket(bucket)
-
-
 def s3_roundtrip(
     endpoint: str,
     access_key: str,
@@ -212,9 +203,10 @@ def s3_roundtrip(
     bucket: str,
     *,
     secure: bool = False,
-    timeout: float = 20.0,
+    timeout: float = 30.0,
 ) -> None:
-    """Write and read back a small object until it works or ``timeout`` passes.
+    """Create ``bucket`` if needed, then write and read back a small object until it works or
+    ``timeout`` passes.
 
     Listing buckets only needs SeaweedFS's filer; reading objects also needs its volume server
     registered with the master, which can lag a restart by a second or more.
@@ -225,6 +217,7 @@ def s3_roundtrip(
     import io
     import time
 
+    import urllib3
     from minio.error import MinioException
 
     client = minio_client(endpoint, access_key, secret_key, secure=secure)
@@ -232,6 +225,8 @@ def s3_roundtrip(
     deadline = time.monotonic() + timeout
     while True:
         try:
+            if not client.bucket_exists(bucket):
+                client.make_bucket(bucket)
             client.put_object(bucket, key, io.BytesIO(body), len(body))
             response = client.get_object(bucket, key)
             try:
@@ -240,7 +235,7 @@ def s3_roundtrip(
             finally:
                 response.close()
                 response.release_conn()
-        except (MinioException, OSError) as exc:
+        except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
             last = f"{exc.__class__.__name__}: {getattr(exc, 'code', '') or exc}"
         else:
             last = "read back different bytes"

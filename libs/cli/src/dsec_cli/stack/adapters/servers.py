@@ -547,13 +547,8 @@ class S3Server(Server):
         return match.group(0) if match else (raw or "unknown")
 
     def after_ready(self) -> None:
-        probes.ensure_bucket(
-            self.s3_endpoint,
-            self.credentials["access_key"],
-            self.credentials["secret_key"],
-            self.bucket,
-        )
-        # Healthy means objects can be written and read, not only buckets listed.
+        # Healthy means the bucket exists and objects can be written and read, not only that
+        # buckets can be listed (the volume server may lag the filer after a start).
         probes.s3_roundtrip(
             self.s3_endpoint,
             self.credentials["access_key"],
