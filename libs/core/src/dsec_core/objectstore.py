@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 
+import blake3
 from minio import Minio
 from minio.error import S3Error
 
@@ -70,3 +71,23 @@ async def get_bytes(store: Minio, bucket: str, key: str) -> bytes:
 async def put_bytes(store: Minio, bucket: str, key: str, data: bytes) -> None:
     """Write a whole object without blocking the event loop."""
     await asyncio.to_thread(store.put_object, bucket, key, io.BytesIO(data), len(data))
+
+
+class BundleAltered(ValueError):
+    """A code bundle's bytes do not match the digest its event recorded."""
+
+
+async def get_bundle(settings: Settings, object_key: str, digest: str) -> bytes:
+    """Read a content-addressed code bundle and check it against its BLAKE3 ``digest``.
+
+    Raises:
+        ObjectMissing: the bundle is not in the store.
+        BundleAltered: its bytes are not the ones that were submitted.
+    """
+    data = await get_bytes(client(settings), settings.s3_bucket, object_key)
+    if blake3.blake3(data).hexdigest() != digest:
+        raise BundleAltered(
+            f"code bundle {object_key} does not match its digest {digest[:16]}… "
+            "(altered in the object store?)"
+        )
+    return data

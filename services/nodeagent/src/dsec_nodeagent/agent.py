@@ -17,13 +17,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import blake3
 from dsec_core import events
 from dsec_core.codebundle import BundleError, extract_bundle
 from dsec_core.envelope import Envelope, decode
 from dsec_core.ids import derive_event_id
+from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.objectstore import client as s3_client
-from dsec_core.objectstore import get_bytes
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan, load_spec
 from dsec_core.subjects import STREAM, subject_for
@@ -157,9 +156,10 @@ class NodeAgent:
     async def _code_dir(self, sandbox_id: str, code: events.BundleRef | None) -> Path | None:
         if code is None:
             return None
-        data = await get_bytes(s3_client(self.settings), self.settings.s3_bucket, code.object_key)
-        if blake3.blake3(data).hexdigest() != code.digest:
-            raise StartRefused(f"code bundle {code.object_key} does not match its digest")
+        try:
+            data = await get_bundle(self.settings, code.object_key, code.digest)
+        except (ObjectMissing, BundleAltered) as exc:
+            raise StartRefused(str(exc)) from None
         dest = self._code_path(sandbox_id)
         if dest.exists():  # a redelivery after a crash: the bundle is immutable, reuse it
             return dest

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import blake3
 from dsec_core.envelope import Envelope
 from dsec_core.events import Payload, SpecRejected, SpecSubmitted, SpecValidated
-from dsec_core.objectstore import ObjectMissing, client, get_bytes
+from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.settings import Settings
 from dsec_core.spec import SpecError
 
@@ -40,17 +40,11 @@ class PolicyHandlers:
         if event.code is None:
             return {}
         try:
-            archive = await get_bytes(
-                client(self.settings), self.settings.s3_bucket, event.code.object_key
-            )
+            archive = await get_bundle(self.settings, event.code.object_key, event.code.digest)
         except ObjectMissing as exc:
             return _bundle_error(event.filename, f"code bundle missing: {exc}")
-        if blake3.blake3(archive).hexdigest() != event.code.digest:
-            return _bundle_error(
-                event.filename,
-                "code bundle does not match its digest "
-                f"{event.code.digest[:16]}… (altered in the object store?)",
-            )
+        except BundleAltered as exc:
+            return _bundle_error(event.filename, str(exc))
         try:
             return await asyncio.to_thread(read_bundle_sources, archive)
         except CodeDirError as exc:

@@ -22,13 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-import blake3
 from dsec_core import events
 from dsec_core.bus import replay
 from dsec_core.codebundle import BundleError, extract_bundle
 from dsec_core.envelope import Envelope, decode
-from dsec_core.objectstore import ObjectMissing, get_bytes
-from dsec_core.objectstore import client as s3_client
+from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.settings import Settings
 from dsec_core.subjects import STREAM, aggregate_filter, subject_for
 from nats.js import JetStreamContext
@@ -155,16 +153,14 @@ class SnapshotHandlers:
         if ref is None:
             return None
         try:
-            data = await get_bytes(
-                s3_client(self.settings), self.settings.s3_bucket, ref.object_key
-            )
+            data = await get_bundle(self.settings, ref.object_key, ref.digest)
         except ObjectMissing:
             raise Refused(
                 f"code bundle {ref.object_key} of sandbox {facts.sandbox_id} is missing from "
                 "the object store"
             ) from None
-        if blake3.blake3(data).hexdigest() != ref.digest:
-            raise Refused(f"code bundle {ref.object_key} does not match its digest (altered?)")
+        except BundleAltered as exc:
+            raise Refused(str(exc)) from None
         return data
 
     def inputs(
