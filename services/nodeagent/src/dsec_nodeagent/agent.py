@@ -188,6 +188,8 @@ class NodeAgent:
         except (StartRefused, ContextError, SandboxStartError) as exc:
             if self._on_stopped is not None:  # egress attached before a failed start
                 await self._on_stopped(sid)
+            if isinstance(exc, ContextError) and exc.transient:
+                raise  # Vault/S3/NATS unreachable: the runtime retries with backoff
             return [
                 events.SandboxFailed(
                     stage="nodeagent", reason=_reason(exc), failed_event_id=envelope.id

@@ -41,7 +41,9 @@ class ConfigMaps:
         try:
             nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=0)
         except (OSError, nats.errors.Error) as exc:
-            raise ContextError(uri, f"NATS unreachable at {self.nats_url}: {exc}") from exc
+            raise ContextError(
+                uri, f"NATS unreachable at {self.nats_url}: {exc}", transient=True
+            ) from exc
         try:
             try:
                 kv = await nc.jetstream().key_value(self.bucket)

@@ -49,9 +49,12 @@ class ContextError(RuntimeError):
     Attributes:
         source: the reference that failed (``vault://secret/x#key``, ``s3://b/p/``).
         reason: what went wrong.
+        transient: the store was unreachable or failed (worth retrying), as opposed to a
+            missing secret or object, which no retry fixes.
     """
 
-    def __init__(self, source: str, reason: str) -> None:
+    def __init__(self, source: str, reason: str, *, transient: bool = False) -> None:
         super().__init__(f"{source}: {reason}")
         self.source = source
         self.reason = reason
+        self.transient = transient

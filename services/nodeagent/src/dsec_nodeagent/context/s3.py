@@ -108,7 +108,7 @@ class S3Materializer:
         except minio.error.S3Error as exc:
             raise ContextError(uri, _s3_reason(exc)) from exc
         except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise ContextError(uri, f"object store unreachable: {exc}") from exc
+            raise ContextError(uri, f"object store unreachable: {exc}", transient=True) from exc
         for name in objects:
             if not _safe_relative(name):
                 raise ContextError(uri, f"object name {name!r} escapes the mount; rename it")

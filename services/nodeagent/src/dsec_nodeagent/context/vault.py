@@ -85,7 +85,9 @@ class VaultSecrets:
                 display_name=f"dsec-{sandbox_id}"[:60], meta={"sandbox": sandbox_id},
             )["auth"]
         except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
-            raise ContextError(uri, f"cannot create a lease token in Vault: {_why(exc)}") from exc
+            raise ContextError(
+                uri, f"cannot create a lease token in Vault: {_why(exc)}", transient=True
+            ) from exc
         return Lease(auth["accessor"], int(auth["lease_duration"]), auth["client_token"])
 
     def _read_field(self, uri: str, lease: Lease, mount: str, path: str, key: str) -> str:
@@ -100,7 +102,7 @@ class VaultSecrets:
             raise ContextError(uri, "permission denied: the node agent's Vault policy does not "
                                     "allow reading it") from exc
         except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
-            raise ContextError(uri, f"Vault read failed: {_why(exc)}") from exc
+            raise ContextError(uri, f"Vault read failed: {_why(exc)}", transient=True) from exc
         data = response["data"]["data"] or {}
         if key not in data:
             fields = ", ".join(sorted(data)) or "none"
