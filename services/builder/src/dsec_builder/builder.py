@@ -272,16 +272,19 @@ class EnvironmentBuilder:
     # ------------------------------------------------------------------ installing
 
     async def _install(self, key: str, print_: str, lock: Lock, artifacts: list[Path]) -> None:
-        staging = self.store.new_staging(key)
+        # Staging, committing (a read-only walk of every file) and cleaning up are filesystem
+        # work: off the event loop, so other handlers and the in-progress heartbeats keep going.
+        staging = await asyncio.to_thread(self.store.new_staging, key)
         try:
             site = staging / SITE_PACKAGES
             site.mkdir()
             if artifacts:  # an empty spec is a valid, empty environment
                 await self._run_installer(key, lock, artifacts, site)
             (site / ".lock").unlink(missing_ok=True)  # uv's lock of the target dir, not ours
-            self.store.commit(staging, key, self._manifest(key, print_, lock))
+            manifest = self._manifest(key, print_, lock)
+            await asyncio.to_thread(self.store.commit, staging, key, manifest)
         except BaseException:
-            remove_tree(staging)
+            await asyncio.shield(asyncio.to_thread(remove_tree, staging))
             raise
 
     async def _run_installer(self, key: str, lock: Lock, artifacts: list[Path], site: Path) -> None:
