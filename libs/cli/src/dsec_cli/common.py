@@ -48,6 +48,14 @@ def print_json(value: Any) -> None:
     print(json.dumps(value, default=str, separators=(",", ":")), flush=True)
 
 
+def without_credentials(url: str) -> str:
+    """``url`` with any ``user:password@`` (or ``token@``) part removed, for messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    return f"{scheme}://{rest.rpartition('@')[2]}"
+
+
 def submitter() -> str:
     """``user@host`` of the person running the CLI."""
     return f"{getpass.getuser()}@{socket.gethostname()}"
@@ -67,7 +75,7 @@ async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, Jet
         )
     except Exception as exc:  # any connect failure means "unreachable" to the user
         fail(
-            f"cannot reach NATS at {url} ({type(exc).__name__}); "
+            f"cannot reach NATS at {without_credentials(url)} ({type(exc).__name__}); "
             "start the stack with `dsec up` or set DSEC_NATS_URL",
             EXIT_UNREACHABLE,
         )
