@@ -23,14 +23,16 @@ class Settings(BaseSettings):
 
     home: Path = Field(default=Path(".dsec"), description="State, data and logs of the stack")
     nats_url: str | None = Field(default=None, description="NATS server URL (external)")
-    postgres_dsn: str | None = Field(default=None, description="PostgreSQL DSN (external)")
+    postgres_dsn: str | None = Field(
+        default=None, repr=False, description="PostgreSQL DSN (external)"
+    )
     s3_endpoint: str | None = Field(default=None, description="S3 endpoint host:port (external)")
     s3_access_key: str | None = Field(default=None, description="S3 access key")
-    s3_secret_key: str | None = Field(default=None, description="S3 secret key")
+    s3_secret_key: str | None = Field(default=None, repr=False, description="S3 secret key")
     s3_secure: bool = Field(default=False, description="Use TLS for S3")
     s3_bucket: str = Field(default="dsec", description="Bucket for bundles, caches, snapshots")
     vault_addr: str | None = Field(default=None, description="Vault/OpenBao address (external)")
-    vault_token: str | None = Field(default=None, description="Vault/OpenBao token")
+    vault_token: str | None = Field(default=None, repr=False, description="Vault/OpenBao token")
     metrics_port: int = Field(default=0, description="Port for /metrics and /healthz (0 = free)")
     node_id: str = Field(default="node-1", description="Name of this node")
     org_policy: Path | None = Field(default=None, description="Org guardrail policy file")
