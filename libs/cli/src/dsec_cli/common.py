@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import typer
 from dsec_core.settings import Settings
 from rich.console import Console
+from rich.markup import escape
 
 if TYPE_CHECKING:  # the bus client is imported when a command needs it: `dsec --help` stays fast
     from dsec_core.bus import EventPublisher
@@ -34,8 +35,20 @@ T = TypeVar("T")
 
 def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     """Print ``message`` to stderr and exit with ``code``."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def check_event_types(types: list[str]) -> None:
+    """Exit 2 naming the valid types when a ``--type`` is not an event type."""
+    from dsec_core.events import EVENT_TYPES
+
+    for t in types:
+        if t not in EVENT_TYPES:
+            fail(
+                f"--type {t!r} is not an event type; valid: {', '.join(sorted(EVENT_TYPES))}",
+                EXIT_BAD_INPUT,
+            )
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

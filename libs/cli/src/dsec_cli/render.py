@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsec_core.envelope import Envelope
+from dsec_core.envelope import Envelope, MalformedEnvelope, decode
+from rich.console import Console
 from rich.markup import escape
 
 _STYLE = {
@@ -50,6 +51,18 @@ def _summary(env: Envelope) -> str:
     return " ".join(f"{k}={p[k]}" for k in keys if k in p)
 
 
+def decode_or_warn(seq: int, data: bytes) -> Envelope | None:
+    """Decode one message of the log; a malformed one is reported on stderr and skipped, so
+    a single bad message (anyone with publish rights can write one) cannot crash a command."""
+    try:
+        return decode(data)
+    except MalformedEnvelope as exc:
+        Console(stderr=True).print(
+            f"[red]seq {seq}: malformed event skipped: {escape(str(exc))}[/]"
+        )
+        return None
+
+
 def event_line(seq: int, env: Envelope) -> str:
     """Rich markup for one event."""
     style = _STYLE.get(env.type, "cyan")
@@ -63,3 +76,12 @@ def event_line(seq: int, env: Envelope) -> str:
 def event_json(seq: int, env: Envelope) -> dict[str, Any]:
     """The JSON view of one event with its stream sequence."""
     return {"seq": seq, **env.to_json_dict()}
+
+
+def human_size(n: float) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

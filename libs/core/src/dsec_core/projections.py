@@ -19,6 +19,7 @@ from nats.js import JetStreamContext
 
 from dsec_core.bus import follow, replay
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
+from dsec_core.events import SANDBOX_STATES, TERMINAL_TYPES
 from dsec_core.subjects import ROOT
 
 log = logging.getLogger(__name__)
@@ -71,16 +72,7 @@ DROP = "DROP TABLE IF EXISTS sandbox_events, sandboxes, specs, projection_state;
 
 # event type -> (state, terminal)
 STATES: dict[str, tuple[str, bool]] = {
-    "spec.submitted": ("submitted", False),
-    "spec.validated": ("validated", False),
-    "spec.rejected": ("rejected", True),
-    "deps.resolved": ("resolved", False),
-    "deps.conflict": ("conflict", True),
-    "env.built": ("built", False),
-    "sandbox.scheduled": ("scheduled", False),
-    "sandbox.ready": ("running", False),
-    "sandbox.exited": ("exited", True),
-    "sandbox.failed": ("failed", True),
+    event: (state, event in TERMINAL_TYPES) for event, state in SANDBOX_STATES.items()
 }
 
 _SUMMARY_KEYS = ("reason", "exit_code", "stage", "rule_id", "node_id", "snapshot", "name", "kind")

@@ -6,22 +6,19 @@ from typing import Annotated, Any
 
 import typer
 from dsec_core.audit import Verifier, VerifyReport
-from dsec_core.envelope import decode
-from dsec_core.events import EVENT_TYPES
 from dsec_core.subjects import ALL_EVENTS, aggregate_filter
 from rich.table import Table
 
 from dsec_cli.common import (
-    EXIT_BAD_INPUT,
     EXIT_FAILED,
     bus,
+    check_event_types,
     console,
-    fail,
     parse_since,
     print_json,
     run,
 )
-from dsec_cli.render import event_json, event_line
+from dsec_cli.render import decode_or_warn, event_json, event_line
 
 audit_app = typer.Typer(help="Verify and replay the signed audit trail.", no_args_is_help=True)
 
@@ -95,8 +92,8 @@ async def _replay(sandbox: str | None, types: list[str], since: str | None, as_j
     shown = 0
     async with bus() as (_, js):
         async for seq, data in replay(js, filter_subject=filt):
-            env = decode(data)
-            if (types and env.type not in types) or (since_t and env.time < since_t):
+            env = decode_or_warn(seq, data)
+            if env is None or (types and env.type not in types) or (since_t and env.time < since_t):
                 continue
             shown += 1
             if as_json:
@@ -114,12 +111,7 @@ def replay_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line")] = False,
 ) -> None:
     """Replay recorded events, filtered by sandbox, type and time."""
-    for t in type_:
-        if t not in EVENT_TYPES:
-            fail(
-                f"--type {t!r} is not an event type; valid: {', '.join(sorted(EVENT_TYPES))}",
-                EXIT_BAD_INPUT,
-            )
+    check_event_types(type_)
     shown = run(_replay(sandbox, type_, since, as_json))
     if not as_json:
         console.print(f"[dim]{shown} events[/]")
@@ -137,7 +129,9 @@ def keys(
         found: dict[tuple[str, str], dict[str, Any]] = {}
         async with bus() as (_, js):
             async for seq, data in replay(js, filter_subject="dsec.producer.>"):
-                env = decode(data)
+                env = decode_or_warn(seq, data)
+                if env is None or env.type != "audit.key_registered":
+                    continue
                 key = (env.payload["producer"], env.payload["key_id"])
                 found.setdefault(key, {"producer": key[0], "key_id": key[1], "first_seq": seq})
         return list(found.values())

@@ -9,19 +9,11 @@ import typer
 from dsec_core.codebundle import DEFAULT_EXCLUDES, Bundle, BundleError, build_bundle
 
 from dsec_cli.common import EXIT_BAD_INPUT, console, fail, print_json
+from dsec_cli.render import human_size
 
 code_app = typer.Typer(
     help="Code bundles: what `dsec submit` and snapshots take.", no_args_is_help=True
 )
-
-
-def human_size(n: float) -> str:
-    """``1536`` -> ``1.5 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _print_summary(bundle: Bundle, show_files: bool) -> None:

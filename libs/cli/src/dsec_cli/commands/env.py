@@ -14,6 +14,7 @@ from dsec_core.settings import Settings
 from rich.table import Table
 
 from dsec_cli.common import EXIT_BAD_INPUT, console, fail, print_json
+from dsec_cli.render import human_size
 
 if TYPE_CHECKING:
     from dsec_builder.adapters.store import EnvironmentStore
@@ -29,14 +30,6 @@ def _store() -> EnvironmentStore:
     from dsec_builder.adapters.store import EnvironmentStore
 
     return EnvironmentStore(Settings().home.resolve() / "envs")
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _age(timestamp: float) -> str:
@@ -55,7 +48,7 @@ def _table(infos: list[EnvironmentInfo]) -> Table:
         table.add_row(
             info.lock_hash[:16],
             str(info.packages),
-            _size(info.size_bytes),
+            human_size(info.size_bytes),
             _age(info.last_used_at),
             info.fingerprint[:16],
             str(info.path),
@@ -106,9 +99,11 @@ def gc(
         return
     verb = "would remove" if dry_run else "removed"
     for info in removed:
-        console.print(f"{verb} {info.lock_hash[:16]} ({_size(info.size_bytes)})", highlight=False)
+        console.print(
+            f"{verb} {info.lock_hash[:16]} ({human_size(info.size_bytes)})", highlight=False
+        )
     console.print(
-        f"{verb} {len(removed)} environment(s), {_size(freed)}; kept up to {keep}",
+        f"{verb} {len(removed)} environment(s), {human_size(freed)}; kept up to {keep}",
         highlight=False,
     )
 

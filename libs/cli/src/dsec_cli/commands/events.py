@@ -7,23 +7,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from dsec_core.envelope import MalformedEnvelope, decode
 from dsec_core.events import EVENT_TYPES
 from dsec_core.subjects import ALL_EVENTS, STREAM, aggregate_filter
 
-from dsec_cli.common import EXIT_BAD_INPUT, bus, console, fail, print_json, run
-from dsec_cli.render import event_json, event_line
+from dsec_cli.common import bus, check_event_types, console, print_json, run
+from dsec_cli.render import decode_or_warn, event_json, event_line
 
 events_app = typer.Typer(help="Follow the event log; export the bus schema.", no_args_is_help=True)
-
-
-def _check_types(types: list[str]) -> None:
-    for t in types:
-        if t not in EVENT_TYPES:
-            fail(
-                f"--type {t!r} is not an event type; valid: {', '.join(sorted(EVENT_TYPES))}",
-                EXIT_BAD_INPUT,
-            )
 
 
 async def _tail(
@@ -38,12 +28,8 @@ async def _tail(
         start = 1 if from_start else info.state.last_seq + 1
         async for batch in follow(js, filter_subject=filt, start_seq=start):
             for seq, data in batch:
-                try:
-                    env = decode(data)
-                except MalformedEnvelope as exc:
-                    console.print(f"[red]{seq}: malformed event: {exc}[/]")
-                    continue
-                if types and env.type not in types:
+                env = decode_or_warn(seq, data)
+                if env is None or (types and env.type not in types):
                     continue
                 if as_json:
                     print_json(event_json(seq, env))
@@ -63,7 +49,7 @@ def tail(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line")] = False,
 ) -> None:
     """Follow the event log live (Ctrl-C to stop)."""
-    _check_types(type_)
+    check_event_types(type_)
     try:
         run(_tail(type_, sandbox, from_start, as_json, count))
     except KeyboardInterrupt:

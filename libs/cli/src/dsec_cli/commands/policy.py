@@ -15,7 +15,7 @@ from dsec_policy.domain import infer as infer_needs
 from dsec_policy.infer.catalogue import load_catalogue
 from dsec_policy.infer.render import render_policy_yaml
 
-EXIT_BAD_INPUT = 2
+from dsec_cli.common import EXIT_BAD_INPUT, fail
 
 
 def register(app: typer.Typer) -> None:
@@ -37,8 +37,7 @@ def infer(
     try:
         files = read_python_sources(code)
     except CodeDirError as exc:
-        typer.echo(f"error: --code {exc}", err=True)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+        fail(f"--code {exc}", EXIT_BAD_INPUT)
     needs = infer_needs(files)
     if as_json:
         typer.echo(needs.model_dump_json(indent=2))

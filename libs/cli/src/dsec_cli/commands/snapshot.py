@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
-from dsec_cli.commands.code import human_size
 from dsec_cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -37,6 +36,7 @@ from dsec_cli.common import (
     run,
     submitter,
 )
+from dsec_cli.render import decode_or_warn, human_size
 
 if TYPE_CHECKING:
     from dsec_core.envelope import Envelope
@@ -91,7 +91,6 @@ ANSWERS = frozenset({"snapshot.taken", "snapshot.restored", "snapshot.failed"})
 async def _ask(payload: Payload, sandbox_id: str, timeout: float) -> Envelope | None:
     """Publish a request about a sandbox; return the snapshot service's answer to it."""
     from dsec_core.bus import follow
-    from dsec_core.envelope import decode
     from dsec_core.subjects import STREAM, aggregate_filter
 
     async with bus() as (_, js):
@@ -101,9 +100,9 @@ async def _ask(payload: Payload, sandbox_id: str, timeout: float) -> Envelope | 
         deadline = time.monotonic() + timeout
         subject = aggregate_filter("sandbox", sandbox_id)
         async for batch in follow(js, filter_subject=subject, start_seq=start, idle_s=0.25):
-            for _, data in batch:
-                env = decode(data)
-                if env.causation_id == request_id and env.type in ANSWERS:
+            for seq, data in batch:
+                env = decode_or_warn(seq, data)
+                if env is not None and env.causation_id == request_id and env.type in ANSWERS:
                     return env
             if time.monotonic() > deadline:
                 return None

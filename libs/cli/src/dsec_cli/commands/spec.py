@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 from dsec_core.settings import Settings
@@ -17,7 +17,7 @@ from dsec_policy.adapters.org_policy_file import OrgPolicyError, load_org_policy
 from dsec_policy.domain import ValidationOutcome, validate
 from dsec_policy.guardrails import OrgPolicy
 
-EXIT_BAD_INPUT = 2
+from dsec_cli.common import EXIT_BAD_INPUT, fail
 
 
 def register(app: typer.Typer) -> None:
@@ -48,7 +48,7 @@ def check(
         try:
             code_files = read_python_sources(code)
         except CodeDirError as exc:
-            _fail(f"--code {exc}")
+            fail(f"--code {exc}", EXIT_BAD_INPUT)
     outcome = validate(text, str(file), code_files, policy)
     if as_json:
         typer.echo(json.dumps(_report(str(file), outcome), indent=2))
@@ -62,12 +62,7 @@ def _read(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as exc:
-        _fail(f"{path}: cannot read: {exc.strerror or exc}")
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(EXIT_BAD_INPUT)
+        fail(f"{path}: cannot read: {exc.strerror or exc}", EXIT_BAD_INPUT)
 
 
 def _org_policy(path: Path | None) -> OrgPolicy:
@@ -75,7 +70,7 @@ def _org_policy(path: Path | None) -> OrgPolicy:
         return load_org_policy(path)
     except OrgPolicyError as exc:
         typer.echo(str(exc), err=True)
-        _fail(f"{path}: invalid org policy")
+        fail(f"{path}: invalid org policy", EXIT_BAD_INPUT)
 
 
 def _print(file: str, outcome: ValidationOutcome) -> None:

@@ -12,8 +12,8 @@ from typing import Annotated, Any, NoReturn
 import typer
 import yaml
 from dsec_core.codebundle import BundleError, build_bundle
-from dsec_core.envelope import Envelope, decode
-from dsec_core.events import TERMINAL_TYPES, BundleRef, Payload, SpecSubmitted
+from dsec_core.envelope import Envelope
+from dsec_core.events import SANDBOX_STATES, TERMINAL_TYPES, BundleRef, Payload, SpecSubmitted
 from dsec_core.ids import new_sandbox_id
 from dsec_core.settings import Settings
 from dsec_core.subjects import STREAM, aggregate_filter
@@ -34,25 +34,13 @@ from dsec_cli.common import (
     s3_client,
     submitter,
 )
-from dsec_cli.render import event_line
+from dsec_cli.render import decode_or_warn, event_line
 
 WAIT_FOR = {
     "validated": "spec.validated",
     "built": "env.built",
     "ready": "sandbox.ready",
     "exited": "sandbox.exited",
-}
-STATE_OF = {
-    "spec.submitted": "submitted",
-    "spec.validated": "validated",
-    "spec.rejected": "rejected",
-    "deps.resolved": "resolved",
-    "deps.conflict": "conflict",
-    "env.built": "built",
-    "sandbox.scheduled": "scheduled",
-    "sandbox.ready": "running",
-    "sandbox.exited": "exited",
-    "sandbox.failed": "failed",
 }
 
 
@@ -117,7 +105,7 @@ def _record(outcome: Outcome, seq: int, env: Envelope, as_json: bool) -> None:
     outcome.events.append(
         {"seq": seq, "type": env.type, "time": env.time.isoformat(), "payload": env.payload}
     )
-    outcome.state = STATE_OF.get(env.type, outcome.state)
+    outcome.state = SANDBOX_STATES.get(env.type, outcome.state)
     if env.type == "sandbox.exited":
         outcome.exit_code = int(env.payload["exit_code"])
     if not as_json:
@@ -178,7 +166,9 @@ async def submit_and_follow(
             js, filter_subject=aggregate_filter("sandbox", sandbox_id), start_seq=start, idle_s=0.25
         ):
             for seq, data in batch:
-                env = decode(data)
+                env = decode_or_warn(seq, data)
+                if env is None:
+                    continue
                 _record(outcome, seq, env, as_json)
                 last_event_at = time.monotonic()
                 if env.type in TERMINAL_TYPES or env.type == target:
