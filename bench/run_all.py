@@ -24,8 +24,12 @@ BENCHES = {
     "snapshot": [],
     "ipc": [],
 }
-QUICK = {"bus": ["--quick"], "egress": ["--quick"], "ipc": ["--quick"],
-         "sandbox_start": ["--n", "20"]}
+QUICK = {
+    "bus": ["--quick"],
+    "egress": ["--quick"],
+    "ipc": ["--quick"],
+    "sandbox_start": ["--n", "20"],
+}
 
 
 def main() -> int:
@@ -42,12 +46,14 @@ def main() -> int:
             continue
         extra = QUICK.get(name, []) if args.quick else BENCHES[name]
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, str(script), *extra], capture_output=True,
-                              text=True, cwd=HERE.parent)
+        proc = subprocess.run(
+            [sys.executable, str(script), *extra], capture_output=True, text=True, cwd=HERE.parent
+        )
         lines = [line for line in proc.stdout.strip().splitlines() if line.strip()]
         if proc.returncode != 0 or not lines:
-            print(f"{name}: FAILED (exit {proc.returncode})\n{proc.stderr[-2000:]}",
-                  file=sys.stderr)
+            print(
+                f"{name}: FAILED (exit {proc.returncode})\n{proc.stderr[-2000:]}", file=sys.stderr
+            )
             failed.append(name)
             continue
         ratio = lines[-2] if len(lines) >= 2 else ""

@@ -69,21 +69,49 @@ def _bwrap_argv(python: str, runtime_dirs: list[str], seccomp_fd: int) -> list[s
     argv = ["bwrap"]
     for path in runtime_dirs:
         argv += ["--ro-bind", path, path]
-    argv += ["--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-             "--ro-bind", "/usr/lib64", "/usr/lib64",
-             "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--new-session",
-             "--die-with-parent", "--cap-drop", "ALL", "--seccomp", str(seccomp_fd),
-             python, "-c", PROGRAM]
+    argv += [
+        "--symlink",
+        "usr/lib",
+        "/lib",
+        "--symlink",
+        "usr/lib64",
+        "/lib64",
+        "--ro-bind",
+        "/usr/lib64",
+        "/usr/lib64",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",
+        "/tmp",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--new-session",
+        "--die-with-parent",
+        "--cap-drop",
+        "ALL",
+        "--seccomp",
+        str(seccomp_fd),
+        python,
+        "-c",
+        PROGRAM,
+    ]
     return argv
 
 
-async def _dsec_once(manager: SandboxManager, index: int, runtime: Path, rules: dict[str, Any],
-                     code_dir: Path) -> tuple[float, float, dict[str, float]]:
+async def _dsec_once(
+    manager: SandboxManager, index: int, runtime: Path, rules: dict[str, Any], code_dir: Path
+) -> tuple[float, float, dict[str, float]]:
     sid = f"bench-{os.getpid()}-{index}"
     config = SandboxConfig(
-        sandbox_id=sid, argv=["python", "-c", PROGRAM], runtime=runtime, code_dir=code_dir,
-        write_allowed=["/tmp", "/workspace/output"], semantic_rules=rules,
+        sandbox_id=sid,
+        argv=["python", "-c", PROGRAM],
+        runtime=runtime,
+        code_dir=code_dir,
+        write_allowed=["/tmp", "/workspace/output"],
+        semantic_rules=rules,
     )
     stdout = manager.log_paths(sid)[0]
     start = time.perf_counter()
@@ -102,8 +130,18 @@ async def run(n: int) -> None:
     runtime = Path(sys.executable)
     view = discover(runtime)
     python = view.executable
-    rules = compile_rules({"rules": [{"name": "no-etc-writes", "on": "open",
-                                      "match": {"path": "/etc/*"}, "action": "deny"}]})
+    rules = compile_rules(
+        {
+            "rules": [
+                {
+                    "name": "no-etc-writes",
+                    "on": "open",
+                    "match": {"path": "/etc/*"},
+                    "action": "deny",
+                }
+            ]
+        }
+    )
     program = build_filter()
     samples: dict[str, list[float]] = {"dsec": [], "subprocess": [], "unshare": [], "bwrap": []}
     ready_ms: list[float] = []
@@ -124,11 +162,27 @@ async def run(n: int) -> None:
             for layer, ms in timings.items():
                 layers.setdefault(layer, []).append(ms)
             samples["subprocess"].append(_first_line_ms([python, "-c", PROGRAM]))
-            samples["unshare"].append(_first_line_ms(
-                ["unshare", "--mount", "--pid", "--ipc", "--uts", "--fork", python, "-c", PROGRAM]))
+            samples["unshare"].append(
+                _first_line_ms(
+                    [
+                        "unshare",
+                        "--mount",
+                        "--pid",
+                        "--ipc",
+                        "--uts",
+                        "--fork",
+                        python,
+                        "-c",
+                        PROGRAM,
+                    ]
+                )
+            )
             with open(seccomp_path, "rb") as fh:
-                samples["bwrap"].append(_first_line_ms(
-                    _bwrap_argv(python, bwrap_dirs, fh.fileno()), pass_fds=(fh.fileno(),)))
+                samples["bwrap"].append(
+                    _first_line_ms(
+                        _bwrap_argv(python, bwrap_dirs, fh.fileno()), pass_fds=(fh.fileno(),)
+                    )
+                )
         await manager.shutdown(stop_sandboxes=True)
     results: dict[str, Any] = {name: _stats(values) for name, values in samples.items()}
     results["dsec_sandbox_ready"] = _stats(ready_ms)
@@ -143,8 +197,14 @@ async def run(n: int) -> None:
         f"subprocess {s:.1f} ms, unshare {u:.1f} ms, bwrap {b:.1f} ms -> DSec = "
         f"{d / s:.2f}x subprocess, {d / u:.2f}x unshare, {d / b:.2f}x bwrap"
     )
-    emit("sandbox_start", results, ratio, starts=n,
-         favordynmods=_favordynmods(), load_average=round(os.getloadavg()[0], 2))
+    emit(
+        "sandbox_start",
+        results,
+        ratio,
+        starts=n,
+        favordynmods=_favordynmods(),
+        load_average=round(os.getloadavg()[0], 2),
+    )
 
 
 def _favordynmods() -> bool:

@@ -95,11 +95,21 @@ def test_stopping_an_unknown_sandbox_is_bad_input(dsec_cli, nats_url, tmp_path) 
 def test_stopping_a_known_sandbox_publishes_the_request(dsec_cli, nats_url, tmp_path) -> None:
     spec = tmp_path / "s.yaml"
     spec.write_text(SPEC)
-    submitted = dsec_cli("submit", str(spec), "--stall", "1", "--json",
-                         env=_env(nats_url, tmp_path)).last_json()
-    stop = dsec_cli("sandbox", "stop", submitted["sandbox_id"], "--no-wait",
-                    env=_env(nats_url, tmp_path))
+    submitted = dsec_cli(
+        "submit", str(spec), "--stall", "1", "--json", env=_env(nats_url, tmp_path)
+    ).last_json()
+    stop = dsec_cli(
+        "sandbox", "stop", submitted["sandbox_id"], "--no-wait", env=_env(nats_url, tmp_path)
+    )
     assert stop.exit_code == 0
-    replayed = dsec_cli("audit", "replay", "--sandbox", submitted["sandbox_id"], "--type",
-                        "sandbox.stop_requested", "--json", env=_env(nats_url, tmp_path))
+    replayed = dsec_cli(
+        "audit",
+        "replay",
+        "--sandbox",
+        submitted["sandbox_id"],
+        "--type",
+        "sandbox.stop_requested",
+        "--json",
+        env=_env(nats_url, tmp_path),
+    )
     assert replayed.output.count('"type":"sandbox.stop_requested"') == 1

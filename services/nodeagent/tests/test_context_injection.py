@@ -33,15 +33,23 @@ TRANSIT_KEY = "dsec-data"
 
 
 def _secret(name: str, path: str, key: str = "value", ttl_s: int = 600) -> SecretInjection:
-    return SecretInjection(env_var=name, vault_mount="secret", vault_path=path, key=key,
-                           ttl_s=ttl_s)
+    return SecretInjection(
+        env_var=name, vault_mount="secret", vault_path=path, key=key, ttl_s=ttl_s
+    )
 
 
-def _s3_mount(path: str, bucket: str, prefix: str, *, encrypted: bool = False,
-              cache_ttl_s: int | None = None) -> MountPlan:
-    return MountPlan(path=path, scheme="s3", bucket=bucket, prefix=prefix,
-                     mode="ro-encrypted" if encrypted else "ro", encrypted=encrypted,
-                     cache_ttl_s=cache_ttl_s)
+def _s3_mount(
+    path: str, bucket: str, prefix: str, *, encrypted: bool = False, cache_ttl_s: int | None = None
+) -> MountPlan:
+    return MountPlan(
+        path=path,
+        scheme="s3",
+        bucket=bucket,
+        prefix=prefix,
+        mode="ro-encrypted" if encrypted else "ro",
+        encrypted=encrypted,
+        cache_ttl_s=cache_ttl_s,
+    )
 
 
 @pytest.fixture
@@ -54,10 +62,12 @@ def vault_secrets(vault: Any) -> VaultSecrets:
 
 
 @pytest.fixture
-def injector(tmp_path: Path, vault_secrets: VaultSecrets, s3: Any,
-             nats_url: str) -> ContextInjector:
+def injector(
+    tmp_path: Path, vault_secrets: VaultSecrets, s3: Any, nats_url: str
+) -> ContextInjector:
     return ContextInjector(
-        tmp_path / "sandboxes", vault=vault_secrets,
+        tmp_path / "sandboxes",
+        vault=vault_secrets,
         s3=S3Materializer(s3.client(), tmp_path / "cache", unwrap=vault_secrets.unwrap),
         configmaps=ConfigMaps(nats_url),
     )
@@ -107,14 +117,19 @@ async def test_secret_is_read_through_a_lease_that_is_revoked_on_release(
 ) -> None:
     path = f"agent-tools/{uuid.uuid4().hex}"
     vault.client().secrets.kv.v2.create_or_update_secret(
-        path=path, secret={"value": "tok-123"}, mount_point="secret")
+        path=path, secret={"value": "tok-123"}, mount_point="secret"
+    )
     ctx = await injector.prepare("sbx-secret", [_secret("TOOL_API_KEY", path, ttl_s=300)], [])
     assert ctx.secret_env["TOOL_API_KEY"].get_secret_value() == "tok-123"
     (record,) = ctx.records
     assert record.model_dump() == {
-        "kind": "secret", "name": "TOOL_API_KEY", "source": f"vault://secret/{path}#value",
-        "digest": secret_digest("tok-123"), "lease_id": ctx.leases[0].accessor,
-        "ttl_s": 300.0, "bytes": None,
+        "kind": "secret",
+        "name": "TOOL_API_KEY",
+        "source": f"vault://secret/{path}#value",
+        "digest": secret_digest("tok-123"),
+        "lease_id": ctx.leases[0].accessor,
+        "ttl_s": 300.0,
+        "bytes": None,
     }
     assert "tok-123" not in record.model_dump_json()
     assert await injector.vault.renew(ctx.leases[0]) == 300  # type: ignore[union-attr]
@@ -145,7 +160,8 @@ async def test_missing_field_lists_the_fields_but_no_values(
 ) -> None:
     path = f"x/{uuid.uuid4().hex}"
     vault.client().secrets.kv.v2.create_or_update_secret(
-        path=path, secret={"user": "u", "password": "p4ss"}, mount_point="secret")
+        path=path, secret={"user": "u", "password": "p4ss"}, mount_point="secret"
+    )
     with pytest.raises(ContextError) as info:
         await injector.prepare("sbx-field", [_secret("K", path, key="token")], [])
     assert "has no field 'token' (fields: password, user)" in str(info.value)
@@ -172,8 +188,9 @@ async def test_s3_prefix_is_materialized_and_the_cache_ttl_is_honoured(
     second = await injector.prepare("sbx-s3-2", [], [mount])
     assert (second.mounts[0].source / "a.txt").read_text() == "alpha"
     assert second.records[0].digest == first.records[0].digest
-    fresh = await injector.prepare("sbx-s3-3", [], [_s3_mount(
-        "/workspace/data", s3.bucket, prefix, cache_ttl_s=None)])
+    fresh = await injector.prepare(
+        "sbx-s3-3", [], [_s3_mount("/workspace/data", s3.bucket, prefix, cache_ttl_s=None)]
+    )
     assert (fresh.mounts[0].source / "a.txt").read_text() == "ALPHA-v2"
     for ctx in (first, second, fresh):
         await injector.release(ctx)
@@ -186,16 +203,19 @@ async def test_ro_encrypted_objects_are_decrypted_with_a_vault_data_key(
 ) -> None:
     prefix = f"enc/{uuid.uuid4().hex}/"
     key, wrapped = vault_secrets.new_data_key(TRANSIT_KEY)
-    _put(s3, prefix + "rows.csv", crypto.seal(b"id,v\n1,2\n", key, wrapped,
-                                              f"transit:{TRANSIT_KEY}"))
-    ctx = await injector.prepare("sbx-enc", [], [
-        _s3_mount("/workspace/data", s3.bucket, prefix, encrypted=True)])
+    _put(
+        s3, prefix + "rows.csv", crypto.seal(b"id,v\n1,2\n", key, wrapped, f"transit:{TRANSIT_KEY}")
+    )
+    ctx = await injector.prepare(
+        "sbx-enc", [], [_s3_mount("/workspace/data", s3.bucket, prefix, encrypted=True)]
+    )
     assert (ctx.mounts[0].source / "rows.csv").read_bytes() == b"id,v\n1,2\n"
     await injector.release(ctx)
     _put(s3, prefix + "rows.csv", b"not encrypted")
     with pytest.raises(ContextError, match=r"rows.csv: cannot decrypt: not a DSec-encrypted"):
-        await injector.prepare("sbx-enc2", [], [
-            _s3_mount("/workspace/data", s3.bucket, prefix, encrypted=True)])
+        await injector.prepare(
+            "sbx-enc2", [], [_s3_mount("/workspace/data", s3.bucket, prefix, encrypted=True)]
+        )
 
 
 @pytest.mark.integration
@@ -204,10 +224,12 @@ async def test_missing_prefix_fails_and_undoes_earlier_steps(
 ) -> None:
     path = f"ok/{uuid.uuid4().hex}"
     vault.client().secrets.kv.v2.create_or_update_secret(
-        path=path, secret={"value": "v"}, mount_point="secret")
+        path=path, secret={"value": "v"}, mount_point="secret"
+    )
     with pytest.raises(ContextError) as info:
-        await injector.prepare("sbx-undo", [_secret("K", path)], [
-            _s3_mount("/d", s3.bucket, "no/such/prefix/")])
+        await injector.prepare(
+            "sbx-undo", [_secret("K", path)], [_s3_mount("/d", s3.bucket, "no/such/prefix/")]
+        )
     assert str(info.value) == (
         f"s3://{s3.bucket}/no/such/prefix/: no objects under this prefix (missing or empty)"
     )
@@ -218,8 +240,7 @@ async def test_missing_prefix_fails_and_undoes_earlier_steps(
 
 
 @pytest.mark.integration
-async def test_configmap_key_is_mounted_read_only(injector: ContextInjector,
-                                                  nats_url: str) -> None:
+async def test_configmap_key_is_mounted_read_only(injector: ContextInjector, nats_url: str) -> None:
     nc = await nats.connect(nats_url)
     try:
         js = nc.jetstream()
@@ -227,16 +248,28 @@ async def test_configmap_key_is_mounted_read_only(injector: ContextInjector,
         await kv.put("agent-configs.retrieval-v3", b"top_k: 5\n")
     finally:
         await nc.close()
-    mount = MountPlan(path="/workspace/config", scheme="configmap", configmap="agent-configs",
-                      key="retrieval-v3", mode="ro", encrypted=False)
+    mount = MountPlan(
+        path="/workspace/config",
+        scheme="configmap",
+        configmap="agent-configs",
+        key="retrieval-v3",
+        mode="ro",
+        encrypted=False,
+    )
     ctx = await injector.prepare("sbx-cm", [], [mount])
     file = ctx.mounts[0].source / "retrieval-v3"
     assert file.read_text() == "top_k: 5\n"
     assert oct(file.stat().st_mode & 0o777) == "0o444"
     assert ctx.records[0].source == "configmap://agent-configs/retrieval-v3"
     await injector.release(ctx)
-    missing = MountPlan(path="/c", scheme="configmap", configmap="agent-configs", key="nope",
-                        mode="ro", encrypted=False)
+    missing = MountPlan(
+        path="/c",
+        scheme="configmap",
+        configmap="agent-configs",
+        key="nope",
+        mode="ro",
+        encrypted=False,
+    )
     with pytest.raises(ContextError, match=r"no key 'agent-configs\.nope' in NATS KV bucket"):
         await injector.prepare("sbx-cm2", [], [missing])
 
@@ -251,11 +284,15 @@ async def test_agent_runs_with_its_secret_and_data_then_everything_is_released(
 ) -> None:
     path = f"agent-tools/{uuid.uuid4().hex}"
     vault.client().secrets.kv.v2.create_or_update_secret(
-        path=path, secret={"value": "ws-key-42"}, mount_point="secret")
+        path=path, secret={"value": "ws-key-42"}, mount_point="secret"
+    )
     prefix = f"demo/{uuid.uuid4().hex}/"
     _put(s3, prefix + "input.txt", b"hello data")
-    ctx = await injector.prepare("demo", [_secret("TOOL_API_KEY", path, ttl_s=120)],
-                                 [_s3_mount("/workspace/data", s3.bucket, prefix)])
+    ctx = await injector.prepare(
+        "demo",
+        [_secret("TOOL_API_KEY", path, ttl_s=120)],
+        [_s3_mount("/workspace/data", s3.bucket, prefix)],
+    )
     code = (
         "import json, os\n"
         "data = open('/workspace/data/input.txt').read()\n"
@@ -265,15 +302,25 @@ async def test_agent_runs_with_its_secret_and_data_then_everything_is_released(
         "print(json.dumps({'key': os.environ['TOOL_API_KEY'][:3], 'refused': refused}))\n"
     )
     async with managed(tmp_path / "home") as manager:
-        result = await run_to_end(manager, snippet_config(
-            "demo", code, tmp_path, secret_env=ctx.secret_env, mounts=ctx.mounts,
-            read_allowed=["/workspace/data"], metadata=ctx.metadata()))
+        result = await run_to_end(
+            manager,
+            snippet_config(
+                "demo",
+                code,
+                tmp_path,
+                secret_env=ctx.secret_env,
+                mounts=ctx.mounts,
+                read_allowed=["/workspace/data"],
+                metadata=ctx.metadata(),
+            ),
+        )
     accessor = ctx.leases[0].accessor
     await injector.release(ctx)
     assert result.reason is ExitReason.OK
     assert read_json_output(result) == {"key": "ws-", "refused": "Read-only file system"}
-    assert (tmp_path / "home" / "sandboxes" / "demo" / "fs" / "workspace__output"
-            / "out.txt").read_text() == "HELLO DATA"
+    assert (
+        tmp_path / "home" / "sandboxes" / "demo" / "fs" / "workspace__output" / "out.txt"
+    ).read_text() == "HELLO DATA"
     assert not _accessor_alive(vault, accessor)
     state_text = "".join(p.read_text() for p in (tmp_path / "home").rglob("*.json"))
     assert "ws-key-42" not in state_text

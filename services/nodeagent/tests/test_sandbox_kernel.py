@@ -40,7 +40,7 @@ from dsec_nodeagent.sandbox.state import is_alive
 
 pytestmark = [pytest.mark.kernel]
 
-PROBE = r'''
+PROBE = r"""
 import ctypes, errno, json, os, socket, subprocess, sys, threading
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -111,7 +111,7 @@ probe("packet_socket", lambda: socket.socket(17, socket.SOCK_RAW, 0))
 probe("sethostname", lambda: raw(libc.sethostname(b"x", 1)))
 probe("setuid_root", lambda: os.setuid(0))
 print(json.dumps(results))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -135,15 +135,23 @@ def probe_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             refusals.append(refusal)
 
         async with managed(tmp / "home", on_kernel_refusal=on_kernel_refusal) as manager:
-            other = await manager.launch(snippet_config(
-                "probe-other", "import time\ntime.sleep(60)\n", tmp,
-                env={"OTHER_SECRET": "s3cr3t"},
-            ))
+            other = await manager.launch(
+                snippet_config(
+                    "probe-other",
+                    "import time\ntime.sleep(60)\n",
+                    tmp,
+                    env={"OTHER_SECRET": "s3cr3t"},
+                )
+            )
             config = snippet_config(
-                "probe-main", PROBE, tmp,
-                mounts=[Mount(source=data, target="/workspace/data"),
-                        Mount(source=private, target="/workspace/private"),
-                        Mount(source=scratch, target="/workspace/scratch", read_only=False)],
+                "probe-main",
+                PROBE,
+                tmp,
+                mounts=[
+                    Mount(source=data, target="/workspace/data"),
+                    Mount(source=private, target="/workspace/private"),
+                    Mount(source=scratch, target="/workspace/scratch", read_only=False),
+                ],
                 read_allowed=["/workspace/data", "/workspace/scratch"],
                 env={"OTHER_PID": str(other.pid)},
                 limits=Limits(memory_bytes=512 << 20, pids=64),
@@ -158,7 +166,12 @@ def probe_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             report["_refusal_pids"] = {r.pid for r in refusals}
             report["_other_refusals"] = [r for r in refusals if r.sandbox_id != "probe-main"]
             report["_output_file"] = (
-                tmp / "home" / "sandboxes" / "probe-main" / "fs" / "workspace__output"
+                tmp
+                / "home"
+                / "sandboxes"
+                / "probe-main"
+                / "fs"
+                / "workspace__output"
                 / "result.txt"
             ).read_text()
             return report
@@ -175,13 +188,21 @@ def _run_sync(factory: Any) -> dict[str, Any]:
         loop.close()
 
 
-PERMITTED = ["write_output", "read_input", "write_tmp", "read_own_environ", "tcp_socket",
-             "thread", "subprocess"]
+PERMITTED = [
+    "write_output",
+    "read_input",
+    "write_tmp",
+    "read_own_environ",
+    "tcp_socket",
+    "thread",
+    "subprocess",
+]
 
 
 @pytest.mark.parametrize("action", PERMITTED)
-def test_permitted_action_works_in_the_same_sandbox(probe_report: dict[str, Any],
-                                                     action: str) -> None:
+def test_permitted_action_works_in_the_same_sandbox(
+    probe_report: dict[str, Any], action: str
+) -> None:
     assert probe_report[action] == "ok"
 
 
@@ -209,16 +230,32 @@ def test_the_probe_sandbox_exits_ok_and_its_output_stays_on_the_host(
         ("other_sandbox_environ", "ENOENT"),  # another pid namespace: the pid does not exist
     ],
 )
-def test_filesystem_escape_is_refused(probe_report: dict[str, Any], action: str,
-                                      errno_name: str) -> None:
+def test_filesystem_escape_is_refused(
+    probe_report: dict[str, Any], action: str, errno_name: str
+) -> None:
     assert probe_report[action] == errno_name
 
 
 @pytest.mark.parametrize(
     "action",
-    ["ptrace", "mount", "umount", "bpf", "unshare_user", "unshare_net", "setns", "io_uring",
-     "perf_event_open", "keyctl", "kexec", "process_vm_readv", "raw_socket", "packet_socket",
-     "sethostname", "setuid_root"],
+    [
+        "ptrace",
+        "mount",
+        "umount",
+        "bpf",
+        "unshare_user",
+        "unshare_net",
+        "setns",
+        "io_uring",
+        "perf_event_open",
+        "keyctl",
+        "kexec",
+        "process_vm_readv",
+        "raw_socket",
+        "packet_socket",
+        "sethostname",
+        "setuid_root",
+    ],
 )
 def test_dangerous_system_call_gets_eperm(probe_report: dict[str, Any], action: str) -> None:
     assert probe_report[action] == "EPERM"
@@ -244,8 +281,9 @@ KERNEL_REFUSALS = {
 
 
 @pytest.mark.parametrize("action", sorted(KERNEL_REFUSALS))
-def test_denied_system_call_is_reported_once_per_attempt(probe_report: dict[str, Any],
-                                                         action: str) -> None:
+def test_denied_system_call_is_reported_once_per_attempt(
+    probe_report: dict[str, Any], action: str
+) -> None:
     syscall, attempts = KERNEL_REFUSALS[action]
     assert probe_report[action] == "EPERM"
     assert probe_report["_refusals"][syscall] == attempts
@@ -269,8 +307,9 @@ def test_denied_call_fails_with_enosys_when_no_listener_remains() -> None:
         "libc = ctypes.CDLL(None, use_errno=True)\n"
         "print(libc.ptrace(0, 0, 0, 0), ctypes.get_errno(), os.getpid() > 0)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=30, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    )
     assert out.stdout.split() == ["-1", str(errno.ENOSYS), "True"]
 
 
@@ -286,8 +325,10 @@ def test_refused_calls_are_named_from_their_registers() -> None:
 async def test_fork_bomb_ends_with_reason_pids(tmp_path: Path) -> None:
     code = "import os\nwhile True:\n    os.fork()\n"
     async with managed(tmp_path / "home") as manager:
-        result = await run_to_end(manager, snippet_config(
-            "forkbomb", code, tmp_path, limits=Limits(pids=32), timeout_s=30))
+        result = await run_to_end(
+            manager,
+            snippet_config("forkbomb", code, tmp_path, limits=Limits(pids=32), timeout_s=30),
+        )
     assert result.reason is ExitReason.PIDS
     assert result.pids_limit_hits > 0
     assert "pids limit" in result.detail
@@ -296,8 +337,12 @@ async def test_fork_bomb_ends_with_reason_pids(tmp_path: Path) -> None:
 async def test_memory_bomb_ends_with_reason_oom(tmp_path: Path) -> None:
     code = "blocks = []\nwhile True:\n    blocks.append(bytearray(16 << 20))\n"
     async with managed(tmp_path / "home") as manager:
-        result = await run_to_end(manager, snippet_config(
-            "membomb", code, tmp_path, limits=Limits(memory_bytes=96 << 20), timeout_s=30))
+        result = await run_to_end(
+            manager,
+            snippet_config(
+                "membomb", code, tmp_path, limits=Limits(memory_bytes=96 << 20), timeout_s=30
+            ),
+        )
     assert result.reason is ExitReason.OOM
     assert result.oom_kills >= 1
     assert result.signal == 9
@@ -311,15 +356,25 @@ async def test_ready_reports_every_layer_and_the_cgroup_for_ebpf(tmp_path: Path)
         hooked.append((sid, cgroup_dir, cgroup_id, procs))
 
     async with managed(tmp_path / "home") as manager:
-        ready = await manager.launch(snippet_config("layers", "print('hi')", tmp_path),
-                                     before_start=attach_egress)
+        ready = await manager.launch(
+            snippet_config("layers", "print('hi')", tmp_path), before_start=attach_egress
+        )
         assert hooked == [("layers", Path(ready.cgroup_path), ready.cgroup_id, [])]
         assert Path(ready.cgroup_path) == Path("/sys/fs/cgroup/unified/dsec/layers")
         assert os.stat(ready.cgroup_path).st_ino == ready.cgroup_id
         result = await manager.wait("layers")
     assert set(ready.timings_ms) == {
-        "plan", "cgroup", "spawn", "fork", "cgroup_join", "namespaces", "mounts",
-        "credentials", "landlock", "seccomp", "exec",
+        "plan",
+        "cgroup",
+        "spawn",
+        "fork",
+        "cgroup_join",
+        "namespaces",
+        "mounts",
+        "credentials",
+        "landlock",
+        "seccomp",
+        "exec",
     }
     assert result.reason is ExitReason.OK
     assert Path(result.stdout_path).read_text() == "hi\n"
@@ -331,18 +386,28 @@ async def test_exec_joins_the_running_sandbox_with_its_confinement(tmp_path: Pat
     private.mkdir()
     (private / "secret.txt").write_text("x")
     async with managed(tmp_path / "home") as manager:
-        ready = await manager.launch(snippet_config(
-            "execme", "import time\ntime.sleep(60)\n", tmp_path,
-            mounts=[Mount(source=private, target="/workspace/private")],
-        ))
+        ready = await manager.launch(
+            snippet_config(
+                "execme",
+                "import time\ntime.sleep(60)\n",
+                tmp_path,
+                mounts=[Mount(source=private, target="/workspace/private")],
+            )
+        )
         out_r, out_w = os.pipe()
-        code = await manager.exec("execme", [
-            "python", "-c",
-            "import os, socket\n"
-            "print(os.getuid(), socket.gethostname(), open('/proc/1/cmdline','rb').read()[:6])\n"
-            "try:\n open('/workspace/private/secret.txt')\n"
-            "except PermissionError as e:\n print('refused', e.errno)\n",
-        ], stdout=out_w)
+        code = await manager.exec(
+            "execme",
+            [
+                "python",
+                "-c",
+                "import os, socket\n"
+                "print(os.getuid(), socket.gethostname(),\n"
+                "      open('/proc/1/cmdline','rb').read()[:6])\n"
+                "try:\n open('/workspace/private/secret.txt')\n"
+                "except PermissionError as e:\n print('refused', e.errno)\n",
+            ],
+            stdout=out_w,
+        )
         os.close(out_w)
         output = os.read(out_r, 4096).decode()
         os.close(out_r)
@@ -357,8 +422,10 @@ async def test_exec_joins_the_running_sandbox_with_its_confinement(tmp_path: Pat
 
 async def test_timeout_stops_the_sandbox_with_reason_timeout(tmp_path: Path) -> None:
     async with managed(tmp_path / "home") as manager:
-        result = await run_to_end(manager, snippet_config(
-            "sleepy", "import time\ntime.sleep(60)\n", tmp_path, timeout_s=0.5))
+        result = await run_to_end(
+            manager,
+            snippet_config("sleepy", "import time\ntime.sleep(60)\n", tmp_path, timeout_s=0.5),
+        )
     assert result.reason is ExitReason.TIMEOUT
 
 
@@ -387,8 +454,7 @@ async def test_restart_readopts_running_and_cleans_up_ended_sandboxes(tmp_path: 
         async with managed(home, recorder) as second:
             report = await second.reconcile()
             assert report.adopted == ["keeper"]
-            assert [(r.sandbox_id, r.reason) for r in report.cleaned] == [
-                ("quick", ExitReason.OK)]
+            assert [(r.sandbox_id, r.reason) for r in report.cleaned] == [("quick", ExitReason.OK)]
             stopped = await second.stop("keeper", grace_s=2)
             assert stopped.reason is ExitReason.STOPPED
     finally:

@@ -14,22 +14,29 @@ from dsec_nodeagent.sandbox.discovery import RuntimeView, resolve_chain
 pytestmark = pytest.mark.unit
 
 VIEW = RuntimeView(
-    executable="/opt/py/bin/python3.11", version="3.11",
-    ro_dirs=["/opt/py", "/usr/lib/x86_64-linux-gnu"], ro_files=[],
+    executable="/opt/py/bin/python3.11",
+    version="3.11",
+    ro_dirs=["/opt/py", "/usr/lib/x86_64-linux-gnu"],
+    ro_files=[],
     symlinks=[("/lib64", "usr/lib64")],
 )
-FACTS = plan.KernelFacts(landlock_abi=7, cap_last_cap=40, seccomp_program=b"\0" * 8,
-                         cgroup_procs=[])
+FACTS = plan.KernelFacts(
+    landlock_abi=7, cap_last_cap=40, seccomp_program=b"\0" * 8, cgroup_procs=[]
+)
 
 
 def _host(tmp: Path) -> plan.HostPaths:
-    return plan.HostPaths(root=tmp / "root", exit_path=tmp / "exit.json", data_dir=tmp / "data",
-                          semantic_site=tmp)
+    return plan.HostPaths(
+        root=tmp / "root", exit_path=tmp / "exit.json", data_dir=tmp / "data", semantic_site=tmp
+    )
 
 
 def _config(tmp: Path, **fields: object) -> SandboxConfig:
-    base: dict[str, object] = {"sandbox_id": "s1", "argv": ["python", "-c", "1"],
-                               "runtime": Path("/opt/py/bin/python3.11")}
+    base: dict[str, object] = {
+        "sandbox_id": "s1",
+        "argv": ["python", "-c", "1"],
+        "runtime": Path("/opt/py/bin/python3.11"),
+    }
     base.update(fields)
     return SandboxConfig.model_validate(base)
 
@@ -37,14 +44,29 @@ def _config(tmp: Path, **fields: object) -> SandboxConfig:
 def test_layout_has_runtime_workdir_mounts_and_private_tmp(tmp_path: Path) -> None:
     data = tmp_path / "d"
     data.mkdir()
-    result = plan.build(_config(tmp_path, mounts=[Mount(source=data, target="/workspace/data")],
-                                read_allowed=["/workspace/data"],
-                                write_allowed=["/tmp", "/workspace/out"]),
-                        VIEW, _host(tmp_path), FACTS, uid=200001)
+    result = plan.build(
+        _config(
+            tmp_path,
+            mounts=[Mount(source=data, target="/workspace/data")],
+            read_allowed=["/workspace/data"],
+            write_allowed=["/tmp", "/workspace/out"],
+        ),
+        VIEW,
+        _host(tmp_path),
+        FACTS,
+        uid=200001,
+    )
     kinds = {(e["kind"], e["path"]) for e in result.plan["layout"]}
-    assert {("bind", "/opt/py"), ("symlink", "/lib64"), ("tmpfs", "/tmp"),
-            ("bind", "/workspace/data"), ("bind", "/workspace/out"), ("proc", "/proc"),
-            ("dev", "/dev"), ("dir", "/workspace/code")} <= kinds
+    assert {
+        ("bind", "/opt/py"),
+        ("symlink", "/lib64"),
+        ("tmpfs", "/tmp"),
+        ("bind", "/workspace/data"),
+        ("bind", "/workspace/out"),
+        ("proc", "/proc"),
+        ("dev", "/dev"),
+        ("dir", "/workspace/code"),
+    } <= kinds
     assert result.writable_dirs == [tmp_path / "data" / "fs" / "workspace__out"]
     assert result.plan["argv"] == ["/opt/py/bin/python3.11", "-c", "1"]
     assert "/workspace/data" in result.plan["landlock"]["read"]
@@ -53,16 +75,25 @@ def test_layout_has_runtime_workdir_mounts_and_private_tmp(tmp_path: Path) -> No
 
 
 def test_a_mount_nobody_may_read_is_warned_about(tmp_path: Path) -> None:
-    result = plan.build(_config(tmp_path, mounts=[Mount(source=tmp_path, target="/data")]),
-                        VIEW, _host(tmp_path), FACTS, uid=1)
-    assert result.warnings == [
-        "mount /data is not under read_allowed: the sandbox cannot read it"]
+    result = plan.build(
+        _config(tmp_path, mounts=[Mount(source=tmp_path, target="/data")]),
+        VIEW,
+        _host(tmp_path),
+        FACTS,
+        uid=1,
+    )
+    assert result.warnings == ["mount /data is not under read_allowed: the sandbox cannot read it"]
 
 
 def test_a_mount_inside_another_is_refused_naming_both(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
-    config = _config(tmp_path, mounts=[Mount(source=tmp_path / "a", target="/w"),
-                                       Mount(source=tmp_path / "a", target="/w/x/y")])
+    config = _config(
+        tmp_path,
+        mounts=[
+            Mount(source=tmp_path / "a", target="/w"),
+            Mount(source=tmp_path / "a", target="/w/x/y"),
+        ],
+    )
     with pytest.raises(plan.PlanError, match="/w/x/y lies inside the mount at /w"):
         plan.build(config, VIEW, _host(tmp_path), FACTS, uid=1)
 
@@ -89,8 +120,9 @@ def test_secrets_reach_the_workload_env_only(tmp_path: Path) -> None:
         ({"env": {"K": "1"}, "secret_env": {"K": "2"}}, "both as plain env and as a secret"),
     ],
 )
-def test_bad_config_is_refused_naming_the_field(tmp_path: Path, fields: dict[str, object],
-                                                message: str) -> None:
+def test_bad_config_is_refused_naming_the_field(
+    tmp_path: Path, fields: dict[str, object], message: str
+) -> None:
     with pytest.raises(ValidationError, match=message):
         _config(tmp_path, **fields)
 
@@ -109,8 +141,14 @@ def test_bad_config_is_refused_naming_the_field(tmp_path: Path, fields: dict[str
         (None, None, None, 0, 0, ExitReason.ERROR),
     ],
 )
-def test_exit_reason(requested: ExitReason | None, code: int | None, sig: int | None, oom: int,
-                     pids: int, reason: ExitReason) -> None:
+def test_exit_reason(
+    requested: ExitReason | None,
+    code: int | None,
+    sig: int | None,
+    oom: int,
+    pids: int,
+    reason: ExitReason,
+) -> None:
     assert domain.classify_exit(requested, code, sig, oom, pids)[0] is reason
 
 
@@ -125,7 +163,7 @@ def test_seccomp_program_checks_arch_first_and_ends_in_returns() -> None:
     assert len(program) % 8 == 0
     first = struct.unpack("<HBBI", program[:8])
     assert first == (0x20, 0, 0, 4)  # load seccomp_data.arch
-    codes = [struct.unpack("<HBBI", program[i:i + 8])[0] for i in range(0, len(program), 8)]
+    codes = [struct.unpack("<HBBI", program[i : i + 8])[0] for i in range(0, len(program), 8)]
     assert codes[-1] == 0x06  # every path ends in a return
 
 
@@ -141,9 +179,11 @@ def test_symlink_chains_are_resolved_component_by_component(tmp_path: Path) -> N
 def test_stage_timings_are_in_layer_order() -> None:
     t0 = 0
     marks = {"plan": 1_000_000, "cgroup": 2_000_000, "spawn_start": 2_000_000}
-    records = [{"stage": "spawn", "end_ns": 12_000_000},
-               {"stage": "mounts", "start_ns": 13_000_000, "end_ns": 15_000_000},
-               {"stage": "exec", "start_ns": 16_000_000}]
+    records = [
+        {"stage": "spawn", "end_ns": 12_000_000},
+        {"stage": "mounts", "start_ns": 13_000_000, "end_ns": 15_000_000},
+        {"stage": "exec", "start_ns": 16_000_000},
+    ]
     timings = domain.stage_timings(t0, marks, records, ready_ns=17_000_000)
     assert list(timings) == ["plan", "cgroup", "spawn", "mounts", "exec"]
     assert timings == {"plan": 1.0, "cgroup": 1.0, "spawn": 10.0, "mounts": 2.0, "exec": 1.0}

@@ -29,8 +29,7 @@ RUNTIME_FILE = site_dir() / "dsec_semantic_runtime.py"
 
 
 def _runtime() -> Any:
-    spec = importlib.util.spec_from_file_location("dsec_semantic_runtime_under_test",
-                                                  RUNTIME_FILE)
+    spec = importlib.util.spec_from_file_location("dsec_semantic_runtime_under_test", RUNTIME_FILE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -46,9 +45,21 @@ def _engine(rules: dict[str, Any]) -> Any:
 
 @pytest.mark.unit
 def test_deny_message_names_the_rule_and_the_spec_line() -> None:
-    engine = _engine({"spec_file": "agent.yaml", "rules": [
-        {"name": "no-etc", "on": "open", "match": {"path": "/etc/*"}, "action": "deny",
-         "spec_line": 31, "message": "configuration is off limits"}]})
+    engine = _engine(
+        {
+            "spec_file": "agent.yaml",
+            "rules": [
+                {
+                    "name": "no-etc",
+                    "on": "open",
+                    "match": {"path": "/etc/*"},
+                    "action": "deny",
+                    "spec_line": 31,
+                    "message": "configuration is off limits",
+                }
+            ],
+        }
+    )
     with pytest.raises(PermissionError) as info:
         engine.decide("open", "/etc/passwd", {"path": "/etc/passwd"})
     assert str(info.value) == (
@@ -59,23 +70,46 @@ def test_deny_message_names_the_rule_and_the_spec_line() -> None:
 
 @pytest.mark.unit
 def test_first_matching_rule_wins_and_redirect_returns_the_target() -> None:
-    engine = _engine({"rules": [
-        {"name": "cache", "on": "http", "match": {"host": "*.example.com"}, "action": "redirect",
-         "target": "http://127.0.0.1:9/mirror"},
-        {"name": "all-http", "on": "http", "match": {"url": "*"}, "action": "deny"}]})
-    decision = engine.decide("http", "https://api.example.com/v1",
-                             {"url": "https://api.example.com/v1", "host": "api.example.com"})
+    engine = _engine(
+        {
+            "rules": [
+                {
+                    "name": "cache",
+                    "on": "http",
+                    "match": {"host": "*.example.com"},
+                    "action": "redirect",
+                    "target": "http://127.0.0.1:9/mirror",
+                },
+                {"name": "all-http", "on": "http", "match": {"url": "*"}, "action": "deny"},
+            ]
+        }
+    )
+    decision = engine.decide(
+        "http",
+        "https://api.example.com/v1",
+        {"url": "https://api.example.com/v1", "host": "api.example.com"},
+    )
     assert (decision.action, decision.subject) == ("redirect", "http://127.0.0.1:9/mirror")
     with pytest.raises(PermissionError, match="all-http"):
-        engine.decide("http", "https://other.org/", {"url": "https://other.org/",
-                                                     "host": "other.org"})
+        engine.decide(
+            "http", "https://other.org/", {"url": "https://other.org/", "host": "other.org"}
+        )
 
 
 @pytest.mark.unit
 def test_subprocess_rule_matches_argv_by_base_name() -> None:
-    engine = _engine({"rules": [
-        {"name": "no-curl", "on": "subprocess", "match": {"argv": ["curl", "*"]},
-         "action": "deny"}]})
+    engine = _engine(
+        {
+            "rules": [
+                {
+                    "name": "no-curl",
+                    "on": "subprocess",
+                    "match": {"argv": ["curl", "*"]},
+                    "action": "deny",
+                }
+            ]
+        }
+    )
     with pytest.raises(PermissionError, match="no-curl"):
         engine.decide("subprocess", "/usr/bin/curl x", {"argv": ["/usr/bin/curl", "x"]})
     assert engine.decide("subprocess", "ls", {"argv": ["ls"]}).action == "allow"
@@ -83,9 +117,19 @@ def test_subprocess_rule_matches_argv_by_base_name() -> None:
 
 @pytest.mark.unit
 def test_rate_limit_counts_requests_not_connections() -> None:
-    engine = _engine({"rate_limits": [
-        {"name": "egress[0] api.example.com", "host": "api.example.com", "requests": 3,
-         "period_s": 60, "spec_line": 12}]})
+    engine = _engine(
+        {
+            "rate_limits": [
+                {
+                    "name": "egress[0] api.example.com",
+                    "host": "api.example.com",
+                    "requests": 3,
+                    "period_s": 60,
+                    "spec_line": 12,
+                }
+            ]
+        }
+    )
     facts = {"url": "https://api.example.com/q", "host": "api.example.com"}
     for _ in range(3):
         engine.decide("http", facts["url"], facts)
@@ -98,12 +142,23 @@ def test_rate_limit_counts_requests_not_connections() -> None:
 @pytest.mark.unit
 def test_bad_rules_are_refused_with_the_rule_named() -> None:
     with pytest.raises(ValidationError, match=r"'r1'.*matches on path"):
-        compile_rules({"rules": [{"name": "r1", "on": "open", "match": {"url": "x"},
-                                  "action": "deny"}]})
+        compile_rules(
+            {"rules": [{"name": "r1", "on": "open", "match": {"url": "x"}, "action": "deny"}]}
+        )
     with pytest.raises(ValidationError, match="'r2': redirect needs a target"):
-        compile_rules({"rules": [{"name": "r2", "on": "subprocess",
-                                  "match": {"argv": ["x"]}, "action": "redirect",
-                                  "target": "y"}]})
+        compile_rules(
+            {
+                "rules": [
+                    {
+                        "name": "r2",
+                        "on": "subprocess",
+                        "match": {"argv": ["x"]},
+                        "action": "redirect",
+                        "target": "y",
+                    }
+                ]
+            }
+        )
 
 
 @pytest.mark.unit
@@ -154,7 +209,7 @@ def http_server() -> Iterator[int]:
         server.server_close()
 
 
-SANDBOX_CODE = r'''
+SANDBOX_CODE = r"""
 import ctypes, http.client, json, os, subprocess, sys
 report = {}
 try:
@@ -181,29 +236,68 @@ except PermissionError as exc:
     report["rate"] = str(exc)
 report["served"] = statuses
 print(json.dumps(report))
-'''
+"""
 
 
 @pytest.mark.kernel
 async def test_rules_apply_inside_the_sandbox_and_every_decision_is_reported(
     tmp_path: Path, http_server: int
 ) -> None:
-    rules = compile_rules({"spec_file": "agent.yaml", "rules": [
-        {"name": "no-blocked", "on": "open", "match": {"path": "/workspace/output/blocked*"},
-         "action": "deny", "spec_line": 40},
-        {"name": "alias", "on": "open", "match": {"path": "/workspace/output/alias.txt"},
-         "action": "redirect", "target": "/workspace/output/real.txt"},
-        {"name": "watch", "on": "open", "match": {"path": "/workspace/output/logged.txt"},
-         "action": "log"},
-        {"name": "no-children", "on": "subprocess", "match": {"argv": ["*"]},
-         "action": "deny", "spec_line": 44},
-    ], "rate_limits": [{"name": "egress[0] 127.0.0.1", "host": "127.0.0.1", "requests": 3,
-                        "period_s": 60, "spec_line": 21}]})
+    rules = compile_rules(
+        {
+            "spec_file": "agent.yaml",
+            "rules": [
+                {
+                    "name": "no-blocked",
+                    "on": "open",
+                    "match": {"path": "/workspace/output/blocked*"},
+                    "action": "deny",
+                    "spec_line": 40,
+                },
+                {
+                    "name": "alias",
+                    "on": "open",
+                    "match": {"path": "/workspace/output/alias.txt"},
+                    "action": "redirect",
+                    "target": "/workspace/output/real.txt",
+                },
+                {
+                    "name": "watch",
+                    "on": "open",
+                    "match": {"path": "/workspace/output/logged.txt"},
+                    "action": "log",
+                },
+                {
+                    "name": "no-children",
+                    "on": "subprocess",
+                    "match": {"argv": ["*"]},
+                    "action": "deny",
+                    "spec_line": 44,
+                },
+            ],
+            "rate_limits": [
+                {
+                    "name": "egress[0] 127.0.0.1",
+                    "host": "127.0.0.1",
+                    "requests": 3,
+                    "period_s": 60,
+                    "spec_line": 21,
+                }
+            ],
+        }
+    )
     recorder = Recorder()
     async with managed(tmp_path / "home", recorder) as manager:
-        result = await run_to_end(manager, snippet_config(
-            "semantic", SANDBOX_CODE, tmp_path, semantic_rules=rules,
-            env={"PORT": str(http_server)}))
+        result = await run_to_end(
+            manager,
+            snippet_config(
+                "semantic",
+                SANDBOX_CODE,
+                tmp_path,
+                semantic_rules=rules,
+                env={"PORT": str(http_server)},
+            ),
+        )
         decisions = await recorder.wait_decisions(7)
     report = read_json_output(result)
     assert report["deny"] == (
@@ -216,8 +310,13 @@ async def test_rules_apply_inside_the_sandbox_and_every_decision_is_reported(
     assert report["served"] == ["ok", "ok", "ok"]  # one keep-alive connection, 3 requests
     assert "rate limit 3 requests per 60s" in report["rate"]
     seen = {(d.rule, d.action) for d in decisions}
-    assert {("no-blocked", "deny"), ("alias", "redirect"), ("watch", "log"),
-            ("no-children", "deny"), (None, "deny")} <= seen
+    assert {
+        ("no-blocked", "deny"),
+        ("alias", "redirect"),
+        ("watch", "log"),
+        ("no-children", "deny"),
+        (None, "deny"),
+    } <= seen
     assert all(d.sandbox_id == "semantic" for d in decisions)
     rate = next(d for d in decisions if d.rule is None)
     assert rate.subject == f"http://127.0.0.1:{http_server}/item"  # no query string

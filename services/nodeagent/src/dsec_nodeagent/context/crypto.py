@@ -42,8 +42,12 @@ def seal(plaintext: bytes, data_key: bytes, wrapped_key: str, kek: str) -> bytes
         raise ValueError("data key must be 32 bytes (AES-256)")
     nonce = os.urandom(12)
     header = json.dumps(
-        {"alg": ALG, "kek": kek, "wrapped_key": wrapped_key,
-         "nonce": base64.b64encode(nonce).decode()},
+        {
+            "alg": ALG,
+            "kek": kek,
+            "wrapped_key": wrapped_key,
+            "nonce": base64.b64encode(nonce).decode(),
+        },
         sort_keys=True,
     ).encode()
     prefix = MAGIC + struct.pack(">I", len(header)) + header

@@ -47,8 +47,10 @@ class PreparedContext:
     def metadata(self) -> dict[str, object]:
         """What to keep in the sandbox's state (``SandboxConfig.metadata``) so that a restarted
         node agent can still release it: lease accessors and the context directory."""
-        return {"vault_accessors": [lease.accessor for lease in self.leases],
-                "context_dir": str(self.directory) if self.directory else None}
+        return {
+            "vault_accessors": [lease.accessor for lease in self.leases],
+            "context_dir": str(self.directory) if self.directory else None,
+        }
 
 
 class ContextInjector:
@@ -62,7 +64,11 @@ class ContextInjector:
     """
 
     def __init__(
-        self, root: Path, *, vault: VaultSecrets | None = None, s3: S3Materializer | None = None,
+        self,
+        root: Path,
+        *,
+        vault: VaultSecrets | None = None,
+        s3: S3Materializer | None = None,
         configmaps: ConfigMaps | None = None,
     ) -> None:
         self.root = root
@@ -98,10 +104,16 @@ class ContextInjector:
         )
         ctx.leases.append(lease)
         ctx.secret_env[secret.env_var] = SecretStr(value)
-        ctx.records.append(InjectionRecord(
-            kind="secret", name=secret.env_var, source=uri, digest=secret_digest(value),
-            lease_id=lease.accessor, ttl_s=float(lease.ttl_s),
-        ))
+        ctx.records.append(
+            InjectionRecord(
+                kind="secret",
+                name=secret.env_var,
+                source=uri,
+                digest=secret_digest(value),
+                lease_id=lease.accessor,
+                ttl_s=float(lease.ttl_s),
+            )
+        )
 
     async def _mount(self, ctx: PreparedContext, index: int, mount: MountPlan) -> None:
         assert ctx.directory is not None
@@ -113,11 +125,17 @@ class ContextInjector:
             if self.s3 is None:
                 raise ContextError(uri, "no object store configured on this node")
             done = await self.s3.materialize(
-                mount.bucket or "", mount.prefix or "", dest, encrypted=mount.encrypted,
+                mount.bucket or "",
+                mount.prefix or "",
+                dest,
+                encrypted=mount.encrypted,
                 cache_ttl_s=mount.cache_ttl_s,
             )
-            ctx.records.append(InjectionRecord(kind="s3", name=mount.path, source=uri,
-                                               digest=done.digest, bytes=done.bytes))
+            ctx.records.append(
+                InjectionRecord(
+                    kind="s3", name=mount.path, source=uri, digest=done.digest, bytes=done.bytes
+                )
+            )
         else:
             uri = f"configmap://{mount.configmap}/{mount.key}"
             if self.configmaps is None:
@@ -125,8 +143,11 @@ class ContextInjector:
             digest, size, _ = await self.configmaps.materialize(
                 mount.configmap or "", mount.key or "", dest
             )
-            ctx.records.append(InjectionRecord(kind="configmap", name=mount.path, source=uri,
-                                               digest=digest, bytes=size))
+            ctx.records.append(
+                InjectionRecord(
+                    kind="configmap", name=mount.path, source=uri, digest=digest, bytes=size
+                )
+            )
         ctx.mounts.append(Mount(source=dest, target=mount.path, read_only=True))
 
     async def keepalive(self, ctx: PreparedContext) -> None:

@@ -68,7 +68,12 @@ class S3Materializer:
         self.unwrap = unwrap
 
     async def materialize(
-        self, bucket: str, prefix: str, dest: Path, *, encrypted: bool,
+        self,
+        bucket: str,
+        prefix: str,
+        dest: Path,
+        *,
+        encrypted: bool,
         cache_ttl_s: float | None,
     ) -> Materialized:
         """Fill ``dest`` (created, must not exist) with the objects under ``prefix``.
@@ -76,8 +81,9 @@ class S3Materializer:
         Raises:
             ContextError: bucket or prefix missing/empty, access denied, or decryption failed.
         """
-        return await asyncio.to_thread(self._materialize, bucket, prefix, dest, encrypted,
-                                       cache_ttl_s)
+        return await asyncio.to_thread(
+            self._materialize, bucket, prefix, dest, encrypted, cache_ttl_s
+        )
 
     def _materialize(
         self, bucket: str, prefix: str, dest: Path, encrypted: bool, cache_ttl_s: float | None
@@ -91,9 +97,10 @@ class S3Materializer:
             for name, _etag in listing.items():
                 self._fetch(uri, bucket, prefix + name, dest / name, encrypted)
             return _summarize(dest, cache_hit=False)
-        entry = self.cache_dir / blake3.blake3(
-            f"{bucket}\0{prefix}\0{encrypted}".encode()
-        ).hexdigest()[:32]
+        entry = (
+            self.cache_dir
+            / blake3.blake3(f"{bucket}\0{prefix}\0{encrypted}".encode()).hexdigest()[:32]
+        )
         hit = self._refresh(uri, bucket, prefix, entry, encrypted, cache_ttl_s)
         _link_tree(entry / "files", dest)
         return _summarize(dest, cache_hit=hit)
@@ -101,7 +108,7 @@ class S3Materializer:
     def _list(self, uri: str, bucket: str, prefix: str) -> dict[str, str]:
         try:
             objects = {
-                obj.object_name[len(prefix):]: str(obj.etag)
+                obj.object_name[len(prefix) :]: str(obj.etag)
                 for obj in self.client.list_objects(bucket, prefix=prefix, recursive=True)
                 if obj.object_name and not obj.is_dir
             }

@@ -81,8 +81,11 @@ class VaultSecrets:
     def _create_lease(self, uri: str, ttl_s: int, sandbox_id: str) -> Lease:
         try:
             auth = self._client().auth.token.create(
-                ttl=f"{ttl_s}s", explicit_max_ttl=f"{max(ttl_s, 1) * 24}s", renewable=True,
-                display_name=f"dsec-{sandbox_id}"[:60], meta={"sandbox": sandbox_id},
+                ttl=f"{ttl_s}s",
+                explicit_max_ttl=f"{max(ttl_s, 1) * 24}s",
+                renewable=True,
+                display_name=f"dsec-{sandbox_id}"[:60],
+                meta={"sandbox": sandbox_id},
             )["auth"]
         except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
             raise ContextError(
@@ -96,11 +99,13 @@ class VaultSecrets:
                 path=path, mount_point=mount, raise_on_deleted_version=True
             )
         except hvac.exceptions.InvalidPath as exc:
-            raise ContextError(uri, f"secret not found (KV v2 mount {mount!r}, path "
-                                    f"{path!r})") from exc
+            raise ContextError(
+                uri, f"secret not found (KV v2 mount {mount!r}, path {path!r})"
+            ) from exc
         except hvac.exceptions.Forbidden as exc:
-            raise ContextError(uri, "permission denied: the node agent's Vault policy does not "
-                                    "allow reading it") from exc
+            raise ContextError(
+                uri, "permission denied: the node agent's Vault policy does not allow reading it"
+            ) from exc
         except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
             raise ContextError(uri, f"Vault read failed: {_why(exc)}", transient=True) from exc
         data = response["data"]["data"] or {}
@@ -118,12 +123,13 @@ class VaultSecrets:
 
         def renew() -> int:
             try:
-                auth = self._client(lease.token).auth.token.renew_self(
-                    increment=f"{lease.ttl_s}s"
-                )["auth"]
+                auth = self._client(lease.token).auth.token.renew_self(increment=f"{lease.ttl_s}s")[
+                    "auth"
+                ]
             except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
-                raise ContextError(f"lease {lease.accessor}", f"renewal failed: {_why(exc)}") \
-                    from exc
+                raise ContextError(
+                    f"lease {lease.accessor}", f"renewal failed: {_why(exc)}"
+                ) from exc
             return int(auth["lease_duration"])
 
         return await asyncio.to_thread(renew)
@@ -165,8 +171,9 @@ class VaultSecrets:
                 name=name, ciphertext=wrapped_key, mount_point=self.transit_mount
             )["data"]
         except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
-            raise ContextError(kek, f"Vault Transit could not unwrap the data key: {_why(exc)}") \
-                from exc
+            raise ContextError(
+                kek, f"Vault Transit could not unwrap the data key: {_why(exc)}"
+            ) from exc
         return base64.b64decode(data["plaintext"])
 
 

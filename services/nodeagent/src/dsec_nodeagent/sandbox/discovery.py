@@ -87,7 +87,10 @@ def _ldd(files: list[str]) -> set[str]:
     for start in range(0, len(files), _LDD_BATCH):
         batch = files[start : start + _LDD_BATCH]
         proc = subprocess.run(
-            ["ldd", *batch], capture_output=True, text=True, check=False,
+            ["ldd", *batch],
+            capture_output=True,
+            text=True,
+            check=False,
             env={"LC_ALL": "C", "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
         )
         for line in proc.stdout.splitlines():
@@ -116,7 +119,10 @@ def _inside(path: str, dirs: list[str]) -> bool:
 def _probe(interpreter: Path) -> dict[str, object]:
     try:
         proc = subprocess.run(
-            [str(interpreter), "-I", "-c", _PROBE], capture_output=True, text=True, check=True,
+            [str(interpreter), "-I", "-c", _PROBE],
+            capture_output=True,
+            text=True,
+            check=True,
             timeout=30,
         )
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
@@ -145,13 +151,22 @@ def discover(interpreter: Path, extra: list[Path] | None = None) -> RuntimeView:
         elif item.exists():
             elf.append(str(item.resolve()))
     needed = _ldd(elf) | {str(x) for x in extra or [] if Path(x).is_file()}
-    return _assemble(str(info["executable"]), str(info["version"]), prefixes, needed,
-                     [str(p) for p in info["ssl"]] if isinstance(info["ssl"], list) else [],
-                     covered)
+    return _assemble(
+        str(info["executable"]),
+        str(info["version"]),
+        prefixes,
+        needed,
+        [str(p) for p in info["ssl"]] if isinstance(info["ssl"], list) else [],
+        covered,
+    )
 
 
 def _assemble(
-    executable: str, version: str, prefixes: list[str], needed: set[str], ssl: list[str],
+    executable: str,
+    version: str,
+    prefixes: list[str],
+    needed: set[str],
+    ssl: list[str],
     covered: list[str],
 ) -> RuntimeView:
     dirs = set(prefixes)
@@ -192,9 +207,7 @@ def _outermost(dirs: list[str]) -> list[str]:
     return sorted(kept)
 
 
-def discover_cached(
-    interpreter: Path, extra: list[Path], cache_dir: Path
-) -> RuntimeView:
+def discover_cached(interpreter: Path, extra: list[Path], cache_dir: Path) -> RuntimeView:
     """:func:`discover`, memoised on disk by the identity and mtime of every input."""
     key_parts = []
     for path in [interpreter, *extra]:
@@ -205,7 +218,10 @@ def discover_cached(
     if cache_file.exists():
         data = json.loads(cache_file.read_text())
         return RuntimeView(
-            data["executable"], data["version"], data["ro_dirs"], data["ro_files"],
+            data["executable"],
+            data["version"],
+            data["ro_dirs"],
+            data["ro_files"],
             [(str(x[0]), str(x[1])) for x in data["symlinks"]],
         )
     view = discover(interpreter, extra)

@@ -13,8 +13,17 @@ UID_BASE = 200_000
 UID_COUNT = 60_000
 
 STAGE_ORDER = (
-    "plan", "cgroup", "spawn", "fork", "cgroup_join", "namespaces", "mounts", "credentials",
-    "landlock", "seccomp", "exec",
+    "plan",
+    "cgroup",
+    "spawn",
+    "fork",
+    "cgroup_join",
+    "namespaces",
+    "mounts",
+    "credentials",
+    "landlock",
+    "seccomp",
+    "exec",
 )
 
 
@@ -47,8 +56,9 @@ def classify_exit(
     return ExitReason.ERROR, f"exited with code {exit_code}"
 
 
-def allocate_uid(sandbox_id: str, in_use: set[int], base: int = UID_BASE,
-                 count: int = UID_COUNT) -> int:
+def allocate_uid(
+    sandbox_id: str, in_use: set[int], base: int = UID_BASE, count: int = UID_COUNT
+) -> int:
     """A per-sandbox uid (so no two sandboxes share file or signal permissions).
 
     Deterministic start from the id's hash, then the next free one.

@@ -234,8 +234,11 @@ def build_root(plan: Plan) -> None:
     syscalls.umount2(".", syscalls.MNT_DETACH)
     os.chdir("/")
     syscalls.mount(
-        None, "/", None, syscalls.MS_REMOUNT | syscalls.MS_BIND | syscalls.MS_RDONLY
-        | _NOSUID_NODEV, None,
+        None,
+        "/",
+        None,
+        syscalls.MS_REMOUNT | syscalls.MS_BIND | syscalls.MS_RDONLY | _NOSUID_NODEV,
+        None,
     )
 
 
@@ -298,8 +301,12 @@ def _mount_dev(dst: str, nodes: list[str]) -> None:
         target = f"{dst}/{node}"
         os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o666))
         syscalls.mount(f"/dev/{node}", target, None, syscalls.MS_BIND, None)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"{dst}/{name}")
     os.makedirs(f"{dst}/shm")
     syscalls.mount("tmpfs", f"{dst}/shm", "tmpfs", _NOSUID_NODEV, "mode=1777,size=64m")
@@ -375,8 +382,11 @@ def _drop_privileges(plan: Plan) -> None:
 
 _NS_ORDER = ("ipc", "uts", "net", "pid", "mnt")
 _NS_FLAGS = {
-    "ipc": syscalls.CLONE_NEWIPC, "uts": syscalls.CLONE_NEWUTS, "net": syscalls.CLONE_NEWNET,
-    "pid": syscalls.CLONE_NEWPID, "mnt": syscalls.CLONE_NEWNS,
+    "ipc": syscalls.CLONE_NEWIPC,
+    "uts": syscalls.CLONE_NEWUTS,
+    "net": syscalls.CLONE_NEWNET,
+    "pid": syscalls.CLONE_NEWPID,
+    "mnt": syscalls.CLONE_NEWNS,
 }
 
 
@@ -405,8 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: ``init run|exec PLAN_FD REPORT_FD``."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or args[0] not in ("run", "exec"):
-        print("usage: python -m dsec_nodeagent.sandbox.init run|exec PLAN_FD REPORT_FD",
-              file=sys.stderr)
+        print(
+            "usage: python -m dsec_nodeagent.sandbox.init run|exec PLAN_FD REPORT_FD",
+            file=sys.stderr,
+        )
         return 2
     syscalls.check_arch()
     report = _Reporter(int(args[2]))

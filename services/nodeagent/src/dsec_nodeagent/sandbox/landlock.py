@@ -51,8 +51,16 @@ READ = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
 """Rights granted beneath a readable path (executing is reading code)."""
 
 _WRITE_ONLY = (
-    FS_WRITE_FILE | FS_REMOVE_DIR | FS_REMOVE_FILE | FS_MAKE_DIR | FS_MAKE_REG | FS_MAKE_SOCK
-    | FS_MAKE_FIFO | FS_MAKE_SYM | FS_REFER | FS_TRUNCATE
+    FS_WRITE_FILE
+    | FS_REMOVE_DIR
+    | FS_REMOVE_FILE
+    | FS_MAKE_DIR
+    | FS_MAKE_REG
+    | FS_MAKE_SOCK
+    | FS_MAKE_FIFO
+    | FS_MAKE_SYM
+    | FS_REFER
+    | FS_TRUNCATE
 )
 WRITE = READ | _WRITE_ONLY
 """Rights granted beneath a writable path (no device nodes)."""
@@ -151,8 +159,11 @@ def restrict_self(
             for port in tcp_connect_ports:
                 net = _NetPortAttr(allowed_access=NET_CONNECT_TCP, port=port)
                 syscalls.syscall(
-                    syscalls.SYS_LANDLOCK_ADD_RULE, ruleset_fd, RULE_NET_PORT,
-                    ctypes.c_void_p(ctypes.addressof(net)), 0,
+                    syscalls.SYS_LANDLOCK_ADD_RULE,
+                    ruleset_fd,
+                    RULE_NET_PORT,
+                    ctypes.c_void_p(ctypes.addressof(net)),
+                    0,
                 )
         syscalls.syscall(syscalls.SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, restrict_flags(abi))
     finally:
@@ -169,8 +180,11 @@ def _add_path_rule(ruleset_fd: int, path: str, rights: int) -> None:
             rights &= FILE_RIGHTS
         rule = _PathBeneathAttr(allowed_access=rights, parent_fd=fd)
         syscalls.syscall(
-            syscalls.SYS_LANDLOCK_ADD_RULE, ruleset_fd, RULE_PATH_BENEATH,
-            ctypes.c_void_p(ctypes.addressof(rule)), 0,
+            syscalls.SYS_LANDLOCK_ADD_RULE,
+            ruleset_fd,
+            RULE_PATH_BENEATH,
+            ctypes.c_void_p(ctypes.addressof(rule)),
+            0,
         )
     finally:
         os.close(fd)

@@ -31,20 +31,61 @@ X32_SYSCALL_BIT = 0x40000000
 
 # x86_64 syscall numbers (asm/unistd_64.h).
 DENIED_SYSCALLS: dict[str, int] = {
-    "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
-    "kcmp": 312, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-    "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
-    "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161, "fsopen": 430,
-    "fsconfig": 431, "fsmount": 432, "fspick": 433, "move_mount": 429, "open_tree": 428,
-    "mount_setattr": 442, "unshare": 272, "setns": 308,
-    "kexec_load": 246, "kexec_file_load": 320, "reboot": 169, "init_module": 175,
-    "finit_module": 313, "delete_module": 176, "swapon": 167, "swapoff": 168, "acct": 163,
-    "keyctl": 250, "add_key": 248, "request_key": 249,
-    "settimeofday": 164, "clock_settime": 227, "clock_adjtime": 305, "adjtimex": 159,
-    "syslog": 103, "open_by_handle_at": 304, "name_to_handle_at": 303, "lookup_dcookie": 212,
-    "quotactl": 179, "quotactl_fd": 443, "vhangup": 153, "iopl": 172, "ioperm": 173,
-    "fanotify_init": 300, "uselib": 134, "nfsservctl": 180, "_sysctl": 156,
-    "sethostname": 170, "setdomainname": 171,
+    "ptrace": 101,
+    "process_vm_readv": 310,
+    "process_vm_writev": 311,
+    "pidfd_getfd": 438,
+    "kcmp": 312,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "bpf": 321,
+    "perf_event_open": 298,
+    "userfaultfd": 323,
+    "mount": 165,
+    "umount2": 166,
+    "pivot_root": 155,
+    "chroot": 161,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "move_mount": 429,
+    "open_tree": 428,
+    "mount_setattr": 442,
+    "unshare": 272,
+    "setns": 308,
+    "kexec_load": 246,
+    "kexec_file_load": 320,
+    "reboot": 169,
+    "init_module": 175,
+    "finit_module": 313,
+    "delete_module": 176,
+    "swapon": 167,
+    "swapoff": 168,
+    "acct": 163,
+    "keyctl": 250,
+    "add_key": 248,
+    "request_key": 249,
+    "settimeofday": 164,
+    "clock_settime": 227,
+    "clock_adjtime": 305,
+    "adjtimex": 159,
+    "syslog": 103,
+    "open_by_handle_at": 304,
+    "name_to_handle_at": 303,
+    "lookup_dcookie": 212,
+    "quotactl": 179,
+    "quotactl_fd": 443,
+    "vhangup": 153,
+    "iopl": 172,
+    "ioperm": 173,
+    "fanotify_init": 300,
+    "uselib": 134,
+    "nfsservctl": 180,
+    "_sysctl": 156,
+    "sethostname": 170,
+    "setdomainname": 171,
 }
 NR_SOCKET = 41
 NR_CLONE = 56
@@ -53,9 +94,14 @@ AF_PACKET = 17
 SOCK_RAW = 3
 SOCK_TYPE_MASK = 0xF
 CLONE_NS_FLAGS = (
-    syscalls.CLONE_NEWNS | syscalls.CLONE_NEWCGROUP | syscalls.CLONE_NEWUTS
-    | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUSER | syscalls.CLONE_NEWPID
-    | syscalls.CLONE_NEWNET | syscalls.CLONE_NEWTIME
+    syscalls.CLONE_NEWNS
+    | syscalls.CLONE_NEWCGROUP
+    | syscalls.CLONE_NEWUTS
+    | syscalls.CLONE_NEWIPC
+    | syscalls.CLONE_NEWUSER
+    | syscalls.CLONE_NEWPID
+    | syscalls.CLONE_NEWNET
+    | syscalls.CLONE_NEWTIME
 )
 
 # classic BPF opcodes
@@ -178,10 +224,14 @@ def install(program: bytes, *, listener: bool = False) -> int:
 _NAMES = {number: name for name, number in DENIED_SYSCALLS.items()}
 _FAMILIES = {1: "AF_UNIX", 2: "AF_INET", 10: "AF_INET6", 16: "AF_NETLINK", AF_PACKET: "AF_PACKET"}
 _CLONE_FLAG_NAMES = (
-    (syscalls.CLONE_NEWNS, "CLONE_NEWNS"), (syscalls.CLONE_NEWCGROUP, "CLONE_NEWCGROUP"),
-    (syscalls.CLONE_NEWUTS, "CLONE_NEWUTS"), (syscalls.CLONE_NEWIPC, "CLONE_NEWIPC"),
-    (syscalls.CLONE_NEWUSER, "CLONE_NEWUSER"), (syscalls.CLONE_NEWPID, "CLONE_NEWPID"),
-    (syscalls.CLONE_NEWNET, "CLONE_NEWNET"), (syscalls.CLONE_NEWTIME, "CLONE_NEWTIME"),
+    (syscalls.CLONE_NEWNS, "CLONE_NEWNS"),
+    (syscalls.CLONE_NEWCGROUP, "CLONE_NEWCGROUP"),
+    (syscalls.CLONE_NEWUTS, "CLONE_NEWUTS"),
+    (syscalls.CLONE_NEWIPC, "CLONE_NEWIPC"),
+    (syscalls.CLONE_NEWUSER, "CLONE_NEWUSER"),
+    (syscalls.CLONE_NEWPID, "CLONE_NEWPID"),
+    (syscalls.CLONE_NEWNET, "CLONE_NEWNET"),
+    (syscalls.CLONE_NEWTIME, "CLONE_NEWTIME"),
 )
 
 

@@ -108,7 +108,10 @@ def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 
     """prctl(2)."""
     return _check(
         _libc.prctl(
-            option, ctypes.c_ulong(arg2), ctypes.c_ulong(arg3), ctypes.c_ulong(arg4),
+            option,
+            ctypes.c_ulong(arg2),
+            ctypes.c_ulong(arg3),
+            ctypes.c_ulong(arg4),
             ctypes.c_ulong(arg5),
         ),
         f"prctl({option})",

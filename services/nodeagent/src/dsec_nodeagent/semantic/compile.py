@@ -27,15 +27,17 @@ def rules_from_spec(
     """
     rules = []
     for index, rule in enumerate(policy.semantic):
-        subject = rule.match.path or rule.match.url or rule.match.host or " ".join(
-            rule.match.argv or ()
+        subject = (
+            rule.match.path or rule.match.url or rule.match.host or " ".join(rule.match.argv or ())
         )
         rules.append(
             SemanticRule(
                 name=f"semantic[{index}] {rule.action} {rule.on} {subject}",
                 on=rule.on,
                 match=RuleMatch(
-                    path=rule.match.path, argv=rule.match.argv, host=rule.match.host,
+                    path=rule.match.path,
+                    argv=rule.match.argv,
+                    host=rule.match.host,
                     url=rule.match.url,
                 ),
                 action=rule.action,
@@ -76,7 +78,9 @@ def rules_from_plan(
                 name=f"semantic[{index}] {rule.action} {rule.on} {subject}",
                 on=rule.on,
                 match=RuleMatch(path=rule.path, argv=rule.argv, host=rule.host, url=rule.url),
-                action=rule.action, target=rule.target, message=rule.message,
+                action=rule.action,
+                target=rule.target,
+                message=rule.message,
                 spec_line=rule_lines[index] if index < len(rule_lines) else None,
             )
         )
@@ -87,8 +91,10 @@ def rules_from_plan(
         host = f"*.{egress.domain}" if egress.kind == "wildcard" else egress.domain
         limits.append(
             RateLimit(
-                name=f"egress[{index}] {host}", host=host,
-                requests=egress.rate_limit.requests, period_s=egress.rate_limit.period_s,
+                name=f"egress[{index}] {host}",
+                host=host,
+                requests=egress.rate_limit.requests,
+                period_s=egress.rate_limit.period_s,
                 spec_line=egress_lines[index] if index < len(egress_lines) else None,
             )
         )

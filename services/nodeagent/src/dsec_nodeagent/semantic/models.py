@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 On = Literal["open", "subprocess", "connect", "http"]
 Action = Literal["allow", "redirect", "log", "deny"]
 
+
 class RuleMatch(BaseModel):
     """What a rule matches; glob patterns (``fnmatch``). Every given field must match.
 
@@ -28,8 +29,12 @@ class RuleMatch(BaseModel):
     url: str | None = None
 
 
-_MATCH_KEYS = {"open": {"path"}, "subprocess": {"argv"}, "connect": {"host"},
-               "http": {"url", "host"}}
+_MATCH_KEYS = {
+    "open": {"path"},
+    "subprocess": {"argv"},
+    "connect": {"host"},
+    "http": {"url", "host"},
+}
 
 
 class SemanticRule(BaseModel):

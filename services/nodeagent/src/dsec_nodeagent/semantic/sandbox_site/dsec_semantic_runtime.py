@@ -54,8 +54,10 @@ class Rule:
             if key == "argv":
                 if not _argv_matches(value, pattern):
                     return False
-            elif not fnmatch.fnmatchcase(str(value).lower() if key == "host" else str(value),
-                                         pattern.lower() if key == "host" else pattern):
+            elif not fnmatch.fnmatchcase(
+                str(value).lower() if key == "host" else str(value),
+                pattern.lower() if key == "host" else pattern,
+            ):
                 return False
         return True
 
@@ -64,8 +66,9 @@ def _argv_matches(argv: list[str], pattern: list[str]) -> bool:
     wanted = " ".join(pattern)
     if fnmatch.fnmatchcase(" ".join(argv), wanted):
         return True
-    return bool(argv) and fnmatch.fnmatchcase(" ".join([os.path.basename(argv[0]), *argv[1:]]),
-                                              wanted)
+    return bool(argv) and fnmatch.fnmatchcase(
+        " ".join([os.path.basename(argv[0]), *argv[1:]]), wanted
+    )
 
 
 class RateLimit:
@@ -155,17 +158,33 @@ class Engine:
     def message(self, on: str, subject: str, rule: Rule) -> str:
         """A deny's text: what was refused, by which rule, and the spec line to change."""
         extra = f": {rule.message}" if rule.message else ""
-        return (f"[dsec] {on} {subject!r} denied by rule '{rule.name}'{extra}; "
-                f"to allow it, change that rule in {self._where(rule.spec_line)}")
+        return (
+            f"[dsec] {on} {subject!r} denied by rule '{rule.name}'{extra}; "
+            f"to allow it, change that rule in {self._where(rule.spec_line)}"
+        )
 
-    def report(self, on: str, action: str, subject: str, rule: Rule | None,
-               detail: str | None = None, line: int | None = None) -> None:
+    def report(
+        self,
+        on: str,
+        action: str,
+        subject: str,
+        rule: Rule | None,
+        detail: str | None = None,
+        line: int | None = None,
+    ) -> None:
         """Send one decision to the node agent; never blocks, never raises."""
         if not self.socket_path:
             return
-        payload = {"on": on, "action": action, "subject": subject[:2048], "pid": os.getpid(),
-                   "time": time.time(), "rule": rule.name if rule else None,
-                   "spec_line": rule.spec_line if rule else line, "detail": detail}
+        payload = {
+            "on": on,
+            "action": action,
+            "subject": subject[:2048],
+            "pid": os.getpid(),
+            "time": time.time(),
+            "rule": rule.name if rule else None,
+            "spec_line": rule.spec_line if rule else line,
+            "detail": detail,
+        }
         _guard.active = True
         try:
             if self._sock is None:
@@ -339,8 +358,15 @@ class _AfterImport:
 # ---------------------------------------------------------------------- audit hook
 
 
-_PROCESS_EVENTS = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-                   "os.fork", "pty.spawn"}
+_PROCESS_EVENTS = {
+    "subprocess.Popen",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "pty.spawn",
+}
 
 
 def _process_argv(event: str, args: tuple[Any, ...]) -> list[str] | None:
@@ -375,8 +401,9 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
     elif event == "socket.connect" and "connect" in engine.watched:
         sock, address = args
         if sock.family in (socket.AF_INET, socket.AF_INET6):
-            engine.decide("connect", f"{address[0]}:{address[1]}",
-                          {"host": address[0], "port": address[1]})
+            engine.decide(
+                "connect", f"{address[0]}:{address[1]}", {"host": address[0], "port": address[1]}
+            )
 
 
 def install(rules_file: str, socket_path: str | None) -> Engine:
