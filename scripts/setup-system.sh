@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Debian packages the project needs beyond Python: Prometheus (embedded stack), bubblewrap
-# (sandbox benchmark peer). Fast no-op when already installed.
+# (sandbox benchmark peer), a C compiler (the SDK's ring extension). Fast no-op when already installed.
 set -euo pipefail
-pkgs=(prometheus bubblewrap)
+# gcc + libc headers build the SDK's ring extension (dsec_sdk.ipc._fastring), which also needs the
+# interpreter's own headers (Debian's python3.X-dev when Python came from apt).
+pkgs=(prometheus bubblewrap gcc libc6-dev)
+py=$(command -v python3.11 || command -v python3 || true)
+if [ -n "$py" ]; then
+  inc=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)
+  ver=$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")' 2>/dev/null || true)
+  if [ -n "$inc" ] && [ ! -f "$inc/Python.h" ] && [ -n "$ver" ]; then pkgs+=("python$ver-dev"); fi
+fi
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

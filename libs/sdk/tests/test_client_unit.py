@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import msgpack
 import pytest
 from dsec_sdk import (
     AgentNotFound,
@@ -83,7 +82,7 @@ def test_no_broker_is_broker_unavailable(tmp_path: Path) -> None:
 def _run(dispatcher: Dispatcher, request: object) -> tuple[int, object]:
     outcome = dispatcher.start(request)
     assert isinstance(outcome, tuple)
-    return outcome[0], msgpack.unpackb(outcome[1])
+    return outcome[0], codec.unpack(outcome[1])
 
 
 def test_dispatcher_turns_every_failure_into_an_error_frame() -> None:

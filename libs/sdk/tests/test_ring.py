@@ -163,18 +163,29 @@ rng = random.Random(7)
 for i in range(int(sys.argv[7])):
     body = rng.randbytes(rng.choice([0, 3, 16, 500, 2000, 2032, 7000, 20000]))
     assert end.send(1, i, body, 1 << 62)
+assert end.requests.accelerated == (os.environ["DSEC_IPC_PURE_PYTHON"] == "0")
 """
 
 
 @pytest.mark.integration
-def test_spsc_across_processes_no_loss_duplicate_or_reorder() -> None:
-    """A producer process and this consumer run truly in parallel, with backpressure."""
+@pytest.mark.parametrize("producer_mode", ["c", "python"])
+def test_spsc_across_processes_no_loss_duplicate_or_reorder(
+    ring_mode: str, producer_mode: str
+) -> None:
+    """A producer process and this consumer run truly in parallel, with backpressure.
+
+    The producer runs either implementation, whatever this consumer runs: the layout in shared
+    memory is the protocol, and the C and Python ends must interoperate.
+    """
     fds = ch.create_channel(CAPACITY)
     doorbell = ch.new_eventfd()
     child_fds = [*fds.all(), doorbell, os.pidfd_open(os.getpid())]
     count = 3000
+    env = {**os.environ, "DSEC_IPC_PURE_PYTHON": "1" if producer_mode == "python" else "0"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", PRODUCER, *map(str, child_fds), str(count)], pass_fds=child_fds
+        [sys.executable, "-c", PRODUCER, *map(str, child_fds), str(count)],
+        pass_fds=child_fds,
+        env=env,
     )
     server = ch.ServerEnd(
         channel_id=1,
@@ -222,3 +233,63 @@ def test_server_drops_a_channel_its_caller_closed() -> None:
     assert core.channels == []
     assert pair.server.is_closed
     os.close(pair.doorbell)
+
+
+# ---------------------------------------------------------------------------- the C hot path
+@pytest.mark.unit
+def test_a_decoder_that_keeps_the_body_view_cannot_read_a_reused_slot(pair: Pair) -> None:
+    kept: list[memoryview] = []
+    assert pair.caller.requests.try_write(1, 1, b"secret-1")
+    frame = pair.server.requests.try_read(lambda view: kept.append(view) or bytes(view))
+    assert frame == (1, 1, b"secret-1")
+    assert pair.caller.requests.try_write(1, 2, b"secret-2")
+    with pytest.raises(ValueError, match="released"):
+        bytes(kept[0])
+
+
+@pytest.mark.unit
+def test_a_failing_decoder_still_consumes_its_record(pair: Pair) -> None:
+    def boom(view: memoryview) -> bytes:
+        raise RuntimeError("bad body")
+
+    assert pair.caller.requests.try_write(1, 1, b"one")
+    assert pair.caller.requests.try_write(1, 2, b"two")
+    with pytest.raises(RuntimeError, match="bad body"):
+        pair.server.requests.try_read(boom)
+    assert pair.server.requests.try_read(bytes) == (1, 2, b"two")
+    assert not pair.server.requests.readable()
+
+
+@pytest.mark.unit
+def test_fast_call_sends_spins_and_reads_or_says_why_not(pair: Pair, ring_mode: str) -> None:
+    requests, responses = pair.caller.requests, pair.server.responses
+    fast_call = requests.fast_call
+    if ring_mode == "python":
+        assert fast_call is None  # the client then writes, waits and reads: tested above
+        return
+    assert fast_call is not None
+    no_deadline = 1 << 62
+    # Nobody answers: the request goes out, the spin budget runs out (0).
+    assert (
+        fast_call(pair.caller.responses.fast, 1, 7, b"ping", bytes, 2_000, 10**9, no_deadline) == 0
+    )
+    assert pair.server.requests.try_read(bytes) == (1, 7, b"ping")
+    # An answer already waiting is read at once.
+    assert responses.try_write(2, 7, b"pong")
+    assert fast_call(pair.caller.responses.fast, 1, 8, b"ping", bytes, 0, 0, no_deadline) == (
+        2,
+        7,
+        b"pong",
+    )
+    # Too large to go inline: nothing is sent (-1), the general path decides.
+    head = requests.hdr[r.HEAD]
+    assert fast_call(pair.caller.responses.fast, 1, 9, b"x" * CAPACITY, bytes, 0, 0, 0) == -1
+    assert requests.hdr[r.HEAD] == head
+
+
+@pytest.mark.unit
+def test_a_released_ring_refuses_work_instead_of_touching_unmapped_memory(pair: Pair) -> None:
+    write = pair.caller.requests.try_write
+    pair.caller.close()
+    with pytest.raises(ValueError, match="released"):
+        write(1, 1, b"late")

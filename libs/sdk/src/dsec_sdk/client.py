@@ -24,8 +24,6 @@ from pathlib import Path
 from types import EllipsisType, TracebackType
 from typing import Any, Final, TypeVar
 
-import msgpack
-
 from dsec_sdk.errors import (
     BrokerUnavailable,
     CallTimeout,
@@ -45,7 +43,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_TIMEOUT: Final = 30.0
 DEFAULT_GROUP: Final = "default"
 _NO_DEADLINE: Final = 1 << 62
-_unpackb = msgpack.unpackb
+_unpack = codec.unpack
 _clock = time.perf_counter_ns
 _REQUEST: Final = codec.REQUEST
 _RESULT: Final = codec.RESULT
@@ -69,11 +67,14 @@ class _SyncChannel:
         self.max_payload = max_payload
         self.lock = threading.Lock()
         self.packer = codec.new_packer()
-        self._pack = self.packer.pack
+        self._pack = self.packer.encode
         self._write = end.requests.try_write
         self._read = end.responses.try_read
         self._wait = end.wait_response
         self._resp_hdr = end.responses.hdr
+        # The C round trip when both rings have it (see Ring.fast_call), else None.
+        self._fast_call = end.requests.fast_call
+        self._fast_responses = end.responses.fast
         # The last timeout seen and its (timeout_ms, ns): calls usually repeat the same one.
         self._timeout: float | None = None
         self._timeout_parts = (0, 0)
@@ -93,7 +94,6 @@ class _SyncChannel:
             try:
                 body = self._pack([tool, arguments, timeout_ms])
             except (TypeError, ValueError, OverflowError):
-                self.packer.reset()
                 body = codec.encode_request(self.packer, tool, arguments, timeout_ms)  # raises
             if len(body) > self.max_payload:
                 raise PayloadTooLarge(f"request to {end.peer}.{tool}", len(body), self.max_payload)
@@ -101,24 +101,70 @@ class _SyncChannel:
                 raise PeerGone(end.peer, "the channel was closed")
             call_id = end.next_id
             end.next_id = call_id + 1
-            if not self._write(_REQUEST, call_id, body) and not end.send(
-                _REQUEST, call_id, body, deadline
-            ):
-                raise CallTimeout(end.peer, tool, timeout or 0.0)
-            hdr = self._resp_hdr
-            while True:
-                if hdr[0] == hdr[8] and not self._wait(deadline):  # nothing readable yet
-                    raise CallTimeout(end.peer, tool, timeout or 0.0)
+            frame = None
+            sent = False
+            if self._fast_call is not None:
+                # The C round trip: publish, spin, read in one go (see Ring.fast_call).
+                spin = end.spin
                 try:
-                    frame = self._read(_unpackb)
-                except (ValueError, msgpack.UnpackException) as exc:
+                    outcome = self._fast_call(
+                        self._fast_responses,
+                        _REQUEST,
+                        call_id,
+                        body,
+                        _unpack,
+                        spin.budget_ns,
+                        spin.pure_ns,
+                        deadline,
+                    )
+                except codec.DECODE_ERRORS as exc:
                     raise ProtocolError(f"undecodable answer from {end.peer!r}: {exc}") from exc
-                # Another id: the late answer to a call that timed out; drop it.
-                if frame is not None and frame[1] == call_id:
-                    break
+                if outcome.__class__ is tuple:
+                    if not spin.settled:
+                        spin.hit()
+                    if outcome[1] == call_id:
+                        frame = outcome
+                    sent = True
+                elif outcome != -1:
+                    sent = True
+                    if outcome == 2:  # spun past the pure-spin span: give the core away once
+                        spin.yield_cpu(_clock())
+                    else:
+                        spin.miss()
+            if frame is None:
+                frame = self._general(end, tool, timeout, call_id, body, deadline, sent)
         if frame[0] == _RESULT:
             return frame[2]
         codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
+
+    def _general(
+        self,
+        end: CallerEnd,
+        tool: str,
+        timeout: float | None,
+        call_id: int,
+        body: bytes,
+        deadline: int,
+        sent: bool,
+    ) -> tuple[int, int, Any]:
+        """Send (unless ``sent``) and wait for the answer to ``call_id``, sleeping if need be."""
+        if (
+            not sent
+            and not self._write(_REQUEST, call_id, body)
+            and not end.send(_REQUEST, call_id, body, deadline)
+        ):
+            raise CallTimeout(end.peer, tool, timeout or 0.0)
+        hdr = self._resp_hdr
+        while True:
+            if hdr[0] == hdr[8] and not self._wait(deadline):  # nothing readable yet
+                raise CallTimeout(end.peer, tool, timeout or 0.0)
+            try:
+                frame = self._read(_unpack)
+            except codec.DECODE_ERRORS as exc:
+                raise ProtocolError(f"undecodable answer from {end.peer!r}: {exc}") from exc
+            # Another id: the late answer to a call that timed out; drop it.
+            if frame is not None and frame[1] == call_id:
+                return frame
 
 
 def _deadline(timeout: float | None) -> int:

@@ -116,21 +116,19 @@ class AsyncCaller:
     def _spin(self, future: asyncio.Future[Frame], deadline_ns: int) -> None:
         """Busy-wait briefly in the loop thread: a local tool often answers within microseconds."""
         end = self.end
-        hdr = end.responses.hdr
+        spin_until = end.responses.spin_until
         clock = time.perf_counter_ns
         now = clock()
         stop = min(deadline_ns, now + end.spin.budget_ns)
         yield_after = now + end.spin.pure_ns
-        spins = 0
-        while hdr[0] == hdr[8]:  # HEAD == TAIL
-            spins += 1
-            if not spins & 15:
-                now = clock()
-                if now >= stop:
-                    end.spin.miss()
-                    return
-                if now >= yield_after:
-                    yield_after = end.spin.yield_cpu(now)
+        while True:
+            outcome = spin_until(stop, yield_after)
+            if outcome == 1:
+                break
+            if outcome == 0:
+                end.spin.miss()
+                return
+            yield_after = end.spin.yield_cpu(clock())
         end.spin.hit()
         self._read_all()
 

@@ -28,7 +28,6 @@ DEFAULT_MAX_PAYLOAD: Final = 64 << 20
 # A sleeper re-checks this often even without a wake-up: a lost wake-up costs at most this, never
 # a hang (belt and braces on top of the fence).
 _MAX_SLEEP_NS: Final = 50_000_000
-_SPIN_CHECK_EVERY: Final = 15  # iterations between clock reads (mask)
 # Spin at most this long before yielding the CPU between checks: a hot peer answers well within
 # it, and past it the peer is probably not running, so on a loaded machine it may need our core.
 PURE_SPIN_NS: Final = 5_000
@@ -275,6 +274,7 @@ class CallerEnd(_End):
         )
         self.wake_fd = caller_wake
         self.spin = Spin(spin_ns)
+        self._spin_until = self.responses.spin_until
         self.sleeper = Sleeper(caller_wake)
         self.sleeper.watch(peer_pidfd)
         self.next_id = 1
@@ -310,23 +310,19 @@ class CallerEnd(_End):
         if hdr[0] != hdr[8]:  # HEAD != TAIL
             return True
         spin = self.spin
-        clock = time.perf_counter_ns
-        now = clock()
+        now = time.perf_counter_ns()
         spin_end = min(now + spin.budget_ns, deadline_ns)
         yield_after = now + spin.pure_ns
-        spins = 0
-        while hdr[0] == hdr[8]:
-            spins += 1
-            if not spins & _SPIN_CHECK_EVERY:
-                now = clock()
-                if now >= spin_end:
-                    break
-                if now >= yield_after:
-                    yield_after = spin.yield_cpu(now)
-        else:
-            if not spin.settled:
-                spin.hit()
-            return True
+        spin_until = self._spin_until
+        while True:
+            outcome = spin_until(spin_end, yield_after)
+            if outcome == 1:
+                if not spin.settled:
+                    spin.hit()
+                return True
+            if outcome == 0:
+                break
+            yield_after = spin.yield_cpu(time.perf_counter_ns())
         spin.miss()
         while True:
             hdr[r.CONSUMER_WAITING] = 1

@@ -6,6 +6,10 @@ proxy (the broker bridging to NATS) forwards a body without decoding it.
 * ``REQUEST``: ``[tool, arguments, timeout_ms]`` (``timeout_ms`` 0 = none)
 * ``RESULT``: the tool's return value
 * ``ERROR``: ``[code, error_type, message, traceback_summary]``
+
+Encoding and decoding use msgspec's MessagePack codec: the same wire format as ``msgpack`` (the
+bus and the control socket keep using that), at about 60 % of its cost on a tool call's frames,
+which matters when the whole call takes a few microseconds.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import traceback
 from typing import Any, Final, NoReturn
 
-import msgpack
+import msgspec
 
 from dsec_sdk.errors import (
     AgentNotFound,
@@ -45,27 +49,31 @@ _TRACEBACK_FRAMES: Final = 6
 _TEXT_LIMIT: Final = 4000
 
 
-def new_packer() -> msgpack.Packer:
-    """A reusable packer (not thread-safe: one per channel end, used under its lock)."""
-    return msgpack.Packer(use_bin_type=True)
+Packer = msgspec.msgpack.Encoder
+# Decoding keeps no state between calls: one decoder serves every channel and thread.
+unpack = msgspec.msgpack.Decoder().decode
+# What unpack raises on a malformed body (msgspec.DecodeError is a ValueError).
+DECODE_ERRORS: Final = (ValueError,)
+
+
+def new_packer() -> Packer:
+    """A reusable encoder (one per channel end, used under its lock); ``.encode(obj)``."""
+    return msgspec.msgpack.Encoder()
 
 
 def decode(body: memoryview) -> Any:
     """Decode one body in place (the result owns its data; ``body`` may be reused)."""
     try:
-        return msgpack.unpackb(body, raw=False)
-    except (ValueError, msgpack.UnpackException) as exc:
+        return unpack(body)
+    except DECODE_ERRORS as exc:
         raise ProtocolError(f"undecodable frame body: {exc}") from exc
 
 
-def encode_request(
-    packer: msgpack.Packer, tool: str, arguments: dict[str, Any], timeout_ms: int
-) -> bytes:
+def encode_request(packer: Packer, tool: str, arguments: dict[str, Any], timeout_ms: int) -> bytes:
     """Encode a call; ``TypeError`` names the argument MessagePack cannot carry."""
     try:
-        body: bytes = packer.pack([tool, arguments, timeout_ms])
+        body: bytes = packer.encode([tool, arguments, timeout_ms])
     except (TypeError, ValueError, OverflowError) as exc:
-        packer.reset()
         raise TypeError(
             f"arguments of tool {tool!r} are not MessagePack-serialisable: {exc}"
         ) from exc
@@ -73,14 +81,14 @@ def encode_request(
 
 
 def encode_error(
-    packer: msgpack.Packer, code: str, error_type: str, message: str, summary: str = ""
+    packer: Packer, code: str, error_type: str, message: str, summary: str = ""
 ) -> bytes:
     """Encode an ERROR body."""
-    body: bytes = packer.pack([code, error_type, message[:_TEXT_LIMIT], summary[-_TEXT_LIMIT:]])
+    body: bytes = packer.encode([code, error_type, message[:_TEXT_LIMIT], summary[-_TEXT_LIMIT:]])
     return body
 
 
-def error_from_exception(packer: msgpack.Packer, code: str, exc: BaseException) -> bytes:
+def error_from_exception(packer: Packer, code: str, exc: BaseException) -> bytes:
     """Encode an exception raised by a tool, with a short traceback summary."""
     frames = traceback.extract_tb(exc.__traceback__)[-_TRACEBACK_FRAMES:]
     summary = "".join(traceback.format_list(frames)).rstrip()

@@ -15,6 +15,10 @@ Memory ordering: x86-64 keeps stores in order and loads in order, so "write body
 ``head``" and "read ``head``, then read body" need no barrier. Only the sleep handshake (store my
 "waiting" flag, then load your counter) needs a full barrier: see :func:`fence`. A sleeper also
 re-checks at least every 50 ms, so even a missed wake-up is a delay, never a hang.
+
+The common case of each hot path (an inline record that needs no wrap; spinning while empty) also
+exists in C (``_fastring.c``), used when the extension was built (``ACCELERATED``); it falls back
+to the methods here for everything else. ``DSEC_IPC_PURE_PYTHON=1`` turns it off (tests run both).
 """
 
 from __future__ import annotations
@@ -24,10 +28,17 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from dsec_sdk.errors import PayloadTooLarge, ProtocolError
+
+_fastring: Any
+try:
+    from dsec_sdk.ipc import _fastring  # type: ignore[attr-defined,no-redef]
+except ImportError:  # no C compiler where the SDK was installed, or another Python ABI
+    _fastring = None
 
 T = TypeVar("T")
 
@@ -53,6 +64,12 @@ REC_LARGE: Final = 3
 # madvise(MADV_REMOVE) frees the pages of an overflow payload at least this big once consumed.
 _RELEASE_LARGE_AT: Final = 1 << 20
 _OVERFLOW_GRANULE: Final = 1 << 16
+
+
+def accelerated() -> bool:
+    """Whether new rings use the C hot path (built, and not turned off by the environment)."""
+    return _fastring is not None and os.environ.get("DSEC_IPC_PURE_PYTHON", "") in ("", "0")
+
 
 _fence_lock = threading.Lock()
 _fence_acquire = _fence_lock.acquire
@@ -126,6 +143,42 @@ class Ring:
         # the tail's cache line is not pulled across cores on every write.
         self._tail_seen = self.hdr[TAIL]
         self._write_limit = self._tail_seen + capacity  # head may grow up to this
+        self._fast = None
+        if accelerated():
+            # Instance attributes shadow the Python methods: callers bind ``ring.try_write``
+            # once and call the C function directly; C calls back the slow paths below.
+            fast = _fastring.FastRing(
+                buf,
+                capacity,
+                consumer_wake_fd,
+                producer_wake_fd,
+                self._try_write_slow,
+                self._read_slow,
+            )
+            self._fast = fast
+            self.try_write = fast.try_write  # type: ignore[method-assign]
+            self.try_read = fast.try_read  # type: ignore[method-assign]
+            self.spin_until = fast.spin_until  # type: ignore[method-assign]
+
+    @property
+    def accelerated(self) -> bool:
+        """Whether this ring runs its hot path in C."""
+        return self._fast is not None
+
+    @property
+    def fast(self) -> object | None:
+        """The C half of this ring (``None`` when not accelerated)."""
+        return self._fast
+
+    @property
+    def fast_call(self) -> Callable[..., Any] | None:
+        """The C round trip publishing on this ring (see ``_fastring.c``), if accelerated.
+
+        ``fast_call(responses.fast, kind, call_id, body, decode, spin_ns, pure_ns, deadline_ns)``
+        returns the response frame, or -1 (nothing sent), 0 (sent, spin budget spent) or 2 (sent,
+        pure-spin span passed).
+        """
+        return None if self._fast is None else self._fast.call
 
     # ---------------------------------------------------------------- producer
     # The hot paths below use literal header indexes and local names on purpose: each attribute
@@ -214,6 +267,24 @@ class Ring:
         return free >= 2 * (RECORD.size + ((size + 15) & ~15))
 
     # ---------------------------------------------------------------- consumer
+    def spin_until(self, until_ns: int, yield_after_ns: int) -> int:
+        """Spin while empty: 1 once readable, 0 at ``until_ns``, 2 at ``yield_after_ns``.
+
+        Times are :func:`time.perf_counter_ns` values; on 2 the caller yields and spins again.
+        """
+        hdr = self.hdr
+        clock = time.perf_counter_ns
+        spins = 0
+        while hdr[0] == hdr[8]:  # HEAD == TAIL
+            spins += 1
+            if not spins & 15:
+                now = clock()
+                if now >= until_ns:
+                    return 0
+                if now >= yield_after_ns:
+                    return 2
+        return 1
+
     def readable(self) -> bool:
         """Whether a record is waiting."""
         hdr = self.hdr
@@ -235,9 +306,11 @@ class Ring:
         pos = tail & self._mask
         n, rec, kind, _, call_id = _unpack_record(data, pos)
         if rec == 1 and n <= self.max_inline:  # REC_INLINE; a hostile n is clamped by slicing
+            body = data[pos + 16 : pos + 16 + n]
             try:
-                value = decode(data[pos + 16 : pos + 16 + n])
+                value = decode(body)
             finally:
+                body.release()  # a decoder that kept the view cannot read a reused slot
                 hdr[8] = tail + 16 + ((n + 15) & ~15)
                 # No fence here (it would cost ~0.2 µs on every read, on the critical path): a
                 # producer whose "waiting" flag this load misses is woken by our next read, or by
@@ -268,7 +341,8 @@ class Ring:
                 if n > self.max_inline:
                     raise ProtocolError(f"record of {n} bytes exceeds the ring's half")
                 tail += RECORD.size + ((n + 15) & ~15)
-                value = decode(data[pos + 16 : pos + 16 + n])
+                with data[pos + 16 : pos + 16 + n] as body:
+                    value = decode(body)
             elif rec == REC_LARGE:
                 tail += RECORD.size
                 value = self._read_large(n, decode)
@@ -332,6 +406,11 @@ class Ring:
 
     def release(self) -> None:
         """Drop this ring's views so the channel mapping can be unmapped."""
+        if self._fast is not None:
+            self._fast.release()
+            # Drop the C methods too: they hold the callbacks, which hold this ring.
+            for name in ("try_write", "try_read", "spin_until"):
+                self.__dict__.pop(name, None)
         self.hdr.release()
         self._data.release()
         if self._overflow is not None:

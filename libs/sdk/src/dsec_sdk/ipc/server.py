@@ -13,8 +13,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-import msgpack
-
 from dsec_sdk.errors import ProtocolError
 from dsec_sdk.ipc import codec
 from dsec_sdk.ipc import ring as r
@@ -74,9 +72,8 @@ class Dispatcher:
         if name in self.async_tools:
             return result  # type: ignore[no-any-return]
         try:  # finish(), inlined: this is every call's hot path
-            body: bytes = self.packer.pack(result)
+            body: bytes = self.packer.encode(result)
         except (TypeError, ValueError, OverflowError):
-            self.packer.reset()
             return self.finish(result)
         if len(body) > self.max_payload:
             return self.finish(result)
@@ -85,9 +82,8 @@ class Dispatcher:
     def finish(self, result: Any) -> tuple[int, bytes]:
         """Encode a tool's return value."""
         try:
-            body: bytes = self.packer.pack(result)
+            body: bytes = self.packer.encode(result)
         except (TypeError, ValueError, OverflowError) as exc:
-            self.packer.reset()
             return codec.ERROR, codec.encode_error(
                 self.packer,
                 codec.E_BAD_RESULT,
@@ -170,21 +166,17 @@ class ServeCore:
 
     def spin_for_work(self, until_ns: int, spin: Spin) -> bool:
         """Spin until a channel without backlog has a request (``True``) or ``until_ns``."""
-        headers = [end.requests.hdr for end in self.channels if not end.backlog]
+        ready = [end for end in self.channels if not end.backlog]
         clock = time.perf_counter_ns
         yield_after = clock() + spin.pure_ns
-        spins = 0
-        if len(headers) == 1:
-            hdr = headers[0]
-            while hdr[0] == hdr[8]:  # HEAD == TAIL
-                spins += 1
-                if not spins & 15:
-                    now = clock()
-                    if now >= until_ns:
-                        return False
-                    if now >= yield_after:
-                        yield_after = spin.yield_cpu(now)
-            return True
+        if len(ready) == 1:
+            spin_until = ready[0].requests.spin_until
+            while True:
+                outcome = spin_until(until_ns, yield_after)
+                if outcome != 2:
+                    return outcome == 1
+                yield_after = spin.yield_cpu(clock())
+        headers = [end.requests.hdr for end in ready]
         while True:
             for hdr in headers:
                 if hdr[0] != hdr[8]:
@@ -248,11 +240,14 @@ def _is_async(function: Tool) -> bool:
     return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(call)
 
 
+_unpack = codec.unpack
+
+
 def decode_request(body: memoryview) -> Any:
     """Decode a request body; a malformed one becomes ``None`` (answered as bad arguments)."""
     try:
-        return msgpack.unpackb(body, raw=False)
-    except (ValueError, msgpack.UnpackException):
+        return _unpack(body)
+    except ValueError:  # msgspec.DecodeError
         return None
 
 

@@ -18,7 +18,6 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Final
 
-import msgpack
 import nats
 import nats.errors
 from dsec_sdk.errors import PeerGone
@@ -301,8 +300,8 @@ class RemoteBridge:
 def _parse_request(body: bytes) -> tuple[str, float]:
     """The tool name and the timeout of a REQUEST body (``ValueError`` if malformed)."""
     try:
-        tool, arguments, timeout_ms = msgpack.unpackb(body, raw=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        tool, arguments, timeout_ms = codec.unpack(body)
+    except (ValueError, TypeError) as exc:
         raise ValueError(f"malformed request: {exc}") from exc
     if not isinstance(arguments, dict) or not isinstance(timeout_ms, int) or timeout_ms < 0:
         raise ValueError("malformed request: expected [tool, {arguments}, timeout_ms]")

@@ -778,15 +778,19 @@ class SandboxManager:
 
 
 def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
-    """Host directories of the SDK (``dsec_sdk``) and of the packages it needs (``msgpack``).
+    """Host directories of the SDK (``dsec_sdk``) and of the packages it needs (``msgpack``,
+    ``msgspec``).
 
     They come from the node agent's own environment, built for the same interpreter the
-    sandbox runs, so the compiled parts load there too.
+    sandbox runs, so the compiled parts (msgspec, the SDK's ring extension) load there too.
     """
     import dsec_sdk
     import msgpack
+    import msgspec
 
-    return (Path(dsec_sdk.__file__).resolve().parent,), (Path(msgpack.__file__).resolve().parent,)
+    return (Path(dsec_sdk.__file__).resolve().parent,), tuple(
+        Path(str(module.__file__)).resolve().parent for module in (msgpack, msgspec)
+    )
 
 
 def build_exec_plan(
