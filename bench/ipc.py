@@ -5,12 +5,15 @@
 One run, the same tool call over three transports, each side in its own process:
 
 * ``dsec_shm``: ``DSecClient.call_tool`` -> memfd ring -> ``DSecClient.serve`` (broker-created
-  channel, spin-then-block waiting, MessagePack frames);
+  channel, spin-then-block waiting, MessagePack frames), with the ring's C hot path; the same
+  call with ``DSEC_IPC_PURE_PYTHON=1`` (where the extension could not be built) is reported
+  beside it as ``pure_python``;
 * ``nats_request_reply``: nats-py ``request()`` against a real nats-server, a nats-py responder;
 * ``http_keepalive``: stdlib ``http.client`` on one keep-alive connection to an aiohttp server.
 
-Every transport carries the same MessagePack body: a ``web_search`` call of ~200 bytes with a
-~200-byte answer, and a ``fetch`` call answered with 64 KB. Latency = one call, client side.
+Every transport carries the same MessagePack body, encoded and decoded with the same codec
+(msgspec): a ``web_search`` call of ~200 bytes with a ~200-byte answer, and a ``fetch`` call
+answered with 64 KB. Latency = one call, client side.
 
 Scaling (DSec only) runs 10, 50 and 100 pairs (2 processes each) on this machine's cores, two ways:
 
@@ -39,11 +42,15 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import msgpack
+import msgspec
 from _common import emit, free_port, nats_server, percentile
 
 # Imported here, before forking, so 200 agent processes do not each pay for the import.
 from dsec_sdk import AgentNotFound, DSecClient
+from dsec_sdk.ipc import ring
+
+pack = msgspec.msgpack.Encoder().encode
+unpack = msgspec.msgpack.Decoder().decode
 
 GROUP = "bench"
 QUERY = "site:kernel.org memfd_create sealing " + "q" * 130  # a ~200-byte request
@@ -262,8 +269,8 @@ def nats_responder(url: str, ready: Any) -> None:
         nc = await nats.connect(url)
 
         async def on_call(msg: Any) -> None:
-            tool, args, _ = msgpack.unpackb(msg.data)
-            await msg.respond(msgpack.packb(TOOLS[tool](**args)))
+            tool, args, _ = unpack(msg.data)
+            await msg.respond(pack(TOOLS[tool](**args)))
 
         await nc.subscribe("bench.tools", cb=on_call)
         await nc.flush()
@@ -278,7 +285,7 @@ def nats_latency(url: str, kind: str, calls: int, out: Connection) -> None:
 
     async def main() -> list[int]:
         nc = await nats.connect(url)
-        body = msgpack.packb([TOOL_OF[kind], CALLS[kind], 5000])
+        body = pack([TOOL_OF[kind], CALLS[kind], 5000])
         clock = time.perf_counter_ns
         for _ in range(min(500, calls)):
             await nc.request("bench.tools", body, timeout=5)
@@ -286,7 +293,7 @@ def nats_latency(url: str, kind: str, calls: int, out: Connection) -> None:
         for _ in range(calls):
             start = clock()
             msg = await nc.request("bench.tools", body, timeout=5)
-            msgpack.unpackb(msg.data)
+            unpack(msg.data)
             samples.append(clock() - start)
         await nc.close()
         return samples
@@ -320,10 +327,8 @@ def http_server(port: int) -> None:
     from aiohttp import web
 
     async def call(request: web.Request) -> web.Response:
-        tool, args, _ = msgpack.unpackb(await request.read())
-        return web.Response(
-            body=msgpack.packb(TOOLS[tool](**args)), content_type="application/msgpack"
-        )
+        tool, args, _ = unpack(await request.read())
+        return web.Response(body=pack(TOOLS[tool](**args)), content_type="application/msgpack")
 
     app = web.Application()
     app.router.add_post("/call", call)
@@ -343,14 +348,14 @@ def http_latency(port: int, kind: str, calls: int, out: Connection) -> None:
             time.sleep(0.02)
     assert conn.sock is not None
     conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    body = msgpack.packb([TOOL_OF[kind], CALLS[kind], 5000])
+    body = pack([TOOL_OF[kind], CALLS[kind], 5000])
     headers = {"Content-Type": "application/msgpack"}
     clock = time.perf_counter_ns
 
     def one() -> None:
         conn.request("POST", "/call", body, headers)
         response = conn.getresponse()
-        msgpack.unpackb(response.read())
+        unpack(response.read())
 
     for _ in range(min(500, calls)):
         one()
@@ -424,9 +429,23 @@ def main() -> None:
     shm = ShmBench()
     try:
         results: dict[str, dict[str, Any]] = {}
+        if not ring.accelerated():
+            say("warning: the SDK's C extension is not built; dsec_shm runs ring.py alone")
+        accelerated = ring.accelerated()
         dsec = {"small": bench_shm(shm, "small", small), "64k": bench_shm(shm, "64k", big)}
-        results["dsec_shm"] = {**dsec["small"], "64k": dsec["64k"]}
+        os.environ["DSEC_IPC_PURE_PYTHON"] = "1"  # read when the forked agents open channels
+        try:
+            pure = bench_shm(shm, "small", small // 2)
+        finally:
+            os.environ.pop("DSEC_IPC_PURE_PYTHON")
+        results["dsec_shm"] = {
+            **dsec["small"],
+            "64k": dsec["64k"],
+            "accelerated": accelerated,
+            "pure_python": pure,
+        }
         say(f"dsec_shm            200 B: {dsec['small']}   64 KB: {dsec['64k']}")
+        say(f"dsec_shm (ring.py)  200 B: {pure}")
         nats_r = bench_nats({"small": peer_small, "64k": peer_big})
         results["nats_request_reply"] = {**nats_r["small"], "64k": nats_r["64k"]}
         say(f"nats_request_reply  200 B: {nats_r['small']}   64 KB: {nats_r['64k']}")

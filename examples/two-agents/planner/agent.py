@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from dsec_sdk import AgentNotFound, DSecClient, PeerGone
+from dsec_sdk.ipc.ring import accelerated
 
 PEER = "researcher"
 QUERIES = ("memfd", "eventfd", "msgpack", "landlock", "io_uring")
@@ -56,7 +57,8 @@ def main() -> int:
     latencies = timed_calls(client, CALLS)
     p50 = statistics.median(latencies) / 1000
     p99 = statistics.quantiles(latencies, n=100)[98] / 1000
-    summary = f"{CALLS} calls to {PEER}.lookup: p50 {p50:.1f} µs, p99 {p99:.1f} µs"
+    rings = "C ring hot path" if accelerated() else "pure-Python rings"
+    summary = f"{CALLS} calls to {PEER}.lookup: p50 {p50:.1f} µs, p99 {p99:.1f} µs ({rings})"
     print(f"planner: {summary}", flush=True)
     try:
         outcome = client.call_tool(PEER, "shutdown", timeout=5.0)
