@@ -44,6 +44,15 @@ pytestmark = pytest.mark.integration
 RING = 1 << 16  # small rings, so random payloads wrap often and many exceed a ring
 
 
+@pytest.fixture(params=["c", "python"])
+def ring_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ring implementations (the SDK's C hot path and ring.py), in this process and in the
+    agent processes it starts (they inherit the environment)."""
+    mode: str = request.param
+    monkeypatch.setenv("DSEC_IPC_PURE_PYTHON", "1" if mode == "python" else "0")
+    return mode
+
+
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:
     # Short path: a Unix socket path is limited to 107 bytes.
@@ -174,7 +183,7 @@ def test_payload_limits_raise_payload_too_large(caller: DSecClient) -> None:
     assert caller.call_tool("agent-b", "echo", data=b"y" * (3 << 20))["data"] == b"y" * (3 << 20)
 
 
-def test_killed_server_becomes_peer_gone_not_a_hang(broker: BrokerThread) -> None:
+def test_killed_server_becomes_peer_gone_not_a_hang(broker: BrokerThread, ring_mode: str) -> None:
     proc = start_agent(broker.socket_path, "g1", "victim")
     client = DSecClient("c", "g1", socket_path=broker.socket_path, timeout=None)
     try:
@@ -249,7 +258,9 @@ def test_killed_caller_does_not_disturb_the_server(broker: BrokerThread, agent_b
     client.close()
 
 
-def test_stress_random_sizes_no_loss_duplicate_or_reorder(broker: BrokerThread) -> None:
+def test_stress_random_sizes_no_loss_duplicate_or_reorder(
+    broker: BrokerThread, ring_mode: str
+) -> None:
     # The server is another process, so both sides really run at once on different cores.
     server = start_agent(broker.socket_path, "g1", "sink")
     rng = random.Random(8)
@@ -303,7 +314,7 @@ def test_stress_random_sizes_no_loss_duplicate_or_reorder(broker: BrokerThread) 
         probe.close()
 
 
-def test_many_callers_are_served_round_robin(broker: BrokerThread) -> None:
+def test_many_callers_are_served_round_robin(broker: BrokerThread, ring_mode: str) -> None:
     entered, release = threading.Event(), threading.Event()
     order: list[str] = []
 
