@@ -10,6 +10,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import nats
@@ -223,6 +224,8 @@ async def test_external_servers_are_used_not_started(
         "prometheus": "running",
     }
     assert vault.token not in json.dumps(report)
+    password = urlsplit(postgres_dsn).password
+    assert password and password not in json.dumps(report)
     assert dsec_inproc("down", home=home, env=env).exit_code == 0
     assert processes_under(home) == []
     assert await _nats_answers(nats_url)  # the external server was left alone

@@ -22,6 +22,13 @@ def test_redact_url_drops_the_password_only() -> None:
     assert domain.redact_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
 
 
+def test_redact_url_drops_a_nats_token_or_user_and_password() -> None:
+    token, userpass = "nats://s3cr3t@10.0.0.5:4222", "nats://app:pw@10.0.0.5:4222"
+    assert domain.redact_url(token, user_is_secret=True) == "nats://10.0.0.5:4222"
+    assert domain.redact_url(userpass, user_is_secret=True) == "nats://10.0.0.5:4222"
+    assert domain.redact_url(token) == token  # a Postgres user alone is no secret
+
+
 def test_state_round_trips_and_keeps_the_documented_top_level_keys() -> None:
     st = domain.StackState(nats_url="nats://127.0.0.1:1", vault_token="tok")
     st.servers["nats"] = domain.ServerRecord(pid=1, create_time=2.0, ports=[1, 2])

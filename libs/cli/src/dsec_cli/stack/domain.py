@@ -126,15 +126,18 @@ def postgres_dsn(password: str, port: int, host: str = "127.0.0.1") -> str:
     return f"postgresql://{POSTGRES_USER}:{password}@{host}:{port}/{POSTGRES_DB}"
 
 
-def redact_url(url: str) -> str:
-    """Drop the password from a URL/DSN so it can be shown (``user:pw@`` becomes ``user@``)."""
+def redact_url(url: str, *, user_is_secret: bool = False) -> str:
+    """Drop the password from a URL/DSN so it can be shown (``user:pw@`` becomes ``user@``).
+
+    ``user_is_secret`` drops the whole ``user@`` part too: in a NATS URL a lone user is a token.
+    """
     parts = urlsplit(url)
-    if parts.password is None:
+    if parts.password is None and not (user_is_secret and parts.username):
         return url
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
-    netloc = f"{parts.username}@{host}" if parts.username else host
+    netloc = f"{parts.username}@{host}" if parts.username and not user_is_secret else host
     if parts.port is not None:
         netloc = f"{netloc}:{parts.port}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

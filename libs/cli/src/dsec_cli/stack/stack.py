@@ -471,7 +471,7 @@ class Stack:
     def _external_endpoint(self, name: str) -> str:
         ext = self.external
         value = {
-            "nats": ext.nats_url,
+            "nats": domain.redact_url(ext.nats_url, user_is_secret=True) if ext.nats_url else None,
             "postgres": domain.redact_url(ext.postgres_dsn) if ext.postgres_dsn else None,
             "s3": ext.s3_endpoint,
             "vault": ext.vault_addr,
