@@ -293,3 +293,66 @@ def test_a_released_ring_refuses_work_instead_of_touching_unmapped_memory(pair: 
     pair.caller.close()
     with pytest.raises(ValueError, match="released"):
         write(1, 1, b"late")
+
+
+HOSTILE = r"""
+import os, random, struct, sys
+from dsec_sdk.errors import ProtocolError
+from dsec_sdk.ipc import channel as ch
+from dsec_sdk.ipc import ring as r
+fds = ch.create_channel(4096)
+doorbell = ch.new_eventfd()
+pidfd = os.pidfd_open(os.getpid())
+server = ch.ServerEnd(channel_id=1, peer="evil", capacity=4096,
+                      fds=[os.dup(fd) for fd in fds.all()] + [pidfd], doorbell=doorbell,
+                      max_payload=1 << 16)
+ring = server.requests
+assert ring.accelerated == (os.environ["DSEC_IPC_PURE_PYTHON"] == "0")
+rng = random.Random(int(sys.argv[1]))
+outcomes = {"frame": 0, "protocol_error": 0}
+for _ in range(20000):
+    # A hostile peer scribbles over the records and moves HEAD anywhere.
+    for _ in range(rng.randint(1, 8)):
+        at = rng.randrange(4096 - 16)
+        ring._data[at : at + 16] = rng.randbytes(16)
+    if rng.random() < 0.3:
+        struct.pack_into("<IBBHQ", ring._data, ring.hdr[r.TAIL] & 4095,
+                         rng.choice([0, 1, 100, 2032, 2033, 4096, 1 << 20, 2**32 - 1]),
+                         rng.choice([1, 2, 3, 0, 255]), 1, 0, 1)
+    ring.hdr[r.HEAD] = ring.hdr[r.TAIL] + rng.choice([16, 32, 4096, 2**40])
+    try:
+        frame = ring.try_read(bytes)
+    except ProtocolError:
+        outcomes["protocol_error"] += 1
+    else:
+        assert frame is not None and len(frame[2]) <= 4096
+        outcomes["frame"] += 1
+# A hostile consumer moves TAIL anywhere: the writer stays inside its ring, whatever it is told.
+caller = ch.CallerEnd(channel_id=1, peer="evil", capacity=4096,
+                      fds=[os.dup(fd) for fd in fds.all()] + [os.dup(doorbell),
+                                                               os.pidfd_open(os.getpid())],
+                      max_payload=1 << 16, spin_ns=0)
+out = caller.requests
+for _ in range(20000):
+    out.hdr[r.TAIL] = rng.choice([0, out.hdr[r.HEAD], out.hdr[r.HEAD] + 2**40, 2**63,
+                                   rng.randrange(2**64)])
+    # True or False ("no space" is a fine answer to a lie); anything else fails the test.
+    body = rng.randbytes(rng.choice([0, 15, 2000, 2033, 5000]))
+    assert out.try_write(1, 1, body) in (True, False)
+print(outcomes["frame"] > 0 and outcomes["protocol_error"] > 0)
+"""
+
+
+@pytest.mark.integration
+def test_a_hostile_peer_scribbling_on_shared_memory_gets_errors_never_a_crash(
+    ring_mode: str,
+) -> None:
+    """Garbage records and a wild HEAD: frames or ProtocolError, never a read out of bounds.
+
+    In a child process, so a crash would show as a signal rather than take pytest down.
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", HOSTILE, "11"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "True", result.stdout

@@ -360,6 +360,8 @@ class Ring:
         try:
             if n > self.max_payload:
                 raise ProtocolError(f"overflow payload of {n} bytes exceeds {self.max_payload}")
+            if n <= self.max_inline:  # a writer sends these inline: garbage from a peer
+                raise ProtocolError(f"overflow record of {n} bytes would have fit the ring")
             overflow = self._map_overflow(n, grow=False)
             body = memoryview(overflow)[:n]
             try:
