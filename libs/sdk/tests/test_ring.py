@@ -356,3 +356,47 @@ def test_a_hostile_peer_scribbling_on_shared_memory_gets_errors_never_a_crash(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "True", result.stdout
+
+
+# ---------------------------------------------------------------------------- core placement
+@pytest.mark.unit
+def test_moving_off_a_shared_core_changes_core_not_affinity() -> None:
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.fail("this test needs 2 CPUs (the project's machines have them)")
+    here = ch.current_cpu()
+    assert here in allowed
+    assert not ch.move_off_core(-1)  # the peer's core is unknown: stay
+    assert not ch.move_off_core(max(allowed) + 1)  # the peer is elsewhere: stay
+    before = ch.current_cpu()
+    assert ch.move_off_core(before)
+    assert ch.current_cpu() != before
+    assert os.sched_getaffinity(0) == allowed  # moved once, not pinned
+    os.sched_setaffinity(0, {here})
+    try:
+        assert not ch.move_off_core(here)  # nowhere else to go
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+@pytest.mark.unit
+def test_a_caller_whose_yields_keep_switching_moves_off_its_servers_core() -> None:
+    """Both ends stacked on one core make every call a context switch (~11 µs, not ~3 µs): after
+    a few yields that switched to another task, a caller whose server runs on its core moves."""
+    allowed = os.sched_getaffinity(0)
+    spin = ch.Spin(50_000, peer_cpu=ch.current_cpu)  # "the server runs where I run"
+    stranded = ch.Spin(50_000)  # no idea where the peer is: never moves
+    long_ago = time.perf_counter_ns() - 1_000_000  # each yield then looks like a switch
+    here = ch.current_cpu()
+    for _ in range(3):
+        stranded.yield_cpu(long_ago)
+        spin.yield_cpu(long_ago)
+    assert ch.current_cpu() == here or len(allowed) < 2  # not yet: 3 switches may be chance
+    spin.yield_cpu(long_ago)
+    assert ch.current_cpu() != here, "four switched yields, peer on this core: should have moved"
+    assert spin.pure_ns == ch.PURE_SPIN_NS  # alone on a core again: spin before yielding
+    assert os.sched_getaffinity(0) == allowed
+    moved_to = ch.current_cpu()
+    spin.yield_cpu(long_ago)  # at most one move per 2 ms
+    stranded.yield_cpu(long_ago)
+    assert ch.current_cpu() == moved_to

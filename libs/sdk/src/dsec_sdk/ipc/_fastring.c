@@ -15,6 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -24,6 +25,7 @@
 #define RECORD_SIZE 16
 #define W_HEAD 0
 #define W_TAIL 8
+#define W_CONSUMER_CPU 9 /* consumer: 1 + the CPU it last read on (0: unknown); TAIL's line */
 #define W_CONSUMER_WAITING 16
 #define W_PRODUCER_WAITING 24
 #define REC_INLINE 1
@@ -308,6 +310,11 @@ static PyObject *FastRing_try_read(FastRing *self, PyObject *decode)
         Py_DECREF(body);
     }
     store_release(&hdr[W_TAIL], tail + RECORD_SIZE + (((uint64_t)n + 15) & ~(uint64_t)15));
+    /* Where the consumer runs, for a producer that wonders whether they share a core (vDSO call,
+     * and a store to a line this side writes anyway, only when it changed). */
+    int cpu = sched_getcpu();
+    if (cpu >= 0 && load_relaxed(&hdr[W_CONSUMER_CPU]) != (uint64_t)cpu + 1)
+        __atomic_store_n(&hdr[W_CONSUMER_CPU], (uint64_t)cpu + 1, __ATOMIC_RELAXED);
     /* No fence (as ring.py): a producer whose WAITING flag this misses is woken by the next read
      * or by wake_waiting_producer(), which every consumer runs, fenced, before it sleeps. */
     if (load_relaxed(&hdr[W_PRODUCER_WAITING]))
@@ -457,6 +464,17 @@ static PyMethodDef FastRing_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *current_cpu(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromLong(sched_getcpu());
+}
+
+static PyMethodDef module_methods[] = {
+    {"current_cpu", current_cpu, METH_NOARGS,
+     PyDoc_STR("current_cpu() -> int\n\nThe CPU this thread runs on now (sched_getcpu; -1 if unknown).")},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject FastRingType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dsec_sdk.ipc._fastring.FastRing",
     .tp_doc = PyDoc_STR("The C hot path of one ring direction (see ring.py for the layout)."),
@@ -475,6 +493,7 @@ static struct PyModuleDef fastring_module = {
     .m_name = "dsec_sdk.ipc._fastring",
     .m_doc = "C hot path of the DSec shared-memory rings (optional; ring.py works without it).",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit__fastring(void)

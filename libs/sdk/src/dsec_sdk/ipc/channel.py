@@ -16,6 +16,7 @@ import mmap
 import os
 import select
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -34,6 +35,12 @@ PURE_SPIN_NS: Final = 5_000
 # A sched_yield() that takes longer than this switched to another task: someone (likely the peer)
 # was waiting for this very core, so spinning without yielding only delays it.
 _SWITCHED_NS: Final = 3_000
+# When yields keep showing that our core is shared, move once to another core we may run on, at
+# most this often. The scheduler stacks two agents on one core now and then (a wake-up lands
+# where the waker runs) and a yield never moves a task, so they would stay there, a context
+# switch per call (~11 µs instead of ~3 µs), for as long as they talk.
+_MIGRATE_EVERY_NS: Final = 2_000_000
+_SWITCHES_BEFORE_MIGRATE: Final = 4
 
 _MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
 _RING_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -127,6 +134,39 @@ def pidfd_exited(pidfd: int) -> bool:
     return bool(poller.poll(0))
 
 
+def current_cpu() -> int:
+    """The CPU this thread runs on now (-1 if unknown)."""
+    if r._fastring is not None:
+        cpu: int = r._fastring.current_cpu()
+        return cpu
+    try:
+        with open("/proc/thread-self/stat", "rb") as stat:  # field 39
+            return int(stat.read().rpartition(b")")[2].split()[36])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def move_off_core(peer_cpu: int) -> bool:
+    """If this thread runs on ``peer_cpu``, migrate it once to another CPU it may use.
+
+    Not pinning: the thread's affinity is narrowed to the chosen CPU, which moves it there at
+    once, then set back to what it was, which leaves it there until the scheduler decides
+    otherwise. Only CPUs of the current mask are chosen (a sandbox's cpuset holds).
+    """
+    if peer_cpu < 0 or current_cpu() != peer_cpu:
+        return False
+    try:
+        allowed = os.sched_getaffinity(0)
+        others = sorted(allowed - {peer_cpu})
+        if not others:
+            return False
+        os.sched_setaffinity(0, {others[time.perf_counter_ns() % len(others)]})
+        os.sched_setaffinity(0, allowed)
+    except OSError:
+        return False
+    return True
+
+
 class Spin:
     """Adaptive spin budget.
 
@@ -137,8 +177,12 @@ class Spin:
 
     MISSES_BEFORE_SHRINK: Final = 8
 
-    def __init__(self, max_ns: int) -> None:
+    def __init__(self, max_ns: int, *, peer_cpu: Callable[[], int] | None = None) -> None:
+        """``peer_cpu``: where the peer last ran (-1 unknown); when yields show our core is
+        shared and the peer is on it, move to another core. Callers only: a server serves many,
+        and if both ends moved at once they could land together again."""
         self.max_ns = max(0, max_ns)
+        self.peer_cpu = peer_cpu
         self.min_ns = min(self.max_ns, 2_000)
         self.budget_ns = self.max_ns
         # Pure spinning before the first yield: drops to 0 when a yield shows that we share our
@@ -148,6 +192,8 @@ class Spin:
         self._misses = 0
         # True while hit() would change nothing: the hot path tests this flag instead of calling.
         self.settled = True
+        self._switches = 0
+        self._next_migrate = 0
 
     def hit(self) -> None:
         """The awaited event came while spinning."""
@@ -169,7 +215,19 @@ class Spin:
         if after - now > _SWITCHED_NS:
             self.pure_ns = 0
             self.settled = False
+            self._switches += 1
+            if (
+                self.peer_cpu is not None
+                and self._switches >= _SWITCHES_BEFORE_MIGRATE
+                and after >= self._next_migrate
+            ):
+                self._switches = 0
+                self._next_migrate = after + _MIGRATE_EVERY_NS
+                if move_off_core(self.peer_cpu()):
+                    self.pure_ns = PURE_SPIN_NS  # alone on a core again: spin, do not yield
+                    return after + PURE_SPIN_NS
             return after
+        self._switches = 0
         self.pure_ns = PURE_SPIN_NS
         return after + PURE_SPIN_NS
 
@@ -273,11 +331,15 @@ class CallerEnd(_End):
             max_payload=max_payload,
         )
         self.wake_fd = caller_wake
-        self.spin = Spin(spin_ns)
+        self.spin = Spin(spin_ns, peer_cpu=self._server_cpu)
         self._spin_until = self.responses.spin_until
         self.sleeper = Sleeper(caller_wake)
         self.sleeper.watch(peer_pidfd)
         self.next_id = 1
+
+    def _server_cpu(self) -> int:
+        # Recorded by the server's C read path; 0 (unknown) in a pure-Python server.
+        return int(self.requests.hdr[r.CONSUMER_CPU]) - 1
 
     def send(self, kind: int, call_id: int, body: bytes, deadline_ns: int) -> bool:
         """Publish a request, waiting for space; ``False`` if the deadline passed first.
