@@ -15,6 +15,7 @@ import pytest
 from dsec_sdk.errors import PayloadTooLarge, PeerGone, ProtocolError
 from dsec_sdk.ipc import channel as ch
 from dsec_sdk.ipc import ring as r
+from dsec_sdk.ipc.server import ServeCore
 
 CAPACITY = 4096
 
@@ -380,23 +381,41 @@ def test_moving_off_a_shared_core_changes_core_not_affinity() -> None:
 
 
 @pytest.mark.unit
-def test_a_caller_whose_yields_keep_switching_moves_off_its_servers_core() -> None:
-    """Both ends stacked on one core make every call a context switch (~11 µs, not ~3 µs): after
-    a few yields that switched to another task, a caller whose server runs on its core moves."""
+def test_an_end_woken_next_to_its_peer_moves_to_another_core(pair: Pair, ring_mode: str) -> None:
+    """A wake-up lands next to the waker (wake-affine placement); two agents on one core pay a
+    context switch per call (~11 µs instead of ~3 µs), so a woken end leaves its peer's core."""
     allowed = os.sched_getaffinity(0)
-    spin = ch.Spin(50_000, peer_cpu=ch.current_cpu)  # "the server runs where I run"
-    stranded = ch.Spin(50_000)  # no idea where the peer is: never moves
-    long_ago = time.perf_counter_ns() - 1_000_000  # each yield then looks like a switch
+    caller, server = pair.caller, pair.server
+    # The server side: a caller's request woke it, and the caller wrote it from this very core.
+    assert caller.requests.try_write(1, 1, b"wake up")
     here = ch.current_cpu()
-    for _ in range(3):
-        stranded.yield_cpu(long_ago)
-        spin.yield_cpu(long_ago)
-    assert ch.current_cpu() == here or len(allowed) < 2  # not yet: 3 switches may be chance
-    spin.yield_cpu(long_ago)
-    assert ch.current_cpu() != here, "four switched yields, peer on this core: should have moved"
-    assert spin.pure_ns == ch.PURE_SPIN_NS  # alone on a core again: spin before yielding
+    core = ServeCore()
+    core.add(server)
+    if ring_mode == "python":  # ring.py records no core: nothing to go by, nobody moves
+        assert caller.requests.hdr[r.PRODUCER_CPU] == 0
+        assert not core.leave_callers_core()
+        return
+    assert caller.requests.hdr[r.PRODUCER_CPU] == here + 1
+    assert core.leave_callers_core() and core.moves == 1
+    assert ch.current_cpu() != here
+    assert os.sched_getaffinity(0) == allowed  # moved once, not pinned
+    # The caller side: woken (here by its deadline) while its server reads on this core.
+    assert server.requests.try_read(bytes) == (1, 1, b"wake up")
+    now = ch.current_cpu()
+    assert caller.requests.hdr[r.CONSUMER_CPU] == now + 1
+    assert not caller.wait_response(time.perf_counter_ns() + 2_000_000)  # sleeps, times out
+    assert caller.moves == 1 and ch.current_cpu() != now
     assert os.sched_getaffinity(0) == allowed
-    moved_to = ch.current_cpu()
-    spin.yield_cpu(long_ago)  # at most one move per 2 ms
-    stranded.yield_cpu(long_ago)
-    assert ch.current_cpu() == moved_to
+
+
+@pytest.mark.unit
+def test_a_spin_cut_short_by_another_task_does_not_shrink_the_budget() -> None:
+    spin = ch.Spin(100_000)
+    long_ago = time.perf_counter_ns() - 1_000_000  # the yield "took" 1 ms: someone else ran
+    for _ in range(3 * ch.Spin.MISSES_BEFORE_SHRINK):
+        spin.yield_cpu(long_ago)
+        spin.miss()
+    assert spin.budget_ns == 100_000  # the peer is not slow; the core was busy
+    for _ in range(ch.Spin.MISSES_BEFORE_SHRINK):
+        spin.miss()
+    assert spin.budget_ns == 50_000  # a run of plain misses: the peer is slow

@@ -24,6 +24,7 @@
 #define HEADER_SIZE 512
 #define RECORD_SIZE 16
 #define W_HEAD 0
+#define W_PRODUCER_CPU 1 /* producer: 1 + the CPU it last wrote on (0: unknown); HEAD's line */
 #define W_TAIL 8
 #define W_CONSUMER_CPU 9 /* consumer: 1 + the CPU it last read on (0: unknown); TAIL's line */
 #define W_CONSUMER_WAITING 16
@@ -201,6 +202,9 @@ static int write_fast(FastRing *self, unsigned long kind, unsigned long long cal
             memcpy(record + 6, &zero, 2);
             memcpy(record + 8, &id64, 8);
             memcpy(record + RECORD_SIZE, src, (size_t)n);
+            int cpu = sched_getcpu(); /* where the producer runs (see W_CONSUMER_CPU) */
+            if (cpu >= 0 && load_relaxed(&hdr[W_PRODUCER_CPU]) != (uint64_t)cpu + 1)
+                __atomic_store_n(&hdr[W_PRODUCER_CPU], (uint64_t)cpu + 1, __ATOMIC_RELAXED);
             store_release(&hdr[W_HEAD], head + need);
             __atomic_thread_fence(__ATOMIC_SEQ_CST); /* HEAD store before WAITING load */
             if (load_relaxed(&hdr[W_CONSUMER_WAITING]))

@@ -266,6 +266,8 @@ class AsyncServeLoop:
                     self._wake.clear()
                     await self._wake.wait()
                     self.core.woke()
+                    if self._spin_ns:  # a spinning server gains from its own core
+                        self.core.leave_callers_core()
                 self._reap()
         finally:
             self._loop.remove_reader(self.doorbell)

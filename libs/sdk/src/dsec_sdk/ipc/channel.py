@@ -16,7 +16,6 @@ import mmap
 import os
 import select
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -35,12 +34,11 @@ PURE_SPIN_NS: Final = 5_000
 # A sched_yield() that takes longer than this switched to another task: someone (likely the peer)
 # was waiting for this very core, so spinning without yielding only delays it.
 _SWITCHED_NS: Final = 3_000
-# When yields keep showing that our core is shared, move once to another core we may run on, at
-# most this often. The scheduler stacks two agents on one core now and then (a wake-up lands
-# where the waker runs) and a yield never moves a task, so they would stay there, a context
-# switch per call (~11 µs instead of ~3 µs), for as long as they talk.
-_MIGRATE_EVERY_NS: Final = 2_000_000
-_SWITCHES_BEFORE_MIGRATE: Final = 4
+# A wake-up usually lands on the core of the task that woke us (the scheduler's wake-affine
+# placement), so after a sleep two agents often share one core, and a yield never moves a task:
+# every call would then be a context switch (~11 µs instead of ~3 µs) for as long as they talk.
+# So an end that wakes up next to its peer moves to another core, at most this often.
+MIGRATE_EVERY_NS: Final = 200_000
 
 _MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
 _RING_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -172,17 +170,17 @@ class Spin:
 
     A hit (the event came while spinning) restores the full budget. Only a run of misses halves
     it: one miss is usually a preemption on a busy machine, while a steady run means the peer is
-    slow (a tool that takes milliseconds), where spinning only burns a core.
+    slow (a tool that takes milliseconds), where spinning only burns a core. A miss during which
+    a yield switched to another task does not count: the budget ran out while someone else had
+    the core (often the very peer we wait for), which says nothing about the peer's speed. (It
+    did count once, and two agents stacked on one core shrank their budget to nothing, then
+    slept and woke, ~25 µs, on every call.)
     """
 
     MISSES_BEFORE_SHRINK: Final = 8
 
-    def __init__(self, max_ns: int, *, peer_cpu: Callable[[], int] | None = None) -> None:
-        """``peer_cpu``: where the peer last ran (-1 unknown); when yields show our core is
-        shared and the peer is on it, move to another core. Callers only: a server serves many,
-        and if both ends moved at once they could land together again."""
+    def __init__(self, max_ns: int) -> None:
         self.max_ns = max(0, max_ns)
-        self.peer_cpu = peer_cpu
         self.min_ns = min(self.max_ns, 2_000)
         self.budget_ns = self.max_ns
         # Pure spinning before the first yield: drops to 0 when a yield shows that we share our
@@ -192,12 +190,12 @@ class Spin:
         self._misses = 0
         # True while hit() would change nothing: the hot path tests this flag instead of calling.
         self.settled = True
-        self._switches = 0
-        self._next_migrate = 0
+        self._contended = False  # a yield switched to another task since the last hit or miss
 
     def hit(self) -> None:
         """The awaited event came while spinning."""
         self._misses = 0
+        self._contended = False
         self.budget_ns = self.max_ns
         if self.pure_ns < PURE_SPIN_NS:
             self.pure_ns += 500
@@ -215,25 +213,17 @@ class Spin:
         if after - now > _SWITCHED_NS:
             self.pure_ns = 0
             self.settled = False
-            self._switches += 1
-            if (
-                self.peer_cpu is not None
-                and self._switches >= _SWITCHES_BEFORE_MIGRATE
-                and after >= self._next_migrate
-            ):
-                self._switches = 0
-                self._next_migrate = after + _MIGRATE_EVERY_NS
-                if move_off_core(self.peer_cpu()):
-                    self.pure_ns = PURE_SPIN_NS  # alone on a core again: spin, do not yield
-                    return after + PURE_SPIN_NS
+            self._contended = True
             return after
-        self._switches = 0
         self.pure_ns = PURE_SPIN_NS
         return after + PURE_SPIN_NS
 
     def miss(self) -> None:
         """Spinning was in vain."""
         self.settled = False
+        if self._contended:
+            self._contended = False
+            return
         self._misses += 1
         if self._misses >= self.MISSES_BEFORE_SHRINK:
             self.budget_ns = max(self.min_ns, self.budget_ns // 2)
@@ -331,8 +321,10 @@ class CallerEnd(_End):
             max_payload=max_payload,
         )
         self.wake_fd = caller_wake
-        self.spin = Spin(spin_ns, peer_cpu=self._server_cpu)
+        self.spin = Spin(spin_ns)
         self._spin_until = self.responses.spin_until
+        self._next_move = 0
+        self.moves = 0  # times this end left its server's core after a wake-up
         self.sleeper = Sleeper(caller_wake)
         self.sleeper.watch(peer_pidfd)
         self.next_id = 1
@@ -409,7 +401,16 @@ class CallerEnd(_End):
         if remaining <= 0:
             return False
         self.sleeper.sleep(remaining)
+        self._leave_servers_core()
         return True
+
+    def _leave_servers_core(self) -> None:
+        """Just woken (likely by the server): if it runs on this core, move to another."""
+        now = time.perf_counter_ns()
+        if now >= self._next_move:
+            self._next_move = now + MIGRATE_EVERY_NS
+            if move_off_core(self._server_cpu()):
+                self.moves += 1
 
 
 class ServerEnd(_End):

@@ -47,6 +47,7 @@ MIN_CAPACITY: Final = 4096
 
 # Word indexes into the header viewed as u64; 8 words = one 64-byte line apart.
 HEAD: Final = 0  # producer: bytes published
+PRODUCER_CPU: Final = 1  # producer (C path only): 1 + the CPU it last wrote on; 0 = unknown
 TAIL: Final = 8  # consumer: bytes consumed
 CONSUMER_CPU: Final = 9  # consumer (C path only): 1 + the CPU it last read on; 0 = unknown
 CONSUMER_WAITING: Final = 16  # consumer: 1 while it sleeps (or is about to) on its eventfd

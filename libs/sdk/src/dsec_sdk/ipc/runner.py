@@ -203,6 +203,7 @@ class BlockingServer:
             self.core.woke()
             # Closed flags cost a memory read; pidfds a syscall each, so only when one fired.
             self.core.reap(check_pids=bool(fired))
+            self.core.leave_callers_core()
 
     def _poll_control(self) -> bool:
         messages = _read_control(self.link.sock)
