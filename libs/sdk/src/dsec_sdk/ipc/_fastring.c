@@ -21,6 +21,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+/* The layout is little-endian (ring.py's struct "<IBBHQ"); elsewhere ring.py runs alone. */
+#error "the ring's C hot path assumes a little-endian CPU"
+#endif
+
 #define HEADER_SIZE 512
 #define RECORD_SIZE 16
 #define W_HEAD 0
