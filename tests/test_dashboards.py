@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import dsec_core.metrics  # noqa: F401  (registers the service metrics)
+import dsec_nodeagent.ipc.metrics  # noqa: F401  (the broker's metrics, on the node agent)
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 

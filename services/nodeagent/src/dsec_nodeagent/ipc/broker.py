@@ -27,6 +27,7 @@ from dsec_sdk.errors import ProtocolError
 from dsec_sdk.ipc import channel as ch
 from dsec_sdk.ipc import control
 
+from dsec_nodeagent.ipc import metrics
 from dsec_nodeagent.ipc.registry import AgentKey, Registry
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,7 @@ class Broker:
                 self._refuse(conn, f"process {conn.pid} may not act as {key}")
                 return
         conn.key, conn.role, conn.tools = key, role, tools
+        metrics.AGENTS.labels(role).inc()
         welcome = {
             "op": "welcome",
             "node": self.node_id,
@@ -258,12 +260,14 @@ class Broker:
         if opened is not None:
             channel_id, caller_fds = opened
             reply = self._channel_reply(ref, channel_id, key.agent, remote=False)
+            metrics.CHANNELS_OPENED.labels("local").inc()  # before the caller can use it
             self._send(conn, reply, caller_fds)
             control.close_fds(caller_fds)
             return
         if self._remote is not None and await self._remote.locate(key):
             channel_id, fds = self._remote.open_proxy(key, conn)
             reply = self._channel_reply(ref, channel_id, key.agent, remote=True)
+            metrics.CHANNELS_OPENED.labels("remote").inc()
             self._send(conn, reply, fds)
             control.close_fds(fds)
             return
@@ -333,9 +337,11 @@ class Broker:
             self._drop(conn)
 
     def _reply_error(self, conn: Connection, request: dict[str, Any], code: str, text: str) -> None:
+        metrics.CONNECTS_FAILED.labels(code).inc()
         self._send(conn, {"op": "error", "ref": request.get("ref"), "code": code, "message": text})
 
     def _refuse(self, conn: Connection, reason: str) -> None:
+        metrics.REFUSED.inc()
         self._send(conn, {"op": "error", "code": "refused", "message": reason})
         self._drop(conn)
 
@@ -349,6 +355,8 @@ class Broker:
         if conn not in self._connections:
             return
         self._connections.discard(conn)
+        if conn.key is not None and conn.role:
+            metrics.AGENTS.labels(conn.role).dec()
         with contextlib.suppress(ValueError, OSError):
             asyncio.get_running_loop().remove_reader(conn.sock.fileno())
         conn.sock.close()

@@ -28,6 +28,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from dsec_nodeagent.ipc import metrics
 from dsec_nodeagent.ipc.registry import AgentKey
 
 if TYPE_CHECKING:
@@ -147,12 +148,15 @@ class RemoteBridge:
 
     async def _forward(self, end: ch.ServerEnd, call_id: int, body: bytes) -> None:
         assert self._proxy is not None
+        started = time.perf_counter()
         try:
             kind, reply = await self._forward_body(end, body)
         except Exception as exc:
             log.exception("ipc: forwarding a call over NATS failed")
             text = f"the bridge to the other node failed: {type(exc).__name__}: {exc}"
             kind, reply = codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", text)
+        # Counted before answering: whoever reads the metrics after the call sees it.
+        metrics.observe_remote("out", kind, reply, time.perf_counter() - started)
         self._proxy.respond(end, kind, call_id, reply)
 
     async def _forward_body(self, end: ch.ServerEnd, body: bytes) -> tuple[int, bytes]:
@@ -228,7 +232,9 @@ class RemoteBridge:
                 msg, codec.ERROR, self._error(codec.E_BAD_ARGUMENTS, "ProtocolError", str(exc))
             )
             return
+        started = time.perf_counter()
         kind, body = await self._call_local(key, msg.data, timeout_s)
+        metrics.observe_remote("in", kind, body, time.perf_counter() - started)
         assert self.nc is not None
         if len(body) + 1 > self.nc.max_payload:
             kind, body = (
