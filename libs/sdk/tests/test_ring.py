@@ -444,3 +444,34 @@ def test_a_spin_cut_short_by_another_task_does_not_shrink_the_budget() -> None:
     for _ in range(ch.Spin.MISSES_BEFORE_SHRINK):
         spin.miss()
     assert spin.budget_ns == 50_000  # a run of plain misses: the peer is slow
+
+
+@pytest.mark.unit
+def test_an_async_caller_woken_next_to_its_server_moves_too(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from dsec_sdk.ipc.aio import AsyncCaller
+
+    allowed = os.sched_getaffinity(0)
+    servers_cpu = min(allowed)
+    pair.caller.requests.hdr[r.CONSUMER_CPU] = servers_cpu + 1  # as the server's C path writes
+    log = AffinityLog(monkeypatch, servers_cpu)
+
+    async def woken() -> None:
+        caller = AsyncCaller(pair.caller, bytes)
+        try:
+            assert pair.server.responses.try_write(2, 1, b"late answer")
+            os.eventfd_write(pair.caller.wake_fd, 1)  # what the server's write does when we sleep
+            for _ in range(100):
+                await asyncio.sleep(0)
+                if log.calls:
+                    break
+        finally:
+            caller.loop.remove_reader(pair.caller.wake_fd)
+            caller.loop.remove_reader(pair.caller.peer_pidfd)
+
+    asyncio.run(woken())
+    assert pair.caller.moves == 1
+    assert servers_cpu not in log.calls[0] and log.calls[1] == allowed

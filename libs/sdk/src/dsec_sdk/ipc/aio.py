@@ -158,6 +158,8 @@ class AsyncCaller:
         if self.end.is_closed:
             return
         drain(self.end.wake_fd)
+        if self.end.spin.max_ns:  # a spinning caller gains from a core of its own
+            self.end.leave_servers_core()
         self._space.set()
         self._read_all()
         reason = self.end.peer_gone_reason(check_pid=False)  # the pidfd has its own reader

@@ -401,10 +401,10 @@ class CallerEnd(_End):
         if remaining <= 0:
             return False
         self.sleeper.sleep(remaining)
-        self._leave_servers_core()
+        self.leave_servers_core()
         return True
 
-    def _leave_servers_core(self) -> None:
+    def leave_servers_core(self) -> None:
         """Just woken (likely by the server): if it runs on this core, move to another."""
         now = time.perf_counter_ns()
         if now >= self._next_move:
