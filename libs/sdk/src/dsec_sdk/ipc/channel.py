@@ -133,15 +133,12 @@ def pidfd_exited(pidfd: int) -> bool:
 
 
 def current_cpu() -> int:
-    """The CPU this thread runs on now (-1 if unknown)."""
-    if r._fastring is not None:
-        cpu: int = r._fastring.current_cpu()
-        return cpu
-    try:
-        with open("/proc/thread-self/stat", "rb") as stat:  # field 39
-            return int(stat.read().rpartition(b")")[2].split()[36])
-    except (OSError, ValueError, IndexError):
+    """The CPU this thread runs on now; -1 without the C extension (then no ring records a
+    core either, so nothing is compared with it)."""
+    if r._fastring is None:
         return -1
+    cpu: int = r._fastring.current_cpu()
+    return cpu
 
 
 def move_off_core(peer_cpu: int) -> bool:

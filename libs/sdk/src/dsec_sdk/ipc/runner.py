@@ -116,16 +116,11 @@ class BlockingServer:
                         and not channels[0].backlog
                         and channels[0].requests.fast is not None
                     ):
-                        # One caller, C rings: spin and read in one call, then serve.
-                        if self._spin_serve_one(channels[0], until):
-                            if not spin.settled:
-                                spin.hit()
-                            continue
-                        if clock() < control_due:
-                            spin.miss()
-                            self._sleep()
-                        break
-                    if not spin_for_work(until, spin):
+                        # One caller, C rings: spin and read in one call, and serve that.
+                        found = self._spin_serve_one(channels[0], until)
+                    else:
+                        found = spin_for_work(until, spin)
+                    if not found:
                         if clock() < control_due:
                             spin.miss()
                             self._sleep()
@@ -159,13 +154,16 @@ class BlockingServer:
             return False
         if frame is None:
             return False
-        outcome = self.dispatcher.start(frame[2])
+        self._answer(end, frame[1], frame[2])
+        return True
+
+    def _answer(self, end: ServerEnd, call_id: int, request: Any) -> None:
+        outcome = self.dispatcher.start(request)
         if not isinstance(outcome, tuple):
             outcome = self._run_async(outcome)
         kind, body = outcome
-        if not end.responses.try_write(kind, frame[1], body):
-            end.backlog.append((kind, frame[1], body))
-        return True
+        if not end.responses.try_write(kind, call_id, body):
+            end.backlog.append((kind, call_id, body))
 
     def _spin_serve_one(self, end: ServerEnd, until_ns: int) -> bool:
         """Spin for one request on ``end`` and serve it; ``False`` if none came by ``until_ns``."""
@@ -184,12 +182,7 @@ class BlockingServer:
             if frame == 0:
                 return False
             yield_after = spin.yield_cpu(clock())
-        outcome = self.dispatcher.start(frame[2])
-        if not isinstance(outcome, tuple):
-            outcome = self._run_async(outcome)
-        kind, body = outcome
-        if not end.responses.try_write(kind, frame[1], body):
-            end.backlog.append((kind, frame[1], body))
+        self._answer(end, frame[1], frame[2])
         return True
 
     def _run_async(self, pending: Awaitable[Any]) -> tuple[int, bytes]:

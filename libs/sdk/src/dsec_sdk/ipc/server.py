@@ -194,7 +194,7 @@ class ServeCore:
 
         A wake-up usually lands next to the task that woke us, and two agents on one core pay a
         context switch per call for as long as they talk. The caller's C write path records
-        its core in the ring header. At most once per 2 ms.
+        its core in the ring header. At most once per ``MIGRATE_EVERY_NS``.
         """
         now = time.perf_counter_ns()
         if now < self._next_move:
