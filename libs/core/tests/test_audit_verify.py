@@ -124,3 +124,60 @@ def test_reordered_fields_count_as_altered() -> None:
     wires[1] = canonical.pack(dict(reversed(list(raw.items()))))
     report = verify_stream(_numbered(wires))
     assert report.finding is not None and "signature invalid" in report.finding.reason
+
+
+# ------------------------------------------------------------------ signatures checked at heads
+def _forge_from(wires: list[bytes], index: int) -> None:
+    """Alter event ``index`` and re-link every later one (an attacker without the key can fix
+    the ``prev`` hashes, not the signatures)."""
+    from dsec_core.signing import envelope_hash
+
+    env = decode(wires[index])
+    wires[index] = encode(env.model_copy(update={"payload": {**env.payload, "spec_yaml": "evil"}}))
+    for j in range(index + 1, len(wires)):
+        later = decode(wires[j])
+        wires[j] = encode(later.model_copy(update={"prev": envelope_hash(wires[j - 1])}))
+
+
+def test_a_relinked_forgery_deep_in_a_long_chain_is_named_before_the_end() -> None:
+    from dsec_core.audit import SIGNATURE_EVERY, Verifier
+
+    signer = Signer("policy", SigningKey.generate())
+    wires = _log(signer, n=SIGNATURE_EVERY + 50)
+    _forge_from(wires, 10)
+    verifier = Verifier()
+    finding = None
+    for seq, wire in _numbered(wires):
+        finding = verifier.feed(seq, wire)
+        if finding is not None:
+            break
+    # Found when the chain's newest signature was due, well before the last event...
+    assert finding is not None and seq <= SIGNATURE_EVERY + 1
+    # ...and named at the first forged event, as a check of every signature would.
+    assert finding.stream_seq == 11 and "signature invalid" in finding.reason
+    assert verifier.report.events == 10
+
+
+def test_the_first_bad_event_is_named_across_chains() -> None:
+    a, b = Signer("policy", SigningKey.generate()), Signer("cli", SigningKey.generate())
+    wires_a, wires_b = _log(a, n=2), _log(b, n=3)
+    _forge_from(wires_a, 2)  # the last event of a's chain: only its own signature shows it
+    del wires_b[2]  # then b's chain breaks, later in the stream
+    report = verify_stream(_numbered(wires_a + wires_b))
+    assert report.finding is not None
+    assert report.finding.stream_seq == 3, report.finding  # a's forged event comes first
+    assert "signature invalid" in report.finding.reason
+    assert report.events == 2
+
+
+def test_a_forged_last_event_needs_finish() -> None:
+    from dsec_core.audit import Verifier
+
+    signer = Signer("policy", SigningKey.generate())
+    wires = _log(signer, n=3)
+    _forge_from(wires, 3)
+    verifier = Verifier()
+    assert all(verifier.feed(seq, wire) is None for seq, wire in _numbered(wires))
+    report = verifier.finish()
+    assert report.finding is not None and report.finding.stream_seq == 4
+    assert verifier.finish() is report  # idempotent

@@ -31,7 +31,7 @@ async def _verify() -> VerifyReport:
         async for seq, data in replay(js):
             if verifier.feed(seq, data) is not None:
                 break
-    return verifier.report
+    return verifier.finish()
 
 
 def _report_dict(report: VerifyReport) -> dict[str, Any]:
