@@ -65,16 +65,13 @@ def verify_rates(n: int) -> dict[str, int]:
     payload = _payload()
     wires += [signers[i % 6].seal(payload, aggregate_id=f"sbx_{i % 64}").wire for i in range(n)]
     rates = {}
-    shipped = audit.SIGNATURE_EVERY
-    for name, every in (("chain_heads", shipped), ("every_signature", 1)):
-        audit.SIGNATURE_EVERY = every
+    for name, every in (("chain_heads", audit.SIGNATURE_EVERY), ("every_signature", 1)):
         started = time.perf_counter()
-        report = audit.verify_stream(enumerate(wires, 1))
+        report = audit.verify_stream(enumerate(wires, 1), signature_every=every)
         elapsed = time.perf_counter() - started
         if not report.ok:
             raise SystemExit(f"verification failed: {report.finding}")
         rates[name] = round(len(wires) / elapsed)
-    audit.SIGNATURE_EVERY = shipped
     return rates
 
 

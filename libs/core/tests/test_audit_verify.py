@@ -181,3 +181,15 @@ def test_a_forged_last_event_needs_finish() -> None:
     report = verifier.finish()
     assert report.finding is not None and report.finding.stream_seq == 4
     assert verifier.finish() is report  # idempotent
+
+
+def test_signature_interval_must_be_positive() -> None:
+    from dsec_core.audit import Verifier
+
+    with pytest.raises(ValueError, match="signature_every must be >= 1, got 0"):
+        Verifier(0)
+    signer = Signer("policy", SigningKey.generate())
+    wires = _log(signer, n=5)
+    _forge_from(wires, 3)
+    report = verify_stream(_numbered(wires), signature_every=1)  # a naive full check agrees
+    assert report.finding is not None and report.finding.stream_seq == 4

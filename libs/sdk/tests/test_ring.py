@@ -475,3 +475,33 @@ def test_an_async_caller_woken_next_to_its_server_moves_too(
     asyncio.run(woken())
     assert pair.caller.moves == 1
     assert servers_cpu not in log.calls[0] and log.calls[1] == allowed
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value", ["false", "OFF", "0", ""])
+def test_pure_python_switch_reads_no_as_no(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DSEC_IPC_PURE_PYTHON", value)
+    assert r.accelerated()  # "false" must not turn the C path off
+
+
+@pytest.mark.unit
+def test_pure_python_switch_refuses_a_value_it_cannot_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_IPC_PURE_PYTHON", "maybe")
+    fds = ch.create_channel(CAPACITY)
+    handed = [os.dup(fd) for fd in fds.all()] + [ch.new_eventfd(), os.pidfd_open(os.getpid())]
+    fds.close()
+    with pytest.raises(ValueError, match=r"DSEC_IPC_PURE_PYTHON='maybe' is invalid: use 1/true"):
+        ch.CallerEnd(
+            channel_id=1, peer="b", capacity=CAPACITY, fds=handed, max_payload=1 << 20, spin_ns=0
+        )
+    for fd in handed:  # the refused end closed every fd it was handed: nothing leaks
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+@pytest.mark.unit
+def test_the_c_methods_name_their_arguments(pair: Pair, ring_mode: str) -> None:
+    if ring_mode == "python":
+        return  # ring.py's methods are Python functions: Python names their arguments
+    with pytest.raises(TypeError, match=r"try_write\(kind, call_id, body\) takes 3 arguments"):
+        pair.caller.requests.try_write(1, 2)

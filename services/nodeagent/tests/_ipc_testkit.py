@@ -119,3 +119,10 @@ def agent_tools(release: threading.Event | None = None) -> dict[str, Callable[..
 if __name__ == "__main__":
     socket_arg, group_arg, name_arg = sys.argv[1:4]
     DSecClient(name_arg, group_arg, socket_path=socket_arg).serve(agent_tools())
+
+
+def metric(name: str, **labels: str) -> float:
+    """The current value of one sample in this process's Prometheus registry (0 if absent)."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0

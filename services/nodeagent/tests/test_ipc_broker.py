@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach
 from _ipc_testkit import (
     BrokerThread,
     agent_tools,
+    metric,
     start_agent,
     wait_serving,
     wait_until,
@@ -453,39 +454,31 @@ def test_broker_restart_ends_serving_and_callers_reconnect(sock_dir: Path) -> No
         second.stop()
 
 
-def _sample(name: str, **labels: str) -> float:
-    from prometheus_client import REGISTRY
-
-    return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
 def test_broker_metrics_count_agents_channels_misses_and_refusals(sock_dir: Path) -> None:
     """What a platform team sees on the node agent's /metrics (local calls never pass by)."""
     thread = BrokerThread(sock_dir / "ipc.sock", identify=lambda pid, uid, gid: AgentKey("g1", "a"))
     before = {
-        "callers": _sample("dsec_ipc_agents", role="caller"),
-        "local": _sample("dsec_ipc_channels_opened_total", where="local"),
-        "not_found": _sample("dsec_ipc_connects_failed_total", code="not_found"),
-        "refused": _sample("dsec_ipc_refused_total"),
+        "callers": metric("dsec_ipc_agents", role="caller"),
+        "local": metric("dsec_ipc_channels_opened_total", where="local"),
+        "not_found": metric("dsec_ipc_connects_failed_total", code="not_found"),
+        "refused": metric("dsec_ipc_refused_total"),
     }
     try:
         ok = DSecClient("a", "g1", socket_path=sock_dir / "ipc.sock")
         with pytest.raises(AgentNotFound):
             ok.call_tool("b", "ping")
-        assert _sample("dsec_ipc_agents", role="caller") == before["callers"] + 1
-        assert (
-            _sample("dsec_ipc_connects_failed_total", code="not_found") == before["not_found"] + 1
-        )
+        assert metric("dsec_ipc_agents", role="caller") == before["callers"] + 1
+        assert metric("dsec_ipc_connects_failed_total", code="not_found") == before["not_found"] + 1
         impostor = DSecClient("b", "g1", socket_path=sock_dir / "ipc.sock")
         with pytest.raises(BrokerUnavailable):
             impostor.call_tool("a", "ping")
-        assert _sample("dsec_ipc_refused_total") == before["refused"] + 1
+        assert metric("dsec_ipc_refused_total") == before["refused"] + 1
         ok.close()
         wait_until(
-            lambda: _sample("dsec_ipc_agents", role="caller") == before["callers"] or None,
+            lambda: metric("dsec_ipc_agents", role="caller") == before["callers"] or None,
             what="the broker to count the caller gone",
         )
-        assert _sample("dsec_ipc_channels_opened_total", where="local") == before["local"]
+        assert metric("dsec_ipc_channels_opened_total", where="local") == before["local"]
     finally:
         thread.stop()
 
@@ -493,14 +486,14 @@ def test_broker_metrics_count_agents_channels_misses_and_refusals(sock_dir: Path
 def test_a_served_call_counts_one_local_channel(
     broker: BrokerThread, agent_b: ThreadServer
 ) -> None:
-    before = _sample("dsec_ipc_channels_opened_total", where="local")
-    servers = _sample("dsec_ipc_agents", role="server")
+    before = metric("dsec_ipc_channels_opened_total", where="local")
+    servers = metric("dsec_ipc_agents", role="server")
     assert servers >= 1
     client = DSecClient("counted", "g1", socket_path=broker.socket_path, timeout=20)
     try:
         wait_serving(client, "agent-b")
         for _ in range(3):
             client.call_tool("agent-b", "ping")
-        assert _sample("dsec_ipc_channels_opened_total", where="local") == before + 1
+        assert metric("dsec_ipc_channels_opened_total", where="local") == before + 1
     finally:
         client.close()

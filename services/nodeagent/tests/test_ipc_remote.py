@@ -21,7 +21,7 @@ from dsec_sdk import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
-from _ipc_testkit import BrokerThread, start_agent, wait_serving
+from _ipc_testkit import BrokerThread, metric, start_agent, wait_serving
 
 pytestmark = pytest.mark.integration
 
@@ -62,27 +62,22 @@ def test_call_reaches_an_agent_on_another_node(remote_agent: DSecClient) -> None
 
 
 def test_bridged_calls_show_in_both_node_agents_metrics(remote_agent: DSecClient) -> None:
-    from prometheus_client import REGISTRY
-
-    def sample(name: str, **labels: str) -> float:
-        return REGISTRY.get_sample_value(name, labels) or 0.0
-
     # Both "nodes" run in this process, so one registry holds both sides' counters.
-    out_ok = sample("dsec_ipc_remote_calls_total", direction="out", outcome="result")
-    in_ok = sample("dsec_ipc_remote_calls_total", direction="in", outcome="result")
-    out_missing = sample("dsec_ipc_remote_calls_total", direction="out", outcome="unknown_tool")
-    timed = sample("dsec_ipc_remote_call_seconds_count", direction="out")
+    out_ok = metric("dsec_ipc_remote_calls_total", direction="out", outcome="result")
+    in_ok = metric("dsec_ipc_remote_calls_total", direction="in", outcome="result")
+    out_missing = metric("dsec_ipc_remote_calls_total", direction="out", outcome="unknown_tool")
+    timed = metric("dsec_ipc_remote_call_seconds_count", direction="out")
     for seq in range(3):
         remote_agent.call_tool("agent-b", "echo", data="x", seq=seq)
     with pytest.raises(ToolNotFound):
         remote_agent.call_tool("agent-b", "no_such_tool")
-    assert sample("dsec_ipc_remote_calls_total", direction="out", outcome="result") == out_ok + 3
-    assert sample("dsec_ipc_remote_calls_total", direction="in", outcome="result") == in_ok + 3
+    assert metric("dsec_ipc_remote_calls_total", direction="out", outcome="result") == out_ok + 3
+    assert metric("dsec_ipc_remote_calls_total", direction="in", outcome="result") == in_ok + 3
     assert (
-        sample("dsec_ipc_remote_calls_total", direction="out", outcome="unknown_tool")
+        metric("dsec_ipc_remote_calls_total", direction="out", outcome="unknown_tool")
         == out_missing + 1
     )
-    assert sample("dsec_ipc_remote_call_seconds_count", direction="out") == timed + 4
+    assert metric("dsec_ipc_remote_call_seconds_count", direction="out") == timed + 4
 
 
 def test_async_calls_across_nodes(remote_agent: DSecClient) -> None:

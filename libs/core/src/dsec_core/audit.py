@@ -198,9 +198,16 @@ def _check_event(state: _State, seq: int, f: dict[str, Any], data: bytes) -> str
 
 
 class Verifier:
-    """Incremental verifier: feed events in stream order; the first problem sticks."""
+    """Incremental verifier: feed events in stream order; the first problem sticks.
 
-    def __init__(self) -> None:
+    ``signature_every``: check a chain's newest signature at least this often (1: every
+    signature, as a naive verifier does; for comparison).
+    """
+
+    def __init__(self, signature_every: int = SIGNATURE_EVERY) -> None:
+        if signature_every < 1:
+            raise ValueError(f"signature_every must be >= 1, got {signature_every}")
+        self._signature_every = signature_every
         self.report = VerifyReport()
         self._state = _State()
         self._expected: int | None = None
@@ -235,7 +242,7 @@ class Verifier:
         report.producers.add(fields["producer"])
         report.chains = len(self._state.chains)
         chain = self._state.chains[(fields["producer"], fields["chain"])]
-        if len(chain.pending) >= SIGNATURE_EVERY:
+        if len(chain.pending) >= self._signature_every:
             bad = chain.first_bad_signature()
             if bad is not None:
                 return self._signature_finding(bad)
@@ -267,9 +274,11 @@ class Verifier:
         return report.finding
 
 
-def verify_stream(messages: Iterable[tuple[int, bytes]]) -> VerifyReport:
+def verify_stream(
+    messages: Iterable[tuple[int, bytes]], *, signature_every: int = SIGNATURE_EVERY
+) -> VerifyReport:
     """Verify a stream replay; stop at the first bad event."""
-    verifier = Verifier()
+    verifier = Verifier(signature_every)
     for seq, data in messages:
         if verifier.feed(seq, data) is not None:
             break

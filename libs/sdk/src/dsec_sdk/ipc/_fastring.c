@@ -92,6 +92,16 @@ static int released(FastRing *self)
     return 0;
 }
 
+/* The checks every method starts with: its argument count, and a ring still mapped. */
+static int begin(FastRing *self, Py_ssize_t nargs, Py_ssize_t expected, const char *usage)
+{
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", usage, expected);
+        return -1;
+    }
+    return released(self) ? -1 : 0;
+}
+
 static int FastRing_init(FastRing *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"buffer", "capacity", "consumer_wake_fd", "producer_wake_fd",
@@ -240,11 +250,7 @@ static int parse_kind_id(PyObject *kind_obj, PyObject *id_obj, unsigned long *ki
 
 static PyObject *FastRing_try_write(FastRing *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "try_write(kind, call_id, body) takes 3 arguments");
-        return NULL;
-    }
-    if (released(self))
+    if (begin(self, nargs, 3, "try_write(kind, call_id, body)") < 0)
         return NULL;
     unsigned long kind;
     unsigned long long call_id;
@@ -372,17 +378,11 @@ static int spin_wait(FastRing *self, int64_t until, int64_t yield_after)
 
 static PyObject *FastRing_spin_until(FastRing *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "spin_until(until_ns, yield_after_ns) takes 2 arguments");
-        return NULL;
-    }
-    if (released(self))
+    if (begin(self, nargs, 2, "spin_until(until_ns, yield_after_ns)") < 0)
         return NULL;
     long long until = PyLong_AsLongLong(args[0]);
-    if (until == -1 && PyErr_Occurred())
-        return NULL;
     long long yield_after = PyLong_AsLongLong(args[1]);
-    if (yield_after == -1 && PyErr_Occurred())
+    if (PyErr_Occurred())
         return NULL;
     return PyLong_FromLong(spin_wait(self, until, yield_after));
 }
@@ -399,16 +399,15 @@ PyDoc_STRVAR(call_doc,
 
 static PyObject *FastRing_call(FastRing *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "call() takes 8 arguments");
+    if (begin(self, nargs, 8,
+              "call(responses, kind, call_id, body, decode, spin_ns, pure_ns, deadline_ns)") < 0)
         return NULL;
-    }
     if (Py_TYPE(args[0]) != &FastRingType) {
         PyErr_SetString(PyExc_TypeError, "responses must be a FastRing");
         return NULL;
     }
     FastRing *responses = (FastRing *)args[0];
-    if (released(self) || released(responses))
+    if (released(responses))
         return NULL;
     unsigned long kind;
     unsigned long long call_id;
@@ -439,11 +438,7 @@ PyDoc_STRVAR(spin_read_doc,
 
 static PyObject *FastRing_spin_read(FastRing *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "spin_read(until_ns, yield_after_ns, decode) takes 3 arguments");
-        return NULL;
-    }
-    if (released(self))
+    if (begin(self, nargs, 3, "spin_read(until_ns, yield_after_ns, decode)") < 0)
         return NULL;
     long long until = PyLong_AsLongLong(args[0]);
     long long yield_after = PyLong_AsLongLong(args[1]);

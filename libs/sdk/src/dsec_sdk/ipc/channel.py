@@ -162,6 +162,25 @@ def move_off_core(peer_cpu: int) -> bool:
     return True
 
 
+class CoreMover:
+    """Leaves the peer's core after a wake-up (:func:`move_off_core`), at most once per
+    ``MIGRATE_EVERY_NS``; counts the moves."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self.moves = 0
+
+    def leave(self, peer_cpu: int) -> bool:
+        """Move off ``peer_cpu`` if this thread runs there and the last try is long enough ago."""
+        now = time.perf_counter_ns()
+        if now < self._next:
+            return False
+        self._next = now + MIGRATE_EVERY_NS
+        moved = move_off_core(peer_cpu)
+        self.moves += moved
+        return moved
+
+
 class Spin:
     """Adaptive spin budget.
 
@@ -247,9 +266,14 @@ class _End:
         self.peer_pidfd = peer_pidfd
         self._fds = fds
         size = 2 * r.ring_size(capacity)
-        if os.fstat(memfd).st_size != size:
-            close_fds(fds)
-            raise ValueError(f"channel memfd is not {size} bytes for ring capacity {capacity}")
+        try:
+            r.check_capacity(capacity)
+            c_path = r.accelerated()  # a bad DSEC_IPC_PURE_PYTHON fails here, nothing mapped yet
+            if os.fstat(memfd).st_size != size:
+                raise ValueError(f"channel memfd is not {size} bytes for ring capacity {capacity}")
+        except ValueError:
+            close_fds(fds)  # this end owns them: nothing may leak from a refused channel
+            raise
         # Populated up front: a page touched for the first time costs a fault in each process
         # (several microseconds in a VM), which a fresh channel would otherwise pay every ~18
         # small calls until its rings have wrapped once.
@@ -257,10 +281,22 @@ class _End:
         view = memoryview(self._mm)
         half = r.ring_size(capacity)
         self.requests = r.Ring(
-            view[:half], capacity, req_overflow, server_wake, caller_wake, max_payload
+            view[:half],
+            capacity,
+            req_overflow,
+            server_wake,
+            caller_wake,
+            max_payload,
+            c_path=c_path,
         )
         self.responses = r.Ring(
-            view[half:], capacity, resp_overflow, caller_wake, server_wake, max_payload
+            view[half:],
+            capacity,
+            resp_overflow,
+            caller_wake,
+            server_wake,
+            max_payload,
+            c_path=c_path,
         )
         view.release()
         self.is_closed = False
@@ -320,8 +356,7 @@ class CallerEnd(_End):
         self.wake_fd = caller_wake
         self.spin = Spin(spin_ns)
         self._spin_until = self.responses.spin_until
-        self._next_move = 0
-        self.moves = 0  # times this end left its server's core after a wake-up
+        self.placement = CoreMover()
         self.sleeper = Sleeper(caller_wake)
         self.sleeper.watch(peer_pidfd)
         self.next_id = 1
@@ -403,11 +438,12 @@ class CallerEnd(_End):
 
     def leave_servers_core(self) -> None:
         """Just woken (likely by the server): if it runs on this core, move to another."""
-        now = time.perf_counter_ns()
-        if now >= self._next_move:
-            self._next_move = now + MIGRATE_EVERY_NS
-            if move_off_core(self._server_cpu()):
-                self.moves += 1
+        self.placement.leave(self._server_cpu())
+
+    @property
+    def moves(self) -> int:
+        """Times this end left its server's core after a wake-up."""
+        return self.placement.moves
 
 
 class ServerEnd(_End):

@@ -68,9 +68,24 @@ _RELEASE_LARGE_AT: Final = 1 << 20
 _OVERFLOW_GRANULE: Final = 1 << 16
 
 
+_TRUE: Final = frozenset({"1", "true", "yes", "on"})
+_FALSE: Final = frozenset({"", "0", "false", "no", "off"})
+
+
 def accelerated() -> bool:
-    """Whether new rings use the C hot path (built, and not turned off by the environment)."""
-    return _fastring is not None and os.environ.get("DSEC_IPC_PURE_PYTHON", "") in ("", "0")
+    """Whether new rings use the C hot path (built, and not turned off by the environment).
+
+    Raises:
+        ValueError: ``DSEC_IPC_PURE_PYTHON`` is neither a yes nor a no.
+    """
+    raw = os.environ.get("DSEC_IPC_PURE_PYTHON", "")
+    value = raw.strip().lower()
+    if value not in _TRUE and value not in _FALSE:
+        raise ValueError(
+            f"DSEC_IPC_PURE_PYTHON={raw!r} is invalid: use 1/true/yes/on (ring.py alone) or "
+            "0/false/no/off or unset (the C hot path when built)"
+        )
+    return _fastring is not None and value in _FALSE
 
 
 _fence_lock = threading.Lock()
@@ -119,6 +134,7 @@ class Ring:
         consumer_wake_fd: eventfd the consumer sleeps on.
         producer_wake_fd: eventfd the producer sleeps on when the ring is full.
         max_payload: Largest body accepted in either direction.
+        c_path: Use the C hot path (``None``: :func:`accelerated` decides).
     """
 
     def __init__(
@@ -129,6 +145,8 @@ class Ring:
         consumer_wake_fd: int,
         producer_wake_fd: int,
         max_payload: int,
+        *,
+        c_path: bool | None = None,
     ) -> None:
         check_capacity(capacity)
         self.capacity = capacity
@@ -146,7 +164,7 @@ class Ring:
         self._tail_seen = self.hdr[TAIL]
         self._write_limit = self._tail_seen + capacity  # head may grow up to this
         self._fast = None
-        if accelerated():
+        if accelerated() if c_path is None else (c_path and _fastring is not None):
             # Instance attributes shadow the Python methods: callers bind ``ring.try_write``
             # once and call the C function directly; C calls back the slow paths below.
             fast = _fastring.FastRing(

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from dsec_sdk.errors import ProtocolError
 from dsec_sdk.ipc import codec
 from dsec_sdk.ipc import ring as r
-from dsec_sdk.ipc.channel import MIGRATE_EVERY_NS, ServerEnd, Spin, move_off_core
+from dsec_sdk.ipc.channel import CoreMover, ServerEnd, Spin
 
 T = TypeVar("T")
 Tool = Callable[..., Any]
@@ -110,8 +110,7 @@ class ServeCore:
     def __init__(self, on_remove: Callable[[ServerEnd], None] | None = None) -> None:
         self.channels: list[ServerEnd] = []
         self._next = 0
-        self._next_move = 0
-        self.moves = 0  # times this server left a caller's core after a wake-up
+        self.placement = CoreMover()
         self._on_remove = on_remove
 
     def add(self, end: ServerEnd) -> None:
@@ -196,17 +195,16 @@ class ServeCore:
         context switch per call for as long as they talk. The caller's C write path records
         its core in the ring header. At most once per ``MIGRATE_EVERY_NS``.
         """
-        now = time.perf_counter_ns()
-        if now < self._next_move:
-            return False
         for end in self.channels:
             hdr = end.requests.hdr
             if hdr[r.HEAD] != hdr[r.TAIL]:
-                self._next_move = now + MIGRATE_EVERY_NS
-                moved = move_off_core(int(hdr[r.PRODUCER_CPU]) - 1)
-                self.moves += moved
-                return moved
+                return self.placement.leave(int(hdr[r.PRODUCER_CPU]) - 1)
         return False
+
+    @property
+    def moves(self) -> int:
+        """Times this server left a caller's core after a wake-up."""
+        return self.placement.moves
 
     def has_work(self) -> bool:
         """Whether any channel has a request waiting (or a backlog that may drain)."""
