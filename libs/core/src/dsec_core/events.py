@@ -10,6 +10,7 @@ Versioning rule: adding an optional field is a minor bump; removing or retyping 
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -185,7 +186,9 @@ class SandboxReady(Payload):
     )
 
 
-ExitReason = Literal["ok", "error", "oom", "pids", "timeout", "stopped", "policy"]
+ExitReason = Literal[
+    "ok", "error", "oom", "pids", "timeout", "stopped", "policy", "disk", "policy_flood"
+]
 
 
 class SandboxExited(Payload):
@@ -225,6 +228,40 @@ class PolicyViolation(Payload):
     operation: str = Field(description="open, connect, subprocess, http, dns, ...")
     target: str = Field(description="Path, address or URL involved")
     message: str = ""
+    spec_line: int | None = None
+
+
+class PolicyViolationSummary(Payload):
+    """Refusals of one rule past the first few, counted per interval instead of streamed."""
+
+    TYPE = "policy.violation_summary"
+    AGGREGATE = "sandbox"
+
+    layer: Literal["kernel", "semantic", "dns"]
+    rule_id: str = Field(description="Rule id from the compiled plan (a bounded set)")
+    operation: str
+    count: int = Field(ge=1, description="Refusals in [first, last] not sent as events")
+    first: datetime
+    last: datetime
+    sample_target: str = Field(default="", description="One target of the interval, escaped")
+
+
+class PolicyReported(Payload):
+    """A decision the in-sandbox semantic layer *reports* (untrusted: said by the sandbox).
+
+    The node agent checks it against the plan (the rule id exists, the action is one the rule
+    allows), bounds and escapes its text, and publishes it as this type, never as the node
+    agent's own verdict (``policy.violation``).
+    """
+
+    TYPE = "policy.reported"
+    AGGREGATE = "sandbox"
+
+    rule_id: str
+    action: Literal["deny", "log", "redirect", "allow"]
+    operation: str
+    target: str = Field(description="Bounded and escaped")
+    message: str = Field(default="", description="Bounded and escaped")
     spec_line: int | None = None
 
 
@@ -348,6 +385,26 @@ class NodeHeartbeat(Payload):
     gpus: list[dict[str, Any]] = Field(default_factory=list)
 
 
+class EventRejected(Payload):
+    """A consumer refused to act on an event: unsigned, forged, unauthorized, replayed...
+
+    Published by the refusing service (one per refused message and consumer); ``audit verify``
+    pairs each injected message with this answer.
+    """
+
+    TYPE = "security.event_rejected"
+    AGGREGATE = "security"
+
+    stream_seq: int = Field(description="Stream sequence of the refused message")
+    event_id: str | None = Field(default=None, description="Its envelope id, if it had one")
+    event_type: str | None = None
+    producer: str | None = Field(default=None, description="The producer it claimed")
+    subject: str
+    consumer: str = Field(description="The durable consumer that refused it")
+    reason: str = Field(description="unsigned, bad-signature, unknown-key, unauthorized, ...")
+    detail: str = ""
+
+
 class KeyRegistered(Payload):
     """A producer's Ed25519 public key, registered in the log itself."""
 
@@ -363,6 +420,9 @@ class KeyRegistered(Payload):
 
 
 EVENT_MODELS: tuple[type[Payload], ...] = (
+    PolicyViolationSummary,
+    PolicyReported,
+    EventRejected,
     SpecSubmitted,
     SpecValidated,
     SpecRejected,

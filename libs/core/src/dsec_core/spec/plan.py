@@ -142,6 +142,10 @@ class EnforcementPlan(PlanModel):
 
     schema_version: Literal["1"] = PLAN_SCHEMA_VERSION
     name: str
+    tenant: str = Field(
+        default="default",
+        description="The submitter's tenant, from its signed identity (never from the YAML)",
+    )
     task_group: str | None = Field(
         default=None, description="The spec's task group; None: a group of its own (the name)"
     )
@@ -170,11 +174,12 @@ class EnforcementPlan(PlanModel):
         return blake3.blake3(self.model_dump_json().encode()).hexdigest()
 
 
-def compile_plan(spec: SandboxSpec) -> EnforcementPlan:
-    """Compile a validated spec into its enforcement plan (pure)."""
+def compile_plan(spec: SandboxSpec, tenant: str = "default") -> EnforcementPlan:
+    """Compile a validated spec into its enforcement plan (pure) for ``tenant``."""
     context = spec.runtime_context
     return EnforcementPlan(
         name=spec.name,
+        tenant=tenant,
         task_group=spec.task_group,
         base=spec.base,
         entrypoint=spec.entrypoint,
