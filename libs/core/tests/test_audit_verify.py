@@ -1,29 +1,37 @@
-"""The audit verifier names the first forged, altered, replayed or missing event (pure)."""
+"""The audit verifier tells tampering (a finding) from injected-and-ignored messages (pure)."""
 
 from __future__ import annotations
 
 import pytest
 from dsec_core import canonical
-from dsec_core.audit import verify_stream
+from dsec_core.audit import SIGNATURE_EVERY, Verifier, verify_stream
 from dsec_core.envelope import decode, encode
-from dsec_core.events import KeyRegistered, SandboxExited, SpecSubmitted
-from dsec_core.signing import Signer
+from dsec_core.events import (
+    EventRejected,
+    KeyRegistered,
+    KeyRevoked,
+    SandboxExited,
+    SpecSubmitted,
+    SpecValidated,
+)
+from dsec_core.signing import Signer, envelope_hash
+from dsec_testing.trust import Producer, certified
 from nacl.signing import SigningKey
 
 pytestmark = pytest.mark.unit
 
-
-def _registration(signer: Signer) -> bytes:
-    reg = KeyRegistered(
-        producer=signer.producer, key_id=signer.key_id, public_key=signer.public_raw.hex()
-    )
-    return signer.seal(reg, aggregate_id=signer.producer).wire
+ROOT = SigningKey.generate()
+ANCHOR = bytes(ROOT.verify_key)
 
 
-def _log(signer: Signer, n: int = 3) -> list[bytes]:
-    wires = [_registration(signer)]
+def _log(producer: Producer, n: int = 3, prefix: str = "sbx") -> list[bytes]:
+    wires = [producer.registration()]
     for i in range(n):
-        wires.append(signer.seal(SpecSubmitted(spec_yaml=f"v{i}"), aggregate_id=f"sbx_{i}").wire)
+        wires.append(
+            producer.signer.seal(
+                SpecSubmitted(spec_yaml=f"v{i}"), aggregate_id=f"{prefix}_{i}"
+            ).wire
+        )
     return wires
 
 
@@ -31,107 +39,189 @@ def _numbered(wires: list[bytes], first: int = 1) -> list[tuple[int, bytes]]:
     return list(enumerate(wires, start=first))
 
 
+def _user(tenant: str = "default") -> Producer:
+    return certified(ROOT, "user", tenant=tenant)
+
+
+def _validated(policy: Producer, sandbox: str, tenant: str = "default") -> bytes:
+    payload = SpecValidated(name="x", spec_digest="d", plan={})
+    return policy.signer.seal(payload, aggregate_id=sandbox, tenant=tenant).wire
+
+
 def test_intact_log_verifies() -> None:
-    a, b = Signer("policy", SigningKey.generate()), Signer("cli", SigningKey.generate())
-    wires = _log(a) + _log(b)
-    report = verify_stream(_numbered(wires))
+    a, b = _user(), _user("team-b")
+    wires = _log(a) + _log(b, prefix="sbb")
+    report = verify_stream(_numbered(wires), ANCHOR)
     assert report.ok, report.finding
-    assert report.events == 8
-    assert report.producers == {"policy", "cli"}
+    assert report.events == 8 and not report.injected
+    assert report.producers == {a.signer.producer, b.signer.producer}
 
 
-def test_event_signed_with_wrong_key_is_named() -> None:
-    real = Signer("policy", SigningKey.generate())
-    impostor = Signer("policy", SigningKey.generate())
-    wires = _log(real)
-    wires.append(
-        impostor.seal(
-            SandboxExited(exit_code=0, reason="ok", duration_s=1), aggregate_id="sbx_9"
-        ).wire
+def test_without_the_root_nothing_is_trusted() -> None:
+    report = verify_stream(_numbered(_log(_user())), None)
+    assert report.ok and report.events == 0
+    assert [i.reason.split(":")[0] for i in report.injected] == ["uncertified-key"] + [
+        "unknown-key"
+    ] * 3
+
+
+def test_self_registered_producer_is_injected_not_trusted() -> None:
+    """A key registered by itself (no root certificate) is never a producer: its events are
+    listed as injected, and verify still passes when nobody acted on them."""
+    user = _user()
+    rogue = Signer("policy-replica", SigningKey.generate())
+    reg = KeyRegistered(
+        producer=rogue.producer, key_id=rogue.key_id, public_key=rogue.public_raw.hex()
     )
-    report = verify_stream(_numbered(wires))
+    wires = [*_log(user, n=1), rogue.seal(reg, aggregate_id=rogue.key_id).wire]
+    wires.append(
+        rogue.seal(SpecValidated(name="x", spec_digest="d", plan={}), aggregate_id="sbx_0").wire
+    )
+    report = verify_stream(_numbered(wires), ANCHOR)
+    assert report.ok, report.finding
+    assert [(i.stream_seq, i.reason.split(":")[0]) for i in report.injected] == [
+        (3, "uncertified-key"),
+        (4, "unknown-key"),
+    ]
+
+
+def test_certificate_from_another_root_is_refused() -> None:
+    other = certified(SigningKey.generate(), "policy")
+    report = verify_stream(_numbered(_log(_user(), n=1) + [other.registration()]), ANCHOR)
+    assert report.ok
+    assert "not by the operator root" in report.injected[0].reason
+
+
+def test_unsigned_forgery_with_a_random_signature_is_injected_and_answered() -> None:
+    user, policy = _user(), certified(ROOT, "policy")
+    wires = [*_log(user, n=1), policy.registration(), _validated(policy, "sbx_0")]
+    forged = decode(_validated(policy, "sbx_0"))
+    wires.append(encode(forged.model_copy(update={"sig": "00" * 64})))
+    answer = EventRejected(
+        stream_seq=5, subject="s", consumer="builder-spec-validated", reason="bad-signature"
+    )
+    builder = certified(ROOT, "builder")
+    wires += [builder.registration(), builder.signer.seal(answer, aggregate_id="x").wire]
+    report = verify_stream(_numbered(wires), ANCHOR)
+    assert report.ok, report.finding
+    (injected,) = report.injected
+    assert injected.stream_seq == 5 and injected.reason.startswith("bad-signature")
+    assert injected.answered_by == [7]
+
+
+def test_an_injected_message_someone_acted_on_is_tampering() -> None:
+    user, policy = _user(), certified(ROOT, "policy")
+    policy_reg = policy.registration()
+    rogue = Signer("user-x", SigningKey.generate())
+    forged = rogue.seal(SpecSubmitted(spec_yaml="evil"), aggregate_id="sbx_9")
+    acted = policy.signer.seal(
+        SpecValidated(name="x", spec_digest="d", plan={}),
+        aggregate_id="sbx_9",
+        causation=forged.envelope,
+    )
+    wires = [*_log(user, n=1), policy_reg, forged.wire, acted.wire]
+    report = verify_stream(_numbered(wires), ANCHOR)
     assert report.finding is not None
     assert report.finding.stream_seq == 5
-    assert "not registered for 'policy'" in report.finding.reason
+    assert "acted on the injected message at seq 4" in report.finding.reason
 
 
-def test_unendorsed_second_key_registration_is_refused() -> None:
-    real = Signer("policy", SigningKey.generate())
-    impostor = Signer("policy", SigningKey.generate())
-    wires = [*_log(real), _registration(impostor)]
-    report = verify_stream(_numbered(wires))
-    assert report.finding is not None and "not endorsed" in report.finding.reason
+def test_wrong_producer_for_the_type_is_injected() -> None:
+    user = _user()
+    wires = [*_log(user, n=1), _validated(user, "sbx_0")]  # a user may not validate specs
+    report = verify_stream(_numbered(wires), ANCHOR)
+    assert report.ok
+    assert report.injected[0].reason.startswith("unauthorized: role 'user' may not emit")
 
 
-def test_endorsed_key_rotation_is_accepted() -> None:
-    old = Signer("policy", SigningKey.generate())
-    new = Signer("policy", SigningKey.generate())
-    reg = KeyRegistered(
-        producer="policy",
-        key_id=new.key_id,
-        public_key=new.public_raw.hex(),
-        endorsement=old.endorse(new.public_raw),
+def test_user_acting_for_another_tenant_is_injected() -> None:
+    victim, attacker = _user("team-a"), _user("team-b")
+    wires = [*_log(victim, n=1), attacker.registration()]
+    stop = attacker.signer.seal(
+        SandboxExited(exit_code=0, reason="ok", duration_s=1), aggregate_id="sbx_0"
     )
-    wires = [*_log(old), new.seal(reg, aggregate_id="policy").wire]
-    wires.append(new.seal(SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_1").wire)
-    assert verify_stream(_numbered(wires)).ok
+    wires.append(stop.wire)
+    submit = attacker.signer.seal(SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_0")
+    wires.append(submit.wire)
+    report = verify_stream(_numbered(wires), ANCHOR)
+    assert report.ok
+    reasons = [i.reason.split(":")[0] for i in report.injected]
+    assert reasons == ["unauthorized", "aggregate-exists"]
 
 
-def test_altered_payload_is_named() -> None:
-    signer = Signer("policy", SigningKey.generate())
-    wires = _log(signer)
+def test_replayed_copy_of_an_old_event_is_injected() -> None:
+    user = _user()
+    wires = _log(user)
+    wires.append(wires[1])
+    report = verify_stream(_numbered(wires), ANCHOR)
+    assert report.ok, report.finding
+    assert report.injected[0].stream_seq == 5
+    assert report.injected[0].reason.startswith("replayed: copy of the event at seq 2")
+
+
+def test_a_producer_that_emits_an_event_id_again_acted_on_a_replay() -> None:
+    user, policy = _user(), certified(ROOT, "policy")
+    policy_reg = policy.registration()
+    payload = SpecValidated(name="x", spec_digest="d", plan={})
+    first = policy.signer.seal(payload, aggregate_id="sbx_0", event_id="e-1", tenant="default")
+    again = policy.signer.seal(payload, aggregate_id="sbx_0", event_id="e-1", tenant="default")
+    wires = [*_log(user, n=1), policy_reg, first.wire, again.wire]
+    report = verify_stream(_numbered(wires), ANCHOR)
+    assert report.finding is not None and report.finding.stream_seq == 5
+    assert "acted on a replay" in report.finding.reason
+
+
+def test_revoked_key_is_refused_after_its_revocation() -> None:
+    user, operator = _user(), certified(ROOT, "operator", subject="operator")
+    operator_reg = operator.registration()
+    revoke = operator.signer.seal(
+        KeyRevoked(key_id=user.signer.key_id, producer=user.signer.producer),
+        aggregate_id=user.signer.key_id,
+    )
+    wires = [*_log(user, n=1), operator_reg, revoke.wire]
+    wires.append(user.signer.seal(SpecSubmitted(spec_yaml="late"), aggregate_id="sbx_5").wire)
+    report = verify_stream(_numbered(wires), ANCHOR)
+    assert report.ok
+    assert report.injected[0].reason.startswith("revoked-key")
+
+
+def test_altered_payload_is_tampering_named_at_the_altered_event() -> None:
+    user = _user()
+    wires = _log(user)
     env = decode(wires[2])
-    tampered = env.model_copy(update={"payload": {**env.payload, "spec_yaml": "evil"}})
-    wires[2] = encode(tampered)
-    report = verify_stream(_numbered(wires))
+    wires[2] = encode(env.model_copy(update={"payload": {**env.payload, "spec_yaml": "evil"}}))
+    report = verify_stream(_numbered(wires), ANCHOR)
     assert report.finding is not None
     assert (report.finding.stream_seq, report.finding.event_id) == (3, env.id)
-    assert "signature invalid" in report.finding.reason
+    assert "this event was altered" in report.finding.reason
 
 
 def test_broken_chain_is_named() -> None:
-    signer = Signer("policy", SigningKey.generate())
-    wires = _log(signer, n=4)
+    user = _user()
+    wires = _log(user, n=4)
     del wires[2]  # an event of the chain never reached the log
-    report = verify_stream(_numbered(wires))
+    report = verify_stream(_numbered(wires), ANCHOR)
     assert report.finding is not None
     assert report.finding.stream_seq == 3
     assert "broken: expected position 2, found 3" in report.finding.reason
 
 
-def test_replayed_old_event_is_named() -> None:
-    signer = Signer("policy", SigningKey.generate())
-    wires = _log(signer)
-    wires.append(wires[1])
-    report = verify_stream(_numbered(wires))
-    assert report.finding is not None
-    assert report.finding.stream_seq == 5
-    assert "replayed event" in report.finding.reason
-
-
 def test_sequence_gap_is_named() -> None:
-    signer = Signer("policy", SigningKey.generate())
-    numbered = _numbered(_log(signer))
+    numbered = _numbered(_log(_user()))
     del numbered[1]
-    report = verify_stream(numbered)
+    report = verify_stream(numbered, ANCHOR)
     assert report.finding is not None and report.finding.reason == "gap: sequence 2 missing"
 
 
-def test_reordered_fields_count_as_altered() -> None:
-    signer = Signer("policy", SigningKey.generate())
-    wires = _log(signer, n=1)
-    raw = canonical.unpack(wires[1])
-    wires[1] = canonical.pack(dict(reversed(list(raw.items()))))
-    report = verify_stream(_numbered(wires))
-    assert report.finding is not None and "signature invalid" in report.finding.reason
+def test_malformed_bytes_are_injected() -> None:
+    wires = [*_log(_user(), n=1), b"\xc1garbage", canonical.pack({"id": 1})]
+    report = verify_stream(_numbered(wires), ANCHOR)
+    assert report.ok
+    assert [i.reason.split(":")[0] for i in report.injected] == ["malformed", "malformed"]
 
 
-# ------------------------------------------------------------------ signatures checked at heads
-def _forge_from(wires: list[bytes], index: int) -> None:
-    """Alter event ``index`` and re-link every later one (an attacker without the key can fix
-    the ``prev`` hashes, not the signatures)."""
-    from dsec_core.signing import envelope_hash
-
+def _relink_from(wires: list[bytes], index: int) -> None:
+    """Alter event ``index`` and re-link every later one (without the key: signatures fail)."""
     env = decode(wires[index])
     wires[index] = encode(env.model_copy(update={"payload": {**env.payload, "spec_yaml": "evil"}}))
     for j in range(index + 1, len(wires)):
@@ -139,57 +229,31 @@ def _forge_from(wires: list[bytes], index: int) -> None:
         wires[j] = encode(later.model_copy(update={"prev": envelope_hash(wires[j - 1])}))
 
 
-def test_a_relinked_forgery_deep_in_a_long_chain_is_named_before_the_end() -> None:
-    from dsec_core.audit import SIGNATURE_EVERY, Verifier
-
-    signer = Signer("policy", SigningKey.generate())
-    wires = _log(signer, n=SIGNATURE_EVERY + 50)
-    _forge_from(wires, 10)
-    verifier = Verifier()
+def test_forged_events_in_a_long_chain_are_set_aside_before_the_end() -> None:
+    user = _user()
+    wires = _log(user, n=SIGNATURE_EVERY + 50)
+    _relink_from(wires, 10)
+    wires.append(user.signer.seal(SpecSubmitted(spec_yaml="real"), aggregate_id="sbx_z").wire)
+    verifier = Verifier(ANCHOR)
     finding = None
     for seq, wire in _numbered(wires):
         finding = verifier.feed(seq, wire)
         if finding is not None:
             break
-    # Found when the chain's newest signature was due, well before the last event...
-    assert finding is not None and seq <= SIGNATURE_EVERY + 1
-    # ...and named at the first forged event, as a check of every signature would.
-    assert finding.stream_seq == 11 and "signature invalid" in finding.reason
+    # The producer's genuine last event links to bytes the log no longer holds: tampering,
+    # named at the first altered event.
+    assert finding is not None and finding.stream_seq == 11, finding
     assert verifier.report.events == 10
 
 
-def test_the_first_bad_event_is_named_across_chains() -> None:
-    a, b = Signer("policy", SigningKey.generate()), Signer("cli", SigningKey.generate())
-    wires_a, wires_b = _log(a, n=2), _log(b, n=3)
-    _forge_from(wires_a, 2)  # the last event of a's chain: only its own signature shows it
-    del wires_b[2]  # then b's chain breaks, later in the stream
-    report = verify_stream(_numbered(wires_a + wires_b))
-    assert report.finding is not None
-    assert report.finding.stream_seq == 3, report.finding  # a's forged event comes first
-    assert "signature invalid" in report.finding.reason
-    assert report.events == 2
-
-
-def test_a_forged_last_event_needs_finish() -> None:
-    from dsec_core.audit import Verifier
-
-    signer = Signer("policy", SigningKey.generate())
-    wires = _log(signer, n=3)
-    _forge_from(wires, 3)
-    verifier = Verifier()
-    assert all(verifier.feed(seq, wire) is None for seq, wire in _numbered(wires))
-    report = verifier.finish()
-    assert report.finding is not None and report.finding.stream_seq == 4
-    assert verifier.finish() is report  # idempotent
-
-
-def test_signature_interval_must_be_positive() -> None:
-    from dsec_core.audit import Verifier
-
+def test_signature_interval_must_be_positive_and_a_full_check_agrees() -> None:
     with pytest.raises(ValueError, match="signature_every must be >= 1, got 0"):
-        Verifier(0)
-    signer = Signer("policy", SigningKey.generate())
-    wires = _log(signer, n=5)
-    _forge_from(wires, 3)
-    report = verify_stream(_numbered(wires), signature_every=1)  # a naive full check agrees
-    assert report.finding is not None and report.finding.stream_seq == 4
+        Verifier(ANCHOR, 0)
+    user = _user()
+    wires = _log(user, n=5)
+    env = decode(wires[3])
+    wires[3] = encode(env.model_copy(update={"payload": {**env.payload, "spec_yaml": "x"}}))
+    lazy = verify_stream(_numbered(wires), ANCHOR)
+    full = verify_stream(_numbered(wires), ANCHOR, signature_every=1)
+    assert lazy.finding is not None and full.finding is not None
+    assert lazy.finding.stream_seq == full.finding.stream_seq == 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import getpass
 import json
+import os
 import socket
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
@@ -100,16 +101,100 @@ async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, Jet
         await nc.close()
 
 
-async def cli_publisher(js: JetStreamContext, settings: Settings | None = None) -> EventPublisher:
-    """A publisher signing as producer ``cli-<key id>`` with the key under ``$DSEC_HOME/keys``."""
-    from dsec_core.bus import EventPublisher
-    from dsec_core.signing import Signer, key_id_of, load_or_create_key
+def safe(text: object) -> str:
+    """``text`` fit to print: control characters escaped, rich markup literal."""
+    value = str(text)
+    if any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 or c in _BIDI for c in value):
+        value = "".join(_escape_char(c) for c in value)
+    return escape(value)
+
+
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f")
+
+
+def _escape_char(c: str) -> str:
+    code = ord(c)
+    if code < 32 or 0x7F <= code < 0xA0 or c in _BIDI:
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    return c
+
+
+def operator_root() -> Any:
+    """The operator root key of this stack, or exit 2 (only the operator may do this)."""
+    from dsec_core import identity
+
+    paths = identity.TrustPaths(Settings().home)
+    if not os.access(paths.root_key, os.R_OK):
+        fail(
+            f"only the operator can do this: the root key {paths.root_key} is not readable here",
+            EXIT_BAD_INPUT,
+        )
+    return identity.ensure_root(paths)
+
+
+def operator_identity() -> tuple[Any, Any]:
+    """The operator's signing key and its root-issued certificate (role ``operator``)."""
+    from dsec_core import identity
+    from dsec_core.signing import load_or_create_key
+
+    root = operator_root()
+    paths = identity.TrustPaths(Settings().home)
+    key = load_or_create_key(paths.key("operator"))
+    try:
+        cert = identity.read_cert(paths.cert("operator"))
+        identity.check(cert, bytes(root.verify_key))
+        if cert.public_key == bytes(key.verify_key).hex():
+            return key, cert
+    except identity.CertificateError:
+        pass
+    cert = identity.issue(root, bytes(key.verify_key), subject="operator", role="operator")
+    identity.write_cert(paths.cert("operator"), cert)
+    return key, cert
+
+
+def user_identity(settings: Settings | None = None) -> tuple[Any, Any]:
+    """This machine's user key and its certificate (``dsec login``), or exit 2 saying how.
+
+    On the operator's own machine (the root key of the embedded stack is readable) a first use
+    logs in as the local user in tenant ``default``, and says so.
+    """
+    from dsec_core import identity
 
     settings = settings or Settings()
-    key = load_or_create_key(settings.home / "keys" / "cli.key")
-    # Each CLI key is its own producer: many people submit, each with their own key, and a
-    # producer name is bound to the first key registered for it.
-    publisher = EventPublisher(js, Signer(f"cli-{key_id_of(bytes(key.verify_key))[:12]}", key))
+    paths = identity.TrustPaths(settings.home)
+    if paths.user_key.exists() and paths.user_cert.exists():
+        try:
+            key, cert = identity.load_user(paths)
+        except identity.CertificateError as exc:
+            fail(f"your identity is unusable ({exc}); run `dsec login` again", EXIT_BAD_INPUT)
+        return key, cert
+    if os.access(paths.root_key, os.R_OK):
+        key, cert = identity.issue_user(
+            identity.ensure_root(paths), getpass.getuser(), identity.DEFAULT_TENANT
+        )
+        identity.save_identity(paths, key, cert)
+        err_console.print(
+            f"logged in as {escape(cert.subject)} (tenant {cert.tenant}) with the local "
+            "operator's root key; `dsec login` chooses another user or tenant",
+            highlight=False,
+        )
+        return key, cert
+    fail(
+        "no identity on this machine: run `dsec login --credential FILE` with the credential "
+        "your operator issued (`dsec admin issue-user`)",
+        EXIT_BAD_INPUT,
+    )
+
+
+async def cli_publisher(js: JetStreamContext, settings: Settings | None = None) -> EventPublisher:
+    """A publisher signing as the logged-in user (``user-<name>``, its tenant from the
+    operator-issued certificate, never from a spec)."""
+    from dsec_core.bus import EventPublisher
+    from dsec_core.signing import Signer
+
+    key, cert = user_identity(settings)
+    signer = Signer(cert.subject, key, tenant=cert.tenant)
+    publisher = EventPublisher(js, signer, certificate=cert)
     await publisher.register_key()
     return publisher
 

@@ -1,22 +1,28 @@
 """Verification of the signed audit trail (pure: no I/O).
 
-:func:`verify_stream` replays ``(stream_sequence, wire_bytes)`` pairs in stream order and proves:
-every envelope decodes; every signature is valid for the key its producer registered in the log
-(first registration wins; a later, different key must be endorsed by the previous one); every
-producer chain is unbroken (``chain_seq`` contiguous, ``prev`` = hash of the previous envelope);
-no event id appears twice (a replayed old event); no gap in stream sequence numbers.
+:func:`verify_stream` replays ``(stream_sequence, wire_bytes)`` pairs in stream order and tells
+two stories apart:
 
-Signatures are checked at chain heads. Every envelope carries ``prev``, the BLAKE3 hash of the
-envelope before it in its chain, and the signature covers it; so one valid signature from the
-producer's registered key authenticates, through the hashes, every envelope before it in that
-chain. The verifier checks each chain's newest signature at least every
-:data:`SIGNATURE_EVERY` events and at the end (:meth:`Verifier.finish`), instead of all of them
-(an Ed25519 verification costs ~55 µs here, more than the rest of the work per event). When
-anything is wrong, every signature still pending is checked, so the finding names the first bad
-event exactly as a check of every signature would. Key registrations are checked at once.
-What it does not prove: that each intermediate ``sig`` field is itself valid (its content is
-authentic, but a producer that wrote garbage there would go unnoticed until someone checks that
-one event alone).
+* **The trail was tampered with** (:attr:`VerifyReport.finding`, verification fails): a gap in
+  stream sequence numbers; a broken chain of a certified producer (a position skipped or a
+  ``prev`` hash that does not match — an authentic event altered or removed); an authorized
+  producer that *acted* on an injected message (an authentic event whose cause is one), that
+  emitted an event id it already emitted (it acted on a replay), or that acted across tenants.
+* **Foreign messages were injected and ignored** (:attr:`VerifyReport.injected`, verification
+  still passes): bytes that are not an envelope, keys without a certificate from the operator
+  root, revoked keys, signatures that do not hold, producers the authorization table does not
+  allow for that type or tenant, copies of old events. Each is listed with its sequence number
+  and the ``security.event_rejected`` events that answered it.
+
+Trust comes from the operator root (the *anchor*): a key counts only once an
+``audit.key_registered`` event carrying a root-signed certificate registered it; the
+certificate's role decides what the key may emit (:mod:`dsec_core.authz`).
+
+Signatures are checked at chain heads: every envelope carries ``prev``, the BLAKE3 hash of the
+envelope before it in its chain, and the signature covers it, so one valid signature vouches for
+the chain before it. Each chain's newest signature is checked at least every
+:data:`SIGNATURE_EVERY` events and at the end; when a chain does not fit, its pending signatures
+are checked one by one, so a forgery that copied a real chain position is found and set aside.
 """
 
 from __future__ import annotations
@@ -25,24 +31,35 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nacl.exceptions import BadSignatureError
-from nacl.signing import VerifyKey
-
-from dsec_core import canonical
+from dsec_core import authz, canonical
 from dsec_core.envelope import MalformedEnvelope
-from dsec_core.events import KeyRegistered
+from dsec_core.events import EventRejected, KeyRegistered, KeyRevoked, SpecSubmitted
+from dsec_core.identity import Certificate
 from dsec_core.signing import envelope_hash, verify_raw
+from dsec_core.trust import registration_problem
 
 
 @dataclass(frozen=True)
 class Finding:
-    """The first event that breaks the trail, and why."""
+    """The first event that shows tampering, and why."""
 
     stream_seq: int
     event_id: str | None
     event_type: str | None
     producer: str | None
     reason: str
+
+
+@dataclass
+class Injected:
+    """A foreign message nobody may act on: listed, with the refusals that answered it."""
+
+    stream_seq: int
+    event_id: str | None
+    event_type: str | None
+    producer: str | None
+    reason: str
+    answered_by: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -55,12 +72,17 @@ class VerifyReport:
     first_seq: int | None = None
     last_seq: int | None = None
     finding: Finding | None = None
+    injected: list[Injected] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """True when nothing was found."""
+        """True when the trail was not tampered with (injected-and-ignored messages allowed)."""
         return self.finding is None
 
+
+# Forged-looking events remembered per chain, to name the first altered one if a genuine
+# successor shows up later.
+_REMOVED_LIMIT = 4096
 
 # A chain's newest signature is checked at least this often (and every chain's at the end).
 SIGNATURE_EVERY = 256
@@ -68,11 +90,12 @@ SIGNATURE_EVERY = 256
 
 @dataclass(frozen=True)
 class _Unverified:
-    """An envelope whose signature is not checked yet (a later one may vouch for it)."""
+    """An envelope of a chain whose signature is not checked yet (a later one may vouch)."""
 
     seq: int
     fields: dict[str, Any]
     key: bytes
+    before: tuple[int, str | None]  # the chain's (next_seq, last_hash) before it
 
 
 @dataclass
@@ -80,38 +103,28 @@ class _Chain:
     next_seq: int = 0
     last_hash: str | None = None
     pending: list[_Unverified] = field(default_factory=list)
+    removed: list[_Unverified] = field(default_factory=list)  # the latest set aside as forged
 
-    def first_bad_signature(self) -> _Unverified | None:
-        """Check the newest pending signature; only if it fails, each one in order."""
-        if not self.pending:
-            return None
-        head = self.pending[-1]
-        if verify_raw(head.fields, head.key):
-            self.pending.clear()  # the head vouches for everything before it (``prev`` hashes)
-            return None
-        for event in self.pending:
-            if not verify_raw(event.fields, event.key):
-                return event
-        return head
+    def fits(self, f: dict[str, Any]) -> bool:
+        return bool(f["chain_seq"] == self.next_seq and f["prev"] == self.last_hash)
 
-
-@dataclass
-class _State:
-    keys: dict[str, dict[str, bytes]] = field(default_factory=dict)  # producer -> key_id -> raw
-    chains: dict[tuple[str, str], _Chain] = field(default_factory=dict)
-    seen_ids: dict[str, int] = field(default_factory=dict)
+    def advance(self, data: bytes) -> None:
+        self.next_seq += 1
+        self.last_hash = envelope_hash(data)
 
 
 _REQUIRED: dict[str, type | tuple[type, ...]] = {
     "id": str,
     "type": str,
     "producer": str,
+    "tenant": str,
     "key_id": str,
     "chain": str,
     "chain_seq": int,
     "prev": (str, type(None)),
     "sig": str,
     "payload": dict,
+    "aggregate_id": str,
 }
 
 
@@ -129,156 +142,328 @@ def _fields(data: bytes) -> dict[str, Any]:
     return raw
 
 
-def _check_registration(state: _State, f: dict[str, Any]) -> str | None:
-    try:
-        reg = KeyRegistered.model_validate(f["payload"])
-        raw = bytes.fromhex(reg.public_key)
-    except ValueError as exc:
-        return f"malformed key registration: {exc}"
-    if reg.producer != f["producer"]:
-        return f"key registration for {reg.producer!r} published by {f['producer']!r}"
-    if not verify_raw(f, raw):
-        return "key registration not signed by the key it registers"
-    known = state.keys.setdefault(reg.producer, {})
-    if reg.key_id in known:
-        return None if known[reg.key_id] == raw else "key id reused for a different key"
-    if known and not _endorsed(known, raw, reg.endorsement):
-        return f"new key {reg.key_id} for {reg.producer!r} is not endorsed by its previous key"
-    known[reg.key_id] = raw
-    return None
-
-
-def _endorsed(known: dict[str, bytes], new_raw: bytes, endorsement: str | None) -> bool:
-    if endorsement is None:
-        return False
-    for old_raw in known.values():
-        try:
-            VerifyKey(old_raw).verify(new_raw, bytes.fromhex(endorsement))
-        except (BadSignatureError, ValueError):
-            continue
-        return True
-    return False
-
-
 def _bad_signature(f: dict[str, Any]) -> str:
-    return f"signature invalid for key {f['key_id']} of {f['producer']!r} (altered content)"
-
-
-def _check_event(state: _State, seq: int, f: dict[str, Any], data: bytes) -> str | None:
-    """Every check but the signature, which joins its chain's pending list (see module doc)."""
-    producer, key_id = f["producer"], f["key_id"]
-    if f["id"] in state.seen_ids:
-        return f"replayed event: id already at stream sequence {state.seen_ids[f['id']]}"
-    registration = f["type"] == KeyRegistered.TYPE
-    if registration:
-        problem = _check_registration(state, f)  # verifies its signature now
-        if problem:
-            return problem
-    raw = state.keys.get(producer, {}).get(key_id)
-    if raw is None:
-        return f"signed by key {key_id}, which is not registered for {producer!r}"
-    chain = state.chains.setdefault((producer, f["chain"]), _Chain())
-    label = f"chain {f['chain'][:13]}… of {producer!r} broken"
-    problem = None
-    if f["chain_seq"] != chain.next_seq:
-        problem = f"{label}: expected position {chain.next_seq}, found {f['chain_seq']}"
-    elif f["prev"] != chain.last_hash:
-        problem = f"{label}: prev hash does not match"
-    if problem is not None:
-        # As a check of every signature would: a forged envelope is named as such.
-        return problem if registration or verify_raw(f, raw) else _bad_signature(f)
-    chain.next_seq += 1
-    chain.last_hash = envelope_hash(data)
-    state.seen_ids[f["id"]] = seq
-    if registration:
-        chain.pending.clear()  # its signature, checked above, vouches for the chain so far
-    else:
-        chain.pending.append(_Unverified(seq, f, raw))
-    return None
+    return f"signature invalid for key {f['key_id']} of {f['producer']!r}"
 
 
 class Verifier:
-    """Incremental verifier: feed events in stream order; the first problem sticks.
+    """Incremental verifier: feed events in stream order; the first tampering finding sticks.
 
-    ``signature_every``: check a chain's newest signature at least this often (1: every
-    signature, as a naive verifier does; for comparison).
+    Args:
+        anchor: the operator root's public key (raw 32 bytes). Without it no key is trusted
+            and every message is foreign.
+        signature_every: check a chain's newest signature at least this often (1: every one).
     """
 
-    def __init__(self, signature_every: int = SIGNATURE_EVERY) -> None:
+    def __init__(self, anchor: bytes | None, signature_every: int = SIGNATURE_EVERY) -> None:
         if signature_every < 1:
             raise ValueError(f"signature_every must be >= 1, got {signature_every}")
+        self._anchor = anchor
         self._signature_every = signature_every
         self.report = VerifyReport()
-        self._state = _State()
         self._expected: int | None = None
+        self._certs: dict[str, Certificate] = {}
+        self._revoked: set[str] = set()
+        self._chains: dict[tuple[str, str], _Chain] = {}
+        self._seen: dict[str, int] = {}  # authentic event id -> stream seq
+        self._tenants: dict[str, tuple[str, str]] = {}  # sandbox -> (first submission, tenant)
+        self._causes: dict[str, int] = {}  # cause id -> first authentic event it caused
+        self._answers: dict[int, list[int]] = {}
+        self._injected_at: dict[int, Injected] = {}
+
+    # -- feeding ---------------------------------------------------------------------------------
 
     def feed(self, seq: int, data: bytes) -> Finding | None:
-        """Check one event; return the finding if the trail is (or already was) broken."""
+        """Check one event; return the finding if the trail is (or already was) tampered with."""
         report = self.report
         if report.finding is not None:
             return report.finding
         if self._expected is not None and seq != self._expected:
-            report.finding = Finding(
-                seq, None, None, None, f"gap: sequence {self._expected} missing"
-            )
-            return report.finding
+            return self._find(seq, None, f"gap: sequence {self._expected} missing")
         self._expected = seq + 1
         report.first_seq = report.first_seq if report.first_seq is not None else seq
         report.last_seq = seq
         try:
-            fields = _fields(data)
+            f = _fields(data)
         except MalformedEnvelope as exc:
-            report.finding = Finding(seq, None, None, None, str(exc))
-            return report.finding
-        problem = _check_event(self._state, seq, fields, data)
-        if problem:
-            # A pending signature earlier in the stream may be the first problem.
-            if self._check_pending() is None:
-                report.finding = Finding(
-                    seq, fields["id"], fields["type"], fields["producer"], problem
+            self._inject(seq, None, f"malformed: {exc}")
+            return None
+        self._check(seq, f, data)
+        return report.finding
+
+    def _check(self, seq: int, f: dict[str, Any], data: bytes) -> None:
+        key_id = f["key_id"]
+        if f["type"] == KeyRegistered.TYPE and key_id not in self._certs:
+            found = (
+                registration_problem(f, self._anchor)
+                if self._anchor is not None
+                else "no trust root given: no key can be trusted"
+            )
+            if isinstance(found, str):
+                self._inject(seq, f, f"uncertified-key: {found}")
+                return
+            self._certs[key_id] = found
+        cert = self._certs.get(key_id)
+        if cert is None:
+            self._inject(seq, f, f"unknown-key: key {key_id} has no certified registration")
+            return
+        if key_id in self._revoked:
+            self._inject(seq, f, f"revoked-key: key {key_id} was revoked before")
+            return
+        chain = self._chains.setdefault((f["producer"], f["chain"]), _Chain())
+        key = bytes.fromhex(cert.public_key)
+        if f["producer"] != cert.subject:
+            self._inject(seq, f, f"unauthorized: key certified for {cert.subject!r}")
+            return
+        if not chain.fits(f):
+            self._repair(chain)
+            if self.report.finding is not None:
+                return
+            if not chain.fits(f):
+                self._misfit(seq, f, chain, key, chain.removed)
+                return
+        self._accept(seq, f, data, chain, cert, key)
+
+    def _accept(
+        self,
+        seq: int,
+        f: dict[str, Any],
+        data: bytes,
+        chain: _Chain,
+        cert: Certificate,
+        key: bytes,
+    ) -> None:
+        """A message in its chain's next position: authentic unless its signature fails later."""
+        problem = authz.refusal(f, cert)
+        if f["id"] in self._seen:
+            if verify_raw(f, key):
+                chain.advance(data)
+                self._find(
+                    seq,
+                    f,
+                    f"event id {f['id']} emitted again (first at seq "
+                    f"{self._seen[f['id']]}): its producer acted on a replay",
                 )
-            return report.finding
-        report.events += 1
-        report.producers.add(fields["producer"])
-        report.chains = len(self._state.chains)
-        chain = self._state.chains[(fields["producer"], fields["chain"])]
-        if len(chain.pending) >= self._signature_every:
-            bad = chain.first_bad_signature()
-            if bad is not None:
-                return self._signature_finding(bad)
+            else:
+                self._inject(seq, f, f"bad-signature: {_bad_signature(f)}")
+            return
+        if problem is not None:
+            # Its own key signed it (checked now), so it is in its chain, but nobody may act on it.
+            if not verify_raw(f, key):
+                self._inject(seq, f, f"bad-signature: {_bad_signature(f)}")
+                return
+            chain.advance(data)
+            self._inject(seq, f, f"unauthorized: {problem}")
+            return
+        tenancy = self._tenancy(f, cert)
+        if tenancy is not None:
+            if not verify_raw(f, key):
+                self._inject(seq, f, f"bad-signature: {_bad_signature(f)}")
+                return
+            chain.advance(data)
+            if cert.role == "user":
+                self._inject(seq, f, tenancy)
+            else:
+                self._find(seq, f, f"a service acted across tenants: {tenancy}")
+            return
+        before = (chain.next_seq, chain.last_hash)
+        chain.advance(data)
+        self._seen[f["id"]] = seq
+        self._record(seq, f)
+        if f["type"] == KeyRegistered.TYPE:
+            chain.pending.clear()  # its signature, checked at registration, vouches for the chain
+        else:
+            chain.pending.append(_Unverified(seq, f, key, before))
+            if len(chain.pending) >= self._signature_every:
+                self._settle(chain)
+        self.report.events += 1
+        self.report.producers.add(f["producer"])
+        self.report.chains = len(self._chains)
+
+    def _tenancy(self, f: dict[str, Any], cert: Certificate) -> str | None:
+        if f["payload"] is None or _aggregate(f) != SpecSubmitted.AGGREGATE:
+            return None
+        sandbox = f["aggregate_id"]
+        first = self._tenants.get(sandbox)
+        if f["type"] == SpecSubmitted.TYPE:
+            if first is not None and first[0] != f["id"]:
+                return f"aggregate-exists: sandbox {sandbox} was submitted at an earlier sequence"
+            if first is None:
+                self._tenants[sandbox] = (f["id"], f["tenant"])
+            return None
+        if first is not None and first[1] != f["tenant"]:
+            return f"cross-tenant: sandbox {sandbox} belongs to tenant {first[1]!r}"
         return None
 
-    def finish(self) -> VerifyReport:
-        """Check the signatures still pending (every chain's head); call after the last event.
+    def _record(self, seq: int, f: dict[str, Any]) -> None:
+        cause = f.get("causation_id")
+        if isinstance(cause, str):
+            self._causes.setdefault(cause, seq)
+        if f["type"] == EventRejected.TYPE:
+            target = f["payload"].get("stream_seq")
+            if isinstance(target, int):
+                self._answers.setdefault(target, []).append(seq)
+                if target in self._injected_at:
+                    self._injected_at[target].answered_by.append(seq)
+        elif f["type"] == KeyRevoked.TYPE:
+            revoked = f["payload"].get("key_id")
+            if isinstance(revoked, str):
+                self._revoked.add(revoked)
 
-        Until then ``report.ok`` may be true of a trail with a forged envelope near its end.
+    # -- signatures ------------------------------------------------------------------------------
+
+    def _misfit(
+        self, seq: int, f: dict[str, Any], chain: _Chain, key: bytes, removed: list[_Unverified]
+    ) -> None:
+        """A message that does not fit its chain: a forgery, a copy, or a sign of tampering."""
+        if not verify_raw(f, key):
+            self._inject(seq, f, f"bad-signature: {_bad_signature(f)}")
+            if f["chain_seq"] >= chain.next_seq and len(removed) < _REMOVED_LIMIT:
+                removed.append(_Unverified(seq, f, key, (chain.next_seq, chain.last_hash)))
+            return
+        if f["id"] in self._seen and f["chain_seq"] < chain.next_seq:
+            self._inject(seq, f, f"replayed: copy of the event at seq {self._seen[f['id']]}")
+            return
+        label = f"chain {f['chain'][:13]}… of {f['producer']!r} broken"
+        altered = _altered_run(removed, f["chain_seq"])
+        if altered is not None:
+            # The producer's genuine successor links to other bytes than the log holds there.
+            self._injected_at.pop(altered.seq, None)
+            self._find(
+                altered.seq,
+                altered.fields,
+                f"{label}: this event was altered (signature invalid; the next event of the "
+                f"chain, seq {seq}, links to the original bytes)",
+            )
+            return
+        where = f"expected position {chain.next_seq}, found {f['chain_seq']}"
+        if f["chain_seq"] == chain.next_seq:
+            where = "prev hash does not match"
+        self._find(seq, f, f"{label}: {where}")
+
+    def _repair(self, chain: _Chain) -> list[_Unverified]:
+        """Check the chain's unchecked events one by one; set the bad ones aside as injected.
+
+        The chain is rebuilt up to the first bad one. A good event that had chained onto a bad
+        one means its producer signed a garbage signature: that is tampering.
+        Returns the events set aside.
         """
+        bad = [p for p in chain.pending if not verify_raw(p.fields, p.key)]
+        if not bad:
+            chain.pending.clear()
+            return []
+        first = bad[0]
+        later_good = [p for p in chain.pending if p.seq > first.seq and p not in bad]
+        chain.next_seq, chain.last_hash = first.before
+        chain.pending = [p for p in chain.pending if p.seq < first.seq]
+        chain.removed = bad
+        for p in bad:
+            self._unaccept(p)
+            self._inject(p.seq, p.fields, f"bad-signature: {_bad_signature(p.fields)}")
+        if later_good:
+            p = later_good[0]
+            self._find(
+                p.seq,
+                p.fields,
+                f"chain of {p.fields['producer']!r} broken: it links to the event at seq "
+                f"{first.seq}, whose signature is invalid",
+            )
+        return bad
+
+    def _unaccept(self, p: _Unverified) -> None:
+        self._seen.pop(p.fields["id"], None)
+        sandbox = p.fields["aggregate_id"]
+        if self._tenants.get(sandbox, ("", ""))[0] == p.fields["id"]:
+            del self._tenants[sandbox]
+        self.report.events -= 1
+
+    def _settle(self, chain: _Chain) -> None:
+        """Check the chain's newest signature; if it fails, find the bad ones (see _repair)."""
+        if not chain.pending:
+            return
+        head = chain.pending[-1]
+        if verify_raw(head.fields, head.key):
+            chain.pending.clear()
+            return
+        self._repair(chain)
+
+    def finish(self) -> VerifyReport:
+        """Check every pending signature and every injected message's consequences."""
         if self.report.finding is None:
-            self._check_pending()
+            for chain in list(self._chains.values()):
+                self._settle(chain)
+                if self.report.finding is not None:
+                    break
+        if self.report.finding is None:
+            for item in sorted(self._injected_at.values(), key=lambda i: i.stream_seq):
+                acted = self._causes.get(item.event_id or "")
+                if acted is not None and not item.reason.startswith("replayed"):
+                    self.report.finding = Finding(
+                        acted,
+                        None,
+                        None,
+                        None,
+                        f"an authentic event acted on the injected message at seq "
+                        f"{item.stream_seq} ({item.reason})",
+                    )
+                    break
+        self.report.injected = sorted(self._injected_at.values(), key=lambda i: i.stream_seq)
         return self.report
 
-    def _check_pending(self) -> Finding | None:
-        """Check every chain's pending signatures; record the earliest bad one, if any."""
-        bad = [b for c in self._state.chains.values() if (b := c.first_bad_signature())]
-        if not bad:
-            return None
-        return self._signature_finding(min(bad, key=lambda event: event.seq))
+    # -- outcomes --------------------------------------------------------------------------------
 
-    def _signature_finding(self, bad: _Unverified) -> Finding:
-        report = self.report
-        f = bad.fields
-        report.finding = Finding(bad.seq, f["id"], f["type"], f["producer"], _bad_signature(f))
-        # The trail holds good events up to the bad one only (stream sequences are contiguous).
-        assert report.first_seq is not None
-        report.events = bad.seq - report.first_seq
-        return report.finding
+    def _inject(self, seq: int, f: dict[str, Any] | None, reason: str) -> None:
+        item = Injected(
+            seq,
+            f.get("id") if f else None,
+            f.get("type") if f else None,
+            f.get("producer") if f else None,
+            reason,
+            list(self._answers.get(seq, [])),
+        )
+        self._injected_at[seq] = item
+
+    def _find(self, seq: int, f: dict[str, Any] | None, reason: str) -> Finding:
+        self.report.finding = Finding(
+            seq,
+            f.get("id") if f else None,
+            f.get("type") if f else None,
+            f.get("producer") if f else None,
+            reason,
+        )
+        return self.report.finding
+
+
+def _altered_run(removed: list[_Unverified], chain_seq: int) -> _Unverified | None:
+    """The first of the forged-looking events just before position ``chain_seq``, if any: a
+    genuine successor linking past them means they were the producer's own, altered."""
+    by_position = {p.fields["chain_seq"]: p for p in removed}
+    first = None
+    position = chain_seq - 1
+    while position in by_position:
+        first = by_position[position]
+        position -= 1
+    return first
+
+
+def _aggregate(f: dict[str, Any]) -> str | None:
+    subject = f.get("subject")
+    if isinstance(subject, str):
+        parts = subject.split(".")
+        if len(parts) > 1:
+            return parts[1]
+    aggregate = f.get("aggregate")
+    return aggregate if isinstance(aggregate, str) else None
 
 
 def verify_stream(
-    messages: Iterable[tuple[int, bytes]], *, signature_every: int = SIGNATURE_EVERY
+    messages: Iterable[tuple[int, bytes]],
+    anchor: bytes | None,
+    *,
+    signature_every: int = SIGNATURE_EVERY,
 ) -> VerifyReport:
-    """Verify a stream replay; stop at the first bad event."""
-    verifier = Verifier(signature_every)
+    """Verify a stream replay; stop at the first tampering finding."""
+    verifier = Verifier(anchor, signature_every)
     for seq, data in messages:
         if verifier.feed(seq, data) is not None:
             break

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from dsec_core.envelope import Envelope
 from dsec_core.events import KeyRegistered, Payload
+from dsec_core.identity import SYSTEM_TENANT, Certificate
 from dsec_core.signing import Sealed, Signer
 from dsec_core.subjects import ALL_EVENTS, STREAM
 
@@ -104,22 +104,31 @@ class Published:
 class EventPublisher:
     """Signs and publishes envelopes of one producer instance."""
 
-    def __init__(self, js: JetStreamContext, signer: Signer, *, retries: int = 60) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        signer: Signer,
+        *,
+        certificate: Certificate | None = None,
+        retries: int = 60,
+    ) -> None:
         self.js = js
         self.signer = signer
+        self.certificate = certificate
         self._retries = retries
         self._chain_lock = asyncio.Lock()
         self._in_doubt: Sealed | None = None
 
     async def register_key(self) -> Published:
-        """Publish this producer's public key (idempotent per key and chain)."""
+        """Publish this producer's public key and its certificate (subject per key id)."""
+        cert = self.certificate
         reg = KeyRegistered(
             producer=self.signer.producer,
             key_id=self.signer.key_id,
             public_key=self.signer.public_raw.hex(),
+            certificate=cert.model_dump(mode="json") if cert is not None else None,
         )
-        aggregate_id = re.sub(r"[^A-Za-z0-9_-]", "_", self.signer.producer)
-        return await self.publish(reg, aggregate_id=aggregate_id)
+        return await self.publish(reg, aggregate_id=self.signer.key_id, tenant=SYSTEM_TENANT)
 
     async def publish(
         self,
@@ -129,6 +138,7 @@ class EventPublisher:
         event_id: str | None = None,
         causation: Envelope | None = None,
         correlation_id: str | None = None,
+        tenant: str | None = None,
     ) -> Published:
         """Sign ``payload`` into an envelope and publish it until JetStream acknowledges it.
 
@@ -148,6 +158,7 @@ class EventPublisher:
                 event_id=event_id,
                 causation=causation,
                 correlation_id=correlation_id,
+                tenant=tenant,
             )
             try:
                 published = await self.publish_sealed(sealed)

@@ -27,7 +27,11 @@ class Envelope(BaseModel):
     aggregate: str
     aggregate_id: str
     time: datetime
-    producer: str = Field(description="Logical producer, e.g. 'policy' or 'cli'")
+    producer: str = Field(description="Logical producer, e.g. 'policy' or 'user-alice'")
+    tenant: str = Field(
+        description="The tenant the event belongs to: a user's own (from its certificate), "
+        "a service's cause's, or 'system'"
+    )
     causation_id: str | None = None
     correlation_id: str
     schema_version: str

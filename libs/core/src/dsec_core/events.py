@@ -410,6 +410,7 @@ class KeyRegistered(Payload):
 
     TYPE = "audit.key_registered"
     AGGREGATE = "producer"
+    VERSION = "1.1"
 
     producer: str
     key_id: str
@@ -417,6 +418,22 @@ class KeyRegistered(Payload):
     endorsement: str | None = Field(
         default=None, description="For a key rotation: the new key signed by the previous key"
     )
+    certificate: dict[str, Any] | None = Field(
+        default=None,
+        description="The operator root's certificate binding this key to a role (and a tenant "
+        "or node); a key without one is never trusted",
+    )
+
+
+class KeyRevoked(Payload):
+    """The operator withdrew a key: events it signs from now on are refused."""
+
+    TYPE = "audit.key_revoked"
+    AGGREGATE = "producer"
+
+    key_id: str
+    producer: str = Field(description="The producer the key was certified for")
+    reason: str = ""
 
 
 EVENT_MODELS: tuple[type[Payload], ...] = (
@@ -442,6 +459,7 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     UnitMigrated,
     NodeHeartbeat,
     KeyRegistered,
+    KeyRevoked,
     SnapshotRequested,
     SnapshotRestoreRequested,
     SnapshotFailed,

@@ -31,6 +31,11 @@ REDELIVERIES = Counter(
 MALFORMED = Counter(
     "dsec_malformed_events_total", "Bytes on the bus that were not a DSec envelope", ["service"]
 )
+EVENTS_REJECTED = Counter(
+    "dsec_events_rejected_total",
+    "Events a consumer refused to act on (unsigned, forged, unauthorized, replayed, ...)",
+    ["service", "type", "reason"],
+)
 
 
 class MetricsServer:

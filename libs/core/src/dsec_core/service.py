@@ -3,7 +3,11 @@
 A service declares handlers with :meth:`Service.handles`. A handler is a function of the input
 envelope (and its typed payload) returning the output payloads; the runtime
 
-1. decodes the envelope (malformed bytes are counted, logged and terminated — never retried);
+1. verifies before it acts (:class:`dsec_core.trust.Gate`): the envelope decodes, its key is
+   certified by the operator root and not revoked, the signature holds, the authorization table
+   lets that producer emit this type for this tenant, and the event id was not handled before
+   from another stream position. A message that fails is never handed to the handler: it is
+   counted (``dsec_events_rejected_total``), answered by ``security.event_rejected`` and acked;
 2. calls the handler;
 3. publishes each output with an id derived from the input id (``uuid5(input, type#n)``) and
    ``Nats-Msg-Id`` = that id, so a redelivery after a crash publishes nothing new;
@@ -32,14 +36,17 @@ from faststream.nats.annotations import NatsMessage
 from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from dsec_core import metrics
+from dsec_core import identity, metrics
 from dsec_core.bus import EventPublisher, connect, ensure_stream
-from dsec_core.envelope import Envelope, MalformedEnvelope, decode
-from dsec_core.events import Payload, SandboxFailed, model_for
+from dsec_core.envelope import Envelope
+from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
 from dsec_core.ids import derive_event_id
 from dsec_core.settings import Settings
 from dsec_core.signing import Signer, load_or_create_key
 from dsec_core.subjects import STREAM, filter_for
+from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket
+
+SYSTEM_TENANT = identity.SYSTEM_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +117,8 @@ class Service:
         self._stopping = asyncio.Event()
         self.on_start: list[Callable[[], Awaitable[None]]] = []
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
+        self.keys: KeyRing | None = None
+        self.gate: Gate | None = None
 
     def _healthy(self) -> bool:
         return self.nc is not None and self.nc.is_connected
@@ -142,7 +151,7 @@ class Service:
             )
 
             async def consume(msg: NatsMessage) -> None:
-                await self._dispatch(event_type, fn, policy, failure, msg)
+                await self._dispatch(event_type, durable, fn, policy, failure, msg)
 
             self.broker.subscriber(
                 filter_for(event_type),
@@ -160,6 +169,7 @@ class Service:
     async def _dispatch(
         self,
         event_type: str,
+        durable: str,
         fn: Handler,
         policy: RetryPolicy,
         failure: FailureEvents,
@@ -169,13 +179,15 @@ class Service:
         labels = (self.name, event_type)
         if attempt > 1:
             metrics.REDELIVERIES.labels(*labels).inc()
-        try:
-            envelope = decode(msg.raw_message.data)
-        except MalformedEnvelope as exc:
-            metrics.MALFORMED.labels(self.name).inc()
-            log.error("%s: malformed event on %s: %s", self.name, msg.raw_message.subject, exc)
-            await msg.reject()
+        assert self.gate is not None
+        stream_seq = int(msg.raw_message.metadata.sequence.stream)
+        admitted = await self.gate.admit(
+            msg.raw_message.data, stream_seq=stream_seq, consumer=durable
+        )
+        if isinstance(admitted, Refusal):
+            await self._refuse(durable, event_type, stream_seq, msg, admitted)
             return
+        envelope = admitted
         metrics.EVENTS_CONSUMED.labels(*labels).inc()
         if attempt > policy.max_attempts:
             # The handler crashed the process (or outran ack_wait) on every attempt: this spare
@@ -195,6 +207,40 @@ class Service:
         finally:
             heartbeat.cancel()
         metrics.HANDLER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
+        await msg.ack_sync()
+
+    async def _refuse(
+        self, durable: str, event_type: str, seq: int, msg: NatsMessage, refusal: Refusal
+    ) -> None:
+        """Never act on it: count it, answer it with ``security.event_rejected``, ack it."""
+        if refusal.reason == "malformed":
+            metrics.MALFORMED.labels(self.name).inc()
+        metrics.EVENTS_REJECTED.labels(self.name, event_type, refusal.reason).inc()
+        log.warning(
+            "%s: refused message %d on %s (%s): %s",
+            self.name,
+            seq,
+            msg.raw_message.subject,
+            refusal.reason,
+            refusal.detail,
+        )
+        assert self.publisher is not None
+        answer = EventRejected(
+            stream_seq=seq,
+            event_id=refusal.event_id,
+            event_type=refusal.event_type,
+            producer=refusal.producer,
+            subject=msg.raw_message.subject[:300],
+            consumer=durable,
+            reason=refusal.reason,
+            detail=refusal.detail,
+        )
+        await self.publisher.publish(
+            answer,
+            aggregate_id=durable,
+            event_id=derive_event_id(f"{durable}/{seq}", EventRejected.TYPE),
+            tenant=SYSTEM_TENANT,
+        )
         await msg.ack_sync()
 
     @staticmethod
@@ -247,12 +293,29 @@ class Service:
     async def start(self) -> None:
         """Connect, declare the stream, register the key, start consuming and serving metrics."""
         settings = self.settings
+        paths = identity.TrustPaths(settings.home)
+        # A service signs only with a key the operator root certified (``dsec up`` or
+        # ``dsec admin issue`` wrote it): no certificate, no start.
+        cert = identity.read_cert(paths.cert(self.name))
+        key = load_or_create_key(paths.key(self.name))
+        if cert.public_key != bytes(key.verify_key).hex():
+            raise identity.CertificateError(
+                f"{paths.cert(self.name)} certifies another key than {paths.key(self.name)}"
+            )
+        anchor = identity.read_anchor(paths, settings.trust_root)
+        if anchor is None:
+            raise identity.CertificateError(
+                "no trust root: set DSEC_TRUST_ROOT or run `dsec up` (writes trust/root.pub)"
+            )
+        identity.check(cert, anchor)
         self.nc = await connect(settings.nats_endpoint(), f"dsec-{self.name}")
         js = self.nc.jetstream()
         await ensure_stream(js)
-        key = load_or_create_key(settings.home / "keys" / f"{self.name}.key")
-        self.publisher = EventPublisher(js, Signer(self.name, key))
+        self.publisher = EventPublisher(js, Signer(cert.subject, key), certificate=cert)
         await self.publisher.register_key()
+        self.keys = KeyRing(self.nc, js, anchor)
+        await self.keys.start()
+        self.gate = Gate(self.keys, js, await handled_bucket(js))
         for hook in self.on_start:
             await hook()
         await self.broker.start()
@@ -264,6 +327,8 @@ class Service:
         await self.broker.stop()
         for hook in self.on_stop:
             await hook()
+        if self.keys is not None:
+            await self.keys.stop()
         await self.metrics.stop()
         if self.nc is not None:
             await self.nc.drain()

@@ -33,6 +33,11 @@ class Settings(BaseSettings):
     s3_bucket: str = Field(default="dsec", description="Bucket for bundles, caches, snapshots")
     vault_addr: str | None = Field(default=None, description="Vault/OpenBao address (external)")
     vault_token: str | None = Field(default=None, repr=False, description="Vault/OpenBao token")
+    trust_root: str | None = Field(
+        default=None,
+        description="Operator root public key (hex) that certifies every producer key; unset: "
+        "$DSEC_HOME/trust/root.pub",
+    )
     metrics_port: int = Field(default=0, description="Port for /metrics and /healthz (0 = free)")
     node_id: str = Field(default="node-1", description="Name of this node")
     org_policy: Path | None = Field(default=None, description="Org guardrail policy file")

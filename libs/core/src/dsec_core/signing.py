@@ -88,8 +88,9 @@ class Sealed:
 class Signer:
     """Builds, signs and chains envelopes for one producer instance (thread-safe)."""
 
-    def __init__(self, producer: str, key: SigningKey) -> None:
+    def __init__(self, producer: str, key: SigningKey, *, tenant: str = "system") -> None:
         self.producer = producer
+        self.tenant = tenant
         self._key = key
         self.public_raw = bytes(key.verify_key)
         self.key_id = key_id_of(self.public_raw)
@@ -106,8 +107,13 @@ class Signer:
         event_id: str | None = None,
         causation: Envelope | None = None,
         correlation_id: str | None = None,
+        tenant: str | None = None,
     ) -> Sealed:
-        """Return the signed envelope for ``payload`` with its canonical wire bytes."""
+        """Return the signed envelope for ``payload`` with its canonical wire bytes.
+
+        ``tenant`` defaults to the cause's tenant, else the signer's own (a user's tenant, or
+        ``system`` for a service acting on its own account).
+        """
         eid = event_id or new_event_id()
         now = utcnow()
         fields: dict[str, Any] = {
@@ -118,6 +124,7 @@ class Signer:
             "aggregate_id": aggregate_id,
             "time": now.isoformat(),
             "producer": self.producer,
+            "tenant": tenant or (causation.tenant if causation else self.tenant),
             "causation_id": causation.id if causation else None,
             "correlation_id": correlation_id or (causation.correlation_id if causation else eid),
             "schema_version": payload.VERSION,

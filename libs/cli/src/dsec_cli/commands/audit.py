@@ -10,23 +10,47 @@ from dsec_core.subjects import ALL_EVENTS, aggregate_filter
 from rich.table import Table
 
 from dsec_cli.common import (
+    EXIT_BAD_INPUT,
     EXIT_FAILED,
     bus,
     check_event_types,
     console,
+    fail,
+    operator_identity,
+    operator_root,
     parse_since,
     print_json,
     run,
+    safe,
 )
 from dsec_cli.render import decode_or_warn, event_json, event_line
 
 audit_app = typer.Typer(help="Verify and replay the signed audit trail.", no_args_is_help=True)
 
 
-async def _verify() -> VerifyReport:
+def trust_anchor() -> bytes:
+    """The operator root public key verification trusts, or exit 2 saying where to set it."""
+    from dsec_core import identity
+    from dsec_core.settings import Settings
+
+    settings = Settings()
+    try:
+        anchor = identity.read_anchor(identity.TrustPaths(settings.home), settings.trust_root)
+    except identity.CertificateError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    if anchor is None:
+        fail(
+            "no trust root: set DSEC_TRUST_ROOT to the operator's root public key (hex) "
+            "or run on the machine of `dsec up`",
+            EXIT_BAD_INPUT,
+        )
+    return anchor
+
+
+async def _verify(anchor: bytes) -> VerifyReport:
     from dsec_core.bus import replay
 
-    verifier = Verifier()
+    verifier = Verifier(anchor)
     async with bus() as (_, js):
         async for seq, data in replay(js):
             if verifier.feed(seq, data) is not None:
@@ -52,33 +76,69 @@ def _report_dict(report: VerifyReport) -> dict[str, Any]:
             "producer": finding.producer,
             "reason": finding.reason,
         },
+        "injected": [
+            {
+                "seq": i.stream_seq,
+                "id": i.event_id,
+                "type": i.event_type,
+                "producer": i.producer,
+                "reason": i.reason,
+                "answered_by": i.answered_by,
+            }
+            for i in report.injected
+        ],
     }
+
+
+def _print_injected(report: VerifyReport) -> None:
+    table = Table("seq", "type", "claimed producer", "why it is foreign", "refused by (seq)")
+    for item in report.injected:
+        table.add_row(
+            str(item.stream_seq),
+            safe(item.event_type or "?"),
+            safe(item.producer or "?"),
+            safe(item.reason),
+            ", ".join(map(str, item.answered_by)) or "-",
+        )
+    console.print(table)
 
 
 @audit_app.command("verify")
 def verify(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
 ) -> None:
-    """Replay the whole stream: every signature, chain link and sequence must hold.
+    """Replay the whole stream and tell tampering from injected-and-ignored messages.
 
-    Exit 0 when the trail is intact; 1 naming the first bad event and why.
+    Tampering (exit 1, naming the first bad event): a sequence gap, a broken chain of a
+    certified producer, or an authorized producer that acted on an injected or replayed
+    message. Foreign messages (no certified key, bad signature, unauthorized producer, copies
+    of old events) nobody acted on are listed with the refusals that answered them (exit 0).
+    Trust comes from the operator root key (DSEC_TRUST_ROOT or the stack's trust/root.pub).
     """
-    report = run(_verify())
+    report = run(_verify(trust_anchor()))
     result = _report_dict(report)
     if as_json:
         print_json(result)
     elif report.ok:
         console.print(
-            f"[green]audit trail intact[/]: {report.events} events (seq {report.first_seq}–"
-            f"{report.last_seq}), {len(report.producers)} producers, {report.chains} chains; "
-            "every signature, chain link and sequence verified"
+            f"[green]audit trail intact[/]: {report.events} authentic events (seq "
+            f"{report.first_seq}–{report.last_seq}), {len(report.producers)} producers, "
+            f"{report.chains} chains; every certificate, signature, chain link and sequence "
+            "verified"
         )
+        if report.injected:
+            console.print(
+                f"[yellow]{len(report.injected)} foreign message(s) injected and ignored[/] "
+                "(no service acted on them):"
+            )
+            _print_injected(report)
     else:
         bad = result["first_bad"]
         console.print(
             f"[bold red]audit trail BROKEN[/] at stream seq {bad['seq']}"
-            f" (event {bad['id'] or '?'}, type {bad['type'] or '?'},"
-            f" producer {bad['producer'] or '?'}): {bad['reason']}"
+            f" (event {safe(bad['id'] or '?')}, type {safe(bad['type'] or '?')},"
+            f" producer {safe(bad['producer'] or '?')}): {safe(bad['reason'])}",
+            highlight=False,
         )
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)
@@ -117,33 +177,149 @@ def replay_cmd(
         console.print(f"[dim]{shown} events[/]")
 
 
-@audit_app.command("keys")
+keys_app = typer.Typer(
+    help="Producer keys: list them, rotate a service's key, revoke a key.",
+    invoke_without_command=True,
+)
+
+
+@keys_app.callback()
 def keys(
+    ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
 ) -> None:
-    """List the producer keys registered in the log."""
+    """List the producer keys registered in the log, with their certificates and revocations."""
+    if ctx.invoked_subcommand is not None:
+        return
 
     async def collect() -> list[dict[str, Any]]:
         from dsec_core.bus import replay
 
-        found: dict[tuple[str, str], dict[str, Any]] = {}
+        found: dict[str, dict[str, Any]] = {}
+        revoked: dict[str, int] = {}
         async with bus() as (_, js):
             async for seq, data in replay(js, filter_subject="dsec.producer.>"):
                 env = decode_or_warn(seq, data)
-                if env is None or env.type != "audit.key_registered":
+                if env is None:
                     continue
-                key = (env.payload["producer"], env.payload["key_id"])
-                found.setdefault(key, {"producer": key[0], "key_id": key[1], "first_seq": seq})
+                if env.type == "audit.key_revoked":
+                    revoked.setdefault(str(env.payload.get("key_id")), seq)
+                    continue
+                if env.type != "audit.key_registered":
+                    continue
+                cert = env.payload.get("certificate") or {}
+                found.setdefault(
+                    env.payload["key_id"],
+                    {
+                        "producer": env.payload["producer"],
+                        "key_id": env.payload["key_id"],
+                        "role": cert.get("role"),
+                        "tenant": cert.get("tenant"),
+                        "node_id": cert.get("node_id"),
+                        "first_seq": seq,
+                    },
+                )
+        for key_id, row in found.items():
+            row["revoked_at_seq"] = revoked.get(key_id)
         return list(found.values())
 
     rows = run(collect())
     if as_json:
         print_json(rows)
         return
-    table = Table("producer", "key id", "registered at seq")
+    table = Table("producer", "key id", "role", "tenant / node", "registered at seq", "revoked")
     for row in rows:
-        table.add_row(row["producer"], row["key_id"], str(row["first_seq"]))
+        where = row["tenant"] or row["node_id"] or "-"
+        table.add_row(
+            safe(row["producer"]),
+            safe(row["key_id"]),
+            safe(row["role"] or "[uncertified]"),
+            safe(where),
+            str(row["first_seq"]),
+            f"at seq {row['revoked_at_seq']}" if row["revoked_at_seq"] else "-",
+        )
     console.print(table)
+
+
+async def _publish_as_operator(payload: Any, aggregate_id: str) -> int:
+    from dsec_core.bus import EventPublisher
+    from dsec_core.signing import Signer
+
+    key, cert = operator_identity()
+    async with bus() as (_, js):
+        publisher = EventPublisher(js, Signer(cert.subject, key), certificate=cert)
+        await publisher.register_key()
+        published = await publisher.publish(payload, aggregate_id=aggregate_id)
+    return published.stream_seq
+
+
+@keys_app.command("revoke")
+def revoke(
+    key_id: Annotated[str, typer.Argument(help="The key id to revoke (see `dsec audit keys`)")],
+    reason: Annotated[str, typer.Option(help="Why, recorded in the log")] = "",
+    producer: Annotated[str, typer.Option(help="The producer it was certified for")] = "",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
+) -> None:
+    """Revoke a key (operator only): every consumer refuses what it signs from now on."""
+    from dsec_core.events import KeyRevoked
+    from dsec_core.subjects import InvalidSubjectToken
+
+    try:
+        seq = run(
+            _publish_as_operator(
+                KeyRevoked(key_id=key_id, producer=producer, reason=reason), key_id
+            )
+        )
+    except InvalidSubjectToken:
+        fail(f"{key_id!r} is not a key id (16 hex characters)", EXIT_BAD_INPUT)
+    if as_json:
+        print_json({"revoked": key_id, "stream_seq": seq})
+    else:
+        console.print(f"revoked key {safe(key_id)} (audit.key_revoked at seq {seq})")
+
+
+@keys_app.command("rotate")
+def rotate(
+    service: Annotated[str, typer.Argument(help="policy, builder, snapshot, scheduler, nodeagent")],
+    revoke_old: Annotated[bool, typer.Option(help="Also revoke the previous key")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
+) -> None:
+    """Give a service of this stack a new certified key (operator only); restart it to use it.
+
+    The new key's certificate is issued by the operator root and registered at once; with
+    ``--revoke-old`` (default) the previous key is revoked, so events it signs are refused.
+    """
+    from dsec_core import identity
+    from dsec_core.events import KeyRevoked
+    from dsec_core.settings import Settings
+
+    if service not in identity.SERVICE_ROLES:
+        fail(f"{service!r} is not a service; valid: {', '.join(identity.SERVICE_ROLES)}", 2)
+    paths = identity.TrustPaths(Settings().home)
+    root = operator_root()
+    try:
+        old = identity.read_cert(paths.cert(service))
+    except identity.CertificateError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    paths.key(service).unlink(missing_ok=True)
+    cert = identity.ensure_service_identity(paths, root, service, node_id=old.node_id)
+    if revoke_old:
+        run(
+            _publish_as_operator(
+                KeyRevoked(key_id=old.key_id, producer=old.subject, reason="rotated"), old.key_id
+            )
+        )
+    result = {"service": service, "new_key_id": cert.key_id, "old_key_id": old.key_id}
+    if as_json:
+        print_json(result)
+    else:
+        console.print(
+            f"{service}: new key {cert.key_id} (old {old.key_id}"
+            f"{' revoked' if revoke_old else ' still valid'}); restart it: `dsec down && dsec up`"
+        )
+
+
+audit_app.add_typer(keys_app, name="keys")
 
 
 def register(app: typer.Typer) -> None:

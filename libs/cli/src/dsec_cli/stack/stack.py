@@ -9,6 +9,7 @@ endpoints and data (``<home>/data/<server>``) stay stable across ``down``/``up``
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -17,6 +18,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dsec_core import identity
 
 from dsec_cli.stack import domain
 from dsec_cli.stack.adapters import probes
@@ -579,6 +582,8 @@ class Stack:
         say = progress or _noop
         requested = self.service_specs if specs is None else specs
         chosen = [self._spec(s) if isinstance(s, str) else s for s in requested]
+        env_overrides = dict(extra_env or {})
+        self.ensure_identities([s.name for s in chosen], env_overrides)
         with self._lock:
             started: list[ServiceProcess] = []
             for spec in chosen:
@@ -622,6 +627,21 @@ class Stack:
             if failures:
                 raise StartFailed("service(s)", failures)
             return [s.name for s in started]
+
+    def ensure_identities(self, names: Sequence[str], env: Mapping[str, str]) -> None:
+        """The operator root key and a certified key for each DSec service about to start.
+
+        The root key stays under ``<home>/trust`` (the operator's); each service reads only its
+        own key and certificate. A node agent's certificate names its node (``DSEC_NODE_ID``).
+        """
+        paths = identity.TrustPaths(self.home)
+        root = identity.ensure_root(paths)
+        for name in names:
+            if name in identity.SERVICE_ROLES:
+                node = None
+                if name == "nodeagent":
+                    node = env.get("DSEC_NODE_ID") or os.environ.get("DSEC_NODE_ID") or "node-1"
+                identity.ensure_service_identity(paths, root, name, node_id=node)
 
     def _reallocate_service_port(self, name: str) -> int:
         port = allocate_ports(1)[0]

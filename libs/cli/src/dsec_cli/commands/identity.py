@@ -1,0 +1,153 @@
+"""``dsec login`` / ``dsec whoami`` / ``dsec admin``: who this CLI signs as, and issuing keys.
+
+A user's key counts only with a certificate from the operator root that binds it to a user and
+a tenant. ``dsec admin issue-user`` (the operator) writes a credential file; ``dsec login
+--credential FILE`` (the user) installs it. On the operator's own machine ``dsec login --user
+NAME --tenant T`` issues and installs one in one step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from dsec_core.settings import Settings
+
+from dsec_cli.common import EXIT_BAD_INPUT, console, fail, operator_root, print_json, safe
+
+admin_app = typer.Typer(help="Operator tasks: issue credentials and service keys.")
+
+_NAME_HELP = "lowercase letters, digits and '-' (a DNS label)"
+
+
+def _check_name(value: str, what: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", value):
+        fail(f"{what} {value!r} is not valid: {_NAME_HELP}", EXIT_BAD_INPUT)
+    return value
+
+
+def _show(cert: object, as_json: bool) -> None:
+    from dsec_core.identity import Certificate
+
+    assert isinstance(cert, Certificate)
+    if as_json:
+        print_json(
+            {
+                "producer": cert.subject,
+                "role": cert.role,
+                "tenant": cert.tenant,
+                "key_id": cert.key_id,
+                "issued_at": cert.issued_at,
+                "expires_at": cert.expires_at,
+            }
+        )
+    else:
+        console.print(
+            f"{safe(cert.subject)} (role {cert.role}, tenant {safe(cert.tenant or '-')}, key "
+            f"{cert.key_id}, issued {cert.issued_at:%Y-%m-%d %H:%M} UTC)",
+            highlight=False,
+        )
+
+
+def login(
+    credential: Annotated[
+        Path | None, typer.Option(help="A credential file from `dsec admin issue-user`")
+    ] = None,
+    user: Annotated[str | None, typer.Option(help="Operator only: log in as this user")] = None,
+    tenant: Annotated[str, typer.Option(help="Operator only: the user's tenant")] = "default",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
+) -> None:
+    """Install the identity this CLI signs with: a key bound to a user and a tenant.
+
+    With --credential, the file your operator issued; on the operator's machine, --user and
+    --tenant issue one with the stack's root key. Exit 2 on an unusable credential.
+    """
+    from dsec_core import identity
+
+    paths = identity.TrustPaths(Settings().home)
+    if credential is not None:
+        try:
+            key, cert = identity.load_credential(credential.read_text())
+        except OSError as exc:
+            fail(f"cannot read {credential}: {exc.strerror}", EXIT_BAD_INPUT)
+        except identity.CertificateError as exc:
+            fail(f"{credential}: {exc}", EXIT_BAD_INPUT)
+        anchor = identity.read_anchor(paths, Settings().trust_root)
+        if anchor is not None:
+            try:
+                identity.check(cert, anchor)
+            except identity.CertificateError as exc:
+                fail(f"{credential}: not valid for this DSec ({exc})", EXIT_BAD_INPUT)
+    else:
+        name = _check_name(user or os.environ.get("USER") or "operator", "user")
+        key, cert = identity.issue_user(operator_root(), name, _check_name(tenant, "tenant"))
+    identity.save_identity(paths, key, cert)
+    _show(cert, as_json)
+
+
+def whoami(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
+) -> None:
+    """Show the identity this CLI signs with (exit 2 when there is none)."""
+    from dsec_core import identity
+
+    paths = identity.TrustPaths(Settings().home)
+    try:
+        _, cert = identity.load_user(paths)
+    except (OSError, identity.CertificateError):
+        fail("no identity on this machine: run `dsec login`", EXIT_BAD_INPUT)
+    _show(cert, as_json)
+
+
+@admin_app.command("issue-user")
+def issue_user(
+    user: Annotated[str, typer.Argument(help="The user's name")],
+    tenant: Annotated[str, typer.Option(help="The tenant the user acts for")],
+    out: Annotated[Path, typer.Option(help="Where to write the credential (mode 0600)")],
+) -> None:
+    """Issue a credential (key + root-signed certificate) for a user of one tenant."""
+    from dsec_core import identity
+
+    key, cert = identity.issue_user(
+        operator_root(), _check_name(user, "user"), _check_name(tenant, "tenant")
+    )
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(identity.credential_json(key, cert))
+    console.print(
+        f"wrote {safe(out)} for {safe(cert.subject)} (tenant {safe(tenant)}); give it to the "
+        "user, who runs `dsec login --credential FILE`",
+        highlight=False,
+    )
+
+
+@admin_app.command("issue-service")
+def issue_service(
+    role: Annotated[str, typer.Argument(help="policy, builder, snapshot, scheduler, nodeagent")],
+    home: Annotated[Path, typer.Option(help="The DSEC_HOME of the service (its keys/ dir)")],
+    node: Annotated[str | None, typer.Option(help="Node agents: the node it owns")] = None,
+) -> None:
+    """Certify a service's key for another machine (a node agent joining, a replica)."""
+    from dsec_core import identity
+
+    if role not in identity.SERVICE_ROLES:
+        fail(f"{role!r} is not a service; valid: {', '.join(identity.SERVICE_ROLES)}", 2)
+    if role == "nodeagent" and not node:
+        fail("a node agent's certificate names its node: add --node NODE_ID", EXIT_BAD_INPUT)
+    root = operator_root()
+    cert = identity.ensure_service_identity(identity.TrustPaths(home), root, role, node_id=node)
+    anchor = home / "trust" / "root.pub"
+    anchor.parent.mkdir(parents=True, exist_ok=True)
+    anchor.write_text(bytes(root.verify_key).hex() + "\n")
+    console.print(f"certified {role} key {cert.key_id} under {safe(home)}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``dsec login``, ``dsec whoami`` and ``dsec admin``."""
+    app.command("login")(login)
+    app.command("whoami")(whoami)
+    app.add_typer(admin_app, name="admin")

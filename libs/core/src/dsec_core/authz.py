@@ -1,0 +1,85 @@
+"""Who may say what: the one authorization table every consumer and ``audit verify`` use.
+
+A valid signature proves *who* said something; this table decides whether that producer may say
+*this*. A certificate's role names the producer kind; users are further bound to their tenant and
+node agents to their node. Anything not in the table is refused (default deny).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dsec_core.identity import SERVICE_ROLES, SYSTEM_TENANT, Certificate, Role
+
+_ANY_SERVICE: frozenset[Role] = frozenset(SERVICE_ROLES)
+
+PRODUCERS: Mapping[str, frozenset[Role]] = {
+    # users, for their own tenant
+    "spec.submitted": frozenset({"user"}),
+    "sandbox.stop_requested": frozenset({"user"}),
+    "snapshot.requested": frozenset({"user"}),
+    "snapshot.restore_requested": frozenset({"user"}),
+    # the pipeline
+    "spec.validated": frozenset({"policy"}),
+    "spec.rejected": frozenset({"policy"}),
+    "deps.resolved": frozenset({"builder"}),
+    "deps.conflict": frozenset({"builder"}),
+    "env.built": frozenset({"builder"}),
+    "sandbox.scheduled": frozenset({"scheduler"}),
+    "unit.placed": frozenset({"scheduler"}),
+    "unit.migrated": frozenset({"scheduler"}),
+    # the node agent that runs the sandbox
+    "context.injected": frozenset({"nodeagent"}),
+    "sandbox.ready": frozenset({"nodeagent"}),
+    "sandbox.exited": frozenset({"nodeagent"}),
+    "policy.violation": frozenset({"nodeagent"}),
+    "policy.violation_summary": frozenset({"nodeagent"}),
+    "policy.reported": frozenset({"nodeagent"}),
+    "node.heartbeat": frozenset({"nodeagent"}),
+    # snapshots
+    "snapshot.taken": frozenset({"snapshot"}),
+    "snapshot.restored": frozenset({"snapshot"}),
+    "snapshot.failed": frozenset({"snapshot"}),
+    # any service ends a request it cannot complete, and reports what it refused
+    "sandbox.failed": _ANY_SERVICE,
+    "security.event_rejected": _ANY_SERVICE,
+    # the key log: a key registers itself (its certificate says which role); the operator revokes
+    "audit.key_registered": frozenset({*SERVICE_ROLES, "user", "operator"}),
+    "audit.key_revoked": frozenset({"operator"}),
+}
+
+USER_TYPES: frozenset[str] = frozenset(t for t, roles in PRODUCERS.items() if roles == {"user"})
+
+
+def refusal(fields: Mapping[str, Any], cert: Certificate) -> str | None:
+    """Why the producer holding ``cert`` may not emit this envelope; ``None`` when it may.
+
+    ``fields`` is the envelope as a mapping (``type``, ``producer``, ``tenant``, ``payload``).
+    """
+    event_type = fields.get("type")
+    allowed = PRODUCERS.get(str(event_type))
+    if allowed is None:
+        return f"no producer may emit {event_type!r}"
+    if cert.subject != fields.get("producer"):
+        return f"key certified for {cert.subject!r}, used as {fields.get('producer')!r}"
+    if cert.role not in allowed:
+        return f"role {cert.role!r} may not emit {event_type}; only {', '.join(sorted(allowed))}"
+    tenant = fields.get("tenant")
+    if cert.role == "user" and tenant != cert.tenant and event_type != "audit.key_registered":
+        return f"user of tenant {cert.tenant!r} may not act for tenant {tenant!r}"
+    payload = fields.get("payload")
+    node = payload.get("node_id") if isinstance(payload, dict) else None
+    if cert.role == "nodeagent" and node is not None and node != cert.node_id:
+        return f"node agent of {cert.node_id!r} may not speak for node {node!r}"
+    registered = payload.get("key_id") if isinstance(payload, dict) else None
+    if event_type == "audit.key_registered" and registered != cert.key_id:
+        return "a key registration must register the key that signs it"
+    return None
+
+
+def tenant_of_new_event(cause_tenant: str | None, cert: Certificate) -> str:
+    """The tenant a producer stamps on an event: a user's own; a service's cause's; or system."""
+    if cert.role == "user":
+        return cert.tenant or SYSTEM_TENANT
+    return cause_tenant or SYSTEM_TENANT

@@ -1,0 +1,331 @@
+"""The gate every consumer passes an event through before it acts on it.
+
+:class:`Gate.admit` answers, for the raw bytes of one message, either the decoded envelope or the
+reason it must be ignored:
+
+1. the bytes are an envelope (``malformed``);
+2. its key is registered in the log with a certificate from the operator root (``unknown-key``,
+   ``uncertified-key``) and not revoked (``revoked-key``) — see :class:`KeyRing`;
+3. its signature is valid for that key (``bad-signature``);
+4. the certificate's role may emit this type, for this tenant / node (``unauthorized``,
+   :mod:`dsec_core.authz`);
+5. the sandbox it is about belongs to the event's tenant, and a ``spec.submitted`` opens a new
+   sandbox rather than reusing another's id (``cross-tenant``, ``aggregate-exists``);
+6. this consumer has not handled the same event id from another stream position before
+   (``replayed``: old genuine bytes published again, after JetStream's duplicate window).
+
+Keys are looked up once per key id (a direct get on ``dsec.producer.<key_id>.key_registered``)
+and cached; revocations arrive live on a core-NATS subscription.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from dsec_core import authz, canonical, identity
+from dsec_core.envelope import Envelope, MalformedEnvelope
+from dsec_core.events import KeyRegistered, KeyRevoked, SpecSubmitted
+from dsec_core.identity import Certificate, CertificateError
+from dsec_core.signing import verify_raw
+from dsec_core.subjects import ROOT, STREAM, subject_for
+
+log = logging.getLogger(__name__)
+
+HANDLED_BUCKET = "dsec-handled"
+HANDLED_TTL = timedelta(days=7)
+"""How long a consumer remembers the ids it handled; older events are refused as stale."""
+_SCAN_LIMIT = 32  # messages read on one registration subject before giving up
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a message is not acted on."""
+
+    reason: str
+    detail: str
+    event_id: str | None = None
+    event_type: str | None = None
+    producer: str | None = None
+
+
+class _Revoked(Exception):
+    pass
+
+
+def unpack_fields(data: bytes) -> dict[str, Any]:
+    """The envelope's raw fields, exactly as signed (no model round trip)."""
+    try:
+        raw = canonical.unpack(data)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise MalformedEnvelope(f"not MessagePack: {exc}") from None
+    if not isinstance(raw, dict):
+        raise MalformedEnvelope("envelope must be a map")
+    return raw
+
+
+def registration_problem(fields: dict[str, Any], anchor: bytes) -> str | Certificate:
+    """Check one ``audit.key_registered`` envelope: its certificate or what is wrong with it."""
+    try:
+        reg = KeyRegistered.model_validate(fields.get("payload"))
+        public = bytes.fromhex(reg.public_key)
+    except ValueError as exc:
+        return f"malformed key registration: {str(exc)[:200]}"
+    if not verify_raw(fields, public):
+        return "key registration not signed by the key it registers"
+    if reg.certificate is None:
+        return f"key {reg.key_id} of {reg.producer!r} has no certificate from the operator root"
+    try:
+        cert = identity.parse(reg.certificate)
+        identity.check(cert, anchor)
+    except CertificateError as exc:
+        return f"key {reg.key_id} of {reg.producer!r}: {exc}"
+    if cert.public_key != reg.public_key or cert.key_id != reg.key_id:
+        return "the certificate is for another key"
+    if cert.subject != reg.producer or fields.get("producer") != reg.producer:
+        return f"certificate for {cert.subject!r} registered as {reg.producer!r}"
+    return cert
+
+
+class KeyRing:
+    """Certified keys, looked up in the log by key id and cached; revocations followed live."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, anchor: bytes | None) -> None:
+        self._nc = nc
+        self._js = js
+        self.anchor = anchor
+        self._certs: OrderedDict[str, Certificate] = OrderedDict()
+        self._bad: OrderedDict[str, str] = OrderedDict()
+        self._revoked: set[str] = set()
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        """Follow revocations as they are published (core NATS: no consumer to manage)."""
+        self._sub = await self._nc.subscribe(f"{ROOT}.producer.*.key_revoked", cb=self._on_revoked)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _on_revoked(self, msg: Msg) -> None:
+        with contextlib.suppress(MalformedEnvelope, ValueError, KeyError):
+            fields = unpack_fields(msg.data)
+            if await self._valid_revocation(fields):
+                key_id = str(fields["payload"]["key_id"])
+                self._revoked.add(key_id)
+                self._certs.pop(key_id, None)
+                log.warning("key %s revoked by the operator", key_id)
+
+    async def _valid_revocation(self, fields: dict[str, Any]) -> bool:
+        if fields.get("type") != KeyRevoked.TYPE:
+            return False
+        cert = await self.certificate(str(fields.get("key_id")))
+        if isinstance(cert, str) or cert.role != "operator":
+            return False
+        public = bytes.fromhex(cert.public_key)
+        return verify_raw(fields, public) and authz.refusal(fields, cert) is None
+
+    async def certificate(self, key_id: str) -> Certificate | str:
+        """The certificate of ``key_id``, or why it has none (not registered, not certified)."""
+        if key_id in self._revoked:
+            return f"key {key_id} was revoked by the operator"
+        cert = self._certs.get(key_id)
+        if cert is not None:
+            return cert
+        if key_id in self._bad:
+            return self._bad[key_id]
+        if self.anchor is None:
+            return "no trust root configured (DSEC_TRUST_ROOT or $DSEC_HOME/trust/root.pub)"
+        found = await self._lookup(key_id, self.anchor)
+        if isinstance(found, Certificate):
+            if await self._revoked_in_log(key_id):
+                self._revoked.add(key_id)
+                return f"key {key_id} was revoked by the operator"
+            _remember(self._certs, key_id, found)
+        elif "not registered" not in found:  # it may register later; a bad one stays bad
+            _remember(self._bad, key_id, found)
+        return found
+
+    async def _lookup(self, key_id: str, anchor: bytes) -> Certificate | str:
+        try:
+            subject = subject_for(KeyRegistered.TYPE, key_id)
+        except ValueError:
+            return f"key id {key_id!r} is not a key id"
+        problem = f"key {key_id} is not registered in the log"
+        seq = 1
+        for _ in range(_SCAN_LIMIT):
+            try:
+                msg = await self._js.get_msg(STREAM, seq=seq, subject=subject, next=True)
+            except NotFoundError:
+                return problem
+            if msg.data is None or msg.seq is None:
+                return problem
+            with contextlib.suppress(MalformedEnvelope):
+                found = registration_problem(unpack_fields(msg.data), anchor)
+                if isinstance(found, Certificate):
+                    return found
+                problem = found
+            seq = msg.seq + 1
+        return problem
+
+    async def _revoked_in_log(self, key_id: str) -> bool:
+        try:
+            msg = await self._js.get_msg(
+                STREAM, seq=1, subject=subject_for(KeyRevoked.TYPE, key_id), next=True
+            )
+        except NotFoundError:
+            return False
+        while msg.data is not None and msg.seq is not None:
+            with contextlib.suppress(MalformedEnvelope, KeyError):
+                if await self._valid_revocation(unpack_fields(msg.data)):
+                    return True
+            try:
+                msg = await self._js.get_msg(
+                    STREAM, seq=msg.seq + 1, subject=subject_for(KeyRevoked.TYPE, key_id), next=True
+                )
+            except NotFoundError:
+                return False
+        return False
+
+
+def _remember(cache: OrderedDict[str, Any], key: str, value: Any, limit: int = 4096) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > limit:
+        cache.popitem(last=False)
+
+
+async def handled_bucket(js: JetStreamContext) -> KeyValue:
+    """The bucket of handled event ids (created by the operator; a service only opens it)."""
+    try:
+        return await js.key_value(HANDLED_BUCKET)
+    except (NotFoundError, BadRequestError):
+        return await js.create_key_value(
+            KeyValueConfig(
+                bucket=HANDLED_BUCKET,
+                history=1,
+                ttl=HANDLED_TTL.total_seconds(),
+                storage=StorageType.FILE,
+                description="Event ids each DSec consumer handled (replay protection)",
+            )
+        )
+
+
+class Gate:
+    """Admits an event to a handler, or says why not. One per consumer process."""
+
+    def __init__(self, keys: KeyRing, js: JetStreamContext, handled: KeyValue | None) -> None:
+        self.keys = keys
+        self._js = js
+        self._handled = handled
+        self._tenants: OrderedDict[str, str] = OrderedDict()
+        self._lock = asyncio.Lock()
+
+    async def admit(
+        self, data: bytes, *, stream_seq: int, consumer: str | None = None
+    ) -> Envelope | Refusal:
+        """Check one message; ``consumer`` (a durable's name) turns on replay protection."""
+        try:
+            fields = unpack_fields(data)
+            envelope = Envelope.model_validate(fields)
+        except (MalformedEnvelope, ValueError) as exc:
+            return Refusal("malformed", str(exc)[:300])
+        refusal = await self.check(fields, envelope)
+        if refusal is None and consumer is not None:
+            refusal = await self._replay(envelope, stream_seq, consumer)
+        if refusal is None:
+            return envelope
+        return Refusal(refusal[0], refusal[1][:500], envelope.id, envelope.type, envelope.producer)
+
+    async def check(self, fields: dict[str, Any], envelope: Envelope) -> tuple[str, str] | None:
+        """Signature, certificate, authorization and tenant checks (no replay check)."""
+        cert = await self.keys.certificate(envelope.key_id)
+        if isinstance(cert, str):
+            reason = "revoked-key" if "revoked" in cert else "unknown-key"
+            if "certificate" in cert or "root" in cert or "registered as" in cert:
+                reason = "uncertified-key"
+            return reason, cert
+        if not verify_raw(fields, bytes.fromhex(cert.public_key)):
+            return "bad-signature", f"signature invalid for key {envelope.key_id}"
+        problem = authz.refusal(fields, cert)
+        if problem is not None:
+            return "unauthorized", problem
+        return await self._tenant(envelope)
+
+    async def _tenant(self, envelope: Envelope) -> tuple[str, str] | None:
+        if envelope.aggregate != SpecSubmitted.AGGREGATE:
+            return None
+        first = await self._first_submission(envelope.aggregate_id)
+        if envelope.type == SpecSubmitted.TYPE:
+            if first is not None and first[0] != envelope.id:
+                return "aggregate-exists", f"sandbox {envelope.aggregate_id} was submitted before"
+            return None
+        if first is None:
+            return "unknown-sandbox", f"no spec.submitted for {envelope.aggregate_id}"
+        if first[1] != envelope.tenant:
+            sandbox, tenant = envelope.aggregate_id, envelope.tenant
+            return "cross-tenant", f"sandbox {sandbox} belongs to another tenant, not {tenant!r}"
+        return None
+
+    async def _first_submission(self, sandbox_id: str) -> tuple[str, str] | None:
+        """(id, tenant) of the first *authentic* spec.submitted of a sandbox, cached."""
+        cached = self._tenants.get(sandbox_id)
+        if cached is not None:
+            return cached[0], cached[1]
+        subject = subject_for(SpecSubmitted.TYPE, sandbox_id)
+        seq = 1
+        for _ in range(_SCAN_LIMIT):
+            try:
+                msg = await self._js.get_msg(STREAM, seq=seq, subject=subject, next=True)
+            except NotFoundError:
+                return None
+            if msg.data is None or msg.seq is None:
+                return None
+            seq = msg.seq + 1
+            try:
+                fields = unpack_fields(msg.data)
+                env = Envelope.model_validate(fields)
+            except (MalformedEnvelope, ValueError):
+                continue
+            cert = await self.keys.certificate(env.key_id)
+            if isinstance(cert, str) or not verify_raw(fields, bytes.fromhex(cert.public_key)):
+                continue
+            if authz.refusal(fields, cert) is None:
+                found = (env.id, env.tenant)
+                _remember(self._tenants, sandbox_id, found)
+                return found
+        return None
+
+    async def _replay(
+        self, envelope: Envelope, stream_seq: int, consumer: str
+    ) -> tuple[str, str] | None:
+        if self._handled is None:
+            return None
+        if datetime.now(UTC) - envelope.time > HANDLED_TTL:
+            return (
+                "stale",
+                f"event from {envelope.time.isoformat()} is older than the replay window",
+            )
+        key = f"{consumer}.{envelope.id}"
+        try:
+            await self._handled.create(key, str(stream_seq).encode())
+            return None
+        except KeyWrongLastSequenceError:
+            entry = await self._handled.get(key)
+        seen = (entry.value or b"").decode()
+        if seen == str(stream_seq):
+            return None  # a redelivery of the same message: the handler is idempotent
+        return "replayed", f"event {envelope.id} was handled at stream sequence {seen}"

@@ -1,0 +1,78 @@
+"""Certified producers for tests: a root key, keys it certifies, their registrations.
+
+Tests that publish events a service must act on sign them as a real producer would: with a key
+the stack's operator root certified (``home/trust/root.key``, created by the stack fixture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec_core import identity
+from dsec_core.bus import EventPublisher
+from dsec_core.events import KeyRegistered
+from dsec_core.identity import Certificate, Role
+from dsec_core.signing import Signer
+from nacl.signing import SigningKey
+from nats.js import JetStreamContext
+
+
+@dataclass(frozen=True)
+class Producer:
+    """A signer with its certificate."""
+
+    signer: Signer
+    cert: Certificate
+
+    def registration(self) -> bytes:
+        """The wire bytes of this key's ``audit.key_registered`` (first in its chain)."""
+        reg = KeyRegistered(
+            producer=self.signer.producer,
+            key_id=self.signer.key_id,
+            public_key=self.signer.public_raw.hex(),
+            certificate=self.cert.model_dump(mode="json"),
+        )
+        return self.signer.seal(reg, aggregate_id=self.signer.key_id, tenant="system").wire
+
+
+def certified(
+    root: SigningKey,
+    role: Role,
+    *,
+    subject: str | None = None,
+    tenant: str | None = None,
+    node_id: str | None = None,
+) -> Producer:
+    """A fresh key certified by ``root`` for ``role`` (users: tenant ``default`` unless given)."""
+    key = SigningKey.generate()
+    if role == "user":
+        tenant = tenant or "default"
+    name = subject or (
+        f"user-{tenant}-{key.verify_key.encode().hex()[:6]}" if role == "user" else role
+    )
+    cert = identity.issue(
+        root, bytes(key.verify_key), subject=name, role=role, tenant=tenant, node_id=node_id
+    )
+    return Producer(Signer(name, key, tenant=tenant or "system"), cert)
+
+
+def stack_root(home: Path) -> SigningKey:
+    """The operator root key of a stack home (created when missing, as ``dsec up`` does)."""
+    return identity.ensure_root(identity.TrustPaths(home))
+
+
+async def publisher(
+    js: JetStreamContext,
+    home: Path,
+    role: Role = "user",
+    *,
+    tenant: str | None = None,
+    subject: str | None = None,
+    node_id: str | None = None,
+) -> EventPublisher:
+    """A publisher certified by the stack's root, its key registered in the log."""
+    producer = certified(stack_root(home), role, tenant=tenant, subject=subject, node_id=node_id)
+    pub = EventPublisher(js, producer.signer, certificate=producer.cert)
+    await pub.register_key()
+    return pub
