@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from dsec_cli.main import app
 from dsec_core.bus import EventPublisher
-from dsec_core.signing import Signer
-from nacl.signing import SigningKey
+from dsec_core.identity import Role
+from dsec_testing import trust
+from dsec_testing.stack import StackFixture
 from typer.testing import CliRunner
 
 
@@ -34,13 +35,19 @@ CliFn = Callable[..., CliResult]
 
 
 @pytest.fixture
-def dsec_cli() -> CliFn:
-    """Run ``dsec ARGS`` in-process with the given environment; returns exit code and output."""
+def dsec_cli(dsec_stack: StackFixture) -> CliFn:
+    """Run ``dsec ARGS`` in-process with the given environment; returns exit code and output.
+
+    Unless the test sets them, the CLI trusts the test stack's operator root and signs as a
+    user it certified (tenant ``default``), as a logged-in user would.
+    """
+    trust_env = dsec_stack.trust_env()
 
     def invoke(*args: str, env: Mapping[str, str] | None = None) -> CliResult:
         def call() -> CliResult:
             runner = CliRunner()
-            result = runner.invoke(app, list(args), env=dict(env or {}), catch_exceptions=False)
+            full = {**trust_env, **(env or {})}
+            result = runner.invoke(app, list(args), env=full, catch_exceptions=False)
             return CliResult(result.exit_code, result.output)
 
         # A thread of its own: the CLI runs its own event loop (asyncio.run), which cannot nest
@@ -52,15 +59,13 @@ def dsec_cli() -> CliFn:
 
 
 @pytest.fixture
-def make_publisher() -> Callable[..., Any]:
-    """An async factory of publishers with a fresh producer name and key, registered in the
-    log (tests share one stream, and `audit verify` must hold for it)."""
+def make_publisher(dsec_stack: StackFixture) -> Callable[..., Any]:
+    """An async factory of publishers certified by the test stack's root, with a fresh key,
+    registered in the log (tests share one stream, and `audit verify` must hold for it).
+    ``role`` is what the key may emit (a user by default; ``"policy"`` to validate specs)."""
 
-    async def make(js: Any, prefix: str = "test") -> EventPublisher:
-        publisher = EventPublisher(
-            js, Signer(f"{prefix}-{uuid.uuid4().hex[:8]}", SigningKey.generate())
-        )
-        await publisher.register_key()
-        return publisher
+    async def make(js: Any, prefix: str = "test", role: Role = "user") -> EventPublisher:
+        subject = f"{prefix}-{uuid.uuid4().hex[:8]}" if role == "user" else role
+        return await trust.publisher(js, dsec_stack.home, role, subject=subject)
 
     return make

@@ -243,10 +243,11 @@ async def test_a_snapshot_that_keeps_failing_ends_in_snapshot_failed_not_sandbox
     nc = await nats.connect(nats_url)
     try:
         publisher = await make_publisher(nc.jetstream())
+        policy = await make_publisher(nc.jetstream(), role="policy")
         sid = new_sandbox_id()
-        await publisher.publish(SpecSubmitted(spec_yaml="name: x"), aggregate_id=sid)
+        submitted = await publisher.publish(SpecSubmitted(spec_yaml="name: x"), aggregate_id=sid)
         validated = SpecValidated(name="x", spec_digest="d", plan={})
-        await publisher.publish(validated, aggregate_id=sid)
+        await policy.publish(validated, aggregate_id=sid, causation=submitted.envelope)
         result = await asyncio.to_thread(
             dsec_cli, "snapshot", "create", sid, "--name", f"v-{sid}", "--json", env=env
         )

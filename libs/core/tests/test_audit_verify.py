@@ -87,7 +87,7 @@ def test_self_registered_producer_is_injected_not_trusted() -> None:
 
 def test_certificate_from_another_root_is_refused() -> None:
     other = certified(SigningKey.generate(), "policy")
-    report = verify_stream(_numbered(_log(_user(), n=1) + [other.registration()]), ANCHOR)
+    report = verify_stream(_numbered([*_log(_user(), n=1), other.registration()]), ANCHOR)
     assert report.ok
     assert "not by the operator root" in report.injected[0].reason
 

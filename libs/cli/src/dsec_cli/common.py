@@ -162,6 +162,13 @@ def user_identity(settings: Settings | None = None) -> tuple[Any, Any]:
 
     settings = settings or Settings()
     paths = identity.TrustPaths(settings.home)
+    if settings.credential is not None:
+        try:
+            return identity.load_credential(settings.credential.read_text())
+        except OSError as exc:
+            fail(f"DSEC_CREDENTIAL {settings.credential}: {exc.strerror}", EXIT_BAD_INPUT)
+        except identity.CertificateError as exc:
+            fail(f"DSEC_CREDENTIAL {settings.credential}: {exc}", EXIT_BAD_INPUT)
     if paths.user_key.exists() and paths.user_cert.exists():
         try:
             key, cert = identity.load_user(paths)

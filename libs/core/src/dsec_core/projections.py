@@ -21,6 +21,7 @@ from dsec_core.bus import follow, replay
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from dsec_core.events import SANDBOX_STATES, TERMINAL_TYPES
 from dsec_core.subjects import ROOT
+from dsec_core.trust import Gate
 
 log = logging.getLogger(__name__)
 
@@ -183,17 +184,28 @@ async def apply_event(conn: asyncpg.Connection, seq: int, env: Envelope) -> None
     )
 
 
-async def apply_batch(conn: asyncpg.Connection, batch: Sequence[tuple[int, bytes]]) -> int:
-    """Apply a batch and the new position in one transaction; return the position."""
+async def apply_batch(
+    conn: asyncpg.Connection, batch: Sequence[tuple[int, bytes]], gate: Gate | None = None
+) -> int:
+    """Apply a batch and the new position in one transaction; return the position.
+
+    With a ``gate``, only authentic, authorized events reach the read models: a forged
+    ``sandbox.exited`` never shows a running sandbox as ended.
+    """
     async with conn.transaction():
         current = await applied_seq(conn)
         for seq, data in batch:
             if seq <= current:
                 continue
             try:
-                await apply_event(conn, seq, decode(data))
+                env = decode(data) if gate is None else await gate.authentic(data)
             except MalformedEnvelope as exc:
                 log.error("projection skips malformed event at seq %d: %s", seq, exc)
+                env = None
+            if env is not None:
+                await apply_event(conn, seq, env)
+            elif gate is not None:
+                log.warning("projection skips unauthentic event at seq %d", seq)
             current = seq
         await conn.execute(
             "INSERT INTO projection_state (name, applied_seq) VALUES ($1, $2)"
@@ -210,6 +222,7 @@ class Projector:
 
     js: JetStreamContext
     dsn: str
+    gate: Gate | None = None
     batch_size: int = 256
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -234,14 +247,14 @@ class Projector:
                 self.js, start_seq=start, batch=self.batch_size, filter_subject=f"{ROOT}.sandbox.>"
             ):
                 if batch:
-                    await apply_batch(conn, batch)
+                    await apply_batch(conn, batch, self.gate)
                 if stop.is_set():
                     break
         finally:
             await conn.close()
 
 
-async def rebuild(js: JetStreamContext, dsn: str) -> int:
+async def rebuild(js: JetStreamContext, dsn: str, gate: Gate | None = None) -> int:
     """Drop the read models and replay the whole stream into them; return the position."""
     conn = await asyncpg.connect(dsn)
     try:
@@ -253,10 +266,10 @@ async def rebuild(js: JetStreamContext, dsn: str) -> int:
         async for item in replay(js, filter_subject=f"{ROOT}.sandbox.>"):
             batch.append(item)
             if len(batch) >= 512:
-                position = await apply_batch(conn, batch)
+                position = await apply_batch(conn, batch, gate)
                 batch = []
         if batch:
-            position = await apply_batch(conn, batch)
+            position = await apply_batch(conn, batch, gate)
         return position
     finally:
         await conn.close()

@@ -38,6 +38,11 @@ class Settings(BaseSettings):
         description="Operator root public key (hex) that certifies every producer key; unset: "
         "$DSEC_HOME/trust/root.pub",
     )
+    credential: Path | None = Field(
+        default=None,
+        description="A user credential file (`dsec admin issue-user`) the CLI signs with, "
+        "instead of the identity `dsec login` installed",
+    )
     metrics_port: int = Field(default=0, description="Port for /metrics and /healthz (0 = free)")
     node_id: str = Field(default="node-1", description="Name of this node")
     org_policy: Path | None = Field(default=None, description="Org guardrail policy file")

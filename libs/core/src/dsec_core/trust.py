@@ -40,7 +40,7 @@ from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import KeyRegistered, KeyRevoked, SpecSubmitted
 from dsec_core.identity import Certificate, CertificateError
 from dsec_core.signing import verify_raw
-from dsec_core.subjects import ROOT, STREAM, subject_for
+from dsec_core.subjects import STREAM, filter_for, subject_for
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class KeyRing:
 
     async def start(self) -> None:
         """Follow revocations as they are published (core NATS: no consumer to manage)."""
-        self._sub = await self._nc.subscribe(f"{ROOT}.producer.*.key_revoked", cb=self._on_revoked)
+        self._sub = await self._nc.subscribe(filter_for(KeyRevoked.TYPE), cb=self._on_revoked)
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -280,6 +280,11 @@ class Gate:
             return "cross-tenant", f"sandbox {sandbox} belongs to another tenant, not {tenant!r}"
         return None
 
+    async def tenant_of(self, sandbox_id: str) -> str | None:
+        """The tenant of a sandbox: that of its first authentic ``spec.submitted``."""
+        first = await self._first_submission(sandbox_id)
+        return first[1] if first is not None else None
+
     async def _first_submission(self, sandbox_id: str) -> tuple[str, str] | None:
         """(id, tenant) of the first *authentic* spec.submitted of a sandbox, cached."""
         cached = self._tenants.get(sandbox_id)
@@ -308,6 +313,43 @@ class Gate:
                 _remember(self._tenants, sandbox_id, found)
                 return found
         return None
+
+    async def authentic(self, data: bytes) -> Envelope | None:
+        """The envelope when it is authentic and authorized (no replay check), else None."""
+        try:
+            fields = unpack_fields(data)
+            envelope = Envelope.model_validate(fields)
+        except (MalformedEnvelope, ValueError):
+            return None
+        return envelope if await self.check(fields, envelope) is None else None
+
+    async def find(
+        self, subject: str, *, event_id: str | None = None, limit: int = 256
+    ) -> Envelope | None:
+        """An authentic, authorized event on ``subject``: the one with ``event_id``, else the
+        newest. Forged or unauthorized messages on the subject are skipped, never returned."""
+        found: Envelope | None = None
+        seq = 1
+        for _ in range(limit):
+            try:
+                msg = await self._js.get_msg(STREAM, seq=seq, subject=subject, next=True)
+            except NotFoundError:
+                break
+            if msg.data is None or msg.seq is None:
+                break
+            seq = msg.seq + 1
+            try:
+                fields = unpack_fields(msg.data)
+                envelope = Envelope.model_validate(fields)
+            except (MalformedEnvelope, ValueError):
+                continue
+            if event_id is not None and envelope.id != event_id:
+                continue
+            if await self.check(fields, envelope) is None:
+                if event_id is not None:
+                    return envelope
+                found = envelope
+        return found
 
     async def _replay(
         self, envelope: Envelope, stream_seq: int, consumer: str

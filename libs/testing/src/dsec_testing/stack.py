@@ -112,7 +112,23 @@ class StackFixture:
             self.stack.state, home=str(self.home), metrics_port=0, bucket=self.stack.bucket
         )
         del env["DSEC_METRICS_PORT"]
+        env.update(self.trust_env())
         return env
+
+    def trust_env(self) -> dict[str, str]:
+        """The operator root (trust anchor) and a user credential of tenant ``default``, so a
+        CLI with a home of its own signs as a certified user and verifies against the root."""
+        from dsec_core import identity
+
+        paths = identity.TrustPaths(self.home)
+        root = identity.ensure_root(paths)
+        cred = self.home / "identity" / "test-user.cred.json"
+        if not cred.exists():
+            key, cert = identity.issue_user(root, "tester", identity.DEFAULT_TENANT)
+            cred.parent.mkdir(parents=True, exist_ok=True)
+            cred.write_text(identity.credential_json(key, cert))
+            cred.chmod(0o600)
+        return {"DSEC_TRUST_ROOT": bytes(root.verify_key).hex(), "DSEC_CREDENTIAL": str(cred)}
 
     def restart_nats(self, *, kill: bool = False, downtime: float = 0.0) -> None:
         """Stop NATS (SIGKILL when ``kill``) and start it again on the same port and store."""

@@ -19,15 +19,14 @@ from typing import Any
 
 from dsec_core import events
 from dsec_core.codebundle import BundleError, extract_bundle
-from dsec_core.envelope import Envelope, decode
+from dsec_core.envelope import Envelope
 from dsec_core.ids import derive_event_id
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.objectstore import client as s3_client
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan, load_spec
-from dsec_core.subjects import STREAM, subject_for
-from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from dsec_core.subjects import subject_for
+from dsec_core.trust import Gate
 
 from dsec_nodeagent.context.configmap import ConfigMaps
 from dsec_nodeagent.context.injector import ContextInjector, PreparedContext
@@ -67,7 +66,7 @@ class NodeAgent:
         self,
         settings: Settings,
         publish: Publish,
-        js: Callable[[], JetStreamContext],
+        gate: Callable[[], Gate],
         before_start: BeforeStart | None = None,
         on_stopped: Callable[[str], Awaitable[None]] | None = None,
         ipc_socket: Path | None = None,
@@ -75,7 +74,7 @@ class NodeAgent:
         self.settings = settings
         self.home = settings.home.resolve()
         self._publish = publish
-        self._js = js
+        self._gate = gate
         self._before_start = before_start
         self._on_stopped = on_stopped
         self.manager = SandboxManager(
@@ -119,13 +118,16 @@ class NodeAgent:
 
     # --------------------------------------------------------------- the spec, from the log
 
-    async def _last(self, event_type: str, sandbox_id: str) -> Envelope:
-        try:
-            raw = await self._js().get_last_msg(STREAM, subject_for(event_type, sandbox_id))
-        except NotFoundError:
-            raise StartRefused(f"no {event_type} recorded for {sandbox_id}") from None
-        assert raw.data is not None
-        return decode(raw.data)
+    async def _last(
+        self, event_type: str, sandbox_id: str, event_id: str | None = None
+    ) -> Envelope:
+        """The authentic event of ``event_type`` (the one with ``event_id`` when given): a
+        forged or unauthorized message on the same subject is never read as the spec."""
+        found = await self._gate().find(subject_for(event_type, sandbox_id), event_id=event_id)
+        if found is None:
+            which = f" {event_id}" if event_id else ""
+            raise StartRefused(f"no authentic {event_type}{which} recorded for {sandbox_id}")
+        return found
 
     async def _maybe_last(self, event_type: str, sandbox_id: str) -> Envelope | None:
         try:
@@ -184,7 +186,7 @@ class NodeAgent:
             return []
         try:
             self._check_environment(event)
-            return await self._launch(sid, event)
+            return await self._launch(sid, event, envelope.causation_id)
         except (StartRefused, ContextError, SandboxStartError) as exc:
             if self._on_stopped is not None:  # egress attached before a failed start
                 await self._on_stopped(sid)
@@ -196,9 +198,16 @@ class NodeAgent:
                 )
             ]
 
-    async def _launch(self, sid: str, event: events.EnvBuilt) -> list[events.Payload]:
-        validated = (await self._last("spec.validated", sid)).decoded()
-        submitted = (await self._last("spec.submitted", sid)).decoded()
+    async def _launch(
+        self, sid: str, event: events.EnvBuilt, cause: str | None
+    ) -> list[events.Payload]:
+        # Follow the causes back: env.built <- deps.resolved <- spec.validated <- spec.submitted,
+        # each authentic; never simply the newest message on those subjects.
+        resolved = await self._last("deps.resolved", sid, cause)
+        validated_env = await self._last("spec.validated", sid, resolved.causation_id)
+        validated = validated_env.decoded()
+        submitted_env = await self._last("spec.submitted", sid, validated_env.causation_id)
+        submitted = submitted_env.decoded()
         assert isinstance(validated, events.SpecValidated)
         assert isinstance(submitted, events.SpecSubmitted)
         plan = EnforcementPlan.model_validate(validated.plan)

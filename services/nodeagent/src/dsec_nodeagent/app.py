@@ -5,7 +5,7 @@ from __future__ import annotations
 from dsec_core.events import Payload
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
-from nats.js import JetStreamContext
+from dsec_core.trust import Gate
 
 from dsec_nodeagent.agent import NodeAgent
 from dsec_nodeagent.communication import CommunicationPlane
@@ -17,19 +17,25 @@ def create_service(settings: Settings | None = None) -> Service:
     service = Service("nodeagent", settings)
 
     async def publish(payload: Payload, aggregate_id: str, event_id: str | None) -> None:
-        assert service.publisher is not None
-        await service.publisher.publish(payload, aggregate_id=aggregate_id, event_id=event_id)
+        # Not a handler's output: the event still belongs to the sandbox's tenant.
+        assert service.publisher is not None and service.gate is not None
+        tenant = None
+        if payload.AGGREGATE == "sandbox":
+            tenant = await service.gate.tenant_of(aggregate_id)
+        await service.publisher.publish(
+            payload, aggregate_id=aggregate_id, event_id=event_id, tenant=tenant
+        )
 
-    def js() -> JetStreamContext:
-        assert service.nc is not None
-        return service.nc.jetstream()
+    def gate() -> Gate:
+        assert service.gate is not None
+        return service.gate
 
     egress = Egress(service.settings, publish)
     comms = CommunicationPlane(service.settings)
     agent = NodeAgent(
         service.settings,
         publish,
-        js,
+        gate,
         before_start=egress.attach,
         on_stopped=egress.detach,
         ipc_socket=comms.socket_path,

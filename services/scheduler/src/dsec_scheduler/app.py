@@ -30,7 +30,7 @@ def create_service(settings: Settings | None = None) -> Service:
             log.warning("no DSEC_POSTGRES_DSN: read models are not projected")
             return
         assert service.nc is not None
-        projector = Projector(service.nc.jetstream(), str(dsn))
+        projector = Projector(service.nc.jetstream(), str(dsn), gate=service.gate)
         tasks.append(asyncio.create_task(projector.run(stop), name="projector"))
 
     async def stop_projector() -> None:

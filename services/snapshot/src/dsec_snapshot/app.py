@@ -15,6 +15,7 @@ from dsec_core.envelope import Envelope
 from dsec_core.events import Payload, SnapshotFailed
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
+from dsec_core.trust import Gate
 from nats.js import JetStreamContext
 
 from dsec_snapshot.handlers import SnapshotHandlers
@@ -48,10 +49,20 @@ def create_service(settings: Settings | None = None) -> Service:
         return service.nc.jetstream()
 
     async def publish(payload: Payload, aggregate_id: str, event_id: str | None) -> None:
-        assert service.publisher is not None
-        await service.publisher.publish(payload, aggregate_id=aggregate_id, event_id=event_id)
+        # Not a handler's output: the event still belongs to the sandbox's tenant.
+        assert service.publisher is not None and service.gate is not None
+        tenant = None
+        if payload.AGGREGATE == "sandbox":
+            tenant = await service.gate.tenant_of(aggregate_id)
+        await service.publisher.publish(
+            payload, aggregate_id=aggregate_id, event_id=event_id, tenant=tenant
+        )
 
-    handlers = SnapshotHandlers(service.settings, js)
+    def gate() -> Gate:
+        assert service.gate is not None
+        return service.gate
+
+    handlers = SnapshotHandlers(service.settings, js, gate)
     # S3 or Vault hiccups: a few quick retries (a rollback is wanted within seconds).
     retry = RetryPolicy(max_attempts=4, base_delay_s=0.5, max_delay_s=4.0, ack_wait_s=60.0)
     service.handles("snapshot.requested", retry=retry, batch=4, on_exhausted=snapshot_failed)(

@@ -25,12 +25,12 @@ from typing import Literal
 from dsec_core import events
 from dsec_core.bus import replay
 from dsec_core.codebundle import BundleError, extract_bundle
-from dsec_core.envelope import Envelope, decode
+from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.settings import Settings
-from dsec_core.subjects import STREAM, aggregate_filter, subject_for
+from dsec_core.subjects import aggregate_filter, subject_for
+from dsec_core.trust import Gate, unpack_fields
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 
 from dsec_snapshot import sandboxes
 from dsec_snapshot.adapters.gpu import probe_gpus
@@ -72,9 +72,15 @@ def failed(
 class SnapshotHandlers:
     """Snapshots and rollbacks of the sandboxes in the log, with this node's store."""
 
-    def __init__(self, settings: Settings, js: Callable[[], JetStreamContext]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        js: Callable[[], JetStreamContext],
+        gate: Callable[[], Gate],
+    ) -> None:
         self.settings = settings
         self.js = js
+        self.gate = gate
         self.sandboxes_root = settings.home.resolve() / "sandboxes"
         self._store: SnapshotStore | None = None
         # One snapshot at a time: a directory's stat cache is one file that concurrent creates
@@ -100,17 +106,22 @@ class SnapshotHandlers:
     # --------------------------------------------------------------- the sandbox, from the log
 
     async def history(self, sandbox_id: str) -> list[tuple[int, bytes]]:
-        """Every event of the sandbox recorded so far: ``(stream seq, wire bytes)``."""
+        """Every *authentic* event of the sandbox recorded so far: ``(stream seq, wire bytes)``;
+        forged or unauthorized messages on its subjects are left out."""
         subject = aggregate_filter("sandbox", sandbox_id)
-        return [record async for record in replay(self.js(), filter_subject=subject)]
+        kept = []
+        async for seq, data in replay(self.js(), filter_subject=subject):
+            try:
+                fields = unpack_fields(data)
+                envelope = Envelope.model_validate(fields)
+            except (MalformedEnvelope, ValueError):
+                continue
+            if await self.gate().check(fields, envelope) is None:
+                kept.append((seq, data))
+        return kept
 
     async def _last(self, event_type: str, sandbox_id: str) -> Envelope | None:
-        try:
-            raw = await self.js().get_last_msg(STREAM, subject_for(event_type, sandbox_id))
-        except NotFoundError:
-            return None
-        assert raw.data is not None
-        return decode(raw.data)
+        return await self.gate().find(subject_for(event_type, sandbox_id))
 
     async def current(self, sandbox_id: str) -> SandboxFacts:
         """Whether the sandbox runs, where, and on which environment (latest events only)."""

@@ -21,13 +21,19 @@ def rebuild_cmd(
     async def go() -> tuple[int, float]:
         from dsec_core.projections import rebuild
         from dsec_core.settings import Settings
+        from dsec_core.trust import Gate, KeyRing
+
+        from dsec_cli.commands.audit import trust_anchor
+
+        anchor = trust_anchor()
 
         conn = await pg_connect()  # fail fast with a clear message when Postgres is down
         await conn.close()
         started = time.perf_counter()
-        async with bus() as (_, js):
+        async with bus() as (nc, js):
             dsn = str(Settings().endpoint("postgres_dsn"))
-            position = await rebuild(js, dsn)
+            gate = Gate(KeyRing(nc, js, anchor), js, None)  # only authentic events are projected
+            position = await rebuild(js, dsn, gate)
         return position, time.perf_counter() - started
 
     position, seconds = run(go())
