@@ -25,12 +25,15 @@ from multiprocessing.connection import Connection
 
 import nats
 from _common import emit, nats_server, percentile
-from dsec_core import audit
+from dsec_core import audit, identity
 from dsec_core.audit import Verifier
 from dsec_core.bus import EventPublisher, ensure_stream
-from dsec_core.events import KeyRegistered, SandboxExited
+from dsec_core.envelope import Envelope
+from dsec_core.events import KeyRegistered, SandboxExited, SpecSubmitted
+from dsec_core.identity import Role
 from dsec_core.signing import Signer
 from dsec_core.subjects import STREAM
+from dsec_core.trust import Gate, KeyRing, handled_bucket
 from nacl.signing import SigningKey
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
@@ -55,19 +58,40 @@ def micro_sign_encode(n: int) -> dict[str, float]:
     }
 
 
+ROOT = SigningKey.generate()
+ANCHOR = bytes(ROOT.verify_key)
+
+
+def _certified(name: str, role: Role = "nodeagent") -> tuple[Signer, KeyRegistered]:
+    key = SigningKey.generate()
+    tenant = "default" if role == "user" else None
+    cert = identity.issue(
+        ROOT, bytes(key.verify_key), subject=name, role=role, tenant=tenant, node_id="n1"
+    )
+    signer = Signer(name, key)
+    reg = KeyRegistered(
+        producer=name,
+        key_id=signer.key_id,
+        public_key=signer.public_raw.hex(),
+        certificate=cert.model_dump(mode="json"),
+    )
+    return signer, reg
+
+
 def verify_rates(n: int) -> dict[str, int]:
     """Events/s of the replay verifier: as shipped, and checking every signature."""
-    signers = [Signer(f"svc{i}", SigningKey.generate()) for i in range(6)]
     wires = []
-    for s in signers:
-        reg = KeyRegistered(producer=s.producer, key_id=s.key_id, public_key=s.public_raw.hex())
-        wires.append(s.seal(reg, aggregate_id=s.producer).wire)
+    signers = []
+    for i in range(6):
+        s, reg = _certified(f"svc{i}")
+        signers.append(s)
+        wires.append(s.seal(reg, aggregate_id=s.key_id).wire)
     payload = _payload()
     wires += [signers[i % 6].seal(payload, aggregate_id=f"sbx_{i % 64}").wire for i in range(n)]
     rates = {}
     for name, every in (("chain_heads", audit.SIGNATURE_EVERY), ("every_signature", 1)):
         started = time.perf_counter()
-        report = audit.verify_stream(enumerate(wires, 1), signature_every=every)
+        report = audit.verify_stream(enumerate(wires, 1), ANCHOR, signature_every=every)
         elapsed = time.perf_counter() - started
         if not report.ok:
             raise SystemExit(f"verification failed: {report.finding}")
@@ -82,7 +106,7 @@ async def _consume(
     js = nc.jetstream()
     config = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True)
     sub = await js.pull_subscribe(subject, stream=stream, config=config)
-    verifier = Verifier()
+    verifier = Verifier(ANCHOR)
     ready.send("ready")
     got = 0
     while got < n:
@@ -96,6 +120,8 @@ async def _consume(
         got += len(msgs)
     if verify and not verifier.finish().ok:  # the chains' last signatures
         raise SystemExit(f"verification failed: {verifier.report.finding}")
+    if verify and verifier.report.injected:
+        raise SystemExit(f"foreign messages in the bench: {verifier.report.injected[:3]}")
     done = time.time()
     await nc.close()
     return done
@@ -120,9 +146,10 @@ async def _raw_publish(url: str, n: int, size: int) -> None:
 
 async def _dsec_publish(url: str, n: int) -> int:
     nc = await nats.connect(url)
-    publisher = EventPublisher(nc.jetstream(), Signer("bench", SigningKey.generate()))
+    signer, reg = _certified("nodeagent")
+    publisher = EventPublisher(nc.jetstream(), signer)
     payload = _payload()
-    await publisher.register_key()
+    await publisher.publish(reg, aggregate_id=signer.key_id)
     size = 0
     for base in range(0, n - 1, BATCH):
         batch = [
@@ -165,11 +192,42 @@ def run_path(url: str, n: int, dsec: bool, size: int = 0) -> tuple[float, int]:
     return n / (finished - started), size
 
 
+async def gate_admit(url: str, n: int) -> dict[str, float]:
+    """What each service consumer pays per event before its handler runs (the trust gate:
+    certificate (cached), signature, authorization table, the sandbox's tenant (cached), the
+    replay check in the KV bucket), over events of one submitted sandbox."""
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    user, user_reg = _certified("user-bench", "user")
+    agent, agent_reg = _certified("nodeagent")
+    publisher = EventPublisher(js, user)
+    await publisher.publish(user_reg, aggregate_id=user.key_id)
+    submitted = await publisher.publish(
+        SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_gate", tenant="default"
+    )
+    agents = EventPublisher(js, agent)
+    await agents.publish(agent_reg, aggregate_id=agent.key_id)
+    batch = [agent.seal(_payload(), aggregate_id="sbx_gate", tenant="default") for _ in range(n)]
+    published = await agents.publish_many(batch)
+    gate = Gate(KeyRing(nc, js, ANCHOR), js, await handled_bucket(js))
+    samples = []
+    for item in [submitted, *published]:
+        started = time.perf_counter()
+        admitted = await gate.admit(item.sealed.wire, stream_seq=item.stream_seq, consumer="b")
+        samples.append((time.perf_counter() - started) * 1e6)
+        if not isinstance(admitted, Envelope):
+            raise SystemExit(f"the gate refused a genuine event: {admitted}")
+    await nc.close()
+    p50, p99 = percentile(samples, 0.5), percentile(samples, 0.99)
+    return {"p50_us": round(p50, 1), "p99_us": round(p99, 1)}
+
+
 def main(n: int) -> None:
     sign = micro_sign_encode(min(n, 5000))
     verify = verify_rates(n)
     with nats_server() as url:
         dsec_rate, size = run_path(url, n, dsec=True)
+        gate = asyncio.run(gate_admit(url, min(n, 2000)))
     with nats_server() as url:
         raw_rate, _ = run_path(url, n, dsec=False, size=size)
     ratio = dsec_rate / raw_rate
@@ -183,10 +241,12 @@ def main(n: int) -> None:
             "events": n,
             "envelope_bytes": size,
             "audit_verify_events_per_s": verify,
+            "consumer_gate_us": gate,
         },
         f"bus: DSec backbone {dsec_rate:,.0f} ev/s vs raw nats-py {raw_rate:,.0f} msg/s "
         f"= {ratio:.0%} of raw; sign+encode p50 {sign['p50_us']} µs; audit verify "
-        f"{verify['chain_heads']:,} ev/s ({verify['every_signature']:,} checking every signature)",
+        f"{verify['chain_heads']:,} ev/s ({verify['every_signature']:,} checking every signature); "
+        f"consumer gate p50 {gate['p50_us']} µs",
     )
 
 

@@ -193,6 +193,20 @@ def user_identity(settings: Settings | None = None) -> tuple[Any, Any]:
     )
 
 
+def cli_gate(nc: NATS, js: JetStreamContext) -> Any:
+    """A trust gate for what the CLI follows (only authentic events count), or ``None`` when
+    no trust root is known here (then events are shown as they come)."""
+    from dsec_core import identity
+    from dsec_core.trust import Gate, KeyRing
+
+    settings = Settings()
+    try:
+        anchor = identity.read_anchor(identity.TrustPaths(settings.home), settings.trust_root)
+    except identity.CertificateError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    return None if anchor is None else Gate(KeyRing(nc, js, anchor), js, None)
+
+
 async def cli_publisher(js: JetStreamContext, settings: Settings | None = None) -> EventPublisher:
     """A publisher signing as the logged-in user (``user-<name>``, its tenant from the
     operator-issued certificate, never from a spec)."""

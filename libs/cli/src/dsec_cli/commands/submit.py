@@ -25,6 +25,7 @@ from dsec_cli.common import (
     EXIT_TIMEOUT,
     EXIT_UNREACHABLE,
     bus,
+    cli_gate,
     cli_publisher,
     console,
     err_console,
@@ -32,6 +33,7 @@ from dsec_cli.common import (
     print_json,
     run,
     s3_client,
+    safe,
     submitter,
 )
 from dsec_cli.render import decode_or_warn, event_line
@@ -149,9 +151,10 @@ async def submit_and_follow(
     sandbox_id = new_sandbox_id()
     outcome = Outcome(sandbox_id)
     target = WAIT_FOR[wait]
-    async with bus() as (_, js):
+    async with bus() as (nc, js):
         start = (await js.stream_info(STREAM)).state.last_seq + 1
         publisher = await cli_publisher(js)
+        gate = cli_gate(nc, js)
         await publisher.publish(
             SpecSubmitted(
                 spec_yaml=spec_text, filename=filename, code=code_ref, submitted_by=submitter()
@@ -168,6 +171,13 @@ async def submit_and_follow(
             for seq, data in batch:
                 env = decode_or_warn(seq, data)
                 if env is None:
+                    continue
+                if gate is not None and await gate.authentic(data) is None:
+                    # A forged or unauthorized message on the sandbox's subjects: not its state.
+                    err_console.print(
+                        f"[yellow]ignored[/] an unauthentic {safe(env.type)} at seq {seq}",
+                        highlight=False,
+                    )
                     continue
                 _record(outcome, seq, env, as_json)
                 last_event_at = time.monotonic()

@@ -683,6 +683,10 @@ class PrometheusServer(Server):
             prometheus_port=self.ports[0],
         )
         write_private(self.config_path, text)
+        alerts = self.template_path().with_name("alerts.yml")
+        write_private(
+            self.run_dir / "alerts.yml", alerts.read_text() if alerts.exists() else "groups: []\n"
+        )
 
     def command(self) -> list[str]:
         return [
