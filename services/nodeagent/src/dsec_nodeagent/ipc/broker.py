@@ -284,7 +284,7 @@ class Broker:
         server doorbell, server pidfd), now owned by whoever called this; ``None`` if the server
         turned out to be gone.
         """
-        fds = ch.create_channel(self.ring_capacity)
+        fds = ch.create_channel(self.ring_capacity, self.max_payload)
         channel_id = self.new_channel_id()
         opening = {
             "op": "open",

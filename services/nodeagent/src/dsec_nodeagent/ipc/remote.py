@@ -128,7 +128,7 @@ class RemoteBridge:
         Returns the channel id and the fds for the caller (the broker sends, then closes them).
         """
         assert self._proxy is not None
-        fds = ch.create_channel(self.broker.ring_capacity)
+        fds = ch.create_channel(self.broker.ring_capacity, self.broker.max_payload)
         channel_id = self.broker.new_channel_id()
         server_fds = [os.dup(fd) for fd in fds.all()] + [os.dup(caller.pidfd)]
         end = ch.ServerEnd(
