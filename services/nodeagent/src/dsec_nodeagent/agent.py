@@ -264,7 +264,9 @@ class NodeAgent:
             ),
             timeout_s=res.timeout_s,
             semantic_rules=semantic,
-            agent=AgentIdentity(name=plan.name, task_group=plan.effective_task_group),
+            agent=AgentIdentity(
+                name=plan.name, task_group=plan.effective_task_group, tenant=plan.tenant
+            ),
             metadata=ctx.metadata(),
         )
 

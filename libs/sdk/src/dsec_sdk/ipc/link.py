@@ -24,13 +24,21 @@ class BrokerLink:
         group: This agent's task group.
         role: ``caller`` or ``server``.
         tools: Tool names (servers only).
+        takeover: A server that replaces a live server of its name (see ``DSecClient``).
 
     Raises:
         BrokerUnavailable: Nothing listens on ``path``, or the broker refused the hello.
     """
 
     def __init__(
-        self, path: Path, agent: str, group: str, role: str, tools: list[str] | None = None
+        self,
+        path: Path,
+        agent: str,
+        group: str,
+        role: str,
+        tools: list[str] | None = None,
+        *,
+        takeover: bool = False,
     ) -> None:
         self.path = path
         self.agent = agent
@@ -56,9 +64,16 @@ class BrokerLink:
                 "role": role,
                 "tools": tools or [],
                 "pid": os.getpid(),
+                "takeover": takeover,
             }
-            control.send(sock, hello)
-            reply = self._recv()
+            try:
+                control.send(sock, hello)
+            except OSError as exc:
+                # A broker that turns a connection away (a bound reached) sends why and closes,
+                # possibly before our hello: its reason is still queued for us to read.
+                reply = self._recv_refusal(exc)
+            else:
+                reply = self._recv()
         except BaseException:
             sock.close()
             raise
@@ -69,6 +84,15 @@ class BrokerLink:
             raise BrokerUnavailable(f"the broker refused {agent!r}: {message.get('message')}")
         self.welcome = message
         self.welcome_fds = fds
+
+    def _recv_refusal(self, cause: OSError) -> tuple[dict[str, Any], list[int]]:
+        try:
+            reply = control.recv(self.sock)
+        except OSError:
+            reply = None
+        if reply is None:
+            raise BrokerUnavailable(f"the broker at {self.path} closed the connection: {cause}")
+        return reply
 
     def _recv(self) -> tuple[dict[str, Any], list[int]]:
         try:
