@@ -6,6 +6,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,22 @@ from dsec_sdk.errors import AgentNotFound, BrokerUnavailable, ProtocolError
 from dsec_sdk.ipc import control
 
 _CONNECT_TIMEOUT_S = 10.0
+
+
+def _connect(sock: socket.socket, path: Path) -> None:
+    """Connect, retrying while the broker's listen backlog is full (EAGAIN on a Unix socket
+    with a timeout: someone floods it, and the broker sheds those connections in time)."""
+    deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+    pause = 0.001
+    while True:
+        try:
+            sock.connect(os.fspath(path))
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 class BrokerLink:
@@ -46,7 +63,7 @@ class BrokerLink:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         sock.settimeout(_CONNECT_TIMEOUT_S)
         try:
-            sock.connect(os.fspath(path))
+            _connect(sock, path)
         except OSError as exc:
             sock.close()
             raise BrokerUnavailable(

@@ -51,6 +51,10 @@ SandboxOf = Callable[[int, int], str | None]
 (``None``: a process outside every sandbox; those share one bucket, :data:`HOST`)."""
 
 HOST: Final = "-host-"
+# Connections queued before accept(); each readiness accepts up to _ACCEPT_BATCH of them, so a
+# flood is shed (turned away at once) faster than one sandbox can queue it.
+_BACKLOG: Final = 1024
+_ACCEPT_BATCH: Final = 64
 # The CLOSED word of a channel's first ring header (see dsec_sdk.ipc.ring.CLOSED).
 _CLOSED_AT: Final = 32 * 8
 
@@ -150,7 +154,7 @@ class Broker:
         try:
             listener.bind(os.fspath(self.socket_path))
             os.chmod(self.socket_path, self._socket_mode)
-            listener.listen(128)
+            listener.listen(_BACKLOG)
             listener.setblocking(False)
         except BaseException:
             listener.close()
@@ -204,17 +208,27 @@ class Broker:
 
     # ------------------------------------------------------------------ connections
     def _on_accept(self) -> None:
-        assert self._listener is not None
+        for _ in range(_ACCEPT_BATCH):
+            if not self._accept_one():
+                return
+
+    def _accept_one(self) -> bool:
+        if self._listener is None:
+            return False
         try:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError as exc:  # EMFILE/ENFILE: the budget keeps the broker far from this
             if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 raise
             self._refusals.refused("fd_budget", HOST)
             metrics.REFUSALS.labels("fd_budget").inc()
-            return
+            return False
+        self._admit(sock)
+        return True
+
+    def _admit(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         pid, uid, _gid = _UCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
