@@ -35,7 +35,7 @@ from dsec_sdk.ipc import channel as ch
 from dsec_sdk.ipc import control
 
 from dsec_nodeagent.ipc import metrics
-from dsec_nodeagent.ipc.limits import Admission, BrokerLimits, RefusalLog
+from dsec_nodeagent.ipc.limits import FDS_PER_CONNECTION, Admission, BrokerLimits, RefusalLog
 from dsec_nodeagent.ipc.registry import AgentKey, Registry
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ SandboxOf = Callable[[int, int], str | None]
 (``None``: a process outside every sandbox; those share one bucket, :data:`HOST`)."""
 
 HOST: Final = "-host-"
+# fds the broker holds for each channel it serves itself (a caller here, the callee elsewhere).
+PROXY_FDS: Final = 5
 # Connections queued before accept(); each readiness accepts up to _ACCEPT_BATCH of them, so a
 # flood is shed (turned away at once) faster than one sandbox can queue it.
 _BACKLOG: Final = 1024
@@ -134,6 +136,9 @@ class Broker:
             self.limits, self.limits.max_connections()
         )
         self._refusals = RefusalLog(log)
+        # Channels the broker serves itself get a quarter of the budget on top of connections':
+        # all together stay within 5/8 of RLIMIT_NOFILE.
+        self._proxy_fd_budget = self._admission.max_connections * FDS_PER_CONNECTION // 4
         self._live: dict[str, list[_Tracked]] = {}  # caller sandbox -> its channels
         self._listener: socket.socket | None = None
         self._connections: set[Connection] = set()
@@ -392,6 +397,12 @@ class Broker:
             control.close_fds(caller_fds)
             return
         if self._remote is not None and await self._remote.locate(key):
+            if (self._remote.proxy_channels() + 1) * PROXY_FDS > self._proxy_fd_budget:
+                metrics.REFUSALS.labels("fd_budget").inc()
+                self._refusals.refused("fd_budget", conn.sandbox)
+                text = "the node's budget of channels to other nodes is spent; retry later"
+                self._reply_error(conn, message, "busy", text)
+                return
             channel_id, fds = self._remote.open_proxy(key, conn)
             reply = self._channel_reply(ref, channel_id, key.agent, remote=True)
             metrics.CHANNELS_OPENED.labels("remote").inc()

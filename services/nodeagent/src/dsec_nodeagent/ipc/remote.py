@@ -118,6 +118,10 @@ class RemoteBridge:
             return False
         return True
 
+    def proxy_channels(self) -> int:
+        """Proxy channels this broker serves now (each holds 5 fds here)."""
+        return len(self._proxy.core.channels) if self._proxy is not None else 0
+
     def forget(self, conn: Connection) -> None:
         """A connection closed; its proxy channels are reaped through their pidfds."""
 
