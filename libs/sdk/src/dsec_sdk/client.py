@@ -185,7 +185,8 @@ class DSecClient:
         spin_us: How long a caller spins for an answer before sleeping on its eventfd.
         serve_spin_us: How long a server spins for the next request before sleeping.
         takeover: When serving, replace a live server of the same name (of the same tenant and
-            task group) instead of being refused; the replaced one's ``serve()`` returns.
+            task group) instead of being refused; the replaced one's ``serve()`` ends with
+            ``BrokerUnavailable``.
             Without it, a name is owned by the first live server until its process exits.
     """
 

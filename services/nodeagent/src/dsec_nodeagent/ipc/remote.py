@@ -1,12 +1,13 @@
 """Calls between nodes: the brokers bridge shared-memory channels over NATS request-reply.
 
-Caller on node A -> (shm) -> broker A -> NATS ``dsec.ipc.<group>.<agent>.<tool>`` -> broker B
--> (shm) -> agent on node B, and back. Agents see the same API and the same errors as locally, and
-sandboxes need no network access to NATS: only the node agents talk to it.
+Caller on node A -> (shm) -> broker A -> NATS ``dsec_ipc.<tenant>.<group>.<agent>.<tool>``
+-> broker B -> (shm) -> agent on node B, and back. Agents see the same API and the same errors as
+locally, and sandboxes need no network access to NATS: only the node agents talk to it. The
+tenant in every subject keeps two tenants' agents of one group name apart across nodes too.
 
 A reply carries one byte of frame kind (RESULT or ERROR) then the frame body, unchanged.
-A broker answers ``dsec.ipc.<group>.<agent>._locate`` for every agent it serves, which is how
-another broker learns that a name lives elsewhere.
+A broker answers ``dsec_ipc.<tenant>.<group>.<agent>._locate`` for every agent it serves, which
+is how another broker learns that a name lives elsewhere.
 """
 
 from __future__ import annotations
