@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dsec_sdk import BrokerUnavailable, DSecClient
+from dsec_sdk import AgentNotFound, BrokerUnavailable, DSecClient
 from dsec_sdk.ipc import control
 
 from dsec_nodeagent.ipc import AgentKey
@@ -273,4 +273,25 @@ def test_a_takeover_must_be_explicit_and_ends_the_old_servers_serve(sock_dir: Pa
         taking.join(10)
     finally:
         caller.close()
+        thread.stop()
+
+
+@pytest.mark.integration
+def test_a_client_turned_away_at_accept_is_told_why(sock_dir: Path) -> None:
+    thread = BrokerThread(sock_dir / "ipc.sock", limits=BrokerLimits(connections_per_sandbox=1))
+    first = DSecClient("a", "g1", socket_path=thread.socket_path)
+    second = DSecClient("b", "g1", socket_path=thread.socket_path)
+    before = metric("dsec_ipc_refusals_total", reason="sandbox_connections")
+    try:
+        with pytest.raises(AgentNotFound):
+            first.call_tool("nobody", "ping")  # holds this process's one connection
+        for _ in range(20):  # whichever moment the broker closes, the reason arrives
+            with pytest.raises(
+                BrokerUnavailable, match="this sandbox holds its maximum of 1 broker connections"
+            ):
+                second.call_tool("nobody", "ping")
+        assert metric("dsec_ipc_refusals_total", reason="sandbox_connections") == before + 20
+    finally:
+        first.close()
+        second.close()
         thread.stop()

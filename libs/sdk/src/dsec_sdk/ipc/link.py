@@ -113,7 +113,12 @@ class BrokerLink:
 
     def _recv(self) -> tuple[dict[str, Any], list[int]]:
         try:
-            reply = control.recv(self.sock)
+            try:
+                reply = control.recv(self.sock)
+            except ConnectionResetError:
+                # The broker closed while our message was unread (it refused us): the kernel
+                # reports the reset before the reason it sent, which is still queued.
+                reply = control.recv(self.sock)
         except (TimeoutError, OSError) as exc:
             raise BrokerUnavailable(f"the broker at {self.path} did not answer: {exc}") from exc
         if reply is None:

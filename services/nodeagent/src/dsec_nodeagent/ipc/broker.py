@@ -104,7 +104,8 @@ class Broker:
         identify: Optional check of who a connecting process is; the hello must match it.
         socket_mode: Permissions of the socket file.
         limits: Bounds per sandbox and node-wide (default :class:`BrokerLimits`).
-        sandbox_of: Which sandbox a connecting process belongs to (default: its uid).
+        sandbox_of: Which sandbox a connecting process belongs to (default: each process is
+            its own).
     """
 
     def __init__(
@@ -129,7 +130,9 @@ class Broker:
         self.ring_capacity = ring_capacity
         self.max_payload = max_payload
         self._identify = identify
-        self._sandbox_of = sandbox_of or (lambda _pid, uid: f"uid-{uid}")
+        # Without sandboxes to tell (a development broker, the benchmarks), each process counts
+        # as its own sandbox.
+        self._sandbox_of = sandbox_of or (lambda pid, _uid: f"pid-{pid}")
         self._socket_mode = socket_mode
         self.limits = limits or BrokerLimits()
         self._admission: Admission[Connection] = Admission(
