@@ -295,3 +295,24 @@ def test_a_client_turned_away_at_accept_is_told_why(sock_dir: Path) -> None:
         first.close()
         second.close()
         thread.stop()
+
+
+@pytest.mark.unit
+def test_a_sandbox_identity_carries_the_plan_tenant() -> None:
+    from dsec_core.spec import compile_plan, load_spec
+
+    from dsec_nodeagent.agent import agent_identity
+
+    loaded = load_spec(
+        'version: "1.2"\nname: researcher\ntask_group: research-team\n'
+        "base: dsec/python311:latest\nentrypoint: [python, agent.py]\n",
+        "dsec.yaml",
+    )
+    assert loaded.spec is not None, loaded
+    identity = agent_identity(compile_plan(loaded.spec, tenant="acme"))
+    assert (identity.tenant, identity.task_group, identity.name) == (
+        "acme",
+        "research-team",
+        "researcher",
+    )
+    assert agent_identity(compile_plan(loaded.spec)).tenant == "default"
