@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import signal
@@ -113,16 +114,132 @@ def test_garbage_in_shared_memory_is_a_protocol_error(pair: Pair) -> None:
 
 
 @pytest.mark.unit
-def test_ring_memory_cannot_be_resized_by_a_peer() -> None:
-    fds = ch.create_channel(CAPACITY)
+def test_no_memory_of_a_channel_can_be_resized_by_a_peer() -> None:
+    fds = ch.create_channel(CAPACITY, max_payload=1 << 20)
     try:
-        with pytest.raises(PermissionError):
-            os.ftruncate(fds.memfd, 0)  # would SIGBUS the other side's mapping
-        os.ftruncate(fds.request_overflow, 1 << 16)  # overflow may grow...
-        with pytest.raises(PermissionError):
-            os.ftruncate(fds.request_overflow, 0)  # ...never shrink
+        for fd in (fds.memfd, fds.request_overflow, fds.response_overflow):
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 0)  # would SIGBUS the other side's mapping
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 1 << 48)  # would make the other side's mmap() fail
+            with pytest.raises(PermissionError):  # F_SEAL_SEAL: no seal can be added later
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        assert os.fstat(fds.request_overflow).st_size == 1 << 20
     finally:
         fds.close()
+
+
+def _unsealed_overflow(fds: ch.ChannelFds, which: int) -> list[int]:
+    """The channel's fds with overflow ``which`` replaced by an unsealed memfd of 2**48 bytes."""
+    evil = os.memfd_create("evil", os.MFD_CLOEXEC)
+    os.ftruncate(evil, 1 << 48)
+    out = [os.dup(fd) for fd in fds.all()]
+    os.close(out[which])
+    out[which] = evil
+    return out
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_an_end_refuses_a_memfd_without_the_seals(which: int) -> None:
+    fds = ch.create_channel(CAPACITY)
+    doorbell = ch.new_eventfd()
+    try:
+        given = [*_unsealed_overflow(fds, which), os.pidfd_open(os.getpid())]
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(ProtocolError, match="is not sealed against resizing"):
+            ch.ServerEnd(
+                channel_id=1,
+                peer="evil",
+                capacity=CAPACITY,
+                fds=given,
+                doorbell=doorbell,
+                max_payload=1 << 20,
+            )
+        # The refused end closed every fd it was given (the doorbell is not its own).
+        assert len(os.listdir("/proc/self/fd")) == before - 5
+    finally:
+        fds.close()
+        os.close(doorbell)
+
+
+GROW_ATTACK = r"""
+import os, sys
+from dsec_sdk.errors import ProtocolError
+from dsec_sdk.ipc import channel as ch, ring as r
+fds = ch.create_channel(4096, max_payload=1 << 20)
+doorbell = ch.new_eventfd()
+pidfd = os.pidfd_open(os.getpid())
+server = ch.ServerEnd(channel_id=1, peer="evil", capacity=4096,
+                      fds=[os.dup(fd) for fd in fds.all()] + [pidfd], doorbell=doorbell,
+                      max_payload=1 << 20)
+# The attack: grow the overflow memfd to 2**48, then announce a large record.
+try:
+    os.ftruncate(fds.request_overflow, 1 << 48)
+    print("grown")
+except PermissionError:
+    print("sealed")
+ring = server.requests
+for n in (1 << 20, (1 << 20) + 1, 2**32 - 1):
+    ring.hdr[r.LARGE_WRITTEN] = ring.hdr[r.LARGE_CONSUMED] + 1
+    r.RECORD.pack_into(ring._data, ring.hdr[r.HEAD] & 4095, n, r.REC_LARGE, 1, 0, 7)
+    ring.hdr[r.HEAD] = ring.hdr[r.HEAD] + 16
+    try:
+        frame = ring.try_read(bytes)
+        print("frame", n, len(frame[2]))
+    except ProtocolError as exc:
+        print("protocol_error", n, exc)
+"""
+
+
+@pytest.mark.integration
+def test_growing_the_overflow_memfd_is_refused_and_a_huge_record_is_a_protocol_error(
+    ring_mode: str,
+) -> None:
+    """The brief's attack: ftruncate(2**48) fails (sealed); a record larger than the sealed
+    size is a ProtocolError for that channel, never an mmap() ENOMEM that ends serve()."""
+    result = subprocess.run(
+        [sys.executable, "-c", GROW_ATTACK], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "sealed"
+    assert lines[1] == f"frame {1 << 20} {1 << 20}"  # the sealed size is what is mapped
+    assert lines[2].startswith(f"protocol_error {(1 << 20) + 1} overflow payload of")
+    assert lines[3].startswith(f"protocol_error {2**32 - 1} overflow payload of")
+
+
+@pytest.mark.unit
+def test_a_tail_moved_off_record_alignment_is_a_protocol_error(pair: Pair) -> None:
+    ring_w, ring_r = pair.caller.requests, pair.server.requests
+    assert ring_w.try_write(1, 1, b"ok")
+    for tail in (CAPACITY - 8, CAPACITY - 1, 3):  # the record header would leave the ring
+        ring_r.hdr[r.TAIL] = tail
+        ring_r.hdr[r.HEAD] = tail + 32
+        with pytest.raises(ProtocolError, match="not 16-byte aligned"):
+            ring_r.try_read(bytes)
+
+
+@pytest.mark.unit
+def test_a_server_drops_only_the_channel_whose_ring_was_corrupted() -> None:
+    good, bad = Pair(), Pair()
+    core = ServeCore()
+    try:
+        core.add(good.server)
+        core.add(bad.server)
+        bad.server.responses.hdr[r.HEAD] = 5  # a hostile caller moves the server's head
+        bad.server.respond(1, 1, b"x" * 3000)  # needs a wrap: refused, channel marked broken
+        assert bad.server.broken is not None and "not record-aligned" in bad.server.broken
+        assert core.reap(check_pids=False) == [bad.server]
+        assert core.channels == [good.server]
+        assert good.caller.requests.try_write(1, 9, b"ping")
+        assert [(call_id, body) for _, call_id, body in core.next_requests(bytes)] == [(9, b"ping")]
+    finally:
+        core.close()
+        good.caller.close()
+        bad.caller.close()
+        os.close(good.doorbell)
+        os.close(bad.doorbell)
 
 
 @pytest.mark.unit
@@ -326,7 +443,8 @@ for _ in range(20000):
     except ProtocolError:
         outcomes["protocol_error"] += 1
     else:
-        assert frame is not None and len(frame[2]) <= 4096
+        # Inline: at most the ring; overflow: at most what this end mapped (its max_payload).
+        assert frame is not None and len(frame[2]) <= (1 << 16)
         outcomes["frame"] += 1
 # A hostile consumer moves TAIL anywhere: the writer stays inside its ring, whatever it is told.
 caller = ch.CallerEnd(channel_id=1, peer="evil", capacity=4096,

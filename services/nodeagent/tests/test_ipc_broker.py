@@ -396,7 +396,10 @@ def test_broker_refuses_bad_hello_and_duplicate_names(broker: BrokerThread, agen
     with pytest.raises(ValueError, match="agent name 'bad name' is invalid"):
         DSecClient("bad name", "g1", socket_path=broker.socket_path)
     duplicate = DSecClient("agent-b", "g1", socket_path=broker.socket_path)
-    with pytest.raises(BrokerUnavailable, match="agent 'agent-b' already serves tools"):
+    with pytest.raises(
+        BrokerUnavailable,
+        match="agent 'agent-b' of task group 'g1' is already served by another live process",
+    ):
         duplicate.serve({"ping": lambda: "pong"})
 
 

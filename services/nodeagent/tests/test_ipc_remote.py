@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -21,7 +22,9 @@ from dsec_sdk import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
-from _ipc_testkit import BrokerThread, metric, start_agent, wait_serving
+from _ipc_testkit import BrokerThread, metric, start_agent, wait_serving, wait_until
+
+from dsec_nodeagent.ipc import AgentKey
 
 pytestmark = pytest.mark.integration
 
@@ -136,3 +139,45 @@ def test_remote_agent_killed_is_peer_gone(nodes: tuple[BrokerThread, BrokerThrea
         proc.kill()
         proc.wait()
         client.close()
+
+
+def test_another_tenants_agent_of_the_same_group_and_name_is_not_found_across_nodes(
+    nats_url: str,
+) -> None:
+    """node-2 serves acme's g1/agent-b; on node-1, evil's g1/agent-a finds no such agent, and
+    acme's own agent-a reaches it (the tenant is part of every subject)."""
+    root = Path(tempfile.mkdtemp(prefix="dsec-ipc-"))
+    me, tenant, served = os.getpid(), ["evil"], {}
+    one = BrokerThread(
+        root / "n1.sock",
+        node_id="node-1",
+        nats_url=nats_url,
+        identify=lambda pid, uid, gid: AgentKey("g1", "agent-a", tenant[0]) if pid == me else None,
+    )
+    two = BrokerThread(
+        root / "n2.sock",
+        node_id="node-2",
+        nats_url=nats_url,
+        identify=lambda pid, uid, gid: served.get(pid),
+    )
+    proc = start_agent(two.socket_path, "g1", "agent-b")
+    served[proc.pid] = AgentKey("g1", "agent-b", "acme")
+    try:
+        wait_until(lambda: two.broker.local_server(served[proc.pid]), what="acme's agent-b")
+        evil = DSecClient("agent-a", "g1", socket_path=one.socket_path, timeout=20)
+        with pytest.raises(AgentNotFound, match="not registered on this node or any other"):
+            evil.call_tool("agent-b", "ping")
+        evil.close()
+        tenant[0] = "acme"
+        acme = DSecClient("agent-a", "g1", socket_path=one.socket_path, timeout=20)
+        assert acme.call_tool("agent-b", "echo", data="same tenant") == {
+            "data": "same tenant",
+            "seq": 0,
+        }
+        acme.close()
+    finally:
+        proc.kill()
+        proc.wait()
+        one.stop()
+        two.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -54,6 +54,26 @@ class Settings(BaseSettings):
     snapshot_keep: int = Field(
         default=10, ge=1, description="Periodic snapshots kept per sandbox (older are deleted)"
     )
+    # The node agent's IPC broker: what one sandbox may take (see the README's
+    # "Communication-plane bounds and identity").
+    ipc_fd_budget: int = Field(
+        default=4096, ge=3, description="fds the IPC broker may hold (at most RLIMIT_NOFILE / 2)"
+    )
+    ipc_connections_per_sandbox: int = Field(
+        default=32, ge=1, description="IPC broker connections one sandbox may hold"
+    )
+    ipc_pending_per_sandbox: int = Field(
+        default=8, ge=1, description="IPC connections of one sandbox that have not said hello"
+    )
+    ipc_pending_total: int = Field(
+        default=64, ge=1, description="IPC connections of the node that have not said hello"
+    )
+    ipc_hello_timeout_s: float = Field(
+        default=2.0, gt=0, description="An IPC connection without hello is closed after this"
+    )
+    ipc_channels_per_agent: int = Field(
+        default=256, ge=1, description="Live shared-memory channels one agent may hold as caller"
+    )
 
     def endpoint(self, name: str) -> Any:
         """Return setting ``name`` if set, else the value ``dsec up`` recorded in stack.json."""

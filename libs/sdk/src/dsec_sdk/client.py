@@ -184,6 +184,10 @@ class DSecClient:
         timeout: Default per-call timeout in seconds (``None``: wait as long as the peer lives).
         spin_us: How long a caller spins for an answer before sleeping on its eventfd.
         serve_spin_us: How long a server spins for the next request before sleeping.
+        takeover: When serving, replace a live server of the same name (of the same tenant and
+            task group) instead of being refused; the replaced one's ``serve()`` ends with
+            ``BrokerUnavailable``.
+            Without it, a name is owned by the first live server until its process exits.
     """
 
     def __init__(
@@ -195,6 +199,7 @@ class DSecClient:
         timeout: float | None = DEFAULT_TIMEOUT,
         spin_us: float = 50.0,
         serve_spin_us: float = 100.0,
+        takeover: bool = False,
     ) -> None:
         raw_agent = agent or os.environ.get("DSEC_AGENT_NAME") or f"agent-{os.getpid()}"
         self.agent = control.check_name("agent name", raw_agent)
@@ -204,6 +209,7 @@ class DSecClient:
         self.timeout = timeout
         self._spin_ns = int(spin_us * 1000)
         self._serve_spin_ns = int(serve_spin_us * 1000)
+        self.takeover = takeover
         self._tools: dict[str, Tool] = {}
         self._link: BrokerLink | None = None
         self._link_lock = threading.Lock()
@@ -266,7 +272,14 @@ class DSecClient:
             )
         if self._server is not None:
             raise RuntimeError(f"agent {self.agent!r} is already serving")
-        return BrokerLink(self.socket_path, self.agent, self.group, "server", sorted(self._tools))
+        return BrokerLink(
+            self.socket_path,
+            self.agent,
+            self.group,
+            "server",
+            sorted(self._tools),
+            takeover=self.takeover,
+        )
 
     def _dispatcher(self, link: BrokerLink) -> Dispatcher:
         return Dispatcher(self._tools, int(link.welcome["max_payload"]))

@@ -273,7 +273,7 @@ class NodeAgent:
             ),
             timeout_s=res.timeout_s,
             semantic_rules=semantic,
-            agent=AgentIdentity(name=plan.name, task_group=plan.effective_task_group),
+            agent=agent_identity(plan),
             metadata=ctx.metadata(),
         )
 
@@ -392,3 +392,9 @@ def _reason(exc: Exception) -> str:
     if isinstance(exc, SandboxStartError):
         return f"sandbox start failed at {exc.stage}: {exc.message}"
     return str(exc)
+
+
+def agent_identity(plan: EnforcementPlan) -> AgentIdentity:
+    """Who the sandbox of ``plan`` is on the communication plane: its name and task group,
+    granted within the plan's tenant (two tenants' groups of one name never meet)."""
+    return AgentIdentity(name=plan.name, task_group=plan.effective_task_group, tenant=plan.tenant)

@@ -3,8 +3,9 @@
 The broker (:mod:`dsec_nodeagent.ipc`) listens on ``$DSEC_HOME/run/ipc.sock``; each sandbox
 sees that socket through a directory of its own (see :class:`SandboxManager`). A connecting
 process may act only as the agent of the sandbox it runs in: its cgroup names the sandbox, its
-uid must be that sandbox's, and the name and task group come from the sandbox's spec. A process
-outside every sandbox is refused.
+uid must be that sandbox's, and the name, task group and tenant come from the sandbox's spec
+and plan. A process outside every sandbox is refused. Every connection counts against the
+sandbox its process runs in (its cgroup), within the operator's ``DSEC_IPC_*`` bounds.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 from dsec_core.settings import Settings
 
 from dsec_nodeagent.ipc import AgentKey, Broker
+from dsec_nodeagent.ipc.limits import BrokerLimits
+from dsec_nodeagent.sandbox import cgroups
 from dsec_nodeagent.sandbox.manager import SandboxManager
 
 log = logging.getLogger(__name__)
@@ -25,6 +28,24 @@ SOCKET = Path("run") / "ipc.sock"
 def socket_path(settings: Settings) -> Path:
     """Where this node's broker listens (``$DSEC_HOME/run/ipc.sock``)."""
     return settings.home.resolve() / SOCKET
+
+
+def broker_limits(settings: Settings) -> BrokerLimits:
+    """The operator's bounds on what one sandbox may take from the broker."""
+    return BrokerLimits(
+        fd_budget=settings.ipc_fd_budget,
+        connections_per_sandbox=settings.ipc_connections_per_sandbox,
+        pending_per_sandbox=settings.ipc_pending_per_sandbox,
+        pending_total=settings.ipc_pending_total,
+        hello_timeout_s=settings.ipc_hello_timeout_s,
+        channels_per_agent=settings.ipc_channels_per_agent,
+    )
+
+
+def sandbox_of(pid: int, uid: int) -> str | None:
+    """The sandbox whose bounds a connection of process ``pid`` counts against (its cgroup,
+    which its tasks cannot leave); ``None`` outside every sandbox."""
+    return cgroups.sandbox_of_process(pid)
 
 
 class CommunicationPlane:
@@ -50,7 +71,7 @@ class CommunicationPlane:
         identity = self._manager.identify(pid, uid) if self._manager is not None else None
         if identity is None:
             return None
-        return AgentKey(identity.task_group, identity.name)
+        return AgentKey(identity.task_group, identity.name, identity.tenant)
 
     async def start(self) -> None:
         """Listen (before sandboxes are re-adopted, so they can be shown the new socket)."""
@@ -59,6 +80,8 @@ class CommunicationPlane:
             node_id=self.settings.node_id,
             nats_url=self.settings.nats_endpoint(),
             identify=self.identify,
+            limits=broker_limits(self.settings),
+            sandbox_of=sandbox_of,
         )
         await broker.start()
         self.broker = broker

@@ -279,18 +279,25 @@ static PyObject *FastRing_try_read(FastRing *self, PyObject *decode)
     if (head == tail)
         Py_RETURN_NONE;
     uint64_t pos = tail & self->mask;
+    /* TAIL lives in shared memory a hostile peer can write: a record header that is not 16-byte
+     * aligned could end past the data area, so it is not even read here (ring.py refuses it). */
+    uint32_t n = 0;
+    uint8_t rec = 0, kind = 0;
+    uint64_t call_id = 0;
+    if (pos & 15)
+        goto slow;
     const unsigned char *record = self->data + pos;
     /* The record's lines were just written on another core: ask for the first four at once, so
      * a ~200-byte frame costs one cross-core transfer, not one per line in turn. */
     uint64_t ahead = self->capacity - pos < 256 ? self->capacity - pos : 256;
     for (uint64_t offset = 64; offset < ahead; offset += 64)
         __builtin_prefetch(record + offset, 0, 3);
-    uint32_t n;
-    uint64_t call_id;
     memcpy(&n, record, 4);
-    uint8_t rec = record[4], kind = record[5];
+    rec = record[4];
+    kind = record[5];
     memcpy(&call_id, record + 8, 8);
     if (rec != REC_INLINE || n > self->max_inline || pos + RECORD_SIZE + n > self->capacity) {
+    slow:
         /* WRAP, LARGE, or garbage: ring.py knows what to do. */
         PyObject *slow_args[7];
         slow_args[0] = decode;

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
-from dsec_sdk.errors import PeerGone
+from dsec_sdk.errors import PeerGone, ProtocolError
 from dsec_sdk.ipc import ring as r
 from dsec_sdk.ipc.control import close_fds
 
@@ -41,7 +41,7 @@ _SWITCHED_NS: Final = 3_000
 MIGRATE_EVERY_NS: Final = 200_000
 
 _MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
-_RING_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_RING_SEALS: Final = r.SEALS
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,20 @@ def new_eventfd() -> int:
     return os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
 
-def create_channel(capacity: int = DEFAULT_CAPACITY) -> ChannelFds:
+def create_channel(
+    capacity: int = DEFAULT_CAPACITY, max_payload: int = DEFAULT_MAX_PAYLOAD
+) -> ChannelFds:
     """Create the shared memory of one channel (broker side).
 
-    The ring memfd is sealed against resizing, so a hostile peer cannot shrink it under the other
-    side's mapping (which would SIGBUS it); the overflow memfds may only grow.
+    Every memfd is sized here and sealed against shrinking, growing and further seals
+    (:data:`ring.SEALS`): a hostile peer can neither shrink one under the other side's mapping
+    (SIGBUS) nor grow one so that the other side's mmap() fails. The overflow memfds get
+    ``max_payload`` bytes up front; tmpfs allocates pages only when written, so this costs
+    nothing until a large body is sent (and a consumer frees them again after reading it).
     """
     r.check_capacity(capacity)
+    if max_payload <= 0:
+        raise ValueError(f"max_payload {max_payload} is invalid: use a positive byte count")
     memfd = os.memfd_create("dsec-ipc", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     fds = [memfd]
     try:
@@ -82,7 +89,8 @@ def create_channel(capacity: int = DEFAULT_CAPACITY) -> ChannelFds:
         for name in ("dsec-ipc-req", "dsec-ipc-resp"):
             fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             fds.append(fd)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            os.ftruncate(fd, max_payload)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _RING_SEALS)
         fds.append(new_eventfd())
     except BaseException:
         close_fds(fds)
@@ -269,9 +277,11 @@ class _End:
         try:
             r.check_capacity(capacity)
             c_path = r.accelerated()  # a bad DSEC_IPC_PURE_PYTHON fails here, nothing mapped yet
-            if os.fstat(memfd).st_size != size:
+            if r.sealed_size(memfd, "channel memfd") != size:
                 raise ValueError(f"channel memfd is not {size} bytes for ring capacity {capacity}")
-        except ValueError:
+            for fd in (req_overflow, resp_overflow):
+                r.sealed_size(fd, "overflow memfd")
+        except (ValueError, ProtocolError):
             close_fds(fds)  # this end owns them: nothing may leak from a refused channel
             raise
         # Populated up front: a page touched for the first time costs a fault in each process
@@ -300,6 +310,8 @@ class _End:
         )
         view.release()
         self.is_closed = False
+        # Why this end stopped trusting the channel (a peer corrupted it); reaped like a dead peer.
+        self.broken: str | None = None
 
     def peer_gone_reason(self, *, check_pid: bool = True) -> str | None:
         """Why the peer is gone, or ``None`` while it is alive and the channel open.
@@ -308,6 +320,8 @@ class _End:
         """
         if self.is_closed:
             return "the channel was closed"
+        if self.broken is not None:
+            return self.broken
         if self.requests.closed or self.responses.closed:
             return "it closed the channel"
         if check_pid and pidfd_exited(self.peer_pidfd):
@@ -481,12 +495,29 @@ class ServerEnd(_End):
         backlog = self.backlog
         while backlog:
             kind, call_id, body = backlog[0]
-            if not self.responses.try_write(kind, call_id, body):
-                return False
+            try:
+                if not self.responses.try_write(kind, call_id, body):
+                    return False
+            except ProtocolError as exc:  # a hostile caller corrupted its ring: only this channel
+                self._break(exc)
+                return True
             backlog.pop(0)
         return True
 
     def respond(self, kind: int, call_id: int, body: bytes) -> None:
-        """Send a response now, or queue it behind earlier ones when the ring is full."""
-        if self.backlog or not self.responses.try_write(kind, call_id, body):
-            self.backlog.append((kind, call_id, body))
+        """Send a response now, or queue it behind earlier ones when the ring is full.
+
+        A ring a hostile caller corrupted marks this channel broken (the server reaps it, see
+        :meth:`peer_gone_reason`) instead of raising into the server's loop.
+        """
+        if self.broken is not None:
+            return
+        try:
+            if self.backlog or not self.responses.try_write(kind, call_id, body):
+                self.backlog.append((kind, call_id, body))
+        except ProtocolError as exc:
+            self._break(exc)
+
+    def _break(self, exc: ProtocolError) -> None:
+        self.backlog.clear()
+        self.broken = f"it corrupted the channel ({exc})"

@@ -6,6 +6,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,22 @@ from dsec_sdk.errors import AgentNotFound, BrokerUnavailable, ProtocolError
 from dsec_sdk.ipc import control
 
 _CONNECT_TIMEOUT_S = 10.0
+
+
+def _connect(sock: socket.socket, path: Path) -> None:
+    """Connect, retrying while the broker's listen backlog is full (EAGAIN on a Unix socket
+    with a timeout: someone floods it, and the broker sheds those connections in time)."""
+    deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+    pause = 0.001
+    while True:
+        try:
+            sock.connect(os.fspath(path))
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 class BrokerLink:
@@ -24,13 +41,21 @@ class BrokerLink:
         group: This agent's task group.
         role: ``caller`` or ``server``.
         tools: Tool names (servers only).
+        takeover: A server that replaces a live server of its name (see ``DSecClient``).
 
     Raises:
         BrokerUnavailable: Nothing listens on ``path``, or the broker refused the hello.
     """
 
     def __init__(
-        self, path: Path, agent: str, group: str, role: str, tools: list[str] | None = None
+        self,
+        path: Path,
+        agent: str,
+        group: str,
+        role: str,
+        tools: list[str] | None = None,
+        *,
+        takeover: bool = False,
     ) -> None:
         self.path = path
         self.agent = agent
@@ -38,7 +63,7 @@ class BrokerLink:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         sock.settimeout(_CONNECT_TIMEOUT_S)
         try:
-            sock.connect(os.fspath(path))
+            _connect(sock, path)
         except OSError as exc:
             sock.close()
             raise BrokerUnavailable(
@@ -56,9 +81,16 @@ class BrokerLink:
                 "role": role,
                 "tools": tools or [],
                 "pid": os.getpid(),
+                "takeover": takeover,
             }
-            control.send(sock, hello)
-            reply = self._recv()
+            try:
+                control.send(sock, hello)
+            except OSError as exc:
+                # A broker that turns a connection away (a bound reached) sends why and closes,
+                # possibly before our hello: its reason is still queued for us to read.
+                reply = self._recv_refusal(exc)
+            else:
+                reply = self._recv()
         except BaseException:
             sock.close()
             raise
@@ -70,9 +102,23 @@ class BrokerLink:
         self.welcome = message
         self.welcome_fds = fds
 
-    def _recv(self) -> tuple[dict[str, Any], list[int]]:
+    def _recv_refusal(self, cause: OSError) -> tuple[dict[str, Any], list[int]]:
         try:
             reply = control.recv(self.sock)
+        except OSError:
+            reply = None
+        if reply is None:
+            raise BrokerUnavailable(f"the broker at {self.path} closed the connection: {cause}")
+        return reply
+
+    def _recv(self) -> tuple[dict[str, Any], list[int]]:
+        try:
+            try:
+                reply = control.recv(self.sock)
+            except ConnectionResetError:
+                # The broker closed while our message was unread (it refused us): the kernel
+                # reports the reset before the reason it sent, which is still queued.
+                reply = control.recv(self.sock)
         except (TimeoutError, OSError) as exc:
             raise BrokerUnavailable(f"the broker at {self.path} did not answer: {exc}") from exc
         if reply is None:

@@ -24,6 +24,7 @@ to the methods here for everything else. ``DSEC_IPC_PURE_PYTHON=1`` turns it off
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import struct
@@ -65,7 +66,30 @@ REC_LARGE: Final = 3
 
 # madvise(MADV_REMOVE) frees the pages of an overflow payload at least this big once consumed.
 _RELEASE_LARGE_AT: Final = 1 << 20
-_OVERFLOW_GRANULE: Final = 1 << 16
+_PAGE: Final = mmap.PAGESIZE
+
+# Every memfd of a channel (ring and overflows) is sized by the broker, then sealed so no one can
+# resize it or add a seal: a peer that shrank it would SIGBUS the other side's mapping, one that
+# grew it to 2**48 would make the other side's mmap() fail. Each end refuses an fd without these.
+SEALS: Final[int] = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def sealed_size(fd: int, what: str) -> int:
+    """The size of memfd ``fd``, which must carry :data:`SEALS` (then it can never change).
+
+    Raises:
+        ProtocolError: ``fd`` is not a memfd sealed against resizing and further seals.
+    """
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        size = os.fstat(fd).st_size
+    except OSError as exc:
+        raise ProtocolError(f"the {what} is not a sealed memfd: {exc}") from exc
+    if seals & SEALS != SEALS:
+        raise ProtocolError(
+            f"the {what} is not sealed against resizing (seals {seals:#x}, need {SEALS:#x})"
+        )
+    return size
 
 
 _TRUE: Final = frozenset({"1", "true", "yes", "on"})
@@ -135,6 +159,9 @@ class Ring:
         producer_wake_fd: eventfd the producer sleeps on when the ring is full.
         max_payload: Largest body accepted in either direction.
         c_path: Use the C hot path (``None``: :func:`accelerated` decides).
+
+    Raises:
+        ProtocolError: ``overflow_fd`` is not a sealed memfd (see :func:`sealed_size`).
     """
 
     def __init__(
@@ -157,6 +184,9 @@ class Ring:
         self._data = buf[HEADER_SIZE : HEADER_SIZE + capacity]
         self._overflow_fd = overflow_fd
         self._overflow: mmap.mmap | None = None
+        # What is mapped of the overflow memfd (once, on first use): its sealed size, at most
+        # max_payload. No size a peer writes is ever mapped.
+        self.overflow_limit = min(sealed_size(overflow_fd, "overflow memfd"), max_payload)
         self.consumer_wake_fd = consumer_wake_fd
         self.producer_wake_fd = producer_wake_fd
         # Producer's last look at the consumer's tail: re-read only when the ring looks full, so
@@ -234,6 +264,8 @@ class Ring:
             return self._try_write_large(kind, call_id, body)
         hdr = self.hdr
         head = hdr[HEAD]
+        if head & 15:  # only a hostile consumer moves it: a WRAP there would not fit
+            raise ProtocolError(f"the ring's head {head} is not record-aligned")
         capacity = self.capacity
         need = RECORD.size + ((n + 15) & ~15)
         self._tail_seen = hdr[TAIL]
@@ -260,14 +292,16 @@ class Ring:
 
     def _try_write_large(self, kind: int, call_id: int, body: bytes) -> bool:
         n = len(body)
-        if n > self.max_payload:
-            raise PayloadTooLarge("message", n, self.max_payload)
+        if n > self.overflow_limit:
+            raise PayloadTooLarge("message", n, self.overflow_limit)
         hdr = self.hdr
         head = hdr[HEAD]
+        if head & 15:
+            raise ProtocolError(f"the ring's head {head} is not record-aligned")
         # A LARGE record needs 16 bytes and never wraps (the room before the end is >= 16).
         if hdr[LARGE_WRITTEN] != hdr[LARGE_CONSUMED] or self.capacity - (head - hdr[TAIL]) < 16:
             return False
-        overflow = self._map_overflow(n, grow=True)
+        overflow = self._map_overflow()
         overflow[:n] = body
         hdr[LARGE_WRITTEN] = hdr[LARGE_WRITTEN] + 1
         RECORD.pack_into(self._data, head & self._mask, n, REC_LARGE, kind, 0, call_id)
@@ -324,7 +358,10 @@ class Ring:
             return None
         data = self._data
         pos = tail & self._mask
-        n, rec, kind, _, call_id = _unpack_record(data, pos)
+        try:
+            n, rec, kind, _, call_id = _unpack_record(data, pos)
+        except struct.error:  # a hostile peer moved TAIL to the last bytes: no record fits
+            return self._read_slow(decode, tail, pos, 0, 0, 0, 0)
         if rec == 1 and n <= self.max_inline:  # REC_INLINE; a hostile n is clamped by slicing
             body = data[pos + 16 : pos + 16 + n]
             try:
@@ -352,14 +389,16 @@ class Ring:
     ) -> tuple[int, int, T]:
         hdr = self.hdr
         data = self._data
+        if pos & 15:  # TAIL is in shared memory: a hostile peer may have moved it
+            raise ProtocolError(f"record at ring offset {pos} is not 16-byte aligned")
         if rec == REC_WRAP:
             tail += self.capacity - pos
             pos = 0
             n, rec, kind, _, call_id = _unpack_record(data, 0)
         try:
             if rec == REC_INLINE:
-                if n > self.max_inline:
-                    raise ProtocolError(f"record of {n} bytes exceeds the ring's half")
+                if n > self.max_inline or pos + RECORD.size + n > self.capacity:
+                    raise ProtocolError(f"record of {n} bytes at offset {pos} leaves the ring")
                 tail += RECORD.size + ((n + 15) & ~15)
                 with data[pos + 16 : pos + 16 + n] as body:
                     value = decode(body)
@@ -378,18 +417,23 @@ class Ring:
     def _read_large(self, n: int, decode: Callable[[memoryview], T]) -> T:
         hdr = self.hdr
         try:
-            if n > self.max_payload:
-                raise ProtocolError(f"overflow payload of {n} bytes exceeds {self.max_payload}")
+            if n > self.overflow_limit:
+                raise ProtocolError(
+                    f"overflow payload of {n} bytes exceeds the {self.overflow_limit} bytes "
+                    "this end maps"
+                )
             if n <= self.max_inline:  # a writer sends these inline: garbage from a peer
                 raise ProtocolError(f"overflow record of {n} bytes would have fit the ring")
-            overflow = self._map_overflow(n, grow=False)
+            overflow = self._map_overflow()
             body = memoryview(overflow)[:n]
             try:
                 return decode(body)
             finally:
                 body.release()
                 if n >= _RELEASE_LARGE_AT:
-                    overflow.madvise(mmap.MADV_REMOVE, 0, len(overflow))
+                    used = min(len(overflow), (n + _PAGE - 1) // _PAGE * _PAGE)
+                    with contextlib.suppress(OSError):
+                        overflow.madvise(mmap.MADV_REMOVE, 0, used)
         finally:
             hdr[LARGE_CONSUMED] = hdr[LARGE_CONSUMED] + 1
 
@@ -399,20 +443,16 @@ class Ring:
             _notify(self.producer_wake_fd)
 
     # ---------------------------------------------------------------- both
-    def _map_overflow(self, n: int, *, grow: bool) -> mmap.mmap:
+    def _map_overflow(self) -> mmap.mmap:
+        """The overflow memfd, mapped once at its sealed size (at most ``max_payload``)."""
         current = self._overflow
-        if current is not None and len(current) >= n:
-            return current
-        size = os.fstat(self._overflow_fd).st_size
-        if size < n:
-            if not grow:
-                raise ProtocolError(f"overflow memfd holds {size} bytes, record says {n}")
-            size = (n + _OVERFLOW_GRANULE - 1) // _OVERFLOW_GRANULE * _OVERFLOW_GRANULE
-            os.ftruncate(self._overflow_fd, size)
-        if current is not None:
-            current.close()
-        self._overflow = mmap.mmap(self._overflow_fd, size)
-        return self._overflow
+        if current is None:
+            try:
+                current = mmap.mmap(self._overflow_fd, self.overflow_limit)
+            except (OSError, ValueError) as exc:  # e.g. ENOMEM: this channel fails, no other
+                raise ProtocolError(f"cannot map the overflow memfd: {exc}") from exc
+            self._overflow = current
+        return current
 
     @property
     def closed(self) -> bool:

@@ -8,26 +8,34 @@ each side of a channel the other's pidfd: a killed peer is then seen by poll() a
 The broker never touches the hot path: once a channel is handed over, the two agents talk through
 shared memory alone. Only calls to an agent on another node pass through it (see
 :mod:`dsec_nodeagent.ipc.remote`).
+
+What a sandbox may take is bounded (:mod:`dsec_nodeagent.ipc.limits`): connections and
+connections without hello per sandbox and node-wide (within an fd budget well below
+``RLIMIT_NOFILE``), a hello timeout, live channels per agent. A refusal is an ``error`` message
+to that client, a ``dsec_ipc_refusals_total{reason}`` count and, at most every 10 s, one log line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import mmap
 import os
 import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from dsec_sdk.errors import ProtocolError
 from dsec_sdk.ipc import channel as ch
 from dsec_sdk.ipc import control
 
 from dsec_nodeagent.ipc import metrics
+from dsec_nodeagent.ipc.limits import FDS_PER_CONNECTION, Admission, BrokerLimits, RefusalLog
 from dsec_nodeagent.ipc.registry import AgentKey, Registry
 
 log = logging.getLogger(__name__)
@@ -35,7 +43,33 @@ log = logging.getLogger(__name__)
 _UCRED = struct.Struct("3i")
 
 Identify = Callable[[int, int, int], AgentKey | None]
-"""Maps a connecting process ``(pid, uid, gid)`` to the only identity it may claim."""
+"""Maps a connecting process ``(pid, uid, gid)`` to the only identity it may claim (its tenant
+included)."""
+
+SandboxOf = Callable[[int, int], str | None]
+"""Maps a connecting process ``(pid, uid)`` to the sandbox its connections count against
+(``None``: a process outside every sandbox; those share one bucket, :data:`HOST`)."""
+
+HOST: Final = "-host-"
+# fds the broker holds for each channel it serves itself (a caller here, the callee elsewhere).
+PROXY_FDS: Final = 5
+# Connections queued before accept(); each readiness accepts up to _ACCEPT_BATCH of them, so a
+# flood is shed (turned away at once) faster than one sandbox can queue it.
+_BACKLOG: Final = 1024
+_ACCEPT_BATCH: Final = 64
+# The CLOSED word of a channel's first ring header (see dsec_sdk.ipc.ring.CLOSED).
+_CLOSED_AT: Final = 32 * 8
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """A channel handed to a caller, watched (one read-only page, no fd) until it is closed."""
+
+    header: mmap.mmap
+    server: Connection | None  # None: the broker's own proxy serves it
+
+    def closed(self) -> bool:
+        return bool(struct.unpack_from("<Q", self.header, _CLOSED_AT)[0])
 
 
 @dataclass(eq=False)
@@ -46,10 +80,12 @@ class Connection:
     pid: int
     uid: int
     pidfd: int
+    sandbox: str = HOST
     key: AgentKey | None = None
     role: str = ""
     tools: list[str] = field(default_factory=list)
     doorbell: int = -1
+    hello_timer: asyncio.TimerHandle | None = None
 
     @property
     def name(self) -> str:
@@ -67,6 +103,9 @@ class Broker:
         max_payload: Largest request or response body.
         identify: Optional check of who a connecting process is; the hello must match it.
         socket_mode: Permissions of the socket file.
+        limits: Bounds per sandbox and node-wide (default :class:`BrokerLimits`).
+        sandbox_of: Which sandbox a connecting process belongs to (default: each process is
+            its own).
     """
 
     def __init__(
@@ -79,6 +118,8 @@ class Broker:
         max_payload: int = ch.DEFAULT_MAX_PAYLOAD,
         identify: Identify | None = None,
         socket_mode: int = 0o666,
+        limits: BrokerLimits | None = None,
+        sandbox_of: SandboxOf | None = None,
     ) -> None:
         from dsec_sdk.ipc.ring import check_capacity
 
@@ -89,7 +130,19 @@ class Broker:
         self.ring_capacity = ring_capacity
         self.max_payload = max_payload
         self._identify = identify
+        # Without sandboxes to tell (a development broker, the benchmarks), each process counts
+        # as its own sandbox.
+        self._sandbox_of = sandbox_of or (lambda pid, _uid: f"pid-{pid}")
         self._socket_mode = socket_mode
+        self.limits = limits or BrokerLimits()
+        self._admission: Admission[Connection] = Admission(
+            self.limits, self.limits.max_connections()
+        )
+        self._refusals = RefusalLog(log)
+        # Channels the broker serves itself get a quarter of the budget on top of connections':
+        # all together stay within 5/8 of RLIMIT_NOFILE.
+        self._proxy_fd_budget = self._admission.max_connections * FDS_PER_CONNECTION // 4
+        self._live: dict[str, list[_Tracked]] = {}  # caller sandbox -> its channels
         self._listener: socket.socket | None = None
         self._connections: set[Connection] = set()
         self._registry: Registry[Connection] = Registry()
@@ -109,7 +162,7 @@ class Broker:
         try:
             listener.bind(os.fspath(self.socket_path))
             os.chmod(self.socket_path, self._socket_mode)
-            listener.listen(128)
+            listener.listen(_BACKLOG)
             listener.setblocking(False)
         except BaseException:
             listener.close()
@@ -149,6 +202,10 @@ class Broker:
         if self._self_pidfd >= 0:
             os.close(self._self_pidfd)
             self._self_pidfd = -1
+        for tracked in self._live.values():
+            for item in tracked:
+                item.header.close()
+        self._live.clear()
 
     async def __aenter__(self) -> Broker:
         await self.start()
@@ -159,23 +216,76 @@ class Broker:
 
     # ------------------------------------------------------------------ connections
     def _on_accept(self) -> None:
-        assert self._listener is not None
+        for _ in range(_ACCEPT_BATCH):
+            if not self._accept_one():
+                return
+
+    def _accept_one(self) -> bool:
+        if self._listener is None:
+            return False
         try:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
-            return
+            return False
+        except OSError as exc:  # EMFILE/ENFILE: the budget keeps the broker far from this
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise
+            self._refusals.refused("fd_budget", HOST)
+            metrics.REFUSALS.labels("fd_budget").inc()
+            return False
+        self._admit(sock)
+        return True
+
+    def _admit(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         pid, uid, _gid = _UCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
         )
+        sandbox = self._sandbox_of(pid, uid) or HOST
+        reason, victim = self._admission.admit(sandbox)
+        if reason is not None:
+            self._turn_away(sock, sandbox, reason)
+            return
+        if victim is not None:
+            self._refuse(victim, "pending_evicted", "too many connections wait for their hello")
         try:
             pidfd = os.pidfd_open(pid)
         except OSError:
             sock.close()
             return
-        conn = Connection(sock=sock, pid=pid, uid=uid, pidfd=pidfd)
+        conn = Connection(sock=sock, pid=pid, uid=uid, pidfd=pidfd, sandbox=sandbox)
         self._connections.add(conn)
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._on_readable, conn)
+        self._admission.add(conn, sandbox)
+        loop = asyncio.get_running_loop()
+        conn.hello_timer = loop.call_later(self.limits.hello_timeout_s, self._hello_timed_out, conn)
+        loop.add_reader(sock.fileno(), self._on_readable, conn)
+        self._gauges()
+
+    def _turn_away(self, sock: socket.socket, sandbox: str, reason: str) -> None:
+        """Refuse a connection before it costs anything but the accepted socket."""
+        metrics.REFUSALS.labels(reason).inc()
+        self._refusals.refused(reason, sandbox)
+        text = {
+            "fd_budget": "the node's IPC connection budget is spent",
+            "sandbox_connections": "this sandbox holds its maximum of "
+            f"{self.limits.connections_per_sandbox} broker connections",
+            "pending_sandbox": "this sandbox has its maximum of "
+            f"{self.limits.pending_per_sandbox} connections that have not said hello",
+            "pending_total": "too many connections wait for their hello on this node",
+        }[reason]
+        with contextlib.suppress(OSError):
+            control.send(sock, {"op": "error", "code": "refused", "message": f"{text}; retry"})
+        sock.close()
+
+    def _hello_timed_out(self, conn: Connection) -> None:
+        conn.hello_timer = None
+        if conn in self._connections and conn.key is None:
+            timeout = self.limits.hello_timeout_s
+            self._refuse(conn, "hello_timeout", f"no hello within {timeout:g} s")
+
+    def _gauges(self) -> None:
+        metrics.CONNECTIONS.set(self._admission.connections)
+        metrics.PENDING.set(self._admission.pending)
 
     def _on_readable(self, conn: Connection) -> None:
         while True:
@@ -219,13 +329,19 @@ class Broker:
                 raise ValueError(f"role {role!r} is invalid: use 'caller' or 'server'")
             tools = [control.check_tool_name(t) for t in message.get("tools") or []]
         except ValueError as exc:
-            self._refuse(conn, str(exc))
+            self._refuse(conn, "identity", str(exc))
             return
         if self._identify is not None:
             allowed = self._identify(conn.pid, conn.uid, 0)
-            if allowed != key:
-                self._refuse(conn, f"process {conn.pid} may not act as {key}")
+            if allowed is None or (allowed.group, allowed.agent) != (key.group, key.agent):
+                self._refuse(conn, "identity", f"process {conn.pid} may not act as {key}")
                 return
+            key = allowed  # with the tenant of its sandbox's spec
+        self._admission.greeted(conn)
+        if conn.hello_timer is not None:
+            conn.hello_timer.cancel()
+            conn.hello_timer = None
+        self._gauges()
         conn.key, conn.role, conn.tools = key, role, tools
         metrics.AGENTS.labels(role).inc()
         welcome = {
@@ -235,10 +351,18 @@ class Broker:
             "max_payload": self.max_payload,
         }
         if role == "server":
-            reason = self._registry.claim(key, conn)
-            if reason is not None:
-                self._refuse(conn, reason)
+            claim = self._registry.claim(
+                key, conn, conn.sandbox, takeover=message.get("takeover") is True
+            )
+            if claim.reason is not None:
+                self._refuse(conn, "name_taken", claim.reason)
                 return
+            if claim.displaced is not None:
+                self._refuse(
+                    claim.displaced,
+                    "taken_over",
+                    f"a process of sandbox {conn.sandbox} took over agent {key.agent!r}",
+                )
             conn.doorbell = ch.new_eventfd()
             self._send(conn, welcome, [conn.doorbell])
             if self._remote is not None:
@@ -251,9 +375,19 @@ class Broker:
         ref = message.get("ref")
         peer = message.get("peer")
         try:
-            key = AgentKey(conn.key.group, control.check_name("agent name", peer))  # type: ignore[arg-type]
+            name = control.check_name("agent name", peer)  # type: ignore[arg-type]
         except ValueError as exc:
             self._reply_error(conn, message, "bad_request", str(exc))
+            return
+        key = AgentKey(conn.key.group, name, conn.key.tenant)
+        if self._live_channels(conn.sandbox) >= self.limits.channels_per_agent:
+            metrics.REFUSALS.labels("channels").inc()
+            self._refusals.refused("channels", conn.sandbox)
+            text = (
+                f"this agent holds {self.limits.channels_per_agent} live channels, the most "
+                "one agent may (DSEC_IPC_CHANNELS_PER_AGENT); close some first"
+            )
+            self._reply_error(conn, message, "too_many_channels", text)
             return
         server = self._registry.lookup(key)
         opened = self.open_channel(server, conn.name, conn.pidfd) if server else None
@@ -261,13 +395,21 @@ class Broker:
             channel_id, caller_fds = opened
             reply = self._channel_reply(ref, channel_id, key.agent, remote=False)
             metrics.CHANNELS_OPENED.labels("local").inc()  # before the caller can use it
+            self._track(conn.sandbox, caller_fds[0], server)
             self._send(conn, reply, caller_fds)
             control.close_fds(caller_fds)
             return
         if self._remote is not None and await self._remote.locate(key):
+            if (self._remote.proxy_channels() + 1) * PROXY_FDS > self._proxy_fd_budget:
+                metrics.REFUSALS.labels("fd_budget").inc()
+                self._refusals.refused("fd_budget", conn.sandbox)
+                text = "the node's budget of channels to other nodes is spent; retry later"
+                self._reply_error(conn, message, "busy", text)
+                return
             channel_id, fds = self._remote.open_proxy(key, conn)
             reply = self._channel_reply(ref, channel_id, key.agent, remote=True)
             metrics.CHANNELS_OPENED.labels("remote").inc()
+            self._track(conn.sandbox, fds[0], None)
             self._send(conn, reply, fds)
             control.close_fds(fds)
             return
@@ -275,6 +417,32 @@ class Broker:
         self._reply_error(conn, message, "not_found", f"not registered on {where}")
 
     # ------------------------------------------------------------------ channels
+    def _track(self, sandbox: str, memfd: int, server: Connection | None) -> None:
+        """Watch a channel handed to ``sandbox`` until one end closes it (or its server leaves)."""
+        try:
+            header = mmap.mmap(memfd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError:
+            return
+        self._live.setdefault(sandbox, []).append(_Tracked(header, server))
+
+    def _live_channels(self, sandbox: str) -> int:
+        """Channels of ``sandbox`` still open (closed ones are forgotten here)."""
+        tracked = self._live.get(sandbox)
+        if not tracked:
+            return 0
+        alive = []
+        for item in tracked:
+            gone = item.server is not None and item.server not in self._connections
+            if gone or item.closed():
+                item.header.close()
+            else:
+                alive.append(item)
+        if alive:
+            self._live[sandbox] = alive
+        else:
+            del self._live[sandbox]
+        return len(alive)
+
     def open_channel(
         self, server: Connection, caller: str, caller_pidfd: int
     ) -> tuple[int, list[int]] | None:
@@ -284,7 +452,7 @@ class Broker:
         server doorbell, server pidfd), now owned by whoever called this; ``None`` if the server
         turned out to be gone.
         """
-        fds = ch.create_channel(self.ring_capacity)
+        fds = ch.create_channel(self.ring_capacity, self.max_payload)
         channel_id = self.new_channel_id()
         opening = {
             "op": "open",
@@ -340,9 +508,13 @@ class Broker:
         metrics.CONNECTS_FAILED.labels(code).inc()
         self._send(conn, {"op": "error", "ref": request.get("ref"), "code": code, "message": text})
 
-    def _refuse(self, conn: Connection, reason: str) -> None:
-        metrics.REFUSED.inc()
-        self._send(conn, {"op": "error", "code": "refused", "message": reason})
+    def _refuse(self, conn: Connection, reason: str, text: str) -> None:
+        """Tell ``conn`` why (``reason`` from :data:`limits.REASONS`), then close it."""
+        if reason in ("identity", "name_taken"):
+            metrics.REFUSED.inc()
+        metrics.REFUSALS.labels(reason).inc()
+        self._refusals.refused(reason, conn.sandbox)
+        self._send(conn, {"op": "error", "code": "refused", "message": text})
         self._drop(conn)
 
     def _spawn(self, coro: Any) -> None:
@@ -355,6 +527,11 @@ class Broker:
         if conn not in self._connections:
             return
         self._connections.discard(conn)
+        self._admission.remove(conn)
+        self._gauges()
+        if conn.hello_timer is not None:
+            conn.hello_timer.cancel()
+            conn.hello_timer = None
         if conn.key is not None and conn.role:
             metrics.AGENTS.labels(conn.role).dec()
         with contextlib.suppress(ValueError, OSError):

@@ -27,6 +27,16 @@ REFUSED = Counter(
     "dsec_ipc_refused_total",
     "Connections refused at hello: a name the process may not use, a taken name, bad input",
 )
+REFUSALS = Counter(
+    "dsec_ipc_refusals_total",
+    "Connections, hellos and channel requests the broker refused or closed, by reason "
+    "(a fixed set: see dsec_nodeagent.ipc.limits.REASONS)",
+    ["reason"],
+)
+CONNECTIONS = Gauge("dsec_ipc_connections", "Connections to this node's broker")
+PENDING = Gauge(
+    "dsec_ipc_pending_connections", "Connections to this node's broker that have not said hello"
+)
 REMOTE_CALLS = Counter(
     "dsec_ipc_remote_calls_total",
     "Calls bridged over NATS; direction=out (a local caller, remote agent) or in; outcome is "

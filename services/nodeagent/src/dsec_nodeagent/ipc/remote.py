@@ -1,12 +1,13 @@
 """Calls between nodes: the brokers bridge shared-memory channels over NATS request-reply.
 
-Caller on node A -> (shm) -> broker A -> NATS ``dsec.ipc.<group>.<agent>.<tool>`` -> broker B
--> (shm) -> agent on node B, and back. Agents see the same API and the same errors as locally, and
-sandboxes need no network access to NATS: only the node agents talk to it.
+Caller on node A -> (shm) -> broker A -> NATS ``dsec_ipc.<tenant>.<group>.<agent>.<tool>``
+-> broker B -> (shm) -> agent on node B, and back. Agents see the same API and the same errors as
+locally, and sandboxes need no network access to NATS: only the node agents talk to it. The
+tenant in every subject keeps two tenants' agents of one group name apart across nodes too.
 
 A reply carries one byte of frame kind (RESULT or ERROR) then the frame body, unchanged.
-A broker answers ``dsec.ipc.<group>.<agent>._locate`` for every agent it serves, which is how
-another broker learns that a name lives elsewhere.
+A broker answers ``dsec_ipc.<tenant>.<group>.<agent>._locate`` for every agent it serves, which
+is how another broker learns that a name lives elsewhere.
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ class RemoteBridge:
             return False
         return True
 
+    def proxy_channels(self) -> int:
+        """Proxy channels this broker serves now (each holds 5 fds here)."""
+        return len(self._proxy.core.channels) if self._proxy is not None else 0
+
     def forget(self, conn: Connection) -> None:
         """A connection closed; its proxy channels are reaped through their pidfds."""
 
@@ -128,7 +133,7 @@ class RemoteBridge:
         Returns the channel id and the fds for the caller (the broker sends, then closes them).
         """
         assert self._proxy is not None
-        fds = ch.create_channel(self.broker.ring_capacity)
+        fds = ch.create_channel(self.broker.ring_capacity, self.broker.max_payload)
         channel_id = self.broker.new_channel_id()
         server_fds = [os.dup(fd) for fd in fds.all()] + [os.dup(caller.pidfd)]
         end = ch.ServerEnd(

@@ -78,12 +78,15 @@ class AgentIdentity(BaseModel):
     Attributes:
         name: the agent name other agents call it by (the spec's ``name``).
         task_group: only agents of one group reach each other.
+        tenant: the spec's tenant (``EnforcementPlan.tenant``): groups and names are granted per
+            tenant, so two tenants using one group name never meet.
     """
 
     model_config = _FROZEN
 
     name: str
     task_group: str
+    tenant: str = Field(default="default", min_length=1, max_length=253)
 
     @field_validator("name", "task_group")
     @classmethod

@@ -1,0 +1,318 @@
+"""What one sandbox may take from the IPC broker, and who owns a name: pure rules, then the
+broker with real processes. (Real sandboxes beside a victim: test_ipc_sandbox.py.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dsec_sdk import AgentNotFound, BrokerUnavailable, DSecClient
+from dsec_sdk.ipc import control
+
+from dsec_nodeagent.ipc import AgentKey
+from dsec_nodeagent.ipc.limits import REASONS, Admission, BrokerLimits, RefusalLog
+from dsec_nodeagent.ipc.registry import Registry, tenant_token
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
+from _ipc_testkit import (
+    BrokerThread,
+    agent_tools,
+    metric,
+    start_agent,
+    wait_serving,
+    wait_until,
+)
+
+# --------------------------------------------------------------------------- pure
+
+
+@pytest.mark.unit
+def test_a_sandbox_is_held_to_its_connections_and_waiting_connections() -> None:
+    limits = BrokerLimits(connections_per_sandbox=3, pending_per_sandbox=2, pending_total=10)
+    admission: Admission[object] = Admission(limits, max_connections=100)
+    conns = [object() for _ in range(3)]
+    for conn in conns[:2]:
+        assert admission.admit("a") == (None, None)
+        admission.add(conn, "a")
+    assert admission.admit("a") == ("pending_sandbox", None)
+    assert admission.admit("b") == (None, None)  # another sandbox is not affected
+    admission.greeted(conns[0])
+    assert admission.admit("a") == (None, None)
+    admission.add(conns[2], "a")
+    assert admission.admit("a") == ("sandbox_connections", None)
+    admission.remove(conns[1])
+    assert admission.admit("a") == (None, None)
+    assert (admission.connections, admission.pending) == (2, 1)
+
+
+@pytest.mark.unit
+def test_a_full_waiting_pool_evicts_the_greediest_sandbox_not_the_newcomer() -> None:
+    limits = BrokerLimits(pending_per_sandbox=4, pending_total=4)
+    admission: Admission[str] = Admission(limits, max_connections=100)
+    for i in range(4):
+        admission.add(f"flood-{i}", "flooder")
+    assert admission.admit("victim") == (None, "flood-0")  # the oldest of the greediest
+    admission.remove("flood-0")
+    admission.add("victim-0", "victim")
+    # Evicting would not be fairer for a sandbox already holding as many as the greediest less 1.
+    admission.add("flood-4", "other")
+    admission.remove("flood-1")
+    admission.add("victim-1", "victim")
+    assert admission.admit("victim")[0] == "pending_total"
+
+
+@pytest.mark.unit
+def test_the_fd_budget_stays_within_half_of_rlimit_nofile() -> None:
+    assert BrokerLimits(fd_budget=4096).max_connections(nofile=20_000) == 4096 // 3
+    assert BrokerLimits(fd_budget=4096).max_connections(nofile=1024) == 512 // 3
+    admission: Admission[str] = Admission(BrokerLimits(), max_connections=1)
+    admission.add("one", "a")
+    assert admission.admit("b") == ("fd_budget", None)
+
+
+@pytest.mark.unit
+def test_limits_refuse_nonsense_with_the_setting_named() -> None:
+    with pytest.raises(ValueError, match="pending_total=0 is invalid"):
+        BrokerLimits(pending_total=0)
+    with pytest.raises(ValueError, match="hello_timeout_s=0 is invalid"):
+        BrokerLimits(hello_timeout_s=0)
+
+
+@pytest.mark.unit
+def test_refusals_are_logged_once_per_interval_with_counts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = RefusalLog(logging.getLogger("test.refusals"), interval_s=10)
+    with caplog.at_level(logging.WARNING, "test.refusals"):
+        assert log.refused("pending_sandbox", "sbx-a", now=100.0)
+        for i in range(1000):
+            assert not log.refused("pending_sandbox", "sbx-a", now=100.0 + i / 1000)
+        assert log.refused("hello_timeout", "sbx-b", now=111.0)
+    assert len(caplog.records) == 2
+    assert "hello_timeout=1, pending_sandbox=1000" in caplog.records[1].getMessage()
+    assert "sbx-a=1000" in caplog.records[1].getMessage()
+    assert set(REASONS) >= {"pending_sandbox", "hello_timeout", "name_taken", "channels"}
+
+
+@pytest.mark.unit
+def test_two_tenants_with_one_group_and_name_never_meet() -> None:
+    registry: Registry[str] = Registry()
+    acme, evil = AgentKey("team", "researcher", "acme"), AgentKey("team", "researcher", "evil")
+    assert registry.claim(evil, "evil-conn", "sbx-evil").reason is None
+    assert registry.claim(acme, "acme-conn", "sbx-acme").reason is None  # not refused
+    assert registry.lookup(acme) == "acme-conn"
+    assert registry.lookup(evil) == "evil-conn"
+    assert acme.subject("lookup") == "dsec_ipc.acme.team.researcher.lookup"
+    assert evil.subject("lookup") != acme.subject("lookup")
+    # A tenant that is no plain token cannot collide with one that is.
+    assert tenant_token("a.b") == "%" + b"a.b".hex()
+    assert tenant_token("a.b") != tenant_token("2e")
+
+
+@pytest.mark.unit
+def test_a_name_belongs_to_one_live_server_until_it_leaves_or_is_taken_over() -> None:
+    registry: Registry[str] = Registry()
+    key = AgentKey("team", "researcher", "acme")
+    assert registry.claim(key, "first", "sbx-1").reason is None
+    refused = registry.claim(key, "second", "sbx-2")
+    assert refused.reason is not None
+    assert "already served by another live process of sandbox sbx-1" in refused.reason
+    assert "takeover=True" in refused.reason
+    taken = registry.claim(key, "third", "sbx-3", takeover=True)
+    assert (taken.reason, taken.displaced) == (None, "first")
+    assert registry.release("third") == [key]
+    assert registry.claim(key, "second", "sbx-2").reason is None  # freed
+
+
+# --------------------------------------------------------------------------- broker
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="dsec-ipc-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _raw(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(os.fspath(path))  # blocking: waits while the listen backlog is full
+    sock.settimeout(10)
+    return sock
+
+
+VICTIM = r"""
+import sys
+from dsec_sdk import DSecClient
+client = DSecClient("victim-a", "g1", socket_path=sys.argv[1], timeout=10)
+print(client.call_tool("victim-b", "echo", data="through"))
+"""
+
+
+@pytest.mark.integration
+def test_a_flood_of_silent_connections_is_bounded_and_a_victim_still_calls(
+    sock_dir: Path,
+) -> None:
+    """This process floods (300 connections, no hello); other processes count as another
+    sandbox and still connect and call; the broker's own fds stay bounded."""
+    me = os.getpid()
+    limits = BrokerLimits(pending_per_sandbox=4, hello_timeout_s=0.5)
+    thread = BrokerThread(
+        sock_dir / "ipc.sock",
+        limits=limits,
+        sandbox_of=lambda pid, uid: "flooder" if pid == me else "victim",
+    )
+    before = metric("dsec_ipc_refusals_total", reason="pending_sandbox")
+    timeouts = metric("dsec_ipc_refusals_total", reason="hello_timeout")
+    server = start_agent(thread.socket_path, "g1", "victim-b")
+    flood: list[socket.socket] = []
+    try:
+        fds_before = len(os.listdir("/proc/self/fd"))
+        for _ in range(300):
+            flood.append(_raw(thread.socket_path))
+        # Our own 300 client sockets are counted here; the broker adds at most 4 waiting ones
+        # (+ a pidfd each) and the victims' connections.
+        wait_until(
+            lambda: metric("dsec_ipc_refusals_total", reason="pending_sandbox") - before >= 296,
+            what="the flood to be turned away",
+        )
+        key = AgentKey("g1", "victim-b")
+        wait_until(lambda: thread.broker.local_server(key), what="the victim's server")
+        victim = subprocess.run(
+            [sys.executable, "-c", VICTIM, str(thread.socket_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert victim.returncode == 0, victim.stderr[-2000:]
+        assert victim.stdout.strip() == "{'data': 'through', 'seq': 0}"
+        broker_fds = len(os.listdir("/proc/self/fd")) - fds_before - len(flood)
+        assert broker_fds <= 2 * 4 + 3 * 4, broker_fds
+        # A turned-away connection is told why.
+        message, _ = control.recv(flood[-1]) or ({}, [])
+        assert "this sandbox has its maximum of 4 connections that have not said hello" in (
+            message.get("message", "")
+        )
+        # The 4 admitted ones are closed after the hello timeout.
+        wait_until(
+            lambda: metric("dsec_ipc_refusals_total", reason="hello_timeout") - timeouts >= 4,
+            what="the silent connections to time out",
+        )
+    finally:
+        for sock in flood:
+            sock.close()
+        server.kill()
+        server.wait()
+        thread.stop()
+
+
+@pytest.mark.integration
+def test_an_agent_is_held_to_its_live_channels_and_a_closed_one_frees_its_place(
+    sock_dir: Path,
+) -> None:
+    thread = BrokerThread(sock_dir / "ipc.sock", limits=BrokerLimits(channels_per_agent=2))
+    stop = threading.Event()
+    server = DSecClient("b", "g1", socket_path=thread.socket_path)
+    serving = threading.Thread(target=server.serve, args=(agent_tools(stop),), daemon=True)
+    serving.start()
+    callers = [DSecClient("a", "g1", socket_path=thread.socket_path) for _ in range(3)]
+    try:
+        wait_serving(callers[0], "b")
+        assert callers[1].call_tool("b", "ping") == "pong"
+        with pytest.raises(BrokerUnavailable, match="this agent holds 2 live channels"):
+            callers[2].call_tool("b", "ping")
+        callers[0].close()  # marks its channel closed: its place frees
+        assert callers[2].call_tool("b", "ping") == "pong"
+    finally:
+        for client in callers:
+            client.close()
+        stop.set()
+        server.stop()
+        serving.join(10)
+        thread.stop()
+
+
+@pytest.mark.integration
+def test_a_takeover_must_be_explicit_and_ends_the_old_servers_serve(sock_dir: Path) -> None:
+    thread = BrokerThread(sock_dir / "ipc.sock")
+    first = DSecClient("b", "g1", socket_path=thread.socket_path)
+    ended: list[BaseException] = []
+
+    def serve_first() -> None:
+        try:
+            first.serve({"who": lambda: "first"})
+        except BaseException as exc:
+            ended.append(exc)
+
+    serving = threading.Thread(target=serve_first, daemon=True)
+    serving.start()
+    caller = DSecClient("a", "g1", socket_path=thread.socket_path, timeout=10)
+    second = DSecClient("b", "g1", socket_path=thread.socket_path, takeover=True)
+    try:
+        wait_until(lambda: thread.broker.local_server(AgentKey("g1", "b")), what="first")
+        assert caller.call_tool("b", "who") == "first"
+        with pytest.raises(BrokerUnavailable, match="is already served by another live process"):
+            DSecClient("b", "g1", socket_path=thread.socket_path).serve({"who": lambda: "x"})
+        taking = threading.Thread(target=second.serve, args=({"who": lambda: "second"},))
+        taking.start()
+        serving.join(10)
+        assert not serving.is_alive() and ended  # the old server was told and stopped
+        fresh = DSecClient("a", "g1", socket_path=thread.socket_path, timeout=10)
+        wait_until(lambda: fresh.call_tool("b", "who") == "second", what="the new server")
+        fresh.close()
+        second.stop()
+        taking.join(10)
+    finally:
+        caller.close()
+        thread.stop()
+
+
+@pytest.mark.integration
+def test_a_client_turned_away_at_accept_is_told_why(sock_dir: Path) -> None:
+    thread = BrokerThread(sock_dir / "ipc.sock", limits=BrokerLimits(connections_per_sandbox=1))
+    first = DSecClient("a", "g1", socket_path=thread.socket_path)
+    second = DSecClient("b", "g1", socket_path=thread.socket_path)
+    before = metric("dsec_ipc_refusals_total", reason="sandbox_connections")
+    try:
+        with pytest.raises(AgentNotFound):
+            first.call_tool("nobody", "ping")  # holds this process's one connection
+        for _ in range(20):  # whichever moment the broker closes, the reason arrives
+            with pytest.raises(
+                BrokerUnavailable, match="this sandbox holds its maximum of 1 broker connections"
+            ):
+                second.call_tool("nobody", "ping")
+        assert metric("dsec_ipc_refusals_total", reason="sandbox_connections") == before + 20
+    finally:
+        first.close()
+        second.close()
+        thread.stop()
+
+
+@pytest.mark.unit
+def test_a_sandbox_identity_carries_the_plan_tenant() -> None:
+    from dsec_core.spec import compile_plan, load_spec
+
+    from dsec_nodeagent.agent import agent_identity
+
+    loaded = load_spec(
+        'version: "1.2"\nname: researcher\ntask_group: research-team\n'
+        "base: dsec/python311:latest\nentrypoint: [python, agent.py]\n",
+        "dsec.yaml",
+    )
+    assert loaded.spec is not None, loaded
+    identity = agent_identity(compile_plan(loaded.spec, tenant="acme"))
+    assert (identity.tenant, identity.task_group, identity.name) == (
+        "acme",
+        "research-team",
+        "researcher",
+    )
+    assert agent_identity(compile_plan(loaded.spec)).tenant == "default"
