@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,18 @@ def test_policy_infer_json_and_tools(runner: CliRunner) -> None:
     assert [e["host"] for e in needs["egress"]] == ["api.websearch.test"]
     tools = runner.invoke(app, ["policy", "tools", "--json"])
     assert len(json.loads(tools.stdout)) >= 40
+
+
+def test_spec_check_on_an_alias_bomb_ends_quickly_with_exit_2(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    lines = ['version: "1.2"', "name: bomb", "base: dsec/python311:latest", 'a0: &a0 ["lol","lol"]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    spec = tmp_path / "bomb.yaml"
+    spec.write_text("\n".join(lines) + "\n")
+    started = time.monotonic()
+    result = runner.invoke(app, ["spec", "check", str(spec)])
+    assert time.monotonic() - started < 5.0
+    assert result.exit_code == 2, result.stdout
+    assert f"{spec}:5:5: error[yaml-limit]: a4[0][0][8]" in result.stdout
+    assert "error[yaml-limit]" in result.stdout and "alias expansions limit" in result.stdout
