@@ -61,7 +61,7 @@ def test_json_report_carries_errors_and_plan(runner: CliRunner) -> None:
     assert plan["secrets"][0] == {
         "env_var": "WEB_SEARCH_KEY",
         "vault_mount": "secret",
-        "vault_path": "agent-tools/websearch",
+        "vault_path": "default/agent-tools/websearch",
         "key": "key",
         "ttl_s": 7200,
     }
@@ -79,13 +79,27 @@ def test_warnings_do_not_fail_the_check(runner: CliRunner, tmp_path: Path) -> No
     assert re.search(r":\d+:\d+: warning\[infer.path-unused\]: .*?/tmp", result.stdout)
 
 
-def test_missing_grant_fails_with_the_yaml_to_add(runner: CliRunner, tmp_path: Path) -> None:
+def test_missing_grant_warns_with_the_yaml_to_add(runner: CliRunner, tmp_path: Path) -> None:
+    spec = tmp_path / "dsec.yaml"
+    spec.write_text(GOOD.read_text().replace("api.websearch.test", "api.elsewhere.test"))
+    result = runner.invoke(app, ["spec", "check", str(spec), "--code", str(CODE)])
+    assert result.exit_code == 0, result.stdout
+    assert "warning[infer.egress-missing]" in result.stdout
+    assert "would be denied at run time" in result.stdout
+    assert "- domain: api.websearch.test" in result.stdout
+
+
+def test_org_policy_can_make_a_missing_grant_an_error(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    org = tmp_path / "org.yaml"
+    org.write_text('version: "1"\nseverities: {infer.egress-missing: error}\n')
+    monkeypatch.setenv("DSEC_ORG_POLICY", str(org))
     spec = tmp_path / "dsec.yaml"
     spec.write_text(GOOD.read_text().replace("api.websearch.test", "api.elsewhere.test"))
     result = runner.invoke(app, ["spec", "check", str(spec), "--code", str(CODE)])
     assert result.exit_code == 2
-    assert "would be denied at run time" in result.stdout
-    assert "- domain: api.websearch.test" in result.stdout
+    assert "error[infer.egress-missing]" in result.stdout
 
 
 def test_org_policy_file_from_settings(
