@@ -83,9 +83,10 @@ def validate(
     if loaded.spec is not None:
         spec = loaded.spec
         facts = facts or StackFacts()
-        plan = compile_plan(spec, tenant=tenant)
+        scope = policy.scope(tenant)
+        plan = compile_plan(spec, tenant=tenant).model_copy(update={"tenant_vault": scope.vault})
         diagnostics += check_guardrails(spec, policy, loaded.source, facts)
-        diagnostics += check_scope(spec, plan, tenant, policy.scope(tenant), facts, loaded.source)
+        diagnostics += check_scope(spec, plan, tenant, scope, facts, loaded.source)
         if needs is not None:
             diagnostics += compare(spec, plan, needs, loaded.source)
     if needs is not None:
