@@ -194,6 +194,11 @@ class EgressController:
         asyncio.get_running_loop().add_reader(self._events_fd, self.kernel.consume_events)
         self._sweeper = asyncio.create_task(self._sweep_forever())
 
+    async def set_stack_deny(self, entries: Iterable[tuple[str, int]]) -> int:
+        """Deny ``(address, port)`` to every sandbox on the node, before any allow rule."""
+        parsed = [(ipaddress.ip_address(a), p) for a, p in entries]
+        return await asyncio.to_thread(self.kernel.set_stack_deny, parsed)
+
     async def close(self) -> None:
         """Stop answering DNS and reading events; programs and pinned maps stay (fail-closed)."""
         if self._sweeper is not None:
