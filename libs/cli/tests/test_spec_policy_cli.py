@@ -159,3 +159,25 @@ def test_spec_check_on_an_alias_bomb_ends_quickly_with_exit_2(
     assert result.exit_code == 2, result.stdout
     assert f"{spec}:5:5: error[yaml-limit]: a4[0][0][8]" in result.stdout
     assert "error[yaml-limit]" in result.stdout and "alias expansions limit" in result.stdout
+
+
+def test_cross_tenant_example_is_refused_line_by_line_with_the_stacks_endpoints(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "stack.json").write_text('{"nats_url": "nats://127.0.0.1:4222"}')
+    monkeypatch.setenv("DSEC_HOME", str(tmp_path))
+    spec = REPO / "examples/cross-tenant/dsec.yaml"
+    result = runner.invoke(app, ["spec", "check", str(spec)])
+    assert result.exit_code == 2, result.stdout
+    found = re.findall(r":(\d+):\d+: error\[([\w.-]+)\]", result.stdout)
+    assert [(int(line), rule) for line, rule in found] == [
+        (9, "tenant.vault"),
+        (11, "system.bucket"),
+        (12, "tenant.s3"),
+        (16, "ORG-NET-001"),
+        (18, "system.egress"),
+        (20, "ORG-FS-002"),
+    ]
+    assert "NATS (127.0.0.1:4222)" in result.stdout
+    other = runner.invoke(app, ["spec", "check", str(spec), "--tenant", "acme"])
+    assert "error[tenant.vault]" not in other.stdout

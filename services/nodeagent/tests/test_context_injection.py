@@ -168,7 +168,7 @@ async def test_another_tenants_secret_is_refused_by_vault_itself_and_leaves_no_l
     with pytest.raises(ContextError) as info:
         await injector.prepare("sbx-thief", [_secret("K", path)], [], tenant="default")
     assert str(info.value) == (
-        f"vault://secret/{path}#value: permission denied: outside tenant 'default''s secrets "
+        f"vault://secret/{path}#value: permission denied: outside the secrets of tenant 'default' "
         "(allowed: vault://secret/default/)"
     )
     assert "acme-private-9f2c" not in repr(info.value)

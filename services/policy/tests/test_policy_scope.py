@@ -54,7 +54,7 @@ def test_tenant_reads_its_own_secret_data_and_config_by_convention() -> None:
 def test_another_tenants_secret_is_refused_at_its_line_with_what_is_valid() -> None:
     rule, line, col, message, hint = only(check(env("vault://secret/acme/tools#key")))
     assert (rule, line, col) == ("tenant.vault", 6, 25)
-    assert "outside tenant 'default'" in message
+    assert "outside the secrets of tenant 'default'" in message
     assert "vault://secret/default/" in hint
 
 

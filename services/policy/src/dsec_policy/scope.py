@@ -59,7 +59,7 @@ def _vault(
             continue
         yield source.error(
             (*_ENV, index, "source"),
-            f"secret {env.name} reads vault://{full}, outside tenant {tenant!r}'s secrets",
+            f"secret {env.name} reads vault://{full}, outside the secrets of tenant {tenant!r}",
             hint=_valid("vault://", scope.vault, "vault://secret/{t}/my-tool#key", tenant),
             rule_id="tenant.vault",
         )
@@ -76,7 +76,7 @@ def _mounts(
             if not any(fnmatch.fnmatchcase(name, g) for g in scope.configmaps):
                 yield source.error(
                     where,
-                    f"config map {name!r} is not one of tenant {tenant!r}'s config maps",
+                    f"config map {name!r} is not one of the config maps of tenant {tenant!r}",
                     hint=_valid("configmap://", scope.configmaps, "configmap://{t}-x/k", tenant),
                     rule_id="tenant.configmap",
                 )
@@ -87,14 +87,18 @@ def _mounts(
                 where,
                 f"s3://{bucket}/ is the stack's system bucket (code bundles, snapshots, caches); "
                 "no spec may mount it",
-                hint=_valid("s3://", scope.s3, "s3://my-bucket/{t}/data/", tenant),
+                hint=_valid(
+                    "s3://", scope.s3, "s3://my-bucket/{t}/data/", tenant, facts.system_bucket
+                ),
                 rule_id="system.bucket",
             )
         elif not (_clean(prefix) and any(_s3_match(bucket, prefix, p) for p in scope.s3)):
             yield source.error(
                 where,
-                f"s3://{bucket}/{prefix} is outside tenant {tenant!r}'s data",
-                hint=_valid("s3://", scope.s3, "s3://my-bucket/{t}/data/", tenant),
+                f"s3://{bucket}/{prefix} is outside the data of tenant {tenant!r}",
+                hint=_valid(
+                    "s3://", scope.s3, "s3://my-bucket/{t}/data/", tenant, facts.system_bucket
+                ),
                 rule_id="tenant.s3",
             )
 
@@ -104,10 +108,13 @@ def _s3_match(bucket: str, prefix: str, allowed: str) -> bool:
     return want_bucket in ("*", bucket) and prefix.startswith(want_prefix)
 
 
-def _valid(scheme: str, entries: tuple[str, ...], example: str, tenant: str) -> str:
+def _valid(
+    scheme: str, entries: tuple[str, ...], example: str, tenant: str, system: str = ""
+) -> str:
     if not entries:
         return f"tenant {tenant!r} may not reference {scheme} sources (org policy)"
-    shown = ", ".join(f"{scheme}{e}" for e in entries).replace("*/", "<any bucket but dsec's>/")
+    any_bucket = f"<any bucket but {system}>/"
+    shown = ", ".join(f"{scheme}{e}" for e in entries).replace("*/", any_bucket)
     return f"valid for tenant {tenant!r}: {shown}, e.g. {example.format(t=tenant)}"
 
 

@@ -201,7 +201,8 @@ class VaultSecrets:
                 shown = ", ".join(f"vault://{p}" for p in allowed) or "none"
                 raise ContextError(
                     uri,
-                    f"permission denied: outside tenant {tenant!r}'s secrets (allowed: {shown})",
+                    f"permission denied: outside the secrets of tenant {tenant!r} "
+                    f"(allowed: {shown})",
                 ) from exc
             raise ContextError(
                 uri, "permission denied: the tenant's Vault policy does not allow reading it"
