@@ -62,7 +62,9 @@ class Egress:
         the kernel's deny set, which wins over every allow rule of every sandbox."""
         endpoints = (*stack_endpoints(self.settings), *extra)
         entries = await asyncio.to_thread(deny_entries, endpoints, local_addresses())
-        count = await self.controller.set_stack_deny(entries)
+        # Added, not replaced: the pins are node-wide, and a second stack on the node (tests)
+        # must not lift the first one's entries.
+        count = await self.controller.set_stack_deny(entries, replace=False)
         log.info("egress: %d stack endpoint address(es) denied to every sandbox", count)
         return count
 

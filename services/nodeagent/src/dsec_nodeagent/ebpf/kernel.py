@@ -235,8 +235,11 @@ class EgressKernel:
             key.addr[:] = _be32_words(packed)
             table[key] = table.Leaf(1)
 
-    def set_stack_deny(self, entries: Iterable[tuple[IPAddress, int]]) -> int:
-        """Replace the node-wide deny set (the stack's own servers); return its size.
+    def set_stack_deny(
+        self, entries: Iterable[tuple[IPAddress, int]], *, replace: bool = True
+    ) -> int:
+        """Set the node-wide deny set (the stack's own servers); return how many entries
+        ``entries`` gave. ``replace=False`` adds to what is there (agents sharing the pins).
 
         Checked before any allow entry, so no sandbox rule can open these ``(address, port)``.
         """
@@ -252,7 +255,7 @@ class EgressKernel:
             key.addr[:] = _be32_words(packed)
             key.port = port
             wanted[(bytes(packed), port)] = key
-        for key in list(table.keys()):
+        for key in list(table.keys()) if replace else []:
             if (_words_bytes(key.addr), int(key.port)) not in wanted:
                 with contextlib.suppress(KeyError):
                     del table[key]
