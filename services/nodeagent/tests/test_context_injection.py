@@ -351,3 +351,19 @@ async def test_agent_runs_with_its_secret_and_data_then_everything_is_released(
     assert not _accessor_alive(vault, accessor)
     state_text = "".join(p.read_text() for p in (tmp_path / "home").rglob("*.json"))
     assert "ws-key-42" not in state_text
+
+
+@pytest.mark.unit
+def test_tenant_policy_reads_only_the_tenants_prefixes() -> None:
+    from dsec_nodeagent.context.vault import tenant_policy_hcl, tenant_prefixes
+
+    assert tenant_prefixes("acme") == ("secret/acme/",)
+    assert tenant_prefixes("acme", ["kv/acme-shared/", "secret/../x/", 'a/"b', "kv/*"]) == (
+        "kv/acme-shared/",
+    )
+    hcl = tenant_policy_hcl(("secret/acme/", "kv/acme-shared/"))
+    assert hcl == (
+        'path "secret/data/acme/*" {\n  capabilities = ["read"]\n}\n'
+        'path "kv/data/acme-shared/*" {\n  capabilities = ["read"]\n}\n'
+    )
+    assert tenant_policy_hcl(()) == "# no secrets\n"

@@ -160,7 +160,7 @@ def parse_yaml(text: str, filename: str) -> tuple[Any, SourceMap, list[SpecError
     smap = SourceMap(filename)
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > MAX_DOCUMENT_BYTES:
-        return None, smap, [_limit_error(smap, f"the document is {size} bytes", "document size")]
+        return None, smap, [_limit_error(smap, "the document is too large", "document size")]
     try:
         loader = _Loader(text)
     except yaml.reader.ReaderError as exc:
