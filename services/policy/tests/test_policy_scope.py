@@ -197,3 +197,19 @@ def test_halves_on_different_ports_are_not_everywhere() -> None:
     )
     assert check(snippet).ok
     assert not check(snippet.replace("ports: [80]", "ports: [80, 443]")).ok
+
+
+@pytest.mark.parametrize("tenant", ["", "a/b", "../acme", "ACME", "x" * 64])
+def test_a_tenant_that_is_not_a_name_is_refused(tenant: str) -> None:
+    outcome = validate(BASE, "s.yaml", tenant=tenant)
+    assert [e.rule_id for e in outcome.errors] == ["tenant.invalid"] and outcome.plan is None
+
+
+def test_org_policy_prefixes_are_whole_segments() -> None:
+    bad = 'version: "1"\ntenants:\n  acme: {vault: [secret/acme], s3: ["lake/../"]}\n'
+    result = parse_org_policy(bad, "org.yaml")
+    assert result.value is None
+    assert sorted((e.line, e.path) for e in result.errors) == [
+        (3, "tenants.acme.s3[0]"),
+        (3, "tenants.acme.vault[0]"),
+    ]

@@ -7,6 +7,7 @@ bytes, and the parsed org policy. The same function backs ``dsec spec check`` an
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from dsec_core.spec import (
@@ -27,6 +28,19 @@ from dsec_policy.infer.needs import InferredNeeds, infer_needs
 from dsec_policy.scope import check_scope
 
 _FIXED = ("tenant.", "system.")
+_TENANT = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _bad_tenant(filename: str, tenant: str) -> SpecError:
+    return SpecError(
+        file=filename,
+        line=1,
+        column=1,
+        path="",
+        message=f"the submitter's tenant {tenant[:64]!r} is not a valid tenant name",
+        hint="a DNS label: lowercase letters, digits and '-', e.g. acme",
+        rule_id="tenant.invalid",
+    )
 
 
 class ValidationOutcome(BaseModel):
@@ -75,6 +89,8 @@ def validate(
     Returns:
         The outcome: ``plan`` is set only when there is no error-level diagnostic.
     """
+    if not _TENANT.fullmatch(tenant):
+        return ValidationOutcome(plan=None, errors=(_bad_tenant(filename, tenant),), warnings=())
     loaded = load_spec(text, filename)
     needs = infer(code_files, catalogue) if code_files is not None else None
     diagnostics = [*loaded.errors, *loaded.warnings]

@@ -175,6 +175,18 @@ Rule = Annotated[
 TenantName = Annotated[str, Field(pattern=r"^[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?$")]
 
 
+_SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9_.-]*/"  # no ".", ".." nor hidden segments
+VaultPrefix = Annotated[
+    str, Field(pattern=rf"^{_SEGMENT}(?:{_SEGMENT})*$", examples=["secret/acme/"])
+]
+"""``MOUNT/PATH-PREFIX/``: whole path segments, ending with ``/`` (``secret/acme`` would also
+match ``secret/acme-other/``)."""
+S3Prefix = Annotated[
+    str, Field(pattern=rf"^(?:\*|[a-z0-9][a-z0-9.-]{{1,61}}[a-z0-9])/(?:{_SEGMENT})*$")
+]
+"""``BUCKET/KEY-PREFIX/`` (``*`` = any bucket but the system bucket), ending with ``/``."""
+
+
 class TenantScope(BaseModel):
     """What a tenant's specs may reference. Every entry is a prefix (or glob for config maps).
 
@@ -185,8 +197,8 @@ class TenantScope(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    vault: tuple[str, ...] = ()
-    s3: tuple[str, ...] = ()
+    vault: tuple[VaultPrefix, ...] = ()
+    s3: tuple[S3Prefix, ...] = ()
     configmaps: tuple[str, ...] = ()
 
 
