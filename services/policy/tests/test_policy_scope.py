@@ -213,3 +213,11 @@ def test_org_policy_prefixes_are_whole_segments() -> None:
         (3, "tenants.acme.s3[0]"),
         (3, "tenants.acme.vault[0]"),
     ]
+
+
+def test_public_host_files_are_allowed_by_default_but_not_their_neighbours() -> None:
+    ok = "security_policy: {filesystem: {read_allowed: [/etc/resolv.conf, /etc/ssl/certs]}}"
+    assert check(ok).ok
+    assert only(check("security_policy: {filesystem: {read_allowed: [/etc/ssl]}}"))[0] == (
+        "ORG-FS-002"
+    )
