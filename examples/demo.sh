@@ -42,6 +42,10 @@ dsec status
 step "A spec with mistakes: every error at once, at its line" dsec spec check examples/bad-spec/dsec.yaml
 expect 2 dsec spec check examples/bad-spec/dsec.yaml
 
+step "Another tenant's secret and data, the system bucket, the stack's NATS, a /0 split in two, the host's /etc: refused" \
+  dsec spec check examples/cross-tenant/dsec.yaml
+expect 2 dsec spec check examples/cross-tenant/dsec.yaml
+
 step "Which grants does the agent code need?" dsec policy infer --code examples/websearch-agent
 dsec policy infer --code examples/websearch-agent
 

@@ -103,7 +103,7 @@ def test_demo_agent_searches_by_name_and_is_refused_everything_else(
         timeout=60,
     )
     assert seeded.returncode == 0, seeded.stderr
-    assert "vault://secret/agent-tools/websearch#key" in seeded.stdout
+    assert "vault://secret/default/agent-tools/websearch#key" in seeded.stdout
     services.start("policy", "builder", "nodeagent", env={"DSEC_DNS_UPSTREAM": world.info.dns})
 
     result = dsec_cli(

@@ -81,7 +81,11 @@ def test_bad_spec_is_rejected_with_every_located_error(services, env, dsec_cli) 
     assert "dsec.yaml:21:7: unknown field 'tll'" in human.output or "tll" in human.output
 
 
-def test_code_that_needs_an_ungranted_host_is_rejected(services, env, dsec_cli, tmp_path):
+def test_code_that_needs_an_ungranted_host_is_validated_with_a_warning(
+    services, env, dsec_cli, tmp_path
+):
+    # Inference advises, the kernel decides: the spec is accepted, the warning carries the YAML
+    # to add, and the connection would be denied at run time.
     services.start("policy")
     code = tmp_path / "agent"
     code.mkdir()
@@ -93,9 +97,45 @@ def test_code_that_needs_an_ungranted_host_is_rejected(services, env, dsec_cli, 
     result = dsec_cli(
         "submit", str(spec), "--code", str(code), "--wait", "validated", "--json", env=env
     )
-    assert result.exit_code == 1
-    messages = " ".join(e["message"] for e in result.last_json()["events"][-1]["payload"]["errors"])
-    assert "exfil.example.test" in messages
+    assert result.exit_code == 0, result.output
+    validated = result.last_json()["events"][-1]
+    assert validated["type"] == "spec.validated"
+    (warning,) = [w for w in validated["payload"]["warnings"] if "exfil" in w["message"]]
+    assert (
+        warning["rule_id"] == "infer.egress-missing" and "denied at run time" in warning["message"]
+    )
+    assert "- domain: exfil.example.test" in warning["hint"]
+    assert validated["payload"]["plan"]["egress"] == []
+
+
+def test_alias_bomb_and_other_tenants_data_are_rejected_on_the_bus(
+    services, env, dsec_cli, tmp_path
+) -> None:
+    services.start("policy")
+    lines = ['version: "1.2"', "name: bomb", "base: dsec/python311:latest", 'a0: &a0 ["lol"]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    started = time.monotonic()
+    result = dsec_cli("submit", str(bomb), "--wait", "validated", "--json", env=env)
+    assert time.monotonic() - started < 30
+    assert result.exit_code == 1, result.output
+    (error,) = result.last_json()["events"][-1]["payload"]["errors"]
+    assert error["rule_id"] == "yaml-limit" and "alias expansions limit" in error["message"]
+
+    spec = tmp_path / "dsec.yaml"
+    spec.write_text(
+        "version: '1.2'\nname: thief\nbase: dsec/python311:latest\nruntime_context:\n"
+        "  env_vars:\n    - {name: K, source: 'vault://secret/acme/api#token'}\n"
+        "  mounts:\n    - {path: /data, source: 's3://dsec/bundles/'}\n"
+    )
+    result = dsec_cli("submit", str(spec), "--wait", "validated", "--json", env=env)
+    assert result.exit_code == 1, result.output
+    errors = result.last_json()["events"][-1]["payload"]["errors"]
+    assert [(e["rule_id"], e["line"]) for e in errors] == [
+        ("tenant.vault", 6),
+        ("system.bucket", 8),
+    ]
 
 
 def test_audit_trail_verifies_after_the_services_ran(services, env, dsec_cli) -> None:

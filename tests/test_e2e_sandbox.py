@@ -39,7 +39,7 @@ timeout: 2m
 runtime_context:
   env_vars:
     - name: API_KEY
-      source: vault://secret/e2e/api#token
+      source: vault://secret/default/e2e/api#token
       ttl: 10m
 security_policy:
   filesystem:
@@ -56,7 +56,7 @@ def test_agent_runs_with_its_secret_and_is_refused_a_forbidden_write(
     services, env, vault, dsec_cli, tmp_path
 ) -> None:
     vault.client().secrets.kv.v2.create_or_update_secret(
-        path="e2e/api", secret={"token": "s3cr3t-value-never-logged"}
+        path="default/e2e/api", secret={"token": "s3cr3t-value-never-logged"}
     )
     services.start("policy", "builder", "nodeagent")
     code = tmp_path / "code"

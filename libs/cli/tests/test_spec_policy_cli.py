@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def test_json_report_carries_errors_and_plan(runner: CliRunner) -> None:
     assert plan["secrets"][0] == {
         "env_var": "WEB_SEARCH_KEY",
         "vault_mount": "secret",
-        "vault_path": "agent-tools/websearch",
+        "vault_path": "default/agent-tools/websearch",
         "key": "key",
         "ttl_s": 7200,
     }
@@ -78,13 +79,27 @@ def test_warnings_do_not_fail_the_check(runner: CliRunner, tmp_path: Path) -> No
     assert re.search(r":\d+:\d+: warning\[infer.path-unused\]: .*?/tmp", result.stdout)
 
 
-def test_missing_grant_fails_with_the_yaml_to_add(runner: CliRunner, tmp_path: Path) -> None:
+def test_missing_grant_warns_with_the_yaml_to_add(runner: CliRunner, tmp_path: Path) -> None:
+    spec = tmp_path / "dsec.yaml"
+    spec.write_text(GOOD.read_text().replace("api.websearch.test", "api.elsewhere.test"))
+    result = runner.invoke(app, ["spec", "check", str(spec), "--code", str(CODE)])
+    assert result.exit_code == 0, result.stdout
+    assert "warning[infer.egress-missing]" in result.stdout
+    assert "would be denied at run time" in result.stdout
+    assert "- domain: api.websearch.test" in result.stdout
+
+
+def test_org_policy_can_make_a_missing_grant_an_error(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    org = tmp_path / "org.yaml"
+    org.write_text('version: "1"\nseverities: {infer.egress-missing: error}\n')
+    monkeypatch.setenv("DSEC_ORG_POLICY", str(org))
     spec = tmp_path / "dsec.yaml"
     spec.write_text(GOOD.read_text().replace("api.websearch.test", "api.elsewhere.test"))
     result = runner.invoke(app, ["spec", "check", str(spec), "--code", str(CODE)])
     assert result.exit_code == 2
-    assert "would be denied at run time" in result.stdout
-    assert "- domain: api.websearch.test" in result.stdout
+    assert "error[infer.egress-missing]" in result.stdout
 
 
 def test_org_policy_file_from_settings(
@@ -129,3 +144,40 @@ def test_policy_infer_json_and_tools(runner: CliRunner) -> None:
     assert [e["host"] for e in needs["egress"]] == ["api.websearch.test"]
     tools = runner.invoke(app, ["policy", "tools", "--json"])
     assert len(json.loads(tools.stdout)) >= 40
+
+
+def test_spec_check_on_an_alias_bomb_ends_quickly_with_exit_2(
+    runner: CliRunner, tmp_path: Path
+) -> None:
+    lines = ['version: "1.2"', "name: bomb", "base: dsec/python311:latest", 'a0: &a0 ["lol","lol"]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    spec = tmp_path / "bomb.yaml"
+    spec.write_text("\n".join(lines) + "\n")
+    started = time.monotonic()
+    result = runner.invoke(app, ["spec", "check", str(spec)])
+    assert time.monotonic() - started < 5.0
+    assert result.exit_code == 2, result.stdout
+    assert f"{spec}:5:5: error[yaml-limit]: a4[0][0][8]" in result.stdout
+    assert "error[yaml-limit]" in result.stdout and "alias expansions limit" in result.stdout
+
+
+def test_cross_tenant_example_is_refused_line_by_line_with_the_stacks_endpoints(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "stack.json").write_text('{"nats_url": "nats://127.0.0.1:4222"}')
+    monkeypatch.setenv("DSEC_HOME", str(tmp_path))
+    spec = REPO / "examples/cross-tenant/dsec.yaml"
+    result = runner.invoke(app, ["spec", "check", str(spec)])
+    assert result.exit_code == 2, result.stdout
+    found = re.findall(r":(\d+):\d+: error\[([\w.-]+)\]", result.stdout)
+    assert [(int(line), rule) for line, rule in found] == [
+        (9, "tenant.vault"),
+        (11, "system.bucket"),
+        (12, "tenant.s3"),
+        (16, "ORG-NET-001"),
+        (18, "system.egress"),
+        (20, "ORG-FS-002"),
+    ]
+    assert "NATS (127.0.0.1:4222)" in result.stdout
+    other = runner.invoke(app, ["spec", "check", str(spec), "--tenant", "acme"])
+    assert "error[tenant.vault]" not in other.stdout

@@ -197,9 +197,9 @@ async def test_seed_puts_the_key_in_openbao_and_queries_and_ca_in_s3(
     (tmp_path / "stack.json").write_text(json.dumps(endpoints))
     settings = Settings(home=tmp_path, **dict.fromkeys(endpoints))
     report = await asyncio.to_thread(seed, running.info, settings, "q1\nq2\n")
-    assert report.secret == "vault://secret/agent-tools/websearch#key"
+    assert report.secret == "vault://secret/default/agent-tools/websearch#key"
     stored = vault.client().secrets.kv.v2.read_secret_version(
-        path="agent-tools/websearch", raise_on_deleted_version=True
+        path="default/agent-tools/websearch", raise_on_deleted_version=True
     )
     assert stored["data"]["data"] == {"key": "wsk_test-key"}
     store = s3.client()

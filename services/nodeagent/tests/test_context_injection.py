@@ -115,7 +115,7 @@ def test_secret_digest_is_not_the_plain_hash_of_the_value() -> None:
 async def test_secret_is_read_through_a_lease_that_is_revoked_on_release(
     injector: ContextInjector, vault: Any
 ) -> None:
-    path = f"agent-tools/{uuid.uuid4().hex}"
+    path = f"default/agent-tools/{uuid.uuid4().hex}"
     vault.client().secrets.kv.v2.create_or_update_secret(
         path=path, secret={"value": "tok-123"}, mount_point="secret"
     )
@@ -145,20 +145,47 @@ async def test_missing_secret_fails_naming_the_source_and_leaves_no_lease(
 ) -> None:
     before = set(vault.client().auth.token.list_accessors()["data"]["keys"])
     with pytest.raises(ContextError) as info:
-        await injector.prepare("sbx-missing", [_secret("K", "no/such/secret")], [])
+        await injector.prepare("sbx-missing", [_secret("K", "default/no/such/secret")], [])
     assert str(info.value) == (
-        "vault://secret/no/such/secret#value: secret not found (KV v2 mount 'secret', "
-        "path 'no/such/secret')"
+        "vault://secret/default/no/such/secret#value: secret not found (KV v2 mount 'secret', "
+        "path 'default/no/such/secret')"
     )
     after = set(vault.client().auth.token.list_accessors()["data"]["keys"])
     assert after <= before
 
 
 @pytest.mark.integration
+async def test_another_tenants_secret_is_refused_by_vault_itself_and_leaves_no_lease(
+    injector: ContextInjector, vault: Any
+) -> None:
+    # A plan that slipped past validation: tenant "default" names tenant acme's secret. The
+    # child token carries only dsec-tenant-default, so Vault refuses; nothing of the value leaks.
+    path = f"acme/tools/{uuid.uuid4().hex}"
+    vault.client().secrets.kv.v2.create_or_update_secret(
+        path=path, secret={"value": "acme-private-9f2c"}, mount_point="secret"
+    )
+    before = set(vault.client().auth.token.list_accessors()["data"]["keys"])
+    with pytest.raises(ContextError) as info:
+        await injector.prepare("sbx-thief", [_secret("K", path)], [], tenant="default")
+    assert str(info.value) == (
+        f"vault://secret/{path}#value: permission denied: outside the secrets of tenant 'default' "
+        "(allowed: vault://secret/default/)"
+    )
+    assert "acme-private-9f2c" not in repr(info.value)
+    assert set(vault.client().auth.token.list_accessors()["data"]["keys"]) <= before
+    policy = vault.client().sys.read_policy("dsec-tenant-default")["data"]["rules"]
+    assert 'path "secret/data/default/*"' in policy and "acme" not in policy
+    # The owner reads it with the same code path.
+    ctx = await injector.prepare("sbx-acme", [_secret("K", path)], [], tenant="acme")
+    assert ctx.secret_env["K"].get_secret_value() == "acme-private-9f2c"
+    await injector.release(ctx)
+
+
+@pytest.mark.integration
 async def test_missing_field_lists_the_fields_but_no_values(
     injector: ContextInjector, vault: Any
 ) -> None:
-    path = f"x/{uuid.uuid4().hex}"
+    path = f"default/x/{uuid.uuid4().hex}"
     vault.client().secrets.kv.v2.create_or_update_secret(
         path=path, secret={"user": "u", "password": "p4ss"}, mount_point="secret"
     )
@@ -222,7 +249,7 @@ async def test_ro_encrypted_objects_are_decrypted_with_a_vault_data_key(
 async def test_missing_prefix_fails_and_undoes_earlier_steps(
     injector: ContextInjector, vault: Any, s3: Any, tmp_path: Path
 ) -> None:
-    path = f"ok/{uuid.uuid4().hex}"
+    path = f"default/ok/{uuid.uuid4().hex}"
     vault.client().secrets.kv.v2.create_or_update_secret(
         path=path, secret={"value": "v"}, mount_point="secret"
     )
@@ -282,7 +309,7 @@ async def test_configmap_key_is_mounted_read_only(injector: ContextInjector, nat
 async def test_agent_runs_with_its_secret_and_data_then_everything_is_released(
     injector: ContextInjector, vault: Any, s3: Any, tmp_path: Path
 ) -> None:
-    path = f"agent-tools/{uuid.uuid4().hex}"
+    path = f"default/agent-tools/{uuid.uuid4().hex}"
     vault.client().secrets.kv.v2.create_or_update_secret(
         path=path, secret={"value": "ws-key-42"}, mount_point="secret"
     )
@@ -324,3 +351,19 @@ async def test_agent_runs_with_its_secret_and_data_then_everything_is_released(
     assert not _accessor_alive(vault, accessor)
     state_text = "".join(p.read_text() for p in (tmp_path / "home").rglob("*.json"))
     assert "ws-key-42" not in state_text
+
+
+@pytest.mark.unit
+def test_tenant_policy_reads_only_the_tenants_prefixes() -> None:
+    from dsec_nodeagent.context.vault import tenant_policy_hcl, tenant_prefixes
+
+    assert tenant_prefixes("acme") == ("secret/acme/",)
+    assert tenant_prefixes("acme", ["kv/acme-shared/", "secret/../x/", 'a/"b', "kv/*"]) == (
+        "kv/acme-shared/",
+    )
+    hcl = tenant_policy_hcl(("secret/acme/", "kv/acme-shared/"))
+    assert hcl == (
+        'path "secret/data/acme/*" {\n  capabilities = ["read"]\n}\n'
+        'path "kv/data/acme-shared/*" {\n  capabilities = ["read"]\n}\n'
+    )
+    assert tenant_policy_hcl(()) == "# no secrets\n"

@@ -695,3 +695,49 @@ async def test_a_nested_cgroup_inherits_its_sandbox_policy(
     assert results[0]["addresses"] == ["127.0.0.10"]
     assert results[1:] == ["ok", "EPERM"]
     assert [(e.sandbox_id, e.port) for e in events if e.denied] == [("sbx-nested", denied_port)]
+
+
+async def test_the_stacks_servers_are_denied_whatever_the_rules_say(
+    egress: EgressController, echo: Echo, cgroup: Path, stack_env: dict[str, str]
+) -> None:
+    # The real stack's endpoints, as the node agent reads them (settings + stack.json).
+    from dsec_core.settings import Settings
+    from dsec_core.stackinfo import stack_endpoints
+
+    from dsec_nodeagent.egress import violation
+    from dsec_nodeagent.stackdeny import deny_entries, local_addresses
+
+    settings = Settings(**{k[5:].lower(): v for k, v in stack_env.items() if k.startswith("DSEC_")})
+    endpoints = stack_endpoints(settings)
+    nats_port = next(port for what, _, port in endpoints if what == "NATS")
+    other = await echo.serve("127.0.0.1")
+    plan = EgressPlan(
+        sandbox_id="sbx-stack",
+        rules=(
+            rule("egress[0]", cidr="127.0.0.0/8", ports=(nats_port, other)),
+            rule("egress[1]", domain="*", ports=(nats_port,)),
+        ),
+    )
+    assert await egress.set_stack_deny(deny_entries(endpoints, local_addresses())) >= len(endpoints)
+    try:
+        async with attached(egress, cgroup, plan) as events:
+            results = await run_client(
+                cgroup,
+                [
+                    {"op": "libc_connect", "host": "127.0.0.1", "port": nats_port},
+                    {"op": "libc_connect", "host": "127.0.0.7", "port": nats_port},
+                    {"op": "connect", "host": "127.0.0.1", "port": other},
+                ],
+            )
+            egress.drain_events()
+    finally:
+        await egress.set_stack_deny([])
+    assert results == ["EPERM", "EPERM", "ok"]
+    stack = [e for e in events if e.verdict is Verdict.DENY_STACK]
+    assert {(e.address, e.port) for e in stack} == {
+        ("127.0.0.1", nats_port),
+        ("127.0.0.7", nats_port),
+    }
+    event = violation(stack[0])
+    assert (event.layer, event.action, event.rule_id) == ("kernel", "deny", "system.egress")
+    assert "the DSec stack's own servers" in event.message

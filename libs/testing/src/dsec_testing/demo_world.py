@@ -63,11 +63,11 @@ HTTPS_PORT = 443
 DNS_HOST = "127.0.0.1"
 
 VAULT_MOUNT = "secret"
-VAULT_PATH = "agent-tools/websearch"
+VAULT_PATH = "default/agent-tools/websearch"  # tenant "default": secret/default/...
 VAULT_FIELD = "key"
 BUCKET = "dsec-demo"
-QUERIES_KEY = "queries/queries.txt"
-CA_KEY = "trust/ca.pem"
+QUERIES_KEY = "default/queries/queries.txt"  # tenant "default": <bucket>/default/...
+CA_KEY = "default/trust/ca.pem"
 DEFAULT_QUERIES = "what is a sandbox\nhow does landlock restrict files\nebpf cgroup connect hooks\n"
 
 WORLD_FILE = "world.json"
@@ -481,8 +481,8 @@ def seed(
     world: WorldInfo, settings: Settings | None = None, queries: str = DEFAULT_QUERIES
 ) -> SeedReport:
     """Put the API key into OpenBao and the queries and CA into S3, where the example's spec
-    expects them: ``vault://secret/agent-tools/websearch#key``, ``s3://dsec-demo/queries/``,
-    ``s3://dsec-demo/trust/``.
+    expects them: ``vault://secret/default/agent-tools/websearch#key``, ``s3://dsec-demo/default/queries/``,
+    ``s3://dsec-demo/default/trust/``.
 
     Args:
         world: the running world (its key and CA).

@@ -216,7 +216,9 @@ class NodeAgent:
         code_dir = await self._code_dir(sid, validated.code)
         if code_dir is not None:
             _mountpoints(code_dir, plan)
-        ctx = await self.injector.prepare(sid, plan.secrets, plan.mounts)
+        ctx = await self.injector.prepare(
+            sid, plan.secrets, plan.mounts, tenant=plan.tenant, tenant_vault=plan.tenant_vault
+        )
         outputs: list[events.Payload] = [
             events.ContextInjected(**record.model_dump()) for record in ctx.records
         ]

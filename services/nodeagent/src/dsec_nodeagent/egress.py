@@ -11,12 +11,14 @@ from pathlib import Path
 from dsec_core import events
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan
+from dsec_core.stackinfo import stack_endpoints
 from prometheus_client import REGISTRY
 
 from dsec_nodeagent.agent import Publish
-from dsec_nodeagent.ebpf import EgressPlan, VerdictEvent
+from dsec_nodeagent.ebpf import EgressPlan, Verdict, VerdictEvent
 from dsec_nodeagent.ebpf.controller import EgressController
 from dsec_nodeagent.ebpf.metrics import EgressCollector
+from dsec_nodeagent.stackdeny import deny_entries, local_addresses
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,8 @@ def violation(event: VerdictEvent) -> events.PolicyViolation:
     call = event.hook.name.lower().rstrip("46")
     return events.PolicyViolation(
         layer="kernel",
-        rule_id=event.rule_id or "default-deny",
+        rule_id=event.rule_id
+        or ("system.egress" if event.verdict is Verdict.DENY_STACK else "default-deny"),
         action="deny" if event.denied else "allow",
         operation=call,
         target=f"{event.address}:{event.port}/{event.protocol}",
@@ -39,6 +42,7 @@ class Egress:
 
     def __init__(self, settings: Settings, publish: Publish) -> None:
         self.controller = EgressController(dns_upstream=settings.dns_upstream)
+        self.settings = settings
         self._publish = publish
         self._cgroups: dict[str, Path] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -46,11 +50,23 @@ class Egress:
     async def start(self) -> None:
         """Load the programs (or re-open the pinned ones) and re-adopt live sandboxes."""
         await self.controller.start()
+        await self.deny_stack()
         report = await self.controller.reconcile()
         log.info("egress reconciled: adopted %s, removed %s", report.adopted, report.removed)
         self.controller.add_listener(self._on_verdict)
         self.controller.proxy.on_denied = self._on_dns_denied
         REGISTRY.register(EgressCollector(self.controller))
+
+    async def deny_stack(self, extra: tuple[tuple[str, str, int], ...] = ()) -> int:
+        """Put the stack's servers (settings + ``stack.json``, this agent's metrics port) in
+        the kernel's deny set, which wins over every allow rule of every sandbox."""
+        endpoints = (*stack_endpoints(self.settings), *extra)
+        entries = await asyncio.to_thread(deny_entries, endpoints, local_addresses())
+        # Added, not replaced: the pins are node-wide, and a second stack on the node (tests)
+        # must not lift the first one's entries.
+        count = await self.controller.set_stack_deny(entries, replace=False)
+        log.info("egress: %d stack endpoint address(es) denied to every sandbox", count)
+        return count
 
     async def close(self) -> None:
         """Stop reading verdicts; programs stay attached (fail-closed)."""

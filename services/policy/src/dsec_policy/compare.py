@@ -1,10 +1,13 @@
 """Compare what the code needs with what the spec grants.
 
-* A need without a grant is an error: the call would be denied at run time. The hint is the YAML
-  to add.
+Inference advises, the kernel decides: every finding here is a warning (an org policy may raise
+a rule id to an error with its ``severities`` section).
+
+* A need without a grant is a warning carrying the YAML to add: the call would be denied at run
+  time, which is safe; static analysis can also be wrong (dead code, a guarded call).
 * A grant no code uses is a warning (static analysis can miss dynamic calls; the warning says how
   many calls it could not resolve).
-* A secret the code reads but the spec never injects is an error.
+* A secret the code reads but the spec never injects is a warning (the variable will be unset).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def _missing_egress(
             f"the code connects to {need.host}:{need.port} ({_evidence(need.sources)}) but the "
             "spec does not allow it: it would be denied at run time",
             hint=_egress_yaml(need),
+            severity=Severity.WARNING,
             rule_id="infer.egress-missing",
         )
 
@@ -109,6 +113,7 @@ def _missing_env(spec: SandboxSpec, needs: InferredNeeds, source: SourceMap) -> 
                 f"the code reads secret {need.name} ({_evidence(need.sources)}) but the spec "
                 "never injects it",
                 hint=_env_yaml(need),
+                severity=Severity.WARNING,
                 rule_id="infer.secret-not-injected",
             )
         else:
@@ -176,6 +181,7 @@ def _missing_paths(
             f"the code {verb} under {grant} ({_evidence(tuple(sources))}) but the spec does not "
             "allow it: it would be denied at run time",
             hint=_path_yaml(field, grant),
+            severity=Severity.WARNING,
             rule_id="infer.path-missing",
         )
 

@@ -7,6 +7,7 @@ bytes, and the parsed org policy. The same function backs ``dsec spec check`` an
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from dsec_core.spec import (
@@ -20,10 +21,26 @@ from dsec_core.spec.errors import sort_key
 from pydantic import BaseModel, ConfigDict
 
 from dsec_policy.compare import compare
-from dsec_policy.guardrails import OrgPolicy, check_guardrails, default_org_policy
+from dsec_policy.guardrails import OrgPolicy, StackFacts, check_guardrails, default_org_policy
 from dsec_policy.infer.analyzer import analyze_files
 from dsec_policy.infer.catalogue import Catalogue, load_catalogue
 from dsec_policy.infer.needs import InferredNeeds, infer_needs
+from dsec_policy.scope import check_scope
+
+_FIXED = ("tenant.", "system.")
+_TENANT = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _bad_tenant(filename: str, tenant: str) -> SpecError:
+    return SpecError(
+        file=filename,
+        line=1,
+        column=1,
+        path="",
+        message=f"the submitter's tenant {tenant[:64]!r} is not a valid tenant name",
+        hint="a DNS label: lowercase letters, digits and '-', e.g. acme",
+        rule_id="tenant.invalid",
+    )
 
 
 class ValidationOutcome(BaseModel):
@@ -54,6 +71,9 @@ def validate(
     code_files: Mapping[str, bytes] | None = None,
     org_policy: OrgPolicy | None = None,
     catalogue: Catalogue | None = None,
+    *,
+    tenant: str = "default",
+    facts: StackFacts | None = None,
 ) -> ValidationOutcome:
     """Validate a spec against the schema, the org guardrails and (optionally) its code.
 
@@ -63,23 +83,31 @@ def validate(
         code_files: The code bundle (relative path -> bytes); ``None`` skips the comparison.
         org_policy: Guardrails; ``None`` means the packaged baseline.
         catalogue: Tool semantics; ``None`` means the packaged catalogue.
+        tenant: The submitter's tenant (from its signed identity, never from the YAML).
+        facts: The stack's system bucket, endpoints and directories (defaults: bucket ``dsec``).
 
     Returns:
         The outcome: ``plan`` is set only when there is no error-level diagnostic.
     """
+    if not _TENANT.fullmatch(tenant):
+        return ValidationOutcome(plan=None, errors=(_bad_tenant(filename, tenant),), warnings=())
     loaded = load_spec(text, filename)
     needs = infer(code_files, catalogue) if code_files is not None else None
     diagnostics = [*loaded.errors, *loaded.warnings]
     plan = None
+    policy = org_policy if org_policy is not None else default_org_policy()
     if loaded.spec is not None:
         spec = loaded.spec
-        plan = compile_plan(spec)
-        policy = org_policy if org_policy is not None else default_org_policy()
-        diagnostics += check_guardrails(spec, policy, loaded.source)
+        facts = facts or StackFacts()
+        scope = policy.scope(tenant)
+        plan = compile_plan(spec, tenant=tenant).model_copy(update={"tenant_vault": scope.vault})
+        diagnostics += check_guardrails(spec, policy, loaded.source, facts)
+        diagnostics += check_scope(spec, plan, tenant, scope, facts, loaded.source)
         if needs is not None:
             diagnostics += compare(spec, plan, needs, loaded.source)
     if needs is not None:
         diagnostics += _parse_failures(needs)
+    diagnostics = [_with_severity(d, policy) for d in diagnostics]
     errors = sorted((d for d in diagnostics if d.severity is Severity.ERROR), key=sort_key)
     warnings = sorted((d for d in diagnostics if d.severity is not Severity.ERROR), key=sort_key)
     return ValidationOutcome(
@@ -88,6 +116,17 @@ def validate(
         warnings=tuple(warnings),
         needs=needs,
     )
+
+
+def _with_severity(diagnostic: SpecError, policy: OrgPolicy) -> SpecError:
+    """Apply the org policy's ``severities`` override for the diagnostic's rule id (``tenant.*``
+    and ``system.*`` refusals can be raised, never lowered)."""
+    wanted = policy.severities.get(diagnostic.rule_id or "")
+    if wanted is None or wanted is diagnostic.severity:
+        return diagnostic
+    if diagnostic.rule_id.startswith(_FIXED) and diagnostic.severity is Severity.ERROR:
+        return diagnostic
+    return diagnostic.model_copy(update={"severity": wanted})
 
 
 def _parse_failures(needs: InferredNeeds) -> list[SpecError]:

@@ -14,7 +14,10 @@ when unset)::
 
 Kinds: ``no-egress-anywhere``, ``forbid-domains``, ``forbid-write``, ``max-secret-ttl``,
 ``max-memory``, ``max-cpu``, ``max-gpus``, ``max-timeout``, ``require-timeout``,
-``require-rate-limit``, ``allowed-vault-mounts``, ``allowed-bases``, ``no-dns-passthrough``.
+``require-rate-limit``, ``allowed-vault-mounts``, ``allowed-bases``, ``no-dns-passthrough``,
+``forbid-host-paths``. ``severities`` raises or lowers any diagnostic by rule id (e.g.
+``infer.path-missing: error``); ``tenants`` maps a tenant to the Vault, S3 and config map
+prefixes its specs may use (see :mod:`dsec_policy.scope`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import fnmatch
 import ipaddress
 import posixpath
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import Annotated, Literal
@@ -135,6 +139,21 @@ class NoDnsPassthrough(_Rule):
     kind: Literal["no-dns-passthrough"]
 
 
+class ForbidHostPaths(_Rule):
+    """No ``read_allowed``/``write_allowed`` grant at, inside or above these host paths (a
+    ``read_allowed`` path that exists on the host is bound into the sandbox from the host).
+
+    Grants inside the sandbox's own view (its workdir, its mounts' targets, ``/tmp``) are always
+    fine. ``stack_dirs: true`` also protects ``DSEC_HOME`` and the stack's data directories.
+    ``allow`` lists exceptions the operator accepts (e.g. ``/usr/share/dict``).
+    """
+
+    kind: Literal["forbid-host-paths"]
+    paths: tuple[str, ...] = Field(min_length=1)
+    stack_dirs: bool = True
+    allow: tuple[str, ...] = ()
+
+
 Rule = Annotated[
     NoEgressAnywhere
     | ForbidDomains
@@ -147,18 +166,83 @@ Rule = Annotated[
     | RequireRateLimit
     | AllowedVaultMounts
     | AllowedBases
-    | NoDnsPassthrough,
+    | NoDnsPassthrough
+    | ForbidHostPaths,
     Field(discriminator="kind"),
 ]
 
 
+TenantName = Annotated[str, Field(pattern=r"^[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?$")]
+
+
+_SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9_.-]*/"  # no ".", ".." nor hidden segments
+VaultPrefix = Annotated[
+    str, Field(pattern=rf"^{_SEGMENT}(?:{_SEGMENT})*$", examples=["secret/acme/"])
+]
+"""``MOUNT/PATH-PREFIX/``: whole path segments, ending with ``/`` (``secret/acme`` would also
+match ``secret/acme-other/``)."""
+S3Prefix = Annotated[
+    str, Field(pattern=rf"^(?:\*|[a-z0-9][a-z0-9.-]{{1,61}}[a-z0-9])/(?:{_SEGMENT})*$")
+]
+"""``BUCKET/KEY-PREFIX/`` (``*`` = any bucket but the system bucket), ending with ``/``."""
+
+
+class TenantScope(BaseModel):
+    """What a tenant's specs may reference. Every entry is a prefix (or glob for config maps).
+
+    * ``vault``: ``MOUNT/PATH-PREFIX/`` of KV v2 secrets, e.g. ``secret/acme/``.
+    * ``s3``: ``BUCKET/KEY-PREFIX/``; the bucket ``*`` means any bucket but the system bucket.
+    * ``configmaps``: globs on config map names, e.g. ``acme-*``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vault: tuple[VaultPrefix, ...] = ()
+    s3: tuple[S3Prefix, ...] = ()
+    configmaps: tuple[str, ...] = ()
+
+
+def conventional_scope(tenant: str) -> TenantScope:
+    """The scope of a tenant the org policy does not list: ``secret/<t>/``, ``*/<t>/``,
+    ``<t>-*``."""
+    return TenantScope(
+        vault=(f"secret/{tenant}/",), s3=(f"*/{tenant}/",), configmaps=(f"{tenant}-*",)
+    )
+
+
 class OrgPolicy(BaseModel):
-    """An organisation's guardrails."""
+    """An organisation's guardrails, tenants' scopes and severity overrides."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     version: Literal["1"]
+    severities: dict[str, Severity] = Field(
+        default_factory=dict,
+        description="Rule id -> severity, e.g. infer.path-missing: error (any diagnostic's id)",
+    )
+    tenants: dict[TenantName, TenantScope] = Field(
+        default_factory=dict, description="Tenant -> its scope; unlisted tenants: the convention"
+    )
     rules: tuple[Rule, ...] = ()
+
+    def scope(self, tenant: str) -> TenantScope:
+        """The tenant's scope: listed, or :func:`conventional_scope`."""
+        return self.tenants.get(tenant) or conventional_scope(tenant)
+
+
+@dataclass(frozen=True)
+class StackFacts:
+    """What the policy service knows about the stack it protects.
+
+    Attributes:
+        system_bucket: the S3 bucket of bundles, snapshots and caches (``Settings.s3_bucket``).
+        endpoints: ``(name, host, port)`` of the stack's own servers (NATS, Postgres, S3, ...).
+        dirs: absolute host directories of the stack (``DSEC_HOME``, data directories).
+    """
+
+    system_bucket: str = "dsec"
+    endpoints: tuple[tuple[str, str, int], ...] = ()
+    dirs: tuple[str, ...] = ()
 
 
 def parse_org_policy(text: str | bytes, filename: str) -> DocumentResult[OrgPolicy]:
@@ -181,11 +265,14 @@ Violation = tuple[FieldPath, str, str | None]
 """(where in the spec, what is wrong, what would be allowed)."""
 
 
-def check_guardrails(spec: SandboxSpec, policy: OrgPolicy, source: SourceMap) -> list[SpecError]:
+def check_guardrails(
+    spec: SandboxSpec, policy: OrgPolicy, source: SourceMap, facts: StackFacts | None = None
+) -> list[SpecError]:
     """Every violation of every rule, located in the spec (pure)."""
+    facts = facts or StackFacts()
     out = []
     for rule in policy.rules:
-        for path, message, hint in _CHECKS[rule.kind](spec, rule):
+        for path, message, hint in _CHECKS[rule.kind](spec, rule, facts):
             text = f"[{rule.id}] {message} (org policy)"
             if rule.message:
                 text += f": {rule.message}"
@@ -193,22 +280,45 @@ def check_guardrails(spec: SandboxSpec, policy: OrgPolicy, source: SourceMap) ->
     return out
 
 
-def _no_egress_anywhere(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _no_egress_anywhere(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     for index, egress in enumerate(spec.security_policy.network.egress):
         domain = egress.domain or ""
-        too_wide = domain == "*" or (domain.startswith("*.") and "." not in domain[2:])
-        if egress.cidr is not None and ipaddress.ip_network(egress.cidr).prefixlen == 0:
-            too_wide = True
-        if too_wide:
-            what = egress.domain or egress.cidr
+        if domain == "*" or (domain.startswith("*.") and "." not in domain[2:]):
             yield (
                 (*_EGRESS, index),
-                f"egress to {what} allows every destination",
+                f"egress to {domain} allows every destination",
                 ("name the domains the agent needs, e.g. domain: api.example.com"),
             )
+    yield from _cidr_union_everywhere(spec)
 
 
-def _forbid_domains(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _cidr_union_everywhere(spec: SandboxSpec) -> Iterator[Violation]:
+    """The UNION of the CIDR rules, per port: ``0.0.0.0/1`` + ``128.0.0.0/1`` on one port is
+    ``0.0.0.0/0`` there, however it is split (IPv4 and IPv6 alike)."""
+    by_port: dict[tuple[int, int], list[int]] = {}  # (ip version, port) -> rule indexes
+    rules = spec.security_policy.network.egress
+    for index, egress in enumerate(rules):
+        if egress.cidr is None:
+            continue
+        version = ipaddress.ip_network(egress.cidr, strict=False).version
+        for port in egress.ports:
+            by_port.setdefault((version, port), []).append(index)
+    offending: dict[tuple[int, ...], list[int]] = {}
+    for (_, port), members in sorted(by_port.items()):
+        nets = [ipaddress.ip_network(rules[i].cidr or "", strict=False) for i in members]
+        if any(n.prefixlen == 0 for n in ipaddress.collapse_addresses(nets)):  # type: ignore[type-var]
+            offending.setdefault(tuple(members), []).append(port)
+    for group, open_ports in offending.items():
+        cidrs = " + ".join(str(rules[i].cidr) for i in group)
+        shown = ", ".join(map(str, open_ports))
+        yield (
+            (*_EGRESS, group[0]),
+            f"egress to {cidrs} allows every destination on port(s) {shown}",
+            "name the networks the agent needs, e.g. cidr: 10.1.2.0/24",
+        )
+
+
+def _forbid_domains(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     assert isinstance(rule, ForbidDomains)
     for index, egress in enumerate(spec.security_policy.network.egress):
         domain = egress.domain
@@ -225,7 +335,7 @@ def _within(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
-def _forbid_write(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _forbid_write(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     assert isinstance(rule, ForbidWrite)
     grants: list[tuple[FieldPath, str]] = [
         ((*_WRITE, i), p) for i, p in enumerate(spec.security_policy.filesystem.write_allowed)
@@ -246,7 +356,7 @@ def _forbid_write(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
                 break
 
 
-def _max_secret_ttl(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _max_secret_ttl(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     assert isinstance(rule, MaxSecretTtl)
     for index, env in enumerate(spec.runtime_context.env_vars):
         if env.source is not None and env.effective_ttl > rule.max:
@@ -258,7 +368,7 @@ def _max_secret_ttl(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
             )
 
 
-def _max_memory(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _max_memory(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     assert isinstance(rule, MaxMemory)
     if spec.resources.memory > rule.max:
         yield (
@@ -268,7 +378,7 @@ def _max_memory(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
         )
 
 
-def _max_cpu(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _max_cpu(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     assert isinstance(rule, MaxCpu)
     if spec.resources.cpu > rule.max:
         yield (
@@ -278,7 +388,7 @@ def _max_cpu(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
         )
 
 
-def _max_gpus(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _max_gpus(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     assert isinstance(rule, MaxGpus)
     gpu = spec.resources.gpu
     if gpu is not None and gpu.count > rule.max:
@@ -289,7 +399,7 @@ def _max_gpus(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
         )
 
 
-def _max_timeout(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _max_timeout(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     assert isinstance(rule, MaxTimeout)
     limit = format_duration(rule.max)
     if spec.timeout is None:
@@ -306,14 +416,14 @@ def _max_timeout(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
         )
 
 
-def _require_rate_limit(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _require_rate_limit(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     for index, egress in enumerate(spec.security_policy.network.egress):
         if egress.rate_limit is None and not egress.allow_internal_only:
             what = egress.domain or egress.cidr
             yield (*_EGRESS, index), f"egress to {what} has no rate_limit", "rate_limit: 100req/min"
 
 
-def _allowed_vault_mounts(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _allowed_vault_mounts(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     assert isinstance(rule, AllowedVaultMounts)
     for index, env in enumerate(spec.runtime_context.env_vars):
         ref = env.vault
@@ -325,7 +435,7 @@ def _allowed_vault_mounts(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]
             )
 
 
-def _allowed_bases(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _allowed_bases(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     assert isinstance(rule, AllowedBases)
     if not spec.base.startswith(rule.prefixes):
         yield (
@@ -335,7 +445,7 @@ def _allowed_bases(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
         )
 
 
-def _no_dns_passthrough(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+def _no_dns_passthrough(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     if spec.security_policy.dns_passthrough:
         yield (
             ("security_policy", "dns_passthrough"),
@@ -344,7 +454,44 @@ def _no_dns_passthrough(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
         )
 
 
-_CHECKS: dict[str, Callable[[SandboxSpec, _Rule], Iterator[Violation]]] = {
+def _own_view(spec: SandboxSpec) -> tuple[str, ...]:
+    """Paths that exist only inside the sandbox: its workdir, its mounts, ``/tmp``."""
+    return (spec.workdir, "/tmp", *(m.path for m in spec.runtime_context.mounts))
+
+
+def _forbid_host_paths(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
+    assert isinstance(rule, ForbidHostPaths)
+    protected = [posixpath.normpath(p) for p in rule.paths]
+    if rule.stack_dirs:
+        protected += [posixpath.normpath(d) for d in facts.dirs]
+    own = _own_view(spec)
+    stack = [posixpath.normpath(d) for d in facts.dirs] if rule.stack_dirs else []
+    fs = spec.security_policy.filesystem
+    # A read grant binds the host's path; a write grant gets a fresh directory (ORG-FS-001 keeps
+    # those off system paths), so only the stack's own directories matter for writes.
+    checks = (
+        ("read_allowed", fs.read_allowed, protected),
+        ("write_allowed", fs.write_allowed, stack),
+    )
+    for field, grants, guarded in checks:
+        for index, grant in enumerate(grants):
+            path = posixpath.normpath(grant)
+            if any(_within(path, o) for o in own) or any(_within(path, a) for a in rule.allow):
+                continue
+            hit = next(
+                (p for p in guarded if _within(p, path) or (p != "/" and _within(path, p))),
+                None,
+            )
+            if hit is not None:
+                yield (
+                    ("security_policy", "filesystem", field, index),
+                    f"{field} {grant} exposes the host path {hit} to the sandbox",
+                    "grant a path inside the sandbox (its workdir, a mount's path, /tmp), or ask "
+                    "the operator to add it to the rule's allow list",
+                )
+
+
+_CHECKS: dict[str, Callable[[SandboxSpec, _Rule, StackFacts], Iterator[Violation]]] = {
     "no-egress-anywhere": _no_egress_anywhere,
     "forbid-domains": _forbid_domains,
     "forbid-write": _forbid_write,
@@ -357,4 +504,5 @@ _CHECKS: dict[str, Callable[[SandboxSpec, _Rule], Iterator[Violation]]] = {
     "allowed-vault-mounts": _allowed_vault_mounts,
     "allowed-bases": _allowed_bases,
     "no-dns-passthrough": _no_dns_passthrough,
+    "forbid-host-paths": _forbid_host_paths,
 }

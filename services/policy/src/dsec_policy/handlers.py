@@ -13,7 +13,9 @@ from dsec_core.settings import Settings
 from dsec_core.spec import SpecError
 
 from dsec_policy.adapters.code_files import CodeDirError, read_bundle_sources
-from dsec_policy.domain import validate
+from dsec_policy.adapters.stack_facts import stack_facts
+from dsec_policy.budget import Budget, BudgetExceeded, run_budgeted
+from dsec_policy.domain import ValidationOutcome, validate
 from dsec_policy.guardrails import OrgPolicy
 
 
@@ -29,12 +31,32 @@ def _bundle_error(filename: str, message: str) -> SpecError:
     )
 
 
-class PolicyHandlers:
-    """Validates submitted specs against the schema, the org guardrails and the agent code."""
+def _budget_error(filename: str, reason: str) -> SpecError:
+    return SpecError(
+        file=filename,
+        line=1,
+        column=1,
+        path="",
+        message=f"the policy service stopped validating this spec: {reason}",
+        rule_id="policy.budget",
+        hint="a spec is a few KiB of plain YAML; split huge code bundles or anchors",
+    )
 
-    def __init__(self, settings: Settings, org_policy: OrgPolicy | None) -> None:
+
+class PolicyHandlers:
+    """Validates submitted specs against the schema, the org guardrails and the agent code.
+
+    Each validation runs in a child process with a time and memory ``budget``; a runaway ends in
+    ``spec.rejected`` (rule ``policy.budget``) and costs the service nothing.
+    """
+
+    def __init__(
+        self, settings: Settings, org_policy: OrgPolicy | None, budget: Budget | None = None
+    ) -> None:
         self.settings = settings
         self.org_policy = org_policy
+        self.budget = budget or Budget()
+        self.facts = stack_facts(settings)
 
     async def _code_files(self, event: SpecSubmitted) -> dict[str, bytes] | SpecError:
         if event.code is None:
@@ -55,9 +77,23 @@ class PolicyHandlers:
         code = await self._code_files(event)
         if isinstance(code, SpecError):
             return [SpecRejected(errors=[code.model_dump(mode="json")])]
-        outcome = await asyncio.to_thread(
-            validate, event.spec_yaml, event.filename, code or None, self.org_policy
-        )
+        # The tenant comes from the submitter's signed identity, never from the YAML.
+        tenant = str(getattr(envelope, "tenant", None) or "default")
+        try:
+            outcome: ValidationOutcome = await asyncio.to_thread(
+                run_budgeted,
+                validate,
+                event.spec_yaml,
+                event.filename,
+                code or None,
+                self.org_policy,
+                budget=self.budget,
+                tenant=tenant,
+                facts=self.facts,
+            )
+        except BudgetExceeded as exc:
+            error = _budget_error(event.filename, str(exc))
+            return [SpecRejected(errors=[error.model_dump(mode="json")])]
         warnings = [w.model_dump(mode="json") for w in outcome.warnings]
         if not outcome.ok or outcome.plan is None:
             return [

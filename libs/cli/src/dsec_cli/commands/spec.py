@@ -12,8 +12,10 @@ from typing import Annotated
 import typer
 from dsec_core.settings import Settings
 from dsec_core.spec import SpecError
+from dsec_core.spec.source import MAX_DOCUMENT_BYTES
 from dsec_policy.adapters.code_files import CodeDirError, read_python_sources
 from dsec_policy.adapters.org_policy_file import OrgPolicyError, load_org_policy
+from dsec_policy.adapters.stack_facts import stack_facts
 from dsec_policy.domain import ValidationOutcome, validate
 from dsec_policy.guardrails import OrgPolicy
 
@@ -38,18 +40,24 @@ def check(
         Path | None,
         typer.Option("--org-policy", help="Org guardrails file (default: DSEC_ORG_POLICY)"),
     ] = None,
+    tenant: Annotated[
+        str, typer.Option("--tenant", help="Check as this tenant (the service uses the signer's)")
+    ] = "default",
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report")] = False,
 ) -> None:
     """Validate FILE and print every error as FILE:LINE:COL: message. Exit 2 on errors."""
     text = _read(file)
-    policy = _org_policy(org_policy or Settings().org_policy)
+    settings = Settings()
+    policy = _org_policy(org_policy or settings.org_policy)
     code_files = None
     if code is not None:
         try:
             code_files = read_python_sources(code)
         except CodeDirError as exc:
             fail(f"--code {exc}", EXIT_BAD_INPUT)
-    outcome = validate(text, str(file), code_files, policy)
+    outcome = validate(
+        text, str(file), code_files, policy, tenant=tenant, facts=stack_facts(settings)
+    )
     if as_json:
         typer.echo(json.dumps(_report(str(file), outcome), indent=2))
     else:
@@ -60,7 +68,8 @@ def check(
 
 def _read(path: Path) -> bytes:
     try:
-        return path.read_bytes()
+        with path.open("rb") as fh:  # no more than the parser accepts (+1 so it can say so)
+            return fh.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as exc:
         fail(f"{path}: cannot read: {exc.strerror or exc}", EXIT_BAD_INPUT)
 

@@ -53,7 +53,7 @@ NAME_HINT = (
     "a DNS label: lowercase letters, digits and '-', 1-63 characters, starting and ending with a "
     "letter or digit, e.g. websearch-agent"
 )
-VAULT_HINT = "vault://MOUNT/PATH[#KEY], e.g. vault://secret/agent-tools/websearch#key"
+VAULT_HINT = "vault://MOUNT/PATH[#KEY], e.g. vault://secret/default/agent-tools/websearch#key"
 MOUNT_SOURCE_HINT = "s3://BUCKET/PREFIX/ or configmap://NAME/KEY"
 
 
@@ -229,7 +229,7 @@ class VaultRef(SpecModel):
 
 
 def parse_vault_ref(value: str) -> VaultRef:
-    """Parse ``vault://secret/agent-tools/websearch#key``; ``#key`` defaults to ``value``.
+    """Parse ``vault://secret/default/agent-tools/websearch#key``; ``#key`` defaults to ``value``.
 
     Raises:
         PydanticCustomError: the reference is malformed.
@@ -251,7 +251,9 @@ class EnvVar(SpecModel):
 
     name: str = Field(examples=["WEB_SEARCH_KEY"])
     value: str | None = None
-    source: str | None = Field(default=None, examples=["vault://secret/agent-tools/websearch#key"])
+    source: str | None = Field(
+        default=None, examples=["vault://secret/default/agent-tools/websearch#key"]
+    )
     ttl: Duration | None = None
 
     @field_validator("name")

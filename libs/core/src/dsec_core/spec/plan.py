@@ -146,6 +146,13 @@ class EnforcementPlan(PlanModel):
         default="default",
         description="The submitter's tenant, from its signed identity (never from the YAML)",
     )
+    tenant_vault: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "The tenant's Vault prefixes (MOUNT/PATH-PREFIX/) from the org policy: the node agent "
+            "reads secrets with a token limited to them; empty means secret/<tenant>/"
+        ),
+    )
     task_group: str | None = Field(
         default=None, description="The spec's task group; None: a group of its own (the name)"
     )

@@ -25,8 +25,18 @@ from dsec_core.spec.errors import Severity, SpecError, format_path
 
 FieldPath = tuple[str | int, ...]
 _BOOL_TAG = "tag:yaml.org,2002:bool"
+
+MAX_DOCUMENT_BYTES = 256 * 1024
+"""Largest spec or org policy accepted (256 KiB; real specs are a few KiB)."""
+MAX_NODES = 20_000
+"""Most values (scalars, lists, mappings) one document may expand to, aliases counted each time."""
+MAX_ALIAS_EXPANSIONS = 1_000
+"""Most alias uses (``*name``, ``<<: *name``) in one document."""
+MAX_DEPTH = 64
+"""Deepest nesting of lists and mappings."""
 _MAP_TAG = "tag:yaml.org,2002:map"
 _SEQ_TAG = "tag:yaml.org,2002:seq"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no type stubs
@@ -148,6 +158,9 @@ def parse_yaml(text: str, filename: str) -> tuple[Any, SourceMap, list[SpecError
         ``(data, source_map, errors)``; when ``errors`` is not empty ``data`` must not be used.
     """
     smap = SourceMap(filename)
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_DOCUMENT_BYTES:
+        return None, smap, [_limit_error(smap, "the document is too large", "document size")]
     try:
         loader = _Loader(text)
     except yaml.reader.ReaderError as exc:
@@ -166,10 +179,43 @@ def parse_yaml(text: str, filename: str) -> tuple[Any, SourceMap, list[SpecError
         return None, smap, [_reader_error(exc, pos, filename)]
     except yaml.YAMLError as exc:
         return None, smap, [smap.error((), f"YAML error: {exc}", rule_id="yaml-syntax")]
+    except _LimitExceeded as exc:
+        return None, smap, [exc.error]
     except RecursionError:
-        return None, smap, [smap.error((), "the YAML is nested too deeply", rule_id="yaml-depth")]
+        return None, smap, [_limit_error(smap, "the YAML is nested too deeply", "depth")]
     finally:
         loader.dispose()
+
+
+_LIMITS = {
+    "document size": f"{MAX_DOCUMENT_BYTES} bytes",
+    "depth": f"{MAX_DEPTH} levels of nesting",
+    "node count": f"{MAX_NODES} values",
+    "alias expansions": f"{MAX_ALIAS_EXPANSIONS} alias uses",
+}
+
+
+class _LimitExceeded(Exception):
+    """A parser bound was hit; carries the located diagnostic."""
+
+    def __init__(self, error: SpecError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def _limit_error(
+    smap: SourceMap, what: str, limit: str, node: Node | None = None, path: FieldPath = ()
+) -> SpecError:
+    pos = _position(node.start_mark) if node is not None else _START
+    return SpecError(
+        file=smap.filename,
+        line=pos.line,
+        column=pos.column,
+        path=format_path(path),
+        message=f"{what}: over the parser's {limit} limit of {_LIMITS[limit]}",
+        hint="a spec is a few KiB of plain YAML; expand anchors by hand instead of nesting aliases",
+        rule_id="yaml-limit",
+    )
 
 
 _TOP = 'start with:\nversion: "1.2"\nname: my-agent\nbase: dsec/python311:latest'
@@ -221,9 +267,35 @@ class _Builder:
         self._loader = loader
         self._smap = smap
         self._active: set[int] = set()
+        self._built: set[int] = set()
+        self._nodes = 0
+        self._aliases = 0
         self.errors: list[SpecError] = []
 
+    def _count(self, node: Node, path: FieldPath) -> None:
+        # An alias is the same node object composed once and reached again: building it again is
+        # what makes a "billion laughs" document explode, so every reach counts.
+        self._nodes += 1
+        if id(node) in self._built and not isinstance(node, ScalarNode):
+            self._aliases += 1
+            if self._aliases > MAX_ALIAS_EXPANSIONS:
+                raise _LimitExceeded(
+                    _limit_error(self._smap, "too many alias uses", "alias expansions", node, path)
+                )
+        self._built.add(id(node))
+        if self._nodes > MAX_NODES:
+            raise _LimitExceeded(
+                _limit_error(
+                    self._smap, "the YAML expands to too many values", "node count", node, path
+                )
+            )
+        if len(path) > MAX_DEPTH:
+            raise _LimitExceeded(
+                _limit_error(self._smap, "the YAML is nested too deeply", "depth", node, path)
+            )
+
     def build(self, node: Node, path: FieldPath) -> Any:
+        self._count(node, path)
         self._smap.values.setdefault(path, _position(node.start_mark))
         if isinstance(node, ScalarNode):
             return self._loader.construct_object(node, deep=True)
@@ -250,7 +322,13 @@ class _Builder:
         if node.tag != _MAP_TAG:
             self._error(node, path, f"unsupported YAML tag {node.tag!r}", "remove the tag")
             return None
-        own = len(node.value) - sum(1 for k, _ in node.value if k.tag == "tag:yaml.org,2002:merge")
+        own = len(node.value) - sum(1 for k, _ in node.value if k.tag == _MERGE_TAG)
+        if _flattened_size(node, {}) > MAX_NODES:
+            raise _LimitExceeded(
+                _limit_error(
+                    self._smap, "merge keys expand to too many entries", "node count", node, path
+                )
+            )
         self._loader.flatten_mapping(node)
         merged = len(node.value) - own
         out: dict[str, Any] = {}
@@ -301,6 +379,27 @@ class _Builder:
                 rule_id=rule_id,
             )
         )
+
+
+def _flattened_size(node: MappingNode, memo: dict[int, int]) -> int:
+    """An upper bound of the key/value pairs ``flatten_mapping`` produces, computed without
+    producing them: merge keys copy merged pairs, and PyYAML before 6.0.2 kept duplicates, so
+    nested merges could grow exponentially. Defence in depth; aliases are counted in ``build``."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = MAX_NODES + 1  # a merge cycle counts as too big
+    total = 0
+    for key, value in node.value:
+        if key.tag != _MERGE_TAG:
+            total += 1
+            continue
+        merged = value.value if isinstance(value, SequenceNode) else [value]
+        for item in merged:
+            total += _flattened_size(item, memo) if isinstance(item, MappingNode) else 1
+        if total > MAX_NODES:
+            break
+    memo[id(node)] = total
+    return total
 
 
 def walk(data: Any, loc: Iterable[object]) -> FieldPath:

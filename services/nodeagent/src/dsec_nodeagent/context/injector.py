@@ -77,9 +77,18 @@ class ContextInjector:
         self.configmaps = configmaps
 
     async def prepare(
-        self, sandbox_id: str, secrets: Sequence[SecretInjection], mounts: Sequence[MountPlan]
+        self,
+        sandbox_id: str,
+        secrets: Sequence[SecretInjection],
+        mounts: Sequence[MountPlan],
+        *,
+        tenant: str = "default",
+        tenant_vault: Sequence[str] = (),
     ) -> PreparedContext:
         """Inject everything, or nothing: on the first failure, what was done is undone.
+
+        Secrets are read with a token limited to ``tenant``'s Vault prefixes (``tenant_vault``,
+        else ``secret/<tenant>/``).
 
         Raises:
             ContextError: naming the source that failed.
@@ -87,7 +96,7 @@ class ContextInjector:
         ctx = PreparedContext(sandbox_id, directory=self.root / sandbox_id / "context")
         try:
             for secret in secrets:
-                await self._secret(ctx, secret)
+                await self._secret(ctx, secret, tenant, tenant_vault)
             for index, mount in enumerate(mounts):
                 await self._mount(ctx, index, mount)
         except BaseException:
@@ -95,12 +104,24 @@ class ContextInjector:
             raise
         return ctx
 
-    async def _secret(self, ctx: PreparedContext, secret: SecretInjection) -> None:
+    async def _secret(
+        self,
+        ctx: PreparedContext,
+        secret: SecretInjection,
+        tenant: str = "default",
+        tenant_vault: Sequence[str] = (),
+    ) -> None:
         uri = vault_uri(secret.vault_mount, secret.vault_path, secret.key)
         if self.vault is None:
             raise ContextError(uri, "no Vault configured on this node (DSEC_VAULT_ADDR)")
         value, lease = await self.vault.read(
-            secret.vault_mount, secret.vault_path, secret.key, secret.ttl_s, ctx.sandbox_id
+            secret.vault_mount,
+            secret.vault_path,
+            secret.key,
+            secret.ttl_s,
+            ctx.sandbox_id,
+            tenant=tenant,
+            prefixes=tenant_vault,
         )
         ctx.leases.append(lease)
         ctx.secret_env[secret.env_var] = SecretStr(value)

@@ -1,7 +1,10 @@
 """Secrets from OpenBao/Vault as short-lived leases, and Transit data keys (hvac adapter).
 
 Each secret is read with a *child token* created for it with the spec's TTL: the child token is
-the lease. It is renewed while the sandbox runs and revoked (by accessor) when it exits;
+the lease. The child token carries only the tenant's Vault ACL policy (``dsec-tenant-<tenant>``,
+read on the tenant's prefixes; written idempotently with the node agent's own token), never the
+node agent's: even a plan that slipped past validation cannot read another tenant's secret.
+The lease is renewed while the sandbox runs and revoked (by accessor) when it exits;
 anything a dynamic engine issues to it is revoked with it. Events carry the accessor, never the
 token. hvac is synchronous, so every call runs in a worker thread.
 """
@@ -10,6 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
+import re
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import hvac
@@ -17,6 +24,44 @@ import hvac.exceptions
 import requests.exceptions
 
 from dsec_nodeagent.context.models import ContextError
+
+log = logging.getLogger(__name__)
+
+_PREFIX = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_./-]*")
+
+
+def tenant_prefixes(tenant: str, prefixes: Sequence[str] = ()) -> tuple[str, ...]:
+    """The tenant's Vault prefixes (``MOUNT/PATH-PREFIX/``): given, else ``secret/<tenant>/``.
+
+    Prefixes that could not be expressed safely in an ACL path (``..``, ``*``, quotes) are
+    dropped: the tenant then reads less, never more.
+    """
+    chosen = tuple(prefixes) or (f"secret/{tenant}/",)
+    return tuple(
+        p
+        for p in chosen
+        if _PREFIX.fullmatch(p) and ".." not in p.split("/") and "." not in p.split("/")
+    )
+
+
+def tenant_policy_name(tenant: str) -> str:
+    """The Vault ACL policy of a tenant."""
+    return f"dsec-tenant-{tenant}"
+
+
+def tenant_policy_hcl(prefixes: Sequence[str]) -> str:
+    """Read-only access to KV v2 data under each prefix (``secret/acme/`` ->
+    ``secret/data/acme/*``)."""
+    rules = []
+    for prefix in prefixes:
+        mount, _, rest = prefix.partition("/")
+        rules.append(f'path "{mount}/data/{rest}*" {{\n  capabilities = ["read"]\n}}\n')
+    return "".join(rules) or "# no secrets\n"
+
+
+def in_prefixes(mount: str, path: str, prefixes: Sequence[str]) -> bool:
+    """Whether ``mount/path`` lies under one of ``prefixes`` (used for the error message)."""
+    return any(f"{mount}/{path}".startswith(p) for p in prefixes)
 
 
 @dataclass
@@ -52,35 +97,75 @@ class VaultSecrets:
         self.addr = addr
         self._token = token
         self.transit_mount = transit_mount
+        self._policies: dict[str, str] = {}  # tenant -> the HCL written (once per content)
+        self._policy_lock = threading.Lock()
 
     def _client(self, token: str | None = None) -> hvac.Client:
         return hvac.Client(url=self.addr, token=token or self._token, timeout=10)
 
     async def read(
-        self, mount: str, path: str, key: str, ttl_s: int, sandbox_id: str
+        self,
+        mount: str,
+        path: str,
+        key: str,
+        ttl_s: int,
+        sandbox_id: str,
+        *,
+        tenant: str = "default",
+        prefixes: Sequence[str] = (),
     ) -> tuple[str, Lease]:
-        """Create a child token with ``ttl_s`` and read ``key`` of ``mount/path`` with it.
+        """Create a child token with ``ttl_s`` carrying only ``tenant``'s policy and read ``key``
+        of ``mount/path`` with it.
 
         Raises:
-            ContextError: the secret, the field or Vault itself is unavailable (names the source).
+            ContextError: the secret, the field or Vault itself is unavailable, or the secret is
+                outside the tenant's prefixes (names the source, never a value).
         """
-        return await asyncio.to_thread(self._read, mount, path, key, ttl_s, sandbox_id)
+        allowed = tenant_prefixes(tenant, prefixes)
+        return await asyncio.to_thread(
+            self._read, mount, path, key, ttl_s, sandbox_id, tenant, allowed
+        )
 
     def _read(
-        self, mount: str, path: str, key: str, ttl_s: int, sandbox_id: str
+        self,
+        mount: str,
+        path: str,
+        key: str,
+        ttl_s: int,
+        sandbox_id: str,
+        tenant: str,
+        allowed: tuple[str, ...],
     ) -> tuple[str, Lease]:
         uri = vault_uri(mount, path, key)
-        lease = self._create_lease(uri, ttl_s, sandbox_id)
+        policy = self._ensure_tenant_policy(uri, tenant, allowed)
+        lease = self._create_lease(uri, ttl_s, sandbox_id, policy)
         try:
-            value = self._read_field(uri, lease, mount, path, key)
+            value = self._read_field(uri, lease, mount, path, key, tenant, allowed)
         except BaseException:
             self._revoke(lease.accessor)
             raise
         return value, lease
 
-    def _create_lease(self, uri: str, ttl_s: int, sandbox_id: str) -> Lease:
+    def _ensure_tenant_policy(self, uri: str, tenant: str, allowed: tuple[str, ...]) -> str:
+        name = tenant_policy_name(tenant)
+        hcl = tenant_policy_hcl(allowed)
+        with self._policy_lock:
+            if self._policies.get(tenant) == hcl:
+                return name
+            try:
+                self._client().sys.create_or_update_policy(name=name, policy=hcl)
+            except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
+                raise ContextError(
+                    uri, f"cannot write the tenant's Vault policy: {_why(exc)}", transient=True
+                ) from exc
+            self._policies[tenant] = hcl
+        log.info("vault policy %s covers %s", name, ", ".join(allowed) or "nothing")
+        return name
+
+    def _create_lease(self, uri: str, ttl_s: int, sandbox_id: str, policy: str) -> Lease:
         try:
             auth = self._client().auth.token.create(
+                policies=[policy],
                 ttl=f"{ttl_s}s",
                 explicit_max_ttl=f"{max(ttl_s, 1) * 24}s",
                 renewable=True,
@@ -93,7 +178,16 @@ class VaultSecrets:
             ) from exc
         return Lease(auth["accessor"], int(auth["lease_duration"]), auth["client_token"])
 
-    def _read_field(self, uri: str, lease: Lease, mount: str, path: str, key: str) -> str:
+    def _read_field(
+        self,
+        uri: str,
+        lease: Lease,
+        mount: str,
+        path: str,
+        key: str,
+        tenant: str,
+        allowed: tuple[str, ...],
+    ) -> str:
         try:
             response = self._client(lease.token).secrets.kv.v2.read_secret_version(
                 path=path, mount_point=mount, raise_on_deleted_version=True
@@ -103,8 +197,15 @@ class VaultSecrets:
                 uri, f"secret not found (KV v2 mount {mount!r}, path {path!r})"
             ) from exc
         except hvac.exceptions.Forbidden as exc:
+            if not in_prefixes(mount, path, allowed):
+                shown = ", ".join(f"vault://{p}" for p in allowed) or "none"
+                raise ContextError(
+                    uri,
+                    f"permission denied: outside the secrets of tenant {tenant!r} "
+                    f"(allowed: {shown})",
+                ) from exc
             raise ContextError(
-                uri, "permission denied: the node agent's Vault policy does not allow reading it"
+                uri, "permission denied: the tenant's Vault policy does not allow reading it"
             ) from exc
         except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
             raise ContextError(uri, f"Vault read failed: {_why(exc)}", transient=True) from exc

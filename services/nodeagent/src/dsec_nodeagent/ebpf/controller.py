@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import logging
@@ -193,6 +194,16 @@ class EgressController:
         self._events_fd = self.kernel.open_events(self._on_raw_event)
         asyncio.get_running_loop().add_reader(self._events_fd, self.kernel.consume_events)
         self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def set_stack_deny(
+        self, entries: Iterable[tuple[str, int]], *, replace: bool = True
+    ) -> int:
+        """Deny ``(address, port)`` to every sandbox on the node, before any allow rule
+        (``replace=False``: in addition to the entries already there)."""
+        parsed = [(ipaddress.ip_address(a), p) for a, p in entries]
+        return await asyncio.to_thread(
+            functools.partial(self.kernel.set_stack_deny, parsed, replace=replace)
+        )
 
     async def close(self) -> None:
         """Stop answering DNS and reading events; programs and pinned maps stay (fail-closed)."""

@@ -45,6 +45,7 @@
 #define V_DENY_UNKNOWN_SANDBOX 5
 #define V_REDIRECT_DNS 6
 #define V_DENY_DOH 7
+#define V_DENY_STACK 8
 
 // Hooks (model.Hook).
 #define H_CONNECT4 1
@@ -159,6 +160,15 @@ struct doh_key {
     u32 addr[4];
 };
 BPF_TABLE_PINNED("hash", struct doh_key, u32, doh, 1024, PIN_DIR "/doh");
+// The stack's own servers (NATS, Postgres, S3, OpenBao, metrics): denied to every sandbox
+// whatever its rules say. Keyed (address, port); IPv4 as ::a.b.c.d like doh. Loopback and
+// unspecified destinations are also looked up as 127.0.0.1 / ::1 (a server bound to 0.0.0.0 is
+// reachable on every loopback address).
+struct stack_key {
+    u32 addr[4];
+    u32 port;  // host order
+};
+BPF_TABLE_PINNED("hash", struct stack_key, u32, stack_deny, 4096, PIN_DIR "/stack_deny");
 
 // BPF_RINGBUF_OUTPUT, but pinned, so a restarted agent reads the same buffer.
 struct events_table_t {
@@ -269,6 +279,34 @@ static __always_inline int is_doh(u32 *addr) {
     return doh.lookup(&k) != 0;
 }
 
+static __always_inline int is_stack4(u32 ip, u16 port) {
+    struct stack_key k = {.port = port};
+    k.addr[3] = ip;
+    if (stack_deny.lookup(&k))
+        return 1;
+    u8 first = ((u8 *)&ip)[0];  // network order: the first octet
+    if (first == 127 || ip == 0) {
+        k.addr[3] = bpf_htonl(0x7f000001);
+        return stack_deny.lookup(&k) != 0;
+    }
+    return 0;
+}
+
+static __always_inline int is_stack6(u32 *ip, u16 port) {
+    struct stack_key k = {.port = port};
+    k.addr[0] = ip[0];
+    k.addr[1] = ip[1];
+    k.addr[2] = ip[2];
+    k.addr[3] = ip[3];
+    if (stack_deny.lookup(&k))
+        return 1;
+    if (ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && (ip[3] == 0 || ip[3] == bpf_htonl(1))) {
+        k.addr[3] = bpf_htonl(1);
+        return stack_deny.lookup(&k) != 0;
+    }
+    return 0;
+}
+
 // DoT needs a rule naming port 853; an any-port entry does not open it.
 static __always_inline int match4(u64 cgid, u32 addr, u16 port, struct match *m) {
     u64 now = bpf_ktime_get_ns();
@@ -344,6 +382,8 @@ static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cf
     u32 family = 4;
     u32 ev_addr[4] = {ip, 0, 0, 0};
     struct match m = {};
+    if (is_stack4(ip, port))  // before any allow rule: the stack is never a destination
+        return finish(cfg, cgid, 0, V_DENY_STACK, hook, family, ctx, ev_addr, port);
     if (!match4(cgid, ip, port, &m)) {
         u32 v = m.expired_rule ? V_DENY_EXPIRED : V_DENY_NO_RULE;
         return finish(cfg, cgid, m.expired_rule, v, hook, family, ctx, ev_addr, port);
@@ -361,6 +401,8 @@ static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cf
 static __always_inline int decide6(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
                                    u32 *ip, u16 port, u32 hook, int is_connect) {
     struct match m = {};
+    if (is_stack6(ip, port))
+        return finish(cfg, cgid, 0, V_DENY_STACK, hook, 6, ctx, ip, port);
     if (!match6(cgid, ip, port, &m)) {
         u32 v = m.expired_rule ? V_DENY_EXPIRED : V_DENY_NO_RULE;
         return finish(cfg, cgid, m.expired_rule, v, hook, 6, ctx, ip, port);

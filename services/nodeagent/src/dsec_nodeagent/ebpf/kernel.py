@@ -51,6 +51,7 @@ MAP_NAMES = (
     "counters",
     "dns_orig",
     "doh",
+    "stack_deny",
     "events",
 )
 _PER_CGROUP_MAPS = ("cidr4", "cidr6", "host4", "host6", "buckets", "counters")
@@ -233,6 +234,34 @@ class EgressKernel:
             ).packed
             key.addr[:] = _be32_words(packed)
             table[key] = table.Leaf(1)
+
+    def set_stack_deny(
+        self, entries: Iterable[tuple[IPAddress, int]], *, replace: bool = True
+    ) -> int:
+        """Set the node-wide deny set (the stack's own servers); return how many entries
+        ``entries`` gave. ``replace=False`` adds to what is there (agents sharing the pins).
+
+        Checked before any allow entry, so no sandbox rule can open these ``(address, port)``.
+        """
+        table = self._table("stack_deny")
+        wanted = {}
+        for address, port in entries:
+            key = table.Key()
+            packed = (
+                ipaddress.IPv6Address(b"\0" * 12 + address.packed)
+                if address.version == 4
+                else address
+            ).packed
+            key.addr[:] = _be32_words(packed)
+            key.port = port
+            wanted[(bytes(packed), port)] = key
+        for key in list(table.keys()) if replace else []:
+            if (_words_bytes(key.addr), int(key.port)) not in wanted:
+                with contextlib.suppress(KeyError):
+                    del table[key]
+        for key in wanted.values():
+            table[key] = table.Leaf(1)
+        return len(wanted)
 
     # --- cgroups ---------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ class Verdict(enum.IntEnum):
     DENY_UNKNOWN_SANDBOX = 5
     REDIRECT_DNS = 6
     DENY_DOH = 7
+    DENY_STACK = 8
 
     @property
     def denied(self) -> bool:
@@ -253,6 +254,10 @@ class VerdictEvent:
             Verdict.DENY_UNKNOWN_SANDBOX: "denied: cgroup has no egress plan",
             Verdict.DENY_DOH: (
                 f"denied: DNS-over-HTTPS/TLS endpoint not named by rule {self.rule_id}"
+            ),
+            Verdict.DENY_STACK: (
+                "denied: this is one of the DSec stack's own servers, which no sandbox may "
+                "reach whatever its rules say"
             ),
         }
         return f"{what}: {reasons[self.verdict]}"
