@@ -113,3 +113,29 @@ def test_stopping_a_known_sandbox_publishes_the_request(dsec_cli, nats_url, tmp_
         env=_env(nats_url, tmp_path),
     )
     assert replayed.output.count('"type":"sandbox.stop_requested"') == 1
+
+
+def test_spec_over_the_bus_payload_limit_is_bad_input_not_a_traceback(
+    dsec_cli, nats_url, tmp_path
+) -> None:
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC + "# " + "x" * (2 * 2**20) + "\n")  # over NATS' default 1 MiB
+    result = dsec_cli("submit", str(spec), env=_env(nats_url, tmp_path))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "spec.submitted is" in text and "over the bus' max payload of 1048576 bytes" in text
+    assert "nothing was published" in text and "Traceback" not in text
+
+
+def test_code_over_max_size_is_refused_before_upload(dsec_cli, nats_url, tmp_path) -> None:
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC + "include_code: {max_size: 1MiB}\n")
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "main.py").write_text("print('hi')\n")
+    with (code / "zeros.bin").open("wb") as fh:
+        fh.truncate(2 * 2**30)
+    result = dsec_cli("submit", str(spec), "--code", str(code), env=_env(nats_url, tmp_path))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "over include_code.max_size 1.0 MiB; largest files: zeros.bin (2.0 GiB)" in text
