@@ -98,3 +98,40 @@ def test_agent_runs_with_its_secret_and_is_refused_a_forbidden_write(
     everything = json.dumps(outcome)
     assert "s3cr3t-value-never-logged" not in everything
     assert "s3cr3t-value-never-logged" not in services.log("nodeagent")
+
+
+LINK_SPEC = """\
+version: "1.2"
+name: e2e-link
+base: dsec/python311:latest
+entrypoint: [python, agent.py]
+workdir: /workspace
+resources: {cpu: 1, memory: 128MiB, pids: 32}
+timeout: 1m
+security_policy:
+  filesystem:
+    write_allowed: [/workspace/out/x]
+"""
+
+
+def test_bundle_symlink_out_of_the_tree_is_refused_and_nothing_is_created_on_the_host(
+    services, env, dsec_cli, tmp_path
+) -> None:
+    """The attack of the issue: `out -> /host/dir` in the bundle plus a write grant below it
+    made the root node agent create `/host/dir/x`. Now the start is refused, naming the path."""
+    services.start("policy", "builder", "nodeagent")
+    host_dir = tmp_path / "host-dir"
+    host_dir.mkdir()
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "agent.py").write_text("print('never runs')\n")
+    (code / "out").symlink_to(host_dir)
+    spec = tmp_path / "dsec.yaml"
+    spec.write_text(LINK_SPEC)
+    result = dsec_cli("submit", str(spec), "--code", str(code), "--stall", "120", "--json", env=env)
+    outcome = result.last_json()
+    assert result.exit_code == 1, result.output
+    assert outcome["state"] == "failed"
+    failed = next(e["payload"] for e in outcome["events"] if e["type"] == "sandbox.failed")
+    assert failed["reason"].startswith("/workspace/out/x: in the code bundle, out is a symlink")
+    assert list(host_dir.iterdir()) == []
