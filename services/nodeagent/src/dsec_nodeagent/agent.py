@@ -348,13 +348,13 @@ class NodeAgent:
     async def _refused(self, refusal: KernelRefusal) -> None:
         payload = events.PolicyViolation(
             layer="kernel",
-            rule_id="seccomp",
+            rule_id=refusal.rule_id,
             action="deny",
             operation="syscall",
             target=refusal.syscall,
             message=(
                 f"the kernel refused system call {refusal.syscall} (pid {refusal.pid}) with "
-                f"{refusal.errno_name}: the sandbox's seccomp filter denies it to every workload"
+                f"{refusal.errno_name}: {_SECCOMP_WHY.get(refusal.rule_id, 'not allowed')}"
             ),
         )
         await self._publish(payload, refusal.sandbox_id, None)
@@ -369,6 +369,14 @@ class NodeAgent:
             message=describe(refusal),
         )
         await self._publish(payload, refusal.sandbox_id, None)
+
+
+_SECCOMP_WHY = {
+    "seccomp.denied": "the sandbox's seccomp filter denies it to every workload",
+    "seccomp.socket-family": "sandboxes may open AF_UNIX, AF_INET, AF_INET6 and "
+    "AF_NETLINK (NETLINK_ROUTE) sockets only",
+    "seccomp.not-allowed": "not on the sandbox's system call allow-list",
+}
 
 
 def _mountpoints(code_dir: Path, plan: EnforcementPlan) -> None:
