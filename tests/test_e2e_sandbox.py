@@ -135,3 +135,35 @@ def test_bundle_symlink_out_of_the_tree_is_refused_and_nothing_is_created_on_the
     failed = next(e["payload"] for e in outcome["events"] if e["type"] == "sandbox.failed")
     assert failed["reason"].startswith("/workspace/out/x: in the code bundle, out is a symlink")
     assert list(host_dir.iterdir()) == []
+
+
+VSOCK_AGENT = """
+import socket
+try:
+    socket.socket(40, socket.SOCK_STREAM)  # AF_VSOCK: a channel to the hypervisor
+except OSError as exc:
+    print("vsock refused:", exc.errno)
+with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM):
+    print("unix ok")
+"""
+
+
+def test_vsock_socket_is_refused_and_reported_as_a_policy_violation(
+    services, env, dsec_cli, tmp_path
+) -> None:
+    services.start("policy", "builder", "nodeagent")
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "agent.py").write_text(VSOCK_AGENT)
+    spec = tmp_path / "dsec.yaml"
+    spec.write_text(LINK_SPEC.replace("e2e-link", "e2e-vsock").replace("/workspace/out/x", "/tmp"))
+    result = dsec_cli("submit", str(spec), "--code", str(code), "--stall", "120", "--json", env=env)
+    outcome = result.last_json()
+    assert result.exit_code == 0, result.output
+    violations = [e["payload"] for e in outcome["events"] if e["type"] == "policy.violation"]
+    assert [(v["layer"], v["rule_id"], v["target"]) for v in violations] == [
+        ("kernel", "seccomp.socket-family", "socket(AF_VSOCK)")
+    ]
+    assert "EAFNOSUPPORT" in violations[0]["message"]
+    logs = dsec_cli("sandbox", "logs", outcome["sandbox_id"], env=env)
+    assert "vsock refused: 97" in logs.output and "unix ok" in logs.output  # 97: EAFNOSUPPORT
