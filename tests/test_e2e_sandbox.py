@@ -3,6 +3,7 @@ sandbox, writes its output, is refused a forbidden write, and exits; everything 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -167,3 +168,54 @@ def test_vsock_socket_is_refused_and_reported_as_a_policy_violation(
     assert "EAFNOSUPPORT" in violations[0]["message"]
     logs = dsec_cli("sandbox", "logs", outcome["sandbox_id"], env=env)
     assert "vsock refused: 97" in logs.output and "unix ok" in logs.output  # 97: EAFNOSUPPORT
+
+
+def test_node_agent_counts_what_it_extracts_whatever_the_bundle_declares(
+    services, env, monkeypatch, tmp_path
+) -> None:
+    """A bundle that declares 100 bytes but expands to 8 MiB (a client that lies, a zip bomb):
+    the node agent stops extracting at the spec's bound and leaves nothing behind."""
+    import io
+    import tarfile
+    from pathlib import Path
+
+    import blake3
+    import zstandard
+    from dsec_cli.commands.submit import submit_and_follow
+    from dsec_core.events import BundleRef
+    from dsec_core.objectstore import client as s3_client
+    from dsec_core.objectstore import ensure_bucket
+    from dsec_core.settings import Settings
+
+    services.start("policy", "builder", "nodeagent")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in (("agent.py", b"print('never runs')\n"), ("zeros.bin", bytes(8 << 20))):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    archive = zstandard.ZstdCompressor().compress(raw.getvalue())
+    digest = blake3.blake3(archive).hexdigest()
+    settings = Settings()
+    client = s3_client(settings)
+    ensure_bucket(client, settings.s3_bucket)
+    key = f"bundles/{digest}.tar.zst"
+    client.put_object(settings.s3_bucket, key, io.BytesIO(archive), len(archive))
+    ref = BundleRef(digest=digest, object_key=key, size=len(archive), files=2, expanded_size=100)
+    spec = (
+        LINK_SPEC.replace("e2e-link", "e2e-bomb").replace("/workspace/out/x", "/tmp")
+        + "include_code: {max_size: 1MiB}\n"
+    )
+    outcome = asyncio.run(
+        submit_and_follow(spec, "dsec.yaml", ref, "exited", 120.0, 120.0, as_json=True)
+    )
+    assert outcome.state == "failed", outcome.events
+    failed = next(e["payload"] for e in outcome.events if e["type"] == "sandbox.failed")
+    assert failed["reason"] == (
+        "code bundle unusable: archive member 'zeros.bin': the bundle expands past "
+        "include_code.max_size 1.0 MiB; extraction stopped"
+    )
+    sandbox_dir = Path(env["DSEC_HOME"]) / "sandboxes" / outcome.sandbox_id
+    assert not sandbox_dir.exists() or list(sandbox_dir.iterdir()) == []
