@@ -35,14 +35,17 @@ way it never runs.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import struct
-from collections.abc import Iterable
-from functools import cache
 
 from dsec_nodeagent.sandbox import syscalls
+
+# Standard library modules that cost start-up time (typing, functools, collections) are not
+# imported: the sandbox's pre-exec stage imports this module to install the program.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 AUDIT_ARCH_X86_64 = 0xC000003E
 AUDIT_ARCH_AARCH64 = 0xC00000B7
@@ -202,8 +205,16 @@ class SeccompUnavailable(OSError):
     """libseccomp (its syscall tables) is missing or does not know this architecture."""
 
 
-@cache
+_LOADED: dict[str, ctypes.CDLL] = {}
+
+
 def _libseccomp() -> ctypes.CDLL:
+    if "seccomp" in _LOADED:
+        return _LOADED["seccomp"]
+    # Imported here: the pre-exec stage imports this module only to install a program, and
+    # ctypes.util pulls in subprocess (start-up time counts toward sandbox.ready).
+    import ctypes.util
+
     path = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
     try:
         lib = ctypes.CDLL(path)
@@ -215,11 +226,8 @@ def _libseccomp() -> ctypes.CDLL:
     lib.seccomp_syscall_resolve_name_arch.restype = ctypes.c_int
     lib.seccomp_syscall_resolve_num_arch.argtypes = (ctypes.c_uint32, ctypes.c_int)
     lib.seccomp_syscall_resolve_num_arch.restype = ctypes.c_void_p  # malloc'd: we free it
+    _LOADED["seccomp"] = lib
     return lib
-
-
-_libc = ctypes.CDLL(None)
-_libc.free.argtypes = (ctypes.c_void_p,)
 
 
 def _resolve_num(arch: int, nr: int) -> str | None:
@@ -231,13 +239,23 @@ def _resolve_num(arch: int, nr: int) -> str | None:
     try:
         return ctypes.string_at(raw).decode()
     finally:
-        _libc.free(raw)
+        _free(raw)
+
+
+def _free(pointer: int) -> None:
+    if "libc" not in _LOADED:
+        _LOADED["libc"] = ctypes.CDLL(None)
+        _LOADED["libc"].free.argtypes = (ctypes.c_void_p,)
+        _LOADED["libc"].free.restype = None
+    _LOADED["libc"].free(pointer)
 
 
 _SPECIAL = ("socket", "socketpair", "clone", "clone3")
 
 
-@cache
+_TABLES: dict[int, SyscallTable] = {}
+
+
 def table(arch: int | None = None) -> SyscallTable:
     """The syscall table of ``arch`` (default: this machine's), from libseccomp.
 
@@ -251,6 +269,8 @@ def table(arch: int | None = None) -> SyscallTable:
         arch = ARCHES[machine]
     if arch not in ARCHES.values():
         raise SeccompUnavailable(f"no seccomp filter for audit architecture {arch:#x}")
+    if arch in _TABLES:
+        return _TABLES[arch]
     lib = _libseccomp()
     numbers: dict[str, int] = {}
     for name in (*ALLOWED_SYSCALLS, *DENIED_SYSCALLS, *_SPECIAL):
@@ -259,7 +279,8 @@ def table(arch: int | None = None) -> SyscallTable:
             numbers[name] = nr
     if "socket" not in numbers or "read" not in numbers:
         raise SeccompUnavailable("libseccomp returned no numbers for basic calls")
-    return SyscallTable(arch, numbers)
+    _TABLES[arch] = SyscallTable(arch, numbers)
+    return _TABLES[arch]
 
 
 # ----------------------------------------------------------------------------- the program
