@@ -553,3 +553,26 @@ async def test_readopted_sandbox_still_gets_eperm_and_its_refusals_are_reported(
     assert Path(result.stdout_path).read_text().split() == ["-1", str(errno.EPERM)]
     assert first_seen == []
     assert [(r.sandbox_id, r.syscall) for r in second_seen] == [("readopt", "ptrace")]
+
+
+async def test_a_link_in_a_bound_tree_is_never_followed_by_the_pre_exec_stage(
+    tmp_path: Path,
+) -> None:
+    # The node agent refuses this before launch (agent._mountpoints); here the pre-exec stage
+    # itself, root before pivot_root, meets a code tree whose `out` links to a host directory
+    # and a writable path below it: it refuses instead of creating (and mounting on) host/x.
+    host_dir = tmp_path / "host-dir"
+    (host_dir / "x").mkdir(parents=True)  # exists, so the plan's overlap check lets it through
+    home = tmp_path / "home"
+    async with managed(home) as manager:
+        config = snippet_config(
+            "linked", "print('never')", tmp_path, write_allowed=["/tmp", "/workspace/code/out/x"]
+        )
+        assert config.code_dir is not None
+        (config.code_dir / "out").symlink_to(host_dir)
+        with pytest.raises(SandboxStartError) as info:
+            await manager.launch(config)
+    assert "/workspace/code/out is a symlink or not a directory; not followed" in str(info.value)
+    assert info.value.stage == "init"
+    assert [p.name for p in host_dir.iterdir()] == ["x"] and list((host_dir / "x").iterdir()) == []
+    assert leftover_cgroups(["linked"]) == []
