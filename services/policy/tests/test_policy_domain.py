@@ -107,6 +107,7 @@ def test_unparseable_code_is_a_warning_located_in_the_code() -> None:
         ),
         ("resources: {memory: 512GiB}", "ORG-RES-001", 4),
         ("resources: {gpu: {count: 16}}", "ORG-RES-002", 4),
+        ("include_code: {max_size: 2GiB}", "ORG-CODE-001", 4),
     ],
 )
 def test_default_guardrails_reject_with_rule_ids(snippet: str, rule_id: str, line: int) -> None:
@@ -173,3 +174,15 @@ def test_outcome_survives_json_for_the_event() -> None:
     again = ValidationOutcome.model_validate_json(outcome.model_dump_json())
     assert again == outcome
     assert [e.rule_id for e in again.errors] == ["infer.secret-not-injected"]
+
+
+def test_org_maximum_of_the_code_bundle_applies_to_the_default_too() -> None:
+    org = 'version: "1"\nrules:\n  - {id: ACME-CODE-001, kind: max-code-size, max: 100MiB}\n'
+    policy = parse_org_policy(org, "org.yaml").value
+    assert policy is not None
+    unset = validate(BASE, "s.yaml", None, policy)
+    (error,) = unset.errors
+    assert error.rule_id == "ACME-CODE-001"
+    assert "include_code.max_size 256MiB is above 100MiB" in error.message
+    assert error.hint == "include_code: {max_size: 100MiB} or less"
+    assert validate(BASE + "include_code: {max_size: 50MiB}\n", "s.yaml", None, policy).ok

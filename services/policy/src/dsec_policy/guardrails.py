@@ -13,7 +13,7 @@ when unset)::
         max: 64GiB
 
 Kinds: ``no-egress-anywhere``, ``forbid-domains``, ``forbid-write``, ``max-secret-ttl``,
-``max-memory``, ``max-cpu``, ``max-gpus``, ``max-timeout``, ``require-timeout``,
+``max-memory``, ``max-code-size``, ``max-cpu``, ``max-gpus``, ``max-timeout``, ``require-timeout``,
 ``require-rate-limit``, ``allowed-vault-mounts``, ``allowed-bases``, ``no-dns-passthrough``.
 """
 
@@ -88,6 +88,14 @@ class MaxMemory(_Rule):
     max: ByteSize
 
 
+class MaxCodeSize(_Rule):
+    """``include_code.max_size`` (the code bundle's size once extracted) no larger than ``max``;
+    the spec's default (256MiB) counts when unset."""
+
+    kind: Literal["max-code-size"]
+    max: ByteSize
+
+
 class MaxCpu(_Rule):
     """CPU limit no larger than ``max`` cores."""
 
@@ -141,6 +149,7 @@ Rule = Annotated[
     | ForbidWrite
     | MaxSecretTtl
     | MaxMemory
+    | MaxCodeSize
     | MaxCpu
     | MaxGpus
     | MaxTimeout
@@ -268,6 +277,17 @@ def _max_memory(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
         )
 
 
+def _max_code_size(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
+    assert isinstance(rule, MaxCodeSize)
+    size = spec.include_code.max_size
+    if size > rule.max:
+        yield (
+            ("include_code", "max_size"),
+            f"include_code.max_size {format_size(size)} is above {format_size(rule.max)}",
+            f"include_code: {{max_size: {format_size(rule.max)}}} or less",
+        )
+
+
 def _max_cpu(spec: SandboxSpec, rule: _Rule) -> Iterator[Violation]:
     assert isinstance(rule, MaxCpu)
     if spec.resources.cpu > rule.max:
@@ -350,6 +370,7 @@ _CHECKS: dict[str, Callable[[SandboxSpec, _Rule], Iterator[Violation]]] = {
     "forbid-write": _forbid_write,
     "max-secret-ttl": _max_secret_ttl,
     "max-memory": _max_memory,
+    "max-code-size": _max_code_size,
     "max-cpu": _max_cpu,
     "max-gpus": _max_gpus,
     "max-timeout": _max_timeout,
