@@ -160,3 +160,17 @@ def test_refusals_are_named_and_given_a_rule() -> None:
     arm_sock = seccomp.table(ARM).nr("socket")
     assert arm_sock == 198
     assert seccomp.describe(198, (AF_VSOCK, 1, 0), ARM) == "socket(AF_VSOCK)"
+
+
+def test_the_pre_exec_stage_numbers_match_libseccomp_on_both_architectures() -> None:
+    # syscalls.py carries the few numbers the pre-exec stage calls itself, for both machines.
+    x86, arm = seccomp.table(X86), seccomp.table(ARM)
+    assert (x86.nr("pivot_root"), arm.nr("pivot_root")) == (155, 41)
+    assert (x86.nr("seccomp"), arm.nr("seccomp")) == (317, 277)
+    for name, number in (
+        ("landlock_create_ruleset", 444),
+        ("landlock_add_rule", 445),
+        ("landlock_restrict_self", 446),
+        ("pidfd_getfd", 438),
+    ):
+        assert x86.nr(name) == arm.nr(name) == number, name
