@@ -3,6 +3,7 @@ where the services stop."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,7 @@ def test_chain_without_a_consumer_stalls_visibly(dsec_cli, nats_url, s3, tmp_pat
     code = tmp_path / "code"
     code.mkdir()
     (code / "main.py").write_text("print('hi')\n")
+    os.mkfifo(code / "pipe")  # not code: left out, and said so
     env = {
         **_env(nats_url, tmp_path),
         "DSEC_S3_ENDPOINT": s3.endpoint,
@@ -82,6 +84,9 @@ def test_chain_without_a_consumer_stalls_visibly(dsec_cli, nats_url, s3, tmp_pat
     assert first["type"] == "spec.submitted"
     bundle = first["payload"]["code"]
     assert bundle["files"] == 1
+    assert bundle["expanded_size"] == len("print('hi')\n")
+    assert outcome["skipped"] == ["pipe (fifo)"]
+    assert "left out 1 special file(s) (not code): pipe (fifo)" in " ".join(result.output.split())
     stat = s3.client().stat_object(s3.bucket, bundle["object_key"])
     assert stat.size == bundle["size"]
 
