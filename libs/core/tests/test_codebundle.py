@@ -372,3 +372,14 @@ def test_open_real_dir_refuses_a_symlinked_component(tmp_path: Path) -> None:
         os.close(fd)
     assert list(outside.iterdir()) == []
     assert (root / "a" / "b" / "c").is_dir()
+
+
+def test_declared_max_size_reads_the_spec_before_validation() -> None:
+    from dsec_core.codebundle import MAX_SIZE_LIMIT, declared_max_size
+    from dsec_core.spec.models import CODE_MAX_SIZE_DEFAULT, CODE_MAX_SIZE_LIMIT
+
+    assert (DEFAULT_MAX_SIZE, MAX_SIZE_LIMIT) == (CODE_MAX_SIZE_DEFAULT, CODE_MAX_SIZE_LIMIT)
+    assert declared_max_size("name: x\ninclude_code: {max_size: 200MiB}\n") == 200 * 2**20
+    assert declared_max_size("include_code: {max_size: 64GiB}\n") == MAX_SIZE_LIMIT  # capped
+    for unset in ("name: x\n", "include_code: {max_size: lots}\n", "[not, a, map]", ": :"):
+        assert declared_max_size(unset) == DEFAULT_MAX_SIZE, unset

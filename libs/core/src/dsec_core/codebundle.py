@@ -54,6 +54,7 @@ __all__ = [
     "GitInfo",
     "TreeEntry",
     "build_bundle",
+    "declared_max_size",
     "extract_bundle",
     "file_entry",
     "git_info",
@@ -565,6 +566,21 @@ def _write_archive(
     ):
         files = tuple(_add_entry(tar, e) for e in entries)
     return files, hashing.hasher.hexdigest(), hashing.size
+
+
+def declared_max_size(spec_yaml: str) -> int:
+    """The spec's ``include_code.max_size`` (at most :data:`MAX_SIZE_LIMIT`), or
+    :data:`DEFAULT_MAX_SIZE` when unset or unreadable: what a bundle is read with before the
+    spec is validated (validation then reports a bad value, located)."""
+    import yaml
+
+    from dsec_core.spec.units import parse_size
+
+    try:
+        include = yaml.safe_load(spec_yaml).get("include_code", {})
+        return min(parse_size(include["max_size"]), MAX_SIZE_LIMIT)
+    except (yaml.YAMLError, AttributeError, KeyError, TypeError, ValueError):
+        return DEFAULT_MAX_SIZE
 
 
 def check_size(entries: Sequence[TreeEntry], max_size: int) -> None:

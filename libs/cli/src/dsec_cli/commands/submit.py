@@ -11,13 +11,11 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
-from dsec_core.codebundle import BundleError, build_bundle
+from dsec_core.codebundle import BundleError, build_bundle, declared_max_size
 from dsec_core.envelope import Envelope
 from dsec_core.events import SANDBOX_STATES, TERMINAL_TYPES, BundleRef, Payload, SpecSubmitted
 from dsec_core.ids import new_sandbox_id
 from dsec_core.settings import Settings
-from dsec_core.spec.models import CODE_MAX_SIZE_DEFAULT, CODE_MAX_SIZE_LIMIT
-from dsec_core.spec.units import parse_size
 from dsec_core.subjects import STREAM, aggregate_filter
 
 from dsec_cli.common import (
@@ -83,14 +81,6 @@ def _exclude_patterns(spec_text: str) -> list[str]:
     return [str(p) for p in patterns] if isinstance(patterns, list) else []
 
 
-def _max_size(spec_text: str) -> int:
-    """The spec's ``include_code.max_size`` when valid, else the default (the service decides)."""
-    try:
-        return min(parse_size(_include_code(spec_text)["max_size"]), CODE_MAX_SIZE_LIMIT)
-    except (KeyError, ValueError, TypeError):
-        return CODE_MAX_SIZE_DEFAULT
-
-
 def warn_skipped(skipped: Sequence[str], code: Path) -> None:
     """Say which special files of ``code`` the bundle leaves out (they are not code)."""
     if skipped:
@@ -112,7 +102,9 @@ def upload_code(
     from minio.error import S3Error
 
     try:
-        bundle = build_bundle(code, _exclude_patterns(spec_text), max_size=_max_size(spec_text))
+        bundle = build_bundle(
+            code, _exclude_patterns(spec_text), max_size=declared_max_size(spec_text)
+        )
     except (BundleError, OSError) as exc:
         fail(f"--code {code}: {exc}", EXIT_BAD_INPUT)
     if skipped is not None:
