@@ -170,11 +170,12 @@ def test_vsock_socket_is_refused_and_reported_as_a_policy_violation(
     assert "vsock refused: 97" in logs.output and "unix ok" in logs.output  # 97: EAFNOSUPPORT
 
 
-def test_node_agent_counts_what_it_extracts_whatever_the_bundle_declares(
+def test_a_bundle_is_bounded_by_what_it_expands_to_not_by_what_it_declares(
     services, env, monkeypatch, tmp_path
 ) -> None:
     """A bundle that declares 100 bytes but expands to 8 MiB (a client that lies, a zip bomb):
-    the node agent stops extracting at the spec's bound and leaves nothing behind."""
+    the first service to unpack it (policy, reading the agent's code) stops at the spec's bound;
+    the node agent counts the same way (test_codebundle), and never gets to unpack it here."""
     import io
     import tarfile
     from pathlib import Path
@@ -211,10 +212,12 @@ def test_node_agent_counts_what_it_extracts_whatever_the_bundle_declares(
     outcome = asyncio.run(
         submit_and_follow(spec, "dsec.yaml", ref, "exited", 120.0, 120.0, as_json=True)
     )
-    assert outcome.state == "failed", outcome.events
-    failed = next(e["payload"] for e in outcome.events if e["type"] == "sandbox.failed")
-    assert failed["reason"] == (
-        "code bundle unusable: archive member 'zeros.bin': the bundle expands past "
+    assert outcome.state == "rejected", outcome.events
+    rejected = next(e["payload"] for e in outcome.events if e["type"] == "spec.rejected")
+    [error] = rejected["errors"]
+    assert error["rule_id"] == "code-bundle"
+    assert error["message"] == (
+        "invalid code bundle: archive member 'zeros.bin': the bundle expands past "
         "include_code.max_size 1.0 MiB; extraction stopped"
     )
     sandbox_dir = Path(env["DSEC_HOME"]) / "sandboxes" / outcome.sandbox_id
