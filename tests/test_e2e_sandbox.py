@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
+from dsec_cli.commands.submit import Outcome
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kernel, pytest.mark.slow]
 
@@ -170,15 +172,19 @@ def test_vsock_socket_is_refused_and_reported_as_a_policy_violation(
     assert "vsock refused: 97" in logs.output and "unix ok" in logs.output  # 97: EAFNOSUPPORT
 
 
-def test_a_bundle_is_bounded_by_what_it_expands_to_not_by_what_it_declares(
-    services, env, monkeypatch, tmp_path
-) -> None:
-    """A bundle that declares 100 bytes but expands to 8 MiB (a client that lies, a zip bomb):
-    the first service to unpack it (policy, reading the agent's code) stops at the spec's bound;
-    the node agent counts the same way (test_codebundle), and never gets to unpack it here."""
+BOMB_SPEC = (
+    LINK_SPEC.replace("e2e-link", "e2e-bomb").replace("/workspace/out/x", "/tmp")
+    + "include_code: {max_size: 1MiB}\n"
+)
+
+
+def _submit_raw_bundle(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch, zeros: int, declared: int
+) -> Outcome:
+    """Store a hand-made bundle (agent.py + ``zeros`` bytes of zeros) declaring ``declared``
+    bytes, submit BOMB_SPEC with it as a client other than `dsec submit` could, follow it."""
     import io
     import tarfile
-    from pathlib import Path
 
     import blake3
     import zstandard
@@ -188,12 +194,11 @@ def test_a_bundle_is_bounded_by_what_it_expands_to_not_by_what_it_declares(
     from dsec_core.objectstore import ensure_bucket
     from dsec_core.settings import Settings
 
-    services.start("policy", "builder", "nodeagent")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in (("agent.py", b"print('never runs')\n"), ("zeros.bin", bytes(8 << 20))):
+        for name, data in (("agent.py", b"print('never runs')\n"), ("zeros.bin", bytes(zeros))):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -204,14 +209,22 @@ def test_a_bundle_is_bounded_by_what_it_expands_to_not_by_what_it_declares(
     ensure_bucket(client, settings.s3_bucket)
     key = f"bundles/{digest}.tar.zst"
     client.put_object(settings.s3_bucket, key, io.BytesIO(archive), len(archive))
-    ref = BundleRef(digest=digest, object_key=key, size=len(archive), files=2, expanded_size=100)
-    spec = (
-        LINK_SPEC.replace("e2e-link", "e2e-bomb").replace("/workspace/out/x", "/tmp")
-        + "include_code: {max_size: 1MiB}\n"
+    ref = BundleRef(
+        digest=digest, object_key=key, size=len(archive), files=2, expanded_size=declared
     )
-    outcome = asyncio.run(
-        submit_and_follow(spec, "dsec.yaml", ref, "exited", 120.0, 120.0, as_json=True)
+    return asyncio.run(
+        submit_and_follow(BOMB_SPEC, "dsec.yaml", ref, "exited", 120.0, 120.0, as_json=True)
     )
+
+
+def test_a_bundle_is_bounded_by_what_it_expands_to_not_by_what_it_declares(
+    services, env, monkeypatch
+) -> None:
+    """A bundle that declares 100 bytes but expands to 8 MiB (a client that lies, a zip bomb):
+    the first service to unpack it (policy, reading the agent's code) stops at the spec's bound;
+    the node agent counts the same way (test_codebundle), and never gets to unpack it here."""
+    services.start("policy", "builder", "nodeagent")
+    outcome = _submit_raw_bundle(env, monkeypatch, zeros=8 << 20, declared=100)
     assert outcome.state == "rejected", outcome.events
     rejected = next(e["payload"] for e in outcome.events if e["type"] == "spec.rejected")
     [error] = rejected["errors"]
@@ -221,4 +234,18 @@ def test_a_bundle_is_bounded_by_what_it_expands_to_not_by_what_it_declares(
         "include_code.max_size 1.0 MiB; extraction stopped"
     )
     sandbox_dir = Path(env["DSEC_HOME"]) / "sandboxes" / outcome.sandbox_id
-    assert not sandbox_dir.exists() or list(sandbox_dir.iterdir()) == []
+    assert not sandbox_dir.exists()
+
+
+def test_node_agent_refuses_a_bundle_declared_over_the_bound_before_fetching_it(
+    services, env, monkeypatch
+) -> None:
+    services.start("policy", "builder", "nodeagent")
+    outcome = _submit_raw_bundle(env, monkeypatch, zeros=10, declared=2 << 20)
+    assert outcome.state == "failed", outcome.events
+    failed = next(e["payload"] for e in outcome.events if e["type"] == "sandbox.failed")
+    assert failed["reason"] == (
+        "code bundle unusable: it expands to 2097152 bytes, over include_code.max_size "
+        "(1048576 bytes)"
+    )
+    assert not (Path(env["DSEC_HOME"]) / "sandboxes" / outcome.sandbox_id / "code").exists()
