@@ -672,31 +672,30 @@ def _safe_member_path(name: str) -> PurePosixPath:
     return path
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def real_parent(dest: Path, rel: PurePosixPath, checked: set[PurePosixPath]) -> Path:
     """Create the parents of ``rel`` under ``dest``, refusing any that is a symlink or a file
     (a write through it could land outside ``dest``); ``checked`` caches verified parents.
 
+    The walk is :func:`open_real_dir`'s (``O_NOFOLLOW``, component by component).
+
     Raises:
         NotADirectoryError: naming the first parent that is not a real directory.
     """
-    current = PurePosixPath()
-    for part in rel.parent.parts:
-        current /= part
-        if current in checked:
-            continue
-        target = dest / current
+    parent = rel.parent
+    if parent.parts and parent not in checked:
+        root_fd = os.open(dest, _DIR_FLAGS)
         try:
-            st = target.lstat()
-        except FileNotFoundError:
-            target.mkdir(mode=0o755)
-            st = target.lstat()
-        if not stat.S_ISDIR(st.st_mode):
-            raise NotADirectoryError(f"parent {current} is not a real directory")
-        checked.add(current)
+            os.close(open_real_dir(root_fd, parent, create=True))
+        except NotADirectoryError as exc:
+            raise NotADirectoryError(f"parent {exc}") from None
+        finally:
+            os.close(root_fd)
+        checked.update(parent.parents)
+        checked.add(parent)
     return dest / rel
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def open_real_dir(
