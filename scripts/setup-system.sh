@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Debian packages the project needs beyond Python: Prometheus (embedded stack), bubblewrap
-# (sandbox benchmark peer), a C compiler (the SDK's ring extension). Fast no-op when already installed.
+# (sandbox benchmark peer), a C compiler (the SDK's ring extension), libseccomp2 (the node agent
+# reads syscall numbers from its tables). Fast no-op when already installed.
 set -euo pipefail
 # gcc + libc headers build the SDK's ring extension (dsec_sdk.ipc._fastring), which also needs the
 # interpreter's own headers (Debian's python3.X-dev when Python came from apt).
-pkgs=(prometheus bubblewrap gcc libc6-dev)
+pkgs=(prometheus bubblewrap gcc libc6-dev libseccomp2)
 py=$(command -v python3.11 || command -v python3 || true)
 if [ -n "$py" ]; then
   inc=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)

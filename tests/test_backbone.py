@@ -207,3 +207,19 @@ async def test_consumer_decodes_a_newer_minor_version_from_the_bus(
     assert events[0][2]["priority"] == "high"
     assert seen == [SpecSubmitted(spec_yaml="x")]
     assert events[1][1] == "spec.validated"
+
+
+async def test_an_event_over_max_payload_is_refused_and_the_chain_continues(
+    publisher: EventPublisher, js: JetStreamContext
+) -> None:
+    from dsec_core.bus import EventTooLarge
+
+    before = await publisher.publish(SpecSubmitted(spec_yaml="small"), aggregate_id="sbx_big")
+    with pytest.raises(EventTooLarge) as info:
+        await publisher.publish(SpecSubmitted(spec_yaml="x" * (2 << 20)), aggregate_id="sbx_big")
+    assert info.value.limit == 1 << 20 and info.value.size > 2 << 20
+    assert str(info.value).startswith("spec.submitted is ")
+    after = await publisher.publish(SpecSubmitted(spec_yaml="next"), aggregate_id="sbx_big")
+    # the refused envelope never took a chain position: the next one links to the one before
+    assert after.envelope.chain_seq == before.envelope.chain_seq + 1
+    assert [e[2]["spec_yaml"] for e in await _events_of(js, "sbx_big")] == ["small", "next"]

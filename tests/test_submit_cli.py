@@ -3,6 +3,7 @@ where the services stop."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,7 @@ def test_chain_without_a_consumer_stalls_visibly(dsec_cli, nats_url, s3, tmp_pat
     code = tmp_path / "code"
     code.mkdir()
     (code / "main.py").write_text("print('hi')\n")
+    os.mkfifo(code / "pipe")  # not code: left out, and said so
     env = {
         **_env(nats_url, tmp_path),
         "DSEC_S3_ENDPOINT": s3.endpoint,
@@ -82,6 +84,9 @@ def test_chain_without_a_consumer_stalls_visibly(dsec_cli, nats_url, s3, tmp_pat
     assert first["type"] == "spec.submitted"
     bundle = first["payload"]["code"]
     assert bundle["files"] == 1
+    assert bundle["expanded_size"] == len("print('hi')\n")
+    assert outcome["skipped"] == ["pipe (fifo)"]
+    assert "left out 1 special file(s) (not code): pipe (fifo)" in " ".join(result.output.split())
     stat = s3.client().stat_object(s3.bucket, bundle["object_key"])
     assert stat.size == bundle["size"]
 
@@ -113,3 +118,29 @@ def test_stopping_a_known_sandbox_publishes_the_request(dsec_cli, nats_url, tmp_
         env=_env(nats_url, tmp_path),
     )
     assert replayed.output.count('"type":"sandbox.stop_requested"') == 1
+
+
+def test_spec_over_the_bus_payload_limit_is_bad_input_not_a_traceback(
+    dsec_cli, nats_url, tmp_path
+) -> None:
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC + "# " + "x" * (2 * 2**20) + "\n")  # over NATS' default 1 MiB
+    result = dsec_cli("submit", str(spec), env=_env(nats_url, tmp_path))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "spec.submitted is" in text and "over the bus' max payload of 1048576 bytes" in text
+    assert "nothing was published" in text and "Traceback" not in text
+
+
+def test_code_over_max_size_is_refused_before_upload(dsec_cli, nats_url, tmp_path) -> None:
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC + "include_code: {max_size: 1MiB}\n")
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "main.py").write_text("print('hi')\n")
+    with (code / "zeros.bin").open("wb") as fh:
+        fh.truncate(2 * 2**30)
+    result = dsec_cli("submit", str(spec), "--code", str(code), env=_env(nats_url, tmp_path))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "over include_code.max_size 1.0 MiB; largest files: zeros.bin (2.0 GiB)" in text

@@ -12,11 +12,13 @@ import blake3
 import pytest
 import zstandard
 from dsec_core.codebundle import (
+    DEFAULT_MAX_SIZE,
     BundleError,
     build_bundle,
     extract_bundle,
     git_info,
     list_tree,
+    open_real_dir,
     scan_tree,
 )
 
@@ -233,7 +235,7 @@ def sym(name: str, target: str) -> tuple[tarfile.TarInfo, None]:
     [
         (lambda: make_archive(reg("../escape")), "escaping path"),
         (lambda: make_archive(reg("/etc/cron.d/x")), "absolute or escaping"),
-        (lambda: make_archive(sym("link", "/tmp"), reg("link/owned")), "not a real directory"),
+        (lambda: make_archive(sym("link", "/tmp"), reg("link/owned")), "link is a symlink"),
         (lambda: make_archive(reg("a"), reg("a")), "duplicate path"),
         (lambda: make_archive((_hardlink(), None)), "only files and symlinks"),
         (lambda: b"not an archive", "not a valid bundle archive"),
@@ -285,3 +287,99 @@ def test_combined_exclude_matcher_agrees_with_pathspec() -> None:
     fast = _exclude_spec(("build/", "*.log"))
     for probe in [*probes, "build/", "a/build/", "x.log"]:
         assert fast.match(probe) == reference.match_file(probe), probe
+
+
+# --- bounds and special files -------------------------------------------------------------------
+
+
+def test_sparse_file_over_max_size_is_refused_naming_the_largest_files(tmp_path: Path) -> None:
+    root = tmp_path / "proj"
+    write(root, "agent.py")
+    with (root / "zeros.bin").open("wb") as fh:
+        fh.truncate(2 * 2**30)  # 2 GiB apparent, nothing on disk, a few KB compressed
+    with pytest.raises(
+        BundleError,
+        match=r"2\.0 GiB once extracted, over include_code\.max_size"
+        r" 256\.0 MiB; largest files: zeros\.bin \(2\.0 GiB\), agent\.py",
+    ):
+        build_bundle(root, max_size=DEFAULT_MAX_SIZE)
+
+
+def test_extraction_counts_bytes_written_not_the_manifest(tmp_path: Path) -> None:
+    # 8 MiB of zeros compress to a few hundred bytes; a bound of 1 MiB stops the extraction.
+    archive = make_archive(reg("ok.py", b"x"), reg("zeros.bin", bytes(8 * 2**20)))
+    assert len(archive) < 4096
+    dest = tmp_path / "dest"
+    with pytest.raises(
+        BundleError,
+        match=r"'zeros\.bin': the bundle expands past "
+        r"include_code\.max_size 1\.0 MiB",
+    ):
+        extract_bundle(archive, dest, max_size=2**20)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_extraction_refuses_a_header_over_the_bound_before_writing(tmp_path: Path) -> None:
+    # The header's size is checked before the file is written; the bytes written are counted
+    # too (test above), so neither a header nor a manifest can understate what lands on disk.
+    info, _ = reg("big.bin", b"")
+    info.size = 2 * 2**20
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(info, io.BytesIO(bytes(info.size)))
+    archive = zstandard.ZstdCompressor().compress(raw.getvalue())
+    with pytest.raises(BundleError, match="expands past"):
+        extract_bundle(archive, tmp_path / "dest", max_size=2**20)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_extraction_bounds_the_number_of_entries(tmp_path: Path) -> None:
+    archive = make_archive(*(reg(f"f{i}") for i in range(11)))
+    with pytest.raises(BundleError, match=r"'f10': more than 10 entries"):
+        extract_bundle(archive, tmp_path / "dest", max_members=10)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fifo_socket_are_left_out_and_listed(tmp_path: Path) -> None:
+    import socket
+
+    root = tmp_path / "proj"
+    write(root, "agent.py")
+    os.mkfifo(root / "pipe")
+    (root / "sub").mkdir()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(root / "sub" / "s.sock"))
+    try:
+        bundle = build_bundle(root)
+    finally:
+        sock.close()
+    assert [f.path for f in bundle.manifest.files] == ["agent.py"]
+    assert bundle.skipped == ("pipe (fifo)", "sub/s.sock (socket)")
+
+
+def test_open_real_dir_refuses_a_symlinked_component(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "out").symlink_to(outside)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(NotADirectoryError, match="a/out is a symlink"):
+            open_real_dir(fd, "a/out/x", create=True)
+        os.close(open_real_dir(fd, "a/b/c", create=True))
+    finally:
+        os.close(fd)
+    assert list(outside.iterdir()) == []
+    assert (root / "a" / "b" / "c").is_dir()
+
+
+def test_declared_max_size_reads_the_spec_before_validation() -> None:
+    from dsec_core.codebundle import MAX_SIZE_LIMIT, declared_max_size
+    from dsec_core.spec.models import CODE_MAX_SIZE_DEFAULT, CODE_MAX_SIZE_LIMIT
+
+    assert (DEFAULT_MAX_SIZE, MAX_SIZE_LIMIT) == (CODE_MAX_SIZE_DEFAULT, CODE_MAX_SIZE_LIMIT)
+    assert declared_max_size("name: x\ninclude_code: {max_size: 200MiB}\n") == 200 * 2**20
+    assert declared_max_size("include_code: {max_size: 64GiB}\n") == MAX_SIZE_LIMIT  # capped
+    for unset in ("name: x\n", "include_code: {max_size: lots}\n", "[not, a, map]", ": :"):
+        assert declared_max_size(unset) == DEFAULT_MAX_SIZE, unset

@@ -126,3 +126,20 @@ def test_brief_example_compiles() -> None:
     assert plan.secrets[0].key == "value"
     assert plan.dns_passthrough is True
     assert [m.scheme for m in plan.mounts] == ["s3", "configmap"]
+
+
+def test_code_max_size_defaults_and_reaches_the_plan(plan: EnforcementPlan) -> None:
+    assert plan.code_max_size == 256 * 2**20
+    text = SPEC + "include_code: {max_size: 200MiB}\n"
+    result = load_spec(text, "plan.yaml")
+    assert result.spec is not None
+    assert compile_plan(result.spec).code_max_size == 200 * 2**20
+
+
+def test_code_max_size_over_the_limit_is_located() -> None:
+    text = SPEC + "include_code: {max_size: 8GiB}\n"
+    result = load_spec(text, "plan.yaml")
+    assert result.spec is None
+    [error] = result.errors
+    assert (error.line, error.path) == (text.count("\n"), "include_code.max_size")
+    assert "over the limit" in error.message and error.hint == "at most 4GiB"

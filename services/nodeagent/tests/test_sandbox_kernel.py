@@ -108,6 +108,19 @@ probe("kexec", lambda: syscall(246, 0, 0, 0, 0))
 probe("process_vm_readv", lambda: syscall(310, 1, 0, 0, 0, 0, 0))
 probe("raw_socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP))
 probe("packet_socket", lambda: socket.socket(17, socket.SOCK_RAW, 0))
+probe("vsock_socket", lambda: socket.socket(40, socket.SOCK_STREAM))           # AF_VSOCK
+probe("netlink_audit", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 9))
+probe("sysfs", lambda: syscall(139, 3))                            # not on the allow-list
+def netlink_route():
+    import struct
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0) as nl:  # NETLINK_ROUTE
+        nl.bind((0, 0))
+        nl.send(struct.pack("=LHHLLB3x", 20, 18, 0x301, 1, 0, 0))  # RTM_GETLINK, dump
+        assert nl.recv(65536)
+probe("netlink_route", netlink_route)
+probe("unix_socket", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).close())
+probe("inet6_socket", lambda: socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).close())
+probe("unix_socketpair", lambda: [s.close() for s in socket.socketpair()])
 probe("sethostname", lambda: raw(libc.sethostname(b"x", 1)))
 probe("setuid_root", lambda: os.setuid(0))
 print(json.dumps(results))
@@ -163,6 +176,11 @@ def probe_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             report["_refusals"] = Counter(
                 r.syscall for r in refusals if r.sandbox_id == "probe-main"
             )
+            report["_answers"] = {
+                r.syscall: (r.rule_id, r.errno_name)
+                for r in refusals
+                if r.sandbox_id == "probe-main"
+            }
             report["_refusal_pids"] = {r.pid for r in refusals}
             report["_other_refusals"] = [r for r in refusals if r.sandbox_id != "probe-main"]
             report["_output_file"] = (
@@ -189,6 +207,10 @@ def _run_sync(factory: Any) -> dict[str, Any]:
 
 
 PERMITTED = [
+    "netlink_route",
+    "unix_socket",
+    "inet6_socket",
+    "unix_socketpair",
     "write_output",
     "read_input",
     "write_tmp",
@@ -252,7 +274,6 @@ def test_filesystem_escape_is_refused(
         "kexec",
         "process_vm_readv",
         "raw_socket",
-        "packet_socket",
         "sethostname",
         "setuid_root",
     ],
@@ -276,7 +297,17 @@ KERNEL_REFUSALS = {
     "process_vm_readv": ("process_vm_readv", 1),
     "raw_socket": ("socket(AF_INET, SOCK_RAW)", 1),
     "packet_socket": ("socket(AF_PACKET)", 1),
+    "vsock_socket": ("socket(AF_VSOCK)", 1),
+    "netlink_audit": ("socket(AF_NETLINK, NETLINK_AUDIT)", 1),
+    "sysfs": ("sysfs", 1),
     "sethostname": ("sethostname", 1),
+}
+# probe -> (the errno the workload sees, the rule the refusal reports)
+ANSWERS = {
+    "packet_socket": ("EAFNOSUPPORT", "seccomp.socket-family"),
+    "vsock_socket": ("EAFNOSUPPORT", "seccomp.socket-family"),
+    "netlink_audit": ("EAFNOSUPPORT", "seccomp.socket-family"),
+    "sysfs": ("ENOSYS", "seccomp.not-allowed"),
 }
 
 
@@ -285,12 +316,15 @@ def test_denied_system_call_is_reported_once_per_attempt(
     probe_report: dict[str, Any], action: str
 ) -> None:
     syscall, attempts = KERNEL_REFUSALS[action]
-    assert probe_report[action] == "EPERM"
+    errno_name, rule = ANSWERS.get(action, ("EPERM", "seccomp.denied"))
+    assert probe_report[action] == errno_name
     assert probe_report["_refusals"][syscall] == attempts
+    assert probe_report["_answers"][syscall] == (rule, errno_name)
 
 
 def test_only_the_denied_calls_are_reported(probe_report: dict[str, Any]) -> None:
-    # Permitted actions, interpreter start-up, threads and subprocesses report nothing.
+    # Permitted actions, interpreter start-up, threads and subprocesses report nothing: the
+    # allow-list holds everything they need.
     assert probe_report["_refusals"] == Counter(dict(KERNEL_REFUSALS.values()))
     assert probe_report["_other_refusals"] == []
     assert 0 not in probe_report["_refusal_pids"]
@@ -519,3 +553,26 @@ async def test_readopted_sandbox_still_gets_eperm_and_its_refusals_are_reported(
     assert Path(result.stdout_path).read_text().split() == ["-1", str(errno.EPERM)]
     assert first_seen == []
     assert [(r.sandbox_id, r.syscall) for r in second_seen] == [("readopt", "ptrace")]
+
+
+async def test_a_link_in_a_bound_tree_is_never_followed_by_the_pre_exec_stage(
+    tmp_path: Path,
+) -> None:
+    # The node agent refuses this before launch (agent._mountpoints); here the pre-exec stage
+    # itself, root before pivot_root, meets a code tree whose `out` links to a host directory
+    # and a writable path below it: it refuses instead of creating (and mounting on) host/x.
+    host_dir = tmp_path / "host-dir"
+    (host_dir / "x").mkdir(parents=True)  # exists, so the plan's overlap check lets it through
+    home = tmp_path / "home"
+    async with managed(home) as manager:
+        config = snippet_config(
+            "linked", "print('never')", tmp_path, write_allowed=["/tmp", "/workspace/code/out/x"]
+        )
+        assert config.code_dir is not None
+        (config.code_dir / "out").symlink_to(host_dir)
+        with pytest.raises(SandboxStartError) as info:
+            await manager.launch(config)
+    assert "/workspace/code/out is a symlink or not a directory; not followed" in str(info.value)
+    assert info.value.stage == "init"
+    assert [p.name for p in host_dir.iterdir()] == ["x"] and list((host_dir / "x").iterdir()) == []
+    assert leftover_cgroups(["linked"]) == []

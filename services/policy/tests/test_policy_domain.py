@@ -112,6 +112,7 @@ def test_unparseable_code_is_a_warning_located_in_the_code() -> None:
         ),
         ("resources: {memory: 512GiB}", "ORG-RES-001", 4),
         ("resources: {gpu: {count: 16}}", "ORG-RES-002", 4),
+        ("include_code: {max_size: 2GiB}", "ORG-CODE-001", 4),
     ],
 )
 def test_default_guardrails_reject_with_rule_ids(snippet: str, rule_id: str, line: int) -> None:
@@ -197,3 +198,15 @@ def test_org_policy_severities_name_only_known_levels() -> None:
     result = parse_org_policy('version: "1"\nseverities: {infer.path-missing: fatal}\n', "o.yaml")
     assert result.value is None
     assert result.errors[0].line == 2 and "severities" in result.errors[0].path
+
+
+def test_org_maximum_of_the_code_bundle_applies_to_the_default_too() -> None:
+    org = 'version: "1"\nrules:\n  - {id: ACME-CODE-001, kind: max-code-size, max: 100MiB}\n'
+    policy = parse_org_policy(org, "org.yaml").value
+    assert policy is not None
+    unset = validate(BASE, "s.yaml", None, policy)
+    (error,) = unset.errors
+    assert error.rule_id == "ACME-CODE-001"
+    assert "include_code.max_size 256MiB is above 100MiB" in error.message
+    assert error.hint == "include_code: {max_size: 100MiB} or less"
+    assert validate(BASE + "include_code: {max_size: 50MiB}\n", "s.yaml", None, policy).ok

@@ -79,7 +79,7 @@ def submitter() -> str:
 async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, JetStreamContext]]:
     """Connect to NATS, or exit 3 with a message that says what to do."""
     import nats
-    from dsec_core.bus import ensure_stream
+    from dsec_core.bus import EventTooLarge, ensure_stream
 
     settings = settings or Settings()
     url = settings.nats_endpoint()
@@ -97,6 +97,12 @@ async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, Jet
         js = nc.jetstream()
         await ensure_stream(js)
         yield nc, js
+    except EventTooLarge as exc:
+        # Every CLI publish goes through here: bad input (too big an event), not a crash.
+        fail(
+            f"{exc}; nothing was published. Make it smaller (code goes in the bundle)",
+            EXIT_BAD_INPUT,
+        )
     finally:
         await nc.close()
 

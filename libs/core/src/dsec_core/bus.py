@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import nats
 from nats.aio.client import Client as NATS
-from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -165,6 +165,9 @@ class EventPublisher:
             except PublishFailed:
                 self._in_doubt = sealed
                 raise
+            except EventTooLarge:
+                self.signer.rewind(sealed)  # it never left: the next envelope takes its place
+                raise
             if published.duplicate and not await self._stored(published):
                 self.signer.rewind(sealed)
             return published
@@ -182,6 +185,8 @@ class EventPublisher:
             try:
                 ack = await self.js.publish(sealed.subject, sealed.wire, headers=headers, timeout=5)
                 return Published(sealed, ack.seq, bool(ack.duplicate))
+            except MaxPayloadError:
+                raise EventTooLarge(sealed.type, len(sealed.wire), self._max_payload()) from None
             except (TimeoutError, NatsTimeoutError, NoRespondersError) as exc:
                 log.warning("publish %s attempt %d failed: %s", sealed.type, attempt + 1, exc)
                 await asyncio.sleep(delay)
@@ -197,9 +202,29 @@ class EventPublisher:
         """
         return list(await asyncio.gather(*(self.publish_sealed(s) for s in batch)))
 
+    def _max_payload(self) -> int:
+        # The connection's limit (the server's max_payload); JetStreamContext keeps it private.
+        nc = getattr(self.js, "_nc", None)
+        return int(getattr(nc, "max_payload", 0) or 0)
+
 
 class PublishFailed(RuntimeError):
     """JetStream did not acknowledge an envelope after every retry."""
+
+
+class EventTooLarge(ValueError):
+    """An envelope is larger than the NATS server accepts (``max_payload``): never published.
+
+    Attributes:
+        event_type: the event's type.
+        size: the envelope's bytes on the wire.
+        limit: the server's ``max_payload`` (0 when unknown).
+    """
+
+    def __init__(self, event_type: str, size: int, limit: int) -> None:
+        self.event_type, self.size, self.limit = event_type, size, limit
+        over = f"the bus' max payload of {limit} bytes" if limit else "the bus' max payload"
+        super().__init__(f"{event_type} is {size} bytes, over {over} (NATS max_payload)")
 
 
 def _ordered_config(filter_subject: str, start_seq: int) -> ConsumerConfig:

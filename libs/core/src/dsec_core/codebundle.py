@@ -7,12 +7,21 @@ deterministic archive (tar with fixed owners and mtimes, zstd-compressed), so th
 yields the same bytes and the bundle is content-addressed by the BLAKE3 of the archive.
 
 Symlinks are stored as links (their target text), never followed; extraction refuses absolute or
-``..`` paths, special files, and any write through a symlink, so an archive cannot escape ``dest``.
+``..`` paths, special files, and any write through a symlink, so an archive cannot escape ``dest``:
+every directory is opened component by component with ``O_NOFOLLOW`` relative to the directory
+above it (:func:`open_real_dir`), never by path. Sockets, FIFOs and device files are not code:
+they are left out of a bundle and listed in :attr:`Bundle.skipped`.
+
+Bounds: a tree whose files add up to more than ``max_size`` (the spec's ``include_code.max_size``,
+:data:`DEFAULT_MAX_SIZE` when unset) is refused when bundled, naming its largest files; extraction
+counts the bytes it writes (whatever the tar headers claim) and the members it creates, and
+refuses an archive that expands past ``max_size`` or holds more than :data:`MAX_MEMBERS` entries.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import re
@@ -35,6 +44,9 @@ from dsec_core import canonical
 
 __all__ = [
     "DEFAULT_EXCLUDES",
+    "DEFAULT_MAX_SIZE",
+    "MAX_MEMBERS",
+    "MAX_SIZE_LIMIT",
     "Bundle",
     "BundleError",
     "CodeManifest",
@@ -42,11 +54,13 @@ __all__ = [
     "GitInfo",
     "TreeEntry",
     "build_bundle",
+    "declared_max_size",
     "extract_bundle",
     "file_entry",
     "git_info",
     "hash_file",
     "list_tree",
+    "open_real_dir",
     "scan_tree",
 ]
 
@@ -73,6 +87,14 @@ DEFAULT_EXCLUDES: tuple[str, ...] = (
     "Thumbs.db",
     "*.swp",
 )
+
+#: The expanded size a bundle may have when the spec sets no ``include_code.max_size``.
+DEFAULT_MAX_SIZE = 256 * 2**20
+#: The largest ``include_code.max_size`` a spec may ask for.
+MAX_SIZE_LIMIT = 4 * 2**30
+#: Files, links and directories an archive may create when extracted (an inode bound).
+MAX_MEMBERS = 100_000
+_LARGEST_SHOWN = 5
 
 _GIT_TIMEOUT_S = 60
 _ZSTD_LEVEL = 3
@@ -166,6 +188,8 @@ class Bundle:
     size: int
     data: bytes | None = None
     path: Path | None = None
+    skipped: tuple[str, ...] = ()
+    """Special files left out (``path (fifo)``): sockets, FIFOs and devices are not code."""
 
     def read(self) -> bytes:
         """Return the archive bytes (from memory or from ``path``)."""
@@ -211,12 +235,15 @@ def _exclude_spec(exclude_patterns: Sequence[str]) -> _Excludes:
     return _Excludes([*DEFAULT_EXCLUDES, *(p for p in exclude_patterns if p.strip())])
 
 
-def list_tree(root: Path, exclude_patterns: Sequence[str] = ()) -> list[TreeEntry]:
+def list_tree(
+    root: Path, exclude_patterns: Sequence[str] = (), *, skipped: list[str] | None = None
+) -> list[TreeEntry]:
     """Return the files a bundle of ``root`` contains, sorted by path, without reading them.
 
     Args:
         root: Directory to bundle.
         exclude_patterns: Extra gitignore-style patterns (the spec's ``exclude_patterns``).
+        skipped: When given, receives each special file left out, as ``path (kind)``.
 
     Raises:
         BundleError: ``root`` is not a directory, or a pattern is malformed.
@@ -228,18 +255,35 @@ def list_tree(root: Path, exclude_patterns: Sequence[str] = ()) -> list[TreeEntr
     base = str(root)
     if _git_toplevel(root) is None:
         entries: list[TreeEntry] = []
-        _walk_dir(base, "", [], excludes, entries)
+        _walk_dir(base, "", [], excludes, entries, skipped)
     else:
         entries = [
             e
             for rel in _git_paths(root)
-            if not excludes.match(rel) and (e := _tree_entry(base, rel)) is not None
+            if not excludes.match(rel) and (e := _tree_entry(base, rel, skipped)) is not None
         ]
     entries.sort(key=lambda e: e.path)
+    if skipped is not None:
+        skipped.sort()
     return entries
 
 
-def _entry_from_stat(root: str, rel: str, st: os.stat_result) -> TreeEntry | None:
+_SPECIAL_KINDS = (
+    (stat.S_ISFIFO, "fifo"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+)
+
+
+def special_kind(mode: int) -> str:
+    """What a special file is, in words (``fifo``, ``socket``, ...)."""
+    return next((name for test, name in _SPECIAL_KINDS if test(mode)), "special file")
+
+
+def _entry_from_stat(
+    root: str, rel: str, st: os.stat_result, skipped: list[str] | None = None
+) -> TreeEntry | None:
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(os.path.join(root, rel))
         return TreeEntry(
@@ -247,6 +291,8 @@ def _entry_from_stat(root: str, rel: str, st: os.stat_result) -> TreeEntry | Non
             st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev,
         )  # fmt: skip
     if not stat.S_ISREG(st.st_mode):
+        if skipped is not None and not stat.S_ISDIR(st.st_mode):
+            skipped.append(f"{rel} ({special_kind(st.st_mode)})")
         return None  # sockets, fifos, devices: not code
     mode = 0o755 if st.st_mode & 0o111 else 0o644
     return TreeEntry(
@@ -255,12 +301,12 @@ def _entry_from_stat(root: str, rel: str, st: os.stat_result) -> TreeEntry | Non
     )  # fmt: skip
 
 
-def _tree_entry(root: str, rel: str) -> TreeEntry | None:
+def _tree_entry(root: str, rel: str, skipped: list[str] | None = None) -> TreeEntry | None:
     try:
         st = os.lstat(os.path.join(root, rel))
     except FileNotFoundError:
         return None  # tracked by git but deleted in the work tree
-    return _entry_from_stat(root, rel, st)
+    return _entry_from_stat(root, rel, st, skipped)
 
 
 def _walk_paths(root: Path, excludes: _Excludes) -> list[str]:
@@ -276,6 +322,7 @@ def _walk_dir(
     specs: list[tuple[str, pathspec.GitIgnoreSpec]],
     excludes: _Excludes,
     out: list[TreeEntry],
+    skipped: list[str] | None = None,
 ) -> None:
     here = os.path.join(root, rel_dir) if rel_dir else root
     gitignore = os.path.join(here, ".gitignore")
@@ -291,8 +338,10 @@ def _walk_dir(
         if child.name == ".git" or excludes.match(probe) or (specs and _gitignored(probe, specs)):
             continue
         if is_dir:
-            _walk_dir(root, rel, specs, excludes, out)
-        elif (entry := _entry_from_stat(root, rel, child.stat(follow_symlinks=False))) is not None:
+            _walk_dir(root, rel, specs, excludes, out, skipped)
+        elif (
+            entry := _entry_from_stat(root, rel, child.stat(follow_symlinks=False), skipped)
+        ) is not None:
             out.append(entry)
 
 
@@ -519,8 +568,55 @@ def _write_archive(
     return files, hashing.hasher.hexdigest(), hashing.size
 
 
+def declared_max_size(spec_yaml: str) -> int:
+    """The spec's ``include_code.max_size`` (at most :data:`MAX_SIZE_LIMIT`), or
+    :data:`DEFAULT_MAX_SIZE` when unset or unreadable: what a bundle is read with before the
+    spec is validated (validation then reports a bad value, located)."""
+    import yaml
+
+    from dsec_core.spec.units import parse_size
+
+    try:
+        include = yaml.safe_load(spec_yaml).get("include_code", {})
+        return min(parse_size(include["max_size"]), MAX_SIZE_LIMIT)
+    except (yaml.YAMLError, AttributeError, KeyError, TypeError, ValueError):
+        return DEFAULT_MAX_SIZE
+
+
+def check_size(entries: Sequence[TreeEntry], max_size: int) -> None:
+    """Refuse a tree whose files add up to more than ``max_size``, naming the largest files.
+
+    Sizes are the files' apparent sizes: a sparse file counts what it would occupy once
+    extracted, however well it compresses.
+
+    Raises:
+        BundleError: over the bound.
+    """
+    total = sum(e.size for e in entries)
+    if total <= max_size:
+        return
+    largest = sorted(entries, key=lambda e: e.size, reverse=True)[:_LARGEST_SHOWN]
+    shown = ", ".join(f"{e.path} ({_human(e.size)})" for e in largest)
+    raise BundleError(
+        f"the code is {_human(total)} once extracted, over include_code.max_size "
+        f"{_human(max_size)}; largest files: {shown} (exclude them with "
+        "include_code.exclude_patterns, or raise include_code.max_size)"
+    )
+
+
+def _human(size: int) -> str:
+    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= factor:
+            return f"{size / factor:.1f} {unit}"
+    return f"{size} B"
+
+
 def build_bundle(
-    root: Path, exclude_patterns: Sequence[str] = (), *, out: Path | None = None
+    root: Path,
+    exclude_patterns: Sequence[str] = (),
+    *,
+    out: Path | None = None,
+    max_size: int | None = None,
 ) -> Bundle:
     """Bundle ``root``: the manifest plus a deterministic ``tar.zst`` archive.
 
@@ -528,16 +624,21 @@ def build_bundle(
         root: Directory to bundle.
         exclude_patterns: Extra gitignore-style patterns (the spec's ``exclude_patterns``).
         out: Write the archive to this file (atomically); by default it is kept in memory.
+        max_size: Refuse a tree whose files add up to more than this (checked before any file
+            is read); ``None``: no bound.
 
     Returns:
         The bundle; ``digest`` is the BLAKE3 hex of the archive bytes.
 
     Raises:
-        BundleError: ``root`` is not a directory, a pattern is malformed, or a file changed while
-            it was read.
+        BundleError: ``root`` is not a directory, a pattern is malformed, the tree is larger
+            than ``max_size``, or a file changed while it was read.
     """
     root = Path(root).absolute()
-    entries = list_tree(root, exclude_patterns)
+    skipped: list[str] = []
+    entries = list_tree(root, exclude_patterns, skipped=skipped)
+    if max_size is not None:
+        check_size(entries, max_size)
     git = git_info(root)
     if out is None:
         buffer = io.BytesIO()
@@ -554,7 +655,9 @@ def build_bundle(
         os.replace(tmp.name, out)
         data = None
     manifest = CodeManifest(files=files, git=git, exclude_patterns=tuple(exclude_patterns))
-    return Bundle(manifest=manifest, digest=digest, size=size, data=data, path=out)
+    return Bundle(
+        manifest=manifest, digest=digest, size=size, data=data, path=out, skipped=tuple(skipped)
+    )
 
 
 # --- extraction -----------------------------------------------------------------------------
@@ -569,64 +672,153 @@ def _safe_member_path(name: str) -> PurePosixPath:
     return path
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def real_parent(dest: Path, rel: PurePosixPath, checked: set[PurePosixPath]) -> Path:
     """Create the parents of ``rel`` under ``dest``, refusing any that is a symlink or a file
     (a write through it could land outside ``dest``); ``checked`` caches verified parents.
 
+    The walk is :func:`open_real_dir`'s (``O_NOFOLLOW``, component by component).
+
     Raises:
         NotADirectoryError: naming the first parent that is not a real directory.
     """
-    current = PurePosixPath()
-    for part in rel.parent.parts:
-        current /= part
-        if current in checked:
-            continue
-        target = dest / current
+    parent = rel.parent
+    if parent.parts and parent not in checked:
+        root_fd = os.open(dest, _DIR_FLAGS)
         try:
-            st = target.lstat()
-        except FileNotFoundError:
-            target.mkdir(mode=0o755)
-            st = target.lstat()
-        if not stat.S_ISDIR(st.st_mode):
-            raise NotADirectoryError(f"parent {current} is not a real directory")
-        checked.add(current)
+            os.close(open_real_dir(root_fd, parent, create=True))
+        except NotADirectoryError as exc:
+            raise NotADirectoryError(f"parent {exc}") from None
+        finally:
+            os.close(root_fd)
+        checked.update(parent.parents)
+        checked.add(parent)
     return dest / rel
 
 
-def _member_parent(dest: Path, rel: PurePosixPath, checked: set[PurePosixPath]) -> Path:
+def open_real_dir(
+    root_fd: int, rel: PurePosixPath | str, *, create: bool = False, mode: int = 0o755
+) -> int:
+    """Open the directory ``rel`` below the directory ``root_fd``, never following a symlink.
+
+    Each component is opened with ``O_NOFOLLOW | O_DIRECTORY`` relative to the one above it
+    (and created first with ``create``), so neither a symlink nor a rename racing the walk can
+    lead outside ``root_fd``: what user content (a code bundle, a sandbox's files) put there is
+    never followed by a privileged process.
+
+    Returns:
+        A new fd (close-on-exec) the caller closes.
+
+    Raises:
+        NotADirectoryError: naming the first component that is a symlink or not a directory.
+        FileNotFoundError: a component is missing and ``create`` is false.
+    """
+    parts = PurePosixPath(rel).parts
+    if any(p in ("..", "/") for p in parts):
+        raise NotADirectoryError(f"{rel}: absolute or escaping path refused")
+    fd = os.dup(root_fd)
+    done = PurePosixPath()
     try:
-        return real_parent(dest, rel, checked)
-    except NotADirectoryError as exc:
-        raise BundleError(f"archive member {rel}: {exc}") from None
+        for part in parts:
+            done /= part
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, mode, dir_fd=fd)
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise NotADirectoryError(
+                        f"{done} is a symlink or not a directory; refusing to follow it"
+                    ) from None
+                raise
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def _extract_member(
-    tar: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, checked: set[PurePosixPath]
-) -> str | None:
-    rel = _safe_member_path(member.name)
-    if member.isdir():
-        _member_parent(dest, rel / "x", checked)
-        return None
-    if not (member.isreg() or member.issym()):
-        raise BundleError(f"archive member {member.name!r}: only files and symlinks are allowed")
-    target = _member_parent(dest, rel, checked)
-    if member.issym():
+class _Extraction:
+    """Writes an archive's members below one directory fd, counting what it creates."""
+
+    def __init__(self, root_fd: int, max_size: int, max_members: int) -> None:
+        self.root_fd = root_fd
+        self.max_size = max_size
+        self.max_members = max_members
+        self.size = 0
+        self.members = 0
+        self._parent: tuple[PurePosixPath, int] | None = None
+
+    def close(self) -> None:
+        if self._parent is not None:
+            os.close(self._parent[1])
+            self._parent = None
+
+    def parent_fd(self, rel: PurePosixPath) -> int:
+        """The fd of ``rel``'s parent (created), cached for the next member of the same dir."""
+        parent = rel.parent
+        if self._parent is not None and self._parent[0] == parent:
+            return self._parent[1]
         try:
-            os.symlink(member.linkname, target)
+            fd = open_real_dir(self.root_fd, parent, create=True)
+        except NotADirectoryError as exc:
+            raise BundleError(f"archive member {rel}: parent {exc}") from None
+        self.close()
+        self._parent = (parent, fd)
+        return fd
+
+    def count_member(self, name: str) -> None:
+        self.members += 1
+        if self.members > self.max_members:
+            raise BundleError(
+                f"archive member {name!r}: more than {self.max_members} entries; refused"
+            )
+
+    def charge(self, name: str, size: int, *, claimed: bool = False) -> None:
+        """Count ``size`` bytes (only check them when ``claimed``: a header's promise)."""
+        if self.size + size > self.max_size:
+            raise BundleError(
+                f"archive member {name!r}: the bundle expands past include_code.max_size "
+                f"{_human(self.max_size)}; extraction stopped"
+            )
+        if not claimed:
+            self.size += size
+
+    def extract(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> str | None:
+        rel = _safe_member_path(member.name)
+        self.count_member(member.name)
+        if member.isdir():
+            try:
+                os.close(open_real_dir(self.root_fd, rel, create=True))
+            except NotADirectoryError as exc:
+                raise BundleError(f"archive member {rel}: {exc}") from None
+            return None
+        if not (member.isreg() or member.issym()):
+            raise BundleError(
+                f"archive member {member.name!r}: only files and symlinks are allowed"
+            )
+        parent = self.parent_fd(rel)
+        try:
+            if member.issym():
+                os.symlink(member.linkname, rel.name, dir_fd=parent)
+                return str(rel)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(rel.name, flags, member.mode & 0o777, dir_fd=parent)
         except FileExistsError as exc:
             raise BundleError(f"archive member {member.name!r}: duplicate path") from exc
+        self.charge(member.name, member.size, claimed=True)  # before writing anything
+        source = tar.extractfile(member)
+        assert source is not None
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), member.mode & 0o777)  # exact mode, whatever the umask
+            while block := source.read(_READ_BLOCK):
+                self.charge(member.name, len(block))  # what is really written
+                fh.write(block)
         return str(rel)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-    try:
-        fd = os.open(target, flags, member.mode & 0o777)
-    except FileExistsError as exc:
-        raise BundleError(f"archive member {member.name!r}: duplicate path") from exc
-    source = tar.extractfile(member)
-    assert source is not None
-    with os.fdopen(fd, "wb") as fh:
-        os.fchmod(fh.fileno(), member.mode & 0o777)  # exact mode, whatever the umask
-        shutil.copyfileobj(source, fh, _READ_BLOCK)
-    return str(rel)
 
 
 @contextlib.contextmanager
@@ -640,7 +832,13 @@ def _open_archive(data: bytes | Path | BinaryIO) -> Iterator[BinaryIO]:
         yield data
 
 
-def extract_bundle(data: bytes | Path | BinaryIO, dest: Path) -> list[str]:
+def extract_bundle(
+    data: bytes | Path | BinaryIO,
+    dest: Path,
+    *,
+    max_size: int = DEFAULT_MAX_SIZE,
+    max_members: int = MAX_MEMBERS,
+) -> list[str]:
     """Extract a bundle archive into ``dest`` (which must not exist or be empty).
 
     The archive is unpacked into a sibling temporary directory first and moved into place only
@@ -649,13 +847,16 @@ def extract_bundle(data: bytes | Path | BinaryIO, dest: Path) -> list[str]:
     Args:
         data: The archive as bytes, a path, or a binary stream.
         dest: Directory to create.
+        max_size: Bytes the files may add up to once extracted (counted as written).
+        max_members: Entries the archive may create.
 
     Returns:
         The paths written (files and symlinks), in archive order.
 
     Raises:
         BundleError: ``dest`` is not empty, or a member is absolute, escapes ``dest``, is a
-            special file or hard link, is duplicated, or would be written through a symlink.
+            special file or hard link, is duplicated, or would be written through a symlink;
+            or the archive expands past ``max_size`` or ``max_members``.
     """
     dest = Path(dest).absolute()
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
@@ -663,7 +864,7 @@ def extract_bundle(data: bytes | Path | BinaryIO, dest: Path) -> list[str]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.extract-"))
     try:
-        written = _extract_all(data, staging)
+        written = _extract_all(data, staging, max_size, max_members)
         staging.chmod(0o755)  # mkdtemp made it private
         if dest.exists():
             dest.rmdir()
@@ -674,10 +875,13 @@ def extract_bundle(data: bytes | Path | BinaryIO, dest: Path) -> list[str]:
     return written
 
 
-def _extract_all(data: bytes | Path | BinaryIO, staging: Path) -> list[str]:
+def _extract_all(
+    data: bytes | Path | BinaryIO, staging: Path, max_size: int, max_members: int
+) -> list[str]:
     written: list[str] = []
-    checked: set[PurePosixPath] = set()
     decompressor = zstandard.ZstdDecompressor()
+    root_fd = os.open(staging, _DIR_FLAGS)
+    extraction = _Extraction(root_fd, max_size, max_members)
     try:
         with (
             _open_archive(data) as raw,
@@ -685,9 +889,12 @@ def _extract_all(data: bytes | Path | BinaryIO, staging: Path) -> list[str]:
             tarfile.open(fileobj=plain, mode="r|") as tar,
         ):
             for member in tar:
-                rel = _extract_member(tar, member, staging, checked)
+                rel = extraction.extract(tar, member)
                 if rel is not None:
                     written.append(rel)
     except (tarfile.TarError, zstandard.ZstdError) as exc:
         raise BundleError(f"not a valid bundle archive: {exc}") from exc
+    finally:
+        extraction.close()
+        os.close(root_fd)
     return written

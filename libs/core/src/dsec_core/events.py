@@ -39,6 +39,9 @@ class BundleRef(BaseModel):
     object_key: str = Field(description="Key in the DSec bucket")
     size: int = Field(description="Archive size in bytes")
     files: int = Field(description="Number of files in the bundle")
+    expanded_size: int | None = Field(
+        default=None, description="Bytes the files add up to once extracted (as declared)"
+    )
 
 
 class LockedPackage(BaseModel):

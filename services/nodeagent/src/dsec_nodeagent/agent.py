@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from dsec_core import events
-from dsec_core.codebundle import BundleError, extract_bundle
+from dsec_core.codebundle import BundleError, extract_bundle, open_real_dir
 from dsec_core.envelope import Envelope
 from dsec_core.ids import derive_event_id
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
@@ -155,9 +156,16 @@ class NodeAgent:
         """Where the sandbox's code copy lives on this node (``sandbox.ready.code_dir``)."""
         return self.home / "sandboxes" / sandbox_id / "code"
 
-    async def _code_dir(self, sandbox_id: str, code: events.BundleRef | None) -> Path | None:
+    async def _code_dir(
+        self, sandbox_id: str, code: events.BundleRef | None, max_size: int
+    ) -> Path | None:
         if code is None:
             return None
+        if code.expanded_size is not None and code.expanded_size > max_size:
+            raise StartRefused(
+                f"code bundle unusable: it expands to {code.expanded_size} bytes, over "
+                f"include_code.max_size ({max_size} bytes)"
+            )
         try:
             data = await get_bundle(self.settings, code.object_key, code.digest)
         except (ObjectMissing, BundleAltered) as exc:
@@ -166,7 +174,7 @@ class NodeAgent:
         if dest.exists():  # a redelivery after a crash: the bundle is immutable, reuse it
             return dest
         try:
-            await asyncio.to_thread(extract_bundle, data, dest)
+            await asyncio.to_thread(extract_bundle, data, dest, max_size=max_size)
         except BundleError as exc:
             raise StartRefused(f"code bundle unusable: {exc}") from None
         return dest
@@ -213,7 +221,7 @@ class NodeAgent:
         plan = EnforcementPlan.model_validate(validated.plan)
         if not plan.entrypoint:
             raise StartRefused("the spec has no `entrypoint`; nothing to run")
-        code_dir = await self._code_dir(sid, validated.code)
+        code_dir = await self._code_dir(sid, validated.code, plan.code_max_size)
         if code_dir is not None:
             _mountpoints(code_dir, plan)
         ctx = await self.injector.prepare(
@@ -351,13 +359,13 @@ class NodeAgent:
     async def _refused(self, refusal: KernelRefusal) -> None:
         payload = events.PolicyViolation(
             layer="kernel",
-            rule_id="seccomp",
+            rule_id=refusal.rule_id,
             action="deny",
             operation="syscall",
             target=refusal.syscall,
             message=(
                 f"the kernel refused system call {refusal.syscall} (pid {refusal.pid}) with "
-                f"{refusal.errno_name}: the sandbox's seccomp filter denies it to every workload"
+                f"{refusal.errno_name}: {_SECCOMP_WHY.get(refusal.rule_id, 'not allowed')}"
             ),
         )
         await self._publish(payload, refusal.sandbox_id, None)
@@ -374,14 +382,42 @@ class NodeAgent:
         await self._publish(payload, refusal.sandbox_id, None)
 
 
+_SECCOMP_WHY = {
+    "seccomp.denied": "the sandbox's seccomp filter denies it to every workload",
+    "seccomp.socket-family": "sandboxes may open AF_UNIX, AF_INET, AF_INET6 and "
+    "AF_NETLINK (NETLINK_ROUTE) sockets only",
+    "seccomp.not-allowed": "not on the sandbox's system call allow-list",
+}
+
+
 def _mountpoints(code_dir: Path, plan: EnforcementPlan) -> None:
     """Create, in the (read-only at run time) code tree, the directories where writable paths
-    and mounts under ``workdir`` will be bound: a read-only mount cannot get a new mountpoint."""
+    and mounts under ``workdir`` will be bound: a read-only mount cannot get a new mountpoint.
+
+    The code tree is the user's: each directory is opened with ``O_NOFOLLOW`` below the one
+    above it, so a symlink in the bundle (``out -> /etc``) is refused, never followed as root
+    (here, nor later by the sandbox's pre-exec stage, which binds onto these directories).
+
+    Raises:
+        StartRefused: naming the spec path and the bundle entry that is a symlink or a file.
+    """
     workdir = Path(plan.workdir)
-    for target in [*plan.filesystem.write, *(m.path for m in plan.mounts)]:
-        path = Path(target)
-        if path != workdir and path.is_relative_to(workdir):
-            (code_dir / path.relative_to(workdir)).mkdir(parents=True, exist_ok=True)
+    targets = [*plan.filesystem.write, *(m.path for m in plan.mounts)]
+    root_fd = os.open(code_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for target in targets:
+            path = Path(target)
+            if path == workdir or not path.is_relative_to(workdir):
+                continue
+            try:
+                os.close(open_real_dir(root_fd, path.relative_to(workdir).as_posix(), create=True))
+            except NotADirectoryError as exc:
+                raise StartRefused(
+                    f"{target}: in the code bundle, {exc} (a path the spec grants or mounts "
+                    "must not pass through a link)"
+                ) from None
+    finally:
+        os.close(root_fd)
 
 
 def _action(value: str) -> Any:

@@ -13,11 +13,11 @@ when unset)::
         max: 64GiB
 
 Kinds: ``no-egress-anywhere``, ``forbid-domains``, ``forbid-write``, ``max-secret-ttl``,
-``max-memory``, ``max-cpu``, ``max-gpus``, ``max-timeout``, ``require-timeout``,
-``require-rate-limit``, ``allowed-vault-mounts``, ``allowed-bases``, ``no-dns-passthrough``,
-``forbid-host-paths``. ``severities`` raises or lowers any diagnostic by rule id (e.g.
-``infer.path-missing: error``); ``tenants`` maps a tenant to the Vault, S3 and config map
-prefixes its specs may use (see :mod:`dsec_policy.scope`).
+``max-memory``, ``max-code-size``, ``max-cpu``, ``max-gpus``, ``max-timeout``,
+``require-timeout``, ``require-rate-limit``, ``allowed-vault-mounts``, ``allowed-bases``,
+``no-dns-passthrough``, ``forbid-host-paths``. ``severities`` raises or lowers any diagnostic by
+rule id (e.g. ``infer.path-missing: error``); ``tenants`` maps a tenant to the Vault, S3 and
+config map prefixes its specs may use (see :mod:`dsec_policy.scope`).
 """
 
 from __future__ import annotations
@@ -92,6 +92,14 @@ class MaxMemory(_Rule):
     max: ByteSize
 
 
+class MaxCodeSize(_Rule):
+    """``include_code.max_size`` (the code bundle's size once extracted) no larger than ``max``;
+    the spec's default (256MiB) counts when unset."""
+
+    kind: Literal["max-code-size"]
+    max: ByteSize
+
+
 class MaxCpu(_Rule):
     """CPU limit no larger than ``max`` cores."""
 
@@ -160,6 +168,7 @@ Rule = Annotated[
     | ForbidWrite
     | MaxSecretTtl
     | MaxMemory
+    | MaxCodeSize
     | MaxCpu
     | MaxGpus
     | MaxTimeout
@@ -378,6 +387,17 @@ def _max_memory(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[V
         )
 
 
+def _max_code_size(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
+    assert isinstance(rule, MaxCodeSize)
+    size = spec.include_code.max_size
+    if size > rule.max:
+        yield (
+            ("include_code", "max_size"),
+            f"include_code.max_size {format_size(size)} is above {format_size(rule.max)}",
+            f"include_code: {{max_size: {format_size(rule.max)}}} or less",
+        )
+
+
 def _max_cpu(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
     assert isinstance(rule, MaxCpu)
     if spec.resources.cpu > rule.max:
@@ -497,6 +517,7 @@ _CHECKS: dict[str, Callable[[SandboxSpec, _Rule, StackFacts], Iterator[Violation
     "forbid-write": _forbid_write,
     "max-secret-ttl": _max_secret_ttl,
     "max-memory": _max_memory,
+    "max-code-size": _max_code_size,
     "max-cpu": _max_cpu,
     "max-gpus": _max_gpus,
     "max-timeout": _max_timeout,

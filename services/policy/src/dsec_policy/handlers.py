@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Sequence
 
 import blake3
+from dsec_core.codebundle import declared_max_size
 from dsec_core.envelope import Envelope
 from dsec_core.events import Payload, SpecRejected, SpecSubmitted, SpecValidated
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
@@ -68,7 +69,9 @@ class PolicyHandlers:
         except BundleAltered as exc:
             return _bundle_error(event.filename, str(exc))
         try:
-            return await asyncio.to_thread(read_bundle_sources, archive)
+            return await asyncio.to_thread(
+                read_bundle_sources, archive, declared_max_size(event.spec_yaml)
+            )
         except CodeDirError as exc:
             return _bundle_error(event.filename, str(exc))
 

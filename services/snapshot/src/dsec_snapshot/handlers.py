@@ -24,7 +24,7 @@ from typing import Literal
 
 from dsec_core import events
 from dsec_core.bus import replay
-from dsec_core.codebundle import BundleError, extract_bundle
+from dsec_core.codebundle import MAX_SIZE_LIMIT, BundleError, extract_bundle
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.settings import Settings
@@ -210,7 +210,8 @@ class SnapshotHandlers:
                 if code is None:
                     scratch.mkdir(parents=True)
                 else:
-                    extract_bundle(code, scratch)
+                    # the sandbox's own bundle, already bounded by its node: only the ceiling
+                    extract_bundle(code, scratch, max_size=MAX_SIZE_LIMIT)
                 return self.store.create(name, replace(inputs, code_dir=scratch))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)

@@ -7,7 +7,9 @@ from typing import Annotated
 
 import typer
 from dsec_core.codebundle import DEFAULT_EXCLUDES, Bundle, BundleError, build_bundle
+from dsec_core.spec.units import parse_size
 
+from dsec_cli.commands.submit import warn_skipped
 from dsec_cli.common import EXIT_BAD_INPUT, console, fail, print_json
 from dsec_cli.render import human_size
 
@@ -55,13 +57,22 @@ def bundle(
     ] = [],  # noqa: B006
     out: Annotated[Path | None, typer.Option(help="Write the .tar.zst archive here")] = None,
     files: Annotated[bool, typer.Option("--files", help="List every file")] = False,
+    max_size: Annotated[
+        str,
+        typer.Option(help="Refuse a tree larger than this once extracted (include_code.max_size)"),
+    ] = "256MiB",
     as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON")] = False,
 ) -> None:
     """Bundle a directory and print (or write) the result."""
     try:
-        result = build_bundle(directory, exclude, out=out)
+        limit = parse_size(max_size)
+    except ValueError as exc:
+        fail(f"--max-size {max_size!r}: {exc}", EXIT_BAD_INPUT)
+    try:
+        result = build_bundle(directory, exclude, out=out, max_size=limit)
     except BundleError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
+    warn_skipped(result.skipped, directory)
     if as_json:
         print_json(
             {
@@ -71,6 +82,7 @@ def bundle(
                 "total_size": result.manifest.total_size,
                 "tree_digest": result.manifest.tree_digest,
                 "out": str(out) if out is not None else None,
+                "skipped": list(result.skipped),
                 "manifest": result.manifest.model_dump(mode="json"),
             }
         )

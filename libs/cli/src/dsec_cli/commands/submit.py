@@ -11,7 +11,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
-from dsec_core.codebundle import BundleError, build_bundle
+from dsec_core.codebundle import BundleError, build_bundle, declared_max_size
 from dsec_core.envelope import Envelope
 from dsec_core.events import SANDBOX_STATES, TERMINAL_TYPES, BundleRef, Payload, SpecSubmitted
 from dsec_core.ids import new_sandbox_id
@@ -55,6 +55,7 @@ class Outcome:
     exit_code: int | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
     stalled_after: str | None = None
+    skipped: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -62,30 +63,54 @@ class Outcome:
             "state": self.state,
             "exit_code": self.exit_code,
             "stalled_after": self.stalled_after,
+            "skipped": self.skipped,
             "events": self.events,
         }
 
 
-def _exclude_patterns(spec_text: str) -> list[str]:
-    """The spec's ``include_code.exclude_patterns`` if readable (validation is the service's)."""
+def _include_code(spec_text: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(spec_text)
-        patterns = data.get("include_code", {}).get("exclude_patterns", [])
-        return [str(p) for p in patterns] if isinstance(patterns, list) else []
+        include = data.get("include_code", {})
+        return include if isinstance(include, dict) else {}
     except (yaml.YAMLError, AttributeError):
-        return []
+        return {}
 
 
-def upload_code(code: Path, spec_text: str, settings: Settings) -> BundleRef:
-    """Bundle ``code`` (with the spec's exclude patterns) and store it content-addressed."""
+def _exclude_patterns(spec_text: str) -> list[str]:
+    """The spec's ``include_code.exclude_patterns`` if readable (validation is the service's)."""
+    patterns = _include_code(spec_text).get("exclude_patterns", [])
+    return [str(p) for p in patterns] if isinstance(patterns, list) else []
+
+
+def warn_skipped(skipped: Sequence[str], code: Path) -> None:
+    """Say which special files of ``code`` the bundle leaves out (they are not code)."""
+    if skipped:
+        err_console.print(
+            f"[yellow]warning:[/] --code {code}: left out {len(skipped)} special file(s) "
+            f"(not code): {', '.join(skipped)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def upload_code(
+    code: Path, spec_text: str, settings: Settings, skipped: list[str] | None = None
+) -> BundleRef:
+    """Bundle ``code`` (with the spec's exclude patterns and size bound) and store it
+    content-addressed; ``skipped`` receives the special files left out."""
     import urllib3
     from dsec_core.objectstore import ensure_bucket
     from minio.error import S3Error
 
     try:
-        bundle = build_bundle(code, _exclude_patterns(spec_text))
+        bundle = build_bundle(
+            code, _exclude_patterns(spec_text), max_size=declared_max_size(spec_text)
+        )
     except (BundleError, OSError) as exc:
         fail(f"--code {code}: {exc}", EXIT_BAD_INPUT)
+    if skipped is not None:
+        skipped.extend(bundle.skipped)
     client = s3_client(settings)
     key = f"bundles/{bundle.digest}.tar.zst"
     data = bundle.read()
@@ -99,7 +124,11 @@ def upload_code(code: Path, spec_text: str, settings: Settings) -> BundleRef:
             EXIT_UNREACHABLE,
         )
     return BundleRef(
-        digest=bundle.digest, object_key=key, size=len(data), files=len(bundle.manifest.files)
+        digest=bundle.digest,
+        object_key=key,
+        size=len(data),
+        files=len(bundle.manifest.files),
+        expanded_size=bundle.manifest.total_size,
     )
 
 
@@ -229,13 +258,18 @@ def submit(
     if code is not None and not code.is_dir():
         fail(f"--code {code} is not a directory", EXIT_BAD_INPUT)
     settings = Settings()
-    code_ref = upload_code(code, spec_text, settings) if code is not None else None
+    skipped: list[str] = []
+    code_ref = None
+    if code is not None:
+        code_ref = upload_code(code, spec_text, settings, skipped)
+        warn_skipped(skipped, code)
     try:
         outcome = run(
             submit_and_follow(spec_text, spec.name, code_ref, wait, timeout, stall, as_json)
         )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    outcome.skipped = skipped
     finish(outcome, wait, stall, as_json)
 
 
@@ -257,4 +291,12 @@ def register(app: typer.Typer) -> None:
     app.command("submit")(submit)
 
 
-__all__ = ["WAIT_FOR", "Outcome", "finish", "register", "submit_and_follow", "upload_code"]
+__all__ = [
+    "WAIT_FOR",
+    "Outcome",
+    "finish",
+    "register",
+    "submit_and_follow",
+    "upload_code",
+    "warn_skipped",
+]

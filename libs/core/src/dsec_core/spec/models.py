@@ -593,10 +593,28 @@ class SecurityPolicy(SpecModel):
     semantic: tuple[SemanticRule, ...] = ()
 
 
+#: Default and ceiling of ``include_code.max_size`` (the code bundle's size once extracted).
+CODE_MAX_SIZE_DEFAULT = 256 * 2**20
+CODE_MAX_SIZE_LIMIT = 4 * 2**30
+
+
 class IncludeCode(SpecModel):
     """What of the code directory goes into the bundle."""
 
     exclude_patterns: tuple[NonEmptyStr, ...] = ()
+    max_size: ByteSize = Field(
+        default=CODE_MAX_SIZE_DEFAULT,
+        description="Largest size of the code once extracted (files added up; sparse files "
+        "count their full size); at most 4GiB",
+        examples=["200MiB"],
+    )
+
+    @field_validator("max_size")
+    @classmethod
+    def _max_size(cls, value: int) -> int:
+        if value > CODE_MAX_SIZE_LIMIT:
+            raise invalid(f"{value} bytes is over the limit", "at most 4GiB")
+        return value
 
 
 # -- the spec ------------------------------------------------------------------------------------

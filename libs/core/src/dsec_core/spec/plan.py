@@ -170,6 +170,9 @@ class EnforcementPlan(PlanModel):
     env: tuple[PlainEnv, ...]
     mounts: tuple[MountPlan, ...]
     exclude_patterns: tuple[str, ...]
+    code_max_size: int = Field(
+        default=256 * 2**20, description="Bytes the code bundle may expand to on the node"
+    )
 
     @property
     def effective_task_group(self) -> str:
@@ -214,6 +217,7 @@ def compile_plan(spec: SandboxSpec, tenant: str = "default") -> EnforcementPlan:
         env=tuple(PlainEnv(name=e.name, value=e.value) for e in context.env_vars if e.value),
         mounts=tuple(_mount(m) for m in context.mounts),
         exclude_patterns=spec.include_code.exclude_patterns,
+        code_max_size=spec.include_code.max_size,
     )
 
 

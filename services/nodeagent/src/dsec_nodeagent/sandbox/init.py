@@ -242,27 +242,90 @@ def build_root(plan: Plan) -> None:
     )
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _real_dir(root: str, path: str) -> int:
+    """``mkdir -p`` of ``path`` inside the new root, returning an fd of it.
+
+    Each component is created and opened with ``O_NOFOLLOW`` below the one above it: the trees
+    bound into the root view (the user's code bundle, the environment, the host's ``/usr``) may
+    hold symlinks, and one followed here, as root and before pivot_root, would create a
+    directory (and mount over it) on the host. A link on the way is an error naming it.
+    """
+    fd = os.open(root, _DIR_FLAGS)
+    done = ""
+    try:
+        for part in path.split("/"):
+            if not part:
+                continue
+            done += "/" + part
+            try:  # noqa: SIM105 - contextlib is an import this stage does without
+                os.mkdir(part, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                raise OSError(
+                    exc.errno, f"{done} is a symlink or not a directory; not followed"
+                ) from None
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _make_dir(root: str, path: str) -> None:
+    os.close(_real_dir(root, path))
+
+
+def _make_file(root: str, path: str, mode: int) -> int:
+    """Create (or open) the regular file ``path`` in the new root, never through a link."""
+    parent = _real_dir(root, os.path.dirname(path))
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(os.path.basename(path), flags, mode, dir_fd=parent)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{path} is a symlink or not a file; not followed") from None
+    finally:
+        os.close(parent)
+
+
 def _apply_entry(root: str, entry: dict[str, Any], plan: Plan) -> None:
     kind = entry["kind"]
-    dst = root + entry["path"]
+    path = entry["path"]
+    dst = root + path
     if kind == "dir":
-        os.makedirs(dst, mode=0o755, exist_ok=True)
+        _make_dir(root, path)
     elif kind == "symlink":
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        os.symlink(entry["target"], dst)
+        parent = _real_dir(root, os.path.dirname(path))
+        try:
+            os.symlink(entry["target"], os.path.basename(path), dir_fd=parent)
+        finally:
+            os.close(parent)
     elif kind == "file":
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        with open(dst, "w") as fh:
+        fd = _make_file(root, path, entry.get("mode", 0o644))
+        with os.fdopen(fd, "w") as fh:
             fh.write(entry["content"])
-        os.chmod(dst, entry.get("mode", 0o644))
+            os.fchmod(fd, entry.get("mode", 0o644))
     elif kind == "bind":
+        if os.path.isdir(entry["src"]):
+            _make_dir(root, path)
+        else:
+            os.close(_make_file(root, path, 0o644))
         _bind(entry["src"], dst, entry["ro"])
     elif kind == "tmpfs":
-        os.makedirs(dst, exist_ok=True)
+        _make_dir(root, path)
         syscalls.mount("tmpfs", dst, "tmpfs", _NOSUID_NODEV, entry["options"])
     elif kind == "proc":
+        _make_dir(root, path)
         _mount_proc(dst)
     elif kind == "dev":
+        _make_dir(root, path)
         _mount_dev(dst, entry["nodes"])
     else:
         raise ValueError(f"unknown layout entry kind {kind!r}")

@@ -6,9 +6,12 @@ workload's pre-exec stage, kept by the sandbox's supervisor process at
 :data:`.seccomp.SUPERVISOR_LISTENER_FD`, and taken from there with ``pidfd_getfd(2)`` by the
 node agent — at launch and again when a restarted agent re-adopts the sandbox.
 
-Every notification is answered ``EPERM`` at once (never ``SECCOMP_USER_NOTIF_FLAG_CONTINUE``):
-the filter made the decision, this module only reports it, reading nothing but the syscall number
-and register arguments from the notification (no target memory, hence no TOCTOU and no need for
+Every notification is answered at once with an error (never
+``SECCOMP_USER_NOTIF_FLAG_CONTINUE``): ``EAFNOSUPPORT`` for a socket family, ``EPERM`` for a named
+dangerous call, ``ENOSYS`` for a call off the allow-list (:func:`.seccomp.refusal_errno`, the
+errno the filter returns by itself without a listener). The filter made the decision; this
+module only reports it, reading nothing but the syscall number and register arguments from the
+notification (no target memory, hence no TOCTOU and no need for
 ``SECCOMP_IOCTL_NOTIF_ID_VALID``).
 """
 
@@ -53,10 +56,11 @@ class KernelRefusal:
 
     Attributes:
         sandbox_id: the sandbox.
-        syscall: what was refused, as a user reads it (``ptrace``, ``socket(AF_PACKET)``).
-        nr: the x86_64 system call number.
+        syscall: what was refused, as a user reads it (``ptrace``, ``socket(AF_VSOCK)``).
+        nr: the system call number (of this machine's architecture).
         pid: the calling thread, in the node agent's pid namespace.
-        errno_name: what the caller got (``EPERM``).
+        errno_name: what the caller got (``EPERM``, ``EAFNOSUPPORT``, ``ENOSYS``).
+        rule_id: ``seccomp.socket-family``, ``seccomp.denied`` or ``seccomp.not-allowed``.
     """
 
     sandbox_id: str
@@ -64,6 +68,7 @@ class KernelRefusal:
     nr: int
     pid: int
     errno_name: str = "EPERM"
+    rule_id: str = "seccomp.denied"
 
 
 RefusalHandler = Callable[[KernelRefusal], Awaitable[None]]
@@ -89,7 +94,7 @@ def take_listener(supervisor_pid: int) -> int:
 
 
 class RefusalReporter:
-    """Answers a sandbox's seccomp notifications with ``EPERM`` and hands each to ``handler``.
+    """Answers a sandbox's seccomp notifications with their errno; hands each to ``handler``.
 
     Args:
         sandbox_id: the sandbox the listener belongs to.
@@ -131,9 +136,18 @@ class RefusalReporter:
                 log.warning("sandbox %s: seccomp notification: %s", self.sandbox_id, exc)
             return
         notif_id, pid, _flags, nr, _arch, _ip, *args = _NOTIF.unpack(buf)
+        registers = tuple(args)
+        code = seccomp.refusal_errno(nr, registers)
         with contextlib.suppress(OSError):  # ENOENT: the caller died meanwhile; still report
-            fcntl.ioctl(self.fd, SECCOMP_IOCTL_NOTIF_SEND, _RESP.pack(notif_id, 0, -errno.EPERM, 0))
-        refusal = KernelRefusal(self.sandbox_id, seccomp.describe(nr, tuple(args)), nr, pid)
+            fcntl.ioctl(self.fd, SECCOMP_IOCTL_NOTIF_SEND, _RESP.pack(notif_id, 0, -code, 0))
+        refusal = KernelRefusal(
+            self.sandbox_id,
+            seccomp.describe(nr, registers),
+            nr,
+            pid,
+            errno.errorcode.get(code, str(code)),
+            seccomp.rule_id(nr, registers),
+        )
         REFUSALS.labels(refusal.syscall).inc()
         if self.handler is not None:
             task = asyncio.ensure_future(self.handler(refusal))

@@ -13,12 +13,15 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 
-# x86_64 numbers; the sandbox refuses to start on other architectures (see seccomp.py).
-SYS_PIVOT_ROOT = 155
+# x86_64 and arm64 (asm-generic) numbers; calls from 424 on have one number on every
+# architecture. The sandbox refuses to start on others (check_arch).
+_MACHINE = os.uname().machine
+SYS_PIVOT_ROOT = 41 if _MACHINE == "aarch64" else 155
+SYS_SECCOMP = 277 if _MACHINE == "aarch64" else 317
 SYS_LANDLOCK_CREATE_RULESET = 444
 SYS_LANDLOCK_ADD_RULE = 445
 SYS_LANDLOCK_RESTRICT_SELF = 446
-SYS_SECCOMP = 317
+SUPPORTED_MACHINES = ("x86_64", "aarch64")
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -49,10 +52,9 @@ PR_CAP_AMBIENT_CLEAR_ALL = 4
 
 
 def check_arch() -> None:
-    """Raise unless this is x86_64, the only syscall table this module carries."""
-    machine = os.uname().machine
-    if machine != "x86_64":
-        raise OSError(f"sandbox supports x86_64 only, this machine is {machine}")
+    """Raise unless this is x86_64 or arm64, the syscall tables this module carries."""
+    if _MACHINE not in SUPPORTED_MACHINES:
+        raise OSError(f"sandbox supports x86_64 and aarch64 only, this machine is {_MACHINE}")
 
 
 def _check(result: int, what: str) -> int:

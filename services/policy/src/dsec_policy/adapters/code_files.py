@@ -8,7 +8,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import BinaryIO
 
-from dsec_core.codebundle import BundleError, extract_bundle
+from dsec_core.codebundle import DEFAULT_MAX_SIZE, BundleError, extract_bundle
 
 SKIPPED_DIRS = frozenset(
     {
@@ -63,17 +63,20 @@ def read_python_sources(root: Path, exclude_patterns: tuple[str, ...] = ()) -> d
     return out
 
 
-def read_bundle_sources(archive: bytes | Path | BinaryIO) -> dict[str, bytes]:
+def read_bundle_sources(
+    archive: bytes | Path | BinaryIO, max_size: int = DEFAULT_MAX_SIZE
+) -> dict[str, bytes]:
     """The ``*.py`` files of a code bundle archive (``dsec_core.codebundle``).
 
-    The archive is extracted into a temporary directory that is always removed.
+    The archive is extracted into a temporary directory that is always removed; it may expand
+    to ``max_size`` bytes (the spec's ``include_code.max_size``).
 
     Raises:
         CodeDirError: the archive is not a valid bundle.
     """
     with tempfile.TemporaryDirectory(prefix="dsec-policy-") as tmp:
         try:
-            extract_bundle(archive, Path(tmp) / "code")
+            extract_bundle(archive, Path(tmp) / "code", max_size=max_size)
         except BundleError as exc:
             raise CodeDirError(f"invalid code bundle: {exc}") from None
         return read_python_sources(Path(tmp) / "code")
