@@ -1,6 +1,8 @@
 """The DNS proxy against a real authoritative server on loopback (no kernel: a recording sink).
 
 The kernel tests show the same proxy behind the cgroup redirect; these cover the answers.
+Every address of the test zone is on loopback, so rules that must open them set
+``allow_internal_only`` (answers pointing at loopback are refused otherwise).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import dns.asyncquery
 import dns.flags
@@ -22,7 +25,7 @@ from dns_zone_server import ZoneServer, start_test_dns
 
 from dsec_nodeagent.dns.proxy import DnsProxy, Grant
 from dsec_nodeagent.dns.upstream import UpstreamClient
-from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule
+from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule, IPAddress
 
 pytestmark = pytest.mark.integration
 
@@ -32,25 +35,38 @@ class RecordingSink:
 
     def __init__(self) -> None:
         self.grants: list[tuple[int, Grant, int]] = []
+        self.revoked: list[tuple[int, IPAddress, int]] = []
 
     def grant(self, cgroup_id: int, grants: Sequence[Grant]) -> None:
         now = time.monotonic_ns()
         self.grants.extend((cgroup_id, g, now) for g in grants)
 
+    def revoke(self, cgroup_id: int, keys: Sequence[tuple[IPAddress, int]]) -> None:
+        self.revoked.extend((cgroup_id, a, p) for a, p in keys)
+
     def addresses(self) -> set[tuple[str, int, int]]:
         return {(str(g.address), g.port, g.slot) for _, g, _ in self.grants}
+
+
+def internal(rule_id: str, **fields: Any) -> EgressRule:
+    return EgressRule(id=rule_id, allow_internal_only=True, **fields)
 
 
 PLAN = EgressPlan(
     sandbox_id="sbx-dns",
     rules=(
-        EgressRule(id="egress[0]", domain="allowed.test", ports=(8080,)),
-        EgressRule(id="egress[1]", domain="*.wild.test", ports=(443, 8443)),
-        EgressRule(id="egress[2]", domain="alias.test", ports=(443,)),
-        EgressRule(id="egress[3]", domain="mixed.test", ports=(6379,), allow_internal_only=True),
-        EgressRule(id="egress[4]", domain="big.test", ports=(80,)),
-        EgressRule(id="egress[5]", domain="short.test", ports=(80,)),
-        EgressRule(id="egress[6]", domain="txt.test", ports=(80,)),
+        internal("egress[0]", domain="allowed.test", ports=(8080,)),
+        internal("egress[1]", domain="*.wild.test", ports=(443, 8443)),
+        internal("egress[2]", domain="alias.test", ports=(443,)),
+        internal("egress[3]", domain="mixed.test", ports=(6379,)),
+        internal("egress[4]", domain="big.test", ports=(80,)),
+        internal("egress[5]", domain="short.test", ports=(80,)),
+        internal("egress[6]", domain="txt.test", ports=(80,)),
+        EgressRule(id="egress[7]", domain="rebind.test", ports=(80,)),
+        internal("egress[8]", domain="meta.test", ports=(80,)),
+        internal("egress[9]", domain="long.test", ports=(80,)),
+        internal("egress[10]", domain="big2.test", ports=(80,)),
+        internal("egress[11]", domain="big3.test", ports=(80,)),
     ),
 )
 
@@ -163,9 +179,11 @@ async def test_truncated_answers_go_over_tcp(
     over_udp = await ask(port, "big.test")
     assert over_udp.flags & dns.flags.TC
     over_tcp = await ask(port, "big.test", tcp=True)
-    assert len(addresses(over_tcp)) == 100
+    kept = addresses(over_tcp)
+    assert len(kept) == 32 and all(a.startswith("127.0.1.") for a in kept)  # max_addresses
     assert ("big.test.", "A", "tcp") in zone.questions  # upstream truncated to us too
-    assert len(sink.addresses()) == 100
+    assert len(sink.grants) == 64  # 32 per answer (the zone shuffles which ones)
+    assert {(a, 80, 5) for a in kept} <= sink.addresses()
 
 
 async def test_expiry_follows_the_ttl(proxy: tuple[DnsProxy, RecordingSink, int]) -> None:
@@ -176,14 +194,32 @@ async def test_expiry_follows_the_ttl(proxy: tuple[DnsProxy, RecordingSink, int]
     assert before + 3 * 10**9 <= grant.expires_ns <= time.monotonic_ns() + 3 * 10**9
 
 
-async def test_non_address_questions_are_answered_without_grants(
-    proxy: tuple[DnsProxy, RecordingSink, int],
+async def test_non_address_questions_are_refused_without_asking_upstream(
+    proxy: tuple[DnsProxy, RecordingSink, int], zone: ZoneServer
 ) -> None:
-    _, sink, port = proxy
-    answer = await ask(port, "txt.test", "TXT")
-    assert answer.rcode() == dns.rcode.NOERROR
-    assert answer.answer[0][0].strings == (b"hello",)
+    p, sink, port = proxy
+    refusals = record_refusals(p)
+    before = len(zone.questions)
+    for rdtype in ("TXT", "ANY", "MX"):
+        answer = await ask(port, "txt.test", rdtype)
+        assert answer.rcode() == dns.rcode.REFUSED and answer.answer == []
+    assert len(zone.questions) == before
+    assert [(r[1], r[2], r[3]) for r in refusals] == [
+        ("txt.test", t, "dns.qtype") for t in ("TXT", "ANY", "MX")
+    ]
+    assert "only A, AAAA are answered" in refusals[0][4]
     assert sink.grants == []
+
+
+def record_refusals(p: DnsProxy) -> list[tuple[str, str, str, str, str]]:
+    """(sandbox, name, type, rule id, reason) of every refusal the proxy reports."""
+    seen: list[tuple[str, str, str, str, str]] = []
+
+    def on_denied(sid: str, name: str, rdtype: str, *, rule_id: str, reason: str) -> None:
+        seen.append((sid, name, rdtype, rule_id, reason))
+
+    p.on_denied = on_denied
+    return seen
 
 
 async def test_passthrough_answers_every_name_but_grants_only_rule_names(
@@ -203,6 +239,9 @@ async def test_passthrough_answers_every_name_but_grants_only_rule_names(
 class FullSink:
     def grant(self, cgroup_id: int, grants: Sequence[Grant]) -> None:
         raise OSError(28, "No space left on device")
+
+    def revoke(self, cgroup_id: int, keys: Sequence[tuple[IPAddress, int]]) -> None:
+        pass
 
 
 async def test_full_allow_map_gives_servfail_not_an_unusable_answer(zone: ZoneServer) -> None:
@@ -227,7 +266,7 @@ async def test_dead_upstream_gives_servfail() -> None:
 async def test_each_sandbox_has_its_own_port_and_plan(zone: ZoneServer) -> None:
     sink = RecordingSink()
     p = DnsProxy(UpstreamClient(zone.host, zone.port), sink)
-    other = EgressPlan(sandbox_id="other", rules=(EgressRule(id="r", domain="other.test"),))
+    other = EgressPlan(sandbox_id="other", rules=(internal("r", domain="other.test"),))
     first, second = await p.serve(1, PLAN), await p.serve(2, other)
     try:
         assert first != second

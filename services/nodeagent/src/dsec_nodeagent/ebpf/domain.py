@@ -216,17 +216,65 @@ def bucket_specs(plan: EgressPlan) -> Iterator[BucketSpec]:
         yield BucketSpec(slot=slot, interval_ns=interval, tau_ns=(limit.bucket_size - 1) * interval)
 
 
+# DNS answers that point here are refused (dropped from the answer, reported) whatever the rule:
+# metadata endpoints and other link-local hosts, "this network", multicast and broadcast.
+NEVER_FROM_DNS: tuple[IPNetwork, ...] = (
+    ipaddress.ip_network("169.254.0.0/16"),
+    ipaddress.ip_network("fe80::/10"),
+    ipaddress.ip_network("0.0.0.0/8"),
+    ipaddress.ip_network("::/128"),
+    ipaddress.ip_network("224.0.0.0/4"),
+    ipaddress.ip_network("ff00::/8"),
+    ipaddress.ip_network("255.255.255.255/32"),
+)
+# Refused unless the rule allows internal targets (``allow_internal_only``): the node itself.
+LOOPBACK_NETWORKS: tuple[IPNetwork, ...] = (
+    ipaddress.ip_network("127.0.0.0/8"),
+    ipaddress.ip_network("::1/128"),
+)
+
+
+def answer_refusal(
+    rule: EgressRule, address: IPAddress, protected: frozenset[IPAddress] = frozenset()
+) -> str | None:
+    """Why a DNS answer address must not be opened under ``rule`` (DNS rebinding), or None.
+
+    ``protected`` holds the node's own addresses and the stack's servers' addresses: refused,
+    like loopback, unless the rule explicitly allows internal targets (``allow_internal_only``).
+    Link-local (cloud metadata), unspecified, multicast and broadcast are refused always.
+    """
+    plain = unmap(address)
+    if any(plain in net for net in NEVER_FROM_DNS if net.version == plain.version):
+        return f"{plain} is link-local, unspecified, multicast or broadcast"
+    if rule.allow_internal_only:
+        return None
+    if any(plain in net for net in LOOPBACK_NETWORKS if net.version == plain.version):
+        return f"{plain} is loopback (the rule does not set allow_internal_only)"
+    if plain in protected:
+        return (
+            f"{plain} is this node's or the stack's own address (the rule does not set "
+            "allow_internal_only)"
+        )
+    return None
+
+
 def grantable(
-    rule: EgressRule, addresses: Iterable[IPAddress], exact_name: bool
+    rule: EgressRule,
+    addresses: Iterable[IPAddress],
+    exact_name: bool,
+    protected: frozenset[IPAddress] = frozenset(),
 ) -> list[IPAddress]:
     """The answered addresses a domain rule may open.
 
     ``allow_internal_only`` drops public addresses; well-known DoH resolvers are dropped unless
-    the name was matched by an exact (non-wildcard) rule.
+    the name was matched by an exact (non-wildcard) rule; addresses with an `answer_refusal`
+    are dropped.
     """
     out: list[IPAddress] = []
     for address in addresses:
         plain = unmap(address)
+        if answer_refusal(rule, plain, protected) is not None:
+            continue
         if rule.allow_internal_only and not is_internal(plain):
             continue
         if plain in DOH_ADDRESSES and not exact_name:

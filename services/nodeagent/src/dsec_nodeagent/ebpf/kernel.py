@@ -350,6 +350,21 @@ class EgressKernel:
             expires = g.expires_ns if old is None else max(int(old.expires_ns), g.expires_ns)
             table[key] = table.Leaf(rule=g.slot, flags=AF_HOST_EXACT, expires_ns=expires)
 
+    def revoke(self, cgroup_id: int, keys: Sequence[tuple[IPAddress, int]]) -> None:
+        """Delete DNS grants ``(address, port)`` of a cgroup (expired: their quota is free)."""
+        t4, t6 = self._table("host4"), self._table("host6")
+        for address, port in keys:
+            table = t4 if address.version == 4 else t6
+            key = table.Key()
+            key.cgid = cgroup_id
+            key.port = port
+            words = _be32_words(address.packed)
+            if address.version == 4:
+                key.addr = words[0]
+            else:
+                key.addr[:] = words
+            table.pop(key, None)
+
     def purge(self, cgroup_id: int) -> None:
         """Remove every entry of a cgroup from every map."""
         sandboxes = self._table("sandboxes")
