@@ -11,18 +11,23 @@ import asyncio
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
+from ipaddress import ip_address
 from pathlib import Path
 from typing import Any
 
 import dns.asyncquery
+import dns.edns
 import dns.flags
 import dns.message
+import dns.opcode
 import dns.rcode
+import dns.rrset
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the fixture
 from dns_zone_server import ZoneServer, start_test_dns
 
+from dsec_nodeagent.dns.policy import DnsBounds
 from dsec_nodeagent.dns.proxy import DnsProxy, Grant
 from dsec_nodeagent.dns.upstream import UpstreamClient
 from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule, IPAddress
@@ -292,3 +297,164 @@ async def test_garbage_is_dropped_and_the_proxy_keeps_serving(
     transport.sendto(b"\x00\x01not dns")
     transport.close()
     assert addresses(await ask(port, "allowed.test")) == ["127.0.0.10"]
+
+
+async def test_rebinding_answers_are_refused_unless_the_rule_allows_internal_targets(
+    zone: ZoneServer,
+) -> None:
+    sink = RecordingSink()
+    p = DnsProxy(UpstreamClient(zone.host, zone.port), sink, protected=[ip_address("127.0.0.21")])
+    refusals = record_refusals(p)
+    plan = EgressPlan(
+        sandbox_id="sbx-rebind",
+        rules=(
+            EgressRule(id="egress[0]", domain="rebind.test", ports=(80,)),  # 127.0.0.1 / ::1
+            internal("egress[1]", domain="meta.test", ports=(80,)),  # 169.254.169.254 / fe80::1
+            EgressRule(id="egress[2]", domain="other.test", ports=(80,)),  # a "node address"
+            internal("egress[3]", domain="allowed.test", ports=(80,)),  # internal: allowed
+        ),
+    )
+    port = await p.serve(11, plan)
+    try:
+        for name, rdtype in (
+            ("rebind.test", "A"),
+            ("rebind.test", "AAAA"),
+            ("meta.test", "A"),
+            ("meta.test", "AAAA"),
+            ("other.test", "A"),
+        ):
+            answer = await ask(port, name, rdtype)
+            assert answer.rcode() == dns.rcode.NOERROR and addresses(answer) == [], name
+        assert sink.grants == []
+        assert [(r[1], r[2], r[3]) for r in refusals] == [
+            ("rebind.test", "A", "dns.rebinding"),
+            ("rebind.test", "AAAA", "dns.rebinding"),
+            ("meta.test", "A", "dns.rebinding"),
+            ("meta.test", "AAAA", "dns.rebinding"),
+            ("other.test", "A", "dns.rebinding"),
+        ]
+        assert "127.0.0.1 is loopback" in refusals[0][4]
+        assert "169.254.169.254 is link-local" in refusals[2][4]
+        assert "node's or the stack's own address" in refusals[4][4]
+        assert addresses(await ask(port, "allowed.test")) == ["127.0.0.10"]
+    finally:
+        await p.close()
+
+
+async def test_upstream_gets_a_fresh_lower_cased_query_not_the_sandbox_bytes(
+    proxy: tuple[DnsProxy, RecordingSink, int], zone: ZoneServer
+) -> None:
+    p, _, port = proxy
+    refusals = record_refusals(p)
+    before = len(zone.questions)
+    answer = await ask(port, "AlLoWeD.TeSt")  # 0x20 case: the sandbox gets its own name back
+    assert addresses(answer) == ["127.0.0.10"]
+    assert answer.question[0].name.to_text() == "AlLoWeD.TeSt."
+    assert zone.questions[before:] == [("allowed.test.", "A", "udp")]
+    # An additional-section record (a secret riding along) is refused, and reaches nobody.
+    smuggler = dns.message.make_query("allowed.test", "A")
+    smuggler.additional.append(
+        dns.rrset.from_text("x.allowed.test.", 0, "IN", "TXT", '"secret=hunter2"')
+    )
+    refused = await dns.asyncquery.udp(smuggler, "127.0.0.1", port=port, timeout=3)
+    assert refused.rcode() == dns.rcode.FORMERR
+    # A 40 KB query over TCP is refused without parsing or forwarding it.
+    wire = dns.message.make_query("allowed.test", "A").to_wire() + b"x" * 40000
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(len(wire).to_bytes(2, "big") + wire)
+    length = int.from_bytes(await reader.readexactly(2), "big")
+    assert dns.message.from_wire(await reader.readexactly(length)).rcode() == dns.rcode.FORMERR
+    writer.close()
+    notify = dns.message.make_query("allowed.test", "A")
+    notify.set_opcode(dns.opcode.NOTIFY)
+    assert (await ask_message(port, notify)).rcode() == dns.rcode.NOTIMP
+    assert len(zone.questions) == before + 1
+    assert [r[3] for r in refusals] == ["dns.malformed", "dns.malformed", "dns.opcode"]
+    assert "secret" not in " ".join(r[4] for r in refusals)
+    assert "40" in refusals[1][4] and "at most 512" in refusals[1][4]
+
+
+async def ask_message(port: int, query: dns.message.Message) -> dns.message.Message:
+    return await dns.asyncquery.udp(query, "127.0.0.1", port=port, timeout=3)
+
+
+async def test_ttl_is_capped_in_the_map_and_the_answer(zone: ZoneServer) -> None:
+    sink = RecordingSink()
+    p = DnsProxy(
+        UpstreamClient(zone.host, zone.port), sink, ttl_grace_s=0, bounds=DnsBounds(max_ttl_s=60)
+    )
+    port = await p.serve(12, PLAN)
+    try:
+        before = time.monotonic_ns()
+        answer = await ask(port, "long.test")  # TTL 1 day in the zone
+        assert answer.answer[0].ttl == 60
+        ((_, grant, _),) = sink.grants
+        assert before + 60 * 10**9 <= grant.expires_ns <= time.monotonic_ns() + 60 * 10**9
+    finally:
+        await p.close()
+
+
+async def test_a_full_quota_refuses_only_that_sandboxes_new_entries(zone: ZoneServer) -> None:
+    sink = RecordingSink()
+    p = DnsProxy(UpstreamClient(zone.host, zone.port), sink, bounds=DnsBounds(sandbox_quota=48))
+    refusals = record_refusals(p)
+    attacker, victim = await p.serve(21, PLAN), await p.serve(22, PLAN)
+    try:
+        assert len(addresses(await ask(attacker, "big.test", tcp=True))) == 32
+        partial = await ask(attacker, "big2.test", tcp=True)
+        assert len(addresses(partial)) == 16  # truncated to what fits
+        assert (await ask(attacker, "big3.test", tcp=True)).rcode() == dns.rcode.SERVFAIL
+        assert p.held(21) == 48
+        assert [(r[0], r[1], r[3]) for r in refusals] == [
+            ("sbx-dns", "big2.test", "dns.quota"),
+            ("sbx-dns", "big3.test", "dns.quota"),
+        ]
+        assert "holds 48 of its 48" in refusals[1][4]
+        # Re-resolving a name it already holds costs nothing; the victim is untouched.
+        assert (await ask(attacker, "allowed.test")).rcode() == dns.rcode.SERVFAIL
+        assert addresses(await ask(victim, "allowed.test")) == ["127.0.0.10"]
+        assert p.held(22) == 1
+    finally:
+        await p.close()
+
+
+async def test_expired_entries_free_the_quota(zone: ZoneServer) -> None:
+    now = [time.monotonic_ns()]
+    sink = RecordingSink()
+    p = DnsProxy(
+        UpstreamClient(zone.host, zone.port),
+        sink,
+        ttl_grace_s=0,
+        clock=lambda: now[0],
+        bounds=DnsBounds(sandbox_quota=32),
+    )
+    port = await p.serve(23, PLAN)
+    try:
+        assert len(addresses(await ask(port, "big.test", tcp=True))) == 32
+        assert (await ask(port, "allowed.test")).rcode() == dns.rcode.SERVFAIL
+        now[0] += 301 * 10**9  # past the zone's TTL of 300 s
+        assert addresses(await ask(port, "allowed.test")) == ["127.0.0.10"]
+        assert len(sink.revoked) == 32 and p.held(23) == 1
+    finally:
+        await p.close()
+
+
+async def test_query_rate_and_wildcard_name_length_are_bounded(zone: ZoneServer) -> None:
+    sink = RecordingSink()
+    p = DnsProxy(
+        UpstreamClient(zone.host, zone.port),
+        sink,
+        bounds=DnsBounds(queries_per_s=0.01, query_burst=3, max_wildcard_prefix=10),
+    )
+    refusals = record_refusals(p)
+    port = await p.serve(24, PLAN)
+    try:
+        long_label = "a" * 11 + ".wild.test"  # 11 characters chosen under *.wild.test
+        assert (await ask(port, long_label)).rcode() == dns.rcode.REFUSED
+        assert addresses(await ask(port, "www.wild.test")) == ["127.0.0.12"]
+        assert addresses(await ask(port, "allowed.test")) == ["127.0.0.10"]
+        assert (await ask(port, "allowed.test")).rcode() == dns.rcode.REFUSED  # 4th in burst 3
+        assert [r[3] for r in refusals] == ["dns.name", "dns.rate"]
+        assert "more than 0.01 queries/s" in refusals[1][4]
+    finally:
+        await p.close()

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from dsec_nodeagent.ebpf.domain import (
     BucketSpec,
     CidrEntry,
+    answer_refusal,
     bucket_specs,
     canonical_network,
     cidr_entries,
@@ -157,11 +158,39 @@ def test_grantable_filters_public_addresses_for_internal_only_rules() -> None:
 
 def test_grantable_drops_doh_resolvers_unless_named_exactly() -> None:
     wildcard = EgressRule(id="w", domain="*.google")
-    assert grantable(wildcard, [ip("8.8.8.8"), ip("127.0.0.1")], exact_name=False) == [
-        ip("127.0.0.1")
+    assert grantable(wildcard, [ip("8.8.8.8"), ip("203.0.113.1")], exact_name=False) == [
+        ip("203.0.113.1")
     ]
     exact = EgressRule(id="e", domain="dns.google")
     assert grantable(exact, [ip("8.8.8.8")], exact_name=True) == [ip("8.8.8.8")]
+
+
+@pytest.mark.parametrize(
+    ("address", "internal_rule_may"),
+    [
+        ("127.0.0.1", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("169.254.169.254", False),
+        ("fe80::1", False),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("224.0.0.1", False),
+        ("ff02::1", False),
+        ("255.255.255.255", False),
+        ("192.0.2.7", True),  # the node's own address (protected below)
+    ],
+)
+def test_rebinding_targets_are_refused_unless_the_rule_allows_internal_ones(
+    address: str, internal_rule_may: bool
+) -> None:
+    public = EgressRule(id="p", domain="api.test")
+    internal = EgressRule(id="i", domain="api.test", allow_internal_only=True)
+    node = frozenset({ip("192.0.2.7")})
+    assert answer_refusal(public, ip(address), node) is not None
+    assert grantable(public, [ip(address)], exact_name=True, protected=node) == []
+    assert (answer_refusal(internal, ip(address), node) is None) is internal_rule_may
+    assert answer_refusal(public, ip("203.0.113.1"), node) is None
 
 
 def test_from_enforcement_plan_keeps_every_egress_field() -> None:
