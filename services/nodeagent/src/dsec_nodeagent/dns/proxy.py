@@ -42,7 +42,14 @@ from dsec_nodeagent.dns.policy import (
     wildcard_prefix,
 )
 from dsec_nodeagent.dns.upstream import UpstreamClient, UpstreamError
-from dsec_nodeagent.ebpf.domain import answer_refusal, grantable, rule_ports, unmap
+from dsec_nodeagent.ebpf.domain import (
+    AF_TCP,
+    answer_refusal,
+    grantable,
+    rule_ports,
+    transport_flags,
+    unmap,
+)
 from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule, IPAddress
 
 log = logging.getLogger(__name__)
@@ -87,6 +94,7 @@ class Grant:
     port: int
     slot: int
     expires_ns: int
+    transports: int = AF_TCP  # AF_TCP / AF_UDP bits of the rule
 
 
 class GrantSink(Protocol):
@@ -544,7 +552,7 @@ class DnsProxy:
         for address in wanted:
             plain = unmap(address)
             mine = [
-                Grant(plain, port, sandbox.plan.slot(rule.id), expires)
+                Grant(plain, port, sandbox.plan.slot(rule.id), expires, transport_flags(rule))
                 for rule, ok in per_rule
                 if plain in ok
                 for port in rule_ports(rule)

@@ -326,6 +326,7 @@ class EgressController:
                 continue
             port = await self.proxy.serve(cgid, plan, int(record["dns_port"]))
             self.proxy.adopt(cgid, ((a, p, e) for a, p, _, e in self.kernel.host_entries(cgid)))
+            self.kernel.add_cidrs(cgid, cidr_entries(plan))  # entries of an older agent gain flags
             self.kernel.set_sandbox(
                 cgid, self.proxy_host4, self.proxy_host6, port, plan.log_allowed
             )

@@ -155,6 +155,15 @@ def canonical_network(network: IPNetwork) -> IPNetwork:
     return network
 
 
+AF_TCP = 2  # allow-entry flags (egress.bpf.c): the entry opens TCP sockets
+AF_UDP = 4  # ... UDP sockets: only when the rule declares udp
+
+
+def transport_flags(rule: EgressRule) -> int:
+    """The ``AF_TCP``/``AF_UDP`` bits of a rule's entries (a TCP grant never opens UDP)."""
+    return (AF_TCP if "tcp" in rule.protocols else 0) | (AF_UDP if "udp" in rule.protocols else 0)
+
+
 @dataclass(frozen=True, slots=True)
 class CidrEntry:
     """One LPM-trie entry: ``network`` on ``port`` (0 = every port) for rule ``slot``."""
@@ -162,6 +171,7 @@ class CidrEntry:
     network: IPNetwork
     port: int
     slot: int
+    transports: int = AF_TCP
 
     @property
     def host_exact(self) -> bool:
@@ -194,7 +204,7 @@ def cidr_entries(plan: EgressPlan) -> Iterator[CidrEntry]:
             networks = [part for net in wanted for part in internal_parts(net)]
         for net in networks:
             for port in rule_ports(rule):
-                yield CidrEntry(network=net, port=port, slot=slot)
+                yield CidrEntry(network=net, port=port, slot=slot, transports=transport_flags(rule))
 
 
 @dataclass(frozen=True, slots=True)

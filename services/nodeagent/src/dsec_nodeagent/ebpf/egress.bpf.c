@@ -45,6 +45,7 @@
 #define V_DENY_UNKNOWN_SANDBOX 5
 #define V_REDIRECT_DNS 6
 #define V_DENY_DOH 7
+#define V_DENY_PROTOCOL 8
 
 // Hooks (model.Hook).
 #define H_CONNECT4 1
@@ -57,6 +58,11 @@
 
 // Allow-entry flags.
 #define AF_HOST_EXACT 1  // entry names one address, not a range (DoH check skips it)
+#define AF_TCP 2         // the entry opens TCP (stream) sockets
+#define AF_UDP 4         // the entry opens UDP (datagram) sockets: only when a rule declares it
+
+#define PROTO_TCP 6
+#define PROTO_MPTCP 262
 
 struct sbx_cfg {
     u32 proxy4;      // DNS proxy IPv4, network order
@@ -246,6 +252,8 @@ struct match {
     u32 rule;
     u32 flags;
     u32 expired_rule;
+    u32 proto_rule;  // an entry that matched everything but the socket's transport
+    u32 want;        // AF_TCP or AF_UDP: the transport of the socket asking
 };
 
 static __always_inline int take(struct allow_val *v, u64 now, struct match *m) {
@@ -253,6 +261,10 @@ static __always_inline int take(struct allow_val *v, u64 now, struct match *m) {
         return 0;
     if (v->expires_ns && now > v->expires_ns) {
         m->expired_rule = v->rule;
+        return 0;
+    }
+    if (!(v->flags & m->want)) {
+        m->proto_rule = v->rule;
         return 0;
     }
     m->rule = v->rule;
@@ -339,15 +351,26 @@ static __always_inline int rate_ok(u64 cgid, u32 rule) {
 
 // Decide a connect/sendmsg to an IPv4 destination (also ::ffff:a.b.c.d from a v6 socket:
 // events then carry family 4 and the hook says connect6/sendmsg6).
+static __always_inline u32 transport_of(struct bpf_sock_addr *ctx) {
+    u32 proto = ctx->protocol;
+    return (proto == PROTO_TCP || proto == PROTO_MPTCP) ? AF_TCP : AF_UDP;
+}
+
+static __always_inline int refuse(struct sbx_cfg *cfg, u64 cgid, struct match *m, u32 hook,
+                                  u32 family, struct bpf_sock_addr *ctx, u32 *addr, u16 port) {
+    if (m->proto_rule)
+        return finish(cfg, cgid, m->proto_rule, V_DENY_PROTOCOL, hook, family, ctx, addr, port);
+    u32 v = m->expired_rule ? V_DENY_EXPIRED : V_DENY_NO_RULE;
+    return finish(cfg, cgid, m->expired_rule, v, hook, family, ctx, addr, port);
+}
+
 static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
                                    u32 ip, u16 port, u32 hook, int is_connect) {
     u32 family = 4;
     u32 ev_addr[4] = {ip, 0, 0, 0};
-    struct match m = {};
-    if (!match4(cgid, ip, port, &m)) {
-        u32 v = m.expired_rule ? V_DENY_EXPIRED : V_DENY_NO_RULE;
-        return finish(cfg, cgid, m.expired_rule, v, hook, family, ctx, ev_addr, port);
-    }
+    struct match m = {.want = transport_of(ctx)};
+    if (!match4(cgid, ip, port, &m))
+        return refuse(cfg, cgid, &m, hook, family, ctx, ev_addr, port);
     if (!(m.flags & AF_HOST_EXACT) && (port == HTTPS_PORT || port == DOT_PORT)) {
         u32 k[4] = {0, 0, 0, ip};
         if (is_doh(k))
@@ -360,11 +383,9 @@ static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cf
 
 static __always_inline int decide6(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
                                    u32 *ip, u16 port, u32 hook, int is_connect) {
-    struct match m = {};
-    if (!match6(cgid, ip, port, &m)) {
-        u32 v = m.expired_rule ? V_DENY_EXPIRED : V_DENY_NO_RULE;
-        return finish(cfg, cgid, m.expired_rule, v, hook, 6, ctx, ip, port);
-    }
+    struct match m = {.want = transport_of(ctx)};
+    if (!match6(cgid, ip, port, &m))
+        return refuse(cfg, cgid, &m, hook, 6, ctx, ip, port);
     if (!(m.flags & AF_HOST_EXACT) && (port == HTTPS_PORT || port == DOT_PORT) && is_doh(ip))
         return finish(cfg, cgid, m.rule, V_DENY_DOH, hook, 6, ctx, ip, port);
     if (is_connect && !rate_ok(cgid, m.rule))
