@@ -33,6 +33,7 @@ rebind          AAAA  ::1
 meta            A     169.254.169.254
 meta            AAAA  fe80::1
 long    86400   A     127.0.0.16
+node            A     192.0.2.50
 """
 
 

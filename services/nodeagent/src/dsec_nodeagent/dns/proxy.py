@@ -416,6 +416,10 @@ class DnsProxy:
             answer = await self._ask(qname, question.rdtype)
             chain, final = await self._follow(answer, qname, question.rdtype)
             kept: list[dns.rrset.RRset] = list(chain)
+            if udp and not _fits(response, [*chain, *([final] if final else [])], max_size):
+                # The client retries over TCP: open nothing for an answer it will not see.
+                response.flags |= dns.flags.TC
+                return reply(answer.rcode())
             if final is not None and action is QueryAction.RESOLVE and match is not None:
                 final = self._open(sandbox, name, qtype, final, chain, match)
             if final is not None:
@@ -612,6 +616,21 @@ def _odd_sections(query: dns.message.Message) -> str | None:
     if query.had_tsig:
         return "a TSIG-signed query"
     return None
+
+
+def _fits(response: dns.message.Message, records: list[dns.rrset.RRset], max_size: int) -> bool:
+    """Whether ``records`` fit in the client's UDP size (cheap bound first, then a render)."""
+    bound = 12 + 300 + sum(len(rr) * (12 + 255 + 16) for rr in records)
+    if bound <= max_size:
+        return True
+    response.answer = records
+    try:
+        response.to_wire(max_size=max_size)
+    except dns.exception.TooBig:
+        return False
+    finally:
+        response.answer = []
+    return True
 
 
 def _header_reply(data: bytes, rcode: dns.rcode.Rcode) -> bytes:

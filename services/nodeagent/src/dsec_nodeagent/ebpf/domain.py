@@ -258,13 +258,13 @@ def answer_refusal(
         return f"{plain} is link-local, unspecified, multicast or broadcast"
     if rule.allow_internal_only:
         return None
+    if any(plain in net for net in LOOPBACK_NETWORKS if net.version == plain.version):
+        return f"{plain} is loopback (the rule does not set allow_internal_only)"
     if plain in protected:
         return (
             f"{plain} is this node's or the stack's own address (the rule does not set "
             "allow_internal_only)"
         )
-    if any(plain in net for net in LOOPBACK_NETWORKS if net.version == plain.version):
-        return f"{plain} is loopback (the rule does not set allow_internal_only)"
     return None
 
 
