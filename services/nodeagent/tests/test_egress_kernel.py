@@ -801,7 +801,13 @@ async def test_a_tcp_grant_does_not_open_udp(
         sandbox_id="sbx-proto",
         rules=(
             rule("egress[0]", cidr="127.0.0.30/32", ports=(port,)),  # tcp (the default)
-            rule("egress[1]", cidr="127.0.0.31/32", ports=(port,), protocols=("udp",)),
+            rule(
+                "egress[1]",
+                cidr="127.0.0.31/32",
+                ports=(port,),
+                protocols=("udp",),
+                rate_limit=RateLimit(count=2, per_seconds=3600),  # datagrams sent with sendto
+            ),
             rule("egress[2]", domain="allowed.test", ports=(port,)),  # tcp, from DNS
         ),
     )
@@ -811,17 +817,18 @@ async def test_a_tcp_grant_does_not_open_udp(
             [
                 {"op": "connect", "host": "127.0.0.30", "port": port},
                 {"op": "udp_sendto", "host": "127.0.0.30", "port": port},
-                {"op": "udp_sendto", "host": "127.0.0.31", "port": port},
                 {"op": "resolve", "name": "allowed.test"},
                 {"op": "udp_sendto", "host": "127.0.0.10", "port": port},
+                *[{"op": "udp_sendto", "host": "127.0.0.31", "port": port}] * 3,
             ],
         )
         egress.drain_events()
-    assert results[:3] == ["ok", "EPERM", "ok"]
-    assert results[4] == "EPERM"
+    assert results[:2] == ["ok", "EPERM"]
+    assert results[3:] == ["EPERM", "ok", "ok", "EPERM"]
     assert denials(events) == {
         ("DENY_PROTOCOL", "127.0.0.30", port, "egress[0]"),
         ("DENY_PROTOCOL", "127.0.0.10", port, "egress[2]"),
+        ("DENY_RATE_LIMIT", "127.0.0.31", port, "egress[1]"),
     }
     refused = next(e for e in events if e.verdict is Verdict.DENY_PROTOCOL)
     assert refused.protocol == "udp"

@@ -365,7 +365,7 @@ static __always_inline int refuse(struct sbx_cfg *cfg, u64 cgid, struct match *m
 }
 
 static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
-                                   u32 ip, u16 port, u32 hook, int is_connect) {
+                                   u32 ip, u16 port, u32 hook) {
     u32 family = 4;
     u32 ev_addr[4] = {ip, 0, 0, 0};
     struct match m = {.want = transport_of(ctx)};
@@ -376,24 +376,24 @@ static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cf
         if (is_doh(k))
             return finish(cfg, cgid, m.rule, V_DENY_DOH, hook, family, ctx, ev_addr, port);
     }
-    if (is_connect && !rate_ok(cgid, m.rule))
+    if (!rate_ok(cgid, m.rule))  // connects, and UDP datagrams sent with an address
         return finish(cfg, cgid, m.rule, V_DENY_RATE_LIMIT, hook, family, ctx, ev_addr, port);
     return finish(cfg, cgid, m.rule, V_ALLOW, hook, family, ctx, ev_addr, port);
 }
 
 static __always_inline int decide6(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
-                                   u32 *ip, u16 port, u32 hook, int is_connect) {
+                                   u32 *ip, u16 port, u32 hook) {
     struct match m = {.want = transport_of(ctx)};
     if (!match6(cgid, ip, port, &m))
         return refuse(cfg, cgid, &m, hook, 6, ctx, ip, port);
     if (!(m.flags & AF_HOST_EXACT) && (port == HTTPS_PORT || port == DOT_PORT) && is_doh(ip))
         return finish(cfg, cgid, m.rule, V_DENY_DOH, hook, 6, ctx, ip, port);
-    if (is_connect && !rate_ok(cgid, m.rule))
+    if (!rate_ok(cgid, m.rule))  // connects, and UDP datagrams sent with an address
         return finish(cfg, cgid, m.rule, V_DENY_RATE_LIMIT, hook, 6, ctx, ip, port);
     return finish(cfg, cgid, m.rule, V_ALLOW, hook, 6, ctx, ip, port);
 }
 
-static __always_inline int hook4(struct bpf_sock_addr *ctx, u32 hook, int is_connect) {
+static __always_inline int hook4(struct bpf_sock_addr *ctx, u32 hook) {
     u64 cgid = 0;
     struct sbx_cfg *cfg = find_sandbox(&cgid);
     u32 ip = ctx->user_ip4;
@@ -412,14 +412,14 @@ static __always_inline int hook4(struct bpf_sock_addr *ctx, u32 hook, int is_con
         u32 ev_addr[4] = {ip, 0, 0, 0};
         return finish(cfg, cgid, 0, V_REDIRECT_DNS, hook, 4, ctx, ev_addr, port);
     }
-    return decide4(ctx, cfg, cgid, ip, port, hook, is_connect);
+    return decide4(ctx, cfg, cgid, ip, port, hook);
 }
 
 static __always_inline int is_v4_mapped(u32 *a) {
     return a[0] == 0 && a[1] == 0 && a[2] == bpf_htonl(0x0000ffff);
 }
 
-static __always_inline int hook6(struct bpf_sock_addr *ctx, u32 hook, int is_connect) {
+static __always_inline int hook6(struct bpf_sock_addr *ctx, u32 hook) {
     u64 cgid = 0;
     struct sbx_cfg *cfg = find_sandbox(&cgid);
     u32 ip[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
@@ -451,8 +451,8 @@ static __always_inline int hook6(struct bpf_sock_addr *ctx, u32 hook, int is_con
         return finish(cfg, cgid, 0, V_REDIRECT_DNS, hook, 6, ctx, ip, port);
     }
     if (mapped)  // ::ffff:a.b.c.d is IPv4 a.b.c.d on the wire: the IPv4 rules decide
-        return decide4(ctx, cfg, cgid, ip[3], port, hook, is_connect);
-    return decide6(ctx, cfg, cgid, ip, port, hook, is_connect);
+        return decide4(ctx, cfg, cgid, ip[3], port, hook);
+    return decide6(ctx, cfg, cgid, ip, port, hook);
 }
 
 // Replies from the proxy (recvmsg) and the peer name (getpeername) show the address the code
@@ -502,10 +502,10 @@ static __always_inline int restore6(struct bpf_sock_addr *ctx) {
     return 1;
 }
 
-int connect4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_CONNECT4, 1); }
-int connect6(struct bpf_sock_addr *ctx) { return hook6(ctx, H_CONNECT6, 1); }
-int sendmsg4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_SENDMSG4, 0); }
-int sendmsg6(struct bpf_sock_addr *ctx) { return hook6(ctx, H_SENDMSG6, 0); }
+int connect4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_CONNECT4); }
+int connect6(struct bpf_sock_addr *ctx) { return hook6(ctx, H_CONNECT6); }
+int sendmsg4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_SENDMSG4); }
+int sendmsg6(struct bpf_sock_addr *ctx) { return hook6(ctx, H_SENDMSG6); }
 int recvmsg4(struct bpf_sock_addr *ctx) { return restore4(ctx); }
 int recvmsg6(struct bpf_sock_addr *ctx) { return restore6(ctx); }
 int getpeername4(struct bpf_sock_addr *ctx) { return restore4(ctx); }
