@@ -10,6 +10,8 @@ from dsec_core.spec.units import Rate
 from pydantic import ValidationError
 
 from dsec_nodeagent.ebpf.domain import (
+    AF_TCP,
+    AF_UDP,
     BucketSpec,
     CidrEntry,
     answer_refusal,
@@ -19,6 +21,7 @@ from dsec_nodeagent.ebpf.domain import (
     grantable,
     internal_parts,
     is_internal,
+    transport_flags,
 )
 from dsec_nodeagent.ebpf.model import (
     EgressPlan,
@@ -214,7 +217,7 @@ def test_from_enforcement_plan_keeps_every_egress_field() -> None:
             ),
             PlanEgressRule(kind="wildcard", domain="cdn.test", ports=(443,)),
             PlanEgressRule(kind="cidr", cidr="10.0.0.0/8", ports=(6379,), internal_only=True),
-            PlanEgressRule(kind="any", ports=(80,)),
+            PlanEgressRule(kind="any", ports=(80,), protocols=("tcp", "udp")),
         ),
         filesystem=FilesystemPlan(read=(), write=()),
         semantic=(),
@@ -234,6 +237,8 @@ def test_from_enforcement_plan_keeps_every_egress_field() -> None:
     assert egress.rules[0].rate_limit == RateLimit(count=100, per_seconds=60)
     assert egress.rules[2].allow_internal_only
     assert egress.rate_limited_rules() == (egress.rules[0],)
+    assert [r.protocols for r in egress.rules] == [("tcp",)] * 3 + [("tcp", "udp")]
+    assert [transport_flags(r) for r in egress.rules] == [AF_TCP] * 3 + [AF_TCP | AF_UDP]
 
 
 def test_verdict_event_message_names_the_rule_and_destination() -> None:
