@@ -19,6 +19,7 @@ import dns.asyncquery
 import dns.edns
 import dns.flags
 import dns.message
+import dns.name
 import dns.opcode
 import dns.rcode
 import dns.rrset
@@ -455,5 +456,32 @@ async def test_query_rate_and_wildcard_name_length_are_bounded(zone: ZoneServer)
         assert (await ask(port, "allowed.test")).rcode() == dns.rcode.REFUSED  # 4th in burst 3
         assert [r[3] for r in refusals] == ["dns.name", "dns.rate"]
         assert "more than 0.01 queries/s" in refusals[1][4]
+    finally:
+        await p.close()
+
+
+async def test_names_outside_host_name_characters_are_refused(
+    proxy: tuple[DnsProxy, RecordingSink, int], zone: ZoneServer
+) -> None:
+    p, _, port = proxy
+    refusals = record_refusals(p)
+    before = len(zone.questions)
+    binary = dns.name.Name([b"\x00\xffsecret", b"wild", b"test", b""])
+    answer = await ask_message(port, dns.message.make_query(binary, "A"))
+    assert answer.rcode() == dns.rcode.REFUSED
+    assert len(zone.questions) == before
+    assert [r[3] for r in refusals] == ["dns.name"]
+
+
+async def test_a_crowded_node_shares_its_map_fairly(zone: ZoneServer) -> None:
+    sink = RecordingSink()
+    p = DnsProxy(UpstreamClient(zone.host, zone.port), sink, bounds=DnsBounds(node_capacity=40))
+    attacker, victim = await p.serve(31, PLAN), await p.serve(32, PLAN)
+    try:
+        # 1,024 is the operator's quota, but two sandboxes share 40 entries: 20 each.
+        assert len(addresses(await ask(attacker, "big.test", tcp=True))) == 20
+        assert (await ask(attacker, "big2.test", tcp=True)).rcode() == dns.rcode.SERVFAIL
+        assert addresses(await ask(victim, "allowed.test")) == ["127.0.0.10"]
+        assert (p.held(31), p.held(32)) == (20, 1)
     finally:
         await p.close()

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import re
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -78,6 +79,8 @@ DNS_TRUNCATED = Counter(
 )
 
 MAX_CNAME_HOPS = 8
+# Host names only (what A/AAAA lookups are for): no escaped bytes, spaces or binary labels.
+_HOSTNAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 _ADDRESS_TYPES = (dns.rdatatype.A, dns.rdatatype.AAAA)
 _TCP_IDLE_S = 10.0
 
@@ -401,6 +404,15 @@ class DnsProxy:
                 f"{', '.join(sorted(dns.rdatatype.to_text(t) for t in self._types))} are answered",
             )
             return reply(dns.rcode.REFUSED)
+        if not _HOSTNAME.fullmatch(name.lower()):
+            self._refuse(
+                sandbox,
+                name,
+                qtype,
+                "dns.name",
+                "a name of letters, digits, '-' and '_' is answered, nothing else",
+            )
+            return reply(dns.rcode.REFUSED)
         if match is not None and wildcard_prefix(match, name) > bounds.max_wildcard_prefix:
             self._refuse(
                 sandbox,
@@ -416,7 +428,8 @@ class DnsProxy:
             answer = await self._ask(qname, question.rdtype)
             chain, final = await self._follow(answer, qname, question.rdtype)
             kept: list[dns.rrset.RRset] = list(chain)
-            if udp and not _fits(response, [*chain, *([final] if final else [])], max_size):
+            shown = [*chain, *([_first(final, bounds.max_addresses)] if final else [])]
+            if udp and not _fits(response, shown, max_size):
                 # The client retries over TCP: open nothing for an answer it will not see.
                 response.flags |= dns.flags.TC
                 return reply(answer.rcode())
@@ -616,6 +629,13 @@ def _odd_sections(query: dns.message.Message) -> str | None:
     if query.had_tsig:
         return "a TSIG-signed query"
     return None
+
+
+def _first(rrset: dns.rrset.RRset, count: int) -> dns.rrset.RRset:
+    """At most ``count`` records of ``rrset`` (the first ones)."""
+    if len(rrset) <= count:
+        return rrset
+    return dns.rrset.from_rdata_list(rrset.name, rrset.ttl, list(rrset)[:count])
 
 
 def _fits(response: dns.message.Message, records: list[dns.rrset.RRset], max_size: int) -> bool:

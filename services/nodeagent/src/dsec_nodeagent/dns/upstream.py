@@ -2,6 +2,7 @@
 
 One long-lived UDP socket multiplexes every question by message id (no socket per query: the
 proxy's overhead target is well under a millisecond); a truncated answer is asked again over TCP.
+Only questions the proxy built itself go out (`UpstreamClient.query`): a sandbox's bytes never do.
 """
 
 from __future__ import annotations
@@ -130,11 +131,11 @@ class UpstreamClient:
             UpstreamError: timeout, refused, or an answer that does not match the question.
         """
         question.use_edns(0, 0, EDNS_PAYLOAD)
-        return await self.exchange(question, question.to_wire())
+        return await self._exchange(question, question.to_wire())
 
-    async def exchange(self, question: dns.message.Message, wire: bytes) -> UpstreamAnswer:
-        """Forward ``wire`` (the encoding of ``question``) under a fresh id; UDP, then TCP if the
-        answer comes back truncated. The answer's wire keeps that fresh id.
+    async def _exchange(self, question: dns.message.Message, wire: bytes) -> UpstreamAnswer:
+        """Send ``wire`` (the encoding of ``question``, never a sandbox's bytes) under a fresh
+        id; UDP, then TCP if the answer comes back truncated. The answer's wire keeps that id.
 
         Raises:
             UpstreamError: timeout, refused, or an answer that does not match the question.
