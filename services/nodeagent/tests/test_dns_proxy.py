@@ -31,6 +31,7 @@ from dns_zone_server import ZoneServer, start_test_dns
 from dsec_nodeagent.dns.policy import DnsBounds
 from dsec_nodeagent.dns.proxy import DnsProxy, Grant
 from dsec_nodeagent.dns.upstream import UpstreamClient
+from dsec_nodeagent.ebpf.domain import parse_networks
 from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule, IPAddress
 
 pytestmark = pytest.mark.integration
@@ -485,3 +486,22 @@ async def test_a_crowded_node_shares_its_map_fairly(zone: ZoneServer) -> None:
         assert (p.held(31), p.held(32)) == (20, 1)
     finally:
         await p.close()
+
+
+async def test_an_operator_can_trust_a_local_target(zone: ZoneServer) -> None:
+    sink = RecordingSink()
+    p = DnsProxy(
+        UpstreamClient(zone.host, zone.port),
+        sink,
+        trusted=parse_networks("127.0.0.1, 169.254.0.0/16", "DSEC_DNS_TRUSTED_TARGETS"),
+    )
+    port = await p.serve(41, PLAN)
+    try:
+        assert addresses(await ask(port, "rebind.test")) == ["127.0.0.1"]  # trusted
+        assert addresses(await ask(port, "rebind.test", "AAAA")) == []  # ::1 is not
+        assert addresses(await ask(port, "meta.test")) == []  # metadata: never
+        assert sink.addresses() == {("127.0.0.1", 80, 8)}
+    finally:
+        await p.close()
+    with pytest.raises(ValueError, match="DSEC_DNS_TRUSTED_TARGETS: 'localhost' is not an"):
+        parse_networks("127.0.0.1,localhost", "DSEC_DNS_TRUSTED_TARGETS")

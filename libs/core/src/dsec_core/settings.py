@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     dns_queries_per_s: float = Field(
         default=50.0, gt=0, description="DNS queries per second per sandbox (burst: twice)"
     )
+    dns_trusted_targets: str = Field(
+        default="",
+        description="Addresses/networks DNS answers may open although loopback or the node's",
+    )
     dns_max_wildcard_prefix: int = Field(
         default=64, ge=1, description="Characters of a name a wildcard rule lets a sandbox choose"
     )

@@ -70,6 +70,7 @@ class Egress:
                 max_wildcard_prefix=settings.dns_max_wildcard_prefix,
             ),
             protected_addresses=[*local_addresses(), *stack_addresses(settings)],
+            trusted_targets=settings.dns_trusted_targets,
         )
         self._publish = publish
         self._cgroups: dict[str, Path] = {}

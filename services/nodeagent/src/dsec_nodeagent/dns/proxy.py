@@ -51,7 +51,7 @@ from dsec_nodeagent.ebpf.domain import (
     transport_flags,
     unmap,
 )
-from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule, IPAddress
+from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule, IPAddress, IPNetwork
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,7 @@ class DnsProxy:
         clock: Callable[[], int] = time.monotonic_ns,
         bounds: DnsBounds | None = None,
         protected: Iterable[IPAddress] = (),
+        trusted: tuple[IPNetwork, ...] = (),
     ) -> None:
         """Create the proxy (listens nothing until `serve`).
 
@@ -179,6 +180,8 @@ class DnsProxy:
             bounds: TTL cap, allow-map quotas, answer size, query rate and size (`DnsBounds`).
             protected: the node's own and the stack's servers' addresses: answers pointing there
                 are refused unless the rule sets ``allow_internal_only``.
+            trusted: networks the operator lets DNS answers open although they are loopback or
+                the node's (``DSEC_DNS_TRUSTED_TARGETS``); never link-local or multicast.
         """
         if deny_rcode not in (dns.rcode.NXDOMAIN, dns.rcode.REFUSED):
             raise ValueError(f"deny_rcode: expected NXDOMAIN or REFUSED, got {deny_rcode!r}")
@@ -191,6 +194,7 @@ class DnsProxy:
         self.clock = clock
         self.bounds = bounds or DnsBounds()
         self.protected: frozenset[IPAddress] = frozenset(unmap(a) for a in protected)
+        self.trusted = trusted
         self._types = frozenset(_ADDRESS_TYPES) | {
             dns.rdatatype.from_text(t) for t in self.bounds.extra_qtypes
         }
@@ -500,7 +504,7 @@ class DnsProxy:
         refused = {
             a: reason
             for a in answered
-            if (reason := _refusal(match.rules, a, self.protected)) is not None
+            if (reason := _refusal(match.rules, a, self.protected, self.trusted)) is not None
         }
         if refused:
             self._refuse(
@@ -511,7 +515,7 @@ class DnsProxy:
                 "answer addresses refused: " + "; ".join(refused.values()),
             )
         per_rule = [
-            (rule, set(grantable(rule, answered, match.exact, self.protected)))
+            (rule, set(grantable(rule, answered, match.exact, self.protected, self.trusted)))
             for rule in match.rules
         ]
         wanted = [a for a in answered if any(unmap(a) in ok for _, ok in per_rule)]
@@ -613,10 +617,13 @@ class _QuotaFull(Exception):
 
 
 def _refusal(
-    rules: Sequence[EgressRule], address: IPAddress, protected: frozenset[IPAddress]
+    rules: Sequence[EgressRule],
+    address: IPAddress,
+    protected: frozenset[IPAddress],
+    trusted: tuple[IPNetwork, ...],
 ) -> str | None:
     """Why no rule may open ``address`` from DNS (rebinding), or None when one may."""
-    reasons = [answer_refusal(rule, address, protected) for rule in rules]
+    reasons = [answer_refusal(rule, address, protected, trusted) for rule in rules]
     return None if any(r is None for r in reasons) else reasons[0]
 
 

@@ -32,7 +32,12 @@ import psutil
 from dsec_nodeagent.dns.policy import DnsBounds
 from dsec_nodeagent.dns.proxy import DnsProxy
 from dsec_nodeagent.dns.upstream import UPSTREAM_ENV, UpstreamClient, parse_upstream
-from dsec_nodeagent.ebpf.domain import DOH_ADDRESSES, bucket_specs, cidr_entries
+from dsec_nodeagent.ebpf.domain import (
+    DOH_ADDRESSES,
+    bucket_specs,
+    cidr_entries,
+    parse_networks,
+)
 from dsec_nodeagent.ebpf.kernel import EgressKernel, RawEvent
 from dsec_nodeagent.ebpf.model import EgressPlan, Hook, Verdict, VerdictEvent
 
@@ -158,6 +163,7 @@ class EgressController:
         extra_doh_addresses: Iterable[str] = (),
         dns_bounds: DnsBounds | None = None,
         protected_addresses: Iterable[str] | None = None,
+        trusted_targets: str = "",
     ) -> None:
         """Configure (nothing touches the kernel until `start`).
 
@@ -178,6 +184,8 @@ class EgressController:
             protected_addresses: addresses DNS answers may not open unless a rule sets
                 ``allow_internal_only``; default every address of this node's interfaces (the
                 caller adds the stack's servers).
+            trusted_targets: ``DSEC_DNS_TRUSTED_TARGETS``: comma-separated addresses/networks
+                DNS answers may open although they are loopback or this node's.
         """
         if deny_rcode.upper() not in ("NXDOMAIN", "REFUSED"):
             raise ValueError(f"deny_rcode: expected NXDOMAIN or REFUSED, got {deny_rcode!r}")
@@ -199,6 +207,7 @@ class EgressController:
             ttl_grace_s=ttl_grace_s,
             bounds=bounds,
             protected=(ipaddress.ip_address(a) for a in protected),
+            trusted=parse_networks(trusted_targets, "DSEC_DNS_TRUSTED_TARGETS"),
         )
         self._queue_size = event_queue_size
         self._sandboxes: dict[int, AttachedSandbox] = {}

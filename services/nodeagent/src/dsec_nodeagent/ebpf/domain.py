@@ -116,6 +116,26 @@ DOH_ADDRESSES: frozenset[IPAddress] = frozenset(
 )
 
 
+def parse_networks(text: str, setting: str) -> tuple[IPNetwork, ...]:
+    """``"127.0.0.53, 10.0.0.0/8"`` as networks.
+
+    Raises:
+        ValueError: naming ``setting``, the bad item and the valid shape.
+    """
+    networks: list[IPNetwork] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            networks.append(canonical_network(ipaddress.ip_network(item, strict=False)))
+        except ValueError:
+            raise ValueError(
+                f"{setting}: {item!r} is not an address or network (expected e.g. "
+                "127.0.0.53,10.1.0.0/16,fd00::/8)"
+            ) from None
+    return tuple(networks)
+
+
 def unmap(address: IPAddress) -> IPAddress:
     """``::ffff:a.b.c.d`` → ``a.b.c.d``; other addresses unchanged (the wire carries IPv4)."""
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
@@ -245,18 +265,22 @@ LOOPBACK_NETWORKS: tuple[IPNetwork, ...] = (
 
 
 def answer_refusal(
-    rule: EgressRule, address: IPAddress, protected: frozenset[IPAddress] = frozenset()
+    rule: EgressRule,
+    address: IPAddress,
+    protected: frozenset[IPAddress] = frozenset(),
+    trusted: tuple[IPNetwork, ...] = (),
 ) -> str | None:
     """Why a DNS answer address must not be opened under ``rule`` (DNS rebinding), or None.
 
     ``protected`` holds the node's own addresses and the stack's servers' addresses: refused,
-    like loopback, unless the rule explicitly allows internal targets (``allow_internal_only``).
+    like loopback, unless the rule explicitly allows internal targets (``allow_internal_only``)
+    or the operator trusts the address (``trusted``, e.g. a local test world's API).
     Link-local (cloud metadata), unspecified, multicast and broadcast are refused always.
     """
     plain = unmap(address)
     if any(plain in net for net in NEVER_FROM_DNS if net.version == plain.version):
         return f"{plain} is link-local, unspecified, multicast or broadcast"
-    if rule.allow_internal_only:
+    if rule.allow_internal_only or any(plain in net for net in trusted):
         return None
     if any(plain in net for net in LOOPBACK_NETWORKS if net.version == plain.version):
         return f"{plain} is loopback (the rule does not set allow_internal_only)"
@@ -273,6 +297,7 @@ def grantable(
     addresses: Iterable[IPAddress],
     exact_name: bool,
     protected: frozenset[IPAddress] = frozenset(),
+    trusted: tuple[IPNetwork, ...] = (),
 ) -> list[IPAddress]:
     """The answered addresses a domain rule may open.
 
@@ -283,7 +308,7 @@ def grantable(
     out: list[IPAddress] = []
     for address in addresses:
         plain = unmap(address)
-        if answer_refusal(rule, plain, protected) is not None:
+        if answer_refusal(rule, plain, protected, trusted) is not None:
             continue
         if rule.allow_internal_only and not is_internal(plain):
             continue
