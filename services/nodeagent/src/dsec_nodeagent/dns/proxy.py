@@ -332,6 +332,43 @@ class DnsProxy:
         sandbox.tokens -= 1.0
         return True
 
+    def _screen_message(self, query: dns.message.Message) -> _Refused | None:
+        """The opcode and the sections: a plain query, or a refusal."""
+        if query.opcode() != dns.opcode.QUERY:
+            opcode = dns.opcode.to_text(query.opcode())
+            return _Refused(dns.rcode.NOTIMP, "dns.opcode", f"opcode {opcode} (only QUERY)")
+        odd = _odd_sections(query)
+        if odd is not None:
+            return _Refused(dns.rcode.FORMERR, "dns.malformed", odd)
+        return None
+
+    def _screen_question(
+        self, question: dns.rrset.RRset, name: str, match: NameMatch | None
+    ) -> _Refused | None:
+        """The record type and the name of an allowed question: answered, or a refusal."""
+        if question.rdclass != dns.rdataclass.IN or question.rdtype not in self._types:
+            kinds = ", ".join(sorted(dns.rdatatype.to_text(t) for t in self._types))
+            return _Refused(
+                dns.rcode.REFUSED,
+                "dns.qtype",
+                f"record type {dns.rdatatype.to_text(question.rdtype)} (class "
+                f"{dns.rdataclass.to_text(question.rdclass)}): only {kinds} are answered",
+            )
+        if not _HOSTNAME.fullmatch(name.lower()):
+            return _Refused(
+                dns.rcode.REFUSED,
+                "dns.name",
+                "a name of letters, digits, '-' and '_' is answered, nothing else",
+            )
+        limit = self.bounds.max_wildcard_prefix
+        if match is not None and wildcard_prefix(match, name) > limit:
+            return _Refused(
+                dns.rcode.REFUSED,
+                "dns.name",
+                f"a wildcard rule lets at most {limit} characters of a name be chosen",
+            )
+        return None
+
     async def answer(self, sandbox: _Sandbox, data: bytes, *, udp: bool) -> bytes | None:
         """The wire answer to one question of ``sandbox`` (None: drop it).
 
@@ -341,6 +378,15 @@ class DnsProxy:
         if len(data) < 12 or data[2] & 0x80:
             return None  # not even a header, or a response: nothing sensible to say
         bounds = self.bounds
+        if not self._rate_ok(sandbox):  # first: a flood of garbage is a flood too
+            self._refuse(
+                sandbox,
+                "?",
+                "?",
+                "dns.rate",
+                f"more than {bounds.queries_per_s:g} queries/s (burst {bounds.query_burst})",
+            )
+            return _refused_reply(data, bounds.max_query_bytes)
         if len(data) > bounds.max_query_bytes:
             self._refuse(
                 sandbox,
@@ -368,65 +414,20 @@ class DnsProxy:
         if len(query.question) == 1:
             name = query.question[0].name.to_text(omit_final_dot=True)
             qtype = dns.rdatatype.to_text(query.question[0].rdtype)
-        if not self._rate_ok(sandbox):
-            self._refuse(
-                sandbox,
-                name,
-                qtype,
-                "dns.rate",
-                f"more than {bounds.queries_per_s:g} queries/s (burst {bounds.query_burst})",
-            )
-            return reply(dns.rcode.REFUSED)
-        if query.opcode() != dns.opcode.QUERY:
-            opcode = dns.opcode.to_text(query.opcode())
-            self._refuse(sandbox, name, qtype, "dns.opcode", f"opcode {opcode} (only QUERY)")
-            return reply(dns.rcode.NOTIMP)
-        odd = _odd_sections(query)
-        if odd is not None:
-            self._refuse(sandbox, name, qtype, "dns.malformed", odd)
-            return reply(dns.rcode.FORMERR)
+        refused = self._screen_message(query)
+        if refused is not None:
+            self._refuse(sandbox, name, qtype, refused.rule_id, refused.reason)
+            return reply(refused.rcode)
         question = query.question[0]
         action, match = decide_query(sandbox.plan, name)
         DNS_QUERIES.labels(sandbox.plan.sandbox_id, action.value).inc()
         if action is QueryAction.DENY:
-            self._refuse(
-                sandbox,
-                name,
-                qtype,
-                "default-deny",
-                f"{name} matches no egress rule",
-            )
-            response.set_rcode(self.deny_rcode)
-            return response.to_wire(max_size=max_size, prefer_truncation=True)
-        if question.rdclass != dns.rdataclass.IN or question.rdtype not in self._types:
-            self._refuse(
-                sandbox,
-                name,
-                qtype,
-                "dns.qtype",
-                f"record type {qtype} (class {dns.rdataclass.to_text(question.rdclass)}): only "
-                f"{', '.join(sorted(dns.rdatatype.to_text(t) for t in self._types))} are answered",
-            )
-            return reply(dns.rcode.REFUSED)
-        if not _HOSTNAME.fullmatch(name.lower()):
-            self._refuse(
-                sandbox,
-                name,
-                qtype,
-                "dns.name",
-                "a name of letters, digits, '-' and '_' is answered, nothing else",
-            )
-            return reply(dns.rcode.REFUSED)
-        if match is not None and wildcard_prefix(match, name) > bounds.max_wildcard_prefix:
-            self._refuse(
-                sandbox,
-                name,
-                qtype,
-                "dns.name",
-                f"a wildcard rule lets at most {bounds.max_wildcard_prefix} characters of a name "
-                "be chosen",
-            )
-            return reply(dns.rcode.REFUSED)
+            self._refuse(sandbox, name, qtype, "default-deny", f"{name} matches no egress rule")
+            return reply(self.deny_rcode)
+        refused = self._screen_question(question, name, match)
+        if refused is not None:
+            self._refuse(sandbox, name, qtype, refused.rule_id, refused.reason)
+            return reply(refused.rcode)
         qname = dns.name.from_text(name.lower())
         try:
             answer = await self._ask(qname, question.rdtype)
@@ -612,6 +613,15 @@ class DnsProxy:
         return len(stale)
 
 
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """A question the proxy will not ask upstream: its answer code and the refusal's rule id."""
+
+    rcode: dns.rcode.Rcode
+    rule_id: str
+    reason: str
+
+
 class _QuotaFull(Exception):
     """No answered address fits the sandbox's quota (the refusal is already reported)."""
 
@@ -658,6 +668,19 @@ def _fits(response: dns.message.Message, records: list[dns.rrset.RRset], max_siz
     finally:
         response.answer = []
     return True
+
+
+def _refused_reply(data: bytes, max_query_bytes: int) -> bytes:
+    """REFUSED with the question echoed when the query reads as one (stub resolvers such as
+    glibc ignore an answer without it), a bare header otherwise."""
+    if len(data) <= max_query_bytes:
+        with contextlib.suppress(dns.exception.DNSException):
+            query = dns.message.from_wire(data)
+            if len(query.question) == 1:
+                response = dns.message.make_response(query)
+                response.set_rcode(dns.rcode.REFUSED)
+                return response.to_wire(max_size=512, prefer_truncation=True)
+    return _header_reply(data, dns.rcode.REFUSED)
 
 
 def _header_reply(data: bytes, rcode: dns.rcode.Rcode) -> bytes:
