@@ -115,6 +115,9 @@ class GrantSink(Protocol):
 RefusalCallback = Callable[..., None]
 
 
+_Key = tuple[IPAddress, int]  # (address, port) of an allow-map entry
+
+
 @dataclass
 class _Sandbox:
     cgroup_id: int
@@ -123,7 +126,7 @@ class _Sandbox:
     udp: list[asyncio.DatagramTransport] = field(default_factory=list)
     tcp: list[asyncio.Server] = field(default_factory=list)
     # (address, port) -> expiry of what this sandbox holds in the allow map (its quota).
-    ledger: dict[tuple[IPAddress, int], int] = field(default_factory=dict)
+    ledger: dict[_Key, int] = field(default_factory=dict)
     tokens: float = 0.0
     refilled_ns: int = 0
 
@@ -526,7 +529,7 @@ class DnsProxy:
         ttl = min([final.ttl, *(rr.ttl for rr in chain), bounds.max_ttl_s])
         now = self.clock()
         expires = now + ttl * 1_000_000_000 + self.ttl_grace_ns
-        accepted, grants, over = self._within_quota(sandbox, wanted, per_rule, expires)
+        accepted, grants, over, before = self._within_quota(sandbox, wanted, per_rule, expires)
         if over:
             self._refuse(
                 sandbox,
@@ -542,8 +545,11 @@ class DnsProxy:
             try:
                 self.sink.grant(sandbox.cgroup_id, grants)  # before the answer leaves
             except Exception as exc:
-                for g in grants:  # nothing was promised: keep the ledger honest
-                    sandbox.ledger.pop((g.address, g.port), None)
+                for key, old in before.items():  # nothing was promised: undo the ledger
+                    if old is None:
+                        sandbox.ledger.pop(key, None)
+                    else:
+                        sandbox.ledger[key] = old
                 raise GrantError(f"cannot open {len(grants)} addresses: {exc}") from exc
             DNS_GRANTS.labels(sandbox.plan.sandbox_id).inc(len(accepted))
         kept = [rd for rd in final if unmap(dns_address(rd.address)) in accepted]
@@ -562,14 +568,17 @@ class DnsProxy:
         wanted: list[IPAddress],
         per_rule: list[tuple[EgressRule, set[IPAddress]]],
         expires: int,
-    ) -> tuple[set[IPAddress], list[Grant], list[IPAddress]]:
+    ) -> tuple[set[IPAddress], list[Grant], list[IPAddress], dict[_Key, int | None]]:
         """Split ``wanted`` into the addresses that fit the quotas (with their grants) and
-        those that do not. Refreshing an entry the sandbox holds costs nothing."""
+        those that do not, and note them in the ledger (returning its previous values).
+        Refreshing an entry the sandbox holds costs nothing."""
         quota = self._quota()
         ledger = sandbox.ledger
+        node_held = sum(len(s.ledger) for s in self._sandboxes.values())
         accepted: set[IPAddress] = set()
         grants: list[Grant] = []
         over: list[IPAddress] = []
+        before: dict[_Key, int | None] = {}
         expired_once = False
         for address in wanted:
             plain = unmap(address)
@@ -582,20 +591,20 @@ class DnsProxy:
             new = {(g.address, g.port) for g in mine} - ledger.keys()
             if new and len(ledger) + len(new) > quota and not expired_once:
                 expired_once = True
-                self._expire(sandbox)
+                node_held -= self._expire(sandbox)
                 new = {(g.address, g.port) for g in mine} - ledger.keys()
-            node_full = self._node_held() + len(new) > self.bounds.node_capacity
+            node_full = node_held + len(new) > self.bounds.node_capacity
             if new and (len(ledger) + len(new) > quota or node_full):
                 over.append(plain)
                 continue
             for g in mine:
-                ledger[(g.address, g.port)] = max(g.expires_ns, ledger.get((g.address, g.port), 0))
+                key = (g.address, g.port)
+                before.setdefault(key, ledger.get(key))
+                ledger[key] = max(g.expires_ns, ledger.get(key, 0))
+            node_held += len(new)
             accepted.add(plain)
             grants.extend(mine)
-        return accepted, grants, over
-
-    def _node_held(self) -> int:
-        return sum(len(s.ledger) for s in self._sandboxes.values())
+        return accepted, grants, over, before
 
     def _expire(self, sandbox: _Sandbox) -> int:
         """Drop the sandbox's expired entries from its ledger and the kernel maps."""
