@@ -42,12 +42,11 @@ from dsec_nodeagent.dns.policy import (
     decide_query,
     wildcard_prefix,
 )
-from dsec_nodeagent.dns.upstream import UpstreamClient, UpstreamError
+from dsec_nodeagent.dns.upstream import UpstreamAnswer, UpstreamClient, UpstreamError
 from dsec_nodeagent.ebpf.domain import (
     AF_TCP,
-    answer_refusal,
-    grantable,
     rule_ports,
+    screen_answer,
     transport_flags,
     unmap,
 )
@@ -129,6 +128,18 @@ class _Sandbox:
     ledger: dict[_Key, int] = field(default_factory=dict)
     tokens: float = 0.0
     refilled_ns: int = 0
+    # rule id -> (kernel slot, ports as keys, transport bits): the grant of each rule
+    rules: dict[str, tuple[int, tuple[int, ...], int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.set_plan(self.plan)
+
+    def set_plan(self, plan: EgressPlan) -> None:
+        self.plan = plan
+        self.rules = {
+            rule.id: (slot, rule_ports(rule), transport_flags(rule))
+            for slot, rule in enumerate(plan.rules, start=1)
+        }
 
 
 class _UdpServer(asyncio.DatagramProtocol):
@@ -237,7 +248,7 @@ class DnsProxy:
 
     def update(self, cgroup_id: int, plan: EgressPlan) -> None:
         """Answer later questions of this sandbox with a new plan."""
-        self._sandboxes[cgroup_id].plan = plan
+        self._sandboxes[cgroup_id].set_plan(plan)
 
     def adopt(self, cgroup_id: int, entries: Iterable[tuple[IPAddress, int, int]]) -> None:
         """Count entries ``(address, port, expires_ns)`` a previous agent granted (quota)."""
@@ -407,11 +418,16 @@ class DnsProxy:
         max_size = 65535
         if udp:
             max_size = max(512, min(query.payload, 65535)) if query.edns >= 0 else 512
-        response = dns.message.make_response(query, recursion_available=True)
+        made: list[dns.message.Message] = []
+
+        def response() -> dns.message.Message:  # built only when the answer is not forwarded
+            if not made:
+                made.append(dns.message.make_response(query, recursion_available=True))
+            return made[0]
 
         def reply(rcode: dns.rcode.Rcode) -> bytes:
-            response.set_rcode(rcode)
-            return response.to_wire(max_size=max_size, prefer_truncation=True)
+            response().set_rcode(rcode)
+            return response().to_wire(max_size=max_size, prefer_truncation=True)
 
         name, qtype = "?", "?"
         if len(query.question) == 1:
@@ -431,15 +447,16 @@ class DnsProxy:
         if refused is not None:
             self._refuse(sandbox, name, qtype, refused.rule_id, refused.reason)
             return reply(refused.rcode)
-        qname = dns.name.from_text(name.lower())
+        qname = question.name  # upstream gets it lower-cased (UpstreamClient.ask)
         try:
-            answer = await self._ask(qname, question.rdtype)
-            chain, final = await self._follow(answer, qname, question.rdtype)
+            first = await self.upstream.ask(qname, question.rdtype)
+            answer = first.message
+            chain, final, followed = await self._follow(answer, qname, question.rdtype)
             kept: list[dns.rrset.RRset] = list(chain)
             shown = [*chain, *([_first(final, bounds.max_addresses)] if final else [])]
-            if udp and not _fits(response, shown, max_size):
+            if udp and not _fits(query, response, shown, max_size):
                 # The client retries over TCP: open nothing for an answer it will not see.
-                response.flags |= dns.flags.TC
+                response().flags |= dns.flags.TC
                 return reply(answer.rcode())
             if final is not None and action is QueryAction.RESOLVE and match is not None:
                 final = self._open(sandbox, name, qtype, final, chain, match)
@@ -451,8 +468,12 @@ class DnsProxy:
             return reply(dns.rcode.SERVFAIL)
         except _QuotaFull:
             return reply(dns.rcode.SERVFAIL)
-        response.answer = [_capped(rr, bounds.max_ttl_s) for rr in kept]
-        response.authority = [
+        if not followed:
+            forwarded = _forwardable(data, query, first, kept, bounds.max_ttl_s, max_size)
+            if forwarded is not None:
+                return forwarded
+        response().answer = [_capped(rr, bounds.max_ttl_s) for rr in kept]
+        response().authority = [
             _capped(rr, bounds.max_ttl_s)
             for rr in answer.authority
             if rr.rdtype == dns.rdatatype.SOA and not kept
@@ -462,16 +483,14 @@ class DnsProxy:
     async def _ask(
         self, name: dns.name.Name, rdtype: dns.rdatatype.RdataType
     ) -> dns.message.Message:
-        question = dns.message.make_query(name, rdtype, dns.rdataclass.IN)
-        question.flags |= dns.flags.RD
-        return (await self.upstream.query(question)).message
+        return (await self.upstream.ask(name, rdtype)).message
 
     async def _follow(
         self, answer: dns.message.Message, qname: dns.name.Name, rdtype: dns.rdatatype.RdataType
-    ) -> tuple[list[dns.rrset.RRset], dns.rrset.RRset | None]:
-        """The CNAME chain from ``qname`` and its final address rrset (asked for when the
-        upstream's answer stops at a name outside its zone). Sets ``answer``'s rcode to the last
-        answer's."""
+    ) -> tuple[list[dns.rrset.RRset], dns.rrset.RRset | None, bool]:
+        """The CNAME chain from ``qname``, its final address rrset (asked for when the
+        upstream's answer stops at a name outside its zone) and whether more was asked. Sets
+        ``answer``'s rcode to the last answer's."""
         records = list(answer.answer)
         chain, last, final = _walk(records, qname, rdtype)
         hops = 0
@@ -485,7 +504,7 @@ class DnsProxy:
             if next_last == last:
                 break
             last = next_last
-        return chain, final
+        return chain, final, hops > 0
 
     def _open(
         self,
@@ -504,12 +523,20 @@ class DnsProxy:
             _QuotaFull: nothing fits in the sandbox's quota (refusal reported).
         """
         bounds = self.bounds
-        answered = [dns_address(rd.address) for rd in final]
-        refused = {
-            a: reason
-            for a in answered
-            if (reason := _refusal(match.rules, a, self.protected, self.trusted)) is not None
-        }
+        answered = [unmap(dns_address(rd.address)) for rd in final]
+        per_rule: list[tuple[EgressRule, set[IPAddress]]] = [(r, set()) for r in match.rules]
+        refused: dict[IPAddress, str] = {}
+        for address in answered:
+            reasons = []
+            for rule, ok in per_rule:
+                may, reason = screen_answer(
+                    rule, address, match.exact, self.protected, self.trusted
+                )
+                if may:
+                    ok.add(address)
+                reasons.append(reason)
+            if reasons[0] is not None and all(r is not None for r in reasons):
+                refused[address] = reasons[0]
         if refused:
             self._refuse(
                 sandbox,
@@ -518,11 +545,7 @@ class DnsProxy:
                 "dns.rebinding",
                 "answer addresses refused: " + "; ".join(refused.values()),
             )
-        per_rule = [
-            (rule, set(grantable(rule, answered, match.exact, self.protected, self.trusted)))
-            for rule in match.rules
-        ]
-        wanted = [a for a in answered if any(unmap(a) in ok for _, ok in per_rule)]
+        wanted = [a for a in answered if any(a in ok for _, ok in per_rule)]
         if len(wanted) > bounds.max_addresses:
             DNS_TRUNCATED.labels(sandbox.plan.sandbox_id).inc()
             wanted = wanted[: bounds.max_addresses]
@@ -552,9 +575,11 @@ class DnsProxy:
                         sandbox.ledger[key] = old
                 raise GrantError(f"cannot open {len(grants)} addresses: {exc}") from exc
             DNS_GRANTS.labels(sandbox.plan.sandbox_id).inc(len(accepted))
-        kept = [rd for rd in final if unmap(dns_address(rd.address)) in accepted]
+        kept = [rd for rd, a in zip(final, answered, strict=True) if a in accepted]
         if not kept:
             return None
+        if len(kept) == len(final):
+            return final  # unchanged: the upstream's encoding may be forwarded
         return dns.rrset.from_rdata_list(final.name, final.ttl, kept)
 
     def _quota(self) -> int:
@@ -583,10 +608,11 @@ class DnsProxy:
         for address in wanted:
             plain = unmap(address)
             mine = [
-                Grant(plain, port, sandbox.plan.slot(rule.id), expires, transport_flags(rule))
+                Grant(plain, port, slot, expires, transports)
                 for rule, ok in per_rule
                 if plain in ok
-                for port in rule_ports(rule)
+                for slot, ports, transports in (sandbox.rules[rule.id],)
+                for port in ports
             ]
             new = {(g.address, g.port) for g in mine} - ledger.keys()
             if new and len(ledger) + len(new) > quota and not expired_once:
@@ -635,17 +661,6 @@ class _QuotaFull(Exception):
     """No answered address fits the sandbox's quota (the refusal is already reported)."""
 
 
-def _refusal(
-    rules: Sequence[EgressRule],
-    address: IPAddress,
-    protected: frozenset[IPAddress],
-    trusted: tuple[IPNetwork, ...],
-) -> str | None:
-    """Why no rule may open ``address`` from DNS (rebinding), or None when one may."""
-    reasons = [answer_refusal(rule, address, protected, trusted) for rule in rules]
-    return None if any(r is None for r in reasons) else reasons[0]
-
-
 def _odd_sections(query: dns.message.Message) -> str | None:
     """Why a query is not a plain one-question query, or None."""
     if len(query.question) != 1:
@@ -664,19 +679,78 @@ def _first(rrset: dns.rrset.RRset, count: int) -> dns.rrset.RRset:
     return dns.rrset.from_rdata_list(rrset.name, rrset.ttl, list(rrset)[:count])
 
 
-def _fits(response: dns.message.Message, records: list[dns.rrset.RRset], max_size: int) -> bool:
-    """Whether ``records`` fit in the client's UDP size (cheap bound first, then a render)."""
-    bound = 12 + 300 + sum(len(rr) * (12 + 255 + 16) for rr in records)
+def _forwardable(
+    data: bytes,
+    query: dns.message.Message,
+    upstream: UpstreamAnswer,
+    kept: list[dns.rrset.RRset],
+    max_ttl: int,
+    max_size: int,
+) -> bytes | None:
+    """The upstream's own encoding under the sandbox's id and question, when it says exactly
+    what the sandbox may see (the common case: saves re-encoding); None otherwise.
+
+    Only an answer whose answer section is ``kept`` record for record, with no authority or
+    additional records, no EDNS options, no TTL over the cap, and that fits, is forwarded.
+    """
+    answer = upstream.message
+    if (
+        len(answer.answer) != len(kept)
+        or any(a is not b for a, b in zip(answer.answer, kept, strict=True))
+        or answer.authority
+        or answer.additional
+        or answer.options
+        or answer.had_tsig
+        or any(rr.ttl > max_ttl for rr in kept)
+    ):
+        return None
+    wire = upstream.wire
+    end = 12 + _name_length(query.question[0].name) + 4  # the question, never compressed
+    flags = (wire[2] & ~0x01 | data[2] & 0x01).to_bytes(1, "big")  # the sandbox's RD bit
+    counts = wire[4:12]
+    tail = wire[end:]
+    if answer.edns >= 0 and query.edns < 0:  # no OPT for a client that sent none
+        tail = tail[:-11]
+        counts = counts[:6] + (int.from_bytes(counts[6:], "big") - 1).to_bytes(2, "big")
+    out = data[:2] + flags + wire[3:4] + counts + data[12:end] + tail
+    return out if len(out) <= max_size else None
+
+
+def _fits(
+    query: dns.message.Message,
+    response: Callable[[], dns.message.Message],
+    records: list[dns.rrset.RRset],
+    max_size: int,
+) -> bool:
+    """Whether ``records`` fit in the client's UDP size (an upper bound first, then a render)."""
+    question = sum(_name_length(q.name) + 4 for q in query.question)
+    bound = (
+        12
+        + question
+        + 11
+        + sum(
+            len(rr) * (_name_length(rr.name) + 10 + _RDATA_MAX.get(rr.rdtype, 255))
+            for rr in records
+        )
+    )
     if bound <= max_size:
         return True
-    response.answer = records
+    message = response()
+    message.answer = records
     try:
-        response.to_wire(max_size=max_size)
+        message.to_wire(max_size=max_size)
     except dns.exception.TooBig:
         return False
     finally:
-        response.answer = []
+        message.answer = []
     return True
+
+
+_RDATA_MAX = {dns.rdatatype.A: 4, dns.rdatatype.AAAA: 16}
+
+
+def _name_length(name: dns.name.Name) -> int:
+    return sum(len(label) + 1 for label in name.labels)
 
 
 def _refused_reply(data: bytes, max_query_bytes: int) -> bytes:

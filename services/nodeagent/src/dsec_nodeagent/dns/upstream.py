@@ -18,9 +18,13 @@ from dataclasses import dataclass
 import dns.exception
 import dns.flags
 import dns.message
+import dns.name
+import dns.rdataclass
+import dns.rdatatype
 
 UPSTREAM_ENV = "DSEC_DNS_UPSTREAM"
 EDNS_PAYLOAD = 1232  # the DNS flag day 2020 size: avoids IP fragmentation
+_MADE_KEPT = 4096  # encoded questions kept for reuse
 
 
 class UpstreamError(Exception):
@@ -107,6 +111,7 @@ class UpstreamClient:
         self._transport: asyncio.DatagramTransport | None = None
         self._mux = _UdpMux()
         self._lock = asyncio.Lock()
+        self._made: dict[tuple[dns.name.Name, int], tuple[dns.message.Message, bytes]] = {}
 
     async def _udp(self) -> asyncio.DatagramTransport:
         async with self._lock:
@@ -123,6 +128,27 @@ class UpstreamClient:
             qid = secrets.randbelow(65536)
             if qid not in self._mux.pending:
                 return qid
+
+    async def ask(self, name: dns.name.Name, rdtype: dns.rdatatype.RdataType) -> UpstreamAnswer:
+        """Ask the fresh minimal question (``name`` lower-cased, ``rdtype``, class IN, RD, our
+        EDNS OPT).
+
+        Its encoding is kept for the next time the same question is asked (each send gets a new
+        id): building it costs more than the rest of the proxy's work.
+
+        Raises:
+            UpstreamError: timeout, refused, or an answer that does not match the question.
+        """
+        key = (name, rdtype)  # names hash and compare without case
+        made = self._made.get(key)
+        if made is None:
+            question = dns.message.make_query(name.canonicalize(), rdtype, dns.rdataclass.IN)
+            question.flags |= dns.flags.RD
+            question.use_edns(0, 0, EDNS_PAYLOAD)
+            if len(self._made) >= _MADE_KEPT:
+                self._made.clear()
+            made = self._made[key] = (question, question.to_wire())
+        return await self._exchange(*made)
 
     async def query(self, question: dns.message.Message) -> UpstreamAnswer:
         """Ask a question the proxy made itself (EDNS added so answers rarely truncate).

@@ -7,6 +7,7 @@ may open — is decided here and tested without a kernel.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -264,6 +265,19 @@ LOOPBACK_NETWORKS: tuple[IPNetwork, ...] = (
 )
 
 
+@functools.lru_cache(maxsize=4096)
+def _answer_kind(address: IPAddress) -> str:
+    """``never`` (link-local, unspecified, multicast, broadcast), ``loopback`` or ``other``.
+
+    Cached: answers repeat the same few addresses, and ``ipaddress`` membership tests are slow.
+    """
+    if any(address in net for net in NEVER_FROM_DNS if net.version == address.version):
+        return "never"
+    if any(address in net for net in LOOPBACK_NETWORKS if net.version == address.version):
+        return "loopback"
+    return "other"
+
+
 def answer_refusal(
     rule: EgressRule,
     address: IPAddress,
@@ -278,11 +292,12 @@ def answer_refusal(
     Link-local (cloud metadata), unspecified, multicast and broadcast are refused always.
     """
     plain = unmap(address)
-    if any(plain in net for net in NEVER_FROM_DNS if net.version == plain.version):
+    kind = _answer_kind(plain)
+    if kind == "never":
         return f"{plain} is link-local, unspecified, multicast or broadcast"
-    if rule.allow_internal_only or any(plain in net for net in trusted):
+    if rule.allow_internal_only or (trusted and any(plain in net for net in trusted)):
         return None
-    if any(plain in net for net in LOOPBACK_NETWORKS if net.version == plain.version):
+    if kind == "loopback":
         return f"{plain} is loopback (the rule does not set allow_internal_only)"
     if plain in protected:
         return (
@@ -292,6 +307,29 @@ def answer_refusal(
     return None
 
 
+def screen_answer(
+    rule: EgressRule,
+    address: IPAddress,
+    exact_name: bool,
+    protected: frozenset[IPAddress] = frozenset(),
+    trusted: tuple[IPNetwork, ...] = (),
+) -> tuple[bool, str | None]:
+    """Whether ``rule`` may open an answered address, and the rebinding refusal if there is one.
+
+    ``allow_internal_only`` drops public addresses; well-known DoH resolvers are dropped unless
+    the name was matched by an exact (non-wildcard) rule; an `answer_refusal` drops it too.
+    """
+    plain = unmap(address)
+    refusal = answer_refusal(rule, plain, protected, trusted)
+    if refusal is not None:
+        return False, refusal
+    if rule.allow_internal_only and not is_internal(plain):
+        return False, None
+    if plain in DOH_ADDRESSES and not exact_name:
+        return False, None
+    return True, None
+
+
 def grantable(
     rule: EgressRule,
     addresses: Iterable[IPAddress],
@@ -299,20 +337,7 @@ def grantable(
     protected: frozenset[IPAddress] = frozenset(),
     trusted: tuple[IPNetwork, ...] = (),
 ) -> list[IPAddress]:
-    """The answered addresses a domain rule may open.
-
-    ``allow_internal_only`` drops public addresses; well-known DoH resolvers are dropped unless
-    the name was matched by an exact (non-wildcard) rule; addresses with an `answer_refusal`
-    are dropped.
-    """
-    out: list[IPAddress] = []
-    for address in addresses:
-        plain = unmap(address)
-        if answer_refusal(rule, plain, protected, trusted) is not None:
-            continue
-        if rule.allow_internal_only and not is_internal(plain):
-            continue
-        if plain in DOH_ADDRESSES and not exact_name:
-            continue
-        out.append(plain)
-    return out
+    """The answered addresses a domain rule may open (see `screen_answer`)."""
+    return [
+        unmap(a) for a in addresses if screen_answer(rule, a, exact_name, protected, trusted)[0]
+    ]
