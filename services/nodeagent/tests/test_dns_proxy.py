@@ -508,3 +508,18 @@ async def test_an_operator_can_trust_a_local_target(zone: ZoneServer) -> None:
         await p.close()
     with pytest.raises(ValueError, match="DSEC_DNS_TRUSTED_TARGETS: 'localhost' is not an"):
         parse_networks("127.0.0.1,localhost", "DSEC_DNS_TRUSTED_TARGETS")
+
+
+async def test_forwarded_answers_carry_the_sandboxes_id_question_and_edns_choice(
+    proxy: tuple[DnsProxy, RecordingSink, int],
+) -> None:
+    _, _, port = proxy
+    plain = dns.message.make_query("ALLOWED.test", "A")
+    answer = await ask_message(port, plain)  # dnspython checks the id and the question
+    assert addresses(answer) == ["127.0.0.10"] and answer.edns == -1 and not answer.additional
+    assert answer.question[0].name.to_text() == "ALLOWED.test."
+    with_edns = dns.message.make_query("allowed.test", "A", use_edns=0, payload=4096)
+    with_edns.flags &= ~dns.flags.RD
+    answer = await ask_message(port, with_edns)
+    assert addresses(answer) == ["127.0.0.10"] and answer.edns == 0
+    assert not answer.flags & dns.flags.RD and answer.flags & dns.flags.QR
