@@ -431,7 +431,9 @@ class EgressRule(SpecModel):
     ports: tuple[Port, ...] = Field(default=(443,), min_length=1)
     rate_limit: Rate | None = None
     allow_internal_only: bool = Field(
-        default=False, description="Only private (RFC 1918/4193, loopback) addresses"
+        default=False,
+        description="Only private (RFC 1918/4193, loopback) addresses; the one way a domain "
+        "rule's DNS answers may point at loopback or this node",
     )
     protocol: Transport | None = Field(
         default=None, description="Transport this rule opens (default tcp); or `protocols`"
