@@ -523,3 +523,31 @@ async def test_forwarded_answers_carry_the_sandboxes_id_question_and_edns_choice
     answer = await ask_message(port, with_edns)
     assert addresses(answer) == ["127.0.0.10"] and answer.edns == 0
     assert not answer.flags & dns.flags.RD and answer.flags & dns.flags.QR
+
+
+async def test_open_tcp_connections_to_the_proxy_are_bounded_per_sandbox(zone: ZoneServer) -> None:
+    p = DnsProxy(
+        UpstreamClient(zone.host, zone.port),
+        RecordingSink(),
+        bounds=DnsBounds(max_tcp_connections=2),
+    )
+    refusals = record_refusals(p)
+    port, other = await p.serve(51, PLAN), await p.serve(52, PLAN)
+    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+    wire = dns.message.make_query("allowed.test", "A").to_wire()
+    for reader, writer in held:  # both are being served (and stay open)
+        writer.write(len(wire).to_bytes(2, "big") + wire)
+        length = int.from_bytes(await reader.readexactly(2), "big")
+        assert addresses(dns.message.from_wire(await reader.readexactly(length))) == ["127.0.0.10"]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(reader.read(1), 3) == b""  # closed at once
+        writer.close()
+        assert [r[3] for r in refusals] == ["dns.tcp"]
+        assert addresses(await ask(other, "allowed.test", tcp=True)) == ["127.0.0.10"]
+    finally:
+        for _, w in held:
+            w.close()
+        await p.close()
+    with pytest.raises(ValueError, match="max_tcp_connections: must be at least 1"):
+        DnsBounds(max_tcp_connections=0)

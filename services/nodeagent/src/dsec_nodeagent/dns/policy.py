@@ -86,6 +86,7 @@ class DnsBounds:
     query_burst: int = 100
     max_query_bytes: int = 512  # one question + an OPT record fits in ~300 bytes
     max_wildcard_prefix: int = 64  # characters a wildcard rule lets a sandbox choose in a name
+    max_tcp_connections: int = 16  # open TCP connections to the proxy per sandbox
     extra_qtypes: frozenset[str] = field(default_factory=frozenset)  # besides A/AAAA, e.g. HTTPS
 
     def __post_init__(self) -> None:
@@ -97,6 +98,7 @@ class DnsBounds:
             "query_burst",
             "max_query_bytes",
             "max_wildcard_prefix",
+            "max_tcp_connections",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")

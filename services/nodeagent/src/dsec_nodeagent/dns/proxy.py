@@ -128,6 +128,7 @@ class _Sandbox:
     ledger: dict[_Key, int] = field(default_factory=dict)
     tokens: float = 0.0
     refilled_ns: int = 0
+    tcp_open: int = 0
     # rule id -> (kernel slot, ports as keys, transport bits): the grant of each rule
     rules: dict[str, tuple[int, tuple[int, ...], int]] = field(default_factory=dict)
 
@@ -314,6 +315,14 @@ class DnsProxy:
     async def _tcp_client(
         self, sandbox: _Sandbox, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        limit = self.bounds.max_tcp_connections
+        if sandbox.tcp_open >= limit:  # the agent's sockets are the node's: bounded per sandbox
+            self._refuse(
+                sandbox, "?", "?", "dns.tcp", f"more than {limit} open TCP connections to DNS"
+            )
+            writer.close()
+            return
+        sandbox.tcp_open += 1
         try:
             while True:
                 async with asyncio.timeout(_TCP_IDLE_S):
@@ -327,6 +336,7 @@ class DnsProxy:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            sandbox.tcp_open -= 1
             writer.close()
 
     # --- answering -------------------------------------------------------------------------
