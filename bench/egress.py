@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import emit, percentile
+from dsec_nodeagent.dns.policy import DnsBounds
 from dsec_nodeagent.ebpf import EgressController, EgressPlan, EgressRule, libbpf
 from dsec_nodeagent.ebpf.kernel import ATTACH_TYPES
 
@@ -224,6 +225,8 @@ async def bench(connects: int, questions: int, rounds: int) -> None:
             dns_upstream=f"127.0.0.1:{upstream_port}",
             pin_dir=Path(f"/sys/fs/bpf/dsec-{tag}/egress"),
             state_dir=Path(f"/run/dsec-{tag}/egress"),
+            # Latency, not the per-sandbox query rate limit (50/s by default), is measured here.
+            dns_bounds=DnsBounds(queries_per_s=1e6, query_burst=10**6),
         )
         await ctl.start()
         for path in cgroups.values():
@@ -234,7 +237,8 @@ async def bench(connects: int, questions: int, rounds: int) -> None:
                 EgressRule(
                     id="target", cidr=ipaddress.ip_network("127.0.0.50/32"), ports=(listener.port,)
                 ),
-                EgressRule(id="dns", domain="allowed.test", ports=(443,)),
+                # The test zone answers loopback: only a rule allowing internal targets opens it.
+                EgressRule(id="dns", domain="allowed.test", ports=(443,), allow_internal_only=True),
             ),
         )
         await ctl.attach(cgroups["hooks"], one_rule)

@@ -31,6 +31,7 @@ WORLD_PID=$!
 for _ in $(seq 100); do [ -f "$WORLD/world.json" ] && break; sleep 0.1; done
 [ -f "$WORLD/world.json" ] || { cat "$DSEC_HOME/demo-world.log"; exit 1; }
 export DSEC_DNS_UPSTREAM=127.0.0.1:5354   # the node agent's DNS proxy asks this resolver
+export DSEC_DNS_TRUSTED_TARGETS=127.0.0.53  # the world's API lives on loopback: let DNS open it
 
 step "Start the embedded stack" dsec up
 dsec up

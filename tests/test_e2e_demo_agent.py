@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from dsec_testing import ServiceRunner
-from dsec_testing.demo_world import DEFAULT_QUERIES, WORLD_FILE, WorldInfo
+from dsec_testing.demo_world import API_ADDRESS, DEFAULT_QUERIES, WORLD_FILE, WorldInfo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kernel, pytest.mark.slow]
 
@@ -104,7 +104,9 @@ def test_demo_agent_searches_by_name_and_is_refused_everything_else(
     )
     assert seeded.returncode == 0, seeded.stderr
     assert "vault://secret/default/agent-tools/websearch#key" in seeded.stdout
-    services.start("policy", "builder", "nodeagent", env={"DSEC_DNS_UPSTREAM": world.info.dns})
+    # The world's API answers from loopback, which DNS answers may only open when trusted.
+    agent_env = {"DSEC_DNS_UPSTREAM": world.info.dns, "DSEC_DNS_TRUSTED_TARGETS": API_ADDRESS}
+    services.start("policy", "builder", "nodeagent", env=agent_env)
 
     result = dsec_cli(
         "submit",

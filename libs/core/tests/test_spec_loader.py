@@ -149,6 +149,22 @@ def test_duplicate_keys_are_errors_not_silently_overwritten() -> None:
             "private",
         ),
         (
+            "security_policy: {network: {egress: [{domain: a.test, rate_limit: 10bananas/min}]}}",
+            "security_policy.network.egress[0].rate_limit",
+            "connects",
+        ),
+        (
+            "security_policy: {network: {egress: [{domain: a.test, protocol: icmp}]}}",
+            "security_policy.network.egress[0].protocol",
+            "udp",
+        ),
+        (
+            "security_policy: {network: {egress: [{domain: a.test, protocol: udp, "
+            "protocols: [tcp]}]}}",
+            "security_policy.network.egress[0]",
+            "protocols: [tcp, udp]",
+        ),
+        (
             "runtime_context: {env_vars: [{name: A, source: 'vault:/x'}]}",
             "runtime_context.env_vars[0].source",
             "vault://MOUNT/PATH",

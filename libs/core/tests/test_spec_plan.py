@@ -31,8 +31,8 @@ security_policy:
   network:
     egress:
       - {domain: API.Example.TEST., ports: [443, 80, 443], rate_limit: 10req/s}
-      - {domain: "*.cdn.test"}
-      - {cidr: 10.1.0.0/16, ports: [6379], allow_internal_only: true}
+      - {domain: "*.cdn.test", protocols: [udp, tcp], rate_limit: 20connects/min}
+      - {cidr: 10.1.0.0/16, ports: [6379], allow_internal_only: true, protocol: udp}
   filesystem:
     read_allowed: [/etc/resolv.conf, /data/]
     write_allowed: [/workspace/output/, /tmp]
@@ -60,6 +60,9 @@ def test_egress_rules_are_normalized(plan: EnforcementPlan) -> None:
     assert exact.rate_limit is not None and exact.rate_limit.per_second == 10
     assert (wildcard.kind, wildcard.domain, wildcard.ports) == ("wildcard", "cdn.test", (443,))
     assert (cidr.kind, cidr.cidr, cidr.internal_only) == ("cidr", "10.1.0.0/16", True)
+    assert [r.protocols for r in plan.egress] == [("tcp",), ("tcp", "udp"), ("udp",)]
+    assert exact.rate_limit.unit == "requests"
+    assert wildcard.rate_limit is not None and wildcard.rate_limit.unit == "connects"
 
 
 @pytest.mark.parametrize(

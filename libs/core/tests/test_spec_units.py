@@ -74,17 +74,20 @@ def test_cpu_amounts_parse(text: object, cores: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "requests", "period"),
+    ("text", "requests", "period", "unit"),
     [
-        ("100req/min", 100, 60),
-        ("10req/s", 10, 1),
-        ("5000 req / h", 5000, 3600),
-        ("20/day", 20, 86400),
-        ("3requests/second", 3, 1),
+        ("100req/min", 100, 60, "requests"),
+        ("10req/s", 10, 1, "requests"),
+        ("5000 req / h", 5000, 3600, "requests"),
+        ("20/day", 20, 86400, "requests"),
+        ("3requests/second", 3, 1, "requests"),
+        ("100requests/min", 100, 60, "requests"),
+        ("10connects/min", 10, 60, "connects"),
+        ("10 connections / s", 10, 1, "connects"),
     ],
 )
-def test_rates_parse(text: str, requests: int, period: int) -> None:
-    assert parse_rate(text) == {"requests": requests, "period_s": period}
+def test_rates_parse(text: str, requests: int, period: int, unit: str) -> None:
+    assert parse_rate(text) == {"requests": requests, "period_s": period, "unit": unit}
 
 
 @pytest.mark.parametrize("text", ["100 per minute", "100req/fortnight", "0req/s", "req/min"])
@@ -93,9 +96,18 @@ def test_bad_rates_are_rejected(text: str) -> None:
         parse_rate(text)
 
 
+def test_unknown_rate_unit_names_the_unit_and_the_valid_ones() -> None:
+    with pytest.raises(PydanticCustomError) as info:
+        parse_rate("10bytes/min")
+    assert "unknown rate unit 'bytes'" in str(info.value)
+    assert "connects" in str(info.value.context)
+
+
 def test_values_round_trip_through_their_text_form() -> None:
     assert format_duration(parse_duration("1h30m")) == "90m"
     assert format_size(parse_size("2GiB")) == "2GiB"
     rate = Rate.model_validate("100req/min")
     assert str(rate) == "100req/min"
     assert rate.per_second == pytest.approx(100 / 60)
+    connects = Rate.model_validate("20connects/h")
+    assert str(connects) == "20connects/h" and Rate.model_validate(str(connects)) == connects

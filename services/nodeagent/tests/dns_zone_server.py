@@ -28,12 +28,21 @@ mixed           A     127.0.0.13
 mixed           A     203.0.113.5
 short     2     A     127.0.0.11
 txt             TXT   "hello"
+rebind          A     127.0.0.1
+rebind          AAAA  ::1
+meta            A     169.254.169.254
+meta            AAAA  fe80::1
+long    86400   A     127.0.0.16
+node            A     192.0.2.50
 """
 
 
 def big_zone_records(count: int = 100) -> str:
     """``big.test`` with ``count`` A records: too large for UDP (512 bytes and EDNS 1232)."""
-    return "".join(f"big A 127.0.1.{i}\n" for i in range(1, count + 1))
+    records = "".join(f"big A 127.0.1.{i}\n" for i in range(1, count + 1))
+    for n in (2, 3):  # big2.test, big3.test: 40 more addresses each (the quota tests)
+        records += "".join(f"big{n} A 127.0.{n}.{i}\n" for i in range(1, 41))
+    return records
 
 
 async def start_test_dns(host: str = "127.0.0.1") -> ZoneServer:

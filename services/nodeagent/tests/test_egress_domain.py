@@ -10,14 +10,18 @@ from dsec_core.spec.units import Rate
 from pydantic import ValidationError
 
 from dsec_nodeagent.ebpf.domain import (
+    AF_TCP,
+    AF_UDP,
     BucketSpec,
     CidrEntry,
+    answer_refusal,
     bucket_specs,
     canonical_network,
     cidr_entries,
     grantable,
     internal_parts,
     is_internal,
+    transport_flags,
 )
 from dsec_nodeagent.ebpf.model import (
     EgressPlan,
@@ -157,11 +161,39 @@ def test_grantable_filters_public_addresses_for_internal_only_rules() -> None:
 
 def test_grantable_drops_doh_resolvers_unless_named_exactly() -> None:
     wildcard = EgressRule(id="w", domain="*.google")
-    assert grantable(wildcard, [ip("8.8.8.8"), ip("127.0.0.1")], exact_name=False) == [
-        ip("127.0.0.1")
+    assert grantable(wildcard, [ip("8.8.8.8"), ip("203.0.113.1")], exact_name=False) == [
+        ip("203.0.113.1")
     ]
     exact = EgressRule(id="e", domain="dns.google")
     assert grantable(exact, [ip("8.8.8.8")], exact_name=True) == [ip("8.8.8.8")]
+
+
+@pytest.mark.parametrize(
+    ("address", "internal_rule_may"),
+    [
+        ("127.0.0.1", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("169.254.169.254", False),
+        ("fe80::1", False),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("224.0.0.1", False),
+        ("ff02::1", False),
+        ("255.255.255.255", False),
+        ("192.0.2.7", True),  # the node's own address (protected below)
+    ],
+)
+def test_rebinding_targets_are_refused_unless_the_rule_allows_internal_ones(
+    address: str, internal_rule_may: bool
+) -> None:
+    public = EgressRule(id="p", domain="api.test")
+    internal = EgressRule(id="i", domain="api.test", allow_internal_only=True)
+    node = frozenset({ip("192.0.2.7")})
+    assert answer_refusal(public, ip(address), node) is not None
+    assert grantable(public, [ip(address)], exact_name=True, protected=node) == []
+    assert (answer_refusal(internal, ip(address), node) is None) is internal_rule_may
+    assert answer_refusal(public, ip("203.0.113.1"), node) is None
 
 
 def test_from_enforcement_plan_keeps_every_egress_field() -> None:
@@ -185,7 +217,7 @@ def test_from_enforcement_plan_keeps_every_egress_field() -> None:
             ),
             PlanEgressRule(kind="wildcard", domain="cdn.test", ports=(443,)),
             PlanEgressRule(kind="cidr", cidr="10.0.0.0/8", ports=(6379,), internal_only=True),
-            PlanEgressRule(kind="any", ports=(80,)),
+            PlanEgressRule(kind="any", ports=(80,), protocols=("tcp", "udp")),
         ),
         filesystem=FilesystemPlan(read=(), write=()),
         semantic=(),
@@ -205,6 +237,8 @@ def test_from_enforcement_plan_keeps_every_egress_field() -> None:
     assert egress.rules[0].rate_limit == RateLimit(count=100, per_seconds=60)
     assert egress.rules[2].allow_internal_only
     assert egress.rate_limited_rules() == (egress.rules[0],)
+    assert [r.protocols for r in egress.rules] == [("tcp",)] * 3 + [("tcp", "udp")]
+    assert [transport_flags(r) for r in egress.rules] == [AF_TCP] * 3 + [AF_TCP | AF_UDP]
 
 
 def test_verdict_event_message_names_the_rule_and_destination() -> None:

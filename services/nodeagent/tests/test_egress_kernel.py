@@ -26,6 +26,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the fixture
 from dns_zone_server import ZoneServer, start_test_dns
 
+from dsec_nodeagent.dns.policy import DnsBounds
 from dsec_nodeagent.ebpf import (
     EgressController,
     EgressPlan,
@@ -243,6 +244,7 @@ async def egress(zone: ZoneServer) -> AsyncIterator[EgressController]:
         state_dir=Path(f"/run/dsec-{tag}/egress"),
         ttl_grace_s=0.0,
         extra_doh_addresses=("127.0.0.40",),
+        dns_bounds=DnsBounds(sandbox_quota=64),  # small, so a flood test fills it quickly
     )
     await ctl.start()
     yield ctl
@@ -311,6 +313,10 @@ def denials(events: list[VerdictEvent]) -> set[tuple[str, str, int, str | None]]
 
 
 def rule(rule_id: str, **fields: Any) -> EgressRule:
+    """A rule; domain rules allow internal targets by default: every test address is loopback,
+    and DNS answers pointing at loopback are refused unless a rule allows internal targets."""
+    if "domain" in fields:
+        fields.setdefault("allow_internal_only", True)
     return EgressRule(id=rule_id, **fields)
 
 
@@ -432,8 +438,8 @@ async def test_dns_is_forced_to_the_proxy_whatever_resolver_the_code_names(
     assert results[2] == "gaierror:-2"  # EAI_NONAME: NXDOMAIN
     for answer in results[3:6]:
         assert answer == {"rcode": "NOERROR", "addresses": ["127.0.0.10"], "truncated": False}
-    assert results[6]["truncated"] is True  # 100 records do not fit in 512 bytes of UDP
-    assert len(results[7]["addresses"]) == 100  # the client retried over TCP, redirected too
+    assert results[6]["truncated"] is True  # 32 records (the answer bound) exceed 512 bytes
+    assert len(results[7]["addresses"]) == 32  # the client retried over TCP, redirected too
     assert results[8] == [FAKE_RESOLVER, 53]  # getpeername shows what the code asked for
     assert results[9] == ["::1", 53]
     assert results[10]["addresses"] == ["::1"]
@@ -741,3 +747,135 @@ async def test_the_stacks_servers_are_denied_whatever_the_rules_say(
     event = violation(stack[0])
     assert (event.layer, event.action, event.rule_id) == ("kernel", "deny", "system.egress")
     assert "the DSec stack's own servers" in event.message
+
+
+@contextlib.contextmanager
+def dns_refusals(egress: EgressController) -> Iterator[list[tuple[str, str, str, str]]]:
+    """(sandbox, name, rule id, reason) of every question the proxy refuses meanwhile."""
+    seen: list[tuple[str, str, str, str]] = []
+    before = egress.proxy.on_denied
+
+    def on_denied(sid: str, name: str, rdtype: str, *, rule_id: str, reason: str) -> None:
+        seen.append((sid, name, rule_id, reason))
+
+    egress.proxy.on_denied = on_denied
+    try:
+        yield seen
+    finally:
+        egress.proxy.on_denied = before
+
+
+async def test_a_flooding_sandbox_fills_only_its_own_quota(
+    egress: EgressController, echo: Echo, cgroup: Path
+) -> None:
+    port = await echo.serve("127.0.0.10")
+    victim_cgroup = CGROUP2 / f"dsec-egress-test-{uuid.uuid4().hex[:10]}"
+    victim_cgroup.mkdir()
+    attacker = EgressPlan(
+        sandbox_id="sbx-flood",
+        rules=tuple(
+            rule(f"egress[{i}]", domain=name, ports=(port,))
+            for i, name in enumerate(("big.test", "big2.test", "big3.test"))
+        ),
+    )
+    victim = EgressPlan(
+        sandbox_id="sbx-victim", rules=(rule("egress[0]", domain="allowed.test", ports=(port,)),)
+    )
+    try:
+        with dns_refusals(egress) as refused:
+            async with attached(egress, cgroup, attacker), attached(egress, victim_cgroup, victim):
+                flood = await run_client(
+                    cgroup,
+                    [
+                        {"op": "resolve", "name": name, "proto": "tcp"}
+                        for name in ("big.test", "big2.test", "big3.test")
+                    ],
+                )
+                (answer, connected) = await run_client(
+                    victim_cgroup,
+                    [
+                        {"op": "resolve", "name": "allowed.test"},
+                        {"op": "connect", "host": "127.0.0.10", "port": port},
+                    ],
+                )
+                held = len(list(egress.kernel.host_entries(os.stat(cgroup).st_ino)))
+    finally:
+        _kill_members(victim_cgroup)
+        victim_cgroup.rmdir()
+    assert [len(r["addresses"]) for r in flood] == [32, 32, 0]  # 64 = the quota
+    assert flood[2]["rcode"] == "SERVFAIL"
+    assert held == 64
+    assert answer == {"rcode": "NOERROR", "addresses": ["127.0.0.10"], "truncated": False}
+    assert connected == "ok"
+    assert [(sid, name, rule_id) for sid, name, rule_id, _ in refused] == [
+        ("sbx-flood", "big3.test", "dns.quota")
+    ]
+
+
+async def test_a_rebinding_answer_opens_nothing(
+    egress: EgressController, echo: Echo, cgroup: Path
+) -> None:
+    port = await echo.serve("127.0.0.1")  # a host service on loopback
+    plan = EgressPlan(
+        sandbox_id="sbx-rebind",
+        rules=(rule("egress[0]", domain="rebind.test", ports=(port,), allow_internal_only=False),),
+    )
+    with dns_refusals(egress) as refused:
+        async with attached(egress, cgroup, plan) as events:
+            answer, connected = await run_client(
+                cgroup,
+                [
+                    {"op": "resolve", "name": "rebind.test"},
+                    {"op": "connect", "host": "127.0.0.1", "port": port},
+                ],
+            )
+            egress.drain_events()
+    assert answer == {"rcode": "NOERROR", "addresses": [], "truncated": False}
+    assert connected == "EPERM"
+    assert denials(events) == {("DENY_NO_RULE", "127.0.0.1", port, None)}
+    assert [(name, rule_id) for _, name, rule_id, _ in refused] == [
+        ("rebind.test", "dns.rebinding")
+    ]
+    assert "127.0.0.1 is loopback" in refused[0][3]
+
+
+async def test_a_tcp_grant_does_not_open_udp(
+    egress: EgressController, echo: Echo, cgroup: Path
+) -> None:
+    port = await echo.serve("127.0.0.30")
+    plan = EgressPlan(
+        sandbox_id="sbx-proto",
+        rules=(
+            rule("egress[0]", cidr="127.0.0.30/32", ports=(port,)),  # tcp (the default)
+            rule(
+                "egress[1]",
+                cidr="127.0.0.31/32",
+                ports=(port,),
+                protocols=("udp",),
+                rate_limit=RateLimit(count=2, per_seconds=3600),  # datagrams sent with sendto
+            ),
+            rule("egress[2]", domain="allowed.test", ports=(port,)),  # tcp, from DNS
+        ),
+    )
+    async with attached(egress, cgroup, plan) as events:
+        results = await run_client(
+            cgroup,
+            [
+                {"op": "connect", "host": "127.0.0.30", "port": port},
+                {"op": "udp_sendto", "host": "127.0.0.30", "port": port},
+                {"op": "resolve", "name": "allowed.test"},
+                {"op": "udp_sendto", "host": "127.0.0.10", "port": port},
+                *[{"op": "udp_sendto", "host": "127.0.0.31", "port": port}] * 3,
+            ],
+        )
+        egress.drain_events()
+    assert results[:2] == ["ok", "EPERM"]
+    assert results[3:] == ["EPERM", "ok", "ok", "EPERM"]
+    assert denials(events) == {
+        ("DENY_PROTOCOL", "127.0.0.30", port, "egress[0]"),
+        ("DENY_PROTOCOL", "127.0.0.10", port, "egress[2]"),
+        ("DENY_RATE_LIMIT", "127.0.0.31", port, "egress[1]"),
+    }
+    refused = next(e for e in events if e.verdict is Verdict.DENY_PROTOCOL)
+    assert refused.protocol == "udp"
+    assert "does not open udp" in refused.message()

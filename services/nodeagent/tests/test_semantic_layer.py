@@ -180,6 +180,21 @@ def test_rules_from_a_spec_carry_its_lines_and_rate_limits() -> None:
     assert (rules.rate_limits[0].requests, rules.rate_limits[0].period_s) == (100, 60)
 
 
+@pytest.mark.unit
+def test_a_connects_rate_is_left_to_the_kernel() -> None:
+    text = (
+        'version: "1.2"\nname: demo\nbase: python:3.11\n'
+        "security_policy:\n"
+        "  network:\n    egress:\n"
+        "      - {domain: a.example.com, rate_limit: 10connects/min}\n"
+        "      - {domain: b.example.com, rate_limit: 10requests/min}\n"
+    )
+    result = load_spec(text, "agent.yaml")
+    assert result.ok and result.spec is not None, result.errors
+    rules = rules_from_spec(result.spec.security_policy, result.source, "agent.yaml")
+    assert [limit.host for limit in rules.rate_limits] == ["b.example.com"]
+
+
 # ---------------------------------------------------------------- inside a real sandbox (kernel)
 
 

@@ -47,6 +47,25 @@ class Settings(BaseSettings):
     node_id: str = Field(default="node-1", description="Name of this node")
     org_policy: Path | None = Field(default=None, description="Org guardrail policy file")
     dns_upstream: str | None = Field(default=None, description="Upstream DNS host:port")
+    dns_max_ttl_s: int = Field(
+        default=300, ge=1, description="DNS answers open addresses at most this long"
+    )
+    egress_sandbox_quota: int = Field(
+        default=1024, ge=1, description="Allow-map entries (address x port) per sandbox"
+    )
+    dns_max_answer_addresses: int = Field(
+        default=32, ge=1, description="Addresses kept from one DNS answer"
+    )
+    dns_queries_per_s: float = Field(
+        default=50.0, gt=0, description="DNS queries per second per sandbox (burst: twice)"
+    )
+    dns_trusted_targets: str = Field(
+        default="",
+        description="Addresses/networks DNS answers may open although loopback or the node's",
+    )
+    dns_max_wildcard_prefix: int = Field(
+        default=64, ge=1, description="Characters of a name a wildcard rule lets a sandbox choose"
+    )
     log_level: str = Field(default="INFO", description="Log level of services")
     snapshot_interval_s: float = Field(
         default=0.0, ge=0, description="Periodic snapshot of each running sandbox (0 = off)"

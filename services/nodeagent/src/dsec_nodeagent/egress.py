@@ -5,8 +5,11 @@ its first instruction, detached at exit, and every kernel verdict turned into a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from dsec_core import events
 from dsec_core.settings import Settings
@@ -15,12 +18,30 @@ from dsec_core.stackinfo import stack_endpoints
 from prometheus_client import REGISTRY
 
 from dsec_nodeagent.agent import Publish
+from dsec_nodeagent.dns.policy import DnsBounds
 from dsec_nodeagent.ebpf import EgressPlan, Verdict, VerdictEvent
 from dsec_nodeagent.ebpf.controller import EgressController
 from dsec_nodeagent.ebpf.metrics import EgressCollector
 from dsec_nodeagent.stackdeny import deny_entries, local_addresses
 
 log = logging.getLogger(__name__)
+
+
+def stack_addresses(settings: Settings) -> list[str]:
+    """Addresses of the stack's servers (NATS, Postgres, S3, Vault): DNS answers may not point
+    there unless a rule allows internal targets. Names are resolved once, at start."""
+    found: list[str] = []
+    for name in ("nats_url", "postgres_dsn", "s3_endpoint", "vault_addr"):
+        value = settings.endpoint(name)
+        if not value:
+            continue
+        text = str(value)
+        host = urlsplit(text if "://" in text else f"//{text}").hostname
+        if not host:
+            continue
+        with contextlib.suppress(OSError, UnicodeError):
+            found.extend(str(info[4][0]) for info in socket.getaddrinfo(host, None))
+    return found
 
 
 def violation(event: VerdictEvent) -> events.PolicyViolation:
@@ -41,7 +62,19 @@ class Egress:
     """Owns the egress controller for this node."""
 
     def __init__(self, settings: Settings, publish: Publish) -> None:
-        self.controller = EgressController(dns_upstream=settings.dns_upstream)
+        self.controller = EgressController(
+            dns_upstream=settings.dns_upstream,
+            dns_bounds=DnsBounds(
+                max_ttl_s=settings.dns_max_ttl_s,
+                sandbox_quota=settings.egress_sandbox_quota,
+                max_addresses=settings.dns_max_answer_addresses,
+                queries_per_s=settings.dns_queries_per_s,
+                query_burst=max(1, round(settings.dns_queries_per_s * 2)),
+                max_wildcard_prefix=settings.dns_max_wildcard_prefix,
+            ),
+            protected_addresses=[*local_addresses(), *stack_addresses(settings)],
+            trusted_targets=settings.dns_trusted_targets,
+        )
         self.settings = settings
         self._publish = publish
         self._cgroups: dict[str, Path] = {}
@@ -91,16 +124,30 @@ class Egress:
         if event.sandbox_id is not None:
             self._emit(violation(event), event.sandbox_id)
 
-    def _on_dns_denied(self, sandbox_id: str, name: str, rdtype: str) -> None:
+    def _on_dns_denied(
+        self,
+        sandbox_id: str,
+        name: str,
+        rdtype: str,
+        *,
+        rule_id: str = "default-deny",
+        reason: str | None = None,
+    ) -> None:
+        if rule_id == "default-deny":
+            message = (
+                f"{name} matches no egress rule: the node's DNS proxy refused to resolve "
+                "it (the sandbox's DNS can only reach the proxy)"
+            )
+        else:
+            message = f"the node's DNS proxy refused {name}/{rdtype}: {reason}"
         self._emit(
             events.PolicyViolation(
                 layer="kernel",
-                rule_id="default-deny",
+                rule_id=rule_id,
                 action="deny",
                 operation="dns",
                 target=f"{name}/{rdtype}",
-                message=f"{name} matches no egress rule: the node's DNS proxy refused to resolve "
-                "it (the sandbox's DNS can only reach the proxy)",
+                message=message,
             ),
             sandbox_id,
         )

@@ -422,6 +422,7 @@ def _port(value: int) -> int:
 
 
 Port = Annotated[int, AfterValidator(_port)]
+Transport = Literal["tcp", "udp"]
 
 
 class EgressRule(SpecModel):
@@ -432,8 +433,23 @@ class EgressRule(SpecModel):
     ports: tuple[Port, ...] = Field(default=(443,), min_length=1)
     rate_limit: Rate | None = None
     allow_internal_only: bool = Field(
-        default=False, description="Only private (RFC 1918/4193, loopback) addresses"
+        default=False,
+        description="Only private (RFC 1918/4193, loopback) addresses; the one way a domain "
+        "rule's DNS answers may point at loopback or this node",
     )
+    protocol: Transport | None = Field(
+        default=None, description="Transport this rule opens (default tcp); or `protocols`"
+    )
+    protocols: tuple[Transport, ...] | None = Field(
+        default=None, min_length=1, description="Transports this rule opens, e.g. [tcp, udp]"
+    )
+
+    @property
+    def transports(self) -> tuple[Transport, ...]:
+        """The transports this rule opens: ``protocols``, ``protocol``, or TCP alone."""
+        if self.protocols is not None:
+            return tuple(sorted(set(self.protocols)))
+        return (self.protocol,) if self.protocol is not None else ("tcp",)
 
     @field_validator("domain")
     @classmethod
@@ -455,15 +471,23 @@ class EgressRule(SpecModel):
 
     @classmethod
     def cross_checks(cls, fields: Mapping[str, Any]) -> list[PydanticCustomError]:
-        """Exactly one destination."""
+        """Exactly one destination; at most one of ``protocol`` and ``protocols``."""
+        errors = []
         if (fields.get("domain") is None) == (fields.get("cidr") is None):
-            return [
+            errors.append(
                 invalid(
                     "an egress rule needs exactly one of `domain` or `cidr`",
                     "domain: api.example.com  (or)  cidr: 10.0.0.0/8",
                 )
-            ]
-        return []
+            )
+        if fields.get("protocol") is not None and fields.get("protocols") is not None:
+            errors.append(
+                invalid(
+                    "an egress rule takes `protocol` or `protocols`, not both",
+                    "protocol: udp  (or)  protocols: [tcp, udp]",
+                )
+            )
+        return errors
 
     @model_validator(mode="after")
     def _internal_network(self) -> EgressRule:

@@ -50,6 +50,9 @@ class PlanEgressRule(PlanModel):
     ports: tuple[int, ...]
     rate_limit: Rate | None = None
     internal_only: bool = False
+    protocols: tuple[Literal["tcp", "udp"], ...] = Field(
+        default=("tcp",), description="Transports the rule opens (UDP only when declared)"
+    )
 
     def allows(self, host: str, port: int) -> bool:
         """Whether this rule admits ``host:port`` (``host`` may be a name or an address)."""
@@ -260,6 +263,7 @@ def _egress(rule: SpecEgressRule) -> PlanEgressRule:
         ports=tuple(sorted(set(rule.ports))),
         rate_limit=rule.rate_limit,
         internal_only=rule.allow_internal_only,
+        protocols=rule.transports,
     )
 
 

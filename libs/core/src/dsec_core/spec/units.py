@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
 
@@ -72,8 +72,27 @@ _RATE_PERIODS: dict[str, int] = {
     "d": 86400,
     "day": 86400,
 }
-_RATE = re.compile(r"(\d+)\s*(?:req|requests|r)?\s*/\s*([a-z]+)")
-RATE_HINT = "a rate such as 100req/min, 10req/s or 5000req/h (periods: s, min, h, day)"
+_RATE = re.compile(r"(\d+)\s*([a-z]*)\s*/\s*([a-z]+)")
+# What a rate counts. ``req`` means requests (HTTP requests, counted where the semantic layer
+# sees them); ``connects`` are new connections, counted by the kernel on every connect.
+_RATE_UNITS: dict[str, str] = {
+    "": "requests",
+    "r": "requests",
+    "req": "requests",
+    "reqs": "requests",
+    "request": "requests",
+    "requests": "requests",
+    "connect": "connects",
+    "connects": "connects",
+    "conn": "connects",
+    "conns": "connects",
+    "connection": "connects",
+    "connections": "connects",
+}
+RATE_HINT = (
+    "a rate such as 100requests/min, 10req/s or 20connects/min "
+    "(units: requests/req, connects; periods: s, min, h, day)"
+)
 
 _CPU = re.compile(r"(\d+(?:\.\d+)?)(m?)")
 CPU_HINT = "a number of cores such as 2 or 0.5, or millicores such as 500m"
@@ -191,8 +210,13 @@ class Rate(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    requests: int = Field(ge=1, le=2**53)
+    requests: int = Field(ge=1, le=2**53, description="How many (requests or connects)")
     period_s: int = Field(ge=1)
+    unit: Literal["requests", "connects"] = Field(
+        default="requests",
+        description="requests: HTTP requests (semantic layer) and at most as many new "
+        "connections (kernel); connects: new connections only (kernel)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -210,22 +234,31 @@ class Rate(BaseModel):
 
     def __str__(self) -> str:
         unit = {1: "s", 60: "min", 3600: "h", 86400: "day"}.get(self.period_s)
-        return f"{self.requests}req/{unit}" if unit else f"{self.requests}req/{self.period_s}s"
+        word = "req" if self.unit == "requests" else "connects"
+        period = unit or f"{self.period_s}s"
+        return f"{self.requests}{word}/{period}"
 
 
-def parse_rate(text: str) -> dict[str, int]:
-    """Parse ``100req/min`` into ``{"requests": 100, "period_s": 60}``.
+def parse_rate(text: str) -> dict[str, Any]:
+    """Parse ``100req/min`` into ``{"requests": 100, "period_s": 60, "unit": "requests"}``.
+
+    ``20connects/min`` counts new connections instead of requests (``unit: "connects"``).
 
     Raises:
-        PydanticCustomError: the text is not a rate.
+        PydanticCustomError: the text is not a rate, or names an unknown unit or period.
     """
-    match = _RATE.fullmatch(text.strip())
-    if match is None or match.group(2) not in _RATE_PERIODS:
+    match = _RATE.fullmatch(text.strip().lower())
+    if match is None:
         raise invalid(f"{text!r} is not a rate", RATE_HINT)
-    requests = int(match.group(1))
+    number, unit, period = match.groups()
+    if unit not in _RATE_UNITS:
+        raise invalid(f"unknown rate unit {unit!r} in {text!r}", RATE_HINT)
+    if period not in _RATE_PERIODS:
+        raise invalid(f"unknown rate period {period!r} in {text!r}", RATE_HINT)
+    requests = int(number)
     if requests <= 0:
         raise invalid(f"a rate needs at least one request, got {text!r}", RATE_HINT)
-    return {"requests": requests, "period_s": _RATE_PERIODS[match.group(2)]}
+    return {"requests": requests, "period_s": _RATE_PERIODS[period], "unit": _RATE_UNITS[unit]}
 
 
 def type_name(value: object) -> str:

@@ -7,7 +7,7 @@ domain rules (with their ``rate_limit``) that govern a host name.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dsec_nodeagent.ebpf.domain import DOH_HOSTNAMES
 from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule
@@ -69,3 +69,50 @@ def decide_query(plan: EgressPlan, name: str) -> tuple[QueryAction, NameMatch | 
     if plan.dns_passthrough:
         return QueryAction.PASSTHROUGH, None
     return QueryAction.DENY, None
+
+
+@dataclass(frozen=True, slots=True)
+class DnsBounds:
+    """Operator bounds of the DNS proxy and of the allow-map entries its answers create.
+
+    The defaults are the README's "Egress and DNS bounds" table.
+    """
+
+    max_ttl_s: int = 300  # an answered address stays open at most this long (then re-resolve)
+    sandbox_quota: int = 1024  # allow-map entries (address x port) one sandbox may hold
+    node_capacity: int = 65536  # the kernel's host maps (MAX_HOSTS): shared fairly when full
+    max_addresses: int = 32  # addresses kept from one answer (the first ones)
+    queries_per_s: float = 50.0  # per sandbox, refilling bucket
+    query_burst: int = 100
+    max_query_bytes: int = 512  # one question + an OPT record fits in ~300 bytes
+    max_wildcard_prefix: int = 64  # characters a wildcard rule lets a sandbox choose in a name
+    max_tcp_connections: int = 16  # open TCP connections to the proxy per sandbox
+    extra_qtypes: frozenset[str] = field(default_factory=frozenset)  # besides A/AAAA, e.g. HTTPS
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_ttl_s",
+            "sandbox_quota",
+            "node_capacity",
+            "max_addresses",
+            "query_burst",
+            "max_query_bytes",
+            "max_wildcard_prefix",
+            "max_tcp_connections",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.queries_per_s <= 0:
+            raise ValueError(f"queries_per_s: must be positive, got {self.queries_per_s}")
+
+
+def wildcard_prefix(match: NameMatch, name: str) -> int:
+    """How many characters of ``name`` the sandbox chose freely (0 under an exact rule).
+
+    Under ``*.example.com`` that is everything left of ``.example.com``; under ``*`` the name.
+    """
+    if match.exact:
+        return 0
+    name = normalize_name(name)
+    prefixes = [len(name) if r.is_any else len(name) - len(r.domain or "") + 1 for r in match.rules]
+    return min(prefixes)

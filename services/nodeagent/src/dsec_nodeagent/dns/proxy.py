@@ -17,9 +17,10 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import re
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -34,10 +35,22 @@ import dns.rdatatype
 import dns.rrset
 from prometheus_client import Counter
 
-from dsec_nodeagent.dns.policy import NameMatch, QueryAction, decide_query
-from dsec_nodeagent.dns.upstream import UpstreamClient, UpstreamError
-from dsec_nodeagent.ebpf.domain import grantable, rule_ports
-from dsec_nodeagent.ebpf.model import EgressPlan, IPAddress
+from dsec_nodeagent.dns.policy import (
+    DnsBounds,
+    NameMatch,
+    QueryAction,
+    decide_query,
+    wildcard_prefix,
+)
+from dsec_nodeagent.dns.upstream import UpstreamAnswer, UpstreamClient, UpstreamError
+from dsec_nodeagent.ebpf.domain import (
+    AF_TCP,
+    rule_ports,
+    screen_answer,
+    transport_flags,
+    unmap,
+)
+from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule, IPAddress, IPNetwork
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +65,21 @@ DNS_GRANTS = Counter(
     ["sandbox"],
 )
 
+DNS_REFUSALS = Counter(
+    "dsec_dns_refusals",
+    "Questions or answer addresses the DNS proxy refused, by sandbox and rule id (dns.qtype, "
+    "dns.malformed, dns.rebinding, dns.quota, dns.rate, default-deny, ...)",
+    ["sandbox", "rule"],
+)
+DNS_TRUNCATED = Counter(
+    "dsec_dns_truncated_answers",
+    "Answers cut to the proxy's max_addresses",
+    ["sandbox"],
+)
+
 MAX_CNAME_HOPS = 8
+# Host names only (what A/AAAA lookups are for): no escaped bytes, spaces or binary labels.
+_HOSTNAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 _ADDRESS_TYPES = (dns.rdatatype.A, dns.rdatatype.AAAA)
 _TCP_IDLE_S = 10.0
 
@@ -69,6 +96,7 @@ class Grant:
     port: int
     slot: int
     expires_ns: int
+    transports: int = AF_TCP  # AF_TCP / AF_UDP bits of the rule
 
 
 class GrantSink(Protocol):
@@ -76,6 +104,17 @@ class GrantSink(Protocol):
 
     def grant(self, cgroup_id: int, grants: Sequence[Grant]) -> None:
         """Insert the grants; must be done when it returns."""
+
+    def revoke(self, cgroup_id: int, keys: Sequence[tuple[IPAddress, int]]) -> None:
+        """Delete expired entries ``(address, port)`` (their quota is free again)."""
+
+
+# Called for every refused question with (sandbox id, name, record type) and the keywords
+# ``rule_id`` (``default-deny``, ``dns.qtype``, ``dns.malformed``, ...) and ``reason``.
+RefusalCallback = Callable[..., None]
+
+
+_Key = tuple[IPAddress, int]  # (address, port) of an allow-map entry
 
 
 @dataclass
@@ -85,6 +124,23 @@ class _Sandbox:
     port: int = 0
     udp: list[asyncio.DatagramTransport] = field(default_factory=list)
     tcp: list[asyncio.Server] = field(default_factory=list)
+    # (address, port) -> expiry of what this sandbox holds in the allow map (its quota).
+    ledger: dict[_Key, int] = field(default_factory=dict)
+    tokens: float = 0.0
+    refilled_ns: int = 0
+    tcp_open: int = 0
+    # rule id -> (kernel slot, ports as keys, transport bits): the grant of each rule
+    rules: dict[str, tuple[int, tuple[int, ...], int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.set_plan(self.plan)
+
+    def set_plan(self, plan: EgressPlan) -> None:
+        self.plan = plan
+        self.rules = {
+            rule.id: (slot, rule_ports(rule), transport_flags(rule))
+            for slot, rule in enumerate(plan.rules, start=1)
+        }
 
 
 class _UdpServer(asyncio.DatagramProtocol):
@@ -121,6 +177,9 @@ class DnsProxy:
         deny_rcode: dns.rcode.Rcode = dns.rcode.NXDOMAIN,
         ttl_grace_s: float = 2.0,
         clock: Callable[[], int] = time.monotonic_ns,
+        bounds: DnsBounds | None = None,
+        protected: Iterable[IPAddress] = (),
+        trusted: tuple[IPNetwork, ...] = (),
     ) -> None:
         """Create the proxy (listens nothing until `serve`).
 
@@ -133,6 +192,11 @@ class DnsProxy:
             ttl_grace_s: seconds an answered address stays open past its TTL (clients connect
                 right after resolving; a TTL of 0 must still let that connect through).
             clock: CLOCK_MONOTONIC in ns, the clock the kernel compares expiries against.
+            bounds: TTL cap, allow-map quotas, answer size, query rate and size (`DnsBounds`).
+            protected: the node's own and the stack's servers' addresses: answers pointing there
+                are refused unless the rule sets ``allow_internal_only``.
+            trusted: networks the operator lets DNS answers open although they are loopback or
+                the node's (``DSEC_DNS_TRUSTED_TARGETS``); never link-local or multicast.
         """
         if deny_rcode not in (dns.rcode.NXDOMAIN, dns.rcode.REFUSED):
             raise ValueError(f"deny_rcode: expected NXDOMAIN or REFUSED, got {deny_rcode!r}")
@@ -143,10 +207,16 @@ class DnsProxy:
         self.deny_rcode = deny_rcode
         self.ttl_grace_ns = int(ttl_grace_s * 1e9)
         self.clock = clock
+        self.bounds = bounds or DnsBounds()
+        self.protected: frozenset[IPAddress] = frozenset(unmap(a) for a in protected)
+        self.trusted = trusted
+        self._types = frozenset(_ADDRESS_TYPES) | {
+            dns.rdatatype.from_text(t) for t in self.bounds.extra_qtypes
+        }
         self._sandboxes: dict[int, _Sandbox] = {}
-        # Called with (sandbox id, name, record type) for every refused question, so a refusal
-        # is an event and not only a counter.
-        self.on_denied: Callable[[str, str, str], None] | None = None
+        # Called for every refused question (see `RefusalCallback`), so a refusal is an event
+        # and not only a counter.
+        self.on_denied: RefusalCallback | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -158,7 +228,12 @@ class DnsProxy:
         """
         if cgroup_id in self._sandboxes:
             raise ValueError(f"cgroup {cgroup_id}: DNS listeners already running")
-        sandbox = _Sandbox(cgroup_id=cgroup_id, plan=plan)
+        sandbox = _Sandbox(
+            cgroup_id=cgroup_id,
+            plan=plan,
+            tokens=float(self.bounds.query_burst),
+            refilled_ns=self.clock(),
+        )
         for attempt in range(20):
             want = port if attempt == 0 else 0
             try:
@@ -174,7 +249,22 @@ class DnsProxy:
 
     def update(self, cgroup_id: int, plan: EgressPlan) -> None:
         """Answer later questions of this sandbox with a new plan."""
-        self._sandboxes[cgroup_id].plan = plan
+        self._sandboxes[cgroup_id].set_plan(plan)
+
+    def adopt(self, cgroup_id: int, entries: Iterable[tuple[IPAddress, int, int]]) -> None:
+        """Count entries ``(address, port, expires_ns)`` a previous agent granted (quota)."""
+        ledger = self._sandboxes[cgroup_id].ledger
+        for address, port, expires in entries:
+            ledger[(address, port)] = max(expires, ledger.get((address, port), 0))
+
+    def held(self, cgroup_id: int) -> int:
+        """Allow-map entries a sandbox holds (what counts against its quota)."""
+        sandbox = self._sandboxes.get(cgroup_id)
+        return len(sandbox.ledger) if sandbox else 0
+
+    def expire(self) -> int:
+        """Revoke every sandbox's expired entries; return how many (the periodic sweep)."""
+        return sum(self._expire(s) for s in list(self._sandboxes.values()))
 
     def port_of(self, cgroup_id: int) -> int | None:
         """The listening port of a sandbox, or None."""
@@ -225,6 +315,14 @@ class DnsProxy:
     async def _tcp_client(
         self, sandbox: _Sandbox, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        limit = self.bounds.max_tcp_connections
+        if sandbox.tcp_open >= limit:  # the agent's sockets are the node's: bounded per sandbox
+            self._refuse(
+                sandbox, "?", "?", "dns.tcp", f"more than {limit} open TCP connections to DNS"
+            )
+            writer.close()
+            return
+        sandbox.tcp_open += 1
         try:
             while True:
                 async with asyncio.timeout(_TCP_IDLE_S):
@@ -238,110 +336,456 @@ class DnsProxy:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            sandbox.tcp_open -= 1
             writer.close()
 
     # --- answering -------------------------------------------------------------------------
 
+    def _refuse(self, sandbox: _Sandbox, name: str, rdtype: str, rule_id: str, reason: str) -> None:
+        DNS_REFUSALS.labels(sandbox.plan.sandbox_id, rule_id).inc()
+        if self.on_denied is not None:
+            self.on_denied(sandbox.plan.sandbox_id, name, rdtype, rule_id=rule_id, reason=reason)
+
+    def _rate_ok(self, sandbox: _Sandbox) -> bool:
+        now = self.clock()
+        refill = (now - sandbox.refilled_ns) / 1e9 * self.bounds.queries_per_s
+        sandbox.tokens = min(float(self.bounds.query_burst), sandbox.tokens + refill)
+        sandbox.refilled_ns = now
+        if sandbox.tokens < 1.0:
+            return False
+        sandbox.tokens -= 1.0
+        return True
+
+    def _screen_message(self, query: dns.message.Message) -> _Refused | None:
+        """The opcode and the sections: a plain query, or a refusal."""
+        if query.opcode() != dns.opcode.QUERY:
+            opcode = dns.opcode.to_text(query.opcode())
+            return _Refused(dns.rcode.NOTIMP, "dns.opcode", f"opcode {opcode} (only QUERY)")
+        odd = _odd_sections(query)
+        if odd is not None:
+            return _Refused(dns.rcode.FORMERR, "dns.malformed", odd)
+        return None
+
+    def _screen_question(
+        self, question: dns.rrset.RRset, name: str, match: NameMatch | None
+    ) -> _Refused | None:
+        """The record type and the name of an allowed question: answered, or a refusal."""
+        if question.rdclass != dns.rdataclass.IN or question.rdtype not in self._types:
+            kinds = ", ".join(sorted(dns.rdatatype.to_text(t) for t in self._types))
+            return _Refused(
+                dns.rcode.REFUSED,
+                "dns.qtype",
+                f"record type {dns.rdatatype.to_text(question.rdtype)} (class "
+                f"{dns.rdataclass.to_text(question.rdclass)}): only {kinds} are answered",
+            )
+        if not _HOSTNAME.fullmatch(name.lower()):
+            return _Refused(
+                dns.rcode.REFUSED,
+                "dns.name",
+                "a name of letters, digits, '-' and '_' is answered, nothing else",
+            )
+        limit = self.bounds.max_wildcard_prefix
+        if match is not None and wildcard_prefix(match, name) > limit:
+            return _Refused(
+                dns.rcode.REFUSED,
+                "dns.name",
+                f"a wildcard rule lets at most {limit} characters of a name be chosen",
+            )
+        return None
+
     async def answer(self, sandbox: _Sandbox, data: bytes, *, udp: bool) -> bytes | None:
-        """The wire answer to one question of ``sandbox`` (None: drop it)."""
+        """The wire answer to one question of ``sandbox`` (None: drop it).
+
+        The question is parsed and screened; upstream gets a fresh minimal query of our own
+        (one lower-cased question, our EDNS OPT, a new id), never the sandbox's bytes.
+        """
+        if len(data) < 12 or data[2] & 0x80:
+            return None  # not even a header, or a response: nothing sensible to say
+        bounds = self.bounds
+        if not self._rate_ok(sandbox):  # first: a flood of garbage is a flood too
+            self._refuse(
+                sandbox,
+                "?",
+                "?",
+                "dns.rate",
+                f"more than {bounds.queries_per_s:g} queries/s (burst {bounds.query_burst})",
+            )
+            return _refused_reply(data, bounds.max_query_bytes)
+        if len(data) > bounds.max_query_bytes:
+            self._refuse(
+                sandbox,
+                "?",
+                "?",
+                "dns.malformed",
+                f"a query of {len(data)} bytes (at most {bounds.max_query_bytes})",
+            )
+            return _header_reply(data, dns.rcode.FORMERR)
         try:
             query = dns.message.from_wire(data)
-        except dns.exception.DNSException:
-            return None  # not DNS, or a response: nothing sensible to say
-        if query.flags & dns.flags.QR:
-            return None
+        except dns.exception.DNSException as exc:
+            self._refuse(sandbox, "?", "?", "dns.malformed", f"unreadable query: {exc}")
+            return _header_reply(data, dns.rcode.FORMERR)
         max_size = 65535
         if udp:
-            max_size = query.payload if query.edns >= 0 else 512
-        response = dns.message.make_response(query, recursion_available=True)
-        if query.opcode() != dns.opcode.QUERY or len(query.question) != 1:
-            response.set_rcode(dns.rcode.NOTIMP if len(query.question) == 1 else dns.rcode.FORMERR)
-            return response.to_wire(max_size=max_size, prefer_truncation=True)
+            max_size = max(512, min(query.payload, 65535)) if query.edns >= 0 else 512
+        made: list[dns.message.Message] = []
+
+        def response() -> dns.message.Message:  # built only when the answer is not forwarded
+            if not made:
+                made.append(dns.message.make_response(query, recursion_available=True))
+            return made[0]
+
+        def reply(rcode: dns.rcode.Rcode) -> bytes:
+            response().set_rcode(rcode)
+            return response().to_wire(max_size=max_size, prefer_truncation=True)
+
+        name, qtype = "?", "?"
+        if len(query.question) == 1:
+            name = query.question[0].name.to_text(omit_final_dot=True)
+            qtype = dns.rdatatype.to_text(query.question[0].rdtype)
+        refused = self._screen_message(query)
+        if refused is not None:
+            self._refuse(sandbox, name, qtype, refused.rule_id, refused.reason)
+            return reply(refused.rcode)
         question = query.question[0]
-        name = question.name.to_text(omit_final_dot=True)
         action, match = decide_query(sandbox.plan, name)
         DNS_QUERIES.labels(sandbox.plan.sandbox_id, action.value).inc()
         if action is QueryAction.DENY:
-            if self.on_denied is not None:
-                self.on_denied(
-                    sandbox.plan.sandbox_id, name, dns.rdatatype.to_text(question.rdtype)
-                )
-            response.set_rcode(self.deny_rcode)
-            return response.to_wire(max_size=max_size, prefer_truncation=True)
+            self._refuse(sandbox, name, qtype, "default-deny", f"{name} matches no egress rule")
+            return reply(self.deny_rcode)
+        refused = self._screen_question(question, name, match)
+        if refused is not None:
+            self._refuse(sandbox, name, qtype, refused.rule_id, refused.reason)
+            return reply(refused.rcode)
+        qname = question.name  # upstream gets it lower-cased (UpstreamClient.ask)
         try:
-            upstream = await self.upstream.exchange(query, data)
-            answer = upstream.message
-            changed = False
-            if (
-                match is not None
-                and question.rdtype in _ADDRESS_TYPES
-                and answer.rcode() == dns.rcode.NOERROR
-            ):
-                changed = await self._resolve(
-                    sandbox, answer, question.name, question.rdtype, match
-                )
+            first = await self.upstream.ask(qname, question.rdtype)
+            answer = first.message
+            chain, final, followed = await self._follow(answer, qname, question.rdtype)
+            kept: list[dns.rrset.RRset] = list(chain)
+            shown = [*chain, *([_first(final, bounds.max_addresses)] if final else [])]
+            if udp and not _fits(query, response, shown, max_size):
+                # The client retries over TCP: open nothing for an answer it will not see.
+                response().flags |= dns.flags.TC
+                return reply(answer.rcode())
+            if final is not None and action is QueryAction.RESOLVE and match is not None:
+                final = self._open(sandbox, name, qtype, final, chain, match)
+            if final is not None:
+                kept.append(final)
         except (UpstreamError, GrantError) as exc:
             log.warning("sandbox %s: %s", sandbox.plan.sandbox_id, exc)
             DNS_QUERIES.labels(sandbox.plan.sandbox_id, "servfail").inc()
-            response.set_rcode(dns.rcode.SERVFAIL)
-            return response.to_wire(max_size=max_size, prefer_truncation=True)
-        if not changed and len(upstream.wire) <= max_size:
-            return data[:2] + upstream.wire[2:]  # the upstream's answer under the client's id
-        response.set_rcode(answer.rcode())
-        response.answer = list(answer.answer)
-        response.authority = list(answer.authority)
-        return response.to_wire(max_size=max_size, prefer_truncation=True)
+            return reply(dns.rcode.SERVFAIL)
+        except _QuotaFull:
+            return reply(dns.rcode.SERVFAIL)
+        if not followed:
+            forwarded = _forwardable(data, query, first, kept, bounds.max_ttl_s, max_size)
+            if forwarded is not None:
+                return forwarded
+        response().answer = [_capped(rr, bounds.max_ttl_s) for rr in kept]
+        response().authority = [
+            _capped(rr, bounds.max_ttl_s)
+            for rr in answer.authority
+            if rr.rdtype == dns.rdatatype.SOA and not kept
+        ]
+        return reply(answer.rcode())
 
     async def _ask(
-        self,
-        name: dns.name.Name,
-        rdtype: dns.rdatatype.RdataType,
-        rdclass: dns.rdataclass.RdataClass,
+        self, name: dns.name.Name, rdtype: dns.rdatatype.RdataType
     ) -> dns.message.Message:
-        question = dns.message.make_query(name, rdtype, rdclass)
-        question.flags |= dns.flags.RD
-        return (await self.upstream.query(question)).message
+        return (await self.upstream.ask(name, rdtype)).message
 
-    async def _resolve(
+    async def _follow(
+        self, answer: dns.message.Message, qname: dns.name.Name, rdtype: dns.rdatatype.RdataType
+    ) -> tuple[list[dns.rrset.RRset], dns.rrset.RRset | None, bool]:
+        """The CNAME chain from ``qname``, its final address rrset (asked for when the
+        upstream's answer stops at a name outside its zone) and whether more was asked. Sets
+        ``answer``'s rcode to the last answer's."""
+        records = list(answer.answer)
+        chain, last, final = _walk(records, qname, rdtype)
+        hops = 0
+        while final is None and last is not None and last != qname and hops < MAX_CNAME_HOPS:
+            hops += 1
+            more = await self._ask(last, rdtype)
+            answer.set_rcode(more.rcode())
+            answer.authority = list(more.authority)
+            records.extend(rr for rr in more.answer if rr not in records)
+            chain, next_last, final = _walk(records, qname, rdtype)
+            if next_last == last:
+                break
+            last = next_last
+        return chain, final, hops > 0
+
+    def _open(
         self,
         sandbox: _Sandbox,
-        answer: dns.message.Message,
-        qname: dns.name.Name,
-        rdtype: dns.rdatatype.RdataType,
+        name: str,
+        qtype: str,
+        final: dns.rrset.RRset,
+        chain: list[dns.rrset.RRset],
         match: NameMatch,
-    ) -> bool:
-        """Complete the CNAME chain, open the granted addresses, drop the others from ``answer``.
+    ) -> dns.rrset.RRset | None:
+        """Open the addresses of ``final`` the rules grant, within the bounds; return the rrset
+        the sandbox may see (None when nothing is left).
 
-        Returns whether ``answer`` was changed (then it must be re-encoded).
+        Raises:
+            GrantError: the kernel refused the entries.
+            _QuotaFull: nothing fits in the sandbox's quota (refusal reported).
         """
-        final, ttl = _walk(answer.answer, qname, rdtype)
-        hops = 0
-        while final is not None and final[1] is None and hops < MAX_CNAME_HOPS:
-            # The chain leaves the upstream's zone: ask for the target ourselves.
-            hops += 1
-            more = await self._ask(final[0], rdtype, dns.rdataclass.IN)
-            answer.set_rcode(more.rcode())
-            answer.answer.extend(rr for rr in more.answer if rr not in answer.answer)
-            answer.authority = list(more.authority)
-            final, ttl = _walk(answer.answer, qname, rdtype)
-        if final is None or final[1] is None:
-            return hops > 0
-        answered = [dns_address(rd.address) for rd in final[1]]
-        granted: set[IPAddress] = set()
-        expires = self.clock() + ttl * 1_000_000_000 + self.ttl_grace_ns
-        grants: list[Grant] = []
-        for rule in match.rules:
-            slot = sandbox.plan.slot(rule.id)
-            for address in grantable(rule, answered, match.exact):
-                granted.add(address)
-                grants.extend(Grant(address, port, slot, expires) for port in rule_ports(rule))
+        bounds = self.bounds
+        answered = [unmap(dns_address(rd.address)) for rd in final]
+        per_rule: list[tuple[EgressRule, set[IPAddress]]] = [(r, set()) for r in match.rules]
+        refused: dict[IPAddress, str] = {}
+        for address in answered:
+            reasons = []
+            for rule, ok in per_rule:
+                may, reason = screen_answer(
+                    rule, address, match.exact, self.protected, self.trusted
+                )
+                if may:
+                    ok.add(address)
+                reasons.append(reason)
+            if reasons[0] is not None and all(r is not None for r in reasons):
+                refused[address] = reasons[0]
+        if refused:
+            self._refuse(
+                sandbox,
+                name,
+                qtype,
+                "dns.rebinding",
+                "answer addresses refused: " + "; ".join(refused.values()),
+            )
+        wanted = [a for a in answered if any(a in ok for _, ok in per_rule)]
+        if len(wanted) > bounds.max_addresses:
+            DNS_TRUNCATED.labels(sandbox.plan.sandbox_id).inc()
+            wanted = wanted[: bounds.max_addresses]
+        ttl = min([final.ttl, *(rr.ttl for rr in chain), bounds.max_ttl_s])
+        now = self.clock()
+        expires = now + ttl * 1_000_000_000 + self.ttl_grace_ns
+        accepted, grants, over, before = self._within_quota(sandbox, wanted, per_rule, expires)
+        if over:
+            self._refuse(
+                sandbox,
+                name,
+                qtype,
+                "dns.quota",
+                f"{len(over)} answer addresses not opened: the sandbox holds "
+                f"{len(sandbox.ledger)} of its {self._quota()} allow-map entries",
+            )
+            if not accepted:
+                raise _QuotaFull
         if grants:
             try:
                 self.sink.grant(sandbox.cgroup_id, grants)  # before the answer leaves
-            except Exception as exc:  # e.g. a full map: answer SERVFAIL, never an unusable name
+            except Exception as exc:
+                for key, old in before.items():  # nothing was promised: undo the ledger
+                    if old is None:
+                        sandbox.ledger.pop(key, None)
+                    else:
+                        sandbox.ledger[key] = old
                 raise GrantError(f"cannot open {len(grants)} addresses: {exc}") from exc
-            DNS_GRANTS.labels(sandbox.plan.sandbox_id).inc(len(granted))
-        return _keep_only(answer, final[1], granted) or hops > 0
+            DNS_GRANTS.labels(sandbox.plan.sandbox_id).inc(len(accepted))
+        kept = [rd for rd, a in zip(final, answered, strict=True) if a in accepted]
+        if not kept:
+            return None
+        if len(kept) == len(final):
+            return final  # unchanged: the upstream's encoding may be forwarded
+        return dns.rrset.from_rdata_list(final.name, final.ttl, kept)
+
+    def _quota(self) -> int:
+        """A sandbox's quota now: the operator's, or its fair share when the node is crowded."""
+        share = self.bounds.node_capacity // max(1, len(self._sandboxes))
+        return min(self.bounds.sandbox_quota, share)
+
+    def _within_quota(
+        self,
+        sandbox: _Sandbox,
+        wanted: list[IPAddress],
+        per_rule: list[tuple[EgressRule, set[IPAddress]]],
+        expires: int,
+    ) -> tuple[set[IPAddress], list[Grant], list[IPAddress], dict[_Key, int | None]]:
+        """Split ``wanted`` into the addresses that fit the quotas (with their grants) and
+        those that do not, and note them in the ledger (returning its previous values).
+        Refreshing an entry the sandbox holds costs nothing."""
+        quota = self._quota()
+        ledger = sandbox.ledger
+        node_held = sum(len(s.ledger) for s in self._sandboxes.values())
+        accepted: set[IPAddress] = set()
+        grants: list[Grant] = []
+        over: list[IPAddress] = []
+        before: dict[_Key, int | None] = {}
+        expired_once = False
+        for address in wanted:
+            plain = unmap(address)
+            mine = [
+                Grant(plain, port, slot, expires, transports)
+                for rule, ok in per_rule
+                if plain in ok
+                for slot, ports, transports in (sandbox.rules[rule.id],)
+                for port in ports
+            ]
+            new = {(g.address, g.port) for g in mine} - ledger.keys()
+            if new and len(ledger) + len(new) > quota and not expired_once:
+                expired_once = True
+                node_held -= self._expire(sandbox)
+                new = {(g.address, g.port) for g in mine} - ledger.keys()
+            node_full = node_held + len(new) > self.bounds.node_capacity
+            if new and (len(ledger) + len(new) > quota or node_full):
+                over.append(plain)
+                continue
+            for g in mine:
+                key = (g.address, g.port)
+                before.setdefault(key, ledger.get(key))
+                ledger[key] = max(g.expires_ns, ledger.get(key, 0))
+            node_held += len(new)
+            accepted.add(plain)
+            grants.extend(mine)
+        return accepted, grants, over, before
+
+    def _expire(self, sandbox: _Sandbox) -> int:
+        """Drop the sandbox's expired entries from its ledger and the kernel maps."""
+        now = self.clock()
+        stale = [key for key, expires in sandbox.ledger.items() if expires < now]
+        if not stale:
+            return 0
+        try:
+            self.sink.revoke(sandbox.cgroup_id, stale)
+        except Exception:
+            log.exception("revoking expired DNS grants of %s failed", sandbox.plan.sandbox_id)
+            return 0
+        for key in stale:
+            del sandbox.ledger[key]
+        return len(stale)
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """A question the proxy will not ask upstream: its answer code and the refusal's rule id."""
+
+    rcode: dns.rcode.Rcode
+    rule_id: str
+    reason: str
+
+
+class _QuotaFull(Exception):
+    """No answered address fits the sandbox's quota (the refusal is already reported)."""
+
+
+def _odd_sections(query: dns.message.Message) -> str | None:
+    """Why a query is not a plain one-question query, or None."""
+    if len(query.question) != 1:
+        return f"{len(query.question)} questions (exactly one is answered)"
+    if query.answer or query.authority or query.additional:
+        return "records in the answer, authority or additional section of a query"
+    if query.had_tsig:
+        return "a TSIG-signed query"
+    return None
+
+
+def _first(rrset: dns.rrset.RRset, count: int) -> dns.rrset.RRset:
+    """At most ``count`` records of ``rrset`` (the first ones)."""
+    if len(rrset) <= count:
+        return rrset
+    return dns.rrset.from_rdata_list(rrset.name, rrset.ttl, list(rrset)[:count])
+
+
+def _forwardable(
+    data: bytes,
+    query: dns.message.Message,
+    upstream: UpstreamAnswer,
+    kept: list[dns.rrset.RRset],
+    max_ttl: int,
+    max_size: int,
+) -> bytes | None:
+    """The upstream's own encoding under the sandbox's id and question, when it says exactly
+    what the sandbox may see (the common case: saves re-encoding); None otherwise.
+
+    Only an answer whose answer section is ``kept`` record for record, with no authority or
+    additional records, no EDNS options, no TTL over the cap, and that fits, is forwarded.
+    """
+    answer = upstream.message
+    if (
+        len(answer.answer) != len(kept)
+        or any(a is not b for a, b in zip(answer.answer, kept, strict=True))
+        or answer.authority
+        or answer.additional
+        or answer.options
+        or answer.had_tsig
+        or any(rr.ttl > max_ttl for rr in kept)
+    ):
+        return None
+    wire = upstream.wire
+    end = 12 + _name_length(query.question[0].name) + 4  # the question, never compressed
+    flags = (wire[2] & ~0x01 | data[2] & 0x01).to_bytes(1, "big")  # the sandbox's RD bit
+    counts = wire[4:12]
+    tail = wire[end:]
+    if answer.edns >= 0 and query.edns < 0:  # no OPT for a client that sent none
+        tail = tail[:-11]
+        counts = counts[:6] + (int.from_bytes(counts[6:], "big") - 1).to_bytes(2, "big")
+    out = data[:2] + flags + wire[3:4] + counts + data[12:end] + tail
+    return out if len(out) <= max_size else None
+
+
+def _fits(
+    query: dns.message.Message,
+    response: Callable[[], dns.message.Message],
+    records: list[dns.rrset.RRset],
+    max_size: int,
+) -> bool:
+    """Whether ``records`` fit in the client's UDP size (an upper bound first, then a render)."""
+    question = sum(_name_length(q.name) + 4 for q in query.question)
+    bound = (
+        12
+        + question
+        + 11
+        + sum(
+            len(rr) * (_name_length(rr.name) + 10 + _RDATA_MAX.get(rr.rdtype, 255))
+            for rr in records
+        )
+    )
+    if bound <= max_size:
+        return True
+    message = response()
+    message.answer = records
+    try:
+        message.to_wire(max_size=max_size)
+    except dns.exception.TooBig:
+        return False
+    finally:
+        message.answer = []
+    return True
+
+
+_RDATA_MAX = {dns.rdatatype.A: 4, dns.rdatatype.AAAA: 16}
+
+
+def _name_length(name: dns.name.Name) -> int:
+    return sum(len(label) + 1 for label in name.labels)
+
+
+def _refused_reply(data: bytes, max_query_bytes: int) -> bytes:
+    """REFUSED with the question echoed when the query reads as one (stub resolvers such as
+    glibc ignore an answer without it), a bare header otherwise."""
+    if len(data) <= max_query_bytes:
+        with contextlib.suppress(dns.exception.DNSException):
+            query = dns.message.from_wire(data)
+            if len(query.question) == 1:
+                response = dns.message.make_response(query)
+                response.set_rcode(dns.rcode.REFUSED)
+                return response.to_wire(max_size=512, prefer_truncation=True)
+    return _header_reply(data, dns.rcode.REFUSED)
+
+
+def _header_reply(data: bytes, rcode: dns.rcode.Rcode) -> bytes:
+    """A bare answer header (no sections) under the query's id, for what cannot be parsed."""
+    flags = 0x8000 | (data[2] << 8 & 0x7900) | int(rcode)  # QR, the opcode and RD, rcode
+    return data[:2] + struct.pack("!HHHHH", flags, 0, 0, 0, 0)
+
+
+def _capped(rrset: dns.rrset.RRset, max_ttl: int) -> dns.rrset.RRset:
+    if rrset.ttl <= max_ttl:
+        return rrset
+    return dns.rrset.from_rdata_list(rrset.name, max_ttl, list(rrset))
 
 
 def dns_address(text: str) -> IPAddress:
@@ -351,39 +795,25 @@ def dns_address(text: str) -> IPAddress:
 
 def _walk(
     answer: list[dns.rrset.RRset], qname: dns.name.Name, rdtype: dns.rdatatype.RdataType
-) -> tuple[tuple[dns.name.Name, dns.rrset.RRset | None] | None, int]:
-    """Follow CNAMEs from ``qname``; return ((last name, its address rrset or None), min TTL).
+) -> tuple[list[dns.rrset.RRset], dns.name.Name | None, dns.rrset.RRset | None]:
+    """Follow CNAMEs from ``qname``: (the CNAME rrsets, the last name, its address rrset).
 
-    Returns (None, 0) when the chain loops or is too long.
+    The last name is None when the chain loops or is too long (then nothing is answered).
     """
-    name, ttl, seen = qname, 2**31 - 1, set()
+    name, seen = qname, set()
+    chain: list[dns.rrset.RRset] = []
     for _ in range(MAX_CNAME_HOPS * 2):
         if name in seen:
-            return None, 0
+            return [], None, None
         seen.add(name)
         for rrset in answer:
             if rrset.name == name and rrset.rdtype == rdtype:
-                return (name, rrset), min(ttl, rrset.ttl)
+                return chain, name, rrset
         cname = next(
             (rr for rr in answer if rr.name == name and rr.rdtype == dns.rdatatype.CNAME), None
         )
         if cname is None:
-            return ((name, None), ttl) if name != qname else (None, 0)
-        ttl = min(ttl, cname.ttl)
+            return chain, name, None
+        chain.append(cname)
         name = cname[0].target
-    return None, 0
-
-
-def _keep_only(
-    response: dns.message.Message, rrset: dns.rrset.RRset, granted: set[IPAddress]
-) -> bool:
-    """Remove the addresses the sandbox may not reach from its answer; True if any were."""
-    kept = [rd for rd in rrset if dns_address(rd.address) in granted]
-    if len(kept) == len(rrset):
-        return False
-    index = response.answer.index(rrset)
-    if kept:
-        response.answer[index] = dns.rrset.from_rdata_list(rrset.name, rrset.ttl, kept)
-    else:
-        del response.answer[index]
-    return True
+    return [], None, None

@@ -2,6 +2,7 @@
 
 One long-lived UDP socket multiplexes every question by message id (no socket per query: the
 proxy's overhead target is well under a millisecond); a truncated answer is asked again over TCP.
+Only questions the proxy built itself go out (`UpstreamClient.query`): a sandbox's bytes never do.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from dataclasses import dataclass
 import dns.exception
 import dns.flags
 import dns.message
+import dns.name
+import dns.rdataclass
+import dns.rdatatype
 
 UPSTREAM_ENV = "DSEC_DNS_UPSTREAM"
 EDNS_PAYLOAD = 1232  # the DNS flag day 2020 size: avoids IP fragmentation
+_MADE_KEPT = 4096  # encoded questions kept for reuse
 
 
 class UpstreamError(Exception):
@@ -106,6 +111,7 @@ class UpstreamClient:
         self._transport: asyncio.DatagramTransport | None = None
         self._mux = _UdpMux()
         self._lock = asyncio.Lock()
+        self._made: dict[tuple[dns.name.Name, int], tuple[dns.message.Message, bytes]] = {}
 
     async def _udp(self) -> asyncio.DatagramTransport:
         async with self._lock:
@@ -123,6 +129,27 @@ class UpstreamClient:
             if qid not in self._mux.pending:
                 return qid
 
+    async def ask(self, name: dns.name.Name, rdtype: dns.rdatatype.RdataType) -> UpstreamAnswer:
+        """Ask the fresh minimal question (``name`` lower-cased, ``rdtype``, class IN, RD, our
+        EDNS OPT).
+
+        Its encoding is kept for the next time the same question is asked (each send gets a new
+        id): building it costs more than the rest of the proxy's work.
+
+        Raises:
+            UpstreamError: timeout, refused, or an answer that does not match the question.
+        """
+        key = (name, rdtype)  # names hash and compare without case
+        made = self._made.get(key)
+        if made is None:
+            question = dns.message.make_query(name.canonicalize(), rdtype, dns.rdataclass.IN)
+            question.flags |= dns.flags.RD
+            question.use_edns(0, 0, EDNS_PAYLOAD)
+            if len(self._made) >= _MADE_KEPT:
+                self._made.clear()
+            made = self._made[key] = (question, question.to_wire())
+        return await self._exchange(*made)
+
     async def query(self, question: dns.message.Message) -> UpstreamAnswer:
         """Ask a question the proxy made itself (EDNS added so answers rarely truncate).
 
@@ -130,11 +157,11 @@ class UpstreamClient:
             UpstreamError: timeout, refused, or an answer that does not match the question.
         """
         question.use_edns(0, 0, EDNS_PAYLOAD)
-        return await self.exchange(question, question.to_wire())
+        return await self._exchange(question, question.to_wire())
 
-    async def exchange(self, question: dns.message.Message, wire: bytes) -> UpstreamAnswer:
-        """Forward ``wire`` (the encoding of ``question``) under a fresh id; UDP, then TCP if the
-        answer comes back truncated. The answer's wire keeps that fresh id.
+    async def _exchange(self, question: dns.message.Message, wire: bytes) -> UpstreamAnswer:
+        """Send ``wire`` (the encoding of ``question``, never a sandbox's bytes) under a fresh
+        id; UDP, then TCP if the answer comes back truncated. The answer's wire keeps that id.
 
         Raises:
             UpstreamError: timeout, refused, or an answer that does not match the question.

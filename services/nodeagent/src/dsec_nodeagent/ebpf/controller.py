@@ -28,11 +28,18 @@ from pathlib import Path
 
 import dns.rcode
 
+from dsec_nodeagent.dns.policy import DnsBounds
 from dsec_nodeagent.dns.proxy import DnsProxy
 from dsec_nodeagent.dns.upstream import UPSTREAM_ENV, UpstreamClient, parse_upstream
-from dsec_nodeagent.ebpf.domain import DOH_ADDRESSES, bucket_specs, cidr_entries
+from dsec_nodeagent.ebpf.domain import (
+    DOH_ADDRESSES,
+    bucket_specs,
+    cidr_entries,
+    parse_networks,
+)
 from dsec_nodeagent.ebpf.kernel import EgressKernel, RawEvent
 from dsec_nodeagent.ebpf.model import EgressPlan, Hook, Verdict, VerdictEvent
+from dsec_nodeagent.stackdeny import local_addresses
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +151,9 @@ class EgressController:
         sweep_interval_s: float = 30.0,
         event_queue_size: int = 10000,
         extra_doh_addresses: Iterable[str] = (),
+        dns_bounds: DnsBounds | None = None,
+        protected_addresses: Iterable[str] | None = None,
+        trusted_targets: str = "",
     ) -> None:
         """Configure (nothing touches the kernel until `start`).
 
@@ -159,12 +169,23 @@ class EgressController:
             sweep_interval_s: how often expired DNS grants are deleted from the maps.
             event_queue_size: per-subscriber buffer; the oldest events drop when it is full.
             extra_doh_addresses: DoH/DoT resolver addresses to block besides the well-known ones.
+            dns_bounds: TTL cap, per-sandbox allow-map quota, answer size, query rate (defaults:
+                the README's "Egress and DNS bounds").
+            protected_addresses: addresses DNS answers may not open unless a rule sets
+                ``allow_internal_only``; default every address of this node's interfaces (the
+                caller adds the stack's servers).
+            trusted_targets: ``DSEC_DNS_TRUSTED_TARGETS``: comma-separated addresses/networks
+                DNS answers may open although they are loopback or this node's.
         """
         if deny_rcode.upper() not in ("NXDOMAIN", "REFUSED"):
             raise ValueError(f"deny_rcode: expected NXDOMAIN or REFUSED, got {deny_rcode!r}")
         self.upstream = _resolve_upstream(dns_upstream)
         doh = DOH_ADDRESSES | {ipaddress.ip_address(a) for a in extra_doh_addresses}
-        self.kernel = EgressKernel(pin_dir, doh_addresses=doh)
+        bounds = dns_bounds or DnsBounds()
+        self.kernel = EgressKernel(pin_dir, doh_addresses=doh, max_hosts=bounds.node_capacity)
+        protected = (
+            sorted(local_addresses()) if protected_addresses is None else protected_addresses
+        )
         self.state_dir = state_dir
         self.proxy_host4 = proxy_host4
         self.proxy_host6 = proxy_host6
@@ -176,6 +197,9 @@ class EgressController:
             listen6=proxy_host6,
             deny_rcode=dns.rcode.from_text(deny_rcode.upper()),
             ttl_grace_s=ttl_grace_s,
+            bounds=bounds,
+            protected=(ipaddress.ip_address(a) for a in protected),
+            trusted=parse_networks(trusted_targets, "DSEC_DNS_TRUSTED_TARGETS"),
         )
         self._queue_size = event_queue_size
         self._sandboxes: dict[int, AttachedSandbox] = {}
@@ -312,6 +336,8 @@ class EgressController:
                 removed.add(cgid)
                 continue
             port = await self.proxy.serve(cgid, plan, int(record["dns_port"]))
+            self.proxy.adopt(cgid, ((a, p, e) for a, p, _, e in self.kernel.host_entries(cgid)))
+            self.kernel.add_cidrs(cgid, cidr_entries(plan))  # entries of an older agent gain flags
             self.kernel.set_sandbox(
                 cgid, self.proxy_host4, self.proxy_host6, port, plan.log_allowed
             )
@@ -418,6 +444,7 @@ class EgressController:
         while True:
             await asyncio.sleep(self.sweep_interval_s)
             try:
+                self.proxy.expire()  # frees quotas
                 self.kernel.sweep(time.monotonic_ns())
             except Exception:
                 log.exception("sweeping expired DNS grants failed")

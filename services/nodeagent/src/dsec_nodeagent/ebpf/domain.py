@@ -7,6 +7,7 @@ may open — is decided here and tested without a kernel.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -116,6 +117,26 @@ DOH_ADDRESSES: frozenset[IPAddress] = frozenset(
 )
 
 
+def parse_networks(text: str, setting: str) -> tuple[IPNetwork, ...]:
+    """``"127.0.0.53, 10.0.0.0/8"`` as networks.
+
+    Raises:
+        ValueError: naming ``setting``, the bad item and the valid shape.
+    """
+    networks: list[IPNetwork] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            networks.append(canonical_network(ipaddress.ip_network(item, strict=False)))
+        except ValueError:
+            raise ValueError(
+                f"{setting}: {item!r} is not an address or network (expected e.g. "
+                "127.0.0.53,10.1.0.0/16,fd00::/8)"
+            ) from None
+    return tuple(networks)
+
+
 def unmap(address: IPAddress) -> IPAddress:
     """``::ffff:a.b.c.d`` → ``a.b.c.d``; other addresses unchanged (the wire carries IPv4)."""
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
@@ -155,6 +176,15 @@ def canonical_network(network: IPNetwork) -> IPNetwork:
     return network
 
 
+AF_TCP = 2  # allow-entry flags (egress.bpf.c): the entry opens TCP sockets
+AF_UDP = 4  # ... UDP sockets: only when the rule declares udp
+
+
+def transport_flags(rule: EgressRule) -> int:
+    """The ``AF_TCP``/``AF_UDP`` bits of a rule's entries (a TCP grant never opens UDP)."""
+    return (AF_TCP if "tcp" in rule.protocols else 0) | (AF_UDP if "udp" in rule.protocols else 0)
+
+
 @dataclass(frozen=True, slots=True)
 class CidrEntry:
     """One LPM-trie entry: ``network`` on ``port`` (0 = every port) for rule ``slot``."""
@@ -162,6 +192,7 @@ class CidrEntry:
     network: IPNetwork
     port: int
     slot: int
+    transports: int = AF_TCP
 
     @property
     def host_exact(self) -> bool:
@@ -194,7 +225,7 @@ def cidr_entries(plan: EgressPlan) -> Iterator[CidrEntry]:
             networks = [part for net in wanted for part in internal_parts(net)]
         for net in networks:
             for port in rule_ports(rule):
-                yield CidrEntry(network=net, port=port, slot=slot)
+                yield CidrEntry(network=net, port=port, slot=slot, transports=transport_flags(rule))
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,20 +247,97 @@ def bucket_specs(plan: EgressPlan) -> Iterator[BucketSpec]:
         yield BucketSpec(slot=slot, interval_ns=interval, tau_ns=(limit.bucket_size - 1) * interval)
 
 
-def grantable(
-    rule: EgressRule, addresses: Iterable[IPAddress], exact_name: bool
-) -> list[IPAddress]:
-    """The answered addresses a domain rule may open.
+# DNS answers that point here are refused (dropped from the answer, reported) whatever the rule:
+# metadata endpoints and other link-local hosts, "this network", multicast and broadcast.
+NEVER_FROM_DNS: tuple[IPNetwork, ...] = (
+    ipaddress.ip_network("169.254.0.0/16"),
+    ipaddress.ip_network("fe80::/10"),
+    ipaddress.ip_network("0.0.0.0/8"),
+    ipaddress.ip_network("::/128"),
+    ipaddress.ip_network("224.0.0.0/4"),
+    ipaddress.ip_network("ff00::/8"),
+    ipaddress.ip_network("255.255.255.255/32"),
+)
+# Refused unless the rule allows internal targets (``allow_internal_only``): the node itself.
+LOOPBACK_NETWORKS: tuple[IPNetwork, ...] = (
+    ipaddress.ip_network("127.0.0.0/8"),
+    ipaddress.ip_network("::1/128"),
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def _answer_kind(address: IPAddress) -> str:
+    """``never`` (link-local, unspecified, multicast, broadcast), ``loopback`` or ``other``.
+
+    Cached: answers repeat the same few addresses, and ``ipaddress`` membership tests are slow.
+    """
+    if any(address in net for net in NEVER_FROM_DNS if net.version == address.version):
+        return "never"
+    if any(address in net for net in LOOPBACK_NETWORKS if net.version == address.version):
+        return "loopback"
+    return "other"
+
+
+def answer_refusal(
+    rule: EgressRule,
+    address: IPAddress,
+    protected: frozenset[IPAddress] = frozenset(),
+    trusted: tuple[IPNetwork, ...] = (),
+) -> str | None:
+    """Why a DNS answer address must not be opened under ``rule`` (DNS rebinding), or None.
+
+    ``protected`` holds the node's own addresses and the stack's servers' addresses: refused,
+    like loopback, unless the rule explicitly allows internal targets (``allow_internal_only``)
+    or the operator trusts the address (``trusted``, e.g. a local test world's API).
+    Link-local (cloud metadata), unspecified, multicast and broadcast are refused always.
+    """
+    plain = unmap(address)
+    kind = _answer_kind(plain)
+    if kind == "never":
+        return f"{plain} is link-local, unspecified, multicast or broadcast"
+    if rule.allow_internal_only or (trusted and any(plain in net for net in trusted)):
+        return None
+    if kind == "loopback":
+        return f"{plain} is loopback (the rule does not set allow_internal_only)"
+    if plain in protected:
+        return (
+            f"{plain} is this node's or the stack's own address (the rule does not set "
+            "allow_internal_only)"
+        )
+    return None
+
+
+def screen_answer(
+    rule: EgressRule,
+    address: IPAddress,
+    exact_name: bool,
+    protected: frozenset[IPAddress] = frozenset(),
+    trusted: tuple[IPNetwork, ...] = (),
+) -> tuple[bool, str | None]:
+    """Whether ``rule`` may open an answered address, and the rebinding refusal if there is one.
 
     ``allow_internal_only`` drops public addresses; well-known DoH resolvers are dropped unless
-    the name was matched by an exact (non-wildcard) rule.
+    the name was matched by an exact (non-wildcard) rule; an `answer_refusal` drops it too.
     """
-    out: list[IPAddress] = []
-    for address in addresses:
-        plain = unmap(address)
-        if rule.allow_internal_only and not is_internal(plain):
-            continue
-        if plain in DOH_ADDRESSES and not exact_name:
-            continue
-        out.append(plain)
-    return out
+    plain = unmap(address)
+    refusal = answer_refusal(rule, plain, protected, trusted)
+    if refusal is not None:
+        return False, refusal
+    if rule.allow_internal_only and not is_internal(plain):
+        return False, None
+    if plain in DOH_ADDRESSES and not exact_name:
+        return False, None
+    return True, None
+
+
+def grantable(
+    rule: EgressRule,
+    addresses: Iterable[IPAddress],
+    exact_name: bool,
+    protected: frozenset[IPAddress] = frozenset(),
+    trusted: tuple[IPNetwork, ...] = (),
+) -> list[IPAddress]:
+    """The answered addresses a domain rule may open (see `screen_answer`)."""
+    return [
+        unmap(a) for a in addresses if screen_answer(rule, a, exact_name, protected, trusted)[0]
+    ]

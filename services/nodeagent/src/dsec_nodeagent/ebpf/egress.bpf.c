@@ -46,6 +46,7 @@
 #define V_REDIRECT_DNS 6
 #define V_DENY_DOH 7
 #define V_DENY_STACK 8
+#define V_DENY_PROTOCOL 9
 
 // Hooks (model.Hook).
 #define H_CONNECT4 1
@@ -58,6 +59,11 @@
 
 // Allow-entry flags.
 #define AF_HOST_EXACT 1  // entry names one address, not a range (DoH check skips it)
+#define AF_TCP 2         // the entry opens TCP (stream) sockets
+#define AF_UDP 4         // the entry opens UDP (datagram) sockets: only when a rule declares it
+
+#define PROTO_TCP 6
+#define PROTO_MPTCP 262
 
 struct sbx_cfg {
     u32 proxy4;      // DNS proxy IPv4, network order
@@ -256,6 +262,8 @@ struct match {
     u32 rule;
     u32 flags;
     u32 expired_rule;
+    u32 proto_rule;  // an entry that matched everything but the socket's transport
+    u32 want;        // AF_TCP or AF_UDP: the transport of the socket asking
 };
 
 static __always_inline int take(struct allow_val *v, u64 now, struct match *m) {
@@ -263,6 +271,10 @@ static __always_inline int take(struct allow_val *v, u64 now, struct match *m) {
         return 0;
     if (v->expires_ns && now > v->expires_ns) {
         m->expired_rule = v->rule;
+        return 0;
+    }
+    if (!(v->flags & m->want)) {
+        m->proto_rule = v->rule;
         return 0;
     }
     m->rule = v->rule;
@@ -377,44 +389,53 @@ static __always_inline int rate_ok(u64 cgid, u32 rule) {
 
 // Decide a connect/sendmsg to an IPv4 destination (also ::ffff:a.b.c.d from a v6 socket:
 // events then carry family 4 and the hook says connect6/sendmsg6).
+static __always_inline u32 transport_of(struct bpf_sock_addr *ctx) {
+    u32 proto = ctx->protocol;
+    return (proto == PROTO_TCP || proto == PROTO_MPTCP) ? AF_TCP : AF_UDP;
+}
+
+static __always_inline int refuse(struct sbx_cfg *cfg, u64 cgid, struct match *m, u32 hook,
+                                  u32 family, struct bpf_sock_addr *ctx, u32 *addr, u16 port) {
+    if (m->proto_rule)
+        return finish(cfg, cgid, m->proto_rule, V_DENY_PROTOCOL, hook, family, ctx, addr, port);
+    u32 v = m->expired_rule ? V_DENY_EXPIRED : V_DENY_NO_RULE;
+    return finish(cfg, cgid, m->expired_rule, v, hook, family, ctx, addr, port);
+}
+
 static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
-                                   u32 ip, u16 port, u32 hook, int is_connect) {
+                                   u32 ip, u16 port, u32 hook) {
     u32 family = 4;
     u32 ev_addr[4] = {ip, 0, 0, 0};
-    struct match m = {};
+    struct match m = {.want = transport_of(ctx)};
     if (is_stack4(ip, port))  // before any allow rule: the stack is never a destination
         return finish(cfg, cgid, 0, V_DENY_STACK, hook, family, ctx, ev_addr, port);
-    if (!match4(cgid, ip, port, &m)) {
-        u32 v = m.expired_rule ? V_DENY_EXPIRED : V_DENY_NO_RULE;
-        return finish(cfg, cgid, m.expired_rule, v, hook, family, ctx, ev_addr, port);
-    }
+    if (!match4(cgid, ip, port, &m))
+        return refuse(cfg, cgid, &m, hook, family, ctx, ev_addr, port);
     if (!(m.flags & AF_HOST_EXACT) && (port == HTTPS_PORT || port == DOT_PORT)) {
         u32 k[4] = {0, 0, 0, ip};
         if (is_doh(k))
             return finish(cfg, cgid, m.rule, V_DENY_DOH, hook, family, ctx, ev_addr, port);
     }
-    if (is_connect && !rate_ok(cgid, m.rule))
+    if (!rate_ok(cgid, m.rule))  // connects, and UDP datagrams sent with an address
         return finish(cfg, cgid, m.rule, V_DENY_RATE_LIMIT, hook, family, ctx, ev_addr, port);
     return finish(cfg, cgid, m.rule, V_ALLOW, hook, family, ctx, ev_addr, port);
 }
 
 static __always_inline int decide6(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
-                                   u32 *ip, u16 port, u32 hook, int is_connect) {
-    struct match m = {};
+                                   u32 *ip, u16 port, u32 hook) {
+    struct match m = {.want = transport_of(ctx)};
     if (is_stack6(ip, port))
         return finish(cfg, cgid, 0, V_DENY_STACK, hook, 6, ctx, ip, port);
-    if (!match6(cgid, ip, port, &m)) {
-        u32 v = m.expired_rule ? V_DENY_EXPIRED : V_DENY_NO_RULE;
-        return finish(cfg, cgid, m.expired_rule, v, hook, 6, ctx, ip, port);
-    }
+    if (!match6(cgid, ip, port, &m))
+        return refuse(cfg, cgid, &m, hook, 6, ctx, ip, port);
     if (!(m.flags & AF_HOST_EXACT) && (port == HTTPS_PORT || port == DOT_PORT) && is_doh(ip))
         return finish(cfg, cgid, m.rule, V_DENY_DOH, hook, 6, ctx, ip, port);
-    if (is_connect && !rate_ok(cgid, m.rule))
+    if (!rate_ok(cgid, m.rule))  // connects, and UDP datagrams sent with an address
         return finish(cfg, cgid, m.rule, V_DENY_RATE_LIMIT, hook, 6, ctx, ip, port);
     return finish(cfg, cgid, m.rule, V_ALLOW, hook, 6, ctx, ip, port);
 }
 
-static __always_inline int hook4(struct bpf_sock_addr *ctx, u32 hook, int is_connect) {
+static __always_inline int hook4(struct bpf_sock_addr *ctx, u32 hook) {
     u64 cgid = 0;
     struct sbx_cfg *cfg = find_sandbox(&cgid);
     u32 ip = ctx->user_ip4;
@@ -433,14 +454,14 @@ static __always_inline int hook4(struct bpf_sock_addr *ctx, u32 hook, int is_con
         u32 ev_addr[4] = {ip, 0, 0, 0};
         return finish(cfg, cgid, 0, V_REDIRECT_DNS, hook, 4, ctx, ev_addr, port);
     }
-    return decide4(ctx, cfg, cgid, ip, port, hook, is_connect);
+    return decide4(ctx, cfg, cgid, ip, port, hook);
 }
 
 static __always_inline int is_v4_mapped(u32 *a) {
     return a[0] == 0 && a[1] == 0 && a[2] == bpf_htonl(0x0000ffff);
 }
 
-static __always_inline int hook6(struct bpf_sock_addr *ctx, u32 hook, int is_connect) {
+static __always_inline int hook6(struct bpf_sock_addr *ctx, u32 hook) {
     u64 cgid = 0;
     struct sbx_cfg *cfg = find_sandbox(&cgid);
     u32 ip[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
@@ -472,8 +493,8 @@ static __always_inline int hook6(struct bpf_sock_addr *ctx, u32 hook, int is_con
         return finish(cfg, cgid, 0, V_REDIRECT_DNS, hook, 6, ctx, ip, port);
     }
     if (mapped)  // ::ffff:a.b.c.d is IPv4 a.b.c.d on the wire: the IPv4 rules decide
-        return decide4(ctx, cfg, cgid, ip[3], port, hook, is_connect);
-    return decide6(ctx, cfg, cgid, ip, port, hook, is_connect);
+        return decide4(ctx, cfg, cgid, ip[3], port, hook);
+    return decide6(ctx, cfg, cgid, ip, port, hook);
 }
 
 // Replies from the proxy (recvmsg) and the peer name (getpeername) show the address the code
@@ -523,10 +544,10 @@ static __always_inline int restore6(struct bpf_sock_addr *ctx) {
     return 1;
 }
 
-int connect4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_CONNECT4, 1); }
-int connect6(struct bpf_sock_addr *ctx) { return hook6(ctx, H_CONNECT6, 1); }
-int sendmsg4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_SENDMSG4, 0); }
-int sendmsg6(struct bpf_sock_addr *ctx) { return hook6(ctx, H_SENDMSG6, 0); }
+int connect4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_CONNECT4); }
+int connect6(struct bpf_sock_addr *ctx) { return hook6(ctx, H_CONNECT6); }
+int sendmsg4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_SENDMSG4); }
+int sendmsg6(struct bpf_sock_addr *ctx) { return hook6(ctx, H_SENDMSG6); }
 int recvmsg4(struct bpf_sock_addr *ctx) { return restore4(ctx); }
 int recvmsg6(struct bpf_sock_addr *ctx) { return restore6(ctx); }
 int getpeername4(struct bpf_sock_addr *ctx) { return restore4(ctx); }

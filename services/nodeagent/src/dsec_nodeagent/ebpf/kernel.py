@@ -57,6 +57,7 @@ MAP_NAMES = (
 _PER_CGROUP_MAPS = ("cidr4", "cidr6", "host4", "host6", "buckets", "counters")
 BPF_PROG_TYPE_CGROUP_SOCK_ADDR = 18
 AF_HOST_EXACT = 1
+_TRANSPORTS = 2 | 4  # AF_TCP | AF_UDP
 SF_LOG_ALLOWED = 1
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
 
@@ -343,10 +344,11 @@ class EgressKernel:
                 key.addr = words[0]
             else:
                 key.addr[:] = words
-            leaf = table.Leaf(
-                rule=entry.slot, flags=AF_HOST_EXACT if entry.host_exact else 0, expires_ns=0
-            )
-            table[key] = leaf
+            old = table.get(key)
+            flags = entry.transports | (AF_HOST_EXACT if entry.host_exact else 0)
+            if old is not None:  # two rules, one range: the union of their transports
+                flags |= int(old.flags) & _TRANSPORTS
+            table[key] = table.Leaf(rule=entry.slot, flags=flags, expires_ns=0)
 
     def set_buckets(self, cgroup_id: int, specs: Iterable[BucketSpec]) -> None:
         """Create (full) connection buckets for rate-limited rules."""
@@ -376,8 +378,26 @@ class EgressKernel:
             else:
                 key.addr[:] = words
             old = table.get(key)
-            expires = g.expires_ns if old is None else max(int(old.expires_ns), g.expires_ns)
-            table[key] = table.Leaf(rule=g.slot, flags=AF_HOST_EXACT, expires_ns=expires)
+            expires, flags = g.expires_ns, AF_HOST_EXACT | g.transports
+            if old is not None:
+                expires = max(int(old.expires_ns), g.expires_ns)
+                flags |= int(old.flags) & _TRANSPORTS
+            table[key] = table.Leaf(rule=g.slot, flags=flags, expires_ns=expires)
+
+    def revoke(self, cgroup_id: int, keys: Sequence[tuple[IPAddress, int]]) -> None:
+        """Delete DNS grants ``(address, port)`` of a cgroup (expired: their quota is free)."""
+        t4, t6 = self._table("host4"), self._table("host6")
+        for address, port in keys:
+            table = t4 if address.version == 4 else t6
+            key = table.Key()
+            key.cgid = cgroup_id
+            key.port = port
+            words = _be32_words(address.packed)
+            if address.version == 4:
+                key.addr = words[0]
+            else:
+                key.addr[:] = words
+            table.pop(key, None)
 
     def purge(self, cgroup_id: int) -> None:
         """Remove every entry of a cgroup from every map."""

@@ -11,7 +11,7 @@ import enum
 import ipaddress
 import re
 from dataclasses import dataclass
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from dsec_core.spec.plan import EnforcementPlan, PlanEgressRule
 from dsec_core.spec.units import Rate, parse_rate
@@ -37,6 +37,7 @@ class Verdict(enum.IntEnum):
     REDIRECT_DNS = 6
     DENY_DOH = 7
     DENY_STACK = 8
+    DENY_PROTOCOL = 9
 
     @property
     def denied(self) -> bool:
@@ -61,8 +62,10 @@ class Hook(enum.IntEnum):
 class RateLimit(BaseModel):
     """New connections allowed per period: a token bucket of ``burst`` refilled ``count``/period.
 
-    Connect-time buckets count connections, not requests (keep-alive carries many requests on one
-    connection); the semantic layer counts requests against the same numbers.
+    Connect-time buckets count connections (TCP connects and UDP ``connect()``), not requests:
+    keep-alive carries many requests on one connection. For a ``requests`` rate the semantic
+    layer also counts HTTP requests against the same number; a ``connects`` rate is the kernel's
+    alone.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -105,6 +108,9 @@ class EgressRule(BaseModel):
     ports: tuple[Port, ...] = Field(default=(), description="Empty = every port")
     rate_limit: RateLimit | None = None
     allow_internal_only: bool = False
+    protocols: tuple[Literal["tcp", "udp"], ...] = Field(
+        default=("tcp",), min_length=1, description="Transports the rule opens"
+    )
 
     @field_validator("domain")
     @classmethod
@@ -205,6 +211,7 @@ def _from_plan_rule(index: int, rule: PlanEgressRule) -> EgressRule:
         ports=rule.ports,
         rate_limit=RateLimit.model_validate(rule.rate_limit) if rule.rate_limit else None,
         allow_internal_only=rule.internal_only,
+        protocols=rule.protocols,
     )
 
 
@@ -252,6 +259,10 @@ class VerdictEvent:
             Verdict.DENY_EXPIRED: f"denied: the DNS answer for rule {self.rule_id} expired",
             Verdict.DENY_RATE_LIMIT: f"denied: rate limit of rule {self.rule_id} exceeded",
             Verdict.DENY_UNKNOWN_SANDBOX: "denied: cgroup has no egress plan",
+            Verdict.DENY_PROTOCOL: (
+                f"denied: rule {self.rule_id} does not open {self.protocol} (add "
+                f"`protocol: {self.protocol}` or `protocols: [tcp, udp]` to it)"
+            ),
             Verdict.DENY_DOH: (
                 f"denied: DNS-over-HTTPS/TLS endpoint not named by rule {self.rule_id}"
             ),

@@ -50,6 +50,8 @@ def rules_from_spec(
     for index, egress in enumerate(policy.network.egress):
         if egress.rate_limit is None or egress.domain is None:
             continue
+        if egress.rate_limit.unit != "requests":  # connects/min: the kernel counts those
+            continue
         limits.append(
             RateLimit(
                 name=f"egress[{index}] {egress.domain}",
@@ -87,6 +89,8 @@ def rules_from_plan(
     limits = []
     for index, egress in enumerate(plan.egress):
         if egress.rate_limit is None or egress.domain is None:
+            continue
+        if egress.rate_limit.unit != "requests":  # connects/min: the kernel counts those
             continue
         host = f"*.{egress.domain}" if egress.kind == "wildcard" else egress.domain
         limits.append(
