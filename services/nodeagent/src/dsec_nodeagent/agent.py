@@ -25,6 +25,7 @@ from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.objectstore import client as s3_client
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan, load_spec
+from dsec_core.spec.plan import ResourceLimits
 from dsec_core.subjects import STREAM, subject_for
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -259,13 +260,38 @@ class NodeAgent:
             mounts=ctx.mounts,
             read_allowed=list(plan.filesystem.read),
             write_allowed=list(plan.filesystem.write) or ["/tmp"],
-            limits=Limits(
-                memory_bytes=res.memory_bytes, cpus=res.cpu_millicores / 1000, pids=res.pids
-            ),
+            limits=self._limits(res),
             timeout_s=res.timeout_s,
             semantic_rules=semantic,
             agent=AgentIdentity(name=plan.name, task_group=plan.effective_task_group),
             metadata=ctx.metadata(),
+        )
+
+    def _limits(self, res: ResourceLimits) -> Limits:
+        """The plan's limits, refused when they exceed this node's operator maxima."""
+        s = self.settings
+        for field, asked, most, setting in (
+            ("resources.files", res.files, s.sandbox_max_files, "DSEC_SANDBOX_MAX_FILES"),
+            ("resources.disk", res.disk_bytes, s.sandbox_max_disk, "DSEC_SANDBOX_MAX_DISK"),
+            (
+                "resources.log_bytes",
+                res.log_bytes,
+                s.sandbox_max_log_bytes,
+                "DSEC_SANDBOX_MAX_LOG_BYTES",
+            ),
+        ):
+            if asked > most:
+                raise StartRefused(
+                    f"{field} = {asked} exceeds this node's maximum {most} ({setting}); "
+                    f"ask for at most {most}"
+                )
+        return Limits(
+            memory_bytes=res.memory_bytes,
+            cpus=res.cpu_millicores / 1000,
+            pids=res.pids,
+            files=res.files,
+            disk_bytes=res.disk_bytes,
+            log_bytes=res.log_bytes,
         )
 
     def _ready_event(self, ready: SandboxReady, code_dir: Path | None) -> events.SandboxReady:
@@ -312,6 +338,8 @@ class NodeAgent:
                 exit_code=exit_code,
                 reason=result.reason.value,
                 duration_s=round(result.ended_at - result.started_at, 3),
+                detail=result.detail,
+                log_dropped_bytes=result.log_dropped_bytes,
             )
             await self._publish(payload, sid, derive_event_id(sid, "sandbox.exited"))
 

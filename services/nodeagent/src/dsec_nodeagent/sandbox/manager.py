@@ -31,6 +31,7 @@ from dsec_nodeagent.sandbox import (
     landlock,
     notify,
     plan,
+    quota,
     seccomp,
 )
 from dsec_nodeagent.sandbox.models import (
@@ -285,6 +286,7 @@ class SandboxManager:
         abi, last_cap, program = self._kernel_facts()
         facts = plan.KernelFacts(abi, last_cap, program, [])
         built = plan.build(config, view, host, facts, uid)
+        await self._make_quota(config, host.data_dir, built)
         if ipc_dir is not None and not (ipc_dir / plan.IPC_SOCKET_NAME).exists():
             built.warnings.append(
                 f"the IPC broker's socket {self.ipc_socket} could not be shown to the sandbox "
@@ -292,6 +294,22 @@ class SandboxManager:
                 "calls will fail"
             )
         return built, uid
+
+    async def _make_quota(
+        self, config: SandboxConfig, data_dir: Path, built: plan.PlanResult
+    ) -> None:
+        """Put the writable directories kept on the host on a filesystem of ``disk_bytes``."""
+        fs = quota.mount_point(data_dir)
+        if config.limits.disk_bytes is None or not any(
+            d.is_relative_to(fs) for d in built.writable_dirs
+        ):
+            return
+        if quota.is_mounted(data_dir):  # a leftover of an earlier start with this id
+            await asyncio.to_thread(quota.release, data_dir, keep_outputs=False)
+        try:
+            await asyncio.to_thread(quota.create, data_dir, config.limits.disk_bytes)
+        except quota.QuotaError as exc:
+            raise SandboxStartError(config.sandbox_id, "disk", str(exc)) from exc
 
     def _ipc_dir(self, config: SandboxConfig, run_dir: Path) -> Path | None:
         """The sandbox's view of the broker: a directory holding only a link to its socket."""
@@ -482,6 +500,7 @@ class SandboxManager:
                 "cwd",
                 "cgroup_procs",
                 "python",
+                "nofile",
             )
         }
         exec_plan["env"] = {k: v for k, v in the_plan["env"].items() if k not in secret_names}
@@ -517,6 +536,8 @@ class SandboxManager:
         if cgroup is not None:
             await asyncio.to_thread(cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, run_dir, True)
+        with contextlib.suppress(quota.QuotaError):
+            await asyncio.to_thread(quota.release, self.data_root / sid, keep_outputs=False)
         self.states.remove(sid)
 
     # ------------------------------------------------------------------ supervision
@@ -569,13 +590,23 @@ class SandboxManager:
         pids_hits = cgroup.pids_limit_hits() if cgroup else 0
         exit_code = outcome.get("exit_code") if outcome else None
         sig = outcome.get("signal") if outcome else None
-        reason, detail = domain.classify_exit(requested, exit_code, sig, oom, pids_hits)
+        data_dir = self.data_root / sid
+        disk_full = await asyncio.to_thread(quota.full, data_dir)
+        reason, detail = domain.classify_exit(requested, exit_code, sig, oom, pids_hits, disk_full)
+        dropped = domain.log_truncation(outcome.get("logs") if outcome else None)
+        if dropped:
+            detail += "; " + domain.describe_truncation(dropped)
         if channel is not None:
             await channel.close()
         if cgroup is not None:
             await asyncio.to_thread(cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, run_dir, True)
+        try:
+            await asyncio.to_thread(quota.release, data_dir)
+        except quota.QuotaError as exc:  # the terminal result still goes out
+            log.error("sandbox %s: its disk quota could not be released: %s", sid, exc)
         self.states.remove(sid)
+        await asyncio.to_thread(_mark_ended, data_dir, reason, outcome)
         ready = state.get("ready") or {}
         stdout_path, stderr_path = self.log_paths(sid)
         return SandboxExited(
@@ -591,6 +622,8 @@ class SandboxManager:
             stdout_path=str(stdout_path),
             stderr_path=str(stderr_path),
             metadata=ready.get("metadata", {}),
+            disk_full=disk_full is not None,
+            log_dropped_bytes=dropped,
         )
 
     def _remember(self, result: SandboxExited) -> None:
@@ -867,6 +900,21 @@ async def _wait_pid(pid: int, start_time: int | None) -> None:
     finally:
         loop.remove_reader(pidfd)
         os.close(pidfd)
+
+
+ENDED_MARK = "ended.json"
+"""Written into a sandbox's data directory when it ended: what retention may remove."""
+
+
+def _mark_ended(data_dir: Path, reason: ExitReason, outcome: dict[str, Any] | None) -> None:
+    if not data_dir.is_dir():
+        return
+    record = {"reason": reason.value, "ended_at": time.time()}
+    if outcome and "exit_code" in outcome:
+        record["exit_code"] = outcome["exit_code"]
+    tmp = data_dir / f".{ENDED_MARK}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, data_dir / ENDED_MARK)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
