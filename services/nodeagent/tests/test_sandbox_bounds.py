@@ -6,6 +6,7 @@ import os
 import resource
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -123,3 +124,35 @@ def test_a_full_disk_is_reason_disk_unless_the_workload_handled_it() -> None:
     reason, detail = domain.classify_exit(None, 0, None, 0, 0, full)
     assert reason == ExitReason.OK and "disk quota full" in detail
     assert domain.classify_exit(None, 137, 9, 2, 0, full)[0] == ExitReason.OOM
+
+
+_OLD_SPEC = """version: "1.2"
+name: old-agent
+base: dsec/python311:latest
+entrypoint: [python, agent.py]
+resources: {cpu: 1, memory: 512MiB}
+"""
+
+
+def _plan_of(spec_yaml: str) -> Any:
+    from dsec_core.spec import compile_plan, load_spec
+
+    loaded = load_spec(spec_yaml, "dsec.yaml")
+    assert loaded.spec is not None, loaded.errors
+    return compile_plan(loaded.spec).resources
+
+
+@pytest.mark.unit
+def test_an_old_spec_gets_the_safe_defaults_and_a_node_maximum_refuses_more() -> None:
+    from dsec_core.settings import Settings
+
+    from dsec_nodeagent.agent import StartRefused, node_limits
+
+    res = _plan_of(_OLD_SPEC)
+    assert (res.files, res.disk_bytes, res.log_bytes) == (1024, 2**30, 64 * MiB)
+    limits = node_limits(res, Settings())
+    assert (limits.files, limits.disk_bytes, limits.log_bytes) == (1024, 2**30, 64 * MiB)
+    big = _plan_of(_OLD_SPEC.replace("memory: 512MiB}", "memory: 512MiB, files: 100000}"))
+    with pytest.raises(StartRefused, match=r"resources.files = 100000 exceeds .* 65536"):
+        node_limits(big, Settings())
+    assert node_limits(big, Settings(sandbox_max_files=200_000)).files == 100_000

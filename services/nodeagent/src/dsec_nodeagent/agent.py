@@ -260,38 +260,11 @@ class NodeAgent:
             mounts=ctx.mounts,
             read_allowed=list(plan.filesystem.read),
             write_allowed=list(plan.filesystem.write) or ["/tmp"],
-            limits=self._limits(res),
+            limits=node_limits(res, self.settings),
             timeout_s=res.timeout_s,
             semantic_rules=semantic,
             agent=AgentIdentity(name=plan.name, task_group=plan.effective_task_group),
             metadata=ctx.metadata(),
-        )
-
-    def _limits(self, res: ResourceLimits) -> Limits:
-        """The plan's limits, refused when they exceed this node's operator maxima."""
-        s = self.settings
-        for field, asked, most, setting in (
-            ("resources.files", res.files, s.sandbox_max_files, "DSEC_SANDBOX_MAX_FILES"),
-            ("resources.disk", res.disk_bytes, s.sandbox_max_disk, "DSEC_SANDBOX_MAX_DISK"),
-            (
-                "resources.log_bytes",
-                res.log_bytes,
-                s.sandbox_max_log_bytes,
-                "DSEC_SANDBOX_MAX_LOG_BYTES",
-            ),
-        ):
-            if asked > most:
-                raise StartRefused(
-                    f"{field} = {asked} exceeds this node's maximum {most} ({setting}); "
-                    f"ask for at most {most}"
-                )
-        return Limits(
-            memory_bytes=res.memory_bytes,
-            cpus=res.cpu_millicores / 1000,
-            pids=res.pids,
-            files=res.files,
-            disk_bytes=res.disk_bytes,
-            log_bytes=res.log_bytes,
         )
 
     def _ready_event(self, ready: SandboxReady, code_dir: Path | None) -> events.SandboxReady:
@@ -389,6 +362,33 @@ class NodeAgent:
             message=describe(refusal),
         )
         await self._publish(payload, refusal.sandbox_id, None)
+
+
+def node_limits(res: ResourceLimits, s: Settings) -> Limits:
+    """The plan's limits, refused when they exceed this node's operator maxima."""
+    for field, asked, most, setting in (
+        ("resources.files", res.files, s.sandbox_max_files, "DSEC_SANDBOX_MAX_FILES"),
+        ("resources.disk", res.disk_bytes, s.sandbox_max_disk, "DSEC_SANDBOX_MAX_DISK"),
+        (
+            "resources.log_bytes",
+            res.log_bytes,
+            s.sandbox_max_log_bytes,
+            "DSEC_SANDBOX_MAX_LOG_BYTES",
+        ),
+    ):
+        if asked > most:
+            raise StartRefused(
+                f"{field} = {asked} exceeds this node's maximum {most} ({setting}); "
+                f"ask for at most {most}"
+            )
+    return Limits(
+        memory_bytes=res.memory_bytes,
+        cpus=res.cpu_millicores / 1000,
+        pids=res.pids,
+        files=res.files,
+        disk_bytes=res.disk_bytes,
+        log_bytes=res.log_bytes,
+    )
 
 
 def _mountpoints(code_dir: Path, plan: EnforcementPlan) -> None:
