@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dsec_core import events
+from dsec_core import events, retention
 from dsec_core.codebundle import BundleError, extract_bundle
 from dsec_core.envelope import Envelope, decode
 from dsec_core.ids import derive_event_id
@@ -51,6 +52,9 @@ from dsec_nodeagent.semantic.compile import rules_from_spec
 from dsec_nodeagent.semantic.models import SemanticDecision
 
 log = logging.getLogger(__name__)
+
+RETENTION_INTERVAL_S = 300.0
+"""How often the node agent applies DSEC_SANDBOX_KEEP_HOURS / DSEC_SANDBOX_KEEP_MAX."""
 
 Publish = Callable[[events.Payload, str, str | None], Awaitable[None]]
 BeforeStart = Callable[[str, Path, int, EnforcementPlan], Awaitable[None]]
@@ -91,6 +95,7 @@ class NodeAgent:
         self.injector = self._injector()
         self._contexts: dict[str, PreparedContext] = {}
         self._keepalive: dict[str, asyncio.Task[None]] = {}
+        self._retention: asyncio.Task[None] | None = None
 
     def _injector(self) -> ContextInjector:
         s = self.settings
@@ -111,12 +116,54 @@ class NodeAgent:
         """Re-adopt sandboxes that survived a restart; clean up the ones that ended."""
         report = await self.manager.reconcile()
         log.info("reconciled: adopted %s, cleaned %s", report.adopted, report.cleaned)
+        self._retention = asyncio.create_task(self._retain_forever())
 
     async def shutdown(self) -> None:
         """Stop watching; sandboxes keep running (re-adopted at the next start)."""
+        if self._retention is not None:
+            self._retention.cancel()
         for task in self._keepalive.values():
             task.cancel()
         await self.manager.shutdown(stop_sandboxes=False)
+
+    # --------------------------------------------------------------- retention
+
+    async def collect_garbage(self) -> list[retention.Removal]:
+        """Remove ended sandboxes' directories beyond the operator's retention (each logged)."""
+        keep_s = self.settings.sandbox_keep_hours * 3600
+        keep_max = self.settings.sandbox_keep_max
+
+        def sweep() -> list[retention.Removal]:
+            now = time.time()
+            chosen = retention.choose(
+                retention.scan(self.home, now), now, older_than_s=keep_s, keep_max=keep_max
+            )
+            done = []
+            for removal in chosen:
+                try:
+                    if retention.remove(self.home, removal):
+                        done.append(removal)
+                except OSError as exc:
+                    log.warning("retention: cannot remove %s: %s", removal.entry.path, exc)
+            return done
+
+        removed = await asyncio.to_thread(sweep)
+        for removal in removed:
+            log.info(
+                "retention: removed the directory of ended sandbox %s (%d bytes): %s",
+                removal.entry.sandbox_id,
+                removal.entry.size_bytes,
+                removal.why,
+            )
+        return removed
+
+    async def _retain_forever(self) -> None:
+        while True:
+            try:
+                await self.collect_garbage()
+            except Exception:  # retention must never take the node agent down
+                log.exception("retention sweep failed")
+            await asyncio.sleep(RETENTION_INTERVAL_S)
 
     # --------------------------------------------------------------- the spec, from the log
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec_core.retention import ENDED_MARK
+
 from dsec_nodeagent.sandbox import (
     audit,
     cgroups,
@@ -902,10 +904,6 @@ async def _wait_pid(pid: int, start_time: int | None) -> None:
         os.close(pidfd)
 
 
-ENDED_MARK = "ended.json"
-"""Written into a sandbox's data directory when it ended: what retention may remove."""
-
-
 def _mark_ended(data_dir: Path, reason: ExitReason, outcome: dict[str, Any] | None) -> None:
     if not data_dir.is_dir():
         return
@@ -914,7 +912,7 @@ def _mark_ended(data_dir: Path, reason: ExitReason, outcome: dict[str, Any] | No
         record["exit_code"] = outcome["exit_code"]
     tmp = data_dir / f".{ENDED_MARK}.tmp"
     tmp.write_text(json.dumps(record))
-    os.replace(tmp, data_dir / ENDED_MARK)
+    os.replace(tmp, data_dir / ENDED_MARK)  # what retention (dsec_core.retention) may remove
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
