@@ -25,6 +25,14 @@ ENDED_MARK = "ended.json"
 UNMARKED_MIN_AGE_S = 3600.0
 
 
+def down_marker(home: Path) -> Path:
+    """Present while ``dsec down`` stops the stack (without ``--keep-sandboxes``): the node
+    agent then stops its sandboxes, cleans each up (cgroup, egress programs, quota, leases) and
+    removes the pinned egress maps once no sandbox uses them, instead of leaving everything for
+    the next ``dsec up``."""
+    return home / "run" / "stack-down"
+
+
 @dataclass(frozen=True)
 class SandboxDir:
     """One sandbox's directory on this node.

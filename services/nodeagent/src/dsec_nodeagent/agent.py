@@ -119,12 +119,18 @@ class NodeAgent:
         self._retention = asyncio.create_task(self._retain_forever())
 
     async def shutdown(self) -> None:
-        """Stop watching; sandboxes keep running (re-adopted at the next start)."""
+        """Stop watching; sandboxes keep running (re-adopted at the next start) — unless the
+        stack is going down (``dsec down``): then each is stopped and cleaned up, and its
+        ``sandbox.exited`` published, before the node agent exits."""
         if self._retention is not None:
             self._retention.cancel()
-        for task in self._keepalive.values():
-            task.cancel()
-        await self.manager.shutdown(stop_sandboxes=False)
+        stop = retention.down_marker(self.home).exists()
+        if stop:
+            log.info("the stack is going down: stopping %s", self.manager.running())
+        else:
+            for task in self._keepalive.values():
+                task.cancel()
+        await self.manager.shutdown(stop_sandboxes=stop)
 
     # --------------------------------------------------------------- retention
 

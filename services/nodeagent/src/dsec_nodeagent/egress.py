@@ -8,7 +8,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from dsec_core import events
+from dsec_core import events, retention
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan
 from prometheus_client import REGISTRY
@@ -38,6 +38,7 @@ class Egress:
     """Owns the egress controller for this node."""
 
     def __init__(self, settings: Settings, publish: Publish) -> None:
+        self.home = settings.home.resolve()
         self.controller = EgressController(dns_upstream=settings.dns_upstream)
         self._publish = publish
         self._cgroups: dict[str, Path] = {}
@@ -53,7 +54,13 @@ class Egress:
         REGISTRY.register(EgressCollector(self.controller))
 
     async def close(self) -> None:
-        """Stop reading verdicts; programs stay attached (fail-closed)."""
+        """Stop reading verdicts; programs stay attached (fail-closed) — unless the stack is
+        going down (``dsec down``) and no sandbox uses them any more: then the pinned maps and
+        the egress state are removed too, so nothing of DSec stays in the kernel."""
+        if retention.down_marker(self.home).exists() and not self.controller.sandboxes():
+            log.info("the stack is down and no sandbox is attached: removing the pinned maps")
+            await self.controller.uninstall()
+            return
         await self.controller.close()
 
     async def attach(self, sid: str, cgroup: Path, cgroup_id: int, plan: EnforcementPlan) -> None:

@@ -792,11 +792,17 @@ class SandboxManager:
             self._link_ipc(ipc_dir)
 
     async def shutdown(self, *, stop_sandboxes: bool = False) -> None:
-        """Stop watching (sandboxes keep running for the next :meth:`reconcile`), or stop all."""
+        """Stop watching (sandboxes keep running for the next :meth:`reconcile`), or stop all
+        (at once, each cleaned up and its ``on_exit`` awaited)."""
+        if stop_sandboxes:
+            sandboxes = list(self._sandboxes.values())
+            await asyncio.gather(
+                *(self.stop(s.config_id, grace_s=1.0) for s in sandboxes),
+                return_exceptions=True,
+            )
+            monitors = [s.monitor for s in sandboxes if s.monitor is not None]
+            await asyncio.gather(*monitors, return_exceptions=True)
         for sid, sandbox in list(self._sandboxes.items()):
-            if stop_sandboxes:
-                await self.stop(sid, grace_s=1.0)
-                continue
             if sandbox.timer is not None:
                 sandbox.timer.cancel()
             if sandbox.monitor is not None:
