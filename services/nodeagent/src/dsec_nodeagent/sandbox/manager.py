@@ -55,6 +55,7 @@ CgroupHook = Callable[[str, Path, int], Awaitable[None]]
 """``(sandbox_id, cgroup v2 dir, cgroup id)``, awaited before the workload starts."""
 
 START_TIMEOUT_S = 30.0
+IMAGE_SIZES_POOLED = 4
 RECENT_RESULTS = 256
 _SRC = Path(__file__).resolve().parents[2]
 # Run the pre-exec stage without site-packages (-S) and without executing the packages'
@@ -159,6 +160,9 @@ class SandboxManager:
         self._ended: dict[str, SandboxExited] = {}  # recent results, for wait() after the end
         self._hierarchy: cgroups.Hierarchy | None = None
         self._facts: tuple[int, int, bytes] | None = None
+        self._images = quota.ImagePool(self.home / "cache" / "disk-images")
+        self._image_sizes: dict[int, None] = {}  # recently asked sizes, oldest first
+        self._image_fill: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -308,10 +312,32 @@ class SandboxManager:
             return
         if quota.is_mounted(data_dir):  # a leftover of an earlier start with this id
             await asyncio.to_thread(quota.release, data_dir, keep_outputs=False)
+        size = config.limits.disk_bytes
         try:
-            await asyncio.to_thread(quota.create, data_dir, config.limits.disk_bytes)
+            await asyncio.to_thread(quota.create, data_dir, size, self._images)
         except quota.QuotaError as exc:
             raise SandboxStartError(config.sandbox_id, "disk", str(exc)) from exc
+        self._refill_images(size)
+
+    def _refill_images(self, size: int) -> None:
+        """Format the next images of the recently used sizes in the background (mkfs off the
+        start path)."""
+        self._image_sizes.pop(size, None)
+        self._image_sizes[size] = None
+        while len(self._image_sizes) > IMAGE_SIZES_POOLED:
+            self._image_sizes.pop(next(iter(self._image_sizes)))
+        if self._image_fill is not None and not self._image_fill.done():
+            return
+
+        async def fill() -> None:
+            try:
+                await asyncio.to_thread(self._images.prune, set(self._image_sizes))
+                for wanted in list(self._image_sizes):
+                    await asyncio.to_thread(self._images.fill, wanted)
+            except (OSError, quota.QuotaError) as exc:  # a start formats its own instead
+                log.warning("cannot prepare disk images: %s", exc)
+
+        self._image_fill = asyncio.ensure_future(fill())
 
     def _ipc_dir(self, config: SandboxConfig, run_dir: Path) -> Path | None:
         """The sandbox's view of the broker: a directory holding only a link to its socket."""
@@ -816,6 +842,8 @@ class SandboxManager:
         if self._audit is not None:
             await self._audit.close()
             self._audit = None
+        if self._image_fill is not None:  # a few ms of mkfs: let it finish, leave no staging
+            await asyncio.gather(self._image_fill, return_exceptions=True)
 
 
 def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
