@@ -140,7 +140,8 @@ class CappedLog:
         self.fd = fd
         self.path = path
         self.limit = limit
-        self.head_left = limit - limit // 2 if limit is not None else -1
+        self.head = limit - limit // 2 if limit is not None else -1
+        self.head_left = self.head
         self.segment = max(1, (limit // 2) // 2) if limit is not None else 0
         self.total = 0
         self.dropped = 0
@@ -182,9 +183,10 @@ class CappedLog:
         if self.tail_fd >= 0:
             os.close(self.tail_fd)
             if self.dropped:
+                kept = self.total - self.dropped - self.head
                 note = (
                     f"\n[dsec: {self.dropped} bytes of output dropped here; the log keeps the "
-                    f"first and the last {self.limit // 2 if self.limit else 0} bytes "
+                    f"first {self.head} and the last {kept} bytes "
                     f"(resources.log_bytes = {self.limit})]\n"
                 )
                 _write_fully(self.fd, note.encode())
