@@ -60,7 +60,7 @@ class LoopWatch:
     runs again; one that stays behind by more than ``max_lag_s`` is unhealthy.
     """
 
-    def __init__(self, interval_s: float = 0.25, max_lag_s: float = 1.0) -> None:
+    def __init__(self, interval_s: float = 0.5, max_lag_s: float = 2.0) -> None:
         self.interval_s = interval_s
         self.max_lag_s = max_lag_s
         self.lag_s = 0.0
