@@ -35,6 +35,9 @@ was hit: ext4's delayed allocation refuses a write that, with its metadata, woul
 ``ENOSPC`` comes while up to about a write's size (and ext4's own reserve) still shows free."""
 
 
+MOUNT_OPTIONS = "noinit_itable"
+"""The kernel must not zero the lazily initialized inode tables in the background: on a sparse
+image that would write (and allocate) them on the host's disk for nothing."""
 LOOP_CTL_GET_FREE = 0x4C82
 LOOP_CONFIGURE = 0x4C0A
 LO_FLAGS_AUTOCLEAR = 4
@@ -108,7 +111,7 @@ def mount_image(image: Path, target: Path) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.ENOTTY):
             raise QuotaError(f"cannot loop-mount {image}: {exc}") from exc
-        _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(target)])
+        _run(["mount", "-o", f"loop,nosuid,nodev,{MOUNT_OPTIONS}", str(image), str(target)])
 
 
 def _mount_loop(image: Path, target: Path) -> None:
@@ -147,7 +150,11 @@ def _mount_loop(image: Path, target: Path) -> None:
                         raise
                     # Mount before closing the device: auto-clear acts on its last close.
                     syscalls.mount(
-                        device, str(target), "ext4", syscalls.MS_NOSUID | syscalls.MS_NODEV, None
+                        device,
+                        str(target),
+                        "ext4",
+                        syscalls.MS_NOSUID | syscalls.MS_NODEV,
+                        MOUNT_OPTIONS,
                     )
                     return
                 finally:
