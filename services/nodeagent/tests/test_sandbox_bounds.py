@@ -149,9 +149,9 @@ def test_an_old_spec_gets_the_safe_defaults_and_a_node_maximum_refuses_more() ->
     from dsec_nodeagent.agent import StartRefused, node_limits
 
     res = _plan_of(_OLD_SPEC)
-    assert (res.files, res.disk_bytes, res.log_bytes) == (1024, 2**30, 64 * MiB)
+    assert (res.files, res.disk_bytes, res.log_bytes) == (1024, 256 * MiB, 64 * MiB)
     limits = node_limits(res, Settings())
-    assert (limits.files, limits.disk_bytes, limits.log_bytes) == (1024, 2**30, 64 * MiB)
+    assert (limits.files, limits.disk_bytes, limits.log_bytes) == (1024, 256 * MiB, 64 * MiB)
     big = _plan_of(_OLD_SPEC.replace("memory: 512MiB}", "memory: 512MiB, files: 100000}"))
     with pytest.raises(StartRefused, match=r"resources.files = 100000 exceeds .* 65536"):
         node_limits(big, Settings())

@@ -106,7 +106,7 @@ class ResourceLimits(PlanModel):
     gpu: GpuLimits | None
     timeout_s: int | None
     files: int = 1024
-    disk_bytes: int = 2**30
+    disk_bytes: int = 256 * 2**20
     log_bytes: int = 64 * 2**20
 
 

@@ -18,7 +18,7 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 RESERVED_PREFIXES = ("/proc", "/dev", "/opt/dsec", "/run/dsec")
 
 DEFAULT_FILES = 1024
-DEFAULT_DISK_BYTES = 2**30
+DEFAULT_DISK_BYTES = 256 * 2**20
 MIN_DISK_BYTES = 16 * 2**20
 DEFAULT_LOG_BYTES = 64 * 2**20
 
