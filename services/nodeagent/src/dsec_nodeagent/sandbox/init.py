@@ -113,6 +113,9 @@ def run(plan: Plan, report: _Reporter) -> int:
     # Before closing the report channel: its EOF tells the node agent the listener is here.
     _keep_listener(holder)
     report.close()
+    # Copying the output is host CPU outside the sandbox's cgroup: at a lower priority, a flood
+    # of output waits on the pipe rather than taking CPU from the node's other work.
+    os.nice(10)
     limit = plan.get("log_bytes")
     logs = {
         "stdout": CappedLog(1, plan.get("stdout_path", ""), limit),
