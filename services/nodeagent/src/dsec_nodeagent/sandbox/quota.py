@@ -180,11 +180,17 @@ class ImagePool:
 
     def take(self, size_bytes: int, dest: Path) -> bool:
         """Move a formatted image of ``size_bytes`` to ``dest``; ``False`` when none is ready."""
-        for image in self._ready(size_bytes):
+        try:
+            ready = self._ready(size_bytes)
+        except OSError:
+            return False
+        for image in ready:
             try:
                 os.rename(image, dest)
             except FileNotFoundError:  # taken by a concurrent start
                 continue
+            except OSError:  # another filesystem than the data directories (EXDEV): format
+                return False
             return True
         return False
 
