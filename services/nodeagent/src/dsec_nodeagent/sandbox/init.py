@@ -126,8 +126,46 @@ def run(plan: Plan, report: _Reporter) -> int:
     raw = os.read(status_r, 64).decode().strip()
     outcome = _outcome(int(raw) if raw else init_status, bool(raw))
     outcome["logs"] = {name: log.finish() for name, log in logs.items()}
+    reap = plan.get("reap") or {}
+    orphaned = bool(reap) and os.path.exists(reap["marker"])
+    if orphaned:  # read before the cgroup goes: the node agent classifies the exit with them
+        outcome["counters"] = {
+            k: _counter(path, key) for k, (path, key) in reap["counters"].items()
+        }
     _write_json_atomic(plan["exit_path"], outcome)
+    if orphaned:
+        _remove_cgroups(reap["dirs"])
     return 0
+
+
+def _counter(path: str, key: str) -> int:
+    try:
+        with open(path) as fh:
+            for line in fh:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _remove_cgroups(dirs: list[str], timeout_s: float = 2.0) -> None:
+    """No node agent watches this sandbox (``dsec down --keep-sandboxes``, an agent stopped to be
+    restarted): remove its cgroups now — the kernel then releases the egress programs attached to
+    them — instead of leaving them until the next node agent's start, which cleans up the rest."""
+    deadline = time.monotonic() + timeout_s
+    for path in dirs:
+        while True:
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # tasks still exiting: a moment
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
 
 
 class CappedLog:

@@ -153,6 +153,9 @@ class SandboxManager:
         self.tune_cgroups = tune_cgroups
         self.ipc_socket = ipc_socket
         self.states = StateStore(self.run_dir)
+        # Present while no manager watches this home's sandboxes (after shutdown() that kept
+        # them, until the next reconcile()): a sandbox ending then removes its cgroups itself.
+        self.unwatched_marker = self.home / "run" / "sandboxes-unwatched"
         # sandbox id -> (uid, identity): registered before the workload's first instruction,
         # so the broker can tell who connects before the sandbox is even reported ready.
         self._agents: dict[str, tuple[int, AgentIdentity]] = {}
@@ -238,6 +241,7 @@ class SandboxManager:
                 },
             )
             built.plan["cgroup_procs"] = cgroup.procs_files()
+            built.plan["reap"] = cgroup.reaper_plan(self.unwatched_marker)
             if before_start is not None:
                 await before_start(sid, cgroup.v2_dir, cgroup.inode)
             self._prepare_dirs(built, uid)
@@ -614,8 +618,11 @@ class SandboxManager:
         self._agents.pop(sid, None)
         run_dir = Path(state["run_dir"])
         outcome = _read_json(run_dir / "exit.json")
-        oom = cgroup.oom_kills() if cgroup else 0
-        pids_hits = cgroup.pids_limit_hits() if cgroup else 0
+        counters = (outcome or {}).get("counters") or {}  # read by a supervisor that reaped
+        oom = max(cgroup.oom_kills() if cgroup else 0, int(counters.get("oom_kills", 0)))
+        pids_hits = max(
+            cgroup.pids_limit_hits() if cgroup else 0, int(counters.get("pids_limit_hits", 0))
+        )
         exit_code = outcome.get("exit_code") if outcome else None
         sig = outcome.get("signal") if outcome else None
         data_dir = self.data_root / sid
@@ -780,6 +787,7 @@ class SandboxManager:
         """
         adopted: list[str] = []
         cleaned: list[SandboxExited] = []
+        self.unwatched_marker.unlink(missing_ok=True)
         for sid in self.states.ids():
             if sid in self._sandboxes:
                 continue
@@ -844,6 +852,9 @@ class SandboxManager:
             self._audit = None
         if self._image_fill is not None:  # a few ms of mkfs: let it finish, leave no staging
             await asyncio.gather(self._image_fill, return_exceptions=True)
+        if self.states.ids():  # sandboxes keep running, unwatched: they reap their own cgroups
+            self.unwatched_marker.parent.mkdir(parents=True, exist_ok=True)
+            self.unwatched_marker.write_text("no node agent watches these sandboxes\n")
 
 
 def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
