@@ -166,8 +166,8 @@ def down(
         bool,
         typer.Option(
             "--keep-sandboxes",
-            help="Leave running sandboxes running (the next `dsec up` re-adopts them; until "
-            "then one that ends keeps its cgroup and egress programs)",
+            help="Leave running sandboxes running (the next `dsec up` re-adopts them and "
+            "records the exit of those that ended meanwhile, which removed their own cgroups)",
         ),
     ] = False,
 ) -> None:
