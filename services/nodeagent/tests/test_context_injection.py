@@ -118,6 +118,18 @@ _PUBLIC_CONTEXTS = (
 
 
 @pytest.mark.integration
+async def test_the_digest_key_and_its_engine_are_created_on_first_use(vault: Any) -> None:
+    mount = f"transit-{uuid.uuid4().hex[:8]}"
+    secrets = VaultSecrets(vault.addr, vault.token, transit_mount=mount)
+    first = await secrets.digest("hunter2", "vault://secret/x#value")
+    assert first == await secrets.digest("hunter2", "vault://secret/x#value")
+    assert f"{mount}/" in vault.client().sys.list_mounted_secrets_engines()["data"]
+    key = vault.client().secrets.transit.read_key(name="dsec-digest", mount_point=mount)
+    assert key["data"]["exportable"] is False
+    vault.client().sys.disable_secrets_engine(path=mount)
+
+
+@pytest.mark.integration
 async def test_secret_digest_is_keyed_equal_across_sandboxes_and_not_guessable(
     injector: ContextInjector, vault: Any
 ) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import hvac
 import hvac.exceptions
@@ -179,21 +180,30 @@ class VaultSecrets:
     def _digest(self, value: bytes, source: str) -> str:
         encoded = base64.b64encode(value).decode()
         try:
-            if not self._digest_ready:
-                self._ensure_digest_key()
-            response = self._client().secrets.transit.generate_hmac(
-                name=self.digest_key,
-                hash_input=encoded,
-                algorithm="sha2-256",
-                mount_point=self.transit_mount,
-            )
+            try:
+                response = self._hmac(encoded)
+            except (hvac.exceptions.InvalidPath, hvac.exceptions.InvalidRequest):
+                if self._digest_ready:
+                    raise
+                self._ensure_digest_key()  # first use on this installation: create the key
+                response = self._hmac(encoded)
         except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
             raise ContextError(
                 source,
                 f"Vault Transit could not compute the secret's digest: {_why(exc)}",
                 transient=True,
             ) from exc
+        self._digest_ready = True
         return transit_hmac_digest(str(response["data"]["hmac"]))
+
+    def _hmac(self, encoded: str) -> dict[str, Any]:
+        response: dict[str, Any] = self._client().secrets.transit.generate_hmac(
+            name=self.digest_key,
+            hash_input=encoded,
+            algorithm="sha2-256",
+            mount_point=self.transit_mount,
+        )
+        return response
 
     def _ensure_digest_key(self) -> None:
         """Create the Transit engine and the digest key once (both idempotent)."""
@@ -203,7 +213,6 @@ class VaultSecrets:
                 client.sys.enable_secrets_engine("transit", path=self.transit_mount)
         # Creating an existing key changes nothing: every node agent may call it.
         client.secrets.transit.create_key(name=self.digest_key, mount_point=self.transit_mount)
-        self._digest_ready = True
 
     # -- Transit data keys (ro-encrypted) ---------------------------------------------------------
 
