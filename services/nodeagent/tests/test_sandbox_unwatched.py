@@ -68,3 +68,19 @@ async def test_a_watched_sandbox_leaves_its_cgroup_to_the_node_agent(tmp_path: P
         result = await manager.wait("watched")
         assert not manager.unwatched_marker.exists()
     assert result.reason is ExitReason.OK
+
+
+async def test_a_quota_mount_no_sandbox_state_accounts_for_is_released_at_start(
+    tmp_path: Path,
+) -> None:
+    from dsec_nodeagent.sandbox import quota
+
+    home = tmp_path / "home"
+    data = home / "sandboxes" / "stray"
+    target = quota.create(data, 16 * 2**20)  # an agent died right after mounting it
+    (target / "workspace__output").mkdir()
+    (target / "workspace__output" / "kept.txt").write_text("x")
+    async with managed(home) as manager:
+        await manager.reconcile()
+    assert not quota.is_mounted(data) and not (data / "disk.img").exists()
+    assert (data / "fs" / "workspace__output" / "kept.txt").read_text() == "x"

@@ -814,7 +814,24 @@ class SandboxManager:
             cleaned.append(result)
             if self.on_exit is not None:
                 await self.on_exit(result)
+        await asyncio.to_thread(self._release_stray_quotas)
         return ReconcileReport(adopted, cleaned)
+
+    def _release_stray_quotas(self) -> None:
+        """Unmount quota filesystems no state file accounts for (an agent that died between
+        mounting one and recording the sandbox's start)."""
+        if not self.data_root.is_dir():
+            return
+        for data_dir in self.data_root.iterdir():
+            sid = data_dir.name
+            if sid in self._sandboxes or self.states.read(sid) is not None:
+                continue
+            if quota.is_mounted(data_dir):
+                log.warning("releasing the disk quota of %s: no sandbox state records it", sid)
+                try:
+                    quota.release(data_dir)
+                except quota.QuotaError as exc:
+                    log.error("cannot release the disk quota of %s: %s", sid, exc)
 
     def _adopt_agent(self, state: dict[str, Any], uid: int) -> None:
         """Know a re-adopted sandbox's identity again; show it the (new) broker socket."""
