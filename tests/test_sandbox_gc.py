@@ -41,7 +41,8 @@ async def test_gc_removes_ended_sandboxes_and_never_a_running_one(tmp_path: Path
 
         code, out = _dsec(home, "sandbox", "gc", "--older-than", "0s", "--json")
         assert code == 0, out
-        assert [r["sandbox_id"] for r in json.loads(out)["removed"]] == ["done1"]
+        removed = json.loads(out)["removed"]
+        assert [r["sandbox_id"] for r in removed] == ["done1"] and removed[0]["bytes"] > 0
         assert not (home / "sandboxes" / "done1").exists()
         assert (home / "sandboxes" / "busy" / "logs").is_dir()  # running: untouched
         await manager.stop("busy", grace_s=0.5)

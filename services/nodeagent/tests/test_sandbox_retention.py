@@ -16,7 +16,7 @@ from _dsec_sandbox_testkit import managed, run_to_end, snippet_config
 
 
 def _entry(sid: str, ended_at: float | None) -> retention.SandboxDir:
-    return retention.SandboxDir(sid, Path("/x") / sid, ended_at, 10)
+    return retention.SandboxDir(sid, Path("/x") / sid, ended_at)
 
 
 @pytest.mark.unit

@@ -39,13 +39,11 @@ class SandboxDir:
 
     Attributes:
         ended_at: when it ended (epoch seconds); ``None`` while it runs.
-        size_bytes: bytes its files take on disk.
     """
 
     sandbox_id: str
     path: Path
     ended_at: float | None
-    size_bytes: int
 
 
 @dataclass(frozen=True)
@@ -84,7 +82,8 @@ def _newest_mtime(path: Path) -> float:
     return newest
 
 
-def _size(path: Path) -> int:
+def size_of(path: Path) -> int:
+    """Bytes the files under ``path`` take on disk (walked only for what is removed)."""
     total = 0
     for root, _, files in os.walk(path):
         for name in files:
@@ -111,7 +110,7 @@ def scan(home: Path, now: float) -> list[SandboxDir]:
             if ended is None:
                 newest = _newest_mtime(path)
                 ended = newest if now - newest >= UNMARKED_MIN_AGE_S else None
-        found.append(SandboxDir(sid, path, ended, _size(path)))
+        found.append(SandboxDir(sid, path, ended))
     return sorted(found, key=lambda d: (d.ended_at is None, d.ended_at or 0.0, d.sandbox_id))
 
 
@@ -139,12 +138,14 @@ def choose(
     return [chosen[e.sandbox_id] for e in ended if e.sandbox_id in chosen]
 
 
-def remove(home: Path, removal: Removal) -> bool:
-    """Delete one chosen directory; ``False`` when the sandbox turned out to run (re-checked)."""
+def remove(home: Path, removal: Removal) -> int | None:
+    """Delete one chosen directory; return the bytes freed, or ``None`` when the sandbox turned
+    out to run (re-checked)."""
     if _running(home, removal.entry.sandbox_id):
-        return False
+        return None
+    size = size_of(removal.entry.path)
     shutil.rmtree(removal.entry.path)
-    return True
+    return size
 
 
 def _age(seconds: float) -> str:

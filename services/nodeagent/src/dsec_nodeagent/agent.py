@@ -139,7 +139,7 @@ class NodeAgent:
         keep_s = self.settings.sandbox_keep_hours * 3600
         keep_max = self.settings.sandbox_keep_max
 
-        def sweep() -> list[retention.Removal]:
+        def sweep() -> list[tuple[retention.Removal, int]]:
             now = time.time()
             chosen = retention.choose(
                 retention.scan(self.home, now), now, older_than_s=keep_s, keep_max=keep_max
@@ -147,21 +147,23 @@ class NodeAgent:
             done = []
             for removal in chosen:
                 try:
-                    if retention.remove(self.home, removal):
-                        done.append(removal)
+                    freed = retention.remove(self.home, removal)
                 except OSError as exc:
                     log.warning("retention: cannot remove %s: %s", removal.entry.path, exc)
+                    continue
+                if freed is not None:
+                    done.append((removal, freed))
             return done
 
         removed = await asyncio.to_thread(sweep)
-        for removal in removed:
+        for removal, freed in removed:
             log.info(
                 "retention: removed the directory of ended sandbox %s (%d bytes): %s",
                 removal.entry.sandbox_id,
-                removal.entry.size_bytes,
+                freed,
                 removal.why,
             )
-        return removed
+        return [removal for removal, _ in removed]
 
     async def _retain_forever(self) -> None:
         while True:

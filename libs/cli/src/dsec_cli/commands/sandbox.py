@@ -507,13 +507,15 @@ def gc(
     )
     done: list[dict[str, Any]] = []
     for removal in chosen:
-        removed = dry_run or retention.remove(home, removal)
-        if removed:
+        freed = retention.size_of(removal.entry.path) if dry_run else None
+        if not dry_run:
+            freed = retention.remove(home, removal)
+        if freed is not None:
             done.append(
                 {
                     "sandbox_id": removal.entry.sandbox_id,
                     "path": str(removal.entry.path),
-                    "bytes": removal.entry.size_bytes,
+                    "bytes": freed,
                     "why": removal.why,
                 }
             )
