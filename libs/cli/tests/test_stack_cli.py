@@ -159,6 +159,8 @@ async def test_up_status_down_keeps_data_and_leaves_nothing_running(home: Path) 
 
     down = dsec_inproc("down", home=home)
     assert down.exit_code == 0, down.stderr
+    assert (home / "run" / "fakesvc.stopped").read_text() == "stop sandboxes"
+    assert not (home / "run" / "stack-down").exists()
     assert processes_under(home) == []
     assert listening(recorded_ports(home)) == []
     assert dsec_inproc("status", home=home).exit_code == 1  # stopped, not healthy
@@ -177,7 +179,8 @@ async def test_up_status_down_keeps_data_and_leaves_nothing_running(home: Path) 
     )
 
     # A saved port taken by another process: clear error, nothing left running.
-    assert dsec_inproc("down", home=home).exit_code == 0
+    assert dsec_inproc("down", "--keep-sandboxes", home=home).exit_code == 0
+    assert (home / "run" / "fakesvc.stopped").read_text() == "keep sandboxes"
     nats_port = st2["servers"]["nats"]["ports"][0]
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", nats_port))

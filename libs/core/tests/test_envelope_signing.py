@@ -72,8 +72,8 @@ def test_derived_ids_are_stable_and_distinct() -> None:
 
 
 def test_newer_minor_version_still_decodes_newer_major_is_refused() -> None:
-    payload = {"exit_code": 0, "reason": "ok", "duration_s": 1.0, "added_in_1_1": True}
-    decoded = decode_payload("sandbox.exited", "1.1", payload)
+    payload = {"exit_code": 0, "reason": "ok", "duration_s": 1.0, "added_in_1_9": True}
+    decoded = decode_payload("sandbox.exited", "1.9", payload)
     assert decoded == SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
     with pytest.raises(UnsupportedSchemaVersion, match=r"understands 1\.x"):
         decode_payload("sandbox.exited", "2.0", payload)

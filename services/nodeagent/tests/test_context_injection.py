@@ -25,8 +25,8 @@ from dsec_nodeagent.context import (
     S3Materializer,
     VaultSecrets,
     crypto,
-    secret_digest,
 )
+from dsec_nodeagent.context.vault import transit_hmac_digest
 from dsec_nodeagent.sandbox import ExitReason
 
 TRANSIT_KEY = "dsec-data"
@@ -101,14 +101,71 @@ def test_sealed_objects_round_trip_and_tampering_is_detected() -> None:
 
 
 @pytest.mark.unit
-def test_secret_digest_is_not_the_plain_hash_of_the_value() -> None:
-    import blake3
-
-    assert secret_digest("hunter2") != blake3.blake3(b"hunter2").hexdigest()
-    assert secret_digest("hunter2") == secret_digest("hunter2")
+def test_transit_hmac_becomes_a_hex_digest_with_its_key_version() -> None:
+    assert transit_hmac_digest("vault:v2:3q2+7w==") == "hmac-sha256:v2:deadbeef"
+    with pytest.raises(ValueError, match="not a Transit HMAC"):
+        transit_hmac_digest("sha256:abcd")
 
 
 # ---------------------------------------------------------------- Vault
+
+
+_PUBLIC_CONTEXTS = (
+    "dsec 2026-01 runtime-context secret value",  # the context digests used before
+    "dsec secret digest",
+    "",
+)
+
+
+@pytest.mark.integration
+async def test_the_digest_key_and_its_engine_are_created_on_first_use(vault: Any) -> None:
+    mount = f"transit-{uuid.uuid4().hex[:8]}"
+    secrets = VaultSecrets(vault.addr, vault.token, transit_mount=mount)
+    first = await secrets.digest("hunter2", "vault://secret/x#value")
+    assert first == await secrets.digest("hunter2", "vault://secret/x#value")
+    assert f"{mount}/" in vault.client().sys.list_mounted_secrets_engines()["data"]
+    key = vault.client().secrets.transit.read_key(name="dsec-digest", mount_point=mount)
+    assert key["data"]["exportable"] is False
+    vault.client().sys.disable_secrets_engine(path=mount)
+
+
+@pytest.mark.integration
+async def test_secret_digest_is_keyed_equal_across_sandboxes_and_not_guessable(
+    injector: ContextInjector, vault: Any
+) -> None:
+    """Someone who reads the log learns that two sandboxes got the same secret, and which
+    secret changed, but cannot test a guess: the digest is an HMAC under a key in Vault."""
+    import hashlib
+
+    import blake3
+
+    path = f"agent-tools/{uuid.uuid4().hex}"
+    other = f"agent-tools/{uuid.uuid4().hex}"
+    for where, value in ((path, "hunter2"), (other, "hunter3")):
+        vault.client().secrets.kv.v2.create_or_update_secret(
+            path=where, secret={"value": value}, mount_point="secret"
+        )
+    a = await injector.prepare("sbx-digest-a", [_secret("K", path)], [])
+    b = await injector.prepare("sbx-digest-b", [_secret("K", path)], [])
+    c = await injector.prepare("sbx-digest-c", [_secret("K", other)], [])
+    try:
+        digest = a.records[0].digest
+        assert digest is not None and digest.startswith("hmac-sha256:v1:")
+        assert b.records[0].digest == digest  # equality stays visible
+        assert c.records[0].digest != digest
+        raw = digest.rsplit(":", 1)[1]
+        guesses = {blake3.blake3(b"hunter2").hexdigest(), hashlib.sha256(b"hunter2").hexdigest()}
+        guesses |= {
+            blake3.blake3(b"hunter2", derive_key_context=ctx).hexdigest()
+            for ctx in _PUBLIC_CONTEXTS
+        }
+        assert raw not in guesses
+        # The key stays in Vault: Transit will not export it.
+        key = vault.client().secrets.transit.read_key(name="dsec-digest")["data"]
+        assert key["exportable"] is False
+    finally:
+        for ctx in (a, b, c):
+            await injector.release(ctx)
 
 
 @pytest.mark.integration
@@ -126,12 +183,13 @@ async def test_secret_is_read_through_a_lease_that_is_revoked_on_release(
         "kind": "secret",
         "name": "TOOL_API_KEY",
         "source": f"vault://secret/{path}#value",
-        "digest": secret_digest("tok-123"),
+        "digest": record.digest,
         "lease_id": ctx.leases[0].accessor,
         "ttl_s": 300.0,
         "bytes": None,
     }
     assert "tok-123" not in record.model_dump_json()
+    assert record.digest is not None and record.digest.startswith("hmac-sha256:v1:")
     assert await injector.vault.renew(ctx.leases[0]) == 300  # type: ignore[union-attr]
     accessor = ctx.leases[0].accessor
     assert _accessor_alive(vault, accessor)

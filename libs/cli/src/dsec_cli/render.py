@@ -37,7 +37,14 @@ def _summary(env: Envelope) -> str:
         reuse = "reused" if p.get("reused") else "built"
         return f"{reuse} {str(p.get('fingerprint'))[:12]} on {p.get('node_id')}"
     if t == "sandbox.exited":
-        return f"exit {p.get('exit_code')} ({p.get('reason')}) after {p.get('duration_s')} s"
+        line = f"exit {p.get('exit_code')} ({p.get('reason')}) after {p.get('duration_s')} s"
+        if p.get("reason") == "disk" and p.get("detail"):
+            line += f": {p['detail']}"
+        dropped = p.get("log_dropped_bytes") or {}
+        if dropped:
+            cut = ", ".join(f"{k} {v} bytes" for k, v in sorted(dropped.items()))
+            line += f"; logs truncated (resources.log_bytes): {cut} dropped from the middle"
+        return line
     if t == "sandbox.failed":
         return f"{p.get('stage')}: {p.get('reason')}"
     if t == "policy.violation":

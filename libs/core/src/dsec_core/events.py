@@ -200,10 +200,18 @@ class SandboxExited(Payload):
     TYPE = "sandbox.exited"
     AGGREGATE = "sandbox"
     TERMINAL = True
+    VERSION = "1.1"
 
     exit_code: int
     reason: ExitReason
     duration_s: float
+    detail: str | None = Field(
+        default=None, description="Why, in one line a user can act on (e.g. the full disk quota)"
+    )
+    log_dropped_bytes: dict[str, int] = Field(
+        default_factory=dict,
+        description="Bytes cut from the middle of stdout/stderr beyond resources.log_bytes",
+    )
 
 
 class SandboxFailed(Payload):

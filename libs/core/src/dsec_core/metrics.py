@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import resource
+import time
 from collections.abc import Callable
 
 from aiohttp import web
@@ -38,13 +42,85 @@ EVENTS_REJECTED = Counter(
 )
 
 
-class MetricsServer:
-    """Serves ``/metrics`` (Prometheus text) and ``/healthz`` (JSON) for one process."""
+FD_BUDGET_SHARE = 0.9
+"""A process using more than this share of its ``RLIMIT_NOFILE`` reports itself unhealthy."""
 
-    def __init__(self, service: str, version: str, healthy: Callable[[], bool]) -> None:
+
+def fd_budget_problem() -> str | None:
+    """Why this process is short of file descriptors, or ``None``."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError as exc:  # EMFILE: not even one descriptor left to look
+        return f"file descriptors exhausted ({exc.strerror}; RLIMIT_NOFILE {soft})"
+    if soft != resource.RLIM_INFINITY and used > FD_BUDGET_SHARE * soft:
+        return f"{used} of {soft} file descriptors in use (RLIMIT_NOFILE)"
+    return None
+
+
+class LoopWatch:
+    """Measures how late the event loop runs a periodic tick (lag), for ``/healthz``.
+
+    A loop that was blocked (a synchronous call, a CPU-bound handler) reports the stall once it
+    runs again; one that stays behind by more than ``max_lag_s`` is unhealthy.
+    """
+
+    def __init__(self, interval_s: float = 0.5, max_lag_s: float = 2.0) -> None:
+        self.interval_s = interval_s
+        self.max_lag_s = max_lag_s
+        self.lag_s = 0.0
+        self._last = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Begin ticking on the running loop."""
+        self._last = time.monotonic()
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    def stop(self) -> None:
+        """Stop ticking."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = time.monotonic()
+            self.lag_s = max(0.0, now - self._last - self.interval_s)
+            self._last = now
+
+    def problem(self) -> str | None:
+        """Why the loop is unhealthy (stalled now, or late), or ``None``."""
+        if self._task is None:
+            return None
+        behind = time.monotonic() - self._last - self.interval_s
+        lag = max(self.lag_s, behind)
+        if lag > self.max_lag_s:
+            return f"event loop stalled: a tick ran {lag:.1f} s late"
+        return None
+
+
+class MetricsServer:
+    """Serves ``/metrics`` (Prometheus text) and ``/healthz`` (JSON) for one process.
+
+    Args:
+        healthy: whether the process can serve.
+        problems: why it cannot (each a sentence, shown in ``/healthz``); any makes it
+            unhealthy.
+    """
+
+    def __init__(
+        self,
+        service: str,
+        version: str,
+        healthy: Callable[[], bool],
+        problems: Callable[[], list[str]] | None = None,
+    ) -> None:
         self._service = service
         self._version = version
         self._healthy = healthy
+        self._problems = problems
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -71,12 +147,15 @@ class MetricsServer:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _health(self, _: web.Request) -> web.Response:
-        ok = self._healthy()
-        body = {
+        problems = self._problems() if self._problems is not None else []
+        ok = self._healthy() and not problems
+        body: dict[str, object] = {
             "status": "ok" if ok else "unhealthy",
             "service": self._service,
             "version": self._version,
         }
+        if problems:
+            body["problems"] = problems
         return web.Response(
             text=json.dumps(body), status=200 if ok else 503, content_type="application/json"
         )

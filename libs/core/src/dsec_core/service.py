@@ -113,7 +113,14 @@ class Service:
         self._stream = JStream(name=STREAM, declare=False)
         self.nc: NATS | None = None
         self.publisher: EventPublisher | None = None
-        self.metrics = metrics.MetricsServer(name, self.version, self._healthy)
+        self.metrics = metrics.MetricsServer(name, self.version, self._healthy, self.problems)
+        self.loop_watch = metrics.LoopWatch()
+        self.health_checks: list[Callable[[], str | None]] = [
+            self._nats_problem,
+            metrics.fd_budget_problem,
+            self.loop_watch.problem,
+        ]
+        """Each returns why the service cannot serve, or ``None``; ``/healthz`` shows them."""
         self._stopping = asyncio.Event()
         self.on_start: list[Callable[[], Awaitable[None]]] = []
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
@@ -122,6 +129,23 @@ class Service:
 
     def _healthy(self) -> bool:
         return self.nc is not None and self.nc.is_connected
+
+    def _nats_problem(self) -> str | None:
+        if self.nc is None or not self.nc.is_connected:
+            return "not connected to NATS"
+        return None
+
+    def problems(self) -> list[str]:
+        """Why this service cannot serve now (empty: healthy)."""
+        found = []
+        for check in self.health_checks:
+            try:
+                problem = check()
+            except Exception as exc:  # a broken check is a problem, not a crash
+                problem = f"health check {getattr(check, '__name__', check)} failed: {exc}"
+            if problem:
+                found.append(problem)
+        return found
 
     def handles(
         self,
@@ -319,6 +343,7 @@ class Service:
         for hook in self.on_start:
             await hook()
         await self.broker.start()
+        self.loop_watch.start()
         port = await self.metrics.start(settings.metrics_port)
         log.info("%s %s ready; metrics on 127.0.0.1:%d", self.name, self.version, port)
 
@@ -330,6 +355,7 @@ class Service:
         if self.keys is not None:
             await self.keys.stop()
         await self.metrics.stop()
+        self.loop_watch.stop()
         if self.nc is not None:
             await self.nc.drain()
 

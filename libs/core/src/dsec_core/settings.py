@@ -93,6 +93,21 @@ class Settings(BaseSettings):
     ipc_channels_per_agent: int = Field(
         default=256, ge=1, description="Live shared-memory channels one agent may hold as caller"
     )
+    sandbox_max_files: int = Field(
+        default=65_536, ge=64, description="Node maximum of a spec's resources.files"
+    )
+    sandbox_max_disk: int = Field(
+        default=64 * 2**30, ge=16 * 2**20, description="Node maximum of resources.disk (bytes)"
+    )
+    sandbox_max_log_bytes: int = Field(
+        default=2**30, ge=64 * 2**10, description="Node maximum of resources.log_bytes (bytes)"
+    )
+    sandbox_keep_hours: float = Field(
+        default=24.0, ge=0, description="Ended sandboxes' directories are removed after this"
+    )
+    sandbox_keep_max: int = Field(
+        default=200, ge=0, description="At most this many ended sandboxes' directories are kept"
+    )
 
     def endpoint(self, name: str) -> Any:
         """Return setting ``name`` if set, else the value ``dsec up`` recorded in stack.json."""

@@ -3,6 +3,8 @@
 It serves ``/healthz`` (``{"status": "ok", "service": FAKESVC_NAME, ...}``) and ``/metrics`` on
 ``DSEC_METRICS_PORT`` and exits with status 4 unless it received every ``DSEC_*`` endpoint.
 ``FAKESVC_MODE=crash`` makes it exit at once with status 3 (a service that fails to start).
+At SIGTERM it writes ``$DSEC_HOME/run/<name>.stopped``: whether ``dsec down`` asked services to
+stop their sandboxes (``stop sandboxes``) or not (``keep sandboxes``).
 
 Run it as ``python -m dsec_testing.fakesvc`` (``ServiceSpec("x", module="dsec_testing.fakesvc")``).
 """
@@ -60,7 +62,16 @@ def main() -> None:
             return
 
     server = ThreadingHTTPServer(("127.0.0.1", int(os.environ["DSEC_METRICS_PORT"])), Handler)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    def stop(*_: object) -> None:
+        # What a node agent would learn at SIGTERM: does `dsec down` want sandboxes stopped?
+        run = os.path.join(os.environ["DSEC_HOME"], "run")
+        asked = os.path.exists(os.path.join(run, "stack-down"))
+        with open(os.path.join(run, f"{name}.stopped"), "w") as fh:
+            fh.write("stop sandboxes" if asked else "keep sandboxes")
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     print(f"fakesvc: serving on {server.server_address}", file=sys.stderr)
     try:
         server.serve_forever()

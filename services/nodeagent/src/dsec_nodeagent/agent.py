@@ -14,11 +14,12 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dsec_core import events
+from dsec_core import events, retention
 from dsec_core.codebundle import BundleError, extract_bundle, open_real_dir
 from dsec_core.envelope import Envelope
 from dsec_core.ids import derive_event_id
@@ -26,6 +27,7 @@ from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.objectstore import client as s3_client
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan, load_spec
+from dsec_core.spec.plan import ResourceLimits
 from dsec_core.subjects import subject_for
 from dsec_core.trust import Gate
 
@@ -50,6 +52,9 @@ from dsec_nodeagent.semantic.compile import rules_from_spec
 from dsec_nodeagent.semantic.models import SemanticDecision
 
 log = logging.getLogger(__name__)
+
+RETENTION_INTERVAL_S = 300.0
+"""How often the node agent applies DSEC_SANDBOX_KEEP_HOURS / DSEC_SANDBOX_KEEP_MAX."""
 
 Publish = Callable[[events.Payload, str, str | None], Awaitable[None]]
 BeforeStart = Callable[[str, Path, int, EnforcementPlan], Awaitable[None]]
@@ -90,6 +95,7 @@ class NodeAgent:
         self.injector = self._injector()
         self._contexts: dict[str, PreparedContext] = {}
         self._keepalive: dict[str, asyncio.Task[None]] = {}
+        self._retention: asyncio.Task[None] | None = None
 
     def _injector(self) -> ContextInjector:
         s = self.settings
@@ -110,12 +116,62 @@ class NodeAgent:
         """Re-adopt sandboxes that survived a restart; clean up the ones that ended."""
         report = await self.manager.reconcile()
         log.info("reconciled: adopted %s, cleaned %s", report.adopted, report.cleaned)
+        self._retention = asyncio.create_task(self._retain_forever())
 
     async def shutdown(self) -> None:
-        """Stop watching; sandboxes keep running (re-adopted at the next start)."""
-        for task in self._keepalive.values():
-            task.cancel()
-        await self.manager.shutdown(stop_sandboxes=False)
+        """Stop watching; sandboxes keep running (re-adopted at the next start) — unless the
+        stack is going down (``dsec down``): then each is stopped and cleaned up, and its
+        ``sandbox.exited`` published, before the node agent exits."""
+        if self._retention is not None:
+            self._retention.cancel()
+        stop = retention.down_marker(self.home).exists()
+        if stop:
+            log.info("the stack is going down: stopping %s", self.manager.running())
+        else:
+            for task in self._keepalive.values():
+                task.cancel()
+        await self.manager.shutdown(stop_sandboxes=stop)
+
+    # --------------------------------------------------------------- retention
+
+    async def collect_garbage(self) -> list[retention.Removal]:
+        """Remove ended sandboxes' directories beyond the operator's retention (each logged)."""
+        keep_s = self.settings.sandbox_keep_hours * 3600
+        keep_max = self.settings.sandbox_keep_max
+
+        def sweep() -> list[tuple[retention.Removal, int]]:
+            now = time.time()
+            chosen = retention.choose(
+                retention.scan(self.home, now), now, older_than_s=keep_s, keep_max=keep_max
+            )
+            done = []
+            for removal in chosen:
+                try:
+                    freed = retention.remove(self.home, removal)
+                except OSError as exc:
+                    log.warning("retention: cannot remove %s: %s", removal.entry.path, exc)
+                    continue
+                if freed is not None:
+                    done.append((removal, freed))
+            return done
+
+        removed = await asyncio.to_thread(sweep)
+        for removal, freed in removed:
+            log.info(
+                "retention: removed the directory of ended sandbox %s (%d bytes): %s",
+                removal.entry.sandbox_id,
+                freed,
+                removal.why,
+            )
+        return [removal for removal, _ in removed]
+
+    async def _retain_forever(self) -> None:
+        while True:
+            try:
+                await self.collect_garbage()
+            except Exception:  # retention must never take the node agent down
+                log.exception("retention sweep failed")
+            await asyncio.sleep(RETENTION_INTERVAL_S)
 
     # --------------------------------------------------------------- the spec, from the log
 
@@ -278,9 +334,7 @@ class NodeAgent:
             mounts=ctx.mounts,
             read_allowed=list(plan.filesystem.read),
             write_allowed=list(plan.filesystem.write) or ["/tmp"],
-            limits=Limits(
-                memory_bytes=res.memory_bytes, cpus=res.cpu_millicores / 1000, pids=res.pids
-            ),
+            limits=node_limits(res, self.settings),
             timeout_s=res.timeout_s,
             semantic_rules=semantic,
             agent=agent_identity(plan),
@@ -331,6 +385,8 @@ class NodeAgent:
                 exit_code=exit_code,
                 reason=result.reason.value,
                 duration_s=round(result.ended_at - result.started_at, 3),
+                detail=result.detail,
+                log_dropped_bytes=result.log_dropped_bytes,
             )
             await self._publish(payload, sid, derive_event_id(sid, "sandbox.exited"))
 
@@ -388,6 +444,33 @@ _SECCOMP_WHY = {
     "AF_NETLINK (NETLINK_ROUTE) sockets only",
     "seccomp.not-allowed": "not on the sandbox's system call allow-list",
 }
+
+
+def node_limits(res: ResourceLimits, s: Settings) -> Limits:
+    """The plan's limits, refused when they exceed this node's operator maxima."""
+    for field, asked, most, setting in (
+        ("resources.files", res.files, s.sandbox_max_files, "DSEC_SANDBOX_MAX_FILES"),
+        ("resources.disk", res.disk_bytes, s.sandbox_max_disk, "DSEC_SANDBOX_MAX_DISK"),
+        (
+            "resources.log_bytes",
+            res.log_bytes,
+            s.sandbox_max_log_bytes,
+            "DSEC_SANDBOX_MAX_LOG_BYTES",
+        ),
+    ):
+        if asked > most:
+            raise StartRefused(
+                f"{field} = {asked} exceeds this node's maximum {most} ({setting}); "
+                f"ask for at most {most}"
+            )
+    return Limits(
+        memory_bytes=res.memory_bytes,
+        cpus=res.cpu_millicores / 1000,
+        pids=res.pids,
+        files=res.files,
+        disk_bytes=res.disk_bytes,
+        log_bytes=res.log_bytes,
+    )
 
 
 def _mountpoints(code_dir: Path, plan: EnforcementPlan) -> None:

@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from dsec_core import events
+from dsec_core import events, retention
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan
 from dsec_core.stackinfo import stack_endpoints
@@ -62,6 +62,7 @@ class Egress:
     """Owns the egress controller for this node."""
 
     def __init__(self, settings: Settings, publish: Publish) -> None:
+        self.home = settings.home.resolve()
         self.controller = EgressController(
             dns_upstream=settings.dns_upstream,
             dns_bounds=DnsBounds(
@@ -102,7 +103,13 @@ class Egress:
         return count
 
     async def close(self) -> None:
-        """Stop reading verdicts; programs stay attached (fail-closed)."""
+        """Stop reading verdicts; programs stay attached (fail-closed) — unless the stack is
+        going down (``dsec down``) and no sandbox uses them any more: then the pinned maps and
+        the egress state are removed too, so nothing of DSec stays in the kernel."""
+        if retention.down_marker(self.home).exists() and not self.controller.sandboxes():
+            log.info("the stack is down and no sandbox is attached: removing the pinned maps")
+            await self.controller.uninstall()
+            return
         await self.controller.close()
 
     async def attach(self, sid: str, cgroup: Path, cgroup_id: int, plan: EnforcementPlan) -> None:

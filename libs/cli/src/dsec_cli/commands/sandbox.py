@@ -464,3 +464,69 @@ def _warn_if_environment_differs(
         f"from the snapshot's {fingerprint[:12]}: its spec resolves to other packages today",
         highlight=False,
     )
+
+
+@sandbox_app.command("gc")
+def gc(
+    older_than: Annotated[
+        str, typer.Option("--older-than", help="Remove sandboxes that ended longer ago (1d, 6h)")
+    ] = "1d",
+    keep: Annotated[
+        int | None,
+        typer.Option("--keep", min=0, help="Also keep at most this many ended sandboxes"),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would go")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Remove the directories (code copy, logs, outputs) of ENDED sandboxes on this node.
+
+    Runs on the node, as root, on `$DSEC_HOME/sandboxes` (like `dsec sandbox logs`); a running
+    sandbox is never touched. The node agent applies the same policy on its own
+    (DSEC_SANDBOX_KEEP_HOURS, DSEC_SANDBOX_KEEP_MAX).
+    """
+    import os
+
+    from dsec_core import retention
+    from dsec_core.spec.units import parse_duration
+
+    try:
+        zero = older_than.strip() in ("0", "0s")  # every ended sandbox
+        older_than_s = 0.0 if zero else parse_duration(older_than).total_seconds()
+    except ValueError as exc:
+        fail(f"--older-than {older_than!r}: {exc} (e.g. 1d, 6h, 30m)", EXIT_BAD_INPUT)
+    home = Settings().home.resolve()
+    if not dry_run and os.geteuid() != 0:
+        fail(
+            "dsec sandbox gc removes files owned by sandbox uids: run it as root on the node "
+            "(or with --dry-run)",
+            EXIT_BAD_INPUT,
+        )
+    now = time.time()
+    chosen = retention.choose(
+        retention.scan(home, now), now, older_than_s=older_than_s, keep_max=keep
+    )
+    done: list[dict[str, Any]] = []
+    for removal in chosen:
+        freed = retention.size_of(removal.entry.path) if dry_run else None
+        if not dry_run:
+            freed = retention.remove(home, removal)
+        if freed is not None:
+            done.append(
+                {
+                    "sandbox_id": removal.entry.sandbox_id,
+                    "path": str(removal.entry.path),
+                    "bytes": freed,
+                    "why": removal.why,
+                }
+            )
+    if as_json:
+        print_json({"dry_run": dry_run, "removed": done})
+        return
+    verb = "would remove" if dry_run else "removed"
+    for item in done:
+        console.print(
+            f"{verb} {item['sandbox_id']} ({item['bytes'] / 2**20:.1f} MiB): {item['why']}",
+            highlight=False,
+        )
+    total = sum(item["bytes"] for item in done) / 2**20
+    console.print(f"{verb} {len(done)} ended sandbox(es), {total:.1f} MiB", highlight=False)

@@ -161,10 +161,22 @@ def up(
         raise typer.Exit(1)
 
 
-def down() -> None:
+def down(
+    keep_sandboxes: Annotated[
+        bool,
+        typer.Option(
+            "--keep-sandboxes",
+            help="Leave running sandboxes running (the next `dsec up` re-adopts them and "
+            "records the exit of those that ended meanwhile, which removed their own cgroups)",
+        ),
+    ] = False,
+) -> None:
     """Stop every service, then every server; verify nothing keeps running or listening.
 
-    Idempotent. External servers are left alone. Data under DSEC_HOME/data is kept.
+    The node agent first stops this node's sandboxes (each ends with `sandbox.exited`, reason
+    `stopped`) and removes their cgroups, egress programs and pinned maps, unless
+    --keep-sandboxes. Idempotent. External servers are left alone. Data under DSEC_HOME/data
+    is kept.
     """
     stack = _stack()
 
@@ -172,7 +184,7 @@ def down() -> None:
         err.print(f"  [bold]{name}[/] {message}")
 
     try:
-        result = stack.down(progress=progress)
+        result = stack.down(progress=progress, keep_sandboxes=keep_sandboxes)
     except StackStateError as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None

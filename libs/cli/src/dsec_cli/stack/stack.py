@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec_core import identity
+from dsec_core.retention import down_marker
 
 from dsec_cli.stack import domain
 from dsec_cli.stack.adapters import probes
@@ -691,10 +692,13 @@ class Stack:
                 del self.state.services[name]
                 self._services.pop(name, None)
 
-    def down(self, progress: ProgressFn | None = None) -> DownResult:
+    def down(
+        self, progress: ProgressFn | None = None, *, keep_sandboxes: bool = False
+    ) -> DownResult:
         """Stop services, then servers; verify no process and no listening port remains.
 
-        Idempotent: stopping a stopped stack does nothing.
+        Idempotent: stopping a stopped stack does nothing. Unless ``keep_sandboxes``, the node
+        agent stops its sandboxes first (see :func:`dsec_core.retention.down_marker`).
 
         Raises:
             StopError: something is still running or listening (names it).
@@ -712,7 +716,14 @@ class Stack:
             for svc in svcs:
                 say(svc.name, "stopping")
                 ports[svc.metrics_port] = svc.name
-            run_parallel({s.name: _stopper(s.stop, self.stop_timeout) for s in svcs})
+            marker = down_marker(self.home)
+            if not keep_sandboxes:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text("stop sandboxes\n")
+            try:
+                run_parallel({s.name: _stopper(s.stop, self.stop_timeout) for s in svcs})
+            finally:
+                marker.unlink(missing_ok=True)
             for svc in svcs:
                 self._record_service(svc)
                 stopped.append(svc.name)

@@ -209,12 +209,27 @@ class Gpu(SpecModel):
 
 
 class Resources(SpecModel):
-    """Limits enforced by cgroups. Defaults: 1 CPU, 2 GiB memory, 1024 processes, no GPU."""
+    """Limits enforced by cgroups and the node agent. Defaults: 1 CPU, 2 GiB memory, 1024
+    processes, no GPU, 1024 open files, 256 MiB of disk for the writable directories, 64 MiB of
+    each output log. The node's operator maxima (``DSEC_SANDBOX_MAX_*``) cap what a spec asks."""
 
     cpu: Cores = Field(default=1.0, description="CPU cores (2, 0.5 or 500m)")
     memory: ByteSize = Field(default=2 * 2**30, description="Memory limit, e.g. 512MiB")
     pids: int = Field(default=1024, ge=1, le=4_194_304, description="Maximum processes/threads")
     gpu: Gpu | None = None
+    files: int = Field(
+        default=1024, ge=64, le=1_048_576, description="Open files per process (RLIMIT_NOFILE)"
+    )
+    disk: ByteSize = Field(
+        default=256 * 2**20,
+        ge=16 * 2**20,
+        description="Quota of the writable directories (write_allowed, /tmp excepted), e.g. 1GiB",
+    )
+    log_bytes: ByteSize = Field(
+        default=64 * 2**20,
+        ge=64 * 2**10,
+        description="Bytes kept of stdout and of stderr each (head and tail), e.g. 64MiB",
+    )
 
 
 # -- runtime context -----------------------------------------------------------------------------

@@ -100,13 +100,17 @@ class GpuLimits(PlanModel):
 
 
 class ResourceLimits(PlanModel):
-    """cgroup limits and the wall-clock timeout."""
+    """cgroup limits, the wall-clock timeout and the sandbox's own bounds (defaults: what a
+    plan compiled before they existed gets)."""
 
     cpu_millicores: int
     memory_bytes: int
     pids: int
     gpu: GpuLimits | None
     timeout_s: int | None
+    files: int = 1024
+    disk_bytes: int = 256 * 2**20
+    log_bytes: int = 64 * 2**20
 
 
 class SecretInjection(PlanModel):
@@ -244,6 +248,9 @@ def _resources(spec: SandboxSpec) -> ResourceLimits:
         pids=res.pids,
         gpu=gpu,
         timeout_s=None if spec.timeout is None else max(1, round(spec.timeout.total_seconds())),
+        files=res.files,
+        disk_bytes=res.disk,
+        log_bytes=res.log_bytes,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dsec_nodeagent.context.configmap import ConfigMaps
 from dsec_nodeagent.context.injector import ContextInjector, PreparedContext
-from dsec_nodeagent.context.models import ContextError, InjectionRecord, secret_digest
+from dsec_nodeagent.context.models import ContextError, InjectionRecord
 from dsec_nodeagent.context.s3 import S3Materializer
 from dsec_nodeagent.context.vault import Lease, VaultSecrets
 
@@ -18,5 +18,4 @@ __all__ = [
     "PreparedContext",
     "S3Materializer",
     "VaultSecrets",
-    "secret_digest",
 ]

@@ -14,7 +14,7 @@ from dsec_core.spec.plan import MountPlan, SecretInjection
 from pydantic import SecretStr
 
 from dsec_nodeagent.context.configmap import ConfigMaps
-from dsec_nodeagent.context.models import ContextError, InjectionRecord, secret_digest
+from dsec_nodeagent.context.models import ContextError, InjectionRecord
 from dsec_nodeagent.context.s3 import S3Materializer, s3_uri
 from dsec_nodeagent.context.vault import Lease, VaultSecrets, vault_uri
 from dsec_nodeagent.sandbox.models import Mount
@@ -130,7 +130,7 @@ class ContextInjector:
                 kind="secret",
                 name=secret.env_var,
                 source=uri,
-                digest=secret_digest(value),
+                digest=await self.vault.digest(value, uri),
                 lease_id=lease.accessor,
                 ttl_s=float(lease.ttl_s),
             )

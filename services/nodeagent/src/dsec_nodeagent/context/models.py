@@ -4,19 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-import blake3
 from pydantic import BaseModel, ConfigDict
-
-# Secret values are hashed in BLAKE3's key-derivation mode under a context string of their own,
-# so their digests never collide with file digests and cannot be looked up in a table of plain
-# BLAKE3 hashes. (A low-entropy secret stays guessable from any hash: snapshots and events carry
-# it only to show *that* a value changed.)
-SECRET_HASH_CONTEXT = "dsec 2026-01 runtime-context secret value"
-
-
-def secret_digest(value: str) -> str:
-    """Digest of a secret value for events and snapshots."""
-    return blake3.blake3(value.encode(), derive_key_context=SECRET_HASH_CONTEXT).hexdigest()
 
 
 class InjectionRecord(BaseModel):
@@ -26,7 +14,8 @@ class InjectionRecord(BaseModel):
         kind: ``secret``, ``s3`` or ``configmap``.
         name: env var name or mount path.
         source: the reference as the spec wrote it (``vault://...``, ``s3://...``).
-        digest: BLAKE3 of the content (a secret: keyed, see :func:`secret_digest`).
+        digest: BLAKE3 of the content; a secret's is keyed (Transit HMAC, see
+            :meth:`.vault.VaultSecrets.digest`).
         lease_id: Vault token accessor of the lease (for secrets) — not the token itself.
         ttl_s: the lease's TTL.
         bytes: size of the materialized data (mounts).

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import hvac
 import hvac.exceptions
@@ -64,6 +66,11 @@ def in_prefixes(mount: str, path: str, prefixes: Sequence[str]) -> bool:
     return any(f"{mount}/{path}".startswith(p) for p in prefixes)
 
 
+DIGEST_KEY = "dsec-digest"
+"""The Transit key (``transit/keys/dsec-digest``) that keys every secret digest of this
+installation; created by the first node agent that needs it."""
+
+
 @dataclass
 class Lease:
     """A child token holding one secret's lease.
@@ -93,12 +100,21 @@ class VaultSecrets:
         transit_mount: the Transit engine's mount (``ro-encrypted`` data keys).
     """
 
-    def __init__(self, addr: str, token: str, *, transit_mount: str = "transit") -> None:
+    def __init__(
+        self,
+        addr: str,
+        token: str,
+        *,
+        transit_mount: str = "transit",
+        digest_key: str = DIGEST_KEY,
+    ) -> None:
         self.addr = addr
         self._token = token
         self.transit_mount = transit_mount
         self._policies: dict[str, str] = {}  # tenant -> the HCL written (once per content)
         self._policy_lock = threading.Lock()
+        self.digest_key = digest_key
+        self._digest_ready = False
 
     def _client(self, token: str | None = None) -> hvac.Client:
         return hvac.Client(url=self.addr, token=token or self._token, timeout=10)
@@ -249,6 +265,57 @@ class VaultSecrets:
             return False
         return True
 
+    # -- keyed digests of secret values ----------------------------------------------------------
+
+    async def digest(self, value: str, source: str) -> str:
+        """A keyed digest of a secret value: Transit's HMAC-SHA256 under this installation's key.
+
+        The key never leaves Vault, so the digest in ``context.injected`` shows whether two
+        values are equal (the same secret in two sandboxes, a rotated secret) but nobody who
+        reads the log can test guesses offline. ``hmac-sha256:v<key version>:<hex>``.
+
+        Raises:
+            ContextError: Vault cannot compute it (names ``source``; transient).
+        """
+        return await asyncio.to_thread(self._digest, value.encode(), source)
+
+    def _digest(self, value: bytes, source: str) -> str:
+        encoded = base64.b64encode(value).decode()
+        try:
+            try:
+                response = self._hmac(encoded)
+            except (hvac.exceptions.InvalidPath, hvac.exceptions.InvalidRequest):
+                if self._digest_ready:
+                    raise
+                self._ensure_digest_key()  # first use on this installation: create the key
+                response = self._hmac(encoded)
+        except (hvac.exceptions.VaultError, requests.exceptions.RequestException) as exc:
+            raise ContextError(
+                source,
+                f"Vault Transit could not compute the secret's digest: {_why(exc)}",
+                transient=True,
+            ) from exc
+        self._digest_ready = True
+        return transit_hmac_digest(str(response["data"]["hmac"]))
+
+    def _hmac(self, encoded: str) -> dict[str, Any]:
+        response: dict[str, Any] = self._client().secrets.transit.generate_hmac(
+            name=self.digest_key,
+            hash_input=encoded,
+            algorithm="sha2-256",
+            mount_point=self.transit_mount,
+        )
+        return response
+
+    def _ensure_digest_key(self) -> None:
+        """Create the Transit engine and the digest key once (both idempotent)."""
+        client = self._client()
+        if f"{self.transit_mount}/" not in client.sys.list_mounted_secrets_engines()["data"]:
+            with contextlib.suppress(hvac.exceptions.InvalidRequest):  # enabled concurrently
+                client.sys.enable_secrets_engine("transit", path=self.transit_mount)
+        # Creating an existing key changes nothing: every node agent may call it.
+        client.secrets.transit.create_key(name=self.digest_key, mount_point=self.transit_mount)
+
     # -- Transit data keys (ro-encrypted) ---------------------------------------------------------
 
     def new_data_key(self, key_name: str) -> tuple[bytes, str]:
@@ -276,6 +343,15 @@ class VaultSecrets:
                 kek, f"Vault Transit could not unwrap the data key: {_why(exc)}"
             ) from exc
         return base64.b64decode(data["plaintext"])
+
+
+def transit_hmac_digest(hmac_value: str) -> str:
+    """``vault:v1:<base64>`` (Transit's answer) as ``hmac-sha256:v1:<hex>``."""
+    parts = hmac_value.split(":", 2)
+    if len(parts) != 3 or parts[0] != "vault" or not parts[1].startswith("v"):
+        raise ValueError(f"not a Transit HMAC: {hmac_value[:12]}...")
+    _, version, b64 = parts
+    return f"hmac-sha256:{version}:{base64.b64decode(b64).hex()}"
 
 
 def _why(exc: BaseException) -> str:

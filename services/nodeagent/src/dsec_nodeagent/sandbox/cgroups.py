@@ -202,6 +202,20 @@ class SandboxCgroup:
         path = self.dirs.get("pids")
         return 0 if path is None else _counter(path / "pids.events", "max")
 
+    def reaper_plan(self, marker: Path) -> dict[str, Any]:
+        """What the supervisor needs to remove this cgroup itself when the sandbox ends while no
+        node agent watches it (``marker`` exists): its directories and its two counters."""
+        counters: dict[str, list[str]] = {}
+        memory = self.dirs.get("memory")
+        if memory is not None:
+            name = "memory.events" if self._is_v2("memory") else "memory.oom_control"
+            counters["oom_kills"] = [str(memory / name), "oom_kill"]
+        pids = self.dirs.get("pids")
+        if pids is not None:
+            counters["pids_limit_hits"] = [str(pids / "pids.events"), "max"]
+        dirs = [self.v2_dir, *(d for d in set(self.dirs.values()) if d != self.v2_dir)]
+        return {"marker": str(marker), "dirs": [str(d) for d in dirs], "counters": counters}
+
     def kill(self) -> None:
         """SIGKILL every task (``cgroup.kill``, or one by one on kernels before 5.14)."""
         kill_file = self.v2_dir / "cgroup.kill"

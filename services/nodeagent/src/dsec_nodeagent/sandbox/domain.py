@@ -33,11 +33,14 @@ def classify_exit(
     signal: int | None,
     oom_kills: int,
     pids_limit_hits: int,
+    disk_full: str | None = None,
 ) -> tuple[ExitReason, str]:
     """Decide the exit reason and a one-line detail a user can act on.
 
     A reason the node agent caused (``stopped``, ``timeout``, ``policy``) wins; then the kernel's
-    own records (an OOM kill, a refused fork), then the exit status.
+    own records (an OOM kill, a refused fork, a full disk quota: ``disk_full`` says which),
+    then the exit status. A workload that filled its quota but still exited 0 handled the
+    ``ENOSPC``: ``ok``, and the detail says the quota was full.
     """
     if requested is not None:
         return requested, f"{requested.value} by the node agent"
@@ -45,6 +48,10 @@ def classify_exit(
         return ExitReason.OOM, f"memory limit reached: the OOM killer ended {oom_kills} task(s)"
     if pids_limit_hits > 0 and exit_code != 0:
         return ExitReason.PIDS, f"pids limit reached: {pids_limit_hits} fork(s) refused"
+    if disk_full is not None and exit_code != 0:
+        return ExitReason.DISK, f"{disk_full}; the workload exited with code {exit_code}"
+    if disk_full is not None:
+        return ExitReason.OK, f"exited with code 0 ({disk_full})"
     if signal == _signal.SIGSYS:
         return ExitReason.POLICY, "killed by seccomp (a foreign-architecture system call)"
     if exit_code is None:
@@ -54,6 +61,26 @@ def classify_exit(
     if exit_code == 0:
         return ExitReason.OK, "exited with code 0"
     return ExitReason.ERROR, f"exited with code {exit_code}"
+
+
+def log_truncation(logs: Any) -> dict[str, int]:
+    """``{stream: bytes dropped}`` of the streams the supervisor had to cut (from exit.json)."""
+    if not isinstance(logs, dict):
+        return {}
+    return {
+        name: int(info["dropped"])
+        for name, info in sorted(logs.items())
+        if isinstance(info, dict) and int(info.get("dropped", 0)) > 0
+    }
+
+
+def describe_truncation(dropped: dict[str, int]) -> str:
+    """One clause for the exit detail: which log lost how much (the middle of the output)."""
+    parts = [f"{name} {count} bytes" for name, count in dropped.items()]
+    return (
+        "output larger than resources.log_bytes; the middle was dropped from the log: "
+        + ", ".join(parts)
+    )
 
 
 def allocate_uid(

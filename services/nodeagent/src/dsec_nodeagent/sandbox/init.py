@@ -85,29 +85,206 @@ def _read_plan(fd: int) -> Plan:
 
 
 def run(plan: Plan, report: _Reporter) -> int:
-    """Supervisor: new pid ns, fork init, wait, record the outcome."""
+    """Supervisor: new pid ns, fork init, pump the output into capped logs, record the outcome."""
     import _socket  # the listener's hand-over; imported once, before the forks
 
     start = time.monotonic_ns()
     syscalls.unshare(syscalls.CLONE_NEWPID)
     status_r, status_w = os.pipe()
     holder, holder_peer = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(status_r)
         holder.close()
+        os.close(out_r)
+        os.close(err_r)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.close(out_w)
+        os.close(err_w)
         _init_main(plan, report, status_w, holder_peer.detach())
     os.close(status_w)
+    os.close(out_w)
+    os.close(err_w)
     holder_peer.close()
     report.send(stage="fork", start_ns=start, end_ns=time.monotonic_ns(), init_pid=pid)
     # Before closing the report channel: its EOF tells the node agent the listener is here.
     _keep_listener(holder)
     report.close()
+    # Copying the output is host CPU outside the sandbox's cgroup: at a lower priority, a flood
+    # of output waits on the pipe rather than taking CPU from the node's other work.
+    os.nice(10)
+    limit = plan.get("log_bytes")
+    logs = {
+        "stdout": CappedLog(1, plan.get("stdout_path", ""), limit),
+        "stderr": CappedLog(2, plan.get("stderr_path", ""), limit),
+    }
+    pump({out_r: logs["stdout"], err_r: logs["stderr"]}, pid)
     _, init_status = os.waitpid(pid, 0)
     raw = os.read(status_r, 64).decode().strip()
     outcome = _outcome(int(raw) if raw else init_status, bool(raw))
+    outcome["logs"] = {name: log.finish() for name, log in logs.items()}
+    reap = plan.get("reap") or {}
+    orphaned = bool(reap) and os.path.exists(reap["marker"])
+    if orphaned:  # read before the cgroup goes: the node agent classifies the exit with them
+        outcome["counters"] = {
+            k: _counter(path, key) for k, (path, key) in reap["counters"].items()
+        }
     _write_json_atomic(plan["exit_path"], outcome)
+    if orphaned:
+        _remove_cgroups(reap["dirs"])
     return 0
+
+
+def _counter(path: str, key: str) -> int:
+    try:
+        with open(path) as fh:
+            for line in fh:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _remove_cgroups(dirs: list[str], timeout_s: float = 2.0) -> None:
+    """No node agent watches this sandbox (``dsec down --keep-sandboxes``, an agent stopped to be
+    restarted): remove its cgroups now — the kernel then releases the egress programs attached to
+    them — instead of leaving them until the next node agent's start, which cleans up the rest."""
+    deadline = time.monotonic() + timeout_s
+    for path in dirs:
+        while True:
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # tasks still exiting: a moment
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+
+
+class CappedLog:
+    """A log file that keeps the first and the last ``limit / 2`` bytes of a stream.
+
+    The head goes straight to ``fd`` (the log file, readable live); past it, the stream goes to
+    two rotating tail segments beside the file, so at most ``limit`` bytes are ever on disk. At
+    the end the kept tail is appended after a line saying how many bytes were dropped.
+    ``limit`` ``None``: everything is kept.
+    """
+
+    def __init__(self, fd: int, path: str, limit: int | None) -> None:
+        self.fd = fd
+        self.path = path
+        self.limit = limit
+        self.head = limit - limit // 2 if limit is not None else -1
+        self.head_left = self.head
+        self.segment = max(1, (limit // 2) // 2) if limit is not None else 0
+        self.total = 0
+        self.dropped = 0
+        self.tail_fd = -1
+        self.tail_size = 0
+
+    def write(self, data: bytes) -> None:
+        self.total += len(data)
+        if self.head_left < 0:
+            _write_fully(self.fd, data)
+            return
+        if self.head_left > 0:
+            n = min(self.head_left, len(data))
+            _write_fully(self.fd, data[:n])
+            self.head_left -= n
+            data = data[n:]
+        while data:
+            if self.tail_fd < 0 or self.tail_size >= self.segment:
+                self._rotate()
+            n = min(self.segment - self.tail_size, len(data))
+            _write_fully(self.tail_fd, data[:n])
+            self.tail_size += n
+            data = data[n:]
+
+    def _rotate(self) -> None:
+        current, previous = self.path + ".tail.1", self.path + ".tail.0"
+        if self.tail_fd >= 0:
+            os.close(self.tail_fd)
+            try:  # noqa: SIM105  (no contextlib: start-up latency)
+                self.dropped += os.stat(previous).st_size
+            except FileNotFoundError:
+                pass
+            os.replace(current, previous)
+        self.tail_fd = os.open(current, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+        self.tail_size = 0
+
+    def finish(self) -> dict[str, int]:
+        """Append the kept tail (after a truncation note); return ``{bytes, dropped}``."""
+        if self.tail_fd >= 0:
+            os.close(self.tail_fd)
+            if self.dropped:
+                kept = self.total - self.dropped - self.head
+                note = (
+                    f"\n[dsec: {self.dropped} bytes of output dropped here; the log keeps the "
+                    f"first {self.head} and the last {kept} bytes "
+                    f"(resources.log_bytes = {self.limit})]\n"
+                )
+                _write_fully(self.fd, note.encode())
+            for part in (self.path + ".tail.0", self.path + ".tail.1"):
+                try:
+                    with open(part, "rb") as fh:
+                        while chunk := fh.read(1 << 20):
+                            _write_fully(self.fd, chunk)
+                    os.unlink(part)
+                except FileNotFoundError:
+                    pass
+        return {"bytes": self.total, "dropped": self.dropped}
+
+
+def pump(streams: dict[int, CappedLog], init_pid: int) -> None:
+    """Copy each pipe into its log until init ends, then drain what is left and stop.
+
+    Init's end kills every process of the sandbox; a copy of a pipe's write end that escaped
+    it (passed over a socket) must not keep the supervisor waiting, so EOF is not awaited then.
+    """
+    import select
+
+    pidfd = os.pidfd_open(init_pid)
+    poller = select.poll()
+    for fd in (*streams, pidfd):
+        poller.register(fd, select.POLLIN)
+    open_fds = set(streams)
+    while open_fds:
+        ready = dict(poller.poll())
+        if pidfd in ready and not any(fd in ready for fd in open_fds):
+            break
+        for fd in open_fds & set(ready):
+            chunk = os.read(fd, 1 << 16)
+            if chunk:
+                streams[fd].write(chunk)
+                continue
+            poller.unregister(fd)
+            os.close(fd)
+            open_fds.discard(fd)
+    os.close(pidfd)
+    for fd in open_fds:
+        os.set_blocking(fd, False)
+        try:
+            while chunk := os.read(fd, 1 << 16):
+                streams[fd].write(chunk)
+        except BlockingIOError:
+            pass
+        os.close(fd)
+
+
+def _write_fully(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except OSError:
+            return  # the log's disk is gone or full: the sandbox must not block on it
 
 
 def _keep_listener(holder: Any) -> None:
@@ -432,6 +609,11 @@ def _hand_over(listener: int, holder_fd: int) -> None:
 
 def _drop_privileges(plan: Plan) -> None:
     uid, gid = plan["uid"], plan["gid"]
+    nofile = plan.get("nofile")
+    if nofile:  # lowered, soft and hard: not the node agent's own (high) limit
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     syscalls.drop_capabilities(plan["cap_last_cap"])
     os.setgroups([])
     os.setresgid(gid, gid, gid)

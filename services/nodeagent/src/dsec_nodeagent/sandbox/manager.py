@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec_core.retention import ENDED_MARK
+
 from dsec_nodeagent.sandbox import (
     audit,
     cgroups,
@@ -31,6 +33,7 @@ from dsec_nodeagent.sandbox import (
     landlock,
     notify,
     plan,
+    quota,
     seccomp,
 )
 from dsec_nodeagent.sandbox.models import (
@@ -52,6 +55,7 @@ CgroupHook = Callable[[str, Path, int], Awaitable[None]]
 """``(sandbox_id, cgroup v2 dir, cgroup id)``, awaited before the workload starts."""
 
 START_TIMEOUT_S = 30.0
+IMAGE_SIZES_POOLED = 4
 RECENT_RESULTS = 256
 _SRC = Path(__file__).resolve().parents[2]
 # Run the pre-exec stage without site-packages (-S) and without executing the packages'
@@ -149,6 +153,9 @@ class SandboxManager:
         self.tune_cgroups = tune_cgroups
         self.ipc_socket = ipc_socket
         self.states = StateStore(self.run_dir)
+        # Present while no manager watches this home's sandboxes (after shutdown() that kept
+        # them, until the next reconcile()): a sandbox ending then removes its cgroups itself.
+        self.unwatched_marker = self.home / "run" / "sandboxes-unwatched"
         # sandbox id -> (uid, identity): registered before the workload's first instruction,
         # so the broker can tell who connects before the sandbox is even reported ready.
         self._agents: dict[str, tuple[int, AgentIdentity]] = {}
@@ -156,6 +163,9 @@ class SandboxManager:
         self._ended: dict[str, SandboxExited] = {}  # recent results, for wait() after the end
         self._hierarchy: cgroups.Hierarchy | None = None
         self._facts: tuple[int, int, bytes] | None = None
+        self._images = quota.ImagePool(self.home / "cache" / "disk-images")
+        self._image_sizes: dict[int, None] = {}  # recently asked sizes, oldest first
+        self._image_fill: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -231,6 +241,7 @@ class SandboxManager:
                 },
             )
             built.plan["cgroup_procs"] = cgroup.procs_files()
+            built.plan["reap"] = cgroup.reaper_plan(self.unwatched_marker)
             if before_start is not None:
                 await before_start(sid, cgroup.v2_dir, cgroup.inode)
             self._prepare_dirs(built, uid)
@@ -285,6 +296,7 @@ class SandboxManager:
         abi, last_cap, program = self._kernel_facts()
         facts = plan.KernelFacts(abi, last_cap, program, [])
         built = plan.build(config, view, host, facts, uid)
+        await self._make_quota(config, host.data_dir, built)
         if ipc_dir is not None and not (ipc_dir / plan.IPC_SOCKET_NAME).exists():
             built.warnings.append(
                 f"the IPC broker's socket {self.ipc_socket} could not be shown to the sandbox "
@@ -292,6 +304,44 @@ class SandboxManager:
                 "calls will fail"
             )
         return built, uid
+
+    async def _make_quota(
+        self, config: SandboxConfig, data_dir: Path, built: plan.PlanResult
+    ) -> None:
+        """Put the writable directories kept on the host on a filesystem of ``disk_bytes``."""
+        fs = quota.mount_point(data_dir)
+        if config.limits.disk_bytes is None or not any(
+            d.is_relative_to(fs) for d in built.writable_dirs
+        ):
+            return
+        if quota.is_mounted(data_dir):  # a leftover of an earlier start with this id
+            await asyncio.to_thread(quota.release, data_dir, keep_outputs=False)
+        size = config.limits.disk_bytes
+        try:
+            await asyncio.to_thread(quota.create, data_dir, size, self._images)
+        except quota.QuotaError as exc:
+            raise SandboxStartError(config.sandbox_id, "disk", str(exc)) from exc
+        self._refill_images(size)
+
+    def _refill_images(self, size: int) -> None:
+        """Format the next images of the recently used sizes in the background (mkfs off the
+        start path)."""
+        self._image_sizes.pop(size, None)
+        self._image_sizes[size] = None
+        while len(self._image_sizes) > IMAGE_SIZES_POOLED:
+            self._image_sizes.pop(next(iter(self._image_sizes)))
+        if self._image_fill is not None and not self._image_fill.done():
+            return
+
+        async def fill() -> None:
+            try:
+                await asyncio.to_thread(self._images.prune, set(self._image_sizes))
+                for wanted in list(self._image_sizes):
+                    await asyncio.to_thread(self._images.fill, wanted)
+            except (OSError, quota.QuotaError) as exc:  # a start formats its own instead
+                log.warning("cannot prepare disk images: %s", exc)
+
+        self._image_fill = asyncio.ensure_future(fill())
 
     def _ipc_dir(self, config: SandboxConfig, run_dir: Path) -> Path | None:
         """The sandbox's view of the broker: a directory holding only a link to its socket."""
@@ -482,6 +532,7 @@ class SandboxManager:
                 "cwd",
                 "cgroup_procs",
                 "python",
+                "nofile",
             )
         }
         exec_plan["env"] = {k: v for k, v in the_plan["env"].items() if k not in secret_names}
@@ -517,6 +568,8 @@ class SandboxManager:
         if cgroup is not None:
             await asyncio.to_thread(cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, run_dir, True)
+        with contextlib.suppress(quota.QuotaError):
+            await asyncio.to_thread(quota.release, self.data_root / sid, keep_outputs=False)
         self.states.remove(sid)
 
     # ------------------------------------------------------------------ supervision
@@ -565,17 +618,30 @@ class SandboxManager:
         self._agents.pop(sid, None)
         run_dir = Path(state["run_dir"])
         outcome = _read_json(run_dir / "exit.json")
-        oom = cgroup.oom_kills() if cgroup else 0
-        pids_hits = cgroup.pids_limit_hits() if cgroup else 0
+        counters = (outcome or {}).get("counters") or {}  # read by a supervisor that reaped
+        oom = max(cgroup.oom_kills() if cgroup else 0, int(counters.get("oom_kills", 0)))
+        pids_hits = max(
+            cgroup.pids_limit_hits() if cgroup else 0, int(counters.get("pids_limit_hits", 0))
+        )
         exit_code = outcome.get("exit_code") if outcome else None
         sig = outcome.get("signal") if outcome else None
-        reason, detail = domain.classify_exit(requested, exit_code, sig, oom, pids_hits)
+        data_dir = self.data_root / sid
+        disk_full = await asyncio.to_thread(quota.full, data_dir)
+        reason, detail = domain.classify_exit(requested, exit_code, sig, oom, pids_hits, disk_full)
+        dropped = domain.log_truncation(outcome.get("logs") if outcome else None)
+        if dropped:
+            detail += "; " + domain.describe_truncation(dropped)
         if channel is not None:
             await channel.close()
         if cgroup is not None:
             await asyncio.to_thread(cgroup.remove)
         await asyncio.to_thread(shutil.rmtree, run_dir, True)
+        try:
+            await asyncio.to_thread(quota.release, data_dir)
+        except quota.QuotaError as exc:  # the terminal result still goes out
+            log.error("sandbox %s: its disk quota could not be released: %s", sid, exc)
         self.states.remove(sid)
+        await asyncio.to_thread(_mark_ended, data_dir, reason, outcome)
         ready = state.get("ready") or {}
         stdout_path, stderr_path = self.log_paths(sid)
         return SandboxExited(
@@ -591,6 +657,8 @@ class SandboxManager:
             stdout_path=str(stdout_path),
             stderr_path=str(stderr_path),
             metadata=ready.get("metadata", {}),
+            disk_full=disk_full is not None,
+            log_dropped_bytes=dropped,
         )
 
     def _remember(self, result: SandboxExited) -> None:
@@ -719,6 +787,7 @@ class SandboxManager:
         """
         adopted: list[str] = []
         cleaned: list[SandboxExited] = []
+        self.unwatched_marker.unlink(missing_ok=True)
         for sid in self.states.ids():
             if sid in self._sandboxes:
                 continue
@@ -745,7 +814,24 @@ class SandboxManager:
             cleaned.append(result)
             if self.on_exit is not None:
                 await self.on_exit(result)
+        await asyncio.to_thread(self._release_stray_quotas)
         return ReconcileReport(adopted, cleaned)
+
+    def _release_stray_quotas(self) -> None:
+        """Unmount quota filesystems no state file accounts for (an agent that died between
+        mounting one and recording the sandbox's start)."""
+        if not self.data_root.is_dir():
+            return
+        for data_dir in self.data_root.iterdir():
+            sid = data_dir.name
+            if sid in self._sandboxes or self.states.read(sid) is not None:
+                continue
+            if quota.is_mounted(data_dir):
+                log.warning("releasing the disk quota of %s: no sandbox state records it", sid)
+                try:
+                    quota.release(data_dir)
+                except quota.QuotaError as exc:
+                    log.error("cannot release the disk quota of %s: %s", sid, exc)
 
     def _adopt_agent(self, state: dict[str, Any], uid: int) -> None:
         """Know a re-adopted sandbox's identity again; show it the (new) broker socket."""
@@ -757,11 +843,17 @@ class SandboxManager:
             self._link_ipc(ipc_dir)
 
     async def shutdown(self, *, stop_sandboxes: bool = False) -> None:
-        """Stop watching (sandboxes keep running for the next :meth:`reconcile`), or stop all."""
+        """Stop watching (sandboxes keep running for the next :meth:`reconcile`), or stop all
+        (at once, each cleaned up and its ``on_exit`` awaited)."""
+        if stop_sandboxes:
+            sandboxes = list(self._sandboxes.values())
+            await asyncio.gather(
+                *(self.stop(s.config_id, grace_s=1.0) for s in sandboxes),
+                return_exceptions=True,
+            )
+            monitors = [s.monitor for s in sandboxes if s.monitor is not None]
+            await asyncio.gather(*monitors, return_exceptions=True)
         for sid, sandbox in list(self._sandboxes.items()):
-            if stop_sandboxes:
-                await self.stop(sid, grace_s=1.0)
-                continue
             if sandbox.timer is not None:
                 sandbox.timer.cancel()
             if sandbox.monitor is not None:
@@ -775,6 +867,11 @@ class SandboxManager:
         if self._audit is not None:
             await self._audit.close()
             self._audit = None
+        if self._image_fill is not None:  # a few ms of mkfs: let it finish, leave no staging
+            await asyncio.gather(self._image_fill, return_exceptions=True)
+        if self.states.ids():  # sandboxes keep running, unwatched: they reap their own cgroups
+            self.unwatched_marker.parent.mkdir(parents=True, exist_ok=True)
+            self.unwatched_marker.write_text("no node agent watches these sandboxes\n")
 
 
 def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
@@ -867,6 +964,17 @@ async def _wait_pid(pid: int, start_time: int | None) -> None:
     finally:
         loop.remove_reader(pidfd)
         os.close(pidfd)
+
+
+def _mark_ended(data_dir: Path, reason: ExitReason, outcome: dict[str, Any] | None) -> None:
+    if not data_dir.is_dir():
+        return
+    record = {"reason": reason.value, "ended_at": time.time()}
+    if outcome and "exit_code" in outcome:
+        record["exit_code"] = outcome["exit_code"]
+    tmp = data_dir / f".{ENDED_MARK}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, data_dir / ENDED_MARK)  # what retention (dsec_core.retention) may remove
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

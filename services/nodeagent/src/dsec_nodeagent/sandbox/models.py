@@ -17,6 +17,11 @@ _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 RESERVED_PREFIXES = ("/proc", "/dev", "/opt/dsec", "/run/dsec")
 
+DEFAULT_FILES = 1024
+DEFAULT_DISK_BYTES = 256 * 2**20
+MIN_DISK_BYTES = 16 * 2**20
+DEFAULT_LOG_BYTES = 64 * 2**20
+
 
 def _absolute(path: str, field_name: str) -> str:
     pure = PurePosixPath(path)
@@ -35,15 +40,22 @@ class ExitReason(StrEnum):
     TIMEOUT = "timeout"
     STOPPED = "stopped"
     POLICY = "policy"
+    DISK = "disk"
 
 
 class Limits(BaseModel):
-    """cgroup limits; ``None`` leaves a resource unlimited.
+    """cgroup limits and the sandbox's own bounds; ``None`` leaves a resource unlimited.
 
     Attributes:
         memory_bytes: hard memory limit (RAM + swap), the OOM killer acts beyond it.
         cpus: CPU bandwidth in cores (``1.5`` = 150 ms per 100 ms period).
         pids: most tasks (processes + threads) alive at once.
+        files: ``RLIMIT_NOFILE`` (soft = hard) of every sandbox process, never the node
+            agent's own.
+        disk_bytes: size of the per-sandbox filesystem (a loop-mounted ext4 image) holding its
+            writable directories on the host (``write_allowed`` but ``/tmp``, which is a tmpfs
+            charged to the memory limit).
+        log_bytes: bytes kept of stdout and of stderr each: the first and the last half.
     """
 
     model_config = _FROZEN
@@ -51,6 +63,9 @@ class Limits(BaseModel):
     memory_bytes: int | None = Field(default=None, ge=4 * 1024 * 1024)
     cpus: float | None = Field(default=None, gt=0)
     pids: int | None = Field(default=None, ge=4)
+    files: int | None = Field(default=DEFAULT_FILES, ge=16)
+    disk_bytes: int | None = Field(default=DEFAULT_DISK_BYTES, ge=MIN_DISK_BYTES)
+    log_bytes: int | None = Field(default=DEFAULT_LOG_BYTES, ge=4096)
 
 
 class Mount(BaseModel):
@@ -237,6 +252,8 @@ class SandboxExited(BaseModel):
     stdout_path: str
     stderr_path: str
     metadata: dict[str, Any] = Field(default_factory=dict)
+    disk_full: bool = False
+    log_dropped_bytes: dict[str, int] = Field(default_factory=dict)
 
 
 class SandboxStartError(RuntimeError):

@@ -143,6 +143,10 @@ def build(
         "python": runtime.executable,
         "env": workload_env(config, runtime, host),
         "cwd": config.workdir,
+        "nofile": config.limits.files,
+        "log_bytes": config.limits.log_bytes,
+        "stdout_path": str(host.data_dir / "logs" / "stdout.log"),
+        "stderr_path": str(host.data_dir / "logs" / "stderr.log"),
     }
     return result
 
