@@ -16,6 +16,7 @@ from dsec_core import canonical
 from dsec_core.bus import EventPublisher, ensure_stream
 from dsec_core.events import SandboxExited, SpecSubmitted
 from dsec_core.signing import Signer
+from dsec_testing import trust
 from dsec_testing.stack import StackFixture
 from nacl.signing import SigningKey
 from nats.js import JetStreamContext
@@ -24,8 +25,13 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def private_nats(tmp_path: Path) -> Iterator[str]:
-    fixture = StackFixture(tmp_path / "home")
+def private_home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def private_nats(private_home: Path) -> Iterator[str]:
+    fixture = StackFixture(private_home)
     try:
         yield fixture.nats_url
     finally:
@@ -41,18 +47,17 @@ async def js(private_nats: str) -> AsyncIterator[JetStreamContext]:
     await nc.close()
 
 
-async def _legit(js: JetStreamContext, producer: str = "policy") -> EventPublisher:
-    publisher = EventPublisher(js, Signer(producer, SigningKey.generate()))
-    await publisher.register_key()
+async def _legit(js: JetStreamContext, home: Path, tenant: str = "default") -> EventPublisher:
+    publisher = await trust.publisher(js, home, "user", tenant=tenant, subject=f"user-{tenant}")
     for i in range(3):
-        await publisher.publish(SpecSubmitted(spec_yaml=f"v{i}"), aggregate_id=f"sbx_{i}")
+        await publisher.publish(SpecSubmitted(spec_yaml=f"v{i}"), aggregate_id=f"sbx_{tenant}_{i}")
     return publisher
 
 
-def _verify(dsec_cli, url: str, tmp_path: Path) -> tuple[int, dict]:
-    result = dsec_cli(
-        "audit", "verify", "--json", env={"DSEC_NATS_URL": url, "DSEC_HOME": str(tmp_path / "cli")}
-    )
+def _verify(dsec_cli, url: str, home: Path, tmp_path: Path) -> tuple[int, dict]:
+    anchor = bytes(trust.stack_root(home).verify_key).hex()
+    env = {"DSEC_NATS_URL": url, "DSEC_HOME": str(tmp_path / "cli"), "DSEC_TRUST_ROOT": anchor}
+    result = dsec_cli("audit", "verify", "--json", env=env)
     return result.exit_code, result.last_json()
 
 
@@ -61,73 +66,91 @@ async def _raw_publish(js: JetStreamContext, subject: str, wire: bytes) -> int:
     return ack.seq
 
 
-async def test_intact_log_verifies(js, private_nats, dsec_cli, tmp_path) -> None:
-    await _legit(js, "policy")
-    await _legit(js, "builder")
-    code, result = _verify(dsec_cli, private_nats, tmp_path)
+async def test_intact_log_verifies(js, private_nats, private_home, dsec_cli, tmp_path) -> None:
+    await _legit(js, private_home, "alpha")
+    await _legit(js, private_home, "beta")
+    code, result = _verify(dsec_cli, private_nats, private_home, tmp_path)
     assert code == 0, result
-    assert result["ok"] and result["events"] == 8
-    assert result["producers"] == ["builder", "policy"]
+    assert result["ok"] and result["events"] == 8 and result["injected"] == []
+    assert result["producers"] == ["user-alpha", "user-beta"]
 
 
-async def test_event_signed_with_another_key_is_named(js, private_nats, dsec_cli, tmp_path):
-    await _legit(js)
-    impostor = Signer("policy", SigningKey.generate())
+async def test_event_signed_with_an_uncertified_key_is_listed_as_injected(
+    js, private_nats, private_home, dsec_cli, tmp_path
+) -> None:
+    await _legit(js, private_home)
+    impostor = Signer("user-default", SigningKey.generate(), tenant="default")
     forged = impostor.seal(
-        SandboxExited(exit_code=0, reason="ok", duration_s=1), aggregate_id="sbx_0"
+        SandboxExited(exit_code=0, reason="ok", duration_s=1), aggregate_id="sbx_default_0"
     )
     seq = await _raw_publish(js, forged.subject, forged.wire)
-    code, result = _verify(dsec_cli, private_nats, tmp_path)
-    assert code == 1
-    assert result["first_bad"]["seq"] == seq
-    assert result["first_bad"]["id"] == forged.id
-    assert "not registered for 'policy'" in result["first_bad"]["reason"]
+    code, result = _verify(dsec_cli, private_nats, private_home, tmp_path)
+    assert code == 0, result
+    (injected,) = result["injected"]
+    assert injected["seq"] == seq and injected["id"] == forged.id
+    assert injected["reason"].startswith("unknown-key")
+    human = dsec_cli(
+        "audit",
+        "verify",
+        env={
+            "DSEC_NATS_URL": private_nats,
+            "DSEC_HOME": str(tmp_path / "cli"),
+            "DSEC_TRUST_ROOT": bytes(trust.stack_root(private_home).verify_key).hex(),
+        },
+    )
+    assert "1 foreign message(s) injected and ignored" in human.output
 
 
-async def test_altered_payload_is_named(js, private_nats, dsec_cli, tmp_path) -> None:
-    publisher = await _legit(js)
+async def test_altered_payload_is_named_once_its_successor_arrives(
+    js, private_nats, private_home, dsec_cli, tmp_path
+) -> None:
+    publisher = await _legit(js, private_home)
     real = publisher.signer.seal(
-        SandboxExited(exit_code=1, reason="error", duration_s=1), aggregate_id="sbx_0"
+        SandboxExited(exit_code=1, reason="error", duration_s=1), aggregate_id="sbx_default_0"
     )
     fields = canonical.unpack(real.wire)
     fields["payload"]["exit_code"] = 0  # someone rewrites a failure into a success
     seq = await _raw_publish(js, real.subject, canonical.pack(fields))
-    code, result = _verify(dsec_cli, private_nats, tmp_path)
+    await publisher.publish(SpecSubmitted(spec_yaml="later"), aggregate_id="sbx_default_9")
+    code, result = _verify(dsec_cli, private_nats, private_home, tmp_path)
     assert code == 1
     assert result["first_bad"]["seq"] == seq
-    assert "signature invalid" in result["first_bad"]["reason"]
+    assert "this event was altered" in result["first_bad"]["reason"]
 
 
-async def test_broken_chain_is_named(js, private_nats, dsec_cli, tmp_path) -> None:
-    publisher = await _legit(js)
+async def test_broken_chain_is_named(js, private_nats, private_home, dsec_cli, tmp_path) -> None:
+    publisher = await _legit(js, private_home)
     publisher.signer.seal(SpecSubmitted(spec_yaml="withheld"), aggregate_id="sbx_7")
     after = publisher.signer.seal(SpecSubmitted(spec_yaml="next"), aggregate_id="sbx_8")
     seq = await _raw_publish(js, after.subject, after.wire)
-    code, result = _verify(dsec_cli, private_nats, tmp_path)
+    code, result = _verify(dsec_cli, private_nats, private_home, tmp_path)
     assert code == 1
     assert result["first_bad"]["seq"] == seq
     assert "broken: expected position 4, found 5" in result["first_bad"]["reason"]
 
 
-async def test_replayed_old_event_is_named(js, private_nats, dsec_cli, tmp_path) -> None:
-    publisher = await _legit(js)
-    old = await publisher.publish(
-        SandboxExited(exit_code=0, reason="ok", duration_s=1), aggregate_id="sbx_0"
-    )
+async def test_replayed_old_event_is_listed_as_injected(
+    js, private_nats, private_home, dsec_cli, tmp_path
+) -> None:
+    publisher = await _legit(js, private_home)
+    old = await publisher.publish(SpecSubmitted(spec_yaml="once"), aggregate_id="sbx_once")
     seq = await _raw_publish(js, old.sealed.subject, old.sealed.wire)
-    code, result = _verify(dsec_cli, private_nats, tmp_path)
-    assert code == 1
-    assert result["first_bad"]["seq"] == seq
-    assert f"already at stream sequence {old.stream_seq}" in result["first_bad"]["reason"]
+    code, result = _verify(dsec_cli, private_nats, private_home, tmp_path)
+    assert code == 0, result
+    (injected,) = result["injected"]
+    assert injected["seq"] == seq
+    assert f"copy of the event at seq {old.stream_seq}" in injected["reason"]
 
 
-async def test_replay_filters_by_sandbox_and_type(js, private_nats, dsec_cli, tmp_path) -> None:
-    await _legit(js)
+async def test_replay_filters_by_sandbox_and_type(
+    js, private_nats, private_home, dsec_cli, tmp_path
+) -> None:
+    await _legit(js, private_home)
     env = {"DSEC_NATS_URL": private_nats, "DSEC_HOME": str(tmp_path / "cli")}
-    result = dsec_cli("audit", "replay", "--sandbox", "sbx_1", "--json", env=env)
+    result = dsec_cli("audit", "replay", "--sandbox", "sbx_default_1", "--json", env=env)
     rows = [line for line in result.output.splitlines() if line.startswith("{")]
     assert result.exit_code == 0
-    assert len(rows) == 1 and '"aggregate_id":"sbx_1"' in rows[0]
+    assert len(rows) == 1 and '"aggregate_id":"sbx_default_1"' in rows[0]
     result = dsec_cli("audit", "replay", "--type", "audit.key_registered", "--json", env=env)
     assert result.output.count('"type":"audit.key_registered"') == 1
     bad = dsec_cli("audit", "replay", "--type", "sandbox.explode", env=env)
@@ -143,8 +166,10 @@ def test_unreachable_bus_exits_3_and_says_what_to_do(dsec_cli, tmp_path) -> None
     assert "dsec up" in result.output
 
 
-async def test_events_tail_follows_and_filters(js, private_nats, dsec_cli, tmp_path) -> None:
-    await _legit(js)
+async def test_events_tail_follows_and_filters(
+    js, private_nats, private_home, dsec_cli, tmp_path
+) -> None:
+    await _legit(js, private_home)
     env = {"DSEC_NATS_URL": private_nats, "DSEC_HOME": str(tmp_path / "cli")}
     result = dsec_cli(
         "events", "tail", "--all", "--type", "spec.submitted", "-n", "2", "--json", env=env
@@ -152,8 +177,8 @@ async def test_events_tail_follows_and_filters(js, private_nats, dsec_cli, tmp_p
     rows = [line for line in result.output.splitlines() if line.startswith("{")]
     assert result.exit_code == 0
     assert len(rows) == 2 and all('"type":"spec.submitted"' in r for r in rows)
-    one = dsec_cli("events", "tail", "--all", "--sandbox", "sbx_2", "-n", "1", env=env)
-    assert "spec.submitted" in one.output and "sbx_2" in one.output
+    one = dsec_cli("events", "tail", "--all", "--sandbox", "sbx_default_2", "-n", "1", env=env)
+    assert "spec.submitted" in one.output and "sbx_default_2" in one.output
 
 
 def test_events_schema_documents_every_event(dsec_cli, tmp_path) -> None:

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import nats
 import pytest
+from dsec_core import identity
 from dsec_core.bus import EventPublisher, ensure_stream, replay
 from dsec_core.envelope import decode
 from dsec_core.events import SpecSubmitted, SpecValidated
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 from dsec_core.subjects import STREAM, aggregate_filter
+from dsec_testing import trust
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
@@ -90,14 +92,20 @@ async def _settled(js: JetStreamContext, service: Service) -> None:
     raise AssertionError(f"consumer {durable} never settled: {info}")
 
 
-def _service(nats_url: str, home: Path) -> Service:
-    return Service(f"t{uuid.uuid4().hex[:8]}", Settings(nats_url=nats_url, home=home))
+def _service(nats_url: str, home: Path, stack_home: Path) -> Service:
+    """An in-process service acting as the policy service would: its key certified by the test
+    stack's root, its own durable consumers (a fresh name)."""
+    root = trust.stack_root(stack_home)
+    name = f"t{uuid.uuid4().hex[:8]}"
+    identity.ensure_service_identity(identity.TrustPaths(home), root, "policy", name=name)
+    anchor = bytes(root.verify_key).hex()
+    return Service(name, Settings(nats_url=nats_url, home=home, trust_root=anchor))
 
 
 async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
-    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path
+    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path, dsec_stack
 ) -> None:
-    service = _service(nats_url, tmp_path)
+    service = _service(nats_url, tmp_path, dsec_stack.home)
     attempts: list[str] = []
 
     @service.handles("spec.submitted", retry=RetryPolicy(max_attempts=3, base_delay_s=0.05))
@@ -124,9 +132,9 @@ async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
 
 
 async def test_redelivery_after_a_crash_between_publish_and_ack_publishes_nothing_new(
-    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path
+    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path, dsec_stack
 ) -> None:
-    service = _service(nats_url, tmp_path)
+    service = _service(nats_url, tmp_path, dsec_stack.home)
     calls = 0
 
     @service.handles("spec.submitted", retry=RetryPolicy(max_attempts=5, base_delay_s=0.05))
@@ -155,9 +163,9 @@ async def test_redelivery_after_a_crash_between_publish_and_ack_publishes_nothin
 
 
 async def test_events_are_ordered_per_aggregate_and_carry_causation(
-    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path
+    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path, dsec_stack
 ) -> None:
-    service = _service(nats_url, tmp_path)
+    service = _service(nats_url, tmp_path, dsec_stack.home)
 
     @service.handles("spec.submitted")
     async def validate(envelope, payload):  # type: ignore[no-untyped-def]
@@ -185,9 +193,9 @@ class _SpecSubmittedV1_1(SpecSubmitted):  # what a newer producer would publish
 
 
 async def test_consumer_decodes_a_newer_minor_version_from_the_bus(
-    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path
+    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path, dsec_stack
 ) -> None:
-    service = _service(nats_url, tmp_path)
+    service = _service(nats_url, tmp_path, dsec_stack.home)
     seen: list[SpecSubmitted] = []
 
     @service.handles("spec.submitted")

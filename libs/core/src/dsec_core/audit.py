@@ -245,12 +245,12 @@ class Verifier:
                     f"{self._seen[f['id']]}): its producer acted on a replay",
                 )
             else:
-                self._inject(seq, f, f"bad-signature: {_bad_signature(f)}")
+                self._forged(seq, f, key, chain)
             return
         if problem is not None:
             # Its own key signed it (checked now), so it is in its chain, but nobody may act on it.
             if not verify_raw(f, key):
-                self._inject(seq, f, f"bad-signature: {_bad_signature(f)}")
+                self._forged(seq, f, key, chain)
                 return
             chain.advance(data)
             self._inject(seq, f, f"unauthorized: {problem}")
@@ -258,7 +258,7 @@ class Verifier:
         tenancy = self._tenancy(f, cert)
         if tenancy is not None:
             if not verify_raw(f, key):
-                self._inject(seq, f, f"bad-signature: {_bad_signature(f)}")
+                self._forged(seq, f, key, chain)
                 return
             chain.advance(data)
             if cert.role == "user":
@@ -312,14 +312,19 @@ class Verifier:
 
     # -- signatures ------------------------------------------------------------------------------
 
+    def _forged(self, seq: int, f: dict[str, Any], key: bytes, chain: _Chain) -> None:
+        """A signature that does not hold: injected, and remembered in case a genuine successor
+        later shows it was the producer's own event, altered."""
+        self._inject(seq, f, f"bad-signature: {_bad_signature(f)}")
+        if f["chain_seq"] >= chain.next_seq and len(chain.removed) < _REMOVED_LIMIT:
+            chain.removed.append(_Unverified(seq, f, key, (chain.next_seq, chain.last_hash)))
+
     def _misfit(
         self, seq: int, f: dict[str, Any], chain: _Chain, key: bytes, removed: list[_Unverified]
     ) -> None:
         """A message that does not fit its chain: a forgery, a copy, or a sign of tampering."""
         if not verify_raw(f, key):
-            self._inject(seq, f, f"bad-signature: {_bad_signature(f)}")
-            if f["chain_seq"] >= chain.next_seq and len(removed) < _REMOVED_LIMIT:
-                removed.append(_Unverified(seq, f, key, (chain.next_seq, chain.last_hash)))
+            self._forged(seq, f, key, chain)
             return
         if f["id"] in self._seen and f["chain_seq"] < chain.next_seq:
             self._inject(seq, f, f"replayed: copy of the event at seq {self._seen[f['id']]}")

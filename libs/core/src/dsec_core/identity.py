@@ -200,20 +200,30 @@ def read_anchor(paths: TrustPaths, configured: str | None = None) -> bytes | Non
 
 
 def ensure_service_identity(
-    paths: TrustPaths, root: SigningKey, role: Role, *, node_id: str | None = None
+    paths: TrustPaths,
+    root: SigningKey,
+    role: Role,
+    *,
+    node_id: str | None = None,
+    name: str | None = None,
 ) -> Certificate:
-    """Key + certificate of a service, issued by the root when missing or no longer matching."""
-    key = load_or_create_key(paths.key(role))
+    """Key + certificate of a service, issued by the root when missing or no longer matching.
+
+    ``name`` (default: the role) is the producer it signs as and names its files.
+    """
+    name = name or role
+    key = load_or_create_key(paths.key(name))
     public = bytes(key.verify_key)
     try:
-        cert = read_cert(paths.cert(role))
+        cert = read_cert(paths.cert(name))
         check(cert, bytes(root.verify_key))
-        if cert.public_key == public.hex() and cert.role == role and cert.node_id == node_id:
+        same = (cert.public_key, cert.role, cert.node_id, cert.subject)
+        if same == (public.hex(), role, node_id, name):
             return cert
     except CertificateError:
         pass
-    cert = issue(root, public, subject=role, role=role, node_id=node_id)
-    write_cert(paths.cert(role), cert)
+    cert = issue(root, public, subject=name, role=role, node_id=node_id)
+    write_cert(paths.cert(name), cert)
     return cert
 
 
