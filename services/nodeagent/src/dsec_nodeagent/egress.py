@@ -4,21 +4,29 @@ its first instruction, detached at exit, and every kernel verdict turned into a
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
 from dsec_core import events
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan
-from prometheus_client import REGISTRY
+from dsec_core.text import bound
+from prometheus_client import REGISTRY, Counter
 
-from dsec_nodeagent.agent import Publish
 from dsec_nodeagent.ebpf import EgressPlan, VerdictEvent
 from dsec_nodeagent.ebpf.controller import EgressController
 from dsec_nodeagent.ebpf.metrics import EgressCollector
+from dsec_nodeagent.outlet import EventOutlet
+from dsec_nodeagent.refusals import Key
+from dsec_nodeagent.semantic.reports import TARGET_LIMIT
 
 log = logging.getLogger(__name__)
+
+RING_DROPPED = Counter(
+    "dsec_egress_ring_dropped_total",
+    "Denied connects the kernel counted but whose ring-buffer event was dropped (a flood); "
+    "they are in the policy.violation_summary counts",
+)
 
 
 def violation(event: VerdictEvent) -> events.PolicyViolation:
@@ -37,11 +45,21 @@ def violation(event: VerdictEvent) -> events.PolicyViolation:
 class Egress:
     """Owns the egress controller for this node."""
 
-    def __init__(self, settings: Settings, publish: Publish) -> None:
-        self.controller = EgressController(dns_upstream=settings.dns_upstream)
-        self._publish = publish
+    def __init__(
+        self,
+        settings: Settings,
+        outlet: EventOutlet,
+        controller: EgressController | None = None,
+    ) -> None:
+        self.controller = controller or EgressController(dns_upstream=settings.dns_upstream)
+        self.outlet = outlet
         self._cgroups: dict[str, Path] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._collector: EgressCollector | None = None
+        # Per (sandbox, rule): denies read from the ring buffer since the last reconciliation,
+        # and the kernel's counter at that reconciliation.
+        self._seen: dict[tuple[str, str], int] = {}
+        self._kernel: dict[tuple[str, str], int] = {}
+        outlet.before_flush.append(self.reconcile_counts)
 
     async def start(self) -> None:
         """Load the programs (or re-open the pinned ones) and re-adopt live sandboxes."""
@@ -50,11 +68,18 @@ class Egress:
         log.info("egress reconciled: adopted %s, removed %s", report.adopted, report.removed)
         self.controller.add_listener(self._on_verdict)
         self.controller.proxy.on_denied = self._on_dns_denied
-        REGISTRY.register(EgressCollector(self.controller))
+        self._collector = EgressCollector(self.controller)
+        REGISTRY.register(self._collector)
 
     async def close(self) -> None:
         """Stop reading verdicts; programs stay attached (fail-closed)."""
+        if self.reconcile_counts in self.outlet.before_flush:
+            self.reconcile_counts()  # the last counts, while the kernel's maps are open
+            self.outlet.before_flush.remove(self.reconcile_counts)
         await self.controller.close()
+        if self._collector is not None:
+            REGISTRY.unregister(self._collector)
+            self._collector = None
 
     async def attach(self, sid: str, cgroup: Path, cgroup_id: int, plan: EnforcementPlan) -> None:
         """Put a new sandbox's cgroup under its egress plan (before its first instruction)."""
@@ -69,27 +94,63 @@ class Egress:
                 (a.cgroup_path for a in self.controller.sandboxes() if a.sandbox_id == sid), None
             )
         if cgroup is not None:
+            # Before its counters go with the programs. Its events still in the ring buffer are
+            # not read first (a neighbour's flood could keep that going): they count as unseen.
+            self.reconcile_counts(only=sid)
             await self.controller.detach(cgroup)
+        self._forget(sid)
+
+    def reconcile_counts(self, only: str | None = None) -> None:
+        """Add to the summaries the denies the kernel counted but the ring buffer dropped
+        (a flood outpaces the reader on purpose: it reads a bounded batch per interval)."""
+        totals: dict[tuple[str, str], int] = {}
+        for sample in self.controller.counters():
+            if sample.sandbox_id is None or not sample.verdict.denied:
+                continue
+            if only is not None and sample.sandbox_id != only:
+                continue
+            key = (sample.sandbox_id, sample.rule_id or "default-deny")
+            totals[key] = totals.get(key, 0) + sample.count
+        for key, total in totals.items():
+            delta = total - self._kernel.get(key, 0)
+            self._kernel[key] = total
+            unseen = delta - self._seen.pop(key, 0)
+            if unseen > 0:
+                RING_DROPPED.inc(unseen)
+                self.outlet.unseen(key[0], Key("kernel", key[1], "connect"), unseen)
+
+    def _forget(self, sid: str) -> None:
+        for table in (self._seen, self._kernel):
+            for key in [k for k in table if k[0] == sid]:
+                del table[key]
 
     def _on_verdict(self, event: VerdictEvent) -> None:
-        if event.sandbox_id is not None:
-            self._emit(violation(event), event.sandbox_id)
+        if event.sandbox_id is None:
+            return
+        rule = event.rule_id or "default-deny"
+        if event.denied:
+            seen = (event.sandbox_id, rule)
+            self._seen[seen] = self._seen.get(seen, 0) + 1
+        operation = event.hook.name.lower().rstrip("46")
+        self.outlet.refusal(
+            event.sandbox_id,
+            Key("kernel", rule, operation),
+            f"{event.destination}/{event.protocol}",
+            lambda: violation(event),
+        )
 
     def _on_dns_denied(self, sandbox_id: str, name: str, rdtype: str) -> None:
-        self._emit(
-            events.PolicyViolation(
+        target = bound(f"{name}/{rdtype}", TARGET_LIMIT)
+
+        def event() -> events.PolicyViolation:
+            return events.PolicyViolation(
                 layer="kernel",
                 rule_id="default-deny",
                 action="deny",
                 operation="dns",
-                target=f"{name}/{rdtype}",
-                message=f"{name} matches no egress rule: the node's DNS proxy refused to resolve "
-                "it (the sandbox's DNS can only reach the proxy)",
-            ),
-            sandbox_id,
-        )
+                target=target,
+                message=f"{target} matches no egress rule: the node's DNS proxy refused to "
+                "resolve it (the sandbox's DNS can only reach the proxy)",
+            )
 
-    def _emit(self, payload: events.PolicyViolation, sandbox_id: str) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(self._publish(payload, sandbox_id, None))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.outlet.refusal(sandbox_id, Key("dns", "default-deny", "dns"), target, event)

@@ -35,6 +35,7 @@ class ExitReason(StrEnum):
     TIMEOUT = "timeout"
     STOPPED = "stopped"
     POLICY = "policy"
+    POLICY_FLOOD = "policy_flood"
 
 
 class Limits(BaseModel):

@@ -19,15 +19,19 @@ from pathlib import Path
 from prometheus_client import Counter
 from pydantic import ValidationError
 
+from dsec_nodeagent.refusals import metric_rule
 from dsec_nodeagent.semantic.models import SemanticDecision
 
 log = logging.getLogger(__name__)
 
 DECISIONS = Counter(
     "dsec_semantic_decisions_total",
-    "Decisions of the in-sandbox semantic layer",
+    "Decisions the in-sandbox semantic layer reported (labels from a bounded set; unknown "
+    "values of a sandbox are counted as 'unknown')",
     ["on", "action", "rule"],
 )
+_ONS = frozenset({"open", "subprocess", "connect", "http"})
+_ACTIONS = frozenset({"allow", "redirect", "log", "deny"})
 MAX_DATAGRAM = 16 * 1024
 
 DecisionHandler = Callable[[SemanticDecision], Awaitable[None]]
@@ -75,7 +79,11 @@ class DecisionChannel:
         except (ValueError, ValidationError, TypeError) as exc:
             log.warning("sandbox %s sent a malformed decision: %s", self.sandbox_id, exc)
             return
-        DECISIONS.labels(decision.on, decision.action, decision.rule or "-").inc()
+        DECISIONS.labels(
+            decision.on if decision.on in _ONS else "unknown",
+            decision.action if decision.action in _ACTIONS else "unknown",
+            metric_rule(decision.rule) if decision.rule else "-",
+        ).inc()
         if self.handler is not None:
             task = asyncio.ensure_future(self.handler(decision))
             self._tasks.add(task)
