@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dns.rcode
+from prometheus_client import Counter
 
 from dsec_nodeagent.dns.proxy import DnsProxy
 from dsec_nodeagent.dns.upstream import UPSTREAM_ENV, UpstreamClient, parse_upstream
@@ -41,6 +42,12 @@ _PROTOCOLS = {6: "tcp", 17: "udp"}
 RING_BATCH = 64
 """Verdict events read from the ring buffer per :data:`RING_SLICE_S` (1,280/s at most)."""
 RING_SLICE_S = 0.05
+RING_PAUSES = Counter(
+    "dsec_egress_ring_pauses_total",
+    "Times the verdict reader spent its budget and left the ring buffer alone until the next "
+    "slice (a flood; the kernel then drops events it cannot buffer, counted by "
+    "dsec_egress_ring_dropped_total)",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +367,7 @@ class EgressController:
                 self._watching = True
             return
         self.ring_pauses += 1
+        RING_PAUSES.inc()
         if self._watching:
             loop.remove_reader(self._events_fd)
             self._watching = False

@@ -52,10 +52,3 @@ class EgressCollector(Collector):
                 sample.count,
             )
         yield family
-        paused = CounterMetricFamily(
-            "dsec_egress_ring_pauses",
-            "Times the verdict reader paused after a full batch (the kernel then drops verdict "
-            "events it cannot buffer; the connection counters above still count them)",
-        )
-        paused.add_metric([], self.controller.ring_pauses)
-        yield paused
