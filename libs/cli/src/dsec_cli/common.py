@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 from dsec_core.settings import Settings
+from dsec_core.text import escape_controls
 from rich.console import Console
 from rich.markup import escape
 
@@ -31,6 +32,26 @@ console = Console()
 err_console = Console(stderr=True)
 
 T = TypeVar("T")
+
+
+def safe_text(value: object) -> str:
+    """Text from an event, a file name, a log or the read models, safe to print with rich:
+    control characters (ANSI escapes, newlines, ``\\r``, other C0/C1, bidi overrides) shown as
+    escapes, and rich markup (``[bold]``) printed literally. Use it for everything a sandbox or
+    another producer could have written."""
+    return escape(escape_controls(str(value)))
+
+
+def plain_text(value: object) -> str:
+    """:func:`safe_text` for output that is not rich markup (``markup=False``, plain ``print``)."""
+    return escape_controls(str(value))
+
+
+def safe_lines(text: str, *, markup: bool = True) -> str:
+    """Multi-line text (a diff, a list): each line escaped as :func:`safe_text`, the line
+    breaks kept."""
+    joined = "\n".join(escape_controls(line) for line in text.split("\n"))
+    return escape(joined) if markup else joined
 
 
 def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:

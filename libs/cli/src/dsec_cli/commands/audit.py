@@ -17,6 +17,7 @@ from dsec_cli.common import (
     parse_since,
     print_json,
     run,
+    safe_text,
 )
 from dsec_cli.render import decode_or_warn, event_json, event_line
 
@@ -77,8 +78,8 @@ def verify(
         bad = result["first_bad"]
         console.print(
             f"[bold red]audit trail BROKEN[/] at stream seq {bad['seq']}"
-            f" (event {bad['id'] or '?'}, type {bad['type'] or '?'},"
-            f" producer {bad['producer'] or '?'}): {bad['reason']}"
+            f" (event {safe_text(bad['id'] or '?')}, type {safe_text(bad['type'] or '?')},"
+            f" producer {safe_text(bad['producer'] or '?')}): {safe_text(bad['reason'])}"
         )
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)
@@ -142,7 +143,7 @@ def keys(
         return
     table = Table("producer", "key id", "registered at seq")
     for row in rows:
-        table.add_row(row["producer"], row["key_id"], str(row["first_seq"]))
+        table.add_row(safe_text(row["producer"]), safe_text(row["key_id"]), str(row["first_seq"]))
     console.print(table)
 
 
