@@ -142,6 +142,12 @@ def show(
     )
     if data["reason"]:
         console.print(f"reason: {safe_text(data['reason'])}", highlight=False)
+    if data.get("refusals") or data.get("reports"):
+        console.print(
+            f"refused {data.get('refusals', 0)} times; "
+            f"{data.get('reports', 0)} reports of its own semantic layer",
+            highlight=False,
+        )
     table = Table("seq", "time", "event", "producer", "details")
     for e in data["events"]:
         details = " ".join(f"{k}={v}" for k, v in e["summary"].items())
