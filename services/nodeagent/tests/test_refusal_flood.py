@@ -53,6 +53,18 @@ while time.monotonic() < end:
 print(json.dumps({{"refused": n}}), flush=True)
 """
 
+SYSCALL_FLOOD = """
+import json, socket, time
+calls = 0
+end = time.monotonic() + {seconds}
+while time.monotonic() < end:
+    try:
+        socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+    except OSError:
+        calls += 1
+print(json.dumps({{"calls": calls}}), flush=True)
+"""
+
 # Datagrams straight to the events socket: an unknown rule, "allow" claimed for the deny rule,
 # a rule name the plan has with ANSI escapes in the target, and 2,000 unique 2 KB rule names.
 FORGER = r"""
@@ -178,6 +190,34 @@ async def test_a_sandbox_passing_the_flood_limit_is_stopped(home: Path, nats_url
         exited = await h.wait_for(attacker, "sandbox.exited", timeout_s=30)
         assert exited.payload["reason"] == "policy_flood"
         assert exited.payload["duration_s"] < 20
+
+
+async def test_a_seccomp_flood_is_summarized(home: Path, nats_url: str) -> None:
+    async with NodeAgentHarness(
+        home, nats_url, policy_summary_interval_s=1.0, policy_flood_limit=0
+    ) as h:
+        attacker = await h.submit("sysflood", SYSCALL_FLOOD.format(seconds=2))
+        await h.wait_for(attacker, "sandbox.exited")
+        out = json.loads(h.agent.manager.log_paths(attacker)[0].read_text().splitlines()[-1])
+        rec = h.recorded[attacker]
+        by_rule: dict[str, int] = {}
+        for v in rec.of("policy.violation"):
+            by_rule[v.payload["rule_id"]] = by_rule.get(v.payload["rule_id"], 0) + 1
+        assert by_rule.get("seccomp", 0) == 5, by_rule
+        # Every refused system call was answered and counted (the sandbox waited for each).
+        deadline = time.monotonic() + 15
+        seccomp = 0
+        while time.monotonic() < deadline:
+            seccomp = by_rule["seccomp"] + sum(
+                s.payload["count"]
+                for s in rec.of("policy.violation_summary")
+                if s.payload["rule_id"] == "seccomp"
+            )
+            if seccomp >= out["calls"]:
+                break
+            await asyncio.sleep(0.1)
+        assert seccomp == out["calls"] > 5
+        assert len(rec.events) < 40, len(rec.events)
 
 
 def _sample(name: str, **labels: str) -> float:

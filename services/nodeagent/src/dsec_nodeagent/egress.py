@@ -59,7 +59,6 @@ class Egress:
         # and the kernel's counter at that reconciliation.
         self._seen: dict[tuple[str, str], int] = {}
         self._kernel: dict[tuple[str, str], int] = {}
-        outlet.before_flush.append(self.reconcile_counts)
 
     async def start(self) -> None:
         """Load the programs (or re-open the pinned ones) and re-adopt live sandboxes."""
@@ -70,6 +69,7 @@ class Egress:
         self.controller.proxy.on_denied = self._on_dns_denied
         self._collector = EgressCollector(self.controller)
         REGISTRY.register(self._collector)
+        self.outlet.before_flush.append(self.reconcile_counts)  # the kernel's maps are open
 
     async def close(self) -> None:
         """Stop reading verdicts; programs stay attached (fail-closed)."""
