@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from dsec_core import events
 
@@ -122,3 +124,42 @@ def test_a_rate_limit_deny_of_a_configured_budget_is_reported() -> None:
     report = _report(on="http", action="deny", subject="https://api.test/q",
                      detail="rate limit 5 requests per 60s (egress[0] api.test)")  # fmt: skip
     assert isinstance(report, events.PolicyReported) and report.rule_id == "egress[0] api.test"
+
+
+def test_logged_decisions_are_summarized_but_never_a_flood() -> None:
+    gate = RefusalGate(burst=1, flood_limit=10)
+    log_key = Key("semantic", "semantic[0] log http api.test", "http")
+    assert not any(
+        gate.admit("s", log_key, "u", now=1.0, refused=False).flooded for _ in range(1000)
+    )
+    assert gate.total("s") == 0
+    assert sum(s.count for s in gate.take_summaries("s")) == 999
+
+
+async def test_an_exit_never_waits_behind_a_full_queue_and_no_summary_is_lost() -> None:
+    from dsec_nodeagent.outlet import EventOutlet
+
+    published: list[tuple[events.Payload, str]] = []
+    release = asyncio.Event()
+
+    async def publish(payload: events.Payload, sid: str, event_id: str | None) -> None:
+        await release.wait()  # the bus is slow: the queue fills up
+        published.append((payload, sid))
+
+    outlet = EventOutlet(publish, RefusalGate(burst=1), queue_size=2)
+    await outlet.start()
+    for i in range(50):
+        outlet.refusal(f"s{i % 5}", Key("kernel", f"egress[{i % 3}]", "connect"), "t", _event)
+    await asyncio.wait_for(outlet.sandbox_done("s0"), 1.0)  # returns at once, queue full
+    release.set()
+    await outlet.stop()
+    counted = sum(
+        p.count if isinstance(p, events.PolicyViolationSummary) else 1 for p, _ in published
+    )
+    assert counted == 50  # every refusal in an event or a count
+
+
+def _event() -> events.PolicyViolation:
+    return events.PolicyViolation(
+        layer="kernel", rule_id="default-deny", action="deny", operation="connect", target="t"
+    )

@@ -359,7 +359,11 @@ class NodeAgent:
             return
         report = checked
         self.outlet.refusal(
-            sid, Key("semantic", report.rule_id, report.operation), report.target, lambda: report
+            sid,
+            Key("semantic", report.rule_id, report.operation),
+            report.target,
+            lambda: report,
+            refused=report.action == "deny",
         )
 
     async def _refused(self, refusal: KernelRefusal) -> None:

@@ -137,6 +137,7 @@ class Egress:
             Key("kernel", rule, operation),
             f"{event.destination}/{event.protocol}",
             lambda: violation(event),
+            refused=event.denied,  # allows are events only for plans that log them
         )
 
     def _on_dns_denied(self, sandbox_id: str, name: str, rdtype: str) -> None:

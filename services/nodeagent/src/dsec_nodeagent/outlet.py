@@ -80,7 +80,7 @@ class EventOutlet:
         self._lifecycle_idle = asyncio.Event()
         self._lifecycle_idle.set()
         self._tasks: list[asyncio.Task[None]] = []
-        self._flood_tasks: set[asyncio.Task[None]] = set()
+        self._flood_tasks: set[asyncio.Task[None]] = set()  # also late summaries
         self.before_flush: list[Callable[[], None]] = []
         """Called before each interval's summaries (the egress layer adds the kernel's counts
         of verdicts its ring buffer dropped)."""
@@ -108,15 +108,18 @@ class EventOutlet:
         key: Key,
         target: str,
         event: Callable[[], events.Payload],
+        *,
+        refused: bool = True,
     ) -> Admission:
         """Count one refusal; queue its event (built by ``event``) when the gate admits it.
 
         Synchronous and O(1): called from the readers of the kernel, the DNS proxy and the
-        semantic channel, for every refusal of a flood.
+        semantic channel, for every refusal of a flood. ``refused`` false: a decision that
+        allowed (a logged request), summarized alike but not counted towards the flood limit.
         """
         now = self._clock()
         REFUSALS.labels(key.layer, metric_rule(key.rule_id)).inc()
-        decision = self.gate.admit(sandbox_id, key, target, now)
+        decision = self.gate.admit(sandbox_id, key, target, now, refused=refused)
         if decision.flooded:
             self._flooded(sandbox_id)
         if decision.admission is Admission.COUNTED:
@@ -186,10 +189,23 @@ class EventOutlet:
                 self._queue.put_nowait((summary, sandbox_id))
 
     async def sandbox_done(self, sandbox_id: str) -> None:
-        """Queue the last summaries of a sandbox that ended (waiting for room), then forget it."""
+        """Queue the last summaries of a sandbox that ended, then forget it. Never waits: what
+        finds the queue full is queued by a task (the exit is not held up behind a flood)."""
+        late = []
         for summary in self.gate.take_summaries(sandbox_id):
-            await self._queue.put((summary, sandbox_id))
+            try:
+                self._queue.put_nowait((summary, sandbox_id))
+            except asyncio.QueueFull:
+                late.append(summary)
         self.gate.forget(sandbox_id)
+        if late:
+            task = asyncio.ensure_future(self._put_all(late, sandbox_id))
+            self._flood_tasks.add(task)
+            task.add_done_callback(self._flood_tasks.discard)
+
+    async def _put_all(self, payloads: list[events.PolicyViolationSummary], sid: str) -> None:
+        for payload in payloads:
+            await self._queue.put((payload, sid))
 
     async def drain(self, timeout_s: float = 10.0) -> None:
         """Wait until every queued event was published (tests, shutdown)."""
@@ -198,10 +214,12 @@ class EventOutlet:
 
     async def stop(self) -> None:
         """Publish what is pending (summaries included), then stop the workers."""
+        for sandbox_id in self.gate.sandboxes():
+            await self.sandbox_done(sandbox_id)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(10.0):
-                for sandbox_id in self.gate.sandboxes():
-                    await self.sandbox_done(sandbox_id)
+                while self._flood_tasks:
+                    await asyncio.gather(*self._flood_tasks, return_exceptions=True)
         await self.drain()
         for task in self._tasks:
             task.cancel()

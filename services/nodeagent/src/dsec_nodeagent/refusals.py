@@ -106,13 +106,18 @@ class RefusalGate:
         self.flood_limit = flood_limit
         self._tables: dict[str, _Table] = {}
 
-    def admit(self, sandbox_id: str, key: Key, target: str, now: float) -> Decision:
-        """Count one refusal of ``sandbox_id`` at ``now`` (seconds, wall clock)."""
+    def admit(
+        self, sandbox_id: str, key: Key, target: str, now: float, *, refused: bool = True
+    ) -> Decision:
+        """Count one refusal of ``sandbox_id`` at ``now`` (seconds, wall clock). ``refused``
+        false: a decision that allowed (a logged request): summarized alike, but not counted
+        towards the flood limit."""
         table = self._tables.setdefault(sandbox_id, _Table())
-        table.total += 1
         flooded = False
-        if self.flood_limit and not table.flooded and table.total > self.flood_limit:
-            table.flooded = flooded = True
+        if refused:
+            table.total += 1
+            if self.flood_limit and not table.flooded and table.total > self.flood_limit:
+                table.flooded = flooded = True
         slot = self._slot(table, key, now)
         if now - slot.window_start >= self.window_s:
             slot.window_start, slot.sent = now, 0
