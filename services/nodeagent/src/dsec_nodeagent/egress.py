@@ -69,6 +69,8 @@ class Egress:
         self.controller.proxy.on_denied = self._on_dns_denied
         self._collector = EgressCollector(self.controller)
         REGISTRY.register(self._collector)
+        # Adopted sandboxes' earlier denies were reported by the previous node agent.
+        self._kernel = self._denied_totals()
         self.outlet.before_flush.append(self.reconcile_counts)  # the kernel's maps are open
 
     async def close(self) -> None:
@@ -103,6 +105,16 @@ class Egress:
     def reconcile_counts(self, only: str | None = None) -> None:
         """Add to the summaries the denies the kernel counted but the ring buffer dropped
         (a flood outpaces the reader on purpose: it reads a bounded batch per interval)."""
+        for key, total in self._denied_totals(only).items():
+            delta = total - self._kernel.get(key, 0)
+            self._kernel[key] = total
+            unseen = delta - self._seen.pop(key, 0)
+            if unseen > 0:
+                RING_DROPPED.inc(unseen)
+                self.outlet.unseen(key[0], Key("kernel", key[1], "connect"), unseen)
+
+    def _denied_totals(self, only: str | None = None) -> dict[tuple[str, str], int]:
+        """The kernel's deny counters per (sandbox, rule)."""
         totals: dict[tuple[str, str], int] = {}
         for sample in self.controller.counters():
             if sample.sandbox_id is None or not sample.verdict.denied:
@@ -111,13 +123,7 @@ class Egress:
                 continue
             key = (sample.sandbox_id, sample.rule_id or "default-deny")
             totals[key] = totals.get(key, 0) + sample.count
-        for key, total in totals.items():
-            delta = total - self._kernel.get(key, 0)
-            self._kernel[key] = total
-            unseen = delta - self._seen.pop(key, 0)
-            if unseen > 0:
-                RING_DROPPED.inc(unseen)
-                self.outlet.unseen(key[0], Key("kernel", key[1], "connect"), unseen)
+        return totals
 
     def _forget(self, sid: str) -> None:
         for table in (self._seen, self._kernel):
