@@ -105,3 +105,48 @@ def test_snapshot_inspect_prints_hostile_file_names_escaped(
     assert "\x1b" not in shown.output and "\r" not in shown.output
     assert "\u202e" not in shown.output
     assert "evil\\x1b[2J\\x1b[31mred\\rover\\nnext\\u202eexe.txt[bold]x" in shown.output
+
+
+def _log_file(home: Path, sandbox_id: str) -> Path:
+    from dsec_nodeagent.sandbox.manager import SandboxManager
+
+    path = SandboxManager(home).log_paths(sandbox_id)[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes("line one\n\x1b]0;owned\x07\x1b[2Jcleared\rover \u202eevil\n".encode())
+    return path
+
+
+@pytest.mark.unit
+def test_sandbox_logs_escapes_on_a_terminal_and_is_raw_when_piped(tmp_path: Path) -> None:
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    raw = _log_file(home, "sbx_logs").read_bytes()
+    dsec = str(Path(sys.executable).parent / "dsec")
+    env = {**os.environ, "DSEC_HOME": str(home)}
+    piped = subprocess.run([dsec, "sandbox", "logs", "sbx_logs"], env=env, capture_output=True)
+    assert piped.returncode == 0 and piped.stdout == raw  # redirected: the log as written
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [dsec, "sandbox", "logs", "sbx_logs"], env=env, stdout=follower, stderr=follower
+    )
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # EIO: the terminal's other end closed
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    assert proc.wait(30) == 0
+    text = shown.decode()
+    assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
+    assert "\\x1b]0;owned\\x07\\x1b[2Jcleared\\rover \\u202eevil" in text
+    assert "line one" in text.splitlines()[0]  # line breaks are kept
