@@ -62,7 +62,6 @@ REPORTS_REFUSED = Counter(
     ["reason"],
 )
 
-Publish = Callable[[events.Payload, str, str | None], Awaitable[None]]
 BeforeStart = Callable[[str, Path, int, EnforcementPlan], Awaitable[None]]
 
 
