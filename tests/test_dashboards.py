@@ -8,10 +8,10 @@ from pathlib import Path
 
 import dsec_core.metrics  # noqa: F401  (registers the service metrics)
 
-# The node agent's metrics: refused semantic reports, ring-buffer overflow, the broker's,
+# The node agent's metrics: refused semantic reports, the ring-buffer reader, the broker's,
 # refusals with their events and floods.
 import dsec_nodeagent.agent
-import dsec_nodeagent.egress
+import dsec_nodeagent.ebpf.controller
 import dsec_nodeagent.ipc.metrics
 import dsec_nodeagent.outlet  # noqa: F401  (imported for its metrics)
 import pytest

@@ -163,3 +163,13 @@ def _event() -> events.PolicyViolation:
     return events.PolicyViolation(
         layer="kernel", rule_id="default-deny", action="deny", operation="connect", target="t"
     )
+
+
+def test_refusals_counted_elsewhere_are_only_events_here() -> None:
+    gate = RefusalGate(burst=5, flood_limit=1_000)
+    admitted = [gate.admit("s", KEY, "t", now=1.0, count=False) for _ in range(10_000)]
+    assert sum(d.admission is Admission.EVENT for d in admitted) == 5
+    assert gate.total("s") == 5 and gate.take_summaries("s") == []  # the kernel counts the rest
+    assert gate.add("s", KEY, 9_995, now=2.0) is True  # ... and crosses the flood limit
+    (summary,) = gate.take_summaries("s")
+    assert summary.count == 9_995

@@ -11,22 +11,16 @@ from dsec_core import events
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan
 from dsec_core.text import bound
-from prometheus_client import REGISTRY, Counter
+from prometheus_client import REGISTRY
 
 from dsec_nodeagent.ebpf import EgressPlan, VerdictEvent
 from dsec_nodeagent.ebpf.controller import EgressController
 from dsec_nodeagent.ebpf.metrics import EgressCollector
 from dsec_nodeagent.outlet import EventOutlet
-from dsec_nodeagent.refusals import Key
+from dsec_nodeagent.refusals import Admission, Key
 from dsec_nodeagent.semantic.reports import TARGET_LIMIT
 
 log = logging.getLogger(__name__)
-
-RING_DROPPED = Counter(
-    "dsec_egress_ring_dropped_total",
-    "Denied connects the kernel counted but whose ring-buffer event was dropped (a flood); "
-    "they are in the policy.violation_summary counts",
-)
 
 
 def violation(event: VerdictEvent) -> events.PolicyViolation:
@@ -55,10 +49,12 @@ class Egress:
         self.outlet = outlet
         self._cgroups: dict[str, Path] = {}
         self._collector: EgressCollector | None = None
-        # Per (sandbox, rule): denies read from the ring buffer since the last reconciliation,
-        # and the kernel's counter at that reconciliation.
-        self._seen: dict[tuple[str, str], int] = {}
-        self._kernel: dict[tuple[str, str], int] = {}
+        # Per (sandbox, rule): the kernel's deny counter when this node agent started (adopted
+        # sandboxes), denies published as events, denies added to the summaries.
+        self._base: dict[tuple[str, str], int] = {}
+        self._emitted: dict[tuple[str, str], int] = {}
+        self._added: dict[tuple[str, str], int] = {}
+        self._sample: dict[tuple[str, str], str] = {}  # a target read from the ring buffer
 
     async def start(self) -> None:
         """Load the programs (or re-open the pinned ones) and re-adopt live sandboxes."""
@@ -70,7 +66,7 @@ class Egress:
         self._collector = EgressCollector(self.controller)
         REGISTRY.register(self._collector)
         # Adopted sandboxes' earlier denies were reported by the previous node agent.
-        self._kernel = self._denied_totals()
+        self._base = self._denied_totals()
         self.outlet.before_flush.append(self.reconcile_counts)  # the kernel's maps are open
 
     async def close(self) -> None:
@@ -103,15 +99,17 @@ class Egress:
         self._forget(sid)
 
     def reconcile_counts(self, only: str | None = None) -> None:
-        """Add to the summaries the denies the kernel counted but the ring buffer dropped
-        (a flood outpaces the reader on purpose: it reads a bounded batch per interval)."""
+        """Add to the summaries the denies the kernel counted that were not published as
+        events. Only the first few denies of a burst become events (read from the ring buffer,
+        which the reader lets overflow in a flood); every other count comes from the kernel's
+        per-rule counters, so the summaries are exact whatever the ring buffer dropped."""
         for key, total in self._denied_totals(only).items():
-            delta = total - self._kernel.get(key, 0)
-            self._kernel[key] = total
-            unseen = delta - self._seen.pop(key, 0)
-            if unseen > 0:
-                RING_DROPPED.inc(unseen)
-                self.outlet.unseen(key[0], Key("kernel", key[1], "connect"), unseen)
+            needed = total - self._base.get(key, 0) - self._emitted.get(key, 0)
+            missing = needed - self._added.get(key, 0)
+            if missing > 0:
+                self._added[key] = self._added.get(key, 0) + missing
+                sample = self._sample.get(key, "")
+                self.outlet.unseen(key[0], Key("kernel", key[1], "connect"), missing, sample)
 
     def _denied_totals(self, only: str | None = None) -> dict[tuple[str, str], int]:
         """The kernel's deny counters per (sandbox, rule)."""
@@ -126,7 +124,7 @@ class Egress:
         return totals
 
     def _forget(self, sid: str) -> None:
-        for table in (self._seen, self._kernel):
+        for table in (self._base, self._emitted, self._added, self._sample):
             for key in [k for k in table if k[0] == sid]:
                 del table[key]
 
@@ -134,17 +132,21 @@ class Egress:
         if event.sandbox_id is None:
             return
         rule = event.rule_id or "default-deny"
-        if event.denied:
-            seen = (event.sandbox_id, rule)
-            self._seen[seen] = self._seen.get(seen, 0) + 1
         operation = event.hook.name.lower().rstrip("46")
-        self.outlet.refusal(
+        target = f"{event.destination}/{event.protocol}"
+        if event.denied:
+            self._sample[(event.sandbox_id, rule)] = target
+        admission = self.outlet.refusal(
             event.sandbox_id,
             Key("kernel", rule, operation),
-            f"{event.destination}/{event.protocol}",
+            target,
             lambda: violation(event),
             refused=event.denied,  # allows are events only for plans that log them
+            counted_elsewhere=event.denied,  # denies past the burst: the kernel's counters
         )
+        if event.denied and admission is Admission.EVENT:
+            key = (event.sandbox_id, rule)
+            self._emitted[key] = self._emitted.get(key, 0) + 1
 
     def _on_dns_denied(self, sandbox_id: str, name: str, rdtype: str) -> None:
         target = bound(f"{name}/{rdtype}", TARGET_LIMIT)

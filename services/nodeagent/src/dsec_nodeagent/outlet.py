@@ -110,16 +110,21 @@ class EventOutlet:
         event: Callable[[], events.Payload],
         *,
         refused: bool = True,
+        counted_elsewhere: bool = False,
     ) -> Admission:
         """Count one refusal; queue its event (built by ``event``) when the gate admits it.
 
         Synchronous and O(1): called from the readers of the kernel, the DNS proxy and the
         semantic channel, for every refusal of a flood. ``refused`` false: a decision that
         allowed (a logged request), summarized alike but not counted towards the flood limit.
+        ``counted_elsewhere``: refusals past the burst (and a burst event that finds the queue
+        full) are not counted here; the caller adds them from its own count (:meth:`unseen`).
         """
         now = self._clock()
         REFUSALS.labels(key.layer, metric_rule(key.rule_id)).inc()
-        decision = self.gate.admit(sandbox_id, key, target, now, refused=refused)
+        decision = self.gate.admit(
+            sandbox_id, key, target, now, refused=refused, count=not counted_elsewhere
+        )
         if decision.flooded:
             self._flooded(sandbox_id)
         if decision.admission is Admission.COUNTED:
@@ -128,17 +133,21 @@ class EventOutlet:
             self._queue.put_nowait((event(), sandbox_id))
         except asyncio.QueueFull:
             COALESCED.inc()
-            self.gate.demote(sandbox_id, key, target, now)
+            if counted_elsewhere:
+                if refused:
+                    self.gate.uncount(sandbox_id)
+            else:
+                self.gate.demote(sandbox_id, key, target, now)
             return Admission.COUNTED
         QUEUE_DEPTH.set(self._queue.qsize())
         return Admission.EVENT
 
-    def unseen(self, sandbox_id: str, key: Key, count: int) -> None:
-        """Count ``count`` refusals known only as a number (dropped before they were read)."""
+    def unseen(self, sandbox_id: str, key: Key, count: int, sample: str = "") -> None:
+        """Count ``count`` refusals known only as a number (the kernel's counters)."""
         if count <= 0:
             return
         REFUSALS.labels(key.layer, metric_rule(key.rule_id)).inc(count)
-        if self.gate.add(sandbox_id, key, count, self._clock()):
+        if self.gate.add(sandbox_id, key, count, self._clock(), sample):
             self._flooded(sandbox_id)
 
     def _flooded(self, sandbox_id: str) -> None:

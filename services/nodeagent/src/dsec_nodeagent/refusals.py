@@ -107,34 +107,56 @@ class RefusalGate:
         self._tables: dict[str, _Table] = {}
 
     def admit(
-        self, sandbox_id: str, key: Key, target: str, now: float, *, refused: bool = True
+        self,
+        sandbox_id: str,
+        key: Key,
+        target: str,
+        now: float,
+        *,
+        refused: bool = True,
+        count: bool = True,
     ) -> Decision:
-        """Count one refusal of ``sandbox_id`` at ``now`` (seconds, wall clock). ``refused``
-        false: a decision that allowed (a logged request): summarized alike, but not counted
-        towards the flood limit."""
+        """Count one refusal of ``sandbox_id`` at ``now`` (seconds, wall clock).
+
+        Args:
+            refused: false for a decision that allowed (a logged request): summarized alike,
+                but not counted towards the flood limit.
+            count: false when the caller counts the refusals past the burst elsewhere (the
+                kernel's counters, added with :meth:`add`): only a burst event is counted here.
+        """
         table = self._tables.setdefault(sandbox_id, _Table())
-        flooded = False
-        if refused:
-            table.total += 1
-            if self.flood_limit and not table.flooded and table.total > self.flood_limit:
-                table.flooded = flooded = True
         slot = self._slot(table, key, now)
         if now - slot.window_start >= self.window_s:
             slot.window_start, slot.sent = now, 0
+        admission = Admission.COUNTED
         if slot.sent < self.burst:
             slot.sent += 1
-            return Decision(Admission.EVENT, flooded)
-        self._count(slot, target, now)
-        return Decision(Admission.COUNTED, flooded)
+            admission = Admission.EVENT
+        elif count:
+            self._count(slot, target, now)
+        flooded = False
+        if refused and (count or admission is Admission.EVENT):
+            table.total += 1
+            if self.flood_limit and not table.flooded and table.total > self.flood_limit:
+                table.flooded = flooded = True
+        return Decision(admission, flooded)
 
-    def add(self, sandbox_id: str, key: Key, count: int, now: float) -> bool:
-        """Count ``count`` refusals that were never seen one by one (the kernel's counters of
-        verdicts its ring buffer had no room for); ``True`` when this crossed the flood limit."""
+    def uncount(self, sandbox_id: str) -> None:
+        """Take back one refusal of the flood total (its event was not published and the
+        caller counts it elsewhere)."""
+        table = self._tables.get(sandbox_id)
+        if table is not None and table.total > 0:
+            table.total -= 1
+
+    def add(self, sandbox_id: str, key: Key, count: int, now: float, sample: str = "") -> bool:
+        """Count ``count`` refusals known only as a number (the kernel's counters);
+        ``True`` when this crossed the flood limit. ``sample``: one of their targets."""
         table = self._tables.setdefault(sandbox_id, _Table())
         table.total += count
         slot = self._slot(table, key, now)
         if slot.pending == 0:
             slot.first = now
+            slot.sample = bound(sample, SAMPLE_LIMIT)
         slot.pending += count
         slot.last = now
         if self.flood_limit and not table.flooded and table.total > self.flood_limit:

@@ -45,8 +45,8 @@ RING_SLICE_S = 0.05
 RING_PAUSES = Counter(
     "dsec_egress_ring_pauses_total",
     "Times the verdict reader spent its budget and left the ring buffer alone until the next "
-    "slice (a flood; the kernel then drops events it cannot buffer, counted by "
-    "dsec_egress_ring_dropped_total)",
+    "slice (a flood; the kernel then drops events it cannot buffer; its per-rule counters, "
+    "which the summaries use, still count every verdict)",
 )
 
 
