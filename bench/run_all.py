@@ -3,7 +3,7 @@
     uv run python bench/run_all.py [--quick] [NAME ...]
 
 Each benchmark writes ``bench/results/<name>.json`` and prints a ratio line and a JSON last line.
-Kernel benchmarks (sandbox_start, egress) need root.
+Kernel benchmarks (sandbox_start, egress, noisy_neighbour) need root.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ BENCHES = {
     "egress": [],
     "snapshot": [],
     "ipc": [],
+    "noisy_neighbour": [],
 }
 QUICK = {
     "bus": ["--quick"],
     "egress": ["--quick"],
     "ipc": ["--quick"],
     "sandbox_start": ["--n", "20"],
+    "noisy_neighbour": ["--n", "8", "--flood-s", "10"],
 }
 
 

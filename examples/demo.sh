@@ -116,8 +116,10 @@ for _ in $(seq 50); do  # the projector follows the log asynchronously
 done
 dsec sandbox list
 
-step "Refusals, with the rule that refused them" dsec audit replay --type policy.violation
-dsec audit replay --type policy.violation --sandbox "$SEARCH_SID"
+step "Refusals, with the rule that refused them (and what the sandbox's semantic layer reported)" \
+  dsec audit replay --type policy.violation --type policy.violation_summary --type policy.reported
+dsec audit replay --type policy.violation --type policy.violation_summary --type policy.reported \
+  --sandbox "$SEARCH_SID"
 echo "--- the world saw (no question about tracker, no tracker connection):"
 cat "$DSEC_HOME/demo-world.log"
 

@@ -7,7 +7,13 @@ import re
 from pathlib import Path
 
 import dsec_core.metrics  # noqa: F401  (registers the service metrics)
-import dsec_nodeagent.ipc.metrics  # noqa: F401  (the broker's metrics, on the node agent)
+
+# The node agent's metrics: refused semantic reports, the ring-buffer reader, the broker's,
+# refusals with their events and floods.
+import dsec_nodeagent.agent
+import dsec_nodeagent.ebpf.controller
+import dsec_nodeagent.ipc.metrics
+import dsec_nodeagent.outlet  # noqa: F401  (imported for its metrics)
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 

@@ -74,10 +74,10 @@ def world(tmp_path: Path) -> Iterator[World]:
     assert not directory.exists(), "the demo world left files behind"
 
 
-def _violations(dsec_cli: Callable[..., Any], env: dict[str, str], sid: str) -> list[Any]:
-    replay = dsec_cli(
-        "audit", "replay", "--sandbox", sid, "--type", "policy.violation", "--json", env=env
-    )
+def _violations(
+    dsec_cli: Callable[..., Any], env: dict[str, str], sid: str, kind: str = "policy.violation"
+) -> list[Any]:
+    replay = dsec_cli("audit", "replay", "--sandbox", sid, "--type", kind, "--json", env=env)
     assert replay.exit_code == 0, replay.output
     return [json.loads(line)["payload"] for line in replay.output.splitlines() if line.strip()]
 
@@ -165,12 +165,14 @@ def test_demo_agent_searches_by_name_and_is_refused_everything_else(
     assert not any("tracker" in q for q in questions), questions
     assert "tracker: connection" not in world.output()
 
-    # policy.violation events: the semantic deny with its rule and line, the refused name and
-    # the kernel's EPERM.
+    # policy.violation events (the node agent's verdicts): the refused name and the kernel's
+    # EPERM. policy.reported events (what the sandbox's semantic layer says, checked against
+    # the plan): the deny with its rule and line, and the logged requests.
     deadline = time.monotonic() + EVENTS_S
     while True:
         violations = _violations(dsec_cli, env, sid)
-        semantic = [v for v in violations if v["layer"] == "semantic" and v["action"] == "deny"]
+        reports = _violations(dsec_cli, env, sid, "policy.reported")
+        semantic = [r for r in reports if r["action"] == "deny"]
         kernel = [v for v in violations if v["layer"] == "kernel" and v["action"] == "deny"]
         dns = [v for v in kernel if v["operation"] == "dns"]
         if (semantic and len(kernel) > len(dns) and dns) or time.monotonic() > deadline:
@@ -179,9 +181,10 @@ def test_demo_agent_searches_by_name_and_is_refused_everything_else(
     assert [(v["rule_id"], v["target"], v["spec_line"]) for v in semantic] == [
         (rule, "/workspace/output/secrets-dump.txt", spec_line)
     ]
+    assert not [v for v in violations if v["layer"] == "semantic"]  # never a verdict
     assert any(v["target"].startswith("127.0.0.54:443") for v in kernel), kernel
     assert any(v["target"].startswith("tracker.websearch.test/") for v in dns), kernel
-    assert any(v["layer"] == "semantic" and v["action"] == "log" for v in violations)
+    assert any(r["action"] == "log" for r in reports)
 
     # The key is in no event, no service log, no sandbox log, nor the world's output.
     everything = dsec_cli("audit", "replay", "--sandbox", sid, "--json", env=env).output

@@ -147,3 +147,52 @@ async def test_applying_a_batch_twice_changes_nothing(js, postgres_dsn) -> None:
         assert len(first) == len(second) == 6
     finally:
         await conn.close()
+
+
+async def test_refusals_summaries_and_reports_are_tallied_per_sandbox(js, postgres_dsn) -> None:
+    from datetime import UTC, datetime
+
+    from dsec_core.events import PolicyReported, PolicyViolation, PolicyViolationSummary
+
+    pub = EventPublisher(js, Signer(f"proj-{uuid.uuid4().hex[:8]}", SigningKey.generate()))
+    await pub.register_key()
+    sid = _sid()
+    now = datetime.now(UTC)
+    await pub.publish(SpecSubmitted(spec_yaml="name: a", filename="a.yaml"), aggregate_id=sid)
+    await pub.publish(SandboxReady(node_id="n1", pid=42, cgroup="/c"), aggregate_id=sid)
+    for _ in range(5):
+        await pub.publish(
+            PolicyViolation(
+                layer="kernel", rule_id="default-deny", action="deny", operation="connect",
+                target="10.0.0.1:80/tcp",
+            ),
+            aggregate_id=sid,
+        )  # fmt: skip
+    await pub.publish(
+        PolicyViolationSummary(
+            layer="kernel", rule_id="default-deny", operation="connect", count=99_995,
+            first=now, last=now, sample_target="10.0.0.1:80/tcp",
+        ),
+        aggregate_id=sid,
+    )  # fmt: skip
+    await pub.publish(
+        PolicyReported(rule_id="semantic[0]", action="deny", operation="open", target="/x"),
+        aggregate_id=sid,
+    )
+    await pub.publish(
+        SandboxExited(exit_code=-9, reason="policy_flood", duration_s=2.0), aggregate_id=sid
+    )
+    await _project_until(js, postgres_dsn, sid)
+    conn = await asyncpg.connect(postgres_dsn)
+    try:
+        row = await conn.fetchrow("SELECT * FROM sandboxes WHERE sandbox_id=$1", sid)
+        summary = await conn.fetchval(
+            "SELECT summary FROM sandbox_events WHERE sandbox_id=$1"
+            " AND type='policy.violation_summary'",
+            sid,
+        )
+    finally:
+        await conn.close()
+    assert (row["refusals"], row["reports"]) == (100_000, 1)
+    assert row["reason"] == "policy_flood"
+    assert '"count": 99995' in summary

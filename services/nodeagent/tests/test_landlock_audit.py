@@ -251,6 +251,8 @@ async def test_the_node_agent_publishes_a_kernel_policy_violation() -> None:
     from dsec_core import events
 
     from dsec_nodeagent.agent import NodeAgent
+    from dsec_nodeagent.outlet import EventOutlet
+    from dsec_nodeagent.refusals import RefusalGate
 
     published: list[tuple[events.Payload, str, str | None]] = []
 
@@ -260,7 +262,10 @@ async def test_the_node_agent_publishes_a_kernel_policy_violation() -> None:
     refusal = LandlockRefusal(
         "sbx-a", "write", ("fs.write_file",), "/workspace/scratch/x", 4242, "1fe"
     )
-    await NodeAgent._landlock_refused(SimpleNamespace(_publish=publish), refusal)  # type: ignore[arg-type]
+    outlet = EventOutlet(publish, RefusalGate())
+    await outlet.start()
+    await NodeAgent._landlock_refused(SimpleNamespace(outlet=outlet), refusal)  # type: ignore[arg-type]
+    await outlet.stop()
     [(payload, sid, event_id)] = published
     assert isinstance(payload, events.PolicyViolation)
     assert (sid, event_id) == ("sbx-a", None)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 from dsec_core.settings import Settings
+from dsec_core.text import escape_controls
 from rich.console import Console
 from rich.markup import escape
 
@@ -32,6 +33,26 @@ console = Console()
 err_console = Console(stderr=True)
 
 T = TypeVar("T")
+
+
+def safe_text(value: object) -> str:
+    """Text from an event, a file name, a log or the read models, safe to print with rich:
+    control characters (ANSI escapes, newlines, ``\\r``, other C0/C1, bidi overrides) shown as
+    escapes, and rich markup (``[bold]``) printed literally. Use it for everything a sandbox or
+    another producer could have written."""
+    return escape(escape_controls(str(value)))
+
+
+def plain_text(value: object) -> str:
+    """:func:`safe_text` for output that is not rich markup (``markup=False``, plain ``print``)."""
+    return escape_controls(str(value))
+
+
+def safe_lines(text: str, *, markup: bool = True) -> str:
+    """Multi-line text (a diff, a list): each line escaped as :func:`safe_text`, the line
+    breaks kept."""
+    joined = "\n".join(escape_controls(line) for line in text.split("\n"))
+    return escape(joined) if markup else joined
 
 
 def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
@@ -105,24 +126,6 @@ async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, Jet
         )
     finally:
         await nc.close()
-
-
-def safe(text: object) -> str:
-    """``text`` fit to print: control characters escaped, rich markup literal."""
-    value = str(text)
-    if any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 or c in _BIDI for c in value):
-        value = "".join(_escape_char(c) for c in value)
-    return escape(value)
-
-
-_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f")
-
-
-def _escape_char(c: str) -> str:
-    code = ord(c)
-    if code < 32 or 0x7F <= code < 0xA0 or c in _BIDI:
-        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-    return c
 
 
 def operator_root() -> Any:

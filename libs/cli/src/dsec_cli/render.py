@@ -1,4 +1,5 @@
-"""Human rendering of events: one line each, secret-free by construction (payload fields only)."""
+"""Human rendering of events: one line each, secret-free by construction (payload fields only),
+every field escaped (:func:`dsec_cli.common.safe_text`): a sandbox writes some of this text."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ from typing import Any
 
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from rich.console import Console
-from rich.markup import escape
+
+from dsec_cli.common import safe_text
 
 _STYLE = {
     "spec.rejected": "bold red",
     "deps.conflict": "bold red",
     "sandbox.failed": "bold red",
     "policy.violation": "yellow",
+    "policy.violation_summary": "yellow",
+    "policy.reported": "magenta",
     "sandbox.exited": "bold",
     "sandbox.ready": "green",
     "spec.validated": "green",
@@ -52,6 +56,16 @@ def _summary(env: Envelope) -> str:
             f"{p.get('layer')} {p.get('action')} {p.get('operation')} {p.get('target')} "
             f"[rule {p.get('rule_id')}]"
         )
+    if t == "policy.violation_summary":
+        return (
+            f"{p.get('layer')} {p.get('operation')} x{p.get('count')} "
+            f"[rule {p.get('rule_id')}] e.g. {p.get('sample_target')}"
+        )
+    if t == "policy.reported":
+        return (
+            f"reported by the sandbox: {p.get('action')} {p.get('operation')} {p.get('target')} "
+            f"[rule {p.get('rule_id')}]"
+        )
     if t == "context.injected":
         return f"{p.get('kind')} {p.get('name')} from {p.get('source')}"
     keys = ("node_id", "snapshot", "producer", "reason")
@@ -64,9 +78,7 @@ def decode_or_warn(seq: int, data: bytes) -> Envelope | None:
     try:
         return decode(data)
     except MalformedEnvelope as exc:
-        Console(stderr=True).print(
-            f"[red]seq {seq}: malformed event skipped: {escape(str(exc))}[/]"
-        )
+        Console(stderr=True).print(f"[red]seq {seq}: malformed event skipped: {safe_text(exc)}[/]")
         return None
 
 
@@ -75,8 +87,9 @@ def event_line(seq: int, env: Envelope) -> str:
     style = _STYLE.get(env.type, "cyan")
     when = env.time.strftime("%H:%M:%S.%f")[:-3]
     return (
-        f"[dim]{seq:>6} {when}[/] [{style}]{env.type:<20}[/] "
-        f"[dim]{env.aggregate_id}[/] {escape(_summary(env))} [dim]({env.producer})[/]"
+        f"[dim]{seq:>6} {when}[/] [{style}]{safe_text(env.type):<20}[/] "
+        f"[dim]{safe_text(env.aggregate_id)}[/] {safe_text(_summary(env))} "
+        f"[dim]({safe_text(env.producer)})[/]"
     )
 
 

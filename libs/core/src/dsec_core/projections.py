@@ -58,6 +58,10 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     last_event text NOT NULL,
     last_seq bigint NOT NULL
 );
+-- Refusals the node agent recorded (each policy.violation, plus each summary's count) and
+-- reports of the sandbox's own semantic layer (policy.reported, the sandbox's claims).
+ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS refusals bigint NOT NULL DEFAULT 0;
+ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS reports bigint NOT NULL DEFAULT 0;
 CREATE TABLE IF NOT EXISTS sandbox_events (
     sandbox_id text NOT NULL,
     seq bigint NOT NULL,
@@ -76,7 +80,20 @@ STATES: dict[str, tuple[str, bool]] = {
     event: (state, event in TERMINAL_TYPES) for event, state in SANDBOX_STATES.items()
 }
 
-_SUMMARY_KEYS = ("reason", "exit_code", "stage", "rule_id", "node_id", "snapshot", "name", "kind")
+_SUMMARY_KEYS = (
+    "reason",
+    "exit_code",
+    "stage",
+    "rule_id",
+    "node_id",
+    "snapshot",
+    "name",
+    "kind",
+    "layer",
+    "action",
+    "operation",
+    "count",
+)
 
 
 def summarize(env: Envelope) -> dict[str, Any]:
@@ -131,8 +148,14 @@ async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> N
     state = STATES.get(env.type)
     p = env.payload
     if state is None:  # an event that does not change the state (violation, context, ...)
+        refusals, reports = _tallies(env)
         await conn.execute(
-            "UPDATE sandboxes SET updated_at = $2 WHERE sandbox_id = $1", env.aggregate_id, env.time
+            "UPDATE sandboxes SET updated_at = $2, refusals = refusals + $3,"
+            " reports = reports + $4 WHERE sandbox_id = $1",
+            env.aggregate_id,
+            env.time,
+            refusals,
+            reports,
         )
         return
     await conn.execute(
@@ -164,6 +187,17 @@ async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> N
         env.type,
         seq,
     )
+
+
+def _tallies(env: Envelope) -> tuple[int, int]:
+    """``(refusals, reports)`` an event adds to its sandbox's row."""
+    if env.type == "policy.violation":
+        return (1 if env.payload.get("action") == "deny" else 0), 0
+    if env.type == "policy.violation_summary":
+        return int(env.payload.get("count") or 0), 0
+    if env.type == "policy.reported":
+        return 0, 1
+    return 0, 0
 
 
 async def apply_event(conn: asyncpg.Connection, seq: int, env: Envelope) -> None:

@@ -109,6 +109,19 @@ class Settings(BaseSettings):
         default=200, ge=0, description="At most this many ended sandboxes' directories are kept"
     )
 
+    policy_event_burst: int = Field(
+        default=5, ge=0, description="Refusals per sandbox, rule and minute sent as events"
+    )
+    policy_summary_interval_s: float = Field(
+        default=10.0, gt=0, description="How often further refusals are published as counts"
+    )
+    policy_flood_limit: int = Field(
+        default=100_000, ge=0, description="Refusals after which a sandbox is flooding (0 = none)"
+    )
+    policy_flood_stop: bool = Field(
+        default=True, description="Stop a flooding sandbox (sandbox.exited reason policy_flood)"
+    )
+
     def endpoint(self, name: str) -> Any:
         """Return setting ``name`` if set, else the value ``dsec up`` recorded in stack.json."""
         value = getattr(self, name)

@@ -11,13 +11,13 @@ from the sandbox id, so a node-agent restart that re-adopts it can never publish
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from dsec_core import events, retention
 from dsec_core.codebundle import BundleError, extract_bundle, open_real_dir
@@ -29,13 +29,17 @@ from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan, load_spec
 from dsec_core.spec.plan import ResourceLimits
 from dsec_core.subjects import subject_for
+from dsec_core.text import bound
 from dsec_core.trust import Gate
+from prometheus_client import Counter
 
 from dsec_nodeagent.context.configmap import ConfigMaps
 from dsec_nodeagent.context.injector import ContextInjector, PreparedContext
 from dsec_nodeagent.context.models import ContextError
 from dsec_nodeagent.context.s3 import S3Materializer
 from dsec_nodeagent.context.vault import VaultSecrets
+from dsec_nodeagent.outlet import EventOutlet
+from dsec_nodeagent.refusals import Key
 from dsec_nodeagent.sandbox.audit import LandlockRefusal, describe
 from dsec_nodeagent.sandbox.manager import SandboxManager
 from dsec_nodeagent.sandbox.models import (
@@ -49,14 +53,20 @@ from dsec_nodeagent.sandbox.models import (
 )
 from dsec_nodeagent.sandbox.notify import KernelRefusal
 from dsec_nodeagent.semantic.compile import rules_from_spec
-from dsec_nodeagent.semantic.models import SemanticDecision
+from dsec_nodeagent.semantic.models import SemanticDecision, SemanticRules
+from dsec_nodeagent.semantic.reports import MESSAGE_LIMIT, TARGET_LIMIT, Refused, check_report
 
 log = logging.getLogger(__name__)
 
 RETENTION_INTERVAL_S = 300.0
 """How often the node agent applies DSEC_SANDBOX_KEEP_HOURS / DSEC_SANDBOX_KEEP_MAX."""
 
-Publish = Callable[[events.Payload, str, str | None], Awaitable[None]]
+REPORTS_REFUSED = Counter(
+    "dsec_semantic_reports_refused_total",
+    "Reports of an in-sandbox semantic layer that do not fit the sandbox's plan (not published)",
+    ["reason"],
+)
+
 BeforeStart = Callable[[str, Path, int, EnforcementPlan], Awaitable[None]]
 
 
@@ -71,7 +81,7 @@ class NodeAgent:
     def __init__(
         self,
         settings: Settings,
-        publish: Publish,
+        outlet: EventOutlet,
         gate: Callable[[], Gate],
         before_start: BeforeStart | None = None,
         on_stopped: Callable[[str], Awaitable[None]] | None = None,
@@ -79,7 +89,7 @@ class NodeAgent:
     ) -> None:
         self.settings = settings
         self.home = settings.home.resolve()
-        self._publish = publish
+        self.outlet = outlet
         self._gate = gate
         self._before_start = before_start
         self._on_stopped = on_stopped
@@ -96,6 +106,7 @@ class NodeAgent:
         self._contexts: dict[str, PreparedContext] = {}
         self._keepalive: dict[str, asyncio.Task[None]] = {}
         self._retention: asyncio.Task[None] | None = None
+        self._rules: dict[str, SemanticRules] = {}
 
     def _injector(self) -> ContextInjector:
         s = self.settings
@@ -252,6 +263,7 @@ class NodeAgent:
             self._check_environment(event)
             return await self._launch(sid, event, envelope.causation_id)
         except (StartRefused, ContextError, SandboxStartError) as exc:
+            self._rules.pop(sid, None)
             if self._on_stopped is not None:  # egress attached before a failed start
                 await self._on_stopped(sid)
             if isinstance(exc, ContextError) and exc.transient:
@@ -320,6 +332,7 @@ class NodeAgent:
         if spec.spec is not None:
             rules = rules_from_spec(spec.spec.security_policy, spec.source, submitted.filename)
             semantic = rules.model_dump(mode="json")
+            self._rules[sid] = rules  # what the sandbox's reports are checked against
         res = plan.resources
         assert plan.entrypoint is not None
         return SandboxConfig(
@@ -388,7 +401,9 @@ class NodeAgent:
                 detail=result.detail,
                 log_dropped_bytes=result.log_dropped_bytes,
             )
-            await self._publish(payload, sid, derive_event_id(sid, "sandbox.exited"))
+            await self.outlet.sandbox_done(sid)  # its last summaries, before the exit
+            self._rules.pop(sid, None)
+            await self.outlet.lifecycle(payload, sid, derive_event_id(sid, "sandbox.exited"))
 
     async def _wait_until_ready_recorded(self, sid: str, timeout_s: float = 10.0) -> None:
         """A workload that exits at once could beat its own ``sandbox.ready`` (published by
@@ -400,42 +415,66 @@ class NodeAgent:
                 return
             await asyncio.sleep(0.02)
 
+    async def flooded(self, sandbox_id: str) -> None:
+        """Stop a sandbox that passed the refusal limit (``sandbox.exited`` reason
+        ``policy_flood`` follows from the exit watcher)."""
+        if self.manager.get(sandbox_id) is not None:
+            with contextlib.suppress(KeyError):  # it ended meanwhile
+                await self.manager.stop(sandbox_id, reason=ExitReason.POLICY_FLOOD, grace_s=1.0)
+
     async def _decided(self, decision: SemanticDecision) -> None:
-        payload = events.PolicyViolation(
-            layer="semantic",
-            rule_id=decision.rule or "rate_limit",
-            action=_action(decision.action),
-            operation=decision.on,
-            target=decision.subject,
-            message=f"{decision.action} {decision.on} {decision.subject}",
-            spec_line=decision.spec_line,
+        """A report of the in-sandbox semantic layer: checked against the plan, published as
+        ``policy.reported`` (the sandbox's claim, never the node agent's verdict)."""
+        sid = decision.sandbox_id
+        rules = self._rules.get(sid)
+        checked = check_report(rules, decision) if rules is not None else Refused("no-plan")
+        if isinstance(checked, Refused):
+            REPORTS_REFUSED.labels(checked.reason).inc()
+            return
+        report = checked
+        self.outlet.refusal(
+            sid,
+            Key("semantic", report.rule_id, report.operation),
+            report.target,
+            lambda: report,
+            refused=report.action == "deny",
         )
-        await self._publish(payload, decision.sandbox_id, None)
 
     async def _refused(self, refusal: KernelRefusal) -> None:
-        payload = events.PolicyViolation(
-            layer="kernel",
-            rule_id=refusal.rule_id,
-            action="deny",
-            operation="syscall",
-            target=refusal.syscall,
-            message=(
-                f"the kernel refused system call {refusal.syscall} (pid {refusal.pid}) with "
-                f"{refusal.errno_name}: {_SECCOMP_WHY.get(refusal.rule_id, 'not allowed')}"
-            ),
+        def event() -> events.PolicyViolation:
+            return events.PolicyViolation(
+                layer="kernel",
+                rule_id=refusal.rule_id,
+                action="deny",
+                operation="syscall",
+                target=refusal.syscall,
+                message=(
+                    f"the kernel refused system call {refusal.syscall} (pid {refusal.pid}) with "
+                    f"{refusal.errno_name}: {_SECCOMP_WHY.get(refusal.rule_id, 'not allowed')}"
+                ),
+            )
+
+        self.outlet.refusal(
+            refusal.sandbox_id, Key("kernel", refusal.rule_id, "syscall"), refusal.syscall, event
         )
-        await self._publish(payload, refusal.sandbox_id, None)
 
     async def _landlock_refused(self, refusal: LandlockRefusal) -> None:
-        payload = events.PolicyViolation(
-            layer="kernel",
-            rule_id="landlock",
-            action="deny",
-            operation=refusal.operation,
-            target=refusal.target,
-            message=describe(refusal),
+        def event() -> events.PolicyViolation:
+            return events.PolicyViolation(
+                layer="kernel",
+                rule_id="landlock",
+                action="deny",
+                operation=refusal.operation,
+                target=bound(refusal.target, TARGET_LIMIT),
+                message=bound(describe(refusal), MESSAGE_LIMIT),
+            )
+
+        self.outlet.refusal(
+            refusal.sandbox_id,
+            Key("kernel", "landlock", refusal.operation),
+            refusal.target,
+            event,
         )
-        await self._publish(payload, refusal.sandbox_id, None)
 
 
 _SECCOMP_WHY = {
@@ -501,10 +540,6 @@ def _mountpoints(code_dir: Path, plan: EnforcementPlan) -> None:
                 ) from None
     finally:
         os.close(root_fd)
-
-
-def _action(value: str) -> Any:
-    return value if value in ("deny", "log", "redirect", "allow") else "deny"
 
 
 def _reason(exc: Exception) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dsec_core.events import Payload
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
@@ -9,12 +11,14 @@ from dsec_core.trust import Gate
 
 from dsec_nodeagent.agent import NodeAgent
 from dsec_nodeagent.communication import CommunicationPlane
+from dsec_nodeagent.ebpf.controller import EgressController
 from dsec_nodeagent.egress import Egress
+from dsec_nodeagent.outlet import EventOutlet
+from dsec_nodeagent.refusals import RefusalGate
 
 
-def create_service(settings: Settings | None = None) -> Service:
-    """Build the node agent: ``env.built`` → sandbox; ``sandbox.stop_requested`` → stop."""
-    service = Service("nodeagent", settings)
+def outlet_for(settings: Settings, service: Service) -> EventOutlet:
+    """Lifecycle events first; refusals through the per-sandbox gate (the settings' bounds)."""
 
     async def publish(payload: Payload, aggregate_id: str, event_id: str | None) -> None:
         # Not a handler's output: the event still belongs to the sandbox's tenant.
@@ -26,26 +30,59 @@ def create_service(settings: Settings | None = None) -> Service:
             payload, aggregate_id=aggregate_id, event_id=event_id, tenant=tenant
         )
 
+    gate = RefusalGate(
+        burst=settings.policy_event_burst,
+        window_s=60.0,
+        flood_limit=settings.policy_flood_limit,
+    )
+    return EventOutlet(publish, gate, interval_s=settings.policy_summary_interval_s)
+
+
+@dataclass(frozen=True)
+class Wired:
+    """The node agent's service and the parts tests and benchmarks look at."""
+
+    service: Service
+    agent: NodeAgent
+    outlet: EventOutlet
+    egress: Egress
+
+
+def create_service(settings: Settings | None = None) -> Service:
+    """Build the node agent: ``env.built`` → sandbox; ``sandbox.stop_requested`` → stop."""
+    return wire(settings).service
+
+
+def wire(
+    settings: Settings | None = None, *, egress_controller: EgressController | None = None
+) -> Wired:
+    """The node agent and its parts. ``egress_controller``: one with its own pin and state
+    directories (tests and benchmarks that run beside a node agent of the machine)."""
+    service = Service("nodeagent", settings)
+
     def gate() -> Gate:
         assert service.gate is not None
         return service.gate
 
-    egress = Egress(service.settings, publish)
+    outlet = outlet_for(service.settings, service)
+    egress = Egress(service.settings, outlet, egress_controller)
     comms = CommunicationPlane(service.settings)
     agent = NodeAgent(
         service.settings,
-        publish,
+        outlet,
         gate,
         before_start=egress.attach,
         on_stopped=egress.detach,
         ipc_socket=comms.socket_path,
     )
+    if service.settings.policy_flood_stop:
+        outlet.on_flood = agent.flooded
     comms.attach(agent.manager)
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
     service.handles("env.built", retry=retry, batch=4)(agent.on_env_built)
     service.handles("sandbox.stop_requested")(agent.on_stop_requested)
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
-    service.on_start.extend([egress.start, comms.start, agent.start])
-    service.on_stop.extend([agent.shutdown, comms.stop, egress.close])
-    return service
+    service.on_start.extend([outlet.start, egress.start, comms.start, agent.start])
+    service.on_stop.extend([agent.shutdown, comms.stop, egress.close, outlet.stop])
+    return Wired(service, agent, outlet, egress)

@@ -15,13 +15,16 @@ from dsec_core import events, retention
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan
 from dsec_core.stackinfo import stack_endpoints
+from dsec_core.text import bound
 from prometheus_client import REGISTRY
 
-from dsec_nodeagent.agent import Publish
 from dsec_nodeagent.dns.policy import DnsBounds
 from dsec_nodeagent.ebpf import EgressPlan, Verdict, VerdictEvent
 from dsec_nodeagent.ebpf.controller import EgressController
 from dsec_nodeagent.ebpf.metrics import EgressCollector
+from dsec_nodeagent.outlet import EventOutlet
+from dsec_nodeagent.refusals import Admission, Key
+from dsec_nodeagent.semantic.reports import TARGET_LIMIT
 from dsec_nodeagent.stackdeny import deny_entries, local_addresses
 
 log = logging.getLogger(__name__)
@@ -61,9 +64,14 @@ def violation(event: VerdictEvent) -> events.PolicyViolation:
 class Egress:
     """Owns the egress controller for this node."""
 
-    def __init__(self, settings: Settings, publish: Publish) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        outlet: EventOutlet,
+        controller: EgressController | None = None,
+    ) -> None:
         self.home = settings.home.resolve()
-        self.controller = EgressController(
+        self.controller = controller or EgressController(
             dns_upstream=settings.dns_upstream,
             dns_bounds=DnsBounds(
                 max_ttl_s=settings.dns_max_ttl_s,
@@ -77,9 +85,15 @@ class Egress:
             trusted_targets=settings.dns_trusted_targets,
         )
         self.settings = settings
-        self._publish = publish
+        self.outlet = outlet
         self._cgroups: dict[str, Path] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._collector: EgressCollector | None = None
+        # Per (sandbox, rule): the kernel's deny counter when this node agent started (adopted
+        # sandboxes), denies published as events, denies added to the summaries.
+        self._base: dict[tuple[str, str], int] = {}
+        self._emitted: dict[tuple[str, str], int] = {}
+        self._added: dict[tuple[str, str], int] = {}
+        self._sample: dict[tuple[str, str], str] = {}  # a target read from the ring buffer
 
     async def start(self) -> None:
         """Load the programs (or re-open the pinned ones) and re-adopt live sandboxes."""
@@ -89,7 +103,11 @@ class Egress:
         log.info("egress reconciled: adopted %s, removed %s", report.adopted, report.removed)
         self.controller.add_listener(self._on_verdict)
         self.controller.proxy.on_denied = self._on_dns_denied
-        REGISTRY.register(EgressCollector(self.controller))
+        self._collector = EgressCollector(self.controller)
+        REGISTRY.register(self._collector)
+        # Adopted sandboxes' earlier denies were reported by the previous node agent.
+        self._base = self._denied_totals()
+        self.outlet.before_flush.append(self.reconcile_counts)  # the kernel's maps are open
 
     async def deny_stack(self, extra: tuple[tuple[str, str, int], ...] = ()) -> int:
         """Put the stack's servers (settings + ``stack.json``, this agent's metrics port) in
@@ -106,11 +124,17 @@ class Egress:
         """Stop reading verdicts; programs stay attached (fail-closed) — unless the stack is
         going down (``dsec down``) and no sandbox uses them any more: then the pinned maps and
         the egress state are removed too, so nothing of DSec stays in the kernel."""
+        if self.reconcile_counts in self.outlet.before_flush:
+            self.reconcile_counts()  # the last counts, while the kernel's maps are open
+            self.outlet.before_flush.remove(self.reconcile_counts)
         if retention.down_marker(self.home).exists() and not self.controller.sandboxes():
             log.info("the stack is down and no sandbox is attached: removing the pinned maps")
             await self.controller.uninstall()
             return
         await self.controller.close()
+        if self._collector is not None:
+            REGISTRY.unregister(self._collector)
+            self._collector = None
 
     async def attach(self, sid: str, cgroup: Path, cgroup_id: int, plan: EnforcementPlan) -> None:
         """Put a new sandbox's cgroup under its egress plan (before its first instruction)."""
@@ -125,11 +149,62 @@ class Egress:
                 (a.cgroup_path for a in self.controller.sandboxes() if a.sandbox_id == sid), None
             )
         if cgroup is not None:
+            # Before its counters go with the programs. Its events still in the ring buffer are
+            # not read first (a neighbour's flood could keep that going): they count as unseen.
+            self.reconcile_counts(only=sid)
             await self.controller.detach(cgroup)
+        self._forget(sid)
+
+    def reconcile_counts(self, only: str | None = None) -> None:
+        """Add to the summaries the denies the kernel counted that were not published as
+        events. Only the first few denies of a burst become events (read from the ring buffer,
+        which the reader lets overflow in a flood); every other count comes from the kernel's
+        per-rule counters, so the summaries are exact whatever the ring buffer dropped."""
+        for key, total in self._denied_totals(only).items():
+            needed = total - self._base.get(key, 0) - self._emitted.get(key, 0)
+            missing = needed - self._added.get(key, 0)
+            if missing > 0:
+                self._added[key] = self._added.get(key, 0) + missing
+                sample = self._sample.get(key, "")
+                self.outlet.unseen(key[0], Key("kernel", key[1], "connect"), missing, sample)
+
+    def _denied_totals(self, only: str | None = None) -> dict[tuple[str, str], int]:
+        """The kernel's deny counters per (sandbox, rule)."""
+        totals: dict[tuple[str, str], int] = {}
+        for sample in self.controller.counters():
+            if sample.sandbox_id is None or not sample.verdict.denied:
+                continue
+            if only is not None and sample.sandbox_id != only:
+                continue
+            key = (sample.sandbox_id, sample.rule_id or "default-deny")
+            totals[key] = totals.get(key, 0) + sample.count
+        return totals
+
+    def _forget(self, sid: str) -> None:
+        for table in (self._base, self._emitted, self._added, self._sample):
+            for key in [k for k in table if k[0] == sid]:
+                del table[key]
 
     def _on_verdict(self, event: VerdictEvent) -> None:
-        if event.sandbox_id is not None:
-            self._emit(violation(event), event.sandbox_id)
+        if event.sandbox_id is None:
+            return
+        stack = event.verdict is Verdict.DENY_STACK
+        rule = event.rule_id or ("system.egress" if stack else "default-deny")
+        operation = event.hook.name.lower().rstrip("46")
+        target = f"{event.destination}/{event.protocol}"
+        if event.denied:
+            self._sample[(event.sandbox_id, rule)] = target
+        admission = self.outlet.refusal(
+            event.sandbox_id,
+            Key("kernel", rule, operation),
+            target,
+            lambda: violation(event),
+            refused=event.denied,  # allows are events only for plans that log them
+            counted_elsewhere=event.denied,  # denies past the burst: the kernel's counters
+        )
+        if event.denied and admission is Admission.EVENT:
+            key = (event.sandbox_id, rule)
+            self._emitted[key] = self._emitted.get(key, 0) + 1
 
     def _on_dns_denied(
         self,
@@ -140,26 +215,23 @@ class Egress:
         rule_id: str = "default-deny",
         reason: str | None = None,
     ) -> None:
+        target = bound(f"{name}/{rdtype}", TARGET_LIMIT)
         if rule_id == "default-deny":
             message = (
-                f"{name} matches no egress rule: the node's DNS proxy refused to resolve "
+                f"{target} matches no egress rule: the node's DNS proxy refused to resolve "
                 "it (the sandbox's DNS can only reach the proxy)"
             )
         else:
-            message = f"the node's DNS proxy refused {name}/{rdtype}: {reason}"
-        self._emit(
-            events.PolicyViolation(
+            message = bound(f"the node's DNS proxy refused {target}: {reason}", 512)
+
+        def event() -> events.PolicyViolation:
+            return events.PolicyViolation(
                 layer="kernel",
                 rule_id=rule_id,
                 action="deny",
                 operation="dns",
-                target=f"{name}/{rdtype}",
+                target=target,
                 message=message,
-            ),
-            sandbox_id,
-        )
+            )
 
-    def _emit(self, payload: events.PolicyViolation, sandbox_id: str) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(self._publish(payload, sandbox_id, None))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.outlet.refusal(sandbox_id, Key("dns", rule_id, "dns"), target, event)

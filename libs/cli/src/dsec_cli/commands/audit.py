@@ -21,7 +21,7 @@ from dsec_cli.common import (
     parse_since,
     print_json,
     run,
-    safe,
+    safe_text,
 )
 from dsec_cli.render import decode_or_warn, event_json, event_line
 
@@ -95,9 +95,9 @@ def _print_injected(report: VerifyReport) -> None:
     for item in report.injected:
         table.add_row(
             str(item.stream_seq),
-            safe(item.event_type or "?"),
-            safe(item.producer or "?"),
-            safe(item.reason),
+            safe_text(item.event_type or "?"),
+            safe_text(item.producer or "?"),
+            safe_text(item.reason),
             ", ".join(map(str, item.answered_by)) or "-",
         )
     console.print(table)
@@ -136,8 +136,8 @@ def verify(
         bad = result["first_bad"]
         console.print(
             f"[bold red]audit trail BROKEN[/] at stream seq {bad['seq']}"
-            f" (event {safe(bad['id'] or '?')}, type {safe(bad['type'] or '?')},"
-            f" producer {safe(bad['producer'] or '?')}): {safe(bad['reason'])}",
+            f" (event {safe_text(bad['id'] or '?')}, type {safe_text(bad['type'] or '?')},"
+            f" producer {safe_text(bad['producer'] or '?')}): {safe_text(bad['reason'])}",
             highlight=False,
         )
     if not report.ok:
@@ -231,10 +231,10 @@ def keys(
     for row in rows:
         where = row["tenant"] or row["node_id"] or "-"
         table.add_row(
-            safe(row["producer"]),
-            safe(row["key_id"]),
-            safe(row["role"] or "[uncertified]"),
-            safe(where),
+            safe_text(row["producer"]),
+            safe_text(row["key_id"]),
+            safe_text(row["role"] or "[uncertified]"),
+            safe_text(where),
             str(row["first_seq"]),
             f"at seq {row['revoked_at_seq']}" if row["revoked_at_seq"] else "-",
         )
@@ -275,7 +275,7 @@ def revoke(
     if as_json:
         print_json({"revoked": key_id, "stream_seq": seq})
     else:
-        console.print(f"revoked key {safe(key_id)} (audit.key_revoked at seq {seq})")
+        console.print(f"revoked key {safe_text(key_id)} (audit.key_revoked at seq {seq})")
 
 
 @keys_app.command("rotate")

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from dsec_core.settings import Settings
 
-from dsec_cli.common import EXIT_BAD_INPUT, console, fail, operator_root, print_json, safe
+from dsec_cli.common import EXIT_BAD_INPUT, console, fail, operator_root, print_json, safe_text
 
 admin_app = typer.Typer(help="Operator tasks: issue credentials and service keys.")
 
@@ -47,8 +47,9 @@ def _show(cert: object, as_json: bool) -> None:
         )
     else:
         console.print(
-            f"{safe(cert.subject)} (role {cert.role}, tenant {safe(cert.tenant or '-')}, key "
-            f"{cert.key_id}, issued {cert.issued_at:%Y-%m-%d %H:%M} UTC)",
+            f"{safe_text(cert.subject)} (role {cert.role}, tenant "
+            f"{safe_text(cert.tenant or '-')}, key {cert.key_id}, issued "
+            f"{cert.issued_at:%Y-%m-%d %H:%M} UTC)",
             highlight=False,
         )
 
@@ -119,8 +120,8 @@ def issue_user(
     with os.fdopen(fd, "w") as f:
         f.write(identity.credential_json(key, cert))
     console.print(
-        f"wrote {safe(out)} for {safe(cert.subject)} (tenant {safe(tenant)}); give it to the "
-        "user, who runs `dsec login --credential FILE`",
+        f"wrote {safe_text(out)} for {safe_text(cert.subject)} (tenant {safe_text(tenant)}); "
+        "give it to the user, who runs `dsec login --credential FILE`",
         highlight=False,
     )
 
@@ -143,7 +144,7 @@ def issue_service(
     anchor = home / "trust" / "root.pub"
     anchor.parent.mkdir(parents=True, exist_ok=True)
     anchor.write_text(bytes(root.verify_key).hex() + "\n")
-    console.print(f"certified {role} key {cert.key_id} under {safe(home)}", highlight=False)
+    console.print(f"certified {role} key {cert.key_id} under {safe_text(home)}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

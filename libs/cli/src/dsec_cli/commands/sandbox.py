@@ -14,7 +14,6 @@ from typing import Annotated, Any
 import typer
 from dsec_core.events import SnapshotRestored, SpecSubmitted
 from dsec_core.settings import Settings
-from rich.markup import escape
 from rich.table import Table
 
 from dsec_cli.common import (
@@ -28,6 +27,8 @@ from dsec_cli.common import (
     pg_connect,
     print_json,
     run,
+    safe_lines,
+    safe_text,
     submitter,
 )
 
@@ -80,13 +81,14 @@ def list_(
         table.add_column(column)
     for r in rows:
         style = _STATE_STYLE.get(r["state"], "")
+        state_text = safe_text(r["state"])
         table.add_row(
-            r["sandbox_id"],
-            r["name"] or "",
-            f"[{style}]{r['state']}[/]" if style else r["state"],
-            r["node_id"] or "",
+            safe_text(r["sandbox_id"]),
+            safe_text(r["name"] or ""),
+            f"[{style}]{state_text}[/]" if style else state_text,
+            safe_text(r["node_id"] or ""),
             "" if r["exit_code"] is None else str(r["exit_code"]),
-            r["last_event"],
+            safe_text(r["last_event"]),
             r["updated_at"].strftime("%m-%d %H:%M:%S"),
         )
     console.print(table)
@@ -134,17 +136,27 @@ def show(
         print_json(data)
         return
     console.print(
-        f"[bold]{data['sandbox_id']}[/] {data['name'] or ''} — state "
-        f"[bold]{data['state']}[/]"
+        f"[bold]{safe_text(data['sandbox_id'])}[/] {safe_text(data['name'] or '')} — state "
+        f"[bold]{safe_text(data['state'])}[/]"
         + (f", exit {data['exit_code']}" if data["exit_code"] is not None else "")
     )
     if data["reason"]:
-        console.print(f"reason: {data['reason']}", highlight=False)
+        console.print(f"reason: {safe_text(data['reason'])}", highlight=False)
+    if data.get("refusals") or data.get("reports"):
+        console.print(
+            f"refused {data.get('refusals', 0)} times; "
+            f"{data.get('reports', 0)} reports of its own semantic layer",
+            highlight=False,
+        )
     table = Table("seq", "time", "event", "producer", "details")
     for e in data["events"]:
         details = " ".join(f"{k}={v}" for k, v in e["summary"].items())
         table.add_row(
-            str(e["seq"]), e["time"].strftime("%H:%M:%S.%f")[:-3], e["type"], e["producer"], details
+            str(e["seq"]),
+            e["time"].strftime("%H:%M:%S.%f")[:-3],
+            safe_text(e["type"]),
+            safe_text(e["producer"]),
+            safe_text(details),
         )
     console.print(table)
 
@@ -168,18 +180,24 @@ def logs(
     ] = False,
     stderr: Annotated[bool, typer.Option("--stderr", help="Show stderr instead of stdout")] = False,
 ) -> None:
-    """Print a sandbox's output (kept after it exits). Runs on the sandbox's node."""
+    """Print a sandbox's output (kept after it exits). Runs on the sandbox's node.
+
+    On a terminal, control characters the sandbox wrote (ANSI escapes, carriage returns,
+    bidi overrides, ...) are shown escaped (``\\x1b``), line breaks kept; piped or redirected,
+    the bytes are written unchanged (``dsec sandbox logs ID > out.log`` is the raw log).
+    """
     manager = _manager()
+    escape_output = sys.stdout.isatty()
     path = manager.log_paths(sandbox_id)[1 if stderr else 0]
     if not path.exists():
         fail(f"no logs for {sandbox_id!r} on this node ({path.parent})", EXIT_BAD_INPUT)
 
     try:
-        with open(path, errors="replace") as fh:
+        with open(path, errors="replace", newline="") as fh:
             while True:
                 chunk = fh.read()
                 if chunk:
-                    sys.stdout.write(chunk)
+                    sys.stdout.write(safe_lines(chunk, markup=False) if escape_output else chunk)
                     sys.stdout.flush()
                 elif not follow or manager.states.read(sandbox_id) is None:
                     return
@@ -298,12 +316,12 @@ def rollback(
         fail(f"rollback of {sandbox_id} to {to} failed: {p['reason']}", EXIT_FAILED)
     else:
         console.print(
-            f"[green]rolled {sandbox_id} back to {escape(to)}[/] in {p['duration_ms']:.0f} ms: "
+            f"[green]rolled {sandbox_id} back to {safe_text(to)}[/] in {p['duration_ms']:.0f} ms: "
             f"{p.get('files_written', 0)} files written, {p.get('files_removed', 0)} removed",
             highlight=False,
         )
         if p.get("note"):
-            err_console.print(f"[yellow]note:[/] {escape(p['note'])}", highlight=False)
+            err_console.print(f"[yellow]note:[/] {safe_text(p['note'])}", highlight=False)
     if not ok:
         raise typer.Exit(EXIT_FAILED)
 
@@ -387,8 +405,8 @@ def _prepare_run(name: str, code: Path | None, spec: Path | None, scratch: Path)
             check = store.verify_code_dir(name, code)
             if not check.ok:
                 err_console.print(
-                    f"[bold red]error:[/] {escape(str(code))} does not match snapshot "
-                    f"{escape(name)}; refusing to run it:",
+                    f"[bold red]error:[/] {safe_text(str(code))} does not match snapshot "
+                    f"{safe_text(name)}; refusing to run it:",
                     highlight=False,
                 )
                 console.print(
@@ -400,7 +418,7 @@ def _prepare_run(name: str, code: Path | None, spec: Path | None, scratch: Path)
             code_dir = store.restore(name, scratch).dest  # every byte hash-checked
         gpu = store.check_gpu(name)
     if gpu.compatibility_mode:
-        err_console.print(f"[yellow]warning:[/] {escape(gpu.message)}", highlight=False)
+        err_console.print(f"[yellow]warning:[/] {safe_text(gpu.message)}", highlight=False)
     spec_text, filename = _spec_of(manifest.source.sandbox_id, spec, name)
     how = f"code {code} verified against it" if code is not None else "code restored from it"
     restored = SnapshotRestored(

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.markup import escape
 
 from dsec_cli.common import (
     EXIT_BAD_INPUT,
@@ -34,6 +33,8 @@ from dsec_cli.common import (
     fail,
     print_json,
     run,
+    safe_lines,
+    safe_text,
     submitter,
 )
 from dsec_cli.render import decode_or_warn, human_size
@@ -155,15 +156,15 @@ def _create_by_request(
         print_json({"sandbox_id": sandbox_id, "event": answer.type, "ok": ok, **p})
     elif ok:
         console.print(
-            f"[green]snapshot {escape(name)}[/] of {sandbox_id}: {p['files']} files, "
+            f"[green]snapshot {safe_text(name)}[/] of {sandbox_id}: {p['files']} files, "
             f"{human_size(p['bytes_total'])}; uploaded {human_size(p['bytes_uploaded'])}",
             highlight=False,
         )
         console.print(f"  manifest blake3:{p['manifest_digest']}", highlight=False)
     else:
         err_console.print(
-            f"[bold red]error:[/] snapshot {escape(name)} of {sandbox_id} failed: "
-            f"{escape(str(p['reason']))}",
+            f"[bold red]error:[/] snapshot {safe_text(name)} of {sandbox_id} failed: "
+            f"{safe_text(str(p['reason']))}",
             highlight=False,
             soft_wrap=True,
         )
@@ -280,7 +281,7 @@ def _create_from_dir(
         )
         return
     console.print(
-        f"[green]snapshot {escape(m.name)}[/] {result.files} files, "
+        f"[green]snapshot {safe_text(m.name)}[/] {result.files} files, "
         f"{human_size(result.bytes_total)}; uploaded {result.chunks_uploaded}/"
         f"{result.chunks_total} chunks ({human_size(result.bytes_uploaded)}) "
         f"in {result.duration_s:.2f} s",
@@ -288,7 +289,7 @@ def _create_from_dir(
     )
     console.print(f"  manifest blake3:{result.manifest_digest}", highlight=False)
     gpu = ", ".join(m.gpu.models) if m.gpu.present else f"none ({m.gpu.reason})"
-    console.print(f"  parent {m.parent or '-'}; GPU {escape(gpu)}", highlight=False)
+    console.print(f"  parent {safe_text(m.parent or '-')}; GPU {safe_text(gpu)}", highlight=False)
 
 
 @snapshot_app.command("ls")
@@ -304,8 +305,8 @@ def ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     for r in rows:
         when = r.created_at.strftime("%Y-%m-%d %H:%M:%S")
         console.print(
-            f"{escape(r.name):<32} {when}  {r.files:>6} files {human_size(r.bytes_total):>10}  "
-            f"[dim]{escape(r.series)}[/]",
+            f"{safe_text(r.name):<32} {when}  {r.files:>6} files {human_size(r.bytes_total):>10}  "
+            f"[dim]{safe_text(r.series)}[/]",
             highlight=False,
         )
 
@@ -331,23 +332,23 @@ def inspect(
         print_json(_inspection_json(result))
         return
     console.print(
-        f"[bold]{escape(name)}[/]: {result.files} files, {human_size(result.total_bytes)} "
+        f"[bold]{safe_text(name)}[/]: {result.files} files, {human_size(result.total_bytes)} "
         f"({human_size(result.unique_bytes)} unique)",
         highlight=False,
     )
-    console.print(f"[yellow]{escape(result.dominant)}[/]", highlight=False)
+    console.print(f"[yellow]{safe_text(result.dominant)}[/]", highlight=False)
     total = result.total_bytes or 1
     for title, shares in (("by directory", result.by_directory), ("by kind", result.by_kind)):
         console.print(f"[bold]{title}[/]")
         for s in shares[:15]:
             console.print(
-                f"  {escape(s.key):<40} {human_size(s.bytes):>10} {100 * s.bytes / total:5.1f}%"
+                f"  {safe_text(s.key):<40} {human_size(s.bytes):>10} {100 * s.bytes / total:5.1f}%"
                 f" {s.files:>6} files",
                 highlight=False,
             )
     console.print("[bold]largest files[/]")
     for f in result.largest:
-        console.print(f"  {escape(f.path):<50} {human_size(f.size):>10}", highlight=False)
+        console.print(f"  {safe_text(f.path):<50} {human_size(f.size):>10}", highlight=False)
 
 
 def _diff_json(d: SnapshotDiff) -> dict[str, Any]:
@@ -372,35 +373,40 @@ def _diff_json(d: SnapshotDiff) -> dict[str, Any]:
 
 def _print_diff(d: SnapshotDiff) -> None:
     if d.empty:
-        console.print(f"{escape(d.a)} and {escape(d.b)} record the same state")
+        console.print(f"{safe_text(d.a)} and {safe_text(d.b)} record the same state")
         return
     for f in d.code.added:
-        console.print(f"[green]+ {escape(f.path)}[/]", highlight=False)
+        console.print(f"[green]+ {safe_text(f.path)}[/]", highlight=False)
     for f in d.code.removed:
-        console.print(f"[red]- {escape(f.path)}[/]", highlight=False)
+        console.print(f"[red]- {safe_text(f.path)}[/]", highlight=False)
     for c in d.code.changed:
-        console.print(f"[yellow]~ {escape(c.path)}[/] ({escape(c.what)})", highlight=False)
+        console.print(f"[yellow]~ {safe_text(c.path)}[/] ({safe_text(c.what)})", highlight=False)
         if c.diff:
-            console.print(escape(c.diff.rstrip("\n")), highlight=False, markup=False)
+            console.print(
+                safe_lines(c.diff.rstrip("\n"), markup=False), highlight=False, markup=False
+            )
         elif c.note:
-            console.print(f"  ({escape(c.note)})", highlight=False)
+            console.print(f"  ({safe_text(c.note)})", highlight=False)
     for pkg, version in d.deps.added.items():
-        console.print(f"[green]+ dep {escape(pkg)}=={escape(version)}[/]", highlight=False)
+        console.print(f"[green]+ dep {safe_text(pkg)}=={safe_text(version)}[/]", highlight=False)
     for pkg, version in d.deps.removed.items():
-        console.print(f"[red]- dep {escape(pkg)}=={escape(version)}[/]", highlight=False)
+        console.print(f"[red]- dep {safe_text(pkg)}=={safe_text(version)}[/]", highlight=False)
     for pkg, (old, new) in d.deps.changed.items():
-        console.print(f"[yellow]~ dep {escape(pkg)} {old} -> {new}[/]", highlight=False)
+        console.print(f"[yellow]~ dep {safe_text(pkg)} {old} -> {new}[/]", highlight=False)
     for label, names in (("+", d.env.added), ("-", d.env.removed), ("~", d.env.changed)):
         for n in names:
-            console.print(f"{label} env {escape(n)}", highlight=False)
+            console.print(f"{label} env {safe_text(n)}", highlight=False)
     if not d.env.comparable:
         console.print("(env values hashed under different keys: value changes not comparable)")
     for key, (old, new) in d.kernel.changed.items():
-        console.print(f"~ kernel {key}: {escape(old)} -> {escape(new)}", highlight=False)
+        console.print(
+            f"~ kernel {safe_text(key)}: {safe_text(old)} -> {safe_text(new)}", highlight=False
+        )
     for key in (*d.kernel.added, *d.kernel.removed):
-        console.print(f"~ kernel {key} present on one side only", highlight=False)
+        console.print(f"~ kernel {safe_text(key)} present on one side only", highlight=False)
     if d.gpu:
-        console.print(f"~ GPU {', '.join(d.gpu[0]) or 'none'} -> {', '.join(d.gpu[1]) or 'none'}")
+        old_gpu, new_gpu = ", ".join(d.gpu[0]) or "none", ", ".join(d.gpu[1]) or "none"
+        console.print(f"~ GPU {safe_text(old_gpu)} -> {safe_text(new_gpu)}", highlight=False)
 
 
 @snapshot_app.command("diff")
@@ -423,14 +429,14 @@ def verify(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) 
         print_json(asdict(report) | {"ok": report.ok})
     elif report.ok:
         console.print(
-            f"[green]ok[/] {escape(name)}: signature valid, "
+            f"[green]ok[/] {safe_text(name)}: signature valid, "
             f"{report.objects_checked} objects intact",
             highlight=False,
         )
     else:
-        console.print(f"[bold red]{escape(name)} failed verification:[/]", highlight=False)
+        console.print(f"[bold red]{safe_text(name)} failed verification:[/]", highlight=False)
         for problem in report.problems:
-            console.print(f"  {escape(problem)}", highlight=False)
+            console.print(f"  {safe_text(problem)}", highlight=False)
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)
 
@@ -461,8 +467,9 @@ def restore(
         )
         return
     console.print(
-        f"restored {escape(name)} to {escape(str(result.dest))}: {result.files_written} files "
-        f"written, {result.files_removed} removed in {result.duration_s:.2f} s",
+        f"restored {safe_text(name)} to {safe_text(result.dest)}: "
+        f"{result.files_written} files written, {result.files_removed} removed in "
+        f"{result.duration_s:.2f} s",
         highlight=False,
     )
 
@@ -478,10 +485,12 @@ def check_code(
         print_json({"snapshot": name, "directory": str(directory), "ok": check.ok,
                     "mismatches": check.describe()})  # fmt: skip
     elif check.ok:
-        console.print(f"[green]ok[/] {escape(str(directory))} matches {escape(name)}")
+        console.print(f"[green]ok[/] {safe_text(str(directory))} matches {safe_text(name)}")
     else:
-        console.print(f"[bold red]{escape(str(directory))} differs from {escape(name)}:[/]")
-        console.print(escape("\n".join(check.describe())), highlight=False, markup=False)
+        console.print(f"[bold red]{safe_text(str(directory))} differs from {safe_text(name)}:[/]")
+        console.print(
+            safe_lines("\n".join(check.describe()), markup=False), highlight=False, markup=False
+        )
     if not check.ok:
         raise typer.Exit(EXIT_FAILED)
 
@@ -492,7 +501,7 @@ def rm(names: Annotated[list[str], typer.Argument(help="Snapshots to delete")]) 
     with snapshot_store() as store:
         for name in names:
             store.delete(name)
-            console.print(f"deleted {escape(name)}", highlight=False)
+            console.print(f"deleted {safe_text(name)}", highlight=False)
 
 
 @snapshot_app.command("retain")
@@ -515,7 +524,9 @@ def retain(
         print_json({"deleted": expired, "dry_run": dry_run})
         return
     verb = "would delete" if dry_run else "deleted"
-    console.print(f"{verb} {len(expired)} snapshots: {', '.join(expired) or '-'}", highlight=False)
+    console.print(
+        f"{verb} {len(expired)} snapshots: {safe_text(', '.join(expired) or '-')}", highlight=False
+    )
 
 
 @snapshot_app.command("gc")

@@ -33,7 +33,7 @@ from dsec_cli.common import (
     print_json,
     run,
     s3_client,
-    safe,
+    safe_text,
     submitter,
 )
 from dsec_cli.render import decode_or_warn, event_line
@@ -204,7 +204,7 @@ async def submit_and_follow(
                 if gate is not None and await gate.authentic(data) is None:
                     # A forged or unauthorized message on the sandbox's subjects: not its state.
                     err_console.print(
-                        f"[yellow]ignored[/] an unauthentic {safe(env.type)} at seq {seq}",
+                        f"[yellow]ignored[/] an unauthentic {safe_text(env.type)} at seq {seq}",
                         highlight=False,
                     )
                     continue

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dns.rcode
+from prometheus_client import Counter
 
 from dsec_nodeagent.dns.policy import DnsBounds
 from dsec_nodeagent.dns.proxy import DnsProxy
@@ -46,6 +47,15 @@ log = logging.getLogger(__name__)
 DEFAULT_PIN_DIR = Path("/sys/fs/bpf/dsec/egress")
 DEFAULT_STATE_DIR = Path("/run/dsec/egress")
 _PROTOCOLS = {6: "tcp", 17: "udp"}
+RING_BATCH = 64
+"""Verdict events read from the ring buffer per :data:`RING_SLICE_S` (1,280/s at most)."""
+RING_SLICE_S = 0.05
+RING_PAUSES = Counter(
+    "dsec_egress_ring_pauses_total",
+    "Times the verdict reader spent its budget and left the ring buffer alone until the next "
+    "slice (a flood; the kernel then drops events it cannot buffer; its per-rule counters, "
+    "which the summaries use, still count every verdict)",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +218,10 @@ class EgressController:
         self._events_fd: int | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.dropped_events = 0
+        self.ring_pauses = 0
+        self._watching = False
+        self._slice_start = 0.0
+        self._slice_read = 0
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -216,7 +230,8 @@ class EgressController:
         await asyncio.to_thread(self.kernel.load)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._events_fd = self.kernel.open_events(self._on_raw_event)
-        asyncio.get_running_loop().add_reader(self._events_fd, self.kernel.consume_events)
+        asyncio.get_running_loop().add_reader(self._events_fd, self._read_events)
+        self._watching = True
         self._sweeper = asyncio.create_task(self._sweep_forever())
 
     async def set_stack_deny(
@@ -237,8 +252,10 @@ class EgressController:
                 await self._sweeper
             self._sweeper = None
         if self._events_fd is not None:
-            self.kernel.consume_events()
-            asyncio.get_running_loop().remove_reader(self._events_fd)
+            self.kernel.consume_events(RING_BATCH * 16)  # bounded: a flood may still go on
+            if self._watching:
+                asyncio.get_running_loop().remove_reader(self._events_fd)
+                self._watching = False
             self._events_fd = None
         await self.proxy.close()
         self.kernel.close()
@@ -363,6 +380,37 @@ class EgressController:
         tmp.replace(final)
 
     # --- verdicts --------------------------------------------------------------------------
+
+    def _read_events(self) -> None:
+        """Read at most :data:`RING_BATCH` verdicts per :data:`RING_SLICE_S` (wake-ups of one
+        slice share the budget); when the budget is spent, stop watching the ring buffer and
+        read it again when the next slice begins (polling while the flood lasts). A flooding
+        sandbox thus costs the node agent's loop a bounded share. What does not fit in the ring
+        buffer meanwhile is dropped by the kernel; its per-rule counters still count every
+        verdict (``dsec_egress_connections_total``), and the egress layer adds those to the
+        ``policy.violation_summary`` counts."""
+        if self._events_fd is None:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now - self._slice_start >= RING_SLICE_S:
+            self._slice_start, self._slice_read = now, 0
+        budget = RING_BATCH - self._slice_read
+        if budget > 0:
+            self._slice_read += self.kernel.consume_events(budget)
+        if self._slice_read < RING_BATCH:
+            if not self._watching:
+                loop.add_reader(self._events_fd, self._read_events)
+                self._watching = True
+            return
+        self.ring_pauses += 1
+        RING_PAUSES.inc()
+        if self._watching:
+            loop.remove_reader(self._events_fd)
+            self._watching = False
+        # Consuming needs no wake-up: the timer reads the ring buffer directly (the kernel only
+        # signals a reader that has caught up).
+        loop.call_at(self._slice_start + RING_SLICE_S, self._read_events)
 
     def _on_raw_event(self, raw: RawEvent) -> None:
         try:

@@ -174,6 +174,7 @@ class EgressKernel:
         }
         self._doh = frozenset(doh_addresses)
         self._bpf: Any = None
+        self._budget = 0
         self._fns: dict[str, Any] = {}
         self._sandboxes_map_id = 0
 
@@ -445,15 +446,20 @@ class EgressKernel:
 
         def on_event(_ctx: Any, data: Any, _size: int) -> int:
             callback(self._decode(table.event(data)))
-            return 0
+            self._budget -= 1
+            return 0 if self._budget > 0 else -1  # negative: libbpf stops consuming here
 
         table.open_ring_buffer(on_event)
         return libbpf.ring_buffer_epoll_fd(self._bpf._ringbuf_manager)
 
-    def consume_events(self) -> None:
-        """Deliver every waiting event to the callback (non-blocking)."""
-        if self._bpf is not None:
-            self._bpf.ring_buffer_consume()
+    def consume_events(self, limit: int = 1 << 30) -> int:
+        """Deliver waiting events to the callback (non-blocking), at most ``limit`` of them;
+        return how many were delivered (the rest stay in the ring buffer)."""
+        if self._bpf is None:
+            return 0
+        self._budget = limit
+        self._bpf.ring_buffer_consume()
+        return limit - self._budget
 
     @staticmethod
     def _decode(ev: Any) -> RawEvent:

@@ -41,6 +41,7 @@ class ExitReason(StrEnum):
     STOPPED = "stopped"
     POLICY = "policy"
     DISK = "disk"
+    POLICY_FLOOD = "policy_flood"
 
 
 class Limits(BaseModel):

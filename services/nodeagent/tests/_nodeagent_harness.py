@@ -1,0 +1,222 @@
+"""A whole node agent in this process, on a real NATS, fed the events policy and builder publish.
+
+Used by the refusal-flood tests and ``bench/noisy_neighbour.py``: ``submit`` publishes
+``spec.submitted``, ``spec.validated`` (the compiled plan) and ``env.built`` for a sandbox that
+runs ``python -c CODE`` (no code bundle); the node agent (its own egress pin directory, so it can
+run beside another node agent of the machine) starts it, and every event of the sandbox is
+recorded with the time it arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import blake3
+import nats
+from dsec_core import events
+from dsec_core.bus import EventPublisher, ensure_stream
+from dsec_core.envelope import Envelope, decode
+from dsec_core.service import Service
+from dsec_core.settings import Settings
+from dsec_core.signing import Signer, load_or_create_key
+from dsec_core.spec import compile_plan, load_spec
+
+from dsec_nodeagent.agent import NodeAgent
+from dsec_nodeagent.app import wire
+from dsec_nodeagent.ebpf.controller import EgressController
+from dsec_nodeagent.outlet import EventOutlet
+
+SPEC = """\
+version: "1.2"
+name: {name}
+base: dsec/python311:latest
+entrypoint: [python, -c, {code}]
+workdir: /workspace
+resources: {{cpu: 1, memory: 256MiB, pids: 64}}
+timeout: 2m
+security_policy:
+  dns_passthrough: false
+  network:
+    egress:
+      - {{domain: allowed.test, ports: [443]}}
+  semantic:
+    - {{on: open, match: {{path: "/tmp/secret*"}}, action: deny, message: "no secrets"}}
+"""
+
+
+@dataclass
+class Arrived:
+    """An event of the log and the monotonic time it reached the harness."""
+
+    at: float
+    envelope: Envelope
+
+
+@dataclass
+class Recorded:
+    """Everything recorded for one sandbox."""
+
+    submitted_at: float = 0.0
+    events: list[Arrived] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def of(self, event_type: str) -> list[Envelope]:
+        return [a.envelope for a in self.events if a.envelope.type == event_type]
+
+    def at(self, event_type: str) -> float | None:
+        return next((a.at for a in self.events if a.envelope.type == event_type), None)
+
+
+class NodeAgentHarness:
+    """The node agent service, a publisher standing in for policy and builder, a recorder."""
+
+    def __init__(self, home: Path, nats_url: str, **settings: Any) -> None:
+        self.home = home
+        self.nats_url = nats_url
+        self.settings = Settings(home=home, nats_url=nats_url, **settings)
+        self.tag = f"flood-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.controller = EgressController(
+            pin_dir=Path(f"/sys/fs/bpf/dsec-{self.tag}/egress"),
+            state_dir=Path(f"/run/dsec-{self.tag}/egress"),
+        )
+        self.wired = wire(self.settings, egress_controller=self.controller)
+        self.service: Service = self.wired.service
+        self.recorded: dict[str, Recorded] = {}
+        self._nc: Any = None
+        self._upstream: EventPublisher | None = None
+        self.lock_hash = "harnessenv"
+
+    async def __aenter__(self) -> NodeAgentHarness:
+        self._nc = await nats.connect(self.nats_url)
+        js = self._nc.jetstream()
+        await ensure_stream(js)
+        key = load_or_create_key(self.home / "keys" / "harness.key")
+        self._upstream = EventPublisher(js, Signer("policy", key))
+        await self._upstream.register_key()
+        await self._nc.subscribe("dsec.sandbox.>", cb=self._on_message)
+        (self.home / "envs" / self.lock_hash / "site-packages").mkdir(parents=True, exist_ok=True)
+        await self.service.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with contextlib.suppress(Exception):
+            for sid in self.agent.manager.running():
+                with contextlib.suppress(KeyError):
+                    await self.agent.manager.stop(sid, grace_s=0.5)
+        await self.service.stop()
+        await self.controller.uninstall()
+        for path in (Path(f"/sys/fs/bpf/dsec-{self.tag}"), Path(f"/run/dsec-{self.tag}")):
+            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                _rmdirs(path)
+        if self._nc is not None:
+            await self._nc.drain()
+
+    @property
+    def agent(self) -> NodeAgent:
+        return self.wired.agent
+
+    @property
+    def outlet(self) -> EventOutlet:
+        return self.wired.outlet
+
+    async def _on_message(self, msg: Any) -> None:
+        envelope = decode(msg.data)
+        rec = self.recorded.setdefault(envelope.aggregate_id, Recorded())
+        rec.events.append(Arrived(time.monotonic(), envelope))
+        rec.changed.set()
+
+    async def submit(self, name: str, code: str) -> str:
+        """Publish what policy and builder would for a sandbox running ``python -c code``."""
+        assert self._upstream is not None
+        sid = f"{name}-{uuid.uuid4().hex[:8]}"
+        text = SPEC.format(name=name, code=json.dumps(code))
+        spec = load_spec(text, "dsec.yaml")
+        assert spec.spec is not None, spec.errors
+        plan = compile_plan(spec.spec)
+        rec = self.recorded.setdefault(sid, Recorded())
+        await self._upstream.publish(
+            events.SpecSubmitted(spec_yaml=text, filename="dsec.yaml"), aggregate_id=sid
+        )
+        await self._upstream.publish(
+            events.SpecValidated(
+                name=name,
+                spec_digest=blake3.blake3(text.encode()).hexdigest(),
+                plan=plan.model_dump(mode="json"),
+            ),
+            aggregate_id=sid,
+        )
+        rec.submitted_at = time.monotonic()
+        await self._upstream.publish(
+            events.EnvBuilt(
+                lock_hash=self.lock_hash,
+                fingerprint="harness",
+                location=str(self.home.resolve() / "envs" / self.lock_hash / "site-packages"),
+                node_id=self.settings.node_id,
+                reused=True,
+            ),
+            aggregate_id=sid,
+        )
+        return sid
+
+    async def wait_for(self, sid: str, event_type: str, timeout_s: float = 60.0) -> Envelope:
+        """The first ``event_type`` of ``sid`` (polls the recorder until the deadline)."""
+        rec = self.recorded.setdefault(sid, Recorded())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = rec.of(event_type)
+            if found:
+                return found[0]
+            failed = rec.of("sandbox.failed")
+            if failed:
+                raise AssertionError(f"{sid} failed: {failed[0].decoded()}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                seen = [a.envelope.type for a in rec.events]
+                raise TimeoutError(f"no {event_type} for {sid} in {timeout_s}s; saw {seen}")
+            rec.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rec.changed.wait(), left)
+
+    def ready_ms(self, sid: str) -> float:
+        """From publishing ``env.built`` to ``sandbox.ready`` arriving from the log."""
+        rec = self.recorded[sid]
+        at = rec.at("sandbox.ready")
+        assert at is not None
+        return (at - rec.submitted_at) * 1000
+
+    def overhead_ms(self, sid: str) -> float:
+        """What the node agent adds to the sandbox's own start: ``ready_ms`` minus the
+        ``start_latency_ms.total`` the sandbox.ready reports (consume, launch set-up, publish)."""
+        ready = self.recorded[sid].of("sandbox.ready")[0]
+        return self.ready_ms(sid) - float(ready.payload["start_latency_ms"]["total"])
+
+
+def _rmdirs(path: Path) -> None:
+    for child in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        child.rmdir() if child.is_dir() else child.unlink()
+    path.rmdir()
+
+
+@contextlib.asynccontextmanager
+async def harness(home: Path, nats_url: str, **settings: Any) -> AsyncIterator[NodeAgentHarness]:
+    async with NodeAgentHarness(home, nats_url, **settings) as h:
+        yield h
+
+
+def rss_mb() -> float:
+    """This process's resident memory."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
