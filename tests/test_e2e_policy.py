@@ -146,7 +146,7 @@ def test_audit_trail_verifies_after_the_services_ran(services, env, dsec_cli) ->
     assert verified.exit_code == 0, verified.output
     producers = verified.last_json()["producers"]
     assert "policy" in producers
-    assert any(p.startswith("cli-") for p in producers)
+    assert any(p.startswith("user-") for p in producers)  # the certified submitter
 
 
 @pytest.mark.slow

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import asyncpg
 import nats
 import pytest
-from dsec_core.bus import EventPublisher, ensure_stream, replay
+from dsec_core.bus import ensure_stream, replay
 from dsec_core.events import (
     DepsConflict,
     DepsResolved,
@@ -22,8 +23,7 @@ from dsec_core.events import (
     SpecValidated,
 )
 from dsec_core.projections import Projector, apply_batch, ensure_schema
-from dsec_core.signing import Signer
-from nacl.signing import SigningKey
+from dsec_testing import trust
 from nats.js import JetStreamContext
 
 pytestmark = pytest.mark.integration
@@ -42,36 +42,37 @@ def _sid() -> str:
     return f"sbx_{uuid.uuid4().hex[:12]}"
 
 
-async def _lifecycle(js: JetStreamContext) -> tuple[str, str, str]:
-    pub = EventPublisher(js, Signer(f"proj-{uuid.uuid4().hex[:8]}", SigningKey.generate()))
-    await pub.register_key()
+async def _lifecycle(js: JetStreamContext, home: Path) -> tuple[str, str, str]:
+    p = await trust.pipeline(js, home)
     ok, bad, conflict = _sid(), _sid(), _sid()
-    await pub.publish(SpecSubmitted(spec_yaml="name: a", filename="a.yaml"), aggregate_id=ok)
-    await pub.publish(
+    await p.user.publish(SpecSubmitted(spec_yaml="name: a", filename="a.yaml"), aggregate_id=ok)
+    await p.policy.publish(
         SpecValidated(name="agent-a", spec_digest="d1", plan={"x": 1}), aggregate_id=ok
     )
-    await pub.publish(
+    await p.builder.publish(
         DepsResolved(lock=[], lock_hash="l1", python="3.11", platform="x", resolve_ms=1.0),
         aggregate_id=ok,
     )
-    await pub.publish(
+    await p.builder.publish(
         EnvBuilt(lock_hash="l1", fingerprint="f", location="/e", node_id="n1", reused=False),
         aggregate_id=ok,
     )
-    await pub.publish(SandboxReady(node_id="n1", pid=42, cgroup="/c"), aggregate_id=ok)
-    await pub.publish(SandboxExited(exit_code=0, reason="ok", duration_s=2.0), aggregate_id=ok)
-    await pub.publish(SpecSubmitted(spec_yaml="nme: b", filename="b.yaml"), aggregate_id=bad)
-    await pub.publish(
+    await p.nodeagent.publish(SandboxReady(node_id="n1", pid=42, cgroup="/c"), aggregate_id=ok)
+    await p.nodeagent.publish(
+        SandboxExited(exit_code=0, reason="ok", duration_s=2.0), aggregate_id=ok
+    )
+    await p.user.publish(SpecSubmitted(spec_yaml="nme: b", filename="b.yaml"), aggregate_id=bad)
+    await p.policy.publish(
         SpecRejected(
             errors=[{"file": "b.yaml", "line": 1, "column": 1, "message": "unknown field 'nme'"}]
         ),
         aggregate_id=bad,
     )
-    await pub.publish(SpecSubmitted(spec_yaml="name: c"), aggregate_id=conflict)
-    await pub.publish(
+    await p.user.publish(SpecSubmitted(spec_yaml="name: c"), aggregate_id=conflict)
+    await p.policy.publish(
         SpecValidated(name="agent-c", spec_digest="d3", plan={}), aggregate_id=conflict
     )
-    await pub.publish(
+    await p.builder.publish(
         DepsConflict(explanation="vllm needs transformers>=4.43.2"), aggregate_id=conflict
     )
     return ok, bad, conflict
@@ -94,8 +95,10 @@ async def _project_until(js: JetStreamContext, dsn: str, sandbox: str) -> None:
         await conn.close()
 
 
-async def test_lifecycle_is_projected_and_listed(js, postgres_dsn, nats_url, dsec_cli, tmp_path):
-    ok, bad, conflict = await _lifecycle(js)
+async def test_lifecycle_is_projected_and_listed(
+    js, postgres_dsn, nats_url, dsec_cli, tmp_path, dsec_stack
+):
+    ok, bad, conflict = await _lifecycle(js, dsec_stack.home)
     await _project_until(js, postgres_dsn, conflict)
     env = {"DSEC_NATS_URL": nats_url, "DSEC_POSTGRES_DSN": postgres_dsn, "DSEC_HOME": str(tmp_path)}
     listed = dsec_cli("sandbox", "list", "--json", env=env)
@@ -132,8 +135,8 @@ async def test_lifecycle_is_projected_and_listed(js, postgres_dsn, nats_url, dse
     } == before
 
 
-async def test_applying_a_batch_twice_changes_nothing(js, postgres_dsn) -> None:
-    ok, _, _ = await _lifecycle(js)
+async def test_applying_a_batch_twice_changes_nothing(js, postgres_dsn, dsec_stack) -> None:
+    ok, _, _ = await _lifecycle(js, dsec_stack.home)
     batch = [item async for item in replay(js, filter_subject=f"dsec.sandbox.{ok}.>")]
     conn = await asyncpg.connect(postgres_dsn)
     try:
@@ -149,16 +152,18 @@ async def test_applying_a_batch_twice_changes_nothing(js, postgres_dsn) -> None:
         await conn.close()
 
 
-async def test_refusals_summaries_and_reports_are_tallied_per_sandbox(js, postgres_dsn) -> None:
+async def test_refusals_summaries_and_reports_are_tallied_per_sandbox(
+    js, postgres_dsn, dsec_stack
+) -> None:
     from datetime import UTC, datetime
 
     from dsec_core.events import PolicyReported, PolicyViolation, PolicyViolationSummary
 
-    pub = EventPublisher(js, Signer(f"proj-{uuid.uuid4().hex[:8]}", SigningKey.generate()))
-    await pub.register_key()
+    p = await trust.pipeline(js, dsec_stack.home)
+    pub = p.nodeagent
     sid = _sid()
     now = datetime.now(UTC)
-    await pub.publish(SpecSubmitted(spec_yaml="name: a", filename="a.yaml"), aggregate_id=sid)
+    await p.user.publish(SpecSubmitted(spec_yaml="name: a", filename="a.yaml"), aggregate_id=sid)
     await pub.publish(SandboxReady(node_id="n1", pid=42, cgroup="/c"), aggregate_id=sid)
     for _ in range(5):
         await pub.publish(

@@ -10,22 +10,21 @@ from collections import Counter
 
 import nats
 import pytest
-from dsec_core.bus import EventPublisher, ensure_stream, replay
+from dsec_core.bus import ensure_stream, replay
 from dsec_core.envelope import decode
 from dsec_core.events import SpecSubmitted
-from dsec_core.signing import Signer
 from dsec_core.subjects import STREAM
-from nacl.signing import SigningKey
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-async def test_nats_restart_under_load_loses_no_acknowledged_event(nats_url, nats_restart):
+async def test_nats_restart_under_load_loses_no_acknowledged_event(
+    nats_url, nats_restart, make_publisher
+):
     nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
     js = nc.jetstream()
     await ensure_stream(js)
-    publisher = EventPublisher(js, Signer(f"loadgen-{uuid.uuid4().hex[:6]}", SigningKey.generate()))
-    await publisher.register_key()
+    publisher = await make_publisher(js, "loadgen")
     run = uuid.uuid4().hex[:8]
     acked: list[str] = []
 
@@ -60,13 +59,12 @@ BAD = "version: '1.2'\nname: Bad_{i}\nbase: python:3.11\nmemroy: 1GiB\n"
 
 
 async def test_killed_service_ends_every_aggregate_with_exactly_one_outcome(
-    nats_url, services, stack_env, dsec_cli
+    nats_url, services, stack_env, dsec_cli, make_publisher
 ):
     services.start("policy")
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
-    publisher = EventPublisher(js, Signer(f"load-{uuid.uuid4().hex[:6]}", SigningKey.generate()))
-    await publisher.register_key()
+    publisher = await make_publisher(js, "load")
     run = uuid.uuid4().hex[:8]
     sandboxes = [f"sbx_{run}_{i}" for i in range(400)]
     await publisher.publish_many(

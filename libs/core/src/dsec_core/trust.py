@@ -274,7 +274,7 @@ class Gate:
                 return "aggregate-exists", f"sandbox {envelope.aggregate_id} was submitted before"
             return None
         if first is None:
-            return "unknown-sandbox", f"no spec.submitted for {envelope.aggregate_id}"
+            return None  # no such sandbox: the handler answers that (a terminal event)
         if first[1] != envelope.tenant:
             sandbox, tenant = envelope.aggregate_id, envelope.tenant
             return "cross-tenant", f"sandbox {sandbox} belongs to another tenant, not {tenant!r}"

@@ -43,6 +43,7 @@ def certified(
     subject: str | None = None,
     tenant: str | None = None,
     node_id: str | None = None,
+    acts_for: str | None = None,
 ) -> Producer:
     """A fresh key certified by ``root`` for ``role`` (users: tenant ``default`` unless given)."""
     key = SigningKey.generate()
@@ -54,7 +55,8 @@ def certified(
     cert = identity.issue(
         root, bytes(key.verify_key), subject=name, role=role, tenant=tenant, node_id=node_id
     )
-    return Producer(Signer(name, key, tenant=tenant or "system"), cert)
+    # ``acts_for``: the tenant a service's events belong to when the test gives no cause.
+    return Producer(Signer(name, key, tenant=acts_for or tenant or "system"), cert)
 
 
 def stack_root(home: Path) -> SigningKey:
@@ -70,9 +72,38 @@ async def publisher(
     tenant: str | None = None,
     subject: str | None = None,
     node_id: str | None = None,
+    acts_for: str | None = None,
 ) -> EventPublisher:
     """A publisher certified by the stack's root, its key registered in the log."""
-    producer = certified(stack_root(home), role, tenant=tenant, subject=subject, node_id=node_id)
+    producer = certified(
+        stack_root(home),
+        role,
+        tenant=tenant,
+        subject=subject,
+        node_id=node_id,
+        acts_for=acts_for,
+    )
     pub = EventPublisher(js, producer.signer, certificate=producer.cert)
     await pub.register_key()
     return pub
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """One certified publisher per producer of a sandbox's lifecycle (tenant ``default``)."""
+
+    user: EventPublisher
+    policy: EventPublisher
+    builder: EventPublisher
+    nodeagent: EventPublisher
+
+
+async def pipeline(js: JetStreamContext, home: Path, node_id: str = "n1") -> Pipeline:
+    """Publishers that may emit each lifecycle event, as the real services would."""
+    tag = SigningKey.generate().verify_key.encode().hex()[:6]
+    return Pipeline(
+        user=await publisher(js, home, "user", subject=f"user-{tag}"),
+        policy=await publisher(js, home, "policy", acts_for="default"),
+        builder=await publisher(js, home, "builder", acts_for="default"),
+        nodeagent=await publisher(js, home, "nodeagent", node_id=node_id, acts_for="default"),
+    )
