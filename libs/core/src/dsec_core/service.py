@@ -32,11 +32,12 @@ from faststream.nats.annotations import NatsMessage
 from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from dsec_core import metrics
-from dsec_core.bus import EventPublisher, connect, ensure_stream
+from dsec_core import metrics, natsclient
+from dsec_core.bus import EventPublisher, StreamWeakened, connect, require_stream
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from dsec_core.events import Payload, SandboxFailed, model_for
 from dsec_core.ids import derive_event_id
+from dsec_core.natsperms import durable_name
 from dsec_core.settings import Settings
 from dsec_core.signing import Signer, load_or_create_key
 from dsec_core.subjects import STREAM, filter_for
@@ -102,7 +103,11 @@ class Service:
         self.name = name
         self.settings = settings or Settings()
         self.version = package_version(f"dsec-{name}")
-        self.broker = NatsBroker(self.settings.nats_endpoint(), max_reconnect_attempts=-1)
+        self.broker = NatsBroker(
+            **natsclient.broker_options(
+                self.settings, name=f"dsec-{name}-consumers", max_reconnect_attempts=-1
+            )
+        )
         self._stream = JStream(name=STREAM, declare=False)
         self.nc: NATS | None = None
         self.publisher: EventPublisher | None = None
@@ -130,7 +135,7 @@ class Service:
         policy = retry or RetryPolicy()
         failure = on_exhausted or sandbox_failed(self.name)
         model_for(event_type)  # fail fast on a typo
-        durable = f"{self.name}-{event_type.replace('.', '-')}"
+        durable = durable_name(self.name, event_type)
 
         def register(fn: Handler) -> Handler:
             config = ConsumerConfig(
@@ -247,9 +252,15 @@ class Service:
     async def start(self) -> None:
         """Connect, declare the stream, register the key, start consuming and serving metrics."""
         settings = self.settings
-        self.nc = await connect(settings.nats_endpoint(), f"dsec-{self.name}")
+        self.nc = await connect(settings, f"dsec-{self.name}")
         js = self.nc.jetstream()
-        await ensure_stream(js)
+        try:
+            # Only the operator creates or changes the stream; a service refuses to run on a
+            # log that could lose or rewrite history.
+            await require_stream(js)
+        except StreamWeakened as exc:
+            log.critical("%s refuses to start: %s", self.name, exc)
+            raise
         key = load_or_create_key(settings.home / "keys" / f"{self.name}.key")
         self.publisher = EventPublisher(js, Signer(self.name, key))
         await self.publisher.register_key()

@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,6 +23,13 @@ class Settings(BaseSettings):
 
     home: Path = Field(default=Path(".dsec"), description="State, data and logs of the stack")
     nats_url: str | None = Field(default=None, description="NATS server URL (external)")
+    nats_creds: Path | None = Field(default=None, description="NATS credentials file (JWT)")
+    nats_nkey_seed: Path | None = Field(default=None, description="NATS nkey seed file")
+    nats_user: str | None = Field(default=None, description="NATS user name")
+    nats_password: SecretStr | None = Field(default=None, description="NATS password")
+    nats_tls_ca: Path | None = Field(default=None, description="CA bundle to verify NATS")
+    nats_tls_cert: Path | None = Field(default=None, description="client certificate for NATS")
+    nats_tls_key: Path | None = Field(default=None, description="client key for NATS")
     postgres_dsn: str | None = Field(
         default=None, repr=False, description="PostgreSQL DSN (external)"
     )

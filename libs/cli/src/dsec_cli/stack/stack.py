@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec_core.natsclient import credential_path
+
 from dsec_cli.stack import domain
 from dsec_cli.stack.adapters import probes
 from dsec_cli.stack.adapters.procs import (
@@ -30,7 +32,13 @@ from dsec_cli.stack.adapters.procs import (
     release_ports,
     run_parallel,
 )
-from dsec_cli.stack.adapters.servers import SERVER_CLASSES, PrometheusServer, S3Server, Server
+from dsec_cli.stack.adapters.servers import (
+    SERVER_CLASSES,
+    NatsServer,
+    PrometheusServer,
+    S3Server,
+    Server,
+)
 from dsec_cli.stack.adapters.services import ServiceProcess, ServiceSpec
 from dsec_cli.stack.adapters.statefile import load_state, locked, save_state, state_path
 from dsec_cli.stack.domain import ExternalEndpoints, ServerRecord, ServiceRecord, StackState, State
@@ -504,6 +512,23 @@ class Stack:
             self._start_servers([srv], _noop)
             self.save()
 
+    # --- NATS identities -----------------------------------------------------------------------
+
+    def nats_seed(self, identity: str) -> str | None:
+        """The nkey seed file of ``identity`` on the embedded NATS (``None`` when NATS is
+        external, or the identity has no credential there)."""
+        if "nats" in self.external.names():
+            return None
+        path = credential_path(self.home, identity)
+        return str(path) if path.is_file() else None
+
+    def operator_nats_url(self) -> str:
+        """The embedded NATS URL with the operator's credentials (all rights: stream
+        management; never handed to services or the CLI)."""
+        srv = self.server("nats")
+        assert isinstance(srv, NatsServer)
+        return srv.operator_url
+
     # --- services ------------------------------------------------------------------------------
 
     def _service_port(self, name: str) -> int:
@@ -527,7 +552,11 @@ class Stack:
                 home=self.home,
                 metrics_port=port,
                 env=domain.service_environment(
-                    self.state, home=str(self.home), metrics_port=port, bucket=self.bucket
+                    self.state,
+                    home=str(self.home),
+                    metrics_port=port,
+                    bucket=self.bucket,
+                    nats_seed=self.nats_seed(spec.name),
                 ),
                 python=self.python,
                 die_with_parent=self.die_with_parent,
@@ -600,6 +629,7 @@ class Stack:
                         home=str(self.home),
                         metrics_port=svc.metrics_port,
                         bucket=self.bucket,
+                        nats_seed=self.nats_seed(spec.name),
                     ),
                     **(extra_env or {}),
                 }

@@ -1,0 +1,147 @@
+"""NATS authorization of the embedded stack: who may connect, publish, and change the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import nats
+import pytest
+from dsec_core.subjects import STREAM
+from dsec_testing.stack import StackFixture
+from nats.aio.client import Client as NATS
+from nats.js.api import StreamConfig
+
+pytestmark = pytest.mark.integration
+
+
+class Violations:
+    """Errors the server sent to a client (permission violations arrive asynchronously)."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def callback(self) -> Callable[[Exception], Awaitable[None]]:
+        async def on_error(exc: Exception) -> None:
+            self.errors.append(str(exc))
+
+        return on_error
+
+    async def wait_for(self, text: str, timeout: float = 5.0) -> str:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            for err in self.errors:
+                if text.lower() in err.lower():  # nats-py lower-cases the server's -ERR
+                    return err
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no violation mentioning {text!r}; got {self.errors}")
+
+
+@asynccontextmanager
+async def as_identity(
+    dsec_stack: StackFixture, identity: str
+) -> AsyncIterator[tuple[NATS, Violations]]:
+    seen = Violations()
+    nc = await nats.connect(
+        dsec_stack.nats_plain_url,
+        nkeys_seed=str(dsec_stack.nats_seed(identity)),
+        error_cb=seen.callback(),
+        max_reconnect_attempts=0,
+    )
+    try:
+        yield nc, seen
+    finally:
+        await nc.close()
+
+
+async def _last_seq(nats_url: str, subject: str) -> int | None:
+    nc = await nats.connect(nats_url)
+    try:
+        try:
+            return (await nc.jetstream().get_last_msg(STREAM, subject)).seq
+        except nats.js.errors.NotFoundError:
+            return None
+    finally:
+        await nc.close()
+
+
+async def test_unauthenticated_client_cannot_connect(dsec_stack: StackFixture) -> None:
+    with pytest.raises(Exception, match="[Aa]uthorization"):
+        await nats.connect(
+            dsec_stack.nats_plain_url, max_reconnect_attempts=0, allow_reconnect=False
+        )
+
+
+async def test_service_cannot_update_the_stream(dsec_stack: StackFixture, nats_url: str) -> None:
+    async with as_identity(dsec_stack, "policy") as (nc, seen):
+        js = nc.jetstream(timeout=1.0)
+        config = (await js.stream_info(STREAM)).config  # reading is allowed
+        assert config.deny_delete and config.deny_purge
+        weakened = StreamConfig.from_response(config.as_dict())
+        weakened.max_msgs = 10
+        with pytest.raises(nats.errors.TimeoutError):  # the server drops the request
+            await js.update_stream(weakened)
+        err = await seen.wait_for(f"$JS.API.STREAM.UPDATE.{STREAM}")
+        assert "permissions violation" in err
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.purge_stream(STREAM)
+        await seen.wait_for(f"$JS.API.STREAM.PURGE.{STREAM}")
+    admin = await nats.connect(nats_url)
+    try:
+        assert (await admin.jetstream().stream_info(STREAM)).config.max_msgs in (None, -1)
+    finally:
+        await admin.close()
+
+
+async def test_policy_cannot_publish_a_builder_event(
+    dsec_stack: StackFixture, nats_url: str
+) -> None:
+    sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
+    forged = f"dsec.sandbox.{sandbox}.env.built"
+    async with as_identity(dsec_stack, "policy") as (nc, seen):
+        js = nc.jetstream(timeout=1.0)
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.publish(forged, b"forged")
+        err = await seen.wait_for(forged)
+        assert "permissions violation for publish" in err
+        # Its own event type goes through (a garbage body still lands: the policy may publish
+        # on that subject; the authorization table of events judges the content).
+        ack = await js.publish(f"dsec.sandbox.{sandbox}.spec.validated", b"x")
+        assert ack.stream == STREAM
+    assert await _last_seq(nats_url, forged) is None
+
+
+async def test_user_submits_but_cannot_validate(dsec_stack: StackFixture, nats_url: str) -> None:
+    sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
+    async with as_identity(dsec_stack, "user-default") as (nc, seen):
+        js = nc.jetstream(timeout=1.0)
+        ack = await js.publish(f"dsec.sandbox.{sandbox}.spec.submitted", b"x")
+        assert ack.seq > 0
+        forged = f"dsec.sandbox.{sandbox}.spec.validated"
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.publish(forged, b"forged")
+        await seen.wait_for(forged)
+        # Nor may it pull from a service's durable consumer (it would steal its work).
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.request(
+                f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.policy-spec-submitted", b"1", timeout=1.0
+            )
+        await seen.wait_for("policy-spec-submitted")
+    assert await _last_seq(nats_url, forged) is None
+
+
+def test_credentials_are_private(dsec_stack: StackFixture) -> None:
+    seed = dsec_stack.nats_seed("builder")
+    assert seed.read_text().startswith("SU")
+    assert seed.stat().st_mode & 0o777 == 0o600
+    conf = Path(dsec_stack.home) / "run" / "nats.conf"
+    assert conf.stat().st_mode & 0o777 == 0o600
+    text = conf.read_text()
+    import nkeys
+
+    public = nkeys.from_seed(bytearray(seed.read_bytes().strip())).public_key.decode()
+    assert public in text and seed.read_text().strip() not in text  # public key only
+    assert "$2a$" in text  # the operator password only as a bcrypt hash
