@@ -178,7 +178,11 @@ def publish_allow(role: str) -> list[str]:
     subjects += [
         f"{_API}.INFO",
         *_read_stream(STREAM),
-        f"{_API}.CONSUMER.CREATE.{STREAM}",  # ephemeral readers (replay, follow, tail)
+        # Ephemeral readers (replay, follow, tail): nats-py names them itself. Other roles'
+        # durable names are denied below, so a reader cannot take over a service's consumer.
+        f"{_API}.CONSUMER.CREATE.{STREAM}",
+        f"{_API}.CONSUMER.CREATE.{STREAM}.*",
+        f"{_API}.CONSUMER.CREATE.{STREAM}.*.>",
         f"{_API}.CONSUMER.INFO.{STREAM}.*",
         f"{_API}.CONSUMER.MSG.NEXT.{STREAM}.*",
     ]
