@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import ssl
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import nats
-from nats.aio.client import Client as NATS
-
 from dsec_core.settings import Settings
+
+if TYPE_CHECKING:  # nats-py is imported when a connection is made: `dsec --help` stays fast
+    from nats.aio.client import Client as NATS
 
 CREDENTIALS_DIR = "nats"
 DEFAULT_USER_IDENTITY = "user-default"
@@ -113,6 +113,8 @@ def nats_options(settings: Settings, *, name: str, **overrides: Any) -> dict[str
 
 async def connect(settings: Settings, name: str, **overrides: Any) -> NATS:
     """``nats.connect`` with :func:`nats_options`."""
+    import nats
+
     return await nats.connect(**nats_options(settings, name=name, **overrides))
 
 

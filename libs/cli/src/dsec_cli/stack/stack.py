@@ -186,6 +186,8 @@ class Stack:
         self._fresh_ports: set[str] = set()
         self._services: dict[str, ServiceProcess] = {}
         self._lock = threading.RLock()
+        #: credentials/TLS for an external NATS (from the DSEC_NATS_* settings)
+        self.external_nats_options: dict[str, Any] = {}
 
     @classmethod
     def from_settings(cls, settings: Any, **kwargs: Any) -> Stack:
@@ -195,13 +197,18 @@ class Stack:
             StackConfigError: an external endpoint is malformed or lacks credentials.
         """
         values = {name: getattr(settings, name, None) for name in ExternalEndpoints.model_fields}
-        return cls(
+        stack = cls(
             Path(settings.home),
             external=domain.external_endpoints(values),
             bucket=settings.s3_bucket,
             s3_secure=bool(settings.s3_secure),
             **kwargs,
         )
+        if stack.external.nats_url:
+            from dsec_core.natsclient import auth_options
+
+            stack.external_nats_options = auth_options(settings)
+        return stack
 
     def _adopt(self, state: StackState) -> None:
         """Take ``state`` (re-read from disk); keep cached process objects that still match it,
@@ -475,6 +482,23 @@ class Stack:
         if failures:
             self.save()
             raise StartFailed("external server(s)", failures)
+        if "nats" in names and ext.nats_url and "nats" in results:
+            self._external_stream(ext.nats_url, say)
+
+    def _external_stream(self, url: str, say: ProgressFn) -> None:
+        """Create or check ``DSEC_EVENTS`` on an external NATS with the configured credentials.
+        Only an operator identity may; with another one the operator must have created it
+        (services refuse to start on a missing or weakened stream)."""
+        from dsec_cli.stack.adapters import natsauth
+
+        try:
+            natsauth.create_stream(url, options=self.external_nats_options, timeout=5.0)
+        except Exception as exc:
+            say(
+                "nats",
+                f"stream DSEC_EVENTS not created or checked here ({exc}); the operator "
+                "creates it: nats stream add --config deploy/nats/DSEC_EVENTS.json",
+            )
 
     def _external_endpoint(self, name: str) -> str:
         ext = self.external

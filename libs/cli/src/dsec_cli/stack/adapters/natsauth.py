@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import bcrypt
 import nkeys
@@ -70,14 +72,18 @@ def operator_url(url: str, password: str) -> str:
     return f"{scheme}://{natsperms.OPERATOR}:{password}@{rest}"
 
 
-def create_stream(url: str, timeout: float = 10.0) -> None:
-    """As the operator (credentials in ``url``), create ``DSEC_EVENTS`` or restore its
-    guarantees (:func:`dsec_core.bus.ensure_stream`)."""
+def create_stream(
+    url: str, *, options: Mapping[str, Any] | None = None, timeout: float = 10.0
+) -> None:
+    """As the operator (credentials in ``url`` or ``options``), create ``DSEC_EVENTS`` or
+    restore its guarantees (:func:`dsec_core.bus.ensure_stream`)."""
     import nats
     from dsec_core.bus import ensure_stream
 
     async def run() -> None:
-        nc = await nats.connect(url, connect_timeout=timeout, max_reconnect_attempts=0)
+        nc = await nats.connect(
+            url, connect_timeout=timeout, max_reconnect_attempts=0, **dict(options or {})
+        )
         try:
             await ensure_stream(nc.jetstream(timeout=timeout))
         finally:
