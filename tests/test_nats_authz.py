@@ -7,9 +7,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
+from dsec_cli.stack import StartFailed
+from dsec_cli.stack.adapters.natsauth import create_stream
 from dsec_core.subjects import STREAM
 from dsec_testing.stack import StackFixture
 from nats.aio.client import Client as NATS
@@ -69,7 +72,7 @@ async def _last_seq(nats_url: str, subject: str) -> int | None:
 
 
 async def test_unauthenticated_client_cannot_connect(dsec_stack: StackFixture) -> None:
-    with pytest.raises(Exception, match="[Aa]uthorization"):
+    with pytest.raises(Exception, match=r"[Aa]uthorization"):
         await nats.connect(
             dsec_stack.nats_plain_url, max_reconnect_attempts=0, allow_reconnect=False
         )
@@ -145,3 +148,24 @@ def test_credentials_are_private(dsec_stack: StackFixture) -> None:
     public = nkeys.from_seed(bytearray(seed.read_bytes().strip())).public_key.decode()
     assert public in text and seed.read_text().strip() not in text  # public key only
     assert "$2a$" in text  # the operator password only as a bcrypt hash
+
+
+async def test_service_refuses_a_weakened_stream_and_the_operator_restores_it(
+    dsec_stack: StackFixture, nats_url: str, services: Any
+) -> None:
+    admin = await nats.connect(nats_url)
+    js = admin.jetstream()
+    try:
+        config = (await js.stream_info(STREAM)).config
+        config.max_msgs = 10_000_000  # a limit that would one day discard history
+        await js.update_stream(config)
+        with pytest.raises(StartFailed) as failed:
+            await asyncio.to_thread(services.start, "policy", timeout=30)
+        _reason, log_tail = failed.value.failures["policy"]
+        assert "policy refuses to start: stream DSEC_EVENTS is weakened" in log_tail
+        assert "max_msgs=10000000 with discard=old would lose events" in log_tail
+    finally:
+        await asyncio.to_thread(create_stream, nats_url)  # what `dsec up` does as operator
+        restored = (await js.stream_info(STREAM)).config
+        await admin.close()
+    assert restored.max_msgs in (None, -1) and restored.deny_purge and restored.deny_delete

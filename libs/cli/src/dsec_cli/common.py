@@ -75,7 +75,9 @@ def submitter() -> str:
 
 
 @asynccontextmanager
-async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, JetStreamContext]]:
+async def bus(
+    settings: Settings | None = None, *, check_stream: bool = True
+) -> AsyncIterator[tuple[NATS, JetStreamContext]]:
     """Connect to NATS as this user (:mod:`dsec_core.natsclient`), or exit 3 with a message
     that says what to do. The stream is checked, never changed (only the operator may)."""
     from dsec_core.bus import StreamWeakened, require_stream
@@ -104,7 +106,8 @@ async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, Jet
     try:
         js = nc.jetstream()
         try:
-            await require_stream(js)
+            if check_stream:
+                await require_stream(js)
         except StreamWeakened as exc:
             if "does not exist" in str(exc):
                 fail(str(exc), EXIT_UNREACHABLE)

@@ -140,7 +140,7 @@ def stream_problems(config: StreamConfig) -> list[str]:
     }
     set_limits = [f"{k}={v}" for k, v in limits.items() if _limited(v)]
     if set_limits and not approved:
-        discard = config.discard.value if config.discard else "old"
+        discard = str(getattr(config.discard, "value", config.discard) or "old")
         problems.append(
             f"{', '.join(set_limits)} with discard={discard} would lose events; the operator "
             f"must remove the limits or approve them (metadata {RETENTION_APPROVED_KEY}=true)"

@@ -90,3 +90,37 @@ def create_stream(
             await nc.close()
 
     asyncio.run(run())
+
+
+def deploy_identities(tenants: list[str]) -> list[str]:
+    """Every service and one ``user-<tenant>`` per tenant."""
+    return [*natsperms.SERVICES, *(f"{natsperms.USER}-{t}" for t in tenants)]
+
+
+def write_deploy_credentials(out: Path, tenants: list[str]) -> dict[str, str]:
+    """Credentials for ``deploy/nats/nats-server.conf`` under ``out`` (0700): one nkey seed per
+    identity (``<id>.nk``), the operator password (``operator.password``), and
+    ``nats-server.env`` with what the server needs (bcrypt hash, public keys). Existing seeds and
+    the password are kept, so running it again only adds identities.
+
+    Returns:
+        identity -> public key.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o700)
+    pw_file = out / "operator.password"
+    if not pw_file.is_file():
+        import secrets
+
+        write_private(pw_file, secrets.token_urlsafe(24) + "\n")
+    publics: dict[str, str] = {}
+    lines = [f"DSEC_NATS_OPERATOR_BCRYPT='{hash_password(pw_file.read_text().strip())}'"]
+    for identity in deploy_identities(tenants):
+        seed = out / f"{identity}.nk"
+        if not seed.is_file():
+            write_private(seed, new_seed() + "\n")
+        publics[identity] = public_key(seed.read_text())
+        var = "DSEC_NKEY_" + identity.upper().replace("-", "_")
+        lines.append(f"{var}={publics[identity]}")
+    write_private(out / "nats-server.env", "\n".join(lines) + "\n")
+    return publics
