@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -169,3 +172,43 @@ async def test_service_refuses_a_weakened_stream_and_the_operator_restores_it(
         restored = (await js.stream_info(STREAM)).config
         await admin.close()
     assert restored.max_msgs in (None, -1) and restored.deny_purge and restored.deny_delete
+
+
+async def test_deploy_config_enforces_the_same_roles(tmp_path: Path) -> None:
+    """deploy/nats/nats-server.conf with `dsec nats credentials` output, on a real server."""
+    from dsec_cli.stack.adapters.natsauth import write_deploy_credentials
+    from dsec_cli.stack.adapters.procs import allocate_ports, poll_until, port_listening
+    from dsec_cli.stack.adapters.servers import NatsServer
+
+    creds = tmp_path / "creds"
+    write_deploy_credentials(creds, ["default"])
+    env = dict(os.environ)
+    for line in (creds / "nats-server.env").read_text().splitlines():
+        key, _, value = line.partition("=")
+        env[key] = value.strip("'")
+    port, monitor = allocate_ports(2)
+    conf = Path(__file__).parents[1] / "deploy" / "nats" / "nats-server.conf"
+    binary = NatsServer.default_binary()
+    assert binary is not None
+    argv = [str(binary), "-c", str(conf), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor)]
+    proc = subprocess.Popen(
+        [*argv, "-js", "-sd", str(tmp_path / "js")], env=env, stderr=subprocess.PIPE
+    )
+    try:
+        assert poll_until(lambda: port_listening(port), time.monotonic() + 10), "no nats"
+        url = f"nats://127.0.0.1:{port}"
+        password = (creds / "operator.password").read_text().strip()
+        await asyncio.to_thread(create_stream, f"nats://operator:{password}@127.0.0.1:{port}")
+        seen = Violations()
+        nc = await nats.connect(url, nkeys_seed=str(creds / "builder.nk"), error_cb=seen.callback())
+        try:
+            js = nc.jetstream(timeout=1.0)
+            assert (await js.publish("dsec.sandbox.s1.env.built", b"x")).seq == 1
+            with pytest.raises(nats.errors.TimeoutError):
+                await js.publish("dsec.sandbox.s1.spec.validated", b"forged")
+            await seen.wait_for("dsec.sandbox.s1.spec.validated")
+        finally:
+            await nc.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -277,7 +277,7 @@ def render_deploy_config(tenants: Iterable[str] = ("default",)) -> str:
         "# Credentials come from the environment: DSEC_NATS_OPERATOR_BCRYPT (bcrypt hash of the\n"
         "# operator password) and DSEC_NKEY_<ROLE> (public nkeys, U...; seeds stay with the\n"
         "# clients). `dsec nats credentials DIR` writes both.\n"
-        "port: 4222\nhttp_port: 8222\njetstream { store_dir: /data }\n"
+        "# Ports and JetStream come from the command line: nats-server -c THIS -js -sd DIR.\n"
     )
     users = [{"user": OPERATOR, "password": "@OPERATOR@", "permissions": permissions(OPERATOR)}]
     names = [*SERVICES, *(f"{USER}-{t}" for t in tenants)]

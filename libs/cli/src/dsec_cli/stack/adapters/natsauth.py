@@ -99,8 +99,9 @@ def deploy_identities(tenants: list[str]) -> list[str]:
 
 def write_deploy_credentials(out: Path, tenants: list[str]) -> dict[str, str]:
     """Credentials for ``deploy/nats/nats-server.conf`` under ``out`` (0700): one nkey seed per
-    identity (``<id>.nk``), the operator password (``operator.password``), and
-    ``nats-server.env`` with what the server needs (bcrypt hash, public keys). Existing seeds and
+    identity (``<id>.nk``), the operator password (``operator.password``, and as
+    ``operator.env`` for ``dsec nats stream``), and ``nats-server.env`` with what the server
+    needs (bcrypt hash, public keys). Existing seeds and
     the password are kept, so running it again only adds identities.
 
     Returns:
@@ -123,4 +124,8 @@ def write_deploy_credentials(out: Path, tenants: list[str]) -> dict[str, str]:
         var = "DSEC_NKEY_" + identity.upper().replace("-", "_")
         lines.append(f"{var}={publics[identity]}")
     write_private(out / "nats-server.env", "\n".join(lines) + "\n")
+    operator_env = (
+        f"DSEC_NATS_USER={natsperms.OPERATOR}\nDSEC_NATS_PASSWORD='{pw_file.read_text().strip()}'\n"
+    )
+    write_private(out / "operator.env", operator_env)
     return publics
