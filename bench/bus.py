@@ -22,6 +22,7 @@ import asyncio
 import multiprocessing as mp
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 import nats
 from _common import emit, nats_server, percentile
@@ -35,6 +36,14 @@ from nacl.signing import SigningKey
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 BATCH = 256
+
+
+async def _connect(url: str) -> Any:
+    """Through dsec_core.natsclient like every DSec client (credentials/TLS from DSEC_NATS_*)."""
+    from dsec_core import natsclient
+    from dsec_core.settings import Settings
+
+    return await natsclient.connect(Settings(nats_url=url), "dsec-bench")
 
 
 def _payload() -> SandboxExited:
@@ -78,7 +87,7 @@ def verify_rates(n: int) -> dict[str, int]:
 async def _consume(
     url: str, stream: str, subject: str, n: int, verify: bool, ready: Connection
 ) -> float:
-    nc = await nats.connect(url)
+    nc = await _connect(url)
     js = nc.jetstream()
     config = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True)
     sub = await js.pull_subscribe(subject, stream=stream, config=config)
@@ -108,7 +117,7 @@ def _consumer_main(
 
 
 async def _raw_publish(url: str, n: int, size: int) -> None:
-    nc = await nats.connect(url)
+    nc = await _connect(url)
     js = nc.jetstream()
     body = b"x" * size
     for base in range(0, n, BATCH):
@@ -119,7 +128,7 @@ async def _raw_publish(url: str, n: int, size: int) -> None:
 
 
 async def _dsec_publish(url: str, n: int) -> int:
-    nc = await nats.connect(url)
+    nc = await _connect(url)
     publisher = EventPublisher(nc.jetstream(), Signer("bench", SigningKey.generate()))
     payload = _payload()
     await publisher.register_key()
@@ -136,7 +145,7 @@ async def _dsec_publish(url: str, n: int) -> int:
 
 
 async def _setup(url: str, dsec: bool) -> None:
-    nc = await nats.connect(url)
+    nc = await _connect(url)
     js = nc.jetstream()
     if dsec:
         await ensure_stream(js)
