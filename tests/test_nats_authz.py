@@ -16,6 +16,8 @@ import nats
 import pytest
 from dsec_cli.stack import StartFailed
 from dsec_cli.stack.adapters.natsauth import create_stream
+from dsec_core import natsperms
+from dsec_core.settings import Settings
 from dsec_core.subjects import STREAM
 from dsec_testing.stack import StackFixture
 from nats.aio.client import Client as NATS
@@ -212,3 +214,16 @@ async def test_deploy_config_enforces_the_same_roles(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("name", natsperms.SERVICES)
+def test_each_service_consumes_only_durables_its_role_allows(name: str, tmp_path: Path) -> None:
+    """The permissions table and the services' handlers agree (a new handler needs a row)."""
+    import importlib
+
+    app = importlib.import_module(f"dsec_{name}.app")
+    settings = Settings(home=tmp_path, snapshot_interval_s=60.0)  # periodic handlers too
+    service = app.create_service(settings)
+    if name != "scheduler":  # the scheduler only projects (an ephemeral reader) today
+        assert service.durables
+    assert set(service.durables) <= set(natsperms.TABLE[name].durables)

@@ -124,6 +124,8 @@ TABLE: Mapping[str, Role] = {
             "sandbox.stop_requested",
             "snapshot.requested",
             "snapshot.restore_requested",
+            # `dsec sandbox run --snapshot` records that it started a sandbox from a snapshot
+            "snapshot.restored",
             "audit.key_registered",
         ),
     ),

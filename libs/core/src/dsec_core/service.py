@@ -115,6 +115,7 @@ class Service:
         self._stopping = asyncio.Event()
         self.on_start: list[Callable[[], Awaitable[None]]] = []
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
+        self.durables: list[str] = []  # its durable consumers (NATS permissions allow only these)
 
     def _healthy(self) -> bool:
         return self.nc is not None and self.nc.is_connected
@@ -136,6 +137,7 @@ class Service:
         failure = on_exhausted or sandbox_failed(self.name)
         model_for(event_type)  # fail fast on a typo
         durable = durable_name(self.name, event_type)
+        self.durables.append(durable)
 
         def register(fn: Handler) -> Handler:
             config = ConsumerConfig(
