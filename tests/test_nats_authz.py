@@ -227,3 +227,33 @@ def test_each_service_consumes_only_durables_its_role_allows(name: str, tmp_path
     if name != "scheduler":  # the scheduler only projects (an ephemeral reader) today
         assert service.durables
     assert set(service.durables) <= set(natsperms.TABLE[name].durables)
+
+
+def test_a_nats_without_authorization_is_unhealthy(tmp_path: Path) -> None:
+    """A server left running by an older dsec (no credentials asked) is restarted by `dsec up`."""
+    from dsec_cli.stack.adapters.probes import ProbeError
+    from dsec_cli.stack.adapters.procs import allocate_ports, poll_until
+    from dsec_cli.stack.adapters.servers import NatsServer
+
+    port, monitor = allocate_ports(2)
+    srv = NatsServer(tmp_path, ports=[port, monitor])
+    argv = [str(srv.binary), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "-js"]
+    proc = subprocess.Popen([*argv, "-sd", str(tmp_path / "js")], stderr=subprocess.DEVNULL)
+    try:
+        healthz = f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true"
+        assert poll_until(lambda: _answers(healthz), time.monotonic() + 10), "no nats"
+        with pytest.raises(ProbeError, match="running without authorization"):
+            srv.probe()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _answers(url: str) -> bool:
+    from dsec_cli.stack.adapters.probes import ProbeError, http_ok
+
+    try:
+        http_ok(url, 1.0)
+    except ProbeError:
+        return False
+    return True

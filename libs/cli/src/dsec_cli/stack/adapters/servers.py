@@ -349,7 +349,12 @@ class NatsServer(Server):
         monitor = f"http://127.0.0.1:{self.ports[1]}"
         probes.http_ok(f"{monitor}/healthz?js-enabled-only=true", timeout)
         varz = probes.http_get_json(f"{monitor}/varz", timeout)
-        return str(varz.get("version", "unknown")) if isinstance(varz, dict) else "unknown"
+        if not isinstance(varz, dict):
+            return "unknown"
+        if not varz.get("auth_required"):
+            # e.g. started by an older dsec: unhealthy, so `dsec up` restarts it with the config
+            raise probes.ProbeError("running without authorization (no client credentials asked)")
+        return str(varz.get("version", "unknown"))
 
 
 class PostgresServer(Server):
