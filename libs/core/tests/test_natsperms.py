@@ -40,6 +40,8 @@ def may_publish(role: str, subject: str) -> bool:
         ("policy", "dsec.sandbox.sbx_1.failed", True),
         ("policy", "dsec.security.policy.event_rejected", True),
         ("policy", "dsec.producer.policy.audit.key_registered", True),
+        ("builder", "dsec.producer.policy.audit.key_registered", False),
+        ("user", "dsec.producer.cli-0a1b2c3d4e5f.audit.key_registered", True),
         ("builder", "dsec.sandbox.sbx_1.env.built", True),
         ("builder", "dsec.sandbox.sbx_1.ready", False),
         ("nodeagent", "dsec.sandbox.sbx_1.policy.violation_summary", True),

@@ -39,6 +39,7 @@ EVERY_SERVICE_PUBLISHES: tuple[str, ...] = (
 )
 """Event types any service may publish (terminal failures, refusals, its own key)."""
 
+KEY_REGISTERED = "audit.key_registered"
 CONFIGMAP_BUCKET = "dsec-configmaps"
 _API = "$JS.API"
 
@@ -176,7 +177,12 @@ def publish_allow(role: str) -> list[str]:
     types = list(r.publishes)
     if role in SERVICES:
         types += [t for t in EVERY_SERVICE_PUBLISHES if t not in types]
-    subjects = [filter_for(t) for t in types]
+    # A service registers only its own producer key (its producer name is the service name);
+    # a user's CLI keys are named cli-<key id>, which one subject token cannot pattern-match.
+    subjects = [
+        filter_for(t, role) if t == KEY_REGISTERED and role in SERVICES else filter_for(t)
+        for t in types
+    ]
     subjects += [
         f"{_API}.INFO",
         *_read_stream(STREAM),
