@@ -101,14 +101,18 @@ def write_deploy_credentials(out: Path, tenants: list[str]) -> dict[str, str]:
     """Credentials for ``deploy/nats/nats-server.conf`` under ``out`` (0700): one nkey seed per
     identity (``<id>.nk``), the operator password (``operator.password``, and as
     ``operator.env`` for ``dsec nats stream``), and ``nats-server.env`` with what the server
-    needs (bcrypt hash, public keys). Existing seeds and
-    the password are kept, so running it again only adds identities.
+    needs (bcrypt hash, public keys), and ``nats-server.conf`` for exactly these tenants (the
+    repository's ``deploy/nats/nats-server.conf`` has the tenant ``default``). Existing seeds,
+    tenants and the password are kept, so running it again only adds identities.
 
     Returns:
         identity -> public key.
     """
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)
+    prefix = f"{natsperms.USER}-"
+    known = [p.stem[len(prefix) :] for p in out.glob(f"{prefix}*.nk")]
+    tenants = list(dict.fromkeys([*known, *tenants]))
     pw_file = out / "operator.password"
     if not pw_file.is_file():
         import secrets
@@ -124,6 +128,7 @@ def write_deploy_credentials(out: Path, tenants: list[str]) -> dict[str, str]:
         var = "DSEC_NKEY_" + identity.upper().replace("-", "_")
         lines.append(f"{var}={publics[identity]}")
     write_private(out / "nats-server.env", "\n".join(lines) + "\n")
+    write_private(out / "nats-server.conf", natsperms.render_deploy_config(tenants))
     operator_env = (
         f"DSEC_NATS_USER={natsperms.OPERATOR}\nDSEC_NATS_PASSWORD='{pw_file.read_text().strip()}'\n"
     )
