@@ -257,3 +257,92 @@ def _answers(url: str) -> bool:
     except ProbeError:
         return False
     return True
+
+
+def _cert(name: str, issuer: tuple[Any, Any] | None, *, ca: bool = False) -> tuple[Any, Any]:
+    """A key and certificate for ``name`` (self-signed when ``issuer`` is None)."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    signer_key, signer_cert = issuer if issuer else (key, None)
+    now = dt.datetime.now(dt.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(signer_cert.subject if signer_cert else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=1))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+        builder = builder.add_extension(san, critical=False)
+    return key, builder.sign(signer_key, hashes.SHA256())
+
+
+def _write_pem(path: Path, key: Any, cert: Any) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+
+    cert_path, key_path = path.with_suffix(".crt"), path.with_suffix(".key")
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+async def test_tls_settings_reach_a_server_that_requires_client_certificates(
+    tmp_path: Path,
+) -> None:
+    from dsec_cli.stack.adapters.procs import allocate_ports, poll_until
+    from dsec_cli.stack.adapters.servers import NatsServer
+    from dsec_core.natsclient import connect
+
+    ca = _cert("dsec test CA", None, ca=True)
+    ca_crt, _ = _write_pem(tmp_path / "ca", *ca)
+    srv_crt, srv_key = _write_pem(tmp_path / "server", *_cert("127.0.0.1", ca))
+    cli_crt, cli_key = _write_pem(tmp_path / "client", *_cert("dsec-client", ca))
+    port, monitor = allocate_ports(2)
+    binary = NatsServer.default_binary()
+    assert binary is not None
+    proc = subprocess.Popen(
+        [str(binary), "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor), "--tlsverify",
+         "--tlscert", str(srv_crt), "--tlskey", str(srv_key), "--tlscacert", str(ca_crt)],
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        healthz = f"http://127.0.0.1:{monitor}/healthz"
+        assert poll_until(lambda: _answers(healthz), time.monotonic() + 10), "no nats"
+        url = f"tls://127.0.0.1:{port}"
+        settings = Settings(
+            nats_url=url, nats_tls_ca=ca_crt, nats_tls_cert=cli_crt, nats_tls_key=cli_key
+        )
+        nc = await connect(settings, "tls-test", max_reconnect_attempts=0)
+        try:
+            assert nc.is_connected and nc.connected_url is not None
+            assert nc.connected_url.scheme == "tls"
+        finally:
+            await nc.close()
+        without_cert = Settings(nats_url=url, nats_tls_ca=ca_crt)
+        # TLS 1.3: the server's "certificate required" alert arrives after the handshake,
+        # so the refusal shows as a connection that never completes.
+        with pytest.raises((TimeoutError, OSError, nats.errors.Error)):
+            await asyncio.wait_for(
+                connect(without_cert, "tls-test", allow_reconnect=False, connect_timeout=2), 5
+            )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
