@@ -85,7 +85,7 @@ async def ensure_stream(js: JetStreamContext) -> None:
         except BadRequestError:  # created concurrently
             current = (await js.stream_info(STREAM)).config
     # Only the guarantees DSec relies on are enforced; what an operator tuned on an external
-    # cluster (replicas, limits, placement) is kept.
+    # cluster (replicas, placement, limits it approved in the metadata) is kept.
     fields = ("subjects", "deny_delete", "deny_purge", "duplicate_window", "allow_rollup_hdrs")
     changed = any(getattr(current, f) != getattr(wanted, f) for f in fields)
     for f in fields:
