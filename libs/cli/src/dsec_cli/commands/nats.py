@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -78,8 +78,13 @@ def stream(
     from dsec_cli.common import EXIT_FAILED, fail, run
     from dsec_cli.common import bus as connect_bus
 
+    settings = Settings()
+    operator = _embedded_operator_url(settings)
+    if operator is not None:  # the embedded stack: its operator identity, from stack.json
+        settings = settings.model_copy(update={"nats_url": operator})
+
     async def go() -> list[str]:
-        async with connect_bus(Settings(), check_stream=False) as (_nc, js):
+        async with connect_bus(settings, check_stream=False) as (_nc, js):
             try:
                 await ensure_stream(js)
             except Exception as exc:
@@ -99,6 +104,21 @@ def stream(
         console.print(f"{STREAM} ready: append-only, no limits that discard history")
     if problems:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _embedded_operator_url(settings: Any) -> str | None:
+    """The embedded NATS as its operator, when no NATS endpoint is configured."""
+    if settings.nats_url is not None:
+        return None
+    state = settings.stack_state
+    password = state.get("servers", {}).get("nats", {}).get("credentials", {})
+    password = password.get("operator_password") if isinstance(password, dict) else None
+    url = state.get("nats_url")
+    if not password or not url:
+        return None
+    from dsec_cli.stack.adapters.natsauth import operator_url
+
+    return operator_url(str(url), str(password))
 
 
 def register(app: typer.Typer) -> None:

@@ -712,6 +712,10 @@ class Stack:
             for spec in self.service_specs:
                 self._service_port(spec.name)
             started = self.ensure_servers(self.server_names(), progress)
+            if "nats" not in started and "nats" not in self.external.names():
+                # NATS was already running: as the operator, repair a stream weakened meanwhile
+                # (a fresh start did this already), before services check it.
+                self.server("nats").after_ready()
             started += self.ensure_services(self.service_specs, progress)
             elapsed = time.monotonic() - t0
         return UpResult(status=self.status(), started=started, elapsed_s=elapsed)
