@@ -346,3 +346,40 @@ async def test_tls_settings_reach_a_server_that_requires_client_certificates(
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+async def test_a_running_service_reports_a_stream_weakened_later(
+    nats_url: str, services: Any
+) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    await asyncio.to_thread(services.start, "policy", env={"DSEC_STREAM_CHECK_S": "0.2"})
+    url = services.url("policy") + "/healthz"
+
+    def status() -> str:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return str(json.loads(resp.read())["status"])
+        except urllib.error.HTTPError as err:
+            return str(json.loads(err.read())["status"])
+
+    async def becomes(wanted: str) -> None:
+        deadline = time.monotonic() + 10
+        while (got := await asyncio.to_thread(status)) != wanted:
+            assert time.monotonic() < deadline, f"healthz stayed {got!r}, expected {wanted!r}"
+            await asyncio.sleep(0.1)
+
+    await becomes("ok")
+    admin = await nats.connect(nats_url)
+    try:
+        config = (await admin.jetstream().stream_info(STREAM)).config
+        config.max_bytes = 1 << 30
+        await admin.jetstream().update_stream(config)
+        await becomes("unhealthy")
+    finally:
+        await asyncio.to_thread(create_stream, nats_url)
+        await admin.close()
+    await becomes("ok")
+    assert "max_bytes=1073741824 with discard=old would lose events" in services.log("policy")

@@ -30,6 +30,7 @@ from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from dsec_core import metrics, natsclient
@@ -116,9 +117,31 @@ class Service:
         self.on_start: list[Callable[[], Awaitable[None]]] = []
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
         self.durables: list[str] = []  # its durable consumers (NATS permissions allow only these)
+        self.stream_problem: str | None = None  # set while DSEC_EVENTS is weakened
+        self._watch: asyncio.Task[None] | None = None
 
     def _healthy(self) -> bool:
-        return self.nc is not None and self.nc.is_connected
+        connected = self.nc is not None and self.nc.is_connected
+        return connected and self.stream_problem is None
+
+    async def _watch_stream(self, js: JetStreamContext) -> None:
+        """Re-check the stream while running: weakened later, the service reports unhealthy
+        (``dsec status``; ``dsec up`` repairs the stream as the operator and restarts it)."""
+        while True:
+            await asyncio.sleep(self.settings.stream_check_s)
+            try:
+                await require_stream(js)
+            except StreamWeakened as exc:
+                if self.stream_problem != str(exc):
+                    log.critical("%s: %s; reporting unhealthy", self.name, exc)
+                self.stream_problem = str(exc)
+                continue
+            except Exception as exc:  # disconnected or slow: the connection state shows it
+                log.debug("%s: stream check skipped: %s", self.name, exc)
+                continue
+            if self.stream_problem is not None:
+                log.warning("%s: stream %s is sound again", self.name, STREAM)
+            self.stream_problem = None
 
     def handles(
         self,
@@ -269,11 +292,14 @@ class Service:
         for hook in self.on_start:
             await hook()
         await self.broker.start()
+        self._watch = asyncio.create_task(self._watch_stream(js), name="stream-check")
         port = await self.metrics.start(settings.metrics_port)
         log.info("%s %s ready; metrics on 127.0.0.1:%d", self.name, self.version, port)
 
     async def stop(self) -> None:
         """Stop consuming, run stop hooks, close connections."""
+        if self._watch is not None:
+            self._watch.cancel()
         await self.broker.stop()
         for hook in self.on_stop:
             await hook()

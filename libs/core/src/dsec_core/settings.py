@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     s3_bucket: str = Field(default="dsec", description="Bucket for bundles, caches, snapshots")
     vault_addr: str | None = Field(default=None, description="Vault/OpenBao address (external)")
     vault_token: str | None = Field(default=None, repr=False, description="Vault/OpenBao token")
+    stream_check_s: float = Field(
+        default=30.0, gt=0, description="How often a service re-checks the stream's guarantees"
+    )
     metrics_port: int = Field(default=0, description="Port for /metrics and /healthz (0 = free)")
     node_id: str = Field(default="node-1", description="Name of this node")
     org_policy: Path | None = Field(default=None, description="Org guardrail policy file")
