@@ -22,6 +22,7 @@ import asyncio
 import multiprocessing as mp
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 import nats
 from _common import emit, nats_server, percentile
@@ -38,6 +39,14 @@ from nacl.signing import SigningKey
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 BATCH = 256
+
+
+async def _connect(url: str) -> Any:
+    """Through dsec_core.natsclient like every DSec client (credentials/TLS from DSEC_NATS_*)."""
+    from dsec_core import natsclient
+    from dsec_core.settings import Settings
+
+    return await natsclient.connect(Settings(nats_url=url), "dsec-bench")
 
 
 def _payload() -> SandboxExited:
@@ -102,7 +111,7 @@ def verify_rates(n: int) -> dict[str, int]:
 async def _consume(
     url: str, stream: str, subject: str, n: int, verify: bool, ready: Connection
 ) -> float:
-    nc = await nats.connect(url)
+    nc = await _connect(url)
     js = nc.jetstream()
     config = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True)
     sub = await js.pull_subscribe(subject, stream=stream, config=config)
@@ -134,7 +143,7 @@ def _consumer_main(
 
 
 async def _raw_publish(url: str, n: int, size: int) -> None:
-    nc = await nats.connect(url)
+    nc = await _connect(url)
     js = nc.jetstream()
     body = b"x" * size
     for base in range(0, n, BATCH):
@@ -145,7 +154,7 @@ async def _raw_publish(url: str, n: int, size: int) -> None:
 
 
 async def _dsec_publish(url: str, n: int) -> int:
-    nc = await nats.connect(url)
+    nc = await _connect(url)
     signer, reg = _certified("nodeagent")
     publisher = EventPublisher(nc.jetstream(), signer)
     payload = _payload()
@@ -163,7 +172,7 @@ async def _dsec_publish(url: str, n: int) -> int:
 
 
 async def _setup(url: str, dsec: bool) -> None:
-    nc = await nats.connect(url)
+    nc = await _connect(url)
     js = nc.jetstream()
     if dsec:
         await ensure_stream(js)
@@ -196,7 +205,7 @@ async def gate_admit(url: str, n: int) -> dict[str, float]:
     """What each service consumer pays per event before its handler runs (the trust gate:
     certificate (cached), signature, authorization table, the sandbox's tenant (cached), the
     replay check in the KV bucket), over events of one submitted sandbox."""
-    nc = await nats.connect(url)
+    nc = await _connect(url)
     js = nc.jetstream()
     user, user_reg = _certified("user-bench", "user")
     agent, agent_reg = _certified("nodeagent")

@@ -66,6 +66,14 @@ THINK_S = 1.0
 ctx = mp.get_context("fork")
 
 
+async def _connect(url: str) -> Any:
+    """Through dsec_core.natsclient like every DSec client (credentials/TLS from DSEC_NATS_*)."""
+    from dsec_core import natsclient
+    from dsec_core.settings import Settings
+
+    return await natsclient.connect(Settings(nats_url=url), "dsec-bench")
+
+
 def web_search(query: str) -> dict[str, Any]:
     return ANSWER
 
@@ -263,10 +271,9 @@ def bench_duty(shm: ShmBench, pairs: int, bursts: int) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------- NATS
 def nats_responder(url: str, ready: Any) -> None:
-    import nats
 
     async def main() -> None:
-        nc = await nats.connect(url)
+        nc = await _connect(url)
 
         async def on_call(msg: Any) -> None:
             tool, args, _ = unpack(msg.data)
@@ -281,10 +288,9 @@ def nats_responder(url: str, ready: Any) -> None:
 
 
 def nats_latency(url: str, kind: str, calls: int, out: Connection) -> None:
-    import nats
 
     async def main() -> list[int]:
-        nc = await nats.connect(url)
+        nc = await _connect(url)
         body = pack([TOOL_OF[kind], CALLS[kind], 5000])
         clock = time.perf_counter_ns
         for _ in range(min(500, calls)):

@@ -56,8 +56,14 @@ def home(tmp_path: Path) -> Iterator[Path]:
         dsec_inproc("down", home=path)
 
 
-async def _write_data(st: dict[str, object]) -> None:
-    nc = await nats.connect(str(st["nats_url"]))
+def _operator_url(st: dict[str, Any]) -> str:
+    """The embedded NATS as its operator (stack.json keeps the password, mode 0600)."""
+    password = st["servers"]["nats"]["credentials"]["operator_password"]
+    return str(st["nats_url"]).replace("nats://", f"nats://operator:{password}@", 1)
+
+
+async def _write_data(st: dict[str, Any]) -> None:
+    nc = await nats.connect(_operator_url(st))
     try:
         js = nc.jetstream()
         await js.add_stream(name="STACKTEST", subjects=["stacktest.>"])
@@ -78,8 +84,8 @@ async def _write_data(st: dict[str, object]) -> None:
     client.put_object("dsec", "kept/object.txt", io.BytesIO(body), len(body))
 
 
-async def _read_data(st: dict[str, object]) -> tuple[bytes, str, bytes]:
-    nc = await nats.connect(str(st["nats_url"]))
+async def _read_data(st: dict[str, Any]) -> tuple[bytes, str, bytes]:
+    nc = await nats.connect(_operator_url(st))
     try:
         msg = await nc.jetstream().get_msg("STACKTEST", 1)
         nats_data = msg.data or b""

@@ -88,10 +88,12 @@ def test_stack_env_is_what_settings_read(
     assert settings.vault_token == stack_env["DSEC_VAULT_TOKEN"]
     assert settings.home.is_dir()
     assert settings.stack_state["nats_url"] == stack_env["DSEC_NATS_URL"]
+    # NATS as the local tenant's user, the identity the CLI has after `dsec up`
+    assert settings.nats_nkey_seed is not None and settings.nats_nkey_seed.name == "user-default.nk"
     assert set(stack_env) == {
         "DSEC_HOME", "DSEC_NATS_URL", "DSEC_POSTGRES_DSN", "DSEC_S3_ENDPOINT",
         "DSEC_S3_ACCESS_KEY", "DSEC_S3_SECRET_KEY", "DSEC_VAULT_ADDR", "DSEC_VAULT_TOKEN",
-        "DSEC_S3_BUCKET",
+        "DSEC_S3_BUCKET", "DSEC_NATS_NKEY_SEED",
     }  # fmt: skip
 
 

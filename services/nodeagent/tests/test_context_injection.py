@@ -63,13 +63,15 @@ def vault_secrets(vault: Any) -> VaultSecrets:
 
 @pytest.fixture
 def injector(
-    tmp_path: Path, vault_secrets: VaultSecrets, s3: Any, nats_url: str
+    tmp_path: Path, vault_secrets: VaultSecrets, s3: Any, dsec_stack: Any
 ) -> ContextInjector:
+    # Config maps are read as the node agent reads them: with its own NATS identity.
+    auth = {"nkeys_seed": str(dsec_stack.nats_seed("nodeagent"))}
     return ContextInjector(
         tmp_path / "sandboxes",
         vault=vault_secrets,
         s3=S3Materializer(s3.client(), tmp_path / "cache", unwrap=vault_secrets.unwrap),
-        configmaps=ConfigMaps(nats_url),
+        configmaps=ConfigMaps(dsec_stack.nats_plain_url, nats_options=auth),
     )
 
 

@@ -20,6 +20,7 @@ from dsec_sdk import (
     RemoteError,
     ToolNotFound,
 )
+from dsec_testing.stack import StackFixture
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
 from _ipc_testkit import BrokerThread, metric, start_agent, wait_serving, wait_until
@@ -30,10 +31,13 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def nodes(nats_url: str) -> Iterator[tuple[BrokerThread, BrokerThread]]:
+def nodes(dsec_stack: StackFixture) -> Iterator[tuple[BrokerThread, BrokerThread]]:
     root = Path(tempfile.mkdtemp(prefix="dsec-ipc-"))
-    one = BrokerThread(root / "n1.sock", node_id="node-1", nats_url=nats_url)
-    two = BrokerThread(root / "n2.sock", node_id="node-2", nats_url=nats_url)
+    # As node agents connect in the stack: with the nodeagent identity and its permissions.
+    url = dsec_stack.nats_plain_url
+    auth = {"nkeys_seed": str(dsec_stack.nats_seed("nodeagent"))}
+    one = BrokerThread(root / "n1.sock", node_id="node-1", nats_url=url, nats_options=auth)
+    two = BrokerThread(root / "n2.sock", node_id="node-2", nats_url=url, nats_options=auth)
     yield one, two
     one.stop()
     two.stop()

@@ -97,26 +97,43 @@ def submitter() -> str:
 
 
 @asynccontextmanager
-async def bus(settings: Settings | None = None) -> AsyncIterator[tuple[NATS, JetStreamContext]]:
-    """Connect to NATS, or exit 3 with a message that says what to do."""
-    import nats
-    from dsec_core.bus import EventTooLarge, ensure_stream
+async def bus(
+    settings: Settings | None = None, *, check_stream: bool = True
+) -> AsyncIterator[tuple[NATS, JetStreamContext]]:
+    """Connect to NATS as this user (:mod:`dsec_core.natsclient`), or exit 3 with a message
+    that says what to do. The stream is checked, never changed (only the operator may)."""
+    from dsec_core.bus import EventTooLarge, StreamWeakened, require_stream
+    from dsec_core.natsclient import NatsSettingsError, connect
 
     settings = settings or Settings()
     url = settings.nats_endpoint()
     try:
-        nc = await nats.connect(
-            url, connect_timeout=3, max_reconnect_attempts=3, allow_reconnect=True, name="dsec-cli"
+        nc = await connect(
+            settings,
+            "dsec-cli",
+            connect_timeout=3,
+            max_reconnect_attempts=3,
+            allow_reconnect=True,
         )
+    except NatsSettingsError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
     except Exception as exc:  # any connect failure means "unreachable" to the user
+        reason = str(exc) if "authorization" in str(exc).lower() else type(exc).__name__
         fail(
-            f"cannot reach NATS at {without_credentials(url)} ({type(exc).__name__}); "
-            "start the stack with `dsec up` or set DSEC_NATS_URL",
+            f"cannot reach NATS at {without_credentials(url)} ({reason}); "
+            "start the stack with `dsec up` or set DSEC_NATS_URL (and its credentials: "
+            "DSEC_NATS_CREDS, DSEC_NATS_NKEY_SEED or DSEC_NATS_USER/PASSWORD)",
             EXIT_UNREACHABLE,
         )
     try:
         js = nc.jetstream()
-        await ensure_stream(js)
+        try:
+            if check_stream:
+                await require_stream(js)
+        except StreamWeakened as exc:
+            if "does not exist" in str(exc):
+                fail(str(exc), EXIT_UNREACHABLE)
+            err_console.print(f"[bold yellow]warning:[/] {escape(str(exc))}", highlight=False)
         yield nc, js
     except EventTooLarge as exc:
         # Every CLI publish goes through here: bad input (too big an event), not a crash.

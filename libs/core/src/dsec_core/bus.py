@@ -12,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -28,11 +27,14 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError, NotFoundError
 
+from dsec_core import natsclient
 from dsec_core.envelope import Envelope
 from dsec_core.events import KeyRegistered, Payload
 from dsec_core.identity import SYSTEM_TENANT, Certificate
+from dsec_core.settings import Settings
 from dsec_core.signing import Sealed, Signer
 from dsec_core.subjects import ALL_EVENTS, STREAM
+from dsec_core.trust import handled_bucket
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +57,12 @@ def stream_config() -> StreamConfig:
     )
 
 
-async def connect(url: str, name: str) -> NATS:
-    """Connect to NATS with unlimited reconnects (a restarting server is waited for)."""
-    return await nats.connect(
-        url,
-        name=name,
+async def connect(settings: Settings, name: str) -> NATS:
+    """Connect with the settings' credentials and TLS, unlimited reconnects (a restarting
+    server is waited for)."""
+    return await natsclient.connect(
+        settings,
+        name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.2,
         connect_timeout=5,
@@ -68,23 +71,110 @@ async def connect(url: str, name: str) -> NATS:
 
 
 async def ensure_stream(js: JetStreamContext) -> None:
-    """Create the stream, or update it to the expected configuration."""
+    """Create the stream, or update it to the expected configuration.
+
+    Operator only: NATS permissions refuse stream creation and updates to every other role
+    (:mod:`dsec_core.natsperms`); services call :func:`require_stream` instead.
+    """
     wanted = stream_config()
     try:
         current = (await js.stream_info(STREAM)).config
     except NotFoundError:
         try:
             await js.add_stream(wanted)
+            await _ensure_handled_bucket(js)
             return
         except BadRequestError:  # created concurrently
             current = (await js.stream_info(STREAM)).config
     # Only the guarantees DSec relies on are enforced; what an operator tuned on an external
-    # cluster (replicas, limits, placement) is kept.
-    fields = ("subjects", "deny_delete", "deny_purge", "duplicate_window")
-    if any(getattr(current, f) != getattr(wanted, f) for f in fields):
-        for f in fields:
-            setattr(current, f, getattr(wanted, f))
+    # cluster (replicas, placement, limits it approved in the metadata) is kept.
+    fields = ("subjects", "deny_delete", "deny_purge", "duplicate_window", "allow_rollup_hdrs")
+    changed = any(getattr(current, f) != getattr(wanted, f) for f in fields)
+    for f in fields:
+        setattr(current, f, getattr(wanted, f))
+    if stream_problems(current):  # limits that discard history, never approved: lift them
+        for f in ("max_msgs", "max_bytes", "max_age", "max_msgs_per_subject"):
+            if _limited(getattr(current, f)):
+                log.warning("stream %s: removing %s=%s", STREAM, f, getattr(current, f))
+                setattr(current, f, -1 if f != "max_age" else 0)
+                changed = True
+    if changed:
         await js.update_stream(current)
+    await _ensure_handled_bucket(js)
+
+
+async def _ensure_handled_bucket(js: JetStreamContext) -> None:
+    """The operator also creates the consumers' replay-protection bucket (services may only
+    write their own keys into it)."""
+    await handled_bucket(js)
+
+
+RETENTION_APPROVED_KEY = "dsec_retention_approved"
+"""Stream metadata key the operator sets to ``"true"`` to accept limits that discard history."""
+
+
+class StreamWeakened(RuntimeError):
+    """``DSEC_EVENTS`` is missing or configured so that history can be lost or rewritten."""
+
+
+def _limited(value: float | int | None) -> bool:
+    return value is not None and value > 0
+
+
+def stream_problems(config: StreamConfig) -> list[str]:
+    """What is wrong with ``config`` for an append-only audit log (pure; empty when sound).
+
+    ``deny_delete``/``deny_purge``, limits retention, no rollup, and ``dsec.>`` captured are
+    always required. Limits that discard history (``max_msgs``, ``max_bytes``, ``max_age``,
+    ``max_msgs_per_subject``) are accepted only when the operator approved them in the stream's
+    metadata (``dsec_retention_approved: "true"``).
+    """
+    problems: list[str] = []
+    if not config.deny_delete:
+        problems.append("deny_delete is off (messages can be deleted)")
+    if not config.deny_purge:
+        problems.append("deny_purge is off (the stream can be purged)")
+    if config.retention not in (None, RetentionPolicy.LIMITS):
+        problems.append(f"retention is {config.retention} (acknowledged events would be removed)")
+    if config.allow_rollup_hdrs:
+        problems.append("allow_rollup_hdrs is on (a publisher can purge a subject)")
+    if ALL_EVENTS not in (config.subjects or []):
+        problems.append(f"subjects {config.subjects} do not capture {ALL_EVENTS}")
+    approved = (config.metadata or {}).get(RETENTION_APPROVED_KEY) == "true"
+    limits = {
+        "max_msgs": config.max_msgs,
+        "max_bytes": config.max_bytes,
+        "max_age": config.max_age,
+        "max_msgs_per_subject": config.max_msgs_per_subject,
+    }
+    set_limits = [f"{k}={v}" for k, v in limits.items() if _limited(v)]
+    if set_limits and not approved:
+        discard = str(getattr(config.discard, "value", config.discard) or "old")
+        problems.append(
+            f"{', '.join(set_limits)} with discard={discard} would lose events; the operator "
+            f"must remove the limits or approve them (metadata {RETENTION_APPROVED_KEY}=true)"
+        )
+    return problems
+
+
+async def require_stream(js: JetStreamContext) -> StreamConfig:
+    """Check (never change) ``DSEC_EVENTS``: what services do at start.
+
+    Raises:
+        StreamWeakened: the stream does not exist (the operator creates it: ``dsec up``), or
+            :func:`stream_problems` found something.
+    """
+    try:
+        config = (await js.stream_info(STREAM)).config
+    except NotFoundError:
+        raise StreamWeakened(
+            f"stream {STREAM} does not exist; the operator creates it (`dsec up`, or "
+            "`nats stream add --config deploy/nats/DSEC_EVENTS.json` with operator credentials)"
+        ) from None
+    problems = stream_problems(config)
+    if problems:
+        raise StreamWeakened(f"stream {STREAM} is weakened: " + "; ".join(problems))
+    return config
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,15 @@ from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from dsec_core import identity, metrics
-from dsec_core.bus import EventPublisher, connect, ensure_stream
+from dsec_core import identity, metrics, natsclient
+from dsec_core.bus import EventPublisher, StreamWeakened, connect, require_stream
 from dsec_core.envelope import Envelope
 from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
 from dsec_core.ids import derive_event_id
+from dsec_core.natsperms import durable_name
 from dsec_core.settings import Settings
 from dsec_core.signing import Signer, load_or_create_key
 from dsec_core.subjects import STREAM, filter_for
@@ -109,7 +111,11 @@ class Service:
         self.name = name
         self.settings = settings or Settings()
         self.version = package_version(f"dsec-{name}")
-        self.broker = NatsBroker(self.settings.nats_endpoint(), max_reconnect_attempts=-1)
+        self.broker = NatsBroker(
+            **natsclient.broker_options(
+                self.settings, name=f"dsec-{name}-consumers", max_reconnect_attempts=-1
+            )
+        )
         self._stream = JStream(name=STREAM, declare=False)
         self.nc: NATS | None = None
         self.publisher: EventPublisher | None = None
@@ -126,9 +132,32 @@ class Service:
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
         self.keys: KeyRing | None = None
         self.gate: Gate | None = None
+        self.durables: list[str] = []  # its durable consumers (NATS permissions allow only these)
+        self.stream_problem: str | None = None  # set while DSEC_EVENTS is weakened
+        self._watch: asyncio.Task[None] | None = None
 
     def _healthy(self) -> bool:
-        return self.nc is not None and self.nc.is_connected
+        connected = self.nc is not None and self.nc.is_connected
+        return connected and self.stream_problem is None
+
+    async def _watch_stream(self, js: JetStreamContext) -> None:
+        """Re-check the stream while running: weakened later, the service reports unhealthy
+        (``dsec status``; ``dsec up`` repairs the stream as the operator and restarts it)."""
+        while True:
+            await asyncio.sleep(self.settings.stream_check_s)
+            try:
+                await require_stream(js)
+            except StreamWeakened as exc:
+                if self.stream_problem != str(exc):
+                    log.critical("%s: %s; reporting unhealthy", self.name, exc)
+                self.stream_problem = str(exc)
+                continue
+            except Exception as exc:  # disconnected or slow: the connection state shows it
+                log.debug("%s: stream check skipped: %s", self.name, exc)
+                continue
+            if self.stream_problem is not None:
+                log.warning("%s: stream %s is sound again", self.name, STREAM)
+            self.stream_problem = None
 
     def _nats_problem(self) -> str | None:
         if self.nc is None or not self.nc.is_connected:
@@ -163,7 +192,8 @@ class Service:
         policy = retry or RetryPolicy()
         failure = on_exhausted or sandbox_failed(self.name)
         model_for(event_type)  # fail fast on a typo
-        durable = f"{self.name}-{event_type.replace('.', '-')}"
+        durable = durable_name(self.name, event_type)
+        self.durables.append(durable)
 
         def register(fn: Handler) -> Handler:
             config = ConsumerConfig(
@@ -332,9 +362,15 @@ class Service:
                 "no trust root: set DSEC_TRUST_ROOT or run `dsec up` (writes trust/root.pub)"
             )
         identity.check(cert, anchor)
-        self.nc = await connect(settings.nats_endpoint(), f"dsec-{self.name}")
+        self.nc = await connect(settings, f"dsec-{self.name}")
         js = self.nc.jetstream()
-        await ensure_stream(js)
+        try:
+            # Only the operator creates or changes the stream; a service refuses to run on a
+            # log that could lose or rewrite history.
+            await require_stream(js)
+        except StreamWeakened as exc:
+            log.critical("%s refuses to start: %s", self.name, exc)
+            raise
         self.publisher = EventPublisher(js, Signer(cert.subject, key), certificate=cert)
         await self.publisher.register_key()
         self.keys = KeyRing(self.nc, js, anchor)
@@ -344,11 +380,14 @@ class Service:
             await hook()
         await self.broker.start()
         self.loop_watch.start()
+        self._watch = asyncio.create_task(self._watch_stream(js), name="stream-check")
         port = await self.metrics.start(settings.metrics_port)
         log.info("%s %s ready; metrics on 127.0.0.1:%d", self.name, self.version, port)
 
     async def stop(self) -> None:
         """Stop consuming, run stop hooks, close connections."""
+        if self._watch is not None:
+            self._watch.cancel()
         await self.broker.stop()
         for hook in self.on_stop:
             await hook()

@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,6 +23,13 @@ class Settings(BaseSettings):
 
     home: Path = Field(default=Path(".dsec"), description="State, data and logs of the stack")
     nats_url: str | None = Field(default=None, description="NATS server URL (external)")
+    nats_creds: Path | None = Field(default=None, description="NATS credentials file (JWT)")
+    nats_nkey_seed: Path | None = Field(default=None, description="NATS nkey seed file")
+    nats_user: str | None = Field(default=None, description="NATS user name")
+    nats_password: SecretStr | None = Field(default=None, description="NATS password")
+    nats_tls_ca: Path | None = Field(default=None, description="CA bundle to verify NATS")
+    nats_tls_cert: Path | None = Field(default=None, description="client certificate for NATS")
+    nats_tls_key: Path | None = Field(default=None, description="client key for NATS")
     postgres_dsn: str | None = Field(
         default=None, repr=False, description="PostgreSQL DSN (external)"
     )
@@ -42,6 +49,9 @@ class Settings(BaseSettings):
         default=None,
         description="A user credential file (`dsec admin issue-user`) the CLI signs with, "
         "instead of the identity `dsec login` installed",
+    )
+    stream_check_s: float = Field(
+        default=30.0, gt=0, description="How often a service re-checks the stream's guarantees"
     )
     metrics_port: int = Field(default=0, description="Port for /metrics and /healthz (0 = free)")
     node_id: str = Field(default="node-1", description="Name of this node")

@@ -3,11 +3,12 @@ servers on free ports in a temporary directory — the same code as ``dsec up``.
 
 Session fixtures, each starting only the server it needs, on first request:
 
-- ``nats_url`` (str): NATS with JetStream.
+- ``nats_url`` (str): NATS with JetStream, as the operator (``nats://operator:PW@...``).
 - ``postgres_dsn`` (str): PostgreSQL 18, user/db ``dsec``, password auth over TCP.
 - ``s3`` (:class:`~dsec_testing.stack.S3Info`): SeaweedFS with real credentials, bucket created.
 - ``vault`` (:class:`~dsec_testing.stack.VaultInfo`): OpenBao dev mode.
-- ``stack_env`` (dict): ``DSEC_*`` variables for all four plus ``DSEC_HOME``.
+- ``stack_env`` (dict): ``DSEC_*`` variables for all four plus ``DSEC_HOME``; NATS as the local
+  tenant's ``user`` (``DSEC_NATS_NKEY_SEED``), the identity the CLI has after ``dsec up``.
 
 Function fixtures:
 
@@ -42,7 +43,8 @@ def dsec_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFixtur
 
 @pytest.fixture(scope="session")
 def nats_url(dsec_stack: StackFixture) -> str:
-    """URL of a NATS server with JetStream (``nats://127.0.0.1:PORT``)."""
+    """URL of a NATS server with JetStream, with the operator's credentials
+    (``nats://operator:PW@127.0.0.1:PORT``: every right, the stream already created)."""
     return dsec_stack.nats_url
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsec_cli.stack import CORE_SERVERS, ServiceProcess, ServiceSpec, Stack, domain
+from dsec_core.natsclient import DEFAULT_USER_IDENTITY
 
 if TYPE_CHECKING:
     import hvac
@@ -74,9 +75,25 @@ class StackFixture:
 
     @property
     def nats_url(self) -> str:
-        """URL of the NATS server (started on first use)."""
+        """URL of the NATS server with the operator's credentials in it (all rights, like the
+        admin of a deployment; started on first use). Services and the CLI get their own,
+        restricted identities: :meth:`nats_seed`."""
+        self.ensure("nats")
+        return self.stack.operator_nats_url()
+
+    @property
+    def nats_plain_url(self) -> str:
+        """URL of the NATS server without credentials."""
         self.ensure("nats")
         return _require(self.stack.state.nats_url, "nats_url")
+
+    def nats_seed(self, identity: str) -> Path:
+        """The nkey seed file of ``identity`` (a service name, or ``user-default``)."""
+        self.ensure("nats")
+        path = self.stack.nats_seed(identity)
+        if path is None:
+            raise RuntimeError(f"the test stack has no NATS identity {identity!r}")
+        return Path(path)
 
     @property
     def postgres_dsn(self) -> str:
@@ -109,7 +126,11 @@ class StackFixture:
         """``DSEC_*`` variables pointing at all four core servers (started if needed)."""
         self.ensure(*CORE_SERVERS)
         env = domain.service_environment(
-            self.stack.state, home=str(self.home), metrics_port=0, bucket=self.stack.bucket
+            self.stack.state,
+            home=str(self.home),
+            metrics_port=0,
+            bucket=self.stack.bucket,
+            nats_seed=str(self.nats_seed(DEFAULT_USER_IDENTITY)),
         )
         del env["DSEC_METRICS_PORT"]
         env.update(self.trust_env())

@@ -23,6 +23,7 @@ from dsec_core import events, retention
 from dsec_core.codebundle import BundleError, extract_bundle, open_real_dir
 from dsec_core.envelope import Envelope
 from dsec_core.ids import derive_event_id
+from dsec_core.natsclient import auth_options
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.objectstore import client as s3_client
 from dsec_core.settings import Settings
@@ -120,7 +121,10 @@ class NodeAgent:
                 s3_client(s), self.home / "cache" / "s3", unwrap=vault.unwrap if vault else None
             )
         return ContextInjector(
-            self.home / "sandboxes", vault=vault, s3=s3, configmaps=ConfigMaps(s.nats_endpoint())
+            self.home / "sandboxes",
+            vault=vault,
+            s3=s3,
+            configmaps=ConfigMaps(s.nats_endpoint(), nats_options=auth_options(s)),
         )
 
     async def start(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from dsec_core.natsclient import auth_options
 from dsec_core.settings import Settings
 
 from dsec_nodeagent.ipc import AgentKey, Broker
@@ -79,6 +80,7 @@ class CommunicationPlane:
             self.socket_path,
             node_id=self.settings.node_id,
             nats_url=self.settings.nats_endpoint(),
+            nats_options=auth_options(self.settings),
             identify=self.identify,
             limits=broker_limits(self.settings),
             sandbox_of=sandbox_of,

@@ -250,13 +250,21 @@ def validate_service_names(names: Iterable[str]) -> tuple[str, ...]:
 
 
 def service_environment(
-    state: StackState, *, home: str, metrics_port: int, bucket: str | None = None
+    state: StackState,
+    *,
+    home: str,
+    metrics_port: int,
+    bucket: str | None = None,
+    nats_seed: str | None = None,
 ) -> dict[str, str]:
-    """The ``DSEC_*`` variables a service process gets so it reaches every server of the stack."""
+    """The ``DSEC_*`` variables a service process gets so it reaches every server of the stack
+    (``nats_seed``: the file of its own NATS identity, ``DSEC_NATS_NKEY_SEED``)."""
     env = {
         "DSEC_HOME": home,
         "DSEC_METRICS_PORT": str(metrics_port),
     }
+    if nats_seed:
+        env["DSEC_NATS_NKEY_SEED"] = nats_seed
     pairs = {
         "DSEC_NATS_URL": state.nats_url,
         "DSEC_POSTGRES_DSN": state.postgres_dsn,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec_core import identity
+from dsec_core.natsclient import credential_path
 from dsec_core.retention import down_marker
 
 from dsec_cli.stack import domain
@@ -34,7 +35,13 @@ from dsec_cli.stack.adapters.procs import (
     release_ports,
     run_parallel,
 )
-from dsec_cli.stack.adapters.servers import SERVER_CLASSES, PrometheusServer, S3Server, Server
+from dsec_cli.stack.adapters.servers import (
+    SERVER_CLASSES,
+    NatsServer,
+    PrometheusServer,
+    S3Server,
+    Server,
+)
 from dsec_cli.stack.adapters.services import ServiceProcess, ServiceSpec
 from dsec_cli.stack.adapters.statefile import load_state, locked, save_state, state_path
 from dsec_cli.stack.domain import ExternalEndpoints, ServerRecord, ServiceRecord, StackState, State
@@ -182,6 +189,8 @@ class Stack:
         self._fresh_ports: set[str] = set()
         self._services: dict[str, ServiceProcess] = {}
         self._lock = threading.RLock()
+        #: credentials/TLS for an external NATS (from the DSEC_NATS_* settings)
+        self.external_nats_options: dict[str, Any] = {}
 
     @classmethod
     def from_settings(cls, settings: Any, **kwargs: Any) -> Stack:
@@ -191,13 +200,18 @@ class Stack:
             StackConfigError: an external endpoint is malformed or lacks credentials.
         """
         values = {name: getattr(settings, name, None) for name in ExternalEndpoints.model_fields}
-        return cls(
+        stack = cls(
             Path(settings.home),
             external=domain.external_endpoints(values),
             bucket=settings.s3_bucket,
             s3_secure=bool(settings.s3_secure),
             **kwargs,
         )
+        if stack.external.nats_url:
+            from dsec_core.natsclient import auth_options
+
+            stack.external_nats_options = auth_options(settings)
+        return stack
 
     def _adopt(self, state: StackState) -> None:
         """Take ``state`` (re-read from disk); keep cached process objects that still match it,
@@ -471,6 +485,23 @@ class Stack:
         if failures:
             self.save()
             raise StartFailed("external server(s)", failures)
+        if "nats" in names and ext.nats_url and "nats" in results:
+            self._external_stream(ext.nats_url, say)
+
+    def _external_stream(self, url: str, say: ProgressFn) -> None:
+        """Create or check ``DSEC_EVENTS`` on an external NATS with the configured credentials.
+        Only an operator identity may; with another one the operator must have created it
+        (services refuse to start on a missing or weakened stream)."""
+        from dsec_cli.stack.adapters import natsauth
+
+        try:
+            natsauth.create_stream(url, options=self.external_nats_options, timeout=5.0)
+        except Exception as exc:
+            say(
+                "nats",
+                f"stream DSEC_EVENTS not created or checked here ({exc}); the operator "
+                "creates it: nats stream add --config deploy/nats/DSEC_EVENTS.json",
+            )
 
     def _external_endpoint(self, name: str) -> str:
         ext = self.external
@@ -508,6 +539,23 @@ class Stack:
             self._start_servers([srv], _noop)
             self.save()
 
+    # --- NATS identities -----------------------------------------------------------------------
+
+    def nats_seed(self, identity: str) -> str | None:
+        """The nkey seed file of ``identity`` on the embedded NATS (``None`` when NATS is
+        external, or the identity has no credential there)."""
+        if "nats" in self.external.names():
+            return None
+        path = credential_path(self.home, identity)
+        return str(path) if path.is_file() else None
+
+    def operator_nats_url(self) -> str:
+        """The embedded NATS URL with the operator's credentials (all rights: stream
+        management; never handed to services or the CLI)."""
+        srv = self.server("nats")
+        assert isinstance(srv, NatsServer)
+        return srv.operator_url
+
     # --- services ------------------------------------------------------------------------------
 
     def _service_port(self, name: str) -> int:
@@ -531,7 +579,11 @@ class Stack:
                 home=self.home,
                 metrics_port=port,
                 env=domain.service_environment(
-                    self.state, home=str(self.home), metrics_port=port, bucket=self.bucket
+                    self.state,
+                    home=str(self.home),
+                    metrics_port=port,
+                    bucket=self.bucket,
+                    nats_seed=self.nats_seed(spec.name),
                 ),
                 python=self.python,
                 die_with_parent=self.die_with_parent,
@@ -606,6 +658,7 @@ class Stack:
                         home=str(self.home),
                         metrics_port=svc.metrics_port,
                         bucket=self.bucket,
+                        nats_seed=self.nats_seed(spec.name),
                     ),
                     **(extra_env or {}),
                 }
@@ -679,6 +732,10 @@ class Stack:
             for spec in self.service_specs:
                 self._service_port(spec.name)
             started = self.ensure_servers(self.server_names(), progress)
+            if "nats" not in started and "nats" not in self.external.names():
+                # NATS was already running: as the operator, repair a stream weakened meanwhile
+                # (a fresh start did this already), before services check it.
+                self.server("nats").after_ready()
             started += self.ensure_services(self.service_specs, progress)
             elapsed = time.monotonic() - t0
         return UpResult(status=self.status(), started=started, elapsed_s=elapsed)

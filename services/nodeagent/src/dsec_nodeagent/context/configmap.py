@@ -7,7 +7,9 @@ map). The value becomes the file ``KEY`` in the mount's directory, read-only.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import blake3
 import nats
@@ -27,9 +29,12 @@ def kv_key(name: str, key: str) -> str:
 class ConfigMaps:
     """Reads config map entries (one NATS connection per :meth:`read_many` call)."""
 
-    def __init__(self, nats_url: str, bucket: str = BUCKET) -> None:
+    def __init__(
+        self, nats_url: str, bucket: str = BUCKET, nats_options: Mapping[str, Any] | None = None
+    ) -> None:
         self.nats_url = nats_url
         self.bucket = bucket
+        self.nats_options = dict(nats_options or {})  # credentials, TLS (dsec_core.natsclient)
 
     async def materialize(self, name: str, key: str, dest: Path) -> tuple[str, int, int]:
         """Write the entry to ``dest/KEY``; return ``(digest, bytes, revision)``.
@@ -39,7 +44,9 @@ class ConfigMaps:
         """
         uri = f"configmap://{name}/{key}"
         try:
-            nc = await nats.connect(self.nats_url, connect_timeout=5, max_reconnect_attempts=0)
+            nc = await nats.connect(
+                self.nats_url, connect_timeout=5, max_reconnect_attempts=0, **self.nats_options
+            )
         except (OSError, nats.errors.Error) as exc:
             raise ContextError(
                 uri, f"NATS unreachable at {self.nats_url}: {exc}", transient=True

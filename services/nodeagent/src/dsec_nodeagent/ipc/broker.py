@@ -25,7 +25,7 @@ import mmap
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -99,6 +99,7 @@ class Broker:
         socket_path: Where to listen (parent directories are created).
         node_id: This node's name (in answers to remote lookups).
         nats_url: NATS server for peers on other nodes (``None``: this node only).
+        nats_options: credentials and TLS for that connection (``dsec_core.natsclient``).
         ring_capacity: Data bytes of each ring (power of two).
         max_payload: Largest request or response body.
         identify: Optional check of who a connecting process is; the hello must match it.
@@ -114,6 +115,7 @@ class Broker:
         *,
         node_id: str = "node-1",
         nats_url: str | None = None,
+        nats_options: Mapping[str, Any] | None = None,
         ring_capacity: int = ch.DEFAULT_CAPACITY,
         max_payload: int = ch.DEFAULT_MAX_PAYLOAD,
         identify: Identify | None = None,
@@ -127,6 +129,7 @@ class Broker:
         self.socket_path = Path(socket_path)
         self.node_id = node_id
         self.nats_url = nats_url
+        self.nats_options = dict(nats_options or {})
         self.ring_capacity = ring_capacity
         self.max_payload = max_payload
         self._identify = identify
@@ -174,7 +177,7 @@ class Broker:
 
             self._remote = RemoteBridge(self)
             try:
-                await self._remote.start(self.nats_url)
+                await self._remote.start(self.nats_url, self.nats_options)
             except BaseException:
                 await self.stop()
                 raise

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 import nats
@@ -59,9 +60,11 @@ class RemoteBridge:
         self._proxy_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def start(self, url: str) -> None:
-        """Connect to NATS and start serving proxy channels."""
-        self.nc = await nats.connect(url, name=f"dsec-ipc-{self.broker.node_id}")
+    async def start(self, url: str, options: Mapping[str, Any] | None = None) -> None:
+        """Connect to NATS (``options``: credentials, TLS) and start serving proxy channels."""
+        self.nc = await nats.connect(
+            url, name=f"dsec-ipc-{self.broker.node_id}", **dict(options or {})
+        )
         self._doorbell = ch.new_eventfd()
         self._proxy = AsyncServeLoop(self._doorbell, bytes, self._on_proxy_request)
         self._proxy_task = asyncio.get_running_loop().create_task(self._proxy.run())

