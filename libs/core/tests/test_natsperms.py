@@ -39,8 +39,13 @@ def may_publish(role: str, subject: str) -> bool:
         ("policy", "dsec.sandbox.sbx_1.env.built", False),
         ("policy", "dsec.sandbox.sbx_1.failed", True),
         ("policy", "dsec.security.policy.event_rejected", True),
-        ("policy", "dsec.producer.policy.audit.key_registered", True),
-        ("builder", "dsec.producer.policy.audit.key_registered", False),
+        # registrations are filed by key id: any service may file one; consumers check its
+        # root certificate (dsec_core.trust), not the subject
+        ("builder", "dsec.producer.0123456789abcdef.audit.key_registered", True),
+        ("user", "dsec.producer.0123456789abcdef.audit.key_revoked", False),
+        ("policy", "$KV.dsec-handled.policy-spec-submitted.some-id", True),
+        ("policy", "$KV.dsec-handled.builder-spec-validated.some-id", False),
+        ("user", "$KV.dsec-handled.policy-spec-submitted.some-id", False),
         ("user", "dsec.producer.cli-0a1b2c3d4e5f.audit.key_registered", True),
         ("builder", "dsec.sandbox.sbx_1.env.built", True),
         ("builder", "dsec.sandbox.sbx_1.ready", False),
