@@ -135,6 +135,10 @@ def test_service_environment_has_every_endpoint_and_no_empty_values() -> None:
     )
 
 
+def template_dir_alerts() -> Path:
+    return PrometheusServer.template_path().with_name("alerts.yml")
+
+
 def test_prometheus_config_scrapes_every_service(tmp_path: Path) -> None:
     template = PrometheusServer.template_path().read_text()
     text = domain.render_prometheus_config(
@@ -148,6 +152,8 @@ def test_prometheus_config_scrapes_every_service(tmp_path: Path) -> None:
         pytest.skip("promtool not installed: rendered text checked, not Prometheus's parse")
     path = tmp_path / "prometheus.yml"
     path.write_text(text)
+    # the alert rules `dsec up` copies beside it (checked by promtool too)
+    (tmp_path / "alerts.yml").write_text(template_dir_alerts().read_text())
     result = subprocess.run(
         [promtool, "check", "config", str(path)], capture_output=True, text=True, check=False
     )

@@ -23,13 +23,13 @@ from typing import Any
 
 import blake3
 import nats
-from dsec_core import events
-from dsec_core.bus import EventPublisher, ensure_stream
-from dsec_core.envelope import Envelope, decode
+from dsec_core import events, identity
+from dsec_core.bus import ensure_stream
+from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from dsec_core.service import Service
 from dsec_core.settings import Settings
-from dsec_core.signing import Signer, load_or_create_key
 from dsec_core.spec import compile_plan, load_spec
+from dsec_testing import trust
 
 from dsec_nodeagent.agent import NodeAgent
 from dsec_nodeagent.app import wire
@@ -93,16 +93,19 @@ class NodeAgentHarness:
         self.service: Service = self.wired.service
         self.recorded: dict[str, Recorded] = {}
         self._nc: Any = None
-        self._upstream: EventPublisher | None = None
+        self._upstream: trust.Pipeline | None = None
         self.lock_hash = "harnessenv"
 
     async def __aenter__(self) -> NodeAgentHarness:
         self._nc = await nats.connect(self.nats_url)
         js = self._nc.jetstream()
         await ensure_stream(js)
-        key = load_or_create_key(self.home / "keys" / "harness.key")
-        self._upstream = EventPublisher(js, Signer("policy", key))
-        await self._upstream.register_key()
+        # The node agent signs with a key this home's root certified, and trusts only events
+        # of certified producers: a user submits, policy validates, the builder builds.
+        paths = identity.TrustPaths(self.home)
+        root = identity.ensure_root(paths)
+        identity.ensure_service_identity(paths, root, "nodeagent", node_id=self.settings.node_id)
+        self._upstream = await trust.pipeline(js, self.home, node_id=self.settings.node_id)
         await self._nc.subscribe("dsec.sandbox.>", cb=self._on_message)
         (self.home / "envs" / self.lock_hash / "site-packages").mkdir(parents=True, exist_ok=True)
         await self.service.start()
@@ -131,7 +134,10 @@ class NodeAgentHarness:
         return self.wired.outlet
 
     async def _on_message(self, msg: Any) -> None:
-        envelope = decode(msg.data)
+        try:
+            envelope = decode(msg.data)
+        except MalformedEnvelope:  # another test's injected garbage on the shared stream
+            return
         rec = self.recorded.setdefault(envelope.aggregate_id, Recorded())
         rec.events.append(Arrived(time.monotonic(), envelope))
         rec.changed.set()
@@ -145,19 +151,28 @@ class NodeAgentHarness:
         assert spec.spec is not None, spec.errors
         plan = compile_plan(spec.spec)
         rec = self.recorded.setdefault(sid, Recorded())
-        await self._upstream.publish(
+        p = self._upstream
+        submitted = await p.user.publish(
             events.SpecSubmitted(spec_yaml=text, filename="dsec.yaml"), aggregate_id=sid
         )
-        await self._upstream.publish(
+        validated = await p.policy.publish(
             events.SpecValidated(
                 name=name,
                 spec_digest=blake3.blake3(text.encode()).hexdigest(),
                 plan=plan.model_dump(mode="json"),
             ),
             aggregate_id=sid,
+            causation=submitted.envelope,
+        )
+        resolved = await p.builder.publish(
+            events.DepsResolved(
+                lock=[], lock_hash=self.lock_hash, python="3.11", platform="x", resolve_ms=0.0
+            ),
+            aggregate_id=sid,
+            causation=validated.envelope,
         )
         rec.submitted_at = time.monotonic()
-        await self._upstream.publish(
+        await p.builder.publish(
             events.EnvBuilt(
                 lock_hash=self.lock_hash,
                 fingerprint="harness",
@@ -166,6 +181,7 @@ class NodeAgentHarness:
                 reused=True,
             ),
             aggregate_id=sid,
+            causation=resolved.envelope,
         )
         return sid
 

@@ -141,8 +141,8 @@ async def test_secret_digest_is_keyed_equal_across_sandboxes_and_not_guessable(
 
     import blake3
 
-    path = f"agent-tools/{uuid.uuid4().hex}"
-    other = f"agent-tools/{uuid.uuid4().hex}"
+    path = f"default/agent-tools/{uuid.uuid4().hex}"  # the default tenant's secrets
+    other = f"default/agent-tools/{uuid.uuid4().hex}"
     for where, value in ((path, "hunter2"), (other, "hunter3")):
         vault.client().secrets.kv.v2.create_or_update_secret(
             path=where, secret={"value": value}, mount_point="secret"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,8 @@ from dsec_core import events
 from dsec_core.settings import Settings
 
 from dsec_nodeagent.egress import Egress, stack_addresses
+from dsec_nodeagent.outlet import EventOutlet
+from dsec_nodeagent.refusals import RefusalGate
 
 pytestmark = pytest.mark.unit
 
@@ -32,12 +33,15 @@ async def test_a_dns_refusal_becomes_a_violation_with_its_rule_id(tmp_path: Path
     async def publish(payload: Any, sandbox_id: str, _: Any) -> None:
         published.append((payload, sandbox_id))
 
-    egress = Egress(Settings(home=tmp_path, dns_upstream="127.0.0.1:53"), publish)
+    outlet = EventOutlet(publish, RefusalGate())
+    await outlet.start()
+    egress = Egress(Settings(home=tmp_path, dns_upstream="127.0.0.1:53"), outlet)
     egress._on_dns_denied(
         "sbx-1", "txt.test", "TXT", rule_id="dns.qtype", reason="record type TXT (class IN)"
     )
     egress._on_dns_denied("sbx-1", "evil.test", "A", rule_id="default-deny", reason="no rule")
-    await asyncio.sleep(0)
+    await outlet.drain()
+    await outlet.stop()
     ((qtype, sid), (deny, _)) = published
     assert isinstance(qtype, events.PolicyViolation) and sid == "sbx-1"
     assert (qtype.rule_id, qtype.operation, qtype.target) == ("dns.qtype", "dns", "txt.test/TXT")
