@@ -54,6 +54,11 @@ async def _legit(js: JetStreamContext, home: Path, tenant: str = "default") -> E
     return publisher
 
 
+async def _agent(js: JetStreamContext, home: Path) -> EventPublisher:
+    """A node agent's publisher: a service, whose broken chain is tampering."""
+    return await trust.publisher(js, home, "nodeagent", node_id="n1")
+
+
 def _verify(dsec_cli, url: str, home: Path, tmp_path: Path) -> tuple[int, dict]:
     anchor = bytes(trust.stack_root(home).verify_key).hex()
     env = {"DSEC_NATS_URL": url, "DSEC_HOME": str(tmp_path / "cli"), "DSEC_TRUST_ROOT": anchor}
@@ -104,14 +109,15 @@ async def test_event_signed_with_an_uncertified_key_is_listed_as_injected(
 async def test_altered_payload_is_named_once_its_successor_arrives(
     js, private_nats, private_home, dsec_cli, tmp_path
 ) -> None:
-    publisher = await _legit(js, private_home)
+    publisher = await _agent(js, private_home)
     real = publisher.signer.seal(
-        SandboxExited(exit_code=1, reason="error", duration_s=1), aggregate_id="sbx_default_0"
+        SandboxExited(exit_code=1, reason="error", duration_s=1), aggregate_id="sbx_a0"
     )
     fields = canonical.unpack(real.wire)
     fields["payload"]["exit_code"] = 0  # someone rewrites a failure into a success
     seq = await _raw_publish(js, real.subject, canonical.pack(fields))
-    await publisher.publish(SpecSubmitted(spec_yaml="later"), aggregate_id="sbx_default_9")
+    later = SandboxExited(exit_code=0, reason="ok", duration_s=2)
+    await publisher.publish(later, aggregate_id="sbx_a9")
     code, result = _verify(dsec_cli, private_nats, private_home, tmp_path)
     assert code == 1
     assert result["first_bad"]["seq"] == seq
@@ -119,9 +125,12 @@ async def test_altered_payload_is_named_once_its_successor_arrives(
 
 
 async def test_broken_chain_is_named(js, private_nats, private_home, dsec_cli, tmp_path) -> None:
-    publisher = await _legit(js, private_home)
-    publisher.signer.seal(SpecSubmitted(spec_yaml="withheld"), aggregate_id="sbx_7")
-    after = publisher.signer.seal(SpecSubmitted(spec_yaml="next"), aggregate_id="sbx_8")
+    publisher = await _agent(js, private_home)
+    exited = SandboxExited(exit_code=0, reason="ok", duration_s=1)
+    for i in range(3):
+        await publisher.publish(exited, aggregate_id=f"sbx_b{i}")
+    publisher.signer.seal(exited, aggregate_id="sbx_7")  # withheld from the log
+    after = publisher.signer.seal(exited, aggregate_id="sbx_8")
     seq = await _raw_publish(js, after.subject, after.wire)
     code, result = _verify(dsec_cli, private_nats, private_home, tmp_path)
     assert code == 1

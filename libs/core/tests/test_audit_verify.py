@@ -35,6 +35,16 @@ def _log(producer: Producer, n: int = 3, prefix: str = "sbx") -> list[bytes]:
     return wires
 
 
+def _agent_log(n: int = 3) -> tuple[Producer, list[bytes]]:
+    """A node agent's chain (a service: a break in it is tampering, not a client's mistake)."""
+    agent = certified(ROOT, "nodeagent", node_id="n1")
+    wires = [agent.registration()]
+    for i in range(n):
+        exited = SandboxExited(exit_code=0, reason="ok", duration_s=float(i))
+        wires.append(agent.signer.seal(exited, aggregate_id=f"sbx_{i}").wire)
+    return agent, wires
+
+
 def _numbered(wires: list[bytes], first: int = 1) -> list[tuple[int, bytes]]:
     return list(enumerate(wires, start=first))
 
@@ -186,10 +196,9 @@ def test_revoked_key_is_refused_after_its_revocation() -> None:
 
 
 def test_altered_payload_is_tampering_named_at_the_altered_event() -> None:
-    user = _user()
-    wires = _log(user)
+    _, wires = _agent_log()
     env = decode(wires[2])
-    wires[2] = encode(env.model_copy(update={"payload": {**env.payload, "spec_yaml": "evil"}}))
+    wires[2] = encode(env.model_copy(update={"payload": {**env.payload, "exit_code": 1}}))
     report = verify_stream(_numbered(wires), ANCHOR)
     assert report.finding is not None
     assert (report.finding.stream_seq, report.finding.event_id) == (3, env.id)
@@ -197,13 +206,23 @@ def test_altered_payload_is_tampering_named_at_the_altered_event() -> None:
 
 
 def test_broken_chain_is_named() -> None:
-    user = _user()
-    wires = _log(user, n=4)
+    _, wires = _agent_log(n=4)
     del wires[2]  # an event of the chain never reached the log
     report = verify_stream(_numbered(wires), ANCHOR)
     assert report.finding is not None
     assert report.finding.stream_seq == 3
     assert "broken: expected position 2, found 3" in report.finding.reason
+
+
+def test_a_users_own_broken_chain_is_listed_not_tampering() -> None:
+    """A certified user's client may skip or reuse its own positions: its events are listed,
+    and the trail still verifies (one user cannot make verification fail forever)."""
+    user = _user()
+    wires = _log(user, n=4)
+    del wires[2]
+    report = verify_stream(_numbered(wires), ANCHOR)
+    assert report.ok, report.finding
+    assert any("out of its chain's order" in i.reason for i in report.injected)
 
 
 def test_sequence_gap_is_named() -> None:
@@ -223,17 +242,17 @@ def test_malformed_bytes_are_injected() -> None:
 def _relink_from(wires: list[bytes], index: int) -> None:
     """Alter event ``index`` and re-link every later one (without the key: signatures fail)."""
     env = decode(wires[index])
-    wires[index] = encode(env.model_copy(update={"payload": {**env.payload, "spec_yaml": "evil"}}))
+    wires[index] = encode(env.model_copy(update={"payload": {**env.payload, "exit_code": 9}}))
     for j in range(index + 1, len(wires)):
         later = decode(wires[j])
         wires[j] = encode(later.model_copy(update={"prev": envelope_hash(wires[j - 1])}))
 
 
 def test_forged_events_in_a_long_chain_are_set_aside_before_the_end() -> None:
-    user = _user()
-    wires = _log(user, n=SIGNATURE_EVERY + 50)
+    agent, wires = _agent_log(n=SIGNATURE_EVERY + 50)
     _relink_from(wires, 10)
-    wires.append(user.signer.seal(SpecSubmitted(spec_yaml="real"), aggregate_id="sbx_z").wire)
+    real = SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+    wires.append(agent.signer.seal(real, aggregate_id="sbx_z").wire)
     verifier = Verifier(ANCHOR)
     finding = None
     for seq, wire in _numbered(wires):
@@ -249,11 +268,41 @@ def test_forged_events_in_a_long_chain_are_set_aside_before_the_end() -> None:
 def test_signature_interval_must_be_positive_and_a_full_check_agrees() -> None:
     with pytest.raises(ValueError, match="signature_every must be >= 1, got 0"):
         Verifier(ANCHOR, 0)
-    user = _user()
-    wires = _log(user, n=5)
+    _, wires = _agent_log(n=5)
     env = decode(wires[3])
-    wires[3] = encode(env.model_copy(update={"payload": {**env.payload, "spec_yaml": "x"}}))
+    wires[3] = encode(env.model_copy(update={"payload": {**env.payload, "exit_code": 7}}))
     lazy = verify_stream(_numbered(wires), ANCHOR)
     full = verify_stream(_numbered(wires), ANCHOR, signature_every=1)
     assert lazy.finding is not None and full.finding is not None
     assert lazy.finding.stream_seq == full.finding.stream_seq == 4
+
+
+def test_a_forgery_on_a_fresh_chain_citing_an_injected_cause_is_not_tampering() -> None:
+    """Two injected messages (one citing the other as its cause, claiming a certified
+    producer's key on a new chain) must not make verification fail: the forgery's claims are
+    set aside with it."""
+    user, policy = _user(), certified(ROOT, "policy")
+    policy_reg = policy.registration()
+    junk = Signer("user-x", SigningKey.generate()).seal(
+        SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_j"
+    )
+    fake = Signer("policy", SigningKey.generate()).seal(
+        SpecValidated(name="x", spec_digest="d", plan={}),
+        aggregate_id="sbx_j",
+        causation=junk.envelope,
+    )
+    forged = encode(decode(fake.wire).model_copy(update={"key_id": policy.signer.key_id}))
+    wires = [*_log(user, n=1), policy_reg, junk.wire, forged]
+    report = verify_stream(_numbered(wires), ANCHOR)
+    assert report.ok, report.finding
+    assert {i.stream_seq for i in report.injected} == {4, 5}
+
+
+def test_a_message_posing_as_another_kind_is_malformed() -> None:
+    user = _user()
+    wires = _log(user, n=1)
+    stop = decode(user.signer.seal(SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_a").wire)
+    posed = encode(stop.model_copy(update={"aggregate": "zzz"}))
+    report = verify_stream(_numbered([*wires, posed]), ANCHOR)
+    assert report.ok
+    assert report.injected[0].reason.startswith("malformed: aggregate 'zzz'")

@@ -36,7 +36,7 @@ from dsec_core.envelope import MalformedEnvelope
 from dsec_core.events import EventRejected, KeyRegistered, KeyRevoked, SpecSubmitted
 from dsec_core.identity import Certificate
 from dsec_core.signing import envelope_hash, verify_raw
-from dsec_core.trust import registration_problem
+from dsec_core.trust import registration_problem, shape_problem
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,10 @@ class Verifier:
         except MalformedEnvelope as exc:
             self._inject(seq, None, f"malformed: {exc}")
             return None
+        shape = shape_problem(f)
+        if shape is not None:
+            self._inject(seq, f, f"malformed: {shape}")
+            return None
         self._check(seq, f, data)
         return report.finding
 
@@ -236,7 +240,12 @@ class Verifier:
         """A message in its chain's next position: authentic unless its signature fails later."""
         problem = authz.refusal(f, cert)
         if f["id"] in self._seen:
-            if verify_raw(f, key):
+            if verify_raw(f, key) and cert.role == "user":
+                chain.advance(data)
+                self._inject(
+                    seq, f, f"replayed: a user re-used the event id at seq {self._seen[f['id']]}"
+                )
+            elif verify_raw(f, key):
                 chain.advance(data)
                 self._find(
                     seq,
@@ -269,7 +278,7 @@ class Verifier:
         before = (chain.next_seq, chain.last_hash)
         chain.advance(data)
         self._seen[f["id"]] = seq
-        self._record(seq, f)
+        self._record(seq, f, key)
         if f["type"] == KeyRegistered.TYPE:
             chain.pending.clear()  # its signature, checked at registration, vouches for the chain
         else:
@@ -295,7 +304,7 @@ class Verifier:
             return f"cross-tenant: sandbox {sandbox} belongs to tenant {first[1]!r}"
         return None
 
-    def _record(self, seq: int, f: dict[str, Any]) -> None:
+    def _record(self, seq: int, f: dict[str, Any], key: bytes) -> None:
         cause = f.get("causation_id")
         if isinstance(cause, str):
             self._causes.setdefault(cause, seq)
@@ -307,7 +316,8 @@ class Verifier:
                     self._injected_at[target].answered_by.append(seq)
         elif f["type"] == KeyRevoked.TYPE:
             revoked = f["payload"].get("key_id")
-            if isinstance(revoked, str):
+            # A revocation takes effect only once its own signature holds (checked now).
+            if isinstance(revoked, str) and verify_raw(f, key):
                 self._revoked.add(revoked)
 
     # -- signatures ------------------------------------------------------------------------------
@@ -328,6 +338,10 @@ class Verifier:
             return
         if f["id"] in self._seen and f["chain_seq"] < chain.next_seq:
             self._inject(seq, f, f"replayed: copy of the event at seq {self._seen[f['id']]}")
+            return
+        if self._certs[f["key_id"]].role == "user":
+            # A user's own client may break its own chain; that is no tampering of the trail.
+            self._inject(seq, f, "unauthorized: a user's event out of its chain's order")
             return
         label = f"chain {f['chain'][:13]}… of {f['producer']!r} broken"
         altered = _altered_run(removed, f["chain_seq"])
@@ -377,6 +391,9 @@ class Verifier:
 
     def _unaccept(self, p: _Unverified) -> None:
         self._seen.pop(p.fields["id"], None)
+        cause = p.fields.get("causation_id")
+        if isinstance(cause, str) and self._causes.get(cause) == p.seq:
+            del self._causes[cause]  # a forgery acted on nothing
         sandbox = p.fields["aggregate_id"]
         if self._tenants.get(sandbox, ("", ""))[0] == p.fields["id"]:
             del self._tenants[sandbox]

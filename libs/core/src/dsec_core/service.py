@@ -236,7 +236,11 @@ class Service:
         assert self.gate is not None
         stream_seq = int(msg.raw_message.metadata.sequence.stream)
         admitted = await self.gate.admit(
-            msg.raw_message.data, stream_seq=stream_seq, consumer=durable
+            msg.raw_message.data,
+            stream_seq=stream_seq,
+            consumer=durable,
+            subject=msg.raw_message.subject,
+            event_type=event_type,
         )
         if isinstance(admitted, Refusal):
             await self._refuse(durable, event_type, stream_seq, msg, admitted)

@@ -37,7 +37,7 @@ from nats.js.kv import KeyValue
 
 from dsec_core import authz, canonical, identity
 from dsec_core.envelope import Envelope, MalformedEnvelope
-from dsec_core.events import KeyRegistered, KeyRevoked, SpecSubmitted
+from dsec_core.events import KeyRegistered, KeyRevoked, SpecSubmitted, model_for
 from dsec_core.identity import Certificate, CertificateError
 from dsec_core.signing import verify_raw
 from dsec_core.subjects import STREAM, filter_for, subject_for
@@ -48,6 +48,27 @@ HANDLED_BUCKET = "dsec-handled"
 HANDLED_TTL = timedelta(days=7)
 """How long a consumer remembers the ids it handled; older events are refused as stale."""
 _SCAN_LIMIT = 32  # messages read on one registration subject before giving up
+CLOCK_SKEW = timedelta(minutes=5)
+"""Events dated further in the future are refused (they would outlive the replay window)."""
+
+
+def shape_problem(fields: dict[str, Any]) -> str | None:
+    """What is inconsistent in an envelope's routing fields (raw, as signed): its aggregate and
+    subject must be the ones its type and aggregate id give, so a message cannot pose as
+    another kind or another sandbox's."""
+    event_type, aggregate_id = fields.get("type"), fields.get("aggregate_id")
+    if not isinstance(event_type, str) or not isinstance(aggregate_id, str):
+        return "type and aggregate_id must be strings"
+    try:
+        model = model_for(event_type)
+        subject = subject_for(event_type, aggregate_id)
+    except ValueError as exc:
+        return str(exc)[:300]
+    if fields.get("aggregate") != model.AGGREGATE:
+        return f"aggregate {fields.get('aggregate')!r} is not that of {event_type}"
+    if fields.get("subject") != subject:
+        return f"subject {fields.get('subject')!r} is not {subject!r}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -85,6 +106,8 @@ def registration_problem(fields: dict[str, Any], anchor: bytes) -> str | Certifi
         return f"malformed key registration: {str(exc)[:200]}"
     if not verify_raw(fields, public):
         return "key registration not signed by the key it registers"
+    if not (fields.get("key_id") == fields.get("aggregate_id") == reg.key_id):
+        return "a key registration must be filed under the key id it registers"
     if reg.certificate is None:
         return f"key {reg.key_id} of {reg.producer!r} has no certificate from the operator root"
     try:
@@ -130,20 +153,25 @@ class KeyRing:
                 log.warning("key %s revoked by the operator", key_id)
 
     async def _valid_revocation(self, fields: dict[str, Any]) -> bool:
-        if fields.get("type") != KeyRevoked.TYPE:
+        if fields.get("type") != KeyRevoked.TYPE or not isinstance(fields.get("payload"), dict):
             return False
-        cert = await self.certificate(str(fields.get("key_id")))
+        signer = str(fields.get("key_id"))
+        if signer == fields["payload"].get("key_id"):
+            return False  # a key never revokes itself (nor recurses into its own lookup)
+        cert = await self.certificate(signer, check_revocation=False)
         if isinstance(cert, str) or cert.role != "operator":
             return False
         public = bytes.fromhex(cert.public_key)
         return verify_raw(fields, public) and authz.refusal(fields, cert) is None
 
-    async def certificate(self, key_id: str) -> Certificate | str:
+    async def certificate(self, key_id: str, *, check_revocation: bool = True) -> Certificate | str:
         """The certificate of ``key_id``, or why it has none (not registered, not certified)."""
         if key_id in self._revoked:
             return f"key {key_id} was revoked by the operator"
         cert = self._certs.get(key_id)
         if cert is not None:
+            if cert.expires_at is not None and datetime.now(UTC) >= cert.expires_at:
+                return f"key {key_id}: certificate expired at {cert.expires_at.isoformat()}"
             return cert
         if key_id in self._bad:
             return self._bad[key_id]
@@ -151,7 +179,7 @@ class KeyRing:
             return "no trust root configured (DSEC_TRUST_ROOT or $DSEC_HOME/trust/root.pub)"
         found = await self._lookup(key_id, self.anchor)
         if isinstance(found, Certificate):
-            if await self._revoked_in_log(key_id):
+            if check_revocation and await self._revoked_in_log(key_id):
                 self._revoked.add(key_id)
                 return f"key {key_id} was revoked by the operator"
             _remember(self._certs, key_id, found)
@@ -175,29 +203,27 @@ class KeyRing:
                 return problem
             with contextlib.suppress(MalformedEnvelope):
                 found = registration_problem(unpack_fields(msg.data), anchor)
-                if isinstance(found, Certificate):
+                if isinstance(found, Certificate) and found.key_id == key_id:
                     return found
-                problem = found
+                if isinstance(found, str):
+                    problem = found
             seq = msg.seq + 1
         return problem
 
     async def _revoked_in_log(self, key_id: str) -> bool:
-        try:
-            msg = await self._js.get_msg(
-                STREAM, seq=1, subject=subject_for(KeyRevoked.TYPE, key_id), next=True
-            )
-        except NotFoundError:
-            return False
-        while msg.data is not None and msg.seq is not None:
-            with contextlib.suppress(MalformedEnvelope, KeyError):
-                if await self._valid_revocation(unpack_fields(msg.data)):
-                    return True
+        subject = subject_for(KeyRevoked.TYPE, key_id)
+        seq = 1
+        for _ in range(_SCAN_LIMIT):
             try:
-                msg = await self._js.get_msg(
-                    STREAM, seq=msg.seq + 1, subject=subject_for(KeyRevoked.TYPE, key_id), next=True
-                )
+                msg = await self._js.get_msg(STREAM, seq=seq, subject=subject, next=True)
             except NotFoundError:
                 return False
+            if msg.data is None or msg.seq is None:
+                return False
+            seq = msg.seq + 1
+            with contextlib.suppress(MalformedEnvelope, KeyError, ValueError):
+                if await self._valid_revocation(unpack_fields(msg.data)):
+                    return True
         return False
 
 
@@ -235,23 +261,53 @@ class Gate:
         self._lock = asyncio.Lock()
 
     async def admit(
-        self, data: bytes, *, stream_seq: int, consumer: str | None = None
+        self,
+        data: bytes,
+        *,
+        stream_seq: int,
+        consumer: str | None = None,
+        subject: str | None = None,
+        event_type: str | None = None,
     ) -> Envelope | Refusal:
-        """Check one message; ``consumer`` (a durable's name) turns on replay protection."""
+        """Check one message; ``consumer`` (a durable's name) turns on replay protection;
+        ``subject`` / ``event_type``: where it was stored and what the consumer takes (a genuine
+        event copied onto another subject is refused, never handed over as something else)."""
         try:
             fields = unpack_fields(data)
             envelope = Envelope.model_validate(fields)
         except (MalformedEnvelope, ValueError) as exc:
             return Refusal("malformed", str(exc)[:300])
-        refusal = await self.check(fields, envelope)
+        refusal: tuple[str, str] | None = None
+        if subject is not None and envelope.subject != subject:
+            refusal = ("misrouted", f"an envelope for {envelope.subject!r} stored on {subject!r}")
+        elif event_type is not None and envelope.type != event_type:
+            refusal = ("misrouted", f"a {envelope.type} where {event_type} was expected")
+        refusal = refusal or await self.check(fields, envelope)
         if refusal is None and consumer is not None:
-            refusal = await self._replay(envelope, stream_seq, consumer)
+            try:
+                refusal = await self._replay(envelope, stream_seq, consumer)
+            except (TypeError, ValueError) as exc:
+                refusal = ("malformed", f"{type(exc).__name__}: {exc}")
         if refusal is None:
             return envelope
         return Refusal(refusal[0], refusal[1][:500], envelope.id, envelope.type, envelope.producer)
 
     async def check(self, fields: dict[str, Any], envelope: Envelope) -> tuple[str, str] | None:
-        """Signature, certificate, authorization and tenant checks (no replay check)."""
+        """Shape, signature, certificate, authorization and tenant checks (no replay check).
+
+        Never raises: whatever a hostile message makes go wrong is a refusal (``malformed``).
+        """
+        try:
+            return await self._check(fields, envelope)
+        except Exception as exc:  # a hostile message must never stop a consumer
+            return "malformed", f"{type(exc).__name__}: {exc}"
+
+    async def _check(self, fields: dict[str, Any], envelope: Envelope) -> tuple[str, str] | None:
+        problem = shape_problem(fields)
+        if problem is None and envelope.time.tzinfo is None:
+            problem = "time has no zone"
+        if problem is not None:
+            return "malformed", problem
         cert = await self.keys.certificate(envelope.key_id)
         if isinstance(cert, str):
             reason = "revoked-key" if "revoked" in cert else "unknown-key"
@@ -345,6 +401,8 @@ class Gate:
                 continue
             if event_id is not None and envelope.id != event_id:
                 continue
+            if envelope.subject != subject:  # copied here from elsewhere
+                continue
             if await self.check(fields, envelope) is None:
                 if event_id is not None:
                     return envelope
@@ -356,6 +414,8 @@ class Gate:
     ) -> tuple[str, str] | None:
         if self._handled is None:
             return None
+        if envelope.time - datetime.now(UTC) > CLOCK_SKEW:
+            return "future", f"event dated {envelope.time.isoformat()}, in the future"
         if datetime.now(UTC) - envelope.time > HANDLED_TTL:
             return (
                 "stale",

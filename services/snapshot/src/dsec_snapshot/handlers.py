@@ -116,6 +116,8 @@ class SnapshotHandlers:
                 envelope = Envelope.model_validate(fields)
             except (MalformedEnvelope, ValueError):
                 continue
+            if envelope.aggregate_id != sandbox_id:  # another sandbox's event copied here
+                continue
             if await self.gate().check(fields, envelope) is None:
                 kept.append((seq, data))
         return kept
