@@ -1,0 +1,119 @@
+"""The trust gate on a real stream: hostile messages a consumer must refuse, never act on."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import nats
+import pytest
+from dsec_core.bus import ensure_stream
+from dsec_core.envelope import Envelope, decode, encode
+from dsec_core.events import KeyRevoked, SandboxStopRequested, SpecSubmitted
+from dsec_core.ids import new_sandbox_id
+from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket
+from dsec_testing import trust
+from nats.js import JetStreamContext
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def stream(nats_url: str) -> AsyncIterator[tuple[object, JetStreamContext]]:
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await ensure_stream(js)
+    yield nc, js
+    await nc.close()
+
+
+async def _gate(stream, dsec_stack) -> Gate:  # type: ignore[no-untyped-def]
+    nc, js = stream
+    anchor = bytes(trust.stack_root(dsec_stack.home).verify_key)
+    return Gate(KeyRing(nc, js, anchor), js, await handled_bucket(js))
+
+
+async def _raw(js: JetStreamContext, subject: str, data: bytes) -> int:
+    ack = await js.publish(subject, data, headers={"Nats-Msg-Id": uuid.uuid4().hex})
+    return ack.seq
+
+
+async def test_a_signed_message_posing_as_another_kind_is_refused(stream, dsec_stack) -> None:
+    _, js = stream
+    user = await trust.publisher(js, dsec_stack.home, "user", tenant="team-b")
+    sealed = user.signer.seal(SandboxStopRequested(), aggregate_id=new_sandbox_id())
+    # re-signed by the user itself with a bogus aggregate: the signature holds, the shape not
+    fields = dict(sealed.fields)
+    fields["aggregate"] = "zzz"
+    from dsec_core.signing import signed_bytes
+
+    fields["sig"] = user.signer._key.sign(signed_bytes(fields)).signature.hex()
+    posed = Envelope.model_validate({**fields})
+    seq = await _raw(js, sealed.subject, encode(posed))
+    refused = await (await _gate(stream, dsec_stack)).admit(encode(posed), stream_seq=seq)
+    assert isinstance(refused, Refusal) and refused.reason == "malformed"
+    assert "aggregate 'zzz'" in refused.detail
+
+
+async def test_a_genuine_event_copied_onto_another_subject_is_misrouted(stream, dsec_stack) -> None:
+    _, js = stream
+    user = await trust.publisher(js, dsec_stack.home, "user")
+    sid = new_sandbox_id()
+    genuine = await user.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sid)
+    stop_subject = f"dsec.sandbox.{sid}.stop_requested"
+    seq = await _raw(js, stop_subject, genuine.sealed.wire)
+    refused = await (await _gate(stream, dsec_stack)).admit(
+        genuine.sealed.wire,
+        stream_seq=seq,
+        consumer="t-stop",
+        subject=stop_subject,
+        event_type="sandbox.stop_requested",
+    )
+    assert isinstance(refused, Refusal) and refused.reason == "misrouted"
+
+
+async def test_a_registration_filed_under_another_key_id_certifies_nothing(
+    stream, dsec_stack
+) -> None:
+    _, js = stream
+    user = await trust.publisher(js, dsec_stack.home, "user")
+    alias = uuid.uuid4().hex[:16]
+    registration = await js.get_last_msg(
+        "DSEC_EVENTS", f"dsec.producer.{user.signer.key_id}.audit.key_registered"
+    )
+    await _raw(js, f"dsec.producer.{alias}.audit.key_registered", registration.data)
+    sealed = user.signer.seal(SpecSubmitted(spec_yaml="x"), aggregate_id=new_sandbox_id())
+    as_alias = decode(sealed.wire).model_copy(update={"key_id": alias})
+    gate = await _gate(stream, dsec_stack)
+    refused = await gate.admit(encode(as_alias), stream_seq=1)
+    assert isinstance(refused, Refusal)
+    assert refused.reason in {"unknown-key", "uncertified-key"}
+
+
+async def test_an_unsigned_self_revocation_neither_recurses_nor_revokes(stream, dsec_stack) -> None:
+    _, js = stream
+    user = await trust.publisher(js, dsec_stack.home, "user")
+    key_id = user.signer.key_id
+    forged = user.signer.seal(
+        KeyRevoked(key_id=key_id, producer=user.signer.producer), aggregate_id=key_id
+    )
+    await _raw(js, forged.subject, forged.wire)
+    gate = await _gate(stream, dsec_stack)
+    cert = await gate.keys.certificate(key_id)
+    assert not isinstance(cert, str), cert
+
+
+async def test_a_future_dated_event_is_refused(stream, dsec_stack) -> None:
+    _, js = stream
+    user = await trust.publisher(js, dsec_stack.home, "user")
+    sealed = user.signer.seal(SpecSubmitted(spec_yaml="x"), aggregate_id=new_sandbox_id())
+    fields = dict(sealed.fields)
+    fields["time"] = (datetime.now(UTC) + timedelta(days=365)).isoformat()
+    from dsec_core.signing import signed_bytes
+
+    fields["sig"] = user.signer._key.sign(signed_bytes(fields)).signature.hex()
+    wire = encode(Envelope.model_validate(fields))
+    seq = await _raw(js, sealed.subject, wire)
+    refused = await (await _gate(stream, dsec_stack)).admit(wire, stream_seq=seq, consumer="t-f")
+    assert isinstance(refused, Refusal) and refused.reason == "future"
