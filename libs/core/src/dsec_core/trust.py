@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -49,6 +50,8 @@ HANDLED_TTL = timedelta(days=7)
 """How long a consumer remembers the ids it handled; older events are refused as stale."""
 _SCAN_LIMIT = 32  # messages read on one registration subject before giving up
 CLOCK_SKEW = timedelta(minutes=5)
+RECHECK_S = 60.0
+"""A cached key's revocation status is read from the log again after this long."""
 """Events dated further in the future are refused (they would outlive the replay window)."""
 
 
@@ -130,6 +133,7 @@ class KeyRing:
         self._js = js
         self.anchor = anchor
         self._certs: OrderedDict[str, Certificate] = OrderedDict()
+        self._checked: dict[str, float] = {}  # key id -> when the log was last read for it
         self._bad: OrderedDict[str, str] = OrderedDict()
         self._revoked: set[str] = set()
         self._sub: Any = None
@@ -172,6 +176,15 @@ class KeyRing:
         if cert is not None:
             if cert.expires_at is not None and datetime.now(UTC) >= cert.expires_at:
                 return f"key {key_id}: certificate expired at {cert.expires_at.isoformat()}"
+            if not check_revocation or time.monotonic() - self._checked.get(key_id, 0) < RECHECK_S:
+                return cert
+            # Revocations arrive live, but one published while this consumer was cut off from
+            # core NATS would be missed: the log is read again now and then.
+            self._checked[key_id] = time.monotonic()
+            if await self._revoked_in_log(key_id):
+                self._revoked.add(key_id)
+                self._certs.pop(key_id, None)
+                return f"key {key_id} was revoked by the operator"
             return cert
         if key_id in self._bad:
             return self._bad[key_id]
@@ -179,6 +192,7 @@ class KeyRing:
             return "no trust root configured (DSEC_TRUST_ROOT or $DSEC_HOME/trust/root.pub)"
         found = await self._lookup(key_id, self.anchor)
         if isinstance(found, Certificate):
+            self._checked[key_id] = time.monotonic()
             if check_revocation and await self._revoked_in_log(key_id):
                 self._revoked.add(key_id)
                 return f"key {key_id} was revoked by the operator"

@@ -254,6 +254,9 @@ class SnapshotHandlers:
         code_dir = sandboxes.code_dir_of(self.sandboxes_root, envelope.aggregate_id)
         if not code_dir.is_dir():
             return [failed(name, "restore", f"the sandbox's code dir {code_dir} is gone")]
+        foreign = await self._foreign_snapshot(name, envelope.tenant)
+        if foreign is not None:
+            return [failed(name, "restore", foreign)]
         try:
             result, gpu = await asyncio.to_thread(self._restore, name, code_dir)
         except (SnapshotNotFound, InvalidInput) as exc:
@@ -281,6 +284,22 @@ class SnapshotHandlers:
                 note="; ".join(n for n in notes if n),
             )
         ]
+
+    async def _foreign_snapshot(self, name: str, tenant: str) -> str | None:
+        """Why ``tenant`` may not roll back to snapshot ``name``: it was taken of a sandbox of
+        another tenant (snapshot names are visible on the bus; their code is not everyone's)."""
+        try:
+            manifest = await asyncio.to_thread(self.store.load, name)
+        except (SnapshotNotFound, InvalidInput):
+            return None  # the restore itself says so
+        source = manifest.source.sandbox_id
+        owner = await self.gate().tenant_of(source) if source else None
+        if owner is not None and owner != tenant:
+            return (
+                f"snapshot {name!r} belongs to another tenant; a sandbox of {tenant!r} "
+                "cannot use it"
+            )
+        return None
 
     def _restore(self, name: str, code_dir: Path) -> tuple[RestoreResult, GpuCheck]:
         result = self.store.restore(name, code_dir, sync=True)
