@@ -379,7 +379,10 @@ class Service:
         await self.publisher.register_key()
         self.keys = KeyRing(self.nc, js, anchor)
         await self.keys.start()
-        self.gate = Gate(self.keys, js, await handled_bucket(js))
+        # Replay protection is for durable consumers; a service without handlers (the
+        # scheduler's projector) verifies without it (and NATS lets it open no bucket).
+        handled = await handled_bucket(js) if self.durables else None
+        self.gate = Gate(self.keys, js, handled)
         for hook in self.on_start:
             await hook()
         await self.broker.start()
