@@ -147,6 +147,37 @@ def issue_service(
     console.print(f"certified {role} key {cert.key_id} under {safe_text(home)}", highlight=False)
 
 
+@admin_app.command("issue-services")
+def issue_services(
+    out: Annotated[Path, typer.Argument(help="Directory for the keys (created, mode 0700)")],
+    node: Annotated[str, typer.Option(help="The node the node agent's certificate names")] = (
+        "node-1"
+    ),
+) -> None:
+    """Certify a key for every service of a deployment (compose, Kubernetes).
+
+    Writes OUT/keys/<service>.key and .cert.json (mount each service's two files into its
+    $DSEC_HOME/keys) and OUT/trust.env with DSEC_TRUST_ROOT (give it to every service and CLI).
+    The root key itself stays with the operator ($DSEC_HOME/trust/root.key here).
+    """
+    from dsec_core import identity
+
+    trust = identity.TrustPaths(Settings().home)
+    if not trust.root_key.exists():  # bootstrapping a deployment: this machine is the operator's
+        identity.ensure_root(trust)
+        console.print(f"created the operator root key {safe_text(trust.root_key)} (keep it safe)")
+    root = operator_root()
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    paths = identity.TrustPaths(out)
+    for role in identity.SERVICE_ROLES:
+        node_id = node if role == "nodeagent" else None
+        cert = identity.ensure_service_identity(paths, root, role, node_id=node_id)
+        console.print(f"{role}: key {cert.key_id}", highlight=False)
+    env = out / "trust.env"
+    env.write_text(f"DSEC_TRUST_ROOT={bytes(root.verify_key).hex()}\n")
+    console.print(f"wrote {safe_text(out)}/keys and {safe_text(env)}", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``dsec login``, ``dsec whoami`` and ``dsec admin``."""
     app.command("login")(login)
