@@ -117,3 +117,24 @@ async def test_a_future_dated_event_is_refused(stream, dsec_stack) -> None:
     seq = await _raw(js, sealed.subject, wire)
     refused = await (await _gate(stream, dsec_stack)).admit(wire, stream_seq=seq, consumer="t-f")
     assert isinstance(refused, Refusal) and refused.reason == "future"
+
+
+async def test_a_node_agent_speaks_only_for_its_nodes_sandboxes(stream, dsec_stack) -> None:
+    from dsec_core.events import EnvBuilt, SandboxExited
+
+    _, js = stream
+    home = dsec_stack.home
+    user = await trust.publisher(js, home, "user")
+    builder = await trust.publisher(js, home, "builder", acts_for="default")
+    other = await trust.publisher(js, home, "nodeagent", node_id="n2", acts_for="default")
+    sid = new_sandbox_id()
+    await user.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sid)
+    built = EnvBuilt(lock_hash="l", fingerprint="f", location="/e", node_id="n1", reused=True)
+    await builder.publish(built, aggregate_id=sid)
+    exited = await other.publish(
+        SandboxExited(exit_code=0, reason="ok", duration_s=1.0), aggregate_id=sid
+    )
+    refused = await (await _gate(stream, dsec_stack)).admit(
+        exited.sealed.wire, stream_seq=exited.stream_seq
+    )
+    assert isinstance(refused, Refusal) and refused.reason == "wrong-node", refused

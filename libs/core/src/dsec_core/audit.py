@@ -167,6 +167,7 @@ class Verifier:
         self._chains: dict[tuple[str, str], _Chain] = {}
         self._seen: dict[str, int] = {}  # authentic event id -> stream seq
         self._tenants: dict[str, tuple[str, str]] = {}  # sandbox -> (first submission, tenant)
+        self._nodes: dict[str, str] = {}  # sandbox -> the node its environment was built on
         self._causes: dict[str, int] = {}  # cause id -> first authentic event it caused
         self._answers: dict[int, list[int]] = {}
         self._injected_at: dict[int, Injected] = {}
@@ -238,7 +239,7 @@ class Verifier:
         key: bytes,
     ) -> None:
         """A message in its chain's next position: authentic unless its signature fails later."""
-        problem = authz.refusal(f, cert)
+        problem = authz.refusal(f, cert) or self._wrong_node(f, cert)
         if f["id"] in self._seen:
             if verify_raw(f, key) and cert.role == "user":
                 chain.advance(data)
@@ -289,6 +290,15 @@ class Verifier:
         self.report.producers.add(f["producer"])
         self.report.chains = len(self._chains)
 
+    def _wrong_node(self, f: dict[str, Any], cert: Certificate) -> str | None:
+        """A node agent's sandbox event for a sandbox built on another node (as the gate)."""
+        if cert.role != "nodeagent" or _aggregate(f) != SpecSubmitted.AGGREGATE:
+            return None
+        node = self._nodes.get(f["aggregate_id"])
+        if node is None or node == cert.node_id:
+            return None
+        return f"node agent of {cert.node_id!r} spoke for a sandbox of node {node!r}"
+
     def _tenancy(self, f: dict[str, Any], cert: Certificate) -> str | None:
         if f["payload"] is None or _aggregate(f) != SpecSubmitted.AGGREGATE:
             return None
@@ -308,6 +318,10 @@ class Verifier:
         cause = f.get("causation_id")
         if isinstance(cause, str):
             self._causes.setdefault(cause, seq)
+        if f["type"] == "env.built" and f["aggregate_id"] not in self._nodes:
+            node = f["payload"].get("node_id")
+            if isinstance(node, str):
+                self._nodes[f["aggregate_id"]] = node
         if f["type"] == EventRejected.TYPE:
             target = f["payload"].get("stream_seq")
             if isinstance(target, int):

@@ -272,6 +272,7 @@ class Gate:
         self._js = js
         self._handled = handled
         self._tenants: OrderedDict[str, str] = OrderedDict()
+        self._nodes: OrderedDict[str, str] = OrderedDict()  # sandbox -> node it was built on
         self._lock = asyncio.Lock()
 
     async def admit(
@@ -333,7 +334,26 @@ class Gate:
         problem = authz.refusal(fields, cert)
         if problem is not None:
             return "unauthorized", problem
-        return await self._tenant(envelope)
+        return await self._tenant(envelope) or await self._node(envelope, cert)
+
+    async def _node(self, envelope: Envelope, cert: Certificate) -> tuple[str, str] | None:
+        """A node agent speaks only for the sandboxes of its node: the node the builder built
+        the sandbox's environment on (its authentic ``env.built``)."""
+        if cert.role != "nodeagent" or envelope.aggregate != SpecSubmitted.AGGREGATE:
+            return None
+        node = self._nodes.get(envelope.aggregate_id)
+        if node is None:
+            built = await self.find(subject_for("env.built", envelope.aggregate_id))
+            if built is None:
+                return None  # not built anywhere yet: nothing to bind it to
+            node = str(built.payload.get("node_id"))
+            _remember(self._nodes, envelope.aggregate_id, node)
+        if node != cert.node_id:
+            return (
+                "wrong-node",
+                f"sandbox {envelope.aggregate_id} runs on {node!r}, not on {cert.node_id!r}",
+            )
+        return None
 
     async def _tenant(self, envelope: Envelope) -> tuple[str, str] | None:
         if envelope.aggregate != SpecSubmitted.AGGREGATE:
