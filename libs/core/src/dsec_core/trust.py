@@ -25,6 +25,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -180,26 +181,30 @@ class KeyRing:
                 return cert
             # Revocations arrive live, but one published while this consumer was cut off from
             # core NATS would be missed: the log is read again now and then.
-            self._checked[key_id] = time.monotonic()
-            if await self._revoked_in_log(key_id):
-                self._revoked.add(key_id)
-                self._certs.pop(key_id, None)
-                return f"key {key_id} was revoked by the operator"
-            return cert
+            return await self._still_valid(key_id, cert)
         if key_id in self._bad:
             return self._bad[key_id]
         if self.anchor is None:
             return "no trust root configured (DSEC_TRUST_ROOT or $DSEC_HOME/trust/root.pub)"
         found = await self._lookup(key_id, self.anchor)
         if isinstance(found, Certificate):
-            self._checked[key_id] = time.monotonic()
-            if check_revocation and await self._revoked_in_log(key_id):
-                self._revoked.add(key_id)
-                return f"key {key_id} was revoked by the operator"
+            if check_revocation:
+                checked = await self._still_valid(key_id, found)
+                if isinstance(checked, str):
+                    return checked
             _remember(self._certs, key_id, found)
         elif "not registered" not in found:  # it may register later; a bad one stays bad
             _remember(self._bad, key_id, found)
         return found
+
+    async def _still_valid(self, key_id: str, cert: Certificate) -> Certificate | str:
+        """``cert``, unless the log holds a revocation of its key (read now)."""
+        self._checked[key_id] = time.monotonic()
+        if await self._revoked_in_log(key_id):
+            self._revoked.add(key_id)
+            self._certs.pop(key_id, None)
+            return f"key {key_id} was revoked by the operator"
+        return cert
 
     async def _lookup(self, key_id: str, anchor: bytes) -> Certificate | str:
         try:
@@ -207,38 +212,38 @@ class KeyRing:
         except ValueError:
             return f"key id {key_id!r} is not a key id"
         problem = f"key {key_id} is not registered in the log"
-        seq = 1
-        for _ in range(_SCAN_LIMIT):
-            try:
-                msg = await self._js.get_msg(STREAM, seq=seq, subject=subject, next=True)
-            except NotFoundError:
-                return problem
-            if msg.data is None or msg.seq is None:
-                return problem
+        async for data in scan(self._js, subject):
             with contextlib.suppress(MalformedEnvelope):
-                found = registration_problem(unpack_fields(msg.data), anchor)
+                found = registration_problem(unpack_fields(data), anchor)
                 if isinstance(found, Certificate) and found.key_id == key_id:
                     return found
                 if isinstance(found, str):
                     problem = found
-            seq = msg.seq + 1
         return problem
 
     async def _revoked_in_log(self, key_id: str) -> bool:
-        subject = subject_for(KeyRevoked.TYPE, key_id)
-        seq = 1
-        for _ in range(_SCAN_LIMIT):
-            try:
-                msg = await self._js.get_msg(STREAM, seq=seq, subject=subject, next=True)
-            except NotFoundError:
-                return False
-            if msg.data is None or msg.seq is None:
-                return False
-            seq = msg.seq + 1
+        async for data in scan(self._js, subject_for(KeyRevoked.TYPE, key_id)):
             with contextlib.suppress(MalformedEnvelope, KeyError, ValueError):
-                if await self._valid_revocation(unpack_fields(msg.data)):
+                if await self._valid_revocation(unpack_fields(data)):
                     return True
         return False
+
+
+async def scan(
+    js: JetStreamContext, subject: str, limit: int = _SCAN_LIMIT
+) -> AsyncIterator[bytes]:
+    """The first ``limit`` messages stored on ``subject``, oldest first (direct reads by
+    subject: no consumer to create or clean up)."""
+    seq = 1
+    for _ in range(limit):
+        try:
+            msg = await js.get_msg(STREAM, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            return
+        if msg.data is None or msg.seq is None:
+            return
+        seq = msg.seq + 1
+        yield msg.data
 
 
 def _remember(cache: OrderedDict[str, Any], key: str, value: Any, limit: int = 4096) -> None:
@@ -380,18 +385,9 @@ class Gate:
         cached = self._tenants.get(sandbox_id)
         if cached is not None:
             return cached[0], cached[1]
-        subject = subject_for(SpecSubmitted.TYPE, sandbox_id)
-        seq = 1
-        for _ in range(_SCAN_LIMIT):
+        async for data in scan(self._js, subject_for(SpecSubmitted.TYPE, sandbox_id)):
             try:
-                msg = await self._js.get_msg(STREAM, seq=seq, subject=subject, next=True)
-            except NotFoundError:
-                return None
-            if msg.data is None or msg.seq is None:
-                return None
-            seq = msg.seq + 1
-            try:
-                fields = unpack_fields(msg.data)
+                fields = unpack_fields(data)
                 env = Envelope.model_validate(fields)
             except (MalformedEnvelope, ValueError):
                 continue
@@ -419,17 +415,9 @@ class Gate:
         """An authentic, authorized event on ``subject``: the one with ``event_id``, else the
         newest. Forged or unauthorized messages on the subject are skipped, never returned."""
         found: Envelope | None = None
-        seq = 1
-        for _ in range(limit):
+        async for data in scan(self._js, subject, limit):
             try:
-                msg = await self._js.get_msg(STREAM, seq=seq, subject=subject, next=True)
-            except NotFoundError:
-                break
-            if msg.data is None or msg.seq is None:
-                break
-            seq = msg.seq + 1
-            try:
-                fields = unpack_fields(msg.data)
+                fields = unpack_fields(data)
                 envelope = Envelope.model_validate(fields)
             except (MalformedEnvelope, ValueError):
                 continue
