@@ -67,3 +67,15 @@ def test_issue_services_certifies_every_service_for_a_deployment(tmp_path: Path)
         assert cert.role == role and cert.subject == role
         assert cert.node_id == ("worker-3" if role == "nodeagent" else None)
     assert not (out / "trust" / "root.key").exists()  # the root key stays with the operator
+
+
+def test_a_first_login_learns_the_trust_root_from_the_credential(tmp_path: Path) -> None:
+    operator, user = tmp_path / "operator", tmp_path / "user"
+    root = identity.ensure_root(identity.TrustPaths(operator))
+    cred = tmp_path / "c.cred"
+    run_dsec_inproc(
+        "admin", "issue-user", "ann", "--tenant", "t", "--out", str(cred), home=operator
+    )
+    assert run_dsec_inproc("login", "--credential", str(cred), home=user).exit_code == 0
+    learned = (user / "trust" / "root.pub").read_text().strip()
+    assert learned == bytes(root.verify_key).hex()

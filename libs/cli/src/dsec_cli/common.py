@@ -230,7 +230,14 @@ def cli_gate(nc: NATS, js: JetStreamContext) -> Any:
         anchor = identity.read_anchor(identity.TrustPaths(settings.home), settings.trust_root)
     except identity.CertificateError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
-    return None if anchor is None else Gate(KeyRing(nc, js, anchor), js, None)
+    if anchor is None:
+        err_console.print(
+            "[bold yellow]warning:[/] no trust root known here (DSEC_TRUST_ROOT, or `dsec login "
+            "--credential FILE`): events are shown as they come, unverified",
+            highlight=False,
+        )
+        return None
+    return Gate(KeyRing(nc, js, anchor), js, None)
 
 
 async def cli_publisher(js: JetStreamContext, settings: Settings | None = None) -> EventPublisher:

@@ -236,9 +236,22 @@ def issue_user(
     return key, cert
 
 
-def credential_json(key: SigningKey, cert: Certificate) -> str:
-    """An operator-issued credential file: the user's private key and its certificate."""
-    return json.dumps({"key": bytes(key).hex(), "certificate": cert.model_dump(mode="json")})
+def credential_json(key: SigningKey, cert: Certificate, anchor: bytes | None = None) -> str:
+    """An operator-issued credential file: the user's private key, its certificate and the
+    operator root's public key (what the user's CLI verifies events against)."""
+    data: dict[str, Any] = {"key": bytes(key).hex(), "certificate": cert.model_dump(mode="json")}
+    if anchor is not None:
+        data["trust_root"] = anchor.hex()
+    return json.dumps(data)
+
+
+def credential_anchor(text: str) -> bytes | None:
+    """The trust root a credential file carries, if any."""
+    try:
+        value = json.loads(text).get("trust_root")
+        return bytes.fromhex(value) if isinstance(value, str) and len(value) == 64 else None
+    except (json.JSONDecodeError, AttributeError, ValueError):
+        return None
 
 
 def save_identity(paths: TrustPaths, key: SigningKey, cert: Certificate) -> None:

@@ -78,6 +78,12 @@ def login(
         except identity.CertificateError as exc:
             fail(f"{credential}: {exc}", EXIT_BAD_INPUT)
         anchor = identity.read_anchor(paths, Settings().trust_root)
+        carried = identity.credential_anchor(credential.read_text())
+        if anchor is None and carried is not None:
+            # First login on this machine: trust the root the operator's credential names.
+            paths.anchor.parent.mkdir(parents=True, exist_ok=True)
+            paths.anchor.write_text(carried.hex() + "\n")
+            anchor = carried
         if anchor is not None:
             try:
                 identity.check(cert, anchor)
@@ -118,7 +124,7 @@ def issue_user(
     )
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(identity.credential_json(key, cert))
+        f.write(identity.credential_json(key, cert, bytes(operator_root().verify_key)))
     console.print(
         f"wrote {safe_text(out)} for {safe_text(cert.subject)} (tenant {safe_text(tenant)}); "
         "give it to the user, who runs `dsec login --credential FILE`",
