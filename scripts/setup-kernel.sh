@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare this machine for the node agent's eBPF egress hooks (see docs / KERNEL.md):
+# Prepare this machine for the node agent's eBPF egress hooks (see docs/architecture.md):
 #   1. Debian packages: BCC (python3-bpfcc, libbpfcc, bpfcc-tools), bpftool, kernel headers.
 #   2. Header shim: the running kernel ships no headers, so /lib/modules/$(uname -r)/{build,source}
 #      point at the nearest Debian header package (safe: our programs read UAPI contexts only).

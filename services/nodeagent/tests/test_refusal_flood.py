@@ -147,7 +147,7 @@ async def test_connect_flood_is_summarized_and_the_victim_starts_on_time(
 
         rec = h.recorded[attacker]
         violations = rec.of("policy.violation")
-        assert 1 <= len(violations) <= 5, [v.payload for v in violations]
+        assert 0 < len(violations) <= 5, [v.payload for v in violations]
         assert all(v.payload["operation"] == "connect" for v in violations)
         refused = json.loads(h.agent.manager.log_paths(attacker)[0].read_text().splitlines()[-1])
         # Every refused connect is in an event or a summary count: those the reader saw one by
