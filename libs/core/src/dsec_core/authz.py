@@ -51,8 +51,6 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "audit.key_revoked": frozenset({"operator"}),
 }
 
-USER_TYPES: frozenset[str] = frozenset(t for t, roles in PRODUCERS.items() if roles == {"user"})
-
 
 def refusal(fields: Mapping[str, Any], cert: Certificate) -> str | None:
     """Why the producer holding ``cert`` may not emit this envelope; ``None`` when it may.

@@ -276,7 +276,7 @@ class Gate:
         self.keys = keys
         self._js = js
         self._handled = handled
-        self._tenants: OrderedDict[str, str] = OrderedDict()
+        self._tenants: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._nodes: OrderedDict[str, str] = OrderedDict()  # sandbox -> node it was built on
         self._lock = asyncio.Lock()
 
