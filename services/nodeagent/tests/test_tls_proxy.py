@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
+import shutil
 import socket
 import ssl
+import sys
+import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -21,9 +26,13 @@ from dsec_core.spec.units import Rate
 
 from dsec_nodeagent.tlsproxy import CertAuthority, ProxyRule, SandboxProxy, TokenBucket
 
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the harness
+from _nodeagent_harness import NodeAgentHarness
+
 pytestmark = pytest.mark.integration
 
 HOST = "localhost"
+_UPSTREAM_CA: dict[int, bytes] = {}  # the test server's CA, by its port
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -50,6 +59,7 @@ def upstream(tmp_path: Path) -> Iterator[tuple[int, ssl.SSLContext]]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     trust = ssl.create_default_context(cadata=ca.pem.decode())
+    _UPSTREAM_CA[int(server.server_address[1])] = ca.pem
     try:
         yield int(server.server_address[1]), trust
     finally:
@@ -58,11 +68,13 @@ def upstream(tmp_path: Path) -> Iterator[tuple[int, ssl.SSLContext]]:
         thread.join(timeout=5)
 
 
-def _rule(port: int, rate: str | None = "10requests/min") -> ProxyRule:
+def _rule(port: int, rate: str | None = "10requests/min", internal: bool = True) -> ProxyRule:
     plan = PlanEgressRule(
         kind="domain",
         domain=HOST,
         ports=(port,),
+        internal_only=internal,
+        tls_proxy=True,
         rate_limit=None if rate is None else Rate.model_validate(rate),
     )
     return ProxyRule("egress[0]", plan)
@@ -167,6 +179,30 @@ async def test_an_upstream_the_system_does_not_trust_is_a_502(
     assert b"CERTIFICATE_VERIFY_FAILED" in answers[0][2]
 
 
+async def test_upstreams_are_held_to_what_the_kernel_would_allow(
+    upstream: tuple[int, ssl.SSLContext], tmp_path: Path
+) -> None:
+    """A rule without allow_internal_only never reaches loopback through the proxy, and no rule
+    reaches the stack's own servers (the kernel's deny set)."""
+    port, trust = upstream
+    ca = CertAuthority("sbx-4", tmp_path)
+    public = SandboxProxy("sbx-4", [_rule(port, internal=False)], ca, lambda r, t: None)
+    stack = SandboxProxy("sbx-4", [_rule(port)], ca, lambda r, t: None, upstream=trust)
+    stack.forbidden = lambda address, p: p == port
+    answers = []
+    for proxy in (public, stack):
+        proxy_port = await proxy.start()
+        try:
+            tls, _ = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
+            answers += await asyncio.to_thread(_pipeline, tls, 1)
+            tls.close()
+        finally:
+            await proxy.close()
+    assert [status for status, _, _ in answers] == [502, 502]
+    assert b"resolves to a loopback address" in answers[0][2]
+    assert b"is a server of the DSec stack" in answers[1][2]
+
+
 @pytest.mark.unit
 def test_token_bucket_refills_at_the_rate() -> None:
     now = [0.0]
@@ -177,3 +213,86 @@ def test_token_bucket_refills_at_the_rate() -> None:
     assert bucket.take() == pytest.approx(3.0)
     now[0] = 6.0
     assert bucket.take() == 0.0
+
+
+SANDBOX = """
+import errno, json, os, socket, ssl
+PORT = {port}
+proxy_host, proxy_port = os.environ["HTTPS_PROXY"].removeprefix("http://").rsplit(":", 1)
+raw = socket.create_connection((proxy_host, int(proxy_port)), timeout=20)
+raw.sendall(f"CONNECT localhost:{{PORT}} HTTP/1.1\\r\\nHost: localhost\\r\\n\\r\\n".encode())
+answer = b""
+while b"\\r\\n\\r\\n" not in answer:
+    answer += raw.recv(4096)
+tls = ssl.create_default_context().wrap_socket(raw, server_hostname="localhost")
+tls.sendall(b"".join(
+    f"GET /{{i}} HTTP/1.1\\r\\nHost: localhost\\r\\n\\r\\n".encode() for i in range(30)
+))
+reader = tls.makefile("rb")
+statuses = []
+for _ in range(30):
+    statuses.append(int(reader.readline().split()[1]))
+    length = 0
+    while (line := reader.readline()) != b"\\r\\n":
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    reader.read(length)
+direct = socket.socket()
+try:
+    direct.connect(("127.0.0.1", PORT))
+    bypass = "connected"
+except OSError as exc:
+    bypass = errno.errorcode.get(exc.errno, str(exc))
+print(json.dumps({{"connect": answer.split(b"\\r\\n")[0].decode(), "statuses": statuses,
+                  "bypass": bypass, "ca": os.environ["SSL_CERT_FILE"]}}), flush=True)
+"""
+
+
+@pytest.fixture
+def short_home() -> Iterator[Path]:
+    """A short home: the sandboxes' socket paths must fit in AF_UNIX's 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="dtp-", dir="/tmp"))
+    yield path / "home"
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.kernel
+async def test_a_sandbox_pipelining_through_the_proxy_gets_its_budget_and_no_bypass(
+    upstream: tuple[int, ssl.SSLContext], short_home: Path, nats_url: str, tmp_path: Path
+) -> None:
+    """30 requests pipelined on one connection from a real sandbox, rule 10requests/min: 10
+    answered, 20 refused (429) and reported; connecting to the host directly is EPERM."""
+    port, _ = upstream
+    trusted = tmp_path / "upstream-ca.pem"
+    trusted.write_bytes(_UPSTREAM_CA[port])
+    egress = (
+        f"{{domain: localhost, ports: [{port}], rate_limit: 10requests/min, tls_proxy: true, "
+        "allow_internal_only: true}"
+    )
+    async with NodeAgentHarness(
+        short_home, nats_url, policy_summary_interval_s=1.0, tls_proxy_upstream_ca=trusted
+    ) as h:
+        sid = await h.submit("proxied", SANDBOX.format(port=port), egress=egress)
+        exited = await h.wait_for(sid, "sandbox.exited")
+        out, err = (p.read_text() for p in h.agent.manager.log_paths(sid))
+        assert exited.payload["reason"] == "ok", err[-3000:]
+        result = json.loads(out.splitlines()[-1])
+        assert result["connect"] == "HTTP/1.1 200 Connection established"
+        assert result["statuses"] == [200] * 10 + [429] * 20
+        assert result["bypass"] == "EPERM"
+        rec = h.recorded[sid]
+        deadline = time.monotonic() + 10
+        while True:  # the first refusals as events, the rest counted in summaries
+            http = [v for v in rec.of("policy.violation") if v.payload["operation"] == "http"]
+            summed = [
+                s for s in rec.of("policy.violation_summary") if s.payload["operation"] == "http"
+            ]
+            total = len(http) + sum(s.payload["count"] for s in summed)
+            if total >= 20 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert total == 20, ([v.payload for v in http], [s.payload for s in summed])
+        assert http and http[0].payload["rule_id"] == "egress[0]"
+        assert http[0].payload["target"] == "GET https://localhost/10"
+        assert summed and summed[0].payload["rule_id"] == "egress[0]"
+        assert not (short_home / "tls-proxy" / sid).exists()  # its CA is gone with it

@@ -21,6 +21,8 @@ import datetime
 import http.client
 import ipaddress
 import math
+import shutil
+import socket
 import ssl
 import tempfile
 import time
@@ -32,7 +34,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from dsec_core.spec.plan import PlanEgressRule
+from dsec_core.spec.plan import EnforcementPlan, PlanEgressRule
 
 HEAD_LIMIT = 64 * 1024  # request line + headers
 BODY_LIMIT = 16 * 1024 * 1024  # a request body, and a response body (buffered)
@@ -209,6 +211,7 @@ class SandboxProxy:
             for r in self.rules
             if r.rule.rate_limit is not None
         }
+        self.forbidden: Callable[[str, int], bool] = lambda address, port: False
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -305,9 +308,12 @@ class SandboxProxy:
                         return
                     continue
                 if upstream is None:
-                    upstream = http.client.HTTPSConnection(
-                        host, port, timeout=UPSTREAM_TIMEOUT_S, context=self.upstream
-                    )
+                    try:
+                        addresses = await asyncio.to_thread(self._address, rule, host, port)
+                    except (OSError, UnicodeError) as exc:
+                        await _reply(writer, 502, f"upstream {host}: {exc}", close=True)
+                        return
+                    upstream = _Pinned(host, port, addresses, self.upstream)
                 try:
                     status, reason, headers, body = await asyncio.to_thread(
                         _forward, upstream, request
@@ -325,9 +331,59 @@ class SandboxProxy:
             if upstream is not None:
                 upstream.close()
 
+    def _address(self, rule: ProxyRule, host: str, port: int) -> list[str]:
+        """The addresses to reach ``host`` at, held to what the kernel would allow the sandbox:
+        no internal address unless the rule says ``allow_internal_only``, never the stack's
+        own servers. Blocking (resolves); the connection then goes to these very addresses."""
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addresses = [str(info[4][0]) for info in infos]
+        for address in addresses:
+            why = _unreachable(ipaddress.ip_address(address), rule.rule.internal_only)
+            if why is not None:
+                raise OSError(f"resolves to {why} address {address}, refused by {rule.rule_id}")
+            if self.forbidden(address, port):
+                raise OSError(f"{address}:{port} is a server of the DSec stack")
+        if not addresses:
+            raise OSError("no address")
+        return addresses
+
     def _charge(self, rule: ProxyRule) -> float:
         bucket = self.buckets.get(rule.rule_id)
         return 0.0 if bucket is None else bucket.take()
+
+
+def _unreachable(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, internal: bool) -> str | None:
+    """Why a resolved address is refused, as the DNS proxy refuses rebinding answers: link-local,
+    multicast and unspecified always; loopback unless ``allow_internal_only``, which then admits
+    only loopback and private addresses."""
+    if ip.is_link_local or ip.is_multicast or ip.is_unspecified:
+        return "a link-local, multicast or unspecified"
+    if internal and not (ip.is_loopback or ip.is_private):
+        return "a public"
+    if not internal and ip.is_loopback:
+        return "a loopback"
+    return None
+
+
+class _Pinned(http.client.HTTPSConnection):
+    """An HTTPS connection to ``host`` (SNI, certificate check) at a checked address."""
+
+    def __init__(self, host: str, port: int, addresses: list[str], context: ssl.SSLContext) -> None:
+        super().__init__(host, port, timeout=UPSTREAM_TIMEOUT_S, context=context)
+        self._addresses = addresses
+        self._tls = context
+
+    def connect(self) -> None:
+        error: OSError = OSError(f"no address of {self.host} answers")
+        for address in self._addresses:
+            try:
+                raw = socket.create_connection((address, self.port), UPSTREAM_TIMEOUT_S)
+            except OSError as exc:
+                error = exc
+                continue
+            self.sock = self._tls.wrap_socket(raw, server_hostname=self.host)
+            return
+        raise error
 
 
 def _authority(target: str) -> tuple[str, int]:
@@ -421,3 +477,109 @@ async def _reply(
     headers = [("Content-Type", "text/plain; charset=utf-8"), *extra]
     writer.write(_response(status, reason, headers, body, close))
     await writer.drain()
+
+
+# ------------------------------------------------------------------ one proxy per sandbox
+
+PROXY_HOST = "127.0.0.1"
+CA_BUNDLE_PATH = "/etc/dsec/proxy-ca.pem"  # where the sandbox sees its trust bundle
+CA_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
+PROXY_ENV = ("HTTPS_PROXY", "https_proxy")
+
+SandboxRefused = Callable[[str, str, str], None]  # (sandbox_id, rule_id, target)
+
+
+@dataclass(frozen=True)
+class ProxyGrant:
+    """What a sandbox with ``tls_proxy`` rules gets: its environment, its trust bundle (a host
+    file shown at :data:`CA_BUNDLE_PATH`) and the plan its egress layer enforces instead."""
+
+    port: int
+    env: dict[str, str]
+    bundle: Path
+    egress_plan: EnforcementPlan
+
+
+def proxied_rules(plan: EnforcementPlan) -> list[ProxyRule]:
+    """The plan's ``tls_proxy`` rules under their plan ids."""
+    return [ProxyRule(f"egress[{i}]", r) for i, r in enumerate(plan.egress) if r.tls_proxy]
+
+
+def egress_through_proxy(plan: EnforcementPlan, port: int) -> EnforcementPlan:
+    """The plan with each ``tls_proxy`` rule replaced by a grant of the proxy's port alone: the
+    sandbox never reaches those hosts directly (same rule id, so refusals still name it)."""
+    rules = [
+        PlanEgressRule(
+            kind="cidr",
+            cidr=f"{PROXY_HOST}/32",
+            ports=(port,),
+            internal_only=True,
+            protocols=("tcp",),
+        )
+        if r.tls_proxy
+        else r
+        for r in plan.egress
+    ]
+    return plan.model_copy(update={"egress": tuple(rules)})
+
+
+def system_bundle() -> bytes:
+    """The system's trust store as PEM (what the sandbox trusts besides its proxy CA)."""
+    paths = ssl.get_default_verify_paths()
+    for candidate in (paths.cafile, paths.openssl_cafile):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate).read_bytes()
+    import certifi
+
+    return Path(certifi.where()).read_bytes()
+
+
+class TlsProxies:
+    """The node agent's proxies, one per sandbox that has ``tls_proxy`` rules."""
+
+    def __init__(
+        self, workdir: Path, on_refused: SandboxRefused, upstream_ca: Path | None = None
+    ) -> None:
+        self.workdir = workdir
+        self.on_refused = on_refused
+        self.upstream = ssl.create_default_context(
+            cafile=str(upstream_ca) if upstream_ca is not None else None
+        )
+        self._proxies: dict[str, SandboxProxy] = {}
+        self.forbidden: Callable[[str, int], bool] = lambda address, port: False
+
+    async def open(self, sid: str, plan: EnforcementPlan) -> ProxyGrant | None:
+        """Start ``sid``'s proxy (None when its plan has no ``tls_proxy`` rule)."""
+        rules = proxied_rules(plan)
+        if not rules:
+            return None
+        await self.close(sid)
+        directory = self.workdir / sid
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        authority = CertAuthority(sid, directory)
+        bundle = directory / "ca-bundle.pem"
+        bundle.write_bytes(system_bundle() + b"\n" + authority.pem)
+        bundle.chmod(0o644)
+
+        def refused(rule_id: str, target: str) -> None:
+            self.on_refused(sid, rule_id, target)
+
+        proxy = SandboxProxy(sid, rules, authority, refused, upstream=self.upstream)
+        proxy.forbidden = self.forbidden
+        port = await proxy.start(PROXY_HOST)
+        self._proxies[sid] = proxy
+        url = f"http://{PROXY_HOST}:{port}"
+        env = dict.fromkeys(PROXY_ENV, url) | dict.fromkeys(CA_ENV, CA_BUNDLE_PATH)
+        return ProxyGrant(port, env, bundle, egress_through_proxy(plan, port))
+
+    async def close(self, sid: str) -> None:
+        """Stop ``sid``'s proxy and remove its CA (idempotent)."""
+        proxy = self._proxies.pop(sid, None)
+        if proxy is not None:
+            await proxy.close()
+        shutil.rmtree(self.workdir / sid, ignore_errors=True)
+
+    async def close_all(self) -> None:
+        """Stop every proxy (the node agent is going down)."""
+        for sid in list(self._proxies):
+            await self.close(sid)
