@@ -33,6 +33,10 @@ pytestmark = pytest.mark.integration
 
 HOST = "localhost"
 _UPSTREAM_CA: dict[int, bytes] = {}  # the test server's CA, by its port
+# This test process's cgroup: the proxy serves the sockets its processes hold.
+OWN_CGROUP = Path("/sys/fs/cgroup") / Path("/proc/self/cgroup").read_text().split("::")[-1].strip(
+    "/\n"
+)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -125,6 +129,7 @@ async def test_pipelined_requests_over_one_connection_are_counted_one_by_one(
     proxy = SandboxProxy(
         "sbx-1", [_rule(port)], ca, lambda r, t: refused.append((r, t)), upstream=trust
     )
+    proxy.cgroup = OWN_CGROUP
     proxy_port = await proxy.start()
     try:
         tls, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
@@ -151,6 +156,7 @@ async def test_a_host_no_rule_grants_gets_403_and_no_tunnel(
     port, trust = upstream
     ca = CertAuthority("sbx-2", tmp_path)
     proxy = SandboxProxy("sbx-2", [_rule(port)], ca, lambda r, t: None, upstream=trust)
+    proxy.cgroup = OWN_CGROUP
     proxy_port = await proxy.start()
     try:
         for target in ("example.com:443", f"{HOST}:{port + 1}", f"127.0.0.1:{port}"):
@@ -168,6 +174,7 @@ async def test_an_upstream_the_system_does_not_trust_is_a_502(
     port, _ = upstream
     ca = CertAuthority("sbx-3", tmp_path)
     proxy = SandboxProxy("sbx-3", [_rule(port)], ca, lambda r, t: None)  # system trust only
+    proxy.cgroup = OWN_CGROUP
     proxy_port = await proxy.start()
     try:
         tls, _ = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
@@ -191,6 +198,7 @@ async def test_upstreams_are_held_to_what_the_kernel_would_allow(
     stack.forbidden = lambda address, p: p == port
     answers = []
     for proxy in (public, stack):
+        proxy.cgroup = OWN_CGROUP
         proxy_port = await proxy.start()
         try:
             tls, _ = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
@@ -201,6 +209,26 @@ async def test_upstreams_are_held_to_what_the_kernel_would_allow(
     assert [status for status, _, _ in answers] == [502, 502]
     assert b"resolves to a loopback address" in answers[0][2]
     assert b"is a server of the DSec stack" in answers[1][2]
+
+
+async def test_a_connection_from_outside_the_sandboxs_cgroup_gets_nothing(
+    upstream: tuple[int, ssl.SSLContext], tmp_path: Path
+) -> None:
+    """A neighbour whose rules reach the proxy's port: no answer, the connection closes."""
+    port, trust = upstream
+    ca = CertAuthority("sbx-5", tmp_path)
+    proxy = SandboxProxy("sbx-5", [_rule(port)], ca, lambda r, t: None, upstream=trust)
+    elsewhere = tmp_path / "other-cgroup"
+    elsewhere.mkdir()
+    (elsewhere / "cgroup.procs").write_text("1\n")  # init: not who connects
+    proxy.cgroup = elsewhere
+    proxy_port = await proxy.start()
+    try:
+        raw, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
+        raw.close()
+    finally:
+        await proxy.close()
+    assert answer == b""
 
 
 @pytest.mark.unit

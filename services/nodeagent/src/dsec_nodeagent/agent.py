@@ -327,6 +327,7 @@ class NodeAgent:
 
     def _attach(self, plan: EnforcementPlan) -> Callable[[str, Path, int], Awaitable[None]]:
         async def attach(sid: str, cgroup_dir: Path, cgroup_id: int) -> None:
+            self.proxies.bind(sid, cgroup_dir)
             if self._before_start is not None:
                 await self._before_start(sid, cgroup_dir, cgroup_id, plan)
 

@@ -21,6 +21,7 @@ import datetime
 import http.client
 import ipaddress
 import math
+import os
 import shutil
 import socket
 import ssl
@@ -212,6 +213,9 @@ class SandboxProxy:
             if r.rule.rate_limit is not None
         }
         self.forbidden: Callable[[str, int], bool] = lambda address, port: False
+        # The sandbox's cgroup (set before its first instruction): a connection is served only
+        # when a process of that cgroup holds its client socket; None serves nobody.
+        self.cgroup: Path | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -232,6 +236,15 @@ class SandboxProxy:
         if self._server is not None:
             await self._server.wait_closed()
 
+    def _from_sandbox(self, writer: asyncio.StreamWriter) -> bool:
+        """Whether the connecting socket belongs to this proxy's sandbox (a neighbour whose
+        rules reach loopback could otherwise spend its budget and use its grants)."""
+        peer, local = writer.get_extra_info("peername"), writer.get_extra_info("sockname")
+        if self.cgroup is None or peer is None or local is None:
+            return False
+        inode = tcp_inode(peer[:2], local[:2])
+        return inode is not None and holds_socket(self.cgroup, inode)
+
     def rule_for(self, host: str, port: int) -> ProxyRule | None:
         """The first tls_proxy rule that grants ``host:port``."""
         return next((r for r in self.rules if r.rule.allows(host, port)), None)
@@ -241,7 +254,8 @@ class SandboxProxy:
         assert task is not None
         self._tasks.add(task)
         try:
-            await self._tunnel(reader, writer)
+            if await asyncio.to_thread(self._from_sandbox, writer):
+                await self._tunnel(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, TimeoutError):
             pass
         except asyncio.CancelledError:
@@ -363,6 +377,42 @@ def _unreachable(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, internal: bo
     if not internal and ip.is_loopback:
         return "a loopback"
     return None
+
+
+def tcp_inode(client: tuple[str, int], server: tuple[str, int]) -> int | None:
+    """The inode of the IPv4 TCP socket at ``client`` connected to ``server``, from
+    ``/proc/net/tcp`` (this network namespace)."""
+
+    def hexed(address: tuple[str, int]) -> str:
+        packed = int.from_bytes(socket.inet_aton(address[0]), "little")
+        return f"{packed:08X}:{address[1]:04X}"
+
+    want = (hexed(client), hexed(server))
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            if (fields[1], fields[2]) == want and fields[9] != "0":
+                return int(fields[9])
+    return None
+
+
+def holds_socket(cgroup: Path, inode: int) -> bool:
+    """Whether a process of ``cgroup`` (or a cgroup below it) holds socket ``inode``."""
+    target = f"socket:[{inode}]"
+    for procs in cgroup.rglob("cgroup.procs"):
+        try:
+            pids = procs.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                with os.scandir(f"/proc/{pid}/fd") as fds:
+                    if any(os.readlink(fd.path) == target for fd in fds):
+                        return True
+            except OSError:
+                continue  # it exited, or the descriptor closed while we looked
+    return False
 
 
 class _Pinned(http.client.HTTPSConnection):
@@ -571,6 +621,12 @@ class TlsProxies:
         url = f"http://{PROXY_HOST}:{port}"
         env = dict.fromkeys(PROXY_ENV, url) | dict.fromkeys(CA_ENV, CA_BUNDLE_PATH)
         return ProxyGrant(port, env, bundle, egress_through_proxy(plan, port))
+
+    def bind(self, sid: str, cgroup: Path) -> None:
+        """Serve ``sid``'s proxy to the processes of ``cgroup`` alone."""
+        proxy = self._proxies.get(sid)
+        if proxy is not None:
+            proxy.cgroup = cgroup
 
     async def close(self, sid: str) -> None:
         """Stop ``sid``'s proxy and remove its CA (idempotent)."""
