@@ -324,3 +324,38 @@ async def test_a_sandbox_pipelining_through_the_proxy_gets_its_budget_and_no_byp
         assert http[0].payload["target"] == "GET https://localhost/10"
         assert summed and summed[0].payload["rule_id"] == "egress[0]"
         assert not (short_home / "tls-proxy" / sid).exists()  # its CA is gone with it
+
+
+NEIGHBOUR = """
+import json, socket
+s = socket.create_connection(("127.0.0.1", {proxy_port}), timeout=20)
+s.sendall(b"CONNECT localhost:{port} HTTP/1.1\\r\\nHost: localhost\\r\\n\\r\\n")
+print(json.dumps({{"answer": s.recv(4096).decode()}}), flush=True)
+"""
+
+
+@pytest.mark.kernel
+async def test_a_neighbour_reaching_the_proxys_port_gets_no_tunnel(
+    upstream: tuple[int, ssl.SSLContext], short_home: Path, nats_url: str
+) -> None:
+    """Another sandbox whose rules open the proxy's loopback port connects, and gets nothing."""
+    port, _ = upstream
+    owner_rule = (
+        f"{{domain: localhost, ports: [{port}], rate_limit: 10requests/min, tls_proxy: true, "
+        "allow_internal_only: true}"
+    )
+    async with NodeAgentHarness(short_home, nats_url) as h:
+        owner = await h.submit("owner", "import time; time.sleep(60)", egress=owner_rule)
+        await h.wait_for(owner, "sandbox.ready")
+        proxy_port = h.agent.proxies.port(owner)
+        assert proxy_port is not None
+        neighbour = await h.submit(
+            "neighbour",
+            NEIGHBOUR.format(proxy_port=proxy_port, port=port),
+            egress=f"{{cidr: 127.0.0.1/32, ports: [{proxy_port}], allow_internal_only: true}}",
+        )
+        exited = await h.wait_for(neighbour, "sandbox.exited")
+        out, err = (p.read_text() for p in h.agent.manager.log_paths(neighbour))
+        assert exited.payload["reason"] == "ok", err[-3000:]
+        assert json.loads(out.splitlines()[-1]) == {"answer": ""}  # closed, unanswered
+        await h.agent.manager.stop(owner, grace_s=0.5)

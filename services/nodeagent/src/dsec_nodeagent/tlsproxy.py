@@ -216,13 +216,15 @@ class SandboxProxy:
         # The sandbox's cgroup (set before its first instruction): a connection is served only
         # when a process of that cgroup holds its client socket; None serves nobody.
         self.cgroup: Path | None = None
+        self.port: int | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen; returns the port."""
         self._server = await asyncio.start_server(self._client, host, port, limit=HEAD_LIMIT)
-        return int(self._server.sockets[0].getsockname()[1])
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
 
     async def close(self) -> None:
         """Stop listening and drop the open connections."""
@@ -621,6 +623,11 @@ class TlsProxies:
         url = f"http://{PROXY_HOST}:{port}"
         env = dict.fromkeys(PROXY_ENV, url) | dict.fromkeys(CA_ENV, CA_BUNDLE_PATH)
         return ProxyGrant(port, env, bundle, egress_through_proxy(plan, port))
+
+    def port(self, sid: str) -> int | None:
+        """The loopback port of ``sid``'s proxy, if it has one."""
+        proxy = self._proxies.get(sid)
+        return None if proxy is None else proxy.port
 
     def bind(self, sid: str, cgroup: Path) -> None:
         """Serve ``sid``'s proxy to the processes of ``cgroup`` alone."""
