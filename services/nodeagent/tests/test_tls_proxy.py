@@ -265,6 +265,13 @@ for _ in range(30):
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":")[1])
     reader.read(length)
+import urllib.error, urllib.request
+later = []  # urllib honours HTTPS_PROXY and SSL_CERT_FILE: a new tunnel each, same budget
+for i in range(2):
+    try:
+        later.append(urllib.request.urlopen(f"https://localhost:{{PORT}}/u{{i}}").status)
+    except urllib.error.HTTPError as exc:
+        later.append(exc.code)
 direct = socket.socket()
 try:
     direct.connect(("127.0.0.1", PORT))
@@ -272,7 +279,7 @@ try:
 except OSError as exc:
     bypass = errno.errorcode.get(exc.errno, str(exc))
 print(json.dumps({{"connect": answer.split(b"\\r\\n")[0].decode(), "statuses": statuses,
-                  "bypass": bypass, "ca": os.environ["SSL_CERT_FILE"]}}), flush=True)
+                  "later": later, "bypass": bypass}}), flush=True)
 """
 
 
@@ -289,7 +296,8 @@ async def test_a_sandbox_pipelining_through_the_proxy_gets_its_budget_and_no_byp
     upstream: tuple[int, ssl.SSLContext], short_home: Path, nats_url: str, tmp_path: Path
 ) -> None:
     """30 requests pipelined on one connection from a real sandbox, rule 10requests/min: 10
-    answered, 20 refused (429) and reported; connecting to the host directly is EPERM."""
+    answered, 20 refused (429) and reported; urllib's requests (a tunnel each) draw on the same
+    budget; connecting to the host directly is EPERM."""
     port, _ = upstream
     trusted = tmp_path / "upstream-ca.pem"
     trusted.write_bytes(_UPSTREAM_CA[port])
@@ -307,6 +315,7 @@ async def test_a_sandbox_pipelining_through_the_proxy_gets_its_budget_and_no_byp
         result = json.loads(out.splitlines()[-1])
         assert result["connect"] == "HTTP/1.1 200 Connection established"
         assert result["statuses"] == [200] * 10 + [429] * 20
+        assert result["later"] == [429, 429]
         assert result["bypass"] == "EPERM"
         rec = h.recorded[sid]
         deadline = time.monotonic() + 10
@@ -316,10 +325,10 @@ async def test_a_sandbox_pipelining_through_the_proxy_gets_its_budget_and_no_byp
                 s for s in rec.of("policy.violation_summary") if s.payload["operation"] == "http"
             ]
             total = len(http) + sum(s.payload["count"] for s in summed)
-            if total >= 20 or time.monotonic() > deadline:
+            if total >= 22 or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
-        assert total == 20, ([v.payload for v in http], [s.payload for s in summed])
+        assert total == 22, ([v.payload for v in http], [s.payload for s in summed])
         assert http and http[0].payload["rule_id"] == "egress[0]"
         assert http[0].payload["target"] == "GET https://localhost/10"
         assert summed and summed[0].payload["rule_id"] == "egress[0]"
