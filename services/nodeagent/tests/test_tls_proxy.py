@@ -24,7 +24,13 @@ import pytest
 from dsec_core.spec.plan import PlanEgressRule
 from dsec_core.spec.units import Rate
 
-from dsec_nodeagent.tlsproxy import CertAuthority, ProxyRule, SandboxProxy, TokenBucket
+from dsec_nodeagent.tlsproxy import (
+    MAX_CONNECTIONS,
+    CertAuthority,
+    ProxyRule,
+    SandboxProxy,
+    TokenBucket,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the harness
 from _nodeagent_harness import NodeAgentHarness
@@ -229,6 +235,34 @@ async def test_a_connection_from_outside_the_sandboxs_cgroup_gets_nothing(
     finally:
         await proxy.close()
     assert answer == b""
+
+
+async def test_connections_past_the_bound_are_closed_unanswered(
+    upstream: tuple[int, ssl.SSLContext], tmp_path: Path
+) -> None:
+    port, trust = upstream
+    ca = CertAuthority("sbx-6", tmp_path)
+    proxy = SandboxProxy("sbx-6", [_rule(port)], ca, lambda r, t: None, upstream=trust)
+    proxy.cgroup = OWN_CGROUP
+    proxy_port = await proxy.start()
+    held = [socket.create_connection(("127.0.0.1", proxy_port)) for _ in range(MAX_CONNECTIONS)]
+    try:
+        deadline = time.monotonic() + 5
+        while proxy.connections < MAX_CONNECTIONS and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        raw, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
+        raw.close()
+        assert answer == b""
+        held.pop().close()  # one fewer: a new one is served again
+        while proxy.connections >= MAX_CONNECTIONS and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        tls, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
+        tls.close()
+        assert answer.startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in held:
+            sock.close()
+        await proxy.close()
 
 
 @pytest.mark.unit

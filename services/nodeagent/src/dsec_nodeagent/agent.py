@@ -135,6 +135,7 @@ class NodeAgent:
     async def start(self) -> None:
         """Re-adopt sandboxes that survived a restart; clean up the ones that ended."""
         report = await self.manager.reconcile()
+        self.proxies.forget_all()  # a re-adopted sandbox's proxy is gone: it fails closed
         log.info("reconciled: adopted %s, cleaned %s", report.adopted, report.cleaned)
         self._retention = asyncio.create_task(self._retain_forever())
 

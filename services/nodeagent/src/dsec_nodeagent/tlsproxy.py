@@ -38,7 +38,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from dsec_core.spec.plan import EnforcementPlan, PlanEgressRule
 
 HEAD_LIMIT = 64 * 1024  # request line + headers
-BODY_LIMIT = 16 * 1024 * 1024  # a request body, and a response body (buffered)
+BODY_LIMIT = 8 * 1024 * 1024  # a request body, and a response body (buffered)
+MAX_CONNECTIONS = 16  # open connections to one sandbox's proxy; more are closed at once
+MAX_LEAVES = 256  # leaf certificates kept per sandbox (a wildcard rule admits many hosts)
 IDLE_TIMEOUT_S = 60.0
 UPSTREAM_TIMEOUT_S = 30.0
 
@@ -88,9 +90,10 @@ class CertAuthority:
 
     def server_context(self, host: str) -> ssl.SSLContext:
         """A TLS server context presenting a leaf for ``host`` (ALPN http/1.1 only)."""
-        ctx = self._contexts.get(host)
-        if ctx is None:
-            ctx = self._contexts[host] = self._leaf_context(host)
+        ctx = self._contexts.pop(host, None) or self._leaf_context(host)
+        self._contexts[host] = ctx  # the most recently used last
+        while len(self._contexts) > MAX_LEAVES:
+            del self._contexts[next(iter(self._contexts))]
         return ctx
 
     def _leaf_context(self, host: str) -> ssl.SSLContext:
@@ -247,6 +250,11 @@ class SandboxProxy:
         inode = tcp_inode(peer[:2], local[:2])
         return inode is not None and holds_socket(self.cgroup, inode)
 
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self._tasks)
+
     def rule_for(self, host: str, port: int) -> ProxyRule | None:
         """The first tls_proxy rule that grants ``host:port``."""
         return next((r for r in self.rules if r.rule.allows(host, port)), None)
@@ -256,6 +264,8 @@ class SandboxProxy:
         assert task is not None
         self._tasks.add(task)
         try:
+            if len(self._tasks) > MAX_CONNECTIONS:
+                return  # a bound on what one sandbox's connections may hold in the node agent
             if await asyncio.to_thread(self._from_sandbox, writer):
                 await self._tunnel(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, TimeoutError):
@@ -270,7 +280,7 @@ class SandboxProxy:
 
     async def _tunnel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            request = await _read_request(reader)
+            request = await asyncio.wait_for(_read_request(reader), IDLE_TIMEOUT_S)
         except BadRequest as exc:
             await _reply(writer, exc.status, exc.reason, close=True)
             return
@@ -641,6 +651,10 @@ class TlsProxies:
         if proxy is not None:
             await proxy.close()
         shutil.rmtree(self.workdir / sid, ignore_errors=True)
+
+    def forget_all(self) -> None:
+        """Remove what proxies of an earlier node agent left (none survives a restart)."""
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     async def close_all(self) -> None:
         """Stop every proxy (the node agent is going down)."""
