@@ -91,15 +91,19 @@ def _rule(port: int, rate: str | None = "10requests/min", internal: bool = True)
 
 
 def _tunnel(proxy_port: int, target: str, ca: CertAuthority) -> tuple[socket.socket, bytes]:
-    """CONNECT through the proxy; the TLS socket (or the raw one) and the proxy's answer."""
+    """CONNECT through the proxy; the TLS socket (or the raw one) and the proxy's answer (b""
+    when it closed the connection unanswered, whether with a FIN or, data unread, a reset)."""
     raw = socket.create_connection(("127.0.0.1", proxy_port), timeout=10)
-    raw.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
     answer = b""
-    while b"\r\n\r\n" not in answer:
-        chunk = raw.recv(4096)
-        if not chunk:
-            break
-        answer += chunk
+    try:
+        raw.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        while b"\r\n\r\n" not in answer:
+            chunk = raw.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        return raw, answer
     if not answer.startswith(b"HTTP/1.1 200"):
         return raw, answer
     ctx = ssl.create_default_context(cadata=ca.pem.decode())
