@@ -154,6 +154,23 @@ def test_duplicate_keys_are_errors_not_silently_overwritten() -> None:
             "connects",
         ),
         (
+            "security_policy: {network: {egress: [{cidr: 10.0.0.0/8, tls_proxy: true, "
+            "rate_limit: 10req/min}]}}",
+            "security_policy.network.egress[0].tls_proxy",
+            "domain: api.example.com",
+        ),
+        (
+            "security_policy: {network: {egress: [{domain: a.test, tls_proxy: true}]}}",
+            "security_policy.network.egress[0].rate_limit",
+            "100requests/min",
+        ),
+        (
+            "security_policy: {network: {egress: [{domain: a.test, tls_proxy: true, "
+            "rate_limit: 10connects/min}]}}",
+            "security_policy.network.egress[0].rate_limit",
+            "100requests/min",
+        ),
+        (
             "security_policy: {network: {egress: [{domain: a.test, protocol: icmp}]}}",
             "security_policy.network.egress[0].protocol",
             "udp",

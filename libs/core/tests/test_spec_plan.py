@@ -30,7 +30,7 @@ runtime_context:
 security_policy:
   network:
     egress:
-      - {domain: API.Example.TEST., ports: [443, 80, 443], rate_limit: 10req/s}
+      - {domain: API.Example.TEST., ports: [443, 80, 443], rate_limit: 10req/s, tls_proxy: true}
       - {domain: "*.cdn.test", protocols: [udp, tcp], rate_limit: 20connects/min}
       - {cidr: 10.1.0.0/16, ports: [6379], allow_internal_only: true, protocol: udp}
   filesystem:
@@ -63,6 +63,7 @@ def test_egress_rules_are_normalized(plan: EnforcementPlan) -> None:
     assert [r.protocols for r in plan.egress] == [("tcp",), ("tcp", "udp"), ("udp",)]
     assert exact.rate_limit.unit == "requests"
     assert wildcard.rate_limit is not None and wildcard.rate_limit.unit == "connects"
+    assert [r.tls_proxy for r in plan.egress] == [True, False, False]  # opt-in
 
 
 @pytest.mark.parametrize(

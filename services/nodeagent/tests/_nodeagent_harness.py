@@ -48,7 +48,7 @@ security_policy:
   dns_passthrough: false
   network:
     egress:
-      - {{domain: allowed.test, ports: [443]}}
+      - {egress}
   semantic:
     - {{on: open, match: {{path: "/tmp/secret*"}}, action: deny, message: "no secrets"}}
 """
@@ -142,11 +142,14 @@ class NodeAgentHarness:
         rec.events.append(Arrived(time.monotonic(), envelope))
         rec.changed.set()
 
-    async def submit(self, name: str, code: str) -> str:
-        """Publish what policy and builder would for a sandbox running ``python -c code``."""
+    async def submit(
+        self, name: str, code: str, egress: str = "{domain: allowed.test, ports: [443]}"
+    ) -> str:
+        """Publish what policy and builder would for a sandbox running ``python -c code``
+        (``egress``: its one egress rule, in YAML flow style)."""
         assert self._upstream is not None
         sid = f"{name}-{uuid.uuid4().hex[:8]}"
-        text = SPEC.format(name=name, code=json.dumps(code))
+        text = SPEC.format(name=name, code=json.dumps(code), egress=egress)
         spec = load_spec(text, "dsec.yaml")
         assert spec.spec is not None, spec.errors
         plan = compile_plan(spec.spec)

@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     node_id: str = Field(default="node-1", description="Name of this node")
     org_policy: Path | None = Field(default=None, description="Org guardrail policy file")
     dns_upstream: str | None = Field(default=None, description="Upstream DNS host:port")
+    tls_proxy_upstream_ca: Path | None = Field(
+        default=None,
+        description="CA bundle the node agent's HTTPS proxy verifies upstream hosts with "
+        "(unset: the system trust store)",
+    )
     dns_max_ttl_s: int = Field(
         default=300, ge=1, description="DNS answers open addresses at most this long"
     )

@@ -47,6 +47,7 @@ from dsec_nodeagent.sandbox.models import (
     AgentIdentity,
     ExitReason,
     Limits,
+    Mount,
     SandboxConfig,
     SandboxExited,
     SandboxReady,
@@ -56,6 +57,7 @@ from dsec_nodeagent.sandbox.notify import KernelRefusal
 from dsec_nodeagent.semantic.compile import rules_from_spec
 from dsec_nodeagent.semantic.models import SemanticDecision, SemanticRules
 from dsec_nodeagent.semantic.reports import MESSAGE_LIMIT, TARGET_LIMIT, Refused, check_report
+from dsec_nodeagent.tlsproxy import CA_BUNDLE_PATH, ProxyGrant, TlsProxies
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,9 @@ class NodeAgent:
         self._keepalive: dict[str, asyncio.Task[None]] = {}
         self._retention: asyncio.Task[None] | None = None
         self._rules: dict[str, SemanticRules] = {}
+        self.proxies = TlsProxies(
+            self.home / "tls-proxy", self._http_refused, settings.tls_proxy_upstream_ca
+        )
 
     def _injector(self) -> ContextInjector:
         s = self.settings
@@ -130,6 +135,7 @@ class NodeAgent:
     async def start(self) -> None:
         """Re-adopt sandboxes that survived a restart; clean up the ones that ended."""
         report = await self.manager.reconcile()
+        self.proxies.forget_all()  # a re-adopted sandbox's proxy is gone: it fails closed
         log.info("reconciled: adopted %s, cleaned %s", report.adopted, report.cleaned)
         self._retention = asyncio.create_task(self._retain_forever())
 
@@ -146,6 +152,7 @@ class NodeAgent:
             for task in self._keepalive.values():
                 task.cancel()
         await self.manager.shutdown(stop_sandboxes=stop)
+        await self.proxies.close_all()  # a re-adopted sandbox's proxy is gone: fails closed
 
     # --------------------------------------------------------------- retention
 
@@ -303,11 +310,15 @@ class NodeAgent:
             events.ContextInjected(**record.model_dump()) for record in ctx.records
         ]
         try:
+            config = self._config(sid, plan, submitted, event, code_dir, ctx)
+            grant = await self.proxies.open(sid, plan)
+            if grant is not None:
+                config = _through_proxy(config, grant)
             ready = await self.manager.launch(
-                self._config(sid, plan, submitted, event, code_dir, ctx),
-                before_start=self._attach(plan),
+                config, before_start=self._attach(grant.egress_plan if grant else plan)
             )
         except BaseException:
+            await self.proxies.close(sid)
             await self.injector.release(ctx)
             raise
         self._contexts[sid] = ctx
@@ -317,6 +328,7 @@ class NodeAgent:
 
     def _attach(self, plan: EnforcementPlan) -> Callable[[str, Path, int], Awaitable[None]]:
         async def attach(sid: str, cgroup_dir: Path, cgroup_id: int) -> None:
+            self.proxies.bind(sid, cgroup_dir)
             if self._before_start is not None:
                 await self._before_start(sid, cgroup_dir, cgroup_id, plan)
 
@@ -393,6 +405,7 @@ class NodeAgent:
                 await self.injector.release_metadata(result.metadata)
             if self._on_stopped is not None:
                 await self._on_stopped(sid)
+            await self.proxies.close(sid)
         except Exception:  # a failed release must not cost the terminal event
             log.exception("releasing the context of %s failed", sid)
         finally:
@@ -461,6 +474,21 @@ class NodeAgent:
         self.outlet.refusal(
             refusal.sandbox_id, Key("kernel", refusal.rule_id, "syscall"), refusal.syscall, event
         )
+
+    def _http_refused(self, sid: str, rule_id: str, target: str) -> None:
+        """A request the HTTPS proxy answered 429 (the rule's requests budget is spent)."""
+
+        def event() -> events.PolicyViolation:
+            return events.PolicyViolation(
+                layer="kernel",
+                rule_id=rule_id,
+                action="deny",
+                operation="http",
+                target=bound(target, TARGET_LIMIT),
+                message="the node agent's HTTPS proxy: the rule's requests rate limit is spent",
+            )
+
+        self.outlet.refusal(sid, Key("kernel", rule_id, "http"), target, event)
 
     async def _landlock_refused(self, refusal: LandlockRefusal) -> None:
         def event() -> events.PolicyViolation:
@@ -558,3 +586,15 @@ def agent_identity(plan: EnforcementPlan) -> AgentIdentity:
     """Who the sandbox of ``plan`` is on the communication plane: its name and task group,
     granted within the plan's tenant (two tenants' groups of one name never meet)."""
     return AgentIdentity(name=plan.name, task_group=plan.effective_task_group, tenant=plan.tenant)
+
+
+def _through_proxy(config: SandboxConfig, grant: ProxyGrant) -> SandboxConfig:
+    """``config`` with the proxy's environment and its trust bundle (read-only)."""
+    mount = Mount(source=grant.bundle, target=CA_BUNDLE_PATH, read_only=True)
+    return config.model_copy(
+        update={
+            "env": {**config.env, **grant.env},
+            "mounts": [*config.mounts, mount],
+            "read_allowed": [*config.read_allowed, CA_BUNDLE_PATH],
+        }
+    )

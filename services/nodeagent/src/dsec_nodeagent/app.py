@@ -83,6 +83,7 @@ def wire(
     service.handles("sandbox.stop_requested")(agent.on_stop_requested)
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
+    agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack
     service.on_start.extend([outlet.start, egress.start, comms.start, agent.start])
     service.on_stop.extend([agent.shutdown, comms.stop, egress.close, outlet.stop])
     return Wired(service, agent, outlet, egress)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 from pathlib import Path
@@ -71,6 +72,7 @@ class Egress:
         controller: EgressController | None = None,
     ) -> None:
         self.home = settings.home.resolve()
+        self._stack: set[tuple[str, int]] = set()
         self.controller = controller or EgressController(
             dns_upstream=settings.dns_upstream,
             dns_bounds=DnsBounds(
@@ -117,8 +119,17 @@ class Egress:
         # Added, not replaced: the pins are node-wide, and a second stack on the node (tests)
         # must not lift the first one's entries.
         count = await self.controller.set_stack_deny(entries, replace=False)
+        self._stack |= entries
         log.info("egress: %d stack endpoint address(es) denied to every sandbox", count)
         return count
+
+    def is_stack(self, address: str, port: int) -> bool:
+        """Whether ``address:port`` is in the stack's deny set (loopback folded as the kernel
+        does): the node agent's HTTPS proxy holds its upstream connects to it too."""
+        ip = ipaddress.ip_address(address)
+        if ip.is_loopback or ip.is_unspecified:
+            address = "127.0.0.1" if ip.version == 4 else "::1"
+        return (address, port) in self._stack
 
     async def close(self) -> None:
         """Stop reading verdicts; programs stay attached (fail-closed) — unless the stack is

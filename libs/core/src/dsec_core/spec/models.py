@@ -458,6 +458,12 @@ class EgressRule(SpecModel):
     protocols: tuple[Transport, ...] | None = Field(
         default=None, min_length=1, description="Transports this rule opens, e.g. [tcp, udp]"
     )
+    tls_proxy: bool = Field(
+        default=False,
+        description="Reach this domain only through the node agent's HTTPS proxy, which counts "
+        "every HTTP request against the rule's `requests` rate limit (any client, also "
+        "pipelined requests on one connection); needs a domain and a requests rate limit",
+    )
 
     @property
     def transports(self) -> tuple[Transport, ...]:
@@ -503,6 +509,24 @@ class EgressRule(SpecModel):
                 )
             )
         return errors
+
+    @model_validator(mode="after")
+    def _tls_proxy(self) -> EgressRule:
+        if not self.tls_proxy:
+            return self
+        if self.domain is None:
+            raise invalid(
+                "tls_proxy needs a domain rule: the proxy sees host names, not networks",
+                "domain: api.example.com, tls_proxy: true, rate_limit: 100requests/min",
+                loc=("tls_proxy",),
+            )
+        if self.rate_limit is None or self.rate_limit.unit != "requests":
+            raise invalid(
+                "tls_proxy counts requests: it needs a rate_limit in requests",
+                "rate_limit: 100requests/min (or 10req/s)",
+                loc=("rate_limit",),
+            )
+        return self
 
     @model_validator(mode="after")
     def _internal_network(self) -> EgressRule:

@@ -53,6 +53,9 @@ class PlanEgressRule(PlanModel):
     protocols: tuple[Literal["tcp", "udp"], ...] = Field(
         default=("tcp",), description="Transports the rule opens (UDP only when declared)"
     )
+    tls_proxy: bool = Field(
+        default=False, description="Reached only through the node agent's request-counting proxy"
+    )
 
     def allows(self, host: str, port: int) -> bool:
         """Whether this rule admits ``host:port`` (``host`` may be a name or an address)."""
@@ -271,6 +274,7 @@ def _egress(rule: SpecEgressRule) -> PlanEgressRule:
         rate_limit=rule.rate_limit,
         internal_only=rule.allow_internal_only,
         protocols=rule.transports,
+        tls_proxy=rule.tls_proxy,
     )
 
 

@@ -198,7 +198,11 @@ class EgressPlan(BaseModel):
             sandbox_id=sandbox_id,
             dns_passthrough=plan.dns_passthrough,
             log_allowed=log_allowed,
-            rules=tuple(_from_plan_rule(i, r) for i, r in enumerate(plan.egress)),
+            # A tls_proxy rule is reached through the node agent's proxy only: the agent
+            # replaces it by a grant of the proxy's port; left as is, it opens nothing.
+            rules=tuple(
+                _from_plan_rule(i, r) for i, r in enumerate(plan.egress) if not r.tls_proxy
+            ),
         )
 
 

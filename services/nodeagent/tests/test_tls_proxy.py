@@ -1,0 +1,408 @@
+"""The request-counting HTTPS proxy against a real local HTTPS server with its own CA.
+
+A client pipelines requests over one CONNECT tunnel and one TLS connection (what curl or a
+keep-alive pool does): the rule's ``requests`` budget holds per request, not per connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import shutil
+import socket
+import ssl
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+from dsec_core.spec.plan import PlanEgressRule
+from dsec_core.spec.units import Rate
+
+from dsec_nodeagent.tlsproxy import (
+    MAX_CONNECTIONS,
+    CertAuthority,
+    ProxyRule,
+    SandboxProxy,
+    TokenBucket,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the harness
+from _nodeagent_harness import NodeAgentHarness
+
+pytestmark = pytest.mark.integration
+
+HOST = "localhost"
+_UPSTREAM_CA: dict[int, bytes] = {}  # the test server's CA, by its port
+# This test process's cgroup: the proxy serves the sockets its processes hold.
+OWN_CGROUP = Path("/sys/fs/cgroup") / Path("/proc/self/cgroup").read_text().split("::")[-1].strip(
+    "/\n"
+)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body = f"hello {self.path}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def upstream(tmp_path: Path) -> Iterator[tuple[int, ssl.SSLContext]]:
+    """An HTTPS server on 127.0.0.1 for ``localhost``, and a client context trusting its CA."""
+    ca = CertAuthority("upstream", tmp_path)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    server.socket = ca.server_context(HOST).wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    trust = ssl.create_default_context(cadata=ca.pem.decode())
+    _UPSTREAM_CA[int(server.server_address[1])] = ca.pem
+    try:
+        yield int(server.server_address[1]), trust
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def _rule(port: int, rate: str | None = "10requests/min", internal: bool = True) -> ProxyRule:
+    plan = PlanEgressRule(
+        kind="domain",
+        domain=HOST,
+        ports=(port,),
+        internal_only=internal,
+        tls_proxy=True,
+        rate_limit=None if rate is None else Rate.model_validate(rate),
+    )
+    return ProxyRule("egress[0]", plan)
+
+
+def _tunnel(proxy_port: int, target: str, ca: CertAuthority) -> tuple[socket.socket, bytes]:
+    """CONNECT through the proxy; the TLS socket (or the raw one) and the proxy's answer (b""
+    when it closed the connection unanswered, whether with a FIN or, data unread, a reset)."""
+    raw = socket.create_connection(("127.0.0.1", proxy_port), timeout=10)
+    answer = b""
+    try:
+        raw.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        while b"\r\n\r\n" not in answer:
+            chunk = raw.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        return raw, answer
+    if not answer.startswith(b"HTTP/1.1 200"):
+        return raw, answer
+    ctx = ssl.create_default_context(cadata=ca.pem.decode())
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    return ctx.wrap_socket(raw, server_hostname=target.rpartition(":")[0]), answer
+
+
+def _pipeline(tls: socket.socket, count: int) -> list[tuple[int, str | None, bytes]]:
+    """Send ``count`` GETs in one write, then read the ``count`` responses in order."""
+    requests = b"".join(f"GET /{i} HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode() for i in range(count))
+    tls.sendall(requests)
+    reader = tls.makefile("rb")
+    return [_read_response(reader) for _ in range(count)]
+
+
+def _read_response(reader: BinaryIO) -> tuple[int, str | None, bytes]:
+    """One response with a Content-Length body (all the proxy sends): status, Retry-After, body."""
+    status = int(reader.readline().split(b" ")[1])
+    headers: dict[str, str] = {}
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body = reader.read(int(headers["content-length"]))
+    return status, headers.get("retry-after"), body
+
+
+async def test_pipelined_requests_over_one_connection_are_counted_one_by_one(
+    upstream: tuple[int, ssl.SSLContext], tmp_path: Path
+) -> None:
+    port, trust = upstream
+    ca = CertAuthority("sbx-1", tmp_path)
+    refused: list[tuple[str, str]] = []
+    proxy = SandboxProxy(
+        "sbx-1", [_rule(port)], ca, lambda r, t: refused.append((r, t)), upstream=trust
+    )
+    proxy.cgroup = OWN_CGROUP
+    proxy_port = await proxy.start()
+    try:
+        tls, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert isinstance(tls, ssl.SSLSocket)
+        assert tls.selected_alpn_protocol() == "http/1.1"  # h2 offered, downgraded
+        answers = await asyncio.to_thread(_pipeline, tls, 30)
+        tls.close()
+    finally:
+        await proxy.close()
+    statuses = [status for status, _, _ in answers]
+    assert statuses == [200] * 10 + [429] * 20
+    assert [body for _, _, body in answers[:10]] == [f"hello /{i}".encode() for i in range(10)]
+    # 10/min refills one token every 6 s: the client is told when to come back.
+    assert {retry for _, retry, _ in answers[10:]} <= {"1", "2", "3", "4", "5", "6"}
+    assert b"rate limit of egress[0]" in answers[10][2]
+    assert len(refused) == 20
+    assert refused[0] == ("egress[0]", f"GET https://{HOST}/10")
+
+
+async def test_a_host_no_rule_grants_gets_403_and_no_tunnel(
+    upstream: tuple[int, ssl.SSLContext], tmp_path: Path
+) -> None:
+    port, trust = upstream
+    ca = CertAuthority("sbx-2", tmp_path)
+    proxy = SandboxProxy("sbx-2", [_rule(port)], ca, lambda r, t: None, upstream=trust)
+    proxy.cgroup = OWN_CGROUP
+    proxy_port = await proxy.start()
+    try:
+        for target in ("example.com:443", f"{HOST}:{port + 1}", f"127.0.0.1:{port}"):
+            raw, answer = await asyncio.to_thread(_tunnel, proxy_port, target, ca)
+            raw.close()
+            assert answer.startswith(b"HTTP/1.1 403"), (target, answer)
+            assert b"no tls_proxy rule allows" in answer
+    finally:
+        await proxy.close()
+
+
+async def test_an_upstream_the_system_does_not_trust_is_a_502(
+    upstream: tuple[int, ssl.SSLContext], tmp_path: Path
+) -> None:
+    port, _ = upstream
+    ca = CertAuthority("sbx-3", tmp_path)
+    proxy = SandboxProxy("sbx-3", [_rule(port)], ca, lambda r, t: None)  # system trust only
+    proxy.cgroup = OWN_CGROUP
+    proxy_port = await proxy.start()
+    try:
+        tls, _ = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
+        answers = await asyncio.to_thread(_pipeline, tls, 1)
+        tls.close()
+    finally:
+        await proxy.close()
+    assert answers[0][0] == 502
+    assert b"CERTIFICATE_VERIFY_FAILED" in answers[0][2]
+
+
+async def test_upstreams_are_held_to_what_the_kernel_would_allow(
+    upstream: tuple[int, ssl.SSLContext], tmp_path: Path
+) -> None:
+    """A rule without allow_internal_only never reaches loopback through the proxy, and no rule
+    reaches the stack's own servers (the kernel's deny set)."""
+    port, trust = upstream
+    ca = CertAuthority("sbx-4", tmp_path)
+    public = SandboxProxy("sbx-4", [_rule(port, internal=False)], ca, lambda r, t: None)
+    stack = SandboxProxy("sbx-4", [_rule(port)], ca, lambda r, t: None, upstream=trust)
+    stack.forbidden = lambda address, p: p == port
+    answers = []
+    for proxy in (public, stack):
+        proxy.cgroup = OWN_CGROUP
+        proxy_port = await proxy.start()
+        try:
+            tls, _ = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
+            answers += await asyncio.to_thread(_pipeline, tls, 1)
+            tls.close()
+        finally:
+            await proxy.close()
+    assert [status for status, _, _ in answers] == [502, 502]
+    assert b"resolves to a loopback address" in answers[0][2]
+    assert b"is a server of the DSec stack" in answers[1][2]
+
+
+async def test_a_connection_from_outside_the_sandboxs_cgroup_gets_nothing(
+    upstream: tuple[int, ssl.SSLContext], tmp_path: Path
+) -> None:
+    """A neighbour whose rules reach the proxy's port: no answer, the connection closes."""
+    port, trust = upstream
+    ca = CertAuthority("sbx-5", tmp_path)
+    proxy = SandboxProxy("sbx-5", [_rule(port)], ca, lambda r, t: None, upstream=trust)
+    elsewhere = tmp_path / "other-cgroup"
+    elsewhere.mkdir()
+    (elsewhere / "cgroup.procs").write_text("1\n")  # init: not who connects
+    proxy.cgroup = elsewhere
+    proxy_port = await proxy.start()
+    try:
+        raw, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
+        raw.close()
+    finally:
+        await proxy.close()
+    assert answer == b""
+
+
+async def test_connections_past_the_bound_are_closed_unanswered(
+    upstream: tuple[int, ssl.SSLContext], tmp_path: Path
+) -> None:
+    port, trust = upstream
+    ca = CertAuthority("sbx-6", tmp_path)
+    proxy = SandboxProxy("sbx-6", [_rule(port)], ca, lambda r, t: None, upstream=trust)
+    proxy.cgroup = OWN_CGROUP
+    proxy_port = await proxy.start()
+    held = [socket.create_connection(("127.0.0.1", proxy_port)) for _ in range(MAX_CONNECTIONS)]
+    try:
+        deadline = time.monotonic() + 5
+        while proxy.connections < MAX_CONNECTIONS and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        raw, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
+        raw.close()
+        assert answer == b""
+        held.pop().close()  # one fewer: a new one is served again
+        while proxy.connections >= MAX_CONNECTIONS and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        tls, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
+        tls.close()
+        assert answer.startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in held:
+            sock.close()
+        await proxy.close()
+
+
+@pytest.mark.unit
+def test_token_bucket_refills_at_the_rate() -> None:
+    now = [0.0]
+    bucket = TokenBucket(2.0, 1.0 / 6.0, clock=lambda: now[0])
+    assert [bucket.take(), bucket.take()] == [0.0, 0.0]
+    assert bucket.take() == pytest.approx(6.0)
+    now[0] = 3.0
+    assert bucket.take() == pytest.approx(3.0)
+    now[0] = 6.0
+    assert bucket.take() == 0.0
+
+
+SANDBOX = """
+import errno, json, os, socket, ssl
+PORT = {port}
+proxy_host, proxy_port = os.environ["HTTPS_PROXY"].removeprefix("http://").rsplit(":", 1)
+raw = socket.create_connection((proxy_host, int(proxy_port)), timeout=20)
+raw.sendall(f"CONNECT localhost:{{PORT}} HTTP/1.1\\r\\nHost: localhost\\r\\n\\r\\n".encode())
+answer = b""
+while b"\\r\\n\\r\\n" not in answer:
+    answer += raw.recv(4096)
+tls = ssl.create_default_context().wrap_socket(raw, server_hostname="localhost")
+tls.sendall(b"".join(
+    f"GET /{{i}} HTTP/1.1\\r\\nHost: localhost\\r\\n\\r\\n".encode() for i in range(30)
+))
+reader = tls.makefile("rb")
+statuses = []
+for _ in range(30):
+    statuses.append(int(reader.readline().split()[1]))
+    length = 0
+    while (line := reader.readline()) != b"\\r\\n":
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    reader.read(length)
+import urllib.error, urllib.request
+later = []  # urllib honours HTTPS_PROXY and SSL_CERT_FILE: a new tunnel each, same budget
+for i in range(2):
+    try:
+        later.append(urllib.request.urlopen(f"https://localhost:{{PORT}}/u{{i}}").status)
+    except urllib.error.HTTPError as exc:
+        later.append(exc.code)
+direct = socket.socket()
+try:
+    direct.connect(("127.0.0.1", PORT))
+    bypass = "connected"
+except OSError as exc:
+    bypass = errno.errorcode.get(exc.errno, str(exc))
+print(json.dumps({{"connect": answer.split(b"\\r\\n")[0].decode(), "statuses": statuses,
+                  "later": later, "bypass": bypass}}), flush=True)
+"""
+
+
+@pytest.fixture
+def short_home() -> Iterator[Path]:
+    """A short home: the sandboxes' socket paths must fit in AF_UNIX's 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="dtp-", dir="/tmp"))
+    yield path / "home"
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.kernel
+async def test_a_sandbox_pipelining_through_the_proxy_gets_its_budget_and_no_bypass(
+    upstream: tuple[int, ssl.SSLContext], short_home: Path, nats_url: str, tmp_path: Path
+) -> None:
+    """30 requests pipelined on one connection from a real sandbox, rule 10requests/min: 10
+    answered, 20 refused (429) and reported; urllib's requests (a tunnel each) draw on the same
+    budget; connecting to the host directly is EPERM."""
+    port, _ = upstream
+    trusted = tmp_path / "upstream-ca.pem"
+    trusted.write_bytes(_UPSTREAM_CA[port])
+    egress = (
+        f"{{domain: localhost, ports: [{port}], rate_limit: 10requests/min, tls_proxy: true, "
+        "allow_internal_only: true}"
+    )
+    async with NodeAgentHarness(
+        short_home, nats_url, policy_summary_interval_s=1.0, tls_proxy_upstream_ca=trusted
+    ) as h:
+        sid = await h.submit("proxied", SANDBOX.format(port=port), egress=egress)
+        exited = await h.wait_for(sid, "sandbox.exited")
+        out, err = (p.read_text() for p in h.agent.manager.log_paths(sid))
+        assert exited.payload["reason"] == "ok", err[-3000:]
+        result = json.loads(out.splitlines()[-1])
+        assert result["connect"] == "HTTP/1.1 200 Connection established"
+        assert result["statuses"] == [200] * 10 + [429] * 20
+        assert result["later"] == [429, 429]
+        assert result["bypass"] == "EPERM"
+        rec = h.recorded[sid]
+        deadline = time.monotonic() + 10
+        while True:  # the first refusals as events, the rest counted in summaries
+            http = [v for v in rec.of("policy.violation") if v.payload["operation"] == "http"]
+            summed = [
+                s for s in rec.of("policy.violation_summary") if s.payload["operation"] == "http"
+            ]
+            total = len(http) + sum(s.payload["count"] for s in summed)
+            if total >= 22 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert total == 22, ([v.payload for v in http], [s.payload for s in summed])
+        assert http and http[0].payload["rule_id"] == "egress[0]"
+        assert http[0].payload["target"] == "GET https://localhost/10"
+        assert summed and summed[0].payload["rule_id"] == "egress[0]"
+        assert not (short_home / "tls-proxy" / sid).exists()  # its CA is gone with it
+
+
+NEIGHBOUR = """
+import json, socket
+s = socket.create_connection(("127.0.0.1", {proxy_port}), timeout=20)
+s.sendall(b"CONNECT localhost:{port} HTTP/1.1\\r\\nHost: localhost\\r\\n\\r\\n")
+print(json.dumps({{"answer": s.recv(4096).decode()}}), flush=True)
+"""
+
+
+@pytest.mark.kernel
+async def test_a_neighbour_reaching_the_proxys_port_gets_no_tunnel(
+    upstream: tuple[int, ssl.SSLContext], short_home: Path, nats_url: str
+) -> None:
+    """Another sandbox whose rules open the proxy's loopback port connects, and gets nothing."""
+    port, _ = upstream
+    owner_rule = (
+        f"{{domain: localhost, ports: [{port}], rate_limit: 10requests/min, tls_proxy: true, "
+        "allow_internal_only: true}"
+    )
+    async with NodeAgentHarness(short_home, nats_url) as h:
+        owner = await h.submit("owner", "import time; time.sleep(60)", egress=owner_rule)
+        await h.wait_for(owner, "sandbox.ready")
+        proxy_port = h.agent.proxies.port(owner)
+        assert proxy_port is not None
+        neighbour = await h.submit(
+            "neighbour",
+            NEIGHBOUR.format(proxy_port=proxy_port, port=port),
+            egress=f"{{cidr: 127.0.0.1/32, ports: [{proxy_port}], allow_internal_only: true}}",
+        )
+        exited = await h.wait_for(neighbour, "sandbox.exited")
+        out, err = (p.read_text() for p in h.agent.manager.log_paths(neighbour))
+        assert exited.payload["reason"] == "ok", err[-3000:]
+        assert json.loads(out.splitlines()[-1]) == {"answer": ""}  # closed, unanswered
+        await h.agent.manager.stop(owner, grace_s=0.5)
