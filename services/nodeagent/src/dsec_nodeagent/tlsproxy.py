@@ -344,6 +344,9 @@ class SandboxProxy:
                     status, reason, headers, body = await asyncio.to_thread(
                         _forward, upstream, request
                     )
+                except ValueError as exc:  # a header http.client will not send (CR/LF in it)
+                    await _reply(writer, 400, f"bad request header: {exc}"[:200], close=True)
+                    return
                 except (OSError, http.client.HTTPException) as exc:
                     upstream.close()
                     upstream = None
