@@ -160,6 +160,30 @@ async def test_pipelined_requests_over_one_connection_are_counted_one_by_one(
     assert refused[0] == ("egress[0]", f"GET https://{HOST}/10")
 
 
+async def test_a_header_the_proxy_will_not_forward_is_a_400(
+    upstream: tuple[int, ssl.SSLContext], tmp_path: Path
+) -> None:
+    port, trust = upstream
+    ca = CertAuthority("sbx-h", tmp_path)
+    proxy = SandboxProxy("sbx-h", [_rule(port)], ca, lambda r, t: None, upstream=trust)
+    proxy.cgroup = OWN_CGROUP
+    proxy_port = await proxy.start()
+    try:
+        tls, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+
+        def smuggle() -> tuple[int, str | None, bytes]:
+            # a bare LF inside a value: header splitting towards the upstream
+            tls.sendall(f"GET / HTTP/1.1\r\nHost: {HOST}\r\nX-A: a\nX-B: b\r\n\r\n".encode())
+            return _read_response(tls.makefile("rb"))
+
+        status, _, body = await asyncio.to_thread(smuggle)
+        tls.close()
+    finally:
+        await proxy.close()
+    assert status == 400, body
+
+
 async def test_a_host_no_rule_grants_gets_403_and_no_tunnel(
     upstream: tuple[int, ssl.SSLContext], tmp_path: Path
 ) -> None:

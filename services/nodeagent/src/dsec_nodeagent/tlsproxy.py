@@ -344,13 +344,13 @@ class SandboxProxy:
                     status, reason, headers, body = await asyncio.to_thread(
                         _forward, upstream, request
                     )
-                except ValueError as exc:  # a header http.client will not send (CR/LF in it)
-                    await _reply(writer, 400, f"bad request header: {exc}"[:200], close=True)
-                    return
-                except (OSError, http.client.HTTPException) as exc:
+                except (OSError, http.client.HTTPException) as exc:  # incl. certificate errors
                     upstream.close()
                     upstream = None
                     await _reply(writer, 502, f"upstream {host}: {exc}", close=True)
+                    return
+                except ValueError as exc:  # a header http.client will not send (CR/LF in it)
+                    await _reply(writer, 400, f"bad request header: {exc}"[:200], close=True)
                     return
                 writer.write(_response(status, reason, headers, body, request.close))
                 await writer.drain()
