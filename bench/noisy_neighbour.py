@@ -26,34 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services/nodeagent/tests"))
 from _common import emit, nats_server, percentile
-from _nodeagent_harness import NodeAgentHarness, rss_mb
-
-CONNECT_FLOOD = """
-import json, socket, time
-n = 0
-end = time.monotonic() + {seconds}
-while time.monotonic() < end:
-    s = socket.socket()
-    try:
-        s.connect(("10.77.0.1", 80))
-    except OSError:
-        n += 1
-    finally:
-        s.close()
-print(json.dumps({{"refused": n}}), flush=True)
-"""
-
-DNS_FLOOD = """
-import json, socket, time
-n = 0
-end = time.monotonic() + {seconds}
-while time.monotonic() < end:
-    try:
-        socket.getaddrinfo(f"h{{n}}.denied.test", 443, type=socket.SOCK_STREAM)
-    except OSError:
-        n += 1
-print(json.dumps({{"refused": n}}), flush=True)
-"""
+from _nodeagent_harness import CONNECT_FLOOD, DNS_FLOOD, NodeAgentHarness, rss_mb
 
 
 def _stats(values: list[float]) -> dict[str, float]:

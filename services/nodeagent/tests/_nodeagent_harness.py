@@ -77,6 +77,36 @@ class Recorded:
         return next((a.at for a in self.events if a.envelope.type == event_type), None)
 
 
+# Sandbox programs that flood refusals for ``{seconds}``, then print how many they got (used
+# by the flood tests and bench/noisy_neighbour.py).
+CONNECT_FLOOD = """
+import json, socket, time
+n = 0
+end = time.monotonic() + {seconds}
+while time.monotonic() < end:
+    s = socket.socket()
+    try:
+        s.connect(("10.77.0.1", 80))
+    except OSError:
+        n += 1
+    finally:
+        s.close()
+print(json.dumps({{"refused": n}}), flush=True)
+"""
+
+DNS_FLOOD = """
+import json, socket, time
+n = 0
+end = time.monotonic() + {seconds}
+while time.monotonic() < end:
+    try:
+        socket.getaddrinfo(f"h{{n}}.denied.test", 443, type=socket.SOCK_STREAM)
+    except OSError:
+        n += 1
+print(json.dumps({{"refused": n}}), flush=True)
+"""
+
+
 class NodeAgentHarness:
     """The node agent service, a publisher standing in for policy and builder, a recorder."""
 

@@ -21,38 +21,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the harness
-from _nodeagent_harness import NodeAgentHarness, rss_mb
+from _nodeagent_harness import CONNECT_FLOOD, DNS_FLOOD, NodeAgentHarness, rss_mb
 
 from dsec_nodeagent.ebpf import VerdictEvent
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
-
-CONNECT_FLOOD = """
-import json, socket, time
-n = 0
-end = time.monotonic() + {seconds}
-while time.monotonic() < end:
-    s = socket.socket()
-    try:
-        s.connect(("10.77.0.1", 80))
-    except OSError:
-        n += 1
-    finally:
-        s.close()
-print(json.dumps({{"refused": n}}), flush=True)
-"""
-
-DNS_FLOOD = """
-import json, socket, time
-n = 0
-end = time.monotonic() + {seconds}
-while time.monotonic() < end:
-    try:
-        socket.getaddrinfo(f"h{{n}}.denied.test", 443, type=socket.SOCK_STREAM)
-    except OSError:
-        n += 1
-print(json.dumps({{"refused": n}}), flush=True)
-"""
 
 SYSCALL_FLOOD = """
 import json, socket, time

@@ -7,6 +7,7 @@ keep-alive pool does): the rule's ``requests`` budget holds per request, not per
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import shutil
@@ -16,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -130,6 +131,17 @@ def _read_response(reader: BinaryIO) -> tuple[int, str | None, bytes]:
     return status, headers.get("retry-after"), body
 
 
+@contextlib.asynccontextmanager
+async def serving(proxy: SandboxProxy, cgroup: Path = OWN_CGROUP) -> AsyncIterator[int]:
+    """The proxy listening for processes of ``cgroup`` (by default this test's own); its port."""
+    proxy.cgroup = cgroup
+    port = await proxy.start()
+    try:
+        yield port
+    finally:
+        await proxy.close()
+
+
 async def test_pipelined_requests_over_one_connection_are_counted_one_by_one(
     upstream: tuple[int, ssl.SSLContext], tmp_path: Path
 ) -> None:
@@ -139,17 +151,13 @@ async def test_pipelined_requests_over_one_connection_are_counted_one_by_one(
     proxy = SandboxProxy(
         "sbx-1", [_rule(port)], ca, lambda r, t: refused.append((r, t)), upstream=trust
     )
-    proxy.cgroup = OWN_CGROUP
-    proxy_port = await proxy.start()
-    try:
+    async with serving(proxy) as proxy_port:
         tls, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
         assert answer.startswith(b"HTTP/1.1 200"), answer
         assert isinstance(tls, ssl.SSLSocket)
         assert tls.selected_alpn_protocol() == "http/1.1"  # h2 offered, downgraded
         answers = await asyncio.to_thread(_pipeline, tls, 30)
         tls.close()
-    finally:
-        await proxy.close()
     statuses = [status for status, _, _ in answers]
     assert statuses == [200] * 10 + [429] * 20
     assert [body for _, _, body in answers[:10]] == [f"hello /{i}".encode() for i in range(10)]
@@ -166,9 +174,7 @@ async def test_a_header_the_proxy_will_not_forward_is_a_400(
     port, trust = upstream
     ca = CertAuthority("sbx-h", tmp_path)
     proxy = SandboxProxy("sbx-h", [_rule(port)], ca, lambda r, t: None, upstream=trust)
-    proxy.cgroup = OWN_CGROUP
-    proxy_port = await proxy.start()
-    try:
+    async with serving(proxy) as proxy_port:
         tls, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
         assert answer.startswith(b"HTTP/1.1 200"), answer
 
@@ -179,8 +185,6 @@ async def test_a_header_the_proxy_will_not_forward_is_a_400(
 
         status, _, body = await asyncio.to_thread(smuggle)
         tls.close()
-    finally:
-        await proxy.close()
     assert status == 400, body
 
 
@@ -190,16 +194,12 @@ async def test_a_host_no_rule_grants_gets_403_and_no_tunnel(
     port, trust = upstream
     ca = CertAuthority("sbx-2", tmp_path)
     proxy = SandboxProxy("sbx-2", [_rule(port)], ca, lambda r, t: None, upstream=trust)
-    proxy.cgroup = OWN_CGROUP
-    proxy_port = await proxy.start()
-    try:
+    async with serving(proxy) as proxy_port:
         for target in ("example.com:443", f"{HOST}:{port + 1}", f"127.0.0.1:{port}"):
             raw, answer = await asyncio.to_thread(_tunnel, proxy_port, target, ca)
             raw.close()
             assert answer.startswith(b"HTTP/1.1 403"), (target, answer)
             assert b"no tls_proxy rule allows" in answer
-    finally:
-        await proxy.close()
 
 
 async def test_an_upstream_the_system_does_not_trust_is_a_502(
@@ -208,14 +208,10 @@ async def test_an_upstream_the_system_does_not_trust_is_a_502(
     port, _ = upstream
     ca = CertAuthority("sbx-3", tmp_path)
     proxy = SandboxProxy("sbx-3", [_rule(port)], ca, lambda r, t: None)  # system trust only
-    proxy.cgroup = OWN_CGROUP
-    proxy_port = await proxy.start()
-    try:
+    async with serving(proxy) as proxy_port:
         tls, _ = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
         answers = await asyncio.to_thread(_pipeline, tls, 1)
         tls.close()
-    finally:
-        await proxy.close()
     assert answers[0][0] == 502
     assert b"CERTIFICATE_VERIFY_FAILED" in answers[0][2]
 
@@ -232,14 +228,10 @@ async def test_upstreams_are_held_to_what_the_kernel_would_allow(
     stack.forbidden = lambda address, p: p == port
     answers = []
     for proxy in (public, stack):
-        proxy.cgroup = OWN_CGROUP
-        proxy_port = await proxy.start()
-        try:
+        async with serving(proxy) as proxy_port:
             tls, _ = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
             answers += await asyncio.to_thread(_pipeline, tls, 1)
             tls.close()
-        finally:
-            await proxy.close()
     assert [status for status, _, _ in answers] == [502, 502]
     assert b"resolves to a loopback address" in answers[0][2]
     assert b"is a server of the DSec stack" in answers[1][2]
@@ -255,13 +247,9 @@ async def test_a_connection_from_outside_the_sandboxs_cgroup_gets_nothing(
     elsewhere = tmp_path / "other-cgroup"
     elsewhere.mkdir()
     (elsewhere / "cgroup.procs").write_text("1\n")  # init: not who connects
-    proxy.cgroup = elsewhere
-    proxy_port = await proxy.start()
-    try:
+    async with serving(proxy, elsewhere) as proxy_port:
         raw, answer = await asyncio.to_thread(_tunnel, proxy_port, f"{HOST}:{port}", ca)
         raw.close()
-    finally:
-        await proxy.close()
     assert answer == b""
 
 

@@ -32,14 +32,11 @@ _TENANT = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def _bad_tenant(filename: str, tenant: str) -> SpecError:
-    return SpecError(
-        file=filename,
-        line=1,
-        column=1,
-        path="",
-        message=f"the submitter's tenant {tenant[:64]!r} is not a valid tenant name",
-        hint="a DNS label: lowercase letters, digits and '-', e.g. acme",
-        rule_id="tenant.invalid",
+    return SpecError.whole_file(
+        filename,
+        f"the submitter's tenant {tenant[:64]!r} is not a valid tenant name",
+        "tenant.invalid",
+        "a DNS label: lowercase letters, digits and '-', e.g. acme",
     )
 
 

@@ -21,26 +21,16 @@ from dsec_policy.guardrails import OrgPolicy
 
 
 def _bundle_error(filename: str, message: str) -> SpecError:
-    return SpecError(
-        file=filename,
-        line=1,
-        column=1,
-        path="code",
-        message=message,
-        rule_id="code-bundle",
-        hint="resubmit with `dsec submit --code DIR`",
-    )
+    hint = "resubmit with `dsec submit --code DIR`"
+    return SpecError.whole_file(filename, message, "code-bundle", hint, path="code")
 
 
 def _budget_error(filename: str, reason: str) -> SpecError:
-    return SpecError(
-        file=filename,
-        line=1,
-        column=1,
-        path="",
-        message=f"the policy service stopped validating this spec: {reason}",
-        rule_id="policy.budget",
-        hint="a spec is a few KiB of plain YAML; split huge code bundles or anchors",
+    return SpecError.whole_file(
+        filename,
+        f"the policy service stopped validating this spec: {reason}",
+        "policy.budget",
+        "a spec is a few KiB of plain YAML; split huge code bundles or anchors",
     )
 
 

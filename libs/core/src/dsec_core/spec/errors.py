@@ -33,6 +33,16 @@ class SpecError(BaseModel):
     severity: Severity = Severity.ERROR
     rule_id: str = Field(description="Stable id of the check, e.g. unknown-field, ORG-NET-001")
 
+    @classmethod
+    def whole_file(
+        cls, file: str, message: str, rule_id: str, hint: str | None = None, path: str = ""
+    ) -> SpecError:
+        """A diagnostic about the spec as a whole (its bundle, its submitter, its budget),
+        located at its first line."""
+        return cls(
+            file=file, line=1, column=1, path=path, message=message, hint=hint, rule_id=rule_id
+        )
+
     def format(self) -> str:
         """Render as ``FILE:LINE:COL: severity[rule]: path: message`` plus an indented hint."""
         where = f"{self.path}: " if self.path else ""
