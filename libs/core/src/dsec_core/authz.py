@@ -20,6 +20,9 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "sandbox.stop_requested": frozenset({"user"}),
     "snapshot.requested": frozenset({"user"}),
     "snapshot.restore_requested": frozenset({"user"}),
+    "snapshot.delete_requested": frozenset({"user"}),
+    # the operator runs the fleet
+    "node.cordon_requested": frozenset({"operator"}),
     # the pipeline
     "spec.validated": frozenset({"policy"}),
     "spec.rejected": frozenset({"policy"}),
@@ -27,15 +30,21 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "deps.conflict": frozenset({"builder"}),
     "env.built": frozenset({"builder"}),
     "sandbox.scheduled": frozenset({"scheduler"}),
+    "sandbox.pending": frozenset({"scheduler"}),
+    "unit.lost": frozenset({"scheduler"}),
+    "node.lost": frozenset({"scheduler"}),
+    "node.cordoned": frozenset({"scheduler"}),
     "unit.placed": frozenset({"scheduler"}),
     "unit.migrated": frozenset({"scheduler"}),
     # the node agent that runs the sandbox
     "context.injected": frozenset({"nodeagent"}),
     "sandbox.ready": frozenset({"nodeagent"}),
-    "sandbox.exited": frozenset({"nodeagent"}),
+    # (the scheduler ends a sandbox stopped while it waited in the queue)
+    "sandbox.exited": frozenset({"nodeagent", "scheduler"}),
     "policy.violation": frozenset({"nodeagent"}),
     "policy.violation_summary": frozenset({"nodeagent"}),
     "policy.reported": frozenset({"nodeagent"}),
+    "node.joined": frozenset({"nodeagent"}),
     "node.heartbeat": frozenset({"nodeagent"}),
     # snapshots
     "snapshot.taken": frozenset({"snapshot"}),
@@ -43,6 +52,7 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     # (restored in the CLI today; the many-nodes work moves it to the snapshot service)
     "snapshot.restored": frozenset({"snapshot", "user"}),
     "snapshot.failed": frozenset({"snapshot"}),
+    "snapshot.deleted": frozenset({"snapshot"}),
     # any service ends a request it cannot complete, and reports what it refused
     "sandbox.failed": _ANY_SERVICE,
     "security.event_rejected": _ANY_SERVICE,

@@ -131,29 +131,84 @@ class DepsConflict(Payload):
 
 
 class EnvBuilt(Payload):
-    """The environment for a lock exists on a node."""
+    """The environment of a lock exists as a content-addressed archive in the object store.
+
+    Built once for the whole cluster by the builder; each node stages (fetches, verifies and
+    unpacks) it into its own layout when a sandbox is scheduled there, so no two services and no
+    two nodes share a directory.
+    """
 
     TYPE = "env.built"
     AGGREGATE = "sandbox"
+    VERSION = "1.1"
 
     lock_hash: str
     fingerprint: str = Field(description="Stable hash of sorted name/version/sha256")
-    location: str
-    node_id: str
-    reused: bool
+    object_key: str | None = Field(
+        default=None, description="S3 key of the environment archive (tar + zstd)"
+    )
+    digest: str | None = Field(default=None, description="BLAKE3 of the archive bytes, hex")
+    size_bytes: int | None = Field(default=None, description="Archive size in bytes")
+    unpacked_bytes: int = Field(default=0, description="Size of the unpacked environment")
+    location: str | None = Field(
+        default=None, description="Deprecated (1.0): the directory on the building node"
+    )
+    node_id: str | None = Field(default=None, description="Deprecated (1.0): the building node")
+    reused: bool = Field(description="The archive already existed: nothing was built")
     timings_ms: dict[str, float] = Field(default_factory=dict)
     bytes_by_tier: dict[str, int] = Field(default_factory=dict)
     integrity_failures: list[str] = Field(default_factory=list)
 
 
+class Resources(BaseModel):
+    """What a sandbox needs from a node (from the compiled plan's ``resources``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cpus: float = Field(default=1.0, description="CPU cores (cgroup cpu.max quota)")
+    memory_bytes: int = Field(default=512 * 1024 * 1024)
+    gpus: int = Field(default=0, description="Whole GPUs")
+    gpu_memory_bytes: int = Field(default=0, description="GPU memory per GPU, 0 = any")
+
+
+class SandboxPending(Payload):
+    """No node can take the sandbox now; it waits in the scheduler's queue (not a failure)."""
+
+    TYPE = "sandbox.pending"
+    AGGREGATE = "sandbox"
+
+    reason: str = Field(description="Why no node fits, per node in one line")
+    resources: Resources = Field(default_factory=Resources)
+    attempt: int = Field(default=1, description="Placement attempt (2+ after a node was lost)")
+
+
 class SandboxScheduled(Payload):
-    """A node was chosen for the sandbox."""
+    """A node was chosen for the sandbox; from now on only that node acts on it."""
 
     TYPE = "sandbox.scheduled"
     AGGREGATE = "sandbox"
+    VERSION = "1.1"
 
     node_id: str
     reason: str = ""
+    attempt: int = Field(default=1, description="Placement attempt (2+ after a node was lost)")
+    previous_node: str | None = Field(default=None, description="The node it was lost on")
+    resources: Resources = Field(default_factory=Resources)
+    env_built_id: str | None = Field(
+        default=None, description="Id of the env.built event whose environment the node stages"
+    )
+
+
+class UnitLost(Payload):
+    """The node running this sandbox was lost; the scheduler reschedules or fails it."""
+
+    TYPE = "unit.lost"
+    AGGREGATE = "sandbox"
+
+    node_id: str
+    reason: str
+    action: Literal["reschedule", "fail"]
+    attempt: int = Field(description="The placement attempt that was lost")
 
 
 class ContextInjected(Payload):
@@ -359,6 +414,30 @@ class SnapshotFailed(Payload):
     reason: str
 
 
+class SnapshotDeleteRequested(Payload):
+    """A user asked to delete snapshots (``dsec snapshot rm``) or to collect garbage (``gc``)."""
+
+    TYPE = "snapshot.delete_requested"
+    AGGREGATE = "snapshot"
+
+    names: list[str] = Field(default_factory=list, description="Snapshots to delete")
+    gc: bool = Field(default=False, description="Also remove chunks no snapshot refers to")
+    requested_by: str = ""
+
+
+class SnapshotDeleted(Payload):
+    """The snapshot service deleted snapshots (and/or unreferenced chunks)."""
+
+    TYPE = "snapshot.deleted"
+    AGGREGATE = "snapshot"
+    TERMINAL = True
+
+    names: list[str] = Field(default_factory=list)
+    missing: list[str] = Field(default_factory=list, description="Names that did not exist")
+    chunks_removed: int = 0
+    bytes_freed: int = 0
+
+
 class UnitPlaced(Payload):
     """A compute unit of a job was placed on a GPU."""
 
@@ -384,16 +463,124 @@ class UnitMigrated(Payload):
     interruption_ms: float
 
 
+class GpuLink(BaseModel):
+    """One NVLink of a GPU."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    link: int
+    active: bool
+    remote_pci: str | None = Field(default=None, description="PCI bus id at the other end")
+
+
+class GpuInfo(BaseModel):
+    """One GPU as NVML reports it (or as a declared inventory describes it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    index: int
+    uuid: str
+    model: str
+    pci_bus_id: str = ""
+    memory_total_bytes: int
+    memory_used_bytes: int = 0
+    temperature_c: float | None = None
+    utilization_pct: float | None = None
+    ecc_corrected: int | None = None
+    ecc_uncorrected: int | None = None
+    xid_errors: int | None = Field(default=None, description="XID events seen since start")
+    mig_enabled: bool = False
+    nvlinks: list[GpuLink] = Field(default_factory=list)
+    topology: dict[str, str] = Field(
+        default_factory=dict,
+        description="Peer GPU uuid -> common ancestor (NVLINK, SINGLE, MULTIPLE, HOSTBRIDGE, "
+        "NODE, SYSTEM), from nvmlDeviceGetTopologyCommonAncestor",
+    )
+
+
+class NodeInventory(BaseModel):
+    """What a node has and what is in use."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cpus: float = Field(description="CPU cores sandboxes may use")
+    memory_bytes: int = Field(description="Memory sandboxes may use")
+    cpus_allocated: float = 0.0
+    memory_allocated_bytes: int = 0
+    memory_available_bytes: int = Field(default=0, description="MemAvailable of the host")
+    load1: float = 0.0
+    disk_free_bytes: int = 0
+    max_sandboxes: int = Field(default=64, description="Sandboxes this node accepts at most")
+    gpus: list[GpuInfo] = Field(default_factory=list)
+    gpu_probe: str = Field(
+        default="none", description="'nvml', 'declared', or why there are none ('no NVML: ...')"
+    )
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class NodeJoined(Payload):
+    """A node agent started and offers its node (sent once per process start)."""
+
+    TYPE = "node.joined"
+    AGGREGATE = "node"
+
+    node_id: str
+    hostname: str
+    version: str
+    inventory: NodeInventory
+    heartbeat_s: float = Field(description="How often it heartbeats")
+
+
 class NodeHeartbeat(Payload):
-    """A node agent is alive; its capacity."""
+    """A node agent is alive: its inventory, health and sandboxes."""
 
     TYPE = "node.heartbeat"
     AGGREGATE = "node"
+    VERSION = "2.0"
 
-    sandboxes: int
-    cpu_count: int
-    memory_bytes: int
-    gpus: list[dict[str, Any]] = Field(default_factory=list)
+    node_id: str
+    seq: int = Field(description="Heartbeat number since the node agent started")
+    inventory: NodeInventory
+    sandboxes: list[str] = Field(default_factory=list, description="Sandboxes running here")
+    problems: list[str] = Field(default_factory=list, description="Why it is unhealthy, if so")
+    heartbeat_s: float = 5.0
+
+
+class NodeLost(Payload):
+    """A node missed its heartbeats; what ran there is reported ``unit.lost``."""
+
+    TYPE = "node.lost"
+    AGGREGATE = "node"
+
+    node_id: str
+    last_seen: datetime | None = None
+    silent_s: float
+    sandboxes: list[str] = Field(default_factory=list)
+
+
+class NodeCordonRequested(Payload):
+    """An operator asked to cordon (stop placing), uncordon or drain a node."""
+
+    TYPE = "node.cordon_requested"
+    AGGREGATE = "node"
+
+    node_id: str
+    action: Literal["cordon", "uncordon", "drain"]
+    reason: str = ""
+    requested_by: str = ""
+
+
+class NodeCordoned(Payload):
+    """The scheduler's answer: the node's placement state now."""
+
+    TYPE = "node.cordoned"
+    AGGREGATE = "node"
+
+    node_id: str
+    cordoned: bool
+    draining: bool = False
+    reason: str = ""
+    moved: list[str] = Field(default_factory=list, description="Sandboxes drained away")
 
 
 class EventRejected(Payload):
@@ -457,7 +644,9 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     DepsResolved,
     DepsConflict,
     EnvBuilt,
+    SandboxPending,
     SandboxScheduled,
+    UnitLost,
     ContextInjected,
     SandboxReady,
     SandboxExited,
@@ -468,12 +657,18 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     SnapshotRestored,
     UnitPlaced,
     UnitMigrated,
+    NodeJoined,
     NodeHeartbeat,
+    NodeLost,
+    NodeCordonRequested,
+    NodeCordoned,
     KeyRegistered,
     KeyRevoked,
     SnapshotRequested,
     SnapshotRestoreRequested,
     SnapshotFailed,
+    SnapshotDeleteRequested,
+    SnapshotDeleted,
 )
 
 EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}
@@ -488,7 +683,9 @@ SANDBOX_STATES: dict[str, str] = {
     "deps.resolved": "resolved",
     "deps.conflict": "conflict",
     "env.built": "built",
+    "sandbox.pending": "pending",
     "sandbox.scheduled": "scheduled",
+    "unit.lost": "lost",
     "sandbox.ready": "running",
     "sandbox.exited": "exited",
     "sandbox.failed": "failed",

@@ -227,7 +227,7 @@ class NodeAgent:
         expected = self.home / "envs" / event.lock_hash / "site-packages"
         if event.node_id != self.settings.node_id:
             raise StartRefused(f"environment built on {event.node_id}, not on this node")
-        if not event.lock_hash.isalnum() or Path(event.location) != expected:
+        if not event.lock_hash.isalnum() or Path(event.location or "") != expected:
             raise StartRefused(f"environment location {event.location!r} is not {expected}")
 
     def _code_path(self, sandbox_id: str) -> Path:
@@ -355,7 +355,7 @@ class NodeAgent:
             sandbox_id=sid,
             argv=list(plan.entrypoint),
             runtime=Path(sys.executable),
-            env_dir=Path(event.location),
+            env_dir=Path(event.location or ""),
             code_dir=code_dir,
             workdir=plan.workdir,
             env={e.name: e.value for e in plan.env},

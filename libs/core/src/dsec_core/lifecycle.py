@@ -1,0 +1,199 @@
+"""One lifecycle: the pure fold of a sandbox's events into its state.
+
+Every reader of a sandbox's history uses this fold: the projector (``dsec sandbox list``), the
+node agent's idempotency checks, the scheduler, the snapshot service and ``dsec submit``. It
+knows which event may follow which; an event that would be an illegal transition (a second
+``sandbox.ready``, ``sandbox.ready`` after ``sandbox.exited``, ...) is *refused*: the state is
+left as it was and the refusal is recorded, so a duplicate or a forged-but-signed event out of
+order never moves a sandbox backwards.
+
+States::
+
+    submitted ─► validated ─► resolved ─► built ─► pending ◄─┐
+        │            │            │          │        │        │ (no node fits)
+        ▼            ▼            ▼          └──► scheduled ◄──┤
+     rejected     conflict     failed              │   ▲       │
+                                                   ▼   │ unit.lost (reschedule)
+                                                 running ─► lost ──► failed (unit.lost fail)
+                                                   │
+                                                   ▼
+                                            exited | failed
+
+``sandbox.failed`` ends any non-terminal state; ``sandbox.exited`` ends ``running`` (and a
+``pending`` or ``scheduled`` sandbox stopped before it ran). Events that do not move the state
+(``context.injected``, ``policy.*``, ``snapshot.*``, ``sandbox.stop_requested``) are accepted in
+any state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+State = Literal[
+    "unknown",
+    "submitted",
+    "validated",
+    "rejected",
+    "resolved",
+    "conflict",
+    "built",
+    "pending",
+    "scheduled",
+    "running",
+    "lost",
+    "exited",
+    "failed",
+]
+
+TERMINAL_STATES: frozenset[State] = frozenset({"rejected", "conflict", "exited", "failed"})
+
+# event type -> (the states it may follow, the state it leads to)
+_MOVES: dict[str, tuple[frozenset[State], State]] = {
+    "spec.submitted": (frozenset({"unknown"}), "submitted"),
+    "spec.validated": (frozenset({"submitted"}), "validated"),
+    "spec.rejected": (frozenset({"submitted"}), "rejected"),
+    "deps.resolved": (frozenset({"validated"}), "resolved"),
+    "deps.conflict": (frozenset({"validated"}), "conflict"),
+    "env.built": (frozenset({"resolved"}), "built"),
+    "sandbox.pending": (frozenset({"built", "pending", "lost"}), "pending"),
+    "sandbox.scheduled": (frozenset({"built", "pending", "lost"}), "scheduled"),
+    "sandbox.ready": (frozenset({"scheduled"}), "running"),
+    "unit.lost": (frozenset({"scheduled", "running"}), "lost"),
+    "sandbox.exited": (frozenset({"pending", "scheduled", "running"}), "exited"),
+}
+_ANY_LIVE: frozenset[State] = frozenset(
+    {
+        "unknown",
+        "submitted",
+        "validated",
+        "resolved",
+        "built",
+        "pending",
+        "scheduled",
+        "running",
+        "lost",
+    }
+)
+LIFECYCLE_TYPES: frozenset[str] = frozenset({*_MOVES, "sandbox.failed"})
+"""Event types that move a sandbox's state (all others are facts about it)."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An event the fold did not apply: it cannot follow the state the sandbox was in."""
+
+    event_type: str
+    event_id: str | None
+    state: State
+
+    def describe(self) -> str:
+        """One line for logs and ``dsec sandbox show``."""
+        return f"{self.event_type} cannot follow state {self.state!r}"
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """A sandbox's state after the events folded so far."""
+
+    state: State = "unknown"
+    node_id: str | None = None
+    """The node it is scheduled on / runs on (the latest ``sandbox.scheduled``)."""
+    attempt: int = 0
+    """Placement attempt of that node (``sandbox.scheduled.attempt``)."""
+    tenant: str | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    """Why it waits (``pending``), was lost, failed, exited or was rejected."""
+    last_event_id: str | None = None
+    refused: tuple[Refused, ...] = field(default_factory=tuple)
+
+    @property
+    def terminal(self) -> bool:
+        """Whether nothing will happen to it any more."""
+        return self.state in TERMINAL_STATES
+
+    @property
+    def started(self) -> bool:
+        """Whether it reached ``running`` at some point or ended (the node agent must not
+        start it again)."""
+        return self.state in {"running", "exited", "failed", "lost"}
+
+    def owned_by(self, node_id: str) -> bool:
+        """Whether ``node_id`` is the node that acts on this sandbox now."""
+        return self.node_id == node_id and self.state in {"scheduled", "running"}
+
+
+def _reason(event_type: str, payload: Mapping[str, Any]) -> str | None:
+    if event_type == "spec.rejected":
+        errors = payload.get("errors") or []
+        first = errors[0] if errors and isinstance(errors[0], dict) else {}
+        return str(first.get("message", "rejected"))
+    if event_type == "deps.conflict":
+        return str(payload.get("explanation", "")).split("\n", 1)[0] or "conflict"
+    if event_type in {"sandbox.pending", "unit.lost", "sandbox.failed", "sandbox.exited"}:
+        value = payload.get("reason")
+        return None if value is None else str(value)
+    return None
+
+
+def step(
+    current: Lifecycle,
+    event_type: str,
+    payload: Mapping[str, Any],
+    *,
+    event_id: str | None = None,
+    tenant: str | None = None,
+) -> Lifecycle:
+    """The state after one more event (pure). An illegal transition is refused, recorded, and
+    leaves the state as it was."""
+    if event_type == "sandbox.failed":
+        allowed: frozenset[State] = _ANY_LIVE
+        target: State = "failed"
+    elif event_type == "unit.lost" and payload.get("action") == "fail":
+        allowed, target = _MOVES["unit.lost"][0], "failed"
+    elif event_type in _MOVES:
+        allowed, target = _MOVES[event_type]
+    else:
+        return current  # a fact about the sandbox, not a move
+    if current.state not in allowed:
+        refused = Refused(event_type, event_id, current.state)
+        return replace(current, refused=(*current.refused, refused))
+    changes: dict[str, Any] = {"state": target, "last_event_id": event_id}
+    if event_type == "spec.submitted":
+        changes["tenant"] = tenant
+    if event_type == "sandbox.scheduled":
+        changes["node_id"] = payload.get("node_id")
+        changes["attempt"] = int(payload.get("attempt", 1))
+        changes["reason"] = None
+    if event_type == "sandbox.exited":
+        changes["exit_code"] = payload.get("exit_code")
+    reason = _reason(event_type, payload)
+    if reason is not None:
+        changes["reason"] = reason
+    return replace(current, **changes)
+
+
+def fold(events: Iterable[tuple[str, Mapping[str, Any]]]) -> Lifecycle:
+    """The state after ``(event_type, payload)`` pairs in log order."""
+    state = Lifecycle()
+    for event_type, payload in events:
+        state = step(state, event_type, payload)
+    return state
+
+
+def fold_envelopes(envelopes: Iterable[Any]) -> Lifecycle:
+    """The state after envelopes (anything with ``type``, ``payload``, ``id``, ``tenant``) in
+    log order; only pass authentic ones (:meth:`dsec_core.trust.Gate.check`)."""
+    state = Lifecycle()
+    for env in envelopes:
+        state = step(
+            state, env.type, env.payload, event_id=env.id, tenant=getattr(env, "tenant", None)
+        )
+    return state
+
+
+STATE_OF: dict[str, State] = {event: target for event, (_, target) in _MOVES.items()}
+STATE_OF["sandbox.failed"] = "failed"
+"""The state each lifecycle event leads to (for display where no history is at hand)."""

@@ -1,0 +1,82 @@
+"""The one lifecycle fold: legal transitions move the state, illegal ones are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dsec_core.layout import LayoutError, NodeLayout
+from dsec_core.lifecycle import fold, step
+
+HAPPY = [
+    ("spec.submitted", {}),
+    ("spec.validated", {}),
+    ("deps.resolved", {}),
+    ("env.built", {}),
+    ("sandbox.scheduled", {"node_id": "node-2", "attempt": 1}),
+    ("context.injected", {"kind": "secret"}),
+    ("sandbox.ready", {"node_id": "node-2"}),
+    ("sandbox.exited", {"exit_code": 0, "reason": "ok"}),
+]
+
+
+def test_happy_path_ends_exited_on_its_node() -> None:
+    state = fold(HAPPY)
+    assert state.state == "exited"
+    assert state.node_id == "node-2"
+    assert state.exit_code == 0
+    assert state.terminal
+    assert state.refused == ()
+
+
+def test_ready_twice_or_after_exit_is_refused_and_changes_nothing() -> None:
+    state = fold([*HAPPY[:7], ("sandbox.ready", {"node_id": "node-3"})])
+    assert state.state == "running"
+    assert [r.describe() for r in state.refused] == ["sandbox.ready cannot follow state 'running'"]
+    after = step(fold(HAPPY), "sandbox.ready", {})
+    assert after.state == "exited"
+    assert len(after.refused) == 1
+
+
+def test_lost_then_rescheduled_moves_ownership() -> None:
+    state = fold(
+        [
+            *HAPPY[:7],
+            ("unit.lost", {"node_id": "node-2", "action": "reschedule", "reason": "node lost"}),
+        ]
+    )
+    assert state.state == "lost"
+    assert not state.owned_by("node-2")
+    state = step(state, "sandbox.scheduled", {"node_id": "node-3", "attempt": 2})
+    assert state.owned_by("node-3") and not state.owned_by("node-2")
+    assert state.attempt == 2
+
+
+def test_lost_with_fail_is_terminal_with_the_reason() -> None:
+    state = fold([*HAPPY[:7], ("unit.lost", {"action": "fail", "reason": "no node left"})])
+    assert state.state == "failed"
+    assert state.reason == "no node left"
+
+
+def test_pending_then_scheduled_and_failure_from_any_live_state() -> None:
+    state = fold([*HAPPY[:4], ("sandbox.pending", {"reason": "no node has 64 GiB"})])
+    assert (state.state, state.reason) == ("pending", "no node has 64 GiB")
+    assert fold([*HAPPY[:2], ("sandbox.failed", {"reason": "x"})]).state == "failed"
+    assert fold([*HAPPY, ("sandbox.failed", {"reason": "x"})]).refused
+
+
+def test_out_of_order_pipeline_events_are_refused() -> None:
+    state = fold([("spec.submitted", {}), ("env.built", {}), ("sandbox.ready", {})])
+    assert state.state == "submitted"
+    assert len(state.refused) == 2
+
+
+def test_layout_names_one_component_only(tmp_path: Path) -> None:
+    layout = NodeLayout.of(tmp_path)
+    assert layout.sandbox("sbx_1").code == tmp_path.resolve() / "sandboxes" / "sbx_1" / "code"
+    assert layout.env_site_packages("ab12cd34ef").name == "site-packages"
+    for bad in ("../etc", "a/b", "", "x" * 200):
+        with pytest.raises(LayoutError):
+            layout.sandbox(bad)
+    with pytest.raises(LayoutError, match="lock hash"):
+        layout.env("../../x")
