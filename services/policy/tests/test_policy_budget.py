@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from dsec_rules.domain import ValidationOutcome, validate
 
 from dsec_policy.budget import Budget, BudgetExceeded, run_budgeted
-from dsec_policy.domain import ValidationOutcome, validate
 
 pytestmark = pytest.mark.unit
 

@@ -1,13 +1,23 @@
 """The policy service: validates sandbox specs, compiles enforcement plans, infers policy from code.
 
-The decision is pure (:func:`validate`); ``handlers`` wire it to ``spec.submitted``.
+The decision is pure and lives in the ``dsec_rules`` library (shared with ``dsec spec check`` and
+``dsec policy infer``); ``handlers`` wire it to ``spec.submitted``.
 """
 
-from dsec_policy.domain import ValidationOutcome, infer, validate
-from dsec_policy.guardrails import OrgPolicy, check_guardrails, default_org_policy, parse_org_policy
-from dsec_policy.infer.catalogue import Catalogue, ToolSemantics, load_catalogue
-from dsec_policy.infer.needs import InferredNeeds
-from dsec_policy.infer.render import render_policy_yaml
+from dsec_rules import (
+    Catalogue,
+    InferredNeeds,
+    OrgPolicy,
+    ToolSemantics,
+    ValidationOutcome,
+    check_guardrails,
+    default_org_policy,
+    infer,
+    load_catalogue,
+    parse_org_policy,
+    render_policy_yaml,
+    validate,
+)
 
 __all__ = [
     "Catalogue",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dsec_core.service import Service
 from dsec_core.settings import Settings
+from dsec_rules.adapters.org_policy_file import load_org_policy
 
-from dsec_policy.adapters.org_policy_file import load_org_policy
 from dsec_policy.handlers import PolicyHandlers
 
 

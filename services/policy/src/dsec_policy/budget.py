@@ -22,7 +22,7 @@ from typing import Any
 DEFAULT_TIMEOUT_S = 20.0
 DEFAULT_MEMORY_BYTES = 1024 * 1024 * 1024
 
-_PRELOAD = ["dsec_policy.domain", "dsec_policy.budget"]
+_PRELOAD = ["dsec_rules.domain", "dsec_policy.budget"]
 
 
 class BudgetExceeded(Exception):

@@ -12,12 +12,12 @@ from dsec_core.events import Payload, SpecRejected, SpecSubmitted, SpecValidated
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.settings import Settings
 from dsec_core.spec import SpecError
+from dsec_rules.adapters.code_files import CodeDirError, read_bundle_sources
+from dsec_rules.adapters.stack_facts import stack_facts
+from dsec_rules.domain import ValidationOutcome, validate
+from dsec_rules.guardrails import OrgPolicy
 
-from dsec_policy.adapters.code_files import CodeDirError, read_bundle_sources
-from dsec_policy.adapters.stack_facts import stack_facts
 from dsec_policy.budget import Budget, BudgetExceeded, run_budgeted
-from dsec_policy.domain import ValidationOutcome, validate
-from dsec_policy.guardrails import OrgPolicy
 
 
 def _bundle_error(filename: str, message: str) -> SpecError:

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from dsec_policy.adapters.code_files import CodeDirError, read_python_sources
-from dsec_policy.domain import infer as infer_needs
-from dsec_policy.infer.catalogue import load_catalogue
-from dsec_policy.infer.render import render_policy_yaml
+from dsec_rules.adapters.code_files import CodeDirError, read_python_sources
+from dsec_rules.domain import infer as infer_needs
+from dsec_rules.infer.catalogue import load_catalogue
+from dsec_rules.infer.render import render_policy_yaml
 
 from dsec_cli.common import EXIT_BAD_INPUT, fail
 

@@ -13,11 +13,11 @@ import typer
 from dsec_core.settings import Settings
 from dsec_core.spec import SpecError
 from dsec_core.spec.source import MAX_DOCUMENT_BYTES
-from dsec_policy.adapters.code_files import CodeDirError, read_python_sources
-from dsec_policy.adapters.org_policy_file import OrgPolicyError, load_org_policy
-from dsec_policy.adapters.stack_facts import stack_facts
-from dsec_policy.domain import ValidationOutcome, validate
-from dsec_policy.guardrails import OrgPolicy
+from dsec_rules.adapters.code_files import CodeDirError, read_python_sources
+from dsec_rules.adapters.org_policy_file import OrgPolicyError, load_org_policy
+from dsec_rules.adapters.stack_facts import stack_facts
+from dsec_rules.domain import ValidationOutcome, validate
+from dsec_rules.guardrails import OrgPolicy
 
 from dsec_cli.common import EXIT_BAD_INPUT, fail
 

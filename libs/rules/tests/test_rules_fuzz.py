@@ -10,7 +10,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsec_policy.domain import validate
+from dsec_rules.domain import validate
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@
 
 Nothing is imported or executed. Values are followed only as far as literals go: string
 constants, f-strings and ``+`` of known constants. A call whose destination is not literal is
-recorded as :class:`~dsec_policy.infer.findings.Unresolved`, so the comparison can say what it
+recorded as :class:`~dsec_rules.infer.findings.Unresolved`, so the comparison can say what it
 could not check.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TypedDict
 from urllib.parse import urlsplit
 
-from dsec_policy.infer.findings import (
+from dsec_rules.infer.findings import (
     CodeFindings,
     EnvRead,
     FileAccess,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from dsec_core.spec import Severity
 
-from dsec_policy.domain import ValidationOutcome, validate
-from dsec_policy.guardrails import default_org_policy, parse_org_policy
+from dsec_rules.domain import ValidationOutcome, validate
+from dsec_rules.guardrails import default_org_policy, parse_org_policy
 
 pytestmark = pytest.mark.unit
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsec_policy.domain import ValidationOutcome, validate
-from dsec_policy.guardrails import StackFacts, parse_org_policy
+from dsec_rules.domain import ValidationOutcome, validate
+from dsec_rules.guardrails import StackFacts, parse_org_policy
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ import json
 import re
 from collections import defaultdict
 
-from dsec_policy.infer.needs import EgressNeed, EnvNeed, InferredNeeds, implicitly_readable
+from dsec_rules.infer.needs import EgressNeed, EnvNeed, InferredNeeds, implicitly_readable
 
 VAULT_PLACEHOLDER = "vault://secret/CHANGE-ME/{slug}"
 """Source proposed for a secret: a syntactically valid path the user must replace."""

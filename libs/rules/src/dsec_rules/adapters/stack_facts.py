@@ -5,7 +5,7 @@ from __future__ import annotations
 from dsec_core.settings import Settings
 from dsec_core.stackinfo import stack_dirs, stack_endpoints
 
-from dsec_policy.guardrails import StackFacts
+from dsec_rules.guardrails import StackFacts
 
 
 def stack_facts(settings: Settings) -> StackFacts:

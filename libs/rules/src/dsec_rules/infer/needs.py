@@ -10,8 +10,8 @@ from collections.abc import Iterable
 from dsec_core.spec import Rate
 from pydantic import BaseModel, ConfigDict, Field
 
-from dsec_policy.infer.catalogue import Catalogue, ToolSemantics
-from dsec_policy.infer.findings import CodeFindings, Finding, ParseFailure, Unresolved
+from dsec_rules.infer.catalogue import Catalogue, ToolSemantics
+from dsec_rules.infer.findings import CodeFindings, Finding, ParseFailure, Unresolved
 
 SECRET_NAME = re.compile(
     r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|AUTH|APPID|_SID$|DATABASE_URL)",

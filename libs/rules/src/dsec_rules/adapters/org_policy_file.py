@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsec_policy.guardrails import OrgPolicy, default_org_policy, parse_org_policy
+from dsec_rules.guardrails import OrgPolicy, default_org_policy, parse_org_policy
 
 
 class OrgPolicyError(ValueError):

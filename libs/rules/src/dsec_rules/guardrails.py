@@ -17,7 +17,7 @@ Kinds: ``no-egress-anywhere``, ``forbid-domains``, ``forbid-write``, ``max-secre
 ``require-timeout``, ``require-rate-limit``, ``allowed-vault-mounts``, ``allowed-bases``,
 ``no-dns-passthrough``, ``forbid-host-paths``. ``severities`` raises or lowers any diagnostic by
 rule id (e.g. ``infer.path-missing: error``); ``tenants`` maps a tenant to the Vault, S3 and
-config map prefixes its specs may use (see :mod:`dsec_policy.scope`).
+config map prefixes its specs may use (see :mod:`dsec_rules.scope`).
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def parse_org_policy(text: str | bytes, filename: str) -> DocumentResult[OrgPoli
 def default_org_policy() -> OrgPolicy:
     """The packaged baseline guardrails (used when no org policy file is configured)."""
     name = "guardrails.default.yaml"
-    text = resources.files("dsec_policy").joinpath(name).read_text("utf-8")
+    text = resources.files("dsec_rules").joinpath(name).read_text("utf-8")
     result = parse_org_policy(text, name)
     if result.value is None:
         raise ValueError("\n".join(e.format() for e in result.errors))

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from dsec_core.spec import load_spec
 
-from dsec_policy.domain import infer
-from dsec_policy.infer.analyzer import analyze_files, analyze_source
-from dsec_policy.infer.catalogue import load_catalogue
-from dsec_policy.infer.needs import InferredNeeds
-from dsec_policy.infer.render import render_policy_yaml
+from dsec_rules.domain import infer
+from dsec_rules.infer.analyzer import analyze_files, analyze_source
+from dsec_rules.infer.catalogue import load_catalogue
+from dsec_rules.infer.needs import InferredNeeds
+from dsec_rules.infer.render import render_policy_yaml
 
 pytestmark = pytest.mark.unit
 

@@ -19,7 +19,7 @@ from dsec_core.spec import EnforcementPlan, SandboxSpec, SourceMap, SpecError
 from dsec_core.spec.source import FieldPath
 from dsec_core.stackinfo import is_local
 
-from dsec_policy.guardrails import StackFacts, TenantScope
+from dsec_rules.guardrails import StackFacts, TenantScope
 
 _ENV: FieldPath = ("runtime_context", "env_vars")
 _MOUNTS: FieldPath = ("runtime_context", "mounts")

@@ -1,5 +1,5 @@
 # mypy: ignore-errors
-# Test fixture: analysed statically by dsec_policy.infer, never imported or run.
+# Test fixture: analysed statically by dsec_rules.infer, never imported or run.
 """LlamaIndex idioms (test fixture)."""
 
 import socket

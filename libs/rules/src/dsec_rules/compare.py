@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from dsec_core.spec import EnforcementPlan, SandboxSpec, Severity, SourceMap, SpecError
 from dsec_core.spec.source import FieldPath
 
-from dsec_policy.infer.needs import EgressNeed, EnvNeed, InferredNeeds, implicitly_readable
-from dsec_policy.infer.render import VAULT_PLACEHOLDER, scalar
+from dsec_rules.infer.needs import EgressNeed, EnvNeed, InferredNeeds, implicitly_readable
+from dsec_rules.infer.render import VAULT_PLACEHOLDER, scalar
 
 _EGRESS: FieldPath = ("security_policy", "network", "egress")
 _FS: FieldPath = ("security_policy", "filesystem")

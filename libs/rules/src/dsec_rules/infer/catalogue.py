@@ -85,7 +85,7 @@ def load_catalogue() -> Catalogue:
     Raises:
         ValueError: the packaged file is invalid (a packaging bug; the message locates it).
     """
-    text = resources.files("dsec_policy.infer").joinpath("catalogue.yaml").read_text("utf-8")
+    text = resources.files("dsec_rules.infer").joinpath("catalogue.yaml").read_text("utf-8")
     result = load_document(text, "catalogue.yaml", Catalogue)
     if result.value is None:
         raise ValueError("\n".join(e.format() for e in result.errors))

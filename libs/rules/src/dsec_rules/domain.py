@@ -20,12 +20,12 @@ from dsec_core.spec import (
 from dsec_core.spec.errors import sort_key
 from pydantic import BaseModel, ConfigDict
 
-from dsec_policy.compare import compare
-from dsec_policy.guardrails import OrgPolicy, StackFacts, check_guardrails, default_org_policy
-from dsec_policy.infer.analyzer import analyze_files
-from dsec_policy.infer.catalogue import Catalogue, load_catalogue
-from dsec_policy.infer.needs import InferredNeeds, infer_needs
-from dsec_policy.scope import check_scope
+from dsec_rules.compare import compare
+from dsec_rules.guardrails import OrgPolicy, StackFacts, check_guardrails, default_org_policy
+from dsec_rules.infer.analyzer import analyze_files
+from dsec_rules.infer.catalogue import Catalogue, load_catalogue
+from dsec_rules.infer.needs import InferredNeeds, infer_needs
+from dsec_rules.scope import check_scope
 
 _FIXED = ("tenant.", "system.")
 _TENANT = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 from dsec_core.codebundle import build_bundle
 
-from dsec_policy.adapters.code_files import (
+from dsec_rules.adapters.code_files import (
     CodeDirError,
     read_bundle_sources,
     read_python_sources,
 )
-from dsec_policy.adapters.org_policy_file import OrgPolicyError, load_org_policy
-from dsec_policy.guardrails import default_org_policy
+from dsec_rules.adapters.org_policy_file import OrgPolicyError, load_org_policy
+from dsec_rules.guardrails import default_org_policy
 
 pytestmark = pytest.mark.unit
 

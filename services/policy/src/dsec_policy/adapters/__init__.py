@@ -1,1 +1,0 @@
-"""I/O at the edges of the policy service (files on disk)."""
