@@ -1,76 +1,62 @@
-"""``dsec env ls`` / ``dsec env gc`` as a user runs them, on a node's environment store."""
+"""``dsec env ls`` as a user runs it: the environment archives in a real object store."""
 
 from __future__ import annotations
 
+import io
 import json
+import time
+import uuid
 from pathlib import Path
 
 import pytest
-from dsec_builder.adapters.store import EnvironmentStore
-from dsec_cli.main import app
-from typer.testing import CliRunner
+from dsec_testing.helpers import run_dsec_inproc
+from dsec_testing.stack import S3Info
 
-pytestmark = pytest.mark.unit
-
-
-def _dsec(home: Path, *args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(app, list(args), env={"DSEC_HOME": str(home)})
-    return result.exit_code, result.output
+pytestmark = pytest.mark.integration
 
 
-def _environment(store: EnvironmentStore, lock_hash: str, packages: int) -> Path:
-    staging = store.new_staging(lock_hash)
-    (staging / "site-packages").mkdir()
-    (staging / "site-packages" / "mod.py").write_text("VALUE = 1\n")
-    manifest = {
-        "lock_hash": lock_hash,
-        "fingerprint": "f" * 64,
-        "packages": [{"name": f"p{i}"} for i in range(packages)],
-    }
-    return store.commit(staging, lock_hash, manifest)
+def _put(s3: S3Info, bucket: str, key: str, data: bytes) -> None:
+    s3.client().put_object(bucket, key, io.BytesIO(data), len(data))
 
 
 @pytest.fixture
-def home(tmp_path: Path) -> Path:
-    """A node with environments ``aaaa…`` (used first) and ``bbbb…`` (used last)."""
-    store = EnvironmentStore(tmp_path / "envs")
-    _environment(store, "a" * 64, packages=1)
-    _environment(store, "b" * 64, packages=2)
-    store.touch("b" * 64)
-    return tmp_path
+def bucket(s3: S3Info) -> str:
+    """A system bucket of this test's own, holding two archives and two objects that are not."""
+    name = f"envls-{uuid.uuid4().hex[:12]}"
+    s3.client().make_bucket(name)
+    _put(s3, name, f"envs/{'a' * 64}.tar.zst", b"a" * 100)
+    time.sleep(1.1)  # S3 times have a second's resolution: "b" is stored after "a"
+    _put(s3, name, f"envs/{'b' * 64}.tar.zst", b"b" * 300)
+    _put(s3, name, f"envs/{'c' * 64}.tar.zst.part", b"partial upload")
+    _put(s3, name, "bundles/x.tar.zst", b"a code bundle")
+    return name
 
 
-def test_env_ls_lists_environments_most_recently_used_first(home: Path) -> None:
-    code, out = _dsec(home, "env", "ls", "--json")
+def test_env_ls_lists_the_archives_in_the_object_store(
+    tmp_path: Path, stack_env: dict[str, str], bucket: str
+) -> None:
+    env = {**stack_env, "DSEC_S3_BUCKET": bucket}
 
-    assert code == 0
-    listed = json.loads(out)["environments"]
-    assert [(e["lock_hash"][:4], e["packages"]) for e in listed] == [("bbbb", 2), ("aaaa", 1)]
-    assert listed[0]["path"] == str(home / "envs" / ("b" * 64) / "site-packages")
-    assert listed[0]["size_bytes"] > 0
-    code, out = _dsec(home, "env", "ls")
-    assert code == 0 and "bbbbbbbbbbbbbbbb" in out and "aaaaaaaaaaaaaaaa" in out
+    result = run_dsec_inproc("env", "ls", "--json", home=tmp_path, env=env)
 
-
-def test_env_gc_keeps_the_most_recently_used(home: Path) -> None:
-    code, out = _dsec(home, "env", "gc", "--keep", "1", "--dry-run", "--json")
-    assert code == 0
-    assert [e["lock_hash"] for e in json.loads(out)["removed"]] == ["a" * 64]
-    assert (home / "envs" / ("a" * 64)).is_dir()  # a dry run removes nothing
-
-    code, out = _dsec(home, "env", "gc", "--keep", "1")
-
-    assert code == 0 and "removed aaaaaaaaaaaaaaaa" in out
-    assert not (home / "envs" / ("a" * 64)).exists()
-    code, out = _dsec(home, "env", "ls", "--json")
-    assert [e["lock_hash"] for e in json.loads(out)["environments"]] == ["b" * 64]
+    assert result.exit_code == 0, result.output
+    listed = json.loads(result.stdout)["environments"]
+    assert [(e["lock_hash"], e["size_bytes"]) for e in listed] == [("b" * 64, 300), ("a" * 64, 100)]
+    assert listed[0]["object_key"] == f"envs/{'b' * 64}.tar.zst"
+    assert listed[0]["stored_at"] > listed[1]["stored_at"]
+    human = run_dsec_inproc("env", "ls", home=tmp_path, env=env)
+    assert human.exit_code == 0 and "bbbbbbbbbbbbbbbb" in human.stdout and "300" in human.stdout
 
 
-def test_env_gc_rejects_a_negative_keep(home: Path) -> None:
-    code, out = _dsec(home, "env", "gc", "--keep", "-1")
-    assert code == 2 and "--keep" in out
+def test_env_ls_with_no_archives(tmp_path: Path, stack_env: dict[str, str], s3: S3Info) -> None:
+    env = {**stack_env, "DSEC_S3_BUCKET": f"nothing-{uuid.uuid4().hex[:12]}"}  # not even a bucket
+    result = run_dsec_inproc("env", "ls", "--json", home=tmp_path, env=env)
+    assert (result.exit_code, result.stdout) == (0, '{"environments":[]}\n')
+    result = run_dsec_inproc("env", "ls", home=tmp_path, env=env)
+    assert result.stdout == "no environment archives in the object store\n"
 
 
-def test_env_ls_on_an_empty_node(tmp_path: Path) -> None:
-    assert _dsec(tmp_path, "env", "ls", "--json") == (0, '{"environments":[]}\n')
-    assert _dsec(tmp_path, "env", "ls") == (0, "no environments on this node\n")
+def test_env_gc_is_gone(tmp_path: Path) -> None:
+    """The builder and the node agents own their caches; the CLI changes nothing behind them."""
+    result = run_dsec_inproc("env", "gc", home=tmp_path)
+    assert result.exit_code == 2 and "No such command 'gc'" in result.output

@@ -45,6 +45,9 @@ CONFIGMAP_BUCKET = "dsec-configmaps"
 HANDLED_BUCKET = "dsec-handled"
 """Event ids each consumer handled (replay protection, :mod:`dsec_core.trust`)."""
 _API = "$JS.API"
+RPC_REQUESTS = "dsec_rpc.node.*.*"
+"""Remote logs/exec requests to node agents (:mod:`dsec_core.remote`), outside the stream."""
+NODEAGENT = "nodeagent"
 
 
 def durable_name(service: str, event_type: str) -> str:
@@ -116,8 +119,9 @@ TABLE: Mapping[str, Role] = {
             "node.heartbeat",
         ),
         consumes=("env.built", "sandbox.stop_requested"),
-        extra_publish=("dsec_ipc.>",),
-        extra_subscribe=("dsec_ipc.>",),
+        # remote logs/exec: answers go to the requester's inbox (encrypted, signed)
+        extra_publish=("dsec_ipc.>", "_INBOX.>"),
+        extra_subscribe=("dsec_ipc.>", RPC_REQUESTS),
         kv_read=(CONFIGMAP_BUCKET,),
         allow_responses=True,
     ),
@@ -132,6 +136,7 @@ TABLE: Mapping[str, Role] = {
             "snapshot.restored",
             "audit.key_registered",
         ),
+        extra_publish=(RPC_REQUESTS,),  # `dsec sandbox logs|exec` requests (signed)
     ),
 }
 """Every non-operator role. Edit here; the embedded config and the deploy file follow."""
@@ -219,21 +224,26 @@ def publish_deny(role: str) -> list[str]:
     return deny
 
 
-def subscribe_allow(role: str) -> list[str]:
-    """Subjects ``role`` may subscribe to: replies (``_INBOX.>``) and its extra subjects."""
+def subscribe_allow(role: str, node: str | None = None) -> list[str]:
+    """Subjects ``role`` may subscribe to: replies (``_INBOX.>``) and its extra subjects; a
+    node agent identity of one ``node`` gets that node's remote requests only."""
     if role == OPERATOR:
         return [">"]
+    extra = list(_role(role).extra_subscribe)
+    if node is not None and RPC_REQUESTS in extra:
+        extra[extra.index(RPC_REQUESTS)] = f"dsec_rpc.node.{node}.*"
     # Revocations are followed live by every consumer (core NATS, no consumer to manage).
-    return ["_INBOX.>", filter_for(KEY_REVOKED), *_role(role).extra_subscribe]
+    return ["_INBOX.>", filter_for(KEY_REVOKED), *extra]
 
 
-def permissions(role: str) -> dict[str, Any]:
-    """nats-server ``permissions`` of ``role``."""
+def permissions(role: str, node: str | None = None) -> dict[str, Any]:
+    """nats-server ``permissions`` of ``role`` (``node``: a node agent of that node only)."""
     publish: dict[str, Any] = {"allow": publish_allow(role)}
     deny = publish_deny(role)
     if deny:
         publish["deny"] = deny
-    perms: dict[str, Any] = {"publish": publish, "subscribe": {"allow": subscribe_allow(role)}}
+    subscribe = {"allow": subscribe_allow(role, node)}
+    perms: dict[str, Any] = {"publish": publish, "subscribe": subscribe}
     if role != OPERATOR and _role(role).allow_responses:
         perms["allow_responses"] = True
     return perms
@@ -247,8 +257,17 @@ def _role(role: str) -> Role:
 
 
 def role_of_identity(identity: str) -> str:
-    """The role of an identity name: ``user-<tenant>`` is ``user``, others are themselves."""
+    """The role of an identity name: ``user-<tenant>`` is ``user``, ``nodeagent-<node>`` is
+    ``nodeagent``, others are themselves."""
+    if identity.startswith(f"{NODEAGENT}-"):
+        return NODEAGENT
     return USER if identity.startswith(f"{USER}-") else identity
+
+
+def node_of_identity(identity: str) -> str | None:
+    """The node of a node agent identity ``nodeagent-<node>``; None for any other."""
+    prefix = f"{NODEAGENT}-"
+    return identity[len(prefix) :] if identity.startswith(prefix) else None
 
 
 @dataclass(frozen=True)
@@ -270,7 +289,7 @@ class Identity:
         if self.user is not None:
             out["user"] = self.user
             out["password"] = self.password_hash or ""
-        out["permissions"] = permissions(role_of_identity(self.name))
+        out["permissions"] = permissions(role_of_identity(self.name), node_of_identity(self.name))
         return out
 
 

@@ -15,6 +15,7 @@ from dsec_nodeagent.ebpf.controller import EgressController
 from dsec_nodeagent.egress import Egress
 from dsec_nodeagent.outlet import EventOutlet
 from dsec_nodeagent.refusals import RefusalGate
+from dsec_nodeagent.remote_access import RemoteAccess
 
 
 def outlet_for(settings: Settings, service: Service) -> EventOutlet:
@@ -86,4 +87,5 @@ def wire(
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack
     service.on_start.extend([outlet.start, egress.start, comms.start, agent.start])
     service.on_stop.extend([agent.shutdown, comms.stop, egress.close, outlet.stop])
+    RemoteAccess(service, agent.manager).attach()  # `dsec sandbox logs|exec` over the bus
     return Wired(service, agent, outlet, egress)

@@ -1,57 +1,86 @@
-"""``dsec env ls`` / ``dsec env gc``: the environments built on this node.
+"""``dsec env ls``: the environment archives in the object store.
 
-Environments live in ``$DSEC_HOME/envs/<lock hash>/``, immutable and shared by every sandbox
-whose spec resolves to the same lock.
+The builder builds an environment once per lock hash for the whole cluster and stores it as
+``envs/<lock_hash>.tar.zst`` in the system bucket (``dsec_core.objectstore.env_archive_key``);
+each node agent unpacks the archives it needs into its own cache. The CLI only reads the
+store: the builder and the node agents own their caches, so there is no ``dsec env gc``.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING, Annotated
+from datetime import datetime
+from typing import Annotated, Any
 
 import typer
 from dsec_core.settings import Settings
 from rich.table import Table
 
-from dsec_cli.common import EXIT_BAD_INPUT, console, fail, print_json
+from dsec_cli.common import EXIT_UNREACHABLE, console, fail, print_json, s3_client, safe_text
 from dsec_cli.render import human_size
 
-if TYPE_CHECKING:
-    from dsec_builder.adapters.store import EnvironmentStore
-    from dsec_builder.models import EnvironmentInfo
+ENV_ARCHIVES = "envs/"
+"""Key prefix of the environment archives (the scheme of ``objectstore.env_archive_key``)."""
+ARCHIVE_SUFFIX = ".tar.zst"
 
 env_app = typer.Typer(
-    help="Environments on this node, content-addressed by lock hash.", no_args_is_help=True
+    help="Environments, content-addressed by lock hash, as the object store holds them.",
+    no_args_is_help=True,
 )
 
 
-def _store() -> EnvironmentStore:
-    # Imported here: the builder pulls in its HTTP and S3 clients, which other commands skip.
-    from dsec_builder.adapters.store import EnvironmentStore
+def archive_row(key: str, size: int, modified: datetime | None) -> dict[str, Any] | None:
+    """One listed archive, or None for a key under ``envs/`` that is no archive (a part
+    upload, a stray object)."""
+    name = key.removeprefix(ENV_ARCHIVES)
+    if not name.endswith(ARCHIVE_SUFFIX) or "/" in name:
+        return None
+    lock_hash = name.removesuffix(ARCHIVE_SUFFIX)
+    if not lock_hash:
+        return None
+    return {
+        "lock_hash": lock_hash,
+        "object_key": key,
+        "size_bytes": size,
+        "stored_at": modified.isoformat() if modified is not None else None,
+    }
 
-    return EnvironmentStore(Settings().home.resolve() / "envs")
+
+def list_archives(settings: Settings) -> list[dict[str, Any]]:
+    """Every archive in the system bucket, most recently stored first (exit 3 when the store
+    cannot be reached)."""
+    from minio.error import S3Error
+    from urllib3.exceptions import HTTPError
+
+    store = s3_client(settings)
+    rows: list[dict[str, Any]] = []
+    try:
+        for obj in store.list_objects(settings.s3_bucket, prefix=ENV_ARCHIVES, recursive=True):
+            row = archive_row(str(obj.object_name), int(obj.size or 0), obj.last_modified)
+            if row is not None:
+                rows.append(row)
+    except S3Error as exc:
+        if exc.code != "NoSuchBucket":
+            fail(f"cannot list s3://{settings.s3_bucket}/{ENV_ARCHIVES}: {exc.code}", 1)
+    except (HTTPError, OSError) as exc:
+        fail(
+            f"cannot reach the object store ({type(exc).__name__}); is the stack up? "
+            "(`dsec status`)",
+            EXIT_UNREACHABLE,
+        )
+    rows.sort(key=lambda r: (r["stored_at"] or "", r["lock_hash"]), reverse=True)
+    return rows
 
 
-def _age(timestamp: float) -> str:
-    seconds = max(0.0, time.time() - timestamp)
-    for unit, width in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= width:
-            return f"{seconds / width:.0f}{unit} ago"
-    return f"{seconds:.0f}s ago"
-
-
-def _table(infos: list[EnvironmentInfo]) -> Table:
+def _table(rows: list[dict[str, Any]]) -> Table:
     table = Table(box=None, pad_edge=False)
-    for column in ("LOCK HASH", "PACKAGES", "SIZE", "LAST USED", "FINGERPRINT", "PATH"):
-        table.add_column(column, no_wrap=column != "PATH", overflow="fold")
-    for info in infos:
+    for column in ("LOCK HASH", "SIZE", "STORED", "OBJECT"):
+        table.add_column(column, no_wrap=column != "OBJECT", overflow="fold")
+    for row in rows:
         table.add_row(
-            info.lock_hash[:16],
-            str(info.packages),
-            human_size(info.size_bytes),
-            _age(info.last_used_at),
-            info.fingerprint[:16],
-            str(info.path),
+            safe_text(row["lock_hash"][:16]),
+            human_size(row["size_bytes"]),
+            (row["stored_at"] or "")[:19].replace("T", " "),
+            safe_text(row["object_key"]),
         )
     return table
 
@@ -60,52 +89,15 @@ def _table(infos: list[EnvironmentInfo]) -> Table:
 def ls(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
-    """List environments, most recently used first."""
-    infos = _store().environments()
+    """List the environment archives of the cluster, most recently stored first."""
+    rows = list_archives(Settings())
     if as_json:
-        print_json({"environments": [info.model_dump(mode="json") for info in infos]})
+        print_json({"environments": rows})
         return
-    if not infos:
-        console.print("no environments on this node")
+    if not rows:
+        console.print("no environment archives in the object store")
         return
-    console.print(_table(infos))
-
-
-@env_app.command("gc")
-def gc(
-    keep: Annotated[
-        int, typer.Option(help="Environments to keep (the most recently used)", min=0)
-    ] = 10,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only show what would go")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
-) -> None:
-    """Remove all but the --keep most recently used environments, and crashed builds.
-
-    An environment being built at that moment is left alone.
-    """
-    try:
-        removed = _store().gc(keep, dry_run=dry_run)
-    except ValueError as exc:
-        fail(str(exc), EXIT_BAD_INPUT)
-    freed = sum(info.size_bytes for info in removed)
-    if as_json:
-        print_json(
-            {
-                "dry_run": dry_run,
-                "removed": [info.model_dump(mode="json") for info in removed],
-                "freed_bytes": freed,
-            }
-        )
-        return
-    verb = "would remove" if dry_run else "removed"
-    for info in removed:
-        console.print(
-            f"{verb} {info.lock_hash[:16]} ({human_size(info.size_bytes)})", highlight=False
-        )
-    console.print(
-        f"{verb} {len(removed)} environment(s), {human_size(freed)}; kept up to {keep}",
-        highlight=False,
-    )
+    console.print(_table(rows))
 
 
 def register(app: typer.Typer) -> None:

@@ -27,7 +27,6 @@ from dsec_cli.common import (
     pg_connect,
     print_json,
     run,
-    safe_lines,
     safe_text,
     submitter,
 )
@@ -166,12 +165,6 @@ def register(app: typer.Typer) -> None:
     app.add_typer(sandbox_app, name="sandbox")
 
 
-def _manager() -> Any:
-    from dsec_nodeagent.sandbox.manager import SandboxManager
-
-    return SandboxManager(Settings().home)
-
-
 @sandbox_app.command("logs")
 def logs(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox id (sbx_...)")],
@@ -180,31 +173,23 @@ def logs(
     ] = False,
     stderr: Annotated[bool, typer.Option("--stderr", help="Show stderr instead of stdout")] = False,
 ) -> None:
-    """Print a sandbox's output (kept after it exits). Runs on the sandbox's node.
+    """Print a sandbox's output (kept after it exits), from any machine that reaches the bus.
 
-    On a terminal, control characters the sandbox wrote (ANSI escapes, carriage returns,
-    bidi overrides, ...) are shown escaped (``\\x1b``), line breaks kept; piped or redirected,
-    the bytes are written unchanged (``dsec sandbox logs ID > out.log`` is the raw log).
+    Streamed, encrypted, from the node agent that runs it, which checks that you are a user of
+    the sandbox's tenant. On a terminal, control characters the sandbox wrote (ANSI escapes,
+    carriage returns, bidi overrides, ...) are shown escaped (``\\x1b``), line breaks kept;
+    piped or redirected, the bytes are written unchanged (``dsec sandbox logs ID > out.log`` is
+    the raw log).
     """
-    manager = _manager()
-    escape_output = sys.stdout.isatty()
-    path = manager.log_paths(sandbox_id)[1 if stderr else 0]
-    if not path.exists():
-        fail(f"no logs for {sandbox_id!r} on this node ({path.parent})", EXIT_BAD_INPUT)
+    from dsec_cli.remote import Sink, session
 
+    sink = Sink(sys.stdout.buffer, terminal=sys.stdout.isatty())
+    args = {"stream": "stderr" if stderr else "stdout", "follow": follow}
     try:
-        with open(path, errors="replace", newline="") as fh:
-            while True:
-                chunk = fh.read()
-                if chunk:
-                    sys.stdout.write(safe_lines(chunk, markup=False) if escape_output else chunk)
-                    sys.stdout.flush()
-                elif not follow or manager.states.read(sandbox_id) is None:
-                    return
-                else:
-                    time.sleep(0.1)  # a plain file: poll for more while the sandbox runs
+        run(session("logs", sandbox_id, args, lambda _, data: sink.write(data)))
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
+    sink.write(b"", final=True)
 
 
 @sandbox_app.command("exec", context_settings={"allow_interspersed_args": False})
@@ -212,13 +197,36 @@ def exec_(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox id (sbx_...)")],
     command: Annotated[list[str], typer.Argument(help="Command to run, after --")],
 ) -> None:
-    """Run COMMAND inside a running sandbox, with the same isolation (no secrets)."""
+    """Run COMMAND inside a running sandbox, with the same isolation (no secrets).
+
+    Works from any machine that reaches the bus: your stdin goes to the command and its
+    stdout/stderr come back (encrypted), and dsec exits with the command's exit code. Only a
+    user of the sandbox's tenant may.
+    """
+    from dsec_cli.remote import Sink, session
+
+    argv = command[1:] if command[:1] == ["--"] else list(command)
+    if not argv:
+        fail("give the command to run after --", EXIT_BAD_INPUT)
+    sinks = {
+        "stdout": Sink(sys.stdout.buffer, terminal=sys.stdout.isatty()),
+        "stderr": Sink(sys.stderr.buffer, terminal=sys.stderr.isatty()),
+    }
     try:
-        argv = command[1:] if command[:1] == ["--"] else list(command)
-        code = run(_manager().exec(sandbox_id, argv))
-    except KeyError as exc:
-        fail(f"{exc.args[0]} on this node (see `dsec sandbox list`)", EXIT_BAD_INPUT)
-    raise typer.Exit(code)
+        ended = run(
+            session(
+                "exec",
+                sandbox_id,
+                {"argv": argv},
+                lambda stream, data: sinks.get(stream, sinks["stdout"]).write(data),
+                forward_stdin=True,
+            )
+        )
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    if ended.code is None:
+        fail(f"the command did not finish: {ended.reason}", EXIT_FAILED)
+    raise typer.Exit(ended.code)
 
 
 async def _last_event(js: Any, event_type: str, sandbox_id: str) -> dict[str, Any] | None:

@@ -1,0 +1,366 @@
+"""Remote logs and exec: the wire protocol between ``dsec sandbox logs|exec`` and the node agent
+that runs the sandbox, over core NATS (outside the audited ``dsec.>`` stream).
+
+1. The user's CLI signs a **request** with its certified key (the key it signs events with):
+   ``{id, kind, sandbox_id, node_id, tenant, producer, key_id, time, reply_to, client_key,
+   args}``, Ed25519 over ``REQUEST_DOMAIN + canonical MessagePack`` (a domain prefix, so a
+   request signature is never valid as an event's, nor the reverse). ``client_key`` is a fresh
+   X25519 public key; ``reply_to`` the per-request inbox. Published to
+   ``dsec_rpc.node.<node_id>.<kind>``.
+2. The node agent verifies it like an event (certificate from the operator root, signature, a
+   user of the sandbox's tenant, the replay window by request id) and answers on ``reply_to``:
+   a **hello** signed by its own certified key, carrying its fresh X25519 key, or a signed
+   **refusal** with the reason.
+3. Every later frame, both ways, is a NaCl ``Box`` between the two fresh keys (X25519 +
+   XSalsa20-Poly1305): only the two ends read it, and each end knows the other wrote it. The
+   client's frames (stdin, keep-alive, cancel) go to ``dsec_rpc.node.<node_id>.input`` wrapped
+   with the request id. Frames carry a counter; one out of order ends the session.
+
+Everything here is pure (no I/O); the node agent's side is ``dsec_nodeagent.remote_access``, the
+CLI's ``dsec_cli.remote``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from nacl.exceptions import BadSignatureError, CryptoError
+from nacl.public import Box, PrivateKey, PublicKey
+from nacl.signing import SigningKey, VerifyKey
+
+from dsec_core import canonical
+from dsec_core.ids import new_event_id
+
+SUBJECT_ROOT = "dsec_rpc.node"
+KINDS: tuple[str, ...] = ("logs", "exec")
+Kind = Literal["logs", "exec"]
+REQUEST_DOMAIN = b"dsec-rpc/1 request\n"
+HELLO_DOMAIN = b"dsec-rpc/1 hello\n"
+REFUSAL_DOMAIN = b"dsec-rpc/1 refusal\n"
+
+CHUNK = 32 * 1024
+"""Bytes of output or input in one frame."""
+RATE_BYTES_PER_S = 4 * 1024 * 1024
+"""Output one session may stream per second (burst: one second's worth)."""
+ALIVE_S = 2.0
+"""Each end sends a keep-alive after this long without another frame."""
+GONE_S = 10.0
+"""An end that heard nothing for this long ends the session (the other went away)."""
+WINDOW_S = 30.0
+"""A request dated further from the node's clock is refused (``stale`` / ``future``); ids are
+remembered for twice this long, so a replay inside the window is refused (``replayed``)."""
+MAX_SESSIONS = 16
+"""Sessions one node agent serves at once; more are refused (``busy``)."""
+MAX_ARGV_BYTES = 64 * 1024
+MAX_STDIN_BUFFER = 1024 * 1024
+"""Input the node holds for a command that does not read it; more ends the session."""
+
+_NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_SANDBOX = re.compile(r"^sbx_[A-Za-z0-9_-]{1,64}$")
+
+
+class RemoteError(ValueError):
+    """A message that is not what the protocol allows (malformed, forged, out of order)."""
+
+
+def request_subject(node_id: str, kind: str) -> str:
+    """``dsec_rpc.node.<node_id>.<kind>`` (``kind``: ``logs``, ``exec`` or ``input``)."""
+    if not _NODE.match(node_id):
+        raise RemoteError(f"node id {node_id!r} must match {_NODE.pattern}")
+    return f"{SUBJECT_ROOT}.{node_id}.{kind}"
+
+
+def node_filter(node_id: str) -> str:
+    """Every request subject of one node (what its node agent subscribes to)."""
+    return request_subject(node_id, "*")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A verified-shape request (its signature is checked by :func:`verify_request`)."""
+
+    id: str
+    kind: Kind
+    sandbox_id: str
+    node_id: str
+    tenant: str
+    producer: str
+    key_id: str
+    time: datetime
+    reply_to: str
+    client_key: bytes
+    args: dict[str, Any]
+    fields: dict[str, Any]
+
+    @property
+    def follow(self) -> bool:
+        return bool(self.args.get("follow", False))
+
+    @property
+    def stream(self) -> str:
+        return "stderr" if self.args.get("stream") == "stderr" else "stdout"
+
+    @property
+    def argv(self) -> list[str]:
+        return [str(a) for a in self.args.get("argv", [])]
+
+
+def sign_request(
+    key: SigningKey,
+    *,
+    kind: Kind,
+    sandbox_id: str,
+    node_id: str,
+    tenant: str,
+    producer: str,
+    key_id: str,
+    reply_to: str,
+    client_key: bytes,
+    args: dict[str, Any],
+    now: datetime | None = None,
+) -> bytes:
+    """The wire bytes of a signed request."""
+    fields = canonical.canonicalize(
+        {
+            "v": 1,
+            "id": new_event_id(),
+            "kind": kind,
+            "sandbox_id": sandbox_id,
+            "node_id": node_id,
+            "tenant": tenant,
+            "producer": producer,
+            "key_id": key_id,
+            "time": (now or datetime.now(UTC)).isoformat(),
+            "reply_to": reply_to,
+            "client_key": client_key,
+            "args": args,
+        }
+    )
+    sig = key.sign(REQUEST_DOMAIN + canonical.pack(fields)).signature
+    return canonical.pack({**fields, "sig": sig})
+
+
+def _unpack_map(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        value = canonical.unpack(data)
+    except Exception:  # msgpack raises several unrelated exception types
+        raise RemoteError(f"{what} is not MessagePack") from None
+    if not isinstance(value, dict):
+        raise RemoteError(f"{what} must be a map")
+    return value
+
+
+def parse_request(data: bytes, kind: str) -> Request:
+    """The request in ``data`` (shape only), or :class:`RemoteError` naming what is wrong."""
+    raw = _unpack_map(data, "request")
+    try:
+        args = raw["args"]
+        stamp = datetime.fromisoformat(str(raw["time"]))
+        request = Request(
+            id=str(raw["id"]),
+            kind=raw["kind"],
+            sandbox_id=str(raw["sandbox_id"]),
+            node_id=str(raw["node_id"]),
+            tenant=str(raw["tenant"]),
+            producer=str(raw["producer"]),
+            key_id=str(raw["key_id"]),
+            time=stamp,
+            reply_to=str(raw["reply_to"]),
+            client_key=bytes(raw["client_key"]),
+            args=dict(args),
+            fields=raw,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RemoteError(
+            f"request lacks or mangles a field: {type(exc).__name__}: {exc}"
+        ) from None
+    if raw.get("v") != 1 or request.kind != kind or kind not in KINDS:
+        raise RemoteError(f"a {raw.get('kind')!r} request (v{raw.get('v')}) on the {kind} subject")
+    if not _SANDBOX.match(request.sandbox_id):
+        raise RemoteError(f"sandbox id {request.sandbox_id[:80]!r} is not a sandbox id")
+    if stamp.tzinfo is None or len(request.client_key) != 32:
+        raise RemoteError("time without zone, or a client key that is not 32 bytes")
+    if not isinstance(raw.get("sig"), bytes) or not request.reply_to.startswith("_INBOX."):
+        raise RemoteError("no signature, or a reply subject that is not an inbox")
+    if kind == "exec" and not _valid_argv(args.get("argv")):
+        raise RemoteError(f"argv must be 1 to 256 strings, {MAX_ARGV_BYTES} bytes at most")
+    return request
+
+
+def _valid_argv(argv: Any) -> bool:
+    if not isinstance(argv, list) or not 0 < len(argv) <= 256:
+        return False
+    if not all(isinstance(a, str) and "\0" not in a for a in argv):
+        return False
+    return sum(len(a.encode()) for a in argv) <= MAX_ARGV_BYTES
+
+
+def verify_request(request: Request, public_raw: bytes) -> bool:
+    """Whether the request's signature holds for ``public_raw``."""
+    fields = {k: v for k, v in request.fields.items() if k != "sig"}
+    try:
+        VerifyKey(public_raw).verify(
+            REQUEST_DOMAIN + canonical.pack(fields), bytes(request.fields["sig"])
+        )
+    except (BadSignatureError, ValueError, TypeError):
+        return False
+    return True
+
+
+class ReplayWindow:
+    """Request ids seen within the window; refuses old, future and repeated requests.
+
+    A node agent that restarts forgets the ids it saw, so it also refuses requests dated before
+    it started: a request captured before a restart cannot be replayed after it.
+    """
+
+    def __init__(self, window_s: float = WINDOW_S, limit: int = 100_000) -> None:
+        self.window_s = window_s
+        self.started = datetime.now(UTC)
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._limit = limit
+
+    def refusal(self, request_id: str, stamp: datetime) -> tuple[str, str] | None:
+        """``(reason, detail)`` when the request must be refused, else None (and it is
+        remembered)."""
+        now = datetime.now(UTC)
+        age = (now - stamp).total_seconds()
+        if age > self.window_s or stamp < self.started.replace(microsecond=0):
+            return "stale", f"request dated {stamp.isoformat()}, outside the replay window"
+        if -age > self.window_s:
+            return "future", f"request dated {stamp.isoformat()}, in the future"
+        mono = time.monotonic()
+        while self._seen and (
+            len(self._seen) >= self._limit
+            or mono - next(iter(self._seen.values())) > 2 * self.window_s
+        ):
+            self._seen.popitem(last=False)
+        if request_id in self._seen:
+            return "replayed", f"request {request_id} was already served"
+        self._seen[request_id] = mono
+        return None
+
+
+def _hello_bytes(rid: str, node_id: str, node_key: bytes, client_key: bytes) -> bytes:
+    return HELLO_DOMAIN + canonical.canonical_bytes(
+        {"rid": rid, "node": node_id, "node_key": node_key, "client_key": client_key}
+    )
+
+
+def hello(sign: Any, key_id: str, request: Request, node_key: PrivateKey) -> tuple[bytes, Box]:
+    """The node's signed hello and the session's box. ``sign(bytes) -> hex signature`` is the
+    node agent's certified key."""
+    public = bytes(node_key.public_key)
+    sig = bytes.fromhex(sign(_hello_bytes(request.id, request.node_id, public, request.client_key)))
+    message = canonical.canonical_bytes(
+        {"k": "hello", "rid": request.id, "node": request.node_id, "key_id": key_id,
+         "node_key": public, "sig": sig}
+    )  # fmt: skip
+    return message, Box(node_key, PublicKey(request.client_key))
+
+
+def refusal(sign: Any, key_id: str, rid: str, reason: str, detail: str) -> bytes:
+    """A signed refusal (plaintext: it says only why, never anything of the sandbox)."""
+    body = {"k": "refused", "rid": rid, "reason": reason, "detail": detail[:500], "key_id": key_id}
+    sig = bytes.fromhex(sign(REFUSAL_DOMAIN + canonical.canonical_bytes(body)))
+    return canonical.canonical_bytes({**body, "sig": sig})
+
+
+@dataclass(frozen=True)
+class NodeAnswer:
+    """The first answer to a request, as the client reads it (signature not yet checked)."""
+
+    kind: Literal["hello", "refused"]
+    key_id: str
+    fields: dict[str, Any]
+
+    def check(
+        self, public_raw: bytes, rid: str, node_id: str, client: PrivateKey
+    ) -> Box | tuple[str, str]:
+        """The session's box (hello) or ``(reason, detail)`` (refusal), once the node's
+        signature holds; :class:`RemoteError` when it does not."""
+        body = {k: v for k, v in self.fields.items() if k != "sig"}
+        if self.kind == "hello":
+            node_key = bytes(body.get("node_key", b""))
+            signed = _hello_bytes(rid, node_id, node_key, bytes(client.public_key))
+        else:
+            signed = REFUSAL_DOMAIN + canonical.canonical_bytes(body)
+        try:
+            VerifyKey(public_raw).verify(signed, bytes(self.fields.get("sig", b"")))
+        except (BadSignatureError, ValueError, TypeError):
+            raise RemoteError("the answer is not signed by the node agent's key") from None
+        if body.get("rid") != rid:
+            raise RemoteError("an answer to another request")
+        if self.kind == "refused":
+            return str(body.get("reason")), str(body.get("detail"))
+        return Box(client, PublicKey(node_key))
+
+
+def parse_answer(data: bytes) -> NodeAnswer:
+    """The node's first answer (hello or refusal)."""
+    raw = _unpack_map(data, "answer")
+    kind = raw.get("k")
+    if kind not in ("hello", "refused") or not isinstance(raw.get("key_id"), str):
+        raise RemoteError("the first answer must be a hello or a refusal")
+    return NodeAnswer(kind, raw["key_id"], raw)
+
+
+class FrameCodec:
+    """Encrypted frames of one direction of a session, numbered from 0."""
+
+    def __init__(self, box: Box) -> None:
+        self._box = box
+        self._out = 0
+        self._in = 0
+
+    def seal(self, frame: dict[str, Any]) -> bytes:
+        data = self._box.encrypt(canonical.canonical_bytes({**frame, "n": self._out}))
+        self._out += 1
+        return bytes(data)
+
+    def open(self, data: bytes) -> dict[str, Any]:
+        """The frame in ``data``; :class:`RemoteError` when forged or out of order."""
+        try:
+            plain = self._box.decrypt(data)
+        except (CryptoError, ValueError, TypeError):
+            raise RemoteError("a frame that does not decrypt (forged or corrupted)") from None
+        frame = _unpack_map(plain, "frame")
+        if frame.get("n") != self._in:
+            raise RemoteError(f"frame {frame.get('n')} where {self._in} was due")
+        self._in += 1
+        return frame
+
+
+def input_message(rid: str, sealed: bytes) -> bytes:
+    """A client frame as published on the input subject: the request id and the sealed frame."""
+    return canonical.canonical_bytes({"rid": rid, "box": sealed})
+
+
+def parse_input(data: bytes) -> tuple[str, bytes]:
+    raw = _unpack_map(data, "input")
+    rid, box = raw.get("rid"), raw.get("box")
+    if not isinstance(rid, str) or not isinstance(box, bytes):
+        raise RemoteError("input needs rid (str) and box (bytes)")
+    return rid, box
+
+
+class TokenBucket:
+    """``rate`` bytes per second, a burst of one second."""
+
+    def __init__(self, rate: float = RATE_BYTES_PER_S) -> None:
+        self.rate = rate
+        self._tokens = rate
+        self._at = time.monotonic()
+
+    def delay(self, amount: int) -> float:
+        """Seconds to wait before sending ``amount`` bytes (and take them)."""
+        now = time.monotonic()
+        self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        self._tokens -= amount
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate

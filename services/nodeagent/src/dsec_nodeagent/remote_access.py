@@ -1,0 +1,392 @@
+"""Remote logs and exec: ``dsec sandbox logs|exec`` from any machine that reaches the bus.
+
+The node agent listens on its own node's request subjects (``dsec_rpc.node.<node>.*``, core
+NATS, outside the audited stream), verifies each request like an event (certificate from the
+operator root, signature, a user of the sandbox's tenant, the replay window) and streams the
+output back encrypted to the request's one-time key (protocol: :mod:`dsec_core.remote`).
+Sessions are bounded: 16 per node, 32 KiB frames, 4 MiB/s each, ended when the client stops
+sending keep-alives (10 s), when a followed sandbox has exited, or when the command ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from dsec_core import remote
+from dsec_core.remote import FrameCodec, RemoteError, Request
+from dsec_core.service import Service
+from nacl.public import PrivateKey
+from nats.aio.msg import Msg
+from prometheus_client import Counter, Gauge
+
+from dsec_nodeagent.sandbox.manager import SandboxManager
+
+log = logging.getLogger(__name__)
+
+REFUSALS = Counter(
+    "dsec_remote_refusals_total", "Remote logs/exec requests refused", ["kind", "reason"]
+)
+SESSIONS = Gauge("dsec_remote_sessions", "Remote logs/exec sessions being served")
+
+
+class _Gone(Exception):
+    """The client went away, cancelled, or broke the protocol."""
+
+
+class Session:
+    """One verified request being served: output out, input in, both encrypted."""
+
+    def __init__(
+        self, request: Request, codec: FrameCodec, send: Callable[[bytes], Awaitable[None]]
+    ):
+        self.request = request
+        self.codec = codec
+        self._send = send
+        self.bucket = remote.TokenBucket()
+        self.last_heard = time.monotonic()
+        self.last_sent = time.monotonic()
+        self.stdin: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.stdin_bytes = 0
+        self.task: asyncio.Task[None] | None = None
+        self.ended = asyncio.Event()
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        self.last_sent = time.monotonic()
+        await self._send(self.codec.seal(frame))
+
+    async def output(self, stream: str, data: bytes) -> None:
+        for start in range(0, len(data), remote.CHUNK):
+            piece = data[start : start + remote.CHUNK]
+            wait = self.bucket.delay(len(piece))
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await self.send({"k": "out", "s": stream, "d": piece})
+
+    def received(self, data: bytes) -> None:
+        """A client frame (already routed by request id)."""
+        try:
+            frame = self.codec.open(data)
+        except RemoteError as exc:
+            log.warning("remote %s of %s: %s; ending it", self.request.kind, self.request.id, exc)
+            self.cancel()
+            return
+        self.last_heard = time.monotonic()
+        kind = frame.get("k")
+        if kind == "cancel":
+            self.cancel()
+        elif kind == "stdin" and isinstance(frame.get("d"), bytes):
+            self.stdin_bytes += len(frame["d"])
+            self.stdin.put_nowait(frame["d"])
+        elif kind == "eof":
+            self.stdin.put_nowait(None)
+
+    def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+class RemoteAccess:
+    """The node agent's side of remote logs and exec (one per node agent)."""
+
+    def __init__(self, service: Service, manager: SandboxManager) -> None:
+        self.service = service
+        self.manager = manager
+        self.node_id = service.settings.node_id
+        self.replay = remote.ReplayWindow()
+        self.sessions: dict[str, Session] = {}
+        self._subs: list[Any] = []
+        self._watchdog: asyncio.Task[None] | None = None
+
+    def attach(self) -> RemoteAccess:
+        """Start and stop with the service."""
+        self.service.on_start.append(self.start)
+        self.service.on_stop.insert(0, self.stop)
+        return self
+
+    async def start(self) -> None:
+        nc = self.service.nc
+        assert nc is not None
+        self.replay = remote.ReplayWindow()
+        for kind in remote.KINDS:
+            handler = self._handler(kind)
+            self._subs.append(
+                await nc.subscribe(remote.request_subject(self.node_id, kind), cb=handler)
+            )
+        self._subs.append(
+            await nc.subscribe(remote.request_subject(self.node_id, "input"), cb=self._on_input)
+        )
+        self._watchdog = asyncio.create_task(self._watch(), name="remote-watchdog")
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        for session in list(self.sessions.values()):
+            session.cancel()
+        tasks = [s.task for s in self.sessions.values() if s.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+
+    # ------------------------------------------------------------------ requests
+
+    def _handler(self, kind: str) -> Callable[[Msg], Awaitable[None]]:
+        async def on_request(msg: Msg) -> None:
+            try:
+                await self._on_request(kind, msg)
+            except Exception:  # a hostile request must never stop the node agent
+                log.exception("remote %s request failed", kind)
+
+        return on_request
+
+    async def _on_request(self, kind: str, msg: Msg) -> None:
+        try:
+            request = remote.parse_request(msg.data, kind)
+        except RemoteError as exc:
+            await self._refuse(kind, msg.reply, "-", "malformed", str(exc))
+            return
+        problem = await self._verify(request, msg.reply)
+        if problem is not None:
+            await self._refuse(kind, request.reply_to, request.id, *problem)
+            return
+        await self._serve(request)
+
+    async def _verify(self, request: Request, reply: str | None) -> tuple[str, str] | None:
+        """Why the request must be refused, checked like an event; None when it may be served."""
+        gate = self.service.gate
+        assert gate is not None
+        if request.node_id != self.node_id:
+            return "misrouted", f"a request for node {request.node_id!r} on {self.node_id!r}"
+        if reply != request.reply_to:
+            return "malformed", "the reply subject is not the one the request signed"
+        cert = await gate.keys.certificate(request.key_id)
+        if isinstance(cert, str):
+            return ("revoked-key" if "revoked" in cert else "unknown-key"), cert
+        if not remote.verify_request(request, bytes.fromhex(cert.public_key)):
+            return "bad-signature", f"signature invalid for key {request.key_id}"
+        if cert.role != "user" or cert.subject != request.producer:
+            return (
+                "unauthorized",
+                f"only a user may ask this; key of {cert.subject!r} ({cert.role})",
+            )
+        if cert.tenant != request.tenant:
+            return (
+                "unauthorized",
+                f"user of tenant {cert.tenant!r} may not act for {request.tenant!r}",
+            )
+        replayed = self.replay.refusal(request.id, request.time)
+        if replayed is not None:
+            return replayed
+        owner = await gate.tenant_of(request.sandbox_id)
+        if owner is None:
+            return "not-found", f"no sandbox {request.sandbox_id} in the event log"
+        if owner != request.tenant:
+            return "cross-tenant", f"sandbox {request.sandbox_id} belongs to another tenant"
+        return self._here(request)
+
+    def _here(self, request: Request) -> tuple[str, str] | None:
+        """The sandbox is on this node, and running when a command is to run in it."""
+        sid = request.sandbox_id
+        if request.kind == "exec":
+            state = self.manager.states.read(sid)
+            if state is None or state.get("phase") != "running":
+                return "not-running", f"no running sandbox {sid} on node {self.node_id}"
+        elif not self._log_path(request).exists():
+            return "not-found", f"no logs of {sid} on node {self.node_id}"
+        if len(self.sessions) >= remote.MAX_SESSIONS:
+            return "busy", f"node {self.node_id} serves {remote.MAX_SESSIONS} sessions already"
+        return None
+
+    def _log_path(self, request: Request) -> Path:
+        return self.manager.log_paths(request.sandbox_id)[1 if request.stream == "stderr" else 0]
+
+    def _sign(self, data: bytes) -> str:
+        publisher = self.service.publisher
+        assert publisher is not None
+        return publisher.signer.endorse(data)
+
+    def _key_id(self) -> str:
+        assert self.service.publisher is not None
+        return self.service.publisher.signer.key_id
+
+    async def _refuse(
+        self, kind: str, reply: str | None, rid: str, reason: str, detail: str
+    ) -> None:
+        REFUSALS.labels(kind, reason).inc()
+        log.warning("remote %s request %s refused: %s (%s)", kind, rid, reason, detail[:200])
+        nc = self.service.nc
+        if reply and reply.startswith("_INBOX.") and nc is not None:
+            answer = remote.refusal(self._sign, self._key_id(), rid, reason, detail)
+            with contextlib.suppress(Exception):
+                await nc.publish(reply, answer)
+
+    # ------------------------------------------------------------------ sessions
+
+    async def _serve(self, request: Request) -> None:
+        nc = self.service.nc
+        assert nc is not None
+        hello, box = remote.hello(self._sign, self._key_id(), request, PrivateKey.generate())
+
+        async def send(data: bytes) -> None:
+            await nc.publish(request.reply_to, data)
+
+        session = Session(request, FrameCodec(box), send)
+        self.sessions[request.id] = session
+        SESSIONS.set(len(self.sessions))
+        await nc.publish(request.reply_to, hello)
+        log.info(
+            "remote %s of %s for %s (request %s)",
+            request.kind, request.sandbox_id, request.producer, request.id,
+        )  # fmt: skip
+        session.task = asyncio.create_task(self._run(session), name=f"remote-{request.id}")
+
+    async def _run(self, session: Session) -> None:
+        end: dict[str, Any] = {"k": "end", "code": None, "reason": "done"}
+        try:
+            if session.request.kind == "logs":
+                end["reason"] = await self._logs(session)
+            else:
+                end["code"] = await self._exec(session)
+        except asyncio.CancelledError:
+            end["reason"] = "cancelled"
+        except _Gone as exc:
+            end["reason"] = str(exc)
+        except Exception as exc:
+            log.exception("remote %s %s failed", session.request.kind, session.request.id)
+            end["reason"] = f"failed: {type(exc).__name__}"
+        finally:
+            self.sessions.pop(session.request.id, None)
+            SESSIONS.set(len(self.sessions))
+        with contextlib.suppress(Exception):
+            await session.send(end)
+
+    async def _logs(self, session: Session) -> str:
+        request = session.request
+        path = self._log_path(request)
+        with open(path, "rb") as fh:
+            while True:
+                data = await asyncio.to_thread(fh.read, remote.CHUNK)
+                if data:
+                    await session.output(request.stream, data)
+                    continue
+                if not request.follow:
+                    return "done"
+                if self.manager.states.read(request.sandbox_id) is None:
+                    rest = await asyncio.to_thread(fh.read)
+                    await session.output(request.stream, rest)
+                    return "exited"
+                await asyncio.sleep(0.1)
+
+    async def _exec(self, session: Session) -> int:
+        request = session.request
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        for fd in (in_w, out_r, err_r):
+            os.set_blocking(fd, False)
+        child_ends = [in_r, out_w, err_w]
+        pumps = [
+            asyncio.create_task(self._pump(out_r, "stdout", session)),
+            asyncio.create_task(self._pump(err_r, "stderr", session)),
+        ]
+        feeder = asyncio.create_task(self._feed(in_w, session))
+        try:
+            code = await self.manager.exec(
+                request.sandbox_id, request.argv, stdin=in_r, stdout=out_w, stderr=err_w
+            )
+            for fd in child_ends:
+                os.close(fd)
+            child_ends.clear()
+            # What the command wrote before it ended (a child it left behind may keep the
+            # pipes open: its output is not waited for longer than this).
+            await asyncio.wait(pumps, timeout=2.0)
+            return code
+        finally:
+            for fd in child_ends:
+                os.close(fd)
+            for task in (*pumps, feeder):
+                task.cancel()
+            await asyncio.gather(*pumps, feeder, return_exceptions=True)
+            for fd in (out_r, err_r):
+                os.close(fd)
+
+    async def _pump(self, fd: int, stream: str, session: Session) -> None:
+        """Copy one of the command's outputs to the client; the pipe stays unread (and the
+        command waits) while the session's rate budget is spent."""
+        loop = asyncio.get_running_loop()
+        while True:
+            ready = loop.create_future()
+            loop.add_reader(fd, ready.set_result, None)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(fd)
+            try:
+                data = os.read(fd, remote.CHUNK)
+            except BlockingIOError:
+                continue
+            if not data:
+                return
+            await session.output(stream, data)
+
+    async def _feed(self, fd: int, session: Session) -> None:
+        """Write the client's input to the command's stdin; EOF closes it."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                data = await session.stdin.get()
+                if data is None:
+                    return
+                view = memoryview(data)
+                while view:
+                    try:
+                        written = os.write(fd, view)
+                        view = view[written:]
+                        session.stdin_bytes -= written
+                    except BlockingIOError:
+                        ready = loop.create_future()
+                        loop.add_writer(fd, ready.set_result, None)
+                        try:
+                            await ready
+                        finally:
+                            loop.remove_writer(fd)
+        except BrokenPipeError:
+            return
+        finally:
+            os.close(fd)
+
+    async def _on_input(self, msg: Msg) -> None:
+        try:
+            rid, sealed = remote.parse_input(msg.data)
+        except RemoteError:
+            REFUSALS.labels("input", "malformed").inc()
+            return
+        session = self.sessions.get(rid)
+        if session is None:
+            return  # ended, or never ours: nothing to tell anyone
+        session.received(sealed)
+        if session.stdin_bytes > remote.MAX_STDIN_BUFFER:
+            log.warning("remote exec %s: input not read by the command; ending it", rid)
+            session.cancel()
+
+    async def _watch(self) -> None:
+        """End sessions whose client went quiet; keep the quiet ones' clients informed."""
+        while True:
+            await asyncio.sleep(remote.ALIVE_S / 2)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if now - session.last_heard > remote.GONE_S:
+                    log.info("remote %s: the client went away", session.request.id)
+                    session.cancel()
+                elif now - session.last_sent > remote.ALIVE_S:
+                    with contextlib.suppress(Exception):
+                        await session.send({"k": "alive"})
