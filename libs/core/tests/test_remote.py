@@ -1,0 +1,132 @@
+"""The remote logs/exec protocol as pure code: what a node accepts, what a client trusts."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from dsec_core import canonical, natsperms, remote
+from dsec_core.remote import FrameCodec, RemoteError
+from nacl.public import Box, PrivateKey
+from nacl.signing import SigningKey
+
+pytestmark = pytest.mark.unit
+
+
+def _signed(key: SigningKey, **over: Any) -> bytes:
+    fields: dict[str, Any] = {
+        "kind": "exec",
+        "sandbox_id": "sbx_abc",
+        "node_id": "node-1",
+        "tenant": "default",
+        "producer": "user-alice",
+        "key_id": "k1",
+        "reply_to": "_INBOX.xyz",
+        "client_key": bytes(PrivateKey.generate().public_key),
+        "args": {"argv": ["python", "-V"]},
+    }
+    fields.update(over)
+    return remote.sign_request(key, **fields)
+
+
+def test_a_signed_request_verifies_and_an_altered_one_does_not() -> None:
+    key = SigningKey.generate()
+    request = remote.parse_request(_signed(key), "exec")
+    assert remote.verify_request(request, bytes(key.verify_key))
+    assert not remote.verify_request(request, bytes(SigningKey.generate().verify_key))
+
+    fields = canonical.unpack(_signed(key))
+    fields["args"] = {"argv": ["rm", "-rf", "/workspace"]}
+    altered = remote.parse_request(canonical.pack(fields), "exec")
+    assert not remote.verify_request(altered, bytes(key.verify_key))
+
+
+@pytest.mark.parametrize(
+    ("over", "kind", "message"),
+    [
+        ({}, "logs", "on the logs subject"),
+        ({"sandbox_id": "sbx_../../etc"}, "exec", "is not a sandbox id"),
+        ({"args": {"argv": []}}, "exec", "argv must be"),
+        ({"args": {"argv": ["a\0b"]}}, "exec", "argv must be"),
+        ({"reply_to": "dsec.sandbox.x.ready"}, "exec", "not an inbox"),
+        ({"client_key": b"short"}, "exec", "32 bytes"),
+    ],
+)
+def test_malformed_requests_name_the_problem(over: dict[str, Any], kind: str, message: str) -> None:
+    with pytest.raises(RemoteError, match=message.replace(".", r"\.")):
+        remote.parse_request(_signed(SigningKey.generate(), **over), kind)
+
+
+def test_garbage_and_unsigned_requests_are_malformed() -> None:
+    with pytest.raises(RemoteError, match="not MessagePack"):
+        remote.parse_request(b"\xc1", "logs")
+    fields = canonical.unpack(_signed(SigningKey.generate(), kind="logs", args={}))
+    del fields["sig"]
+    with pytest.raises(RemoteError, match="no signature"):
+        remote.parse_request(canonical.pack(fields), "logs")
+
+
+def test_the_replay_window_refuses_repeats_old_and_future_requests() -> None:
+    window = remote.ReplayWindow(window_s=30)
+    now = datetime.now(UTC)
+    assert window.refusal("r1", now) is None
+    assert window.refusal("r1", now) == ("replayed", "request r1 was already served")
+    assert window.refusal("r2", now - timedelta(seconds=31))[0] == "stale"  # type: ignore[index]
+    assert window.refusal("r3", now + timedelta(seconds=31))[0] == "future"  # type: ignore[index]
+    # a node agent that restarted forgot r1: requests from before its start are refused
+    later = remote.ReplayWindow(window_s=30)
+    assert later.refusal("r1", now - timedelta(seconds=2))[0] == "stale"  # type: ignore[index]
+
+
+def test_frames_are_sealed_numbered_and_readable_by_the_two_ends_only() -> None:
+    client, node = PrivateKey.generate(), PrivateKey.generate()
+    sender = FrameCodec(Box(node, client.public_key))
+    frames = [sender.seal({"k": "out", "d": b"secret %d" % i}) for i in range(3)]
+    assert all(b"secret" not in f for f in frames)
+
+    reader = FrameCodec(Box(client, node.public_key))
+    assert reader.open(frames[0])["d"] == b"secret 0"
+    with pytest.raises(RemoteError, match="frame 2 where 1 was due"):
+        reader.open(frames[2])  # a frame dropped or replayed ends the session
+    eve = FrameCodec(Box(PrivateKey.generate(), node.public_key))
+    with pytest.raises(RemoteError, match="does not decrypt"):
+        eve.open(frames[1])
+
+
+def test_the_client_trusts_a_hello_only_from_the_node_key_for_its_request() -> None:
+    node_signing = SigningKey.generate()
+
+    def sign(data: bytes) -> str:
+        return node_signing.sign(data).signature.hex()
+
+    client = PrivateKey.generate()
+    request = remote.parse_request(
+        _signed(SigningKey.generate(), client_key=bytes(client.public_key)), "exec"
+    )
+    message, node_box = remote.hello(sign, "nodekey", request, PrivateKey.generate())
+    answer = remote.parse_answer(message)
+    box = answer.check(bytes(node_signing.verify_key), request.id, "node-1", client)
+    assert isinstance(box, Box)
+    assert FrameCodec(box).open(FrameCodec(node_box).seal({"k": "alive"}))["k"] == "alive"
+    with pytest.raises(RemoteError, match="not signed"):
+        answer.check(bytes(SigningKey.generate().verify_key), request.id, "node-1", client)
+    with pytest.raises(RemoteError, match="not signed"):  # another node's hello
+        answer.check(bytes(node_signing.verify_key), request.id, "node-2", client)
+
+    refused = remote.parse_answer(remote.refusal(sign, "nodekey", request.id, "busy", "16"))
+    assert refused.check(bytes(node_signing.verify_key), request.id, "node-1", client) == (
+        "busy",
+        "16",
+    )
+
+
+def test_users_may_ask_and_a_node_agent_listens_to_its_own_node_only() -> None:
+    assert natsperms.RPC_REQUESTS in natsperms.publish_allow(natsperms.USER)
+    assert natsperms.RPC_REQUESTS not in natsperms.subscribe_allow(natsperms.USER)
+    own = natsperms.Identity("nodeagent-node-2", nkey="UX").entry()["permissions"]
+    assert "dsec_rpc.node.node-2.*" in own["subscribe"]["allow"]
+    assert natsperms.RPC_REQUESTS not in own["subscribe"]["allow"]
+    assert remote.request_subject("node-2", "logs") == "dsec_rpc.node.node-2.logs"
+    with pytest.raises(RemoteError):
+        remote.request_subject("node.*", "logs")
