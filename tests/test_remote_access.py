@@ -235,3 +235,30 @@ def test_another_tenants_user_gets_a_clear_refusal_from_the_cli(
     code, out, err = _dsec({**user_env, "DSEC_CREDENTIAL": str(cred)}, "sandbox", "logs", running)
     assert code == 1 and "refused: cross-tenant" in err, err
     assert SECRET_LINE not in out
+
+
+FOLLOWED = """\
+version: "1.2"
+name: remote-follow
+base: dsec/python311:latest
+entrypoint: [python, -u, -c, "import time; print('first-' + 'line'); time.sleep(3); \\
+print('last-' + 'line')"]
+"""
+
+
+def test_follow_streams_until_the_sandbox_exits(
+    services_module: Any, stack_env: dict[str, str], user_env: dict[str, str], tmp_path: Any
+) -> None:
+    spec = tmp_path / "dsec.yaml"
+    spec.write_text(FOLLOWED)
+    code, out, err = _dsec(stack_env, "submit", str(spec), "--wait", "ready", "--json")
+    assert code == 0, out + err
+    import json
+
+    sid = json.loads(out.strip().splitlines()[-1])["sandbox_id"]
+    started = time.monotonic()
+    code, out, err = _dsec(user_env, "sandbox", "logs", "-f", sid)
+
+    assert code == 0, err
+    assert out.splitlines() == ["first-line", "last-line"]
+    assert time.monotonic() - started < 20  # it ended with the sandbox, not at a timeout
