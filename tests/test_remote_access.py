@@ -262,3 +262,47 @@ def test_follow_streams_until_the_sandbox_exits(
     assert code == 0, err
     assert out.splitlines() == ["first-line", "last-line"]
     assert time.monotonic() - started < 20  # it ended with the sandbox, not at a timeout
+
+
+def _sessions(services_module: Any) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(services_module.url("nodeagent") + "/metrics", timeout=5).read()
+    for line in text.decode().splitlines():
+        if line.startswith("dsec_remote_sessions "):
+            return float(line.split()[1])
+    raise AssertionError("no dsec_remote_sessions in /metrics")
+
+
+def test_ctrl_c_ends_the_follow_on_the_node(
+    running: str, services_module: Any, user_env: dict[str, str]
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    dsec = str(Path(sys.executable).parent / "dsec")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")} | user_env
+    proc = subprocess.Popen(
+        [dsec, "sandbox", "logs", "-f", running],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline().decode()  # the sandbox keeps running: -f keeps going
+        assert SECRET_LINE in first
+        assert _sessions(services_module) >= 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0
+        deadline = time.monotonic() + 3  # well before the 10 s keep-alive timeout
+        while _sessions(services_module) > 0:
+            assert time.monotonic() < deadline, "the node still serves the follow"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()

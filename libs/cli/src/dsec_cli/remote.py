@@ -217,3 +217,4 @@ async def _stream(
         if not ended:  # Ctrl-C: tell the node at once rather than after its timeout
             with contextlib.suppress(Exception):
                 await asyncio.shield(send({"k": "cancel"}))
+                await nc.flush(timeout=1)
