@@ -34,6 +34,7 @@ REFUSALS = Counter(
     "dsec_remote_refusals_total", "Remote logs/exec requests refused", ["kind", "reason"]
 )
 SESSIONS = Gauge("dsec_remote_sessions", "Remote logs/exec sessions being served")
+LOG_EVERY_S = 10.0
 
 
 class _Gone(Exception):
@@ -103,6 +104,8 @@ class RemoteAccess:
         self.sessions: dict[str, Session] = {}
         self._subs: list[Any] = []
         self._watchdog: asyncio.Task[None] | None = None
+        self._last_refusal_log = -LOG_EVERY_S
+        self._refusals_unlogged = 0
 
     def attach(self) -> RemoteAccess:
         """Start and stop with the service."""
@@ -209,6 +212,20 @@ class RemoteAccess:
     def _log_path(self, request: Request) -> Path:
         return self.manager.log_paths(request.sandbox_id)[1 if request.stream == "stderr" else 0]
 
+    def _log_refusal(self, kind: str, rid: str, reason: str, detail: str) -> None:
+        """One log line per 10 s at most (a flood of forged requests must not fill the log);
+        every refusal is counted in ``dsec_remote_refusals_total``."""
+        now = time.monotonic()
+        if now - self._last_refusal_log < LOG_EVERY_S:
+            self._refusals_unlogged += 1
+            return
+        more = self._refusals_unlogged
+        self._last_refusal_log, self._refusals_unlogged = now, 0
+        log.warning(
+            "remote %s request %s refused: %s (%s)%s",
+            kind, rid, reason, detail[:200], f"; {more} more refused before" if more else "",
+        )  # fmt: skip
+
     def _sign(self, data: bytes) -> str:
         publisher = self.service.publisher
         assert publisher is not None
@@ -222,7 +239,7 @@ class RemoteAccess:
         self, kind: str, reply: str | None, rid: str, reason: str, detail: str
     ) -> None:
         REFUSALS.labels(kind, reason).inc()
-        log.warning("remote %s request %s refused: %s (%s)", kind, rid, reason, detail[:200])
+        self._log_refusal(kind, rid, reason, detail)
         nc = self.service.nc
         if reply and reply.startswith("_INBOX.") and nc is not None:
             answer = remote.refusal(self._sign, self._key_id(), rid, reason, detail)
