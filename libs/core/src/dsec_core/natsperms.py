@@ -113,6 +113,7 @@ TABLE: Mapping[str, Role] = {
             "policy.violation",
             "policy.violation_summary",
             "policy.reported",
+            "node.joined",
             "node.heartbeat",
         ),
         consumes=("env.built", "sandbox.stop_requested"),
@@ -131,6 +132,9 @@ TABLE: Mapping[str, Role] = {
             # `dsec sandbox run --snapshot` records that it started a sandbox from a snapshot
             "snapshot.restored",
             "audit.key_registered",
+            # `dsec node cordon|uncordon|drain` on the operator's machine (which connects as
+            # its local user): the event must still be signed by the operator's key (authz)
+            "node.cordon_requested",
         ),
     ),
 }
