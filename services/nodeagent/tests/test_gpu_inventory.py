@@ -398,3 +398,51 @@ async def test_a_wrong_label_or_inventory_stops_the_start(tmp_path: Path) -> Non
     bad = _write(tmp_path, "bad.yaml", "gpus: [{model: X}]\n")
     with pytest.raises(InventoryError, match=r"gpus\[0\].memory"):
         await Inventory(Settings(home=tmp_path, node_inventory=bad), list).start()
+
+
+# ---------------------------------------------------------------------- the GPU check's entry point
+
+
+@pytest.mark.unit
+def test_the_gpu_check_prints_the_gpus_and_fails_on_a_field_that_crashes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert gpu.main([], nvml=_eight_way()) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["gpu_probe"] == "nvml" and [g["uuid"] for g in report["gpus"]] == [
+        "GPU-a",
+        "GPU-b",
+        "GPU-c",
+    ]
+    assert gpu.main([], nvml=_lost_temperature()) == 1
+    failed = json.loads(capsys.readouterr().out)
+    assert failed["error"] == "GPU 1: temperature: NVMLError: NVML error 15"
+
+
+@pytest.mark.unit
+async def test_a_probe_that_crashes_costs_the_gpus_not_the_heartbeat(tmp_path: Path) -> None:
+    class Broken(FakeNvml):
+        def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+            return SimpleNamespace(free=1)  # a changed binding: .total fails outside a field
+
+    inventory = Inventory(
+        Settings(home=tmp_path), list, NvmlProbe(Broken([FakeGpu("X", "G", "0:1:0.0")], {}))
+    )
+    await inventory.start()
+    found, problems = await inventory.read()
+    assert found.gpus == [] and found.cpus > 0
+    assert problems == [
+        "GPU probe failed: AttributeError: 'types.SimpleNamespace' object has no attribute 'total'"
+    ]
+
+
+@pytest.mark.unit
+def test_a_gpu_that_cannot_say_what_it_is_is_not_offered_and_said_so() -> None:
+    nvml = _eight_way()
+    nvml.nvmlDeviceGetName = lambda h: _value(NVMLError(GPU_IS_LOST) if h == 2 else "H100")  # type: ignore[method-assign]
+    reading = NvmlProbe(nvml).read()
+    assert [g.uuid for g in reading.gpus] == ["GPU-a", "GPU-b"]
+    assert reading.problems == [
+        "GPU 2: name: NVML error 15",
+        "GPU 2 (GPU-c): no name or memory reported; not offered",
+    ]

@@ -21,6 +21,7 @@ import importlib
 import json
 import logging
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,7 +215,9 @@ class NvmlProbe:
         name = self._field(problems, f"{where}: name", nvml.nvmlDeviceGetName, h)
         memory = self._field(problems, f"{where}: memory", nvml.nvmlDeviceGetMemoryInfo, h)
         if name is None or memory is None:
-            return None  # a GPU that cannot say what it is (lost, fallen off the bus): not offered
+            # A GPU that cannot say what it is (lost, fallen off the bus): not offered.
+            problems.append(f"{where} ({device.uuid}): no name or memory reported; not offered")
+            return None
         temperature = self._field(
             problems, f"{where}: temperature", nvml.nvmlDeviceGetTemperature, h,
             nvml.NVML_TEMPERATURE_GPU,
@@ -447,19 +450,21 @@ def declared_gpus(declared: DeclaredInventory, node_id: str) -> list[GpuInfo]:
 # ---------------------------------------------------------------------- entry point
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, nvml: Any = None) -> int:
     """Print this node's GPUs as JSON (``python -m dsec_nodeagent.gpu``).
 
     Exit 0 with the GPUs (or none, with the reason); exit 1 when NVML is present but a field
-    read failed (``--strict``, the default) — the check a GPU machine runs after setup.
+    read failed (unless ``--lenient``: then it is listed under ``problems``) — the check a GPU
+    machine runs after setup (``scripts/gpu-check.sh``). ``nvml``: a fake module (unit tests).
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    probe = NvmlProbe(strict="--lenient" not in args)
+    probe = NvmlProbe(nvml, strict="--lenient" not in args)
     try:
         probe.read()
         # A second read counts XIDs since the first and proves the handles stay usable.
         reading = probe.read()
-    except FieldReadError as exc:
+    except Exception as exc:  # FieldReadError, or a bug in the mapping: both fail the check
+        traceback.print_exc()
         print(json.dumps({"gpu_probe": "nvml", "error": str(exc)}), flush=True)
         return 1
     finally:

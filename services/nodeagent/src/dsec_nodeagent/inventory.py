@@ -16,6 +16,7 @@ Every file read happens in a thread (:func:`asyncio.to_thread`), never on the ev
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import shutil
@@ -34,6 +35,8 @@ from dsec_nodeagent.gpu import (
     declared_gpus,
     load_declared,
 )
+
+log = logging.getLogger(__name__)
 
 _LABEL_KEY = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_./-]{0,61}[A-Za-z0-9])?")
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?")
@@ -257,7 +260,11 @@ class Inventory:
     def _gpus(self) -> GpuReading:
         if self.declared is not None:
             return GpuReading(declared_gpus(self.declared, self.settings.node_id), "declared")
-        return self.probe.read()
+        try:
+            return self.probe.read()
+        except Exception as exc:  # a driver surprise must not cost the node its heartbeat
+            log.exception("GPU probe failed")
+            return GpuReading([], "nvml", [f"GPU probe failed: {type(exc).__name__}: {exc}"])
 
     async def read(self) -> tuple[NodeInventory, list[str]]:
         """The inventory now and what could not be read (GPU fields, as problems)."""
