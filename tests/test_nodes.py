@@ -207,6 +207,11 @@ async def test_the_nodes_table_follows_node_events_and_node_ls_shows_it(
     assert rows[ready]["memory_free_bytes"] == 28 << 30
     assert rows[ready]["sandboxes"] == ["sbx_1"] and rows[ready]["seq"] == 3
 
+    table = dsec_cli("node", "ls", env={**stack_env, "COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    line = next(row for row in table.output.splitlines() if gpu in row)
+    assert "cordoned" in line and "NVIDIA H100×2" in line and "6.5/8" in line
+
     shown = dsec_cli("node", "show", gpu, "--json", env=stack_env)
     assert shown.exit_code == 0, shown.output
     detail = shown.last_json()
