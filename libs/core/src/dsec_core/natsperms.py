@@ -116,6 +116,7 @@ TABLE: Mapping[str, Role] = {
             "policy.violation",
             "policy.violation_summary",
             "policy.reported",
+            "node.joined",
             "node.heartbeat",
         ),
         consumes=("env.built", "sandbox.stop_requested"),
@@ -135,6 +136,9 @@ TABLE: Mapping[str, Role] = {
             # `dsec sandbox run --snapshot` records that it started a sandbox from a snapshot
             "snapshot.restored",
             "audit.key_registered",
+            # `dsec node cordon|uncordon|drain` on the operator's machine (which connects as
+            # its local user): the event must still be signed by the operator's key (authz)
+            "node.cordon_requested",
         ),
         extra_publish=(RPC_REQUESTS,),  # `dsec sandbox logs|exec` requests (signed)
     ),
