@@ -19,7 +19,7 @@ from typing import Any
 
 import nats
 import pytest
-from dsec_core import keysource
+from dsec_core import identity, keysource
 from dsec_core.bus import ensure_stream, replay
 from dsec_core.events import SpecRejected
 from dsec_core.service import Service
@@ -123,9 +123,11 @@ def _issue_to_vault(dsec_cli: Any, env: dict, *extra: str) -> Any:
     return result
 
 
-async def _admitted(js: JetStreamContext, nc: Any, anchor: str) -> dict[int, Any]:
+async def _admitted(
+    js: JetStreamContext, nc: Any, anchor: str, gate: Gate | None = None
+) -> dict[int, Any]:
     """What a consumer's gate answers for every message in the stream (envelope or Refusal)."""
-    gate = Gate(KeyRing(nc, js, bytes.fromhex(anchor)), js, None)
+    gate = gate or Gate(KeyRing(nc, js, bytes.fromhex(anchor)), js, None)
     return {seq: await gate.admit(data, stream_seq=seq) async for seq, data in replay(js)}
 
 
@@ -197,17 +199,58 @@ async def test_two_replicas_share_one_key_and_both_chains_verify(
     assert result["events"] == 2 * (1 + 3)  # each replica: its registration and three events
 
 
-async def test_a_service_token_reads_only_its_own_key(
+async def test_each_service_token_reads_only_its_own_key(
     operator_env, anchor, vault, prefix, dsec_cli, tmp_path
 ) -> None:
-    token_file = tmp_path / "policy.token"
-    _issue_to_vault(dsec_cli, operator_env, "--token-file", str(token_file))
-    dsec_cli("admin", "issue-service", "builder", "--to-vault", env=operator_env)
-    keys = keysource.VaultKeys(vault.addr, token_file.read_text().strip(), prefix=prefix)
-    assert keys.read("policy").cert.subject == "policy"
-    with pytest.raises(keysource.KeySourceError, match="permission denied") as denied:
-        keys.read("builder")
-    assert "builder" in str(denied.value)
+    out = tmp_path / "deploy"
+    issued = dsec_cli("admin", "issue-services", str(out), "--to-vault", env=operator_env)
+    assert issued.exit_code == 0, issued.output
+    assert not (out / "keys").exists()  # the keys went to Vault only
+    tokens = {p.stem: p.read_text().strip() for p in (out / "tokens").iterdir()}
+    assert sorted(tokens) == sorted(identity.SERVICE_ROLES)
+    for role, token in tokens.items():
+        keys = keysource.VaultKeys(vault.addr, token, prefix=prefix)
+        mine = keys.read(role)
+        identity.check(mine.cert, bytes.fromhex(anchor))
+        assert mine.cert.subject == role
+        other = "builder" if role != "builder" else "policy"
+        with pytest.raises(keysource.KeySourceError, match="permission denied") as denied:
+            keys.read(other)
+        assert other in str(denied.value) and token not in str(denied.value)
+    # Issuing again keeps the keys replicas already use.
+    again = _issue_to_vault(dsec_cli, operator_env)
+    assert keysource.VaultKeys(vault.addr, vault.token, prefix=prefix).read("policy").key_id in (
+        again.output
+    )
+
+
+async def test_rotation_of_file_keys_while_the_service_runs(
+    js, private_nats, operator_home, anchor, dsec_cli, tmp_path
+) -> None:
+    """The embedded stack's way: the service reads HOME/keys, the operator rotates there."""
+    env = {"DSEC_HOME": str(operator_home), "DSEC_NATS_URL": private_nats}
+    issued = dsec_cli("admin", "issue-service", "policy", "--home", str(operator_home), env=env)
+    assert issued.exit_code == 0, issued.output
+    settings = Settings(home=operator_home, nats_url=private_nats, key_check_s=0.2)
+    svc = Service("policy", settings)
+    await svc.start()
+    try:
+        assert svc.publisher is not None
+        old = svc.publisher.signer.key_id
+        before = await _emit(svc, "before")
+        rotated = await asyncio.to_thread(
+            dsec_cli, "audit", "keys", "rotate", "policy", "--grace", "1", "--json", env=env
+        )
+        assert rotated.exit_code == 0, rotated.output
+        new = rotated.last_json()["new_key_id"]
+        assert new != old and svc.publisher.signer.key_id == new
+        after = await _emit(svc, "after")
+        verdicts = await _admitted(js, svc.nc, anchor)
+    finally:
+        await svc.stop()
+    assert all(not isinstance(verdicts[s], Refusal) for s in [*before, *after])
+    code, result = _verify(dsec_cli, private_nats, anchor, tmp_path)
+    assert code == 0 and result["injected"] == [], result
 
 
 async def test_rotation_while_replicas_run(
@@ -223,7 +266,12 @@ async def test_rotation_while_replicas_run(
         assert replicas[0].publisher is not None
         old_signer = replicas[0].publisher.signer
         before = await _emit(replicas[0], "before")
-        # An event signed before the rotation that a consumer reads only after it.
+        # A consumer that knows the old key, and follows its revocation live.
+        consumer = Gate(KeyRing(replicas[1].nc, js, bytes.fromhex(anchor)), js, None)
+        await consumer.keys.start()
+        assert not any(
+            isinstance(v, Refusal) for v in (await _admitted(js, None, anchor, consumer)).values()
+        )
         rotated = await asyncio.to_thread(
             dsec_cli, "audit", "keys", "rotate", "policy", "--grace", "1.5", "--json",
             env=operator_env,
@@ -239,12 +287,17 @@ async def test_rotation_while_replicas_run(
         stale = Signer("policy", old_signer._key)
         late = stale.seal(_reject(9), aggregate_id="sbx_late")
         late_seq = (await js.publish(late.subject, late.wire)).seq
+        # Events of the old key stored before its revocation still count, for a consumer
+        # that followed the revocation live as for one that starts now.
+        followed = await _admitted(js, None, anchor, consumer)
         verdicts = await _admitted(js, replicas[0].nc, anchor)
+        await consumer.keys.stop()
     finally:
         await asyncio.gather(*(r.stop() for r in replicas))
-    for seq in [*before, *after[0], *after[1]]:
-        assert not isinstance(verdicts[seq], Refusal), (seq, verdicts[seq])
-    assert isinstance(verdicts[late_seq], Refusal) and verdicts[late_seq].reason == "revoked-key"
+    for answers in (followed, verdicts):
+        for seq in [*before, *after[0], *after[1]]:
+            assert not isinstance(answers[seq], Refusal), (seq, answers[seq])
+        assert isinstance(answers[late_seq], Refusal) and answers[late_seq].reason == "revoked-key"
     # The registration of the new key carries the old key's endorsement.
     registration = next(
         v

@@ -236,12 +236,22 @@ def issue_services(
     node: Annotated[str, typer.Option(help="The node the node agent's certificate names")] = (
         "node-1"
     ),
+    to_vault: Annotated[
+        bool,
+        typer.Option(
+            "--to-vault",
+            help="Store the keys in Vault/OpenBao instead; write OUT/tokens/<service>.token, "
+            "each reading only its service's key",
+        ),
+    ] = False,
 ) -> None:
     """Certify a key for every service of a deployment (compose, Kubernetes).
 
     Writes OUT/keys/<service>.key and .cert.json (mount each service's two files into its
     $DSEC_HOME/keys) and OUT/trust.env with DSEC_TRUST_ROOT (give it to every service and CLI).
-    The root key itself stays with the operator ($DSEC_HOME/trust/root.key here).
+    With --to-vault the keys go to Vault (services run with DSEC_KEY_SOURCE=vault and their
+    token) and only the tokens are written. The root key itself stays with the operator
+    ($DSEC_HOME/trust/root.key here).
     """
     from dsec_core import identity
 
@@ -252,13 +262,19 @@ def issue_services(
     root = operator_root()
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     paths = identity.TrustPaths(out)
+    if to_vault:
+        (out / "tokens").mkdir(exist_ok=True, mode=0o700)
     for role in identity.SERVICE_ROLES:
         node_id = node if role == "nodeagent" else None
-        cert = identity.ensure_service_identity(paths, root, role, node_id=node_id)
-        console.print(f"{role}: key {cert.key_id}", highlight=False)
+        if to_vault:
+            key_id = _issue_to_vault(root, role, node_id, out / "tokens" / f"{role}.token")
+        else:
+            key_id = identity.ensure_service_identity(paths, root, role, node_id=node_id).key_id
+        console.print(f"{role}: key {key_id}", highlight=False)
     env = out / "trust.env"
     env.write_text(f"DSEC_TRUST_ROOT={bytes(root.verify_key).hex()}\n")
-    console.print(f"wrote {safe_text(out)}/keys and {safe_text(env)}", highlight=False)
+    written = "tokens" if to_vault else "keys"
+    console.print(f"wrote {safe_text(out)}/{written} and {safe_text(env)}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
