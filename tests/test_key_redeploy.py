@@ -28,6 +28,7 @@ from dsec_core.signing import Signer
 from dsec_core.trust import Gate, KeyRing, Refusal
 from dsec_testing import trust
 from dsec_testing.stack import StackFixture, VaultInfo
+from nacl.signing import SigningKey
 from nats.js import JetStreamContext
 
 pytestmark = pytest.mark.integration
@@ -356,3 +357,27 @@ def test_missing_key_names_the_command_that_issues_it(
     assert proc.returncode == 2, proc.stderr
     assert f"secret/{prefix}/policy" in proc.stderr
     assert "dsec admin issue-service policy --to-vault" in proc.stderr
+
+
+def test_a_malformed_or_mismatched_vault_key_is_refused_without_quoting_it(
+    operator_home, vault, prefix
+) -> None:
+    root = trust.stack_root(operator_home)
+    keys = keysource.VaultKeys(vault.addr, vault.token, prefix=prefix)
+    cert = identity.issue(
+        root, bytes(SigningKey.generate().verify_key), subject="policy", role="policy"
+    )
+    secret_like = "ab" * 15 + "zz"  # 32 characters that are not hex: must not be echoed
+    vault.client().secrets.kv.v2.create_or_update_secret(
+        path=keys.path("policy"),
+        secret={"seed": secret_like, "certificate": cert.model_dump(mode="json")},
+        mount_point="secret",
+    )
+    with pytest.raises(keysource.KeySourceError, match="not a DSec key") as bad:
+        keys.read("policy")
+    assert secret_like not in str(bad.value) and "ab" * 15 not in str(bad.value)
+    other = SigningKey.generate()
+    keys.write("policy", other, cert)  # a seed the certificate does not certify
+    with pytest.raises(keysource.KeySourceError, match="certifies another key") as mismatch:
+        keys.read("policy")
+    assert bytes(other).hex() not in str(mismatch.value)

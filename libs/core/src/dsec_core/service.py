@@ -396,14 +396,21 @@ class Service:
     async def _watch_key(self, anchor: bytes) -> None:
         """Pick up a rotated key while running: the key source is read again every
         ``key_check_s`` seconds, and at once on SIGHUP."""
+        problem: str | None = None
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.recheck_key.wait(), self.settings.key_check_s)
             self.recheck_key.clear()
             try:
                 await self.reload_key(anchor)
-            except Exception as exc:  # keep signing with the key in hand; say why
-                log.warning("%s: key source not re-read: %s", self.name, exc)
+            except Exception as exc:  # keep signing with the key in hand; say why, once
+                if str(exc) != problem:
+                    log.warning("%s: key source not re-read: %s", self.name, exc)
+                problem = str(exc)
+                continue
+            if problem is not None:
+                log.warning("%s: key source readable again", self.name)
+            problem = None
 
     async def reload_key(self, anchor: bytes) -> bool:
         """Sign with the key the source holds now, if it is another certified key of this
