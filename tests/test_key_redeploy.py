@@ -317,6 +317,10 @@ async def test_rotation_while_replicas_run(
     assert code == 0, result
     assert [i["seq"] for i in result["injected"]] == [late_seq]
     assert result["injected"][0]["reason"].startswith("revoked-key")
+    listed = dsec_cli("audit", "keys", "--json", env=operator_env).last_json()
+    rows = {row["key_id"]: row for row in listed}
+    assert rows[new_key]["endorsed"] and rows[new_key]["revoked_at_seq"] is None
+    assert not rows[old_signer.key_id]["endorsed"] and rows[old_signer.key_id]["revoked_at_seq"]
 
 
 def test_missing_key_names_the_command_that_issues_it(

@@ -217,6 +217,8 @@ def keys(
                         "tenant": cert.get("tenant"),
                         "node_id": cert.get("node_id"),
                         "first_seq": seq,
+                        # a rotation: the previous key signed this one
+                        "endorsed": bool(env.payload.get("endorsement")),
                     },
                 )
         for key_id, row in found.items():
@@ -227,7 +229,9 @@ def keys(
     if as_json:
         print_json(rows)
         return
-    table = Table("producer", "key id", "role", "tenant / node", "registered at seq", "revoked")
+    table = Table(
+        "producer", "key id", "role", "tenant / node", "registered at seq", "rotated in", "revoked"
+    )
     for row in rows:
         where = row["tenant"] or row["node_id"] or "-"
         table.add_row(
@@ -236,6 +240,7 @@ def keys(
             safe_text(row["role"] or "[uncertified]"),
             safe_text(where),
             str(row["first_seq"]),
+            "yes" if row["endorsed"] else "-",
             f"at seq {row['revoked_at_seq']}" if row["revoked_at_seq"] else "-",
         )
     console.print(table)
