@@ -211,7 +211,7 @@ async def test_each_service_token_reads_only_its_own_key(
     assert sorted(tokens) == sorted(identity.SERVICE_ROLES)
     for role, token in tokens.items():
         keys = keysource.VaultKeys(vault.addr, token, prefix=prefix)
-        mine = keys.read(role)
+        mine = keys.read(keysource.vault_name(role, "node-1"))  # issue-services' default node
         identity.check(mine.cert, bytes.fromhex(anchor))
         assert mine.cert.subject == role
         other = "builder" if role != "builder" else "policy"
@@ -385,3 +385,25 @@ def test_a_malformed_or_mismatched_vault_key_is_refused_without_quoting_it(
     with pytest.raises(keysource.KeySourceError, match="certifies another key") as mismatch:
         keys.read("policy")
     assert bytes(other).hex() not in str(mismatch.value)
+
+
+async def test_each_node_agent_reads_the_key_of_its_own_node(
+    js, private_nats, operator_env, anchor, vault, prefix, dsec_cli, tmp_path
+) -> None:
+    for node in ("n1", "n2"):
+        issued = dsec_cli(
+            "admin", "issue-service", "nodeagent", "--node", node, "--to-vault", env=operator_env
+        )
+        assert issued.exit_code == 0, issued.output
+    loaded = {}
+    for node in ("n1", "n2"):
+        settings = _container(tmp_path / node, private_nats, anchor, vault, prefix)
+        loaded[node] = keysource.load_service_key(
+            settings.model_copy(update={"node_id": node}), "nodeagent"
+        )
+    assert loaded["n1"].cert.node_id == "n1" and loaded["n2"].cert.node_id == "n2"
+    assert loaded["n1"].key_id != loaded["n2"].key_id
+    missing = _container(tmp_path / "n3", private_nats, anchor, vault, prefix)
+    with pytest.raises(keysource.KeyMissing) as error:
+        keysource.load_service_key(missing.model_copy(update={"node_id": "n3"}), "nodeagent")
+    assert "dsec admin issue-service nodeagent --node n3 --to-vault" in str(error.value)

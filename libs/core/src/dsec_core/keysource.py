@@ -6,11 +6,12 @@ it (:class:`KeyMissing`). Two sources (``DSEC_KEY_SOURCE``):
 
 * ``file`` — ``$DSEC_HOME/keys/<producer>.key`` (the raw Ed25519 seed, 0600) and
   ``<producer>.cert.json``, written by ``dsec up`` or ``dsec admin issue-service``;
-* ``vault`` — one KV v2 secret ``<mount>/<prefix>/<producer>`` holding ``seed`` (hex) and
+* ``vault`` — one KV v2 secret ``<mount>/<prefix>/<name>`` holding ``seed`` (hex) and
   ``certificate`` (JSON), written by ``dsec admin issue-service --to-vault`` and
   ``dsec audit keys rotate``. Replicas and re-created containers read the same certified key;
   each process still opens its own chain. The token a service uses may read only its own path
-  (:func:`vault_policy`).
+  (:func:`vault_policy`). The name is the producer's, except for node agents: each node's
+  agent has its own certified key, at ``nodeagent-<node id>`` (:func:`vault_name`).
 
 The seed is never put into a log line, an event or an exception message.
 """
@@ -56,10 +57,18 @@ class ServiceKey:
         return self.cert.key_id
 
 
+def vault_name(producer: str, node_id: str | None) -> str:
+    """The name of a producer's key in Vault: a node agent's names its node."""
+    return f"nodeagent-{node_id}" if producer == "nodeagent" and node_id else producer
+
+
 def issue_command(producer: str, *, vault: bool, home: Path | None = None) -> str:
-    """The operator command that issues ``producer``'s key for this source."""
-    role = producer if producer in identity.SERVICE_ROLES else "ROLE"
-    node = " --node NODE_ID" if role == "nodeagent" else ""
+    """The operator command that issues ``producer``'s key (or Vault key name's) here."""
+    role, node_id = producer, ""
+    if producer.startswith("nodeagent-"):
+        role, _, node_id = producer.partition("-")
+    role = role if role in identity.SERVICE_ROLES else "ROLE"
+    node = f" --node {node_id or 'NODE_ID'}" if role == "nodeagent" else ""
     if vault:
         return f"dsec admin issue-service {role}{node} --to-vault --token-file FILE"
     return f"dsec admin issue-service {role}{node} --home {home or 'DSEC_HOME'}"
@@ -224,16 +233,16 @@ def load_service_key(settings: Settings, producer: str) -> ServiceKey:
         KeySourceError: the source cannot be read or holds a mismatched key.
     """
     if settings.key_source == "vault":
-        return vault_keys(settings).read(producer)
+        return vault_keys(settings).read(vault_name(producer, settings.node_id))
     return read_file_key(TrustPaths(settings.home), producer)
 
 
 def store_service_key(settings: Settings, producer: str, key: SigningKey, cert: Certificate) -> str:
     """Store a key where a service configured like ``settings`` reads it; returns where."""
     if settings.key_source == "vault":
-        keys = vault_keys(settings)
-        version = keys.write(producer, key, cert)
-        return f"{keys.where(producer)} (version {version})"
+        keys, name = vault_keys(settings), vault_name(producer, cert.node_id)
+        version = keys.write(name, key, cert)
+        return f"{keys.where(name)} (version {version})"
     paths = TrustPaths(settings.home)
     write_file_key(paths, producer, key, cert)
     return str(paths.key(producer).parent)

@@ -425,10 +425,14 @@ class Service:
         if loaded.key_id == current.key_id:
             return False
         identity.check(loaded.cert, anchor)
-        if loaded.cert.subject != current.producer:
+        held = self.publisher.certificate
+        assert held is not None  # a service publishes only with its certificate
+        was = (held.subject, held.role, held.node_id)
+        now = (loaded.cert.subject, loaded.cert.role, loaded.cert.node_id)
+        if now != was:
             raise identity.CertificateError(
-                f"the stored key {loaded.key_id} is certified for {loaded.cert.subject!r}, "
-                f"not {current.producer!r}"
+                f"the stored key {loaded.key_id} is certified as {now} (subject, role, node), "
+                f"not {was}"
             )
         await self.publisher.rekey(Signer(loaded.cert.subject, loaded.key), loaded.cert)
         await self.publisher.register_key()

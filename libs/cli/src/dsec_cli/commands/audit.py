@@ -295,6 +295,10 @@ def rotate(
             "(they re-read their key every DSEC_KEY_CHECK_S, default 5, or on SIGHUP)",
         ),
     ] = 10.0,
+    node: Annotated[
+        str | None,
+        typer.Option(help="Node agents: the node whose agent's key (default DSEC_NODE_ID)"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
 ) -> None:
     """Give a service a new certified key (operator only), where its replicas read it.
@@ -315,7 +319,7 @@ def rotate(
 
     if service not in identity.SERVICE_ROLES:
         fail(f"{service!r} is not a service; valid: {', '.join(identity.SERVICE_ROLES)}", 2)
-    settings = Settings()
+    settings = Settings(node_id=node) if node else Settings()
     root = operator_root()
     try:
         old = keysource.load_service_key(settings, service)

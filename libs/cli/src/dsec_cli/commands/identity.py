@@ -189,8 +189,9 @@ def _issue_to_vault(root: Any, role: str, node: str | None, token_file: Path | N
     from nacl.signing import SigningKey
 
     keys = keysource.vault_keys(Settings(key_source="vault"))
+    name = keysource.vault_name(role, node)
     try:
-        current: keysource.ServiceKey | None = keys.read(role)
+        current: keysource.ServiceKey | None = keys.read(name)
     except keysource.KeyMissing:
         current = None
     except keysource.KeySourceError as exc:
@@ -207,7 +208,7 @@ def _issue_to_vault(root: Any, role: str, node: str | None, token_file: Path | N
             root, bytes(key.verify_key), subject=role, role=cast(identity.Role, role), node_id=node
         )
         try:
-            keys.write(role, key, cert)
+            keys.write(name, key, cert)
         except keysource.KeySourceError as exc:
             fail(str(exc), EXIT_BAD_INPUT)
         key_id = cert.key_id
@@ -215,15 +216,15 @@ def _issue_to_vault(root: Any, role: str, node: str | None, token_file: Path | N
         key_id = current.key_id
     if token_file is not None:
         try:
-            token = keys.grant(role)
+            token = keys.grant(name)
         except keysource.KeySourceError as exc:
             fail(str(exc), EXIT_BAD_INPUT)
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token + "\n")
         console.print(
-            f"wrote {safe_text(token_file)}: a Vault token (policy {keys.policy_name(role)}) that "
-            f"reads only {safe_text(keys.where(role))}; give it to the service as "
+            f"wrote {safe_text(token_file)}: a Vault token (policy {keys.policy_name(name)}) that "
+            f"reads only {safe_text(keys.where(name))}; give it to the service as "
             "DSEC_VAULT_TOKEN with DSEC_KEY_SOURCE=vault",
             highlight=False,
         )
