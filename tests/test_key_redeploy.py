@@ -8,6 +8,7 @@ own key path in the session's OpenBao.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -133,8 +134,9 @@ async def _admitted(
 
 
 async def test_recreated_container_reads_its_key_from_vault(
-    js, private_nats, operator_env, anchor, vault, prefix, dsec_cli, tmp_path
+    js, private_nats, operator_env, anchor, vault, prefix, dsec_cli, tmp_path, caplog
 ) -> None:
+    caplog.set_level(logging.DEBUG)
     issued = _issue_to_vault(dsec_cli, operator_env)
     first = Service("policy", _container(tmp_path / "c1", private_nats, anchor, vault, prefix))
     await first.start()
@@ -159,6 +161,7 @@ async def test_recreated_container_reads_its_key_from_vault(
     async for _, data in replay(js):
         assert seed not in data and seed.hex().encode() not in data
     assert seed.hex() not in issued.output
+    assert seed.hex() not in caplog.text and str(seed)[2:-1] not in caplog.text
 
 
 def _vault_only(env: dict) -> dict:
