@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -410,3 +411,51 @@ async def test_each_node_agent_reads_the_key_of_its_own_node(
     with pytest.raises(keysource.KeyMissing) as error:
         keysource.load_service_key(missing.model_copy(update={"node_id": "n3"}), "nodeagent")
     assert "dsec admin issue-service nodeagent --node n3 --to-vault" in str(error.value)
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text(errors="replace"):
+        assert proc.poll() is None, path.read_text(errors="replace")
+        assert time.monotonic() < deadline, f"no {text!r} in:\n{path.read_text()}"
+        time.sleep(0.05)
+
+
+def test_a_service_process_takes_a_rotated_key_on_sighup(
+    private_nats, operator_env, anchor, vault, prefix, dsec_cli, tmp_path
+) -> None:
+    """The real process: starts from Vault with an empty home, switches keys on SIGHUP."""
+    token_file = tmp_path / "policy.token"
+    _issue_to_vault(dsec_cli, operator_env, "--token-file", str(token_file))
+    home = tmp_path / "container"
+    home.mkdir()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("DSEC_")},
+        "DSEC_HOME": str(home),
+        "DSEC_NATS_URL": private_nats,
+        "DSEC_TRUST_ROOT": anchor,
+        "DSEC_KEY_SOURCE": "vault",
+        "DSEC_VAULT_ADDR": vault.addr,
+        "DSEC_VAULT_TOKEN": token_file.read_text().strip(),
+        "DSEC_VAULT_KEY_PREFIX": prefix,
+        "DSEC_KEY_CHECK_S": "600",  # only the signal makes it look again
+    }
+    log = tmp_path / "policy.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dsec_policy"], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        _wait_for(log, "ready; metrics", proc)
+        rotated = dsec_cli(
+            "audit", "keys", "rotate", "policy", "--no-revoke-old", "--json", env=operator_env
+        )
+        assert rotated.exit_code == 0, rotated.output
+        new_key = rotated.last_json()["new_key_id"]
+        assert f"signing with key {new_key}" not in log.read_text()
+        proc.send_signal(signal.SIGHUP)
+        _wait_for(log, f"signing with key {new_key} now", proc)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+    assert list(home.rglob("*.key")) == []
