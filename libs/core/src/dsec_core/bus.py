@@ -209,16 +209,28 @@ class EventPublisher:
         self._chain_lock = asyncio.Lock()
         self._in_doubt: Sealed | None = None
 
-    async def register_key(self) -> Published:
-        """Publish this producer's public key and its certificate (subject per key id)."""
+    async def register_key(self, *, endorsement: str | None = None) -> Published:
+        """Publish this producer's public key and its certificate (subject per key id);
+        ``endorsement``: on a rotation, the new key signed by the previous one."""
         cert = self.certificate
         reg = KeyRegistered(
             producer=self.signer.producer,
             key_id=self.signer.key_id,
             public_key=self.signer.public_raw.hex(),
+            endorsement=endorsement,
             certificate=cert.model_dump(mode="json") if cert is not None else None,
         )
         return await self.publish(reg, aggregate_id=self.signer.key_id, tenant=SYSTEM_TENANT)
+
+    async def rekey(self, signer: Signer, certificate: Certificate) -> None:
+        """Sign with another key from now on (a rotated key picked up while running): the
+        envelope still in doubt lands in the old chain first; the new key opens a new chain."""
+        async with self._chain_lock:
+            if self._in_doubt is not None:
+                await self.publish_sealed(self._in_doubt)
+                self._in_doubt = None
+            self.signer = signer
+            self.certificate = certificate
 
     async def publish(
         self,

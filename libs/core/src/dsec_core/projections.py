@@ -232,7 +232,7 @@ async def apply_batch(
             if seq <= current:
                 continue
             try:
-                env = decode(data) if gate is None else await gate.authentic(data)
+                env = decode(data) if gate is None else await gate.authentic(data, stream_seq=seq)
             except MalformedEnvelope as exc:
                 log.error("projection skips malformed event at seq %d: %s", seq, exc)
                 env = None

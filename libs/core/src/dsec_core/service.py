@@ -22,6 +22,7 @@ default REJECT_ON_ERROR (which silently terminates a failing message) is never u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -37,14 +38,14 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from dsec_core import identity, metrics, natsclient
+from dsec_core import identity, keysource, metrics, natsclient
 from dsec_core.bus import EventPublisher, StreamWeakened, connect, require_stream
 from dsec_core.envelope import Envelope
 from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
 from dsec_core.ids import derive_event_id
 from dsec_core.natsperms import durable_name
 from dsec_core.settings import Settings
-from dsec_core.signing import Signer, load_or_create_key
+from dsec_core.signing import Signer
 from dsec_core.subjects import STREAM, filter_for
 from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket
 
@@ -135,6 +136,9 @@ class Service:
         self.durables: list[str] = []  # its durable consumers (NATS permissions allow only these)
         self.stream_problem: str | None = None  # set while DSEC_EVENTS is weakened
         self._watch: asyncio.Task[None] | None = None
+        self._key_watch: asyncio.Task[None] | None = None
+        self.recheck_key = asyncio.Event()
+        """Set (SIGHUP does) to read the key source again now."""
 
     def _healthy(self) -> bool:
         connected = self.nc is not None and self.nc.is_connected
@@ -352,14 +356,11 @@ class Service:
         """Connect, declare the stream, register the key, start consuming and serving metrics."""
         settings = self.settings
         paths = identity.TrustPaths(settings.home)
-        # A service signs only with a key the operator root certified (``dsec up`` or
-        # ``dsec admin issue`` wrote it): no certificate, no start.
-        cert = identity.read_cert(paths.cert(self.name))
-        key = load_or_create_key(paths.key(self.name))
-        if cert.public_key != bytes(key.verify_key).hex():
-            raise identity.CertificateError(
-                f"{paths.cert(self.name)} certifies another key than {paths.key(self.name)}"
-            )
+        # A service signs only with a key the operator root certified (``dsec up``,
+        # ``dsec admin issue-service`` or its ``--to-vault`` stored it): no key, no start, and
+        # never a key of its own making (the error names the command that issues one).
+        loaded = await asyncio.to_thread(keysource.load_service_key, settings, self.name)
+        key, cert = loaded.key, loaded.cert
         anchor = identity.read_anchor(paths, settings.trust_root)
         if anchor is None:
             raise identity.CertificateError(
@@ -388,13 +389,64 @@ class Service:
         await self.broker.start()
         self.loop_watch.start()
         self._watch = asyncio.create_task(self._watch_stream(js), name="stream-check")
+        self._key_watch = asyncio.create_task(self._watch_key(anchor), name="key-check")
         port = await self.metrics.start(settings.metrics_port)
         log.info("%s %s ready; metrics on 127.0.0.1:%d", self.name, self.version, port)
+
+    async def _watch_key(self, anchor: bytes) -> None:
+        """Pick up a rotated key while running: the key source is read again every
+        ``key_check_s`` seconds, and at once on SIGHUP."""
+        problem: str | None = None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.recheck_key.wait(), self.settings.key_check_s)
+            self.recheck_key.clear()
+            try:
+                await self.reload_key(anchor)
+            except Exception as exc:  # keep signing with the key in hand; say why, once
+                if str(exc) != problem:
+                    log.warning("%s: key source not re-read: %s", self.name, exc)
+                problem = str(exc)
+                continue
+            if problem is not None:
+                log.warning("%s: key source readable again", self.name)
+            problem = None
+
+    async def reload_key(self, anchor: bytes) -> bool:
+        """Sign with the key the source holds now, if it is another certified key of this
+        producer (a new chain, opened by its registration). Returns whether the key changed.
+
+        Raises:
+            CertificateError: the stored key is not certified by the root for this producer.
+        """
+        assert self.publisher is not None
+        loaded = await asyncio.to_thread(keysource.load_service_key, self.settings, self.name)
+        current = self.publisher.signer
+        if loaded.key_id == current.key_id:
+            return False
+        identity.check(loaded.cert, anchor)
+        held = self.publisher.certificate
+        assert held is not None  # a service publishes only with its certificate
+        was = (held.subject, held.role, held.node_id)
+        now = (loaded.cert.subject, loaded.cert.role, loaded.cert.node_id)
+        if now != was:
+            raise identity.CertificateError(
+                f"the stored key {loaded.key_id} is certified as {now} (subject, role, node), "
+                f"not {was}"
+            )
+        await self.publisher.rekey(Signer(loaded.cert.subject, loaded.key), loaded.cert)
+        await self.publisher.register_key()
+        log.warning(
+            "%s: signing with key %s now (was %s)", self.name, loaded.key_id, current.key_id
+        )
+        return True
 
     async def stop(self) -> None:
         """Stop consuming, run stop hooks, close connections."""
         if self._watch is not None:
             self._watch.cancel()
+        if self._key_watch is not None:
+            self._key_watch.cancel()
         await self.broker.stop()
         for hook in self.on_stop:
             await hook()
@@ -410,6 +462,7 @@ class Service:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, self.recheck_key.set)
         await self.start()
         await self._stopping.wait()
         await self.stop()
@@ -421,4 +474,8 @@ def main(service: Service) -> None:
         level=service.settings.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    asyncio.run(service.run())
+    try:
+        asyncio.run(service.run())
+    except identity.CertificateError as exc:  # no certified key, no trust root: say what to do
+        log.critical("%s cannot start: %s", service.name, exc)
+        raise SystemExit(2) from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -40,6 +40,16 @@ class Settings(BaseSettings):
     s3_bucket: str = Field(default="dsec", description="Bucket for bundles, caches, snapshots")
     vault_addr: str | None = Field(default=None, description="Vault/OpenBao address (external)")
     vault_token: str | None = Field(default=None, repr=False, description="Vault/OpenBao token")
+    key_source: Literal["file", "vault"] = Field(
+        default="file",
+        description="Where a service reads its certified key: $DSEC_HOME/keys (file) or a "
+        "Vault KV v2 secret <mount>/<prefix>/<producer> (vault)",
+    )
+    vault_key_mount: str = Field(default="secret", description="KV v2 mount of producer keys")
+    vault_key_prefix: str = Field(default="dsec/keys", description="Path of producer keys")
+    key_check_s: float = Field(
+        default=5.0, gt=0, description="How often a service re-reads its key source (rotation)"
+    )
     trust_root: str | None = Field(
         default=None,
         description="Operator root public key (hex) that certifies every producer key; unset: "

@@ -136,7 +136,7 @@ class KeyRing:
         self._certs: OrderedDict[str, Certificate] = OrderedDict()
         self._checked: dict[str, float] = {}  # key id -> when the log was last read for it
         self._bad: OrderedDict[str, str] = OrderedDict()
-        self._revoked: set[str] = set()
+        self._revoked: dict[str, int] = {}  # key id -> stream seq of its revocation (0: unknown)
         self._sub: Any = None
 
     async def start(self) -> None:
@@ -153,8 +153,8 @@ class KeyRing:
             fields = unpack_fields(msg.data)
             if await self._valid_revocation(fields):
                 key_id = str(fields["payload"]["key_id"])
-                self._revoked.add(key_id)
-                self._certs.pop(key_id, None)
+                # Where the log holds it: what the key signed before stays valid (0 if unread).
+                self._revoked[key_id] = await self._revoked_in_log(key_id) or 0
                 log.warning("key %s revoked by the operator", key_id)
 
     async def _valid_revocation(self, fields: dict[str, Any]) -> bool:
@@ -169,15 +169,24 @@ class KeyRing:
         public = bytes.fromhex(cert.public_key)
         return verify_raw(fields, public) and authz.refusal(fields, cert) is None
 
-    async def certificate(self, key_id: str, *, check_revocation: bool = True) -> Certificate | str:
-        """The certificate of ``key_id``, or why it has none (not registered, not certified)."""
-        if key_id in self._revoked:
+    async def certificate(
+        self, key_id: str, *, check_revocation: bool = True, at_seq: int | None = None
+    ) -> Certificate | str:
+        """The certificate of ``key_id``, or why it has none (not registered, not certified,
+        revoked). ``at_seq``: the stream position of the event it signed; an event stored
+        before the key's revocation still counts (a rotated key's earlier events), one stored
+        after it (or of unknown position) does not."""
+        revoked_at = self._revoked.get(key_id)
+        if revoked_at == 0 and at_seq is not None:  # followed live before the log had it
+            revoked_at = self._revoked[key_id] = await self._revoked_in_log(key_id) or 0
+        if revoked_at is not None and (at_seq is None or at_seq >= revoked_at):
             return f"key {key_id} was revoked by the operator"
         cert = self._certs.get(key_id)
         if cert is not None:
             if cert.expires_at is not None and datetime.now(UTC) >= cert.expires_at:
                 return f"key {key_id}: certificate expired at {cert.expires_at.isoformat()}"
-            if not check_revocation or time.monotonic() - self._checked.get(key_id, 0) < RECHECK_S:
+            recent = time.monotonic() - self._checked.get(key_id, 0) < RECHECK_S
+            if not check_revocation or recent or revoked_at is not None:
                 return cert
             # Revocations arrive live, but one published while this consumer was cut off from
             # core NATS would be missed: the log is read again now and then.
@@ -188,22 +197,26 @@ class KeyRing:
             return "no trust root configured (DSEC_TRUST_ROOT or $DSEC_HOME/trust/root.pub)"
         found = await self._lookup(key_id, self.anchor)
         if isinstance(found, Certificate):
+            _remember(self._certs, key_id, found)
             if check_revocation:
-                checked = await self._still_valid(key_id, found)
+                checked = await self._still_valid(key_id, found, at_seq)
                 if isinstance(checked, str):
                     return checked
-            _remember(self._certs, key_id, found)
         elif "not registered" not in found:  # it may register later; a bad one stays bad
             _remember(self._bad, key_id, found)
         return found
 
-    async def _still_valid(self, key_id: str, cert: Certificate) -> Certificate | str:
-        """``cert``, unless the log holds a revocation of its key (read now)."""
+    async def _still_valid(
+        self, key_id: str, cert: Certificate, at_seq: int | None = None
+    ) -> Certificate | str:
+        """``cert``, unless the log holds a revocation of its key (read now) stored before
+        ``at_seq``."""
         self._checked[key_id] = time.monotonic()
-        if await self._revoked_in_log(key_id):
-            self._revoked.add(key_id)
-            self._certs.pop(key_id, None)
-            return f"key {key_id} was revoked by the operator"
+        revoked_at = await self._revoked_in_log(key_id)
+        if revoked_at is not None:
+            self._revoked[key_id] = revoked_at
+            if at_seq is None or at_seq >= revoked_at:
+                return f"key {key_id} was revoked by the operator"
         return cert
 
     async def _lookup(self, key_id: str, anchor: bytes) -> Certificate | str:
@@ -221,19 +234,20 @@ class KeyRing:
                     problem = found
         return problem
 
-    async def _revoked_in_log(self, key_id: str) -> bool:
-        async for data in scan(self._js, subject_for(KeyRevoked.TYPE, key_id)):
+    async def _revoked_in_log(self, key_id: str) -> int | None:
+        """The stream seq of the first valid revocation of ``key_id`` in the log, if any."""
+        async for seq, data in scan_seq(self._js, subject_for(KeyRevoked.TYPE, key_id)):
             with contextlib.suppress(MalformedEnvelope, KeyError, ValueError):
                 if await self._valid_revocation(unpack_fields(data)):
-                    return True
-        return False
+                    return seq
+        return None
 
 
-async def scan(
+async def scan_seq(
     js: JetStreamContext, subject: str, limit: int = _SCAN_LIMIT
-) -> AsyncIterator[bytes]:
-    """The first ``limit`` messages stored on ``subject``, oldest first (direct reads by
-    subject: no consumer to create or clean up)."""
+) -> AsyncIterator[tuple[int, bytes]]:
+    """The first ``limit`` messages stored on ``subject`` with their stream seqs, oldest first
+    (direct reads by subject: no consumer to create or clean up)."""
     seq = 1
     for _ in range(limit):
         try:
@@ -243,7 +257,15 @@ async def scan(
         if msg.data is None or msg.seq is None:
             return
         seq = msg.seq + 1
-        yield msg.data
+        yield msg.seq, msg.data
+
+
+async def scan(
+    js: JetStreamContext, subject: str, limit: int = _SCAN_LIMIT
+) -> AsyncIterator[bytes]:
+    """The first ``limit`` messages stored on ``subject``, oldest first."""
+    async for _, data in scan_seq(js, subject, limit):
+        yield data
 
 
 def _remember(cache: OrderedDict[str, Any], key: str, value: Any, limit: int = 4096) -> None:
@@ -302,7 +324,7 @@ class Gate:
             refusal = ("misrouted", f"an envelope for {envelope.subject!r} stored on {subject!r}")
         elif event_type is not None and envelope.type != event_type:
             refusal = ("misrouted", f"a {envelope.type} where {event_type} was expected")
-        refusal = refusal or await self.check(fields, envelope)
+        refusal = refusal or await self.check(fields, envelope, stream_seq=stream_seq)
         if refusal is None and consumer is not None:
             try:
                 refusal = await self._replay(envelope, stream_seq, consumer)
@@ -312,23 +334,29 @@ class Gate:
             return envelope
         return Refusal(refusal[0], refusal[1][:500], envelope.id, envelope.type, envelope.producer)
 
-    async def check(self, fields: dict[str, Any], envelope: Envelope) -> tuple[str, str] | None:
+    async def check(
+        self, fields: dict[str, Any], envelope: Envelope, *, stream_seq: int | None = None
+    ) -> tuple[str, str] | None:
         """Shape, signature, certificate, authorization and tenant checks (no replay check).
+        ``stream_seq``: where the log holds it (an event a key signed before its revocation
+        still counts; without a position, a revoked key's events never do).
 
         Never raises: whatever a hostile message makes go wrong is a refusal (``malformed``).
         """
         try:
-            return await self._check(fields, envelope)
+            return await self._check(fields, envelope, stream_seq)
         except Exception as exc:  # a hostile message must never stop a consumer
             return "malformed", f"{type(exc).__name__}: {exc}"
 
-    async def _check(self, fields: dict[str, Any], envelope: Envelope) -> tuple[str, str] | None:
+    async def _check(
+        self, fields: dict[str, Any], envelope: Envelope, stream_seq: int | None
+    ) -> tuple[str, str] | None:
         problem = shape_problem(fields)
         if problem is None and envelope.time.tzinfo is None:
             problem = "time has no zone"
         if problem is not None:
             return "malformed", problem
-        cert = await self.keys.certificate(envelope.key_id)
+        cert = await self.keys.certificate(envelope.key_id, at_seq=stream_seq)
         if isinstance(cert, str):
             reason = "revoked-key" if "revoked" in cert else "unknown-key"
             if "certificate" in cert or "root" in cert or "registered as" in cert:
@@ -385,13 +413,13 @@ class Gate:
         cached = self._tenants.get(sandbox_id)
         if cached is not None:
             return cached[0], cached[1]
-        async for data in scan(self._js, subject_for(SpecSubmitted.TYPE, sandbox_id)):
+        async for seq, data in scan_seq(self._js, subject_for(SpecSubmitted.TYPE, sandbox_id)):
             try:
                 fields = unpack_fields(data)
                 env = Envelope.model_validate(fields)
             except (MalformedEnvelope, ValueError):
                 continue
-            cert = await self.keys.certificate(env.key_id)
+            cert = await self.keys.certificate(env.key_id, at_seq=seq)
             if isinstance(cert, str) or not verify_raw(fields, bytes.fromhex(cert.public_key)):
                 continue
             if authz.refusal(fields, cert) is None:
@@ -400,14 +428,16 @@ class Gate:
                 return found
         return None
 
-    async def authentic(self, data: bytes) -> Envelope | None:
-        """The envelope when it is authentic and authorized (no replay check), else None."""
+    async def authentic(self, data: bytes, *, stream_seq: int | None = None) -> Envelope | None:
+        """The envelope when it is authentic and authorized (no replay check), else None;
+        ``stream_seq``: where the log holds it (see :meth:`check`)."""
         try:
             fields = unpack_fields(data)
             envelope = Envelope.model_validate(fields)
         except (MalformedEnvelope, ValueError):
             return None
-        return envelope if await self.check(fields, envelope) is None else None
+        checked = await self.check(fields, envelope, stream_seq=stream_seq)
+        return envelope if checked is None else None
 
     async def find(
         self, subject: str, *, event_id: str | None = None, limit: int = 256
@@ -415,7 +445,7 @@ class Gate:
         """An authentic, authorized event on ``subject``: the one with ``event_id``, else the
         newest. Forged or unauthorized messages on the subject are skipped, never returned."""
         found: Envelope | None = None
-        async for data in scan(self._js, subject, limit):
+        async for seq, data in scan_seq(self._js, subject, limit):
             try:
                 fields = unpack_fields(data)
                 envelope = Envelope.model_validate(fields)
@@ -425,7 +455,7 @@ class Gate:
                 continue
             if envelope.subject != subject:  # copied here from elsewhere
                 continue
-            if await self.check(fields, envelope) is None:
+            if await self.check(fields, envelope, stream_seq=seq) is None:
                 if event_id is not None:
                     return envelope
                 found = envelope

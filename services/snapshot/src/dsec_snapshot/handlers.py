@@ -118,7 +118,7 @@ class SnapshotHandlers:
                 continue
             if envelope.aggregate_id != sandbox_id:  # another sandbox's event copied here
                 continue
-            if await self.gate().check(fields, envelope) is None:
+            if await self.gate().check(fields, envelope, stream_seq=seq) is None:
                 kept.append((seq, data))
         return kept
 

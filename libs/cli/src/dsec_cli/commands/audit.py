@@ -217,6 +217,8 @@ def keys(
                         "tenant": cert.get("tenant"),
                         "node_id": cert.get("node_id"),
                         "first_seq": seq,
+                        # a rotation: the previous key signed this one
+                        "endorsed": bool(env.payload.get("endorsement")),
                     },
                 )
         for key_id, row in found.items():
@@ -227,7 +229,9 @@ def keys(
     if as_json:
         print_json(rows)
         return
-    table = Table("producer", "key id", "role", "tenant / node", "registered at seq", "revoked")
+    table = Table(
+        "producer", "key id", "role", "tenant / node", "registered at seq", "rotated in", "revoked"
+    )
     for row in rows:
         where = row["tenant"] or row["node_id"] or "-"
         table.add_row(
@@ -236,6 +240,7 @@ def keys(
             safe_text(row["role"] or "[uncertified]"),
             safe_text(where),
             str(row["first_seq"]),
+            "yes" if row["endorsed"] else "-",
             f"at seq {row['revoked_at_seq']}" if row["revoked_at_seq"] else "-",
         )
     console.print(table)
@@ -282,41 +287,98 @@ def revoke(
 def rotate(
     service: Annotated[str, typer.Argument(help="policy, builder, snapshot, scheduler, nodeagent")],
     revoke_old: Annotated[bool, typer.Option(help="Also revoke the previous key")] = True,
+    grace: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds to wait before revoking the old key, so running replicas switch first "
+            "(they re-read their key every DSEC_KEY_CHECK_S, default 5, or on SIGHUP)",
+        ),
+    ] = 10.0,
+    node: Annotated[
+        str | None,
+        typer.Option(help="Node agents: the node whose agent's key (default DSEC_NODE_ID)"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
 ) -> None:
-    """Give a service of this stack a new certified key (operator only); restart it to use it.
+    """Give a service a new certified key (operator only), where its replicas read it.
 
-    The new key's certificate is issued by the operator root and registered at once; with
-    ``--revoke-old`` (default) the previous key is revoked, so events it signs are refused.
+    The new key's certificate is issued by the operator root and registered at once, endorsed
+    by the old key (`audit.key_registered` with the old key's signature of the new one); it is
+    stored where the service reads its key (DSEC_KEY_SOURCE: HOME/keys, or Vault). Running
+    replicas switch to it by themselves; after --grace seconds the old key is revoked (unless
+    --no-revoke-old), so events it signs from then on are refused. Events it signed before stay
+    valid.
     """
-    from dsec_core import identity
+    import time
+
+    from dsec_core import identity, keysource
     from dsec_core.events import KeyRevoked
     from dsec_core.settings import Settings
+    from nacl.signing import SigningKey
 
     if service not in identity.SERVICE_ROLES:
         fail(f"{service!r} is not a service; valid: {', '.join(identity.SERVICE_ROLES)}", 2)
-    paths = identity.TrustPaths(Settings().home)
+    settings = Settings(node_id=node) if node else Settings()
     root = operator_root()
     try:
-        old = identity.read_cert(paths.cert(service))
-    except identity.CertificateError as exc:
+        old = keysource.load_service_key(settings, service)
+    except keysource.KeySourceError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
-    paths.key(service).unlink(missing_ok=True)
-    cert = identity.ensure_service_identity(paths, root, service, node_id=old.node_id)
+    key = SigningKey.generate()
+    old_cert = old.cert
+    cert = identity.issue(
+        root,
+        bytes(key.verify_key),
+        subject=old_cert.subject,
+        role=old_cert.role,
+        tenant=old_cert.tenant,
+        node_id=old_cert.node_id,
+    )
+    endorsement = old.key.sign(bytes(key.verify_key)).signature.hex()
+    registered = run(_register_rotated(key, cert, endorsement))
+    try:
+        where = keysource.store_service_key(settings, service, key, cert)
+    except keysource.KeySourceError as exc:
+        fail(f"the new key {cert.key_id} is registered but not stored: {exc}", EXIT_FAILED)
     if revoke_old:
+        if grace > 0 and not as_json:
+            console.print(f"waiting {grace:g}s for running replicas to switch keys…")
+        time.sleep(grace)
         run(
             _publish_as_operator(
-                KeyRevoked(key_id=old.key_id, producer=old.subject, reason="rotated"), old.key_id
+                KeyRevoked(key_id=old.key_id, producer=old_cert.subject, reason="rotated"),
+                old.key_id,
             )
         )
-    result = {"service": service, "new_key_id": cert.key_id, "old_key_id": old.key_id}
+    result = {
+        "service": service,
+        "new_key_id": cert.key_id,
+        "old_key_id": old.key_id,
+        "registered_at_seq": registered,
+        "stored": where,
+        "old_revoked": revoke_old,
+    }
     if as_json:
         print_json(result)
     else:
         console.print(
-            f"{service}: new key {cert.key_id} (old {old.key_id}"
-            f"{' revoked' if revoke_old else ' still valid'}); restart it: `dsec down && dsec up`"
+            f"{service}: new key {cert.key_id} stored in {safe_text(where)} (old {old.key_id}"
+            f"{' revoked' if revoke_old else ' still valid'}); running replicas switch within "
+            "DSEC_KEY_CHECK_S, or at once on SIGHUP",
+            highlight=False,
         )
+
+
+async def _register_rotated(key: Any, cert: Any, endorsement: str) -> int:
+    """Register the new key in the log as its producer, endorsed by the old key."""
+    from dsec_core.bus import EventPublisher
+    from dsec_core.signing import Signer
+
+    async with bus() as (_, js):
+        publisher = EventPublisher(js, Signer(cert.subject, key), certificate=cert)
+        published = await publisher.register_key(endorsement=endorsement)
+    return published.stream_seq
 
 
 audit_app.add_typer(keys_app, name="keys")

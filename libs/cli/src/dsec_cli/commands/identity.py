@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, cast
 
 import typer
 from dsec_core.settings import Settings
@@ -135,22 +135,100 @@ def issue_user(
 @admin_app.command("issue-service")
 def issue_service(
     role: Annotated[str, typer.Argument(help="policy, builder, snapshot, scheduler, nodeagent")],
-    home: Annotated[Path, typer.Option(help="The DSEC_HOME of the service (its keys/ dir)")],
+    home: Annotated[
+        Path | None, typer.Option(help="The DSEC_HOME of the service (its keys/ dir)")
+    ] = None,
     node: Annotated[str | None, typer.Option(help="Node agents: the node it owns")] = None,
+    to_vault: Annotated[
+        bool,
+        typer.Option(
+            "--to-vault",
+            help="Store the key in Vault/OpenBao (KV v2 DSEC_VAULT_KEY_MOUNT/"
+            "DSEC_VAULT_KEY_PREFIX/ROLE) for services run with DSEC_KEY_SOURCE=vault",
+        ),
+    ] = False,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="With --to-vault: write a Vault token that reads only this key (0600)"),
+    ] = None,
 ) -> None:
-    """Certify a service's key for another machine (a node agent joining, a replica)."""
+    """Certify a service's key for another machine (a node agent joining, replicas).
+
+    With --home the key and certificate go to HOME/keys; with --to-vault into Vault, where every
+    replica and re-created container of the service reads the same key. A key already there and
+    still certified for the same role and node is kept (rotate it with `dsec audit keys rotate`).
+    """
     from dsec_core import identity
 
     if role not in identity.SERVICE_ROLES:
         fail(f"{role!r} is not a service; valid: {', '.join(identity.SERVICE_ROLES)}", 2)
     if role == "nodeagent" and not node:
         fail("a node agent's certificate names its node: add --node NODE_ID", EXIT_BAD_INPUT)
+    if home is None and not to_vault:
+        fail("say where the key goes: --home DIR or --to-vault", EXIT_BAD_INPUT)
+    if token_file is not None and not to_vault:
+        fail("--token-file goes with --to-vault", EXIT_BAD_INPUT)
     root = operator_root()
-    cert = identity.ensure_service_identity(identity.TrustPaths(home), root, role, node_id=node)
-    anchor = home / "trust" / "root.pub"
-    anchor.parent.mkdir(parents=True, exist_ok=True)
-    anchor.write_text(bytes(root.verify_key).hex() + "\n")
-    console.print(f"certified {role} key {cert.key_id} under {safe_text(home)}", highlight=False)
+    if to_vault:
+        key_id = _issue_to_vault(root, role, node, token_file)
+    else:
+        assert home is not None
+        paths = identity.TrustPaths(home)
+        key_id = identity.ensure_service_identity(paths, root, role, node_id=node).key_id
+    if home is not None:
+        anchor = home / "trust" / "root.pub"
+        anchor.parent.mkdir(parents=True, exist_ok=True)
+        anchor.write_text(bytes(root.verify_key).hex() + "\n")
+    where = "in Vault" if to_vault else f"under {safe_text(home)}"
+    console.print(f"certified {role} key {key_id} {where}", highlight=False)
+
+
+def _issue_to_vault(root: Any, role: str, node: str | None, token_file: Path | None) -> str:
+    """Keep the certified key Vault holds for ``role`` or store a new one; grant a token."""
+    from dsec_core import identity, keysource
+    from nacl.signing import SigningKey
+
+    keys = keysource.vault_keys(Settings(key_source="vault"))
+    name = keysource.vault_name(role, node)
+    try:
+        current: keysource.ServiceKey | None = keys.read(name)
+    except keysource.KeyMissing:
+        current = None
+    except keysource.KeySourceError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    if current is not None:
+        try:
+            identity.check(current.cert, bytes(root.verify_key))
+        except identity.CertificateError:
+            current = None
+    wanted = (role, role, node)
+    if current is None or (current.cert.subject, current.cert.role, current.cert.node_id) != wanted:
+        key = SigningKey.generate()
+        cert = identity.issue(
+            root, bytes(key.verify_key), subject=role, role=cast(identity.Role, role), node_id=node
+        )
+        try:
+            keys.write(name, key, cert)
+        except keysource.KeySourceError as exc:
+            fail(str(exc), EXIT_BAD_INPUT)
+        key_id = cert.key_id
+    else:
+        key_id = current.key_id
+    if token_file is not None:
+        try:
+            token = keys.grant(name)
+        except keysource.KeySourceError as exc:
+            fail(str(exc), EXIT_BAD_INPUT)
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        console.print(
+            f"wrote {safe_text(token_file)}: a Vault token (policy {keys.policy_name(name)}) that "
+            f"reads only {safe_text(keys.where(name))}; give it to the service as "
+            "DSEC_VAULT_TOKEN with DSEC_KEY_SOURCE=vault",
+            highlight=False,
+        )
+    return key_id
 
 
 @admin_app.command("issue-services")
@@ -159,12 +237,22 @@ def issue_services(
     node: Annotated[str, typer.Option(help="The node the node agent's certificate names")] = (
         "node-1"
     ),
+    to_vault: Annotated[
+        bool,
+        typer.Option(
+            "--to-vault",
+            help="Store the keys in Vault/OpenBao instead; write OUT/tokens/<service>.token, "
+            "each reading only its service's key",
+        ),
+    ] = False,
 ) -> None:
     """Certify a key for every service of a deployment (compose, Kubernetes).
 
     Writes OUT/keys/<service>.key and .cert.json (mount each service's two files into its
     $DSEC_HOME/keys) and OUT/trust.env with DSEC_TRUST_ROOT (give it to every service and CLI).
-    The root key itself stays with the operator ($DSEC_HOME/trust/root.key here).
+    With --to-vault the keys go to Vault (services run with DSEC_KEY_SOURCE=vault and their
+    token) and only the tokens are written. The root key itself stays with the operator
+    ($DSEC_HOME/trust/root.key here).
     """
     from dsec_core import identity
 
@@ -175,13 +263,19 @@ def issue_services(
     root = operator_root()
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     paths = identity.TrustPaths(out)
+    if to_vault:
+        (out / "tokens").mkdir(exist_ok=True, mode=0o700)
     for role in identity.SERVICE_ROLES:
         node_id = node if role == "nodeagent" else None
-        cert = identity.ensure_service_identity(paths, root, role, node_id=node_id)
-        console.print(f"{role}: key {cert.key_id}", highlight=False)
+        if to_vault:
+            key_id = _issue_to_vault(root, role, node_id, out / "tokens" / f"{role}.token")
+        else:
+            key_id = identity.ensure_service_identity(paths, root, role, node_id=node_id).key_id
+        console.print(f"{role}: key {key_id}", highlight=False)
     env = out / "trust.env"
     env.write_text(f"DSEC_TRUST_ROOT={bytes(root.verify_key).hex()}\n")
-    console.print(f"wrote {safe_text(out)}/keys and {safe_text(env)}", highlight=False)
+    written = "tokens" if to_vault else "keys"
+    console.print(f"wrote {safe_text(out)}/{written} and {safe_text(env)}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -201,7 +201,7 @@ async def submit_and_follow(
                 env = decode_or_warn(seq, data)
                 if env is None:
                     continue
-                if gate is not None and await gate.authentic(data) is None:
+                if gate is not None and await gate.authentic(data, stream_seq=seq) is None:
                     # A forged or unauthorized message on the sandbox's subjects: not its state.
                     err_console.print(
                         f"[yellow]ignored[/] an unauthentic {safe_text(env.type)} at seq {seq}",
