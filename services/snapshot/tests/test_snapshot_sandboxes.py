@@ -48,6 +48,7 @@ def lifecycle(*extra: events.Payload) -> list[Envelope]:
         events.EnvBuilt(
             lock_hash="lh", fingerprint="fp-1", location="/env", node_id="n1", reused=False
         ),
+        events.SandboxScheduled(node_id="n1"),
         events.ContextInjected(kind="secret", name="API_KEY", source="vault://k", digest="sd1"),
         events.SandboxReady(node_id="n1", pid=1, cgroup="/cg", code_dir=f"{ROOT}/{SID}/code"),
         *extra,
@@ -121,3 +122,21 @@ def test_audit_segment_keeps_the_signed_wire_bytes_with_their_sequence() -> None
         [3, b"\x81a\x01"],
         [7, b"\x81b\x02"],
     ]
+
+
+def test_whether_it_runs_is_the_lifecycle_fold() -> None:
+    """A second `sandbox.ready` (another code dir) or one after the exit is refused by the fold:
+    neither moves the sandbox nor becomes the code dir this service reads."""
+    other = f"{ROOT}/sbx_other/code"
+    again = facts(events.SandboxReady(node_id="n1", pid=2, cgroup="/cg", code_dir=other))
+    assert again.running and again.local_code_dir("n1", ROOT) == ROOT / SID / "code"
+    revived = facts(
+        events.SandboxExited(exit_code=0, reason="ok", duration_s=1),
+        events.SandboxReady(node_id="n1", pid=3, cgroup="/cg", code_dir=f"{ROOT}/{SID}/code"),
+    )
+    assert revived.life.state == "exited" and not revived.running
+    unscheduled = SandboxFacts.from_events(
+        SID, [e for e in lifecycle() if e.type != "sandbox.scheduled"]
+    )
+    assert unscheduled.life.state == "built" and not unscheduled.running
+    assert "is not running (state built)" in str(refusal(unscheduled))

@@ -675,23 +675,6 @@ EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}
 TERMINAL_TYPES: frozenset[str] = frozenset(m.TYPE for m in EVENT_MODELS if m.TERMINAL)
 
 
-# The state a sandbox is in after each lifecycle event (read models, `dsec submit`).
-SANDBOX_STATES: dict[str, str] = {
-    "spec.submitted": "submitted",
-    "spec.validated": "validated",
-    "spec.rejected": "rejected",
-    "deps.resolved": "resolved",
-    "deps.conflict": "conflict",
-    "env.built": "built",
-    "sandbox.pending": "pending",
-    "sandbox.scheduled": "scheduled",
-    "unit.lost": "lost",
-    "sandbox.ready": "running",
-    "sandbox.exited": "exited",
-    "sandbox.failed": "failed",
-}
-
-
 class UnknownEventType(ValueError):
     """The event type is not part of this version of DSec."""
 
