@@ -108,7 +108,7 @@ async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
     service = _service(nats_url, tmp_path, dsec_stack.home)
     attempts: list[str] = []
 
-    @service.handles("spec.submitted", retry=RetryPolicy(max_attempts=3, base_delay_s=0.05))
+    @service.handles(SpecSubmitted, retry=RetryPolicy(max_attempts=3, base_delay_s=0.05))
     async def always_fails(envelope, payload):  # type: ignore[no-untyped-def]
         if envelope.aggregate_id == sandbox:
             attempts.append(envelope.id)
@@ -137,7 +137,7 @@ async def test_redelivery_after_a_crash_between_publish_and_ack_publishes_nothin
     service = _service(nats_url, tmp_path, dsec_stack.home)
     calls = 0
 
-    @service.handles("spec.submitted", retry=RetryPolicy(max_attempts=5, base_delay_s=0.05))
+    @service.handles(SpecSubmitted, retry=RetryPolicy(max_attempts=5, base_delay_s=0.05))
     async def validate(envelope, payload):  # type: ignore[no-untyped-def]
         nonlocal calls
         if envelope.aggregate_id != sandbox:
@@ -167,7 +167,7 @@ async def test_events_are_ordered_per_aggregate_and_carry_causation(
 ) -> None:
     service = _service(nats_url, tmp_path, dsec_stack.home)
 
-    @service.handles("spec.submitted")
+    @service.handles(SpecSubmitted)
     async def validate(envelope, payload):  # type: ignore[no-untyped-def]
         return [SpecValidated(name="n", spec_digest="d", plan={})]
 
@@ -198,7 +198,7 @@ async def test_consumer_decodes_a_newer_minor_version_from_the_bus(
     service = _service(nats_url, tmp_path, dsec_stack.home)
     seen: list[SpecSubmitted] = []
 
-    @service.handles("spec.submitted")
+    @service.handles(SpecSubmitted)
     async def validate(envelope, payload):  # type: ignore[no-untyped-def]
         if envelope.aggregate_id == sandbox:
             seen.append(payload)
