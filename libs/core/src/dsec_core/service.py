@@ -100,6 +100,12 @@ class RetryPolicy:
         return float(min(self.base_delay_s * 2 ** (attempt - 1), self.max_delay_s))
 
 
+def jetstream_delivery(msg: NatsMessage) -> tuple[int, int]:
+    """``(delivery attempt, stream sequence)`` of a message pulled from the stream."""
+    meta = msg.raw_message.metadata
+    return int(meta.num_delivered), int(meta.sequence.stream)
+
+
 def package_version(dist: str) -> str:
     """Installed version of ``dist`` (``0+unknown`` when not installed as a distribution)."""
     try:
@@ -139,6 +145,10 @@ class Service:
         self.durables: list[str] = []  # its durable consumers (NATS permissions allow only these)
         self.stream_problem: str | None = None  # set while DSEC_EVENTS is weakened
         self._watch: asyncio.Task[None] | None = None
+        self.delivery: Callable[[NatsMessage], tuple[int, int]] = jetstream_delivery
+        """Where a message's attempt and stream sequence come from: JetStream's metadata. The
+        one seam for FastStream's in-memory broker (``dsec_testing.inmemory``), whose messages
+        carry none; everything after it (the gate, the handler, publishing) is unchanged."""
 
     def _healthy(self) -> bool:
         connected = self.nc is not None and self.nc.is_connected
@@ -259,12 +269,11 @@ class Service:
         failure: FailureEvents,
         msg: NatsMessage,
     ) -> None:
-        attempt = int(msg.raw_message.metadata.num_delivered)
+        attempt, stream_seq = self.delivery(msg)
         labels = (self.name, event_type)
         if attempt > 1:
             metrics.REDELIVERIES.labels(*labels).inc()
         assert self.gate is not None
-        stream_seq = int(msg.raw_message.metadata.sequence.stream)
         admitted = await self.gate.admit(
             msg.raw_message.data,
             stream_seq=stream_seq,
