@@ -18,13 +18,20 @@ SPEC = 'version: "1.2"\nname: agent\nbase: python:3.11\n'
 
 
 async def test_a_submitted_spec_is_validated_with_its_plan(tmp_path: Path) -> None:
+    egress = "security_policy:\n  network:\n    egress:\n      - {domain: pypi.org}\n"
+    submitted = SpecSubmitted(spec_yaml=SPEC + egress, filename="agent.yaml")
     async with in_memory(create_service(Settings(home=tmp_path))) as bus:
-        sent = await bus.send("user", SpecSubmitted(spec_yaml=SPEC), "sbx_ok", tenant="acme")
+        sent = await bus.send("user", submitted, "sbx_ok", tenant="acme")
         (answer,) = bus.caused_by(sent)
     assert answer.type == "spec.validated" and answer.producer == "policy"
     assert answer.payload["name"] == "agent"
-    assert answer.payload["plan"]["tenant"] == "acme"  # the submitter's, never the YAML's
-    assert answer.tenant == "acme"
+    plan = answer.decoded().plan  # type: ignore[attr-defined]
+    assert plan.tenant == "acme" and answer.tenant == "acme"  # the submitter's, not the YAML's
+    assert (plan.spec_file, plan.egress[0].domain, plan.egress[0].spec_line) == (
+        "agent.yaml",
+        "pypi.org",
+        7,
+    )
 
 
 async def test_a_bad_spec_is_rejected_with_its_line(tmp_path: Path) -> None:

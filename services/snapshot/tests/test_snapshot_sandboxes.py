@@ -9,6 +9,7 @@ import pytest
 from dsec_core import events
 from dsec_core.envelope import Envelope
 from dsec_core.signing import Signer
+from dsec_testing.plans import minimal_plan
 from nacl.signing import SigningKey
 
 from dsec_snapshot import sandboxes
@@ -26,10 +27,10 @@ def env(payload: events.Payload) -> Envelope:
     return SIGNER.seal(payload, aggregate_id=SID).envelope
 
 
-PLAN = {
-    "exclude_patterns": ["*.ckpt"],
-    "env": [{"name": "MODE", "value": "eval"}],
-}
+PLAN = minimal_plan(
+    body="include_code:\n  exclude_patterns: ['*.ckpt']\n"
+    "runtime_context:\n  env_vars:\n    - {name: MODE, value: eval}\n"
+)
 
 
 def lifecycle(*extra: events.Payload) -> list[Envelope]:

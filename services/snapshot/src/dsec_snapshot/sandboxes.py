@@ -130,18 +130,13 @@ def create_refusal(facts: SandboxFacts, request: events.SnapshotRequested) -> st
 def exclude_patterns(facts: SandboxFacts) -> tuple[str, ...]:
     """The spec's ``include_code.exclude_patterns`` from the compiled plan."""
     assert facts.validated is not None
-    patterns = facts.validated.plan.get("exclude_patterns") or ()
-    return tuple(str(p) for p in patterns)
+    return facts.validated.plan.exclude_patterns
 
 
 def env_values(facts: SandboxFacts) -> dict[str, str]:
     """What the snapshot hashes per env var: plain values, and for secrets their digest."""
     assert facts.validated is not None
-    plain = {
-        str(e["name"]): str(e["value"])
-        for e in facts.validated.plan.get("env") or ()
-        if "name" in e
-    }
+    plain = {e.name: e.value for e in facts.validated.plan.env}
     secret = {name: SECRET_VALUE_PREFIX + digest for name, digest in facts.secrets.items()}
     return plain | secret
 
