@@ -136,8 +136,8 @@ def test_whether_it_runs_is_the_lifecycle_fold() -> None:
         events.SandboxReady(node_id="n1", pid=3, cgroup="/cg", code_dir=f"{ROOT}/{SID}/code"),
     )
     assert revived.life.state == "exited" and not revived.running
-    unscheduled = SandboxFacts.from_events(
-        SID, [e for e in lifecycle() if e.type != "sandbox.scheduled"]
+    never_ready = SandboxFacts.from_events(
+        SID, [e for e in lifecycle() if e.type != "sandbox.ready"]
     )
-    assert unscheduled.life.state == "built" and not unscheduled.running
-    assert "is not running (state built)" in str(refusal(unscheduled))
+    assert never_ready.life.state == "scheduled" and not never_ready.running
+    assert "is not running (state scheduled)" in str(refusal(never_ready))
