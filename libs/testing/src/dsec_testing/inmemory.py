@@ -44,7 +44,6 @@ from dsec_core.envelope import Envelope, decode
 from dsec_core.events import Payload
 from dsec_core.identity import Role
 from dsec_core.service import Service
-from dsec_core.signing import Sealed
 from dsec_core.subjects import STREAM
 from dsec_core.trust import Gate, KeyRing
 from faststream.nats import TestNatsBroker
@@ -183,12 +182,6 @@ class MemoryLog:
         return self.handled
 
     # --- for tests -------------------------------------------------------------------------
-
-    def append(self, sealed: Sealed) -> int:
-        """Store an envelope as a producer's publish would; return its stream sequence."""
-        seq = len(self.records) + 1
-        self.records.append((seq, sealed.subject, sealed.wire))
-        return seq
 
     def seq_of(self, data: bytes) -> int:
         """The newest stream sequence holding exactly ``data`` (0: not in the log)."""
