@@ -23,6 +23,7 @@ from dsec_core.events import (
     SpecRejected,
     SpecSubmitted,
     SpecValidated,
+    UnitLost,
 )
 from dsec_core.projections import Projector, apply_batch, ensure_schema
 from dsec_core.spec import compile_plan, load_spec
@@ -262,6 +263,14 @@ async def test_pending_scheduled_and_refused_events_as_the_fold_says(
         SandboxExited(exit_code=3, reason="error", duration_s=1.0), aggregate_id=moved
     )
     await p.nodeagent.publish(SandboxReady(node_id="n1", pid=9, cgroup="/c"), aggregate_id=moved)
+    lost = _sid()
+    await _built(p, lost, "lost")
+    await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=lost)
+    await p.nodeagent.publish(SandboxReady(node_id="n1", pid=5, cgroup="/c"), aggregate_id=lost)
+    await scheduler.publish(
+        UnitLost(node_id="n1", reason="node n1 silent for 15 s", action="reschedule", attempt=1),
+        aggregate_id=lost,
+    )
     await _project_until(js, postgres_dsn, moved)
     env = {"DSEC_NATS_URL": nats_url, "DSEC_POSTGRES_DSN": postgres_dsn, "DSEC_HOME": str(tmp_path)}
 
@@ -274,12 +283,15 @@ async def test_pending_scheduled_and_refused_events_as_the_fold_says(
     done = rows[moved]
     assert (done["state"], done["node_id"], done["attempt"]) == ("exited", "n1", 2)
     assert (done["exit_code"], done["reason"]) == (3, "error")
+    assert (rows[lost]["state"], rows[lost]["reason"]) == ("lost", "node n1 silent for 15 s")
 
     wide = {**env, "COLUMNS": "250"}
     table = dsec_cli("sandbox", "list", "--state", "pending", "--limit", "1000", env=wide).output
     assert "┃ node ┃" in table
     line = next(row for row in table.splitlines() if waiting in row)
     assert "pending (n1: needs 64.0 GiB memory, 8.0 GiB free)" in line
+    listed = dsec_cli("sandbox", "list", "--limit", "1000", env=wide).output
+    assert "lost (node n1 silent for 15 s)" in next(r for r in listed.splitlines() if lost in r)
 
     shown = dsec_cli("sandbox", "show", moved, "--json", env=env).last_json()
     timeline = [(e["type"], e["summary"].get("refused")) for e in shown["events"]]
