@@ -18,6 +18,7 @@ from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 from dsec_core.subjects import STREAM, aggregate_filter
 from dsec_testing import trust
+from dsec_testing.plans import minimal_plan
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
@@ -108,7 +109,7 @@ async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
     service = _service(nats_url, tmp_path, dsec_stack.home)
     attempts: list[str] = []
 
-    @service.handles("spec.submitted", retry=RetryPolicy(max_attempts=3, base_delay_s=0.05))
+    @service.handles(SpecSubmitted, retry=RetryPolicy(max_attempts=3, base_delay_s=0.05))
     async def always_fails(envelope, payload):  # type: ignore[no-untyped-def]
         if envelope.aggregate_id == sandbox:
             attempts.append(envelope.id)
@@ -137,14 +138,14 @@ async def test_redelivery_after_a_crash_between_publish_and_ack_publishes_nothin
     service = _service(nats_url, tmp_path, dsec_stack.home)
     calls = 0
 
-    @service.handles("spec.submitted", retry=RetryPolicy(max_attempts=5, base_delay_s=0.05))
+    @service.handles(SpecSubmitted, retry=RetryPolicy(max_attempts=5, base_delay_s=0.05))
     async def validate(envelope, payload):  # type: ignore[no-untyped-def]
         nonlocal calls
         if envelope.aggregate_id != sandbox:
             return []
         calls += 1
         assert service.publisher is not None
-        output = SpecValidated(name="a", spec_digest="d", plan={})
+        output = SpecValidated(name="a", spec_digest="d", plan=minimal_plan())
         if calls == 1:  # the output reached the log, then the process "died" before acking
             await service._publish_outputs(envelope, [output])
             raise ConnectionError("lost before ack")
@@ -167,9 +168,9 @@ async def test_events_are_ordered_per_aggregate_and_carry_causation(
 ) -> None:
     service = _service(nats_url, tmp_path, dsec_stack.home)
 
-    @service.handles("spec.submitted")
+    @service.handles(SpecSubmitted)
     async def validate(envelope, payload):  # type: ignore[no-untyped-def]
-        return [SpecValidated(name="n", spec_digest="d", plan={})]
+        return [SpecValidated(name="n", spec_digest="d", plan=minimal_plan())]
 
     sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
     await service.start()
@@ -198,11 +199,11 @@ async def test_consumer_decodes_a_newer_minor_version_from_the_bus(
     service = _service(nats_url, tmp_path, dsec_stack.home)
     seen: list[SpecSubmitted] = []
 
-    @service.handles("spec.submitted")
+    @service.handles(SpecSubmitted)
     async def validate(envelope, payload):  # type: ignore[no-untyped-def]
         if envelope.aggregate_id == sandbox:
             seen.append(payload)
-            return [SpecValidated(name="n", spec_digest="d", plan={})]
+            return [SpecValidated(name="n", spec_digest="d", plan=minimal_plan())]
         return []
 
     sandbox = f"sbx_{uuid.uuid4().hex[:10]}"

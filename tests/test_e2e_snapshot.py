@@ -27,6 +27,7 @@ from dsec_core.envelope import decode
 from dsec_core.events import SpecSubmitted, SpecValidated
 from dsec_core.ids import new_sandbox_id
 from dsec_core.subjects import aggregate_filter
+from dsec_testing.plans import minimal_plan
 
 if TYPE_CHECKING:
     from dsec_testing.stack import S3Info, ServiceRunner
@@ -246,7 +247,7 @@ async def test_a_snapshot_that_keeps_failing_ends_in_snapshot_failed_not_sandbox
         policy = await make_publisher(nc.jetstream(), role="policy")
         sid = new_sandbox_id()
         submitted = await publisher.publish(SpecSubmitted(spec_yaml="name: x"), aggregate_id=sid)
-        validated = SpecValidated(name="x", spec_digest="d", plan={})
+        validated = SpecValidated(name="x", spec_digest="d", plan=minimal_plan())
         await policy.publish(validated, aggregate_id=sid, causation=submitted.envelope)
         result = await asyncio.to_thread(
             dsec_cli, "snapshot", "create", sid, "--name", f"v-{sid}", "--json", env=env

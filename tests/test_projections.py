@@ -11,22 +11,30 @@ from pathlib import Path
 import asyncpg
 import nats
 import pytest
-from dsec_core.bus import ensure_stream, replay
+from dsec_core.bus import EventPublisher, ensure_stream, replay
 from dsec_core.events import (
     DepsConflict,
     DepsResolved,
     EnvBuilt,
     SandboxExited,
+    SandboxPending,
     SandboxReady,
+    SandboxScheduled,
     SpecRejected,
     SpecSubmitted,
     SpecValidated,
+    UnitLost,
 )
 from dsec_core.projections import Projector, apply_batch, ensure_schema
+from dsec_core.spec import compile_plan, load_spec
 from dsec_testing import trust
 from nats.js import JetStreamContext
 
 pytestmark = pytest.mark.integration
+
+_SPEC = load_spec('version: "1.2"\nname: agent\nbase: python:3.11\n').spec
+assert _SPEC is not None
+PLAN = compile_plan(_SPEC).model_dump(mode="json")
 
 
 @pytest.fixture
@@ -42,12 +50,31 @@ def _sid() -> str:
     return f"sbx_{uuid.uuid4().hex[:12]}"
 
 
+async def _scheduler(js: JetStreamContext, home: Path) -> EventPublisher:
+    return await trust.publisher(js, home, "scheduler", acts_for="default")
+
+
+async def _built(p: trust.Pipeline, sid: str, name: str = "agent") -> None:
+    """spec.submitted .. env.built of ``sid``, each from its real producer."""
+    await p.user.publish(SpecSubmitted(spec_yaml=f"name: {name}"), aggregate_id=sid)
+    await p.policy.publish(SpecValidated(name=name, spec_digest="d", plan=PLAN), aggregate_id=sid)
+    await p.builder.publish(
+        DepsResolved(lock=[], lock_hash="l1", python="3.11", platform="x", resolve_ms=1.0),
+        aggregate_id=sid,
+    )
+    await p.builder.publish(
+        EnvBuilt(lock_hash="l1", fingerprint="f", object_key="envs/l1.tar.zst", reused=False),
+        aggregate_id=sid,
+    )
+
+
 async def _lifecycle(js: JetStreamContext, home: Path) -> tuple[str, str, str]:
     p = await trust.pipeline(js, home)
+    scheduler = await _scheduler(js, home)
     ok, bad, conflict = _sid(), _sid(), _sid()
     await p.user.publish(SpecSubmitted(spec_yaml="name: a", filename="a.yaml"), aggregate_id=ok)
     await p.policy.publish(
-        SpecValidated(name="agent-a", spec_digest="d1", plan={"x": 1}), aggregate_id=ok
+        SpecValidated(name="agent-a", spec_digest="d1", plan=PLAN), aggregate_id=ok
     )
     await p.builder.publish(
         DepsResolved(lock=[], lock_hash="l1", python="3.11", platform="x", resolve_ms=1.0),
@@ -57,6 +84,7 @@ async def _lifecycle(js: JetStreamContext, home: Path) -> tuple[str, str, str]:
         EnvBuilt(lock_hash="l1", fingerprint="f", location="/e", node_id="n1", reused=False),
         aggregate_id=ok,
     )
+    await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=ok)
     await p.nodeagent.publish(SandboxReady(node_id="n1", pid=42, cgroup="/c"), aggregate_id=ok)
     await p.nodeagent.publish(
         SandboxExited(exit_code=0, reason="ok", duration_s=2.0), aggregate_id=ok
@@ -70,7 +98,7 @@ async def _lifecycle(js: JetStreamContext, home: Path) -> tuple[str, str, str]:
     )
     await p.user.publish(SpecSubmitted(spec_yaml="name: c"), aggregate_id=conflict)
     await p.policy.publish(
-        SpecValidated(name="agent-c", spec_digest="d3", plan={}), aggregate_id=conflict
+        SpecValidated(name="agent-c", spec_digest="d3", plan=PLAN), aggregate_id=conflict
     )
     await p.builder.publish(
         DepsConflict(explanation="vllm needs transformers>=4.43.2"), aggregate_id=conflict
@@ -117,6 +145,7 @@ async def test_lifecycle_is_projected_and_listed(
         "spec.validated",
         "deps.resolved",
         "env.built",
+        "sandbox.scheduled",
         "sandbox.ready",
         "sandbox.exited",
     ]
@@ -154,7 +183,7 @@ async def test_applying_a_batch_twice_changes_nothing(js, postgres_dsn, dsec_sta
         position = await apply_batch(conn, batch)
         second = await conn.fetch("SELECT * FROM sandbox_events WHERE sandbox_id=$1", ok)
         assert position == batch[-1][0]
-        assert len(first) == len(second) == 6
+        assert len(first) == len(second) == 7
     finally:
         await conn.close()
 
@@ -170,7 +199,10 @@ async def test_refusals_summaries_and_reports_are_tallied_per_sandbox(
     pub = p.nodeagent
     sid = _sid()
     now = datetime.now(UTC)
-    await p.user.publish(SpecSubmitted(spec_yaml="name: a", filename="a.yaml"), aggregate_id=sid)
+    await _built(p, sid)
+    await (await _scheduler(js, dsec_stack.home)).publish(
+        SandboxScheduled(node_id="n1"), aggregate_id=sid
+    )
     await pub.publish(SandboxReady(node_id="n1", pid=42, cgroup="/c"), aggregate_id=sid)
     for _ in range(5):
         await pub.publish(
@@ -208,3 +240,67 @@ async def test_refusals_summaries_and_reports_are_tallied_per_sandbox(
     assert (row["refusals"], row["reports"]) == (100_000, 1)
     assert row["reason"] == "policy_flood"
     assert '"count": 99995' in summary
+
+
+async def test_pending_scheduled_and_refused_events_as_the_fold_says(
+    js, postgres_dsn, nats_url, dsec_cli, tmp_path, dsec_stack
+) -> None:
+    """A waiting sandbox shows why; a scheduled one its node and attempt; an event that cannot
+    follow the state (a second `sandbox.ready`) changes nothing and stays in the timeline."""
+    p = await trust.pipeline(js, dsec_stack.home)
+    scheduler = await _scheduler(js, dsec_stack.home)
+    waiting, moved = _sid(), _sid()
+    await _built(p, waiting, "waits")
+    await scheduler.publish(
+        SandboxPending(reason="n1: needs 64.0 GiB memory, 8.0 GiB free"), aggregate_id=waiting
+    )
+    await _built(p, moved, "moves")
+    await scheduler.publish(SandboxPending(reason="no node"), aggregate_id=moved)
+    await scheduler.publish(SandboxScheduled(node_id="n1", attempt=2), aggregate_id=moved)
+    await p.nodeagent.publish(SandboxReady(node_id="n1", pid=7, cgroup="/c"), aggregate_id=moved)
+    await p.nodeagent.publish(SandboxReady(node_id="n1", pid=8, cgroup="/c"), aggregate_id=moved)
+    await p.nodeagent.publish(
+        SandboxExited(exit_code=3, reason="error", duration_s=1.0), aggregate_id=moved
+    )
+    await p.nodeagent.publish(SandboxReady(node_id="n1", pid=9, cgroup="/c"), aggregate_id=moved)
+    lost = _sid()
+    await _built(p, lost, "lost")
+    await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=lost)
+    await p.nodeagent.publish(SandboxReady(node_id="n1", pid=5, cgroup="/c"), aggregate_id=lost)
+    await scheduler.publish(
+        UnitLost(node_id="n1", reason="node n1 silent for 15 s", action="reschedule", attempt=1),
+        aggregate_id=lost,
+    )
+    await _project_until(js, postgres_dsn, moved)
+    env = {"DSEC_NATS_URL": nats_url, "DSEC_POSTGRES_DSN": postgres_dsn, "DSEC_HOME": str(tmp_path)}
+
+    rows = {
+        r["sandbox_id"]: r
+        for r in dsec_cli("sandbox", "list", "--json", "--limit", "1000", env=env).last_json()
+    }
+    assert rows[waiting]["state"] == "pending" and rows[waiting]["node_id"] is None
+    assert rows[waiting]["reason"] == "n1: needs 64.0 GiB memory, 8.0 GiB free"
+    done = rows[moved]
+    assert (done["state"], done["node_id"], done["attempt"]) == ("exited", "n1", 2)
+    assert (done["exit_code"], done["reason"]) == (3, "error")
+    assert (rows[lost]["state"], rows[lost]["reason"]) == ("lost", "node n1 silent for 15 s")
+
+    wide = {**env, "COLUMNS": "250"}
+    table = dsec_cli("sandbox", "list", "--state", "pending", "--limit", "1000", env=wide).output
+    assert "┃ node ┃" in table
+    line = next(row for row in table.splitlines() if waiting in row)
+    assert "pending (n1: needs 64.0 GiB memory, 8.0 GiB free)" in line
+    listed = dsec_cli("sandbox", "list", "--limit", "1000", env=wide).output
+    assert "lost (node n1 silent for 15 s)" in next(r for r in listed.splitlines() if lost in r)
+
+    shown = dsec_cli("sandbox", "show", moved, "--json", env=env).last_json()
+    timeline = [(e["type"], e["summary"].get("refused")) for e in shown["events"]]
+    assert timeline[-5:] == [
+        ("sandbox.scheduled", None),
+        ("sandbox.ready", None),
+        ("sandbox.ready", "sandbox.ready cannot follow state 'running'"),
+        ("sandbox.exited", None),
+        ("sandbox.ready", "sandbox.ready cannot follow state 'exited'"),
+    ]
+    text = dsec_cli("sandbox", "show", moved, env=env).output
+    assert "node: n1 (placement attempt 2)" in text

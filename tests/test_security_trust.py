@@ -26,10 +26,15 @@ from dsec_core.ids import new_sandbox_id
 from dsec_core.signing import Signer
 from dsec_core.subjects import STREAM, filter_for, subject_for
 from dsec_testing import trust
+from dsec_testing.plans import minimal_plan
 from nacl.signing import SigningKey
 from nats.js import JetStreamContext
 
 pytestmark = [pytest.mark.e2e]
+
+VALIDATED = SpecValidated(name="x", spec_digest="d", plan=minimal_plan())
+# What a forger would want a plan to say: any destination.
+ANY_EGRESS = "security_policy:\n  network:\n    egress:\n      - {cidr: 0.0.0.0/0, ports: [443]}\n"
 
 GOOD_SPEC = """\
 version: "1.2"
@@ -126,7 +131,8 @@ async def test_forged_and_unauthorized_specs_are_refused_and_verify_tells_the_st
         js, subject_for(reg.TYPE, rogue.key_id), rogue.seal(reg, aggregate_id=rogue.key_id).wire
     )
     forged = rogue.seal(
-        SpecValidated(name="x", spec_digest="d", plan={"egress": "0.0.0.0/0"}), aggregate_id=sid
+        SpecValidated(name="x", spec_digest="d", plan=minimal_plan(body=ANY_EGRESS)),
+        aggregate_id=sid,
     )
     seq_forged = await _raw(js, forged.subject, forged.wire)
     (answer,) = await _rejections(js, seq_forged)
@@ -162,7 +168,9 @@ async def test_forged_and_unauthorized_specs_are_refused_and_verify_tells_the_st
             "subject": subject_for("spec.validated", good_sid),
             "producer": "policy",
             "key_id": policy_key,
-            "payload": SpecValidated(name="x", spec_digest="d", plan={}).model_dump(mode="json"),
+            "payload": SpecValidated(name="x", spec_digest="d", plan=minimal_plan()).model_dump(
+                mode="json"
+            ),
             "sig": "ab" * 64,
         }
     )

@@ -144,3 +144,75 @@ def test_code_over_max_size_is_refused_before_upload(dsec_cli, nats_url, tmp_pat
     text = " ".join(result.output.split())
     assert result.exit_code == 2, result.output
     assert "over include_code.max_size 1.0 MiB; largest files: zeros.bin (2.0 GiB)" in text
+
+
+async def test_a_pending_sandbox_is_followed_until_it_runs(
+    dsec_cli, nats_url, tmp_path, dsec_stack
+) -> None:
+    """`sandbox.pending` is not an end: submit keeps following past --stall, says the reason
+    once, and returns when the sandbox is scheduled and ready."""
+    import asyncio
+
+    import nats
+    from dsec_core.envelope import decode
+    from dsec_core.events import (
+        DepsResolved,
+        EnvBuilt,
+        SandboxPending,
+        SandboxReady,
+        SandboxScheduled,
+        SpecValidated,
+    )
+    from dsec_core.spec import compile_plan, load_spec
+    from dsec_testing import trust
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC)
+    loaded = load_spec(SPEC).spec
+    assert loaded is not None
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        submitted = await nc.subscribe("dsec.sandbox.*.spec.submitted")
+        p = await trust.pipeline(js, dsec_stack.home)
+        scheduler = await trust.publisher(js, dsec_stack.home, "scheduler", acts_for="default")
+        run = asyncio.create_task(
+            asyncio.to_thread(
+                dsec_cli,
+                "submit", str(spec), "--wait", "ready", "--stall", "1", "--timeout", "30",
+                env={**_env(nats_url, tmp_path), "COLUMNS": "250"},
+            )
+        )  # fmt: skip
+        sid = decode((await submitted.next_msg(timeout=30)).data).aggregate_id
+        plan = compile_plan(loaded).model_dump(mode="json")
+        await p.policy.publish(
+            SpecValidated(name="hello", spec_digest="d", plan=plan), aggregate_id=sid
+        )
+        await p.builder.publish(
+            DepsResolved(lock=[], lock_hash="l", python="3.11", platform="x", resolve_ms=1.0),
+            aggregate_id=sid,
+        )
+        await p.builder.publish(
+            EnvBuilt(
+                lock_hash="l",
+                fingerprint="f",
+                object_key="envs/l.tar.zst",
+                reused=False,
+                node_id="n1",  # what the trust gate binds the node agent to before scheduled
+            ),
+            aggregate_id=sid,
+        )
+        why = "n1: needs 1 GPU, has 0"
+        await scheduler.publish(SandboxPending(reason=why), aggregate_id=sid)
+        await scheduler.publish(SandboxPending(reason=why, attempt=1), aggregate_id=sid)
+        # Longer than --stall on purpose: a sandbox waiting for a node is not a stalled chain.
+        await asyncio.sleep(1.5)
+        assert not run.done()
+        await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=sid)
+        await p.nodeagent.publish(SandboxReady(node_id="n1", pid=1, cgroup="/c"), aggregate_id=sid)
+        result = await asyncio.wait_for(run, 30)
+    finally:
+        await nc.close()
+    assert result.exit_code == 0, result.output
+    assert result.output.count(f"pending: {why} (waiting for a node)") == 1
+    assert "sandbox.scheduled" in result.output and "sandbox.ready" in result.output

@@ -15,10 +15,13 @@ from dsec_core.events import (
     SpecValidated,
 )
 from dsec_core.signing import Signer, envelope_hash
+from dsec_testing.plans import minimal_plan
 from dsec_testing.trust import Producer, certified
 from nacl.signing import SigningKey
 
 pytestmark = pytest.mark.unit
+
+VALIDATED = SpecValidated(name="x", spec_digest="d", plan=minimal_plan())
 
 ROOT = SigningKey.generate()
 ANCHOR = bytes(ROOT.verify_key)
@@ -54,7 +57,7 @@ def _user(tenant: str = "default") -> Producer:
 
 
 def _validated(policy: Producer, sandbox: str, tenant: str = "default") -> bytes:
-    payload = SpecValidated(name="x", spec_digest="d", plan={})
+    payload = SpecValidated(name="x", spec_digest="d", plan=minimal_plan())
     return policy.signer.seal(payload, aggregate_id=sandbox, tenant=tenant).wire
 
 
@@ -85,7 +88,9 @@ def test_self_registered_producer_is_injected_not_trusted() -> None:
     )
     wires = [*_log(user, n=1), rogue.seal(reg, aggregate_id=rogue.key_id).wire]
     wires.append(
-        rogue.seal(SpecValidated(name="x", spec_digest="d", plan={}), aggregate_id="sbx_0").wire
+        rogue.seal(
+            SpecValidated(name="x", spec_digest="d", plan=minimal_plan()), aggregate_id="sbx_0"
+        ).wire
     )
     report = verify_stream(_numbered(wires), ANCHOR)
     assert report.ok, report.finding
@@ -125,7 +130,7 @@ def test_an_injected_message_someone_acted_on_is_tampering() -> None:
     rogue = Signer("user-x", SigningKey.generate())
     forged = rogue.seal(SpecSubmitted(spec_yaml="evil"), aggregate_id="sbx_9")
     acted = policy.signer.seal(
-        SpecValidated(name="x", spec_digest="d", plan={}),
+        SpecValidated(name="x", spec_digest="d", plan=minimal_plan()),
         aggregate_id="sbx_9",
         causation=forged.envelope,
     )
@@ -172,7 +177,7 @@ def test_replayed_copy_of_an_old_event_is_injected() -> None:
 def test_a_producer_that_emits_an_event_id_again_acted_on_a_replay() -> None:
     user, policy = _user(), certified(ROOT, "policy")
     policy_reg = policy.registration()
-    payload = SpecValidated(name="x", spec_digest="d", plan={})
+    payload = SpecValidated(name="x", spec_digest="d", plan=minimal_plan())
     first = policy.signer.seal(payload, aggregate_id="sbx_0", event_id="e-1", tenant="default")
     again = policy.signer.seal(payload, aggregate_id="sbx_0", event_id="e-1", tenant="default")
     wires = [*_log(user, n=1), policy_reg, first.wire, again.wire]
@@ -287,7 +292,7 @@ def test_a_forgery_on_a_fresh_chain_citing_an_injected_cause_is_not_tampering() 
         SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_j"
     )
     fake = Signer("policy", SigningKey.generate()).seal(
-        SpecValidated(name="x", spec_digest="d", plan={}),
+        SpecValidated(name="x", spec_digest="d", plan=minimal_plan()),
         aggregate_id="sbx_j",
         causation=junk.envelope,
     )

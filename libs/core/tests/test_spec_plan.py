@@ -147,3 +147,31 @@ def test_code_max_size_over_the_limit_is_located() -> None:
     [error] = result.errors
     assert (error.line, error.path) == (text.count("\n"), "include_code.max_size")
     assert "over the limit" in error.message and error.hint == "at most 4GiB"
+
+
+def test_spec_validated_carries_the_typed_plan_with_rule_lines() -> None:
+    """spec.validated's plan is the compiled EnforcementPlan (each rule with its spec line); on
+    the wire it is the same map, and a consumer of an older minor drops what it does not know,
+    at any depth."""
+    from dsec_core.events import SpecValidated, decode_payload
+
+    text = (
+        'version: "1.2"\nname: lines\nbase: python:3.11\n'
+        "security_policy:\n  network:\n    egress:\n      - {domain: api.example.com}\n"
+        "  semantic:\n    - {on: open, match: {path: /etc/*}, action: deny}\n"
+    )
+    loaded = load_spec(text, "agent.yaml")
+    assert loaded.spec is not None, loaded.errors
+    plan = compile_plan(loaded.spec, source=loaded.source, spec_file="agent.yaml")
+    assert (plan.egress[0].spec_line, plan.semantic[0].spec_line) == (7, 9)
+    event = SpecValidated(name="lines", spec_digest="d", plan=plan)
+    wire = event.model_dump(mode="json")
+    assert isinstance(wire["plan"], dict) and wire["plan"]["spec_file"] == "agent.yaml"
+    assert decode_payload("spec.validated", SpecValidated.VERSION, wire).plan == plan
+    newer = {**wire, "plan": {**wire["plan"], "gpu_slices": 2}}
+    newer["plan"]["egress"] = [{**wire["plan"]["egress"][0], "quic": True}]
+    decoded = decode_payload("spec.validated", "1.9", newer)
+    assert isinstance(decoded, SpecValidated) and isinstance(decoded.plan, EnforcementPlan)
+    assert decoded.plan == plan
+    with pytest.raises(ValueError, match="gpu_slices"):
+        decode_payload("spec.validated", SpecValidated.VERSION, newer)

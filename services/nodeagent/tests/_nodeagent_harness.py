@@ -182,7 +182,7 @@ class NodeAgentHarness:
         text = SPEC.format(name=name, code=json.dumps(code), egress=egress)
         spec = load_spec(text, "dsec.yaml")
         assert spec.spec is not None, spec.errors
-        plan = compile_plan(spec.spec)
+        plan = compile_plan(spec.spec, source=spec.source)
         rec = self.recorded.setdefault(sid, Recorded())
         p = self._upstream
         submitted = await p.user.publish(

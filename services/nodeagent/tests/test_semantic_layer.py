@@ -335,3 +335,35 @@ async def test_rules_apply_inside_the_sandbox_and_every_decision_is_reported(
     assert all(d.sandbox_id == "semantic" for d in decisions)
     rate = next(d for d in decisions if d.rule is None)
     assert rate.subject == f"http://127.0.0.1:{http_server}/item"  # no query string
+
+
+@pytest.mark.unit
+def test_rules_from_the_typed_plan_are_those_of_the_spec() -> None:
+    """The node agent reads the rules (with their lines) from spec.validated's typed plan, never
+    the YAML: the same rules as compiling the spec itself."""
+    from dsec_core.spec import compile_plan
+
+    from dsec_nodeagent.semantic import rules_from_plan
+
+    text = (
+        'version: "1.2"\nname: demo\nbase: python:3.11\n'
+        "security_policy:\n"
+        "  network:\n    egress:\n"
+        "      - {domain: api.example.com, rate_limit: 100req/min}\n"
+        "      - {domain: '*.cdn.example.com', rate_limit: 5requests/s}\n"
+        "      - {domain: a.example.com, rate_limit: 10connects/min}\n"
+        "      - {cidr: 10.0.0.0/8, ports: [443]}\n"
+        "  semantic:\n"
+        "    - on: open\n      match: {path: /etc/*}\n      action: deny\n"
+        "    - on: subprocess\n      match: {argv: [curl, '*']}\n      action: log\n"
+    )
+    result = load_spec(text, "agent.yaml")
+    assert result.ok and result.spec is not None, result.errors
+    plan = compile_plan(result.spec, source=result.source, spec_file="agent.yaml")
+    from_plan = rules_from_plan(plan, plan.spec_file)
+    assert from_plan == rules_from_spec(result.spec.security_policy, result.source, "agent.yaml")
+    assert [r.spec_line for r in from_plan.rules] == [12, 15]
+    assert [(r.host, r.spec_line) for r in from_plan.rate_limits] == [
+        ("api.example.com", 7),
+        ("*.cdn.example.com", 8),
+    ]

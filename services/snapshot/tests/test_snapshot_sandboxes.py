@@ -9,6 +9,7 @@ import pytest
 from dsec_core import events
 from dsec_core.envelope import Envelope
 from dsec_core.signing import Signer
+from dsec_testing.plans import minimal_plan
 from nacl.signing import SigningKey
 
 from dsec_snapshot import sandboxes
@@ -26,10 +27,10 @@ def env(payload: events.Payload) -> Envelope:
     return SIGNER.seal(payload, aggregate_id=SID).envelope
 
 
-PLAN = {
-    "exclude_patterns": ["*.ckpt"],
-    "env": [{"name": "MODE", "value": "eval"}],
-}
+PLAN = minimal_plan(
+    body="include_code:\n  exclude_patterns: ['*.ckpt']\n"
+    "runtime_context:\n  env_vars:\n    - {name: MODE, value: eval}\n"
+)
 
 
 def lifecycle(*extra: events.Payload) -> list[Envelope]:
@@ -48,6 +49,7 @@ def lifecycle(*extra: events.Payload) -> list[Envelope]:
         events.EnvBuilt(
             lock_hash="lh", fingerprint="fp-1", location="/env", node_id="n1", reused=False
         ),
+        events.SandboxScheduled(node_id="n1"),
         events.ContextInjected(kind="secret", name="API_KEY", source="vault://k", digest="sd1"),
         events.SandboxReady(node_id="n1", pid=1, cgroup="/cg", code_dir=f"{ROOT}/{SID}/code"),
         *extra,
@@ -121,3 +123,21 @@ def test_audit_segment_keeps_the_signed_wire_bytes_with_their_sequence() -> None
         [3, b"\x81a\x01"],
         [7, b"\x81b\x02"],
     ]
+
+
+def test_whether_it_runs_is_the_lifecycle_fold() -> None:
+    """A second `sandbox.ready` (another code dir) or one after the exit is refused by the fold:
+    neither moves the sandbox nor becomes the code dir this service reads."""
+    other = f"{ROOT}/sbx_other/code"
+    again = facts(events.SandboxReady(node_id="n1", pid=2, cgroup="/cg", code_dir=other))
+    assert again.running and again.local_code_dir("n1", ROOT) == ROOT / SID / "code"
+    revived = facts(
+        events.SandboxExited(exit_code=0, reason="ok", duration_s=1),
+        events.SandboxReady(node_id="n1", pid=3, cgroup="/cg", code_dir=f"{ROOT}/{SID}/code"),
+    )
+    assert revived.life.state == "exited" and not revived.running
+    never_ready = SandboxFacts.from_events(
+        SID, [e for e in lifecycle() if e.type != "sandbox.ready"]
+    )
+    assert never_ready.life.state == "scheduled" and not never_ready.running
+    assert "is not running (state scheduled)" in str(refusal(never_ready))

@@ -15,6 +15,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dsec_core.spec.plan import EnforcementPlan
+
 
 class Payload(BaseModel):
     """Base of every event payload."""
@@ -85,10 +87,14 @@ class SpecValidated(Payload):
 
     TYPE = "spec.validated"
     AGGREGATE = "sandbox"
+    VERSION = "1.1"
 
     name: str
     spec_digest: str = Field(description="BLAKE3 of the spec text")
-    plan: dict[str, Any] = Field(description="Compiled EnforcementPlan (dsec_core.spec)")
+    plan: EnforcementPlan = Field(
+        description="The compiled plan (dsec_core.spec), typed; each rule with its spec line "
+        "(1.1: spec_line, spec_file). On the wire the same map as before"
+    )
     code: BundleRef | None = None
     warnings: list[dict[str, Any]] = Field(default_factory=list)
 
@@ -675,23 +681,6 @@ EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}
 TERMINAL_TYPES: frozenset[str] = frozenset(m.TYPE for m in EVENT_MODELS if m.TERMINAL)
 
 
-# The state a sandbox is in after each lifecycle event (read models, `dsec submit`).
-SANDBOX_STATES: dict[str, str] = {
-    "spec.submitted": "submitted",
-    "spec.validated": "validated",
-    "spec.rejected": "rejected",
-    "deps.resolved": "resolved",
-    "deps.conflict": "conflict",
-    "env.built": "built",
-    "sandbox.pending": "pending",
-    "sandbox.scheduled": "scheduled",
-    "unit.lost": "lost",
-    "sandbox.ready": "running",
-    "sandbox.exited": "exited",
-    "sandbox.failed": "failed",
-}
-
-
 class UnknownEventType(ValueError):
     """The event type is not part of this version of DSec."""
 
@@ -714,6 +703,39 @@ def _major_minor(version: str) -> tuple[int, int]:
     return int(major), int(minor or 0)
 
 
+def _known_fields(model: type[BaseModel], data: Any) -> Any:
+    """``data`` without the keys ``model`` (and the models nested in it) does not know: what a
+    newer minor version added. Values of other shapes are left for validation to judge."""
+    if not isinstance(data, dict):
+        return data
+    out = {}
+    for key, value in data.items():
+        info = model.model_fields.get(key)
+        if info is None:
+            continue
+        out[key] = _known_nested(info.annotation, value)
+    return out
+
+
+def _known_nested(annotation: Any, value: Any) -> Any:
+    for inner in _models_in(annotation):
+        if isinstance(value, dict):
+            return _known_fields(inner, value)
+        if isinstance(value, list | tuple):
+            return [_known_fields(inner, v) for v in value]
+    return value
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds (``M``, ``M | None``, ``tuple[M, ...]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found: list[type[BaseModel]] = []
+    for arg in getattr(annotation, "__args__", ()):
+        found += _models_in(arg)
+    return found
+
+
 def decode_payload(event_type: str, schema_version: str, payload: dict[str, Any]) -> Payload:
     """Validate ``payload`` as ``event_type``, tolerating a newer minor schema version."""
     model = model_for(event_type)
@@ -724,5 +746,5 @@ def decode_payload(event_type: str, schema_version: str, payload: dict[str, Any]
             f"(understands {ours[0]}.x)"
         )
     if theirs[1] > ours[1]:
-        payload = {k: v for k, v in payload.items() if k in model.model_fields}
+        payload = _known_fields(model, payload)
     return model.model_validate(payload)

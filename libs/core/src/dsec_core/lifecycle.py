@@ -59,7 +59,11 @@ _MOVES: dict[str, tuple[frozenset[State], State]] = {
     "env.built": (frozenset({"resolved"}), "built"),
     "sandbox.pending": (frozenset({"built", "pending", "lost"}), "pending"),
     "sandbox.scheduled": (frozenset({"built", "pending", "lost"}), "scheduled"),
-    "sandbox.ready": (frozenset({"scheduled"}), "running"),
+    # "built": TRANSITIONAL, for node agents that still start sandboxes from env.built (one
+    # node, no scheduler). Remove once the node agent acts only on sandbox.scheduled and the
+    # scheduler places every sandbox (the many-nodes merge); the gate then also refuses a
+    # node agent's sandbox.ready without a sandbox.scheduled naming its node.
+    "sandbox.ready": (frozenset({"scheduled", "built"}), "running"),
     "unit.lost": (frozenset({"scheduled", "running"}), "lost"),
     "sandbox.exited": (frozenset({"pending", "scheduled", "running"}), "exited"),
 }

@@ -1,5 +1,10 @@
 """Postgres read models of specs and sandboxes, projected from the event log.
 
+A sandbox's row is the one lifecycle fold (:mod:`dsec_core.lifecycle`) applied event by event:
+its state, node, placement attempt and reason are what :func:`dsec_core.lifecycle.step` says. An
+event the fold refuses (a second ``sandbox.ready``, a ``sandbox.ready`` after the exit) leaves
+the row as it was and is kept in the timeline with ``refused`` in its summary.
+
 The projector reads the stream from the position it stored, and applies each event and the new
 position in one transaction: a crash between two events replays the second, never the first, so
 projections are exactly-once. A rebuild is ``DROP`` + replay from sequence 1.
@@ -17,9 +22,9 @@ from typing import Any
 import asyncpg
 from nats.js import JetStreamContext
 
+from dsec_core import lifecycle
 from dsec_core.bus import follow, replay
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
-from dsec_core.events import SANDBOX_STATES, TERMINAL_TYPES
 from dsec_core.subjects import ROOT
 from dsec_core.trust import Gate
 
@@ -62,6 +67,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 -- reports of the sandbox's own semantic layer (policy.reported, the sandbox's claims).
 ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS refusals bigint NOT NULL DEFAULT 0;
 ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS reports bigint NOT NULL DEFAULT 0;
+-- The placement attempt of node_id (sandbox.scheduled; 2+ after a node was lost).
+ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS attempt integer NOT NULL DEFAULT 0;
 CREATE TABLE IF NOT EXISTS sandbox_events (
     sandbox_id text NOT NULL,
     seq bigint NOT NULL,
@@ -75,17 +82,14 @@ CREATE TABLE IF NOT EXISTS sandbox_events (
 
 DROP = "DROP TABLE IF EXISTS sandbox_events, sandboxes, specs, projection_state;"
 
-# event type -> (state, terminal)
-STATES: dict[str, tuple[str, bool]] = {
-    event: (state, event in TERMINAL_TYPES) for event, state in SANDBOX_STATES.items()
-}
-
 _SUMMARY_KEYS = (
     "reason",
     "exit_code",
     "stage",
     "rule_id",
     "node_id",
+    "attempt",
+    "previous_node",
     "snapshot",
     "name",
     "kind",
@@ -144,10 +148,22 @@ async def _apply_spec(conn: asyncpg.Connection, env: Envelope) -> None:
         )
 
 
-async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> None:
-    state = STATES.get(env.type)
-    p = env.payload
-    if state is None:  # an event that does not change the state (violation, context, ...)
+def _lifecycle_of(row: asyncpg.Record | None) -> lifecycle.Lifecycle:
+    """The fold's state as the row stored it (no row: nothing seen yet)."""
+    if row is None:
+        return lifecycle.Lifecycle()
+    return lifecycle.Lifecycle(
+        state=row["state"],
+        node_id=row["node_id"],
+        attempt=row["attempt"],
+        exit_code=row["exit_code"],
+        reason=row["reason"],
+    )
+
+
+async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> str | None:
+    """Fold one event into the sandbox's row; return why the fold refused it (else ``None``)."""
+    if env.type not in lifecycle.LIFECYCLE_TYPES:  # a fact: violation, context, snapshot...
         refusals, reports = _tallies(env)
         await conn.execute(
             "UPDATE sandboxes SET updated_at = $2, refusals = refusals + $3,"
@@ -157,36 +173,54 @@ async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> N
             refusals,
             reports,
         )
-        return
+        return None
+    row = await conn.fetchrow(
+        "SELECT state, node_id, attempt, exit_code, reason FROM sandboxes"
+        " WHERE sandbox_id = $1 FOR UPDATE",
+        env.aggregate_id,
+    )
+    before = _lifecycle_of(row)
+    after = lifecycle.step(before, env.type, env.payload, event_id=env.id, tenant=env.tenant)
+    if len(after.refused) > len(before.refused):
+        why = after.refused[-1].describe()
+        log.warning("projection leaves %s as it was: %s", env.aggregate_id, why)
+        return why
+    p = env.payload
+    node_id = after.node_id
+    if env.type == "sandbox.ready":  # the node that runs it says so itself
+        node_id = p.get("node_id") or node_id
     await conn.execute(
         """
-        INSERT INTO sandboxes AS s (sandbox_id, name, state, terminal, node_id, lock_hash,
-            exit_code, reason, created_at, updated_at, last_event, last_seq)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9, $10, $11)
+        INSERT INTO sandboxes AS s (sandbox_id, name, state, terminal, node_id, attempt,
+            lock_hash, exit_code, reason, created_at, updated_at, last_event, last_seq)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10, $11, $12)
         ON CONFLICT (sandbox_id) DO UPDATE SET
             name = COALESCE(EXCLUDED.name, s.name),
-            state = CASE WHEN s.terminal THEN s.state ELSE EXCLUDED.state END,
-            terminal = s.terminal OR EXCLUDED.terminal,
-            node_id = COALESCE(EXCLUDED.node_id, s.node_id),
+            state = EXCLUDED.state,
+            terminal = EXCLUDED.terminal,
+            node_id = EXCLUDED.node_id,
+            attempt = EXCLUDED.attempt,
             lock_hash = COALESCE(EXCLUDED.lock_hash, s.lock_hash),
-            exit_code = COALESCE(EXCLUDED.exit_code, s.exit_code),
-            reason = COALESCE(EXCLUDED.reason, s.reason),
+            exit_code = EXCLUDED.exit_code,
+            reason = EXCLUDED.reason,
             updated_at = EXCLUDED.updated_at,
             last_event = EXCLUDED.last_event,
             last_seq = EXCLUDED.last_seq
         """,
         env.aggregate_id,
-        p.get("name"),
-        state[0],
-        state[1],
-        p.get("node_id"),
+        p.get("name") if env.type == "spec.validated" else None,
+        after.state,
+        after.terminal,
+        node_id,
+        after.attempt,
         p.get("lock_hash"),
-        p.get("exit_code"),
-        p.get("reason") or p.get("explanation"),
+        after.exit_code,
+        after.reason,
         env.time,
         env.type,
         seq,
     )
+    return None
 
 
 def _tallies(env: Envelope) -> tuple[int, int]:
@@ -205,7 +239,10 @@ async def apply_event(conn: asyncpg.Connection, seq: int, env: Envelope) -> None
     if env.aggregate != "sandbox":
         return
     await _apply_spec(conn, env)
-    await _apply_sandbox(conn, seq, env)
+    refused = await _apply_sandbox(conn, seq, env)
+    summary = summarize(env)
+    if refused is not None:
+        summary["refused"] = refused
     await conn.execute(
         "INSERT INTO sandbox_events (sandbox_id, seq, type, producer, time, summary)"
         " VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
@@ -214,7 +251,7 @@ async def apply_event(conn: asyncpg.Connection, seq: int, env: Envelope) -> None
         env.type,
         env.producer,
         env.time,
-        json.dumps(summarize(env)),
+        json.dumps(summary),
     )
 
 

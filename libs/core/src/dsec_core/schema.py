@@ -39,4 +39,10 @@ def asyncapi_document(server_url: str = "nats://127.0.0.1:4222") -> dict[str, An
     )
     document: dict[str, Any] = spec.to_specification().to_jsonable()
     document["defaultContentType"] = "application/msgpack"
+    messages = document["components"]["messages"]
+    for model in EVENT_MODELS:  # machine-readable, beside the description's prose
+        message = messages[f"{model.TYPE}:Message"]
+        message["x-dsec-event-type"] = model.TYPE
+        message["x-dsec-schema-version"] = model.VERSION
+        message["x-dsec-terminal"] = model.TERMINAL
     return document

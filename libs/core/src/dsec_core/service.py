@@ -1,7 +1,8 @@
 """The service runtime: durable FastStream consumers, idempotent handlers, retries, metrics.
 
-A service declares handlers with :meth:`Service.handles`. A handler is a function of the input
-envelope (and its typed payload) returning the output payloads; the runtime
+A service declares handlers with :meth:`Service.handles` by event class
+(``service.handles(events.SpecSubmitted)(fn)``). A handler is a function of the input envelope
+and its typed payload (an instance of that class) returning the output payloads; the runtime
 
 1. verifies before it acts (:class:`dsec_core.trust.Gate`): the envelope decodes, its key is
    certified by the operator root and not revoked, the signature holds, the authorization table
@@ -29,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
@@ -63,6 +64,9 @@ class Output:
 
 
 Handler = Callable[[Envelope, Any], Awaitable[Sequence[Output | Payload]]]
+P = TypeVar("P", bound=Payload)
+TypedHandler = Callable[[Envelope, P], Awaitable[Sequence[Output | Payload]]]
+"""A handler of one event class: it receives the envelope and the payload as that class."""
 FailureEvents = Callable[[Envelope, str, int], Sequence[Payload]]
 """Builds the terminal event(s) of a request whose retries are exhausted: (input, reason,
 attempts) -> payloads. The default is ``sandbox.failed`` for events of a sandbox."""
@@ -95,6 +99,12 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         """Backoff before redelivery after ``attempt`` (1-based) failed."""
         return float(min(self.base_delay_s * 2 ** (attempt - 1), self.max_delay_s))
+
+
+def jetstream_delivery(msg: NatsMessage) -> tuple[int, int]:
+    """``(delivery attempt, stream sequence)`` of a message pulled from the stream."""
+    meta = msg.raw_message.metadata
+    return int(meta.num_delivered), int(meta.sequence.stream)
 
 
 def package_version(dist: str) -> str:
@@ -139,6 +149,10 @@ class Service:
         self._key_watch: asyncio.Task[None] | None = None
         self.recheck_key = asyncio.Event()
         """Set (SIGHUP does) to read the key source again now."""
+        self.delivery: Callable[[NatsMessage], tuple[int, int]] = jetstream_delivery
+        """Where a message's attempt and stream sequence come from: JetStream's metadata. The
+        one seam for FastStream's in-memory broker (``dsec_testing.inmemory``), whose messages
+        carry none; everything after it (the gate, the handler, publishing) is unchanged."""
 
     def _healthy(self) -> bool:
         connected = self.nc is not None and self.nc.is_connected
@@ -180,22 +194,48 @@ class Service:
                 found.append(problem)
         return found
 
+    @overload
     def handles(
         self,
-        event_type: str,
+        event: type[P],
         *,
         retry: RetryPolicy | None = None,
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
-    ) -> Callable[[Handler], Handler]:
-        """Register ``fn`` as the durable handler of ``event_type`` for this service.
+    ) -> Callable[[TypedHandler[P]], TypedHandler[P]]: ...
 
+    @overload
+    def handles(
+        self,
+        event: str,
+        *,
+        retry: RetryPolicy | None = None,
+        batch: int = 16,
+        on_exhausted: FailureEvents | None = None,
+    ) -> Callable[[Handler], Handler]: ...
+
+    def handles(
+        self,
+        event: type[Payload] | str,
+        *,
+        retry: RetryPolicy | None = None,
+        batch: int = 16,
+        on_exhausted: FailureEvents | None = None,
+    ) -> Callable[[Any], Any]:
+        """Register ``fn`` as the durable handler of the event class ``event`` for this
+        service; ``fn(envelope, payload)`` receives the payload as an instance of that class.
+
+        ``event`` may still be the type's name (``"spec.submitted"``) for one release, so
+        handlers written against the string form keep working; new code passes the class.
         ``on_exhausted`` builds the terminal event(s) once retries are exhausted (default:
         ``sandbox.failed``); a request must always end in a terminal event.
         """
+        model = model_for(event) if isinstance(event, str) else event  # fails fast on a typo
+        if model_for(model.TYPE) is not model:
+            raise ValueError(f"{model.__name__} is not the registered model of {model.TYPE}")
+        event_type = model.TYPE
         policy = retry or RetryPolicy()
         failure = on_exhausted or sandbox_failed(self.name)
-        model_for(event_type)  # fail fast on a typo
         durable = durable_name(self.name, event_type)
         self.durables.append(durable)
 
@@ -233,12 +273,11 @@ class Service:
         failure: FailureEvents,
         msg: NatsMessage,
     ) -> None:
-        attempt = int(msg.raw_message.metadata.num_delivered)
+        attempt, stream_seq = self.delivery(msg)
         labels = (self.name, event_type)
         if attempt > 1:
             metrics.REDELIVERIES.labels(*labels).inc()
         assert self.gate is not None
-        stream_seq = int(msg.raw_message.metadata.sequence.stream)
         admitted = await self.gate.admit(
             msg.raw_message.data,
             stream_seq=stream_seq,
@@ -261,7 +300,7 @@ class Service:
         started = time.perf_counter()
         heartbeat = asyncio.create_task(self._keep_alive(msg, policy.ack_wait_s / 3))
         try:
-            outputs = await fn(envelope, envelope.decoded())
+            outputs = await fn(envelope, envelope.decoded())  # an instance of the handled class
             await self._publish_outputs(envelope, outputs)
         except Exception as exc:  # any handler error: retry, then a failure event
             await self._on_failure(envelope, exc, attempt, policy, failure, msg)

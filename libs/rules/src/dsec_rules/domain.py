@@ -97,7 +97,9 @@ def validate(
         spec = loaded.spec
         facts = facts or StackFacts()
         scope = policy.scope(tenant)
-        plan = compile_plan(spec, tenant=tenant).model_copy(update={"tenant_vault": scope.vault})
+        plan = compile_plan(spec, tenant, loaded.source, filename).model_copy(
+            update={"tenant_vault": scope.vault}
+        )
         diagnostics += check_guardrails(spec, policy, loaded.source, facts)
         diagnostics += check_scope(spec, plan, tenant, scope, facts, loaded.source)
         if needs is not None:

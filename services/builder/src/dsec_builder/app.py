@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dsec_core import events
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 
@@ -15,7 +16,7 @@ def create_service(settings: Settings | None = None) -> Service:
     # Resolution and builds are slow and network-bound: fewer, longer-spaced attempts. The
     # runtime keeps the message alive while a long build runs.
     slow = RetryPolicy(max_attempts=3, base_delay_s=2.0, max_delay_s=20.0)
-    service.handles("spec.validated", retry=slow, batch=4)(handlers.on_validated)
-    service.handles("deps.resolved", retry=slow, batch=4)(handlers.on_resolved)
+    service.handles(events.SpecValidated, retry=slow, batch=4)(handlers.on_validated)
+    service.handles(events.DepsResolved, retry=slow, batch=4)(handlers.on_resolved)
     service.on_stop.append(handlers.close)
     return service

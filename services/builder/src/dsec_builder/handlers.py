@@ -15,25 +15,23 @@ from collections.abc import Sequence
 from dsec_core import events
 from dsec_core.envelope import Envelope
 from dsec_core.settings import Settings
+from dsec_core.spec.plan import EnforcementPlan
 
 from dsec_builder.builder import EnvironmentBuilder
 from dsec_builder.models import Conflict, Lock, LockedPackage, Requirement, Target
 from dsec_builder.resolver import Resolver
 
 
-def requirements_of(plan: dict[str, object]) -> list[Requirement]:
+def requirements_of(plan: EnforcementPlan) -> list[Requirement]:
     """The builder's requirements from a compiled plan's ``dependencies``."""
-    deps = plan.get("dependencies") or []
-    assert isinstance(deps, list)
-    out = []
-    for dep in deps:
-        extras = f"[{','.join(dep['extras'])}]" if dep.get("extras") else ""
-        out.append(
-            Requirement(
-                name=f"{dep['name']}{extras}", specifier=dep["specifier"], marker=dep.get("marker")
-            )
+    return [
+        Requirement(
+            name=f"{dep.name}[{','.join(dep.extras)}]" if dep.extras else dep.name,
+            specifier=dep.specifier,
+            marker=dep.marker,
         )
-    return out
+        for dep in plan.dependencies
+    ]
 
 
 def conflict_event(conflict: Conflict) -> events.DepsConflict:

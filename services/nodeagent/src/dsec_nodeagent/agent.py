@@ -1,8 +1,9 @@
 """The node agent's orchestration: from ``env.built`` to a running sandbox and back.
 
-On ``env.built`` it reads the sandbox's spec and compiled plan from the log (the events of the
-same aggregate), fetches the code bundle, injects the runtime context (secrets from Vault, data
-from S3, config maps), attaches the egress programs to the sandbox's cgroup *before* the
+On ``env.built`` it reads the sandbox's compiled plan from the log (the events of the same
+aggregate; the plan is typed, each rule with its spec line, so the YAML is never parsed again),
+fetches the code bundle, injects the runtime context (secrets from Vault, data from S3, config
+maps), attaches the egress programs to the sandbox's cgroup *before* the
 workload's first instruction, launches it and publishes ``context.injected`` and
 ``sandbox.ready``. When the sandbox ends, ``sandbox.exited`` is published with an id derived
 from the sandbox id, so a node-agent restart that re-adopts it can never publish a second one.
@@ -27,7 +28,7 @@ from dsec_core.natsclient import auth_options
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.objectstore import client as s3_client
 from dsec_core.settings import Settings
-from dsec_core.spec import EnforcementPlan, load_spec
+from dsec_core.spec import EnforcementPlan
 from dsec_core.spec.plan import ResourceLimits
 from dsec_core.subjects import subject_for
 from dsec_core.text import bound
@@ -54,7 +55,7 @@ from dsec_nodeagent.sandbox.models import (
     SandboxStartError,
 )
 from dsec_nodeagent.sandbox.notify import KernelRefusal
-from dsec_nodeagent.semantic.compile import rules_from_spec
+from dsec_nodeagent.semantic.compile import rules_from_plan
 from dsec_nodeagent.semantic.models import SemanticDecision, SemanticRules
 from dsec_nodeagent.semantic.reports import MESSAGE_LIMIT, TARGET_LIMIT, Refused, check_report
 from dsec_nodeagent.tlsproxy import CA_BUNDLE_PATH, ProxyGrant, TlsProxies
@@ -297,7 +298,7 @@ class NodeAgent:
         submitted = submitted_env.decoded()
         assert isinstance(validated, events.SpecValidated)
         assert isinstance(submitted, events.SpecSubmitted)
-        plan = EnforcementPlan.model_validate(validated.plan)
+        plan = validated.plan  # typed: the compiled plan, rules with their spec lines
         if not plan.entrypoint:
             raise StartRefused("the spec has no `entrypoint`; nothing to run")
         code_dir = await self._code_dir(sid, validated.code, plan.code_max_size)
@@ -310,7 +311,7 @@ class NodeAgent:
             events.ContextInjected(**record.model_dump()) for record in ctx.records
         ]
         try:
-            config = self._config(sid, plan, submitted, event, code_dir, ctx)
+            config = self._config(sid, plan, event, code_dir, ctx)
             grant = await self.proxies.open(sid, plan)
             if grant is not None:
                 config = _through_proxy(config, grant)
@@ -338,17 +339,13 @@ class NodeAgent:
         self,
         sid: str,
         plan: EnforcementPlan,
-        submitted: events.SpecSubmitted,
         event: events.EnvBuilt,
         code_dir: Path | None,
         ctx: PreparedContext,
     ) -> SandboxConfig:
-        spec = load_spec(submitted.spec_yaml, submitted.filename)
-        semantic = None
-        if spec.spec is not None:
-            rules = rules_from_spec(spec.spec.security_policy, spec.source, submitted.filename)
-            semantic = rules.model_dump(mode="json")
-            self._rules[sid] = rules  # what the sandbox's reports are checked against
+        rules = rules_from_plan(plan, plan.spec_file)
+        semantic = rules.model_dump(mode="json")
+        self._rules[sid] = rules  # what the sandbox's reports are checked against
         res = plan.resources
         assert plan.entrypoint is not None
         return SandboxConfig(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsec_core import events
 from dsec_core.events import Payload
 from dsec_core.identity import SYSTEM_TENANT
 from dsec_core.service import RetryPolicy, Service
@@ -109,8 +110,8 @@ def wire(
         outlet.on_flood = agent.flooded
     comms.attach(agent.manager)
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
-    service.handles("env.built", retry=retry, batch=4)(agent.on_env_built)
-    service.handles("sandbox.stop_requested")(agent.on_stop_requested)
+    service.handles(events.EnvBuilt, retry=retry, batch=4)(agent.on_env_built)
+    service.handles(events.SandboxStopRequested)(agent.on_stop_requested)
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack

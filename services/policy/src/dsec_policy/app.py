@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dsec_core.events import SpecSubmitted
 from dsec_core.service import Service
 from dsec_core.settings import Settings
 from dsec_rules.adapters.org_policy_file import load_org_policy
@@ -13,5 +14,5 @@ def create_service(settings: Settings | None = None) -> Service:
     """Build the policy service: ``spec.submitted`` → ``spec.validated | spec.rejected``."""
     service = Service("policy", settings)
     handlers = PolicyHandlers(service.settings, load_org_policy(service.settings.org_policy))
-    service.handles("spec.submitted")(handlers.on_submitted)
+    service.handles(SpecSubmitted)(handlers.on_submitted)
     return service

@@ -98,7 +98,7 @@ class PolicyHandlers:
             SpecValidated(
                 name=outcome.plan.name,
                 spec_digest=blake3.blake3(event.spec_yaml.encode()).hexdigest(),
-                plan=outcome.plan.model_dump(mode="json"),
+                plan=outcome.plan,
                 code=event.code,
                 warnings=warnings,
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from dsec_core import events
 from dsec_core.envelope import Envelope
 from dsec_core.events import Payload, SnapshotFailed
 from dsec_core.service import RetryPolicy, Service
@@ -65,19 +66,19 @@ def create_service(settings: Settings | None = None) -> Service:
     handlers = SnapshotHandlers(service.settings, js, gate)
     # S3 or Vault hiccups: a few quick retries (a rollback is wanted within seconds).
     retry = RetryPolicy(max_attempts=4, base_delay_s=0.5, max_delay_s=4.0, ack_wait_s=60.0)
-    service.handles("snapshot.requested", retry=retry, batch=4, on_exhausted=snapshot_failed)(
+    service.handles(events.SnapshotRequested, retry=retry, batch=4, on_exhausted=snapshot_failed)(
         handlers.on_requested
     )
     service.handles(
-        "snapshot.restore_requested", retry=retry, batch=4, on_exhausted=snapshot_failed
+        events.SnapshotRestoreRequested, retry=retry, batch=4, on_exhausted=snapshot_failed
     )(handlers.on_restore_requested)
     service.on_start.append(handlers.start)
     if service.settings.snapshot_interval_s > 0:
         periodic = PeriodicSnapshots(
             handlers, publish, service.settings.snapshot_interval_s, service.settings.snapshot_keep
         )
-        service.handles("sandbox.ready")(periodic.on_ready)
-        service.handles("sandbox.exited")(periodic.on_exited)
+        service.handles(events.SandboxReady)(periodic.on_ready)
+        service.handles(events.SandboxExited)(periodic.on_exited)
         service.on_start.append(periodic.start)
         service.on_stop.append(periodic.stop)
     service.on_stop.append(handlers.close)

@@ -28,7 +28,7 @@ from dsec_core.codebundle import MAX_SIZE_LIMIT, BundleError, extract_bundle
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.settings import Settings
-from dsec_core.subjects import aggregate_filter, subject_for
+from dsec_core.subjects import aggregate_filter
 from dsec_core.trust import Gate, unpack_fields
 from nats.js import JetStreamContext
 
@@ -122,14 +122,12 @@ class SnapshotHandlers:
                 kept.append((seq, data))
         return kept
 
-    async def _last(self, event_type: str, sandbox_id: str) -> Envelope | None:
-        return await self.gate().find(subject_for(event_type, sandbox_id))
-
     async def current(self, sandbox_id: str) -> SandboxFacts:
-        """Whether the sandbox runs, where, and on which environment (latest events only)."""
-        kinds = ("env.built", "sandbox.ready", "sandbox.exited")
-        found = await asyncio.gather(*(self._last(kind, sandbox_id) for kind in kinds))
-        return SandboxFacts.from_events(sandbox_id, [env for env in found if env is not None])
+        """Whether the sandbox runs, where, and on which environment: the lifecycle fold of
+        its authentic history (the latest event of a kind alone could be one the fold refuses,
+        e.g. a second ``sandbox.ready``)."""
+        records = await self.history(sandbox_id)
+        return SandboxFacts.from_events(sandbox_id, (decode(data) for _, data in records))
 
     # --------------------------------------------------------------- create
 

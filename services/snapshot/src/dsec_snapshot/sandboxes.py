@@ -3,8 +3,10 @@
 The snapshot service learns everything about a sandbox from its events: the spec and compiled
 plan (``spec.validated``), the environment (``env.built`` + ``deps.resolved``), where its code
 copy lives (``sandbox.ready.code_dir``), the secrets injected (``context.injected``: names and
-digests only) and whether it ended (``sandbox.exited``). :class:`SandboxFacts` gathers them;
-the functions below decide what a snapshot records and when a request is refused.
+digests only) and whether it runs (the one lifecycle fold, :mod:`dsec_core.lifecycle`).
+:class:`SandboxFacts` gathers them; a lifecycle event the fold refuses (a second
+``sandbox.ready``, one after the exit) is not a fact. The functions below decide what a snapshot
+records and when a request is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import msgpack
-from dsec_core import events
+from dsec_core import events, lifecycle
 from dsec_core.envelope import Envelope
 
 from dsec_snapshot.manifest import DepsRecord
@@ -46,13 +48,22 @@ class SandboxFacts:
     exited: events.SandboxExited | None = None
     secrets: dict[str, str] = field(default_factory=dict)
     """Secret env var name -> the digest ``context.injected`` recorded (never the value)."""
+    life: lifecycle.Lifecycle = field(default_factory=lifecycle.Lifecycle)
+    """The sandbox's state by the one lifecycle fold."""
 
     @classmethod
     def from_events(cls, sandbox_id: str, envelopes: Iterable[Envelope]) -> SandboxFacts:
-        """Fold a sandbox's envelopes (in log order; any subset) into facts."""
+        """Fold a sandbox's envelopes (in log order, from its ``spec.submitted``) into facts."""
         found: dict[str, events.Payload] = {}
         secrets: dict[str, str] = {}
+        life = lifecycle.Lifecycle()
         for env in envelopes:
+            before, life = (
+                life,
+                lifecycle.step(life, env.type, env.payload, event_id=env.id, tenant=env.tenant),
+            )
+            if len(life.refused) > len(before.refused):
+                continue  # cannot follow the state it was in: not a fact about the sandbox
             payload = env.decoded()
             if isinstance(payload, events.ContextInjected):
                 if payload.kind == "secret" and payload.digest:
@@ -68,12 +79,13 @@ class SandboxFacts:
             ready=_as(found.get("sandbox.ready"), events.SandboxReady),
             exited=_as(found.get("sandbox.exited"), events.SandboxExited),
             secrets=secrets,
+            life=life,
         )
 
     @property
     def running(self) -> bool:
-        """True when the sandbox started and has not exited."""
-        return self.ready is not None and self.exited is None
+        """True when the fold says it runs (started, not exited, failed or lost)."""
+        return self.life.state == "running" and self.ready is not None
 
     def local_code_dir(self, node_id: str, sandboxes_root: Path) -> Path | None:
         """The running sandbox's code copy if it is on ``node_id`` where the node agent keeps
@@ -118,18 +130,13 @@ def create_refusal(facts: SandboxFacts, request: events.SnapshotRequested) -> st
 def exclude_patterns(facts: SandboxFacts) -> tuple[str, ...]:
     """The spec's ``include_code.exclude_patterns`` from the compiled plan."""
     assert facts.validated is not None
-    patterns = facts.validated.plan.get("exclude_patterns") or ()
-    return tuple(str(p) for p in patterns)
+    return facts.validated.plan.exclude_patterns
 
 
 def env_values(facts: SandboxFacts) -> dict[str, str]:
     """What the snapshot hashes per env var: plain values, and for secrets their digest."""
     assert facts.validated is not None
-    plain = {
-        str(e["name"]): str(e["value"])
-        for e in facts.validated.plan.get("env") or ()
-        if "name" in e
-    }
+    plain = {e.name: e.value for e in facts.validated.plan.env}
     secret = {name: SECRET_VALUE_PREFIX + digest for name, digest in facts.secrets.items()}
     return plain | secret
 
@@ -181,8 +188,8 @@ def restore_refusal(
             f"{facts.exited.exit_code}): start a new one with "
             f"`dsec sandbox run --snapshot {snapshot}`"
         )
-    if ready is None:
-        return f"sandbox {sid} is not running (no sandbox.ready in the event log)"
+    if ready is None or not facts.running:
+        return f"sandbox {sid} is not running (state {facts.life.state})"
     if ready.node_id != node_id:
         return (
             f"sandbox {sid} runs on node {ready.node_id!r}; this snapshot service runs on "

@@ -41,7 +41,20 @@ _STATE_STYLE = {
     "rejected": "red",
     "conflict": "red",
     "failed": "red",
+    "pending": "yellow",
+    "lost": "yellow",
 }
+_WITH_REASON = frozenset({"pending", "lost"})
+"""States whose row shows why (no node fits; its node was lost)."""
+
+
+def state_cell(row: dict[str, Any]) -> str:
+    """The STATE column: the state, styled; a waiting or lost sandbox with its reason."""
+    text = safe_text(row["state"])
+    if row["state"] in _WITH_REASON and row.get("reason"):
+        text += f" ({safe_text(row['reason'])})"
+    style = _STATE_STYLE.get(row["state"], "")
+    return f"[{style}]{text}[/]" if style else text
 
 
 async def _rows(query: str, *args: Any) -> list[dict[str, Any]]:
@@ -64,8 +77,8 @@ def list_(
     """List sandboxes, newest first."""
     rows = run(
         _rows(
-            "SELECT sandbox_id, name, state, node_id, exit_code, reason, created_at, updated_at,"
-            " last_event FROM sandboxes WHERE ($1::text IS NULL OR state = $1)"
+            "SELECT sandbox_id, name, state, node_id, attempt, exit_code, reason, created_at,"
+            " updated_at, last_event FROM sandboxes WHERE ($1::text IS NULL OR state = $1)"
             " ORDER BY created_at DESC LIMIT $2",
             state,
             limit,
@@ -79,12 +92,10 @@ def list_(
     for column in ("name", "state", "node", "exit", "last event", "updated"):
         table.add_column(column)
     for r in rows:
-        style = _STATE_STYLE.get(r["state"], "")
-        state_text = safe_text(r["state"])
         table.add_row(
             safe_text(r["sandbox_id"]),
             safe_text(r["name"] or ""),
-            f"[{style}]{state_text}[/]" if style else state_text,
+            state_cell(r),
             safe_text(r["node_id"] or ""),
             "" if r["exit_code"] is None else str(r["exit_code"]),
             safe_text(r["last_event"]),
@@ -139,6 +150,13 @@ def show(
         f"[bold]{safe_text(data['state'])}[/]"
         + (f", exit {data['exit_code']}" if data["exit_code"] is not None else "")
     )
+    if data.get("node_id"):
+        attempt = data.get("attempt") or 0
+        console.print(
+            f"node: {safe_text(data['node_id'])}"
+            + (f" (placement attempt {attempt})" if attempt > 1 else ""),
+            highlight=False,
+        )
     if data["reason"]:
         console.print(f"reason: {safe_text(data['reason'])}", highlight=False)
     if data.get("refusals") or data.get("reports"):

@@ -11,9 +11,10 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 import yaml
+from dsec_core import lifecycle
 from dsec_core.codebundle import BundleError, build_bundle, declared_max_size
 from dsec_core.envelope import Envelope
-from dsec_core.events import SANDBOX_STATES, TERMINAL_TYPES, BundleRef, Payload, SpecSubmitted
+from dsec_core.events import BundleRef, Payload, SpecSubmitted
 from dsec_core.ids import new_sandbox_id
 from dsec_core.settings import Settings
 from dsec_core.subjects import STREAM, aggregate_filter
@@ -51,16 +52,33 @@ class Outcome:
     """What ``submit`` saw for one sandbox."""
 
     sandbox_id: str
-    state: str = "submitted"
-    exit_code: int | None = None
+    life: lifecycle.Lifecycle = field(default_factory=lifecycle.Lifecycle)
+    """The one lifecycle fold of the events seen so far."""
     events: list[dict[str, Any]] = field(default_factory=list)
     stalled_after: str | None = None
     skipped: list[str] = field(default_factory=list)
+    said_pending: str | None = None
+    """The pending reason last printed (a waiting sandbox's reason is said once)."""
+
+    @property
+    def state(self) -> str:
+        return "submitted" if self.life.state == "unknown" else self.life.state
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.life.exit_code
+
+    @property
+    def waiting(self) -> bool:
+        """Pending in the scheduler's queue: not stalled, not terminal; a node may come."""
+        return self.life.state == "pending"
 
     def as_json(self) -> dict[str, Any]:
         return {
             "sandbox_id": self.sandbox_id,
             "state": self.state,
+            "node_id": self.life.node_id,
+            "reason": self.life.reason,
             "exit_code": self.exit_code,
             "stalled_after": self.stalled_after,
             "skipped": self.skipped,
@@ -132,16 +150,35 @@ def upload_code(
     )
 
 
-def _record(outcome: Outcome, seq: int, env: Envelope, as_json: bool) -> None:
+def _record(outcome: Outcome, seq: int, env: Envelope, as_json: bool) -> bool:
+    """Fold one event into ``outcome`` and print it; ``False`` when the fold refused it (an
+    event that cannot follow the state: it changes nothing)."""
+    before = outcome.life
+    outcome.life = lifecycle.step(before, env.type, env.payload, event_id=env.id, tenant=env.tenant)
+    refused = len(outcome.life.refused) > len(before.refused)
     outcome.events.append(
         {"seq": seq, "type": env.type, "time": env.time.isoformat(), "payload": env.payload}
+        | ({"refused": outcome.life.refused[-1].describe()} if refused else {})
     )
-    outcome.state = SANDBOX_STATES.get(env.type, outcome.state)
-    if env.type == "sandbox.exited":
-        outcome.exit_code = int(env.payload["exit_code"])
-    if not as_json:
+    if as_json:
+        return not refused
+    if refused:
+        err_console.print(
+            f"[yellow]ignored[/] seq {seq}: {safe_text(outcome.life.refused[-1].describe())}",
+            highlight=False,
+        )
+    elif env.type == "sandbox.pending":
+        if outcome.life.reason != outcome.said_pending:  # the same reason again: said already
+            outcome.said_pending = outcome.life.reason
+            console.print(event_line(seq, env), highlight=False, soft_wrap=True)
+            console.print(
+                f"    pending: {safe_text(outcome.life.reason or '')} (waiting for a node)",
+                highlight=False,
+            )
+    else:
         console.print(event_line(seq, env), highlight=False, soft_wrap=True)
         _explain(env)
+    return not refused
 
 
 def _explain(env: Envelope) -> None:
@@ -208,12 +245,15 @@ async def submit_and_follow(
                         highlight=False,
                     )
                     continue
-                _record(outcome, seq, env, as_json)
+                applied = _record(outcome, seq, env, as_json)
                 last_event_at = time.monotonic()
-                if env.type in TERMINAL_TYPES or env.type == target:
+                if outcome.life.terminal or (applied and env.type == target):
                     return outcome
             now = time.monotonic()
-            if now > deadline or now - last_event_at > stall:
+            # A pending sandbox waits for a node (one joins, frees capacity, is uncordoned):
+            # that is not a stalled chain; only the overall timeout ends the wait.
+            stalled = not outcome.waiting and now - last_event_at > stall
+            if now > deadline or stalled:
                 outcome.stalled_after = outcome.events[-1]["type"] if outcome.events else None
                 return outcome
     return outcome

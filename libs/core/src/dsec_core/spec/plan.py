@@ -1,8 +1,9 @@
 """Compile a validated spec into the :class:`EnforcementPlan` the other services enforce.
 
-The plan is what ``spec.validated`` carries: every value normalized and typed for its enforcer
-(seconds, bytes, millicores, sorted de-duplicated ports and paths), secrets as references only —
-never a value.
+The plan is what ``spec.validated`` carries (typed: ``SpecValidated.plan``): every value
+normalized and typed for its enforcer (seconds, bytes, millicores, sorted de-duplicated ports
+and paths), secrets as references only — never a value; each egress and semantic rule with the
+spec line it came from, so an enforcer names the line to change without re-reading the YAML.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsec_core.spec.models import Dependency, Mount, SandboxSpec
 from dsec_core.spec.models import EgressRule as SpecEgressRule
+from dsec_core.spec.source import SourceMap
 from dsec_core.spec.units import Rate
 
 PLAN_SCHEMA_VERSION: Literal["1"] = "1"
@@ -56,6 +58,7 @@ class PlanEgressRule(PlanModel):
     tls_proxy: bool = Field(
         default=False, description="Reached only through the node agent's request-counting proxy"
     )
+    spec_line: int | None = Field(default=None, description="Line of the rule in the spec")
 
     def allows(self, host: str, port: int) -> bool:
         """Whether this rule admits ``host:port`` (``host`` may be a name or an address)."""
@@ -92,6 +95,7 @@ class SemanticPlanRule(PlanModel):
     action: Literal["allow", "redirect", "log", "deny"]
     target: str | None = None
     message: str | None = None
+    spec_line: int | None = Field(default=None, description="Line of the rule in the spec")
 
 
 class GpuLimits(PlanModel):
@@ -183,6 +187,9 @@ class EnforcementPlan(PlanModel):
     code_max_size: int = Field(
         default=256 * 2**20, description="Bytes the code bundle may expand to on the node"
     )
+    spec_file: str = Field(
+        default="dsec.yaml", description="The spec's file name, as the rules' lines refer to it"
+    )
 
     @property
     def effective_task_group(self) -> str:
@@ -194,9 +201,16 @@ class EnforcementPlan(PlanModel):
         return blake3.blake3(self.model_dump_json().encode()).hexdigest()
 
 
-def compile_plan(spec: SandboxSpec, tenant: str = "default") -> EnforcementPlan:
-    """Compile a validated spec into its enforcement plan (pure) for ``tenant``."""
+def compile_plan(
+    spec: SandboxSpec,
+    tenant: str = "default",
+    source: SourceMap | None = None,
+    spec_file: str = "dsec.yaml",
+) -> EnforcementPlan:
+    """Compile a validated spec into its enforcement plan (pure) for ``tenant``; with the
+    spec's ``source`` map, each egress and semantic rule carries its line in ``spec_file``."""
     context = spec.runtime_context
+    policy = spec.security_policy
     return EnforcementPlan(
         name=spec.name,
         tenant=tenant,
@@ -208,7 +222,10 @@ def compile_plan(spec: SandboxSpec, tenant: str = "default") -> EnforcementPlan:
         build_options=spec.build_options,
         resources=_resources(spec),
         dns_passthrough=spec.security_policy.dns_passthrough,
-        egress=tuple(_egress(rule) for rule in spec.security_policy.network.egress),
+        egress=tuple(
+            _egress(rule, _line(source, ("security_policy", "network", "egress", i)))
+            for i, rule in enumerate(policy.network.egress)
+        ),
         filesystem=_filesystem(spec),
         semantic=tuple(
             SemanticPlanRule(
@@ -220,15 +237,21 @@ def compile_plan(spec: SandboxSpec, tenant: str = "default") -> EnforcementPlan:
                 action=r.action,
                 target=r.target,
                 message=r.message,
+                spec_line=_line(source, ("security_policy", "semantic", i)),
             )
-            for r in spec.security_policy.semantic
+            for i, r in enumerate(policy.semantic)
         ),
         secrets=_secrets(spec),
         env=tuple(PlainEnv(name=e.name, value=e.value) for e in context.env_vars if e.value),
         mounts=tuple(_mount(m) for m in context.mounts),
         exclude_patterns=spec.include_code.exclude_patterns,
         code_max_size=spec.include_code.max_size,
+        spec_file=spec_file,
     )
+
+
+def _line(source: SourceMap | None, path: tuple[str | int, ...]) -> int | None:
+    return source.locate(path).line if source is not None else None
 
 
 def _requirement(dep: Dependency) -> PackageRequirement:
@@ -257,7 +280,7 @@ def _resources(spec: SandboxSpec) -> ResourceLimits:
     )
 
 
-def _egress(rule: SpecEgressRule) -> PlanEgressRule:
+def _egress(rule: SpecEgressRule, line: int | None = None) -> PlanEgressRule:
     kind: Literal["domain", "wildcard", "cidr", "any"] = "domain"
     domain = rule.domain
     if rule.cidr is not None:
@@ -275,6 +298,7 @@ def _egress(rule: SpecEgressRule) -> PlanEgressRule:
         internal_only=rule.allow_internal_only,
         protocols=rule.transports,
         tls_proxy=rule.tls_proxy,
+        spec_line=line,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dsec_core.spec.models import SecurityPolicy
-from dsec_core.spec.plan import EnforcementPlan
+from dsec_core.spec.plan import EnforcementPlan, PlanEgressRule
 from dsec_core.spec.source import SourceMap
 
 from dsec_nodeagent.semantic.models import RateLimit, RuleMatch, SemanticRule, SemanticRules
@@ -64,6 +64,13 @@ def rules_from_spec(
     return SemanticRules(rules=rules, rate_limits=limits, spec_file=spec_file)
 
 
+def _host_pattern(egress: PlanEgressRule) -> str:
+    """The host pattern of an egress rule as the spec wrote it (``*.x``, ``*``, or the name)."""
+    if egress.kind == "any":
+        return "*"
+    return f"*.{egress.domain}" if egress.kind == "wildcard" else str(egress.domain)
+
+
 def rules_from_plan(
     plan: EnforcementPlan,
     spec_file: str = "dsec.yaml",
@@ -71,7 +78,8 @@ def rules_from_plan(
     egress_lines: Sequence[int | None] = (),
 ) -> SemanticRules:
     """Compile the enforcement plan's semantic rules and HTTP budgets (what ``spec.validated``
-    carries). Lines, when known, make deny messages name the spec line to change."""
+    carries: no YAML is read again). Each rule's line is the plan's (``spec_line``) unless
+    ``rule_lines`` / ``egress_lines`` say otherwise; deny messages name the line to change."""
     rules = []
     for index, rule in enumerate(plan.semantic):
         subject = rule.path or rule.url or rule.host or " ".join(rule.argv or ())
@@ -83,23 +91,23 @@ def rules_from_plan(
                 action=rule.action,
                 target=rule.target,
                 message=rule.message,
-                spec_line=rule_lines[index] if index < len(rule_lines) else None,
+                spec_line=rule_lines[index] if index < len(rule_lines) else rule.spec_line,
             )
         )
     limits = []
     for index, egress in enumerate(plan.egress):
-        if egress.rate_limit is None or egress.domain is None:
+        if egress.rate_limit is None or egress.kind == "cidr":
             continue
         if egress.rate_limit.unit != "requests":  # connects/min: the kernel counts those
             continue
-        host = f"*.{egress.domain}" if egress.kind == "wildcard" else egress.domain
+        host = _host_pattern(egress)
         limits.append(
             RateLimit(
                 name=f"egress[{index}] {host}",
                 host=host,
                 requests=egress.rate_limit.requests,
                 period_s=egress.rate_limit.period_s,
-                spec_line=egress_lines[index] if index < len(egress_lines) else None,
+                spec_line=egress_lines[index] if index < len(egress_lines) else egress.spec_line,
             )
         )
     return SemanticRules(rules=rules, rate_limits=limits, spec_file=spec_file)

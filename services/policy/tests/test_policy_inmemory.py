@@ -1,0 +1,57 @@
+"""The policy service's handler driven through FastStream's in-memory broker, behind the real
+trust gate (``dsec_testing.inmemory``): no server, the same wiring as in production."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dsec_core.events import SpecSubmitted
+from dsec_core.settings import Settings
+from dsec_testing.inmemory import in_memory
+
+from dsec_policy.app import create_service
+
+pytestmark = pytest.mark.unit
+
+SPEC = 'version: "1.2"\nname: agent\nbase: python:3.11\n'
+
+
+async def test_a_submitted_spec_is_validated_with_its_plan(tmp_path: Path) -> None:
+    egress = "security_policy:\n  network:\n    egress:\n      - {domain: pypi.org}\n"
+    submitted = SpecSubmitted(spec_yaml=SPEC + egress, filename="agent.yaml")
+    async with in_memory(create_service(Settings(home=tmp_path))) as bus:
+        sent = await bus.send("user", submitted, "sbx_ok", tenant="acme")
+        (answer,) = bus.caused_by(sent)
+    assert answer.type == "spec.validated" and answer.producer == "policy"
+    assert answer.payload["name"] == "agent"
+    plan = answer.decoded().plan  # type: ignore[attr-defined]
+    assert plan.tenant == "acme" and answer.tenant == "acme"  # the submitter's, not the YAML's
+    assert (plan.spec_file, plan.egress[0].domain, plan.egress[0].spec_line) == (
+        "agent.yaml",
+        "pypi.org",
+        7,
+    )
+
+
+async def test_a_bad_spec_is_rejected_with_its_line(tmp_path: Path) -> None:
+    async with in_memory(create_service(Settings(home=tmp_path))) as bus:
+        sent = await bus.send("user", SpecSubmitted(spec_yaml=SPEC + "nme: x\n"), "sbx_bad")
+        (answer,) = bus.caused_by(sent)
+    assert answer.type == "spec.rejected"
+    (error,) = answer.payload["errors"]
+    assert error["line"] == 4 and "nme" in error["message"]
+
+
+async def test_a_submission_no_user_signed_is_refused_before_the_handler(tmp_path: Path) -> None:
+    """A builder may not submit specs: the gate answers security.event_rejected, the handler
+    never sees it; the same bytes again at a new stream position are a replay."""
+    async with in_memory(create_service(Settings(home=tmp_path))) as bus:
+        forged = await bus.send("builder", SpecSubmitted(spec_yaml=SPEC), "sbx_forged")
+        assert bus.caused_by(forged) == []
+        genuine = await bus.send("user", SpecSubmitted(spec_yaml=SPEC), "sbx_genuine")
+        wire = bus.log.records[bus.log.seq_of_id(genuine.id) - 1][2]
+        await bus.deliver(wire, genuine.subject, again=True)
+        rejected = [(e.payload["reason"], e.payload["event_id"]) for e in bus.rejections()]
+    assert rejected == [("unauthorized", forged.id), ("replayed", genuine.id)]
+    assert len(bus.caused_by(genuine)) == 1  # validated once, not twice
