@@ -28,10 +28,7 @@ IN_FLIGHT: dict[str, str] = {
     # Types whose producers (and their tests) other engineers are adding right now, in parallel
     # to this test ("Many nodes"). ONLY for those: the lead empties this list at merge. A type
     # listed here that already has a producer and a test fails below, so it cannot go stale.
-    "node.joined": "A: node presence (node agent)",
-    "node.heartbeat": "A: node presence (node agent)",
     "node.lost": "B: scheduler",
-    "node.cordon_requested": "A: dsec node cordon|uncordon|drain",
     "node.cordoned": "B: scheduler",
     "sandbox.pending": "B: scheduler",
     "sandbox.scheduled": "B: scheduler",
