@@ -1,10 +1,11 @@
 """A whole node agent in this process, on a real NATS, fed the events policy and builder publish.
 
 Used by the refusal-flood tests and ``bench/noisy_neighbour.py``: ``submit`` publishes
-``spec.submitted``, ``spec.validated`` (the compiled plan) and ``env.built`` for a sandbox that
-runs ``python -c CODE`` (no code bundle); the node agent (its own egress pin directory, so it can
-run beside another node agent of the machine) starts it, and every event of the sandbox is
-recorded with the time it arrived.
+``spec.submitted``, ``spec.validated`` (the compiled plan), ``env.built`` and ``sandbox.scheduled``
+(on the harness's node) for a sandbox that runs ``python -c CODE`` (no code bundle; its empty
+environment is already staged on the node, so nothing is fetched); the node agent (its own egress
+pin directory, so it can run beside another node agent of the machine) starts it, and every event
+of the sandbox is recorded with the time it arrived.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import nats
 from dsec_core import events, identity
 from dsec_core.bus import ensure_stream
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
+from dsec_core.layout import NodeLayout
+from dsec_core.objectstore import env_archive_key
 from dsec_core.service import Service
 from dsec_core.settings import Settings
 from dsec_core.spec import compile_plan, load_spec
@@ -137,7 +140,8 @@ class NodeAgentHarness:
         identity.ensure_service_identity(paths, root, "nodeagent", node_id=self.settings.node_id)
         self._upstream = await trust.pipeline(js, self.home, node_id=self.settings.node_id)
         await self._nc.subscribe("dsec.sandbox.>", cb=self._on_message)
-        (self.home / "envs" / self.lock_hash / "site-packages").mkdir(parents=True, exist_ok=True)
+        layout = NodeLayout.of(self.home)
+        layout.env_site_packages(self.lock_hash).mkdir(parents=True, exist_ok=True)
         await self.service.start()
         return self
 
@@ -205,16 +209,22 @@ class NodeAgentHarness:
             causation=validated.envelope,
         )
         rec.submitted_at = time.monotonic()
-        await p.builder.publish(
+        built = await p.builder.publish(
             events.EnvBuilt(
                 lock_hash=self.lock_hash,
                 fingerprint="harness",
-                location=str(self.home.resolve() / "envs" / self.lock_hash / "site-packages"),
-                node_id=self.settings.node_id,
+                object_key=env_archive_key(self.lock_hash),
+                digest="0" * 64,  # never fetched: the environment is staged on the node
+                size_bytes=0,
                 reused=True,
             ),
             aggregate_id=sid,
             causation=resolved.envelope,
+        )
+        await p.scheduler.publish(
+            events.SandboxScheduled(node_id=self.settings.node_id, env_built_id=built.envelope.id),
+            aggregate_id=sid,
+            causation=built.envelope,
         )
         return sid
 
@@ -238,7 +248,8 @@ class NodeAgentHarness:
                 await asyncio.wait_for(rec.changed.wait(), left)
 
     def ready_ms(self, sid: str) -> float:
-        """From publishing ``env.built`` to ``sandbox.ready`` arriving from the log."""
+        """From publishing ``env.built`` (then ``sandbox.scheduled``) to ``sandbox.ready``
+        arriving from the log."""
         rec = self.recorded[sid]
         at = rec.at("sandbox.ready")
         assert at is not None

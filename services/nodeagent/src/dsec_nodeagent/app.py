@@ -49,7 +49,8 @@ class Wired:
 
 
 def create_service(settings: Settings | None = None) -> Service:
-    """Build the node agent: ``env.built`` → sandbox; ``sandbox.stop_requested`` → stop."""
+    """Build the node agent: ``sandbox.scheduled`` (for this node) → sandbox;
+    ``sandbox.stop_requested`` → stop; ``unit.lost`` → a stale copy fenced off."""
     return wire(settings).service
 
 
@@ -79,8 +80,11 @@ def wire(
         outlet.on_flood = agent.flooded
     comms.attach(agent.manager)
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
-    service.handles("env.built", retry=retry, batch=4)(agent.on_env_built)
-    service.handles("sandbox.stop_requested")(agent.on_stop_requested)
+    # Per-node durables (nodeagent-<node>-<type>): every node sees each event, and acts only on
+    # those of sandboxes placed on it.
+    service.handles("sandbox.scheduled", retry=retry, batch=4, scope="node")(agent.on_scheduled)
+    service.handles("sandbox.stop_requested", scope="node")(agent.on_stop_requested)
+    service.handles("unit.lost", scope="node")(agent.on_unit_lost)
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack
