@@ -25,7 +25,7 @@ from typing import Any
 import blake3
 import nats
 from dsec_core import events, identity
-from dsec_core.bus import ensure_stream
+from dsec_core.bus import Published, ensure_stream
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from dsec_core.layout import NodeLayout
 from dsec_core.objectstore import env_archive_key
@@ -128,6 +128,8 @@ class NodeAgentHarness:
         self._nc: Any = None
         self._upstream: trust.Pipeline | None = None
         self.lock_hash = "harnessenv"
+        self.scheduled: dict[str, Published] = {}  # sandbox -> its sandbox.scheduled
+        self._stopped = False
 
     async def __aenter__(self) -> NodeAgentHarness:
         self._nc = await nats.connect(self.nats_url)
@@ -146,11 +148,12 @@ class NodeAgentHarness:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        with contextlib.suppress(Exception):
-            for sid in self.agent.manager.running():
-                with contextlib.suppress(KeyError):
-                    await self.agent.manager.stop(sid, grace_s=0.5)
-        await self.service.stop()
+        if not self._stopped:
+            with contextlib.suppress(Exception):
+                for sid in self.agent.manager.running():
+                    with contextlib.suppress(KeyError):
+                        await self.agent.manager.stop(sid, grace_s=0.5)
+            await self.service.stop()
         await self.controller.uninstall()
         for path in (Path(f"/sys/fs/bpf/dsec-{self.tag}"), Path(f"/run/dsec-{self.tag}")):
             shutil.rmtree(path, ignore_errors=True)
@@ -177,10 +180,18 @@ class NodeAgentHarness:
         rec.changed.set()
 
     async def submit(
-        self, name: str, code: str, egress: str = "{domain: allowed.test, ports: [443]}"
+        self,
+        name: str,
+        code: str,
+        egress: str = "{domain: allowed.test, ports: [443]}",
+        *,
+        built: events.EnvBuilt | None = None,
+        node_id: str | None = None,
     ) -> str:
-        """Publish what policy and builder would for a sandbox running ``python -c code``
-        (``egress``: its one egress rule, in YAML flow style)."""
+        """Publish what policy, builder and scheduler would for a sandbox running
+        ``python -c code`` (``egress``: its one egress rule, in YAML flow style; ``built``: its
+        ``env.built``, default the harness's staged empty environment; ``node_id``: the node
+        it is scheduled on, default the harness's)."""
         assert self._upstream is not None
         sid = f"{name}-{uuid.uuid4().hex[:8]}"
         text = SPEC.format(name=name, code=json.dumps(code), egress=egress)
@@ -209,8 +220,9 @@ class NodeAgentHarness:
             causation=validated.envelope,
         )
         rec.submitted_at = time.monotonic()
-        built = await p.builder.publish(
-            events.EnvBuilt(
+        published = await p.builder.publish(
+            built
+            or events.EnvBuilt(
                 lock_hash=self.lock_hash,
                 fingerprint="harness",
                 object_key=env_archive_key(self.lock_hash),
@@ -221,12 +233,25 @@ class NodeAgentHarness:
             aggregate_id=sid,
             causation=resolved.envelope,
         )
-        await p.scheduler.publish(
-            events.SandboxScheduled(node_id=self.settings.node_id, env_built_id=built.envelope.id),
+        self.scheduled[sid] = await p.scheduler.publish(
+            events.SandboxScheduled(
+                node_id=node_id or self.settings.node_id, env_built_id=published.envelope.id
+            ),
             aggregate_id=sid,
-            causation=built.envelope,
+            causation=published.envelope,
         )
         return sid
+
+    @property
+    def upstream(self) -> trust.Pipeline:
+        """The certified publishers standing in for the user and the other services."""
+        assert self._upstream is not None
+        return self._upstream
+
+    async def stop_agent(self) -> None:
+        """Stop the node agent as a restart would: its sandboxes keep running."""
+        await self.service.stop()
+        self._stopped = True
 
     async def wait_for(self, sid: str, event_type: str, timeout_s: float = 60.0) -> Envelope:
         """The first ``event_type`` of ``sid`` (polls the recorder until the deadline)."""

@@ -42,6 +42,7 @@ from dsec_core.text import bound
 from dsec_core.trust import Gate
 from prometheus_client import Counter
 
+from dsec_nodeagent import placement
 from dsec_nodeagent.context.configmap import ConfigMaps
 from dsec_nodeagent.context.injector import ContextInjector, PreparedContext
 from dsec_nodeagent.context.models import ContextError
@@ -158,12 +159,12 @@ class NodeAgent:
         log.info("reconciled: adopted %s, cleaned %s", report.adopted, report.cleaned)
         for sid in report.adopted:
             state = await self.lifecycle(sid)
-            if state.owned_by(self.node_id):
+            if not placement.stale(state, self.node_id):
                 self._attempts[sid] = state.attempt
-            else:  # rescheduled while this agent was away (lost, drained): fenced off
-                where = f"{state.node_id!r} (attempt {state.attempt}, {state.state})"
-                log.warning("%s: now placed on %s; stopping the stale copy here", sid, where)
-                await self.fence(sid)
+                continue
+            # rescheduled while this agent was away (partitioned and declared lost, drained)
+            log.warning("%s: now %s; stopping the stale copy here", sid, _where(state))
+            await self.fence(sid)
         self._retention = asyncio.create_task(self._retain_forever())
 
     async def shutdown(self) -> None:
@@ -294,11 +295,9 @@ class NodeAgent:
             code_dir = self._code_path(sid)
             return [self._ready_event(running.ready, code_dir if code_dir.is_dir() else None)]
         state = await self.lifecycle(sid)
-        if state.state != "scheduled" or not state.owned_by(self.node_id):
-            log.info("%s: not starting it: the log says %s", sid, _where(state))
-            return []
-        if state.attempt != event.attempt:
-            log.info("%s: attempt %d is not the latest (%d)", sid, event.attempt, state.attempt)
+        why_not = placement.why_not_start(state, self.node_id, event.attempt)
+        if why_not is not None:
+            log.info("%s: not starting it: %s", sid, why_not)
             return []
         started = self._starting.setdefault(sid, asyncio.Event())
         try:
@@ -450,7 +449,7 @@ class NodeAgent:
                 await self.manager.stop(sid, reason=ExitReason.STOPPED, grace_s=event.grace_s)
             return []
         state = await self.lifecycle(sid)
-        if state.state == "scheduled" and state.owned_by(self.node_id):
+        if placement.stop_without_run(state, self.node_id) == "exit-now":
             return [
                 events.SandboxExited(
                     exit_code=-1,
