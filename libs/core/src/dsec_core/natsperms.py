@@ -131,6 +131,7 @@ TABLE: Mapping[str, Role] = {
             "policy.violation",
             "policy.violation_summary",
             "policy.reported",
+            "node.joined",
             "node.heartbeat",
         ),
         # each node agent sees these through its own node's durables; acts only on its own
@@ -150,6 +151,9 @@ TABLE: Mapping[str, Role] = {
             # `dsec sandbox run --snapshot` records that it started a sandbox from a snapshot
             "snapshot.restored",
             "audit.key_registered",
+            # `dsec node cordon|uncordon|drain` on the operator's machine (which connects as
+            # its local user): the event must still be signed by the operator's key (authz)
+            "node.cordon_requested",
         ),
     ),
 }
