@@ -119,8 +119,18 @@ TABLE: Mapping[str, Role] = {
     ),
     "scheduler": Role(
         "scheduler",
-        publishes=("sandbox.scheduled", "unit.placed", "unit.migrated", "node.heartbeat"),
-        consumes=(),
+        publishes=(
+            "sandbox.scheduled",
+            "sandbox.pending",
+            "unit.lost",
+            "node.lost",
+            "node.cordoned",
+            "sandbox.exited",
+            "unit.placed",
+            "unit.migrated",
+            "node.heartbeat",
+        ),
+        consumes=("env.built", "node.cordon_requested", "sandbox.stop_requested"),
     ),
     "nodeagent": Role(
         "nodeagent",
