@@ -154,7 +154,12 @@ class World:
         )
         await p.builder.publish(
             events.EnvBuilt(
-                lock_hash="l", fingerprint="f", object_key="envs/l.tar.zst", reused=True
+                lock_hash="l",
+                fingerprint="f",
+                object_key="envs/l.tar.zst",
+                digest="d",
+                size_bytes=1,
+                reused=True,
             ),
             aggregate_id=sid,
             causation=res.envelope,
