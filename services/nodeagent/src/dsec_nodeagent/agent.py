@@ -466,7 +466,12 @@ class NodeAgent:
         """This node's placement of a sandbox was declared lost (the node was partitioned, or
         drained): a copy still running here is stopped and cleaned up, with no event."""
         sid = envelope.aggregate_id
-        if event.node_id != self.node_id or self.manager.get(sid) is None:
+        if event.node_id != self.node_id:
+            return []
+        starting = self._starting.get(sid)
+        if starting is not None:  # a start of the lost placement still under way: let it end
+            await starting.wait()
+        if self.manager.get(sid) is None:
             return []
         if self._attempts.get(sid, event.attempt) > event.attempt:
             return []  # it runs here as a newer placement than the one lost
