@@ -368,3 +368,66 @@ async def test_forged_heartbeats_never_change_placement(
     assert forged_id not in pending.payload["reason"]
     assert "CPUs: needs 4000" in pending.payload["reason"]
     assert not [e for e in await history(js, "sandbox", sid) if e.type == "sandbox.scheduled"]
+
+
+def placements(found: list[Envelope]) -> list[str]:
+    return [e.payload["node_id"] for e in found if e.type == "sandbox.scheduled"]
+
+
+async def test_state_survives_a_crash_of_the_scheduler(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    small = await world.node("small", cpus=16)
+    await start_scheduler(services)
+    held = await world.submit(cpu=10)
+    await wait_for(js, held, of("sandbox.scheduled", node_id=small.node_id))
+    waits = await world.submit(cpu=50)
+    await wait_for(js, waits, of("sandbox.pending"))
+    await asyncio.to_thread(services.restart, "scheduler", kill=True)
+    # the allocation on `small` was rebuilt from the log: 6 CPUs are free there
+    later = await world.submit(cpu=10)
+    pending = await wait_for(js, later, of("sandbox.pending"))
+    assert f"{small.node_id}: CPUs: needs 10, 6 free" in pending.payload["reason"]
+    # so was the queue: both waiting sandboxes go to the node that joins, oldest first
+    big = await world.node("big", cpus=100)
+    first = await wait_for(js, waits, of("sandbox.scheduled"))
+    second = await wait_for(js, later, of("sandbox.scheduled"))
+    assert first.payload["node_id"] == second.payload["node_id"] == big.node_id
+    for sid in (held, waits, later):
+        assert len(placements(await history(js, "sandbox", sid))) == 1, sid
+
+
+async def test_two_schedulers_at_once_place_each_sandbox_once(
+    world: World, js: JetStreamContext, services: Any, dsec_stack: Any
+) -> None:
+    from dsec_core.settings import Settings
+
+    from dsec_scheduler.app import create_service
+
+    replica = create_service(
+        Settings(
+            home=dsec_stack.home,
+            nats_url=dsec_stack.nats_plain_url,
+            nats_nkey_seed=dsec_stack.nats_seed("scheduler"),
+            postgres_dsn="",  # one projector is enough
+            node_lost_s=LOST_S,
+        )
+    )
+    await asyncio.gather(start_scheduler(services), replica.start())
+    try:
+        sandboxes = [await world.submit(cpu=30) for _ in range(4)]
+        for sid in sandboxes:
+            await wait_for(js, sid, of("sandbox.pending"))
+        # both replicas see the node join and try the queue: one placement per sandbox
+        big = await world.node("big", cpus=1000)
+        for sid in sandboxes:
+            await wait_for(js, sid, of("sandbox.scheduled", node_id=big.node_id))
+        await world.node("other", cpus=1000)  # another pass of both replicas
+        marker = await world.submit(cpu=10)
+        await wait_for(js, marker, of("sandbox.scheduled"))
+        for sid in sandboxes:
+            found = await history(js, "sandbox", sid)
+            assert placements(found) == [big.node_id], [(e.type, e.producer) for e in found]
+            assert [e.type for e in found].count("sandbox.pending") == 1
+    finally:
+        await replica.stop()
