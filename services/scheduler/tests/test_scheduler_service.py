@@ -15,7 +15,7 @@ from typing import Any
 import blake3
 import nats
 import pytest
-from dsec_core import events
+from dsec_core import events, identity
 from dsec_core.bus import EventPublisher, replay
 from dsec_core.envelope import Envelope, decode
 from dsec_core.events import GpuInfo, NodeInventory
@@ -28,7 +28,8 @@ from nats.js import JetStreamContext
 pytestmark = pytest.mark.integration
 
 GIB = 2**30
-HEARTBEAT_S = 0.5
+HEARTBEAT_S = 0.4
+DECLARED_HEARTBEAT_S = 1.0  # what the node says: stale after 3 s, tolerant of a busy test host
 LOST_S = 3.0
 SCHEDULER_ENV = {"DSEC_NODE_LOST_S": str(LOST_S), "DSEC_MAX_PLACEMENTS": "3"}
 
@@ -65,7 +66,7 @@ class Beating:
                 node_id=self.node_id,
                 seq=self.seq,
                 inventory=self.inventory,
-                heartbeat_s=HEARTBEAT_S,
+                heartbeat_s=DECLARED_HEARTBEAT_S,
             ),
             aggregate_id=self.node_id,
         )
@@ -123,7 +124,7 @@ class World:
                     hostname="test",
                     version="0",
                     inventory=inv,
-                    heartbeat_s=HEARTBEAT_S,
+                    heartbeat_s=DECLARED_HEARTBEAT_S,
                 ),
                 aggregate_id=node_id,
             )
@@ -131,8 +132,11 @@ class World:
         self.nodes.append(beating)
         return beating
 
-    async def submit(self, *, cpu: float, memory: str = "1GiB", gpu: str = "") -> str:
-        """What the user, policy and builder publish for a sandbox of these resources."""
+    async def submit(
+        self, *, cpu: float, memory: str = "1GiB", gpu: str = "", stop_while_building: bool = False
+    ) -> str:
+        """What the user, policy and builder publish for a sandbox of these resources (and the
+        user's stop while it builds)."""
         sid = f"sbx_sched_{uuid.uuid4().hex[:12]}"
         text = SPEC.format(name="s", cpu=cpu, memory=memory, gpu=f", gpu: {gpu}" if gpu else "")
         loaded = load_spec(text, "dsec.yaml")
@@ -152,6 +156,8 @@ class World:
             aggregate_id=sid,
             causation=val.envelope,
         )
+        if stop_while_building:
+            await p.user.publish(events.SandboxStopRequested(), aggregate_id=sid)
         await p.builder.publish(
             events.EnvBuilt(
                 lock_hash="l",
@@ -346,9 +352,14 @@ async def test_stop_of_a_pending_sandbox_ends_it_stopped(
     assert ended.payload["reason"] == "stopped" and ended.payload["exit_code"] == -1
     # a node big enough for it joins later: the stopped sandbox is not placed
     big = await world.node("big", cpus=4000)
+    # stopped while it was built: once built it ends, never placed
+    early = await world.submit(cpu=1, stop_while_building=True)
+    ended_early = await wait_for(js, early, of("sandbox.exited"))
+    assert ended_early.producer == "scheduler" and ended_early.payload["reason"] == "stopped"
     marker = await world.submit(cpu=3500)
     await wait_for(js, marker, of("sandbox.scheduled", node_id=big.node_id))
-    assert not [e for e in await history(js, "sandbox", sid) if e.type == "sandbox.scheduled"]
+    for stopped in (sid, early):
+        assert not placements(await history(js, "sandbox", stopped))
 
 
 async def test_forged_heartbeats_never_change_placement(
@@ -373,3 +384,87 @@ async def test_forged_heartbeats_never_change_placement(
     assert forged_id not in pending.payload["reason"]
     assert "CPUs: needs 4000" in pending.payload["reason"]
     assert not [e for e in await history(js, "sandbox", sid) if e.type == "sandbox.scheduled"]
+
+
+def placements(found: list[Envelope]) -> list[str]:
+    return [e.payload["node_id"] for e in found if e.type == "sandbox.scheduled"]
+
+
+async def test_state_survives_a_crash_of_the_scheduler(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    small = await world.node("small", cpus=16)
+    await start_scheduler(services)
+    held = await world.submit(cpu=10)
+    await wait_for(js, held, of("sandbox.scheduled", node_id=small.node_id))
+    waits = await world.submit(cpu=50)
+    await wait_for(js, waits, of("sandbox.pending"))
+    await asyncio.to_thread(services.restart, "scheduler", kill=True)
+    # the allocation on `small` was rebuilt from the log: 6 CPUs are free there
+    later = await world.submit(cpu=10)
+    pending = await wait_for(js, later, of("sandbox.pending"))
+    assert f"{small.node_id}: CPUs: needs 10, 6 free" in pending.payload["reason"]
+    # so was the queue: both waiting sandboxes go to the node that joins, oldest first
+    big = await world.node("big", cpus=100)
+    first = await wait_for(js, waits, of("sandbox.scheduled"))
+    second = await wait_for(js, later, of("sandbox.scheduled"))
+    assert first.payload["node_id"] == second.payload["node_id"] == big.node_id
+    for sid in (held, waits, later):
+        assert len(placements(await history(js, "sandbox", sid))) == 1, sid
+
+
+async def test_two_schedulers_at_once_place_each_sandbox_once(
+    world: World, js: JetStreamContext, services: Any, dsec_stack: Any
+) -> None:
+    from dsec_core.settings import Settings
+
+    from dsec_scheduler.app import create_service
+
+    home = dsec_stack.home
+    identity.ensure_service_identity(identity.TrustPaths(home), trust.stack_root(home), "scheduler")
+    replica = create_service(
+        Settings(
+            home=dsec_stack.home,
+            nats_url=dsec_stack.nats_plain_url,
+            nats_nkey_seed=dsec_stack.nats_seed("scheduler"),
+            postgres_dsn="",  # one projector is enough
+            node_lost_s=LOST_S,
+        )
+    )
+    await asyncio.gather(start_scheduler(services), replica.start())
+    try:
+        sandboxes = [await world.submit(cpu=30) for _ in range(4)]
+        for sid in sandboxes:
+            await wait_for(js, sid, of("sandbox.pending"))
+        # both replicas see the node join and try the queue: one placement per sandbox
+        big = await world.node("big", cpus=1000)
+        for sid in sandboxes:
+            await wait_for(js, sid, of("sandbox.scheduled", node_id=big.node_id))
+        await world.node("other", cpus=1000)  # another pass of both replicas
+        marker = await world.submit(cpu=10)
+        await wait_for(js, marker, of("sandbox.scheduled"))
+        for sid in sandboxes:
+            found = await history(js, "sandbox", sid)
+            assert placements(found) == [big.node_id], [(e.type, e.producer) for e in found]
+            assert [e.type for e in found].count("sandbox.pending") == 1
+    finally:
+        await replica.stop()
+
+
+async def test_a_sandbox_lost_at_its_last_placement_fails(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    a = await world.node("a", cpus=1000)
+    await start_scheduler(services, DSEC_MAX_PLACEMENTS="1")
+    sid = await world.submit(cpu=300)
+    await wait_for(js, sid, of("sandbox.scheduled", node_id=a.node_id))
+    a.silence()
+    unit = await wait_for(js, sid, of("unit.lost"))
+    assert unit.payload["action"] == "fail" and unit.payload["attempt"] == 1
+    # a node joins afterwards: the failed sandbox is not placed again (the marker is)
+    b = await world.node("b", cpus=1000)
+    marker = await world.submit(cpu=300)
+    await wait_for(js, marker, of("sandbox.scheduled", node_id=b.node_id))
+    found = await history(js, "sandbox", sid)
+    assert placements(found) == [a.node_id]
+    assert "sandbox.pending" not in [e.type for e in found]

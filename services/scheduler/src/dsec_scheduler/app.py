@@ -48,6 +48,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from dsec_scheduler.domain import (
     FOLDED_TYPES,
+    NODE_TYPES,
+    SANDBOX_TYPES,
     NoFit,
     Placement,
     Sandbox,
@@ -60,6 +62,8 @@ from dsec_scheduler.domain import (
 log = logging.getLogger(__name__)
 
 FILTERS: list[str] = sorted({filter_for(t) for t in FOLDED_TYPES})
+NODE_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_TYPES})
+SANDBOX_FILTERS: list[str] = sorted({filter_for(t) for t in SANDBOX_TYPES})
 IDLE_S = 0.2
 BARRIER_TIMEOUT_S = 20.0
 
@@ -76,7 +80,6 @@ class Scheduler:
         self._pos = 0  # stream sequence of the last message folded
         self._idle_rounds = 0  # times the follower found nothing left to read
         self._progress = asyncio.Condition()
-        self._caught_up = asyncio.Event()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -92,15 +95,28 @@ class Scheduler:
 
     async def start(self) -> None:
         """Fold the log up to now, then keep following it, placing and watching for losses."""
-        self._tasks.append(asyncio.create_task(self._follow(), name="scheduler-follow"))
-        await self._caught_up.wait()
+        started = time.perf_counter()
+        last = (await self._js().stream_info(STREAM)).state.last_seq
+        if last:
+            # Each node's latest joined/heartbeat/lost/cordoned is all its state needs (a
+            # day of heartbeats is not read again); sandboxes are folded in full.
+            nodes = await self._read_up_to(NODE_FILTERS, last, DeliverPolicy.LAST_PER_SUBJECT)
+            for seen in sorted(nodes, key=lambda pair: pair[0]):
+                self._fold(seen[1])
+            for seen in await self._read_up_to(SANDBOX_FILTERS, last, DeliverPolicy.ALL):
+                self._fold(seen[1])
+        self._pos = last
         log.info(
-            "scheduler: state rebuilt from the log up to sequence %d: %d nodes, %d waiting",
-            self._pos,
+            "scheduler: state rebuilt from the log up to sequence %d in %.2f s: %d nodes, "
+            "%d sandboxes, %d waiting",
+            last,
+            time.perf_counter() - started,
             len(self.state.nodes),
+            len(self.state.sandboxes),
             len(self.state.queue()),
         )
         self._wake.set()
+        self._tasks.append(asyncio.create_task(self._follow(), name="scheduler-follow"))
         self._tasks.append(asyncio.create_task(self._place_forever(), name="scheduler-place"))
         self._tasks.append(asyncio.create_task(self._watch_forever(), name="scheduler-watch"))
 
@@ -112,6 +128,39 @@ class Scheduler:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+
+    async def _read_up_to(
+        self, filters: list[str], last: int, policy: DeliverPolicy
+    ) -> list[tuple[int, Seen | None]]:
+        """The messages on ``filters`` up to stream sequence ``last``, gate-checked, in the
+        order delivered (``None`` for one the gate refused)."""
+        config = ConsumerConfig(
+            deliver_policy=policy,
+            ack_policy=AckPolicy.NONE,
+            filter_subjects=filters,
+            inactive_threshold=30.0,
+            mem_storage=True,
+        )
+        out: list[tuple[int, Seen | None]] = []
+        sub = await self._js().pull_subscribe("", stream=STREAM, config=config)
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(512, timeout=IDLE_S)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    if (await sub.consumer_info()).num_pending:
+                        continue
+                    return out
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    if seq > last:
+                        return out
+                    out.append((seq, await self._authentic_msg(msg)))
+                    if seq == last:
+                        return out
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def _follow(self) -> None:
         while True:
@@ -144,30 +193,32 @@ class Scheduler:
                 if (await sub.consumer_info()).num_pending:
                     continue
                 self._idle_rounds += 1
-                self._caught_up.set()
                 await self._notify()
                 continue
             for msg in msgs:
-                await self._take(msg)
+                seen = await self._authentic_msg(msg)
+                self._pos = max(self._pos, msg.metadata.sequence.stream)
+                if seen is not None and self._fold(seen):
+                    self._wake.set()
             await self._notify()
 
     async def _notify(self) -> None:
         async with self._progress:
             self._progress.notify_all()
 
-    async def _take(self, msg: Msg) -> None:
-        meta = msg.metadata
-        seen = await self._authentic(msg.data, msg.subject, meta.timestamp.timestamp())
-        self._pos = max(self._pos, meta.sequence.stream)
+    def _fold(self, seen: Seen | None) -> bool:
+        """Fold one authentic event; True when the queue may move."""
         if seen is None:
-            return
+            return False
         try:
-            wake = self.state.apply(seen)
+            return self.state.apply(seen)
         except (ValueError, KeyError, TypeError) as exc:  # a payload the fold cannot read
             log.warning("scheduler: %s %s not folded: %s", seen.type, seen.id, exc)
-            return
-        if wake and self._caught_up.is_set():
-            self._wake.set()
+            return False
+
+    async def _authentic_msg(self, msg: Msg) -> Seen | None:
+        stored_at = msg.metadata.timestamp.timestamp()
+        return await self._authentic(msg.data, msg.subject, stored_at)
 
     async def _authentic(self, data: bytes, subject: str, stored_at: float) -> Seen | None:
         """The event as the fold takes it, when the gate admits it (never a forged one)."""

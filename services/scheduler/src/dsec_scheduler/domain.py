@@ -236,9 +236,11 @@ _SANDBOX_TYPES = {
     "sandbox.failed",
     "sandbox.stop_requested",
 }
-FOLDED_TYPES: frozenset[str] = frozenset(
-    {*_NODE_SEEN, "node.lost", "node.cordoned", *_SANDBOX_TYPES}
-)
+NODE_TYPES: frozenset[str] = frozenset({*_NODE_SEEN, "node.lost", "node.cordoned"})
+"""Node events: the latest of each type and node says all the fleet needs."""
+SANDBOX_TYPES: frozenset[str] = frozenset(_SANDBOX_TYPES)
+"""Sandbox events, from ``env.built`` on: folded in full."""
+FOLDED_TYPES: frozenset[str] = NODE_TYPES | SANDBOX_TYPES
 """The event types the scheduler's state is folded from."""
 
 
