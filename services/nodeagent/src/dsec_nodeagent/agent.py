@@ -242,13 +242,6 @@ class NodeAgent:
         except StartRefused:
             return None
 
-    async def _already_started(self, sandbox_id: str) -> bool:
-        """Whether the log shows this sandbox started (or ended) already."""
-        for event_type in ("sandbox.ready", "sandbox.exited", "sandbox.failed"):
-            if await self._maybe_last(event_type, sandbox_id) is not None:
-                return True
-        return False
-
     async def lifecycle(self, sandbox_id: str) -> lifecycle.Lifecycle:
         """The sandbox's state: the fold of its authentic lifecycle events, in log order."""
         return await self._gate().lifecycle(sandbox_id)
