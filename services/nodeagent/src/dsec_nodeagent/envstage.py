@@ -113,6 +113,8 @@ class EnvStager:
         incoming.mkdir(parents=True, exist_ok=True)
         for stale in self.layout.envs.glob(f".{dest.name}.unpack-*"):
             remove_tree(stale)  # a crashed staging of this lock; we hold its lock
+        for stale in incoming.glob(f"{dest.name}.*.tar.zst"):
+            stale.unlink(missing_ok=True)
         archive = incoming / f"{dest.name}.{uuid.uuid4().hex[:8]}.tar.zst"
         try:
             await self._download(key, archive, size)
