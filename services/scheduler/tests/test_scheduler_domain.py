@@ -19,6 +19,7 @@ from dsec_scheduler.domain import (
     Seen,
     free_gpus,
     place,
+    reason_shape,
     resources_from_plan,
 )
 
@@ -283,3 +284,11 @@ def test_withdrawn_decision_leaves_no_trace() -> None:
     state.tentative(decision)
     state.withdraw(decision.id)
     assert state.on_node("n1") == [] and state.sandboxes["s1"].life.state == "built"
+
+
+def test_a_pending_reason_changes_shape_with_nodes_not_with_numbers() -> None:
+    before = "no node fits: a: CPUs: needs 6, 4 free"
+    assert reason_shape(before) == reason_shape("no node fits: a: CPUs: needs 6, 2.5 free")
+    another = "no node fits: a: CPUs: needs 6, 4 free; b: cordoned"
+    assert reason_shape(before) != reason_shape(another)
+    assert reason_shape("no node has joined") != reason_shape(before)

@@ -56,6 +56,7 @@ from dsec_scheduler.domain import (
     SchedulerState,
     Seen,
     place,
+    reason_shape,
     resources_from_plan,
 )
 
@@ -66,6 +67,8 @@ NODE_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_TYPES})
 SANDBOX_FILTERS: list[str] = sorted({filter_for(t) for t in SANDBOX_TYPES})
 IDLE_S = 0.2
 BARRIER_TIMEOUT_S = 20.0
+REASON_EVERY_S = 10.0
+"""A pending sandbox's changed reason is published at most this often."""
 
 
 class Scheduler:
@@ -310,6 +313,15 @@ class Scheduler:
             reason=decision.summary(), resources=sbx.resources, attempt=sbx.next_attempt
         )
 
+    @staticmethod
+    def _same_wait(sbx: Sandbox, decision: SandboxPending) -> bool:
+        """Whether a pending sandbox would only be told again why it waits: the same kind of
+        reason, or another one within REASON_EVERY_S of the last (bounded churn)."""
+        if sbx.life.state != "pending":
+            return False
+        same = reason_shape(decision.reason) == reason_shape(sbx.pending_reason)
+        return same or time.time() - sbx.pending_at < REASON_EVERY_S
+
     async def place_waiting(self) -> None:
         """Try each waiting sandbox, oldest first: schedule what fits now; a sandbox lost on
         its node and fitting nowhere becomes pending."""
@@ -318,8 +330,8 @@ class Scheduler:
             if sbx is None or not sbx.waiting or sbx.stop_requested or sbx.resources is None:
                 continue
             decision = self._placement(sbx)
-            if isinstance(decision, SandboxPending) and sbx.life.state == "pending":
-                continue  # still waits; the reason it was given stands
+            if isinstance(decision, SandboxPending) and self._same_wait(sbx, decision):
+                continue  # still waits, for the reason it was given
             assert sbx.life.last_event_id is not None
             await self._decide(
                 decision,

@@ -8,6 +8,7 @@ where placement quality (GPU topology, gangs) plugs in later: it sees the whole 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -83,6 +84,12 @@ class NoFit:
         if not self.reasons:
             return "no node has joined"
         return "no node fits: " + "; ".join(f"{n}: {r}" for n, r in sorted(self.reasons.items()))
+
+
+def reason_shape(reason: str) -> str:
+    """A no-fit reason without its numbers: a pending sandbox's reason is published again only
+    when this changes (another node, another kind of shortfall), not with every free CPU."""
+    return re.sub(r"\d+(\.\d+)?", "#", reason)
 
 
 def _gib(n: float) -> str:
@@ -205,6 +212,10 @@ class Sandbox:
     lost_on: str | None = None
     pending_attempt: int = 1
     """The attempt a ``sandbox.pending`` waits for."""
+    pending_reason: str = ""
+    """Why it waits, as last published."""
+    pending_at: float = 0.0
+    """When that reason was stored."""
     stop_requested: bool = False
 
     @property
@@ -430,5 +441,7 @@ class SchedulerState:
             changes["lost_on"] = str(p.get("node_id"))
         if event.type == "sandbox.pending":
             changes["pending_attempt"] = int(p.get("attempt") or 1)
+            changes["pending_reason"] = str(p.get("reason") or "")
+            changes["pending_at"] = event.stored_at
         self.sandboxes[sid] = replace(sbx, **changes)
         return freed or life.state == "lost"
