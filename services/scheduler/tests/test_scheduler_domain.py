@@ -229,6 +229,8 @@ def test_silent_node_is_reported_until_lost_and_rejoins_empty() -> None:
     state.apply(seen("env.built", "s1"))
     state.apply(scheduled("s1", "n1"))
     assert [n.node_id for n in state.silent(NOW)] == ["n1"]
+    # a scheduler that started 10 s ago gives it the full 15 s from then
+    assert state.silent(NOW, watching_since=NOW - 10) == []
     state.apply(seen("node.lost", "n1", node_id="n1", silent_s=20, sandboxes=["s1"]))
     assert state.silent(NOW) == []
     assert [(n.node_id, held) for n, held in state.evacuate()] == [("n1", ["s1"])]

@@ -81,6 +81,7 @@ class Scheduler:
         self.state = SchedulerState(lost_after_s=settings.node_lost_s)
         self.tick_s = min(1.0, settings.node_lost_s / 4)
         self._pos = 0  # stream sequence of the last message folded
+        self._watching_since = 0.0  # when the rebuild ended
         self._idle_rounds = 0  # times the follower found nothing left to read
         self._progress = asyncio.Condition()
         self._wake = asyncio.Event()
@@ -109,6 +110,7 @@ class Scheduler:
             for seen in await self._read_up_to(SANDBOX_FILTERS, last, DeliverPolicy.ALL):
                 self._fold(seen[1])
         self._pos = last
+        self._watching_since = time.time()
         log.info(
             "scheduler: state rebuilt from the log up to sequence %d in %.2f s: %d nodes, "
             "%d sandboxes, %d waiting",
@@ -342,7 +344,7 @@ class Scheduler:
 
     async def declare_lost(self, now: float) -> None:
         """Declare silent nodes lost, then move what lost or draining nodes still hold."""
-        for node in self.state.silent(now):
+        for node in self.state.silent(now, watching_since=self._watching_since):
             silent = now - node.last_seen
             log.warning("scheduler: node %s silent for %.1f s: lost", node.node_id, silent)
             await self._decide(

@@ -300,12 +300,14 @@ class SchedulerState:
                 out.append((node, held))
         return out
 
-    def silent(self, now: float) -> list[Node]:
-        """Nodes silent longer than ``lost_after_s`` and not yet declared lost."""
+    def silent(self, now: float, watching_since: float = 0.0) -> list[Node]:
+        """Nodes silent longer than ``lost_after_s`` and not yet declared lost. Silence counts
+        from ``watching_since`` at the earliest: a scheduler that just started gives every node
+        a full period to be heard (its newest heartbeat in the log might not be readable)."""
         return [
             n
             for _, n in sorted(self.nodes.items())
-            if not n.lost and now - n.last_seen > self.lost_after_s
+            if not n.lost and now - max(n.last_seen, watching_since) > self.lost_after_s
         ]
 
     # -- folding
