@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -222,6 +224,20 @@ async def wait_for(
         await asyncio.sleep(0.1)
 
 
+async def scrape(services: Any, needle: str, timeout: float = 10.0) -> str:
+    """The scheduler's /metrics once it shows ``needle`` (and one export tick later)."""
+    url = services.url("scheduler") + "/metrics"
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+        body = text.decode()
+        if needle in body and "dsec_scheduler_nodes{" in body:
+            return body
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{needle} not on /metrics: {body[-2000:]}")
+        await asyncio.sleep(0.2)
+
+
 def of(event_type: str, **fields: Any) -> Callable[[Envelope], bool]:
     return lambda e: e.type == event_type and all(e.payload.get(k) == v for k, v in fields.items())
 
@@ -251,6 +267,10 @@ async def test_sandbox_is_scheduled_on_the_node_that_fits(
     built = await wait_for(js, sid, of("env.built"))
     assert placed.payload["env_built_id"] == built.id
     assert placed.causation_id == built.id
+    # what an operator sees on /metrics
+    text = await scrape(services, 'dsec_scheduler_decisions_total{type="sandbox.scheduled"}')
+    assert 'dsec_scheduler_decisions_total{type="sandbox.scheduled"} 1.0' in text
+    assert re.search(r'dsec_scheduler_nodes\{state="ready"\} [2-9]', text), text
 
 
 async def test_no_fit_is_pending_with_the_reason_then_scheduled_when_a_big_node_joins(

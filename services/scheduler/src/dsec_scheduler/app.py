@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import nats.errors
+from dsec_core import metrics as core_metrics
 from dsec_core.envelope import Envelope
 from dsec_core.events import (
     NodeCordoned,
@@ -46,6 +47,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from dsec_scheduler import metrics
 from dsec_scheduler.domain import (
     FOLDED_TYPES,
     NODE_TYPES,
@@ -86,6 +88,8 @@ class Scheduler:
         self._progress = asyncio.Condition()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.follow_problem: str | None = None
+        """Why the state is not following the log now (``/healthz``), or None."""
 
     # ------------------------------------------------------------------ following the log
 
@@ -188,6 +192,7 @@ class Scheduler:
                 raise
             except Exception as exc:  # a NATS restart, a deleted consumer: follow again
                 log.warning("scheduler: following the log failed (%s); resuming", exc)
+                self.follow_problem = f"not following the log: {type(exc).__name__}: {exc}"
                 await asyncio.sleep(0.5)
 
     async def _read(self, sub: JetStreamContext.PullSubscription) -> None:
@@ -198,8 +203,10 @@ class Scheduler:
                 if (await sub.consumer_info()).num_pending:
                     continue
                 self._idle_rounds += 1
+                self.follow_problem = None
                 await self._notify()
                 continue
+            self.follow_problem = None
             for msg in msgs:
                 seen = await self._authentic_msg(msg)
                 self._pos = max(self._pos, msg.metadata.sequence.stream)
@@ -295,6 +302,8 @@ class Scheduler:
         except BaseException:
             self.state.withdraw(event_id)
             raise
+        metrics.DECISIONS.labels(payload.TYPE).inc()
+        core_metrics.EVENTS_PUBLISHED.labels(self.service.name, payload.TYPE).inc()
 
     def _placement(self, sbx: Sandbox) -> SandboxScheduled | SandboxPending:
         """Where a waiting (or just built) sandbox goes now, or why it waits."""
@@ -405,8 +414,25 @@ class Scheduler:
                 await self.declare_lost(time.time())
             except Exception:
                 log.exception("scheduler: loss detection failed")
-            if self.state.queue():
+            waiting = len(self.state.queue())
+            self._export(waiting)
+            if waiting:
                 self._wake.set()  # stale nodes come back by the clock too
+
+    def _export(self, waiting: int) -> None:
+        states = {"ready": 0, "cordoned": 0, "unhealthy": 0, "lost": 0}
+        for node in self.state.nodes.values():
+            if node.lost:
+                states["lost"] += 1
+            elif node.cordoned:
+                states["cordoned"] += 1
+            elif node.problems:
+                states["unhealthy"] += 1
+            else:
+                states["ready"] += 1
+        for state, count in states.items():
+            metrics.NODES.labels(state).set(count)
+        metrics.WAITING.set(waiting)
 
     # ------------------------------------------------------------------ handlers
 
@@ -537,6 +563,7 @@ def create_service(settings: Settings | None = None) -> Service:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(task, timeout=5)
 
+    service.health_checks.append(lambda: scheduler.follow_problem)
     service.on_start.append(start_projector)
     service.on_start.append(scheduler.start)  # the state is rebuilt before the handlers run
     service.on_stop.append(stop_all)
