@@ -485,3 +485,20 @@ async def test_a_sandbox_lost_at_its_last_placement_fails(
     found = await history(js, "sandbox", sid)
     assert placements(found) == [a.node_id]
     assert "sandbox.pending" not in [e.type for e in found]
+
+
+async def test_the_scheduler_follows_the_log_again_after_nats_restarts(
+    world: World, js: JetStreamContext, services: Any, nats_restart: Any
+) -> None:
+    a = await world.node("a", cpus=1000)
+    await start_scheduler(services)
+    await nats_restart.arestart(kill=True)
+    # its fold reads the log again (heartbeats, the new sandbox): otherwise the handler would
+    # wait for it in vain and the node would look silent
+    sid = await world.submit(cpu=200)
+    placed = await wait_for(js, sid, of("sandbox.scheduled"), timeout=60)
+    assert placed.payload["node_id"] == a.node_id
+    health = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(services.url("scheduler") + "/healthz", timeout=5).read()
+    )
+    assert b'"status": "ok"' in health
