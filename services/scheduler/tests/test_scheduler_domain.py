@@ -294,3 +294,10 @@ def test_a_pending_reason_changes_shape_with_nodes_not_with_numbers() -> None:
     another = "no node fits: a: CPUs: needs 6, 4 free; b: cordoned"
     assert reason_shape(before) != reason_shape(another)
     assert reason_shape("no node has joined") != reason_shape(before)
+
+
+def test_a_heartbeat_filed_under_another_nodes_subject_is_not_folded() -> None:
+    state = SchedulerState(lost_after_s=15)
+    inv = NodeInventory(cpus=8, memory_bytes=GIB).model_dump(mode="json")
+    misfiled = seen("node.heartbeat", "n2", node_id="n1", seq=1, inventory=inv)
+    assert state.apply(misfiled) is False and state.nodes == {}

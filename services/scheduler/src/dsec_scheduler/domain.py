@@ -371,6 +371,8 @@ class SchedulerState:
     def _node_seen(self, event: Seen) -> bool:
         p = event.payload
         node_id = str(p.get("node_id") or event.aggregate_id)
+        if node_id != event.aggregate_id:
+            return False  # filed under another node's subject: never read as that node's
         old = self.nodes.get(node_id)
         inventory = NodeInventory.model_validate(p["inventory"])
         node = Node(
