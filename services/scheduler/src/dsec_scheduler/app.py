@@ -379,7 +379,9 @@ class Scheduler:
             else:
                 cause, reason = node.drain_event_id, "node drained"
             for sandbox_id in held:
-                sbx = self.state.sandboxes[sandbox_id]
+                sbx = self.state.sandboxes.get(sandbox_id)
+                if sbx is None or sbx.holds != node.node_id:
+                    continue  # it ended (or moved) while the previous decision was published
                 retry = node.draining or sbx.life.attempt < self.max_placements
                 await self._decide(
                     UnitLost(
