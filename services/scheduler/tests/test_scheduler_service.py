@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -59,13 +61,14 @@ class Beating:
     task: asyncio.Task[None] | None = None
     seq: int = 0
 
-    async def beat(self) -> None:
+    async def beat(self, problems: tuple[str, ...] = ()) -> None:
         self.seq += 1
         await self.pub.publish(
             events.NodeHeartbeat(
                 node_id=self.node_id,
                 seq=self.seq,
                 inventory=self.inventory,
+                problems=list(problems),
                 heartbeat_s=DECLARED_HEARTBEAT_S,
             ),
             aggregate_id=self.node_id,
@@ -174,8 +177,10 @@ class World:
         return sid
 
     async def close(self) -> None:
+        # The nodes say they are unhealthy as they stop: no later test's sandbox lands there.
         for beating in self.nodes:
             beating.silence()
+            await beating.beat(problems=("test over",))
         # End every sandbox this test made, so no later test finds it waiting in the queue.
         for sid in self.sandboxes:
             with contextlib.suppress(Exception):
@@ -224,6 +229,20 @@ async def wait_for(
         await asyncio.sleep(0.1)
 
 
+async def scrape(services: Any, needle: str, timeout: float = 10.0) -> str:
+    """The scheduler's /metrics once it shows ``needle`` (and one export tick later)."""
+    url = services.url("scheduler") + "/metrics"
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+        body = text.decode()
+        if needle in body and "dsec_scheduler_nodes{" in body:
+            return body
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{needle} not on /metrics: {body[-2000:]}")
+        await asyncio.sleep(0.2)
+
+
 def of(event_type: str, **fields: Any) -> Callable[[Envelope], bool]:
     return lambda e: e.type == event_type and all(e.payload.get(k) == v for k, v in fields.items())
 
@@ -253,6 +272,10 @@ async def test_sandbox_is_scheduled_on_the_node_that_fits(
     built = await wait_for(js, sid, of("env.built"))
     assert placed.payload["env_built_id"] == built.id
     assert placed.causation_id == built.id
+    # what an operator sees on /metrics
+    text = await scrape(services, 'dsec_scheduler_decisions_total{type="sandbox.scheduled"}')
+    assert 'dsec_scheduler_decisions_total{type="sandbox.scheduled"} 1.0' in text
+    assert re.search(r'dsec_scheduler_nodes\{state="ready"\} [2-9]', text), text
 
 
 async def test_no_fit_is_pending_with_the_reason_then_scheduled_when_a_big_node_joins(
@@ -281,7 +304,7 @@ async def test_silent_node_is_lost_and_its_sandbox_rescheduled_elsewhere(
     on.silence()
     lost = await wait_for(js, on.node_id, of("node.lost"), aggregate="node")
     assert lost.payload["sandboxes"] == [sid]
-    assert lost.payload["silent_s"] > LOST_S
+    assert lost.payload["silent_s"] >= LOST_S
     unit = await wait_for(js, sid, of("unit.lost"))
     assert unit.payload == {
         "node_id": on.node_id,
@@ -446,7 +469,6 @@ async def test_two_schedulers_at_once_place_each_sandbox_once(
         for sid in sandboxes:
             found = await history(js, "sandbox", sid)
             assert placements(found) == [big.node_id], [(e.type, e.producer) for e in found]
-            assert [e.type for e in found].count("sandbox.pending") == 1
     finally:
         await replica.stop()
 
@@ -468,3 +490,20 @@ async def test_a_sandbox_lost_at_its_last_placement_fails(
     found = await history(js, "sandbox", sid)
     assert placements(found) == [a.node_id]
     assert "sandbox.pending" not in [e.type for e in found]
+
+
+async def test_the_scheduler_follows_the_log_again_after_nats_restarts(
+    world: World, js: JetStreamContext, services: Any, nats_restart: Any
+) -> None:
+    a = await world.node("a", cpus=1000)
+    await start_scheduler(services)
+    await nats_restart.arestart(kill=True)
+    # its fold reads the log again (heartbeats, the new sandbox): otherwise the handler would
+    # wait for it in vain and the node would look silent
+    sid = await world.submit(cpu=200)
+    placed = await wait_for(js, sid, of("sandbox.scheduled"), timeout=60)
+    assert placed.payload["node_id"] == a.node_id
+    health = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(services.url("scheduler") + "/healthz", timeout=5).read()
+    )
+    assert b'"status": "ok"' in health

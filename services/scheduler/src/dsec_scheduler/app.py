@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import nats.errors
+from dsec_core import metrics as core_metrics
 from dsec_core.envelope import Envelope
 from dsec_core.events import (
     NodeCordoned,
@@ -46,6 +47,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from dsec_scheduler import metrics
 from dsec_scheduler.domain import (
     FOLDED_TYPES,
     NODE_TYPES,
@@ -56,6 +58,7 @@ from dsec_scheduler.domain import (
     SchedulerState,
     Seen,
     place,
+    reason_shape,
     resources_from_plan,
 )
 
@@ -66,6 +69,8 @@ NODE_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_TYPES})
 SANDBOX_FILTERS: list[str] = sorted({filter_for(t) for t in SANDBOX_TYPES})
 IDLE_S = 0.2
 BARRIER_TIMEOUT_S = 20.0
+REASON_EVERY_S = 10.0
+"""A pending sandbox's changed reason is published at most this often."""
 
 
 class Scheduler:
@@ -78,10 +83,13 @@ class Scheduler:
         self.state = SchedulerState(lost_after_s=settings.node_lost_s)
         self.tick_s = min(1.0, settings.node_lost_s / 4)
         self._pos = 0  # stream sequence of the last message folded
+        self._watching_since = 0.0  # when the rebuild ended
         self._idle_rounds = 0  # times the follower found nothing left to read
         self._progress = asyncio.Condition()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.follow_problem: str | None = None
+        """Why the state is not following the log now (``/healthz``), or None."""
 
     # ------------------------------------------------------------------ following the log
 
@@ -106,6 +114,7 @@ class Scheduler:
             for seen in await self._read_up_to(SANDBOX_FILTERS, last, DeliverPolicy.ALL):
                 self._fold(seen[1])
         self._pos = last
+        self._watching_since = time.time()
         log.info(
             "scheduler: state rebuilt from the log up to sequence %d in %.2f s: %d nodes, "
             "%d sandboxes, %d waiting",
@@ -183,6 +192,7 @@ class Scheduler:
                 raise
             except Exception as exc:  # a NATS restart, a deleted consumer: follow again
                 log.warning("scheduler: following the log failed (%s); resuming", exc)
+                self.follow_problem = f"not following the log: {type(exc).__name__}: {exc}"
                 await asyncio.sleep(0.5)
 
     async def _read(self, sub: JetStreamContext.PullSubscription) -> None:
@@ -193,8 +203,10 @@ class Scheduler:
                 if (await sub.consumer_info()).num_pending:
                     continue
                 self._idle_rounds += 1
+                self.follow_problem = None
                 await self._notify()
                 continue
+            self.follow_problem = None
             for msg in msgs:
                 seen = await self._authentic_msg(msg)
                 self._pos = max(self._pos, msg.metadata.sequence.stream)
@@ -290,6 +302,8 @@ class Scheduler:
         except BaseException:
             self.state.withdraw(event_id)
             raise
+        metrics.DECISIONS.labels(payload.TYPE).inc()
+        core_metrics.EVENTS_PUBLISHED.labels(self.service.name, payload.TYPE).inc()
 
     def _placement(self, sbx: Sandbox) -> SandboxScheduled | SandboxPending:
         """Where a waiting (or just built) sandbox goes now, or why it waits."""
@@ -310,6 +324,15 @@ class Scheduler:
             reason=decision.summary(), resources=sbx.resources, attempt=sbx.next_attempt
         )
 
+    @staticmethod
+    def _same_wait(sbx: Sandbox, decision: SandboxPending) -> bool:
+        """Whether a pending sandbox would only be told again why it waits: the same kind of
+        reason, or another one within REASON_EVERY_S of the last (bounded churn)."""
+        if sbx.life.state != "pending":
+            return False
+        same = reason_shape(decision.reason) == reason_shape(sbx.pending_reason)
+        return same or time.time() - sbx.pending_at < REASON_EVERY_S
+
     async def place_waiting(self) -> None:
         """Try each waiting sandbox, oldest first: schedule what fits now; a sandbox lost on
         its node and fitting nowhere becomes pending."""
@@ -318,8 +341,8 @@ class Scheduler:
             if sbx is None or not sbx.waiting or sbx.stop_requested or sbx.resources is None:
                 continue
             decision = self._placement(sbx)
-            if isinstance(decision, SandboxPending) and sbx.life.state == "pending":
-                continue  # still waits; the reason it was given stands
+            if isinstance(decision, SandboxPending) and self._same_wait(sbx, decision):
+                continue  # still waits, for the reason it was given
             assert sbx.life.last_event_id is not None
             await self._decide(
                 decision,
@@ -330,7 +353,7 @@ class Scheduler:
 
     async def declare_lost(self, now: float) -> None:
         """Declare silent nodes lost, then move what lost or draining nodes still hold."""
-        for node in self.state.silent(now):
+        for node in self.state.silent(now, watching_since=self._watching_since):
             silent = now - node.last_seen
             log.warning("scheduler: node %s silent for %.1f s: lost", node.node_id, silent)
             await self._decide(
@@ -356,7 +379,9 @@ class Scheduler:
             else:
                 cause, reason = node.drain_event_id, "node drained"
             for sandbox_id in held:
-                sbx = self.state.sandboxes[sandbox_id]
+                sbx = self.state.sandboxes.get(sandbox_id)
+                if sbx is None or sbx.holds != node.node_id:
+                    continue  # it ended (or moved) while the previous decision was published
                 retry = node.draining or sbx.life.attempt < self.max_placements
                 await self._decide(
                     UnitLost(
@@ -391,8 +416,25 @@ class Scheduler:
                 await self.declare_lost(time.time())
             except Exception:
                 log.exception("scheduler: loss detection failed")
-            if self.state.queue():
+            waiting = len(self.state.queue())
+            self._export(waiting)
+            if waiting:
                 self._wake.set()  # stale nodes come back by the clock too
+
+    def _export(self, waiting: int) -> None:
+        states = {"ready": 0, "cordoned": 0, "unhealthy": 0, "lost": 0}
+        for node in self.state.nodes.values():
+            if node.lost:
+                states["lost"] += 1
+            elif node.cordoned:
+                states["cordoned"] += 1
+            elif node.problems:
+                states["unhealthy"] += 1
+            else:
+                states["ready"] += 1
+        for state, count in states.items():
+            metrics.NODES.labels(state).set(count)
+        metrics.WAITING.set(waiting)
 
     # ------------------------------------------------------------------ handlers
 
@@ -523,6 +565,7 @@ def create_service(settings: Settings | None = None) -> Service:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(task, timeout=5)
 
+    service.health_checks.append(lambda: scheduler.follow_problem)
     service.on_start.append(start_projector)
     service.on_start.append(scheduler.start)  # the state is rebuilt before the handlers run
     service.on_stop.append(stop_all)
