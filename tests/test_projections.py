@@ -63,14 +63,20 @@ async def _built(p: trust.Pipeline, sid: str, name: str = "agent") -> None:
         aggregate_id=sid,
     )
     await p.builder.publish(
-        EnvBuilt(lock_hash="l1", fingerprint="f", object_key="envs/l1.tar.zst", reused=False),
+        EnvBuilt(
+            lock_hash="l1",
+            fingerprint="f",
+            object_key="envs/l1.tar.zst",
+            digest="d",
+            size_bytes=1,
+            reused=False,
+        ),
         aggregate_id=sid,
     )
 
 
 async def _lifecycle(js: JetStreamContext, home: Path) -> tuple[str, str, str]:
     p = await trust.pipeline(js, home)
-    scheduler = await _scheduler(js, home)
     ok, bad, conflict = _sid(), _sid(), _sid()
     await p.user.publish(SpecSubmitted(spec_yaml="name: a", filename="a.yaml"), aggregate_id=ok)
     await p.policy.publish(
@@ -81,10 +87,14 @@ async def _lifecycle(js: JetStreamContext, home: Path) -> tuple[str, str, str]:
         aggregate_id=ok,
     )
     await p.builder.publish(
-        EnvBuilt(lock_hash="l1", fingerprint="f", location="/e", node_id="n1", reused=False),
+        EnvBuilt(
+            lock_hash="l1", fingerprint="f", object_key="envs/l1.tar.zst", digest="d", size_bytes=1,
+            reused=False,
+        ),
         aggregate_id=ok,
-    )
-    await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=ok)
+    )  # fmt: skip
+    # the node agent of n1 speaks for it only once it is scheduled there
+    await p.scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=ok)
     await p.nodeagent.publish(SandboxReady(node_id="n1", pid=42, cgroup="/c"), aggregate_id=ok)
     await p.nodeagent.publish(
         SandboxExited(exit_code=0, reason="ok", duration_s=2.0), aggregate_id=ok

@@ -82,8 +82,6 @@ def test_layout_names_one_component_only(tmp_path: Path) -> None:
         layout.env("../../x")
 
 
-def test_ready_straight_after_built_is_accepted_until_the_scheduler_places_every_sandbox() -> None:
-    """TRANSITIONAL (see lifecycle._MOVES): a node agent that starts sandboxes from env.built
-    (one node, no scheduler) must still be seen running; remove with that move."""
-    state = fold([*HAPPY[:4], ("sandbox.ready", {"node_id": "node-1"}), *HAPPY[7:]])
-    assert (state.state, state.exit_code, state.refused) == ("exited", 0, ())
+def test_a_sandbox_stopped_while_it_was_built_but_not_placed_ends_exited() -> None:
+    state = fold([*HAPPY[:4], ("sandbox.exited", {"exit_code": -1, "reason": "stopped"})])
+    assert (state.state, state.reason, state.exit_code) == ("exited", "stopped", -1)

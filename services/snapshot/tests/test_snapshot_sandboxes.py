@@ -47,7 +47,12 @@ def lifecycle(*extra: events.Payload) -> list[Envelope]:
             resolve_ms=1,
         ),
         events.EnvBuilt(
-            lock_hash="lh", fingerprint="fp-1", location="/env", node_id="n1", reused=False
+            lock_hash="lh",
+            fingerprint="fp-1",
+            object_key="envs/lh.tar.zst",
+            digest="d",
+            size_bytes=1,
+            reused=False,
         ),
         events.SandboxScheduled(node_id="n1"),
         events.ContextInjected(kind="secret", name="API_KEY", source="vault://k", digest="sd1"),

@@ -20,9 +20,9 @@ States::
                                             exited | failed
 
 ``sandbox.failed`` ends any non-terminal state; ``sandbox.exited`` ends ``running`` (and a
-``pending`` or ``scheduled`` sandbox stopped before it ran). Events that do not move the state
-(``context.injected``, ``policy.*``, ``snapshot.*``, ``sandbox.stop_requested``) are accepted in
-any state.
+``built``, ``pending`` or ``scheduled`` sandbox stopped before it ran). Events that do not move
+the state (``context.injected``, ``policy.*``, ``snapshot.*``, ``sandbox.stop_requested``) are
+accepted in any state.
 """
 
 from __future__ import annotations
@@ -59,13 +59,9 @@ _MOVES: dict[str, tuple[frozenset[State], State]] = {
     "env.built": (frozenset({"resolved"}), "built"),
     "sandbox.pending": (frozenset({"built", "pending", "lost"}), "pending"),
     "sandbox.scheduled": (frozenset({"built", "pending", "lost"}), "scheduled"),
-    # "built": TRANSITIONAL, for node agents that still start sandboxes from env.built (one
-    # node, no scheduler). Remove once the node agent acts only on sandbox.scheduled and the
-    # scheduler places every sandbox (the many-nodes merge); the gate then also refuses a
-    # node agent's sandbox.ready without a sandbox.scheduled naming its node.
-    "sandbox.ready": (frozenset({"scheduled", "built"}), "running"),
+    "sandbox.ready": (frozenset({"scheduled"}), "running"),
     "unit.lost": (frozenset({"scheduled", "running"}), "lost"),
-    "sandbox.exited": (frozenset({"pending", "scheduled", "running"}), "exited"),
+    "sandbox.exited": (frozenset({"built", "pending", "scheduled", "running"}), "exited"),
 }
 _ANY_LIVE: frozenset[State] = frozenset(
     {

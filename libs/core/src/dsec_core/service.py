@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
@@ -202,6 +202,7 @@ class Service:
         retry: RetryPolicy | None = None,
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
+        scope: Literal["service", "node"] = "service",
     ) -> Callable[[TypedHandler[P]], TypedHandler[P]]: ...
 
     @overload
@@ -212,6 +213,7 @@ class Service:
         retry: RetryPolicy | None = None,
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
+        scope: Literal["service", "node"] = "service",
     ) -> Callable[[Handler], Handler]: ...
 
     def handles(
@@ -221,6 +223,7 @@ class Service:
         retry: RetryPolicy | None = None,
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
+        scope: Literal["service", "node"] = "service",
     ) -> Callable[[Any], Any]:
         """Register ``fn`` as the durable handler of the event class ``event`` for this
         service; ``fn(envelope, payload)`` receives the payload as an instance of that class.
@@ -228,7 +231,9 @@ class Service:
         ``event`` may still be the type's name (``"spec.submitted"``) for one release, so
         handlers written against the string form keep working; new code passes the class.
         ``on_exhausted`` builds the terminal event(s) once retries are exhausted (default:
-        ``sandbox.failed``); a request must always end in a terminal event.
+        ``sandbox.failed``); a request must always end in a terminal event. ``scope="node"``:
+        every node's instance has a durable of its own (``<service>-<node id>-<type>``), so
+        each sees every event (the handler acts only on its own node's).
         """
         model = model_for(event) if isinstance(event, str) else event  # fails fast on a typo
         if model_for(model.TYPE) is not model:
@@ -236,7 +241,8 @@ class Service:
         event_type = model.TYPE
         policy = retry or RetryPolicy()
         failure = on_exhausted or sandbox_failed(self.name)
-        durable = durable_name(self.name, event_type)
+        node = self.settings.node_id if scope == "node" else None
+        durable = durable_name(self.name, event_type, node)
         self.durables.append(durable)
 
         def register(fn: Handler) -> Handler:

@@ -160,6 +160,13 @@ class Settings(BaseSettings):
         "replaces the GPU probe, for nodes without NVML (tests, simulations)",
     )
     max_sandboxes: int = Field(default=64, ge=1, description="Sandboxes this node accepts at most")
+    # The scheduler (README, "Scheduling").
+    node_lost_s: float = Field(
+        default=15.0, gt=0, description="A node silent this long is lost; its sandboxes move"
+    )
+    max_placements: int = Field(
+        default=3, ge=1, description="Placements of a sandbox before a lost node fails it"
+    )
 
     def endpoint(self, name: str) -> Any:
         """Return setting ``name`` if set, else the value ``dsec up`` recorded in stack.json."""

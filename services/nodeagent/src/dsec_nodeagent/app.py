@@ -80,7 +80,8 @@ def heartbeat_for(service: Service, agent: NodeAgent) -> Heartbeat:
 
 
 def create_service(settings: Settings | None = None) -> Service:
-    """Build the node agent: ``env.built`` → sandbox; ``sandbox.stop_requested`` → stop."""
+    """Build the node agent: ``sandbox.scheduled`` (for this node) → sandbox;
+    ``sandbox.stop_requested`` → stop; ``unit.lost`` → a stale copy fenced off."""
     return wire(settings).service
 
 
@@ -110,8 +111,13 @@ def wire(
         outlet.on_flood = agent.flooded
     comms.attach(agent.manager)
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
-    service.handles(events.EnvBuilt, retry=retry, batch=4)(agent.on_env_built)
-    service.handles(events.SandboxStopRequested)(agent.on_stop_requested)
+    # Per-node durables (nodeagent-<node>-<type>): every node sees each event, and acts only on
+    # those of sandboxes placed on it.
+    service.handles(events.SandboxScheduled, retry=retry, batch=4, scope="node")(agent.on_scheduled)
+    service.handles(events.SandboxStopRequested, scope="node")(agent.on_stop_requested)
+    # fencing is this node's own cleanup: a failure is logged, never a sandbox.failed for a
+    # sandbox that now belongs to another node
+    service.handles(events.UnitLost, scope="node", on_exhausted=lambda *_: [])(agent.on_unit_lost)
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack
