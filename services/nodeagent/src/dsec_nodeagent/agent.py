@@ -8,7 +8,8 @@ the log (typed, each rule with its spec line: the YAML is never parsed again), f
 bundle, injects the runtime context (secrets from Vault, data from S3, config maps), attaches
 the egress programs to the sandbox's cgroup *before* the workload's first instruction, launches
 it and publishes ``context.injected`` and ``sandbox.ready``. When the sandbox ends,
-``sandbox.exited`` is published with an id derived from the sandbox id, so a node-agent restart that re-adopts it can never publish a second one.
+``sandbox.exited`` is published with an id derived from the sandbox id, so a node-agent restart
+that re-adopts it can never publish a second one.
 
 Fencing: a copy this node still runs after the sandbox was placed elsewhere (``unit.lost`` for
 this node, or found at restart when the fold names another node or a newer attempt) is stopped
