@@ -245,8 +245,15 @@ class Scheduler:
         if envelope.subject != subject:
             return None
         refusal = await self._gate().check(fields, envelope)
-        if refusal is not None:
-            log.info("scheduler: not folding %s on %s: %s", envelope.type, subject, refusal[1])
+        if refusal is not None:  # counted and logged as the runtime does; never folded
+            core_metrics.EVENTS_REJECTED.labels(self.service.name, envelope.type, refusal[0]).inc()
+            log.warning(
+                "scheduler: not folding %s on %s (%s): %s",
+                envelope.type,
+                subject,
+                refusal[0],
+                refusal[1],
+            )
             return None
         try:
             payload = envelope.decoded().model_dump(mode="json")
