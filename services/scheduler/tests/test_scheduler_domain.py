@@ -284,8 +284,10 @@ def test_withdrawn_decision_leaves_no_trace() -> None:
     state.apply(seen("env.built", "s1"))
     decision = scheduled("s1", "n1")
     state.tentative(decision)
+    assert state.fleet(NOW).allocations == {"n1": (req(cpus=2),)}
     state.withdraw(decision.id)
     assert state.on_node("n1") == [] and state.sandboxes["s1"].life.state == "built"
+    assert state.fleet(NOW).allocations == {}
 
 
 def test_a_pending_reason_changes_shape_with_nodes_not_with_numbers() -> None:

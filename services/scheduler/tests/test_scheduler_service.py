@@ -399,14 +399,27 @@ async def test_forged_heartbeats_never_change_placement(
     stranger = EventPublisher(js, other_root.signer, certificate=other_root.cert)
     await stranger.register_key()
     neighbour = await trust.publisher(js, world.home, "nodeagent", node_id=world.node_id("n"))
+    # one before the scheduler starts (its rebuild reads it), all three while it follows the log
+    await neighbour.publish(beat, aggregate_id=forged_id)
+    await start_scheduler(services)
     for pub in (user, stranger, neighbour):
         await pub.publish(beat, aggregate_id=forged_id)
-    await start_scheduler(services)
     sid = await world.submit(cpu=4000)
     pending = await wait_for(js, sid, of("sandbox.pending"))
     assert forged_id not in pending.payload["reason"]
     assert "CPUs: needs 4000" in pending.payload["reason"]
     assert not [e for e in await history(js, "sandbox", sid) if e.type == "sandbox.scheduled"]
+    # each refusal is counted where an operator looks
+    text = await scrape(services, 'reason="uncertified-key"')
+    counted = {
+        reason: float(value)
+        for reason, value in re.findall(
+            r'dsec_events_rejected_total\{reason="([^"]+)",service="scheduler",'
+            r'type="node.heartbeat"\} (\S+)',
+            text,
+        )
+    }
+    assert counted == {"unauthorized": 3.0, "uncertified-key": 1.0}
 
 
 def placements(found: list[Envelope]) -> list[str]:

@@ -69,6 +69,8 @@ NODE_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_TYPES})
 SANDBOX_FILTERS: list[str] = sorted({filter_for(t) for t in SANDBOX_TYPES})
 IDLE_S = 0.2
 BARRIER_TIMEOUT_S = 20.0
+SWEEP_S = 5.0
+"""The queue is also tried this often while anything waits."""
 REASON_EVERY_S = 10.0
 """A pending sandbox's changed reason is published at most this often."""
 
@@ -84,6 +86,7 @@ class Scheduler:
         self.tick_s = min(1.0, settings.node_lost_s / 4)
         self._pos = 0  # stream sequence of the last message folded
         self._watching_since = 0.0  # when the rebuild ended
+        self._last_sweep = 0.0
         self._idle_rounds = 0  # times the follower found nothing left to read
         self._progress = asyncio.Condition()
         self._wake = asyncio.Event()
@@ -242,8 +245,15 @@ class Scheduler:
         if envelope.subject != subject:
             return None
         refusal = await self._gate().check(fields, envelope)
-        if refusal is not None:
-            log.info("scheduler: not folding %s on %s: %s", envelope.type, subject, refusal[1])
+        if refusal is not None:  # counted and logged as the runtime does; never folded
+            core_metrics.EVENTS_REJECTED.labels(self.service.name, envelope.type, refusal[0]).inc()
+            log.warning(
+                "scheduler: not folding %s on %s (%s): %s",
+                envelope.type,
+                subject,
+                refusal[0],
+                refusal[1],
+            )
             return None
         try:
             payload = envelope.decoded().model_dump(mode="json")
@@ -418,8 +428,9 @@ class Scheduler:
                 log.exception("scheduler: loss detection failed")
             waiting = len(self.state.queue())
             self._export(waiting)
-            if waiting:
-                self._wake.set()  # stale nodes come back by the clock too
+            if waiting and time.monotonic() - self._last_sweep >= SWEEP_S:
+                self._last_sweep = time.monotonic()
+                self._wake.set()  # a safety net: events wake the queue as they arrive
 
     def _export(self, waiting: int) -> None:
         states = {"ready": 0, "cordoned": 0, "unhealthy": 0, "lost": 0}

@@ -268,19 +268,21 @@ class SchedulerState:
     nodes: dict[str, Node] = field(default_factory=dict)
     sandboxes: dict[str, Sandbox] = field(default_factory=dict)
     _tentative: dict[str, tuple[str, str, Any]] = field(default_factory=dict)
+    _held: dict[str, tuple[Resources, ...]] | None = None  # allocations, until a sandbox changes
 
     # -- reading
 
     def fleet(self, now: float) -> Fleet:
-        """The fleet now, with every sandbox's allocation on its node."""
-        held: dict[str, list[Resources]] = {}
-        for sbx in self.sandboxes.values():
-            node = sbx.holds
-            if node is not None and sbx.resources is not None:
-                held.setdefault(node, []).append(sbx.resources)
-        return Fleet(
-            dict(self.nodes), {n: tuple(r) for n, r in held.items()}, now, self.lost_after_s
-        )
+        """The fleet now, with every sandbox's allocation on its node (recounted only after a
+        sandbox changed, so a long queue that fits nowhere costs no recount per entry)."""
+        if self._held is None:
+            held: dict[str, list[Resources]] = {}
+            for sbx in self.sandboxes.values():
+                node = sbx.holds
+                if node is not None and sbx.resources is not None:
+                    held.setdefault(node, []).append(sbx.resources)
+            self._held = {n: tuple(r) for n, r in held.items()}
+        return Fleet(dict(self.nodes), self._held, now, self.lost_after_s)
 
     def queue(self) -> list[Sandbox]:
         """Sandboxes waiting for a node, oldest first."""
@@ -344,6 +346,7 @@ class SchedulerState:
                     now, lost=before.lost, cordoned=before.cordoned, draining=before.draining
                 )
             return
+        self._held = None
         now_sbx = self.sandboxes.get(key)
         if before is None:
             self.sandboxes.pop(key, None)
@@ -413,6 +416,7 @@ class SchedulerState:
         return old.cordoned and not new.cordoned
 
     def _sandbox(self, event: Seen) -> bool:
+        self._held = None
         sid, p = event.aggregate_id, event.payload
         sbx = self.sandboxes.get(sid)
         if event.type == "env.built":
