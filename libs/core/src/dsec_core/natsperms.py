@@ -52,6 +52,17 @@ def durable_name(service: str, event_type: str) -> str:
     return f"{service}-{event_type.replace('.', '-')}"
 
 
+def node_durable_name(node_id: str, event_type: str) -> str:
+    """A node agent's durable consumer of ``event_type`` on node ``node_id``
+    (``nodeagent-node-1-snapshot-requested``): each node sees every node-bound request."""
+    return f"nodeagent-{node_id}-{event_type.replace('.', '-')}"
+
+
+NODE_IDS: tuple[str, ...] = ("node-1",)
+"""Nodes whose per-node durables the rendered permissions name (the embedded stack's node;
+per-node NATS identities replace this list in the multi-node work)."""
+
+
 @dataclass(frozen=True)
 class Role:
     """What one role may publish and consume.
@@ -71,11 +82,15 @@ class Role:
     extra_subscribe: tuple[str, ...] = ()
     kv_read: tuple[str, ...] = ()
     allow_responses: bool = False
+    node_consumes: tuple[str, ...] = ()
+    """Event types consumed through one durable per node (:func:`node_durable_name`)."""
     notes: str = field(default="", compare=False)
 
     @property
     def durables(self) -> tuple[str, ...]:
-        return tuple(durable_name(self.name, t) for t in self.consumes)
+        shared = tuple(durable_name(self.name, t) for t in self.consumes)
+        per_node = tuple(node_durable_name(n, t) for n in NODE_IDS for t in self.node_consumes)
+        return shared + per_node
 
 
 TABLE: Mapping[str, Role] = {
@@ -91,10 +106,17 @@ TABLE: Mapping[str, Role] = {
     ),
     "snapshot": Role(
         "snapshot",
-        publishes=("snapshot.taken", "snapshot.restored", "snapshot.failed"),
+        publishes=(
+            "snapshot.taken",
+            "snapshot.restored",
+            "snapshot.failed",
+            "snapshot.deleted",
+            "snapshot.requested",
+        ),
         consumes=(
             "snapshot.requested",
             "snapshot.restore_requested",
+            "snapshot.delete_requested",
             "sandbox.ready",
             "sandbox.exited",
         ),
@@ -114,8 +136,12 @@ TABLE: Mapping[str, Role] = {
             "policy.violation_summary",
             "policy.reported",
             "node.heartbeat",
+            "snapshot.taken",
+            "snapshot.restored",
+            "snapshot.failed",
         ),
         consumes=("env.built", "sandbox.stop_requested"),
+        node_consumes=("snapshot.requested", "snapshot.restore_requested"),
         extra_publish=("dsec_ipc.>",),
         extra_subscribe=("dsec_ipc.>",),
         kv_read=(CONFIGMAP_BUCKET,),
@@ -128,8 +154,7 @@ TABLE: Mapping[str, Role] = {
             "sandbox.stop_requested",
             "snapshot.requested",
             "snapshot.restore_requested",
-            # `dsec sandbox run --snapshot` records that it started a sandbox from a snapshot
-            "snapshot.restored",
+            "snapshot.delete_requested",
             "audit.key_registered",
         ),
     ),

@@ -183,16 +183,19 @@ class Service:
         retry: RetryPolicy | None = None,
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
+        durable: str | None = None,
     ) -> Callable[[Handler], Handler]:
         """Register ``fn`` as the durable handler of ``event_type`` for this service.
 
         ``on_exhausted`` builds the terminal event(s) once retries are exhausted (default:
-        ``sandbox.failed``); a request must always end in a terminal event.
+        ``sandbox.failed``); a request must always end in a terminal event. ``durable``
+        overrides the consumer's name (a node agent's per-node durables,
+        :func:`dsec_core.natsperms.node_durable_name`).
         """
         policy = retry or RetryPolicy()
         failure = on_exhausted or sandbox_failed(self.name)
         model_for(event_type)  # fail fast on a typo
-        durable = durable_name(self.name, event_type)
+        durable = durable or durable_name(self.name, event_type)
         self.durables.append(durable)
 
         def register(fn: Handler) -> Handler:

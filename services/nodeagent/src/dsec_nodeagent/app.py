@@ -15,6 +15,7 @@ from dsec_nodeagent.ebpf.controller import EgressController
 from dsec_nodeagent.egress import Egress
 from dsec_nodeagent.outlet import EventOutlet
 from dsec_nodeagent.refusals import RefusalGate
+from dsec_nodeagent.snapshots import NodeSnapshots
 
 
 def outlet_for(settings: Settings, service: Service) -> EventOutlet:
@@ -49,7 +50,8 @@ class Wired:
 
 
 def create_service(settings: Settings | None = None) -> Service:
-    """Build the node agent: ``env.built`` → sandbox; ``sandbox.stop_requested`` → stop."""
+    """Build the node agent: ``env.built`` → sandbox; ``sandbox.stop_requested`` → stop;
+    snapshot requests of its own sandboxes → ``snapshot.taken|restored|failed``."""
     return wire(settings).service
 
 
@@ -81,6 +83,7 @@ def wire(
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
     service.handles("env.built", retry=retry, batch=4)(agent.on_env_built)
     service.handles("sandbox.stop_requested")(agent.on_stop_requested)
+    agent.start_from_snapshot = NodeSnapshots(service).start_from  # snapshots of its sandboxes
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack

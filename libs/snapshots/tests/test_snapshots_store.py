@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING
 import pytest
 from nacl.signing import SigningKey
 
-from dsec_snapshot import SnapshotInputs, SnapshotStore
-from dsec_snapshot.adapters.objectstore import S3ObjectStore
-from dsec_snapshot.adapters.vault import VaultKeyStore
-from dsec_snapshot.domain import PeriodicPolicy, RetentionPolicy
-from dsec_snapshot.errors import (
+from dsec_snapshots import SnapshotInputs, SnapshotStore
+from dsec_snapshots.adapters.objectstore import S3ObjectStore
+from dsec_snapshots.adapters.vault import VaultKeyStore
+from dsec_snapshots.domain import PeriodicPolicy, RetentionPolicy
+from dsec_snapshots.errors import (
     InvalidInput,
     SnapshotExists,
     SnapshotNotFound,
     VerificationFailed,
 )
-from dsec_snapshot.manifest import GpuDevice, GpuRecord, chunk_key, manifest_key
+from dsec_snapshots.manifest import GpuDevice, GpuRecord, chunk_key, manifest_key
 
 if TYPE_CHECKING:
     from dsec_testing.stack import S3Info, VaultInfo
