@@ -116,6 +116,17 @@ def events_of(
     return [json.loads(line) for line in out.output.splitlines() if line.startswith("{")]
 
 
+def producers(
+    dsec_cli: Any, env: dict[str, str], sid: str, event_type: str, snapshot: str
+) -> list[str]:
+    """Who published ``event_type`` about ``snapshot`` for the sandbox."""
+    return [
+        e["producer"]
+        for e in events_of(dsec_cli, env, sid, event_type)
+        if e["payload"]["snapshot"] == snapshot
+    ]
+
+
 def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
     services: ServiceRunner, env: dict[str, str], dsec_cli: Any, s3: S3Info, tmp_path: Path
 ) -> None:
@@ -157,6 +168,8 @@ def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
     assert taken.exit_code == 0, taken.output
     assert taken.last_json()["event"] == "snapshot.taken"
     assert taken.last_json()["files"] == 2  # agent.py, config.txt
+    # taken by the node agent that runs the sandbox, from its own code copy
+    assert producers(dsec_cli, env, sid, "snapshot.taken", name) == ["nodeagent"]
 
     # A bad change lands in the running sandbox's code on the node.
     (code_dir / "config.txt").write_text(f"{BAD}\n")
@@ -175,6 +188,7 @@ def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
     restored = back.last_json()
     assert restored["event"] == "snapshot.restored" and restored["files_written"] == 1
     assert (code_dir / "config.txt").read_text() == f"{GOOD}\n"
+    assert producers(dsec_cli, env, sid, "snapshot.restored", name) == ["nodeagent"]
     poll(lambda: thresholds(dsec_cli, env, sid)[-1:] == [GOOD], "the restored value in the log")
 
     verified = dsec_cli("snapshot", "verify", name, env=env)
@@ -187,7 +201,12 @@ def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
     started_from = next(
         e["payload"] for e in rerun.last_json()["events"] if e["type"] == "snapshot.restored"
     )
-    assert started_from["snapshot"] == name
+    assert started_from["snapshot"] == name and started_from["files_written"] == 2
+    # restored into the new sandbox's code dir by the node agent that starts it
+    assert producers(dsec_cli, env, new_sid, "snapshot.restored", name) == ["nodeagent"]
+    submitted = events_of(dsec_cli, env, new_sid, "spec.submitted")
+    assert submitted[0]["payload"]["start_from_snapshot"] == name
+    assert submitted[0]["payload"]["code"] is None  # no code left the user's machine
     poll(lambda: GOOD in thresholds(dsec_cli, env, new_sid), "the new sandbox's output")
 
     periodic = poll(
@@ -198,7 +217,13 @@ def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
         ],
         "a periodic snapshot",
     )
-    assert periodic[0]["producer"] == "snapshot"
+    assert periodic[0]["producer"] == "nodeagent"  # asked by the snapshot service
+    asked = [
+        e
+        for e in events_of(dsec_cli, env, sid, "snapshot.requested")
+        if e["payload"]["name"] == periodic[0]["payload"]["snapshot"]
+    ]
+    assert asked and asked[0]["producer"] == "snapshot"
 
     for running in (sid, new_sid):
         stopped = dsec_cli("sandbox", "stop", running, "--grace", "1", env=env)

@@ -259,11 +259,13 @@ def _create_from_dir(
     missing = [v for v in env if v not in os.environ]
     if missing:
         fail(f"--env {missing[0]}: not set in this environment", EXIT_BAD_INPUT)
+    tenant = _own_tenant()
     inputs = SnapshotInputs(
         code_dir=directory,
         exclude_patterns=tuple(exclude),
         sandbox_id=sandbox_id,
         env={v: os.environ[v] for v in env} or None,
+        labels={"tenant": tenant} if tenant else {},
     )
     with snapshot_store() as store:
         result = store.create(name, inputs)
@@ -296,6 +298,22 @@ def _create_from_dir(
     console.print(f"  manifest blake3:{result.manifest_digest}", highlight=False)
     gpu = ", ".join(m.gpu.models) if m.gpu.present else f"none ({m.gpu.reason})"
     console.print(f"  parent {safe_text(m.parent or '-')}; GPU {safe_text(gpu)}", highlight=False)
+
+
+def _own_tenant() -> str | None:
+    """The tenant of this machine's user identity, when it has one (a ``--dir`` snapshot
+    records it: only that tenant may delete it; none recorded means ``default``)."""
+    from dsec_core import identity
+    from dsec_core.settings import Settings
+
+    from dsec_cli.common import user_identity
+
+    settings = Settings()
+    paths = identity.TrustPaths(settings.home)
+    if settings.credential is None and not paths.user_cert.exists():
+        return None
+    _, cert = user_identity(settings)
+    return str(cert.tenant) if cert.tenant else None
 
 
 @snapshot_app.command("ls")
