@@ -12,6 +12,7 @@ directory (under ``$DSEC_HOME``)   owner         what
 ``run/sandboxes/<id>/``            nodeagent     its runtime state (pid, cgroup, sockets)
 ``envs/<lock hash>/``              nodeagent     environments staged from the object store
 ``cache/s3/``                      nodeagent     data objects materialised into sandboxes
+``cache/snapshots/``               nodeagent     stat caches of its sandboxes' snapshots
 ``tls-proxy/``                     nodeagent     the opt-in TLS proxy's CA and sockets
 ``builder/``                       builder       build work dirs, wheel cache, packed envs
 ``snapshot/``                      snapshot      the snapshot service's scratch space
@@ -99,6 +100,11 @@ class NodeLayout:
     @property
     def s3_cache(self) -> Path:
         return self.home / "cache" / "s3"
+
+    @property
+    def snapshot_cache(self) -> Path:
+        """Stat caches that make snapshots of this node's sandboxes incremental."""
+        return self.home / "cache" / "snapshots"
 
     @property
     def tls_proxy(self) -> Path:

@@ -95,6 +95,7 @@ class SnapshotRequests:
         node_id: str | None = None,
         code_dir_of: Callable[[str], Path] | None = None,
         scratch: Path | None = None,
+        cache_dir: Path | None = None,
         signer: str = "snapshot",
     ) -> None:
         self.settings = settings
@@ -104,6 +105,7 @@ class SnapshotRequests:
         self.code_dir_of = code_dir_of
         self.scratch = scratch or settings.home.resolve() / "snapshot" / "code"
         self.signer = signer
+        self.cache_dir = cache_dir
         self._store: SnapshotStore | None = None
         # One snapshot at a time: a directory's stat cache is one file that concurrent creates
         # of the same tree (a request during a periodic snapshot) would both rewrite.
@@ -119,7 +121,10 @@ class SnapshotRequests:
     async def start(self) -> None:
         """Open the store (S3 + Vault from the settings)."""
         self._store = await asyncio.to_thread(
-            SnapshotStore.from_settings, self.settings, signer=self.signer
+            SnapshotStore.from_settings,
+            self.settings,
+            signer=self.signer,
+            cache_dir=self.cache_dir,
         )
 
     async def close(self) -> None:

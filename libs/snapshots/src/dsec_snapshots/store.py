@@ -131,14 +131,19 @@ class SnapshotStore:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings | None = None, *, signer: str = "snapshot"
+        cls,
+        settings: Settings | None = None,
+        *,
+        signer: str = "snapshot",
+        cache_dir: Path | None = None,
     ) -> SnapshotStore:
         """Build a store from ``DSEC_*`` settings / ``$DSEC_HOME/stack.json``.
 
         Manifests are signed with the producer key of ``signer`` (``keys/<signer>.key``, the
         snapshot service's or a node agent's) and carry its certificate when there is one; a
         manifest is trusted when signed by that key or by any key the operator root certified
-        for the snapshot service or a node agent.
+        for the snapshot service or a node agent. ``cache_dir`` holds the stat caches of
+        incremental snapshots (default ``$DSEC_HOME/cache/snapshot``).
 
         Raises:
             StoreUnavailable: no S3 endpoint is configured.
@@ -174,7 +179,7 @@ class SnapshotStore:
             objects,
             signing_key=key,
             keys=keys,
-            cache_dir=settings.home / "cache" / "snapshot" / signer,
+            cache_dir=cache_dir or settings.home / "cache" / "snapshot",
             certificate=cert,
             anchor=anchor,
         )

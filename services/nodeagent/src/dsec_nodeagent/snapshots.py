@@ -48,6 +48,7 @@ class NodeSnapshots:
             gate,
             node_id=self.node_id,
             code_dir_of=self.code_dir,
+            cache_dir=self.layout.snapshot_cache,
             signer=service.name,
         )
         # S3 or Vault hiccups: a few quick retries (a rollback is wanted within seconds).

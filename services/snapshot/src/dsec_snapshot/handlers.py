@@ -24,4 +24,11 @@ def service_requests(
 ) -> SnapshotRequests:
     """The snapshot service's requests: no node, scratch space in its own layout directory."""
     layout = NodeLayout.of(settings.home)
-    return SnapshotRequests(settings, js, gate, scratch=layout.snapshot / "code", signer="snapshot")
+    return SnapshotRequests(
+        settings,
+        js,
+        gate,
+        scratch=layout.snapshot / "code",
+        cache_dir=layout.snapshot / "cache",
+        signer="snapshot",
+    )
