@@ -18,9 +18,15 @@ import pytest
 from dsec_core import identity
 from dsec_core.bus import replay
 from dsec_core.envelope import decode
-from dsec_core.events import SandboxReady, SnapshotRequested, SpecSubmitted, SpecValidated
+from dsec_core.events import (
+    SandboxReady,
+    SandboxScheduled,
+    SnapshotRequested,
+    SpecSubmitted,
+    SpecValidated,
+)
 from dsec_core.ids import new_sandbox_id
-from dsec_core.natsperms import node_durable_name
+from dsec_core.natsperms import durable_name
 from dsec_core.subjects import STREAM, aggregate_filter
 from dsec_snapshots.manifest import SignedManifest, chunk_key, manifest_key, summary_key
 from dsec_testing import trust
@@ -138,17 +144,20 @@ async def test_a_snapshot_request_for_a_sandbox_of_another_node_is_left_to_that_
         js = nc.jetstream()
         user = await make_publisher(js)
         policy = await make_publisher(js, role="policy")
+        scheduler = await make_publisher(js, role="scheduler")
         node2 = await trust.publisher(js, dsec_stack.home, "nodeagent", node_id="node-2")
         sid = new_sandbox_id()
         submitted = await user.publish(SpecSubmitted(spec_yaml="name: x"), aggregate_id=sid)
         validated = SpecValidated(name="x", spec_digest="d", plan={})
         await policy.publish(validated, aggregate_id=sid, causation=submitted.envelope)
+        placed = SandboxScheduled(node_id="node-2")
+        await scheduler.publish(placed, aggregate_id=sid, causation=submitted.envelope)
         ready = SandboxReady(node_id="node-2", pid=1, cgroup="/cg", code_dir="/elsewhere/code")
         await node2.publish(ready, aggregate_id=sid, causation=submitted.envelope)
         request = await user.publish(SnapshotRequested(name=f"n2-{sid}"), aggregate_id=sid)
         seq = request.stream_seq
 
-        await consumed(js, node_durable_name("node-1", "snapshot.requested"), seq)
+        await consumed(js, durable_name("nodeagent", "snapshot.requested", "node-1"), seq)
         await consumed(js, "snapshot-snapshot-requested", seq)
         seen = [
             decode(data)

@@ -11,8 +11,8 @@ directory (under ``$DSEC_HOME``)   owner         what
 ``sandboxes/<id>/``                nodeagent     a sandbox's code copy, logs, disk image, fs
 ``run/sandboxes/<id>/``            nodeagent     its runtime state (pid, cgroup, sockets)
 ``envs/<lock hash>/``              nodeagent     environments staged from the object store
-``cache/s3/``                      nodeagent     data objects materialised into sandboxes
-``cache/snapshots/``               nodeagent     stat caches of its sandboxes' snapshots
+``cache/``                         nodeagent     S3 objects for sandboxes, runtimes, disk images,
+                                                 stat caches of its sandboxes' snapshots
 ``tls-proxy/``                     nodeagent     the opt-in TLS proxy's CA and sockets
 ``builder/``                       builder       build work dirs, wheel cache, packed envs
 ``snapshot/``                      snapshot      the snapshot service's scratch space
@@ -98,13 +98,18 @@ class NodeLayout:
         return self.env(lock_hash) / "site-packages"
 
     @property
+    def cache(self) -> Path:
+        """The node agent's caches (``s3/``, ``runtimes/``, ``disk-images/``)."""
+        return self.home / "cache"
+
+    @property
     def s3_cache(self) -> Path:
-        return self.home / "cache" / "s3"
+        return self.cache / "s3"
 
     @property
     def snapshot_cache(self) -> Path:
         """Stat caches that make snapshots of this node's sandboxes incremental."""
-        return self.home / "cache" / "snapshots"
+        return self.cache / "snapshots"
 
     @property
     def tls_proxy(self) -> Path:

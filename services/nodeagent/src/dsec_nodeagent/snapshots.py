@@ -16,7 +16,6 @@ from pathlib import Path
 
 from dsec_core import events
 from dsec_core.layout import NodeLayout
-from dsec_core.natsperms import node_durable_name
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.trust import Gate
 from dsec_snapshots.requests import Refused, SnapshotRequests, snapshot_failed
@@ -62,7 +61,7 @@ class NodeSnapshots:
                 retry=retry,
                 batch=4,
                 on_exhausted=snapshot_failed,
-                durable=node_durable_name(self.node_id, event_type),
+                scope="node",
             )(handler)
         service.on_start.append(self.requests.start)
         service.on_stop.append(self.requests.close)
