@@ -22,14 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import nats
 import pytest
+from dsec_core import identity
 from dsec_core.bus import replay
 from dsec_core.envelope import decode
 from dsec_core.events import SpecSubmitted, SpecValidated
 from dsec_core.ids import new_sandbox_id
 from dsec_core.subjects import aggregate_filter
+from dsec_testing import trust
 
 if TYPE_CHECKING:
-    from dsec_testing.stack import S3Info, ServiceRunner
+    from dsec_testing.stack import S3Info, ServiceRunner, StackFixture
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kernel, pytest.mark.slow]
 
@@ -127,8 +129,31 @@ def producers(
     ]
 
 
+def foreign_snapshot(
+    dsec_cli: Any, env: dict[str, str], dsec_stack: StackFixture, tmp_path: Path
+) -> str:
+    """A snapshot taken by a user of tenant ``acme`` (of a directory of its own)."""
+    key, cert = identity.issue_user(trust.stack_root(dsec_stack.home), "eve", "acme")
+    cred = tmp_path / "acme.cred.json"
+    cred.write_text(identity.credential_json(key, cert))
+    cred.chmod(0o600)
+    code = tmp_path / "acme-code"
+    code.mkdir()
+    (code / "agent.py").write_text("print('acme')\n")
+    name = f"acme-{uuid.uuid4().hex[:8]}"
+    acme = {**env, "DSEC_CREDENTIAL": str(cred)}
+    created = dsec_cli("snapshot", "create", "--dir", str(code), "--name", name, env=acme)
+    assert created.exit_code == 0, created.output
+    return name
+
+
 def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
-    services: ServiceRunner, env: dict[str, str], dsec_cli: Any, s3: S3Info, tmp_path: Path
+    services: ServiceRunner,
+    env: dict[str, str],
+    dsec_cli: Any,
+    s3: S3Info,
+    dsec_stack: StackFixture,
+    tmp_path: Path,
 ) -> None:
     services.start("policy", "builder", "nodeagent")
     services.start("snapshot", env={"DSEC_SNAPSHOT_INTERVAL_S": "2"})
@@ -193,6 +218,20 @@ def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
 
     verified = dsec_cli("snapshot", "verify", name, env=env)
     assert verified.exit_code == 0, verified.output
+
+    # Another tenant's snapshot: the node agent neither rolls back to it nor starts from it.
+    foreign = foreign_snapshot(dsec_cli, env, dsec_stack, tmp_path)
+    crossed = dsec_cli("sandbox", "rollback", sid, "--to", foreign, "--json", env=env)
+    assert crossed.exit_code == 1, crossed.output
+    assert "belongs to another tenant" in crossed.last_json()["reason"]
+    assert (code_dir / "config.txt").read_text() == f"{GOOD}\n"
+    spec = tmp_path / "dsec.yaml"
+    started = dsec_cli(
+        "sandbox", "run", "--snapshot", foreign, "--spec", str(spec), "--json", env=env
+    )
+    assert started.exit_code != 0, started.output
+    failed = [e for e in started.last_json()["events"] if e["type"] == "sandbox.failed"]
+    assert failed and "belongs to another tenant" in failed[0]["payload"]["reason"]
 
     # A new sandbox from the snapshot: the spec from the log, the code from the snapshot.
     rerun = dsec_cli("sandbox", "run", "--snapshot", name, "--json", env=env)
