@@ -1,6 +1,8 @@
 """The snapshot library: create, list, inspect, diff, verify, restore, check code, retain, GC.
 
-:class:`SnapshotStore` is what the snapshot service's handlers and the ``dsec snapshot`` CLI call.
+:class:`SnapshotStore` is what the node agent (snapshots and rollbacks of its sandboxes), the
+snapshot service (sandboxes running nowhere, retention, deletes) and the ``dsec snapshot`` CLI
+(reads) call.
 It talks to an :class:`~dsec_snapshots.adapters.objectstore.ObjectStore` (S3) and, for env hashes
 and audit segments, a :class:`~dsec_snapshots.adapters.vault.KeyStore` (Vault); decisions come
 from :mod:`dsec_snapshots.domain`.
