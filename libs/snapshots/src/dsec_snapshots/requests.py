@@ -45,6 +45,7 @@ from dsec_snapshots.errors import (
     InvalidInput,
     SnapshotExists,
     SnapshotNotFound,
+    StoreUnavailable,
     VerificationFailed,
 )
 from dsec_snapshots.results import CreateResult, RestoreResult, SnapshotInputs
@@ -97,6 +98,7 @@ class SnapshotRequests:
         scratch: Path | None = None,
         cache_dir: Path | None = None,
         signer: str = "snapshot",
+        store_required: bool = True,
     ) -> None:
         self.settings = settings
         self.js = js
@@ -106,7 +108,9 @@ class SnapshotRequests:
         self.scratch = scratch or settings.home.resolve() / "snapshot" / "code"
         self.signer = signer
         self.cache_dir = cache_dir
+        self.store_required = store_required
         self._store: SnapshotStore | None = None
+        self._unavailable: str | None = None
         # One snapshot at a time: a directory's stat cache is one file that concurrent creates
         # of the same tree (a request during a periodic snapshot) would both rewrite.
         self._create_lock = threading.Lock()
@@ -115,17 +119,25 @@ class SnapshotRequests:
     def store(self) -> SnapshotStore:
         """The snapshot store (opened by :meth:`start`)."""
         if self._store is None:
-            raise RuntimeError("the snapshot requests were not started")
+            raise StoreUnavailable(self._unavailable or "the snapshot store is not open yet")
         return self._store
 
     async def start(self) -> None:
-        """Open the store (S3 + Vault from the settings)."""
-        self._store = await asyncio.to_thread(
-            SnapshotStore.from_settings,
-            self.settings,
-            signer=self.signer,
-            cache_dir=self.cache_dir,
-        )
+        """Open the store (S3 + Vault from the settings). Without ``store_required`` (the node
+        agent) a node without an object store still starts; its snapshot requests then fail
+        naming the reason."""
+        try:
+            self._store = await asyncio.to_thread(
+                SnapshotStore.from_settings,
+                self.settings,
+                signer=self.signer,
+                cache_dir=self.cache_dir,
+            )
+        except StoreUnavailable as exc:
+            if self.store_required:
+                raise
+            self._unavailable = str(exc)
+            log.warning("snapshots unavailable on this node: %s", exc)
 
     async def close(self) -> None:
         """Stop the store's worker threads."""

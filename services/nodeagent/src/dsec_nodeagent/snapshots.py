@@ -49,6 +49,7 @@ class NodeSnapshots:
             code_dir_of=self.code_dir,
             cache_dir=self.layout.snapshot_cache,
             signer=service.name,
+            store_required=False,
         )
         # S3 or Vault hiccups: a few quick retries (a rollback is wanted within seconds).
         retry = RetryPolicy(max_attempts=4, base_delay_s=0.5, max_delay_s=4.0, ack_wait_s=60.0)
