@@ -50,8 +50,9 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     # snapshots
     # the node agent owning a running sandbox snapshots it and rolls it back (and restores a
     # snapshot into a new sandbox it starts); the snapshot service: sandboxes running nowhere
+    # (which it never rolls back: only the node that runs a sandbox writes its code)
     "snapshot.taken": frozenset({"snapshot", "nodeagent"}),
-    "snapshot.restored": frozenset({"snapshot", "nodeagent"}),
+    "snapshot.restored": frozenset({"nodeagent"}),
     "snapshot.failed": frozenset({"snapshot", "nodeagent"}),
     "snapshot.deleted": frozenset({"snapshot"}),
     # any service ends a request it cannot complete, and reports what it refused

@@ -111,7 +111,6 @@ TABLE: Mapping[str, Role] = {
         "snapshot",
         publishes=(
             "snapshot.taken",
-            "snapshot.restored",
             "snapshot.failed",
             "snapshot.deleted",
             "snapshot.requested",
