@@ -171,3 +171,11 @@ async def test_a_snapshot_request_for_a_sandbox_of_another_node_is_left_to_that_
         ]
     finally:
         await nc.close()
+
+
+def test_rm_without_a_snapshot_service_times_out_naming_it(
+    stack_env: dict[str, str], dsec_cli: Any
+) -> None:
+    result = dsec_cli("snapshot", "rm", "nobody-answers", "--timeout", "1", env=dict(stack_env))
+    assert result.exit_code == 4, result.output
+    assert "is the snapshot service running?" in " ".join(result.output.split())
