@@ -381,6 +381,7 @@ def run_from_snapshot(
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     _warn_if_environment_differs(outcome.events, start.deps_fingerprint, as_json)
+    _warn_if_compatibility_mode(outcome.events, as_json)
     finish(outcome, wait, stall, as_json)
 
 
@@ -450,6 +451,14 @@ def _spec_of(sandbox_id: str | None, spec: Path | None, name: str) -> tuple[str,
             EXIT_BAD_INPUT,
         )
     return submitted.spec_yaml, submitted.filename
+
+
+def _warn_if_compatibility_mode(events: list[dict[str, Any]], as_json: bool) -> None:
+    """The node that started it has another GPU model than the snapshot recorded: say so."""
+    restored = next((e["payload"] for e in events if e["type"] == "snapshot.restored"), None)
+    if as_json or restored is None or not restored.get("compatibility_mode"):
+        return
+    err_console.print(f"[yellow]warning:[/] {safe_text(restored.get('note', ''))}", highlight=False)
 
 
 def _warn_if_environment_differs(
