@@ -22,15 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 import nats
 import pytest
+from dsec_core import identity
 from dsec_core.bus import replay
 from dsec_core.envelope import decode
 from dsec_core.events import SpecSubmitted, SpecValidated
 from dsec_core.ids import new_sandbox_id
 from dsec_core.subjects import aggregate_filter
+from dsec_testing import trust
 from dsec_testing.plans import minimal_plan
 
 if TYPE_CHECKING:
-    from dsec_testing.stack import S3Info, ServiceRunner
+    from dsec_testing.stack import S3Info, ServiceRunner, StackFixture
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kernel, pytest.mark.slow]
 
@@ -117,8 +119,42 @@ def events_of(
     return [json.loads(line) for line in out.output.splitlines() if line.startswith("{")]
 
 
+def producers(
+    dsec_cli: Any, env: dict[str, str], sid: str, event_type: str, snapshot: str
+) -> list[str]:
+    """Who published ``event_type`` about ``snapshot`` for the sandbox."""
+    return [
+        e["producer"]
+        for e in events_of(dsec_cli, env, sid, event_type)
+        if e["payload"]["snapshot"] == snapshot
+    ]
+
+
+def foreign_snapshot(
+    dsec_cli: Any, env: dict[str, str], dsec_stack: StackFixture, tmp_path: Path
+) -> str:
+    """A snapshot taken by a user of tenant ``acme`` (of a directory of its own)."""
+    key, cert = identity.issue_user(trust.stack_root(dsec_stack.home), "eve", "acme")
+    cred = tmp_path / "acme.cred.json"
+    cred.write_text(identity.credential_json(key, cert))
+    cred.chmod(0o600)
+    code = tmp_path / "acme-code"
+    code.mkdir()
+    (code / "agent.py").write_text("print('acme')\n")
+    name = f"acme-{uuid.uuid4().hex[:8]}"
+    acme = {**env, "DSEC_CREDENTIAL": str(cred)}
+    created = dsec_cli("snapshot", "create", "--dir", str(code), "--name", name, env=acme)
+    assert created.exit_code == 0, created.output
+    return name
+
+
 def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
-    services: ServiceRunner, env: dict[str, str], dsec_cli: Any, s3: S3Info, tmp_path: Path
+    services: ServiceRunner,
+    env: dict[str, str],
+    dsec_cli: Any,
+    s3: S3Info,
+    dsec_stack: StackFixture,
+    tmp_path: Path,
 ) -> None:
     services.start("policy", "builder", "nodeagent")
     services.start("snapshot", env={"DSEC_SNAPSHOT_INTERVAL_S": "2"})
@@ -158,6 +194,8 @@ def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
     assert taken.exit_code == 0, taken.output
     assert taken.last_json()["event"] == "snapshot.taken"
     assert taken.last_json()["files"] == 2  # agent.py, config.txt
+    # taken by the node agent that runs the sandbox, from its own code copy
+    assert producers(dsec_cli, env, sid, "snapshot.taken", name) == ["nodeagent"]
 
     # A bad change lands in the running sandbox's code on the node.
     (code_dir / "config.txt").write_text(f"{BAD}\n")
@@ -176,10 +214,25 @@ def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
     restored = back.last_json()
     assert restored["event"] == "snapshot.restored" and restored["files_written"] == 1
     assert (code_dir / "config.txt").read_text() == f"{GOOD}\n"
+    assert producers(dsec_cli, env, sid, "snapshot.restored", name) == ["nodeagent"]
     poll(lambda: thresholds(dsec_cli, env, sid)[-1:] == [GOOD], "the restored value in the log")
 
     verified = dsec_cli("snapshot", "verify", name, env=env)
     assert verified.exit_code == 0, verified.output
+
+    # Another tenant's snapshot: the node agent neither rolls back to it nor starts from it.
+    foreign = foreign_snapshot(dsec_cli, env, dsec_stack, tmp_path)
+    crossed = dsec_cli("sandbox", "rollback", sid, "--to", foreign, "--json", env=env)
+    assert crossed.exit_code == 1, crossed.output
+    assert "belongs to another tenant" in crossed.last_json()["reason"]
+    assert (code_dir / "config.txt").read_text() == f"{GOOD}\n"
+    spec = tmp_path / "dsec.yaml"
+    started = dsec_cli(
+        "sandbox", "run", "--snapshot", foreign, "--spec", str(spec), "--json", env=env
+    )
+    assert started.exit_code != 0, started.output
+    failed = [e for e in started.last_json()["events"] if e["type"] == "sandbox.failed"]
+    assert failed and "belongs to another tenant" in failed[0]["payload"]["reason"]
 
     # A new sandbox from the snapshot: the spec from the log, the code from the snapshot.
     rerun = dsec_cli("sandbox", "run", "--snapshot", name, "--json", env=env)
@@ -188,7 +241,12 @@ def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
     started_from = next(
         e["payload"] for e in rerun.last_json()["events"] if e["type"] == "snapshot.restored"
     )
-    assert started_from["snapshot"] == name
+    assert started_from["snapshot"] == name and started_from["files_written"] == 2
+    # restored into the new sandbox's code dir by the node agent that starts it
+    assert producers(dsec_cli, env, new_sid, "snapshot.restored", name) == ["nodeagent"]
+    submitted = events_of(dsec_cli, env, new_sid, "spec.submitted")
+    assert submitted[0]["payload"]["start_from_snapshot"] == name
+    assert submitted[0]["payload"]["code"] is None  # no code left the user's machine
     poll(lambda: GOOD in thresholds(dsec_cli, env, new_sid), "the new sandbox's output")
 
     periodic = poll(
@@ -199,7 +257,13 @@ def test_snapshot_refused_run_and_rollback_of_a_running_sandbox(
         ],
         "a periodic snapshot",
     )
-    assert periodic[0]["producer"] == "snapshot"
+    assert periodic[0]["producer"] == "nodeagent"  # asked by the snapshot service
+    asked = [
+        e
+        for e in events_of(dsec_cli, env, sid, "snapshot.requested")
+        if e["payload"]["name"] == periodic[0]["payload"]["snapshot"]
+    ]
+    assert asked and asked[0]["producer"] == "snapshot"
 
     for running in (sid, new_sid):
         stopped = dsec_cli("sandbox", "stop", running, "--grace", "1", env=env)

@@ -18,7 +18,8 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     # users, for their own tenant
     "spec.submitted": frozenset({"user"}),
     "sandbox.stop_requested": frozenset({"user"}),
-    "snapshot.requested": frozenset({"user"}),
+    # the snapshot service asks for periodic snapshots; the owning node agent takes them
+    "snapshot.requested": frozenset({"user", "snapshot"}),
     "snapshot.restore_requested": frozenset({"user"}),
     "snapshot.delete_requested": frozenset({"user"}),
     # the operator runs the fleet
@@ -47,11 +48,12 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "node.joined": frozenset({"nodeagent"}),
     "node.heartbeat": frozenset({"nodeagent"}),
     # snapshots
-    "snapshot.taken": frozenset({"snapshot"}),
-    # a user's `dsec sandbox run --snapshot` records which snapshot its new sandbox starts from
-    # (restored in the CLI today; the many-nodes work moves it to the snapshot service)
-    "snapshot.restored": frozenset({"snapshot", "user"}),
-    "snapshot.failed": frozenset({"snapshot"}),
+    # the node agent owning a running sandbox snapshots it and rolls it back (and restores a
+    # snapshot into a new sandbox it starts); the snapshot service: sandboxes running nowhere
+    # (which it never rolls back: only the node that runs a sandbox writes its code)
+    "snapshot.taken": frozenset({"snapshot", "nodeagent"}),
+    "snapshot.restored": frozenset({"nodeagent"}),
+    "snapshot.failed": frozenset({"snapshot", "nodeagent"}),
     "snapshot.deleted": frozenset({"snapshot"}),
     # any service ends a request it cannot complete, and reports what it refused
     "sandbox.failed": _ANY_SERVICE,

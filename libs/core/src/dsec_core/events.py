@@ -75,11 +75,17 @@ class SpecSubmitted(Payload):
 
     TYPE = "spec.submitted"
     AGGREGATE = "sandbox"
+    VERSION = "1.1"
 
     spec_yaml: str = Field(description="The spec text exactly as submitted")
     filename: str = Field(default="dsec.yaml", description="Name used in located errors")
     code: BundleRef | None = None
     submitted_by: str = Field(default="", description="user@host of the submitter")
+    start_from_snapshot: str | None = Field(
+        default=None,
+        description="Snapshot whose code the node agent restores into the sandbox's code dir "
+        "before it starts (`dsec sandbox run --snapshot`); it publishes snapshot.restored",
+    )
 
 
 class SpecValidated(Payload):
@@ -424,6 +430,12 @@ class SnapshotDeleteRequested(Payload):
 
     names: list[str] = Field(default_factory=list, description="Snapshots to delete")
     gc: bool = Field(default=False, description="Also remove chunks no snapshot refers to")
+    gc_grace_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="GC keeps unreferenced chunks younger than this (a snapshot being taken "
+        "has uploaded chunks its manifest does not yet name)",
+    )
     requested_by: str = ""
 
 

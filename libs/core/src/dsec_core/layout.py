@@ -11,7 +11,8 @@ directory (under ``$DSEC_HOME``)   owner         what
 ``sandboxes/<id>/``                nodeagent     a sandbox's code copy, logs, disk image, fs
 ``run/sandboxes/<id>/``            nodeagent     its runtime state (pid, cgroup, sockets)
 ``envs/<lock hash>/``              nodeagent     environments staged from the object store
-``cache/``                         nodeagent     S3 objects for sandboxes, runtimes, disk images
+``cache/``                         nodeagent     S3 objects for sandboxes, runtimes, disk images,
+                                                 stat caches of its sandboxes' snapshots
 ``tls-proxy/``                     nodeagent     the opt-in TLS proxy's CA and sockets
 ``builder/``                       builder       build work dirs, wheel cache, packed envs
 ``snapshot/``                      snapshot      the snapshot service's scratch space
@@ -104,6 +105,11 @@ class NodeLayout:
     @property
     def s3_cache(self) -> Path:
         return self.cache / "s3"
+
+    @property
+    def snapshot_cache(self) -> Path:
+        """Stat caches that make snapshots of this node's sandboxes incremental."""
+        return self.cache / "snapshots"
 
     @property
     def tls_proxy(self) -> Path:

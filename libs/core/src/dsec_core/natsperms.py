@@ -111,10 +111,16 @@ TABLE: Mapping[str, Role] = {
     ),
     "snapshot": Role(
         "snapshot",
-        publishes=("snapshot.taken", "snapshot.restored", "snapshot.failed"),
+        publishes=(
+            "snapshot.taken",
+            "snapshot.failed",
+            "snapshot.deleted",
+            "snapshot.requested",
+        ),
         consumes=(
             "snapshot.requested",
             "snapshot.restore_requested",
+            "snapshot.delete_requested",
             "sandbox.ready",
             "sandbox.exited",
         ),
@@ -144,9 +150,18 @@ TABLE: Mapping[str, Role] = {
             "policy.reported",
             "node.joined",
             "node.heartbeat",
+            "snapshot.taken",
+            "snapshot.restored",
+            "snapshot.failed",
         ),
         # each node agent sees these through its own node's durables; acts only on its own
-        node_consumes=("sandbox.scheduled", "sandbox.stop_requested", "unit.lost"),
+        node_consumes=(
+            "sandbox.scheduled",
+            "sandbox.stop_requested",
+            "unit.lost",
+            "snapshot.requested",
+            "snapshot.restore_requested",
+        ),
         # remote logs/exec: answers go to the requester's inbox (encrypted, signed)
         extra_publish=("dsec_ipc.>", "_INBOX.>"),
         extra_subscribe=("dsec_ipc.>", RPC_REQUESTS),
@@ -160,8 +175,7 @@ TABLE: Mapping[str, Role] = {
             "sandbox.stop_requested",
             "snapshot.requested",
             "snapshot.restore_requested",
-            # `dsec sandbox run --snapshot` records that it started a sandbox from a snapshot
-            "snapshot.restored",
+            "snapshot.delete_requested",
             "audit.key_registered",
             # `dsec node cordon|uncordon|drain` on the operator's machine (which connects as
             # its local user): the event must still be signed by the operator's key (authz)

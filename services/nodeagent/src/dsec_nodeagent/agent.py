@@ -68,6 +68,7 @@ from dsec_nodeagent.sandbox.notify import KernelRefusal
 from dsec_nodeagent.semantic.compile import rules_from_plan
 from dsec_nodeagent.semantic.models import SemanticDecision, SemanticRules
 from dsec_nodeagent.semantic.reports import MESSAGE_LIMIT, TARGET_LIMIT, Refused, check_report
+from dsec_nodeagent.snapshots import SnapshotStartRefused
 from dsec_nodeagent.tlsproxy import CA_BUNDLE_PATH, ProxyGrant, TlsProxies
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,10 @@ REPORTS_REFUSED = Counter(
 )
 
 BeforeStart = Callable[[str, Path, int, EnforcementPlan], Awaitable[None]]
+
+
+StartFromSnapshot = Callable[[str, str, str, int], Awaitable[tuple[Path, events.SnapshotRestored]]]
+"""(sandbox id, snapshot, tenant, max code size) → its code dir and ``snapshot.restored``."""
 
 
 class StartRefused(Exception):
@@ -134,6 +139,8 @@ class NodeAgent:
         self._attempts: dict[str, int] = {}  # sandbox -> placement attempt it runs here as
         self._starting: dict[str, asyncio.Event] = {}  # sandboxes being started right now
         self._fenced: set[str] = set()  # stale copies being stopped without any event
+        self.start_from_snapshot: StartFromSnapshot | None = None
+        """Puts a snapshot's code in a new sandbox's code dir (``dsec_nodeagent.snapshots``)."""
 
     def _injector(self) -> ContextInjector:
         s = self.settings
@@ -345,13 +352,18 @@ class NodeAgent:
         if not plan.entrypoint:
             raise StartRefused("the spec has no `entrypoint`; nothing to run")
         code_dir = await self._code_dir(sid, validated.code, plan.code_max_size)
+        restored: list[events.Payload] = []
+        if submitted.start_from_snapshot is not None:
+            code_dir, from_snapshot = await self._from_snapshot(sid, submitted, plan)
+            restored.append(from_snapshot)
         if code_dir is not None:
             _mountpoints(code_dir, plan)
         ctx = await self.injector.prepare(
             sid, plan.secrets, plan.mounts, tenant=plan.tenant, tenant_vault=plan.tenant_vault
         )
         outputs: list[events.Payload] = [
-            events.ContextInjected(**record.model_dump()) for record in ctx.records
+            *restored,
+            *(events.ContextInjected(**record.model_dump()) for record in ctx.records),
         ]
         try:
             config = self._config(sid, plan, env_dir, code_dir, ctx)
@@ -369,6 +381,19 @@ class NodeAgent:
         self._keepalive[sid] = asyncio.create_task(self.injector.keepalive(ctx))
         outputs.append(self._ready_event(ready, code_dir, {"env_stage": stage_ms}))
         return outputs
+
+    async def _from_snapshot(
+        self, sid: str, submitted: events.SpecSubmitted, plan: EnforcementPlan
+    ) -> tuple[Path, events.SnapshotRestored]:
+        """The snapshot's code in the sandbox's code dir (``dsec sandbox run --snapshot``)."""
+        name = submitted.start_from_snapshot
+        assert name is not None
+        if self.start_from_snapshot is None:
+            raise StartRefused(f"this node agent cannot start from snapshot {name!r}")
+        try:
+            return await self.start_from_snapshot(sid, name, plan.tenant, plan.code_max_size)
+        except SnapshotStartRefused as exc:
+            raise StartRefused(str(exc)) from None
 
     def _attach(self, plan: EnforcementPlan) -> Callable[[str, Path, int], Awaitable[None]]:
         async def attach(sid: str, cgroup_dir: Path, cgroup_id: int) -> None:

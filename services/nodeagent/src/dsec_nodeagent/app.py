@@ -21,6 +21,7 @@ from dsec_nodeagent.inventory import Inventory
 from dsec_nodeagent.outlet import EventOutlet
 from dsec_nodeagent.refusals import RefusalGate
 from dsec_nodeagent.remote_access import RemoteAccess
+from dsec_nodeagent.snapshots import NodeSnapshots
 
 
 def outlet_for(settings: Settings, service: Service) -> EventOutlet:
@@ -81,7 +82,8 @@ def heartbeat_for(service: Service, agent: NodeAgent) -> Heartbeat:
 
 def create_service(settings: Settings | None = None) -> Service:
     """Build the node agent: ``sandbox.scheduled`` (for this node) → sandbox;
-    ``sandbox.stop_requested`` → stop; ``unit.lost`` → a stale copy fenced off."""
+    ``sandbox.stop_requested`` → stop; ``unit.lost`` → a stale copy fenced off; snapshot
+    requests of its own sandboxes → ``snapshot.taken|restored|failed``."""
     return wire(settings).service
 
 
@@ -118,6 +120,7 @@ def wire(
     # fencing is this node's own cleanup: a failure is logged, never a sandbox.failed for a
     # sandbox that now belongs to another node
     service.handles(events.UnitLost, scope="node", on_exhausted=lambda *_: [])(agent.on_unit_lost)
+    agent.start_from_snapshot = NodeSnapshots(service).start_from  # snapshots of its sandboxes
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack

@@ -1,75 +1,10 @@
-"""DSec snapshots: signed, content-addressed records of a sandbox, and the way back to them.
+"""The snapshot service: what is not bound to a node.
 
-The library (:class:`SnapshotStore`) is what the snapshot service's handlers and the
-``dsec snapshot`` CLI call; see :mod:`dsec_snapshot.store`.
+Snapshots of sandboxes that run nowhere (from their code bundle in S3), periodic snapshot
+requests (the owning node agent takes them), retention, and deletes (``snapshot.delete_requested``
+→ ``snapshot.deleted``). The data path itself is the library :mod:`dsec_snapshots`, re-exported
+here for older imports.
 """
 
-from dsec_snapshot.domain import (
-    CodeDelta,
-    FileChange,
-    GpuCheck,
-    Inspection,
-    PeriodicPolicy,
-    RetentionPolicy,
-    SnapshotDiff,
-)
-from dsec_snapshot.errors import (
-    InvalidInput,
-    SnapshotError,
-    SnapshotExists,
-    SnapshotNotFound,
-    StoreUnavailable,
-    VerificationFailed,
-)
-from dsec_snapshot.manifest import (
-    AuditRecord,
-    DepsRecord,
-    EnvRecord,
-    GpuDevice,
-    GpuRecord,
-    SignedManifest,
-    SnapshotManifest,
-    SnapshotSummary,
-    Source,
-)
-from dsec_snapshot.results import (
-    CodeCheck,
-    CreateResult,
-    GcReport,
-    RestoreResult,
-    SnapshotInputs,
-    VerifyReport,
-)
-from dsec_snapshot.store import SnapshotStore
-
-__all__ = [
-    "AuditRecord",
-    "CodeCheck",
-    "CodeDelta",
-    "CreateResult",
-    "DepsRecord",
-    "EnvRecord",
-    "FileChange",
-    "GcReport",
-    "GpuCheck",
-    "GpuDevice",
-    "GpuRecord",
-    "Inspection",
-    "InvalidInput",
-    "PeriodicPolicy",
-    "RestoreResult",
-    "RetentionPolicy",
-    "SignedManifest",
-    "SnapshotDiff",
-    "SnapshotError",
-    "SnapshotExists",
-    "SnapshotInputs",
-    "SnapshotManifest",
-    "SnapshotNotFound",
-    "SnapshotStore",
-    "SnapshotSummary",
-    "Source",
-    "StoreUnavailable",
-    "VerificationFailed",
-    "VerifyReport",
-]
+from dsec_snapshots import *  # noqa: F403
+from dsec_snapshots import __all__ as __all__

@@ -1,9 +1,10 @@
 """Wiring of the snapshot service: its handlers on the bus.
 
-``snapshot.requested`` → ``snapshot.taken | snapshot.failed``;
-``snapshot.restore_requested`` → ``snapshot.restored | snapshot.failed``; with
-``DSEC_SNAPSHOT_INTERVAL_S`` > 0 also ``sandbox.ready`` / ``sandbox.exited`` (which sandboxes to
-snapshot periodically).
+``snapshot.requested`` of a sandbox that runs nowhere → ``snapshot.taken | snapshot.failed``
+(a running sandbox's is its node agent's); ``snapshot.restore_requested`` of a sandbox that runs
+nowhere → ``snapshot.failed`` with the reason; ``snapshot.delete_requested`` →
+``snapshot.deleted``; with ``DSEC_SNAPSHOT_INTERVAL_S`` > 0 also ``sandbox.ready`` /
+``sandbox.exited`` (which sandboxes to ask periodic snapshots of).
 """
 
 from __future__ import annotations
@@ -13,32 +14,26 @@ from collections.abc import Sequence
 
 from dsec_core import events
 from dsec_core.envelope import Envelope
-from dsec_core.events import Payload, SnapshotFailed
+from dsec_core.events import Payload, SnapshotDeleted
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 from dsec_core.trust import Gate
+from dsec_snapshots.requests import snapshot_failed
 from nats.js import JetStreamContext
 
-from dsec_snapshot.handlers import SnapshotHandlers
+from dsec_snapshot.deletes import SnapshotDeletes
+from dsec_snapshot.handlers import service_requests
 from dsec_snapshot.periodic import PeriodicSnapshots
 
 log = logging.getLogger(__name__)
 
-_OPERATION = {"snapshot.requested": "create", "snapshot.restore_requested": "restore"}
 
-
-def snapshot_failed(envelope: Envelope, reason: str, attempts: int) -> Sequence[Payload]:
-    """A snapshot request whose retries are exhausted ends in ``snapshot.failed``: a snapshot
-    that could not be taken says nothing about the sandbox, which ``sandbox.failed`` (terminal)
-    would mark as failed."""
-    request = envelope.payload
-    return [
-        SnapshotFailed(
-            snapshot=str(request.get("name") or request.get("snapshot") or ""),
-            operation="create" if _OPERATION.get(envelope.type) == "create" else "restore",
-            reason=f"gave up after {attempts} attempts: {reason}",
-        )
-    ]
+def not_deleted(envelope: Envelope, reason: str, attempts: int) -> Sequence[Payload]:
+    """A delete whose retries are exhausted still ends in ``snapshot.deleted`` (terminal): every
+    name it asked for is reported missing (nothing is known to be deleted)."""
+    log.warning("snapshot delete %s gave up after %d attempts: %s", envelope.id, attempts, reason)
+    names = [str(n) for n in envelope.payload.get("names") or []]
+    return [SnapshotDeleted(names=[], missing=names)]
 
 
 def create_service(settings: Settings | None = None) -> Service:
@@ -63,7 +58,7 @@ def create_service(settings: Settings | None = None) -> Service:
         assert service.gate is not None
         return service.gate
 
-    handlers = SnapshotHandlers(service.settings, js, gate)
+    handlers = service_requests(service.settings, js, gate)
     # S3 or Vault hiccups: a few quick retries (a rollback is wanted within seconds).
     retry = RetryPolicy(max_attempts=4, base_delay_s=0.5, max_delay_s=4.0, ack_wait_s=60.0)
     service.handles(events.SnapshotRequested, retry=retry, batch=4, on_exhausted=snapshot_failed)(
@@ -72,6 +67,9 @@ def create_service(settings: Settings | None = None) -> Service:
     service.handles(
         events.SnapshotRestoreRequested, retry=retry, batch=4, on_exhausted=snapshot_failed
     )(handlers.on_restore_requested)
+    service.handles("snapshot.delete_requested", retry=retry, batch=4, on_exhausted=not_deleted)(
+        SnapshotDeletes(handlers).on_delete_requested
+    )
     service.on_start.append(handlers.start)
     if service.settings.snapshot_interval_s > 0:
         periodic = PeriodicSnapshots(

@@ -1,10 +1,12 @@
-"""Periodic snapshots of the sandboxes running on this node (``DSEC_SNAPSHOT_INTERVAL_S``).
+"""Periodic snapshots of every running sandbox (``DSEC_SNAPSHOT_INTERVAL_S``), on any node.
 
 The service learns which sandboxes run from the log: at start, every ``sandbox.ready`` without a
 ``sandbox.exited``; then from the ``sandbox.ready`` / ``sandbox.exited`` events it consumes.
-On each tick, a sandbox whose last periodic snapshot is older than the interval is snapshotted
-with :meth:`SnapshotStore.run_periodic` (which also applies the retention of its series), and
-``snapshot.taken`` is published. Unreferenced chunks are garbage-collected now and then.
+On each tick, for a sandbox whose last periodic snapshot is older than the interval it
+publishes ``snapshot.requested`` (``requested_by: periodic``, name ``auto-<id>-<time>``): the
+node agent that owns the sandbox takes it and publishes ``snapshot.taken``. Retention of each
+sandbox's periodic series (``DSEC_SNAPSHOT_KEEP``) and, now and then, the GC of unreferenced
+chunks are this service's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from dsec_core import events
@@ -22,11 +23,10 @@ from dsec_core.bus import replay
 from dsec_core.envelope import Envelope, decode
 from dsec_core.ids import derive_event_id
 from dsec_core.subjects import filter_for
-
-from dsec_snapshot.domain import PeriodicPolicy, RetentionPolicy
-from dsec_snapshot.errors import SnapshotError
-from dsec_snapshot.handlers import SnapshotHandlers, taken_event
-from dsec_snapshot.sandboxes import SandboxFacts
+from dsec_snapshots import domain, sandboxes
+from dsec_snapshots.domain import RetentionPolicy
+from dsec_snapshots.manifest import SnapshotSummary
+from dsec_snapshots.requests import PERIODIC_REQUESTER, SnapshotRequests
 
 log = logging.getLogger(__name__)
 
@@ -37,42 +37,35 @@ GC_EVERY_S = 600.0
 
 
 class PeriodicSnapshots:
-    """Snapshots every running sandbox of this node every ``interval_s``."""
+    """Asks for a snapshot of every running sandbox every ``interval_s``; keeps ``keep``."""
 
     def __init__(
-        self, handlers: SnapshotHandlers, publish: Publish, interval_s: float, keep: int
+        self, requests: SnapshotRequests, publish: Publish, interval_s: float, keep: int
     ) -> None:
-        self.handlers = handlers
+        self.requests = requests
         self._publish = publish
         self.interval = timedelta(seconds=interval_s)
         self.retention = RetentionPolicy(keep_last=keep)
         self.running: set[str] = set()
-        self._last_taken: dict[str, float] = {}
+        self._last_asked: dict[str, float] = {}
         self._last_gc = time.monotonic()
         self._since = datetime.now(UTC)
         self._task: asyncio.Task[None] | None = None
 
-    def policy(self, sandbox_id: str) -> PeriodicPolicy:
-        """The periodic policy of one sandbox (its own name prefix, so names never collide)."""
-        return PeriodicPolicy(self.interval, self.retention, name_prefix=f"auto-{sandbox_id}")
-
     async def start(self) -> None:
         """Find the sandboxes running now, then tick in the background."""
         self._since = datetime.now(UTC)
-        js = self.handlers.js()
-        node = self.handlers.settings.node_id
+        js = self.requests.js()
         ready: set[str] = set()
         async for _, data in replay(js, filter_subject=filter_for("sandbox.ready")):
-            env = decode(data)
-            if env.payload.get("node_id") == node:
-                ready.add(env.aggregate_id)
+            ready.add(decode(data).aggregate_id)
         async for _, data in replay(js, filter_subject=filter_for("sandbox.exited")):
             ready.discard(decode(data).aggregate_id)
         self.running |= ready
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        """Stop ticking (a snapshot in progress in a thread completes)."""
+        """Stop ticking."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -81,10 +74,10 @@ class PeriodicSnapshots:
     async def on_ready(
         self, envelope: Envelope, event: events.SandboxReady
     ) -> Sequence[events.Payload]:
-        """Track a sandbox that started on this node."""
+        """Track a sandbox that started (on any node)."""
         # Older events were accounted for by the scan at start (a new durable consumer
         # delivers the whole history, ready events of long-gone sandboxes included).
-        if event.node_id == self.handlers.settings.node_id and envelope.time >= self._since:
+        if envelope.time >= self._since:
             self.running.add(envelope.aggregate_id)
         return []
 
@@ -93,7 +86,7 @@ class PeriodicSnapshots:
     ) -> Sequence[events.Payload]:
         """Forget a sandbox that ended."""
         self.running.discard(envelope.aggregate_id)
-        self._last_taken.pop(envelope.aggregate_id, None)
+        self._last_asked.pop(envelope.aggregate_id, None)
         return []
 
     async def _loop(self) -> None:
@@ -106,54 +99,46 @@ class PeriodicSnapshots:
                 log.exception("periodic snapshots: tick failed")
 
     async def tick(self) -> list[str]:
-        """Snapshot each due sandbox; return the names of the snapshots taken."""
-        taken = []
+        """Ask for each due sandbox's snapshot and apply retention; return the names asked."""
+        store = self.requests.store
+        rows = await asyncio.to_thread(store.list_snapshots)
+        asked = []
+        expired_any = False
+        now = datetime.now(UTC)
         for sid in sorted(self.running):
-            last = self._last_taken.get(sid)
-            if last is not None and time.monotonic() - last < self.interval.total_seconds():
-                continue
-            try:
-                name = await self.snapshot(sid)
-            except SnapshotError as exc:
-                log.warning("periodic snapshot of %s failed: %s", sid, exc)
-                continue
-            except Exception:  # S3, Vault, NATS: one sandbox must not stop the others
-                log.exception("periodic snapshot of %s failed", sid)
-                continue
-            if name is not None:
-                taken.append(name)
-        if taken and time.monotonic() - self._last_gc >= GC_EVERY_S:
+            series = periodic_series(rows, sid)
+            expired = domain.select_expired(series, self.retention, now)
+            for name in expired:
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(store.delete, name)
+                    expired_any = True
+            wanted = await self._ask_if_due(sid, series, now)
+            if wanted is not None:
+                asked.append(wanted)
+        if expired_any and time.monotonic() - self._last_gc >= GC_EVERY_S:
             self._last_gc = time.monotonic()
-            report = await asyncio.to_thread(self.handlers.store.gc)
+            report = await asyncio.to_thread(store.gc)
             log.info("snapshot gc: %d objects deleted", len(report.deleted))
-        return taken
+        return asked
 
-    async def snapshot(self, sandbox_id: str) -> str | None:
-        """Take the periodic snapshot of one sandbox if due; publish ``snapshot.taken``."""
-        handlers = self.handlers
-        records = await handlers.history(sandbox_id)
-        facts = SandboxFacts.from_events(sandbox_id, (decode(d) for _, d in records))
-        code_dir = facts.local_code_dir(handlers.settings.node_id, handlers.sandboxes_root)
-        if not facts.running or facts.validated is None or code_dir is None:
-            self.running.discard(sandbox_id)  # ended, or nothing of it on this node
+    async def _ask_if_due(
+        self, sid: str, series: list[SnapshotSummary], now: datetime
+    ) -> str | None:
+        last_asked = self._last_asked.get(sid)
+        if last_asked is not None and time.monotonic() - last_asked < self.interval.total_seconds():
             return None
-        inputs = replace(
-            handlers.inputs(facts, records, labels={"code": "running"}), code_dir=code_dir
-        )
-        result = await asyncio.to_thread(handlers.run_periodic, self.policy(sandbox_id), inputs)
-        if result is None:  # the store holds a recent enough one (e.g. before a restart)
+        last = max((s.created_at for s in series), default=None)
+        if not domain.is_due(last, now, self.interval):
             return None
-        self._last_taken[sandbox_id] = time.monotonic()
-        name = result.manifest.name
-        log.info(
-            "periodic snapshot %s of %s: %d files, %d bytes uploaded in %.2f s",
-            name,
-            sandbox_id,
-            result.files,
-            result.bytes_uploaded,
-            result.duration_s,
-        )
-        await self._publish(
-            taken_event(result), sandbox_id, derive_event_id(sandbox_id, f"snapshot.taken#{name}")
-        )
+        name = domain.periodic_name(sandboxes.periodic_prefix(sid), now)
+        request = events.SnapshotRequested(name=name, requested_by=PERIODIC_REQUESTER)
+        await self._publish(request, sid, derive_event_id(sid, f"snapshot.requested#{name}"))
+        self._last_asked[sid] = time.monotonic()
+        log.info("periodic snapshot %s of %s requested", name, sid)
         return name
+
+
+def periodic_series(rows: list[SnapshotSummary], sandbox_id: str) -> list[SnapshotSummary]:
+    """A sandbox's periodic snapshots, from the store's index rows."""
+    prefix = sandboxes.periodic_prefix(sandbox_id)
+    return [r for r in rows if r.labels.get("periodic") == prefix]

@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from dsec_core.events import SnapshotRestored, SpecSubmitted
+from dsec_core.events import SpecSubmitted
 from dsec_core.settings import Settings
 from rich.table import Table
 
@@ -318,12 +317,13 @@ def stop(
 def rollback(
     sandbox_id: Annotated[str, typer.Argument(help="Running sandbox (sbx_...)")],
     to: Annotated[str, typer.Option("--to", help="Snapshot to roll back to")],
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for the snapshot service")] = 60.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the node agent")] = 60.0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
     """Put a running sandbox's code back on a snapshot (``snapshot.restored`` records it).
 
-    The running process sees the restored files at once (its code dir is rewritten in place);
+    The node agent that runs the sandbox rewrites its code dir in place, so the running process
+    sees the restored files at once;
     a different dependency environment cannot be swapped under it and is reported instead.
     Exit 0 restored; 1 refused (exited sandbox, unknown or altered snapshot); 2 bad input;
     3 unreachable; 4 no answer in time.
@@ -374,9 +374,11 @@ def run_from_snapshot(
     as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON result")] = False,
 ) -> None:
     """Start a new sandbox from a snapshot: its signature is checked, --code DIR must match the
-    snapshot's code exactly (each differing file is listed with its changed lines), the GPU
-    model is compared (a different one runs flagged as compatibility mode), then the spec is
-    submitted again, so the sandbox gets fresh leases from its own runtime context.
+    snapshot's code exactly (each differing file is listed with its changed lines), then the
+    spec is submitted again with the snapshot to start from (fresh leases from its own runtime
+    context); the node agent that starts the sandbox restores the snapshot's code into it and
+    publishes ``snapshot.restored`` (a GPU model other than the snapshot's is flagged there as
+    compatibility mode).
 
     Exit codes as `dsec submit`; 1 also when the snapshot is altered or --code differs.
     """
@@ -387,9 +389,8 @@ def run_from_snapshot(
     if code is not None and not code.is_dir():
         fail(f"--code {code} is not a directory", EXIT_BAD_INPUT)
     settings = Settings()
-    with tempfile.TemporaryDirectory(prefix="dsec-run-") as scratch:
-        start = _prepare_run(snapshot, code, spec, Path(scratch) / "code")
-        code_ref = upload_code(start.code_dir, start.spec_text, settings)
+    start = _prepare_run(snapshot, code, spec)
+    code_ref = upload_code(code, start.spec_text, settings) if code is not None else None
     try:
         outcome = run(
             submit_and_follow(
@@ -400,12 +401,13 @@ def run_from_snapshot(
                 timeout,
                 stall,
                 as_json,
-                also=[start.restored],
+                start_from_snapshot=snapshot,
             )
         )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     _warn_if_environment_differs(outcome.events, start.deps_fingerprint, as_json)
+    _warn_if_compatibility_mode(outcome.events, as_json)
     finish(outcome, wait, stall, as_json)
 
 
@@ -415,16 +417,13 @@ class _RunStart:
 
     spec_text: str
     filename: str
-    code_dir: Path
-    restored: SnapshotRestored
     deps_fingerprint: str | None
 
 
-def _prepare_run(name: str, code: Path | None, spec: Path | None, scratch: Path) -> _RunStart:
-    """Check the snapshot (and ``code``) and find the spec; restore the code when not given."""
+def _prepare_run(name: str, code: Path | None, spec: Path | None) -> _RunStart:
+    """Check the snapshot (and ``code``) and find the spec (read-only access to the store)."""
     from dsec_cli.commands.snapshot import snapshot_store
 
-    started = time.perf_counter()
     with snapshot_store() as store:
         manifest = store.load(name)  # signature checked: an altered manifest exits 1
         if code is not None:
@@ -439,25 +438,9 @@ def _prepare_run(name: str, code: Path | None, spec: Path | None, scratch: Path)
                     "\n".join(check.describe()), highlight=False, markup=False, soft_wrap=True
                 )
                 raise typer.Exit(EXIT_FAILED)
-            code_dir = code
-        else:
-            code_dir = store.restore(name, scratch).dest  # every byte hash-checked
-        gpu = store.check_gpu(name)
-    if gpu.compatibility_mode:
-        err_console.print(f"[yellow]warning:[/] {safe_text(gpu.message)}", highlight=False)
     spec_text, filename = _spec_of(manifest.source.sandbox_id, spec, name)
-    how = f"code {code} verified against it" if code is not None else "code restored from it"
-    restored = SnapshotRestored(
-        snapshot=name,
-        manifest_digest=manifest.digest(),
-        duration_ms=round((time.perf_counter() - started) * 1000, 2),
-        compatibility_mode=gpu.compatibility_mode,
-        files_written=len(manifest.code.files) if code is None else 0,
-        note=f"started from snapshot {name} ({how})"
-        + (f"; {gpu.message}" if gpu.compatibility_mode else ""),
-    )
     fingerprint = manifest.deps.fingerprint if manifest.deps is not None else None
-    return _RunStart(spec_text, filename, code_dir, restored, fingerprint)
+    return _RunStart(spec_text, filename, fingerprint)
 
 
 def _spec_of(sandbox_id: str | None, spec: Path | None, name: str) -> tuple[str, str]:
@@ -494,6 +477,14 @@ def _spec_of(sandbox_id: str | None, spec: Path | None, name: str) -> tuple[str,
             EXIT_BAD_INPUT,
         )
     return submitted.spec_yaml, submitted.filename
+
+
+def _warn_if_compatibility_mode(events: list[dict[str, Any]], as_json: bool) -> None:
+    """The node that started it has another GPU model than the snapshot recorded: say so."""
+    restored = next((e["payload"] for e in events if e["type"] == "snapshot.restored"), None)
+    if as_json or restored is None or not restored.get("compatibility_mode"):
+        return
+    err_console.print(f"[yellow]warning:[/] {safe_text(restored.get('note', ''))}", highlight=False)
 
 
 def _warn_if_environment_differs(

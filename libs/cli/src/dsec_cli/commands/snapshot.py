@@ -1,7 +1,10 @@
 """``dsec snapshot``: create, list, inspect, diff, verify, restore, check code, remove, retain, GC.
 
-``create SANDBOX_ID`` asks the snapshot service on the bus (it reads the sandbox's code copy on
-its node); every other command works on the store directly.
+``create SANDBOX_ID`` asks on the bus: the node agent that runs the sandbox snapshots its code
+copy (the snapshot service, from the code bundle, when it runs nowhere). ``rm`` and ``gc`` ask
+the snapshot service (``snapshot.delete_requested`` → ``snapshot.deleted``), which deletes only
+the user's own tenant's snapshots. ``ls``, ``inspect``, ``diff``, ``verify``, ``restore`` and
+``check-code`` read the store through the :mod:`dsec_snapshots` library.
 
 Exit codes: 0 ok, 1 a check failed (verify, code mismatch, snapshot refused), 2 bad input (name,
 directory, flag, unknown snapshot), 3 S3, Vault or NATS unreachable, 4 no answer in time.
@@ -42,8 +45,8 @@ from dsec_cli.render import decode_or_warn, human_size
 if TYPE_CHECKING:
     from dsec_core.envelope import Envelope
     from dsec_core.events import Payload
-    from dsec_snapshot import SnapshotStore
-    from dsec_snapshot.domain import Inspection, SnapshotDiff
+    from dsec_snapshots import SnapshotStore
+    from dsec_snapshots.domain import Inspection, SnapshotDiff
 
 snapshot_app = typer.Typer(
     help="Signed, content-addressed snapshots of sandbox code and state.", no_args_is_help=True
@@ -63,8 +66,8 @@ def _duration(value: str, flag: str) -> timedelta:
 @contextmanager
 def snapshot_store() -> Iterator[SnapshotStore]:
     """Open the store; map library errors to the documented exit codes."""
-    from dsec_snapshot import SnapshotStore
-    from dsec_snapshot.errors import (
+    from dsec_snapshots import SnapshotStore
+    from dsec_snapshots.errors import (
         InvalidInput,
         SnapshotError,
         SnapshotExists,
@@ -111,8 +114,9 @@ async def _ask(payload: Payload, sandbox_id: str, timeout: float) -> Envelope | 
 
 
 def ask_snapshot_service(payload: Payload, sandbox_id: str, timeout: float) -> Envelope:
-    """Publish ``payload`` on the sandbox's subjects and wait for the snapshot service's
-    answer (``snapshot.taken``/``restored``/``failed``); exit 4 when none comes in time."""
+    """Publish ``payload`` on the sandbox's subjects and wait for the answer of the sandbox's
+    node agent, or of the snapshot service when it runs nowhere (``snapshot.taken`` /
+    ``restored`` / ``failed``); exit 4 when none comes in time."""
     from dsec_core.subjects import InvalidSubjectToken, subject_for
 
     try:
@@ -123,7 +127,8 @@ def ask_snapshot_service(payload: Payload, sandbox_id: str, timeout: float) -> E
     if answer is None:
         fail(
             f"no answer to {payload.TYPE} for {sandbox_id} within {timeout:.0f} s: is the "
-            "snapshot service running? (`dsec status`)",
+            "snapshot service running? (and, for a running sandbox, its node's agent; "
+            "`dsec status`)",
             EXIT_TIMEOUT,
         )
     return answer
@@ -139,7 +144,8 @@ def _create_by_request(
     timeout: float,
     as_json: bool,
 ) -> None:
-    """``snapshot create SANDBOX_ID``: the snapshot service takes it on the sandbox's node."""
+    """``snapshot create SANDBOX_ID``: the sandbox's node agent takes it (the snapshot service
+    when the sandbox runs nowhere)."""
     from dsec_core.events import SnapshotRequested
 
     request = SnapshotRequested(
@@ -196,11 +202,11 @@ def create(
         bool, typer.Option("--full-state", help="Process state too (not supported: refused)")
     ] = False,
     timeout: Annotated[
-        float, typer.Option(help="Seconds to wait for the snapshot service (SANDBOX_ID)")
+        float, typer.Option(help="Seconds to wait for the answer (SANDBOX_ID)")
     ] = 120.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON")] = False,
 ) -> None:
-    """Take a snapshot of a sandbox (SANDBOX_ID, via the snapshot service) or of a directory.
+    """Take a snapshot of a sandbox (SANDBOX_ID, by its node agent) or of a directory.
 
     Exit 0 taken; 1 refused or failed (the reason is printed); 2 bad input; 3 unreachable;
     4 no answer in time (is the snapshot service running?).
@@ -231,8 +237,8 @@ def create(
 
 
 def _validate_name(name: str) -> None:
-    from dsec_snapshot.domain import validate_name
-    from dsec_snapshot.errors import InvalidInput
+    from dsec_snapshots.domain import validate_name
+    from dsec_snapshots.errors import InvalidInput
 
     try:
         validate_name(name)
@@ -248,16 +254,18 @@ def _create_from_dir(
     env: list[str],
     as_json: bool,
 ) -> None:
-    from dsec_snapshot import SnapshotInputs
+    from dsec_snapshots import SnapshotInputs
 
     missing = [v for v in env if v not in os.environ]
     if missing:
         fail(f"--env {missing[0]}: not set in this environment", EXIT_BAD_INPUT)
+    tenant = _own_tenant()
     inputs = SnapshotInputs(
         code_dir=directory,
         exclude_patterns=tuple(exclude),
         sandbox_id=sandbox_id,
         env={v: os.environ[v] for v in env} or None,
+        labels={"tenant": tenant} if tenant else {},
     )
     with snapshot_store() as store:
         result = store.create(name, inputs)
@@ -292,6 +300,22 @@ def _create_from_dir(
     console.print(f"  parent {safe_text(m.parent or '-')}; GPU {safe_text(gpu)}", highlight=False)
 
 
+def _own_tenant() -> str | None:
+    """The tenant of this machine's user identity, when it has one (a ``--dir`` snapshot
+    records it: only that tenant may delete it; none recorded means ``default``)."""
+    from dsec_core import identity
+    from dsec_core.settings import Settings
+
+    from dsec_cli.common import user_identity
+
+    settings = Settings()
+    paths = identity.TrustPaths(settings.home)
+    if settings.credential is None and not paths.user_cert.exists():
+        return None
+    _, cert = user_identity(settings)
+    return str(cert.tenant) if cert.tenant else None
+
+
 @snapshot_app.command("ls")
 def ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """List snapshots, oldest first."""
@@ -324,7 +348,7 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """What takes space in a snapshot: by directory and kind, and what dominates."""
-    from dsec_snapshot.domain import inspect_manifest
+    from dsec_snapshots.domain import inspect_manifest
 
     with snapshot_store() as store:
         result = inspect_manifest(store.load(name), depth=depth)
@@ -495,13 +519,89 @@ def check_code(
         raise typer.Exit(EXIT_FAILED)
 
 
+async def _ask_delete(payload: Payload, timeout: float) -> Envelope | None:
+    """Publish a delete request; return the snapshot service's ``snapshot.deleted``."""
+    from dsec_core.bus import follow
+    from dsec_core.ids import new_event_id
+    from dsec_core.subjects import STREAM, aggregate_filter
+
+    request_id = "del-" + new_event_id().replace("-", "")
+    async with bus() as (_, js):
+        start = (await js.stream_info(STREAM)).state.last_seq + 1
+        publisher = await cli_publisher(js)
+        sent = (await publisher.publish(payload, aggregate_id=request_id)).envelope.id
+        deadline = time.monotonic() + timeout
+        subject = aggregate_filter("snapshot", request_id)
+        async for batch in follow(js, filter_subject=subject, start_seq=start, idle_s=0.25):
+            for seq, data in batch:
+                env = decode_or_warn(seq, data)
+                if env is not None and env.causation_id == sent and env.type == "snapshot.deleted":
+                    return env
+            if time.monotonic() > deadline:
+                return None
+    return None
+
+
+def ask_delete(names: list[str], *, collect: bool, grace_s: float, timeout: float) -> Envelope:
+    """``snapshot.delete_requested`` (signed by the user) and the answer; exit 4 on none."""
+    from dsec_core.events import SnapshotDeleteRequested
+
+    request = SnapshotDeleteRequested(
+        names=names, gc=collect, gc_grace_s=grace_s, requested_by=submitter()
+    )
+    if not as_quiet():
+        what = f"{len(names)} snapshot(s)" if names else "unreferenced chunks"
+        err_console.print(f"asking the snapshot service to delete {what}...", highlight=False)
+    answer = run(_ask_delete(request, timeout))
+    if answer is None:
+        fail(
+            f"no snapshot.deleted within {timeout:.0f} s: is the snapshot service running? "
+            "(`dsec status`)",
+            EXIT_TIMEOUT,
+        )
+    return answer
+
+
+def as_quiet() -> bool:
+    """Progress lines go to stderr unless it is not a terminal (scripts, tests)."""
+    return not err_console.is_terminal
+
+
 @snapshot_app.command("rm")
-def rm(names: Annotated[list[str], typer.Argument(help="Snapshots to delete")]) -> None:
-    """Delete snapshots (their chunks are freed by the next `gc`)."""
-    with snapshot_store() as store:
-        for name in names:
-            store.delete(name)
+def rm(
+    names: Annotated[list[str], typer.Argument(help="Snapshots to delete")],
+    collect: Annotated[
+        bool, typer.Option("--gc", help="Also free the chunks no snapshot refers to any more")
+    ] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the snapshot service")] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Delete snapshots of your tenant (their chunks are freed by `gc`, or `--gc`).
+
+    Exit 0 all deleted; 2 bad name, or some did not exist (or are another tenant's: they are
+    reported like missing ones); 3 unreachable; 4 no answer in time.
+    """
+    for name in names:
+        _validate_name(name)
+    answer = ask_delete(names, collect=collect, grace_s=3600.0, timeout=timeout)
+    p = answer.payload
+    if as_json:
+        print_json({"event": answer.type, **p})
+    else:
+        for name in p["names"]:
             console.print(f"deleted {safe_text(name)}", highlight=False)
+        for name in p["missing"]:
+            err_console.print(
+                f"[bold red]error:[/] no snapshot named {safe_text(name)} (of your tenant)",
+                highlight=False,
+            )
+        if collect:
+            console.print(
+                f"freed {p['chunks_removed']} objects ({human_size(p['bytes_freed'])})",
+                highlight=False,
+            )
+    if p["missing"]:
+        raise typer.Exit(EXIT_BAD_INPUT)
 
 
 @snapshot_app.command("retain")
@@ -513,13 +613,16 @@ def retain(
     dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Apply a retention policy: delete the snapshots it does not keep."""
-    from dsec_snapshot.domain import RetentionPolicy
+    """Apply a retention policy: delete the snapshots it does not keep (of your tenant)."""
+    from dsec_snapshots.domain import RetentionPolicy
 
     within = _duration(keep_within, "--keep-within") if keep_within else None
-    with snapshot_store() as store:
+    with snapshot_store() as store:  # decided here (read-only), deleted by the snapshot service
         policy = RetentionPolicy(keep_last=keep_last, keep_within=within, keep_daily=keep_daily)
-        expired = store.apply_retention(policy, series=series, dry_run=dry_run)
+        expired = store.apply_retention(policy, series=series, dry_run=True)
+    if expired and not dry_run:
+        answer = ask_delete(expired, collect=False, grace_s=3600.0, timeout=60.0)
+        expired = list(answer.payload["names"])
     if as_json:
         print_json({"deleted": expired, "dry_run": dry_run})
         return
@@ -533,18 +636,32 @@ def retain(
 def gc(
     grace: Annotated[str, typer.Option(help="Keep unreferenced objects younger than")] = "1h",
     dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for the snapshot service")
+    ] = 300.0,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Delete chunks and audit blobs that no snapshot references."""
+    """Delete chunks and audit blobs that no snapshot references (the snapshot service does;
+    `--dry-run` only reads the store here)."""
     period = _duration(grace, "--grace")
+    if not dry_run:
+        answer = ask_delete([], collect=True, grace_s=period.total_seconds(), timeout=timeout)
+        p = answer.payload
+        if as_json:
+            print_json({"event": answer.type, **p})
+            return
+        console.print(
+            f"freed {p['chunks_removed']} objects ({human_size(p['bytes_freed'])})",
+            highlight=False,
+        )
+        return
     with snapshot_store() as store:
-        report = store.gc(grace=period, dry_run=dry_run)
+        report = store.gc(grace=period, dry_run=True)
     if as_json:
         print_json(asdict(report) | {"deleted": len(report.deleted)})
         return
-    verb = "would free" if dry_run else "freed"
     console.print(
-        f"{report.objects_stored} objects, {report.objects_referenced} referenced; {verb} "
+        f"{report.objects_stored} objects, {report.objects_referenced} referenced; would free "
         f"{len(report.deleted)} ({human_size(report.bytes_freed)})",
         highlight=False,
     )

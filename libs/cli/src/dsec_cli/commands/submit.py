@@ -208,10 +208,11 @@ async def submit_and_follow(
     as_json: bool,
     *,
     also: Sequence[Payload] = (),
+    start_from_snapshot: str | None = None,
 ) -> Outcome:
-    """Publish ``spec.submitted`` for a new sandbox (then ``also``, e.g. the snapshot it starts
-    from) and follow the sandbox's events until ``wait`` is reached, a terminal event, a stall
-    or the timeout."""
+    """Publish ``spec.submitted`` for a new sandbox (with the snapshot it starts from, if any;
+    then ``also``) and follow the sandbox's events until ``wait`` is reached, a terminal
+    event, a stall or the timeout."""
     from dsec_core.bus import follow
 
     sandbox_id = new_sandbox_id()
@@ -223,7 +224,11 @@ async def submit_and_follow(
         gate = cli_gate(nc, js)
         await publisher.publish(
             SpecSubmitted(
-                spec_yaml=spec_text, filename=filename, code=code_ref, submitted_by=submitter()
+                spec_yaml=spec_text,
+                filename=filename,
+                code=code_ref,
+                submitted_by=submitter(),
+                start_from_snapshot=start_from_snapshot,
             ),
             aggregate_id=sandbox_id,
         )

@@ -1,4 +1,5 @@
-"""What the snapshot service reads from a sandbox's events, and when it refuses (pure)."""
+"""What the node agent and the snapshot service read from a sandbox's events, who acts on it,
+and when a request is refused (pure)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import msgpack
 import pytest
 from dsec_core import events
 from dsec_core.envelope import Envelope
+from dsec_core.lifecycle import fold_envelopes
 from dsec_core.signing import Signer
-from dsec_testing.plans import minimal_plan
 from nacl.signing import SigningKey
 
-from dsec_snapshot import sandboxes
-from dsec_snapshot.manifest import DepsRecord
-from dsec_snapshot.sandboxes import SandboxFacts
+from dsec_snapshots import sandboxes
+from dsec_snapshots.manifest import DepsRecord
+from dsec_snapshots.sandboxes import SandboxFacts
 
 pytestmark = pytest.mark.unit
 
@@ -27,10 +28,10 @@ def env(payload: events.Payload) -> Envelope:
     return SIGNER.seal(payload, aggregate_id=SID).envelope
 
 
-PLAN = minimal_plan(
-    body="include_code:\n  exclude_patterns: ['*.ckpt']\n"
-    "runtime_context:\n  env_vars:\n    - {name: MODE, value: eval}\n"
-)
+PLAN = {
+    "exclude_patterns": ["*.ckpt"],
+    "env": [{"name": "MODE", "value": "eval"}],
+}
 
 
 def lifecycle(*extra: events.Payload) -> list[Envelope]:
@@ -47,14 +48,8 @@ def lifecycle(*extra: events.Payload) -> list[Envelope]:
             resolve_ms=1,
         ),
         events.EnvBuilt(
-            lock_hash="lh",
-            fingerprint="fp-1",
-            object_key="envs/lh.tar.zst",
-            digest="d",
-            size_bytes=1,
-            reused=False,
+            lock_hash="lh", fingerprint="fp-1", location="/env", node_id="n1", reused=False
         ),
-        events.SandboxScheduled(node_id="n1"),
         events.ContextInjected(kind="secret", name="API_KEY", source="vault://k", digest="sd1"),
         events.SandboxReady(node_id="n1", pid=1, cgroup="/cg", code_dir=f"{ROOT}/{SID}/code"),
         *extra,
@@ -73,8 +68,7 @@ def ready_at(code_dir: str) -> SandboxFacts:
 
 def test_facts_record_the_environment_and_secret_digests_never_values() -> None:
     f = facts()
-    assert f.running and f.local_code_dir("n1", ROOT) == ROOT / SID / "code"
-    assert f.local_code_dir("n2", ROOT) is None  # another node's code copy is not ours to read
+    assert f.running and sandboxes.code_dir_refusal(f, ROOT / SID / "code") is None
     assert sandboxes.exclude_patterns(f) == ("*.ckpt",)
     assert sandboxes.env_values(f) == {"MODE": "eval", "API_KEY": "secret-digest:sd1"}
     deps = sandboxes.deps_record(f)
@@ -92,24 +86,43 @@ def test_create_is_refused_for_unknown_sandboxes_and_full_state() -> None:
     assert sandboxes.create_refusal(facts(), request) is None
 
 
-def refusal(f: SandboxFacts, node: str = "n1") -> str | None:
-    return sandboxes.restore_refusal(f, node, ROOT, "s")
+def owner(f: SandboxFacts, *extra: events.Payload) -> str | None:
+    envelopes = lifecycle(*extra)
+    return sandboxes.acting_node(fold_envelopes(envelopes), f)
 
 
-def test_restore_is_refused_unless_running_here_with_code() -> None:
+def test_the_node_that_runs_a_sandbox_acts_for_it_and_nobody_once_it_ended() -> None:
+    assert owner(facts()) == "n1"  # started without the scheduler: sandbox.ready names it
+    exited = events.SandboxExited(exit_code=0, reason="ok", duration_s=1)
+    assert owner(facts(exited), exited) is None
+    assert sandboxes.acting_node(fold_envelopes([]), SandboxFacts.from_events(SID, [])) is None
+
+
+def test_a_scheduled_sandbox_is_acted_for_by_the_scheduled_node() -> None:
+    scheduled = events.SandboxScheduled(node_id="n2", attempt=1)
+    payloads = [
+        events.SpecSubmitted(spec_yaml="x"),
+        events.SpecValidated(name="x", spec_digest="d", plan=PLAN),
+    ]
+    base = [env(p) for p in payloads]
+    resolved = lifecycle()[2:4]  # deps.resolved, env.built
+    history = [*base, *resolved, env(scheduled)]
+    f = SandboxFacts.from_events(SID, history)
+    assert sandboxes.acting_node(fold_envelopes(history), f) == "n2"
+
+
+def test_restore_of_a_sandbox_running_nowhere_says_why() -> None:
     exited = facts(events.SandboxExited(exit_code=0, reason="ok", duration_s=1))
-    assert "has exited" in str(refusal(exited))
-    assert "dsec sandbox run --snapshot s" in str(refusal(exited))
-    assert "runs on node 'n1'" in str(refusal(facts(), "n2"))
-    assert "is not running" in str(refusal(SandboxFacts.from_events(SID, [])))
-    assert refusal(facts()) is None
+    assert "has exited" in sandboxes.not_running(exited, "s")
+    assert "dsec sandbox run --snapshot s" in sandboxes.not_running(exited, "s")
+    assert "is not running" in sandboxes.not_running(SandboxFacts.from_events(SID, []), "s")
 
 
 @pytest.mark.parametrize("elsewhere", ["/root/.ssh", f"{ROOT}/sbx_other/code", f"{ROOT}/../x"])
 def test_a_code_dir_outside_the_node_layout_is_never_used(elsewhere: str) -> None:
     forged = ready_at(elsewhere)
-    assert forged.local_code_dir("n1", ROOT) is None
-    assert "not where this node keeps its code" in str(refusal(forged))
+    refusal = sandboxes.code_dir_refusal(forged, ROOT / SID / "code")
+    assert "not where this node keeps its code" in str(refusal)
 
 
 def test_a_different_environment_is_reported_not_faked() -> None:
@@ -128,21 +141,3 @@ def test_audit_segment_keeps_the_signed_wire_bytes_with_their_sequence() -> None
         [3, b"\x81a\x01"],
         [7, b"\x81b\x02"],
     ]
-
-
-def test_whether_it_runs_is_the_lifecycle_fold() -> None:
-    """A second `sandbox.ready` (another code dir) or one after the exit is refused by the fold:
-    neither moves the sandbox nor becomes the code dir this service reads."""
-    other = f"{ROOT}/sbx_other/code"
-    again = facts(events.SandboxReady(node_id="n1", pid=2, cgroup="/cg", code_dir=other))
-    assert again.running and again.local_code_dir("n1", ROOT) == ROOT / SID / "code"
-    revived = facts(
-        events.SandboxExited(exit_code=0, reason="ok", duration_s=1),
-        events.SandboxReady(node_id="n1", pid=3, cgroup="/cg", code_dir=f"{ROOT}/{SID}/code"),
-    )
-    assert revived.life.state == "exited" and not revived.running
-    never_ready = SandboxFacts.from_events(
-        SID, [e for e in lifecycle() if e.type != "sandbox.ready"]
-    )
-    assert never_ready.life.state == "scheduled" and not never_ready.running
-    assert "is not running (state scheduled)" in str(refusal(never_ready))

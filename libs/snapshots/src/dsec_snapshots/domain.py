@@ -14,8 +14,8 @@ from pathlib import PurePosixPath
 
 from dsec_core.codebundle import CodeManifest, FileEntry
 
-from dsec_snapshot.errors import InvalidInput
-from dsec_snapshot.manifest import (
+from dsec_snapshots.errors import InvalidInput
+from dsec_snapshots.manifest import (
     NAME_RE,
     NAME_RULE,
     GpuDevice,

@@ -1,12 +1,11 @@
 """What the event log says about a sandbox, and the decisions on snapshot requests (no I/O).
 
-The snapshot service learns everything about a sandbox from its events: the spec and compiled
-plan (``spec.validated``), the environment (``env.built`` + ``deps.resolved``), where its code
-copy lives (``sandbox.ready.code_dir``), the secrets injected (``context.injected``: names and
-digests only) and whether it runs (the one lifecycle fold, :mod:`dsec_core.lifecycle`).
-:class:`SandboxFacts` gathers them; a lifecycle event the fold refuses (a second
-``sandbox.ready``, one after the exit) is not a fact. The functions below decide what a snapshot
-records and when a request is refused.
+The node agent and the snapshot service learn everything about a sandbox from its events: the
+spec and compiled plan (``spec.validated``), the environment (``env.built`` +
+``deps.resolved``), where its code copy lives (``sandbox.ready.code_dir``), the secrets
+injected (``context.injected``: names and digests only) and whether it ended
+(``sandbox.exited``). :class:`SandboxFacts` gathers them; the functions below decide who acts
+on a request, what a snapshot records and when a request is refused.
 """
 
 from __future__ import annotations
@@ -17,10 +16,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import msgpack
-from dsec_core import events, lifecycle
+from dsec_core import events
 from dsec_core.envelope import Envelope
+from dsec_core.lifecycle import Lifecycle
 
-from dsec_snapshot.manifest import DepsRecord
+from dsec_snapshots.manifest import DepsRecord
 
 _P = TypeVar("_P", bound=events.Payload)
 
@@ -48,22 +48,13 @@ class SandboxFacts:
     exited: events.SandboxExited | None = None
     secrets: dict[str, str] = field(default_factory=dict)
     """Secret env var name -> the digest ``context.injected`` recorded (never the value)."""
-    life: lifecycle.Lifecycle = field(default_factory=lifecycle.Lifecycle)
-    """The sandbox's state by the one lifecycle fold."""
 
     @classmethod
     def from_events(cls, sandbox_id: str, envelopes: Iterable[Envelope]) -> SandboxFacts:
-        """Fold a sandbox's envelopes (in log order, from its ``spec.submitted``) into facts."""
+        """Fold a sandbox's envelopes (in log order; any subset) into facts."""
         found: dict[str, events.Payload] = {}
         secrets: dict[str, str] = {}
-        life = lifecycle.Lifecycle()
         for env in envelopes:
-            before, life = (
-                life,
-                lifecycle.step(life, env.type, env.payload, event_id=env.id, tenant=env.tenant),
-            )
-            if len(life.refused) > len(before.refused):
-                continue  # cannot follow the state it was in: not a fact about the sandbox
             payload = env.decoded()
             if isinstance(payload, events.ContextInjected):
                 if payload.kind == "secret" and payload.digest:
@@ -79,33 +70,12 @@ class SandboxFacts:
             ready=_as(found.get("sandbox.ready"), events.SandboxReady),
             exited=_as(found.get("sandbox.exited"), events.SandboxExited),
             secrets=secrets,
-            life=life,
         )
 
     @property
     def running(self) -> bool:
-        """True when the fold says it runs (started, not exited, failed or lost)."""
-        return self.life.state == "running" and self.ready is not None
-
-    def local_code_dir(self, node_id: str, sandboxes_root: Path) -> Path | None:
-        """The running sandbox's code copy if it is on ``node_id`` where the node agent keeps
-        it (existence not checked).
-
-        The path comes from an event; only ``<sandboxes_root>/<id>/code`` is ever accepted, so a
-        forged ``sandbox.ready`` cannot make this service read or rewrite another directory.
-        """
-        ready = self.ready
-        if not self.running or ready is None or ready.code_dir is None:
-            return None
-        expected = code_dir_of(sandboxes_root, self.sandbox_id)
-        if ready.node_id != node_id or Path(ready.code_dir) != expected:
-            return None
-        return expected
-
-
-def code_dir_of(sandboxes_root: Path, sandbox_id: str) -> Path:
-    """Where the node agent unpacks a sandbox's code (``$DSEC_HOME/sandboxes/<id>/code``)."""
-    return sandboxes_root / sandbox_id / "code"
+        """True when the sandbox started and has not exited."""
+        return self.ready is not None and self.exited is None
 
 
 def _as(payload: events.Payload | None, model: type[_P]) -> _P | None:
@@ -130,7 +100,7 @@ def create_refusal(facts: SandboxFacts, request: events.SnapshotRequested) -> st
 def exclude_patterns(facts: SandboxFacts) -> tuple[str, ...]:
     """The spec's ``include_code.exclude_patterns`` from the compiled plan."""
     assert facts.validated is not None
-    return facts.validated.plan.exclude_patterns
+    return tuple(facts.validated.plan.exclude_patterns)
 
 
 def env_values(facts: SandboxFacts) -> dict[str, str]:
@@ -176,33 +146,61 @@ def snapshot_taken(
 # --- restore --------------------------------------------------------------------------------
 
 
-def restore_refusal(
-    facts: SandboxFacts, node_id: str, sandboxes_root: Path, snapshot: str
-) -> str | None:
-    """Why a running sandbox cannot be rolled back here (``None``: it can)."""
-    sid = facts.sandbox_id
+def acting_node(lifecycle: Lifecycle, facts: SandboxFacts) -> str | None:
+    """The node whose agent acts for the sandbox now (snapshots, rollbacks), ``None`` when it
+    runs nowhere (then the snapshot service answers).
+
+    The lifecycle fold decides once the sandbox was scheduled (``sandbox.scheduled`` names the
+    node); a sandbox started without the scheduler (a node agent that consumes ``env.built``)
+    is owned by the node its ``sandbox.ready`` names until it exits.
+    """
+    if lifecycle.node_id is not None:
+        return lifecycle.node_id if lifecycle.owned_by(lifecycle.node_id) else None
+    if facts.running and facts.ready is not None:
+        return facts.ready.node_id
+    return None
+
+
+def periodic_prefix(sandbox_id: str) -> str:
+    """The name prefix (and ``periodic`` label) of a sandbox's periodic snapshots."""
+    return f"auto-{sandbox_id}"
+
+
+def running_refusal(facts: SandboxFacts, node_id: str) -> str | None:
+    """Why the owning node cannot read or rewrite the sandbox's code yet (``None``: it can)."""
+    if facts.ready is None:
+        return f"sandbox {facts.sandbox_id} is scheduled on {node_id!r} but has not started yet"
+    return None
+
+
+def code_dir_refusal(facts: SandboxFacts, expected: Path) -> str | None:
+    """Why the code dir ``sandbox.ready`` reports is not the one to read or rewrite.
+
+    The path comes from an event; only where the node keeps the sandbox's code (``expected``,
+    from its :class:`~dsec_core.layout.NodeLayout`) is ever accepted, so a forged
+    ``sandbox.ready`` cannot make a node read or rewrite another directory.
+    """
     ready = facts.ready
+    if ready is None or ready.code_dir is None:
+        return None
+    if Path(ready.code_dir) != expected:
+        return (
+            f"sandbox {facts.sandbox_id} reports code dir {ready.code_dir}, which is not where "
+            f"this node keeps its code ({expected}): refused"
+        )
+    return None
+
+
+def not_running(facts: SandboxFacts, snapshot: str) -> str:
+    """Why a sandbox that runs nowhere cannot be rolled back."""
+    sid = facts.sandbox_id
     if facts.exited is not None:
         return (
             f"sandbox {sid} has exited ({facts.exited.reason}, exit code "
             f"{facts.exited.exit_code}): start a new one with "
             f"`dsec sandbox run --snapshot {snapshot}`"
         )
-    if ready is None or not facts.running:
-        return f"sandbox {sid} is not running (state {facts.life.state})"
-    if ready.node_id != node_id:
-        return (
-            f"sandbox {sid} runs on node {ready.node_id!r}; this snapshot service runs on "
-            f"{node_id!r} and can only roll back its own node's sandboxes"
-        )
-    if ready.code_dir is None:
-        return f"sandbox {sid} runs without a code bundle: there is no code to roll back"
-    if facts.local_code_dir(node_id, sandboxes_root) is None:
-        return (
-            f"sandbox {sid} reports code dir {ready.code_dir}, which is not where this node "
-            f"keeps its code ({code_dir_of(sandboxes_root, sid)}): refused"
-        )
-    return None
+    return f"sandbox {sid} is not running (no sandbox.ready in the event log)"
 
 
 def deps_verdict(

@@ -13,8 +13,8 @@ import hvac
 import hvac.exceptions
 import requests
 
-from dsec_snapshot.crypto import new_key
-from dsec_snapshot.errors import StoreUnavailable
+from dsec_snapshots.crypto import new_key
+from dsec_snapshots.errors import StoreUnavailable
 
 _ENV_KEY_PATH = "dsec/snapshot-env-key"
 

@@ -12,19 +12,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from dsec_core import identity
 from nacl.signing import SigningKey
 
-from dsec_snapshot import SnapshotInputs, SnapshotStore
-from dsec_snapshot.adapters.objectstore import S3ObjectStore
-from dsec_snapshot.adapters.vault import VaultKeyStore
-from dsec_snapshot.domain import PeriodicPolicy, RetentionPolicy
-from dsec_snapshot.errors import (
+from dsec_snapshots import SnapshotInputs, SnapshotStore
+from dsec_snapshots.adapters.objectstore import S3ObjectStore
+from dsec_snapshots.adapters.vault import VaultKeyStore
+from dsec_snapshots.domain import PeriodicPolicy, RetentionPolicy
+from dsec_snapshots.errors import (
     InvalidInput,
     SnapshotExists,
     SnapshotNotFound,
     VerificationFailed,
 )
-from dsec_snapshot.manifest import GpuDevice, GpuRecord, chunk_key, manifest_key
+from dsec_snapshots.manifest import GpuDevice, GpuRecord, chunk_key, manifest_key
 
 if TYPE_CHECKING:
     from dsec_testing.stack import S3Info, VaultInfo
@@ -184,6 +185,29 @@ def test_snapshot_signed_by_another_key_is_untrusted(
     with SnapshotStore(objects, signing_key=SigningKey.generate()) as stranger:
         (problem,) = stranger.verify("s").problems
     assert "signed by untrusted key" in problem
+
+
+@pytest.mark.parametrize(("role", "trusted"), [("nodeagent", True), ("policy", False)])
+def test_a_key_the_root_certified_for_taking_snapshots_is_trusted_elsewhere(
+    objects: S3ObjectStore, code: Path, role: str, trusted: bool
+) -> None:
+    """A node agent signs with its own key: a reader on another machine (its own key) trusts
+    the manifest because the operator root certified that key for a role that takes
+    snapshots; a certificate for any other role is not enough."""
+    root = SigningKey.generate()
+    key = SigningKey.generate()
+    cert = identity.issue(root, bytes(key.verify_key), subject=role, role=role, node_id="n1")  # type: ignore[arg-type]
+    with SnapshotStore(objects, signing_key=key, certificate=cert) as node:
+        node.create("s", inputs(code))
+    anchor = bytes(root.verify_key)
+    with SnapshotStore(objects, signing_key=SigningKey.generate(), anchor=anchor) as reader:
+        problems = reader.verify("s").problems
+    if trusted:
+        assert problems == ()
+    else:
+        assert "signed by untrusted key" in problems[0]
+    with SnapshotStore(objects, signing_key=SigningKey.generate()) as no_anchor:
+        assert "signed by untrusted key" in no_anchor.verify("s").problems[0]
 
 
 def test_restore_materializes_the_tree(store: SnapshotStore, code: Path) -> None:

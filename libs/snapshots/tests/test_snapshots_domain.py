@@ -11,12 +11,12 @@ import pytest
 from dsec_core.codebundle import CodeManifest, FileEntry, list_tree
 from dsec_core.events import LockedPackage
 
-from dsec_snapshot import crypto, domain
-from dsec_snapshot.adapters.files import MIN_CHUNK, StatCache, hash_and_chunk
-from dsec_snapshot.adapters.gpu import probe_gpus
-from dsec_snapshot.adapters.kernel import read_kernel_params
-from dsec_snapshot.errors import InvalidInput
-from dsec_snapshot.manifest import (
+from dsec_snapshots import crypto, domain
+from dsec_snapshots.adapters.files import MIN_CHUNK, StatCache, hash_and_chunk
+from dsec_snapshots.adapters.gpu import probe_gpus
+from dsec_snapshots.adapters.kernel import read_kernel_params
+from dsec_snapshots.errors import InvalidInput
+from dsec_snapshots.manifest import (
     DepsRecord,
     EnvRecord,
     GpuDevice,

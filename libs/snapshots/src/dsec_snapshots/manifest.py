@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 import blake3
 from dsec_core.codebundle import CodeManifest, FileEntry
@@ -164,6 +164,11 @@ class Signature(_Frozen):
     key_id: str
     public_key: str = Field(description="Raw public key, hex")
     value: str = Field(description="Signature, hex")
+    certificate: dict[str, Any] | None = Field(
+        default=None,
+        description="The signer's certificate from the operator root (a node agent's or the "
+        "snapshot service's): what lets a reader on another machine trust the key",
+    )
 
 
 class SignedManifest(_Frozen):

@@ -1,9 +1,11 @@
 """The snapshot library: create, list, inspect, diff, verify, restore, check code, retain, GC.
 
-:class:`SnapshotStore` is what the snapshot service's handlers and the ``dsec snapshot`` CLI call.
-It talks to an :class:`~dsec_snapshot.adapters.objectstore.ObjectStore` (S3) and, for env hashes
-and audit segments, a :class:`~dsec_snapshot.adapters.vault.KeyStore` (Vault); decisions come
-from :mod:`dsec_snapshot.domain`.
+:class:`SnapshotStore` is what the node agent (snapshots and rollbacks of its sandboxes), the
+snapshot service (sandboxes running nowhere, retention, deletes) and the ``dsec snapshot`` CLI
+(reads) call.
+It talks to an :class:`~dsec_snapshots.adapters.objectstore.ObjectStore` (S3) and, for env hashes
+and audit segments, a :class:`~dsec_snapshots.adapters.vault.KeyStore` (Vault); decisions come
+from :mod:`dsec_snapshots.domain`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path, PurePosixPath
 import blake3
 import pydantic
 import zstandard
+from dsec_core import identity
 from dsec_core.codebundle import (
     BundleError,
     CodeManifest,
@@ -40,8 +43,8 @@ from dsec_core.signing import key_id_of, load_or_create_key
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
-from dsec_snapshot import crypto, domain
-from dsec_snapshot.adapters.files import (
+from dsec_snapshots import crypto, domain
+from dsec_snapshots.adapters.files import (
     ChunkRef,
     FileChanged,
     HashedFile,
@@ -49,12 +52,12 @@ from dsec_snapshot.adapters.files import (
     hash_and_chunk,
     read_chunk,
 )
-from dsec_snapshot.adapters.gpu import probe_gpus
-from dsec_snapshot.adapters.kernel import read_kernel_params
-from dsec_snapshot.adapters.objectstore import ObjectMissing, ObjectStore, S3ObjectStore
-from dsec_snapshot.adapters.tree import local_bytes, place, real_parent
-from dsec_snapshot.adapters.vault import KeyMissing, KeyStore, VaultKeyStore
-from dsec_snapshot.errors import (
+from dsec_snapshots.adapters.gpu import probe_gpus
+from dsec_snapshots.adapters.kernel import read_kernel_params
+from dsec_snapshots.adapters.objectstore import ObjectMissing, ObjectStore, S3ObjectStore
+from dsec_snapshots.adapters.tree import local_bytes, place, real_parent
+from dsec_snapshots.adapters.vault import KeyMissing, KeyStore, VaultKeyStore
+from dsec_snapshots.errors import (
     InvalidInput,
     SnapshotError,
     SnapshotExists,
@@ -62,7 +65,7 @@ from dsec_snapshot.errors import (
     StoreUnavailable,
     VerificationFailed,
 )
-from dsec_snapshot.manifest import (
+from dsec_snapshots.manifest import (
     AUDIT_PREFIX,
     CHUNK_PREFIX,
     INDEX_PREFIX,
@@ -80,7 +83,7 @@ from dsec_snapshot.manifest import (
     manifest_key,
     summary_key,
 )
-from dsec_snapshot.results import (
+from dsec_snapshots.results import (
     CodeCheck,
     CreateResult,
     GcReport,
@@ -93,6 +96,8 @@ _ZSTD_LEVEL = 3
 _ASK_FIRST_BYTES = 1 << 20
 """Up to this many candidate bytes, chunks are uploaded without an existence check first
 (a content-addressed PUT is idempotent, and one round trip is saved)."""
+SIGNER_ROLES = frozenset({"snapshot", "nodeagent"})
+"""Roles whose certified keys may sign snapshot manifests."""
 _MAX_LINE_DIFFS = 200
 """Changed files shown with a line diff in one ``diff`` or code check; the rest are listed."""
 
@@ -112,8 +117,12 @@ class SnapshotStore:
         cache_dir: Path | None = None,
         trusted_keys: Iterable[VerifyKey] = (),
         workers: int = 16,
+        certificate: identity.Certificate | None = None,
+        anchor: bytes | None = None,
     ) -> None:
         self.objects = objects
+        self._certificate = certificate
+        self._anchor = anchor
         self.keys = keys
         self._signing_key = signing_key
         self._public = bytes(signing_key.verify_key)
@@ -123,8 +132,20 @@ class SnapshotStore:
         self._pool: Executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snap")
 
     @classmethod
-    def from_settings(cls, settings: Settings | None = None) -> SnapshotStore:
+    def from_settings(
+        cls,
+        settings: Settings | None = None,
+        *,
+        signer: str = "snapshot",
+        cache_dir: Path | None = None,
+    ) -> SnapshotStore:
         """Build a store from ``DSEC_*`` settings / ``$DSEC_HOME/stack.json``.
+
+        Manifests are signed with the producer key of ``signer`` (``keys/<signer>.key``, the
+        snapshot service's or a node agent's) and carry its certificate when there is one; a
+        manifest is trusted when signed by that key or by any key the operator root certified
+        for the snapshot service or a node agent. ``cache_dir`` holds the stat caches of
+        incremental snapshots (default ``$DSEC_HOME/cache/snapshot``).
 
         Raises:
             StoreUnavailable: no S3 endpoint is configured.
@@ -144,9 +165,25 @@ class SnapshotStore:
         )
         vault_addr = settings.endpoint("vault_addr")
         keys = VaultKeyStore(vault_addr, settings.endpoint("vault_token")) if vault_addr else None
-        key = load_or_create_key(settings.home / "keys" / "snapshot.key")
+        paths = identity.TrustPaths(settings.home)
+        key = load_or_create_key(paths.key(signer))
+        try:
+            cert: identity.Certificate | None = identity.read_cert(paths.cert(signer))
+        except identity.CertificateError:
+            cert = None
+        if cert is not None and cert.public_key != bytes(key.verify_key).hex():
+            cert = None
+        try:
+            anchor = identity.read_anchor(paths, settings.trust_root)
+        except identity.CertificateError:
+            anchor = None
         return cls(
-            objects, signing_key=key, keys=keys, cache_dir=settings.home / "cache" / "snapshot"
+            objects,
+            signing_key=key,
+            keys=keys,
+            cache_dir=cache_dir or settings.home / "cache" / "snapshot",
+            certificate=cert,
+            anchor=anchor,
         )
 
     def close(self) -> None:
@@ -370,6 +407,7 @@ class SnapshotStore:
             key_id=key_id_of(self._public),
             public_key=self._public.hex(),
             value=self._signing_key.sign(signed_bytes).signature.hex(),
+            certificate=(self._certificate.model_dump(mode="json") if self._certificate else None),
         )
         # The SignedManifest layout, written without serializing the manifest a second time.
         doc = (
@@ -428,7 +466,7 @@ class SnapshotStore:
 
     def _signature_problems(self, key: str, doc: SignedManifest) -> list[str]:
         sig = doc.signature
-        trusted = self._trusted.get(sig.key_id)
+        trusted = self._trusted.get(sig.key_id) or self._certified(sig)
         if trusted is None or trusted.hex() != sig.public_key:
             return [f"manifest {key}: signed by untrusted key {sig.key_id}"]
         try:
@@ -436,6 +474,20 @@ class SnapshotStore:
         except (BadSignatureError, ValueError):
             return [f"manifest {key}: signature does not match its content (altered)"]
         return []
+
+    def _certified(self, sig: Signature) -> bytes | None:
+        """The signer's key when its certificate is the operator root's, for a role that takes
+        snapshots (the snapshot service, a node agent)."""
+        if sig.certificate is None or self._anchor is None:
+            return None
+        try:
+            cert = identity.parse(sig.certificate)
+            identity.check(cert, self._anchor)
+        except identity.CertificateError:
+            return None
+        if cert.role not in SIGNER_ROLES or cert.key_id != sig.key_id:
+            return None
+        return bytes.fromhex(cert.public_key)
 
     def list_snapshots(self) -> list[SnapshotSummary]:
         """Every snapshot's index row, oldest first."""

@@ -1,0 +1,461 @@
+"""Answering snapshot requests: who acts, and the taking and rolling back itself.
+
+Both the node agent and the snapshot service hold a :class:`SnapshotRequests`; which requests
+each serves follows from one pure decision, :func:`dsec_snapshots.sandboxes.acting_node`:
+
+* a sandbox that runs (or is scheduled) on node N: only the node agent of N acts, on its own
+  code copy (``snapshot.requested`` → ``snapshot.taken``; ``snapshot.restore_requested`` → the
+  code dir rewritten in place → ``snapshot.restored``); every other node acks and skips;
+* a sandbox that runs nowhere: the snapshot service answers (a snapshot from the submitted code
+  bundle in S3; a rollback is refused: there is nothing running to roll back).
+
+A deterministic refusal (unknown sandbox or snapshot, a taken name, another tenant's snapshot)
+is answered at once with ``snapshot.failed``; a transient error (S3, Vault) raises, so the
+runtime retries it (its last attempt also ends in ``snapshot.failed``). The store's calls
+block: they run in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal
+
+from dsec_core import events
+from dsec_core.bus import replay
+from dsec_core.codebundle import MAX_SIZE_LIMIT, BundleError, extract_bundle
+from dsec_core.envelope import Envelope, MalformedEnvelope, decode
+from dsec_core.lifecycle import fold_envelopes
+from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
+from dsec_core.settings import Settings
+from dsec_core.subjects import aggregate_filter
+from dsec_core.trust import Gate, unpack_fields
+from nats.js import JetStreamContext
+
+from dsec_snapshots import sandboxes
+from dsec_snapshots.adapters.gpu import probe_gpus
+from dsec_snapshots.domain import GpuCheck, PeriodicPolicy, check_gpu
+from dsec_snapshots.errors import (
+    InvalidInput,
+    SnapshotExists,
+    SnapshotNotFound,
+    StoreUnavailable,
+    VerificationFailed,
+)
+from dsec_snapshots.results import CreateResult, RestoreResult, SnapshotInputs
+from dsec_snapshots.sandboxes import SandboxFacts
+from dsec_snapshots.store import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+CodeSource = Path | bytes | None
+"""The running sandbox's code copy, its bundle archive, or no code at all."""
+
+PERIODIC_REQUESTER = "periodic"
+"""``requested_by`` of the snapshot service's periodic requests."""
+
+
+def code_label(code: CodeSource) -> str:
+    """Which code a snapshot recorded: the running sandbox's copy, its bundle, or none."""
+    if isinstance(code, Path):
+        return "running"
+    return "bundle" if code is not None else "none"
+
+
+class Refused(Exception):
+    """A deterministic reason a request cannot be served: becomes ``snapshot.failed``."""
+
+
+def failed(
+    snapshot: str, operation: Literal["create", "restore"], reason: str
+) -> events.SnapshotFailed:
+    """The ``snapshot.failed`` answer to a request."""
+    return events.SnapshotFailed(snapshot=snapshot, operation=operation, reason=reason[:2000])
+
+
+class SnapshotRequests:
+    """Snapshots and rollbacks of the sandboxes in the log.
+
+    ``node_id`` is the node agent's node (it acts on the sandboxes it owns, from their code
+    dirs under ``code_dir_of``); ``None`` is the snapshot service (it acts on sandboxes that run
+    nowhere). ``signer`` names the producer key the manifests are signed with.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        js: Callable[[], JetStreamContext],
+        gate: Callable[[], Gate],
+        *,
+        node_id: str | None = None,
+        code_dir_of: Callable[[str], Path] | None = None,
+        scratch: Path | None = None,
+        cache_dir: Path | None = None,
+        signer: str = "snapshot",
+        store_required: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.js = js
+        self.gate = gate
+        self.node_id = node_id
+        self.code_dir_of = code_dir_of
+        self.scratch = scratch or settings.home.resolve() / "snapshot" / "code"
+        self.signer = signer
+        self.cache_dir = cache_dir
+        self.store_required = store_required
+        self._store: SnapshotStore | None = None
+        self._unavailable: str | None = None
+        # One snapshot at a time: a directory's stat cache is one file that concurrent creates
+        # of the same tree (a request during a periodic snapshot) would both rewrite.
+        self._create_lock = threading.Lock()
+
+    @property
+    def store(self) -> SnapshotStore:
+        """The snapshot store (opened by :meth:`start`)."""
+        if self._store is None:
+            raise StoreUnavailable(self._unavailable or "the snapshot store is not open yet")
+        return self._store
+
+    async def start(self) -> None:
+        """Open the store (S3 + Vault from the settings). Without ``store_required`` (the node
+        agent) a node without an object store still starts; its snapshot requests then fail
+        naming the reason."""
+        try:
+            self._store = await asyncio.to_thread(
+                SnapshotStore.from_settings,
+                self.settings,
+                signer=self.signer,
+                cache_dir=self.cache_dir,
+            )
+        except StoreUnavailable as exc:
+            if self.store_required:
+                raise
+            self._unavailable = str(exc)
+            log.warning("snapshots unavailable on this node: %s", exc)
+
+    async def close(self) -> None:
+        """Stop the store's worker threads."""
+        if self._store is not None:
+            await asyncio.to_thread(self._store.close)
+
+    # --------------------------------------------------------------- the sandbox, from the log
+
+    async def history(self, sandbox_id: str) -> list[tuple[int, bytes]]:
+        """Every *authentic* event of the sandbox recorded so far: ``(stream seq, wire bytes)``;
+        forged or unauthorized messages on its subjects are left out."""
+        subject = aggregate_filter("sandbox", sandbox_id)
+        kept = []
+        async for seq, data in replay(self.js(), filter_subject=subject):
+            try:
+                fields = unpack_fields(data)
+                envelope = Envelope.model_validate(fields)
+            except (MalformedEnvelope, ValueError):
+                continue
+            if envelope.aggregate_id != sandbox_id:  # another sandbox's event copied here
+                continue
+            if await self.gate().check(fields, envelope) is None:
+                kept.append((seq, data))
+        return kept
+
+    async def facts(self, sandbox_id: str) -> tuple[SandboxFacts, str | None, list[Envelope]]:
+        """The sandbox's facts, the node acting for it now (``None``: none) and its history."""
+        records = await self.history(sandbox_id)
+        envelopes = [decode(data) for _, data in records]
+        facts = SandboxFacts.from_events(sandbox_id, envelopes)
+        owner = sandboxes.acting_node(fold_envelopes(envelopes), facts)
+        return facts, owner, envelopes
+
+    def mine(self, owner: str | None) -> bool:
+        """Whether this holder acts for a sandbox acted for by ``owner``."""
+        return owner == self.node_id
+
+    # --------------------------------------------------------------- create
+
+    async def on_requested(
+        self, envelope: Envelope, event: events.SnapshotRequested
+    ) -> Sequence[events.Payload]:
+        """Take the snapshot asked for, if this holder is the one to act."""
+        sid = envelope.aggregate_id
+        records = await self.history(sid)
+        envelopes = [decode(data) for _, data in records]
+        facts = SandboxFacts.from_events(sid, envelopes)
+        owner = sandboxes.acting_node(fold_envelopes(envelopes), facts)
+        if not self.mine(owner):
+            log.debug("snapshot %s of %s: acted on by %s, skipped here", event.name, sid, owner)
+            return []
+        refusal = sandboxes.create_refusal(facts, event)
+        if refusal is not None:
+            return [failed(event.name, "create", refusal)]
+        labels = {"request": envelope.id, "tenant": envelope.tenant}
+        if envelope.producer == "snapshot" and event.requested_by == PERIODIC_REQUESTER:
+            labels["periodic"] = sandboxes.periodic_prefix(sid)
+        try:
+            code = await self._code_source(facts, event.include_code)
+            labels["code"] = code_label(code)
+            inputs = self.inputs(facts, records, include_deps=event.include_deps, labels=labels)
+            result = await asyncio.to_thread(self.create, event.name, inputs, code)
+        except SnapshotExists:
+            return [await asyncio.to_thread(self._taken_before, event.name, envelope.id)]
+        except (Refused, InvalidInput, BundleError) as exc:
+            return [failed(event.name, "create", str(exc))]
+        return [taken_event(result)]
+
+    async def _code_source(self, facts: SandboxFacts, include_code: bool) -> CodeSource:
+        """On a node: the running code copy; for a sandbox running nowhere: its submitted
+        bundle (hash-checked)."""
+        if not include_code:
+            return None
+        if self.node_id is not None:
+            return self._running_code_dir(facts)
+        assert facts.validated is not None
+        ref = facts.validated.code
+        if ref is None:
+            return None
+        try:
+            data = await get_bundle(self.settings, ref.object_key, ref.digest)
+        except ObjectMissing:
+            raise Refused(
+                f"code bundle {ref.object_key} of sandbox {facts.sandbox_id} is missing from "
+                "the object store"
+            ) from None
+        except BundleAltered as exc:
+            raise Refused(str(exc)) from None
+        return data
+
+    def _running_code_dir(self, facts: SandboxFacts) -> Path | None:
+        """The code copy of a sandbox this node runs (``None``: it runs without code)."""
+        assert self.code_dir_of is not None and self.node_id is not None
+        refusal = sandboxes.running_refusal(facts, self.node_id)
+        if refusal is not None:
+            raise Refused(refusal)
+        if facts.ready is None or facts.ready.code_dir is None:
+            return None
+        code_dir = self.code_dir_of(facts.sandbox_id)
+        refusal = sandboxes.code_dir_refusal(facts, code_dir)
+        if refusal is not None:
+            raise Refused(refusal)
+        if not code_dir.is_dir():
+            raise Refused(f"the sandbox's code dir {code_dir} is gone")
+        return code_dir
+
+    def inputs(
+        self,
+        facts: SandboxFacts,
+        records: Sequence[tuple[int, bytes]],
+        *,
+        include_deps: bool = True,
+        labels: dict[str, str] | None = None,
+    ) -> SnapshotInputs:
+        """What the store records of the sandbox (the code dir is filled in by :meth:`create`)."""
+        ready = facts.ready
+        return SnapshotInputs(
+            code_dir=Path(),
+            exclude_patterns=sandboxes.exclude_patterns(facts),
+            sandbox_id=facts.sandbox_id,
+            deps=sandboxes.deps_record(facts) if include_deps else None,
+            env=sandboxes.env_values(facts) or None,
+            audit_segment=sandboxes.audit_segment(records),
+            labels=labels or {},
+            node_id=ready.node_id if ready is not None else self.node_id,
+        )
+
+    def create(self, name: str, inputs: SnapshotInputs, code: CodeSource) -> CreateResult:
+        """Store the snapshot (blocking); a bundle is unpacked for it and always removed."""
+        if isinstance(code, Path):
+            with self._create_lock:
+                return self.store.create(name, replace(inputs, code_dir=code))
+        # Unpacked under one scratch dir per sandbox, so the stat cache and the snapshot's
+        # parent follow the sandbox (a fresh temp name each time would not).
+        scratch = self.scratch / (inputs.sandbox_id or "unknown")
+        with self._create_lock:
+            shutil.rmtree(scratch, ignore_errors=True)
+            try:
+                if code is None:
+                    scratch.mkdir(parents=True)
+                else:
+                    # the sandbox's own bundle, already bounded by its node: only the ceiling
+                    extract_bundle(code, scratch, max_size=MAX_SIZE_LIMIT)
+                return self.store.create(name, replace(inputs, code_dir=scratch))
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def run_periodic(self, policy: PeriodicPolicy, inputs: SnapshotInputs) -> CreateResult | None:
+        """:meth:`SnapshotStore.run_periodic`, one snapshot at a time (blocking)."""
+        with self._create_lock:
+            return self.store.run_periodic(policy, inputs)
+
+    def _taken_before(self, name: str, request_id: str) -> events.Payload:
+        """A redelivered request whose snapshot was stored: the same answer; else the name
+        is taken by another snapshot."""
+        try:
+            manifest = self.store.load(name)
+        except VerificationFailed as exc:
+            return failed(name, "create", f"snapshot name {name!r} is taken ({exc})")
+        if manifest.labels.get("request") != request_id:
+            return failed(
+                name,
+                "create",
+                f"snapshot {name!r} exists already (snapshots are immutable): choose another name",
+            )
+        return sandboxes.snapshot_taken(
+            name, manifest.digest(), len(manifest.code.files), manifest.code.total_size, 0
+        )
+
+    # --------------------------------------------------------------- restore
+
+    async def on_restore_requested(
+        self, envelope: Envelope, event: events.SnapshotRestoreRequested
+    ) -> Sequence[events.Payload]:
+        """Roll a running sandbox's code back to a snapshot (the owning node), or say why
+        not (the snapshot service, for a sandbox that runs nowhere)."""
+        name = event.snapshot
+        facts, owner, _ = await self.facts(envelope.aggregate_id)
+        if not self.mine(owner):
+            return []
+        if self.node_id is None:  # runs nowhere: nothing to roll back
+            return [failed(name, "restore", sandboxes.not_running(facts, name))]
+        try:
+            code_dir = self._running_code_dir(facts)
+        except Refused as exc:
+            return [failed(name, "restore", str(exc))]
+        if code_dir is None:
+            return [
+                failed(
+                    name,
+                    "restore",
+                    f"sandbox {facts.sandbox_id} runs without a code bundle: there is no code "
+                    "to roll back",
+                )
+            ]
+        foreign = await self.foreign_snapshot(name, envelope.tenant)
+        if foreign is not None:
+            return [failed(name, "restore", foreign)]
+        try:
+            result, gpu = await asyncio.to_thread(self._restore, name, code_dir, True)
+        except (SnapshotNotFound, InvalidInput) as exc:
+            return [failed(name, "restore", str(exc))]
+        except VerificationFailed as exc:
+            return [
+                failed(
+                    name,
+                    "restore",
+                    f"{exc}; files checked before the bad object may already be rolled "
+                    f"back: see `dsec snapshot verify {name}`",
+                )
+            ]
+        deps_match, deps_note = sandboxes.deps_verdict(result.manifest.deps, facts.built)
+        notes = [deps_note, gpu.message if gpu.compatibility_mode else ""]
+        return [restored_event(name, result, gpu, deps_match, "; ".join(n for n in notes if n))]
+
+    async def snapshot_tenant(self, name: str) -> str | None:
+        """The tenant a snapshot belongs to: recorded in its labels, else its sandbox's
+        (snapshots taken before tenants were recorded); ``None``: none known."""
+        try:
+            manifest = await asyncio.to_thread(self.store.load, name)
+        except (SnapshotNotFound, InvalidInput):
+            return None
+        return await self.tenant_of_manifest(manifest.labels, manifest.source.sandbox_id)
+
+    async def tenant_of_manifest(
+        self, labels: dict[str, str], sandbox_id: str | None
+    ) -> str | None:
+        """The tenant of a snapshot with these labels, taken of ``sandbox_id``."""
+        if labels.get("tenant"):
+            return labels["tenant"]
+        return await self.gate().tenant_of(sandbox_id) if sandbox_id else None
+
+    async def foreign_snapshot(self, name: str, tenant: str) -> str | None:
+        """Why ``tenant`` may not use snapshot ``name``: it was taken of a sandbox of another
+        tenant (snapshot names are visible on the bus; their code is not everyone's)."""
+        owner = await self.snapshot_tenant(name)
+        if owner is not None and owner != tenant:
+            return (
+                f"snapshot {name!r} belongs to another tenant; a sandbox of {tenant!r} "
+                "cannot use it"
+            )
+        return None
+
+    def _restore(self, name: str, code_dir: Path, sync: bool) -> tuple[RestoreResult, GpuCheck]:
+        result = self.store.restore(name, code_dir, sync=sync)
+        return result, check_gpu(result.manifest.gpu, probe_gpus())
+
+    # --------------------------------------------------------------- start from a snapshot
+
+    async def restore_for_start(
+        self, sandbox_id: str, name: str, tenant: str, code_dir: Path, max_size: int
+    ) -> events.SnapshotRestored:
+        """Put snapshot ``name``'s code into a new sandbox's code dir before it starts: into
+        an absent dir, or over the code bundle just unpacked there (``--code`` that the CLI
+        checked against the snapshot). Raises :class:`Refused` with the reason."""
+        started = time.perf_counter()
+        foreign = await self.foreign_snapshot(name, tenant)
+        if foreign is not None:
+            raise Refused(foreign)
+        try:
+            manifest = await asyncio.to_thread(self.store.load, name)
+            if manifest.code.total_size > max_size:
+                raise Refused(
+                    f"snapshot {name!r} holds {manifest.code.total_size} bytes of code, over "
+                    f"include_code.max_size ({max_size} bytes)"
+                )
+            sync = code_dir.exists()
+            result, gpu = await asyncio.to_thread(self._restore, name, code_dir, sync)
+        except (SnapshotNotFound, InvalidInput, VerificationFailed) as exc:
+            raise Refused(f"cannot start from snapshot {name!r}: {exc}") from None
+        how = "code checked against it" if sync else "code restored from it"
+        note = f"started from snapshot {name} ({how})"
+        if gpu.compatibility_mode:
+            note += f"; {gpu.message}"
+        result = replace(result, duration_s=time.perf_counter() - started)
+        log.info("sandbox %s starts from snapshot %s", sandbox_id, name)
+        return restored_event(name, result, gpu, None, note)
+
+
+_OPERATION = {"snapshot.requested": "create", "snapshot.restore_requested": "restore"}
+
+
+def snapshot_failed(envelope: Envelope, reason: str, attempts: int) -> Sequence[events.Payload]:
+    """A snapshot request whose retries are exhausted ends in ``snapshot.failed``: a snapshot
+    that could not be taken says nothing about the sandbox, which ``sandbox.failed`` (terminal)
+    would mark as failed."""
+    request = envelope.payload
+    return [
+        events.SnapshotFailed(
+            snapshot=str(request.get("name") or request.get("snapshot") or ""),
+            operation="create" if _OPERATION.get(envelope.type) == "create" else "restore",
+            reason=f"gave up after {attempts} attempts: {reason}",
+        )
+    ]
+
+
+def restored_event(
+    name: str, result: RestoreResult, gpu: GpuCheck, deps_match: bool | None, note: str
+) -> events.SnapshotRestored:
+    """``snapshot.restored`` of a rollback or of a start from a snapshot."""
+    return events.SnapshotRestored(
+        snapshot=name,
+        manifest_digest=result.manifest_digest,
+        duration_ms=round(result.duration_s * 1000, 2),
+        compatibility_mode=gpu.compatibility_mode,
+        files_written=result.files_written,
+        files_removed=result.files_removed,
+        deps_match=deps_match,
+        note=note,
+    )
+
+
+def taken_event(result: CreateResult) -> events.SnapshotTaken:
+    """``snapshot.taken`` of a snapshot just stored."""
+    return sandboxes.snapshot_taken(
+        result.manifest.name,
+        result.manifest_digest,
+        result.files,
+        result.bytes_total,
+        result.bytes_uploaded,
+    )

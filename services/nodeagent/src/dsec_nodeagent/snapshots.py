@@ -1,0 +1,90 @@
+"""Snapshots and rollbacks of the sandboxes this node runs.
+
+The node agent is the only writer of its sandboxes' code dirs, so it is the one that reads them
+for a snapshot and rewrites them for a rollback. Every node agent consumes
+``snapshot.requested`` and ``snapshot.restore_requested`` through its own durables
+(``nodeagent-<node>-snapshot-requested``, ...); only the node that owns the sandbox
+(:func:`dsec_snapshots.sandboxes.acting_node`) acts, the others ack and skip. It publishes
+``snapshot.taken`` / ``snapshot.restored`` / ``snapshot.failed`` itself, with manifests signed
+by its own certified key. A sandbox started with ``spec.submitted.start_from_snapshot`` gets the
+snapshot's code in its code dir before it starts (:meth:`NodeSnapshots.start_from`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsec_core import events
+from dsec_core.layout import NodeLayout
+from dsec_core.service import RetryPolicy, Service
+from dsec_core.trust import Gate
+from dsec_snapshots.requests import Refused, SnapshotRequests, snapshot_failed
+from nats.js import JetStreamContext
+
+
+class SnapshotStartRefused(Exception):
+    """A sandbox cannot start from the snapshot it names (the reason is the message)."""
+
+
+class NodeSnapshots:
+    """The node agent's share of snapshot work, wired onto its service."""
+
+    def __init__(self, service: Service) -> None:
+        self.layout = NodeLayout.of(service.settings.home)
+
+        def js() -> JetStreamContext:
+            assert service.nc is not None
+            return service.nc.jetstream()
+
+        def gate() -> Gate:
+            assert service.gate is not None
+            return service.gate
+
+        self.node_id = service.settings.node_id
+        self.requests = SnapshotRequests(
+            service.settings,
+            js,
+            gate,
+            node_id=self.node_id,
+            code_dir_of=self.code_dir,
+            cache_dir=self.layout.snapshot_cache,
+            signer=service.name,
+            store_required=False,
+        )
+        # S3 or Vault hiccups: a few quick retries (a rollback is wanted within seconds).
+        retry = RetryPolicy(max_attempts=4, base_delay_s=0.5, max_delay_s=4.0, ack_wait_s=60.0)
+        for event_type, handler in (
+            ("snapshot.requested", self.requests.on_requested),
+            ("snapshot.restore_requested", self.requests.on_restore_requested),
+        ):
+            service.handles(
+                event_type,
+                retry=retry,
+                batch=4,
+                on_exhausted=snapshot_failed,
+                scope="node",
+            )(handler)
+        service.on_start.append(self.requests.start)
+        service.on_stop.append(self.requests.close)
+
+    def code_dir(self, sandbox_id: str) -> Path:
+        """Where this node keeps a sandbox's code copy."""
+        return self.layout.sandbox(sandbox_id).code
+
+    async def start_from(
+        self, sandbox_id: str, snapshot: str, tenant: str, max_size: int
+    ) -> tuple[Path, events.SnapshotRestored]:
+        """Restore ``snapshot``'s code into the new sandbox's code dir (absent, or holding the
+        bundle the user checked against the snapshot); return the dir and ``snapshot.restored``.
+
+        Raises:
+            SnapshotStartRefused: another tenant's, unknown or altered snapshot, or too large.
+        """
+        code_dir = self.code_dir(sandbox_id)
+        try:
+            restored = await self.requests.restore_for_start(
+                sandbox_id, snapshot, tenant, code_dir, max_size
+            )
+        except Refused as exc:
+            raise SnapshotStartRefused(str(exc)) from None
+        return code_dir, restored

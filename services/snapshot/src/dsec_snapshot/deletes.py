@@ -1,0 +1,81 @@
+"""``snapshot.delete_requested`` → the named snapshots deleted (and, with ``gc``, the chunks no
+snapshot refers to any more) → ``snapshot.deleted`` (terminal).
+
+A user deletes only its own tenant's snapshots: a snapshot of another tenant is reported as
+missing, exactly like one that does not exist, so a delete request can neither remove nor
+reveal another tenant's snapshots. A snapshot records its tenant in its ``tenant`` label (older
+ones: the tenant of the sandbox it was taken of; neither: ``default``). A manifest that fails
+verification is left for the operator (its tenant cannot be trusted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+
+from dsec_core import events
+from dsec_core.envelope import Envelope
+from dsec_core.identity import DEFAULT_TENANT
+from dsec_snapshots import requests
+from dsec_snapshots.errors import InvalidInput, SnapshotError, SnapshotNotFound, VerificationFailed
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotDeletes:
+    """Deletes and GC on behalf of users (the store of the snapshot service's requests)."""
+
+    def __init__(self, requests_: requests.SnapshotRequests) -> None:
+        self.requests = requests_
+
+    async def on_delete_requested(
+        self, envelope: Envelope, event: events.SnapshotDeleteRequested
+    ) -> Sequence[events.Payload]:
+        """Delete what the user may delete; say what was missing; GC when asked."""
+        deleted: list[str] = []
+        missing: list[str] = []
+        for name in dict.fromkeys(event.names):
+            if await self._delete_one(name, envelope.tenant):
+                deleted.append(name)
+            else:
+                missing.append(name)
+        chunks, freed = 0, 0
+        if event.gc:
+            store = self.requests.store
+            try:
+                grace = timedelta(seconds=event.gc_grace_s)
+                report = await asyncio.to_thread(store.gc, grace=grace)
+            except SnapshotError as exc:  # an unreadable manifest: nothing was collected
+                log.warning("snapshot gc refused: %s", exc)
+            else:
+                chunks, freed = len(report.deleted), report.bytes_freed
+        return [
+            events.SnapshotDeleted(
+                names=deleted, missing=missing, chunks_removed=chunks, bytes_freed=freed
+            )
+        ]
+
+    async def _delete_one(self, name: str, tenant: str) -> bool:
+        """Delete ``name`` if it exists and belongs to ``tenant``; whether it was deleted."""
+        store = self.requests.store
+        try:
+            manifest = await asyncio.to_thread(store.load, name)
+        except (SnapshotNotFound, InvalidInput):
+            return False
+        except VerificationFailed:
+            manifest = None
+        if manifest is None:
+            return False  # an unreadable manifest: its tenant is unknown, the operator removes it
+        owner = await self.requests.tenant_of_manifest(
+            dict(manifest.labels), manifest.source.sandbox_id
+        )
+        if (owner or DEFAULT_TENANT) != tenant:
+            log.warning("delete of snapshot %s by tenant %s refused: not its tenant", name, tenant)
+            return False
+        try:
+            await asyncio.to_thread(store.delete, name)
+        except SnapshotNotFound:
+            return False
+        return True
