@@ -36,7 +36,7 @@ def test_state_round_trips_and_keeps_the_documented_top_level_keys() -> None:
     assert parsed == st
     assert list(domain.StackState.model_fields) == [
         "nats_url", "postgres_dsn", "s3_endpoint", "s3_access_key", "s3_secret_key",
-        "vault_addr", "vault_token", "prometheus_url", "servers", "services",
+        "vault_addr", "vault_token", "prometheus_url", "nodes", "servers", "services",
     ]  # fmt: skip
 
 

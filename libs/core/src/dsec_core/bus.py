@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 DUPLICATE_WINDOW_S = 120.0
 
 
-def stream_config() -> StreamConfig:
-    """The ``DSEC_EVENTS`` stream: file storage, no delete, no purge, a duplicate window."""
+def stream_config(replicas: int = 1) -> StreamConfig:
+    """The ``DSEC_EVENTS`` stream: file storage, no delete, no purge, a duplicate window;
+    ``replicas`` copies on as many servers of a NATS cluster (the embedded stack: min(3, N))."""
     return StreamConfig(
         name=STREAM,
         description="DSec event log and signed audit trail",
@@ -54,6 +55,7 @@ def stream_config() -> StreamConfig:
         deny_delete=True,
         deny_purge=True,
         allow_direct=True,
+        num_replicas=replicas,
     )
 
 
@@ -70,19 +72,21 @@ async def connect(settings: Settings, name: str) -> NATS:
     )
 
 
-async def ensure_stream(js: JetStreamContext) -> None:
+async def ensure_stream(js: JetStreamContext, *, replicas: int | None = None) -> None:
     """Create the stream, or update it to the expected configuration.
 
     Operator only: NATS permissions refuse stream creation and updates to every other role
-    (:mod:`dsec_core.natsperms`); services call :func:`require_stream` instead.
+    (:mod:`dsec_core.natsperms`); services call :func:`require_stream` instead. ``replicas``
+    (the embedded cluster's min(3, N)) is applied to the stream and the replay bucket; ``None``
+    keeps what an operator chose on an existing stream (R1 when it is created here).
     """
-    wanted = stream_config()
+    wanted = stream_config(replicas or 1)
     try:
         current = (await js.stream_info(STREAM)).config
     except NotFoundError:
         try:
             await js.add_stream(wanted)
-            await _ensure_handled_bucket(js)
+            await handled_bucket(js, replicas=replicas)
             return
         except BadRequestError:  # created concurrently
             current = (await js.stream_info(STREAM)).config
@@ -90,6 +94,10 @@ async def ensure_stream(js: JetStreamContext) -> None:
     # cluster (replicas, placement, limits it approved in the metadata) is kept.
     fields = ("subjects", "deny_delete", "deny_purge", "duplicate_window", "allow_rollup_hdrs")
     changed = any(getattr(current, f) != getattr(wanted, f) for f in fields)
+    if replicas is not None and current.num_replicas != replicas:
+        log.info("stream %s: replicas %s -> %s", STREAM, current.num_replicas, replicas)
+        current.num_replicas = replicas
+        changed = True
     for f in fields:
         setattr(current, f, getattr(wanted, f))
     if stream_problems(current):  # limits that discard history, never approved: lift them
@@ -100,13 +108,9 @@ async def ensure_stream(js: JetStreamContext) -> None:
                 changed = True
     if changed:
         await js.update_stream(current)
-    await _ensure_handled_bucket(js)
-
-
-async def _ensure_handled_bucket(js: JetStreamContext) -> None:
-    """The operator also creates the consumers' replay-protection bucket (services may only
-    write their own keys into it)."""
-    await handled_bucket(js)
+    # The operator also creates the consumers' replay-protection bucket (services may only
+    # write their own keys into it), with as many replicas as the stream.
+    await handled_bucket(js, replicas=replicas)
 
 
 RETENTION_APPROVED_KEY = "dsec_retention_approved"

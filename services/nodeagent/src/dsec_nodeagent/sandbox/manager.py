@@ -136,8 +136,10 @@ class SandboxManager:
         on_landlock_refusal: audit.LandlockHandler | None = None,
         tune_cgroups: bool = True,
         ipc_socket: Path | None = None,
+        uid_base: int = domain.UID_BASE,
     ) -> None:
         self.home = home.resolve()
+        self.uid_base = uid_base  # node agents of one machine get disjoint uid ranges
         self.run_dir = self.home / "run" / "sandboxes"
         self.data_root = self.home / "sandboxes"
         self.cache_dir = self.home / "cache" / "runtimes"
@@ -274,7 +276,7 @@ class SandboxManager:
         view = await asyncio.to_thread(
             discovery.discover_cached, config.runtime, extra, self.cache_dir
         )
-        uid = domain.allocate_uid(config.sandbox_id, self._uids_in_use())
+        uid = domain.allocate_uid(config.sandbox_id, self._uids_in_use(), base=self.uid_base)
         run_dir.mkdir(parents=True, exist_ok=False)
         (run_dir / "root").mkdir()
         ipc_dir = self._ipc_dir(config, run_dir)
