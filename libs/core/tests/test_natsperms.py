@@ -191,6 +191,13 @@ def test_the_stream_dsec_declares_is_sound() -> None:
     assert stream_problems(stream_config()) == []
 
 
+def test_a_replicated_stream_is_sound_and_still_refused_when_weakened() -> None:
+    replicated = stream_config(3)  # `dsec up --nodes 3`: the log on three servers
+    assert replicated.num_replicas == 3 and stream_problems(replicated) == []
+    replicated.deny_purge = False
+    assert stream_problems(replicated) == ["deny_purge is off (the stream can be purged)"]
+
+
 @pytest.mark.parametrize(
     ("changes", "problem"),
     [

@@ -25,7 +25,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError
 
 from dsec_core import natsclient
 from dsec_core.envelope import Envelope
@@ -281,7 +281,13 @@ class EventPublisher:
                 return Published(sealed, ack.seq, bool(ack.duplicate))
             except MaxPayloadError:
                 raise EventTooLarge(sealed.type, len(sealed.wire), self._max_payload()) from None
-            except (TimeoutError, NatsTimeoutError, NoRespondersError) as exc:
+            except (
+                TimeoutError,
+                NatsTimeoutError,
+                NoRespondersError,
+                NoStreamResponseError,
+            ) as exc:
+                # NoStreamResponseError: a NATS cluster electing the stream's new leader.
                 log.warning("publish %s attempt %d failed: %s", sealed.type, attempt + 1, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)

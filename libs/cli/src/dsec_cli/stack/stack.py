@@ -387,6 +387,7 @@ class Stack:
         say = progress or _noop
         wanted = list(dict.fromkeys(names))
         with self._lock:
+            self._set_nodes()
             ext = self.external.names()
             to_start: list[Server] = []
             missing: list[BinaryMissingError] = []
