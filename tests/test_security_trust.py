@@ -18,6 +18,7 @@ from dsec_core import canonical, identity
 from dsec_core.envelope import decode, encode
 from dsec_core.events import (
     KeyRegistered,
+    SandboxExited,
     SandboxStopRequested,
     SpecSubmitted,
     SpecValidated,
@@ -78,6 +79,16 @@ async def _rejections(js: JetStreamContext, seq: int, timeout: float = 20.0) -> 
             for _, f in await _events(js, filter_for("security.event_rejected"))
             if f.get("payload", {}).get("stream_seq") == seq
         ]
+        if found or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.1)
+
+
+async def _answers_of(js: JetStreamContext, seq: int, consumer: str) -> list[dict]:
+    """The answers of one consumer to the message at ``seq`` (waits for one)."""
+    deadline = time.monotonic() + 20.0
+    while True:
+        found = [a for a in await _rejections(js, seq) if a["consumer"] == consumer]
         if found or time.monotonic() > deadline:
             return found
         await asyncio.sleep(0.1)
@@ -195,6 +206,8 @@ async def test_only_the_owning_tenant_may_stop_a_sandbox(
     services, js, dsec_stack, dsec_cli, stack_env, tmp_path
 ) -> None:
     services.start("policy", "builder", "nodeagent")
+    # periodic snapshots: the snapshot service then consumes sandbox.ready / sandbox.exited
+    services.start("snapshot", env={"DSEC_SNAPSHOT_INTERVAL_S": "600"})
     home = dsec_stack.home
     spec = GOOD_SPEC.replace("print('hi')", "import time; time.sleep(60)").replace(
         "trust-probe", "long-runner"
@@ -210,16 +223,15 @@ async def test_only_the_owning_tenant_may_stop_a_sandbox(
     # another tenant's user, properly certified, asks to stop it
     other = await trust.publisher(js, home, "user", tenant="team-b")
     stop = await other.publish(SandboxStopRequested(requested_by="eve"), aggregate_id=sid)
-    (answer,) = await _rejections(js, stop.stream_seq)
-    assert answer["reason"] == "cross-tenant", answer
-    assert answer["consumer"] == "nodeagent-sandbox-stop_requested"
+    answers = await _answers_of(js, stop.stream_seq, "nodeagent-node-1-sandbox-stop_requested")
+    assert [a["reason"] for a in answers] == ["cross-tenant"], answers
 
     # an unsigned stop (a raw envelope without a valid signature)
     fake = decode(stop.sealed.wire).model_copy(
         update={"id": str(uuid.uuid4()), "tenant": "default", "sig": "00" * 64}
     )
     seq_fake = await _raw(js, fake.subject, encode(fake))
-    (answer,) = await _rejections(js, seq_fake)
+    (answer,) = await _answers_of(js, seq_fake, "nodeagent-node-1-sandbox-stop_requested")
     assert answer["reason"] in {"bad-signature", "unknown-key"}, answer
     assert not await _events(js, subject_for("sandbox.exited", sid))
 
@@ -228,6 +240,15 @@ async def test_only_the_owning_tenant_may_stop_a_sandbox(
     assert stopped.exit_code == 0, stopped.output
     exited = await _wait_type(js, "sandbox.exited", sid)
     assert exited and exited[0][1]["payload"]["reason"] == "stopped"
+
+    # the node agent of another node claims it ended: it is not placed there
+    elsewhere = await trust.publisher(js, home, "nodeagent", node_id="n2", acts_for="default")
+    claim = await elsewhere.publish(
+        SandboxExited(exit_code=0, reason="ok", duration_s=1.0), aggregate_id=sid
+    )
+    (answer,) = await _answers_of(js, claim.stream_seq, "snapshot-sandbox-exited")
+    assert answer["reason"] == "wrong-node", answer
+    assert "scheduled on 'node-1', not on 'n2'" in answer["detail"]
     verify = dsec_cli("audit", "verify", "--json", env=stack_env)
     assert verify.exit_code == 0, verify.output
 

@@ -33,7 +33,7 @@ def _environment(store: EnvironmentStore, lock_hash: str, packages: int) -> Path
 @pytest.fixture
 def home(tmp_path: Path) -> Path:
     """A node with environments ``aaaa…`` (used first) and ``bbbb…`` (used last)."""
-    store = EnvironmentStore(tmp_path / "envs")
+    store = EnvironmentStore(tmp_path / "builder" / "envs")
     _environment(store, "a" * 64, packages=1)
     _environment(store, "b" * 64, packages=2)
     store.touch("b" * 64)
@@ -46,7 +46,7 @@ def test_env_ls_lists_environments_most_recently_used_first(home: Path) -> None:
     assert code == 0
     listed = json.loads(out)["environments"]
     assert [(e["lock_hash"][:4], e["packages"]) for e in listed] == [("bbbb", 2), ("aaaa", 1)]
-    assert listed[0]["path"] == str(home / "envs" / ("b" * 64) / "site-packages")
+    assert listed[0]["path"] == str(home / "builder" / "envs" / ("b" * 64) / "site-packages")
     assert listed[0]["size_bytes"] > 0
     code, out = _dsec(home, "env", "ls")
     assert code == 0 and "bbbbbbbbbbbbbbbb" in out and "aaaaaaaaaaaaaaaa" in out
@@ -56,12 +56,12 @@ def test_env_gc_keeps_the_most_recently_used(home: Path) -> None:
     code, out = _dsec(home, "env", "gc", "--keep", "1", "--dry-run", "--json")
     assert code == 0
     assert [e["lock_hash"] for e in json.loads(out)["removed"]] == ["a" * 64]
-    assert (home / "envs" / ("a" * 64)).is_dir()  # a dry run removes nothing
+    assert (home / "builder" / "envs" / ("a" * 64)).is_dir()  # a dry run removes nothing
 
     code, out = _dsec(home, "env", "gc", "--keep", "1")
 
     assert code == 0 and "removed aaaaaaaaaaaaaaaa" in out
-    assert not (home / "envs" / ("a" * 64)).exists()
+    assert not (home / "builder" / "envs" / ("a" * 64)).exists()
     code, out = _dsec(home, "env", "ls", "--json")
     assert [e["lock_hash"] for e in json.loads(out)["environments"]] == ["b" * 64]
 

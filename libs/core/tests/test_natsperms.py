@@ -219,3 +219,41 @@ def test_limits_the_operator_approved_are_accepted() -> None:
     approved = _config(max_age=86400.0, metadata={RETENTION_APPROVED_KEY: "true"})
     assert stream_problems(approved) == []
     assert stream_problems(_config(max_msgs=-1, max_bytes=-1)) == []
+
+
+def test_a_node_agent_uses_only_its_own_nodes_durables() -> None:
+    def may(identity: str, subject: str) -> bool:
+        node = natsperms.node_of_identity(identity)
+        role = natsperms.role_of_identity(identity)
+        allow = natsperms.publish_allow(role, node)
+        deny = natsperms.publish_deny(role, node, ["node-1", "n2"])
+        return any(_matches(p, subject) for p in allow) and not any(
+            _matches(p, subject) for p in deny
+        )
+
+    assert natsperms.role_of_identity("nodeagent-n2") == "nodeagent"
+    mine = "nodeagent-n2-sandbox-scheduled"
+    theirs = "nodeagent-node-1-sandbox-scheduled"
+    assert natsperms.durable_name("nodeagent", "sandbox.scheduled", "n2") == mine
+    for durable, allowed in ((mine, True), (theirs, False)):
+        for subject in (
+            f"$JS.API.CONSUMER.DURABLE.CREATE.DSEC_EVENTS.{durable}",
+            f"$JS.API.CONSUMER.MSG.NEXT.DSEC_EVENTS.{durable}",
+            f"$JS.ACK.DSEC_EVENTS.{durable}.1.2.3.4.5.6",
+            f"$KV.dsec-handled.{durable}.some-id",
+        ):
+            assert may("nodeagent-n2", subject) is allowed, subject
+    # the plain identity is the single-node stack's node-1 and may not reach n2's durables
+    assert may("nodeagent", f"$JS.API.CONSUMER.MSG.NEXT.DSEC_EVENTS.{theirs}")
+    assert not may("nodeagent", f"$JS.API.CONSUMER.MSG.NEXT.DSEC_EVENTS.{mine}")
+    assert not may("policy", f"$JS.API.CONSUMER.MSG.NEXT.DSEC_EVENTS.{theirs}")
+    with pytest.raises(ValueError, match=r"node id 'a\.b' must match"):
+        natsperms.durable_name("nodeagent", "sandbox.scheduled", "a.b")
+
+
+def test_the_rendered_config_fences_each_node_agent_off_the_others() -> None:
+    identities = [natsperms.Identity(n, nkey="U" + n) for n in ("nodeagent", "nodeagent-n2")]
+    text = natsperms.render_authorization(identities)
+    assert "nodeagent-n2-sandbox-scheduled" in text and "nodeagent-node-1-unit-lost" in text
+    n2 = identities[1].entry(nodes=["node-1", "n2"])["permissions"]["publish"]
+    assert "$JS.API.CONSUMER.MSG.NEXT.DSEC_EVENTS.nodeagent-node-1-sandbox-scheduled" in n2["deny"]

@@ -119,22 +119,42 @@ async def test_a_future_dated_event_is_refused(stream, dsec_stack) -> None:
     assert isinstance(refused, Refusal) and refused.reason == "future"
 
 
-async def test_a_node_agent_speaks_only_for_its_nodes_sandboxes(stream, dsec_stack) -> None:
-    from dsec_core.events import EnvBuilt, SandboxExited
+async def test_a_node_agent_speaks_only_for_sandboxes_scheduled_on_its_node(
+    stream, dsec_stack
+) -> None:
+    from dsec_core.events import PolicyViolation, SandboxExited, SandboxScheduled
 
     _, js = stream
     home = dsec_stack.home
     user = await trust.publisher(js, home, "user")
-    builder = await trust.publisher(js, home, "builder", acts_for="default")
-    other = await trust.publisher(js, home, "nodeagent", node_id="n2", acts_for="default")
+    scheduler = await trust.publisher(js, home, "scheduler", acts_for="default")
+    n1 = await trust.publisher(js, home, "nodeagent", node_id="n1", acts_for="default")
+    n2 = await trust.publisher(js, home, "nodeagent", node_id="n2", acts_for="default")
+    gate = await _gate(stream, dsec_stack)
     sid = new_sandbox_id()
+
+    async def verdict(agent, payload) -> str | None:  # type: ignore[no-untyped-def]
+        sent = await agent.publish(payload, aggregate_id=sid)
+        admitted = await gate.admit(sent.sealed.wire, stream_seq=sent.stream_seq)
+        return admitted.reason if isinstance(admitted, Refusal) else None
+
+    violation = PolicyViolation(
+        layer="kernel", rule_id="r", action="deny", operation="connect", target="x", message="m"
+    )
     await user.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sid)
-    built = EnvBuilt(lock_hash="l", fingerprint="f", location="/e", node_id="n1", reused=True)
-    await builder.publish(built, aggregate_id=sid)
-    exited = await other.publish(
-        SandboxExited(exit_code=0, reason="ok", duration_s=1.0), aggregate_id=sid
+    assert await verdict(n1, violation) == "wrong-node"  # scheduled nowhere yet
+    await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=sid)
+    assert await verdict(n1, violation) is None
+    assert await verdict(n2, violation) == "wrong-node"
+    # rescheduled to n2 (n1 was lost): n1 may no longer speak for it, n2 may
+    await scheduler.publish(
+        SandboxScheduled(node_id="n2", attempt=2, previous_node="n1"), aggregate_id=sid
     )
-    refused = await (await _gate(stream, dsec_stack)).admit(
-        exited.sealed.wire, stream_seq=exited.stream_seq
-    )
-    assert isinstance(refused, Refusal) and refused.reason == "wrong-node", refused
+    exited = SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+    assert await verdict(n1, exited) == "wrong-node"
+    assert await verdict(n2, violation) is None
+    # a scheduled event signed by a node agent moves nothing
+    forged = await n1.publish(SandboxScheduled(node_id="n1", attempt=3), aggregate_id=sid)
+    refused = await gate.admit(forged.sealed.wire, stream_seq=forged.stream_seq)
+    assert isinstance(refused, Refusal) and refused.reason == "unauthorized"
+    assert await verdict(n1, exited) == "wrong-node"

@@ -255,7 +255,7 @@ async def test_install_failure_leaves_nothing_behind(tmp_path: Path, lock: Lock)
     await builder.close()
 
     assert builder.store.environments() == []
-    assert list((home / "envs" / ".staging").iterdir()) == []
+    assert list((home / "builder" / "envs" / ".staging").iterdir()) == []
 
 
 CRASHING_BUILD = """
@@ -294,10 +294,10 @@ async def test_crash_mid_build_leaves_no_half_environment(tmp_path: Path, lock: 
         ],
         start_new_session=True,
     )
-    store = EnvironmentStore(home / "envs")
+    store = EnvironmentStore(home / "builder" / "envs")
     try:
         deadline = time.monotonic() + 30
-        while not list((home / "envs" / ".staging").glob("*/site-packages/half.py")):
+        while not list((home / "builder" / "envs" / ".staging").glob("*/site-packages/half.py")):
             assert node.poll() is None, "the build process exited before it was killed"
             assert time.monotonic() < deadline, "the build never started installing"
             await asyncio.sleep(0.05)
@@ -306,13 +306,14 @@ async def test_crash_mid_build_leaves_no_half_environment(tmp_path: Path, lock: 
         node.wait()
 
     assert store.environments() == []
-    assert [p.name for p in (home / "envs").iterdir() if not p.name.startswith(".")] == []
+    envs = home / "builder" / "envs"
+    assert [p.name for p in envs.iterdir() if not p.name.startswith(".")] == []
 
     builder = EnvironmentBuilder(home, uv=Uv(cache_dir=tmp_path / "uvc"))
     env = await builder.build(lock)
     await builder.close()
     assert not env.reused and _imports(env) == ["value-0", "value-1", "value-2"]
-    assert list((home / "envs" / ".staging").iterdir()) == []
+    assert list((home / "builder" / "envs" / ".staging").iterdir()) == []
     assert not (env.path / "half.py").exists()
     assert json.loads((env.path.parent / "env.json").read_text())["lock_hash"] == env.lock_hash
 

@@ -1,10 +1,11 @@
 """A whole node agent in this process, on a real NATS, fed the events policy and builder publish.
 
 Used by the refusal-flood tests and ``bench/noisy_neighbour.py``: ``submit`` publishes
-``spec.submitted``, ``spec.validated`` (the compiled plan) and ``env.built`` for a sandbox that
-runs ``python -c CODE`` (no code bundle); the node agent (its own egress pin directory, so it can
-run beside another node agent of the machine) starts it, and every event of the sandbox is
-recorded with the time it arrived.
+``spec.submitted``, ``spec.validated`` (the compiled plan), ``env.built`` and ``sandbox.scheduled``
+(on the harness's node) for a sandbox that runs ``python -c CODE`` (no code bundle; its empty
+environment is already staged on the node, so nothing is fetched); the node agent (its own egress
+pin directory, so it can run beside another node agent of the machine) starts it, and every event
+of the sandbox is recorded with the time it arrived.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from typing import Any
 import blake3
 import nats
 from dsec_core import events, identity
-from dsec_core.bus import ensure_stream
+from dsec_core.bus import Published, ensure_stream
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
+from dsec_core.layout import NodeLayout
+from dsec_core.objectstore import env_archive_key
 from dsec_core.service import Service
 from dsec_core.settings import Settings
 from dsec_core.spec import compile_plan, load_spec
@@ -125,6 +128,8 @@ class NodeAgentHarness:
         self._nc: Any = None
         self._upstream: trust.Pipeline | None = None
         self.lock_hash = "harnessenv"
+        self.scheduled: dict[str, Published] = {}  # sandbox -> its sandbox.scheduled
+        self._stopped = False
 
     async def __aenter__(self) -> NodeAgentHarness:
         self._nc = await nats.connect(self.nats_url)
@@ -137,16 +142,18 @@ class NodeAgentHarness:
         identity.ensure_service_identity(paths, root, "nodeagent", node_id=self.settings.node_id)
         self._upstream = await trust.pipeline(js, self.home, node_id=self.settings.node_id)
         await self._nc.subscribe("dsec.sandbox.>", cb=self._on_message)
-        (self.home / "envs" / self.lock_hash / "site-packages").mkdir(parents=True, exist_ok=True)
+        layout = NodeLayout.of(self.home)
+        layout.env_site_packages(self.lock_hash).mkdir(parents=True, exist_ok=True)
         await self.service.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        with contextlib.suppress(Exception):
-            for sid in self.agent.manager.running():
-                with contextlib.suppress(KeyError):
-                    await self.agent.manager.stop(sid, grace_s=0.5)
-        await self.service.stop()
+        if not self._stopped:
+            with contextlib.suppress(Exception):
+                for sid in self.agent.manager.running():
+                    with contextlib.suppress(KeyError):
+                        await self.agent.manager.stop(sid, grace_s=0.5)
+            await self.service.stop()
         await self.controller.uninstall()
         for path in (Path(f"/sys/fs/bpf/dsec-{self.tag}"), Path(f"/run/dsec-{self.tag}")):
             shutil.rmtree(path, ignore_errors=True)
@@ -173,10 +180,18 @@ class NodeAgentHarness:
         rec.changed.set()
 
     async def submit(
-        self, name: str, code: str, egress: str = "{domain: allowed.test, ports: [443]}"
+        self,
+        name: str,
+        code: str,
+        egress: str = "{domain: allowed.test, ports: [443]}",
+        *,
+        built: events.EnvBuilt | None = None,
+        node_id: str | None = None,
     ) -> str:
-        """Publish what policy and builder would for a sandbox running ``python -c code``
-        (``egress``: its one egress rule, in YAML flow style)."""
+        """Publish what policy, builder and scheduler would for a sandbox running
+        ``python -c code`` (``egress``: its one egress rule, in YAML flow style; ``built``: its
+        ``env.built``, default the harness's staged empty environment; ``node_id``: the node
+        it is scheduled on, default the harness's)."""
         assert self._upstream is not None
         sid = f"{name}-{uuid.uuid4().hex[:8]}"
         text = SPEC.format(name=name, code=json.dumps(code), egress=egress)
@@ -205,18 +220,38 @@ class NodeAgentHarness:
             causation=validated.envelope,
         )
         rec.submitted_at = time.monotonic()
-        await p.builder.publish(
-            events.EnvBuilt(
+        published = await p.builder.publish(
+            built
+            or events.EnvBuilt(
                 lock_hash=self.lock_hash,
                 fingerprint="harness",
-                location=str(self.home.resolve() / "envs" / self.lock_hash / "site-packages"),
-                node_id=self.settings.node_id,
+                object_key=env_archive_key(self.lock_hash),
+                digest="0" * 64,  # never fetched: the environment is staged on the node
+                size_bytes=0,
                 reused=True,
             ),
             aggregate_id=sid,
             causation=resolved.envelope,
         )
+        self.scheduled[sid] = await p.scheduler.publish(
+            events.SandboxScheduled(
+                node_id=node_id or self.settings.node_id, env_built_id=published.envelope.id
+            ),
+            aggregate_id=sid,
+            causation=published.envelope,
+        )
         return sid
+
+    @property
+    def upstream(self) -> trust.Pipeline:
+        """The certified publishers standing in for the user and the other services."""
+        assert self._upstream is not None
+        return self._upstream
+
+    async def stop_agent(self) -> None:
+        """Stop the node agent as a restart would: its sandboxes keep running."""
+        await self.service.stop()
+        self._stopped = True
 
     async def wait_for(self, sid: str, event_type: str, timeout_s: float = 60.0) -> Envelope:
         """The first ``event_type`` of ``sid`` (polls the recorder until the deadline)."""
@@ -238,7 +273,8 @@ class NodeAgentHarness:
                 await asyncio.wait_for(rec.changed.wait(), left)
 
     def ready_ms(self, sid: str) -> float:
-        """From publishing ``env.built`` to ``sandbox.ready`` arriving from the log."""
+        """From publishing ``env.built`` (then ``sandbox.scheduled``) to ``sandbox.ready``
+        arriving from the log."""
         rec = self.recorded[sid]
         at = rec.at("sandbox.ready")
         assert at is not None

@@ -39,7 +39,9 @@ def _summary(env: Envelope) -> str:
         return str(p.get("explanation", "")).splitlines()[0][:120] if p.get("explanation") else ""
     if t == "env.built":
         reuse = "reused" if p.get("reused") else "built"
-        return f"{reuse} {str(p.get('fingerprint'))[:12]} on {p.get('node_id')}"
+        size = p.get("size_bytes")
+        stored = f", archive {human_size(int(size))}" if isinstance(size, int) else ""
+        return f"{reuse} {str(p.get('fingerprint'))[:12]}{stored}"
     if t == "sandbox.exited":
         line = f"exit {p.get('exit_code')} ({p.get('reason')}) after {p.get('duration_s')} s"
         if p.get("reason") == "disk" and p.get("detail"):

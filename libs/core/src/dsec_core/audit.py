@@ -167,7 +167,7 @@ class Verifier:
         self._chains: dict[tuple[str, str], _Chain] = {}
         self._seen: dict[str, int] = {}  # authentic event id -> stream seq
         self._tenants: dict[str, tuple[str, str]] = {}  # sandbox -> (first submission, tenant)
-        self._nodes: dict[str, str] = {}  # sandbox -> the node its environment was built on
+        self._nodes: dict[str, str] = {}  # sandbox -> the node it is placed on (latest)
         self._causes: dict[str, int] = {}  # cause id -> first authentic event it caused
         self._answers: dict[int, list[int]] = {}
         self._injected_at: dict[int, Injected] = {}
@@ -291,7 +291,8 @@ class Verifier:
         self.report.chains = len(self._chains)
 
     def _wrong_node(self, f: dict[str, Any], cert: Certificate) -> str | None:
-        """A node agent's sandbox event for a sandbox built on another node (as the gate)."""
+        """A node agent's sandbox event for a sandbox its latest ``sandbox.scheduled`` placed on
+        another node (as the gate; logs from before scheduling: the node ``env.built`` named)."""
         if cert.role != "nodeagent" or _aggregate(f) != SpecSubmitted.AGGREGATE:
             return None
         node = self._nodes.get(f["aggregate_id"])
@@ -318,10 +319,12 @@ class Verifier:
         cause = f.get("causation_id")
         if isinstance(cause, str):
             self._causes.setdefault(cause, seq)
-        if f["type"] == "env.built" and f["aggregate_id"] not in self._nodes:
+        if f["type"] == "sandbox.scheduled" or (
+            f["type"] == "env.built" and f["aggregate_id"] not in self._nodes
+        ):
             node = f["payload"].get("node_id")
             if isinstance(node, str):
-                self._nodes[f["aggregate_id"]] = node
+                self._nodes[f["aggregate_id"]] = node  # the latest placement counts
         if f["type"] == EventRejected.TYPE:
             target = f["payload"].get("stream_seq")
             if isinstance(target, int):

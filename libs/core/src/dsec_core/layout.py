@@ -11,7 +11,7 @@ directory (under ``$DSEC_HOME``)   owner         what
 ``sandboxes/<id>/``                nodeagent     a sandbox's code copy, logs, disk image, fs
 ``run/sandboxes/<id>/``            nodeagent     its runtime state (pid, cgroup, sockets)
 ``envs/<lock hash>/``              nodeagent     environments staged from the object store
-``cache/s3/``                      nodeagent     data objects materialised into sandboxes
+``cache/``                         nodeagent     S3 objects for sandboxes, runtimes, disk images
 ``tls-proxy/``                     nodeagent     the opt-in TLS proxy's CA and sockets
 ``builder/``                       builder       build work dirs, wheel cache, packed envs
 ``snapshot/``                      snapshot      the snapshot service's scratch space
@@ -97,8 +97,13 @@ class NodeLayout:
         return self.env(lock_hash) / "site-packages"
 
     @property
+    def cache(self) -> Path:
+        """The node agent's caches (``s3/``, ``runtimes/``, ``disk-images/``)."""
+        return self.home / "cache"
+
+    @property
     def s3_cache(self) -> Path:
-        return self.home / "cache" / "s3"
+        return self.cache / "s3"
 
     @property
     def tls_proxy(self) -> Path:

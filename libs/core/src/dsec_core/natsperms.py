@@ -21,6 +21,7 @@ hand. Limitation: subjects carry no tenant token, so reading cannot be restricte
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,9 +48,19 @@ HANDLED_BUCKET = "dsec-handled"
 _API = "$JS.API"
 
 
-def durable_name(service: str, event_type: str) -> str:
-    """The durable consumer of ``service`` for ``event_type`` (``policy-spec-submitted``)."""
-    return f"{service}-{event_type.replace('.', '-')}"
+_NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+DEFAULT_NODE = "node-1"
+"""The node of the plain ``nodeagent`` identity (a single-node stack); the node agent of any
+other node connects as ``nodeagent-<node id>``."""
+
+
+def durable_name(service: str, event_type: str, node_id: str | None = None) -> str:
+    """The durable consumer of ``service`` for ``event_type`` (``policy-spec-submitted``); a
+    node-scoped one carries the node (``nodeagent-<node>-sandbox-scheduled``)."""
+    if node_id is not None and not _NODE.match(node_id):
+        raise ValueError(f"node id {node_id!r} must match {_NODE.pattern} (DSEC_NODE_ID)")
+    owner = service if node_id is None else f"{service}-{node_id}"
+    return f"{owner}-{event_type.replace('.', '-')}"
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,8 @@ class Role:
     Attributes:
         publishes: event types it may publish (subjects derived from them).
         consumes: event types it consumes through its own durable consumers.
+        node_consumes: event types each node's instance consumes through durables of its node
+            only (``nodeagent-<node>-<type>``; another node's are denied).
         extra_publish / extra_subscribe: non-event subjects (IPC, KV reads).
         kv_read: KV buckets it reads.
         allow_responses: it may answer requests it received (reply subjects).
@@ -67,6 +80,7 @@ class Role:
     name: str
     publishes: tuple[str, ...] = ()
     consumes: tuple[str, ...] = ()
+    node_consumes: tuple[str, ...] = ()
     extra_publish: tuple[str, ...] = ()
     extra_subscribe: tuple[str, ...] = ()
     kv_read: tuple[str, ...] = ()
@@ -76,6 +90,10 @@ class Role:
     @property
     def durables(self) -> tuple[str, ...]:
         return tuple(durable_name(self.name, t) for t in self.consumes)
+
+    def node_durables(self, node_id: str) -> tuple[str, ...]:
+        """The durables of this role's instance on ``node_id``."""
+        return tuple(durable_name(self.name, t, node_id) for t in self.node_consumes)
 
 
 TABLE: Mapping[str, Role] = {
@@ -101,8 +119,18 @@ TABLE: Mapping[str, Role] = {
     ),
     "scheduler": Role(
         "scheduler",
-        publishes=("sandbox.scheduled", "unit.placed", "unit.migrated", "node.heartbeat"),
-        consumes=(),
+        publishes=(
+            "sandbox.scheduled",
+            "sandbox.pending",
+            "unit.lost",
+            "node.lost",
+            "node.cordoned",
+            "sandbox.exited",
+            "unit.placed",
+            "unit.migrated",
+            "node.heartbeat",
+        ),
+        consumes=("env.built", "node.cordon_requested", "sandbox.stop_requested"),
     ),
     "nodeagent": Role(
         "nodeagent",
@@ -113,9 +141,11 @@ TABLE: Mapping[str, Role] = {
             "policy.violation",
             "policy.violation_summary",
             "policy.reported",
+            "node.joined",
             "node.heartbeat",
         ),
-        consumes=("env.built", "sandbox.stop_requested"),
+        # each node agent sees these through its own node's durables; acts only on its own
+        node_consumes=("sandbox.scheduled", "sandbox.stop_requested", "unit.lost"),
         extra_publish=("dsec_ipc.>",),
         extra_subscribe=("dsec_ipc.>",),
         kv_read=(CONFIGMAP_BUCKET,),
@@ -131,6 +161,9 @@ TABLE: Mapping[str, Role] = {
             # `dsec sandbox run --snapshot` records that it started a sandbox from a snapshot
             "snapshot.restored",
             "audit.key_registered",
+            # `dsec node cordon|uncordon|drain` on the operator's machine (which connects as
+            # its local user): the event must still be signed by the operator's key (authz)
+            "node.cordon_requested",
         ),
     ),
 }
@@ -172,11 +205,21 @@ def _others_durables(role: str) -> list[str]:
     return [d for name, r in TABLE.items() if name != role for d in r.durables]
 
 
-def publish_allow(role: str) -> list[str]:
-    """Subjects ``role`` may publish to (``[">"]`` for the operator)."""
+def node_of_identity(identity: str) -> str | None:
+    """The node of a node-scoped identity (``nodeagent-<node>``), else ``None``."""
+    for name, r in TABLE.items():
+        if r.node_consumes and identity.startswith(f"{name}-"):
+            return identity.removeprefix(f"{name}-")
+    return None
+
+
+def publish_allow(role: str, node_id: str | None = None) -> list[str]:
+    """Subjects ``role`` may publish to (``[">"]`` for the operator); ``node_id``: the node of
+    a node-scoped identity (:data:`DEFAULT_NODE` when ``None``)."""
     if role == OPERATOR:
         return [">"]
     r = _role(role)
+    durables = [*r.durables, *r.node_durables(node_id or DEFAULT_NODE)]
     types = list(r.publishes)
     if role in SERVICES:
         types += [t for t in EVERY_SERVICE_PUBLISHES if t not in types]
@@ -194,10 +237,10 @@ def publish_allow(role: str) -> list[str]:
         f"{_API}.CONSUMER.INFO.{STREAM}.*",
         f"{_API}.CONSUMER.MSG.NEXT.{STREAM}.*",
     ]
-    for durable in r.durables:
+    for durable in durables:
         subjects += _consume_durable(STREAM, durable)
         subjects.append(f"$KV.{HANDLED_BUCKET}.{durable}.>")  # the ids this durable handled
-    if r.durables:
+    if durables:
         subjects += _read_stream(f"KV_{HANDLED_BUCKET}")
     for bucket in r.kv_read:
         subjects += _read_stream(f"KV_{bucket}")
@@ -205,13 +248,25 @@ def publish_allow(role: str) -> list[str]:
     return subjects
 
 
-def publish_deny(role: str) -> list[str]:
-    """Subjects ``role`` may never publish to: stream administration and other roles'
-    durable consumers (the ephemeral readers' wildcard would otherwise reach them)."""
+def publish_deny(
+    role: str, node_id: str | None = None, other_nodes: Iterable[str] = ()
+) -> list[str]:
+    """Subjects ``role`` may never publish to: stream administration, other roles' durable
+    consumers and those of ``other_nodes`` (the ephemeral readers' wildcard would otherwise
+    reach them)."""
     if role == OPERATOR:
         return []
     deny = list(OPERATOR_ONLY)
-    for durable in _others_durables(role):
+    mine = node_id or DEFAULT_NODE
+    nodes = sorted({DEFAULT_NODE, mine, *other_nodes})
+    elsewhere = [
+        d
+        for name, r in TABLE.items()
+        for node in nodes
+        if name != role or node != mine
+        for d in r.node_durables(node)
+    ]
+    for durable in [*_others_durables(role), *elsewhere]:
         deny += [
             f"{_API}.CONSUMER.MSG.NEXT.{STREAM}.{durable}",
             *_consume_durable(STREAM, durable),
@@ -227,10 +282,13 @@ def subscribe_allow(role: str) -> list[str]:
     return ["_INBOX.>", filter_for(KEY_REVOKED), *_role(role).extra_subscribe]
 
 
-def permissions(role: str) -> dict[str, Any]:
-    """nats-server ``permissions`` of ``role``."""
-    publish: dict[str, Any] = {"allow": publish_allow(role)}
-    deny = publish_deny(role)
+def permissions(
+    role: str, node_id: str | None = None, other_nodes: Iterable[str] = ()
+) -> dict[str, Any]:
+    """nats-server ``permissions`` of ``role`` (of the node agent of ``node_id``, which may
+    use none of ``other_nodes``' durables)."""
+    publish: dict[str, Any] = {"allow": publish_allow(role, node_id)}
+    deny = publish_deny(role, node_id, other_nodes)
     if deny:
         publish["deny"] = deny
     perms: dict[str, Any] = {"publish": publish, "subscribe": {"allow": subscribe_allow(role)}}
@@ -247,8 +305,12 @@ def _role(role: str) -> Role:
 
 
 def role_of_identity(identity: str) -> str:
-    """The role of an identity name: ``user-<tenant>`` is ``user``, others are themselves."""
-    return USER if identity.startswith(f"{USER}-") else identity
+    """The role of an identity name: ``user-<tenant>`` is ``user``, ``nodeagent-<node>`` is
+    ``nodeagent``, others are themselves."""
+    if identity.startswith(f"{USER}-"):
+        return USER
+    node = node_of_identity(identity)
+    return identity.removesuffix(f"-{node}") if node is not None else identity
 
 
 @dataclass(frozen=True)
@@ -263,21 +325,36 @@ class Identity:
     user: str | None = None
     password_hash: str | None = field(default=None, repr=False)
 
-    def entry(self, *, raw: bool = False) -> dict[str, Any]:
+    def entry(self, *, raw: bool = False, nodes: Iterable[str] = ()) -> dict[str, Any]:
+        """The user entry; ``nodes``: every node of the config (a node agent may use none of
+        the others' durables)."""
         out: dict[str, Any] = {}
         if self.nkey is not None:
             out["nkey"] = self.nkey
         if self.user is not None:
             out["user"] = self.user
             out["password"] = self.password_hash or ""
-        out["permissions"] = permissions(role_of_identity(self.name))
+        out["permissions"] = permissions(
+            role_of_identity(self.name), node_of_identity(self.name), nodes
+        )
         return out
+
+
+def _nodes(names: Iterable[str]) -> list[str]:
+    """The nodes of a config's node agent identities (the plain one is :data:`DEFAULT_NODE`)."""
+    return sorted({node_of_identity(n) or DEFAULT_NODE for n in names if _node_scoped(n)})
+
+
+def _node_scoped(name: str) -> bool:
+    role = role_of_identity(name)
+    return role in TABLE and bool(TABLE[role].node_consumes)
 
 
 def render_authorization(identities: Sequence[Identity]) -> str:
     """The ``authorization { users = [...] }`` block of nats-server's config (JSON values: the
     NATS config format reads them, and ``$`` inside quoted strings is literal)."""
-    users = [i.entry() for i in identities]
+    nodes = _nodes(i.name for i in identities)
+    users = [i.entry(nodes=nodes) for i in identities]
     return "authorization {\n  users = " + json.dumps(users, indent=2) + "\n}\n"
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
+from dataclasses import dataclass
+from pathlib import Path
 
 import blake3
 from minio import Minio
@@ -71,6 +74,73 @@ async def get_bytes(store: Minio, bucket: str, key: str) -> bytes:
 async def put_bytes(store: Minio, bucket: str, key: str, data: bytes) -> None:
     """Write a whole object without blocking the event loop."""
     await asyncio.to_thread(store.put_object, bucket, key, io.BytesIO(data), len(data))
+
+
+ENV_ARCHIVES = "envs/"
+_LOCK_HASH = re.compile(r"^[A-Za-z0-9]{8,128}$")
+
+
+def env_archive_key(lock_hash: str) -> str:
+    """The system bucket's key of a lock's environment archive: ``envs/<lock_hash>.tar.zst``.
+
+    Raises:
+        ValueError: ``lock_hash`` is not 8-128 letters and digits.
+    """
+    if not _LOCK_HASH.match(lock_hash):
+        raise ValueError(f"lock hash {lock_hash!r} must match {_LOCK_HASH.pattern}")
+    return f"{ENV_ARCHIVES}{lock_hash}.tar.zst"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a stat of an object says: its size and its user metadata (lower-case keys)."""
+
+    size: int
+    metadata: dict[str, str]
+
+
+def stat_object(store: Minio, bucket: str, key: str) -> ObjectInfo | None:
+    """Size and user metadata of an object; ``None`` when it does not exist (blocking)."""
+    try:
+        found = store.stat_object(bucket, key)
+    except S3Error as exc:
+        if exc.code in ("NoSuchKey", "NoSuchObject", "NoSuchBucket", "ResourceNotFound"):
+            return None
+        raise
+    prefix = "x-amz-meta-"
+    meta = {
+        k.lower().removeprefix(prefix): str(v)
+        for k, v in (found.metadata or {}).items()
+        if k.lower().startswith(prefix)
+    }
+    return ObjectInfo(int(found.size or 0), meta)
+
+
+def download_file(store: Minio, bucket: str, key: str, dest: Path, max_bytes: int) -> int:
+    """Copy an object into ``dest`` (blocking), refusing more than ``max_bytes``.
+
+    Raises:
+        ObjectMissing: the object does not exist.
+        ValueError: the object is larger than ``max_bytes``.
+    """
+    try:
+        response = store.get_object(bucket, key)
+    except S3Error as exc:
+        if exc.code in ("NoSuchKey", "NoSuchBucket"):
+            raise ObjectMissing(f"s3://{bucket}/{key} does not exist") from None
+        raise
+    size = 0
+    try:
+        with dest.open("wb") as fh:
+            for chunk in response.stream(1 << 20):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise ValueError(f"s3://{bucket}/{key} is larger than {max_bytes} bytes")
+                fh.write(chunk)
+    finally:
+        response.close()
+        response.release_conn()
+    return size
 
 
 class BundleAltered(ValueError):

@@ -261,7 +261,18 @@ class Projector:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the stream until ``stop`` is set; reconnect after a failure (Postgres restart,
-        a rebuild in progress) from the stored position, with backoff."""
+        a rebuild in progress) from the stored position, with backoff. The nodes table is
+        followed beside it (:class:`NodeProjector`)."""
+        nodes = asyncio.create_task(NodeProjector(self.js, self.dsn, self.gate).run(stop))
+        try:
+            await self._run_sandboxes(stop)
+        finally:
+            if stop.is_set():
+                await nodes
+            else:
+                nodes.cancel()
+
+    async def _run_sandboxes(self, stop: asyncio.Event) -> None:
         delay = 0.5
         while not stop.is_set():
             try:
@@ -290,6 +301,7 @@ class Projector:
 
 async def rebuild(js: JetStreamContext, dsn: str, gate: Gate | None = None) -> int:
     """Drop the read models and replay the whole stream into them; return the position."""
+    await rebuild_nodes(js, dsn, gate)
     conn = await asyncpg.connect(dsn)
     try:
         async with conn.transaction():
@@ -304,6 +316,206 @@ async def rebuild(js: JetStreamContext, dsn: str, gate: Gate | None = None) -> i
                 batch = []
         if batch:
             position = await apply_batch(conn, batch, gate)
+        return position
+    finally:
+        await conn.close()
+
+
+# ============================================================================ nodes
+# The nodes read model: one row per node from node.joined, node.heartbeat, node.lost and
+# node.cordoned. Heartbeats are frequent, so a row is updated in place (no timeline row per
+# beat). It keeps its own position (``nodes``) and follows ``dsec.node.>`` on its own, so the
+# beats never delay the sandboxes' read models, and a rebuild of one leaves the other alone.
+
+NODES = "nodes"
+
+NODES_SCHEMA = """
+CREATE TABLE IF NOT EXISTS projection_state (
+    name text PRIMARY KEY,
+    applied_seq bigint NOT NULL
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id text PRIMARY KEY,
+    hostname text,
+    version text,
+    joined_at timestamptz,
+    last_seen timestamptz NOT NULL,
+    heartbeat_s double precision NOT NULL DEFAULT 5,
+    seq bigint NOT NULL DEFAULT 0,
+    inventory jsonb NOT NULL DEFAULT '{}',
+    sandboxes jsonb NOT NULL DEFAULT '[]',
+    problems jsonb NOT NULL DEFAULT '[]',
+    cordoned boolean NOT NULL DEFAULT false,
+    draining boolean NOT NULL DEFAULT false,
+    cordon_reason text NOT NULL DEFAULT '',
+    lost boolean NOT NULL DEFAULT false,
+    lost_at timestamptz,
+    last_seq bigint NOT NULL
+);
+"""
+
+NODES_DROP = "DROP TABLE IF EXISTS nodes; DELETE FROM projection_state WHERE name = 'nodes';"
+
+_NODE_SEEN = """
+INSERT INTO nodes AS n (node_id, hostname, version, joined_at, last_seen, heartbeat_s, seq,
+    inventory, sandboxes, problems, last_seq)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+ON CONFLICT (node_id) DO UPDATE SET
+    hostname = COALESCE(EXCLUDED.hostname, n.hostname),
+    version = COALESCE(EXCLUDED.version, n.version),
+    joined_at = COALESCE(EXCLUDED.joined_at, n.joined_at),
+    last_seen = GREATEST(EXCLUDED.last_seen, n.last_seen),
+    heartbeat_s = EXCLUDED.heartbeat_s,
+    seq = EXCLUDED.seq,
+    inventory = EXCLUDED.inventory,
+    sandboxes = EXCLUDED.sandboxes,
+    problems = EXCLUDED.problems,
+    lost = false,
+    lost_at = NULL,
+    last_seq = EXCLUDED.last_seq
+"""
+
+
+async def ensure_node_schema(conn: asyncpg.Connection) -> None:
+    """Create the nodes table when missing (serialized like :func:`ensure_schema`)."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(7272)")
+        await conn.execute(NODES_SCHEMA)
+
+
+async def apply_node_event(conn: asyncpg.Connection, seq: int, env: Envelope) -> None:
+    """Apply one node event to the nodes table (call inside a transaction). A heartbeat or a
+    join shows the node alive again (``lost`` cleared); cordon state is the scheduler's."""
+    p, node_id = env.payload, str(env.payload.get("node_id") or env.aggregate_id)
+    if env.type in ("node.joined", "node.heartbeat"):
+        joined = env.type == "node.joined"
+        await conn.execute(
+            _NODE_SEEN,
+            node_id,
+            p.get("hostname"),
+            p.get("version"),
+            env.time if joined else None,
+            env.time,
+            float(p.get("heartbeat_s") or 5.0),
+            int(p.get("seq") or 0),
+            json.dumps(p.get("inventory") or {}),
+            json.dumps(p.get("sandboxes") or []),
+            json.dumps(p.get("problems") or []),
+            seq,
+        )
+    elif env.type == "node.lost":
+        await conn.execute(
+            "UPDATE nodes SET lost = true, lost_at = $2, last_seq = $3 WHERE node_id = $1",
+            node_id,
+            env.time,
+            seq,
+        )
+    elif env.type == "node.cordoned":
+        await conn.execute(
+            "UPDATE nodes SET cordoned = $2, draining = $3, cordon_reason = $4, last_seq = $5"
+            " WHERE node_id = $1",
+            node_id,
+            bool(p.get("cordoned")),
+            bool(p.get("draining")),
+            str(p.get("reason") or ""),
+            seq,
+        )
+
+
+async def apply_node_batch(
+    conn: asyncpg.Connection, batch: Sequence[tuple[int, bytes]], gate: Gate | None = None
+) -> int:
+    """Apply a batch of node events and the new position in one transaction (only authentic,
+    authorized ones with a ``gate``: a node agent cannot show another node alive)."""
+    async with conn.transaction():
+        current = int(
+            await conn.fetchval("SELECT applied_seq FROM projection_state WHERE name = $1", NODES)
+            or 0
+        )
+        for seq, data in batch:
+            if seq <= current:
+                continue
+            try:
+                env = decode(data) if gate is None else await gate.authentic(data)
+            except MalformedEnvelope as exc:
+                log.error("nodes projection skips malformed event at seq %d: %s", seq, exc)
+                env = None
+            if env is not None and env.aggregate == "node":
+                await apply_node_event(conn, seq, env)
+            elif env is None and gate is not None:
+                log.warning("nodes projection skips unauthentic event at seq %d", seq)
+            current = seq
+        await conn.execute(
+            "INSERT INTO projection_state (name, applied_seq) VALUES ($1, $2)"
+            " ON CONFLICT (name) DO UPDATE SET applied_seq = EXCLUDED.applied_seq",
+            NODES,
+            current,
+        )
+    return current
+
+
+@dataclass
+class NodeProjector:
+    """Keeps the nodes table up to date (run by :class:`Projector` beside the sandboxes)."""
+
+    js: JetStreamContext
+    dsn: str
+    gate: Gate | None = None
+    batch_size: int = 256
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow ``dsec.node.>`` until ``stop`` is set; retry after a failure with backoff."""
+        delay = 0.5
+        while not stop.is_set():
+            try:
+                await self._follow(stop)
+                return
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                log.warning("nodes projector: %s; retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def _follow(self, stop: asyncio.Event) -> None:
+        conn = await asyncpg.connect(self.dsn)
+        try:
+            await ensure_node_schema(conn)
+            start = (
+                int(
+                    await conn.fetchval(
+                        "SELECT applied_seq FROM projection_state WHERE name = $1", NODES
+                    )
+                    or 0
+                )
+                + 1
+            )
+            async for batch in follow(
+                self.js, start_seq=start, batch=self.batch_size, filter_subject=f"{ROOT}.node.>"
+            ):
+                if batch:
+                    await apply_node_batch(conn, batch, self.gate)
+                if stop.is_set():
+                    break
+        finally:
+            await conn.close()
+
+
+async def rebuild_nodes(js: JetStreamContext, dsn: str, gate: Gate | None = None) -> int:
+    """Drop the nodes table and replay the node events into it; return the position."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            await ensure_node_schema(conn)
+            await conn.execute(NODES_DROP)
+            await ensure_node_schema(conn)
+        batch: list[tuple[int, bytes]] = []
+        position = 0
+        async for item in replay(js, filter_subject=f"{ROOT}.node.>"):
+            batch.append(item)
+            if len(batch) >= 512:
+                position = await apply_node_batch(conn, batch, gate)
+                batch = []
+        if batch:
+            position = await apply_node_batch(conn, batch, gate)
         return position
     finally:
         await conn.close()

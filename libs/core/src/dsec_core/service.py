@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, Literal
 
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
@@ -183,16 +183,20 @@ class Service:
         retry: RetryPolicy | None = None,
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
+        scope: Literal["service", "node"] = "service",
     ) -> Callable[[Handler], Handler]:
         """Register ``fn`` as the durable handler of ``event_type`` for this service.
 
         ``on_exhausted`` builds the terminal event(s) once retries are exhausted (default:
-        ``sandbox.failed``); a request must always end in a terminal event.
+        ``sandbox.failed``); a request must always end in a terminal event. ``scope="node"``:
+        every node's instance has a durable of its own (``<service>-<node id>-<type>``), so
+        each sees every event (the handler acts only on its own node's).
         """
         policy = retry or RetryPolicy()
         failure = on_exhausted or sandbox_failed(self.name)
         model_for(event_type)  # fail fast on a typo
-        durable = durable_name(self.name, event_type)
+        node = self.settings.node_id if scope == "node" else None
+        durable = durable_name(self.name, event_type, node)
         self.durables.append(durable)
 
         def register(fn: Handler) -> Handler:

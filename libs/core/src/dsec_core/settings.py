@@ -152,6 +152,27 @@ class Settings(BaseSettings):
         default=True, description="Stop a flooding sandbox (sandbox.exited reason policy_flood)"
     )
 
+    # Node presence (README, "Nodes and inventory").
+    heartbeat_s: float = Field(
+        default=5.0, gt=0, description="How often a node agent publishes node.heartbeat"
+    )
+    node_labels: str = Field(
+        default="", description="Labels of this node for placement: k=v,k=v (node agent)"
+    )
+    node_inventory: Path | None = Field(
+        default=None,
+        description="A declared inventory (YAML/JSON: GPUs, optionally cpus/memory) that "
+        "replaces the GPU probe, for nodes without NVML (tests, simulations)",
+    )
+    max_sandboxes: int = Field(default=64, ge=1, description="Sandboxes this node accepts at most")
+    # The scheduler (README, "Scheduling").
+    node_lost_s: float = Field(
+        default=15.0, gt=0, description="A node silent this long is lost; its sandboxes move"
+    )
+    max_placements: int = Field(
+        default=3, ge=1, description="Placements of a sandbox before a lost node fails it"
+    )
+
     def endpoint(self, name: str) -> Any:
         """Return setting ``name`` if set, else the value ``dsec up`` recorded in stack.json."""
         value = getattr(self, name)

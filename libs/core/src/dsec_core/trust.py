@@ -41,6 +41,7 @@ from dsec_core import authz, canonical, identity
 from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import KeyRegistered, KeyRevoked, SpecSubmitted, model_for
 from dsec_core.identity import Certificate, CertificateError
+from dsec_core.lifecycle import LIFECYCLE_TYPES, Lifecycle, fold_envelopes
 from dsec_core.signing import verify_raw
 from dsec_core.subjects import STREAM, filter_for, subject_for
 
@@ -287,7 +288,8 @@ class Gate:
         self._js = js
         self._handled = handled
         self._tenants: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        self._nodes: OrderedDict[str, str] = OrderedDict()  # sandbox -> node it was built on
+        # sandbox -> (stream position read up to, node of its latest sandbox.scheduled there)
+        self._nodes: OrderedDict[str, tuple[int, str | None]] = OrderedDict()
         self._lock = asyncio.Lock()
 
     async def admit(
@@ -352,23 +354,59 @@ class Gate:
         return await self._tenant(envelope) or await self._node(envelope, cert)
 
     async def _node(self, envelope: Envelope, cert: Certificate) -> tuple[str, str] | None:
-        """A node agent speaks only for the sandboxes of its node: the node the builder built
-        the sandbox's environment on (its authentic ``env.built``)."""
+        """A node agent speaks for a sandbox only while the sandbox's latest authentic
+        ``sandbox.scheduled`` names its node: a rescheduled sandbox moves, and the node it left
+        may say nothing more about it."""
         if cert.role != "nodeagent" or envelope.aggregate != SpecSubmitted.AGGREGATE:
             return None
-        node = self._nodes.get(envelope.aggregate_id)
-        if node is None:
-            built = await self.find(subject_for("env.built", envelope.aggregate_id))
-            if built is None:
-                return None  # not built anywhere yet: nothing to bind it to
-            node = str(built.payload.get("node_id"))
-            _remember(self._nodes, envelope.aggregate_id, node)
+        node = await self.placement(envelope.aggregate_id)
         if node != cert.node_id:
+            where = f"on {node!r}" if node is not None else "on no node"
             return (
                 "wrong-node",
-                f"sandbox {envelope.aggregate_id} runs on {node!r}, not on {cert.node_id!r}",
+                f"sandbox {envelope.aggregate_id} is scheduled {where}, not on {cert.node_id!r}",
             )
         return None
+
+    async def placement(self, sandbox_id: str) -> str | None:
+        """The node of the sandbox's latest authentic ``sandbox.scheduled`` (read from the log
+        each time: only the stream position already read is remembered)."""
+        subject = subject_for("sandbox.scheduled", sandbox_id)
+        seq, node = self._nodes.get(sandbox_id, (0, None))
+        while True:
+            try:
+                msg = await self._js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)
+            except NotFoundError:
+                break
+            if msg.data is None or msg.seq is None:
+                break
+            seq = msg.seq
+            envelope = await self.authentic(msg.data)
+            if envelope is not None and envelope.subject == subject:
+                node = str(envelope.payload.get("node_id"))
+        _remember(self._nodes, sandbox_id, (seq, node))
+        return node
+
+    async def lifecycle(self, sandbox_id: str, limit: int = 256) -> Lifecycle:
+        """The sandbox's state: the fold of its authentic lifecycle events in log order (each
+        lifecycle type's subject read directly; forged or unauthorized ones are skipped)."""
+        found: list[tuple[int, Envelope]] = []
+        for event_type in sorted(LIFECYCLE_TYPES):
+            subject = subject_for(event_type, sandbox_id)
+            seq = 0
+            for _ in range(limit):
+                try:
+                    msg = await self._js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)
+                except NotFoundError:
+                    break
+                if msg.data is None or msg.seq is None:
+                    break
+                seq = msg.seq
+                envelope = await self.authentic(msg.data)
+                if envelope is not None and envelope.subject == subject:
+                    found.append((seq, envelope))
+        found.sort(key=lambda item: item[0])
+        return fold_envelopes(envelope for _, envelope in found)
 
     async def _tenant(self, envelope: Envelope) -> tuple[str, str] | None:
         if envelope.aggregate != SpecSubmitted.AGGREGATE:

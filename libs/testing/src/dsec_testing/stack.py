@@ -281,13 +281,18 @@ class ServiceRunner:
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,
     ) -> None:
-        """Start services (``"policy"`` runs ``python -m dsec_policy``) and wait for /healthz.
+        """Start services (``"policy"`` runs ``python -m dsec_policy``) and wait for /healthz;
+        a node agent brings the scheduler along (it places the sandboxes the node agent runs).
 
         Raises:
             dsec_cli.stack.StartFailed: a service exited or stayed unhealthy (log tail inside).
         """
         self._fixture.ensure(*CORE_SERVERS)
         specs = [n if isinstance(n, ServiceSpec) else ServiceSpec(n) for n in names]
+        started = {*self._started, *(s.name for s in specs)}
+        if "nodeagent" in started and "scheduler" not in started:
+            # the pipeline runs through the scheduler: env.built -> sandbox.scheduled
+            specs.insert(0, ServiceSpec("scheduler"))
         stack = self._fixture.stack
         for spec in specs:
             self._started[spec.name] = spec

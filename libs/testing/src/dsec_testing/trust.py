@@ -96,6 +96,7 @@ class Pipeline:
     policy: EventPublisher
     builder: EventPublisher
     nodeagent: EventPublisher
+    scheduler: EventPublisher
 
 
 async def pipeline(js: JetStreamContext, home: Path, node_id: str = "n1") -> Pipeline:
@@ -106,4 +107,5 @@ async def pipeline(js: JetStreamContext, home: Path, node_id: str = "n1") -> Pip
         policy=await publisher(js, home, "policy", acts_for="default"),
         builder=await publisher(js, home, "builder", acts_for="default"),
         nodeagent=await publisher(js, home, "nodeagent", node_id=node_id, acts_for="default"),
+        scheduler=await publisher(js, home, "scheduler", acts_for="default"),
     )

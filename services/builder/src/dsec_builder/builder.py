@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsec_core.layout import NodeLayout
 from dsec_core.settings import Settings
 from minio import Minio
 
@@ -74,10 +75,11 @@ class _FetchLog:
 
 
 class EnvironmentBuilder:
-    """Builds and reuses environments under ``<home>/envs`` for one node.
+    """Builds and reuses environments under the builder's own root (``NodeLayout.builder``).
 
     Args:
-        home: ``$DSEC_HOME``; environments go to ``envs/``, artifacts to ``cache/wheels``.
+        home: ``$DSEC_HOME``; environments go to ``builder/envs/``, artifacts to
+            ``builder/cache/wheels`` (the node agent stages what it runs from the object store).
         uv: The installer engine (its cache holds unpacked wheels for fast re-installs).
         cluster_cache: The S3 artifact cache shared by all nodes, or ``None``.
         index: Downloads from the package index.
@@ -95,9 +97,10 @@ class EnvironmentBuilder:
         python: Path | None = None,
         max_parallel: int = 8,
     ) -> None:
-        self.store = EnvironmentStore(home / "envs")
-        self.cache = LocalCache(home / "cache" / "wheels")
-        self.uv = uv or Uv(cache_dir=home / "cache" / "uv")
+        root = NodeLayout(home).builder
+        self.store = EnvironmentStore(root / "envs")
+        self.cache = LocalCache(root / "cache" / "wheels")
+        self.uv = uv or Uv(cache_dir=root / "cache" / "uv")
         self.cluster_cache = cluster_cache
         self.index = index or IndexFetcher()
         self.python = python or default_interpreter()
@@ -118,7 +121,7 @@ class EnvironmentBuilder:
             )
         cache = S3WheelCache(s3, settings.s3_bucket) if s3 is not None else None
         home = settings.home.resolve()
-        return cls(home, uv=Uv(cache_dir=home / "cache" / "uv"), cluster_cache=cache, python=python)
+        return cls(home, cluster_cache=cache, python=python)
 
     async def close(self) -> None:
         """Release network connections."""

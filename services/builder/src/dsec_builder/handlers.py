@@ -1,7 +1,8 @@
 """Bus handlers of the builder.
 
 ``spec.validated`` → resolve → ``deps.resolved`` | ``deps.conflict``;
-``deps.resolved`` → build the environment on this node → ``env.built``.
+``deps.resolved`` → the lock's environment archive in the object store (reused when it exists,
+else built, packed and stored once for the cluster) → ``env.built``.
 
 A resolver without a verdict (index unreachable) or a build that cannot complete raises: the
 runtime retries with backoff and, after the last attempt, publishes ``sandbox.failed`` with the
@@ -10,13 +11,19 @@ reason (for a missing artifact: which ones).
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 
 from dsec_core import events
 from dsec_core.envelope import Envelope
+from dsec_core.layout import NodeLayout
+from dsec_core.objectstore import client as s3_client
 from dsec_core.settings import Settings
 
+from dsec_builder.adapters.archives import EnvArchives, StoredArchive
 from dsec_builder.builder import EnvironmentBuilder
+from dsec_builder.domain import fingerprint, lock_hash
 from dsec_builder.models import Conflict, Lock, LockedPackage, Requirement, Target
 from dsec_builder.resolver import Resolver
 
@@ -70,7 +77,13 @@ class BuilderHandlers:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.resolver = Resolver.from_settings(settings)
-        self.builder = EnvironmentBuilder.from_settings(settings)
+        s3 = s3_client(settings) if settings.endpoint("s3_endpoint") else None
+        self.builder = EnvironmentBuilder.from_settings(settings, s3=s3)
+        self.archives = (
+            EnvArchives(s3, settings.s3_bucket, NodeLayout.of(settings.home).builder / "archives")
+            if s3 is not None
+            else None
+        )
 
     async def close(self) -> None:
         """Release the builder's connections."""
@@ -102,17 +115,72 @@ class BuilderHandlers:
     async def on_resolved(
         self, envelope: Envelope, event: events.DepsResolved
     ) -> Sequence[events.Payload]:
-        """Build (or reuse) the environment of the lock on this node."""
-        built = await self.builder.build(lock_of(event))
+        """The lock's environment archive: reused when stored, else built, packed and stored."""
+        if self.archives is None:
+            return [
+                events.SandboxFailed(
+                    stage="builder",
+                    reason="no object store: environments reach the nodes through S3 "
+                    "(set DSEC_S3_ENDPOINT or run `dsec up`)",
+                    failed_event_id=envelope.id,
+                )
+            ]
+        started = time.monotonic()
+        lock = lock_of(event)
+        key = lock_hash(lock)
+        stored = await asyncio.to_thread(self.archives.existing, key)
+        if stored is not None:
+            timings = {"total": round((time.monotonic() - started) * 1000, 2)}
+            return [_env_built(key, event, stored, reused=True, timings_ms=timings)]
+        built = await self.builder.build(lock)
+        async with self.builder.store.build_lock(key):  # one pack and upload per lock here
+            packing = time.monotonic()
+            stored = await asyncio.to_thread(self.archives.existing, key)
+            if stored is None:
+                env_root = self.builder.store.env_dir(key)
+                stored = await asyncio.to_thread(self.archives.store, key, env_root)
+        timings = {k: round(v * 1000, 2) for k, v in built.timings.model_dump().items()}
+        timings["pack_store"] = round((time.monotonic() - packing) * 1000, 2)
+        timings["total"] = round((time.monotonic() - started) * 1000, 2)
         return [
-            events.EnvBuilt(
-                lock_hash=built.lock_hash,
-                fingerprint=built.fingerprint,
-                location=str(built.path),
-                node_id=self.settings.node_id,
-                reused=built.reused,
-                timings_ms={k: round(v * 1000, 2) for k, v in built.timings.model_dump().items()},
+            _env_built(
+                key,
+                event,
+                stored,
+                reused=False,
+                timings_ms=timings,
                 bytes_by_tier=built.bytes_from.model_dump(),
                 integrity_failures=[f.describe() for f in built.integrity_failures],
+                fingerprint=built.fingerprint,
             )
         ]
+
+
+def _env_built(
+    key: str,
+    event: events.DepsResolved,
+    stored: StoredArchive,
+    *,
+    reused: bool,
+    timings_ms: dict[str, float],
+    bytes_by_tier: dict[str, int] | None = None,
+    integrity_failures: list[str] | None = None,
+    fingerprint: str | None = None,
+) -> events.EnvBuilt:
+    return events.EnvBuilt(
+        lock_hash=key,
+        fingerprint=fingerprint or fingerprint_of(event),
+        object_key=stored.object_key,
+        digest=stored.digest,
+        size_bytes=stored.size_bytes,
+        unpacked_bytes=stored.unpacked_bytes,
+        reused=reused,
+        timings_ms=timings_ms,
+        bytes_by_tier=bytes_by_tier or {},
+        integrity_failures=integrity_failures or [],
+    )
+
+
+def fingerprint_of(event: events.DepsResolved) -> str:
+    """The lock's fingerprint (as :func:`dsec_builder.domain.fingerprint` computes it)."""
+    return fingerprint(lock_of(event).packages)

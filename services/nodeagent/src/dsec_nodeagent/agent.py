@@ -1,11 +1,18 @@
-"""The node agent's orchestration: from ``env.built`` to a running sandbox and back.
+"""The node agent's orchestration: from ``sandbox.scheduled`` to a running sandbox and back.
 
-On ``env.built`` it reads the sandbox's spec and compiled plan from the log (the events of the
-same aggregate), fetches the code bundle, injects the runtime context (secrets from Vault, data
+Every node agent sees every ``sandbox.scheduled`` (through its own node's durable) and acts only
+on those that name its node, and only while the sandbox's lifecycle (the fold of its authentic
+events, :mod:`dsec_core.lifecycle`) says it is scheduled here with that attempt. It stages the
+environment the named ``env.built`` points to (:mod:`.envstage`), reads the spec and compiled plan
+from the log, fetches the code bundle, injects the runtime context (secrets from Vault, data
 from S3, config maps), attaches the egress programs to the sandbox's cgroup *before* the
 workload's first instruction, launches it and publishes ``context.injected`` and
 ``sandbox.ready``. When the sandbox ends, ``sandbox.exited`` is published with an id derived
 from the sandbox id, so a node-agent restart that re-adopts it can never publish a second one.
+
+Fencing: a copy this node still runs after the sandbox was placed elsewhere (``unit.lost`` for
+this node, or found at restart when the fold names another node or a newer attempt) is stopped
+and cleaned up without any event: the sandbox's history belongs to its new node.
 """
 
 from __future__ import annotations
@@ -19,10 +26,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from dsec_core import events, retention
+from dsec_core import events, lifecycle, retention
 from dsec_core.codebundle import BundleError, extract_bundle, open_real_dir
 from dsec_core.envelope import Envelope
 from dsec_core.ids import derive_event_id
+from dsec_core.layout import NodeLayout
 from dsec_core.natsclient import auth_options
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.objectstore import client as s3_client
@@ -34,11 +42,13 @@ from dsec_core.text import bound
 from dsec_core.trust import Gate
 from prometheus_client import Counter
 
+from dsec_nodeagent import placement
 from dsec_nodeagent.context.configmap import ConfigMaps
 from dsec_nodeagent.context.injector import ContextInjector, PreparedContext
 from dsec_nodeagent.context.models import ContextError
 from dsec_nodeagent.context.s3 import S3Materializer
 from dsec_nodeagent.context.vault import VaultSecrets
+from dsec_nodeagent.envstage import EnvStageError, EnvStager, EnvStageUnavailable
 from dsec_nodeagent.outlet import EventOutlet
 from dsec_nodeagent.refusals import Key
 from dsec_nodeagent.sandbox.audit import LandlockRefusal, describe
@@ -92,6 +102,8 @@ class NodeAgent:
     ) -> None:
         self.settings = settings
         self.home = settings.home.resolve()
+        self.layout = NodeLayout.of(self.home)
+        self.node_id = settings.node_id
         self.outlet = outlet
         self._gate = gate
         self._before_start = before_start
@@ -112,8 +124,16 @@ class NodeAgent:
         self._retention: asyncio.Task[None] | None = None
         self._rules: dict[str, SemanticRules] = {}
         self.proxies = TlsProxies(
-            self.home / "tls-proxy", self._http_refused, settings.tls_proxy_upstream_ca
+            self.layout.tls_proxy, self._http_refused, settings.tls_proxy_upstream_ca
         )
+        self.envs = EnvStager(
+            self.layout,
+            s3_client(settings) if settings.endpoint("s3_endpoint") else None,
+            settings.s3_bucket,
+        )
+        self._attempts: dict[str, int] = {}  # sandbox -> placement attempt it runs here as
+        self._starting: dict[str, asyncio.Event] = {}  # sandboxes being started right now
+        self._fenced: set[str] = set()  # stale copies being stopped without any event
 
     def _injector(self) -> ContextInjector:
         s = self.settings
@@ -124,10 +144,10 @@ class NodeAgent:
         s3 = None
         if s.endpoint("s3_endpoint"):
             s3 = S3Materializer(
-                s3_client(s), self.home / "cache" / "s3", unwrap=vault.unwrap if vault else None
+                s3_client(s), self.layout.s3_cache, unwrap=vault.unwrap if vault else None
             )
         return ContextInjector(
-            self.home / "sandboxes",
+            self.layout.sandboxes,
             vault=vault,
             s3=s3,
             configmaps=ConfigMaps(s.nats_endpoint(), nats_options=auth_options(s)),
@@ -138,6 +158,14 @@ class NodeAgent:
         report = await self.manager.reconcile()
         self.proxies.forget_all()  # a re-adopted sandbox's proxy is gone: it fails closed
         log.info("reconciled: adopted %s, cleaned %s", report.adopted, report.cleaned)
+        for sid in report.adopted:
+            state = await self.lifecycle(sid)
+            if not placement.stale(state, self.node_id):
+                self._attempts[sid] = state.attempt
+                continue
+            # rescheduled while this agent was away (partitioned and declared lost, drained)
+            log.warning("%s: now %s; stopping the stale copy here", sid, _where(state))
+            await self.fence(sid)
         self._retention = asyncio.create_task(self._retain_forever())
 
     async def shutdown(self) -> None:
@@ -222,18 +250,13 @@ class NodeAgent:
                 return True
         return False
 
-    def _check_environment(self, event: events.EnvBuilt) -> None:
-        """The environment must be one this node built: its path comes from an event and is
-        bound into the sandbox, so it may only ever be ``$DSEC_HOME/envs/<lock>/site-packages``."""
-        expected = self.home / "envs" / event.lock_hash / "site-packages"
-        if event.node_id != self.settings.node_id:
-            raise StartRefused(f"environment built on {event.node_id}, not on this node")
-        if not event.lock_hash.isalnum() or Path(event.location or "") != expected:
-            raise StartRefused(f"environment location {event.location!r} is not {expected}")
+    async def lifecycle(self, sandbox_id: str) -> lifecycle.Lifecycle:
+        """The sandbox's state: the fold of its authentic lifecycle events, in log order."""
+        return await self._gate().lifecycle(sandbox_id)
 
     def _code_path(self, sandbox_id: str) -> Path:
         """Where the sandbox's code copy lives on this node (``sandbox.ready.code_dir``)."""
-        return self.home / "sandboxes" / sandbox_id / "code"
+        return self.layout.sandbox(sandbox_id).code
 
     async def _code_dir(
         self, sandbox_id: str, code: events.BundleRef | None, max_size: int
@@ -260,21 +283,45 @@ class NodeAgent:
 
     # --------------------------------------------------------------- handlers
 
-    async def on_env_built(
-        self, envelope: Envelope, event: events.EnvBuilt
+    async def on_scheduled(
+        self, envelope: Envelope, event: events.SandboxScheduled
     ) -> Sequence[events.Payload]:
-        """Start the sandbox of a built environment."""
+        """Start a sandbox scheduled on this node (every other node acks and skips it)."""
         sid = envelope.aggregate_id
+        if event.node_id != self.node_id:
+            return []
         running = self.manager.get(sid)
         if running is not None:  # redelivered after a crash between launch and ack
+            self._attempts[sid] = event.attempt
             code_dir = self._code_path(sid)
             return [self._ready_event(running.ready, code_dir if code_dir.is_dir() else None)]
-        if await self._already_started(sid):  # redelivered after the sandbox ran: never twice
+        state = await self.lifecycle(sid)
+        why_not = placement.why_not_start(state, self.node_id, event.attempt)
+        if why_not is not None:
+            log.info("%s: not starting it: %s", sid, why_not)
             return []
+        started = self._starting.setdefault(sid, asyncio.Event())
         try:
-            self._check_environment(event)
-            return await self._launch(sid, event, envelope.causation_id)
+            return await self._start(sid, envelope, event)
+        finally:
+            started.set()
+            self._starting.pop(sid, None)
+
+    async def _start(
+        self, sid: str, envelope: Envelope, event: events.SandboxScheduled
+    ) -> Sequence[events.Payload]:
+        try:
+            built_env = await self._last("env.built", sid, event.env_built_id)
+            built = built_env.decoded()
+            assert isinstance(built, events.EnvBuilt)
+            try:
+                staged = await self.envs.stage(built)
+            except EnvStageError as exc:
+                raise StartRefused(str(exc)) from None
+            self._attempts[sid] = event.attempt
+            return await self._launch(sid, staged.site_packages, built_env, staged.ms)
         except (StartRefused, ContextError, SandboxStartError) as exc:
+            self._attempts.pop(sid, None)
             self._rules.pop(sid, None)
             if self._on_stopped is not None:  # egress attached before a failed start
                 await self._on_stopped(sid)
@@ -285,13 +332,16 @@ class NodeAgent:
                     stage="nodeagent", reason=_reason(exc), failed_event_id=envelope.id
                 )
             ]
+        except EnvStageUnavailable:
+            self._attempts.pop(sid, None)
+            raise  # the object store is unreachable: retried with backoff
 
     async def _launch(
-        self, sid: str, event: events.EnvBuilt, cause: str | None
+        self, sid: str, env_dir: Path, built: Envelope, stage_ms: float
     ) -> list[events.Payload]:
         # Follow the causes back: env.built <- deps.resolved <- spec.validated <- spec.submitted,
         # each authentic; never simply the newest message on those subjects.
-        resolved = await self._last("deps.resolved", sid, cause)
+        resolved = await self._last("deps.resolved", sid, built.causation_id)
         validated_env = await self._last("spec.validated", sid, resolved.causation_id)
         validated = validated_env.decoded()
         submitted_env = await self._last("spec.submitted", sid, validated_env.causation_id)
@@ -311,7 +361,7 @@ class NodeAgent:
             events.ContextInjected(**record.model_dump()) for record in ctx.records
         ]
         try:
-            config = self._config(sid, plan, submitted, event, code_dir, ctx)
+            config = self._config(sid, plan, submitted, env_dir, code_dir, ctx)
             grant = await self.proxies.open(sid, plan)
             if grant is not None:
                 config = _through_proxy(config, grant)
@@ -324,7 +374,7 @@ class NodeAgent:
             raise
         self._contexts[sid] = ctx
         self._keepalive[sid] = asyncio.create_task(self.injector.keepalive(ctx))
-        outputs.append(self._ready_event(ready, code_dir))
+        outputs.append(self._ready_event(ready, code_dir, {"env_stage": stage_ms}))
         return outputs
 
     def _attach(self, plan: EnforcementPlan) -> Callable[[str, Path, int], Awaitable[None]]:
@@ -340,7 +390,7 @@ class NodeAgent:
         sid: str,
         plan: EnforcementPlan,
         submitted: events.SpecSubmitted,
-        event: events.EnvBuilt,
+        env_dir: Path,
         code_dir: Path | None,
         ctx: PreparedContext,
     ) -> SandboxConfig:
@@ -356,7 +406,7 @@ class NodeAgent:
             sandbox_id=sid,
             argv=list(plan.entrypoint),
             runtime=Path(sys.executable),
-            env_dir=Path(event.location or ""),
+            env_dir=env_dir,
             code_dir=code_dir,
             workdir=plan.workdir,
             env={e.name: e.value for e in plan.env},
@@ -371,12 +421,16 @@ class NodeAgent:
             metadata=ctx.metadata(),
         )
 
-    def _ready_event(self, ready: SandboxReady, code_dir: Path | None) -> events.SandboxReady:
+    def _ready_event(
+        self, ready: SandboxReady, code_dir: Path | None, before: dict[str, float] | None = None
+    ) -> events.SandboxReady:
+        """``sandbox.ready``; ``before``: what preceded the launch (``env_stage``), in ms."""
         return events.SandboxReady(
             node_id=self.settings.node_id,
             pid=ready.pid,
             cgroup=ready.cgroup_path,
-            start_latency_ms={k: round(v, 2) for k, v in ready.timings_ms.items()}
+            start_latency_ms={k: round(v, 2) for k, v in (before or {}).items()}
+            | {k: round(v, 2) for k, v in ready.timings_ms.items()}
             | {"total": round(ready.ready_ms, 2)},
             code_dir=str(code_dir) if code_dir is not None else None,
         )
@@ -384,17 +438,56 @@ class NodeAgent:
     async def on_stop_requested(
         self, envelope: Envelope, event: events.SandboxStopRequested
     ) -> Sequence[events.Payload]:
-        """Stop a sandbox this node runs (``sandbox.exited`` follows from the exit watcher)."""
-        if self.manager.get(envelope.aggregate_id) is not None:
-            await self.manager.stop(
-                envelope.aggregate_id, reason=ExitReason.STOPPED, grace_s=event.grace_s
-            )
+        """Stop a sandbox this node owns (``sandbox.exited`` follows from the exit watcher); one
+        scheduled here but not started yet ends at once in ``sandbox.exited`` reason stopped.
+        Every other node acks and skips it."""
+        sid = envelope.aggregate_id
+        starting = self._starting.get(sid)
+        if starting is not None:  # let the start finish, then stop what it started
+            await starting.wait()
+        if self.manager.get(sid) is not None:
+            with contextlib.suppress(KeyError):  # it ended meanwhile
+                await self.manager.stop(sid, reason=ExitReason.STOPPED, grace_s=event.grace_s)
+            return []
+        state = await self.lifecycle(sid)
+        if placement.stop_without_run(state, self.node_id) == "exit-now":
+            return [
+                events.SandboxExited(
+                    exit_code=-1,
+                    reason="stopped",
+                    duration_s=0.0,
+                    detail=f"stopped by {event.requested_by or 'a user'} before it started",
+                )
+            ]
         return []
+
+    async def on_unit_lost(
+        self, envelope: Envelope, event: events.UnitLost
+    ) -> Sequence[events.Payload]:
+        """This node's placement of a sandbox was declared lost (the node was partitioned, or
+        drained): a copy still running here is stopped and cleaned up, with no event."""
+        sid = envelope.aggregate_id
+        if event.node_id != self.node_id or self.manager.get(sid) is None:
+            return []
+        if self._attempts.get(sid, event.attempt) > event.attempt:
+            return []  # it runs here as a newer placement than the one lost
+        log.warning("%s: placement %d lost (%s); stopping it", sid, event.attempt, event.reason)
+        await self.fence(sid)
+        return []
+
+    async def fence(self, sid: str) -> None:
+        """Stop a stale copy and clean it up without publishing anything for it."""
+        self._fenced.add(sid)
+        with contextlib.suppress(KeyError):  # it ended meanwhile
+            await self.manager.stop(sid, reason=ExitReason.STOPPED, grace_s=1.0)
 
     # --------------------------------------------------------------- callbacks
 
     async def _exited(self, result: SandboxExited) -> None:
         sid = result.sandbox_id
+        fenced = sid in self._fenced
+        self._fenced.discard(sid)
+        self._attempts.pop(sid, None)
         task = self._keepalive.pop(sid, None)
         if task is not None:
             task.cancel()
@@ -409,19 +502,22 @@ class NodeAgent:
             await self.proxies.close(sid)
         except Exception:  # a failed release must not cost the terminal event
             log.exception("releasing the context of %s failed", sid)
-        finally:
-            await self._wait_until_ready_recorded(sid)
-            exit_code = result.exit_code if result.exit_code is not None else -1
-            payload = events.SandboxExited(
-                exit_code=exit_code,
-                reason=result.reason.value,
-                duration_s=round(result.ended_at - result.started_at, 3),
-                detail=result.detail,
-                log_dropped_bytes=result.log_dropped_bytes,
-            )
-            await self.outlet.sandbox_done(sid)  # its last summaries, before the exit
-            self._rules.pop(sid, None)
-            await self.outlet.lifecycle(payload, sid, derive_event_id(sid, "sandbox.exited"))
+        self._rules.pop(sid, None)
+        if fenced:  # its history belongs to the node it is placed on now: nothing published
+            self.outlet.gate.forget(sid)
+            log.info("%s: stale copy stopped and cleaned up (no event)", sid)
+            return
+        await self._wait_until_ready_recorded(sid)
+        exit_code = result.exit_code if result.exit_code is not None else -1
+        payload = events.SandboxExited(
+            exit_code=exit_code,
+            reason=result.reason.value,
+            duration_s=round(result.ended_at - result.started_at, 3),
+            detail=result.detail,
+            log_dropped_bytes=result.log_dropped_bytes,
+        )
+        await self.outlet.sandbox_done(sid)  # its last summaries, before the exit
+        await self.outlet.lifecycle(payload, sid, derive_event_id(sid, "sandbox.exited"))
 
     async def _wait_until_ready_recorded(self, sid: str, timeout_s: float = 10.0) -> None:
         """A workload that exits at once could beat its own ``sandbox.ready`` (published by
@@ -573,6 +669,11 @@ def _mountpoints(code_dir: Path, plan: EnforcementPlan) -> None:
                 ) from None
     finally:
         os.close(root_fd)
+
+
+def _where(state: lifecycle.Lifecycle) -> str:
+    node = f" on {state.node_id!r} (attempt {state.attempt})" if state.node_id else ""
+    return f"{state.state}{node}"
 
 
 def _reason(exc: Exception) -> str:

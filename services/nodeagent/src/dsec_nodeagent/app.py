@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from dsec_core.events import Payload
+from dsec_core.identity import SYSTEM_TENANT
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 from dsec_core.trust import Gate
@@ -13,6 +15,8 @@ from dsec_nodeagent.agent import NodeAgent
 from dsec_nodeagent.communication import CommunicationPlane
 from dsec_nodeagent.ebpf.controller import EgressController
 from dsec_nodeagent.egress import Egress
+from dsec_nodeagent.heartbeat import Heartbeat
+from dsec_nodeagent.inventory import Inventory
 from dsec_nodeagent.outlet import EventOutlet
 from dsec_nodeagent.refusals import RefusalGate
 
@@ -46,10 +50,36 @@ class Wired:
     agent: NodeAgent
     outlet: EventOutlet
     egress: Egress
+    heartbeat: Heartbeat
+
+
+def heartbeat_for(service: Service, agent: NodeAgent) -> Heartbeat:
+    """``node.joined`` and ``node.heartbeat`` of this node, signed by the node agent's key."""
+    settings, manager = service.settings, agent.manager
+
+    def running_groups() -> list[dict[str, Path]]:
+        found = (manager.get(sandbox_id) for sandbox_id in manager.running())
+        return [sandbox.cgroup.dirs for sandbox in found if sandbox is not None]
+
+    async def publish(payload: Payload, aggregate_id: str) -> None:
+        assert service.publisher is not None
+        await service.publisher.publish(payload, aggregate_id=aggregate_id, tenant=SYSTEM_TENANT)
+
+    return Heartbeat(
+        settings.node_id,
+        service.version,
+        settings.heartbeat_s,
+        Inventory(settings, running_groups),
+        publish,
+        sandboxes=manager.running,
+        problems=service.problems,
+        connected=lambda: service.nc is not None and service.nc.is_connected,
+    )
 
 
 def create_service(settings: Settings | None = None) -> Service:
-    """Build the node agent: ``env.built`` → sandbox; ``sandbox.stop_requested`` → stop."""
+    """Build the node agent: ``sandbox.scheduled`` (for this node) → sandbox;
+    ``sandbox.stop_requested`` → stop; ``unit.lost`` → a stale copy fenced off."""
     return wire(settings).service
 
 
@@ -79,11 +109,15 @@ def wire(
         outlet.on_flood = agent.flooded
     comms.attach(agent.manager)
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
-    service.handles("env.built", retry=retry, batch=4)(agent.on_env_built)
-    service.handles("sandbox.stop_requested")(agent.on_stop_requested)
+    # Per-node durables (nodeagent-<node>-<type>): every node sees each event, and acts only on
+    # those of sandboxes placed on it.
+    service.handles("sandbox.scheduled", retry=retry, batch=4, scope="node")(agent.on_scheduled)
+    service.handles("sandbox.stop_requested", scope="node")(agent.on_stop_requested)
+    service.handles("unit.lost", scope="node")(agent.on_unit_lost)
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack
-    service.on_start.extend([outlet.start, egress.start, comms.start, agent.start])
-    service.on_stop.extend([agent.shutdown, comms.stop, egress.close, outlet.stop])
-    return Wired(service, agent, outlet, egress)
+    heartbeat = heartbeat_for(service, agent)  # joins after the sandboxes were reconciled
+    service.on_start.extend([outlet.start, egress.start, comms.start, agent.start, heartbeat.start])
+    service.on_stop.extend([heartbeat.stop, agent.shutdown, comms.stop, egress.close, outlet.stop])
+    return Wired(service, agent, outlet, egress, heartbeat)

@@ -1,8 +1,15 @@
-"""Wiring of the scheduler service.
+"""Wiring of the scheduler service: the fleet and the queue from the log, placement decisions
+as events, loss detection, and the read-model projector (specs and sandboxes in Postgres).
 
-Placement of compute units on GPUs arrives with its own issue. Today the scheduler hosts the
-read-model projector (specs and sandboxes in Postgres), because the scheduler is the service
-that will read "what runs where" from those tables.
+State: one ordered, ephemeral JetStream consumer per process follows the node events and the
+sandbox lifecycle from the start of the stream, each message through the trust gate, folded
+into :class:`~dsec_scheduler.domain.SchedulerState`. The durable handlers (``env.built``,
+``node.cordon_requested``, ``sandbox.stop_requested``) act only once the fold has caught up
+with the log as it was when their message arrived (:meth:`Scheduler.barrier`).
+
+Idempotency: every decision's id is derived from the event it follows (the sandbox's latest
+lifecycle event, the node's last heartbeat, the operator's request), so a restarted scheduler, or
+a second replica deciding from the same log, publishes the same id, and JetStream stores it once.
 """
 
 from __future__ import annotations
@@ -10,19 +17,444 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
 
+import nats.errors
+from dsec_core.envelope import Envelope
+from dsec_core.events import (
+    NodeCordoned,
+    NodeCordonRequested,
+    NodeLost,
+    Payload,
+    SandboxExited,
+    SandboxFailed,
+    SandboxPending,
+    SandboxScheduled,
+    UnitLost,
+)
+from dsec_core.identity import SYSTEM_TENANT
+from dsec_core.ids import derive_event_id
 from dsec_core.projections import Projector
-from dsec_core.service import Service
+from dsec_core.service import Output, Service
 from dsec_core.settings import Settings
+from dsec_core.subjects import STREAM, filter_for, subject_for
+from dsec_core.trust import Gate, unpack_fields
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from dsec_scheduler.domain import (
+    FOLDED_TYPES,
+    NoFit,
+    Placement,
+    Sandbox,
+    SchedulerState,
+    Seen,
+    place,
+    resources_from_plan,
+)
 
 log = logging.getLogger(__name__)
 
+FILTERS: list[str] = sorted({filter_for(t) for t in FOLDED_TYPES})
+IDLE_S = 0.2
+BARRIER_TIMEOUT_S = 20.0
+
+
+class Scheduler:
+    """The scheduler's state and decisions, bound to a running :class:`Service`."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        settings = service.settings
+        self.max_placements = settings.max_placements
+        self.state = SchedulerState(lost_after_s=settings.node_lost_s)
+        self.tick_s = min(1.0, settings.node_lost_s / 4)
+        self._pos = 0  # stream sequence of the last message folded
+        self._idle_rounds = 0  # times the follower found nothing left to read
+        self._progress = asyncio.Condition()
+        self._caught_up = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------------ following the log
+
+    def _js(self) -> JetStreamContext:
+        assert self.service.nc is not None
+        return self.service.nc.jetstream()
+
+    def _gate(self) -> Gate:
+        assert self.service.gate is not None
+        return self.service.gate
+
+    async def start(self) -> None:
+        """Fold the log up to now, then keep following it, placing and watching for losses."""
+        self._tasks.append(asyncio.create_task(self._follow(), name="scheduler-follow"))
+        await self._caught_up.wait()
+        log.info(
+            "scheduler: state rebuilt from the log up to sequence %d: %d nodes, %d waiting",
+            self._pos,
+            len(self.state.nodes),
+            len(self.state.queue()),
+        )
+        self._wake.set()
+        self._tasks.append(asyncio.create_task(self._place_forever(), name="scheduler-place"))
+        self._tasks.append(asyncio.create_task(self._watch_forever(), name="scheduler-watch"))
+
+    async def stop(self) -> None:
+        """Stop following and deciding."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+
+    async def _follow(self) -> None:
+        while True:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=self._pos + 1,
+                ack_policy=AckPolicy.NONE,
+                filter_subjects=FILTERS,
+                inactive_threshold=30.0,
+                mem_storage=True,
+            )
+            try:
+                sub = await self._js().pull_subscribe("", stream=STREAM, config=config)
+                try:
+                    await self._read(sub)
+                finally:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a NATS restart, a deleted consumer: follow again
+                log.warning("scheduler: following the log failed (%s); resuming", exc)
+                await asyncio.sleep(0.5)
+
+    async def _read(self, sub: JetStreamContext.PullSubscription) -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(256, timeout=IDLE_S)
+            except (TimeoutError, nats.errors.TimeoutError):
+                if (await sub.consumer_info()).num_pending:
+                    continue
+                self._idle_rounds += 1
+                self._caught_up.set()
+                await self._notify()
+                continue
+            for msg in msgs:
+                await self._take(msg)
+            await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._progress:
+            self._progress.notify_all()
+
+    async def _take(self, msg: Msg) -> None:
+        meta = msg.metadata
+        seen = await self._authentic(msg.data, msg.subject, meta.timestamp.timestamp())
+        self._pos = max(self._pos, meta.sequence.stream)
+        if seen is None:
+            return
+        try:
+            wake = self.state.apply(seen)
+        except (ValueError, KeyError, TypeError) as exc:  # a payload the fold cannot read
+            log.warning("scheduler: %s %s not folded: %s", seen.type, seen.id, exc)
+            return
+        if wake and self._caught_up.is_set():
+            self._wake.set()
+
+    async def _authentic(self, data: bytes, subject: str, stored_at: float) -> Seen | None:
+        """The event as the fold takes it, when the gate admits it (never a forged one)."""
+        try:
+            fields = unpack_fields(data)
+            envelope = Envelope.model_validate(fields)
+        except ValueError:
+            return None
+        if envelope.subject != subject:
+            return None
+        refusal = await self._gate().check(fields, envelope)
+        if refusal is not None:
+            log.info("scheduler: not folding %s on %s: %s", envelope.type, subject, refusal[1])
+            return None
+        try:
+            payload = envelope.decoded().model_dump(mode="json")
+        except ValueError as exc:
+            log.warning("scheduler: %s %s unreadable: %s", envelope.type, envelope.id, exc)
+            return None
+        return Seen(
+            envelope.id,
+            envelope.type,
+            envelope.aggregate_id,
+            envelope.tenant,
+            payload,
+            stored_at,
+        )
+
+    async def barrier(self, timeout: float = BARRIER_TIMEOUT_S) -> None:
+        """Wait until the fold includes every message the log held when this was called."""
+        last = (await self._js().stream_info(STREAM)).state.last_seq
+        idle = self._idle_rounds
+        async with self._progress:
+            await asyncio.wait_for(
+                self._progress.wait_for(lambda: self._pos >= last or self._idle_rounds >= idle + 2),
+                timeout,
+            )
+
+    # ------------------------------------------------------------------ deciding
+
+    async def _decide(
+        self,
+        payload: Payload,
+        *,
+        aggregate_id: str,
+        event_id: str,
+        tenant: str,
+        causation: Envelope | None = None,
+    ) -> None:
+        """Publish one decision with its derived id, applied to the state at once."""
+        seen = Seen(
+            event_id,
+            payload.TYPE,
+            aggregate_id,
+            tenant,
+            payload.model_dump(mode="json"),
+            time.time(),
+        )
+        self.state.tentative(seen)
+        assert self.service.publisher is not None
+        try:
+            await self.service.publisher.publish(
+                payload,
+                aggregate_id=aggregate_id,
+                event_id=event_id,
+                causation=causation,
+                tenant=tenant,
+            )
+        except BaseException:
+            self.state.withdraw(event_id)
+            raise
+
+    def _placement(self, sbx: Sandbox) -> SandboxScheduled | SandboxPending:
+        """Where a waiting (or just built) sandbox goes now, or why it waits."""
+        assert sbx.resources is not None
+        avoid = sbx.lost_on
+        decision = place(sbx.resources, self.state.fleet(time.time()), avoid=avoid)
+        if isinstance(decision, Placement):
+            return SandboxScheduled(
+                node_id=decision.node_id,
+                reason=decision.reason,
+                attempt=sbx.next_attempt,
+                previous_node=sbx.lost_on,
+                resources=sbx.resources,
+                env_built_id=sbx.env_built_id,
+            )
+        assert isinstance(decision, NoFit)
+        return SandboxPending(
+            reason=decision.summary(), resources=sbx.resources, attempt=sbx.next_attempt
+        )
+
+    async def place_waiting(self) -> None:
+        """Try each waiting sandbox, oldest first: schedule what fits now; a sandbox lost on
+        its node and fitting nowhere becomes pending."""
+        for queued in self.state.queue():
+            sbx = self.state.sandboxes.get(queued.sandbox_id)
+            if sbx is None or not sbx.waiting or sbx.stop_requested or sbx.resources is None:
+                continue
+            decision = self._placement(sbx)
+            if isinstance(decision, SandboxPending) and sbx.life.state == "pending":
+                continue  # still waits; the reason it was given stands
+            assert sbx.life.last_event_id is not None
+            await self._decide(
+                decision,
+                aggregate_id=sbx.sandbox_id,
+                event_id=derive_event_id(sbx.life.last_event_id, "placement"),
+                tenant=sbx.tenant,
+            )
+
+    async def declare_lost(self, now: float) -> None:
+        """Declare silent nodes lost, then move what lost or draining nodes still hold."""
+        for node in self.state.silent(now):
+            silent = now - node.last_seen
+            log.warning("scheduler: node %s silent for %.1f s: lost", node.node_id, silent)
+            await self._decide(
+                NodeLost(
+                    node_id=node.node_id,
+                    last_seen=datetime.fromtimestamp(node.last_seen, UTC),
+                    silent_s=round(silent, 1),
+                    sandboxes=self.state.on_node(node.node_id),
+                ),
+                aggregate_id=node.node_id,
+                event_id=derive_event_id(node.last_event_id, "node.lost"),
+                tenant=SYSTEM_TENANT,
+            )
+        await self.evacuate()
+
+    async def evacuate(self) -> None:
+        """``unit.lost`` for each sandbox a lost or draining node still holds."""
+        moved = False
+        for node, held in self.state.evacuate():
+            if node.lost:
+                cause = derive_event_id(node.last_event_id, "node.lost")
+                reason = f"node {node.node_id} lost"
+            else:
+                cause, reason = node.drain_event_id, "node drained"
+            for sandbox_id in held:
+                sbx = self.state.sandboxes[sandbox_id]
+                retry = node.draining or sbx.life.attempt < self.max_placements
+                await self._decide(
+                    UnitLost(
+                        node_id=node.node_id,
+                        reason=reason,
+                        action="reschedule" if retry else "fail",
+                        attempt=sbx.life.attempt,
+                    ),
+                    aggregate_id=sandbox_id,
+                    event_id=derive_event_id(cause, f"unit.lost/{sandbox_id}"),
+                    tenant=sbx.tenant,
+                )
+                moved = True
+        if moved:
+            self._wake.set()
+
+    async def _place_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.place_waiting()
+            except Exception:  # a decision that could not be published: try again soon
+                log.exception("scheduler: placing the queue failed")
+                await asyncio.sleep(1.0)
+                self._wake.set()
+
+    async def _watch_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                await self.declare_lost(time.time())
+            except Exception:
+                log.exception("scheduler: loss detection failed")
+            if self.state.queue():
+                self._wake.set()  # stale nodes come back by the clock too
+
+    # ------------------------------------------------------------------ handlers
+
+    async def on_env_built(self, envelope: Envelope) -> list[Output | Payload]:
+        """A built sandbox: schedule it on a node, or queue it as pending."""
+        await self.barrier()
+        sid = envelope.aggregate_id
+        sbx = self.state.sandboxes.get(sid)
+        if sbx is None or sbx.env_built_id != envelope.id or sbx.life.state != "built":
+            return []  # decided before (a redelivery, a restart) or already ended
+        validated = await self._gate().find(subject_for("spec.validated", sid))
+        if validated is None:
+            return [SandboxFailed(stage="scheduler", reason="no authentic spec.validated")]
+        try:
+            resources = resources_from_plan(validated.payload["plan"])
+        except (KeyError, TypeError, ValueError) as exc:
+            reason = f"the plan's resources are unreadable: {exc}"[:500]
+            return [SandboxFailed(stage="scheduler", reason=reason)]
+        sbx = self.state.sandboxes[sid]
+        if sbx.stop_requested or await self._gate().find(
+            subject_for("sandbox.stop_requested", sid)
+        ):
+            return [_stopped()]
+        decision = self._placement(replace(sbx, resources=resources))
+        await self._decide(
+            decision,
+            aggregate_id=sid,
+            event_id=derive_event_id(envelope.id, "placement"),
+            tenant=sbx.tenant,
+            causation=envelope,
+        )
+        return []
+
+    async def on_cordon_requested(
+        self, envelope: Envelope, request: NodeCordonRequested
+    ) -> list[Output | Payload]:
+        """An operator's cordon, uncordon or drain: the node's placement state, and for a
+        drain each of its sandboxes lost and rescheduled elsewhere."""
+        await self.barrier()
+        node = self.state.nodes.get(request.node_id)
+        if node is None:
+            answer = NodeCordoned(
+                node_id=request.node_id,
+                cordoned=False,
+                reason=f"node {request.node_id} has not joined: nothing to cordon",
+            )
+            return [Output(answer, aggregate_id=request.node_id)]
+        draining = request.action == "drain"
+        answer = NodeCordoned(
+            node_id=node.node_id,
+            cordoned=request.action != "uncordon",
+            draining=draining,
+            reason=request.reason,
+            moved=self.state.on_node(node.node_id) if draining else [],
+        )
+        await self._decide(
+            answer,
+            aggregate_id=node.node_id,
+            event_id=derive_event_id(envelope.id, "node.cordoned"),
+            tenant=envelope.tenant,
+            causation=envelope,
+        )
+        await self.evacuate()
+        if request.action == "uncordon":
+            self._wake.set()
+        return []
+
+    async def on_stop_requested(self, envelope: Envelope) -> list[Output | Payload]:
+        """A stop of a sandbox that waits for a node: the scheduler ends it."""
+        await self.barrier()
+        sbx = self.state.sandboxes.get(envelope.aggregate_id)
+        if sbx is None:
+            return []
+        if sbx.life.state == "pending":
+            end: Payload = _stopped()
+        elif sbx.life.state == "lost":
+            end = SandboxFailed(stage="scheduler", reason="stopped while waiting for a new node")
+        else:
+            return []  # its node agent stops it (or it has not been placed yet: see env.built)
+        await self._decide(
+            end,
+            aggregate_id=sbx.sandbox_id,
+            event_id=derive_event_id(envelope.id, f"{end.TYPE}#0"),
+            tenant=sbx.tenant,
+            causation=envelope,
+        )
+        return []
+
+
+def _stopped() -> SandboxExited:
+    return SandboxExited(
+        exit_code=-1, reason="stopped", duration_s=0.0, detail="stopped before it was placed"
+    )
+
 
 def create_service(settings: Settings | None = None) -> Service:
-    """Build the scheduler service with the projector attached."""
+    """Build the scheduler service: placement, loss detection and the projector."""
     service = Service("scheduler", settings)
+    scheduler = Scheduler(service)
     stop = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
+
+    @service.handles("env.built")
+    async def env_built(envelope: Envelope, _: Any) -> list[Output | Payload]:
+        return await scheduler.on_env_built(envelope)
+
+    @service.handles("node.cordon_requested")
+    async def cordon(envelope: Envelope, request: NodeCordonRequested) -> list[Output | Payload]:
+        return await scheduler.on_cordon_requested(envelope, request)
+
+    @service.handles("sandbox.stop_requested")
+    async def stop_requested(envelope: Envelope, _: Any) -> list[Output | Payload]:
+        return await scheduler.on_stop_requested(envelope)
 
     async def start_projector() -> None:
         dsn = service.settings.endpoint("postgres_dsn")
@@ -33,12 +465,14 @@ def create_service(settings: Settings | None = None) -> Service:
         projector = Projector(service.nc.jetstream(), str(dsn), gate=service.gate)
         tasks.append(asyncio.create_task(projector.run(stop), name="projector"))
 
-    async def stop_projector() -> None:
+    async def stop_all() -> None:
+        await scheduler.stop()
         stop.set()
         for task in tasks:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(task, timeout=5)
 
     service.on_start.append(start_projector)
-    service.on_stop.append(stop_projector)
+    service.on_start.append(scheduler.start)  # the state is rebuilt before the handlers run
+    service.on_stop.append(stop_all)
     return service

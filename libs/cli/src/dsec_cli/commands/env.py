@@ -1,7 +1,8 @@
-"""``dsec env ls`` / ``dsec env gc``: the environments built on this node.
+"""``dsec env ls`` / ``dsec env gc``: the environments the builder built on this node.
 
-Environments live in ``$DSEC_HOME/envs/<lock hash>/``, immutable and shared by every sandbox
-whose spec resolves to the same lock.
+They live under the builder's root, ``$DSEC_HOME/builder/envs/<lock hash>/``, immutable; each is
+also stored once for the cluster as an archive in the object store (``envs/<lock hash>.tar.zst``),
+which is what node agents stage from.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from dsec_core.layout import NodeLayout
 from dsec_core.settings import Settings
 from rich.table import Table
 
@@ -29,7 +31,7 @@ def _store() -> EnvironmentStore:
     # Imported here: the builder pulls in its HTTP and S3 clients, which other commands skip.
     from dsec_builder.adapters.store import EnvironmentStore
 
-    return EnvironmentStore(Settings().home.resolve() / "envs")
+    return EnvironmentStore(NodeLayout.of(Settings().home).builder / "envs")
 
 
 def _age(timestamp: float) -> str:

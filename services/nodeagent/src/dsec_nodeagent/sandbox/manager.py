@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec_core.layout import NodeLayout
 from dsec_core.retention import ENDED_MARK
 
 from dsec_nodeagent.sandbox import (
@@ -140,9 +141,10 @@ class SandboxManager:
     ) -> None:
         self.home = home.resolve()
         self.uid_base = uid_base  # node agents of one machine get disjoint uid ranges
-        self.run_dir = self.home / "run" / "sandboxes"
-        self.data_root = self.home / "sandboxes"
-        self.cache_dir = self.home / "cache" / "runtimes"
+        layout = NodeLayout.of(self.home)
+        self.run_dir = layout.sandboxes_run
+        self.data_root = layout.sandboxes
+        self.cache_dir = layout.cache / "runtimes"
         self.python = python or Path(sys.executable)
         self.on_exit = on_exit
         self.on_decision = on_decision
@@ -165,7 +167,7 @@ class SandboxManager:
         self._ended: dict[str, SandboxExited] = {}  # recent results, for wait() after the end
         self._hierarchy: cgroups.Hierarchy | None = None
         self._facts: tuple[int, int, bytes] | None = None
-        self._images = quota.ImagePool(self.home / "cache" / "disk-images")
+        self._images = quota.ImagePool(layout.cache / "disk-images")
         self._image_sizes: dict[int, None] = {}  # recently asked sizes, oldest first
         self._image_fill: asyncio.Task[None] | None = None
 

@@ -1,0 +1,111 @@
+"""The node's presence on the bus: ``node.joined`` once per start, then ``node.heartbeat``.
+
+Each beat is one signed publish (aggregate id = the node id) of the inventory, the running
+sandboxes and the service's problems (its health checks, plus GPU fields that failed to read).
+A beat is skipped, not queued, while the bus is unreachable: the scheduler learns from the gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+from dsec_core.events import NodeHeartbeat, NodeJoined, Payload
+
+from dsec_nodeagent.inventory import Inventory
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[Payload, str], Awaitable[None]]
+"""Publishes a payload with the given aggregate id (the node's publisher, signed)."""
+
+
+class Heartbeat:
+    """Announces the node and beats every ``interval_s`` until :meth:`stop`."""
+
+    def __init__(
+        self,
+        node_id: str,
+        version: str,
+        interval_s: float,
+        inventory: Inventory,
+        publish: Publish,
+        *,
+        sandboxes: Callable[[], list[str]],
+        problems: Callable[[], list[str]],
+        connected: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.node_id = node_id
+        self.version = version
+        self.interval_s = interval_s
+        self.inventory = inventory
+        self._publish = publish
+        self._sandboxes = sandboxes
+        self._problems = problems
+        self._connected = connected
+        self.seq = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Publish ``node.joined`` and start beating (call after the sandboxes were
+        reconciled, so the first beat lists the re-adopted ones)."""
+        await self.inventory.start()
+        inventory, _ = await self.inventory.read()
+        joined = NodeJoined(
+            node_id=self.node_id,
+            hostname=socket.gethostname(),
+            version=self.version,
+            inventory=inventory,
+            heartbeat_s=self.interval_s,
+        )
+        await self._publish(joined, self.node_id)
+        log.info(
+            "node %s joined: %.1f CPUs, %d bytes of memory, GPUs %s",
+            self.node_id,
+            inventory.cpus,
+            inventory.memory_bytes,
+            inventory.gpu_probe,
+        )
+        self._task = asyncio.create_task(self._run(), name="heartbeat")
+
+    async def stop(self) -> None:
+        """Stop beating; shut NVML down."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.inventory.close()
+
+    async def beat(self) -> NodeHeartbeat:
+        """Read the inventory and publish one heartbeat."""
+        inventory, gpu_problems = await self.inventory.read()
+        self.seq += 1
+        heartbeat = NodeHeartbeat(
+            node_id=self.node_id,
+            seq=self.seq,
+            inventory=inventory,
+            sandboxes=self._sandboxes(),
+            problems=[*self._problems(), *gpu_problems],
+            heartbeat_s=self.interval_s,
+        )
+        await self._publish(heartbeat, self.node_id)
+        return heartbeat
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            next_at += self.interval_s
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            if not self._connected():
+                continue  # skipped, not queued: the gap is the signal
+            try:
+                await self.beat()
+            except Exception:  # a beat must never take the node agent down
+                log.exception("heartbeat %d failed", self.seq)
+            if loop.time() > next_at + self.interval_s:
+                next_at = loop.time()  # a slow beat: do not burst to catch up

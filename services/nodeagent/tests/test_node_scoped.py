@@ -1,0 +1,212 @@
+"""A node agent acts only on the sandboxes placed on its node, and stages their environments
+from the object store (real NATS, SeaweedFS, kernel sandboxes)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+from dsec_core import events
+from dsec_core.envarchive import pack
+from dsec_core.layout import NodeLayout
+from dsec_core.natsperms import durable_name
+from dsec_core.objectstore import env_archive_key
+from dsec_core.subjects import STREAM, subject_for
+from nats.js.errors import NotFoundError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _nodeagent_harness import NodeAgentHarness
+
+pytestmark = [pytest.mark.integration, pytest.mark.kernel]
+
+QUIET = "{cidr: 10.77.0.0/16, ports: [80]}"
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    """A short home: the sandboxes' socket paths must fit in AF_UNIX's 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="dns-", dir="/tmp"))
+    yield path / "home"
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _s3_settings(s3: Any) -> dict[str, Any]:
+    return {
+        "s3_endpoint": s3.endpoint,
+        "s3_access_key": s3.access_key,
+        "s3_secret_key": s3.secret_key,
+        "s3_bucket": s3.bucket,
+    }
+
+
+def _stored_env(tmp: Path, s3: Any, value: str) -> events.EnvBuilt:
+    """An environment holding module ``stagedmod`` (``VALUE = value``) stored as the builder
+    stores it; returns its ``env.built``."""
+    root = tmp / f"env-{value}"
+    (root / "site-packages").mkdir(parents=True)
+    (root / "site-packages" / "stagedmod.py").write_text(f"VALUE = {value!r}\n")
+    (root / "env.json").write_text("{}")
+    lock_hash = uuid.uuid4().hex
+    packed = pack(root, tmp / f"{lock_hash}.tar.zst")
+    key = env_archive_key(lock_hash)
+    s3.client().fput_object(s3.bucket, key, str(tmp / f"{lock_hash}.tar.zst"))
+    return events.EnvBuilt(
+        lock_hash=lock_hash,
+        fingerprint="test",
+        object_key=key,
+        digest=packed.digest,
+        size_bytes=packed.size_bytes,
+        unpacked_bytes=packed.unpacked_bytes,
+        reused=False,
+    )
+
+
+async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout_s}s: {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _handled(h: NodeAgentHarness, event_type: str, event_id: str) -> bool:
+    """Whether this node agent's durable for ``event_type`` handled (and acked) ``event_id``."""
+    kv = await h._nc.jetstream().key_value("dsec-handled")
+    durable = durable_name("nodeagent", event_type, h.settings.node_id)
+    try:
+        await kv.get(f"{durable}.{event_id}")
+    except Exception:
+        return False
+    return True
+
+
+async def _in_log(h: NodeAgentHarness, event_type: str, sid: str) -> bool:
+    try:
+        await h._nc.jetstream().get_last_msg(STREAM, subject_for(event_type, sid))
+    except NotFoundError:
+        return False
+    return True
+
+
+async def test_a_fresh_node_stages_the_environment_from_s3_once_per_lock(
+    home: Path, nats_url: str, s3: Any, tmp_path: Path
+) -> None:
+    built = _stored_env(tmp_path, s3, "from-s3")
+    code = "import stagedmod, sys; sys.exit(0 if stagedmod.VALUE == 'from-s3' else 3)"
+    async with NodeAgentHarness(home, nats_url, **_s3_settings(s3)) as h:
+        sid = await h.submit("staged", code, QUIET, built=built)
+        ready = await h.wait_for(sid, "sandbox.ready")
+        exited = await h.wait_for(sid, "sandbox.exited")
+        assert exited.payload["exit_code"] == 0, exited.payload
+        assert ready.payload["start_latency_ms"]["env_stage"] > 0
+        layout = NodeLayout.of(home)
+        assert (layout.env_site_packages(built.lock_hash) / "stagedmod.py").is_file()
+        # the second sandbox of the lock uses the staged copy: the archive is not needed again
+        assert built.object_key is not None
+        s3.client().remove_object(s3.bucket, built.object_key)
+        again = await h.submit("staged-again", code, QUIET, built=built)
+        assert (await h.wait_for(again, "sandbox.exited")).payload["exit_code"] == 0
+    assert sorted(p.name for p in layout.envs.iterdir() if p.name != h.lock_hash) == [
+        ".incoming",
+        built.lock_hash,
+    ]
+
+
+async def test_a_corrupted_archive_fails_the_sandbox_and_leaves_nothing_half_unpacked(
+    home: Path, nats_url: str, s3: Any, tmp_path: Path
+) -> None:
+    genuine = _stored_env(tmp_path, s3, "genuine")
+    altered = genuine.model_copy(update={"digest": blake3.blake3(b"other bytes").hexdigest()})
+    async with NodeAgentHarness(home, nats_url, **_s3_settings(s3)) as h:
+        sid = await h.submit("corrupt", "print(1)", QUIET, built=altered)
+        await _until(lambda: _in_log(h, "sandbox.failed", sid), "sandbox.failed")
+        (failed,) = h.recorded[sid].of("sandbox.failed")
+    assert "does not match its env.built" in failed.payload["reason"]
+    assert "altered or corrupted" in failed.payload["reason"]
+    assert h.recorded[sid].of("sandbox.ready") == []
+    envs = NodeLayout.of(home).envs
+    assert not (envs / genuine.lock_hash).exists()
+    assert [p.name for p in envs.iterdir() if p.name.startswith(f".{genuine.lock_hash}")] == []
+    assert list((envs / ".incoming").iterdir()) == []
+
+
+async def test_a_sandbox_scheduled_on_another_node_is_neither_started_nor_stopped_here(
+    home: Path, nats_url: str
+) -> None:
+    async with NodeAgentHarness(home, nats_url) as h:
+        sid = await h.submit("elsewhere", "print(1)", QUIET, node_id="other-node")
+        scheduled = h.scheduled[sid].envelope.id
+        await _until(lambda: _handled(h, "sandbox.scheduled", scheduled), "scheduled acked")
+        stop = await h.upstream.user.publish(
+            events.SandboxStopRequested(requested_by="test"), aggregate_id=sid
+        )
+        stop_id = stop.envelope.id
+        await _until(lambda: _handled(h, "sandbox.stop_requested", stop_id), "stop acked")
+        assert [
+            a.envelope.type for a in h.recorded[sid].events if a.envelope.producer == "nodeagent"
+        ] == []
+        assert not await _in_log(h, "sandbox.exited", sid)
+        assert not NodeLayout.of(home).sandbox(sid).root.exists()
+        assert h.agent.manager.get(sid) is None
+
+
+def _events_of(h: NodeAgentHarness, sid: str) -> list[str]:
+    return [a.envelope.type for a in h.recorded[sid].events]
+
+
+async def _rescheduled_elsewhere(h: NodeAgentHarness, sid: str) -> None:
+    """What the scheduler publishes when this node is declared lost: ``unit.lost``, then the
+    sandbox placed on another node."""
+    cause = h.scheduled[sid].envelope
+    lost = events.UnitLost(
+        node_id=h.settings.node_id, reason="node lost", action="reschedule", attempt=1
+    )
+    await h.upstream.scheduler.publish(lost, aggregate_id=sid, causation=cause)
+    moved = events.SandboxScheduled(node_id="node-b", attempt=2, previous_node=h.settings.node_id)
+    await h.upstream.scheduler.publish(moved, aggregate_id=sid, causation=cause)
+
+
+async def test_a_copy_whose_placement_was_lost_is_stopped_without_any_event(
+    home: Path, nats_url: str
+) -> None:
+    async with NodeAgentHarness(home, nats_url) as h:
+        sid = await h.submit("fenced", "import time; time.sleep(60)", QUIET)
+        await h.wait_for(sid, "sandbox.ready")
+        await _rescheduled_elsewhere(h, sid)
+
+        async def gone() -> bool:
+            return h.agent.manager.get(sid) is None and sid not in h.agent._fenced
+
+        await _until(gone, "the stale copy stopped")
+        assert not NodeLayout.of(home).sandbox(sid).run.exists()
+        assert not await _in_log(h, "sandbox.exited", sid)
+    assert "sandbox.exited" not in _events_of(h, sid)
+
+
+async def test_a_node_agent_restarted_after_its_sandbox_moved_stops_the_stale_copy(
+    home: Path, nats_url: str
+) -> None:
+    async with NodeAgentHarness(home, nats_url) as first:
+        sid = await first.submit("moved", "import time; time.sleep(60)", QUIET)
+        await first.wait_for(sid, "sandbox.ready")
+        await first.stop_agent()  # a crash or partition: the sandbox keeps running
+        assert NodeLayout.of(home).sandbox(sid).run.exists()
+        await _rescheduled_elsewhere(first, sid)
+        async with NodeAgentHarness(home, nats_url) as second:
+            # reconcile at start re-adopted it, read its fold (placed on node-b) and fenced it
+            await _until(lambda: _stopped(second, sid), "the stale copy stopped after the restart")
+            assert not NodeLayout.of(home).sandbox(sid).run.exists()
+            assert not await _in_log(second, "sandbox.exited", sid)
+
+
+async def _stopped(h: NodeAgentHarness, sid: str) -> bool:
+    return h.agent.manager.get(sid) is None and sid not in h.agent._fenced

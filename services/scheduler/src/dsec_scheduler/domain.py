@@ -1,0 +1,432 @@
+"""Pure scheduling decisions: the fleet, what each node holds, and where a sandbox goes.
+
+Nothing here does I/O. :class:`SchedulerState` folds the authentic events the scheduler reads
+from the log (node presence, cordons, the sandbox lifecycle through :mod:`dsec_core.lifecycle`)
+into a fleet and a queue; :func:`place` chooses a node for one request. ``place`` is the seam
+where placement quality (GPU topology, gangs) plugs in later: it sees the whole fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from dsec_core.events import GpuInfo, NodeInventory, Resources
+from dsec_core.lifecycle import Lifecycle, step
+from dsec_core.spec.plan import ResourceLimits
+
+GIB = 2**30
+
+# --------------------------------------------------------------------------- the request
+
+
+def resources_from_plan(plan: Mapping[str, Any]) -> Resources:
+    """What a sandbox needs, from its compiled plan's ``resources`` (``spec.validated``)."""
+    limits = ResourceLimits.model_validate(plan["resources"])
+    gpu = limits.gpu
+    return Resources(
+        cpus=limits.cpu_millicores / 1000,
+        memory_bytes=limits.memory_bytes,
+        gpus=gpu.count if gpu is not None else 0,
+        gpu_memory_bytes=(gpu.memory_bytes or 0) if gpu is not None else 0,
+    )
+
+
+# --------------------------------------------------------------------------- the fleet
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node as the scheduler knows it (from its authentic node events)."""
+
+    node_id: str
+    inventory: NodeInventory
+    last_seen: float
+    """When the log stored its latest ``node.joined``/``node.heartbeat`` (epoch seconds)."""
+    heartbeat_s: float = 5.0
+    last_event_id: str = ""
+    problems: tuple[str, ...] = ()
+    cordoned: bool = False
+    draining: bool = False
+    drain_event_id: str = ""
+    """The ``node.cordoned`` that began the drain (what its ``unit.lost`` ids derive from)."""
+    lost: bool = False
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The nodes, what is allocated on each, and the clock to judge freshness by."""
+
+    nodes: Mapping[str, Node]
+    allocations: Mapping[str, tuple[Resources, ...]]
+    now: float
+    lost_after_s: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The chosen node."""
+
+    node_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class NoFit:
+    """No node can take the request now; why not, per node."""
+
+    reasons: Mapping[str, str]
+
+    def summary(self) -> str:
+        """One line: every node and why it does not fit."""
+        if not self.reasons:
+            return "no node has joined"
+        return "no node fits: " + "; ".join(f"{n}: {r}" for n, r in sorted(self.reasons.items()))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def free_gpus(gpus: Sequence[GpuInfo], allocated: Iterable[Resources]) -> list[int]:
+    """Memory of each GPU not taken by ``allocated`` (each need takes the smallest GPUs that
+    are large enough, the most demanding first), smallest first."""
+    free = sorted(g.memory_total_bytes for g in gpus)
+    for need in sorted(allocated, key=lambda r: (-r.gpu_memory_bytes, -r.gpus)):
+        for _ in range(need.gpus):
+            if not free:
+                break
+            idx = next((i for i, m in enumerate(free) if m >= need.gpu_memory_bytes), len(free) - 1)
+            free.pop(idx)
+    return free
+
+
+def _usable(node: Node, fleet: Fleet) -> list[str]:
+    """Why nothing may be placed on ``node`` now (empty: it may take work)."""
+    silent = fleet.now - node.last_seen
+    if node.lost:
+        return [f"lost (silent {silent:.0f} s)"]
+    why = []
+    if node.draining:
+        why.append("draining")
+    elif node.cordoned:
+        why.append("cordoned")
+    if node.problems:
+        why.append("unhealthy: " + ", ".join(node.problems))
+    stale_after = min(fleet.lost_after_s, 3 * node.heartbeat_s)
+    if silent > stale_after:
+        why.append(f"no heartbeat for {silent:.0f} s")
+    return why
+
+
+def _shortfalls(request: Resources, node: Node, held: Sequence[Resources]) -> list[str]:
+    """What ``node`` lacks for ``request`` given what it holds (empty: it fits)."""
+    inv = node.inventory
+    why = []
+    if len(held) >= inv.max_sandboxes:
+        why.append(f"full ({inv.max_sandboxes} sandboxes)")
+    cpus_free = inv.cpus - sum(r.cpus for r in held)
+    if request.cpus > cpus_free + 1e-9:
+        why.append(f"CPUs: needs {request.cpus:g}, {max(cpus_free, 0):g} free")
+    mem_free = inv.memory_bytes - sum(r.memory_bytes for r in held)
+    if request.memory_bytes > mem_free:
+        why.append(f"memory: needs {_gib(request.memory_bytes)}, {_gib(max(mem_free, 0))} free")
+    if request.gpus:
+        free = free_gpus(inv.gpus, held)
+        big = [m for m in free if m >= request.gpu_memory_bytes]
+        if len(big) < request.gpus:
+            size = f" of {_gib(request.gpu_memory_bytes)}+" if request.gpu_memory_bytes else ""
+            why.append(f"GPUs: needs {request.gpus}{size}, {len(big)} free")
+    return why
+
+
+def free_fraction(node: Node, held: Sequence[Resources]) -> float:
+    """How free the node is: the free share of its most used resource (CPU, memory, GPUs)."""
+    inv = node.inventory
+    shares = [
+        1 - sum(r.cpus for r in held) / inv.cpus if inv.cpus > 0 else 0.0,
+        1 - sum(r.memory_bytes for r in held) / inv.memory_bytes if inv.memory_bytes > 0 else 0.0,
+    ]
+    if inv.gpus:
+        shares.append(len(free_gpus(inv.gpus, held)) / len(inv.gpus))
+    return max(0.0, min(shares))
+
+
+def place(request: Resources, fleet: Fleet, *, avoid: str | None = None) -> Placement | NoFit:
+    """The node for ``request``: one that fits (CPUs, memory, GPU count and per-GPU memory, its
+    sandbox maximum), is neither cordoned, draining nor lost, is healthy (no problems, a fresh
+    heartbeat), and is the least loaded (highest free fraction; ties by node id). ``avoid``:
+    a node not to use (where the sandbox was just lost), unless it is the only one that fits.
+    """
+    fits: list[tuple[float, str]] = []
+    reasons: dict[str, str] = {}
+    for node_id, node in fleet.nodes.items():
+        held = fleet.allocations.get(node_id, ())
+        why = _usable(node, fleet) or _shortfalls(request, node, held)
+        if why:
+            reasons[node_id] = ", ".join(why)
+        else:
+            fits.append((free_fraction(node, held), node_id))
+    if not fits:
+        return NoFit(reasons)
+    preferred = [f for f in fits if f[1] != avoid] or fits
+    share, node_id = min(preferred, key=lambda f: (-f[0], f[1]))
+    return Placement(node_id, f"least loaded of {len(fits)} fitting ({share:.0%} free)")
+
+
+# --------------------------------------------------------------------------- the fold
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One authentic event as the scheduler folds it."""
+
+    id: str
+    type: str
+    aggregate_id: str
+    tenant: str
+    payload: Mapping[str, Any]
+    stored_at: float
+    """When the log stored it (JetStream's timestamp, epoch seconds)."""
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """A sandbox from its ``env.built`` on: what it needs, where it is, whether it waits."""
+
+    sandbox_id: str
+    tenant: str
+    life: Lifecycle
+    env_built_id: str
+    resources: Resources | None = None
+    queued_at: float | None = None
+    """When it began to wait for a node (pending, or lost and to be rescheduled)."""
+    lost_on: str | None = None
+    pending_attempt: int = 1
+    """The attempt a ``sandbox.pending`` waits for."""
+    stop_requested: bool = False
+
+    @property
+    def waiting(self) -> bool:
+        """Whether it is in the queue: pending, or lost with ``action=reschedule``."""
+        return self.life.state in {"pending", "lost"}
+
+    @property
+    def holds(self) -> str | None:
+        """The node whose capacity it takes now."""
+        return self.life.node_id if self.life.state in {"scheduled", "running"} else None
+
+    @property
+    def next_attempt(self) -> int:
+        """The attempt number of its next placement."""
+        if self.life.state == "lost":
+            return self.life.attempt + 1
+        return self.pending_attempt if self.life.state == "pending" else 1
+
+
+_NODE_SEEN = {"node.joined", "node.heartbeat"}
+_SANDBOX_TYPES = {
+    "env.built",
+    "sandbox.pending",
+    "sandbox.scheduled",
+    "sandbox.ready",
+    "unit.lost",
+    "sandbox.exited",
+    "sandbox.failed",
+    "sandbox.stop_requested",
+}
+FOLDED_TYPES: frozenset[str] = frozenset(
+    {*_NODE_SEEN, "node.lost", "node.cordoned", *_SANDBOX_TYPES}
+)
+"""The event types the scheduler's state is folded from."""
+
+
+@dataclass
+class SchedulerState:
+    """The fleet and the queue, folded from authentic events in log order (pure, in memory).
+
+    Decisions the scheduler publishes are applied at once as *tentative* (so a second decision
+    does not use the same capacity) and confirmed or corrected when the log delivers them: the
+    log is the truth, even when another replica's decision won the deduplication.
+    """
+
+    lost_after_s: float
+    nodes: dict[str, Node] = field(default_factory=dict)
+    sandboxes: dict[str, Sandbox] = field(default_factory=dict)
+    _tentative: dict[str, tuple[str, str, Any]] = field(default_factory=dict)
+
+    # -- reading
+
+    def fleet(self, now: float) -> Fleet:
+        """The fleet now, with every sandbox's allocation on its node."""
+        held: dict[str, list[Resources]] = {}
+        for sbx in self.sandboxes.values():
+            node = sbx.holds
+            if node is not None and sbx.resources is not None:
+                held.setdefault(node, []).append(sbx.resources)
+        return Fleet(
+            dict(self.nodes), {n: tuple(r) for n, r in held.items()}, now, self.lost_after_s
+        )
+
+    def queue(self) -> list[Sandbox]:
+        """Sandboxes waiting for a node, oldest first."""
+        waiting = [s for s in self.sandboxes.values() if s.waiting and not s.stop_requested]
+        return sorted(waiting, key=lambda s: (s.queued_at or 0.0, s.sandbox_id))
+
+    def on_node(self, node_id: str) -> list[str]:
+        """Sandboxes the node holds (scheduled there or running there)."""
+        return sorted(s.sandbox_id for s in self.sandboxes.values() if s.holds == node_id)
+
+    def evacuate(self) -> list[tuple[Node, list[str]]]:
+        """Lost or draining nodes that still hold sandboxes, with those sandboxes."""
+        out = []
+        for _, node in sorted(self.nodes.items()):
+            held = self.on_node(node.node_id)
+            if held and (node.lost or node.draining):
+                out.append((node, held))
+        return out
+
+    def silent(self, now: float) -> list[Node]:
+        """Nodes silent longer than ``lost_after_s`` and not yet declared lost."""
+        return [
+            n
+            for _, n in sorted(self.nodes.items())
+            if not n.lost and now - n.last_seen > self.lost_after_s
+        ]
+
+    # -- folding
+
+    def apply(self, event: Seen) -> bool:
+        """Fold one authentic event from the log; True when a waiting sandbox may now fit."""
+        undo = self._tentative.pop(event.id, None)
+        if undo is not None:
+            self._undo(undo)
+        return self._fold(event)
+
+    def tentative(self, event: Seen) -> None:
+        """Apply a decision being published now; undone if the log holds another under its id
+        (another replica's), or if it is withdrawn."""
+        key = event.aggregate_id
+        if event.type in _SANDBOX_TYPES:
+            self._tentative[event.id] = ("sandbox", key, self.sandboxes.get(key))
+        else:
+            self._tentative[event.id] = ("node", key, self.nodes.get(key))
+        self._fold(event)
+
+    def withdraw(self, event_id: str) -> None:
+        """A decision that was not published after all: put the state back."""
+        undo = self._tentative.pop(event_id, None)
+        if undo is not None:
+            self._undo(undo)
+
+    def _undo(self, undo: tuple[str, str, Any]) -> None:
+        kind, key, before = undo
+        if kind == "node":
+            now = self.nodes.get(key)
+            if now is not None and before is not None:  # only the flags a decision sets
+                self.nodes[key] = replace(
+                    now, lost=before.lost, cordoned=before.cordoned, draining=before.draining
+                )
+            return
+        now_sbx = self.sandboxes.get(key)
+        if before is None:
+            self.sandboxes.pop(key, None)
+            return
+        stop = before.stop_requested or (now_sbx is not None and now_sbx.stop_requested)
+        self.sandboxes[key] = replace(before, stop_requested=stop)
+
+    def _fold(self, event: Seen) -> bool:
+        if event.type in _NODE_SEEN:
+            return self._node_seen(event)
+        if event.type == "node.lost":
+            old = self.nodes.get(str(event.payload.get("node_id") or event.aggregate_id))
+            return old is not None and self._node_flag(
+                event, lost=True, cordoned=old.cordoned, draining=old.draining
+            )
+        if event.type == "node.cordoned":
+            p = event.payload
+            return self._node_flag(
+                event, cordoned=bool(p.get("cordoned")), draining=bool(p.get("draining"))
+            )
+        if event.type in _SANDBOX_TYPES:
+            return self._sandbox(event)
+        return False
+
+    def _node_seen(self, event: Seen) -> bool:
+        p = event.payload
+        node_id = str(p.get("node_id") or event.aggregate_id)
+        old = self.nodes.get(node_id)
+        inventory = NodeInventory.model_validate(p["inventory"])
+        node = Node(
+            node_id=node_id,
+            inventory=inventory,
+            last_seen=max(event.stored_at, old.last_seen if old else 0.0),
+            heartbeat_s=float(p.get("heartbeat_s") or 5.0),
+            last_event_id=event.id,
+            problems=tuple(str(x) for x in p.get("problems") or ()),
+            cordoned=old.cordoned if old else False,
+            draining=old.draining if old else False,
+            drain_event_id=old.drain_event_id if old else "",
+            lost=False,
+        )
+        self.nodes[node_id] = node
+        if old is None:
+            return True
+        # Returning, heard from again, healthier or larger: the queue may move.
+        stale = event.stored_at - old.last_seen > 3 * old.heartbeat_s
+        return stale or old.lost or old.problems != node.problems or old.inventory != inventory
+
+    def _node_flag(
+        self, event: Seen, *, lost: bool = False, cordoned: bool, draining: bool
+    ) -> bool:
+        node_id = str(event.payload.get("node_id") or event.aggregate_id)
+        old = self.nodes.get(node_id)
+        if old is None:
+            return False
+        drain_id = old.drain_event_id if old.draining else event.id
+        new = replace(
+            old,
+            lost=lost or old.lost,
+            cordoned=cordoned,
+            draining=draining,
+            drain_event_id=drain_id if draining else "",
+        )
+        self.nodes[node_id] = new
+        return old.cordoned and not new.cordoned
+
+    def _sandbox(self, event: Seen) -> bool:
+        sid, p = event.aggregate_id, event.payload
+        sbx = self.sandboxes.get(sid)
+        if event.type == "env.built":
+            if sbx is not None:
+                return False
+            # The fold starts where the scheduler's part does: an authentic env.built follows
+            # deps.resolved, so the sandbox was ``resolved`` before it.
+            start = Lifecycle(state="resolved", tenant=event.tenant)
+            life = step(start, event.type, p, event_id=event.id)
+            self.sandboxes[sid] = Sandbox(sid, event.tenant, life, event.id)
+            return False
+        if sbx is None:
+            return False
+        if event.type == "sandbox.stop_requested":
+            self.sandboxes[sid] = replace(sbx, stop_requested=True)
+            return False
+        life = step(sbx.life, event.type, p, event_id=event.id)
+        if life.last_event_id == sbx.life.last_event_id:
+            return False  # refused by the fold (or a fact): nothing moved
+        freed = sbx.holds is not None and life.state not in {"scheduled", "running"}
+        if life.terminal:
+            del self.sandboxes[sid]
+            return freed
+        changes: dict[str, Any] = {"life": life}
+        if p.get("resources") is not None:
+            changes["resources"] = Resources.model_validate(p["resources"])
+        if life.state in {"pending", "lost"} and not sbx.waiting:
+            changes["queued_at"] = event.stored_at
+        if event.type == "unit.lost":
+            changes["lost_on"] = str(p.get("node_id"))
+        if event.type == "sandbox.pending":
+            changes["pending_attempt"] = int(p.get("attempt") or 1)
+        self.sandboxes[sid] = replace(sbx, **changes)
+        return freed or life.state == "lost"

@@ -1,0 +1,370 @@
+"""The scheduler service on real NATS: node agents' heartbeats (published by test publishers the
+stack's root certified as the node agent of each node) make the fleet; a sandbox's pipeline
+events (policy, builder) make the request; what the scheduler publishes is what is asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import blake3
+import nats
+import pytest
+from dsec_core import events
+from dsec_core.bus import EventPublisher, replay
+from dsec_core.envelope import Envelope, decode
+from dsec_core.events import GpuInfo, NodeInventory
+from dsec_core.spec import compile_plan, load_spec
+from dsec_core.subjects import aggregate_filter
+from dsec_testing import trust
+from nacl.signing import SigningKey
+from nats.js import JetStreamContext
+
+pytestmark = pytest.mark.integration
+
+GIB = 2**30
+HEARTBEAT_S = 0.5
+LOST_S = 3.0
+SCHEDULER_ENV = {"DSEC_NODE_LOST_S": str(LOST_S), "DSEC_MAX_PLACEMENTS": "3"}
+
+SPEC = """\
+version: "1.2"
+name: {name}
+base: dsec/python311:latest
+entrypoint: [python, -c, "pass"]
+resources: {{cpu: {cpu}, memory: {memory}{gpu}}}
+"""
+
+
+@pytest.fixture
+async def js(nats_url: str) -> AsyncIterator[JetStreamContext]:
+    nc = await nats.connect(nats_url)
+    yield nc.jetstream()
+    await nc.close()
+
+
+@dataclass
+class Beating:
+    """A node agent of one node: heartbeats every HEARTBEAT_S until silenced."""
+
+    node_id: str
+    pub: EventPublisher
+    inventory: NodeInventory
+    task: asyncio.Task[None] | None = None
+    seq: int = 0
+
+    async def beat(self) -> None:
+        self.seq += 1
+        await self.pub.publish(
+            events.NodeHeartbeat(
+                node_id=self.node_id,
+                seq=self.seq,
+                inventory=self.inventory,
+                heartbeat_s=HEARTBEAT_S,
+            ),
+            aggregate_id=self.node_id,
+        )
+
+    async def _run(self) -> None:
+        while True:
+            await self.beat()
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def silence(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+
+
+@dataclass
+class World:
+    """Certified producers of one test; ends what it started."""
+
+    js: JetStreamContext
+    home: Path
+    pipe: trust.Pipeline
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    nodes: list[Beating] = field(default_factory=list)
+    sandboxes: list[str] = field(default_factory=list)
+
+    def node_id(self, name: str) -> str:
+        return f"{name}-{self.tag}"
+
+    async def node(
+        self,
+        name: str,
+        *,
+        cpus: float,
+        mem_gib: int = 4096,
+        gpus: tuple[int, ...] = (),
+        joined: bool = True,
+    ) -> Beating:
+        node_id = self.node_id(name)
+        pub = await trust.publisher(self.js, self.home, "nodeagent", node_id=node_id)
+        inv = NodeInventory(
+            cpus=cpus,
+            memory_bytes=mem_gib * GIB,
+            gpus=[
+                GpuInfo(index=i, uuid=f"GPU-{node_id}-{i}", model="h100", memory_total_bytes=m)
+                for i, m in enumerate(g * GIB for g in gpus)
+            ],
+            gpu_probe="declared",
+        )
+        beating = Beating(node_id, pub, inv)
+        if joined:
+            await pub.publish(
+                events.NodeJoined(
+                    node_id=node_id,
+                    hostname="test",
+                    version="0",
+                    inventory=inv,
+                    heartbeat_s=HEARTBEAT_S,
+                ),
+                aggregate_id=node_id,
+            )
+        beating.task = asyncio.create_task(beating._run())
+        self.nodes.append(beating)
+        return beating
+
+    async def submit(self, *, cpu: float, memory: str = "1GiB", gpu: str = "") -> str:
+        """What the user, policy and builder publish for a sandbox of these resources."""
+        sid = f"sbx_sched_{uuid.uuid4().hex[:12]}"
+        text = SPEC.format(name="s", cpu=cpu, memory=memory, gpu=f", gpu: {gpu}" if gpu else "")
+        loaded = load_spec(text, "dsec.yaml")
+        assert loaded.spec is not None, loaded.errors
+        plan = compile_plan(loaded.spec).model_dump(mode="json")
+        p = self.pipe
+        sub = await p.user.publish(events.SpecSubmitted(spec_yaml=text), aggregate_id=sid)
+        val = await p.policy.publish(
+            events.SpecValidated(
+                name="s", spec_digest=blake3.blake3(text.encode()).hexdigest(), plan=plan
+            ),
+            aggregate_id=sid,
+            causation=sub.envelope,
+        )
+        res = await p.builder.publish(
+            events.DepsResolved(lock=[], lock_hash="l", python="3.11", platform="x", resolve_ms=0),
+            aggregate_id=sid,
+            causation=val.envelope,
+        )
+        await p.builder.publish(
+            events.EnvBuilt(
+                lock_hash="l", fingerprint="f", object_key="envs/l.tar.zst", reused=True
+            ),
+            aggregate_id=sid,
+            causation=res.envelope,
+        )
+        self.sandboxes.append(sid)
+        return sid
+
+    async def close(self) -> None:
+        for beating in self.nodes:
+            beating.silence()
+        # End every sandbox this test made, so no later test finds it waiting in the queue.
+        for sid in self.sandboxes:
+            with contextlib.suppress(Exception):
+                await self.pipe.builder.publish(
+                    events.SandboxFailed(stage="test", reason="test over"), aggregate_id=sid
+                )
+
+
+@pytest.fixture
+async def world(js: JetStreamContext, dsec_stack: Any, services: Any) -> AsyncIterator[World]:
+    w = World(js, dsec_stack.home, await trust.pipeline(js, dsec_stack.home))
+    try:
+        yield w
+    finally:
+        await w.close()
+        with contextlib.suppress(Exception):  # shown by pytest when the test failed
+            print(services.log("scheduler")[-6000:])
+
+
+async def history(js: JetStreamContext, aggregate: str, agg_id: str) -> list[Envelope]:
+    return [
+        decode(data)
+        async for _, data in replay(js, filter_subject=aggregate_filter(aggregate, agg_id))
+    ]
+
+
+async def wait_for(
+    js: JetStreamContext,
+    agg_id: str,
+    predicate: Callable[[Envelope], bool],
+    *,
+    aggregate: str = "sandbox",
+    timeout: float = 30.0,
+) -> Envelope:
+    """The first event of the aggregate that satisfies ``predicate`` (polled until the
+    deadline; the assertion error lists what arrived)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        found = await history(js, aggregate, agg_id)
+        for env in found:
+            if predicate(env):
+                return env
+        if asyncio.get_running_loop().time() > deadline:
+            got = [(e.type, e.producer, e.payload) for e in found]
+            raise AssertionError(f"timed out on {agg_id}; events: {got}")
+        await asyncio.sleep(0.1)
+
+
+def of(event_type: str, **fields: Any) -> Callable[[Envelope], bool]:
+    return lambda e: e.type == event_type and all(e.payload.get(k) == v for k, v in fields.items())
+
+
+async def start_scheduler(services: Any, **env: str) -> None:
+    """Start the service in a thread: the test's node agents keep beating meanwhile."""
+    await asyncio.to_thread(services.start, "scheduler", env={**SCHEDULER_ENV, **env})
+
+
+async def test_sandbox_is_scheduled_on_the_node_that_fits(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    await world.node("small", cpus=16)
+    big = await world.node("big", cpus=1000)
+    await start_scheduler(services)
+    sid = await world.submit(cpu=500, memory="8GiB")
+    placed = await wait_for(js, sid, of("sandbox.scheduled"))
+    assert placed.producer == "scheduler"
+    assert placed.payload["node_id"] == big.node_id
+    assert placed.payload["attempt"] == 1
+    assert placed.payload["resources"] == {
+        "cpus": 500.0,
+        "memory_bytes": 8 * GIB,
+        "gpus": 0,
+        "gpu_memory_bytes": 0,
+    }
+    built = await wait_for(js, sid, of("env.built"))
+    assert placed.payload["env_built_id"] == built.id
+    assert placed.causation_id == built.id
+
+
+async def test_no_fit_is_pending_with_the_reason_then_scheduled_when_a_big_node_joins(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    small = await world.node("small", cpus=16, gpus=(24, 24))
+    await start_scheduler(services)
+    sid = await world.submit(cpu=4, gpu="{count: 2, memory: 80GiB}")
+    pending = await wait_for(js, sid, of("sandbox.pending"))
+    assert f"{small.node_id}: GPUs: needs 2 of 80.0 GiB+, 0 free" in pending.payload["reason"]
+    gpu_node = await world.node("gpu", cpus=64, gpus=(80, 80, 80, 80))
+    placed = await wait_for(js, sid, of("sandbox.scheduled"))
+    assert placed.payload["node_id"] == gpu_node.node_id
+    assert placed.payload["resources"]["gpus"] == 2
+
+
+async def test_silent_node_is_lost_and_its_sandbox_rescheduled_elsewhere(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    a = await world.node("a", cpus=1000)
+    b = await world.node("b", cpus=1000)
+    await start_scheduler(services)
+    sid = await world.submit(cpu=400)
+    first = await wait_for(js, sid, of("sandbox.scheduled"))
+    on, other = (a, b) if first.payload["node_id"] == a.node_id else (b, a)
+    on.silence()
+    lost = await wait_for(js, on.node_id, of("node.lost"), aggregate="node")
+    assert lost.payload["sandboxes"] == [sid]
+    assert lost.payload["silent_s"] > LOST_S
+    unit = await wait_for(js, sid, of("unit.lost"))
+    assert unit.payload == {
+        "node_id": on.node_id,
+        "reason": f"node {on.node_id} lost",
+        "action": "reschedule",
+        "attempt": 1,
+    }
+    again = await wait_for(js, sid, of("sandbox.scheduled", attempt=2))
+    assert again.payload["node_id"] == other.node_id
+    assert again.payload["previous_node"] == on.node_id
+    # the silent node comes back: it rejoins empty (its old sandbox is not counted there), so
+    # a sandbox that only fits a node with 700 free CPUs goes to it
+    on.task = asyncio.create_task(on._run())
+    later = await world.submit(cpu=700)
+    back = await wait_for(js, later, of("sandbox.scheduled"))
+    assert back.payload["node_id"] == on.node_id
+    placements = [e for e in await history(js, "sandbox", sid) if e.type == "sandbox.scheduled"]
+    assert [e.payload["node_id"] for e in placements] == [on.node_id, other.node_id]
+
+
+async def test_cordon_stops_placement_there_and_drain_moves_sandboxes(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    a = await world.node("a", cpus=1000)
+    b = await world.node("b", cpus=1000)
+    operator = await trust.publisher(js, world.home, "operator", subject="operator")
+    await start_scheduler(services)
+    await operator.publish(
+        events.NodeCordonRequested(node_id=a.node_id, action="cordon", reason="maintenance"),
+        aggregate_id=a.node_id,
+    )
+    answer = await wait_for(js, a.node_id, of("node.cordoned"), aggregate="node")
+    assert answer.payload["cordoned"] is True and answer.payload["draining"] is False
+    first = await world.submit(cpu=300)
+    placed = await wait_for(js, first, of("sandbox.scheduled"))
+    assert placed.payload["node_id"] == b.node_id
+    # drain b: its sandbox is lost ("node drained") and waits, since a is cordoned
+    await operator.publish(
+        events.NodeCordonRequested(node_id=b.node_id, action="drain"), aggregate_id=b.node_id
+    )
+    drained = await wait_for(js, b.node_id, of("node.cordoned", draining=True), aggregate="node")
+    assert drained.payload["moved"] == [first]
+    unit = await wait_for(js, first, of("unit.lost"))
+    assert unit.payload["reason"] == "node drained" and unit.payload["action"] == "reschedule"
+    pending = await wait_for(js, first, of("sandbox.pending"))
+    assert f"{a.node_id}: cordoned" in pending.payload["reason"]
+    assert f"{b.node_id}: draining" in pending.payload["reason"]
+    await operator.publish(
+        events.NodeCordonRequested(node_id=a.node_id, action="uncordon"), aggregate_id=a.node_id
+    )
+    moved = await wait_for(js, first, of("sandbox.scheduled", attempt=2))
+    assert moved.payload["node_id"] == a.node_id
+    assert moved.payload["previous_node"] == b.node_id
+
+
+async def test_stop_of_a_pending_sandbox_ends_it_stopped(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    await world.node("small", cpus=8)
+    await start_scheduler(services)
+    sid = await world.submit(cpu=3000)
+    await wait_for(js, sid, of("sandbox.pending"))
+    await world.pipe.user.publish(
+        events.SandboxStopRequested(requested_by="test"), aggregate_id=sid
+    )
+    ended = await wait_for(js, sid, of("sandbox.exited"))
+    assert ended.producer == "scheduler"
+    assert ended.payload["reason"] == "stopped" and ended.payload["exit_code"] == -1
+    # a node big enough for it joins later: the stopped sandbox is not placed
+    big = await world.node("big", cpus=4000)
+    marker = await world.submit(cpu=3500)
+    await wait_for(js, marker, of("sandbox.scheduled", node_id=big.node_id))
+    assert not [e for e in await history(js, "sandbox", sid) if e.type == "sandbox.scheduled"]
+
+
+async def test_forged_heartbeats_never_change_placement(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    await world.node("real", cpus=8)
+    forged_id = world.node_id("forged")
+    huge = NodeInventory(cpus=100_000, memory_bytes=100_000 * GIB)  # fits anything
+    beat = events.NodeHeartbeat(node_id=forged_id, seq=1, inventory=huge)
+    # a user may not speak for a node; a key of another root is not certified; the node agent
+    # of one node may not speak for another
+    user = world.pipe.user
+    other_root = trust.certified(SigningKey.generate(), "nodeagent", node_id=forged_id)
+    stranger = EventPublisher(js, other_root.signer, certificate=other_root.cert)
+    await stranger.register_key()
+    neighbour = await trust.publisher(js, world.home, "nodeagent", node_id=world.node_id("n"))
+    for pub in (user, stranger, neighbour):
+        await pub.publish(beat, aggregate_id=forged_id)
+    await start_scheduler(services)
+    sid = await world.submit(cpu=4000)
+    pending = await wait_for(js, sid, of("sandbox.pending"))
+    assert forged_id not in pending.payload["reason"]
+    assert "CPUs: needs 4000" in pending.payload["reason"]
+    assert not [e for e in await history(js, "sandbox", sid) if e.type == "sandbox.scheduled"]
