@@ -24,7 +24,7 @@ from dsec_core.natsclient import credential_path
 from dsec_core.retention import down_marker
 
 from dsec_cli.stack import domain
-from dsec_cli.stack.adapters import probes
+from dsec_cli.stack.adapters import natsauth, probes
 from dsec_cli.stack.adapters.procs import (
     allocate_ports,
     poll_until,
@@ -556,7 +556,6 @@ class Stack:
         """Create or check ``DSEC_EVENTS`` on an external NATS with the configured credentials.
         Only an operator identity may; with another one the operator must have created it
         (services refuse to start on a missing or weakened stream)."""
-        from dsec_cli.stack.adapters import natsauth
 
         try:
             natsauth.create_stream(url, options=self.external_nats_options, timeout=5.0)
@@ -657,14 +656,15 @@ class Stack:
         return self.home if node is None else self.node_home(node)
 
     def _service_env(self, spec: ServiceSpec, port: int) -> dict[str, str]:
+        node = domain.node_of_service(spec.name)
+        nats_identity = spec.service if node is None else natsauth.node_identity(node)
         env = domain.service_environment(
             self.state,
             home=str(self._service_home(spec)),
             metrics_port=port,
             bucket=self.bucket,
-            nats_seed=self.nats_seed(spec.service),
+            nats_seed=self.nats_seed(nats_identity),
         )
-        node = domain.node_of_service(spec.name)
         if node is not None:
             env.update(domain.node_environment(node))
         return env

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +61,15 @@ def hash_password(password: str) -> str:
     return hashed.decode()
 
 
-def render_config(home: Path, operator_password: str) -> str:
-    """The server's authorization config: the operator (password) and each local identity."""
+def node_identity(node: str) -> str:
+    """The NATS identity of the node agent of an extra node (``nodeagent-node-2``): it may use
+    only its own node's durables (:mod:`dsec_core.natsperms`)."""
+    return f"nodeagent-{node}"
+
+
+def render_config(home: Path, operator_password: str, nodes: Sequence[str] = ()) -> str:
+    """The server's authorization config: the operator (password), each local identity and the
+    node agent of each extra node of this machine (``nodes``)."""
     identities = [
         natsperms.Identity(
             natsperms.OPERATOR,
@@ -70,9 +77,8 @@ def render_config(home: Path, operator_password: str) -> str:
             password_hash=hash_password(operator_password),
         )
     ]
-    identities += [
-        natsperms.Identity(name, nkey=ensure_identity(home, name)) for name in LOCAL_IDENTITIES
-    ]
+    names = [*LOCAL_IDENTITIES, *(node_identity(n) for n in nodes)]
+    identities += [natsperms.Identity(name, nkey=ensure_identity(home, name)) for name in names]
     return natsperms.render_authorization(identities)
 
 

@@ -329,8 +329,14 @@ class NatsServer(Server):
         super().prepare()
         if "operator_password" not in self.credentials:
             self.credentials.update(self.new_credentials())
-        text = natsauth.render_config(self.home, self.credentials["operator_password"])
+        text = natsauth.render_config(
+            self.home, self.credentials["operator_password"], self.extra_nodes()
+        )
         write_private(self.config_path, text + self._cluster_config())
+
+    def extra_nodes(self) -> list[str]:
+        """Nodes besides node-1 whose node agents connect (none for a single server)."""
+        return []
 
     def command(self) -> list[str]:
         client, monitor = self.ports[:2]
@@ -413,6 +419,9 @@ class NatsClusterServer(NatsServer):
 
     def client_settings(self) -> dict[str, str]:
         return {"nats_url": ",".join(self.urls)}
+
+    def extra_nodes(self) -> list[str]:
+        return [f"node-{i}" for i in range(2, len(self.members) + 1)]
 
     def _cluster_config(self) -> str:
         from dsec_cli.stack.adapters import natsauth
