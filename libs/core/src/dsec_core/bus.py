@@ -25,7 +25,12 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError
+from nats.js.errors import (
+    BadRequestError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 from dsec_core import natsclient
 from dsec_core.envelope import Envelope
@@ -335,7 +340,24 @@ def _ordered_config(filter_subject: str, start_seq: int) -> ConsumerConfig:
         filter_subject=filter_subject,
         inactive_threshold=30.0,
         mem_storage=True,
+        num_replicas=1,  # a reader's cursor: on a cluster, no replicated consumer per reader
     )
+
+
+async def _subscribe(
+    js: JetStreamContext, filter_subject: str, config: ConsumerConfig, attempts: int = 20
+) -> JetStreamContext.PullSubscription:
+    """A pull subscription with its consumer; a NATS cluster that answers "temporarily
+    unavailable" (electing a leader, or too busy to commit the consumer in time) is asked again."""
+    delay = 0.1
+    for _ in range(attempts - 1):
+        try:
+            return await js.pull_subscribe(filter_subject, stream=STREAM, config=config)
+        except (ServiceUnavailableError, NatsTimeoutError) as exc:
+            log.warning("creating a consumer for %s: %s; retrying", filter_subject, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+    return await js.pull_subscribe(filter_subject, stream=STREAM, config=config)
 
 
 async def follow(
@@ -348,7 +370,7 @@ async def follow(
 ) -> AsyncIterator[list[tuple[int, bytes]]]:
     """Yield batches of ``(stream_seq, data)`` forever; an empty batch after ``idle_s`` idle."""
     config = _ordered_config(filter_subject, start_seq)
-    sub = await js.pull_subscribe(filter_subject, stream=STREAM, config=config)
+    sub = await _subscribe(js, filter_subject, config)
     try:
         while True:
             try:

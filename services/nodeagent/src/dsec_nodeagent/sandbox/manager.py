@@ -138,9 +138,11 @@ class SandboxManager:
         tune_cgroups: bool = True,
         ipc_socket: Path | None = None,
         uid_base: int = domain.UID_BASE,
+        node_id: str = "node-1",
     ) -> None:
         self.home = home.resolve()
         self.uid_base = uid_base  # node agents of one machine get disjoint uid ranges
+        self.node_id = node_id  # names its cgroup parent: <unified>/dsec/<node id>/
         layout = NodeLayout.of(self.home)
         self.run_dir = layout.sandboxes_run
         self.data_root = layout.sandboxes
@@ -427,7 +429,9 @@ class SandboxManager:
             self._hierarchy = cgroups.detect()
             if self.tune_cgroups:
                 cgroups.favor_dynamic_modifications(self._hierarchy)
-        return cgroups.SandboxCgroup.create(self._hierarchy, config.sandbox_id, config.limits)
+        return cgroups.SandboxCgroup.create(
+            self._hierarchy, config.sandbox_id, config.limits, node=self.node_id
+        )
 
     def _uids_in_use(self) -> set[int]:
         used = {s.ready.uid for s in self._sandboxes.values()}
@@ -876,6 +880,8 @@ class SandboxManager:
         if self.states.ids():  # sandboxes keep running, unwatched: they reap their own cgroups
             self.unwatched_marker.parent.mkdir(parents=True, exist_ok=True)
             self.unwatched_marker.write_text("no node agent watches these sandboxes\n")
+        elif stop_sandboxes and self._hierarchy is not None:
+            cgroups.remove_node_group(self._hierarchy, self.node_id)
 
 
 def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
