@@ -870,7 +870,10 @@ class Stack:
         running = [
             n
             for n, rec in self.state.servers.items()
-            if domain.server_kind(n) == "nats" and not rec.external and self.server(n).alive()
+            if domain.server_kind(n) == "nats"
+            and not rec.external
+            and (ref := process_ref(rec.pid, rec.create_time)) is not None
+            and ref.alive()
         ]
         if running:
             raise StackConfigError(
