@@ -126,6 +126,20 @@ cat "$DSEC_HOME/demo-world.log"
 step "Prove the whole log: every signature, chain link and sequence" dsec audit verify
 dsec audit verify
 
+step "Two more nodes on this machine: three NATS servers in one JetStream cluster (the log on all
+three), a node agent each" dsec down '&&' dsec up --nodes 3
+dsec down > /dev/null
+dsec up --nodes 3 > /dev/null
+dsec status   # nats, nats-2, nats-3; nodeagent, nodeagent@node-2, nodeagent@node-3
+
+step "The nodes, as their heartbeats describe them" dsec node ls --json
+for _ in $(seq 100); do  # each node agent joins and heartbeats; the read model follows the log
+  dsec node ls --json | python3 -c 'import json,sys
+sys.exit(0 if sum(n["state"] == "ready" for n in json.load(sys.stdin)) >= 3 else 1)' && break
+  sleep 0.2
+done
+dsec node ls --json
+
 step "Stop everything" dsec down
 dsec down
 kill "$WORLD_PID" 2>/dev/null || true

@@ -113,7 +113,7 @@ def up(
             "--nodes",
             help="Nodes on this machine: N NATS servers in one JetStream cluster (the event "
             "stream on min(3, N) of them) and a node agent per node, each with its own home "
-            "under DSEC_HOME/nodes/ (default: as the last `dsec up`, 1 at first)",
+            "under DSEC_HOME/nodes/ (default: a running stack as it runs, else 1)",
         ),
     ] = None,
 ) -> None:

@@ -27,10 +27,11 @@ CORE_SERVERS: tuple[str, ...] = ("nats", "postgres", "s3", "vault")
 DEFAULT_SERVICES: tuple[str, ...] = ("policy", "builder", "snapshot", "scheduler", "nodeagent")
 """DSec services ``dsec up`` starts, each as ``python -m dsec_<name>``."""
 
-MAX_NODES = 5
+MAX_NODES = 3
 """``dsec up --nodes`` accepts 1..MAX_NODES. Each node is one more NATS server of the cluster and
-one more node agent (~130 MiB together): five keep the embedded stack within its 1.5 GiB budget.
-More machines join as real nodes (README, "Running on many machines")."""
+one more node agent (~220 MiB RSS together, ~110 MiB PSS): three keep the embedded stack within
+its 1.5 GiB budget (measured: 1.37 GiB RSS, 0.82 GiB PSS). More machines join as real nodes
+(README, "Running on many machines")."""
 
 NODE_AGENT = "nodeagent"
 NODE_UID_SPAN = 60_000

@@ -853,20 +853,16 @@ class Stack:
         return UpResult(status=self.status(), started=started, elapsed_s=elapsed)
 
     def _set_nodes(self) -> None:
-        """Apply ``--nodes``: a running stack keeps its number of nodes (its NATS cluster would
-        have to be re-formed); a stopped one forgets the servers and node agents beyond it.
+        """Apply ``--nodes`` (without it: a running stack as it runs, a stopped one as one node):
+        a running stack keeps its number of nodes (its NATS cluster would have to be re-formed);
+        a stopped one forgets the servers beyond it (their stores stay in ``data/``).
 
         Raises:
             StackConfigError: the stack runs with another number of nodes.
         """
         wanted = self.requested_nodes
-        if wanted is None or wanted == self.state.nodes:
+        if wanted == self.state.nodes:
             return
-        if "nats" in self.external.names() and wanted > 1:
-            raise StackConfigError(
-                f"--nodes {wanted}: DSEC_NATS_URL points at an external NATS; the extra nodes of "
-                "one machine need the embedded NATS cluster (unset DSEC_NATS_URL)"
-            )
         running = [
             n
             for n, rec in self.state.servers.items()
@@ -875,10 +871,19 @@ class Stack:
             and (ref := process_ref(rec.pid, rec.create_time)) is not None
             and ref.alive()
         ]
-        if running:
+        if wanted is None:  # no --nodes: a running stack as it is, a stopped one on one node
+            if running or self.state.nodes == 1:
+                return
+            wanted = 1
+        elif running:
             raise StackConfigError(
                 f"the stack runs with {self.state.nodes} node(s); run `dsec down` before "
                 f"`dsec up --nodes {wanted}`"
+            )
+        if "nats" in self.external.names() and wanted > 1:
+            raise StackConfigError(
+                f"--nodes {wanted}: DSEC_NATS_URL points at an external NATS; the extra nodes of "
+                "one machine need the embedded NATS cluster (unset DSEC_NATS_URL)"
             )
         self.state.nodes = wanted
         self._servers.clear()
