@@ -293,8 +293,12 @@ def test_up_nodes_starts_a_nats_cluster_and_keeps_it_until_down(home: Path) -> N
     again = dsec_inproc("up", "--nodes", "1", "--no-services", home=home)
     assert again.exit_code == 2
     assert "runs with 3 node(s); run `dsec down` before `dsec up --nodes 1`" in again.stderr
-    assert dsec_inproc("up", "--no-services", home=home).exit_code == 0  # as it runs
+    assert dsec_inproc("up", "--no-services", home=home).exit_code == 0  # as it was started
     assert state(home)["nodes"] == 3
     down = dsec_inproc("down", home=home)
     assert down.exit_code == 0 and "nats-3" in down.stdout
     assert listening([int(u.rsplit(":", 1)[1]) for u in urls]) == []
+    single = dsec_inproc("up", "--nodes", "1", "--no-services", home=home)
+    assert single.exit_code == 2  # its log lives on three servers: never silently a fresh one
+    assert "written by a stack of 3 node(s)" in single.stderr
+    assert "another DSEC_HOME" in single.stderr

@@ -113,7 +113,8 @@ def up(
             "--nodes",
             help="Nodes on this machine: N NATS servers in one JetStream cluster (the event "
             "stream on min(3, N) of them) and a node agent per node, each with its own home "
-            "under DSEC_HOME/nodes/ (default: a running stack as it runs, else 1)",
+            "under DSEC_HOME/nodes/ (default: as this home was started, 1 at first; fixed once "
+            "the home has an event log)",
         ),
     ] = None,
 ) -> None:

@@ -853,15 +853,16 @@ class Stack:
         return UpResult(status=self.status(), started=started, elapsed_s=elapsed)
 
     def _set_nodes(self) -> None:
-        """Apply ``--nodes`` (without it: a running stack as it runs, a stopped one as one node):
-        a running stack keeps its number of nodes (its NATS cluster would have to be re-formed);
-        a stopped one forgets the servers beyond it (their stores stay in ``data/``).
+        """Apply ``--nodes`` (without it: as recorded). The number of nodes of a home is fixed
+        once its NATS store holds the event log: NATS does not move a single server's streams
+        into a cluster (or back), so another number would start on an empty log.
 
         Raises:
-            StackConfigError: the stack runs with another number of nodes.
+            StackConfigError: the stack runs with another number of nodes, or its log was
+                written with another number.
         """
         wanted = self.requested_nodes
-        if wanted == self.state.nodes:
+        if wanted is None or wanted == self.state.nodes:
             return
         running = [
             n
@@ -871,14 +872,17 @@ class Stack:
             and (ref := process_ref(rec.pid, rec.create_time)) is not None
             and ref.alive()
         ]
-        if wanted is None:  # no --nodes: a running stack as it is, a stopped one on one node
-            if running or self.state.nodes == 1:
-                return
-            wanted = 1
-        elif running:
+        if running:
             raise StackConfigError(
                 f"the stack runs with {self.state.nodes} node(s); run `dsec down` before "
                 f"`dsec up --nodes {wanted}`"
+            )
+        store = self.home / "data" / "nats" / "jetstream"
+        if store.is_dir() and any(store.iterdir()):
+            raise StackConfigError(
+                f"--nodes {wanted}: the event log in {store} was written by a stack of "
+                f"{self.state.nodes} node(s), and NATS does not carry a log over to another "
+                f"number of servers; keep --nodes {self.state.nodes}, or use another DSEC_HOME"
             )
         if "nats" in self.external.names() and wanted > 1:
             raise StackConfigError(
