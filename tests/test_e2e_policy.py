@@ -7,6 +7,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import blake3
 import pytest
 
 pytestmark = [pytest.mark.e2e]
@@ -150,7 +151,7 @@ def test_audit_trail_verifies_after_the_services_ran(services, env, dsec_cli) ->
 
 
 @pytest.mark.slow
-def test_valid_spec_reaches_env_built_and_identical_lock_is_reused(services, env, dsec_cli):
+def test_valid_spec_reaches_env_built_and_identical_lock_is_reused(services, env, dsec_cli, s3):
     services.start("policy", "builder")
     example = ROOT / "examples" / "websearch-agent"
     args = (
@@ -168,11 +169,16 @@ def test_valid_spec_reaches_env_built_and_identical_lock_is_reused(services, env
     assert first.exit_code == 0, first.output
     built = first.last_json()["events"][-1]["payload"]
     assert first.last_json()["state"] == "built"
-    assert Path(built["location"]).is_dir()
+    # the environment is an archive in the object store, named by its lock, with its digest
+    assert built["object_key"] == f"envs/{built['lock_hash']}.tar.zst"
+    stored = s3.client().get_object(s3.bucket, built["object_key"]).read()
+    assert blake3.blake3(stored).hexdigest() == built["digest"]
+    assert built["size_bytes"] == len(stored) and built["unpacked_bytes"] > 0
     second = dsec_cli(*args, env=env).last_json()["events"][-1]["payload"]
-    assert second["reused"] is True
+    assert second["reused"] is True  # found in the store: nothing built
     assert second["lock_hash"] == built["lock_hash"]
     assert second["fingerprint"] == built["fingerprint"]
+    assert (second["object_key"], second["digest"]) == (built["object_key"], built["digest"])
 
 
 @pytest.mark.slow

@@ -224,8 +224,7 @@ def test_each_service_consumes_only_durables_its_role_allows(name: str, tmp_path
     app = importlib.import_module(f"dsec_{name}.app")
     settings = Settings(home=tmp_path, snapshot_interval_s=60.0)  # periodic handlers too
     service = app.create_service(settings)
-    if name != "scheduler":  # the scheduler only projects (an ephemeral reader) today
-        assert service.durables
+    assert service.durables
     role = natsperms.TABLE[name]
     assert set(service.durables) <= {*role.durables, *role.node_durables(settings.node_id)}
 

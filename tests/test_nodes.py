@@ -343,3 +343,11 @@ async def test_the_node_agent_joins_and_heartbeats_with_a_declared_inventory(
     count = len(beats)
     await asyncio.sleep(1.5)
     assert len(await _messages(js, beats_subject, start)) == count
+
+
+async def test_a_node_id_that_cannot_be_a_subject_token_stops_the_start(
+    js: JetStreamContext, dsec_stack: StackFixture
+) -> None:
+    beat = await _heartbeat(js, dsec_stack.home, "rack1.node2", cert_node="rack1.node2")
+    with pytest.raises(ValueError, match=r"DSEC_NODE_ID 'rack1.node2': letters, digits"):
+        await beat.start()

@@ -18,6 +18,7 @@ from dsec_core.events import (
     EnvBuilt,
     SandboxExited,
     SandboxReady,
+    SandboxScheduled,
     SpecRejected,
     SpecSubmitted,
     SpecValidated,
@@ -54,9 +55,14 @@ async def _lifecycle(js: JetStreamContext, home: Path) -> tuple[str, str, str]:
         aggregate_id=ok,
     )
     await p.builder.publish(
-        EnvBuilt(lock_hash="l1", fingerprint="f", location="/e", node_id="n1", reused=False),
+        EnvBuilt(
+            lock_hash="l1", fingerprint="f", object_key="envs/l1.tar.zst", digest="d", size_bytes=1,
+            reused=False,
+        ),
         aggregate_id=ok,
-    )
+    )  # fmt: skip
+    # the node agent of n1 speaks for it only once it is scheduled there
+    await p.scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=ok)
     await p.nodeagent.publish(SandboxReady(node_id="n1", pid=42, cgroup="/c"), aggregate_id=ok)
     await p.nodeagent.publish(
         SandboxExited(exit_code=0, reason="ok", duration_s=2.0), aggregate_id=ok
@@ -117,6 +123,7 @@ async def test_lifecycle_is_projected_and_listed(
         "spec.validated",
         "deps.resolved",
         "env.built",
+        "sandbox.scheduled",
         "sandbox.ready",
         "sandbox.exited",
     ]
@@ -154,7 +161,7 @@ async def test_applying_a_batch_twice_changes_nothing(js, postgres_dsn, dsec_sta
         position = await apply_batch(conn, batch)
         second = await conn.fetch("SELECT * FROM sandbox_events WHERE sandbox_id=$1", ok)
         assert position == batch[-1][0]
-        assert len(first) == len(second) == 6
+        assert len(first) == len(second) == 7
     finally:
         await conn.close()
 

@@ -255,7 +255,7 @@ async def test_only_the_owning_tenant_may_stop_a_sandbox(
 
 def test_every_service_starts_on_its_own_certificate_and_nats_rights(services) -> None:
     """Each service signs with a key the stack's root certified and connects with its own NATS
-    identity; one without durable consumers (the scheduler) needs no replay bucket."""
+    identity (its durable consumers and their replay-bucket keys only)."""
     services.start("policy", "builder", "snapshot", "scheduler", "nodeagent")
     for name in ("policy", "builder", "snapshot", "scheduler", "nodeagent"):
         health = urllib.request.urlopen(services.url(name) + "/healthz", timeout=5).read()

@@ -80,3 +80,8 @@ def test_layout_names_one_component_only(tmp_path: Path) -> None:
             layout.sandbox(bad)
     with pytest.raises(LayoutError, match="lock hash"):
         layout.env("../../x")
+
+
+def test_a_sandbox_stopped_while_it_was_built_but_not_placed_ends_exited() -> None:
+    state = fold([*HAPPY[:4], ("sandbox.exited", {"exit_code": -1, "reason": "stopped"})])
+    assert (state.state, state.reason, state.exit_code) == ("exited", "stopped", -1)

@@ -111,7 +111,6 @@ async def test_a_fresh_node_stages_the_environment_from_s3_once_per_lock(
         layout = NodeLayout.of(home)
         assert (layout.env_site_packages(built.lock_hash) / "stagedmod.py").is_file()
         # the second sandbox of the lock uses the staged copy: the archive is not needed again
-        assert built.object_key is not None
         s3.client().remove_object(s3.bucket, built.object_key)
         again = await h.submit("staged-again", code, QUIET, built=built)
         assert (await h.wait_for(again, "sandbox.exited")).payload["exit_code"] == 0
@@ -210,3 +209,34 @@ async def test_a_node_agent_restarted_after_its_sandbox_moved_stops_the_stale_co
 
 async def _stopped(h: NodeAgentHarness, sid: str) -> bool:
     return h.agent.manager.get(sid) is None and sid not in h.agent._fenced
+
+
+async def test_a_stop_of_a_sandbox_scheduled_here_that_has_not_started_ends_it_stopped(
+    home: Path, nats_url: str
+) -> None:
+    async with NodeAgentHarness(home, nats_url) as h:
+        # hold this node's staging of the harness environment: the first sandbox's start waits
+        # in it, and the scheduled consumer takes nothing else meanwhile
+        lock = h.agent.envs._locks.setdefault(h.lock_hash, asyncio.Lock())
+        async with lock:
+            first = await h.submit("held", "print(1)", QUIET)
+            await _until(lambda: _starting(h, first), "the first start waits in staging")
+            waiting = await h.submit("waiting", "print(2)", QUIET)
+            stop = await h.upstream.user.publish(
+                events.SandboxStopRequested(requested_by="test"), aggregate_id=waiting
+            )
+            exited = await h.wait_for(waiting, "sandbox.exited")
+            assert not await _handled(h, "sandbox.scheduled", h.scheduled[waiting].envelope.id)
+        assert exited.payload["reason"] == "stopped"
+        assert "before it started" in exited.payload["detail"]
+        assert exited.causation_id == stop.envelope.id
+        await h.wait_for(first, "sandbox.exited")
+        # its scheduled event, taken after the stop, starts nothing
+        scheduled = h.scheduled[waiting].envelope.id
+        await _until(lambda: _handled(h, "sandbox.scheduled", scheduled), "scheduled acked")
+        assert _events_of(h, waiting).count("sandbox.ready") == 0
+        assert h.agent.manager.get(waiting) is None
+
+
+async def _starting(h: NodeAgentHarness, sid: str) -> bool:
+    return sid in h.agent._starting

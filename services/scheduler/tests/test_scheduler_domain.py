@@ -19,6 +19,7 @@ from dsec_scheduler.domain import (
     Seen,
     free_gpus,
     place,
+    reason_shape,
     resources_from_plan,
 )
 
@@ -228,6 +229,8 @@ def test_silent_node_is_reported_until_lost_and_rejoins_empty() -> None:
     state.apply(seen("env.built", "s1"))
     state.apply(scheduled("s1", "n1"))
     assert [n.node_id for n in state.silent(NOW)] == ["n1"]
+    # a scheduler that started 10 s ago gives it the full 15 s from then
+    assert state.silent(NOW, watching_since=NOW - 10) == []
     state.apply(seen("node.lost", "n1", node_id="n1", silent_s=20, sandboxes=["s1"]))
     assert state.silent(NOW) == []
     assert [(n.node_id, held) for n, held in state.evacuate()] == [("n1", ["s1"])]
@@ -283,3 +286,18 @@ def test_withdrawn_decision_leaves_no_trace() -> None:
     state.tentative(decision)
     state.withdraw(decision.id)
     assert state.on_node("n1") == [] and state.sandboxes["s1"].life.state == "built"
+
+
+def test_a_pending_reason_changes_shape_with_nodes_not_with_numbers() -> None:
+    before = "no node fits: a: CPUs: needs 6, 4 free"
+    assert reason_shape(before) == reason_shape("no node fits: a: CPUs: needs 6, 2.5 free")
+    another = "no node fits: a: CPUs: needs 6, 4 free; b: cordoned"
+    assert reason_shape(before) != reason_shape(another)
+    assert reason_shape("no node has joined") != reason_shape(before)
+
+
+def test_a_heartbeat_filed_under_another_nodes_subject_is_not_folded() -> None:
+    state = SchedulerState(lost_after_s=15)
+    inv = NodeInventory(cpus=8, memory_bytes=GIB).model_dump(mode="json")
+    misfiled = seen("node.heartbeat", "n2", node_id="n1", seq=1, inventory=inv)
+    assert state.apply(misfiled) is False and state.nodes == {}

@@ -46,7 +46,12 @@ def lifecycle(*extra: events.Payload) -> list[Envelope]:
             resolve_ms=1,
         ),
         events.EnvBuilt(
-            lock_hash="lh", fingerprint="fp-1", location="/env", node_id="n1", reused=False
+            lock_hash="lh",
+            fingerprint="fp-1",
+            object_key="envs/lh.tar.zst",
+            digest="d",
+            size_bytes=1,
+            reused=False,
         ),
         events.ContextInjected(kind="secret", name="API_KEY", source="vault://k", digest="sd1"),
         events.SandboxReady(node_id="n1", pid=1, cgroup="/cg", code_dir=f"{ROOT}/{SID}/code"),

@@ -140,20 +140,16 @@ class EnvBuilt(Payload):
 
     TYPE = "env.built"
     AGGREGATE = "sandbox"
-    VERSION = "1.1"
+    VERSION = "2.0"
 
     lock_hash: str
     fingerprint: str = Field(description="Stable hash of sorted name/version/sha256")
-    object_key: str | None = Field(
-        default=None, description="S3 key of the environment archive (tar + zstd)"
+    object_key: str = Field(
+        description="S3 key of the environment archive (tar + zstd): envs/<lock_hash>.tar.zst"
     )
-    digest: str | None = Field(default=None, description="BLAKE3 of the archive bytes, hex")
-    size_bytes: int | None = Field(default=None, description="Archive size in bytes")
-    unpacked_bytes: int = Field(default=0, description="Size of the unpacked environment")
-    location: str | None = Field(
-        default=None, description="Deprecated (1.0): the directory on the building node"
-    )
-    node_id: str | None = Field(default=None, description="Deprecated (1.0): the building node")
+    digest: str = Field(description="BLAKE3 of the archive bytes, hex")
+    size_bytes: int = Field(ge=0, description="Archive size in bytes")
+    unpacked_bytes: int = Field(default=0, ge=0, description="Bytes of the files it unpacks to")
     reused: bool = Field(description="The archive already existed: nothing was built")
     timings_ms: dict[str, float] = Field(default_factory=dict)
     bytes_by_tier: dict[str, int] = Field(default_factory=dict)

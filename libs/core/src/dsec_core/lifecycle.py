@@ -20,9 +20,9 @@ States::
                                             exited | failed
 
 ``sandbox.failed`` ends any non-terminal state; ``sandbox.exited`` ends ``running`` (and a
-``pending`` or ``scheduled`` sandbox stopped before it ran). Events that do not move the state
-(``context.injected``, ``policy.*``, ``snapshot.*``, ``sandbox.stop_requested``) are accepted in
-any state.
+``built``, ``pending`` or ``scheduled`` sandbox stopped before it ran). Events that do not move
+the state (``context.injected``, ``policy.*``, ``snapshot.*``, ``sandbox.stop_requested``) are
+accepted in any state.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ _MOVES: dict[str, tuple[frozenset[State], State]] = {
     "sandbox.scheduled": (frozenset({"built", "pending", "lost"}), "scheduled"),
     "sandbox.ready": (frozenset({"scheduled"}), "running"),
     "unit.lost": (frozenset({"scheduled", "running"}), "lost"),
-    "sandbox.exited": (frozenset({"pending", "scheduled", "running"}), "exited"),
+    "sandbox.exited": (frozenset({"built", "pending", "scheduled", "running"}), "exited"),
 }
 _ANY_LIVE: frozenset[State] = frozenset(
     {

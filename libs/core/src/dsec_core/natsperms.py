@@ -128,7 +128,6 @@ TABLE: Mapping[str, Role] = {
             "sandbox.exited",
             "unit.placed",
             "unit.migrated",
-            "node.heartbeat",
         ),
         consumes=("env.built", "node.cordon_requested", "sandbox.stop_requested"),
     ),

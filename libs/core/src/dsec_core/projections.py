@@ -268,7 +268,10 @@ class Projector:
             await self._run_sandboxes(stop)
         finally:
             if stop.is_set():
-                await nodes
+                try:
+                    await nodes
+                finally:
+                    nodes.cancel()  # no-op when it ended; stops it when we are cancelled
             else:
                 nodes.cancel()
 
@@ -377,9 +380,10 @@ ON CONFLICT (node_id) DO UPDATE SET
 
 
 async def ensure_node_schema(conn: asyncpg.Connection) -> None:
-    """Create the nodes table when missing (serialized like :func:`ensure_schema`)."""
+    """Create the nodes table when missing (under :func:`ensure_schema`'s lock: both create
+    ``projection_state``, and concurrent DDL of one table races)."""
     async with conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock(7272)")
+        await conn.execute("SELECT pg_advisory_xact_lock(7271)")
         await conn.execute(NODES_SCHEMA)
 
 

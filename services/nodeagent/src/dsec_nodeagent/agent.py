@@ -244,13 +244,6 @@ class NodeAgent:
         except StartRefused:
             return None
 
-    async def _already_started(self, sandbox_id: str) -> bool:
-        """Whether the log shows this sandbox started (or ended) already."""
-        for event_type in ("sandbox.ready", "sandbox.exited", "sandbox.failed"):
-            if await self._maybe_last(event_type, sandbox_id) is not None:
-                return True
-        return False
-
     async def lifecycle(self, sandbox_id: str) -> lifecycle.Lifecycle:
         """The sandbox's state: the fold of its authentic lifecycle events, in log order."""
         return await self._gate().lifecycle(sandbox_id)
@@ -468,7 +461,12 @@ class NodeAgent:
         """This node's placement of a sandbox was declared lost (the node was partitioned, or
         drained): a copy still running here is stopped and cleaned up, with no event."""
         sid = envelope.aggregate_id
-        if event.node_id != self.node_id or self.manager.get(sid) is None:
+        if event.node_id != self.node_id:
+            return []
+        starting = self._starting.get(sid)
+        if starting is not None:  # a start of the lost placement still under way: let it end
+            await starting.wait()
+        if self.manager.get(sid) is None:
             return []
         if self._attempts.get(sid, event.attempt) > event.attempt:
             return []  # it runs here as a newer placement than the one lost

@@ -113,7 +113,9 @@ def wire(
     # those of sandboxes placed on it.
     service.handles("sandbox.scheduled", retry=retry, batch=4, scope="node")(agent.on_scheduled)
     service.handles("sandbox.stop_requested", scope="node")(agent.on_stop_requested)
-    service.handles("unit.lost", scope="node")(agent.on_unit_lost)
+    # fencing is this node's own cleanup: a failure is logged, never a sandbox.failed for a
+    # sandbox that now belongs to another node
+    service.handles("unit.lost", scope="node", on_exhausted=lambda *_: [])(agent.on_unit_lost)
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack

@@ -69,11 +69,6 @@ class EnvStager:
 
     def _check(self, built: events.EnvBuilt) -> tuple[str, str, int]:
         """The key, digest and size ``env.built`` names, each checked."""
-        if built.object_key is None or built.digest is None or built.size_bytes is None:
-            raise EnvStageError(
-                "env.built names no environment archive (object_key, digest, size_bytes); "
-                "it comes from a builder older than this node agent"
-            )
         try:
             expected = env_archive_key(built.lock_hash)
             self.layout.env(built.lock_hash)
@@ -118,6 +113,8 @@ class EnvStager:
         incoming.mkdir(parents=True, exist_ok=True)
         for stale in self.layout.envs.glob(f".{dest.name}.unpack-*"):
             remove_tree(stale)  # a crashed staging of this lock; we hold its lock
+        for stale in incoming.glob(f"{dest.name}.*.tar.zst"):
+            stale.unlink(missing_ok=True)
         archive = incoming / f"{dest.name}.{uuid.uuid4().hex[:8]}.tar.zst"
         try:
             await self._download(key, archive, size)

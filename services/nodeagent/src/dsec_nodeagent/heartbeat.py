@@ -14,6 +14,7 @@ import socket
 from collections.abc import Awaitable, Callable
 
 from dsec_core.events import NodeHeartbeat, NodeJoined, Payload
+from dsec_core.subjects import InvalidSubjectToken, subject_for
 
 from dsec_nodeagent.inventory import Inventory
 
@@ -51,7 +52,19 @@ class Heartbeat:
 
     async def start(self) -> None:
         """Publish ``node.joined`` and start beating (call after the sandboxes were
-        reconciled, so the first beat lists the re-adopted ones)."""
+        reconciled, so the first beat lists the re-adopted ones).
+
+        Raises:
+            InvalidSubjectToken: ``DSEC_NODE_ID`` cannot name the node's subjects.
+            InventoryError: wrong labels or declared inventory (the field named).
+        """
+        try:
+            subject_for(NodeJoined.TYPE, self.node_id)
+        except InvalidSubjectToken:
+            raise InvalidSubjectToken(
+                f"DSEC_NODE_ID {self.node_id!r}: letters, digits, '_' and '-' only "
+                "(it is one token of the node's subjects)"
+            ) from None
         await self.inventory.start()
         inventory, _ = await self.inventory.read()
         joined = NodeJoined(

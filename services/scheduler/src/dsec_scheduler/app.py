@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import nats.errors
+from dsec_core import metrics as core_metrics
 from dsec_core.envelope import Envelope
 from dsec_core.events import (
     NodeCordoned,
@@ -46,22 +47,30 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from dsec_scheduler import metrics
 from dsec_scheduler.domain import (
     FOLDED_TYPES,
+    NODE_TYPES,
+    SANDBOX_TYPES,
     NoFit,
     Placement,
     Sandbox,
     SchedulerState,
     Seen,
     place,
+    reason_shape,
     resources_from_plan,
 )
 
 log = logging.getLogger(__name__)
 
 FILTERS: list[str] = sorted({filter_for(t) for t in FOLDED_TYPES})
+NODE_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_TYPES})
+SANDBOX_FILTERS: list[str] = sorted({filter_for(t) for t in SANDBOX_TYPES})
 IDLE_S = 0.2
 BARRIER_TIMEOUT_S = 20.0
+REASON_EVERY_S = 10.0
+"""A pending sandbox's changed reason is published at most this often."""
 
 
 class Scheduler:
@@ -74,11 +83,13 @@ class Scheduler:
         self.state = SchedulerState(lost_after_s=settings.node_lost_s)
         self.tick_s = min(1.0, settings.node_lost_s / 4)
         self._pos = 0  # stream sequence of the last message folded
+        self._watching_since = 0.0  # when the rebuild ended
         self._idle_rounds = 0  # times the follower found nothing left to read
         self._progress = asyncio.Condition()
-        self._caught_up = asyncio.Event()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.follow_problem: str | None = None
+        """Why the state is not following the log now (``/healthz``), or None."""
 
     # ------------------------------------------------------------------ following the log
 
@@ -92,15 +103,29 @@ class Scheduler:
 
     async def start(self) -> None:
         """Fold the log up to now, then keep following it, placing and watching for losses."""
-        self._tasks.append(asyncio.create_task(self._follow(), name="scheduler-follow"))
-        await self._caught_up.wait()
+        started = time.perf_counter()
+        last = (await self._js().stream_info(STREAM)).state.last_seq
+        if last:
+            # Each node's latest joined/heartbeat/lost/cordoned is all its state needs (a
+            # day of heartbeats is not read again); sandboxes are folded in full.
+            nodes = await self._read_up_to(NODE_FILTERS, last, DeliverPolicy.LAST_PER_SUBJECT)
+            for seen in sorted(nodes, key=lambda pair: pair[0]):
+                self._fold(seen[1])
+            for seen in await self._read_up_to(SANDBOX_FILTERS, last, DeliverPolicy.ALL):
+                self._fold(seen[1])
+        self._pos = last
+        self._watching_since = time.time()
         log.info(
-            "scheduler: state rebuilt from the log up to sequence %d: %d nodes, %d waiting",
-            self._pos,
+            "scheduler: state rebuilt from the log up to sequence %d in %.2f s: %d nodes, "
+            "%d sandboxes, %d waiting",
+            last,
+            time.perf_counter() - started,
             len(self.state.nodes),
+            len(self.state.sandboxes),
             len(self.state.queue()),
         )
         self._wake.set()
+        self._tasks.append(asyncio.create_task(self._follow(), name="scheduler-follow"))
         self._tasks.append(asyncio.create_task(self._place_forever(), name="scheduler-place"))
         self._tasks.append(asyncio.create_task(self._watch_forever(), name="scheduler-watch"))
 
@@ -112,6 +137,39 @@ class Scheduler:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+
+    async def _read_up_to(
+        self, filters: list[str], last: int, policy: DeliverPolicy
+    ) -> list[tuple[int, Seen | None]]:
+        """The messages on ``filters`` up to stream sequence ``last``, gate-checked, in the
+        order delivered (``None`` for one the gate refused)."""
+        config = ConsumerConfig(
+            deliver_policy=policy,
+            ack_policy=AckPolicy.NONE,
+            filter_subjects=filters,
+            inactive_threshold=30.0,
+            mem_storage=True,
+        )
+        out: list[tuple[int, Seen | None]] = []
+        sub = await self._js().pull_subscribe("", stream=STREAM, config=config)
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(512, timeout=IDLE_S)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    if (await sub.consumer_info()).num_pending:
+                        continue
+                    return out
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    if seq > last:
+                        return out
+                    out.append((seq, await self._authentic_msg(msg)))
+                    if seq == last:
+                        return out
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def _follow(self) -> None:
         while True:
@@ -134,6 +192,7 @@ class Scheduler:
                 raise
             except Exception as exc:  # a NATS restart, a deleted consumer: follow again
                 log.warning("scheduler: following the log failed (%s); resuming", exc)
+                self.follow_problem = f"not following the log: {type(exc).__name__}: {exc}"
                 await asyncio.sleep(0.5)
 
     async def _read(self, sub: JetStreamContext.PullSubscription) -> None:
@@ -144,30 +203,34 @@ class Scheduler:
                 if (await sub.consumer_info()).num_pending:
                     continue
                 self._idle_rounds += 1
-                self._caught_up.set()
+                self.follow_problem = None
                 await self._notify()
                 continue
+            self.follow_problem = None
             for msg in msgs:
-                await self._take(msg)
+                seen = await self._authentic_msg(msg)
+                self._pos = max(self._pos, msg.metadata.sequence.stream)
+                if seen is not None and self._fold(seen):
+                    self._wake.set()
             await self._notify()
 
     async def _notify(self) -> None:
         async with self._progress:
             self._progress.notify_all()
 
-    async def _take(self, msg: Msg) -> None:
-        meta = msg.metadata
-        seen = await self._authentic(msg.data, msg.subject, meta.timestamp.timestamp())
-        self._pos = max(self._pos, meta.sequence.stream)
+    def _fold(self, seen: Seen | None) -> bool:
+        """Fold one authentic event; True when the queue may move."""
         if seen is None:
-            return
+            return False
         try:
-            wake = self.state.apply(seen)
+            return self.state.apply(seen)
         except (ValueError, KeyError, TypeError) as exc:  # a payload the fold cannot read
             log.warning("scheduler: %s %s not folded: %s", seen.type, seen.id, exc)
-            return
-        if wake and self._caught_up.is_set():
-            self._wake.set()
+            return False
+
+    async def _authentic_msg(self, msg: Msg) -> Seen | None:
+        stored_at = msg.metadata.timestamp.timestamp()
+        return await self._authentic(msg.data, msg.subject, stored_at)
 
     async def _authentic(self, data: bytes, subject: str, stored_at: float) -> Seen | None:
         """The event as the fold takes it, when the gate admits it (never a forged one)."""
@@ -239,6 +302,8 @@ class Scheduler:
         except BaseException:
             self.state.withdraw(event_id)
             raise
+        metrics.DECISIONS.labels(payload.TYPE).inc()
+        core_metrics.EVENTS_PUBLISHED.labels(self.service.name, payload.TYPE).inc()
 
     def _placement(self, sbx: Sandbox) -> SandboxScheduled | SandboxPending:
         """Where a waiting (or just built) sandbox goes now, or why it waits."""
@@ -259,6 +324,15 @@ class Scheduler:
             reason=decision.summary(), resources=sbx.resources, attempt=sbx.next_attempt
         )
 
+    @staticmethod
+    def _same_wait(sbx: Sandbox, decision: SandboxPending) -> bool:
+        """Whether a pending sandbox would only be told again why it waits: the same kind of
+        reason, or another one within REASON_EVERY_S of the last (bounded churn)."""
+        if sbx.life.state != "pending":
+            return False
+        same = reason_shape(decision.reason) == reason_shape(sbx.pending_reason)
+        return same or time.time() - sbx.pending_at < REASON_EVERY_S
+
     async def place_waiting(self) -> None:
         """Try each waiting sandbox, oldest first: schedule what fits now; a sandbox lost on
         its node and fitting nowhere becomes pending."""
@@ -267,8 +341,8 @@ class Scheduler:
             if sbx is None or not sbx.waiting or sbx.stop_requested or sbx.resources is None:
                 continue
             decision = self._placement(sbx)
-            if isinstance(decision, SandboxPending) and sbx.life.state == "pending":
-                continue  # still waits; the reason it was given stands
+            if isinstance(decision, SandboxPending) and self._same_wait(sbx, decision):
+                continue  # still waits, for the reason it was given
             assert sbx.life.last_event_id is not None
             await self._decide(
                 decision,
@@ -279,7 +353,7 @@ class Scheduler:
 
     async def declare_lost(self, now: float) -> None:
         """Declare silent nodes lost, then move what lost or draining nodes still hold."""
-        for node in self.state.silent(now):
+        for node in self.state.silent(now, watching_since=self._watching_since):
             silent = now - node.last_seen
             log.warning("scheduler: node %s silent for %.1f s: lost", node.node_id, silent)
             await self._decide(
@@ -305,7 +379,9 @@ class Scheduler:
             else:
                 cause, reason = node.drain_event_id, "node drained"
             for sandbox_id in held:
-                sbx = self.state.sandboxes[sandbox_id]
+                sbx = self.state.sandboxes.get(sandbox_id)
+                if sbx is None or sbx.holds != node.node_id:
+                    continue  # it ended (or moved) while the previous decision was published
                 retry = node.draining or sbx.life.attempt < self.max_placements
                 await self._decide(
                     UnitLost(
@@ -340,8 +416,25 @@ class Scheduler:
                 await self.declare_lost(time.time())
             except Exception:
                 log.exception("scheduler: loss detection failed")
-            if self.state.queue():
+            waiting = len(self.state.queue())
+            self._export(waiting)
+            if waiting:
                 self._wake.set()  # stale nodes come back by the clock too
+
+    def _export(self, waiting: int) -> None:
+        states = {"ready": 0, "cordoned": 0, "unhealthy": 0, "lost": 0}
+        for node in self.state.nodes.values():
+            if node.lost:
+                states["lost"] += 1
+            elif node.cordoned:
+                states["cordoned"] += 1
+            elif node.problems:
+                states["unhealthy"] += 1
+            else:
+                states["ready"] += 1
+        for state, count in states.items():
+            metrics.NODES.labels(state).set(count)
+        metrics.WAITING.set(waiting)
 
     # ------------------------------------------------------------------ handlers
 
@@ -472,6 +565,7 @@ def create_service(settings: Settings | None = None) -> Service:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(task, timeout=5)
 
+    service.health_checks.append(lambda: scheduler.follow_problem)
     service.on_start.append(start_projector)
     service.on_start.append(scheduler.start)  # the state is rebuilt before the handlers run
     service.on_stop.append(stop_all)

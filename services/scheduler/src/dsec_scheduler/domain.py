@@ -8,6 +8,7 @@ where placement quality (GPU topology, gangs) plugs in later: it sees the whole 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -83,6 +84,12 @@ class NoFit:
         if not self.reasons:
             return "no node has joined"
         return "no node fits: " + "; ".join(f"{n}: {r}" for n, r in sorted(self.reasons.items()))
+
+
+def reason_shape(reason: str) -> str:
+    """A no-fit reason without its numbers: a pending sandbox's reason is published again only
+    when this changes (another node, another kind of shortfall), not with every free CPU."""
+    return re.sub(r"\d+(\.\d+)?", "#", reason)
 
 
 def _gib(n: float) -> str:
@@ -205,6 +212,10 @@ class Sandbox:
     lost_on: str | None = None
     pending_attempt: int = 1
     """The attempt a ``sandbox.pending`` waits for."""
+    pending_reason: str = ""
+    """Why it waits, as last published."""
+    pending_at: float = 0.0
+    """When that reason was stored."""
     stop_requested: bool = False
 
     @property
@@ -236,9 +247,11 @@ _SANDBOX_TYPES = {
     "sandbox.failed",
     "sandbox.stop_requested",
 }
-FOLDED_TYPES: frozenset[str] = frozenset(
-    {*_NODE_SEEN, "node.lost", "node.cordoned", *_SANDBOX_TYPES}
-)
+NODE_TYPES: frozenset[str] = frozenset({*_NODE_SEEN, "node.lost", "node.cordoned"})
+"""Node events: the latest of each type and node says all the fleet needs."""
+SANDBOX_TYPES: frozenset[str] = frozenset(_SANDBOX_TYPES)
+"""Sandbox events, from ``env.built`` on: folded in full."""
+FOLDED_TYPES: frozenset[str] = NODE_TYPES | SANDBOX_TYPES
 """The event types the scheduler's state is folded from."""
 
 
@@ -287,12 +300,14 @@ class SchedulerState:
                 out.append((node, held))
         return out
 
-    def silent(self, now: float) -> list[Node]:
-        """Nodes silent longer than ``lost_after_s`` and not yet declared lost."""
+    def silent(self, now: float, watching_since: float = 0.0) -> list[Node]:
+        """Nodes silent longer than ``lost_after_s`` and not yet declared lost. Silence counts
+        from ``watching_since`` at the earliest: a scheduler that just started gives every node
+        a full period to be heard (its newest heartbeat in the log might not be readable)."""
         return [
             n
             for _, n in sorted(self.nodes.items())
-            if not n.lost and now - n.last_seen > self.lost_after_s
+            if not n.lost and now - max(n.last_seen, watching_since) > self.lost_after_s
         ]
 
     # -- folding
@@ -356,6 +371,8 @@ class SchedulerState:
     def _node_seen(self, event: Seen) -> bool:
         p = event.payload
         node_id = str(p.get("node_id") or event.aggregate_id)
+        if node_id != event.aggregate_id:
+            return False  # filed under another node's subject: never read as that node's
         old = self.nodes.get(node_id)
         inventory = NodeInventory.model_validate(p["inventory"])
         node = Node(
@@ -428,5 +445,7 @@ class SchedulerState:
             changes["lost_on"] = str(p.get("node_id"))
         if event.type == "sandbox.pending":
             changes["pending_attempt"] = int(p.get("attempt") or 1)
+            changes["pending_reason"] = str(p.get("reason") or "")
+            changes["pending_at"] = event.stored_at
         self.sandboxes[sid] = replace(sbx, **changes)
         return freed or life.state == "lost"

@@ -296,7 +296,8 @@ def _cordon(action: Action, node_id: str, reason: str, timeout: float, as_json: 
         subject_for("node.cordon_requested", node_id)
     except InvalidSubjectToken as exc:
         fail(f"node id: {exc}", EXIT_BAD_INPUT)
-    answer = run(_request(action, node_id, reason, timeout))
+    with err_console.status(f"{action} {safe_text(node_id)}: waiting for the scheduler"):
+        answer = run(_request(action, node_id, reason, timeout))
     if answer is None:
         fail(
             f"no answer to {action} {node_id} within {timeout:g} s: is the scheduler running? "

@@ -232,7 +232,7 @@ def stop_process(ref: ProcessRef, *, sig: int = signal.SIGTERM, timeout: float =
 
 def _group_has_members(pgid: int) -> bool:
     for proc in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error):
+        with contextlib.suppress(psutil.Error, ProcessLookupError):  # it exited meanwhile
             if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
                 return True
     return False
