@@ -129,7 +129,7 @@ dsec audit verify
 step "Two more nodes on this machine: three NATS servers in one JetStream cluster (the log on all
 three), a node agent each (a home of its own: a home's log stays on the servers that wrote it)" \
   dsec down '&&' DSEC_HOME=\$DSEC_HOME/three-nodes dsec up --nodes 3
-dsec down > /dev/null
+dsec down > /dev/null 2>&1
 ONE_NODE_HOME="$DSEC_HOME"
 export DSEC_HOME="$ONE_NODE_HOME/three-nodes"
 dsec up --nodes 3 > /dev/null

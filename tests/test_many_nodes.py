@@ -7,6 +7,7 @@ verifies."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections import Counter
@@ -80,11 +81,15 @@ class Lifecycles:
         self._task = asyncio.create_task(self._follow())
 
     async def _follow(self) -> None:
-        async for batch in follow(self._nc.jetstream(), filter_subject="dsec.sandbox.>"):
-            for _, data in batch:
-                env = await self._gate.authentic(data)
-                if env is not None and env.aggregate_id in self.events:
-                    self.events[env.aggregate_id].append(env)
+        reader = follow(self._nc.jetstream(), filter_subject="dsec.sandbox.>")
+        try:
+            async for batch in reader:
+                for _, data in batch:
+                    env = await self._gate.authentic(data)
+                    if env is not None and env.aggregate_id in self.events:
+                        self.events[env.aggregate_id].append(env)
+        finally:
+            await reader.aclose()  # on this loop, not in a finalizer after it closed
 
     async def until(self, done: Any, what: str, timeout: float) -> dict[str, list[Any]]:
         deadline = time.monotonic() + timeout
@@ -97,8 +102,10 @@ class Lifecycles:
             await asyncio.sleep(0.2)
         return self.events
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
 
 
 def _shown(env: Any) -> str:
@@ -169,7 +176,7 @@ async def test_a_lost_node_agents_sandboxes_are_rescheduled_on_the_others(
             assert len(_placements(state[sid])) == 1
             assert not any(e.type == "unit.lost" for e in state[sid])
     finally:
-        watch.close()
+        await watch.close()
         await nc.close()
         if victim is not None:  # it comes back: its stale copies are fenced off and stopped
             back = [ServiceSpec(f"nodeagent@{victim}")]

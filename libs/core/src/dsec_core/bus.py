@@ -344,6 +344,10 @@ def _ordered_config(filter_subject: str, start_seq: int) -> ConsumerConfig:
     )
 
 
+UNAVAILABLE_RECREATE_S = 2.0
+"""A reader whose consumer stays unavailable this long reads on from a new one."""
+
+
 async def _subscribe(
     js: JetStreamContext, filter_subject: str, config: ConsumerConfig, attempts: int = 20
 ) -> JetStreamContext.PullSubscription:
@@ -369,8 +373,8 @@ async def follow(
     idle_s: float = 0.5,
 ) -> AsyncIterator[list[tuple[int, bytes]]]:
     """Yield batches of ``(stream_seq, data)`` forever; an empty batch after ``idle_s`` idle."""
-    config = _ordered_config(filter_subject, start_seq)
-    sub = await _subscribe(js, filter_subject, config)
+    sub = await _subscribe(js, filter_subject, _ordered_config(filter_subject, start_seq))
+    next_seq, unavailable_since = start_seq, 0.0
     try:
         while True:
             try:
@@ -382,6 +386,22 @@ async def follow(
                     continue
                 yield []
                 continue
+            except ServiceUnavailableError:
+                # On a NATS cluster: the reader's consumer is not served (just created, or its
+                # server went away). Ask again; after a while, read on from a new consumer.
+                now = asyncio.get_running_loop().time()
+                unavailable_since = unavailable_since or now
+                if now - unavailable_since > UNAVAILABLE_RECREATE_S:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+                    config = _ordered_config(filter_subject, next_seq)
+                    sub = await _subscribe(js, filter_subject, config)
+                    unavailable_since = 0.0
+                await asyncio.sleep(0.1)
+                continue
+            unavailable_since = 0.0
+            if msgs:
+                next_seq = msgs[-1].metadata.sequence.stream + 1
             yield [(m.metadata.sequence.stream, m.data) for m in msgs]
     finally:
         # The caller may close the connection before this generator is finalized.
