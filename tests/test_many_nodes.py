@@ -11,6 +11,7 @@ import contextlib
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from dsec_cli.stack import ServiceSpec
 from dsec_core import identity
 from dsec_core.bus import follow
 from dsec_core.events import NodeHeartbeat
+from dsec_core.settings import Settings
 from dsec_core.subjects import filter_for
 from dsec_core.trust import Gate, KeyRing
 from dsec_testing import trust
@@ -39,6 +41,20 @@ entrypoint: [python, -c, "import time; time.sleep(600)"]
 resources: {{cpu: 0.1, memory: 64MiB, pids: 16}}
 timeout: 10m
 """
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _services_stop_after_the_module(dsec_cluster: ClusterFixture) -> Iterator[None]:
+    """The cluster's stack goes down with this module: its node-1 agent would otherwise share
+    node-1's kernel state (pins, cgroups) with the session stack's node agent in later tests."""
+    yield
+    dsec_cluster.stack.down()  # as `dsec down`: sandboxes stopped first (the servers start again
+    # lazily for later tests)
+    for node in NODES[1:]:  # nothing of the extra nodes stays in the kernel
+        pins, state = Settings(node_id=node).egress_dirs()
+        assert not pins.parent.exists() and not state.parent.exists()
+        for cgroup2 in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+            assert not (cgroup2 / "dsec" / node).exists()
 
 
 def _gate(nc: nats.NATS, home: Path) -> Gate:

@@ -230,12 +230,6 @@ class ClusterFixture(StackFixture):
         self.stack.ensure_services(specs, extra_env=env)
         return [s.name for s in specs]
 
-    def stop_node_agents(self) -> None:
-        """Stop every node agent this fixture runs (SIGTERM; their sandboxes stay)."""
-        for name in ["nodeagent", *(s.name for s in self.node_agents())]:
-            if name in self.stack.state.services:
-                self.stack.stop_service(name)
-
 
 def _require(value: str | None, key: str) -> str:
     if not value:

@@ -880,8 +880,9 @@ class SandboxManager:
         if self.states.ids():  # sandboxes keep running, unwatched: they reap their own cgroups
             self.unwatched_marker.parent.mkdir(parents=True, exist_ok=True)
             self.unwatched_marker.write_text("no node agent watches these sandboxes\n")
-        elif stop_sandboxes and self._hierarchy is not None:
-            cgroups.remove_node_group(self._hierarchy, self.node_id)
+        elif stop_sandboxes:  # `dsec down`: the node's cgroup parent goes too
+            with contextlib.suppress(cgroups.CgroupError, OSError):
+                cgroups.remove_node_group(self._hierarchy or cgroups.detect(), self.node_id)
 
 
 def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
