@@ -52,9 +52,6 @@ SYSTEM_TENANT = identity.SYSTEM_TENANT
 
 log = logging.getLogger(__name__)
 
-BROKER_STOP_S = 3.0
-"""How long a stopping service waits for its consumers to stop before running its stop hooks."""
-
 
 @dataclass(frozen=True)
 class Output:
@@ -402,15 +399,7 @@ class Service:
         """Stop consuming, run stop hooks, close connections."""
         if self._watch is not None:
             self._watch.cancel()
-        try:
-            # Bounded: a consumer a NATS cluster stopped serving can keep the broker's fetch
-            # loop from ending, and the stop hooks (a node agent stopping its sandboxes at
-            # `dsec down`) must still run before the stack's grace period ends.
-            await asyncio.wait_for(self.broker.stop(), BROKER_STOP_S)
-        except TimeoutError:
-            log.warning(
-                "%s: consumers did not stop within %s s; stopping anyway", self.name, BROKER_STOP_S
-            )
+        await self.broker.stop()
         for hook in self.on_stop:
             await hook()
         if self.keys is not None:
