@@ -8,6 +8,7 @@ that server.
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -54,11 +55,7 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="How often a service re-checks the stream's guarantees"
     )
     metrics_port: int = Field(default=0, description="Port for /metrics and /healthz (0 = free)")
-    node_id: str = Field(
-        default="node-1",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
-        description="Name of this node (letters, digits, _ . -; one path component)",
-    )
+    node_id: str = Field(default="node-1", description="Name of this node")
     bpf_pin_dir: Path | None = Field(
         default=None,
         description="bpffs directory of this node agent's pinned egress maps (unset: "
@@ -181,6 +178,11 @@ class Settings(BaseSettings):
     def egress_dirs(self) -> tuple[Path, Path]:
         """``(pin dir, state dir)`` of this node agent's egress layer: the maps pinned in bpffs
         and each sandbox's plan in tmpfs (both gone at reboot, like the programs)."""
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.node_id):
+            raise ValueError(
+                f"DSEC_NODE_ID {self.node_id!r}: letters, digits, '_' and '-' only (it names "
+                "this node's directories)"
+            )
         pins = self.bpf_pin_dir or Path(f"/sys/fs/bpf/dsec-{self.node_id}")
         return pins / "egress", Path(f"/run/dsec-{self.node_id}") / "egress"
 
