@@ -126,8 +126,29 @@ cat "$DSEC_HOME/demo-world.log"
 step "Prove the whole log: every signature, chain link and sequence" dsec audit verify
 dsec audit verify
 
+step "Two more nodes on this machine: three NATS servers in one JetStream cluster (the log on all
+three), a node agent each (a home of its own: a home's log stays on the servers that wrote it)" \
+  dsec down '&&' DSEC_HOME=\$DSEC_HOME/three-nodes dsec up --nodes 3
+dsec down > /dev/null 2>&1
+ONE_NODE_HOME="$DSEC_HOME"
+export DSEC_HOME="$ONE_NODE_HOME/three-nodes"
+dsec up --nodes 3 > /dev/null
+dsec status   # nats, nats-2, nats-3; nodeagent, nodeagent@node-2, nodeagent@node-3
+
+step "The nodes, as their heartbeats describe them" dsec node ls --json
+READY=0
+for _ in $(seq 100); do  # each node agent joins and heartbeats; the read model follows the log
+  READY=$(dsec node ls --json | python3 -c 'import json,sys
+print(sum(n["state"] == "ready" for n in json.load(sys.stdin)))')
+  [ "$READY" -ge 3 ] && break
+  sleep 0.2
+done
+dsec node ls --json
+[ "$READY" -ge 3 ] || { echo "demo: not three ready nodes ($READY)" >&2; exit 1; }
+
 step "Stop everything" dsec down
 dsec down
+export DSEC_HOME="$ONE_NODE_HOME"
 kill "$WORLD_PID" 2>/dev/null || true
 wait "$WORLD_PID" 2>/dev/null || true
 trap - ERR

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 from dsec_core.retention import down_marker
+from dsec_core.settings import Settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kernel, pytest.mark.slow]
 
-PIN_DIR = Path("/sys/fs/bpf/dsec/egress")
-EGRESS_STATE = Path("/run/dsec/egress")
+PIN_DIR, EGRESS_STATE = Settings(node_id="node-1").egress_dirs()  # the test node agent's
 
 SPEC = """\
 version: "1.2"

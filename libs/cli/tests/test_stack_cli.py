@@ -132,7 +132,7 @@ async def test_up_status_down_keeps_data_and_leaves_nothing_running(home: Path) 
     assert stat.S_IMODE(os.stat(home / "stack.json").st_mode) == 0o600
     assert set(st) == {
         "nats_url", "postgres_dsn", "s3_endpoint", "s3_access_key", "s3_secret_key",
-        "vault_addr", "vault_token", "prometheus_url", "servers", "services",
+        "vault_addr", "vault_token", "prometheus_url", "nodes", "servers", "services",
     }  # fmt: skip
     assert st["postgres_dsn"].startswith("postgresql://dsec:")
     for name in ("nats", "postgres", "s3", "vault", "prometheus"):
@@ -278,3 +278,27 @@ def test_corrupt_state_file_is_named(tmp_path: Path) -> None:
     result = dsec_inproc("status", home=home)
     assert result.exit_code == 2
     assert f"{home}/stack.json: not valid JSON" in result.stderr
+
+
+def test_up_nodes_starts_a_nats_cluster_and_keeps_it_until_down(home: Path) -> None:
+    assert dsec_inproc("up", "--nodes", "9", home=home).exit_code == 2  # more than 5: named
+    up = dsec_inproc("up", "--nodes", "3", "--no-services", "--json", home=home)
+    assert up.exit_code == 0, up.stderr
+    servers = json.loads(up.stdout.strip().splitlines()[-1])["servers"]
+    assert [n for n in servers if n.startswith("nats")] == ["nats", "nats-2", "nats-3"]
+    assert all(servers[n]["state"] == "running" for n in ("nats", "nats-2", "nats-3"))
+    st = state(home)
+    urls = str(st["nats_url"]).split(",")
+    assert st["nodes"] == 3 and len(set(urls)) == 3
+    again = dsec_inproc("up", "--nodes", "1", "--no-services", home=home)
+    assert again.exit_code == 2
+    assert "runs with 3 node(s); run `dsec down` before `dsec up --nodes 1`" in again.stderr
+    assert dsec_inproc("up", "--no-services", home=home).exit_code == 0  # as it was started
+    assert state(home)["nodes"] == 3
+    down = dsec_inproc("down", home=home)
+    assert down.exit_code == 0 and "nats-3" in down.stdout
+    assert listening([int(u.rsplit(":", 1)[1]) for u in urls]) == []
+    single = dsec_inproc("up", "--nodes", "1", "--no-services", home=home)
+    assert single.exit_code == 2  # its log lives on three servers: never silently a fresh one
+    assert "written by a stack of 3 node(s)" in single.stderr
+    assert "another DSEC_HOME" in single.stderr

@@ -36,7 +36,7 @@ def test_state_round_trips_and_keeps_the_documented_top_level_keys() -> None:
     assert parsed == st
     assert list(domain.StackState.model_fields) == [
         "nats_url", "postgres_dsn", "s3_endpoint", "s3_access_key", "s3_secret_key",
-        "vault_addr", "vault_token", "prometheus_url", "servers", "services",
+        "vault_addr", "vault_token", "prometheus_url", "nodes", "servers", "services",
     ]  # fmt: skip
 
 
@@ -163,3 +163,30 @@ def test_prometheus_config_scrapes_every_service(tmp_path: Path) -> None:
 def test_prometheus_template_with_unknown_placeholder_is_named() -> None:
     with pytest.raises(StackConfigError, match="unknown placeholder 'nope'"):
         domain.render_prometheus_config("x: ${nope}", services={}, prometheus_port=1)
+
+
+def test_nodes_on_one_machine_are_bounded_with_a_clear_error() -> None:
+    assert domain.check_nodes(1) == 1 and domain.check_nodes(domain.MAX_NODES) == domain.MAX_NODES
+    for bad in (0, domain.MAX_NODES + 1):
+        with pytest.raises(StackConfigError, match=f"--nodes {bad}: expected 1 to"):
+            domain.check_nodes(bad)
+    assert [domain.replicas_for(n) for n in (1, 2, 3, 5)] == [1, 2, 3, 3]
+
+
+def test_extra_nodes_have_their_names_and_disjoint_sandbox_uids() -> None:
+    name = domain.node_service_name(domain.node_id(2))
+    assert name == "nodeagent@node-2" and domain.node_of_service(name) == "node-2"
+    assert domain.node_of_service("nodeagent") is None
+    assert domain.node_of_service("policy@node-2") is None
+    assert domain.server_kind("nats-3") == "nats" and domain.server_kind("s3") == "s3"
+    names = ["s3", "nats-3", "vault", "nats", "nats-2", "postgres"]
+    assert sorted(names, key=domain.server_order) == [
+        "nats", "nats-2", "nats-3", "postgres", "s3", "vault",
+    ]  # fmt: skip
+    bases = [
+        int(domain.node_environment(domain.node_id(i))["DSEC_SANDBOX_UID_BASE"]) for i in (2, 3)
+    ]
+    assert (
+        bases[1] - bases[0] == domain.NODE_UID_SPAN and bases[0] == 200_000 + domain.NODE_UID_SPAN
+    )
+    assert domain.node_environment("node-3")["DSEC_NODE_ID"] == "node-3"

@@ -191,6 +191,13 @@ def test_the_stream_dsec_declares_is_sound() -> None:
     assert stream_problems(stream_config()) == []
 
 
+def test_a_replicated_stream_is_sound_and_still_refused_when_weakened() -> None:
+    replicated = stream_config(3)  # `dsec up --nodes 3`: the log on three servers
+    assert replicated.num_replicas == 3 and stream_problems(replicated) == []
+    replicated.deny_purge = False
+    assert stream_problems(replicated) == ["deny_purge is off (the stream can be purged)"]
+
+
 @pytest.mark.parametrize(
     ("changes", "problem"),
     [
@@ -250,3 +257,17 @@ def test_the_rendered_config_fences_each_node_agent_off_the_others() -> None:
     assert "nodeagent-n2-sandbox-scheduled" in text and "nodeagent-node-1-unit-lost" in text
     n2 = identities[1].entry(nodes=["node-1", "n2"])["permissions"]["publish"]
     assert "$JS.API.CONSUMER.MSG.NEXT.DSEC_EVENTS.nodeagent-node-1-sandbox-scheduled" in n2["deny"]
+
+
+def test_each_node_agent_of_a_machine_has_its_own_egress_directories() -> None:
+    pins, state = Settings(node_id="node-2").egress_dirs()
+    assert (pins, state) == (
+        Path("/sys/fs/bpf/dsec-node-2/egress"),
+        Path("/run/dsec-node-2/egress"),
+    )
+    assert Settings(node_id="node-3").egress_dirs()[0] != pins
+    assert Settings(node_id="n", bpf_pin_dir=Path("/sys/fs/bpf/x")).egress_dirs()[0] == Path(
+        "/sys/fs/bpf/x/egress"
+    )
+    with pytest.raises(ValueError, match=r"DSEC_NODE_ID '\.\./x': letters, digits"):
+        Settings(node_id="../x").egress_dirs()

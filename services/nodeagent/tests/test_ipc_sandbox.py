@@ -115,11 +115,12 @@ def test_an_agent_identity_must_be_a_valid_agent_name() -> None:
 @pytest.mark.parametrize(
     ("text", "sandbox"),
     [
-        ("0::/dsec/sbx_01abc\n", "sbx_01abc"),
-        ("9:name=systemd:/\n4:memory:/dsec/sbx_1\n0::/dsec/sbx_2\n", "sbx_2"),
+        ("0::/dsec/node-1/sbx_01abc\n", "sbx_01abc"),
+        ("9:name=systemd:/\n4:memory:/dsec/node-1/sbx_1\n0::/dsec/node-2/sbx_2\n", "sbx_2"),
         ("0::/\n", None),
-        ("0::/user.slice/dsec/sbx_1\n", None),
-        ("4:memory:/dsec/sbx_1\n", None),
+        ("0::/dsec/node-1\n", None),  # a node's parent, not a sandbox
+        ("0::/user.slice/dsec/node-1/sbx_1\n", None),
+        ("4:memory:/dsec/node-1/sbx_1\n", None),
     ],
 )
 def test_the_sandbox_of_a_process_comes_from_its_cgroup_v2_line(

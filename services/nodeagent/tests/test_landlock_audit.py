@@ -280,3 +280,59 @@ async def test_the_node_agent_publishes_a_kernel_policy_violation() -> None:
         "Landlock refused write of /workspace/scratch/x (pid 4242; blocked right fs.write_file) "
         "with EACCES: the path is outside the spec's write_allowed"
     )
+
+
+# ----------------------------------------------------------------------------- several node agents
+
+HOLDER = """
+import sys, time
+from dsec_nodeagent.sandbox import audit
+audit._SWITCH.acquire()
+print("holding", flush=True)
+sys.stdin.readline()  # until told (or killed)
+audit._SWITCH.release()
+print("released", flush=True)
+"""
+
+
+def _other_readers() -> set[str]:
+    """Readers of this host other than this test's processes (node agents of other stacks)."""
+    readers = audit.HOST_DIR / "readers"
+    return {p.name for p in readers.iterdir()} if readers.is_dir() else set()
+
+
+@pytest.mark.kernel
+def test_one_node_agent_stopping_leaves_audit_on_for_another_of_the_host() -> None:
+    import signal
+    import subprocess
+
+    before = _audit_status()
+    holders = [
+        subprocess.Popen(
+            [sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        for holder in holders:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        assert _audit_status().enabled in (1, 2)
+        assert {str(h.pid) for h in holders} <= _other_readers()
+        first, second = holders
+        assert first.stdin is not None
+        first.stdin.write("\n")
+        first.stdin.flush()
+        assert first.stdout is not None and first.stdout.readline().strip() == "released"
+        assert _audit_status().enabled in (1, 2)  # the second node agent still reads
+        second.send_signal(signal.SIGKILL)  # it dies without releasing
+        second.wait(10)
+        # A reader that starts and stops now finds the dead one's entry stale: it restores.
+        audit._SWITCH.acquire()
+        audit._SWITCH.release()
+        assert str(second.pid) not in _other_readers()
+        if not _other_readers():  # no node agent of another stack reads on this host now
+            assert _audit_status().enabled == before.enabled
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait(10)

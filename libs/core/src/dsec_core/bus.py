@@ -25,7 +25,12 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import (
+    BadRequestError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 from dsec_core import natsclient
 from dsec_core.envelope import Envelope
@@ -41,8 +46,9 @@ log = logging.getLogger(__name__)
 DUPLICATE_WINDOW_S = 120.0
 
 
-def stream_config() -> StreamConfig:
-    """The ``DSEC_EVENTS`` stream: file storage, no delete, no purge, a duplicate window."""
+def stream_config(replicas: int = 1) -> StreamConfig:
+    """The ``DSEC_EVENTS`` stream: file storage, no delete, no purge, a duplicate window;
+    ``replicas`` copies on as many servers of a NATS cluster (the embedded stack: min(3, N))."""
     return StreamConfig(
         name=STREAM,
         description="DSec event log and signed audit trail",
@@ -54,6 +60,7 @@ def stream_config() -> StreamConfig:
         deny_delete=True,
         deny_purge=True,
         allow_direct=True,
+        num_replicas=replicas,
     )
 
 
@@ -70,19 +77,21 @@ async def connect(settings: Settings, name: str) -> NATS:
     )
 
 
-async def ensure_stream(js: JetStreamContext) -> None:
+async def ensure_stream(js: JetStreamContext, *, replicas: int | None = None) -> None:
     """Create the stream, or update it to the expected configuration.
 
     Operator only: NATS permissions refuse stream creation and updates to every other role
-    (:mod:`dsec_core.natsperms`); services call :func:`require_stream` instead.
+    (:mod:`dsec_core.natsperms`); services call :func:`require_stream` instead. ``replicas``
+    (the embedded cluster's min(3, N)) is applied to the stream and the replay bucket; ``None``
+    keeps what an operator chose on an existing stream (R1 when it is created here).
     """
-    wanted = stream_config()
+    wanted = stream_config(replicas or 1)
     try:
         current = (await js.stream_info(STREAM)).config
     except NotFoundError:
         try:
             await js.add_stream(wanted)
-            await _ensure_handled_bucket(js)
+            await handled_bucket(js, replicas=replicas)
             return
         except BadRequestError:  # created concurrently
             current = (await js.stream_info(STREAM)).config
@@ -90,6 +99,10 @@ async def ensure_stream(js: JetStreamContext) -> None:
     # cluster (replicas, placement, limits it approved in the metadata) is kept.
     fields = ("subjects", "deny_delete", "deny_purge", "duplicate_window", "allow_rollup_hdrs")
     changed = any(getattr(current, f) != getattr(wanted, f) for f in fields)
+    if replicas is not None and current.num_replicas != replicas:
+        log.info("stream %s: replicas %s -> %s", STREAM, current.num_replicas, replicas)
+        current.num_replicas = replicas
+        changed = True
     for f in fields:
         setattr(current, f, getattr(wanted, f))
     if stream_problems(current):  # limits that discard history, never approved: lift them
@@ -100,13 +113,9 @@ async def ensure_stream(js: JetStreamContext) -> None:
                 changed = True
     if changed:
         await js.update_stream(current)
-    await _ensure_handled_bucket(js)
-
-
-async def _ensure_handled_bucket(js: JetStreamContext) -> None:
-    """The operator also creates the consumers' replay-protection bucket (services may only
-    write their own keys into it)."""
-    await handled_bucket(js)
+    # The operator also creates the consumers' replay-protection bucket (services may only
+    # write their own keys into it), with as many replicas as the stream.
+    await handled_bucket(js, replicas=replicas)
 
 
 RETENTION_APPROVED_KEY = "dsec_retention_approved"
@@ -289,7 +298,13 @@ class EventPublisher:
                 return Published(sealed, ack.seq, bool(ack.duplicate))
             except MaxPayloadError:
                 raise EventTooLarge(sealed.type, len(sealed.wire), self._max_payload()) from None
-            except (TimeoutError, NatsTimeoutError, NoRespondersError) as exc:
+            except (
+                TimeoutError,
+                NatsTimeoutError,
+                NoRespondersError,
+                NoStreamResponseError,
+            ) as exc:
+                # NoStreamResponseError: a NATS cluster electing the stream's new leader.
                 log.warning("publish %s attempt %d failed: %s", sealed.type, attempt + 1, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -337,7 +352,28 @@ def _ordered_config(filter_subject: str, start_seq: int) -> ConsumerConfig:
         filter_subject=filter_subject,
         inactive_threshold=30.0,
         mem_storage=True,
+        num_replicas=1,  # a reader's cursor: on a cluster, no replicated consumer per reader
     )
+
+
+UNAVAILABLE_RECREATE_S = 2.0
+"""A reader whose consumer stays unavailable this long reads on from a new one."""
+
+
+async def _subscribe(
+    js: JetStreamContext, filter_subject: str, config: ConsumerConfig, attempts: int = 20
+) -> JetStreamContext.PullSubscription:
+    """A pull subscription with its consumer; a NATS cluster that answers "temporarily
+    unavailable" (electing a leader, or too busy to commit the consumer in time) is asked again."""
+    delay = 0.1
+    for _ in range(attempts - 1):
+        try:
+            return await js.pull_subscribe(filter_subject, stream=STREAM, config=config)
+        except (ServiceUnavailableError, NatsTimeoutError) as exc:
+            log.warning("creating a consumer for %s: %s; retrying", filter_subject, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+    return await js.pull_subscribe(filter_subject, stream=STREAM, config=config)
 
 
 async def follow(
@@ -349,8 +385,8 @@ async def follow(
     idle_s: float = 0.5,
 ) -> AsyncIterator[list[tuple[int, bytes]]]:
     """Yield batches of ``(stream_seq, data)`` forever; an empty batch after ``idle_s`` idle."""
-    config = _ordered_config(filter_subject, start_seq)
-    sub = await js.pull_subscribe(filter_subject, stream=STREAM, config=config)
+    sub = await _subscribe(js, filter_subject, _ordered_config(filter_subject, start_seq))
+    next_seq, unavailable_since = start_seq, 0.0
     try:
         while True:
             try:
@@ -362,6 +398,22 @@ async def follow(
                     continue
                 yield []
                 continue
+            except ServiceUnavailableError:
+                # On a NATS cluster: the reader's consumer is not served (just created, or its
+                # server went away). Ask again; after a while, read on from a new consumer.
+                now = asyncio.get_running_loop().time()
+                unavailable_since = unavailable_since or now
+                if now - unavailable_since > UNAVAILABLE_RECREATE_S:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+                    config = _ordered_config(filter_subject, next_seq)
+                    sub = await _subscribe(js, filter_subject, config)
+                    unavailable_since = 0.0
+                await asyncio.sleep(0.1)
+                continue
+            unavailable_since = 0.0
+            if msgs:
+                next_seq = msgs[-1].metadata.sequence.stream + 1
             yield [(m.metadata.sequence.stream, m.data) for m in msgs]
     finally:
         # The caller may close the connection before this generator is finalized.

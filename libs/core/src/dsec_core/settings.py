@@ -8,6 +8,7 @@ that server.
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -65,6 +66,17 @@ class Settings(BaseSettings):
     )
     metrics_port: int = Field(default=0, description="Port for /metrics and /healthz (0 = free)")
     node_id: str = Field(default="node-1", description="Name of this node")
+    bpf_pin_dir: Path | None = Field(
+        default=None,
+        description="bpffs directory of this node agent's pinned egress maps (unset: "
+        "/sys/fs/bpf/dsec-<node id>); node agents of one machine each have their own",
+    )
+    sandbox_uid_base: int = Field(
+        default=200_000,
+        ge=1000,
+        description="First of the 60,000 uids this node gives its sandboxes; node agents of one "
+        "machine need disjoint ranges (`dsec up --nodes` sets them)",
+    )
     org_policy: Path | None = Field(default=None, description="Org guardrail policy file")
     dns_upstream: str | None = Field(default=None, description="Upstream DNS host:port")
     tls_proxy_upstream_ca: Path | None = Field(
@@ -172,6 +184,17 @@ class Settings(BaseSettings):
         """Return setting ``name`` if set, else the value ``dsec up`` recorded in stack.json."""
         value = getattr(self, name)
         return value if value is not None else self.stack_state.get(name)
+
+    def egress_dirs(self) -> tuple[Path, Path]:
+        """``(pin dir, state dir)`` of this node agent's egress layer: the maps pinned in bpffs
+        and each sandbox's plan in tmpfs (both gone at reboot, like the programs)."""
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.node_id):
+            raise ValueError(
+                f"DSEC_NODE_ID {self.node_id!r}: letters, digits, '_' and '-' only (it names "
+                "this node's directories)"
+            )
+        pins = self.bpf_pin_dir or Path(f"/sys/fs/bpf/dsec-{self.node_id}")
+        return pins / "egress", Path(f"/run/dsec-{self.node_id}") / "egress"
 
     def nats_endpoint(self) -> str:
         """The NATS URL to use (setting, stack.json, or the conventional local default)."""

@@ -276,10 +276,13 @@ def _remember(cache: OrderedDict[str, Any], key: str, value: Any, limit: int = 4
         cache.popitem(last=False)
 
 
-async def handled_bucket(js: JetStreamContext) -> KeyValue:
-    """The bucket of handled event ids (created by the operator; a service only opens it)."""
+async def handled_bucket(js: JetStreamContext, *, replicas: int | None = None) -> KeyValue:
+    """The bucket of handled event ids (created by the operator; a service only opens it).
+
+    ``replicas`` (operator only): copies on a NATS cluster; an existing bucket is brought to it.
+    """
     try:
-        return await js.key_value(HANDLED_BUCKET)
+        kv = await js.key_value(HANDLED_BUCKET)
     except (NotFoundError, BadRequestError):
         return await js.create_key_value(
             KeyValueConfig(
@@ -288,8 +291,15 @@ async def handled_bucket(js: JetStreamContext) -> KeyValue:
                 ttl=HANDLED_TTL.total_seconds(),
                 storage=StorageType.FILE,
                 description="Event ids each DSec consumer handled (replay protection)",
+                replicas=replicas or 1,
             )
         )
+    if replicas is not None:
+        info = await js.stream_info(f"KV_{HANDLED_BUCKET}")
+        if info.config.num_replicas != replicas:
+            info.config.num_replicas = replicas
+            await js.update_stream(info.config)
+    return kv
 
 
 class Gate:

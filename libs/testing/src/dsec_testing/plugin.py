@@ -10,6 +10,11 @@ Session fixtures, each starting only the server it needs, on first request:
 - ``stack_env`` (dict): ``DSEC_*`` variables for all four plus ``DSEC_HOME``; NATS as the local
   tenant's ``user`` (``DSEC_NATS_NKEY_SEED``), the identity the CLI has after ``dsec up``.
 
+- ``dsec_cluster`` (:class:`~dsec_testing.stack.ClusterFixture`): a second stack with three
+  nodes on this machine: three NATS servers in one JetStream cluster (the stream on R3;
+  ``kill_nats``/``start_nats`` one member), and the three node agents on demand
+  (``start_node_agents()``).
+
 Function fixtures:
 
 - ``nats_restart``: restart NATS on the same port and store (``kill=True`` for a crash).
@@ -26,7 +31,14 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from dsec_testing.stack import NatsRestarter, S3Info, ServiceRunner, StackFixture, VaultInfo
+    from dsec_testing.stack import (
+        ClusterFixture,
+        NatsRestarter,
+        S3Info,
+        ServiceRunner,
+        StackFixture,
+        VaultInfo,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +47,19 @@ def dsec_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFixtur
     from dsec_testing.stack import StackFixture
 
     fixture = StackFixture(tmp_path_factory.mktemp("dsec-home"))
+    try:
+        yield fixture
+    finally:
+        fixture.close()
+
+
+@pytest.fixture(scope="session")
+def dsec_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFixture]:
+    """A stack of three nodes on this machine (its own home; servers start lazily, the three
+    NATS servers together in about a second)."""
+    from dsec_testing.stack import ClusterFixture
+
+    fixture = ClusterFixture(tmp_path_factory.mktemp("dsec-cluster"), nodes=3)
     try:
         yield fixture
     finally:

@@ -56,7 +56,7 @@ class StackFixture:
     killed (PR_SET_PDEATHSIG). :meth:`close` stops everything.
     """
 
-    def __init__(self, home: Path, *, bucket: str = "dsec") -> None:
+    def __init__(self, home: Path, *, bucket: str = "dsec", nodes: int = 1) -> None:
         self.home = home
         self.stack = Stack(
             home,
@@ -67,11 +67,14 @@ class StackFixture:
             server_timeout=60.0,
             service_timeout=60.0,
             stop_timeout=10.0,
+            nodes=nodes,
         )
 
     def ensure(self, *names: str) -> None:
-        """Start the named servers (in parallel) unless they run already."""
-        self.stack.ensure_servers(names)
+        """Start the named servers (in parallel) unless they run already (``nats``: every
+        member of the NATS cluster)."""
+        wanted = [m for n in names for m in (self.stack.nats_names() if n == "nats" else [n])]
+        self.stack.ensure_servers(wanted)
 
     @property
     def nats_url(self) -> str:
@@ -151,14 +154,81 @@ class StackFixture:
             cred.chmod(0o600)
         return {"DSEC_TRUST_ROOT": bytes(root.verify_key).hex(), "DSEC_CREDENTIAL": str(cred)}
 
-    def restart_nats(self, *, kill: bool = False, downtime: float = 0.0) -> None:
-        """Stop NATS (SIGKILL when ``kill``) and start it again on the same port and store."""
+    def restart_nats(
+        self, *, kill: bool = False, downtime: float = 0.0, member: str = "nats"
+    ) -> None:
+        """Stop NATS (SIGKILL when ``kill``) and start it again on the same port and store
+        (``member``: which server of a cluster)."""
         self.ensure("nats")
-        self.stack.restart_server("nats", kill=kill, downtime=downtime)
+        self.stack.restart_server(member, kill=kill, downtime=downtime)
 
     def close(self) -> None:
         """Stop every service and server; raises when something keeps running."""
         self.stack.down()
+
+
+class ClusterFixture(StackFixture):
+    """The embedded stack with ``nodes`` nodes on this machine (``dsec up --nodes``): as many
+    NATS servers in one JetStream cluster (``DSEC_EVENTS`` on min(3, N) of them) and, on demand,
+    node agents 2..N, each with its own home, certificate and uid range.
+
+    The three NATS servers start in about a second (the other servers lazily, as usual).
+    """
+
+    def __init__(self, home: Path, *, nodes: int = 3, bucket: str = "dsec") -> None:
+        super().__init__(home, bucket=bucket, nodes=nodes)
+        self.nodes = nodes
+
+    @property
+    def member_names(self) -> list[str]:
+        """The NATS servers: ``nats``, ``nats-2``, ..."""
+        return self.stack.nats_names()
+
+    @property
+    def operator_urls(self) -> list[str]:
+        """Every member's URL with the operator's credentials (a client given all of them
+        fails over when one server dies)."""
+        self.ensure("nats")
+        from dsec_cli.stack.adapters.natsauth import operator_url
+
+        password = self.stack.server("nats").credentials["operator_password"]
+        return [operator_url(u, password) for u in self.stack.cluster_urls()]
+
+    def member_of(self, server_name: str) -> str:
+        """The member name (``nats-2``) of a NATS ``server_name`` (``dsec-nats-2``) as stream
+        and cluster information report it."""
+        name = server_name.removeprefix("dsec-")
+        if name not in self.member_names:
+            raise KeyError(f"{server_name!r} is not a server of this cluster")
+        return name
+
+    def kill_nats(self, member: str) -> None:
+        """SIGKILL one NATS server (its store stays)."""
+        self.stack.stop_server(member, sig=signal.SIGKILL)
+
+    def start_nats(self, member: str) -> None:
+        """Start a stopped NATS server again on its ports and store; returns once it is healthy
+        (in a cluster: caught up with the meta group and its streams)."""
+        self.stack.ensure_servers([member])
+
+    def node_agents(self, count: int | None = None) -> list[ServiceSpec]:
+        """The node agents of nodes 2..``count`` (default: every extra node)."""
+        last = self.nodes if count is None else count
+        return [
+            ServiceSpec(domain.node_service_name(domain.node_id(i))) for i in range(2, last + 1)
+        ]
+
+    def node_home(self, node: str) -> Path:
+        """``DSEC_HOME`` of an extra node (``<home>/nodes/<node>``)."""
+        return self.stack.node_home(node)
+
+    def start_node_agents(self, env: Mapping[str, str] | None = None) -> list[str]:
+        """Start the node agent of every node (``nodeagent`` for node-1, ``nodeagent@node-k``),
+        with the core servers; waits for each ``/healthz``. Returns the service names."""
+        self.ensure(*CORE_SERVERS)
+        specs = [ServiceSpec("nodeagent"), *self.node_agents()]
+        self.stack.ensure_services(specs, extra_env=env)
+        return [s.name for s in specs]
 
 
 def _require(value: str | None, key: str) -> str:

@@ -122,6 +122,8 @@ class NodeAgent:
             on_kernel_refusal=self._refused,
             on_landlock_refusal=self._landlock_refused,
             ipc_socket=ipc_socket,
+            uid_base=settings.sandbox_uid_base,
+            node_id=settings.node_id,
         )
         self.injector = self._injector()
         self._contexts: dict[str, PreparedContext] = {}

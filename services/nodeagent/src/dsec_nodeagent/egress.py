@@ -73,7 +73,12 @@ class Egress:
     ) -> None:
         self.home = settings.home.resolve()
         self._stack: set[tuple[str, int]] = set()
+        pin_dir, state_dir = settings.egress_dirs()
+        # Only a controller of its own has the node's directories, removed at `dsec down`.
+        self._own_state_root = state_dir.parent if controller is None else None
         self.controller = controller or EgressController(
+            pin_dir=pin_dir,
+            state_dir=state_dir,
             dns_upstream=settings.dns_upstream,
             dns_bounds=DnsBounds(
                 max_ttl_s=settings.dns_max_ttl_s,
@@ -141,6 +146,9 @@ class Egress:
         if retention.down_marker(self.home).exists() and not self.controller.sandboxes():
             log.info("the stack is down and no sandbox is attached: removing the pinned maps")
             await self.controller.uninstall()
+            if self._own_state_root is not None:
+                with contextlib.suppress(OSError):  # only when empty
+                    self._own_state_root.rmdir()
             return
         await self.controller.close()
         if self._collector is not None:

@@ -82,7 +82,9 @@ def _print_failure(exc: StackError, stack: Stack) -> None:
     err.print(f"[red]error:[/] {exc}")
     if isinstance(exc, StartFailed):
         for name, (reason, log_tail) in sorted(exc.failures.items()):
-            log = stack.home / "logs" / f"{name}.log"
+            log = (
+                stack.service(name).log_path if "@" in name else stack.home / "logs" / f"{name}.log"
+            )
             err.print(f"\n[bold]{name}[/]: {reason}")
             if log_tail:
                 err.print(f"[dim]--- last lines of {log} ---[/]")
@@ -105,6 +107,16 @@ def up(
     timeout: Annotated[
         float, typer.Option(help="Seconds each server/service gets to become healthy", min=1)
     ] = 30.0,
+    nodes: Annotated[
+        int | None,
+        typer.Option(
+            "--nodes",
+            help="Nodes on this machine: N NATS servers in one JetStream cluster (the event "
+            "stream on min(3, N) of them) and a node agent per node, each with its own home "
+            "under DSEC_HOME/nodes/ (default: as this home was started, 1 at first; fixed once "
+            "the home has an event log)",
+        ),
+    ] = None,
 ) -> None:
     """Start the embedded stack (NATS, Postgres, S3, OpenBao, Prometheus) and every service.
 
@@ -114,7 +126,9 @@ def up(
     """
     services: list[str] | None = [] if no_services else (service or None)
     try:
-        stack = _stack(services=services, server_timeout=timeout, service_timeout=timeout)
+        stack = _stack(
+            services=services, server_timeout=timeout, service_timeout=timeout, nodes=nodes
+        )
     except StackConfigError as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None

@@ -27,6 +27,17 @@ CORE_SERVERS: tuple[str, ...] = ("nats", "postgres", "s3", "vault")
 DEFAULT_SERVICES: tuple[str, ...] = ("policy", "builder", "snapshot", "scheduler", "nodeagent")
 """DSec services ``dsec up`` starts, each as ``python -m dsec_<name>``."""
 
+MAX_NODES = 3
+"""``dsec up --nodes`` accepts 1..MAX_NODES. Each node is one more NATS server of the cluster and
+one more node agent (~220 MiB RSS together, ~110 MiB PSS): three keep the embedded stack within
+its 1.5 GiB budget (measured: 1.37 GiB RSS, 0.82 GiB PSS). More machines join as real nodes
+(README, "Running on many machines")."""
+
+NODE_AGENT = "nodeagent"
+NODE_UID_SPAN = 60_000
+"""Sandbox uids of co-located node agents: node ``k`` gets ``[200000 + (k-1)·span, +span)``, so
+no two sandboxes of one machine share a uid (file permissions, signals, audit attribution)."""
+
 POSTGRES_USER = "dsec"
 POSTGRES_DB = "dsec"
 
@@ -90,6 +101,7 @@ class StackState(BaseModel):
     vault_addr: str | None = None
     vault_token: str | None = Field(default=None, repr=False)
     prometheus_url: str | None = None
+    nodes: int = 1
     servers: dict[str, ServerRecord] = Field(default_factory=dict)
     services: dict[str, ServiceRecord] = Field(default_factory=dict)
 
@@ -277,6 +289,66 @@ def service_environment(
     }
     env.update({key: value for key, value in pairs.items() if value})
     return env
+
+
+def check_nodes(nodes: int) -> int:
+    """Validate ``dsec up --nodes``.
+
+    Raises:
+        StackConfigError: not within 1..MAX_NODES.
+    """
+    if not 1 <= nodes <= MAX_NODES:
+        raise StackConfigError(
+            f"--nodes {nodes}: expected 1 to {MAX_NODES} nodes on one machine (more join as "
+            "other machines: README, 'Running on many machines')"
+        )
+    return nodes
+
+
+def replicas_for(nodes: int) -> int:
+    """Copies of the event stream on an N-server NATS cluster: min(3, N)."""
+    return min(3, nodes)
+
+
+def node_id(index: int) -> str:
+    """The node id of the ``index``-th (1-based) node of an embedded stack: ``node-<index>``."""
+    return f"node-{index}"
+
+
+def node_service_name(node: str) -> str:
+    """Name of an extra node's node agent in ``stack.json`` and ``dsec status``
+    (``nodeagent@node-2``)."""
+    return f"{NODE_AGENT}@{node}"
+
+
+def node_of_service(name: str) -> str | None:
+    """The node of a service name made by :func:`node_service_name`, else ``None``."""
+    base, sep, node = name.partition("@")
+    return node if sep and base == NODE_AGENT and node else None
+
+
+def server_kind(name: str) -> str:
+    """The kind of a server name: ``nats-2`` is a ``nats``."""
+    base, _, index = name.rpartition("-")
+    return base if base and index.isdigit() else name
+
+
+def server_order(name: str) -> tuple[int, int]:
+    """Sort key of a server name: by kind (as :data:`SERVER_NAMES`), then member index."""
+    kind = server_kind(name)
+    index = int(name.rpartition("-")[2]) if kind != name else 1
+    rank = SERVER_NAMES.index(kind) if kind in SERVER_NAMES else len(SERVER_NAMES)
+    return rank, index
+
+
+def node_environment(node: str) -> dict[str, str]:
+    """What an extra node's agent gets besides the stack's endpoints: its node id and a uid
+    range of its own (the DSEC_HOME, metrics port and NATS seed are set by the caller)."""
+    index = int(node.rpartition("-")[2]) if node.rpartition("-")[2].isdigit() else 1
+    return {
+        "DSEC_NODE_ID": node,
+        "DSEC_SANDBOX_UID_BASE": str(200_000 + (index - 1) * NODE_UID_SPAN),
+    }
 
 
 def status_exit_code(states: Iterable[State]) -> int:

@@ -24,7 +24,7 @@ from dsec_core.natsclient import credential_path
 from dsec_core.retention import down_marker
 
 from dsec_cli.stack import domain
-from dsec_cli.stack.adapters import probes
+from dsec_cli.stack.adapters import natsauth, probes
 from dsec_cli.stack.adapters.procs import (
     allocate_ports,
     poll_until,
@@ -37,10 +37,12 @@ from dsec_cli.stack.adapters.procs import (
 )
 from dsec_cli.stack.adapters.servers import (
     SERVER_CLASSES,
+    NatsClusterServer,
     NatsServer,
     PrometheusServer,
     S3Server,
     Server,
+    nats_member_name,
 )
 from dsec_cli.stack.adapters.services import ServiceProcess, ServiceSpec
 from dsec_cli.stack.adapters.statefile import load_state, locked, save_state, state_path
@@ -50,6 +52,7 @@ from dsec_cli.stack.errors import (
     PortInUseError,
     ServerStartError,
     ServiceFailed,
+    StackConfigError,
     StackError,
     StartFailed,
     StopError,
@@ -149,6 +152,9 @@ class Stack:
         stop_timeout: seconds between the polite signal and SIGKILL on stop.
         die_with_parent: processes die with this one (test fixtures).
         python: interpreter that runs the services.
+        nodes: nodes on this machine (``dsec up --nodes``): as many NATS servers in one
+            JetStream cluster and, for nodes 2..N, a node agent each with its own home under
+            ``<home>/nodes/<node id>``; ``None``: as recorded in ``stack.json`` (1 at first).
     """
 
     def __init__(
@@ -166,8 +172,10 @@ class Stack:
         stop_timeout: float = 10.0,
         die_with_parent: bool = False,
         python: str = sys.executable,
+        nodes: int | None = None,
     ) -> None:
         self.home = home.absolute()
+        self.requested_nodes = None if nodes is None else domain.check_nodes(nodes)
         self.external = external or ExternalEndpoints()
         specs = [
             s if isinstance(s, ServiceSpec) else ServiceSpec(s)
@@ -236,12 +244,63 @@ class Stack:
 
     # --- servers -------------------------------------------------------------------------------
 
+    @property
+    def nodes(self) -> int:
+        """Nodes of this stack on this machine (``--nodes``, else as recorded)."""
+        return self.requested_nodes or self.state.nodes
+
+    def nats_names(self) -> list[str]:
+        """The embedded NATS servers: ``nats`` and, in a cluster, ``nats-2`` .. ``nats-N``."""
+        return [nats_member_name(i) for i in range(1, self.nodes + 1)]
+
     def server_names(self) -> list[str]:
         """Servers ``up`` manages."""
-        names = list(domain.CORE_SERVERS)
+        names = [*self.nats_names(), *domain.CORE_SERVERS[1:]]
         if self.with_prometheus:
             names.append("prometheus")
         return names
+
+    def _member_ports(self) -> list[list[int]]:
+        """Ports (client, monitor, cluster) of every NATS cluster member: recorded, or chosen
+        now (and kept in memory until the members are recorded)."""
+        out: list[list[int]] = []
+        for name in self.nats_names():
+            cached = self._servers.get(name)
+            rec = self.state.servers.get(name)
+            if cached is not None:
+                out.append(list(cached.ports))
+            elif rec is not None and len(rec.ports) == NatsClusterServer.port_count:
+                out.append(list(rec.ports))
+            else:
+                ports = allocate_ports(NatsClusterServer.port_count)
+                self._fresh_ports.add(name)
+                self.state.servers[name] = ServerRecord(
+                    ports=ports, credentials=rec.credentials if rec else {}
+                )
+                out.append(ports)
+        return out
+
+    def _nats_member(self, name: str) -> Server:
+        members = self._member_ports()
+        index = self.nats_names().index(name) + 1
+        # Every member shares the first one's operator and route passwords.
+        first = self.state.servers["nats"]  # recorded by _member_ports
+        creds = {**NatsClusterServer.new_credentials(), **first.credentials}
+        first.credentials = dict(creds)
+        srv = NatsClusterServer(
+            self.home,
+            member=index,
+            members=members,
+            replicas=domain.replicas_for(self.nodes),
+            ports=members[index - 1],
+            credentials=creds,
+            binary=self.binaries.get("nats"),
+            die_with_parent=self.die_with_parent,
+        )
+        rec = self.state.servers.get(name)
+        if rec is not None and not rec.external and rec.pid is not None:
+            srv.proc = process_ref(rec.pid, rec.create_time)
+        return srv
 
     def server(self, name: str) -> Server:
         """The server object for ``name``, built from ``stack.json`` (ports and credentials are
@@ -249,6 +308,10 @@ class Stack:
         with self._lock:
             if name in self._servers:
                 return self._servers[name]
+            if domain.server_kind(name) == "nats" and (self.nodes > 1 or name != "nats"):
+                member = self._nats_member(name)
+                self._servers[name] = member
+                return member
             cls = SERVER_CLASSES[name]
             rec = self.state.servers.get(name)
             if rec is not None and len(rec.ports) == cls.port_count:
@@ -324,6 +387,7 @@ class Stack:
         say = progress or _noop
         wanted = list(dict.fromkeys(names))
         with self._lock:
+            self._set_nodes()
             ext = self.external.names()
             to_start: list[Server] = []
             missing: list[BinaryMissingError] = []
@@ -492,7 +556,6 @@ class Stack:
         """Create or check ``DSEC_EVENTS`` on an external NATS with the configured credentials.
         Only an operator identity may; with another one the operator must have created it
         (services refuse to start on a missing or weakened stream)."""
-        from dsec_cli.stack.adapters import natsauth
 
         try:
             natsauth.create_stream(url, options=self.external_nats_options, timeout=5.0)
@@ -512,6 +575,15 @@ class Stack:
             "vault": ext.vault_addr,
         }.get(name)
         return value or ""
+
+    def cluster_urls(self) -> list[str]:
+        """Client URLs of every embedded NATS server (one for a single node)."""
+        urls: list[str] = []
+        for name in self.nats_names():
+            srv = self.server(name)
+            assert isinstance(srv, NatsServer)
+            urls.append(srv.url)
+        return urls
 
     def stop_server(self, name: str, *, sig: int | None = None) -> None:
         """Stop one embedded server (``sig`` overrides its polite signal, e.g. SIGKILL)."""
@@ -566,6 +638,37 @@ class Stack:
         self.state.services[name] = ServiceRecord(metrics_port=port)
         return port
 
+    def node_home(self, node: str) -> Path:
+        """``DSEC_HOME`` of an extra node of this machine: ``<home>/nodes/<node id>``."""
+        return self.home / "nodes" / node
+
+    def node_specs(self) -> list[ServiceSpec]:
+        """The node agents of nodes 2..N (when the node agent is one of the services)."""
+        if domain.NODE_AGENT not in {s.name for s in self.service_specs}:
+            return []
+        return [
+            ServiceSpec(domain.node_service_name(domain.node_id(i)))
+            for i in range(2, self.nodes + 1)
+        ]
+
+    def _service_home(self, spec: ServiceSpec) -> Path:
+        node = domain.node_of_service(spec.name)
+        return self.home if node is None else self.node_home(node)
+
+    def _service_env(self, spec: ServiceSpec, port: int) -> dict[str, str]:
+        node = domain.node_of_service(spec.name)
+        nats_identity = spec.service if node is None else natsauth.node_identity(node)
+        env = domain.service_environment(
+            self.state,
+            home=str(self._service_home(spec)),
+            metrics_port=port,
+            bucket=self.bucket,
+            nats_seed=self.nats_seed(nats_identity),
+        )
+        if node is not None:
+            env.update(domain.node_environment(node))
+        return env
+
     def service(self, spec: str | ServiceSpec) -> ServiceProcess:
         """The process object of a service (built from ``stack.json``)."""
         spec = spec if isinstance(spec, ServiceSpec) else self._recorded_spec(spec)
@@ -576,15 +679,9 @@ class Stack:
             port = self._service_port(spec.name)
             svc = ServiceProcess(
                 spec,
-                home=self.home,
+                home=self._service_home(spec),
                 metrics_port=port,
-                env=domain.service_environment(
-                    self.state,
-                    home=str(self.home),
-                    metrics_port=port,
-                    bucket=self.bucket,
-                    nats_seed=self.nats_seed(spec.name),
-                ),
+                env=self._service_env(spec, port),
                 python=self.python,
                 die_with_parent=self.die_with_parent,
             )
@@ -637,6 +734,8 @@ class Stack:
         chosen = [self._spec(s) if isinstance(s, str) else s for s in requested]
         env_overrides = dict(extra_env or {})
         self.ensure_identities([s.name for s in chosen], env_overrides)
+        for spec in chosen:
+            self._service_home(spec).mkdir(parents=True, exist_ok=True)
         with self._lock:
             started: list[ServiceProcess] = []
             for spec in chosen:
@@ -652,16 +751,7 @@ class Stack:
                         continue
                 if not port_is_free(svc.metrics_port):
                     svc.metrics_port = self._reallocate_service_port(spec.name)
-                svc.env = {
-                    **domain.service_environment(
-                        self.state,
-                        home=str(self.home),
-                        metrics_port=svc.metrics_port,
-                        bucket=self.bucket,
-                        nats_seed=self.nats_seed(spec.name),
-                    ),
-                    **(extra_env or {}),
-                }
+                svc.env = {**self._service_env(spec, svc.metrics_port), **(extra_env or {})}
                 say(spec.name, "starting")
                 svc.spawn()
                 self._record_service(svc)
@@ -691,11 +781,32 @@ class Stack:
         paths = identity.TrustPaths(self.home)
         root = identity.ensure_root(paths)
         for name in names:
+            node_of = domain.node_of_service(name)
+            if node_of is not None:
+                self._ensure_node_home(root, node_of)
+                continue
             if name in identity.SERVICE_ROLES:
                 node = None
                 if name == "nodeagent":
                     node = env.get("DSEC_NODE_ID") or os.environ.get("DSEC_NODE_ID") or "node-1"
                 identity.ensure_service_identity(paths, root, name, node_id=node)
+
+    def _ensure_node_home(self, root: Any, node: str) -> None:
+        """An extra node's home: the node agent's key and a certificate naming its node (as the
+        operator gives a real second machine, ``dsec admin issue-service nodeagent --node``), the
+        trust anchor, and ``stack.json`` (a link: the stack's endpoints, which its sandboxes may
+        never reach)."""
+        home = self.node_home(node)
+        paths = identity.TrustPaths(home)
+        identity.ensure_service_identity(paths, root, "nodeagent", node_id=node)
+        public = identity.TrustPaths(self.home).anchor.read_text()
+        if not paths.anchor.is_file() or paths.anchor.read_text() != public:
+            paths.anchor.parent.mkdir(parents=True, exist_ok=True)
+            paths.anchor.write_text(public)
+        link = home / "stack.json"
+        if not link.is_symlink():
+            link.unlink(missing_ok=True)
+            link.symlink_to(os.path.relpath(self.state_file, home))
 
     def _reallocate_service_port(self, name: str) -> int:
         port = allocate_ports(1)[0]
@@ -728,6 +839,7 @@ class Stack:
         t0 = time.monotonic()
         with locked(self.home):
             self._adopt(load_state(self.home) or self.state)
+            self._set_nodes()
             self._prune_services()
             for spec in self.service_specs:
                 self._service_port(spec.name)
@@ -736,14 +848,58 @@ class Stack:
                 # NATS was already running: as the operator, repair a stream weakened meanwhile
                 # (a fresh start did this already), before services check it.
                 self.server("nats").after_ready()
-            started += self.ensure_services(self.service_specs, progress)
+            started += self.ensure_services([*self.service_specs, *self.node_specs()], progress)
             elapsed = time.monotonic() - t0
         return UpResult(status=self.status(), started=started, elapsed_s=elapsed)
+
+    def _set_nodes(self) -> None:
+        """Apply ``--nodes`` (without it: as recorded). The number of nodes of a home is fixed
+        once its NATS store holds the event log: NATS does not move a single server's streams
+        into a cluster (or back), so another number would start on an empty log.
+
+        Raises:
+            StackConfigError: the stack runs with another number of nodes, or its log was
+                written with another number.
+        """
+        wanted = self.requested_nodes
+        if wanted is None or wanted == self.state.nodes:
+            return
+        running = [
+            n
+            for n, rec in self.state.servers.items()
+            if domain.server_kind(n) == "nats"
+            and not rec.external
+            and (ref := process_ref(rec.pid, rec.create_time)) is not None
+            and ref.alive()
+        ]
+        if running:
+            raise StackConfigError(
+                f"the stack runs with {self.state.nodes} node(s); run `dsec down` before "
+                f"`dsec up --nodes {wanted}`"
+            )
+        store = self.home / "data" / "nats" / "jetstream"
+        if store.is_dir() and any(store.iterdir()):
+            raise StackConfigError(
+                f"--nodes {wanted}: the event log in {store} was written by a stack of "
+                f"{self.state.nodes} node(s), and NATS does not carry a log over to another "
+                f"number of servers; keep --nodes {self.state.nodes}, or use another DSEC_HOME"
+            )
+        if "nats" in self.external.names() and wanted > 1:
+            raise StackConfigError(
+                f"--nodes {wanted}: DSEC_NATS_URL points at an external NATS; the extra nodes of "
+                "one machine need the embedded NATS cluster (unset DSEC_NATS_URL)"
+            )
+        self.state.nodes = wanted
+        self._servers.clear()
+        keep = set(self.nats_names())
+        for name in list(self.state.servers):
+            if domain.server_kind(name) == "nats" and name not in keep:
+                del self.state.servers[name]
 
     def _prune_services(self) -> None:
         """Forget services that are neither requested nor running (e.g. after ``--no-services``),
         so ``status`` reflects the stack that was asked for."""
-        wanted = {s.name for s in self.service_specs}
+        wanted = {s.name for s in [*self.service_specs, *self.node_specs()]}
         for name in list(self.state.services):
             if name not in wanted and not self.service(self._recorded_spec(name)).alive():
                 del self.state.services[name]
@@ -773,21 +929,27 @@ class Stack:
             for svc in svcs:
                 say(svc.name, "stopping")
                 ports[svc.metrics_port] = svc.name
-            marker = down_marker(self.home)
+            markers = [down_marker(self.home)] + [
+                down_marker(svc.home) for svc in svcs if domain.node_of_service(svc.name)
+            ]
             if not keep_sandboxes:
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.write_text("stop sandboxes\n")
+                for marker in markers:
+                    marker.parent.mkdir(parents=True, exist_ok=True)
+                    marker.write_text("stop sandboxes\n")
             try:
                 run_parallel({s.name: _stopper(s.stop, self.stop_timeout) for s in svcs})
             finally:
-                marker.unlink(missing_ok=True)
+                for marker in markers:
+                    marker.unlink(missing_ok=True)
             for svc in svcs:
                 self._record_service(svc)
                 stopped.append(svc.name)
             srvs = [
                 self.server(name)
                 for name, rec in self.state.servers.items()
-                if not rec.external and not rec.absent and name in SERVER_CLASSES
+                if not rec.external
+                and not rec.absent
+                and domain.server_kind(name) in SERVER_CLASSES
             ]
             srvs = [s for s in srvs if s.alive()]
             for srv in srvs:
@@ -826,9 +988,8 @@ class Stack:
         with self._lock:
             self._adopt(loaded)
             checks: dict[str, Callable[[], ComponentStatus]] = {}
-            for name in domain.SERVER_NAMES:
-                rec = self.state.servers.get(name)
-                if rec is not None:
+            for name, rec in self.state.servers.items():
+                if domain.server_kind(name) in domain.SERVER_NAMES:
                     checks[f"server:{name}"] = self._server_checker(name, rec)
             for name, srec in self.state.services.items():
                 checks[f"service:{name}"] = self._service_checker(name, srec)
@@ -842,8 +1003,7 @@ class Stack:
                 else ComponentStatus(name, kind, State.UNHEALTHY, detail=str(outcome))
             )
             (report.servers if kind == "server" else report.services).append(row)
-        order = {n: i for i, n in enumerate(domain.SERVER_NAMES)}
-        report.servers.sort(key=lambda c: order.get(c.name, 99))
+        report.servers.sort(key=lambda c: domain.server_order(c.name))
         svc_order = {n: i for i, n in enumerate(self.state.services)}
         report.services.sort(key=lambda c: svc_order.get(c.name, 99))
         return report

@@ -45,7 +45,10 @@ class ConfigMaps:
         uri = f"configmap://{name}/{key}"
         try:
             nc = await nats.connect(
-                self.nats_url, connect_timeout=5, max_reconnect_attempts=0, **self.nats_options
+                self.nats_url.split(","),  # a cluster's servers, comma-separated
+                connect_timeout=5,
+                max_reconnect_attempts=0,
+                **self.nats_options,
             )
         except (OSError, nats.errors.Error) as exc:
             raise ContextError(

@@ -63,7 +63,9 @@ class RemoteBridge:
     async def start(self, url: str, options: Mapping[str, Any] | None = None) -> None:
         """Connect to NATS (``options``: credentials, TLS) and start serving proxy channels."""
         self.nc = await nats.connect(
-            url, name=f"dsec-ipc-{self.broker.node_id}", **dict(options or {})
+            url.split(","),  # a cluster's servers, comma-separated (DSEC_NATS_URL)
+            name=f"dsec-ipc-{self.broker.node_id}",
+            **dict(options or {}),
         )
         self._doorbell = ch.new_eventfd()
         self._proxy = AsyncServeLoop(self._doorbell, bytes, self._on_proxy_request)

@@ -11,9 +11,10 @@ which takes nothing from auditd when one runs) and turns each 1423 record into a
 
 **It changes a system-wide setting.** Audit records exist only while audit is enabled; when it is
 disabled, :meth:`LandlockAudit.start` enables it (``AUDIT_SET``, ``AUDIT_STATUS_ENABLED``), and
-:meth:`LandlockAudit.close` restores the previous state (shared by the readers of one process,
-restored when the last one closes, and only if nobody changed it meanwhile). When it enables audit
-itself (nobody configured it: no auditd), it also raises the backlog limit to
+:meth:`LandlockAudit.close` restores the previous state (shared by the readers of every process
+of the host through ``/run/dsec-audit``, so the node agents of one machine never switch it off
+under each other; restored when the last one closes, and only if nobody changed it meanwhile).
+When it enables audit itself (nobody configured it: no auditd), it also raises the backlog limit to
 :data:`BACKLOG_LIMIT` and sets the backlog wait time to 0, so that a sandbox looping on a denied
 call can make records be dropped (counted in ``lost``) but never make a process on the node sleep
 in ``audit_log_start``; the kernel log gets the records too (no auditd to take them), bounded by
@@ -29,13 +30,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
+import json
 import logging
 import os
 import re
 import socket
 import struct
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from prometheus_client import Counter
 
@@ -269,16 +273,53 @@ def _control_socket() -> socket.socket:
     return sock
 
 
-class _AuditSwitch:
-    """Enables audit for the readers of this process; restores the state after the last one."""
+HOST_DIR = Path("/run/dsec-audit")
+"""Host-wide bookkeeping of the audit switch (tmpfs: gone at reboot, like the setting): a lock,
+one file per process reading Landlock records, and the state to restore after the last one."""
 
-    def __init__(self) -> None:
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time (field 22 of ``/proc/PID/stat``): a pid plus this names one
+    process even after the pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]
+
+
+class _AuditSwitch:
+    """Enables audit for every Landlock reader of the *host*; restores the state after the last.
+
+    Several node agents may run on one machine (``dsec up --nodes``), each reading the read-log
+    multicast group (any number of readers may join it). The switch is shared through
+    :data:`HOST_DIR`: whoever enables audit records the state before; a reader that stops
+    restores it only when no other live process still reads (a crashed reader's entry is ignored
+    once its process is gone).
+    """
+
+    def __init__(self, host_dir: Path = HOST_DIR) -> None:
         self.users = 0
-        self.previous: AuditStatus | None = None
+        self.host_dir = host_dir
+
+    @contextlib.contextmanager
+    def _host(self) -> Iterator[Path]:
+        holders = self.host_dir / "readers"
+        holders.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.host_dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            for entry in holders.iterdir():  # readers that died without releasing
+                pid = int(entry.name) if entry.name.isdigit() else -1
+                if _start_time(pid) != entry.read_text().strip():
+                    entry.unlink(missing_ok=True)
+            yield holders
+        finally:
+            os.close(fd)
 
     def acquire(self) -> None:
         if self.users == 0:
-            with contextlib.closing(_control_socket()) as sock:
+            with self._host() as holders, contextlib.closing(_control_socket()) as sock:
                 status = get_status(sock)
                 if status.enabled == 0:
                     if status.failure == AUDIT_FAIL_PANIC:
@@ -296,22 +337,32 @@ class _AuditSwitch:
                         1, status.failure, max(status.backlog_limit, BACKLOG_LIMIT), 0, 0
                     )
                     set_status(sock, mask, wanted)
-                    self.previous = status
+                    (self.host_dir / "previous.json").write_text(json.dumps(asdict(status)))
                     log.info("audit enabled for Landlock refusals (was disabled; restored on exit)")
+                pid = os.getpid()
+                (holders / str(pid)).write_text(_start_time(pid) or "")
         self.users += 1
 
     def release(self) -> None:
         self.users -= 1
-        if self.users > 0 or self.previous is None:
+        if self.users > 0:
             return
-        previous, self.previous = self.previous, None
-        with contextlib.closing(_control_socket()) as sock:
-            if get_status(sock).enabled != 1:
-                return  # somebody else changed it meanwhile: theirs to keep
-            mask = (
-                AUDIT_STATUS_ENABLED | AUDIT_STATUS_BACKLOG_LIMIT | AUDIT_STATUS_BACKLOG_WAIT_TIME
-            )
-            set_status(sock, mask, previous)
+        with self._host() as holders:
+            (holders / str(os.getpid())).unlink(missing_ok=True)
+            previous_file = self.host_dir / "previous.json"
+            if any(holders.iterdir()) or not previous_file.is_file():
+                return  # another reader still needs it, or nobody here enabled it
+            previous = AuditStatus(**json.loads(previous_file.read_text()))
+            previous_file.unlink()
+            with contextlib.closing(_control_socket()) as sock:
+                if get_status(sock).enabled != 1:
+                    return  # somebody else changed it meanwhile: theirs to keep
+                mask = (
+                    AUDIT_STATUS_ENABLED
+                    | AUDIT_STATUS_BACKLOG_LIMIT
+                    | AUDIT_STATUS_BACKLOG_WAIT_TIME
+                )
+                set_status(sock, mask, previous)
 
 
 _SWITCH = _AuditSwitch()

@@ -101,7 +101,9 @@ class SandboxCgroup:
     """The cgroup directories of one sandbox.
 
     Attributes:
-        v2_dir: ``<unified>/dsec/<sandbox_id>``.
+        v2_dir: ``<unified>/dsec/<node id>/<sandbox_id>`` (a node of its own per node agent: a
+            sandbox rescheduled to another node agent of the same machine while its stale copy
+            still runs gets a cgroup of its own).
         dirs: controller -> directory holding its limit files (v2_dir or a v1 directory).
     """
 
@@ -109,14 +111,17 @@ class SandboxCgroup:
     dirs: dict[str, Path]
 
     @classmethod
-    def create(cls, hierarchy: Hierarchy, sandbox_id: str, limits: Limits) -> SandboxCgroup:
+    def create(
+        cls, hierarchy: Hierarchy, sandbox_id: str, limits: Limits, node: str = "node-1"
+    ) -> SandboxCgroup:
         """Create the directories and write ``limits``; on failure remove what was made."""
-        v2_parent = hierarchy.unified / GROUP
-        v2_parent.mkdir(exist_ok=True)
+        v2_parent = hierarchy.unified / GROUP / node
+        v2_parent.mkdir(parents=True, exist_ok=True)
         on_v2 = [c for c in CONTROLLERS if hierarchy.backend(c) == "v2"]
         if on_v2:
             enable = " ".join(f"+{c}" for c in on_v2)
             _write(hierarchy.unified / "cgroup.subtree_control", enable)
+            _write(v2_parent.parent / "cgroup.subtree_control", enable)
             _write(v2_parent / "cgroup.subtree_control", enable)
         group = cls(v2_dir=v2_parent / sandbox_id, dirs={})
         try:
@@ -129,7 +134,7 @@ class SandboxCgroup:
                 if backend == "v2":
                     group.dirs[controller] = group.v2_dir
                 elif backend == "v1":
-                    path = hierarchy.v1[controller] / GROUP / sandbox_id
+                    path = hierarchy.v1[controller] / GROUP / node / sandbox_id
                     path.mkdir(parents=True)
                     group.dirs[controller] = path
             group._apply(limits)
@@ -263,8 +268,8 @@ class SandboxCgroup:
 def sandbox_of_cgroup(proc_cgroup: str) -> str | None:
     """The sandbox id named by a ``/proc/PID/cgroup`` text (its cgroup v2 line), or ``None``.
 
-    A sandbox's tasks live in ``<unified>/dsec/<sandbox_id>`` and cannot leave it (the cgroup
-    files belong to root), so this is an identity the task cannot forge.
+    A sandbox's tasks live in ``<unified>/dsec/<node>/<sandbox_id>`` and cannot leave it (the
+    cgroup files belong to root), so this is an identity the task cannot forge.
     """
     for line in proc_cgroup.splitlines():
         hierarchy, _, rest = line.partition(":")
@@ -272,9 +277,19 @@ def sandbox_of_cgroup(proc_cgroup: str) -> str | None:
         if hierarchy != "0" or controllers:
             continue
         parts = PurePosixPath(path).parts
-        if len(parts) >= 3 and parts[0] == "/" and parts[1] == GROUP:
-            return parts[2]
+        if len(parts) >= 4 and parts[0] == "/" and parts[1] == GROUP:
+            return parts[3]
     return None
+
+
+def remove_node_group(hierarchy: Hierarchy, node: str) -> None:
+    """Remove a node's parent cgroups once no sandbox is left in them (``dsec down``)."""
+    parents = [hierarchy.unified / GROUP / node, hierarchy.unified / GROUP]
+    parents += [p / GROUP / node for p in set(hierarchy.v1.values())]
+    parents += [p / GROUP for p in set(hierarchy.v1.values())]
+    for path in parents:
+        with contextlib.suppress(OSError):  # busy or absent: another node's, or in use
+            path.rmdir()
 
 
 def sandbox_of_process(pid: int) -> str | None:

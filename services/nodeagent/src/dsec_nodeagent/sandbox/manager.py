@@ -137,8 +137,12 @@ class SandboxManager:
         on_landlock_refusal: audit.LandlockHandler | None = None,
         tune_cgroups: bool = True,
         ipc_socket: Path | None = None,
+        uid_base: int = domain.UID_BASE,
+        node_id: str = "node-1",
     ) -> None:
         self.home = home.resolve()
+        self.uid_base = uid_base  # node agents of one machine get disjoint uid ranges
+        self.node_id = node_id  # names its cgroup parent: <unified>/dsec/<node id>/
         layout = NodeLayout.of(self.home)
         self.run_dir = layout.sandboxes_run
         self.data_root = layout.sandboxes
@@ -276,7 +280,7 @@ class SandboxManager:
         view = await asyncio.to_thread(
             discovery.discover_cached, config.runtime, extra, self.cache_dir
         )
-        uid = domain.allocate_uid(config.sandbox_id, self._uids_in_use())
+        uid = domain.allocate_uid(config.sandbox_id, self._uids_in_use(), base=self.uid_base)
         run_dir.mkdir(parents=True, exist_ok=False)
         (run_dir / "root").mkdir()
         ipc_dir = self._ipc_dir(config, run_dir)
@@ -425,7 +429,9 @@ class SandboxManager:
             self._hierarchy = cgroups.detect()
             if self.tune_cgroups:
                 cgroups.favor_dynamic_modifications(self._hierarchy)
-        return cgroups.SandboxCgroup.create(self._hierarchy, config.sandbox_id, config.limits)
+        return cgroups.SandboxCgroup.create(
+            self._hierarchy, config.sandbox_id, config.limits, node=self.node_id
+        )
 
     def _uids_in_use(self) -> set[int]:
         used = {s.ready.uid for s in self._sandboxes.values()}
@@ -874,6 +880,9 @@ class SandboxManager:
         if self.states.ids():  # sandboxes keep running, unwatched: they reap their own cgroups
             self.unwatched_marker.parent.mkdir(parents=True, exist_ok=True)
             self.unwatched_marker.write_text("no node agent watches these sandboxes\n")
+        elif stop_sandboxes:  # `dsec down`: the node's cgroup parent goes too
+            with contextlib.suppress(cgroups.CgroupError, OSError):
+                cgroups.remove_node_group(self._hierarchy or cgroups.detect(), self.node_id)
 
 
 def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:

@@ -77,7 +77,13 @@ class DecisionChannel:
         channel = cls(sandbox_id, path, handler)
         path.unlink(missing_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
-        sock.bind(str(path))
+        # Bound through its directory's descriptor: a node's home may be deep (the extra nodes of
+        # one machine live in $DSEC_HOME/nodes/<node>/), beyond AF_UNIX's 108-byte path limit.
+        parent = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            sock.bind(f"/proc/self/fd/{parent}/{path.name}")
+        finally:
+            os.close(parent)
         os.chown(path, uid, uid)
         os.chmod(path, 0o600)
         channel._sock = sock

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,18 @@ def public_key(seed: str) -> str:
     return bytes(nkeys.from_seed(bytearray(seed.strip().encode())).public_key).decode()
 
 
+_SEEDS = threading.Lock()
+"""The members of a NATS cluster render their configs in parallel: one seed per identity."""
+
+
 def ensure_identity(home: Path, identity: str) -> str:
     """Create ``identity``'s seed file (0600) unless it exists; return its public key."""
     path = credential_path(home, identity)
+    with _SEEDS:
+        return _ensure_seed(path)
+
+
+def _ensure_seed(path: Path) -> str:
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.parent.chmod(0o700)
@@ -51,8 +61,15 @@ def hash_password(password: str) -> str:
     return hashed.decode()
 
 
-def render_config(home: Path, operator_password: str) -> str:
-    """The server's authorization config: the operator (password) and each local identity."""
+def node_identity(node: str) -> str:
+    """The NATS identity of the node agent of an extra node (``nodeagent-node-2``): it may use
+    only its own node's durables (:mod:`dsec_core.natsperms`)."""
+    return f"nodeagent-{node}"
+
+
+def render_config(home: Path, operator_password: str, nodes: Sequence[str] = ()) -> str:
+    """The server's authorization config: the operator (password), each local identity and the
+    node agent of each extra node of this machine (``nodes``)."""
     identities = [
         natsperms.Identity(
             natsperms.OPERATOR,
@@ -60,10 +77,30 @@ def render_config(home: Path, operator_password: str) -> str:
             password_hash=hash_password(operator_password),
         )
     ]
-    identities += [
-        natsperms.Identity(name, nkey=ensure_identity(home, name)) for name in LOCAL_IDENTITIES
-    ]
+    names = [*LOCAL_IDENTITIES, *(node_identity(n) for n in nodes)]
+    identities += [natsperms.Identity(name, nkey=ensure_identity(home, name)) for name in names]
     return natsperms.render_authorization(identities)
+
+
+CLUSTER_NAME = "dsec"
+ROUTE_USER = "route"
+
+
+def render_cluster(listen_port: int, route_ports: list[int], route_password: str) -> str:
+    """The ``cluster`` block of one server of the embedded NATS cluster: it listens for routes on
+    ``listen_port`` (loopback) and dials the others; a route must know the cluster password
+    (so no local process can join as a server and bypass the clients' authorization)."""
+    routes = ", ".join(
+        f'"nats-route://{ROUTE_USER}:{route_password}@127.0.0.1:{p}"' for p in route_ports
+    )
+    return (
+        "cluster {\n"
+        f"  name: {CLUSTER_NAME}\n"
+        f"  listen: 127.0.0.1:{listen_port}\n"
+        f'  authorization {{ user: {ROUTE_USER}, password: "{hash_password(route_password)}" }}\n'
+        f"  routes: [{routes}]\n"
+        "}\n"
+    )
 
 
 def operator_url(url: str, password: str) -> str:
@@ -73,10 +110,14 @@ def operator_url(url: str, password: str) -> str:
 
 
 def create_stream(
-    url: str, *, options: Mapping[str, Any] | None = None, timeout: float = 10.0
+    url: str,
+    *,
+    options: Mapping[str, Any] | None = None,
+    timeout: float = 10.0,
+    replicas: int | None = None,
 ) -> None:
     """As the operator (credentials in ``url`` or ``options``), create ``DSEC_EVENTS`` or
-    restore its guarantees (:func:`dsec_core.bus.ensure_stream`)."""
+    restore its guarantees (:func:`dsec_core.bus.ensure_stream`; ``replicas`` on a cluster)."""
     import nats
     from dsec_core.bus import ensure_stream
 
@@ -85,7 +126,7 @@ def create_stream(
             url, connect_timeout=timeout, max_reconnect_attempts=0, **dict(options or {})
         )
         try:
-            await ensure_stream(nc.jetstream(timeout=timeout))
+            await ensure_stream(nc.jetstream(timeout=timeout), replicas=replicas)
         finally:
             await nc.close()
 

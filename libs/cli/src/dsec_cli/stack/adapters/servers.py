@@ -62,7 +62,7 @@ class Server(abc.ABC):
         die_with_parent: the process gets SIGTERM when the creating process dies (tests).
     """
 
-    name: ClassVar[str]
+    name: str  # the kind's name; a cluster member's instance has its own (``nats-2``)
     port_count: ClassVar[int] = 1
     #: every ``port + offset`` is opened by the server (SeaweedFS: gRPC at +10000).
     port_offsets: ClassVar[tuple[int, ...]] = (0,)
@@ -310,7 +310,11 @@ class NatsServer(Server):
 
     @property
     def config_path(self) -> Path:
-        return self.run_dir / "nats.conf"
+        return self.run_dir / f"{self.name}.conf"
+
+    def _cluster_config(self) -> str:
+        """The ``cluster`` block (none for a single server)."""
+        return ""
 
     @property
     def endpoint(self) -> str:
@@ -325,14 +329,20 @@ class NatsServer(Server):
         super().prepare()
         if "operator_password" not in self.credentials:
             self.credentials.update(self.new_credentials())
-        text = natsauth.render_config(self.home, self.credentials["operator_password"])
-        write_private(self.config_path, text)
+        text = natsauth.render_config(
+            self.home, self.credentials["operator_password"], self.extra_nodes()
+        )
+        write_private(self.config_path, text + self._cluster_config())
+
+    def extra_nodes(self) -> list[str]:
+        """Nodes besides node-1 whose node agents connect (none for a single server)."""
+        return []
 
     def command(self) -> list[str]:
-        client, monitor = self.ports
+        client, monitor = self.ports[:2]
         return [
             str(self.binary), "-c", str(self.config_path), "-a", "127.0.0.1", "-p", str(client),
-            "-js", "-sd", str(self.data_dir), "-m", str(monitor), "-n", "dsec-nats",
+            "-js", "-sd", str(self.data_dir), "-m", str(monitor), "-n", f"dsec-{self.name}",
         ]  # fmt: skip
 
     def after_ready(self) -> None:
@@ -345,9 +355,13 @@ class NatsServer(Server):
                 self.name, f"could not create the event stream as operator: {exc}", ""
             ) from exc
 
+    #: what ``/healthz`` checks: JetStream enabled (a single server) or, in a cluster, the
+    #: meta group and this server's streams current.
+    health_query: ClassVar[str] = "?js-enabled-only=true"
+
     def probe(self, timeout: float = 2.0) -> str:
         monitor = f"http://127.0.0.1:{self.ports[1]}"
-        probes.http_ok(f"{monitor}/healthz?js-enabled-only=true", timeout)
+        probes.http_ok(f"{monitor}/healthz{self.health_query}", timeout)
         varz = probes.http_get_json(f"{monitor}/varz", timeout)
         if not isinstance(varz, dict):
             return "unknown"
@@ -355,6 +369,84 @@ class NatsServer(Server):
             # e.g. started by an older dsec: unhealthy, so `dsec up` restarts it with the config
             raise probes.ProbeError("running without authorization (no client credentials asked)")
         return str(varz.get("version", "unknown"))
+
+
+def nats_member_name(index: int) -> str:
+    """Server name of the ``index``-th (1-based) NATS server of the stack: ``nats``, ``nats-2``."""
+    return "nats" if index == 1 else f"nats-{index}"
+
+
+class NatsClusterServer(NatsServer):
+    """One server of the embedded NATS cluster (``dsec up --nodes N``, N > 1).
+
+    Ports: client, monitor, cluster (routes). Each member has its own store
+    (``<home>/data/nats-<i>``), config and log; all share the operator password, the clients'
+    authorization and a route password. Member 1 (``nats``) creates ``DSEC_EVENTS`` with
+    ``replicas`` copies once the cluster has a JetStream meta leader.
+
+    Args:
+        member: 1-based index of this server.
+        members: ports (client, monitor, cluster) of every member, in member order.
+        replicas: copies of the stream and the replay bucket.
+    """
+
+    port_count = 3
+    health_query = ""
+
+    def __init__(
+        self,
+        home: Path,
+        *,
+        member: int,
+        members: Sequence[Sequence[int]],
+        replicas: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(home, **kwargs)
+        self.name = nats_member_name(member)
+        self.member = member
+        self.members = [list(m) for m in members]
+        self.replicas = replicas
+
+    @classmethod
+    def new_credentials(cls) -> dict[str, str]:
+        return {**super().new_credentials(), "route_password": secrets.token_urlsafe(24)}
+
+    @property
+    def urls(self) -> list[str]:
+        """Client URLs of every member (what services get: nats-py fails over between them)."""
+        return [f"nats://127.0.0.1:{m[0]}" for m in self.members]
+
+    def client_settings(self) -> dict[str, str]:
+        return {"nats_url": ",".join(self.urls)}
+
+    def extra_nodes(self) -> list[str]:
+        return [f"node-{i}" for i in range(2, len(self.members) + 1)]
+
+    def _cluster_config(self) -> str:
+        from dsec_cli.stack.adapters import natsauth
+
+        if "route_password" not in self.credentials:
+            self.credentials.update(self.new_credentials())
+        routes = [m[2] for i, m in enumerate(self.members, 1) if i != self.member]
+        return natsauth.render_cluster(self.ports[2], routes, self.credentials["route_password"])
+
+    def after_ready(self) -> None:
+        if self.member != 1:
+            return
+        from dsec_cli.stack.adapters import natsauth
+
+        deadline = time.monotonic() + 30.0
+        while True:  # the first meta leader is elected once a majority of members is up
+            try:
+                natsauth.create_stream(self.operator_url, timeout=5.0, replicas=self.replicas)
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    raise ServerStartError(
+                        self.name, f"could not create the replicated event stream: {exc}", ""
+                    ) from exc
+                time.sleep(0.2)
 
 
 class PostgresServer(Server):

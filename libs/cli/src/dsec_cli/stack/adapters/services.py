@@ -20,16 +20,22 @@ class ServiceSpec:
     """Which service to run and how.
 
     Attributes:
-        name: the service name (``policy``); its log is ``<home>/logs/<name>.log``.
-        module: the module run with ``python -m`` (default ``dsec_<name>``).
+        name: the service name (``policy``; an extra node's agent ``nodeagent@node-2``); its log
+            is ``<home>/logs/<service>.log`` (its own home for an extra node).
+        module: the module run with ``python -m`` (default ``dsec_<service>``).
     """
 
     name: str
     module: str = ""
 
     @property
+    def service(self) -> str:
+        """What the process is (and answers on ``/healthz``): the name before ``@``."""
+        return self.name.partition("@")[0]
+
+    @property
     def module_name(self) -> str:
-        return self.module or f"dsec_{self.name}"
+        return self.module or f"dsec_{self.service}"
 
 
 def probe_service(name: str, port: int, timeout: float = 2.0) -> str:
@@ -87,7 +93,7 @@ class ServiceProcess:
 
     @property
     def log_path(self) -> Path:
-        return self.home / "logs" / f"{self.name}.log"
+        return self.home / "logs" / f"{self.spec.service}.log"
 
     @property
     def url(self) -> str:
@@ -107,7 +113,7 @@ class ServiceProcess:
 
     def probe(self, timeout: float = 2.0) -> str:
         """One health check (see :func:`probe_service`)."""
-        return probe_service(self.name, self.metrics_port, timeout)
+        return probe_service(self.spec.service, self.metrics_port, timeout)
 
     def wait_healthy(self, deadline: float) -> str:
         """Poll ``/healthz`` until it is ok or the monotonic ``deadline``.
