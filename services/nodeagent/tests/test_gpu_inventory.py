@@ -374,7 +374,7 @@ async def test_the_inventory_of_this_machine_with_labels_and_a_declared_gpu(
     declared = _write(tmp_path, "gpus.yaml", "gpus: [{model: NVIDIA A100, memory: 40Gi}]\n")
     settings = Settings(
         home=tmp_path, node_id="n9", node_labels="zone=b", node_inventory=declared,
-        max_sandboxes=7,
+        max_sandboxes=7, cpu_allocation_ratio=2.5,
     )  # fmt: skip
     sandbox = tmp_path / "sbx"
     sandbox.mkdir()
@@ -385,7 +385,8 @@ async def test_the_inventory_of_this_machine_with_labels_and_a_declared_gpu(
     found, problems = await inventory.read()
     assert problems == []
     assert (found.cpus_allocated, found.memory_allocated_bytes) == (3.0, 2 << 30)
-    assert found.cpus == read_host(tmp_path).cpus  # not declared: the host's
+    # not declared: the host's cores times the allocation ratio (CPU is compressible)
+    assert found.cpus == round(read_host(tmp_path).cpus * 2.5, 3)
     assert found.max_sandboxes == 7 and found.labels == {"zone": "b"}
     assert found.gpu_probe == "declared"
     assert [(g.uuid, g.model) for g in found.gpus] == [("GPU-n9-0", "NVIDIA A100")]

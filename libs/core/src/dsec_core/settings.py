@@ -171,6 +171,13 @@ class Settings(BaseSettings):
         description="A declared inventory (YAML/JSON: GPUs, optionally cpus/memory) that "
         "replaces the GPU probe, for nodes without NVML (tests, simulations)",
     )
+    cpu_allocation_ratio: float = Field(
+        default=4.0,
+        gt=0,
+        le=64,
+        description="CPUs a node offers per core for placement (CPU is compressible: each "
+        "sandbox is capped by its own cpu.max; memory is never overcommitted)",
+    )
     max_sandboxes: int = Field(default=64, ge=1, description="Sandboxes this node accepts at most")
     # The scheduler (README, "Scheduling").
     node_lost_s: float = Field(

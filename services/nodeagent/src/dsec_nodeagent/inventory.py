@@ -275,7 +275,13 @@ class Inventory:
         host, (cpus_granted, memory_granted), gpus = await asyncio.to_thread(collect)
         declared = self.declared
         inventory = NodeInventory(
-            cpus=declared.cpus if declared is not None and declared.cpus else host.cpus,
+            # CPU is compressible (each sandbox is capped by its own cpu.max): the node offers
+            # its cores times the allocation ratio; a declared inventory says it exactly.
+            cpus=(
+                declared.cpus
+                if declared is not None and declared.cpus
+                else round(host.cpus * self.settings.cpu_allocation_ratio, 3)
+            ),
             memory_bytes=(
                 declared.memory if declared is not None and declared.memory else host.memory_bytes
             ),
