@@ -188,8 +188,11 @@ async def test_events_are_ordered_per_aggregate_and_carry_causation(
     assert raw[1].producer == service.name
 
 
-class _SpecSubmittedV1_1(SpecSubmitted):  # what a newer producer would publish
-    VERSION = "1.1"
+_MAJOR, _MINOR = SpecSubmitted.VERSION.split(".")
+
+
+class _SpecSubmittedNewer(SpecSubmitted):  # what a newer producer would publish: next minor
+    VERSION = f"{_MAJOR}.{int(_MINOR) + 1}"
     priority: str = "high"
 
 
@@ -209,7 +212,7 @@ async def test_consumer_decodes_a_newer_minor_version_from_the_bus(
     sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
     await service.start()
     try:
-        await publisher.publish(_SpecSubmittedV1_1(spec_yaml="x"), aggregate_id=sandbox)
+        await publisher.publish(_SpecSubmittedNewer(spec_yaml="x"), aggregate_id=sandbox)
         events = await _wait_for(js, sandbox, lambda ev: len(ev) == 2)
     finally:
         await service.stop()

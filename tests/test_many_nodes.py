@@ -37,7 +37,7 @@ SPEC = """\
 version: "1.2"
 name: many-{i}
 base: dsec/python311:latest
-entrypoint: [python, -c, "import time; time.sleep(600)"]
+entrypoint: [python, -c, "import time; print('many-{i} is up', flush=True); time.sleep(600)"]
 resources: {{cpu: 0.1, memory: 64MiB, pids: 16}}
 timeout: 10m
 """
@@ -191,6 +191,13 @@ async def test_a_lost_node_agents_sandboxes_are_rescheduled_on_the_others(
         for sid in ids - moved:  # the others were left where they run
             assert len(_placements(state[sid])) == 1
             assert not any(e.type == "unit.lost" for e in state[sid])
+        # `dsec sandbox logs` of a sandbox on another node than the CLI's: streamed over the bus
+        # by the node agent that runs it (one that moved there, and one that never moved)
+        now = {sid: _placements(evs)[-1][0] for sid, evs in state.items()}
+        for sid in (next(iter(moved)), *[s for s in ids - moved if now[s] != "node-1"][:1]):
+            logs = dsec_cli("sandbox", "logs", sid, env=env)
+            assert logs.exit_code == 0, (now[sid], logs.output)
+            assert "is up" in logs.output, (now[sid], logs.output)
     finally:
         await watch.close()
         await nc.close()

@@ -53,7 +53,7 @@ def may_publish(role: str, subject: str) -> bool:
         ("nodeagent", "dsec_ipc.group.agent.tool", True),
         ("nodeagent", "dsec.sandbox.sbx_1.spec.submitted", False),
         ("snapshot", "dsec.sandbox.sbx_1.snapshot.taken", True),
-        ("scheduler", "dsec.unit.u1.placed", True),
+        ("scheduler", "dsec.node.n1.lost", True),
         ("user", "dsec.sandbox.sbx_1.spec.submitted", True),
         ("user", "dsec.sandbox.sbx_1.stop_requested", True),
         ("user", "dsec.sandbox.sbx_1.snapshot.restore_requested", True),

@@ -11,6 +11,7 @@ from dsec_core import events
 from dsec_core.envelope import Envelope
 from dsec_core.lifecycle import fold_envelopes
 from dsec_core.signing import Signer
+from dsec_testing.plans import minimal_plan
 from nacl.signing import SigningKey
 
 from dsec_snapshots import sandboxes
@@ -28,10 +29,11 @@ def env(payload: events.Payload) -> Envelope:
     return SIGNER.seal(payload, aggregate_id=SID).envelope
 
 
-PLAN = {
-    "exclude_patterns": ["*.ckpt"],
-    "env": [{"name": "MODE", "value": "eval"}],
-}
+PLAN = minimal_plan(
+    "x",
+    "entrypoint: [python, a.py]\ninclude_code:\n  exclude_patterns: ['*.ckpt']\n"
+    "runtime_context:\n  env_vars:\n    - name: MODE\n      value: eval\n",
+)
 
 
 def lifecycle(*extra: events.Payload) -> list[Envelope]:
@@ -48,7 +50,12 @@ def lifecycle(*extra: events.Payload) -> list[Envelope]:
             resolve_ms=1,
         ),
         events.EnvBuilt(
-            lock_hash="lh", fingerprint="fp-1", location="/env", node_id="n1", reused=False
+            lock_hash="lh",
+            fingerprint="fp-1",
+            object_key="envs/lh.tar.zst",
+            digest="d",
+            size_bytes=1,
+            reused=False,
         ),
         events.ContextInjected(kind="secret", name="API_KEY", source="vault://k", digest="sd1"),
         events.SandboxReady(node_id="n1", pid=1, cgroup="/cg", code_dir=f"{ROOT}/{SID}/code"),

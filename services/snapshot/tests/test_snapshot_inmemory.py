@@ -60,5 +60,5 @@ async def test_a_rollback_of_a_sandbox_that_does_not_run_is_refused(tmp_path: Pa
         assert bus.caused_by(other) == []
         (rejected,) = bus.rejections()
     assert answer.type == "snapshot.failed" and answer.payload["operation"] == "restore"
-    assert "sandbox sbx_idle is not running (state validated)" in answer.payload["reason"]
+    assert "sandbox sbx_idle is not running" in answer.payload["reason"]
     assert rejected.payload["reason"] == "cross-tenant"

@@ -35,8 +35,6 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "unit.lost": frozenset({"scheduler"}),
     "node.lost": frozenset({"scheduler"}),
     "node.cordoned": frozenset({"scheduler"}),
-    "unit.placed": frozenset({"scheduler"}),
-    "unit.migrated": frozenset({"scheduler"}),
     # the node agent that runs the sandbox
     "context.injected": frozenset({"nodeagent"}),
     "sandbox.ready": frozenset({"nodeagent"}),

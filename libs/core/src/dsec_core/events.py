@@ -452,31 +452,6 @@ class SnapshotDeleted(Payload):
     bytes_freed: int = 0
 
 
-class UnitPlaced(Payload):
-    """A compute unit of a job was placed on a GPU."""
-
-    TYPE = "unit.placed"
-    AGGREGATE = "unit"
-
-    job: str
-    node_id: str
-    gpu: str
-    score: float
-
-
-class UnitMigrated(Payload):
-    """A compute unit moved to another GPU; the interruption was measured."""
-
-    TYPE = "unit.migrated"
-    AGGREGATE = "unit"
-
-    job: str
-    from_gpu: str
-    to_gpu: str
-    reason: str
-    interruption_ms: float
-
-
 class GpuLink(BaseModel):
     """One NVLink of a GPU."""
 
@@ -669,8 +644,6 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     SandboxStopRequested,
     SnapshotTaken,
     SnapshotRestored,
-    UnitPlaced,
-    UnitMigrated,
     NodeJoined,
     NodeHeartbeat,
     NodeLost,

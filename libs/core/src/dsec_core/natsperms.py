@@ -134,8 +134,6 @@ TABLE: Mapping[str, Role] = {
             "node.lost",
             "node.cordoned",
             "sandbox.exited",
-            "unit.placed",
-            "unit.migrated",
         ),
         consumes=("env.built", "node.cordon_requested", "sandbox.stop_requested"),
     ),
