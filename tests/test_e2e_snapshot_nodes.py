@@ -30,6 +30,7 @@ from dsec_core.natsperms import durable_name
 from dsec_core.subjects import STREAM, aggregate_filter
 from dsec_snapshots.manifest import SignedManifest, chunk_key, manifest_key, summary_key
 from dsec_testing import trust
+from dsec_testing.plans import minimal_plan
 
 if TYPE_CHECKING:
     from dsec_testing.stack import S3Info, ServiceRunner, StackFixture
@@ -148,7 +149,7 @@ async def test_a_snapshot_request_for_a_sandbox_of_another_node_is_left_to_that_
         node2 = await trust.publisher(js, dsec_stack.home, "nodeagent", node_id="node-2")
         sid = new_sandbox_id()
         submitted = await user.publish(SpecSubmitted(spec_yaml="name: x"), aggregate_id=sid)
-        validated = SpecValidated(name="x", spec_digest="d", plan={})
+        validated = SpecValidated(name="x", spec_digest="d", plan=minimal_plan())
         await policy.publish(validated, aggregate_id=sid, causation=submitted.envelope)
         placed = SandboxScheduled(node_id="node-2")
         await scheduler.publish(placed, aggregate_id=sid, causation=submitted.envelope)

@@ -197,8 +197,9 @@ async def test_a_pending_sandbox_is_followed_until_it_runs(
                 lock_hash="l",
                 fingerprint="f",
                 object_key="envs/l.tar.zst",
+                digest="d",
+                size_bytes=1,
                 reused=False,
-                node_id="n1",  # what the trust gate binds the node agent to before scheduled
             ),
             aggregate_id=sid,
         )
