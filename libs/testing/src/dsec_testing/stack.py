@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from dsec_cli.stack import CORE_SERVERS, ServiceProcess, ServiceSpec, Stack, domain
 from dsec_core.natsclient import DEFAULT_USER_IDENTITY
+from dsec_core.retention import down_marker
 
 if TYPE_CHECKING:
     import hvac
@@ -333,7 +334,20 @@ class ServiceRunner:
         self._fixture.stack.ensure_services([self._started[name]], extra_env=self._env[name])
 
     def close(self) -> None:
-        """Stop every service this runner started."""
+        """Stop every service this runner started. A node agent stops its sandboxes first (as
+        under ``dsec down``): a test's sandboxes never outlive it as orphaned processes and
+        cgroups (``stop``/``kill``/``restart`` leave them running, to be re-adopted)."""
+        stack = self._fixture.stack
         for name in list(self._started):
-            self._fixture.stack.stop_service(name)
+            svc = stack.service(self._started[name])
+            marker = None
+            if (name == domain.NODE_AGENT or domain.node_of_service(name)) and svc.alive():
+                marker = down_marker(svc.home)
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text("stop sandboxes\n")
+            try:
+                stack.stop_service(name)
+            finally:
+                if marker is not None:
+                    marker.unlink(missing_ok=True)
         self._started.clear()
