@@ -195,9 +195,14 @@ async def test_a_lost_node_agents_sandboxes_are_rescheduled_on_the_others(
         # by the node agent that runs it (one that moved there, and one that never moved)
         now = {sid: _placements(evs)[-1][0] for sid, evs in state.items()}
         for sid in (next(iter(moved)), *[s for s in ids - moved if now[s] != "node-1"][:1]):
-            logs = dsec_cli("sandbox", "logs", sid, env=env)
-            assert logs.exit_code == 0, (now[sid], logs.output)
-            assert "is up" in logs.output, (now[sid], logs.output)
+            deadline = time.monotonic() + 20  # ready comes before its first line is written
+            while True:
+                logs = dsec_cli("sandbox", "logs", sid, env=env)
+                assert logs.exit_code == 0, (now[sid], logs.output)
+                if "is up" in logs.output:
+                    break
+                assert time.monotonic() < deadline, (now[sid], logs.output)
+                await asyncio.sleep(0.5)
     finally:
         await watch.close()
         await nc.close()

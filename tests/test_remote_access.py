@@ -296,7 +296,10 @@ def test_ctrl_c_ends_the_follow_on_the_node(
         assert proc.stdout is not None
         first = proc.stdout.readline().decode()  # the sandbox keeps running: -f keeps going
         assert SECRET_LINE in first
-        assert _sessions(services_module) >= 1
+        deadline = time.monotonic() + 5  # the gauge is scraped from the node's /metrics
+        while _sessions(services_module) < 1:
+            assert time.monotonic() < deadline, "the node does not count the follow"
+            time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(10) == 0
         deadline = time.monotonic() + 3  # well before the 10 s keep-alive timeout

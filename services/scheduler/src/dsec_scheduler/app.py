@@ -85,6 +85,7 @@ class Scheduler:
         self.state = SchedulerState(lost_after_s=settings.node_lost_s)
         self.tick_s = min(1.0, settings.node_lost_s / 4)
         self._pos = 0  # stream sequence of the last message folded
+        self._refused_seqs: dict[int, None] = {}  # refused positions counted (bounded, ordered)
         self._watching_since = 0.0  # when the rebuild ended
         self._last_sweep = 0.0
         self._idle_rounds = 0  # times the follower found nothing left to read
@@ -233,9 +234,21 @@ class Scheduler:
 
     async def _authentic_msg(self, msg: Msg) -> Seen | None:
         stored_at = msg.metadata.timestamp.timestamp()
-        return await self._authentic(msg.data, msg.subject, stored_at)
+        return await self._authentic(msg.data, msg.subject, stored_at, msg.metadata.sequence.stream)
 
-    async def _authentic(self, data: bytes, subject: str, stored_at: float) -> Seen | None:
+    def _first_refusal(self, seq: int) -> bool:
+        """Whether this stream position was not refused before (a message read again, by the
+        rebuild and then the follow, or after a resumed follow, is counted once)."""
+        if seq in self._refused_seqs:
+            return False
+        self._refused_seqs[seq] = None
+        while len(self._refused_seqs) > 10_000:
+            self._refused_seqs.pop(next(iter(self._refused_seqs)))
+        return True
+
+    async def _authentic(
+        self, data: bytes, subject: str, stored_at: float, seq: int = 0
+    ) -> Seen | None:
         """The event as the fold takes it, when the gate admits it (never a forged one)."""
         try:
             fields = unpack_fields(data)
@@ -246,6 +259,8 @@ class Scheduler:
             return None
         refusal = await self._gate().check(fields, envelope)
         if refusal is not None:  # counted and logged as the runtime does; never folded
+            if not self._first_refusal(seq):
+                return None
             core_metrics.EVENTS_REJECTED.labels(self.service.name, envelope.type, refusal[0]).inc()
             log.warning(
                 "scheduler: not folding %s on %s (%s): %s",
