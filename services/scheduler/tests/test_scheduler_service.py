@@ -520,3 +520,26 @@ async def test_the_scheduler_follows_the_log_again_after_nats_restarts(
         lambda: urllib.request.urlopen(services.url("scheduler") + "/healthz", timeout=5).read()
     )
     assert b'"status": "ok"' in health
+
+
+async def test_a_dead_nodes_heartbeat_replayed_does_not_bring_it_back(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    """Whoever reads the bus publishes the bytes of a lost node's last genuine heartbeat again
+    (authentic, signed by that node agent): the node stays lost and takes no sandbox."""
+    from dsec_core.subjects import STREAM, subject_for
+
+    await world.node("small", cpus=8)
+    dead = await world.node("dead", cpus=1000)
+    await start_scheduler(services)
+    dead.silence()
+    await wait_for(js, dead.node_id, of("node.lost"), aggregate="node")
+    subject = subject_for("node.heartbeat", dead.node_id)
+    last = await js.get_last_msg(STREAM, subject)
+    await js.publish(subject, last.data, headers={"Nats-Msg-Id": uuid.uuid4().hex})
+    sid = await world.submit(cpu=500)
+    pending = await wait_for(js, sid, of("sandbox.pending"))
+    assert f"{dead.node_id}: lost" in pending.payload["reason"]
+    assert not placements(await history(js, "sandbox", sid))
+    lost = [e for e in await history(js, "node", dead.node_id) if e.type == "node.lost"]
+    assert len(lost) == 1  # not revived, so not lost a second time either
