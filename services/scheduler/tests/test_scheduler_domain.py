@@ -339,3 +339,11 @@ def _iso(at: float) -> str:
     from datetime import UTC, datetime
 
     return datetime.fromtimestamp(at, UTC).isoformat()
+
+
+def test_a_no_fit_summary_stays_bounded_for_a_large_fleet_and_long_problems() -> None:
+    reasons = {f"n{i:04d}": "unhealthy: " + "x" * 10_000 for i in range(1000)}
+    text = NoFit(reasons).summary()
+    assert len(text) < 4500
+    assert text.startswith("no node fits: n0000: unhealthy: xxx")
+    assert text.endswith("more nodes") and "… and 988 more nodes" in text

@@ -543,3 +543,69 @@ async def test_a_dead_nodes_heartbeat_replayed_does_not_bring_it_back(
     assert not placements(await history(js, "sandbox", sid))
     lost = [e for e in await history(js, "node", dead.node_id) if e.type == "node.lost"]
     assert len(lost) == 1  # not revived, so not lost a second time either
+
+
+def _unchecked(payload: dict[str, Any]) -> events.NodeHeartbeat:
+    """A heartbeat carrying ``payload`` as is (what a hostile node agent's own code sends,
+    never validated by the model on its way out)."""
+
+    class Unchecked(events.NodeHeartbeat):
+        def model_dump(self, **_: Any) -> dict[str, Any]:  # type: ignore[override]
+            return payload
+
+    return Unchecked.model_construct()
+
+
+async def test_a_node_agent_claiming_absurd_inventory_or_endless_problems_poisons_nothing(
+    world: World, js: JetStreamContext, services: Any, postgres_dsn: str
+) -> None:
+    """Certified node agents (each for its own node) heartbeat NaN or negative CPUs, 10^30
+    bytes, and 700 KB of problems: the scheduler cannot read those heartbeats, so those nodes
+    are not in the fleet; the honest node takes what fits it and a sandbox that fits nowhere
+    waits with a reason of bounded size (it used to be placed on the NaN node, or fail to
+    publish at all)."""
+    honest = await world.node("honest", cpus=8)
+    hostile = {
+        "nan": {"cpus": float("nan"), "memory_bytes": 2**40},
+        "negative": {"cpus": -5.0, "memory_bytes": -1},
+        "huge": {"cpus": 4.0, "memory_bytes": 1e30},
+    }
+    await start_scheduler(services)
+    for name, inventory in hostile.items():
+        node_id = world.node_id(name)
+        pub = await trust.publisher(js, world.home, "nodeagent", node_id=node_id)
+        payload = {"node_id": node_id, "seq": 1, "inventory": inventory, "heartbeat_s": 1.0}
+        await pub.publish(_unchecked(payload), aggregate_id=node_id)
+    noisy_id = world.node_id("noisy")
+    noisy = await trust.publisher(js, world.home, "nodeagent", node_id=noisy_id)
+    inv = {"cpus": 10_000.0, "memory_bytes": 2**40}
+    problems = [f"problem {i} " + "x" * 7000 for i in range(100)]
+    beat = {"node_id": noisy_id, "seq": 1, "inventory": inv, "problems": problems}
+    await noisy.publish(_unchecked(beat), aggregate_id=noisy_id)
+    big = await world.submit(cpu=500)
+    pending = await wait_for(js, big, of("sandbox.pending"))
+    reason = pending.payload["reason"]
+    assert f"{honest.node_id}: CPUs: needs 500" in reason and len(reason) < 4500
+    for name in (*hostile, "noisy"):
+        assert world.node_id(name) not in reason
+    small = await world.submit(cpu=2)
+    placed = await wait_for(js, small, of("sandbox.scheduled"))
+    assert placed.payload["node_id"] == honest.node_id
+    assert not placements(await history(js, "sandbox", big))
+    # the read model an operator lists (`dsec node list`) keeps following: the honest node's
+    # heartbeats after the hostile ones are projected, the hostile nodes never are
+    import asyncpg
+
+    after = (await history(js, "node", honest.node_id))[-1].time
+    conn = await asyncpg.connect(postgres_dsn)
+    try:
+        deadline = asyncio.get_running_loop().time() + 15
+        while True:
+            rows = dict(await conn.fetch("SELECT node_id, last_seen FROM nodes"))
+            if rows.get(honest.node_id) and rows[honest.node_id] >= after:
+                break
+            assert asyncio.get_running_loop().time() < deadline, rows
+            await asyncio.sleep(0.2)
+        assert not {world.node_id(n) for n in (*hostile, "noisy")} & set(rows)
+    finally:
+        await conn.close()

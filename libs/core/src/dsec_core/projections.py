@@ -463,6 +463,17 @@ async def apply_node_event(conn: asyncpg.Connection, seq: int, env: Envelope) ->
         )
 
 
+def _readable(env: Envelope, seq: int) -> bool:
+    """Whether the payload is one its model accepts: a node agent's NaN CPUs or 10^30 bytes
+    (refused by the model's bounds) is skipped, never left to stop the projection."""
+    try:
+        env.decoded()
+    except ValueError as exc:
+        log.warning("nodes projection skips unreadable %s at seq %d: %s", env.type, seq, exc)
+        return False
+    return True
+
+
 async def apply_node_batch(
     conn: asyncpg.Connection, batch: Sequence[tuple[int, bytes]], gate: Gate | None = None
 ) -> int:
@@ -481,7 +492,7 @@ async def apply_node_batch(
             except MalformedEnvelope as exc:
                 log.error("nodes projection skips malformed event at seq %d: %s", seq, exc)
                 env = None
-            if env is not None and env.aggregate == "node":
+            if env is not None and env.aggregate == "node" and _readable(env, seq):
                 await apply_node_event(conn, seq, env)
             elif env is None and gate is not None:
                 log.warning("nodes projection skips unauthentic event at seq %d", seq)

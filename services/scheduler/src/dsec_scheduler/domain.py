@@ -78,6 +78,10 @@ class Placement:
     reason: str
 
 
+REASON_CHARS = 300
+SUMMARY_CHARS = 4000
+
+
 @dataclass(frozen=True)
 class NoFit:
     """No node can take the request now; why not, per node."""
@@ -85,10 +89,21 @@ class NoFit:
     reasons: Mapping[str, str]
 
     def summary(self) -> str:
-        """One line: every node and why it does not fit."""
+        """One line: each node and why it does not fit, bounded (a node's reason to
+        REASON_CHARS, the line to SUMMARY_CHARS, then how many nodes are left out), so a large
+        fleet or a node naming many problems never makes a ``sandbox.pending`` too large."""
         if not self.reasons:
             return "no node has joined"
-        return "no node fits: " + "; ".join(f"{n}: {r}" for n, r in sorted(self.reasons.items()))
+        parts: list[str] = []
+        size = 0
+        for n, r in sorted(self.reasons.items()):
+            part = f"{n}: {r}" if len(r) <= REASON_CHARS else f"{n}: {r[:REASON_CHARS]}…"
+            if size + len(part) > SUMMARY_CHARS:
+                parts.append(f"… and {len(self.reasons) - len(parts)} more nodes")
+                break
+            parts.append(part)
+            size += len(part) + 2
+        return "no node fits: " + "; ".join(parts)
 
 
 def reason_shape(reason: str) -> str:
