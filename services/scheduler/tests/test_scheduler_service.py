@@ -609,3 +609,45 @@ async def test_a_node_agent_claiming_absurd_inventory_or_endless_problems_poison
         assert not {world.node_id(n) for n in (*hostile, "noisy")} & set(rows)
     finally:
         await conn.close()
+
+
+async def test_replayed_or_unauthorized_cordons_drain_nothing(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    """After an operator's drain and uncordon, the bytes of the drain request and of the
+    scheduler's `node.cordoned{draining}` are published again, and a user and a node agent ask
+    for a drain: the node stays uncordoned and takes the next sandbox."""
+    from dsec_core.subjects import STREAM, subject_for
+
+    a = await world.node("a", cpus=1000)
+    operator = await trust.publisher(js, world.home, "operator", subject="operator")
+    await start_scheduler(services)
+    drain = await operator.publish(
+        events.NodeCordonRequested(node_id=a.node_id, action="drain"), aggregate_id=a.node_id
+    )
+    await wait_for(js, a.node_id, of("node.cordoned", draining=True), aggregate="node")
+    await operator.publish(
+        events.NodeCordonRequested(node_id=a.node_id, action="uncordon"), aggregate_id=a.node_id
+    )
+    await wait_for(js, a.node_id, of("node.cordoned", cordoned=False), aggregate="node")
+    cordoned = subject_for("node.cordoned", a.node_id)
+    first = await js.get_msg(STREAM, seq=1, subject=cordoned, next=True)  # the drain's answer
+    for subject, data in ((drain.sealed.subject, drain.sealed.wire), (cordoned, first.data)):
+        await js.publish(subject, data, headers={"Nats-Msg-Id": uuid.uuid4().hex})
+    request = events.NodeCordonRequested(node_id=a.node_id, action="drain")
+    await world.pipe.user.publish(request, aggregate_id=a.node_id)
+    await world.pipe.nodeagent.publish(request, aggregate_id=a.node_id)
+    text = await scrape(services, 'reason="replayed",service="scheduler"')
+    assert re.search(
+        r'dsec_events_rejected_total\{reason="replayed",service="scheduler",'
+        r'type="node.cordon_requested"\} 1.0',
+        text,
+    ), text
+    sid = await world.submit(cpu=500)
+    placed = await wait_for(js, sid, of("sandbox.scheduled"))
+    assert placed.payload["node_id"] == a.node_id
+    answers = [e for e in await history(js, "node", a.node_id) if e.type == "node.cordoned"]
+    assert [e.payload["draining"] for e in answers] == [True, False, True]  # incl. the copy
+    assert len({e.id for e in answers}) == 2
+    needle = 'reason="unauthorized",service="scheduler",type="node.cordon_requested"} 2.0'
+    assert needle in await scrape(services, needle)
