@@ -193,3 +193,33 @@ async def test_a_replayed_placement_never_moves_a_sandbox_back_to_the_node_it_le
         by_n2 = await n2.publish(exited, aggregate_id=sid)
         admitted = await g.admit(by_n2.sealed.wire, stream_seq=by_n2.stream_seq)
         assert not isinstance(admitted, Refusal)
+
+
+async def test_only_the_scheduler_places_fences_or_drains(stream, dsec_stack) -> None:
+    """A user picking its sandbox's node, a node agent of another node fencing the sandbox
+    (``unit.lost``) or placing it, a user answering a drain: each refused ``unauthorized``,
+    and the sandbox stays where the scheduler put it."""
+    from dsec_core.events import NodeCordoned, SandboxScheduled, UnitLost
+
+    _, js = stream
+    home = dsec_stack.home
+    user = await trust.publisher(js, home, "user")
+    scheduler = await trust.publisher(js, home, "scheduler", acts_for="default")
+    n2 = await trust.publisher(js, home, "nodeagent", node_id="n2", acts_for="default")
+    gate = await _gate(stream, dsec_stack)
+    sid = new_sandbox_id()
+    await user.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sid)
+    await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=sid)
+    lost = UnitLost(node_id="n1", reason="x", action="reschedule", attempt=1)
+    attempts = [
+        (user, SandboxScheduled(node_id="n2", attempt=2), sid),
+        (n2, SandboxScheduled(node_id="n2", attempt=2), sid),
+        (n2, lost, sid),
+        (user, lost, sid),
+        (user, NodeCordoned(node_id="n1", cordoned=True, draining=True), "n1"),
+    ]
+    for producer, payload, aggregate in attempts:
+        sent = await producer.publish(payload, aggregate_id=aggregate)
+        refused = await gate.admit(sent.sealed.wire, stream_seq=sent.stream_seq)
+        assert isinstance(refused, Refusal) and refused.reason == "unauthorized", payload
+    assert await gate.placement(sid) == "n1"
