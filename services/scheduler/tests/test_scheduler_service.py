@@ -651,3 +651,23 @@ async def test_replayed_or_unauthorized_cordons_drain_nothing(
     assert len({e.id for e in answers}) == 2
     needle = 'reason="unauthorized",service="scheduler",type="node.cordon_requested"} 2.0'
     assert needle in await scrape(services, needle)
+
+
+async def test_another_tenants_stop_neither_ends_nor_unqueues_a_waiting_sandbox(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    """A certified user of tenant `acme` stops tenant `default`'s pending sandbox: refused
+    (`cross-tenant`); the sandbox keeps waiting and is placed when a node fits it."""
+    await world.node("small", cpus=8)
+    await start_scheduler(services)
+    sid = await world.submit(cpu=3000)
+    await wait_for(js, sid, of("sandbox.pending"))
+    mallory = await trust.publisher(js, world.home, "user", tenant="acme")
+    await mallory.publish(events.SandboxStopRequested(requested_by="mallory"), aggregate_id=sid)
+    # refused twice: by the stop handler and by the fold that keeps the queue
+    needle = 'reason="cross-tenant",service="scheduler",type="sandbox.stop_requested"} 2.0'
+    assert needle in await scrape(services, needle)
+    big = await world.node("big", cpus=4000)
+    placed = await wait_for(js, sid, of("sandbox.scheduled"))
+    assert placed.payload["node_id"] == big.node_id
+    assert not [e for e in await history(js, "sandbox", sid) if e.type == "sandbox.exited"]
