@@ -140,11 +140,12 @@ def _reason(event_type: str, payload: Mapping[str, Any]) -> str | None:
 
 def _stale_placement(current: Lifecycle, event_type: str, payload: Mapping[str, Any]) -> bool:
     """Whether a placement event belongs to an earlier placement than the current one: a
-    ``sandbox.scheduled`` whose attempt is not above the last, or a ``unit.lost`` of another
+    ``sandbox.scheduled`` or ``sandbox.pending`` whose attempt is not above that of the last
+    placement, or a ``unit.lost`` of another
     node or attempt — the replayed bytes of an old genuine event, which must never move the
     sandbox back to a node it left, nor take it from the node it runs on now."""
     try:
-        if event_type == "sandbox.scheduled":
+        if event_type in {"sandbox.scheduled", "sandbox.pending"}:
             return int(payload.get("attempt", 1)) <= current.attempt
         if event_type == "unit.lost" and current.node_id is not None:
             node = payload.get("node_id", current.node_id)
