@@ -197,9 +197,10 @@ async def test_a_replayed_placement_never_moves_a_sandbox_back_to_the_node_it_le
 
 async def test_only_the_scheduler_places_fences_or_drains(stream, dsec_stack) -> None:
     """A user picking its sandbox's node, a node agent of another node fencing the sandbox
-    (``unit.lost``) or placing it, a user answering a drain: each refused ``unauthorized``,
-    and the sandbox stays where the scheduler put it."""
-    from dsec_core.events import NodeCordoned, SandboxScheduled, UnitLost
+    (``unit.lost``) or placing it, a user answering a drain, a user or node agent naming the
+    sandbox's environment (``env.built``): each refused ``unauthorized``, and the sandbox stays
+    where the scheduler put it."""
+    from dsec_core.events import EnvBuilt, NodeCordoned, SandboxScheduled, UnitLost
 
     _, js = stream
     home = dsec_stack.home
@@ -211,12 +212,19 @@ async def test_only_the_scheduler_places_fences_or_drains(stream, dsec_stack) ->
     await user.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sid)
     await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=sid)
     lost = UnitLost(node_id="n1", reason="x", action="reschedule", attempt=1)
+    hostile_env = EnvBuilt(
+        lock_hash="other", fingerprint="f", object_key="envs/other.tar.zst", digest="d",
+        size_bytes=1, reused=True,
+    )  # fmt: skip
     attempts = [
         (user, SandboxScheduled(node_id="n2", attempt=2), sid),
         (n2, SandboxScheduled(node_id="n2", attempt=2), sid),
         (n2, lost, sid),
         (user, lost, sid),
         (user, NodeCordoned(node_id="n1", cordoned=True, draining=True), "n1"),
+        # an environment of the user's choosing (another tenant's lock, a hostile archive)
+        (user, hostile_env, sid),
+        (n2, hostile_env, sid),
     ]
     for producer, payload, aggregate in attempts:
         sent = await producer.publish(payload, aggregate_id=aggregate)
