@@ -413,7 +413,10 @@ ON CONFLICT (node_id) DO UPDATE SET
     lost = false,
     lost_at = NULL,
     last_seq = EXCLUDED.last_seq
+WHERE n.last_seen IS NULL OR EXCLUDED.last_seen > n.last_seen
 """
+# (the WHERE: a node event signed no later than the one shown, the bytes of an old heartbeat
+# published again, is no sign of life: it neither clears `lost` nor brings back old values)
 
 
 async def ensure_node_schema(conn: asyncpg.Connection) -> None:
