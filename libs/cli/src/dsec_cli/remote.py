@@ -64,11 +64,16 @@ class Sink:
 
 
 async def _owning_node(gate: Any, sandbox_id: str) -> str:
-    """The node that runs (or ran) the sandbox: its newest authentic ready / scheduled event."""
+    """The node that runs (or ran) the sandbox: that of its latest placement (the trust gate's
+    rule: attempts only grow, so an old ``sandbox.scheduled`` published again does not send
+    the request to a node the sandbox left), else of its newest authentic ``sandbox.ready``."""
     try:
         subjects = [subject_for(t, sandbox_id) for t in ("sandbox.ready", "sandbox.scheduled")]
     except InvalidSubjectToken as exc:
         fail(str(exc), EXIT_BAD_INPUT)
+    placed = await gate.placement(sandbox_id)
+    if placed is not None:
+        return str(placed)
     found = [e for e in [await gate.find(s) for s in subjects] if e is not None]
     if not found:
         submitted = await gate.find(subject_for("spec.submitted", sandbox_id))
