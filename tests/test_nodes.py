@@ -223,6 +223,34 @@ async def test_the_nodes_table_follows_node_events_and_node_ls_shows_it(
     assert missing.exit_code == 2 and "no node 'no-such-node' has joined" in missing.output
 
 
+async def test_a_lost_nodes_heartbeat_replayed_does_not_show_it_alive(
+    js: JetStreamContext, dsec_stack: StackFixture, postgres_dsn: str, dsec_cli, stack_env
+) -> None:
+    """The bytes of a lost node's last heartbeat published again: `dsec node ls` still says
+    lost (the projection takes a node event older than what it shows for no sign of life)."""
+    home = dsec_stack.home
+    dead, marker = _node(), _node()
+    agent = await trust.publisher(js, home, "nodeagent", node_id=dead, acts_for="system")
+    last = await agent.publish(
+        NodeHeartbeat(node_id=dead, seq=1, inventory=_inventory()), aggregate_id=dead
+    )
+    scheduler = await trust.publisher(js, home, "scheduler", acts_for="system")
+    await scheduler.publish(NodeLost(node_id=dead, silent_s=20.0), aggregate_id=dead)
+    await js.publish(
+        last.sealed.subject, last.sealed.wire, headers={"Nats-Msg-Id": uuid.uuid4().hex}
+    )
+    other = await trust.publisher(js, home, "nodeagent", node_id=marker, acts_for="system")
+    await other.publish(
+        NodeHeartbeat(node_id=marker, seq=1, inventory=_inventory()), aggregate_id=marker
+    )
+    await _project_until(
+        postgres_dsn, js, home, f"SELECT count(*) FROM nodes WHERE node_id = '{marker}'"
+    )
+    listed = dsec_cli("node", "ls", "--json", env=stack_env)
+    rows = {r["node_id"]: r for r in listed.last_json()}
+    assert rows[dead]["state"] == "lost"
+
+
 # ---------------------------------------------------------------------- cordon / drain
 
 

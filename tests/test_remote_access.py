@@ -309,3 +309,72 @@ def test_ctrl_c_ends_the_follow_on_the_node(
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_forged_and_replayed_frames_on_the_bus_do_not_break_a_session(
+    running: str, user_env: dict[str, str], nats_url: str, dsec_stack: Any
+) -> None:
+    """Someone reading the bus sees each request (its id, its inbox) and publishes at once:
+    garbage and a hello signed by the node agent of another node on the inbox, frames that do
+    not decrypt on the input subject under the request's id, and every genuine frame of both
+    ends again (replays). The session runs to its end as if nobody had: the CLI believes only
+    node-1's signed hello, each end drops what does not decrypt or comes again."""
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    node2 = await trust.publisher(js, dsec_stack.home, "nodeagent", node_id="node-2")
+    input_subject = remote.request_subject("node-1", "input")
+    sent: list[str] = []
+    tasks: list[asyncio.Task[None]] = []
+
+    async def flood(rid: str, inbox: str) -> None:
+        seen_in: list[bytes] = []
+        seen_out: list[bytes] = []
+
+        async def keep(into: list[bytes]) -> Any:
+            async def cb(msg: Any) -> None:
+                into.append(bytes(msg.data))
+
+            return cb
+
+        subs = [
+            await nc.subscribe(inbox, cb=await keep(seen_out)),
+            await nc.subscribe(input_subject, cb=await keep(seen_in)),
+        ]
+        try:
+            for _ in range(30):
+                await nc.publish(inbox, b"\x93garbage")
+                await nc.publish(input_subject, remote.input_message(rid, b"x" * 64))
+                for data in seen_in[-3:]:
+                    await nc.publish(input_subject, data)
+                for data in seen_out[-3:]:
+                    await nc.publish(inbox, data)
+                sent.append(rid)
+                await asyncio.sleep(0.1)
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()
+
+    async def on_request(msg: Any) -> None:
+        request = remote.parse_request(msg.data, "exec")
+        await nc.publish(request.reply_to, b"not an answer")
+        hello, _ = remote.hello(
+            node2.signer.endorse, node2.signer.key_id, request, PrivateKey.generate()
+        )
+        await nc.publish(request.reply_to, hello)
+        tasks.append(asyncio.create_task(flood(request.id, request.reply_to)))
+
+    await nc.subscribe(remote.request_subject("node-1", "exec"), cb=on_request)
+    await nc.flush()
+    program = "import sys, time; time.sleep(2); print(sys.stdin.read().upper()); sys.exit(7)"
+    try:
+        code, out, err = await asyncio.to_thread(
+            _dsec, user_env, "sandbox", "exec", running, "--", "python", "-c", program,
+            stdin="still mine\n",
+        )  # fmt: skip
+    finally:
+        for task in tasks:
+            task.cancel()
+        await nc.close()
+    assert code == 7, out + err
+    assert "STILL MINE" in out
+    assert len(sent) >= 10  # the forgeries were on the bus while the session ran

@@ -311,3 +311,37 @@ def test_a_message_posing_as_another_kind_is_malformed() -> None:
     report = verify_stream(_numbered([*wires, posed]), ANCHOR)
     assert report.ok
     assert report.injected[0].reason.startswith("malformed: aggregate 'zzz'")
+
+
+def test_a_replayed_placement_is_injected_and_the_new_node_is_not_blamed() -> None:
+    """The first ``sandbox.scheduled`` (to n1) copied into the log after the sandbox moved to
+    n2: verify lists the copy as injected, and n2's later event is no tampering (the copy is
+    not taken for the latest placement); n1 speaking afterwards is listed as injected."""
+    from dsec_core.events import SandboxScheduled
+
+    user = _user()
+    scheduler = certified(ROOT, "scheduler")
+    n1, n2 = certified(ROOT, "nodeagent", node_id="n1"), certified(ROOT, "nodeagent", node_id="n2")
+    sid = "sbx_moved"
+
+    def sealed(producer: Producer, payload: object) -> bytes:
+        return producer.signer.seal(payload, aggregate_id=sid, tenant="default").wire  # type: ignore[arg-type]
+
+    wires = [p.registration() for p in (user, scheduler, n1, n2)]
+    first = sealed(scheduler, SandboxScheduled(node_id="n1"))
+    wires += [
+        user.signer.seal(SpecSubmitted(spec_yaml="x"), aggregate_id=sid).wire,
+        first,
+        sealed(scheduler, SandboxScheduled(node_id="n2", attempt=2, previous_node="n1")),
+        first,  # the replay, at seq 8
+        sealed(n2, SandboxExited(exit_code=0, reason="ok", duration_s=1.0)),
+    ]
+    report = verify_stream(_numbered(wires), ANCHOR)
+    assert report.ok, report.finding
+    assert [i.stream_seq for i in report.injected] == [8]
+    stale = sealed(n1, SandboxExited(exit_code=0, reason="ok", duration_s=1.0))
+    report = verify_stream(_numbered([*wires, stale]), ANCHOR)
+    assert report.ok, report.finding  # nobody may act on it: listed, not tampering
+    assert [(i.stream_seq, i.reason) for i in report.injected][1:] == [
+        (10, "unauthorized: node agent of 'n1' spoke for a sandbox of node 'n2'")
+    ]

@@ -85,3 +85,31 @@ def test_layout_names_one_component_only(tmp_path: Path) -> None:
 def test_a_sandbox_stopped_while_it_was_built_but_not_placed_ends_exited() -> None:
     state = fold([*HAPPY[:4], ("sandbox.exited", {"exit_code": -1, "reason": "stopped"})])
     assert (state.state, state.reason, state.exit_code) == ("exited", "stopped", -1)
+
+
+def test_replayed_placement_events_never_move_a_sandbox_back() -> None:
+    """The bytes of an old genuine ``sandbox.scheduled`` / ``unit.lost`` re-published later (a
+    replay: authentic, so only the fold can tell) neither move a rescheduled sandbox back to
+    the node it left nor take it from the node it runs on now."""
+    first = ("sandbox.scheduled", {"node_id": "node-2", "attempt": 1})
+    lost = ("unit.lost", {"node_id": "node-2", "attempt": 1, "action": "reschedule"})
+    moved = ("sandbox.scheduled", {"node_id": "node-3", "attempt": 2})
+    ready = ("sandbox.ready", {"node_id": "node-3"})
+    # lost, waiting for a node: the old placement replayed does not bring it back to node-2
+    waiting = fold([*HAPPY[:4], first, lost, ("sandbox.pending", {"reason": "x", "attempt": 2})])
+    replayed = step(waiting, *first)
+    assert (replayed.state, replayed.node_id) == ("pending", "node-2")
+    assert [r.event_type for r in replayed.refused] == ["sandbox.scheduled"]
+    # running on node-3: the old loss replayed takes nothing from it
+    running = fold([*HAPPY[:4], first, lost, moved, ready])
+    after = step(running, *lost)
+    assert (after.state, after.node_id, after.attempt) == ("running", "node-3", 2)
+    assert [r.event_type for r in after.refused] == ["unit.lost"]
+    # lost, about to be placed again: the first wait (attempt 1) replayed does not make the
+    # scheduler place it as attempt 1 again
+    waited = fold([*HAPPY[:4], ("sandbox.pending", {"reason": "no node", "attempt": 1}), first])
+    again = step(step(waited, *lost), "sandbox.pending", {"reason": "no node", "attempt": 1})
+    assert again.state == "lost" and again.refused[-1].event_type == "sandbox.pending"
+    # the same placement twice (a redelivery of attempt 2) is refused too
+    assert step(fold([*HAPPY[:4], first, lost]), *moved).state == "scheduled"
+    assert step(fold([*HAPPY[:4], first, lost, moved]), *moved).refused

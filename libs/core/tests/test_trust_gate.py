@@ -158,3 +158,76 @@ async def test_a_node_agent_speaks_only_for_sandboxes_scheduled_on_its_node(
     refused = await gate.admit(forged.sealed.wire, stream_seq=forged.stream_seq)
     assert isinstance(refused, Refusal) and refused.reason == "unauthorized"
     assert await verdict(n1, exited) == "wrong-node"
+
+
+async def test_a_replayed_placement_never_moves_a_sandbox_back_to_the_node_it_left(
+    stream, dsec_stack
+) -> None:
+    """The bytes of the first, genuine ``sandbox.scheduled`` (to n1) published again after the
+    sandbox moved to n2: authentic, but an older attempt. n2 keeps speaking for the sandbox;
+    n1 (the node it left, perhaps fenced) still may not."""
+    from dsec_core.events import SandboxExited, SandboxScheduled
+
+    _, js = stream
+    home = dsec_stack.home
+    user = await trust.publisher(js, home, "user")
+    scheduler = await trust.publisher(js, home, "scheduler", acts_for="default")
+    n1 = await trust.publisher(js, home, "nodeagent", node_id="n1", acts_for="default")
+    n2 = await trust.publisher(js, home, "nodeagent", node_id="n2", acts_for="default")
+    sid = new_sandbox_id()
+    await user.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sid)
+    first = await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=sid)
+    await scheduler.publish(
+        SandboxScheduled(node_id="n2", attempt=2, previous_node="n1"), aggregate_id=sid
+    )
+    gate = await _gate(stream, dsec_stack)
+    assert await gate.placement(sid) == "n2"
+    await _raw(js, first.sealed.subject, first.sealed.wire)  # the replay
+    fresh = await _gate(stream, dsec_stack)  # one that reads the whole history, replay included
+    for g in (gate, fresh):
+        assert await g.placement(sid) == "n2"
+        exited = SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+        by_n1 = await n1.publish(exited, aggregate_id=sid)
+        refused = await g.admit(by_n1.sealed.wire, stream_seq=by_n1.stream_seq)
+        assert isinstance(refused, Refusal) and refused.reason == "wrong-node"
+        by_n2 = await n2.publish(exited, aggregate_id=sid)
+        admitted = await g.admit(by_n2.sealed.wire, stream_seq=by_n2.stream_seq)
+        assert not isinstance(admitted, Refusal)
+
+
+async def test_only_the_scheduler_places_fences_or_drains(stream, dsec_stack) -> None:
+    """A user picking its sandbox's node, a node agent of another node fencing the sandbox
+    (``unit.lost``) or placing it, a user answering a drain, a user or node agent naming the
+    sandbox's environment (``env.built``): each refused ``unauthorized``, and the sandbox stays
+    where the scheduler put it."""
+    from dsec_core.events import EnvBuilt, NodeCordoned, SandboxScheduled, UnitLost
+
+    _, js = stream
+    home = dsec_stack.home
+    user = await trust.publisher(js, home, "user")
+    scheduler = await trust.publisher(js, home, "scheduler", acts_for="default")
+    n2 = await trust.publisher(js, home, "nodeagent", node_id="n2", acts_for="default")
+    gate = await _gate(stream, dsec_stack)
+    sid = new_sandbox_id()
+    await user.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sid)
+    await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=sid)
+    lost = UnitLost(node_id="n1", reason="x", action="reschedule", attempt=1)
+    hostile_env = EnvBuilt(
+        lock_hash="other", fingerprint="f", object_key="envs/other.tar.zst", digest="d",
+        size_bytes=1, reused=True,
+    )  # fmt: skip
+    attempts = [
+        (user, SandboxScheduled(node_id="n2", attempt=2), sid),
+        (n2, SandboxScheduled(node_id="n2", attempt=2), sid),
+        (n2, lost, sid),
+        (user, lost, sid),
+        (user, NodeCordoned(node_id="n1", cordoned=True, draining=True), "n1"),
+        # an environment of the user's choosing (another tenant's lock, a hostile archive)
+        (user, hostile_env, sid),
+        (n2, hostile_env, sid),
+    ]
+    for producer, payload, aggregate in attempts:
+        sent = await producer.publish(payload, aggregate_id=aggregate)
+        refused = await gate.admit(sent.sealed.wire, stream_seq=sent.stream_seq)
+        assert isinstance(refused, Refusal) and refused.reason == "unauthorized", payload
+    assert await gate.placement(sid) == "n1"

@@ -303,3 +303,47 @@ def test_a_heartbeat_filed_under_another_nodes_subject_is_not_folded() -> None:
     inv = NodeInventory(cpus=8, memory_bytes=GIB).model_dump(mode="json")
     misfiled = seen("node.heartbeat", "n2", node_id="n1", seq=1, inventory=inv)
     assert state.apply(misfiled) is False and state.nodes == {}
+
+
+def replayed(event: Seen, at: float) -> Seen:
+    """The same signed bytes published again: same id, signed time and payload, stored later."""
+    return Seen(
+        event.id, event.type, event.aggregate_id, event.tenant, event.payload, at, event.sent_at
+    )
+
+
+def test_replayed_node_events_neither_revive_nor_kill_nor_cordon_a_node() -> None:
+    state = SchedulerState(lost_after_s=15)
+    last = heartbeat("n1", at=NOW - 20)
+    state.apply(last)
+    # a dead node's last heartbeat published again keeps it neither alive nor placeable
+    assert state.apply(replayed(last, NOW)) is False
+    assert [n.node_id for n in state.silent(NOW)] == ["n1"]
+    lost = seen("node.lost", "n1", node_id="n1", silent_s=20, last_seen=_iso(NOW - 20))
+    state.apply(lost)
+    assert state.apply(replayed(last, NOW + 1)) is False and state.nodes["n1"].lost
+    assert isinstance(place(req(), state.fleet(NOW + 1)), NoFit)
+    # it really comes back; its old loss replayed then does not declare it lost again
+    state.apply(heartbeat("n1", at=NOW + 2))
+    assert state.apply(replayed(lost, NOW + 3)) is False and not state.nodes["n1"].lost
+    # an operator's drain, then an uncordon; the drain's bytes replayed drain nothing
+    drain = seen("node.cordoned", "n1", NOW + 4, node_id="n1", cordoned=True, draining=True)
+    state.apply(replayed(drain, NOW + 4))
+    undo = seen("node.cordoned", "n1", NOW + 5, node_id="n1", cordoned=False)
+    state.apply(replayed(undo, NOW + 5))
+    assert state.apply(replayed(drain, NOW + 6)) is False
+    assert not state.nodes["n1"].cordoned and not state.nodes["n1"].draining
+
+
+def _iso(at: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(at, UTC).isoformat()
+
+
+def test_a_no_fit_summary_stays_bounded_for_a_large_fleet_and_long_problems() -> None:
+    reasons = {f"n{i:04d}": "unhealthy: " + "x" * 10_000 for i in range(1000)}
+    text = NoFit(reasons).summary()
+    assert len(text) < 4500
+    assert text.startswith("no node fits: n0000: unhealthy: xxx")
+    assert text.endswith("more nodes") and "… and 988 more nodes" in text

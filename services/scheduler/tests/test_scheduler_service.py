@@ -530,3 +530,154 @@ async def test_the_scheduler_follows_the_log_again_after_nats_restarts(
         lambda: urllib.request.urlopen(services.url("scheduler") + "/healthz", timeout=5).read()
     )
     assert b'"status": "ok"' in health
+
+
+async def test_a_dead_nodes_heartbeat_replayed_does_not_bring_it_back(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    """Whoever reads the bus publishes the bytes of a lost node's last genuine heartbeat again
+    (authentic, signed by that node agent): the node stays lost and takes no sandbox."""
+    from dsec_core.subjects import STREAM, subject_for
+
+    await world.node("small", cpus=8)
+    dead = await world.node("dead", cpus=1000)
+    await start_scheduler(services)
+    dead.silence()
+    await wait_for(js, dead.node_id, of("node.lost"), aggregate="node")
+    subject = subject_for("node.heartbeat", dead.node_id)
+    last = await js.get_last_msg(STREAM, subject)
+    await js.publish(subject, last.data, headers={"Nats-Msg-Id": uuid.uuid4().hex})
+    sid = await world.submit(cpu=500)
+    pending = await wait_for(js, sid, of("sandbox.pending"))
+    assert f"{dead.node_id}: lost" in pending.payload["reason"]
+    assert not placements(await history(js, "sandbox", sid))
+    lost = [e for e in await history(js, "node", dead.node_id) if e.type == "node.lost"]
+    assert len(lost) == 1  # not revived, so not lost a second time either
+
+
+def _unchecked(payload: dict[str, Any]) -> events.NodeHeartbeat:
+    """A heartbeat carrying ``payload`` as is (what a hostile node agent's own code sends,
+    never validated by the model on its way out)."""
+
+    class Unchecked(events.NodeHeartbeat):
+        def model_dump(self, **_: Any) -> dict[str, Any]:  # type: ignore[override]
+            return payload
+
+    return Unchecked.model_construct()
+
+
+async def test_a_node_agent_claiming_absurd_inventory_or_endless_problems_poisons_nothing(
+    world: World, js: JetStreamContext, services: Any, postgres_dsn: str
+) -> None:
+    """Certified node agents (each for its own node) heartbeat NaN or negative CPUs, 10^30
+    bytes, and 700 KB of problems: the scheduler cannot read those heartbeats, so those nodes
+    are not in the fleet; the honest node takes what fits it and a sandbox that fits nowhere
+    waits with a reason of bounded size (it used to be placed on the NaN node, or fail to
+    publish at all)."""
+    honest = await world.node("honest", cpus=8)
+    hostile = {
+        "nan": {"cpus": float("nan"), "memory_bytes": 2**40},
+        "negative": {"cpus": -5.0, "memory_bytes": -1},
+        "huge": {"cpus": 4.0, "memory_bytes": 1e30},
+    }
+    await start_scheduler(services)
+    for name, inventory in hostile.items():
+        node_id = world.node_id(name)
+        pub = await trust.publisher(js, world.home, "nodeagent", node_id=node_id)
+        payload = {"node_id": node_id, "seq": 1, "inventory": inventory, "heartbeat_s": 1.0}
+        await pub.publish(_unchecked(payload), aggregate_id=node_id)
+    noisy_id = world.node_id("noisy")
+    noisy = await trust.publisher(js, world.home, "nodeagent", node_id=noisy_id)
+    inv = {"cpus": 10_000.0, "memory_bytes": 2**40}
+    problems = [f"problem {i} " + "x" * 7000 for i in range(100)]
+    beat = {"node_id": noisy_id, "seq": 1, "inventory": inv, "problems": problems}
+    await noisy.publish(_unchecked(beat), aggregate_id=noisy_id)
+    big = await world.submit(cpu=500)
+    pending = await wait_for(js, big, of("sandbox.pending"))
+    reason = pending.payload["reason"]
+    assert f"{honest.node_id}: CPUs: needs 500" in reason and len(reason) < 4500
+    for name in (*hostile, "noisy"):
+        assert world.node_id(name) not in reason
+    small = await world.submit(cpu=2)
+    placed = await wait_for(js, small, of("sandbox.scheduled"))
+    assert placed.payload["node_id"] == honest.node_id
+    assert not placements(await history(js, "sandbox", big))
+    # the read model an operator lists (`dsec node list`) keeps following: the honest node's
+    # heartbeats after the hostile ones are projected, the hostile nodes never are
+    import asyncpg
+
+    after = (await history(js, "node", honest.node_id))[-1].time
+    conn = await asyncpg.connect(postgres_dsn)
+    try:
+        deadline = asyncio.get_running_loop().time() + 15
+        while True:
+            rows = dict(await conn.fetch("SELECT node_id, last_seen FROM nodes"))
+            if rows.get(honest.node_id) and rows[honest.node_id] >= after:
+                break
+            assert asyncio.get_running_loop().time() < deadline, rows
+            await asyncio.sleep(0.2)
+        assert not {world.node_id(n) for n in (*hostile, "noisy")} & set(rows)
+    finally:
+        await conn.close()
+
+
+async def test_replayed_or_unauthorized_cordons_drain_nothing(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    """After an operator's drain and uncordon, the bytes of the drain request and of the
+    scheduler's `node.cordoned{draining}` are published again, and a user and a node agent ask
+    for a drain: the node stays uncordoned and takes the next sandbox."""
+    from dsec_core.subjects import STREAM, subject_for
+
+    a = await world.node("a", cpus=1000)
+    operator = await trust.publisher(js, world.home, "operator", subject="operator")
+    await start_scheduler(services)
+    drain = await operator.publish(
+        events.NodeCordonRequested(node_id=a.node_id, action="drain"), aggregate_id=a.node_id
+    )
+    await wait_for(js, a.node_id, of("node.cordoned", draining=True), aggregate="node")
+    await operator.publish(
+        events.NodeCordonRequested(node_id=a.node_id, action="uncordon"), aggregate_id=a.node_id
+    )
+    await wait_for(js, a.node_id, of("node.cordoned", cordoned=False), aggregate="node")
+    cordoned = subject_for("node.cordoned", a.node_id)
+    first = await js.get_msg(STREAM, seq=1, subject=cordoned, next=True)  # the drain's answer
+    for subject, data in ((drain.sealed.subject, drain.sealed.wire), (cordoned, first.data)):
+        await js.publish(subject, data, headers={"Nats-Msg-Id": uuid.uuid4().hex})
+    request = events.NodeCordonRequested(node_id=a.node_id, action="drain")
+    await world.pipe.user.publish(request, aggregate_id=a.node_id)
+    await world.pipe.nodeagent.publish(request, aggregate_id=a.node_id)
+    text = await scrape(services, 'reason="replayed",service="scheduler"')
+    assert re.search(
+        r'dsec_events_rejected_total\{reason="replayed",service="scheduler",'
+        r'type="node.cordon_requested"\} 1.0',
+        text,
+    ), text
+    sid = await world.submit(cpu=500)
+    placed = await wait_for(js, sid, of("sandbox.scheduled"))
+    assert placed.payload["node_id"] == a.node_id
+    answers = [e for e in await history(js, "node", a.node_id) if e.type == "node.cordoned"]
+    assert [e.payload["draining"] for e in answers] == [True, False, True]  # incl. the copy
+    assert len({e.id for e in answers}) == 2
+    needle = 'reason="unauthorized",service="scheduler",type="node.cordon_requested"} 2.0'
+    assert needle in await scrape(services, needle)
+
+
+async def test_another_tenants_stop_neither_ends_nor_unqueues_a_waiting_sandbox(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    """A certified user of tenant `acme` stops tenant `default`'s pending sandbox: refused
+    (`cross-tenant`); the sandbox keeps waiting and is placed when a node fits it."""
+    await world.node("small", cpus=8)
+    await start_scheduler(services)
+    sid = await world.submit(cpu=3000)
+    await wait_for(js, sid, of("sandbox.pending"))
+    mallory = await trust.publisher(js, world.home, "user", tenant="acme")
+    await mallory.publish(events.SandboxStopRequested(requested_by="mallory"), aggregate_id=sid)
+    # refused twice: by the stop handler and by the fold that keeps the queue
+    needle = 'reason="cross-tenant",service="scheduler",type="sandbox.stop_requested"} 2.0'
+    assert needle in await scrape(services, needle)
+    big = await world.node("big", cpus=4000)
+    placed = await wait_for(js, sid, of("sandbox.scheduled"))
+    assert placed.payload["node_id"] == big.node_id
+    assert not [e for e in await history(js, "sandbox", sid) if e.type == "sandbox.exited"]

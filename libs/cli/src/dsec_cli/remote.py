@@ -12,6 +12,7 @@ import asyncio
 import codecs
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -63,11 +64,16 @@ class Sink:
 
 
 async def _owning_node(gate: Any, sandbox_id: str) -> str:
-    """The node that runs (or ran) the sandbox: its newest authentic ready / scheduled event."""
+    """The node that runs (or ran) the sandbox: that of its latest placement (the trust gate's
+    rule: attempts only grow, so an old ``sandbox.scheduled`` published again does not send
+    the request to a node the sandbox left), else of its newest authentic ``sandbox.ready``."""
     try:
         subjects = [subject_for(t, sandbox_id) for t in ("sandbox.ready", "sandbox.scheduled")]
     except InvalidSubjectToken as exc:
         fail(str(exc), EXIT_BAD_INPUT)
+    placed = await gate.placement(sandbox_id)
+    if placed is not None:
+        return str(placed)
     found = [e for e in [await gate.find(s) for s in subjects] if e is not None]
     if not found:
         submitted = await gate.find(subject_for("spec.submitted", sandbox_id))
@@ -138,11 +144,11 @@ async def session(
         return await _stream(nc, sub, rid, node, box, on_output, forward_stdin)
 
 
-async def _next(sub: Any, node: str, what: str) -> bytes:
+async def _next(sub: Any, node: str, what: str, timeout: float = remote.GONE_S) -> bytes:
     import nats.errors
 
     try:
-        msg = await sub.next_msg(timeout=remote.GONE_S)
+        msg = await sub.next_msg(timeout=max(timeout, 0.01))
     except nats.errors.TimeoutError:
         fail(
             f"the node agent of {node} {what} within {remote.GONE_S:.0f} s; is it running? "
@@ -153,15 +159,22 @@ async def _next(sub: Any, node: str, what: str) -> bytes:
 
 
 async def _answer(gate: Any, sub: Any, rid: str, node: str, client: PrivateKey) -> Any:
-    """The session's box from the node's signed hello; a signed refusal exits."""
-    try:
-        answer = remote.parse_answer(await _next(sub, node, "did not answer"))
-        cert = await gate.keys.certificate(answer.key_id)
-        if isinstance(cert, str) or cert.role != "nodeagent" or cert.node_id != node:
-            raise RemoteError(f"the answer is not signed by the node agent of {node}")
-        outcome = answer.check(bytes.fromhex(cert.public_key), rid, node, client)
-    except RemoteError as exc:
-        fail(f"refusing the answer from {node}: {exc}", EXIT_FAILED)
+    """The session's box from the node's signed hello; a signed refusal exits. Anything else
+    on the inbox (anyone who read the request may publish there) is skipped, not believed;
+    with nothing genuine within GONE_S, the node did not answer."""
+    deadline = time.monotonic() + remote.GONE_S
+    problem = ""
+    while True:
+        try:
+            data = await _next(sub, node, f"did not answer{problem}", deadline - time.monotonic())
+            answer = remote.parse_answer(data)
+            cert = await gate.keys.certificate(answer.key_id)
+            if isinstance(cert, str) or cert.role != "nodeagent" or cert.node_id != node:
+                raise RemoteError(f"an answer not signed by the node agent of {node}")
+            outcome = answer.check(bytes.fromhex(cert.public_key), rid, node, client)
+            break
+        except RemoteError as exc:
+            problem = f" (ignored: {exc})"
     if isinstance(outcome, tuple):
         reason, detail = outcome
         fail(f"node {node} refused: {reason}: {detail}", 2 if reason in _NOT_THERE else 1)
@@ -203,6 +216,8 @@ async def _stream(
         while True:
             try:
                 frame = incoming.open(await _next(sub, node, "stopped answering"))
+            except remote.ForgedFrame:
+                continue  # not from the node (anyone may publish on the inbox): ignored
             except RemoteError as exc:
                 fail(f"the stream from {node} broke: {exc}", EXIT_FAILED)
             if frame.get("k") == "out" and isinstance(frame.get("d"), bytes):

@@ -11,9 +11,9 @@ Versioning rule: adding an optional field is a minor bump; removing or retyping 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from dsec_core.spec.plan import EnforcementPlan
 
@@ -471,8 +471,8 @@ class GpuInfo(BaseModel):
     uuid: str
     model: str
     pci_bus_id: str = ""
-    memory_total_bytes: int
-    memory_used_bytes: int = 0
+    memory_total_bytes: Bytes
+    memory_used_bytes: Bytes = 0
     temperature_c: float | None = None
     utilization_pct: float | None = None
     ecc_corrected: int | None = None
@@ -487,24 +487,41 @@ class GpuInfo(BaseModel):
     )
 
 
+# Bounds of what a node may claim: a heartbeat is read into every placement decision, so a
+# NaN, a negative count or 10^30 bytes from one node agent must not poison it (refused as a
+# payload the scheduler cannot read: the node is not in the fleet).
+_CPUS = Field(ge=0, le=1_000_000, allow_inf_nan=False)
+_BYTES = Field(ge=0, le=2**62)
+Cpus = Annotated[float, _CPUS]
+Bytes = Annotated[int, _BYTES]
+Label = Annotated[str, StringConstraints(max_length=256)]
+Problem = Annotated[str, StringConstraints(max_length=500)]
+MAX_PROBLEMS = 64
+"""A heartbeat names at most this many problems (the node agent keeps the first)."""
+
+
 class NodeInventory(BaseModel):
-    """What a node has and what is in use."""
+    """What a node has and what is in use (bounded: see ``_CPUS`` / ``_BYTES``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    cpus: float = Field(description="CPU cores sandboxes may use")
-    memory_bytes: int = Field(description="Memory sandboxes may use")
-    cpus_allocated: float = 0.0
-    memory_allocated_bytes: int = 0
-    memory_available_bytes: int = Field(default=0, description="MemAvailable of the host")
-    load1: float = 0.0
-    disk_free_bytes: int = 0
-    max_sandboxes: int = Field(default=64, description="Sandboxes this node accepts at most")
-    gpus: list[GpuInfo] = Field(default_factory=list)
-    gpu_probe: str = Field(
-        default="none", description="'nvml', 'declared', or why there are none ('no NVML: ...')"
+    cpus: Cpus = Field(description="CPU cores sandboxes may use")
+    memory_bytes: Bytes = Field(description="Memory sandboxes may use")
+    cpus_allocated: Cpus = 0.0
+    memory_allocated_bytes: Bytes = 0
+    memory_available_bytes: Bytes = Field(default=0, description="MemAvailable of the host")
+    load1: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    disk_free_bytes: Bytes = 0
+    max_sandboxes: int = Field(
+        default=64, ge=0, le=100_000, description="Sandboxes this node accepts at most"
     )
-    labels: dict[str, str] = Field(default_factory=dict)
+    gpus: list[GpuInfo] = Field(default_factory=list, max_length=256)
+    gpu_probe: str = Field(
+        default="none",
+        max_length=500,
+        description="'nvml', 'declared', or why there are none ('no NVML: ...')",
+    )
+    labels: dict[Label, Label] = Field(default_factory=dict, max_length=64)
 
 
 class NodeJoined(Payload):
@@ -517,7 +534,9 @@ class NodeJoined(Payload):
     hostname: str
     version: str
     inventory: NodeInventory
-    heartbeat_s: float = Field(description="How often it heartbeats")
+    heartbeat_s: float = Field(
+        gt=0, le=3600, allow_inf_nan=False, description="How often it heartbeats"
+    )
 
 
 class NodeHeartbeat(Payload):
@@ -531,8 +550,10 @@ class NodeHeartbeat(Payload):
     seq: int = Field(description="Heartbeat number since the node agent started")
     inventory: NodeInventory
     sandboxes: list[str] = Field(default_factory=list, description="Sandboxes running here")
-    problems: list[str] = Field(default_factory=list, description="Why it is unhealthy, if so")
-    heartbeat_s: float = 5.0
+    problems: list[Problem] = Field(
+        default_factory=list, max_length=MAX_PROBLEMS, description="Why it is unhealthy, if so"
+    )
+    heartbeat_s: float = Field(default=5.0, gt=0, le=3600, allow_inf_nan=False)
 
 
 class NodeLost(Payload):

@@ -138,6 +138,24 @@ def _reason(event_type: str, payload: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _stale_placement(current: Lifecycle, event_type: str, payload: Mapping[str, Any]) -> bool:
+    """Whether a placement event belongs to an earlier placement than the current one: a
+    ``sandbox.scheduled`` or ``sandbox.pending`` whose attempt is not above that of the last
+    placement, or a ``unit.lost`` of another
+    node or attempt — the replayed bytes of an old genuine event, which must never move the
+    sandbox back to a node it left, nor take it from the node it runs on now."""
+    try:
+        if event_type in {"sandbox.scheduled", "sandbox.pending"}:
+            return int(payload.get("attempt", 1)) <= current.attempt
+        if event_type == "unit.lost" and current.node_id is not None:
+            node = payload.get("node_id", current.node_id)
+            attempt = int(payload.get("attempt", current.attempt))
+            return node != current.node_id or attempt != current.attempt
+    except (TypeError, ValueError):
+        return True
+    return False
+
+
 def step(
     current: Lifecycle,
     event_type: str,
@@ -157,7 +175,7 @@ def step(
         allowed, target = _MOVES[event_type]
     else:
         return current  # a fact about the sandbox, not a move
-    if current.state not in allowed:
+    if current.state not in allowed or _stale_placement(current, event_type, payload):
         refused = Refused(event_type, event_id, current.state)
         return replace(current, refused=(*current.refused, refused))
     changes: dict[str, Any] = {"state": target, "last_event_id": event_id}

@@ -413,7 +413,10 @@ ON CONFLICT (node_id) DO UPDATE SET
     lost = false,
     lost_at = NULL,
     last_seq = EXCLUDED.last_seq
+WHERE n.last_seen IS NULL OR EXCLUDED.last_seen > n.last_seen
 """
+# (the WHERE: a node event signed no later than the one shown, the bytes of an old heartbeat
+# published again, is no sign of life: it neither clears `lost` nor brings back old values)
 
 
 async def ensure_node_schema(conn: asyncpg.Connection) -> None:
@@ -463,6 +466,17 @@ async def apply_node_event(conn: asyncpg.Connection, seq: int, env: Envelope) ->
         )
 
 
+def _readable(env: Envelope, seq: int) -> bool:
+    """Whether the payload is one its model accepts: a node agent's NaN CPUs or 10^30 bytes
+    (refused by the model's bounds) is skipped, never left to stop the projection."""
+    try:
+        env.decoded()
+    except ValueError as exc:
+        log.warning("nodes projection skips unreadable %s at seq %d: %s", env.type, seq, exc)
+        return False
+    return True
+
+
 async def apply_node_batch(
     conn: asyncpg.Connection, batch: Sequence[tuple[int, bytes]], gate: Gate | None = None
 ) -> int:
@@ -481,7 +495,7 @@ async def apply_node_batch(
             except MalformedEnvelope as exc:
                 log.error("nodes projection skips malformed event at seq %d: %s", seq, exc)
                 env = None
-            if env is not None and env.aggregate == "node":
+            if env is not None and env.aggregate == "node" and _readable(env, seq):
                 await apply_node_event(conn, seq, env)
             elif env is None and gate is not None:
                 log.warning("nodes projection skips unauthentic event at seq %d", seq)

@@ -68,6 +68,12 @@ class RemoteError(ValueError):
     """A message that is not what the protocol allows (malformed, forged, out of order)."""
 
 
+class ForgedFrame(RemoteError):
+    """A frame neither end wrote now: it does not decrypt (anyone who read the request id or
+    the inbox can publish bytes there), or it is an earlier frame published again. Dropped,
+    never a reason to end the session: only its two ends can break it."""
+
+
 def request_subject(node_id: str, kind: str) -> str:
     """``dsec_rpc.node.<node_id>.<kind>`` (``kind``: ``logs``, ``exec`` or ``input``)."""
     if not _NODE.match(node_id):
@@ -328,9 +334,12 @@ class FrameCodec:
         try:
             plain = self._box.decrypt(data)
         except (CryptoError, ValueError, TypeError):
-            raise RemoteError("a frame that does not decrypt (forged or corrupted)") from None
+            raise ForgedFrame("a frame that does not decrypt (forged or corrupted)") from None
         frame = _unpack_map(plain, "frame")
-        if frame.get("n") != self._in:
+        n = frame.get("n")
+        if isinstance(n, int) and n < self._in:
+            raise ForgedFrame(f"frame {n} again (a replay), {self._in} is due")
+        if n != self._in:
             raise RemoteError(f"frame {frame.get('n')} where {self._in} was due")
         self._in += 1
         return frame

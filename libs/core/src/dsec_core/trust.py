@@ -269,6 +269,14 @@ async def scan(
         yield data
 
 
+def _attempt(payload: dict[str, Any]) -> int:
+    """The placement attempt a ``sandbox.scheduled`` payload names (0 when unreadable)."""
+    try:
+        return int(payload.get("attempt", 1))
+    except (TypeError, ValueError):
+        return 0
+
+
 def _remember(cache: OrderedDict[str, Any], key: str, value: Any, limit: int = 4096) -> None:
     cache[key] = value
     cache.move_to_end(key)
@@ -310,8 +318,8 @@ class Gate:
         self._js = js
         self._handled = handled
         self._tenants: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        # sandbox -> (stream position read up to, node of its latest sandbox.scheduled there)
-        self._nodes: OrderedDict[str, tuple[int, str | None]] = OrderedDict()
+        # sandbox -> (stream position read up to, node and attempt of its latest placement)
+        self._nodes: OrderedDict[str, tuple[int, str | None, int]] = OrderedDict()
         self._lock = asyncio.Lock()
 
     async def admit(
@@ -398,9 +406,11 @@ class Gate:
 
     async def placement(self, sandbox_id: str) -> str | None:
         """The node of the sandbox's latest authentic ``sandbox.scheduled`` (read from the log
-        each time: only the stream position already read is remembered)."""
+        each time: only the stream position already read is remembered). Attempts only grow: a
+        placement whose attempt is not above the one before is the replayed bytes of an old
+        one (a genuine event re-published), and never moves the sandbox back."""
         subject = subject_for("sandbox.scheduled", sandbox_id)
-        seq, node = self._nodes.get(sandbox_id, (0, None))
+        seq, node, attempt = self._nodes.get(sandbox_id, (0, None, 0))
         while True:
             try:
                 msg = await self._js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)
@@ -411,8 +421,10 @@ class Gate:
             seq = msg.seq
             envelope = await self.authentic(msg.data)
             if envelope is not None and envelope.subject == subject:
-                node = str(envelope.payload.get("node_id"))
-        _remember(self._nodes, sandbox_id, (seq, node))
+                placed = _attempt(envelope.payload)
+                if placed > attempt:
+                    node, attempt = str(envelope.payload.get("node_id")), placed
+        _remember(self._nodes, sandbox_id, (seq, node, attempt))
         return node
 
     async def lifecycle(self, sandbox_id: str, limit: int = 256) -> Lifecycle:

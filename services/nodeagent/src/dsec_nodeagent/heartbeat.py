@@ -13,7 +13,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-from dsec_core.events import NodeHeartbeat, NodeJoined, Payload
+from dsec_core.events import MAX_PROBLEMS, NodeHeartbeat, NodeJoined, Payload
 from dsec_core.subjects import InvalidSubjectToken, subject_for
 
 from dsec_nodeagent.inventory import Inventory
@@ -102,7 +102,7 @@ class Heartbeat:
             seq=self.seq,
             inventory=inventory,
             sandboxes=self._sandboxes(),
-            problems=[*self._problems(), *gpu_problems],
+            problems=[p[:500] for p in [*self._problems(), *gpu_problems][:MAX_PROBLEMS]],
             heartbeat_s=self.interval_s,
         )
         await self._publish(heartbeat, self.node_id)

@@ -74,6 +74,10 @@ class Session:
         """A client frame (already routed by request id)."""
         try:
             frame = self.codec.open(data)
+        except remote.ForgedFrame as exc:
+            REFUSALS.labels("input", "forged").inc()
+            log.warning("remote %s of %s: dropped %s", self.request.kind, self.request.id, exc)
+            return
         except RemoteError as exc:
             log.warning("remote %s of %s: %s; ending it", self.request.kind, self.request.id, exc)
             self.cancel()

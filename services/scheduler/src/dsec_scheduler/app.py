@@ -50,6 +50,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from dsec_scheduler import metrics
 from dsec_scheduler.domain import (
     FOLDED_TYPES,
+    NODE_SEEN_TYPES,
     NODE_TYPES,
     SANDBOX_TYPES,
     NoFit,
@@ -65,7 +66,8 @@ from dsec_scheduler.domain import (
 log = logging.getLogger(__name__)
 
 FILTERS: list[str] = sorted({filter_for(t) for t in FOLDED_TYPES})
-NODE_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_TYPES})
+NODE_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_SEEN_TYPES})
+NODE_FLAG_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_TYPES - NODE_SEEN_TYPES})
 SANDBOX_FILTERS: list[str] = sorted({filter_for(t) for t in SANDBOX_TYPES})
 IDLE_S = 0.2
 BARRIER_TIMEOUT_S = 20.0
@@ -110,9 +112,11 @@ class Scheduler:
         started = time.perf_counter()
         last = (await self._js().stream_info(STREAM)).state.last_seq
         if last:
-            # Each node's latest joined/heartbeat/lost/cordoned is all its state needs (a
-            # day of heartbeats is not read again); sandboxes are folded in full.
+            # Each node's latest joined/heartbeat is all its presence needs (a day of heartbeats
+            # is not read again); its losses and cordons (rare) and sandboxes are folded in
+            # full, so an old cordon or loss published again last is not taken for the latest.
             nodes = await self._read_up_to(NODE_FILTERS, last, DeliverPolicy.LAST_PER_SUBJECT)
+            nodes += await self._read_up_to(NODE_FLAG_FILTERS, last, DeliverPolicy.ALL)
             for seen in sorted(nodes, key=lambda pair: pair[0]):
                 self._fold(seen[1])
             for seen in await self._read_up_to(SANDBOX_FILTERS, last, DeliverPolicy.ALL):
@@ -282,6 +286,7 @@ class Scheduler:
             envelope.tenant,
             payload,
             stored_at,
+            envelope.time.timestamp(),
         )
 
     async def barrier(self, timeout: float = BARRIER_TIMEOUT_S) -> None:

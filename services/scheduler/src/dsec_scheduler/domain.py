@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 from dsec_core.events import GpuInfo, NodeInventory, Resources
@@ -44,7 +45,9 @@ class Node:
     node_id: str
     inventory: NodeInventory
     last_seen: float
-    """When the log stored its latest ``node.joined``/``node.heartbeat`` (epoch seconds)."""
+    """When its latest ``node.joined``/``node.heartbeat`` was sent: the earlier of the time the
+    node agent signed and the time the log stored it (epoch seconds), so the bytes of an old
+    heartbeat published again never make a silent node look alive."""
     heartbeat_s: float = 5.0
     last_event_id: str = ""
     problems: tuple[str, ...] = ()
@@ -53,6 +56,8 @@ class Node:
     drain_event_id: str = ""
     """The ``node.cordoned`` that began the drain (what its ``unit.lost`` ids derive from)."""
     lost: bool = False
+    flagged_at: float = 0.0
+    """When the ``node.cordoned`` in force was signed (a replayed older one changes nothing)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,10 @@ class Placement:
     reason: str
 
 
+REASON_CHARS = 300
+SUMMARY_CHARS = 4000
+
+
 @dataclass(frozen=True)
 class NoFit:
     """No node can take the request now; why not, per node."""
@@ -80,10 +89,21 @@ class NoFit:
     reasons: Mapping[str, str]
 
     def summary(self) -> str:
-        """One line: every node and why it does not fit."""
+        """One line: each node and why it does not fit, bounded (a node's reason to
+        REASON_CHARS, the line to SUMMARY_CHARS, then how many nodes are left out), so a large
+        fleet or a node naming many problems never makes a ``sandbox.pending`` too large."""
         if not self.reasons:
             return "no node has joined"
-        return "no node fits: " + "; ".join(f"{n}: {r}" for n, r in sorted(self.reasons.items()))
+        parts: list[str] = []
+        size = 0
+        for n, r in sorted(self.reasons.items()):
+            part = f"{n}: {r}" if len(r) <= REASON_CHARS else f"{n}: {r[:REASON_CHARS]}…"
+            if size + len(part) > SUMMARY_CHARS:
+                parts.append(f"… and {len(self.reasons) - len(parts)} more nodes")
+                break
+            parts.append(part)
+            size += len(part) + 2
+        return "no node fits: " + "; ".join(parts)
 
 
 def reason_shape(reason: str) -> str:
@@ -185,6 +205,16 @@ def place(request: Resources, fleet: Fleet, *, avoid: str | None = None) -> Plac
 # --------------------------------------------------------------------------- the fold
 
 
+def _epoch(value: Any) -> float | None:
+    """Epoch seconds of an ISO time in a payload (None when absent or unreadable)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        return None
+
+
 @dataclass(frozen=True)
 class Seen:
     """One authentic event as the scheduler folds it."""
@@ -196,6 +226,14 @@ class Seen:
     payload: Mapping[str, Any]
     stored_at: float
     """When the log stored it (JetStream's timestamp, epoch seconds)."""
+    signed_at: float | None = None
+    """The time its producer signed into it (epoch seconds), when known."""
+
+    @property
+    def sent_at(self) -> float:
+        """When it was sent, as far as the log can tell: never later than the signed time (a
+        replay is stored late but keeps its old signed time)."""
+        return self.stored_at if self.signed_at is None else min(self.stored_at, self.signed_at)
 
 
 @dataclass(frozen=True)
@@ -237,6 +275,8 @@ class Sandbox:
 
 
 _NODE_SEEN = {"node.joined", "node.heartbeat"}
+NODE_SEEN_TYPES: frozenset[str] = frozenset(_NODE_SEEN)
+"""Node presence: the latest of each type and node is all the fleet needs."""
 _SANDBOX_TYPES = {
     "env.built",
     "sandbox.pending",
@@ -248,7 +288,7 @@ _SANDBOX_TYPES = {
     "sandbox.stop_requested",
 }
 NODE_TYPES: frozenset[str] = frozenset({*_NODE_SEEN, "node.lost", "node.cordoned"})
-"""Node events: the latest of each type and node says all the fleet needs."""
+"""Node events (presence, losses, cordons)."""
 SANDBOX_TYPES: frozenset[str] = frozenset(_SANDBOX_TYPES)
 """Sandbox events, from ``env.built`` on: folded in full."""
 FOLDED_TYPES: frozenset[str] = NODE_TYPES | SANDBOX_TYPES
@@ -359,11 +399,21 @@ class SchedulerState:
             return self._node_seen(event)
         if event.type == "node.lost":
             old = self.nodes.get(str(event.payload.get("node_id") or event.aggregate_id))
-            return old is not None and self._node_flag(
-                event, lost=True, cordoned=old.cordoned, draining=old.draining
-            )
+            if old is None:
+                return False
+            heard = _epoch(event.payload.get("last_seen"))
+            if heard is not None and heard < old.last_seen - 0.001:
+                return False  # heard from since: an old loss published again
+            if heard is not None and heard > old.last_seen:  # the state was rebuilt from less
+                self.nodes[old.node_id] = old = replace(old, last_seen=heard)
+            return self._node_flag(event, lost=True, cordoned=old.cordoned, draining=old.draining)
         if event.type == "node.cordoned":
             p = event.payload
+            old = self.nodes.get(str(p.get("node_id") or event.aggregate_id))
+            if old is not None and event.signed_at is not None:
+                if event.signed_at <= old.flagged_at:
+                    return False  # signed before the cordon in force: an old one replayed
+                self.nodes[old.node_id] = replace(old, flagged_at=event.signed_at)
             return self._node_flag(
                 event, cordoned=bool(p.get("cordoned")), draining=bool(p.get("draining"))
             )
@@ -377,11 +427,13 @@ class SchedulerState:
         if node_id != event.aggregate_id:
             return False  # filed under another node's subject: never read as that node's
         old = self.nodes.get(node_id)
+        if old is not None and event.sent_at <= old.last_seen:
+            return False  # sent before what is known already: a replay, never a sign of life
         inventory = NodeInventory.model_validate(p["inventory"])
         node = Node(
             node_id=node_id,
             inventory=inventory,
-            last_seen=max(event.stored_at, old.last_seen if old else 0.0),
+            last_seen=event.sent_at,
             heartbeat_s=float(p.get("heartbeat_s") or 5.0),
             last_event_id=event.id,
             problems=tuple(str(x) for x in p.get("problems") or ()),
@@ -389,12 +441,13 @@ class SchedulerState:
             draining=old.draining if old else False,
             drain_event_id=old.drain_event_id if old else "",
             lost=False,
+            flagged_at=old.flagged_at if old else 0.0,
         )
         self.nodes[node_id] = node
         if old is None:
             return True
         # Returning, heard from again, healthier or larger: the queue may move.
-        stale = event.stored_at - old.last_seen > 3 * old.heartbeat_s
+        stale = event.sent_at - old.last_seen > 3 * old.heartbeat_s
         return stale or old.lost or old.problems != node.problems or old.inventory != inventory
 
     def _node_flag(
