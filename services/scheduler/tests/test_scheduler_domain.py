@@ -10,6 +10,7 @@ from dsec_core.events import GpuInfo, NodeInventory, Resources
 from dsec_core.spec import compile_plan, load_spec
 
 from dsec_scheduler.domain import (
+    ASSUMED_S,
     GIB,
     Fleet,
     Node,
@@ -347,3 +348,25 @@ def test_a_no_fit_summary_stays_bounded_for_a_large_fleet_and_long_problems() ->
     assert len(text) < 4500
     assert text.startswith("no node fits: n0000: unhealthy: xxx")
     assert text.endswith("more nodes") and "… and 988 more nodes" in text
+
+
+def test_a_placement_the_node_does_not_report_stops_holding_capacity_once_assumed() -> None:
+    """Like Kubernetes' assumed pods: a placement holds its CPUs for ASSUMED_S without the node
+    reporting it; after that only while the node's heartbeats list the sandbox (one the node
+    never started, or whose end the log never showed, frees the node)."""
+    state = SchedulerState(lost_after_s=1e9)
+    state.apply(heartbeat("n1", sandboxes=[]))
+    for sid in ("runs", "never"):
+        state.apply(seen("env.built", sid))
+        state.apply(scheduled(sid, "n1", cpus=3))
+    assert state.fleet(NOW + 10).allocations == {"n1": (req(cpus=3), req(cpus=3))}
+    later = NOW + ASSUMED_S + 5
+    # no heartbeat since the placements became old: nothing to judge by, both still count
+    assert len(state.fleet(later).allocations["n1"]) == 2
+    state.apply(heartbeat("n1", at=later, sandboxes=["runs"]))
+    assert state.fleet(later + 1).allocations == {"n1": (req(cpus=3),)}
+    assert isinstance(place(req(cpus=5), state.fleet(later + 1)), Placement)
+    # a report that drops "runs" too frees it; the sandboxes themselves are still known
+    state.apply(heartbeat("n1", at=later + 5, sandboxes=[]))
+    assert state.fleet(later + 6).allocations == {}
+    assert state.on_node("n1") == ["never", "runs"]

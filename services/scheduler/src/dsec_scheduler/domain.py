@@ -58,6 +58,15 @@ class Node:
     lost: bool = False
     flagged_at: float = 0.0
     """When the ``node.cordoned`` in force was signed (a replayed older one changes nothing)."""
+    reported: frozenset[str] | None = None
+    """The sandboxes its latest heartbeat says run there (``None``: no heartbeat yet)."""
+
+
+ASSUMED_S = 120.0
+"""How long a placement counts on its node without the node reporting the sandbox (staging a
+large environment and starting takes a while); after that the node's heartbeat is the truth
+(as Kubernetes' scheduler expires assumed pods): a placement the node never started, or whose
+end the scheduler never saw, stops holding capacity."""
 
 
 @dataclass(frozen=True)
@@ -255,6 +264,8 @@ class Sandbox:
     pending_at: float = 0.0
     """When that reason was stored."""
     stop_requested: bool = False
+    placed_at: float = 0.0
+    """When its current placement (``sandbox.scheduled``) was stored."""
 
     @property
     def waiting(self) -> bool:
@@ -309,20 +320,38 @@ class SchedulerState:
     sandboxes: dict[str, Sandbox] = field(default_factory=dict)
     _tentative: dict[str, tuple[str, str, Any]] = field(default_factory=dict)
     _held: dict[str, tuple[Resources, ...]] | None = None  # allocations, until a sandbox changes
+    _held_until: float = float("inf")  # when an assumed placement in _held expires
 
     # -- reading
 
     def fleet(self, now: float) -> Fleet:
         """The fleet now, with every sandbox's allocation on its node (recounted only after a
         sandbox changed, so a long queue that fits nowhere costs no recount per entry)."""
-        if self._held is None:
+        if self._held is None or now >= self._held_until:
             held: dict[str, list[Resources]] = {}
+            until = float("inf")
             for sbx in self.sandboxes.values():
                 node = sbx.holds
-                if node is not None and sbx.resources is not None:
-                    held.setdefault(node, []).append(sbx.resources)
+                if node is None or sbx.resources is None:
+                    continue
+                if not self._counts(sbx, node, now):
+                    continue
+                if sbx.placed_at + ASSUMED_S > now:
+                    until = min(until, sbx.placed_at + ASSUMED_S)
+                held.setdefault(node, []).append(sbx.resources)
             self._held = {n: tuple(r) for n, r in held.items()}
+            self._held_until = until
         return Fleet(dict(self.nodes), self._held, now, self.lost_after_s)
+
+    def _counts(self, sbx: Sandbox, node_id: str, now: float) -> bool:
+        """Whether a placement holds capacity on its node now: while assumed (placed less than
+        :data:`ASSUMED_S` ago), then only while the node's heartbeats report it."""
+        if sbx.placed_at + ASSUMED_S > now:
+            return True
+        node = self.nodes.get(node_id)
+        if node is None or node.reported is None or node.last_seen < sbx.placed_at + ASSUMED_S:
+            return True  # nothing newer from the node to judge by
+        return sbx.sandbox_id in node.reported
 
     def queue(self) -> list[Sandbox]:
         """Sandboxes waiting for a node, oldest first."""
@@ -442,8 +471,15 @@ class SchedulerState:
             drain_event_id=old.drain_event_id if old else "",
             lost=False,
             flagged_at=old.flagged_at if old else 0.0,
+            reported=(
+                frozenset(str(x) for x in p["sandboxes"])
+                if event.type == "node.heartbeat" and isinstance(p.get("sandboxes"), list)
+                else (old.reported if old else None)
+            ),
         )
         self.nodes[node_id] = node
+        if old is None or old.reported != node.reported:
+            self._held = None  # what the node says runs there changed: recount
         if old is None:
             return True
         # Returning, heard from again, healthier or larger: the queue may move.
@@ -500,6 +536,8 @@ class SchedulerState:
             changes["queued_at"] = event.stored_at
         if event.type == "unit.lost":
             changes["lost_on"] = str(p.get("node_id"))
+        if event.type == "sandbox.scheduled":
+            changes["placed_at"] = event.stored_at
         if event.type == "sandbox.pending":
             changes["pending_attempt"] = int(p.get("attempt") or 1)
             changes["pending_reason"] = str(p.get("reason") or "")
