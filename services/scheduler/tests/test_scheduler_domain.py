@@ -370,3 +370,18 @@ def test_a_placement_the_node_does_not_report_stops_holding_capacity_once_assume
     state.apply(heartbeat("n1", at=later + 5, sandboxes=[]))
     assert state.fleet(later + 6).allocations == {}
     assert state.on_node("n1") == ["never", "runs"]
+
+
+def test_a_sandbox_that_ended_before_or_after_its_env_built_is_never_queued() -> None:
+    """A failure recorded before the (late) env.built, or an env.built again after the end:
+    the sandbox is not placed, and holds nothing."""
+    state = SchedulerState(lost_after_s=1e9)
+    state.apply(heartbeat("n1"))
+    state.apply(seen("sandbox.failed", "early", stage="builder", reason="x"))
+    state.apply(seen("env.built", "early"))
+    state.apply(seen("env.built", "late"))
+    state.apply(scheduled("late", "n1"))
+    state.apply(seen("sandbox.exited", "late", exit_code=0, reason="ok", duration_s=1))
+    state.apply(seen("env.built", "late"))
+    assert state.queue() == [] and state.sandboxes == {}
+    assert state.fleet(NOW).allocations == {}

@@ -62,6 +62,9 @@ class Node:
     """The sandboxes its latest heartbeat says run there (``None``: no heartbeat yet)."""
 
 
+ENDED_MEMORY = 200_000
+"""Ended sandboxes remembered (about 60 bytes each) so a late ``env.built`` re-queues none."""
+
 ASSUMED_S = 120.0
 """How long a placement counts on its node without the node reporting the sandbox (staging a
 large environment and starting takes a while); after that the node's heartbeat is the truth
@@ -319,6 +322,10 @@ class SchedulerState:
     nodes: dict[str, Node] = field(default_factory=dict)
     sandboxes: dict[str, Sandbox] = field(default_factory=dict)
     _tentative: dict[str, tuple[str, str, Any]] = field(default_factory=dict)
+    _ended: dict[str, None] = field(default_factory=dict)
+    """Sandboxes seen failed or exited (insertion-ordered, bounded): an ``env.built`` that comes
+    after the end (a builder's late or second one, a failure recorded before the build) never
+    brings one back to the queue."""
     _held: dict[str, tuple[Resources, ...]] | None = None  # allocations, until a sandbox changes
     _held_until: float = float("inf")  # when an assumed placement in _held expires
 
@@ -504,12 +511,21 @@ class SchedulerState:
         self.nodes[node_id] = new
         return old.cordoned and not new.cordoned
 
+    def _remember_end(self, sandbox_id: str) -> None:
+        self._ended[sandbox_id] = None
+        while len(self._ended) > ENDED_MEMORY:
+            self._ended.pop(next(iter(self._ended)))
+
     def _sandbox(self, event: Seen) -> bool:
         self._held = None
         sid, p = event.aggregate_id, event.payload
         sbx = self.sandboxes.get(sid)
+        if event.type in {"sandbox.failed", "sandbox.exited"} or (
+            event.type == "unit.lost" and p.get("action") == "fail"
+        ):
+            self._remember_end(sid)
         if event.type == "env.built":
-            if sbx is not None:
+            if sbx is not None or sid in self._ended:
                 return False
             # The fold starts where the scheduler's part does: an authentic env.built follows
             # deps.resolved, so the sandbox was ``resolved`` before it.
