@@ -385,3 +385,16 @@ def test_a_sandbox_that_ended_before_or_after_its_env_built_is_never_queued() ->
     state.apply(seen("env.built", "late"))
     assert state.queue() == [] and state.sandboxes == {}
     assert state.fleet(NOW).allocations == {}
+
+
+def test_an_expired_placement_is_judged_by_the_next_heartbeat_after_it() -> None:
+    """The placement's assumption ends between two heartbeats: the fleet counted it then (no
+    newer word from the node), and the next heartbeat that does not list it frees the node."""
+    state = SchedulerState(lost_after_s=1e9)
+    state.apply(heartbeat("n1", sandboxes=[]))
+    state.apply(seen("env.built", "ghost"))
+    state.apply(scheduled("ghost", "n1", cpus=8))
+    state.apply(heartbeat("n1", at=NOW + ASSUMED_S - 2, sandboxes=[]))
+    assert state.fleet(NOW + ASSUMED_S + 1).allocations == {"n1": (req(cpus=8),)}
+    state.apply(heartbeat("n1", at=NOW + ASSUMED_S + 3, sandboxes=[]))
+    assert state.fleet(NOW + ASSUMED_S + 4).allocations == {}

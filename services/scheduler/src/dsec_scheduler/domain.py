@@ -328,6 +328,7 @@ class SchedulerState:
     brings one back to the queue."""
     _held: dict[str, tuple[Resources, ...]] | None = None  # allocations, until a sandbox changes
     _held_until: float = float("inf")  # when an assumed placement in _held expires
+    _awaiting_report: set[str] = field(default_factory=set)  # nodes whose next beat decides
 
     # -- reading
 
@@ -335,6 +336,7 @@ class SchedulerState:
         """The fleet now, with every sandbox's allocation on its node (recounted only after a
         sandbox changed, so a long queue that fits nowhere costs no recount per entry)."""
         if self._held is None or now >= self._held_until:
+            self._awaiting_report = set()
             held: dict[str, list[Resources]] = {}
             until = float("inf")
             for sbx in self.sandboxes.values():
@@ -357,6 +359,7 @@ class SchedulerState:
             return True
         node = self.nodes.get(node_id)
         if node is None or node.reported is None or node.last_seen < sbx.placed_at + ASSUMED_S:
+            self._awaiting_report.add(node_id)  # its next heartbeat decides: recount then
             return True  # nothing newer from the node to judge by
         return sbx.sandbox_id in node.reported
 
@@ -485,8 +488,8 @@ class SchedulerState:
             ),
         )
         self.nodes[node_id] = node
-        if old is None or old.reported != node.reported:
-            self._held = None  # what the node says runs there changed: recount
+        if old is None or old.reported != node.reported or node_id in self._awaiting_report:
+            self._held = None  # what the node says runs there changed, or now decides: recount
         if old is None:
             return True
         # Returning, heard from again, healthier or larger: the queue may move.
