@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from _common import emit
-from dsec_snapshots import SnapshotInputs, SnapshotStore
-from dsec_snapshots.adapters.objectstore import S3ObjectStore
+from dsec_snapstore import SnapshotInputs, SnapshotStore
+from dsec_snapstore.adapters.objectstore import S3ObjectStore
 from dsec_testing.stack import StackFixture
 from nacl.signing import SigningKey
 

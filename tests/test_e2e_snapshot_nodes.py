@@ -28,7 +28,7 @@ from dsec_core.events import (
 from dsec_core.ids import new_sandbox_id
 from dsec_core.natsperms import durable_name
 from dsec_core.subjects import STREAM, aggregate_filter
-from dsec_snapshots.manifest import SignedManifest, chunk_key, manifest_key, summary_key
+from dsec_snapstore.manifest import SignedManifest, chunk_key, manifest_key, summary_key
 from dsec_testing import trust
 from dsec_testing.plans import minimal_plan
 

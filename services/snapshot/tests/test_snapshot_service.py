@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import pytest
 from dsec_core import events
 from dsec_core.signing import Signer
-from dsec_snapshots.manifest import SnapshotSummary
+from dsec_snapstore.manifest import SnapshotSummary
 from nacl.signing import SigningKey
 
 from dsec_snapshot.app import not_deleted

@@ -245,11 +245,12 @@ class KeyRing:
 
 
 async def scan_seq(
-    js: JetStreamContext, subject: str, limit: int = _SCAN_LIMIT
+    js: JetStreamContext, subject: str, limit: int = _SCAN_LIMIT, *, after: int = 0
 ) -> AsyncIterator[tuple[int, bytes]]:
-    """The first ``limit`` messages stored on ``subject`` with their stream seqs, oldest first
-    (direct reads by subject: no consumer to create or clean up)."""
-    seq = 1
+    """The first ``limit`` messages stored on ``subject`` after stream seq ``after``, with
+    their stream seqs, oldest first (direct reads by subject: no consumer to create or clean
+    up)."""
+    seq = after + 1
     for _ in range(limit):
         try:
             msg = await js.get_msg(STREAM, seq=seq, subject=subject, next=True)
@@ -410,21 +411,15 @@ class Gate:
         placement whose attempt is not above the one before is the replayed bytes of an old
         one (a genuine event re-published), and never moves the sandbox back."""
         subject = subject_for("sandbox.scheduled", sandbox_id)
-        seq, node, attempt = self._nodes.get(sandbox_id, (0, None, 0))
-        while True:
-            try:
-                msg = await self._js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)
-            except NotFoundError:
-                break
-            if msg.data is None or msg.seq is None:
-                break
-            seq = msg.seq
-            envelope = await self.authentic(msg.data)
+        read, node, attempt = self._nodes.get(sandbox_id, (0, None, 0))
+        async for seq, data in scan_seq(self._js, subject, limit=1 << 30, after=read):
+            read = seq
+            envelope = await self.authentic(data)
             if envelope is not None and envelope.subject == subject:
                 placed = _attempt(envelope.payload)
                 if placed > attempt:
                     node, attempt = str(envelope.payload.get("node_id")), placed
-        _remember(self._nodes, sandbox_id, (seq, node, attempt))
+        _remember(self._nodes, sandbox_id, (read, node, attempt))
         return node
 
     async def lifecycle(self, sandbox_id: str, limit: int = 256) -> Lifecycle:
@@ -433,16 +428,8 @@ class Gate:
         found: list[tuple[int, Envelope]] = []
         for event_type in sorted(LIFECYCLE_TYPES):
             subject = subject_for(event_type, sandbox_id)
-            seq = 0
-            for _ in range(limit):
-                try:
-                    msg = await self._js.get_msg(STREAM, seq=seq + 1, subject=subject, next=True)
-                except NotFoundError:
-                    break
-                if msg.data is None or msg.seq is None:
-                    break
-                seq = msg.seq
-                envelope = await self.authentic(msg.data)
+            async for seq, data in scan_seq(self._js, subject, limit):
+                envelope = await self.authentic(data)
                 if envelope is not None and envelope.subject == subject:
                     found.append((seq, envelope))
         found.sort(key=lambda item: item[0])

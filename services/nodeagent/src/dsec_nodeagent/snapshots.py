@@ -4,7 +4,7 @@ The node agent is the only writer of its sandboxes' code dirs, so it is the one 
 for a snapshot and rewrites them for a rollback. Every node agent consumes
 ``snapshot.requested`` and ``snapshot.restore_requested`` through its own durables
 (``nodeagent-<node>-snapshot-requested``, ...); only the node that owns the sandbox
-(:func:`dsec_snapshots.sandboxes.acting_node`) acts, the others ack and skip. It publishes
+(:func:`dsec_snapstore.sandboxes.acting_node`) acts, the others ack and skip. It publishes
 ``snapshot.taken`` / ``snapshot.restored`` / ``snapshot.failed`` itself, with manifests signed
 by its own certified key. A sandbox started with ``spec.submitted.start_from_snapshot`` gets the
 snapshot's code in its code dir before it starts (:meth:`NodeSnapshots.start_from`).
@@ -18,7 +18,7 @@ from dsec_core import events
 from dsec_core.layout import NodeLayout
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.trust import Gate
-from dsec_snapshots.requests import Refused, SnapshotRequests, snapshot_failed
+from dsec_snapstore.requests import Refused, SnapshotRequests, snapshot_failed
 from nats.js import JetStreamContext
 
 

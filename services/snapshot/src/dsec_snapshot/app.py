@@ -18,7 +18,7 @@ from dsec_core.events import Payload, SnapshotDeleted
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 from dsec_core.trust import Gate
-from dsec_snapshots.requests import snapshot_failed
+from dsec_snapstore.requests import snapshot_failed
 from nats.js import JetStreamContext
 
 from dsec_snapshot.deletes import SnapshotDeletes

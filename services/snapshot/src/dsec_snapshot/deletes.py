@@ -18,8 +18,8 @@ from datetime import timedelta
 from dsec_core import events
 from dsec_core.envelope import Envelope
 from dsec_core.identity import DEFAULT_TENANT
-from dsec_snapshots import requests
-from dsec_snapshots.errors import InvalidInput, SnapshotError, SnapshotNotFound, VerificationFailed
+from dsec_snapstore import requests
+from dsec_snapstore.errors import InvalidInput, SnapshotError, SnapshotNotFound, VerificationFailed
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The snapshot service's share of snapshot requests: sandboxes that run nowhere.
 
 A request about a sandbox that runs (or is scheduled) on a node is the node agent's: this
-service acks it and does nothing (:func:`dsec_snapshots.sandboxes.acting_node`). For a sandbox
+service acks it and does nothing (:func:`dsec_snapstore.sandboxes.acting_node`). For a sandbox
 that runs nowhere it takes the snapshot from the submitted code bundle in S3, and answers a
 rollback with the reason it cannot be done.
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dsec_core.layout import NodeLayout
 from dsec_core.settings import Settings
 from dsec_core.trust import Gate
-from dsec_snapshots.requests import SnapshotRequests, taken_event
+from dsec_snapstore.requests import SnapshotRequests, taken_event
 from nats.js import JetStreamContext
 
 __all__ = ["SnapshotRequests", "service_requests", "taken_event"]

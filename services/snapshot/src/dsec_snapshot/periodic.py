@@ -23,10 +23,10 @@ from dsec_core.bus import replay
 from dsec_core.envelope import Envelope, decode
 from dsec_core.ids import derive_event_id
 from dsec_core.subjects import filter_for
-from dsec_snapshots import domain, sandboxes
-from dsec_snapshots.domain import RetentionPolicy
-from dsec_snapshots.manifest import SnapshotSummary
-from dsec_snapshots.requests import PERIODIC_REQUESTER, SnapshotRequests
+from dsec_snapstore import domain, sandboxes
+from dsec_snapstore.domain import RetentionPolicy
+from dsec_snapstore.manifest import SnapshotSummary
+from dsec_snapstore.requests import PERIODIC_REQUESTER, SnapshotRequests
 
 log = logging.getLogger(__name__)
 

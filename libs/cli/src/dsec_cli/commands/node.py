@@ -328,12 +328,18 @@ _TIMEOUT_HELP = "Seconds to wait for the scheduler's answer"
 _REASON_HELP = "Why (recorded in the log)"
 
 
+_Node = Annotated[str, typer.Argument(help="The node")]
+_Reason = Annotated[str, typer.Option(help=_REASON_HELP)]
+_Timeout = Annotated[float, typer.Option(help=_TIMEOUT_HELP)]
+_Json = Annotated[bool, typer.Option("--json", help="Machine-readable result")]
+
+
 @node_app.command("cordon")
 def cordon(
-    node_id: Annotated[str, typer.Argument(help="The node")],
-    reason: Annotated[str, typer.Option(help=_REASON_HELP)] = "",
-    timeout: Annotated[float, typer.Option(help=_TIMEOUT_HELP)] = 30.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
+    node_id: _Node,
+    reason: _Reason = "",
+    timeout: _Timeout = 30.0,
+    as_json: _Json = False,
 ) -> None:
     """Place no new sandbox on a node (operator only); its running sandboxes stay.
 
@@ -345,10 +351,10 @@ def cordon(
 
 @node_app.command("uncordon")
 def uncordon(
-    node_id: Annotated[str, typer.Argument(help="The node")],
-    reason: Annotated[str, typer.Option(help=_REASON_HELP)] = "",
-    timeout: Annotated[float, typer.Option(help=_TIMEOUT_HELP)] = 30.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
+    node_id: _Node,
+    reason: _Reason = "",
+    timeout: _Timeout = 30.0,
+    as_json: _Json = False,
 ) -> None:
     """Let the scheduler place sandboxes on a node again (operator only). Exit codes as
     ``cordon``."""
@@ -357,10 +363,10 @@ def uncordon(
 
 @node_app.command("drain")
 def drain(
-    node_id: Annotated[str, typer.Argument(help="The node")],
-    reason: Annotated[str, typer.Option(help=_REASON_HELP)] = "",
-    timeout: Annotated[float, typer.Option(help=_TIMEOUT_HELP)] = 30.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
+    node_id: _Node,
+    reason: _Reason = "",
+    timeout: _Timeout = 30.0,
+    as_json: _Json = False,
 ) -> None:
     """Cordon a node and move its sandboxes to others (operator only). Exit codes as
     ``cordon``."""

@@ -4,7 +4,7 @@
 copy (the snapshot service, from the code bundle, when it runs nowhere). ``rm`` and ``gc`` ask
 the snapshot service (``snapshot.delete_requested`` → ``snapshot.deleted``), which deletes only
 the user's own tenant's snapshots. ``ls``, ``inspect``, ``diff``, ``verify``, ``restore`` and
-``check-code`` read the store through the :mod:`dsec_snapshots` library.
+``check-code`` read the store through the :mod:`dsec_snapstore` library.
 
 Exit codes: 0 ok, 1 a check failed (verify, code mismatch, snapshot refused), 2 bad input (name,
 directory, flag, unknown snapshot), 3 S3, Vault or NATS unreachable, 4 no answer in time.
@@ -45,8 +45,8 @@ from dsec_cli.render import decode_or_warn, human_size
 if TYPE_CHECKING:
     from dsec_core.envelope import Envelope
     from dsec_core.events import Payload
-    from dsec_snapshots import SnapshotStore
-    from dsec_snapshots.domain import Inspection, SnapshotDiff
+    from dsec_snapstore import SnapshotStore
+    from dsec_snapstore.domain import Inspection, SnapshotDiff
 
 snapshot_app = typer.Typer(
     help="Signed, content-addressed snapshots of sandbox code and state.", no_args_is_help=True
@@ -66,8 +66,8 @@ def _duration(value: str, flag: str) -> timedelta:
 @contextmanager
 def snapshot_store() -> Iterator[SnapshotStore]:
     """Open the store; map library errors to the documented exit codes."""
-    from dsec_snapshots import SnapshotStore
-    from dsec_snapshots.errors import (
+    from dsec_snapstore import SnapshotStore
+    from dsec_snapstore.errors import (
         InvalidInput,
         SnapshotError,
         SnapshotExists,
@@ -92,21 +92,24 @@ def snapshot_store() -> Iterator[SnapshotStore]:
 ANSWERS = frozenset({"snapshot.taken", "snapshot.restored", "snapshot.failed"})
 
 
-async def _ask(payload: Payload, sandbox_id: str, timeout: float) -> Envelope | None:
-    """Publish a request about a sandbox; return the snapshot service's answer to it."""
+async def _request(
+    payload: Payload, aggregate_id: str, answers: frozenset[str], timeout: float
+) -> Envelope | None:
+    """Publish a request signed by the user; return the first event of ``answers`` caused by
+    it on the request's aggregate (``None`` when none comes within ``timeout``)."""
     from dsec_core.bus import follow
     from dsec_core.subjects import STREAM, aggregate_filter
 
     async with bus() as (_, js):
         start = (await js.stream_info(STREAM)).state.last_seq + 1
         publisher = await cli_publisher(js)
-        request_id = (await publisher.publish(payload, aggregate_id=sandbox_id)).envelope.id
+        request_id = (await publisher.publish(payload, aggregate_id=aggregate_id)).envelope.id
         deadline = time.monotonic() + timeout
-        subject = aggregate_filter("sandbox", sandbox_id)
+        subject = aggregate_filter(payload.AGGREGATE, aggregate_id)
         async for batch in follow(js, filter_subject=subject, start_seq=start, idle_s=0.25):
             for seq, data in batch:
                 env = decode_or_warn(seq, data)
-                if env is not None and env.causation_id == request_id and env.type in ANSWERS:
+                if env is not None and env.causation_id == request_id and env.type in answers:
                     return env
             if time.monotonic() > deadline:
                 return None
@@ -123,7 +126,7 @@ def ask_snapshot_service(payload: Payload, sandbox_id: str, timeout: float) -> E
         subject_for(payload.TYPE, sandbox_id)
     except InvalidSubjectToken as exc:
         fail(f"sandbox id: {exc}", EXIT_BAD_INPUT)
-    answer = run(_ask(payload, sandbox_id, timeout))
+    answer = run(_request(payload, sandbox_id, ANSWERS, timeout))
     if answer is None:
         fail(
             f"no answer to {payload.TYPE} for {sandbox_id} within {timeout:.0f} s: is the "
@@ -237,8 +240,8 @@ def create(
 
 
 def _validate_name(name: str) -> None:
-    from dsec_snapshots.domain import validate_name
-    from dsec_snapshots.errors import InvalidInput
+    from dsec_snapstore.domain import validate_name
+    from dsec_snapstore.errors import InvalidInput
 
     try:
         validate_name(name)
@@ -254,7 +257,7 @@ def _create_from_dir(
     env: list[str],
     as_json: bool,
 ) -> None:
-    from dsec_snapshots import SnapshotInputs
+    from dsec_snapstore import SnapshotInputs
 
     missing = [v for v in env if v not in os.environ]
     if missing:
@@ -348,7 +351,7 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """What takes space in a snapshot: by directory and kind, and what dominates."""
-    from dsec_snapshots.domain import inspect_manifest
+    from dsec_snapstore.domain import inspect_manifest
 
     with snapshot_store() as store:
         result = inspect_manifest(store.load(name), depth=depth)
@@ -519,29 +522,6 @@ def check_code(
         raise typer.Exit(EXIT_FAILED)
 
 
-async def _ask_delete(payload: Payload, timeout: float) -> Envelope | None:
-    """Publish a delete request; return the snapshot service's ``snapshot.deleted``."""
-    from dsec_core.bus import follow
-    from dsec_core.ids import new_event_id
-    from dsec_core.subjects import STREAM, aggregate_filter
-
-    request_id = "del-" + new_event_id().replace("-", "")
-    async with bus() as (_, js):
-        start = (await js.stream_info(STREAM)).state.last_seq + 1
-        publisher = await cli_publisher(js)
-        sent = (await publisher.publish(payload, aggregate_id=request_id)).envelope.id
-        deadline = time.monotonic() + timeout
-        subject = aggregate_filter("snapshot", request_id)
-        async for batch in follow(js, filter_subject=subject, start_seq=start, idle_s=0.25):
-            for seq, data in batch:
-                env = decode_or_warn(seq, data)
-                if env is not None and env.causation_id == sent and env.type == "snapshot.deleted":
-                    return env
-            if time.monotonic() > deadline:
-                return None
-    return None
-
-
 def ask_delete(names: list[str], *, collect: bool, grace_s: float, timeout: float) -> Envelope:
     """``snapshot.delete_requested`` (signed by the user) and the answer; exit 4 on none."""
     from dsec_core.events import SnapshotDeleteRequested
@@ -552,7 +532,10 @@ def ask_delete(names: list[str], *, collect: bool, grace_s: float, timeout: floa
     if not as_quiet():
         what = f"{len(names)} snapshot(s)" if names else "unreferenced chunks"
         err_console.print(f"asking the snapshot service to delete {what}...", highlight=False)
-    answer = run(_ask_delete(request, timeout))
+    from dsec_core.ids import new_event_id
+
+    request_id = "del-" + new_event_id().replace("-", "")  # the request's own aggregate
+    answer = run(_request(request, request_id, frozenset({"snapshot.deleted"}), timeout))
     if answer is None:
         fail(
             f"no snapshot.deleted within {timeout:.0f} s: is the snapshot service running? "
@@ -614,7 +597,7 @@ def retain(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Apply a retention policy: delete the snapshots it does not keep (of your tenant)."""
-    from dsec_snapshots.domain import RetentionPolicy
+    from dsec_snapstore.domain import RetentionPolicy
 
     within = _duration(keep_within, "--keep-within") if keep_within else None
     with snapshot_store() as store:  # decided here (read-only), deleted by the snapshot service

@@ -15,17 +15,17 @@ import pytest
 from dsec_core import identity
 from nacl.signing import SigningKey
 
-from dsec_snapshots import SnapshotInputs, SnapshotStore
-from dsec_snapshots.adapters.objectstore import S3ObjectStore
-from dsec_snapshots.adapters.vault import VaultKeyStore
-from dsec_snapshots.domain import PeriodicPolicy, RetentionPolicy
-from dsec_snapshots.errors import (
+from dsec_snapstore import SnapshotInputs, SnapshotStore
+from dsec_snapstore.adapters.objectstore import S3ObjectStore
+from dsec_snapstore.adapters.vault import VaultKeyStore
+from dsec_snapstore.domain import PeriodicPolicy, RetentionPolicy
+from dsec_snapstore.errors import (
     InvalidInput,
     SnapshotExists,
     SnapshotNotFound,
     VerificationFailed,
 )
-from dsec_snapshots.manifest import GpuDevice, GpuRecord, chunk_key, manifest_key
+from dsec_snapstore.manifest import GpuDevice, GpuRecord, chunk_key, manifest_key
 
 if TYPE_CHECKING:
     from dsec_testing.stack import S3Info, VaultInfo

@@ -9,8 +9,8 @@ from pathlib import Path, PurePosixPath
 from dsec_core import codebundle
 from dsec_core.codebundle import FileEntry, TreeEntry
 
-from dsec_snapshots import domain
-from dsec_snapshots.errors import InvalidInput, VerificationFailed
+from dsec_snapstore import domain
+from dsec_snapstore.errors import InvalidInput, VerificationFailed
 
 
 def local_bytes(entry: TreeEntry) -> bytes:

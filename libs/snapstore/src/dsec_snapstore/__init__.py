@@ -4,11 +4,11 @@ The snapshot data path (manifest, chunking, encryption, the S3 store) as a libra
 agent takes snapshots of its running sandboxes and rolls them back with it, the snapshot
 service snapshots sandboxes that run nowhere, applies retention and deletes, and the
 ``dsec snapshot`` CLI reads (ls, inspect, diff, verify) through it. See
-:mod:`dsec_snapshots.store` and, for what the event log says about a sandbox,
-:mod:`dsec_snapshots.sandboxes`.
+:mod:`dsec_snapstore.store` and, for what the event log says about a sandbox,
+:mod:`dsec_snapstore.sandboxes`.
 """
 
-from dsec_snapshots.domain import (
+from dsec_snapstore.domain import (
     CodeDelta,
     FileChange,
     GpuCheck,
@@ -17,7 +17,7 @@ from dsec_snapshots.domain import (
     RetentionPolicy,
     SnapshotDiff,
 )
-from dsec_snapshots.errors import (
+from dsec_snapstore.errors import (
     InvalidInput,
     SnapshotError,
     SnapshotExists,
@@ -25,7 +25,7 @@ from dsec_snapshots.errors import (
     StoreUnavailable,
     VerificationFailed,
 )
-from dsec_snapshots.manifest import (
+from dsec_snapstore.manifest import (
     AuditRecord,
     DepsRecord,
     EnvRecord,
@@ -36,7 +36,7 @@ from dsec_snapshots.manifest import (
     SnapshotSummary,
     Source,
 )
-from dsec_snapshots.results import (
+from dsec_snapstore.results import (
     CodeCheck,
     CreateResult,
     GcReport,
@@ -44,7 +44,7 @@ from dsec_snapshots.results import (
     SnapshotInputs,
     VerifyReport,
 )
-from dsec_snapshots.store import SnapshotStore
+from dsec_snapstore.store import SnapshotStore
 
 __all__ = [
     "AuditRecord",

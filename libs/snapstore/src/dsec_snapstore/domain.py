@@ -14,8 +14,8 @@ from pathlib import PurePosixPath
 
 from dsec_core.codebundle import CodeManifest, FileEntry
 
-from dsec_snapshots.errors import InvalidInput
-from dsec_snapshots.manifest import (
+from dsec_snapstore.errors import InvalidInput
+from dsec_snapstore.manifest import (
     NAME_RE,
     NAME_RULE,
     GpuDevice,

@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from dsec_snapshots.domain import gpu_dot
-from dsec_snapshots.manifest import GpuDevice, GpuRecord
+from dsec_snapstore.domain import gpu_dot
+from dsec_snapstore.manifest import GpuDevice, GpuRecord
 
 T = TypeVar("T")
 

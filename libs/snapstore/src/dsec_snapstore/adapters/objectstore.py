@@ -14,7 +14,7 @@ from minio import Minio
 from minio.deleteobjects import DeleteObject
 from minio.error import MinioException, S3Error
 
-from dsec_snapshots.errors import StoreUnavailable
+from dsec_snapstore.errors import StoreUnavailable
 
 _HEAD_LIMIT = 256
 """Above this many keys, one paginated LIST is cheaper than a HEAD per key."""

@@ -11,12 +11,12 @@ import pytest
 from dsec_core.codebundle import CodeManifest, FileEntry, list_tree
 from dsec_core.events import LockedPackage
 
-from dsec_snapshots import crypto, domain
-from dsec_snapshots.adapters.files import MIN_CHUNK, StatCache, hash_and_chunk
-from dsec_snapshots.adapters.gpu import probe_gpus
-from dsec_snapshots.adapters.kernel import read_kernel_params
-from dsec_snapshots.errors import InvalidInput
-from dsec_snapshots.manifest import (
+from dsec_snapstore import crypto, domain
+from dsec_snapstore.adapters.files import MIN_CHUNK, StatCache, hash_and_chunk
+from dsec_snapstore.adapters.gpu import probe_gpus
+from dsec_snapstore.adapters.kernel import read_kernel_params
+from dsec_snapstore.errors import InvalidInput
+from dsec_snapstore.manifest import (
     DepsRecord,
     EnvRecord,
     GpuDevice,

@@ -14,9 +14,9 @@ from dsec_core.signing import Signer
 from dsec_testing.plans import minimal_plan
 from nacl.signing import SigningKey
 
-from dsec_snapshots import sandboxes
-from dsec_snapshots.manifest import DepsRecord
-from dsec_snapshots.sandboxes import SandboxFacts
+from dsec_snapstore import sandboxes
+from dsec_snapstore.manifest import DepsRecord
+from dsec_snapstore.sandboxes import SandboxFacts
 
 pytestmark = pytest.mark.unit
 

@@ -3,9 +3,9 @@
 :class:`SnapshotStore` is what the node agent (snapshots and rollbacks of its sandboxes), the
 snapshot service (sandboxes running nowhere, retention, deletes) and the ``dsec snapshot`` CLI
 (reads) call.
-It talks to an :class:`~dsec_snapshots.adapters.objectstore.ObjectStore` (S3) and, for env hashes
-and audit segments, a :class:`~dsec_snapshots.adapters.vault.KeyStore` (Vault); decisions come
-from :mod:`dsec_snapshots.domain`.
+It talks to an :class:`~dsec_snapstore.adapters.objectstore.ObjectStore` (S3) and, for env hashes
+and audit segments, a :class:`~dsec_snapstore.adapters.vault.KeyStore` (Vault); decisions come
+from :mod:`dsec_snapstore.domain`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from dsec_core.signing import key_id_of, load_or_create_key
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
-from dsec_snapshots import crypto, domain
-from dsec_snapshots.adapters.files import (
+from dsec_snapstore import crypto, domain
+from dsec_snapstore.adapters.files import (
     ChunkRef,
     FileChanged,
     HashedFile,
@@ -52,12 +52,12 @@ from dsec_snapshots.adapters.files import (
     hash_and_chunk,
     read_chunk,
 )
-from dsec_snapshots.adapters.gpu import probe_gpus
-from dsec_snapshots.adapters.kernel import read_kernel_params
-from dsec_snapshots.adapters.objectstore import ObjectMissing, ObjectStore, S3ObjectStore
-from dsec_snapshots.adapters.tree import local_bytes, place, real_parent
-from dsec_snapshots.adapters.vault import KeyMissing, KeyStore, VaultKeyStore
-from dsec_snapshots.errors import (
+from dsec_snapstore.adapters.gpu import probe_gpus
+from dsec_snapstore.adapters.kernel import read_kernel_params
+from dsec_snapstore.adapters.objectstore import ObjectMissing, ObjectStore, S3ObjectStore
+from dsec_snapstore.adapters.tree import local_bytes, place, real_parent
+from dsec_snapstore.adapters.vault import KeyMissing, KeyStore, VaultKeyStore
+from dsec_snapstore.errors import (
     InvalidInput,
     SnapshotError,
     SnapshotExists,
@@ -65,7 +65,7 @@ from dsec_snapshots.errors import (
     StoreUnavailable,
     VerificationFailed,
 )
-from dsec_snapshots.manifest import (
+from dsec_snapstore.manifest import (
     AUDIT_PREFIX,
     CHUNK_PREFIX,
     INDEX_PREFIX,
@@ -83,7 +83,7 @@ from dsec_snapshots.manifest import (
     manifest_key,
     summary_key,
 )
-from dsec_snapshots.results import (
+from dsec_snapstore.results import (
     CodeCheck,
     CreateResult,
     GcReport,

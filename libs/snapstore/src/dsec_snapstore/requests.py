@@ -1,7 +1,7 @@
 """Answering snapshot requests: who acts, and the taking and rolling back itself.
 
 Both the node agent and the snapshot service hold a :class:`SnapshotRequests`; which requests
-each serves follows from one pure decision, :func:`dsec_snapshots.sandboxes.acting_node`:
+each serves follows from one pure decision, :func:`dsec_snapstore.sandboxes.acting_node`:
 
 * a sandbox that runs (or is scheduled) on node N: only the node agent of N acts, on its own
   code copy (``snapshot.requested`` → ``snapshot.taken``; ``snapshot.restore_requested`` → the
@@ -38,19 +38,19 @@ from dsec_core.subjects import aggregate_filter
 from dsec_core.trust import Gate, unpack_fields
 from nats.js import JetStreamContext
 
-from dsec_snapshots import sandboxes
-from dsec_snapshots.adapters.gpu import probe_gpus
-from dsec_snapshots.domain import GpuCheck, PeriodicPolicy, check_gpu
-from dsec_snapshots.errors import (
+from dsec_snapstore import sandboxes
+from dsec_snapstore.adapters.gpu import probe_gpus
+from dsec_snapstore.domain import GpuCheck, PeriodicPolicy, check_gpu
+from dsec_snapstore.errors import (
     InvalidInput,
     SnapshotExists,
     SnapshotNotFound,
     StoreUnavailable,
     VerificationFailed,
 )
-from dsec_snapshots.results import CreateResult, RestoreResult, SnapshotInputs
-from dsec_snapshots.sandboxes import SandboxFacts
-from dsec_snapshots.store import SnapshotStore
+from dsec_snapstore.results import CreateResult, RestoreResult, SnapshotInputs
+from dsec_snapstore.sandboxes import SandboxFacts
+from dsec_snapstore.store import SnapshotStore
 
 log = logging.getLogger(__name__)
 

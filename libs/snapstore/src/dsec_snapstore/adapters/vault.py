@@ -13,8 +13,8 @@ import hvac
 import hvac.exceptions
 import requests
 
-from dsec_snapshots.crypto import new_key
-from dsec_snapshots.errors import StoreUnavailable
+from dsec_snapstore.crypto import new_key
+from dsec_snapstore.errors import StoreUnavailable
 
 _ENV_KEY_PATH = "dsec/snapshot-env-key"
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsec_snapshots import domain
-from dsec_snapshots.manifest import DepsRecord, GpuRecord, SnapshotManifest
+from dsec_snapstore import domain
+from dsec_snapstore.manifest import DepsRecord, GpuRecord, SnapshotManifest
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dsec_core import events
 from dsec_core.envelope import Envelope
 from dsec_core.lifecycle import Lifecycle
 
-from dsec_snapshots.manifest import DepsRecord
+from dsec_snapstore.manifest import DepsRecord
 
 _P = TypeVar("_P", bound=events.Payload)
 
