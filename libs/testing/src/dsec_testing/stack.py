@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsec_cli.stack import CORE_SERVERS, ServiceProcess, ServiceSpec, Stack, domain
+from dsec_cli.stack import CORE_SERVERS, ServiceProcess, ServiceSpec, Stack, StartFailed, domain
 from dsec_core.natsclient import DEFAULT_USER_IDENTITY
 from dsec_core.retention import down_marker
 
@@ -75,7 +75,15 @@ class StackFixture:
         """Start the named servers (in parallel) unless they run already (``nats``: every
         member of the NATS cluster)."""
         wanted = [m for n in names for m in (self.stack.nats_names() if n == "nats" else [n])]
-        self.stack.ensure_servers(wanted)
+        try:
+            self.stack.ensure_servers(wanted)
+        except StartFailed as exc:
+            # The CLI prints each server's log tail beside the error; a test report shows only
+            # the exception, so the tails go into it (else a failed start is undiagnosable).
+            tails = "\n".join(
+                f"--- {name}: {reason}\n{tail}" for name, (reason, tail) in exc.failures.items()
+            )
+            raise RuntimeError(f"{exc}\n{tails}") from exc
 
     @property
     def nats_url(self) -> str:
