@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import stat
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -300,3 +301,16 @@ def test_periodic_snapshots_take_when_due_and_retain(store: SnapshotStore, code:
         "auto-20261130T110000Z",
         "auto-20261130T120000Z",
     ]
+
+
+def test_a_store_without_a_cache_directory_writes_no_stat_cache(
+    objects: S3ObjectStore, code: Path
+) -> None:
+    """Without a cache directory nothing is cached, and nothing is written anywhere: the stat
+    cache once "saved" itself over ``/dev/null`` (an atomic rename onto the null device)."""
+    with SnapshotStore(objects, signing_key=SigningKey.generate()) as store:
+        first = store.create("s", inputs(code))
+        second = store.create("t", inputs(code))
+    assert second.files_rehashed == first.files_rehashed > 0  # no cache: all hashed again
+    st = os.lstat(os.devnull)
+    assert stat.S_ISCHR(st.st_mode)

@@ -266,7 +266,7 @@ class SnapshotStore:
 
     def _stat_cache(self, root: Path) -> StatCache:
         if self._cache_dir is None:
-            return StatCache(Path(os.devnull))
+            return StatCache(None)  # no cache directory: nothing is read or written
         ident = blake3.blake3(f"{self.objects.identity}\0{root}".encode()).hexdigest()[:32]
         return StatCache(self._cache_dir / f"{ident}.msgpack")
 

@@ -21,6 +21,10 @@ Function fixtures:
 - ``services``: start DSec services as processes against ``stack_env``; stop/kill/restart one.
 
 Everything is stopped at session end; servers also die with the pytest process if it is killed.
+
+Every test is also checked for one host-wide side effect that once broke a whole CI run much
+later: the test after which ``/dev/null`` is no longer the null device fails (and the device
+is put back, so the tests after it are not blamed).
 """
 
 from __future__ import annotations
@@ -39,6 +43,36 @@ if TYPE_CHECKING:
         StackFixture,
         VaultInfo,
     )
+
+
+def _null_device_ok() -> bool:
+    import os
+    import stat
+
+    try:
+        st = os.lstat(os.devnull)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == 1 and os.minor(st.st_rdev) == 3
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Fail the test that replaced or removed ``/dev/null`` (e.g. an atomic write whose target
+    was ``os.devnull``), then restore the device (as root)."""
+    result = yield
+    if not _null_device_ok():
+        import contextlib
+        import os
+        import stat
+
+        if os.geteuid() == 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.devnull)
+            os.mknod(os.devnull, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            os.chmod(os.devnull, 0o666)
+        pytest.fail(f"{item.nodeid} replaced or removed {os.devnull} (restored)", pytrace=False)
+    return result
 
 
 @pytest.fixture(scope="session")

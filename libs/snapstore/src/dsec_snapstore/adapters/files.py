@@ -109,10 +109,13 @@ class StatCache:
     stored, so an unchanged file is neither re-read nor checked for existence.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | None) -> None:
+        """``path=None``: a cache that remembers nothing (a store without a cache directory)."""
         self.path = path
         self.snapshot: str | None = None
         self._entries: dict[str, list[Any]] = {}
+        if path is None:
+            return
         try:
             raw = msgpack.unpackb(path.read_bytes(), raw=False)
         except (OSError, ValueError, msgpack.ExtraData):
@@ -140,6 +143,8 @@ class StatCache:
 
         Rows of files not in ``rehashed`` (cache hits) are carried over as they are.
         """
+        if self.path is None:
+            return
         old = self._entries if rehashed is not None else {}
         entries: dict[str, list[Any]] = {}
         for path, (entry, h) in hashed.items():
