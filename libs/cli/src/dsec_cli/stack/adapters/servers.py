@@ -556,27 +556,22 @@ class PostgresServer(Server):
             "-U", domain.POSTGRES_USER, "--pwfile=/dev/stdin", "-A", "scram-sha-256",
             "-E", "UTF8", "--no-locale", "--no-instructions",
         ]  # fmt: skip
-        for attempt in (1, 2):
-            result = subprocess.run(
-                argv,
-                input=self.credentials["password"].encode(),
-                capture_output=True,
-                env=_clean_env(("PG",)),
-                cwd=self.data_dir,
-                check=False,
-                timeout=120,
-            )
-            with open(self.log_path, "ab") as log:
-                log.write(f"\n=== initdb (attempt {attempt})\n".encode())
-                log.write(result.stdout + result.stderr)
-            if result.returncode == 0:
-                return
-            # A half-written cluster is never reused; one more try covers a transient failure
-            # (the first one's output stays in the log above, and in the error if it recurs).
-            shutil.rmtree(self.pgdata, ignore_errors=True)
-        raise ServerStartError(
-            self.name, f"initdb failed with status {result.returncode}", tail(self.log_path)
+        result = subprocess.run(
+            argv,
+            input=self.credentials["password"].encode(),
+            capture_output=True,
+            env=_clean_env(("PG",)),
+            cwd=self.data_dir,
+            check=False,
+            timeout=120,
         )
+        with open(self.log_path, "ab") as log:
+            log.write(b"\n=== initdb\n" + result.stdout + result.stderr)
+        if result.returncode != 0:
+            shutil.rmtree(self.pgdata, ignore_errors=True)
+            raise ServerStartError(
+                self.name, f"initdb failed with status {result.returncode}", tail(self.log_path)
+            )
 
     def command(self) -> list[str]:
         return [
