@@ -794,6 +794,11 @@ class GpuNeeds:
         return self.gpus > 0 or self.gpu_milli > 0
 
 
+def _bytes_text(size: int) -> str:
+    """A size as written most likely: GiB when exact, else decimal GB."""
+    return format_size(size) if size % 2**20 == 0 else f"{size / 10**9:g}GB"
+
+
 def _figure_text(value: float) -> str:
     return f"{value:g}"
 
@@ -920,8 +925,7 @@ class ComputeUnit(SpecModel):
         if bigger:
             hint += f", or a gpu_type with more memory: {', '.join(bigger)}"
         raise invalid(
-            f"min_memory {format_size(min_memory)} ({min_memory / 10**9:g} GB) is more than any "
-            f"accepted GPU has ({have})",
+            f"min_memory {_bytes_text(min_memory)} is more than any accepted GPU has ({have})",
             hint,
             ("min_memory",),
         )
@@ -1092,7 +1096,11 @@ def _edge_problems(edges: Any, names: dict[str, int]) -> list[PydanticCustomErro
     problems: list[PydanticCustomError] = []
     if not isinstance(edges, list | tuple):
         return problems
-    known = ", ".join(names) if names else "none: declare them under `tasks:`"
+    known = (
+        f"one of: {', '.join(names)}"
+        if names
+        else "no tasks are declared: list them under `tasks:`"
+    )
     seen: dict[frozenset[str], int] = {}
     for index, edge in enumerate(edges):
         ends = []
@@ -1104,7 +1112,7 @@ def _edge_problems(edges: Any, names: dict[str, int]) -> list[PydanticCustomErro
                 problems.append(
                     invalid(
                         f"{value!r} is not a task",
-                        f"one of: {known}",
+                        known,
                         ("communication", index, field),
                     )
                 )
