@@ -181,3 +181,32 @@ def test_cross_tenant_example_is_refused_line_by_line_with_the_stacks_endpoints(
     assert "NATS (127.0.0.1:4222)" in result.stdout
     other = runner.invoke(app, ["spec", "check", str(spec), "--tenant", "acme"])
     assert "error[tenant.vault]" not in other.stdout
+
+
+def test_the_task_topology_example_checks_valid_with_its_three_units(runner: CliRunner) -> None:
+    example = REPO / "examples/rag-training/dsec.yaml"
+    result = runner.invoke(app, ["spec", "check", str(example)])
+    assert result.exit_code == 0, result.stdout
+    assert "valid (0 errors, 2 warnings)" in result.stdout  # no version, no name: defaulted
+    report = json.loads(runner.invoke(app, ["spec", "check", str(example), "--json"]).stdout)
+    units = report["plan"]["topology"]["units"]
+    assert [(u["name"], u["gpu_models"], u["gpus"]) for u in units] == [
+        ("embedding-gen", ["A100-80GB"], 1),
+        ("llm-inference", ["H100"], 3),
+        ("vector-search", ["MI300X"], 1),
+    ]
+    assert len(report["plan"]["topology"]["edges"]) == 2
+
+
+def test_a_topology_error_is_printed_at_its_line(runner: CliRunner, tmp_path: Path) -> None:
+    spec = tmp_path / "dsec.yaml"
+    spec.write_text(
+        "tasks:\n  - name: a\n    compute_unit: {gpu_type: h100, gpus: 2, fp16_throughput: "
+        "2000 TFLOPS}\ncommunication:\n  - {from: a, to: b, protocol: shm}\n"
+    )
+    result = runner.invoke(app, ["spec", "check", str(spec)])
+    assert result.exit_code == 2
+    assert f"{spec}:3:42: error[invalid-value]: tasks[0].compute_unit.gpus:" in result.stdout
+    assert f"{spec}:5:19: error[invalid-value]: communication[0].to: 'b' is not a task" in (
+        result.stdout
+    )

@@ -112,6 +112,13 @@ def test_unparseable_code_is_a_warning_located_in_the_code() -> None:
         ),
         ("resources: {memory: 512GiB}", "ORG-RES-001", 4),
         ("resources: {gpu: {count: 16}}", "ORG-RES-002", 4),
+        ("tasks: [{name: a, compute_unit: {memory: 512GiB}}]", "ORG-RES-001", 4),
+        # A task topology's units are held at once: the GPU bound is on their sum.
+        (
+            "tasks: [{name: a, compute_unit: {gpus: 5}}, {name: b, compute_unit: {gpus: 4}}]",
+            "ORG-RES-002",
+            4,
+        ),
         ("include_code: {max_size: 2GiB}", "ORG-CODE-001", 4),
     ],
 )

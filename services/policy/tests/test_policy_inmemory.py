@@ -34,6 +34,28 @@ async def test_a_submitted_spec_is_validated_with_its_plan(tmp_path: Path) -> No
     )
 
 
+async def test_a_task_topology_is_validated_with_its_units(tmp_path: Path) -> None:
+    topology = (
+        "tasks:\n  - name: embed\n    compute_unit: {gpu_type: a100, min_memory: 64GB}\n"
+        "  - name: infer\n    compute_unit: {gpu_type: h100, fp16_throughput: 2000 TFLOPS}\n"
+        "communication:\n  - {from: embed, to: infer, protocol: nvlink-p2p}\n"
+    )
+    submitted = SpecSubmitted(spec_yaml=topology, filename="rag.yaml")
+    async with in_memory(create_service(Settings(home=tmp_path))) as bus:
+        sent = await bus.send("user", submitted, "sbx_topo")
+        (answer,) = bus.caused_by(sent)
+    assert answer.type == "spec.validated", answer.payload
+    assert answer.payload["name"] == "rag"  # no name: the file's
+    plan = answer.decoded().plan  # type: ignore[attr-defined]
+    assert [(u.name, u.gpu_models, u.gpus) for u in plan.topology.units] == [
+        ("embed", ("A100-80GB",), 1),
+        ("infer", ("H100",), 3),
+    ]
+    assert [(e.src, e.dst, e.protocol) for e in plan.topology.edges] == [
+        ("embed", "infer", "nvlink-p2p")
+    ]
+
+
 async def test_a_bad_spec_is_rejected_with_its_line(tmp_path: Path) -> None:
     async with in_memory(create_service(Settings(home=tmp_path))) as bus:
         sent = await bus.send("user", SpecSubmitted(spec_yaml=SPEC + "nme: x\n"), "sbx_bad")

@@ -93,13 +93,15 @@ class SpecValidated(Payload):
 
     TYPE = "spec.validated"
     AGGREGATE = "sandbox"
-    VERSION = "1.1"
+    VERSION = "1.2"
 
     name: str
     spec_digest: str = Field(description="BLAKE3 of the spec text")
     plan: EnforcementPlan = Field(
         description="The compiled plan (dsec_core.spec), typed; each rule with its spec line "
-        "(1.1: spec_line, spec_file). On the wire the same map as before"
+        "(1.1: spec_line, spec_file; 1.2: topology, the compute units to place, their edges, "
+        "migration limits and priority; a 1.1 plan reads as one unit, main). On the wire the "
+        "same map as before"
     )
     code: BundleRef | None = None
     warnings: list[dict[str, Any]] = Field(default_factory=list)

@@ -385,6 +385,14 @@ def _max_memory(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[V
             (f"memory {format_size(spec.resources.memory)} is above {format_size(rule.max)}"),
             f"memory: {format_size(rule.max)} or less",
         )
+    for index, task in enumerate(spec.tasks):
+        memory = task.compute_unit.memory
+        if memory is not None and memory > rule.max:
+            yield (
+                ("tasks", index, "compute_unit", "memory"),
+                f"task {task.name}: memory {format_size(memory)} is above {format_size(rule.max)}",
+                f"memory: {format_size(rule.max)} or less",
+            )
 
 
 def _max_code_size(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
@@ -406,6 +414,14 @@ def _max_cpu(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Viol
             f"cpu {spec.resources.cpu:g} is above {rule.max:g}",
             (f"cpu: {rule.max:g} or less"),
         )
+    for index, task in enumerate(spec.tasks):
+        cpu = task.compute_unit.cpu
+        if cpu is not None and cpu > rule.max:
+            yield (
+                ("tasks", index, "compute_unit", "cpu"),
+                f"task {task.name}: cpu {cpu:g} is above {rule.max:g}",
+                f"cpu: {rule.max:g} or less",
+            )
 
 
 def _max_gpus(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:
@@ -416,6 +432,19 @@ def _max_gpus(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Vio
             ("resources", "gpu", "count"),
             f"{gpu.count} GPUs is above {rule.max}",
             (f"count: {rule.max} or less"),
+        )
+    # A task topology holds all its units' GPUs at once (a gang): the rule bounds their sum,
+    # a share counting as one GPU.
+    needs = spec.unit_needs()
+    total = sum(n.gpus or (1 if n.gpu_milli else 0) for n in needs.values())
+    if total > rule.max:
+        each = ", ".join(
+            f"{name} {n.gpus or n.gpu_milli / 1000:g}" for name, n in needs.items() if n.any_gpu
+        )
+        yield (
+            ("tasks",),
+            f"the tasks take {total} GPUs in all ({each}), above {rule.max}",
+            f"{rule.max} GPUs or fewer across the tasks (lower gpus or the throughput needs)",
         )
 
 

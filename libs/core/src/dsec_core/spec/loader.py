@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from dsec_core import gpumodels
 from dsec_core.spec.errors import Severity, SpecError, sort_key
 from dsec_core.spec.locate import cross_check_raw, errors_from_validation
 from dsec_core.spec.migrate import migrate
-from dsec_core.spec.models import SandboxSpec
+from dsec_core.spec.models import (
+    CURRENT_VERSION,
+    DEFAULT_TASKS_BASE,
+    SandboxSpec,
+    accepted_models,
+)
 from dsec_core.spec.source import SourceMap, decode, parse_yaml
-from dsec_core.spec.units import type_name
+from dsec_core.spec.units import format_size, type_name
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -81,7 +88,9 @@ def load_spec(text: str | bytes, filename: str = "dsec.yaml") -> SpecResult:
     if errors:
         return SpecResult(None, tuple(errors), (), smap)
     assert isinstance(data, dict)
-    errors, warnings = migrate(data, smap)
+    warnings += _topology_defaults(data, smap, filename)
+    errors, migrated = migrate(data, smap)
+    warnings += migrated
     spec, invalid = _validate(data, smap, SandboxSpec)
     errors += invalid
     if spec is not None:
@@ -111,9 +120,56 @@ def _validate(data: Any, smap: SourceMap, model: type[M]) -> tuple[M | None, lis
     return None, errors
 
 
+_GENERIC_STEMS = {"dsec", "spec", "sandbox"}
+
+
+def default_name(filename: str) -> str | None:
+    """The name a task topology without ``name:`` gets: the file's stem, or for a generic
+    file name (``dsec.yaml``) its folder's name, made a DNS label; ``None`` if neither is one."""
+    path = PurePosixPath(filename.replace("\\", "/"))
+    stem = path.stem
+    if stem.lower() in _GENERIC_STEMS and path.parent.name not in ("", ".", ".."):
+        stem = path.parent.name
+    name = re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-")[:63].strip("-")
+    return name or None
+
+
+def _topology_defaults(data: dict[str, Any], smap: SourceMap, filename: str) -> list[SpecError]:
+    """A document with ``tasks:`` may leave out version, name and base (defaults: the current
+    version and the file's name, each with a warning; ``dsec/python311:latest``)."""
+    if "tasks" not in data:
+        return []
+    warnings = []
+    if "version" not in data:
+        data["version"] = CURRENT_VERSION
+        warnings.append(
+            smap.error(
+                ("version",),
+                f"no version; read as spec {CURRENT_VERSION}",
+                hint=f'version: "{CURRENT_VERSION}"',
+                severity=Severity.WARNING,
+                rule_id="version",
+            )
+        )
+    name = default_name(filename)
+    if "name" not in data and name is not None:
+        data["name"] = name
+        warnings.append(
+            smap.error(
+                ("name",),
+                f"no name; named {name!r} after the file",
+                hint=f"name: {name}  (a service sees only the file's name, not its folder)",
+                severity=Severity.WARNING,
+                rule_id="default-name",
+            )
+        )
+    data.setdefault("base", DEFAULT_TASKS_BASE)
+    return warnings
+
+
 def _lint(spec: SandboxSpec, smap: SourceMap) -> list[SpecError]:
     """Warnings about valid but risky choices."""
-    out: list[SpecError] = []
+    out: list[SpecError] = _gpu_lint(spec, smap)
     for index, env in enumerate(spec.runtime_context.env_vars):
         if env.value is not None and _SECRET_NAME.search(env.name):
             out.append(
@@ -127,3 +183,35 @@ def _lint(spec: SandboxSpec, smap: SourceMap) -> list[SpecError]:
                 )
             )
     return out
+
+
+def _gpu_lint(spec: SandboxSpec, smap: SourceMap) -> list[SpecError]:
+    """``resources.gpu`` of a single sandbox: a model the catalogue does not know, or more
+    memory than the model has, can be placed nowhere (warnings: such specs were valid before
+    the catalogue)."""
+    gpu = spec.resources.gpu
+    if gpu is None or gpu.type is None:
+        return []
+    models = accepted_models((gpu.type,))
+    if not models:
+        return [
+            smap.error(
+                ("resources", "gpu", "type"),
+                f"unknown GPU model {gpu.type!r}: no node will match it",
+                hint=f"known: {', '.join(gpumodels.known_names())}",
+                severity=Severity.WARNING,
+                rule_id="unknown-gpu-model",
+            )
+        ]
+    if gpu.memory and all(0 < m.memory_bytes < gpu.memory for m in models):
+        have = ", ".join(f"{m.name} {format_size(m.memory_bytes)}" for m in models)
+        return [
+            smap.error(
+                ("resources", "gpu", "memory"),
+                f"no {gpu.type} has {format_size(gpu.memory)} ({have}): no node will match it",
+                hint=f"memory: {format_size(max(m.memory_bytes for m in models))} or less",
+                severity=Severity.WARNING,
+                rule_id="impossible-gpu",
+            )
+        ]
+    return []

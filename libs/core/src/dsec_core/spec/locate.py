@@ -47,7 +47,7 @@ def _unknown_field(path: FieldPath, smap: SourceMap, root: type[BaseModel]) -> S
     model = _model_at(root, path[:-1])
     hint = None
     if model is not None:
-        fields = list(model.model_fields)
+        fields = [info.alias or name for name, info in model.model_fields.items()]
         close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
         valid = f"valid fields here: {', '.join(fields)}"
         hint = f"did you mean {close[0]!r}? {valid}" if close else valid
@@ -58,8 +58,11 @@ def _missing_field(path: FieldPath, smap: SourceMap, root: type[BaseModel]) -> S
     name = str(path[-1])
     model = _model_at(root, path[:-1])
     hint = None
-    if model is not None and name in model.model_fields:
-        info = model.model_fields[name]
+    fields = {
+        info.alias or key: info for key, info in (model.model_fields if model else {}).items()
+    }
+    if name in fields:
+        info = fields[name]
         if info.examples:
             hint = f"add `{name}: {info.examples[0]}`"
         elif info.description:

@@ -9,10 +9,12 @@ left out.
 from __future__ import annotations
 
 import ipaddress
+import math
 import posixpath
 import re
 import shlex
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Annotated, Any, Literal, Self
 
@@ -30,8 +32,19 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from dsec_core import gpumodels
 from dsec_core.spec.errors import invalid
-from dsec_core.spec.units import ByteSize, Cores, Duration, Rate, type_name
+from dsec_core.spec.units import (
+    Bandwidth,
+    ByteSize,
+    Cores,
+    Duration,
+    GpuShare,
+    Rate,
+    Tflops,
+    format_size,
+    type_name,
+)
 
 CURRENT_VERSION = "1.2"
 
@@ -680,6 +693,456 @@ class IncludeCode(SpecModel):
         return value
 
 
+# -- task topology -------------------------------------------------------------------------------
+
+MAX_DERIVED_GPUS = 8
+"""Most GPUs a throughput or bandwidth need may turn into for one unit (one node's worth)."""
+
+DEFAULT_TASKS_BASE = "dsec/python311:latest"
+"""The base image of a spec with ``tasks:`` that names none."""
+
+LinkProtocol = Literal["nvlink-p2p", "rdma-over-converged-ethernet", "shm"]
+LINK_PROTOCOLS: tuple[str, ...] = ("nvlink-p2p", "rdma-over-converged-ethernet", "shm")
+
+_GPU_TYPE_HINT_HEAD = "a GPU model or family, or a list of acceptable ones"
+
+
+def _known_models_hint() -> str:
+    return f"{_GPU_TYPE_HINT_HEAD}; known: {', '.join(gpumodels.known_names())}"
+
+
+def _resolve_one(name: object, loc: tuple[str | int, ...]) -> tuple[str, ...]:
+    if not isinstance(name, str):
+        raise invalid(
+            f"expected a GPU model name, got {type_name(name)}", _known_models_hint(), loc
+        )
+    try:
+        return gpumodels.resolve(name)
+    except KeyError:
+        raise invalid(f"unknown GPU model {name!r}", _known_models_hint(), loc) from None
+
+
+def _gpu_types(value: object) -> object:
+    """``gpu_type``: one name or a list of names, each a known model or family."""
+    if isinstance(value, str):
+        _resolve_one(value, ())
+        return (value,)
+    if isinstance(value, list | tuple):
+        if not value:
+            raise invalid("the list of GPU models is empty", _known_models_hint())
+        for index, name in enumerate(value):
+            _resolve_one(name, (index,))
+        return tuple(value)
+    raise invalid(f"expected a GPU model or a list of them, got {type_name(value)}", None)
+
+
+GpuTypes = Annotated[tuple[str, ...], BeforeValidator(_gpu_types)]
+"""Acceptable GPU models as written (``a100`` or ``[h100, h200]``), each known to the catalogue."""
+
+
+def accepted_models(names: tuple[str, ...] | None) -> tuple[gpumodels.GpuModel, ...]:
+    """The catalogue models the written names accept, in catalogue order (unknown names skipped)."""
+    wanted: set[str] = set()
+    for name in names or ():
+        try:
+            wanted.update(gpumodels.resolve(name))
+        except KeyError:
+            continue
+    return tuple(m for m in gpumodels.CATALOG if m.name in wanted)
+
+
+def _label(value: str | None) -> str | None:
+    if value is not None and not _DNS_LABEL.fullmatch(value):
+        raise invalid(f"{value!r} is not a valid name", NAME_HINT)
+    return value
+
+
+Label = Annotated[str, AfterValidator(_label)]
+
+
+def _percent(value: object) -> object:
+    if isinstance(value, str) and value.strip().endswith("%"):
+        text = value.strip()[:-1].strip()
+        try:
+            return float(text)
+        except ValueError:
+            raise invalid(
+                f"{value!r} is not a percentage", "a number from 1 to 100, e.g. 70"
+            ) from None
+    return value
+
+
+Percent = Annotated[float, BeforeValidator(_percent), Field(ge=1, le=100)]
+Celsius = Annotated[float, Field(ge=30, le=110)]
+
+
+@dataclass(frozen=True)
+class GpuNeeds:
+    """What a compute unit asks of GPUs once its needs are resolved against the catalogue."""
+
+    models: tuple[str, ...] = ()
+    """Acceptable canonical models (empty: any model, or no GPU)."""
+    gpus: int = 0
+    """Whole GPUs (0: none, or a share)."""
+    gpu_milli: int = 0
+    """A share of one GPU in thousandths (0: none, or whole GPUs)."""
+    min_memory_bytes: int = 0
+
+    @property
+    def any_gpu(self) -> bool:
+        """Whether the unit takes a GPU at all."""
+        return self.gpus > 0 or self.gpu_milli > 0
+
+
+def _bytes_text(size: int) -> str:
+    """A size as written most likely: GiB when exact, else decimal GB."""
+    return format_size(size) if size % 2**20 == 0 else f"{size / 10**9:g}GB"
+
+
+def _figure_text(value: float) -> str:
+    return f"{value:g}"
+
+
+class ComputeUnit(SpecModel):
+    """The hardware one task runs on: GPU models and count (or a share), needs that become a
+    GPU count, CPU and memory (default: the spec's ``resources``)."""
+
+    gpu_type: GpuTypes | None = Field(
+        default=None,
+        description="Acceptable GPU model(s): a family (a100) or a model (A100-80GB), or a list",
+        examples=["h100"],
+    )
+    gpus: int | None = Field(
+        default=None, ge=1, le=64, description="Whole GPUs; unset: 1, or derived from the needs"
+    )
+    gpu_share: GpuShare | None = Field(
+        default=None, description="A share of one GPU: 250m, 0.25 or 25%", examples=["250m"]
+    )
+    min_memory: ByteSize | None = Field(
+        default=None, description="Memory each GPU must have, e.g. 64GB", examples=["64GB"]
+    )
+    nvlink_affinity: Label | None = Field(
+        default=None, description="NVLink group label: the unit's GPUs share one NVLink domain"
+    )
+    fp16_throughput: Tflops | None = Field(
+        default=None, description="Dense FP16 need, e.g. 2000 TFLOPS", examples=["2000 TFLOPS"]
+    )
+    memory_bandwidth: Bandwidth | None = Field(
+        default=None, description="Memory bandwidth need, e.g. 3.2 TB/s", examples=["3.2 TB/s"]
+    )
+    cpu: Cores | None = Field(default=None, description="CPU cores; unset: resources.cpu")
+    memory: ByteSize | None = Field(default=None, description="Memory; unset: resources.memory")
+    max_temperature_c: Celsius | None = Field(
+        default=None, description="Hottest GPU the unit may run on; unset: migration's"
+    )
+
+    @model_validator(mode="after")
+    def _feasible(self) -> ComputeUnit:
+        self.gpu_needs()
+        return self
+
+    def gpu_needs(self) -> GpuNeeds:
+        """Resolve the unit's GPU needs: acceptable models, whole GPUs or a share.
+
+        Raises:
+            PydanticCustomError: the combination is impossible (located at the field to change).
+        """
+        wants = (
+            self.gpu_type,
+            self.gpus,
+            self.gpu_share,
+            self.min_memory,
+            self.fp16_throughput,
+            self.memory_bandwidth,
+            self.nvlink_affinity,
+        )
+        if all(value is None for value in wants):
+            return GpuNeeds()
+        if self.gpu_share is not None and self.gpus is not None and self.gpus > 1:
+            raise invalid(
+                f"gpu_share is a share of one GPU; it cannot go with gpus: {self.gpus}",
+                "either gpu_share: 250m (part of one GPU) or gpus: N (whole GPUs)",
+                ("gpu_share",),
+            )
+        written = accepted_models(self.gpu_type)
+        candidates = written
+        min_memory = self.min_memory or 0
+        if min_memory:
+            candidates = self._with_memory(written, min_memory)
+        if self.nvlink_affinity is not None and candidates:
+            linked = tuple(m for m in candidates if m.nvlink)
+            if not linked:
+                raise invalid(
+                    "nvlink_affinity needs GPUs with NVLink; "
+                    f"{', '.join(m.name for m in candidates)} have none",
+                    "drop nvlink_affinity, or accept models with NVLink: "
+                    + ", ".join(m.name for m in gpumodels.CATALOG if m.nvlink),
+                    ("nvlink_affinity",),
+                )
+            candidates = linked
+        names = tuple(m.name for m in candidates)
+        if self.gpu_share is not None:
+            if self.gpu_share == 1000:
+                return GpuNeeds(names, 1, 0, min_memory)
+            return GpuNeeds(names, 0, self.gpu_share, min_memory)
+        per_need = self._counts(candidates)
+        if self.gpus is not None:
+            for field, need, count, weakest, figure, unit in per_need:
+                if self.gpus < count:
+                    raise invalid(
+                        f"{field} {_figure_text(need)} {unit} needs {count} × {weakest} "
+                        f"({_figure_text(figure)} {unit} each); gpus: {self.gpus} gives "
+                        f"{_figure_text(self.gpus * figure)} {unit}",
+                        f"gpus: {count} or more, or leave gpus out to derive it",
+                        ("gpus",),
+                    )
+            return GpuNeeds(names, self.gpus, 0, min_memory)
+        derived = max((count for _, _, count, _, _, _ in per_need), default=1)
+        for field, need, count, weakest, figure, unit in per_need:
+            if count > MAX_DERIVED_GPUS:
+                raise invalid(
+                    f"{field} {_figure_text(need)} {unit} needs {count} × {weakest} "
+                    f"({_figure_text(figure)} {unit} each), more than {MAX_DERIVED_GPUS} GPUs "
+                    "in one unit",
+                    f"at most {_figure_text(MAX_DERIVED_GPUS * figure)} {unit} on {weakest}; "
+                    "split the work into several tasks, or accept only faster models",
+                    (field,),
+                )
+        return GpuNeeds(names, max(1, derived), 0, min_memory)
+
+    def _with_memory(
+        self, written: tuple[gpumodels.GpuModel, ...], min_memory: int
+    ) -> tuple[gpumodels.GpuModel, ...]:
+        pool = written or tuple(m for m in gpumodels.CATALOG if m.memory_bytes)
+        # A model of unknown memory (0) is kept: the node's reported memory decides.
+        fits = tuple(m for m in pool if m.memory_bytes == 0 or m.memory_bytes >= min_memory)
+        if fits:
+            return fits if written else ()
+        largest = max(pool, key=lambda m: m.memory_bytes)
+        bigger = [m.name for m in gpumodels.CATALOG if m.memory_bytes >= min_memory]
+        have = ", ".join(f"{m.name} {format_size(m.memory_bytes)}" for m in pool)
+        hint = f"at most {format_size(largest.memory_bytes)} ({largest.name})"
+        if bigger:
+            hint += f", or a gpu_type with more memory: {', '.join(bigger)}"
+        raise invalid(
+            f"min_memory {_bytes_text(min_memory)} is more than any accepted GPU has ({have})",
+            hint,
+            ("min_memory",),
+        )
+
+    def _counts(
+        self, candidates: tuple[gpumodels.GpuModel, ...]
+    ) -> list[tuple[str, float, int, str, float, str]]:
+        """Per need: (field, need, GPUs it takes on the weakest accepted model, that model,
+        its figure, unit)."""
+        out = []
+        needs = (
+            ("fp16_throughput", self.fp16_throughput, "fp16_tflops", "TFLOPS"),
+            ("memory_bandwidth", self.memory_bandwidth, "memory_bandwidth_gbps", "GB/s"),
+        )
+        for field, need, attr, unit in needs:
+            if need is None:
+                continue
+            if not candidates:
+                raise invalid(
+                    f"{field} needs a gpu_type to turn into a number of GPUs",
+                    f"gpu_type: h100 (or a list of acceptable models), or gpus: N without {field}",
+                    (field,),
+                )
+            unknown = [m.name for m in candidates if not getattr(m, attr)]
+            if unknown:
+                known = [m.name for m in gpumodels.CATALOG if getattr(m, attr)]
+                raise invalid(
+                    f"figures unknown for {', '.join(unknown)}: {field} cannot be turned into a "
+                    "number of GPUs",
+                    f"leave out {field} and give gpus: N, or accept only models with known "
+                    f"figures: {', '.join(known)}",
+                    (field,),
+                )
+            figure, _, weakest = min(
+                (float(getattr(m, attr)), i, m) for i, m in enumerate(candidates)
+            )
+            count = max(1, math.ceil(need / figure - 1e-9))
+            out.append((field, need, count, weakest.name, figure, unit))
+        return out
+
+
+class Task(SpecModel):
+    """One compute unit of a task topology: a name, its hardware, and what it runs."""
+
+    name: str = Field(examples=["embedding-gen"])
+    compute_unit: ComputeUnit = ComputeUnit()
+    script: Argv | None = Field(
+        default=None, description="Command line run in workdir", examples=["python embed.py"]
+    )
+    entrypoint: Argv | None = Field(default=None, description="Command as an argv list")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _DNS_LABEL.fullmatch(value):
+            suggestion = re.sub(r"[^a-z0-9-]+", "-", value.lower()).strip("-")[:63].strip("-")
+            hint = NAME_HINT + (f"; did you mean {suggestion!r}?" if suggestion else "")
+            raise invalid(f"{value!r} is not a valid task name", hint)
+        return value
+
+    @classmethod
+    def cross_checks(cls, fields: Mapping[str, Any]) -> list[PydanticCustomError]:
+        """At most one of script and entrypoint."""
+        if fields.get("script") is not None and fields.get("entrypoint") is not None:
+            return [
+                invalid(
+                    "a task takes `script` or `entrypoint`, not both",
+                    'script: "python embed.py"  (or)  entrypoint: [python, embed.py]',
+                    ("entrypoint",),
+                )
+            ]
+        return []
+
+    @property
+    def command(self) -> tuple[str, ...] | None:
+        """What the unit runs: ``script`` or ``entrypoint`` as argv."""
+        return self.script or self.entrypoint
+
+
+class Link(SpecModel):
+    """A communication edge between two tasks and the transport it needs."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", populate_by_name=True, serialize_by_alias=True
+    )
+
+    src: str = Field(alias="from", description="The task it starts at", examples=["embed"])
+    to: str = Field(description="The task it reaches", examples=["infer"])
+    protocol: LinkProtocol = Field(
+        description="nvlink-p2p (one NVLink domain), rdma-over-converged-ethernet, shm (one node)"
+    )
+
+
+class Migration(SpecModel):
+    """When a running unit should move: GPU temperature and NVLink congestion limits."""
+
+    max_temperature_c: Celsius | None = Field(
+        default=None, description="Hottest GPU (°C) a unit may stay on, 30-110"
+    )
+    nvlink_congestion_threshold: Percent | None = Field(
+        default=None,
+        description="NVLink utilisation (percent, 1-100) above which a unit degrades to PCIe or "
+        "moves",
+    )
+
+
+class Scheduling(SpecModel):
+    """How the scheduler ranks this spec's units against others."""
+
+    priority: int = Field(
+        default=0, ge=0, le=1000, description="Higher first; may preempt lower (0-1000)"
+    )
+
+
+def _get(item: Any, *names: str) -> Any:
+    """A field of a validated model or of the raw YAML mapping (first name that is set)."""
+    for name in names:
+        value = item.get(name) if isinstance(item, dict) else getattr(item, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def topology_problems(fields: Mapping[str, Any]) -> list[PydanticCustomError]:
+    """Between-field problems of a task topology: on validated values or raw YAML alike."""
+    problems: list[PydanticCustomError] = []
+    tasks = fields.get("tasks") or ()
+    if not isinstance(tasks, list | tuple):
+        tasks = ()
+    if tasks and fields.get("entrypoint") is not None:
+        problems.append(
+            invalid(
+                "a spec with `tasks:` runs each task's own `script`; a top-level `entrypoint` "
+                "would run nothing",
+                "move the command into a task (script: python agent.py), or drop `tasks:` for "
+                "a single sandbox",
+                ("entrypoint",),
+            )
+        )
+    if tasks and _get(fields.get("resources"), "gpu") is not None:
+        problems.append(
+            invalid(
+                "with `tasks:`, GPUs are asked per task; resources.gpu would apply to none",
+                "give each task compute_unit: {gpu_type: h100, gpus: 1}",
+                ("resources", "gpu"),
+            )
+        )
+    names: dict[str, int] = {}
+    for index, task in enumerate(tasks):
+        name = _get(task, "name")
+        if not isinstance(name, str):
+            continue
+        if name in names:
+            problems.append(
+                invalid(
+                    f"duplicate task {name!r} (also at tasks[{names[name]}])",
+                    "each task name once",
+                    ("tasks", index, "name"),
+                )
+            )
+        else:
+            names[name] = index
+    problems += _edge_problems(fields.get("communication") or (), names)
+    return problems
+
+
+def _edge_problems(edges: Any, names: dict[str, int]) -> list[PydanticCustomError]:
+    problems: list[PydanticCustomError] = []
+    if not isinstance(edges, list | tuple):
+        return problems
+    known = (
+        f"one of: {', '.join(names)}"
+        if names
+        else "no tasks are declared: list them under `tasks:`"
+    )
+    seen: dict[frozenset[str], int] = {}
+    for index, edge in enumerate(edges):
+        ends = []
+        for field, attrs in (("from", ("src", "from")), ("to", ("to",))):
+            value = _get(edge, *attrs)
+            if not isinstance(value, str):
+                continue
+            if value not in names:
+                problems.append(
+                    invalid(
+                        f"{value!r} is not a task",
+                        known,
+                        ("communication", index, field),
+                    )
+                )
+            ends.append(value)
+        if len(ends) != 2:
+            continue
+        if ends[0] == ends[1]:
+            problems.append(
+                invalid(
+                    f"an edge from {ends[0]!r} to itself",
+                    "link two different tasks (a unit reaches itself without one)",
+                    ("communication", index, "to"),
+                )
+            )
+            continue
+        pair = frozenset(ends)
+        if pair in seen:
+            problems.append(
+                invalid(
+                    f"duplicate edge between {ends[0]!r} and {ends[1]!r} (also at "
+                    f"communication[{seen[pair]}]); an edge carries both directions",
+                    "one edge per pair of tasks",
+                    ("communication", index),
+                )
+            )
+        else:
+            seen[pair] = index
+    return problems
+
+
 # -- the spec ------------------------------------------------------------------------------------
 
 
@@ -709,6 +1172,43 @@ class SandboxSpec(SpecModel):
     runtime_context: RuntimeContext = RuntimeContext()
     security_policy: SecurityPolicy = SecurityPolicy()
     include_code: IncludeCode = IncludeCode()
+    tasks: tuple[Task, ...] = Field(
+        default=(), description="Compute units of a task topology; unset: one unit, `main`"
+    )
+    communication: tuple[Link, ...] = Field(
+        default=(), description="Edges between tasks: from, to, protocol"
+    )
+    migration: Migration = Migration()
+    scheduling: Scheduling = Scheduling()
+
+    @classmethod
+    def cross_checks(cls, fields: Mapping[str, Any]) -> list[PydanticCustomError]:
+        """Task names unique; edges between declared tasks, once; tasks own the commands and
+        the GPUs."""
+        return topology_problems(fields)
+
+    @model_validator(mode="after")
+    def _links_fit(self) -> SandboxSpec:
+        self.unit_needs()
+        return self
+
+    def unit_needs(self) -> dict[str, GpuNeeds]:
+        """Each task's resolved GPU needs, narrowed to NVLink models where an nvlink-p2p edge
+        ends (a single-sandbox spec: no entries).
+
+        Raises:
+            PydanticCustomError: an nvlink-p2p edge ends at a unit that cannot have NVLink.
+        """
+        needs = {task.name: task.compute_unit.gpu_needs() for task in self.tasks}
+        for index, edge in enumerate(self.communication):
+            if edge.protocol != "nvlink-p2p":
+                continue
+            for field, name in (("from", edge.src), ("to", edge.to)):
+                need = needs.get(name)
+                if need is None:
+                    continue
+                needs[name] = _nvlink_end(need, name, ("communication", index, field))
+        return needs
 
     @field_validator("name", "task_group")
     @classmethod
@@ -743,6 +1243,31 @@ class SandboxSpec(SpecModel):
                 )
             seen[dep.canonical_name] = index
         return value
+
+
+def _nvlink_end(need: GpuNeeds, name: str, loc: tuple[str | int, ...]) -> GpuNeeds:
+    """An nvlink-p2p edge's end: a unit with GPUs that have NVLink (its models narrowed to
+    those)."""
+    linked_models = ", ".join(m.name for m in gpumodels.CATALOG if m.nvlink)
+    if not need.any_gpu:
+        raise invalid(
+            f"nvlink-p2p needs GPUs at both ends; task {name!r} has none",
+            f"give {name!r} a compute_unit with gpu_type, or use "
+            "protocol: rdma-over-converged-ethernet or shm",
+            loc,
+        )
+    if not need.models:
+        return need
+    linked = tuple(m for m in need.models if gpumodels.BY_NAME[m].nvlink)
+    if not linked:
+        raise invalid(
+            f"nvlink-p2p needs NVLink; task {name!r} accepts only GPUs without it "
+            f"({', '.join(need.models)})",
+            f"protocol: rdma-over-converged-ethernet (or shm on one node), or a gpu_type "
+            f"with NVLink: {linked_models}",
+            loc,
+        )
+    return GpuNeeds(linked, need.gpus, need.gpu_milli, need.min_memory_bytes)
 
 
 def model_field_names(model: type[BaseModel]) -> list[str]:

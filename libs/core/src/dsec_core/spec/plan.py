@@ -9,12 +9,12 @@ spec line it came from, so an enforcer names the line to change without re-readi
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal
+from typing import Any, Literal
 
 import blake3
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dsec_core.spec.models import Dependency, Mount, SandboxSpec
+from dsec_core.spec.models import Dependency, GpuNeeds, Mount, SandboxSpec, accepted_models
 from dsec_core.spec.models import EgressRule as SpecEgressRule
 from dsec_core.spec.source import SourceMap
 from dsec_core.spec.units import Rate
@@ -151,6 +151,51 @@ class MountPlan(PlanModel):
     cache_ttl_s: int | None = None
 
 
+class UnitPlan(PlanModel):
+    """One compute unit the scheduler places: a task of a topology, or a single sandbox's
+    ``main``."""
+
+    name: str
+    gpu_models: tuple[str, ...] = Field(
+        default=(), description="Acceptable canonical GPU models; empty: any, or no GPU"
+    )
+    gpus: int = Field(default=0, description="Whole GPUs (0: none, or a share)")
+    gpu_milli: int = Field(default=0, description="A share of one GPU in thousandths")
+    min_gpu_memory_bytes: int = 0
+    cpu_millicores: int
+    memory_bytes: int
+    nvlink_group: str | None = Field(
+        default=None, description="NVLink group label: the unit's GPUs share one NVLink domain"
+    )
+    max_temperature_c: float | None = None
+    entrypoint: tuple[str, ...] | None = None
+    spec_line: int | None = Field(default=None, description="Line of the task in the spec")
+
+
+class EdgePlan(PlanModel):
+    """Two units that talk, and the transport they need."""
+
+    src: str
+    dst: str
+    protocol: Literal["nvlink-p2p", "rdma-over-converged-ethernet", "shm"]
+
+
+class MigrationPlan(PlanModel):
+    """When a running unit should move."""
+
+    max_temperature_c: float | None = None
+    nvlink_congestion_threshold_pct: float | None = None
+
+
+class TopologyPlan(PlanModel):
+    """The compute units of a spec, the edges between them, and how they are scheduled."""
+
+    units: tuple[UnitPlan, ...]
+    edges: tuple[EdgePlan, ...] = ()
+    migration: MigrationPlan = MigrationPlan()
+    priority: int = 0
+
+
 class EnforcementPlan(PlanModel):
     """Everything the builder, the context injector and the node agent enforce for one spec."""
 
@@ -190,6 +235,18 @@ class EnforcementPlan(PlanModel):
     spec_file: str = Field(
         default="dsec.yaml", description="The spec's file name, as the rules' lines refer to it"
     )
+    topology: TopologyPlan = Field(
+        description="The compute units to place (a single sandbox: one unit, main); a plan "
+        "compiled before topologies gets main from its resources"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _main_unit_of_older_plans(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "topology" not in data and "resources" in data:
+            limits = ResourceLimits.model_validate(data["resources"])
+            data = {**data, "topology": TopologyPlan(units=(_main_unit(limits, None),))}
+        return data
 
     @property
     def effective_task_group(self) -> str:
@@ -247,6 +304,7 @@ def compile_plan(
         exclude_patterns=spec.include_code.exclude_patterns,
         code_max_size=spec.include_code.max_size,
         spec_file=spec_file,
+        topology=_topology(spec, source),
     )
 
 
@@ -277,6 +335,77 @@ def _resources(spec: SandboxSpec) -> ResourceLimits:
         files=res.files,
         disk_bytes=res.disk,
         log_bytes=res.log_bytes,
+    )
+
+
+def _main_unit(
+    limits: ResourceLimits,
+    entrypoint: tuple[str, ...] | None,
+    max_temperature_c: float | None = None,
+) -> UnitPlan:
+    """A single sandbox's one unit, from its resources (``gpu.type`` resolved when known)."""
+    gpu = limits.gpu
+    models: tuple[str, ...] = ()
+    if gpu is not None and gpu.type is not None:
+        known = accepted_models((gpu.type,))
+        if gpu.memory_bytes:
+            roomy = tuple(
+                m for m in known if not m.memory_bytes or m.memory_bytes >= gpu.memory_bytes
+            )
+            known = roomy or known
+        # An unknown model stays as written: no node matches it (the loader warns).
+        models = tuple(m.name for m in known) or (gpu.type,)
+    return UnitPlan(
+        name="main",
+        gpu_models=models,
+        gpus=gpu.count if gpu is not None else 0,
+        min_gpu_memory_bytes=(gpu.memory_bytes or 0) if gpu is not None else 0,
+        cpu_millicores=limits.cpu_millicores,
+        memory_bytes=limits.memory_bytes,
+        max_temperature_c=max_temperature_c,
+        entrypoint=entrypoint,
+    )
+
+
+def _topology(spec: SandboxSpec, source: SourceMap | None) -> TopologyPlan:
+    mig = spec.migration
+    migration = MigrationPlan(
+        max_temperature_c=mig.max_temperature_c,
+        nvlink_congestion_threshold_pct=mig.nvlink_congestion_threshold,
+    )
+    if not spec.tasks:
+        main = _main_unit(_resources(spec), spec.entrypoint, mig.max_temperature_c)
+        return TopologyPlan(units=(main,), migration=migration, priority=spec.scheduling.priority)
+    needs = spec.unit_needs()
+    units = []
+    for index, task in enumerate(spec.tasks):
+        unit = task.compute_unit
+        need = needs.get(task.name, GpuNeeds())
+        cpu = unit.cpu if unit.cpu is not None else spec.resources.cpu
+        temperature = unit.max_temperature_c
+        units.append(
+            UnitPlan(
+                name=task.name,
+                gpu_models=need.models,
+                gpus=need.gpus,
+                gpu_milli=need.gpu_milli,
+                min_gpu_memory_bytes=need.min_memory_bytes,
+                cpu_millicores=max(1, round(cpu * 1000)),
+                memory_bytes=unit.memory if unit.memory is not None else spec.resources.memory,
+                nvlink_group=unit.nvlink_affinity,
+                max_temperature_c=temperature if temperature is not None else mig.max_temperature_c,
+                entrypoint=task.command,
+                spec_line=_line(source, ("tasks", index)),
+            )
+        )
+    return TopologyPlan(
+        units=tuple(units),
+        edges=tuple(
+            EdgePlan(src=edge.src, dst=edge.to, protocol=edge.protocol)
+            for edge in spec.communication
+        ),
+        migration=migration,
+        priority=spec.scheduling.priority,
     )
 
 

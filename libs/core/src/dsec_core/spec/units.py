@@ -287,3 +287,113 @@ ByteSize = Annotated[int, BeforeValidator(parse_size)]
 
 Cores = Annotated[float, BeforeValidator(parse_cpu)]
 """A positive number of CPU cores; YAML ``2`` or ``500m``."""
+
+
+# -- GPU needs: shares, throughput, bandwidth ---------------------------------------------------
+
+GPU_SHARE_HINT = (
+    "a share of one GPU: thousandths such as 250m, a fraction such as 0.25, or a percentage "
+    "such as 25% (at most one whole GPU: 1000m, 1 or 100%)"
+)
+_SHARE = re.compile(r"(\d+(?:\.\d+)?)\s*(m|%)?")
+
+
+def parse_gpu_share(value: object) -> int:
+    """Parse a share of one GPU (``250m``, ``0.25``, ``25%``) into thousandths (``250``).
+
+    A bare number is a fraction of one GPU (at most 1); thousandths need the ``m`` suffix.
+
+    Raises:
+        PydanticCustomError: the value is not a share of 1 to 1000 thousandths.
+    """
+    _reject_bool(value, GPU_SHARE_HINT)
+    if isinstance(value, int | float):
+        number, unit = float(value), ""
+    elif isinstance(value, str):
+        match = _SHARE.fullmatch(value.strip())
+        if match is None:
+            raise invalid(f"{value!r} is not a GPU share", GPU_SHARE_HINT)
+        number, unit = float(match.group(1)), match.group(2) or ""
+    else:
+        raise invalid(f"expected a GPU share, got {type_name(value)}", GPU_SHARE_HINT)
+    milli = number * {"m": 1, "%": 10, "": 1000}[unit]
+    if unit == "" and number > 1:
+        raise invalid(
+            f"a bare number is a fraction of one GPU; {value!r} is more than one GPU",
+            f"for {number:g} thousandths write {number:g}m; for whole GPUs use `gpus:`",
+        )
+    if not math.isfinite(milli) or round(milli) < 1 or milli > 1000:
+        raise invalid(f"a GPU share must be 1m to 1000m, got {value!r}", GPU_SHARE_HINT)
+    if abs(milli - round(milli)) > 1e-6:
+        raise invalid(f"{value!r} is finer than a thousandth of a GPU", GPU_SHARE_HINT)
+    return round(milli)
+
+
+_PERF = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z/]*)")
+TFLOPS_HINT = "a throughput such as 2000 TFLOPS, 2 PFLOPS or 500000 GFLOPS (bare number: TFLOPS)"
+_FLOPS_UNITS = {"": 1.0, "tflops": 1.0, "pflops": 1000.0, "gflops": 0.001}
+BANDWIDTH_HINT = "a bandwidth such as 3.2 TB/s, 900 GB/s or 3200 GBps (bare number: GB/s)"
+_BANDWIDTH_UNITS = {
+    "": 1.0,
+    "gb/s": 1.0,
+    "gbps": 1.0,
+    "tb/s": 1000.0,
+    "tbps": 1000.0,
+    "mb/s": 0.001,
+    "mbps": 0.001,
+}
+
+
+def _figure(value: object, units: dict[str, float], what: str, hint: str) -> float:
+    _reject_bool(value, hint)
+    if isinstance(value, int | float):
+        amount = float(value)
+    elif isinstance(value, str):
+        match = _PERF.fullmatch(value.strip())
+        if match is None:
+            raise invalid(f"{value!r} is not a {what}", hint)
+        unit = match.group(2).lower()
+        if unit not in units:
+            raise invalid(f"unknown {what} unit {match.group(2)!r} in {value!r}", hint)
+        amount = float(match.group(1)) * units[unit]
+    else:
+        raise invalid(f"expected a {what}, got {type_name(value)}", hint)
+    if not math.isfinite(amount) or amount <= 0 or amount > 1e9:
+        raise invalid(f"a {what} must be positive, got {value!r}", hint)
+    return amount
+
+
+def parse_tflops(value: object) -> float:
+    """Parse an FP16 throughput need (``2000 TFLOPS``, ``2 PFLOPS``) into TFLOPS.
+
+    Raises:
+        PydanticCustomError: the value is not a positive throughput.
+    """
+    return _figure(value, _FLOPS_UNITS, "throughput", TFLOPS_HINT)
+
+
+def parse_bandwidth(value: object) -> float:
+    """Parse a memory bandwidth need (``3.2 TB/s``, ``900 GB/s``) into GB/s (decimal).
+
+    Raises:
+        PydanticCustomError: the value is not a positive bandwidth.
+    """
+    return _figure(value, _BANDWIDTH_UNITS, "bandwidth", BANDWIDTH_HINT)
+
+
+def _format_share(milli: int) -> str:
+    return f"{milli}m"
+
+
+GpuShare = Annotated[
+    int,
+    BeforeValidator(parse_gpu_share),
+    PlainSerializer(_format_share, return_type=str),
+]
+"""A share of one GPU in thousandths; YAML ``250m``, ``0.25`` or ``25%``, JSON ``"250m"``."""
+
+Tflops = Annotated[float, BeforeValidator(parse_tflops)]
+"""Dense FP16 throughput in TFLOPS; YAML ``2000 TFLOPS``."""
+
+Bandwidth = Annotated[float, BeforeValidator(parse_bandwidth)]
+"""Memory bandwidth in GB/s; YAML ``3.2 TB/s``."""

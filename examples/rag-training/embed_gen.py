@@ -1,0 +1,3 @@
+"""Embedding generation unit of the rag-training example (a stand-in: prints what it would do)."""
+
+print("embedding-gen: embedding the corpus in batches")
