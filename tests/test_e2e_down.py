@@ -13,7 +13,6 @@ from dsec_core.settings import Settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kernel, pytest.mark.slow]
 
-PIN_DIR, EGRESS_STATE = Settings(node_id="node-1").egress_dirs()  # the test node agent's
 
 SPEC = """\
 version: "1.2"
@@ -41,6 +40,8 @@ def test_down_stops_sandboxes_and_leaves_no_cgroup_program_or_pinned_map(
     services: Any, stack_env: dict[str, str], dsec_cli: Any, tmp_path: Path
 ) -> None:
     env = dict(stack_env)
+    # the test node agent's pins and egress state (per node and home)
+    pin_dir, egress_state = Settings(node_id="node-1", home=Path(env["DSEC_HOME"])).egress_dirs()
     services.start("policy", "builder", "nodeagent")
     code = tmp_path / "code"
     code.mkdir()
@@ -57,7 +58,7 @@ def test_down_stops_sandboxes_and_leaves_no_cgroup_program_or_pinned_map(
     cgroup = Path(ready["cgroup"])
     assert cgroup.is_dir()
     cgroup_id = cgroup.stat().st_ino
-    assert (EGRESS_STATE / f"{cgroup_id}.json").exists()
+    assert (egress_state / f"{cgroup_id}.json").exists()
 
     # What `dsec down` does to the node agent (the stack fixture's servers stay up for the
     # other tests): the marker, then SIGTERM.
@@ -73,9 +74,10 @@ def test_down_stops_sandboxes_and_leaves_no_cgroup_program_or_pinned_map(
     exited = _events(dsec_cli, env, sid, "sandbox.exited")
     assert [e["payload"]["reason"] for e in exited] == ["stopped"]
     assert not cgroup.exists()
-    assert not (EGRESS_STATE / f"{cgroup_id}.json").exists()
-    others = list(EGRESS_STATE.glob("*.json")) if EGRESS_STATE.is_dir() else []
-    if not others:  # no other node agent on this machine has a sandbox attached
-        assert "removing the pinned maps" in services.log("nodeagent")
+    assert not (egress_state / f"{cgroup_id}.json").exists()
+    # the pins and egress state are this stack's own (per node and home): nothing else is
+    # attached there, so the node agent removed them
+    assert "removing the pinned maps" in services.log("nodeagent")
+    assert not pin_dir.exists()
     assert not (home / "run" / "sandboxes" / f"{sid}.json").exists()
     assert "stopping" in services.log("nodeagent")

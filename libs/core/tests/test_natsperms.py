@@ -260,12 +260,13 @@ def test_the_rendered_config_fences_each_node_agent_off_the_others() -> None:
 
 
 def test_each_node_agent_of_a_machine_has_its_own_egress_directories() -> None:
-    pins, state = Settings(node_id="node-2").egress_dirs()
-    assert (pins, state) == (
-        Path("/sys/fs/bpf/dsec-node-2/egress"),
-        Path("/run/dsec-node-2/egress"),
-    )
-    assert Settings(node_id="node-3").egress_dirs()[0] != pins
+    pins, state = Settings(node_id="node-2", home=Path("/srv/a")).egress_dirs()
+    assert pins.parent.name.startswith("dsec-node-2-") and pins.name == "egress"
+    assert state.parent.name == pins.parent.name and state.parent.parent == Path("/run")
+    assert Settings(node_id="node-3", home=Path("/srv/a")).egress_dirs()[0] != pins
+    # another stack's node-2 on the same machine (another home) has directories of its own
+    assert Settings(node_id="node-2", home=Path("/srv/b")).egress_dirs()[0] != pins
+    assert Settings(node_id="node-2", home=Path("/srv/a")).egress_dirs() == (pins, state)
     assert Settings(node_id="n", bpf_pin_dir=Path("/sys/fs/bpf/x")).egress_dirs()[0] == Path(
         "/sys/fs/bpf/x/egress"
     )

@@ -13,6 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+import blake3
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -69,7 +70,8 @@ class Settings(BaseSettings):
     bpf_pin_dir: Path | None = Field(
         default=None,
         description="bpffs directory of this node agent's pinned egress maps (unset: "
-        "/sys/fs/bpf/dsec-<node id>); node agents of one machine each have their own",
+        "/sys/fs/bpf/dsec-<node id>-<8 hex of the home's path>); node agents of one machine "
+        "each have their own, and so do two stacks of one machine (e.g. the demo and a test run)",
     )
     sandbox_uid_base: int = Field(
         default=200_000,
@@ -200,8 +202,11 @@ class Settings(BaseSettings):
                 f"DSEC_NODE_ID {self.node_id!r}: letters, digits, '_' and '-' only (it names "
                 "this node's directories)"
             )
-        pins = self.bpf_pin_dir or Path(f"/sys/fs/bpf/dsec-{self.node_id}")
-        return pins / "egress", Path(f"/run/dsec-{self.node_id}") / "egress"
+        # Two stacks on one machine (a demo and a test run) may both have a ``node-1``: the home
+        # tells them apart, so neither adopts nor removes the other's pinned maps.
+        tag = f"{self.node_id}-{blake3.blake3(str(self.home.absolute()).encode()).hexdigest()[:8]}"
+        pins = self.bpf_pin_dir or Path(f"/sys/fs/bpf/dsec-{tag}")
+        return pins / "egress", Path(f"/run/dsec-{tag}") / "egress"
 
     def nats_endpoint(self) -> str:
         """The NATS URL to use (setting, stack.json, or the conventional local default)."""
