@@ -329,3 +329,36 @@ def test_quota_files_are_validated_with_located_errors(tmp_path: Path) -> None:
 def test_node_spec_is_what_the_engine_is_told() -> None:
     spec = node_spec("n", inv(cpus=4), [])
     assert isinstance(spec, NodeSpec) and spec.gpus == ()
+
+
+def test_a_bad_quota_file_or_policy_stops_the_scheduler_at_start_saying_what(
+    tmp_path: Path,
+) -> None:
+    from dsec_core.settings import Settings
+
+    from dsec_scheduler.app import create_service
+
+    bad = tmp_path / "quotas.yaml"
+    bad.write_text("acme: {gpus: lots}\n")
+    with pytest.raises(SystemExit, match=r"scheduler: .*quotas.yaml: acme.gpus: 'lots' is not"):
+        create_service(Settings(scheduler_quotas=str(bad)))
+    with pytest.raises(SystemExit, match="DSEC_SCHEDULER_POLICY='fastest': unknown"):
+        create_service(Settings(scheduler_policy="fastest"))
+
+
+def test_pending_reasons_fall_in_bounded_classes() -> None:
+    from dsec_scheduler.metrics import PENDING_REASONS, pending_class
+
+    cases = {
+        ("quota: team a uses 8/8 GPUs, asks 1", ()): "quota",
+        ("queued behind sbx_1 (priority 0, waiting 301 s): …", ()): "queue",
+        ("no node has joined", ()): "no_nodes",
+        ("0/9 nodes: …", (("no GPU of model H100", 5), ("insufficient CPU", 4))): "gpu_model",
+        ("0/9 nodes: …", (("insufficient GPU share", 9),)): "gpu_share",
+        ("0/9 nodes: …", (("insufficient free GPUs", 9),)): "gpus",
+        ("0/9 nodes: …", (("insufficient memory", 2), ("cordoned", 1))): "memory",
+        ("0/9 nodes: …", (("lost", 9),)): "unschedulable",
+    }
+    for (reason, unfit), expected in cases.items():
+        assert pending_class(reason, dict(unfit)) == expected, reason
+        assert expected in PENDING_REASONS
