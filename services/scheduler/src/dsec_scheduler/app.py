@@ -123,6 +123,7 @@ class Scheduler:
         self._demands: dict[str, GangDemand] = {}  # what each waiting sandbox asks (its plan)
         self._pending_class: dict[str, str] = {}  # sandbox -> class of its published wait
         self._blocker: Waiting | None = None  # a head of the queue no backfill may pass
+        self._specs: dict[str, tuple[Any, tuple[str, ...], Any]] = {}  # node -> its engine spec
 
     # ------------------------------------------------------------------ following the log
 
@@ -368,7 +369,16 @@ class Scheduler:
 
     def _sync(self, fleet: Fleet) -> None:
         """The engine's nodes and allocations as the folded state has them now."""
-        specs = (node_spec(n.node_id, n.inventory, usable(n, fleet)) for n in fleet.nodes.values())
+        specs = []
+        for n in fleet.nodes.values():
+            why = tuple(usable(n, fleet))
+            cached = self._specs.get(n.node_id)
+            if cached is None or cached[0] is not n.inventory or cached[1] != why:
+                cached = (n.inventory, why, node_spec(n.node_id, n.inventory, why))
+                self._specs[n.node_id] = cached
+            specs.append(cached[2])
+        for gone in set(self._specs) - set(fleet.nodes):
+            del self._specs[gone]
         self.engine.sync(specs, fleet.units)
 
     def _place_avoiding(self, gang: GangDemand, avoid: str | None) -> GangPlacement | Unfit:
