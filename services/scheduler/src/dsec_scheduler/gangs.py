@@ -323,19 +323,43 @@ class EngineSync:
         for key in set(self._held) - set(wanted) - self._pinned:
             self.engine.release(key)
             del self._held[key]
-        for key, h in wanted.items():
-            choice = h.choice()
+        for key, h in sorted(wanted.items(), key=lambda kv: not kv[1].gpu_indices):
             mine = self._held.get(key)
+            if not h.gpu_indices and h.gpus:
+                # Placed before units had GPU indices: it holds GPUs, which ones is unknown.
+                # Keep the ones it was given; else the smallest free ones large enough.
+                if mine is not None and mine.node_id == h.node_id:
+                    continue
+                choice = self._whole_gpus(h)
+            else:
+                choice = h.choice()
             if mine is not None and _same(mine, choice):
                 continue
             self.engine.release(key)
             assume = getattr(self.engine, "assume", None)
+            demand = h.demand()
             if assume is not None:
-                assume(h.demand(), choice)
+                assume(demand, choice)
             else:  # an engine without it learns the unit's demand by being asked for it
-                self.engine.place(GangDemand(key, (h.demand(),)))
+                self.engine.place(GangDemand(key, (demand,)))
                 self.engine.commit(GangPlacement(key, (choice,), "", 0))
             self._held[key] = choice
+
+    def _whole_gpus(self, h: UnitHeld) -> UnitChoice:
+        """Whole GPUs for a unit that names none: the smallest free ones large enough (as the
+        scheduler counted them before units), then any free ones."""
+        spec = self._nodes[h.node_id]
+        used: dict[int, int] = {}
+        for c in self._held.values():
+            if c.node_id == h.node_id:
+                for i in c.gpu_indices:
+                    used[i] = used.get(i, 0) + (c.gpu_milli or MILLI)
+        free = sorted(
+            (g for g in spec.gpus if not used.get(g.index)), key=lambda g: (g.memory_bytes, g.index)
+        )
+        big = [g for g in free if g.memory_bytes >= h.gpu_memory_bytes]
+        chosen = (big + [g for g in free if g not in big])[: h.gpus]
+        return UnitChoice(h.key, h.node_id, tuple(sorted(g.index for g in chosen)), MILLI)
 
     def commit(self, placement: GangPlacement) -> None:
         """Take a placement's capacity, pinned until :meth:`unpin` (its events published, or
