@@ -14,12 +14,14 @@ import dsec_nodeagent.agent
 import dsec_nodeagent.ebpf.controller
 import dsec_nodeagent.ipc.metrics
 import dsec_nodeagent.outlet  # noqa: F401  (imported for its metrics)
+import dsec_scheduler.metrics  # noqa: F401  (the scheduler's placement metrics)
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
 pytestmark = pytest.mark.unit
 
-DASHBOARDS = sorted((Path(__file__).parents[1] / "deploy" / "grafana").glob("*.json"))
+DASHBOARDS_DIR = Path(__file__).parents[1] / "deploy" / "grafana"
+DASHBOARDS = sorted(DASHBOARDS_DIR.glob("*.json"))
 PROMQL_FUNCTIONS = {
     "sum",
     "rate",
@@ -52,8 +54,25 @@ def test_every_dashboard_metric_is_exported() -> None:
     exported = _exported() | {"up"}  # `up` is Prometheus' own per-target metric
     for path in DASHBOARDS:
         for panel in json.loads(path.read_text())["panels"]:
-            for target in panel["targets"]:
+            for target in panel.get("targets", []):
                 names = set(re.findall(r"\b([a-z_][a-z0-9_]*)\b(?=\s*[\{\[])", target["expr"]))
                 names -= PROMQL_FUNCTIONS - {"up"}
                 missing = names - exported
                 assert not missing, f"{path.name} panel {panel['title']!r} queries {missing}"
+
+
+def test_the_placement_row_shows_the_schedulers_placement_metrics() -> None:
+    """Operators find GPU allocation, pending reasons, decisions and their latency in one row."""
+    panels = json.loads((DASHBOARDS_DIR / "dsec-backbone.json").read_text())["panels"]
+    titles = [p["title"] for p in panels]
+    row = titles.index("Placement")
+    assert panels[row]["type"] == "row"
+    exprs = " ".join(t["expr"] for p in panels[row + 1 :] for t in p.get("targets", []))
+    for name in (
+        "dsec_scheduler_gpu_allocation_ratio",
+        "dsec_scheduler_pending_units",
+        "dsec_scheduler_placements_total",
+        "dsec_scheduler_placement_seconds_bucket",
+    ):
+        assert name in exprs, name
+        assert name.removesuffix("_bucket") in generate_latest(REGISTRY).decode(), name

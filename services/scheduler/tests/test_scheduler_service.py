@@ -681,3 +681,56 @@ async def test_another_tenants_stop_neither_ends_nor_unqueues_a_waiting_sandbox(
     placed = await wait_for(js, sid, of("sandbox.scheduled"))
     assert placed.payload["node_id"] == big.node_id
     assert not [e for e in await history(js, "sandbox", sid) if e.type == "sandbox.exited"]
+
+
+async def test_a_gpu_unit_is_placed_with_its_score_and_a_misfit_waits_with_node_counts(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    """On a declared GPU inventory: each unit's ``unit.placed`` (GPUs, model, policy, score
+    breakdown, feasible/total nodes) comes before ``sandbox.scheduled``; a unit asking for a
+    model no node has waits with how many nodes lacked what; operators see both on /metrics
+    (`dsec schedule explain` on such events: tests/test_schedule_explain.py)."""
+    gpu_node = await world.node("h100s", cpus=64, gpus=(80, 80))
+    await start_scheduler(services, DSEC_SCHEDULER_POLICY="dsec")
+    sid = await world.submit(cpu=4, gpu="{count: 2, type: h100}")
+    scheduled = await wait_for(js, sid, of("sandbox.scheduled"))
+    assert scheduled.payload["node_id"] == gpu_node.node_id
+    kinds = [e.type for e in await history(js, "sandbox", sid)]
+    assert kinds.index("unit.placed") < kinds.index("sandbox.scheduled")
+    placed = await wait_for(js, sid, of("unit.placed"))
+    p = placed.payload
+    assert placed.producer == "scheduler"
+    assert (p["unit"], p["node_id"], p["gpu_indices"], p["gpu_milli"]) == (
+        "main",
+        gpu_node.node_id,
+        [0, 1],
+        1000,
+    )
+    assert (p["gpu_model"], p["cpu_millicores"], p["gang_size"], p["attempt"]) == (
+        "H100",
+        4000,
+        1,
+        1,
+    )
+    assert p["policy"] and p["breakdown"] and 1 <= p["feasible_nodes"] <= p["nodes_total"]
+
+    waits = await world.submit(cpu=1, gpu="{count: 1, type: v100}")
+    pending = await wait_for(js, waits, of("sandbox.pending"))
+    q = pending.payload
+    assert q["unit"] == "main"
+    assert q["unfit"]["no GPU of model V100M16/V100M32"] >= 1  # the H100 node (and others)
+    assert sum(q["unfit"].values()) == q["nodes_total"]
+    assert q["reason"].startswith(f"0/{q['nodes_total']} nodes: ")
+
+    text = await scrape(services, 'dsec_scheduler_placements_total{outcome="placed"')
+    assert re.search(r'dsec_scheduler_placements_total\{outcome="unfit",policy="\w+"\} [1-9]', text)
+    assert 'dsec_scheduler_gpu_allocation_ratio{model="H100"}' in text
+    # The wait's class is its commonest reason (here, after other tests: often their
+    # unhealthy nodes), exported on the next tick.
+    pending_gauge = r'dsec_scheduler_pending_units\{reason="(\w+)"\} ([1-9]\d*)'
+    deadline = asyncio.get_running_loop().time() + 10
+    while not re.search(pending_gauge, text):
+        assert asyncio.get_running_loop().time() < deadline, text[-3000:]
+        await asyncio.sleep(0.2)
+        text = await scrape(services, "dsec_scheduler_pending_units")
+    assert "dsec_scheduler_placement_seconds_bucket" in text

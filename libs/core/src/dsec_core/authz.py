@@ -32,6 +32,7 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "env.built": frozenset({"builder"}),
     "sandbox.scheduled": frozenset({"scheduler"}),
     "sandbox.pending": frozenset({"scheduler"}),
+    "unit.placed": frozenset({"scheduler"}),
     "unit.lost": frozenset({"scheduler"}),
     "node.lost": frozenset({"scheduler"}),
     "node.cordoned": frozenset({"scheduler"}),

@@ -181,15 +181,31 @@ class Resources(BaseModel):
     gpu_memory_bytes: int = Field(default=0, description="GPU memory per GPU, 0 = any")
 
 
+ReasonKey = Annotated[str, StringConstraints(max_length=200)]
+ScoreTerm = Annotated[str, StringConstraints(max_length=64)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
 class SandboxPending(Payload):
     """No node can take the sandbox now; it waits in the scheduler's queue (not a failure)."""
 
     TYPE = "sandbox.pending"
     AGGREGATE = "sandbox"
+    VERSION = "1.1"
 
     reason: str = Field(description="Why no node fits, per node in one line")
     resources: Resources = Field(default_factory=Resources)
     attempt: int = Field(default=1, description="Placement attempt (2+ after a node was lost)")
+    unit: str | None = Field(
+        default=None, max_length=128, description="The first compute unit that found no place"
+    )
+    unfit: dict[ReasonKey, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict,
+        max_length=32,
+        description="Why nodes could not take that unit: reason -> how many nodes (each node "
+        "counted once); empty for a wait that is not about capacity (a quota, the queue)",
+    )
+    nodes_total: int | None = Field(default=None, ge=0, description="Nodes the scheduler knew")
 
 
 class SandboxScheduled(Payload):
@@ -207,6 +223,34 @@ class SandboxScheduled(Payload):
     env_built_id: str | None = Field(
         default=None, description="Id of the env.built event whose environment the node stages"
     )
+
+
+class UnitPlaced(Payload):
+    """The scheduler chose a node (and GPUs) for one compute unit of a sandbox; every unit of a
+    gang is placed before (or with) the sandbox's ``sandbox.scheduled``, all or none."""
+
+    TYPE = "unit.placed"
+    AGGREGATE = "sandbox"
+
+    sandbox_id: str
+    unit: str = Field(max_length=128, description="The compute unit's name (``main``: no topology)")
+    node_id: str
+    gpu_indices: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=256)
+    gpu_milli: int = Field(
+        default=0, ge=0, le=1000, description="Thousandths taken on each GPU (1000: whole GPUs)"
+    )
+    gpu_model: str | None = Field(default=None, max_length=64, description="Canonical model")
+    cpu_millicores: int = Field(default=0, ge=0)
+    memory_bytes: int = Field(default=0, ge=0)
+    gang_size: int = Field(default=1, ge=1, description="Units of the sandbox placed together")
+    policy: str = Field(max_length=64, description="The placement policy that chose")
+    score: Finite = 0.0
+    breakdown: dict[ScoreTerm, Finite] = Field(
+        default_factory=dict, max_length=16, description="Named terms of the score"
+    )
+    feasible_nodes: int = Field(default=0, ge=0, description="Nodes that could take the unit")
+    nodes_total: int = Field(default=0, ge=0, description="Nodes the scheduler knew")
+    attempt: int = Field(default=1, description="Placement attempt (2+ after a node was lost)")
 
 
 class UnitLost(Payload):
@@ -658,6 +702,7 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     EnvBuilt,
     SandboxPending,
     SandboxScheduled,
+    UnitPlaced,
     UnitLost,
     ContextInjected,
     SandboxReady,

@@ -130,6 +130,7 @@ TABLE: Mapping[str, Role] = {
         publishes=(
             "sandbox.scheduled",
             "sandbox.pending",
+            "unit.placed",
             "unit.lost",
             "node.lost",
             "node.cordoned",

@@ -188,6 +188,16 @@ class Settings(BaseSettings):
     max_placements: int = Field(
         default=3, ge=1, description="Placements of a sandbox before a lost node fails it"
     )
+    scheduler_policy: str = Field(
+        default="dsec",
+        description="Placement policy of compute units (README, 'Placement'): dsec, fgd, "
+        "bestfit, random, leastloaded",
+    )
+    scheduler_quotas: str | None = Field(
+        default=None,
+        description="Path of a YAML/JSON file {tenant: {gpus, gpu_milli, cpus}}: what each "
+        "team may hold at once (validated at start)",
+    )
 
     def endpoint(self, name: str) -> Any:
         """Return setting ``name`` if set, else the value ``dsec up`` recorded in stack.json."""

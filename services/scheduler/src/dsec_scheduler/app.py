@@ -35,6 +35,7 @@ from dsec_core.events import (
     SandboxPending,
     SandboxScheduled,
     UnitLost,
+    UnitPlaced,
 )
 from dsec_core.identity import SYSTEM_TENANT
 from dsec_core.ids import derive_event_id
@@ -53,15 +54,33 @@ from dsec_scheduler.domain import (
     NODE_SEEN_TYPES,
     NODE_TYPES,
     SANDBOX_TYPES,
+    Fleet,
     NoFit,
-    Placement,
     Sandbox,
     SchedulerState,
     Seen,
     place,
     reason_shape,
     resources_from_plan,
+    usable,
 )
+from dsec_scheduler.engines import make_engine
+from dsec_scheduler.gangs import (
+    MAIN,
+    EngineSync,
+    Waiting,
+    blocks,
+    demand_gpus,
+    gang_demand,
+    load_quotas,
+    node_spec,
+    ordered,
+    quota_refusal,
+    unit_name,
+    usage,
+)
+from dsec_scheduler.placement.api import GangDemand, GangPlacement, Unfit
+from dsec_scheduler.placement.simple import SimpleEngine
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +94,9 @@ SWEEP_S = 5.0
 """The queue is also tried this often while anything waits."""
 REASON_EVERY_S = 10.0
 """A pending sandbox's changed reason is published at most this often."""
+REASON_MAX = 4400
+"""A pending reason's characters at most (the per-node detail is bounded before)."""
+DEMANDS_KEPT = 100_000
 
 
 class Scheduler:
@@ -96,6 +118,12 @@ class Scheduler:
         self._tasks: list[asyncio.Task[None]] = []
         self.follow_problem: str | None = None
         """Why the state is not following the log now (``/healthz``), or None."""
+        self.engine = EngineSync(make_engine(settings.scheduler_policy))
+        self.quotas = load_quotas(settings.scheduler_quotas)
+        self._demands: dict[str, GangDemand] = {}  # what each waiting sandbox asks (its plan)
+        self._pending_class: dict[str, str] = {}  # sandbox -> class of its published wait
+        self._blocker: Waiting | None = None  # a head of the queue no backfill may pass
+        self._specs: dict[str, tuple[Any, tuple[str, ...], Any]] = {}  # node -> its engine spec
 
     # ------------------------------------------------------------------ following the log
 
@@ -335,24 +363,155 @@ class Scheduler:
         metrics.DECISIONS.labels(payload.TYPE).inc()
         core_metrics.EVENTS_PUBLISHED.labels(self.service.name, payload.TYPE).inc()
 
-    def _placement(self, sbx: Sandbox) -> SandboxScheduled | SandboxPending:
-        """Where a waiting (or just built) sandbox goes now, or why it waits."""
+    @property
+    def policy(self) -> str:
+        return self.engine.engine.policy
+
+    def _sync(self, fleet: Fleet) -> None:
+        """The engine's nodes and allocations as the folded state has them now."""
+        specs = []
+        for n in fleet.nodes.values():
+            why = tuple(usable(n, fleet))
+            cached = self._specs.get(n.node_id)
+            if cached is None or cached[0] is not n.inventory or cached[1] != why:
+                cached = (n.inventory, why, node_spec(n.node_id, n.inventory, why))
+                self._specs[n.node_id] = cached
+            specs.append(cached[2])
+        for gone in set(self._specs) - set(fleet.nodes):
+            del self._specs[gone]
+        self.engine.sync(specs, fleet.units)
+
+    def _place_avoiding(self, gang: GangDemand, avoid: str | None) -> GangPlacement | Unfit:
+        """The engine's choice, away from ``avoid`` (where the sandbox was just lost) unless
+        nothing else fits."""
+        engine = self.engine.engine
+        spec = self.engine.node(avoid) if avoid else None
+        if spec is not None and spec.schedulable:
+            self.engine.set_node(replace(spec, schedulable=False, unschedulable_reason="avoided"))
+            try:
+                got = engine.place(gang)
+            finally:
+                self.engine.set_node(spec)
+            if isinstance(got, GangPlacement):
+                return got
+        return engine.place(gang)
+
+    def _could_ever_fit(self, gang: GangDemand, fleet: Fleet) -> bool:
+        """Whether ``gang`` fits the schedulable fleet were it empty (the reference engine)."""
+        empty = SimpleEngine("leastloaded")
+        for n in fleet.nodes.values():
+            empty.upsert_node(node_spec(n.node_id, n.inventory, usable(n, fleet)))
+        return isinstance(empty.place(gang), GangPlacement)
+
+    def _placement(
+        self, sbx: Sandbox, gang: GangDemand, *, behind: Waiting | None = None
+    ) -> list[Payload]:
+        """Where a waiting (or just built) sandbox's units go now (``unit.placed`` for each,
+        then ``sandbox.scheduled``), or why it waits (one ``sandbox.pending``). ``behind``: a
+        head of the queue this sandbox may not pass."""
         assert sbx.resources is not None
-        avoid = sbx.lost_on
-        decision = place(sbx.resources, self.state.fleet(time.time()), avoid=avoid)
-        if isinstance(decision, Placement):
-            return SandboxScheduled(
-                node_id=decision.node_id,
-                reason=decision.reason,
+        started = time.perf_counter()
+        fleet = self.state.fleet(time.time())
+        self._sync(fleet)
+        total = len(fleet.nodes)
+        policy = self.policy
+
+        def pending(reason: str, outcome: str, **more: Any) -> list[Payload]:
+            metrics.PLACEMENTS.labels(policy, outcome).inc()
+            metrics.PLACEMENT_SECONDS.labels(policy).observe(time.perf_counter() - started)
+            assert sbx.resources is not None
+            return [
+                SandboxPending(
+                    reason=reason[:REASON_MAX],
+                    resources=sbx.resources,
+                    attempt=sbx.next_attempt,
+                    nodes_total=total,
+                    **more,
+                )
+            ]
+
+        if behind is not None:
+            waited = time.time() - behind.queued_at
+            return pending(
+                f"queued behind {behind.sandbox_id} (priority {behind.priority}, waiting "
+                f"{waited:.0f} s): no backfill past a head that waited this long",
+                "queued",
+            )
+        refusal = quota_refusal(gang, self.quotas, usage(fleet.units))
+        if refusal is not None:
+            return pending(refusal, "quota")
+        decision = self._place_avoiding(gang, sbx.lost_on)
+        if isinstance(decision, Unfit):
+            return pending(
+                self._unfit_reason(decision, gang, sbx, fleet),
+                "unfit",
+                unit=unit_name(decision.unit),
+                unfit=dict(sorted(decision.reasons.items(), key=lambda kv: -kv[1])[:32]),
+            )
+        self.engine.commit(decision)
+        out: list[Payload] = []
+        by_key = {u.key: u for u in gang.units}
+        for choice in decision.choices:
+            unit = by_key[choice.key]
+            spec = self.engine.node(choice.node_id)
+            models = (
+                {g.model for g in spec.gpus if g.index in choice.gpu_indices} if spec else set()
+            )
+            out.append(
+                UnitPlaced(
+                    sandbox_id=sbx.sandbox_id,
+                    unit=unit_name(choice.key),
+                    node_id=choice.node_id,
+                    gpu_indices=list(choice.gpu_indices),
+                    gpu_milli=choice.gpu_milli if choice.gpu_indices else 0,
+                    gpu_model=min(models) if models else None,
+                    cpu_millicores=unit.cpu_milli,
+                    memory_bytes=unit.memory_bytes,
+                    gang_size=len(decision.choices),
+                    policy=decision.policy or policy,
+                    score=_finite(choice.score),
+                    breakdown={
+                        str(k)[:64]: _finite(v) for k, v in list(choice.breakdown.items())[:16]
+                    },
+                    feasible_nodes=choice.feasible_nodes,
+                    nodes_total=decision.nodes_total or total,
+                    attempt=sbx.next_attempt,
+                )
+            )
+        first = next((c for c in decision.choices if unit_name(c.key) == MAIN), decision.choices[0])
+        nodes = sorted({c.node_id for c in decision.choices})
+        where = f"{len(decision.choices)} units on {len(nodes)} nodes; " if len(nodes) > 1 else ""
+        reason = (
+            f"{where}{decision.policy or policy}: {first.feasible_nodes} of "
+            f"{decision.nodes_total or total} nodes fit, score {first.score:.3f}"
+        )
+        out.append(
+            SandboxScheduled(
+                node_id=first.node_id,
+                reason=reason,
                 attempt=sbx.next_attempt,
                 previous_node=sbx.lost_on,
                 resources=sbx.resources,
                 env_built_id=sbx.env_built_id,
             )
-        assert isinstance(decision, NoFit)
-        return SandboxPending(
-            reason=decision.summary(), resources=sbx.resources, attempt=sbx.next_attempt
         )
+        metrics.PLACEMENTS.labels(policy, "placed").inc()
+        metrics.PLACEMENT_SECONDS.labels(policy).observe(time.perf_counter() - started)
+        return out
+
+    @staticmethod
+    def _unfit_reason(unfit: Unfit, gang: GangDemand, sbx: Sandbox, fleet: Fleet) -> str:
+        """``0/3 nodes: 2 insufficient CPU, 1 no GPU`` (for a gang: which unit), then, for a
+        sandbox of one unit, each node and what it lacks (bounded)."""
+        if not fleet.nodes:
+            return "no node has joined"
+        if len(gang.units) > 1:
+            return f"unit {unit_name(unfit.unit)}: {unfit.summary()}"
+        assert sbx.resources is not None
+        legacy = place(sbx.resources, fleet)
+        if isinstance(legacy, NoFit):
+            return f"{unfit.summary()}; {legacy.summary()}"
+        return unfit.summary()
 
     @staticmethod
     def _same_wait(sbx: Sandbox, decision: SandboxPending) -> bool:
@@ -363,22 +522,93 @@ class Scheduler:
         same = reason_shape(decision.reason) == reason_shape(sbx.pending_reason)
         return same or time.time() - sbx.pending_at < REASON_EVERY_S
 
+    async def _demand(self, sbx: Sandbox) -> GangDemand:
+        """What a waiting sandbox asks (its plan's topology, read once from its authentic
+        ``spec.validated``; without one: a single unit from its resources)."""
+        gang = self._demands.get(sbx.sandbox_id)
+        if gang is not None:
+            return gang
+        assert sbx.resources is not None
+        plan: dict[str, Any] = {}
+        with contextlib.suppress(Exception):  # unreadable: it is placed by its resources
+            validated = await self._gate().find(subject_for("spec.validated", sbx.sandbox_id))
+            if validated is not None:
+                plan = dict(validated.payload["plan"])
+        try:
+            gang = gang_demand(sbx.sandbox_id, sbx.tenant, plan, sbx.resources)
+        except ValueError:
+            gang = gang_demand(sbx.sandbox_id, sbx.tenant, {}, sbx.resources)
+        self._remember(sbx.sandbox_id, gang)
+        return gang
+
+    def _remember(self, sandbox_id: str, gang: GangDemand) -> None:
+        self._demands[sandbox_id] = gang
+        while len(self._demands) > DEMANDS_KEPT:
+            self._demands.pop(next(iter(self._demands)))
+
     async def place_waiting(self) -> None:
-        """Try each waiting sandbox, oldest first: schedule what fits now; a sandbox lost on
-        its node and fitting nowhere becomes pending."""
+        """Try each waiting sandbox in queue order (higher priority first, then oldest): place
+        what fits now; a head that waited :data:`~dsec_scheduler.gangs.BACKFILL_S` and could
+        fit stops the ones behind it (README, "Placement")."""
+        entries: list[tuple[Waiting, GangDemand]] = []
         for queued in self.state.queue():
-            sbx = self.state.sandboxes.get(queued.sandbox_id)
+            if queued.resources is None:
+                continue
+            gang = await self._demand(queued)
+            entries.append(
+                (Waiting(queued.sandbox_id, gang.priority, queued.queued_at or 0.0), gang)
+            )
+        gangs = {w.sandbox_id: g for w, g in entries}
+        head_seen = False
+        self._blocker = None
+        for waiting in ordered(w for w, _ in entries):
+            sbx = self.state.sandboxes.get(waiting.sandbox_id)
             if sbx is None or not sbx.waiting or sbx.stop_requested or sbx.resources is None:
                 continue
-            decision = self._placement(sbx)
-            if isinstance(decision, SandboxPending) and self._same_wait(sbx, decision):
+            decision = self._placement(sbx, gangs[waiting.sandbox_id], behind=self._blocker)
+            first = decision[0]
+            if isinstance(first, SandboxPending) and first.unfit and not head_seen:
+                head_seen = True  # the head: the first in order that cannot fit
+                fleet = self.state.fleet(time.time())
+                if blocks(waiting, time.time(), self._could_ever_fit(gangs[sbx.sandbox_id], fleet)):
+                    self._blocker = waiting
+            if isinstance(first, SandboxPending) and self._same_wait(sbx, first):
                 continue  # still waits, for the reason it was given
-            assert sbx.life.last_event_id is not None
+            await self._publish_decision(sbx, decision)
+
+    async def _publish_decision(
+        self, sbx: Sandbox, decision: list[Payload], causation: Envelope | None = None
+    ) -> None:
+        """Publish a placement's events (each unit's ``unit.placed``, then the sandbox's
+        ``sandbox.scheduled``), or its ``sandbox.pending``, with ids derived from the event
+        the decision follows (a redelivery or another replica publishes the same ids)."""
+        base = causation.id if causation is not None else sbx.life.last_event_id
+        assert base is not None
+        try:
+            await self._publish_each(sbx, decision, base, causation)
+        finally:
+            self.engine.unpin(
+                f"{sbx.sandbox_id}/{p.unit}" for p in decision if isinstance(p, UnitPlaced)
+            )
+
+    async def _publish_each(
+        self, sbx: Sandbox, decision: list[Payload], base: str, causation: Envelope | None
+    ) -> None:
+        for payload in decision:
+            if isinstance(payload, UnitPlaced):
+                event_id = derive_event_id(base, f"unit.placed/{payload.unit}")
+            else:
+                event_id = derive_event_id(base, "placement")
+            if isinstance(payload, SandboxPending):
+                self._pending_class[sbx.sandbox_id] = metrics.pending_class(
+                    payload.reason, payload.unfit
+                )
             await self._decide(
-                decision,
+                payload,
                 aggregate_id=sbx.sandbox_id,
-                event_id=derive_event_id(sbx.life.last_event_id, "placement"),
+                event_id=event_id,
                 tenant=sbx.tenant,
+                causation=causation,
             )
 
     async def declare_lost(self, now: float) -> None:
@@ -466,6 +696,19 @@ class Scheduler:
         for state, count in states.items():
             metrics.NODES.labels(state).set(count)
         metrics.WAITING.set(waiting)
+        self._sync(self.state.fleet(time.time()))
+        for model, ratio in self.engine.engine.allocation_ratio().items():
+            metrics.GPU_ALLOCATION.labels(model).set(ratio)
+        classes = dict.fromkeys(metrics.PENDING_REASONS, 0)
+        for sid in list(self._pending_class):
+            sbx = self.state.sandboxes.get(sid)
+            if sbx is None or sbx.life.state != "pending":
+                del self._pending_class[sid]
+                self._demands.pop(sid, None)
+                continue
+            classes[self._pending_class[sid]] = classes.get(self._pending_class[sid], 0) + 1
+        for cls, count in classes.items():
+            metrics.PENDING_UNITS.labels(cls).set(count)
 
     # ------------------------------------------------------------------ handlers
 
@@ -480,23 +723,31 @@ class Scheduler:
         if validated is None:
             return [SandboxFailed(stage="scheduler", reason="no authentic spec.validated")]
         try:
-            resources = resources_from_plan(validated.payload["plan"])
+            plan = validated.payload["plan"]
+            resources = resources_from_plan(plan)
         except (KeyError, TypeError, ValueError) as exc:
             reason = f"the plan's resources are unreadable: {exc}"[:500]
+            return [SandboxFailed(stage="scheduler", reason=reason)]
+        try:
+            gang = gang_demand(sid, envelope.tenant, plan, resources)
+        except ValueError as exc:
+            reason = f"the plan's topology is unreadable: {exc}"[:500]
             return [SandboxFailed(stage="scheduler", reason=reason)]
         sbx = self.state.sandboxes[sid]
         if sbx.stop_requested or await self._gate().find(
             subject_for("sandbox.stop_requested", sid)
         ):
             return [_stopped()]
-        decision = self._placement(replace(sbx, resources=resources))
-        await self._decide(
-            decision,
-            aggregate_id=sid,
-            event_id=derive_event_id(envelope.id, "placement"),
-            tenant=sbx.tenant,
-            causation=envelope,
-        )
+        self._remember(sid, gang)
+        blocker = self._blocker
+        behind = None
+        if blocker is not None and blocker.priority >= gang.priority:
+            head = self.state.sandboxes.get(blocker.sandbox_id)
+            behind = blocker if head is not None and head.waiting else None
+        decision = self._placement(replace(sbx, resources=resources), gang, behind=behind)
+        await self._publish_decision(replace(sbx, resources=resources), decision, envelope)
+        if demand_gpus(gang) and isinstance(decision[0], SandboxPending):
+            log.info("scheduler: %s waits: %s", sid, decision[0].reason[:300])
         return []
 
     async def on_cordon_requested(
@@ -555,6 +806,12 @@ class Scheduler:
         return []
 
 
+def _finite(value: float) -> float:
+    """A score term as an event may carry it (never NaN or infinite)."""
+    value = float(value)
+    return value if value == value and abs(value) != float("inf") else 0.0
+
+
 def _stopped() -> SandboxExited:
     return SandboxExited(
         exit_code=-1, reason="stopped", duration_s=0.0, detail="stopped before it was placed"
@@ -564,7 +821,10 @@ def _stopped() -> SandboxExited:
 def create_service(settings: Settings | None = None) -> Service:
     """Build the scheduler service: placement, loss detection and the projector."""
     service = Service("scheduler", settings)
-    scheduler = Scheduler(service)
+    try:
+        scheduler = Scheduler(service)
+    except ValueError as exc:  # a bad DSEC_SCHEDULER_POLICY or quotas file: say which, stop
+        raise SystemExit(f"scheduler: {exc}") from None
     stop = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
 

@@ -18,6 +18,8 @@ from dsec_core.events import GpuInfo, NodeInventory, Resources
 from dsec_core.lifecycle import Lifecycle, step
 from dsec_core.spec.plan import ResourceLimits
 
+from dsec_scheduler.gangs import MAIN, UnitHeld, held_from_placed, held_from_resources
+
 GIB = 2**30
 
 # --------------------------------------------------------------------------- the request
@@ -80,6 +82,8 @@ class Fleet:
     allocations: Mapping[str, tuple[Resources, ...]]
     now: float
     lost_after_s: float
+    units: tuple[UnitHeld, ...] = ()
+    """Every compute unit that holds capacity now (what ``allocations`` sums per node)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,11 @@ def free_gpus(gpus: Sequence[GpuInfo], allocated: Iterable[Resources]) -> list[i
             idx = next((i for i, m in enumerate(free) if m >= need.gpu_memory_bytes), len(free) - 1)
             free.pop(idx)
     return free
+
+
+def usable(node: Node, fleet: Fleet) -> list[str]:
+    """Why nothing may be placed on ``node`` now (empty: it may take work)."""
+    return _usable(node, fleet)
 
 
 def _usable(node: Node, fleet: Fleet) -> list[str]:
@@ -294,6 +303,7 @@ NODE_SEEN_TYPES: frozenset[str] = frozenset(_NODE_SEEN)
 _SANDBOX_TYPES = {
     "env.built",
     "sandbox.pending",
+    "unit.placed",
     "sandbox.scheduled",
     "sandbox.ready",
     "unit.lost",
@@ -329,6 +339,9 @@ class SchedulerState:
     _held: dict[str, tuple[Resources, ...]] | None = None  # allocations, until a sandbox changes
     _held_until: float = float("inf")  # when an assumed placement in _held expires
     _awaiting_report: set[str] = field(default_factory=set)  # nodes whose next beat decides
+    _units: dict[str, dict[str, tuple[int, UnitHeld]]] = field(default_factory=dict)
+    """Sandbox → unit → (attempt, allocation) from ``unit.placed`` (the latest attempt's)."""
+    _held_units: tuple[UnitHeld, ...] = ()
 
     # -- reading
 
@@ -338,6 +351,7 @@ class SchedulerState:
         if self._held is None or now >= self._held_until:
             self._awaiting_report = set()
             held: dict[str, list[Resources]] = {}
+            units: list[UnitHeld] = []
             until = float("inf")
             for sbx in self.sandboxes.values():
                 node = sbx.holds
@@ -347,10 +361,46 @@ class SchedulerState:
                     continue
                 if sbx.placed_at + ASSUMED_S > now:
                     until = min(until, sbx.placed_at + ASSUMED_S)
-                held.setdefault(node, []).append(sbx.resources)
+                placed = self._placed_now(sbx)
+                if not placed:  # placed as one unit (before units, or a test's sandbox)
+                    held.setdefault(node, []).append(sbx.resources)
+                    units.append(
+                        held_from_resources(sbx.sandbox_id, sbx.tenant, node, sbx.resources)
+                    )
+                for unit in placed:
+                    held.setdefault(unit.node_id, []).append(unit.resources())
+                    units.append(unit)
             self._held = {n: tuple(r) for n, r in held.items()}
+            self._held_units = tuple(units)
             self._held_until = until
-        return Fleet(dict(self.nodes), self._held, now, self.lost_after_s)
+        return Fleet(dict(self.nodes), self._held, now, self.lost_after_s, self._held_units)
+
+    def units_of(self, sbx: Sandbox) -> list[UnitHeld]:
+        """The units a placed sandbox holds: those its current attempt's ``unit.placed`` named
+        (when they agree with its ``sandbox.scheduled``), else one unit ``main`` on its node."""
+        node = sbx.holds
+        if node is None or sbx.resources is None:
+            return []
+        return self._placed_now(sbx) or [
+            held_from_resources(sbx.sandbox_id, sbx.tenant, node, sbx.resources)
+        ]
+
+    def _placed_now(self, sbx: Sandbox) -> list[UnitHeld]:
+        """The units the current placement's ``unit.placed`` named, when its first unit is on
+        the node ``sandbox.scheduled`` names (else: none, the sandbox counts as one unit)."""
+        placed = [
+            h
+            for attempt, h in (self._units.get(sbx.sandbox_id) or {}).values()
+            if attempt == sbx.life.attempt
+        ]
+        first = next((h for h in placed if h.unit == MAIN), placed[0] if placed else None)
+        if first is None or first.node_id != sbx.holds:
+            return []
+        return placed
+
+    def placed_units(self, sandbox_id: str) -> dict[str, UnitHeld]:
+        """The units of a sandbox's latest ``unit.placed`` attempt (by unit name)."""
+        return {u: h for u, (_, h) in (self._units.get(sandbox_id) or {}).items()}
 
     def _counts(self, sbx: Sandbox, node_id: str, now: float) -> bool:
         """Whether a placement holds capacity on its node now: while assumed (placed less than
@@ -404,7 +454,11 @@ class SchedulerState:
         """Apply a decision being published now; undone if the log holds another under its id
         (another replica's), or if it is withdrawn."""
         key = event.aggregate_id
-        if event.type in _SANDBOX_TYPES:
+        if event.type == "unit.placed":
+            unit = str(event.payload.get("unit"))
+            before = (self._units.get(key) or {}).get(unit)
+            self._tentative[event.id] = ("unit", f"{key}/{unit}", before)
+        elif event.type in _SANDBOX_TYPES:
             self._tentative[event.id] = ("sandbox", key, self.sandboxes.get(key))
         else:
             self._tentative[event.id] = ("node", key, self.nodes.get(key))
@@ -418,6 +472,17 @@ class SchedulerState:
 
     def _undo(self, undo: tuple[str, str, Any]) -> None:
         kind, key, before = undo
+        if kind == "unit":
+            sid, _, unit = key.rpartition("/")
+            self._held = None
+            placed = self._units.setdefault(sid, {})
+            if before is None:
+                placed.pop(unit, None)
+            else:
+                placed[unit] = before
+            if not placed:
+                self._units.pop(sid, None)
+            return
         if kind == "node":
             now = self.nodes.get(key)
             if now is not None and before is not None:  # only the flags a decision sets
@@ -527,6 +592,15 @@ class SchedulerState:
             event.type == "unit.lost" and p.get("action") == "fail"
         ):
             self._remember_end(sid)
+        if event.type == "unit.placed":
+            attempt = int(p.get("attempt") or 1)
+            if sbx is None or attempt < sbx.life.attempt:
+                return False  # for a placement that is over (or a sandbox not built)
+            placed = self._units.setdefault(sid, {})
+            if any(a < attempt for a, _ in placed.values()):
+                placed.clear()  # a new attempt: the old one's units are gone
+            placed[str(p["unit"])] = (attempt, held_from_placed(p, sbx.tenant))
+            return False
         if event.type == "env.built":
             if sbx is not None or sid in self._ended:
                 return False
@@ -547,6 +621,7 @@ class SchedulerState:
         freed = sbx.holds is not None and life.state not in {"scheduled", "running"}
         if life.terminal:
             del self.sandboxes[sid]
+            self._units.pop(sid, None)
             return freed
         changes: dict[str, Any] = {"life": life}
         if p.get("resources") is not None:

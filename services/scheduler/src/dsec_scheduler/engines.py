@@ -1,0 +1,41 @@
+"""Which placement engine the scheduler uses: ``DSEC_SCHEDULER_POLICY`` (default ``dsec``).
+
+The tuned engine (:mod:`dsec_scheduler.placement.engine`, policies ``random``, ``bestfit``,
+``fgd``, ``dsec``) is used when installed; without it the reference engine
+(:mod:`dsec_scheduler.placement.simple`) serves: ``leastloaded`` for ``dsec`` (the scheduler's
+placement before GPU placement existed), ``bestfit`` for ``bestfit`` and ``fgd``. The policy a
+decision was made by is the one its ``unit.placed`` names.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from dsec_scheduler.placement.api import PlacementEngine
+from dsec_scheduler.placement.simple import POLICIES as SIMPLE_POLICIES
+from dsec_scheduler.placement.simple import SimpleEngine
+
+DEFAULT_POLICY = "dsec"
+_FALLBACK = {"dsec": "leastloaded", "fgd": "bestfit", "random": "leastloaded"}
+
+
+def make_engine(policy: str = DEFAULT_POLICY) -> PlacementEngine:
+    """The engine for ``policy``.
+
+    Raises:
+        ValueError: an unknown policy (the message lists the valid ones).
+    """
+    policy = policy.strip().lower() or DEFAULT_POLICY
+    try:
+        tuned = importlib.import_module("dsec_scheduler.placement.engine")
+    except ImportError:
+        tuned = None
+    make = getattr(tuned, "make_engine", None)
+    if make is not None and policy not in SIMPLE_POLICIES:
+        engine: PlacementEngine = make(policy)
+        return engine
+    chosen = policy if policy in SIMPLE_POLICIES else _FALLBACK.get(policy)
+    if chosen is None:
+        valid = sorted({*SIMPLE_POLICIES, *_FALLBACK})
+        raise ValueError(f"DSEC_SCHEDULER_POLICY={policy!r}: unknown; valid: {', '.join(valid)}")
+    return SimpleEngine(chosen)

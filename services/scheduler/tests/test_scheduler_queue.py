@@ -1,0 +1,194 @@
+"""The scheduler's queue over the fold, without a bus: a stand-in service records what the
+scheduler would publish. Priority order, backfill and its bound, quotas, and a gang's events
+(each unit's ``unit.placed`` before the sandbox's ``sandbox.scheduled``)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsec_core.events import GpuInfo, NodeInventory, Payload, Resources
+from dsec_core.settings import Settings
+
+from dsec_scheduler.app import Scheduler
+from dsec_scheduler.domain import Seen
+from dsec_scheduler.gangs import BACKFILL_S, Quota, gang_demand
+
+GIB = 2**30
+_ids = itertools.count()
+
+
+@dataclass
+class Published:
+    payload: Payload
+    aggregate_id: str
+    event_id: str
+
+
+@dataclass
+class Recorder:
+    out: list[Published] = field(default_factory=list)
+
+    async def publish(
+        self, payload: Payload, *, aggregate_id: str, event_id: str, **_: Any
+    ) -> None:
+        self.out.append(Published(payload, aggregate_id, event_id))
+
+
+@dataclass
+class StandIn:
+    """What the scheduler uses of its service: settings, a publisher, a name (no gate: a
+    sandbox's plan is then read as its resources)."""
+
+    settings: Settings
+    publisher: Recorder = field(default_factory=Recorder)
+    name: str = "scheduler"
+    gate: None = None
+    nc: None = None
+
+
+def scheduler(**settings: Any) -> tuple[Scheduler, Recorder]:
+    service = StandIn(Settings(**settings))
+    return Scheduler(service), service.publisher  # type: ignore[arg-type]
+
+
+def seen(type_: str, agg: str, payload: dict[str, Any], at: float, tenant: str = "acme") -> Seen:
+    return Seen(f"ev{next(_ids)}", type_, agg, tenant, payload, at, at)
+
+
+def gpu_node(s: Scheduler, node_id: str, gpus: int) -> None:
+    inv = NodeInventory(
+        cpus=64,
+        memory_bytes=512 * GIB,
+        gpus=[
+            GpuInfo(index=i, uuid=f"{node_id}-{i}", model="H100", memory_total_bytes=80 * GIB)
+            for i in range(gpus)
+        ],
+    )
+    payload = {"node_id": node_id, "inventory": inv.model_dump(mode="json"), "heartbeat_s": 5}
+    s.state.apply(seen("node.joined", node_id, payload, time.time(), "system"))
+
+
+def waiting(s: Scheduler, sid: str, gpus: int, at: float, tenant: str = "acme") -> None:
+    """A sandbox built and pending since ``at``."""
+    s.state.apply(seen("env.built", sid, {}, at, tenant))
+    r = Resources(cpus=1, memory_bytes=GIB, gpus=gpus).model_dump(mode="json")
+    s.state.apply(seen("sandbox.pending", sid, {"reason": "x", "resources": r}, at, tenant))
+
+
+def holding(s: Scheduler, sid: str, node: str, gpus: int, tenant: str = "acme") -> None:
+    now = time.time()
+    s.state.apply(seen("env.built", sid, {}, now, tenant))
+    r = Resources(cpus=1, memory_bytes=GIB, gpus=gpus).model_dump(mode="json")
+    s.state.apply(seen("sandbox.scheduled", sid, {"node_id": node, "resources": r}, now, tenant))
+
+
+def decided(rec: Recorder, sid: str) -> list[str]:
+    return [p.payload.TYPE for p in rec.out if p.aggregate_id == sid]
+
+
+def prioritise(s: Scheduler, sid: str, priority: int) -> None:
+    """The sandbox's plan has a topology of one GPU unit with this priority."""
+    topology = {
+        "units": [{"name": "main", "gpus": 1, "cpu_millicores": 1000, "memory_bytes": GIB}],
+        "priority": priority,
+    }
+    sbx = s.state.sandboxes[sid]
+    assert sbx.resources is not None
+    s._remember(sid, gang_demand(sid, "acme", {"topology": topology}, sbx.resources))
+
+
+async def test_higher_priority_goes_first_then_first_come_first_served() -> None:
+    s, rec = scheduler()
+    gpu_node(s, "n1", gpus=1)
+    now = time.time()
+    waiting(s, "sbx_old_low", 1, now - 50)
+    waiting(s, "sbx_new_high", 1, now - 10)
+    waiting(s, "sbx_newer_high", 1, now - 5)
+    for sid, prio in (("sbx_old_low", 0), ("sbx_new_high", 5), ("sbx_newer_high", 5)):
+        prioritise(s, sid, prio)
+    await s.place_waiting()
+    assert decided(rec, "sbx_new_high") == ["unit.placed", "sandbox.scheduled"]
+    assert "sandbox.scheduled" not in decided(rec, "sbx_newer_high")
+    assert "sandbox.scheduled" not in decided(rec, "sbx_old_low")
+    placed = next(p.payload for p in rec.out if p.payload.TYPE == "unit.placed")
+    assert placed.model_dump()["gpu_indices"] == [0]
+
+
+async def test_backfill_passes_a_head_that_cannot_fit_until_it_waited_too_long() -> None:
+    s, rec = scheduler()
+    gpu_node(s, "n1", gpus=2)
+    holding(s, "sbx_running", "n1", gpus=1)
+    now = time.time()
+    waiting(s, "sbx_big", 2, now - 60)  # the head: 2 GPUs, only 1 free
+    waiting(s, "sbx_small", 1, now - 30)
+    await s.place_waiting()
+    assert decided(rec, "sbx_small") == ["unit.placed", "sandbox.scheduled"]  # backfilled
+
+    s2, rec2 = scheduler()
+    gpu_node(s2, "n1", gpus=2)
+    holding(s2, "sbx_running", "n1", gpus=1)
+    waiting(s2, "sbx_big", 2, now - BACKFILL_S - 1)
+    waiting(s2, "sbx_small", 1, now - 30)
+    await s2.place_waiting()
+    (small,) = [p.payload for p in rec2.out if p.aggregate_id == "sbx_small"]
+    assert small.TYPE == "sandbox.pending"
+    assert small.model_dump()["reason"].startswith("queued behind sbx_big (priority 0, waiting")
+
+    s3, rec3 = scheduler()  # a head that could never fit blocks nothing
+    gpu_node(s3, "n1", gpus=2)
+    holding(s3, "sbx_running", "n1", gpus=1)
+    waiting(s3, "sbx_huge", 8, now - BACKFILL_S - 1)
+    waiting(s3, "sbx_small", 1, now - 30)
+    await s3.place_waiting()
+    assert decided(rec3, "sbx_small") == ["unit.placed", "sandbox.scheduled"]
+
+
+async def test_a_team_at_its_quota_waits_and_another_team_is_placed(tmp_path: Any) -> None:
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text("acme: {gpus: 1}\n")
+    s, rec = scheduler(scheduler_quotas=str(quotas))
+    assert s.quotas == {"acme": Quota(gpus=1.0)}
+    gpu_node(s, "n1", gpus=4)
+    holding(s, "sbx_running", "n1", gpus=1, tenant="acme")
+    now = time.time()
+    waiting(s, "sbx_acme", 1, now - 20, tenant="acme")
+    waiting(s, "sbx_lab", 1, now - 10, tenant="lab")
+    await s.place_waiting()
+    (acme,) = [p.payload.model_dump() for p in rec.out if p.aggregate_id == "sbx_acme"]
+    assert acme["reason"] == "quota: team acme uses 1/1 GPUs, asks 1"
+    assert acme["unfit"] == {} and acme["nodes_total"] == 1
+    assert decided(rec, "sbx_lab") == ["unit.placed", "sandbox.scheduled"]
+
+
+async def test_a_gang_publishes_every_unit_then_the_sandbox_on_its_main_units_node() -> None:
+    s, rec = scheduler()
+    gpu_node(s, "n1", gpus=2)
+    gpu_node(s, "n2", gpus=4)
+    now = time.time()
+    waiting(s, "sbx_gang", 0, now - 5)
+    topology = {
+        "units": [
+            {"name": "side", "gpu_milli": 500, "cpu_millicores": 500, "memory_bytes": GIB},
+            {"name": "main", "gpus": 4, "cpu_millicores": 4000, "memory_bytes": GIB},
+        ]
+    }
+    sbx = s.state.sandboxes["sbx_gang"]
+    assert sbx.resources is not None
+    s._remember("sbx_gang", gang_demand("sbx_gang", "acme", {"topology": topology}, sbx.resources))
+    await s.place_waiting()
+    kinds = decided(rec, "sbx_gang")
+    assert kinds == ["unit.placed", "unit.placed", "sandbox.scheduled"]
+    units = {p.payload.model_dump()["unit"]: p.payload.model_dump() for p in rec.out[:2]}
+    assert units["main"]["node_id"] == "n2" and units["main"]["gang_size"] == 2
+    assert units["side"]["gpu_milli"] == 500
+    scheduled = rec.out[2].payload.model_dump()
+    assert scheduled["node_id"] == "n2"
+    # what the gang holds is counted: the fleet's units say so
+    held = {
+        u.unit: u.node_id for u in s.state.fleet(time.time()).units if u.sandbox_id == "sbx_gang"
+    }
+    assert held == {"main": "n2", "side": units["side"]["node_id"]}
+    assert len({p.event_id for p in rec.out}) == 3  # distinct, derived ids
