@@ -352,6 +352,14 @@ class NodeAgent:
         assert isinstance(submitted, events.SpecSubmitted)
         plan = validated.plan  # typed: the compiled plan, rules with their spec lines
         if not plan.entrypoint:
+            units = plan.topology.units
+            if len(units) > 1:
+                raise StartRefused(
+                    f"a task of {len(units)} compute units ({', '.join(u.name for u in units)}): "
+                    "this node agent runs single-unit sandboxes; the units' placements are in "
+                    "`dsec schedule explain`, and nodes that accept units (the simulated fleet, "
+                    "`dsec fleet simulate`) run them"
+                )
             raise StartRefused("the spec has no `entrypoint`; nothing to run")
         code_dir = await self._code_dir(sid, validated.code, plan.code_max_size)
         restored: list[events.Payload] = []
