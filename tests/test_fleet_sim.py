@@ -237,3 +237,27 @@ async def test_a_simulated_fleet_is_a_fleet_to_the_real_scheduler(
     stopped = sim.last("stopped")
     assert stopped is not None and stopped["publish_errors"] == 0
     assert stopped["placements"] == 1 and stopped["refused"] == 1
+
+
+async def test_dsec_fleet_simulate_runs_a_fleet_on_the_stack(
+    dsec_stack: StackFixture, dsec_cli: Any, stack_env: dict[str, str], js: JetStreamContext
+) -> None:
+    """The CLI command connects as the stack's fleetsim identity (not the user's credential in
+    the environment, which may not publish node events) and reports in JSON lines."""
+    prefix = f"cli{uuid.uuid4().hex[:6]}"
+    out = await asyncio.to_thread(
+        dsec_cli, "fleet", "simulate", "--nodes", "3", "--gpus", "2", "--gpu-model",
+        "A100-80GB", "--prefix", prefix, "--heartbeat-s", "0.5", "--for", "3", "--json",
+        env=stack_env,
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    lines = [json.loads(x) for x in out.output.splitlines() if x.startswith("{")]
+    assert lines[0]["event"] == "started" and lines[0]["nodes"] == 3
+    stopped = lines[-1]
+    assert stopped["event"] == "stopped" and stopped["publish_errors"] == 0
+    assert stopped["heartbeats"] >= 3
+    beats = await _events(js, filter_for("node.heartbeat", f"{prefix}-2"))
+    assert beats and beats[-1].producer == f"nodeagent-{prefix}-2"
+    gpus = beats[-1].payload["inventory"]["gpus"]
+    assert [g["model"] for g in gpus] == ["A100-80GB"] * 2
+    assert "NVLINK" not in gpus[0]["topology"].values()  # 2 GPUs: not an 8-GPU board

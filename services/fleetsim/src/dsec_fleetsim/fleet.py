@@ -101,6 +101,10 @@ class Stats:
         return (self.events - e0) / (now - t0), (cpu - c0) / (self.events - e0) * 1e6
 
 
+class NotPermitted(RuntimeError):
+    """The bus refuses the fleet's events (not the ``fleetsim`` credential)."""
+
+
 class Fleet:
     """Simulated nodes publishing on one connection."""
 
@@ -151,8 +155,20 @@ class Fleet:
         ]:
             self._loop(self._follow(event_type, start_seq), f"follow-{event_type}")
         nodes = list(self.nodes.values())
+        first = self.publishers[nodes[0].node_id]
+        try:  # one registration alone first: a credential NATS refuses fails here, said once
+            await first.register_key()
+        except Exception as exc:
+            raise NotPermitted(
+                f"the bus did not take {nodes[0].node_id}'s key registration ({exc}): connect "
+                "with the `fleetsim` NATS credential (DSEC_NATS_NKEY_SEED=$DSEC_HOME/nats/"
+                "fleetsim.nk), which may publish node events"
+            ) from None
+        self.stats.events += 1
         for i in range(0, len(nodes), JOIN_CHUNK):
-            await asyncio.gather(*(self._join(n) for n in nodes[i : i + JOIN_CHUNK]))
+            await asyncio.gather(
+                *(self._join(n, registered=n is nodes[0]) for n in nodes[i : i + JOIN_CHUNK])
+            )
         self._t0 = time.monotonic()
         self.ready.set()
         self._loop(self._beat_forever(), "heartbeats")
@@ -199,16 +215,17 @@ class Fleet:
         self.stats.events += 1
         return True
 
-    async def _join(self, node: SimNode) -> None:
-        """Register the node's key and announce it (a node agent's start)."""
-        async with self._sem:
-            try:
-                await self.publishers[node.node_id].register_key()
-            except Exception as exc:
-                self.stats.publish_errors += 1
-                log.warning("%s: key registration not published: %s", node.node_id, exc)
-                return
-        self.stats.events += 1
+    async def _join(self, node: SimNode, *, registered: bool = False) -> None:
+        """Register the node's key (unless done) and announce it (a node agent's start)."""
+        if not registered:
+            async with self._sem:
+                try:
+                    await self.publishers[node.node_id].register_key()
+                except Exception as exc:
+                    self.stats.publish_errors += 1
+                    log.warning("%s: key registration not published: %s", node.node_id, exc)
+                    return
+            self.stats.events += 1
         if await self._publish(node, node.joined_event(self.now()), aggregate_id=node.node_id):
             node.joined = True
 

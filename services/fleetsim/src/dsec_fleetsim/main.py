@@ -29,7 +29,7 @@ from dsec_core.settings import Settings
 from dsec_core.spec.units import parse_cpu, parse_size
 
 from dsec_fleetsim import inventory
-from dsec_fleetsim.fleet import Fleet, Options, rss_mib
+from dsec_fleetsim.fleet import Fleet, NotPermitted, Options, rss_mib
 from dsec_fleetsim.identities import NodeIdentity, NoRoot, certify, fleet_secret, root_key
 from dsec_fleetsim.node import SimNode
 from dsec_fleetsim.script import Step, load_script
@@ -195,7 +195,11 @@ async def run(args: argparse.Namespace) -> int:
             steps,
             report=emit,
         )
-        await fleet.start()
+        try:
+            await fleet.start()
+        except NotPermitted as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_UNREACHABLE
         emit(
             {
                 "event": "started",

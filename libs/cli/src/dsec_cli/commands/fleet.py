@@ -35,36 +35,38 @@ fleet_app = typer.Typer(
 MODULE = "dsec_fleetsim"
 
 
-def _explicit_credential(settings: Settings) -> bool:
+def _overriding_credential(settings: Settings) -> bool:
+    """A credential that wins over an nkey seed (user in the URL, a ``.creds`` file)."""
     url = settings.nats_url or ""
     in_url = any("@" in part.partition("://")[2] for part in url.split(","))
-    return in_url or any(
-        v is not None for v in (settings.nats_creds, settings.nats_nkey_seed, settings.nats_user)
-    )
+    return in_url or settings.nats_creds is not None
 
 
 def simulation_env(settings: Settings) -> dict[str, str]:
-    """The environment of the simulation process: the caller's, with the embedded stack's
-    ``fleetsim`` NATS identity unless a credential was given explicitly.
+    """The environment of the simulation process: the caller's, connecting as the embedded
+    stack's ``fleetsim`` NATS identity when the stack has one (a user's own credential may not
+    publish node events); else as configured (a deployment: ``DSEC_NATS_NKEY_SEED`` pointing at
+    the ``fleetsim.nk`` of ``dsec nats credentials``).
 
     Raises:
-        typer.Exit: the embedded stack has no ``fleetsim`` identity (started by an older
-            ``dsec up``: run ``dsec down && dsec up``).
+        typer.Exit: no credential for the fleet (a stack started by an older ``dsec up``).
     """
     env = dict(os.environ)
     env["DSEC_HOME"] = str(settings.home.resolve())
-    if _explicit_credential(settings):
-        return env
     seed = credential_path(settings.home, natsperms.FLEETSIM)
-    if not seed.is_file():
-        fail(
-            f"no NATS identity for the simulated fleet at {seed}: restart the stack "
-            "(`dsec down && dsec up`) so it creates one, or set DSEC_NATS_NKEY_SEED to a "
-            "`fleetsim` credential (`dsec nats credentials`)",
-            EXIT_BAD_INPUT,
-        )
-    env["DSEC_NATS_NKEY_SEED"] = str(seed)
-    return env
+    if _overriding_credential(settings):
+        return env
+    if seed.is_file():
+        env["DSEC_NATS_NKEY_SEED"] = str(seed.resolve())
+        return env
+    if settings.nats_nkey_seed is not None or settings.nats_user is not None:
+        return env
+    fail(
+        f"no NATS identity for the simulated fleet at {seed}: restart the stack "
+        "(`dsec down && dsec up`) so it creates one, or set DSEC_NATS_NKEY_SEED to a "
+        "`fleetsim` credential (`dsec nats credentials`)",
+        EXIT_BAD_INPUT,
+    )
 
 
 def _status_text(line: dict[str, Any]) -> Text:
