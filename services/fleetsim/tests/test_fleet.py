@@ -154,3 +154,25 @@ async def test_scripted_steps_change_what_the_nodes_report() -> None:
 def test_unit_placed_is_followed_once_the_catalogue_has_it() -> None:
     assert placement_types()[0] == "sandbox.scheduled"
     assert ("unit.placed" in placement_types()) == hasattr(events, "UnitPlaced")
+
+
+async def test_units_of_one_sandbox_placed_on_several_nodes_each_run_there() -> None:
+    fleet, sent = _fleet()
+
+    def placed(unit: str, node: str, gpus: list[int], seq: int) -> Envelope:
+        env = Envelope.model_validate(
+            unpack_fields(_wire("sandbox.scheduled", "sbx_g", _scheduled(node), seq))
+        )
+        payload = {"sandbox_id": "sbx_g", "unit": unit, "node_id": node, "gpu_indices": gpus,
+                   "cpu_milli": 8000, "memory_bytes": 64 << 30, "attempt": 1}  # fmt: skip
+        return env.model_copy(update={"type": "unit.placed", "payload": payload})
+
+    await fleet._on_placed(placed("trainer-0", "sim-0", [0, 1, 2, 3], 1))
+    await fleet._on_placed(placed("trainer-1", "sim-1", [4, 5, 6, 7], 2))
+    assert fleet.nodes["sim-0"].units["sbx_g/trainer-0"].gpu_indices == (0, 1, 2, 3)
+    beat = fleet.nodes["sim-1"].heartbeat(0.0)
+    assert beat.sandboxes == ["sbx_g"] and beat.inventory.cpus_allocated == 8.0
+    assert sent == []  # no sandbox.ready: the lifecycle belongs to sandbox.scheduled's node
+    await _on(fleet, "sandbox.stop_requested", "sbx_g", events.SandboxStopRequested(), seq=3)
+    assert fleet.nodes["sim-0"].units == {} and fleet.nodes["sim-1"].units == {}
+    assert fleet.sandboxes == {} and fleet.where == {}

@@ -126,7 +126,8 @@ class Fleet:
         self.publishers = {n: self._publisher(n) for n in self.nodes}
         self.stats = Stats()
         self.attempts: dict[str, int] = {}
-        self.where: dict[str, str] = {}  # sandbox -> node it runs on
+        self.where: dict[str, str] = {}  # unit key (sandbox, or sandbox/unit) -> its node
+        self.sandboxes: dict[str, set[str]] = {}  # sandbox -> keys of its units running here
         self._ends: list[tuple[float, str, str]] = []  # (until, node, sandbox)
         self._inflight: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -290,11 +291,10 @@ class Fleet:
         payload = fields.get("payload")
         if not isinstance(payload, dict):
             return False
+        runs_here = str(fields.get("aggregate_id")) in self.sandboxes
         if event_type == events.SandboxStopRequested.TYPE:
-            return str(fields.get("aggregate_id")) in self.where
-        return str(payload.get("node_id")) in self.nodes or (
-            str(fields.get("aggregate_id")) in self.where
-        )
+            return runs_here
+        return runs_here or str(payload.get("node_id")) in self.nodes
 
     async def _on_event(self, event_type: str, seq: int, data: bytes) -> None:
         try:
@@ -319,15 +319,20 @@ class Fleet:
             await self._on_stop(admitted)
 
     async def _on_placed(self, envelope: Envelope) -> None:
+        """A placement: ``sandbox.scheduled`` (the whole sandbox on one node; its lifecycle
+        reported) or ``unit.placed`` (one compute unit, GPUs named; reported only by the
+        heartbeats: ``sandbox.ready`` belongs to the node of ``sandbox.scheduled``)."""
         p = envelope.payload
         sid = str(p.get("sandbox_id") or envelope.aggregate_id)
+        unit_name = p.get("unit") if envelope.type != events.SandboxScheduled.TYPE else None
+        key = f"{sid}/{unit_name}" if unit_name else sid
         attempt = int(p.get("attempt") or 1)
-        if attempt <= self.attempts.get(sid, 0):
+        if attempt <= self.attempts.get(key, 0):
             return  # an older placement (or the same one read again): never moves it back
-        self.attempts[sid] = attempt
-        old = self.where.get(sid)
+        self.attempts[key] = attempt
+        old = self.where.get(key)
         if old is not None:  # it moved: the copy here is fenced off, nothing published
-            self._drop(old, sid)
+            self._drop(old, key)
         node = self.nodes.get(str(p.get("node_id")))
         if node is None or not node.alive:
             return  # another node's; or this one crashed (the scheduler will find out)
@@ -339,12 +344,19 @@ class Fleet:
             gpus = tuple(node.free_gpus()[: resources.gpus])
         now = self.now()
         run_for = node.run_for_s if node.run_for_s is not None else self.options.run_for_s
-        tenant = await self.gate.tenant_of(sid)
-        unit = Unit(sid, resources.cpus, resources.memory_bytes, gpus, now, now + run_for, tenant)
-        node.units[sid] = unit
-        self.where[sid] = node.node_id
-        heapq.heappush(self._ends, (unit.until, node.node_id, sid))
+        reports = envelope.type == events.SandboxScheduled.TYPE
+        tenant = await self.gate.tenant_of(sid) if reports else None
+        cpus = float(p["cpu_milli"]) / 1000 if "cpu_milli" in p else resources.cpus
+        memory = int(p.get("memory_bytes") or resources.memory_bytes)
+        unit = Unit(sid, cpus, memory, gpus, now, now + run_for, tenant)
+        unit.key, unit.reports = key, reports
+        node.units[key] = unit
+        self.where[key] = node.node_id
+        self.sandboxes.setdefault(sid, set()).add(key)
+        heapq.heappush(self._ends, (unit.until, node.node_id, key))
         self.stats.placements += 1
+        if not reports:
+            return
         ready = events.SandboxReady(
             node_id=node.node_id,
             pid=100_000 + self.stats.placements,
@@ -359,24 +371,33 @@ class Fleet:
             event_id=derive_event_id(envelope.id, "sandbox.ready"),
         )
 
-    def _drop(self, node_id: str, sid: str) -> Unit | None:
+    def _drop(self, node_id: str, key: str) -> Unit | None:
+        """Forget a unit on a node (no event)."""
         node = self.nodes.get(node_id)
-        self.where.pop(sid, None)
-        return node.units.pop(sid, None) if node is not None else None
+        self.where.pop(key, None)
+        unit = node.units.pop(key, None) if node is not None else None
+        if unit is not None:
+            keys = self.sandboxes.get(unit.sandbox_id, set())
+            keys.discard(key)
+            if not keys:
+                self.sandboxes.pop(unit.sandbox_id, None)
+        return unit
+
+    def _keys_of(self, sid: str) -> list[str]:
+        return sorted(self.sandboxes.get(sid, ()))
 
     def _on_lost(self, envelope: Envelope) -> None:
         node_id = str(envelope.payload.get("node_id"))
-        if self.where.get(envelope.aggregate_id) == node_id:
-            self._drop(node_id, envelope.aggregate_id)  # fenced: its own cleanup, no event
+        for key in self._keys_of(envelope.aggregate_id):
+            if self.where.get(key) == node_id:
+                self._drop(node_id, key)  # fenced: its own cleanup, no event
 
     async def _on_stop(self, envelope: Envelope) -> None:
-        sid = envelope.aggregate_id
-        node_id = self.where.get(sid)
-        if node_id is None:
-            return
-        unit = self._drop(node_id, sid)
-        if unit is not None:
-            await self._exited(self.nodes[node_id], unit, "stopped", -1)
+        for key in self._keys_of(envelope.aggregate_id):
+            node_id = self.where[key]
+            unit = self._drop(node_id, key)
+            if unit is not None and unit.reports:
+                await self._exited(self.nodes[node_id], unit, "stopped", -1)
 
     async def _exited(
         self, node: SimNode, unit: Unit, reason: events.ExitReason, code: int
@@ -401,13 +422,13 @@ class Fleet:
             await asyncio.sleep(0.2)
             now = self.now()
             while self._ends and self._ends[0][0] <= now:
-                _, node_id, sid = heapq.heappop(self._ends)
+                _, node_id, key = heapq.heappop(self._ends)
                 node = self.nodes[node_id]
-                unit = node.units.get(sid)
+                unit = node.units.get(key)
                 if unit is None or unit.until > now:
                     continue  # dropped, stopped or moved meanwhile
-                self._drop(node_id, sid)
-                if node.alive:
+                self._drop(node_id, key)
+                if node.alive and unit.reports:
                     self._spawn(self._exited(node, unit, "ok", 0))
 
     # ------------------------------------------------------------------ script
@@ -425,8 +446,8 @@ class Fleet:
         log.info("script t=%.0f: %s %s", step.at, node.node_id, action)
         if action == "crash":
             node.alive = False
-            for sid in list(node.units):
-                self._drop(node.node_id, sid)
+            for key in list(node.units):
+                self._drop(node.node_id, key)
         elif action == "recover":
             if not node.alive:
                 node.restart()

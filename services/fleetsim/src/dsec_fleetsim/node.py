@@ -89,6 +89,10 @@ class Unit:
     started: float
     until: float
     tenant: str | None = None
+    key: str = ""
+    """``sandbox`` or ``sandbox/unit`` (a ``unit.placed``); empty: the sandbox id."""
+    reports: bool = True
+    """Whether its node publishes its ``sandbox.ready``/``exited`` (``sandbox.scheduled``)."""
 
 
 @dataclass(slots=True)
@@ -263,7 +267,7 @@ class SimNode:
             node_id=self.node_id,
             seq=self.seq,
             inventory=inventory,
-            sandboxes=sorted(self.units),
+            sandboxes=sorted({u.sandbox_id for u in self.units.values()}),
             problems=[p[:500] for p in problems[:MAX_PROBLEMS]],
             heartbeat_s=self.heartbeat_s,
         )
