@@ -93,6 +93,7 @@ def test_a_yaml_inventory_mixes_models() -> None:
         ("nodes:\n  - {memory: lots}\n", "inv.yaml: nodes[0].memory:"),
         ("nodes:\n  - {gpu_model: H100}\n", "nodes[0].gpu_model: given without gpus"),
         ("nodes:\n  - {name: 'a b'}\n", "nodes[0].name: Value error, letters, digits"),
+        ("nodes:\n  - {labels: {'-x': a}}\n", "nodes[0].labels: Value error, key '-x': 1-63"),
         ("nodes: [\n", "inv.yaml: not valid YAML"),
         ("- 1\n", "inv.yaml: expected a mapping with nodes"),
         ("nodes:\n  - {name: x}\n  - {name: x}\n", "inv.yaml: node id 'sim-x' given twice"),
@@ -112,3 +113,13 @@ def test_flags_make_identical_nodes_and_refuse_a_family() -> None:
         inventory.uniform(1, gpus=8, gpu_model="a100")
     with pytest.raises(InventoryError, match="--nodes 0: between 1 and 100000"):
         inventory.uniform(0)
+
+
+def test_labels_from_flags_follow_the_node_agents_rules() -> None:
+    from dsec_fleetsim.main import parser, plans_of
+
+    args = parser().parse_args(["--nodes", "2", "--label", "zone=a", "--label", "sim=true"])
+    assert plans_of(args)[1].labels == {"zone": "a", "sim": "true"}
+    bad = parser().parse_args(["--nodes", "2", "--label", "zone=a b"])
+    with pytest.raises(InventoryError, match=r"--label 'zone=a b': value of 'zone'"):
+        plans_of(bad)

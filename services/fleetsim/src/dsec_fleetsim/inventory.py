@@ -49,6 +49,24 @@ _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 _NOT_TOKEN = re.compile(r"[^A-Za-z0-9_-]+")
 NODE_ID_MAX = 64
 MIB = 2**20
+# the node agent's label rules (DSEC_NODE_LABELS): what a real node could carry
+_LABEL_KEY = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_./-]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?")
+
+
+def label_problem(key: str, value: str) -> str | None:
+    """Why ``key=value`` is not a label a node agent accepts, or ``None``."""
+    if not _LABEL_KEY.fullmatch(key):
+        return (
+            f"key {key!r}: 1-63 letters, digits and _.-/ (starting and ending with a letter "
+            "or digit)"
+        )
+    if not _LABEL_VALUE.fullmatch(value):
+        return (
+            f"value of {key!r} ({value!r}): at most 63 letters, digits and _.- (starting and "
+            "ending with a letter or digit)"
+        )
+    return None
 
 
 class InventoryError(ValueError):
@@ -266,6 +284,15 @@ class NodeGroup(BaseModel):
     @classmethod
     def _memory(cls, value: Any) -> int:
         return int(parse_size(value))
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for k, v in value.items():
+            problem = label_problem(k, v)
+            if problem is not None:
+                raise ValueError(problem)
+        return value
 
     @field_validator("name")
     @classmethod

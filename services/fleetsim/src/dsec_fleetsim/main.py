@@ -73,9 +73,13 @@ def _labels(items: Sequence[str]) -> dict[str, str]:
     labels: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        key, value = key.strip(), value.strip()
+        if not sep:
             raise inventory.InventoryError(f"--label {item!r}: expected key=value")
-        labels[key.strip()] = value.strip()
+        problem = inventory.label_problem(key, value)
+        if problem is not None:
+            raise inventory.InventoryError(f"--label {item!r}: {problem}")
+        labels[key] = value
     return labels
 
 
