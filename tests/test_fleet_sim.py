@@ -146,7 +146,14 @@ async def test_a_simulated_fleet_is_a_fleet_to_the_real_scheduler(
     prefix = f"sim{uuid.uuid4().hex[:6]}"
     crashed, forged_on = f"{prefix}-7", f"{prefix}-3"
     script = tmp_path / "script.yaml"
-    script.write_text(f"steps:\n  - {{at: 3, node: {crashed}, crash: true}}\n")
+    hot, broken = f"{prefix}-11", f"{prefix}-9"
+    script.write_text(
+        "steps:\n"
+        f"  - {{at: 3, node: {crashed}, crash: true}}\n"
+        f"  - {{at: 25, node: {crashed}, recover: true}}\n"
+        f"  - {{at: 1, node: {hot}, gpu: 0, temperature: 92, over: 2}}\n"
+        f"  - {{at: 1, node: {broken}, gpu: 3, xid: 79}}\n"
+    )
     env = {
         **os.environ,
         **dsec_stack.env(),
@@ -181,6 +188,24 @@ async def test_a_simulated_fleet_is_a_fleet_to_the_real_scheduler(
             lambda: _events(js, filter_for("node.lost", crashed)), f"{crashed} lost", 60
         )
         assert lost[0].producer == "scheduler"
+
+        # Scripted health, as the read model shows it: a hot GPU, a GPU fallen off the bus.
+        async def health() -> dict[str, Any] | None:
+            rows = await listed()
+            hot_gpu = await asyncio.to_thread(
+                dsec_cli, "node", "show", hot, "--json", env=stack_env
+            )
+            temperature = hot_gpu.last_json()["inventory"]["gpus"][0]["temperature_c"]
+            if rows and rows[broken]["problems"] and temperature == 92.0:
+                return rows
+            return None
+
+        rows = await _poll(health, "the scripted heat and XID 79 reported")
+        assert rows[broken]["gpus"] == {"H100": 7}  # the lost GPU is no longer offered
+        assert (
+            f"GPU 3 (GPU-{broken}-3): no name or memory reported; not offered"
+            in (rows[broken]["problems"])
+        )
 
         # A placement by the real scheduler runs on its simulated node.
         pipe = await trust.pipeline(js, dsec_stack.home)
@@ -228,6 +253,14 @@ async def test_a_simulated_fleet_is_a_fleet_to_the_real_scheduler(
         beats = await _poll(later_beat, f"a later heartbeat of {forged_on}")
         assert all(forged not in b.payload["sandboxes"] for b in beats)
         assert not await _events(js, filter_for("sandbox.ready", forged))
+
+        # The crashed node recovers: it joins again and is ready.
+        async def back() -> bool:
+            rows = await listed()
+            joined = await _events(js, filter_for("node.joined", crashed))
+            return bool(rows and rows[crashed]["state"] == "ready" and len(joined) == 2)
+
+        await _poll(back, f"{crashed} back after its recovery")
     finally:
         await sim.stop()
         for pipe, sid in ended:  # no later test finds it waiting for a node
