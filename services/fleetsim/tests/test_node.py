@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dsec_core import authz, identity
+from dsec_core import authz, canonical, identity
 from dsec_core.events import NodeHeartbeat
 from dsec_core.trust import shape_problem
 
@@ -32,7 +32,35 @@ def test_a_whole_8_gpu_nvlink_node_is_one_nvlink_group() -> None:
     assert all(set(g.topology.values()) == {"NVLINK"} and len(g.topology) == 7 for g in gpus)
     assert all(len(g.nvlinks) == 18 and all(link.active for link in g.nvlinks) for g in gpus)
     assert beat.inventory.gpu_probe == "nvml" and beat.problems == [] and beat.seq == 1
-    assert NodeHeartbeat.model_validate(beat.model_dump(mode="json")) == beat
+    plain = NodeHeartbeat.model_validate(beat.model_dump(mode="json"))
+    assert plain.model_dump() == beat.model_dump()
+
+
+def _plain_bytes(beat: NodeHeartbeat) -> bytes:
+    """What the signer signs for the plain event (no cached canonical forms)."""
+    plain = NodeHeartbeat(**{k: getattr(beat, k) for k in NodeHeartbeat.model_fields})
+    return canonical.pack(canonical.canonicalize(plain.model_dump(mode="json")))
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [H100, NodePlan("t", 32.0, 1 << 37, "T4", 4), NodePlan("c", 8.0, 1 << 34), NodePlan(
+        "m", 192.0, 1 << 41, "MI300X", 8, {"zone": "a"})],
+)  # fmt: skip
+def test_a_prepared_heartbeat_signs_the_bytes_of_the_plain_event(plan: NodePlan) -> None:
+    node = _node(plan)
+    states = [node.heartbeat(0.0)]
+    if node.gpus:
+        node.units["sbx_1"] = Unit("sbx_1", 4.0, 16 << 30, (0,), started=0.0, until=9.0)
+        node.heat(len(node.gpus) - 1, 90.0, 10.0, now=0.0)
+        node.xid(0, 48)
+        states += [node.heartbeat(t) for t in (3.0, 3.0, 7.0, 20.0)]
+        node.xid(1, 79)
+        states.append(node.heartbeat(21.0))
+    for beat in states:
+        assert canonical.pack(canonical.canonicalize(beat.model_dump(mode="json"))) == (
+            _plain_bytes(beat)
+        )
 
 
 def test_pcie_gpus_are_no_nvlink_group() -> None:
