@@ -119,8 +119,6 @@ def test_key_file_is_created_once_with_private_mode(tmp_path: Path) -> None:
 
 
 def test_a_canonical_mapping_is_taken_as_is_and_packs_the_same() -> None:
-    from dsec_core import canonical
-
     inner = {"b": [1, (2, 3)], "a": {"z": 1, "y": 2}}
     made = canonical.Canonical(canonical.canonicalize(inner))
     assert list(made) == ["a", "b"] and made["b"] == [1, [2, 3]]
