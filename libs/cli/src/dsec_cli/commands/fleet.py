@@ -59,8 +59,9 @@ def simulation_env(settings: Settings) -> dict[str, str]:
     if seed.is_file():
         env["DSEC_NATS_NKEY_SEED"] = str(seed.resolve())
         return env
-    if settings.nats_nkey_seed is not None or settings.nats_user is not None:
-        return env
+    explicit = (settings.nats_url, settings.nats_nkey_seed, settings.nats_user)
+    if any(v is not None for v in explicit):
+        return env  # an external server: its own credential (or none)
     fail(
         f"no NATS identity for the simulated fleet at {seed}: restart the stack "
         "(`dsec down && dsec up`) so it creates one, or set DSEC_NATS_NKEY_SEED to a "
@@ -182,47 +183,62 @@ def simulate(
         raise typer.Exit(code)
 
 
+class _Renderer:
+    """The simulation's JSON lines for a person (a live status line) or as they are."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.live: Live | None = None
+
+    def line(self, raw: str) -> None:
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError:
+            return
+        if self.as_json:
+            print(json.dumps(line), flush=True)
+            return
+        kind = line.get("event")
+        if kind == "started":
+            console.print(
+                f"[bold]{line['nodes']}[/] simulated nodes ({line['gpus']} GPUs) joined in "
+                f"{line['join_s']:.1f} s; heartbeat every {line['heartbeat_s']:g} s "
+                f"(e.g. {', '.join(line.get('node_ids', []))}). Ctrl-C stops them."
+            )
+            if console.is_terminal:  # piped: only the first and the last line
+                self.live = Live(Text("waiting for the first status…"), console=console)
+                self.live.start()
+        elif kind == "status" and self.live is not None:
+            self.live.update(_status_text(line))
+        elif kind == "stopped":
+            self.close()
+            console.print(Text("stopped: ").append(_status_text(line)))
+        elif kind == "measured":
+            for key, value in line.items():
+                if key != "event":
+                    console.print(f"{key}: {value}")
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+
 def _run(argv: list[str], env: dict[str, str], as_json: bool) -> int:
-    """Run the simulation, rendering its status lines; Ctrl-C stops it cleanly."""
+    """Run the simulation, rendering its status lines; Ctrl-C stops it cleanly (its last
+    status is still shown)."""
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
     assert proc.stdout is not None
-    live: Live | None = None
+    render = _Renderer(as_json)
     try:
         for raw in proc.stdout:
-            try:
-                line = json.loads(raw)
-            except json.JSONDecodeError:
-                continue
-            if as_json:
-                print(json.dumps(line), flush=True)
-                continue
-            kind = line.get("event")
-            if kind == "started":
-                console.print(
-                    f"[bold]{line['nodes']}[/] simulated nodes ({line['gpus']} GPUs) joined in "
-                    f"{line['join_s']:.1f} s; heartbeat every {line['heartbeat_s']:g} s "
-                    f"(e.g. {', '.join(line.get('node_ids', []))}). Ctrl-C stops them."
-                )
-                live = Live(Text("waiting for the first status…"), console=console)
-                live.start()
-            elif kind == "status" and live is not None:
-                live.update(_status_text(line))
-            elif kind == "stopped":
-                if live is not None:
-                    live.stop()
-                    live = None
-                console.print(Text("stopped: ").append(_status_text(line)))
-            elif kind == "measured":
-                for key, value in line.items():
-                    if key != "event":
-                        console.print(f"{key}: {value}")
+            render.line(raw)
     except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        for _ in proc.stdout:
-            pass
+        proc.send_signal(signal.SIGINT)  # it stops publishing and reports once more
+        for raw in proc.stdout:
+            render.line(raw)
     finally:
-        if live is not None:
-            live.stop()
+        render.close()
         code = proc.wait()
     if code not in (0, -signal.SIGINT):
         err_console.print(f"the simulation exited with status {code} (its errors are above)")
