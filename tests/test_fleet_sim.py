@@ -139,6 +139,19 @@ async def _poll(check: Callable[[], Any], what: str, timeout: float = 60.0) -> A
         await asyncio.sleep(0.5)
 
 
+async def _until_silent(dsec_cli: Any, stack_env: dict[str, str], prefix: str) -> None:
+    """Once the simulation stopped: none of its nodes is `ready` any more (3 heartbeats
+    missed, when the scheduler stops placing there too), so no later test's sandbox is placed
+    on a node nobody runs."""
+
+    async def silent() -> bool:
+        out = await asyncio.to_thread(dsec_cli, "node", "ls", "--json", env=stack_env)
+        rows = [r for r in out.last_json() if r["node_id"].startswith(prefix)]
+        return all(r["state"] != "ready" for r in rows)
+
+    await _poll(silent, f"the {prefix} nodes silent", timeout=30)
+
+
 async def test_a_simulated_fleet_is_a_fleet_to_the_real_scheduler(
     dsec_stack: StackFixture, services: Any, dsec_cli: Any, stack_env: dict[str, str],
     js: JetStreamContext, tmp_path: Path,
@@ -267,6 +280,7 @@ async def test_a_simulated_fleet_is_a_fleet_to_the_real_scheduler(
             await pipe.builder.publish(
                 events.SandboxFailed(stage="test", reason="test over"), aggregate_id=sid
             )
+        await _until_silent(dsec_cli, stack_env, prefix)
     stopped = sim.last("stopped")
     assert stopped is not None and stopped["publish_errors"] == 0
     assert stopped["placements"] == 1 and stopped["refused"] == 1
@@ -294,3 +308,4 @@ async def test_dsec_fleet_simulate_runs_a_fleet_on_the_stack(
     gpus = beats[-1].payload["inventory"]["gpus"]
     assert [g["model"] for g in gpus] == ["A100-80GB"] * 2
     assert "NVLINK" not in gpus[0]["topology"].values()  # 2 GPUs: not an 8-GPU board
+    await _until_silent(dsec_cli, stack_env, prefix)
