@@ -128,7 +128,7 @@ class Fleet:
         self.attempts: dict[str, int] = {}
         self.where: dict[str, str] = {}  # unit key (sandbox, or sandbox/unit) -> its node
         self.sandboxes: dict[str, set[str]] = {}  # sandbox -> keys of its units running here
-        self._ends: list[tuple[float, str, str]] = []  # (until, node, sandbox)
+        self._ends: list[tuple[float, str, str]] = []  # (until, node, unit key): a heap
         self._inflight: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []

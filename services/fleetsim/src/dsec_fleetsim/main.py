@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import signal
@@ -194,6 +195,7 @@ async def run(args: argparse.Namespace) -> int:
             Gate(keys, js, None),
             Options(
                 heartbeat_s=heartbeat_s,
+                version=_version(),
                 run_for_s=args.run_for,
                 max_in_flight=args.max_in_flight,
                 status_every_s=args.status_every,
@@ -226,6 +228,14 @@ async def run(args: argparse.Namespace) -> int:
         with contextlib.suppress(Exception):
             await nc.drain()
     return 0
+
+
+def _version() -> str:
+    """What ``node.joined`` says it runs (the package's version, as a node agent says its)."""
+    try:
+        return importlib.metadata.version("dsec-fleetsim")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
