@@ -266,6 +266,12 @@ async def test_a_simulated_fleet_is_a_fleet_to_the_real_scheduler(
         beats = await _poll(later_beat, f"a later heartbeat of {forged_on}")
         assert all(forged not in b.payload["sandboxes"] for b in beats)
         assert not await _events(js, filter_for("sandbox.ready", forged))
+        # ... and answered as a node agent's consumer answers it (once, by the node it names)
+        durable = f"nodeagent-{forged_on}-sandbox-scheduled"
+        answers = await _events(js, filter_for("security.event_rejected", durable))
+        assert [(a.producer, a.payload["reason"], a.payload["producer"]) for a in answers] == [
+            (f"nodeagent-{forged_on}", "unauthorized", "policy")
+        ]
 
         # The crashed node recovers: it joins again and is ready.
         async def back() -> bool:

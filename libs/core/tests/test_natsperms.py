@@ -66,6 +66,7 @@ def may_publish(role: str, subject: str) -> bool:
         ("fleetsim", "dsec.node.openb-node-0042.joined", True),
         ("fleetsim", "dsec.producer.0123456789abcdef.audit.key_registered", True),
         ("fleetsim", "dsec.sandbox.sbx_1.ready", True),
+        ("fleetsim", "dsec.security.nodeagent-sim-1-sandbox-scheduled.event_rejected", True),
         ("fleetsim", "dsec.sandbox.sbx_1.scheduled", False),
         ("fleetsim", "dsec.node.sim-1.lost", False),
         ("fleetsim", "dsec.sandbox.sbx_1.spec.submitted", False),

@@ -108,7 +108,11 @@ async def test_a_refused_placement_is_counted_and_never_run() -> None:
     fleet, sent = _fleet()
     fleet.gate.refuse.add("sbx_forged")  # type: ignore[attr-defined]
     await _on(fleet, "sandbox.scheduled", "sbx_forged", _scheduled("sim-0"))
-    assert fleet.stats.refused == 1 and sent == [] and fleet.nodes["sim-0"].units == {}
+    assert fleet.stats.refused == 1 and fleet.nodes["sim-0"].units == {}
+    [(node, durable, answer)] = sent  # answered once, by the node it names, as its consumer
+    assert (node, durable) == ("sim-0", "nodeagent-sim-0-sandbox-scheduled")
+    assert isinstance(answer, events.EventRejected)
+    assert (answer.reason, answer.producer, answer.stream_seq) == ("unauthorized", "policy", 1)
     assert "sbx_forged" in fleet.stats.last_refusals[0]
     assert "unauthorized" in fleet.stats.last_refusals[0]
 

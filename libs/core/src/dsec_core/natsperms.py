@@ -15,8 +15,9 @@ Roles:
   snapshot, restore, its key registration) and reads the stream.
 * ``fleetsim`` — the simulated fleet (``dsec fleet simulate``, on the operator's machine): one
   connection publishes the node events of thousands of simulated nodes (``node.joined``,
-  ``node.heartbeat``, the lifecycle a node agent reports) and their key registrations; it reads
-  placements with ephemeral readers and consumes no durable. NATS cannot bind it to a node, so
+  ``node.heartbeat``, the lifecycle a node agent reports, its refusals) and their key
+  registrations; it reads placements with ephemeral readers and consumes no durable. NATS
+  cannot bind it to a node, so
   every event it publishes must still be signed by a ``nodeagent-<node>`` key the operator root
   certified for that node (:mod:`dsec_core.authz`): the credential alone forges nothing.
 
@@ -197,6 +198,7 @@ TABLE: Mapping[str, Role] = {
             "node.heartbeat",
             "sandbox.ready",
             "sandbox.exited",
+            "security.event_rejected",
             "audit.key_registered",
         ),
         notes="simulated nodes (dsec fleet simulate)",

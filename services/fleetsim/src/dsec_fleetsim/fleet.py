@@ -9,10 +9,12 @@
 * **Placements**: one reader per event type (not one per node) follows ``sandbox.scheduled``
   (and ``unit.placed`` once the catalogue has it), ``unit.lost`` and ``sandbox.stop_requested``;
   an event about one of its nodes passes the trust gate (signature, certificate, authorization:
-  only the scheduler places) before it is acted on. A placed unit "runs" for ``run_for_s``: its
-  node publishes ``sandbox.ready``, lists it in its heartbeats and grants its resources, then
-  publishes ``sandbox.exited`` (``ok``) — exactly what a node agent publishes for a workload
-  that ends by itself (authz lets the node a sandbox is scheduled on report it).
+  only the scheduler places) before it is acted on; a refused one is answered with
+  ``security.event_rejected`` by the node it names, as a node agent's consumer answers it. A
+  placed unit "runs" for ``run_for_s``: its node publishes ``sandbox.ready``, lists it in its
+  heartbeats and grants its resources, then publishes ``sandbox.exited`` (``ok``) — exactly
+  what a node agent publishes for a workload that ends by itself (authz lets the node a
+  sandbox is scheduled on report it).
 * **Script**: health steps (:mod:`dsec_fleetsim.script`) applied at their time.
 """
 
@@ -29,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsec_core import events
+from dsec_core import events, natsperms
 from dsec_core.bus import EventPublisher, follow
 from dsec_core.envelope import Envelope
 from dsec_core.identity import SYSTEM_TENANT
@@ -305,11 +307,7 @@ class Fleet:
             return  # another node's: not ours to verify or act on
         admitted = await self.gate.admit(data, stream_seq=seq, event_type=event_type)
         if isinstance(admitted, Refusal):
-            self.stats.refused += 1
-            sid = fields.get("aggregate_id")
-            note = f"{admitted.event_type} of {sid} by {admitted.producer}: "
-            self.stats.last_refusals.append(f"{note}{admitted.reason}: {admitted.detail}"[:300])
-            log.warning("refused %s%s (%s)", note, admitted.reason, admitted.detail)
+            await self._refused(event_type, seq, fields, admitted)
             return
         if event_type in placement_types():
             await self._on_placed(admitted)
@@ -317,6 +315,42 @@ class Fleet:
             self._on_lost(admitted)
         elif event_type == events.SandboxStopRequested.TYPE:
             await self._on_stop(admitted)
+
+    async def _refused(
+        self, event_type: str, seq: int, fields: dict[str, Any], refusal: Refusal
+    ) -> None:
+        """Never act on it; answer it with ``security.event_rejected`` as a node agent's
+        consumer does — once, from the node it names (or runs the sandbox), not from every
+        simulated node (each real node agent's durable would answer it)."""
+        self.stats.refused += 1
+        sid = str(fields.get("aggregate_id"))
+        note = f"{refusal.event_type} of {sid} by {refusal.producer}: "
+        self.stats.last_refusals.append(f"{note}{refusal.reason}: {refusal.detail}"[:300])
+        log.warning("refused %s%s (%s)", note, refusal.reason, refusal.detail)
+        payload = fields.get("payload")
+        named = str(payload.get("node_id")) if isinstance(payload, dict) else ""
+        keys = self._keys_of(sid)
+        node_id = named if named in self.nodes else (self.where[keys[0]] if keys else None)
+        node = self.nodes.get(node_id or "")
+        if node is None or not node.alive:
+            return
+        durable = natsperms.durable_name("nodeagent", event_type, node.node_id)
+        answer = events.EventRejected(
+            stream_seq=seq,
+            event_id=refusal.event_id,
+            event_type=refusal.event_type,
+            producer=refusal.producer,
+            subject=str(fields.get("subject") or filter_for(event_type))[:300],
+            consumer=durable,
+            reason=refusal.reason,
+            detail=refusal.detail,
+        )
+        await self._publish(
+            node,
+            answer,
+            aggregate_id=durable,
+            event_id=derive_event_id(f"{durable}/{seq}", events.EventRejected.TYPE),
+        )
 
     async def _on_placed(self, envelope: Envelope) -> None:
         """A placement: ``sandbox.scheduled`` (the whole sandbox on one node; its lifecycle
