@@ -34,7 +34,8 @@ def test_credentials_are_private_and_kept(tmp_path: Path) -> None:
     first = runner.invoke(app, ["nats", "credentials", str(out), "--json"])
     assert first.exit_code == 0, first.output
     keys = json.loads(first.output)["identities"]
-    assert set(keys) == {"policy", "builder", "snapshot", "scheduler", "nodeagent", "user-default"}
+    services = {"policy", "builder", "snapshot", "scheduler", "nodeagent"}
+    assert set(keys) == {*services, "fleetsim", "user-default"}
     seed = (out / "policy.nk").read_bytes().strip()
     assert nkeys.from_seed(bytearray(seed)).public_key.decode() == keys["policy"]
     assert out.stat().st_mode & 0o777 == 0o700
@@ -48,3 +49,4 @@ def test_credentials_are_private_and_kept(tmp_path: Path) -> None:
     assert keys2["policy"] == keys["policy"] and {"user-acme", "user-default"} <= set(keys2)
     conf = (out / "nats-server.conf").read_text()
     assert "$DSEC_NKEY_USER_ACME" in conf and "$DSEC_NKEY_USER_DEFAULT" in conf
+    assert "$DSEC_NKEY_FLEETSIM" in conf and f"DSEC_NKEY_FLEETSIM={keys['fleetsim']}" in env

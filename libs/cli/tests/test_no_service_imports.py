@@ -12,7 +12,14 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-SERVICES = ("dsec_policy", "dsec_builder", "dsec_snapshot", "dsec_scheduler", "dsec_nodeagent")
+SERVICES = (
+    "dsec_policy",
+    "dsec_builder",
+    "dsec_snapshot",
+    "dsec_scheduler",
+    "dsec_nodeagent",
+    "dsec_fleetsim",
+)
 
 PROBE = """
 import importlib, json, pkgutil, sys

@@ -116,3 +116,12 @@ def test_key_file_is_created_once_with_private_mode(tmp_path: Path) -> None:
     again = load_or_create_key(path)
     assert bytes(key) == bytes(again)
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_canonical_mapping_is_taken_as_is_and_packs_the_same() -> None:
+    inner = {"b": [1, (2, 3)], "a": {"z": 1, "y": 2}}
+    made = canonical.Canonical(canonical.canonicalize(inner))
+    assert list(made) == ["a", "b"] and made["b"] == [1, [2, 3]]
+    outer = canonical.canonicalize({"x": made, "w": 0})
+    assert outer["x"] is made  # not walked again
+    assert canonical.pack(outer) == canonical.canonical_bytes({"x": inner, "w": 0})

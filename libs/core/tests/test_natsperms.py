@@ -61,6 +61,21 @@ def may_publish(role: str, subject: str) -> bool:
         ("user", "dsec.sandbox.sbx_1.failed", False),
         ("user", "dsec_ipc.group.agent.tool", False),
         ("operator", "$JS.API.STREAM.UPDATE.DSEC_EVENTS", True),
+        # the simulated fleet: node events of any node (each signed by that node's key)
+        ("fleetsim", "dsec.node.sim-1.heartbeat", True),
+        ("fleetsim", "dsec.node.openb-node-0042.joined", True),
+        ("fleetsim", "dsec.producer.0123456789abcdef.audit.key_registered", True),
+        ("fleetsim", "dsec.sandbox.sbx_1.ready", True),
+        ("fleetsim", "dsec.security.nodeagent-sim-1-sandbox-scheduled.event_rejected", True),
+        ("fleetsim", "dsec.sandbox.sbx_1.scheduled", False),
+        ("fleetsim", "dsec.node.sim-1.lost", False),
+        ("fleetsim", "dsec.sandbox.sbx_1.spec.submitted", False),
+        (
+            "fleetsim",
+            "$JS.API.CONSUMER.MSG.NEXT.DSEC_EVENTS.nodeagent-node-1-sandbox-scheduled",
+            False,
+        ),
+        ("fleetsim", "$KV.dsec-handled.nodeagent-node-1-sandbox-scheduled.x", False),
     ],
 )
 def test_who_may_publish_what(role: str, subject: str, allowed: bool) -> None:

@@ -12,9 +12,20 @@ from typing import Any
 import msgpack
 
 
+class Canonical(dict[str, Any]):
+    """A mapping already in canonical form (string keys in sorted order, every value canonical):
+    :func:`canonicalize` returns it as is instead of walking it again. For a producer that signs
+    the same large sub-structure over and over (a simulated node's GPUs in each heartbeat); who
+    builds one vouches that it is canonical (``Canonical(canonicalize(x))``)."""
+
+    __slots__ = ()
+
+
 def canonicalize(value: Any) -> Any:
     """Return ``value`` with dict keys sorted and non-msgpack scalars normalized."""
     if isinstance(value, dict):
+        if type(value) is Canonical:
+            return value
         return {str(k): canonicalize(value[k]) for k in sorted(value, key=str)}
     if isinstance(value, list | tuple):
         return [canonicalize(v) for v in value]

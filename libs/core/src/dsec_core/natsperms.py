@@ -13,6 +13,13 @@ Roles:
   the stream.
 * ``user`` — a tenant's CLI: publishes only the requests a person makes (submit, stop,
   snapshot, restore, its key registration) and reads the stream.
+* ``fleetsim`` — the simulated fleet (``dsec fleet simulate``, on the operator's machine): one
+  connection publishes the node events of thousands of simulated nodes (``node.joined``,
+  ``node.heartbeat``, the lifecycle a node agent reports, its refusals) and their key
+  registrations; it reads placements with ephemeral readers and consumes no durable. NATS
+  cannot bind it to a node, so
+  every event it publishes must still be signed by a ``nodeagent-<node>`` key the operator root
+  certified for that node (:mod:`dsec_core.authz`): the credential alone forges nothing.
 
 Subjects are derived from event types (:func:`dsec_core.subjects.filter_for`), never typed by
 hand. Limitation: subjects carry no tenant token, so reading cannot be restricted per tenant.
@@ -30,8 +37,9 @@ from dsec_core.subjects import STREAM, filter_for
 
 OPERATOR = "operator"
 USER = "user"
+FLEETSIM = "fleetsim"
 SERVICES: tuple[str, ...] = ("policy", "builder", "snapshot", "scheduler", "nodeagent")
-ROLES: tuple[str, ...] = (OPERATOR, *SERVICES, USER)
+ROLES: tuple[str, ...] = (OPERATOR, *SERVICES, USER, FLEETSIM)
 
 EVERY_SERVICE_PUBLISHES: tuple[str, ...] = (
     "sandbox.failed",
@@ -181,6 +189,20 @@ TABLE: Mapping[str, Role] = {
             "node.cordon_requested",
         ),
         extra_publish=(RPC_REQUESTS,),  # `dsec sandbox logs|exec` requests (signed)
+    ),
+    # `dsec fleet simulate`: node events of many simulated nodes over one connection; each
+    # event is signed by its node's certified node-agent key (authz binds it to the node)
+    FLEETSIM: Role(
+        FLEETSIM,
+        publishes=(
+            "node.joined",
+            "node.heartbeat",
+            "sandbox.ready",
+            "sandbox.exited",
+            "security.event_rejected",
+            "audit.key_registered",
+        ),
+        notes="simulated nodes (dsec fleet simulate)",
     ),
 }
 """Every non-operator role. Edit here; the embedded config and the deploy file follow."""
@@ -392,7 +414,7 @@ def render_deploy_config(tenants: Iterable[str] = ("default",)) -> str:
         "# Ports and JetStream come from the command line: nats-server -c THIS -js -sd DIR.\n"
     )
     users = [{"user": OPERATOR, "password": "@OPERATOR@", "permissions": permissions(OPERATOR)}]
-    names = [*SERVICES, *(f"{USER}-{t}" for t in tenants)]
+    names = [*SERVICES, FLEETSIM, *(f"{USER}-{t}" for t in tenants)]
     for name in names:
         var = "DSEC_NKEY_" + name.upper().replace("-", "_")
         users.append({"nkey": f"@{var}@", "permissions": permissions(role_of_identity(name))})

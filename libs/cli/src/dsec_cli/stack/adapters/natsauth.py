@@ -18,8 +18,13 @@ from dsec_core.natsclient import DEFAULT_USER_IDENTITY, credential_path
 
 from dsec_cli.stack.adapters.servers import write_private
 
-LOCAL_IDENTITIES: tuple[str, ...] = (*natsperms.SERVICES, DEFAULT_USER_IDENTITY)
-"""Identities ``dsec up`` creates nkeys for: each service and the local tenant's user."""
+LOCAL_IDENTITIES: tuple[str, ...] = (
+    *natsperms.SERVICES,
+    DEFAULT_USER_IDENTITY,
+    natsperms.FLEETSIM,
+)
+"""Identities ``dsec up`` creates nkeys for: each service, the local tenant's user and the
+simulated fleet (``dsec fleet simulate``)."""
 
 BCRYPT_ROUNDS = 8
 """The operator password is 32 random bytes (192 bits), so the cost factor is not what protects
@@ -134,8 +139,8 @@ def create_stream(
 
 
 def deploy_identities(tenants: list[str]) -> list[str]:
-    """Every service and one ``user-<tenant>`` per tenant."""
-    return [*natsperms.SERVICES, *(f"{natsperms.USER}-{t}" for t in tenants)]
+    """Every service, the simulated fleet and one ``user-<tenant>`` per tenant."""
+    return [*natsperms.SERVICES, natsperms.FLEETSIM, *(f"{natsperms.USER}-{t}" for t in tenants)]
 
 
 def write_deploy_credentials(out: Path, tenants: list[str]) -> dict[str, str]:

@@ -1,0 +1,1 @@
+"""The simulated fleet (``dsec fleet simulate``): thousands of signed, heartbeating nodes."""
