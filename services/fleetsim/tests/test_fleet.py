@@ -89,7 +89,8 @@ async def test_a_placement_runs_then_exits_ok() -> None:
     fleet, sent = _fleet(run_for_s=0.0)
     await _on(fleet, "sandbox.scheduled", "sbx_a", _scheduled("sim-1"))
     node = fleet.nodes["sim-1"]
-    assert node.units["sbx_a"].gpu_indices == (0, 1) and fleet.where == {"sbx_a": "sim-1"}
+    # the lifecycle only: the sandbox's resources come with its units' unit.placed
+    assert node.units["sbx_a"].gpu_indices == () and fleet.where == {"sbx_a": "sim-1"}
     assert node.heartbeat(fleet.now()).sandboxes == ["sbx_a"]
     assert [(n, a, p.TYPE) for n, a, p in sent] == [("sim-1", "sbx_a", "sandbox.ready")]
     await _on(fleet, "sandbox.scheduled", "sbx_b", _scheduled("other-node"), seq=2)
@@ -155,9 +156,8 @@ async def test_scripted_steps_change_what_the_nodes_report() -> None:
     assert fleet.publishers["sim-0"].signer.chain != chain  # a new process: a new chain
 
 
-def test_unit_placed_is_followed_once_the_catalogue_has_it() -> None:
-    assert placement_types()[0] == "sandbox.scheduled"
-    assert ("unit.placed" in placement_types()) == hasattr(events, "UnitPlaced")
+def test_both_placement_events_are_followed() -> None:
+    assert placement_types() == ["sandbox.scheduled", "unit.placed"]
 
 
 async def test_units_of_one_sandbox_placed_on_several_nodes_each_run_there() -> None:
@@ -168,7 +168,7 @@ async def test_units_of_one_sandbox_placed_on_several_nodes_each_run_there() -> 
             unpack_fields(_wire("sandbox.scheduled", "sbx_g", _scheduled(node), seq))
         )
         payload = {"sandbox_id": "sbx_g", "unit": unit, "node_id": node, "gpu_indices": gpus,
-                   "cpu_milli": 8000, "memory_bytes": 64 << 30, "attempt": 1}  # fmt: skip
+                   "cpu_millicores": 8000, "memory_bytes": 64 << 30, "attempt": 1}  # fmt: skip
         return env.model_copy(update={"type": "unit.placed", "payload": payload})
 
     await fleet._on_placed(placed("trainer-0", "sim-0", [0, 1, 2, 3], 1))

@@ -54,13 +54,9 @@ JOIN_CHUNK = 256
 
 
 def placement_types() -> list[str]:
-    """The placement events a node acts on: ``sandbox.scheduled``, and ``unit.placed`` when the
-    event catalogue has it."""
-    types = [events.SandboxScheduled.TYPE]
-    placed = getattr(events, "UnitPlaced", None)
-    if placed is not None:
-        types.append(placed.TYPE)
-    return types
+    """The placement events a node acts on: ``unit.placed`` (each compute unit: its resources
+    and GPUs) and ``sandbox.scheduled`` (the sandbox's lifecycle on its node)."""
+    return [events.SandboxScheduled.TYPE, events.UnitPlaced.TYPE]
 
 
 def rss_mib() -> float:
@@ -88,6 +84,9 @@ class Stats:
     heartbeats: int = 0
     publish_errors: int = 0
     placements: int = 0
+    """Sandboxes placed here (``sandbox.scheduled``)."""
+    units_placed: int = 0
+    """Compute units placed here (``unit.placed``)."""
     refused: int = 0
     exited: int = 0
     last_refusals: deque[str] = field(default_factory=lambda: deque(maxlen=5))
@@ -371,6 +370,12 @@ class Fleet:
         if node is None or not node.alive:
             return  # another node's; or this one crashed (the scheduler will find out)
         resources = events.Resources.model_validate(p.get("resources") or {})
+        reports = envelope.type == events.SandboxScheduled.TYPE
+        if reports:
+            # The scheduler places every unit (``main`` too) with its own ``unit.placed``, which
+            # takes the unit's CPUs, memory and GPUs; ``sandbox.scheduled`` then only carries
+            # the sandbox's lifecycle here (ready, exited), not a second copy of its resources.
+            resources = events.Resources(cpus=0, memory_bytes=0)
         indices = p.get("gpu_indices")
         if isinstance(indices, list):
             gpus = tuple(int(i) for i in indices)
@@ -378,9 +383,8 @@ class Fleet:
             gpus = tuple(node.free_gpus()[: resources.gpus])
         now = self.now()
         run_for = node.run_for_s if node.run_for_s is not None else self.options.run_for_s
-        reports = envelope.type == events.SandboxScheduled.TYPE
         tenant = await self.gate.tenant_of(sid) if reports else None
-        cpus = float(p["cpu_milli"]) / 1000 if "cpu_milli" in p else resources.cpus
+        cpus = float(p["cpu_millicores"]) / 1000 if "cpu_millicores" in p else resources.cpus
         memory = int(p.get("memory_bytes") or resources.memory_bytes)
         unit = Unit(sid, cpus, memory, gpus, now, now + run_for, tenant)
         unit.key, unit.reports = key, reports
@@ -388,9 +392,10 @@ class Fleet:
         self.where[key] = node.node_id
         self.sandboxes.setdefault(sid, set()).add(key)
         heapq.heappush(self._ends, (unit.until, node.node_id, key))
-        self.stats.placements += 1
         if not reports:
+            self.stats.units_placed += 1
             return
+        self.stats.placements += 1
         ready = events.SandboxReady(
             node_id=node.node_id,
             pid=100_000 + self.stats.placements,
@@ -514,6 +519,7 @@ class Fleet:
             "cpu_us_per_event": round(cpu_us, 1),
             "publish_errors": self.stats.publish_errors,
             "placements": self.stats.placements,
+            "units_placed": self.stats.units_placed,
             "running": sum(len(n.units) for n in nodes),
             "exited": self.stats.exited,
             "refused": self.stats.refused,
