@@ -187,7 +187,7 @@ def test_the_task_topology_example_checks_valid_with_its_three_units(runner: Cli
     example = REPO / "examples/rag-training/dsec.yaml"
     result = runner.invoke(app, ["spec", "check", str(example)])
     assert result.exit_code == 0, result.stdout
-    assert "valid (0 errors, 2 warnings)" in result.stdout  # no version, no name: defaulted
+    assert "valid (0 errors, 3 warnings)" in result.stdout  # no version, no name: defaulted
     report = json.loads(runner.invoke(app, ["spec", "check", str(example), "--json"]).stdout)
     units = report["plan"]["topology"]["units"]
     assert [(u["name"], u["gpu_models"], u["gpus"]) for u in units] == [

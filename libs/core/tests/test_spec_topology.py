@@ -56,10 +56,12 @@ def unit(body: str, name: str = "a") -> str:
 def test_the_brief_example_validates_and_compiles_to_three_units_and_two_edges() -> None:
     result = load_spec(EXAMPLE.read_text(), str(EXAMPLE.relative_to(REPO)))
     assert result.ok, [e.format() for e in result.errors]
-    # Only the two documented defaults are warned about: no version, no name.
+    # The two documented defaults (no version, no name), and the A100 → H100 nvlink-p2p edge
+    # that no node can give one NVLink domain (placed as a network link).
     assert {(w.rule_id, w.severity) for w in result.warnings} == {
         ("version", Severity.WARNING),
         ("default-name", Severity.WARNING),
+        ("nvlink-degraded", Severity.WARNING),
     }
     assert result.spec is not None
     assert (result.spec.name, result.spec.base) == ("rag-training", "dsec/python311:latest")

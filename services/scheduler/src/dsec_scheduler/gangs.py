@@ -201,6 +201,7 @@ def gang_demand(
     if not units:
         raise ValueError("topology.units: a topology needs at least one unit")
     names = {u.key for u in units}
+    by_key = {u.key: u for u in units}
     edges = []
     for e in topology.get("edges") or ():
         if not isinstance(e, Mapping):
@@ -208,12 +209,27 @@ def gang_demand(
         a, b = f"{sandbox_id}/{e.get('src')}", f"{sandbox_id}/{e.get('dst')}"
         if a not in names or b not in names:
             raise ValueError(f"topology.edges: {e.get('src')} -> {e.get('dst')}: unknown unit")
-        edges.append(Edge(a, b, str(e.get("protocol"))))
+        protocol = str(e.get("protocol"))
+        if protocol == "nvlink-p2p" and _no_common_model(by_key[a], by_key[b]):
+            # NVLink joins GPUs of one model: two units that accept no model in common never
+            # share an NVLink domain, so the edge is placed as a network link (the spec check
+            # warns: `nvlink-degraded`) instead of making the gang unplaceable.
+            protocol = DEGRADED_NVLINK
+        edges.append(Edge(a, b, protocol))
     for members in groups.values():  # one NVLink group name: the units talk over NVLink
         edges += [Edge(members[0], m, "nvlink-p2p") for m in members[1:]]
     return GangDemand(
         sandbox_id, tuple(units), tuple(edges), _int(topology.get("priority")), team=tenant
     )
+
+
+DEGRADED_NVLINK = "network (nvlink-p2p degraded)"
+"""The protocol an nvlink-p2p edge between units with no GPU model in common is placed as:
+anywhere, like RoCE."""
+
+
+def _no_common_model(a: UnitDemand, b: UnitDemand) -> bool:
+    return bool(a.models) and bool(b.models) and not (a.models & b.models)
 
 
 def unit_name(key: str) -> str:

@@ -169,7 +169,7 @@ def _topology_defaults(data: dict[str, Any], smap: SourceMap, filename: str) -> 
 
 def _lint(spec: SandboxSpec, smap: SourceMap) -> list[SpecError]:
     """Warnings about valid but risky choices."""
-    out: list[SpecError] = _gpu_lint(spec, smap)
+    out: list[SpecError] = _gpu_lint(spec, smap) + _link_lint(spec, smap)
     for index, env in enumerate(spec.runtime_context.env_vars):
         if env.value is not None and _SECRET_NAME.search(env.name):
             out.append(
@@ -182,6 +182,35 @@ def _lint(spec: SandboxSpec, smap: SourceMap) -> list[SpecError]:
                     rule_id="plain-secret",
                 )
             )
+    return out
+
+
+def _link_lint(spec: SandboxSpec, smap: SourceMap) -> list[SpecError]:
+    """An ``nvlink-p2p`` edge between tasks that accept no GPU model in common: NVLink joins
+    GPUs of one model, so no node can give the two one NVLink domain; the scheduler places the
+    edge as a network link (degraded), which the warning says."""
+    out: list[SpecError] = []
+    needs = spec.unit_needs()
+    for index, edge in enumerate(spec.communication):
+        if edge.protocol != "nvlink-p2p":
+            continue
+        a, b = needs.get(edge.src), needs.get(edge.to)
+        if a is None or b is None or not a.models or not b.models:
+            continue
+        if set(a.models) & set(b.models):
+            continue
+        out.append(
+            smap.error(
+                ("communication", index, "protocol"),
+                f"{edge.src} ({', '.join(a.models)}) and {edge.to} ({', '.join(b.models)}) "
+                "cannot share an NVLink domain (NVLink joins GPUs of one model): the "
+                "scheduler places this edge as a network link (degraded from nvlink-p2p)",
+                hint="accept a common GPU model in both tasks for NVLink, or say "
+                "protocol: rdma-over-converged-ethernet",
+                severity=Severity.WARNING,
+                rule_id="nvlink-degraded",
+            )
+        )
     return out
 
 
