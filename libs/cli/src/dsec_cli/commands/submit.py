@@ -198,6 +198,14 @@ def _explain(env: Envelope) -> None:
             )
 
 
+def _submitted_name(spec: Path) -> str:
+    """The name the services see the spec by: ``dsec.yaml`` goes with its folder
+    (``rag-training/dsec.yaml``), so a spec without ``name:`` is named after the folder by the
+    policy service exactly as ``dsec spec check`` names it."""
+    parent = spec.resolve().parent.name
+    return f"{parent}/{spec.name}" if parent else spec.name
+
+
 async def submit_and_follow(
     spec_text: str,
     filename: str,
@@ -310,7 +318,9 @@ def submit(
         warn_skipped(skipped, code)
     try:
         outcome = run(
-            submit_and_follow(spec_text, spec.name, code_ref, wait, timeout, stall, as_json)
+            submit_and_follow(
+                spec_text, _submitted_name(spec), code_ref, wait, timeout, stall, as_json
+            )
         )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None

@@ -158,7 +158,7 @@ def _topology_defaults(data: dict[str, Any], smap: SourceMap, filename: str) -> 
             smap.error(
                 ("name",),
                 f"no name; named {name!r} after the file",
-                hint=f"name: {name}  (a service sees only the file's name, not its folder)",
+                hint=f"name: {name}",
                 severity=Severity.WARNING,
                 rule_id="default-name",
             )
