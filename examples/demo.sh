@@ -123,6 +123,31 @@ dsec audit replay --type policy.violation --type policy.violation_summary --type
 echo "--- the world saw (no question about tracker, no tracker connection):"
 cat "$DSEC_HOME/demo-world.log"
 
+step "The brief's task topology: three GPU units placed as one gang on a simulated fleet of
+A100-80GB, H100 and MI300X nodes (each simulated node signs as its own certified node agent)" \
+  dsec fleet simulate --inventory examples/rag-training/fleet.yaml '&' \
+  dsec submit examples/rag-training/dsec.yaml '&&' dsec schedule explain SANDBOX
+dsec spec check examples/rag-training/dsec.yaml
+dsec fleet simulate --inventory examples/rag-training/fleet.yaml --for 120 --json \
+  > "$DSEC_HOME/fleet-sim.log" 2>&1 &
+FLEET_PID=$!
+for _ in $(seq 150); do  # the simulated nodes join; the read model follows the log
+  SIM_READY=$(dsec node ls --json | python3 -c 'import json,sys
+print(sum(n["state"] == "ready" and n["node_id"].startswith("sim-") for n in json.load(sys.stdin)))')
+  [ "$SIM_READY" -ge 14 ] && break
+  sleep 0.2
+done
+[ "$SIM_READY" -ge 14 ] || { echo "demo: the simulated fleet did not join ($SIM_READY)" >&2; exit 1; }
+RAG_SID=$(dsec submit examples/rag-training/dsec.yaml --code examples/rag-training --wait ready --json \
+  | tail -n 1 | python3 -c 'import json,sys; print(json.load(sys.stdin)["sandbox_id"])')
+dsec schedule explain "$RAG_SID"
+dsec schedule explain "$RAG_SID" --json | tail -n 1 | python3 -c 'import json,sys
+d = json.load(sys.stdin); sys.exit(0 if d["decision"] == "placed" and len(d["units"]) == 3 else 1)' \
+  || { echo "demo: the gang was not placed" >&2; exit 1; }
+dsec sandbox stop "$RAG_SID"
+kill "$FLEET_PID" 2>/dev/null || true
+wait "$FLEET_PID" 2>/dev/null || true
+
 step "Prove the whole log: every signature, chain link and sequence" dsec audit verify
 dsec audit verify
 

@@ -229,6 +229,11 @@ def _run(argv: list[str], env: dict[str, str], as_json: bool) -> int:
     status is still shown)."""
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True, bufsize=1)
     assert proc.stdout is not None
+
+    def _terminated(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # `kill`: stop the simulation as Ctrl-C does, never orphan it
+
+    signal.signal(signal.SIGTERM, _terminated)
     render = _Renderer(as_json)
     try:
         for raw in proc.stdout:
