@@ -64,13 +64,41 @@ class _Held:
 
 @dataclass(slots=True)
 class _ShapeCache:
-    """Per-node best score and GPU slot for one unit shape, valid as of ``stamp``."""
+    """Per-node best score and GPU slot for one unit shape; row ``i`` is valid while the node's
+    version is not newer than ``stamp[i]``."""
 
-    stamp: int
+    stamp: IntArr
     score: FloatArr
     slot: IntArr
-    terms: FloatArr  # (N, T): the named score terms
+    terms: FloatArr  # (N, 3): the named score terms
     names: tuple[str, ...] = field(default=())
+
+
+class _Slots:
+    """Lazily, per row: the GPUs that could take the unit (allowed and with enough free)."""
+
+    __slots__ = ("free", "mask", "need")
+
+    def __init__(self, mask: BoolArr, free: IntArr, need: int) -> None:
+        self.mask, self.free, self.need = mask, free, need
+
+    def __getitem__(self, rows: int | npt.NDArray[np.intp]) -> BoolArr:
+        return np.asarray(self.mask[rows] & (self.free[rows] >= self.need))
+
+
+def _any(m: BoolArr) -> BoolArr:
+    return np.asarray(m.any(axis=1), dtype=bool)
+
+
+@dataclass(slots=True)
+class _Elig:
+    """The GPUs a unit's static constraints (models, GPU memory, health, temperature) allow:
+    ``mask`` (N, G), per node whether any, and whether every node allows all its healthy GPUs
+    or none (then per-node aggregates answer "does it fit" without touching N × G)."""
+
+    mask: BoolArr
+    node_any: BoolArr
+    uniform: bool
 
 
 def _models_text(models: frozenset[str]) -> str:
@@ -81,6 +109,28 @@ class Engine:
     """See the module docstring. ``typical``: the distribution of unit shapes the fragmentation
     measure expects (shape key → weight, :func:`frag.shape_key`); without it the engine learns the
     distribution online from the units it is asked to place."""
+
+    # the fleet, one row per node (rows of removed nodes are reused), G columns of GPU slots
+    _cpu_cap: IntArr
+    _cpu_free: IntArr
+    _mem_cap: IntArr
+    _mem_free: IntArr
+    _units: IntArr
+    _max_units: IntArr
+    _alive: BoolArr
+    _sched: BoolArr
+    _ver: IntArr  # the clock at the node's last change
+    _gmax: IntArr  # most free milli on one healthy GPU (-1: none)
+    _gwhole: IntArr  # healthy GPUs with all 1000 milli free
+    _gfree: IntArr
+    _gcap: IntArr
+    _gmodel: IntArr  # model id, -1: no GPU in the slot
+    _gmem: IntArr
+    _gok: BoolArr  # present and healthy
+    _gpresent: BoolArr
+    _gtemp: FloatArr
+    _gnvl: IntArr
+    _gindex: IntArr  # the GPU's index as the node reports it
 
     def __init__(
         self,
@@ -115,7 +165,8 @@ class Engine:
         self._clock = 0
         self._rank: IntArr | None = None
         self._alloc(16, 1)
-        self._elig: dict[tuple[frozenset[str], int, float | None], BoolArr] = {}
+        self._elig: dict[tuple[frozenset[str], int, float | None], _Elig] = {}
+        self._static: dict[tuple[object, ...], tuple[IntArr, list[str]]] = {}
         self._shape: dict[tuple[object, ...], _ShapeCache] = {}
 
     # ---- fleet arrays -------------------------------------------------------------------------
@@ -132,10 +183,10 @@ class Engine:
                     out[: a.shape[0]] = a
                 else:
                     out[: a.shape[0], : a.shape[1]] = a
-            return out
+            return np.asarray(out)
 
         d = self.__dict__
-        for name, fill, dt in (
+        specs: tuple[tuple[str, object, object], ...] = (
             ("_cpu_cap", 0, np.int64),
             ("_cpu_free", 0, np.int64),
             ("_mem_cap", 0, np.int64),
@@ -145,9 +196,12 @@ class Engine:
             ("_alive", False, bool),
             ("_sched", False, bool),
             ("_ver", 0, np.int64),
-        ):
+            ("_gmax", -1, np.int64),
+            ("_gwhole", 0, np.int64),
+        )
+        for name, fill, dt in specs:
             d[name] = grow(d.get(name) if old is not None else None, (cap,), fill, dt)
-        for name, fill, dt in (
+        gspecs: tuple[tuple[str, object, object], ...] = (
             ("_gfree", 0, np.int64),
             ("_gcap", 0, np.int64),
             ("_gmodel", -1, np.int64),
@@ -157,15 +211,21 @@ class Engine:
             ("_gtemp", np.nan, np.float64),
             ("_gnvl", 0, np.int64),
             ("_gindex", 0, np.int64),
-        ):
+        )
+        for name, fill, dt in gspecs:
             d[name] = grow(d.get(name) if old is not None else None, (cap, g), fill, dt)
         self._cap, self._g = cap, g
         self._elig = {}
         self._shape = {}
+        self._static = {}
 
     def _touch(self, row: int) -> None:
         self._clock += 1
         self._ver[row] = self._clock
+        ok = self._gok[row]
+        free = self._gfree[row]
+        self._gmax[row] = int(free[ok].max()) if ok.any() else -1
+        self._gwhole[row] = int((ok & (free >= MILLI)).sum())
 
     def upsert_node(self, node: NodeSpec) -> None:
         row = self._index.get(node.node_id)
@@ -231,11 +291,15 @@ class Engine:
             self._gnvl[row, s] = gpu.nvlink_group
             self._gindex[row, s] = gpu.index
         self._touch(row)
+        self._static = {}
         if fresh:
             self._elig = {}
         else:
-            for key, mask in self._elig.items():
-                mask[row] = self._elig_rows(key, np.array([row]))[0]
+            for key, e in self._elig.items():
+                e.mask[row] = self._elig_rows(key, np.array([row]))[0]
+                e.node_any[row] = e.mask[row].any()
+                if e.node_any[row] and not (e.mask[row] == self._gok[row]).all():
+                    e.uniform = False
 
     def remove_node(self, node_id: str) -> None:
         row = self._index.pop(node_id, None)
@@ -249,6 +313,7 @@ class Engine:
         self._gfree[row] = 0
         self._gcap[row] = 0
         self._touch(row)
+        self._static = {}
         for key in [k for k, h in self._held.items() if h.node == row]:
             del self._held[key]
         self._free_rows.append(row)
@@ -281,12 +346,15 @@ class Engine:
             ok = ok & (np.isnan(t) | (t < max_temp))
         return np.asarray(ok)
 
-    def _eligible(self, u: UnitDemand) -> BoolArr:
+    def _eligible(self, u: UnitDemand) -> _Elig:
         key = (u.models, u.min_gpu_memory_bytes, u.max_temperature_c)
-        mask = self._elig.get(key)
-        if mask is None:
-            mask = self._elig[key] = self._elig_rows(key, np.arange(self._cap))
-        return mask
+        e = self._elig.get(key)
+        if e is None:
+            mask = self._elig_rows(key, np.arange(self._cap))
+            node_any = _any(mask)
+            uniform = bool(((mask == self._gok) | ~node_any[:, None]).all())
+            e = self._elig[key] = _Elig(mask, node_any, uniform)
+        return e
 
     # ---- the typical distribution -------------------------------------------------------------
 
@@ -319,24 +387,27 @@ class Engine:
 
     # ---- one unit -----------------------------------------------------------------------------
 
-    def _gpu_fit(self, u: UnitDemand, elig: BoolArr) -> tuple[BoolArr, BoolArr]:
-        """(per node: the GPU part fits, per GPU: the slot could take the unit)."""
-        n = self._cap
+    def _gpu_fit(self, u: UnitDemand, e: _Elig) -> BoolArr:
+        """Per node: the GPU part of the unit fits."""
         if u.gpus > 0:
-            slot_ok = elig & (self._gfree[:n] >= MILLI)
             if u.nvlink and u.gpus > 1:
-                fit = np.zeros(n, dtype=bool)
+                slot_ok = e.mask & (self._gfree >= MILLI)
+                fit = np.zeros(self._cap, dtype=bool)
                 for grp in np.unique(self._gnvl[slot_ok]):
-                    fit |= (slot_ok & (self._gnvl[:n] == grp)).sum(axis=1) >= u.gpus
-                return fit, slot_ok
-            return slot_ok.sum(axis=1) >= u.gpus, slot_ok
+                    fit |= (slot_ok & (self._gnvl == grp)).sum(axis=1) >= u.gpus
+                return fit
+            if e.uniform:
+                return e.node_any & (self._gwhole >= u.gpus)
+            return np.asarray((e.mask & (self._gfree >= MILLI)).sum(axis=1) >= u.gpus)
         if u.gpu_milli > 0:
-            slot_ok = elig & (self._gfree[:n] >= u.gpu_milli)
-            return slot_ok.any(axis=1), slot_ok
-        return np.ones(n, dtype=bool), elig
+            if e.uniform:
+                return e.node_any & (self._gmax >= u.gpu_milli)
+            return _any(e.mask & (self._gfree >= u.gpu_milli))
+        return np.ones(self._cap, dtype=bool)
 
-    def _feasible(self, u: UnitDemand, elig: BoolArr) -> tuple[BoolArr, BoolArr]:
-        gfit, slot_ok = self._gpu_fit(u, elig)
+    def _feasible(self, u: UnitDemand, e: _Elig) -> tuple[BoolArr, BoolArr]:
+        """(feasible nodes, the GPU part fits)."""
+        gfit = self._gpu_fit(u, e)
         ok = (
             self._sched
             & (self._cpu_free >= u.cpu_milli)
@@ -344,50 +415,76 @@ class Engine:
             & (self._units < self._max_units)
             & gfit
         )
-        return ok, slot_ok
+        return ok, gfit
 
-    def _reasons(self, u: UnitDemand, elig: BoolArr, only: int | None) -> dict[str, int]:
-        """Each node under its first failing reason (static checks first, then capacity)."""
+    def _static_codes(self, u: UnitDemand) -> tuple[IntArr, list[str]]:
+        """Per node, the first GPU constraint it fails (0: none) and the reasons' texts; these
+        change only when nodes do, so they are kept until the next upsert or removal."""
+        key = (u.models, u.min_gpu_memory_bytes, u.max_temperature_c)
+        got = self._static.get(key)
+        if got is not None:
+            return got
+        codes = np.zeros(self._cap, dtype=np.int64)
+        texts: list[str] = []
+
+        def mark(ok_any: BoolArr, text: str) -> None:
+            texts.append(text)
+            codes[(codes == 0) & ~ok_any] = len(texts)
+
+        m = self._gpresent
+        mark(_any(m), "no GPU")
+        if u.models:
+            m = m & np.isin(self._gmodel, [self._model_ids.get(x, -2) for x in u.models])
+            mark(_any(m), f"no GPU of model {_models_text(u.models)}")
+        if u.min_gpu_memory_bytes:
+            m = m & (self._gmem >= u.min_gpu_memory_bytes)
+            gib = u.min_gpu_memory_bytes / _GIB
+            mark(_any(m), f"no GPU with {gib:g} GiB memory")
+        m = m & self._gok
+        mark(_any(m), "GPU unhealthy")
+        if u.max_temperature_c is not None:
+            t = self._gtemp
+            m = m & (np.isnan(t) | (t < u.max_temperature_c))
+            mark(_any(m), "GPU too hot")
+        got = self._static[key] = (codes, texts)
+        return got
+
+    def _reasons(self, u: UnitDemand, gfit: BoolArr, only: int | None) -> dict[str, int]:
+        """Each node under its first failing reason: not the peer's node, unschedulable, unit
+        limit, GPU model / memory / health / temperature, GPU capacity, CPU, memory."""
         out: dict[str, int] = {}
         left = self._alive.copy()
 
         def count(bad: BoolArr, text: str) -> None:
             nonlocal left
-            c = int((left & bad).sum())
+            hit = left & bad
+            c = int(hit.sum())
             if c:
                 out[text] = out.get(text, 0) + c
-            left = left & ~bad
+                left &= ~bad
 
         if only is not None:
             other = np.ones(self._cap, dtype=bool)
             other[only] = False
-            count(other, f"not the node of its {'nvlink/shm'} peer")
-        for row in np.nonzero(left & ~self._sched)[0]:
+            count(other, "not the node of its nvlink/shm peer")
+        for row in np.flatnonzero(left & ~self._sched):
             r = self._reason[int(row)]
             out[r] = out.get(r, 0) + 1
         left &= self._sched
         count(self._units >= self._max_units, "at its unit limit")
         if u.gpus > 0 or u.gpu_milli > 0:
-            present = self._gpresent
-            count(~present.any(axis=1), "no GPU")
-            m = present
-            if u.models:
-                m = m & np.isin(self._gmodel, [self._model_ids.get(x, -2) for x in u.models])
-                count(~m.any(axis=1), f"no GPU of model {_models_text(u.models)}")
-            if u.min_gpu_memory_bytes:
-                m = m & (self._gmem >= u.min_gpu_memory_bytes)
-                gib = u.min_gpu_memory_bytes / _GIB
-                count(~m.any(axis=1), f"no GPU with {gib:g} GiB memory")
-            m = m & self._gok
-            count(~m.any(axis=1), "GPU unhealthy")
-            if u.max_temperature_c is not None:
-                t = self._gtemp
-                m = m & (np.isnan(t) | (t < u.max_temperature_c))
-                count(~m.any(axis=1), "GPU too hot")
-            gfit, _ = self._gpu_fit(u, elig)
+            codes, texts = self._static_codes(u)
+            per = np.bincount(codes[left], minlength=len(texts) + 1)
+            for i, text in enumerate(texts, start=1):
+                if per[i]:
+                    out[text] = out.get(text, 0) + int(per[i])
+            left &= codes == 0
             if u.gpus > 0:
-                txt = "no NVLink group with enough free GPUs" if u.nvlink and u.gpus > 1 else None
-                count(~gfit, txt or "insufficient whole GPUs")
+                nv = u.nvlink and u.gpus > 1
+                count(
+                    ~gfit,
+                    "no NVLink group with enough free GPUs" if nv else "insufficient whole GPUs",
+                )
             else:
                 count(~gfit, "insufficient GPU share")
         count(self._cpu_free < u.cpu_milli, "insufficient CPU")
@@ -405,81 +502,79 @@ class Engine:
             u.nvlink,
         )
 
-    def _first_slots(self, slot_ok: BoolArr, rows: IntArr, k: int) -> IntArr:
-        """The first ``k`` usable slots of each row (rows have ≥ k)."""
-        order = np.argsort(~slot_ok[rows], axis=1, kind="stable")
-        return order[:, :k]
-
     def _frag_scores(
-        self, u: UnitDemand, rows: npt.NDArray[np.intp], slot_ok: BoolArr
+        self, u: UnitDemand, rows: npt.NDArray[np.intp], slot_ok: _Slots
     ) -> tuple[FloatArr, IntArr, FloatArr, tuple[str, ...]]:
-        """Scores (higher is better), chosen slot and named terms for ``rows``."""
+        """Scores (higher is better), chosen slot and named terms for ``rows``. Rows in the same
+        state (same free milli, models, health, CPU …) score alike: each state is scored once."""
+        if rows.size > 32:
+            state = np.concatenate(
+                [
+                    self._gfree[rows],
+                    self._gmodel[rows],
+                    self._gok[rows],
+                    slot_ok[rows],
+                    self._cpu_free[rows, None],
+                    self._gcap[rows].sum(axis=1, keepdims=True),
+                ],
+                axis=1,
+            ).astype(np.int64)
+            h = state @ self._hash_vec(state.shape[1])
+            _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+            if first.size < rows.size * 0.7:
+                score, slot, terms, names = self._frag_rows(u, rows[first], slot_ok)
+                return score[inverse], slot[inverse], terms[inverse], names
+        return self._frag_rows(u, rows, slot_ok)
+
+    def _hash_vec(self, n: int) -> IntArr:
+        v = self.__dict__.get("_hv")
+        if v is None or v.size != n:
+            v = self.__dict__["_hv"] = np.random.default_rng(12345).integers(
+                1, 1 << 62, size=n, dtype=np.int64
+            )
+        return v
+
+    def _frag_rows(
+        self, u: UnitDemand, rows: npt.NDArray[np.intp], slot_ok: _Slots
+    ) -> tuple[FloatArr, IntArr, FloatArr, tuple[str, ...]]:
         typ = self._typical()
         free = self._gfree[rows]
         gmodel = self._gmodel[rows]
         gok = self._gok[rows] & self._gpresent[rows]
         cpu = self._cpu_free[rows]
+        cap = np.maximum(self._gcap[rows].sum(axis=1), 1).astype(np.float64)
+        free_total = np.where(gok, free, 0).sum(axis=1)
         dsec = self.policy == "dsec"
-        memf = self._mem_free[rows] if dsec and __import__("os").environ.get("DSEC_MEM") else None
-        names = ("fragmentation_delta", "usable_after", "packing")
+        names = ("fragmentation_delta", "fgd_score", "node_used_after")
+        ar = np.arange(len(rows))
         if u.gpus == 0 and 0 < u.gpu_milli < MILLI:
-            dfrag, u_after = frag.share_candidates(
-                typ, free, gmodel, gok, cpu, u.cpu_milli, u.gpu_milli, memf, u.memory_bytes
-            )
-            ok = slot_ok[rows]
-            if dsec:
-                import os as _os
-
-                tight = float(_os.environ.get("DSEC_TIGHT", "0"))
-                rank = tight * (1000 - (free - u.gpu_milli)) * 1e-3 + _dsec_rank(
-                    dfrag,
-                    u_after,
-                    self._gcap[rows].sum(axis=1)[:, None] + 0 * free,
-                    self._gfree_total(rows)[:, None] - u.gpu_milli * (1 - int(_os.environ.get("DSEC_BEFORE", "0"))),
-                    ((self._cpu_cap[rows] - cpu + u.cpu_milli) / np.maximum(self._cpu_cap[rows], 1))[:, None],
-                    ((free >= MILLI) & gok).sum(axis=1)[:, None],
-                )
-            else:
-                rank = frag.sigmoid_score(dfrag).astype(np.float64)
-            rank = np.where(ok, rank, -np.inf)
-            slot = np.argmax(rank, axis=1)
-            ar = np.arange(len(rows))
-            score = rank[ar, slot]
-            terms = np.stack(
-                [dfrag[ar, slot], u_after[ar, slot], (free - u.gpu_milli)[ar, slot]], axis=1
-            )
-            return score, slot.astype(np.int64), terms, names
-        after = free.copy()
-        slot = np.full(len(rows), -1, dtype=np.int64)
-        if u.gpus > 0 or u.gpu_milli >= MILLI:
-            k = max(u.gpus, 1)
-            first = self._first_slots(slot_ok, np.asarray(rows), k)
-            ar = np.arange(len(rows))[:, None]
-            after[ar, first] = 0
-            slot = first[:, 0].astype(np.int64)
-        dfrag, u_after = frag.state_change(
-            typ, free, after, gmodel, gok, cpu, u.cpu_milli, memf, u.memory_bytes
-        )
-        left = np.where(gok, after, 0).sum(axis=1)
-        if dsec:
-            score = _dsec_rank(
-                dfrag,
-                u_after,
-                self._gcap[rows].sum(axis=1),
-                left + (self._gfree_total(rows) - left) * int(__import__("os").environ.get("DSEC_BEFORE", "0")),
-                (self._cpu_cap[rows] - cpu + u.cpu_milli) / np.maximum(self._cpu_cap[rows], 1),
-                ((free >= MILLI) & gok).sum(axis=1),
-            )
+            dfrag2, _ = frag.share_candidates(typ, free, gmodel, gok, cpu, u.cpu_milli, u.gpu_milli)
+            base2 = frag.sigmoid_score(dfrag2).astype(np.float64)
+            base2 = np.where(slot_ok[rows], base2, -np.inf)
+            slot = np.argmax(base2, axis=1)  # the first GPU among the best, as FGD does
+            base = base2[ar, slot]
+            dfrag = dfrag2[ar, slot]
+            used = 1.0 - (free_total - u.gpu_milli) / cap
         else:
-            score = frag.sigmoid_score(dfrag).astype(np.float64)
-        terms = np.stack([dfrag, u_after, left.astype(np.float64)], axis=1)
-        return np.asarray(score, dtype=np.float64), slot, terms, names
+            after = free.copy()
+            slot = np.full(len(rows), -1, dtype=np.int64)
+            if u.gpus > 0 or u.gpu_milli >= MILLI:
+                k = max(u.gpus, 1)
+                first = np.argsort(~slot_ok[rows], axis=1, kind="stable")[:, :k]
+                after[ar[:, None], first] = 0
+                slot = first[:, 0].astype(np.int64)
+            dfrag, _ = frag.state_change(typ, free, after, gmodel, gok, cpu, u.cpu_milli)
+            base = frag.sigmoid_score(dfrag).astype(np.float64)
+            used = 1.0 - np.where(gok, after, 0).sum(axis=1) / cap
+        score = _dsec_rank(base, used) if dsec else base
+        terms = np.stack([dfrag, base, used], axis=1)
+        return np.asarray(score, dtype=np.float64), slot.astype(np.int64), terms, names
 
     def _gfree_total(self, rows: npt.NDArray[np.intp]) -> IntArr:
-        return np.where(self._gpresent[rows], self._gfree[rows], 0).sum(axis=1)
+        return np.asarray(np.where(self._gpresent[rows], self._gfree[rows], 0).sum(axis=1))
 
     def _scores(
-        self, u: UnitDemand, feas: BoolArr, slot_ok: BoolArr
+        self, u: UnitDemand, feas: BoolArr, slot_ok: _Slots
     ) -> tuple[FloatArr, IntArr, FloatArr, tuple[str, ...]]:
         """Scores for all rows (only feasible rows are meaningful)."""
         n = self._cap
@@ -503,34 +598,41 @@ class Engine:
         key = self._shape_key(u)
         c = self._shape.get(key)
         if c is None:
-            rows = np.arange(n)
-            score, slot, terms, names = self._frag_scores(u, rows, slot_ok)
-            c = self._shape[key] = _ShapeCache(self._clock, score, slot, terms, names)
-        else:
-            stale = np.nonzero(self._ver > c.stamp)[0]
-            if stale.size:
-                score, slot, terms, _ = self._frag_scores(u, stale, slot_ok)
-                c.score[stale] = score
-                c.slot[stale] = slot
-                c.terms[stale] = terms
-            c.stamp = self._clock
+            c = self._shape[key] = _ShapeCache(
+                np.full(n, -1, dtype=np.int64),
+                np.zeros(n),
+                np.full(n, -1, dtype=np.int64),
+                np.zeros((n, 3)),
+            )
+        # only feasible rows that changed since they were last scored
+        stale = np.flatnonzero(feas & (self._ver > c.stamp))
+        if stale.size:
+            score, slot, terms, names = self._frag_scores(u, stale, slot_ok)
+            c.score[stale] = score
+            c.slot[stale] = slot
+            c.terms[stale] = terms
+            c.stamp[stale] = self._clock
+            c.names = names
         return c.score, c.slot, c.terms, c.names
 
     def _choose(
         self, u: UnitDemand, only: int | None, group: int | None
     ) -> tuple[UnitChoice, int, tuple[int, ...]] | dict[str, int]:
-        elig = self._eligible(u)
+        e = self._eligible(u)
         if group is not None and only is not None:
-            elig = elig.copy()
-            elig[only] &= self._gnvl[only] == group
-        feas, slot_ok = self._feasible(u, elig)
+            mask = e.mask.copy()
+            mask[only] &= self._gnvl[only] == group
+            e = _Elig(mask, _any(mask), False)
+        feas, gfit = self._feasible(u, e)
         if only is not None:
             keep = feas[only]
             feas = np.zeros_like(feas)
             feas[only] = keep
         idx = np.flatnonzero(feas)
         if idx.size == 0:
-            return self._reasons(u, elig, only)
+            return self._reasons(u, gfit, only)
+        need = MILLI if u.gpus > 0 else u.gpu_milli
+        slot_ok = _Slots(e.mask, self._gfree, need)
         if group is not None:
             # restricted GPUs: score directly, the shape cache assumes unrestricted slots
             score, slot, terms, names = self._direct(u, idx, slot_ok)
@@ -567,14 +669,14 @@ class Engine:
         return choice, row, slots
 
     def _direct(
-        self, u: UnitDemand, idx: npt.NDArray[np.intp], slot_ok: BoolArr
+        self, u: UnitDemand, idx: npt.NDArray[np.intp], slot_ok: _Slots
     ) -> tuple[FloatArr, IntArr, FloatArr, tuple[str, ...]]:
         if self.policy in ("fgd", "dsec"):
             return self._frag_scores(u, idx, slot_ok)
         score, slot, terms, names = self._scores(u, np.ones(self._cap, bool), slot_ok)
         return score[idx], slot[idx], terms[idx] if terms.shape[1] else terms, names
 
-    def _slots_for(self, u: UnitDemand, row: int, hint: int, slot_ok: BoolArr) -> tuple[int, ...]:
+    def _slots_for(self, u: UnitDemand, row: int, hint: int, slot_ok: _Slots) -> tuple[int, ...]:
         ok = slot_ok[row]
         if u.gpus > 0 or u.gpu_milli >= MILLI:
             k = max(u.gpus, 1)
@@ -698,13 +800,13 @@ class Engine:
             row = self._index.get(c.node_id)
             if row is None:
                 raise ValueError(f"unit {c.key!r}: node {c.node_id!r} is not in the fleet")
-            slots: list[int] = []
+            found: list[int] = []
             for gi in c.gpu_indices:
                 hit = np.flatnonzero(self._gpresent[row] & (self._gindex[row] == gi))
                 if hit.size == 0:
                     raise ValueError(f"unit {c.key!r}: node {c.node_id!r} has no GPU {gi}")
-                slots.append(int(hit[0]))
-            todo.append((c, row, tuple(slots)))
+                found.append(int(hit[0]))
+            todo.append((c, row, tuple(found)))
         for c, row, slots in todo:
             self._apply(row, slots, c.gpu_milli, c.cpu_milli, c.memory_bytes, +1)
             self._held[c.key] = _Held(row, slots, c.gpu_milli, c.cpu_milli, c.memory_bytes)
@@ -730,58 +832,9 @@ class Engine:
         return out
 
 
-def _dsec_rank(
-    dfrag: FloatArr, u_after: FloatArr, gpu_left: IntArr | FloatArr, node_left: IntArr | FloatArr, cpu_frac: FloatArr, whole: IntArr
-) -> FloatArr:
-    """DSec's order (higher is better): FGD's score first (fragmentation growth, on the paper's
-    0-100 scale), then among equal scores the placement that leaves the least free GPU capacity
-    on the node (packing: keep whole nodes free for the large units still to come)."""
-    import os
-
-    mode = os.environ.get("DSEC_MODE", "c")
-    base = frag.sigmoid_score(dfrag).astype(np.float64)
-    left = np.asarray(node_left, dtype=np.float64)
-    if mode == "c":
-        return base * 1e6 - left
-    if mode == "d":
-        return base * 1e6
-    if mode == "e":
-        return -np.round(dfrag, 3) * 1e4 - left * 1e-3
-    cap = np.asarray(gpu_left, dtype=np.float64)
-    if mode == "h":
-        return base * 1e6 + (cap - left)
-    if mode == "q":
-        qq = float(os.environ.get("DSEC_Q", "1"))
-        x = np.clip(-dfrag / 1000.0, -50, 50)
-        b2 = np.trunc(100.0 * qq / (1.0 + np.exp(-x)))
-        return b2 * 1e6 + 1000 * (cap - left) / np.maximum(cap, 1)
-    if mode == "i3":
-        return base * 1e6 + 1000 * (cap - left) / np.maximum(cap, 1) - np.clip(dfrag, -1e4, 1e4) * 1e-2
-    if mode == "i4":
-        return base * 1e6 + 500 * (cap - left) / np.maximum(cap, 1) + 500 * cpu_frac
-    if mode == "i5":
-        return base * 1e6 + 1000 * np.maximum((cap - left) / np.maximum(cap, 1), cpu_frac)
-    if mode == "t":
-        tau = float(os.environ.get("DSEC_TAU", "50"))
-        return -np.floor(dfrag / tau) * 1e6 + 1000 * (cap - left) / np.maximum(cap, 1)
-    if mode == "k4":
-        return base * 1e6 - cap + 100 * (cap - left) / np.maximum(cap, 1)
-    if mode == "k5":
-        return base * 1e6 + cap + 100 * (cap - left) / np.maximum(cap, 1)
-    if mode == "b1":
-        return base * 1e6 - 1000 * whole + 100 * (cap - left) / np.maximum(cap, 1)
-    if mode == "b2":
-        return base * 1e6 + 1000 * (cap - left) / np.maximum(cap, 1) - whole
-    if mode == "sd":
-        dd = float(os.environ.get("DSEC_D", "1000"))
-        b3 = np.trunc(100.0 / (1.0 + np.exp(-np.clip(-dfrag / dd, -50, 50))))
-        return b3 * 1e6 + 1000 * (cap - left) / np.maximum(cap, 1)
-    if mode == "i":
-        return base * 1e6 + 1000 * (cap - left) / np.maximum(cap, 1)
-    if mode == "e2":
-        return -np.round(dfrag, 3)
-    if mode == "g":
-        return base * 1e6 - np.asarray(u_after)
-    if mode == "f":
-        return base * 1e6 + np.asarray(u_after) * 1e-3
-    return base
+def _dsec_rank(fgd_score: FloatArr, used_after: FloatArr) -> FloatArr:
+    """DSec's order (higher is better): FGD's 0-100 score first, then among equal scores the
+    node that is the most used after the placement (fraction of its GPU capacity): concentrate
+    work, keep emptier nodes whole for the large units still to come. Remaining ties go to the
+    node that comes first by name (a fixed order, so nodes fill one after another)."""
+    return np.asarray(fgd_score * 1e6 + np.round(1000.0 * used_after, 6), dtype=np.float64)

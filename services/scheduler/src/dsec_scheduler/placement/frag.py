@@ -17,7 +17,7 @@ All functions are vectorised over rows (nodes) × GPUs × typical units with num
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,18 +69,18 @@ def typical_from_counts(
     """The most frequent shapes that together make ``popularity`` of all units (the paper's
     95 %), renormalised to sum to 1. ``n_models`` sizes the access table (ids ≥ it: none)."""
     merged: dict[tuple[int, int, int, frozenset[str]], list[float]] = {}
-    for key, w in counts:
-        acc = merged.setdefault(key[:4], [0.0, 0.0])
+    for full, w in counts:
+        acc = merged.setdefault((full[0], full[1], full[2], full[3]), [0.0, 0.0])
         acc[0] += w
-        acc[1] += w * key[4]
+        acc[1] += w * full[4]
     items = sorted(merged.items(), key=lambda kv: (-kv[1][0], repr(kv[0])))
     total = float(sum(w for _, (w, _m) in items))
     chosen: list[tuple[tuple[int, int, int, frozenset[str]], float, float]] = []
     cum = 0.0
-    for key, (w, msum) in items:
+    for shape, (w, msum) in items:
         if total <= 0 or cum >= popularity * total:
             break
-        chosen.append((key, w, msum / w if w else 0.0))
+        chosen.append((shape, w, msum / w if w else 0.0))
         cum += w
     cpu = np.array([k[0] for k, _, _ in chosen], dtype=np.int64)
     milli = np.array([MILLI if k[1] > 0 else k[2] for k, _, _ in chosen], dtype=np.int64)
@@ -90,8 +90,8 @@ def typical_from_counts(
     if weight.size:
         weight = weight / weight.sum()
     access = np.zeros((len(chosen), n_models + 1), dtype=bool)
-    for i, (key, _, _) in enumerate(chosen):
-        models = key[3]
+    for i, (shape, _, _) in enumerate(chosen):
+        models = shape[3]
         if not models:
             access[i, :n_models] = True
         else:
@@ -103,18 +103,24 @@ def typical_from_counts(
 
 
 def usable_terms(
-    typ: Typical, free: IntArr, gmodel: IntArr, gok: BoolArr
+    typ: Typical, free: IntArr, gmodel: IntArr, gok: BoolArr, acc: BoolArr | None = None
 ) -> tuple[IntArr, IntArr, BoolArr]:
     """Per typical unit and row: how many GPUs it could use, and their summed free milli.
 
     ``free`` (R, G) free milli (absent GPUs: any value, masked by ``gok``), ``gmodel`` (R, G) model
     ids, ``gok`` (R, G) present and healthy. Returns ``cnt`` (K, R), ``use`` (K, R) and the mask
     ``ge`` (K, R, G) of usable GPUs."""
-    acc = typ.access[:, gmodel] & gok[None]  # (K, R, G)
-    ge = acc & (free[None] >= typ.milli[:, None, None]) & (typ.milli[:, None, None] > 0)
+    if acc is None:
+        acc = access_of(typ, gmodel, gok)
+    ge = acc & (free[None] >= typ.milli[:, None, None])
     cnt = ge.sum(axis=2)
     use = (ge * free[None]).sum(axis=2)
     return cnt, use, ge
+
+
+def access_of(typ: Typical, gmodel: IntArr, gok: BoolArr) -> BoolArr:
+    """(K, R, G): GPU may serve typical unit k (model accepted, present, healthy; GPU units)."""
+    return typ.access[:, gmodel] & gok[None] & (typ.milli[:, None, None] > 0)
 
 
 def expected_usable(
@@ -143,10 +149,10 @@ def share_candidates(
 
     Returns ``dfrag`` (R, G): F(after) − F(before) (lower is better; meaningless where the share
     does not fit), and ``u_after`` (R, G) the expected usable capacity left."""
-    cnt, use, ge = usable_terms(typ, free, gmodel, gok)
-    acc = typ.access[:, gmodel] & gok[None]
+    acc = access_of(typ, gmodel, gok)
+    cnt, use, ge = usable_terms(typ, free, gmodel, gok, acc)
     after = free - milli  # (R, G)
-    ge2 = acc & (after[None] >= typ.milli[:, None, None]) & (typ.milli[:, None, None] > 0)
+    ge2 = acc & (after[None] >= typ.milli[:, None, None])
     cnt2 = cnt[:, :, None] - ge + ge2  # (K, R, G)
     use2 = use[:, :, None] - ge * free[None] + ge2 * after[None]
     cpu2 = cpu_free - cpu
@@ -172,9 +178,10 @@ def state_change(
 ) -> tuple[FloatArr, FloatArr]:
     """Fragmentation change for one candidate state per row (whole GPUs, or no GPU):
     ``free_after`` is each row's free milli after the placement."""
-    cnt, use, _ = usable_terms(typ, free, gmodel, gok)
+    acc = access_of(typ, gmodel, gok)
+    cnt, use, _ = usable_terms(typ, free, gmodel, gok, acc)
     u1 = expected_usable(typ, cnt, use, cpu_free, mem_free)
-    cnt2, use2, _ = usable_terms(typ, free_after, gmodel, gok)
+    cnt2, use2, _ = usable_terms(typ, free_after, gmodel, gok, acc)
     u2 = expected_usable(
         typ, cnt2, use2, cpu_free - cpu, None if mem_free is None else mem_free - mem
     )
@@ -186,15 +193,3 @@ def sigmoid_score(dfrag: FloatArr) -> IntArr:
     """FGD's node score: ``int(100 · sigmoid(−ΔF / 1000))`` (kube-scheduler's 0-100 integers)."""
     x = np.clip(-dfrag / 1000.0, -50, 50)
     return np.asarray(np.trunc(100.0 / (1.0 + np.exp(-x))), dtype=np.int64)
-
-
-def empty_typical(n_models: int) -> Typical:
-    z = np.zeros(0, dtype=np.int64)
-    return Typical(z, z, z, np.zeros(0), np.zeros((0, n_models + 1), dtype=bool), ())
-
-
-def counts_of(shapes: Sequence[Key]) -> dict[Key, float]:
-    out: dict[Key, float] = {}
-    for s in shapes:
-        out[s] = out.get(s, 0.0) + 1.0
-    return out
