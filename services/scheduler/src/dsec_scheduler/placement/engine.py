@@ -2,8 +2,9 @@
 
 The fleet lives in arrays (nodes × GPUs): free milli per GPU, model ids, memory, NVLink group,
 health and temperature, and per node free CPU, memory and unit count. A decision filters every
-node at once, scores the feasible ones with the engine's policy and breaks ties at random (from
-the engine's seed, so a run is reproducible).
+node at once and scores the feasible ones with the engine's policy; ``random`` and ``bestfit``
+break ties at random (from the engine's seed, so a run is reproducible), ``fgd`` and ``dsec`` by
+node name as the paper's simulator does.
 
 Policies:
 
@@ -13,10 +14,11 @@ Policies:
   tightest GPU that fits, whole GPUs the first free ones.
 - ``fgd``: fragmentation gradient descent (Weng et al., ATC '23): the node and GPU whose expected
   fragmentation (:mod:`.frag`) grows least, scored ``int(100·sigmoid(−ΔF/1000))`` as the paper's
-  simulator does, random tie-break among equal integers.
-- ``dsec``: FGD's measure without the integer rounding, then packing: among placements whose
-  fragmentation change is equal, the one that leaves the most *expected usable* capacity per node
-  behind it … see :func:`_dsec_rank` and docs/placement.md.
+  simulator does, ties to the node first by name (the simulator's kube-scheduler picks the
+  lexicographically smallest name, not a random one).
+- ``dsec``: FGD's measure, with each typical unit's memory asked of the node too, the same
+  0-100 score, and then, among equal scores, the node most used after the placement (in 1/40
+  steps of its GPU capacity), then the name: see :func:`_dsec_rank` and docs/placement.md.
 
 Scores of a unit shape are cached per node and recomputed only for nodes that changed since
 (each commit changes one node), which is what keeps a decision well under a millisecond.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -47,6 +49,7 @@ POLICIES = ("random", "bestfit", "fgd", "dsec")
 _MAX_SPEC_CPU = 128_000
 _MAX_SPEC_GPU = 8 * MILLI
 _GIB = 1 << 30
+_FILL_STEPS = 40
 
 IntArr = npt.NDArray[np.int64]
 BoolArr = npt.NDArray[np.bool_]
@@ -545,10 +548,14 @@ class Engine:
         cap = np.maximum(self._gcap[rows].sum(axis=1), 1).astype(np.float64)
         free_total = np.where(gok, free, 0).sum(axis=1)
         dsec = self.policy == "dsec"
+        # DSec's measure also asks a typical unit's memory of the node (FGD's looks at CPU only)
+        memf = self._mem_free[rows] if dsec else None
         names = ("fragmentation_delta", "fgd_score", "node_used_after")
         ar = np.arange(len(rows))
         if u.gpus == 0 and 0 < u.gpu_milli < MILLI:
-            dfrag2, _ = frag.share_candidates(typ, free, gmodel, gok, cpu, u.cpu_milli, u.gpu_milli)
+            dfrag2, _ = frag.share_candidates(
+                typ, free, gmodel, gok, cpu, u.cpu_milli, u.gpu_milli, memf, u.memory_bytes
+            )
             base2 = frag.sigmoid_score(dfrag2).astype(np.float64)
             base2 = np.where(slot_ok[rows], base2, -np.inf)
             slot = np.argmax(base2, axis=1)  # the first GPU among the best, as FGD does
@@ -563,7 +570,9 @@ class Engine:
                 first = np.argsort(~slot_ok[rows], axis=1, kind="stable")[:, :k]
                 after[ar[:, None], first] = 0
                 slot = first[:, 0].astype(np.int64)
-            dfrag, _ = frag.state_change(typ, free, after, gmodel, gok, cpu, u.cpu_milli)
+            dfrag, _ = frag.state_change(
+                typ, free, after, gmodel, gok, cpu, u.cpu_milli, memf, u.memory_bytes
+            )
             base = frag.sigmoid_score(dfrag).astype(np.float64)
             used = 1.0 - np.where(gok, after, 0).sum(axis=1) / cap
         score = _dsec_rank(base, used) if dsec else base
@@ -742,8 +751,33 @@ class Engine:
                 nvpeer[e.a].add(e.b)
                 nvpeer[e.b].add(e.a)
         size: dict[str, int] = {}
-        for k in by_key:
-            size[find(k)] = size.get(find(k), 0) + 1
+        cpu_sum: dict[str, int] = {}
+        mem_sum: dict[str, int] = {}
+        for k, u in by_key.items():
+            r = find(k)
+            size[r] = size.get(r, 0) + 1
+            cpu_sum[r] = cpu_sum.get(r, 0) + u.cpu_milli
+            mem_sum[r] = mem_sum.get(r, 0) + u.memory_bytes
+        # whole-GPU units joined by nvlink-p2p need their GPUs in one NVLink group: the first of
+        # them looks for a group with room for all
+        nvparent = {k: k for k in by_key}
+
+        def nvfind(k: str) -> str:
+            while nvparent[k] != k:
+                k = nvparent[k]
+            return k
+
+        for e in gang.edges:
+            if e.protocol == "nvlink-p2p" and by_key[e.a].gpus > 0 and by_key[e.b].gpus > 0:
+                nvparent[nvfind(e.a)] = nvfind(e.b)
+        nv_total: dict[str, int] = {}
+        nv_size: dict[str, int] = {}
+        for k, u in by_key.items():
+            if u.gpus > 0:
+                r = nvfind(k)
+                nv_total[r] = nv_total.get(r, 0) + u.gpus
+                nv_size[r] = nv_size.get(r, 0) + 1
+        nv_started: set[str] = set()
 
         def constrained(u: UnitDemand) -> tuple[int, int, int, int, int]:
             return (
@@ -773,10 +807,27 @@ class Engine:
                         if peer in where and pu.gpus > 0 and where[peer][1]:
                             group = int(self._gnvl[where[peer][0], where[peer][1][0]])
                             break
-                got = self._choose(u, only, group)
+                probe = u
+                nvr = nvfind(u.key)
+                if u.gpus > 0 and nv_size.get(nvr, 0) > 1 and nvr not in nv_started:
+                    probe = replace(probe, gpus=nv_total[nvr], nvlink=True)
+                if only is None and size[root] > 1:
+                    probe = replace(probe, cpu_milli=cpu_sum[root], memory_bytes=mem_sum[root])
+                got = self._choose(probe, only, group)
                 if isinstance(got, dict):
                     return Unfit(gang.gang_id, u.key, len(self._index), got)
                 choice, row, slots = got
+                if probe is not u:
+                    slots = slots[: u.gpus] if u.gpus > 0 else slots
+                    choice = replace(
+                        choice,
+                        key=u.key,
+                        gpu_indices=tuple(int(self._gindex[row, s]) for s in slots),
+                        cpu_milli=u.cpu_milli,
+                        memory_bytes=u.memory_bytes,
+                    )
+                if u.gpus > 0:
+                    nv_started.add(nvr)
                 milli = MILLI if u.gpus > 0 else u.gpu_milli
                 self._apply(row, slots, milli, u.cpu_milli, u.memory_bytes, +1)
                 placed.append((choice, row, slots, u))
@@ -833,8 +884,9 @@ class Engine:
 
 
 def _dsec_rank(fgd_score: FloatArr, used_after: FloatArr) -> FloatArr:
-    """DSec's order (higher is better): FGD's 0-100 score first, then among equal scores the
-    node that is the most used after the placement (fraction of its GPU capacity): concentrate
-    work, keep emptier nodes whole for the large units still to come. Remaining ties go to the
-    node that comes first by name (a fixed order, so nodes fill one after another)."""
-    return np.asarray(fgd_score * 1e6 + np.round(1000.0 * used_after, 6), dtype=np.float64)
+    """DSec's order (higher is better): the fragmentation score first (FGD's 0-100 scale), then
+    among equal scores the node that is the most used after the placement, in steps of 1/40 of
+    its GPU capacity: work concentrates on nodes already in use and emptier nodes stay whole for
+    the large units still to come. Nodes equal on both go by name (a fixed order, so nodes of a
+    similar fill fill up one after another instead of all a little)."""
+    return np.asarray(fgd_score * 1e3 + np.floor(used_after * _FILL_STEPS + 1e-9), np.float64)
