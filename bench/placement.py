@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import RESULTS, percentile
+from _common import RESULTS, emit, percentile
 from dsec_scheduler.placement.api import GangDemand, GangPlacement, GpuSpec, NodeSpec, UnitDemand
 from dsec_scheduler.placement.engine import Engine
 from dsec_scheduler.placement.frag import Key, shape_key
@@ -233,28 +233,31 @@ def _png(path: Path, pixels: np.ndarray) -> None:
 
 
 def plot(path: Path, curves: dict[str, list[float]]) -> None:
-    """Allocation (y, 50-100 %) against arrived demand (x, 0-130 %), one line per policy, grid
-    lines every 10 %; colours: grey random, blue bestfit, orange fgd, red dsec."""
+    """Allocation (y, 50-100 %) against arrived demand (x, 50-130 %), one line per policy, grid
+    lines every 10 %; colours: grey random, blue bestfit, orange fgd, red dsec. (No axis text:
+    the image is drawn without a font; the docs say what the axes are.)"""
     w, h, m = 660, 420, 30
     img = np.full((h, w, 3), 255, dtype=np.uint8)
-    y0, y1 = 50.0, 100.0
+    x0, x1, y0, y1 = 50.0, 130.0, 50.0, 100.0
 
     def xy(x: float, y: float) -> tuple[int, int]:
-        px = m + int((w - 2 * m) * x / 130.0)
+        px = m + int((w - 2 * m) * (x - x0) / (x1 - x0))
         py = h - m - int((h - 2 * m) * (min(max(y, y0), y1) - y0) / (y1 - y0))
         return px, py
 
-    for gx in range(0, 131, 10):
+    for gx in range(50, 131, 10):
         px, _ = xy(gx, y0)
         img[m : h - m + 1, px] = (225, 225, 225)
     for gy in range(50, 101, 10):
-        _, py = xy(0, gy)
+        _, py = xy(x0, gy)
         img[py, m : w - m + 1] = (225, 225, 225)
     img[h - m, m : w - m + 1] = 0
     img[m : h - m + 1, m] = 0
-    for policy, ys in curves.items():
-        colour = COLOURS.get(policy, (0, 0, 0))
-        pts = [xy(x, y) for x, y in enumerate(ys) if x >= 40]
+    for policy in ("random", "bestfit", "fgd", "dsec"):
+        if policy not in curves:
+            continue
+        colour = COLOURS[policy]
+        pts = [xy(x, y) for x, y in enumerate(curves[policy]) if x >= x0]
         for (ax, ay), (bx, by) in itertools.pairwise(pts):
             steps = max(abs(bx - ax), abs(by - ay), 1)
             for i in range(steps + 1):
@@ -365,9 +368,7 @@ def table(res: dict[str, Any]) -> str:
     if "fgd" in pub:
         d = pol["dsec"]["alloc_at_130"] - pub["fgd"]
         lines.append(f"  dsec vs the paper's FGD: {d:+.2f} points")
-    lines.append(
-        f"  dsec: {res['decisions_per_s']:,} decisions/s, p99 {res['decision_p99_ms']} ms"
-    )
+    lines.append(f"  dsec: {res['decisions_per_s']:,} decisions/s, p99 {res['decision_p99_ms']} ms")
     return "\n".join(lines)
 
 
@@ -394,7 +395,11 @@ def main() -> None:
                 f"{k}: {v['nodes']} nodes / {v['gpus']} GPUs, {v['decisions']} decisions: "
                 f"{v['decisions_per_s']:,.0f}/s, p50 {v['p50_ms']:.2f} ms, p99 {v['p99_ms']:.2f} ms"
             )
-        print(json.dumps({k: {m: round(x, 3) for m, x in v.items()} for k, v in out.items()}))
+        rounded = {k: {m: round(x, 3) for m, x in v.items()} for k, v in out.items()}
+        ratio = "placement speed (dsec): " + ", ".join(
+            f"{k} {v['decisions_per_s']:,.0f}/s p99 {v['p99_ms']:.2f} ms" for k, v in out.items()
+        )
+        emit("placement_speed", rounded, ratio, argv=sys.argv[1:])
         return
     if args.nodes_csv or args.pods_csv:
         if not (args.nodes_csv and args.pods_csv):
@@ -414,20 +419,29 @@ def main() -> None:
             file=sys.stderr if args.json else sys.stdout,
         )
         sys.stdout.flush()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "placement.json").write_text(json.dumps(results, indent=2) + "\n")
+    lines = [
+        json.dumps(
+            {
+                "trace": res["trace"],
+                "policies": res["policies"],
+                "decisions_per_s": res["decisions_per_s"],
+                "decision_p99_ms": res["decision_p99_ms"],
+            }
+        )
+        for res in results
+    ]
+    deltas = ", ".join(
+        f"{r['trace']} {r['policies']['dsec']['alloc_at_130'] - PUBLISHED[r['trace']]['fgd']:+.2f}"
+        for r in results
+        if r["trace"] in PUBLISHED
+    )
+    ratio = f"placement: dsec vs the paper's FGD at 130 % arrived: {deltas or 'n/a'}"
     if args.json:
-        for res in results:
-            print(
-                json.dumps(
-                    {
-                        "trace": res["trace"],
-                        "policies": res["policies"],
-                        "decisions_per_s": res["decisions_per_s"],
-                        "decision_p99_ms": res["decision_p99_ms"],
-                    }
-                )
-            )
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "placement.json").write_text(json.dumps(results, indent=2) + "\n")
+        print("\n".join(lines))
+    else:
+        emit("placement", {r["trace"]: r for r in results}, ratio, argv=sys.argv[1:])
 
 
 if __name__ == "__main__":
