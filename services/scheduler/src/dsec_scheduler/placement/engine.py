@@ -111,7 +111,8 @@ def _models_text(models: frozenset[str]) -> str:
 class Engine:
     """See the module docstring. ``typical``: the distribution of unit shapes the fragmentation
     measure expects (shape key → weight, :func:`frag.shape_key`); without it the engine learns the
-    distribution online from the units it is asked to place."""
+    distribution online from the units it is asked to place. ``memory_aware``: a typical unit
+    fits a node only with its memory free too (default: on for ``dsec``, off for ``fgd``)."""
 
     # the fleet, one row per node (rows of removed nodes are reused), G columns of GPU slots
     _cpu_cap: IntArr
@@ -142,10 +143,12 @@ class Engine:
         seed: int = 0,
         typical: Mapping[frag.Key, float] | None = None,
         popularity: float = 0.95,
+        memory_aware: bool | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
         self.policy = policy
+        self._memory_aware = policy == "dsec" if memory_aware is None else memory_aware
         self._rng = random.Random(seed)
         self._popularity = popularity
         self._fixed_typical = dict(typical) if typical is not None else None
@@ -549,7 +552,7 @@ class Engine:
         free_total = np.where(gok, free, 0).sum(axis=1)
         dsec = self.policy == "dsec"
         # DSec's measure also asks a typical unit's memory of the node (FGD's looks at CPU only)
-        memf = self._mem_free[rows] if dsec else None
+        memf = self._mem_free[rows] if self._memory_aware else None
         names = ("fragmentation_delta", "fgd_score", "node_used_after")
         ar = np.arange(len(rows))
         if u.gpus == 0 and 0 < u.gpu_milli < MILLI:
