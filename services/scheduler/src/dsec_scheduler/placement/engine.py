@@ -17,7 +17,7 @@ Policies:
   simulator does, ties to the node first by name (the simulator's kube-scheduler picks the
   lexicographically smallest name, not a random one).
 - ``dsec``: FGD's measure, with each typical unit's memory asked of the node too, the same
-  0-100 score, and then, among equal scores, the node most used after the placement (in 1/40
+  0-100 score, and then, among equal scores, the node most used after the placement (in 1/8
   steps of its GPU capacity), then the name: see :func:`_dsec_rank` and docs/placement.md.
 
 Scores of a unit shape are cached per node and recomputed only for nodes that changed since
@@ -49,7 +49,7 @@ POLICIES = ("random", "bestfit", "fgd", "dsec")
 _MAX_SPEC_CPU = 128_000
 _MAX_SPEC_GPU = 8 * MILLI
 _GIB = 1 << 30
-_FILL_STEPS = 40
+_FILL_STEPS = 8  # one GPU of an 8-GPU node
 
 IntArr = npt.NDArray[np.int64]
 BoolArr = npt.NDArray[np.bool_]
@@ -365,6 +365,8 @@ class Engine:
     # ---- the typical distribution -------------------------------------------------------------
 
     def _learn(self, gang: GangDemand) -> None:
+        """Count the shapes of a gang's units the first time it is asked for (a pending gang is
+        asked again); the distribution is re-estimated at 16, 32, 64 … units, then every 4,096."""
         if self._fixed_typical is not None or self.policy not in ("fgd", "dsec"):
             return
         if gang.gang_id in self._seen_gangs:
@@ -377,7 +379,7 @@ class Engine:
             self._seen[k] = self._seen.get(k, 0.0) + 1.0
             self._seen_total += 1
         if self._seen_total >= self._next_learn:
-            self._next_learn = max(self._next_learn * 2, 16)
+            self._next_learn = min(self._next_learn * 2, self._seen_total + 4096)
             self._typ = None
 
     def _typical(self) -> frag.Typical:
@@ -607,6 +609,7 @@ class Engine:
                     "gpu_left",
                 ),
             )
+        self._typical()  # a re-estimated distribution drops the caches first
         key = self._shape_key(u)
         c = self._shape.get(key)
         if c is None:
@@ -887,9 +890,9 @@ class Engine:
 
 
 def _dsec_rank(fgd_score: FloatArr, used_after: FloatArr) -> FloatArr:
-    """DSec's order (higher is better): the fragmentation score first (FGD's 0-100 scale), then
-    among equal scores the node that is the most used after the placement, in steps of 1/40 of
-    its GPU capacity: work concentrates on nodes already in use and emptier nodes stay whole for
-    the large units still to come. Nodes equal on both go by name (a fixed order, so nodes of a
-    similar fill fill up one after another instead of all a little)."""
+    """DSec's order (higher is better): the fragmentation score first (FGD's 0-100 scale),
+    then among equal scores the node that is the most used after the placement, in steps of 1/8
+    of its GPU capacity (one GPU of an 8-GPU node): work concentrates on nodes already in use and
+    emptier nodes stay whole for the large units still to come. Nodes equal on both go by name
+    (a fixed order, so nodes of a similar fill fill up one after another, not all a little)."""
     return np.asarray(fgd_score * 1e3 + np.floor(used_after * _FILL_STEPS + 1e-9), np.float64)
