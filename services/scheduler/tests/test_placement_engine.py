@@ -18,6 +18,7 @@ from dsec_scheduler.placement.api import (
     GpuSpec,
     NodeSpec,
     Unfit,
+    UnitChoice,
     UnitDemand,
 )
 from dsec_scheduler.placement.engine import POLICIES, Engine
@@ -324,24 +325,73 @@ def test_fragmentation_measure_matches_its_definition() -> None:
                 assert d[r, j] == pytest.approx(want)
 
 
+@pytest.mark.parametrize("policy", ["fgd", "dsec"])
+def test_the_distribution_is_learned_online(policy: str) -> None:
+    """Without a given distribution, the units asked for teach it (a pending gang asked again
+    counts once): once whole-GPU units are typical, a share goes onto the GPU that is already
+    used rather than breaking a whole one, even though that node comes second by name."""
+    e = Engine(policy)
+    e.upsert_node(node("n1", 1))
+    e.upsert_node(node("n2", 1))
+    for i in range(40):  # asked for, never committed: they only teach the distribution
+        e.place(gang(unit(f"w{i}", gpus=1), gid=f"w{i}"))
+        e.place(gang(unit(f"w{i}", gpus=1), gid=f"w{i}"))
+    shapes = {k[:3] for k in e._typical().keys}
+    assert shapes == {(1000, 1, 0)}
+    # a share already holds 700 milli of n2's GPU (committed as the scheduler would)
+    e.commit(
+        GangPlacement(
+            "u",
+            (UnitChoice("used", "n2", (0,), 700, cpu_milli=1000, memory_bytes=GIB),),
+            policy,
+            3,
+        )
+    )
+    got = e.place(gang(unit("share", gpu_milli=300), gid="s"))
+    assert isinstance(got, GangPlacement)
+    assert got.choices[0].node_id == "n2"
+    assert got.choices[0].breakdown["fgd_score"] > 50  # the fragment gets used
+    fresh = engine(policy, node("n1", 1), node("n2", 1))  # nothing learned yet: ties by name
+    one = fresh.place(gang(unit("share", gpu_milli=300), gid="s"))
+    assert isinstance(one, GangPlacement) and one.choices[0].node_id == "n1"
+
+
 def test_bench_harness_smoke_on_a_30_node_slice(tmp_path: Path) -> None:
     """The openb harness end to end on a slice (the real runs live in bench/, not here)."""
-    bench = Path(__file__).resolve().parents[3] / "bench"
-    sys.path.insert(0, str(bench))
-    try:
-        import placement as harness  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(bench))
-    data = bench / "data" / "openb"
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[3]
+    data = root / "bench" / "data" / "openb"
     nodes = tmp_path / "nodes.csv"
-    nodes.write_text(
-        "".join((data / "openb_node_list_gpu_node.csv").read_text().splitlines(True)[:31])
-    )
+    lines = (data / "openb_node_list_gpu_node.csv").read_text().splitlines(True)
+    nodes.write_text("".join(lines[:31]))
     pods = tmp_path / "pods.csv"
     pods.write_text(
         "".join((data / "openb_pod_list_default.csv").read_text().splitlines(True)[:201])
     )
-    for policy in POLICIES:
-        r = harness.simulate(nodes, pods, policy, 42)
-        assert 50 < r["alloc_at_130"] <= 100
-        assert r["curve"][-1] == pytest.approx(r["alloc_at_130"])
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(root / "bench" / "placement.py"),
+            "--nodes-csv",
+            str(nodes),
+            "--pods-csv",
+            str(pods),
+            "--seeds",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        check=True,
+    )
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert last["trace"] == "pods"
+    assert set(last["policies"]) == set(POLICIES)
+    for v in last["policies"].values():
+        assert 50 < v["alloc_at_130"] <= 100 and v["std"] >= 0
+    assert last["decisions_per_s"] > 0 and last["decision_p99_ms"] > 0
+    assert "trace pods (2 seeds)" in out.stderr
