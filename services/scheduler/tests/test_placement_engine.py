@@ -253,6 +253,21 @@ def test_breakdown_names_the_score_terms() -> None:
     assert set(got.choices[0].breakdown) == {"fragmentation_delta", "fgd_score", "node_used_after"}
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"gpu_milli": 1500}, "gpu_milli 1500 is not 0-1000"),
+        ({"gpus": -1}, "gpus -1 is negative"),
+        ({"gpus": 1, "gpu_milli": 500}, "gpus and gpu_milli are exclusive"),
+        ({"cpu_milli": -5}, "cpu_milli, memory_bytes, min_gpu_memory_bytes must be ≥ 0"),
+    ],
+)
+def test_a_bad_unit_is_a_clear_error(fields: dict[str, int], message: str) -> None:
+    e = engine("dsec", node("n1", 1))
+    with pytest.raises(ValueError, match=f"gang g, unit u: {message}"):
+        e.place(gang(unit("u", **fields), gid="g"))
+
+
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="random, bestfit, fgd, dsec"):
         Engine("greedy")

@@ -89,6 +89,19 @@ class _Slots:
         return np.asarray(self.mask[rows] & (self.free[rows] >= self.need))
 
 
+def _check(gang_id: str, u: UnitDemand) -> None:
+    """A unit's numbers make sense, or a clear error naming the gang, unit and field."""
+    where = f"gang {gang_id}, unit {u.key}"
+    if not 0 <= u.gpu_milli <= MILLI:
+        raise ValueError(f"{where}: gpu_milli {u.gpu_milli} is not 0-1000 (thousandths of a GPU)")
+    if u.gpus < 0:
+        raise ValueError(f"{where}: gpus {u.gpus} is negative")
+    if u.gpus and u.gpu_milli:
+        raise ValueError(f"{where}: gpus and gpu_milli are exclusive (whole GPUs or one share)")
+    if u.cpu_milli < 0 or u.memory_bytes < 0 or u.min_gpu_memory_bytes < 0:
+        raise ValueError(f"{where}: cpu_milli, memory_bytes, min_gpu_memory_bytes must be ≥ 0")
+
+
 def _any(m: BoolArr) -> BoolArr:
     return np.asarray(m.any(axis=1), dtype=bool)
 
@@ -725,6 +738,10 @@ class Engine:
         self._touch(row)
 
     def place(self, gang: GangDemand) -> GangPlacement | Unfit:
+        if not gang.units:
+            raise ValueError(f"gang {gang.gang_id}: no units")
+        for u in gang.units:
+            _check(gang.gang_id, u)
         self._learn(gang)
         units = gang.units
         if len(units) == 1:
