@@ -50,6 +50,8 @@ _MAX_SPEC_CPU = 128_000
 _MAX_SPEC_GPU = 8 * MILLI
 _GIB = 1 << 30
 _FILL_STEPS = 8  # one GPU of an 8-GPU node
+_LEARN_EVERY = 256
+_LEARN_MOVED = 0.02
 
 IntArr = npt.NDArray[np.int64]
 BoolArr = npt.NDArray[np.bool_]
@@ -87,6 +89,14 @@ class _Slots:
 
     def __getitem__(self, rows: int | npt.NDArray[np.intp]) -> BoolArr:
         return np.asarray(self.mask[rows] & (self.free[rows] >= self.need))
+
+
+def _moved(old: frag.Typical, new: frag.Typical) -> bool:
+    """Whether two distributions differ by more than ``_LEARN_MOVED`` in total variation."""
+    a = dict(zip(old.keys, old.weight.tolist(), strict=True))
+    b = dict(zip(new.keys, new.weight.tolist(), strict=True))
+    tv = 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in a.keys() | b.keys())
+    return bool(tv > _LEARN_MOVED)
 
 
 def _check(gang_id: str, u: UnitDemand) -> None:
@@ -170,6 +180,7 @@ class Engine:
         self._seen_gangs: set[str] = set()
         self._next_learn = 16
         self._typ: frag.Typical | None = None
+        self._typ_stale = False
         self._typ_models = -1
         self._cap = 0
         self._g = 0
@@ -379,7 +390,8 @@ class Engine:
 
     def _learn(self, gang: GangDemand) -> None:
         """Count the shapes of a gang's units the first time it is asked for (a pending gang is
-        asked again); the distribution is re-estimated at 16, 32, 64 … units, then every 4,096."""
+        asked again). The distribution is re-estimated at 16, 32, 64 … units, then every 256, and
+        adopted (which drops the score caches) when it moved by more than 2 % (total variation)."""
         if self._fixed_typical is not None or self.policy not in ("fgd", "dsec"):
             return
         if gang.gang_id in self._seen_gangs:
@@ -392,18 +404,21 @@ class Engine:
             self._seen[k] = self._seen.get(k, 0.0) + 1.0
             self._seen_total += 1
         if self._seen_total >= self._next_learn:
-            self._next_learn = min(self._next_learn * 2, self._seen_total + 4096)
-            self._typ = None
+            self._next_learn = min(self._next_learn * 2, self._seen_total + _LEARN_EVERY)
+            self._typ_stale = True
 
     def _typical(self) -> frag.Typical:
         nm = len(self._model_names)
-        if self._typ is None or self._typ_models != nm:
+        if self._typ is None or self._typ_models != nm or self._typ_stale:
             counts = self._fixed_typical if self._fixed_typical is not None else self._seen
-            self._typ = frag.typical_from_counts(
-                counts.items(), self._model_ids, nm, self._popularity
-            )
-            self._typ_models = nm
-            self._shape = {}
+            typ = frag.typical_from_counts(counts.items(), self._model_ids, nm, self._popularity)
+            moved = self._typ is None or self._typ_models != nm or _moved(self._typ, typ)
+            self._typ_stale = False
+            if moved:
+                self._typ = typ
+                self._typ_models = nm
+                self._shape = {}
+        assert self._typ is not None
         return self._typ
 
     # ---- one unit -----------------------------------------------------------------------------
