@@ -24,6 +24,7 @@ BENCHES = {
     "snapshot": [],
     "ipc": [],
     "noisy_neighbour": [],
+    "placement": [],
 }
 QUICK = {
     "bus": ["--quick"],
@@ -31,6 +32,7 @@ QUICK = {
     "ipc": ["--quick"],
     "sandbox_start": ["--n", "20"],
     "noisy_neighbour": ["--n", "8", "--flood-s", "10"],
+    "placement": ["--seeds", "3"],
 }
 
 

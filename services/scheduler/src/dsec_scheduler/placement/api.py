@@ -101,6 +101,9 @@ class UnitChoice:
     """Named terms of the score (e.g. ``fragmentation_delta``, ``packing``, ``affinity``)."""
     feasible_nodes: int = 0
     """How many nodes could have taken the unit."""
+    cpu_milli: int = 0
+    """CPU the unit takes on the node (so a commit needs nothing but the placement)."""
+    memory_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
