@@ -132,7 +132,7 @@ def test_model_memory_and_temperature_filters_with_reason_counts() -> None:
     assert no.unit == "u" and no.nodes_total == 6
     assert no.reasons == {
         "cordoned": 1,
-        "no GPU of model A100-40GB|A100-80GB": 1,
+        "no GPU of model A100-40GB/A100-80GB": 1,
         "no GPU with 60 GiB memory": 1,
         "GPU too hot": 2,
         "insufficient CPU": 1,

@@ -1,10 +1,11 @@
 """Which placement engine the scheduler uses: ``DSEC_SCHEDULER_POLICY`` (default ``dsec``).
 
-The tuned engine (:mod:`dsec_scheduler.placement.engine`, policies ``random``, ``bestfit``,
-``fgd``, ``dsec``) is used when installed; without it the reference engine
-(:mod:`dsec_scheduler.placement.simple`) serves: ``leastloaded`` for ``dsec`` (the scheduler's
-placement before GPU placement existed), ``bestfit`` for ``bestfit`` and ``fgd``. The policy a
-decision was made by is the one its ``unit.placed`` names.
+The engine (:mod:`dsec_scheduler.placement.engine`) serves ``random``, ``bestfit``, ``fgd``
+and ``dsec`` (fragmentation-aware packing of GPU units; units without GPUs spread over the
+nodes without GPUs, least loaded first: docs/placement.md); the reference engine
+(:mod:`dsec_scheduler.placement.simple`) serves ``leastloaded`` (the scheduler's placement
+before GPU placement existed). The policy a decision was made by is the one its
+``unit.placed`` names.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def make_engine(policy: str = DEFAULT_POLICY) -> PlacementEngine:
     except ImportError:
         tuned = None
     make = getattr(tuned, "make_engine", None)
-    if make is not None and policy not in SIMPLE_POLICIES:
+    if make is not None and policy in getattr(tuned, "POLICIES", ()):
         engine: PlacementEngine = make(policy)
         return engine
     chosen = policy if policy in SIMPLE_POLICIES else _FALLBACK.get(policy)

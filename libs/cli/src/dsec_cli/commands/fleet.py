@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -233,7 +234,8 @@ def _run(argv: list[str], env: dict[str, str], as_json: bool) -> int:
     def _terminated(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # `kill`: stop the simulation as Ctrl-C does, never orphan it
 
-    signal.signal(signal.SIGTERM, _terminated)
+    if threading.current_thread() is threading.main_thread():  # (in-process callers: not)
+        signal.signal(signal.SIGTERM, _terminated)
     render = _Renderer(as_json)
     try:
         for raw in proc.stdout:

@@ -128,7 +128,9 @@ class _Elig:
 
 
 def _models_text(models: frozenset[str]) -> str:
-    return "|".join(sorted(models))
+    """``V100M16/V100M32``; more than three: the first three, then ``/…`` (a bounded reason)."""
+    names = sorted(models)
+    return "/".join(names) if len(names) <= 3 else "/".join(names[:3]) + "/…"
 
 
 class Engine:
@@ -674,6 +676,10 @@ class Engine:
         idx = np.flatnonzero(feas)
         if idx.size == 0:
             return self._reasons(u, gfit, only)
+        if self.policy == "dsec" and u.gpus == 0 and u.gpu_milli == 0:
+            gpuless = idx[~self._gpresent[idx].any(axis=1)]
+            if gpuless.size:
+                return self._spread(u, gpuless, int(idx.size))
         need = MILLI if u.gpus > 0 else u.gpu_milli
         slot_ok = _Slots(e.mask, self._gfree, need)
         if group is not None:
@@ -710,6 +716,33 @@ class Engine:
             memory_bytes=u.memory_bytes,
         )
         return choice, row, slots
+
+    def _spread(
+        self, u: UnitDemand, rows: npt.NDArray[np.intp], feasible: int
+    ) -> tuple[UnitChoice, int, tuple[int, ...]]:
+        """A unit without GPUs, with nodes without GPUs that fit it: the least loaded of those
+        (the most free of its scarcer resource after placing; ties by node name). GPU nodes
+        keep their CPUs and memory for GPU units (a GPU whose node's CPUs are gone is
+        stranded), and agent sandboxes spread, as Kubernetes' LeastAllocated does, so one node's
+        trouble reaches as few of them as possible."""
+        cpu = (self._cpu_free[rows] - u.cpu_milli) / np.maximum(self._cpu_cap[rows], 1)
+        mem = (self._mem_free[rows] - u.memory_bytes) / np.maximum(self._mem_cap[rows], 1)
+        free_after = np.minimum(cpu, mem)
+        best = np.flatnonzero(free_after == free_after.max())
+        pick = (
+            int(best[np.argmin(self._name_rank()[rows[best]])]) if best.size > 1 else int(best[0])
+        )
+        row = int(rows[pick])
+        choice = UnitChoice(
+            key=u.key,
+            node_id=self._ids[row],
+            score=float(free_after[pick]),
+            breakdown={"free_after": float(free_after[pick]), "gpu_nodes_spared": 1.0},
+            feasible_nodes=feasible,
+            cpu_milli=u.cpu_milli,
+            memory_bytes=u.memory_bytes,
+        )
+        return choice, row, ()
 
     def _direct(
         self, u: UnitDemand, idx: npt.NDArray[np.intp], slot_ok: _Slots
@@ -900,6 +933,18 @@ class Engine:
             self._apply(row, slots, c.gpu_milli, c.cpu_milli, c.memory_bytes, +1)
             self._held[c.key] = _Held(row, slots, c.gpu_milli, c.cpu_milli, c.memory_bytes)
 
+    def assume(self, demand: UnitDemand, choice: UnitChoice) -> None:
+        """Take what ``choice`` says for ``demand`` (a unit placed before this engine existed:
+        by another replica, or before a restart), replacing what the unit held; its CPUs and
+        memory come from ``demand`` when the choice does not carry them. A node not in the
+        fleet (gone since) holds nothing."""
+        self.release(choice.key)
+        if choice.node_id not in self._index:
+            return
+        if not choice.cpu_milli and not choice.memory_bytes:
+            choice = replace(choice, cpu_milli=demand.cpu_milli, memory_bytes=demand.memory_bytes)
+        self.commit(GangPlacement(choice.key, (choice,), self.policy, len(self._index)))
+
     def release(self, key: str) -> None:
         h = self._held.pop(key, None)
         if h is None:
@@ -928,3 +973,12 @@ def _dsec_rank(fgd_score: FloatArr, used_after: FloatArr) -> FloatArr:
     emptier nodes stay whole for the large units still to come. Nodes equal on both go by name
     (a fixed order, so nodes of a similar fill fill up one after another, not all a little)."""
     return np.asarray(fgd_score * 1e3 + np.floor(used_after * _FILL_STEPS + 1e-9), np.float64)
+
+
+def make_engine(policy: str = "dsec") -> Engine:
+    """The engine for ``policy`` (one of :data:`POLICIES`), learning the demand online.
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+    return Engine(policy)
