@@ -77,7 +77,8 @@ def test_bad_spec_is_rejected_with_every_located_error(services, env, dsec_cli) 
     assert outcome["state"] == "rejected"
     errors = outcome["events"][-1]["payload"]["errors"]
     assert len(errors) == 6
-    assert all(e["file"] == "dsec.yaml" and e["line"] > 0 for e in errors)
+    # the services see the spec by its folder and name (`dsec submit` sends both)
+    assert all(e["file"] == "bad-spec/dsec.yaml" and e["line"] > 0 for e in errors)
     human = dsec_cli("submit", str(bad), "--wait", "validated", env=env)
     assert "dsec.yaml:21:7: unknown field 'tll'" in human.output or "tll" in human.output
 

@@ -193,7 +193,8 @@ async def test_a_simulated_fleet_is_a_fleet_to_the_real_scheduler(
             return rows if len(rows) == NODES else None
 
         rows = await _poll(listed, f"{NODES} nodes listed by `dsec node ls`")
-        assert {r["gpus"]["H100"] for r in rows.values()} == {8}
+        # (the scripted XID 79 at 1 s may already have taken one GPU of `broken`)
+        assert {r["gpus"]["H100"] for n, r in rows.items() if n != broken} == {8}
         assert all(r["cpus"] == 128.0 for r in rows.values())
 
         # A scripted crash: the node falls silent and the scheduler declares it lost.
