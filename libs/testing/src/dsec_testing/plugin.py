@@ -56,10 +56,57 @@ def _null_device_ok() -> bool:
     return stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == 1 and os.minor(st.st_rdev) == 3
 
 
+TEARDOWN_LIMIT_S = float(__import__("os").environ.get("DSEC_TEST_TEARDOWN_LIMIT_S", "240"))
+"""How long the session's last teardown (its fixtures, the event loop's end) may take."""
+
+_session_over = None
+_REAL_STDERR = __import__("os").dup(2)  # before pytest captures fd 2: what the watchdog writes to
+
+
+def _watch_teardown(done: object) -> None:
+    """Once the last test ends: if the session has not finished ``TEARDOWN_LIMIT_S`` later,
+    print every thread's stack and every unfinished asyncio task's, then exit 1 — a hang there
+    (a task that never ends after cancellation keeps the loop's close waiting) would otherwise
+    last until CI's own limit and say nothing."""
+    import asyncio
+    import faulthandler
+    import gc
+    import os
+    import threading
+
+    assert isinstance(done, threading.Event)
+    if done.wait(TEARDOWN_LIMIT_S):
+        return
+    with os.fdopen(os.dup(_REAL_STDERR), "w") as out:
+        out.write(f"\ndsec_testing: session teardown still going after {TEARDOWN_LIMIT_S:.0f} s\n")
+        out.flush()
+        faulthandler.dump_traceback(file=out)
+        for obj in gc.get_objects():
+            if isinstance(obj, asyncio.Task) and not obj.done():
+                out.write(f"unfinished task {obj!r}\n")
+                obj.print_stack(file=out)
+        out.flush()
+    os._exit(1)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _session_over is not None:
+        _session_over.set()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Fail the test that replaced or removed ``/dev/null`` (e.g. an atomic write whose target
-    was ``os.devnull``), then restore the device (as root)."""
+    was ``os.devnull``), then restore the device (as root). Before the last test's teardown
+    (which ends the session's fixtures and event loop) a watchdog starts (``_watch_teardown``)."""
+    global _session_over
+    if nextitem is None and _session_over is None:
+        import threading
+
+        _session_over = threading.Event()
+        threading.Thread(
+            target=_watch_teardown, args=(_session_over,), name="dsec-teardown-watch", daemon=True
+        ).start()
     result = yield
     if not _null_device_ok():
         import contextlib
