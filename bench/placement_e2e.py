@@ -51,7 +51,7 @@ version: "1.2"
 name: bench-unit
 base: dsec/python311:latest
 entrypoint: [python, -c, "pass"]
-resources: {cpu: 2, memory: 8GiB, gpu: {count: 1, type: H100}}
+resources: {cpu: 2, memory: 8GiB, gpu: {count: 1, type: h100}}
 """
 
 

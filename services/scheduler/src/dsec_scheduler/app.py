@@ -77,6 +77,7 @@ from dsec_scheduler.gangs import (
     ordered,
     quota_refusal,
     unit_name,
+    unschedulable_class,
     usage,
 )
 from dsec_scheduler.placement.api import GangDemand, GangPlacement, Unfit
@@ -124,6 +125,7 @@ class Scheduler:
         self._pending_class: dict[str, str] = {}  # sandbox -> class of its published wait
         self._blocker: Waiting | None = None  # a head of the queue no backfill may pass
         self._specs: dict[str, tuple[Any, tuple[str, ...], Any]] = {}  # node -> its engine spec
+        self._empty: tuple[tuple[int, ...], SimpleEngine, list[Any]] | None = None
 
     # ------------------------------------------------------------------ following the log
 
@@ -372,9 +374,12 @@ class Scheduler:
         specs = []
         for n in fleet.nodes.values():
             why = tuple(usable(n, fleet))
+            # keyed on the reason's class: "lost (silent 45 s)" changes every second, the spec
+            # (which carries only the class) does not
+            state = (unschedulable_class(why),) if why else ()
             cached = self._specs.get(n.node_id)
-            if cached is None or cached[0] is not n.inventory or cached[1] != why:
-                cached = (n.inventory, why, node_spec(n.node_id, n.inventory, why))
+            if cached is None or cached[0] is not n.inventory or cached[1] != state:
+                cached = (n.inventory, state, node_spec(n.node_id, n.inventory, why))
                 self._specs[n.node_id] = cached
             specs.append(cached[2])
         for gone in set(self._specs) - set(fleet.nodes):
@@ -397,11 +402,17 @@ class Scheduler:
         return engine.place(gang)
 
     def _could_ever_fit(self, gang: GangDemand, fleet: Fleet) -> bool:
-        """Whether ``gang`` fits the schedulable fleet were it empty (the reference engine)."""
-        empty = SimpleEngine("leastloaded")
-        for n in fleet.nodes.values():
-            empty.upsert_node(node_spec(n.node_id, n.inventory, usable(n, fleet)))
-        return isinstance(empty.place(gang), GangPlacement)
+        """Whether ``gang`` fits the schedulable fleet were it empty (the reference engine,
+        rebuilt only when a node's spec changed: the queue asks this for every waiting gang)."""
+        self._sync(fleet)
+        specs = [self._specs[n][2] for n in sorted(self._specs)]
+        key = tuple(id(spec) for spec in specs)
+        if self._empty is None or self._empty[0] != key:
+            empty = SimpleEngine("leastloaded")
+            for spec in specs:
+                empty.upsert_node(spec)
+            self._empty = (key, empty, specs)  # (the specs kept alive: their ids stay theirs)
+        return isinstance(self._empty[1].place(gang), GangPlacement)
 
     def _placement(
         self, sbx: Sandbox, gang: GangDemand, *, behind: Waiting | None = None
