@@ -192,3 +192,45 @@ async def test_a_gang_publishes_every_unit_then_the_sandbox_on_its_main_units_no
     }
     assert held == {"main": "n2", "side": units["side"]["node_id"]}
     assert len({p.event_id for p in rec.out}) == 3  # distinct, derived ids
+
+
+async def test_a_gpu_type_too_long_for_a_reason_key_never_stops_the_queue() -> None:
+    """Attack: a spec's unknown ``resources.gpu.type`` (validates with a warning) of 300
+    characters, which no node has: its ``no GPU of model …`` reason is longer than a
+    ``sandbox.pending`` reason key may be. It waits with a bounded reason, and the sandbox
+    behind it is still placed."""
+    s, rec = scheduler()
+    gpu_node(s, "n1", gpus=1)
+    now = time.time()
+    waiting(s, "sbx_long", 1, now - 20)
+    waiting(s, "sbx_next", 1, now - 10)
+    sbx = s.state.sandboxes["sbx_long"]
+    assert sbx.resources is not None
+    plan = {"resources": {"gpu": {"count": 1, "type": "x" * 300}}}
+    s._remember("sbx_long", gang_demand("sbx_long", "acme", plan, sbx.resources))
+    await s.place_waiting()
+    (long_,) = [p.payload.model_dump() for p in rec.out if p.aggregate_id == "sbx_long"]
+    assert long_["unit"] == "main" and sum(long_["unfit"].values()) == 1
+    assert all(len(k) <= 200 for k in long_["unfit"])
+    assert decided(rec, "sbx_next") == ["unit.placed", "sandbox.scheduled"]
+
+
+async def test_a_node_reporting_a_gpu_model_too_long_for_unit_placed_never_stops_the_queue() -> (
+    None
+):
+    """Attack: a node agent (its own certified identity) reports a GPU model name of 100
+    characters (no catalogue row matches: the name is kept). A unit placed on that GPU is
+    published with the name bounded, not a ``unit.placed`` that cannot be built."""
+    s, rec = scheduler()
+    inv = NodeInventory(
+        cpus=64,
+        memory_bytes=512 * GIB,
+        gpus=[GpuInfo(index=0, uuid="g-0", model="Z" * 100, memory_total_bytes=80 * GIB)],
+    )
+    payload = {"node_id": "odd", "inventory": inv.model_dump(mode="json"), "heartbeat_s": 5}
+    s.state.apply(seen("node.joined", "odd", payload, time.time(), "system"))
+    waiting(s, "sbx_on_odd", 1, time.time() - 5)
+    await s.place_waiting()
+    assert decided(rec, "sbx_on_odd") == ["unit.placed", "sandbox.scheduled"]
+    placed = rec.out[0].payload.model_dump()
+    assert placed["gpu_model"].startswith("ZZZ") and len(placed["gpu_model"]) <= 64

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -446,9 +447,8 @@ class Scheduler:
                 self._unfit_reason(decision, gang, sbx, fleet),
                 "unfit",
                 unit=unit_name(decision.unit),
-                unfit=dict(sorted(decision.reasons.items(), key=lambda kv: -kv[1])[:32]),
+                unfit=_unfit_counts(decision.reasons),
             )
-        self.engine.commit(decision)
         out: list[Payload] = []
         by_key = {u.key: u for u in gang.units}
         for choice in decision.choices:
@@ -464,7 +464,7 @@ class Scheduler:
                     node_id=choice.node_id,
                     gpu_indices=list(choice.gpu_indices),
                     gpu_milli=choice.gpu_milli if choice.gpu_indices else 0,
-                    gpu_model=min(models) if models else None,
+                    gpu_model=min(models)[:64] if models else None,  # a node names it
                     cpu_millicores=unit.cpu_milli,
                     memory_bytes=unit.memory_bytes,
                     gang_size=len(decision.choices),
@@ -495,6 +495,7 @@ class Scheduler:
                 env_built_id=sbx.env_built_id,
             )
         )
+        self.engine.commit(decision)  # once its events could be built (else nothing is held)
         metrics.PLACEMENTS.labels(policy, "placed").inc()
         metrics.PLACEMENT_SECONDS.labels(policy).observe(time.perf_counter() - started)
         return out
@@ -565,7 +566,11 @@ class Scheduler:
             sbx = self.state.sandboxes.get(waiting.sandbox_id)
             if sbx is None or not sbx.waiting or sbx.stop_requested or sbx.resources is None:
                 continue
-            decision = self._placement(sbx, gangs[waiting.sandbox_id], behind=self._blocker)
+            try:
+                decision = self._placement(sbx, gangs[waiting.sandbox_id], behind=self._blocker)
+            except ValueError:  # one sandbox whose decision cannot be told never stops the rest
+                log.exception("scheduler: no decision for %s", sbx.sandbox_id)
+                continue
             first = decision[0]
             if isinstance(first, SandboxPending) and first.unfit and not head_seen:
                 head_seen = True  # the head: the first in order that cannot fit
@@ -804,6 +809,26 @@ class Scheduler:
             causation=envelope,
         )
         return []
+
+
+REASON_KEY_MAX = 200
+"""A ``sandbox.pending`` reason key's characters at most (the event's bound)."""
+UNFIT_KEYS_MAX = 32
+
+
+def _unfit_counts(reasons: Mapping[str, int]) -> dict[str, int]:
+    """The engine's reason counts as ``sandbox.pending`` may carry them: each reason cut to
+    :data:`REASON_KEY_MAX` characters (a spec's unknown GPU type of any length is named in a
+    reason; counts of reasons cut alike are added), the :data:`UNFIT_KEYS_MAX` largest."""
+    out: dict[str, int] = {}
+    for reason, count in reasons.items():
+        key = (
+            str(reason)
+            if len(str(reason)) <= REASON_KEY_MAX
+            else f"{reason[: REASON_KEY_MAX - 1]}…"
+        )
+        out[key] = out.get(key, 0) + max(0, int(count))
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:UNFIT_KEYS_MAX])
 
 
 def _finite(value: float) -> float:
