@@ -4,6 +4,7 @@ scheduler would publish. Priority order, backfill and its bound, quotas, and a g
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -234,3 +235,50 @@ async def test_a_node_reporting_a_gpu_model_too_long_for_unit_placed_never_stops
     assert decided(rec, "sbx_on_odd") == ["unit.placed", "sandbox.scheduled"]
     placed = rec.out[0].payload.model_dump()
     assert placed["gpu_model"].startswith("ZZZ") and len(placed["gpu_model"]) <= 64
+
+
+async def test_a_team_cannot_pass_its_quota_by_a_build_racing_the_queue(tmp_path: Any) -> None:
+    """Attack: a team at 0 of its 1-GPU quota has one sandbox waiting and another whose
+    ``env.built`` arrives while the queue is being placed; publishing yields between a
+    decision's events. Both decisions are taken one after the other: one is placed, the
+    other waits on the quota (never 2 GPUs held on a quota of 1)."""
+    from types import SimpleNamespace
+
+    from dsec_core.spec import compile_plan, load_spec
+
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text("acme: {gpus: 1}\n")
+    s, rec = scheduler(scheduler_quotas=str(quotas))
+    slow = rec.publish
+
+    async def publish(payload: Payload, **kw: Any) -> None:
+        await asyncio.sleep(0.01)  # the bus acks later: other decisions may run meanwhile
+        await slow(payload, **kw)
+
+    rec.publish = publish  # type: ignore[method-assign]
+    loaded = load_spec(
+        'version: "1.2"\nname: s\nbase: b\nentrypoint: [x]\nresources: {gpu: {count: 1}}\n',
+        "dsec.yaml",
+    )
+    assert loaded.spec is not None, loaded.errors
+    plan = compile_plan(loaded.spec).model_dump(mode="json")
+
+    async def find(subject: str, **_: Any) -> Any:
+        return SimpleNamespace(payload={"plan": plan}) if "validated" in subject else None
+
+    async def barrier(timeout: float = 0.0) -> None:
+        return None
+
+    s.service.gate = SimpleNamespace(find=find)  # type: ignore[assignment]
+    s.barrier = barrier  # type: ignore[method-assign]
+    gpu_node(s, "n1", gpus=4)
+    waiting(s, "sbx_queued", 1, time.time() - 60)
+    built = seen("env.built", "sbx_built", {}, time.time())
+    s.state.apply(built)
+    envelope = SimpleNamespace(id=built.id, aggregate_id="sbx_built", tenant="acme")
+    await asyncio.gather(s.place_waiting(), s.on_env_built(envelope))  # type: ignore[arg-type]
+    scheduled = [p.aggregate_id for p in rec.out if p.payload.TYPE == "sandbox.scheduled"]
+    assert len(scheduled) == 1, rec.out
+    (other,) = {"sbx_queued", "sbx_built"} - set(scheduled)
+    (wait,) = [p.payload.model_dump() for p in rec.out if p.aggregate_id == other]
+    assert wait["reason"] == "quota: team acme uses 1/1 GPUs, asks 1"

@@ -125,6 +125,10 @@ class Scheduler:
         self._pending_class: dict[str, str] = {}  # sandbox -> class of its published wait
         self._blocker: Waiting | None = None  # a head of the queue no backfill may pass
         self._specs: dict[str, tuple[Any, tuple[str, ...], Any]] = {}  # node -> its engine spec
+        self._deciding = asyncio.Lock()
+        """Held from a decision's reading of the state to its events' publication: the queue
+        and an ``env.built`` never decide from a state without the other's placement (two
+        sandboxes of a team would each pass its quota)."""
 
     # ------------------------------------------------------------------ following the log
 
@@ -551,6 +555,10 @@ class Scheduler:
         """Try each waiting sandbox in queue order (higher priority first, then oldest): place
         what fits now; a head that waited :data:`~dsec_scheduler.gangs.BACKFILL_S` and could
         fit stops the ones behind it (README, "Placement")."""
+        async with self._deciding:
+            await self._place_waiting()
+
+    async def _place_waiting(self) -> None:
         entries: list[tuple[Waiting, GangDemand]] = []
         for queued in self.state.queue():
             if queued.resources is None:
@@ -744,13 +752,19 @@ class Scheduler:
         ):
             return [_stopped()]
         self._remember(sid, gang)
-        blocker = self._blocker
-        behind = None
-        if blocker is not None and blocker.priority >= gang.priority:
-            head = self.state.sandboxes.get(blocker.sandbox_id)
-            behind = blocker if head is not None and head.waiting else None
-        decision = self._placement(replace(sbx, resources=resources), gang, behind=behind)
-        await self._publish_decision(replace(sbx, resources=resources), decision, envelope)
+        async with self._deciding:
+            now = self.state.sandboxes.get(sid)
+            if now is None or now.life.state != "built":
+                return []  # decided or ended while the queue was being placed
+            if now.stop_requested:
+                return [_stopped()]
+            blocker = self._blocker
+            behind = None
+            if blocker is not None and blocker.priority >= gang.priority:
+                head = self.state.sandboxes.get(blocker.sandbox_id)
+                behind = blocker if head is not None and head.waiting else None
+            decision = self._placement(replace(sbx, resources=resources), gang, behind=behind)
+            await self._publish_decision(replace(sbx, resources=resources), decision, envelope)
         if demand_gpus(gang) and isinstance(decision[0], SandboxPending):
             log.info("scheduler: %s waits: %s", sid, decision[0].reason[:300])
         return []
