@@ -414,3 +414,22 @@ def test_an_edge_keeps_its_from_spelling_in_hints() -> None:
         TWO + "communication:\n  - {to: b, protocol: shm}\n", "communication[0].from"
     )
     assert missing.message == "missing required field 'from' in communication[0]"
+
+
+def test_a_topology_is_bounded_in_tasks_and_links() -> None:
+    """Attack: thousands of tasks (the YAML limits allow about 3,300) made a plan of ~800 KB,
+    a gang the reference engine took seconds to judge on each queue pass, and as many
+    ``unit.placed`` events: at most 256 tasks and 1,024 links, located."""
+    many = "tasks:\n" + "".join(f"  - {{name: t{i}, script: x}}\n" for i in range(257))
+    error = error_at(many, "tasks")
+    assert error.message == "257 tasks; a topology has at most 256"
+    tasks = "tasks:\n" + "".join(f"  - {{name: t{i}, script: x}}\n" for i in range(50))
+    links = "communication:\n" + "".join(
+        f"  - {{from: t{i}, to: t{j}, protocol: rdma-over-converged-ethernet}}\n"
+        for i in range(50)
+        for j in range(i + 1, 50)
+    )
+    error = error_at(tasks + links, "communication")
+    assert error.message == "1225 links; a topology has at most 1024"
+    ok = "tasks:\n" + "".join(f"  - {{name: t{i}, script: x}}\n" for i in range(256))
+    assert len(plan_of(ok).topology.units) == 256
