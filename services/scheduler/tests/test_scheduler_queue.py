@@ -282,3 +282,41 @@ async def test_a_team_cannot_pass_its_quota_by_a_build_racing_the_queue(tmp_path
     (other,) = {"sbx_queued", "sbx_built"} - set(scheduled)
     (wait,) = [p.payload.model_dump() for p in rec.out if p.aggregate_id == other]
     assert wait["reason"] == "quota: team acme uses 1/1 GPUs, asks 1"
+
+
+async def test_whether_a_head_could_ever_fit_is_judged_seldom() -> None:
+    """Attack: a tenant's large gang at the head of the queue (priority 1000) made every queue
+    pass judge it against the whole fleet with the reference engine (units x nodes, on the
+    event loop). It is judged only once the head waited long enough to block backfill, and
+    then at most once per :data:`FIT_JUDGED_EVERY_S` (a head cannot take what is not there)."""
+    from dsec_scheduler.app import FIT_JUDGED_EVERY_S
+
+    assert FIT_JUDGED_EVERY_S <= 60
+    s, _ = scheduler()
+    gpu_node(s, "n1", gpus=1)
+    judged: list[str] = []
+    real = s._could_ever_fit
+
+    def counting(gang: Any, fleet: Any) -> bool:
+        judged.append(gang.gang_id)
+        return real(gang, fleet)
+
+    s._could_ever_fit = counting  # type: ignore[method-assign]
+    now = time.time()
+    waiting(s, "sbx_young", 2, now - 10)
+    for _ in range(3):
+        await s.place_waiting()
+    assert judged == []  # it has not waited BACKFILL_S: nothing to judge yet
+    s2, _ = scheduler()
+    gpu_node(s2, "n1", gpus=1)
+    real2 = s2._could_ever_fit
+
+    def counting2(gang: Any, fleet: Any) -> bool:
+        judged.append(gang.gang_id)
+        return real2(gang, fleet)
+
+    s2._could_ever_fit = counting2  # type: ignore[method-assign]
+    waiting(s2, "sbx_old", 2, now - BACKFILL_S - 1)
+    for _ in range(3):
+        await s2.place_waiting()
+    assert judged == ["sbx_old"]

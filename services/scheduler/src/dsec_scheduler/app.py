@@ -98,6 +98,8 @@ REASON_EVERY_S = 10.0
 REASON_MAX = 4400
 """A pending reason's characters at most (the per-node detail is bounded before)."""
 DEMANDS_KEPT = 100_000
+FIT_JUDGED_EVERY_S = 30.0
+"""How often whether the head of the queue could fit an empty fleet is judged again."""
 
 
 class Scheduler:
@@ -126,6 +128,7 @@ class Scheduler:
         self._blocker: Waiting | None = None  # a head of the queue no backfill may pass
         self._specs: dict[str, tuple[Any, tuple[str, ...], Any]] = {}  # node -> its engine spec
         self._deciding = asyncio.Lock()
+        self._fit_judged: tuple[str, float, bool] | None = None  # head, when, could it fit
         """Held from a decision's reading of the state to its events' publication: the queue
         and an ``env.built`` never decide from a state without the other's placement (two
         sandboxes of a team would each pass its quota)."""
@@ -401,6 +404,21 @@ class Scheduler:
                 return got
         return engine.place(gang)
 
+    def _head_could_fit(self, gang: GangDemand, now: float) -> bool:
+        """:meth:`_could_ever_fit` for the head of the queue, judged at most once per
+        :data:`FIT_JUDGED_EVERY_S` (the reference engine's pass over the fleet costs units x
+        nodes on the event loop; a tenant's large gang must not cost that on every pass)."""
+        judged = self._fit_judged
+        if (
+            judged is not None
+            and judged[0] == gang.gang_id
+            and now - judged[1] < FIT_JUDGED_EVERY_S
+        ):
+            return judged[2]
+        fits = self._could_ever_fit(gang, self.state.fleet(now))
+        self._fit_judged = (gang.gang_id, now, fits)
+        return fits
+
     def _could_ever_fit(self, gang: GangDemand, fleet: Fleet) -> bool:
         """Whether ``gang`` fits the schedulable fleet were it empty (the reference engine)."""
         empty = SimpleEngine("leastloaded")
@@ -582,8 +600,8 @@ class Scheduler:
             first = decision[0]
             if isinstance(first, SandboxPending) and first.unfit and not head_seen:
                 head_seen = True  # the head: the first in order that cannot fit
-                fleet = self.state.fleet(time.time())
-                if blocks(waiting, time.time(), self._could_ever_fit(gangs[sbx.sandbox_id], fleet)):
+                now = time.time()
+                if blocks(waiting, now, True) and self._head_could_fit(gangs[sbx.sandbox_id], now):
                     self._blocker = waiting
             if isinstance(first, SandboxPending) and self._same_wait(sbx, first):
                 continue  # still waits, for the reason it was given
