@@ -433,3 +433,16 @@ def test_a_topology_is_bounded_in_tasks_and_links() -> None:
     assert error.message == "1225 links; a topology has at most 1024"
     ok = "tasks:\n" + "".join(f"  - {{name: t{i}, script: x}}\n" for i in range(256))
     assert len(plan_of(ok).topology.units) == 256
+
+
+def test_an_absurdly_large_throughput_or_bandwidth_says_it_is_too_large() -> None:
+    """Attack: needs that overflow every GPU (1e29 TFLOPS) are a located error that says so,
+    not that the number must be positive."""
+    error = error_at(
+        unit("{gpu_type: h100, fp16_throughput: 99999999999999999999999999999 TFLOPS}"),
+        "tasks[0].compute_unit.fp16_throughput",
+    )
+    assert "at most 1e+09 TFLOPS" in error.message, error.message
+    big = unit("{gpu_type: h100, memory_bandwidth: 99999999999999999999 TB/s}")
+    error = error_at(big, "tasks[0].compute_unit.memory_bandwidth")
+    assert "at most 1e+09 GB/s" in error.message, error.message
