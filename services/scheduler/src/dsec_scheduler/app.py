@@ -128,10 +128,10 @@ class Scheduler:
         self._blocker: Waiting | None = None  # a head of the queue no backfill may pass
         self._specs: dict[str, tuple[Any, tuple[str, ...], Any]] = {}  # node -> its engine spec
         self._deciding = asyncio.Lock()
-        self._fit_judged: tuple[str, float, bool] | None = None  # head, when, could it fit
         """Held from a decision's reading of the state to its events' publication: the queue
         and an ``env.built`` never decide from a state without the other's placement (two
         sandboxes of a team would each pass its quota)."""
+        self._fit_judged: tuple[str, float, bool] | None = None  # head, when, could it fit
 
     # ------------------------------------------------------------------ following the log
 
