@@ -39,6 +39,15 @@ async def js(nats_url: str) -> AsyncIterator[JetStreamContext]:
     await nc.close()
 
 
+async def _end(pipe: trust.Pipeline, *sids: str) -> None:
+    """End the test's sandboxes: a later test's scheduler never finds one waiting for a node
+    (this test's pending sandbox, placed on that test's fleet, was counted there)."""
+    for sid in sids:
+        await pipe.builder.publish(
+            events.SandboxFailed(stage="test", reason="test over"), aggregate_id=sid
+        )
+
+
 async def _built(pipe: trust.Pipeline, sid: str) -> None:
     """A sandbox up to ``env.built``, as the user, policy and builder publish it."""
     text = SPEC
@@ -160,6 +169,7 @@ async def test_explain_shows_each_units_place_score_and_why_a_unit_waits(
     assert unknown.exit_code == 2 and "no sandbox" in unknown.output
     bad = dsec_cli("schedule", "explain", "sbx.*", env=stack_env)
     assert bad.exit_code == 2 and "not a sandbox id" in bad.output
+    await _end(pipe, placed, waiting)
 
 
 async def test_explain_never_shows_another_sandboxs_genuine_events_copied_onto_this_one(
@@ -203,3 +213,4 @@ async def test_explain_never_shows_another_sandboxs_genuine_events_copied_onto_t
     doc = shown.last_json()
     assert (doc["decision"], doc["node_id"], doc["state"]) == ("placed", "gpu-1", "scheduled")
     assert [(u["unit"], u["node_id"]) for u in doc["units"]] == [("main", "gpu-1")]
+    await _end(pipe, a)
