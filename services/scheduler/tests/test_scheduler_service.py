@@ -767,5 +767,9 @@ async def test_forged_unit_placed_or_pending_neither_holds_nor_frees_capacity(
     second = await world.submit(cpu=4, gpu="{count: 2}")
     got = await wait_for(js, second, of("sandbox.scheduled"))
     assert got.payload["node_id"] == free.node_id
-    scheduled = [e for e in await history(js, "sandbox", first) if e.type == "sandbox.scheduled"]
+    told = await history(js, "sandbox", first)
+    forged = [e for e in told if e.type in {"unit.placed", "sandbox.pending"}]
+    assert {e.producer for e in forged} - {"scheduler"}, "the forgeries are in the log"
+    assert len([e for e in forged if e.payload.get("node_id") == free.node_id]) == len(pubs)
+    scheduled = [e for e in told if e.type == "sandbox.scheduled"]
     assert [e.payload["node_id"] for e in scheduled] == [held_on]
