@@ -320,3 +320,31 @@ async def test_whether_a_head_could_ever_fit_is_judged_seldom() -> None:
     for _ in range(3):
         await s2.place_waiting()
     assert judged == ["sbx_old"]
+
+
+async def test_a_team_cannot_fill_every_nodes_unit_slots_with_tiny_units(tmp_path: Any) -> None:
+    """Attack: units of 1 millicore and 1 byte pass any GPU and CPU quota (64 CPUs hold 64,000
+    of them) and take each node's unit slots (``max_sandboxes``, 64 by default), so no other
+    team's unit finds a node. A ``units`` quota bounds how many units a team holds at once."""
+    from dsec_scheduler.gangs import parse_quotas
+
+    assert parse_quotas({"acme": {"units": 3}}) == {"acme": Quota(units=3)}
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text("acme: {gpus: 8, cpus: 64, units: 3}\n")
+    s, rec = scheduler(scheduler_quotas=str(quotas))
+    inv = NodeInventory(cpus=64, memory_bytes=512 * GIB, max_sandboxes=4)
+    payload = {"node_id": "n1", "inventory": inv.model_dump(mode="json"), "heartbeat_s": 5}
+    s.state.apply(seen("node.joined", "n1", payload, time.time(), "system"))
+    now = time.time()
+    waiting(s, "sbx_swarm", 0, now - 30)
+    tiny = [{"name": f"t{i}", "cpu_millicores": 1, "memory_bytes": 1} for i in range(4)]
+    sbx = s.state.sandboxes["sbx_swarm"]
+    assert sbx.resources is not None
+    s._remember(
+        "sbx_swarm", gang_demand("sbx_swarm", "acme", {"topology": {"units": tiny}}, sbx.resources)
+    )
+    waiting(s, "sbx_lab", 0, now - 10, tenant="lab")
+    await s.place_waiting()
+    (swarm,) = [p.payload.model_dump() for p in rec.out if p.aggregate_id == "sbx_swarm"]
+    assert swarm["reason"] == "quota: team acme holds 0/3 units, asks 4"
+    assert decided(rec, "sbx_lab") == ["unit.placed", "sandbox.scheduled"]

@@ -77,6 +77,7 @@ from dsec_scheduler.gangs import (
     node_spec,
     ordered,
     quota_refusal,
+    unit_counts,
     unit_name,
     usage,
 )
@@ -460,7 +461,7 @@ class Scheduler:
                 f"{waited:.0f} s): no backfill past a head that waited this long",
                 "queued",
             )
-        refusal = quota_refusal(gang, self.quotas, usage(fleet.units))
+        refusal = quota_refusal(gang, self.quotas, usage(fleet.units), unit_counts(fleet.units))
         if refusal is not None:
             return pending(refusal, "quota")
         decision = self._place_avoiding(gang, sbx.lost_on)
