@@ -39,6 +39,15 @@ async def js(nats_url: str) -> AsyncIterator[JetStreamContext]:
     await nc.close()
 
 
+async def _end(pipe: trust.Pipeline, *sids: str) -> None:
+    """End the test's sandboxes: a later test's scheduler never finds one waiting for a node
+    (this test's pending sandbox, placed on that test's fleet, was counted there)."""
+    for sid in sids:
+        await pipe.builder.publish(
+            events.SandboxFailed(stage="test", reason="test over"), aggregate_id=sid
+        )
+
+
 async def _built(pipe: trust.Pipeline, sid: str) -> None:
     """A sandbox up to ``env.built``, as the user, policy and builder publish it."""
     text = SPEC
@@ -160,3 +169,48 @@ async def test_explain_shows_each_units_place_score_and_why_a_unit_waits(
     assert unknown.exit_code == 2 and "no sandbox" in unknown.output
     bad = dsec_cli("schedule", "explain", "sbx.*", env=stack_env)
     assert bad.exit_code == 2 and "not a sandbox id" in bad.output
+    await _end(pipe, placed, waiting)
+
+
+async def test_explain_never_shows_another_sandboxs_genuine_events_copied_onto_this_one(
+    js: JetStreamContext, dsec_stack: StackFixture, dsec_cli, stack_env
+) -> None:
+    """Attack: the genuine, signed bytes of sandbox B's ``unit.placed`` (the scheduler's) and
+    ``sandbox.exited`` (its node agent's) re-published on sandbox A's subjects. Each is
+    authentic, but about B: A's explanation shows A's placement and state only."""
+    from dsec_core.bus import STREAM
+    from dsec_core.subjects import subject_for
+
+    pipe = await trust.pipeline(js, dsec_stack.home)
+    tag = uuid.uuid4().hex[:8]
+    a, b = f"sbx_victim_{tag}", f"sbx_other_{tag}"
+    resources = Resources(cpus=8, memory_bytes=64 * GIB, gpus=4)
+    for sid, node in ((a, "gpu-1"), (b, "n1")):
+        await _built(pipe, sid)
+        await pipe.scheduler.publish(
+            events.UnitPlaced(
+                sandbox_id=sid, unit="main", node_id=node, gpu_indices=[0], gpu_milli=1000,
+                cpu_millicores=8000, memory_bytes=64 * GIB, gang_size=1, policy="dsec",
+                score=0.5, feasible_nodes=1, nodes_total=2, attempt=1,
+            ),
+            aggregate_id=sid,
+        )  # fmt: skip
+        await pipe.scheduler.publish(
+            events.SandboxScheduled(node_id=node, reason="dsec", resources=resources),
+            aggregate_id=sid,
+        )
+    await pipe.nodeagent.publish(
+        events.SandboxExited(exit_code=0, reason="ok", duration_s=1.0), aggregate_id=b
+    )
+    for event_type in ("unit.placed", "sandbox.exited"):
+        msg = await js.get_last_msg(STREAM, subject_for(event_type, b))
+        await js.publish(
+            subject_for(event_type, a), msg.data, headers={"Nats-Msg-Id": uuid.uuid4().hex}
+        )
+
+    shown = dsec_cli("schedule", "explain", a, "--json", env=stack_env)
+    assert shown.exit_code == 0, shown.output
+    doc = shown.last_json()
+    assert (doc["decision"], doc["node_id"], doc["state"]) == ("placed", "gpu-1", "scheduled")
+    assert [(u["unit"], u["node_id"]) for u in doc["units"]] == [("main", "gpu-1")]
+    await _end(pipe, a)

@@ -414,3 +414,35 @@ def test_an_edge_keeps_its_from_spelling_in_hints() -> None:
         TWO + "communication:\n  - {to: b, protocol: shm}\n", "communication[0].from"
     )
     assert missing.message == "missing required field 'from' in communication[0]"
+
+
+def test_a_topology_is_bounded_in_tasks_and_links() -> None:
+    """Attack: thousands of tasks (the YAML limits allow about 3,300) made a plan of ~800 KB,
+    a gang the reference engine took seconds to judge on each queue pass, and as many
+    ``unit.placed`` events: at most 256 tasks and 1,024 links, located."""
+    many = "tasks:\n" + "".join(f"  - {{name: t{i}, script: x}}\n" for i in range(257))
+    error = error_at(many, "tasks")
+    assert error.message == "257 tasks; a topology has at most 256"
+    tasks = "tasks:\n" + "".join(f"  - {{name: t{i}, script: x}}\n" for i in range(50))
+    links = "communication:\n" + "".join(
+        f"  - {{from: t{i}, to: t{j}, protocol: rdma-over-converged-ethernet}}\n"
+        for i in range(50)
+        for j in range(i + 1, 50)
+    )
+    error = error_at(tasks + links, "communication")
+    assert error.message == "1225 links; a topology has at most 1024"
+    ok = "tasks:\n" + "".join(f"  - {{name: t{i}, script: x}}\n" for i in range(256))
+    assert len(plan_of(ok).topology.units) == 256
+
+
+def test_an_absurdly_large_throughput_or_bandwidth_says_it_is_too_large() -> None:
+    """Attack: needs that overflow every GPU (1e29 TFLOPS) are a located error that says so,
+    not that the number must be positive."""
+    error = error_at(
+        unit("{gpu_type: h100, fp16_throughput: 99999999999999999999999999999 TFLOPS}"),
+        "tasks[0].compute_unit.fp16_throughput",
+    )
+    assert "at most 1e+09 TFLOPS" in error.message, error.message
+    big = unit("{gpu_type: h100, memory_bandwidth: 99999999999999999999 TB/s}")
+    error = error_at(big, "tasks[0].compute_unit.memory_bandwidth")
+    assert "at most 1e+09 GB/s" in error.message, error.message

@@ -180,3 +180,34 @@ async def test_units_of_one_sandbox_placed_on_several_nodes_each_run_there() -> 
     await _on(fleet, "sandbox.stop_requested", "sbx_g", events.SandboxStopRequested(), seq=3)
     assert fleet.nodes["sim-0"].units == {} and fleet.nodes["sim-1"].units == {}
     assert fleet.sandboxes == {} and fleet.where == {}
+
+
+async def test_a_replayed_old_unit_lost_never_drops_a_later_placement_on_the_same_node() -> None:
+    """Attack: the genuine bytes of attempt 1's ``unit.lost`` (node sim-1) published again
+    after the sandbox was placed back on sim-1 (attempt 2): the node keeps running it."""
+    fleet, _ = _fleet()
+
+    def placed(attempt: int, seq: int) -> bytes:
+        payload = {"sandbox_id": "sbx_r", "unit": "main", "node_id": "sim-1", "gpu_indices": [0],
+                   "gpu_milli": 1000, "cpu_millicores": 2000, "memory_bytes": 1 << 30,
+                   "attempt": attempt}  # fmt: skip
+        env = Envelope.model_validate(
+            unpack_fields(_wire("sandbox.scheduled", "sbx_r", _scheduled("sim-1"), seq))
+        )
+        env = env.model_copy(update={"type": "unit.placed", "payload": payload})
+        return canonical.pack(canonical.canonicalize(env.model_dump(mode="json")))
+
+    await fleet._on_event("unit.placed", 1, placed(1, 1))
+    await _on(fleet, "sandbox.scheduled", "sbx_r", _scheduled("sim-1"), seq=2)
+    lost = events.UnitLost(node_id="sim-1", reason="node lost", action="reschedule", attempt=1)
+    await _on(fleet, "unit.lost", "sbx_r", lost, seq=3)
+    assert fleet.nodes["sim-1"].units == {}
+    await fleet._on_event("unit.placed", 4, placed(2, 4))
+    await _on(fleet, "sandbox.scheduled", "sbx_r", _scheduled("sim-1", attempt=2), seq=5)
+    assert set(fleet.nodes["sim-1"].units) == {"sbx_r", "sbx_r/main"}
+    await _on(fleet, "unit.lost", "sbx_r", lost, seq=6)  # the replay
+    assert set(fleet.nodes["sim-1"].units) == {"sbx_r", "sbx_r/main"}
+    assert fleet.nodes["sim-1"].heartbeat(0.0).sandboxes == ["sbx_r"]
+    now = events.UnitLost(node_id="sim-1", reason="drained", action="reschedule", attempt=2)
+    await _on(fleet, "unit.lost", "sbx_r", now, seq=7)  # the genuine loss of attempt 2
+    assert fleet.nodes["sim-1"].units == {}

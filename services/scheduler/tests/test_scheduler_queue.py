@@ -4,6 +4,7 @@ scheduler would publish. Priority order, backfill and its bound, quotas, and a g
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -192,3 +193,158 @@ async def test_a_gang_publishes_every_unit_then_the_sandbox_on_its_main_units_no
     }
     assert held == {"main": "n2", "side": units["side"]["node_id"]}
     assert len({p.event_id for p in rec.out}) == 3  # distinct, derived ids
+
+
+async def test_a_gpu_type_too_long_for_a_reason_key_never_stops_the_queue() -> None:
+    """Attack: a spec's unknown ``resources.gpu.type`` (validates with a warning) of 300
+    characters, which no node has: its ``no GPU of model …`` reason is longer than a
+    ``sandbox.pending`` reason key may be. It waits with a bounded reason, and the sandbox
+    behind it is still placed."""
+    s, rec = scheduler()
+    gpu_node(s, "n1", gpus=1)
+    now = time.time()
+    waiting(s, "sbx_long", 1, now - 20)
+    waiting(s, "sbx_next", 1, now - 10)
+    sbx = s.state.sandboxes["sbx_long"]
+    assert sbx.resources is not None
+    plan = {"resources": {"gpu": {"count": 1, "type": "x" * 300}}}
+    s._remember("sbx_long", gang_demand("sbx_long", "acme", plan, sbx.resources))
+    await s.place_waiting()
+    (long_,) = [p.payload.model_dump() for p in rec.out if p.aggregate_id == "sbx_long"]
+    assert long_["unit"] == "main" and sum(long_["unfit"].values()) == 1
+    assert all(len(k) <= 200 for k in long_["unfit"])
+    assert decided(rec, "sbx_next") == ["unit.placed", "sandbox.scheduled"]
+
+
+async def test_a_node_reporting_a_gpu_model_too_long_for_unit_placed_never_stops_the_queue() -> (
+    None
+):
+    """Attack: a node agent (its own certified identity) reports a GPU model name of 100
+    characters (no catalogue row matches: the name is kept). A unit placed on that GPU is
+    published with the name bounded, not a ``unit.placed`` that cannot be built."""
+    s, rec = scheduler()
+    inv = NodeInventory(
+        cpus=64,
+        memory_bytes=512 * GIB,
+        gpus=[GpuInfo(index=0, uuid="g-0", model="Z" * 100, memory_total_bytes=80 * GIB)],
+    )
+    payload = {"node_id": "odd", "inventory": inv.model_dump(mode="json"), "heartbeat_s": 5}
+    s.state.apply(seen("node.joined", "odd", payload, time.time(), "system"))
+    waiting(s, "sbx_on_odd", 1, time.time() - 5)
+    await s.place_waiting()
+    assert decided(rec, "sbx_on_odd") == ["unit.placed", "sandbox.scheduled"]
+    placed = rec.out[0].payload.model_dump()
+    assert placed["gpu_model"].startswith("ZZZ") and len(placed["gpu_model"]) <= 64
+
+
+async def test_a_team_cannot_pass_its_quota_by_a_build_racing_the_queue(tmp_path: Any) -> None:
+    """Attack: a team at 0 of its 1-GPU quota has one sandbox waiting and another whose
+    ``env.built`` arrives while the queue is being placed; publishing yields between a
+    decision's events. Both decisions are taken one after the other: one is placed, the
+    other waits on the quota (never 2 GPUs held on a quota of 1)."""
+    from types import SimpleNamespace
+
+    from dsec_core.spec import compile_plan, load_spec
+
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text("acme: {gpus: 1}\n")
+    s, rec = scheduler(scheduler_quotas=str(quotas))
+    slow = rec.publish
+
+    async def publish(payload: Payload, **kw: Any) -> None:
+        await asyncio.sleep(0.01)  # the bus acks later: other decisions may run meanwhile
+        await slow(payload, **kw)
+
+    rec.publish = publish  # type: ignore[method-assign]
+    loaded = load_spec(
+        'version: "1.2"\nname: s\nbase: b\nentrypoint: [x]\nresources: {gpu: {count: 1}}\n',
+        "dsec.yaml",
+    )
+    assert loaded.spec is not None, loaded.errors
+    plan = compile_plan(loaded.spec).model_dump(mode="json")
+
+    async def find(subject: str, **_: Any) -> Any:
+        return SimpleNamespace(payload={"plan": plan}) if "validated" in subject else None
+
+    async def barrier(timeout: float = 0.0) -> None:
+        return None
+
+    s.service.gate = SimpleNamespace(find=find)  # type: ignore[assignment]
+    s.barrier = barrier  # type: ignore[method-assign]
+    gpu_node(s, "n1", gpus=4)
+    waiting(s, "sbx_queued", 1, time.time() - 60)
+    built = seen("env.built", "sbx_built", {}, time.time())
+    s.state.apply(built)
+    envelope = SimpleNamespace(id=built.id, aggregate_id="sbx_built", tenant="acme")
+    await asyncio.gather(s.place_waiting(), s.on_env_built(envelope))  # type: ignore[arg-type]
+    scheduled = [p.aggregate_id for p in rec.out if p.payload.TYPE == "sandbox.scheduled"]
+    assert len(scheduled) == 1, rec.out
+    (other,) = {"sbx_queued", "sbx_built"} - set(scheduled)
+    (wait,) = [p.payload.model_dump() for p in rec.out if p.aggregate_id == other]
+    assert wait["reason"] == "quota: team acme uses 1/1 GPUs, asks 1"
+
+
+async def test_whether_a_head_could_ever_fit_is_judged_seldom() -> None:
+    """Attack: a tenant's large gang at the head of the queue (priority 1000) made every queue
+    pass judge it against the whole fleet with the reference engine (units x nodes, on the
+    event loop). It is judged only once the head waited long enough to block backfill, and
+    then at most once per :data:`FIT_JUDGED_EVERY_S` (a head cannot take what is not there)."""
+    from dsec_scheduler.app import FIT_JUDGED_EVERY_S
+
+    assert FIT_JUDGED_EVERY_S <= 60
+    s, _ = scheduler()
+    gpu_node(s, "n1", gpus=1)
+    judged: list[str] = []
+    real = s._could_ever_fit
+
+    def counting(gang: Any, fleet: Any) -> bool:
+        judged.append(gang.gang_id)
+        return real(gang, fleet)
+
+    s._could_ever_fit = counting  # type: ignore[method-assign]
+    now = time.time()
+    waiting(s, "sbx_young", 2, now - 10)
+    for _ in range(3):
+        await s.place_waiting()
+    assert judged == []  # it has not waited BACKFILL_S: nothing to judge yet
+    s2, _ = scheduler()
+    gpu_node(s2, "n1", gpus=1)
+    real2 = s2._could_ever_fit
+
+    def counting2(gang: Any, fleet: Any) -> bool:
+        judged.append(gang.gang_id)
+        return real2(gang, fleet)
+
+    s2._could_ever_fit = counting2  # type: ignore[method-assign]
+    waiting(s2, "sbx_old", 2, now - BACKFILL_S - 1)
+    for _ in range(3):
+        await s2.place_waiting()
+    assert judged == ["sbx_old"]
+
+
+async def test_a_team_cannot_fill_every_nodes_unit_slots_with_tiny_units(tmp_path: Any) -> None:
+    """Attack: units of 1 millicore and 1 byte pass any GPU and CPU quota (64 CPUs hold 64,000
+    of them) and take each node's unit slots (``max_sandboxes``, 64 by default), so no other
+    team's unit finds a node. A ``units`` quota bounds how many units a team holds at once."""
+    from dsec_scheduler.gangs import parse_quotas
+
+    assert parse_quotas({"acme": {"units": 3}}) == {"acme": Quota(units=3)}
+    quotas = tmp_path / "quotas.yaml"
+    quotas.write_text("acme: {gpus: 8, cpus: 64, units: 3}\n")
+    s, rec = scheduler(scheduler_quotas=str(quotas))
+    inv = NodeInventory(cpus=64, memory_bytes=512 * GIB, max_sandboxes=4)
+    payload = {"node_id": "n1", "inventory": inv.model_dump(mode="json"), "heartbeat_s": 5}
+    s.state.apply(seen("node.joined", "n1", payload, time.time(), "system"))
+    now = time.time()
+    waiting(s, "sbx_swarm", 0, now - 30)
+    tiny = [{"name": f"t{i}", "cpu_millicores": 1, "memory_bytes": 1} for i in range(4)]
+    sbx = s.state.sandboxes["sbx_swarm"]
+    assert sbx.resources is not None
+    s._remember(
+        "sbx_swarm", gang_demand("sbx_swarm", "acme", {"topology": {"units": tiny}}, sbx.resources)
+    )
+    waiting(s, "sbx_lab", 0, now - 10, tenant="lab")
+    await s.place_waiting()
+    (swarm,) = [p.payload.model_dump() for p in rec.out if p.aggregate_id == "sbx_swarm"]
+    assert swarm["reason"] == "quota: team acme holds 0/3 units, asks 4"
+    assert decided(rec, "sbx_lab") == ["unit.placed", "sandbox.scheduled"]

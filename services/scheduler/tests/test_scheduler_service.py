@@ -734,3 +734,42 @@ async def test_a_gpu_unit_is_placed_with_its_score_and_a_misfit_waits_with_node_
         await asyncio.sleep(0.2)
         text = await scrape(services, "dsec_scheduler_pending_units")
     assert "dsec_scheduler_placement_seconds_bucket" in text
+
+
+async def test_forged_unit_placed_or_pending_neither_holds_nor_frees_capacity(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    """Attack: a ``unit.placed`` claiming that a placed sandbox also holds both GPUs of
+    another node, and a ``sandbox.pending`` for it (which would free its node and place it
+    again), each signed by the other node's agent, by the sandbox's tenant's user, by the
+    policy service and by a key no root certified. The scheduler folds none: the next
+    sandbox takes the GPUs the forgeries claimed, and the first keeps its one placement."""
+    one = await world.node("one", cpus=64, gpus=(80, 80))
+    two = await world.node("two", cpus=64, gpus=(80, 80))
+    await start_scheduler(services)
+    first = await world.submit(cpu=4, gpu="{count: 2}")
+    placed = await wait_for(js, first, of("sandbox.scheduled"))
+    held_on = placed.payload["node_id"]
+    free = two if held_on == one.node_id else one
+    stranger_id = trust.certified(SigningKey.generate(), "scheduler")
+    stranger = EventPublisher(js, stranger_id.signer, certificate=stranger_id.cert)
+    await stranger.register_key()
+    pubs = (free.pub, world.pipe.user, world.pipe.policy, stranger)
+    claim = events.UnitPlaced(
+        sandbox_id=first, unit="side", node_id=free.node_id, gpu_indices=[0, 1],
+        gpu_milli=1000, cpu_millicores=1000, memory_bytes=GIB, policy="dsec", attempt=1,
+    )  # fmt: skip
+    wait = events.SandboxPending(reason="forged", attempt=2)
+    for pub in pubs:
+        with contextlib.suppress(Exception):  # a publisher may refuse to sign what it may not
+            await pub.publish(claim, aggregate_id=first)
+            await pub.publish(wait, aggregate_id=first)
+    second = await world.submit(cpu=4, gpu="{count: 2}")
+    got = await wait_for(js, second, of("sandbox.scheduled"))
+    assert got.payload["node_id"] == free.node_id
+    told = await history(js, "sandbox", first)
+    forged = [e for e in told if e.type in {"unit.placed", "sandbox.pending"}]
+    assert {e.producer for e in forged} - {"scheduler"}, "the forgeries are in the log"
+    assert len([e for e in forged if e.payload.get("node_id") == free.node_id]) == len(pubs)
+    scheduled = [e for e in told if e.type == "sandbox.scheduled"]
+    assert [e.payload["node_id"] for e in scheduled] == [held_on]

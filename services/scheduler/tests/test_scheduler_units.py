@@ -362,3 +362,38 @@ def test_pending_reasons_fall_in_bounded_classes() -> None:
     for (reason, unfit), expected in cases.items():
         assert pending_class(reason, dict(unfit)) == expected, reason
         assert expected in PENDING_REASONS
+
+
+def test_a_replayed_unit_placed_of_an_older_attempt_never_replaces_a_newer_units_place() -> None:
+    """Attack: attempt 1's genuine ``unit.placed`` (node n1) published again between attempt
+    2's ``unit.placed`` (n2) and its ``sandbox.scheduled``: the sandbox holds what attempt 2
+    placed (its unit on n2, with its GPU share), never the whole sandbox counted on n2."""
+    state = SchedulerState(lost_after_s=15)
+    for node in ("n1", "n2"):
+        beat = {"node_id": node, "inventory": inv(gpus=[gpu(0)]).model_dump(mode="json")}
+        state.apply(Seen(f"hb-{node}", "node.joined", node, "system", beat, 1000.0, 1000.0))
+    state.apply(_seen("env.built", "sbx_r", {}))
+    r = Resources(cpus=2, memory_bytes=GIB, gpus=1).model_dump(mode="json")
+
+    def placed(node: str, attempt: int) -> Seen:
+        return _seen(
+            "unit.placed",
+            "sbx_r",
+            {"sandbox_id": "sbx_r", "unit": "main", "node_id": node, "gpu_indices": [0],
+             "gpu_milli": 250, "cpu_millicores": 1000, "memory_bytes": GIB,
+             "policy": "leastloaded", "attempt": attempt},
+        )  # fmt: skip
+
+    old = placed("n1", 1)
+    state.apply(old)
+    state.apply(_seen("sandbox.scheduled", "sbx_r", {"node_id": "n1", "resources": r}))
+    lost = {"node_id": "n1", "reason": "node n1 lost", "action": "reschedule", "attempt": 1}
+    state.apply(_seen("unit.lost", "sbx_r", lost))
+    state.apply(placed("n2", 2))
+    state.apply(old)  # the replay
+    state.apply(
+        _seen("sandbox.scheduled", "sbx_r", {"node_id": "n2", "resources": r, "attempt": 2})
+    )
+    held = [(u.unit, u.node_id, u.gpu_milli) for u in state.fleet(1001.0).units]
+    assert held == [("main", "n2", 250)]
+    assert state.placed_units("sbx_r")["main"].node_id == "n2"

@@ -195,7 +195,7 @@ class Settings(BaseSettings):
     )
     scheduler_quotas: str | None = Field(
         default=None,
-        description="Path of a YAML/JSON file {tenant: {gpus, gpu_milli, cpus}}: what each "
+        description="Path of a YAML/JSON file {tenant: {gpus, gpu_milli, cpus, units}}: what each "
         "team may hold at once (validated at start)",
     )
 

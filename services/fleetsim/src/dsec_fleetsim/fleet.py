@@ -426,9 +426,16 @@ class Fleet:
         return sorted(self.sandboxes.get(sid, ()))
 
     def _on_lost(self, envelope: Envelope) -> None:
+        """The loss of one placement attempt on one node: only units of that attempt (or an
+        earlier one) leave it; the replayed bytes of an old attempt's loss never drop a later
+        placement on the same node."""
         node_id = str(envelope.payload.get("node_id"))
+        try:
+            attempt = int(envelope.payload.get("attempt") or 0)
+        except (TypeError, ValueError):
+            return
         for key in self._keys_of(envelope.aggregate_id):
-            if self.where.get(key) == node_id:
+            if self.where.get(key) == node_id and self.attempts.get(key, 0) <= attempt:
                 self._drop(node_id, key)  # fenced: its own cleanup, no event
 
     async def _on_stop(self, envelope: Envelope) -> None:

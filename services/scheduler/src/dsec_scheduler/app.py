@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -76,6 +77,7 @@ from dsec_scheduler.gangs import (
     node_spec,
     ordered,
     quota_refusal,
+    unit_counts,
     unit_name,
     unschedulable_class,
     usage,
@@ -98,6 +100,8 @@ REASON_EVERY_S = 10.0
 REASON_MAX = 4400
 """A pending reason's characters at most (the per-node detail is bounded before)."""
 DEMANDS_KEPT = 100_000
+FIT_JUDGED_EVERY_S = 30.0
+"""How often whether the head of the queue could fit an empty fleet is judged again."""
 
 
 class Scheduler:
@@ -126,6 +130,11 @@ class Scheduler:
         self._blocker: Waiting | None = None  # a head of the queue no backfill may pass
         self._specs: dict[str, tuple[Any, tuple[str, ...], Any]] = {}  # node -> its engine spec
         self._empty: tuple[tuple[int, ...], SimpleEngine, list[Any]] | None = None
+        self._deciding = asyncio.Lock()
+        """Held from a decision's reading of the state to its events' publication: the queue
+        and an ``env.built`` never decide from a state without the other's placement (two
+        sandboxes of a team would each pass its quota)."""
+        self._fit_judged: tuple[str, float, bool] | None = None  # head, when, could it fit
 
     # ------------------------------------------------------------------ following the log
 
@@ -401,6 +410,21 @@ class Scheduler:
                 return got
         return engine.place(gang)
 
+    def _head_could_fit(self, gang: GangDemand, now: float) -> bool:
+        """:meth:`_could_ever_fit` for the head of the queue, judged at most once per
+        :data:`FIT_JUDGED_EVERY_S` (the reference engine's pass over the fleet costs units x
+        nodes on the event loop; a tenant's large gang must not cost that on every pass)."""
+        judged = self._fit_judged
+        if (
+            judged is not None
+            and judged[0] == gang.gang_id
+            and now - judged[1] < FIT_JUDGED_EVERY_S
+        ):
+            return judged[2]
+        fits = self._could_ever_fit(gang, self.state.fleet(now))
+        self._fit_judged = (gang.gang_id, now, fits)
+        return fits
+
     def _could_ever_fit(self, gang: GangDemand, fleet: Fleet) -> bool:
         """Whether ``gang`` fits the schedulable fleet were it empty (the reference engine,
         rebuilt only when a node's spec changed: the queue asks this for every waiting gang)."""
@@ -448,7 +472,7 @@ class Scheduler:
                 f"{waited:.0f} s): no backfill past a head that waited this long",
                 "queued",
             )
-        refusal = quota_refusal(gang, self.quotas, usage(fleet.units))
+        refusal = quota_refusal(gang, self.quotas, usage(fleet.units), unit_counts(fleet.units))
         if refusal is not None:
             return pending(refusal, "quota")
         decision = self._place_avoiding(gang, sbx.lost_on)
@@ -457,9 +481,8 @@ class Scheduler:
                 self._unfit_reason(decision, gang, sbx, fleet),
                 "unfit",
                 unit=unit_name(decision.unit),
-                unfit=dict(sorted(decision.reasons.items(), key=lambda kv: -kv[1])[:32]),
+                unfit=_unfit_counts(decision.reasons),
             )
-        self.engine.commit(decision)
         out: list[Payload] = []
         by_key = {u.key: u for u in gang.units}
         for choice in decision.choices:
@@ -475,7 +498,7 @@ class Scheduler:
                     node_id=choice.node_id,
                     gpu_indices=list(choice.gpu_indices),
                     gpu_milli=choice.gpu_milli if choice.gpu_indices else 0,
-                    gpu_model=min(models) if models else None,
+                    gpu_model=min(models)[:64] if models else None,  # a node names it
                     cpu_millicores=unit.cpu_milli,
                     memory_bytes=unit.memory_bytes,
                     gang_size=len(decision.choices),
@@ -506,6 +529,7 @@ class Scheduler:
                 env_built_id=sbx.env_built_id,
             )
         )
+        self.engine.commit(decision)  # once its events could be built (else nothing is held)
         metrics.PLACEMENTS.labels(policy, "placed").inc()
         metrics.PLACEMENT_SECONDS.labels(policy).observe(time.perf_counter() - started)
         return out
@@ -561,6 +585,10 @@ class Scheduler:
         """Try each waiting sandbox in queue order (higher priority first, then oldest): place
         what fits now; a head that waited :data:`~dsec_scheduler.gangs.BACKFILL_S` and could
         fit stops the ones behind it (README, "Placement")."""
+        async with self._deciding:
+            await self._place_waiting()
+
+    async def _place_waiting(self) -> None:
         entries: list[tuple[Waiting, GangDemand]] = []
         for queued in self.state.queue():
             if queued.resources is None:
@@ -576,12 +604,16 @@ class Scheduler:
             sbx = self.state.sandboxes.get(waiting.sandbox_id)
             if sbx is None or not sbx.waiting or sbx.stop_requested or sbx.resources is None:
                 continue
-            decision = self._placement(sbx, gangs[waiting.sandbox_id], behind=self._blocker)
+            try:
+                decision = self._placement(sbx, gangs[waiting.sandbox_id], behind=self._blocker)
+            except ValueError:  # one sandbox whose decision cannot be told never stops the rest
+                log.exception("scheduler: no decision for %s", sbx.sandbox_id)
+                continue
             first = decision[0]
             if isinstance(first, SandboxPending) and first.unfit and not head_seen:
                 head_seen = True  # the head: the first in order that cannot fit
-                fleet = self.state.fleet(time.time())
-                if blocks(waiting, time.time(), self._could_ever_fit(gangs[sbx.sandbox_id], fleet)):
+                now = time.time()
+                if blocks(waiting, now, True) and self._head_could_fit(gangs[sbx.sandbox_id], now):
                     self._blocker = waiting
             if isinstance(first, SandboxPending) and self._same_wait(sbx, first):
                 continue  # still waits, for the reason it was given
@@ -750,13 +782,19 @@ class Scheduler:
         ):
             return [_stopped()]
         self._remember(sid, gang)
-        blocker = self._blocker
-        behind = None
-        if blocker is not None and blocker.priority >= gang.priority:
-            head = self.state.sandboxes.get(blocker.sandbox_id)
-            behind = blocker if head is not None and head.waiting else None
-        decision = self._placement(replace(sbx, resources=resources), gang, behind=behind)
-        await self._publish_decision(replace(sbx, resources=resources), decision, envelope)
+        async with self._deciding:
+            now = self.state.sandboxes.get(sid)
+            if now is None or now.life.state != "built":
+                return []  # decided or ended while the queue was being placed
+            if now.stop_requested:
+                return [_stopped()]
+            blocker = self._blocker
+            behind = None
+            if blocker is not None and blocker.priority >= gang.priority:
+                head = self.state.sandboxes.get(blocker.sandbox_id)
+                behind = blocker if head is not None and head.waiting else None
+            decision = self._placement(replace(sbx, resources=resources), gang, behind=behind)
+            await self._publish_decision(replace(sbx, resources=resources), decision, envelope)
         if demand_gpus(gang) and isinstance(decision[0], SandboxPending):
             log.info("scheduler: %s waits: %s", sid, decision[0].reason[:300])
         return []
@@ -815,6 +853,26 @@ class Scheduler:
             causation=envelope,
         )
         return []
+
+
+REASON_KEY_MAX = 200
+"""A ``sandbox.pending`` reason key's characters at most (the event's bound)."""
+UNFIT_KEYS_MAX = 32
+
+
+def _unfit_counts(reasons: Mapping[str, int]) -> dict[str, int]:
+    """The engine's reason counts as ``sandbox.pending`` may carry them: each reason cut to
+    :data:`REASON_KEY_MAX` characters (a spec's unknown GPU type of any length is named in a
+    reason; counts of reasons cut alike are added), the :data:`UNFIT_KEYS_MAX` largest."""
+    out: dict[str, int] = {}
+    for reason, count in reasons.items():
+        key = (
+            str(reason)
+            if len(str(reason)) <= REASON_KEY_MAX
+            else f"{reason[: REASON_KEY_MAX - 1]}…"
+        )
+        out[key] = out.get(key, 0) + max(0, int(count))
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:UNFIT_KEYS_MAX])
 
 
 def _finite(value: float) -> float:

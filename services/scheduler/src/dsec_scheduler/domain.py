@@ -597,6 +597,8 @@ class SchedulerState:
             if sbx is None or attempt < sbx.life.attempt:
                 return False  # for a placement that is over (or a sandbox not built)
             placed = self._units.setdefault(sid, {})
+            if any(a > attempt for a, _ in placed.values()):
+                return False  # an older attempt's, replayed: never replaces a newer unit
             if any(a < attempt for a, _ in placed.values()):
                 placed.clear()  # a new attempt: the old one's units are gone
             placed[str(p["unit"])] = (attempt, held_from_placed(p, sbx.tenant))

@@ -440,13 +440,17 @@ class Quota:
     gpus: float | None = None
     gpu_milli: int | None = None
     cpus: float | None = None
+    units: int | None = None
+    """Compute units held at once: units of a millicore take a node's unit slot
+    (``max_sandboxes``) as a large one does, and pass any CPU or GPU bound by the thousand."""
 
 
-_QUOTA_KEYS = {"gpus", "gpu_milli", "cpus"}
+_QUOTA_KEYS = {"gpus", "gpu_milli", "cpus", "units"}
+_WHOLE_KEYS = {"gpu_milli", "units"}
 
 
 def parse_quotas(data: Any, source: str = "quotas") -> dict[str, Quota]:
-    """``{tenant: {gpus: N, gpu_milli: N, cpus: N}}``, validated.
+    """``{tenant: {gpus: N, gpu_milli: N, cpus: N, units: N}}``, validated.
 
     Raises:
         ValueError: located (``source: tenant.key: …``) with what is valid.
@@ -454,12 +458,14 @@ def parse_quotas(data: Any, source: str = "quotas") -> dict[str, Quota]:
     if data is None:
         return {}
     if not isinstance(data, Mapping):
-        raise ValueError(f"{source}: expected a mapping {{tenant: {{gpus, gpu_milli, cpus}}}}")
+        raise ValueError(
+            f"{source}: expected a mapping {{tenant: {{gpus, gpu_milli, cpus, units}}}}"
+        )
     out: dict[str, Quota] = {}
     for tenant, limits in data.items():
         where = f"{source}: {tenant}"
         if not isinstance(limits, Mapping):
-            raise ValueError(f"{where}: expected a mapping with gpus, gpu_milli and/or cpus")
+            raise ValueError(f"{where}: expected a mapping with gpus, gpu_milli, cpus and/or units")
         values: dict[str, Any] = {}
         for key, value in limits.items():
             if key not in _QUOTA_KEYS:
@@ -467,9 +473,9 @@ def parse_quotas(data: Any, source: str = "quotas") -> dict[str, Quota]:
             ok = isinstance(value, int | float) and not isinstance(value, bool)
             if not ok or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{where}.{key}: {value!r} is not a number ≥ 0")
-            if key == "gpu_milli" and value != int(value):
-                raise ValueError(f"{where}.gpu_milli: {value!r} is not a whole number")
-            values[key] = int(value) if key == "gpu_milli" else float(value)
+            if key in _WHOLE_KEYS and value != int(value):
+                raise ValueError(f"{where}.{key}: {value!r} is not a whole number")
+            values[key] = int(value) if key in _WHOLE_KEYS else float(value)
         out[str(tenant)] = Quota(**values)
     return out
 
@@ -510,13 +516,31 @@ def usage(held: Iterable[UnitHeld]) -> dict[str, tuple[int, float]]:
     return out
 
 
+def unit_counts(held: Iterable[UnitHeld]) -> dict[str, int]:
+    """Team → compute units it holds now."""
+    out: dict[str, int] = {}
+    for h in held:
+        out[h.tenant] = out.get(h.tenant, 0) + 1
+    return out
+
+
 def quota_refusal(
-    gang: GangDemand, quotas: Mapping[str, Quota], used: Mapping[str, tuple[int, float]]
+    gang: GangDemand,
+    quotas: Mapping[str, Quota],
+    used: Mapping[str, tuple[int, float]],
+    units_held: Mapping[str, int] | None = None,
 ) -> str | None:
-    """Why the team may not take ``gang`` now (``quota: team X uses 7.5/8 GPUs, asks 1``)."""
+    """Why the team may not take ``gang`` now (``quota: team X uses 7.5/8 GPUs, asks 1``);
+    ``units_held``: team → units it holds (:func:`unit_counts`), for a ``units`` quota."""
     quota = quotas.get(gang.team)
     if quota is None:
         return None
+    if quota.units is not None:
+        held = (units_held or {}).get(gang.team, 0)
+        if held + len(gang.units) > quota.units:
+            return (
+                f"quota: team {gang.team} holds {held}/{quota.units} units, asks {len(gang.units)}"
+            )
     milli, cpus = used.get(gang.team, (0, 0.0))
     ask_milli = sum(u.gpus * MILLI + u.gpu_milli for u in gang.units)
     ask_cpus = sum(u.cpu_milli for u in gang.units) / 1000

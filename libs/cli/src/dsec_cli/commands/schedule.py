@@ -1,9 +1,10 @@
 """``dsec schedule explain ID``: why a sandbox runs where it runs, or why it waits.
 
-Read from the log (the sandbox's own events, each checked by the trust gate when a trust root
-is known): the latest placement's ``unit.placed`` events (node, GPUs, share, policy, score and
-its breakdown, how many nodes could have taken each unit) and ``sandbox.scheduled``, or its
-latest ``sandbox.pending`` (the reason, with node counts per reason).
+Read from the log (the sandbox's own events: an event of another sandbox copied onto its
+subjects is skipped; each checked by the trust gate when a trust root is known): the latest
+placement's ``unit.placed`` events (node, GPUs, share, policy, score and its breakdown, how
+many nodes could have taken each unit) and ``sandbox.scheduled``, or its latest
+``sandbox.pending`` (the reason, with node counts per reason).
 
 Exit codes: 0 a decision is shown (placed or pending), 1 the scheduler has not decided yet (the
 sandbox is not built, or ended before), 2 unknown sandbox id, 3 NATS unreachable.
@@ -103,7 +104,7 @@ async def _events(sandbox_id: str) -> list[tuple[str, dict[str, Any]]]:
     from dsec_core.bus import replay
     from dsec_core.envelope import decode
     from dsec_core.lifecycle import LIFECYCLE_TYPES
-    from dsec_core.subjects import InvalidSubjectToken, aggregate_filter
+    from dsec_core.subjects import InvalidSubjectToken, aggregate_filter, subject_for
 
     wanted = _PLACEMENT_TYPES | LIFECYCLE_TYPES
     out: list[tuple[str, dict[str, Any]]] = []
@@ -119,6 +120,10 @@ async def _events(sandbox_id: str) -> list[tuple[str, dict[str, Any]]]:
             except ValueError:
                 continue
             if envelope.type not in wanted:
+                continue
+            if envelope.subject != subject_for(envelope.type, sandbox_id):
+                continue  # another sandbox's event copied here: never this one's story
+            if envelope.type == "unit.placed" and envelope.payload.get("sandbox_id") != sandbox_id:
                 continue
             if gate is not None and await gate.authentic(data, stream_seq=seq) is None:
                 continue  # forged or unauthorized: never explained as the scheduler's word

@@ -27,6 +27,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -967,6 +968,12 @@ class ComputeUnit(SpecModel):
         return out
 
 
+MAX_TASKS = 256
+"""Tasks of one topology at most: each is a unit the scheduler places (and a ``unit.placed``)."""
+MAX_LINKS = 1024
+"""Links (``communication:``) of one topology at most."""
+
+
 class Task(SpecModel):
     """One compute unit of a task topology: a name, its hardware, and what it runs."""
 
@@ -1173,10 +1180,13 @@ class SandboxSpec(SpecModel):
     security_policy: SecurityPolicy = SecurityPolicy()
     include_code: IncludeCode = IncludeCode()
     tasks: tuple[Task, ...] = Field(
-        default=(), description="Compute units of a task topology; unset: one unit, `main`"
+        default=(),
+        description=f"Compute units of a task topology (at most {MAX_TASKS}); unset: one unit, "
+        "`main`",
     )
     communication: tuple[Link, ...] = Field(
-        default=(), description="Edges between tasks: from, to, protocol"
+        default=(),
+        description=f"Edges between tasks: from, to, protocol (at most {MAX_LINKS})",
     )
     migration: Migration = Migration()
     scheduling: Scheduling = Scheduling()
@@ -1226,6 +1236,20 @@ class SandboxSpec(SpecModel):
             raise invalid(
                 f"{value!r} is not a base image reference",
                 "NAME[:TAG][@sha256:DIGEST] in lowercase, e.g. dsec/python311-cu121:latest",
+            )
+        return value
+
+    @field_validator("tasks", "communication", mode="before")
+    @classmethod
+    def _bounded_topology(cls, value: Any, info: ValidationInfo) -> Any:
+        """At most :data:`MAX_TASKS` tasks and :data:`MAX_LINKS` links (checked before each
+        is validated: a hostile spec costs no work per item beyond the bound)."""
+        bound = MAX_TASKS if info.field_name == "tasks" else MAX_LINKS
+        if isinstance(value, list | tuple) and len(value) > bound:
+            what = "tasks" if info.field_name == "tasks" else "links"
+            raise invalid(
+                f"{len(value)} {what}; a topology has at most {bound}",
+                "split the work into several sandboxes, or group tasks that run together",
             )
         return value
 

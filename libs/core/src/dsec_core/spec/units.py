@@ -344,6 +344,10 @@ _BANDWIDTH_UNITS = {
 }
 
 
+FIGURE_MAX = 1e9
+"""A throughput (TFLOPS) or bandwidth (GB/s) at most: far above any GPU, below overflow."""
+
+
 def _figure(value: object, units: dict[str, float], what: str, hint: str) -> float:
     _reject_bool(value, hint)
     if isinstance(value, int | float):
@@ -358,8 +362,11 @@ def _figure(value: object, units: dict[str, float], what: str, hint: str) -> flo
         amount = float(match.group(1)) * units[unit]
     else:
         raise invalid(f"expected a {what}, got {type_name(value)}", hint)
-    if not math.isfinite(amount) or amount <= 0 or amount > 1e9:
+    if not math.isfinite(amount) or amount <= 0:
         raise invalid(f"a {what} must be positive, got {value!r}", hint)
+    if amount > FIGURE_MAX:
+        base = "TFLOPS" if units is _FLOPS_UNITS else "GB/s"
+        raise invalid(f"a {what} of at most {FIGURE_MAX:g} {base}, got {value!r}", hint)
     return amount
 
 
