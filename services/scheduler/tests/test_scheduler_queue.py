@@ -266,7 +266,7 @@ async def test_a_team_cannot_pass_its_quota_by_a_build_racing_the_queue(tmp_path
     async def find(subject: str, **_: Any) -> Any:
         return SimpleNamespace(payload={"plan": plan}) if "validated" in subject else None
 
-    async def barrier(timeout: float = 0.0) -> None:
+    async def barrier(timeout: float = 0.0, *, upto: int | None = None) -> None:
         return None
 
     s.service.gate = SimpleNamespace(find=find)  # type: ignore[assignment]

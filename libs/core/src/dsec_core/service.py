@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import signal
 import time
@@ -52,6 +53,12 @@ from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket
 
 SYSTEM_TENANT = identity.SYSTEM_TENANT
 
+
+HANDLING_SEQ: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "dsec_handling_seq", default=None
+)
+"""The stream sequence of the message a handler is running for (``None`` outside a handler):
+a handler that must see the log up to its own message (and no further) waits for exactly that."""
 log = logging.getLogger(__name__)
 
 
@@ -305,6 +312,7 @@ class Service:
             return
         started = time.perf_counter()
         heartbeat = asyncio.create_task(self._keep_alive(msg, policy.ack_wait_s / 3))
+        token = HANDLING_SEQ.set(stream_seq)
         try:
             outputs = await fn(envelope, envelope.decoded())  # an instance of the handled class
             await self._publish_outputs(envelope, outputs)
@@ -313,6 +321,7 @@ class Service:
             return
         finally:
             heartbeat.cancel()
+            HANDLING_SEQ.reset(token)
         metrics.HANDLER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
         await msg.ack_sync()
 

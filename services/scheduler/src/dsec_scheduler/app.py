@@ -41,7 +41,7 @@ from dsec_core.events import (
 from dsec_core.identity import SYSTEM_TENANT
 from dsec_core.ids import derive_event_id
 from dsec_core.projections import Projector
-from dsec_core.service import Output, Service
+from dsec_core.service import HANDLING_SEQ, Output, Service
 from dsec_core.settings import Settings
 from dsec_core.subjects import STREAM, filter_for, subject_for
 from dsec_core.trust import Gate, unpack_fields
@@ -328,9 +328,12 @@ class Scheduler:
             envelope.time.timestamp(),
         )
 
-    async def barrier(self, timeout: float = BARRIER_TIMEOUT_S) -> None:
-        """Wait until the fold includes every message the log held when this was called."""
-        last = (await self._js().stream_info(STREAM)).state.last_seq
+    async def barrier(self, timeout: float = BARRIER_TIMEOUT_S, *, upto: int | None = None) -> None:
+        """Wait until the fold includes every message the log held when this was called, or,
+        with ``upto``, every message up to that stream sequence (a handler's own message: all
+        that came before it is what its decision needs; no round trip, and no wait for the
+        heartbeats that kept arriving since)."""
+        last = upto if upto else (await self._js().stream_info(STREAM)).state.last_seq
         idle = self._idle_rounds
         async with self._progress:
             await asyncio.wait_for(
@@ -757,7 +760,7 @@ class Scheduler:
 
     async def on_env_built(self, envelope: Envelope) -> list[Output | Payload]:
         """A built sandbox: schedule it on a node, or queue it as pending."""
-        await self.barrier()
+        await self.barrier(upto=HANDLING_SEQ.get())
         sid = envelope.aggregate_id
         sbx = self.state.sandboxes.get(sid)
         if sbx is None or sbx.env_built_id != envelope.id or sbx.life.state != "built":
