@@ -140,7 +140,7 @@ done
 [ "$SIM_READY" -ge 14 ] || { echo "demo: the simulated fleet did not join ($SIM_READY)" >&2; exit 1; }
 RAG_SID=$(dsec submit examples/rag-training/dsec.yaml --code examples/rag-training --wait ready --json \
   | tail -n 1 | python3 -c 'import json,sys; print(json.load(sys.stdin)["sandbox_id"])')
-dsec schedule explain "$RAG_SID"
+COLUMNS=160 dsec schedule explain "$RAG_SID"
 dsec schedule explain "$RAG_SID" --json | tail -n 1 | python3 -c 'import json,sys
 d = json.load(sys.stdin); sys.exit(0 if d["decision"] == "placed" and len(d["units"]) == 3 else 1)' \
   || { echo "demo: the gang was not placed" >&2; exit 1; }
