@@ -352,8 +352,11 @@ class EngineSync:
         for spec in specs:
             seen.add(spec.node_id)
             known = self._nodes.get(spec.node_id)
-            if known is not spec and known != spec:  # the same object: unchanged, no deep compare
-                self.engine.upsert_node(spec)
+            if known is not spec:  # the same object: unchanged, no deep compare
+                if known != spec:
+                    self.engine.upsert_node(spec)
+                # an equal spec rebuilt from a new heartbeat is kept too, so the next sync finds
+                # the same object (else every node ever rebuilt was compared on every decision)
                 self._nodes[spec.node_id] = spec
         for gone in set(self._nodes) - seen:
             self.engine.remove_node(gone)
