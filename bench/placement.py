@@ -404,6 +404,9 @@ def main() -> None:
     if args.nodes_csv or args.pods_csv:
         if not (args.nodes_csv and args.pods_csv):
             raise SystemExit("--nodes-csv and --pods-csv go together")
+        for flag, path in (("--nodes-csv", args.nodes_csv), ("--pods-csv", args.pods_csv)):
+            if not path.is_file():
+                raise SystemExit(f"{flag} {path}: no such file (an openb-format CSV)")
         name = args.pods_csv.stem.removeprefix("openb_pod_list_")
         traces = [(name, args.nodes_csv, args.pods_csv)]
     else:

@@ -32,18 +32,20 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import blake3
 import nats
 from _common import emit, percentile
 from dsec_core import events
+from dsec_core.envelope import Envelope, decode
 from dsec_core.natsperms import FLEETSIM
-from dsec_core.spec import compile_plan, load_spec
 from dsec_core.subjects import filter_for
 from dsec_testing import trust
 from dsec_testing.stack import ServiceRunner, StackFixture
+from dsec_testing.trust import ENV_BUILT
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 SPEC = """\
@@ -55,45 +57,35 @@ resources: {cpu: 2, memory: 8GiB, gpu: {count: 1, type: h100}}
 """
 
 
+@dataclass(frozen=True)
 class Chain:
-    """The events before ``env.built`` of one request, published ahead of the timed part."""
+    """One request, published up to ``deps.resolved`` ahead of the timed part."""
 
-    def __init__(self, sid: str, built: events.EnvBuilt, cause: Any) -> None:
-        self.sid, self.built, self.cause = sid, built, cause
+    sid: str
+    cause: Envelope
+    """Its ``deps.resolved``: the cause of the ``env.built`` the clock starts at."""
 
 
-async def _prepare(pipe: trust.Pipeline, plan: dict[str, Any], n: int) -> list[Chain]:
-    digest = blake3.blake3(SPEC.encode()).hexdigest()
+async def _prepare(pipe: trust.Pipeline, n: int) -> list[Chain]:
     chains = []
     for _ in range(n):
         sid = f"sbx_bench_{uuid.uuid4().hex[:12]}"
-        sub = await pipe.user.publish(events.SpecSubmitted(spec_yaml=SPEC), aggregate_id=sid)
-        val = await pipe.policy.publish(
-            events.SpecValidated(name="bench-unit", spec_digest=digest, plan=plan),
-            aggregate_id=sid,
-            causation=sub.envelope,
-        )
-        res = await pipe.builder.publish(
-            events.DepsResolved(lock=[], lock_hash="l", python="3.11", platform="x", resolve_ms=0),
-            aggregate_id=sid,
-            causation=val.envelope,
-        )
-        built = events.EnvBuilt(
-            lock_hash="l", fingerprint="f", object_key="envs/l.tar.zst", digest="d",
-            size_bytes=1, reused=True,
-        )  # fmt: skip
-        chains.append(Chain(sid, built, res.envelope))
+        chains.append(Chain(sid, await pipe.resolved(SPEC, sid, "bench.yaml")))
     return chains
 
 
-async def _stored_at(js: JetStreamContext, subject: str, timeout: float = 60.0) -> float:
-    """JetStream's timestamp of the first message on ``subject`` (waits for it)."""
+async def _first(js: JetStreamContext, subject: str, timeout: float = 60.0) -> Msg:
+    """The first message on ``subject`` (waits for it)."""
     sub = await js.subscribe(subject, ordered_consumer=True)
     try:
-        msg = await sub.next_msg(timeout=timeout)
-        return msg.metadata.timestamp.timestamp()
+        return await sub.next_msg(timeout=timeout)
     finally:
         await sub.unsubscribe()
+
+
+async def _stored_at(js: JetStreamContext, subject: str, timeout: float = 60.0) -> float:
+    """JetStream's timestamp of the first message on ``subject``."""
+    return (await _first(js, subject, timeout)).metadata.timestamp.timestamp()
 
 
 def _decision_seconds(url: str) -> tuple[float, float]:
@@ -112,18 +104,15 @@ async def _run(stack: StackFixture, url: str, args: argparse.Namespace) -> dict[
     nc = await nats.connect(stack.nats_url)
     js = nc.jetstream()
     pipe = await trust.pipeline(js, stack.home)
-    loaded = load_spec(SPEC, "bench.yaml")
-    assert loaded.spec is not None
-    plan = compile_plan(loaded.spec).model_dump(mode="json")
 
     # warm-up: probes until a placement counts every simulated node (the scheduler has read
     # each one's node.joined / first heartbeat)
     probes: list[Chain] = []
     deadline = time.monotonic() + 180
     while True:
-        probe = (await _prepare(pipe, plan, 1))[0]
+        probe = (await _prepare(pipe, 1))[0]
         probes.append(probe)
-        await pipe.builder.publish(probe.built, aggregate_id=probe.sid, causation=probe.cause)
+        await pipe.builder.publish(ENV_BUILT, aggregate_id=probe.sid, causation=probe.cause)
         placed = await _first(js, filter_for("unit.placed", probe.sid))
         if _nodes_total(placed) >= args.nodes:
             break
@@ -133,17 +122,17 @@ async def _run(stack: StackFixture, url: str, args: argparse.Namespace) -> dict[
 
     serial: list[float] = []
     before = _decision_seconds(url)
-    for chain in await _prepare(pipe, plan, args.serial):
-        await pipe.builder.publish(chain.built, aggregate_id=chain.sid, causation=chain.cause)
+    for chain in await _prepare(pipe, args.serial):
+        await pipe.builder.publish(ENV_BUILT, aggregate_id=chain.sid, causation=chain.cause)
         placed = await _stored_at(js, filter_for("unit.placed", chain.sid))
         built_at = await _stored_at(js, filter_for("env.built", chain.sid))
         serial.append((placed - built_at) * 1000)
     after = _decision_seconds(url)
     decide_ms = (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1000
 
-    chains = await _prepare(pipe, plan, args.requests)
+    chains = await _prepare(pipe, args.requests)
     sealed = [
-        pipe.builder.signer.seal(c.built, aggregate_id=c.sid, causation=c.cause) for c in chains
+        pipe.builder.signer.seal(ENV_BUILT, aggregate_id=c.sid, causation=c.cause) for c in chains
     ]
     before = _decision_seconds(url)
     await pipe.builder.publish_many(sealed)
@@ -172,17 +161,7 @@ async def _run(stack: StackFixture, url: str, args: argparse.Namespace) -> dict[
     }
 
 
-async def _first(js: JetStreamContext, subject: str, timeout: float = 60.0) -> Any:
-    sub = await js.subscribe(subject, ordered_consumer=True)
-    try:
-        return await sub.next_msg(timeout=timeout)
-    finally:
-        await sub.unsubscribe()
-
-
-def _nodes_total(msg: Any) -> int:
-    from dsec_core.envelope import decode
-
+def _nodes_total(msg: Msg) -> int:
     return int(decode(msg.data).payload.get("nodes_total") or 0)
 
 

@@ -16,14 +16,12 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import blake3
 import nats
 import pytest
 from dsec_core import events
 from dsec_core.bus import replay
 from dsec_core.envelope import Envelope, decode
 from dsec_core.natsperms import FLEETSIM
-from dsec_core.spec import compile_plan, load_spec
 from dsec_core.subjects import filter_for
 from dsec_testing import trust
 from dsec_testing.stack import StackFixture
@@ -97,35 +95,7 @@ async def _events(js: JetStreamContext, subject: str) -> list[Envelope]:
 
 async def _submit(js: JetStreamContext, pipe: trust.Pipeline) -> str:
     """What the user, policy and builder publish for a sandbox of 8 GPUs of 80 GiB."""
-    sid = f"sbx_fleet_{uuid.uuid4().hex[:12]}"
-    loaded = load_spec(SPEC, "dsec.yaml")
-    assert loaded.spec is not None, loaded.errors
-    plan = compile_plan(loaded.spec).model_dump(mode="json")
-    sub = await pipe.user.publish(events.SpecSubmitted(spec_yaml=SPEC), aggregate_id=sid)
-    digest = blake3.blake3(SPEC.encode()).hexdigest()
-    val = await pipe.policy.publish(
-        events.SpecValidated(name="fleet-sim", spec_digest=digest, plan=plan),
-        aggregate_id=sid,
-        causation=sub.envelope,
-    )
-    res = await pipe.builder.publish(
-        events.DepsResolved(lock=[], lock_hash="l", python="3.11", platform="x", resolve_ms=0),
-        aggregate_id=sid,
-        causation=val.envelope,
-    )
-    await pipe.builder.publish(
-        events.EnvBuilt(
-            lock_hash="l",
-            fingerprint="f",
-            object_key="envs/l.tar.zst",
-            digest="d",
-            size_bytes=1,
-            reused=True,
-        ),
-        aggregate_id=sid,
-        causation=res.envelope,
-    )
-    return sid
+    return await pipe.built(SPEC, f"sbx_fleet_{uuid.uuid4().hex[:12]}")
 
 
 async def _poll(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:

@@ -11,14 +11,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import blake3
 import nats
 import pytest
 from dsec_core import events
 from dsec_core.bus import replay
 from dsec_core.envelope import Envelope, decode
 from dsec_core.natsperms import FLEETSIM
-from dsec_core.spec import compile_plan, load_spec
 from dsec_core.subjects import filter_for
 from dsec_testing import trust
 from dsec_testing.stack import StackFixture
@@ -45,36 +43,7 @@ tasks:
 
 async def _submit(pipe: trust.Pipeline, text: str, filename: str) -> str:
     """What the user, policy and builder publish for ``text`` (the plan compiled from it)."""
-    sid = f"sbx_gang_{uuid.uuid4().hex[:12]}"
-    loaded = load_spec(text, filename)
-    assert loaded.spec is not None, [e.format() for e in loaded.errors]
-    plan = compile_plan(loaded.spec, source=loaded.source).model_dump(mode="json")
-    sub = await pipe.user.publish(events.SpecSubmitted(spec_yaml=text), aggregate_id=sid)
-    val = await pipe.policy.publish(
-        events.SpecValidated(
-            name=loaded.spec.name, spec_digest=blake3.blake3(text.encode()).hexdigest(), plan=plan
-        ),
-        aggregate_id=sid,
-        causation=sub.envelope,
-    )
-    res = await pipe.builder.publish(
-        events.DepsResolved(lock=[], lock_hash="l", python="3.11", platform="x", resolve_ms=0),
-        aggregate_id=sid,
-        causation=val.envelope,
-    )
-    await pipe.builder.publish(
-        events.EnvBuilt(
-            lock_hash="l",
-            fingerprint="f",
-            object_key="envs/l.tar.zst",
-            digest="d",
-            size_bytes=1,
-            reused=True,
-        ),
-        aggregate_id=sid,
-        causation=res.envelope,
-    )
-    return sid
+    return await pipe.built(text, f"sbx_gang_{uuid.uuid4().hex[:12]}", filename)
 
 
 async def _of(js: Any, event_type: str, sid: str) -> list[Envelope]:

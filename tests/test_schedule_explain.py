@@ -7,13 +7,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 
-import blake3
 import nats
 import pytest
 from dsec_core import events
 from dsec_core.bus import ensure_stream
 from dsec_core.events import Resources
-from dsec_core.spec import compile_plan, load_spec
 from dsec_testing import trust
 from dsec_testing.stack import StackFixture
 from nats.js import JetStreamContext
@@ -50,31 +48,7 @@ async def _end(pipe: trust.Pipeline, *sids: str) -> None:
 
 async def _built(pipe: trust.Pipeline, sid: str) -> None:
     """A sandbox up to ``env.built``, as the user, policy and builder publish it."""
-    text = SPEC
-    sub = await pipe.user.publish(events.SpecSubmitted(spec_yaml=text), aggregate_id=sid)
-    loaded = load_spec(text, "dsec.yaml")
-    assert loaded.spec is not None, loaded.errors
-    val = await pipe.policy.publish(
-        events.SpecValidated(
-            name="s",
-            spec_digest=blake3.blake3(text.encode()).hexdigest(),
-            plan=compile_plan(loaded.spec).model_dump(mode="json"),
-        ),
-        aggregate_id=sid,
-        causation=sub.envelope,
-    )
-    res = await pipe.builder.publish(
-        events.DepsResolved(lock=[], lock_hash="l", python="3.11", platform="x", resolve_ms=0),
-        aggregate_id=sid,
-        causation=val.envelope,
-    )
-    await pipe.builder.publish(
-        events.EnvBuilt(
-            lock_hash="l", fingerprint="f", object_key="e", digest="d", size_bytes=1, reused=True
-        ),
-        aggregate_id=sid,
-        causation=res.envelope,
-    )
+    await pipe.built(SPEC, sid)
 
 
 async def test_explain_shows_each_units_place_score_and_why_a_unit_waits(

@@ -107,6 +107,10 @@ async def bus(
 
     settings = settings or Settings()
     url = settings.nats_endpoint()
+
+    async def _quiet(exc: Exception) -> None:
+        """nats-py prints a traceback for each failed attempt; the user gets one line below."""
+
     try:
         nc = await connect(
             settings,
@@ -114,6 +118,7 @@ async def bus(
             connect_timeout=3,
             max_reconnect_attempts=3,
             allow_reconnect=True,
+            error_cb=_quiet,
         )
     except NatsSettingsError as exc:
         fail(str(exc), EXIT_BAD_INPUT)

@@ -9,11 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec_core import identity
+import blake3
+from dsec_core import events, identity
 from dsec_core.bus import EventPublisher
+from dsec_core.envelope import Envelope
 from dsec_core.events import KeyRegistered
 from dsec_core.identity import Certificate, Role
 from dsec_core.signing import Signer
+from dsec_core.spec import compile_plan, load_spec
 from nacl.signing import SigningKey
 from nats.js import JetStreamContext
 
@@ -88,6 +91,17 @@ async def publisher(
     return pub
 
 
+ENV_BUILT = events.EnvBuilt(
+    lock_hash="l",
+    fingerprint="f",
+    object_key="envs/l.tar.zst",
+    digest="d",
+    size_bytes=1,
+    reused=True,
+)
+"""The ``env.built`` of an environment every test node already has (an empty lock)."""
+
+
 @dataclass(frozen=True)
 class Pipeline:
     """One certified publisher per producer of a sandbox's lifecycle (tenant ``default``)."""
@@ -97,6 +111,39 @@ class Pipeline:
     builder: EventPublisher
     nodeagent: EventPublisher
     scheduler: EventPublisher
+
+    async def resolved(self, spec_text: str, sid: str, filename: str = "dsec.yaml") -> Envelope:
+        """Publish what the user, policy and builder publish for ``spec_text`` up to
+        ``deps.resolved`` (the plan compiled from the spec, an empty lock); returns that
+        ``deps.resolved``, the cause of the sandbox's ``env.built``."""
+        loaded = load_spec(spec_text, filename)
+        assert loaded.spec is not None, [e.format() for e in loaded.errors]
+        plan = compile_plan(loaded.spec, source=loaded.source).model_dump(mode="json")
+        sub = await self.user.publish(
+            events.SpecSubmitted(spec_yaml=spec_text, filename=filename), aggregate_id=sid
+        )
+        val = await self.policy.publish(
+            events.SpecValidated(
+                name=loaded.spec.name,
+                spec_digest=blake3.blake3(spec_text.encode()).hexdigest(),
+                plan=plan,
+            ),
+            aggregate_id=sid,
+            causation=sub.envelope,
+        )
+        res = await self.builder.publish(
+            events.DepsResolved(lock=[], lock_hash="l", python="3.11", platform="x", resolve_ms=0),
+            aggregate_id=sid,
+            causation=val.envelope,
+        )
+        return res.envelope
+
+    async def built(self, spec_text: str, sid: str, filename: str = "dsec.yaml") -> str:
+        """:meth:`resolved`, then the builder's ``env.built`` (the scheduler places on it);
+        returns ``sid``."""
+        cause = await self.resolved(spec_text, sid, filename)
+        await self.builder.publish(ENV_BUILT, aggregate_id=sid, causation=cause)
+        return sid
 
 
 async def pipeline(js: JetStreamContext, home: Path, node_id: str = "n1") -> Pipeline:
