@@ -10,14 +10,12 @@ before GPU placement existed). The policy a decision was made by is the one its
 
 from __future__ import annotations
 
-import importlib
-
+from dsec_scheduler.placement import engine as tuned
 from dsec_scheduler.placement.api import PlacementEngine
 from dsec_scheduler.placement.simple import POLICIES as SIMPLE_POLICIES
 from dsec_scheduler.placement.simple import SimpleEngine
 
 DEFAULT_POLICY = "dsec"
-_FALLBACK = {"dsec": "leastloaded", "fgd": "bestfit", "random": "leastloaded"}
 
 
 def make_engine(policy: str = DEFAULT_POLICY) -> PlacementEngine:
@@ -27,16 +25,9 @@ def make_engine(policy: str = DEFAULT_POLICY) -> PlacementEngine:
         ValueError: an unknown policy (the message lists the valid ones).
     """
     policy = policy.strip().lower() or DEFAULT_POLICY
-    try:
-        tuned = importlib.import_module("dsec_scheduler.placement.engine")
-    except ImportError:
-        tuned = None
-    make = getattr(tuned, "make_engine", None)
-    if make is not None and policy in getattr(tuned, "POLICIES", ()):
-        engine: PlacementEngine = make(policy)
-        return engine
-    chosen = policy if policy in SIMPLE_POLICIES else _FALLBACK.get(policy)
-    if chosen is None:
-        valid = sorted({*SIMPLE_POLICIES, *_FALLBACK})
-        raise ValueError(f"DSEC_SCHEDULER_POLICY={policy!r}: unknown; valid: {', '.join(valid)}")
-    return SimpleEngine(chosen)
+    if policy in tuned.POLICIES:
+        return tuned.make_engine(policy)
+    if policy in SIMPLE_POLICIES:
+        return SimpleEngine(policy)
+    valid = ", ".join(sorted({*tuned.POLICIES, *SIMPLE_POLICIES}))
+    raise ValueError(f"DSEC_SCHEDULER_POLICY={policy!r}: unknown; valid: {valid}")

@@ -380,13 +380,7 @@ class EngineSync:
             if mine is not None and _same(mine, choice):
                 continue
             self.engine.release(key)
-            assume = getattr(self.engine, "assume", None)
-            demand = h.demand()
-            if assume is not None:
-                assume(demand, choice)
-            else:  # an engine without it learns the unit's demand by being asked for it
-                self.engine.place(GangDemand(key, (demand,)))
-                self.engine.commit(GangPlacement(key, (choice,), "", 0))
+            self.engine.assume(h.demand(), choice)
             self._held[key] = choice
 
     def _whole_gpus(self, h: UnitHeld) -> UnitChoice:

@@ -153,6 +153,11 @@ class PlacementEngine(Protocol):
         """Take the capacity a placement chose."""
         ...
 
+    def assume(self, demand: UnitDemand, choice: UnitChoice) -> None:
+        """Take what ``choice`` says for ``demand``, replacing what the unit held (a unit placed
+        by another replica or before a restart, read back from the log)."""
+        ...
+
     def release(self, key: str) -> None:
         """Give back what unit ``key`` holds (no-op when it holds nothing)."""
         ...
