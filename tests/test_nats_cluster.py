@@ -1,10 +1,11 @@
 """The NATS cluster of `dsec up --nodes 3`: the event stream on three servers survives one of them
-being killed mid-flow — no event lost, none stored twice, each handled once by a durable
-consumer — and is R3-healthy again once the server is back."""
+being killed mid-flow — no event lost, none stored twice, each delivered to a durable consumer
+from its one stored position — and is R3-healthy again once the server is back."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import Counter
@@ -59,6 +60,17 @@ async def test_killing_the_stream_leader_mid_flow_loses_nothing(dsec_cluster: Cl
     urls = dsec_cluster.operator_urls
     pub_nc = await nats.connect(servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
     sub_nc = await nats.connect(servers=urls, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    try:
+        await _kill_leader_mid_flow(dsec_cluster, pub_nc, sub_nc)
+    finally:
+        # Never leave a client reconnecting forever to servers the fixture is about to stop.
+        await pub_nc.close()
+        await sub_nc.close()
+
+
+async def _kill_leader_mid_flow(
+    dsec_cluster: ClusterFixture, pub_nc: nats.NATS, sub_nc: nats.NATS
+) -> None:
     js = pub_nc.jetstream(timeout=2.0)
     sub_js = sub_nc.jetstream(timeout=2.0)
     run = uuid.uuid4().hex[:8]
@@ -76,8 +88,8 @@ async def test_killing_the_stream_leader_mid_flow_loses_nothing(dsec_cluster: Cl
     )
     publisher = await trust.publisher(js, dsec_cluster.home, "user", subject=f"load-{run}")
     acked: list[str] = []
-    first_deliveries: Counter[str] = Counter()
-    handled: Counter[str] = Counter()  # dedup by event id, as the runtime's replay bucket does
+    # event id -> the stream sequences it was delivered from, one entry per delivery
+    deliveries: dict[str, list[int]] = {}
 
     async def produce() -> None:
         for i in range(EVENTS):
@@ -89,7 +101,7 @@ async def test_killing_the_stream_leader_mid_flow_loses_nothing(dsec_cluster: Cl
 
     async def consume() -> None:
         sub = await sub_js.pull_subscribe(subject, durable=durable, stream=STREAM)
-        while len(handled) < EVENTS:
+        while len(deliveries) < EVENTS:
             try:
                 msgs = await sub.fetch(50, timeout=1.0)
             except (TimeoutError, nats.errors.TimeoutError, nats.errors.ConnectionClosedError):
@@ -99,11 +111,10 @@ async def test_killing_the_stream_leader_mid_flow_loses_nothing(dsec_cluster: Cl
                 continue
             for msg in msgs:
                 env = decode(msg.data)
-                if msg.metadata.num_delivered == 1:
-                    first_deliveries[env.id] += 1
-                if env.id not in handled:
-                    handled[env.id] += 1
-                await msg.ack_sync()
+                deliveries.setdefault(env.id, []).append(msg.metadata.sequence.stream)
+                # An ack lost with the dying server: the message comes again.
+                with contextlib.suppress(TimeoutError, nats.errors.Error):
+                    await msg.ack_sync()
 
     info = await js.stream_info(STREAM)
     assert info.cluster is not None and info.cluster.leader
@@ -116,11 +127,11 @@ async def test_killing_the_stream_leader_mid_flow_loses_nothing(dsec_cluster: Cl
         killed_at = len(acked)
         await asyncio.sleep(1.0)  # the flow goes on against the two others
         await asyncio.to_thread(dsec_cluster.start_nats, victim)
-        await asyncio.wait_for(producer, 60)
-        done, _ = await asyncio.wait([consumer], timeout=30)
+        await asyncio.wait_for(producer, 90)
+        done, _ = await asyncio.wait([consumer], timeout=60)
         if not done:
             ci = await js.consumer_info(STREAM, durable)
-            raise AssertionError(f"consumed {len(handled)} of {len(acked)}; consumer: {ci}")
+            raise AssertionError(f"consumed {len(deliveries)} of {len(acked)}; consumer: {ci}")
     finally:
         for task in (producer, consumer):
             task.cancel()
@@ -128,19 +139,36 @@ async def test_killing_the_stream_leader_mid_flow_loses_nothing(dsec_cluster: Cl
 
     stored: Counter[str] = Counter()
     verify = await sub_js.pull_subscribe(subject, stream=STREAM)  # ephemeral: a full re-read
-    while sum(stored.values()) < EVENTS:
+    deadline = time.monotonic() + 30
+    while sum(stored.values()) < EVENTS and time.monotonic() < deadline:
         try:
             msgs = await verify.fetch(100, timeout=2.0)
         except (TimeoutError, nats.errors.TimeoutError):
-            break
+            continue
         for msg in msgs:
             stored[decode(msg.data).id] += 1
             await msg.ack()
-    assert set(stored) == set(acked) and max(stored.values()) == 1  # each stored exactly once
-    assert set(handled) == set(acked) and max(handled.values()) == 1
-    assert max(first_deliveries.values()) == 1  # never two first deliveries of one event
-    await _healthy_r3(js, STREAM, time.monotonic() + 30)
-    consumer_info = await sub_js.consumer_info(STREAM, durable)
-    assert consumer_info.num_ack_pending == 0 and consumer_info.num_pending == 0
-    await pub_nc.close()
-    await sub_nc.close()
+    assert set(stored) == set(acked), f"{len(set(acked) - set(stored))} acknowledged, not stored"
+    assert max(stored.values()) == 1  # each stored exactly once (no publish retry doubled one)
+    assert set(deliveries) == set(acked)  # every event reached the durable consumer
+    # A consumer leader can fail over before its "delivered" state reached a quorum (see
+    # nats-server#6566), so an event may come twice — but always as the same stored message,
+    # which the runtime's replay check hands to the idempotent handler again; a second copy at
+    # another position would be refused as a replay. Never two positions for one event:
+    twice = {i: seqs for i, seqs in deliveries.items() if len(set(seqs)) != 1}
+    assert not twice, f"events delivered from two stream positions: {twice}"
+    await _healthy_r3(js, STREAM, time.monotonic() + 60)
+    # Nothing left behind: an ack lost with the killed server comes back once and is acked.
+    drain = await sub_js.pull_subscribe(subject, durable=durable, stream=STREAM)
+    deadline = time.monotonic() + 30
+    while True:
+        consumer_info = await sub_js.consumer_info(STREAM, durable)
+        if consumer_info.num_ack_pending == 0 and consumer_info.num_pending == 0:
+            break
+        assert time.monotonic() < deadline, f"consumer not drained: {consumer_info}"
+        try:
+            for msg in await drain.fetch(50, timeout=1.0):
+                assert decode(msg.data).id in deliveries
+                await msg.ack_sync()
+        except (TimeoutError, nats.errors.TimeoutError):
+            pass
