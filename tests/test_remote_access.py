@@ -212,6 +212,15 @@ async def test_other_tenants_forgeries_and_replays_are_refused(
         answer = await _ask(nc, "node-1", genuine, inbox)
         assert answer.kind == "refused" and answer.fields["reason"] == "replayed"
 
+        # a copy out of the sandbox by the other tenant's user, signed by a real key
+        key_b, cert_b = await _user(js, dsec_stack.home, "team-b")
+        inbox = nc.new_inbox()
+        request = _request(
+            key_b, cert_b, running, inbox, kind="cp", args={"op": "get", "path": "/tmp"}
+        )
+        answer = await _ask(nc, "node-1", request, inbox, kind="cp")
+        assert answer.kind == "refused" and answer.fields["reason"] == "cross-tenant"
+
         # an exec of a sandbox that is not on that node
         inbox = nc.new_inbox()
         request = _request(
@@ -378,3 +387,222 @@ async def test_forged_and_replayed_frames_on_the_bus_do_not_break_a_session(
     assert code == 7, out + err
     assert "STILL MINE" in out
     assert len(sent) >= 10  # the forgeries were on the bus while the session ran
+
+
+# ----------------------------------------------------------------------------- exec --tty
+
+
+class _Terminal:
+    """The user's terminal: ``dsec`` runs on one side of a pseudo-terminal, the test types on
+    the other and reads what the user would see."""
+
+    def __init__(self, args: list[str], env: dict[str, str], rows: int = 33, cols: int = 101):
+        import fcntl
+        import os
+        import subprocess
+        import sys
+        import termios
+        from pathlib import Path
+
+        self.master, self.side = os.openpty()
+        self.resize(rows, cols)
+        self.before = termios.tcgetattr(self.side)
+        dsec = str(Path(sys.executable).parent / "dsec")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")} | env
+        self.proc = subprocess.Popen(
+            [dsec, *args], stdin=self.side, stdout=self.side, stderr=self.side,
+            env={**env, "TERM": "xterm-256color"}, start_new_session=True,
+        )  # fmt: skip
+        self.seen = b""
+        self._fcntl = fcntl
+
+    def resize(self, rows: int, cols: int) -> None:
+        import fcntl
+        import struct
+        import termios
+
+        fcntl.ioctl(self.side, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def expect(self, text: bytes, timeout: float = 30) -> None:
+        import os
+        import select
+
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{text!r} never shown; the terminal shows {self.seen[-2000:]!r}"
+            ready, _, _ = select.select([self.master], [], [], min(left, 0.5))
+            if ready:
+                self.seen += os.read(self.master, 65536)
+
+    def type(self, data: bytes) -> None:
+        import os
+
+        os.write(self.master, data)
+
+    def close(self) -> None:
+        import os
+
+        self.proc.kill()
+        self.proc.wait()
+        os.close(self.master)
+        os.close(self.side)
+
+
+def test_exec_with_a_tty_gives_the_command_a_terminal_and_restores_this_one(
+    running: str, user_env: dict[str, str]
+) -> None:
+    import termios
+
+    program = (
+        "import os, sys; print('tty', os.isatty(0), os.isatty(1), os.isatty(2), "
+        "*os.get_terminal_size(), os.environ['TERM']); "
+        "name = input('name? '); print('hello', name.upper()); sys.exit(5)"
+    )
+    term = _Terminal(["sandbox", "exec", "-it", running, "--", "python", "-c", program], user_env)
+    try:
+        term.expect(b"tty True True True 101 33 xterm-256color")
+        term.expect(b"name? ")
+        term.type(b"alice\r")  # raw mode here: the sandbox's terminal turns \r into a line
+        term.expect(b"hello ALICE")
+        assert term.proc.wait(20) == 5
+        assert termios.tcgetattr(term.side) == term.before  # raw mode undone
+    finally:
+        term.close()
+
+
+def test_tty_resize_ctrl_c_and_ctrl_d_reach_the_command(
+    running: str, user_env: dict[str, str]
+) -> None:
+    import signal
+
+    program = (
+        "import os, signal, time; "
+        "signal.signal(signal.SIGWINCH, lambda *a: print('size', *os.get_terminal_size(), "
+        "flush=True)); print('ready', flush=True); time.sleep(60)"
+    )
+    term = _Terminal(["sandbox", "exec", "-t", running, "--", "python", "-c", program], user_env)
+    try:
+        term.expect(b"ready")
+        term.resize(40, 120)
+        term.proc.send_signal(signal.SIGWINCH)  # what the kernel sends the foreground job
+        term.expect(b"size 120 40")
+        term.type(b"\x03")  # Ctrl-C: the sandbox's terminal interrupts the command
+        term.expect(b"KeyboardInterrupt")
+        assert term.proc.wait(20) == 130
+    finally:
+        term.close()
+
+    program = "import sys; [print('got', line.strip().upper(), flush=True) for line in sys.stdin]"
+    term = _Terminal(["sandbox", "exec", "-t", running, "--", "python", "-c", program], user_env)
+    try:
+        term.type(b"first\r")
+        term.expect(b"got FIRST")
+        term.type(b"\x04")  # Ctrl-D: end of input for the command, which then ends
+        assert term.proc.wait(20) == 0
+    finally:
+        term.close()
+
+
+# ----------------------------------------------------------------------------- cp
+
+
+def test_cp_puts_and_gets_a_tree_encrypted(
+    running: str, user_env: dict[str, str], tmp_path: Any, eavesdropper: list[bytes]
+) -> None:
+    import json
+    import os
+
+    local = tmp_path / "payload"
+    (local / "sub").mkdir(parents=True)
+    marker = "copied-in-confidence-" + os.urandom(4).hex()
+    (local / "a.txt").write_text(marker)
+    blob = os.urandom(1_500_000)  # 46 frames: more than the window the node acknowledges
+    (local / "sub" / "b.bin").write_bytes(blob)
+    (tmp_path / "secret").write_text("not to be sent")
+    (local / "link").symlink_to(tmp_path / "secret")
+
+    code, out, err = _dsec(user_env, "sandbox", "cp", str(local), f"{running}:/tmp", "--json")
+    assert code == 0, out + err
+    put = json.loads(out)
+    assert (put["files"], put["bytes"], put["skipped"]) == (4, len(marker) + len(blob), ["link"])
+
+    check = (
+        "print(open('/tmp/payload/a.txt').read(), len(open('/tmp/payload/sub/b.bin','rb').read()))"
+    )
+    code, out, err = _dsec(user_env, "sandbox", "exec", running, "--", "python", "-c", check)
+    assert code == 0 and f"{marker} {len(blob)}" in out, err
+
+    back = tmp_path / "back"
+    code, out, err = _dsec(
+        user_env, "sandbox", "cp", f"{running}:/tmp/payload", str(back), "--json"
+    )
+    assert code == 0, out + err
+    got = json.loads(out)
+    assert (got["files"], got["bytes"]) == (4, len(marker) + len(blob))
+    assert (back / "a.txt").read_text() == marker
+    assert (back / "sub" / "b.bin").read_bytes() == blob
+    assert not (back / "link").exists()
+
+    # one file, into an existing local directory
+    code, out, err = _dsec(
+        user_env, "sandbox", "cp", f"{running}:/tmp/payload/a.txt", str(back / "sub")
+    )
+    assert code == 0 and "1 files" in out, out + err
+    assert (back / "sub" / "a.txt").read_text() == marker
+    assert not any(marker.encode() in data for data in eavesdropper)
+    assert not any(blob[1000:1064] in data for data in eavesdropper)
+
+
+def test_cp_stays_inside_the_sandbox_writable_dirs(
+    running: str, user_env: dict[str, str], tmp_path: Any
+) -> None:
+    setup = (
+        "import os; os.makedirs('/tmp/jail', exist_ok=True); "
+        "[os.path.lexists(p) or os.symlink(t, p) for p, t in "
+        "[('/tmp/pw', '/etc/passwd'), ('/tmp/etc', '/etc'), ('/tmp/jail/up', '/tmp')]]"
+    )
+    code, out, err = _dsec(user_env, "sandbox", "exec", running, "--", "python", "-c", setup)
+    assert code == 0, out + err
+    local = tmp_path / "f.txt"
+    local.write_text("x")
+    dest = tmp_path / "got"
+
+    refused = [  # (args, exit code, what the error says)
+        ([f"{running}:/etc/passwd", str(dest)], 2, "not-allowed"),
+        ([str(local), f"{running}:/workspace/code"], 2, "may write"),
+        ([str(local), f"{running}:/etc"], 2, "/tmp"),
+        ([f"{running}:/tmp/../etc/passwd", str(dest)], 2, "'..'"),
+        ([f"{running}:/tmp/pw", str(dest)], 1, "symlink; not followed"),
+        ([f"{running}:/tmp/etc/passwd", str(dest)], 1, "not followed"),
+        ([str(local), f"{running}:/tmp/etc/x"], 1, "not followed"),
+        ([str(local), f"{running}:/tmp/pw"], 1, "symlink; not followed"),
+        ([str(local), str(dest)], 2, "SANDBOX_ID:/path"),
+    ]
+    for args, expected_code, expected in refused:
+        code, out, err = _dsec(user_env, "sandbox", "cp", *args)
+        assert (code, expected in err) == (expected_code, True), (args, out, err)
+    assert not dest.exists()
+    # a directory with a link to / inside: the link is skipped, not followed
+    code, out, err = _dsec(user_env, "sandbox", "cp", f"{running}:/tmp/jail", str(dest), "--json")
+    assert code == 0, out + err
+    assert __import__("json").loads(out)["skipped"] == ["up"]
+    assert sorted(p.name for p in dest.iterdir()) == []
+
+
+def test_another_tenants_user_cannot_copy(
+    running: str, user_env: dict[str, str], dsec_stack: Any, tmp_path: Any
+) -> None:
+    from dsec_core import identity
+
+    root = trust.stack_root(dsec_stack.home)
+    key, cert = identity.issue_user(root, "mallory", "team-b")
+    cred = tmp_path / "mallory.cred.json"
+    cred.write_text(identity.credential_json(key, cert))
+    env = {**user_env, "DSEC_CREDENTIAL": str(cred)}
+    local = tmp_path / "evil.txt"
+    local.write_text("planted")
+    for args in ([f"{running}:/tmp", str(tmp_path / "loot")], [str(local), f"{running}:/tmp"]):
+        code, _, err = _dsec(env, "sandbox", "cp", *args)
+        assert code == 1 and "refused: cross-tenant" in err, (args, err)
+    assert not (tmp_path / "loot").exists()

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import inspect
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from dsec_core import remote
@@ -34,7 +35,9 @@ from dsec_cli.common import (
     user_identity,
 )
 
-_NOT_THERE = {"not-found", "not-running"}
+_NOT_THERE = {"not-found", "not-running", "not-allowed"}
+Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]
+"""Sends one frame to the node (encrypted): what a session's ``driver`` is given."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class Ended:
 
     code: int | None
     reason: str
+    details: dict[str, Any] = field(default_factory=dict)
+    """The end frame's other fields (a cp's ``files`` and ``bytes``)."""
 
 
 class Sink:
@@ -113,9 +118,13 @@ async def session(
     on_output: Callable[[str, bytes], None],
     *,
     forward_stdin: bool = False,
+    driver: Callable[[Send], Coroutine[Any, Any, None]] | None = None,
+    on_frame: Callable[[dict[str, Any]], Any] | None = None,
 ) -> Ended:
-    """Ask the sandbox's node agent for its logs (``kind="logs"``) or to run a command
-    (``"exec"``); output goes to ``on_output(stream, bytes)`` as it arrives."""
+    """Ask the sandbox's node agent for its logs (``kind="logs"``), to run a command
+    (``"exec"``) or to copy files (``"cp"``); output goes to ``on_output(stream, bytes)`` as
+    it arrives. Once the session is open, ``driver(send)`` runs alongside (what a TTY or a copy
+    sends); every other frame from the node goes to ``on_frame`` (awaited when a coroutine)."""
     key, cert = user_identity()
     async with bus() as (nc, js):
         gate = cli_gate(nc, js)
@@ -141,7 +150,9 @@ async def session(
         rid = str(remote.parse_request(request, kind).id)
         await nc.publish(remote.request_subject(node, kind), request, reply=inbox)
         box = await _answer(gate, sub, rid, node, client)
-        return await _stream(nc, sub, rid, node, box, on_output, forward_stdin)
+        return await _stream(
+            nc, sub, rid, node, box, on_output, forward_stdin, driver=driver, on_frame=on_frame
+        )
 
 
 async def _next(sub: Any, node: str, what: str, timeout: float = remote.GONE_S) -> bytes:
@@ -189,6 +200,9 @@ async def _stream(
     box: Any,
     on_output: Callable[[str, bytes], None],
     forward_stdin: bool,
+    *,
+    driver: Callable[[Send], Coroutine[Any, Any, None]] | None = None,
+    on_frame: Callable[[dict[str, Any]], Any] | None = None,
 ) -> Ended:
     incoming, outgoing = FrameCodec(box), FrameCodec(box)
     input_subject = remote.request_subject(node, "input")
@@ -211,6 +225,8 @@ async def _stream(
     tasks = [asyncio.create_task(keep_alive())]
     if forward_stdin:
         tasks.append(asyncio.create_task(forward()))
+    if driver is not None:
+        tasks.append(asyncio.create_task(driver(send)))
     ended = False
     try:
         while True:
@@ -225,7 +241,14 @@ async def _stream(
             elif frame.get("k") == "end":
                 ended = True
                 code = frame.get("code")
-                return Ended(code if isinstance(code, int) else None, str(frame.get("reason")))
+                details = {k: v for k, v in frame.items() if k not in ("k", "n", "code", "reason")}
+                return Ended(
+                    code if isinstance(code, int) else None, str(frame.get("reason")), details
+                )
+            elif on_frame is not None and frame.get("k") != "alive":
+                result = on_frame(frame)
+                if inspect.isawaitable(result):
+                    await result
     finally:
         for task in tasks:
             task.cancel()

@@ -37,8 +37,8 @@ from dsec_core import canonical
 from dsec_core.ids import new_event_id
 
 SUBJECT_ROOT = "dsec_rpc.node"
-KINDS: tuple[str, ...] = ("logs", "exec")
-Kind = Literal["logs", "exec"]
+KINDS: tuple[str, ...] = ("logs", "exec", "cp")
+Kind = Literal["logs", "exec", "cp"]
 REQUEST_DOMAIN = b"dsec-rpc/1 request\n"
 HELLO_DOMAIN = b"dsec-rpc/1 hello\n"
 REFUSAL_DOMAIN = b"dsec-rpc/1 refusal\n"
@@ -59,6 +59,16 @@ MAX_SESSIONS = 16
 MAX_ARGV_BYTES = 64 * 1024
 MAX_STDIN_BUFFER = 1024 * 1024
 """Input the node holds for a command that does not read it; more ends the session."""
+CP_MAX_BYTES = 512 * 1024 * 1024
+"""File contents one ``dsec sandbox cp`` moves at most (each way); more ends it."""
+CP_MAX_FILES = 10_000
+"""Files and directories one ``cp`` moves at most."""
+CP_WINDOW = 16
+"""Frames (32 KiB of data at most each) a ``cp`` into the sandbox sends ahead of the node's
+acknowledgements: below MAX_STDIN_BUFFER, so a slow disk slows the sender instead of ending
+the session."""
+MAX_PATH_BYTES = 4096
+_TERM = re.compile(r"^[A-Za-z0-9._+-]{1,64}$")
 
 _NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _SANDBOX = re.compile(r"^sbx_[A-Za-z0-9_-]{1,64}$")
@@ -114,6 +124,11 @@ class Request:
     @property
     def argv(self) -> list[str]:
         return [str(a) for a in self.args.get("argv", [])]
+
+    @property
+    def tty(self) -> bool:
+        """An exec that asked for a pseudo-terminal."""
+        return self.kind == "exec" and self.args.get("tty") is True
 
 
 def sign_request(
@@ -195,7 +210,69 @@ def parse_request(data: bytes, kind: str) -> Request:
         raise RemoteError("no signature, or a reply subject that is not an inbox")
     if kind == "exec" and not _valid_argv(args.get("argv")):
         raise RemoteError(f"argv must be 1 to 256 strings, {MAX_ARGV_BYTES} bytes at most")
+    if kind == "exec" and args.get("tty") is True:
+        _check_tty_args(args)
+    if kind == "cp":
+        _check_cp_args(args)
     return request
+
+
+def valid_size(rows: Any, cols: Any) -> bool:
+    """A terminal size a client may ask for (``rows`` x ``cols``, 1 to 10,000 each)."""
+    return all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 10_000 for v in (rows, cols)
+    )
+
+
+def _check_tty_args(args: dict[str, Any]) -> None:
+    if not valid_size(args.get("rows"), args.get("cols")):
+        raise RemoteError("a tty exec needs rows and cols, integers from 1 to 10000")
+    term = args.get("term")
+    if term is not None and not (isinstance(term, str) and _TERM.match(term)):
+        raise RemoteError(f"term must match {_TERM.pattern}")
+
+
+def _check_cp_args(args: dict[str, Any]) -> None:
+    """``{"op": "get"|"put", "path": "/abs/path"[, "name": "basename"]}`` (put names what it
+    sends, as ``cp`` names a copy into an existing directory)."""
+    if args.get("op") not in ("get", "put"):
+        raise RemoteError("cp needs op: get or put")
+    sandbox_path(args.get("path"))
+    if args["op"] == "put":
+        entry_path(args.get("name"))
+        if not args["name"]:
+            raise RemoteError("put needs the name of what it sends")
+
+
+def sandbox_path(path: Any) -> str:
+    """An absolute path inside the sandbox, normalized (``//``, ``.`` dropped); a ``..``, a
+    NUL or a relative path is a :class:`RemoteError` (never resolved: no traversal)."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise RemoteError(f"{str(path)[:200]!r} is not an absolute path inside the sandbox")
+    if len(path.encode()) > MAX_PATH_BYTES:
+        raise RemoteError(f"a path of more than {MAX_PATH_BYTES} bytes")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise RemoteError(f"{path[:200]!r} climbs with '..': give the path without it")
+    return "/" + "/".join(parts)
+
+
+def entry_path(path: Any) -> str:
+    """A path relative to what a cp copies (``""`` is its top): components only, none of them
+    ``..`` or ``.``, no NUL, no leading slash."""
+    if not isinstance(path, str) or "\0" in path or len(path.encode()) > MAX_PATH_BYTES:
+        raise RemoteError(f"{str(path)[:200]!r} is not a relative path")
+    if path == "":
+        return path
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise RemoteError(f"{path[:200]!r} is not a plain relative path (empty, '.' or '..')")
+    return path
+
+
+def under(path: str, base: str) -> bool:
+    """Whether the normalized ``path`` is ``base`` or inside it."""
+    return base == "/" or path == base or path.startswith(base.rstrip("/") + "/")
 
 
 def _valid_argv(argv: Any) -> bool:

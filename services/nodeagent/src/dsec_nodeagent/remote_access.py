@@ -1,4 +1,4 @@
-"""Remote logs and exec: ``dsec sandbox logs|exec`` from any machine that reaches the bus.
+"""Remote logs, exec and cp: ``dsec sandbox logs|exec|cp`` from any machine that reaches the bus.
 
 The node agent listens on its own node's request subjects (``dsec_rpc.node.<node>.*``, core
 NATS, outside the audited stream), verifies each request like an event (certificate from the
@@ -6,14 +6,20 @@ operator root, signature, a user of the sandbox's tenant, the replay window) and
 output back encrypted to the request's one-time key (protocol: :mod:`dsec_core.remote`).
 Sessions are bounded: 16 per node, 32 KiB frames, 4 MiB/s each, ended when the client stops
 sending keep-alives (10 s), when a followed sandbox has exited, or when the command ends.
+An exec with a TTY runs on a pseudo-terminal made here (its size set at start and on each
+``resize`` frame); a cp runs a confined copier in the sandbox (:mod:`.sandbox.transfer`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
 import logging
 import os
+import struct
+import termios
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,6 +32,7 @@ from nacl.public import PrivateKey
 from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge
 
+from dsec_nodeagent.sandbox import transfer
 from dsec_nodeagent.sandbox.manager import SandboxManager
 
 log = logging.getLogger(__name__)
@@ -57,6 +64,12 @@ class Session:
         self.stdin_bytes = 0
         self.task: asyncio.Task[None] | None = None
         self.ended = asyncio.Event()
+        self.on_resize: Callable[[int, int], None] | None = None
+        self.problem: str | None = None
+        """Why the node ended the session (a cp over its limits), for the end frame."""
+        self.fed = 0
+        self.files = 0
+        self.bytes = 0
 
     async def send(self, frame: dict[str, Any]) -> None:
         self.last_sent = time.monotonic()
@@ -86,11 +99,55 @@ class Session:
         kind = frame.get("k")
         if kind == "cancel":
             self.cancel()
-        elif kind == "stdin" and isinstance(frame.get("d"), bytes):
+        elif kind == "stdin" and isinstance(frame.get("d"), bytes) and self.request.kind == "exec":
             self.stdin_bytes += len(frame["d"])
             self.stdin.put_nowait(frame["d"])
         elif kind == "eof":
-            self.stdin.put_nowait(None)
+            if self.request.tty:  # a terminal has no separate EOF: send what Ctrl-D sends
+                self.stdin.put_nowait(b"\x04")
+            elif self.request.kind == "cp":
+                if self.request.args.get("op") == "put":
+                    self._put_stdin(transfer.record(b"E"))
+                    self.stdin.put_nowait(None)
+            else:
+                self.stdin.put_nowait(None)
+        elif kind == "resize" and self.on_resize is not None:
+            if remote.valid_size(frame.get("rows"), frame.get("cols")):
+                self.on_resize(frame["rows"], frame["cols"])
+        elif kind in ("entry", "data") and self.request.kind == "cp":
+            self._copy_in(frame)
+
+    def _put_stdin(self, data: bytes) -> None:
+        self.stdin_bytes += len(data)
+        self.stdin.put_nowait(data)
+
+    def _copy_in(self, frame: dict[str, Any]) -> None:
+        """A cp into the sandbox: the client's entry and data frames, checked and counted,
+        become the copier's records."""
+        if self.request.args.get("op") != "put":
+            return
+        try:
+            if frame.get("k") == "data":
+                data = frame.get("d")
+                if not isinstance(data, bytes) or len(data) > remote.CHUNK:
+                    raise RemoteError("a data frame without bytes, or over 32 KiB")
+                self.bytes += len(data)
+                if self.bytes > remote.CP_MAX_BYTES:
+                    raise RemoteError(f"more than {remote.CP_MAX_BYTES} bytes")
+                self._put_stdin(transfer.record(b"B", data))
+                return
+            kind = {"dir": b"D", "file": b"F"}.get(str(frame.get("t")))
+            mode = frame.get("m")
+            if kind is None or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+                raise RemoteError("an entry needs t (dir or file) and m (a mode)")
+            path = remote.entry_path(frame.get("p"))
+            self.files += 1
+            if self.files > remote.CP_MAX_FILES:
+                raise RemoteError(f"more than {remote.CP_MAX_FILES} files and directories")
+            self._put_stdin(transfer.entry(kind, mode, path))
+        except RemoteError as exc:
+            self.problem = str(exc)
+            self.cancel()
 
     def cancel(self) -> None:
         if self.task is not None and not self.task.done():
@@ -203,14 +260,34 @@ class RemoteAccess:
     def _here(self, request: Request) -> tuple[str, str] | None:
         """The sandbox is on this node, and running when a command is to run in it."""
         sid = request.sandbox_id
-        if request.kind == "exec":
+        if request.kind in ("exec", "cp"):
             state = self.manager.states.read(sid)
             if state is None or state.get("phase") != "running":
                 return "not-running", f"no running sandbox {sid} on node {self.node_id}"
+            if request.kind == "cp":
+                problem = self._copy_refusal(request)
+                if problem is not None:
+                    return problem
         elif not self._log_path(request).exists():
             return "not-found", f"no logs of {sid} on node {self.node_id}"
         if len(self.sessions) >= remote.MAX_SESSIONS:
             return "busy", f"node {self.node_id} serves {remote.MAX_SESSIONS} sessions already"
+        return None
+
+    def _copy_refusal(self, request: Request) -> tuple[str, str] | None:
+        """A cp outside the directories the sandbox's spec lets a copy use."""
+        dirs = self.manager.copy_dirs(request.sandbox_id)
+        if dirs is None:
+            return "not-running", f"no running sandbox {request.sandbox_id} on {self.node_id}"
+        path = remote.sandbox_path(request.args["path"])
+        put = request.args["op"] == "put"
+        where = dirs[1] if put else dirs[0]
+        if not any(remote.under(path, d) for d in where):
+            return (
+                "not-allowed",
+                f"{path} is outside the directories a copy may {'write' if put else 'read'} "
+                f"in {request.sandbox_id}: {', '.join(where) or 'none'}",
+            )
         return None
 
     def _log_path(self, request: Request) -> Path:
@@ -275,10 +352,14 @@ class RemoteAccess:
         try:
             if session.request.kind == "logs":
                 end["reason"] = await self._logs(session)
+            elif session.request.kind == "cp":
+                end.update(await self._copy(session))
+            elif session.request.tty:
+                end["code"] = await self._exec_tty(session)
             else:
                 end["code"] = await self._exec(session)
         except asyncio.CancelledError:
-            end["reason"] = "cancelled"
+            end["reason"] = session.problem or "cancelled"
         except _Gone as exc:
             end["reason"] = str(exc)
         except Exception as exc:
@@ -340,6 +421,142 @@ class RemoteAccess:
             for fd in (out_r, err_r):
                 os.close(fd)
 
+    async def _exec_tty(self, session: Session) -> int:
+        """The exec on a pseudo-terminal: the command's stdin, stdout and stderr are its side
+        (and its controlling terminal), output comes back as one stream, input goes in as
+        typed (Ctrl-C reaches the command as the terminal's SIGINT)."""
+        request = session.request
+        master, child = os.openpty()
+        self._resize(master, int(request.args["rows"]), int(request.args["cols"]))
+        session.on_resize = lambda rows, cols: self._resize(master, rows, cols)
+        writer = os.dup(master)
+        for fd in (master, writer):
+            os.set_blocking(fd, False)
+        pump = asyncio.create_task(self._pump(master, "stdout", session))
+        feeder = asyncio.create_task(self._feed(writer, session))
+        term = request.args.get("term")
+        try:
+            code = await self.manager.exec(
+                request.sandbox_id, request.argv, stdin=child, stdout=child, stderr=child,
+                env={"TERM": str(term or "xterm")}, tty=True,
+            )  # fmt: skip
+            os.close(child)
+            child = -1
+            await asyncio.wait([pump], timeout=2.0)
+            return code
+        finally:
+            session.on_resize = None
+            if child >= 0:
+                os.close(child)
+            for task in (pump, feeder):
+                task.cancel()
+            await asyncio.gather(pump, feeder, return_exceptions=True)
+            os.close(master)
+
+    @staticmethod
+    def _resize(fd: int, rows: int, cols: int) -> None:
+        with contextlib.suppress(OSError):
+            fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    async def _copy(self, session: Session) -> dict[str, Any]:
+        """``dsec sandbox cp``: a copier confined like an exec; what it sends is checked and
+        counted (it runs as the sandbox: untrusted), and the end says how much moved."""
+        request = session.request
+        dirs = self.manager.copy_dirs(request.sandbox_id)
+        if dirs is None:
+            raise _Gone("the sandbox is no longer running")
+        spec = {
+            "op": request.args["op"],
+            "path": remote.sandbox_path(request.args["path"]),
+            "name": str(request.args.get("name", "")),
+            "read_dirs": dirs[0],
+            "write_dirs": dirs[1],
+            "max_bytes": remote.CP_MAX_BYTES,
+            "max_files": remote.CP_MAX_FILES,
+        }
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        for fd in (in_w, out_r):
+            os.set_blocking(fd, False)
+        if spec["op"] == "get":
+            os.close(in_w)
+            in_w = -1
+        child_ends = [in_r, out_w]
+        reader = asyncio.create_task(self._copy_out(out_r, session))
+        feeder = asyncio.create_task(self._feed(in_w, session)) if in_w >= 0 else None
+        try:
+            code = await self.manager.exec(
+                request.sandbox_id, ["dsec-cp"], stdin=in_r, stdout=out_w,
+                stderr=asyncio.subprocess.DEVNULL, transfer=spec,
+            )  # fmt: skip
+            for fd in child_ends:
+                os.close(fd)
+            child_ends.clear()
+            done, _ = await asyncio.wait([reader], timeout=2.0)
+            problem = reader.result() if reader in done else "the copier did not finish"
+        finally:
+            for fd in child_ends:
+                os.close(fd)
+            tasks = [t for t in (reader, feeder) if t is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            os.close(out_r)
+        if problem is None and code != 0:
+            problem = f"the copier exited with status {code}"
+        result = {"files": session.files, "bytes": session.bytes}
+        if problem is not None:
+            return {**result, "code": 1, "reason": problem}
+        return {**result, "code": 0, "reason": "done"}
+
+    async def _copy_out(self, fd: int, session: Session) -> str | None:
+        """Read the copier's records; a get's entries and bytes go to the client. Returns what
+        went wrong (the copier's E record, or a malformed stream), None when all went well."""
+        loop = asyncio.get_running_loop()
+        records = transfer.Reader()
+        get = session.request.args.get("op") == "get"
+        while True:
+            ready = loop.create_future()
+            loop.add_reader(fd, ready.set_result, None)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(fd)
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            if not data:
+                return "the copier ended without saying how"
+            try:
+                for kind, payload in records.feed(data):
+                    if kind == b"E":
+                        return payload.decode(errors="replace") or None
+                    if get:
+                        await self._copy_frame(session, kind, payload)
+            except transfer.TransferError as exc:
+                return f"the copier broke the protocol: {exc}"
+
+    async def _copy_frame(self, session: Session, kind: bytes, payload: bytes) -> None:
+        if kind == b"B":
+            session.bytes += len(payload)
+            if session.bytes > remote.CP_MAX_BYTES:
+                raise transfer.TransferError(f"more than {remote.CP_MAX_BYTES} bytes")
+            wait = session.bucket.delay(len(payload))
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await session.send({"k": "data", "d": payload})
+        elif kind == b"X":
+            path = transfer.relative(payload.decode(errors="replace"))
+            await session.send({"k": "entry", "t": "skip", "p": path})
+        else:
+            mode, path = transfer.parse_entry(payload)
+            session.files += 1
+            if session.files > remote.CP_MAX_FILES:
+                raise transfer.TransferError(f"more than {remote.CP_MAX_FILES} files")
+            kind_name = "dir" if kind == b"D" else "file"
+            await session.send({"k": "entry", "t": kind_name, "p": path, "m": mode})
+
     async def _pump(self, fd: int, stream: str, session: Session) -> None:
         """Copy one of the command's outputs to the client; the pipe stays unread (and the
         command waits) while the session's rate budget is spent."""
@@ -355,6 +572,10 @@ class RemoteAccess:
                 data = os.read(fd, remote.CHUNK)
             except BlockingIOError:
                 continue
+            except OSError as exc:  # a terminal whose every other end closed: its EOF
+                if exc.errno == errno.EIO:
+                    return
+                raise
             if not data:
                 return
             await session.output(stream, data)
@@ -380,6 +601,9 @@ class RemoteAccess:
                             await ready
                         finally:
                             loop.remove_writer(fd)
+                if session.request.kind == "cp":  # the client sends CP_WINDOW frames ahead
+                    session.fed += 1
+                    await session.send({"k": "ack", "n": session.fed})
         except BrokenPipeError:
             return
         finally:

@@ -213,18 +213,28 @@ def logs(
 def exec_(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox id (sbx_...)")],
     command: Annotated[list[str], typer.Argument(help="Command to run, after --")],
+    tty: Annotated[
+        bool, typer.Option("-t", "--tty", help="Run it on a pseudo-terminal (interactive)")
+    ] = False,
+    interactive: Annotated[
+        bool, typer.Option("-i", "--interactive", help="Send stdin (always done; for -it)")
+    ] = True,
 ) -> None:
     """Run COMMAND inside a running sandbox, with the same isolation (no secrets).
 
     Works from any machine that reaches the bus: your stdin goes to the command and its
     stdout/stderr come back (encrypted), and dsec exits with the command's exit code. Only a
-    user of the sandbox's tenant may.
+    user of the sandbox's tenant may. With -t (`dsec sandbox exec -it ID -- bash`) the command
+    gets a pseudo-terminal: this terminal is put in raw mode (Ctrl-C, Ctrl-D and every key go
+    to the command), its size follows yours, stdout and stderr arrive as one stream.
     """
     from dsec_cli.remote import Sink, session
 
     argv = command[1:] if command[:1] == ["--"] else list(command)
     if not argv:
         fail("give the command to run after --", EXIT_BAD_INPUT)
+    if tty:
+        _exec_tty(sandbox_id, argv)
     sinks = {
         "stdout": Sink(sys.stdout.buffer, terminal=sys.stdout.isatty()),
         "stderr": Sink(sys.stderr.buffer, terminal=sys.stderr.isatty()),
@@ -244,6 +254,81 @@ def exec_(
     if ended.code is None:
         fail(f"the command did not finish: {ended.reason}", EXIT_FAILED)
     raise typer.Exit(ended.code)
+
+
+def _exec_tty(sandbox_id: str, argv: list[str]) -> None:
+    from dsec_cli.remote_io import exec_tty
+
+    ended = run(exec_tty(sandbox_id, argv, sys.stdin.fileno(), sys.stdout.buffer))
+    if ended.code is None:
+        fail(f"the command did not finish: {ended.reason}", EXIT_FAILED)
+    raise typer.Exit(ended.code)
+
+
+@sandbox_app.command("cp")
+def cp(
+    source: Annotated[str, typer.Argument(help="ID:/path in the sandbox, or a local path")],
+    dest: Annotated[str, typer.Argument(help="A local path, or ID:/path in the sandbox")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Copy files and directories out of or into a running sandbox, like `docker cp`.
+
+    `dsec sandbox cp ID:/tmp/out ./out` and `dsec sandbox cp ./data ID:/tmp/in`, from any
+    machine that reaches the bus (encrypted, users of the sandbox's tenant only). Only the
+    sandbox's writable dirs (its `write_allowed` paths, /tmp) and, to read, its workdir; the
+    copy runs inside the sandbox with its isolation and follows no symlink (symlinks and
+    special files inside a directory are skipped and listed). Into an existing directory the
+    copy lands inside it. Exit 0 copied; 1 the copy failed; 2 bad input or a path outside
+    those dirs; 3 unreachable.
+    """
+    from dsec_core.remote import RemoteError, sandbox_path
+
+    from dsec_cli.remote_io import CopyError, copy_from, copy_to, split_remote, summary
+
+    where = split_remote(source), split_remote(dest)
+    if (where[0] is None) == (where[1] is None):
+        fail(
+            "give one side as SANDBOX_ID:/path and the other as a local path "
+            "(e.g. `dsec sandbox cp sbx_1a2b:/tmp/out ./out`)",
+            EXIT_BAD_INPUT,
+        )
+    remote_side = where[0] or where[1]
+    assert remote_side is not None
+    sandbox_id, path = remote_side
+    try:
+        path = sandbox_path(path)
+    except RemoteError as exc:
+        fail(f"{exc} (e.g. {sandbox_id}:/tmp/out)", EXIT_BAD_INPUT)
+    direction = "get" if where[0] is not None else "put"
+    local = Path(dest if direction == "get" else source)
+    if direction == "put" and not local.exists():
+        fail(f"{local} does not exist", EXIT_BAD_INPUT)
+    try:
+        if direction == "get":
+            ended, copied = run(copy_from(sandbox_id, path, local))
+        else:
+            ended, copied = run(copy_to(sandbox_id, local, path))
+    except CopyError as exc:
+        fail(str(exc), EXIT_FAILED)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    if ended.code != 0:
+        fail(f"the copy failed: {safe_text(ended.reason)}", EXIT_FAILED)
+    result = summary(direction, sandbox_id, path, local, copied)
+    if as_json:
+        print_json(result)
+        return
+    for skipped in copied.skipped:
+        err_console.print(f"skipped {safe_text(skipped)} (a symlink or special file)")
+    arrow = (
+        f"{sandbox_id}:{path} -> {local}"
+        if direction == "get"
+        else f"{local} -> {sandbox_id}:{path}"
+    )
+    console.print(
+        f"copied {safe_text(arrow)}: {copied.files} files and directories, {copied.bytes} bytes",
+        highlight=False,
+    )
 
 
 async def _last_event(js: Any, event_type: str, sandbox_id: str) -> dict[str, Any] | None:

@@ -565,6 +565,11 @@ def _exec_workload(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
     try:
         start = time.monotonic_ns()
         os.setsid()
+        if plan.get("tty"):  # the pseudo-terminal on 0-2 becomes the controlling terminal
+            import fcntl
+            import termios
+
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         os.chdir(plan["cwd"])
         _drop_privileges(plan)
         report.stage(stage, start)
@@ -579,6 +584,11 @@ def _exec_workload(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
         if listener >= 0:
             _hand_over(listener, holder_fd)
         report.stage(stage, start)
+        if plan.get("transfer") is not None:  # `dsec sandbox cp`: copy, confined, no execve
+            from dsec_nodeagent.sandbox import transfer
+
+            stage = "copy"
+            os._exit(transfer.serve(plan["transfer"]))
         stage = "exec"
         report.send(stage="exec", start_ns=time.monotonic_ns())
         # The report pipe is close-on-exec: the node agent's EOF is the signal that execve worked.
@@ -638,6 +648,13 @@ _NS_FLAGS = {
 def exec_into(plan: Plan, report: _Reporter) -> int:
     """Join a running sandbox (namespaces + cgroups) and run a command with its confinement."""
     target = plan["join_pid"]
+    # Nothing of the host can be imported once in the sandbox's mount namespace: what the
+    # confined child needs for a terminal or a copy is imported here.
+    if plan.get("tty"):
+        import fcntl  # noqa: F401
+        import termios  # noqa: F401
+    if plan.get("transfer") is not None:
+        from dsec_nodeagent.sandbox import transfer  # noqa: F401
     fds = {ns: os.open(f"/proc/{target}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC) for ns in _NS_ORDER}
     _join_cgroups(plan["cgroup_procs"])
     for ns in _NS_ORDER:

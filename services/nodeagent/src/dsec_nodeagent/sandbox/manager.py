@@ -717,11 +717,16 @@ class SandboxManager:
         stdout: int | None = None,
         stderr: int | None = None,
         env: dict[str, str] | None = None,
+        tty: bool = False,
+        transfer: dict[str, Any] | None = None,
     ) -> int:
         """Run ``argv`` inside a running sandbox with its isolation; return its exit code.
 
         The command joins the sandbox's namespaces and cgroups and gets the same uid, Landlock
-        ruleset and seccomp filter. It does not receive the sandbox's secret variables.
+        ruleset and seccomp filter. It does not receive the sandbox's secret variables. With
+        ``tty`` its stdin (a pseudo-terminal's side) becomes its controlling terminal; with
+        ``transfer`` the confined process copies files (:mod:`.transfer`) instead of running
+        ``argv``.
 
         Raises:
             KeyError: no running sandbox ``sandbox_id``.
@@ -730,6 +735,8 @@ class SandboxManager:
         if state is None or state.get("phase") != "running":
             raise KeyError(f"no running sandbox {sandbox_id}")
         exec_plan = build_exec_plan(state, argv, env)
+        exec_plan["tty"] = tty
+        exec_plan["transfer"] = transfer
         plan_r, plan_w = os.pipe()
         try:
             process = await asyncio.create_subprocess_exec(
@@ -754,6 +761,18 @@ class SandboxManager:
         finally:
             os.close(plan_w)
         return await process.wait()
+
+    def copy_dirs(self, sandbox_id: str) -> tuple[list[str], list[str]] | None:
+        """``(read, write)``: where ``dsec sandbox cp`` may copy from and to in a running
+        sandbox — its ``write_allowed`` paths, and its workdir (the code) to read; None when
+        it does not run."""
+        state = self.states.read(sandbox_id)
+        if state is None or state.get("phase") != "running":
+            return None
+        exec_plan = state["exec_plan"]
+        internal = {*plan.DEV_WRITABLE, plan.EVENTS_TARGET}
+        write = sorted({p for p in exec_plan["landlock"]["write"] if p not in internal})
+        return sorted({exec_plan["cwd"], *write}), write
 
     # ------------------------------------------------------------------ logs
 
