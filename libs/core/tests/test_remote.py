@@ -130,3 +130,38 @@ def test_users_may_ask_and_a_node_agent_listens_to_its_own_node_only() -> None:
     assert remote.request_subject("node-2", "logs") == "dsec_rpc.node.node-2.logs"
     with pytest.raises(RemoteError):
         remote.request_subject("node.*", "logs")
+
+
+def test_tty_and_cp_requests_are_checked_before_anything_runs() -> None:
+    key = SigningKey.generate()
+    tty = {"argv": ["bash"], "tty": True, "rows": 40, "cols": 120, "term": "xterm-256color"}
+    assert remote.parse_request(_signed(key, args=tty), "exec").tty
+    assert not remote.parse_request(_signed(key), "exec").tty
+    for bad in ({"rows": 0}, {"cols": 10**6}, {"rows": True}, {"term": "x; rm -rf /"}):
+        with pytest.raises(RemoteError):
+            remote.parse_request(_signed(key, args={**tty, **bad}), "exec")
+
+    get = {"op": "get", "path": "/tmp/out"}
+    assert remote.parse_request(_signed(key, kind="cp", args=get), "cp").args == get
+    for bad in (
+        {"op": "delete", "path": "/tmp"},
+        {"op": "get", "path": "tmp/out"},
+        {"op": "get", "path": "/tmp/../etc/passwd"},
+        {"op": "get", "path": "/tmp/\0"},
+        {"op": "put", "path": "/tmp"},  # no name
+        {"op": "put", "path": "/tmp", "name": "../x"},
+    ):
+        with pytest.raises(RemoteError):
+            remote.parse_request(_signed(key, kind="cp", args=bad), "cp")
+
+
+def test_paths_are_normalized_never_resolved() -> None:
+    assert remote.sandbox_path("//tmp/./out/") == "/tmp/out"
+    assert remote.sandbox_path("/") == "/"
+    with pytest.raises(RemoteError, match=r"'\.\.'"):
+        remote.sandbox_path("/tmp/a/../../etc")
+    assert remote.entry_path("a/b.txt") == "a/b.txt"
+    for bad in ("/abs", "a//b", "a/./b", "..", "a/..", "x\0"):
+        with pytest.raises(RemoteError):
+            remote.entry_path(bad)
+    assert remote.under("/tmp/x", "/tmp") and not remote.under("/tmpfoo", "/tmp")

@@ -37,6 +37,13 @@ class CopyError(Exception):
 # ----------------------------------------------------------------------------- tty
 
 
+def _fileno(stream: Any) -> int:
+    try:
+        return int(stream.fileno())
+    except (OSError, ValueError, AttributeError):  # a stream without a descriptor
+        return -1
+
+
 def terminal_size(*fds: int) -> tuple[int, int]:
     """``(rows, cols)`` of the first of ``fds`` that is a terminal, else 24x80."""
     for fd in fds:
@@ -50,7 +57,7 @@ def terminal_size(*fds: int) -> tuple[int, int]:
 async def exec_tty(sandbox_id: str, argv: list[str], stdin_fd: int, out: BinaryIO) -> Ended:
     """Run ``argv`` on a pseudo-terminal in the sandbox, this terminal in raw mode meanwhile
     (restored however the session ends)."""
-    rows, cols = terminal_size(out.fileno() if hasattr(out, "fileno") else -1, stdin_fd)
+    rows, cols = terminal_size(_fileno(out), stdin_fd)
     term = os.environ.get("TERM", "xterm")
     args = {
         "argv": argv,
@@ -74,7 +81,7 @@ async def exec_tty(sandbox_id: str, argv: list[str], stdin_fd: int, out: BinaryI
         resizes: set[asyncio.Task[None]] = set()
 
         def resized() -> None:
-            rows, cols = terminal_size(stdin_fd, out.fileno())
+            rows, cols = terminal_size(stdin_fd, _fileno(out))
             task = loop.create_task(send({"k": "resize", "rows": rows, "cols": cols}))
             resizes.add(task)
             task.add_done_callback(resizes.discard)

@@ -16,8 +16,15 @@ that runs the sandbox, over core NATS (outside the audited ``dsec.>`` stream).
    client's frames (stdin, keep-alive, cancel) go to ``dsec_rpc.node.<node_id>.input`` wrapped
    with the request id. Frames carry a counter; one out of order ends the session.
 
+4. Kinds: ``logs`` (args ``stream``, ``follow``: node frames ``out``, ``end``), ``exec`` (args
+   ``argv``; with ``tty: true`` also ``rows``, ``cols``, ``term``: client frames ``stdin``,
+   ``eof``, ``resize{rows, cols}``, ``cancel``; node frames ``out``, ``end{code}``) and ``cp``
+   (args ``op`` get|put, ``path``, and a put's ``name``: frames ``entry{t: dir|file|skip, p, m}``
+   and ``data{d}`` in the copy's direction, ``ack{n}`` from the node for each put frame it
+   wrote, ``end{code, files, bytes}``). Every session ends with the node's ``end``.
+
 Everything here is pure (no I/O); the node agent's side is ``dsec_nodeagent.remote_access``, the
-CLI's ``dsec_cli.remote``.
+CLI's ``dsec_cli.remote`` and ``dsec_cli.remote_io``.
 """
 
 from __future__ import annotations

@@ -534,8 +534,8 @@ class RemoteAccess:
                         return payload.decode(errors="replace") or None
                     if get:
                         await self._copy_frame(session, kind, payload)
-            except transfer.TransferError as exc:
-                return f"the copier broke the protocol: {exc}"
+            except transfer.TransferError as exc:  # malformed, or over a limit
+                return str(exc)
 
     async def _copy_frame(self, session: Session, kind: bytes, payload: bytes) -> None:
         if kind == b"B":

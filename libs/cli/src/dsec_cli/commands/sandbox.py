@@ -259,7 +259,11 @@ def exec_(
 def _exec_tty(sandbox_id: str, argv: list[str]) -> None:
     from dsec_cli.remote_io import exec_tty
 
-    ended = run(exec_tty(sandbox_id, argv, sys.stdin.fileno(), sys.stdout.buffer))
+    try:
+        stdin_fd = sys.stdin.fileno()
+    except (OSError, ValueError):
+        fail("--tty needs a stdin with a file descriptor (a terminal or a pipe)", EXIT_BAD_INPUT)
+    ended = run(exec_tty(sandbox_id, argv, stdin_fd, sys.stdout.buffer))
     if ended.code is None:
         fail(f"the command did not finish: {ended.reason}", EXIT_FAILED)
     raise typer.Exit(ended.code)
