@@ -502,8 +502,8 @@ class RemoteAccess:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             os.close(out_r)
-        if problem is None and code != 0:
-            problem = f"the copier exited with status {code}"
+        if not problem and (problem == "" or code != 0):
+            problem = f"the copier ended without its result (exit status {code})"
         result = {"files": session.files, "bytes": session.bytes}
         if problem is not None:
             return {**result, "code": 1, "reason": problem}
@@ -511,7 +511,8 @@ class RemoteAccess:
 
     async def _copy_out(self, fd: int, session: Session) -> str | None:
         """Read the copier's records; a get's entries and bytes go to the client. Returns what
-        went wrong (the copier's E record, or a malformed stream), None when all went well."""
+        went wrong (the copier's E record, or a malformed stream), None when all went well, ""
+        when the copier ended without an E record."""
         loop = asyncio.get_running_loop()
         records = transfer.Reader()
         get = session.request.args.get("op") == "get"
@@ -527,7 +528,7 @@ class RemoteAccess:
             except BlockingIOError:
                 continue
             if not data:
-                return "the copier ended without saying how"
+                return ""  # no E record: the caller names the exit status
             try:
                 for kind, payload in records.feed(data):
                     if kind == b"E":

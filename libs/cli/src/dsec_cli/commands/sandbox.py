@@ -263,7 +263,10 @@ def _exec_tty(sandbox_id: str, argv: list[str]) -> None:
         stdin_fd = sys.stdin.fileno()
     except (OSError, ValueError):
         fail("--tty needs a stdin with a file descriptor (a terminal or a pipe)", EXIT_BAD_INPUT)
-    ended = run(exec_tty(sandbox_id, argv, stdin_fd, sys.stdout.buffer))
+    try:
+        ended = run(exec_tty(sandbox_id, argv, stdin_fd, sys.stdout.buffer))
+    except KeyboardInterrupt:  # stdin not a terminal (a terminal's Ctrl-C goes to the sandbox)
+        raise typer.Exit(130) from None
     if ended.code is None:
         fail(f"the command did not finish: {ended.reason}", EXIT_FAILED)
     raise typer.Exit(ended.code)
