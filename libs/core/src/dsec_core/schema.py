@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from dsec_core.authz import PRODUCERS
@@ -145,9 +146,8 @@ def _subject_pattern(model: type[Payload]) -> str:
 def asyncapi_document(server_url: str = "nats://127.0.0.1:4222") -> dict[str, Any]:
     """Return the AsyncAPI 3.0 document describing every DSec event channel."""
     ref = "#/components/schemas/{model}"
-    keys, defs = models_json_schema(
-        [(m, "serialization") for m in (*EVENT_MODELS, Certificate)], ref_template=ref
-    )
+    models: list[type[BaseModel]] = [*EVENT_MODELS, Certificate]
+    keys, defs = models_json_schema([(m, "serialization") for m in models], ref_template=ref)
     schemas: dict[str, Any] = dict(defs.get("$defs", {}))
     payload_ref = {m: keys[(m, "serialization")]["$ref"] for m in EVENT_MODELS}
     cert_ref = keys[(Certificate, "serialization")]["$ref"]
