@@ -42,7 +42,7 @@ _PARAMETERS: dict[str, tuple[str, str]] = {
     "node": ("node_id", "The node the event is about"),
     "producer": ("key_id", "The key id registered or revoked (16 hex characters)"),
     "security": ("consumer", "The durable consumer that refused a message"),
-    "snapshot": ("request_id", "The id of the snapshot delete request (a UUID)"),
+    "snapshot": ("request_id", "The delete request's own id (the CLI: del-<32 hex>)"),
 }
 
 _HEX = "^[0-9a-f]+$"
