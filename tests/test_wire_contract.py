@@ -33,6 +33,7 @@ from dsec_core.subjects import STREAM
 from dsec_core.trust import Gate, KeyRing, Refusal
 from dsec_testing import trust
 from dsec_testing.stack import StackFixture
+from jsonschema import Draft202012Validator
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
@@ -87,6 +88,23 @@ def _verify(tmp_path: Path, anchor: str, messages: list[dict[str, Any]]) -> dict
     return {v["seq"]: v for v in verdicts}
 
 
+def _schema_errors(document: dict[str, Any], message: dict[str, Any]) -> list[str]:
+    """What the AsyncAPI document's message schema (envelope + payload) and header schema say
+    about one stored message (JSON Schema 2020-12, as pydantic writes the payload schemas)."""
+    envelope = canonical.unpack(bytes.fromhex(message["data"]))
+    components = document["components"]
+    errors = []
+    for ref, instance in (
+        (f"#/components/messages/{envelope.get('type')}/payload", envelope),
+        ("#/components/schemas/NatsHeaders", message["headers"]),
+    ):
+        validator = Draft202012Validator({"$ref": ref, "components": components})
+        errors += [
+            f"{ref} {list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(instance)
+        ]
+    return errors
+
+
 def _message(seq: int, subject: str, data: bytes, msg_id: str | None) -> dict[str, Any]:
     headers = {"Nats-Msg-Id": msg_id} if msg_id is not None else {}
     return {"seq": seq, "subject": subject, "headers": headers, "data": data.hex()}
@@ -125,6 +143,8 @@ def test_the_foreign_verifier_accepts_the_example_and_names_each_alteration(
 
     verdicts = _verify(tmp_path, anchor, [reg, stop])
     assert [v["verdict"] for v in verdicts.values()] == ["ok", "ok"], verdicts
+    document = asyncapi_document()
+    assert _schema_errors(document, reg) == [] and _schema_errors(document, stop) == []
 
     # one byte of the payload changed ("alice" -> "alicf"): the signature no longer holds
     tampered = wire.replace(b"alice", b"alicf", 1)
@@ -143,6 +163,30 @@ def test_the_foreign_verifier_accepts_the_example_and_names_each_alteration(
     # a certificate from another root: the registration is not trusted, nor what the key signs
     other = _verify(tmp_path, "11" * 32, [reg, stop])
     assert [v["verdict"] for v in other.values()] == ["uncertified-key", "unknown-key"]
+
+
+@pytest.mark.unit
+def test_the_message_schemas_hold_the_whole_envelope() -> None:
+    """The document's message schema is not vacuous: an envelope missing a field, with one
+    more, with another type's payload, or without its Nats-Msg-Id header does not validate."""
+    document = asyncapi_document()
+    _, stop = (json.loads(line) for line in _example().jsonl().splitlines())
+    fields = canonical.unpack(bytes.fromhex(stop["data"]))
+
+    def errors(changed: dict[str, Any], headers: dict[str, str] | None = None) -> list[str]:
+        data = canonical.canonical_bytes(changed).hex()
+        return _schema_errors(
+            document, {**stop, "data": data, "headers": headers or stop["headers"]}
+        )
+
+    assert errors(fields) == []
+    assert errors({k: v for k, v in fields.items() if k != "chain"})
+    assert errors({**fields, "extra": 1})
+    assert errors({**fields, "payload": {**fields["payload"], "grace_s": "soon"}})
+    assert errors({**fields, "payload": {"unknown": True}})
+    assert errors({**fields, "subject": "dsec.sandbox.sbx_example.ready"})
+    assert errors({**fields, "sig": "00"})
+    assert errors(fields, {"Other": "x"})
 
 
 @pytest.mark.unit
@@ -245,6 +289,9 @@ async def test_the_foreign_verifier_accepts_a_real_stream_and_names_each_forgery
     kinds = {v["type"] for v in accepted}
     assert {"audit.key_registered", "spec.validated", "env.built"} <= kinds, kinds
     assert len(accepted) == len(messages) - 3 == 10  # 5 keys, 4 pipeline events, 1 stop
+    document = asyncapi_document()
+    for message in messages:  # each stored message is what the AsyncAPI document describes
+        assert _schema_errors(document, message) == [], message["seq"]
 
     # DSec's own gate agrees on every message's signature and key (it checks no chain: the
     # event after the gap is authentic, the chain break is the log verifier's finding)
