@@ -24,10 +24,11 @@ from typing import Any
 import blake3
 import nats
 import pytest
-from dsec_core import canonical
+from dsec_core import canonical, identity
+from dsec_core.audit import verify_stream
 from dsec_core.bus import ensure_stream
 from dsec_core.envelope import Envelope
-from dsec_core.events import SandboxStopRequested
+from dsec_core.events import SandboxStopRequested, SpecSubmitted
 from dsec_core.schema import asyncapi_document
 from dsec_core.subjects import STREAM
 from dsec_core.trust import Gate, KeyRing, Refusal
@@ -40,6 +41,7 @@ from nats.js.errors import NotFoundError
 
 ROOT = Path(__file__).resolve().parents[1]
 VERIFIER = ROOT / "tests/wire_verifier/verify.mjs"
+SIGNER = ROOT / "tests/wire_verifier/sign.mjs"
 DOC = ROOT / "docs/events.md"
 
 SPEC = """\
@@ -303,3 +305,63 @@ async def test_the_foreign_verifier_accepts_a_real_stream_and_names_each_forgery
             assert isinstance(admitted, Refusal) and admitted.reason == refused[seq], admitted
         else:
             assert isinstance(admitted, Envelope), (seq, admitted)
+
+
+@pytest.mark.integration
+async def test_events_signed_by_the_foreign_client_are_admitted_by_dsec(
+    bus: tuple[NATS, JetStreamContext], private_stack: StackFixture, tmp_path: Path
+) -> None:
+    """The other half of the contract: a producer written from the doc (sign.mjs) signs and
+    chains a user's events; published as they are, DSec's gate admits each one with its typed
+    payload (a float the JSON input wrote as 5 included), and `audit verify`'s verifier finds
+    an intact trail."""
+    nc, js = bus
+    root = trust.stack_root(private_stack.home)
+    key, cert = identity.issue_user(root, "foreign", "default")
+    credential = tmp_path / "foreign.json"
+    credential.write_text(identity.credential_json(key, cert, bytes(root.verify_key)))
+    schema = tmp_path / "asyncapi.json"
+    schema.write_text(json.dumps(asyncapi_document()))
+    sid = f"sbx_foreign_{uuid.uuid4().hex[:8]}"
+    wanted = [
+        {"type": "spec.submitted", "aggregate_id": sid, "payload": {"spec_yaml": SPEC}},
+        {
+            "type": "sandbox.stop_requested",
+            "aggregate_id": sid,
+            "payload": {"requested_by": "node", "grace_s": 5},
+        },
+    ]
+    events_file = tmp_path / "events.json"
+    events_file.write_text(json.dumps(wanted))
+    args = ["--credential", str(credential), "--asyncapi", str(schema), "--events"]
+    done = subprocess.run(
+        [_node(), str(SIGNER), *args, str(events_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    produced = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(produced) == 3  # its key registration, then the two events
+
+    gate = Gate(KeyRing(nc, js, bytes(root.verify_key)), js, None)
+    admitted = []
+    for message in produced:
+        headers = message["headers"]
+        ack = await js.publish(message["subject"], bytes.fromhex(message["data"]), headers=headers)
+        verdict = await gate.admit(bytes.fromhex(message["data"]), stream_seq=ack.seq)
+        assert isinstance(verdict, Envelope), verdict
+        admitted.append(verdict)
+    assert [e.type for e in admitted] == ["audit.key_registered", *(w["type"] for w in wanted)]
+    assert [e.chain_seq for e in admitted] == [0, 1, 2]
+    submitted, stop = admitted[1].decoded(), admitted[2].decoded()
+    assert isinstance(submitted, SpecSubmitted) and submitted.spec_yaml == SPEC
+    assert stop == SandboxStopRequested(requested_by="node", grace_s=5.0)
+    raw = canonical.unpack(bytes.fromhex(produced[2]["data"]))
+    assert isinstance(raw["payload"]["grace_s"], float)  # float 64, as the schema says
+    assert admitted[1].tenant == "default" and admitted[1].producer == cert.subject
+
+    stored = [(m["seq"], bytes.fromhex(m["data"])) for m in await _dump(js)]
+    report = verify_stream(stored, bytes(root.verify_key))
+    assert report.ok and report.injected == [] and report.events == 3, report
