@@ -28,7 +28,7 @@ from dsec_core import canonical, identity
 from dsec_core.audit import verify_stream
 from dsec_core.bus import ensure_stream
 from dsec_core.envelope import Envelope
-from dsec_core.events import SandboxStopRequested, SpecSubmitted
+from dsec_core.events import KeyRevoked, SandboxStopRequested, SpecRejected, SpecSubmitted
 from dsec_core.schema import asyncapi_document
 from dsec_core.subjects import STREAM
 from dsec_core.trust import Gate, KeyRing, Refusal
@@ -276,6 +276,19 @@ async def test_the_foreign_verifier_accepts_a_real_stream_and_names_each_forgery
     # 3. a broken chain: the user's next position is signed but never published
     pipe.user.signer.seal(SandboxStopRequested(requested_by="lost"), aggregate_id=sid)
     after_gap = await pipe.user.publish(SandboxStopRequested(requested_by="on"), aggregate_id=sid)
+    # 4. a key the operator revoked (below): what it signed before counts, after it does not
+    operator = await trust.publisher(js, home, "operator", subject="operator")
+    victim = await trust.publisher(js, home, "user", subject="user-victim")
+    await victim.publish(SandboxStopRequested(requested_by="before"), aggregate_id=sid)
+    # 5. an authentic event its role may not publish: refused, yet it holds its chain position
+    unauthorized = await victim.publish(
+        SpecRejected(errors=[{"msg": "a user cannot reject"}]), aggregate_id=sid
+    )
+    await victim.publish(SandboxStopRequested(requested_by="next"), aggregate_id=sid)
+    key_id = victim.signer.key_id
+    revocation = KeyRevoked(key_id=key_id, producer=victim.signer.producer, reason="test")
+    await operator.publish(revocation, aggregate_id=key_id)
+    revoked = await victim.publish(SandboxStopRequested(requested_by="after"), aggregate_id=sid)
 
     messages = await _dump(js)
     verdicts = _verify(tmp_path, anchor, messages)
@@ -284,13 +297,16 @@ async def test_the_foreign_verifier_accepts_a_real_stream_and_names_each_forgery
         tampered: "bad-signature",
         unregistered: "unknown-key",
         after_gap.stream_seq: "broken-chain",
+        revoked.stream_seq: "revoked-key",
+        unauthorized.stream_seq: "unauthorized",
     }, [v for v in verdicts.values() if v["verdict"] != "ok"]
     accepted = [v for v in verdicts.values() if v["verdict"] == "ok"]
     producers = {pipe.user.signer.producer, "policy", "builder", "nodeagent", "scheduler"}
-    assert {v["producer"] for v in accepted} == producers
+    assert {v["producer"] for v in accepted} == {*producers, "operator", "user-victim"}
     kinds = {v["type"] for v in accepted}
-    assert {"audit.key_registered", "spec.validated", "env.built"} <= kinds, kinds
-    assert len(accepted) == len(messages) - 3 == 10  # 5 keys, 4 pipeline events, 1 stop
+    assert {"audit.key_registered", "audit.key_revoked", "spec.validated", "env.built"} <= kinds
+    # 7 keys, 4 pipeline events, 3 stop requests, 1 revocation
+    assert len(accepted) == len(messages) - len(refused) == 15
     document = asyncapi_document()
     for message in messages:  # each stored message is what the AsyncAPI document describes
         assert _schema_errors(document, message) == [], message["seq"]
@@ -301,10 +317,16 @@ async def test_the_foreign_verifier_accepts_a_real_stream_and_names_each_forgery
     for message in messages:
         seq = message["seq"]
         admitted = await gate.admit(bytes.fromhex(message["data"]), stream_seq=seq)
-        if seq in (tampered, unregistered):
+        if seq in refused and seq != after_gap.stream_seq:
             assert isinstance(admitted, Refusal) and admitted.reason == refused[seq], admitted
         else:
             assert isinstance(admitted, Envelope), (seq, admitted)
+    # and `dsec audit verify`'s verifier lists exactly these messages as injected-and-ignored
+    # (a user's broken chain is a misbehaving client, not tampering: the trail verifies)
+    stored = [(m["seq"], bytes.fromhex(m["data"])) for m in messages]
+    report = verify_stream(stored, bytes.fromhex(anchor))
+    assert report.ok, report.finding
+    assert {i.stream_seq for i in report.injected} == set(refused), report.injected
 
 
 @pytest.mark.integration

@@ -161,22 +161,27 @@ export class Verifier {
     if (!ed25519(cert.get('public_key'), encode(without(env, 'sig')), f.sig)) {
       throw new Verdict('bad-signature', `signature invalid for key ${f.key_id}`);
     }
-    // 5. authorization: the certificate's role may publish this type (for this tenant/node)
-    this.authorize(f, cert, spec);
-    // 6. the chain of this producer instance
+    // 5. the key speaks as the producer its certificate names
+    if (cert.get('subject') !== f.producer) {
+      throw new Verdict('unauthorized', `key certified for ${cert.get('subject')}, used as ${f.producer}`);
+    }
+    // 6. the chain of this producer instance: every authentic event takes its position in it,
+    // authorized or not
     const id = `${f.producer}\u0000${f.chain}`;
     const chain = this.chains.get(id) ?? { next: 0, last: null };
-    const hash = blake3Hex(wire);
-    this.chains.set(id, { next: f.chain_seq + 1, last: hash }); // one break, one verdict
+    // a broken chain does not resume: it still waits for the missing position
     if (f.chain_seq !== chain.next) {
       throw new Verdict('broken-chain', `chain ${f.chain}: position ${f.chain_seq}, expected ${chain.next}`);
     }
     if (f.prev !== chain.last) {
       throw new Verdict('broken-chain', `chain ${f.chain}: prev is not the hash of position ${chain.next - 1}`);
     }
-    // 7. revocations by the operator take effect from here on
+    this.chains.set(id, { next: f.chain_seq + 1, last: blake3Hex(wire) });
+    // 7. authorization: the certificate's role may publish this type (for this tenant/node)
+    this.authorize(f, cert, spec);
+    // 8. revocations by the operator take effect from here on
     if (f.type === 'audit.key_revoked') this.revoked.add(f.payload.get('key_id'));
-    // 8. the deduplication header names the event
+    // 9. the deduplication header names the event
     const msgId = (message.headers ?? {})['Nats-Msg-Id'];
     if (msgId !== f.id) throw new Verdict('bad-msg-id', `Nats-Msg-Id ${msgId} is not the id ${f.id}`);
   }
