@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Debian packages the project needs beyond Python: Prometheus (embedded stack), bubblewrap
 # (sandbox benchmark peer), a C compiler (the SDK's ring extension), libseccomp2 (the node agent
-# reads syscall numbers from its tables). Fast no-op when already installed.
+# reads syscall numbers from its tables), Node.js (the wire-contract test's verifier, written
+# without DSec code: tests/wire_verifier). Fast no-op when already installed.
 set -euo pipefail
 # gcc + libc headers build the SDK's ring extension (dsec_sdk.ipc._fastring), which also needs the
 # interpreter's own headers (Debian's python3.X-dev when Python came from apt).
 pkgs=(prometheus bubblewrap gcc libc6-dev libseccomp2)
+command -v node >/dev/null 2>&1 || pkgs+=(nodejs)  # any Node.js >= 18 will do
 py=$(command -v python3.11 || command -v python3 || true)
 if [ -n "$py" ]; then
   inc=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)

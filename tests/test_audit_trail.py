@@ -201,5 +201,5 @@ def test_events_schema_documents_every_event(dsec_cli, tmp_path) -> None:
     doc = json.loads(out.read_text())
     assert doc["asyncapi"].startswith("3.")
     assert set(doc["channels"]) == set(EVENT_TYPES)
-    assert doc["channels"]["sandbox.ready"]["address"] == "dsec.sandbox.*.ready"
+    assert doc["channels"]["sandbox.ready"]["address"] == "dsec.sandbox.{sandbox_id}.ready"
     assert "SandboxExited" in doc["components"]["schemas"]

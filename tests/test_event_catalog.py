@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 import pytest
-from dsec_core.events import EVENT_TYPES
+from dsec_core import canonical
+from dsec_core.authz import PRODUCERS
+from dsec_core.envelope import Envelope
+from dsec_core.events import EVENT_TYPES, SandboxStopRequested
 from dsec_core.schema import asyncapi_document
-from dsec_core.subjects import filter_for
+from dsec_core.signing import Signer
+from dsec_core.subjects import filter_for, subject_for
+from nacl.signing import SigningKey
 
 pytestmark = pytest.mark.unit
 
@@ -123,13 +129,185 @@ def test_the_asyncapi_document_lists_every_type_with_its_version(dsec_cli_schema
     channels, messages = document["channels"], document["components"]["messages"]
     schemas = document["components"]["schemas"]
     for event_type, model in EVENT_TYPES.items():
-        assert channels[event_type]["address"] == filter_for(event_type), event_type
-        message = messages[f"{event_type}:Message"]
+        address = channels[event_type]["address"]
+        (param,) = channels[event_type]["parameters"]
+        assert address.replace(f"{{{param}}}", "sbx_1") == subject_for(event_type, "sbx_1")
+        assert address.replace(f"{{{param}}}", "*") == filter_for(event_type), event_type
+        message = messages[event_type]
         assert message["x-dsec-event-type"] == event_type
         assert message["x-dsec-schema-version"] == model.VERSION, event_type
         assert message["x-dsec-terminal"] == model.TERMINAL, event_type
-        schema = schemas[message["payload"]["$ref"].rsplit("/", 1)[-1]]
+        assert message["x-dsec-producers"] == sorted(PRODUCERS[event_type]), event_type
+        envelope, specific = message["payload"]["allOf"]
+        assert envelope == {"$ref": "#/components/schemas/Envelope"}, event_type
+        assert specific["properties"]["type"] == {"const": event_type}
+        payload_ref = specific["properties"]["payload"]["$ref"]
+        schema = schemas[payload_ref.rsplit("/", 1)[-1]]
         assert set(schema.get("properties", {})) == set(model.model_fields), event_type
+        assert message["headers"] == {"$ref": "#/components/schemas/NatsHeaders"}
+
+
+def test_every_event_type_has_authorized_producers_and_nothing_else_does() -> None:
+    """The authorization table and the catalog name the same types: a type nobody may
+    publish (or a permission for a type that does not exist) is a dead entry."""
+    assert set(PRODUCERS) == set(EVENT_TYPES)
+    assert all(PRODUCERS[t] for t in EVENT_TYPES)
+
+
+def test_the_envelope_schema_is_the_envelope_on_the_wire() -> None:
+    """The document's Envelope schema names exactly the fields a sealed envelope carries on
+    the wire, all required; the Nats-Msg-Id header is required."""
+    schemas = asyncapi_document()["components"]["schemas"]
+    envelope = schemas["Envelope"]
+    signer = Signer("user-alice", SigningKey(bytes(32)), tenant="default")
+    sealed = signer.seal(SandboxStopRequested(), aggregate_id="sbx_1")
+    wire = canonical.unpack(sealed.wire)
+    assert set(envelope["properties"]) == set(wire) == set(Envelope.model_fields)
+    assert envelope["required"] == sorted(wire) and envelope["additionalProperties"] is False
+    assert schemas["NatsHeaders"]["required"] == ["Nats-Msg-Id"]
+    for name, value in wire.items():
+        pattern = envelope["properties"][name].get("pattern")
+        if pattern is not None and value is not None:
+            assert re.fullmatch(pattern, str(value)), (name, value)
+
+
+_ROOT_FIELDS = {
+    "asyncapi",
+    "id",
+    "info",
+    "servers",
+    "defaultContentType",
+    "channels",
+    "operations",
+    "components",
+}
+_COMPONENT_FIELDS = {
+    "schemas",
+    "servers",
+    "channels",
+    "operations",
+    "messages",
+    "securitySchemes",
+    "serverVariables",
+    "parameters",
+    "correlationIds",
+    "replies",
+    "replyAddresses",
+    "externalDocs",
+    "tags",
+    "operationTraits",
+    "messageTraits",
+    "serverBindings",
+    "channelBindings",
+    "operationBindings",
+    "messageBindings",
+}
+_CHANNEL_FIELDS = {
+    "address",
+    "messages",
+    "title",
+    "summary",
+    "description",
+    "servers",
+    "parameters",
+    "tags",
+    "externalDocs",
+    "bindings",
+}
+_MESSAGE_FIELDS = {
+    "headers",
+    "payload",
+    "correlationId",
+    "contentType",
+    "name",
+    "title",
+    "summary",
+    "description",
+    "tags",
+    "externalDocs",
+    "bindings",
+    "examples",
+    "traits",
+}
+_OPERATION_FIELDS = {
+    "action",
+    "channel",
+    "title",
+    "summary",
+    "description",
+    "security",
+    "tags",
+    "externalDocs",
+    "bindings",
+    "traits",
+    "messages",
+    "reply",
+}
+
+
+def _fields_ok(obj: dict[str, object], allowed: set[str], where: str) -> None:
+    unknown = {k for k in obj if k not in allowed and not k.startswith("x-")}
+    assert not unknown, f"{where}: fields AsyncAPI 3.0 does not define: {sorted(unknown)}"
+
+
+def _resolve(document: dict[str, object], ref: str) -> object:
+    assert ref.startswith("#/"), ref
+    node: object = document
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        assert isinstance(node, dict) and part in node, f"dangling $ref {ref}"
+        node = node[part]
+    return node
+
+
+def _refs(node: object) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                yield value
+            else:
+                yield from _refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _refs(value)
+
+
+def test_the_asyncapi_document_has_the_structure_of_asyncapi_3() -> None:
+    """What the AsyncAPI 3.0.0 specification requires, checked offline: the root and each
+    object use only fields it defines (or x- extensions); every $ref resolves; a channel's
+    address names exactly its parameters; an operation sends or receives on a channel, with
+    messages of that channel; component keys match ^[a-zA-Z0-9.\\-_]+$."""
+    document = asyncapi_document()
+    assert document["asyncapi"] == "3.0.0"
+    _fields_ok(document, _ROOT_FIELDS, "root")
+    assert {"title", "version"} <= set(document["info"])
+    for name, server in document["servers"].items():
+        assert {"host", "protocol"} <= set(server), name
+    components = document["components"]
+    _fields_ok(components, _COMPONENT_FIELDS, "components")
+    key = re.compile(r"^[a-zA-Z0-9.\-_]+$")
+    for section in components.values():
+        assert all(key.match(k) for k in section), sorted(k for k in section if not key.match(k))
+    for ref in _refs(document):
+        _resolve(document, ref)
+    for name, channel in document["channels"].items():
+        _fields_ok(channel, _CHANNEL_FIELDS, f"channel {name}")
+        params = set(re.findall(r"{([^}]+)}", channel["address"]))
+        assert params == set(channel.get("parameters", {})), name
+        assert channel["messages"], name
+    for name, operation in document["operations"].items():
+        _fields_ok(operation, _OPERATION_FIELDS, f"operation {name}")
+        assert operation["action"] in ("send", "receive"), name
+        channel_ref = operation["channel"]["$ref"]
+        assert channel_ref.startswith("#/channels/"), name
+        for message in operation["messages"]:
+            assert message["$ref"].startswith(f"{channel_ref}/messages/"), name
+    for name, message in components["messages"].items():
+        _fields_ok(message, _MESSAGE_FIELDS, f"message {name}")
+        assert message["contentType"] == "application/msgpack"
+        assert message["correlationId"]["$ref"].startswith("#/components/correlationIds/")
+    for correlation in components["correlationIds"].values():
+        assert correlation["location"].startswith("$message.")
 
 
 @pytest.fixture
