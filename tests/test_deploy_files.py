@@ -91,7 +91,7 @@ def test_compose_file_is_valid_against_the_compose_spec() -> None:
         f"{COMPOSE.name}: {'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message}"
         for e in validator.iter_errors(_compose())
     ]
-    assert errors == []
+    assert not errors, "\n".join(errors)
 
 
 def test_compose_services_restart_are_health_checked_and_wait_on_health() -> None:
@@ -119,7 +119,7 @@ def test_compose_services_restart_are_health_checked_and_wait_on_health() -> Non
             wanted = "service_completed_successfully" if dep in one_shots else "service_healthy"
             if cond.get("condition") != wanted:
                 problems.append(f"{where}: waits for {dep} with {cond}, expected {wanted}")
-    assert problems == []
+    assert not problems, "\n".join(problems)
 
 
 def test_compose_images_are_pinned_and_builds_name_real_stages() -> None:
@@ -132,7 +132,7 @@ def test_compose_images_are_pinned_and_builds_name_real_stages() -> None:
         build = svc.get("build")
         if build is not None and build.get("target") not in stages:
             problems.append(f"{COMPOSE.name}: service {name}: build target not in Dockerfile")
-    assert problems == []
+    assert not problems, "\n".join(problems)
 
 
 def test_compose_runs_every_service_and_server() -> None:
@@ -175,7 +175,7 @@ def test_compose_mounts_each_service_only_its_own_identity() -> None:
         holds_root = any(str(v).startswith("dsec-root:") for v in svc.get("volumes") or [])
         if holds_root != (name == "identities"):
             problems.append(f"{COMPOSE.name}: service {name}: mounts the root key volume")
-    assert problems == []
+    assert not problems, "\n".join(problems)
 
 
 def test_compose_files_it_mounts_exist() -> None:
@@ -192,7 +192,7 @@ def test_compose_files_it_mounts_exist() -> None:
                 continue
             if not path.exists():
                 problems.append(f"{COMPOSE.name}: service {name}: {source} does not exist")
-    assert problems == []
+    assert not problems, "\n".join(problems)
 
 
 def test_compose_prometheus_scrapes_every_service_and_grafana_has_the_dashboards() -> None:
@@ -269,7 +269,7 @@ def test_every_rendered_object_is_valid_kubernetes(overlay: Path) -> None:
             problems.append(f"{overlay.relative_to(ROOT)}: {_name(obj)}: {path}: {exc.message}")
         except kubernetes_validate.SchemaNotFoundError as exc:
             problems.append(f"{overlay.relative_to(ROOT)}: {_name(obj)}: no schema ({exc})")
-    assert problems == []
+    assert not problems, "\n".join(problems)
 
 
 def test_every_service_runs_with_probes_resources_and_a_pinned_image(overlay: Path) -> None:
@@ -303,7 +303,7 @@ def test_every_service_runs_with_probes_resources_and_a_pinned_image(overlay: Pa
                 port = c.get(probe, {}).get("httpGet", {}).get("port")
                 if port is not None and port not in ports:
                     problems.append(f"{at}: {probe} on port {port} the container does not open")
-    assert problems == []
+    assert not problems, "\n".join(problems)
 
 
 def _references(pod: dict[str, Any]) -> Iterator[tuple[str, str]]:
@@ -356,7 +356,7 @@ def test_every_referenced_secret_configmap_and_claim_is_defined(overlay: Path) -
                         f"{overlay.relative_to(ROOT)}: {_name(obj)}: key {item['key']} not in "
                         f"Secret/{secret['metadata']['name']}"
                     )
-    assert problems == []
+    assert not problems, "\n".join(problems)
 
 
 def test_each_service_mounts_only_its_own_key_and_nats_seed(overlay: Path) -> None:
@@ -374,7 +374,7 @@ def test_each_service_mounts_only_its_own_key_and_nats_seed(overlay: Path) -> No
             for item in items:
                 if item["key"].split(".")[0] != component:
                     problems.append(f"{_name(obj)}: mounts {item['key']} of Secret/{name}")
-    assert problems == [], overlay.relative_to(ROOT)
+    assert not problems, f"{overlay.relative_to(ROOT)}: " + "; ".join(problems)
 
 
 def test_nats_is_a_three_server_jetstream_cluster_with_the_stream_at_r3(overlay: Path) -> None:
@@ -456,7 +456,7 @@ def test_deployments_do_not_run_as_root(overlay: Path) -> None:
         for c in pod["containers"]:
             if c.get("securityContext", {}).get("allowPrivilegeEscalation") is not False:
                 problems.append(f"{_name(obj)} container {c['name']}: privilege escalation")
-    assert problems == []
+    assert not problems, "\n".join(problems)
 
 
 # --- Dockerfile -----------------------------------------------------------------------------------
