@@ -215,6 +215,22 @@ def test_compose_prometheus_scrapes_every_service_and_grafana_has_the_dashboards
     assert list((ROOT / "deploy/grafana").glob("*.json")), "no dashboard in deploy/grafana"
 
 
+def test_compose_prometheus_config_loads_in_prometheus(tmp_path: Path) -> None:
+    """promtool (Debian's prometheus package, scripts/setup-system.sh) parses the config and the
+    alert rules as the container mounts them: side by side in /etc/prometheus."""
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not installed: run scripts/setup-system.sh"
+    shutil.copy(ROOT / "deploy/compose/prometheus.yml", tmp_path / "prometheus.yml")
+    shutil.copy(ROOT / "deploy/prometheus/alerts.yml", tmp_path / "alerts.yml")
+    proc = subprocess.run(
+        [promtool, "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, f"deploy/compose/prometheus.yml: {proc.stdout}{proc.stderr}"
+
+
 # --- Kubernetes -----------------------------------------------------------------------------------
 
 
