@@ -10,8 +10,9 @@ Kubernetes, so nothing here starts one. What is checked:
   strict), and the invariants: probes and resources everywhere, every referenced Secret,
   ConfigMap and PVC defined, NATS at three servers with JetStream and the stream at R3, the node
   agent privileged with exactly its host mounts;
-* ``Dockerfile``: the stages, a dependency layer built from the lock alone, no embedded-server
-  wheels in the service image, a non-root service user, BCC and bpftool in the node agent's.
+* ``Dockerfile`` (parsed by Docker's own parser): the stages, a dependency layer built from the
+  lock alone, no embedded-server wheels in the service image, a non-root service user, BCC and
+  bpftool in the node agent's.
 
 Each failure names the file and the object.
 """
@@ -28,6 +29,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import dockerfile
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -489,26 +491,24 @@ class Stage:
 
 @cache
 def _dockerfile_stages() -> tuple[Stage, ...]:
-    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())  # join continuation lines
+    """The stages, parsed by Docker's own parser (the ``dockerfile`` package wraps buildkit's)."""
     args: dict[str, str] = {}
     stages: list[Stage] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        op, _, arg = line.partition(" ")
-        op = op.upper()
-        if op == "ARG" and not stages:
-            key, _, value = arg.partition("=")
-            args[key.strip()] = value.strip()
-        elif op == "FROM":
-            m = re.fullmatch(r"(\S+)\s+AS\s+(\S+)", arg.strip(), re.IGNORECASE)
-            assert m, f"Dockerfile: FROM {arg}: every stage is named"
-            base = re.sub(r"\$\{(\w+)\}", lambda g: args.get(g.group(1), ""), m.group(1))
-            stages.append(Stage(m.group(2), base))
+    for command in dockerfile.parse_file(str(DOCKERFILE)):
+        words = [*command.flags, *command.value]
+        if command.cmd == "ENV":  # the parser gives keys and values in turn
+            words = [f"{k}={v}" for k, v in zip(words[::2], words[1::2], strict=True)]
+        if command.cmd == "ARG" and not stages:
+            key, _, value = command.value[0].partition("=")
+            args[key] = value
+        elif command.cmd == "FROM":
+            at = f"Dockerfile:{command.start_line}: {command.original}"
+            assert len(words) == 3 and words[1].upper() == "AS", f"{at}: every stage is named"
+            base = re.sub(r"\$\{(\w+)\}", lambda g: args.get(g.group(1), ""), words[0])
+            stages.append(Stage(words[2], base))
         else:
-            assert stages, f"Dockerfile: {op} before the first FROM"
-            stages[-1].instructions.append((op, " ".join(arg.split())))
+            assert stages, f"Dockerfile:{command.start_line}: {command.cmd} before the first FROM"
+            stages[-1].instructions.append((command.cmd, " ".join(" ".join(words).split())))
     return tuple(stages)
 
 
@@ -545,7 +545,11 @@ def test_dockerfile_installs_dependencies_in_a_layer_of_their_own() -> None:
         at = f"Dockerfile: stage {final}"
         chain = [i for s in _lineage(final) for i in s.instructions]
         syncs = [i for i, (op, arg) in enumerate(chain) if op == "RUN" and "uv sync" in arg]
-        copies = [(i, arg.split()[:-1]) for i, (op, arg) in enumerate(chain) if op == "COPY"]
+        copies = [
+            (i, [w for w in arg.split()[:-1] if not w.startswith("--")])
+            for i, (op, arg) in enumerate(chain)
+            if op == "COPY"
+        ]
         code = [i for i, sources in copies if {"libs", "services"} & set(sources)]
         assert len(syncs) == 2 and code, f"{at}: a dependency sync, the code, a workspace sync"
         assert syncs[0] < code[0] < syncs[1], f"{at}: the dependency layer comes before the code"
