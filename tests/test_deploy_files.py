@@ -43,7 +43,8 @@ COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_SCHEMA = ROOT / "deploy/compose/compose-spec.json"
 K8S = ROOT / "deploy/k8s"
 DOCKERFILE = ROOT / "Dockerfile"
-K8S_VERSION = "1.37.0"
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+"""The oldest Kubernetes still common in managed clusters, and the newest schemas we have."""
 
 DSEC_SERVICES = ("policy", "builder", "scheduler", "snapshot")
 """The services that run as Deployments (the node agent is the DaemonSet)."""
@@ -277,14 +278,17 @@ def test_there_is_a_base_and_an_overlay() -> None:
     assert [p.name for p in _overlays()], "deploy/k8s/overlays/ has no overlay"
 
 
-def test_every_rendered_object_is_valid_kubernetes(overlay: Path) -> None:
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_rendered_object_is_valid_kubernetes(overlay: Path, version: str) -> None:
     problems = []
     for obj in _render(overlay):
         try:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+            kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
             path = ".".join(map(str, exc.path))
-            problems.append(f"{overlay.relative_to(ROOT)}: {_name(obj)}: {path}: {exc.message}")
+            problems.append(
+                f"{overlay.relative_to(ROOT)}: {_name(obj)}: {path}: {exc.message} ({version})"
+            )
         except kubernetes_validate.SchemaNotFoundError as exc:
             problems.append(f"{overlay.relative_to(ROOT)}: {_name(obj)}: no schema ({exc})")
     assert not problems, "\n".join(problems)
