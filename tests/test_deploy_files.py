@@ -532,6 +532,9 @@ def _lineage(name: str) -> list[Stage]:
 
 
 def test_dockerfile_has_the_service_and_node_agent_images_on_a_pinned_base() -> None:
+    # Environments the builder (service image) builds for its interpreter run in the node
+    # agent's sandboxes: one base, one interpreter path.
+    assert _stage("service").base == _stage("nodeagent").base, "Dockerfile: service, nodeagent"
     for name in ("service", "nodeagent"):
         stage = _stage(name)
         assert _pinned(stage.base), f"Dockerfile: stage {name}: base {stage.base!r} not pinned"
