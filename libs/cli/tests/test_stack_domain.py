@@ -121,6 +121,7 @@ def test_service_environment_has_every_endpoint_and_no_empty_values() -> None:
     assert env == {
         "DSEC_HOME": "/h",
         "DSEC_METRICS_PORT": "9100",
+        "DSEC_METRICS_HOST": "127.0.0.1",  # loopback whatever the operator's shell says
         "DSEC_NATS_URL": "nats://127.0.0.1:1",
         "DSEC_POSTGRES_DSN": "postgresql://dsec:pw@127.0.0.1:2/dsec",
         "DSEC_S3_ENDPOINT": "127.0.0.1:3",

@@ -444,8 +444,10 @@ class Service:
         self.loop_watch.start()
         self._watch = asyncio.create_task(self._watch_stream(js), name="stream-check")
         self._key_watch = asyncio.create_task(self._watch_key(anchor), name="key-check")
-        port = await self.metrics.start(settings.metrics_port)
-        log.info("%s %s ready; metrics on 127.0.0.1:%d", self.name, self.version, port)
+        port = await self.metrics.start(settings.metrics_port, settings.metrics_host)
+        log.info(
+            "%s %s ready; metrics on %s:%d", self.name, self.version, settings.metrics_host, port
+        )
 
     async def _watch_key(self, anchor: bytes) -> None:
         """Pick up a rotated key while running: the key source is read again every

@@ -66,6 +66,12 @@ class Settings(BaseSettings):
         default=30.0, gt=0, description="How often a service re-checks the stream's guarantees"
     )
     metrics_port: int = Field(default=0, description="Port for /metrics and /healthz (0 = free)")
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="Address /metrics and /healthz listen on: loopback for the embedded stack, "
+        "0.0.0.0 (or ::) in containers, where Prometheus and probes reach it from outside",
+    )
     node_id: str = Field(default="node-1", description="Name of this node")
     bpf_pin_dir: Path | None = Field(
         default=None,

@@ -67,6 +67,16 @@ def credentials(
 
 @nats_app.command("stream")
 def stream(
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            "--replicas",
+            min=1,
+            max=5,
+            help="copies of the stream and the replay bucket on a NATS cluster (3 on a "
+            "three-server cluster); unset: created at 1, kept as the operator set it",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
 ) -> None:
     """As the operator: create DSEC_EVENTS, or restore its guarantees (deny delete/purge, no
@@ -86,7 +96,7 @@ def stream(
     async def go() -> list[str]:
         async with connect_bus(settings, check_stream=False) as (_nc, js):
             try:
-                await ensure_stream(js)
+                await ensure_stream(js, replicas=replicas)
             except Exception as exc:
                 fail(
                     f"could not create or update {STREAM} ({type(exc).__name__}: {exc}); "

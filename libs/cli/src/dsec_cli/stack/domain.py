@@ -274,6 +274,9 @@ def service_environment(
     env = {
         "DSEC_HOME": home,
         "DSEC_METRICS_PORT": str(metrics_port),
+        # The embedded stack's endpoints stay on loopback (it checks them there), whatever the
+        # operator's shell says; containers set DSEC_METRICS_HOST=0.0.0.0 themselves.
+        "DSEC_METRICS_HOST": "127.0.0.1",
     }
     if nats_seed:
         env["DSEC_NATS_NKEY_SEED"] = nats_seed
