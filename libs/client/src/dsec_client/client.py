@@ -539,7 +539,7 @@ class Sandbox:
         *,
         timeout: float = 900.0,
         stall: float | None = None,
-        on_event: Callable[[Event], None] | None = None,
+        on_event: Callable[[Event], object] | None = None,
     ) -> Event:
         """Follow its events until ``until`` (``validated``, ``built``, ``ready``, ``exited``,
         or an event type) happens; return that event.

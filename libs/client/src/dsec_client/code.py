@@ -30,8 +30,8 @@ def submitted_name(spec: Path) -> str:
 def spec_text(spec: SpecLike) -> tuple[str, str]:
     """``(yaml_text, filename)`` of a spec given as a path, YAML text or dict.
 
-    A ``str`` without a line break that names a file, or ends in ``.yaml`` / ``.yml``, is a
-    path; any other ``str`` is the YAML text (named ``spec.yaml``).
+    A ``str`` is a path when it is one line that names a file, or ends in ``.yaml`` / ``.yml``
+    and holds no ``": "``; any other ``str`` is the YAML text (named ``spec.yaml``).
 
     Raises:
         InvalidInput: the file cannot be read, or the dict is not YAML-serialisable.
@@ -41,15 +41,19 @@ def spec_text(spec: SpecLike) -> tuple[str, str]:
             return yaml.safe_dump(spec, sort_keys=False), "spec.yaml"
         except yaml.YAMLError as exc:
             raise InvalidInput(f"the spec dict is not YAML: {exc}") from None
-    if isinstance(spec, str) and (
-        "\n" in spec or not (os.path.isfile(spec) or spec.endswith((".yaml", ".yml")))
-    ):
+    if isinstance(spec, str) and not _names_a_file(spec):
         return spec, "spec.yaml"
     path = Path(spec)
     try:
         return path.read_text(), submitted_name(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"cannot read spec {path}: {exc}") from None
+
+
+def _names_a_file(text: str) -> bool:
+    if "\n" in text:
+        return False
+    return os.path.isfile(text) or (text.endswith((".yaml", ".yml")) and ": " not in text)
 
 
 def _include_code(text: str) -> dict[str, Any]:
