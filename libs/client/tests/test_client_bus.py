@@ -65,6 +65,11 @@ async def test_a_rejected_spec_raises_with_its_located_errors(user_env: Any, ser
         assert [ev.type for ev in seen] == ["spec.submitted", "spec.rejected"]
         assert all(ev.verified for ev in seen)
         assert seen[1].producer == "policy" and seen[1].payload.TYPE == "spec.rejected"
+        # Attached later, its history is read in one batch: it ends where it ended.
+        with pytest.raises(SpecRejected) as replayed:
+            await d.sandbox(sb.id).wait("ready", timeout=60)
+        assert replayed.value.event.type == "spec.rejected"
+        assert replayed.value.event.seq == seen[1].seq
 
 
 async def test_a_chain_nobody_handles_stalls_and_attaching_finds_it(user_env: Any) -> None:

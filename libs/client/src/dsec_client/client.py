@@ -505,32 +505,32 @@ class Sandbox:
                 raise NotFound(f"no sandbox {self.id!r} in the event log (see `dsec sandbox list`)")
         return self._start_seq
 
-    async def _folded(self) -> AsyncIterator[list[Event]]:
-        """Its events from the start, each marked when the lifecycle fold did not apply it;
-        ``lifecycle`` follows. Empty batches are idle ticks (see :meth:`DSec.follow`)."""
+    async def _folded(self) -> AsyncIterator[Event | None]:
+        """Its events from the start, one by one, each marked when the lifecycle fold did not
+        apply it; ``lifecycle`` is the state after the event just yielded. ``None`` is an idle
+        tick (the reader caught up, see :meth:`DSec.follow`)."""
         life = lifecycle.Lifecycle()
         start = await self._start()
         async for batch in self.client.follow(aggregate_filter("sandbox", self.id), start):
-            out = []
             for event in batch:
                 before = life
                 life = lifecycle.step(
                     before, event.type, event.data, event_id=event.id, tenant=event.tenant
                 )
                 refused = len(life.refused) > len(before.refused)
-                if refused:
-                    event = replace(event, ignored=life.refused[-1].describe())
-                out.append(event)
-            self.lifecycle = life
-            yield out
+                self.lifecycle = life
+                yield replace(event, ignored=life.refused[-1].describe()) if refused else event
+            if not batch:
+                yield None
 
     async def events(self, *, until_end: bool = True) -> AsyncIterator[Event]:
         """Its verified events, from its submission on, as they come; with ``until_end`` the
         iteration ends after its terminal event (exited, failed, rejected, conflict)."""
-        async for batch in self._folded():
-            for event in batch:
-                yield event
-            if until_end and self.lifecycle.terminal:
+        async for event in self._folded():
+            if event is None:
+                continue
+            yield event
+            if until_end and event.ignored is None and self.lifecycle.terminal:
                 return
 
     async def wait(
@@ -562,8 +562,8 @@ class Sandbox:
             )
         deadline = time.monotonic() + timeout
         last_at, last_type = time.monotonic(), None
-        async for batch in self._folded():
-            for event in batch:
+        async for event in self._folded():
+            if event is not None:
                 last_at, last_type = time.monotonic(), event.type
                 if on_event is not None:
                     on_event(event)
