@@ -8,7 +8,7 @@ from typing import Any
 
 import nats
 import pytest
-from dsec_cli.remote import _owning_node
+from dsec_client.remote import owning_node as _owning_node
 from dsec_core.bus import ensure_stream
 from dsec_core.events import SandboxReady, SandboxScheduled, SpecSubmitted
 from dsec_core.ids import new_sandbox_id

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 if TYPE_CHECKING:  # the bus client is imported when a command needs it: `dsec --help` stays fast
+    from dsec_client import DSec
     from dsec_core.bus import EventPublisher
     from nats.aio.client import Client as NATS
     from nats.js import JetStreamContext
@@ -150,6 +151,23 @@ async def bus(
         await nc.close()
 
 
+@asynccontextmanager
+async def client(settings: Settings | None = None) -> AsyncIterator[DSec]:
+    """The Python client (:class:`dsec_client.DSec`) connected as this user: the CLI's commands
+    are built on it; its errors (:class:`dsec_client.DSecError`) become a one-line message and
+    the exit code of their class, its warnings go to stderr."""
+    from dsec_client import DSec, DSecError
+
+    def warn(message: str) -> None:
+        err_console.print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False)
+
+    try:
+        async with DSec(settings, on_warning=warn, name="dsec-cli") as d:
+            yield d
+    except DSecError as exc:
+        fail(str(exc), exc.EXIT)
+
+
 def operator_root() -> Any:
     """The operator root key of this stack, or exit 2 (only the operator may do this)."""
     from dsec_core import identity
@@ -184,44 +202,19 @@ def operator_identity() -> tuple[Any, Any]:
 
 
 def user_identity(settings: Settings | None = None) -> tuple[Any, Any]:
-    """This machine's user key and its certificate (``dsec login``), or exit 2 saying how.
+    """This machine's user key and its certificate (``dsec login``), or exit 2 saying how
+    (:func:`dsec_client.identity.user_identity`: on the operator's own machine a first use logs
+    in as the local user in tenant ``default``, and says so)."""
+    from dsec_client.errors import ConfigError
+    from dsec_client.identity import user_identity as load
 
-    On the operator's own machine (the root key of the embedded stack is readable) a first use
-    logs in as the local user in tenant ``default``, and says so.
-    """
-    from dsec_core import identity
-
-    settings = settings or Settings()
-    paths = identity.TrustPaths(settings.home)
-    if settings.credential is not None:
-        try:
-            return identity.load_credential(settings.credential.read_text())
-        except OSError as exc:
-            fail(f"DSEC_CREDENTIAL {settings.credential}: {exc.strerror}", EXIT_BAD_INPUT)
-        except identity.CertificateError as exc:
-            fail(f"DSEC_CREDENTIAL {settings.credential}: {exc}", EXIT_BAD_INPUT)
-    if paths.user_key.exists() and paths.user_cert.exists():
-        try:
-            key, cert = identity.load_user(paths)
-        except identity.CertificateError as exc:
-            fail(f"your identity is unusable ({exc}); run `dsec login` again", EXIT_BAD_INPUT)
-        return key, cert
-    if os.access(paths.root_key, os.R_OK):
-        key, cert = identity.issue_user(
-            identity.ensure_root(paths), getpass.getuser(), identity.DEFAULT_TENANT
-        )
-        identity.save_identity(paths, key, cert)
-        err_console.print(
-            f"logged in as {escape(cert.subject)} (tenant {cert.tenant}) with the local "
-            "operator's root key; `dsec login` chooses another user or tenant",
-            highlight=False,
-        )
-        return key, cert
-    fail(
-        "no identity on this machine: run `dsec login --credential FILE` with the credential "
-        "your operator issued (`dsec admin issue-user`)",
-        EXIT_BAD_INPUT,
-    )
+    try:
+        key, cert, note = load(settings or Settings())
+    except ConfigError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    if note:
+        err_console.print(escape(note), highlight=False)
+    return key, cert
 
 
 def cli_gate(nc: NATS, js: JetStreamContext) -> Any:

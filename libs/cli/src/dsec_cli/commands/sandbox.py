@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -19,7 +18,7 @@ from dsec_cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     bus,
-    cli_publisher,
+    client,
     console,
     err_console,
     fail,
@@ -338,19 +337,6 @@ def cp(
     )
 
 
-async def _last_event(js: Any, event_type: str, sandbox_id: str) -> dict[str, Any] | None:
-    """The payload of the sandbox's last ``event_type`` event, or None."""
-    from dsec_core.envelope import decode
-    from dsec_core.subjects import STREAM, InvalidSubjectToken, subject_for
-    from nats.js.errors import NotFoundError
-
-    try:
-        raw = await js.get_last_msg(STREAM, subject_for(event_type, sandbox_id))
-    except (NotFoundError, InvalidSubjectToken):
-        return None
-    return dict(decode(raw.data).payload)
-
-
 @sandbox_app.command("stop")
 def stop(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox id (sbx_...)")],
@@ -358,47 +344,23 @@ def stop(
     wait: Annotated[bool, typer.Option(help="Wait for sandbox.exited")] = True,
 ) -> None:
     """Ask the node agent to stop a sandbox (published as ``sandbox.stop_requested``)."""
-    from dsec_core.bus import follow as follow_log
-    from dsec_core.envelope import decode
-    from dsec_core.events import SandboxStopRequested
-    from dsec_core.subjects import STREAM, subject_for
+    from dsec_client import Timeout
 
     async def go() -> int | None:
-        async with bus() as (_, js):
-            if await _last_event(js, "spec.submitted", sandbox_id) is None:
-                fail(
-                    f"no sandbox {sandbox_id!r} in the event log (see `dsec sandbox list`)",
-                    EXIT_BAD_INPUT,
+        async with client() as d:
+            sandbox = d.sandbox(sandbox_id)
+            ended = await sandbox.ended()
+            if ended is not None:
+                payload = ended.data
+                detail = (
+                    f"exit code {payload['exit_code']}" if "exit_code" in payload else ended.type
                 )
-            for ended in ("sandbox.exited", "sandbox.failed", "spec.rejected", "deps.conflict"):
-                payload = await _last_event(js, ended, sandbox_id)
-                if payload is not None:
-                    detail = (
-                        f"exit code {payload['exit_code']}" if "exit_code" in payload else ended
-                    )
-                    console.print(f"{sandbox_id} is not running: it already ended ({detail})")
-                    return None
-            start = (await js.stream_info(STREAM)).state.last_seq + 1
-            publisher = await cli_publisher(js)
-            await publisher.publish(
-                SandboxStopRequested(requested_by=submitter(), grace_s=grace),
-                aggregate_id=sandbox_id,
-            )
-            if not wait:
+                console.print(f"{sandbox_id} is not running: it already ended ({detail})")
                 return None
-            deadline = asyncio.get_running_loop().time() + grace + 30
-            async for batch in follow_log(
-                js, filter_subject=subject_for("sandbox.exited", sandbox_id), start_seq=start
-            ):
-                for _, data in batch:
-                    return int(decode(data).payload["exit_code"])
-                if asyncio.get_running_loop().time() > deadline:
-                    fail(
-                        f"{sandbox_id} did not exit within {grace + 30:.0f} s; is its node "
-                        "agent running? (`dsec status`)",
-                        EXIT_FAILED,
-                    )
-        return None
+            try:
+                return await sandbox.stop(grace=grace, wait=wait)
+            except Timeout as exc:
+                fail(str(exc), EXIT_FAILED)
 
     code = run(go())
     if code is not None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -29,8 +28,7 @@ from dsec_cli.common import (
     EXIT_FAILED,
     EXIT_TIMEOUT,
     EXIT_UNREACHABLE,
-    bus,
-    cli_publisher,
+    client,
     console,
     err_console,
     fail,
@@ -40,7 +38,7 @@ from dsec_cli.common import (
     safe_text,
     submitter,
 )
-from dsec_cli.render import decode_or_warn, human_size
+from dsec_cli.render import human_size
 
 if TYPE_CHECKING:
     from dsec_core.envelope import Envelope
@@ -96,23 +94,15 @@ async def _request(
     payload: Payload, aggregate_id: str, answers: frozenset[str], timeout: float
 ) -> Envelope | None:
     """Publish a request signed by the user; return the first event of ``answers`` caused by
-    it on the request's aggregate (``None`` when none comes within ``timeout``)."""
-    from dsec_core.bus import follow
-    from dsec_core.subjects import STREAM, aggregate_filter
+    it on the request's aggregate (``None`` when none comes within ``timeout``):
+    :meth:`dsec_client.DSec.request`."""
+    from dsec_client import Timeout
 
-    async with bus() as (_, js):
-        start = (await js.stream_info(STREAM)).state.last_seq + 1
-        publisher = await cli_publisher(js)
-        request_id = (await publisher.publish(payload, aggregate_id=aggregate_id)).envelope.id
-        deadline = time.monotonic() + timeout
-        subject = aggregate_filter(payload.AGGREGATE, aggregate_id)
-        async for batch in follow(js, filter_subject=subject, start_seq=start, idle_s=0.25):
-            for seq, data in batch:
-                env = decode_or_warn(seq, data)
-                if env is not None and env.causation_id == request_id and env.type in answers:
-                    return env
-            if time.monotonic() > deadline:
-                return None
+    async with client() as d:
+        try:
+            return (await d.request(payload, aggregate_id, answers, timeout)).envelope
+        except Timeout:
+            return None
     return None
 
 

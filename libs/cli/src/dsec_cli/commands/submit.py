@@ -2,42 +2,31 @@
 
 from __future__ import annotations
 
-import io
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-import yaml
 from dsec_core import lifecycle
-from dsec_core.codebundle import BundleError, build_bundle, declared_max_size
 from dsec_core.envelope import Envelope
-from dsec_core.events import BundleRef, Payload, SpecSubmitted
-from dsec_core.ids import new_sandbox_id
+from dsec_core.events import BundleRef, Payload
 from dsec_core.settings import Settings
-from dsec_core.subjects import STREAM, aggregate_filter
 
 from dsec_cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_TIMEOUT,
-    EXIT_UNREACHABLE,
-    bus,
-    cli_gate,
-    cli_publisher,
+    client,
     console,
     err_console,
     fail,
     print_json,
     run,
-    s3_client,
     safe_text,
-    submitter,
 )
-from dsec_cli.render import decode_or_warn, event_line
+from dsec_cli.render import event_line
 
 WAIT_FOR = {
     "validated": "spec.validated",
@@ -86,21 +75,6 @@ class Outcome:
         }
 
 
-def _include_code(spec_text: str) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(spec_text)
-        include = data.get("include_code", {})
-        return include if isinstance(include, dict) else {}
-    except (yaml.YAMLError, AttributeError):
-        return {}
-
-
-def _exclude_patterns(spec_text: str) -> list[str]:
-    """The spec's ``include_code.exclude_patterns`` if readable (validation is the service's)."""
-    patterns = _include_code(spec_text).get("exclude_patterns", [])
-    return [str(p) for p in patterns] if isinstance(patterns, list) else []
-
-
 def warn_skipped(skipped: Sequence[str], code: Path) -> None:
     """Say which special files of ``code`` the bundle leaves out (they are not code)."""
     if skipped:
@@ -116,38 +90,17 @@ def upload_code(
     code: Path, spec_text: str, settings: Settings, skipped: list[str] | None = None
 ) -> BundleRef:
     """Bundle ``code`` (with the spec's exclude patterns and size bound) and store it
-    content-addressed; ``skipped`` receives the special files left out."""
-    import urllib3
-    from dsec_core.objectstore import ensure_bucket
-    from minio.error import S3Error
+    content-addressed (:func:`dsec_client.code.upload_code`); ``skipped`` receives the special
+    files left out."""
+    from dsec_client.code import upload_code as upload
+    from dsec_client.errors import DSecError, InvalidInput
 
     try:
-        bundle = build_bundle(
-            code, _exclude_patterns(spec_text), max_size=declared_max_size(spec_text)
-        )
-    except (BundleError, OSError) as exc:
-        fail(f"--code {code}: {exc}", EXIT_BAD_INPUT)
-    if skipped is not None:
-        skipped.extend(bundle.skipped)
-    client = s3_client(settings)
-    key = f"bundles/{bundle.digest}.tar.zst"
-    data = bundle.read()
-    try:
-        ensure_bucket(client, settings.s3_bucket)
-        client.put_object(settings.s3_bucket, key, io.BytesIO(data), len(data))
-    except (S3Error, urllib3.exceptions.HTTPError, OSError) as exc:
-        fail(
-            f"cannot store the code bundle in the object store "
-            f"({type(exc).__name__}); is the stack up? (`dsec status`)",
-            EXIT_UNREACHABLE,
-        )
-    return BundleRef(
-        digest=bundle.digest,
-        object_key=key,
-        size=len(data),
-        files=len(bundle.manifest.files),
-        expanded_size=bundle.manifest.total_size,
-    )
+        return upload(code, spec_text, settings, skipped)
+    except InvalidInput as exc:
+        fail(f"--code {exc}", EXIT_BAD_INPUT)
+    except DSecError as exc:
+        fail(str(exc), exc.EXIT)
 
 
 def _record(outcome: Outcome, seq: int, env: Envelope, as_json: bool) -> bool:
@@ -199,11 +152,10 @@ def _explain(env: Envelope) -> None:
 
 
 def _submitted_name(spec: Path) -> str:
-    """The name the services see the spec by: ``dsec.yaml`` goes with its folder
-    (``rag-training/dsec.yaml``), so a spec without ``name:`` is named after the folder by the
-    policy service exactly as ``dsec spec check`` names it."""
-    parent = spec.resolve().parent.name
-    return f"{parent}/{spec.name}" if parent else spec.name
+    """The name the services see the spec by (:func:`dsec_client.code.submitted_name`)."""
+    from dsec_client.code import submitted_name
+
+    return submitted_name(spec)
 
 
 async def submit_and_follow(
@@ -220,55 +172,29 @@ async def submit_and_follow(
 ) -> Outcome:
     """Publish ``spec.submitted`` for a new sandbox (with the snapshot it starts from, if any;
     then ``also``) and follow the sandbox's events until ``wait`` is reached, a terminal
-    event, a stall or the timeout."""
-    from dsec_core.bus import follow
+    event, a stall or the timeout (:meth:`dsec_client.Sandbox.wait`)."""
+    from dsec_client import SandboxEnded, Timeout
 
-    sandbox_id = new_sandbox_id()
-    outcome = Outcome(sandbox_id)
-    target = WAIT_FOR[wait]
-    async with bus() as (nc, js):
-        start = (await js.stream_info(STREAM)).state.last_seq + 1
-        publisher = await cli_publisher(js)
-        gate = cli_gate(nc, js)
-        await publisher.publish(
-            SpecSubmitted(
-                spec_yaml=spec_text,
-                filename=filename,
-                code=code_ref,
-                submitted_by=submitter(),
-                start_from_snapshot=start_from_snapshot,
-            ),
-            aggregate_id=sandbox_id,
+    async with client() as d:
+        sandbox = await d.submit(
+            spec_text,
+            code_ref,
+            filename=filename,
+            start_from_snapshot=start_from_snapshot,
+            also=also,
         )
-        for payload in also:
-            await publisher.publish(payload, aggregate_id=sandbox_id)
-        deadline = time.monotonic() + timeout
-        last_event_at = time.monotonic()
-        async for batch in follow(
-            js, filter_subject=aggregate_filter("sandbox", sandbox_id), start_seq=start, idle_s=0.25
-        ):
-            for seq, data in batch:
-                env = decode_or_warn(seq, data)
-                if env is None:
-                    continue
-                if gate is not None and await gate.authentic(data, stream_seq=seq) is None:
-                    # A forged or unauthorized message on the sandbox's subjects: not its state.
-                    err_console.print(
-                        f"[yellow]ignored[/] an unauthentic {safe_text(env.type)} at seq {seq}",
-                        highlight=False,
-                    )
-                    continue
-                applied = _record(outcome, seq, env, as_json)
-                last_event_at = time.monotonic()
-                if outcome.life.terminal or (applied and env.type == target):
-                    return outcome
-            now = time.monotonic()
-            # A pending sandbox waits for a node (one joins, frees capacity, is uncordoned):
-            # that is not a stalled chain; only the overall timeout ends the wait.
-            stalled = not outcome.waiting and now - last_event_at > stall
-            if now > deadline or stalled:
-                outcome.stalled_after = outcome.events[-1]["type"] if outcome.events else None
-                return outcome
+        outcome = Outcome(sandbox.id)
+        try:
+            await sandbox.wait(
+                wait,
+                timeout=timeout,
+                stall=stall,
+                on_event=lambda event: _record(outcome, event.seq, event.envelope, as_json),
+            )
+        except SandboxEnded:
+            pass  # the outcome says how it ended
+        except Timeout:
+            outcome.stalled_after = outcome.events[-1]["type"] if outcome.events else None
     return outcome
 
 
