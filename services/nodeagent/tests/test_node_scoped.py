@@ -22,6 +22,7 @@ from dsec_core.natsperms import durable_name
 from dsec_core.objectstore import env_archive_key
 from dsec_core.subjects import STREAM, subject_for
 from nats.js.errors import NotFoundError
+from prometheus_client import REGISTRY
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _nodeagent_harness import NodeAgentHarness
@@ -78,6 +79,10 @@ async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: flo
         await asyncio.sleep(0.05)
 
 
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 async def _handled(h: NodeAgentHarness, event_type: str, event_id: str) -> bool:
     """Whether this node agent's durable for ``event_type`` handled (and acked) ``event_id``."""
     kv = await h._nc.jetstream().key_value("dsec-handled")
@@ -102,6 +107,8 @@ async def test_a_fresh_node_stages_the_environment_from_s3_once_per_lock(
 ) -> None:
     built = _stored_env(tmp_path, s3, "from-s3")
     code = "import stagedmod, sys; sys.exit(0 if stagedmod.VALUE == 'from-s3' else 3)"
+    starts = _sample("dsec_sandbox_starts_total", outcome="started")
+    timed = _sample("dsec_sandbox_start_seconds_count", stage="total")
     async with NodeAgentHarness(home, nats_url, **_s3_settings(s3)) as h:
         sid = await h.submit("staged", code, QUIET, built=built)
         ready = await h.wait_for(sid, "sandbox.ready")
@@ -118,6 +125,11 @@ async def test_a_fresh_node_stages_the_environment_from_s3_once_per_lock(
         ".incoming",
         built.lock_hash,
     ]
+    # the start is counted and its latency, by stage, is in dsec_sandbox_start_seconds
+    assert _sample("dsec_sandbox_starts_total", outcome="started") == starts + 2
+    assert _sample("dsec_sandbox_start_seconds_count", stage="total") == timed + 2
+    assert _sample("dsec_sandbox_start_seconds_count", stage="env_stage") >= 1
+    assert REGISTRY.get_sample_value("dsec_sandboxes_running") is not None
 
 
 async def test_a_corrupted_archive_fails_the_sandbox_and_leaves_nothing_half_unpacked(
