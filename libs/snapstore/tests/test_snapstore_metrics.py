@@ -20,7 +20,8 @@ def _count(operation: str, outcome: str) -> float:
 
 
 def test_answers_are_timed_by_operation_and_outcome() -> None:
-    before = {(op, out): _count(op, out) for op in ("create", "restore") for out in ("ok", "failed")}
+    keys = [(op, out) for op in ("create", "restore") for out in ("ok", "failed")]
+    before = {key: _count(*key) for key in keys}
     refused = [failed("v1", "restore", "sandbox runs nowhere")]
     taken = [sandboxes.snapshot_taken("v1", "0" * 64, 1, 10, 0)]
     started = time.perf_counter()
