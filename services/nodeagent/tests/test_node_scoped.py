@@ -137,10 +137,12 @@ async def test_a_corrupted_archive_fails_the_sandbox_and_leaves_nothing_half_unp
 ) -> None:
     genuine = _stored_env(tmp_path, s3, "genuine")
     altered = genuine.model_copy(update={"digest": blake3.blake3(b"other bytes").hexdigest()})
+    failed_starts = _sample("dsec_sandbox_starts_total", outcome="failed")
     async with NodeAgentHarness(home, nats_url, **_s3_settings(s3)) as h:
         sid = await h.submit("corrupt", "print(1)", QUIET, built=altered)
         await _until(lambda: _in_log(h, "sandbox.failed", sid), "sandbox.failed")
         (failed,) = h.recorded[sid].of("sandbox.failed")
+    assert _sample("dsec_sandbox_starts_total", outcome="failed") == failed_starts + 1
     assert "does not match its env.built" in failed.payload["reason"]
     assert "altered or corrupted" in failed.payload["reason"]
     assert h.recorded[sid].of("sandbox.ready") == []
@@ -192,12 +194,15 @@ async def test_a_copy_whose_placement_was_lost_is_stopped_without_any_event(
     async with NodeAgentHarness(home, nats_url) as h:
         sid = await h.submit("fenced", "import time; time.sleep(60)", QUIET)
         await h.wait_for(sid, "sandbox.ready")
+        running = _sample("dsec_sandboxes_running")  # every agent of this process, summed
+        assert running >= 1
         await _rescheduled_elsewhere(h, sid)
 
         async def gone() -> bool:
             return h.agent.manager.get(sid) is None and sid not in h.agent._fenced
 
         await _until(gone, "the stale copy stopped")
+        assert _sample("dsec_sandboxes_running") == running - 1
         assert not NodeLayout.of(home).sandbox(sid).run.exists()
         assert not await _in_log(h, "sandbox.exited", sid)
     assert "sandbox.exited" not in _events_of(h, sid)
