@@ -21,6 +21,7 @@ from dsec_testing import trust
 from dsec_testing.plans import minimal_plan
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
+from prometheus_client import REGISTRY
 
 pytestmark = pytest.mark.integration
 
@@ -130,6 +131,54 @@ async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
     assert failures[0]["attempts"] == 3
     assert "RuntimeError: resolver exploded" in failures[0]["reason"]
     assert len(attempts) == 3
+
+
+async def test_a_services_consumer_lag_is_exported_per_durable(
+    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path, dsec_stack
+) -> None:
+    """``dsec_consumer_pending`` / ``dsec_consumer_ack_pending`` follow JetStream's own counts of
+    the service's durable: a handler that does not finish holds its message unacknowledged,
+    events behind it wait; once it finishes both read 0."""
+    service = _service(nats_url, tmp_path, dsec_stack.home)
+    release = asyncio.Event()
+    sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
+
+    @service.handles(SpecSubmitted, batch=1)
+    async def slow(envelope, payload):  # type: ignore[no-untyped-def]
+        if envelope.aggregate_id == sandbox:
+            await release.wait()
+        return []
+
+    durable = f"{service.name}-spec-submitted"
+    labels = {"service": service.name, "durable": durable}
+
+    def exported() -> tuple[float | None, float | None]:
+        return (
+            REGISTRY.get_sample_value("dsec_consumer_pending", labels),
+            REGISTRY.get_sample_value("dsec_consumer_ack_pending", labels),
+        )
+
+    async def until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:
+            await service.export_consumers(js)
+            if predicate(*exported()):
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"{what}: exported {exported()}")
+            await asyncio.sleep(0.05)
+
+    await service.start()
+    try:
+        await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
+        for _ in range(3):
+            await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=f"{sandbox}_n")
+        await until(lambda pending, acks: acks == 1 and pending == 3, "one held, three behind")
+        release.set()
+        await until(lambda pending, acks: acks == 0 and pending == 0, "all handled")
+    finally:
+        release.set()
+        await service.stop()
 
 
 async def test_redelivery_after_a_crash_between_publish_and_ack_publishes_nothing_new(

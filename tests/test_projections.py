@@ -25,7 +25,14 @@ from dsec_core.events import (
     SpecValidated,
     UnitLost,
 )
-from dsec_core.projections import Projector, apply_batch, ensure_schema
+from dsec_core.projections import (
+    LiveState,
+    Projector,
+    apply_batch,
+    ensure_schema,
+    live_states,
+    watch_live_states,
+)
 from dsec_core.spec import compile_plan, load_spec
 from dsec_testing import trust
 from nats.js import JetStreamContext
@@ -314,3 +321,51 @@ async def test_pending_scheduled_and_refused_events_as_the_fold_says(
     ]
     text = dsec_cli("sandbox", "show", moved, env=env).output
     assert "node: n1 (placement attempt 2)" in text
+
+
+async def test_live_states_count_live_sandboxes_and_age_the_oldest(postgres_dsn) -> None:
+    """The stuck-request gauges' source: live sandboxes by state and the age of the oldest's
+    last event; ended ones are not counted (a schema of its own: the shared tables hold other
+    tests' rows)."""
+    schema = f"t_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(postgres_dsn)
+    await admin.execute(f"CREATE SCHEMA {schema}")
+    dsn = f"{postgres_dsn}{'&' if '?' in postgres_dsn else '?'}search_path={schema}"
+    try:
+        seen: list[dict[str, LiveState] | None] = []
+        stop = asyncio.Event()
+
+        def sink(states: dict[str, LiveState] | None) -> None:
+            seen.append(states)
+            stop.set()
+
+        # it creates the tables it reads when the projector has not yet
+        await asyncio.wait_for(watch_live_states(dsn, stop, sink, interval_s=60), 30)
+        assert seen == [{}]
+        conn = await asyncpg.connect(dsn)
+        try:
+            for sid, state, terminal, minutes in (
+                ("sbx_a", "submitted", False, 20),
+                ("sbx_b", "submitted", False, 1),
+                ("sbx_c", "running", False, 120),
+                ("sbx_d", "exited", True, 300),
+            ):
+                await conn.execute(
+                    "INSERT INTO sandboxes (sandbox_id, state, terminal, created_at, updated_at,"
+                    " last_event, last_seq) VALUES ($1, $2, $3, now() - make_interval(mins => $4),"
+                    " now() - make_interval(mins => $4), 'x', 1)",
+                    sid,
+                    state,
+                    terminal,
+                    minutes,
+                )
+            states = await live_states(conn)
+        finally:
+            await conn.close()
+        assert set(states) == {"submitted", "running"}
+        assert states["submitted"].count == 2 and states["running"].count == 1
+        assert 20 * 60 <= states["submitted"].oldest_s < 21 * 60
+        assert 120 * 60 <= states["running"].oldest_s < 121 * 60
+    finally:
+        await admin.execute(f"DROP SCHEMA {schema} CASCADE")
+        await admin.close()

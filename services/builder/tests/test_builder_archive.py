@@ -16,6 +16,7 @@ from dsec_core.objectstore import env_archive_key
 from dsec_core.settings import Settings
 from dsec_core.signing import Signer
 from nacl.signing import SigningKey
+from prometheus_client import REGISTRY
 
 from dsec_builder.handlers import BuilderHandlers
 from dsec_builder.models import Target
@@ -57,10 +58,16 @@ async def _built(handlers: BuilderHandlers, event: events.DepsResolved) -> event
     return out
 
 
+def _builds(outcome: str) -> float:
+    count = REGISTRY.get_sample_value("dsec_build_seconds_count", {"outcome": outcome})
+    return count or 0.0
+
+
 async def test_env_archive_is_built_once_and_reused_by_the_next_spec_with_the_same_lock(
     tmp_path: Path, s3: Any, index: WheelIndex
 ) -> None:
     resolved = _resolved(index)
+    before = {o: _builds(o) for o in ("built", "reused")}
     first_builder = _handlers(tmp_path / "replica-a", s3)
     other_builder = _handlers(tmp_path / "replica-b", s3)
     try:
@@ -87,6 +94,8 @@ async def test_env_archive_is_built_once_and_reused_by_the_next_spec_with_the_sa
             first.unpacked_bytes,
         )
     assert sum(index.hits.values()) == hits  # nothing fetched, nothing built again
+    # dsec_build_seconds: one build, two reuses, each timed under its outcome
+    assert {o: _builds(o) - n for o, n in before.items()} == {"built": 1, "reused": 2}
     assert not (tmp_path / "replica-b" / "builder" / "envs" / first.lock_hash).exists()
     # the builder works under its own root only; the node agent's envs/ stays untouched
     assert not (tmp_path / "replica-a" / "envs").exists()

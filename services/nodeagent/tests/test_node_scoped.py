@@ -22,6 +22,7 @@ from dsec_core.natsperms import durable_name
 from dsec_core.objectstore import env_archive_key
 from dsec_core.subjects import STREAM, subject_for
 from nats.js.errors import NotFoundError
+from prometheus_client import REGISTRY
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _nodeagent_harness import NodeAgentHarness
@@ -78,6 +79,10 @@ async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: flo
         await asyncio.sleep(0.05)
 
 
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 async def _handled(h: NodeAgentHarness, event_type: str, event_id: str) -> bool:
     """Whether this node agent's durable for ``event_type`` handled (and acked) ``event_id``."""
     kv = await h._nc.jetstream().key_value("dsec-handled")
@@ -102,6 +107,8 @@ async def test_a_fresh_node_stages_the_environment_from_s3_once_per_lock(
 ) -> None:
     built = _stored_env(tmp_path, s3, "from-s3")
     code = "import stagedmod, sys; sys.exit(0 if stagedmod.VALUE == 'from-s3' else 3)"
+    starts = _sample("dsec_sandbox_starts_total", outcome="started")
+    timed = _sample("dsec_sandbox_start_seconds_count", stage="total")
     async with NodeAgentHarness(home, nats_url, **_s3_settings(s3)) as h:
         sid = await h.submit("staged", code, QUIET, built=built)
         ready = await h.wait_for(sid, "sandbox.ready")
@@ -118,6 +125,11 @@ async def test_a_fresh_node_stages_the_environment_from_s3_once_per_lock(
         ".incoming",
         built.lock_hash,
     ]
+    # the start is counted and its latency, by stage, is in dsec_sandbox_start_seconds
+    assert _sample("dsec_sandbox_starts_total", outcome="started") == starts + 2
+    assert _sample("dsec_sandbox_start_seconds_count", stage="total") == timed + 2
+    assert _sample("dsec_sandbox_start_seconds_count", stage="env_stage") >= 1
+    assert REGISTRY.get_sample_value("dsec_sandboxes_running") is not None
 
 
 async def test_a_corrupted_archive_fails_the_sandbox_and_leaves_nothing_half_unpacked(
@@ -125,10 +137,12 @@ async def test_a_corrupted_archive_fails_the_sandbox_and_leaves_nothing_half_unp
 ) -> None:
     genuine = _stored_env(tmp_path, s3, "genuine")
     altered = genuine.model_copy(update={"digest": blake3.blake3(b"other bytes").hexdigest()})
+    failed_starts = _sample("dsec_sandbox_starts_total", outcome="failed")
     async with NodeAgentHarness(home, nats_url, **_s3_settings(s3)) as h:
         sid = await h.submit("corrupt", "print(1)", QUIET, built=altered)
         await _until(lambda: _in_log(h, "sandbox.failed", sid), "sandbox.failed")
         (failed,) = h.recorded[sid].of("sandbox.failed")
+    assert _sample("dsec_sandbox_starts_total", outcome="failed") == failed_starts + 1
     assert "does not match its env.built" in failed.payload["reason"]
     assert "altered or corrupted" in failed.payload["reason"]
     assert h.recorded[sid].of("sandbox.ready") == []
@@ -180,12 +194,15 @@ async def test_a_copy_whose_placement_was_lost_is_stopped_without_any_event(
     async with NodeAgentHarness(home, nats_url) as h:
         sid = await h.submit("fenced", "import time; time.sleep(60)", QUIET)
         await h.wait_for(sid, "sandbox.ready")
+        running = _sample("dsec_sandboxes_running")  # every agent of this process, summed
+        assert running >= 1
         await _rescheduled_elsewhere(h, sid)
 
         async def gone() -> bool:
             return h.agent.manager.get(sid) is None and sid not in h.agent._fenced
 
         await _until(gone, "the stale copy stopped")
+        assert _sample("dsec_sandboxes_running") == running - 1
         assert not NodeLayout.of(home).sandbox(sid).run.exists()
         assert not await _in_log(h, "sandbox.exited", sid)
     assert "sandbox.exited" not in _events_of(h, sid)

@@ -276,6 +276,9 @@ async def test_sandbox_is_scheduled_on_the_node_that_fits(
     text = await scrape(services, 'dsec_scheduler_decisions_total{type="sandbox.scheduled"}')
     assert 'dsec_scheduler_decisions_total{type="sandbox.scheduled"} 1.0' in text
     assert re.search(r'dsec_scheduler_nodes\{state="ready"\} [2-9]', text), text
+    # the read model's live sandboxes by state, and the age of the oldest (stuck requests)
+    text = await scrape(services, 'dsec_sandbox_state_oldest_seconds{state="submitted"}')
+    assert re.search(r'dsec_sandboxes\{state="scheduled"\} [0-9.e+]+\n', text), text
 
 
 async def test_no_fit_is_pending_with_the_reason_then_scheduled_when_a_big_node_joins(

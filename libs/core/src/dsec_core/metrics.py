@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 EVENTS_CONSUMED = Counter(
     "dsec_events_consumed_total", "Events taken from the bus by a handler", ["service", "type"]
@@ -39,6 +39,30 @@ EVENTS_REJECTED = Counter(
     "dsec_events_rejected_total",
     "Events a consumer refused to act on (unsigned, forged, unauthorized, replayed, ...)",
     ["service", "type", "reason"],
+)
+# ``reason`` is one of the gate's fixed refusal names (dsec_core.trust: unknown-key,
+# revoked-key, uncertified-key, bad-signature, unauthorized, replayed, malformed, ...).
+
+CONSUMER_PENDING = Gauge(
+    "dsec_consumer_pending",
+    "Messages of the stream a durable consumer has not been delivered yet (its lag), as "
+    "JetStream reports it (num_pending)",
+    ["service", "durable"],
+)
+CONSUMER_ACK_PENDING = Gauge(
+    "dsec_consumer_ack_pending",
+    "Messages delivered to a durable consumer and not acknowledged yet (num_ack_pending)",
+    ["service", "durable"],
+)
+CONSUMER_REDELIVERED = Gauge(
+    "dsec_consumer_redelivered",
+    "Messages a durable consumer has redelivered and not acknowledged yet (num_redelivered)",
+    ["service", "durable"],
+)
+CONSUMER_INFO_FAILURES = Counter(
+    "dsec_consumer_info_failures_total",
+    "Times a service could not read one of its durable consumers' state from JetStream",
+    ["service"],
 )
 
 

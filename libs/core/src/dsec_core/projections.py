@@ -13,9 +13,10 @@ projections are exactly-once. A rebuild is ``DROP`` + replay from sequence 1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,8 @@ ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS refusals bigint NOT NULL DEFAULT 
 ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS reports bigint NOT NULL DEFAULT 0;
 -- The placement attempt of node_id (sandbox.scheduled; 2+ after a node was lost).
 ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS attempt integer NOT NULL DEFAULT 0;
+-- The live sandboxes by state, for the stuck-request gauges (live_states).
+CREATE INDEX IF NOT EXISTS sandboxes_live ON sandboxes (state) WHERE NOT terminal;
 CREATE TABLE IF NOT EXISTS sandbox_events (
     sandbox_id text NOT NULL,
     seq bigint NOT NULL,
@@ -110,6 +113,52 @@ async def ensure_schema(conn: asyncpg.Connection) -> None:
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(7271)")
         await conn.execute(SCHEMA)
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """The sandboxes in one non-terminal state: how many, and how long the oldest of them has
+    had no event (a request stuck in ``submitted`` or ``scheduled`` grows this)."""
+
+    count: int
+    oldest_s: float
+
+
+async def live_states(conn: asyncpg.Connection) -> dict[str, LiveState]:
+    """The read model's non-terminal sandboxes by state (states with none are absent)."""
+    rows = await conn.fetch(
+        "SELECT state, count(*) AS n,"
+        " GREATEST(EXTRACT(EPOCH FROM now() - min(updated_at)), 0)::float8 AS oldest"
+        " FROM sandboxes WHERE NOT terminal GROUP BY state"
+    )
+    return {r["state"]: LiveState(int(r["n"]), float(r["oldest"])) for r in rows}
+
+
+async def watch_live_states(
+    dsn: str,
+    stop: asyncio.Event,
+    sink: Callable[[dict[str, LiveState] | None], None],
+    interval_s: float = 15.0,
+) -> None:
+    """Until ``stop`` is set: hand :func:`live_states` to ``sink`` every ``interval_s`` seconds
+    (``None`` when the read model could not be read; the next round tries again)."""
+    conn: asyncpg.Connection | None = None
+    try:
+        while not stop.is_set():
+            try:
+                if conn is None or conn.is_closed():
+                    conn = await asyncpg.connect(dsn)
+                    await ensure_schema(conn)  # the projector may not have created it yet
+                states: dict[str, LiveState] | None = await live_states(conn)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                log.debug("read model not read for the live-state gauges: %s", exc)
+                states = None
+            sink(states)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+    finally:
+        if conn is not None:
+            await conn.close()
 
 
 async def applied_seq(conn: asyncpg.Connection) -> int:

@@ -52,6 +52,8 @@ from dsec_core.subjects import STREAM, filter_for
 from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket
 
 SYSTEM_TENANT = identity.SYSTEM_TENANT
+CONSUMER_POLL_S = 15.0
+"""How often a service reads its durable consumers' pending counts (``dsec_consumer_pending``)."""
 
 
 HANDLING_SEQ: contextvars.ContextVar[int | None] = contextvars.ContextVar(
@@ -154,6 +156,9 @@ class Service:
         self.stream_problem: str | None = None  # set while DSEC_EVENTS is weakened
         self._watch: asyncio.Task[None] | None = None
         self._key_watch: asyncio.Task[None] | None = None
+        self._consumer_watch: asyncio.Task[None] | None = None
+        self.consumer_poll_s = CONSUMER_POLL_S
+        """How often its durables' pending/ack-pending counts are read for ``/metrics``."""
         self.recheck_key = asyncio.Event()
         """Set (SIGHUP does) to read the key source again now."""
         self.delivery: Callable[[NatsMessage], tuple[int, int]] = jetstream_delivery
@@ -444,10 +449,33 @@ class Service:
         self.loop_watch.start()
         self._watch = asyncio.create_task(self._watch_stream(js), name="stream-check")
         self._key_watch = asyncio.create_task(self._watch_key(anchor), name="key-check")
+        if self.durables:
+            self._consumer_watch = asyncio.create_task(
+                self._watch_consumers(js), name="consumer-metrics"
+            )
         port = await self.metrics.start(settings.metrics_port, settings.metrics_host)
         log.info(
             "%s %s ready; metrics on %s:%d", self.name, self.version, settings.metrics_host, port
         )
+
+    async def export_consumers(self, js: JetStreamContext) -> None:
+        """Read each of its durables' state from JetStream into the ``dsec_consumer_*``
+        gauges (labels: service and durable name, a fixed set per deployment)."""
+        for durable in self.durables:
+            try:
+                info = await js.consumer_info(STREAM, durable, timeout=5.0)
+            except Exception as exc:  # not created yet, or NATS slow: the next poll retries
+                metrics.CONSUMER_INFO_FAILURES.labels(self.name).inc()
+                log.debug("%s: consumer %s not read: %s", self.name, durable, exc)
+                continue
+            metrics.CONSUMER_PENDING.labels(self.name, durable).set(info.num_pending or 0)
+            metrics.CONSUMER_ACK_PENDING.labels(self.name, durable).set(info.num_ack_pending or 0)
+            metrics.CONSUMER_REDELIVERED.labels(self.name, durable).set(info.num_redelivered or 0)
+
+    async def _watch_consumers(self, js: JetStreamContext) -> None:
+        while True:
+            await self.export_consumers(js)
+            await asyncio.sleep(self.consumer_poll_s)
 
     async def _watch_key(self, anchor: bytes) -> None:
         """Pick up a rotated key while running: the key source is read again every
@@ -503,6 +531,8 @@ class Service:
             self._watch.cancel()
         if self._key_watch is not None:
             self._key_watch.cancel()
+        if self._consumer_watch is not None:
+            self._consumer_watch.cancel()
         await self.broker.stop()
         for hook in self.on_stop:
             await hook()

@@ -38,7 +38,7 @@ from dsec_core.subjects import aggregate_filter
 from dsec_core.trust import Gate, unpack_fields
 from nats.js import JetStreamContext
 
-from dsec_snapstore import sandboxes
+from dsec_snapstore import metrics, sandboxes
 from dsec_snapstore.adapters.gpu import probe_gpus
 from dsec_snapstore.domain import GpuCheck, PeriodicPolicy, check_gpu
 from dsec_snapstore.errors import (
@@ -189,9 +189,10 @@ class SnapshotRequests:
         if not self.mine(owner):
             log.debug("snapshot %s of %s: acted on by %s, skipped here", event.name, sid, owner)
             return []
+        started = time.perf_counter()
         refusal = sandboxes.create_refusal(facts, event)
         if refusal is not None:
-            return [failed(event.name, "create", refusal)]
+            return metrics.answered("create", started, [failed(event.name, "create", refusal)])
         labels = {"request": envelope.id, "tenant": envelope.tenant}
         if envelope.producer == "snapshot" and event.requested_by == PERIODIC_REQUESTER:
             labels["periodic"] = sandboxes.periodic_prefix(sid)
@@ -201,10 +202,14 @@ class SnapshotRequests:
             inputs = self.inputs(facts, records, include_deps=event.include_deps, labels=labels)
             result = await asyncio.to_thread(self.create, event.name, inputs, code)
         except SnapshotExists:
-            return [await asyncio.to_thread(self._taken_before, event.name, envelope.id)]
+            return metrics.answered(
+                "create",
+                started,
+                [await asyncio.to_thread(self._taken_before, event.name, envelope.id)],
+            )
         except (Refused, InvalidInput, BundleError) as exc:
-            return [failed(event.name, "create", str(exc))]
-        return [taken_event(result)]
+            return metrics.answered("create", started, [failed(event.name, "create", str(exc))])
+        return metrics.answered("create", started, [taken_event(result)])
 
     async def _code_source(self, facts: SandboxFacts, include_code: bool) -> CodeSource:
         """On a node: the running code copy; for a sandbox running nowhere: its submitted
@@ -318,6 +323,14 @@ class SnapshotRequests:
         facts, owner, _ = await self.facts(envelope.aggregate_id)
         if not self.mine(owner):
             return []
+        started = time.perf_counter()
+        return metrics.answered(
+            "restore", started, await self._restore_requested(envelope, name, facts)
+        )
+
+    async def _restore_requested(
+        self, envelope: Envelope, name: str, facts: SandboxFacts
+    ) -> Sequence[events.Payload]:
         if self.node_id is None:  # runs nowhere: nothing to roll back
             return [failed(name, "restore", sandboxes.not_running(facts, name))]
         try:
@@ -393,6 +406,18 @@ class SnapshotRequests:
         """Put snapshot ``name``'s code into a new sandbox's code dir before it starts: into
         an absent dir, or over the code bundle just unpacked there (``--code`` that the CLI
         checked against the snapshot). Raises :class:`Refused` with the reason."""
+        started = time.perf_counter()
+        try:
+            restored = await self._restore_for_start(sandbox_id, name, tenant, code_dir, max_size)
+        except Refused:
+            metrics.observe("start", started, "failed")
+            raise
+        metrics.observe("start", started, "ok")
+        return restored
+
+    async def _restore_for_start(
+        self, sandbox_id: str, name: str, tenant: str, code_dir: Path, max_size: int
+    ) -> events.SnapshotRestored:
         started = time.perf_counter()
         foreign = await self.foreign_snapshot(name, tenant)
         if foreign is not None:

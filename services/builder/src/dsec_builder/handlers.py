@@ -22,6 +22,7 @@ from dsec_core.objectstore import client as s3_client
 from dsec_core.settings import Settings
 from dsec_core.spec.plan import EnforcementPlan
 
+from dsec_builder import metrics
 from dsec_builder.adapters.archives import EnvArchives, StoredArchive
 from dsec_builder.builder import EnvironmentBuilder
 from dsec_builder.domain import fingerprint, lock_hash
@@ -91,9 +92,12 @@ class BuilderHandlers:
         self, envelope: Envelope, event: events.SpecValidated
     ) -> Sequence[events.Payload]:
         """Resolve the plan's dependencies before anything is built."""
+        started = time.monotonic()
         outcome = await self.resolver.resolve(requirements_of(event.plan))
         if isinstance(outcome, Conflict):
+            metrics.RESOLVE_SECONDS.labels("conflict").observe(time.monotonic() - started)
             return [conflict_event(outcome)]
+        metrics.RESOLVE_SECONDS.labels("resolved").observe(time.monotonic() - started)
         lock = outcome.lock
         return [
             events.DepsResolved(
@@ -128,6 +132,7 @@ class BuilderHandlers:
         key = lock_hash(lock)
         stored = await asyncio.to_thread(self.archives.existing, key)
         if stored is not None:
+            metrics.BUILD_SECONDS.labels("reused").observe(time.monotonic() - started)
             timings = {"total": round((time.monotonic() - started) * 1000, 2)}
             return [_env_built(key, event, stored, reused=True, timings_ms=timings)]
         built = await self.builder.build(lock)
@@ -140,6 +145,7 @@ class BuilderHandlers:
         timings = {k: round(v * 1000, 2) for k, v in built.timings.model_dump().items()}
         timings["pack_store"] = round((time.monotonic() - packing) * 1000, 2)
         timings["total"] = round((time.monotonic() - started) * 1000, 2)
+        metrics.BUILD_SECONDS.labels("built").observe(time.monotonic() - started)
         return [
             _env_built(
                 key,

@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from dsec_core.spec.plan import ResourceLimits
 from dsec_core.subjects import subject_for
 from dsec_core.text import bound
 from dsec_core.trust import Gate
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge, Histogram
 
 from dsec_nodeagent import placement
 from dsec_nodeagent.context.configmap import ConfigMaps
@@ -53,6 +54,7 @@ from dsec_nodeagent.envstage import EnvStageError, EnvStager, EnvStageUnavailabl
 from dsec_nodeagent.outlet import EventOutlet
 from dsec_nodeagent.refusals import Key
 from dsec_nodeagent.sandbox.audit import LandlockRefusal, describe
+from dsec_nodeagent.sandbox.domain import STAGE_ORDER
 from dsec_nodeagent.sandbox.manager import SandboxManager
 from dsec_nodeagent.sandbox.models import (
     AgentIdentity,
@@ -81,6 +83,38 @@ REPORTS_REFUSED = Counter(
     "Reports of an in-sandbox semantic layer that do not fit the sandbox's plan (not published)",
     ["reason"],
 )
+
+START_STAGES = ("env_stage", *STAGE_ORDER, "total")
+"""The stages of ``sandbox.ready.start_latency_ms`` (a fixed set: the histogram's labels)."""
+START_SECONDS = Histogram(
+    "dsec_sandbox_start_seconds",
+    "Sandbox start latency on its node, by stage (env_stage, plan, cgroup, spawn, ..., exec) "
+    "and total (launch call to the workload's execve)",
+    ["stage"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+STARTS = Counter(
+    "dsec_sandbox_starts_total",
+    "Sandbox starts on this node, by outcome (started; failed: sandbox.failed published)",
+    ["outcome"],
+)
+_AGENTS: weakref.WeakSet[NodeAgent] = weakref.WeakSet()
+RUNNING = Gauge("dsec_sandboxes_running", "Sandboxes running on this node (watched by its agent)")
+
+
+def _running() -> float:
+    return float(sum(len(agent.manager.running()) for agent in list(_AGENTS)))
+
+
+RUNNING.set_function(_running)
+
+
+def observe_start(latency_ms: dict[str, float]) -> None:
+    """Record one start's ``sandbox.ready.start_latency_ms`` (unknown stages are skipped)."""
+    for stage, ms in latency_ms.items():
+        if stage in START_STAGES:
+            START_SECONDS.labels(stage).observe(ms / 1000)
+
 
 BeforeStart = Callable[[str, Path, int, EnforcementPlan], Awaitable[None]]
 
@@ -143,6 +177,7 @@ class NodeAgent:
         self._fenced: set[str] = set()  # stale copies being stopped without any event
         self.start_from_snapshot: StartFromSnapshot | None = None
         """Puts a snapshot's code in a new sandbox's code dir (``dsec_nodeagent.snapshots``)."""
+        _AGENTS.add(self)  # dsec_sandboxes_running counts its manager's sandboxes
 
     def _injector(self) -> ContextInjector:
         s = self.settings
@@ -329,6 +364,7 @@ class NodeAgent:
                 await self._on_stopped(sid)
             if isinstance(exc, ContextError) and exc.transient:
                 raise  # Vault/S3/NATS unreachable: the runtime retries with backoff
+            STARTS.labels("failed").inc()
             return [
                 events.SandboxFailed(
                     stage="nodeagent", reason=_reason(exc), failed_event_id=envelope.id
@@ -389,7 +425,10 @@ class NodeAgent:
             raise
         self._contexts[sid] = ctx
         self._keepalive[sid] = asyncio.create_task(self.injector.keepalive(ctx))
-        outputs.append(self._ready_event(ready, code_dir, {"env_stage": stage_ms}))
+        ready_event = self._ready_event(ready, code_dir, {"env_stage": stage_ms})
+        observe_start(ready_event.start_latency_ms)
+        STARTS.labels("started").inc()
+        outputs.append(ready_event)
         return outputs
 
     async def _from_snapshot(

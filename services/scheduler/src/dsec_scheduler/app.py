@@ -40,7 +40,7 @@ from dsec_core.events import (
 )
 from dsec_core.identity import SYSTEM_TENANT
 from dsec_core.ids import derive_event_id
-from dsec_core.projections import Projector
+from dsec_core.projections import LiveState, Projector, watch_live_states
 from dsec_core.service import HANDLING_SEQ, Output, Service
 from dsec_core.settings import Settings
 from dsec_core.subjects import STREAM, filter_for, subject_for
@@ -863,6 +863,22 @@ REASON_KEY_MAX = 200
 UNFIT_KEYS_MAX = 32
 
 
+READ_MODEL_EXPORT_S = 15.0
+"""How often the scheduler reads the live sandboxes by state for ``dsec_sandboxes``."""
+
+
+def export_live_states(states: Mapping[str, LiveState] | None) -> None:
+    """Set ``dsec_sandboxes{state}`` and ``dsec_sandbox_state_oldest_seconds{state}`` (``None``:
+    the read model could not be read; counted)."""
+    if states is None:
+        metrics.READ_MODEL_FAILURES.inc()
+        return
+    for state in metrics.LIVE_STATES:
+        live = states.get(state)
+        metrics.SANDBOXES.labels(state).set(live.count if live else 0)
+        metrics.STATE_AGE.labels(state).set(live.oldest_s if live else 0)
+
+
 def _unfit_counts(reasons: Mapping[str, int]) -> dict[str, int]:
     """The engine's reason counts as ``sandbox.pending`` may carry them: each reason cut to
     :data:`REASON_KEY_MAX` characters (a spec's unknown GPU type of any length is named in a
@@ -920,6 +936,8 @@ def create_service(settings: Settings | None = None) -> Service:
         assert service.nc is not None
         projector = Projector(service.nc.jetstream(), str(dsn), gate=service.gate)
         tasks.append(asyncio.create_task(projector.run(stop), name="projector"))
+        states = watch_live_states(str(dsn), stop, export_live_states, READ_MODEL_EXPORT_S)
+        tasks.append(asyncio.create_task(states, name="live-states"))
 
     async def stop_all() -> None:
         await scheduler.stop()

@@ -75,3 +75,33 @@ def pending_class(reason: str, unfit: dict[str, int] | None = None) -> str:
     if "memory" in top:
         return "memory"
     return "unschedulable"
+
+
+# The read model's view of every request (README, "Observability"): how many sandboxes are in
+# each live state and how long the oldest one has had no event. States are the lifecycle's
+# fixed set (dsec_core.lifecycle.State).
+LIVE_STATES: tuple[str, ...] = (
+    "submitted",
+    "validated",
+    "resolved",
+    "built",
+    "pending",
+    "scheduled",
+    "running",
+    "lost",
+)
+SANDBOXES = Gauge(
+    "dsec_sandboxes",
+    "Sandboxes not ended, by lifecycle state, as the read model (Postgres) has them",
+    ["state"],
+)
+STATE_AGE = Gauge(
+    "dsec_sandbox_state_oldest_seconds",
+    "Seconds since the last event of the oldest sandbox in each live state (0: none in it); a "
+    "request stuck between submitted and running grows it",
+    ["state"],
+)
+READ_MODEL_FAILURES = Counter(
+    "dsec_read_model_export_failures_total",
+    "Times the scheduler could not read the sandboxes read model for its gauges",
+)

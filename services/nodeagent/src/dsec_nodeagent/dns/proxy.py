@@ -51,30 +51,31 @@ from dsec_nodeagent.ebpf.domain import (
     unmap,
 )
 from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule, IPAddress, IPNetwork
+from dsec_nodeagent.refusals import metric_rule
 
 log = logging.getLogger(__name__)
 
+# Labels are bounded: actions and rule ids of a fixed set (dsec_nodeagent.refusals.metric_rule),
+# never a sandbox id (a series per sandbox would grow without bound).
 DNS_QUERIES = Counter(
     "dsec_dns_queries",
-    "Questions the node agent's DNS proxy answered, by sandbox and action",
-    ["sandbox", "action"],
+    "Questions the node agent's DNS proxy answered, by action",
+    ["action"],
 )
 DNS_GRANTS = Counter(
     "dsec_dns_granted_addresses",
-    "Addresses opened in a sandbox's allow map from DNS answers",
-    ["sandbox"],
+    "Addresses opened in sandboxes' allow maps from DNS answers",
 )
 
 DNS_REFUSALS = Counter(
     "dsec_dns_refusals",
-    "Questions or answer addresses the DNS proxy refused, by sandbox and rule id (dns.qtype, "
+    "Questions or answer addresses the DNS proxy refused, by rule id (dns.qtype, "
     "dns.malformed, dns.rebinding, dns.quota, dns.rate, default-deny, ...)",
-    ["sandbox", "rule"],
+    ["rule"],
 )
 DNS_TRUNCATED = Counter(
     "dsec_dns_truncated_answers",
     "Answers cut to the proxy's max_addresses",
-    ["sandbox"],
 )
 
 MAX_CNAME_HOPS = 8
@@ -342,7 +343,7 @@ class DnsProxy:
     # --- answering -------------------------------------------------------------------------
 
     def _refuse(self, sandbox: _Sandbox, name: str, rdtype: str, rule_id: str, reason: str) -> None:
-        DNS_REFUSALS.labels(sandbox.plan.sandbox_id, rule_id).inc()
+        DNS_REFUSALS.labels(metric_rule(rule_id)).inc()
         if self.on_denied is not None:
             self.on_denied(sandbox.plan.sandbox_id, name, rdtype, rule_id=rule_id, reason=reason)
 
@@ -449,7 +450,7 @@ class DnsProxy:
             return reply(refused.rcode)
         question = query.question[0]
         action, match = decide_query(sandbox.plan, name)
-        DNS_QUERIES.labels(sandbox.plan.sandbox_id, action.value).inc()
+        DNS_QUERIES.labels(action.value).inc()
         if action is QueryAction.DENY:
             self._refuse(sandbox, name, qtype, "default-deny", f"{name} matches no egress rule")
             return reply(self.deny_rcode)
@@ -474,7 +475,7 @@ class DnsProxy:
                 kept.append(final)
         except (UpstreamError, GrantError) as exc:
             log.warning("sandbox %s: %s", sandbox.plan.sandbox_id, exc)
-            DNS_QUERIES.labels(sandbox.plan.sandbox_id, "servfail").inc()
+            DNS_QUERIES.labels("servfail").inc()
             return reply(dns.rcode.SERVFAIL)
         except _QuotaFull:
             return reply(dns.rcode.SERVFAIL)
@@ -557,7 +558,7 @@ class DnsProxy:
             )
         wanted = [a for a in answered if any(a in ok for _, ok in per_rule)]
         if len(wanted) > bounds.max_addresses:
-            DNS_TRUNCATED.labels(sandbox.plan.sandbox_id).inc()
+            DNS_TRUNCATED.inc()
             wanted = wanted[: bounds.max_addresses]
         ttl = min([final.ttl, *(rr.ttl for rr in chain), bounds.max_ttl_s])
         now = self.clock()
@@ -584,7 +585,7 @@ class DnsProxy:
                     else:
                         sandbox.ledger[key] = old
                 raise GrantError(f"cannot open {len(grants)} addresses: {exc}") from exc
-            DNS_GRANTS.labels(sandbox.plan.sandbox_id).inc(len(accepted))
+            DNS_GRANTS.inc(len(accepted))
         kept = [rd for rd, a in zip(final, answered, strict=True) if a in accepted]
         if not kept:
             return None
