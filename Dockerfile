@@ -31,6 +31,7 @@ FROM build AS lock
 COPY pyproject.toml uv.lock ./
 COPY libs/core/pyproject.toml libs/core/
 COPY libs/cli/pyproject.toml libs/cli/
+COPY libs/client/pyproject.toml libs/client/
 COPY libs/sdk/pyproject.toml libs/sdk/
 COPY libs/rules/pyproject.toml libs/rules/
 COPY libs/snapstore/pyproject.toml libs/snapstore/
