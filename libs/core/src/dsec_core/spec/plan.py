@@ -196,6 +196,37 @@ class TopologyPlan(PlanModel):
     priority: int = 0
 
 
+class StatePlan(PlanModel):
+    """The spec's ``state:`` section, compiled: how the node agent's state keeper checkpoints,
+    merges, uploads and keeps an agent's state, and whether the sandbox restarts after a crash
+    (see docs/state.md). Durations in seconds."""
+
+    checkpoint_interval_s: float | None = Field(
+        default=5.0, description="Automatic checkpoint period (hot tier); None: explicit only"
+    )
+    warm_interval_s: float = Field(
+        default=300.0, description="Warm tier: captured and merged to the node's disk this often"
+    )
+    cold_interval_s: float = Field(
+        default=3600.0, description="Cold tier: re-verified in the object store this often"
+    )
+    tiers: tuple[tuple[str, Literal["hot", "warm", "cold"]], ...] = Field(
+        default=(), description="Container name -> tier overrides (others: their kind's default)"
+    )
+    warm_snapshots_kept: int = Field(default=3, description="Warm snapshots kept per agent")
+    hot_retention_s: float = Field(
+        default=7 * 24 * 3600.0,
+        description="Hot deltas older than this are dropped even without a warm merge",
+    )
+    encryption: Literal["tenant-key"] = Field(
+        default="tenant-key", description="Deltas and snapshots are encrypted with the tenant key"
+    )
+    restart: Literal["on-failure", "never"] = Field(
+        default="on-failure", description="Restart the sandbox in place when it dies"
+    )
+    max_restarts: int = Field(default=5, description="Restarts before it ends for good")
+
+
 class EnforcementPlan(PlanModel):
     """Everything the builder, the context injector and the node agent enforce for one spec."""
 
@@ -234,6 +265,9 @@ class EnforcementPlan(PlanModel):
     )
     spec_file: str = Field(
         default="dsec.yaml", description="The spec's file name, as the rules' lines refer to it"
+    )
+    state: StatePlan | None = Field(
+        default=None, description="The spec's `state:` section; None: no state plane"
     )
     topology: TopologyPlan = Field(
         description="The compute units to place (a single sandbox: one unit, main); a plan "

@@ -1,0 +1,151 @@
+"""The state plane's wire between an agent (``dsec_sdk.state``) and its node agent's state
+keeper (``dsec_nodeagent.state``). The design is in docs/state.md; this module is the contract
+both sides import.
+
+Transport: a ``SOCK_STREAM`` Unix socket. Inside a sandbox the agent asks the IPC broker for it
+(control op ``{"op": "state", "ref": n}`` on the broker socket; the answer ``{"op": "state",
+"ref": n}`` carries one end of a socketpair whose other end the keeper serves: no new mount, no
+path into the sandbox, and the keeper knows the sandbox from the broker connection). Outside a
+sandbox (tests, plain Python) ``dsec_sdk.state`` uses a local store and no socket at all.
+
+Frames: a 4-byte big-endian length, then one MessagePack map (``use_bin_type``; binary fields
+are ``bytes``). Every frame has ``op``. At most :data:`MAX_FRAME` bytes.
+
+Agent -> keeper::
+
+    {"op": "hello", "v": 1, "agent": str, "group": str, "handover": bool}
+    {"op": "fetch"}
+    {"op": "checkpoint", "seq": int, "records": [record...], "pause_ms": float,
+     "tiers": ["hot", "warm", "cold"], "final": bool}
+    {"op": "ready"}          # hand-over only: the new version serves; switch to it
+    {"op": "bye"}
+
+Keeper -> agent::
+
+    {"op": "welcome", "state_id": str, "seq": int, "config": {...}, "handover": bool}
+    {"op": "records", "records": [record...]}          # zero or more, answers fetch
+    {"op": "fetched", "seq": int, "deltas": int, "source": "empty"|"local"|"remote",
+     "ms": float}
+    {"op": "ack", "seq": int, "bytes": int}             # journaled AND durable in JetStream
+    {"op": "deltas", "seq": int, "records": [record...]}  # hand-over: the old one's new deltas
+    {"op": "handover", "to": str}                        # to the OLD version: final checkpoint
+    {"op": "switched", "interruption_ms": float}         # to the NEW version: it owns the state
+    {"op": "error", "code": str, "message": str, "seq": int | None}
+
+Records (one container's change, or its full value)::
+
+    {"c": name, "k": kind, "t": tier, "o": op, ...}
+
+    kind "log"     o "append": "items": [[id: str, blake3_hex: str, value], ...]
+                   o "full":   "items": [...]
+    kind "kv"      o "set": "items": {key: value}   o "del": "keys": [key]   o "full": "items"
+    kind "array"   o "sparse": "dtype": str, "shape": [int], "idx": bytes (int64, flat, C order),
+                               "val": bytes (dtype)
+                   o "full":   "dtype", "shape", "data": bytes (C order)
+    kind "vectors" o "upsert": "dim": int, "dtype": str, "ids": [str], "vec": bytes (n x dim)
+                   o "remove": "ids": [str]
+                   o "full":   "dim", "dtype", "ids", "vec"
+    kind "blob"    o "full": "data": bytes, "hash": blake3_hex
+    kind "ref"     o "cold": "hash": blake3_hex, "size": int   (a cold container's value lives
+                   in the object store under that hash; the keeper writes these)
+
+Values inside log items and kv entries are MessagePack-able Python values (str, int, float,
+bool, None, bytes, lists, dicts with str keys).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any, Final, Literal
+
+import msgpack
+
+VERSION: Final = 1
+MAX_FRAME: Final = 64 << 20
+_LEN: Final = struct.Struct(">I")
+
+Tier = Literal["hot", "warm", "cold"]
+Kind = Literal["log", "kv", "array", "vectors", "blob", "ref"]
+TIERS: Final[tuple[Tier, ...]] = ("hot", "warm", "cold")
+DEFAULT_TIER: Final[dict[str, Tier]] = {
+    "log": "hot",
+    "kv": "hot",
+    "array": "warm",
+    "vectors": "warm",
+    "blob": "cold",
+}
+
+
+class WireError(Exception):
+    """A frame that breaks this contract (too large, not a map, no ``op``)."""
+
+
+def encode(frame: dict[str, Any]) -> bytes:
+    """One frame: length prefix + MessagePack map."""
+    body: bytes = msgpack.packb(frame, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise WireError(f"a {frame.get('op')!r} frame of {len(body)} bytes (max {MAX_FRAME})")
+    return _LEN.pack(len(body)) + body
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    """A frame's body (without the length prefix)."""
+    try:
+        frame = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise WireError(f"not MessagePack: {exc}") from None
+    if not isinstance(frame, dict) or not isinstance(frame.get("op"), str):
+        raise WireError("a frame must be a map with an 'op'")
+    return frame
+
+
+def send(sock: socket.socket, frame: dict[str, Any]) -> None:
+    """Blocking send of one frame."""
+    sock.sendall(encode(frame))
+
+
+def recv(sock: socket.socket) -> dict[str, Any] | None:
+    """Blocking receive of one frame; ``None`` at a clean end of stream."""
+    head = _read_exact(sock, _LEN.size)
+    if head is None:
+        return None
+    (size,) = _LEN.unpack(head)
+    if size > MAX_FRAME:
+        raise WireError(f"a frame of {size} bytes announced (max {MAX_FRAME})")
+    body = _read_exact(sock, size)
+    if body is None:
+        raise WireError("the stream ended inside a frame")
+    return decode(body)
+
+
+def _read_exact(sock: socket.socket, size: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < size:
+        chunk = sock.recv(min(size - len(buf), 1 << 20))
+        if not chunk:
+            if not buf:
+                return None
+            raise WireError("the stream ended inside a frame")
+        buf += chunk
+    return bytes(buf)
+
+
+async def read_frame(reader: Any) -> dict[str, Any] | None:
+    """Async receive (an ``asyncio.StreamReader``); ``None`` at a clean end of stream."""
+    import asyncio
+
+    try:
+        head = await reader.readexactly(_LEN.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise WireError("the stream ended inside a frame") from None
+    (size,) = _LEN.unpack(head)
+    if size > MAX_FRAME:
+        raise WireError(f"a frame of {size} bytes announced (max {MAX_FRAME})")
+    try:
+        body = await reader.readexactly(size)
+    except asyncio.IncompleteReadError:
+        raise WireError("the stream ended inside a frame") from None
+    return decode(body)

@@ -1,0 +1,1 @@
+"""The node agent's state keeper: agents' hot/warm/cold state (docs/state.md)."""
