@@ -234,3 +234,49 @@ async def test_no_archive_is_a_clear_error(js, private, cli) -> None:
     result = cli("audit", "verify", "--archive", "--json")
     assert result.exit_code == 2
     assert f"no event archive in bucket '{BUCKET}'" in result.output
+
+
+async def test_retention_per_subject_after_archiving(js, private, cli) -> None:
+    """Approved `max_msgs_per_subject`: repeats on one subject go, keys and sandboxes stay;
+    the archive taken before keeps the whole log verifiable."""
+    user, agent = await _traffic(js, private.home, 1)  # seq 1..4
+    exited = SandboxExited(exit_code=0, reason="ok", duration_s=1)
+    for _ in range(5):  # what repeats on one subject, as node heartbeats do: seq 5..9
+        await agent.publish(exited, aggregate_id="sbx_hot")
+
+    refused = cli("nats", "stream", "--max-msgs-per-subject", "2", "--json")
+    assert refused.exit_code == 2 and "--approve-discard" in refused.output
+    assert cli("events", "archive", "--json").last_json()["archived_upto"] == 9
+    limited = cli("nats", "stream", "--max-msgs-per-subject", "2", "--approve-discard", "--json")
+    assert limited.exit_code == 0, limited.output
+    assert limited.last_json() == {
+        "stream": STREAM,
+        "problems": [],
+        "limits": {"max_msgs_per_subject": 2},
+    }
+    state = (await js.stream_info(STREAM)).state
+    assert state.messages == 6  # the hot subject's 3 oldest are gone; every other one stays
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await js.get_msg(STREAM, 5)
+
+    # Producers registered before keep working: their registrations were never discarded.
+    late = await user.publish(SpecSubmitted(spec_yaml="late"), aggregate_id="sbx_late")
+    nc = await nats.connect(private.nats_url)
+    try:
+        anchor = trust.stack_root(private.home).verify_key.encode()
+        gate = Gate(KeyRing(nc, nc.jetstream(), anchor), nc.jetstream(), None)
+        admitted = await gate.admit(late.sealed.wire, stream_seq=late.stream_seq)
+        assert getattr(admitted, "id", None) == late.envelope.id
+    finally:
+        await nc.close()
+
+    live_only = cli("audit", "verify", "--json")  # the stream alone has holes now
+    assert live_only.exit_code == 1
+    assert live_only.last_json()["first_bad"]["reason"] == "gap: sequence 5 missing"
+    whole = cli("audit", "verify", "--archive", "--json")
+    assert whole.exit_code == 0, whole.output
+    assert whole.last_json()["events"] == 10 and whole.last_json()["last_seq"] == 10
+
+    assert cli("events", "archive", "--json").last_json()["archived_upto"] == 10
+    lifted = cli("nats", "stream", "--no-limits", "--json").last_json()
+    assert lifted["limits"] == {} and lifted["problems"] == []
