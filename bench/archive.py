@@ -33,9 +33,7 @@ BUCKET = "bench-archive"
 
 async def fill(js: Any, home: Path, events: int, nodes: int) -> None:
     sims = [SimNode(plan, 5.0, "bench") for plan in uniform(nodes, gpus=8, gpu_model="H100")]
-    pubs = [
-        await trust.publisher(js, home, "nodeagent", node_id=sim.plan.node_id) for sim in sims
-    ]
+    pubs = [await trust.publisher(js, home, "nodeagent", node_id=sim.plan.node_id) for sim in sims]
     now = time.time()
     left = events - nodes
     while left > 0:
