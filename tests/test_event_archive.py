@@ -273,6 +273,8 @@ async def test_retention_per_subject_after_archiving(js, private, cli) -> None:
     live_only = cli("audit", "verify", "--json")  # the stream alone has holes now
     assert live_only.exit_code == 1
     assert live_only.last_json()["first_bad"]["reason"] == "gap: sequence 5 missing"
+    human = cli("audit", "verify")
+    assert human.exit_code == 1 and "verify with --archive" in human.output
     whole = cli("audit", "verify", "--archive", "--json")
     assert whole.exit_code == 0, whole.output
     assert whole.last_json()["events"] == 10 and whole.last_json()["last_seq"] == 10
@@ -280,3 +282,27 @@ async def test_retention_per_subject_after_archiving(js, private, cli) -> None:
     assert cli("events", "archive", "--json").last_json()["archived_upto"] == 10
     lifted = cli("nats", "stream", "--no-limits", "--json").last_json()
     assert lifted["limits"] == {} and lifted["problems"] == []
+
+
+async def test_two_archive_runs_at_once_do_not_interleave(js, private) -> None:
+    await _traffic(js, private.home, 3)  # seq 1..8
+    store = private.s3.client()
+    await eventarchive.archive(js, store, BUCKET, upto=2)
+
+    def other_run(segment: eventarchive.Segment) -> None:
+        # Another run appends segment 5-6 after this run listed its first segment (3-4).
+        if segment.first_seq == 3:
+            theirs = eventarchive.Manifest.parse(
+                store.get_object(BUCKET, eventarchive.MANIFEST_KEY).read()
+            )
+            seg, _ = eventarchive.make_segment(
+                [eventarchive.Record(s, "dsec.x", 0, b"") for s in range(5, 7)]
+            )
+            theirs.segments.append(seg)
+            data = theirs.to_bytes()
+            import io
+
+            store.put_object(BUCKET, eventarchive.MANIFEST_KEY, io.BytesIO(data), len(data))
+
+    with pytest.raises(eventarchive.ArchiveError, match="another archive run wrote"):
+        await eventarchive.archive(js, store, BUCKET, segment_events=2, progress=other_run)

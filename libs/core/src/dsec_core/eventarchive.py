@@ -424,6 +424,12 @@ async def archive(
         segment, blob = make_segment(chunk)
         await objectstore.put_bytes(store, bucket, segment.key, blob)
         await _get_segment(store, bucket, segment)  # read back: hash, count, sequences
+        current = await read_manifest(store, bucket) or Manifest()
+        if current.last_seq != manifest.last_seq:
+            raise ArchiveError(
+                f"another archive run wrote to {bucket!r} meanwhile (the manifest now ends at "
+                f"seq {current.last_seq}, not {manifest.last_seq}); run one at a time"
+            )
         manifest.segments.append(segment)
         await objectstore.put_bytes(store, bucket, MANIFEST_KEY, manifest.to_bytes())
         if Manifest.parse(await objectstore.get_bytes(store, bucket, MANIFEST_KEY)) != manifest:

@@ -202,6 +202,12 @@ def verify(
             f" producer {safe_text(bad['producer'] or '?')}): {safe_text(bad['reason'])}",
             highlight=False,
         )
+        if source is None and bad["reason"].startswith("gap:"):
+            err_console.print(
+                "[yellow]note:[/] if retention limits discard events from the stream (`dsec "
+                "nats stream --json` shows them), verify with --archive",
+                highlight=False,
+            )
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)
 
