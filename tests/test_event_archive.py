@@ -275,6 +275,8 @@ async def test_retention_per_subject_after_archiving(js, private, cli) -> None:
     assert live_only.last_json()["first_bad"]["reason"] == "gap: sequence 5 missing"
     human = cli("audit", "verify")
     assert human.exit_code == 1 and "verify with --archive" in human.output
+    human = cli("audit", "verify", "--archive")
+    assert human.exit_code == 0 and "(seq ≤ 9 from the archive)" in " ".join(human.output.split())
     whole = cli("audit", "verify", "--archive", "--json")
     assert whole.exit_code == 0, whole.output
     assert whole.last_json()["events"] == 10 and whole.last_json()["last_seq"] == 10

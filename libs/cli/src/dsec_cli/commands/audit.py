@@ -187,6 +187,7 @@ def verify(
             f"{report.first_seq}–{report.last_seq}), {len(report.producers)} producers, "
             f"{report.chains} chains; every certificate, signature, chain link and sequence "
             "verified"
+            + (f" (seq ≤ {source[2].last_seq} from the archive)" if source is not None else "")
         )
         if report.injected:
             console.print(
