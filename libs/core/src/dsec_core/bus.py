@@ -166,6 +166,51 @@ def stream_problems(config: StreamConfig) -> list[str]:
     return problems
 
 
+@dataclass(frozen=True)
+class Retention:
+    """Limits an operator approves on ``DSEC_EVENTS`` (``None``: no limit of that kind).
+
+    ``max_msgs_per_subject`` is the one that suits the log: a subject per key, per sandbox and
+    event type, per node and event type, so it bounds what repeats on one subject (node
+    heartbeats) and keeps key registrations, revocations and each sandbox's first submission.
+    ``max_age`` and ``max_bytes`` drop the oldest messages of every subject, keys included.
+    """
+
+    max_msgs_per_subject: int | None = None
+    max_age_s: float | None = None
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_msgs_per_subject", "max_age_s", "max_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+
+async def set_retention(js: JetStreamContext, retention: Retention | None) -> StreamConfig:
+    """Operator only: put the given limits on ``DSEC_EVENTS`` and approve them in its
+    metadata (:data:`RETENTION_APPROVED_KEY`), so services accept the stream; ``None`` lifts
+    every limit and the approval. Limits not given are lifted. Returns the new configuration.
+
+    What a limit discards is gone from the stream (``deny_purge`` forbids every other removal):
+    archive first (:mod:`dsec_core.eventarchive`), and verify with the archive.
+    """
+    config = (await js.stream_info(STREAM)).config
+    metadata = dict(config.metadata or {})
+    wanted = retention or Retention()
+    config.max_msgs_per_subject = wanted.max_msgs_per_subject or -1
+    config.max_age = wanted.max_age_s or 0
+    config.max_bytes = wanted.max_bytes or -1
+    config.max_msgs = -1
+    if retention is None:
+        metadata.pop(RETENTION_APPROVED_KEY, None)
+    else:
+        metadata[RETENTION_APPROVED_KEY] = "true"
+    config.metadata = metadata
+    await js.update_stream(config)
+    return (await js.stream_info(STREAM)).config
+
+
 async def require_stream(js: JetStreamContext) -> StreamConfig:
     """Check (never change) ``DSEC_EVENTS``: what services do at start.
 

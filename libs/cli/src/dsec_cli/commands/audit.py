@@ -15,6 +15,7 @@ from dsec_cli.common import (
     bus,
     check_event_types,
     console,
+    err_console,
     fail,
     operator_identity,
     operator_root,
@@ -47,15 +48,60 @@ def trust_anchor() -> bytes:
     return anchor
 
 
-async def _verify(anchor: bytes) -> VerifyReport:
+async def _verify(anchor: bytes, archive: Any = None) -> VerifyReport:
+    """Replay the stream (``archive``: ``(store, bucket, manifest)`` — the archived segments
+    first, then the live stream after them) into the verifier."""
+    from dsec_core.audit import Finding
     from dsec_core.bus import replay
+    from dsec_core.eventarchive import ArchiveCorrupt, archived_records
+    from dsec_core.subjects import STREAM
 
     verifier = Verifier(anchor)
     async with bus() as (_, js):
-        async for seq, data in replay(js):
+        start = 1
+        if archive is not None:
+            store, bucket, manifest = archive
+            try:
+                async for record in archived_records(store, bucket, manifest):
+                    if verifier.feed(record.seq, record.data) is not None:
+                        return verifier.finish()
+            except ArchiveCorrupt as exc:
+                report = verifier.finish()
+                report.finding = Finding(exc.first_seq, None, None, None, str(exc))
+                return report
+            start = (manifest.last_seq or 0) + 1
+        else:
+            first = (await js.stream_info(STREAM)).state.first_seq
+            if first > 1:
+                err_console.print(
+                    f"[yellow]note:[/] the stream starts at seq {first} (earlier events were "
+                    "discarded by its limits): keys registered before are unknown here; "
+                    "verify with --archive",
+                    highlight=False,
+                )
+        async for seq, data in replay(js, start_seq=start):
             if verifier.feed(seq, data) is not None:
                 break
     return verifier.finish()
+
+
+def _archive_source(bucket: str | None) -> Any:
+    """``(store, bucket, manifest)`` of the event archive, or exit 2 when there is none."""
+    from dsec_core.eventarchive import read_manifest
+    from dsec_core.settings import Settings
+
+    from dsec_cli.commands.events_archive import guarded
+    from dsec_cli.common import s3_client
+
+    name = bucket or Settings().s3_bucket
+    store = s3_client()
+    manifest = guarded(read_manifest(store, name))
+    if manifest is None:
+        fail(
+            f"no event archive in bucket {name!r} (`dsec events archive` writes one)",
+            EXIT_BAD_INPUT,
+        )
+    return store, name, manifest
 
 
 def _report_dict(report: VerifyReport) -> dict[str, Any]:
@@ -105,6 +151,17 @@ def _print_injected(report: VerifyReport) -> None:
 
 @audit_app.command("verify")
 def verify(
+    archive: Annotated[
+        bool,
+        typer.Option(
+            "--archive",
+            help="Verify the archived segments (`dsec events archive`) first, then the live "
+            "stream after them, as one log",
+        ),
+    ] = False,
+    bucket: Annotated[
+        str | None, typer.Option(help="Bucket of the archive (default: DSEC_S3_BUCKET)")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
 ) -> None:
     """Replay the whole stream and tell tampering from injected-and-ignored messages.
@@ -114,9 +171,14 @@ def verify(
     message. Foreign messages (no certified key, bad signature, unauthorized producer, copies
     of old events) nobody acted on are listed with the refusals that answered them (exit 0).
     Trust comes from the operator root key (DSEC_TRUST_ROOT or the stack's trust/root.pub).
+    With --archive, an archived segment that is not the one the manifest lists is tampering.
     """
-    report = run(_verify(trust_anchor()))
+    anchor = trust_anchor()
+    source = _archive_source(bucket) if archive else None
+    report = run(_verify(anchor, source))
     result = _report_dict(report)
+    if source is not None:
+        result["archived_upto"] = source[2].last_seq
     if as_json:
         print_json(result)
     elif report.ok:
@@ -125,6 +187,7 @@ def verify(
             f"{report.first_seq}–{report.last_seq}), {len(report.producers)} producers, "
             f"{report.chains} chains; every certificate, signature, chain link and sequence "
             "verified"
+            + (f" (seq ≤ {source[2].last_seq} from the archive)" if source is not None else "")
         )
         if report.injected:
             console.print(
@@ -140,6 +203,12 @@ def verify(
             f" producer {safe_text(bad['producer'] or '?')}): {safe_text(bad['reason'])}",
             highlight=False,
         )
+        if source is None and bad["reason"].startswith("gap:"):
+            err_console.print(
+                "[yellow]note:[/] if retention limits discard events from the stream (`dsec "
+                "nats stream --json` shows them), verify with --archive",
+                highlight=False,
+            )
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)
 

@@ -77,23 +77,64 @@ def stream(
             "three-server cluster); unset: created at 1, kept as the operator set it",
         ),
     ] = None,
+    max_msgs_per_subject: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Keep at most N messages per subject (bounds node heartbeats; keys and each "
+            "sandbox's events stay). Needs --approve-discard",
+        ),
+    ] = None,
+    max_age: Annotated[
+        str | None,
+        typer.Option(help="Drop messages older than this (30d): keys too. Needs --approve-discard"),
+    ] = None,
+    max_bytes: Annotated[
+        str | None,
+        typer.Option(help="Drop the oldest messages above this size (500GiB): keys too"),
+    ] = None,
+    approve_discard: Annotated[
+        bool,
+        typer.Option(
+            "--approve-discard",
+            help="Approve that the limits discard events from the stream (archive them first: "
+            "`dsec events archive`)",
+        ),
+    ] = False,
+    no_limits: Annotated[
+        bool, typer.Option("--no-limits", help="Lift every limit and the approval")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
 ) -> None:
     """As the operator: create DSEC_EVENTS, or restore its guarantees (deny delete/purge, no
-    limits that discard history unless approved). Other identities get a permissions error."""
-    from dsec_core.bus import ensure_stream, stream_problems
+    limits that discard history unless approved). Other identities get a permissions error.
+
+    With a limit and --approve-discard: put approved retention limits on the stream (see
+    docs/operations.md, "Retention"); --no-limits lifts them. Without either, limits an operator
+    approved before are kept.
+    """
+    from dsec_core.bus import ensure_stream, set_retention, stream_problems
     from dsec_core.settings import Settings
     from dsec_core.subjects import STREAM
 
-    from dsec_cli.common import EXIT_FAILED, fail, run
+    from dsec_cli.common import EXIT_BAD_INPUT, EXIT_FAILED, fail, run
     from dsec_cli.common import bus as connect_bus
 
+    retention = _retention(max_msgs_per_subject, max_age, max_bytes)
+    if retention is not None and no_limits:
+        fail("--no-limits lifts every limit: give it alone", EXIT_BAD_INPUT)
+    if retention is not None and not approve_discard:
+        fail(
+            "a limit discards events from the log for good: archive them first "
+            "(`dsec events archive`) and add --approve-discard",
+            EXIT_BAD_INPUT,
+        )
     settings = Settings()
     operator = _embedded_operator_url(settings)
     if operator is not None:  # the embedded stack: its operator identity, from stack.json
         settings = settings.model_copy(update={"nats_url": operator})
 
-    async def go() -> list[str]:
+    async def go() -> tuple[list[str], dict[str, Any]]:
         async with connect_bus(settings, check_stream=False) as (_nc, js):
             try:
                 await ensure_stream(js, replicas=replicas)
@@ -103,17 +144,58 @@ def stream(
                     "only the operator identity may",
                     EXIT_FAILED,
                 )
-            return stream_problems((await js.stream_info(STREAM)).config)
+            if retention is not None or no_limits:
+                await set_retention(js, retention)
+            config = (await js.stream_info(STREAM)).config
+            return stream_problems(config), _limits(config)
 
-    problems = run(go())
+    problems, limits = run(go())
     if as_json:
-        print_json({"stream": STREAM, "problems": problems})
+        print_json({"stream": STREAM, "problems": problems, "limits": limits})
     elif problems:
         console.print(f"{STREAM}: " + "; ".join(problems), highlight=False, markup=False)
+    elif limits:
+        shown = ", ".join(f"{k}={v}" for k, v in limits.items())
+        console.print(
+            f"{STREAM} ready: append-only, with approved limits {shown} (archive before they "
+            "discard: `dsec events archive`)",
+            highlight=False,
+        )
     else:
         console.print(f"{STREAM} ready: append-only, no limits that discard history")
     if problems:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _retention(per_subject: int | None, max_age: str | None, max_bytes: str | None) -> Any:
+    """The limits asked for, or ``None``; exit 2 naming a bad duration or size."""
+    from dsec_core.bus import Retention
+    from dsec_core.spec.units import parse_duration, parse_size
+
+    from dsec_cli.common import EXIT_BAD_INPUT, fail
+
+    if per_subject is None and max_age is None and max_bytes is None:
+        return None
+    try:
+        age = parse_duration(max_age).total_seconds() if max_age is not None else None
+    except ValueError as exc:
+        fail(f"--max-age {max_age!r}: {exc}", EXIT_BAD_INPUT)
+    try:
+        size = parse_size(max_bytes) if max_bytes is not None else None
+    except ValueError as exc:
+        fail(f"--max-bytes {max_bytes!r}: {exc}", EXIT_BAD_INPUT)
+    return Retention(max_msgs_per_subject=per_subject, max_age_s=age, max_bytes=size)
+
+
+def _limits(config: Any) -> dict[str, Any]:
+    """The limits set on a stream configuration (those that discard messages)."""
+    found = {
+        "max_msgs_per_subject": config.max_msgs_per_subject,
+        "max_age_s": config.max_age,
+        "max_bytes": config.max_bytes,
+        "max_msgs": config.max_msgs,
+    }
+    return {k: v for k, v in found.items() if v is not None and v > 0}
 
 
 def _embedded_operator_url(settings: Any) -> str | None:
