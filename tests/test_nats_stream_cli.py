@@ -39,7 +39,7 @@ async def test_replicas_reach_the_server(private_nats, dsec_cli, tmp_path) -> No
     assert "could not create or update" in refused.output
     created = dsec_cli("nats", "stream", "--replicas", "1", "--json", env=env)
     assert created.exit_code == 0, created.output
-    assert created.last_json() == {"stream": STREAM, "problems": []}
+    assert created.last_json() == {"stream": STREAM, "problems": [], "limits": {}}
     assert await _replicas(private_nats) == 1
     bad = dsec_cli("nats", "stream", "--replicas", "0", env=env)
     assert bad.exit_code == 2 and "--replicas" in bad.output
