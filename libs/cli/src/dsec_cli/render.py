@@ -3,12 +3,12 @@ every field escaped (:func:`dsec_cli.common.safe_text`): a sandbox writes some o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dsec_core.envelope import Envelope, MalformedEnvelope, decode
-from rich.console import Console
+from dsec_cli.common import err_console, print_json, safe_text
 
-from dsec_cli.common import safe_text
+if TYPE_CHECKING:
+    from dsec_core.envelope import Envelope
 
 _STYLE = {
     "spec.rejected": "bold red",
@@ -77,10 +77,12 @@ def _summary(env: Envelope) -> str:
 def decode_or_warn(seq: int, data: bytes) -> Envelope | None:
     """Decode one message of the log; a malformed one is reported on stderr and skipped, so
     a single bad message (anyone with publish rights can write one) cannot crash a command."""
+    from dsec_core.envelope import MalformedEnvelope, decode
+
     try:
         return decode(data)
     except MalformedEnvelope as exc:
-        Console(stderr=True).print(f"[red]seq {seq}: malformed event skipped: {safe_text(exc)}[/]")
+        err_console.print(f"[red]seq {seq}: malformed event skipped: {safe_text(exc)}[/]")
         return None
 
 
@@ -107,3 +109,20 @@ def human_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+class JsonChunks:
+    """``--json`` output of a byte stream (``sandbox logs``/``exec``): one
+    ``{"stream", "data"}`` object per line of stdout for each chunk, UTF-8 decoded across
+    chunk boundaries (invalid bytes as U+FFFD). A sink like :class:`dsec_cli.remote.Sink`."""
+
+    def __init__(self, stream: str) -> None:
+        import codecs
+
+        self.stream = stream
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def write(self, data: bytes, final: bool = False) -> None:
+        text = self._decoder.decode(data, final)
+        if text:
+            print_json({"stream": self.stream, "data": text})

@@ -31,6 +31,7 @@ from dsec_cli.common import (
     EXIT_UNREACHABLE,
     bus,
     cli_publisher,
+    confirm,
     console,
     err_console,
     fail,
@@ -557,6 +558,7 @@ def rm(
         bool, typer.Option("--gc", help="Also free the chunks no snapshot refers to any more")
     ] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the snapshot service")] = 60.0,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Delete snapshots of your tenant (their chunks are freed by `gc`, or `--gc`).
@@ -566,6 +568,10 @@ def rm(
     """
     for name in names:
         _validate_name(name)
+    confirm(
+        f"delete snapshot(s) {', '.join(names)}" + (" and free their chunks" if collect else ""),
+        yes,
+    )
     answer = ask_delete(names, collect=collect, grace_s=3600.0, timeout=timeout)
     p = answer.payload
     if as_json:
@@ -594,6 +600,7 @@ def retain(
     keep_daily: Annotated[int, typer.Option(help="Keep the newest of each of N days")] = 0,
     series: Annotated[str | None, typer.Option(help="Only this series")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Apply a retention policy: delete the snapshots it does not keep (of your tenant)."""
@@ -604,6 +611,7 @@ def retain(
         policy = RetentionPolicy(keep_last=keep_last, keep_within=within, keep_daily=keep_daily)
         expired = store.apply_retention(policy, series=series, dry_run=True)
     if expired and not dry_run:
+        confirm(f"delete {len(expired)} snapshot(s): {', '.join(expired)}", yes)
         answer = ask_delete(expired, collect=False, grace_s=3600.0, timeout=60.0)
         expired = list(answer.payload["names"])
     if as_json:
@@ -622,12 +630,14 @@ def gc(
     timeout: Annotated[
         float, typer.Option(help="Seconds to wait for the snapshot service")
     ] = 300.0,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Delete chunks and audit blobs that no snapshot references (the snapshot service does;
     `--dry-run` only reads the store here)."""
     period = _duration(grace, "--grace")
     if not dry_run:
+        confirm(f"delete the snapshot objects no snapshot refers to, older than {grace}", yes)
         answer = ask_delete([], collect=True, grace_s=period.total_seconds(), timeout=timeout)
         p = answer.payload
         if as_json:
