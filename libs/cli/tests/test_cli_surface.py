@@ -256,9 +256,7 @@ def _closed_port() -> int:
 @pytest.mark.parametrize("as_json", [False, True])
 def test_events_tail_with_nats_down_is_one_clean_error(as_json: bool, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")}
-    env.update(
-        {"DSEC_HOME": str(tmp_path), "DSEC_NATS_URL": f"nats://127.0.0.1:{_closed_port()}"}
-    )
+    env.update({"DSEC_HOME": str(tmp_path), "DSEC_NATS_URL": f"nats://127.0.0.1:{_closed_port()}"})
     done = subprocess.run(
         [DSEC, "events", "tail", *(["--json"] if as_json else [])],
         capture_output=True,
