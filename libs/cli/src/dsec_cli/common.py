@@ -7,8 +7,8 @@ import json
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -83,6 +83,17 @@ def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     else:
         err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+@contextmanager
+def spinner(text: str) -> Iterator[Callable[[str], None]]:
+    """A spinner with ``text`` on stderr while a long wait lasts (a build, a snapshot), only
+    on a terminal and never with ``--json``; yields a function that changes the text."""
+    if json_errors or not err_console.is_terminal:
+        yield lambda _: None
+        return
+    with err_console.status(safe_text(text)) as status:
+        yield lambda new: status.update(safe_text(new))
 
 
 def confirm(action: str, yes: bool) -> None:

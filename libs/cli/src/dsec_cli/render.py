@@ -74,6 +74,28 @@ def _summary(env: Envelope) -> str:
     return " ".join(f"{k}={p[k]}" for k in keys if k in p)
 
 
+#: What a sandbox waits for after each event of its lifecycle (the spinner of ``dsec submit``).
+_NEXT = {
+    "spec.submitted": "validating the spec",
+    "spec.validated": "resolving the dependencies",
+    "deps.resolved": "building the environment",
+    "env.built": "placing the sandbox on a node",
+    "unit.placed": "starting the sandbox",
+    "sandbox.scheduled": "starting the sandbox",
+    "sandbox.pending": "waiting for a node that fits",
+    "sandbox.started": "waiting for the sandbox to be ready",
+    "sandbox.ready": "running",
+    "snapshot.restored": "running",
+}
+
+
+def waiting_for(last_type: str | None) -> str:
+    """What comes next after an event of type ``last_type`` (``None``: nothing seen yet)."""
+    if last_type is None:
+        return "waiting for the policy service"
+    return _NEXT.get(last_type, "running")
+
+
 def decode_or_warn(seq: int, data: bytes) -> Envelope | None:
     """Decode one message of the log; a malformed one is reported on stderr and skipped, so
     a single bad message (anyone with publish rights can write one) cannot crash a command."""

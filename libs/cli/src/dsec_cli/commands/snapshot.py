@@ -39,6 +39,7 @@ from dsec_cli.common import (
     run,
     safe_lines,
     safe_text,
+    spinner,
     submitter,
 )
 from dsec_cli.render import decode_or_warn, human_size
@@ -127,7 +128,8 @@ def ask_snapshot_service(payload: Payload, sandbox_id: str, timeout: float) -> E
         subject_for(payload.TYPE, sandbox_id)
     except InvalidSubjectToken as exc:
         fail(f"sandbox id: {exc}", EXIT_BAD_INPUT)
-    answer = run(_request(payload, sandbox_id, ANSWERS, timeout))
+    with spinner(f"{payload.TYPE} for {sandbox_id}: waiting for its node agent"):
+        answer = run(_request(payload, sandbox_id, ANSWERS, timeout))
     if answer is None:
         fail(
             f"no answer to {payload.TYPE} for {sandbox_id} within {timeout:.0f} s: is the "
@@ -271,7 +273,7 @@ def _create_from_dir(
         env={v: os.environ[v] for v in env} or None,
         labels={"tenant": tenant} if tenant else {},
     )
-    with snapshot_store() as store:
+    with snapshot_store() as store, spinner(f"snapshot {name}: hashing and uploading"):
         result = store.create(name, inputs)
     m = result.manifest
     if as_json:
@@ -479,7 +481,7 @@ def restore(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Materialize a snapshot's code at DEST (every byte hash-checked)."""
-    with snapshot_store() as store:
+    with snapshot_store() as store, spinner(f"restoring {name}: fetching and checking"):
         result = store.restore(name, dest, sync=sync)
     if as_json:
         print_json(
@@ -530,13 +532,12 @@ def ask_delete(names: list[str], *, collect: bool, grace_s: float, timeout: floa
     request = SnapshotDeleteRequested(
         names=names, gc=collect, gc_grace_s=grace_s, requested_by=submitter()
     )
-    if not as_quiet():
-        what = f"{len(names)} snapshot(s)" if names else "unreferenced chunks"
-        err_console.print(f"asking the snapshot service to delete {what}...", highlight=False)
+    what = f"{len(names)} snapshot(s)" if names else "unreferenced chunks"
     from dsec_core.ids import new_event_id
 
     request_id = "del-" + new_event_id().replace("-", "")  # the request's own aggregate
-    answer = run(_request(request, request_id, frozenset({"snapshot.deleted"}), timeout))
+    with spinner(f"asking the snapshot service to delete {what}"):
+        answer = run(_request(request, request_id, frozenset({"snapshot.deleted"}), timeout))
     if answer is None:
         fail(
             f"no snapshot.deleted within {timeout:.0f} s: is the snapshot service running? "
@@ -544,11 +545,6 @@ def ask_delete(names: list[str], *, collect: bool, grace_s: float, timeout: floa
             EXIT_TIMEOUT,
         )
     return answer
-
-
-def as_quiet() -> bool:
-    """Progress lines go to stderr unless it is not a terminal (scripts, tests)."""
-    return not err_console.is_terminal
 
 
 @snapshot_app.command("rm")

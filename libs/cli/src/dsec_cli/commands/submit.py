@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
 from collections.abc import Sequence
@@ -35,9 +36,10 @@ from dsec_cli.common import (
     run,
     s3_client,
     safe_text,
+    spinner,
     submitter,
 )
-from dsec_cli.render import decode_or_warn, event_line
+from dsec_cli.render import decode_or_warn, event_line, waiting_for
 
 WAIT_FOR = {
     "validated": "spec.validated",
@@ -226,7 +228,7 @@ async def submit_and_follow(
     sandbox_id = new_sandbox_id()
     outcome = Outcome(sandbox_id)
     target = WAIT_FOR[wait]
-    async with bus() as (nc, js):
+    async with bus() as (nc, js), contextlib.AsyncExitStack() as stack:
         start = (await js.stream_info(STREAM)).state.last_seq + 1
         publisher = await cli_publisher(js)
         gate = cli_gate(nc, js)
@@ -244,6 +246,7 @@ async def submit_and_follow(
             await publisher.publish(payload, aggregate_id=sandbox_id)
         deadline = time.monotonic() + timeout
         last_event_at = time.monotonic()
+        show = stack.enter_context(spinner(waiting_for(None)))
         async for batch in follow(
             js, filter_subject=aggregate_filter("sandbox", sandbox_id), start_seq=start, idle_s=0.25
         ):
@@ -263,6 +266,8 @@ async def submit_and_follow(
                 if outcome.life.terminal or (applied and env.type == target):
                     return outcome
             now = time.monotonic()
+            last = outcome.events[-1]["type"] if outcome.events else None
+            show(f"{waiting_for(last)} ({now - last_event_at:.0f} s)")
             # A pending sandbox waits for a node (one joins, frees capacity, is uncordoned):
             # that is not a stalled chain; only the overall timeout ends the wait.
             stalled = not outcome.waiting and now - last_event_at > stall
