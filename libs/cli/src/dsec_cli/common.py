@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
-import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -144,6 +142,9 @@ def without_credentials(url: str) -> str:
 
 def submitter() -> str:
     """``user@host`` of the person running the CLI."""
+    import getpass
+    import socket
+
     return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
@@ -243,6 +244,8 @@ def user_identity(settings: Settings | None = None) -> tuple[Any, Any]:
     On the operator's own machine (the root key of the embedded stack is readable) a first use
     logs in as the local user in tenant ``default``, and says so.
     """
+    import getpass
+
     from dsec_core import identity
     from dsec_core.settings import Settings
 

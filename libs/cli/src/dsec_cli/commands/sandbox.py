@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -293,6 +292,8 @@ def stop(
     ] = False,
 ) -> None:
     """Ask the node agent to stop a sandbox (published as ``sandbox.stop_requested``)."""
+    import asyncio
+
     from dsec_core.bus import follow as follow_log
     from dsec_core.envelope import decode
     from dsec_core.events import SandboxStopRequested
