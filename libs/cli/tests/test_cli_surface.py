@@ -274,3 +274,28 @@ def test_events_tail_with_nats_down_is_one_clean_error(as_json: bool, tmp_path: 
         assert done.stdout == ""
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: cannot reach NATS at nats://")
+
+
+def test_spinner_only_when_both_streams_are_terminals(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from dsec_cli import common
+    from rich.console import Console
+
+    def consoles(stdout_tty: bool) -> io.StringIO:
+        err = io.StringIO()
+        monkeypatch.setattr(common, "err_console", Console(file=err, force_terminal=True))
+        monkeypatch.setattr(
+            common, "console", Console(file=io.StringIO(), force_terminal=stdout_tty)
+        )
+        return err
+
+    err = consoles(stdout_tty=True)
+    with common.spinner("building the environment") as show:
+        show("building the environment (3 s)")
+    assert "building the environment" in err.getvalue()
+
+    err = consoles(stdout_tty=False)  # `dsec submit spec > out.txt`: nothing spins
+    with common.spinner("building the environment") as show:
+        show("building the environment (3 s)")
+    assert err.getvalue() == ""

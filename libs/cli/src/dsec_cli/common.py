@@ -86,8 +86,10 @@ def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
 @contextmanager
 def spinner(text: str) -> Iterator[Callable[[str], None]]:
     """A spinner with ``text`` on stderr while a long wait lasts (a build, a snapshot), only
-    on a terminal and never with ``--json``; yields a function that changes the text."""
-    if json_errors or not err_console.is_terminal:
+    when stdout and stderr are a terminal (while it spins, rich shows stdout above it: a
+    redirected stdout must not end up there) and never with ``--json``; yields a function that
+    changes the text."""
+    if json_errors or not (err_console.is_terminal and console.is_terminal):
         yield lambda _: None
         return
     with err_console.status(safe_text(text)) as status:
