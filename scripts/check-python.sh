@@ -5,11 +5,12 @@
 #
 # For each version: a throwaway venv under ${TMPDIR:-/tmp}, every workspace package installed
 # from this checkout (the SDK's C extension compiled for that Python), every module of the
-# libraries imported, `dsec --version`, `dsec --help` and `dsec spec check` run, then the unit
-# tests of the CLI, core, rules, snapstore and SDK (`-m unit`; no servers, no root).
-# Needs the interpreter (pyenv, or one `uv python find` knows) and network access to PyPI (or a
-# warm uv cache), so it is not part of the default test run. Exit status: the number of
-# versions that failed.
+# libraries and services imported (BCC, a system package, is imported by the node agent only
+# when it loads its programs: not checked), `dsec --version`, `dsec --help` and `dsec spec
+# check` run, then the unit tests of the CLI, core, rules, snapstore and SDK (`-m unit`; no
+# servers, no root). Needs the interpreter (pyenv, or one `uv python find` knows) and network
+# access to PyPI (or a warm uv cache), so it is not part of the default test run. Exit status:
+# the number of versions that failed.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -47,14 +48,15 @@ for version in "$@"; do
             libs/cli/tests libs/core/tests libs/rules/tests libs/snapstore/tests libs/sdk/tests)
 import importlib, pkgutil, sys
 
-import dsec_cli, dsec_core, dsec_rules, dsec_sdk, dsec_snapstore
-
+names = ["dsec_core", "dsec_rules", "dsec_snapstore", "dsec_sdk", "dsec_cli", "dsec_testing"]
+names += ["dsec_policy", "dsec_builder", "dsec_snapshot", "dsec_scheduler", "dsec_nodeagent"]
+names += ["dsec_fleetsim"]
 count = 0
-for package in (dsec_core, dsec_rules, dsec_snapstore, dsec_sdk, dsec_cli):
+for package in map(importlib.import_module, names):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
         count += 1
-print(f"Python {sys.version.split()[0]}: imported {count} modules of the libraries")
+print(f"Python {sys.version.split()[0]}: imported {count} modules of the libraries and services")
 EOF
     then
         echo "OK: Python $version"
