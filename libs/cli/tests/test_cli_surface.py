@@ -299,3 +299,30 @@ def test_spinner_only_when_both_streams_are_terminals(monkeypatch: pytest.Monkey
     with common.spinner("building the environment") as show:
         show("building the environment (3 s)")
     assert err.getvalue() == ""
+
+
+def test_exec_json_is_chunks_then_the_exit_code(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`sandbox exec --json`: what the command writes, UTF-8 decoded even when a character is
+    split between two chunks, then its exit code (also dsec's)."""
+    from dsec_cli import remote
+
+    async def session(kind: str, sandbox_id: str, args: Any, write: Any, **_: Any) -> Any:
+        assert kind == "exec" and args["argv"] == ["python", "-V"]
+        snowman = "☃".encode()
+        write("stdout", b"Python 3" + snowman[:1])
+        write("stdout", snowman[1:] + b"\n")
+        write("stderr", b"warn\xff")
+        return type("Ended", (), {"code": 3, "reason": "exited"})()
+
+    monkeypatch.setattr(remote, "session", session)
+    result = invoke("sandbox", "exec", "--json", "sbx_1", "--", "python", "-V", home=tmp_path)
+    assert result.exit_code == 3
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert lines == [
+        {"stream": "stdout", "data": "Python 3"},
+        {"stream": "stdout", "data": "☃\n"},
+        {"stream": "stderr", "data": "warn\ufffd"},
+        {"exit_code": 3},
+    ]

@@ -226,7 +226,7 @@ def exec_(
         bool,
         typer.Option(
             "--json",
-            help='Output as {"stream", "data"} lines, then {"exit_code"} (before the --)',
+            help='Output as {"stream", "data"} lines, then {"exit_code"} (give it before ID)',
         ),
     ] = False,
 ) -> None:
