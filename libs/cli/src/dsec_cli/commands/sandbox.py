@@ -210,7 +210,7 @@ def logs(
 
     stream = "stderr" if stderr else "stdout"
     sink = JsonChunks(stream) if as_json else Sink(sys.stdout.buffer, terminal=sys.stdout.isatty())
-    args = {"stream": "stderr" if stderr else "stdout", "follow": follow}
+    args = {"stream": stream, "follow": follow}
     try:
         run(session("logs", sandbox_id, args, lambda _, data: sink.write(data)))
     except KeyboardInterrupt:
@@ -288,7 +288,7 @@ def stop(
     grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL")] = 5.0,
     wait: Annotated[bool, typer.Option(help="Wait for sandbox.exited")] = True,
     as_json: Annotated[
-        bool, typer.Option("--json", help="Print {sandbox_id, stopped, exit_code, detail}")
+        bool, typer.Option("--json", help="Print {sandbox_id, requested, exit_code, detail}")
     ] = False,
 ) -> None:
     """Ask the node agent to stop a sandbox (published as ``sandbox.stop_requested``)."""
@@ -342,7 +342,7 @@ def stop(
     already: list[str] = []
     code = run(go())
     if as_json:
-        result = {"sandbox_id": sandbox_id, "stopped": not already, "exit_code": code}
+        result = {"sandbox_id": sandbox_id, "requested": not already, "exit_code": code}
         print_json({**result, "detail": f"already ended ({already[0]})" if already else None})
     elif code is not None:
         console.print(f"{sandbox_id} stopped (exit code {code})")
