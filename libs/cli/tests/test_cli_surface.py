@@ -200,6 +200,12 @@ def test_usage_errors_are_json_with_json(tmp_path: Path) -> None:
     assert plain.exit_code == 2 and plain.stdout == "" and "--bogus" in plain.stderr
 
 
+def test_a_mistyped_command_gets_a_suggestion(tmp_path: Path) -> None:
+    result = invoke("sandbx", "list", home=tmp_path)
+    assert result.exit_code == 2
+    assert "No such command 'sandbx'. Did you mean 'sandbox'?" in result.stderr
+
+
 def test_version_names_the_packages(tmp_path: Path) -> None:
     from importlib.metadata import version
 

@@ -135,6 +135,20 @@ class LazyGroup(TyperGroup):
                 self._load(module_name)
         return self.commands.get(cmd_name)
 
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.exceptions.UsageError as exc:  # Typer suggests only loaded commands
+            from difflib import get_close_matches
+
+            matches = get_close_matches(args[0], self.list_commands(ctx)) if args else []
+            if matches and "Did you mean" not in exc.message:
+                names = ", ".join(repr(m) for m in matches)
+                exc.message = f"{exc.message.rstrip('.')}. Did you mean {names}?"
+            raise
+
     @contextmanager
     def _index_only(self) -> Iterator[None]:
         self._listing = True
