@@ -75,7 +75,7 @@ def test_rm_and_gc_go_through_the_snapshot_service_and_the_objects_are_gone(
     chunks = chunk_keys(s3, name)
     assert chunks and all(stored(s3, k) for k in chunks)
 
-    removed = dsec_cli("snapshot", "rm", name, "--json", env=env)
+    removed = dsec_cli("snapshot", "rm", name, "--yes", "--json", env=env)
     assert removed.exit_code == 0, removed.output
     answer = removed.last_json()
     assert answer["event"] == "snapshot.deleted"
@@ -83,12 +83,12 @@ def test_rm_and_gc_go_through_the_snapshot_service_and_the_objects_are_gone(
     assert not stored(s3, manifest_key(name)) and not stored(s3, summary_key(name))
     assert dsec_cli("snapshot", "verify", name, env=env).exit_code == 2  # unknown now
 
-    collected = dsec_cli("snapshot", "gc", "--grace", "0s", "--json", env=env)
+    collected = dsec_cli("snapshot", "gc", "--grace", "0s", "--yes", "--json", env=env)
     assert collected.exit_code == 0, collected.output
     assert collected.last_json()["chunks_removed"] >= len(chunks)
     assert not any(stored(s3, k) for k in chunks)
 
-    again = dsec_cli("snapshot", "rm", name, env=env)
+    again = dsec_cli("snapshot", "rm", name, "--yes", env=env)
     assert again.exit_code == 2
     assert f"no snapshot named {name}" in " ".join(again.output.split())
 
@@ -109,14 +109,16 @@ def test_a_user_of_another_tenant_cannot_delete_a_snapshot(
     cred = tmp_path / "acme.cred.json"
     cred.write_text(identity.credential_json(key, cert))
     cred.chmod(0o600)
-    refused = dsec_cli("snapshot", "rm", name, "--json", env={**env, "DSEC_CREDENTIAL": str(cred)})
+    refused = dsec_cli(
+        "snapshot", "rm", name, "--yes", "--json", env={**env, "DSEC_CREDENTIAL": str(cred)}
+    )
     assert refused.exit_code == 2, refused.output
     answer = refused.last_json()
     # reported like a snapshot that does not exist: no oracle for other tenants' names
     assert answer["names"] == [] and answer["missing"] == [name]
     assert stored(s3, manifest_key(name))
 
-    owned = dsec_cli("snapshot", "rm", name, "--json", env=env)
+    owned = dsec_cli("snapshot", "rm", name, "--yes", "--json", env=env)
     assert owned.exit_code == 0 and owned.last_json()["names"] == [name]
 
 
@@ -177,6 +179,8 @@ async def test_a_snapshot_request_for_a_sandbox_of_another_node_is_left_to_that_
 def test_rm_without_a_snapshot_service_times_out_naming_it(
     stack_env: dict[str, str], dsec_cli: Any
 ) -> None:
-    result = dsec_cli("snapshot", "rm", "nobody-answers", "--timeout", "1", env=dict(stack_env))
+    result = dsec_cli(
+        "snapshot", "rm", "nobody-answers", "--yes", "--timeout", "1", env=dict(stack_env)
+    )
     assert result.exit_code == 4, result.output
     assert "is the snapshot service running?" in " ".join(result.output.split())

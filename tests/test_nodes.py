@@ -298,7 +298,7 @@ async def test_cordon_uncordon_and_drain_wait_for_the_scheduler(
             dsec_cli, "node", "cordon", node_id, "--reason", "disk swap", "--json", env=stack_env
         )
         drained = await asyncio.to_thread(
-            dsec_cli, "node", "drain", node_id, "--json", env=stack_env
+            dsec_cli, "node", "drain", node_id, "--yes", "--json", env=stack_env
         )
         back = await asyncio.to_thread(dsec_cli, "node", "uncordon", node_id, env=stack_env)
     assert cordoned.exit_code == 0, cordoned.output
@@ -324,7 +324,7 @@ def test_without_an_answer_cordon_times_out_and_a_non_operator_is_refused(
     assert time.monotonic() - started < 10
     stranger = dsec_cli("node", "cordon", _node(), env={**stack_env, "DSEC_HOME": str(tmp_path)})
     assert stranger.exit_code == 2 and "only the operator can do this" in stranger.output
-    bad = dsec_cli("node", "drain", "a.b", env=stack_env)
+    bad = dsec_cli("node", "drain", "a.b", "--yes", env=stack_env)
     assert bad.exit_code == 2 and "node id" in bad.output
 
 

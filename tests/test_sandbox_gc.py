@@ -39,7 +39,7 @@ async def test_gc_removes_ended_sandboxes_and_never_a_running_one(tmp_path: Path
         assert [r["sandbox_id"] for r in json.loads(out)["removed"]] == ["done1"]
         assert (home / "sandboxes" / "done1").is_dir()  # a dry run removes nothing
 
-        code, out = _dsec(home, "sandbox", "gc", "--older-than", "0s", "--json")
+        code, out = _dsec(home, "sandbox", "gc", "--older-than", "0s", "--yes", "--json")
         assert code == 0, out
         removed = json.loads(out)["removed"]
         assert [r["sandbox_id"] for r in removed] == ["done1"] and removed[0]["bytes"] > 0
@@ -47,7 +47,7 @@ async def test_gc_removes_ended_sandboxes_and_never_a_running_one(tmp_path: Path
         assert (home / "sandboxes" / "busy" / "logs").is_dir()  # running: untouched
         await manager.stop("busy", grace_s=0.5)
 
-        code, out = _dsec(home, "sandbox", "gc", "--older-than", "1d")
+        code, out = _dsec(home, "sandbox", "gc", "--older-than", "1d", "--yes")
         assert code == 0 and "removed 0 ended sandbox(es)" in out
 
 

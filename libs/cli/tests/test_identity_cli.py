@@ -79,3 +79,31 @@ def test_a_first_login_learns_the_trust_root_from_the_credential(tmp_path: Path)
     assert run_dsec_inproc("login", "--credential", str(cred), home=user).exit_code == 0
     learned = (user / "trust" / "root.pub").read_text().strip()
     assert learned == bytes(root.verify_key).hex()
+
+
+def test_admin_commands_answer_in_json(tmp_path: Path) -> None:
+    operator = tmp_path / "op"
+    identity.ensure_root(identity.TrustPaths(operator))
+    cred = tmp_path / "carol.cred"
+    issued = run_dsec_inproc(
+        "admin", "issue-user", "carol", "--tenant", "t", "--out", str(cred), "--json", home=operator
+    )
+    assert issued.exit_code == 0, issued.stdout
+    user = json.loads(issued.stdout)
+    assert (user["path"], user["subject"], user["tenant"]) == (str(cred), "user-carol", "t")
+    again = run_dsec_inproc(  # never overwrites a credential: one JSON error, no traceback
+        "admin", "issue-user", "carol", "--tenant", "t", "--out", str(cred), "--json", home=operator
+    )
+    assert again.exit_code == 2
+    assert "never overwritten" in json.loads(again.stdout)["error"]["message"]
+    out = tmp_path / "deploy"
+    services = run_dsec_inproc("admin", "issue-services", str(out), "--json", home=operator)
+    assert services.exit_code == 0, services.stdout
+    keys = json.loads(services.stdout)["keys"]
+    assert set(keys) == set(identity.SERVICE_ROLES)
+    assert keys["policy"] == identity.read_cert(identity.TrustPaths(out).cert("policy")).key_id
+    service = run_dsec_inproc(
+        "admin", "issue-service", "builder", "--home", str(tmp_path / "b"), "--json", home=operator
+    )
+    assert service.exit_code == 0, service.stdout
+    assert json.loads(service.stdout)["role"] == "builder"

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
-import getpass
 import json
 import os
-import socket
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import asynccontextmanager
+import sys
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
-from dsec_core.settings import Settings
 from dsec_core.text import escape_controls
 from rich.console import Console
 from rich.markup import escape
 
-if TYPE_CHECKING:  # the bus client is imported when a command needs it: `dsec --help` stays fast
+if TYPE_CHECKING:  # imported when a command needs them: `dsec --help` stays fast
     from dsec_client import DSec
     from dsec_core.bus import EventPublisher
+    from dsec_core.settings import Settings
     from nats.aio.client import Client as NATS
     from nats.js import JetStreamContext
 
@@ -56,10 +54,61 @@ def safe_lines(text: str, *, markup: bool = True) -> str:
     return escape(joined) if markup else joined
 
 
+#: The ``code`` of a JSON error for each exit code.
+ERROR_CODES = {
+    EXIT_FAILED: "failed",
+    EXIT_BAD_INPUT: "bad_input",
+    EXIT_UNREACHABLE: "unreachable",
+    EXIT_TIMEOUT: "timeout",
+}
+
+#: Set by the root command when the command line has ``--json``: errors are then one JSON
+#: object on stdout (where the command's JSON goes) instead of a line on stderr.
+json_errors = False
+
+
+def json_error(message: str, code: int) -> None:
+    """Print ``{"error": {"code", "exit_code", "message"}}`` on stdout (one line)."""
+    print_json(
+        {"error": {"code": ERROR_CODES.get(code, "error"), "exit_code": code, "message": message}}
+    )
+
+
 def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
-    """Print ``message`` to stderr and exit with ``code``."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    """Print ``message`` to stderr (as a JSON error on stdout with ``--json``) and exit with
+    ``code``."""
+    if json_errors:
+        json_error(message, code)
+    else:
+        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+@contextmanager
+def spinner(text: str) -> Iterator[Callable[[str], None]]:
+    """A spinner with ``text`` on stderr while a long wait lasts (a build, a snapshot), only
+    when stdout and stderr are a terminal (while it spins, rich shows stdout above it: a
+    redirected stdout must not end up there) and never with ``--json``; yields a function that
+    changes the text."""
+    if json_errors or not (err_console.is_terminal and console.is_terminal):
+        yield lambda _: None
+        return
+    with err_console.status(safe_text(text)) as status:
+        yield lambda new: status.update(safe_text(new))
+
+
+def confirm(action: str, yes: bool) -> None:
+    """Ask before a destructive ``action`` (``"delete 3 snapshots"``) unless ``--yes``; without
+    a terminal to ask on (a script, ``--json``), refuse with exit 2 and say to pass ``--yes``."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        fail(
+            f"refusing to {action} without confirmation: pass --yes (stdin is not a terminal)",
+            EXIT_BAD_INPUT,
+        )
+    if not typer.confirm(f"{action}?", default=False, err=True):
+        fail(f"not confirmed: did not {action}", EXIT_FAILED)
 
 
 def check_event_types(types: list[str]) -> None:
@@ -76,6 +125,8 @@ def check_event_types(types: list[str]) -> None:
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine from a synchronous Typer command."""
+    import asyncio
+
     return asyncio.run(coro)
 
 
@@ -94,6 +145,9 @@ def without_credentials(url: str) -> str:
 
 def submitter() -> str:
     """``user@host`` of the person running the CLI."""
+    import getpass
+    import socket
+
     return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
@@ -105,6 +159,7 @@ async def bus(
     that says what to do. The stream is checked, never changed (only the operator may)."""
     from dsec_core.bus import EventTooLarge, StreamWeakened, require_stream
     from dsec_core.natsclient import NatsSettingsError, connect
+    from dsec_core.settings import Settings
 
     settings = settings or Settings()
     url = settings.nats_endpoint()
@@ -171,6 +226,7 @@ async def client(settings: Settings | None = None) -> AsyncIterator[DSec]:
 def operator_root() -> Any:
     """The operator root key of this stack, or exit 2 (only the operator may do this)."""
     from dsec_core import identity
+    from dsec_core.settings import Settings
 
     paths = identity.TrustPaths(Settings().home)
     if not os.access(paths.root_key, os.R_OK):
@@ -184,6 +240,7 @@ def operator_root() -> Any:
 def operator_identity() -> tuple[Any, Any]:
     """The operator's signing key and its root-issued certificate (role ``operator``)."""
     from dsec_core import identity
+    from dsec_core.settings import Settings
     from dsec_core.signing import load_or_create_key
 
     root = operator_root()
@@ -207,6 +264,7 @@ def user_identity(settings: Settings | None = None) -> tuple[Any, Any]:
     in as the local user in tenant ``default``, and says so)."""
     from dsec_client.errors import ConfigError
     from dsec_client.identity import user_identity as load
+    from dsec_core.settings import Settings
 
     try:
         key, cert, note = load(settings or Settings())
@@ -221,6 +279,7 @@ def cli_gate(nc: NATS, js: JetStreamContext) -> Any:
     """A trust gate for what the CLI follows (only authentic events count), or ``None`` when
     no trust root is known here (then events are shown as they come)."""
     from dsec_core import identity
+    from dsec_core.settings import Settings
     from dsec_core.trust import Gate, KeyRing
 
     settings = Settings()
@@ -268,6 +327,7 @@ def parse_since(value: str) -> datetime:
 def s3_client(settings: Settings | None = None) -> Any:
     """A ``minio.Minio`` client for the configured object store, or exit 3 when unset."""
     from dsec_core import objectstore  # imported lazily: most commands never touch S3
+    from dsec_core.settings import Settings
 
     try:
         return objectstore.client(settings or Settings())
@@ -278,6 +338,7 @@ def s3_client(settings: Settings | None = None) -> Any:
 async def pg_connect(settings: Settings | None = None) -> Any:
     """An asyncpg connection to the read models, or exit 3 with what to do."""
     import asyncpg
+    from dsec_core.settings import Settings
 
     settings = settings or Settings()
     dsn = settings.endpoint("postgres_dsn")

@@ -3,12 +3,12 @@ every field escaped (:func:`dsec_cli.common.safe_text`): a sandbox writes some o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dsec_core.envelope import Envelope, MalformedEnvelope, decode
-from rich.console import Console
+from dsec_cli.common import err_console, print_json, safe_text
 
-from dsec_cli.common import safe_text
+if TYPE_CHECKING:
+    from dsec_core.envelope import Envelope
 
 _STYLE = {
     "spec.rejected": "bold red",
@@ -74,13 +74,37 @@ def _summary(env: Envelope) -> str:
     return " ".join(f"{k}={p[k]}" for k in keys if k in p)
 
 
+#: What a sandbox waits for after each event of its lifecycle (the spinner of ``dsec submit``).
+_NEXT = {
+    "spec.submitted": "validating the spec",
+    "spec.validated": "resolving the dependencies",
+    "deps.resolved": "building the environment",
+    "env.built": "placing the sandbox on a node",
+    "unit.placed": "starting the sandbox",
+    "sandbox.scheduled": "starting the sandbox",
+    "sandbox.pending": "waiting for a node that fits",
+    "sandbox.started": "waiting for the sandbox to be ready",
+    "sandbox.ready": "running",
+    "snapshot.restored": "running",
+}
+
+
+def waiting_for(last_type: str | None) -> str:
+    """What comes next after an event of type ``last_type`` (``None``: nothing seen yet)."""
+    if last_type is None:
+        return "waiting for the policy service"
+    return _NEXT.get(last_type, "running")
+
+
 def decode_or_warn(seq: int, data: bytes) -> Envelope | None:
     """Decode one message of the log; a malformed one is reported on stderr and skipped, so
     a single bad message (anyone with publish rights can write one) cannot crash a command."""
+    from dsec_core.envelope import MalformedEnvelope, decode
+
     try:
         return decode(data)
     except MalformedEnvelope as exc:
-        Console(stderr=True).print(f"[red]seq {seq}: malformed event skipped: {safe_text(exc)}[/]")
+        err_console.print(f"[red]seq {seq}: malformed event skipped: {safe_text(exc)}[/]")
         return None
 
 
@@ -107,3 +131,20 @@ def human_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+class JsonChunks:
+    """``--json`` output of a byte stream (``sandbox logs``/``exec``): one
+    ``{"stream", "data"}`` object per line of stdout for each chunk, UTF-8 decoded across
+    chunk boundaries (invalid bytes as U+FFFD). A sink like :class:`dsec_cli.remote.Sink`."""
+
+    def __init__(self, stream: str) -> None:
+        import codecs
+
+        self.stream = stream
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def write(self, data: bytes, final: bool = False) -> None:
+        text = self._decoder.decode(data, final)
+        if text:
+            print_json({"stream": self.stream, "data": text})

@@ -1,10 +1,44 @@
-"""DSec core: event models, envelope, signing, bus wiring, settings, metrics helpers."""
+"""DSec core: event models, envelope, signing, bus wiring, settings, metrics helpers.
 
-from dsec_core.envelope import Envelope, decode, encode
-from dsec_core.events import EVENT_TYPES, TERMINAL_TYPES, Payload, decode_payload
-from dsec_core.ids import derive_event_id, new_event_id, new_sandbox_id
-from dsec_core.settings import Settings
-from dsec_core.signing import Signer, load_or_create_key
+The names below are imported on first use (PEP 562): importing any ``dsec_core`` module (the
+CLI's ``dsec_core.text``) must not load the event models, pydantic and nats with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dsec_core.envelope import Envelope, decode, encode
+    from dsec_core.events import EVENT_TYPES, TERMINAL_TYPES, Payload, decode_payload
+    from dsec_core.ids import derive_event_id, new_event_id, new_sandbox_id
+    from dsec_core.settings import Settings
+    from dsec_core.signing import Signer, load_or_create_key
+
+_WHERE = {
+    "Envelope": "envelope",
+    "decode": "envelope",
+    "encode": "envelope",
+    "EVENT_TYPES": "events",
+    "TERMINAL_TYPES": "events",
+    "Payload": "events",
+    "decode_payload": "events",
+    "derive_event_id": "ids",
+    "new_event_id": "ids",
+    "new_sandbox_id": "ids",
+    "Settings": "settings",
+    "Signer": "signing",
+    "load_or_create_key": "signing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "EVENT_TYPES",

@@ -14,6 +14,7 @@ from dsec_cli.common import (
     EXIT_FAILED,
     bus,
     check_event_types,
+    confirm,
     console,
     err_console,
     fail,
@@ -333,11 +334,13 @@ def revoke(
     reason: Annotated[str, typer.Option(help="Why, recorded in the log")] = "",
     producer: Annotated[str, typer.Option(help="The producer it was certified for")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
 ) -> None:
     """Revoke a key (operator only): every consumer refuses what it signs from now on."""
     from dsec_core.events import KeyRevoked
     from dsec_core.subjects import InvalidSubjectToken
 
+    confirm(f"revoke key {key_id} for good (what it signs is refused from now on)", yes)
     try:
         seq = run(
             _publish_as_operator(

@@ -7,11 +7,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from dsec_core.events import EVENT_TYPES
-from dsec_core.subjects import ALL_EVENTS, STREAM, aggregate_filter
 
-from dsec_cli.common import bus, check_event_types, console, print_json, run
-from dsec_cli.render import decode_or_warn, event_json, event_line
+from dsec_cli.common import (
+    EXIT_BAD_INPUT,
+    bus,
+    check_event_types,
+    console,
+    fail,
+    print_json,
+    run,
+)
 
 events_app = typer.Typer(help="Follow the event log; export the bus schema.", no_args_is_help=True)
 
@@ -20,6 +25,9 @@ async def _tail(
     types: list[str], sandbox: str | None, from_start: bool, as_json: bool, count: int | None
 ) -> None:
     from dsec_core.bus import follow
+    from dsec_core.subjects import ALL_EVENTS, STREAM, aggregate_filter
+
+    from dsec_cli.render import decode_or_warn, event_json, event_line
 
     filt = aggregate_filter("sandbox", sandbox) if sandbox else ALL_EVENTS
     shown = 0
@@ -59,15 +67,25 @@ def tail(
 @events_app.command("schema")
 def schema(
     out: Annotated[Path | None, typer.Option(help="Write to this file instead of stdout")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="With --out: print what was written as JSON")
+    ] = False,
 ) -> None:
     """Export the AsyncAPI 3.0 document of every event on the bus (JSON)."""
+    from dsec_core.events import EVENT_TYPES
     from dsec_core.schema import asyncapi_document
 
     text = json.dumps(asyncapi_document(), indent=2)
     if out is None:
-        print(text)
-    else:
+        print(text)  # the document is JSON already, with or without --json
+        return
+    try:
         out.write_text(text + "\n")
+    except OSError as exc:
+        fail(f"cannot write {out}: {exc.strerror}", EXIT_BAD_INPUT)
+    if as_json:
+        print_json({"path": str(out), "event_types": len(EVENT_TYPES)})
+    else:
         console.print(f"wrote {out} ({len(EVENT_TYPES)} event types)")
 
 

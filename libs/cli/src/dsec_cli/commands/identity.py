@@ -115,6 +115,7 @@ def issue_user(
     user: Annotated[str, typer.Argument(help="The user's name")],
     tenant: Annotated[str, typer.Option(help="The tenant the user acts for")],
     out: Annotated[Path, typer.Option(help="Where to write the credential (mode 0600)")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
 ) -> None:
     """Issue a credential (key + root-signed certificate) for a user of one tenant."""
     from dsec_core import identity
@@ -122,9 +123,17 @@ def issue_user(
     key, cert = identity.issue_user(
         operator_root(), _check_name(user, "user"), _check_name(tenant, "tenant")
     )
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        fail(f"cannot write {out}: {exc.strerror} (an existing file is never overwritten)", 2)
     with os.fdopen(fd, "w") as f:
         f.write(identity.credential_json(key, cert, bytes(operator_root().verify_key)))
+    if as_json:
+        print_json(
+            {"path": str(out), "subject": cert.subject, "tenant": tenant, "key_id": cert.key_id}
+        )
+        return
     console.print(
         f"wrote {safe_text(out)} for {safe_text(cert.subject)} (tenant {safe_text(tenant)}); "
         "give it to the user, who runs `dsec login --credential FILE`",
@@ -151,6 +160,7 @@ def issue_service(
         Path | None,
         typer.Option(help="With --to-vault: write a Vault token that reads only this key (0600)"),
     ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
 ) -> None:
     """Certify a service's key for another machine (a node agent joining, replicas).
 
@@ -170,7 +180,7 @@ def issue_service(
         fail("--token-file goes with --to-vault", EXIT_BAD_INPUT)
     root = operator_root()
     if to_vault:
-        key_id = _issue_to_vault(root, role, node, token_file)
+        key_id = _issue_to_vault(root, role, node, token_file, quiet=as_json)
     else:
         assert home is not None
         paths = identity.TrustPaths(home)
@@ -179,11 +189,24 @@ def issue_service(
         anchor = home / "trust" / "root.pub"
         anchor.parent.mkdir(parents=True, exist_ok=True)
         anchor.write_text(bytes(root.verify_key).hex() + "\n")
+    if as_json:
+        print_json(
+            {
+                "role": role,
+                "key_id": key_id,
+                "vault": to_vault,
+                "home": None if home is None else str(home),
+                "token_file": None if token_file is None else str(token_file),
+            }
+        )
+        return
     where = "in Vault" if to_vault else f"under {safe_text(home)}"
     console.print(f"certified {role} key {key_id} {where}", highlight=False)
 
 
-def _issue_to_vault(root: Any, role: str, node: str | None, token_file: Path | None) -> str:
+def _issue_to_vault(
+    root: Any, role: str, node: str | None, token_file: Path | None, *, quiet: bool = False
+) -> str:
     """Keep the certified key Vault holds for ``role`` or store a new one; grant a token."""
     from dsec_core import identity, keysource
     from nacl.signing import SigningKey
@@ -222,6 +245,8 @@ def _issue_to_vault(root: Any, role: str, node: str | None, token_file: Path | N
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token + "\n")
+        if quiet:
+            return key_id
         console.print(
             f"wrote {safe_text(token_file)}: a Vault token (policy {keys.policy_name(name)}) that "
             f"reads only {safe_text(keys.where(name))}; give it to the service as "
@@ -245,6 +270,7 @@ def issue_services(
             "each reading only its service's key",
         ),
     ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
 ) -> None:
     """Certify a key for every service of a deployment (compose, Kubernetes).
 
@@ -259,22 +285,32 @@ def issue_services(
     trust = identity.TrustPaths(Settings().home)
     if not trust.root_key.exists():  # bootstrapping a deployment: this machine is the operator's
         identity.ensure_root(trust)
-        console.print(f"created the operator root key {safe_text(trust.root_key)} (keep it safe)")
+        if not as_json:
+            console.print(
+                f"created the operator root key {safe_text(trust.root_key)} (keep it safe)"
+            )
     root = operator_root()
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     paths = identity.TrustPaths(out)
     if to_vault:
         (out / "tokens").mkdir(exist_ok=True, mode=0o700)
+    key_ids: dict[str, str] = {}
     for role in identity.SERVICE_ROLES:
         node_id = node if role == "nodeagent" else None
         if to_vault:
-            key_id = _issue_to_vault(root, role, node_id, out / "tokens" / f"{role}.token")
+            token = out / "tokens" / f"{role}.token"
+            key_id = _issue_to_vault(root, role, node_id, token, quiet=as_json)
         else:
             key_id = identity.ensure_service_identity(paths, root, role, node_id=node_id).key_id
-        console.print(f"{role}: key {key_id}", highlight=False)
+        key_ids[role] = key_id
+        if not as_json:
+            console.print(f"{role}: key {key_id}", highlight=False)
     env = out / "trust.env"
     env.write_text(f"DSEC_TRUST_ROOT={bytes(root.verify_key).hex()}\n")
     written = "tokens" if to_vault else "keys"
+    if as_json:
+        print_json({"out": str(out), "vault": to_vault, "keys": key_ids, "trust_env": str(env)})
+        return
     console.print(f"wrote {safe_text(out)}/{written} and {safe_text(env)}", highlight=False)
 
 

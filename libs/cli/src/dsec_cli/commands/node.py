@@ -22,6 +22,7 @@ from dsec_cli.common import (
     EXIT_TIMEOUT,
     bus,
     cli_gate,
+    confirm,
     console,
     err_console,
     fail,
@@ -367,9 +368,11 @@ def drain(
     reason: _Reason = "",
     timeout: _Timeout = 30.0,
     as_json: _Json = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
 ) -> None:
     """Cordon a node and move its sandboxes to others (operator only). Exit codes as
     ``cordon``."""
+    confirm(f"drain node {node_id} (its sandboxes are stopped and placed elsewhere)", yes)
     _cordon("drain", node_id, reason, timeout, as_json)
 
 

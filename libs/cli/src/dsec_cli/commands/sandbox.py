@@ -7,18 +7,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from dsec_core.events import SpecSubmitted
-from dsec_core.settings import Settings
-from rich.table import Table
 
 from dsec_cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     bus,
     client,
+    confirm,
     console,
     err_console,
     fail,
@@ -28,6 +26,9 @@ from dsec_cli.common import (
     safe_text,
     submitter,
 )
+
+if TYPE_CHECKING:  # imported where used: `dsec sandbox ... --help` stays fast
+    from dsec_core.events import SpecSubmitted
 
 sandbox_app = typer.Typer(
     help="List, inspect, stop, roll back and start sandboxes from snapshots.", no_args_is_help=True
@@ -85,6 +86,8 @@ def list_(
     if as_json:
         print_json(rows)
         return
+    from rich.table import Table
+
     table = Table()
     table.add_column("sandbox", no_wrap=True)
     for column in ("name", "state", "node", "exit", "last event", "updated"):
@@ -163,6 +166,8 @@ def show(
             f"{data.get('reports', 0)} reports of its own semantic layer",
             highlight=False,
         )
+    from rich.table import Table
+
     table = Table("seq", "time", "event", "producer", "details")
     for e in data["events"]:
         details = " ".join(f"{k}={v}" for k, v in e["summary"].items())
@@ -188,6 +193,9 @@ def logs(
         bool, typer.Option("-f", "--follow", help="Keep printing until it exits")
     ] = False,
     stderr: Annotated[bool, typer.Option("--stderr", help="Show stderr instead of stdout")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help='One {"stream", "data"} object per line per chunk')
+    ] = False,
 ) -> None:
     """Print a sandbox's output (kept after it exits), from any machine that reaches the bus.
 
@@ -198,9 +206,11 @@ def logs(
     the raw log).
     """
     from dsec_cli.remote import Sink, session
+    from dsec_cli.render import JsonChunks
 
-    sink = Sink(sys.stdout.buffer, terminal=sys.stdout.isatty())
-    args = {"stream": "stderr" if stderr else "stdout", "follow": follow}
+    stream = "stderr" if stderr else "stdout"
+    sink = JsonChunks(stream) if as_json else Sink(sys.stdout.buffer, terminal=sys.stdout.isatty())
+    args = {"stream": stream, "follow": follow}
     try:
         run(session("logs", sandbox_id, args, lambda _, data: sink.write(data)))
     except KeyboardInterrupt:
@@ -218,6 +228,14 @@ def exec_(
     interactive: Annotated[
         bool, typer.Option("-i", "--interactive", help="Send stdin (always done; for -it)")
     ] = True,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help='Output as {"stream", "data"} lines, then {"exit_code"} (give it before ID; '
+            "not with -t)",
+        ),
+    ] = False,
 ) -> None:
     """Run COMMAND inside a running sandbox, with the same isolation (no secrets).
 
@@ -228,16 +246,21 @@ def exec_(
     to the command), its size follows yours, stdout and stderr arrive as one stream.
     """
     from dsec_cli.remote import Sink, session
+    from dsec_cli.render import JsonChunks
 
     argv = command[1:] if command[:1] == ["--"] else list(command)
     if not argv:
         fail("give the command to run after --", EXIT_BAD_INPUT)
     if tty:
+        if as_json:
+            fail("--json and -t do not go together (a terminal is not JSON)", EXIT_BAD_INPUT)
         _exec_tty(sandbox_id, argv)
-    sinks = {
+    sinks: dict[str, Any] = {
         "stdout": Sink(sys.stdout.buffer, terminal=sys.stdout.isatty()),
         "stderr": Sink(sys.stderr.buffer, terminal=sys.stderr.isatty()),
     }
+    if as_json:
+        sinks = {"stdout": JsonChunks("stdout"), "stderr": JsonChunks("stderr")}
     try:
         ended = run(
             session(
@@ -252,6 +275,10 @@ def exec_(
         raise typer.Exit(130) from None
     if ended.code is None:
         fail(f"the command did not finish: {ended.reason}", EXIT_FAILED)
+    if as_json:
+        for sink in sinks.values():
+            sink.write(b"", final=True)
+        print_json({"exit_code": ended.code})
     raise typer.Exit(ended.code)
 
 
@@ -342,6 +369,9 @@ def stop(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox id (sbx_...)")],
     grace: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL")] = 5.0,
     wait: Annotated[bool, typer.Option(help="Wait for sandbox.exited")] = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print {sandbox_id, requested, exit_code, detail}")
+    ] = False,
 ) -> None:
     """Ask the node agent to stop a sandbox (published as ``sandbox.stop_requested``)."""
     from dsec_client import Timeout
@@ -355,15 +385,22 @@ def stop(
                 detail = (
                     f"exit code {payload['exit_code']}" if "exit_code" in payload else ended.type
                 )
-                console.print(f"{sandbox_id} is not running: it already ended ({detail})")
+                if as_json:
+                    already.append(detail)
+                else:
+                    console.print(f"{sandbox_id} is not running: it already ended ({detail})")
                 return None
             try:
                 return await sandbox.stop(grace=grace, wait=wait)
             except Timeout as exc:
                 fail(str(exc), EXIT_FAILED)
 
+    already: list[str] = []
     code = run(go())
-    if code is not None:
+    if as_json:
+        result = {"sandbox_id": sandbox_id, "requested": not already, "exit_code": code}
+        print_json({**result, "detail": f"already ended ({already[0]})" if already else None})
+    elif code is not None:
         console.print(f"{sandbox_id} stopped (exit code {code})")
 
 
@@ -442,6 +479,8 @@ def run_from_snapshot(
         fail(f"--wait {wait!r} is not valid; use one of {', '.join(WAIT_FOR)}", EXIT_BAD_INPUT)
     if code is not None and not code.is_dir():
         fail(f"--code {code} is not a directory", EXIT_BAD_INPUT)
+    from dsec_core.settings import Settings
+
     settings = Settings()
     start = _prepare_run(snapshot, code, spec)
     code_ref = upload_code(code, start.spec_text, settings) if code is not None else None
@@ -512,6 +551,7 @@ def _spec_of(sandbox_id: str | None, spec: Path | None, name: str) -> tuple[str,
 
     async def load() -> SpecSubmitted | None:
         from dsec_core.envelope import decode
+        from dsec_core.events import SpecSubmitted
         from dsec_core.subjects import STREAM, subject_for
         from nats.js.errors import NotFoundError
 
@@ -565,6 +605,7 @@ def gc(
         typer.Option("--keep", min=0, help="Also keep at most this many ended sandboxes"),
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would go")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
     """Remove the directories (code copy, logs, outputs) of ENDED sandboxes on this node.
@@ -576,6 +617,7 @@ def gc(
     import os
 
     from dsec_core import retention
+    from dsec_core.settings import Settings
     from dsec_core.spec.units import parse_duration
 
     try:
@@ -584,6 +626,9 @@ def gc(
     except ValueError as exc:
         fail(f"--older-than {older_than!r}: {exc} (e.g. 1d, 6h, 30m)", EXIT_BAD_INPUT)
     home = Settings().home.resolve()
+    if not dry_run:
+        kept = f" (keeping at most {keep})" if keep is not None else ""
+        confirm(f"remove ended sandboxes older than {older_than} under {home}{kept}", yes)
     if not dry_run and os.geteuid() != 0:
         fail(
             "dsec sandbox gc removes files owned by sandbox uids: run it as root on the node "

@@ -29,6 +29,7 @@ from dsec_cli.common import (
     EXIT_TIMEOUT,
     EXIT_UNREACHABLE,
     client,
+    confirm,
     console,
     err_console,
     fail,
@@ -36,6 +37,7 @@ from dsec_cli.common import (
     run,
     safe_lines,
     safe_text,
+    spinner,
     submitter,
 )
 from dsec_cli.render import human_size
@@ -116,7 +118,8 @@ def ask_snapshot_service(payload: Payload, sandbox_id: str, timeout: float) -> E
         subject_for(payload.TYPE, sandbox_id)
     except InvalidSubjectToken as exc:
         fail(f"sandbox id: {exc}", EXIT_BAD_INPUT)
-    answer = run(_request(payload, sandbox_id, ANSWERS, timeout))
+    with spinner(f"{payload.TYPE} for {sandbox_id}: waiting for its node agent"):
+        answer = run(_request(payload, sandbox_id, ANSWERS, timeout))
     if answer is None:
         fail(
             f"no answer to {payload.TYPE} for {sandbox_id} within {timeout:.0f} s: is the "
@@ -260,7 +263,7 @@ def _create_from_dir(
         env={v: os.environ[v] for v in env} or None,
         labels={"tenant": tenant} if tenant else {},
     )
-    with snapshot_store() as store:
+    with snapshot_store() as store, spinner(f"snapshot {name}: hashing and uploading"):
         result = store.create(name, inputs)
     m = result.manifest
     if as_json:
@@ -468,7 +471,7 @@ def restore(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Materialize a snapshot's code at DEST (every byte hash-checked)."""
-    with snapshot_store() as store:
+    with snapshot_store() as store, spinner(f"restoring {name}: fetching and checking"):
         result = store.restore(name, dest, sync=sync)
     if as_json:
         print_json(
@@ -519,13 +522,12 @@ def ask_delete(names: list[str], *, collect: bool, grace_s: float, timeout: floa
     request = SnapshotDeleteRequested(
         names=names, gc=collect, gc_grace_s=grace_s, requested_by=submitter()
     )
-    if not as_quiet():
-        what = f"{len(names)} snapshot(s)" if names else "unreferenced chunks"
-        err_console.print(f"asking the snapshot service to delete {what}...", highlight=False)
+    what = f"{len(names)} snapshot(s)" if names else "unreferenced chunks"
     from dsec_core.ids import new_event_id
 
     request_id = "del-" + new_event_id().replace("-", "")  # the request's own aggregate
-    answer = run(_request(request, request_id, frozenset({"snapshot.deleted"}), timeout))
+    with spinner(f"asking the snapshot service to delete {what}"):
+        answer = run(_request(request, request_id, frozenset({"snapshot.deleted"}), timeout))
     if answer is None:
         fail(
             f"no snapshot.deleted within {timeout:.0f} s: is the snapshot service running? "
@@ -535,11 +537,6 @@ def ask_delete(names: list[str], *, collect: bool, grace_s: float, timeout: floa
     return answer
 
 
-def as_quiet() -> bool:
-    """Progress lines go to stderr unless it is not a terminal (scripts, tests)."""
-    return not err_console.is_terminal
-
-
 @snapshot_app.command("rm")
 def rm(
     names: Annotated[list[str], typer.Argument(help="Snapshots to delete")],
@@ -547,6 +544,7 @@ def rm(
         bool, typer.Option("--gc", help="Also free the chunks no snapshot refers to any more")
     ] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the snapshot service")] = 60.0,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Delete snapshots of your tenant (their chunks are freed by `gc`, or `--gc`).
@@ -556,6 +554,10 @@ def rm(
     """
     for name in names:
         _validate_name(name)
+    confirm(
+        f"delete snapshot(s) {', '.join(names)}" + (" and free their chunks" if collect else ""),
+        yes,
+    )
     answer = ask_delete(names, collect=collect, grace_s=3600.0, timeout=timeout)
     p = answer.payload
     if as_json:
@@ -584,6 +586,7 @@ def retain(
     keep_daily: Annotated[int, typer.Option(help="Keep the newest of each of N days")] = 0,
     series: Annotated[str | None, typer.Option(help="Only this series")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Apply a retention policy: delete the snapshots it does not keep (of your tenant)."""
@@ -594,6 +597,7 @@ def retain(
         policy = RetentionPolicy(keep_last=keep_last, keep_within=within, keep_daily=keep_daily)
         expired = store.apply_retention(policy, series=series, dry_run=True)
     if expired and not dry_run:
+        confirm(f"delete {len(expired)} snapshot(s): {', '.join(expired)}", yes)
         answer = ask_delete(expired, collect=False, grace_s=3600.0, timeout=60.0)
         expired = list(answer.payload["names"])
     if as_json:
@@ -612,12 +616,14 @@ def gc(
     timeout: Annotated[
         float, typer.Option(help="Seconds to wait for the snapshot service")
     ] = 300.0,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Delete chunks and audit blobs that no snapshot references (the snapshot service does;
     `--dry-run` only reads the store here)."""
     period = _duration(grace, "--grace")
     if not dry_run:
+        confirm(f"delete the snapshot objects no snapshot refers to, older than {grace}", yes)
         answer = ask_delete([], collect=True, grace_s=period.total_seconds(), timeout=timeout)
         p = answer.payload
         if as_json:

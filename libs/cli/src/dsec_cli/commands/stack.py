@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dsec_cli.common import fail
 from dsec_cli.stack import (
     NeverStarted,
     Stack,
@@ -48,11 +49,9 @@ def _stack(**kwargs: Any) -> Stack:
     except ValidationError as exc:
         first = exc.errors()[0]
         field = "DSEC_" + ".".join(str(p) for p in first["loc"]).upper()
-        err.print(f"[red]error:[/] {field}: {first['msg']}")
-        raise typer.Exit(2) from None
+        fail(f"{field}: {first['msg']}", 2)
     except (StackConfigError, StackStateError) as exc:
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(str(exc), 2)
 
 
 def _table(status: StackStatus) -> Table:
@@ -130,8 +129,7 @@ def up(
             services=services, server_timeout=timeout, service_timeout=timeout, nodes=nodes
         )
     except StackConfigError as exc:
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(str(exc), 2)
     t0 = time.monotonic()
 
     def progress(name: str, message: str) -> None:
@@ -141,16 +139,15 @@ def up(
         with err.status("Starting the DSec stack…"):
             result = stack.up(progress=progress)
     except (StackConfigError, StackStateError) as exc:
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(str(exc), 2)
     except StackError as exc:
         _print_failure(exc, stack)
         if as_json:
             failures = exc.failures if isinstance(exc, StartFailed) else {}
             payload_err = {
+                "error": {"code": "failed", "exit_code": 1, "message": str(exc)},
                 "home": str(stack.home),
                 "healthy": False,
-                "error": str(exc),
                 "failures": {name: reason for name, (reason, _) in failures.items()},
             }
             typer.echo(json.dumps(payload_err))
@@ -184,6 +181,7 @@ def down(
             "records the exit of those that ended meanwhile, which removed their own cgroups)",
         ),
     ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Stop every service, then every server; verify nothing keeps running or listening.
 
@@ -195,17 +193,18 @@ def down(
     stack = _stack()
 
     def progress(name: str, message: str) -> None:
-        err.print(f"  [bold]{name}[/] {message}")
+        if not as_json:
+            err.print(f"  [bold]{name}[/] {message}")
 
     try:
         result = stack.down(progress=progress, keep_sandboxes=keep_sandboxes)
     except StackStateError as exc:
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(str(exc), 2)
     except StackError as exc:
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from None
-    if result.stopped:
+        fail(str(exc), 1)
+    if as_json:
+        typer.echo(json.dumps({"home": str(stack.home), "stopped": result.stopped}))
+    elif result.stopped:
         out.print(f"stopped: {', '.join(result.stopped)}")
     else:
         out.print("nothing was running")
@@ -222,13 +221,9 @@ def status(
     try:
         report = stack.status()
     except NeverStarted as exc:
-        if as_json:
-            typer.echo(json.dumps({"home": str(stack.home), "error": str(exc)}))
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(3) from None
+        fail(str(exc), 3)
     except StackStateError as exc:
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
+        fail(str(exc), 2)
     if as_json:
         typer.echo(json.dumps(report.to_dict()))
     else:

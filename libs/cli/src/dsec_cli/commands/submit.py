@@ -25,8 +25,9 @@ from dsec_cli.common import (
     print_json,
     run,
     safe_text,
+    spinner,
 )
-from dsec_cli.render import event_line
+from dsec_cli.render import event_line, waiting_for
 
 WAIT_FOR = {
     "validated": "spec.validated",
@@ -184,13 +185,14 @@ async def submit_and_follow(
             also=also,
         )
         outcome = Outcome(sandbox.id)
+
+        def on_event(event: Any) -> None:
+            _record(outcome, event.seq, event.envelope, as_json)
+            show(waiting_for(event.type))
+
         try:
-            await sandbox.wait(
-                wait,
-                timeout=timeout,
-                stall=stall,
-                on_event=lambda event: _record(outcome, event.seq, event.envelope, as_json),
-            )
+            with spinner(waiting_for(None)) as show:  # on a terminal only, never with --json
+                await sandbox.wait(wait, timeout=timeout, stall=stall, on_event=on_event)
         except SandboxEnded:
             pass  # the outcome says how it ended
         except Timeout:
