@@ -91,7 +91,7 @@ def _archive_source(bucket: str | None) -> Any:
     from dsec_core.eventarchive import read_manifest
     from dsec_core.settings import Settings
 
-    from dsec_cli.commands.events_archive import guarded
+    from dsec_cli.commands._events_archive import guarded
     from dsec_cli.common import s3_client
 
     name = bucket or Settings().s3_bucket

@@ -90,5 +90,8 @@ def schema(
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``dsec events``."""
+    """Add ``dsec events`` (with ``archive``, ``archived`` and ``restore``, which live in
+    :mod:`dsec_cli.commands._events_archive` and hang on ``events_app`` when imported)."""
+    from dsec_cli.commands import _events_archive  # noqa: F401
+
     app.add_typer(events_app, name="events")
