@@ -152,6 +152,9 @@ class AgentState:
         except BaseException:
             store.close()
             raise
+        # the keeper decides: a hand-over with no live old version to take over from is a
+        # plain open (this version owns the state at once)
+        self.handover = handover = bool(welcome.get("handover", handover)) and handover
         self.state_id = str(welcome.get("state_id", ""))
         self.config: dict[str, Any] = dict(welcome.get("config") or {})
         self._spec_tiers = _tiers_of(self.config.get("tiers"))
