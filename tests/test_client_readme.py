@@ -21,12 +21,14 @@ SPEC = """\
 version: "1.2"
 name: readme-client
 base: dsec/python311:latest
-entrypoint: [python, -u, agent.py]
+entrypoint: [python, -S, -u, agent.py]  # -S: it prints within ms of its start
 workdir: /workspace
 resources: {cpu: 1, memory: 128MiB, pids: 32}
 timeout: 5m
 """
 
+# Started without `site` (-S, above): it prints before the README's exec round trip ends (with
+# site, a loaded machine's interpreter start could outlast the exec, and the stop came first).
 AGENT = """\
 import time
 print("hello from " + "the sandbox")

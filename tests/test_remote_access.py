@@ -57,7 +57,17 @@ def running(services_module: Any, stack_env: dict[str, str], tmp_path_factory: A
     assert code == 0, out + err
     import json
 
-    return str(json.loads(out.strip().splitlines()[-1])["sandbox_id"])
+    sandbox_id = str(json.loads(out.strip().splitlines()[-1])["sandbox_id"])
+    # `ready` is the process started; its interpreter may still be starting (a loaded machine):
+    # wait until it has printed both lines, as the tests below expect.
+    deadline = time.monotonic() + 90
+    while True:
+        _, printed, _ = _dsec(stack_env, "sandbox", "logs", sandbox_id)
+        _, printed_err, _ = _dsec(stack_env, "sandbox", "logs", sandbox_id, "--stderr")
+        if SECRET_LINE in printed and ERR_LINE in printed_err:
+            return sandbox_id
+        assert time.monotonic() < deadline, f"{sandbox_id} printed {printed!r} {printed_err!r}"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

@@ -94,8 +94,10 @@ def test_stack_env_is_what_settings_read(
         "DSEC_HOME", "DSEC_NATS_URL", "DSEC_POSTGRES_DSN", "DSEC_S3_ENDPOINT",
         "DSEC_S3_ACCESS_KEY", "DSEC_S3_SECRET_KEY", "DSEC_VAULT_ADDR", "DSEC_VAULT_TOKEN",
         "DSEC_S3_BUCKET", "DSEC_NATS_NKEY_SEED", "DSEC_TRUST_ROOT", "DSEC_CREDENTIAL",
+        "DSEC_METRICS_HOST",
     }  # fmt: skip
     assert settings.trust_root is not None and len(bytes.fromhex(settings.trust_root)) == 32
+    assert settings.metrics_host == "127.0.0.1"  # a 0.0.0.0 in the shell never leaks in
 
 
 async def test_nats_restart_keeps_acknowledged_messages(
