@@ -393,6 +393,29 @@ async def test_a_forged_chunk_in_jetstream_is_refused_before_anything_is_sent(
     assert not [p for p in (world.tmp / "b").rglob("journal.bin") if p.stat().st_size]
 
 
+async def test_an_attempt_jetstream_failed_is_not_state(world: World) -> None:
+    """Chunks of a checkpoint that never got all its acks (so was never acknowledged) are
+    left out of a recovery, and its seq is free for the retry."""
+    async with world.node("a") as node_a:
+        sid = await world.sandbox(node_a.keeper)
+        sent = await _write(world, node_a, sid)
+    subject = f"dsec_state.{world.tenant}.{world.group}.{world.agent}"
+    leftover = {"Dsec-State-Seq": "4", "Dsec-Chunk": "0/2", "Dsec-Digest": "ab" * 16}
+    await world.js.publish(subject, b"half of an attempt", headers=leftover)
+
+    async with world.node("b") as node_b:
+        sid_b = await world.sandbox(node_b.keeper)
+        agent = await node_b.connect(sid_b)
+        welcome = await agent.hello(world.agent, world.group)
+        assert welcome["op"] == "welcome" and welcome["seq"] == 3, welcome
+        records, fetched = await agent.fetch()
+        assert fetched["source"] == "remote" and fetched["deltas"] == 3
+        assert _by_name(records) == _by_name(sent)
+        retry = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"retry": 1}}
+        assert (await agent.checkpoint(4, [retry]))["op"] == "ack"
+        await agent.close()
+
+
 async def test_another_sandbox_may_not_open_the_state(world: World) -> None:
     async with world.node("a") as node:
         owner = await world.sandbox(node.keeper)

@@ -61,6 +61,7 @@ HELLO_TIMEOUT_S: Final = 10.0
 SEQ_HEADER: Final = "Dsec-State-Seq"
 CHUNK_HEADER: Final = "Dsec-Chunk"
 WARM_HEADER: Final = "Dsec-Warm"
+DIGEST_HEADER: Final = "Dsec-Digest"
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,11 @@ class _Agent:
 def chunk_aad(subject: str, seq: int, i: int, n: int) -> bytes:
     """Associated data of chunk ``i`` of ``n`` of checkpoint ``seq`` on ``subject``."""
     return f"{subject}|{seq}|{i}|{n}".encode()
+
+
+def _digest(body: bytes) -> str:
+    """A checkpoint body's BLAKE3, shortened (tells attempts of one seq apart)."""
+    return blake3.blake3(body).hexdigest()[:32]
 
 
 def _state_id(key: StateKey) -> str:
@@ -328,7 +334,12 @@ class StateSession:
                 "handover": False,
             }
         )
-        self._timers = asyncio.get_running_loop().create_task(self._tick())
+        self.start_timers()
+
+    def start_timers(self) -> None:
+        """The periodic warm merge and cold check of the state this session owns."""
+        if self._timers is None or self._timers.done():
+            self._timers = asyncio.get_running_loop().create_task(self._tick())
 
     def _seq(self) -> int:
         return self._agent.seq if self._agent is not None else 0
@@ -552,6 +563,28 @@ class StateKeeper:
         """What was registered for a sandbox."""
         return self._sandboxes.get(sandbox_id)
 
+    async def records_of(self, session: StateSession) -> tuple[list[dict[str, Any]], int]:
+        """Hand-over: ``session``'s state as a fetch sends it (warm records, then every
+        checkpoint after; cold refs resolved) and its last durable seq."""
+        store = session._agent
+        if store is None:
+            raise StateError("no-handover", "that session owns no state")
+        async with store.lock:
+            records, _, _ = await self._materialize(store)
+            return records, store.seq
+
+    def switch_owner(self, old: StateSession, new: StateSession) -> None:
+        """Hand-over: ``new`` owns ``old``'s state from now on (its checkpoints continue
+        ``old``'s seq; ``old`` may not checkpoint any more)."""
+        store = old._agent
+        if store is None:
+            raise StateError("no-handover", "that session owns no state")
+        new.key, new.plan, new._agent = old.key, old.plan, store
+        old._agent = None
+        self._owners[store.key] = new
+        old.close()
+        new.start_timers()
+
     async def serve(self, sock: socket.socket, sandbox_id: str) -> None:
         """Serve one agent connection (the broker hands over its end of the socketpair,
         with the sandbox the connecting process belongs to) until it closes."""
@@ -681,7 +714,9 @@ class StateKeeper:
             store.synced = True
             return "local" if local else "empty"
         await self._pull(store)
-        store.seq = max(remote, await asyncio.to_thread(self._local_tail, store))
+        # what JetStream holds last may be an attempt that failed (never acked): the state
+        # is what was pulled
+        store.seq = await asyncio.to_thread(self._local_tail, store)
         store.synced = True
         return "remote"
 
@@ -720,9 +755,16 @@ class StateKeeper:
         await asyncio.to_thread(replace)
 
     async def _read_stream(self, store: _Agent, key: bytes, *, after: int) -> list[_Entry]:
-        """The checkpoints after ``after`` in JetStream, decrypted and reassembled."""
+        """The checkpoints after ``after`` in JetStream, decrypted and reassembled.
+
+        A checkpoint's chunks carry the BLAKE3 of its body (``Dsec-Digest``, also in their
+        ``Nats-Msg-Id``), so a retried checkpoint never mixes with what an attempt JetStream
+        failed left behind. A set with chunks missing was never acknowledged (the keeper acks
+        after every chunk's ack) and is skipped; a complete set that does not authenticate is
+        an error (``corrupt``), and so is a gap in the checkpoints."""
         js = self._need_js()
-        chunks: dict[int, dict[int, tuple[int, bytes, int]]] = {}
+        # seq -> digest -> chunk -> (n, data, stream seq)
+        sets: dict[int, dict[str, dict[int, tuple[int, bytes, int]]]] = {}
         cursor = 1
         while True:
             try:
@@ -737,21 +779,25 @@ class StateKeeper:
             if seq <= after:
                 continue
             ci, _, cn = str(headers.get(CHUNK_HEADER, "")).partition("/")
-            if not (ci.isdigit() and cn.isdigit()):
+            if not (ci.isdigit() and cn.isdigit() and int(ci) < int(cn)):
                 raise StateError(
                     "corrupt", f"JetStream message {msg.seq} of {store.subject}: no chunk header"
                 )
-            chunks.setdefault(seq, {})[int(ci)] = (int(cn), msg.data or b"", msg.seq)
-        entries = []
-        for seq in sorted(chunks):
-            parts = chunks[seq]
-            n = next(iter(parts.values()))[0]
-            if sorted(parts) != list(range(n)) or any(p[0] != n for p in parts.values()):
-                raise StateError(
-                    "corrupt",
-                    f"checkpoint {seq} of {store.subject}: chunks {sorted(parts)} of {n} in "
-                    "JetStream (some are missing)",
-                )
+            digest = str(headers.get(DIGEST_HEADER, ""))
+            group = sets.setdefault(seq, {}).setdefault(digest, {})
+            group[int(ci)] = (int(cn), msg.data or b"", msg.seq)
+        entries: list[_Entry] = []
+        for seq in sorted(sets):
+            complete = [
+                (max(p[2] for p in parts.values()), digest, parts)
+                for digest, parts in sets[seq].items()
+                if sorted(parts) == list(range(next(iter(parts.values()))[0]))
+                and len({p[0] for p in parts.values()}) == 1
+            ]
+            if not complete:
+                continue  # an attempt that failed: never acknowledged
+            _, digest, parts = max(complete, key=lambda c: c[0])  # the latest attempt
+            n = len(parts)
             plain = bytearray()
             for i in range(n):
                 _, data, stream_seq = parts[i]
@@ -765,6 +811,17 @@ class StateKeeper:
                     )
                 except SealError as exc:
                     raise StateError("corrupt", str(exc)) from None
+            if _digest(bytes(plain)) != digest:
+                raise StateError(
+                    "corrupt", f"checkpoint {seq} of {store.subject}: its chunks do not add up"
+                )
+            expected = entries[-1].seq + 1 if entries else after + 1
+            if seq != expected:
+                raise StateError(
+                    "corrupt",
+                    f"{store.subject}: checkpoint {expected} is missing from JetStream "
+                    f"(found {seq} next)",
+                )
             item = msgpack.unpackb(bytes(plain), raw=False, strict_map_key=False)
             entries.append(_Entry(seq, list(item["records"]), len(plain)))
         return entries
@@ -787,6 +844,7 @@ class StateKeeper:
         offset = await asyncio.to_thread(append)
         pieces = [body[i : i + CHUNK_PLAIN] for i in range(0, len(body), CHUNK_PLAIN)] or [b""]
         n = len(pieces)
+        digest = _digest(body)
         try:
             await asyncio.gather(
                 *(
@@ -794,9 +852,10 @@ class StateKeeper:
                         store.subject,
                         seal(key, piece, chunk_aad(store.subject, seq, i, n)),
                         headers={
-                            "Nats-Msg-Id": f"{store.state_id}.{seq}.{i}",
+                            "Nats-Msg-Id": f"{store.state_id}.{seq}.{i}.{digest}",
                             SEQ_HEADER: str(seq),
                             CHUNK_HEADER: f"{i}/{n}",
+                            DIGEST_HEADER: digest,
                         },
                     )
                     for i, piece in enumerate(pieces)
