@@ -323,6 +323,8 @@ async def test_acknowledged_state_comes_back_locally_then_on_another_node(
         assert ack["op"] == "ack" and ack["seq"] == 4
         expected = _by_name([*sent, extra])
         await again.close()
+        for private in (world.tmp / "a" / "shm", world.tmp / "a" / "disk"):
+            assert private.stat().st_mode & 0o777 == 0o700  # the journal is plain
         disk = list((world.tmp / "a" / "disk").rglob("warm-*.bin"))
         assert [p.name for p in disk] == ["warm-3.bin"]
         assert world.tenant.encode() not in disk[0].read_bytes()  # sealed, not plain

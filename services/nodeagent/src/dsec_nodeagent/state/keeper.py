@@ -609,6 +609,7 @@ class StateKeeper:
     async def start(self) -> None:
         """Connect to NATS and the object store; read the OpenBao address."""
         settings = self.settings
+        await asyncio.to_thread(self._private_dirs)
         self._nc = await natsclient.connect(
             settings,
             f"nodeagent-state-{settings.node_id}",
@@ -625,6 +626,14 @@ class StateKeeper:
             addr, token = settings.endpoint("vault_addr"), settings.endpoint("vault_token")
             if addr and token:
                 self._keys = TenantKeys(str(addr), str(token))
+
+    def _private_dirs(self) -> None:
+        """The journal (plain, on tmpfs) and the warm snapshots: the node agent's alone."""
+        for path in (self.journal_dir, self.warm_dir):
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(path, 0o700)
+        if self.journal_dir.parent.name.startswith("dsec-"):  # /dev/shm/dsec-<node>-<hash>
+            os.chmod(self.journal_dir.parent, 0o700)
 
     async def stop(self) -> None:
         for session in list(self._sessions):
