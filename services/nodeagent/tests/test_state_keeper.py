@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import socket
 import sys
 import uuid
@@ -415,6 +416,33 @@ async def test_an_attempt_jetstream_failed_is_not_state(world: World) -> None:
         assert _by_name(records) == _by_name(sent)
         retry = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"retry": 1}}
         assert (await agent.checkpoint(4, [retry]))["op"] == "ack"
+        await agent.close()
+
+
+async def test_an_altered_cold_object_is_found_by_the_check_and_never_served(
+    world: World, s3: Any
+) -> None:
+    async with world.node("a") as node_a:
+        sid = await world.sandbox(node_a.keeper)
+        sent = await _write(world, node_a, sid)
+        key = StateKey(world.tenant, world.group, world.agent)
+        store = node_a.keeper._agent(key)
+        assert await node_a.keeper.verify_cold(store) == []
+        base = next(r for r in sent if r["c"] == "base")
+        name = f"state/{world.tenant}/{world.group}/{world.agent}/cold/{base['hash']}"
+        sealed = s3.client().get_object(s3.bucket, name).read()
+        assert base["data"] not in sealed  # sealed in the object store
+        altered = bytes([sealed[0] ^ 1]) + sealed[1:]
+        s3.client().put_object(s3.bucket, name, io.BytesIO(altered), len(altered))
+        assert await node_a.keeper.verify_cold(store) == [name]
+
+        await _released(node_a.keeper, key)
+        agent = await node_a.connect(sid)
+        assert (await agent.hello(world.agent, world.group))["op"] == "welcome"
+        await agent.send({"op": "fetch"})
+        frame = await agent.recv()
+        assert frame["op"] == "error" and frame["code"] == "corrupt", frame
+        assert name in frame["message"]
         await agent.close()
 
 
