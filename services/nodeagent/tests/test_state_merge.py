@@ -24,11 +24,11 @@ def _full(name: str, arr: np.ndarray) -> dict[str, object]:
     }
 
 
-def test_a_large_array_travels_as_parts_that_merge_back_to_it() -> None:
+def test_a_large_array_travels_as_slices_that_merge_back_to_it() -> None:
     arr = np.arange(3_000_000, dtype=np.float32).reshape(1000, 3000)  # 12 MB
     parts = list(split_large(_full("adapter", arr), limit=1 << 20))
-    assert len(parts) == 12 and all(p["o"] == "part" for p in parts)
-    assert all(len(p["data"]) <= 1 << 20 for p in parts)  # type: ignore[arg-type]
+    assert len(parts) == 12 and all(p["o"] == "slice" and "data" not in p for p in parts)
+    assert all(len(p["val"]) <= 1 << 20 for p in parts)  # type: ignore[arg-type]
     (back,) = merge(parts)
     assert back["o"] == "full" and back["shape"] == [1000, 3000]
     assert np.array_equal(np.frombuffer(back["data"], dtype=np.float32).reshape(1000, 3000), arr)  # type: ignore[arg-type]
@@ -76,6 +76,30 @@ def test_sparse_deltas_log_kv_and_vectors_fold_into_full_records() -> None:
     assert [i[0] for i in out["h"]["items"]] == ["1", "2"]
     assert out["m"]["items"] == {"y": 2}
     assert out["v"]["ids"] == ["b"] and len(out["v"]["vec"]) == 12
+
+
+def test_blob_parts_and_a_repeated_log_append_fold_like_the_sdk_codec() -> None:
+    data = bytes(range(256)) * 10
+    merged = Merged()
+    for offset in range(0, len(data), 1000):
+        merged.apply(
+            {
+                "c": "b",
+                "k": "blob",
+                "t": "cold",
+                "o": "part",
+                "offset": offset,
+                "size": len(data),
+                "hash": "h",
+                "data": data[offset : offset + 1000],
+            }
+        )
+    append = {"c": "h", "k": "log", "t": "hot", "o": "append", "items": [["01", "x", 1]]}
+    merged.apply(append)
+    merged.apply(append)  # a checkpoint sent again after a lost ack
+    out = {r["c"]: r for r in merged.full_records()}
+    assert out["b"]["o"] == "full" and out["b"]["data"] == data
+    assert out["h"]["items"] == [["01", "x", 1]]
 
 
 def test_a_sparse_index_outside_the_array_is_a_located_error() -> None:

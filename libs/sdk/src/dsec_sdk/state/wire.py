@@ -53,10 +53,6 @@ Records (one container's change, or its full value)::
     kind "array"   o "sparse": "dtype": str, "shape": [int], "idx": bytes (int64, flat, C order),
                                "val": bytes (dtype)
                    o "full":   "dtype", "shape", "data": bytes (C order)
-                   o "part":   "dtype", "shape", "start": int (flat element index), "data":
-                               bytes (a contiguous run; a part with start 0 starts the array,
-                               zeros elsewhere): how the keeper sends an array whose full
-                               record passes 8 MiB, so no frame passes MAX_FRAME (additive)
     kind "vectors" o "upsert": "dim": int, "dtype": str, "ids": [str], "vec": bytes (n x dim)
                    o "remove": "ids": [str]
                    o "full":   "dim", "dtype", "ids", "vec"

@@ -885,7 +885,8 @@ class StateKeeper:
         replaced by ``ref`` records. Returns the records and the bytes uploaded."""
         out, uploaded = [], 0
         for record in records:
-            if record["k"] != "blob" or record["t"] != "cold":
+            # parts of a large cold blob stay deltas; the warm merge stores the whole blob
+            if record["k"] != "blob" or record["t"] != "cold" or record["o"] != "full":
                 out.append(record)
                 continue
             data, digest = record.get("data"), record.get("hash")
@@ -998,8 +999,16 @@ class StateKeeper:
         session = self._owners.get(store.key)
         kept = session.plan.warm_snapshots_kept if session is not None else 3
 
+        try:
+            merged = await asyncio.to_thread(
+                merge.merge, [*warm_records, *(r for e in entries for r in e.records)]
+            )
+            merged, _ = await self._cold(store, merged)  # whole blobs assembled from parts
+        except merge.RecordError as exc:
+            log.error("state of %s: cannot merge: %s", store.key, exc)
+            return
+
         def build() -> tuple[bytes, int]:
-            merged = merge.merge([*warm_records, *(r for e in entries for r in e.records)])
             body = msgpack.packb({"seq": seq, "records": merged}, use_bin_type=True)
             packed = zstandard.ZstdCompressor(level=3).compress(body)
             sealed = seal(key, packed, store.warm_aad(seq))
@@ -1007,11 +1016,7 @@ class StateKeeper:
             _write_atomic(store.warm_path(seq), sealed)
             return sealed, len(merged)
 
-        try:
-            sealed, count = await asyncio.to_thread(build)
-        except merge.RecordError as exc:
-            log.error("state of %s: cannot merge: %s", store.key, exc)
-            return
+        sealed, count = await asyncio.to_thread(build)
         s3 = self._need_store()
         await objectstore.put_bytes(s3, self.bucket, f"{store.prefix}warm/{seq}", sealed)
         await self._need_js().publish(

@@ -1,14 +1,18 @@
 """Merging state records (``dsec_sdk.state.wire``) into each container's full record.
 
 The keeper never needs an agent's Python values: it folds each container's deltas into one
-``full`` record (what a warm snapshot holds and what recovery sends first). This is the
-keeper-side merge on the record formats of the wire; the SDK's ``codec`` applies the same
-records to values.
+``full`` record (what a warm snapshot holds). This is the keeper-side merge on the record
+formats of the wire and of ``dsec_sdk.state.codec``'s additions for values too large for one
+record, which it follows exactly:
 
-Additive to the wire (large arrays): kind ``array`` op ``part`` — ``"dtype"``, ``"shape"``,
-``"start"`` (flat element index, C order), ``"data"`` (a contiguous run of elements). A part with
-``start`` 0 starts the array (zeros elsewhere); later parts fill it. The keeper sends an array
-whose full record would pass :data:`PART_BYTES` as parts, so no frame passes the wire's limit.
+* kind ``array`` op ``slice``: ``"dtype"``, ``"shape"``, ``"start"`` (flat element index, C
+  order), ``"val"`` (a contiguous run of elements); the first one starts the array (zeros);
+* kind ``blob`` op ``part``: ``"offset"``, ``"size"`` (total), ``"hash"``, ``"data"``, in order;
+* a log ``append`` skips items whose id is not after the log's last id (ids are time-ordered),
+  so a checkpoint sent again changes nothing.
+
+The keeper sends an array whose full record would pass :data:`PART_BYTES` as slices, so no
+frame passes the wire's limit.
 """
 
 from __future__ import annotations
@@ -80,6 +84,29 @@ class Merged:
     def __init__(self) -> None:
         self.records: dict[str, dict[str, Any]] = {}
         self._arrays: dict[str, tuple[np.ndarray, list[int], str]] = {}
+        self._parts: dict[str, bytearray] = {}  # blobs whose parts are still arriving
+
+    def _apply_blob_part(self, record: dict[str, Any]) -> None:
+        name = record["c"]
+        offset = int(_need(record, "offset", int))
+        total = int(_need(record, "size", int))
+        data = _need(record, "data", bytes)
+        if offset == 0:
+            self._parts[name] = bytearray()
+        held = self._parts.get(name)
+        if held is None or len(held) != offset:
+            raise RecordError(f"blob {name!r}: part at {offset} out of order")
+        held += data
+        if len(held) >= total:
+            del self._parts[name]
+            self.records[name] = {
+                "c": name,
+                "k": "blob",
+                "t": record["t"],
+                "o": "full",
+                "data": bytes(held),
+                "hash": _need(record, "hash", str),
+            }
 
     def apply(self, record: dict[str, Any]) -> None:
         """Fold one record (full or delta) into its container."""
@@ -90,12 +117,17 @@ class Merged:
             return
         self._arrays.pop(name, None)
         prev = self.records.get(name)
-        if op == "full" or kind in ("blob", "ref"):
+        if op == "full" or kind == "ref" or (kind == "blob" and op != "part"):
             self.records[name] = record
+            return
+        if kind == "blob" and op == "part":
+            self._apply_blob_part(record)
             return
         if kind == "log" and op == "append":
             items = list(prev["items"]) if prev and prev.get("k") == "log" else []
-            items.extend(_need(record, "items", (list, tuple)))
+            for item in _need(record, "items", (list, tuple)):
+                if not items or str(item[0]) > str(items[-1][0]):
+                    items.append(item)
             self.records[name] = {**record, "o": "full", "items": items}
         elif kind == "kv" and op in ("set", "del"):
             base = dict(prev["items"]) if prev and prev.get("k") == "kv" else {}
@@ -119,7 +151,7 @@ class Merged:
     def _apply_array(self, record: dict[str, Any]) -> None:
         name, op = record["c"], record["o"]
         held = self._arrays.get(name)
-        if op == "full" or (op == "part" and int(record.get("start", 0)) == 0) or held is None:
+        if op == "full" or held is None:
             arr = _array(record)
             shape = [int(x) for x in record["shape"]]
             held = (arr, shape, record["t"])
@@ -134,11 +166,11 @@ class Merged:
             if len(idx) != len(val) or (len(idx) and (idx.min() < 0 or idx.max() >= arr.size)):
                 raise RecordError(f"array {name!r}: sparse indices and values do not fit")
             arr[idx] = val
-        elif op == "part":
-            start = int(record.get("start", 0))
-            data = np.frombuffer(_need(record, "data", bytes), dtype=arr.dtype)
+        elif op == "slice":
+            start = int(_need(record, "start", int))
+            data = np.frombuffer(_need(record, "val", bytes), dtype=arr.dtype)
             if start < 0 or start + len(data) > arr.size:
-                raise RecordError(f"array {name!r}: part {start}+{len(data)} outside the array")
+                raise RecordError(f"array {name!r}: slice {start}+{len(data)} outside the array")
             arr[start : start + len(data)] = data
         elif op != "full":
             raise RecordError(f"array {name!r}: unknown op {op!r}")
@@ -195,7 +227,7 @@ def merge(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def split_large(record: dict[str, Any], limit: int = PART_BYTES) -> Iterator[dict[str, Any]]:
-    """``record``, or, for an array full record of more than ``limit`` bytes, its parts."""
+    """``record``, or, for an array full record of more than ``limit`` bytes, its slices."""
     data = record.get("data")
     if record.get("k") != "array" or record.get("o") != "full" or not isinstance(data, bytes):
         yield record
@@ -205,10 +237,11 @@ def split_large(record: dict[str, Any], limit: int = PART_BYTES) -> Iterator[dic
         return
     itemsize = np.dtype(record["dtype"]).itemsize
     step = max(1, limit // itemsize) * itemsize
+    head = {k: v for k, v in record.items() if k != "data"}
     for offset in range(0, len(data), step):
         yield {
-            **record,
-            "o": "part",
+            **head,
+            "o": "slice",
             "start": offset // itemsize,
-            "data": data[offset : offset + step],
+            "val": data[offset : offset + step],
         }
