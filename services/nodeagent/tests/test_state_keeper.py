@@ -396,6 +396,55 @@ async def test_a_forged_chunk_in_jetstream_is_refused_before_anything_is_sent(
     assert not [p for p in (world.tmp / "b").rglob("journal.bin") if p.stat().st_size]
 
 
+async def test_checkpoints_go_on_during_a_warm_merge_and_survive_its_rollup(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The merge's upload is held back: a checkpoint taken meanwhile is acked at once, and
+    the rollup that drops the deltas up to the snapshot carries it (another node gets it)."""
+    from dsec_nodeagent.state import keeper as keeper_module
+
+    uploading, release = asyncio.Event(), asyncio.Event()
+    real_put = keeper_module.objectstore.put_bytes
+
+    async def held_put(store: Any, bucket: str, name: str, data: bytes) -> None:
+        if "/warm/" in name:
+            uploading.set()
+            await release.wait()
+        await real_put(store, bucket, name, data)
+
+    monkeypatch.setattr(keeper_module.objectstore, "put_bytes", held_put)
+    async with world.node("a") as node_a:
+        sid = await world.sandbox(node_a.keeper)
+        sent = await _write(world, node_a, sid)
+        key = StateKey(world.tenant, world.group, world.agent)
+        await _released(node_a.keeper, key)
+        agent = await node_a.connect(sid)
+        assert (await agent.hello(world.agent, world.group))["seq"] == 3
+        session = node_a.keeper.session_of(key)
+        assert session is not None
+        merging = asyncio.create_task(session.warm())
+        await asyncio.wait_for(uploading.wait(), 60)
+        during = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"during": 1}}
+        ack = await agent.checkpoint(4, [during])  # not behind the merge
+        assert ack["op"] == "ack" and ack["seq"] == 4
+        release.set()
+        await merging
+        await agent.close()
+    subject = f"dsec_state.{world.tenant}.{world.group}.{world.agent}"
+    info = await world.js.stream_info(STATE_STREAM, subjects_filter=subject)
+    assert info.state.subjects == {subject: 1}  # rolled up: the marker alone
+
+    async with world.node("b") as node_b:
+        sid_b = await world.sandbox(node_b.keeper)
+        agent = await node_b.connect(sid_b)
+        welcome = await agent.hello(world.agent, world.group)
+        assert welcome["seq"] == 4, welcome
+        records, fetched = await agent.fetch()
+        assert fetched["source"] == "remote" and fetched["deltas"] == 1
+        assert _by_name(records) == _by_name([*sent, during])
+        await agent.close()
+
+
 async def test_an_attempt_jetstream_failed_is_not_state(world: World) -> None:
     """Chunks of a checkpoint that never got all its acks (so was never acknowledged) are
     left out of a recovery, and its seq is free for the retry."""

@@ -62,6 +62,8 @@ SEQ_HEADER: Final = "Dsec-State-Seq"
 CHUNK_HEADER: Final = "Dsec-Chunk"
 WARM_HEADER: Final = "Dsec-Warm"
 DIGEST_HEADER: Final = "Dsec-Digest"
+CARRY_MAX: Final = 768 << 10
+"""Most bytes of later checkpoints a warm snapshot's rollup marker carries."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class _Agent:
     subject: str
     prefix: str  # object store keys: <prefix>warm/<seq>, <prefix>cold/<blake3>
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    warming: asyncio.Lock = field(default_factory=asyncio.Lock)
     seq: int = 0  # last durable checkpoint
     synced: bool = False
     journal_bytes: int = 0
@@ -147,6 +150,11 @@ class _Agent:
 
     def cold_aad(self, digest: str) -> bytes:
         return f"cold|{self.prefix}|{digest}".encode()
+
+
+def carry_aad(subject: str, warm_seq: int) -> bytes:
+    """Associated data of the checkpoints a rollup marker carries (those after its snapshot)."""
+    return f"carry|{subject}|{warm_seq}".encode()
 
 
 def chunk_aad(subject: str, seq: int, i: int, n: int) -> bytes:
@@ -456,15 +464,16 @@ class StateSession:
             await callback(seq, records)
         if frame.get("final") is True and self._final is not None and not self._final.done():
             self._final.set_result(records)
-        if store.journal_bytes > JOURNAL_WARM_BYTES:
-            await self.warm()
+        if store.journal_bytes > JOURNAL_WARM_BYTES and not store.warming.locked():
+            keeper._spawn(self.warm())  # checkpoints go on meanwhile
 
     async def warm(self) -> None:
-        """Merge now (the timer's and the journal size's trigger)."""
-        if self._agent is None:
+        """Merge now (the timer's and the journal size's trigger; one at a time)."""
+        store = self._agent
+        if store is None:
             return
-        async with self._agent.lock:
-            await self.keeper._warm(self._agent, self.sandbox_id)
+        async with store.warming:
+            await self.keeper._warm(store, self.sandbox_id)
 
     async def _tick(self) -> None:
         plan = self.plan
@@ -774,6 +783,7 @@ class StateKeeper:
         js = self._need_js()
         # seq -> digest -> chunk -> (n, data, stream seq)
         sets: dict[int, dict[str, dict[int, tuple[int, bytes, int]]]] = {}
+        carried: list[_Entry] = []
         cursor = 1
         while True:
             try:
@@ -783,6 +793,9 @@ class StateKeeper:
             cursor = msg.seq + 1
             headers = msg.headers or {}
             if WARM_HEADER in headers:
+                carried.extend(
+                    self._carried(store, key, msg, int(headers[WARM_HEADER]), after=after)
+                )
                 continue
             seq = int(headers.get(SEQ_HEADER, 0))
             if seq <= after:
@@ -795,8 +808,10 @@ class StateKeeper:
             digest = str(headers.get(DIGEST_HEADER, ""))
             group = sets.setdefault(seq, {}).setdefault(digest, {})
             group[int(ci)] = (int(cn), msg.data or b"", msg.seq)
-        entries: list[_Entry] = []
+        entries: list[_Entry] = list(carried)
         for seq in sorted(sets):
+            if entries and seq <= entries[-1].seq:
+                continue  # also carried by a marker
             complete = [
                 (max(p[2] for p in parts.values()), digest, parts)
                 for digest, parts in sets[seq].items()
@@ -834,6 +849,28 @@ class StateKeeper:
             item = msgpack.unpackb(bytes(plain), raw=False, strict_map_key=False)
             entries.append(_Entry(seq, list(item["records"]), len(plain)))
         return entries
+
+    def _carried(
+        self, store: _Agent, key: bytes, msg: Any, warm_seq: int, *, after: int
+    ) -> list[_Entry]:
+        """The checkpoints after ``after`` a rollup marker carries."""
+        if not msg.data:
+            return []
+        try:
+            body = open_sealed(
+                key,
+                msg.data,
+                carry_aad(store.subject, warm_seq),
+                f"JetStream message {msg.seq} (warm snapshot {warm_seq}'s marker) of "
+                f"{store.subject}",
+            )
+        except SealError as exc:
+            raise StateError("corrupt", str(exc)) from None
+        return [
+            _Entry(int(item["seq"]), list(item["records"]), 0)
+            for item in msgpack.unpackb(body, raw=False, strict_map_key=False)
+            if int(item["seq"]) > after
+        ]
 
     async def _durable(self, store: _Agent, seq: int, records: list[dict[str, Any]]) -> int:
         """Journal one checkpoint on tmpfs and publish it to JetStream, every chunk acked;
@@ -989,16 +1026,22 @@ class StateKeeper:
     async def _warm(self, store: _Agent, sandbox_id: str) -> None:
         """Merge the journal into a full snapshot on disk and in the object store, replace the
         agent's JetStream deltas by a rollup marker, cut the journal; keep
-        ``warm_snapshots_kept``. The caller holds ``store.lock``."""
+        ``warm_snapshots_kept``.
+
+        The agent's checkpoints wait only for the two short steps under ``store.lock`` (read
+        the journal; publish the marker and cut the journal), not for the merge and upload:
+        checkpoints that arrived meanwhile are carried, sealed, in the marker itself, so the
+        rollup that drops the deltas up to the snapshot never drops a later one (when they
+        are too many to carry, the rollup waits for the next merge)."""
         started = time.monotonic()
-        warm_seq, warm_records, entries, _ = await self._local_state(store)
+        async with store.lock:
+            _, warm_records, entries, _ = await self._local_state(store)
         if not entries:
             return
         seq = entries[-1].seq
         key = await self._key(store.key.tenant)
         session = self._owners.get(store.key)
         kept = session.plan.warm_snapshots_kept if session is not None else 3
-
         try:
             merged = await asyncio.to_thread(
                 merge.merge, [*warm_records, *(r for e in entries for r in e.records)]
@@ -1019,29 +1062,45 @@ class StateKeeper:
         sealed, count = await asyncio.to_thread(build)
         s3 = self._need_store()
         await objectstore.put_bytes(s3, self.bucket, f"{store.prefix}warm/{seq}", sealed)
-        await self._need_js().publish(
-            store.subject,
-            b"",
-            headers={
-                "Nats-Msg-Id": f"{store.state_id}.{seq}.warm",
-                "Nats-Rollup": "sub",
-                SEQ_HEADER: str(seq),
-                WARM_HEADER: str(seq),
-            },
-        )
+        async with store.lock:
+            later = [
+                e for e in await asyncio.to_thread(_read_journal, store.journal) if e.seq > seq
+            ]
+            carry = b""
+            if later:
+                body = msgpack.packb(
+                    [{"seq": e.seq, "records": e.records} for e in later], use_bin_type=True
+                )
+                carry = seal(key, body, carry_aad(store.subject, seq))
+            if len(carry) <= CARRY_MAX:
+                await self._need_js().publish(
+                    store.subject,
+                    carry,
+                    headers={
+                        "Nats-Msg-Id": f"{store.state_id}.{seq}.warm.{store.seq}",
+                        "Nats-Rollup": "sub",
+                        SEQ_HEADER: str(store.seq),
+                        WARM_HEADER: str(seq),
+                    },
+                )
 
-        def prune() -> list[int]:
-            with contextlib.suppress(FileNotFoundError):
-                store.journal.unlink()
+            def cut() -> int:
+                tmp = store.journal.with_name(".journal.tmp")
+                with tmp.open("wb") as fh:
+                    for entry in later:
+                        fh.write(_journal_frame(entry.seq, entry.records))
+                os.replace(tmp, store.journal)
+                return store.journal.stat().st_size
+
+            store.journal_bytes = await asyncio.to_thread(cut)
+
+        def prune() -> None:
             seqs = store.warm_seqs()
-            dropped = seqs[: max(0, len(seqs) - kept)]
-            for old in dropped:
+            for old in seqs[: max(0, len(seqs) - kept)]:
                 with contextlib.suppress(FileNotFoundError):
                     store.warm_path(old).unlink()
-            return dropped
 
-        dropped = await asyncio.to_thread(prune)
-        store.journal_bytes = 0
+        await asyncio.to_thread(prune)
         names = await asyncio.to_thread(
             lambda: [
                 o.object_name for o in s3.list_objects(self.bucket, prefix=f"{store.prefix}warm/")
@@ -1050,7 +1109,6 @@ class StateKeeper:
         remote = sorted(int(n.rsplit("/", 1)[1]) for n in names if n.rsplit("/", 1)[1].isdigit())
         for old in remote[: max(0, len(remote) - kept)]:
             await asyncio.to_thread(s3.remove_object, self.bucket, f"{store.prefix}warm/{old}")
-        del dropped, warm_seq
         await self._event(
             events.StateCheckpointed(
                 agent=store.key.agent,
