@@ -628,6 +628,15 @@ class StateKeeper:
             allow_reconnect=True,
         )
         self._js = self._nc.jetstream(timeout=10)
+        try:
+            await self._js.stream_info(STATE_STREAM)
+        except Exception as exc:  # stateless sandboxes still run; stateful ones get errors
+            log.error(
+                "stream %s is not there (%s): agents' checkpoints will be refused until the "
+                "operator creates it (`dsec nats stream`)",
+                STATE_STREAM,
+                type(exc).__name__,
+            )
         if settings.endpoint("s3_endpoint"):
             self._store = objectstore.client(settings)
             await asyncio.to_thread(objectstore.ensure_bucket, self._store, self.bucket)
