@@ -507,6 +507,14 @@ async def test_another_sandbox_may_not_open_the_state(world: World) -> None:
         assert refused["op"] == "error" and refused["code"] == "wrong-agent", refused
         assert "someone-else" in refused["message"]
 
+        # the owner's agent restarts before its old socket is seen closed: the new session
+        # of the same sandbox takes over, the old one is dropped
+        restarted = await node.connect(owner)
+        assert (await restarted.hello(world.agent, world.group))["op"] == "welcome"
+        assert first.reader is not None
+        assert await asyncio.wait_for(first.reader.read(), 30) == b""  # closed by the keeper
+        first = restarted
+
         twin = await world.sandbox(node.keeper)  # the same agent in a second sandbox
         second = await node.connect(twin)
         held = await second.hello(world.agent, world.group)

@@ -308,7 +308,6 @@ class StateSession:
             old = keeper.session_of(self.key)
             if old is None:
                 raise StateError("no-handover", f"no running session owns {self.key}")
-            keeper._spawn(keeper.handover(keeper, old, self))
             await self.send(
                 {
                     "op": "welcome",
@@ -318,9 +317,18 @@ class StateSession:
                     "handover": True,
                 }
             )
+            keeper._spawn(keeper.handover(keeper, old, self))
             return
         holder = keeper.session_of(self.key)
-        if holder is not None and holder is not self:
+        if holder is not None and holder is not self and holder.sandbox_id == self.sandbox_id:
+            # the same sandbox again: its agent restarted before its old socket was seen closed
+            log.info(
+                "state of %s: sandbox %s reconnected; closing its old session",
+                self.key,
+                self.sandbox_id,
+            )
+            holder.abort()
+        elif holder is not None and holder is not self:
             raise StateError(
                 "state-held",
                 f"the state of {agent!r} ({group}, {tenant}) is open in sandbox "
@@ -493,6 +501,11 @@ class StateSession:
                 raise
             except Exception:
                 log.exception("state of %s: periodic merge or check failed", self.key)
+
+    def abort(self) -> None:
+        """Drop the connection (a newer session of the same sandbox replaces it)."""
+        self.close()
+        self._writer.transport.abort()
 
     def close(self) -> None:
         if self._timers is not None:
