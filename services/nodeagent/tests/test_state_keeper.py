@@ -358,6 +358,8 @@ async def test_acknowledged_state_comes_back_locally_then_on_another_node(
     assert recovered[0][1].payload["deltas_applied"] == 3
     remote = await world.events_of("state.recovered", sid_b)
     assert [(e.payload["source"], e.payload["seq"]) for _, e in remote] == [("remote", 4)]
+    assert recovered[0][1].payload["from_sandbox"] is None  # its own state, restarted
+    assert remote[0][1].payload["from_sandbox"] == sid  # written by the sandbox on node a
     adapter_bytes = np.frombuffer(expected["adapter"]["data"], dtype=np.uint8)[:64].tobytes()
     for data, _ in [*hot, *recovered, *remote]:
         assert world.tenant.encode() not in data  # the marker in every checkpoint's values

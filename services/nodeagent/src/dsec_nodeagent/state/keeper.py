@@ -62,6 +62,7 @@ SEQ_HEADER: Final = "Dsec-State-Seq"
 CHUNK_HEADER: Final = "Dsec-Chunk"
 WARM_HEADER: Final = "Dsec-Warm"
 DIGEST_HEADER: Final = "Dsec-Digest"
+SANDBOX_HEADER: Final = "Dsec-Sandbox"
 CARRY_MAX: Final = 768 << 10
 """Most bytes of later checkpoints a warm snapshot's rollup marker carries."""
 
@@ -128,6 +129,7 @@ class _Agent:
     seq: int = 0  # last durable checkpoint
     synced: bool = False
     journal_bytes: int = 0
+    writer: str | None = None  # the sandbox whose checkpoint is the newest, when known
 
     @property
     def journal(self) -> Path:
@@ -414,6 +416,11 @@ class StateSession:
                     duration_ms=round(ms, 3),
                     deltas_applied=deltas,
                     bytes=size,
+                    from_sandbox=(
+                        store.writer
+                        if store.writer is not None and store.writer != self.sandbox_id
+                        else None
+                    ),
                 ),
                 self.sandbox_id,
             )
@@ -436,7 +443,7 @@ class StateSession:
                 records, cold_bytes = await keeper._cold(store, records)
             except merge.RecordError as exc:
                 raise StateError("bad-record", str(exc), seq) from None
-            size = await keeper._durable(store, seq, records)
+            size = await keeper._durable(store, seq, records, self.sandbox_id)
             store.seq = seq
         durable_ms = (time.monotonic() - received) * 1000
         await self.send({"op": "ack", "seq": seq, "bytes": size})
@@ -737,7 +744,10 @@ class StateKeeper:
             msg = await self._need_js().get_msg(STATE_STREAM, subject=store.subject)
         except NotFoundError:
             return 0
-        return int((msg.headers or {}).get(SEQ_HEADER, 0))
+        headers = msg.headers or {}
+        if SANDBOX_HEADER in headers:
+            store.writer = str(headers[SANDBOX_HEADER])
+        return int(headers.get(SEQ_HEADER, 0))
 
     def _local_tail(self, store: _Agent) -> int:
         entries = _read_journal(store.journal)
@@ -894,7 +904,9 @@ class StateKeeper:
             if int(item["seq"]) > after
         ]
 
-    async def _durable(self, store: _Agent, seq: int, records: list[dict[str, Any]]) -> int:
+    async def _durable(
+        self, store: _Agent, seq: int, records: list[dict[str, Any]], sandbox_id: str
+    ) -> int:
         """Journal one checkpoint on tmpfs and publish it to JetStream, every chunk acked;
         the journal is cut back when JetStream refuses. Returns its bytes."""
         key = await self._key(store.key.tenant)
@@ -924,6 +936,7 @@ class StateKeeper:
                             SEQ_HEADER: str(seq),
                             CHUNK_HEADER: f"{i}/{n}",
                             DIGEST_HEADER: digest,
+                            SANDBOX_HEADER: sandbox_id,
                         },
                     )
                     for i, piece in enumerate(pieces)
@@ -935,6 +948,7 @@ class StateKeeper:
                 "not-durable", f"JetStream did not take checkpoint {seq}: {exc}", seq
             ) from None
         store.journal_bytes = offset + len(frame)
+        store.writer = sandbox_id
         return len(body)
 
     async def _cold(
@@ -1103,6 +1117,7 @@ class StateKeeper:
                         "Nats-Rollup": "sub",
                         SEQ_HEADER: str(store.seq),
                         WARM_HEADER: str(seq),
+                        **({SANDBOX_HEADER: store.writer} if store.writer else {}),
                     },
                 )
 
