@@ -34,6 +34,7 @@ from dsec_core.trust import Gate, KeyRing, scan_seq
 from dsec_sdk.ipc import control
 from dsec_sdk.state import wire
 from dsec_testing import trust
+from prometheus_client import REGISTRY
 
 from dsec_nodeagent.ipc import Broker
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper, StateKey
@@ -293,9 +294,15 @@ async def _write(world: World, node: Node, sid: str) -> list[dict[str, Any]]:
     return sent
 
 
+def _metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 async def test_acknowledged_state_comes_back_locally_then_on_another_node(
     world: World,
 ) -> None:
+    before = {t: _metric("dsec_state_checkpoints_total", tier=t) for t in ("hot", "warm")}
+    remote_before = _metric("dsec_state_recoveries_total", source="remote")
     async with world.node("a") as node_a:
         sid = await world.sandbox(node_a.keeper)
         sent = await _write(world, node_a, sid)
@@ -347,6 +354,11 @@ async def test_acknowledged_state_comes_back_locally_then_on_another_node(
         assert fetched["deltas"] == 1  # warm snapshot 3 + checkpoint 4
         assert _by_name(records) == expected
         await agent.close()
+
+    # the node agent's metrics counted them (no per-agent labels)
+    assert _metric("dsec_state_checkpoints_total", tier="hot") - before["hot"] == 4
+    assert _metric("dsec_state_checkpoints_total", tier="warm") - before["warm"] == 1
+    assert _metric("dsec_state_recoveries_total", source="remote") - remote_before == 1
 
     # events: authentic (signed by the node agent, authorized), and never the state itself
     hot = await world.events_of("state.checkpointed", sid)

@@ -36,6 +36,7 @@ from dsec_core.subjects import STATE_ROOT, STATE_STREAM
 from dsec_sdk.ipc.control import check_name
 from dsec_sdk.state import wire
 from nats.js.errors import NotFoundError
+from prometheus_client import Counter, Histogram
 
 from dsec_nodeagent.state import merge
 from dsec_nodeagent.state.merge import split_large
@@ -50,6 +51,21 @@ from dsec_nodeagent.state.sealing import (
 )
 
 log = logging.getLogger(__name__)
+
+CHECKPOINTS = Counter(
+    "dsec_state_checkpoints_total", "Agents' state checkpoints made durable, by tier", ["tier"]
+)
+DURABLE = Histogram(
+    "dsec_state_durable_seconds",
+    "From a checkpoint's receipt to its ack (journaled and every chunk acked by JetStream)",
+    buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+)
+RECOVERIES = Counter(
+    "dsec_state_recoveries_total", "States given back to agents, by source", ["source"]
+)
+REFUSED = Counter(
+    "dsec_state_errors_total", "Error frames sent to agents, by code (a fixed set)", ["code"]
+)
 
 CHUNK: Final = 512 << 10
 """Largest JetStream message of a checkpoint (sealed)."""
@@ -379,6 +395,7 @@ class StateSession:
             raise StateError("bad-request", f"unknown op {op!r}")
 
     async def _error(self, exc: StateError) -> None:
+        REFUSED.labels(exc.code).inc()
         with contextlib.suppress(OSError, ConnectionError):
             await self.send(
                 {"op": "error", "code": exc.code, "message": exc.message, "seq": exc.seq}
@@ -407,6 +424,7 @@ class StateSession:
         source = self._source if records else "empty"
         await self.send({"op": "fetched", "seq": seq, "deltas": deltas, "source": source, "ms": ms})
         if records:
+            RECOVERIES.labels("remote" if source == "remote" else "local").inc()
             await keeper._event(
                 events.StateRecovered(
                     agent=self.key.agent,
@@ -447,6 +465,10 @@ class StateSession:
             store.seq = seq
         durable_ms = (time.monotonic() - received) * 1000
         await self.send({"op": "ack", "seq": seq, "bytes": size})
+        DURABLE.observe(durable_ms / 1000)
+        CHECKPOINTS.labels("hot").inc()
+        if cold_bytes:
+            CHECKPOINTS.labels("cold").inc()
         pause = frame.get("pause_ms")
         await keeper._event(
             events.StateCheckpointed(
@@ -1138,6 +1160,7 @@ class StateKeeper:
                     store.warm_path(old).unlink()
 
         await asyncio.to_thread(prune)
+        CHECKPOINTS.labels("warm").inc()
         names = await asyncio.to_thread(
             lambda: [
                 o.object_name for o in s3.list_objects(self.bucket, prefix=f"{store.prefix}warm/")
