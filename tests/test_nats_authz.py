@@ -209,6 +209,28 @@ async def test_deploy_config_enforces_the_same_roles(tmp_path: Path) -> None:
             with pytest.raises(nats.errors.TimeoutError):
                 await js.publish("dsec.sandbox.s1.spec.validated", b"forged")
             await seen.wait_for("dsec.sandbox.s1.spec.validated")
+            with pytest.raises(nats.errors.TimeoutError):  # only node agents keep state
+                await js.publish("dsec_state.t.g.a", b"forged")
+            await seen.wait_for("dsec_state.t.g.a")
+        finally:
+            await nc.close()
+        # the state keeper: publishes sealed deltas and reads them back by subject; a warm
+        # snapshot's rollup replaces older ones; the purge API stays the operator's
+        nc = await nats.connect(
+            url, nkeys_seed=str(creds / "nodeagent.nk"), error_cb=seen.callback()
+        )
+        try:
+            js = nc.jetstream(timeout=1.0)
+            ack = await js.publish("dsec_state.t.g.a", b"sealed", headers={"Dsec-State-Seq": "1"})
+            assert ack.stream == "DSEC_STATE"
+            got = await js.get_msg("DSEC_STATE", subject="dsec_state.t.g.a")
+            assert got.data == b"sealed"
+            marker = {"Nats-Rollup": "sub", "Dsec-State-Seq": "1", "Dsec-Warm": "1"}
+            assert (await js.publish("dsec_state.t.g.a", b"", headers=marker)).seq == 2
+            assert (await js.stream_info("DSEC_STATE")).state.messages == 1
+            with pytest.raises(nats.errors.TimeoutError):
+                await js.purge_stream("DSEC_STATE")
+            await seen.wait_for("$JS.API.STREAM.PURGE.DSEC_STATE")
         finally:
             await nc.close()
     finally:

@@ -53,6 +53,8 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "snapshot.taken": frozenset({"snapshot", "nodeagent"}),
     "snapshot.restored": frozenset({"nodeagent"}),
     "snapshot.failed": frozenset({"snapshot", "nodeagent"}),
+    "state.checkpointed": frozenset({"nodeagent"}),
+    "state.recovered": frozenset({"nodeagent"}),
     "snapshot.deleted": frozenset({"snapshot"}),
     # any service ends a request it cannot complete, and reports what it refused
     "sandbox.failed": _ANY_SERVICE,

@@ -38,7 +38,7 @@ from dsec_core.events import KeyRegistered, Payload
 from dsec_core.identity import SYSTEM_TENANT, Certificate
 from dsec_core.settings import Settings
 from dsec_core.signing import Sealed, Signer
-from dsec_core.subjects import ALL_EVENTS, STREAM
+from dsec_core.subjects import ALL_EVENTS, STATE_STREAM, STATE_SUBJECTS, STREAM
 from dsec_core.trust import handled_bucket
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,50 @@ def stream_config(replicas: int = 1) -> StreamConfig:
         allow_direct=True,
         num_replicas=replicas,
     )
+
+
+def state_stream_config(replicas: int = 1) -> StreamConfig:
+    """The ``DSEC_STATE`` stream of agents' hot state deltas (docs/state.md): one subject per
+    agent, file storage, no deletes; a keeper's warm snapshot replaces an agent's older deltas
+    with one ``Nats-Rollup: sub`` marker (so no role but the operator ever needs the purge API);
+    as many replicas as ``DSEC_EVENTS``."""
+    return StreamConfig(
+        name=STATE_STREAM,
+        description="DSec agents' state deltas (encrypted, chunked; never events)",
+        subjects=[STATE_SUBJECTS],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        deny_delete=True,
+        deny_purge=False,  # a rollup is a purge of the subject's older messages
+        allow_rollup_hdrs=True,
+        max_msg_size=1 << 20,
+        num_replicas=replicas,
+    )
+
+
+async def ensure_state_stream(js: JetStreamContext, *, replicas: int | None = None) -> None:
+    """Create ``DSEC_STATE`` or restore its settings (operator only, like :func:`ensure_stream`,
+    which calls it)."""
+    wanted = state_stream_config(replicas or 1)
+    try:
+        current = (await js.stream_info(STATE_STREAM)).config
+    except NotFoundError:
+        try:
+            await js.add_stream(wanted)
+            return
+        except BadRequestError:  # created concurrently
+            current = (await js.stream_info(STATE_STREAM)).config
+    fields = ("subjects", "deny_delete", "allow_rollup_hdrs", "duplicate_window")
+    changed = any(getattr(current, f) != getattr(wanted, f) for f in fields)
+    if replicas is not None and current.num_replicas != replicas:
+        current.num_replicas = replicas
+        changed = True
+    if changed:
+        for f in fields:
+            setattr(current, f, getattr(wanted, f))
+        await js.update_stream(current)
 
 
 async def connect(settings: Settings, name: str) -> NATS:
@@ -92,6 +136,7 @@ async def ensure_stream(js: JetStreamContext, *, replicas: int | None = None) ->
         try:
             await js.add_stream(wanted)
             await handled_bucket(js, replicas=replicas)
+            await ensure_state_stream(js, replicas=replicas)
             return
         except BadRequestError:  # created concurrently
             current = (await js.stream_info(STREAM)).config
@@ -114,8 +159,10 @@ async def ensure_stream(js: JetStreamContext, *, replicas: int | None = None) ->
     if changed:
         await js.update_stream(current)
     # The operator also creates the consumers' replay-protection bucket (services may only
-    # write their own keys into it), with as many replicas as the stream.
+    # write their own keys into it), with as many replicas as the stream, and the state plane's
+    # stream of agents' deltas.
     await handled_bucket(js, replicas=replicas)
+    await ensure_state_stream(js, replicas=replicas)
 
 
 RETENTION_APPROVED_KEY = "dsec_retention_approved"

@@ -690,6 +690,47 @@ class KeyRevoked(Payload):
     reason: str = ""
 
 
+# --- the state plane (docs/state.md) --------------------------------------------------------
+
+
+class StateCheckpointed(Payload):
+    """An agent's state checkpoint is durable (payloads never go on the event log)."""
+
+    TYPE = "state.checkpointed"
+    AGGREGATE = "sandbox"
+
+    agent: str
+    group: str
+    tier: Literal["hot", "warm", "cold"]
+    seq: int
+    bytes: int = Field(
+        description="Bytes of deltas (hot), of the snapshot (warm), of new objects (cold)"
+    )
+    records: int
+    pause_ms: float = Field(description="The agent's pause (hot); 0 for keeper-side merges")
+    durable_ms: float = Field(description="From receipt to durable")
+
+
+class StateRecovered(Payload):
+    """An agent's state was given back to it (a restart, or a new sandbox on any node)."""
+
+    TYPE = "state.recovered"
+    AGGREGATE = "sandbox"
+
+    agent: str
+    group: str
+    seq: int
+    source: Literal["local", "remote"] = Field(
+        description="node disk+tmpfs, or object store+JetStream"
+    )
+    duration_ms: float
+    deltas_applied: int
+    bytes: int
+    from_sandbox: str | None = Field(
+        default=None, description="The sandbox that wrote it, when another one"
+    )
+
+
 EVENT_MODELS: tuple[type[Payload], ...] = (
     PolicyViolationSummary,
     PolicyReported,
@@ -724,6 +765,8 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     SnapshotFailed,
     SnapshotDeleteRequested,
     SnapshotDeleted,
+    StateCheckpointed,
+    StateRecovered,
 )
 
 EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}

@@ -115,6 +115,11 @@ class NodeLayout:
     def tls_proxy(self) -> Path:
         return self.home / "tls-proxy"
 
+    @property
+    def state(self) -> Path:
+        """The state keeper's warm snapshots (``state/<tenant>/<group>/<agent>/warm-<seq>.bin``)."""
+        return self.home / "state"
+
     # --- builder and snapshot service ---------------------------------------------------------
 
     @property

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsec_core.subjects import STREAM, filter_for
+from dsec_core.subjects import STATE_STREAM, STATE_SUBJECTS, STREAM, filter_for
 
 OPERATOR = "operator"
 USER = "user"
@@ -160,6 +160,8 @@ TABLE: Mapping[str, Role] = {
             "snapshot.taken",
             "snapshot.restored",
             "snapshot.failed",
+            "state.checkpointed",
+            "state.recovered",
         ),
         # each node agent sees these through its own node's durables; acts only on its own
         node_consumes=(
@@ -169,8 +171,18 @@ TABLE: Mapping[str, Role] = {
             "snapshot.requested",
             "snapshot.restore_requested",
         ),
-        # remote logs/exec: answers go to the requester's inbox (encrypted, signed)
-        extra_publish=("dsec_ipc.>", "_INBOX.>"),
+        # remote logs/exec: answers go to the requester's inbox (encrypted, signed); the state
+        # keeper's encrypted deltas (DSEC_STATE: publish, read back by sequence; a warm
+        # snapshot's rollup marker replaces older ones, so no purge right)
+        extra_publish=(
+            "dsec_ipc.>",
+            "_INBOX.>",
+            STATE_SUBJECTS,
+            f"{_API}.STREAM.INFO.{STATE_STREAM}",
+            f"{_API}.STREAM.MSG.GET.{STATE_STREAM}",
+            f"{_API}.DIRECT.GET.{STATE_STREAM}",
+            f"{_API}.DIRECT.GET.{STATE_STREAM}.>",
+        ),
         extra_subscribe=("dsec_ipc.>", RPC_REQUESTS),
         kv_read=(CONFIGMAP_BUCKET,),
         allow_responses=True,

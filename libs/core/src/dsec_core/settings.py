@@ -218,11 +218,27 @@ class Settings(BaseSettings):
                 f"DSEC_NODE_ID {self.node_id!r}: letters, digits, '_' and '-' only (it names "
                 "this node's directories)"
             )
-        # Two stacks on one machine (a demo and a test run) may both have a ``node-1``: the home
-        # tells them apart, so neither adopts nor removes the other's pinned maps.
-        tag = f"{self.node_id}-{blake3.blake3(str(self.home.absolute()).encode()).hexdigest()[:8]}"
+        tag = self._node_tag()
         pins = self.bpf_pin_dir or Path(f"/sys/fs/bpf/dsec-{tag}")
         return pins / "egress", Path(f"/run/dsec-{tag}") / "egress"
+
+    def _node_tag(self) -> str:
+        # Two stacks on one machine (a demo and a test run) may both have a ``node-1``: the home
+        # tells them apart, so neither adopts nor removes the other's pinned maps.
+        return f"{self.node_id}-{blake3.blake3(str(self.home.absolute()).encode()).hexdigest()[:8]}"
+
+    def state_journal_dir(self, shm: Path = Path("/dev/shm")) -> Path:
+        """Where this node agent's state keeper journals hot deltas: node-local shared memory
+        (``/dev/shm/dsec-<node>-<8 hex of the home's path>/state``: survives sandboxes, not the
+        node); without ``/dev/shm``, ``$DSEC_HOME/state/journal``."""
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.node_id):
+            raise ValueError(
+                f"DSEC_NODE_ID {self.node_id!r}: letters, digits, '_' and '-' only (it names "
+                "this node's directories)"
+            )
+        if shm.is_dir():
+            return shm / f"dsec-{self._node_tag()}" / "state"
+        return self.home.absolute() / "state" / "journal"
 
     def nats_endpoint(self) -> str:
         """The NATS URL to use (setting, stack.json, or the conventional local default)."""

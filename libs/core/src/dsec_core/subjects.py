@@ -14,6 +14,10 @@ from dsec_core.events import model_for
 STREAM = "DSEC_EVENTS"
 ROOT = "dsec"
 ALL_EVENTS = f"{ROOT}.>"
+STATE_STREAM = "DSEC_STATE"
+"""Agents' state deltas (docs/state.md): encrypted chunks, never events; outside ``dsec.>``."""
+STATE_ROOT = "dsec_state"
+STATE_SUBJECTS = f"{STATE_ROOT}.>"
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
 

@@ -71,6 +71,7 @@ from dsec_nodeagent.semantic.compile import rules_from_plan
 from dsec_nodeagent.semantic.models import SemanticDecision, SemanticRules
 from dsec_nodeagent.semantic.reports import MESSAGE_LIMIT, TARGET_LIMIT, Refused, check_report
 from dsec_nodeagent.snapshots import SnapshotStartRefused
+from dsec_nodeagent.state.keeper import StateKeeper
 from dsec_nodeagent.tlsproxy import CA_BUNDLE_PATH, ProxyGrant, TlsProxies
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,8 @@ class NodeAgent:
         self._fenced: set[str] = set()  # stale copies being stopped without any event
         self.start_from_snapshot: StartFromSnapshot | None = None
         """Puts a snapshot's code in a new sandbox's code dir (``dsec_nodeagent.snapshots``)."""
+        self.state_keeper: StateKeeper | None = None
+        """The state plane's keeper: stateful sandboxes are registered with it."""
         _AGENTS.add(self)  # dsec_sandboxes_running counts its manager's sandboxes
 
     def _injector(self) -> ContextInjector:

@@ -22,6 +22,7 @@ from dsec_nodeagent.outlet import EventOutlet
 from dsec_nodeagent.refusals import RefusalGate
 from dsec_nodeagent.remote_access import RemoteAccess
 from dsec_nodeagent.snapshots import NodeSnapshots
+from dsec_nodeagent.state.keeper import StateKeeper
 
 
 def outlet_for(settings: Settings, service: Service) -> EventOutlet:
@@ -54,6 +55,7 @@ class Wired:
     outlet: EventOutlet
     egress: Egress
     heartbeat: Heartbeat
+    keeper: StateKeeper | None = None
 
 
 def heartbeat_for(service: Service, agent: NodeAgent) -> Heartbeat:
@@ -112,6 +114,15 @@ def wire(
     if service.settings.policy_flood_stop:
         outlet.on_flood = agent.flooded
     comms.attach(agent.manager)
+    # The state plane (docs/state.md): agents reach their keeper through the broker's `state`
+    # op; its events are lifecycle events of the sandbox.
+    keeper = StateKeeper(
+        service.settings,
+        lambda payload, aggregate_id: outlet.lifecycle(payload, aggregate_id, None),
+        registered_only=True,
+    )
+    comms.state_keeper = keeper
+    agent.state_keeper = keeper
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
     # Per-node durables (nodeagent-<node>-<type>): every node sees each event, and acts only on
     # those of sandboxes placed on it.
@@ -125,7 +136,11 @@ def wire(
     # and stops after the node agent stops watching them.
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack
     heartbeat = heartbeat_for(service, agent)  # joins after the sandboxes were reconciled
-    service.on_start.extend([outlet.start, egress.start, comms.start, agent.start, heartbeat.start])
-    service.on_stop.extend([heartbeat.stop, agent.shutdown, comms.stop, egress.close, outlet.stop])
+    service.on_start.extend(
+        [outlet.start, egress.start, keeper.start, comms.start, agent.start, heartbeat.start]
+    )
+    service.on_stop.extend(
+        [heartbeat.stop, agent.shutdown, comms.stop, keeper.stop, egress.close, outlet.stop]
+    )
     RemoteAccess(service, agent.manager).attach()  # `dsec sandbox logs|exec` over the bus
-    return Wired(service, agent, outlet, egress, heartbeat)
+    return Wired(service, agent, outlet, egress, heartbeat, keeper)

@@ -20,6 +20,7 @@ from dsec_nodeagent.ipc import AgentKey, Broker
 from dsec_nodeagent.ipc.limits import BrokerLimits
 from dsec_nodeagent.sandbox import cgroups
 from dsec_nodeagent.sandbox.manager import SandboxManager
+from dsec_nodeagent.state.keeper import StateKeeper
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class CommunicationPlane:
         self.socket_path = socket_path(settings)
         self.broker: Broker | None = None
         self._manager: SandboxManager | None = None
+        self.state_keeper: StateKeeper | None = None
+        """Serves the broker's ``state`` op (set by the node agent's wiring)."""
 
     def attach(self, manager: SandboxManager) -> None:
         """Identify connecting processes through ``manager``'s sandboxes."""
@@ -84,6 +87,7 @@ class CommunicationPlane:
             identify=self.identify,
             limits=broker_limits(self.settings),
             sandbox_of=sandbox_of,
+            state_keeper=self.state_keeper,
         )
         await broker.start()
         self.broker = broker

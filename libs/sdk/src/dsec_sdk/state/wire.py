@@ -5,8 +5,11 @@ both sides import.
 Transport: a ``SOCK_STREAM`` Unix socket. Inside a sandbox the agent asks the IPC broker for it
 (control op ``{"op": "state", "ref": n}`` on the broker socket; the answer ``{"op": "state",
 "ref": n}`` carries one end of a socketpair whose other end the keeper serves: no new mount, no
-path into the sandbox, and the keeper knows the sandbox from the broker connection). Outside a
-sandbox (tests, plain Python) ``dsec_sdk.state`` uses a local store and no socket at all.
+path into the sandbox, and the keeper knows the sandbox from the broker connection). The op is
+sent after the broker connection's ``hello`` (like ``connect``), any number of times up to the
+broker's per-sandbox bound of state sockets (4; an ``error`` ``too_many_state_sockets`` beyond);
+a broker without a keeper answers ``error`` ``unavailable``. Outside a sandbox (tests, plain
+Python) ``dsec_sdk.state`` uses a local store and no socket at all.
 
 Frames: a 4-byte big-endian length, then one MessagePack map (``use_bin_type``; binary fields
 are ``bytes``). Every frame has ``op``. At most :data:`MAX_FRAME` bytes.
@@ -31,6 +34,14 @@ Keeper -> agent::
     {"op": "handover", "to": str}                        # to the OLD version: final checkpoint
     {"op": "switched", "interruption_ms": float}         # to the NEW version: it owns the state
     {"op": "error", "code": str, "message": str, "seq": int | None}
+
+Error codes: ``bad-request`` (a frame that breaks this contract), ``wrong-agent`` (the hello
+names another agent than the sandbox's), ``state-held`` (another live session owns that
+state), ``no-handover``, ``bad-seq`` (a checkpoint's seq is not the last acked + 1),
+``bad-record``, ``not-durable`` (JetStream did not take it: nothing acked, retry the same seq),
+``corrupt`` (stored state does not authenticate or is incomplete: nothing was sent),
+``unavailable`` (OpenBao, the object store or NATS missing), ``unregistered`` (a sandbox
+without a ``state:`` section).
 
 Records (one container's change, or its full value)::
 

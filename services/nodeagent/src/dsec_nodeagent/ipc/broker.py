@@ -28,7 +28,7 @@ import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from dsec_sdk.errors import ProtocolError
 from dsec_sdk.ipc import channel as ch
@@ -37,6 +37,9 @@ from dsec_sdk.ipc import control
 from dsec_nodeagent.ipc import metrics
 from dsec_nodeagent.ipc.limits import FDS_PER_CONNECTION, Admission, BrokerLimits, RefusalLog
 from dsec_nodeagent.ipc.registry import AgentKey, Registry
+
+if TYPE_CHECKING:
+    from dsec_nodeagent.state.keeper import StateKeeper
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,8 @@ class Broker:
         limits: Bounds per sandbox and node-wide (default :class:`BrokerLimits`).
         sandbox_of: Which sandbox a connecting process belongs to (default: each process is
             its own).
+        state_keeper: Serves the ``state`` op (an agent's state socket, docs/state.md);
+            ``None``: the op is answered ``unavailable``.
     """
 
     def __init__(
@@ -122,6 +127,7 @@ class Broker:
         socket_mode: int = 0o666,
         limits: BrokerLimits | None = None,
         sandbox_of: SandboxOf | None = None,
+        state_keeper: StateKeeper | None = None,
     ) -> None:
         from dsec_sdk.ipc.ring import check_capacity
 
@@ -153,6 +159,8 @@ class Broker:
         self._self_pidfd = -1
         self._tasks: set[asyncio.Task[None]] = set()
         self._remote: Any = None  # RemoteBridge, imported lazily (nats-py only when used)
+        self.state_keeper = state_keeper
+        self._state_sockets: dict[str, int] = {}  # sandbox -> its open state sockets
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -318,6 +326,8 @@ class Broker:
             self._hello(conn, message)
         elif op == "connect":
             self._spawn(self._connect(conn, message))
+        elif op == "state":
+            self._state(conn, message)
         else:
             self._reply_error(conn, message, "bad_request", f"unknown op {op!r}")
 
@@ -418,6 +428,46 @@ class Broker:
             return
         where = "this node or any other" if self._remote is not None else "this node"
         self._reply_error(conn, message, "not_found", f"not registered on {where}")
+
+    # ------------------------------------------------------------------ state sockets
+    def _state(self, conn: Connection, message: dict[str, Any]) -> None:
+        """Hand the agent one end of a socketpair whose other end the state keeper serves for
+        the connection's sandbox (after hello; at most ``state_per_sandbox`` at once)."""
+        keeper = self.state_keeper
+        if keeper is None:
+            self._reply_error(conn, message, "unavailable", "this node has no state keeper")
+            return
+        sandbox = conn.sandbox
+        if self._state_sockets.get(sandbox, 0) >= self.limits.state_per_sandbox:
+            metrics.REFUSALS.labels("state_sockets").inc()
+            self._refusals.refused("state_sockets", sandbox)
+            text = (
+                f"this sandbox holds {self.limits.state_per_sandbox} state sockets, the most one "
+                "sandbox may; close one first"
+            )
+            self._reply_error(conn, message, "too_many_state_sockets", text)
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._send(conn, {"op": "state", "ref": message.get("ref")}, [theirs.fileno()])
+        finally:
+            theirs.close()
+        if conn not in self._connections:  # it died; _send dropped it
+            ours.close()
+            return
+        self._state_sockets[sandbox] = self._state_sockets.get(sandbox, 0) + 1
+        self._spawn(self._serve_state(keeper, ours, sandbox))
+
+    async def _serve_state(self, keeper: StateKeeper, sock: socket.socket, sandbox: str) -> None:
+        try:
+            await keeper.serve(sock, sandbox)
+        finally:
+            sock.close()
+            left = self._state_sockets.get(sandbox, 1) - 1
+            if left > 0:
+                self._state_sockets[sandbox] = left
+            else:
+                self._state_sockets.pop(sandbox, None)
 
     # ------------------------------------------------------------------ channels
     def _track(self, sandbox: str, memfd: int, server: Connection | None) -> None:

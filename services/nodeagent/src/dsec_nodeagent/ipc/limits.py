@@ -12,7 +12,9 @@ I/O; the broker counts and calls :class:`Admission`.
 * node-wide at most ``pending_total`` connections wait for their hello; when that pool is full a
   newcomer from a sandbox with fewer waiting connections than the greediest one evicts the
   greediest one's oldest waiting connection, so a flood from one sandbox cannot lock others out;
-* one agent (sandbox) holds at most ``channels_per_agent`` live channels as a caller.
+* one agent (sandbox) holds at most ``channels_per_agent`` live channels as a caller;
+* one sandbox holds at most ``state_per_sandbox`` state sockets (each is an fd pair: the agent's
+  end and the keeper's).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ REASONS: Final = (
     "identity",  # the hello named an agent this process may not act as, or bad input
     "name_taken",  # another sandbox already serves that agent name
     "taken_over",  # a server replaced by an explicit takeover
+    "state_sockets",  # this sandbox holds its maximum of state sockets
 )
 
 
@@ -53,6 +56,7 @@ class BrokerLimits:
     pending_total: int = 64
     hello_timeout_s: float = 2.0
     channels_per_agent: int = 256
+    state_per_sandbox: int = 4
 
     def __post_init__(self) -> None:
         for name in (
@@ -61,6 +65,7 @@ class BrokerLimits:
             "pending_per_sandbox",
             "pending_total",
             "channels_per_agent",
+            "state_per_sandbox",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ipc limit {name}={getattr(self, name)} is invalid: use >= 1")

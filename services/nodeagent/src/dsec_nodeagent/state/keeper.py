@@ -1,5 +1,6 @@
-"""The state keeper's interface (CONTRACT — the implementation replaces the bodies; the
-signatures below are what the node agent, the broker and the hand-over use; see docs/state.md).
+"""The state keeper (docs/state.md). Its interface is a CONTRACT: the signatures of
+:class:`StateKeeper` and :class:`StateSession` are what the node agent, the broker and the
+hand-over use (additions only).
 
 One :class:`StateKeeper` per node agent. It serves each agent's state socket (handed to the
 sandbox by the IPC broker), journals hot deltas in node-local shared memory (tmpfs), publishes
@@ -11,12 +12,75 @@ in the object store content-addressed (BLAKE3), and publishes ``state.checkpoint
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
 import socket
+import struct
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
 
+import blake3
+import msgpack
+import zstandard
+from dsec_core import events, natsclient, objectstore
+from dsec_core.layout import NodeLayout
+from dsec_core.settings import Settings
 from dsec_core.spec.plan import StatePlan
+from dsec_core.subjects import STATE_ROOT, STATE_STREAM
+from dsec_sdk.ipc.control import check_name
+from dsec_sdk.state import wire
+from nats.js.errors import NotFoundError
+from prometheus_client import Counter, Histogram
+
+from dsec_nodeagent.state import merge
+from dsec_nodeagent.state.merge import split_large
+from dsec_nodeagent.state.sealing import (
+    NONCE,
+    TAG,
+    KeyUnavailable,
+    SealError,
+    TenantKeys,
+    open_sealed,
+    seal,
+)
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = Counter(
+    "dsec_state_checkpoints_total", "Agents' state checkpoints made durable, by tier", ["tier"]
+)
+DURABLE = Histogram(
+    "dsec_state_durable_seconds",
+    "From a checkpoint's receipt to its ack (journaled and every chunk acked by JetStream)",
+    buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+)
+RECOVERIES = Counter(
+    "dsec_state_recoveries_total", "States given back to agents, by source", ["source"]
+)
+REFUSED = Counter(
+    "dsec_state_errors_total", "Error frames sent to agents, by code (a fixed set)", ["code"]
+)
+
+CHUNK: Final = 512 << 10
+"""Largest JetStream message of a checkpoint (sealed)."""
+CHUNK_PLAIN: Final = CHUNK - NONCE - TAG
+JOURNAL_WARM_BYTES: Final = 64 << 20
+"""A journal this large is merged into a warm snapshot at once."""
+RECORDS_FRAME_BYTES: Final = 8 << 20
+HELLO_TIMEOUT_S: Final = 10.0
+SEQ_HEADER: Final = "Dsec-State-Seq"
+CHUNK_HEADER: Final = "Dsec-Chunk"
+WARM_HEADER: Final = "Dsec-Warm"
+DIGEST_HEADER: Final = "Dsec-Digest"
+SANDBOX_HEADER: Final = "Dsec-Sandbox"
+CARRY_MAX: Final = 768 << 10
+"""Most bytes of later checkpoints a warm snapshot's rollup marker carries."""
 
 
 @dataclass(frozen=True)
@@ -47,65 +111,1090 @@ class SandboxState:
     cgroup_dir: str | None = None  # for the freezer (hand-over)
 
 
+class StateError(Exception):
+    """A refusal or failure told to the agent as an ``error`` frame (``code``: a short word)."""
+
+    def __init__(self, code: str, message: str, seq: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.seq = seq
+
+
+@dataclass
+class _Entry:
+    """One checkpoint of the journal."""
+
+    seq: int
+    records: list[dict[str, Any]]
+    size: int
+
+
+@dataclass(eq=False)
+class _Agent:
+    """Where one agent's state lives on this node and in the shared plane."""
+
+    key: StateKey
+    state_id: str
+    journal_dir: Path
+    warm_dir: Path
+    subject: str
+    prefix: str  # object store keys: <prefix>warm/<seq>, <prefix>cold/<blake3>
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    warming: asyncio.Lock = field(default_factory=asyncio.Lock)
+    seq: int = 0  # last durable checkpoint
+    synced: bool = False
+    journal_bytes: int = 0
+    writer: str | None = None  # the sandbox whose checkpoint is the newest, when known
+
+    @property
+    def journal(self) -> Path:
+        return self.journal_dir / "journal.bin"
+
+    def warm_path(self, seq: int) -> Path:
+        return self.warm_dir / f"warm-{seq}.bin"
+
+    def warm_seqs(self) -> list[int]:
+        """Local warm snapshots, oldest first."""
+        found = []
+        for path in self.warm_dir.glob("warm-*.bin"):
+            number = path.name.removeprefix("warm-").removesuffix(".bin")
+            if number.isdigit():
+                found.append(int(number))
+        return sorted(found)
+
+    def warm_aad(self, seq: int) -> bytes:
+        return f"warm|{self.prefix}|{seq}".encode()
+
+    def cold_aad(self, digest: str) -> bytes:
+        return f"cold|{self.prefix}|{digest}".encode()
+
+
+def carry_aad(subject: str, warm_seq: int) -> bytes:
+    """Associated data of the checkpoints a rollup marker carries (those after its snapshot)."""
+    return f"carry|{subject}|{warm_seq}".encode()
+
+
+def chunk_aad(subject: str, seq: int, i: int, n: int) -> bytes:
+    """Associated data of chunk ``i`` of ``n`` of checkpoint ``seq`` on ``subject``."""
+    return f"{subject}|{seq}|{i}|{n}".encode()
+
+
+def _digest(body: bytes) -> str:
+    """A checkpoint body's BLAKE3, shortened (tells attempts of one seq apart)."""
+    return blake3.blake3(body).hexdigest()[:32]
+
+
+def _state_id(key: StateKey) -> str:
+    return blake3.blake3(f"{key.tenant}/{key.group}/{key.agent}".encode()).hexdigest()[:16]
+
+
+def _read_journal(path: Path) -> list[_Entry]:
+    """The journal's checkpoints in order (a frame torn by a crash ends it)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    out: list[_Entry] = []
+    pos = 0
+    while pos + 4 <= len(data):
+        (size,) = struct.unpack_from(">I", data, pos)
+        if pos + 4 + size > len(data):
+            break
+        body = data[pos + 4 : pos + 4 + size]
+        item = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        out.append(_Entry(int(item["seq"]), list(item["records"]), size))
+        pos += 4 + size
+    return out
+
+
+def _journal_frame(seq: int, records: list[dict[str, Any]]) -> bytes:
+    body: bytes = msgpack.packb({"seq": seq, "records": records}, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+def _plan_config(plan: StatePlan) -> dict[str, Any]:
+    config = plan.model_dump(mode="json")
+    config["tiers"] = {name: tier for name, tier in plan.tiers}
+    return config
+
+
 class StateSession:
     """One agent connection (an open state socket)."""
 
     key: StateKey
     sandbox_id: str
 
+    def __init__(self, keeper: StateKeeper, writer: asyncio.StreamWriter, sandbox_id: str) -> None:
+        self.keeper = keeper
+        self.sandbox_id = sandbox_id
+        self.plan = StatePlan()
+        self._writer = writer
+        self._send_lock = asyncio.Lock()
+        self._callbacks: list[Callable[[int, list[dict[str, Any]]], Awaitable[None]]] = []
+        self._final: asyncio.Future[list[dict[str, Any]]] | None = None
+        self._agent: _Agent | None = None
+        self._source = "empty"
+        self._sync_ms = 0.0
+        self._timers: asyncio.Task[None] | None = None
+        self.ready = asyncio.Event()
+        """Set when a hand-over's new version sends ``ready``."""
+
     async def send(self, frame: dict[str, Any]) -> None:
         """Send one frame to the agent."""
-        raise NotImplementedError
+        data = wire.encode(frame)
+        async with self._send_lock:
+            self._writer.write(data)
+            await self._writer.drain()
 
     async def request_final(self, to_sandbox: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
         """Hand-over, on the OLD version's session: send ``{"op": "handover", "to": ...}``,
         wait for its ``final`` checkpoint, make it durable like any other, ack it, and return
         its records."""
-        raise NotImplementedError
+        self._final = asyncio.get_running_loop().create_future()
+        await self.send({"op": "handover", "to": to_sandbox})
+        try:
+            return await asyncio.wait_for(self._final, timeout_s)
+        finally:
+            self._final = None
 
     def on_checkpoint(
         self, callback: Callable[[int, list[dict[str, Any]]], Awaitable[None]]
     ) -> None:
         """Call ``callback(seq, records)`` after each checkpoint of this session is durable
         (the hand-over forwards them to the new version)."""
-        raise NotImplementedError
+        self._callbacks.append(callback)
+
+    # ------------------------------------------------------------------ the conversation
+
+    async def run(self, reader: asyncio.StreamReader) -> None:
+        try:
+            hello = await asyncio.wait_for(wire.read_frame(reader), HELLO_TIMEOUT_S)
+        except (TimeoutError, wire.WireError) as exc:
+            await self._error(StateError("bad-request", f"no valid hello: {exc}"))
+            return
+        if hello is None:
+            return
+        try:
+            await self._hello(hello)
+        except StateError as exc:
+            await self._error(exc)
+            return
+        while True:
+            try:
+                frame = await wire.read_frame(reader)
+            except wire.WireError as exc:
+                await self._error(StateError("bad-request", str(exc)))
+                return
+            if frame is None or frame["op"] == "bye":
+                return
+            try:
+                await self._frame(frame)
+            except StateError as exc:
+                await self._error(exc)
+
+    async def _hello(self, hello: dict[str, Any]) -> None:
+        keeper = self.keeper
+        if hello.get("op") != "hello":
+            raise StateError("bad-request", "the first frame must be hello")
+        if hello.get("v") != wire.VERSION:
+            raise StateError("bad-request", f"wire version {hello.get('v')!r} (this keeper: 1)")
+        try:
+            agent = check_name("agent name", hello.get("agent"))  # type: ignore[arg-type]
+            group = check_name("task group", hello.get("group"))  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise StateError("bad-request", str(exc)) from None
+        info = keeper.sandbox_of(self.sandbox_id)
+        tenant = "default"
+        if info is not None:
+            if (info.agent, info.group) != (agent, group):
+                raise StateError(
+                    "wrong-agent",
+                    f"sandbox {self.sandbox_id} runs agent {info.agent!r} of group "
+                    f"{info.group!r}; it may not open the state of {agent!r} of {group!r}",
+                )
+            tenant = info.tenant
+            self.plan = info.plan or StatePlan()
+        elif keeper.registered_only:
+            raise StateError(
+                "unregistered", f"sandbox {self.sandbox_id} has no state plane (no `state:`)"
+            )
+        self.key = StateKey(tenant, group, agent)
+        if hello.get("handover") is True:
+            if keeper.handover is None:
+                raise StateError("no-handover", "this node agent does not hand state over")
+            old = keeper.session_of(self.key)
+            if old is None:
+                raise StateError("no-handover", f"no running session owns {self.key}")
+            await self.send(
+                {
+                    "op": "welcome",
+                    "state_id": _state_id(self.key),
+                    "seq": old._seq(),
+                    "config": _plan_config(self.plan),
+                    "handover": True,
+                }
+            )
+            keeper._spawn(keeper.handover(keeper, old, self))
+            return
+        holder = keeper.session_of(self.key)
+        if holder is not None and holder is not self and holder.sandbox_id == self.sandbox_id:
+            # the same sandbox again: its agent restarted before its old socket was seen closed
+            log.info(
+                "state of %s: sandbox %s reconnected; closing its old session",
+                self.key,
+                self.sandbox_id,
+            )
+            holder.abort()
+        elif holder is not None and holder is not self:
+            raise StateError(
+                "state-held",
+                f"the state of {agent!r} ({group}, {tenant}) is open in sandbox "
+                f"{holder.sandbox_id}",
+            )
+        keeper._owners[self.key] = self
+        store = keeper._agent(self.key)
+        self._agent = store
+        started = time.monotonic()
+        async with store.lock:
+            self._source = await keeper._sync(store)
+        self._sync_ms = (time.monotonic() - started) * 1000
+        await self.send(
+            {
+                "op": "welcome",
+                "state_id": store.state_id,
+                "seq": store.seq,
+                "config": _plan_config(self.plan),
+                "handover": False,
+            }
+        )
+        self.start_timers()
+
+    def start_timers(self) -> None:
+        """The periodic warm merge and cold check of the state this session owns."""
+        if self._timers is None or self._timers.done():
+            self._timers = asyncio.get_running_loop().create_task(self._tick())
+
+    def _seq(self) -> int:
+        return self._agent.seq if self._agent is not None else 0
+
+    async def _frame(self, frame: dict[str, Any]) -> None:
+        op = frame["op"]
+        if self._agent is None:
+            if op == "ready":
+                self.ready.set()
+                return
+            raise StateError("bad-request", f"{op!r} on a hand-over session before it switched")
+        if op == "fetch":
+            await self._fetch()
+        elif op == "checkpoint":
+            await self._checkpoint(frame)
+        elif op == "ready":
+            self.ready.set()
+        else:
+            raise StateError("bad-request", f"unknown op {op!r}")
+
+    async def _error(self, exc: StateError) -> None:
+        REFUSED.labels(exc.code).inc()
+        with contextlib.suppress(OSError, ConnectionError):
+            await self.send(
+                {"op": "error", "code": exc.code, "message": exc.message, "seq": exc.seq}
+            )
+
+    async def _fetch(self) -> None:
+        assert self._agent is not None
+        started = time.monotonic()
+        keeper, store = self.keeper, self._agent
+        async with store.lock:
+            records, deltas, size = await keeper._materialize(store)
+            seq = store.seq
+        batch: list[dict[str, Any]] = []
+        batch_bytes = 0
+        for record in records:
+            for part in split_large(record):
+                part_bytes = len(msgpack.packb(part, use_bin_type=True))
+                if batch and batch_bytes + part_bytes > RECORDS_FRAME_BYTES:
+                    await self.send({"op": "records", "records": batch})
+                    batch, batch_bytes = [], 0
+                batch.append(part)
+                batch_bytes += part_bytes
+        if batch:
+            await self.send({"op": "records", "records": batch})
+        ms = self._sync_ms + (time.monotonic() - started) * 1000
+        source = self._source if records else "empty"
+        await self.send({"op": "fetched", "seq": seq, "deltas": deltas, "source": source, "ms": ms})
+        if records:
+            RECOVERIES.labels("remote" if source == "remote" else "local").inc()
+            await keeper._event(
+                events.StateRecovered(
+                    agent=self.key.agent,
+                    group=self.key.group,
+                    seq=seq,
+                    source="remote" if source == "remote" else "local",
+                    duration_ms=round(ms, 3),
+                    deltas_applied=deltas,
+                    bytes=size,
+                    from_sandbox=(
+                        store.writer
+                        if store.writer is not None and store.writer != self.sandbox_id
+                        else None
+                    ),
+                ),
+                self.sandbox_id,
+            )
+
+    async def _checkpoint(self, frame: dict[str, Any]) -> None:
+        assert self._agent is not None
+        store, keeper = self._agent, self.keeper
+        seq = frame.get("seq")
+        raw = frame.get("records")
+        if not isinstance(seq, int) or not isinstance(raw, list):
+            raise StateError("bad-request", "a checkpoint needs an int 'seq' and a 'records' list")
+        received = time.monotonic()
+        async with store.lock:
+            if seq != store.seq + 1:
+                raise StateError(
+                    "bad-seq", f"checkpoint {seq} after {store.seq}: expected {store.seq + 1}", seq
+                )
+            try:
+                records = [merge.check(r) for r in raw]
+                records, cold_bytes = await keeper._cold(store, records)
+            except merge.RecordError as exc:
+                raise StateError("bad-record", str(exc), seq) from None
+            size = await keeper._durable(store, seq, records, self.sandbox_id)
+            store.seq = seq
+        durable_ms = (time.monotonic() - received) * 1000
+        await self.send({"op": "ack", "seq": seq, "bytes": size})
+        DURABLE.observe(durable_ms / 1000)
+        CHECKPOINTS.labels("hot").inc()
+        if cold_bytes:
+            CHECKPOINTS.labels("cold").inc()
+        pause = frame.get("pause_ms")
+        await keeper._event(
+            events.StateCheckpointed(
+                agent=self.key.agent,
+                group=self.key.group,
+                tier="hot",
+                seq=seq,
+                bytes=size,
+                records=len(records),
+                pause_ms=float(pause) if isinstance(pause, int | float) else 0.0,
+                durable_ms=round(durable_ms, 3),
+            ),
+            self.sandbox_id,
+        )
+        if cold_bytes:
+            await keeper._event(
+                events.StateCheckpointed(
+                    agent=self.key.agent,
+                    group=self.key.group,
+                    tier="cold",
+                    seq=seq,
+                    bytes=cold_bytes,
+                    records=sum(1 for r in records if r["k"] == "ref"),
+                    pause_ms=0.0,
+                    durable_ms=round(durable_ms, 3),
+                ),
+                self.sandbox_id,
+            )
+        for callback in self._callbacks:
+            await callback(seq, records)
+        if frame.get("final") is True and self._final is not None and not self._final.done():
+            self._final.set_result(records)
+        if store.journal_bytes > JOURNAL_WARM_BYTES and not store.warming.locked():
+            keeper._spawn(self.warm())  # checkpoints go on meanwhile
+
+    async def warm(self) -> None:
+        """Merge now (the timer's and the journal size's trigger; one at a time)."""
+        store = self._agent
+        if store is None:
+            return
+        async with store.warming:
+            await self.keeper._warm(store, self.sandbox_id)
+
+    async def _tick(self) -> None:
+        plan = self.plan
+        next_warm = time.monotonic() + plan.warm_interval_s
+        next_cold = time.monotonic() + plan.cold_interval_s
+        while True:
+            await asyncio.sleep(max(0.0, min(next_warm, next_cold) - time.monotonic()))
+            now = time.monotonic()
+            try:
+                if now >= next_warm:
+                    next_warm = now + plan.warm_interval_s
+                    await self.warm()
+                if now >= next_cold and self._agent is not None:
+                    next_cold = now + plan.cold_interval_s
+                    await self.keeper.verify_cold(self._agent)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("state of %s: periodic merge or check failed", self.key)
+
+    def abort(self) -> None:
+        """Drop the connection (a newer session of the same sandbox replaces it)."""
+        self.close()
+        self._writer.transport.abort()
+
+    def close(self) -> None:
+        if self._timers is not None:
+            self._timers.cancel()
+        if self._final is not None and not self._final.done():
+            self._final.set_exception(ConnectionError("the old version's session ended"))
 
 
 HandOver = Callable[["StateKeeper", StateSession, StateSession], Awaitable[None]]
 """Runs a hand-over from the old session to the new one (``dsec_nodeagent.state.handover``)."""
 
+Publish = Callable[[events.Payload, str], Awaitable[None]]
+"""Publishes an event about a sandbox (``payload, aggregate_id``): the node agent's outlet."""
+
 
 class StateKeeper:
-    """Serves the agents of this node (CONTRACT: implemented by the keeper module)."""
+    """Serves the agents of this node.
+
+    Args:
+        settings: the node's settings: NATS (``DSEC_STATE``), the object store and bucket,
+            OpenBao (tenants' state keys), ``home`` (warm snapshots), the node's journal dir.
+        publish: how ``state.*`` events reach the bus (the node agent's lifecycle outlet);
+            ``None``: not published.
+        keys: the tenants' state keys (default: OpenBao from the settings).
+        journal_dir / warm_dir: override where hot journals and warm snapshots live.
+        registered_only: refuse sandboxes the node agent did not register (``unregistered``);
+            off (a development broker, tests): an unregistered connection acts for tenant
+            ``default`` with the agent and group its hello names.
+    """
 
     handover: HandOver | None = None
     """Set by the node agent: how a ``hello`` with ``handover: true`` is served; None: such a
     hello is refused (``error`` code ``no-handover``)."""
 
+    def __init__(
+        self,
+        settings: Settings,
+        publish: Publish | None = None,
+        *,
+        keys: TenantKeys | None = None,
+        journal_dir: Path | None = None,
+        warm_dir: Path | None = None,
+        registered_only: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.registered_only = registered_only
+        self._publish = publish
+        self._keys = keys
+        self.journal_dir = journal_dir or settings.state_journal_dir()
+        self.warm_dir = warm_dir or NodeLayout.of(settings.home).state
+        self.bucket = settings.s3_bucket
+        self._sandboxes: dict[str, SandboxState] = {}
+        self._owners: dict[StateKey, StateSession] = {}
+        self._agents: dict[StateKey, _Agent] = {}
+        self._sessions: set[StateSession] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._nc: Any = None
+        self._js: Any = None
+        self._store: Any = None
+
+    # ------------------------------------------------------------------ the node agent's side
+
     def register_sandbox(self, info: SandboxState) -> None:
         """Called by the node agent before it launches a sandbox whose plan has ``state``
         (and for a hand-over's new sandbox)."""
-        raise NotImplementedError
+        self._sandboxes[info.sandbox_id] = info
 
     def forget_sandbox(self, sandbox_id: str) -> None:
         """Called when the sandbox ended for good (not between restarts)."""
-        raise NotImplementedError
+        self._sandboxes.pop(sandbox_id, None)
 
     def session_of(self, key: StateKey) -> StateSession | None:
         """The live session that owns ``key``'s state (at most one), if any."""
-        raise NotImplementedError
+        return self._owners.get(key)
 
     def sandbox_of(self, sandbox_id: str) -> SandboxState | None:
         """What was registered for a sandbox."""
-        raise NotImplementedError
+        return self._sandboxes.get(sandbox_id)
+
+    async def records_of(self, session: StateSession) -> tuple[list[dict[str, Any]], int]:
+        """Hand-over: ``session``'s state as a fetch sends it (warm records, then every
+        checkpoint after; cold refs resolved) and its last durable seq."""
+        store = session._agent
+        if store is None:
+            raise StateError("no-handover", "that session owns no state")
+        async with store.lock:
+            records, _, _ = await self._materialize(store)
+            return records, store.seq
+
+    def switch_owner(self, old: StateSession, new: StateSession) -> None:
+        """Hand-over: ``new`` owns ``old``'s state from now on (its checkpoints continue
+        ``old``'s seq; ``old`` may not checkpoint any more)."""
+        store = old._agent
+        if store is None:
+            raise StateError("no-handover", "that session owns no state")
+        new.key, new.plan, new._agent = old.key, old.plan, store
+        old._agent = None
+        self._owners[store.key] = new
+        old.close()
+        new.start_timers()
 
     async def serve(self, sock: socket.socket, sandbox_id: str) -> None:
         """Serve one agent connection (the broker hands over its end of the socketpair,
         with the sandbox the connecting process belongs to) until it closes."""
-        raise NotImplementedError
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=wire.MAX_FRAME + 4)
+        session = StateSession(self, writer, sandbox_id)
+        self._sessions.add(session)
+        try:
+            await session.run(reader)
+        except (ConnectionError, OSError) as exc:
+            log.info("state session of sandbox %s ended: %s", sandbox_id, exc)
+        finally:
+            session.close()
+            self._sessions.discard(session)
+            key = getattr(session, "key", None)
+            if key is not None and self._owners.get(key) is session:
+                del self._owners[key]
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
 
     async def start(self) -> None:
-        raise NotImplementedError
+        """Connect to NATS and the object store; read the OpenBao address."""
+        settings = self.settings
+        await asyncio.to_thread(self._private_dirs)
+        self._nc = await natsclient.connect(
+            settings,
+            f"nodeagent-state-{settings.node_id}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+            connect_timeout=5,
+            allow_reconnect=True,
+        )
+        self._js = self._nc.jetstream(timeout=10)
+        try:
+            await self._js.stream_info(STATE_STREAM)
+        except Exception as exc:  # stateless sandboxes still run; stateful ones get errors
+            log.error(
+                "stream %s is not there (%s): agents' checkpoints will be refused until the "
+                "operator creates it (`dsec nats stream`)",
+                STATE_STREAM,
+                type(exc).__name__,
+            )
+        if settings.endpoint("s3_endpoint"):
+            self._store = objectstore.client(settings)
+            await asyncio.to_thread(objectstore.ensure_bucket, self._store, self.bucket)
+        if self._keys is None:
+            addr, token = settings.endpoint("vault_addr"), settings.endpoint("vault_token")
+            if addr and token:
+                self._keys = TenantKeys(str(addr), str(token))
+
+    def _private_dirs(self) -> None:
+        """The journal (plain, on tmpfs) and the warm snapshots: the node agent's alone."""
+        for path in (self.journal_dir, self.warm_dir):
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(path, 0o700)
+        if self.journal_dir.parent.name.startswith("dsec-"):  # /dev/shm/dsec-<node>-<hash>
+            os.chmod(self.journal_dir.parent, 0o700)
 
     async def stop(self) -> None:
-        raise NotImplementedError
+        for session in list(self._sessions):
+            session.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+            self._nc = self._js = None
+
+    # ------------------------------------------------------------------ storage
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def run() -> None:
+            await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _agent(self, key: StateKey) -> _Agent:
+        found = self._agents.get(key)
+        if found is None:
+            tail = Path(key.tenant) / key.group / key.agent
+            found = _Agent(
+                key=key,
+                state_id=_state_id(key),
+                journal_dir=self.journal_dir / tail,
+                warm_dir=self.warm_dir / tail,
+                subject=f"{STATE_ROOT}.{key.subject_tokens}",
+                prefix=f"state/{key.tenant}/{key.group}/{key.agent}/",
+            )
+            self._agents[key] = found
+        return found
+
+    async def _key(self, tenant: str) -> bytes:
+        if self._keys is None:
+            raise StateError(
+                "unavailable", "no OpenBao configured (DSEC_VAULT_ADDR): state cannot be encrypted"
+            )
+        try:
+            return await self._keys.get(tenant)
+        except KeyUnavailable as exc:
+            raise StateError("unavailable", str(exc)) from None
+
+    def _need_store(self) -> Any:
+        if self._store is None:
+            raise StateError("unavailable", "no object store configured (DSEC_S3_ENDPOINT)")
+        return self._store
+
+    def _need_js(self) -> Any:
+        if self._js is None:
+            raise StateError("unavailable", "the state keeper is not connected to NATS")
+        return self._js
+
+    async def _event(self, payload: events.Payload, sandbox_id: str) -> None:
+        if self._publish is None:
+            return
+        try:
+            await self._publish(payload, sandbox_id)
+        except Exception:
+            log.exception("could not publish %s for %s", payload.TYPE, sandbox_id)
+
+    async def _remote_tail(self, store: _Agent) -> int:
+        """The newest seq JetStream holds for the agent (0: none)."""
+        try:
+            msg = await self._need_js().get_msg(STATE_STREAM, subject=store.subject)
+        except NotFoundError:
+            return 0
+        headers = msg.headers or {}
+        if SANDBOX_HEADER in headers:
+            store.writer = str(headers[SANDBOX_HEADER])
+        return int(headers.get(SEQ_HEADER, 0))
+
+    def _local_tail(self, store: _Agent) -> int:
+        entries = _read_journal(store.journal)
+        warm = store.warm_seqs()
+        return max([e.seq for e in entries] + warm + [0])
+
+    async def _sync(self, store: _Agent) -> str:
+        """Make the node's copy (journal + warm) the newest; ``local``, ``remote`` or
+        ``empty``: where the state came from."""
+        local = await asyncio.to_thread(self._local_tail, store)
+        remote = await self._remote_tail(store)
+        if local >= remote:
+            store.seq = local
+            store.synced = True
+            return "local" if local else "empty"
+        await self._pull(store)
+        # what JetStream holds last may be an attempt that failed (never acked): the state
+        # is what was pulled
+        store.seq = await asyncio.to_thread(self._local_tail, store)
+        store.synced = True
+        return "remote"
+
+    async def _pull(self, store: _Agent) -> None:
+        """Another node wrote it (or this node lost its copy): fetch the newest warm snapshot
+        from the object store and the deltas after it from JetStream; verify everything before
+        replacing the node's copy."""
+        key = await self._key(store.key.tenant)
+        s3 = self._need_store()
+        names = await asyncio.to_thread(
+            lambda: [
+                o.object_name for o in s3.list_objects(self.bucket, prefix=f"{store.prefix}warm/")
+            ]
+        )
+        seqs = sorted(int(n.rsplit("/", 1)[1]) for n in names if n.rsplit("/", 1)[1].isdigit())
+        warm_seq, warm_blob = 0, b""
+        if seqs:
+            warm_seq = seqs[-1]
+            warm_blob = await objectstore.get_bytes(
+                s3, self.bucket, f"{store.prefix}warm/{warm_seq}"
+            )
+            _open_warm(key, store, warm_seq, warm_blob)  # verified before anything is replaced
+        entries = await self._read_stream(store, key, after=warm_seq)
+
+        def replace() -> None:
+            shutil.rmtree(store.journal_dir, ignore_errors=True)
+            shutil.rmtree(store.warm_dir, ignore_errors=True)
+            store.journal_dir.mkdir(parents=True, exist_ok=True)
+            store.warm_dir.mkdir(parents=True, exist_ok=True)
+            if warm_seq:
+                _write_atomic(store.warm_path(warm_seq), warm_blob)
+            with store.journal.open("wb") as fh:
+                for entry in entries:
+                    fh.write(_journal_frame(entry.seq, entry.records))
+
+        await asyncio.to_thread(replace)
+
+    async def _read_stream(self, store: _Agent, key: bytes, *, after: int) -> list[_Entry]:
+        """The checkpoints after ``after`` in JetStream, decrypted and reassembled.
+
+        A checkpoint's chunks carry the BLAKE3 of its body (``Dsec-Digest``, also in their
+        ``Nats-Msg-Id``), so a retried checkpoint never mixes with what an attempt JetStream
+        failed left behind. A set with chunks missing was never acknowledged (the keeper acks
+        after every chunk's ack) and is skipped; a complete set that does not authenticate is
+        an error (``corrupt``), and so is a gap in the checkpoints."""
+        js = self._need_js()
+        # seq -> digest -> chunk -> (n, data, stream seq)
+        sets: dict[int, dict[str, dict[int, tuple[int, bytes, int]]]] = {}
+        carried: list[_Entry] = []
+        cursor = 1
+        while True:
+            try:
+                msg = await js.get_msg(STATE_STREAM, seq=cursor, subject=store.subject, next=True)
+            except NotFoundError:
+                break
+            cursor = msg.seq + 1
+            headers = msg.headers or {}
+            if WARM_HEADER in headers:
+                carried.extend(
+                    self._carried(store, key, msg, int(headers[WARM_HEADER]), after=after)
+                )
+                continue
+            seq = int(headers.get(SEQ_HEADER, 0))
+            if seq <= after:
+                continue
+            ci, _, cn = str(headers.get(CHUNK_HEADER, "")).partition("/")
+            if not (ci.isdigit() and cn.isdigit() and int(ci) < int(cn)):
+                raise StateError(
+                    "corrupt", f"JetStream message {msg.seq} of {store.subject}: no chunk header"
+                )
+            digest = str(headers.get(DIGEST_HEADER, ""))
+            group = sets.setdefault(seq, {}).setdefault(digest, {})
+            group[int(ci)] = (int(cn), msg.data or b"", msg.seq)
+        entries: list[_Entry] = list(carried)
+        for seq in sorted(sets):
+            if entries and seq <= entries[-1].seq:
+                continue  # also carried by a marker
+            complete = [
+                (max(p[2] for p in parts.values()), digest, parts)
+                for digest, parts in sets[seq].items()
+                if sorted(parts) == list(range(next(iter(parts.values()))[0]))
+                and len({p[0] for p in parts.values()}) == 1
+            ]
+            if not complete:
+                continue  # an attempt that failed: never acknowledged
+            _, digest, parts = max(complete, key=lambda c: c[0])  # the latest attempt
+            n = len(parts)
+            plain = bytearray()
+            for i in range(n):
+                _, data, stream_seq = parts[i]
+                try:
+                    plain += open_sealed(
+                        key,
+                        data,
+                        chunk_aad(store.subject, seq, i, n),
+                        f"JetStream message {stream_seq} (checkpoint {seq}, chunk {i + 1}/{n}) "
+                        f"of {store.subject}",
+                    )
+                except SealError as exc:
+                    raise StateError("corrupt", str(exc)) from None
+            if _digest(bytes(plain)) != digest:
+                raise StateError(
+                    "corrupt", f"checkpoint {seq} of {store.subject}: its chunks do not add up"
+                )
+            expected = entries[-1].seq + 1 if entries else after + 1
+            if seq != expected:
+                raise StateError(
+                    "corrupt",
+                    f"{store.subject}: checkpoint {expected} is missing from JetStream "
+                    f"(found {seq} next)",
+                )
+            item = msgpack.unpackb(bytes(plain), raw=False, strict_map_key=False)
+            entries.append(_Entry(seq, list(item["records"]), len(plain)))
+        return entries
+
+    def _carried(
+        self, store: _Agent, key: bytes, msg: Any, warm_seq: int, *, after: int
+    ) -> list[_Entry]:
+        """The checkpoints after ``after`` a rollup marker carries."""
+        if not msg.data:
+            return []
+        try:
+            body = open_sealed(
+                key,
+                msg.data,
+                carry_aad(store.subject, warm_seq),
+                f"JetStream message {msg.seq} (warm snapshot {warm_seq}'s marker) of "
+                f"{store.subject}",
+            )
+        except SealError as exc:
+            raise StateError("corrupt", str(exc)) from None
+        return [
+            _Entry(int(item["seq"]), list(item["records"]), 0)
+            for item in msgpack.unpackb(body, raw=False, strict_map_key=False)
+            if int(item["seq"]) > after
+        ]
+
+    async def _durable(
+        self, store: _Agent, seq: int, records: list[dict[str, Any]], sandbox_id: str
+    ) -> int:
+        """Journal one checkpoint on tmpfs and publish it to JetStream, every chunk acked;
+        the journal is cut back when JetStream refuses. Returns its bytes."""
+        key = await self._key(store.key.tenant)
+        js = self._need_js()
+        frame = _journal_frame(seq, records)
+        body = frame[4:]
+
+        def append() -> int:
+            store.journal_dir.mkdir(parents=True, exist_ok=True)
+            with store.journal.open("ab") as fh:
+                offset = fh.tell()
+                fh.write(frame)
+            return offset
+
+        offset = await asyncio.to_thread(append)
+        pieces = [body[i : i + CHUNK_PLAIN] for i in range(0, len(body), CHUNK_PLAIN)] or [b""]
+        n = len(pieces)
+        digest = _digest(body)
+        try:
+            await asyncio.gather(
+                *(
+                    js.publish(
+                        store.subject,
+                        seal(key, piece, chunk_aad(store.subject, seq, i, n)),
+                        headers={
+                            "Nats-Msg-Id": f"{store.state_id}.{seq}.{i}.{digest}",
+                            SEQ_HEADER: str(seq),
+                            CHUNK_HEADER: f"{i}/{n}",
+                            DIGEST_HEADER: digest,
+                            SANDBOX_HEADER: sandbox_id,
+                        },
+                    )
+                    for i, piece in enumerate(pieces)
+                )
+            )
+        except Exception as exc:
+            await asyncio.to_thread(os.truncate, store.journal, offset)
+            raise StateError(
+                "not-durable", f"JetStream did not take checkpoint {seq}: {exc}", seq
+            ) from None
+        store.journal_bytes = offset + len(frame)
+        store.writer = sandbox_id
+        return len(body)
+
+    async def _cold(
+        self, store: _Agent, records: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], int]:
+        """Cold blobs go to the object store (content-addressed, only when new) and are
+        replaced by ``ref`` records. Returns the records and the bytes uploaded."""
+        out, uploaded = [], 0
+        for record in records:
+            # parts of a large cold blob stay deltas; the warm merge stores the whole blob
+            if record["k"] != "blob" or record["t"] != "cold" or record["o"] != "full":
+                out.append(record)
+                continue
+            data, digest = record.get("data"), record.get("hash")
+            if not isinstance(data, bytes) or not isinstance(digest, str):
+                raise merge.RecordError(f"blob {record['c']!r}: 'data' bytes and 'hash' needed")
+            if blake3.blake3(data).hexdigest() != digest:
+                raise merge.RecordError(f"blob {record['c']!r}: its data does not hash to 'hash'")
+            s3 = self._need_store()
+            name = f"{store.prefix}cold/{digest}"
+            exists = await asyncio.to_thread(objectstore.stat_object, s3, self.bucket, name)
+            if exists is None:
+                key = await self._key(store.key.tenant)
+                sealed = seal(key, data, store.cold_aad(digest))
+                await objectstore.put_bytes(s3, self.bucket, name, sealed)
+                uploaded += len(data)
+            out.append(
+                {
+                    "c": record["c"],
+                    "k": "ref",
+                    "t": "cold",
+                    "o": "cold",
+                    "hash": digest,
+                    "size": len(data),
+                }
+            )
+        return out, uploaded
+
+    async def _cold_value(self, store: _Agent, ref: dict[str, Any]) -> dict[str, Any]:
+        """A ``ref`` record as the blob it names (BLAKE3 checked)."""
+        digest = str(ref.get("hash"))
+        key = await self._key(store.key.tenant)
+        name = f"{store.prefix}cold/{digest}"
+        try:
+            sealed = await objectstore.get_bytes(self._need_store(), self.bucket, name)
+        except objectstore.ObjectMissing:
+            raise StateError("corrupt", f"cold object {name} is missing") from None
+        try:
+            data = open_sealed(key, sealed, store.cold_aad(digest), f"cold object {name}")
+        except SealError as exc:
+            raise StateError("corrupt", str(exc)) from None
+        if blake3.blake3(data).hexdigest() != digest:
+            raise StateError("corrupt", f"cold object {name} does not hash to its name")
+        return {"c": ref["c"], "k": "blob", "t": "cold", "o": "full", "data": data, "hash": digest}
+
+    async def verify_cold(self, store: _Agent) -> list[str]:
+        """Re-verify every cold object of an agent; returns (and logs) the broken ones."""
+        s3 = self._need_store()
+        names = await asyncio.to_thread(
+            lambda: [
+                o.object_name for o in s3.list_objects(self.bucket, prefix=f"{store.prefix}cold/")
+            ]
+        )
+        broken = []
+        for name in names:
+            digest = name.rsplit("/", 1)[1]
+            try:
+                await self._cold_value(store, {"c": "-", "hash": digest})
+            except StateError as exc:
+                log.error("state of %s: %s", store.key, exc.message)
+                broken.append(name)
+        return broken
+
+    async def _local_state(
+        self, store: _Agent
+    ) -> tuple[int, list[dict[str, Any]], list[_Entry], int]:
+        """``(warm seq, warm records, journal entries after it, bytes read)``."""
+        key = await self._key(store.key.tenant)
+
+        def read() -> tuple[int, list[dict[str, Any]], list[_Entry], int]:
+            seqs = store.warm_seqs()
+            warm_seq, warm_records, size = 0, [], 0
+            if seqs:
+                warm_seq = seqs[-1]
+                blob = store.warm_path(warm_seq).read_bytes()
+                size += len(blob)
+                warm_records = _open_warm(key, store, warm_seq, blob)
+            entries = [e for e in _read_journal(store.journal) if e.seq > warm_seq]
+            size += sum(e.size for e in entries)
+            return warm_seq, warm_records, entries, size
+
+        try:
+            return await asyncio.to_thread(read)
+        except SealError as exc:
+            raise StateError("corrupt", str(exc)) from None
+
+    async def _materialize(self, store: _Agent) -> tuple[list[dict[str, Any]], int, int]:
+        """What a fetch sends: the warm snapshot's records then every checkpoint after it,
+        cold refs resolved. Returns ``(records, deltas, bytes)``."""
+        _, warm_records, entries, size = await self._local_state(store)
+        records = list(warm_records)
+        for entry in entries:
+            records.extend(entry.records)
+        resolved = []
+        for record in records:
+            if record.get("k") == "ref":
+                record = await self._cold_value(store, record)
+            resolved.append(record)
+        return resolved, len(entries), size
+
+    async def _warm(self, store: _Agent, sandbox_id: str) -> None:
+        """Merge the journal into a full snapshot on disk and in the object store, replace the
+        agent's JetStream deltas by a rollup marker, cut the journal; keep
+        ``warm_snapshots_kept``.
+
+        The agent's checkpoints wait only for the two short steps under ``store.lock`` (read
+        the journal; publish the marker and cut the journal), not for the merge and upload:
+        checkpoints that arrived meanwhile are carried, sealed, in the marker itself, so the
+        rollup that drops the deltas up to the snapshot never drops a later one (when they
+        are too many to carry, the rollup waits for the next merge)."""
+        started = time.monotonic()
+        async with store.lock:
+            _, warm_records, entries, _ = await self._local_state(store)
+        if not entries:
+            return
+        seq = entries[-1].seq
+        key = await self._key(store.key.tenant)
+        session = self._owners.get(store.key)
+        kept = session.plan.warm_snapshots_kept if session is not None else 3
+        try:
+            merged = await asyncio.to_thread(
+                merge.merge, [*warm_records, *(r for e in entries for r in e.records)]
+            )
+            merged, _ = await self._cold(store, merged)  # whole blobs assembled from parts
+        except merge.RecordError as exc:
+            log.error("state of %s: cannot merge: %s", store.key, exc)
+            return
+
+        def build() -> tuple[bytes, int]:
+            body = msgpack.packb({"seq": seq, "records": merged}, use_bin_type=True)
+            packed = zstandard.ZstdCompressor(level=3).compress(body)
+            sealed = seal(key, packed, store.warm_aad(seq))
+            store.warm_dir.mkdir(parents=True, exist_ok=True)
+            _write_atomic(store.warm_path(seq), sealed)
+            return sealed, len(merged)
+
+        sealed, count = await asyncio.to_thread(build)
+        s3 = self._need_store()
+        await objectstore.put_bytes(s3, self.bucket, f"{store.prefix}warm/{seq}", sealed)
+        async with store.lock:
+            later = [
+                e for e in await asyncio.to_thread(_read_journal, store.journal) if e.seq > seq
+            ]
+            carry = b""
+            if later:
+                body = msgpack.packb(
+                    [{"seq": e.seq, "records": e.records} for e in later], use_bin_type=True
+                )
+                carry = seal(key, body, carry_aad(store.subject, seq))
+            if len(carry) <= CARRY_MAX:
+                await self._need_js().publish(
+                    store.subject,
+                    carry,
+                    headers={
+                        "Nats-Msg-Id": f"{store.state_id}.{seq}.warm.{store.seq}",
+                        "Nats-Rollup": "sub",
+                        SEQ_HEADER: str(store.seq),
+                        WARM_HEADER: str(seq),
+                        **({SANDBOX_HEADER: store.writer} if store.writer else {}),
+                    },
+                )
+
+            def cut() -> int:
+                tmp = store.journal.with_name(".journal.tmp")
+                with tmp.open("wb") as fh:
+                    for entry in later:
+                        fh.write(_journal_frame(entry.seq, entry.records))
+                os.replace(tmp, store.journal)
+                return store.journal.stat().st_size
+
+            store.journal_bytes = await asyncio.to_thread(cut)
+
+        def prune() -> None:
+            seqs = store.warm_seqs()
+            for old in seqs[: max(0, len(seqs) - kept)]:
+                with contextlib.suppress(FileNotFoundError):
+                    store.warm_path(old).unlink()
+
+        await asyncio.to_thread(prune)
+        CHECKPOINTS.labels("warm").inc()
+        names = await asyncio.to_thread(
+            lambda: [
+                o.object_name for o in s3.list_objects(self.bucket, prefix=f"{store.prefix}warm/")
+            ]
+        )
+        remote = sorted(int(n.rsplit("/", 1)[1]) for n in names if n.rsplit("/", 1)[1].isdigit())
+        for old in remote[: max(0, len(remote) - kept)]:
+            await asyncio.to_thread(s3.remove_object, self.bucket, f"{store.prefix}warm/{old}")
+        await self._event(
+            events.StateCheckpointed(
+                agent=store.key.agent,
+                group=store.key.group,
+                tier="warm",
+                seq=seq,
+                bytes=len(sealed),
+                records=count,
+                pause_ms=0.0,
+                durable_ms=round((time.monotonic() - started) * 1000, 3),
+            ),
+            sandbox_id,
+        )
+
+
+def _open_warm(key: bytes, store: _Agent, seq: int, blob: bytes) -> list[dict[str, Any]]:
+    packed = open_sealed(key, blob, store.warm_aad(seq), f"warm snapshot {seq} of {store.prefix}")
+    body = zstandard.ZstdDecompressor().decompress(packed, max_output_size=1 << 34)
+    item = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    return list(item["records"])
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

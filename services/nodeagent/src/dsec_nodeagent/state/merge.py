@@ -1,0 +1,247 @@
+"""Merging state records (``dsec_sdk.state.wire``) into each container's full record.
+
+The keeper never needs an agent's Python values: it folds each container's deltas into one
+``full`` record (what a warm snapshot holds). This is the keeper-side merge on the record
+formats of the wire and of ``dsec_sdk.state.codec``'s additions for values too large for one
+record, which it follows exactly:
+
+* kind ``array`` op ``slice``: ``"dtype"``, ``"shape"``, ``"start"`` (flat element index, C
+  order), ``"val"`` (a contiguous run of elements); the first one starts the array (zeros);
+* kind ``blob`` op ``part``: ``"offset"``, ``"size"`` (total), ``"hash"``, ``"data"``, in order;
+* a log ``append`` skips items whose id is not after the log's last id (ids are time-ordered),
+  so a checkpoint sent again changes nothing.
+
+The keeper sends an array whose full record would pass :data:`PART_BYTES` as slices, so no
+frame passes the wire's limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Final
+
+import numpy as np
+
+PART_BYTES: Final = 8 << 20
+
+
+class RecordError(ValueError):
+    """A record that breaks the wire's record format (names the container and field)."""
+
+
+def _need(record: dict[str, Any], field: str, kind: type | tuple[type, ...]) -> Any:
+    value = record.get(field)
+    if not isinstance(value, kind):
+        raise RecordError(
+            f"record of container {record.get('c')!r} ({record.get('k')}/{record.get('o')}): "
+            f"field {field!r} is missing or not {getattr(kind, '__name__', kind)}"
+        )
+    return value
+
+
+def check(record: Any) -> dict[str, Any]:
+    """The record if it has the common fields (``c``, ``k``, ``t``, ``o``)."""
+    if not isinstance(record, dict):
+        raise RecordError(f"a record must be a map, not {type(record).__name__}")
+    for field in ("c", "k", "t", "o"):
+        if not isinstance(record.get(field), str):
+            raise RecordError(f"record {record.get('c')!r}: field {field!r} must be a string")
+    if record["t"] not in ("hot", "warm", "cold"):
+        raise RecordError(f"record {record['c']!r}: tier {record['t']!r} (hot, warm or cold)")
+    return record
+
+
+def _array(record: dict[str, Any]) -> np.ndarray:
+    dtype = np.dtype(_need(record, "dtype", str))
+    shape = tuple(int(x) for x in _need(record, "shape", (list, tuple)))
+    size = int(np.prod(shape)) if shape else 1
+    data = record.get("data")
+    if isinstance(data, bytes) and record["o"] == "full":
+        if len(data) != size * dtype.itemsize:
+            raise RecordError(
+                f"array {record['c']!r}: {len(data)} bytes of data for shape {list(shape)} "
+                f"of {dtype.name} ({size * dtype.itemsize} expected)"
+            )
+        return np.frombuffer(data, dtype=dtype).copy()
+    return np.zeros(size, dtype=dtype)
+
+
+def _array_record(name: str, tier: str, arr: np.ndarray, shape: list[int]) -> dict[str, Any]:
+    return {
+        "c": name,
+        "k": "array",
+        "t": tier,
+        "o": "full",
+        "dtype": arr.dtype.str,
+        "shape": shape,
+        "data": arr.tobytes(),
+    }
+
+
+class Merged:
+    """Each container's current value as a full record, folded from records in order."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, dict[str, Any]] = {}
+        self._arrays: dict[str, tuple[np.ndarray, list[int], str]] = {}
+        self._parts: dict[str, bytearray] = {}  # blobs whose parts are still arriving
+
+    def _apply_blob_part(self, record: dict[str, Any]) -> None:
+        name = record["c"]
+        offset = int(_need(record, "offset", int))
+        total = int(_need(record, "size", int))
+        data = _need(record, "data", bytes)
+        if offset == 0:
+            self._parts[name] = bytearray()
+        held = self._parts.get(name)
+        if held is None or len(held) != offset:
+            raise RecordError(f"blob {name!r}: part at {offset} out of order")
+        held += data
+        if len(held) >= total:
+            del self._parts[name]
+            self.records[name] = {
+                "c": name,
+                "k": "blob",
+                "t": record["t"],
+                "o": "full",
+                "data": bytes(held),
+                "hash": _need(record, "hash", str),
+            }
+
+    def apply(self, record: dict[str, Any]) -> None:
+        """Fold one record (full or delta) into its container."""
+        record = check(record)
+        name, kind, op = record["c"], record["k"], record["o"]
+        if kind == "array":
+            self._apply_array(record)
+            return
+        self._arrays.pop(name, None)
+        prev = self.records.get(name)
+        if op == "full" or kind == "ref" or (kind == "blob" and op != "part"):
+            self.records[name] = record
+            return
+        if kind == "blob" and op == "part":
+            self._apply_blob_part(record)
+            return
+        if kind == "log" and op == "append":
+            items = list(prev["items"]) if prev and prev.get("k") == "log" else []
+            for item in _need(record, "items", (list, tuple)):
+                if not items or str(item[0]) > str(items[-1][0]):
+                    items.append(item)
+            self.records[name] = {**record, "o": "full", "items": items}
+        elif kind == "kv" and op in ("set", "del"):
+            base = dict(prev["items"]) if prev and prev.get("k") == "kv" else {}
+            if op == "set":
+                base.update(_need(record, "items", dict))
+            else:
+                for key in _need(record, "keys", (list, tuple)):
+                    base.pop(key, None)
+            self.records[name] = {
+                "c": name,
+                "k": "kv",
+                "t": record["t"],
+                "o": "full",
+                "items": base,
+            }
+        elif kind == "vectors" and op in ("upsert", "remove"):
+            self._apply_vectors(record, prev)
+        else:
+            raise RecordError(f"record {name!r}: unknown kind/op {kind}/{op}")
+
+    def _apply_array(self, record: dict[str, Any]) -> None:
+        name, op = record["c"], record["o"]
+        held = self._arrays.get(name)
+        if op == "full" or held is None:
+            arr = _array(record)
+            shape = [int(x) for x in record["shape"]]
+            held = (arr, shape, record["t"])
+            self._arrays[name] = held
+            if op == "full":
+                self.records.pop(name, None)
+                return
+        arr, shape, tier = held
+        if op == "sparse":
+            idx = np.frombuffer(_need(record, "idx", bytes), dtype=np.int64)
+            val = np.frombuffer(_need(record, "val", bytes), dtype=arr.dtype)
+            if len(idx) != len(val) or (len(idx) and (idx.min() < 0 or idx.max() >= arr.size)):
+                raise RecordError(f"array {name!r}: sparse indices and values do not fit")
+            arr[idx] = val
+        elif op == "slice":
+            start = int(_need(record, "start", int))
+            data = np.frombuffer(_need(record, "val", bytes), dtype=arr.dtype)
+            if start < 0 or start + len(data) > arr.size:
+                raise RecordError(f"array {name!r}: slice {start}+{len(data)} outside the array")
+            arr[start : start + len(data)] = data
+        elif op != "full":
+            raise RecordError(f"array {name!r}: unknown op {op!r}")
+        self.records.pop(name, None)
+        self._arrays[name] = (arr, shape, tier)
+
+    def _apply_vectors(self, record: dict[str, Any], prev: dict[str, Any] | None) -> None:
+        name = record["c"]
+        if prev is not None and prev.get("k") == "vectors":
+            dim, dtype = int(prev["dim"]), np.dtype(prev["dtype"])
+            ids = list(prev["ids"])
+            vec = np.frombuffer(prev["vec"], dtype=dtype).reshape(len(ids), dim)
+        else:
+            dim = int(_need(record, "dim", int))
+            dtype = np.dtype(_need(record, "dtype", str))
+            ids, vec = [], np.zeros((0, dim), dtype=dtype)
+        rows = dict(zip(ids, vec, strict=True))
+        if record["o"] == "upsert":
+            new_ids = list(_need(record, "ids", (list, tuple)))
+            new = np.frombuffer(_need(record, "vec", bytes), dtype=dtype).reshape(-1, dim)
+            if len(new) != len(new_ids):
+                raise RecordError(f"vectors {name!r}: {len(new_ids)} ids, {len(new)} rows")
+            rows.update(zip(new_ids, new, strict=True))
+        else:
+            for key in _need(record, "ids", (list, tuple)):
+                rows.pop(key, None)
+        out_ids = list(rows)
+        out = np.stack(list(rows.values())) if rows else np.zeros((0, dim), dtype=dtype)
+        self.records[name] = {
+            "c": name,
+            "k": "vectors",
+            "t": record["t"],
+            "o": "full",
+            "dim": dim,
+            "dtype": dtype.str,
+            "ids": out_ids,
+            "vec": out.astype(dtype, copy=False).tobytes(),
+        }
+
+    def full_records(self) -> list[dict[str, Any]]:
+        """Every container's full record (arrays whole)."""
+        out = list(self.records.values())
+        for name, (arr, shape, tier) in self._arrays.items():
+            out.append(_array_record(name, tier, arr, shape))
+        return out
+
+
+def merge(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The full records after folding ``records`` in order."""
+    merged = Merged()
+    for record in records:
+        merged.apply(record)
+    return merged.full_records()
+
+
+def split_large(record: dict[str, Any], limit: int = PART_BYTES) -> Iterator[dict[str, Any]]:
+    """``record``, or, for an array full record of more than ``limit`` bytes, its slices."""
+    data = record.get("data")
+    if record.get("k") != "array" or record.get("o") != "full" or not isinstance(data, bytes):
+        yield record
+        return
+    if len(data) <= limit:
+        yield record
+        return
+    itemsize = np.dtype(record["dtype"]).itemsize
+    step = max(1, limit // itemsize) * itemsize
+    head = {k: v for k, v in record.items() if k != "data"}
+    for offset in range(0, len(data), step):
+        yield {
+            **head,
+            "o": "slice",
+            "start": offset // itemsize,
+            "val": data[offset : offset + step],
+        }
