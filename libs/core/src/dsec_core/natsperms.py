@@ -160,6 +160,7 @@ TABLE: Mapping[str, Role] = {
             "snapshot.taken",
             "snapshot.restored",
             "snapshot.failed",
+            "state.handed_over",
         ),
         # each node agent sees these through its own node's durables; acts only on its own
         node_consumes=(
