@@ -70,6 +70,12 @@ class StateSession:
         (the hand-over forwards them to the new version)."""
         raise NotImplementedError
 
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Hand-over, on the NEW version's session: return when the agent sent ``ready``
+        (added for the hand-over). Raises ``TimeoutError`` after ``timeout_s``, and
+        ``ConnectionError`` when the session closed first."""
+        raise NotImplementedError
+
 
 HandOver = Callable[["StateKeeper", StateSession, StateSession], Awaitable[None]]
 """Runs a hand-over from the old session to the new one (``dsec_nodeagent.state.handover``)."""
@@ -97,6 +103,13 @@ class StateKeeper:
 
     def sandbox_of(self, sandbox_id: str) -> SandboxState | None:
         """What was registered for a sandbox."""
+        raise NotImplementedError
+
+    async def stream_state(self, key: StateKey, to: StateSession) -> tuple[int, int]:
+        """Hand-over: send ``key``'s state as it stands to ``to`` (the new version) the way a
+        ``fetch`` is answered: ``records`` frames, then ``fetched``. Returns ``(seq, records)``:
+        the seq it is current to and how many records were sent (added for the hand-over; the
+        new version does not send ``fetch`` itself)."""
         raise NotImplementedError
 
     async def serve(self, sock: socket.socket, sandbox_id: str) -> None:
