@@ -18,6 +18,9 @@ Broker -> agent::
     {"op": "open", "channel": int, "caller": str, "ring_capacity": int}  (to a server)
         + SERVER_FDS
     {"op": "error", "ref": int, "code": str, "message": str}
+    {"op": "moved", "peer": str}     (to a caller, unasked: a hand-over moved the name ``peer``
+                                      to a new server; a call the old one had not read may be
+                                      sent again to it)
 """
 
 from __future__ import annotations
@@ -81,13 +84,16 @@ def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) 
         sock.send(data)
 
 
-def recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+def recv(sock: socket.socket, flags: int = 0) -> tuple[dict[str, Any], list[int]] | None:
     """Receive one control message; ``None`` when the other side closed the connection.
+
+    ``flags``: for ``recvmsg`` (``socket.MSG_DONTWAIT``: raise ``BlockingIOError`` when none
+    is queued).
 
     Raises:
         ProtocolError: The datagram is not a MessagePack map or its fds were truncated.
     """
-    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS, flags)
     if not data and not fds:
         return None
     if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):

@@ -1,0 +1,92 @@
+"""Agent processes for the broker hand-over test (test_ipc_handover.py).
+
+``python _handover_agents.py server SOCKET NAME LOGFILE``: serves ``record`` (appends the call's
+seq to LOGFILE, returns who served it); SIGUSR1 pauses serving (the old version's step before
+its final checkpoint), then it creates LOGFILE + ".paused".
+
+``python _handover_agents.py caller SOCKET MODE OUTFILE STOPFILE``: calls ``record`` in a loop
+(MODE ``sync``: one at a time; ``async``: four in flight) until STOPFILE exists, then writes
+``{"answers": [[seq, who]...], "errors": [str...]}`` to OUTFILE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from dsec_sdk import DSecClient
+
+GROUP = "g1"
+NAME = "agent-b"
+
+
+def serve(socket_path: str, who: str, logfile: str) -> None:
+    client = DSecClient(NAME, GROUP, socket_path=socket_path)
+    log = open(logfile, "a", buffering=1)  # noqa: SIM115 - the process's lifetime
+
+    def record(seq: int) -> dict[str, Any]:
+        log.write(f"{seq}\n")
+        return {"seq": seq, "who": who}
+
+    def ping() -> str:
+        return "pong"
+
+    def pause_in_thread(*_: Any) -> None:
+        def pause() -> None:
+            if client.pause_serving(10.0):
+                Path(logfile + ".paused").touch()
+
+        threading.Thread(target=pause, daemon=True).start()
+
+    signal.signal(signal.SIGUSR1, pause_in_thread)
+    client.serve({"record": record, "ping": ping})
+
+
+def call(socket_path: str, mode: str, outfile: str, stopfile: str) -> None:
+    client = DSecClient("agent-a", GROUP, socket_path=socket_path, timeout=60)
+    answers: list[tuple[int, str]] = []
+    errors: list[str] = []
+    stop = Path(stopfile)
+    if mode == "sync":
+        seq = 0
+        while not stop.exists():
+            try:
+                answer = client.call_tool(NAME, "record", seq=seq)
+                answers.append((answer["seq"], answer["who"]))
+            except Exception as exc:
+                errors.append(f"{seq}: {type(exc).__name__}: {exc}")
+            seq += 1
+    else:
+
+        async def run() -> None:
+            counter = iter(range(1 << 62))
+
+            async def worker() -> None:
+                while not stop.exists():
+                    seq = next(counter)
+                    try:
+                        answer = await client.acall_tool(NAME, "record", seq=seq)
+                        answers.append((answer["seq"], answer["who"]))
+                    except Exception as exc:
+                        errors.append(f"{seq}: {type(exc).__name__}: {exc}")
+
+            await asyncio.gather(*(worker() for _ in range(4)))
+
+        asyncio.run(run())
+    tmp = outfile + ".tmp"
+    Path(tmp).write_text(json.dumps({"answers": answers, "errors": errors}))
+    os.replace(tmp, outfile)
+    client.close()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "server":
+        serve(sys.argv[2], sys.argv[3], sys.argv[4])
+    else:
+        call(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])
