@@ -121,6 +121,14 @@ def wire(
     # sandbox that now belongs to another node
     service.handles(events.UnitLost, scope="node", on_exhausted=lambda *_: [])(agent.on_unit_lost)
     agent.start_from_snapshot = NodeSnapshots(service).start_from  # snapshots of its sandboxes
+
+    def expect_handover(new_sandbox: str, old_sandbox: str) -> None:
+        if comms.broker is not None:  # a standby for the old one's tool name (hand-over)
+            comms.broker.expect_handover(new_sandbox, old_sandbox)
+
+    agent.expect_handover = expect_handover
+    # With a state keeper (agent.keeper), hand-overs are served by
+    # dsec_nodeagent.state.wiring.install(agent.keeper, agent, lambda: comms.broker).
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -122,6 +122,11 @@ class HandOverHooks:
     """Stop NEW's sandbox (``sandbox_id``, why) after a failed hand-over."""
     publish: Callable[[str, StateHandedOver], Awaitable[None]] | None = None
     """Publish ``state.handed_over`` for NEW's sandbox."""
+    cgroup_of: Callable[[str], str | None] | None = None
+    """A sandbox's cgroup directory when its registration has none (the node agent's)."""
+    done: Callable[[str], None] | None = None
+    """Called with NEW's sandbox id when the hand-over ended, done or failed (the broker
+    forgets the expected hand-over)."""
     ready_timeout_s: float = READY_TIMEOUT_S
     final_timeout_s: float = FINAL_TIMEOUT_S
 
@@ -160,6 +165,9 @@ async def hand_over(
     except BaseException as exc:
         await run.fail("handover-failed", str(exc) or type(exc).__name__)
         raise
+    finally:
+        if hooks.done is not None:
+            hooks.done(new.sandbox_id)
 
 
 class _Run:
@@ -194,6 +202,8 @@ class _Run:
                 f"sandbox {old_info.sandbox_id} is another agent (tenant, task group and agent "
                 "name must be the same)",
             )
+        if not old_info.cgroup_dir and self.hooks.cgroup_of is not None:
+            old_info = replace(old_info, cgroup_dir=self.hooks.cgroup_of(old_info.sandbox_id))
         if not old_info.cgroup_dir:
             raise HandOverError(
                 "handover-refused", f"sandbox {old_info.sandbox_id} has no cgroup to freeze"
