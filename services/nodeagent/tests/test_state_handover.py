@@ -365,3 +365,84 @@ async def test_a_completed_hand_over_leaves_old_frozen_until_it_is_stopped(
     assert result is not None
     assert frozen(directory)
     assert node.log[-1] == ("stop_old", "old")
+
+
+# ---------------------------------------------------------------------- the node agent's hooks
+class _Manager:
+    def __init__(self) -> None:
+        self.stopped: list[tuple[str, Any, float]] = []
+
+    def get(self, sandbox_id: str) -> Any:
+        class Ready:
+            cgroup_path = f"/cg/{sandbox_id}"
+
+        class Running:
+            ready = Ready()
+
+        return Running() if sandbox_id == "old" else None
+
+    async def stop(self, sandbox_id: str, *, reason: Any, grace_s: float) -> None:
+        self.stopped.append((sandbox_id, reason, grace_s))
+
+
+class _Outlet:
+    def __init__(self) -> None:
+        self.published: list[tuple[Any, str]] = []
+
+    async def lifecycle(self, payload: Any, aggregate_id: str, event_id: str | None) -> None:
+        self.published.append((payload, aggregate_id))
+
+
+class _Broker:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def switch(self, key: Any, to: str) -> int:
+        self.calls.append(("switch", key, to))
+        return 3
+
+    def forget_handover(self, sandbox_id: str) -> None:
+        self.calls.append(("forget", sandbox_id))
+
+
+@pytest.mark.unit
+async def test_the_node_agent_hooks_switch_the_broker_stop_old_as_handed_over_and_publish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dsec_nodeagent.ipc.registry import AgentKey
+    from dsec_nodeagent.sandbox.models import ExitReason
+    from dsec_nodeagent.state.wiring import install
+
+    class Agent:
+        manager = _Manager()
+        outlet = _Outlet()
+
+    broker = _Broker()
+    old_info = SandboxState("old", "acme", "g1", "agent-b", None)  # no cgroup registered
+    new_info = SandboxState("new", "acme", "g1", "agent-b", None, handover_from="old")
+    keeper = FakeKeeper(old_info, new_info)
+    install(keeper, Agent(), lambda: broker)  # type: ignore[arg-type]
+    assert keeper.handover is not None
+    old, new = FakeSession("old"), FakeSession("new")
+
+    async def ready_soon() -> None:
+        await _until(lambda: any(f["op"] == "fetched" for f in new.sent))
+        new.ready.set()
+
+    freezer_calls: list[str] = []
+
+    async def fake_freeze(cgroup_dir: str) -> None:
+        freezer_calls.append(cgroup_dir)
+
+    async def freeze(self: CgroupFreezer, cgroup_dir: str) -> None:
+        await fake_freeze(cgroup_dir)
+
+    monkeypatch.setattr(CgroupFreezer, "freeze", freeze)
+    await asyncio.gather(keeper.handover(keeper, old, new), ready_soon())
+
+    assert freezer_calls == ["/cg/old"]  # the running sandbox's cgroup, from the manager
+    assert broker.calls == [("switch", AgentKey("g1", "agent-b", "acme"), "new"), ("forget", "new")]
+    assert Agent.manager.stopped == [("old", ExitReason.HANDED_OVER, 0.0)]
+    [(event, sandbox)] = Agent.outlet.published
+    assert sandbox == "new" and isinstance(event, StateHandedOver)
+    assert event.from_sandbox == "old"

@@ -12,7 +12,9 @@ Agent -> broker::
 Broker -> agent::
 
     {"op": "welcome", "node": str, "ring_capacity": int, "max_payload": int}
-        + [doorbell eventfd] for a server
+        + [doorbell eventfd] for a server; ``"standby": true`` for the new version of a
+        hand-over registering the name its old version still serves (calls come once the
+        broker switched the name to it)
     {"op": "channel", "ref": int, "channel": int, "peer": str, "ring_capacity": int, "remote": bool}
         + CALLER_FDS
     {"op": "open", "channel": int, "caller": str, "ring_capacity": int}  (to a server)
