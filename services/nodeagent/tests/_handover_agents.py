@@ -1,8 +1,9 @@
 """Agent processes for the broker hand-over test (test_ipc_handover.py).
 
-``python _handover_agents.py server SOCKET NAME LOGFILE``: serves ``record`` (appends the call's
-seq to LOGFILE, returns who served it); SIGUSR1 pauses serving (the old version's step before
-its final checkpoint), then it creates LOGFILE + ".paused".
+``python _handover_agents.py server|aserver SOCKET NAME LOGFILE``: serves ``record`` (appends the
+call's seq to LOGFILE, returns who served it) with ``serve()`` or ``aserve()``; SIGUSR1 pauses
+serving (the old version's step before its final checkpoint), then it creates LOGFILE +
+".paused".
 
 ``python _handover_agents.py caller SOCKET MODE OUTFILE STOPFILE``: calls ``record`` in a loop
 (MODE ``sync``: one at a time; ``async``: four in flight) until STOPFILE exists, then writes
@@ -26,7 +27,7 @@ GROUP = "g1"
 NAME = "agent-b"
 
 
-def serve(socket_path: str, who: str, logfile: str) -> None:
+def serve(socket_path: str, who: str, logfile: str, *, in_loop: bool = False) -> None:
     client = DSecClient(NAME, GROUP, socket_path=socket_path)
     log = open(logfile, "a", buffering=1)  # noqa: SIM115 - the process's lifetime
 
@@ -44,8 +45,26 @@ def serve(socket_path: str, who: str, logfile: str) -> None:
 
         threading.Thread(target=pause, daemon=True).start()
 
-    signal.signal(signal.SIGUSR1, pause_in_thread)
-    client.serve({"record": record, "ping": ping})
+    if not in_loop:
+        signal.signal(signal.SIGUSR1, pause_in_thread)
+        client.serve({"record": record, "ping": ping})
+        return
+
+    async def aserve() -> None:
+        async def pause() -> None:
+            if await client.apause_serving(10.0):
+                Path(logfile + ".paused").touch()
+
+        tasks: set[asyncio.Task[None]] = set()
+
+        def on_usr1() -> None:
+            task = asyncio.ensure_future(pause())
+            tasks.add(task)
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, on_usr1)
+        await client.aserve({"record": record, "ping": ping})
+
+    asyncio.run(aserve())
 
 
 def call(socket_path: str, mode: str, outfile: str, stopfile: str) -> None:
@@ -86,7 +105,7 @@ def call(socket_path: str, mode: str, outfile: str, stopfile: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "server":
-        serve(sys.argv[2], sys.argv[3], sys.argv[4])
+    if sys.argv[1] in ("server", "aserver"):
+        serve(sys.argv[2], sys.argv[3], sys.argv[4], in_loop=sys.argv[1] == "aserver")
     else:
         call(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])
