@@ -1,9 +1,11 @@
 """Agent processes for the broker hand-over test (test_ipc_handover.py).
 
 ``python _handover_agents.py server|aserver SOCKET NAME LOGFILE``: serves ``record`` (appends the
-call's seq to LOGFILE, returns who served it) with ``serve()`` or ``aserve()``; SIGUSR1 pauses
-serving (the old version's step before its final checkpoint), then it creates LOGFILE +
-".paused".
+call's seq to LOGFILE, returns who served it) with ``serve()`` or ``aserve()``, with a stand-in
+for its ``AgentState`` attached (``DSecClient.attach_state``): SIGUSR1 plays the keeper's
+``handover`` (the state's hand-over callbacks run in a thread, as the SDK's do: serving pauses),
+then it creates LOGFILE + ".paused"; with ``$DSEC_STATE_HANDOVER_FROM`` set it is a hand-over's
+new version, and the client's ``ready()`` creates LOGFILE + ".ready".
 
 ``python _handover_agents.py caller SOCKET MODE OUTFILE STOPFILE``: calls ``record`` in a loop
 (MODE ``sync``: one at a time; ``async``: four in flight) until STOPFILE exists, then writes
@@ -27,8 +29,35 @@ GROUP = "g1"
 NAME = "agent-b"
 
 
+class StandInState:
+    """What ``DSecClient`` uses of an ``AgentState`` in a hand-over."""
+
+    def __init__(self, logfile: str) -> None:
+        self.logfile = logfile
+        self.handover = bool(os.environ.get("DSEC_STATE_HANDOVER_FROM"))
+        self.switched = None
+        self.callbacks: list[Any] = []
+
+    def on_handover(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def ready(self) -> None:
+        Path(self.logfile + ".ready").touch()
+
+    def hand_over(self) -> None:
+        def run() -> None:
+            for callback in self.callbacks:
+                if callback() is False:
+                    return
+            Path(self.logfile + ".paused").touch()
+
+        threading.Thread(target=run, daemon=True).start()
+
+
 def serve(socket_path: str, who: str, logfile: str, *, in_loop: bool = False) -> None:
     client = DSecClient(NAME, GROUP, socket_path=socket_path)
+    state = StandInState(logfile)
+    client.attach_state(state)
     log = open(logfile, "a", buffering=1)  # noqa: SIM115 - the process's lifetime
 
     def record(seq: int) -> dict[str, Any]:
@@ -38,30 +67,13 @@ def serve(socket_path: str, who: str, logfile: str, *, in_loop: bool = False) ->
     def ping() -> str:
         return "pong"
 
-    def pause_in_thread(*_: Any) -> None:
-        def pause() -> None:
-            if client.pause_serving(10.0):
-                Path(logfile + ".paused").touch()
-
-        threading.Thread(target=pause, daemon=True).start()
-
     if not in_loop:
-        signal.signal(signal.SIGUSR1, pause_in_thread)
+        signal.signal(signal.SIGUSR1, lambda *_: state.hand_over())
         client.serve({"record": record, "ping": ping})
         return
 
     async def aserve() -> None:
-        async def pause() -> None:
-            if await client.apause_serving(10.0):
-                Path(logfile + ".paused").touch()
-
-        tasks: set[asyncio.Task[None]] = set()
-
-        def on_usr1() -> None:
-            task = asyncio.ensure_future(pause())
-            tasks.add(task)
-
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, on_usr1)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, state.hand_over)
         await client.aserve({"record": record, "ping": ping})
 
     asyncio.run(aserve())

@@ -57,8 +57,8 @@ def broker(work: Path) -> Iterator[BrokerThread]:
     thread.stop()
 
 
-def _spawn(sandbox: str, *args: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "DSEC_TEST_SANDBOX": sandbox}
+def _spawn(sandbox: str, *args: str, handover_from: str = "") -> subprocess.Popen[bytes]:
+    env = {**os.environ, "DSEC_TEST_SANDBOX": sandbox, "DSEC_STATE_HANDOVER_FROM": handover_from}
     return subprocess.Popen([sys.executable, str(AGENTS), *args], env=env)
 
 
@@ -86,10 +86,13 @@ def test_callers_follow_a_switched_name_without_an_error(
 
         # The new version: a standby for the old one's name while the hand-over is expected.
         broker.broker.expect_handover("new", "old")
-        procs.append(_spawn("new", server, sock, "new", str(new_log)))
+        procs.append(_spawn("new", server, sock, "new", str(new_log), handover_from="old"))
         wait_until(
             lambda: broker.broker._registry._standby.get(KEY), what="the standby registration"
         )
+        # registered as the standby: its client told the (stand-in) state it is ready
+        wait_until(lambda: Path(str(new_log) + ".ready").exists(), what="ready")
+        assert not Path(str(old_log) + ".ready").exists()
         assert broker.broker._registry.owner(KEY) == "old"  # still the old one's name
 
         # The old version finishes its call in progress and takes no more; then it is frozen.

@@ -64,22 +64,22 @@ class FakeSession(StateSession):
         for callback in self.callbacks:
             await callback(seq, records)
 
-    async def wait_ready(self, timeout_s: float) -> None:
-        await asyncio.wait_for(self.ready.wait(), timeout_s)
-
 
 class FakeKeeper(StateKeeper):
     def __init__(self, old: SandboxState, new: SandboxState) -> None:
         self.infos = {old.sandbox_id: old, new.sandbox_id: new}
+        self.owner: dict[StateKey, str] = {KEY: old.sandbox_id}
 
     def sandbox_of(self, sandbox_id: str) -> SandboxState | None:
         return self.infos.get(sandbox_id)
 
-    async def stream_state(self, key: StateKey, to: StateSession) -> tuple[int, int]:
-        records = [{"c": "log", "o": "full", "n": i} for i in range(3)]
-        await to.send({"op": "records", "records": records})
-        await to.send({"op": "fetched", "seq": 4, "deltas": 3, "source": "local", "ms": 0.1})
-        return 4, 3
+    async def records_of(self, session: StateSession) -> tuple[list[dict[str, Any]], int]:
+        assert session.sandbox_id == "old"
+        return [{"c": "log", "o": "full", "n": i} for i in range(3)], 4
+
+    def switch_owner(self, old: StateSession, new: StateSession) -> None:
+        assert self.owner[KEY] == old.sandbox_id
+        self.owner[KEY] = new.sandbox_id
 
 
 class RecordingFreezer:
@@ -175,8 +175,12 @@ async def test_the_new_version_gets_the_state_every_delta_then_the_final_and_the
         "deltas",
         "switched",
     ]
+    assert new.sent[0]["records"] == [{"c": "log", "o": "full", "n": i} for i in range(3)]
+    assert new.sent[1]["seq"] == 4 and new.sent[1]["deltas"] == 3
     assert [f["seq"] for f in new.sent if f["op"] == "deltas"] == [5, 6, 7]
     assert new.sent[4]["records"] == old.final
+    assert new.sent[-1]["seq"] == 7
+    assert keeper.owner[KEY] == "new"
     assert new.sent[-1]["interruption_ms"] == result.interruption_ms >= 0
     assert old.sent == [{"op": "handover", "to": "new"}]
     assert freezer.calls == [("freeze", "/cg/old")]  # frozen, never thawed: it is stopped
@@ -216,6 +220,7 @@ async def test_new_never_ready_leaves_old_untouched_and_new_stopped() -> None:
     old, new = FakeSession("old"), FakeSession("new")
 
     assert await hand_over(keeper, old, new, hooks=node.hooks) is None
+    assert keeper.owner[KEY] == "old"  # the state stays the old version's
 
     assert old.sent == []  # never asked for a final checkpoint: it kept serving throughout
     assert freezer.calls == []
@@ -233,6 +238,7 @@ async def test_a_failed_freeze_resumes_old_and_stops_new() -> None:
     old, new = FakeSession("old"), FakeSession("new")
 
     assert await _drive(old, new, keeper, node.hooks) is None
+    assert keeper.owner[KEY] == "old"  # the state stays the old version's
 
     assert old.sent[-1]["code"] == "handover-aborted"  # it takes calls again
     assert new.sent[-1] == {
@@ -254,6 +260,7 @@ async def test_a_failed_switch_gives_the_name_back_and_thaws_old() -> None:
     old, new = FakeSession("old"), FakeSession("new")
 
     assert await _drive(old, new, keeper, node.hooks) is None
+    assert keeper.owner[KEY] == "old"  # the state stays the old version's
 
     assert freezer.calls == [("freeze", "/cg/old"), ("thaw", "/cg/old")]
     assert node.log[:2] == [("switch", "old", "new"), ("switch", "new", "old")]

@@ -226,6 +226,8 @@ class DSecClient:
         self._async_channels: dict[str, AsyncCaller] = {}
         self._opening: dict[str, asyncio.Future[AsyncCaller]] = {}
         self._server: BlockingServer | AsyncServer | None = None
+        self._state: Any = None  # an AgentState (dsec_sdk.state) this client serves with
+        self._watched: Any = None  # the state whose hand-over callbacks are registered
 
     # ------------------------------------------------------------------ tools
     def tool(self, name: str | None = None) -> Callable[[F], F]:
@@ -253,6 +255,7 @@ class DSecClient:
         server = BlockingServer(link, self._dispatcher(link), self._serve_spin_ns)
         self._server = server
         self._watch_handover()
+        self._standby_ready(link)
         try:
             server.run()
         finally:
@@ -264,6 +267,7 @@ class DSecClient:
         server = AsyncServer(link, self._dispatcher(link), self._serve_spin_ns)
         self._server = server
         self._watch_handover()
+        await asyncio.to_thread(self._standby_ready, link)
         try:
             await server.run()
         finally:
@@ -295,19 +299,40 @@ class DSecClient:
         if self._server is not None:
             self._server.resume()
 
+    def attach_state(self, state: Any) -> None:
+        """Serve with this agent's DSec state (a ``dsec_sdk.state.AgentState``): in a live
+        hand-over the old version stops taking calls before its final checkpoint (and takes
+        them again if the hand-over fails), and the new version tells the keeper ``ready``
+        once its tool server is registered as the standby. Call before :meth:`serve`."""
+        self._state = state
+        if self._server is not None:
+            self._watch_handover()
+
+    def _standby_ready(self, link: BrokerLink) -> None:
+        """The new version of a hand-over registered its tools as the standby: ready."""
+        state = self._state
+        if not link.welcome.get("standby") or state is None:
+            return
+        if getattr(state, "handover", False) and getattr(state, "switched", None) is None:
+            state.ready()
+
     def _watch_handover(self) -> None:
-        """When this process keeps DSec state (``dsec_sdk.state``), let a hand-over pause the
-        serving before the final checkpoint (``AgentState.on_handover``) and resume it if the
-        hand-over fails (``AgentState.on_handover_aborted``, when the state API has it)."""
-        try:
-            from dsec_sdk import state as state_api
-        except ImportError:  # pragma: no cover - the state package ships with the SDK
-            return
-        agent_state = getattr(state_api, "AgentState", None)
-        current = getattr(agent_state, "current", None)
-        state = current() if callable(current) else None
+        """When this process keeps DSec state (:meth:`attach_state`, or the state API's
+        current ``AgentState``), let a hand-over pause the serving before the final checkpoint
+        (``AgentState.on_handover``) and resume it if the hand-over fails
+        (``AgentState.on_handover_aborted``, when the state API has it)."""
+        state = self._state
         if state is None:
+            try:
+                from dsec_sdk import state as state_api
+            except ImportError:  # pragma: no cover - the state package ships with the SDK
+                return
+            agent_state = getattr(state_api, "AgentState", None)
+            current = getattr(agent_state, "current", None)
+            state = current() if callable(current) else None
+        if state is None or state is self._watched:
             return
+        self._watched = state  # its callbacks are registered once
         on_handover = getattr(state, "on_handover", None)
         if callable(on_handover):
             on_handover(self.pause_serving)

@@ -5,15 +5,17 @@ The keeper calls :func:`hand_over` (``keeper.handover``) when the NEW sandbox's 
 ``hello{handover: true}``. In order:
 
 1. forward every checkpoint OLD makes from now on (``old.on_checkpoint``), buffered;
-2. stream OLD's state as it stands (``keeper.stream_state``: the keeper's fetch path, to NEW);
+2. stream OLD's state as it stands to NEW (``keeper.records_of``: what a fetch sends, as
+   ``records`` frames then ``fetched``: NEW's own ``fetch`` is answered by this);
 3. forward the buffered and later checkpoints to NEW as ``deltas`` until NEW says ``ready``
    (it has restored and registered its tool server as a standby on the broker);
 4. ``old.request_final``: OLD finishes the tool call in progress, stops taking calls and sends
    its final checkpoint, made durable;
 5. freeze OLD's cgroup (``cgroup.freeze``; nothing in it runs any more);
 6. forward the final records, switch the broker (OLD's tool name now names NEW's server; OLD's
-   callers are told ``moved`` and re-send a call OLD had not taken), send NEW
-   ``switched{interruption_ms}`` (from the freeze to the switch);
+   callers are told ``moved`` and re-send a call OLD had not taken), make NEW the owner of the
+   state (``keeper.switch_owner``), send NEW ``switched{interruption_ms, seq}`` (from the
+   freeze to the switch);
 7. stop OLD (``sandbox.exited{reason: handed_over}``), publish ``state.handed_over``.
 
 Every failure before the switch is complete thaws OLD and leaves it serving (the broker name
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgpack
 from dsec_core.events import StateHandedOver
 
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper, StateSession
@@ -44,6 +47,8 @@ FINAL_TIMEOUT_S = 10.0
 """How long OLD may take to finish its call in progress and send its final checkpoint."""
 FREEZE_TIMEOUT_S = 2.0
 """How long the kernel may take to report OLD's cgroup frozen."""
+RECORDS_FRAME_BYTES = 8 << 20
+"""The records of one ``records`` frame of the initial stream (as the keeper's fetch)."""
 
 
 class HandOverError(RuntimeError):
@@ -210,6 +215,32 @@ class _Run:
             )
         return old_info, new_info
 
+    async def _stream(self) -> tuple[int, int]:
+        """OLD's state as it stands, to NEW, as a fetch is answered: ``records``... ``fetched``."""
+        started = time.perf_counter()
+        records, seq = await self.keeper.records_of(self.old)
+        batch: list[dict[str, Any]] = []
+        size = 0
+        for record in records:
+            record_bytes = len(msgpack.packb(record, use_bin_type=True))
+            if batch and size + record_bytes > RECORDS_FRAME_BYTES:
+                await self.new.send({"op": "records", "records": batch})
+                batch, size = [], 0
+            batch.append(record)
+            size += record_bytes
+        if batch:
+            await self.new.send({"op": "records", "records": batch})
+        await self.new.send(
+            {
+                "op": "fetched",
+                "seq": seq,
+                "deltas": len(records),
+                "source": "local" if records else "empty",
+                "ms": (time.perf_counter() - started) * 1000,
+            }
+        )
+        return seq, len(records)
+
     async def _on_checkpoint(self, seq: int, records: list[dict[str, Any]]) -> None:
         await self.pending.put((seq, records))
 
@@ -228,8 +259,10 @@ class _Run:
     async def go(self) -> HandOverResult:
         old_info, new_info = self._infos()
         self.old.on_checkpoint(self._on_checkpoint)
-        self.seq, self.streamed = await self.keeper.stream_state(self.old.key, self.new)
-        ready = asyncio.ensure_future(self.new.wait_ready(self.hooks.ready_timeout_s))
+        self.seq, self.streamed = await self._stream()
+        ready = asyncio.ensure_future(
+            asyncio.wait_for(self.new.ready.wait(), self.hooks.ready_timeout_s)
+        )
         try:
             while not ready.done():
                 getter = asyncio.ensure_future(self.pending.get())
@@ -269,8 +302,9 @@ class _Run:
         if self.hooks.switch is not None:
             self.switched_to = (old_info, new_info)
             moved = await self.hooks.switch(old_info, new_info)
+        self.keeper.switch_owner(self.old, self.new)
         interruption_ms = (time.perf_counter() - frozen_at) * 1000
-        await self.new.send({"op": "switched", "interruption_ms": interruption_ms})
+        await self.new.send({"op": "switched", "interruption_ms": interruption_ms, "seq": self.seq})
         # From here NEW owns the state and serves the name: OLD is only stopped.
         self.frozen_dir = None
         self.switched_to = None

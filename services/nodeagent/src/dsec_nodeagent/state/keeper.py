@@ -11,6 +11,7 @@ in the object store content-addressed (BLAKE3), and publishes ``state.checkpoint
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ class StateSession:
 
     key: StateKey
     sandbox_id: str
+    ready: asyncio.Event
+    """Hand-over, on the NEW version's session: set when the agent sends ``ready`` (added for
+    the hand-over)."""
 
     async def send(self, frame: dict[str, Any]) -> None:
         """Send one frame to the agent."""
@@ -68,12 +72,6 @@ class StateSession:
     ) -> None:
         """Call ``callback(seq, records)`` after each checkpoint of this session is durable
         (the hand-over forwards them to the new version)."""
-        raise NotImplementedError
-
-    async def wait_ready(self, timeout_s: float) -> None:
-        """Hand-over, on the NEW version's session: return when the agent sent ``ready``
-        (added for the hand-over). Raises ``TimeoutError`` after ``timeout_s``, and
-        ``ConnectionError`` when the session closed first."""
         raise NotImplementedError
 
 
@@ -105,11 +103,15 @@ class StateKeeper:
         """What was registered for a sandbox."""
         raise NotImplementedError
 
-    async def stream_state(self, key: StateKey, to: StateSession) -> tuple[int, int]:
-        """Hand-over: send ``key``'s state as it stands to ``to`` (the new version) the way a
-        ``fetch`` is answered: ``records`` frames, then ``fetched``. Returns ``(seq, records)``:
-        the seq it is current to and how many records were sent (added for the hand-over; the
-        new version does not send ``fetch`` itself)."""
+    async def records_of(self, session: StateSession) -> tuple[list[dict[str, Any]], int]:
+        """Hand-over: ``session``'s state as a fetch sends it (warm records, then every
+        checkpoint after; cold refs resolved; an array too large for one frame in slices) and
+        its last durable seq (added for the hand-over)."""
+        raise NotImplementedError
+
+    def switch_owner(self, old: StateSession, new: StateSession) -> None:
+        """Hand-over: ``new`` owns ``old``'s state from now on (its checkpoints continue
+        ``old``'s seq; ``old`` may not checkpoint any more) (added for the hand-over)."""
         raise NotImplementedError
 
     async def serve(self, sock: socket.socket, sandbox_id: str) -> None:
