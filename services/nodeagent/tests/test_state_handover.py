@@ -453,3 +453,39 @@ async def test_the_node_agent_hooks_switch_the_broker_stop_old_as_handed_over_an
     [(event, sandbox)] = Agent.outlet.published
     assert sandbox == "new" and isinstance(event, StateHandedOver)
     assert event.from_sandbox == "old"
+
+
+@pytest.mark.unit
+async def test_the_new_sandbox_is_registered_with_the_keeper_with_its_cgroup(
+    tmp_path: Path,
+) -> None:
+    from dsec_core.settings import Settings
+    from dsec_core.spec import compile_plan, load_spec
+
+    from dsec_nodeagent.agent import NodeAgent
+
+    spec = 'version: "1.2"\nname: agent-b\nbase: python:3.11\nentrypoint: [python, a.py]\n'
+    loaded = load_spec(spec, "dsec.yaml")
+    assert loaded.spec is not None, loaded.errors
+    plan = compile_plan(loaded.spec)
+
+    class Registrations(StateKeeper):
+        def __init__(self) -> None:
+            self.registered: list[SandboxState] = []
+
+        def register_sandbox(self, info: SandboxState) -> None:
+            self.registered.append(info)
+
+    agent = NodeAgent(Settings(home=tmp_path), None, lambda: None)  # type: ignore[arg-type,return-value]
+    keeper = Registrations()
+    agent.keeper = keeper
+    await agent._attach(plan, handover_from="sbx_old")("sbx_new", tmp_path / "cg", 7)
+    await agent._attach(plan)("sbx_plain", tmp_path / "cg2", 8)  # not a hand-over: not here
+
+    [info] = keeper.registered
+    assert (info.sandbox_id, info.handover_from, info.cgroup_dir) == (
+        "sbx_new",
+        "sbx_old",
+        str(tmp_path / "cg"),
+    )
+    assert (info.tenant, info.agent) == (plan.tenant, "agent-b")
