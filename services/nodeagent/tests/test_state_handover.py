@@ -211,6 +211,24 @@ async def test_a_final_checkpoint_also_reported_as_a_checkpoint_is_forwarded_onc
 
 
 @pytest.mark.unit
+async def test_an_empty_final_checkpoint_still_moves_the_seq_new_continues_from() -> None:
+    old_info, new_info = infos("/cg/old")
+    keeper = FakeKeeper(old_info, new_info)
+    node = Node(RecordingFreezer())
+    old, new = FakeSession("old", final=[]), FakeSession("new")
+
+    async def durable_final() -> None:
+        await old.checkpoint(7, old.final)
+
+    old.before_final = durable_final
+    result = await _drive(old, new, keeper, node.hooks)
+
+    assert result is not None
+    assert [f["seq"] for f in new.sent if f["op"] == "deltas"] == [5, 6]  # nothing to apply
+    assert new.sent[-1]["op"] == "switched" and new.sent[-1]["seq"] == 7
+
+
+@pytest.mark.unit
 async def test_new_never_ready_leaves_old_untouched_and_new_stopped() -> None:
     old_info, new_info = infos("/cg/old")
     keeper = FakeKeeper(old_info, new_info)

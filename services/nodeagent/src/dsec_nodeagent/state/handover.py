@@ -287,17 +287,20 @@ class _Run:
         self.frozen_dir = old_info.cgroup_dir
         frozen_at = time.perf_counter()
         # Checkpoints made durable before the final one, then the final (its seq: the one the
-        # keeper reported for it when it did, else the next).
-        final_seq = self.seq + 1
+        # keeper reported for it, the same records object; else the next).
+        reported: int | None = None
         while not self.pending.empty():
             seq, records = self.pending.get_nowait()
-            if records == final:
-                final_seq = seq
+            if records is final:
+                reported = seq
                 continue
             await self._forward(seq, records)
-            final_seq = max(final_seq, self.seq + 1)
+        final_seq = reported if reported is not None else self.seq + 1
         if final:
             await self._forward(final_seq, final)
+        elif reported is not None:
+            # An empty final checkpoint still took a seq: NEW's next one follows it.
+            self.seq = max(self.seq, reported)
         moved = 0
         if self.hooks.switch is not None:
             self.switched_to = (old_info, new_info)
