@@ -77,3 +77,26 @@ async def test_a_submission_no_user_signed_is_refused_before_the_handler(tmp_pat
         rejected = [(e.payload["reason"], e.payload["event_id"]) for e in bus.rejections()]
     assert rejected == [("unauthorized", forged.id), ("replayed", genuine.id)]
     assert len(bus.caused_by(genuine)) == 1  # validated once, not twice
+
+
+async def test_a_hand_over_only_from_a_sandbox_of_the_same_tenant(tmp_path: Path) -> None:
+    async with in_memory(create_service(Settings(home=tmp_path))) as bus:
+        await bus.send("user", SpecSubmitted(spec_yaml=SPEC), "sbx_old", tenant="acme")
+        own = SpecSubmitted(spec_yaml=SPEC, handover_from="sbx_old")
+        (mine,) = bus.caused_by(await bus.send("user", own, "sbx_new", tenant="acme"))
+        theirs = SpecSubmitted(spec_yaml=SPEC, filename="steal.yaml", handover_from="sbx_old")
+        (stolen,) = bus.caused_by(await bus.send("user", theirs, "sbx_steal", tenant="umbrella"))
+        nobody = SpecSubmitted(spec_yaml=SPEC, handover_from="sbx_nobody")
+        (missing,) = bus.caused_by(await bus.send("user", nobody, "sbx_lost", tenant="acme"))
+    assert mine.type == "spec.validated"
+    assert stolen.type == "spec.rejected"
+    (error,) = stolen.payload["errors"]
+    assert error["rule_id"] == "handover.tenant" and error["path"] == "handover_from"
+    assert error["file"] == "steal.yaml"
+    # another tenant's sandbox reads exactly like no sandbox at all
+    assert (
+        error["message"]
+        == "handover_from: no sandbox 'sbx_old' of tenant 'umbrella' to hand over from"
+    )
+    assert missing.type == "spec.rejected"
+    assert "no sandbox 'sbx_nobody' of tenant 'acme'" in missing.payload["errors"][0]["message"]

@@ -136,7 +136,13 @@ class World:
         return beating
 
     async def submit(
-        self, *, cpu: float, memory: str = "1GiB", gpu: str = "", stop_while_building: bool = False
+        self,
+        *,
+        cpu: float,
+        memory: str = "1GiB",
+        gpu: str = "",
+        stop_while_building: bool = False,
+        handover_from: str | None = None,
     ) -> str:
         """What the user, policy and builder publish for a sandbox of these resources (and the
         user's stop while it builds)."""
@@ -146,7 +152,9 @@ class World:
         assert loaded.spec is not None, loaded.errors
         plan = compile_plan(loaded.spec).model_dump(mode="json")
         p = self.pipe
-        sub = await p.user.publish(events.SpecSubmitted(spec_yaml=text), aggregate_id=sid)
+        sub = await p.user.publish(
+            events.SpecSubmitted(spec_yaml=text, handover_from=handover_from), aggregate_id=sid
+        )
         val = await p.policy.publish(
             events.SpecValidated(
                 name="s", spec_digest=blake3.blake3(text.encode()).hexdigest(), plan=plan
@@ -279,6 +287,22 @@ async def test_sandbox_is_scheduled_on_the_node_that_fits(
     # the read model's live sandboxes by state, and the age of the oldest (stuck requests)
     text = await scrape(services, 'dsec_sandbox_state_oldest_seconds{state="submitted"}')
     assert re.search(r'dsec_sandboxes\{state="scheduled"\} [0-9.e+]+\n', text), text
+
+
+async def test_a_hand_over_goes_to_the_node_its_old_version_runs_on(
+    world: World, js: JetStreamContext, services: Any
+) -> None:
+    small = await world.node("small", cpus=16)
+    await start_scheduler(services)
+    old = await world.submit(cpu=10)
+    placed = await wait_for(js, old, of("sandbox.scheduled"))
+    assert placed.payload["node_id"] == small.node_id
+    big = await world.node("big", cpus=1000)
+    plain = await world.submit(cpu=4)  # where a sandbox of its size goes: the emptier node
+    assert (await wait_for(js, plain, of("sandbox.scheduled"))).payload["node_id"] == big.node_id
+    new = await world.submit(cpu=4, handover_from=old)
+    placed = await wait_for(js, new, of("sandbox.scheduled"))
+    assert placed.payload["node_id"] == small.node_id
 
 
 async def test_no_fit_is_pending_with_the_reason_then_scheduled_when_a_big_node_joins(

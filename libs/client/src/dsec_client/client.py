@@ -282,6 +282,7 @@ class DSec:
         filename: str | None = None,
         start_from_snapshot: str | None = None,
         also: Sequence[Payload] = (),
+        handover_from: str | None = None,
     ) -> Sandbox:
         """Submit a spec (a path, YAML text or dict) with its code directory; return the new
         sandbox at once (follow it with :meth:`Sandbox.wait` or :meth:`Sandbox.events`).
@@ -290,7 +291,9 @@ class DSec:
         apply) and stored content-addressed in the object store, or a bundle already stored.
         ``filename``: the name the services report errors against (default: the file's, or
         ``spec.yaml``). ``start_from_snapshot``: the snapshot its code starts from. ``also``:
-        payloads published on the sandbox right after ``spec.submitted``.
+        payloads published on the sandbox right after ``spec.submitted``. ``handover_from``: a
+        running sandbox of this tenant whose state and tool name the new one takes over in a
+        live hand-over (``dsec sandbox upgrade``; follow it until ``state.handed_over``).
 
         Raises:
             InvalidInput: unreadable spec, code that is no directory or cannot be bundled, an
@@ -298,6 +301,8 @@ class DSec:
             Unreachable: the object store cannot be written.
         """
         text, default_name = spec_text(spec)
+        if handover_from is not None:
+            self.sandbox(handover_from)  # a valid sandbox id, or InvalidInput
         skipped: list[str] = []
         code_ref = code if isinstance(code, BundleRef) else None
         if code is not None and code_ref is None:
@@ -316,6 +321,7 @@ class DSec:
                     code=code_ref,
                     submitted_by=submitter(),
                     start_from_snapshot=start_from_snapshot,
+                    handover_from=handover_from,
                 ),
                 aggregate_id=sandbox_id,
             )

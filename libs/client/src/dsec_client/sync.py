@@ -114,6 +114,7 @@ class DSecSync:
         filename: str | None = None,
         start_from_snapshot: str | None = None,
         also: Sequence[Payload] = (),
+        handover_from: str | None = None,
     ) -> SandboxSync:
         """:meth:`DSec.submit`."""
         sandbox = self._loop.run(
@@ -123,6 +124,7 @@ class DSecSync:
                 filename=filename,
                 start_from_snapshot=start_from_snapshot,
                 also=also,
+                handover_from=handover_from,
             )
         )
         return SandboxSync(self._loop, sandbox)

@@ -44,6 +44,7 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "policy.violation": frozenset({"nodeagent"}),
     "policy.violation_summary": frozenset({"nodeagent"}),
     "policy.reported": frozenset({"nodeagent"}),
+    "state.handed_over": frozenset({"nodeagent"}),
     "node.joined": frozenset({"nodeagent"}),
     "node.heartbeat": frozenset({"nodeagent"}),
     # snapshots

@@ -75,7 +75,7 @@ class SpecSubmitted(Payload):
 
     TYPE = "spec.submitted"
     AGGREGATE = "sandbox"
-    VERSION = "1.1"
+    VERSION = "1.2"
 
     spec_yaml: str = Field(description="The spec text exactly as submitted")
     filename: str = Field(default="dsec.yaml", description="Name used in located errors")
@@ -85,6 +85,13 @@ class SpecSubmitted(Payload):
         default=None,
         description="Snapshot whose code the node agent restores into the sandbox's code dir "
         "before it starts (`dsec sandbox run --snapshot`); it publishes snapshot.restored",
+    )
+    handover_from: str | None = Field(
+        default=None,
+        description="1.2: a running sandbox of the same tenant whose state and tool name this "
+        "new version takes over in a live hand-over (`dsec sandbox upgrade`); the scheduler "
+        "places it on that sandbox's node, the node agent streams the state and switches "
+        "(state.handed_over); refused (spec.rejected) for another tenant's sandbox",
     )
 
 
@@ -299,8 +306,19 @@ class SandboxReady(Payload):
 
 
 ExitReason = Literal[
-    "ok", "error", "oom", "pids", "timeout", "stopped", "policy", "disk", "policy_flood"
+    "ok",
+    "error",
+    "oom",
+    "pids",
+    "timeout",
+    "stopped",
+    "policy",
+    "disk",
+    "policy_flood",
+    "handed_over",
 ]
+"""Why a sandbox ended (1.2 of sandbox.exited adds ``handed_over``: a new version took over its
+state and tool name in a live hand-over, see state.handed_over)."""
 
 
 class SandboxExited(Payload):
@@ -309,7 +327,7 @@ class SandboxExited(Payload):
     TYPE = "sandbox.exited"
     AGGREGATE = "sandbox"
     TERMINAL = True
-    VERSION = "1.1"
+    VERSION = "1.2"
 
     exit_code: int
     reason: ExitReason
@@ -731,6 +749,21 @@ class StateRecovered(Payload):
     )
 
 
+class StateHandedOver(Payload):
+    """A new version of an agent took over the running one's state and tool name (on the NEW
+    sandbox; docs/state.md "Hand-over")."""
+
+    TYPE = "state.handed_over"
+    AGGREGATE = "sandbox"
+
+    agent: str
+    group: str
+    from_sandbox: str = Field(description="The old version's sandbox (stopped: handed_over)")
+    seq: int = Field(description="The state's sequence number at the switch")
+    interruption_ms: float = Field(description="From the old one frozen to the new one serving")
+    deltas_streamed: int = Field(description="Records streamed to the new version")
+
+
 EVENT_MODELS: tuple[type[Payload], ...] = (
     PolicyViolationSummary,
     PolicyReported,
@@ -767,6 +800,7 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     SnapshotDeleted,
     StateCheckpointed,
     StateRecovered,
+    StateHandedOver,
 )
 
 EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}

@@ -162,6 +162,7 @@ TABLE: Mapping[str, Role] = {
             "snapshot.failed",
             "state.checkpointed",
             "state.recovered",
+            "state.handed_over",
         ),
         # each node agent sees these through its own node's durables; acts only on its own
         node_consumes=(

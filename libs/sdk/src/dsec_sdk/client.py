@@ -31,7 +31,7 @@ from dsec_sdk.errors import (
     PeerGone,
     ProtocolError,
 )
-from dsec_sdk.ipc import codec, control
+from dsec_sdk.ipc import codec, control, ring
 from dsec_sdk.ipc.aio import AsyncCaller
 from dsec_sdk.ipc.channel import CallerEnd
 from dsec_sdk.ipc.link import BrokerLink
@@ -47,6 +47,8 @@ _unpack = codec.unpack
 _clock = time.perf_counter_ns
 _REQUEST: Final = codec.REQUEST
 _RESULT: Final = codec.RESULT
+_HEAD: Final = ring.HEAD
+_TAIL: Final = ring.TAIL
 
 
 def default_socket_path() -> Path:
@@ -132,7 +134,14 @@ class _SyncChannel:
                     else:
                         spin.miss()
             if frame is None:
-                frame = self._general(end, tool, timeout, call_id, body, deadline, sent)
+                try:
+                    frame = self._general(end, tool, timeout, call_id, body, deadline, sent)
+                except PeerGone as exc:
+                    # One call at a time on this channel: a request still unread is this one.
+                    if not end.is_closed:
+                        hdr = end.requests.hdr
+                        exc.untaken = hdr[_TAIL] != hdr[_HEAD]
+                    raise
         if frame[0] == _RESULT:
             return frame[2]
         codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
@@ -217,6 +226,8 @@ class DSecClient:
         self._async_channels: dict[str, AsyncCaller] = {}
         self._opening: dict[str, asyncio.Future[AsyncCaller]] = {}
         self._server: BlockingServer | AsyncServer | None = None
+        self._state: Any = None  # an AgentState (dsec_sdk.state) this client serves with
+        self._watched: Any = None  # the state whose hand-over callbacks are registered
 
     # ------------------------------------------------------------------ tools
     def tool(self, name: str | None = None) -> Callable[[F], F]:
@@ -243,6 +254,8 @@ class DSecClient:
         link = self._register(tools)
         server = BlockingServer(link, self._dispatcher(link), self._serve_spin_ns)
         self._server = server
+        self._watch_handover()
+        self._standby_ready(link)
         try:
             server.run()
         finally:
@@ -253,6 +266,8 @@ class DSecClient:
         link = await asyncio.to_thread(self._register, tools)
         server = AsyncServer(link, self._dispatcher(link), self._serve_spin_ns)
         self._server = server
+        self._watch_handover()
+        await asyncio.to_thread(self._standby_ready, link)
         try:
             await server.run()
         finally:
@@ -262,6 +277,68 @@ class DSecClient:
         """Stop :meth:`serve` / :meth:`aserve` (thread-safe for ``serve``)."""
         if self._server is not None:
             self._server.stop()
+
+    def pause_serving(self, timeout_s: float = 10.0) -> bool:
+        """Finish the tool calls being answered, then take no new ones (they wait in their
+        channels) until :meth:`resume_serving`: the old version of a live hand-over does this
+        before its final checkpoint, so a call it has not taken goes to the new version.
+        Thread-safe; not from the loop of :meth:`aserve` (there: ``await
+        client.apause_serving()``). ``False`` when not serving or it took over ``timeout_s``."""
+        server = self._server
+        return server is not None and server.pause(timeout_s)
+
+    async def apause_serving(self, timeout_s: float = 10.0) -> bool:
+        """:meth:`pause_serving` from the loop :meth:`aserve` runs on."""
+        server = self._server
+        if isinstance(server, AsyncServer):
+            return await server.loop.pause(timeout_s)
+        return await asyncio.to_thread(self.pause_serving, timeout_s)
+
+    def resume_serving(self) -> None:
+        """Take calls again (a hand-over that failed)."""
+        if self._server is not None:
+            self._server.resume()
+
+    def attach_state(self, state: Any) -> None:
+        """Serve with this agent's DSec state (a ``dsec_sdk.state.AgentState``): in a live
+        hand-over the old version stops taking calls before its final checkpoint (and takes
+        them again if the hand-over fails), and the new version tells the keeper ``ready``
+        once its tool server is registered as the standby. Call before :meth:`serve`."""
+        self._state = state
+        if self._server is not None:
+            self._watch_handover()
+
+    def _standby_ready(self, link: BrokerLink) -> None:
+        """The new version of a hand-over registered its tools as the standby: ready."""
+        state = self._state
+        if not link.welcome.get("standby") or state is None:
+            return
+        if getattr(state, "handover", False) and getattr(state, "switched", None) is None:
+            state.ready()
+
+    def _watch_handover(self) -> None:
+        """When this process keeps DSec state (:meth:`attach_state`, or the state API's
+        current ``AgentState``), let a hand-over pause the serving before the final checkpoint
+        (``AgentState.on_handover``) and resume it if the hand-over fails
+        (``AgentState.on_handover_aborted``, when the state API has it)."""
+        state = self._state
+        if state is None:
+            try:
+                from dsec_sdk import state as state_api
+            except ImportError:  # pragma: no cover - the state package ships with the SDK
+                return
+            agent_state = getattr(state_api, "AgentState", None)
+            current = getattr(agent_state, "current", None)
+            state = current() if callable(current) else None
+        if state is None or state is self._watched:
+            return
+        self._watched = state  # its callbacks are registered once
+        on_handover = getattr(state, "on_handover", None)
+        if callable(on_handover):
+            on_handover(self.pause_serving)
+        on_aborted = getattr(state, "on_handover_aborted", None)
+        if callable(on_aborted):
+            on_aborted(self.resume_serving)
 
     def _register(self, tools: Mapping[str, Tool] | None) -> BrokerLink:
         for name, function in (tools or {}).items():
@@ -310,16 +387,30 @@ class DSecClient:
         channel = self._channels.get(agent)
         if channel is None or channel.end.is_closed:
             channel = self._channel(agent)
+        merged = kwargs if arguments is None else _merge(arguments, kwargs)
+        seconds = self.timeout if timeout is ... else timeout
         try:
-            return channel.call(
-                tool,
-                kwargs if arguments is None else _merge(arguments, kwargs),
-                self.timeout if timeout is ... else timeout,
-                self.group,
-            )
+            return channel.call(tool, merged, seconds, self.group)
+        except PeerGone as exc:
+            self._drop(agent, channel)
+            if not (exc.untaken and self._moved(agent)):
+                raise
+        except ProtocolError:
+            self._drop(agent, channel)
+            raise
+        # A hand-over moved the agent to its new version before the old one read this call:
+        # send it once more, to the new one (the caller sees a slower call, not an error).
+        channel = self._channel(agent)
+        try:
+            return channel.call(tool, merged, seconds, self.group)
         except (PeerGone, ProtocolError):
             self._drop(agent, channel)
             raise
+
+    def _moved(self, agent: str) -> bool:
+        """Whether the broker said that ``agent`` moved to a new server (a hand-over)."""
+        link = self._link
+        return link is not None and link.take_moved(agent)
 
     async def acall_tool(
         self,
@@ -342,10 +433,19 @@ class DSecClient:
             raise PayloadTooLarge(f"request to {agent}.{tool}", len(body), limit)
         try:
             frame = await caller.call(codec.REQUEST, body, _deadline(seconds))
-        except PeerGone:
+        except PeerGone as exc:
             if self._async_channels.get(agent) is caller:
                 del self._async_channels[agent]
-            raise
+            if not (exc.untaken and self._moved(agent)):
+                raise
+            # Moved by a hand-over before the old server read it: once more, to the new one.
+            caller = await self._async_channel(agent)
+            try:
+                frame = await caller.call(codec.REQUEST, body, _deadline(seconds))
+            except PeerGone:
+                if self._async_channels.get(agent) is caller:
+                    del self._async_channels[agent]
+                raise
         if frame is None:
             raise CallTimeout(agent, tool, seconds or 0.0)
         kind, value = frame

@@ -34,6 +34,9 @@ class PeerGone(IpcError):
     def __init__(self, agent: str, reason: str) -> None:
         self.agent = agent
         self.reason = reason
+        # The call's request was still in the ring, never read by the peer: safe to send again
+        # (to the new server of a name moved by a hand-over).
+        self.untaken = False
         super().__init__(f"agent {agent!r} is gone: {reason}")
 
 

@@ -71,7 +71,8 @@ from dsec_nodeagent.semantic.compile import rules_from_plan
 from dsec_nodeagent.semantic.models import SemanticDecision, SemanticRules
 from dsec_nodeagent.semantic.reports import MESSAGE_LIMIT, TARGET_LIMIT, Refused, check_report
 from dsec_nodeagent.snapshots import SnapshotStartRefused
-from dsec_nodeagent.state.keeper import StateKeeper
+from dsec_nodeagent.state.keeper import SandboxState, StateKeeper
+from dsec_nodeagent.state.wiring import ENV_HANDOVER_FROM
 from dsec_nodeagent.tlsproxy import CA_BUNDLE_PATH, ProxyGrant, TlsProxies
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,10 @@ class NodeAgent:
         self.start_from_snapshot: StartFromSnapshot | None = None
         """Puts a snapshot's code in a new sandbox's code dir (``dsec_nodeagent.snapshots``)."""
         self.state_keeper: StateKeeper | None = None
-        """The state plane's keeper: stateful sandboxes are registered with it."""
+        """The state keeper (``dsec_nodeagent.state``): stateful sandboxes are registered with
+        it; None: no state plane on this node."""
+        self.expect_handover: Callable[[str, str], None] | None = None
+        """Tells the IPC broker that a new sandbox takes over an old one's tool name."""
         _AGENTS.add(self)  # dsec_sandboxes_running counts its manager's sandboxes
 
     def _injector(self) -> ContextInjector:
@@ -407,6 +411,14 @@ class NodeAgent:
             restored.append(from_snapshot)
         if code_dir is not None:
             _mountpoints(code_dir, plan)
+        handover_from = submitted.handover_from
+        if handover_from is not None and self.manager.get(handover_from) is None:
+            # Placed here though its old version runs elsewhere (or no more): a plain start
+            # that recovers the state (docs/state.md "Hand-over").
+            log.info(
+                "%s: %s does not run on this node; starting without a hand-over", sid, handover_from
+            )
+            handover_from = None
         ctx = await self.injector.prepare(
             sid, plan.secrets, plan.mounts, tenant=plan.tenant, tenant_vault=plan.tenant_vault
         )
@@ -416,11 +428,20 @@ class NodeAgent:
         ]
         try:
             config = self._config(sid, plan, env_dir, code_dir, ctx)
+            if handover_from is not None:
+                config = config.model_copy(
+                    update={"env": {**config.env, ENV_HANDOVER_FROM: handover_from}}
+                )
+                if self.expect_handover is not None:
+                    self.expect_handover(sid, handover_from)
             grant = await self.proxies.open(sid, plan)
             if grant is not None:
                 config = _through_proxy(config, grant)
             ready = await self.manager.launch(
-                config, before_start=self._attach(grant.egress_plan if grant else plan)
+                config,
+                before_start=self._attach(
+                    grant.egress_plan if grant else plan, handover_from=handover_from
+                ),
             )
         except BaseException:
             await self.proxies.close(sid)
@@ -447,8 +468,23 @@ class NodeAgent:
         except SnapshotStartRefused as exc:
             raise StartRefused(str(exc)) from None
 
-    def _attach(self, plan: EnforcementPlan) -> Callable[[str, Path, int], Awaitable[None]]:
+    def _attach(
+        self, plan: EnforcementPlan, *, handover_from: str | None = None
+    ) -> Callable[[str, Path, int], Awaitable[None]]:
         async def attach(sid: str, cgroup_dir: Path, cgroup_id: int) -> None:
+            if handover_from is not None and self.state_keeper is not None:
+                identity = agent_identity(plan)
+                self.state_keeper.register_sandbox(
+                    SandboxState(
+                        sandbox_id=sid,
+                        tenant=plan.tenant,
+                        group=identity.task_group,
+                        agent=identity.name,
+                        plan=plan.state,
+                        handover_from=handover_from,
+                        cgroup_dir=str(cgroup_dir),
+                    )
+                )
             self.proxies.bind(sid, cgroup_dir)
             if self._before_start is not None:
                 await self._before_start(sid, cgroup_dir, cgroup_id, plan)

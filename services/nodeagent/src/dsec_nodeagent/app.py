@@ -22,6 +22,7 @@ from dsec_nodeagent.outlet import EventOutlet
 from dsec_nodeagent.refusals import RefusalGate
 from dsec_nodeagent.remote_access import RemoteAccess
 from dsec_nodeagent.snapshots import NodeSnapshots
+from dsec_nodeagent.state import wiring as state_wiring
 from dsec_nodeagent.state.keeper import StateKeeper
 
 
@@ -132,6 +133,14 @@ def wire(
     # sandbox that now belongs to another node
     service.handles(events.UnitLost, scope="node", on_exhausted=lambda *_: [])(agent.on_unit_lost)
     agent.start_from_snapshot = NodeSnapshots(service).start_from  # snapshots of its sandboxes
+
+    def expect_handover(new_sandbox: str, old_sandbox: str) -> None:
+        if comms.broker is not None:  # a standby for the old one's tool name (hand-over)
+            comms.broker.expect_handover(new_sandbox, old_sandbox)
+
+    agent.expect_handover = expect_handover
+    # Hand-overs (`dsec sandbox upgrade`): the keeper streams, freezes, switches the broker.
+    state_wiring.install(keeper, agent, lambda: comms.broker)
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack

@@ -13,6 +13,13 @@ from dsec_policy.handlers import PolicyHandlers
 def create_service(settings: Settings | None = None) -> Service:
     """Build the policy service: ``spec.submitted`` → ``spec.validated | spec.rejected``."""
     service = Service("policy", settings)
-    handlers = PolicyHandlers(service.settings, load_org_policy(service.settings.org_policy))
+
+    async def tenant_of(sandbox_id: str) -> str | None:
+        # The gate exists once the service runs (before any handler is called).
+        return None if service.gate is None else await service.gate.tenant_of(sandbox_id)
+
+    handlers = PolicyHandlers(
+        service.settings, load_org_policy(service.settings.org_policy), tenant_of=tenant_of
+    )
     service.handles(SpecSubmitted)(handlers.on_submitted)
     return service

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import blake3
 from dsec_core.codebundle import declared_max_size
@@ -42,12 +42,36 @@ class PolicyHandlers:
     """
 
     def __init__(
-        self, settings: Settings, org_policy: OrgPolicy | None, budget: Budget | None = None
+        self,
+        settings: Settings,
+        org_policy: OrgPolicy | None,
+        budget: Budget | None = None,
+        tenant_of: Callable[[str], Awaitable[str | None]] | None = None,
     ) -> None:
         self.settings = settings
         self.org_policy = org_policy
         self.budget = budget or Budget()
         self.facts = stack_facts(settings)
+        # The tenant of a sandbox (its first authentic spec.submitted): the service's Gate.
+        self.tenant_of = tenant_of
+
+    async def _handover_error(self, event: SpecSubmitted, tenant: str) -> SpecError | None:
+        """``handover_from`` must name a sandbox of the submitter's own tenant (another
+        tenant's sandbox reads as no sandbox at all: its existence is not disclosed)."""
+        old = event.handover_from
+        if old is None:
+            return None
+        owner = await self.tenant_of(old) if self.tenant_of is not None else None
+        if owner == tenant:
+            return None
+        return SpecError.whole_file(
+            event.filename,
+            f"handover_from: no sandbox {old!r} of tenant {tenant!r} to hand over from",
+            "handover.tenant",
+            "`dsec sandbox upgrade ID` takes the id of one of your own running sandboxes "
+            "(`dsec sandbox list`)",
+            path="handover_from",
+        )
 
     async def _code_files(self, event: SpecSubmitted) -> dict[str, bytes] | SpecError:
         if event.code is None:
@@ -67,11 +91,14 @@ class PolicyHandlers:
 
     async def on_submitted(self, envelope: Envelope, event: SpecSubmitted) -> Sequence[Payload]:
         """Validate one submitted spec (pure decision; bundle fetched first)."""
+        # The tenant comes from the submitter's signed identity, never from the YAML.
+        tenant = str(getattr(envelope, "tenant", None) or "default")
+        refused = await self._handover_error(event, tenant)
+        if refused is not None:
+            return [SpecRejected(errors=[refused.model_dump(mode="json")])]
         code = await self._code_files(event)
         if isinstance(code, SpecError):
             return [SpecRejected(errors=[code.model_dump(mode="json")])]
-        # The tenant comes from the submitter's signed identity, never from the YAML.
-        tenant = str(getattr(envelope, "tenant", None) or "default")
         try:
             outcome: ValidationOutcome = await asyncio.to_thread(
                 run_budgeted,

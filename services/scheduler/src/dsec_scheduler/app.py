@@ -126,6 +126,8 @@ class Scheduler:
         self.engine = EngineSync(make_engine(settings.scheduler_policy))
         self.quotas = load_quotas(settings.scheduler_quotas)
         self._demands: dict[str, GangDemand] = {}  # what each waiting sandbox asks (its plan)
+        # A hand-over's new sandbox -> the sandbox it takes over from (its spec.submitted).
+        self._handovers: dict[str, str] = {}
         self._pending_class: dict[str, str] = {}  # sandbox -> class of its published wait
         self._blocker: Waiting | None = None  # a head of the queue no backfill may pass
         self._specs: dict[str, tuple[Any, tuple[str, ...], Any]] = {}  # node -> its engine spec
@@ -478,7 +480,15 @@ class Scheduler:
         refusal = quota_refusal(gang, self.quotas, usage(fleet.units), unit_counts(fleet.units))
         if refusal is not None:
             return pending(refusal, "quota")
-        decision = self._place_avoiding(gang, sbx.lost_on)
+        decision: GangPlacement | Unfit | None = None
+        colocate = self._handover_node(sbx)
+        if colocate is not None and colocate != sbx.lost_on:
+            decision = self._place_on(gang, colocate)
+            if isinstance(decision, Unfit):
+                log.info("scheduler: %s does not fit on %s (hand-over)", sbx.sandbox_id, colocate)
+                decision = None
+        if decision is None:
+            decision = self._place_avoiding(gang, sbx.lost_on)
         if isinstance(decision, Unfit):
             return pending(
                 self._unfit_reason(decision, gang, sbx, fleet),
@@ -577,7 +587,48 @@ class Scheduler:
         except ValueError:
             gang = gang_demand(sbx.sandbox_id, sbx.tenant, {}, sbx.resources)
         self._remember(sbx.sandbox_id, gang)
+        await self._note_handover(sbx.sandbox_id)
         return gang
+
+    async def _note_handover(self, sandbox_id: str) -> None:
+        """Remember the sandbox a hand-over's new version takes over from (``handover_from``
+        of its authentic ``spec.submitted``; the policy service checked its tenant)."""
+        if sandbox_id in self._handovers:
+            return
+        submitted = None
+        with contextlib.suppress(Exception):  # unreadable: placed like any other
+            submitted = await self._gate().find(subject_for("spec.submitted", sandbox_id))
+        old = submitted.payload.get("handover_from") if submitted is not None else None
+        if isinstance(old, str):
+            self._handovers[sandbox_id] = old
+            while len(self._handovers) > DEMANDS_KEPT:
+                self._handovers.pop(next(iter(self._handovers)))
+
+    def _handover_node(self, sbx: Sandbox) -> str | None:
+        """Where a hand-over's new sandbox should go: the node its old version runs on, while
+        it still does (else it is placed normally and the hand-over is just a recovery)."""
+        old_id = self._handovers.get(sbx.sandbox_id)
+        old = self.state.sandboxes.get(old_id) if old_id is not None else None
+        if old is None or old.tenant != sbx.tenant:
+            return None
+        return old.holds
+
+    def _place_on(self, gang: GangDemand, node: str) -> GangPlacement | Unfit:
+        """The engine's choice with ``node`` the only schedulable node."""
+        others = []
+        for node_id in sorted(self._specs):
+            spec = self.engine.node(node_id)
+            if node_id != node and spec is not None and spec.schedulable:
+                others.append(spec)
+        for spec in others:
+            self.engine.set_node(
+                replace(spec, schedulable=False, unschedulable_reason="hand-over elsewhere")
+            )
+        try:
+            return self.engine.engine.place(gang)
+        finally:
+            for spec in others:
+                self.engine.set_node(spec)
 
     def _remember(self, sandbox_id: str, gang: GangDemand) -> None:
         self._demands[sandbox_id] = gang
@@ -785,6 +836,7 @@ class Scheduler:
         ):
             return [_stopped()]
         self._remember(sid, gang)
+        await self._note_handover(sid)
         async with self._deciding:
             now = self.state.sandboxes.get(sid)
             if now is None or now.life.state != "built":

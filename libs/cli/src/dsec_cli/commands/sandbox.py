@@ -504,6 +504,143 @@ def run_from_snapshot(
     finish(outcome, wait, stall, as_json)
 
 
+@sandbox_app.command("upgrade")
+def upgrade(
+    sandbox_id: Annotated[str, typer.Argument(help="The running sandbox to replace (sbx_...)")],
+    code: Annotated[
+        Path | None,
+        typer.Option("--code", help="The new version's code directory (default: the old one's)"),
+    ] = None,
+    spec: Annotated[
+        Path | None,
+        typer.Option(help="The new version's spec (default: the old one's, from the log)"),
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds")] = 900.0,
+    stall: Annotated[
+        float, typer.Option(help="Stop when no event arrives for this long (s)")
+    ] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Last line: one JSON result")] = False,
+) -> None:
+    """Replace a running sandbox by a new version with a live hand-over: the old one's spec
+    (its authentic ``spec.submitted``, or --spec) is submitted with the new code and
+    ``handover_from``; the new sandbox starts on the old one's node, receives its agent state,
+    takes over its tool name (callers see at most one slower call) and the old one exits
+    (``handed_over``). Follows the new sandbox until ``state.handed_over`` and prints the
+    measured interruption.
+
+    Exit 0 when handed over; 1 when the new sandbox was rejected, failed or ended first (the
+    old one keeps running), or the old one is not running; 2 for bad input; 3 when the stack
+    is unreachable; 4 when it stalled or timed out.
+    """
+    from dsec_core.subjects import InvalidSubjectToken, subject_for
+
+    from dsec_cli.commands.submit import upload_code
+
+    try:
+        subject_for("spec.submitted", sandbox_id)
+    except InvalidSubjectToken as exc:
+        fail(f"sandbox id: {exc}", EXIT_BAD_INPUT)
+    if code is None and spec is None:
+        fail(
+            "nothing to upgrade to: give the new version's --code DIR and/or --spec FILE",
+            EXIT_BAD_INPUT,
+        )
+    if code is not None and not code.is_dir():
+        fail(f"--code {code} is not a directory", EXIT_BAD_INPUT)
+    spec_given: tuple[str, str] | None = None
+    if spec is not None:
+        try:
+            spec_given = spec.read_text(), spec.name
+        except (OSError, UnicodeDecodeError) as exc:
+            fail(f"cannot read spec {spec}: {exc}", EXIT_BAD_INPUT)
+    try:
+        outcome = run(_upgrade(sandbox_id, code, spec_given, timeout, stall, as_json, upload_code))
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    if as_json:
+        print_json(outcome)
+    elif outcome["state"] == "handed_over":
+        console.print(
+            f"[green]handed over[/]: {outcome['sandbox_id']} took over {sandbox_id} "
+            f"({outcome['deltas_streamed']} state records streamed), interruption "
+            f"{outcome['interruption_ms']:.2f} ms",
+            highlight=False,
+        )
+    elif outcome["state"] == "stalled":
+        err_console.print(
+            f"[yellow]stalled:[/] {safe_text(outcome['reason'] or '')}", highlight=False
+        )
+    else:
+        err_console.print(
+            f"[bold red]not handed over[/]: {outcome['sandbox_id']} {outcome['state']}"
+            f"{': ' + safe_text(outcome['reason']) if outcome['reason'] else ''}; "
+            f"{sandbox_id} keeps running",
+            highlight=False,
+        )
+    codes = {"handed_over": 0, "stalled": 4}
+    raise typer.Exit(codes.get(outcome["state"], EXIT_FAILED))
+
+
+async def _upgrade(
+    old_id: str,
+    code: Path | None,
+    spec_given: tuple[str, str] | None,
+    timeout: float,
+    stall: float,
+    as_json: bool,
+    upload_code: Any,
+) -> dict[str, Any]:
+    """Submit the new version with ``handover_from`` and follow it (see :func:`upgrade`)."""
+    from dsec_client import SandboxEnded, Stalled, Timeout
+
+    from dsec_cli.render import event_line
+
+    async with client() as d:
+        old = d.sandbox(old_id)
+        last = await d.last("spec.submitted", old.id)  # verified: signed by its submitter
+        if last is None:
+            fail(f"no sandbox {old_id} in the event log", EXIT_FAILED)
+        submitted = last.envelope.decoded()
+        assert isinstance(submitted, SpecSubmitted)
+        ended = await old.ended()
+        if ended is not None:
+            fail(
+                f"sandbox {old_id} has ended ({ended.type}): nothing to hand over from", EXIT_FAILED
+            )
+        spec_text, filename = spec_given or (submitted.spec_yaml, submitted.filename)
+        code_ref = upload_code(code, spec_text, d.settings) if code is not None else submitted.code
+        new = await d.submit(spec_text, code_ref, filename=filename, handover_from=old.id)
+        result: dict[str, Any] = {
+            "sandbox_id": new.id,
+            "handover_from": old.id,
+            "state": "submitted",
+            "reason": None,
+            "interruption_ms": None,
+            "deltas_streamed": None,
+        }
+
+        def show(event: Any) -> None:
+            if not as_json:
+                console.print(
+                    event_line(event.seq, event.envelope), highlight=False, soft_wrap=True
+                )
+
+        try:
+            done = await new.wait("state.handed_over", timeout=timeout, stall=stall, on_event=show)
+        except SandboxEnded as exc:
+            result.update(state=exc.state, reason=exc.reason)
+        except (Stalled, Timeout) as exc:
+            result.update(state="stalled", reason=str(exc))
+        else:
+            payload = done.envelope.payload
+            result.update(
+                state="handed_over",
+                interruption_ms=payload["interruption_ms"],
+                deltas_streamed=payload["deltas_streamed"],
+            )
+        return result
+
+
 @dataclass(frozen=True)
 class _RunStart:
     """What a run from a snapshot submits."""

@@ -39,6 +39,7 @@ class AsyncCaller:
         self._send_lock = asyncio.Lock()
         self._blocked_senders = 0
         self._gone: PeerGone | None = None
+        self._consumed_at_end: int | None = None  # the requests ring's TAIL when it failed
         self._loop.add_reader(end.wake_fd, self._on_wake)
         self._loop.add_reader(end.peer_pidfd, self._on_peer_exit)
 
@@ -59,9 +60,11 @@ class AsyncCaller:
         end.next_id += 1
         future: asyncio.Future[Frame] = self._loop.create_future()
         self._pending[call_id] = future
+        sent_to = -1
         try:
             if not await self._send(kind, call_id, body, deadline_ns):
                 return None
+            sent_to = int(end.requests.hdr[r.HEAD])  # where this request ends in the ring
             if len(self._pending) == 1 and end.spin.budget_ns:
                 self._spin(future, deadline_ns)
             if not future.done():
@@ -73,6 +76,14 @@ class AsyncCaller:
                 except TimeoutError:
                     return None
             return future.result()
+        except PeerGone as exc:
+            consumed = self._consumed_at_end
+            if sent_to < 0 or consumed is None or consumed >= sent_to:
+                raise
+            # The server never read this request: say so (a hand-over may send it again).
+            gone = PeerGone(exc.agent, exc.reason)
+            gone.untaken = True
+            raise gone from exc
         finally:
             self._pending.pop(call_id, None)
             if not self._pending and not self.end.is_closed:
@@ -179,6 +190,8 @@ class AsyncCaller:
 
     def _fail(self, exc: PeerGone) -> None:
         self._gone = exc
+        if not self.end.is_closed and self._consumed_at_end is None:
+            self._consumed_at_end = int(self.end.requests.hdr[r.TAIL])
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(exc)
@@ -227,6 +240,10 @@ class AsyncServeLoop:
         self._wake = asyncio.Event()
         self._stopped = False
         self._pid_fired = False
+        # A hand-over's pause: no new request is read while set (the one in progress finishes).
+        self._pause_asked = False
+        self._paused = asyncio.Event()
+        self._resumed = asyncio.Event()
 
     def add(self, end: ServerEnd) -> None:
         """Serve a new channel."""
@@ -253,6 +270,26 @@ class AsyncServeLoop:
     def stop(self) -> None:
         """Make :meth:`run` return."""
         self._stopped = True
+        self._resumed.set()
+        self.kick()
+
+    async def pause(self, timeout_s: float = 10.0) -> bool:
+        """Finish the requests being answered, then read no new ones until :meth:`resume`
+        (the old version of a hand-over); ``False`` if that took longer than ``timeout_s``."""
+        self._pause_asked = True
+        self._resumed.clear()
+        self.kick()
+        try:
+            await asyncio.wait_for(self._paused.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def resume(self) -> None:
+        """Read requests again (a hand-over that failed)."""
+        self._pause_asked = False
+        self._paused.clear()
+        self._resumed.set()
         self.kick()
 
     async def run(self) -> None:
@@ -260,6 +297,10 @@ class AsyncServeLoop:
         self._loop.add_reader(self.doorbell, self._on_doorbell)
         try:
             while not self._stopped:
+                if self._pause_asked:
+                    self._paused.set()
+                    await self._resumed.wait()
+                    continue
                 if await self._serve_burst():
                     continue
                 if self._spin_ns and self._spin_for_work():

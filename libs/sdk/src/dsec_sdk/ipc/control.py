@@ -12,12 +12,17 @@ Agent -> broker::
 Broker -> agent::
 
     {"op": "welcome", "node": str, "ring_capacity": int, "max_payload": int}
-        + [doorbell eventfd] for a server
+        + [doorbell eventfd] for a server; ``"standby": true`` for the new version of a
+        hand-over registering the name its old version still serves (calls come once the
+        broker switched the name to it)
     {"op": "channel", "ref": int, "channel": int, "peer": str, "ring_capacity": int, "remote": bool}
         + CALLER_FDS
     {"op": "open", "channel": int, "caller": str, "ring_capacity": int}  (to a server)
         + SERVER_FDS
     {"op": "error", "ref": int, "code": str, "message": str}
+    {"op": "moved", "peer": str}     (to a caller, unasked: a hand-over moved the name ``peer``
+                                      to a new server; a call the old one had not read may be
+                                      sent again to it)
 """
 
 from __future__ import annotations
@@ -81,13 +86,16 @@ def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) 
         sock.send(data)
 
 
-def recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+def recv(sock: socket.socket, flags: int = 0) -> tuple[dict[str, Any], list[int]] | None:
     """Receive one control message; ``None`` when the other side closed the connection.
+
+    ``flags``: for ``recvmsg`` (``socket.MSG_DONTWAIT``: raise ``BlockingIOError`` when none
+    is queued).
 
     Raises:
         ProtocolError: The datagram is not a MessagePack map or its fds were truncated.
     """
-    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS, flags)
     if not data and not fds:
         return None
     if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):

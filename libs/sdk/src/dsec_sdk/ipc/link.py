@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import socket
 import threading
 import time
@@ -72,6 +73,8 @@ class BrokerLink:
             ) from exc
         self.sock = sock
         self._lock = threading.Lock()
+        # Peers a hand-over moved to a new server (``moved`` messages not yet looked at).
+        self._moved: set[str] = set()
         self._refs = itertools.count(1)
         try:
             hello = {
@@ -112,6 +115,41 @@ class BrokerLink:
         return reply
 
     def _recv(self) -> tuple[dict[str, Any], list[int]]:
+        """The next answer (``moved`` notices that arrive meanwhile are kept aside)."""
+        while True:
+            message, fds = self._recv_any()
+            if message.get("op") != "moved":
+                return message, fds
+            control.close_fds(fds)
+            self._note_moved(message)
+
+    def _note_moved(self, message: dict[str, Any]) -> None:
+        peer = message.get("peer")
+        if isinstance(peer, str):
+            self._moved.add(peer)
+
+    def take_moved(self, peer: str) -> bool:
+        """Whether the broker ever said that ``peer`` moved to a new server (reads the notices
+        queued on the connection without waiting)."""
+        with self._lock:
+            # poll() first: a socket with a timeout would wait for data despite MSG_DONTWAIT.
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            while poller.poll(0):
+                try:
+                    received = control.recv(self.sock, socket.MSG_DONTWAIT)
+                except (OSError, ProtocolError):
+                    break
+                if received is None:
+                    break
+                message, fds = received
+                control.close_fds(fds)
+                if message.get("op") == "moved":
+                    self._note_moved(message)
+            # Kept: several calls in flight to the old server may each need the answer.
+            return peer in self._moved
+
+    def _recv_any(self) -> tuple[dict[str, Any], list[int]]:
         try:
             try:
                 reply = control.recv(self.sock)

@@ -77,10 +77,27 @@ class BlockingServer:
         self.sleeper.watch(link.sock.fileno())
         self._stopped = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # A hand-over's pause (see pause()).
+        self._pause_asked = threading.Event()
+        self._paused = threading.Event()
 
     def stop(self) -> None:
         """Make :meth:`run` return soon (callable from any thread)."""
         self._stopped.set()
+        control_wake(self.doorbell)
+
+    def pause(self, timeout_s: float = 10.0) -> bool:
+        """Finish the requests being answered, then read no new ones until :meth:`resume`
+        (the old version of a hand-over; callable from any thread); ``False`` if that took
+        longer than ``timeout_s``."""
+        self._pause_asked.set()
+        control_wake(self.doorbell)
+        return self._paused.wait(timeout_s)
+
+    def resume(self) -> None:
+        """Read requests again (a hand-over that failed)."""
+        self._pause_asked.clear()
+        self._paused.clear()
         control_wake(self.doorbell)
 
     def run(self) -> None:
@@ -91,9 +108,15 @@ class BlockingServer:
         """
         self.link.sock.setblocking(False)
         stopped = self._stopped.is_set
+        pause_asked = self._pause_asked.is_set
         clock = time.perf_counter_ns
         try:
             while not stopped():
+                if pause_asked():
+                    self._paused.set()
+                    while pause_asked() and not stopped():
+                        self._stopped.wait(0.001)
+                    continue
                 if not self._poll_control():
                     raise BrokerUnavailable(
                         f"the broker at {self.link.path} closed the connection; serving stopped"
@@ -102,12 +125,12 @@ class BlockingServer:
                 serve_burst = self._serve_burst
                 spin_for_work = self.core.spin_for_work
                 spin = self.spin
-                while serve_burst():
+                while not pause_asked() and serve_burst():
                     pass
                 # Idle: spin for the next request (and serve it), up to the adaptive budget.
                 while True:
                     now = clock()
-                    if now >= control_due or stopped():
+                    if now >= control_due or stopped() or pause_asked():
                         break
                     until = min(control_due, now + spin.budget_ns)
                     channels = self.core.channels
@@ -127,7 +150,7 @@ class BlockingServer:
                         break
                     if not spin.settled:
                         spin.hit()
-                    while serve_burst():
+                    while not pause_asked() and serve_burst():
                         pass
         finally:
             self.close()
@@ -247,6 +270,15 @@ class AsyncServer:
     def stop(self) -> None:
         """Make :meth:`run` return."""
         self.loop.stop()
+
+    def pause(self, timeout_s: float = 10.0) -> bool:
+        """From another thread: see :meth:`BlockingServer.pause`."""
+        future = asyncio.run_coroutine_threadsafe(self.loop.pause(timeout_s), self._aloop)
+        return future.result(timeout_s + 1.0)
+
+    def resume(self) -> None:
+        """From another thread: read requests again."""
+        self._aloop.call_soon_threadsafe(self.loop.resume)
 
     async def run(self) -> None:
         """Serve until :meth:`stop` or until the broker hangs up."""

@@ -9,11 +9,12 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, TypeVar
+from typing import Any, ClassVar, Final, TypeVar
 
 from dsec_sdk.state import codec, wire
 from dsec_sdk.state.containers import (
@@ -127,6 +128,7 @@ class AgentState:
         self._pending: dict[str, list[dict[str, Any]]] = {}
         self._retry: list[tuple[int, list[bytes]]] = []  # (first seq, records) not acked
         self._handover_callbacks: list[Callable[[], Any]] = []
+        self._aborted_callbacks: list[Callable[[], Any]] = []
         self._stop = threading.Event()
         self._auto_thread: threading.Thread | None = None
         self._closed = False
@@ -176,8 +178,18 @@ class AgentState:
         raw_warm = self.config.get("warm_interval_s")
         self.warm_interval = float(warm_interval or raw_warm or DEFAULT_WARM_INTERVAL_S)
         store.start(self._on_frame)
+        AgentState._current = weakref.ref(self)
         if not handover:
             self._start_auto()
+
+    _current: ClassVar[weakref.ref[AgentState] | None] = None
+
+    @classmethod
+    def current(cls) -> AgentState | None:
+        """The state this process opened last and has not closed (``DSecClient.serve`` uses
+        it for hand-overs when :meth:`DSecClient.attach_state` was not called)."""
+        state = cls._current() if cls._current is not None else None
+        return state if state is not None and not state._closed else None
 
     # ------------------------------------------------------------------------- opening
     @classmethod
@@ -478,6 +490,13 @@ class AgentState:
         version checkpoints no more (the node agent stops it)."""
         self._handover_callbacks.append(callback)
 
+    def on_handover_aborted(self, callback: Callable[[], Any]) -> None:
+        """Register ``callback()`` to run when a hand-over this (old) version took part in
+        failed after its final checkpoint (``error`` code ``handover-aborted``): it owns its
+        state again, automatic checkpoints go on, and it should take work again
+        (``DSecClient`` resumes serving)."""
+        self._aborted_callbacks.append(callback)
+
     def ready(self) -> None:
         """Hand-over, on the new version: it has restored and serves (standby); the keeper
         may now freeze the old one, forward its final delta and switch (:attr:`switched`)."""
@@ -517,6 +536,19 @@ class AgentState:
             threading.Thread(
                 target=self._hand_over, name="dsec-state-handover", daemon=True
             ).start()
+        elif op == "error" and frame.get("code") == "handover-aborted":
+            self.last_error = f"handover-aborted: {frame.get('message')}"
+            log.warning("state keeper: the hand-over failed; this version goes on")
+            self.handed_over.clear()
+            self.handover_to = None
+            self._stop.clear()
+            self._auto_thread = None
+            self._start_auto()
+            for callback in list(self._aborted_callbacks):
+                try:
+                    callback()
+                except Exception:
+                    log.exception("state: a hand-over-aborted callback failed")
         elif op in ("error", "closed"):
             self.last_error = f"{frame.get('code', op)}: {frame.get('message')}"
             log.warning("state keeper: %s", self.last_error)

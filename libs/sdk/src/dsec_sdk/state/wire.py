@@ -43,6 +43,14 @@ state), ``no-handover``, ``bad-seq`` (a checkpoint's seq is not the last acked +
 ``unavailable`` (OpenBao, the object store or NATS missing), ``unregistered`` (a sandbox
 without a ``state:`` section).
 
+Hand-over (docs/state.md): the NEW version's ``hello{handover: true}`` is answered by
+``welcome{handover: true}``, then (without a ``fetch`` from it) ``records``... ``fetched`` with
+the OLD version's state, then ``deltas`` until it sends ``ready``, then ``switched`` (it owns the
+state and serves the tool name), or ``error`` (code ``handover-refused`` / ``handover-failed``
+/ ``freezer``: it is stopped). The OLD version, after ``handover``, finishes its tool call in
+progress and stops taking calls, then sends its ``final`` checkpoint; an ``error`` with code
+``handover-aborted`` afterwards means the hand-over failed: it takes calls again and goes on.
+
 Records (one container's change, or its full value)::
 
     {"c": name, "k": kind, "t": tier, "o": op, ...}

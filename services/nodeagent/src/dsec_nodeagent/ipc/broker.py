@@ -70,6 +70,7 @@ class _Tracked:
 
     header: mmap.mmap
     server: Connection | None  # None: the broker's own proxy serves it
+    caller: Connection | None = None  # the local caller it was handed to
 
     def closed(self) -> bool:
         return bool(struct.unpack_from("<Q", self.header, _CLOSED_AT)[0])
@@ -161,6 +162,8 @@ class Broker:
         self._remote: Any = None  # RemoteBridge, imported lazily (nats-py only when used)
         self.state_keeper = state_keeper
         self._state_sockets: dict[str, int] = {}  # sandbox -> its open state sockets
+        # Hand-overs the node agent expects: new sandbox -> the old one it takes over from.
+        self._handovers: dict[str, str] = {}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -364,6 +367,16 @@ class Broker:
             "max_payload": self.max_payload,
         }
         if role == "server":
+            expected = self._handovers.get(conn.sandbox)
+            if expected is not None and self._registry.owner(key) == expected:
+                # The new version of a hand-over: a standby until switch() points the name here.
+                refused = self._registry.standby(key, conn, conn.sandbox)
+                if refused is not None:
+                    self._refuse(conn, "name_taken", refused)
+                    return
+                conn.doorbell = ch.new_eventfd()
+                self._send(conn, {**welcome, "standby": True}, [conn.doorbell])
+                return
             claim = self._registry.claim(
                 key, conn, conn.sandbox, takeover=message.get("takeover") is True
             )
@@ -408,7 +421,7 @@ class Broker:
             channel_id, caller_fds = opened
             reply = self._channel_reply(ref, channel_id, key.agent, remote=False)
             metrics.CHANNELS_OPENED.labels("local").inc()  # before the caller can use it
-            self._track(conn.sandbox, caller_fds[0], server)
+            self._track(conn.sandbox, caller_fds[0], server, conn)
             self._send(conn, reply, caller_fds)
             control.close_fds(caller_fds)
             return
@@ -470,13 +483,50 @@ class Broker:
                 self._state_sockets.pop(sandbox, None)
 
     # ------------------------------------------------------------------ channels
-    def _track(self, sandbox: str, memfd: int, server: Connection | None) -> None:
+    def _track(
+        self,
+        sandbox: str,
+        memfd: int,
+        server: Connection | None,
+        caller: Connection | None = None,
+    ) -> None:
         """Watch a channel handed to ``sandbox`` until one end closes it (or its server leaves)."""
         try:
             header = mmap.mmap(memfd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
         except OSError:
             return
-        self._live.setdefault(sandbox, []).append(_Tracked(header, server))
+        self._live.setdefault(sandbox, []).append(_Tracked(header, server, caller))
+
+    # ------------------------------------------------------------------ hand-over
+    def expect_handover(self, new_sandbox: str, old_sandbox: str) -> None:
+        """Let the servers of ``new_sandbox`` register the names ``old_sandbox``'s servers hold,
+        as standbys, until :meth:`forget_handover` (the node agent, when it starts a hand-over's
+        new sandbox)."""
+        self._handovers[new_sandbox] = old_sandbox
+
+    def forget_handover(self, new_sandbox: str) -> None:
+        """The hand-over into ``new_sandbox`` ended (done or failed)."""
+        self._handovers.pop(new_sandbox, None)
+
+    def switch(self, key: AgentKey, to_sandbox: str) -> int:
+        """Point ``key`` at the standby server of ``to_sandbox`` (the hand-over's switch, or its
+        undo) and tell every local caller holding a channel to the previous server
+        ``{"op": "moved", "peer": name}``: a call that server had not read, the caller sends
+        again to the new one. Returns how many callers were told."""
+        previous = self._registry.switch(key, to_sandbox)
+        if previous is None:
+            return 0
+        told: set[Connection] = set()
+        for tracked in self._live.values():
+            for item in tracked:
+                caller = item.caller
+                if item.server is previous and caller is not None and caller not in told:
+                    told.add(caller)
+        for caller in told:
+            if caller in self._connections:
+                self._send(caller, {"op": "moved", "peer": key.agent})
+        log.info("ipc: %s now served by sandbox %s (%d callers told)", key, to_sandbox, len(told))
+        return len(told)
 
     def _live_channels(self, sandbox: str) -> int:
         """Channels of ``sandbox`` still open (closed ones are forgotten here)."""

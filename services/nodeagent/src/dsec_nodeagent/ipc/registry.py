@@ -6,6 +6,11 @@ and ``g1/agent-b`` of tenant ``umbrella`` (on this node and across nodes: the te
 every NATS subject). Within a tenant, a name is owned by one sandbox at a time: the first live
 server keeps it until its connection closes (its process exits), unless a later one asks for an
 explicit takeover.
+
+A hand-over (docs/state.md) adds a *standby*: the new version's server may register the name
+its old version holds while the node agent expects that hand-over; :meth:`Registry.switch`
+then points the name at it (the old server becomes the standby, so a failed hand-over can
+switch back).
 """
 
 from __future__ import annotations
@@ -65,6 +70,38 @@ class Registry(Generic[C]):
     it."""
 
     _servers: dict[AgentKey, tuple[C, str]] = field(default_factory=dict)
+    _standby: dict[AgentKey, tuple[C, str]] = field(default_factory=dict)
+
+    def owner(self, key: AgentKey) -> str | None:
+        """The sandbox whose server holds ``key``, if any."""
+        held = self._servers.get(key)
+        return None if held is None else held[1]
+
+    def standby(self, key: AgentKey, conn: C, owner: str) -> str | None:
+        """Register ``conn`` of sandbox ``owner`` as the standby server of ``key`` (a hand-over
+        in progress); the reason when refused (a standby is there already)."""
+        held = self._standby.get(key)
+        if held is not None and held[0] is not conn:
+            return (
+                f"agent {key.agent!r} of task group {key.group!r} already has a standby server "
+                f"(sandbox {held[1]})"
+            )
+        self._standby[key] = (conn, owner)
+        return None
+
+    def switch(self, key: AgentKey, to_owner: str) -> C | None:
+        """Point ``key`` at the standby server of sandbox ``to_owner``; the server that held
+        it becomes the standby. Returns that previous server (``None``: no such standby)."""
+        standby = self._standby.get(key)
+        if standby is None or standby[1] != to_owner:
+            return None
+        held = self._servers.get(key)
+        self._servers[key] = standby
+        if held is None:
+            del self._standby[key]
+            return None
+        self._standby[key] = held
+        return held[0]
 
     def claim(self, key: AgentKey, conn: C, owner: str, *, takeover: bool = False) -> Claim[C]:
         """Register ``conn`` of sandbox ``owner`` as the server of ``key``."""
@@ -88,6 +125,8 @@ class Registry(Generic[C]):
         keys = [key for key, (holder, _) in self._servers.items() if holder is conn]
         for key in keys:
             del self._servers[key]
+        for key in [key for key, (holder, _) in self._standby.items() if holder is conn]:
+            del self._standby[key]
         return keys
 
     def lookup(self, key: AgentKey) -> C | None:

@@ -266,8 +266,18 @@ class RemoteBridge:
         try:
             frame = await caller.call(codec.REQUEST, body, deadline)
         except PeerGone as exc:
-            self._inbound.pop(key, None)
-            return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", exc.reason)
+            if self._inbound.get(key) is caller:
+                self._inbound.pop(key, None)
+            retry = self._inbound_caller(key) if exc.untaken else None
+            if retry is None:
+                return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", exc.reason)
+            # The server left before reading it, and another serves the name now (a hand-over
+            # switched it): once more, to that one.
+            try:
+                frame = await retry.call(codec.REQUEST, body, deadline)
+            except PeerGone as again:
+                self._inbound.pop(key, None)
+                return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", again.reason)
         if frame is None:
             text = f"no answer within {timeout_s:g} s"
             return codec.ERROR, self._error(codec.E_TIMEOUT, "CallTimeout", text)

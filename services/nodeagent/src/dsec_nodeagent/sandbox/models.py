@@ -42,6 +42,7 @@ class ExitReason(StrEnum):
     POLICY = "policy"
     DISK = "disk"
     POLICY_FLOOD = "policy_flood"
+    HANDED_OVER = "handed_over"  # a new version took over its state and tool name
 
 
 class Limits(BaseModel):

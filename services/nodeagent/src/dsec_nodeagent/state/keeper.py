@@ -224,6 +224,9 @@ class StateSession:
 
     key: StateKey
     sandbox_id: str
+    ready: asyncio.Event
+    """Hand-over, on the NEW version's session: set when the agent sends ``ready`` (added for
+    the hand-over)."""
 
     def __init__(self, keeper: StateKeeper, writer: asyncio.StreamWriter, sandbox_id: str) -> None:
         self.keeper = keeper
@@ -384,6 +387,8 @@ class StateSession:
             if op == "ready":
                 self.ready.set()
                 return
+            if op == "fetch":
+                return  # a hand-over answers the new version's fetch with the old one's state
             raise StateError("bad-request", f"{op!r} on a hand-over session before it switched")
         if op == "fetch":
             await self._fetch()
@@ -616,13 +621,15 @@ class StateKeeper:
 
     async def records_of(self, session: StateSession) -> tuple[list[dict[str, Any]], int]:
         """Hand-over: ``session``'s state as a fetch sends it (warm records, then every
-        checkpoint after; cold refs resolved) and its last durable seq."""
+        checkpoint after; cold refs resolved; an array too large for one frame in slices) and
+        its last durable seq."""
         store = session._agent
         if store is None:
             raise StateError("no-handover", "that session owns no state")
         async with store.lock:
             records, _, _ = await self._materialize(store)
-            return records, store.seq
+            # as a fetch sends them: an array too large for one frame goes in slices
+            return [part for record in records for part in split_large(record)], store.seq
 
     def switch_owner(self, old: StateSession, new: StateSession) -> None:
         """Hand-over: ``new`` owns ``old``'s state from now on (its checkpoints continue
