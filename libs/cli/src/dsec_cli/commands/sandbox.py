@@ -592,6 +592,7 @@ async def _upgrade(
 ) -> dict[str, Any]:
     """Submit the new version with ``handover_from`` and follow it (see :func:`upgrade`)."""
     from dsec_client import SandboxEnded, Stalled, Timeout
+    from dsec_core.events import SpecSubmitted
 
     from dsec_cli.render import event_line
 
