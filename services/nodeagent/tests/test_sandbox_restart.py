@@ -26,6 +26,7 @@ from dsec_core import events
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the harness
 from _nodeagent_harness import NodeAgentHarness
 
+from dsec_nodeagent import agent as agent_module
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper
 
 pytestmark = [pytest.mark.kernel, pytest.mark.integration]
@@ -98,6 +99,9 @@ async def test_a_killed_stateful_sandbox_restarts_in_place_until_max_restarts(
         ready = (await h.wait_for(sid, "sandbox.ready")).decoded()
         assert isinstance(ready, events.SandboxReady)
         pids = [ready.pid]
+        first_run = h.agent.manager.get(sid)
+        assert first_run is not None
+        cgroup_ids = [first_run.ready.cgroup_id]
         # registered before its first instruction, with its cgroup (the hand-over's freezer)
         first = keeper.registered[0]
         assert (first.sandbox_id, first.agent, first.group, first.tenant) == (
@@ -122,6 +126,12 @@ async def test_a_killed_stateful_sandbox_restarts_in_place_until_max_restarts(
             running = h.agent.manager.get(sid)
             assert running is not None and running.ready.pid == restarted.pid
             pids.append(restarted.pid)
+            # the egress programs are on the new attempt's cgroup, once (none left on the old)
+            attached = [a for a in h.controller.sandboxes() if a.sandbox_id == sid]
+            assert [a.cgroup_id for a in attached] == [running.ready.cgroup_id]
+            assert running.ready.cgroup_id not in cgroup_ids
+            cgroup_ids.append(running.ready.cgroup_id)
+            assert keeper.registered[-1].cgroup_dir == running.ready.cgroup_path
             state = await h.agent.lifecycle(sid)
             assert (state.state, state.restarts) == ("running", n)
             assert len(keeper.registered) == n + 1 and keeper.forgotten == []
@@ -136,6 +146,10 @@ async def test_a_killed_stateful_sandbox_restarts_in_place_until_max_restarts(
         assert _types(h, sid).count("sandbox.restarted") == 2
         assert keeper.forgotten == [sid]
         assert h.agent.manager.get(sid) is None
+        # nothing of it is left: no egress attachment, no cgroup, no proxy, no context
+        assert [a for a in h.controller.sandboxes() if a.sandbox_id == sid] == []
+        assert not Path(ready.cgroup).exists()
+        assert sid not in h.agent._contexts and sid not in h.agent._keepalive
         state = await h.agent.lifecycle(sid)
         assert (state.state, state.restarts) == ("exited", 2)
 
@@ -196,3 +210,24 @@ async def test_a_stop_while_it_waits_to_restart_ends_it_as_stopped(
         restarts = _types(h, sid).count("sandbox.restarted")
         assert 1 <= restarts < 5  # the default max_restarts was not what ended it
         assert h.agent.manager.get(sid) is None
+
+
+async def test_a_node_agent_stopping_while_one_waits_to_restart_publishes_its_exit(
+    home: Path, nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(agent_module, "RESTART_BACKOFF_S", 60.0)  # it waits while we stop
+    async with NodeAgentHarness(home, nats_url) as h:
+        keeper = RecordingKeeper()
+        h.agent.state_keeper = keeper
+        sid = await h.submit("orphan", "import sys\nsys.exit(3)\n", QUIET, extra="state: {}\n")
+        deadline = time.monotonic() + 60
+        while sid not in h.agent._restarting:
+            assert time.monotonic() < deadline, _types(h, sid)
+            await asyncio.sleep(0.02)
+        await h.stop_agent()
+        exited = (await h.wait_for(sid, "sandbox.exited")).decoded()
+        assert isinstance(exited, events.SandboxExited)
+        assert (exited.reason, exited.exit_code) == ("error", 3)
+        assert "not restarted: its node agent stopped" in (exited.detail or "")
+        assert "sandbox.restarted" not in _types(h, sid)
+        assert keeper.forgotten == [sid]

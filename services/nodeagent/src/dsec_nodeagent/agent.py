@@ -218,6 +218,8 @@ class NodeAgent:
         # sandboxes waiting to be started again: set to give the restart up (stop, fence)
         self._restarting: dict[str, asyncio.Event] = {}
         self._stop_wanted: set[str] = set()
+        self._restart_tasks: dict[str, asyncio.Task[object]] = {}  # exit handlers in a restart
+        self._closing = False  # shutting down: nothing is restarted any more
         self.start_from_snapshot: StartFromSnapshot | None = None
         """Puts a snapshot's code in a new sandbox's code dir (``dsec_nodeagent.snapshots``)."""
         _AGENTS.add(self)  # dsec_sandboxes_running counts its manager's sandboxes
@@ -262,6 +264,7 @@ class NodeAgent:
         if self._retention is not None:
             self._retention.cancel()
         stop = retention.down_marker(self.home).exists()
+        await self._end_restarts(stopping=stop)
         if stop:
             log.info("the stack is going down: stopping %s", self.manager.running())
         else:
@@ -269,6 +272,19 @@ class NodeAgent:
                 task.cancel()
         await self.manager.shutdown(stop_sandboxes=stop)
         await self.proxies.close_all()  # a re-adopted sandbox's proxy is gone: fails closed
+
+    async def _end_restarts(self, *, stopping: bool) -> None:
+        """Sandboxes waiting to restart are not started again by a node agent going away:
+        their exit is final now (``stopped`` when the stack goes down), published before the
+        outlet closes."""
+        self._closing = True
+        waiting = [task for task in self._restart_tasks.values() if not task.done()]
+        for sid, give_up in list(self._restarting.items()):
+            if stopping:
+                self._stop_wanted.add(sid)
+            give_up.set()
+        if waiting:
+            await asyncio.wait(waiting, timeout=10.0)
 
     # --------------------------------------------------------------- retention
 
@@ -659,6 +675,7 @@ class NodeAgent:
             result = final
         self._launched.pop(sid, None)
         self._stop_wanted.discard(sid)
+        self._restart_tasks.pop(sid, None)
         if launched is not None:
             self._forget_state(sid, launched.plan)
             result = result.model_copy(update={"started_at": launched.first_started_at})
@@ -701,6 +718,8 @@ class NodeAgent:
         state = launched.plan.state
         if state is None or state.restart != "on-failure":
             return "no restart"
+        if self._closing:
+            return "not restarted: its node agent stopped"
         if result.reason not in RESTARTABLE:
             return "not a failure"
         if result.exit_code == 0 and result.signal is None:
@@ -728,7 +747,7 @@ class NodeAgent:
             return self._stopped_while_down(result)
         why_not = self._restart_refused(launched, result)
         if why_not is not None:
-            if launched.restarts and why_not.startswith("restarted"):
+            if why_not.startswith(("restarted", "not restarted")):
                 return result.model_copy(update={"detail": f"{result.detail}; {why_not}"})
             if launched.restarts:
                 detail = f"{result.detail}; restarted {launched.restarts} times before"
@@ -746,6 +765,9 @@ class NodeAgent:
                 )
             config = config.model_copy(update={"timeout_s": max(1, math.ceil(left))})
         give_up = self._restarting.setdefault(sid, asyncio.Event())
+        task = asyncio.current_task()
+        if task is not None:
+            self._restart_tasks[sid] = task
         try:
             # The dead attempt's cgroup is gone: its egress programs go with it (attached again
             # to the new cgroup before the new process runs). The context (secrets, mounts,
@@ -763,6 +785,9 @@ class NodeAgent:
             return result
         if sid in self._stop_wanted:
             return self._stopped_while_down(result)
+        if self._closing:
+            detail = f"{result.detail}; not restarted: its node agent stopped"
+            return result.model_copy(update={"detail": detail})
         started = self._starting.setdefault(sid, asyncio.Event())
         try:
             ready = await self.manager.launch(
