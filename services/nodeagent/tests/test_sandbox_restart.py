@@ -231,3 +231,29 @@ async def test_a_node_agent_stopping_while_one_waits_to_restart_publishes_its_ex
         assert "not restarted: its node agent stopped" in (exited.detail or "")
         assert "sandbox.restarted" not in _types(h, sid)
         assert keeper.forgotten == [sid]
+
+
+async def test_a_stateful_sandbox_readopted_by_a_new_node_agent_is_registered_again(
+    home: Path, nats_url: str
+) -> None:
+    """It outlived its node agent: the next one registers it with its keeper (its agent
+    reconnects), does not restart it (the config it ran with died with the old node agent),
+    and forgets it at its exit."""
+    async with NodeAgentHarness(home, nats_url) as first:
+        sid = await first.submit("outlives", LONG, QUIET, extra="state: {}\n")
+        ready = (await first.wait_for(sid, "sandbox.ready")).decoded()
+        assert isinstance(ready, events.SandboxReady)
+        await first.stop_agent()  # a node agent restart: the sandbox keeps running
+        second = NodeAgentHarness(home, nats_url)
+        keeper = RecordingKeeper()
+        second.agent.state_keeper = keeper
+        async with second:
+            assert second.agent.manager.get(sid) is not None
+            assert [(r.sandbox_id, r.agent, r.cgroup_dir) for r in keeper.registered] == [
+                (sid, "outlives", ready.cgroup)
+            ]
+            os.kill(ready.pid, signal.SIGKILL)
+            exited = (await second.wait_for(sid, "sandbox.exited")).decoded()
+            assert isinstance(exited, events.SandboxExited) and exited.reason == "error"
+            assert "sandbox.restarted" not in _types(second, sid)
+            assert keeper.forgotten == [sid]

@@ -220,6 +220,8 @@ class NodeAgent:
         self._stop_wanted: set[str] = set()
         self._restart_tasks: dict[str, asyncio.Task[object]] = {}  # exit handlers in a restart
         self._closing = False  # shutting down: nothing is restarted any more
+        # stateful sandboxes re-adopted at start (not restartable): forgotten at their exit
+        self._adopted_plans: dict[str, EnforcementPlan] = {}
         self.start_from_snapshot: StartFromSnapshot | None = None
         """Puts a snapshot's code in a new sandbox's code dir (``dsec_nodeagent.snapshots``)."""
         _AGENTS.add(self)  # dsec_sandboxes_running counts its manager's sandboxes
@@ -251,11 +253,28 @@ class NodeAgent:
             state = await self.lifecycle(sid)
             if not placement.stale(state, self.node_id):
                 self._attempts[sid] = state.attempt
+                await self._readopt_state(sid)
                 continue
             # rescheduled while this agent was away (partitioned and declared lost, drained)
             log.warning("%s: now %s; stopping the stale copy here", sid, _where(state))
             await self.fence(sid)
         self._retention = asyncio.create_task(self._retain_forever())
+
+    async def _readopt_state(self, sid: str) -> None:
+        """A stateful sandbox that outlived its node agent: registered with this one's keeper
+        again (its agent reconnects), forgotten at its exit; it is not restarted (the config it
+        ran with, secrets included, died with the previous node agent)."""
+        if self.state_keeper is None:
+            return
+        found = await self._maybe_last("spec.validated", sid)
+        validated = found.decoded() if found is not None else None
+        running = self.manager.get(sid)
+        if not isinstance(validated, events.SpecValidated) or running is None:
+            return
+        if validated.plan.state is None:
+            return
+        self._adopted_plans[sid] = validated.plan
+        self._register_state(sid, validated.plan, Path(running.ready.cgroup_path), None)
 
     async def shutdown(self) -> None:
         """Stop watching; sandboxes keep running (re-adopted at the next start) — unless the
@@ -679,6 +698,7 @@ class NodeAgent:
         if launched is not None:
             self._forget_state(sid, launched.plan)
             result = result.model_copy(update={"started_at": launched.first_started_at})
+        self._forget_state(sid, self._adopted_plans.pop(sid, None))
         fenced = sid in self._fenced
         self._fenced.discard(sid)
         self._attempts.pop(sid, None)
