@@ -156,7 +156,6 @@ class Launched:
     egress_plan: EnforcementPlan
     first_started_at: float
     restarts: int = 0
-    stateful: bool = False
 
 
 class StartRefused(Exception):
@@ -504,9 +503,7 @@ class NodeAgent:
             await self.injector.release(ctx)
             self._forget_state(sid, plan)
             raise
-        self._launched[sid] = Launched(
-            config, plan, egress_plan, ready.started_at, stateful=plan.state is not None
-        )
+        self._launched[sid] = Launched(config, plan, egress_plan, ready.started_at)
         self._contexts[sid] = ctx
         self._keepalive[sid] = asyncio.create_task(self.injector.keepalive(ctx))
         ready_event = self._ready_event(ready, code_dir, {"env_stage": stage_ms})
