@@ -19,6 +19,7 @@ from dsec_core.events import (
     SandboxExited,
     SandboxPending,
     SandboxReady,
+    SandboxRestarted,
     SandboxScheduled,
     SpecRejected,
     SpecSubmitted,
@@ -321,6 +322,43 @@ async def test_pending_scheduled_and_refused_events_as_the_fold_says(
     ]
     text = dsec_cli("sandbox", "show", moved, env=env).output
     assert "node: n1 (placement attempt 2)" in text
+
+
+async def test_a_restarted_sandbox_stays_running_and_shows_its_restarts(
+    js, postgres_dsn, nats_url, dsec_cli, tmp_path, dsec_stack
+) -> None:
+    """`sandbox.restarted` (a stateful sandbox started again in place) keeps it running in the
+    read model, with its restarts counted in `dsec sandbox show` and kept after its exit."""
+    p = await trust.pipeline(js, dsec_stack.home)
+    scheduler = await _scheduler(js, dsec_stack.home)
+    alive, ended = _sid(), _sid()
+    for sid in (alive, ended):
+        await _built(p, sid, "stateful")
+        await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=sid)
+        await p.nodeagent.publish(SandboxReady(node_id="n1", pid=7, cgroup="/c"), aggregate_id=sid)
+        for n in (1, 2):
+            await p.nodeagent.publish(
+                SandboxRestarted(restarts=n, exit_code=None, signal=9, reason="error", pid=7 + n),
+                aggregate_id=sid,
+            )
+    await p.nodeagent.publish(
+        SandboxExited(exit_code=-1, reason="error", duration_s=3.0, detail="restarted 2 times"),
+        aggregate_id=ended,
+    )
+    await _project_until(js, postgres_dsn, ended)
+    env = {"DSEC_NATS_URL": nats_url, "DSEC_POSTGRES_DSN": postgres_dsn, "DSEC_HOME": str(tmp_path)}
+
+    shown = dsec_cli("sandbox", "show", alive, "--json", env=env).last_json()
+    assert (shown["state"], shown["restarts"], shown["node_id"]) == ("running", 2, "n1")
+    restarted = [e for e in shown["events"] if e["type"] == "sandbox.restarted"]
+    assert [e["summary"] for e in restarted] == [
+        {"reason": "error", "exit_code": None, "restarts": 1, "signal": 9},
+        {"reason": "error", "exit_code": None, "restarts": 2, "signal": 9},
+    ]
+    text = dsec_cli("sandbox", "show", alive, env=env).output
+    assert "state running" in text and "restarted 2 times" in text
+    final = dsec_cli("sandbox", "show", ended, "--json", env=env).last_json()
+    assert (final["state"], final["restarts"]) == ("exited", 2)
 
 
 async def test_live_states_count_live_sandboxes_and_age_the_oldest(postgres_dsn) -> None:

@@ -38,6 +38,34 @@ def test_ready_twice_or_after_exit_is_refused_and_changes_nothing() -> None:
     assert len(after.refused) == 1
 
 
+def test_a_restarted_sandbox_stays_running_and_counts_its_restarts() -> None:
+    died = {"exit_code": None, "signal": 9, "reason": "error", "pid": 7}
+    state = fold(
+        [
+            *HAPPY[:7],
+            ("sandbox.restarted", {**died, "restarts": 1}),
+            ("sandbox.restarted", {**died, "restarts": 2}),
+        ]
+    )
+    assert (state.state, state.restarts, state.node_id) == ("running", 2, "node-2")
+    assert state.owned_by("node-2") and state.refused == ()
+    # a replayed older restart never lowers the count
+    assert step(state, "sandbox.restarted", {**died, "restarts": 1}).restarts == 2
+    ended = step(state, "sandbox.exited", {"exit_code": -1, "reason": "error"})
+    assert (ended.state, ended.restarts) == ("exited", 2)
+
+
+def test_a_restart_is_refused_unless_it_runs() -> None:
+    payload = {"restarts": 1, "exit_code": 1, "signal": None, "reason": "error", "pid": 7}
+    before = step(fold(HAPPY[:5]), "sandbox.restarted", payload)
+    assert before.state == "scheduled" and before.restarts == 0
+    assert [r.describe() for r in before.refused] == [
+        "sandbox.restarted cannot follow state 'scheduled'"
+    ]
+    after = step(fold(HAPPY), "sandbox.restarted", payload)
+    assert after.state == "exited" and after.restarts == 0 and len(after.refused) == 1
+
+
 def test_lost_then_rescheduled_moves_ownership() -> None:
     state = fold(
         [

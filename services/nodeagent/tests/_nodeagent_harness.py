@@ -187,14 +187,16 @@ class NodeAgentHarness:
         *,
         built: events.EnvBuilt | None = None,
         node_id: str | None = None,
+        extra: str = "",
     ) -> str:
         """Publish what policy, builder and scheduler would for a sandbox running
         ``python -c code`` (``egress``: its one egress rule, in YAML flow style; ``built``: its
         ``env.built``, default the harness's staged empty environment; ``node_id``: the node
-        it is scheduled on, default the harness's)."""
+        it is scheduled on, default the harness's; ``extra``: more top-level YAML, e.g. a
+        ``state:`` section)."""
         assert self._upstream is not None
         sid = f"{name}-{uuid.uuid4().hex[:8]}"
-        text = SPEC.format(name=name, code=json.dumps(code), egress=egress)
+        text = SPEC.format(name=name, code=json.dumps(code), egress=egress) + extra
         spec = load_spec(text, "dsec.yaml")
         assert spec.spec is not None, spec.errors
         plan = compile_plan(spec.spec, source=spec.source)

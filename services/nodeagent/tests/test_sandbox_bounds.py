@@ -84,6 +84,31 @@ async def test_outputs_under_the_quota_are_kept_and_the_exit_is_ok(tmp_path: Pat
     assert os.stat(out.parent).st_uid == os.stat(out).st_uid != 0
 
 
+async def test_a_sandbox_started_again_with_its_id_finds_its_outputs_and_keeps_both(
+    tmp_path: Path,
+) -> None:
+    """What a restart in place does (a stateful sandbox that died): the same config launched
+    again after the exit. The outputs the first attempt left are on the new quota filesystem,
+    not hidden under it, and both attempts' outputs are kept after the second exit."""
+    code = (
+        "import os, sys\n"
+        "out = '/workspace/output'\n"
+        "seen = sorted(os.listdir(out))\n"
+        "open(f'{out}/attempt{len(seen)}.txt', 'w').write(','.join(seen))\n"
+        "sys.exit(1)\n"
+    )
+    home = tmp_path / "home"
+    async with managed(home) as manager:
+        cfg = snippet_config("again", code, tmp_path)
+        first = await run_to_end(manager, cfg)
+        second = await run_to_end(manager, cfg)
+    assert first.exit_code == second.exit_code == 1
+    outputs = home / "sandboxes" / "again" / "fs" / "workspace__output"
+    assert sorted(p.name for p in outputs.iterdir()) == ["attempt0.txt", "attempt1.txt"]
+    assert (outputs / "attempt1.txt").read_text() == "attempt0.txt"
+    assert not _mounted(outputs.parent) and not (outputs.parent.parent / ".fs.previous").exists()
+
+
 async def test_output_beyond_log_bytes_keeps_head_and_tail_and_says_so(tmp_path: Path) -> None:
     code = (
         "import sys\n"

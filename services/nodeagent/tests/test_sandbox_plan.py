@@ -187,3 +187,9 @@ def test_stage_timings_are_in_layer_order() -> None:
     timings = domain.stage_timings(t0, marks, records, ready_ns=17_000_000)
     assert list(timings) == ["plan", "cgroup", "spawn", "mounts", "exec"]
     assert timings == {"plan": 1.0, "cgroup": 1.0, "spawn": 10.0, "mounts": 2.0, "exec": 1.0}
+
+
+def test_restart_backoff_doubles_from_200ms_up_to_5s() -> None:
+    from dsec_nodeagent.agent import restart_backoff_s
+
+    assert [restart_backoff_s(n) for n in range(7)] == [0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]

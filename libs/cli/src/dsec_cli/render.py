@@ -19,6 +19,7 @@ _STYLE = {
     "policy.reported": "magenta",
     "sandbox.exited": "bold",
     "sandbox.ready": "green",
+    "sandbox.restarted": "yellow",
     "spec.validated": "green",
     "env.built": "green",
 }
@@ -51,6 +52,14 @@ def _summary(env: Envelope) -> str:
             cut = ", ".join(f"{k} {v} bytes" for k, v in sorted(dropped.items()))
             line += f"; logs truncated (resources.log_bytes): {cut} dropped from the middle"
         return line
+    if t == "sandbox.restarted":
+        died = (
+            f"killed by signal {p.get('signal')}"
+            if p.get("signal") is not None
+            else f"exit {p.get('exit_code')}"
+        )
+        restart = f"restart {p.get('restarts')} after it died"
+        return f"{restart} ({died}, {p.get('reason')}); pid {p.get('pid')}"
     if t == "sandbox.failed":
         return f"{p.get('stage')}: {p.get('reason')}"
     if t == "policy.violation":

@@ -41,6 +41,8 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "sandbox.ready": frozenset({"nodeagent"}),
     # (the scheduler ends a sandbox stopped while it waited in the queue)
     "sandbox.exited": frozenset({"nodeagent", "scheduler"}),
+    # a stateful sandbox started again in place by its node agent (spec state.restart)
+    "sandbox.restarted": frozenset({"nodeagent"}),
     "policy.violation": frozenset({"nodeagent"}),
     "policy.violation_summary": frozenset({"nodeagent"}),
     "policy.reported": frozenset({"nodeagent"}),

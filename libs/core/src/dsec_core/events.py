@@ -341,6 +341,23 @@ class SandboxExited(Payload):
     )
 
 
+class SandboxRestarted(Payload):
+    """A stateful sandbox (spec ``state.restart: on-failure``) died — a signal or a non-zero
+    exit, not stopped, timed out or handed over — and its node agent started it again in
+    place: same sandbox id, same isolation, a new process (no second ``sandbox.ready``: it
+    stays running). Published once the new process runs; after ``state.max_restarts`` the exit
+    is final (``sandbox.exited``). See docs/state.md."""
+
+    TYPE = "sandbox.restarted"
+    AGGREGATE = "sandbox"
+
+    restarts: int = Field(description="Restarts so far, this one included (1 the first time)")
+    exit_code: int | None = Field(description="Exit code of the process that died; None: signal")
+    signal: int | None = Field(description="The signal that killed it, if one did")
+    reason: str = Field(description="How it ended (sandbox.exited's reasons: error, oom, ...)")
+    pid: int = Field(description="The new process's pid on the node")
+
+
 class SandboxFailed(Payload):
     """A stage could not complete for this sandbox (after bounded retries)."""
 
@@ -781,6 +798,7 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     ContextInjected,
     SandboxReady,
     SandboxExited,
+    SandboxRestarted,
     SandboxFailed,
     PolicyViolation,
     SandboxStopRequested,

@@ -15,7 +15,8 @@ States::
      rejected     conflict     failed              │   ▲       │
                                                    ▼   │ unit.lost (reschedule)
                                                  running ─► lost ──► failed (unit.lost fail)
-                                                   │
+                                                   │ ▲
+                                                   │ └─ sandbox.restarted (stateful, in place)
                                                    ▼
                                             exited | failed
 
@@ -60,6 +61,8 @@ _MOVES: dict[str, tuple[frozenset[State], State]] = {
     "sandbox.pending": (frozenset({"built", "pending", "lost"}), "pending"),
     "sandbox.scheduled": (frozenset({"built", "pending", "lost"}), "scheduled"),
     "sandbox.ready": (frozenset({"scheduled"}), "running"),
+    # a stateful sandbox that died and was started again in place: it stays running
+    "sandbox.restarted": (frozenset({"running"}), "running"),
     "unit.lost": (frozenset({"scheduled", "running"}), "lost"),
     "sandbox.exited": (frozenset({"built", "pending", "scheduled", "running"}), "exited"),
 }
@@ -108,6 +111,8 @@ class Lifecycle:
     """Why it waits (``pending``), was lost, failed, exited or was rejected."""
     last_event_id: str | None = None
     refused: tuple[Refused, ...] = field(default_factory=tuple)
+    restarts: int = 0
+    """Times it was started again in place after dying (``sandbox.restarted``)."""
 
     @property
     def terminal(self) -> bool:
@@ -187,6 +192,11 @@ def step(
         changes["reason"] = None
     if event_type == "sandbox.exited":
         changes["exit_code"] = payload.get("exit_code")
+    if event_type == "sandbox.restarted":
+        try:
+            changes["restarts"] = max(current.restarts, int(payload.get("restarts", 0)))
+        except (TypeError, ValueError):
+            changes["restarts"] = current.restarts + 1
     reason = _reason(event_type, payload)
     if reason is not None:
         changes["reason"] = reason

@@ -152,6 +152,7 @@ TABLE: Mapping[str, Role] = {
             "context.injected",
             "sandbox.ready",
             "sandbox.exited",
+            "sandbox.restarted",
             "policy.violation",
             "policy.violation_summary",
             "policy.reported",

@@ -70,6 +70,8 @@ ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS refusals bigint NOT NULL DEFAULT 
 ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS reports bigint NOT NULL DEFAULT 0;
 -- The placement attempt of node_id (sandbox.scheduled; 2+ after a node was lost).
 ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS attempt integer NOT NULL DEFAULT 0;
+-- Times a stateful sandbox was started again in place after dying (sandbox.restarted).
+ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS restarts integer NOT NULL DEFAULT 0;
 -- The live sandboxes by state, for the stuck-request gauges (live_states).
 CREATE INDEX IF NOT EXISTS sandboxes_live ON sandboxes (state) WHERE NOT terminal;
 CREATE TABLE IF NOT EXISTS sandbox_events (
@@ -100,6 +102,8 @@ _SUMMARY_KEYS = (
     "action",
     "operation",
     "count",
+    "restarts",
+    "signal",
 )
 
 
@@ -207,6 +211,7 @@ def _lifecycle_of(row: asyncpg.Record | None) -> lifecycle.Lifecycle:
         attempt=row["attempt"],
         exit_code=row["exit_code"],
         reason=row["reason"],
+        restarts=row["restarts"],
     )
 
 
@@ -224,7 +229,7 @@ async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> s
         )
         return None
     row = await conn.fetchrow(
-        "SELECT state, node_id, attempt, exit_code, reason FROM sandboxes"
+        "SELECT state, node_id, attempt, exit_code, reason, restarts FROM sandboxes"
         " WHERE sandbox_id = $1 FOR UPDATE",
         env.aggregate_id,
     )
@@ -241,8 +246,8 @@ async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> s
     await conn.execute(
         """
         INSERT INTO sandboxes AS s (sandbox_id, name, state, terminal, node_id, attempt,
-            lock_hash, exit_code, reason, created_at, updated_at, last_event, last_seq)
-        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10, $11, $12)
+            lock_hash, exit_code, reason, created_at, updated_at, last_event, last_seq, restarts)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $10, $11, $12, $13)
         ON CONFLICT (sandbox_id) DO UPDATE SET
             name = COALESCE(EXCLUDED.name, s.name),
             state = EXCLUDED.state,
@@ -254,7 +259,8 @@ async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> s
             reason = EXCLUDED.reason,
             updated_at = EXCLUDED.updated_at,
             last_event = EXCLUDED.last_event,
-            last_seq = EXCLUDED.last_seq
+            last_seq = EXCLUDED.last_seq,
+            restarts = EXCLUDED.restarts
         """,
         env.aggregate_id,
         p.get("name") if env.type == "spec.validated" else None,
@@ -268,6 +274,7 @@ async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> s
         env.time,
         env.type,
         seq,
+        after.restarts,
     )
     return None
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from dsec_core import events, lifecycle, retention
@@ -125,6 +127,38 @@ StartFromSnapshot = Callable[[str, str, str, int], Awaitable[tuple[Path, events.
 """(sandbox id, snapshot, tenant, max code size) → its code dir and ``snapshot.restored``."""
 
 
+RESTART_BACKOFF_S = 0.2
+"""Wait before the first restart of a stateful sandbox; doubled for each next one ..."""
+RESTART_BACKOFF_MAX_S = 5.0
+"""... up to this."""
+RESTARTABLE = frozenset({ExitReason.ERROR, ExitReason.OOM, ExitReason.PIDS, ExitReason.DISK})
+"""Exits after which a stateful sandbox with ``state.restart: on-failure`` starts again: it died
+(a signal, a non-zero exit, a limit). Never one the node agent caused (stopped, timeout,
+policy, policy_flood, a hand-over) nor a clean exit."""
+RESTARTS = Counter(
+    "dsec_sandbox_restarts_total",
+    "Stateful sandboxes started again in place after dying (sandbox.restarted), by reason",
+    ["reason"],
+)
+
+
+def restart_backoff_s(restarts: int) -> float:
+    """The wait before restart number ``restarts + 1``: 0.2 s doubling up to 5 s."""
+    return min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2.0 ** max(0, restarts))
+
+
+@dataclass
+class Launched:
+    """What the node agent keeps of a running sandbox to start it again in place: the very
+    config it ran with (environment, mounts, proxy), the plan its egress is attached under."""
+
+    config: SandboxConfig
+    plan: EnforcementPlan
+    egress_plan: EnforcementPlan
+    first_started_at: float
+    restarts: int = 0
+
+
 class StartRefused(Exception):
     """A deterministic reason the sandbox cannot start (no retry helps): becomes
     ``sandbox.failed`` at once."""
@@ -141,6 +175,7 @@ class NodeAgent:
         before_start: BeforeStart | None = None,
         on_stopped: Callable[[str], Awaitable[None]] | None = None,
         ipc_socket: Path | None = None,
+        state_keeper: StateKeeper | None = None,
     ) -> None:
         self.settings = settings
         self.home = settings.home.resolve()
@@ -177,11 +212,18 @@ class NodeAgent:
         self._attempts: dict[str, int] = {}  # sandbox -> placement attempt it runs here as
         self._starting: dict[str, asyncio.Event] = {}  # sandboxes being started right now
         self._fenced: set[str] = set()  # stale copies being stopped without any event
+        self.state_keeper = state_keeper
+        """Told about each stateful sandbox before it runs and when it ended for good."""
+        self._launched: dict[str, Launched] = {}  # running sandboxes, to restart in place
+        # sandboxes waiting to be started again: set to give the restart up (stop, fence)
+        self._restarting: dict[str, asyncio.Event] = {}
+        self._stop_wanted: set[str] = set()
+        self._restart_tasks: dict[str, asyncio.Task[object]] = {}  # exit handlers in a restart
+        self._closing = False  # shutting down: nothing is restarted any more
+        # stateful sandboxes re-adopted at start (not restartable): forgotten at their exit
+        self._adopted_plans: dict[str, EnforcementPlan] = {}
         self.start_from_snapshot: StartFromSnapshot | None = None
         """Puts a snapshot's code in a new sandbox's code dir (``dsec_nodeagent.snapshots``)."""
-        self.state_keeper: StateKeeper | None = None
-        """The state keeper (``dsec_nodeagent.state``): stateful sandboxes are registered with
-        it; None: no state plane on this node."""
         self.expect_handover: Callable[[str, str], None] | None = None
         """Tells the IPC broker that a new sandbox takes over an old one's tool name."""
         _AGENTS.add(self)  # dsec_sandboxes_running counts its manager's sandboxes
@@ -213,11 +255,28 @@ class NodeAgent:
             state = await self.lifecycle(sid)
             if not placement.stale(state, self.node_id):
                 self._attempts[sid] = state.attempt
+                await self._readopt_state(sid)
                 continue
             # rescheduled while this agent was away (partitioned and declared lost, drained)
             log.warning("%s: now %s; stopping the stale copy here", sid, _where(state))
             await self.fence(sid)
         self._retention = asyncio.create_task(self._retain_forever())
+
+    async def _readopt_state(self, sid: str) -> None:
+        """A stateful sandbox that outlived its node agent: registered with this one's keeper
+        again (its agent reconnects), forgotten at its exit; it is not restarted (the config it
+        ran with, secrets included, died with the previous node agent)."""
+        if self.state_keeper is None:
+            return
+        found = await self._maybe_last("spec.validated", sid)
+        validated = found.decoded() if found is not None else None
+        running = self.manager.get(sid)
+        if not isinstance(validated, events.SpecValidated) or running is None:
+            return
+        if validated.plan.state is None:
+            return
+        self._adopted_plans[sid] = validated.plan
+        self._register_state(sid, validated.plan, Path(running.ready.cgroup_path), None)
 
     async def shutdown(self) -> None:
         """Stop watching; sandboxes keep running (re-adopted at the next start) — unless the
@@ -226,6 +285,7 @@ class NodeAgent:
         if self._retention is not None:
             self._retention.cancel()
         stop = retention.down_marker(self.home).exists()
+        await self._end_restarts(stopping=stop)
         if stop:
             log.info("the stack is going down: stopping %s", self.manager.running())
         else:
@@ -233,6 +293,19 @@ class NodeAgent:
                 task.cancel()
         await self.manager.shutdown(stop_sandboxes=stop)
         await self.proxies.close_all()  # a re-adopted sandbox's proxy is gone: fails closed
+
+    async def _end_restarts(self, *, stopping: bool) -> None:
+        """Sandboxes waiting to restart are not started again by a node agent going away:
+        their exit is final now (``stopped`` when the stack goes down), published before the
+        outlet closes."""
+        self._closing = True
+        waiting = [task for task in self._restart_tasks.values() if not task.done()]
+        for sid, give_up in list(self._restarting.items()):
+            if stopping:
+                self._stop_wanted.add(sid)
+            give_up.set()
+        if waiting:
+            await asyncio.wait(waiting, timeout=10.0)
 
     # --------------------------------------------------------------- retention
 
@@ -426,6 +499,7 @@ class NodeAgent:
             *restored,
             *(events.ContextInjected(**record.model_dump()) for record in ctx.records),
         ]
+        handover_from = getattr(submitted, "handover_from", None)
         try:
             config = self._config(sid, plan, env_dir, code_dir, ctx)
             if handover_from is not None:
@@ -437,16 +511,16 @@ class NodeAgent:
             grant = await self.proxies.open(sid, plan)
             if grant is not None:
                 config = _through_proxy(config, grant)
+            egress_plan = grant.egress_plan if grant else plan
             ready = await self.manager.launch(
-                config,
-                before_start=self._attach(
-                    grant.egress_plan if grant else plan, handover_from=handover_from
-                ),
+                config, before_start=self._attach(egress_plan, plan, handover_from)
             )
         except BaseException:
             await self.proxies.close(sid)
             await self.injector.release(ctx)
+            self._forget_state(sid, plan)
             raise
+        self._launched[sid] = Launched(config, plan, egress_plan, ready.started_at)
         self._contexts[sid] = ctx
         self._keepalive[sid] = asyncio.create_task(self.injector.keepalive(ctx))
         ready_event = self._ready_event(ready, code_dir, {"env_stage": stage_ms})
@@ -469,27 +543,50 @@ class NodeAgent:
             raise StartRefused(str(exc)) from None
 
     def _attach(
-        self, plan: EnforcementPlan, *, handover_from: str | None = None
+        self,
+        plan: EnforcementPlan,
+        spec_plan: EnforcementPlan | None = None,
+        handover_from: str | None = None,
     ) -> Callable[[str, Path, int], Awaitable[None]]:
+        """The hook run once the sandbox's cgroup exists, before its first instruction: the
+        egress programs (``plan``: the one with the proxy's rules), the proxy bound to the
+        cgroup, and a stateful sandbox (``spec_plan.state``) registered with the state keeper
+        (with its cgroup, for the hand-over's freezer) before its agent can connect."""
+
         async def attach(sid: str, cgroup_dir: Path, cgroup_id: int) -> None:
-            if handover_from is not None and self.state_keeper is not None:
-                identity = agent_identity(plan)
-                self.state_keeper.register_sandbox(
-                    SandboxState(
-                        sandbox_id=sid,
-                        tenant=plan.tenant,
-                        group=identity.task_group,
-                        agent=identity.name,
-                        plan=plan.state,
-                        handover_from=handover_from,
-                        cgroup_dir=str(cgroup_dir),
-                    )
-                )
             self.proxies.bind(sid, cgroup_dir)
             if self._before_start is not None:
                 await self._before_start(sid, cgroup_dir, cgroup_id, plan)
+            if spec_plan is not None:
+                self._register_state(sid, spec_plan, cgroup_dir, handover_from)
 
         return attach
+
+    def _register_state(
+        self, sid: str, plan: EnforcementPlan, cgroup_dir: Path, handover_from: str | None
+    ) -> None:
+        if self.state_keeper is None or plan.state is None:
+            return
+        self.state_keeper.register_sandbox(
+            SandboxState(
+                sandbox_id=sid,
+                tenant=plan.tenant,
+                group=plan.effective_task_group,
+                agent=plan.name,
+                plan=plan.state,
+                handover_from=handover_from,
+                cgroup_dir=str(cgroup_dir),
+            )
+        )
+
+    def _forget_state(self, sid: str, plan: EnforcementPlan | None) -> None:
+        """The sandbox ended for good (not between restarts): the keeper lets its state go."""
+        if self.state_keeper is None or plan is None or plan.state is None:
+            return
+        try:
+            self.state_keeper.forget_sandbox(sid)
+        except Exception:  # the terminal event must still go out
+            log.exception("%s: the state keeper could not forget it", sid)
 
     def _config(
         self,
@@ -544,12 +641,20 @@ class NodeAgent:
         scheduled here but not started yet ends at once in ``sandbox.exited`` reason stopped.
         Every other node acks and skips it."""
         sid = envelope.aggregate_id
+        if sid in self._launched:  # a stateful sandbox dying meanwhile is not restarted
+            self._stop_wanted.add(sid)
+        restarting = self._restarting.get(sid)
+        if restarting is not None:  # dead, waiting to restart: it stays down
+            restarting.set()  # sandbox.exited (reason stopped) follows from the exit handler
+            return []
         starting = self._starting.get(sid)
         if starting is not None:  # let the start finish, then stop what it started
             await starting.wait()
         if self.manager.get(sid) is not None:
             with contextlib.suppress(KeyError):  # it ended meanwhile
                 await self.manager.stop(sid, reason=ExitReason.STOPPED, grace_s=event.grace_s)
+            return []
+        if sid in self._launched:  # between two attempts: _restart sees _stop_wanted
             return []
         state = await self.lifecycle(sid)
         if placement.stop_without_run(state, self.node_id) == "exit-now":
@@ -585,6 +690,9 @@ class NodeAgent:
     async def fence(self, sid: str) -> None:
         """Stop a stale copy and clean it up without publishing anything for it."""
         self._fenced.add(sid)
+        restarting = self._restarting.get(sid)
+        if restarting is not None:  # dead, waiting to restart: it is not started again
+            restarting.set()
         with contextlib.suppress(KeyError):  # it ended meanwhile
             await self.manager.stop(sid, reason=ExitReason.STOPPED, grace_s=1.0)
 
@@ -592,6 +700,19 @@ class NodeAgent:
 
     async def _exited(self, result: SandboxExited) -> None:
         sid = result.sandbox_id
+        launched = self._launched.get(sid)
+        if launched is not None and sid not in self._fenced:
+            final = await self._restart(launched, result)
+            if final is None:
+                return  # running again: sandbox.restarted published
+            result = final
+        self._launched.pop(sid, None)
+        self._stop_wanted.discard(sid)
+        self._restart_tasks.pop(sid, None)
+        if launched is not None:
+            self._forget_state(sid, launched.plan)
+            result = result.model_copy(update={"started_at": launched.first_started_at})
+        self._forget_state(sid, self._adopted_plans.pop(sid, None))
         fenced = sid in self._fenced
         self._fenced.discard(sid)
         self._attempts.pop(sid, None)
@@ -625,6 +746,112 @@ class NodeAgent:
         )
         await self.outlet.sandbox_done(sid)  # its last summaries, before the exit
         await self.outlet.lifecycle(payload, sid, derive_event_id(sid, "sandbox.exited"))
+
+    def _restart_refused(self, launched: Launched, result: SandboxExited) -> str | None:
+        """Why ``result`` is not followed by a restart (None: it is)."""
+        state = launched.plan.state
+        if state is None or state.restart != "on-failure":
+            return "no restart"
+        if self._closing:
+            return "not restarted: its node agent stopped"
+        if result.reason not in RESTARTABLE:
+            return "not a failure"
+        if result.exit_code == 0 and result.signal is None:
+            return "not a failure"
+        if launched.restarts >= state.max_restarts:
+            return f"restarted {launched.restarts} times (state.max_restarts: {state.max_restarts})"
+        return None
+
+    @staticmethod
+    def _stopped_while_down(result: SandboxExited) -> SandboxExited:
+        """A stop asked for while it was dead (or dying): final, as stopped."""
+        return result.model_copy(
+            update={
+                "reason": ExitReason.STOPPED,
+                "detail": f"stopped after it died ({result.detail})",
+            }
+        )
+
+    async def _restart(self, launched: Launched, result: SandboxExited) -> SandboxExited | None:
+        """Start a stateful sandbox that died again in place — same id, same config, same
+        isolation, a new process — after a backoff; publish ``sandbox.restarted``. Returns
+        None when it runs again, else the final result (``sandbox.exited`` follows)."""
+        sid = result.sandbox_id
+        if sid in self._stop_wanted and result.reason in RESTARTABLE:
+            return self._stopped_while_down(result)
+        why_not = self._restart_refused(launched, result)
+        if why_not is not None:
+            if why_not.startswith(("restarted", "not restarted")):
+                return result.model_copy(update={"detail": f"{result.detail}; {why_not}"})
+            if launched.restarts:
+                detail = f"{result.detail}; restarted {launched.restarts} times before"
+                return result.model_copy(update={"detail": detail})
+            return result
+        config = launched.config
+        if config.timeout_s is not None:  # the wall-clock limit spans every attempt
+            left = config.timeout_s - (time.time() - launched.first_started_at)
+            if left <= 0:
+                return result.model_copy(
+                    update={
+                        "reason": ExitReason.TIMEOUT,
+                        "detail": f"{result.detail}; its timeout passed before a restart",
+                    }
+                )
+            config = config.model_copy(update={"timeout_s": max(1, math.ceil(left))})
+        give_up = self._restarting.setdefault(sid, asyncio.Event())
+        task = asyncio.current_task()
+        if task is not None:
+            self._restart_tasks[sid] = task
+        try:
+            # The dead attempt's cgroup is gone: its egress programs go with it (attached again
+            # to the new cgroup before the new process runs). The context (secrets, mounts,
+            # their leases), the proxy and the keeper's registration are kept for the next.
+            if self._on_stopped is not None:
+                try:
+                    await self._on_stopped(sid)
+                except Exception:
+                    log.exception("%s: detaching the dead attempt's egress failed", sid)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(give_up.wait(), restart_backoff_s(launched.restarts))
+        finally:
+            self._restarting.pop(sid, None)
+        if sid in self._fenced:
+            return result
+        if sid in self._stop_wanted:
+            return self._stopped_while_down(result)
+        if self._closing:
+            detail = f"{result.detail}; not restarted: its node agent stopped"
+            return result.model_copy(update={"detail": detail})
+        started = self._starting.setdefault(sid, asyncio.Event())
+        try:
+            ready = await self.manager.launch(
+                config, before_start=self._attach(launched.egress_plan, launched.plan)
+            )
+        except SandboxStartError as exc:
+            log.warning("%s: restart failed: %s", sid, exc)
+            detail = f"{result.detail}; restart {launched.restarts + 1} failed: {_reason(exc)}"
+            return result.model_copy(update={"detail": detail})
+        finally:
+            started.set()
+            self._starting.pop(sid, None)
+        launched.restarts += 1
+        RESTARTS.labels(result.reason.value).inc()
+        log.info(
+            "%s: restarted (%d): %s; new pid %d", sid, launched.restarts, result.detail, ready.pid
+        )
+        await self._wait_until_ready_recorded(sid)
+        await self.outlet.lifecycle(
+            events.SandboxRestarted(
+                restarts=launched.restarts,
+                exit_code=result.exit_code,
+                signal=result.signal,
+                reason=result.reason.value,
+                pid=ready.pid,
+            ),
+            sid,
+            derive_event_id(sid, f"sandbox.restarted/{launched.restarts}"),
+        )
+        return None
 
     async def _wait_until_ready_recorded(self, sid: str, timeout_s: float = 10.0) -> None:
         """A workload that exits at once could beat its own ``sandbox.ready`` (published by

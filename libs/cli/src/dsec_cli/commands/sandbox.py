@@ -160,6 +160,11 @@ def show(
         )
     if data["reason"]:
         console.print(f"reason: {safe_text(data['reason'])}", highlight=False)
+    if data.get("restarts"):
+        console.print(
+            f"restarted {data['restarts']} times after dying (state.restart: on-failure)",
+            highlight=False,
+        )
     if data.get("refusals") or data.get("reports"):
         console.print(
             f"refused {data.get('refusals', 0)} times; "

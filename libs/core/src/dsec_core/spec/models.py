@@ -27,6 +27,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -43,7 +44,9 @@ from dsec_core.spec.units import (
     GpuShare,
     Rate,
     Tflops,
+    format_duration,
     format_size,
+    parse_duration,
     type_name,
 )
 
@@ -1047,6 +1050,212 @@ class Scheduling(SpecModel):
     )
 
 
+# -- the state plane -----------------------------------------------------------------------------
+
+MAX_STATE_TIERS = 1000
+"""Container tier overrides (``state.tiers``) of one spec at most."""
+MIN_STATE_INTERVAL = timedelta(milliseconds=100)
+"""Shortest checkpoint, warm or cold interval: a capture every 100 ms is already a lot."""
+MAX_RESTARTS = 100
+"""Most restarts ``state.max_restarts`` may allow."""
+_CONTAINER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,62}")
+CONTAINER_NAME_HINT = (
+    "a container name: a letter, then letters, digits, '_', '.' or '-', at most 63 characters, "
+    "e.g. history"
+)
+INTERVAL_HINT = "a duration of at least 100ms such as 500ms, 5s, 5m, 1h"
+CHECKPOINT_HINT = (
+    "a duration of at least 100ms such as 5s or 500ms, or 0 / off for explicit checkpoints only"
+)
+ENCRYPTION_HINT = (
+    "tenant-key (the only value now: deltas and snapshots are encrypted with the tenant's state "
+    "key, kept in OpenBao)"
+)
+_OFF = timedelta(0)
+
+
+def _checkpoint_interval(value: object) -> object:
+    """``0``, ``"0"``, ``off`` or ``false``: explicit checkpoints only (a zero interval)."""
+    if value is False or (
+        isinstance(value, int | float) and not isinstance(value, bool) and value == 0
+    ):
+        return _OFF
+    if isinstance(value, str) and value.strip().lower() in {"0", "off", "none", "never"}:
+        return _OFF
+    if isinstance(value, timedelta) and value == _OFF:
+        return _OFF
+    return _state_interval(value, CHECKPOINT_HINT)
+
+
+def _state_interval(value: object, hint: str = INTERVAL_HINT) -> timedelta:
+    try:
+        interval = parse_duration(value)
+    except PydanticCustomError as exc:
+        ctx = exc.context or {}
+        raise invalid(str(ctx.get("message", exc.message())), hint) from None
+    if interval < MIN_STATE_INTERVAL:
+        raise invalid(
+            f"{format_duration(interval)} is shorter than the shortest interval, 100ms", hint
+        )
+    return interval
+
+
+def _format_interval(value: timedelta) -> str:
+    return "off" if value == _OFF else format_duration(value)
+
+
+CheckpointInterval = Annotated[
+    timedelta,
+    BeforeValidator(_checkpoint_interval),
+    PlainSerializer(_format_interval, return_type=str, when_used="json"),
+]
+"""A checkpoint period of at least 100 ms, or 0/``off`` (a zero timedelta): explicit only."""
+
+StateInterval = Annotated[
+    timedelta,
+    BeforeValidator(_state_interval),
+    PlainSerializer(format_duration, return_type=str, when_used="json"),
+]
+"""A period of at least 100 ms."""
+
+
+def _encryption(value: object) -> object:
+    if value != "tenant-key":
+        shown = describe(value) if not isinstance(value, str) else repr(value)
+        raise invalid(f"{shown} is not a supported encryption", ENCRYPTION_HINT)
+    return value
+
+
+def _raw_interval(value: object, parse: Any) -> timedelta | None:
+    """A field's value as a timedelta, from a validated model or raw YAML (None: unreadable)."""
+    if isinstance(value, timedelta):
+        return value
+    try:
+        parsed = parse(value)
+    except PydanticCustomError:
+        return None
+    return parsed if isinstance(parsed, timedelta) else None
+
+
+class StateRetention(SpecModel):
+    """How long state is kept: warm snapshots per agent, and hot deltas without a warm merge."""
+
+    warm_snapshots: int = Field(
+        default=3, ge=1, le=100, description="Warm snapshots kept per agent (1-100)"
+    )
+    hot: Duration = Field(
+        default=timedelta(days=7),
+        description="Hot deltas older than this are dropped even without a warm merge",
+        examples=["7d"],
+    )
+
+
+Tier = Literal["hot", "warm", "cold"]
+
+
+class State(SpecModel):
+    """The state plane (docs/state.md): how often the agent's state is checkpointed, merged
+    and verified, container tier overrides, retention, encryption, and restart on failure."""
+
+    checkpoint_interval: CheckpointInterval = Field(
+        default=timedelta(seconds=5),
+        description="Automatic checkpoint period (hot tier), at least 100ms; 0 or off: "
+        "explicit checkpoint() only",
+        examples=["5s"],
+    )
+    warm_interval: StateInterval = Field(
+        default=timedelta(minutes=5),
+        description="Warm tier: captured and merged on the node's disk this often (at least "
+        "checkpoint_interval)",
+        examples=["5m"],
+    )
+    cold_interval: StateInterval = Field(
+        default=timedelta(hours=1),
+        description="Cold tier: re-verified in the object store this often",
+        examples=["1h"],
+    )
+    tiers: dict[str, Tier] = Field(
+        default_factory=dict,
+        description=f"Container name -> hot, warm or cold (at most {MAX_STATE_TIERS}); others "
+        "keep their kind's default",
+        examples=[{"history": "hot", "adapter": "warm"}],
+    )
+    retention: StateRetention = StateRetention()
+    encryption: Annotated[Literal["tenant-key"], BeforeValidator(_encryption)] = Field(
+        default="tenant-key", description="tenant-key: encrypted with the tenant's state key"
+    )
+    restart: Literal["on-failure", "never"] = Field(
+        default="on-failure",
+        description="on-failure: a sandbox that dies (signal, non-zero exit) starts again in "
+        "place; never: its exit is final",
+    )
+    max_restarts: int = Field(
+        default=5,
+        ge=0,
+        le=MAX_RESTARTS,
+        description=f"Restarts before the exit is final (0-{MAX_RESTARTS})",
+    )
+
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _bounded_tiers(cls, value: Any) -> Any:
+        """At most :data:`MAX_STATE_TIERS` entries, each named like a container (checked before
+        the values: a hostile spec costs no work per entry beyond the bound)."""
+        if not isinstance(value, dict):
+            raise invalid(
+                f"expected a mapping of container name to tier, got {type_name(value)}",
+                "tiers: {history: hot, adapter: warm, base: cold}",
+            )
+        if len(value) > MAX_STATE_TIERS:
+            raise invalid(
+                f"{len(value)} tier overrides; at most {MAX_STATE_TIERS}",
+                "name only the containers whose kind's default tier does not fit",
+            )
+        for name in value:
+            if not isinstance(name, str) or not _CONTAINER_NAME.fullmatch(name):
+                raise invalid(
+                    f"{name!r} is not a container name", CONTAINER_NAME_HINT, loc=(str(name),)
+                )
+        return value
+
+    @classmethod
+    def cross_checks(cls, fields: Mapping[str, Any]) -> list[PydanticCustomError]:
+        """warm_interval at least checkpoint_interval; retention.hot at least warm_interval
+        (hot deltas must outlive the merge that makes them redundant)."""
+        problems: list[PydanticCustomError] = []
+        checkpoint = _raw_interval(
+            fields.get("checkpoint_interval", timedelta(seconds=5)), _checkpoint_interval
+        )
+        warm = _raw_interval(fields.get("warm_interval", timedelta(minutes=5)), _state_interval)
+        if checkpoint is None or warm is None:
+            return problems
+        if checkpoint > _OFF and warm < checkpoint:
+            where = "warm_interval" if "warm_interval" in fields else "checkpoint_interval"
+            problems.append(
+                invalid(
+                    f"warm_interval {format_duration(warm)} is shorter than checkpoint_interval "
+                    f"{format_duration(checkpoint)}",
+                    "warm state is captured by checkpoints: make warm_interval at least "
+                    "checkpoint_interval (default 5m)",
+                    (where,),
+                )
+            )
+        retention = fields.get("retention")
+        hot = _get(retention, "hot") if retention is not None else None
+        hot_interval = _raw_interval(hot, parse_duration) if hot is not None else None
+        if hot_interval is not None and hot_interval < warm:
+            problems.append(
+                invalid(
+                    f"retention.hot {format_duration(hot_interval)} is shorter than "
+                    f"warm_interval {format_duration(warm)}: hot deltas would be dropped before "
+                    "a warm merge keeps them",
+                    f"retention.hot of at least {format_duration(warm)} (default 7d)",
+                    ("retention", "hot"),
+                )
+            )
+        return problems
+
+
 def _get(item: Any, *names: str) -> Any:
     """A field of a validated model or of the raw YAML mapping (first name that is set)."""
     for name in names:
@@ -1190,6 +1399,11 @@ class SandboxSpec(SpecModel):
     )
     migration: Migration = Migration()
     scheduling: Scheduling = Scheduling()
+    state: State | None = Field(
+        default=None,
+        description="The state plane (docs/state.md): checkpoints, tiers, retention, "
+        "encryption, restart on failure; unset: the sandbox keeps no state",
+    )
 
     @classmethod
     def cross_checks(cls, fields: Mapping[str, Any]) -> list[PydanticCustomError]:

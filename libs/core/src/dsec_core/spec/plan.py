@@ -14,7 +14,14 @@ from typing import Any, Literal
 import blake3
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dsec_core.spec.models import Dependency, GpuNeeds, Mount, SandboxSpec, accepted_models
+from dsec_core.spec.models import (
+    Dependency,
+    GpuNeeds,
+    Mount,
+    SandboxSpec,
+    State,
+    accepted_models,
+)
 from dsec_core.spec.models import EgressRule as SpecEgressRule
 from dsec_core.spec.source import SourceMap
 from dsec_core.spec.units import Rate
@@ -338,7 +345,23 @@ def compile_plan(
         exclude_patterns=spec.include_code.exclude_patterns,
         code_max_size=spec.include_code.max_size,
         spec_file=spec_file,
+        state=None if spec.state is None else _state(spec.state),
         topology=_topology(spec, source),
+    )
+
+
+def _state(state: State) -> StatePlan:
+    interval = state.checkpoint_interval.total_seconds()
+    return StatePlan(
+        checkpoint_interval_s=interval or None,
+        warm_interval_s=state.warm_interval.total_seconds(),
+        cold_interval_s=state.cold_interval.total_seconds(),
+        tiers=tuple(sorted(state.tiers.items())),
+        warm_snapshots_kept=state.retention.warm_snapshots,
+        hot_retention_s=state.retention.hot.total_seconds(),
+        encryption=state.encryption,
+        restart=state.restart,
+        max_restarts=state.max_restarts,
     )
 
 

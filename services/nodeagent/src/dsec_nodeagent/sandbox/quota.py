@@ -93,12 +93,28 @@ def create(data_dir: Path, size_bytes: int, pool: ImagePool | None = None) -> Pa
     """
     image, target = data_dir / IMAGE_NAME, mount_point(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
+    previous = data_dir / f".{MOUNT_NAME}.previous"
+    # The outputs an earlier attempt of this sandbox left (a stateful sandbox started again in
+    # place): moved aside, then copied into the new filesystem, never hidden under it.
+    if not previous.exists() and target.is_dir() and not os.path.ismount(target):
+        with contextlib.suppress(OSError):  # empty: nothing to carry over
+            target.rmdir()
+        if target.exists():
+            target.rename(previous)
     target.mkdir(exist_ok=True)
     if pool is None or not pool.take(size_bytes, image):
         format_image(image, size_bytes)
     mount_image(image, target)
     with contextlib.suppress(FileNotFoundError):
         (target / "lost+found").rmdir()
+    if previous.is_dir():
+        try:
+            _run(["cp", "-a", "--sparse=always", f"{previous}/.", str(target)])
+        except QuotaError:
+            with contextlib.suppress(OSError):
+                syscalls.umount2(str(target), syscalls.MNT_DETACH)
+            raise
+        shutil.rmtree(previous, ignore_errors=True)
     return target
 
 
