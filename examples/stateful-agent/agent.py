@@ -70,7 +70,7 @@ def chat(message: str, id: str | None = None) -> dict[str, Any]:
 @client.tool("missing")
 def missing(ids: list[str]) -> dict[str, Any]:
     """The ids among ``ids`` that no user message of the history carries."""
-    seen = {m.get("id") for m in history.values() if m.get("role") == "user"}
+    seen = {m.get("id") for m in history if m.get("role") == "user"}
     return {"missing": [i for i in ids if i not in seen], "turns": len(history)}
 
 
