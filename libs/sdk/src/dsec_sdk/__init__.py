@@ -2,6 +2,8 @@
 
 The communication plane: :class:`DSecClient` calls other agents' tools over shared memory (and
 across nodes over NATS, transparently) and serves this agent's own tools.
+The state plane: :class:`AgentState` keeps the agent's state in containers that record their own
+deltas, checkpointed to the node agent (or a local directory) and restored after a crash.
 """
 
 from dsec_sdk.client import DSecClient
@@ -17,9 +19,11 @@ from dsec_sdk.errors import (
     RemoteError,
     ToolNotFound,
 )
+from dsec_sdk.state import AgentState, StateError
 
 __all__ = [
     "AgentNotFound",
+    "AgentState",
     "BadArguments",
     "BrokerUnavailable",
     "CallTimeout",
@@ -29,5 +33,6 @@ __all__ = [
     "PeerGone",
     "ProtocolError",
     "RemoteError",
+    "StateError",
     "ToolNotFound",
 ]

@@ -1,0 +1,263 @@
+"""AgentState over the node store, against a fake keeper that speaks wire.py (and a fake
+broker that hands out the state socket): hello, fetch, checkpoint/ack, refusals, and both
+sides of a hand-over."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from dsec_sdk import AgentState, StateError
+from dsec_sdk.ipc import control
+from dsec_sdk.state import NodeStore, codec
+
+
+@pytest.fixture(autouse=True)
+def ring_mode() -> str:
+    """The state plane does not use the ring: run each test once."""
+    return "n/a"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("DSEC_IPC_SOCKET", "DSEC_STATE", "DSEC_STATE_DIR", "DSEC_STATE_HANDOVER_FROM"):
+        monkeypatch.delenv(var, raising=False)
+
+
+Keeper = Any
+
+
+@pytest.fixture
+def pair(fake_keeper: type) -> Iterator[Callable[..., tuple[NodeStore, Keeper]]]:
+    socks: list[socket.socket] = []
+
+    def make(**kwargs: Any) -> tuple[NodeStore, Keeper]:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        socks.extend([a, b])
+        keeper = fake_keeper(b, **kwargs)
+        keeper.start()
+        return NodeStore(a, timeout=10), keeper
+
+    yield make
+    for s in socks:
+        s.close()
+
+
+def wait_for(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def uuid7_at(ms: int, counter: int) -> str:
+    return str(uuid.UUID(int=(ms << 80) | (0x7 << 76) | (counter << 64) | (0b10 << 62)))
+
+
+# ids an hour ahead of this clock (another node's): new ones must still sort after them
+AHEAD = time.time_ns() // 1_000_000 + 3_600_000
+SAVED = [
+    {"c": "history", "k": "log", "t": "hot", "o": "append",
+     "items": [[uuid7_at(AHEAD, 0), "h0", "first"]]},
+    {"c": "history", "k": "log", "t": "hot", "o": "append",
+     "items": [[uuid7_at(AHEAD, 1), "h1", "second"]]},
+    *codec.full_records(
+        "w", "array", "warm",
+        {"dtype": "<f4", "shape": [4], "data": np.arange(4, dtype="<f4").tobytes()},
+    ),
+]  # fmt: skip
+
+
+def test_open_restores_what_the_keeper_fetched(pair: Callable[..., Any]) -> None:
+    store, keeper = pair(records=SAVED, seq=5, config={"tiers": [["history", "warm"]]})
+    state = AgentState(store, agent="bot", group="team")
+    hello = keeper.next_frame("hello")
+    assert hello == {"op": "hello", "v": 1, "agent": "bot", "group": "team", "handover": False}
+    assert state.restored.seq == 5 and state.restored.source == "local"
+    assert state.restored.records == 3
+    history = state.log("history")
+    assert list(history) == ["first", "second"] and history.tier == "warm"
+    assert state.array("w", 4).view().tolist() == [0, 1, 2, 3]
+
+    history.append("third")
+    info = state.checkpoint()
+    assert info.seq == 6 and info.bytes == 100  # the ack's
+    frame = keeper.next_frame("checkpoint")
+    assert frame["seq"] == 6 and frame["final"] is False
+    assert frame["tiers"] == ["hot", "warm", "cold"] and frame["pause_ms"] >= 0
+    (record,) = frame["records"]
+    assert record["c"] == "history" and record["o"] == "append" and record["t"] == "warm"
+    assert [item[2] for item in record["items"]] == ["third"]
+    assert record["items"][0][0] > uuid7_at(AHEAD, 1)  # ids keep growing after a restore
+    state.close()
+    assert keeper.next_frame("bye") == {"op": "bye"}
+
+
+def test_a_refused_checkpoint_is_sent_again(pair: Callable[..., Any]) -> None:
+    store, keeper = pair(refuse_checkpoints=True)
+    state = AgentState(store, agent="bot", group="team")
+    state.log("h").append("precious")
+    with pytest.raises(StateError, match="refused checkpoint 1: disk"):
+        state.checkpoint()
+    keeper.refuse_checkpoints = False
+    state.log("h").append("more")
+    info = state.checkpoint()
+    assert info.seq == 2
+    items = [i[2] for r in keeper.checkpoints[-1]["records"] for i in r["items"]]
+    assert items == ["precious", "more"]
+    state.close(checkpoint=False)
+
+
+def test_a_keeper_that_goes_away_fails_checkpoints(pair: Callable[..., Any]) -> None:
+    store, keeper = pair()
+    state = AgentState(store, agent="bot", group="team")
+    keeper.sock.shutdown(socket.SHUT_RDWR)
+    wait_for(lambda: state.last_error is not None, "the closed connection")
+    state.log("h").append(1)
+    with pytest.raises(StateError, match="closed"):
+        state.checkpoint()
+    state.close(checkpoint=False)
+
+
+def test_a_refused_hello_is_a_state_error() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def refuse() -> None:
+        from dsec_sdk.state import wire
+
+        wire.recv(b)
+        wire.send(b, {"op": "error", "code": "state-held", "message": "owned", "seq": None})
+
+    threading.Thread(target=refuse, daemon=True).start()
+    with pytest.raises(StateError, match="state-held"):
+        AgentState(NodeStore(a, timeout=10), agent="bot", group="team")
+    b.close()
+
+
+def test_the_old_version_hands_over_with_a_final_checkpoint(pair: Callable[..., Any]) -> None:
+    store, keeper = pair()
+    state = AgentState(store, agent="bot", group="team")
+    history = state.log("history")
+    history.append("before")
+    state.checkpoint()
+    stopped = threading.Event()
+    state.on_handover(stopped.set)
+    history.append("last words")
+    keeper.send({"op": "handover", "to": "sb-new"})
+    final = keeper.next_frame("checkpoint")
+    final = keeper.next_frame("checkpoint") if final["seq"] == 1 else final
+    assert stopped.is_set()  # callbacks ran before the final capture
+    assert final["final"] is True and final["tiers"] == ["hot", "warm", "cold"]
+    assert [i[2] for r in final["records"] for i in r["items"]] == ["last words"]
+    wait_for(state.handed_over.is_set, "handed_over")
+    assert state.handover_to == "sb-new"
+    with pytest.raises(StateError, match="handed its state over"):
+        state.checkpoint()
+    state.close()  # no checkpoint after the hand-over
+
+
+def test_the_new_version_follows_deltas_then_owns_the_state(pair: Callable[..., Any]) -> None:
+    store, keeper = pair(records=SAVED, seq=5)
+    state = AgentState(store, agent="bot", group="team", handover=True, interval=0.05)
+    assert keeper.next_frame("hello")["handover"] is True
+    history = state.log("history")
+    arr = state.array("w", 4)
+    keeper.send(
+        {
+            "op": "deltas",
+            "seq": 7,
+            "records": [
+                {"c": "history", "k": "log", "t": "hot", "o": "append",
+                 "items": [[uuid7_at(AHEAD, 2), "h2", "from old"]]},
+                {"c": "w", "k": "array", "t": "warm", "o": "sparse", "dtype": "<f4",
+                 "shape": [4], "idx": np.array([0], "<i8").tobytes(),
+                 "val": np.array([9], "<f4").tobytes()},
+                {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"a": 1}},
+            ],
+        }
+    )  # fmt: skip
+    wait_for(lambda: len(history) == 3, "the deltas")
+    assert arr[0] == 9.0
+    with pytest.raises(StateError, match="only once switched"):
+        state.checkpoint()
+    state.ready()
+    assert keeper.next_frame("ready") == {"op": "ready"}
+    keeper.send({"op": "switched", "interruption_ms": 3.5})
+    info = state.wait_switched(timeout=10)
+    assert info.interruption_ms == 3.5
+    assert dict(state.kv("memo")) == {"a": 1}  # a delta for a container declared later
+    history.append("new version")
+    assert state.checkpoint().seq == 8
+    state.close()
+
+
+def fake_broker(path: Path, fake_keeper: type, *, refuse: bool = False) -> list[Any]:
+    """A broker that says welcome and answers the ``state`` op with one end of a socketpair
+    served by a fake keeper."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(1)
+    seen: list[Any] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        hello, _ = control.recv(conn) or ({}, [])
+        seen.append(hello)
+        control.send(conn, {"op": "welcome", "node": "n1", "ring_capacity": 1, "max_payload": 1})
+        ask, _ = control.recv(conn) or ({}, [])
+        seen.append(ask)
+        if refuse:
+            control.send(conn, {"op": "error", "ref": ask["ref"], "code": "no", "message": "no"})
+            return
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        keeper = fake_keeper(mine, config={"checkpoint_interval_s": 60})
+        keeper.start()
+        seen.append(keeper)
+        control.send(conn, {"op": "state", "ref": ask["ref"]}, [theirs.fileno()])
+        theirs.close()
+        conn.recv(1)  # until the agent closes its broker connection
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return seen
+
+
+def test_open_inside_a_sandbox_asks_the_broker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_keeper: type
+) -> None:
+    sock = tmp_path / "ipc.sock"
+    seen = fake_broker(sock, fake_keeper)
+    monkeypatch.setenv("DSEC_IPC_SOCKET", str(sock))
+    monkeypatch.setenv("DSEC_AGENT_NAME", "bot")
+    monkeypatch.setenv("DSEC_TASK_GROUP", "team")
+    monkeypatch.setenv("DSEC_STATE_HANDOVER_FROM", "sb-old")
+    state = AgentState.open()
+    assert seen[0]["op"] == "hello" and seen[0]["agent"] == "bot"
+    assert seen[1] == {"op": "state", "ref": 1}
+    keeper = seen[2]
+    assert keeper.next_frame("hello")["handover"] is True
+    assert state.interval == 60  # the spec's interval, from the keeper
+    state.ready()
+    keeper.next_frame("ready")
+    keeper.send({"op": "switched", "interruption_ms": 1.0})
+    state.wait_switched(timeout=10)
+    state.log("h").append("x")
+    assert state.checkpoint().seq == 1
+    state.close()
+
+
+def test_a_broker_that_refuses_the_state_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_keeper: type
+) -> None:
+    sock = tmp_path / "ipc.sock"
+    fake_broker(sock, fake_keeper, refuse=True)
+    monkeypatch.setenv("DSEC_STATE", "node")
+    with pytest.raises(StateError, match="refused the state socket"):
+        AgentState.open(socket_path=sock, agent="bot", group="team")
