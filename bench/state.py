@@ -30,19 +30,30 @@ interval; simulated: the changes are applied as fast as they can be). Contenders
   its pause.
 - ``savez``: ``np.savez`` of the arrays + the history and kv as JSON, ``fsync``, rename.
 
-Recovery = opening the store and restoring every container (DSec: ``AgentState.open`` + declaring
-the containers; pickle: ``pickle.load``; savez: ``np.load`` + ``json.load``), checked equal to the
-state before the "crash" (a digest of every container).
+After the steps, DSec's local store folds its journal into one snapshot (``warm_merge_s``: what
+the node's keeper does every ``warm_interval``, off the agent's path; the local store would
+otherwise do it inside a ``checkpoint()`` call once its journal passes 256 MiB, so the benchmark
+runs it once, apart, and keeps it out of the checkpoint figures).
 
-Hand-over interruption: the node-side hand-over (freeze the old sandbox, forward its final delta,
-switch the tool name) needs the node agent; this benchmark measures its in-process core, labelled
-as such: the old version's final checkpoint (pause + durable) plus the new version, already
-restored, applying that final delta. The node's own share (cgroup freeze, broker switch) is left
-as ``null`` (``handover_node_ms``) until ``--stack`` measures it.
+Recovery = opening the store and restoring every container (DSec: ``AgentState.open`` +
+declaring the containers: the snapshot plus the checkpoints after it; pickle: ``pickle.load``;
+savez: ``np.load`` + ``json.load``), then checked equal to the state before the "crash" (a digest
+of every container, not timed). Every contender reads files this run just wrote (the page cache
+is warm for all alike: a restart on the same node).
 
-The store: by default the SDK's local store (plain Python, a directory on this machine's disk).
+Hand-over interruption: the real one (freeze the old sandbox, forward its final delta, switch the
+tool name) needs the node agent; this benchmark measures its in-process core, labelled as such
+(``handover_in_process_ms``, the worst of N runs, and its p50): the new version is restored
+beforehand (untimed, as it is in the real flow while the old one still serves); then the old
+version makes one step of changes and, timed, takes its final checkpoint (pause, pack, durable
+write), the frame is forwarded and decoded, and the new version applies it. The node's share
+(cgroup freeze, the broker's switch) is ``null`` (``handover_node_ms``) until ``--stack``
+measures it.
+
+The store: by default the SDK's local store (plain Python, a directory on this machine's disk;
+``--dir /dev/shm`` puts every contender's files on tmpfs, as the keeper's hot journal is).
 ``--stack`` runs DSec through the node agent's state keeper on the embedded stack instead
-(JetStream + object store, encrypted).
+(JetStream + object store, encrypted): not wired in yet (a TODO for the integration).
 
 With ``--json`` only the ratio line and the JSON line are printed; the last line is
 ``{"pause_p99_ms", "recovery_s", "handover_interruption_ms", "bytes_per_checkpoint",
@@ -66,7 +77,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from _common import emit, percentile
@@ -316,28 +327,43 @@ def bench_peer(
 
 
 # --------------------------------------------------------------------------------- DSec
+Forward = Callable[[bytes], None]
+"""Called with each checkpoint frame once it is durable (the hand-over's forwarding)."""
+
+
+class Stores(Protocol):
+    """Where the DSec contenders keep their state (one directory/key per contender name)."""
+
+    def open(self, name: str, forward: Forward | None = None) -> Any:
+        """An ``AgentState`` of contender ``name``, restored from what it checkpointed."""
+        ...
+
+    def merge(self, state: Any) -> bool:
+        """Fold the checkpoints so far into one snapshot (the warm merge); False: the store
+        does it on its own, off the agent's path."""
+        ...
+
+
 class DSecAgent:
     """The state in ``dsec_sdk.state`` containers."""
 
-    def __init__(self, opener: Callable[[], Any]) -> None:
-        self.state = opener()
-        self.history = self.state.log("history")
-        self.kv = self.state.kv("scratch")
-        self.adapter = self.state.array("adapter", ADAPTER_SHAPE, "float32")
-        self.index = self.state.vectors("index", DIM, "float32")
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.history = state.log("history")
+        self.kv = state.kv("scratch")
+        self.adapter = state.array("adapter", ADAPTER_SHAPE, "float32")
+        self.index = state.vectors("index", DIM, "float32")
 
     def load(self, w: Workload) -> None:
         """Fill an empty state with the initial values."""
-        for msg in w.messages:
-            self.history.append(msg)
+        self.history.extend(w.messages)
         self.adapter[...] = w.adapter
         self.index.upsert(w.ids, w.vecs)
         for key, value in w.kv.items():
             self.kv[key] = value
 
     def apply(self, s: Step) -> None:
-        for msg in s.messages:
-            self.history.append(msg)
+        self.history.extend(s.messages)
         current = self.adapter.view().reshape(-1)[s.adapter_idx]
         self.adapter.update(s.adapter_idx, current + s.adapter_noise)
         self.index.upsert(s.upsert_ids, s.upsert_vecs)
@@ -352,7 +378,6 @@ class DSecAgent:
         key, the whole array, every vector."""
         self.history._sent = 0
         self.kv._set = set(self.kv._data)
-        self.kv._del = set()
         self.adapter.mark_dirty()
         self.index._all = True
 
@@ -369,13 +394,14 @@ def bench_dsec(
     name: str,
     w: Workload,
     steps: int,
-    opener: Callable[[], Any],
+    stores: Stores,
     say: Callable[[str], None],
     *,
     full: bool = False,
-    handover: bool = False,
+    handovers: int = 0,
 ) -> dict[str, Any]:
-    agent = DSecAgent(opener)
+    forwarded: list[Forward] = []  # the hand-over's receiver, once there is one
+    agent = DSecAgent(stores.open(name, lambda frame: [f(frame) for f in forwarded]))
     start = time.perf_counter()
     agent.load(w)
     load_s = time.perf_counter() - start
@@ -408,51 +434,149 @@ def bench_dsec(
         "first_checkpoint_s": round(first_s, 3),
         "initial_fill_s": round(load_s, 3),
     }
-    if handover:
-        result.update(bench_handover(agent, w, steps, opener))
+    start = time.perf_counter()
+    if stores.merge(agent.state):
+        result["warm_merge_s"] = round(time.perf_counter() - start, 3)
+    if handovers:
+        result.update(bench_handover(agent, w, steps, handovers, forwarded))
     want = agent.digest()
-    agent.state.close()
+    agent.state.close()  # as a crash would leave it: nothing was left unacknowledged
     del agent
     gc.collect()
     start = time.perf_counter()
-    back = DSecAgent(opener)  # open + restore + declare every container
-    restored_equal = back.digest() == want
+    back = DSecAgent(stores.open(name))  # open + restore + declare every container
     result["recovery_s"] = round(time.perf_counter() - start, 3)
     info = back.state.restored
-    result["recovery_deltas"] = getattr(info, "deltas", None)
-    result["recovery_source"] = getattr(info, "source", None)
-    result["restored_equal"] = restored_equal
-    back.state.close()
+    result["recovery_checkpoints_applied"] = info.deltas
+    result["recovery_source"] = info.source
+    result["restored_equal"] = back.digest() == want
+    back.state.close(checkpoint=False)
+    del back
+    gc.collect()
     say(f"{name:<10} {result}")
-    if not restored_equal:
+    if not result["restored_equal"]:
         raise SystemExit(f"{name}: the restored state differs from the checkpointed one")
     return result
 
 
-def bench_handover(agent: DSecAgent, w: Workload, steps: int, opener: Callable[[], Any]) -> dict:
-    """In-process core of a hand-over (see the module's docstring)."""
-    # TODO(handover): replace with the SDK's hand-over API once it lands.
-    return {"handover_in_process_ms": None, "handover_node_ms": None}
+def bench_handover(
+    old: DSecAgent, w: Workload, first_step: int, times: int, forwarded: list[Forward]
+) -> dict[str, Any]:
+    """The in-process core of a live hand-over, ``times`` times in a row.
+
+    The new version is restored beforehand (untimed: in the real flow it restores while the old
+    one still serves, and then receives each of its checkpoints as they become durable). Then,
+    each time, the old version makes one step of changes and, timed: its final checkpoint
+    (capture = pause, pack, durable write), the frame forwarded and decoded, and the new version
+    applying it (under its own lock) -> it could serve. Not in it: the cgroup freeze and the
+    broker's switch of the tool name (node side: ``handover_node_ms``, null until measured).
+    """
+    from dsec_sdk.state import AgentState, codec, wire
+
+    records = [r for c in old.state.containers().values() for r in codec.full_records(c)]
+    peer = _PeerStore(records)
+    new = DSecAgent(AgentState(peer, agent="bench", group="handover", handover=True, auto=False))
+    applied: list[float] = []
+
+    def receive(frame: bytes) -> None:
+        body = wire.decode(frame[4:])
+        peer.deliver({"op": "deltas", "seq": body["seq"], "records": body["records"]})
+        applied.append(time.perf_counter())
+
+    forwarded.append(receive)
+    interruptions: list[float] = []
+    for i in range(times):
+        old.apply(w.step(first_step + i))
+        applied.clear()
+        start = time.perf_counter()
+        old.state.checkpoint()
+        interruptions.append((applied[-1] - start) * 1000)
+    forwarded.clear()
+    equal = new.digest() == old.digest()
+    peer.deliver({"op": "switched", "interruption_ms": max(interruptions), "seq": 0})
+    new.state.close(checkpoint=False)
+    if not equal:
+        raise SystemExit("hand-over: the new version's state differs from the old one's")
+    return {
+        "handover_in_process_ms": round(max(interruptions), 2),
+        "handover_in_process_p50_ms": round(percentile(interruptions, 0.5), 2),
+        "handover_in_process_runs": times,
+        "handover_node_ms": None,  # TODO(lead, --stack): cgroup freeze + broker switch
+    }
+
+
+class _PeerStore:
+    """The new version's side of an in-process hand-over: restores ``records`` (the old
+    version's state as the keeper would stream it) and delivers forwarded frames."""
+
+    source = "local"
+
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self._records = records
+        self._on_frame: Callable[[dict[str, Any]], None] | None = None
+
+    def hello(self, agent: str, group: str, handover: bool) -> dict[str, Any]:
+        return {"op": "welcome", "state_id": "bench", "seq": 0, "config": {}, "handover": True}
+
+    def fetch(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        records, self._records = self._records, []
+        return records, {"op": "fetched", "seq": 0, "deltas": 0, "source": "local", "ms": 0.0}
+
+    def checkpoint(self, seq: int, frame: bytes) -> Any:
+        raise AssertionError("the new version does not checkpoint in this benchmark")
+
+    def start(self, on_frame: Callable[[dict[str, Any]], None]) -> None:
+        self._on_frame = on_frame
+
+    def deliver(self, frame: dict[str, Any]) -> None:
+        assert self._on_frame is not None
+        self._on_frame(frame)
+
+    def send(self, frame: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------------- stores
+class LocalStores:
+    """The SDK's local store: a directory per contender under ``work``."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+
+    def open(self, name: str, forward: Forward | None = None) -> Any:
+        from dsec_sdk.state import AgentState, LocalStore
+
+        class Forwarding(LocalStore):
+            def checkpoint(self, seq: int, frame: bytes) -> Any:
+                ack = super().checkpoint(seq, frame)
+                if forward is not None:
+                    forward(frame)
+                return ack
+
+        # No fold inside a checkpoint() call: merge() runs it once, timed apart.
+        store = Forwarding(self.work / "dsec" / name, compact_bytes=1 << 62)
+        return AgentState(store, agent="bench", group=name, auto=False)
+
+    def merge(self, state: Any) -> bool:
+        state._store._compact()
+        return True
+
+
 @contextmanager
-def local_store(work: Path) -> Iterator[Callable[[str], Callable[[], Any]]]:
-    """``opener(name)`` -> a function opening that agent's state in the SDK's local store."""
-    from dsec_sdk.state import AgentState
-
-    def opener(name: str) -> Callable[[], Any]:
-        return lambda: AgentState.open(path=work / "dsec" / name)
-
-    yield opener
+def local_stores(work: Path) -> Iterator[Stores]:
+    yield LocalStores(work)
 
 
 @contextmanager
-def stack_store(work: Path) -> Iterator[Callable[[str], Callable[[], Any]]]:
+def stack_stores(work: Path) -> Iterator[Stores]:
     """The node agent's state keeper on the embedded stack (JetStream + object store)."""
-    # TODO(lead): start the embedded stack (dsec_testing.stack.StackFixture), a StateKeeper on
-    # it, and open AgentState through the keeper's socket (the broker's `state` op hands the
-    # agent one end of a socketpair: here keeper.serve(theirs, sandbox_id) on a loop thread).
+    # TODO(lead): start the embedded stack (dsec_testing.stack.StackFixture) and a StateKeeper
+    # on it; open(name) = AgentState(NodeStore(sock)) where the keeper serves the other end of
+    # a socketpair (keeper.serve(theirs, sandbox_id) on a loop thread, as the broker's `state`
+    # op does); forward: the keeper's on_checkpoint (the hand-over's stream).
     raise SystemExit("--stack: the node agent's state keeper path is not wired in yet")
     yield  # pragma: no cover
 
@@ -465,7 +589,7 @@ def main() -> None:
     parser.add_argument("--stack", action="store_true", help="DSec through the node's keeper")
     parser.add_argument("--dir", type=Path, default=None, help="where the stores go (a temp dir)")
     args = parser.parse_args()
-    steps, full_steps = (12, 3) if args.quick else (60, 10)
+    steps, full_steps, handovers = (12, 3, 3) if args.quick else (60, 10, 10)
 
     def say(text: str) -> None:
         if not args.json:
@@ -479,12 +603,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dsec-bench-state-", dir=base))
     results: dict[str, Any] = {}
     try:
-        store = stack_store if args.stack else local_store
-        with store(work) as opener:
-            results["dsec"] = bench_dsec("dsec", w, steps, opener("delta"), say, handover=True)
-            results["dsec_full"] = bench_dsec(
-                "dsec_full", w, full_steps, opener("full"), say, full=True
-            )
+        store = stack_stores if args.stack else local_stores
+        with store(work) as stores:
+            results["dsec"] = bench_dsec("dsec", w, steps, stores, say, handovers=handovers)
+            results["dsec_full"] = bench_dsec("dsec_full", w, full_steps, stores, say, full=True)
         results["pickle"] = bench_peer("pickle", w, full_steps, work, pickle_save, pickle_load, say)
         results["savez"] = bench_peer("savez", w, full_steps, work, savez_save, savez_load, say)
     finally:

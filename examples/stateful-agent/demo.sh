@@ -130,19 +130,21 @@ dsec sandbox logs "$SID" | tail -n 2
 step "Upgrade to v2 by hand-over while the caller keeps calling" \
   dsec sandbox upgrade "$SID" --code $HERE/v2
 UPGRADE_T=$(now)
-upgrade_out=$(dsec sandbox upgrade "$SID" --code $HERE/v2 --json | tee /dev/stderr | tail -n 1)
-NEW=$(jq_ "$upgrade_out" 'd.get("sandbox_id") or d.get("new_sandbox_id") or ""' 2>/dev/null || true)
-if [ -z "$NEW" ] || [ "$NEW" = "$SID" ]; then
-  NEW=$(echo "$upgrade_out" | grep -o 'sbx_[0-9a-f]*' | grep -v "^$SID$" | head -n 1 || true)
-fi
-[ -n "$NEW" ] || die "no new sandbox id in the upgrade's output"
+# It follows the new sandbox to state.handed_over; with --json its last line is the outcome:
+# {sandbox_id, state: "handed_over", interruption_ms, deltas_streamed, ...}
+upgrade_out=$(dsec sandbox upgrade "$SID" --code $HERE/v2 --json | tail -n 1)
+[ "$(jq_ "$upgrade_out" 'd["state"]')" = handed_over ] || die "not handed over: $upgrade_out"
+NEW=$(jq_ "$upgrade_out" 'd["sandbox_id"]')
+echo "$SID -> $NEW: interruption $(jq_ "$upgrade_out" 'd["interruption_ms"]') ms (v1 frozen -> v2 serving), $(jq_ "$upgrade_out" 'd["deltas_streamed"]') state records streamed"
 handed=$(event "$NEW" state.handed_over)
 echo "state.handed_over: $(jq_ "$handed" 'd["payload"]')"
-echo "interruption: $(jq_ "$handed" 'd["payload"]["interruption_ms"]') ms (old frozen -> new serving)"
 switched=$(wait_caller version "e['version'] == 'v2'")
 echo "caller: $switched"
 [ "$(jq_ "$switched" 'd["missing"]')" = 0 ] || die "v2 lacks acknowledged messages: $switched"
 [ "$(jq_ "$switched" 'd["complete"]')" = True ] || die "v2 says its history is not complete"
+echo "the call that crossed the hand-over took $(jq_ "$switched" 'd["call_ms"]') ms"
+echo "--- v2's log:"
+dsec sandbox logs "$NEW" | head -n 3
 
 step "The caller ends after 200 chats with v2 (and shuts the agent down); its verdict" \
   dsec sandbox logs --follow "$CALLER"

@@ -31,6 +31,7 @@ version, taken over live by ``dsec sandbox upgrade``.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from typing import Any
 
@@ -46,6 +47,9 @@ state = AgentState.open()
 history = state.log("history")
 adapter = state.array("adapter", ADAPTER_SHAPE, "float32")
 client = DSecClient()
+# A live hand-over (`dsec sandbox upgrade`) asks this version for its final checkpoint:
+# `client.serve()` registers with the state (AgentState.on_handover) to finish the chat in
+# progress and take no new one first (the broker sends those to the new version).
 
 
 def reply_to(message: str, turn: int) -> str:
@@ -93,6 +97,22 @@ def shutdown() -> dict[str, Any]:
     return {"turns": len(history), "version": VERSION}
 
 
+def take_over() -> None:
+    """A hand-over's new version: once ``serve()`` has registered (the broker holds this
+    server as a standby for the old version's name), tell the keeper it is ready; the old
+    version is frozen, its last delta arrives, and the name switches here."""
+    deadline = time.monotonic() + 30
+    while getattr(client, "_server", None) is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    state.ready()
+    switched = state.wait_switched(timeout=120)
+    print(
+        f"stateful-agent {VERSION}: took over at checkpoint {switched.seq} with {len(history)} "
+        f"turns (complete: {complete()}); interruption {switched.interruption_ms:.2f} ms",
+        flush=True,
+    )
+
+
 def main() -> None:
     info = state.restored
     if info is not None and info.seq:
@@ -104,6 +124,8 @@ def main() -> None:
         )
     else:
         print(f"stateful-agent {VERSION}: a new conversation", flush=True)
+    if state.handover:  # started by `dsec sandbox upgrade`: take over from the running version
+        threading.Thread(target=take_over, name="take-over", daemon=True).start()
     started = time.monotonic()
     try:
         client.serve()
