@@ -54,6 +54,7 @@ class FakeKeeper(threading.Thread):
         seq: int = 0,
         config: dict[str, Any] | None = None,
         refuse_checkpoints: bool = False,
+        takes_over: bool = True,
     ) -> None:
         super().__init__(daemon=True)
         self.sock = sock
@@ -61,6 +62,7 @@ class FakeKeeper(threading.Thread):
         self.seq = seq
         self.config = config or {}
         self.refuse_checkpoints = refuse_checkpoints
+        self.takes_over = takes_over  # False: a hand-over hello finds no old version
         self.received: queue.Queue[dict[str, Any]] = queue.Queue()
         self.checkpoints: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -84,7 +86,7 @@ class FakeKeeper(threading.Thread):
                             "state_id": "st-1",
                             "seq": self.seq,
                             "config": self.config,
-                            "handover": frame["handover"],
+                            "handover": frame["handover"] and self.takes_over,
                         }
                     )
                 elif op == "fetch":

@@ -281,3 +281,21 @@ def test_batches_stay_under_the_size() -> None:
     records = [{"c": "b", "k": "blob", "o": "full", "data": b"x" * 400, "hash": ""}] * 10
     groups = codec.batches(records, max_bytes=1000)
     assert sum(len(g) for g in groups) == 10 and all(len(g) <= 2 for g in groups)
+
+
+def test_many_small_writes_are_all_captured(capture_records: Capture) -> None:
+    arr = ArrayState(threading.RLock(), "w", "warm", 100_000, "int32")
+    rng = np.random.default_rng(3)
+    for i in rng.integers(0, 100_000, 3000):
+        arr[int(i)] = int(i)
+    records = capture_records(arr)
+    out = replay(records, "w")
+    np.testing.assert_array_equal(np.frombuffer(out["data"], "<i4"), arr.view())
+
+
+def test_log_items_sent_again_or_late_are_kept_once_in_order() -> None:
+    a, b, c = (["id-1", "h", "a"], ["id-2", "h", "b"], ["id-3", "h", "c"])
+    rec = {"c": "h", "k": "log", "t": "hot", "o": "append"}
+    log = codec.apply(None, {**rec, "items": [a, c]})
+    log = codec.apply(log, {**rec, "items": [b, c]})  # b late (a refused checkpoint resent)
+    assert log == [a, b, c]

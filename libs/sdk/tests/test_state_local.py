@@ -295,3 +295,31 @@ def test_a_local_store_has_no_handover(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(StateError, match="hand-over"):
         state.ready()
     state.close()
+
+
+def test_checkpoints_while_another_thread_writes(tmp_path: Path) -> None:
+    """Captures interleave with mutations from another thread: nothing is lost or torn."""
+    import threading
+
+    state = AgentState.open(tmp_path)
+    log = state.log("history")
+    arr = state.array("w", 5000, "int64")
+    done = threading.Event()
+
+    def writer() -> None:
+        for i in range(3000):
+            log.append(i)
+            arr.update([i], [i])
+        done.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    while not done.is_set():
+        state.checkpoint()
+    thread.join()
+    state.checkpoint()
+    state.close()
+    again = AgentState.open(tmp_path)
+    assert list(again.log("history")) == list(range(3000))
+    assert again.array("w", 5000, "int64").view()[:3000].tolist() == list(range(3000))
+    again.close()

@@ -261,3 +261,31 @@ def test_a_broker_that_refuses_the_state_socket(
     monkeypatch.setenv("DSEC_STATE", "node")
     with pytest.raises(StateError, match="refused the state socket"):
         AgentState.open(socket_path=sock, agent="bot", group="team")
+
+
+def test_a_handover_with_nothing_to_take_over_owns_the_state(pair: Callable[..., Any]) -> None:
+    store, keeper = pair(takes_over=False)
+    state = AgentState(store, agent="bot", group="team", handover=True)
+    state.log("h").append(1)
+    assert state.checkpoint().seq == 1
+    assert keeper.checkpoints[0]["records"][0]["items"][0][2] == 1
+    state.close()
+
+
+def test_a_checkpoint_larger_than_a_frame_takes_several(
+    pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsec_sdk.state import agent
+
+    monkeypatch.setattr(codec, "MAX_RECORD_BYTES", 1000)
+    monkeypatch.setattr(agent, "FRAME_BYTES", 2500)
+    store, keeper = pair()
+    state = AgentState(store, agent="bot", group="team")
+    blob = state.blob("base")
+    blob.set(bytes(range(256)) * 40)  # 10 KiB: 11 parts, 5 frames
+    info = state.checkpoint()
+    assert info.frames > 1 and info.seq == info.frames
+    assert [f["seq"] for f in keeper.checkpoints] == list(range(1, info.frames + 1))
+    records = [r for f in keeper.checkpoints for r in f["records"]]
+    assert codec.fold(records)["base"].value["data"] == bytes(range(256)) * 40
+    state.close()

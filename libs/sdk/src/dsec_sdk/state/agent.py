@@ -125,7 +125,7 @@ class AgentState:
         self._ckpt_lock = threading.Lock()
         self._containers: dict[str, Container] = {}
         self._pending: dict[str, list[dict[str, Any]]] = {}
-        self._retry: list[bytes] = []
+        self._retry: list[tuple[int, list[bytes]]] = []  # (first seq, records) not acked
         self._handover_callbacks: list[Callable[[], Any]] = []
         self._stop = threading.Event()
         self._auto_thread: threading.Thread | None = None
@@ -152,6 +152,9 @@ class AgentState:
         except BaseException:
             store.close()
             raise
+        # the keeper decides: a hand-over with no live old version to take over from is a
+        # plain open (this version owns the state at once)
+        self.handover = handover = bool(welcome.get("handover", handover)) and handover
         self.state_id = str(welcome.get("state_id", ""))
         self.config: dict[str, Any] = dict(welcome.get("config") or {})
         self._spec_tiers = _tiers_of(self.config.get("tiers"))
@@ -384,8 +387,11 @@ class AgentState:
                     if c.tier in chosen:
                         thunks.extend(c._capture())
             pause_ms = (time.perf_counter() - t0) * 1000
-            packed = self._retry + [b for thunk in thunks for b in thunk()]
+            # deltas of checkpoints not acknowledged go first, oldest first (log order)
+            retry = [b for _, records in sorted(self._retry, key=lambda x: x[0]) for b in records]
+            packed = retry + [b for thunk in thunks for b in thunk()]
             self._retry = []
+            first_seq = self._seq + 1
             if not packed and skip_empty:
                 return None
             batches: list[list[bytes]] = [[]]
@@ -407,7 +413,7 @@ class AgentState:
                     sent += len(frame)
                     futures.append(self._store.checkpoint(self._seq, frame))
             except StateError:
-                self._retry = packed
+                self._retry.append((first_seq, packed))
                 raise
             seq = self._seq
         wait = self.timeout if timeout is None else timeout
@@ -418,7 +424,7 @@ class AgentState:
                 acked += int(ack.get("bytes") or 0)
         except Exception as exc:
             with self._ckpt_lock:
-                self._retry = packed + self._retry
+                self._retry.append((first_seq, packed))
             if isinstance(exc, StateError):
                 raise
             raise StateError(f"checkpoint {seq} was not acknowledged: {exc!r}") from exc

@@ -22,11 +22,12 @@ each stays far below ``wire.MAX_FRAME``)::
     kind "blob"  o "part":  "offset": int, "size": int (total), "hash": blake3_hex, "data": bytes
 
 Every op is idempotent (a checkpoint sent again after a lost ack changes nothing): a log append
-skips the items whose id is not after the log's last id (ids are time-ordered, uuid7).
+skips the ids the log has and keeps it in id order (ids are time-ordered, UUIDv7).
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 from typing import Any, Final
@@ -116,12 +117,21 @@ def apply(value: Any, record: dict[str, Any]) -> Any:
 
 def _log_append(value: Any, r: dict[str, Any]) -> Any:
     log: list[Any] = value if isinstance(value, list) else []
-    last = log[-1][0] if log else ""
     for item in r["items"]:
-        if item[0] > last:
+        item_id = item[0]
+        if not log or item_id > log[-1][0]:
             log.append(list(item))
-            last = item[0]
+            continue
+        # an item sent again (a lost ack), or one of a checkpoint refused and sent again after
+        # a later one was accepted: keep the log in id order, each id once
+        pos = bisect.bisect_left(log, item_id, key=_item_id)
+        if pos == len(log) or log[pos][0] != item_id:
+            log.insert(pos, list(item))
     return log
+
+
+def _item_id(item: Any) -> Any:
+    return item[0]
 
 
 def _log_full(value: Any, r: dict[str, Any]) -> Any:

@@ -8,6 +8,7 @@ only by :class:`ArrayState` and :class:`VectorIndex` (the ``dsec-sdk[state]`` ex
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -214,21 +215,25 @@ class MessageLog(Container):
         if record.get("o") != "append":
             return super()._apply(record)
         p = msgpack.Packer(use_bin_type=True)
-        last = self._entries[-1].id if self._entries else ""
         for item_id, digest, v in record["items"]:
-            if item_id > last:
+            packed = p.pack_array_header(3) + p.pack(item_id) + p.pack(digest)
+            packed += codec.pack_canonical(v)
+            if not self._entries or item_id > self._entries[-1].id:
                 self._entries.append(LogEntry(item_id, digest, v))
-                self._packed.append(
-                    p.pack_array_header(3)
-                    + p.pack(item_id)
-                    + p.pack(digest)
-                    + codec.pack_canonical(v)
-                )
-                last = item_id
+                self._packed.append(packed)
+                continue
+            pos = bisect.bisect_left(self._entries, item_id, key=_entry_id)
+            if pos == len(self._entries) or self._entries[pos].id != item_id:
+                self._entries.insert(pos, LogEntry(item_id, digest, v))
+                self._packed.insert(pos, packed)
         self._sent = len(self._entries)
         if self._entries:
-            ids.observe(last)
+            ids.observe(self._entries[-1].id)
         return None
+
+
+def _entry_id(entry: LogEntry) -> str:
+    return entry.id
 
 
 # ------------------------------------------------------------------------------------ kv
@@ -459,6 +464,8 @@ class ArrayState(Container):
         if self._count > _FULL_FRACTION * self._n:
             self._all = True
             self._chunks = []
+        elif len(self._chunks) >= 1024:  # many small writes: merge now, not in the pause
+            self._chunks = [self._np.concatenate(self._chunks)]
 
     def _capture(self) -> list[Thunk]:
         np = self._np

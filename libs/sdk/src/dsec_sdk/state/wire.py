@@ -49,6 +49,16 @@ Records (one container's change, or its full value)::
     kind "ref"     o "cold": "hash": blake3_hex, "size": int   (a cold container's value lives
                    in the object store under that hash; the keeper writes these)
 
+    Added by the SDK (additive; ``codec.apply`` handles them): values too large for one frame
+    are written as several records of at most ``codec.MAX_RECORD_BYTES``:
+    kind "array"   o "slice":  "dtype", "shape", "start": int (flat element), "val": bytes
+    kind "blob"    o "part":   "offset": int, "size": int (total), "hash": blake3_hex,
+                               "data": bytes   (parts in order; the value is whole at the last)
+    kind "vectors" a "full" followed by "upsert" records
+    and a checkpoint with more records than fit a frame is sent as several ``checkpoint``
+    frames, each with its own seq (only the last carries ``final: true``). Every record is
+    idempotent (a log append skips ids it has), so records sent again change nothing.
+
 Values inside log items and kv entries are MessagePack-able Python values (str, int, float,
 bool, None, bytes, lists, dicts with str keys).
 """
