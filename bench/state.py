@@ -47,13 +47,16 @@ tool name) needs the node agent; this benchmark measures its in-process core, la
 beforehand (untimed, as it is in the real flow while the old one still serves); then the old
 version makes one step of changes and, timed, takes its final checkpoint (pause, pack, durable
 write), the frame is forwarded and decoded, and the new version applies it. The node's share
-(cgroup freeze, the broker's switch) is ``null`` (``handover_node_ms``) until ``--stack``
-measures it.
+(cgroup freeze, the broker's switch) is ``null`` (``handover_node_ms``): the real hand-over's
+interruption is measured by the node agent into ``state.handed_over`` (the demo scene,
+``examples/stateful-agent/demo.sh``, prints it); reading it here is a TODO.
 
 The store: by default the SDK's local store (plain Python, a directory on this machine's disk;
 ``--dir /dev/shm`` puts every contender's files on tmpfs, as the keeper's hot journal is).
-``--stack`` runs DSec through the node agent's state keeper on the embedded stack instead
-(JetStream + object store, encrypted): not wired in yet (a TODO for the integration).
+``--stack`` runs DSec through the node agent's state keeper on the embedded stack instead (the
+servers start first, not timed; a session per contender over a socketpair, as the IPC broker
+hands one to a sandbox; tmpfs journal + encrypted chunks in JetStream, acked before the agent;
+the hand-over's stream is the keeper's ``on_checkpoint``).
 
 With ``--json`` only the ratio line and the JSON line are printed; the last line is
 ``{"pause_p99_ms", "recovery_s", "handover_interruption_ms", "bytes_per_checkpoint",
@@ -64,14 +67,17 @@ With ``--json`` only the ratio line and the JSON line are printed; the last line
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import hashlib
 import json
 import os
 import pickle
 import shutil
+import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -327,8 +333,8 @@ def bench_peer(
 
 
 # --------------------------------------------------------------------------------- DSec
-Forward = Callable[[bytes], None]
-"""Called with each checkpoint frame once it is durable (the hand-over's forwarding)."""
+Forward = Callable[[int, list[dict[str, Any]]], None]
+"""Called with each checkpoint's seq and records once it is durable (the hand-over's stream)."""
 
 
 class Stores(Protocol):
@@ -401,7 +407,7 @@ def bench_dsec(
     handovers: int = 0,
 ) -> dict[str, Any]:
     forwarded: list[Forward] = []  # the hand-over's receiver, once there is one
-    agent = DSecAgent(stores.open(name, lambda frame: [f(frame) for f in forwarded]))
+    agent = DSecAgent(stores.open(name, lambda seq, rec: [f(seq, rec) for f in forwarded]))
     start = time.perf_counter()
     agent.load(w)
     load_s = time.perf_counter() - start
@@ -469,27 +475,31 @@ def bench_handover(
     each time, the old version makes one step of changes and, timed: its final checkpoint
     (capture = pause, pack, durable write), the frame forwarded and decoded, and the new version
     applying it (under its own lock) -> it could serve. Not in it: the cgroup freeze and the
-    broker's switch of the tool name (node side: ``handover_node_ms``, null until measured).
+    broker's switch of the tool name (node side: ``handover_node_ms``, null: see the docstring).
     """
-    from dsec_sdk.state import AgentState, codec, wire
+    from dsec_sdk.state import AgentState, codec
 
     records = [r for c in old.state.containers().values() for r in codec.full_records(c)]
     peer = _PeerStore(records)
     new = DSecAgent(AgentState(peer, agent="bench", group="handover", handover=True, auto=False))
     applied: list[float] = []
+    done = threading.Event()
 
-    def receive(frame: bytes) -> None:
-        body = wire.decode(frame[4:])
-        peer.deliver({"op": "deltas", "seq": body["seq"], "records": body["records"]})
+    def receive(seq: int, records: list[dict[str, Any]]) -> None:
+        peer.deliver({"op": "deltas", "seq": seq, "records": records})
         applied.append(time.perf_counter())
+        done.set()
 
     forwarded.append(receive)
     interruptions: list[float] = []
     for i in range(times):
         old.apply(w.step(first_step + i))
         applied.clear()
+        done.clear()
         start = time.perf_counter()
-        old.state.checkpoint()
+        last = old.state.checkpoint().seq
+        while not (done.wait(30) and peer.seq >= last):  # every frame of it applied
+            done.clear()
         interruptions.append((applied[-1] - start) * 1000)
     forwarded.clear()
     equal = new.digest() == old.digest()
@@ -501,7 +511,7 @@ def bench_handover(
         "handover_in_process_ms": round(max(interruptions), 2),
         "handover_in_process_p50_ms": round(percentile(interruptions, 0.5), 2),
         "handover_in_process_runs": times,
-        "handover_node_ms": None,  # TODO(lead, --stack): cgroup freeze + broker switch
+        "handover_node_ms": None,  # TODO: the node's freeze + switch (state.handed_over)
     }
 
 
@@ -514,6 +524,7 @@ class _PeerStore:
     def __init__(self, records: list[dict[str, Any]]) -> None:
         self._records = records
         self._on_frame: Callable[[dict[str, Any]], None] | None = None
+        self.seq = 0  # the last forwarded checkpoint applied
 
     def hello(self, agent: str, group: str, handover: bool) -> dict[str, Any]:
         return {"op": "welcome", "state_id": "bench", "seq": 0, "config": {}, "handover": True}
@@ -531,6 +542,7 @@ class _PeerStore:
     def deliver(self, frame: dict[str, Any]) -> None:
         assert self._on_frame is not None
         self._on_frame(frame)
+        self.seq = max(self.seq, int(frame.get("seq") or 0))
 
     def send(self, frame: dict[str, Any]) -> None:
         pass
@@ -547,13 +559,14 @@ class LocalStores:
         self.work = work
 
     def open(self, name: str, forward: Forward | None = None) -> Any:
-        from dsec_sdk.state import AgentState, LocalStore
+        from dsec_sdk.state import AgentState, LocalStore, wire
 
         class Forwarding(LocalStore):
             def checkpoint(self, seq: int, frame: bytes) -> Any:
                 ack = super().checkpoint(seq, frame)
                 if forward is not None:
-                    forward(frame)
+                    body = wire.decode(frame[4:])
+                    forward(body["seq"], body["records"])
                 return ack
 
         # No fold inside a checkpoint() call: merge() runs it once, timed apart.
@@ -570,15 +583,81 @@ def local_stores(work: Path) -> Iterator[Stores]:
     yield LocalStores(work)
 
 
+class KeeperStores:
+    """The node agent's state keeper (``dsec_nodeagent.state.keeper``) on the embedded stack:
+    each ``open`` is a session over a socketpair, as the IPC broker's ``state`` op hands it to a
+    sandbox; the keeper journals to tmpfs, publishes encrypted chunks to JetStream and acks."""
+
+    def __init__(self, keeper: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.keeper = keeper
+        self.loop = loop
+
+    def open(self, name: str, forward: Forward | None = None) -> Any:
+        from dsec_core.spec.plan import StatePlan
+        from dsec_nodeagent.state.keeper import SandboxState, StateKey
+        from dsec_sdk.state import AgentState, NodeStore
+
+        sandbox = f"sbx-bench-{name}"
+        plan = StatePlan(checkpoint_interval_s=None, warm_interval_s=3600)
+        self.keeper.register_sandbox(SandboxState(sandbox, "bench", "bench", name, plan))
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        asyncio.run_coroutine_threadsafe(self.keeper.serve(ours, sandbox), self.loop)
+        state = AgentState(NodeStore(theirs), agent=name, group="bench", auto=False)
+        if forward is not None:
+            session = self.keeper.session_of(StateKey("bench", "bench", name))
+
+            async def on_durable(seq: int, records: list[dict[str, Any]]) -> None:
+                forward(seq, records)
+
+            session.on_checkpoint(on_durable)
+        return state
+
+    def merge(self, state: Any) -> bool:
+        return False  # the keeper merges warm snapshots on its own, off the agent's path
+
+
 @contextmanager
 def stack_stores(work: Path) -> Iterator[Stores]:
-    """The node agent's state keeper on the embedded stack (JetStream + object store)."""
-    # TODO(lead): start the embedded stack (dsec_testing.stack.StackFixture) and a StateKeeper
-    # on it; open(name) = AgentState(NodeStore(sock)) where the keeper serves the other end of
-    # a socketpair (keeper.serve(theirs, sandbox_id) on a loop thread, as the broker's `state`
-    # op does); forward: the keeper's on_checkpoint (the hand-over's stream).
-    raise SystemExit("--stack: the node agent's state keeper path is not wired in yet")
-    yield  # pragma: no cover
+    """The embedded stack's NATS (JetStream ``DSEC_STATE``), S3 and OpenBao, and a state keeper
+    on a loop thread; the hot journal on tmpfs (``/dev/shm``) when there is one."""
+    from dsec_core.settings import Settings
+    from dsec_nodeagent.state.keeper import StateKeeper
+    from dsec_testing.stack import StackFixture
+
+    stack = StackFixture(work / "stack")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="keeper", daemon=True)
+    thread.start()
+    shm = Path("/dev/shm")
+    journal = (shm if shm.is_dir() else work) / f"dsec-bench-state-{os.getpid()}"
+    keeper = None
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    try:
+        s3, vault = stack.s3, stack.vault
+        settings = Settings(
+            home=work / "home",
+            nats_url=stack.nats_url,
+            s3_endpoint=s3.endpoint,
+            s3_access_key=s3.access_key,
+            s3_secret_key=s3.secret_key,
+            s3_bucket=s3.bucket,
+            vault_addr=vault.addr,
+            vault_token=vault.token,
+            node_id="bench",
+        )
+        keeper = StateKeeper(settings, None, journal_dir=journal, warm_dir=work / "warm")
+        run(keeper.start())
+        yield KeeperStores(keeper, loop)
+    finally:
+        if keeper is not None:
+            run(keeper.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        shutil.rmtree(journal, ignore_errors=True)
+        stack.close()
 
 
 # ------------------------------------------------------------------------------- main
