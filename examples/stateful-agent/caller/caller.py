@@ -59,7 +59,8 @@ def main() -> int:
                 time.sleep(0.1)  # not serving yet: the agent is still starting
                 continue
             errors.append({"n": n, "type": type(exc).__name__, "version": version})
-            say("error", n=n, type=type(exc).__name__, detail=str(exc)[:200], version=version)
+            if not in_outage:  # the first error of an outage (the rest are counted)
+                say("error", n=n, type=type(exc).__name__, detail=str(exc)[:200], version=version)
             in_outage = True
             time.sleep(0.1)
             continue  # not acknowledged: send it again
