@@ -74,7 +74,9 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -578,90 +580,134 @@ class LocalStores:
         return True
 
 
-@contextmanager
-def local_stores(work: Path) -> Iterator[Stores]:
-    yield LocalStores(work)
-
-
 class KeeperStores:
-    """The node agent's state keeper (``dsec_nodeagent.state.keeper``) on the embedded stack:
-    each ``open`` is a session over a socketpair, as the IPC broker's ``state`` op hands it to a
-    sandbox; the keeper journals to tmpfs, publishes encrypted chunks to JetStream and acks."""
+    """The node agent's state keeper (``dsec_nodeagent.state.keeper``) on the embedded stack, in
+    a process of its own (as in the node agent: it does not share the agent's interpreter). Each
+    contender has a Unix socket there; a connection is a keeper session, as the IPC broker's
+    ``state`` op hands one to a sandbox. The keeper journals to tmpfs, publishes encrypted chunks
+    to JetStream and acks; the hand-over's stream is taken from each ack (what the keeper forwards
+    to a new version once a checkpoint is durable)."""
 
-    def __init__(self, keeper: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self.keeper = keeper
-        self.loop = loop
+    def __init__(self, sockets: Path) -> None:
+        self.sockets = sockets
 
     def open(self, name: str, forward: Forward | None = None) -> Any:
-        from dsec_core.spec.plan import StatePlan
-        from dsec_nodeagent.state.keeper import SandboxState, StateKey
-        from dsec_sdk.state import AgentState, NodeStore
+        from dsec_sdk.state import AgentState, NodeStore, wire
 
-        sandbox = f"sbx-bench-{name}"
-        plan = StatePlan(checkpoint_interval_s=None, warm_interval_s=3600)
-        self.keeper.register_sandbox(SandboxState(sandbox, "bench", "bench", name, plan))
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        asyncio.run_coroutine_threadsafe(self.keeper.serve(ours, sandbox), self.loop)
-        state = AgentState(NodeStore(theirs), agent=name, group="bench", auto=False)
-        if forward is not None:
-            session = self.keeper.session_of(StateKey("bench", "bench", name))
+        class Forwarding(NodeStore):
+            def checkpoint(self, seq: int, frame: bytes) -> Any:
+                ack = super().checkpoint(seq, frame)
+                if forward is not None:
+                    body = wire.decode(frame[4:])
+                    ack.add_done_callback(
+                        lambda f: f.exception() or forward(body["seq"], body["records"])
+                    )
+                return ack
 
-            async def on_durable(seq: int, records: list[dict[str, Any]]) -> None:
-                forward(seq, records)
-
-            session.on_checkpoint(on_durable)
-        return state
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(self.sockets / f"{name}.sock"))
+        return AgentState(Forwarding(sock), agent=name, group="bench", auto=False)
 
     def merge(self, state: Any) -> bool:
         return False  # the keeper merges warm snapshots on its own, off the agent's path
 
 
+CONTENDERS = ("dsec", "dsec_full")
+
+
+@contextmanager
+def local_stores(work: Path) -> Iterator[Stores]:
+    yield LocalStores(work)
+
+
 @contextmanager
 def stack_stores(work: Path) -> Iterator[Stores]:
     """The embedded stack's NATS (JetStream ``DSEC_STATE``), S3 and OpenBao, and a state keeper
-    on a loop thread; the hot journal on tmpfs (``/dev/shm``) when there is one."""
-    from dsec_core.settings import Settings
-    from dsec_nodeagent.state.keeper import StateKeeper
+    process (:func:`serve_keeper`); its hot journal on tmpfs (``/dev/shm``) when there is one."""
     from dsec_testing.stack import StackFixture
 
     stack = StackFixture(work / "stack")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="keeper", daemon=True)
-    thread.start()
+    sockets = work / "keeper"
+    sockets.mkdir()
     shm = Path("/dev/shm")
     journal = (shm if shm.is_dir() else work) / f"dsec-bench-state-{os.getpid()}"
-    keeper = None
-
-    def run(coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
-
+    proc = None
     try:
         s3, vault = stack.s3, stack.vault
-        settings = Settings(
-            home=work / "home",
-            nats_url=stack.nats_url,
-            s3_endpoint=s3.endpoint,
-            s3_access_key=s3.access_key,
-            s3_secret_key=s3.secret_key,
-            s3_bucket=s3.bucket,
-            vault_addr=vault.addr,
-            vault_token=vault.token,
-            node_id="bench",
-        )
-        keeper = StateKeeper(settings, None, journal_dir=journal, warm_dir=work / "warm")
-        run(keeper.start())
-        yield KeeperStores(keeper, loop)
+        env = {
+            **os.environ,
+            "DSEC_HOME": str(work / "home"),
+            "DSEC_NATS_URL": stack.nats_url,
+            "DSEC_S3_ENDPOINT": s3.endpoint,
+            "DSEC_S3_ACCESS_KEY": s3.access_key,
+            "DSEC_S3_SECRET_KEY": s3.secret_key,
+            "DSEC_S3_BUCKET": s3.bucket,
+            "DSEC_VAULT_ADDR": vault.addr,
+            "DSEC_VAULT_TOKEN": vault.token,
+            "DSEC_NODE_ID": "bench",
+        }
+        args = [str(sockets), str(journal), str(work / "warm"), *CONTENDERS]
+        proc = subprocess.Popen([sys.executable, __file__, "--serve-keeper", *args], env=env)
+        deadline = time.monotonic() + 60
+        while not (sockets / "ready").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("--stack: the state keeper did not start")
+            time.sleep(0.05)
+        yield KeeperStores(sockets)
     finally:
-        if keeper is not None:
-            run(keeper.stop())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
         shutil.rmtree(journal, ignore_errors=True)
         stack.close()
 
 
+def serve_keeper(sockets: str, journal: str, warm: str, *names: str) -> None:
+    """The ``--stack`` keeper process: a ``StateKeeper`` (settings from ``DSEC_*``) serving one
+    Unix socket per contender, each connection a session of sandbox ``sbx-bench-<name>``."""
+    from dsec_core.settings import Settings
+    from dsec_core.spec.plan import StatePlan
+    from dsec_nodeagent.state.keeper import SandboxState, StateKeeper
+
+    async def main() -> None:
+        keeper = StateKeeper(Settings(), None, journal_dir=Path(journal), warm_dir=Path(warm))
+        await keeper.start()
+        plan = StatePlan(checkpoint_interval_s=None, warm_interval_s=3600)
+        loop = asyncio.get_running_loop()
+        sessions: set[asyncio.Task[None]] = set()
+
+        async def accept(listener: socket.socket, sandbox: str) -> None:
+            while True:
+                conn, _ = await loop.sock_accept(listener)
+                task = asyncio.create_task(keeper.serve(conn, sandbox))
+                sessions.add(task)
+                task.add_done_callback(sessions.discard)
+
+        accepting = []
+        for name in names:
+            sandbox = f"sbx-bench-{name}"
+            keeper.register_sandbox(SandboxState(sandbox, "bench", "bench", name, plan))
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(Path(sockets) / f"{name}.sock"))
+            listener.listen()
+            listener.setblocking(False)
+            accepting.append(asyncio.create_task(accept(listener, sandbox)))
+        (Path(sockets) / "ready").touch()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        for task in accepting:
+            task.cancel()
+        await keeper.stop()
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------------------- main
 def main() -> None:
+    if sys.argv[1:2] == ["--serve-keeper"]:
+        serve_keeper(*sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, same state (< 60 s)")
     parser.add_argument("--json", action="store_true", help="print only the ratio and JSON lines")
