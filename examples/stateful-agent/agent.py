@@ -40,9 +40,11 @@ state = AgentState.open()
 history = state.log("history")
 adapter = state.array("adapter", ADAPTER_SHAPE, "float32")
 client = DSecClient()
-# A live hand-over (`dsec sandbox upgrade`) asks this version for its final checkpoint:
-# `client.serve()` registers with the state (AgentState.on_handover) to finish the chat in
-# progress and take no new one first (the broker sends those to the new version).
+# Serve with the state: in a live hand-over (`dsec sandbox upgrade`) the old version finishes
+# the chat in progress and takes no new one before its final checkpoint (the broker sends those
+# to the new version), and the new version tells the keeper `ready` once it serves.
+if hasattr(client, "attach_state"):
+    client.attach_state(state)
 
 
 def reply_to(message: str, turn: int) -> str:
@@ -87,12 +89,13 @@ def shutdown() -> dict[str, Any]:
 
 def take_over() -> None:
     """A hand-over's new version: once ``serve()`` has registered (the broker holds this
-    server as a standby for the old version's name), tell the keeper it is ready; the old
+    server as a standby for the old version's name) the keeper is told it is ready; the old
     version is frozen, its last delta arrives, and the name switches here."""
-    deadline = time.monotonic() + 30
-    while getattr(client, "_server", None) is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    state.ready()
+    if not hasattr(client, "attach_state"):  # an SDK that does not say ready by itself
+        deadline = time.monotonic() + 30
+        while getattr(client, "_server", None) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        state.ready()
     switched = state.wait_switched(timeout=120)
     print(
         f"stateful-agent {VERSION}: took over at checkpoint {switched.seq} with {len(history)} "
