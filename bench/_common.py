@@ -61,15 +61,26 @@ def nats_server() -> Iterator[str]:
             proc.wait(10)
 
 
-def emit(bench: str, results: dict[str, Any], ratio_line: str, **extra: Any) -> None:
-    """Print the one-line ratio, write ``bench/results/<bench>.json``, print the JSON last."""
+def emit(
+    bench: str,
+    results: dict[str, Any],
+    ratio_line: str,
+    *,
+    summary: dict[str, Any] | None = None,
+    **extra: Any,
+) -> None:
+    """Print the one-line ratio, write ``bench/results/<bench>.json``, print the JSON last.
+
+    With ``summary`` (a benchmark whose last line has a fixed shape) the file also holds it and
+    the last line printed is ``summary`` alone instead of the whole document."""
     doc = {
         "bench": bench,
         "results": results,
+        **({"summary": summary} if summary is not None else {}),
         **extra,
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{bench}.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(ratio_line)
-    print(json.dumps(doc))
+    print(json.dumps(doc if summary is None else summary))

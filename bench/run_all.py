@@ -25,6 +25,7 @@ BENCHES = {
     "ipc": [],
     "noisy_neighbour": [],
     "placement": [],
+    "state": [],
 }
 QUICK = {
     "bus": ["--quick"],
@@ -33,6 +34,7 @@ QUICK = {
     "sandbox_start": ["--n", "20"],
     "noisy_neighbour": ["--n", "8", "--flood-s", "10"],
     "placement": ["--seeds", "3"],
+    "state": ["--quick"],
 }
 
 
