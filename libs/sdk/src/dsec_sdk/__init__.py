@@ -6,6 +6,8 @@ The state plane: :class:`AgentState` keeps the agent's state in containers that 
 deltas, checkpointed to the node agent (or a local directory) and restored after a crash.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from dsec_sdk.client import DSecClient
 from dsec_sdk.errors import (
     AgentNotFound,
@@ -19,7 +21,19 @@ from dsec_sdk.errors import (
     RemoteError,
     ToolNotFound,
 )
-from dsec_sdk.state import AgentState, StateError
+
+if TYPE_CHECKING:
+    from dsec_sdk.state import AgentState, StateError
+
+
+def __getattr__(name: str) -> Any:
+    """The state plane is imported on first use (an agent that keeps no state never pays for
+    it)."""
+    if name in ("AgentState", "StateError"):
+        from dsec_sdk import state
+
+        return getattr(state, name)
+    raise AttributeError(f"module 'dsec_sdk' has no attribute {name!r}")
 
 __all__ = [
     "AgentNotFound",

@@ -906,17 +906,18 @@ class SandboxManager:
 
 def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
     """Host directories of the SDK (``dsec_sdk``) and of the packages it needs (``msgpack``,
-    ``msgspec``).
+    ``msgspec``, and ``blake3`` for the state plane's content hashes).
 
     They come from the node agent's own environment, built for the same interpreter the
     sandbox runs, so the compiled parts (msgspec, the SDK's ring extension) load there too.
     """
+    import blake3
     import dsec_sdk
     import msgpack
     import msgspec
 
     return (Path(dsec_sdk.__file__).resolve().parent,), tuple(
-        Path(str(module.__file__)).resolve().parent for module in (msgpack, msgspec)
+        Path(str(module.__file__)).resolve().parent for module in (msgpack, msgspec, blake3)
     )
 
 
