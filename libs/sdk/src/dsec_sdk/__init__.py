@@ -35,6 +35,7 @@ def __getattr__(name: str) -> Any:
         return getattr(state, name)
     raise AttributeError(f"module 'dsec_sdk' has no attribute {name!r}")
 
+
 __all__ = [
     "AgentNotFound",
     "AgentState",
