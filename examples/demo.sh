@@ -148,6 +148,11 @@ dsec sandbox stop "$RAG_SID"
 kill "$FLEET_PID" 2>/dev/null || true
 wait "$FLEET_PID" 2>/dev/null || true
 
+step "Agent state: a stateful agent survives SIGKILL with every acknowledged message, then is
+  upgraded to v2 by a live hand-over while another agent keeps calling it" \
+  bash examples/stateful-agent/demo.sh
+bash examples/stateful-agent/demo.sh
+
 step "Prove the whole log: every signature, chain link and sequence" dsec audit verify
 dsec audit verify
 

@@ -79,6 +79,21 @@ def _summary(env: Envelope) -> str:
         )
     if t == "context.injected":
         return f"{p.get('kind')} {p.get('name')} from {p.get('source')}"
+    if t == "state.checkpointed":
+        return (
+            f"{p.get('agent')} {p.get('tier')} #{p.get('seq')}: {human_size(p.get('bytes') or 0)}"
+            f", pause {p.get('pause_ms')} ms, durable in {p.get('durable_ms')} ms"
+        )
+    if t == "state.recovered":
+        return (
+            f"{p.get('agent')} #{p.get('seq')} from {p.get('source')}: "
+            f"{p.get('deltas_applied')} deltas in {p.get('duration_ms')} ms"
+        )
+    if t == "state.handed_over":
+        return (
+            f"{p.get('agent')} from {p.get('from_sandbox')} at #{p.get('seq')}: "
+            f"interruption {p.get('interruption_ms')} ms"
+        )
     keys = ("node_id", "snapshot", "producer", "reason")
     return " ".join(f"{k}={p[k]}" for k in keys if k in p)
 
