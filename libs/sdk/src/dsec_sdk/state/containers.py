@@ -732,7 +732,8 @@ class VectorIndex(Container):
         self._ids = list(rows)
         self._row = {vid: i for i, vid in enumerate(self._ids)}
         m = np.frombuffer(b"".join(rows.values()), dtype=self._dt).reshape(-1, self.dim)
-        self._m = np.zeros((max(16, len(self._ids)), self.dim), dtype=self._dt)
+        # headroom (1/8): the first upserts after a restore must not copy the whole matrix
+        self._m = np.zeros((max(16, len(self._ids) + len(self._ids) // 8), self.dim), self._dt)
         self._m[: len(m)] = m
         self._up, self._rm, self._all = set(), set(), False
 

@@ -435,9 +435,9 @@ class NodeStore:
     def close(self) -> None:
         if self._closed:
             return
+        self._closed = True  # before `bye`: the keeper's answer (end of stream) is expected
         with contextlib.suppress(StateError):
             self.send({"op": "bye"})
-        self._closed = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
