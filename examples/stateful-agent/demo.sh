@@ -138,7 +138,7 @@ case "$upgrade_out" in
   *) die "dsec sandbox upgrade gave no outcome: $upgrade_out" ;;
 esac
 NEW=$(jq_ "$upgrade_out" 'd["sandbox_id"]')
-echo "$SID -> $NEW: interruption $(jq_ "$upgrade_out" 'd["interruption_ms"]') ms (v1 frozen -> v2 serving), $(jq_ "$upgrade_out" 'd["deltas_streamed"]') state records streamed"
+echo "$SID -> $NEW: interruption $(jq_ "$upgrade_out" 'd["interruption_ms"]') ms (v1 stops taking calls -> v2 serving), $(jq_ "$upgrade_out" 'd["deltas_streamed"]') state records streamed"
 handed=$(event "$NEW" state.handed_over)
 echo "state.handed_over: $(jq_ "$handed" 'd["payload"]')"
 switched=$(wait_caller version "e['version'] == 'v2'")

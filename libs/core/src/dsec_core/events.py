@@ -777,7 +777,10 @@ class StateHandedOver(Payload):
     group: str
     from_sandbox: str = Field(description="The old version's sandbox (stopped: handed_over)")
     seq: int = Field(description="The state's sequence number at the switch")
-    interruption_ms: float = Field(description="From the old one frozen to the new one serving")
+    interruption_ms: float = Field(
+        description="From the old one taking no more calls (asked for its final delta) to "
+        "the new one serving"
+    )
     deltas_streamed: int = Field(description="Records streamed to the new version")
 
 

@@ -14,8 +14,8 @@ The keeper calls :func:`hand_over` (``keeper.handover``) when the NEW sandbox's 
 5. freeze OLD's cgroup (``cgroup.freeze``; nothing in it runs any more);
 6. forward the final records, switch the broker (OLD's tool name now names NEW's server; OLD's
    callers are told ``moved`` and re-send a call OLD had not taken), make NEW the owner of the
-   state (``keeper.switch_owner``), send NEW ``switched{interruption_ms, seq}`` (from the
-   freeze to the switch);
+   state (``keeper.switch_owner``), send NEW ``switched{interruption_ms, seq}`` (from asking
+   OLD for its final delta — it takes no call from then on — to the switch);
 7. stop OLD (``sandbox.exited{reason: handed_over}``), publish ``state.handed_over``.
 
 Every failure before the switch is complete thaws OLD and leaves it serving (the broker name
@@ -279,13 +279,15 @@ class _Run:
                 ready.cancel()
         await self._forward_pending()
         self.final_asked = True
+        # The interruption callers can see starts here: OLD stops taking calls once it gets
+        # `handover` (it finishes the one in progress, then sends its final delta).
+        stopped_at = time.perf_counter()
         final = await self.old.request_final(
             self.new.sandbox_id, timeout_s=self.hooks.final_timeout_s
         )
         assert old_info.cgroup_dir is not None
         await self.hooks.freezer.freeze(old_info.cgroup_dir)
         self.frozen_dir = old_info.cgroup_dir
-        frozen_at = time.perf_counter()
         # Checkpoints made durable before the final one, then the final (its seq: the one the
         # keeper reported for it, the same records object; else the next).
         reported: int | None = None
@@ -306,7 +308,7 @@ class _Run:
             self.switched_to = (old_info, new_info)
             moved = await self.hooks.switch(old_info, new_info)
         self.keeper.switch_owner(self.old, self.new)
-        interruption_ms = (time.perf_counter() - frozen_at) * 1000
+        interruption_ms = (time.perf_counter() - stopped_at) * 1000
         await self.new.send({"op": "switched", "interruption_ms": interruption_ms, "seq": self.seq})
         # From here NEW owns the state and serves the name: OLD is only stopped.
         self.frozen_dir = None
