@@ -14,7 +14,7 @@ import functools
 import socket
 import struct
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ import pytest
 from dsec_core import events, natsperms
 from dsec_core.settings import Settings
 from dsec_core.spec.plan import StatePlan
-from dsec_core.subjects import STATE_STREAM, subject_for
+from dsec_core.subjects import STATE_STREAM, STREAM, subject_for
 from dsec_core.trust import Gate, KeyRing, scan_seq
 from dsec_nodeagent.state.handover import HandOverHooks, hand_over
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper, StateKey
@@ -414,3 +414,138 @@ async def test_a_forged_sandbox_restarted_is_refused_by_the_gate(world: World) -
         if envelope is not None:
             accepted.append(envelope.payload["restarts"])
     assert accepted == [1]
+
+
+# ---------------------------------------------------------------- 4. the Python client
+
+SPEC = """\
+version: "1.2"
+name: attack-client
+base: dsec/python311:latest
+entrypoint: [python, -u, agent.py]
+resources: {cpu: 1, memory: 128MiB, pids: 32}
+timeout: 5m
+"""
+
+
+async def test_the_client_never_waits_on_a_forged_ready(
+    world: World, stack_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`wait("ready")` is not satisfied by a sandbox.ready a tenant user signed, nor by one
+    the node agent of another node signed; the real one (its node's agent) satisfies it."""
+    from dsec_client import DSec, Timeout
+
+    for name, value in stack_env.items():
+        monkeypatch.setenv(name, value)
+    sid = f"sbx_{tag()}"
+    await world.pipe.built(SPEC, sid)
+    await world.pipe.scheduler.publish(events.SandboxScheduled(node_id=NODE), aggregate_id=sid)
+    elsewhere = await trust.publisher(world.js, world.home, "nodeagent", node_id="node-evil")
+    for forger, node_id in ((world.pipe.user, NODE), (elsewhere, "node-evil")):
+        forged = events.SandboxReady(node_id=node_id, pid=666, cgroup="/evil")
+        await forger.publish(forged, aggregate_id=sid)
+    warnings: list[str] = []
+    async with DSec(verify=True, on_warning=warnings.append) as d:
+        sandbox = d.sandbox(sid)
+        with pytest.raises(Timeout):
+            await sandbox.wait("ready", timeout=3)
+        assert sandbox.state != "running"
+        assert any("unauthentic sandbox.ready" in w for w in warnings), warnings
+        real = events.SandboxReady(node_id=NODE, pid=42, cgroup="/sys/fs/cgroup/x")
+        await world.pipe.nodeagent.publish(real, aggregate_id=sid)
+        ready = await d.sandbox(sid).wait("ready", timeout=60)
+        assert ready.data["pid"] == 42 and ready.producer == "nodeagent" and ready.verified
+
+
+# ---------------------------------------------------------------- 5. the event archive
+
+ARCHIVE_BUCKET = "attack-archive"
+
+
+@pytest.fixture
+def private_stack(tmp_path: Path) -> Iterator[Any]:
+    """A stack of its own: the test deletes the stream and rewrites the archive."""
+    from dsec_testing.stack import StackFixture
+
+    fixture = StackFixture(tmp_path / "private")
+    try:
+        yield fixture
+    finally:
+        fixture.close()
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "drop-and-renumber",
+        pytest.param(
+            "drop-tail",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the manifest is not signed and no chain head is anchored anywhere: "
+                "whoever may write the archive bucket can cut the newest archived events "
+                "(segment and manifest rewritten to agree) and, once the live stream lost "
+                "them, `audit verify --archive` passes",
+            ),
+        ),
+    ],
+)
+async def test_an_event_cut_out_of_the_archive_is_found(
+    private_stack: Any, dsec_cli: Any, tmp_path: Path, attack: str
+) -> None:
+    """Whoever may rewrite the archive's objects (segments and manifest) cuts a node agent's
+    event out, renumbers what follows (or cuts the tail) so sequences and hashes agree, and the
+    stream itself is gone: `audit verify --archive` still fails."""
+    from dsec_core import eventarchive, objectstore
+    from dsec_core.bus import ensure_stream
+    from dsec_core.events import SandboxExited, SpecSubmitted
+
+    s3 = private_stack.s3
+    env = {
+        "DSEC_NATS_URL": private_stack.nats_url,
+        "DSEC_HOME": str(tmp_path / "cli"),
+        "DSEC_TRUST_ROOT": bytes(trust.stack_root(private_stack.home).verify_key).hex(),
+        "DSEC_S3_ENDPOINT": s3.endpoint,
+        "DSEC_S3_ACCESS_KEY": s3.access_key,
+        "DSEC_S3_SECRET_KEY": s3.secret_key,
+        "DSEC_S3_BUCKET": ARCHIVE_BUCKET,
+    }
+    nc = await nats.connect(private_stack.nats_url)
+    js = nc.jetstream()
+    try:
+        await ensure_stream(js)
+        user = await trust.publisher(js, private_stack.home, "user", subject="user-alpha")
+        agent = await trust.publisher(js, private_stack.home, "nodeagent", node_id="n1")
+        for i in range(4):  # seq 1, 2 keys; then submitted/exited pairs: exits at 4, 6, 8, 10
+            await user.publish(SpecSubmitted(spec_yaml=f"v{i}"), aggregate_id=f"sbx_a{i}")
+            exited = SandboxExited(exit_code=0, reason="ok", duration_s=i)
+            await agent.publish(exited, aggregate_id=f"sbx_ax{i}")
+        archived = dsec_cli("events", "archive", "--segment-events", "5", "--json", env=env)
+        assert archived.exit_code == 0, archived.output
+        assert dsec_cli("audit", "verify", "--archive", "--json", env=env).exit_code == 0
+        await js.delete_stream(STREAM)  # the live log is lost: only the archive tells
+        await ensure_stream(js)
+    finally:
+        await nc.close()
+
+    store = s3.client()
+    manifest = await eventarchive.read_manifest(store, ARCHIVE_BUCKET)
+    assert manifest is not None and manifest.last_seq == 10
+    last = manifest.segments[-1]
+    blob = store.get_object(ARCHIVE_BUCKET, last.key).read()
+    records = eventarchive.unpack_segment(blob)
+    if attack == "drop-and-renumber":  # the exit at seq 8 never happened
+        kept = [r for r in records if r.seq != 8]
+        kept = [
+            eventarchive.Record(last.first_seq + i, r.subject, r.stored_us, r.data)
+            for i, r in enumerate(kept)
+        ]
+    else:  # the last exit (seq 10) never happened
+        kept = records[:-1]
+    segment, data = eventarchive.make_segment(kept)
+    await objectstore.put_bytes(store, ARCHIVE_BUCKET, segment.key, data)
+    forged = eventarchive.Manifest(segments=[*manifest.segments[:-1], segment])
+    await objectstore.put_bytes(store, ARCHIVE_BUCKET, eventarchive.MANIFEST_KEY, forged.to_bytes())
+    assert dsec_cli("events", "archived", "--json", env=env).exit_code == 0  # consistent
+    verified = dsec_cli("audit", "verify", "--archive", "--json", env=env)
+    assert verified.exit_code == 1, verified.output
