@@ -549,3 +549,81 @@ async def test_an_event_cut_out_of_the_archive_is_found(
     assert dsec_cli("events", "archived", "--json", env=env).exit_code == 0  # consistent
     verified = dsec_cli("audit", "verify", "--archive", "--json", env=env)
     assert verified.exit_code == 1, verified.output
+
+
+# ---------------------------------------------------------------- the bus, for real
+
+
+@contextlib.asynccontextmanager
+async def connected_as(dsec_stack: Any, identity: str) -> AsyncIterator[tuple[Any, list[str]]]:
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    nc = await nats.connect(
+        dsec_stack.nats_plain_url,
+        nkeys_seed=str(dsec_stack.nats_seed(identity)),
+        error_cb=on_error,
+        max_reconnect_attempts=0,
+    )
+    try:
+        yield nc, errors
+    finally:
+        await nc.close()
+
+
+async def violation(errors: list[str], text: str) -> None:
+    deadline = asyncio.get_running_loop().time() + 10
+    while not any(text.lower() in e and "permissions violation" in e for e in errors):
+        assert asyncio.get_running_loop().time() < deadline, (text, errors)
+        await asyncio.sleep(0.02)
+
+
+async def test_a_tenant_user_connection_cannot_touch_dsec_state(
+    dsec_stack: Any, world: World
+) -> None:
+    """A tenant user's real NATS connection: subscribing to dsec_state.>, publishing a chunk
+    there and getting a message of the stream are all refused by the server."""
+    subject = f"dsec_state.t{tag()}.{GROUP}.a{tag()}"
+    await world.js.publish(subject, b"sealed chunk")  # as the test's operator connection
+    async with connected_as(dsec_stack, "user-default") as (nc, errors):
+        await nc.subscribe("dsec_state.>")
+        await violation(errors, 'subscription to "dsec_state.>"')
+        await nc.publish(subject, b"forged chunk")
+        await violation(errors, f'publish to "{subject}"')
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.jetstream(timeout=1.0).get_msg(STATE_STREAM, subject=subject)
+        await violation(errors, f"$JS.API.STREAM.MSG.GET.{STATE_STREAM}")
+    info = await world.js.stream_info(STATE_STREAM, subjects_filter=subject)
+    assert info.state.subjects == {subject: 1}  # the forged chunk never reached the stream
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="every role may subscribe to _INBOX.>: a tenant user's connection receives the "
+    "replies to other connections' requests, e.g. the node agent's DSEC_STATE reads during a "
+    "recovery (sealed chunks, but with the dsec_state.<tenant>.<group>.<agent> subject, sizes "
+    "and timing of every tenant's state) and its KV reads; per-identity inbox prefixes "
+    "(`inbox_prefix` in nats-py, `_INBOX_<identity>.>` in natsperms) would close it",
+)
+async def test_a_tenant_user_cannot_overhear_the_node_agents_state_reads(
+    dsec_stack: Any, world: World
+) -> None:
+    subject = f"dsec_state.t{tag()}.{GROUP}.a{tag()}"
+    await world.js.publish(subject, b"another tenant's sealed chunk")
+    async with connected_as(dsec_stack, "user-default") as (spy, spy_errors):
+        heard: list[Any] = []
+
+        async def listen(msg: Any) -> None:
+            heard.append(msg)
+
+        await spy.subscribe("_INBOX.>", cb=listen)
+        await spy.flush()
+        async with connected_as(dsec_stack, "nodeagent") as (agent, _):
+            msg = await agent.jetstream().get_msg(STATE_STREAM, subject=subject)
+            assert msg.data == b"another tenant's sealed chunk"
+        await spy.flush()
+        assert spy_errors == []
+        # the stream's answer (JSON: the message's subject, headers and base64 payload)
+        assert not [m for m in heard if subject.encode() in m.data], "overheard"

@@ -482,7 +482,10 @@ async def test_the_new_sandbox_is_registered_with_the_keeper_with_its_cgroup(
 
     from dsec_nodeagent.agent import NodeAgent
 
-    spec = 'version: "1.2"\nname: agent-b\nbase: python:3.11\nentrypoint: [python, a.py]\n'
+    spec = (
+        'version: "1.2"\nname: agent-b\nbase: python:3.11\nentrypoint: [python, a.py]\n'
+        "state: {restart: on-failure}\n"
+    )
     loaded = load_spec(spec, "dsec.yaml")
     assert loaded.spec is not None, loaded.errors
     plan = compile_plan(loaded.spec)
@@ -497,8 +500,8 @@ async def test_the_new_sandbox_is_registered_with_the_keeper_with_its_cgroup(
     agent = NodeAgent(Settings(home=tmp_path), None, lambda: None)  # type: ignore[arg-type,return-value]
     keeper = Registrations()
     agent.state_keeper = keeper
-    await agent._attach(plan, handover_from="sbx_old")("sbx_new", tmp_path / "cg", 7)
-    await agent._attach(plan)("sbx_plain", tmp_path / "cg2", 8)  # not a hand-over: not here
+    await agent._attach(plan, plan, handover_from="sbx_old")("sbx_new", tmp_path / "cg", 7)
+    await agent._attach(plan)("sbx_plain", tmp_path / "cg2", 8)  # no state plan: not here
 
     [info] = keeper.registered
     assert (info.sandbox_id, info.handover_from, info.cgroup_dir) == (
