@@ -627,3 +627,38 @@ async def test_a_tenant_user_cannot_overhear_the_node_agents_state_reads(
         assert spy_errors == []
         # the stream's answer (JSON: the message's subject, headers and base64 payload)
         assert not [m for m in heard if subject.encode() in m.data], "overheard"
+
+
+async def test_a_forged_cold_ref_never_reads_another_agents_blob(world: World) -> None:
+    """Agent B of the same tenant checkpoints ``ref`` records naming agent A's cold blob (its
+    hash, then a path that climbs into A's prefix): B's fetch never returns A's bytes."""
+    import blake3
+
+    tenant = f"t{tag()}"
+    secret = b"A's private weights " + tag().encode()
+    digest = blake3.blake3(secret).hexdigest()
+    async with world.node("a") as node:
+        a_agent, b_agent = f"a{tag()}", f"b{tag()}"
+        a = await node.connect(node.register(tenant, a_agent))
+        assert (await a.hello(a_agent))["op"] == "welcome"
+        await a.fetch()
+        blob = {"c": "w", "k": "blob", "t": "cold", "o": "full", "data": secret, "hash": digest}
+        assert (await a.checkpoint(1, [blob]))["op"] == "ack"
+        b = await node.connect(node.register(tenant, b_agent))
+        assert (await b.hello(b_agent))["op"] == "welcome"
+        await b.fetch()
+        climbs = f"../../{a_agent}/cold/{digest}"
+        for seq, target in enumerate((digest, climbs), start=1):
+            ref = {"c": "w", "k": "ref", "t": "cold", "o": "cold", "hash": target, "size": 1}
+            await b.checkpoint(seq, [ref])  # acked or refused: either way, never served
+        await b.send({"op": "fetch"})
+        served: list[Any] = []
+        while True:
+            frame = await b.recv()
+            served.append(frame)
+            if frame["op"] != "records":
+                break
+        assert secret not in repr(served).encode() and repr(secret) not in repr(served)
+        assert served[-1]["op"] == "error", served[-1]
+        for agent in (a, b):
+            await agent.close()
