@@ -499,7 +499,6 @@ class NodeAgent:
             *restored,
             *(events.ContextInjected(**record.model_dump()) for record in ctx.records),
         ]
-        handover_from = getattr(submitted, "handover_from", None)
         try:
             config = self._config(sid, plan, env_dir, code_dir, ctx)
             if handover_from is not None:

@@ -1,0 +1,664 @@
+"""Red team: attacks on the state plane, the hand-over, restarts and their events.
+
+The attacker runs arbitrary code in a sandbox (it speaks the keeper's wire itself, through the
+socket the broker hands out) and may publish anything on the bus with a tenant user's
+credentials. Each test is one attack and asserts what a user would observe when it fails: an
+error frame with its code, the victim's state unchanged, a forged event ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import socket
+import struct
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from dsec_core import events, natsperms
+from dsec_core.settings import Settings
+from dsec_core.spec.plan import StatePlan
+from dsec_core.subjects import STATE_STREAM, STREAM, subject_for
+from dsec_core.trust import Gate, KeyRing, scan_seq
+from dsec_nodeagent.state.handover import HandOverHooks, hand_over
+from dsec_nodeagent.state.keeper import SandboxState, StateKeeper, StateKey
+from dsec_sdk.state import wire
+from dsec_testing import trust
+
+pytestmark = pytest.mark.integration
+
+NODE = "node-1"
+GROUP = "g1"
+
+
+class Agent:
+    """The sandbox's end of a state socket: whatever bytes the attacker likes."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> Agent:
+        self.sock.setblocking(False)
+        self.reader, self.writer = await asyncio.open_unix_connection(
+            sock=self.sock, limit=wire.MAX_FRAME + 4
+        )
+        return self
+
+    async def raw(self, data: bytes) -> None:
+        assert self.writer is not None
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        await self.raw(wire.encode(frame))
+
+    async def recv(self) -> dict[str, Any]:
+        assert self.reader is not None
+        frame = await asyncio.wait_for(wire.read_frame(self.reader), 60)
+        assert frame is not None, "the keeper closed the socket"
+        return frame
+
+    async def hello(self, agent: str, group: str = GROUP, *, handover: bool = False) -> Any:
+        await self.send(
+            {"op": "hello", "v": 1, "agent": agent, "group": group, "handover": handover}
+        )
+        return await self.recv()
+
+    async def fetch(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        await self.send({"op": "fetch"})
+        records: list[dict[str, Any]] = []
+        while True:
+            frame = await self.recv()
+            if frame["op"] != "records":
+                return records, frame
+            records.extend(frame["records"])
+
+    async def checkpoint(self, seq: int, records: list[dict[str, Any]]) -> dict[str, Any]:
+        await self.send(
+            {
+                "op": "checkpoint",
+                "seq": seq,
+                "records": records,
+                "pause_ms": 0.1,
+                "tiers": ["hot"],
+                "final": False,
+            }
+        )
+        return await self.recv()
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(Exception):
+                await self.writer.wait_closed()
+
+
+def kv(**items: Any) -> list[dict[str, Any]]:
+    return [{"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": items}]
+
+
+@dataclass
+class Node:
+    keeper: StateKeeper
+    tasks: list[asyncio.Task[None]]
+    stopped: list[str]
+
+    async def connect(self, sandbox_id: str) -> Agent:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.tasks.append(asyncio.create_task(self.keeper.serve(ours, sandbox_id)))
+        return await Agent(theirs).open()
+
+    def register(
+        self,
+        tenant: str,
+        agent: str,
+        *,
+        group: str = GROUP,
+        handover_from: str | None = None,
+    ) -> str:
+        sid = f"sbx-{uuid.uuid4().hex[:10]}"
+        self.keeper.register_sandbox(
+            SandboxState(
+                sid,
+                tenant,
+                group,
+                agent,
+                StatePlan(warm_interval_s=3600),
+                handover_from=handover_from,
+                cgroup_dir="/nonexistent-cgroup",
+            )
+        )
+        return sid
+
+
+class NoFreezer:
+    async def freeze(self, cgroup_dir: str) -> None:
+        raise AssertionError("an attack must never reach the freezer")
+
+    async def thaw(self, cgroup_dir: str) -> None:
+        return None
+
+
+@dataclass
+class World:
+    settings: Settings
+    js: Any
+    gate: Gate
+    pipe: trust.Pipeline
+    home: Path
+    tmp: Path
+
+    @contextlib.asynccontextmanager
+    async def node(self, name: str) -> AsyncIterator[Node]:
+        async def publish(payload: events.Payload, aggregate_id: str) -> None:
+            await self.pipe.nodeagent.publish(payload, aggregate_id=aggregate_id)
+
+        keeper = StateKeeper(
+            self.settings,
+            publish,
+            journal_dir=self.tmp / name / "shm",
+            warm_dir=self.tmp / name / "disk",
+            registered_only=True,
+        )
+        node = Node(keeper, [], [])
+
+        async def stop_new(sandbox_id: str, why: str) -> None:
+            node.stopped.append(sandbox_id)
+
+        hooks = HandOverHooks(freezer=NoFreezer(), stop_new=stop_new, ready_timeout_s=5)
+        keeper.handover = functools.partial(hand_over, hooks=hooks)
+        await keeper.start()
+        try:
+            yield node
+        finally:
+            await keeper.stop()
+            for task in node.tasks:
+                task.cancel()
+            await asyncio.gather(*node.tasks, return_exceptions=True)
+
+
+@pytest.fixture
+async def world(
+    tmp_path: Path, nats_url: str, s3: Any, vault: Any, dsec_stack: Any
+) -> AsyncIterator[World]:
+    settings = Settings(
+        home=tmp_path / "home",
+        nats_url=nats_url,
+        s3_endpoint=s3.endpoint,
+        s3_access_key=s3.access_key,
+        s3_secret_key=s3.secret_key,
+        s3_bucket=s3.bucket,
+        vault_addr=vault.addr,
+        vault_token=vault.token,
+        node_id=NODE,
+    )
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    pipe = await trust.pipeline(js, dsec_stack.home, node_id=NODE)
+    root = trust.stack_root(dsec_stack.home)
+    gate = Gate(KeyRing(nc, js, bytes(root.verify_key)), js, None)
+    try:
+        yield World(settings, js, gate, pipe, dsec_stack.home, tmp_path)
+    finally:
+        await nc.drain()
+
+
+def tag() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+async def victim(node: Node, tenant: str, agent: str) -> tuple[str, Agent]:
+    """Tenant ``tenant``'s agent, holding its state with two checkpoints (secret=1, then 2)."""
+    sid = node.register(tenant, agent)
+    owner = await node.connect(sid)
+    assert (await owner.hello(agent))["op"] == "welcome"
+    await owner.fetch()
+    assert (await owner.checkpoint(1, kv(secret=1)))["op"] == "ack"
+    assert (await owner.checkpoint(2, kv(secret=2)))["op"] == "ack"
+    return sid, owner
+
+
+async def still_owns(owner: Agent, seq: int) -> None:
+    """The victim's session is intact: its next checkpoint is acknowledged in order."""
+    ack = await owner.checkpoint(seq, kv(after=seq))
+    assert ack["op"] == "ack" and ack["seq"] == seq, ack
+
+
+# ---------------------------------------------------------------- 1. the keeper's sessions
+
+
+async def test_same_agent_name_in_another_tenant_sees_nothing_of_the_first(world: World) -> None:
+    """Tenant B runs an agent of the same group and name: a different state, empty."""
+    agent = f"a{tag()}"
+    async with world.node("a") as node:
+        _, owner = await victim(node, f"ta{tag()}", agent)
+        await owner.close()
+        # another node (no local journal): only the shared plane could leak it
+    async with world.node("b") as node_b:
+        intruder_sid = node_b.register(f"tb{tag()}", agent)
+        intruder = await node_b.connect(intruder_sid)
+        welcome = await intruder.hello(agent)
+        assert welcome["op"] == "welcome" and welcome["seq"] == 0, welcome
+        records, fetched = await intruder.fetch()
+        assert records == [] and fetched["source"] == "empty", fetched
+        await intruder.close()
+
+
+async def test_an_unregistered_sandbox_and_a_foreign_agent_name_are_refused(
+    world: World,
+) -> None:
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        _, owner = await victim(node, tenant, agent)
+        stranger = await node.connect("sbx-not-registered")  # a sandbox without `state:`
+        refused = await stranger.hello(agent)
+        assert refused["op"] == "error" and refused["code"] == "unregistered", refused
+        other = await node.connect(node.register(tenant, f"b{tag()}"))
+        refused = await other.hello(agent)
+        assert refused["op"] == "error" and refused["code"] == "wrong-agent", refused
+        # a refused hello ends the session: no second try on the same socket
+        assert other.reader is not None
+        assert await asyncio.wait_for(other.reader.read(), 30) == b""
+        await still_owns(owner, 3)
+        for a in (owner, stranger, other):
+            await a.close()
+
+
+async def test_a_replayed_or_skipped_checkpoint_seq_is_refused_and_changes_nothing(
+    world: World,
+) -> None:
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        sid, owner = await victim(node, tenant, agent)
+        replay = await owner.checkpoint(1, kv(secret="rolled back"))
+        assert replay["op"] == "error" and replay["code"] == "bad-seq", replay
+        skip = await owner.checkpoint(9, kv(secret="skipped"))
+        assert skip["op"] == "error" and skip["code"] == "bad-seq", skip
+        await owner.close()
+        key = StateKey(tenant, GROUP, agent)
+        deadline = asyncio.get_running_loop().time() + 30
+        while node.keeper.session_of(key) is not None:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        again = await node.connect(sid)
+        assert (await again.hello(agent))["seq"] == 2
+        records, _ = await again.fetch()
+        values = [r["items"]["secret"] for r in records if r.get("items", {}).get("secret")]
+        assert values[-1] == 2 and "rolled back" not in values and "skipped" not in values
+        await again.close()
+
+
+async def test_a_huge_frame_or_garbage_is_refused_and_the_keeper_serves_others(
+    world: World,
+) -> None:
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        _, owner = await victim(node, tenant, agent)
+        # an announced 4 GiB frame before hello: refused without reading (or allocating) it
+        huge = await node.connect(node.register(tenant, f"h{tag()}"))
+        await huge.raw(struct.pack(">I", 0xFFFFFFFF))
+        frame = await huge.recv()
+        assert frame["op"] == "error" and frame["code"] == "bad-request", frame
+        # a session that said hello, then sends a frame that is not MessagePack
+        junk_agent = f"j{tag()}"
+        junk = await node.connect(node.register(tenant, junk_agent))
+        assert (await junk.hello(junk_agent))["op"] == "welcome"
+        await junk.raw(struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1")
+        frame = await junk.recv()
+        assert frame["op"] == "error" and frame["code"] == "bad-request", frame
+        # a checkpoint whose records are not records
+        bad_agent = f"r{tag()}"
+        bad = await node.connect(node.register(tenant, bad_agent))
+        assert (await bad.hello(bad_agent))["op"] == "welcome"
+        await bad.send({"op": "checkpoint", "seq": 1, "records": "nope", "pause_ms": 0})
+        frame = await bad.recv()
+        assert frame["op"] == "error", frame
+        # a silent connection (no hello) does not hold the keeper
+        await node.connect(node.register(tenant, f"s{tag()}"))
+        await still_owns(owner, 3)
+        for a in (owner, huge, junk, bad):
+            await a.close()
+
+
+# ---------------------------------------------------------------- 2. the hand-over
+
+
+async def test_a_sandbox_not_started_for_a_handover_cannot_take_the_state(world: World) -> None:
+    """Same tenant, group and agent, but no handover_from: its hello{handover} is refused,
+    it gets nothing of the state, and the owner keeps it."""
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        old, owner = await victim(node, tenant, agent)
+        thief_sid = node.register(tenant, agent)  # no handover_from
+        thief = await node.connect(thief_sid)
+        welcome = await thief.hello(agent, handover=True)
+        got = [welcome]
+        while got[-1]["op"] != "error":
+            got.append(await thief.recv())
+        assert got[-1]["code"] == "handover-refused", got
+        assert not [f for f in got if f["op"] in ("records", "deltas", "switched")], got
+        assert node.stopped == [thief_sid]
+        assert node.keeper.session_of(StateKey(tenant, GROUP, agent)) is not None
+        await still_owns(owner, 3)
+        # the same thief pointing at the right sandbox but as another agent: wrong-agent
+        other = node.register(tenant, f"b{tag()}", handover_from=old)
+        sneaky = await node.connect(other)
+        refused = await sneaky.hello(agent, handover=True)
+        assert refused["op"] == "error" and refused["code"] == "wrong-agent", refused
+        await still_owns(owner, 4)
+        for a in (owner, thief, sneaky):
+            await a.close()
+
+
+async def test_another_tenant_cannot_hand_over_a_sandbox(world: World) -> None:
+    """Tenant B's sandbox started with handover_from = tenant A's sandbox (same agent and
+    group): the hand-over keys on B's tenant, so there is nothing to take over."""
+    agent = f"a{tag()}"
+    async with world.node("a") as node:
+        old, owner = await victim(node, f"ta{tag()}", agent)
+        thief = await node.connect(node.register(f"tb{tag()}", agent, handover_from=old))
+        refused = await thief.hello(agent, handover=True)
+        assert refused["op"] == "error" and refused["code"] == "no-handover", refused
+        await still_owns(owner, 3)
+        await owner.close()
+        await thief.close()
+
+
+# ---------------------------------------------------------------- the bus
+
+
+def test_a_tenant_user_may_not_read_or_write_the_state_stream() -> None:
+    """The user's NATS permissions (and the deployed config) give no access to DSEC_STATE:
+    no subscription to dsec_state.>, no publish there, no message get, no consumer on it."""
+    perms = natsperms.permissions(natsperms.USER)
+    allowed_pub = perms["publish"]["allow"]
+    allowed_sub = perms["subscribe"]["allow"]
+    assert not [s for s in allowed_sub if s.startswith("dsec_state") or s == ">"]
+    assert not [s for s in allowed_pub if "dsec_state" in s or STATE_STREAM in s or s == ">"]
+    assert not [s for s in allowed_pub if s.startswith("$JS.API.CONSUMER.CREATE.>")]
+    for role in (*natsperms.SERVICES, natsperms.FLEETSIM):
+        if role == "nodeagent":
+            continue
+        perms = natsperms.permissions(role)
+        assert not [p for p in perms["publish"]["allow"] if "dsec_state" in p or STATE_STREAM in p]
+    assert (
+        natsperms.render_deploy_config()
+        == (Path(__file__).parents[1] / "deploy" / "nats" / "nats-server.conf").read_text()
+    )
+
+
+async def test_a_forged_sandbox_restarted_is_refused_by_the_gate(world: World) -> None:
+    """sandbox.restarted is the node agent's: a tenant user's key, or the node agent of
+    another node than the sandbox's, cannot make one the read model believes."""
+    sid = f"sbx-{tag()}"
+    await world.pipe.scheduler.publish(events.SandboxScheduled(node_id=NODE), aggregate_id=sid)
+    forged = events.SandboxRestarted(restarts=99, exit_code=1, signal=None, reason="x", pid=1)
+    await world.pipe.user.publish(forged, aggregate_id=sid)
+    elsewhere = await trust.publisher(world.js, world.home, "nodeagent", node_id="node-evil")
+    await elsewhere.publish(forged, aggregate_id=sid)
+    await world.pipe.nodeagent.publish(
+        events.SandboxRestarted(restarts=1, exit_code=1, signal=None, reason="real", pid=2),
+        aggregate_id=sid,
+    )
+    accepted = []
+    async for seq, data in scan_seq(world.js, subject_for("sandbox.restarted", sid), 100):
+        envelope = await world.gate.authentic(data, stream_seq=seq)
+        if envelope is not None:
+            accepted.append(envelope.payload["restarts"])
+    assert accepted == [1]
+
+
+# ---------------------------------------------------------------- 4. the Python client
+
+SPEC = """\
+version: "1.2"
+name: attack-client
+base: dsec/python311:latest
+entrypoint: [python, -u, agent.py]
+resources: {cpu: 1, memory: 128MiB, pids: 32}
+timeout: 5m
+"""
+
+
+async def test_the_client_never_waits_on_a_forged_ready(
+    world: World, stack_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`wait("ready")` is not satisfied by a sandbox.ready a tenant user signed, nor by one
+    the node agent of another node signed; the real one (its node's agent) satisfies it."""
+    from dsec_client import DSec, Timeout
+
+    for name, value in stack_env.items():
+        monkeypatch.setenv(name, value)
+    sid = f"sbx_{tag()}"
+    await world.pipe.built(SPEC, sid)
+    await world.pipe.scheduler.publish(events.SandboxScheduled(node_id=NODE), aggregate_id=sid)
+    elsewhere = await trust.publisher(world.js, world.home, "nodeagent", node_id="node-evil")
+    for forger, node_id in ((world.pipe.user, NODE), (elsewhere, "node-evil")):
+        forged = events.SandboxReady(node_id=node_id, pid=666, cgroup="/evil")
+        await forger.publish(forged, aggregate_id=sid)
+    warnings: list[str] = []
+    async with DSec(verify=True, on_warning=warnings.append) as d:
+        sandbox = d.sandbox(sid)
+        with pytest.raises(Timeout):
+            await sandbox.wait("ready", timeout=3)
+        assert sandbox.state != "running"
+        assert any("unauthentic sandbox.ready" in w for w in warnings), warnings
+        real = events.SandboxReady(node_id=NODE, pid=42, cgroup="/sys/fs/cgroup/x")
+        await world.pipe.nodeagent.publish(real, aggregate_id=sid)
+        ready = await d.sandbox(sid).wait("ready", timeout=60)
+        assert ready.data["pid"] == 42 and ready.producer == "nodeagent" and ready.verified
+
+
+# ---------------------------------------------------------------- 5. the event archive
+
+ARCHIVE_BUCKET = "attack-archive"
+
+
+@pytest.fixture
+def private_stack(tmp_path: Path) -> Iterator[Any]:
+    """A stack of its own: the test deletes the stream and rewrites the archive."""
+    from dsec_testing.stack import StackFixture
+
+    fixture = StackFixture(tmp_path / "private")
+    try:
+        yield fixture
+    finally:
+        fixture.close()
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "drop-and-renumber",
+        pytest.param(
+            "drop-tail",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the manifest is not signed and no chain head is anchored anywhere: "
+                "whoever may write the archive bucket can cut the newest archived events "
+                "(segment and manifest rewritten to agree) and, once the live stream lost "
+                "them, `audit verify --archive` passes",
+            ),
+        ),
+    ],
+)
+async def test_an_event_cut_out_of_the_archive_is_found(
+    private_stack: Any, dsec_cli: Any, tmp_path: Path, attack: str
+) -> None:
+    """Whoever may rewrite the archive's objects (segments and manifest) cuts a node agent's
+    event out, renumbers what follows (or cuts the tail) so sequences and hashes agree, and the
+    stream itself is gone: `audit verify --archive` still fails."""
+    from dsec_core import eventarchive, objectstore
+    from dsec_core.bus import ensure_stream
+    from dsec_core.events import SandboxExited, SpecSubmitted
+
+    s3 = private_stack.s3
+    env = {
+        "DSEC_NATS_URL": private_stack.nats_url,
+        "DSEC_HOME": str(tmp_path / "cli"),
+        "DSEC_TRUST_ROOT": bytes(trust.stack_root(private_stack.home).verify_key).hex(),
+        "DSEC_S3_ENDPOINT": s3.endpoint,
+        "DSEC_S3_ACCESS_KEY": s3.access_key,
+        "DSEC_S3_SECRET_KEY": s3.secret_key,
+        "DSEC_S3_BUCKET": ARCHIVE_BUCKET,
+    }
+    nc = await nats.connect(private_stack.nats_url)
+    js = nc.jetstream()
+    try:
+        await ensure_stream(js)
+        user = await trust.publisher(js, private_stack.home, "user", subject="user-alpha")
+        agent = await trust.publisher(js, private_stack.home, "nodeagent", node_id="n1")
+        for i in range(4):  # seq 1, 2 keys; then submitted/exited pairs: exits at 4, 6, 8, 10
+            await user.publish(SpecSubmitted(spec_yaml=f"v{i}"), aggregate_id=f"sbx_a{i}")
+            exited = SandboxExited(exit_code=0, reason="ok", duration_s=i)
+            await agent.publish(exited, aggregate_id=f"sbx_ax{i}")
+        archived = dsec_cli("events", "archive", "--segment-events", "5", "--json", env=env)
+        assert archived.exit_code == 0, archived.output
+        assert dsec_cli("audit", "verify", "--archive", "--json", env=env).exit_code == 0
+        await js.delete_stream(STREAM)  # the live log is lost: only the archive tells
+        await ensure_stream(js)
+    finally:
+        await nc.close()
+
+    store = s3.client()
+    manifest = await eventarchive.read_manifest(store, ARCHIVE_BUCKET)
+    assert manifest is not None and manifest.last_seq == 10
+    last = manifest.segments[-1]
+    blob = store.get_object(ARCHIVE_BUCKET, last.key).read()
+    records = eventarchive.unpack_segment(blob)
+    if attack == "drop-and-renumber":  # the exit at seq 8 never happened
+        kept = [r for r in records if r.seq != 8]
+        kept = [
+            eventarchive.Record(last.first_seq + i, r.subject, r.stored_us, r.data)
+            for i, r in enumerate(kept)
+        ]
+    else:  # the last exit (seq 10) never happened
+        kept = records[:-1]
+    segment, data = eventarchive.make_segment(kept)
+    await objectstore.put_bytes(store, ARCHIVE_BUCKET, segment.key, data)
+    forged = eventarchive.Manifest(segments=[*manifest.segments[:-1], segment])
+    await objectstore.put_bytes(store, ARCHIVE_BUCKET, eventarchive.MANIFEST_KEY, forged.to_bytes())
+    assert dsec_cli("events", "archived", "--json", env=env).exit_code == 0  # consistent
+    verified = dsec_cli("audit", "verify", "--archive", "--json", env=env)
+    assert verified.exit_code == 1, verified.output
+
+
+# ---------------------------------------------------------------- the bus, for real
+
+
+@contextlib.asynccontextmanager
+async def connected_as(dsec_stack: Any, identity: str) -> AsyncIterator[tuple[Any, list[str]]]:
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    nc = await nats.connect(
+        dsec_stack.nats_plain_url,
+        nkeys_seed=str(dsec_stack.nats_seed(identity)),
+        error_cb=on_error,
+        max_reconnect_attempts=0,
+    )
+    try:
+        yield nc, errors
+    finally:
+        await nc.close()
+
+
+async def violation(errors: list[str], text: str) -> None:
+    deadline = asyncio.get_running_loop().time() + 10
+    while not any(text.lower() in e and "permissions violation" in e for e in errors):
+        assert asyncio.get_running_loop().time() < deadline, (text, errors)
+        await asyncio.sleep(0.02)
+
+
+async def test_a_tenant_user_connection_cannot_touch_dsec_state(
+    dsec_stack: Any, world: World
+) -> None:
+    """A tenant user's real NATS connection: subscribing to dsec_state.>, publishing a chunk
+    there and getting a message of the stream are all refused by the server."""
+    subject = f"dsec_state.t{tag()}.{GROUP}.a{tag()}"
+    await world.js.publish(subject, b"sealed chunk")  # as the test's operator connection
+    async with connected_as(dsec_stack, "user-default") as (nc, errors):
+        await nc.subscribe("dsec_state.>")
+        await violation(errors, 'subscription to "dsec_state.>"')
+        await nc.publish(subject, b"forged chunk")
+        await violation(errors, f'publish to "{subject}"')
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.jetstream(timeout=1.0).get_msg(STATE_STREAM, subject=subject)
+        await violation(errors, f"$JS.API.STREAM.MSG.GET.{STATE_STREAM}")
+    info = await world.js.stream_info(STATE_STREAM, subjects_filter=subject)
+    assert info.state.subjects == {subject: 1}  # the forged chunk never reached the stream
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="every role may subscribe to _INBOX.>: a tenant user's connection receives the "
+    "replies to other connections' requests, e.g. the node agent's DSEC_STATE reads during a "
+    "recovery (sealed chunks, but with the dsec_state.<tenant>.<group>.<agent> subject, sizes "
+    "and timing of every tenant's state) and its KV reads; per-identity inbox prefixes "
+    "(`inbox_prefix` in nats-py, `_INBOX_<identity>.>` in natsperms) would close it",
+)
+async def test_a_tenant_user_cannot_overhear_the_node_agents_state_reads(
+    dsec_stack: Any, world: World
+) -> None:
+    subject = f"dsec_state.t{tag()}.{GROUP}.a{tag()}"
+    await world.js.publish(subject, b"another tenant's sealed chunk")
+    async with connected_as(dsec_stack, "user-default") as (spy, spy_errors):
+        heard: list[Any] = []
+
+        async def listen(msg: Any) -> None:
+            heard.append(msg)
+
+        await spy.subscribe("_INBOX.>", cb=listen)
+        await spy.flush()
+        async with connected_as(dsec_stack, "nodeagent") as (agent, _):
+            msg = await agent.jetstream().get_msg(STATE_STREAM, subject=subject)
+            assert msg.data == b"another tenant's sealed chunk"
+        await spy.flush()
+        assert spy_errors == []
+        # the stream's answer (JSON: the message's subject, headers and base64 payload)
+        assert not [m for m in heard if subject.encode() in m.data], "overheard"
+
+
+async def test_a_forged_cold_ref_never_reads_another_agents_blob(world: World) -> None:
+    """Agent B of the same tenant checkpoints ``ref`` records naming agent A's cold blob (its
+    hash, then a path that climbs into A's prefix): B's fetch never returns A's bytes."""
+    import blake3
+
+    tenant = f"t{tag()}"
+    secret = b"A's private weights " + tag().encode()
+    digest = blake3.blake3(secret).hexdigest()
+    async with world.node("a") as node:
+        a_agent, b_agent = f"a{tag()}", f"b{tag()}"
+        a = await node.connect(node.register(tenant, a_agent))
+        assert (await a.hello(a_agent))["op"] == "welcome"
+        await a.fetch()
+        blob = {"c": "w", "k": "blob", "t": "cold", "o": "full", "data": secret, "hash": digest}
+        assert (await a.checkpoint(1, [blob]))["op"] == "ack"
+        b = await node.connect(node.register(tenant, b_agent))
+        assert (await b.hello(b_agent))["op"] == "welcome"
+        await b.fetch()
+        climbs = f"../../{a_agent}/cold/{digest}"
+        for seq, target in enumerate((digest, climbs), start=1):
+            ref = {"c": "w", "k": "ref", "t": "cold", "o": "cold", "hash": target, "size": 1}
+            await b.checkpoint(seq, [ref])  # acked or refused: either way, never served
+        await b.send({"op": "fetch"})
+        served: list[Any] = []
+        while True:
+            frame = await b.recv()
+            served.append(frame)
+            if frame["op"] != "records":
+                break
+        assert secret not in repr(served).encode() and repr(secret) not in repr(served)
+        assert served[-1]["op"] == "error", served[-1]
+        for agent in (a, b):
+            await agent.close()
