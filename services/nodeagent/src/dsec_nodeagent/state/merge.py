@@ -17,10 +17,24 @@ frame passes the wire's limit.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Iterator
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:
+
+    class _Numpy:
+        """numpy, imported at the first merge: a node agent whose agents keep no state does
+        not carry it (its idle memory budget)."""
+
+        def __getattr__(self, name: str) -> Any:
+            module = importlib.import_module("numpy")
+            globals()["np"] = module
+            return getattr(module, name)
+
+    np = _Numpy()
 
 PART_BYTES: Final = 8 << 20
 
