@@ -58,17 +58,19 @@ async def main(events: int, nodes: int) -> dict[str, Any]:
             state = (await js.stream_info(STREAM)).state
             store = fixture.s3.client()
 
+            anchor = bytes(trust.stack_root(fixture.home).verify_key)
             started = time.perf_counter()
-            result = await eventarchive.archive(js, store, BUCKET)
+            result = await eventarchive.archive(
+                js, store, BUCKET, signer=trust.archive_signer(fixture.home)
+            )
             archive_s = time.perf_counter() - started
 
             started = time.perf_counter()
-            check = await eventarchive.check_archive(store, BUCKET)
+            check = await eventarchive.check_archive(store, BUCKET, anchor)
             check_s = time.perf_counter() - started
 
-            manifest = await eventarchive.read_manifest(store, BUCKET)
+            manifest = await eventarchive.read_manifest(store, BUCKET, anchor)
             assert manifest is not None
-            anchor = bytes(trust.stack_root(fixture.home).verify_key)
             verifier = Verifier(anchor)
             started = time.perf_counter()
             async for record in eventarchive.archived_records(store, BUCKET, manifest):

@@ -8,6 +8,7 @@ stream (deleting the stream, altering segments) must not reach the session's sta
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -15,13 +16,14 @@ from typing import Any
 
 import nats
 import pytest
-from dsec_core import canonical, eventarchive
+from dsec_core import canonical, eventarchive, identity
 from dsec_core.bus import EventPublisher, ensure_stream
 from dsec_core.events import SandboxExited, SpecSubmitted
 from dsec_core.subjects import STREAM
 from dsec_core.trust import Gate, KeyRing
 from dsec_testing import trust
 from dsec_testing.stack import StackFixture
+from nacl.signing import SigningKey
 from nats.js import JetStreamContext
 
 pytestmark = pytest.mark.integration
@@ -53,7 +55,8 @@ def cli(private: StackFixture, dsec_cli: Any, tmp_path: Path) -> Any:
     s3 = private.s3
     env = {
         "DSEC_NATS_URL": private.nats_url,
-        "DSEC_HOME": str(tmp_path / "cli"),
+        # The operator's machine: `events archive` signs the manifest with the operator key.
+        "DSEC_HOME": str(trust.operator_cli_home(private.home, tmp_path / "cli")),
         "DSEC_TRUST_ROOT": bytes(trust.stack_root(private.home).verify_key).hex(),
         "DSEC_S3_ENDPOINT": s3.endpoint,
         "DSEC_S3_ACCESS_KEY": s3.access_key,
@@ -65,6 +68,10 @@ def cli(private: StackFixture, dsec_cli: Any, tmp_path: Path) -> Any:
         return dsec_cli(*args, env=env)
 
     return invoke
+
+
+def _anchor(private: StackFixture) -> bytes:
+    return bytes(trust.stack_root(private.home).verify_key)
 
 
 async def _traffic(
@@ -114,7 +121,7 @@ async def test_archive_then_live_verify_as_one_log(js, private, cli) -> None:
 
     # The archive holds the stored bytes: every archived message is the stream's, exactly.
     store = private.s3.client()
-    manifest = await eventarchive.read_manifest(store, BUCKET)
+    manifest = await eventarchive.read_manifest(store, BUCKET, _anchor(private))
     assert manifest is not None
     async for record in eventarchive.archived_records(store, BUCKET, manifest):
         stored = await js.get_msg(STREAM, record.seq)
@@ -162,7 +169,7 @@ async def test_altered_archive_is_named(js, private, cli) -> None:
     await _traffic(js, private.home, 4)  # seq 1..10; the agent's exits at 4, 6, 8, 10
     assert cli("events", "archive", "--segment-events", "5", "--json").exit_code == 0
     store = private.s3.client()
-    manifest = await eventarchive.read_manifest(store, BUCKET)
+    manifest = await eventarchive.read_manifest(store, BUCKET, _anchor(private))
     assert manifest is not None
     segment = manifest.segments[1]  # seq 6..10
 
@@ -186,7 +193,7 @@ async def test_altered_archive_is_named(js, private, cli) -> None:
     assert verified.last_json()["first_bad"]["seq"] == 6
     assert "was altered: BLAKE3" in verified.last_json()["first_bad"]["reason"]
 
-    # Whoever can also rewrite the manifest still cannot forge a signature: the chain names it.
+    # Whoever can also rewrite the manifest cannot sign it: refused as tampering.
     import blake3
 
     forged = eventarchive.Manifest(
@@ -197,16 +204,91 @@ async def test_altered_archive_is_named(js, private, cli) -> None:
                 **{**s.__dict__, "blake3": blake3.blake3(altered).hexdigest(), "size": len(altered)}
             )
             for s in manifest.segments
-        ]
+        ],
+        last_hash=manifest.last_hash,
+        prev=manifest.prev,
     )
     await eventarchive.objectstore.put_bytes(
         store, BUCKET, eventarchive.MANIFEST_KEY, forged.to_bytes()
     )
-    assert cli("events", "archived", "--json").exit_code == 0  # hashes match the new manifest
+    for args in (("events", "archived", "--json"), ("audit", "verify", "--archive", "--json")):
+        refused = cli(*args)
+        assert refused.exit_code == 1, refused.output
+        assert "manifest.json is not signed" in " ".join(refused.output.split())
+
+    # ... nor keep the operator's signature over other segment hashes.
+    resigned = dataclasses.replace(forged, cert=manifest.cert, sig=manifest.sig)
+    await eventarchive.objectstore.put_bytes(
+        store, BUCKET, eventarchive.MANIFEST_KEY, resigned.to_bytes()
+    )
+    refused = cli("audit", "verify", "--archive", "--json")
+    assert refused.exit_code == 1
+    assert "the operator's signature does not match it" in " ".join(refused.output.split())
+
+    # A key the root certified for another role (a node agent's) signs nothing here either.
+    agent_key = SigningKey.generate()
+    forged.sign(
+        agent_key,
+        identity.issue(
+            trust.stack_root(private.home),
+            bytes(agent_key.verify_key),
+            subject="nodeagent",
+            role="nodeagent",
+            node_id="n1",
+        ),
+    )
+    await eventarchive.objectstore.put_bytes(
+        store, BUCKET, eventarchive.MANIFEST_KEY, forged.to_bytes()
+    )
+    refused = cli("events", "archived", "--json")
+    assert refused.exit_code == 1
+    assert "role nodeagent), not by the operator" in " ".join(refused.output.split())
+
+
+async def test_manifests_chain_and_pin_the_last_message(js, private, cli) -> None:
+    """Each manifest records the one it replaced and the BLAKE3 of the last archived message;
+    where the live stream still holds that sequence, it must be that message."""
+    await _traffic(js, private.home, 2)  # seq 1..6
+    assert cli("events", "archive", "--upto", "3", "--json").exit_code == 0
+    store = private.s3.client()
+    first = await eventarchive.read_manifest(store, BUCKET, _anchor(private))
+    assert first is not None and first.prev is None and first.last_seq == 3
+    assert first.last_hash == eventarchive.message_hash((await js.get_msg(STREAM, 3)).data)
+    assert cli("events", "archive", "--json").exit_code == 0
+    second = await eventarchive.read_manifest(store, BUCKET, _anchor(private))
+    assert second is not None and second.prev == first.digest() and second.last_seq == 6
+    summary = cli("events", "archived", "--json").last_json()
+    assert summary["signed_by"] == "operator" and summary["last_hash"] == second.last_hash
+    assert summary["digest"] == second.digest() and summary["prev"] == first.digest()
+
     verified = cli("audit", "verify", "--archive", "--json")
-    assert verified.exit_code == 1
+    assert verified.exit_code == 0, verified.output
+    assert verified.last_json()["archived_upto"] == 6
+
+    # What the signature cannot rule out, the holder of the operator key signing another last
+    # message, is found while the live stream still holds that sequence.
+    last = second.segments[-1]
+    blob = await eventarchive.objectstore.get_bytes(store, BUCKET, last.key)
+    records = eventarchive.check_segment(last, blob)
+    other = eventarchive.Record(6, records[-1].subject, records[-1].stored_us, b"\x90")
+    segment, data = eventarchive.make_segment([*records[:-1], other])
+    await eventarchive.objectstore.put_bytes(store, BUCKET, segment.key, data)
+    lying = dataclasses.replace(
+        second,
+        segments=[*second.segments[:-1], segment],
+        last_hash=eventarchive.message_hash(other.data),
+        prev=second.digest(),
+    )
+    signer = trust.archive_signer(private.home)
+    lying.sign(signer.key, signer.cert)
+    await eventarchive.objectstore.put_bytes(
+        store, BUCKET, eventarchive.MANIFEST_KEY, lying.to_bytes()
+    )
+    assert cli("events", "archived", "--json").exit_code == 0  # signed, consistent
+    verified = cli("audit", "verify", "--archive", "--json")
+    assert verified.exit_code == 1, verified.output
     bad = verified.last_json()["first_bad"]
-    assert bad["seq"] == 6 and "this event was altered" in bad["reason"]
+    assert bad["seq"] == 6 and "is not the live stream's" in bad["reason"], bad
 
 
 async def test_lost_stream_is_restored_from_the_archive(js, private, cli) -> None:
@@ -289,7 +371,8 @@ async def test_retention_per_subject_after_archiving(js, private, cli) -> None:
 async def test_two_archive_runs_at_once_do_not_interleave(js, private) -> None:
     await _traffic(js, private.home, 3)  # seq 1..8
     store = private.s3.client()
-    await eventarchive.archive(js, store, BUCKET, upto=2)
+    signer = trust.archive_signer(private.home)
+    await eventarchive.archive(js, store, BUCKET, signer=signer, upto=2)
 
     def other_run(segment: eventarchive.Segment) -> None:
         # Another run appends segment 5-6 after this run listed its first segment (3-4).
@@ -307,4 +390,6 @@ async def test_two_archive_runs_at_once_do_not_interleave(js, private) -> None:
             store.put_object(BUCKET, eventarchive.MANIFEST_KEY, io.BytesIO(data), len(data))
 
     with pytest.raises(eventarchive.ArchiveError, match="another archive run wrote"):
-        await eventarchive.archive(js, store, BUCKET, segment_events=2, progress=other_run)
+        await eventarchive.archive(
+            js, store, BUCKET, signer=signer, segment_events=2, progress=other_run
+        )

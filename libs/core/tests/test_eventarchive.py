@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from dsec_core import identity
 from dsec_core.eventarchive import (
     ArchiveCorrupt,
+    ArchiveError,
     Manifest,
+    ManifestSigner,
     Record,
     check_segment,
     make_segment,
+    message_hash,
     unpack_segment,
 )
+from dsec_core.identity import Role
+from nacl.signing import SigningKey
 
 
 def _records(first: int, n: int) -> list[Record]:
@@ -53,3 +61,39 @@ def test_manifest_must_be_contiguous() -> None:
         Manifest.parse(Manifest(segments=[a, b, c]).to_bytes())
     with pytest.raises(ArchiveCorrupt, match="is not a manifest"):
         Manifest.parse(b"{}")
+
+
+def _key(root: SigningKey, role: Role = "operator") -> tuple[SigningKey, identity.Certificate]:
+    key = SigningKey.generate()
+    return key, identity.issue(root, bytes(key.verify_key), subject=role, role=role)
+
+
+def test_signed_manifest_verifies_and_refuses_any_change() -> None:
+    root = SigningKey.generate()
+    seg, _ = make_segment(_records(1, 3))
+    manifest = Manifest(segments=[seg], last_hash=message_hash(b"x"))
+    with pytest.raises(ArchiveCorrupt, match="is not signed"):
+        manifest.verify(bytes(root.verify_key))
+    manifest.sign(*_key(root))
+    read = Manifest.parse(manifest.to_bytes())
+    assert read == manifest and read.verify(bytes(root.verify_key)).role == "operator"
+    assert read.digest() == manifest.digest()
+
+    cut = dataclasses.replace(read, segments=[make_segment(_records(1, 2))[0]])
+    with pytest.raises(ArchiveCorrupt, match="signature does not match"):
+        cut.verify(bytes(root.verify_key))
+    with pytest.raises(ArchiveCorrupt, match="did not certify"):
+        read.verify(bytes(SigningKey.generate().verify_key))
+    agent = Manifest(segments=[seg], last_hash=message_hash(b"x"))
+    agent.sign(*_key(root, "nodeagent"))
+    with pytest.raises(ArchiveCorrupt, match=r"role nodeagent\), not by the operator"):
+        agent.verify(bytes(root.verify_key))
+    with pytest.raises(ArchiveError, match="signed by the operator, not role nodeagent"):
+        ManifestSigner(*_key(root, "nodeagent"), bytes(root.verify_key))
+    with pytest.raises(ArchiveError, match="does not hold"):
+        ManifestSigner(*_key(SigningKey.generate()), bytes(root.verify_key))
+
+
+def test_format_1_manifest_is_refused_as_unsigned() -> None:
+    with pytest.raises(ArchiveCorrupt, match="format 1, not signed"):
+        Manifest.parse(b'{"stream": "DSEC_EVENTS", "format": 1, "segments": []}')

@@ -16,6 +16,15 @@ last sequence, their count and the BLAKE3 of each object:
 * :func:`restore` publishes an archive into an empty stream at the same sequences (a lost
   NATS store rebuilt from S3).
 
+**The manifest is signed** by the operator's certified key (role ``operator``, issued by the
+operator root): Ed25519 over the canonical MessagePack of its body, which holds the segments,
+the last archived sequence and the BLAKE3 of that last message's bytes, and ``prev``, the digest
+of the manifest it replaced (a hash chain of archive runs). Every reader (:func:`read_manifest`)
+verifies it against the trust root, so whoever may only write the bucket can no longer cut the
+newest archived events (rewrite the last segment and the manifest to agree): an unsigned or
+wrongly signed manifest is :class:`ArchiveCorrupt`. What it cannot prove: a holder of the
+operator key (or the root) can still sign a shorter archive (see ``docs/operations.md``).
+
 Layout under the bucket: ``archive/events/manifest.json`` and
 ``archive/events/segments/<first seq>-<last seq>.seg.zst`` (zstd-compressed MessagePack, one
 ``[seq, subject, stored_us, data]`` array per message).
@@ -35,16 +44,19 @@ import blake3
 import msgpack
 import zstandard
 from minio import Minio
+from nacl.exceptions import BadSignatureError
+from nacl.signing import SigningKey, VerifyKey
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from dsec_core import objectstore
+from dsec_core import canonical, identity, objectstore
 from dsec_core.subjects import ALL_EVENTS, STREAM
 
 PREFIX = "archive/events/"
 MANIFEST_KEY = f"{PREFIX}manifest.json"
-FORMAT = 1
+FORMAT = 2
+"""Format 2: signed manifests (format 1 had no signature; an archive of it must be re-made)."""
 SEGMENT_EVENTS = 10_000
 """Messages per segment (at most; a segment also ends at :data:`SEGMENT_BYTES`)."""
 SEGMENT_BYTES = 64 << 20
@@ -95,13 +107,48 @@ class Segment:
     last_time: str
 
 
+@dataclass(frozen=True)
+class ManifestSigner:
+    """Who signs the manifests an archive run writes: the operator's key, its certificate
+    (role ``operator``) and the trust root (public) that certificate must chain to — the
+    existing manifest is verified against it before a run extends it."""
+
+    key: SigningKey
+    cert: identity.Certificate
+    anchor: bytes
+
+    def __post_init__(self) -> None:
+        if self.cert.role != "operator":
+            raise ArchiveError(f"the archive is signed by the operator, not role {self.cert.role}")
+        if self.cert.public_key != bytes(self.key.verify_key).hex():
+            raise ArchiveError("the operator certificate is not the signing key's")
+        try:
+            identity.check(self.cert, self.anchor)
+        except identity.CertificateError as exc:
+            raise ArchiveError(f"the operator certificate does not hold: {exc}") from None
+
+
+def message_hash(data: bytes) -> str:
+    """The BLAKE3 (hex) of one stored message's bytes, as the manifest records its last."""
+    return blake3.blake3(data).hexdigest()
+
+
 @dataclass
 class Manifest:
-    """What the archive holds, in order; sequences are contiguous across segments."""
+    """What the archive holds, in order; sequences are contiguous across segments.
+
+    ``prev``: the digest (:meth:`digest`) of the manifest this one replaced (``None``: the
+    first); ``last_hash``: BLAKE3 of the last archived message's bytes; ``cert`` and ``sig``:
+    the operator's certificate and Ed25519 signature over :meth:`signed_bytes`.
+    """
 
     stream: str = STREAM
     format: int = FORMAT
     segments: list[Segment] = field(default_factory=list)
+    prev: str | None = None
+    last_hash: str | None = None
+    cert: dict[str, Any] | None = None
+    sig: str | None = None
 
     @property
     def first_seq(self) -> int | None:
@@ -115,10 +162,74 @@ class Manifest:
     def events(self) -> int:
         return sum(s.count for s in self.segments)
 
+    def body(self) -> dict[str, Any]:
+        """Every field the signature covers (all but ``sig``)."""
+        return {
+            "stream": self.stream,
+            "format": self.format,
+            "segments": [asdict(s) for s in self.segments],
+            "last_seq": self.last_seq,
+            "last_hash": self.last_hash,
+            "prev": self.prev,
+            "cert": self.cert,
+        }
+
     def to_bytes(self) -> bytes:
-        body: dict[str, Any] = {"stream": self.stream, "format": self.format}
-        body["segments"] = [asdict(s) for s in self.segments]
-        return json.dumps(body, indent=1).encode()
+        """The object ``manifest.json``: the body and the signature, as JSON."""
+        return json.dumps({**self.body(), "sig": self.sig}, indent=1).encode()
+
+    def signed_bytes(self) -> bytes:
+        """The canonical bytes the operator's signature covers."""
+        return canonical.canonical_bytes(self.body())
+
+    def digest(self) -> str:
+        """BLAKE3 of the signed body and its signature: what the next manifest's ``prev`` is."""
+        return blake3.blake3(
+            canonical.canonical_bytes({**self.body(), "sig": self.sig})
+        ).hexdigest()
+
+    def sign(self, key: SigningKey, cert: identity.Certificate) -> None:
+        """Sign the manifest as it stands now (after its segments and ``last_hash`` are set)
+        with ``key``, whose certificate is ``cert`` (readers accept only role ``operator``)."""
+        self.cert = cert.model_dump(mode="json")
+        self.sig = key.sign(self.signed_bytes()).signature.hex()
+
+    def verify(self, anchor: bytes) -> identity.Certificate:
+        """The signer's certificate, once the signature is the operator's under ``anchor``.
+
+        Raises:
+            ArchiveCorrupt: unsigned, a certificate the root did not issue (or not role
+                operator), or a signature that does not cover this body (altered after signing).
+        """
+        if self.sig is None or self.cert is None:
+            raise ArchiveCorrupt(
+                f"{MANIFEST_KEY} is not signed: an archive manifest without the operator's "
+                "signature is tampering (whoever may write the bucket could have cut events)"
+            )
+        try:
+            cert = identity.parse(self.cert)
+            identity.check(cert, anchor)
+        except identity.CertificateError as exc:
+            raise ArchiveCorrupt(
+                f"{MANIFEST_KEY} is signed by a key the operator root did not certify: {exc}"
+            ) from None
+        if cert.role != "operator":
+            raise ArchiveCorrupt(
+                f"{MANIFEST_KEY} is signed by {cert.subject!r} (role {cert.role}), not by the "
+                "operator"
+            )
+        try:
+            VerifyKey(bytes.fromhex(cert.public_key)).verify(
+                self.signed_bytes(), bytes.fromhex(self.sig)
+            )
+        except (BadSignatureError, ValueError) as exc:
+            raise ArchiveCorrupt(
+                f"{MANIFEST_KEY}: the operator's signature does not match it (altered after it "
+                f"was signed: {str(exc)[:100]})"
+            ) from None
+        if self.segments and self.last_hash is None:
+            raise ArchiveCorrupt(f"{MANIFEST_KEY} records no hash of its last message")
+        return cert
 
     @classmethod
     def parse(cls, data: bytes) -> Manifest:
@@ -129,11 +240,28 @@ class Manifest:
                 stream=str(body["stream"]),
                 format=int(body["format"]),
                 segments=[Segment(**s) for s in body["segments"]],
+                prev=_opt_str(body.get("prev")),
+                last_hash=_opt_str(body.get("last_hash")),
+                cert=body.get("cert"),
+                sig=_opt_str(body.get("sig")),
             )
+            if manifest.cert is not None and not isinstance(manifest.cert, dict):
+                raise TypeError("cert is not an object")
+            stated_last = body.get("last_seq", manifest.last_seq)
         except (ValueError, KeyError, TypeError) as exc:
             raise ArchiveCorrupt(f"{MANIFEST_KEY} is not a manifest: {str(exc)[:200]}") from None
+        if manifest.format == 1:
+            raise ArchiveCorrupt(
+                f"{MANIFEST_KEY} is format 1, not signed: an unsigned archive manifest is "
+                "refused as tampering (archive again into a new bucket with this version)"
+            )
         if manifest.format != FORMAT:
             raise ArchiveCorrupt(f"{MANIFEST_KEY}: format {manifest.format}, expected {FORMAT}")
+        if stated_last != manifest.last_seq:
+            raise ArchiveCorrupt(
+                f"{MANIFEST_KEY}: last_seq {stated_last}, but its segments end at "
+                f"{manifest.last_seq}"
+            )
         expected = manifest.first_seq
         for seg in manifest.segments:
             if seg.first_seq != expected or seg.last_seq - seg.first_seq + 1 != seg.count:
@@ -144,6 +272,12 @@ class Manifest:
                 )
             expected = seg.last_seq + 1
         return manifest
+
+
+def _opt_str(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
 
 
 def segment_key(first_seq: int, last_seq: int) -> str:
@@ -227,13 +361,25 @@ def make_segment(records: list[Record]) -> tuple[Segment, bytes]:
 # -- the object store ------------------------------------------------------------------------------
 
 
-async def read_manifest(store: Minio, bucket: str) -> Manifest | None:
-    """The archive's manifest, ``None`` when nothing was archived in ``bucket``."""
+async def _read_unverified(store: Minio, bucket: str) -> Manifest | None:
     try:
         data = await objectstore.get_bytes(store, bucket, MANIFEST_KEY)
     except objectstore.ObjectMissing:
         return None
     return Manifest.parse(data)
+
+
+async def read_manifest(store: Minio, bucket: str, anchor: bytes) -> Manifest | None:
+    """The archive's manifest, its signature verified against the trust root ``anchor``;
+    ``None`` when nothing was archived in ``bucket``.
+
+    Raises:
+        ArchiveCorrupt: malformed, unsigned or not signed by the operator (tampering).
+    """
+    manifest = await _read_unverified(store, bucket)
+    if manifest is not None:
+        manifest.verify(anchor)
+    return manifest
 
 
 async def _get_segment(store: Minio, bucket: str, segment: Segment) -> list[Record]:
@@ -261,6 +407,16 @@ async def archived_records(
                 pending.append(asyncio.create_task(_get_segment(store, bucket, segments.pop(0))))
             records = await pending.pop(0)
             for record in records:
+                if (
+                    record.seq == manifest.last_seq
+                    and manifest.last_hash is not None
+                    and message_hash(record.data) != manifest.last_hash
+                ):
+                    raise ArchiveCorrupt(
+                        f"the last archived message (seq {record.seq}) is not the one the "
+                        "signed manifest records",
+                        record.seq,
+                    )
                 yield record
     finally:
         for task in pending:
@@ -280,14 +436,14 @@ class ArchiveCheck:
     bytes: int
 
 
-async def check_archive(store: Minio, bucket: str) -> ArchiveCheck:
-    """Read every segment back and check it against the manifest.
+async def check_archive(store: Minio, bucket: str, anchor: bytes) -> ArchiveCheck:
+    """Read every segment back and check it against the (signed, verified) manifest.
 
     Raises:
         ArchiveError: nothing archived in ``bucket``.
         ArchiveCorrupt: the first segment (or the manifest) that is altered or missing.
     """
-    manifest = await read_manifest(store, bucket)
+    manifest = await read_manifest(store, bucket, anchor)
     if manifest is None:
         raise ArchiveError(f"no event archive in bucket {bucket!r} (run `dsec events archive`)")
     count = 0
@@ -380,6 +536,7 @@ async def archive(
     store: Minio,
     bucket: str,
     *,
+    signer: ManifestSigner,
     upto: int | None = None,
     before: datetime | None = None,
     segment_events: int = SEGMENT_EVENTS,
@@ -390,8 +547,10 @@ async def archive(
     last message stored before ``before`` (default: all of it).
 
     Each segment is written, read back and checked (hash, count, sequences) before the
-    manifest lists it; the manifest is rewritten after each segment, so an interrupted run
-    keeps what it verified and the next run continues after it.
+    manifest lists it; the manifest is rewritten (and signed by ``signer``, chained to the one
+    it replaces) after each segment, so an interrupted run keeps what it verified and the next
+    run continues after it. The existing manifest is verified first: a run never signs on top
+    of a manifest someone else altered.
 
     Raises:
         ArchiveError: the stream no longer holds the next sequence to archive (its limits
@@ -402,7 +561,7 @@ async def archive(
     if segment_events < 1:
         raise ValueError(f"segment_events must be >= 1, got {segment_events}")
     await asyncio.to_thread(objectstore.ensure_bucket, store, bucket)
-    manifest = await read_manifest(store, bucket) or Manifest()
+    manifest = await read_manifest(store, bucket, signer.anchor) or Manifest()
     if manifest.stream != STREAM:
         raise ArchiveError(f"the archive in {bucket!r} is of stream {manifest.stream}")
     state = (await js.stream_info(STREAM)).state
@@ -418,22 +577,29 @@ async def archive(
     end = await _end_seq(js, start, state.last_seq, upto, before)
     chunk: list[Record] = []
     size = 0
+    prev_digest = manifest.digest() if manifest.sig is not None else None
 
     async def flush() -> None:
-        nonlocal chunk, size
+        nonlocal chunk, size, prev_digest
         segment, blob = make_segment(chunk)
         await objectstore.put_bytes(store, bucket, segment.key, blob)
         await _get_segment(store, bucket, segment)  # read back: hash, count, sequences
-        current = await read_manifest(store, bucket) or Manifest()
-        if current.last_seq != manifest.last_seq:
+        current = await _read_unverified(store, bucket)
+        current_digest = None if current is None else current.digest()
+        if current_digest != prev_digest:
+            now_ends = None if current is None else current.last_seq
             raise ArchiveError(
                 f"another archive run wrote to {bucket!r} meanwhile (the manifest now ends at "
-                f"seq {current.last_seq}, not {manifest.last_seq}); run one at a time"
+                f"seq {now_ends}, not {manifest.last_seq}); run one at a time"
             )
         manifest.segments.append(segment)
+        manifest.last_hash = message_hash(chunk[-1].data)
+        manifest.prev = prev_digest
+        manifest.sign(signer.key, signer.cert)
         await objectstore.put_bytes(store, bucket, MANIFEST_KEY, manifest.to_bytes())
         if Manifest.parse(await objectstore.get_bytes(store, bucket, MANIFEST_KEY)) != manifest:
             raise ArchiveCorrupt("the manifest read back is not the one written")
+        prev_digest = manifest.digest()
         result.segments.append(segment)
         result.first_seq = result.first_seq or segment.first_seq
         result.last_seq = result.archived_upto = segment.last_seq
@@ -464,6 +630,7 @@ async def restore(
     js: JetStreamContext,
     store: Minio,
     bucket: str,
+    anchor: bytes,
     *,
     progress: Callable[[int], None] | None = None,
 ) -> int:
@@ -477,7 +644,7 @@ async def restore(
         ArchiveError: no archive, or the stream is not empty.
         ArchiveCorrupt: a segment is altered (nothing after it is published).
     """
-    manifest = await read_manifest(store, bucket)
+    manifest = await read_manifest(store, bucket, anchor)
     if manifest is None or manifest.first_seq is None:
         raise ArchiveError(f"no event archive in bucket {bucket!r}")
     state = (await js.stream_info(STREAM)).state
@@ -512,5 +679,10 @@ def summary(manifest: Manifest | None) -> dict[str, Any]:
         "first_seq": manifest.first_seq,
         "last_seq": manifest.last_seq,
         "bytes": sum(s.size for s in manifest.segments),
+        "last_hash": manifest.last_hash,
+        "prev": manifest.prev,
+        "digest": manifest.digest(),
+        "signed_by": (manifest.cert or {}).get("subject"),
+        "signer_key_id": (manifest.cert or {}).get("key_id"),
         "segments": [asdict(s) for s in manifest.segments],
     }

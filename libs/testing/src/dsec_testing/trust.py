@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 from dsec_core import events, identity
@@ -37,6 +38,27 @@ class Producer:
             certificate=self.cert.model_dump(mode="json"),
         )
         return self.signer.seal(reg, aggregate_id=self.signer.key_id, tenant="system").wire
+
+
+def archive_signer(home: Path) -> Any:
+    """The operator's signer of event-archive manifests on the stack of ``home`` (a fresh key
+    its root certifies, role ``operator``)."""
+    from dsec_core.eventarchive import ManifestSigner
+
+    root = stack_root(home)
+    key = SigningKey.generate()
+    cert = identity.issue(root, bytes(key.verify_key), subject="operator", role="operator")
+    return ManifestSigner(key, cert, bytes(root.verify_key))
+
+
+def operator_cli_home(home: Path, cli_home: Path) -> Path:
+    """``cli_home`` holding the root key of the stack of ``home``: the CLI there is the operator
+    (as on the machine of ``dsec up``), e.g. to sign the archive's manifest."""
+    paths = identity.TrustPaths(cli_home)
+    paths.root_key.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    paths.root_key.write_bytes(bytes(stack_root(home)))
+    paths.root_key.chmod(0o600)
+    return cli_home
 
 
 def certified(

@@ -44,6 +44,27 @@ def _bucket(bucket: str | None) -> str:
     return bucket or Settings().s3_bucket
 
 
+def _anchor() -> bytes:
+    """The trust root the manifest's signature must chain to (exit 2 when none is known)."""
+    from dsec_cli.commands.audit import trust_anchor
+
+    return trust_anchor()
+
+
+def _signer() -> Any:
+    """The operator's certified key, which signs the manifest (exit 2 off the operator's
+    machine: only the operator archives)."""
+    from dsec_core.eventarchive import ArchiveError, ManifestSigner
+
+    from dsec_cli.common import operator_identity, operator_root
+
+    key, cert = operator_identity()
+    try:
+        return ManifestSigner(key, cert, bytes(operator_root().verify_key))
+    except ArchiveError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+
+
 def guarded(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro``; an unreachable object store or a bad archive is one clear line."""
     from dsec_core.eventarchive import ArchiveCorrupt, ArchiveError
@@ -97,13 +118,15 @@ def archive_cmd(
     """Copy the event log into the object store, after what is archived already.
 
     Each segment (the stored messages of a range of sequences, byte-exact) is written, read
-    back and checked (BLAKE3, count, sequences) before the manifest lists it. Nothing is
-    removed from the stream. `dsec audit verify --archive` verifies archive and stream as one.
+    back and checked (BLAKE3, count, sequences) before the manifest lists it. The manifest is
+    signed with the operator's certified key (run it as the operator). Nothing is removed from
+    the stream. `dsec audit verify --archive` verifies archive and stream as one.
     """
     from dsec_core import eventarchive
 
     before_t = parse_since(before) if before else None
     name = _bucket(bucket)
+    signer = _signer()
     store = s3_client()
 
     def progress(seg: Any) -> None:
@@ -120,6 +143,7 @@ def archive_cmd(
                 js,
                 store,
                 name,
+                signer=signer,
                 upto=upto,
                 before=before_t,
                 segment_events=segment_events,
@@ -158,23 +182,25 @@ def archived_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable result")] = False,
 ) -> None:
     """List the archive's segments; check each one's BLAKE3, count and sequences (exit 1 when
-    one is altered or missing)."""
+    one is altered or missing, or the manifest is not signed by the operator)."""
     from dsec_core import eventarchive
 
     name = _bucket(bucket)
+    anchor = _anchor()
     store = s3_client()
 
     async def go() -> tuple[Any, Any]:
-        manifest = await eventarchive.read_manifest(store, name)
+        manifest = await eventarchive.read_manifest(store, name, anchor)
         checked = None
         if check and manifest is not None:
-            checked = await eventarchive.check_archive(store, name)
+            checked = await eventarchive.check_archive(store, name, anchor)
         return manifest, checked
 
     manifest, checked = guarded(go())
     out = eventarchive.summary(manifest)
     out["bucket"] = name
     out["verified"] = checked is not None
+    out["signature_verified"] = manifest is not None
     if as_json:
         print_json(out)
         return
@@ -194,8 +220,10 @@ def archived_cmd(
         )
     console.print(table)
     state = "every segment read back and verified" if checked else "not checked (--no-check)"
+    signer = safe_text(str((manifest.cert or {}).get("subject")))
     console.print(
-        f"{manifest.events} events, seq {manifest.first_seq}–{manifest.last_seq}: {state}",
+        f"{manifest.events} events, seq {manifest.first_seq}–{manifest.last_seq}: {state}; "
+        f"manifest signed by {signer} (certified by the trust root)",
         highlight=False,
     )
 
@@ -215,6 +243,7 @@ def restore_cmd(
     from dsec_core.bus import ensure_stream
 
     name = _bucket(bucket)
+    anchor = _anchor()
     store = s3_client()
 
     def progress(seq: int) -> None:
@@ -224,7 +253,7 @@ def restore_cmd(
     async def go() -> int:
         async with operator_bus() as js:
             await ensure_stream(js)
-            return await eventarchive.restore(js, store, name, progress=progress)
+            return await eventarchive.restore(js, store, name, anchor, progress=progress)
 
     last = guarded(go())
     if as_json:

@@ -71,6 +71,11 @@ async def _verify(anchor: bytes, archive: Any = None) -> VerifyReport:
                 report.finding = Finding(exc.first_seq, None, None, None, str(exc))
                 return report
             start = (manifest.last_seq or 0) + 1
+            problem = await _tail_problem(js, manifest)
+            if problem is not None:
+                report = verifier.finish()
+                report.finding = Finding(start - 1, None, None, None, problem)
+                return report
         else:
             first = (await js.stream_info(STREAM)).state.first_seq
             if first > 1:
@@ -86,8 +91,35 @@ async def _verify(anchor: bytes, archive: Any = None) -> VerifyReport:
     return verifier.finish()
 
 
-def _archive_source(bucket: str | None) -> Any:
-    """``(store, bucket, manifest)`` of the event archive, or exit 2 when there is none."""
+async def _tail_problem(js: Any, manifest: Any) -> str | None:
+    """Where the live stream still holds the archive's last sequence, its message must be the
+    one the signed manifest records (BLAKE3); ``None`` when it is, or when the stream no
+    longer holds it (then the verifier's sequence check joins archive and stream)."""
+    from dsec_core.eventarchive import message_hash
+    from dsec_core.subjects import STREAM
+    from nats.js.errors import NotFoundError
+
+    last = manifest.last_seq
+    if last is None:
+        return None
+    state = (await js.stream_info(STREAM)).state
+    if not state.messages or not state.first_seq <= last <= state.last_seq:
+        return None
+    try:
+        stored = await js.get_msg(STREAM, last)
+    except NotFoundError:  # discarded by a per-subject limit
+        return None
+    if message_hash(bytes(stored.data or b"")) != manifest.last_hash:
+        return (
+            f"the archive's last message (seq {last}) is not the live stream's: the signed "
+            "manifest records another BLAKE3"
+        )
+    return None
+
+
+def _archive_source(bucket: str | None, anchor: bytes) -> Any:
+    """``(store, bucket, manifest)`` of the event archive (its signature verified against the
+    trust root), or exit 2 when there is none, 1 when the manifest is not the operator's."""
     from dsec_core.eventarchive import read_manifest
     from dsec_core.settings import Settings
 
@@ -96,7 +128,7 @@ def _archive_source(bucket: str | None) -> Any:
 
     name = bucket or Settings().s3_bucket
     store = s3_client()
-    manifest = guarded(read_manifest(store, name))
+    manifest = guarded(read_manifest(store, name, anchor))
     if manifest is None:
         fail(
             f"no event archive in bucket {name!r} (`dsec events archive` writes one)",
@@ -172,10 +204,13 @@ def verify(
     message. Foreign messages (no certified key, bad signature, unauthorized producer, copies
     of old events) nobody acted on are listed with the refusals that answered them (exit 0).
     Trust comes from the operator root key (DSEC_TRUST_ROOT or the stack's trust/root.pub).
-    With --archive, an archived segment that is not the one the manifest lists is tampering.
+    With --archive, the manifest must carry the operator's signature (certified by the trust
+    root; unsigned or wrongly signed is tampering, exit 1), an archived segment that is not the
+    one the manifest lists is tampering, and where the live stream still holds the archive's
+    last sequence it must be the message the manifest records.
     """
     anchor = trust_anchor()
-    source = _archive_source(bucket) if archive else None
+    source = _archive_source(bucket, anchor) if archive else None
     report = run(_verify(anchor, source))
     result = _report_dict(report)
     if source is not None:
