@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOCATE: Final = "_locate"
-LOCATE_TIMEOUT_S: Final = 1.0
+# A node that serves nobody by that name answers at once (NATS: no responders); this bounds only
+# a serving node that is slow to say so (a loaded machine missed 1 s: a false "not found").
+LOCATE_TIMEOUT_S: Final = 5.0
 LIVENESS_EVERY_S: Final = 1.0
 # A call without a timeout still gets one across nodes: a vanished node must not hold it forever.
 DEFAULT_REMOTE_TIMEOUT_S: Final = 300.0
