@@ -23,6 +23,7 @@ from typing import Any
 import nats
 import pytest
 from dsec_core import events, natsperms
+from dsec_core.natsperms import inbox_prefix
 from dsec_core.settings import Settings
 from dsec_core.spec.plan import StatePlan
 from dsec_core.subjects import STATE_STREAM, STREAM, subject_for
@@ -566,6 +567,7 @@ async def connected_as(dsec_stack: Any, identity: str) -> AsyncIterator[tuple[An
     nc = await nats.connect(
         dsec_stack.nats_plain_url,
         nkeys_seed=str(dsec_stack.nats_seed(identity)),
+        inbox_prefix=inbox_prefix(identity),
         error_cb=on_error,
         max_reconnect_attempts=0,
     )
@@ -601,17 +603,12 @@ async def test_a_tenant_user_connection_cannot_touch_dsec_state(
     assert info.state.subjects == {subject: 1}  # the forged chunk never reached the stream
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="every role may subscribe to _INBOX.>: a tenant user's connection receives the "
-    "replies to other connections' requests, e.g. the node agent's DSEC_STATE reads during a "
-    "recovery (sealed chunks, but with the dsec_state.<tenant>.<group>.<agent> subject, sizes "
-    "and timing of every tenant's state) and its KV reads; per-identity inbox prefixes "
-    "(`inbox_prefix` in nats-py, `_INBOX_<identity>.>` in natsperms) would close it",
-)
 async def test_a_tenant_user_cannot_overhear_the_node_agents_state_reads(
     dsec_stack: Any, world: World
 ) -> None:
+    """Replies go to per-identity inboxes (``_INBOX.<identity>``): a tenant user's connection
+    may not subscribe to the shared ``_INBOX.>``, and its own inbox never hears the node
+    agent's DSEC_STATE reads (nor anyone else's replies)."""
     subject = f"dsec_state.t{tag()}.{GROUP}.a{tag()}"
     await world.js.publish(subject, b"another tenant's sealed chunk")
     async with connected_as(dsec_stack, "user-default") as (spy, spy_errors):
@@ -621,12 +618,20 @@ async def test_a_tenant_user_cannot_overhear_the_node_agents_state_reads(
             heard.append(msg)
 
         await spy.subscribe("_INBOX.>", cb=listen)
+        await violation(spy_errors, 'subscription to "_INBOX.>"')
+        await spy.subscribe("_INBOX.*.>", cb=listen)
+        await violation(spy_errors, 'subscription to "_INBOX.*.>"')
+        await spy.subscribe("_INBOX.nodeagent.>", cb=listen)
+        await violation(spy_errors, 'subscription to "_INBOX.nodeagent.>"')
+        refused = len(spy_errors)
+        await spy.subscribe(f"{inbox_prefix('user-default')}.>", cb=listen)  # its own: allowed
         await spy.flush()
-        async with connected_as(dsec_stack, "nodeagent") as (agent, _):
+        async with connected_as(dsec_stack, "nodeagent") as (agent, agent_errors):
             msg = await agent.jetstream().get_msg(STATE_STREAM, subject=subject)
             assert msg.data == b"another tenant's sealed chunk"
+            assert agent_errors == []
         await spy.flush()
-        assert spy_errors == []
+        assert len(spy_errors) == refused, spy_errors  # its own inbox was not refused
         # the stream's answer (JSON: the message's subject, headers and base64 payload)
         assert not [m for m in heard if subject.encode() in m.data], "overheard"
 

@@ -17,6 +17,7 @@ import pytest
 from dsec_cli.stack import StartFailed
 from dsec_cli.stack.adapters.natsauth import create_stream
 from dsec_core import natsperms
+from dsec_core.natsperms import inbox_prefix
 from dsec_core.settings import Settings
 from dsec_core.subjects import STREAM
 from dsec_testing.stack import StackFixture
@@ -56,6 +57,7 @@ async def as_identity(
     nc = await nats.connect(
         dsec_stack.nats_plain_url,
         nkeys_seed=str(dsec_stack.nats_seed(identity)),
+        inbox_prefix=inbox_prefix(identity),
         error_cb=seen.callback(),
         max_reconnect_attempts=0,
     )
@@ -202,7 +204,12 @@ async def test_deploy_config_enforces_the_same_roles(tmp_path: Path) -> None:
         password = (creds / "operator.password").read_text().strip()
         await asyncio.to_thread(create_stream, f"nats://operator:{password}@127.0.0.1:{port}")
         seen = Violations()
-        nc = await nats.connect(url, nkeys_seed=str(creds / "builder.nk"), error_cb=seen.callback())
+        nc = await nats.connect(
+            url,
+            nkeys_seed=str(creds / "builder.nk"),
+            inbox_prefix=inbox_prefix("builder"),
+            error_cb=seen.callback(),
+        )
         try:
             js = nc.jetstream(timeout=1.0)
             assert (await js.publish("dsec.sandbox.s1.env.built", b"x")).seq == 1
@@ -217,7 +224,10 @@ async def test_deploy_config_enforces_the_same_roles(tmp_path: Path) -> None:
         # the state keeper: publishes sealed deltas and reads them back by subject; a warm
         # snapshot's rollup replaces older ones; the purge API stays the operator's
         nc = await nats.connect(
-            url, nkeys_seed=str(creds / "nodeagent.nk"), error_cb=seen.callback()
+            url,
+            nkeys_seed=str(creds / "nodeagent.nk"),
+            inbox_prefix=inbox_prefix("nodeagent"),
+            error_cb=seen.callback(),
         )
         try:
             js = nc.jetstream(timeout=1.0)

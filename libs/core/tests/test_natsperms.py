@@ -139,6 +139,7 @@ def test_options_pick_the_nkey_file(tmp_path: Path) -> None:
         "servers": ["nats://h:1", "nats://h:2"],
         "name": "x",
         "nkeys_seed": str(seed),
+        "inbox_prefix": "_INBOX.policy",  # the seed file names the identity
         "max_reconnect_attempts": -1,
     }
 
@@ -162,6 +163,43 @@ def test_user_password_and_missing_files(tmp_path: Path) -> None:
     missing = Settings(home=tmp_path, nats_url="nats://h:1", nats_creds=tmp_path / "no.creds")
     with pytest.raises(natsclient.NatsSettingsError, match=r"DSEC_NATS_CREDS=.*no such file"):
         natsclient.nats_options(missing, name="x")
+
+
+def test_each_identity_gets_its_own_inbox_and_may_subscribe_to_no_other(tmp_path: Path) -> None:
+    """Replies go to ``_INBOX.<identity>``: the connect options pick the identity from the
+    credential, and the server lets each identity subscribe to its own inboxes only."""
+    home = tmp_path / "home"
+    seed = natsclient.credential_path(home, natsclient.DEFAULT_USER_IDENTITY)
+    seed.parent.mkdir(parents=True)
+    seed.write_text("SUAAA\n")
+    cases = {
+        Settings(home=home): "_INBOX.user-default",
+        Settings(home=home, nats_url="nats://h:1", nats_nkey_seed=seed.parent / "x.nk"): None,
+        Settings(home=home, nats_url="nats://h:1", nats_user="user-acme"): "_INBOX.user-acme",
+        Settings(home=home, nats_url="nats://scheduler:pw@h:1"): "_INBOX.scheduler",
+        Settings(home=home, nats_url="nats://h:1"): None,
+    }
+    for settings, prefix in cases.items():
+        if prefix is None and settings.nats_nkey_seed is not None:
+            with pytest.raises(natsclient.NatsSettingsError):
+                natsclient.inbox_options(settings)
+            continue
+        assert natsclient.inbox_options(settings).get("inbox_prefix") == prefix, settings
+    identities = [
+        natsperms.Identity("operator", user="operator", password_hash="h"),
+        natsperms.Identity("user-acme", nkey="UA"),
+        natsperms.Identity("user-other", nkey="UB"),
+        natsperms.Identity("nodeagent-n2", nkey="UC"),
+        natsperms.Identity("scheduler", nkey="UD"),
+    ]
+    for ident in identities[1:]:
+        allowed = ident.entry(nodes=["n2"])["permissions"]["subscribe"]["allow"]
+        inboxes = [s for s in allowed if s.startswith("_INBOX")]
+        assert inboxes == [f"_INBOX.{ident.name}.>"], (ident.name, allowed)
+    # the node agent still answers any requester's inbox (remote logs/exec)
+    assert "_INBOX.>" in natsperms.publish_allow("nodeagent")
+    with pytest.raises(ValueError, match="NATS identity"):
+        natsperms.inbox_prefix("a.b")
 
 
 def test_tls_settings(tmp_path: Path) -> None:
@@ -190,6 +228,7 @@ def test_broker_options_use_faststream_security(tmp_path: Path) -> None:
         Settings(home=tmp_path, nats_url="nats://h:1", nats_nkey_seed=seed), name="x"
     )
     assert isinstance(opts["security"], NatsNKey) and "nkeys_seed" not in opts
+    assert opts["inbox_prefix"] == "_INBOX.s"
 
 
 # --- the stream check ----------------------------------------------------------------------

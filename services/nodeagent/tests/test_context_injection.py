@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
 from _dsec_sandbox_testkit import managed, read_json_output, run_to_end, snippet_config
+from dsec_core import natsperms
 from dsec_core.spec.plan import MountPlan, SecretInjection
 
 from dsec_nodeagent.context import (
@@ -66,7 +67,10 @@ def injector(
     tmp_path: Path, vault_secrets: VaultSecrets, s3: Any, dsec_stack: Any
 ) -> ContextInjector:
     # Config maps are read as the node agent reads them: with its own NATS identity.
-    auth = {"nkeys_seed": str(dsec_stack.nats_seed("nodeagent"))}
+    auth = {
+        "nkeys_seed": str(dsec_stack.nats_seed("nodeagent")),
+        "inbox_prefix": natsperms.inbox_prefix("nodeagent"),
+    }
     return ContextInjector(
         tmp_path / "sandboxes",
         vault=vault_secrets,

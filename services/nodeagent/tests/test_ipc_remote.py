@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dsec_core import natsperms
 from dsec_sdk import (
     AgentNotFound,
     CallTimeout,
@@ -35,7 +36,10 @@ def nodes(dsec_stack: StackFixture) -> Iterator[tuple[BrokerThread, BrokerThread
     root = Path(tempfile.mkdtemp(prefix="dsec-ipc-"))
     # As node agents connect in the stack: with the nodeagent identity and its permissions.
     url = dsec_stack.nats_plain_url
-    auth = {"nkeys_seed": str(dsec_stack.nats_seed("nodeagent"))}
+    auth = {
+        "nkeys_seed": str(dsec_stack.nats_seed("nodeagent")),
+        "inbox_prefix": natsperms.inbox_prefix("nodeagent"),
+    }
     one = BrokerThread(root / "n1.sock", node_id="node-1", nats_url=url, nats_options=auth)
     two = BrokerThread(root / "n2.sock", node_id="node-2", nats_url=url, nats_options=auth)
     yield one, two

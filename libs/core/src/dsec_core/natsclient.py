@@ -13,6 +13,11 @@ Credentials, first match wins:
 5. with no ``DSEC_NATS_URL`` (the embedded stack): ``$DSEC_HOME/nats/user-default.nk``, the
    local tenant's credential written by ``dsec up``.
 
+Replies: every connection uses its identity's inbox prefix (``_INBOX.<identity>``, the only
+replies the server lets that identity subscribe to, :func:`dsec_core.natsperms.inbox_prefix`).
+The identity is the credential's name: the user name, or the stem of an nkey seed / creds file
+(``dsec nats credentials`` and the embedded stack write ``<identity>.nk``).
+
 TLS: ``DSEC_NATS_TLS_CA`` (verify the server), ``DSEC_NATS_TLS_CERT`` + ``DSEC_NATS_TLS_KEY``
 (client certificate).
 """
@@ -71,6 +76,36 @@ def credential_options(settings: Settings) -> dict[str, Any]:
     return {}
 
 
+def identity_of(settings: Settings) -> str | None:
+    """The NATS identity the settings connect as (its inbox prefix follows), or ``None`` when
+    no credential names one (then nats-py's shared ``_INBOX`` prefix is used)."""
+    url = settings.nats_endpoint()
+    for u in url.split(","):
+        name = urlsplit(u.strip()).username
+        if name:
+            return name
+    creds = credential_options(settings)
+    if "user" in creds:
+        return str(creds["user"])
+    for key in ("nkeys_seed", "user_credentials"):
+        if key in creds:
+            return Path(creds[key]).stem
+    return None
+
+
+def inbox_options(settings: Settings) -> dict[str, Any]:
+    """``{"inbox_prefix": "_INBOX.<identity>"}`` for the settings' identity (empty when none)."""
+    from dsec_core.natsperms import inbox_prefix
+
+    identity = identity_of(settings)
+    if identity is None:
+        return {}
+    try:
+        return {"inbox_prefix": inbox_prefix(identity)}
+    except ValueError:
+        return {}
+
+
 def tls_context(settings: Settings) -> ssl.SSLContext | None:
     """The TLS context from ``DSEC_NATS_TLS_*``, or ``None`` when none is set."""
     ca, cert, key = settings.nats_tls_ca, settings.nats_tls_cert, settings.nats_tls_key
@@ -90,8 +125,9 @@ def tls_context(settings: Settings) -> ssl.SSLContext | None:
 
 
 def auth_options(settings: Settings) -> dict[str, Any]:
-    """Only the credential and TLS arguments (for a client that already has its URL)."""
+    """Only the credential, TLS and inbox arguments (for a client that already has its URL)."""
     opts = credential_options(settings)
+    opts.update(inbox_options(settings))
     ctx = tls_context(settings)
     if ctx is not None:
         opts["tls"] = ctx

@@ -21,6 +21,11 @@ Roles:
   every event it publishes must still be signed by a ``nodeagent-<node>`` key the operator root
   certified for that node (:mod:`dsec_core.authz`): the credential alone forges nothing.
 
+Replies: each identity has its own inbox prefix, ``_INBOX.<identity>`` (:func:`inbox_prefix`;
+every DSec client connects with it, :mod:`dsec_core.natsclient`), and may subscribe to that
+prefix only: a tenant's connection never receives the replies to another connection's requests
+(JetStream reads, KV reads, remote sessions). Answering roles still publish to any ``_INBOX.>``.
+
 Subjects are derived from event types (:func:`dsec_core.subjects.filter_for`), never typed by
 hand. Limitation: subjects carry no tenant token, so reading cannot be restricted per tenant.
 """
@@ -57,6 +62,18 @@ _API = "$JS.API"
 
 
 _NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+INBOX = "_INBOX"
+_IDENTITY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def inbox_prefix(identity: str) -> str:
+    """The inbox prefix of ``identity``'s connections (``_INBOX.<identity>``): the only replies
+    it may subscribe to."""
+    if not _IDENTITY.match(identity):
+        raise ValueError(f"NATS identity {identity!r} must match {_IDENTITY.pattern}")
+    return f"{INBOX}.{identity}"
+
+
 RPC_REQUESTS = "dsec_rpc.node.*.*"
 """Remote logs/exec requests to node agents (:mod:`dsec_core.remote`), outside the stream."""
 DEFAULT_NODE = "node-1"
@@ -326,30 +343,37 @@ def publish_deny(
     return deny
 
 
-def subscribe_allow(role: str, node_id: str | None = None) -> list[str]:
-    """Subjects ``role`` may subscribe to: replies (``_INBOX.>``) and its extra subjects; a
-    node agent gets its own node's remote requests only (:data:`DEFAULT_NODE` when ``None``)."""
+def subscribe_allow(
+    role: str, node_id: str | None = None, identity: str | None = None
+) -> list[str]:
+    """Subjects ``role`` may subscribe to: the replies to its own identity (``_INBOX.<identity>.>``,
+    ``identity`` defaults to the role's name) and its extra subjects; a node agent gets its own
+    node's remote requests only (:data:`DEFAULT_NODE` when ``None``)."""
     if role == OPERATOR:
         return [">"]
     extra = list(_role(role).extra_subscribe)
     if RPC_REQUESTS in extra:
         extra[extra.index(RPC_REQUESTS)] = f"dsec_rpc.node.{node_id or DEFAULT_NODE}.*"
     # Revocations are followed live by every consumer (core NATS, no consumer to manage).
-    return ["_INBOX.>", filter_for(KEY_REVOKED), *extra]
+    return [f"{inbox_prefix(identity or role)}.>", filter_for(KEY_REVOKED), *extra]
 
 
 def permissions(
-    role: str, node_id: str | None = None, other_nodes: Iterable[str] = ()
+    role: str,
+    node_id: str | None = None,
+    other_nodes: Iterable[str] = (),
+    identity: str | None = None,
 ) -> dict[str, Any]:
     """nats-server ``permissions`` of ``role`` (of the node agent of ``node_id``, which may
-    use none of ``other_nodes``' durables)."""
+    use none of ``other_nodes``' durables) for ``identity`` (its inbox; the role's name when
+    ``None``)."""
     publish: dict[str, Any] = {"allow": publish_allow(role, node_id)}
     deny = publish_deny(role, node_id, other_nodes)
     if deny:
         publish["deny"] = deny
     perms: dict[str, Any] = {
         "publish": publish,
-        "subscribe": {"allow": subscribe_allow(role, node_id)},
+        "subscribe": {"allow": subscribe_allow(role, node_id, identity)},
     }
     if role != OPERATOR and _role(role).allow_responses:
         perms["allow_responses"] = True
@@ -394,7 +418,7 @@ class Identity:
             out["user"] = self.user
             out["password"] = self.password_hash or ""
         out["permissions"] = permissions(
-            role_of_identity(self.name), node_of_identity(self.name), nodes
+            role_of_identity(self.name), node_of_identity(self.name), nodes, self.name
         )
         return out
 
@@ -431,7 +455,8 @@ def render_deploy_config(tenants: Iterable[str] = ("default",)) -> str:
     names = [*SERVICES, FLEETSIM, *(f"{USER}-{t}" for t in tenants)]
     for name in names:
         var = "DSEC_NKEY_" + name.upper().replace("-", "_")
-        users.append({"nkey": f"@{var}@", "permissions": permissions(role_of_identity(name))})
+        perms = permissions(role_of_identity(name), identity=name)
+        users.append({"nkey": f"@{var}@", "permissions": perms})
     body = json.dumps(users, indent=2)
     body = body.replace('"@OPERATOR@"', "$DSEC_NATS_OPERATOR_BCRYPT")
     for name in names:

@@ -276,11 +276,19 @@ class Service:
                 config=config,
                 pull_sub=PullSub(batch_size=batch, timeout=1.0),
                 ack_policy=AckPolicy.MANUAL,
+                # the pull requests' replies come to this identity's own inboxes
+                inbox_prefix=self._inbox_prefix(),
                 title=f"{self.name}:{event_type}",
             )(consume)
             return fn
 
         return register
+
+    def _inbox_prefix(self) -> bytes:
+        """The pull requests' reply prefix: this identity's inboxes (nats-py's default when
+        the credential names no identity)."""
+        prefix = natsclient.inbox_options(self.settings).get("inbox_prefix", "_INBOX")
+        return f"{prefix}.".encode()
 
     async def _dispatch(
         self,
