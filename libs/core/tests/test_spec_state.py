@@ -236,3 +236,11 @@ def test_a_container_name_is_at_most_63_characters() -> None:
     assert plan_of(f"state:\n  tiers: {{{'a' * 63}: cold}}\n").state is not None
     error = error_at(f"state:\n  tiers: {{{'a' * 64}: cold}}\n", f"state.tiers.{'a' * 64}")
     assert "is not a container name" in error.message
+
+
+def test_the_state_limit_compiles_and_is_bounded() -> None:
+    plan = plan_of("state:\n  max_size: 2GiB\n")
+    assert plan.state is not None and plan.state.max_bytes == 2 << 30
+    assert plan_of("state: {}\n").state.max_bytes == 1 << 30  # type: ignore[union-attr]
+    error = error_at("state:\n  max_size: 10KiB\n", "state.max_size")
+    assert error.line == 6 and "1MiB-1TiB" in error.format()

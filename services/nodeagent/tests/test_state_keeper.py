@@ -578,3 +578,40 @@ async def test_the_broker_hands_out_state_sockets_within_the_bound(world: World)
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+async def test_an_agent_past_its_state_limit_is_refused_and_its_neighbour_is_not(
+    world: World,
+) -> None:
+    """`state.max_size`: one agent cannot fill the node's tmpfs journal and disk for the
+    others; its checkpoints are refused with `quota` (naming the limit) once its state on the
+    node reaches it, and another agent of the node checkpoints on."""
+    async with world.node("a") as node:
+        greedy = await world.sandbox(node.keeper)
+        node.keeper.register_sandbox(
+            SandboxState(
+                greedy, world.tenant, world.group, world.agent, StatePlan(max_bytes=1 << 20)
+            )
+        )
+        agent = await node.connect(greedy)
+        assert (await agent.hello(world.agent, world.group))["op"] == "welcome"
+        payload = b"x" * (300 << 10)
+        answers = []
+        for seq in range(1, 8):
+            record = {"c": "blob", "k": "kv", "t": "hot", "o": "set", "items": {str(seq): payload}}
+            answers.append(await agent.checkpoint(seq, [record]))
+            if answers[-1]["op"] == "error":
+                break
+        acked = [a for a in answers if a["op"] == "ack"]
+        refused = answers[-1]
+        assert refused["op"] == "error" and refused["code"] == "quota", answers
+        assert "1 MiB" in refused["message"] and "state.max_size" in refused["message"]
+        assert 3 <= len(acked) <= 5  # ~1 MiB of 300 KiB deltas, then no more
+
+        neighbour = await world.sandbox(node.keeper, agent="neighbour")
+        other = await node.connect(neighbour)
+        assert (await other.hello("neighbour", world.group))["op"] == "welcome"
+        small = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"a": 1}}
+        assert (await other.checkpoint(1, [small]))["op"] == "ack"
+        for each in (agent, other):
+            await each.close()

@@ -1181,6 +1181,12 @@ class State(SpecModel):
         examples=[{"history": "hot", "adapter": "warm"}],
     )
     retention: StateRetention = StateRetention()
+    max_size: ByteSize = Field(
+        default=1 << 30,
+        description="Most bytes of the agent's state a node keeps (its warm snapshot and the "
+        "deltas after it); a checkpoint past it is refused (1MiB-1TiB)",
+        examples=["2GiB"],
+    )
     encryption: Annotated[Literal["tenant-key"], BeforeValidator(_encryption)] = Field(
         default="tenant-key", description="tenant-key: encrypted with the tenant's state key"
     )
@@ -1195,6 +1201,16 @@ class State(SpecModel):
         le=MAX_RESTARTS,
         description=f"Restarts before the exit is final (0-{MAX_RESTARTS})",
     )
+
+    @field_validator("max_size")
+    @classmethod
+    def _bounded_size(cls, value: int) -> int:
+        if not 1 << 20 <= int(value) <= 1 << 40:
+            raise invalid(
+                f"{int(value)} bytes is outside 1MiB-1TiB",
+                "the most bytes of state one agent may keep on a node, e.g. 2GiB",
+            )
+        return value
 
     @field_validator("tiers", mode="before")
     @classmethod

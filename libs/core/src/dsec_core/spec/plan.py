@@ -221,6 +221,11 @@ class StatePlan(PlanModel):
         default=(), description="Container name -> tier overrides (others: their kind's default)"
     )
     warm_snapshots_kept: int = Field(default=3, description="Warm snapshots kept per agent")
+    max_bytes: int = Field(
+        default=1 << 30,
+        description="The agent's state on the node (its warm snapshot + the journal after it) "
+        "may not pass this: further checkpoints are refused (error `quota`)",
+    )
     hot_retention_s: float = Field(
         default=7 * 24 * 3600.0,
         description="Hot deltas older than this are dropped even without a warm merge",
@@ -358,6 +363,7 @@ def _state(state: State) -> StatePlan:
         cold_interval_s=state.cold_interval.total_seconds(),
         tiers=tuple(sorted(state.tiers.items())),
         warm_snapshots_kept=state.retention.warm_snapshots,
+        max_bytes=int(state.max_size),
         hot_retention_s=state.retention.hot.total_seconds(),
         encryption=state.encryption,
         restart=state.restart,

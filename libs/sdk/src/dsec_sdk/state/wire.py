@@ -41,7 +41,7 @@ state), ``no-handover``, ``bad-seq`` (a checkpoint's seq is not the last acked +
 ``bad-record``, ``not-durable`` (JetStream did not take it: nothing acked, retry the same seq),
 ``corrupt`` (stored state does not authenticate or is incomplete: nothing was sent),
 ``unavailable`` (OpenBao, the object store or NATS missing), ``unregistered`` (a sandbox
-without a ``state:`` section).
+without a ``state:`` section), ``quota`` (the state on the node is at its ``state.max_size``).
 
 Hand-over (docs/state.md): the NEW version's ``hello{handover: true}`` is answered by
 ``welcome{handover: true}``, then (without a ``fetch`` from it) ``records``... ``fetched`` with

@@ -145,6 +145,7 @@ class _Agent:
     seq: int = 0  # last durable checkpoint
     synced: bool = False
     journal_bytes: int = 0
+    warm_bytes: int | None = None  # size of the newest local warm snapshot (None: not read yet)
     writer: str | None = None  # the sandbox whose checkpoint is the newest, when known
 
     @property
@@ -168,6 +169,24 @@ class _Agent:
 
     def cold_aad(self, digest: str) -> bytes:
         return f"cold|{self.prefix}|{digest}".encode()
+
+
+def _newest_warm_size(store: _Agent) -> int:
+    seqs = store.warm_seqs()
+    if not seqs:
+        return 0
+    try:
+        return store.warm_path(seqs[-1]).stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.4g} {unit}"
+        n /= 1024
+    return f"{n:.4g} TiB"
 
 
 def carry_aad(subject: str, warm_seq: int) -> bytes:
@@ -448,6 +467,24 @@ class StateSession:
                 self.sandbox_id,
             )
 
+    async def _within_quota(self, store: _Agent, seq: int) -> None:
+        """Refuse a checkpoint while the agent's state on this node (its newest warm snapshot
+        and the journal after it) is at its ``max_bytes``: one agent cannot fill the node's
+        tmpfs and disk for the others (a checkpoint passes it by at most one frame)."""
+        if store.warm_bytes is None:
+            store.warm_bytes = await asyncio.to_thread(_newest_warm_size, store)
+        used = store.warm_bytes + store.journal_bytes
+        if used >= self.plan.max_bytes:
+            if not store.warming.locked():
+                self.keeper._spawn(self.warm())  # a merge may fold the journal back under it
+            raise StateError(
+                "quota",
+                f"the state of {store.key.agent} holds {_human(used)} on this node, its limit is "
+                f"{_human(self.plan.max_bytes)} (spec `state.max_size`): checkpoint {seq} refused; "
+                "keep less state or raise the limit",
+                seq,
+            )
+
     async def _checkpoint(self, frame: dict[str, Any]) -> None:
         assert self._agent is not None
         store, keeper = self._agent, self.keeper
@@ -461,6 +498,7 @@ class StateSession:
                 raise StateError(
                     "bad-seq", f"checkpoint {seq} after {store.seq}: expected {store.seq + 1}", seq
                 )
+            await self._within_quota(store, seq)
             try:
                 records = [merge.check(r) for r in raw]
                 records, cold_bytes = await keeper._cold(store, records)
@@ -1122,6 +1160,7 @@ class StateKeeper:
             sealed = seal(key, packed, store.warm_aad(seq))
             store.warm_dir.mkdir(parents=True, exist_ok=True)
             _write_atomic(store.warm_path(seq), sealed)
+            store.warm_bytes = len(sealed)
             return sealed, len(merged)
 
         sealed, count = await asyncio.to_thread(build)
