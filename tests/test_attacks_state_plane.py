@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import socket
 import struct
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -30,8 +31,10 @@ from dsec_core.subjects import STATE_STREAM, STREAM, subject_for
 from dsec_core.trust import Gate, KeyRing, scan_seq
 from dsec_nodeagent.state.handover import HandOverHooks, hand_over
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper, StateKey
-from dsec_sdk.state import wire
 from dsec_testing import trust
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "services" / "nodeagent" / "tests"))
+from _state_testkit import FakeAgent, keeper_settings
 
 pytestmark = pytest.mark.integration
 
@@ -39,68 +42,11 @@ NODE = "node-1"
 GROUP = "g1"
 
 
-class Agent:
-    """The sandbox's end of a state socket: whatever bytes the attacker likes."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def open(self) -> Agent:
-        self.sock.setblocking(False)
-        self.reader, self.writer = await asyncio.open_unix_connection(
-            sock=self.sock, limit=wire.MAX_FRAME + 4
-        )
-        return self
-
-    async def raw(self, data: bytes) -> None:
-        assert self.writer is not None
-        self.writer.write(data)
-        await self.writer.drain()
-
-    async def send(self, frame: dict[str, Any]) -> None:
-        await self.raw(wire.encode(frame))
-
-    async def recv(self) -> dict[str, Any]:
-        assert self.reader is not None
-        frame = await asyncio.wait_for(wire.read_frame(self.reader), 60)
-        assert frame is not None, "the keeper closed the socket"
-        return frame
+class Agent(FakeAgent):
+    """The attacker's end of a state socket (its task group: ``GROUP`` unless it says)."""
 
     async def hello(self, agent: str, group: str = GROUP, *, handover: bool = False) -> Any:
-        await self.send(
-            {"op": "hello", "v": 1, "agent": agent, "group": group, "handover": handover}
-        )
-        return await self.recv()
-
-    async def fetch(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        await self.send({"op": "fetch"})
-        records: list[dict[str, Any]] = []
-        while True:
-            frame = await self.recv()
-            if frame["op"] != "records":
-                return records, frame
-            records.extend(frame["records"])
-
-    async def checkpoint(self, seq: int, records: list[dict[str, Any]]) -> dict[str, Any]:
-        await self.send(
-            {
-                "op": "checkpoint",
-                "seq": seq,
-                "records": records,
-                "pause_ms": 0.1,
-                "tiers": ["hot"],
-                "final": False,
-            }
-        )
-        return await self.recv()
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            with contextlib.suppress(Exception):
-                await self.writer.wait_closed()
+        return await super().hello(agent, group, handover=handover)
 
 
 def kv(**items: Any) -> list[dict[str, Any]]:
@@ -191,17 +137,7 @@ class World:
 async def world(
     tmp_path: Path, nats_url: str, s3: Any, vault: Any, dsec_stack: Any
 ) -> AsyncIterator[World]:
-    settings = Settings(
-        home=tmp_path / "home",
-        nats_url=nats_url,
-        s3_endpoint=s3.endpoint,
-        s3_access_key=s3.access_key,
-        s3_secret_key=s3.secret_key,
-        s3_bucket=s3.bucket,
-        vault_addr=vault.addr,
-        vault_token=vault.token,
-        node_id=NODE,
-    )
+    settings = keeper_settings(tmp_path / "home", nats_url, s3, vault, NODE)
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     pipe = await trust.pipeline(js, dsec_stack.home, node_id=NODE)

@@ -207,8 +207,9 @@ async def test_a_stop_while_it_waits_to_restart_ends_it_as_stopped(
         exited = (await h.wait_for(sid, "sandbox.exited")).decoded()
         assert isinstance(exited, events.SandboxExited)
         assert exited.reason == "stopped"
-        restarts = _types(h, sid).count("sandbox.restarted")
-        assert 1 <= restarts < 5  # the default max_restarts was not what ended it
+        # the stop ended it, not running out of restarts (the default max_restarts is 5)
+        assert "max_restarts" not in (exited.detail or ""), exited.detail
+        assert _types(h, sid).count("sandbox.restarted") >= 1
         assert h.agent.manager.get(sid) is None
 
 

@@ -32,7 +32,6 @@ from dsec_core.spec.plan import StatePlan
 from dsec_core.subjects import STATE_STREAM, subject_for
 from dsec_core.trust import Gate, KeyRing, scan_seq
 from dsec_sdk.ipc import control
-from dsec_sdk.state import wire
 from dsec_testing import trust
 from prometheus_client import REGISTRY
 
@@ -40,69 +39,12 @@ from dsec_nodeagent.ipc import Broker
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper, StateKey
 from dsec_nodeagent.state.merge import merge
 
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
+from _state_testkit import FakeAgent, keeper_settings
+
 pytestmark = pytest.mark.integration
 
 NODE = "node-1"
-
-
-class FakeAgent:
-    """The agent's end of a state socket (async, wire frames)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def open(self) -> FakeAgent:
-        self.sock.setblocking(False)
-        self.reader, self.writer = await asyncio.open_unix_connection(
-            sock=self.sock, limit=wire.MAX_FRAME + 4
-        )
-        return self
-
-    async def send(self, frame: dict[str, Any]) -> None:
-        assert self.writer is not None
-        self.writer.write(wire.encode(frame))
-        await self.writer.drain()
-
-    async def recv(self) -> dict[str, Any]:
-        assert self.reader is not None
-        frame = await asyncio.wait_for(wire.read_frame(self.reader), 60)
-        assert frame is not None, "the keeper closed the socket"
-        return frame
-
-    async def hello(self, agent: str, group: str) -> dict[str, Any]:
-        await self.send({"op": "hello", "v": 1, "agent": agent, "group": group, "handover": False})
-        return await self.recv()
-
-    async def fetch(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        await self.send({"op": "fetch"})
-        records: list[dict[str, Any]] = []
-        while True:
-            frame = await self.recv()
-            if frame["op"] == "records":
-                records.extend(frame["records"])
-            else:
-                return records, frame
-
-    async def checkpoint(self, seq: int, records: list[dict[str, Any]]) -> dict[str, Any]:
-        await self.send(
-            {
-                "op": "checkpoint",
-                "seq": seq,
-                "records": records,
-                "pause_ms": 0.5,
-                "tiers": ["hot", "warm", "cold"],
-                "final": False,
-            }
-        )
-        return await self.recv()
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            with contextlib.suppress(Exception):
-                await self.writer.wait_closed()
 
 
 @dataclass
@@ -175,17 +117,7 @@ class World:
 async def world(
     tmp_path: Path, nats_url: str, s3: Any, vault: Any, dsec_stack: Any
 ) -> AsyncIterator[World]:
-    settings = Settings(
-        home=tmp_path / "home",
-        nats_url=nats_url,
-        s3_endpoint=s3.endpoint,
-        s3_access_key=s3.access_key,
-        s3_secret_key=s3.secret_key,
-        s3_bucket=s3.bucket,
-        vault_addr=vault.addr,
-        vault_token=vault.token,
-        node_id=NODE,
-    )
+    settings = keeper_settings(tmp_path / "home", nats_url, s3, vault, NODE)
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     pipe = await trust.pipeline(js, dsec_stack.home, node_id=NODE)
