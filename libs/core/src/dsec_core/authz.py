@@ -24,6 +24,7 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "snapshot.delete_requested": frozenset({"user"}),
     # the operator runs the fleet
     "node.cordon_requested": frozenset({"operator"}),
+    "unit.migration_requested": frozenset({"operator"}),
     # the pipeline
     "spec.validated": frozenset({"policy"}),
     "spec.rejected": frozenset({"policy"}),
@@ -36,6 +37,15 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "unit.lost": frozenset({"scheduler"}),
     "node.lost": frozenset({"scheduler"}),
     "node.cordoned": frozenset({"scheduler"}),
+    # migration: the scheduler chooses the target and reserves it; the node agents move the
+    # unit (the target reports it migrated; either end, or the scheduler, reports a failure)
+    "unit.migration_started": frozenset({"scheduler"}),
+    "unit.migrated": frozenset({"nodeagent"}),
+    "unit.migration_failed": frozenset({"scheduler", "nodeagent"}),
+    # GPU health, from the node agent that owns the GPU (NVML, or the simulated fleet's nodes)
+    "gpu.degraded": frozenset({"nodeagent"}),
+    "gpu.recovered": frozenset({"nodeagent"}),
+    "link.congested": frozenset({"nodeagent"}),
     # the node agent that runs the sandbox
     "context.injected": frozenset({"nodeagent"}),
     "sandbox.ready": frozenset({"nodeagent"}),
@@ -88,6 +98,15 @@ def refusal(fields: Mapping[str, Any], cert: Certificate) -> str | None:
     node = payload.get("node_id") if isinstance(payload, dict) else None
     if cert.role == "nodeagent" and node is not None and node != cert.node_id:
         return f"node agent of {cert.node_id!r} may not speak for node {node!r}"
+    to_node = payload.get("to_node") if isinstance(payload, dict) else None
+    if cert.role == "nodeagent" and event_type == "unit.migrated" and to_node != cert.node_id:
+        return f"node agent of {cert.node_id!r} may only report units migrated to its node"
+    if cert.role == "nodeagent" and event_type == "unit.migration_failed":
+        ends = (
+            (payload.get("from_node"), payload.get("to_node")) if isinstance(payload, dict) else ()
+        )
+        if cert.node_id not in ends:
+            return f"node agent of {cert.node_id!r} is no end of this migration"
     registered = payload.get("key_id") if isinstance(payload, dict) else None
     if event_type == "audit.key_registered" and registered != cert.key_id:
         return "a key registration must register the key that signs it"

@@ -316,9 +316,14 @@ ExitReason = Literal[
     "disk",
     "policy_flood",
     "handed_over",
+    "gpu_memory",
+    "migrated",
 ]
 """Why a sandbox ended (1.2 of sandbox.exited adds ``handed_over``: a new version took over its
-state and tool name in a live hand-over, see state.handed_over)."""
+state and tool name in a live hand-over, see state.handed_over; 1.3 adds ``gpu_memory``: a unit
+stopped for using more GPU memory than its slice, and ``migrated``: the unit moved to another node
+and runs on there, see unit.migrated).
+"""
 
 
 class SandboxExited(Payload):
@@ -327,7 +332,7 @@ class SandboxExited(Payload):
     TYPE = "sandbox.exited"
     AGGREGATE = "sandbox"
     TERMINAL = True
-    VERSION = "1.2"
+    VERSION = "1.3"
 
     exit_code: int
     reason: ExitReason
@@ -784,6 +789,138 @@ class StateHandedOver(Payload):
     deltas_streamed: int = Field(description="Records streamed to the new version")
 
 
+# --- GPU health and migration (docs/migration.md) -------------------------------------------
+
+GpuSignal = Literal[
+    "temperature", "xid", "ecc", "throttle", "nvlink_errors", "memory", "lost", "operator"
+]
+
+
+class GpuDegraded(Payload):
+    """A GPU crossed a health threshold; the scheduler places nothing new on it and moves the
+    units whose spec allows migration (``migration.on``)."""
+
+    TYPE = "gpu.degraded"
+    AGGREGATE = "node"
+
+    node_id: str
+    gpu_index: int = Field(ge=0)
+    gpu_uuid: str = ""
+    signal: GpuSignal
+    value: Finite = Field(description="The reading that crossed the threshold (°C, count, ...)")
+    threshold: Finite
+    severity: Literal["warning", "critical"] = "critical"
+    detail: str = Field(default="", max_length=500, description="One line an operator can act on")
+    source: Literal["nvml", "declared", "simulated"] = "nvml"
+
+
+class GpuRecovered(Payload):
+    """A degraded GPU is back under every threshold (with hysteresis); placement resumes."""
+
+    TYPE = "gpu.recovered"
+    AGGREGATE = "node"
+
+    node_id: str
+    gpu_index: int = Field(ge=0)
+    gpu_uuid: str = ""
+    degraded_s: float = Field(ge=0, description="How long it was degraded")
+
+
+class LinkCongested(Payload):
+    """An NVLink between two GPUs is congested or erroring; traffic degrades to PCIe."""
+
+    TYPE = "link.congested"
+    AGGREGATE = "node"
+
+    node_id: str
+    gpu_index: int = Field(ge=0)
+    link: int = Field(ge=0)
+    peer_gpu_index: int | None = None
+    utilization_pct: Finite = 0.0
+    errors: int = Field(default=0, ge=0, description="Replay/recovery/CRC errors since the last")
+    action: Literal["pcie_fallback", "warn"] = "warn"
+    detail: str = Field(default="", max_length=500)
+
+
+MigrationReason = Literal["gpu_degraded", "operator", "drain", "link_congested", "rebalance"]
+MigrationPath = Literal["handover", "criu", "restart"]
+
+
+class UnitMigrationRequested(Payload):
+    """An operator asked to move one sandbox's unit (``dsec unit migrate ID --to NODE``)."""
+
+    TYPE = "unit.migration_requested"
+    AGGREGATE = "sandbox"
+
+    unit: str = Field(default="main", max_length=128)
+    to_node: str | None = Field(default=None, description="None: the scheduler chooses")
+    reason: MigrationReason = "operator"
+    requested_by: str = ""
+
+
+class UnitMigrationStarted(Payload):
+    """The scheduler chose where a unit goes and reserved it there; the source node agent now
+    moves the unit's state (``path``) and the target node agent resumes it."""
+
+    TYPE = "unit.migration_started"
+    AGGREGATE = "sandbox"
+
+    unit: str = Field(default="main", max_length=128)
+    migration_id: str = Field(max_length=64, description="Ties the started/migrated/failed events")
+    from_node: str
+    to_node: str
+    from_gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=256)
+    to_gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=256)
+    reason: MigrationReason
+    path: MigrationPath = Field(
+        description="handover: the agent's state moves through the state plane; criu: the "
+        "process tree is checkpointed and restored; restart: started afresh (stateless)"
+    )
+    detail: str = Field(default="", max_length=500)
+
+
+class UnitMigrated(Payload):
+    """The unit runs on the target; the source released it (published by the target's node
+    agent, or the simulated fleet's)."""
+
+    TYPE = "unit.migrated"
+    AGGREGATE = "sandbox"
+    TERMINAL = True
+
+    unit: str = Field(default="main", max_length=128)
+    migration_id: str = Field(max_length=64)
+    from_node: str
+    to_node: str
+    from_gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=256)
+    to_gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=256)
+    reason: MigrationReason
+    path: MigrationPath
+    interruption_ms: float = Field(
+        ge=0,
+        description="From the unit's last served call / frozen process to the first on the target",
+    )
+    bytes_moved: int = Field(default=0, ge=0)
+    precopy_rounds: int = Field(default=0, ge=0, description="CRIU pre-dump rounds before freeze")
+    stages_ms: dict[str, Finite] = Field(default_factory=dict, max_length=16)
+
+
+class UnitMigrationFailed(Payload):
+    """A migration could not finish; the unit keeps running on the source when ``still_running``
+    (else it is ended with its own sandbox.exited/failed)."""
+
+    TYPE = "unit.migration_failed"
+    AGGREGATE = "sandbox"
+    TERMINAL = True
+
+    unit: str = Field(default="main", max_length=128)
+    migration_id: str = Field(default="", max_length=64)
+    from_node: str | None = None
+    to_node: str | None = None
+    reason: str = Field(max_length=500, description="Why, in a line a user can act on")
+    stage: Literal["choose", "checkpoint", "transfer", "restore", "resume", "timeout"] = "choose"
+    still_running: bool = True
+
+
 EVENT_MODELS: tuple[type[Payload], ...] = (
     PolicyViolationSummary,
     PolicyReported,
@@ -822,6 +959,13 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     StateCheckpointed,
     StateRecovered,
     StateHandedOver,
+    GpuDegraded,
+    GpuRecovered,
+    LinkCongested,
+    UnitMigrationRequested,
+    UnitMigrationStarted,
+    UnitMigrated,
+    UnitMigrationFailed,
 )
 
 EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}
