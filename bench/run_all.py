@@ -26,6 +26,8 @@ BENCHES = {
     "noisy_neighbour": [],
     "placement": [],
     "state": [],
+    "migration": [],
+    "e2e": [],
 }
 QUICK = {
     "bus": ["--quick"],
@@ -35,6 +37,8 @@ QUICK = {
     "noisy_neighbour": ["--n", "8", "--flood-s", "10"],
     "placement": ["--seeds", "3"],
     "state": ["--quick"],
+    "migration": ["--quick"],
+    "e2e": ["--quick"],
 }
 
 
