@@ -112,6 +112,12 @@ class Settings(BaseSettings):
         default=64, ge=1, description="Characters of a name a wildcard rule lets a sandbox choose"
     )
     log_level: str = Field(default="INFO", description="Log level of services")
+    resolve_cache_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="The builder answers the same requirements with the same lock for this "
+        "long without asking the package index again (0 = always ask)",
+    )
     snapshot_interval_s: float = Field(
         default=0.0, ge=0, description="Periodic snapshot of each running sandbox (0 = off)"
     )

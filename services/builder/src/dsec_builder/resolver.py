@@ -81,6 +81,10 @@ class Resolver:
         rules: Known-bad combinations; defaults to the curated file.
         alternatives_budget_s: Wall-clock limit of the whole alternatives search.
         max_parallel: Probing resolutions run at once.
+        lock_ttl_s: How long a lock stays the answer for the same requirements and target
+            without asking the index again (0: always ask). A version published in that window
+            is picked up by the next resolution after it; a spec that pins exact versions is
+            unaffected.
     """
 
     def __init__(
@@ -90,17 +94,24 @@ class Resolver:
         *,
         alternatives_budget_s: float = 30.0,
         max_parallel: int = 4,
+        lock_ttl_s: float = 0.0,
     ) -> None:
         self.uv = uv
+        self.lock_ttl_s = lock_ttl_s
+        self._locks: dict[tuple[str, Target], tuple[float, Lock]] = {}
         self.rules = tuple(load_known_bad() if rules is None else rules)
         self.alternatives_budget_s = alternatives_budget_s
         self._parallel = asyncio.Semaphore(max_parallel)
 
     @classmethod
     def from_settings(cls, settings: Settings, index_url: str = DEFAULT_INDEX_URL) -> Resolver:
-        """A resolver whose uv cache lives under ``$DSEC_HOME/cache/uv``."""
+        """A resolver whose uv cache lives under ``$DSEC_HOME/cache/uv``; locks are remembered
+        for ``DSEC_RESOLVE_CACHE_S`` seconds."""
         home = settings.home.resolve()
-        return cls(Uv(cache_dir=home / "cache" / "uv", index_url=index_url))
+        return cls(
+            Uv(cache_dir=home / "cache" / "uv", index_url=index_url),
+            lock_ttl_s=settings.resolve_cache_s,
+        )
 
     async def resolve(
         self, requirements: Sequence[Requirement], target: Target | None = None
@@ -112,7 +123,7 @@ class Resolver:
         """
         started = time.monotonic()
         target = target or Target()
-        outcome = await self._lock(requirements, target)
+        outcome = await self._remembered_lock(requirements, target)
         if isinstance(outcome, _Unsatisfiable):
             return await self._unsatisfiable(requirements, target, outcome.output, started)
         hit = match_known_bad(outcome, self.rules)
@@ -124,6 +135,26 @@ class Resolver:
             fingerprint=fingerprint(outcome.packages),
             duration_s=time.monotonic() - started,
         )
+
+    async def _remembered_lock(
+        self, requirements: Sequence[Requirement], target: Target
+    ) -> Lock | _Unsatisfiable:
+        """:meth:`_lock`, answered from memory for the same requirements and target within
+        ``lock_ttl_s`` (only locks are remembered: a conflict is asked again, it may be fixed
+        upstream)."""
+        if self.lock_ttl_s <= 0:
+            return await self._lock(requirements, target)
+        key = (requirements_text(requirements), target)
+        now = time.monotonic()
+        remembered = self._locks.get(key)
+        if remembered is not None and now - remembered[0] < self.lock_ttl_s:
+            return remembered[1]
+        outcome = await self._lock(requirements, target)
+        if isinstance(outcome, Lock):
+            if len(self._locks) >= 1024:  # bounded: forget the oldest
+                del self._locks[min(self._locks, key=lambda k: self._locks[k][0])]
+            self._locks[key] = (now, outcome)
+        return outcome
 
     async def _lock(
         self,
