@@ -52,7 +52,7 @@ from dsec_nodeagent.context.injector import ContextInjector, PreparedContext
 from dsec_nodeagent.context.models import ContextError
 from dsec_nodeagent.context.s3 import S3Materializer
 from dsec_nodeagent.context.vault import VaultSecrets
-from dsec_nodeagent.envstage import EnvStageError, EnvStager, EnvStageUnavailable
+from dsec_nodeagent.envstage import EnvStageError, EnvStager, EnvStageUnavailable, Staged
 from dsec_nodeagent.outlet import EventOutlet
 from dsec_nodeagent.refusals import Key
 from dsec_nodeagent.sandbox.audit import LandlockRefusal, describe
@@ -427,16 +427,16 @@ class NodeAgent:
     async def _start(
         self, sid: str, envelope: Envelope, event: events.SandboxScheduled
     ) -> Sequence[events.Payload]:
+        staging: asyncio.Task[Staged] | None = None
         try:
             built_env = await self._last("env.built", sid, event.env_built_id)
             built = built_env.decoded()
             assert isinstance(built, events.EnvBuilt)
-            try:
-                staged = await self.envs.stage(built)
-            except EnvStageError as exc:
-                raise StartRefused(str(exc)) from None
+            # The environment is staged while the code, secrets and data are fetched: on a
+            # cold node both are downloads, and neither needs the other.
+            staging = asyncio.create_task(self._stage(built))
             self._attempts[sid] = event.attempt
-            return await self._launch(sid, staged.site_packages, built_env, staged.ms)
+            return await self._launch(sid, staging, built_env)
         except (StartRefused, ContextError, SandboxStartError) as exc:
             self._attempts.pop(sid, None)
             self._rules.pop(sid, None)
@@ -453,9 +453,21 @@ class NodeAgent:
         except EnvStageUnavailable:
             self._attempts.pop(sid, None)
             raise  # the object store is unreachable: retried with backoff
+        finally:
+            if staging is not None and not staging.done():
+                # the start failed before it needed the environment: let the staging finish
+                # (a staged environment is reused by the next sandbox of its lock)
+                with contextlib.suppress(Exception):
+                    await staging
+
+    async def _stage(self, built: events.EnvBuilt) -> Staged:
+        try:
+            return await self.envs.stage(built)
+        except EnvStageError as exc:
+            raise StartRefused(str(exc)) from None
 
     async def _launch(
-        self, sid: str, env_dir: Path, built: Envelope, stage_ms: float
+        self, sid: str, staging: asyncio.Task[Staged], built: Envelope
     ) -> list[events.Payload]:
         # Follow the causes back: env.built <- deps.resolved <- spec.validated <- spec.submitted,
         # each authentic; never simply the newest message on those subjects.
@@ -500,7 +512,8 @@ class NodeAgent:
             *(events.ContextInjected(**record.model_dump()) for record in ctx.records),
         ]
         try:
-            config = self._config(sid, plan, env_dir, code_dir, ctx)
+            staged = await staging
+            config = self._config(sid, plan, staged.site_packages, code_dir, ctx)
             if handover_from is not None:
                 config = config.model_copy(
                     update={"env": {**config.env, ENV_HANDOVER_FROM: handover_from}}
@@ -522,7 +535,7 @@ class NodeAgent:
         self._launched[sid] = Launched(config, plan, egress_plan, ready.started_at)
         self._contexts[sid] = ctx
         self._keepalive[sid] = asyncio.create_task(self.injector.keepalive(ctx))
-        ready_event = self._ready_event(ready, code_dir, {"env_stage": stage_ms})
+        ready_event = self._ready_event(ready, code_dir, {"env_stage": staged.ms})
         observe_start(ready_event.start_latency_ms)
         STARTS.labels("started").inc()
         outputs.append(ready_event)
