@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -30,6 +31,9 @@ import urllib3.exceptions
 
 from dsec_nodeagent.context import crypto
 from dsec_nodeagent.context.models import ContextError
+
+FETCH_PARALLEL = 8
+"""Objects of one mount fetched at once (within the S3 client's pool of 10 connections)."""
 
 Unwrap = Callable[[str, str], bytes]
 
@@ -94,8 +98,7 @@ class S3Materializer:
         if cache_ttl_s is None:
             listing = self._list(uri, bucket, prefix)
             dest.mkdir(parents=True, mode=0o755)
-            for name, _etag in listing.items():
-                self._fetch(uri, bucket, prefix + name, dest / name, encrypted)
+            self._fetch_all(uri, bucket, prefix, list(listing), dest, encrypted)
             return _summarize(dest, cache_hit=False)
         entry = (
             self.cache_dir
@@ -123,25 +126,57 @@ class S3Materializer:
             raise ContextError(uri, "no objects under this prefix (missing or empty)")
         return objects
 
+    def _fetch_all(
+        self, uri: str, bucket: str, prefix: str, names: list[str], dest: Path, encrypted: bool
+    ) -> None:
+        """Fetch ``names`` (relative to ``prefix``) into ``dest``, up to ``FETCH_PARALLEL`` at a
+        time (one object store round trip no longer waits for the previous one); the first
+        failure is raised once the others have stopped."""
+        if len(names) <= 1:
+            for name in names:
+                self._fetch(uri, bucket, prefix + name, dest / name, encrypted)
+            return
+        with ThreadPoolExecutor(min(FETCH_PARALLEL, len(names)), "s3-mount") as pool:
+            futures = [
+                pool.submit(self._fetch, uri, bucket, prefix + name, dest / name, encrypted)
+                for name in names
+            ]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for future in futures:
+                future.cancel()
+        for future in futures:
+            error = None if future.cancelled() else future.exception()
+            if error is not None:
+                raise error
+
     def _fetch(self, uri: str, bucket: str, key: str, target: Path, encrypted: bool) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        tmp = target.with_name(f".{target.name}.part")
         try:
             response = self.client.get_object(bucket, key)
             try:
-                data = response.read()
+                if encrypted:  # sealed as one message: opened whole
+                    data = response.read()
+                else:  # streamed to the file, never whole in memory
+                    with open(tmp, "wb") as out:
+                        for chunk in response.stream(1 << 20):
+                            out.write(chunk)
             finally:
                 response.close()
                 response.release_conn()
         except minio.error.S3Error as exc:
+            tmp.unlink(missing_ok=True)
             raise ContextError(f"s3://{bucket}/{key}", _s3_reason(exc)) from exc
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         if encrypted:
             assert self.unwrap is not None
             try:
                 data = crypto.open_sealed(data, self.unwrap)
             except crypto.DecryptionError as exc:
                 raise ContextError(f"s3://{bucket}/{key}", f"cannot decrypt: {exc}") from exc
-        target.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
-        tmp = target.with_name(f".{target.name}.part")
-        tmp.write_bytes(data)
+            tmp.write_bytes(data)
         os.chmod(tmp, 0o644)
         tmp.replace(target)
 
@@ -160,9 +195,12 @@ class S3Materializer:
         os.chmod(entry, 0o700)
         files = entry / "files"
         cached: dict[str, str] = manifest.get("etags", {})
-        for name, etag in listing.items():
-            if cached.get(name) != etag or not (files / name).exists():
-                self._fetch(uri, bucket, prefix + name, files / name, encrypted)
+        stale = [
+            name
+            for name, etag in listing.items()
+            if cached.get(name) != etag or not (files / name).exists()
+        ]
+        self._fetch_all(uri, bucket, prefix, stale, files, encrypted)
         for name in set(cached) - set(listing):
             (files / name).unlink(missing_ok=True)
         tmp = entry / ".manifest.tmp"
