@@ -123,8 +123,12 @@ async def _submit_until_ready(spec: str, code: Path) -> dict[str, Any]:
         started = time.perf_counter()
         sb = await d.submit(spec, code=code)
 
+        built: dict[str, Any] = {}
+
         def seen(event: Any) -> None:
             stages.setdefault(event.type, round((time.perf_counter() - started) * 1000, 1))
+            if event.type == "env.built":
+                built.update(event.envelope.payload.get("timings_ms", {}))
 
         ready = await sb.wait("ready", timeout=1800, on_event=seen)
         ready_ms = (time.perf_counter() - started) * 1000
@@ -402,6 +406,8 @@ def main() -> int:
                 "cold_warm_s3_ms": warm_s3["ready_ms"],
                 "warm_ms_p50": round(warm_ms, 1),
                 "cold_events_ms": cold["events_ms"],
+                "cold_build_ms": cold["build_ms"],
+                "cold_node_ms": cold["node_ms"],
                 "warm_s3_events_ms": warm_s3["events_ms"],
                 "warm_events_ms": warm_runs[-1]["events_ms"],
                 "warm_node_ms": warm_runs[-1]["node_ms"],
