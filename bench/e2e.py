@@ -143,6 +143,7 @@ async def _submit_until_ready(spec: str, code: Path) -> dict[str, Any]:
         "ready_ms": round(ready_ms, 1),
         "events_ms": stages,
         "node_ms": start_stages,
+        "build_ms": built,
         "output": out.strip().splitlines()[-1:],
     }
 
