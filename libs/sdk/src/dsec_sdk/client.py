@@ -24,12 +24,16 @@ from pathlib import Path
 from types import EllipsisType, TracebackType
 from typing import Any, Final, TypeVar
 
+from dsec_sdk import recording
 from dsec_sdk.errors import (
+    AgentNotFound,
     BrokerUnavailable,
     CallTimeout,
+    IpcError,
     PayloadTooLarge,
     PeerGone,
     ProtocolError,
+    RemoteError,
 )
 from dsec_sdk.ipc import codec, control, ring
 from dsec_sdk.ipc.aio import AsyncCaller
@@ -228,6 +232,7 @@ class DSecClient:
         self._server: BlockingServer | AsyncServer | None = None
         self._state: Any = None  # an AgentState (dsec_sdk.state) this client serves with
         self._watched: Any = None  # the state whose hand-over callbacks are registered
+        self._layer: recording.Passthrough | recording.Recorder | recording.Replayer | None = None
 
     # ------------------------------------------------------------------ tools
     def tool(self, name: str | None = None) -> Callable[[F], F]:
@@ -384,10 +389,26 @@ class DSecClient:
             PayloadTooLarge: The request or response exceeds the limit.
             BrokerUnavailable: The node agent cannot be reached.
         """
+        layer = self._layer
+        if layer is None:
+            layer = self._layer = recording.active_layer()
+        if layer.mode != "live":  # record or replay (docs/experiments.md)
+            merged = kwargs if arguments is None else _merge(arguments, kwargs)
+            key = recording.tool_key(agent, tool, merged)
+
+            def live() -> bytes:
+                return _outcome(lambda: self._call_live(agent, tool, merged, timeout))
+
+            return _unwrap(agent, tool, self.group, layer.call_sync(key, live, recording.is_error))
+        merged = kwargs if arguments is None else _merge(arguments, kwargs)
+        return self._call_live(agent, tool, merged, timeout)
+
+    def _call_live(
+        self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
+    ) -> Any:
         channel = self._channels.get(agent)
         if channel is None or channel.end.is_closed:
             channel = self._channel(agent)
-        merged = kwargs if arguments is None else _merge(arguments, kwargs)
         seconds = self.timeout if timeout is ... else timeout
         try:
             return channel.call(tool, merged, seconds, self.group)
@@ -423,11 +444,39 @@ class DSecClient:
         **kwargs: Any,
     ) -> Any:
         """``async`` twin of :meth:`call_tool`; many calls may be in flight at once."""
+        layer = self._layer
+        if layer is None:
+            layer = self._layer = recording.active_layer()
+        if layer.mode != "live":  # record or replay (docs/experiments.md)
+            merged = _merge(arguments, kwargs)
+            key = recording.tool_key(agent, tool, merged)
+
+            async def live() -> bytes:
+                try:
+                    value = await self._acall_live(agent, tool, merged, timeout)
+                except IpcError as exc:
+                    frame = _frame(exc)
+                    if frame is None:
+                        raise
+                    return recording.encode_error(frame)
+                return recording.encode_result(value)
+
+            body = await layer.call(key, live, recording.is_error)
+            return _unwrap(agent, tool, self.group, body)
+        return await self._acall_live(agent, tool, _merge(arguments, kwargs), timeout)
+
+    async def _acall_live(
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        timeout: float | EllipsisType | None,
+    ) -> Any:
         seconds = self.timeout if isinstance(timeout, EllipsisType) else timeout
         caller = await self._async_channel(agent)
         packer = codec.new_packer()
         timeout_ms = 0 if seconds is None else max(1, int(seconds * 1000))
-        body = codec.encode_request(packer, tool, _merge(arguments, kwargs), timeout_ms)
+        body = codec.encode_request(packer, tool, merged, timeout_ms)
         limit = caller.end.requests.max_payload
         if len(body) > limit:
             raise PayloadTooLarge(f"request to {agent}.{tool}", len(body), limit)
@@ -564,3 +613,39 @@ def _merge(arguments: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[
             raise TypeError(f"argument {key!r} given both in the mapping and as a keyword")
         merged[key] = value
     return merged
+
+
+def _frame(exc: IpcError) -> list[str] | None:
+    """The error frame of a failed tool call, as it is recorded; ``None``: not the tool's
+    outcome (the broker unreachable, a protocol error) and not recorded."""
+    if isinstance(exc, RemoteError):
+        return [exc.code, exc.error_type, exc.remote_message, exc.traceback_summary]
+    if isinstance(exc, CallTimeout):
+        return [codec.E_TIMEOUT, "CallTimeout", str(exc), ""]
+    if isinstance(exc, PeerGone):
+        return [codec.E_PEER_GONE, "PeerGone", exc.reason, ""]
+    if isinstance(exc, AgentNotFound):
+        return [codec.E_NOT_FOUND, "AgentNotFound", exc.detail, ""]
+    if isinstance(exc, PayloadTooLarge):
+        return [codec.E_TOO_LARGE, "PayloadTooLarge", str(exc), ""]
+    return None
+
+
+def _outcome(call: Callable[[], Any]) -> bytes:
+    """Run a live tool call; its result or its error as recorded bytes."""
+    try:
+        value = call()
+    except IpcError as exc:
+        frame = _frame(exc)
+        if frame is None:
+            raise
+        return recording.encode_error(frame)
+    return recording.encode_result(value)
+
+
+def _unwrap(agent: str, tool: str, group: str, body: bytes) -> Any:
+    """The result in a recorded outcome, or its error raised as the live call raised it."""
+    ok, value = recording.decode_outcome(body)
+    if ok:
+        return value
+    codec.raise_error(agent, tool, group, 0.0, value)
