@@ -1,0 +1,206 @@
+"""Record and replay on the node (docs/experiments.md).
+
+HTTP: the TLS proxy records the requests to a recorded host against a real local HTTPS server
+that counts its hits, then a replaying proxy answers the same requests byte for byte with the
+server never hit again, and a request the recording lacks is a 502 ``X-DSec-Replay: miss``.
+Storage: recordings in the stack's S3, sealed with the tenants' keys from its OpenBao: a
+tenant reads its own, another tenant's id is not found, and an object copied under another
+tenant's prefix does not open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.server
+import socket
+import ssl
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+from dsec_core.objectstore import ensure_bucket, get_bytes, put_bytes
+from dsec_core.spec.plan import PlanEgressRule
+from dsec_sdk.recording import Entry, Recorder, Replayer, read_entries, tool_key
+from dsec_testing.stack import S3Info, VaultInfo
+
+from dsec_nodeagent.recording.store import (
+    KEY_PATH,
+    RecordingCorrupt,
+    RecordingNotFound,
+    RecordingStore,
+)
+from dsec_nodeagent.state.sealing import TenantKeys
+from dsec_nodeagent.tlsproxy import CertAuthority, ProxyRule, SandboxProxy
+
+pytestmark = pytest.mark.integration
+
+HOST = "localhost"
+OWN_CGROUP = Path("/sys/fs/cgroup") / Path("/proc/self/cgroup").read_text().split("::")[-1].strip(
+    "/\n"
+)
+
+
+class _Counting(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    hits: list[str] = []
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", "0"))
+        asked = self.rfile.read(length)
+        type(self).hits.append(self.path)
+        status = 404 if self.path == "/missing" else 200
+        body = b'{"answer": "' + asked + b'", "n": ' + str(len(type(self).hits)).encode() + b"}"
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def upstream(tmp_path: Path) -> Iterator[tuple[int, ssl.SSLContext, list[str]]]:
+    """A counting HTTPS server for ``localhost``, a context trusting it, and its hits."""
+    ca = CertAuthority("upstream", tmp_path)
+    hits: list[str] = []
+    handler = type("Handler", (_Counting,), {"hits": hits})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    server.socket = ca.server_context(HOST).wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield (
+            int(server.server_address[1]),
+            ssl.create_default_context(cadata=ca.pem.decode()),
+            hits,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def _rule(port: int) -> ProxyRule:
+    plan = PlanEgressRule(
+        kind="domain", domain=HOST, ports=(port,), internal_only=True, tls_proxy=True
+    )
+    return ProxyRule("egress[0]", plan)
+
+
+@contextlib.asynccontextmanager
+async def serving(proxy: SandboxProxy) -> AsyncIterator[int]:
+    proxy.cgroup = OWN_CGROUP
+    port = await proxy.start()
+    try:
+        yield port
+    finally:
+        await proxy.close()
+
+
+def _posts(proxy_port: int, port: int, ca: CertAuthority, paths: list[str]) -> list[bytes]:
+    """POST each path (body: the path) through one tunnel; the raw responses."""
+    raw = socket.create_connection(("127.0.0.1", proxy_port), timeout=10)
+    raw.sendall(f"CONNECT {HOST}:{port} HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += raw.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    tls = ssl.create_default_context(cadata=ca.pem.decode()).wrap_socket(raw, server_hostname=HOST)
+    reader = tls.makefile("rb")
+    out = []
+    for path in paths:
+        body = path.encode()
+        tls.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer secret-{len(out)}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        out.append(_read(reader))
+    tls.close()
+    return out
+
+
+def _read(reader: BinaryIO) -> bytes:
+    head = b""
+    length = 0
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        head += line
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + b"\r\n" + reader.read(length)
+
+
+async def test_http_is_recorded_then_replayed_byte_for_byte_with_zero_live_calls(
+    upstream: tuple[int, ssl.SSLContext, list[str]], tmp_path: Path
+) -> None:
+    port, trust, hits = upstream
+    ca = CertAuthority("sbx-rec", tmp_path)
+    recording = tmp_path / "http.jsonl"
+    proxy = SandboxProxy("sbx-rec", [_rule(port)], ca, lambda r, t: None, upstream=trust)
+    proxy.recording = (Recorder(recording), frozenset({HOST}))
+    async with serving(proxy) as proxy_port:
+        live = await asyncio.to_thread(_posts, proxy_port, port, ca, ["/ask", "/missing", "/ask"])
+    assert hits == ["/ask", "/missing", "/ask"]
+    assert [r.split(b" ")[1] for r in live] == [b"200", b"404", b"200"]
+    entries = read_entries(recording)
+    assert [e.failed for e in entries] == [False, True, False]  # a 404 is a failed call
+    assert [e.seq for e in entries] == [0, 0, 1]  # the same request twice: two answers, in order
+
+    (tmp_path / "replay").mkdir()
+    ca2 = CertAuthority("sbx-replay", tmp_path / "replay")
+    replaying = SandboxProxy("sbx-replay", [_rule(port)], ca2, lambda r, t: None, upstream=trust)
+    replaying.recording = (Replayer(entries), frozenset({HOST}))
+    async with serving(replaying) as proxy_port:
+        replayed = await asyncio.to_thread(
+            _posts, proxy_port, port, ca2, ["/ask", "/missing", "/ask", "/never-recorded"]
+        )
+    assert replayed[:3] == live  # byte for byte, the different Authorization notwithstanding
+    assert replayed[3].startswith(b"HTTP/1.1 502")
+    assert b"X-DSec-Replay: miss" in replayed[3]
+    assert b"no recorded answer for http call POST /never-recorded localhost:" in replayed[3]
+    assert hits == ["/ask", "/missing", "/ask"]  # zero live calls while replaying
+
+
+@pytest.fixture
+def store(s3: S3Info, vault: VaultInfo) -> RecordingStore:
+    client = s3.client()
+    ensure_bucket(client, s3.bucket)
+    return RecordingStore(client, s3.bucket, TenantKeys(vault.addr, vault.token, path=KEY_PATH))
+
+
+async def test_a_recording_is_per_tenant_content_addressed_and_sealed(
+    store: RecordingStore,
+) -> None:
+    entries = [
+        Entry(tool_key("researcher", "lookup", {"q": "memfd"}), b"\x92\x00\xa4fine"),
+        Entry(tool_key("researcher", "lookup", {"q": "boom"}), b"\x92\x01\x94", failed=True),
+    ]
+    saved = await store.save("acme", entries)
+    assert saved.recording_id == f"rec_{saved.root_hash[:32]}"
+    assert (saved.calls, saved.tool_calls, saved.failed_calls) == (2, 2, 1)
+    again = await store.save("acme", entries)
+    assert again.recording_id == saved.recording_id and again.new_objects == 0  # deduplicated
+
+    root, loaded = await store.load("acme", saved.recording_id)
+    assert root == saved.root_hash
+    assert [(e.key, e.response, e.failed) for e in loaded] == [
+        (e.key, e.response, e.failed) for e in entries
+    ]
+
+    with pytest.raises(RecordingNotFound, match="no recording rec_.* for tenant 'globex'"):
+        await store.load("globex", saved.recording_id)
+    # an operator (or a bug) copying acme's objects under globex's prefix gives globex nothing
+    manifest = f"recordings/acme/manifests/{saved.recording_id}"
+    sealed = await get_bytes(store.store, store.bucket, manifest)
+    await put_bytes(
+        store.store, store.bucket, f"recordings/globex/manifests/{saved.recording_id}", sealed
+    )
+    with pytest.raises(RecordingCorrupt, match="does not authenticate"):
+        await store.load("globex", saved.recording_id)
+    assert b"memfd" not in sealed  # encrypted at rest
