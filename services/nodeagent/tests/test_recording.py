@@ -18,7 +18,7 @@ import ssl
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, ClassVar
 
 import pytest
 from dsec_core.objectstore import ensure_bucket, get_bytes, put_bytes
@@ -45,7 +45,7 @@ OWN_CGROUP = Path("/sys/fs/cgroup") / Path("/proc/self/cgroup").read_text().spli
 
 class _Counting(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    hits: list[str] = []
+    hits: ClassVar[list[str]] = []
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", "0"))
@@ -67,7 +67,7 @@ class _Counting(http.server.BaseHTTPRequestHandler):
 def upstream(tmp_path: Path) -> Iterator[tuple[int, ssl.SSLContext, list[str]]]:
     """A counting HTTPS server for ``localhost``, a context trusting it, and its hits."""
     ca = CertAuthority("upstream", tmp_path)
-    hits: list[str] = []
+    hits: ClassVar[list[str]] = []
     handler = type("Handler", (_Counting,), {"hits": hits})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
@@ -116,11 +116,11 @@ def _posts(proxy_port: int, port: int, ca: CertAuthority, paths: list[str]) -> l
     out = []
     for path in paths:
         body = path.encode()
-        tls.sendall(
+        head = (
             f"POST {path} HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer secret-{len(out)}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-            + body
+            f"Authorization: Bearer secret-{len(out)}\r\nContent-Length: {len(body)}\r\n\r\n"
         )
+        tls.sendall(head.encode() + body)
         out.append(_read(reader))
     tls.close()
     return out
@@ -193,7 +193,7 @@ async def test_a_recording_is_per_tenant_content_addressed_and_sealed(
         (e.key, e.response, e.failed) for e in entries
     ]
 
-    with pytest.raises(RecordingNotFound, match="no recording rec_.* for tenant 'globex'"):
+    with pytest.raises(RecordingNotFound, match=r"no recording rec_\w+ for tenant 'globex'"):
         await store.load("globex", saved.recording_id)
     # an operator (or a bug) copying acme's objects under globex's prefix gives globex nothing
     manifest = f"recordings/acme/manifests/{saved.recording_id}"
