@@ -971,8 +971,10 @@ class ExperimentStarted(Payload):
     )
     variants: list[ExperimentVariant] = Field(min_length=2, max_length=16)
     repeats: int = Field(ge=1, le=1000)
+    scorer_file: str = Field(default="", max_length=500, description="Empty: outputs are scores")
     scorer_hash: Blake3Hex
     parallel: int = Field(ge=1, le=64)
+    timeout_s: float = Field(default=600.0, gt=0, description="Per trial")
 
 
 class ExperimentTrialCompleted(Payload):
