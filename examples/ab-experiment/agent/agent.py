@@ -47,6 +47,7 @@ def main() -> None:
         except ReplayMiss as exc:
             print(f"replay miss: {exc}", flush=True)
     client.call_tool("records", "shutdown")
+    client.close()
     print(f"variant {VARIANT}: scored {len(users)} users", flush=True)
 
 

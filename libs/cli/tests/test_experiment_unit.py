@@ -145,7 +145,7 @@ def test_trial_spec_replays_and_labels_the_trial(tmp_path: Path) -> None:
 
 
 def test_variants_and_scorers_are_checked(tmp_path: Path) -> None:
-    with pytest.raises(runner.ExperimentError, match="use NAME=SPEC.yaml"):
+    with pytest.raises(runner.ExperimentError, match=r"use NAME=SPEC\.yaml"):
         runner.parse_variant("spec.yaml")
     with pytest.raises(runner.ExperimentError, match="the name must be"):
         runner.parse_variant("A B=spec.yaml")
@@ -174,3 +174,37 @@ def test_results_are_read_from_the_agents_output() -> None:
         'DSEC_RESULT {"input": "u1", "output": 0.75}\n'
     )
     assert runner.parse_results(stdout) == {"u1": 0.75, "u2": {"label": "risky"}}
+
+
+def test_the_repair_spec_replays_holds_and_adds_the_debugging_tools() -> None:
+    from dsec_cli.experiments.debug import repair_spec
+
+    spec = (
+        'version: "1.2"\nname: risk-agent\nbase: dsec/python311:latest\n'
+        "entrypoint: [python, agent.py]\nrecord: {tools: true}\ntimeout: 2m\n"
+        "dependencies:\n  - {package: httpx}\n"
+    )
+    data = yaml.safe_load(repair_spec(spec, "rec_" + "2" * 32, ["ipdb", "httpx"], "30m"))
+    assert data["replay"] == "rec_" + "2" * 32 and "record" not in data
+    assert data["entrypoint"] == ["python", "-m", "dsec_sdk.debug"]
+    assert data["timeout"] == "30m"
+    assert data["dependencies"] == [{"package": "httpx"}, {"package": "ipdb"}]
+    assert {"name": "DSEC_DEBUG", "value": "1"} in data["runtime_context"]["env_vars"]
+
+
+def test_the_repair_sandbox_lists_the_failed_calls_first(tmp_path: Path) -> None:
+    from dsec_sdk import recording as rec
+    from dsec_sdk.debug import describe
+
+    path = tmp_path / "calls.jsonl"
+    recorder = rec.Recorder(path)
+    recorder.call_sync(rec.tool_key("records", "users", {}), lambda: rec.encode_result(["u1"]))
+    recorder.call_sync(
+        rec.tool_key("records", "user_logs", {"user": "zz"}),
+        lambda: rec.encode_error(["remote", "KeyError", "no user 'zz'", ""]),
+        rec.is_error,
+    )
+    assert describe(path) == [
+        "FAILED tool records.user_logs  KeyError: no user 'zz'",
+        "ok     tool records.users",
+    ]
