@@ -95,7 +95,7 @@ def test_record_then_ab_replay_with_identical_inputs_and_no_live_call(
     ).output
     saved = asyncio.run(_last(nats_url, "recording.saved", recorder["sandbox_id"], 10))
     assert saved is not None, "the recording session published no recording.saved"
-    assert saved["tool_calls"] == 8 and saved["calls"] == 8  # users, 6 x user_logs, shutdown
+    assert saved["tool_calls"] == 14 and saved["calls"] == 14  # users, 12 user_logs, shutdown
     assert saved["failed_calls"] == 0 and saved["http_calls"] == 0
     recording = saved["recording_id"]
     # the live source is gone: the trials cannot reach it, only the recording
@@ -112,11 +112,12 @@ def test_record_then_ab_replay_with_identical_inputs_and_no_live_call(
     assert result.exit_code == 0, result.output
     outcome = result.last_json()
     table = outcome["table"]
-    assert table["inputs"] == ["u1", "u2", "u3", "u4", "u5", "u6"]
+    assert table["inputs"] == sorted(f"u{i}" for i in range(1, 13))
     assert table["failed_trials"] == 0 and table["trials"] == 2
     means = {v: s["mean"] for v, s in table["overall"]["variants"].items()}
     assert means["b"] > means["a"], means  # b weighs what the labels weigh
-    assert table["overall"]["tests"][0]["test"] == "paired"
+    overall_test = table["overall"]["tests"][0]
+    assert overall_test["test"] == "paired" and overall_test["p"] < 0.05, overall_test
 
     experiment_id = outcome["experiment_id"]
     events = asyncio.run(_experiment_events(nats_url, experiment_id))

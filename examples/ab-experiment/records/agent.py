@@ -20,6 +20,12 @@ LOGS: dict[str, list[dict[str, Any]]] = {
     "u4": [{"event": "login"}] * 4 + [{"event": "transfer", "amount": 12000}] * 2,
     "u5": [{"event": "login_failed"}] * 9,
     "u6": [{"event": "login"}, {"event": "login", "country": "foreign"}],
+    "u7": [{"event": "login", "country": "foreign"}] * 2 + [{"event": "transfer", "amount": 7000}],
+    "u8": [{"event": "login"}] * 3,
+    "u9": [{"event": "login_failed"}] * 4 + [{"event": "transfer", "amount": 6000}],
+    "u10": [{"event": "login", "country": "foreign"}] * 4,
+    "u11": [{"event": "login_failed"}, {"event": "transfer", "amount": 300}],
+    "u12": [{"event": "transfer", "amount": 9000}] * 3,
 }
 
 client = DSecClient()
