@@ -205,6 +205,6 @@ def test_the_repair_sandbox_lists_the_failed_calls_first(tmp_path: Path) -> None
         rec.is_error,
     )
     assert describe(path) == [
-        "FAILED tool records.user_logs  KeyError: no user 'zz'",
-        "ok     tool records.users",
+        "FAILED tool records.user_logs(user='zz')  KeyError: no user 'zz'",
+        "ok     tool records.users()",
     ]

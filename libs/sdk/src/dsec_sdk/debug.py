@@ -13,7 +13,9 @@ import sys
 import threading
 from pathlib import Path
 
-from dsec_sdk.recording import ENV_REPLAY, decode_outcome, read_entries
+import msgpack
+
+from dsec_sdk.recording import ENV_REPLAY, Entry, decode_outcome, read_entries
 
 
 def describe(path: Path) -> list[str]:
@@ -27,8 +29,20 @@ def describe(path: Path) -> list[str]:
             _, frame = decode_outcome(entry.response)
             if isinstance(frame, list) and len(frame) >= 3:
                 detail = f"  {frame[1]}: {frame[2]}"[:200]
-        lines.append(f"{mark} {entry.key.kind} {entry.key.describe()}{detail}")
+        lines.append(f"{mark} {entry.key.kind} {_call(entry)}{detail}")
     return lines
+
+
+def _call(entry: Entry) -> str:
+    """``agent.tool(arg=value, ...)`` of a tool call; ``METHOD /path host`` of HTTP."""
+    if entry.key.kind != "tool":
+        return entry.key.describe()
+    try:
+        arguments = msgpack.unpackb(entry.key.body, raw=False)
+    except (ValueError, msgpack.ExtraData):
+        arguments = {}
+    shown = ", ".join(f"{k}={v!r}" for k, v in dict(arguments).items())
+    return f"{entry.key.describe()}({shown[:120]})"
 
 
 def main() -> int:

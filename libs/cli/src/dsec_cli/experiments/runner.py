@@ -252,7 +252,7 @@ def result_table(variants: Sequence[str], trials: Iterable[ExperimentTrialComple
     done = latest(trials)
     ok = [t for t in done if not t.error]
     table = Table(list(variants), [], trials=len(done), failed_trials=len(done) - len(ok))
-    inputs = sorted({i for t in ok for i in t.scores})
+    inputs = sorted({i for t in ok for i in t.scores}, key=_natural)
     table.inputs = inputs
     by: dict[str, dict[str, list[float]]] = {v: {i: [] for i in inputs} for v in variants}
     trial_means: dict[str, list[float]] = {v: [] for v in variants}
@@ -291,6 +291,11 @@ def result_table(variants: Sequence[str], trials: Iterable[ExperimentTrialComple
             overall["tests"].append(compared)
     table.overall = overall
     return table
+
+
+def _natural(text: str) -> list[str | int]:
+    """u2 before u10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def verdict(table: Table) -> tuple[float | None, str, str]:
