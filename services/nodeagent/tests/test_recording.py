@@ -21,11 +21,24 @@ from pathlib import Path
 from typing import BinaryIO, ClassVar
 
 import pytest
+from dsec_core.layout import NodeLayout
 from dsec_core.objectstore import ensure_bucket, get_bytes, put_bytes
 from dsec_core.spec.plan import PlanEgressRule
-from dsec_sdk.recording import Entry, Recorder, Replayer, read_entries, tool_key
+from dsec_sdk.recording import (
+    ENV_RECORD,
+    ENV_REPLAY,
+    Entry,
+    Recorder,
+    Replayer,
+    ReplayMiss,
+    http_key,
+    read_entries,
+    tool_key,
+)
+from dsec_testing.plans import minimal_plan
 from dsec_testing.stack import S3Info, VaultInfo
 
+from dsec_nodeagent.recording import Recordings, ReplayUnavailable
 from dsec_nodeagent.recording.store import (
     KEY_PATH,
     RecordingCorrupt,
@@ -204,3 +217,58 @@ async def test_a_recording_is_per_tenant_content_addressed_and_sealed(
     with pytest.raises(RecordingCorrupt, match="does not authenticate"):
         await store.load("globex", saved.recording_id)
     assert b"memfd" not in sealed  # encrypted at rest
+
+
+PROXIED = (
+    "security_policy:\n  network:\n    egress:\n"
+    "      - {domain: api.example.com, tls_proxy: true, rate_limit: {requests: 10, period_s: 1}}\n"
+)
+
+
+async def test_a_sandbox_records_its_tools_and_the_proxy_its_http_then_another_replays(
+    store: RecordingStore, tmp_path: Path
+) -> None:
+    recordings = Recordings(NodeLayout.of(tmp_path), store)
+    plan = minimal_plan(
+        "rec", PROXIED + "record: {tools: true, http: [api.example.com]}\n"
+    ).model_copy(update={"tenant": "acme"})
+    prepared = await recordings.prepare("sbx_rec1", plan)
+    assert prepared is not None and prepared.http is not None
+    assert prepared.env == {ENV_RECORD: "/dsec/recording/calls.jsonl"}
+    (mount,) = prepared.mounts
+    assert (mount.target, mount.read_only) == ("/dsec/recording", False)
+    assert prepared.write == ["/dsec/recording"]
+    # what the sandbox wrote through the SDK, plus an HTTP call it forged in its own file
+    sandbox_file = mount.source / "calls.jsonl"
+    Recorder(sandbox_file).call_sync(tool_key("records", "users", {}), lambda: b"\x92\x00\x90")
+    forged = http_key("GET", "api.example.com", 443, "/forged", [], b"")
+    Recorder(sandbox_file).call_sync(forged, lambda: b"forged")
+    proxy_layer, hosts = prepared.http
+    assert isinstance(proxy_layer, Recorder) and hosts == {"api.example.com"}
+    real = http_key("POST", "api.example.com", 443, "/v1", [], b"{}")
+    proxy_layer.call_sync(real, lambda: b"real")
+
+    saved = await recordings.finish("sbx_rec1")
+    assert saved is not None
+    assert (saved.calls, saved.tool_calls, saved.http_calls) == (2, 1, 1)  # forged one dropped
+    assert not (tmp_path / "sandboxes" / "sbx_rec1" / "recording").exists()
+
+    replay = minimal_plan("rep", PROXIED + f"replay: {saved.recording_id}\n").model_copy(
+        update={"tenant": "acme"}
+    )
+    again = await recordings.prepare("sbx_rep1", replay)
+    assert again is not None and again.http is not None
+    assert again.env == {ENV_REPLAY: "/dsec/replay/calls.jsonl"}
+    assert (again.mounts[0].target, again.mounts[0].read_only) == ("/dsec/replay", True)
+    shown = read_entries(again.mounts[0].source / "calls.jsonl")
+    assert [e.key.kind for e in shown] == ["tool"]
+    replayer, replay_hosts = again.http
+    assert isinstance(replayer, Replayer) and "api.example.com" in replay_hosts
+    assert replayer.answer(real) == b"real"
+    with pytest.raises(ReplayMiss):
+        replayer.answer(forged)
+    recordings.forget("sbx_rep1")
+
+    other = replay.model_copy(update={"tenant": "globex"})
+    with pytest.raises(ReplayUnavailable, match="for tenant 'globex'"):
+        await recordings.prepare("sbx_rep2", other)
