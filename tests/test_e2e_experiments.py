@@ -141,3 +141,5 @@ def test_record_then_ab_replay_with_identical_inputs_and_no_live_call(
     assert shown["state"] == "completed" and shown["table"]["overall"] == table["overall"]
     listed = dsec_cli("experiment", "ls", "--json", env=env).last_json()
     assert any(r["experiment_id"] == experiment_id and r["trials"] == "2/2" for r in listed)
+    finished = dsec_cli("experiment", "run", "--resume", experiment_id, env=env)
+    assert finished.exit_code == 2 and "is completed" in finished.output, finished.output

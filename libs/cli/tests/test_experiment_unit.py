@@ -208,3 +208,28 @@ def test_the_repair_sandbox_lists_the_failed_calls_first(tmp_path: Path) -> None
         "FAILED tool records.user_logs(user='zz')  KeyError: no user 'zz'",
         "ok     tool records.users()",
     ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--inputs", "rec_x", "--variant", "a=a.yaml"], "at least two --variant"),
+        (["--inputs", "rec_x", "--variant", "a=a.yaml", "--variant", "b=b.yaml", "--repeats", "0"],
+         "--repeats 0: use 1-1000"),
+        (["--inputs", "rec_x", "--variant", "a=a.yaml", "--variant", "a=b.yaml"],
+         "names must differ"),
+        (["--resume", "exp_0123456789abcdef", "--inputs", "rec_x"], "--resume ID takes"),
+    ],
+)  # fmt: skip
+def test_bad_experiment_flags_exit_2_before_anything_runs(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    from dsec_cli.main import app
+    from typer.testing import CliRunner
+
+    for name in ("a.yaml", "b.yaml"):
+        (tmp_path / name).write_text('version: "1.2"\nname: x\nbase: python:3.11\n')
+    fixed = [a if not a.endswith(".yaml") else a.replace("=", f"={tmp_path}/") for a in args]
+    result = CliRunner().invoke(app, ["experiment", "run", *fixed])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()), result.output
