@@ -13,8 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import json
+import shutil
 import socket
 import ssl
+import sys
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -48,6 +52,9 @@ from dsec_nodeagent.recording.store import (
 from dsec_nodeagent.state.sealing import TenantKeys
 from dsec_nodeagent.tlsproxy import CertAuthority, ProxyRule, SandboxProxy
 
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the harness
+from _nodeagent_harness import NodeAgentHarness
+
 pytestmark = pytest.mark.integration
 
 HOST = "localhost"
@@ -77,9 +84,15 @@ class _Counting(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def upstream(tmp_path: Path) -> Iterator[tuple[int, ssl.SSLContext, list[str]]]:
+def upstream_ca(tmp_path: Path) -> Path:
+    return tmp_path / "upstream-ca.pem"
+
+
+@pytest.fixture
+def upstream(tmp_path: Path, upstream_ca: Path) -> Iterator[tuple[int, ssl.SSLContext, list[str]]]:
     """A counting HTTPS server for ``localhost``, a context trusting it, and its hits."""
     ca = CertAuthority("upstream", tmp_path)
+    upstream_ca.write_bytes(ca.pem)
     hits: ClassVar[list[str]] = []
     handler = type("Handler", (_Counting,), {"hits": hits})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -272,3 +285,87 @@ async def test_a_sandbox_records_its_tools_and_the_proxy_its_http_then_another_r
     other = replay.model_copy(update={"tenant": "globex"})
     with pytest.raises(ReplayUnavailable, match="for tenant 'globex'"):
         await recordings.prepare("sbx_rep2", other)
+
+
+HTTP_AGENT = """
+import json, urllib.error, urllib.request
+out = []
+for path in {paths!r}:
+    request = urllib.request.Request(
+        "https://localhost:{port}" + path, data=path.encode(),
+        headers={{"Content-Type": "application/json", "Authorization": "Bearer k-" + path}},
+    )
+    try:  # urllib honours HTTPS_PROXY and SSL_CERT_FILE: through the sandbox's proxy
+        with urllib.request.urlopen(request, timeout=20) as answer:
+            out.append([answer.status, answer.read().decode(), None])
+    except urllib.error.HTTPError as exc:
+        out.append([exc.code, exc.read().decode()[:300], exc.headers.get("X-DSec-Replay")])
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.fixture
+def short_home() -> Iterator[Path]:
+    """A short home: the sandboxes' socket paths must fit in AF_UNIX's 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="dre-", dir="/tmp"))
+    yield path / "home"
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.kernel
+async def test_a_sandbox_records_its_http_calls_and_a_replaying_one_never_reaches_the_host(
+    upstream: tuple[int, ssl.SSLContext, list[str]],
+    upstream_ca: Path,
+    short_home: Path,
+    nats_url: str,
+    s3: S3Info,
+    vault: VaultInfo,
+) -> None:
+    """A real sandbox POSTs twice to a recorded host (an LLM endpoint, say) through its proxy:
+    recorded, recording.saved. A second sandbox replays: the same answers, in order, the host
+    not hit once more, and a request the recording lacks is a 502 miss."""
+    port, _, hits = upstream
+    egress = (
+        f"{{domain: localhost, ports: [{port}], rate_limit: 100requests/min, tls_proxy: true, "
+        "allow_internal_only: true}"
+    )
+    settings = {
+        "tls_proxy_upstream_ca": upstream_ca,
+        "s3_endpoint": s3.endpoint,
+        "s3_access_key": s3.access_key,
+        "s3_secret_key": s3.secret_key,
+        "s3_bucket": s3.bucket,
+        "vault_addr": vault.addr,
+        "vault_token": vault.token,
+    }
+    async with NodeAgentHarness(short_home, nats_url, **settings) as h:
+        sid = await h.submit(
+            "recorder",
+            HTTP_AGENT.format(paths=["/chat", "/chat"], port=port),
+            egress=egress,
+            extra="record: {tools: false, http: [localhost]}\n",
+        )
+        exited = await h.wait_for(sid, "sandbox.exited")
+        out, err = (p.read_text() for p in h.agent.manager.log_paths(sid))
+        assert exited.payload["reason"] == "ok", err[-3000:]
+        live = json.loads(out.splitlines()[-1])
+        assert [status for status, _, _ in live] == [200, 200]
+        assert hits == ["/chat", "/chat"]
+        saved = (await h.wait_for(sid, "recording.saved")).payload
+        assert (saved["http_calls"], saved["tool_calls"]) == (2, 0)
+
+        replaying = await h.submit(
+            "replayer",
+            HTTP_AGENT.format(paths=["/chat", "/chat", "/other"], port=port),
+            egress=egress,
+            extra=f"replay: {saved['recording_id']}\n",
+        )
+        exited = await h.wait_for(replaying, "sandbox.exited")
+        out, err = (p.read_text() for p in h.agent.manager.log_paths(replaying))
+        assert exited.payload["reason"] == "ok", err[-3000:]
+        replayed = json.loads(out.splitlines()[-1])
+    assert replayed[:2] == live  # n=1 then n=2: in the recorded order, byte for byte
+    status, body, marker = replayed[2]
+    assert (status, marker) == (502, "miss")
+    assert "no recorded answer for http call POST /other" in body
+    assert hits == ["/chat", "/chat"]  # the replaying sandbox never reached the host
