@@ -232,7 +232,11 @@ class DSecClient:
         self._server: BlockingServer | AsyncServer | None = None
         self._state: Any = None  # an AgentState (dsec_sdk.state) this client serves with
         self._watched: Any = None  # the state whose hand-over callbacks are registered
-        self._layer: recording.Passthrough | recording.Recorder | recording.Replayer | None = None
+        # Record or replay (docs/experiments.md): None when calls go live as they are
+        active = recording.active_layer()
+        self._recording: recording.Recorder | recording.Replayer | None = (
+            None if isinstance(active, recording.Passthrough) else active
+        )
 
     # ------------------------------------------------------------------ tools
     def tool(self, name: str | None = None) -> Callable[[F], F]:
@@ -389,44 +393,64 @@ class DSecClient:
             PayloadTooLarge: The request or response exceeds the limit.
             BrokerUnavailable: The node agent cannot be reached.
         """
-        layer = self._layer
-        if layer is None:
-            layer = self._layer = recording.active_layer()
-        if layer.mode != "live":  # record or replay (docs/experiments.md)
-            merged = kwargs if arguments is None else _merge(arguments, kwargs)
-            key = recording.tool_key(agent, tool, merged)
-
-            def live() -> bytes:
-                return _outcome(lambda: self._call_live(agent, tool, merged, timeout))
-
-            return _unwrap(agent, tool, self.group, layer.call_sync(key, live, recording.is_error))
-        merged = kwargs if arguments is None else _merge(arguments, kwargs)
-        return self._call_live(agent, tool, merged, timeout)
-
-    def _call_live(
-        self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
-    ) -> Any:
+        if self._recording is not None:  # record or replay (docs/experiments.md)
+            return self._call_recorded(agent, tool, _merge(arguments, kwargs), timeout)
         channel = self._channels.get(agent)
         if channel is None or channel.end.is_closed:
             channel = self._channel(agent)
+        merged = kwargs if arguments is None else _merge(arguments, kwargs)
         seconds = self.timeout if timeout is ... else timeout
         try:
             return channel.call(tool, merged, seconds, self.group)
-        except PeerGone as exc:
-            self._drop(agent, channel)
-            if not (exc.untaken and self._moved(agent)):
-                raise
-        except ProtocolError:
-            self._drop(agent, channel)
-            raise
-        # A hand-over moved the agent to its new version before the old one read this call:
-        # send it once more, to the new one (the caller sees a slower call, not an error).
+        except (PeerGone, ProtocolError) as exc:
+            return self._call_again(agent, tool, merged, seconds, channel, exc)
+
+    def _call_again(
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        seconds: float | None,
+        channel: _SyncChannel,
+        exc: PeerGone | ProtocolError,
+    ) -> Any:
+        """After a failed call: raise, or (a hand-over moved the agent to its new version
+        before the old one read this call) send it once more, to the new one (the caller sees
+        a slower call, not an error)."""
+        self._drop(agent, channel)
+        if isinstance(exc, ProtocolError) or not (exc.untaken and self._moved(agent)):
+            raise exc
         channel = self._channel(agent)
         try:
             return channel.call(tool, merged, seconds, self.group)
         except (PeerGone, ProtocolError):
             self._drop(agent, channel)
             raise
+
+    def _call_live(
+        self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
+    ) -> Any:
+        """:meth:`call_tool` without the record/replay layer (the layer's ``live``)."""
+        channel = self._channels.get(agent)
+        if channel is None or channel.end.is_closed:
+            channel = self._channel(agent)
+        seconds = self.timeout if timeout is ... else timeout
+        try:
+            return channel.call(tool, merged, seconds, self.group)
+        except (PeerGone, ProtocolError) as exc:
+            return self._call_again(agent, tool, merged, seconds, channel, exc)
+
+    def _call_recorded(
+        self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
+    ) -> Any:
+        layer = self._recording
+        assert layer is not None
+        key = recording.tool_key(agent, tool, merged)
+
+        def live() -> bytes:
+            return _outcome(lambda: self._call_live(agent, tool, merged, timeout))
+
+        return _unwrap(agent, tool, self.group, layer.call_sync(key, live, recording.is_error))
 
     def _moved(self, agent: str) -> bool:
         """Whether the broker said that ``agent`` moved to a new server (a hand-over)."""
@@ -444,26 +468,28 @@ class DSecClient:
         **kwargs: Any,
     ) -> Any:
         """``async`` twin of :meth:`call_tool`; many calls may be in flight at once."""
-        layer = self._layer
-        if layer is None:
-            layer = self._layer = recording.active_layer()
-        if layer.mode != "live":  # record or replay (docs/experiments.md)
-            merged = _merge(arguments, kwargs)
-            key = recording.tool_key(agent, tool, merged)
-
-            async def live() -> bytes:
-                try:
-                    value = await self._acall_live(agent, tool, merged, timeout)
-                except IpcError as exc:
-                    frame = _frame(exc)
-                    if frame is None:
-                        raise
-                    return recording.encode_error(frame)
-                return recording.encode_result(value)
-
-            body = await layer.call(key, live, recording.is_error)
-            return _unwrap(agent, tool, self.group, body)
+        if self._recording is not None:  # record or replay (docs/experiments.md)
+            return await self._acall_recorded(agent, tool, _merge(arguments, kwargs), timeout)
         return await self._acall_live(agent, tool, _merge(arguments, kwargs), timeout)
+
+    async def _acall_recorded(
+        self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
+    ) -> Any:
+        layer = self._recording
+        assert layer is not None
+        key = recording.tool_key(agent, tool, merged)
+
+        async def live() -> bytes:
+            try:
+                value = await self._acall_live(agent, tool, merged, timeout)
+            except IpcError as exc:
+                frame = _frame(exc)
+                if frame is None:
+                    raise
+                return recording.encode_error(frame)
+            return recording.encode_result(value)
+
+        return _unwrap(agent, tool, self.group, await layer.call(key, live, recording.is_error))
 
     async def _acall_live(
         self,
