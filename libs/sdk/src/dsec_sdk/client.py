@@ -22,9 +22,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import EllipsisType, TracebackType
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from dsec_sdk import recording
 from dsec_sdk.errors import (
     AgentNotFound,
     BrokerUnavailable,
@@ -41,6 +40,9 @@ from dsec_sdk.ipc.channel import CallerEnd
 from dsec_sdk.ipc.link import BrokerLink
 from dsec_sdk.ipc.runner import AsyncServer, BlockingServer
 from dsec_sdk.ipc.server import Dispatcher, Tool
+
+if TYPE_CHECKING:
+    from dsec_sdk.recording import Recorder, Replayer
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -233,10 +235,7 @@ class DSecClient:
         self._state: Any = None  # an AgentState (dsec_sdk.state) this client serves with
         self._watched: Any = None  # the state whose hand-over callbacks are registered
         # Record or replay (docs/experiments.md): None when calls go live as they are
-        active = recording.active_layer()
-        self._recording: recording.Recorder | recording.Replayer | None = (
-            None if isinstance(active, recording.Passthrough) else active
-        )
+        self._recording: Recorder | Replayer | None = _recording_layer()
 
     # ------------------------------------------------------------------ tools
     def tool(self, name: str | None = None) -> Callable[[F], F]:
@@ -443,6 +442,8 @@ class DSecClient:
     def _call_recorded(
         self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
     ) -> Any:
+        from dsec_sdk import recording
+
         layer = self._recording
         assert layer is not None
         key = recording.tool_key(agent, tool, merged)
@@ -475,6 +476,8 @@ class DSecClient:
     async def _acall_recorded(
         self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
     ) -> Any:
+        from dsec_sdk import recording
+
         layer = self._recording
         assert layer is not None
         key = recording.tool_key(agent, tool, merged)
@@ -657,8 +660,21 @@ def _frame(exc: IpcError) -> list[str] | None:
     return None
 
 
+def _recording_layer() -> Recorder | Replayer | None:
+    """The record/replay layer the node agent asked for (its environment), else None; the
+    recording module is imported only then (an agent that records nothing never pays for it)."""
+    if not (os.environ.get("DSEC_RECORD_FILE") or os.environ.get("DSEC_REPLAY_FILE")):
+        return None
+    from dsec_sdk import recording
+
+    active = recording.active_layer()
+    return None if isinstance(active, recording.Passthrough) else active
+
+
 def _outcome(call: Callable[[], Any]) -> bytes:
     """Run a live tool call; its result or its error as recorded bytes."""
+    from dsec_sdk import recording
+
     try:
         value = call()
     except IpcError as exc:
@@ -671,6 +687,8 @@ def _outcome(call: Callable[[], Any]) -> bytes:
 
 def _unwrap(agent: str, tool: str, group: str, body: bytes) -> Any:
     """The result in a recorded outcome, or its error raised as the live call raised it."""
+    from dsec_sdk import recording
+
     ok, value = recording.decode_outcome(body)
     if ok:
         return value
