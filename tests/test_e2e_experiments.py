@@ -143,3 +143,90 @@ def test_record_then_ab_replay_with_identical_inputs_and_no_live_call(
     assert any(r["experiment_id"] == experiment_id and r["trials"] == "2/2" for r in listed)
     finished = dsec_cli("experiment", "run", "--resume", experiment_id, env=env)
     assert finished.exit_code == 2 and "is completed" in finished.output, finished.output
+
+
+def test_an_interrupted_experiment_resumes_from_its_events_and_refuses_changed_variants(
+    dsec_cli: Callable[..., Any],
+    make_publisher: Callable[..., Any],
+    stack_env: dict[str, str],
+    nats_url: str,
+    tmp_path: Path,
+) -> None:
+    """An experiment whose trials are all on the log but which never completed (the CLI was
+    stopped after the last trial): --resume runs no trial, computes the table from the events
+    and completes it; one whose variant's spec changed since is refused."""
+    from dsec_cli.experiments import runner
+    from dsec_core.events import ExperimentStarted, ExperimentTrialCompleted, ExperimentVariant
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "spec.yaml").write_text(
+            f'version: "1.2"\nname: agent-{name}\nbase: dsec/python311:latest\n'
+        )
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text("def score(input_id, output):\n    return float(output)\n")
+    variants = [runner.load_variant(n, tmp_path / n / "spec.yaml") for n in ("a", "b")]
+    inputs_hash = "ab" * 32
+
+    async def publish(experiment_id: str) -> None:
+        nc = await nats.connect(nats_url)
+        try:
+            publisher = await make_publisher(nc.jetstream(), prefix="exp")
+            await publisher.publish(
+                ExperimentStarted(
+                    inputs_kind="recording",
+                    inputs="rec_" + "ab" * 16,
+                    inputs_hash=inputs_hash,
+                    variants=[
+                        ExperimentVariant(
+                            name=v.name,
+                            spec_file=str(v.spec_file),
+                            spec_hash=v.spec_hash,
+                            code_hash=v.code_hash,
+                        )
+                        for v in variants
+                    ],
+                    repeats=1,
+                    scorer_file=str(scorer),
+                    scorer_hash=runner.file_hash(scorer),
+                    parallel=1,
+                ),
+                aggregate_id=experiment_id,
+            )
+            for name, scores in (("a", {"u1": 0.2, "u2": 0.4}), ("b", {"u1": 0.6, "u2": 0.9})):
+                await publisher.publish(
+                    ExperimentTrialCompleted(
+                        variant=name,
+                        repeat=0,
+                        sandbox_id=f"sbx_{name}",
+                        inputs_hash=inputs_hash,
+                        exit_code=0,
+                        scores=scores,
+                    ),
+                    aggregate_id=experiment_id,
+                )
+        finally:
+            await nc.close()
+
+    first = runner.new_experiment_id()
+    asyncio.run(publish(first))
+    shown = dsec_cli("experiment", "show", first, "--json", env=stack_env)
+    assert shown.last_json().get("state") == "incomplete", shown.output
+    resumed = dsec_cli("experiment", "run", "--resume", first, "--json", env=stack_env)
+    assert resumed.exit_code == 0, resumed.output
+    table = resumed.last_json()["table"]
+    assert table["trials"] == 2 and table["inputs"] == ["u1", "u2"]
+    assert table["overall"]["variants"]["b"]["mean"] == pytest.approx(0.75)
+    events = asyncio.run(_experiment_events(nats_url, first))
+    assert [e.type for e in events][-1] == "experiment.completed"
+    assert (
+        dsec_cli("experiment", "show", first, "--json", env=stack_env).last_json()["state"]
+        == "completed"
+    )
+
+    second = runner.new_experiment_id()
+    asyncio.run(publish(second))
+    (tmp_path / "b" / "spec.yaml").write_text('version: "1.2"\nname: changed\nbase: x\n')
+    refused = dsec_cli("experiment", "run", "--resume", second, env=stack_env)
+    assert refused.exit_code == 2, refused.output
+    assert "changed since the experiment started" in " ".join(refused.output.split())

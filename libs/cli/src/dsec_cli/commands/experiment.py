@@ -238,6 +238,12 @@ async def _resume(experiment_id: str, as_json: bool) -> None:
         started = found.started
         if started is None:
             fail(f"no experiment {experiment_id} on the log (`dsec experiment ls`)", EXIT_BAD_INPUT)
+        tenant = d.identity[1].tenant
+        if found.tenant != tenant:
+            fail(
+                f"experiment {experiment_id} belongs to tenant {found.tenant!r}, not {tenant!r}",
+                EXIT_BAD_INPUT,
+            )
         if found.completed is not None:
             fail(
                 f"experiment {experiment_id} is completed: `dsec experiment show {experiment_id}`",
