@@ -15,6 +15,13 @@ Interface (what a tool-call pipeline slots in)::
     layer = active_layer()                         # from the environment; Passthrough if none
     body: bytes = layer.call_sync(key, live)       # or: await layer.call(key, alive)
 
+``live`` returns the call's outcome as bytes (for a tool: :func:`encode_result` or
+:func:`encode_error`, so a recorded error is raised again on replay); ``failed`` (optional)
+tells which outcomes are failures (:func:`is_error`). Put the layer closest to the transport,
+under retries, breakers and fallbacks: each attempt is then a call of its own, recorded in
+order, and a replay goes through the same attempts. ``DSecClient`` picks the layer when it is
+made and sends ``call_tool`` / ``acall_tool`` through it only when recording or replaying.
+
 The key's :meth:`CallKey.digest` is the BLAKE3 hash of its canonical encoding: ``kind``
 (``tool`` or ``http``), ``target`` (the agent called, or ``host:port``), ``name`` (the tool, or
 ``METHOD /path?query``), ``body`` (the tool's arguments in canonical MessagePack: maps with sorted
