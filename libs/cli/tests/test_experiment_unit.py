@@ -151,6 +151,10 @@ def test_variants_and_scorers_are_checked(tmp_path: Path) -> None:
         runner.parse_variant("A B=spec.yaml")
     with pytest.raises(runner.ExperimentError, match="cannot read the spec"):
         runner.load_variant("a", tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text('version: "1.2"\nname: x\nbase: python:3.11\nreplay: rec_nope\n')
+    with pytest.raises(runner.ExperimentError, match=r"broken\.yaml:4:9: .*not a recording id"):
+        runner.load_variant("a", broken)
     bad = tmp_path / "bad.py"
     bad.write_text("def scores(): pass\n")
     with pytest.raises(runner.ExperimentError, match="define `def score"):

@@ -103,12 +103,12 @@ def load_variant(name: str, spec: Path) -> Variant:
         text = spec.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ExperimentError(f"--variant {name}={spec}: cannot read the spec: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ExperimentError(f"--variant {name}={spec}: not YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ExperimentError(f"--variant {name}={spec}: a spec is a mapping")
+    from dsec_core.spec import load_spec
+
+    loaded = load_spec(text, str(spec))
+    if loaded.spec is None:  # located in the user's own file, before any trial starts
+        shown = "\n".join(e.format() for e in loaded.errors[:10])
+        raise ExperimentError(f"--variant {name}={spec} is not a valid spec:\n{shown}")
     code = spec.resolve().parent
     return Variant(
         name, spec.resolve(), text, blake3.blake3(text.encode()).hexdigest(), code, tree_hash(code)
