@@ -176,7 +176,7 @@ async def _inputs(d: DSec, inputs: str) -> tuple[str, str, Path | None]:
         if root is None:
             fail(
                 f"--inputs {inputs}: no recording.saved names it (a sandbox with `record:` "
-                "saves one when it ends: `dsec events --type recording.saved`)",
+                "saves one when it ends: `dsec audit replay --type recording.saved`)",
                 EXIT_BAD_INPUT,
             )
         return "recording", root, None

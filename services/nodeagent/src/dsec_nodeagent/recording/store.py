@@ -160,7 +160,7 @@ class RecordingStore:
         except ObjectMissing:
             raise RecordingNotFound(
                 f"no recording {recording_id} for tenant {tenant!r} (recordings are per tenant; "
-                "see `dsec events --type recording.saved`)"
+                "see `dsec audit replay --type recording.saved`)"
             ) from None
         try:
             manifest = open_sealed(key, sealed, _aad(tenant, recording_id), recording_id)
