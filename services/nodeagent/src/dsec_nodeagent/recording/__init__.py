@@ -64,6 +64,7 @@ class Recordings:
         self.layout = layout
         self.store = store
         self._record: dict[str, tuple[str, Path]] = {}  # sandbox -> (tenant, its dir)
+        self._prepared: set[str] = set()  # sandboxes with a recording or replay directory
 
     def _dir(self, sid: str) -> Path:
         return self.layout.sandbox(sid).root / "recording"
@@ -81,6 +82,7 @@ class Recordings:
         directory = self._dir(sid)
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir(parents=True, mode=0o700)
+        self._prepared.add(sid)
         prepared = Prepared()
         if plan.replay is not None:
             try:
@@ -156,5 +158,8 @@ class Recordings:
         )
 
     def forget(self, sid: str) -> None:
+        """Drop what ``sid`` recorded and its directory (nothing for other sandboxes)."""
         self._record.pop(sid, None)
-        shutil.rmtree(self._dir(sid), ignore_errors=True)
+        if sid in self._prepared:
+            self._prepared.discard(sid)
+            shutil.rmtree(self._dir(sid), ignore_errors=True)
