@@ -153,6 +153,11 @@ step "Agent state: a stateful agent survives SIGKILL with every acknowledged mes
   bash examples/stateful-agent/demo.sh
 bash examples/stateful-agent/demo.sh
 
+step "A/B over a recorded session: two agent variants replay the same recorded tool calls, each
+  trial in its own sandbox; means, confidence intervals and a t-test" \
+  bash examples/ab-experiment/demo.sh
+bash examples/ab-experiment/demo.sh
+
 step "Prove the whole log: every signature, chain link and sequence" dsec audit verify
 dsec audit verify
 

@@ -34,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "code": ("code", "Code bundles: what `dsec submit` and snapshots take."),
     "env": ("env", "Environments, content-addressed by lock hash, as the object store holds them."),
     "events": ("events", "Follow the event log; export the bus schema."),
+    "experiment": (
+        "experiment",
+        "A/B experiments: agent variants over the same recorded inputs, scored and compared.",
+    ),
     "fleet": (
         "fleet",
         "A simulated fleet: many GPU nodes that join, heartbeat and run placements, "

@@ -69,6 +69,12 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "state.checkpointed": frozenset({"nodeagent"}),
     "state.recovered": frozenset({"nodeagent"}),
     "snapshot.deleted": frozenset({"snapshot"}),
+    # experiments: the node agent that ran the sandbox stores its recording; a user runs an
+    # experiment (docs/experiments.md)
+    "recording.saved": frozenset({"nodeagent"}),
+    "experiment.started": frozenset({"user"}),
+    "experiment.trial_completed": frozenset({"user"}),
+    "experiment.completed": frozenset({"user"}),
     # any service ends a request it cannot complete, and reports what it refused
     "sandbox.failed": _ANY_SERVICE,
     "security.event_rejected": _ANY_SERVICE,

@@ -921,6 +921,95 @@ class UnitMigrationFailed(Payload):
     still_running: bool = True
 
 
+# --- experiments: record, replay and A/B (docs/experiments.md) -------------------------------
+
+RecordingId = Annotated[str, StringConstraints(pattern=r"^rec_[0-9a-f]{32}$")]
+Blake3Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+ExperimentId = Annotated[str, StringConstraints(pattern=r"^exp_[0-9a-z]{8,40}$")]
+
+
+class RecordingSaved(Payload):
+    """A sandbox's recorded calls are stored, encrypted and content-addressed, in the object
+    store (``recordings/<tenant>/``); ``replay: RECORDING_ID`` answers from them."""
+
+    TYPE = "recording.saved"
+    AGGREGATE = "sandbox"
+
+    recording_id: RecordingId
+    root_hash: Blake3Hex = Field(description="BLAKE3 of the recording's manifest (the id's hex)")
+    calls: int = Field(ge=0)
+    tool_calls: int = Field(ge=0)
+    http_calls: int = Field(ge=0)
+    failed_calls: int = Field(ge=0, description="Tool errors and HTTP statuses >= 400")
+    bytes: int = Field(ge=0, description="Plaintext bytes of the requests and responses")
+    new_objects: int = Field(ge=0, description="Objects written (the others were stored already)")
+
+
+class ExperimentVariant(BaseModel):
+    """One arm of an experiment: its name and the spec it runs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")]
+    spec_file: str = Field(max_length=500)
+    spec_hash: Blake3Hex = Field(description="BLAKE3 of the spec's YAML as submitted")
+    code_hash: Blake3Hex = Field(description="BLAKE3 of the code bundle's file list and bytes")
+
+
+class ExperimentStarted(Payload):
+    """A user started an A/B experiment (``dsec experiment run``): every variant runs over the
+    same inputs, each trial in a sandbox of its own."""
+
+    TYPE = "experiment.started"
+    AGGREGATE = "experiment"
+
+    name: str = Field(default="", max_length=200)
+    inputs_kind: Literal["recording", "dataset"]
+    inputs: str = Field(max_length=500, description="The recording id, or the dataset's file")
+    inputs_hash: Blake3Hex = Field(
+        description="The recording's root hash, or BLAKE3 of the dataset's bytes"
+    )
+    variants: list[ExperimentVariant] = Field(min_length=2, max_length=16)
+    repeats: int = Field(ge=1, le=1000)
+    scorer_file: str = Field(default="", max_length=500, description="Empty: outputs are scores")
+    scorer_hash: Blake3Hex
+    parallel: int = Field(ge=1, le=64)
+    timeout_s: float = Field(default=600.0, gt=0, description="Per trial")
+
+
+class ExperimentTrialCompleted(Payload):
+    """One trial (a variant's run over the inputs) ended and was scored."""
+
+    TYPE = "experiment.trial_completed"
+    AGGREGATE = "experiment"
+
+    variant: str = Field(max_length=32)
+    repeat: int = Field(ge=0)
+    sandbox_id: str = Field(max_length=64)
+    inputs_hash: Blake3Hex = Field(description="What the trial's sandbox replayed or was given")
+    recording_id: RecordingId | None = None
+    exit_code: int
+    scores: dict[str, Finite] = Field(
+        default_factory=dict, max_length=10_000, description="Score per input id"
+    )
+    error: str = Field(default="", max_length=500, description="Why it scored nothing")
+
+
+class ExperimentCompleted(Payload):
+    """Every trial of an experiment ended; the summary of its result table."""
+
+    TYPE = "experiment.completed"
+    AGGREGATE = "experiment"
+    TERMINAL = True
+
+    trials: int = Field(ge=0)
+    failed_trials: int = Field(ge=0)
+    means: dict[str, Finite] = Field(default_factory=dict, max_length=16)
+    p_value: Finite | None = Field(default=None, description="Overall test of the first two")
+    test: str = Field(default="", max_length=100)
+    verdict: str = Field(default="", max_length=300)
+
+
 EVENT_MODELS: tuple[type[Payload], ...] = (
     PolicyViolationSummary,
     PolicyReported,
@@ -966,6 +1055,11 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     UnitMigrationStarted,
     UnitMigrated,
     UnitMigrationFailed,
+    # experiments
+    RecordingSaved,
+    ExperimentStarted,
+    ExperimentTrialCompleted,
+    ExperimentCompleted,
 )
 
 EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}

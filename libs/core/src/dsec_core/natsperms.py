@@ -181,6 +181,7 @@ TABLE: Mapping[str, Role] = {
             "state.checkpointed",
             "state.recovered",
             "state.handed_over",
+            "recording.saved",
         ),
         # each node agent sees these through its own node's durables; acts only on its own
         node_consumes=(
@@ -218,6 +219,10 @@ TABLE: Mapping[str, Role] = {
             # `dsec node cordon|uncordon|drain` on the operator's machine (which connects as
             # its local user): the event must still be signed by the operator's key (authz)
             "node.cordon_requested",
+            # `dsec experiment run` (docs/experiments.md)
+            "experiment.started",
+            "experiment.trial_completed",
+            "experiment.completed",
         ),
         extra_publish=(RPC_REQUESTS,),  # `dsec sandbox logs|exec` requests (signed)
     ),

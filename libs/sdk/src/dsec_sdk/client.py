@@ -22,14 +22,17 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import EllipsisType, TracebackType
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from dsec_sdk.errors import (
+    AgentNotFound,
     BrokerUnavailable,
     CallTimeout,
+    IpcError,
     PayloadTooLarge,
     PeerGone,
     ProtocolError,
+    RemoteError,
 )
 from dsec_sdk.ipc import codec, control, ring
 from dsec_sdk.ipc.aio import AsyncCaller
@@ -37,6 +40,9 @@ from dsec_sdk.ipc.channel import CallerEnd
 from dsec_sdk.ipc.link import BrokerLink
 from dsec_sdk.ipc.runner import AsyncServer, BlockingServer
 from dsec_sdk.ipc.server import Dispatcher, Tool
+
+if TYPE_CHECKING:
+    from dsec_sdk.recording import Recorder, Replayer
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -228,6 +234,8 @@ class DSecClient:
         self._server: BlockingServer | AsyncServer | None = None
         self._state: Any = None  # an AgentState (dsec_sdk.state) this client serves with
         self._watched: Any = None  # the state whose hand-over callbacks are registered
+        # Record or replay (docs/experiments.md): None when calls go live as they are
+        self._recording: Recorder | Replayer | None = _recording_layer()
 
     # ------------------------------------------------------------------ tools
     def tool(self, name: str | None = None) -> Callable[[F], F]:
@@ -384,6 +392,8 @@ class DSecClient:
             PayloadTooLarge: The request or response exceeds the limit.
             BrokerUnavailable: The node agent cannot be reached.
         """
+        if self._recording is not None:  # record or replay (docs/experiments.md)
+            return self._call_recorded(agent, tool, _merge(arguments, kwargs), timeout)
         channel = self._channels.get(agent)
         if channel is None or channel.end.is_closed:
             channel = self._channel(agent)
@@ -391,21 +401,57 @@ class DSecClient:
         seconds = self.timeout if timeout is ... else timeout
         try:
             return channel.call(tool, merged, seconds, self.group)
-        except PeerGone as exc:
-            self._drop(agent, channel)
-            if not (exc.untaken and self._moved(agent)):
-                raise
-        except ProtocolError:
-            self._drop(agent, channel)
-            raise
-        # A hand-over moved the agent to its new version before the old one read this call:
-        # send it once more, to the new one (the caller sees a slower call, not an error).
+        except (PeerGone, ProtocolError) as exc:
+            return self._call_again(agent, tool, merged, seconds, channel, exc)
+
+    def _call_again(
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        seconds: float | None,
+        channel: _SyncChannel,
+        exc: PeerGone | ProtocolError,
+    ) -> Any:
+        """After a failed call: raise, or (a hand-over moved the agent to its new version
+        before the old one read this call) send it once more, to the new one (the caller sees
+        a slower call, not an error)."""
+        self._drop(agent, channel)
+        if isinstance(exc, ProtocolError) or not (exc.untaken and self._moved(agent)):
+            raise exc
         channel = self._channel(agent)
         try:
             return channel.call(tool, merged, seconds, self.group)
         except (PeerGone, ProtocolError):
             self._drop(agent, channel)
             raise
+
+    def _call_live(
+        self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
+    ) -> Any:
+        """:meth:`call_tool` without the record/replay layer (the layer's ``live``)."""
+        channel = self._channels.get(agent)
+        if channel is None or channel.end.is_closed:
+            channel = self._channel(agent)
+        seconds = self.timeout if timeout is ... else timeout
+        try:
+            return channel.call(tool, merged, seconds, self.group)
+        except (PeerGone, ProtocolError) as exc:
+            return self._call_again(agent, tool, merged, seconds, channel, exc)
+
+    def _call_recorded(
+        self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
+    ) -> Any:
+        from dsec_sdk import recording
+
+        layer = self._recording
+        assert layer is not None
+        key = recording.tool_key(agent, tool, merged)
+
+        def live() -> bytes:
+            return _outcome(lambda: self._call_live(agent, tool, merged, timeout))
+
+        return _unwrap(agent, tool, self.group, layer.call_sync(key, live, recording.is_error))
 
     def _moved(self, agent: str) -> bool:
         """Whether the broker said that ``agent`` moved to a new server (a hand-over)."""
@@ -423,11 +469,43 @@ class DSecClient:
         **kwargs: Any,
     ) -> Any:
         """``async`` twin of :meth:`call_tool`; many calls may be in flight at once."""
+        if self._recording is not None:  # record or replay (docs/experiments.md)
+            return await self._acall_recorded(agent, tool, _merge(arguments, kwargs), timeout)
+        return await self._acall_live(agent, tool, _merge(arguments, kwargs), timeout)
+
+    async def _acall_recorded(
+        self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
+    ) -> Any:
+        from dsec_sdk import recording
+
+        layer = self._recording
+        assert layer is not None
+        key = recording.tool_key(agent, tool, merged)
+
+        async def live() -> bytes:
+            try:
+                value = await self._acall_live(agent, tool, merged, timeout)
+            except IpcError as exc:
+                frame = _frame(exc)
+                if frame is None:
+                    raise
+                return recording.encode_error(frame)
+            return recording.encode_result(value)
+
+        return _unwrap(agent, tool, self.group, await layer.call(key, live, recording.is_error))
+
+    async def _acall_live(
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        timeout: float | EllipsisType | None,
+    ) -> Any:
         seconds = self.timeout if isinstance(timeout, EllipsisType) else timeout
         caller = await self._async_channel(agent)
         packer = codec.new_packer()
         timeout_ms = 0 if seconds is None else max(1, int(seconds * 1000))
-        body = codec.encode_request(packer, tool, _merge(arguments, kwargs), timeout_ms)
+        body = codec.encode_request(packer, tool, merged, timeout_ms)
         limit = caller.end.requests.max_payload
         if len(body) > limit:
             raise PayloadTooLarge(f"request to {agent}.{tool}", len(body), limit)
@@ -564,3 +642,54 @@ def _merge(arguments: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[
             raise TypeError(f"argument {key!r} given both in the mapping and as a keyword")
         merged[key] = value
     return merged
+
+
+def _frame(exc: IpcError) -> list[str] | None:
+    """The error frame of a failed tool call, as it is recorded; ``None``: not the tool's
+    outcome (the broker unreachable, a protocol error) and not recorded."""
+    if isinstance(exc, RemoteError):
+        return [exc.code, exc.error_type, exc.remote_message, exc.traceback_summary]
+    if isinstance(exc, CallTimeout):
+        return [codec.E_TIMEOUT, "CallTimeout", str(exc), ""]
+    if isinstance(exc, PeerGone):
+        return [codec.E_PEER_GONE, "PeerGone", exc.reason, ""]
+    if isinstance(exc, AgentNotFound):
+        return [codec.E_NOT_FOUND, "AgentNotFound", exc.detail, ""]
+    if isinstance(exc, PayloadTooLarge):
+        return [codec.E_TOO_LARGE, "PayloadTooLarge", str(exc), ""]
+    return None
+
+
+def _recording_layer() -> Recorder | Replayer | None:
+    """The record/replay layer the node agent asked for (its environment), else None; the
+    recording module is imported only then (an agent that records nothing never pays for it)."""
+    if not (os.environ.get("DSEC_RECORD_FILE") or os.environ.get("DSEC_REPLAY_FILE")):
+        return None
+    from dsec_sdk import recording
+
+    active = recording.active_layer()
+    return None if isinstance(active, recording.Passthrough) else active
+
+
+def _outcome(call: Callable[[], Any]) -> bytes:
+    """Run a live tool call; its result or its error as recorded bytes."""
+    from dsec_sdk import recording
+
+    try:
+        value = call()
+    except IpcError as exc:
+        frame = _frame(exc)
+        if frame is None:
+            raise
+        return recording.encode_error(frame)
+    return recording.encode_result(value)
+
+
+def _unwrap(agent: str, tool: str, group: str, body: bytes) -> Any:
+    """The result in a recorded outcome, or its error raised as the live call raised it."""
+    from dsec_sdk import recording
+
+    ok, value = recording.decode_outcome(body)
+    if ok:
+        return value
+    codec.raise_error(agent, tool, group, 0.0, value)

@@ -21,6 +21,7 @@ class AgentNotFound(IpcError):
     def __init__(self, agent: str, group: str, detail: str = "") -> None:
         self.agent = agent
         self.group = group
+        self.detail = detail
         suffix = f": {detail}" if detail else ""
         super().__init__(f"no agent named {agent!r} serves tools in task group {group!r}{suffix}")
 

@@ -54,6 +54,9 @@ from dsec_nodeagent.context.s3 import S3Materializer
 from dsec_nodeagent.context.vault import VaultSecrets
 from dsec_nodeagent.envstage import EnvStageError, EnvStager, EnvStageUnavailable, Staged
 from dsec_nodeagent.outlet import EventOutlet
+from dsec_nodeagent.recording import Prepared, Recordings, ReplayUnavailable
+from dsec_nodeagent.recording.store import KEY_PATH as RECORDING_KEY_PATH
+from dsec_nodeagent.recording.store import RecordingStore
 from dsec_nodeagent.refusals import Key
 from dsec_nodeagent.sandbox.audit import LandlockRefusal, describe
 from dsec_nodeagent.sandbox.domain import STAGE_ORDER
@@ -74,6 +77,7 @@ from dsec_nodeagent.semantic.models import SemanticDecision, SemanticRules
 from dsec_nodeagent.semantic.reports import MESSAGE_LIMIT, TARGET_LIMIT, Refused, check_report
 from dsec_nodeagent.snapshots import SnapshotStartRefused
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper
+from dsec_nodeagent.state.sealing import TenantKeys
 from dsec_nodeagent.state.wiring import ENV_HANDOVER_FROM
 from dsec_nodeagent.tlsproxy import CA_BUNDLE_PATH, ProxyGrant, TlsProxies
 
@@ -204,6 +208,9 @@ class NodeAgent:
         self.proxies = TlsProxies(
             self.layout.tls_proxy, self._http_refused, settings.tls_proxy_upstream_ca
         )
+        self.recordings = Recordings(self.layout, _recording_store(settings))
+        """Record and replay (docs/experiments.md): per sandbox, before its start and after
+        its end."""
         self.envs = EnvStager(
             self.layout,
             s3_client(settings) if settings.endpoint("s3_endpoint") else None,
@@ -520,15 +527,24 @@ class NodeAgent:
                 )
                 if self.expect_handover is not None:
                     self.expect_handover(sid, handover_from)
+            try:
+                recorded = await self.recordings.prepare(sid, plan)
+            except ReplayUnavailable as exc:
+                raise StartRefused(f"replay: {exc}") from None
+            if recorded is not None:
+                config = _with_recording(config, recorded)
             grant = await self.proxies.open(sid, plan)
             if grant is not None:
                 config = _through_proxy(config, grant)
+                if recorded is not None and recorded.http is not None:
+                    self.proxies.record(sid, recorded.http)
             egress_plan = grant.egress_plan if grant else plan
             ready = await self.manager.launch(
                 config, before_start=self._attach(egress_plan, plan, handover_from)
             )
         except BaseException:
             await self.proxies.close(sid)
+            self.recordings.forget(sid)
             await self.injector.release(ctx)
             self._forget_state(sid, plan)
             raise
@@ -744,10 +760,18 @@ class NodeAgent:
             log.exception("releasing the context of %s failed", sid)
         self._rules.pop(sid, None)
         if fenced:  # its history belongs to the node it is placed on now: nothing published
+            self.recordings.forget(sid)
             self.outlet.gate.forget(sid)
             log.info("%s: stale copy stopped and cleaned up (no event)", sid)
             return
         await self._wait_until_ready_recorded(sid)
+        try:
+            saved = await self.recordings.finish(sid)
+        except Exception:  # the terminal event must still go out
+            log.exception("%s: its recording could not be saved", sid)
+            saved = None
+        if saved is not None:  # before sandbox.exited: who waits for the exit finds it
+            await self.outlet.lifecycle(saved, sid, derive_event_id(sid, "recording.saved"))
         exit_code = result.exit_code if result.exit_code is not None else -1
         payload = events.SandboxExited(
             exit_code=exit_code,
@@ -1034,6 +1058,27 @@ def agent_identity(plan: EnforcementPlan) -> AgentIdentity:
     """Who the sandbox of ``plan`` is on the communication plane: its name and task group,
     granted within the plan's tenant (two tenants' groups of one name never meet)."""
     return AgentIdentity(name=plan.name, task_group=plan.effective_task_group, tenant=plan.tenant)
+
+
+def _recording_store(settings: Settings) -> RecordingStore | None:
+    """Where recordings go: the object store, sealed with the tenants' recording keys."""
+    addr, token = settings.endpoint("vault_addr"), settings.endpoint("vault_token")
+    if not settings.endpoint("s3_endpoint") or not addr or not token:
+        return None
+    keys = TenantKeys(str(addr), str(token), path=RECORDING_KEY_PATH)
+    return RecordingStore(s3_client(settings), settings.s3_bucket, keys)
+
+
+def _with_recording(config: SandboxConfig, prepared: Prepared) -> SandboxConfig:
+    """``config`` with the recording's (or replay's) environment, mount and paths."""
+    return config.model_copy(
+        update={
+            "env": {**config.env, **prepared.env},
+            "mounts": [*config.mounts, *prepared.mounts],
+            "read_allowed": [*config.read_allowed, *prepared.read],
+            "write_allowed": [*config.write_allowed, *prepared.write],
+        }
+    )
 
 
 def _through_proxy(config: SandboxConfig, grant: ProxyGrant) -> SandboxConfig:

@@ -31,11 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from dsec_core.spec.plan import EnforcementPlan, PlanEgressRule
+from dsec_sdk.recording import Recorder, Replayer, ReplayMiss, http_key
 
 HEAD_LIMIT = 64 * 1024  # request line + headers
 BODY_LIMIT = 8 * 1024 * 1024  # a request body, and a response body (buffered)
@@ -220,6 +222,8 @@ class SandboxProxy:
         # when a process of that cgroup holds its client socket; None serves nobody.
         self.cgroup: Path | None = None
         self.port: int | None = None
+        # Record or replay (docs/experiments.md): the layer and the hosts it applies to
+        self.recording: tuple[Recorder | Replayer, frozenset[str]] | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -333,6 +337,11 @@ class SandboxProxy:
                     if request.close:
                         return
                     continue
+                recorded = self._recorded(host)
+                if recorded is not None:
+                    if not await self._through_recording(recorded, host, port, request, writer):
+                        return
+                    continue
                 if upstream is None:
                     try:
                         addresses = await asyncio.to_thread(self._address, rule, host, port)
@@ -359,6 +368,59 @@ class SandboxProxy:
         finally:
             if upstream is not None:
                 upstream.close()
+
+    def _recorded(self, host: str) -> Recorder | Replayer | None:
+        if self.recording is None:
+            return None
+        layer, hosts = self.recording
+        return layer if host in hosts else None
+
+    async def _through_recording(
+        self,
+        layer: Recorder | Replayer,
+        host: str,
+        port: int,
+        request: _Request,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
+        """Answer a request to a recorded host: from the recording (replay: never upstream;
+        a request it lacks gets 502 with ``X-DSec-Replay: miss``), or live and recorded
+        (status, reason, headers and body, kept byte for byte). ``False``: connection ended."""
+        key = http_key(request.method, host, port, request.target, request.headers, request.body)
+        if isinstance(layer, Replayer):
+            try:
+                recorded = layer.answer(key)
+            except ReplayMiss as exc:
+                await _reply(
+                    writer, 502, str(exc), close=request.close, extra=[("X-DSec-Replay", "miss")]
+                )
+                return not request.close
+        else:
+
+            async def live() -> bytes:
+                addresses = await asyncio.to_thread(self._address_of, host, port)
+                connection = _Pinned(host, port, addresses, self.upstream)
+                try:
+                    answer = await asyncio.to_thread(_forward, connection, request)
+                finally:
+                    connection.close()
+                return pack_response(*answer)
+
+            try:
+                recorded = await layer.call(key, live, lambda body: unpack_response(body)[0] >= 400)
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                await _reply(writer, 502, f"upstream {host}: {exc}"[:300], close=True)
+                return False
+        status, reason, headers, body = unpack_response(recorded)
+        writer.write(_response(status, reason, headers, body, request.close))
+        await writer.drain()
+        return not request.close
+
+    def _address_of(self, host: str, port: int) -> list[str]:
+        rule = self.rule_for(host, port)
+        if rule is None:
+            raise OSError(f"no tls_proxy rule grants {host}:{port}")
+        return self._address(rule, host, port)
 
     def _address(self, rule: ProxyRule, host: str, port: int) -> list[str]:
         """The addresses to reach ``host`` at, held to what the kernel would allow the sandbox:
@@ -518,6 +580,17 @@ def _forward(
     return response.status, response.reason, headers, body
 
 
+def pack_response(status: int, reason: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    """A response as recorded: MessagePack ``[status, reason, [[name, value]...], body]``."""
+    packed: bytes = msgpack.packb([status, reason, [list(h) for h in headers], body])
+    return packed
+
+
+def unpack_response(data: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
+    status, reason, headers, body = msgpack.unpackb(data)
+    return int(status), str(reason), [(str(n), str(v)) for n, v in headers], bytes(body)
+
+
 def _response(
     status: int, reason: str, headers: list[tuple[str, str]], body: bytes, close: bool
 ) -> bytes:
@@ -641,6 +714,12 @@ class TlsProxies:
         """The loopback port of ``sid``'s proxy, if it has one."""
         proxy = self._proxies.get(sid)
         return None if proxy is None else proxy.port
+
+    def record(self, sid: str, recording: tuple[Recorder | Replayer, frozenset[str]]) -> None:
+        """Record (or replay) ``sid``'s requests to these hosts (docs/experiments.md)."""
+        proxy = self._proxies.get(sid)
+        if proxy is not None:
+            proxy.recording = recording
 
     def bind(self, sid: str, cgroup: Path) -> None:
         """Serve ``sid``'s proxy to the processes of ``cgroup`` alone."""

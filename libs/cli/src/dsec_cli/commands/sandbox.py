@@ -509,6 +509,56 @@ def run_from_snapshot(
     finish(outcome, wait, stall, as_json)
 
 
+@sandbox_app.command("debug")
+def debug(
+    sandbox_id: Annotated[str, typer.Argument(help="The sandbox to repair (sbx_...)")],
+    with_: Annotated[
+        list[str] | None,
+        typer.Option("--with", help="Extra packages for the repair sandbox (e.g. ipdb)"),
+    ] = None,
+    hold: Annotated[str, typer.Option(help="How long the repair sandbox lives")] = "1h",
+    wait: Annotated[str, typer.Option(help="Follow until: validated|built|ready")] = "ready",
+    stall: Annotated[
+        float, typer.Option(help="Stop when no event arrives for this long (s)")
+    ] = 120.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON")] = False,
+) -> None:
+    """Open a repair sandbox: the same spec and code, debugging tools (--with), and the calls
+    the sandbox recorded ready to replay (none made live); it lists them, the failed ones first,
+    and waits for `dsec sandbox exec NEW -- python -m pdb agent.py` (docs/experiments.md).
+
+    Exit codes as `dsec submit`; 2 also when the sandbox recorded nothing.
+    """
+    from dsec_client import DSecError
+
+    from dsec_cli.experiments.debug import DebugError, open_repair
+
+    async def go() -> dict[str, Any]:
+        async with client() as d:
+            try:
+                new, recording, _ = await open_repair(d, sandbox_id, with_ or [], hold)
+            except DebugError as exc:
+                fail(str(exc), EXIT_BAD_INPUT)
+            try:
+                await d.sandbox(new).wait(wait, timeout=900.0, stall=stall)
+            except DSecError as exc:
+                fail(f"repair sandbox {new}: {exc}", exc.EXIT)
+            return {"sandbox_id": new, "debugs": sandbox_id, "replays": recording}
+
+    result = run(go())
+    if as_json:
+        print_json(result)
+        return
+    new = result["sandbox_id"]
+    console.print(
+        f"repair sandbox [bold]{new}[/] of {sandbox_id}, replaying {result['replays']}\n"
+        f"  the recorded calls:  dsec sandbox logs {new}\n"
+        f"  debug the agent:     dsec sandbox exec {new} -- python -m pdb agent.py\n"
+        f"  when done:           dsec sandbox stop {new}",
+        highlight=False,
+    )
+
+
 @sandbox_app.command("upgrade")
 def upgrade(
     sandbox_id: Annotated[str, typer.Argument(help="The running sandbox to replace (sbx_...)")],

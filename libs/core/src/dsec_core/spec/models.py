@@ -1378,6 +1378,87 @@ def _edge_problems(edges: Any, names: dict[str, int]) -> list[PydanticCustomErro
 # -- the spec ------------------------------------------------------------------------------------
 
 
+# -- record and replay (docs/experiments.md) ------------------------------------------------------
+
+MAX_RECORDED_HOSTS = 32
+RECORDING_ID = re.compile(r"rec_[0-9a-f]{32}")
+RECORDING_ID_HINT = "a recording id such as rec_3f2a... (32 hex digits), from `recording.saved`"
+
+
+def _recording_id(value: str) -> str:
+    if not RECORDING_ID.fullmatch(value):
+        raise invalid(f"{value!r} is not a recording id", RECORDING_ID_HINT)
+    return value
+
+
+class Record(SpecModel):
+    """What the sandbox records (docs/experiments.md): its SDK tool calls, and the HTTP(S)
+    requests to some hosts (through the node agent's TLS proxy); saved encrypted in the object
+    store when it ends, announced by ``recording.saved``."""
+
+    tools: bool = Field(
+        default=True, description="Record every tool call made through dsec_sdk (call_tool)"
+    )
+    http: tuple[str, ...] = Field(
+        default=(),
+        max_length=MAX_RECORDED_HOSTS,
+        description="Hosts whose HTTP requests are recorded; each needs an egress rule with "
+        "`tls_proxy: true` (the proxy sees the requests)",
+        examples=[["api.openai.com"]],
+    )
+
+    @field_validator("http")
+    @classmethod
+    def _hosts(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(normalize_domain(host) for host in value)
+
+
+def record_problems(fields: Mapping[str, Any]) -> list[PydanticCustomError]:
+    """``record`` and ``replay`` exclude each other; every recorded host is proxied."""
+    record, replay = fields.get("record"), fields.get("replay")
+    problems: list[PydanticCustomError] = []
+    if record is not None and replay is not None:
+        problems.append(
+            invalid(
+                "`record` and `replay` exclude each other: a replaying sandbox's answers are "
+                "the recording",
+                "remove one of them",
+                ("replay",),
+            )
+        )
+    source = record if record is not None else None
+    hosts = _field(source, "http") or ()
+    if not hosts:
+        return problems
+    policy = fields.get("security_policy")
+    network = _field(policy, "network")
+    proxied = {
+        _field(rule, "domain")
+        for rule in (_field(network, "egress") or ())
+        if _field(rule, "tls_proxy") is True
+    }
+    for index, host in enumerate(hosts):
+        if isinstance(host, str) and host.lower().rstrip(".") not in proxied:
+            problems.append(
+                invalid(
+                    f"host {host!r} is recorded but not reached through the TLS proxy",
+                    f"an egress rule `domain: {host}` with `tls_proxy: true` (and a requests "
+                    "rate limit)",
+                    ("record", "http", index),
+                )
+            )
+    return problems
+
+
+def _field(node: Any, name: str) -> Any:
+    """A field of a validated model or of a raw YAML mapping."""
+    if node is None:
+        return None
+    if isinstance(node, Mapping):
+        return node.get(name)
+    return getattr(node, name, None)
+
+
 def _version(value: object) -> object:
     # `version: 1.2` unquoted is a YAML float; the migration step has already checked it.
     return str(value) if isinstance(value, float) else value
@@ -1420,12 +1501,23 @@ class SandboxSpec(SpecModel):
         description="The state plane (docs/state.md): checkpoints, tiers, retention, "
         "encryption, restart on failure; unset: the sandbox keeps no state",
     )
+    record: Record | None = Field(
+        default=None,
+        description="Record the sandbox's tool calls and HTTP requests (docs/experiments.md); "
+        "unset: nothing is recorded",
+    )
+    replay: Annotated[str, AfterValidator(_recording_id)] | None = Field(
+        default=None,
+        description="Answer every recorded call from this recording, byte for byte; a call "
+        "it does not hold fails (never made live)",
+        examples=["rec_0123456789abcdef0123456789abcdef"],
+    )
 
     @classmethod
     def cross_checks(cls, fields: Mapping[str, Any]) -> list[PydanticCustomError]:
         """Task names unique; edges between declared tasks, once; tasks own the commands and
-        the GPUs."""
-        return topology_problems(fields)
+        the GPUs; record and replay agree with the egress rules."""
+        return [*topology_problems(fields), *record_problems(fields)]
 
     @model_validator(mode="after")
     def _links_fit(self) -> SandboxSpec:

@@ -239,6 +239,13 @@ class StatePlan(PlanModel):
     max_restarts: int = Field(default=5, description="Restarts before it ends for good")
 
 
+class RecordPlan(PlanModel):
+    """The spec's ``record:`` section (docs/experiments.md)."""
+
+    tools: bool = True
+    http: tuple[str, ...] = ()
+
+
 class EnforcementPlan(PlanModel):
     """Everything the builder, the context injector and the node agent enforce for one spec."""
 
@@ -280,6 +287,12 @@ class EnforcementPlan(PlanModel):
     )
     state: StatePlan | None = Field(
         default=None, description="The spec's `state:` section; None: no state plane"
+    )
+    record: RecordPlan | None = Field(
+        default=None, description="The spec's `record:` section; None: nothing recorded"
+    )
+    replay: str | None = Field(
+        default=None, description="The recording every recorded call is answered from"
     )
     topology: TopologyPlan = Field(
         description="The compute units to place (a single sandbox: one unit, main); a plan "
@@ -351,6 +364,10 @@ def compile_plan(
         code_max_size=spec.include_code.max_size,
         spec_file=spec_file,
         state=None if spec.state is None else _state(spec.state),
+        record=None
+        if spec.record is None
+        else RecordPlan(tools=spec.record.tools, http=spec.record.http),
+        replay=spec.replay,
         topology=_topology(spec, source),
     )
 

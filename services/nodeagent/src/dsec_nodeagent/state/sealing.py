@@ -66,10 +66,13 @@ def open_sealed(key: bytes, sealed: bytes, aad: bytes, what: str) -> bytes:
 class TenantKeys:
     """Tenants' state keys from OpenBao KV v2 (hvac is synchronous: run in a worker thread)."""
 
-    def __init__(self, addr: str, token: str, *, mount: str = "secret") -> None:
+    def __init__(
+        self, addr: str, token: str, *, mount: str = "secret", path: str = KEY_PATH
+    ) -> None:
         self._addr = addr
         self._token = token
         self._mount = mount
+        self._path = path  # another purpose, another key (recordings: dsec-recording)
         self._cache: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
@@ -88,7 +91,7 @@ class TenantKeys:
             if tenant in self._cache:
                 return self._cache[tenant]
             client = hvac.Client(url=self._addr, token=self._token, timeout=10)
-            path = f"{KEY_PATH}/{tenant}"
+            path = f"{self._path}/{tenant}"
             try:
                 key = self._read(client, path)
                 if key is None:

@@ -1,0 +1,1 @@
+"""``dsec experiment``: A/B runs over recorded inputs (docs/experiments.md)."""

@@ -1,0 +1,165 @@
+"""Record and replay on the node (docs/experiments.md).
+
+For a sandbox whose plan has ``record:``, the node agent gives it a writable directory at
+:data:`RECORD_MOUNT` where the SDK appends its tool calls (``$DSEC_RECORD_FILE``), and records
+the HTTP requests to the recorded hosts in its TLS proxy (into a file of its own, outside the
+sandbox). When the sandbox ends, both become one recording in the object store
+(:mod:`.store`) and ``recording.saved`` is published before ``sandbox.exited``.
+
+For a sandbox whose plan has ``replay: RECORDING_ID``, the recording is loaded (the tenant's
+own only, checked against its id), its tool calls are written read-only at
+:data:`REPLAY_MOUNT` (``$DSEC_REPLAY_FILE``) and its HTTP calls answer the proxy; nothing
+recorded is ever asked live. A recording that cannot be loaded refuses the start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from dsec_core import events
+from dsec_core.layout import NodeLayout
+from dsec_core.spec import EnforcementPlan
+from dsec_sdk.recording import ENV_RECORD, ENV_REPLAY, Entry, Recorder, Replayer, read_entries
+
+from dsec_nodeagent.recording.store import (
+    RecordingCorrupt,
+    RecordingNotFound,
+    RecordingStore,
+)
+from dsec_nodeagent.sandbox.models import Mount
+
+log = logging.getLogger(__name__)
+
+RECORD_MOUNT: Final = "/dsec/recording"
+REPLAY_MOUNT: Final = "/dsec/replay"
+CALLS_FILE: Final = "calls.jsonl"
+
+
+class ReplayUnavailable(Exception):
+    """The recording a sandbox replays cannot be loaded (the reason is the message)."""
+
+
+@dataclass
+class Prepared:
+    """What a recording or replaying sandbox gets: environment, mounts, Landlock paths."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    mounts: list[Mount] = field(default_factory=list)
+    read: list[str] = field(default_factory=list)
+    write: list[str] = field(default_factory=list)
+    http: tuple[Recorder | Replayer, frozenset[str]] | None = None
+    recording_id: str | None = None
+    root_hash: str | None = None
+
+
+class Recordings:
+    """The node agent's record/replay work, per sandbox."""
+
+    def __init__(self, layout: NodeLayout, store: RecordingStore | None) -> None:
+        self.layout = layout
+        self.store = store
+        self._record: dict[str, tuple[str, Path]] = {}  # sandbox -> (tenant, its dir)
+        self._prepared: set[str] = set()  # sandboxes with a recording or replay directory
+
+    def _dir(self, sid: str) -> Path:
+        return self.layout.sandbox(sid).root / "recording"
+
+    async def prepare(self, sid: str, plan: EnforcementPlan) -> Prepared | None:
+        """Set up recording or replay for ``sid`` (None: neither).
+
+        Raises:
+            ReplayUnavailable: the replayed recording is missing, another tenant's, or altered.
+        """
+        if plan.record is None and plan.replay is None:
+            return None
+        if self.store is None:
+            raise ReplayUnavailable("this node agent has no object store for recordings")
+        directory = self._dir(sid)
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True, mode=0o700)
+        self._prepared.add(sid)
+        prepared = Prepared()
+        if plan.replay is not None:
+            try:
+                root, entries = await self.store.load(plan.tenant, plan.replay)
+            except (RecordingNotFound, RecordingCorrupt) as exc:
+                raise ReplayUnavailable(str(exc)) from None
+            shown = directory / "replay"
+            shown.mkdir(mode=0o755)
+            calls = shown / CALLS_FILE
+            calls.write_text(
+                "".join(
+                    json.dumps(e.to_json(), separators=(",", ":")) + "\n"
+                    for e in entries
+                    if e.key.kind == "tool"
+                )
+            )
+            calls.chmod(0o644)
+            prepared.env[ENV_REPLAY] = f"{REPLAY_MOUNT}/{CALLS_FILE}"
+            prepared.mounts.append(Mount(source=shown, target=REPLAY_MOUNT, read_only=True))
+            prepared.read.append(REPLAY_MOUNT)
+            hosts = frozenset(
+                e.key.target.rsplit(":", 1)[0] for e in entries if e.key.kind == "http"
+            )
+            hosts |= frozenset(r.domain for r in plan.egress if r.tls_proxy and r.domain)
+            prepared.http = (Replayer(e for e in entries if e.key.kind == "http"), hosts)
+            prepared.recording_id, prepared.root_hash = plan.replay, root
+            return prepared
+        assert plan.record is not None
+        self._record[sid] = (plan.tenant, directory)
+        if plan.record.tools:
+            shown = directory / "sandbox"
+            shown.mkdir(mode=0o700)
+            shown.chmod(0o777)  # the sandbox's user appends its calls (its own dir only)
+            prepared.env[ENV_RECORD] = f"{RECORD_MOUNT}/{CALLS_FILE}"
+            prepared.mounts.append(Mount(source=shown, target=RECORD_MOUNT, read_only=False))
+            prepared.read.append(RECORD_MOUNT)
+            prepared.write.append(RECORD_MOUNT)
+        if plan.record.http:
+            prepared.http = (Recorder(directory / "http.jsonl"), frozenset(plan.record.http))
+        return prepared
+
+    async def finish(self, sid: str) -> events.RecordingSaved | None:
+        """Store what ``sid`` recorded (None: it recorded nothing, or is not recording)."""
+        found = self._record.pop(sid, None)
+        if found is None or self.store is None:
+            self.forget(sid)
+            return None
+        tenant, directory = found
+        try:
+            entries: list[Entry] = []
+            sandbox_calls = directory / "sandbox" / CALLS_FILE
+            if sandbox_calls.is_file():
+                # the sandbox wrote this file: only tool calls are taken from it
+                entries += [e for e in read_entries(sandbox_calls) if e.key.kind == "tool"]
+            http_calls = directory / "http.jsonl"
+            if http_calls.is_file():
+                entries += [e for e in read_entries(http_calls) if e.key.kind == "http"]
+            saved = await self.store.save(tenant, entries)
+        except ValueError as exc:
+            log.warning("%s: its recording is not saved: %s", sid, exc)
+            return None
+        finally:
+            self.forget(sid)
+        return events.RecordingSaved(
+            recording_id=saved.recording_id,
+            root_hash=saved.root_hash,
+            calls=saved.calls,
+            tool_calls=saved.tool_calls,
+            http_calls=saved.http_calls,
+            failed_calls=saved.failed_calls,
+            bytes=saved.bytes,
+            new_objects=saved.new_objects,
+        )
+
+    def forget(self, sid: str) -> None:
+        """Drop what ``sid`` recorded and its directory (nothing for other sandboxes)."""
+        self._record.pop(sid, None)
+        if sid in self._prepared:
+            self._prepared.discard(sid)
+            shutil.rmtree(self._dir(sid), ignore_errors=True)
