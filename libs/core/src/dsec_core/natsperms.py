@@ -160,8 +160,18 @@ TABLE: Mapping[str, Role] = {
             "node.lost",
             "node.cordoned",
             "sandbox.exited",
+            # migrate
+            "unit.migration_started",
+            "unit.migration_failed",
         ),
-        consumes=("env.built", "node.cordon_requested", "sandbox.stop_requested"),
+        consumes=(
+            "env.built",
+            "node.cordon_requested",
+            "sandbox.stop_requested",
+            # migrate
+            "unit.migration_requested",
+            "gpu.degraded",
+        ),
     ),
     "nodeagent": Role(
         "nodeagent",
@@ -218,6 +228,8 @@ TABLE: Mapping[str, Role] = {
             # `dsec node cordon|uncordon|drain` on the operator's machine (which connects as
             # its local user): the event must still be signed by the operator's key (authz)
             "node.cordon_requested",
+            # migrate: `dsec unit migrate` (signed by the operator's key, authz)
+            "unit.migration_requested",
         ),
         extra_publish=(RPC_REQUESTS,),  # `dsec sandbox logs|exec` requests (signed)
     ),
@@ -232,6 +244,9 @@ TABLE: Mapping[str, Role] = {
             "sandbox.exited",
             "security.event_rejected",
             "audit.key_registered",
+            # migrate: the simulated nodes carry out migrations
+            "unit.migrated",
+            "unit.migration_failed",
         ),
         notes="simulated nodes (dsec fleet simulate)",
     ),
