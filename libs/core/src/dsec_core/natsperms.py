@@ -244,9 +244,10 @@ TABLE: Mapping[str, Role] = {
             "sandbox.exited",
             "security.event_rejected",
             "audit.key_registered",
-            # migrate: the simulated nodes carry out migrations
+            # migrate: the simulated nodes carry out migrations (and report their GPUs' health)
             "unit.migrated",
             "unit.migration_failed",
+            "gpu.degraded",
         ),
         notes="simulated nodes (dsec fleet simulate)",
     ),
