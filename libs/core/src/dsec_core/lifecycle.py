@@ -176,6 +176,8 @@ def step(
     leaves the state as it was."""
     if event_type == MIGRATED:
         return _migrated(current, payload, event_id)
+    if event_type == "sandbox.exited" and payload.get("reason") == "migrated":
+        return current  # the process left its old node; the sandbox runs on (unit.migrated)
     if event_type == "sandbox.failed":
         allowed: frozenset[State] = _ANY_LIVE
         target: State = "failed"

@@ -646,7 +646,8 @@ class SchedulerState:
         self._held = None
         sid, p = event.aggregate_id, event.payload
         sbx = self.sandboxes.get(sid)
-        if event.type in {"sandbox.failed", "sandbox.exited"} or (
+        moved_on = event.type == "sandbox.exited" and p.get("reason") == "migrated"
+        if (event.type in {"sandbox.failed", "sandbox.exited"} and not moved_on) or (
             event.type == "unit.lost" and p.get("action") == "fail"
         ):
             self._remember_end(sid)
