@@ -211,12 +211,15 @@ def step(
 
 
 def _migrated(current: Lifecycle, payload: Mapping[str, Any], event_id: str | None) -> Lifecycle:
-    """``unit.migrated``: the unit ``main`` of a running sandbox moves its node from the node it
+    """``unit.migrated``: the unit ``main`` of a placed sandbox moves its node from the node it
     was on (another unit's move changes nothing here; one that does not start from the
     sandbox's node — replayed bytes of an older move — is refused)."""
     if payload.get("unit", "main") != "main":
         return current
-    if current.state != "running" or payload.get("from_node") != current.node_id:
+    # (``scheduled`` too: a reader that judges the source's ``sandbox.ready`` against the
+    # sandbox's latest node, as a rebuilt scheduler does, never saw it running there)
+    placed = current.state in {"scheduled", "running"}
+    if not placed or payload.get("from_node") != current.node_id:
         refused = Refused(MIGRATED, event_id, current.state)
         return replace(current, refused=(*current.refused, refused))
     return replace(current, node_id=str(payload.get("to_node")), last_event_id=event_id)

@@ -367,11 +367,13 @@ class Migrator:
         sbx = self.s.state.sandboxes.get(sandbox_id)
         tenant = sbx.tenant if sbx is not None else causation.tenant
         try:
-            if sbx is None or sbx.life.state != "running":
+            # (``scheduled`` too: a restarted scheduler's fold has a migrated sandbox there, its
+            # old node's sandbox.ready judged against the node it runs on now)
+            if sbx is None or sbx.holds is None:
                 state = sbx.life.state if sbx is not None else "not known to the scheduler"
                 raise Refused(
                     f"sandbox {sandbox_id} is not running ({state}): only a running unit moves",
-                    still_running=sbx is not None and sbx.life.state == "scheduled",
+                    still_running=False,
                 )
             units = {u.unit: u for u in self.s.state.units_of(sbx)}
             held = units.get(unit)
