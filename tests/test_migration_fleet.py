@@ -85,13 +85,14 @@ async def test_a_degraded_gpu_moves_its_unit_and_the_operator_moves_it_again(
             js, dsec_stack.home, "nodeagent", subject=f"nodeagent-{first}", node_id=first,
             acts_for="default",
         )  # fmt: skip
-        await node_agent.publish(
-            events.GpuDegraded(
-                node_id=first, gpu_index=gpu, signal="temperature", value=91.0, threshold=85.0,
-                detail=f"GPU {gpu} at 91 °C", source="simulated",
-            ),
-            aggregate_id=first,
-        )  # fmt: skip
+        for reading in (91.0, 93.0):  # a storm: one migration of the unit, not two
+            await node_agent.publish(
+                events.GpuDegraded(
+                    node_id=first, gpu_index=gpu, signal="temperature", value=reading,
+                    threshold=85.0, detail=f"GPU {gpu} at {reading} °C", source="simulated",
+                ),
+                aggregate_id=first,
+            )  # fmt: skip
         [started] = await _poll(
             lambda: _of(js, "unit.migration_started", sid), "unit.migration_started"
         )
@@ -118,8 +119,9 @@ async def test_a_degraded_gpu_moves_its_unit_and_the_operator_moves_it_again(
             )
 
         await _poll(lambda: runs_on(second), f"{sid} listed by {second} only")
-        for gone in ("unit.lost", "sandbox.exited", "sandbox.failed"):
+        for gone in ("unit.lost", "sandbox.exited", "sandbox.failed", "unit.migration_failed"):
             assert await _of(js, gone, sid) == [], gone
+        assert len(await _of(js, "unit.migration_started", sid)) == 1  # the storm moved it once
 
         # 2. The operator moves it on to the third node.
         third = sorted(gpu_nodes - {first, second})[0]

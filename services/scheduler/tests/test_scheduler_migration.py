@@ -7,10 +7,10 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from dsec_core.events import GpuInfo, NodeInventory, Resources
+from dsec_core.events import GpuInfo, NodeInventory, Resources, UnitMigrationFailed
 
 from dsec_scheduler.domain import SchedulerState, Seen
-from dsec_scheduler.migration import RESERVED, allows, path_for
+from dsec_scheduler.migration import RESERVED, Migrator, allows, path_for
 
 GIB = 2**30
 _ids = itertools.count()
@@ -87,3 +87,36 @@ def test_a_failed_or_withdrawn_migration_releases_its_target() -> None:
     state.withdraw(decision.id)  # not published after all
     assert state.migrations.active == {} and not state.migrations.known("m3")
     assert _held(state) == {("main", "n1", (0,))}
+
+
+class _Decider:
+    """What :class:`Migrator.tick` needs of the scheduler: its state and ``_decide``."""
+
+    def __init__(self, state: SchedulerState) -> None:
+        self.state = state
+        self.published: list[tuple[str, Any]] = []
+
+    async def _decide(self, payload: Any, *, aggregate_id: str, event_id: str, tenant: str,
+                      causation: Any = None) -> None:  # fmt: skip
+        self.published.append((event_id, payload))
+        self.state.tentative(
+            Seen(event_id, payload.TYPE, aggregate_id, tenant, payload.model_dump(mode="json"),
+                 2000.0, 2000.0)
+        )  # fmt: skip
+
+
+async def test_a_migration_without_an_answer_times_out_once_and_releases_its_target() -> None:
+    state = SchedulerState(lost_after_s=15)
+    _placed_on(state, "n1")
+    state.apply(_seen("unit.migration_started", "sbx_m", _started("m4"), at=1000.0))
+    decider = _Decider(state)
+    migrator = Migrator(decider, timeout_s=10)  # type: ignore[arg-type]
+    await migrator.tick(1005.0)
+    assert decider.published == []
+    await migrator.tick(1011.0)
+    [(_, failed)] = decider.published
+    assert isinstance(failed, UnitMigrationFailed)
+    assert (failed.migration_id, failed.stage, failed.still_running) == ("m4", "timeout", True)
+    assert _held(state) == {("main", "n1", (0,))}  # the target released
+    await migrator.tick(1020.0)
+    assert len(decider.published) == 1  # once
