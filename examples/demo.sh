@@ -148,6 +148,50 @@ dsec sandbox stop "$RAG_SID"
 kill "$FLEET_PID" 2>/dev/null || true
 wait "$FLEET_PID" 2>/dev/null || true
 
+step "A GPU heats past 85 °C on a simulated fleet: the scheduler moves its unit to another node
+  (the simulated nodes model the CRIU move and measure the interruption)" \
+  dsec fleet simulate --inventory examples/gpu-migration/fleet.yaml --prefix mig --script examples/gpu-migration/heat.yaml '&' \
+  dsec unit migrations --sandbox SANDBOX
+dsec fleet simulate --inventory examples/gpu-migration/fleet.yaml --prefix mig \
+  --script examples/gpu-migration/heat.yaml --heartbeat-s 1 --for 150 --json \
+  > "$DSEC_HOME/fleet-mig.log" 2>&1 &
+MIG_FLEET_PID=$!
+for _ in $(seq 150); do  # the three simulated nodes join
+  MIG_READY=$(dsec node ls --json | python3 -c 'import json,sys
+print(sum(n["state"] == "ready" and n["node_id"].startswith("mig-") for n in json.load(sys.stdin)))')
+  [ "$MIG_READY" -ge 3 ] && break
+  sleep 0.2
+done
+[ "$MIG_READY" -ge 3 ] || { echo "demo: the simulated fleet did not join ($MIG_READY)" >&2; exit 1; }
+# stand-in for the fleet's own health threshold: publishes gpu.degraded, signed as the node
+DSEC_NATS_NKEY_SEED="$DSEC_HOME/nats/fleetsim.nk" python examples/gpu-migration/watch_heat.py mig- 120 \
+  > "$DSEC_HOME/heat.log" 2>&1 &
+HEAT_PID=$!
+MIG_SID=$(dsec submit examples/gpu-migration/dsec.yaml --code examples/gpu-migration --wait ready --json \
+  | tail -n 1 | python3 -c 'import json,sys; print(json.load(sys.stdin)["sandbox_id"])')
+MIG_NODE=$(dsec schedule explain "$MIG_SID" --json | tail -n 1 | python3 -c 'import json,sys
+print(json.load(sys.stdin)["units"][0]["node_id"])')
+if [ "$MIG_NODE" != mig-h100-0 ]; then  # the GPU that heats is mig-h100-0's: the operator moves it there
+  dsec unit migrate "$MIG_SID" --to mig-h100-0 --wait
+fi
+wait "$HEAT_PID" || { echo "demo: no GPU passed 85 °C: $(cat "$DSEC_HOME/heat.log")" >&2; exit 1; }
+cat "$DSEC_HOME/heat.log"
+for _ in $(seq 150); do  # the scheduler moves the unit; the target's node agent reports it
+  dsec unit migrations --sandbox "$MIG_SID" --json | python3 -c 'import json,sys
+sys.exit(0 if any(r["reason"] == "gpu_degraded" and r["outcome"] == "migrated" for r in json.load(sys.stdin)) else 1)' && break
+  sleep 0.2
+done
+COLUMNS=160 dsec unit migrations --sandbox "$MIG_SID"
+dsec unit migrations --sandbox "$MIG_SID" --json | python3 -c 'import json,sys
+r = [r for r in json.load(sys.stdin) if r["reason"] == "gpu_degraded"][-1]
+assert r["outcome"] == "migrated" and r["from_node"] == "mig-h100-0", r
+print("unit %s moved %s -> %s by %s: interrupted %.1f ms"
+      % (r["unit"], r["from_node"], r["to_node"], r["path"], r["interruption_ms"]))' \
+  || { echo "demo: the unit on the hot GPU did not move" >&2; exit 1; }
+dsec sandbox stop "$MIG_SID"
+kill "$MIG_FLEET_PID" 2>/dev/null || true
+wait "$MIG_FLEET_PID" 2>/dev/null || true
+
 step "Agent state: a stateful agent survives SIGKILL with every acknowledged message, then is
   upgraded to v2 by a live hand-over while another agent keeps calling it" \
   bash examples/stateful-agent/demo.sh

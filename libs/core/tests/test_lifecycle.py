@@ -141,3 +141,17 @@ def test_replayed_placement_events_never_move_a_sandbox_back() -> None:
     # the same placement twice (a redelivery of attempt 2) is refused too
     assert step(fold([*HAPPY[:4], first, lost]), *moved).state == "scheduled"
     assert step(fold([*HAPPY[:4], first, lost, moved]), *moved).refused
+
+
+def test_a_migrated_main_unit_moves_the_sandbox_to_the_target_node() -> None:
+    running = fold([*HAPPY[:4], ("sandbox.scheduled", {"node_id": "node-2", "attempt": 1}),
+                    ("sandbox.ready", {"node_id": "node-2"})])  # fmt: skip
+    moved = {"unit": "main", "migration_id": "m1", "from_node": "node-2", "to_node": "node-3"}
+    after = step(running, "unit.migrated", moved)
+    assert (after.state, after.node_id, after.attempt) == ("running", "node-3", 1)
+    assert after.owned_by("node-3") and not after.owned_by("node-2")
+    assert step(after, "unit.migrated", moved).refused[-1].event_type == "unit.migrated"  # replay
+    side = step(after, "unit.migrated", {**moved, "unit": "trainer", "from_node": "node-3"})
+    assert side == after  # another unit's move leaves the sandbox where it is
+    left = step(after, "sandbox.exited", {"exit_code": 0, "reason": "migrated"})
+    assert left == after  # the process left its old node; the sandbox runs on

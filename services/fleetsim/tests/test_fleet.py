@@ -15,6 +15,7 @@ from nacl.signing import SigningKey
 from dsec_fleetsim.fleet import Fleet, Options, placement_types
 from dsec_fleetsim.identities import certify
 from dsec_fleetsim.inventory import uniform
+from dsec_fleetsim.migration import model
 from dsec_fleetsim.script import parse_script
 
 pytestmark = pytest.mark.unit
@@ -211,3 +212,64 @@ async def test_a_replayed_old_unit_lost_never_drops_a_later_placement_on_the_sam
     now = events.UnitLost(node_id="sim-1", reason="drained", action="reschedule", attempt=2)
     await _on(fleet, "unit.lost", "sbx_r", now, seq=7)  # the genuine loss of attempt 2
     assert fleet.nodes["sim-1"].units == {}
+
+
+def _placed_main(sid: str, node: str, gpus: list[int], seq: int) -> bytes:
+    payload = {"sandbox_id": sid, "unit": "main", "node_id": node, "gpu_indices": gpus,
+               "gpu_milli": 1000, "cpu_millicores": 2000, "memory_bytes": 1 << 30,
+               "attempt": 1}  # fmt: skip
+    wire = _wire("sandbox.scheduled", sid, _scheduled(node), seq)
+    env = Envelope.model_validate(unpack_fields(wire))
+    env = env.model_copy(update={"type": "unit.placed", "payload": payload})
+    return canonical.pack(canonical.canonicalize(env.model_dump(mode="json")))
+
+
+def _started(to_node: str, path: str = "criu", mid: str = "m1") -> events.UnitMigrationStarted:
+    return events.UnitMigrationStarted(
+        migration_id=mid, from_node="sim-0", to_node=to_node, from_gpus=[0], to_gpus=[1],
+        reason="gpu_degraded", path=path,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+async def _settle(fleet: Fleet) -> None:
+    while fleet._tasks:
+        await asyncio.wait(fleet._tasks, timeout=10)
+
+
+async def test_a_migration_moves_the_unit_and_the_target_reports_it() -> None:
+    fleet, sent = _fleet()
+    await fleet._on_event("unit.placed", 1, _placed_main("sbx_v", "sim-0", [0], 1))
+    await _on(fleet, "sandbox.scheduled", "sbx_v", _scheduled("sim-0"), seq=2)
+    await _on(fleet, "unit.migration_started", "sbx_v", _started("sim-2"), seq=3)
+    await _settle(fleet)
+    assert fleet.nodes["sim-0"].units == {}
+    assert set(fleet.nodes["sim-2"].units) == {"sbx_v", "sbx_v/main"}
+    assert fleet.nodes["sim-2"].units["sbx_v/main"].gpu_indices == (1,)  # its GPU there
+    assert fleet.nodes["sim-2"].heartbeat(0.0).sandboxes == ["sbx_v"]
+    node, sid, done = sent[-1]
+    assert (node, sid) == ("sim-2", "sbx_v") and isinstance(done, events.UnitMigrated)
+    assert (done.migration_id, done.from_node, done.to_node) == ("m1", "sim-0", "sim-2")
+    assert done.interruption_ms >= model("criu", 1 << 30).freeze_ms  # the freeze was slept
+    assert done.bytes_moved > 1 << 30 and done.precopy_rounds == 3
+    await _on(fleet, "unit.migration_started", "sbx_v", _started("sim-2"), seq=4)  # replayed
+    await _settle(fleet)
+    assert sum(isinstance(p, events.UnitMigrated) for _, _, p in sent) == 1
+    await _on(fleet, "sandbox.stop_requested", "sbx_v", events.SandboxStopRequested(), seq=5)
+    assert sent[-1][0] == "sim-2" and isinstance(sent[-1][2], events.SandboxExited)
+
+
+async def test_a_target_not_simulated_here_is_refused_by_the_source() -> None:
+    fleet, sent = _fleet()
+    await fleet._on_event("unit.placed", 1, _placed_main("sbx_w", "sim-0", [0], 1))
+    await _on(fleet, "unit.migration_started", "sbx_w", _started("real-node", "handover"), seq=2)
+    await _settle(fleet)
+    node, _, failed = sent[-1]
+    assert node == "sim-0" and isinstance(failed, events.UnitMigrationFailed)
+    assert (failed.stage, failed.still_running) == ("transfer", True)
+    assert "sbx_w/main" in fleet.nodes["sim-0"].units  # it stays
+
+
+def test_the_model_of_each_path() -> None:
+    criu, handover, restart = (model(p, 8 << 30) for p in ("criu", "handover", "restart"))
+    assert handover.freeze_ms < criu.freeze_ms < restart.freeze_ms
+    assert handover.bytes_moved <= (64 << 20) and criu.bytes_moved > 8 << 30

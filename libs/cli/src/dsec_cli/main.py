@@ -76,6 +76,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Show every server and service: state, endpoint, version, pid (never a secret).",
     ),
     "submit": ("submit", "Submit SPEC to the bus and print its lifecycle as events arrive."),
+    "unit": (
+        "unit",
+        "Compute units: move a running unit to another node (operator); list migrations.",
+    ),
 }
 
 #: The distributions ``dsec --version`` reports (those installed).

@@ -79,8 +79,11 @@ _ANY_LIVE: frozenset[State] = frozenset(
         "lost",
     }
 )
-LIFECYCLE_TYPES: frozenset[str] = frozenset({*_MOVES, "sandbox.failed"})
-"""Event types that move a sandbox's state (all others are facts about it)."""
+MIGRATED = "unit.migrated"
+"""A unit moved to another node; for the unit ``main`` the sandbox's node changes with it (it
+stays ``running``): from then on the target's node agent is the one that speaks for it."""
+LIFECYCLE_TYPES: frozenset[str] = frozenset({*_MOVES, "sandbox.failed", MIGRATED})
+"""Event types that move a sandbox's state or its node (all others are facts about it)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,10 @@ def step(
 ) -> Lifecycle:
     """The state after one more event (pure). An illegal transition is refused, recorded, and
     leaves the state as it was."""
+    if event_type == MIGRATED:
+        return _migrated(current, payload, event_id)
+    if event_type == "sandbox.exited" and payload.get("reason") == "migrated":
+        return current  # the process left its old node; the sandbox runs on (unit.migrated)
     if event_type == "sandbox.failed":
         allowed: frozenset[State] = _ANY_LIVE
         target: State = "failed"
@@ -201,6 +208,21 @@ def step(
     if reason is not None:
         changes["reason"] = reason
     return replace(current, **changes)
+
+
+def _migrated(current: Lifecycle, payload: Mapping[str, Any], event_id: str | None) -> Lifecycle:
+    """``unit.migrated``: the unit ``main`` of a placed sandbox moves its node from the node it
+    was on (another unit's move changes nothing here; one that does not start from the
+    sandbox's node — replayed bytes of an older move — is refused)."""
+    if payload.get("unit", "main") != "main":
+        return current
+    # (``scheduled`` too: a reader that judges the source's ``sandbox.ready`` against the
+    # sandbox's latest node, as a rebuilt scheduler does, never saw it running there)
+    placed = current.state in {"scheduled", "running"}
+    if not placed or payload.get("from_node") != current.node_id:
+        refused = Refused(MIGRATED, event_id, current.state)
+        return replace(current, refused=(*current.refused, refused))
+    return replace(current, node_id=str(payload.get("to_node")), last_event_id=event_id)
 
 
 def fold(events: Iterable[tuple[str, Mapping[str, Any]]]) -> Lifecycle:

@@ -160,8 +160,18 @@ TABLE: Mapping[str, Role] = {
             "node.lost",
             "node.cordoned",
             "sandbox.exited",
+            # migrate
+            "unit.migration_started",
+            "unit.migration_failed",
         ),
-        consumes=("env.built", "node.cordon_requested", "sandbox.stop_requested"),
+        consumes=(
+            "env.built",
+            "node.cordon_requested",
+            "sandbox.stop_requested",
+            # migrate
+            "unit.migration_requested",
+            "gpu.degraded",
+        ),
     ),
     "nodeagent": Role(
         "nodeagent",
@@ -223,6 +233,8 @@ TABLE: Mapping[str, Role] = {
             "experiment.started",
             "experiment.trial_completed",
             "experiment.completed",
+            # migrate: `dsec unit migrate` (signed by the operator's key, authz)
+            "unit.migration_requested",
         ),
         extra_publish=(RPC_REQUESTS,),  # `dsec sandbox logs|exec` requests (signed)
     ),
@@ -237,6 +249,10 @@ TABLE: Mapping[str, Role] = {
             "sandbox.exited",
             "security.event_rejected",
             "audit.key_registered",
+            # migrate: the simulated nodes carry out migrations (and report their GPUs' health)
+            "unit.migrated",
+            "unit.migration_failed",
+            "gpu.degraded",
         ),
         notes="simulated nodes (dsec fleet simulate)",
     ),

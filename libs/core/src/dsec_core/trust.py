@@ -41,7 +41,7 @@ from dsec_core import authz, canonical, identity
 from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import KeyRegistered, KeyRevoked, SpecSubmitted, model_for
 from dsec_core.identity import Certificate, CertificateError
-from dsec_core.lifecycle import LIFECYCLE_TYPES, Lifecycle, fold_envelopes
+from dsec_core.lifecycle import LIFECYCLE_TYPES, MIGRATED, Lifecycle, fold_envelopes
 from dsec_core.signing import verify_raw
 from dsec_core.subjects import STREAM, filter_for, subject_for
 
@@ -55,6 +55,8 @@ CLOCK_SKEW = timedelta(minutes=5)
 RECHECK_S = 60.0
 """A cached key's revocation status is read from the log again after this long."""
 """Events dated further in the future are refused (they would outlive the replay window)."""
+MIGRATION_ENDS = frozenset({MIGRATED, "unit.migration_failed"})
+"""What a node agent reports as an end of a migration (:meth:`Gate._migration_end`)."""
 
 
 def shape_problem(fields: dict[str, Any]) -> str | None:
@@ -319,8 +321,11 @@ class Gate:
         self._js = js
         self._handled = handled
         self._tenants: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        # sandbox -> (stream position read up to, node and attempt of its latest placement)
-        self._nodes: OrderedDict[str, tuple[int, str | None, int]] = OrderedDict()
+        # sandbox -> (stream positions read up to on sandbox.scheduled and unit.migrated, node
+        # and attempt of its latest placement, the migrations of its main unit applied)
+        self._nodes: OrderedDict[str, tuple[int, int, str | None, int, tuple[str, ...]]] = (
+            OrderedDict()
+        )
         self._lock = asyncio.Lock()
 
     async def admit(
@@ -396,6 +401,8 @@ class Gate:
         may say nothing more about it."""
         if cert.role != "nodeagent" or envelope.aggregate != SpecSubmitted.AGGREGATE:
             return None
+        if envelope.type in MIGRATION_ENDS:
+            return await self._migration_end(envelope, cert)
         node = await self.placement(envelope.aggregate_id)
         if node != cert.node_id:
             where = f"on {node!r}" if node is not None else "on no node"
@@ -409,18 +416,64 @@ class Gate:
         """The node of the sandbox's latest authentic ``sandbox.scheduled`` (read from the log
         each time: only the stream position already read is remembered). Attempts only grow: a
         placement whose attempt is not above the one before is the replayed bytes of an old
-        one (a genuine event re-published), and never moves the sandbox back."""
+        one (a genuine event re-published), and never moves the sandbox back. An authentic
+        ``unit.migrated`` of its unit ``main`` from that node moves it to the target."""
         subject = subject_for("sandbox.scheduled", sandbox_id)
-        read, node, attempt = self._nodes.get(sandbox_id, (0, None, 0))
+        moved = subject_for(MIGRATED, sandbox_id)
+        read, read_moved, node, attempt, done = self._nodes.get(sandbox_id, (0, 0, None, 0, ()))
+        found: list[tuple[int, bytes]] = []
         async for seq, data in scan_seq(self._js, subject, limit=1 << 30, after=read):
             read = seq
+            found.append((seq, data))
+        async for seq, data in scan_seq(self._js, moved, limit=1 << 30, after=read_moved):
+            read_moved = seq
+            found.append((seq, data))
+        for _, data in sorted(found, key=lambda item: item[0]):
             envelope = await self.authentic(data)
-            if envelope is not None and envelope.subject == subject:
-                placed = _attempt(envelope.payload)
-                if placed > attempt:
-                    node, attempt = str(envelope.payload.get("node_id")), placed
-        _remember(self._nodes, sandbox_id, (read, node, attempt))
+            if envelope is None or envelope.subject not in {subject, moved}:
+                continue
+            p = envelope.payload
+            if envelope.type == MIGRATED:
+                # the unit main moved from the node it was on: it is the target's now (once:
+                # the replayed bytes of an older move never move it back)
+                mid = str(p.get("migration_id"))
+                main = p.get("unit", "main") == "main"
+                if main and p.get("from_node") == node and mid not in done:
+                    node, done = str(p.get("to_node")), (*done[-31:], mid)
+                continue
+            placed = _attempt(p)
+            if placed > attempt:
+                node, attempt = str(p.get("node_id")), placed
+        _remember(self._nodes, sandbox_id, (read, read_moved, node, attempt, done))
         return node
+
+    async def _migration_end(self, envelope: Envelope, cert: Certificate) -> tuple[str, str] | None:
+        """A node agent reports a migration (``unit.migrated``, ``unit.migration_failed``)
+        only as an end of one the scheduler started: an authentic ``unit.migration_started`` of
+        this sandbox with the same id, unit and nodes, its node one of them."""
+        p = envelope.payload
+        mid = p.get("migration_id")
+        ends = (p.get("from_node"), p.get("to_node"))
+        subject = subject_for("unit.migration_started", envelope.aggregate_id)
+        if mid:
+            async for data in scan(self._js, subject, limit=1024):
+                started = await self.authentic(data)
+                if started is None or started.subject != subject:
+                    continue
+                s = started.payload
+                if s.get("migration_id") != mid:
+                    continue
+                if (
+                    (s.get("from_node"), s.get("to_node")) == ends
+                    and s.get("unit", "main") == p.get("unit", "main")
+                    and cert.node_id in ends
+                ):
+                    return None
+        return (
+            "wrong-node",
+            f"no migration {mid!r} of sandbox {envelope.aggregate_id} from {ends[0]!r} to "
+            f"{ends[1]!r} was started for node {cert.node_id!r} to report",
+        )
 
     async def lifecycle(self, sandbox_id: str, limit: int = 256) -> Lifecycle:
         """The sandbox's state: the fold of its authentic lifecycle events in log order (each

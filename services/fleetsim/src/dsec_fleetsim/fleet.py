@@ -42,10 +42,14 @@ from nats.js import JetStreamContext
 
 from dsec_fleetsim.identities import NodeIdentity
 from dsec_fleetsim.inventory import NodePlan
+from dsec_fleetsim.migration import carry_out, keys_of, model, moved_unit
 from dsec_fleetsim.node import SimNode, Unit
 from dsec_fleetsim.script import Step
 
 log = logging.getLogger(__name__)
+
+MIGRATION_TYPES = (events.UnitMigrationStarted.TYPE, events.UnitMigrationFailed.TYPE)
+"""What the simulated nodes follow to carry out migrations (and abort them)."""
 
 TICK_S = 0.05
 """Granularity of the heartbeat spread."""
@@ -89,6 +93,8 @@ class Stats:
     """Compute units placed here (``unit.placed``)."""
     refused: int = 0
     exited: int = 0
+    migrated: int = 0
+    """Units this fleet moved (``unit.migrated``)."""
     last_refusals: deque[str] = field(default_factory=lambda: deque(maxlen=5))
     _window: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=64))
 
@@ -134,6 +140,8 @@ class Fleet:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[Any]] = []
         self._sem = asyncio.Semaphore(options.max_in_flight)
+        self._migrations: set[str] = set()  # migration ids acted on (a replay is not)
+        self._aborted: set[str] = set()  # migration ids failed before they finished
         self._t0 = time.monotonic()
         self.ready = asyncio.Event()
 
@@ -154,6 +162,7 @@ class Fleet:
             *placement_types(),
             events.UnitLost.TYPE,
             events.SandboxStopRequested.TYPE,
+            *MIGRATION_TYPES,
         ]:
             self._loop(self._follow(event_type, start_seq), f"follow-{event_type}")
         nodes = list(self.nodes.values())
@@ -295,6 +304,8 @@ class Fleet:
         runs_here = str(fields.get("aggregate_id")) in self.sandboxes
         if event_type == events.SandboxStopRequested.TYPE:
             return runs_here
+        if event_type in MIGRATION_TYPES:
+            return bool({payload.get("from_node"), payload.get("to_node")} & set(self.nodes))
         return runs_here or str(payload.get("node_id")) in self.nodes
 
     async def _on_event(self, event_type: str, seq: int, data: bytes) -> None:
@@ -314,6 +325,10 @@ class Fleet:
             self._on_lost(admitted)
         elif event_type == events.SandboxStopRequested.TYPE:
             await self._on_stop(admitted)
+        elif event_type == events.UnitMigrationStarted.TYPE:
+            self._spawn(self._migrate(admitted))
+        elif event_type == events.UnitMigrationFailed.TYPE:
+            self._aborted.add(str(admitted.payload.get("migration_id")))
 
     async def _refused(
         self, event_type: str, seq: int, fields: dict[str, Any], refusal: Refusal
@@ -477,6 +492,98 @@ class Fleet:
                 if node.alive and unit.reports:
                     self._spawn(self._exited(node, unit, "ok", 0))
 
+    # ------------------------------------------------------------------ migrations
+
+    async def _migrate(self, envelope: Envelope) -> None:
+        """Carry out a migration whose source is simulated here (:mod:`.migration`)."""
+        p = envelope.payload
+        sid, mid = envelope.aggregate_id, str(p.get("migration_id"))
+        unit, path = str(p.get("unit") or "main"), str(p.get("path") or "criu")
+        src = self.nodes.get(str(p.get("from_node")))
+        dst = self.nodes.get(str(p.get("to_node")))
+        if src is None or mid in self._migrations or mid in self._aborted:
+            return  # the source is not simulated here (it moves the unit), or done before
+        self._migrations.add(mid)
+        ends = {
+            "unit": unit,
+            "migration_id": mid,
+            "from_node": src.node_id,
+            "to_node": str(p.get("to_node")),
+        }
+        keys = keys_of(sid, unit, self.where, src.node_id)
+        if not src.alive:
+            return  # a crashed source says nothing (the scheduler's timeout ends it)
+        if not keys:
+            await self._migration_failed(
+                src, sid, ends, f"unit {unit} does not run on {src.node_id}", "checkpoint", False
+            )
+            return
+        if dst is None or not dst.alive:
+            await self._migration_failed(
+                src, sid, ends, f"target {ends['to_node']} does not answer", "transfer", True
+            )
+            return
+        running = src.units[keys[0]]
+        plan = model(path, running.memory_bytes)
+        times = await carry_out(plan, self._aborted, mid)
+        if times is None or mid in self._aborted:
+            return  # failed meanwhile (the scheduler's timeout): the unit stays
+        if not dst.alive or any(self.where.get(k) != src.node_id for k in keys):
+            await self._migration_failed(
+                src, sid, ends, "the unit or the target went away during the move", "restore",
+                src.alive and all(self.where.get(k) == src.node_id for k in keys),
+            )  # fmt: skip
+            return
+        frozen, resumed = times
+        to_gpus = tuple(int(i) for i in p.get("to_gpus") or ())
+        for key in keys:
+            old = src.units.pop(key)
+            new = moved_unit(old, to_gpus, own_gpus=not old.reports)
+            dst.units[key] = new
+            self.where[key] = dst.node_id
+            heapq.heappush(self._ends, (new.until, dst.node_id, key))
+        interruption = (resumed - frozen) * 1000
+        self.stats.migrated += 1
+        await self._publish(
+            dst,
+            events.UnitMigrated(
+                **ends,
+                from_gpus=[int(i) for i in p.get("from_gpus") or ()],
+                to_gpus=list(to_gpus),
+                reason=p.get("reason") or "operator",
+                path=path,
+                interruption_ms=round(interruption, 3),
+                bytes_moved=plan.bytes_moved,
+                precopy_rounds=plan.rounds,
+                stages_ms=plan.stages(),
+            ),
+            aggregate_id=sid,
+            tenant=running.tenant or await self.gate.tenant_of(sid),
+            event_id=derive_event_id(mid, events.UnitMigrated.TYPE),
+        )
+
+    async def _migration_failed(
+        self,
+        node: SimNode,
+        sid: str,
+        ends: dict[str, str],
+        reason: str,
+        stage: str,
+        still_running: bool,
+    ) -> None:
+        await self._publish(
+            node,
+            events.UnitMigrationFailed(
+                **ends,
+                reason=reason,
+                stage=stage,
+                still_running=still_running,
+            ),
+            aggregate_id=sid,
+            tenant=await self.gate.tenant_of(sid),
+            event_id=derive_event_id(ends["migration_id"], events.UnitMigrationFailed.TYPE),
+        )
+
     # ------------------------------------------------------------------ script
 
     async def _run_script(self) -> None:
@@ -529,6 +636,7 @@ class Fleet:
             "units_placed": self.stats.units_placed,
             "running": sum(len(n.units) for n in nodes),
             "exited": self.stats.exited,
+            "migrated": self.stats.migrated,
             "refused": self.stats.refused,
             "last_refusals": list(self.stats.last_refusals),
             "rss_mib": rss_mib(),

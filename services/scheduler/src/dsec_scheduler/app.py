@@ -27,6 +27,7 @@ import nats.errors
 from dsec_core import metrics as core_metrics
 from dsec_core.envelope import Envelope
 from dsec_core.events import (
+    GpuDegraded,
     NodeCordoned,
     NodeCordonRequested,
     NodeLost,
@@ -36,6 +37,7 @@ from dsec_core.events import (
     SandboxPending,
     SandboxScheduled,
     UnitLost,
+    UnitMigrationRequested,
     UnitPlaced,
 )
 from dsec_core.identity import SYSTEM_TENANT
@@ -82,6 +84,7 @@ from dsec_scheduler.gangs import (
     unschedulable_class,
     usage,
 )
+from dsec_scheduler.migration import Migrator
 from dsec_scheduler.placement.api import GangDemand, GangPlacement, Unfit
 from dsec_scheduler.placement.simple import SimpleEngine
 
@@ -137,6 +140,7 @@ class Scheduler:
         and an ``env.built`` never decide from a state without the other's placement (two
         sandboxes of a team would each pass its quota)."""
         self._fit_judged: tuple[str, float, bool] | None = None  # head, when, could it fit
+        self.migrator = Migrator(self)
 
     # ------------------------------------------------------------------ following the log
 
@@ -773,6 +777,10 @@ class Scheduler:
                 await self.declare_lost(time.time())
             except Exception:
                 log.exception("scheduler: loss detection failed")
+            try:
+                await self.migrator.tick(time.time())
+            except Exception:
+                log.exception("scheduler: migration timeouts failed")
             waiting = len(self.state.queue())
             self._export(waiting)
             if waiting and time.monotonic() - self._last_sweep >= SWEEP_S:
@@ -979,6 +987,16 @@ def create_service(settings: Settings | None = None) -> Service:
     @service.handles("sandbox.stop_requested")
     async def stop_requested(envelope: Envelope, _: Any) -> list[Output | Payload]:
         return await scheduler.on_stop_requested(envelope)
+
+    @service.handles("unit.migration_requested")
+    async def migration_requested(
+        envelope: Envelope, request: UnitMigrationRequested
+    ) -> list[Output | Payload]:
+        return list(await scheduler.migrator.on_requested(envelope, request))
+
+    @service.handles("gpu.degraded")
+    async def gpu_degraded(envelope: Envelope, degraded: GpuDegraded) -> list[Output | Payload]:
+        return list(await scheduler.migrator.on_degraded(envelope, degraded))
 
     async def start_projector() -> None:
         dsn = service.settings.endpoint("postgres_dsn")

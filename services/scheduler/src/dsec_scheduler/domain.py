@@ -19,6 +19,7 @@ from dsec_core.lifecycle import Lifecycle, step
 from dsec_core.spec.plan import ResourceLimits
 
 from dsec_scheduler.gangs import MAIN, UnitHeld, held_from_placed, held_from_resources
+from dsec_scheduler.migration import HEALTH_TYPES, MIGRATION_TYPES, MigrationBook, started
 
 GIB = 2**30
 
@@ -310,8 +311,9 @@ _SANDBOX_TYPES = {
     "sandbox.exited",
     "sandbox.failed",
     "sandbox.stop_requested",
+    *MIGRATION_TYPES,
 }
-NODE_TYPES: frozenset[str] = frozenset({*_NODE_SEEN, "node.lost", "node.cordoned"})
+NODE_TYPES: frozenset[str] = frozenset({*_NODE_SEEN, "node.lost", "node.cordoned", *HEALTH_TYPES})
 """Node events (presence, losses, cordons)."""
 SANDBOX_TYPES: frozenset[str] = frozenset(_SANDBOX_TYPES)
 """Sandbox events, from ``env.built`` on: folded in full."""
@@ -342,6 +344,8 @@ class SchedulerState:
     _units: dict[str, dict[str, tuple[int, UnitHeld]]] = field(default_factory=dict)
     """Sandbox → unit → (attempt, allocation) from ``unit.placed`` (the latest attempt's)."""
     _held_units: tuple[UnitHeld, ...] = ()
+    migrations: MigrationBook = field(default_factory=MigrationBook)
+    """Migrations in flight (each holds its target) and the degraded GPUs."""
 
     # -- reading
 
@@ -370,6 +374,9 @@ class SchedulerState:
                 for unit in placed:
                     held.setdefault(unit.node_id, []).append(unit.resources())
                     units.append(unit)
+            for reserved in self.migrations.reservations(self.sandboxes):
+                held.setdefault(reserved.node_id, []).append(reserved.resources())
+                units.append(reserved)
             self._held = {n: tuple(r) for n, r in held.items()}
             self._held_units = tuple(units)
             self._held_until = until
@@ -454,7 +461,11 @@ class SchedulerState:
         """Apply a decision being published now; undone if the log holds another under its id
         (another replica's), or if it is withdrawn."""
         key = event.aggregate_id
-        if event.type == "unit.placed":
+        if event.type in MIGRATION_TYPES:
+            mid = str(event.payload.get("migration_id"))
+            was = self.migrations.active.get(mid)
+            self._tentative[event.id] = ("migration", mid, (was, mid in self.migrations.ended))
+        elif event.type == "unit.placed":
             unit = str(event.payload.get("unit"))
             before = (self._units.get(key) or {}).get(unit)
             self._tentative[event.id] = ("unit", f"{key}/{unit}", before)
@@ -472,6 +483,16 @@ class SchedulerState:
 
     def _undo(self, undo: tuple[str, str, Any]) -> None:
         kind, key, before = undo
+        if kind == "migration":
+            self._held = None
+            was, ended = before
+            if was is None:
+                self.migrations.active.pop(key, None)
+            else:
+                self.migrations.active[key] = was
+            if not ended:
+                self.migrations.ended.pop(key, None)
+            return
         if kind == "unit":
             sid, _, unit = key.rpartition("/")
             self._held = None
@@ -521,9 +542,46 @@ class SchedulerState:
             return self._node_flag(
                 event, cordoned=bool(p.get("cordoned")), draining=bool(p.get("draining"))
             )
+        if event.type in MIGRATION_TYPES:
+            return self._migration(event)
+        if event.type in HEALTH_TYPES:
+            return self.migrations.health(event.type, event.payload, event.aggregate_id)
         if event.type in _SANDBOX_TYPES:
             return self._sandbox(event)
         return False
+
+    def _migration(self, event: Seen) -> bool:
+        """A migration started (its target reserved), ended on the target (the unit's
+        allocation moves there, the source is released; the unit ``main`` takes the sandbox's
+        node with it) or failed (the target released). The first end of one counts."""
+        p, sid = event.payload, event.aggregate_id
+        mid = str(p.get("migration_id") or "")
+        book = self.migrations
+        self._held = None
+        if event.type == "unit.migration_started":
+            sbx = self.sandboxes.get(sid)
+            if not mid or book.known(mid) or sbx is None:
+                return False
+            unit = str(p.get("unit") or MAIN)
+            held = next((u for u in self.units_of(sbx) if u.unit == unit), None)
+            book.active[mid] = started(p, sid, sbx.tenant, event.stored_at, held)
+            return False
+        if event.type == "unit.migration_failed":
+            return book.end(mid, "failed") is not None if mid else False
+        m = book.end(mid, "migrated")
+        if m is None:
+            return False  # not in flight: ended before (failed, timed out) or replayed
+        sbx = self.sandboxes.get(sid)
+        if sbx is None:
+            return True
+        placed = self._units.get(sid) or {}
+        if m.unit in placed:
+            attempt, h = placed[m.unit]
+            placed[m.unit] = (attempt, replace(h, node_id=m.to_node, gpu_indices=m.to_gpus))
+        if m.unit == MAIN:
+            life = step(sbx.life, event.type, p, event_id=event.id)
+            self.sandboxes[sid] = replace(sbx, life=life, placed_at=event.stored_at)
+        return True
 
     def _node_seen(self, event: Seen) -> bool:
         p = event.payload
@@ -588,7 +646,8 @@ class SchedulerState:
         self._held = None
         sid, p = event.aggregate_id, event.payload
         sbx = self.sandboxes.get(sid)
-        if event.type in {"sandbox.failed", "sandbox.exited"} or (
+        moved_on = event.type == "sandbox.exited" and p.get("reason") == "migrated"
+        if (event.type in {"sandbox.failed", "sandbox.exited"} and not moved_on) or (
             event.type == "unit.lost" and p.get("action") == "fail"
         ):
             self._remember_end(sid)
