@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from dsec_core import authz, canonical
 from dsec_core.envelope import MalformedEnvelope
@@ -88,9 +88,10 @@ _REMOVED_LIMIT = 4096
 SIGNATURE_EVERY = 256
 
 
-@dataclass(frozen=True)
-class _Unverified:
-    """An envelope of a chain whose signature is not checked yet (a later one may vouch)."""
+class _Unverified(NamedTuple):
+    """An envelope of a chain whose signature is not checked yet (a later one may vouch).
+
+    A tuple, not a dataclass: one is made per event, on the verifier's hot path."""
 
     seq: int
     fields: dict[str, Any]
@@ -128,6 +129,9 @@ _REQUIRED: dict[str, type | tuple[type, ...]] = {
 }
 
 
+_REQUIRED_ITEMS = tuple(_REQUIRED.items())
+
+
 def _fields(data: bytes) -> dict[str, Any]:
     """Unpack an envelope without model validation (the verifier's hot path)."""
     try:
@@ -136,8 +140,9 @@ def _fields(data: bytes) -> dict[str, Any]:
         raise MalformedEnvelope(f"not MessagePack: {exc}") from None
     if not isinstance(raw, dict):
         raise MalformedEnvelope("envelope must be a map")
-    for name, kind in _REQUIRED.items():
-        if not isinstance(raw.get(name), kind):
+    get = raw.get
+    for name, kind in _REQUIRED_ITEMS:
+        if not isinstance(get(name), kind):
             raise MalformedEnvelope(f"invalid envelope field {name}")
     return raw
 
@@ -293,7 +298,8 @@ class Verifier:
     def _wrong_node(self, f: dict[str, Any], cert: Certificate) -> str | None:
         """A node agent's sandbox event for a sandbox its latest ``sandbox.scheduled`` placed on
         another node (as the gate; logs from before scheduling: the node ``env.built`` named)."""
-        if cert.role != "nodeagent" or _aggregate(f) != SpecSubmitted.AGGREGATE:
+        # After the shape check, ``aggregate`` is the one the subject and the type give.
+        if cert.role != "nodeagent" or f["aggregate"] != SpecSubmitted.AGGREGATE:
             return None
         node = self._nodes.get(f["aggregate_id"])
         if node is None or node == cert.node_id:
@@ -301,7 +307,7 @@ class Verifier:
         return f"node agent of {cert.node_id!r} spoke for a sandbox of node {node!r}"
 
     def _tenancy(self, f: dict[str, Any], cert: Certificate) -> str | None:
-        if f["payload"] is None or _aggregate(f) != SpecSubmitted.AGGREGATE:
+        if f["payload"] is None or f["aggregate"] != SpecSubmitted.AGGREGATE:
             return None
         sandbox = f["aggregate_id"]
         first = self._tenants.get(sandbox)
@@ -483,16 +489,6 @@ def _altered_run(removed: list[_Unverified], chain_seq: int) -> _Unverified | No
         first = by_position[position]
         position -= 1
     return first
-
-
-def _aggregate(f: dict[str, Any]) -> str | None:
-    subject = f.get("subject")
-    if isinstance(subject, str):
-        parts = subject.split(".")
-        if len(parts) > 1:
-            return parts[1]
-    aggregate = f.get("aggregate")
-    return aggregate if isinstance(aggregate, str) else None
 
 
 def verify_stream(
