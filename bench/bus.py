@@ -250,10 +250,11 @@ async def replay_verify(url: str) -> int:
     js = nc.jetstream()
     verifier = Verifier(ANCHOR)
     started = time.perf_counter()
-    async for seq, data in replay(js):
-        if verifier.feed(seq, data) is not None:
-            raise SystemExit(f"verification failed: {verifier.report.finding}")
-    report = verifier.finish()
+    with audit.fewer_collections():  # as the CLI does
+        async for seq, data in replay(js):
+            if verifier.feed(seq, data) is not None:
+                raise SystemExit(f"verification failed: {verifier.report.finding}")
+        report = verifier.finish()
     elapsed = time.perf_counter() - started
     await nc.close()
     if not report.ok or report.injected:

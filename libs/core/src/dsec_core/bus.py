@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -520,15 +523,117 @@ async def replay(
     start_seq: int = 1,
     batch: int = 512,
 ) -> AsyncIterator[tuple[int, bytes]]:
-    """Yield ``(stream_seq, data)`` from ``start_seq`` to the end of the stream as it is now."""
+    """Yield ``(stream_seq, data)`` from ``start_seq`` to the end of the stream as it is now.
+
+    Read with pipelined pull requests into a subscription callback (:func:`_pulled`): nats-py's
+    ``fetch`` waits for each message in a task of its own, which caps a replay (``dsec audit
+    verify``, the read models' rebuild) far below what the verifier keeps up with. Whatever
+    that fast path does not expect (a cluster electing a leader, a replica behind, an
+    unexpected status) hands over to :func:`follow`, from the next position.
+    """
     info = await js.stream_info(STREAM)
     last = info.state.last_seq
     if info.state.messages == 0 or start_seq > last:
         return
-    async for msgs in follow(js, filter_subject=filter_subject, start_seq=start_seq, batch=batch):
+    next_seq = start_seq
+    nc = getattr(js, "_nc", None)  # JetStreamContext keeps its connection private
+    if isinstance(nc, NATS):
+        async for msgs in _pulled(js, nc, filter_subject, start_seq, last):
+            for seq, data in msgs:
+                yield seq, data
+                next_seq = seq + 1
+                if seq >= last:
+                    return
+    async for msgs in follow(js, filter_subject=filter_subject, start_seq=next_seq, batch=batch):
         if not msgs:  # nothing more matches the filter up to ``last``
             return
         for seq, data in msgs:
             yield seq, data
             if seq >= last:
                 return
+
+
+PULL_BATCH = 2048
+"""Messages one pull request of a replay asks for (the next is sent before a batch is used)."""
+
+
+def _ack_stream_seq(reply: str) -> int:
+    """The stream sequence in a JetStream message's ack subject (both of its layouts:
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...`` and the one with domain and account
+    hash after ``ACK``), as nats-py's ``Msg.metadata`` reads it, without building it."""
+    tokens = reply.split(".")
+    if tokens[0] != "$JS" or tokens[1] != "ACK":
+        raise ValueError(f"not a JetStream ack subject: {reply[:80]!r}")
+    if len(tokens) == 9:
+        return int(tokens[5])
+    if len(tokens) >= 11:
+        return int(tokens[7])
+    raise ValueError(f"unexpected JetStream ack subject: {reply[:80]!r}")
+
+
+async def _pulled(
+    js: JetStreamContext,
+    nc: NATS,
+    filter_subject: str,
+    start_seq: int,
+    last: int,
+    *,
+    wait_s: float = 5.0,
+) -> AsyncIterator[list[tuple[int, bytes]]]:
+    """Batches of ``(stream_seq, data)`` from ``start_seq`` through an ephemeral consumer (the
+    configuration :func:`follow` uses) and ``no_wait`` pull requests answered into a callback.
+    Ends at ``last``, when the server has no more for the filter, or at anything unexpected
+    (the caller goes on from the next position with :func:`follow`)."""
+    try:
+        consumer = await js.add_consumer(STREAM, _ordered_config(filter_subject, start_seq))
+    except Exception as exc:  # e.g. a cluster electing a leader: the slow path copes
+        log.debug("replay: no consumer for the fast path (%s)", exc)
+        return
+    batch = PULL_BATCH
+    inbox = nc.new_inbox()
+    arrived: list[tuple[int, bytes]] = []
+    state: dict[str, Any] = {"count": 0, "status": None}
+    done = asyncio.Event()
+
+    async def on_message(msg: Msg) -> None:
+        if not msg.reply:  # a status: 404 no (more) messages, 408, 409 ...
+            state["status"] = (msg.headers or {}).get("Status", "?")
+            done.set()
+            return
+        try:
+            arrived.append((_ack_stream_seq(msg.reply), msg.data))
+        except ValueError as exc:
+            state["status"] = str(exc)
+            done.set()
+            return
+        state["count"] += 1
+        if state["count"] >= batch:
+            done.set()
+
+    request = json.dumps({"batch": batch, "no_wait": True}).encode()
+    subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{consumer.name}"
+    sub = await nc.subscribe(inbox, cb=on_message)
+    try:
+        await nc.publish(subject, request, reply=inbox)
+        while True:
+            try:
+                await asyncio.wait_for(done.wait(), wait_s)
+            except TimeoutError:
+                return
+            done.clear()
+            msgs = arrived[:]
+            del arrived[:]
+            status, state["status"], state["count"] = state["status"], None, 0
+            finished = bool(msgs) and msgs[-1][0] >= last
+            more = not finished and status is None  # a full batch: ask for the next now
+            if more:
+                await nc.publish(subject, request, reply=inbox)
+            if msgs:
+                yield msgs
+            if not more:
+                return
+    finally:
+        # The consumer goes with its inactivity threshold, as follow()'s (only the operator
+        # may delete consumers).
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
