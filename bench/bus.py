@@ -25,15 +25,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import nats
 from _common import emit, nats_server, percentile
 from dsec_core import audit, identity
 from dsec_core.audit import Verifier
-from dsec_core.bus import EventPublisher, ensure_stream, replay
+from dsec_core.bus import EventPublisher, ensure_stream, replay, stream_seq
 from dsec_core.envelope import Envelope
 from dsec_core.events import KeyRegistered, SandboxExited, SandboxScheduled, SpecSubmitted
 from dsec_core.identity import Role
@@ -114,14 +116,17 @@ def verify_rates(n: int) -> dict[str, int]:
 
 
 async def _consume(
-    url: str, stream: str, subject: str, n: int, verify: bool, ready: Connection
-) -> float:
+    url: str, stream: str, subject: str, n: int, verify: int, ready: Connection
+) -> tuple[float, float]:
+    """Consume ``n`` messages; ``verify``: 0 for none, else the verifier's signature interval
+    (``audit.SIGNATURE_EVERY`` as ``dsec audit verify``; 1: every signature on arrival)."""
     nc = await _connect(url)
     js = nc.jetstream()
     config = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True)
     sub = await js.pull_subscribe(subject, stream=stream, config=config)
-    verifier = Verifier(ANCHOR)
+    verifier = Verifier(ANCHOR, verify or 1)
     ready.send("ready")
+    cpu = time.process_time()
     got = 0
     while got < n:
         try:
@@ -129,7 +134,7 @@ async def _consume(
         except nats.errors.TimeoutError:
             continue
         for m in msgs:
-            if verify and verifier.feed(m.metadata.sequence.stream, m.data) is not None:
+            if verify and verifier.feed(stream_seq(m), m.data) is not None:
                 raise SystemExit(f"verification failed: {verifier.report.finding}")
         got += len(msgs)
     if verify and not verifier.finish().ok:  # the chains' last signatures
@@ -137,12 +142,13 @@ async def _consume(
     if verify and verifier.report.injected:
         raise SystemExit(f"foreign messages in the bench: {verifier.report.injected[:3]}")
     done = time.time()
+    cpu = time.process_time() - cpu
     await nc.close()
-    return done
+    return done, cpu
 
 
 def _consumer_main(
-    url: str, stream: str, subject: str, n: int, verify: bool, conn: Connection
+    url: str, stream: str, subject: str, n: int, verify: int, conn: Connection
 ) -> None:
     conn.send(asyncio.run(_consume(url, stream, subject, n, verify, conn)))
 
@@ -186,24 +192,56 @@ async def _setup(url: str, dsec: bool) -> None:
     await nc.close()
 
 
-def run_path(url: str, n: int, dsec: bool, size: int = 0) -> tuple[float, int]:
-    """Run one producer/consumer pair; return (events per second, envelope size)."""
+def _server_cpu_s(url: str) -> float:
+    """CPU seconds the bench's nats-server (found by its port) has used so far."""
+    port = url.rsplit(":", 1)[1].encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if not cmd[0].endswith(b"nats-server") or cmd[cmd.index(b"-p") + 1] != port:
+                continue
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            continue
+        return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    return float("nan")
+
+
+def run_path(
+    url: str, n: int, dsec: bool, size: int = 0, every: int = audit.SIGNATURE_EVERY
+) -> tuple[float, int, dict[str, float]]:
+    """Run one producer/consumer pair; return (events per second, envelope size, CPU µs per
+    event of the producer, the consumer and nats-server). ``every``: the DSec consumer's
+    signature interval (1: it checks each signature as it arrives).
+
+    The CPU figures do not depend on what else runs on the machine the way throughput does:
+    on a busy machine compare ``cpu_us_per_event`` (their sum is what the two cores must do)."""
     asyncio.run(_setup(url, dsec))
     parent, child = mp.Pipe()
     stream, subject = (STREAM, "dsec.>") if dsec else ("RAW", "raw.>")
-    proc = mp.Process(target=_consumer_main, args=(url, stream, subject, n, dsec, child))
+    verify = every if dsec else 0
+    proc = mp.Process(target=_consumer_main, args=(url, stream, subject, n, verify, child))
     proc.start()
     assert parent.recv() == "ready"
-    started = time.time()
+    server_cpu = _server_cpu_s(url)
+    started, producer_cpu = time.time(), time.process_time()
     if dsec:
         size = asyncio.run(_dsec_publish(url, n))
     else:
         asyncio.run(_raw_publish(url, n, size))
-    finished = parent.recv()
+    producer_cpu = time.process_time() - producer_cpu
+    finished, consumer_cpu = parent.recv()
+    server_cpu = _server_cpu_s(url) - server_cpu
     proc.join(30)
     if proc.exitcode != 0:
         raise SystemExit(f"consumer failed with exit code {proc.exitcode}")
-    return n / (finished - started), size
+    cpu = {
+        "producer": producer_cpu * 1e6 / n,
+        "consumer": consumer_cpu * 1e6 / n,
+        "nats_server": server_cpu * 1e6 / n,
+    }
+    cpu["total"] = sum(cpu.values())
+    return n / (finished - started), size, {k: round(v, 1) for k, v in cpu.items()}
 
 
 async def gate_admit(url: str, n: int) -> dict[str, float]:
@@ -266,20 +304,24 @@ def main(n: int, repeat: int) -> None:
     sign = micro_sign_encode(min(n, 5000))
     verify = verify_rates(n)
     pairs = []
-    replayed = gate = None
+    replayed = gate = every_sig = None
     for _ in range(repeat):
         with nats_server() as url:
-            dsec_rate, size = run_path(url, n, dsec=True)
+            dsec_rate, size, dsec_cpu = run_path(url, n, dsec=True)
             if replayed is None:
                 replayed = asyncio.run(replay_verify(url))
                 gate = asyncio.run(gate_admit(url, min(n, 2000)))
         with nats_server() as url:
-            raw_rate, _ = run_path(url, n, dsec=False, size=size)
-        pairs.append((dsec_rate, raw_rate, dsec_rate / raw_rate))
-    assert gate is not None and replayed is not None
-    ratios = sorted(p[2] for p in pairs)
-    ratio = ratios[len(ratios) // 2]
-    dsec_rate, raw_rate, _ = next(p for p in pairs if p[2] == ratio)
+            raw_rate, _, raw_cpu = run_path(url, n, dsec=False, size=size)
+        pairs.append((dsec_rate / raw_rate, dsec_rate, raw_rate, dsec_cpu, raw_cpu))
+        if every_sig is None:  # once: the consumer checking each signature as it arrives
+            with nats_server() as url:
+                every_sig = run_path(url, n, dsec=True, every=1)[0] / raw_rate
+    assert gate is not None and replayed is not None and every_sig is not None
+    pairs.sort(key=lambda p: p[0])
+    ratios = [p[0] for p in pairs]
+    ratio, dsec_rate, raw_rate, dsec_cpu, raw_cpu = pairs[len(pairs) // 2]
+    cpu_ratio = raw_cpu["total"] / dsec_cpu["total"]
     verify["replay_end_to_end"] = replayed
     emit(
         "bus",
@@ -289,7 +331,10 @@ def main(n: int, repeat: int) -> None:
             "raw_nats_py_msgs_per_s": round(raw_rate),
             "ratio_dsec_over_raw": round(ratio, 3),
             "ratios": [round(r, 3) for r in ratios],
-            "pairs": [{"dsec": round(d), "raw": round(r)} for d, r, _ in pairs],
+            "ratio_consumer_every_signature": round(every_sig, 3),
+            "pairs": [{"dsec": round(p[1]), "raw": round(p[2])} for p in pairs],
+            "cpu_us_per_event": {"dsec": dsec_cpu, "raw": raw_cpu},
+            "cpu_ratio_raw_over_dsec": round(cpu_ratio, 3),
             "events": n,
             "envelope_bytes": size,
             "audit_verify_events_per_s": verify,
@@ -297,7 +342,10 @@ def main(n: int, repeat: int) -> None:
         },
         f"bus: DSec backbone {dsec_rate:,.0f} ev/s vs raw nats-py {raw_rate:,.0f} msg/s "
         f"= {ratio:.0%} of raw (median of {len(ratios)} pairs: "
-        f"{', '.join(f'{r:.0%}' for r in ratios)}); sign+encode p50 {sign['p50_us']} µs; "
+        f"{', '.join(f'{r:.0%}' for r in ratios)}; {every_sig:.0%} with the consumer checking "
+        f"every signature on arrival); CPU per event {dsec_cpu['total']:.0f} vs "
+        f"{raw_cpu['total']:.0f} µs (raw/DSec {cpu_ratio:.0%}); "
+        f"sign+encode p50 {sign['p50_us']} µs; "
         f"audit verify core {verify['chain_heads']:,} ev/s ({verify['every_signature']:,} "
         f"checking every signature), end to end through JetStream {replayed:,} ev/s; "
         f"consumer gate p50 {gate['p50_us']} µs",

@@ -508,8 +508,8 @@ async def follow(
                 continue
             unavailable_since = 0.0
             if msgs:
-                next_seq = msgs[-1].metadata.sequence.stream + 1
-            yield [(m.metadata.sequence.stream, m.data) for m in msgs]
+                next_seq = stream_seq(msgs[-1]) + 1
+            yield [(stream_seq(m), m.data) for m in msgs]
     finally:
         # The caller may close the connection before this generator is finalized.
         with contextlib.suppress(ConnectionClosedError):
@@ -569,6 +569,15 @@ def _ack_stream_seq(reply: str) -> int:
     if len(tokens) >= 11:
         return int(tokens[7])
     raise ValueError(f"unexpected JetStream ack subject: {reply[:80]!r}")
+
+
+def stream_seq(msg: Msg) -> int:
+    """The stream sequence of a message a JetStream consumer delivered (from its ack subject,
+    without nats-py's ``Msg.metadata``, which builds a dataclass tree for every message)."""
+    try:
+        return _ack_stream_seq(msg.reply)
+    except (ValueError, IndexError, AttributeError):
+        return int(msg.metadata.sequence.stream)
 
 
 async def _pulled(
