@@ -340,3 +340,25 @@ def test_the_stream_sequence_is_read_from_both_ack_subject_layouts() -> None:
     assert _ack_stream_seq(v2) == 43
     with pytest.raises(ValueError, match="not a JetStream ack subject"):
         _ack_stream_seq("_INBOX.abc.def")
+
+
+async def test_a_pipelined_batch_lands_in_order_once_with_its_acks(
+    js: JetStreamContext, publisher: EventPublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """publish_many's asynchronous publish: each envelope stored once, in batch order, at the
+    position its ack names; the same batch again is deduplicated by id (same positions)."""
+    sandbox = f"sbx_{uuid.uuid4().hex[:12]}"
+    batch = [
+        publisher.signer.seal(SpecSubmitted(spec_yaml=f"v{i}"), aggregate_id=f"{sandbox}{i}")
+        for i in range(40)
+    ]
+    slow = []
+    monkeypatch.setattr(publisher, "publish_sealed", lambda s: slow.append(s))  # not expected
+    published = await publisher.publish_many(batch, window=8)
+    assert not slow  # every ack came back on the pipelined path
+    seqs = [p.stream_seq for p in published]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 40 and not any(p.duplicate for p in published)
+    for p in published[::13]:
+        assert (await js.get_msg(STREAM, p.stream_seq)).data == p.sealed.wire
+    again = await publisher.publish_many(batch)
+    assert [p.stream_seq for p in again] == seqs and all(p.duplicate for p in again)

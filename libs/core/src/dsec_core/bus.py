@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError
@@ -295,6 +296,13 @@ class Published:
         return self.sealed.envelope
 
 
+PUBLISH_WINDOW = 512
+"""Envelopes :meth:`EventPublisher.publish_many` keeps unacknowledged at most."""
+ACK_WAIT_S = 5.0
+"""How long a batch waits for the next ack before the rest goes the slow way (with retries)."""
+_ACK_DECODER = msgspec.json.Decoder()
+
+
 class EventPublisher:
     """Signs and publishes envelopes of one producer instance."""
 
@@ -405,14 +413,77 @@ class EventPublisher:
                 delay = min(delay * 2, 1.0)
         raise PublishFailed(f"could not publish {sealed.type} {sealed.id}")
 
-    async def publish_many(self, batch: Sequence[Sealed]) -> list[Published]:
-        """Publish a batch concurrently (pipelined acks); order on the wire is preserved.
+    async def publish_many(
+        self, batch: Sequence[Sealed], *, window: int = PUBLISH_WINDOW
+    ) -> list[Published]:
+        """Publish a batch with pipelined acknowledgements; order on the wire is preserved.
+
+        JetStream's asynchronous publish: each envelope is one core publish (``Nats-Msg-Id`` =
+        its id) with a reply subject of its own under one inbox, at most ``window`` of them
+        unacknowledged, the acks read by one subscription callback; nats-py's ``js.publish``
+        would build a request future and a timeout for each. An envelope whose ack is not a
+        stored position in ``DSEC_EVENTS`` (an error, no stream, no ack within
+        :data:`ACK_WAIT_S`) is published again by :meth:`publish_sealed`, with its retries and
+        the same id, so a copy that did land is deduplicated.
 
         For envelopes with fresh ids only: a deduplicated envelope inside a batch cannot give
         its chain position back (later ones were sealed after it). Derived ids go through
         :meth:`publish`.
         """
-        return list(await asyncio.gather(*(self.publish_sealed(s) for s in batch)))
+        nc = getattr(self.js, "_nc", None)  # JetStreamContext keeps its connection private
+        if len(batch) < 2 or not isinstance(nc, NATS):
+            return list(await asyncio.gather(*(self.publish_sealed(s) for s in batch)))
+        results: list[Published | None] = [None] * len(batch)
+        progress = asyncio.Event()
+        waiting = {"count": 0}
+
+        async def on_ack(msg: Msg) -> None:
+            index = int(msg.subject.rsplit(".", 1)[1])
+            if results[index] is None:
+                try:
+                    ack = _ACK_DECODER.decode(msg.data) if msg.data else None
+                except msgspec.DecodeError:
+                    ack = None
+                seq = ack.get("seq") if isinstance(ack, dict) else None
+                if isinstance(ack, dict) and ack.get("stream") == STREAM and isinstance(seq, int):
+                    results[index] = Published(batch[index], seq, bool(ack.get("duplicate")))
+            waiting["count"] -= 1
+            progress.set()
+
+        async def until(more_room: int) -> bool:
+            """Wait until at most ``more_room`` acks are outstanding; False: none came."""
+            while waiting["count"] > more_room:
+                progress.clear()
+                try:
+                    await asyncio.wait_for(progress.wait(), ACK_WAIT_S)
+                except TimeoutError:
+                    return False
+            return True
+
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(f"{inbox}.*", cb=on_ack)
+        try:
+            for index, sealed in enumerate(batch):
+                if not await until(window - 1):
+                    break
+                try:
+                    await nc.publish(
+                        sealed.subject,
+                        sealed.wire,
+                        reply=f"{inbox}.{index}",
+                        headers={"Nats-Msg-Id": sealed.id},
+                    )
+                except MaxPayloadError:
+                    continue  # publish_sealed says how large it is
+                waiting["count"] += 1
+            await until(0)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()  # no late ack lands while the rest is retried
+        for index, published in enumerate(results):
+            if published is None:
+                results[index] = await self.publish_sealed(batch[index])
+        return [p for p in results if p is not None]
 
     def _max_payload(self) -> int:
         # The connection's limit (the server's max_payload); JetStreamContext keeps it private.
