@@ -106,3 +106,23 @@ def test_the_seeded_logs_cover_each_kind_of_attack() -> None:
             reasons.add("finding")
     assert {"bad-signature", "unauthorized", "unknown-key", "replayed"} <= reasons, reasons
     assert "finding" in reasons, reasons
+
+
+def test_the_unrolled_field_check_is_the_required_table() -> None:
+    """The verifier's hot path checks the envelope's field types in one unrolled expression;
+    it must refuse exactly what the table (and its error messages) refuse."""
+    from dsec_core.audit import _REQUIRED, _fields
+    from dsec_core.envelope import MalformedEnvelope
+
+    agent = certified(ROOT, "nodeagent", node_id="n1")
+    good = canonical.unpack(agent.registration())
+    assert _fields(canonical.canonical_bytes(good)) == good
+    wrong = {str: 1, int: "1", dict: [], (str, type(None)): 1}
+    for name, kind in _REQUIRED.items():
+        missing = {k: v for k, v in good.items() if k != name}
+        for bad in (missing, {**good, name: wrong[kind]}):
+            if bad is missing and isinstance(None, kind):  # a missing prev reads as nil
+                assert _fields(canonical.canonical_bytes(bad)) == bad
+                continue
+            with pytest.raises(MalformedEnvelope, match=f"invalid envelope field {name}$"):
+                _fields(canonical.canonical_bytes(bad))
