@@ -58,7 +58,7 @@ JSON = st.recursive(
 )
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(JSON)
 def test_fast_encoder_matches_the_reference_on_json_values(value: Any) -> None:
     assert canonical.pack_json(value) == canonical.canonical_bytes(value)
@@ -133,7 +133,7 @@ def test_every_event_type_seals_to_the_reference_bytes(model: type[Payload]) -> 
     @settings(
         max_examples=8,
         deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        suppress_health_check=list(HealthCheck),
         database=None,
     )
     @given(st.data(), st.sampled_from(["system", "team-b", "tënant"]))
