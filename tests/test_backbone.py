@@ -288,3 +288,77 @@ async def test_an_event_over_max_payload_is_refused_and_the_chain_continues(
     # the refused envelope never took a chain position: the next one links to the one before
     assert after.envelope.chain_seq == before.envelope.chain_seq + 1
     assert [e[2]["spec_yaml"] for e in await _events_of(js, "sbx_big")] == ["small", "next"]
+
+
+async def test_replay_reads_every_message_in_order_across_pull_batches(
+    js: JetStreamContext, publisher: EventPublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast replay (pipelined pull requests into a callback) yields what the slow path
+    (nats-py fetch, :func:`follow`) yields: each message once, in stream order, filtered, from
+    a start position, across many pull batches."""
+    from dsec_core import bus
+
+    follow = bus.follow
+    monkeypatch.setattr(bus, "PULL_BATCH", 7)
+    seqs = []
+    for i in range(30):
+        sandbox = f"sbx_{uuid.uuid4().hex[:12]}"
+        published = await publisher.publish(SpecSubmitted(spec_yaml=f"v{i}"), aggregate_id=sandbox)
+        seqs.append(published.stream_seq)
+    filt = "dsec.sandbox.*.spec.submitted"
+    start = seqs[0]
+
+    async def slow() -> list[tuple[int, bytes]]:
+        last = (await js.stream_info(STREAM)).state.last_seq
+        out: list[tuple[int, bytes]] = []
+        async for msgs in bus.follow(js, filter_subject=filt, start_seq=start):
+            out += [m for m in msgs if m[0] <= last]
+            if not msgs or (out and out[-1][0] >= last):
+                return out
+        return out
+
+    fast = [item async for item in replay(js, filter_subject=filt, start_seq=start)]
+    assert [s for s, _ in fast if s in seqs] == seqs
+    assert [s for s, _ in fast] == sorted({s for s, _ in fast})  # in order, each once
+    assert fast == (await slow())[: len(fast)]
+    middle = [item async for item in replay(js, filter_subject=filt, start_seq=seqs[10])]
+    expected = [m for m in fast if m[0] >= seqs[10]]
+    assert middle[: len(expected)] == expected
+    # The whole stream from there: read by the fast path alone (the slow one never called).
+    slow_calls = []
+    monkeypatch.setattr(bus, "follow", lambda *a, **k: slow_calls.append(k) or follow(*a, **k))
+    everything = [item async for item in replay(js, start_seq=start)]
+    assert [s for s, _ in everything] == list(range(start, everything[-1][0] + 1))
+    assert everything[-1][0] >= seqs[-1] and not slow_calls
+
+
+def test_the_stream_sequence_is_read_from_both_ack_subject_layouts() -> None:
+    from dsec_core.bus import _ack_stream_seq
+
+    assert _ack_stream_seq("$JS.ACK.DSEC_EVENTS.c1.1.42.7.1700000000000000000.3") == 42
+    v2 = "$JS.ACK.hub.ACCHASH.DSEC_EVENTS.c1.1.43.7.1700000000000000000.3.rnd"
+    assert _ack_stream_seq(v2) == 43
+    with pytest.raises(ValueError, match="not a JetStream ack subject"):
+        _ack_stream_seq("_INBOX.abc.def")
+
+
+async def test_a_pipelined_batch_lands_in_order_once_with_its_acks(
+    js: JetStreamContext, publisher: EventPublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """publish_many's asynchronous publish: each envelope stored once, in batch order, at the
+    position its ack names; the same batch again is deduplicated by id (same positions)."""
+    sandbox = f"sbx_{uuid.uuid4().hex[:12]}"
+    batch = [
+        publisher.signer.seal(SpecSubmitted(spec_yaml=f"v{i}"), aggregate_id=f"{sandbox}{i}")
+        for i in range(40)
+    ]
+    slow = []
+    monkeypatch.setattr(publisher, "publish_sealed", lambda s: slow.append(s))  # not expected
+    published = await publisher.publish_many(batch, window=8)
+    assert not slow  # every ack came back on the pipelined path
+    seqs = [p.stream_seq for p in published]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 40 and not any(p.duplicate for p in published)
+    for p in published[::13]:
+        assert (await js.get_msg(STREAM, p.stream_seq)).data == p.sealed.wire
+    again = await publisher.publish_many(batch)
+    assert [p.stream_seq for p in again] == seqs and all(p.duplicate for p in again)

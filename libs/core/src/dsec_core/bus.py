@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -292,6 +296,13 @@ class Published:
         return self.sealed.envelope
 
 
+PUBLISH_WINDOW = 512
+"""Envelopes :meth:`EventPublisher.publish_many` keeps unacknowledged at most."""
+ACK_WAIT_S = 5.0
+"""How long a batch waits for the next ack before the rest goes the slow way (with retries)."""
+_ACK_DECODER = msgspec.json.Decoder()
+
+
 class EventPublisher:
     """Signs and publishes envelopes of one producer instance."""
 
@@ -402,14 +413,77 @@ class EventPublisher:
                 delay = min(delay * 2, 1.0)
         raise PublishFailed(f"could not publish {sealed.type} {sealed.id}")
 
-    async def publish_many(self, batch: Sequence[Sealed]) -> list[Published]:
-        """Publish a batch concurrently (pipelined acks); order on the wire is preserved.
+    async def publish_many(
+        self, batch: Sequence[Sealed], *, window: int = PUBLISH_WINDOW
+    ) -> list[Published]:
+        """Publish a batch with pipelined acknowledgements; order on the wire is preserved.
+
+        JetStream's asynchronous publish: each envelope is one core publish (``Nats-Msg-Id`` =
+        its id) with a reply subject of its own under one inbox, at most ``window`` of them
+        unacknowledged, the acks read by one subscription callback; nats-py's ``js.publish``
+        would build a request future and a timeout for each. An envelope whose ack is not a
+        stored position in ``DSEC_EVENTS`` (an error, no stream, no ack within
+        :data:`ACK_WAIT_S`) is published again by :meth:`publish_sealed`, with its retries and
+        the same id, so a copy that did land is deduplicated.
 
         For envelopes with fresh ids only: a deduplicated envelope inside a batch cannot give
         its chain position back (later ones were sealed after it). Derived ids go through
         :meth:`publish`.
         """
-        return list(await asyncio.gather(*(self.publish_sealed(s) for s in batch)))
+        nc = getattr(self.js, "_nc", None)  # JetStreamContext keeps its connection private
+        if len(batch) < 2 or not isinstance(nc, NATS):
+            return list(await asyncio.gather(*(self.publish_sealed(s) for s in batch)))
+        results: list[Published | None] = [None] * len(batch)
+        progress = asyncio.Event()
+        waiting = {"count": 0}
+
+        async def on_ack(msg: Msg) -> None:
+            index = int(msg.subject.rsplit(".", 1)[1])
+            if results[index] is None:
+                try:
+                    ack = _ACK_DECODER.decode(msg.data) if msg.data else None
+                except msgspec.DecodeError:
+                    ack = None
+                seq = ack.get("seq") if isinstance(ack, dict) else None
+                if isinstance(ack, dict) and ack.get("stream") == STREAM and isinstance(seq, int):
+                    results[index] = Published(batch[index], seq, bool(ack.get("duplicate")))
+            waiting["count"] -= 1
+            progress.set()
+
+        async def until(more_room: int) -> bool:
+            """Wait until at most ``more_room`` acks are outstanding; False: none came."""
+            while waiting["count"] > more_room:
+                progress.clear()
+                try:
+                    await asyncio.wait_for(progress.wait(), ACK_WAIT_S)
+                except TimeoutError:
+                    return False
+            return True
+
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(f"{inbox}.*", cb=on_ack)
+        try:
+            for index, sealed in enumerate(batch):
+                if not await until(window - 1):
+                    break
+                try:
+                    await nc.publish(
+                        sealed.subject,
+                        sealed.wire,
+                        reply=f"{inbox}.{index}",
+                        headers={"Nats-Msg-Id": sealed.id},
+                    )
+                except MaxPayloadError:
+                    continue  # publish_sealed says how large it is
+                waiting["count"] += 1
+            await until(0)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()  # no late ack lands while the rest is retried
+        for index, published in enumerate(results):
+            if published is None:
+                results[index] = await self.publish_sealed(batch[index])
+        return [p for p in results if p is not None]
 
     def _max_payload(self) -> int:
         # The connection's limit (the server's max_payload); JetStreamContext keeps it private.
@@ -505,8 +579,8 @@ async def follow(
                 continue
             unavailable_since = 0.0
             if msgs:
-                next_seq = msgs[-1].metadata.sequence.stream + 1
-            yield [(m.metadata.sequence.stream, m.data) for m in msgs]
+                next_seq = stream_seq(msgs[-1]) + 1
+            yield [(stream_seq(m), m.data) for m in msgs]
     finally:
         # The caller may close the connection before this generator is finalized.
         with contextlib.suppress(ConnectionClosedError):
@@ -520,15 +594,126 @@ async def replay(
     start_seq: int = 1,
     batch: int = 512,
 ) -> AsyncIterator[tuple[int, bytes]]:
-    """Yield ``(stream_seq, data)`` from ``start_seq`` to the end of the stream as it is now."""
+    """Yield ``(stream_seq, data)`` from ``start_seq`` to the end of the stream as it is now.
+
+    Read with pipelined pull requests into a subscription callback (:func:`_pulled`): nats-py's
+    ``fetch`` waits for each message in a task of its own, which caps a replay (``dsec audit
+    verify``, the read models' rebuild) far below what the verifier keeps up with. Whatever
+    that fast path does not expect (a cluster electing a leader, a replica behind, an
+    unexpected status) hands over to :func:`follow`, from the next position.
+    """
     info = await js.stream_info(STREAM)
     last = info.state.last_seq
     if info.state.messages == 0 or start_seq > last:
         return
-    async for msgs in follow(js, filter_subject=filter_subject, start_seq=start_seq, batch=batch):
+    next_seq = start_seq
+    nc = getattr(js, "_nc", None)  # JetStreamContext keeps its connection private
+    if isinstance(nc, NATS):
+        async for msgs in _pulled(js, nc, filter_subject, start_seq, last):
+            for seq, data in msgs:
+                yield seq, data
+                next_seq = seq + 1
+                if seq >= last:
+                    return
+    async for msgs in follow(js, filter_subject=filter_subject, start_seq=next_seq, batch=batch):
         if not msgs:  # nothing more matches the filter up to ``last``
             return
         for seq, data in msgs:
             yield seq, data
             if seq >= last:
                 return
+
+
+PULL_BATCH = 2048
+"""Messages one pull request of a replay asks for (the next is sent before a batch is used)."""
+
+
+def _ack_stream_seq(reply: str) -> int:
+    """The stream sequence in a JetStream message's ack subject (both of its layouts:
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...`` and the one with domain and account
+    hash after ``ACK``), as nats-py's ``Msg.metadata`` reads it, without building it."""
+    tokens = reply.split(".")
+    if tokens[0] != "$JS" or tokens[1] != "ACK":
+        raise ValueError(f"not a JetStream ack subject: {reply[:80]!r}")
+    if len(tokens) == 9:
+        return int(tokens[5])
+    if len(tokens) >= 11:
+        return int(tokens[7])
+    raise ValueError(f"unexpected JetStream ack subject: {reply[:80]!r}")
+
+
+def stream_seq(msg: Msg) -> int:
+    """The stream sequence of a message a JetStream consumer delivered (from its ack subject,
+    without nats-py's ``Msg.metadata``, which builds a dataclass tree for every message)."""
+    try:
+        return _ack_stream_seq(msg.reply)
+    except (ValueError, IndexError, AttributeError):
+        return int(msg.metadata.sequence.stream)
+
+
+async def _pulled(
+    js: JetStreamContext,
+    nc: NATS,
+    filter_subject: str,
+    start_seq: int,
+    last: int,
+    *,
+    wait_s: float = 5.0,
+) -> AsyncIterator[list[tuple[int, bytes]]]:
+    """Batches of ``(stream_seq, data)`` from ``start_seq`` through an ephemeral consumer (the
+    configuration :func:`follow` uses) and ``no_wait`` pull requests answered into a callback.
+    Ends at ``last``, when the server has no more for the filter, or at anything unexpected
+    (the caller goes on from the next position with :func:`follow`)."""
+    try:
+        consumer = await js.add_consumer(STREAM, _ordered_config(filter_subject, start_seq))
+    except Exception as exc:  # e.g. a cluster electing a leader: the slow path copes
+        log.debug("replay: no consumer for the fast path (%s)", exc)
+        return
+    batch = PULL_BATCH
+    inbox = nc.new_inbox()
+    arrived: list[tuple[int, bytes]] = []
+    state: dict[str, Any] = {"count": 0, "status": None}
+    done = asyncio.Event()
+
+    async def on_message(msg: Msg) -> None:
+        if not msg.reply:  # a status: 404 no (more) messages, 408, 409 ...
+            state["status"] = (msg.headers or {}).get("Status", "?")
+            done.set()
+            return
+        try:
+            arrived.append((_ack_stream_seq(msg.reply), msg.data))
+        except ValueError as exc:
+            state["status"] = str(exc)
+            done.set()
+            return
+        state["count"] += 1
+        if state["count"] >= batch:
+            done.set()
+
+    request = json.dumps({"batch": batch, "no_wait": True}).encode()
+    subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{consumer.name}"
+    sub = await nc.subscribe(inbox, cb=on_message)
+    try:
+        await nc.publish(subject, request, reply=inbox)
+        while True:
+            try:
+                await asyncio.wait_for(done.wait(), wait_s)
+            except TimeoutError:
+                return
+            done.clear()
+            msgs = arrived[:]
+            del arrived[:]
+            status, state["status"], state["count"] = state["status"], None, 0
+            finished = bool(msgs) and msgs[-1][0] >= last
+            more = not finished and status is None  # a full batch: ask for the next now
+            if more:
+                await nc.publish(subject, request, reply=inbox)
+            if msgs:
+                yield msgs
+            if not more:
+                return
+    finally:
+        # The consumer goes with its inactivity threshold, as follow()'s (only the operator
+        # may delete consumers).
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()

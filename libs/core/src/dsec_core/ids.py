@@ -6,6 +6,9 @@ same output id, and JetStream's duplicate window (``Nats-Msg-Id``) drops the sec
 
 from __future__ import annotations
 
+import secrets
+import threading
+import time
 import uuid
 
 import uuid6
@@ -14,9 +17,29 @@ import uuid6
 _DERIVE_NS = uuid.UUID("6f1e0c2a-8a55-4c5e-9a57-3c1b0d9f2e11")
 
 
+_VERSION_7 = 0x7 << 76
+_VARIANT = 0x2 << 62
+_CLEAR = ~((0xF << 76) | (0x3 << 62))
+_last_ms = 0
+_ms_lock = threading.Lock()
+
+
 def new_event_id() -> str:
-    """Return a new UUIDv7 (time-ordered) as a string."""
-    return str(uuid6.uuid7())
+    """Return a new UUIDv7 (time-ordered) as a string.
+
+    The same ids as ``uuid6.uuid7()`` (48-bit Unix milliseconds, never going back or repeating
+    in a process, then 74 random bits around the version and variant), without building a
+    ``uuid.UUID``: about half the cost, on every event's hot path.
+    """
+    global _last_ms
+    ms = time.time_ns() // 1_000_000
+    with _ms_lock:
+        if ms <= _last_ms:
+            ms = _last_ms + 1
+        _last_ms = ms
+    value = ((ms & 0xFFFFFFFFFFFF) << 80 | secrets.randbits(76)) & _CLEAR | _VERSION_7 | _VARIANT
+    h = f"{value:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def derive_event_id(input_id: str, label: str) -> str:

@@ -32,12 +32,18 @@ def event_suffix(aggregate: str, event_type: str) -> str:
     return event_type[len(prefix) :] if event_type.startswith(prefix) else event_type
 
 
+def token_problem(aggregate_id: str) -> str | None:
+    """Why ``aggregate_id`` cannot be one NATS subject token; ``None`` when it can."""
+    if _TOKEN.match(aggregate_id):
+        return None
+    return f"aggregate id {aggregate_id!r} must match [A-Za-z0-9_-]+ (one subject token)"
+
+
 def subject_for(event_type: str, aggregate_id: str) -> str:
     """Return the subject of an event of ``event_type`` about ``aggregate_id``."""
-    if not _TOKEN.match(aggregate_id):
-        raise InvalidSubjectToken(
-            f"aggregate id {aggregate_id!r} must match [A-Za-z0-9_-]+ (one subject token)"
-        )
+    problem = token_problem(aggregate_id)
+    if problem is not None:
+        raise InvalidSubjectToken(problem)
     aggregate = model_for(event_type).AGGREGATE
     return f"{ROOT}.{aggregate}.{aggregate_id}.{event_suffix(aggregate, event_type)}"
 

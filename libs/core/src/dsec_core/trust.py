@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import lru_cache
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -43,7 +44,14 @@ from dsec_core.events import KeyRegistered, KeyRevoked, SpecSubmitted, model_for
 from dsec_core.identity import Certificate, CertificateError
 from dsec_core.lifecycle import LIFECYCLE_TYPES, MIGRATED, Lifecycle, fold_envelopes
 from dsec_core.signing import verify_raw
-from dsec_core.subjects import STREAM, filter_for, subject_for
+from dsec_core.subjects import (
+    ROOT,
+    STREAM,
+    event_suffix,
+    filter_for,
+    subject_for,
+    token_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +74,30 @@ def shape_problem(fields: dict[str, Any]) -> str | None:
     event_type, aggregate_id = fields.get("type"), fields.get("aggregate_id")
     if not isinstance(event_type, str) or not isinstance(aggregate_id, str):
         return "type and aggregate_id must be strings"
-    try:
-        model = model_for(event_type)
-        subject = subject_for(event_type, aggregate_id)
-    except ValueError as exc:
-        return str(exc)[:300]
-    if fields.get("aggregate") != model.AGGREGATE:
+    route = _route(event_type)
+    if isinstance(route, str):
+        return route
+    aggregate, suffix = route
+    problem = token_problem(aggregate_id)
+    if problem is not None:
+        return problem[:300]
+    if fields.get("aggregate") != aggregate:
         return f"aggregate {fields.get('aggregate')!r} is not that of {event_type}"
+    subject = f"{ROOT}.{aggregate}.{aggregate_id}.{suffix}"
     if fields.get("subject") != subject:
         return f"subject {fields.get('subject')!r} is not {subject!r}"
     return None
+
+
+@lru_cache(maxsize=1024)
+def _route(event_type: str) -> tuple[str, str] | str:
+    """``(aggregate, subject suffix)`` of a known type (:func:`subject_for`'s parts, per type
+    once: every message's shape check needs them), else why it is not one."""
+    try:
+        aggregate = model_for(event_type).AGGREGATE
+    except ValueError as exc:
+        return str(exc)[:300]
+    return aggregate, event_suffix(aggregate, event_type)
 
 
 @dataclass(frozen=True)

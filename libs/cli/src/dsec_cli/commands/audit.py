@@ -52,7 +52,7 @@ def trust_anchor() -> bytes:
 async def _verify(anchor: bytes, archive: Any = None) -> VerifyReport:
     """Replay the stream (``archive``: ``(store, bucket, manifest)`` — the archived segments
     first, then the live stream after them) into the verifier."""
-    from dsec_core.audit import Finding
+    from dsec_core.audit import Finding, fewer_collections
     from dsec_core.bus import replay
     from dsec_core.eventarchive import ArchiveCorrupt, archived_records
     from dsec_core.subjects import STREAM
@@ -85,9 +85,10 @@ async def _verify(anchor: bytes, archive: Any = None) -> VerifyReport:
                     "verify with --archive",
                     highlight=False,
                 )
-        async for seq, data in replay(js, start_seq=start):
-            if verifier.feed(seq, data) is not None:
-                break
+        with fewer_collections():
+            async for seq, data in replay(js, start_seq=start):
+                if verifier.feed(seq, data) is not None:
+                    break
     return verifier.finish()
 
 
