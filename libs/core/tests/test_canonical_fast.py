@@ -9,7 +9,7 @@ the reference encoding the signer used before (canonicalize + ``msgpack.packb``)
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, get_args, get_origin
 from unittest import mock
 
 import pytest
@@ -27,7 +27,7 @@ from dsec_testing.plans import minimal_plan
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from nacl.signing import SigningKey
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 pytestmark = pytest.mark.unit
 
@@ -72,6 +72,37 @@ def test_fast_encoder_sorts_keys_by_code_point_and_writes_floats_as_float64() ->
     assert canonical.pack_json(many)[:3] == bytes.fromhex("de0011")
 
 
+def _pattern(annotation: Any, metadata: Any = ()) -> str | None:
+    """The regex a string field must match (``Field``'s metadata, or ``Annotated`` in the hint)."""
+    for item in (*metadata, *getattr(annotation, "__metadata__", ())):
+        if getattr(item, "pattern", None):
+            return str(item.pattern)
+    return None
+
+
+def _constrained(model: type[BaseModel]) -> dict[str, Any]:
+    """Strategies for the fields hypothesis cannot infer from type hints alone: strings with a
+    pattern (optional ones too) and lists of models that have such fields."""
+    given: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        pattern = _pattern(info.annotation, info.metadata)
+        if pattern is not None:
+            given[name] = st.from_regex(pattern, fullmatch=True)
+            continue
+        args = get_args(info.annotation)
+        optional = [a for a in args if a is not type(None)]
+        if type(None) in args and len(optional) == 1 and _pattern(optional[0]) is not None:
+            given[name] = st.none() | st.from_regex(str(_pattern(optional[0])), fullmatch=True)
+        elif get_origin(info.annotation) is list and args and isinstance(args[0], type):
+            item = args[0]
+            if issubclass(item, BaseModel) and _constrained(item):
+                low = next((getattr(m, "min_length", None) for m in info.metadata), None) or 0
+                given[name] = st.lists(
+                    st.builds(item, **_constrained(item)), min_size=low, max_size=low + 1
+                )
+    return given
+
+
 def _strategy(model: type[Payload]) -> st.SearchStrategy[Payload]:
     """Payloads of ``model`` (hypothesis infers the fields; the few it cannot are given)."""
     gpus = st.lists(
@@ -86,7 +117,7 @@ def _strategy(model: type[Payload]) -> st.SearchStrategy[Payload]:
         max_size=2,
     )
     inventory = st.builds(NodeInventory, gpus=gpus)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = _constrained(model)
     if "plan" in model.model_fields:  # a whole execution plan: one real one, not generated
         extra["plan"] = st.just(minimal_plan())
     if "inventory" in model.model_fields:
