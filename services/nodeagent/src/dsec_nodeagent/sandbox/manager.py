@@ -36,6 +36,7 @@ from dsec_nodeagent.sandbox import (
     plan,
     quota,
     seccomp,
+    zygote,
 )
 from dsec_nodeagent.sandbox.models import (
     AgentIdentity,
@@ -83,6 +84,7 @@ class Sandbox:
     state: dict[str, Any]
     cgroup: cgroups.SandboxCgroup
     process: asyncio.subprocess.Process | None = None
+    pidfd: int | None = None  # the supervisor's, when the zygote forked it (not our child)
     channel: DecisionChannel | None = None
     refusals: notify.RefusalReporter | None = None
     requested: ExitReason | None = None
@@ -124,6 +126,10 @@ class SandboxManager:
             :func:`cgroups.favor_dynamic_modifications`).
         ipc_socket: the IPC broker's socket: each sandbox with an ``agent`` identity sees it
             (through a directory of its own holding only a link to it); ``None``: no broker.
+        use_zygote: fork each sandbox's pre-exec stage from a launcher started once
+            (:mod:`.zygote`) instead of starting an interpreter per sandbox; every layer is the
+            same either way. When the launcher cannot be started, a launch falls back to a
+            fresh interpreter (and logs why).
     """
 
     def __init__(
@@ -139,6 +145,7 @@ class SandboxManager:
         ipc_socket: Path | None = None,
         uid_base: int = domain.UID_BASE,
         node_id: str = "node-1",
+        use_zygote: bool = True,
     ) -> None:
         self.home = home.resolve()
         self.uid_base = uid_base  # node agents of one machine get disjoint uid ranges
@@ -148,6 +155,7 @@ class SandboxManager:
         self.data_root = layout.sandboxes
         self.cache_dir = layout.cache / "runtimes"
         self.python = python or Path(sys.executable)
+        self.zygote = zygote.Zygote(self.python, BOOTSTRAP, _init_env()) if use_zygote else None
         self.on_exit = on_exit
         self.on_decision = on_decision
         self.on_kernel_refusal = on_kernel_refusal
@@ -169,6 +177,7 @@ class SandboxManager:
         self._ended: dict[str, SandboxExited] = {}  # recent results, for wait() after the end
         self._hierarchy: cgroups.Hierarchy | None = None
         self._facts: tuple[int, int, bytes] | None = None
+        self._exec_filter: str | None = None  # hex; the same for every sandbox of this kernel
         self._images = quota.ImagePool(layout.cache / "disk-images")
         self._image_sizes: dict[int, None] = {}  # recently asked sizes, oldest first
         self._image_fill: asyncio.Task[None] | None = None
@@ -225,6 +234,8 @@ class SandboxManager:
         marks: dict[str, int] = {}
         cgroup: cgroups.SandboxCgroup | None = None
         channel: DecisionChannel | None = None
+        # The supervisor is forked now and waits for its plan: the fork overlaps the planning.
+        early = self.zygote.fork() if self.zygote is not None else None
         try:
             built, uid = await self._plan(config, run_dir)
             self._uid_owners[uid] = sid
@@ -256,20 +267,30 @@ class SandboxManager:
                     sid, run_dir / "events.sock", uid, self.on_decision
                 )
             marks["cgroup"] = time.monotonic_ns()
-            process, records, init_pid, ready_ns = await self._spawn(config, built.plan, marks)
+            spawned, records, init_pid, ready_ns = await self._spawn(
+                config, built.plan, marks, early
+            )
         except SandboxStartError:
-            await self._abort(sid, cgroup, channel, run_dir)
+            await self._abort(sid, cgroup, channel, run_dir, early)
             raise
         except Exception as exc:
-            await self._abort(sid, cgroup, channel, run_dir)
+            await self._abort(sid, cgroup, channel, run_dir, early)
             stage = next((m for m in ("plan", "cgroup") if m not in marks), "spawn")
             raise SandboxStartError(sid, stage, str(exc)) from exc
-        refusals = self._report_refusals(sid, process.pid, built.warnings)
+        process, supervisor_pid, pidfd = spawned
+        refusals = self._report_refusals(sid, supervisor_pid, built.warnings)
         ready = self._ready(config, built, uid, cgroup, t0, marks, records, ready_ns, init_pid)
-        state = self._state(config, built.plan, ready, process.pid, init_pid, cgroup, run_dir)
+        state = self._state(config, built.plan, ready, supervisor_pid, init_pid, cgroup, run_dir)
         self.states.write(sid, state)
         sandbox = Sandbox(
-            sid, ready, state, cgroup, process=process, channel=channel, refusals=refusals
+            sid,
+            ready,
+            state,
+            cgroup,
+            process=process,
+            pidfd=pidfd,
+            channel=channel,
+            refusals=refusals,
         )
         self._watch(sandbox)
         return ready
@@ -448,46 +469,86 @@ class SandboxManager:
             os.chmod(path, 0o750)
 
     async def _spawn(
-        self, config: SandboxConfig, the_plan: dict[str, Any], marks: dict[str, int]
-    ) -> tuple[asyncio.subprocess.Process, list[dict[str, Any]], int, int]:
+        self,
+        config: SandboxConfig,
+        the_plan: dict[str, Any],
+        marks: dict[str, int],
+        early: zygote.PendingFork | None,
+    ) -> tuple[
+        tuple[asyncio.subprocess.Process | None, int, int | None], list[dict[str, Any]], int, int
+    ]:
+        """Start the pre-exec stage (forked by the zygote, else a fresh interpreter), give it the
+        plan, read its reports until the workload's execve.
+
+        Returns ``((process or None, supervisor pid, its pidfd or None), records, init pid,
+        ready ns)``."""
         stdout_path, stderr_path = self.log_paths(config.sandbox_id)
         stdout_path.parent.mkdir(parents=True, exist_ok=True)
-        plan_r, plan_w = os.pipe()
         report_r, report_w = os.pipe()
+        process: asyncio.subprocess.Process | None = None
+        pidfd: int | None = None
+        data = marshal.dumps(the_plan)
         try:
             with open(stdout_path, "ab") as out, open(stderr_path, "ab") as err:
                 marks["spawn_start"] = time.monotonic_ns()
-                process = await asyncio.create_subprocess_exec(
-                    str(self.python),
-                    "-I",
-                    "-S",
-                    "-c",
-                    BOOTSTRAP,
-                    "run",
-                    str(plan_r),
-                    str(report_w),
-                    pass_fds=(plan_r, report_w),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                    env=_init_env(),
-                )
+                if early is not None:
+                    try:
+                        pid, pidfd = await early.hand_over(
+                            data, report_w, out.fileno(), err.fileno()
+                        )
+                    except zygote.ZygoteError as exc:
+                        log.warning("%s; starting the pre-exec stage directly", exc)
+                if pidfd is None:
+                    process = await self._spawn_interpreter(data, report_w, out, err)
+                    pid = process.pid
         finally:
-            os.close(plan_r)
             os.close(report_w)
-        try:
-            await asyncio.to_thread(_write_all, plan_w, marshal.dumps(the_plan))
-        finally:
-            os.close(plan_w)
         records, ready_ns = await _read_reports(report_r, START_TIMEOUT_S)
         errors = [r for r in records if "error" in r]
         init_pid = next((r["init_pid"] for r in records if "init_pid" in r), None)
         if errors or init_pid is None or not any(r.get("stage") == "exec" for r in records):
-            await process.wait()
+            if process is not None:
+                await process.wait()
+            elif pidfd is not None:
+                await zygote.wait_pidfd(pidfd)
             first = errors[0] if errors else {"stage": "spawn", "error": _tail(stderr_path)}
             raise SandboxStartError(config.sandbox_id, first["stage"], first["error"])
-        return process, records, int(init_pid), ready_ns
+        return (process, pid, pidfd), records, int(init_pid), ready_ns
+
+    async def _spawn_interpreter(
+        self, data: bytes, report_w: int, out: Any, err: Any
+    ) -> asyncio.subprocess.Process:
+        """The pre-exec stage as a fresh interpreter (no zygote, or it cannot start)."""
+        plan_r, plan_w = os.pipe()
+        try:
+            process = await self._exec_interpreter(plan_r, report_w, out, err)
+        finally:
+            os.close(plan_r)
+        try:
+            await asyncio.to_thread(_write_all, plan_w, data)
+        finally:
+            os.close(plan_w)
+        return process
+
+    async def _exec_interpreter(
+        self, plan_r: int, report_w: int, out: Any, err: Any
+    ) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            str(self.python),
+            "-I",
+            "-S",
+            "-c",
+            BOOTSTRAP,
+            "run",
+            str(plan_r),
+            str(report_w),
+            pass_fds=(plan_r, report_w),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            env=_init_env(),
+        )
 
     def _ready(
         self,
@@ -545,7 +606,9 @@ class SandboxManager:
         }
         exec_plan["env"] = {k: v for k, v in the_plan["env"].items() if k not in secret_names}
         # `sandbox exec` has no listener to hand over: its filter fails denied calls itself.
-        exec_plan["seccomp"] = seccomp.build_filter().hex()
+        if self._exec_filter is None:
+            self._exec_filter = seccomp.build_filter().hex()
+        exec_plan["seccomp"] = self._exec_filter
         deadline = time.time() + config.timeout_s if config.timeout_s else None
         return {
             "sandbox_id": config.sandbox_id,
@@ -569,8 +632,11 @@ class SandboxManager:
         cgroup: cgroups.SandboxCgroup | None,
         channel: DecisionChannel | None,
         run_dir: Path,
+        early: zygote.PendingFork | None = None,
     ) -> None:
         self._agents.pop(sid, None)
+        if early is not None:
+            await early.discard()
         if channel is not None:
             await channel.close()
         if cgroup is not None:
@@ -598,6 +664,9 @@ class SandboxManager:
     async def _monitor(self, sandbox: Sandbox) -> None:
         if sandbox.process is not None:
             await sandbox.process.wait()
+        elif sandbox.pidfd is not None:
+            await zygote.wait_pidfd(sandbox.pidfd)  # closes it
+            sandbox.pidfd = None
         else:
             await _wait_pid(sandbox.state["supervisor_pid"], sandbox.state["supervisor_start"])
         if sandbox.refusals is not None:
@@ -894,6 +963,8 @@ class SandboxManager:
         if self._audit is not None:
             await self._audit.close()
             self._audit = None
+        if self.zygote is not None:
+            await self.zygote.close()
         if self._image_fill is not None:  # a few ms of mkfs: let it finish, leave no staging
             await asyncio.gather(self._image_fill, return_exceptions=True)
         if self.states.ids():  # sandboxes keep running, unwatched: they reap their own cgroups
