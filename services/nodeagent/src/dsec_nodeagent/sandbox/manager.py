@@ -401,6 +401,7 @@ class SandboxManager:
 
     def _kernel_facts(self) -> tuple[int, int, bytes]:
         if self._facts is None:
+            _compile_sandbox_site()
             last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
             self._facts = (landlock.abi_version(), last_cap, seccomp.build_filter(notify=True))
         return self._facts
@@ -1004,6 +1005,21 @@ def build_exec_plan(
     exec_plan["argv"] = [first, *rest]
     exec_plan["env"] = {**exec_plan["env"], **(env or {})}
     return exec_plan
+
+
+def _compile_sandbox_site() -> None:
+    """Bring the bytecode of the in-sandbox ``sitecustomize`` up to date (once per manager).
+
+    Sandboxes see that directory read-only: with a stale or missing ``.pyc`` every sandboxed
+    interpreter would compile the semantic layer again at its start (milliseconds each). An
+    installed package has it compiled already; this covers a source tree edited since.
+    """
+    import compileall
+
+    try:
+        compileall.compile_dir(site_dir(), quiet=2, legacy=False)
+    except OSError as exc:  # a read-only install: its bytecode came with it
+        log.debug("cannot compile %s: %s", site_dir(), exc)
 
 
 def _init_env() -> dict[str, str]:
