@@ -11,6 +11,11 @@ One run, the same tool call over three transports, each side in its own process:
 * ``nats_request_reply``: nats-py ``request()`` against a real nats-server, a nats-py responder;
 * ``http_keepalive``: stdlib ``http.client`` on one keep-alive connection to an aiohttp server.
 
+Beside them, ``shm_floor``: the same channel and the same request/response bytes between two
+processes, both ends spinning as DSec's do, with no codec, no dispatch and no client API (the
+ring's C calls driven from a bare loop) — what a call costs before DSec adds anything, so the
+remaining overhead (``dsec_shm`` minus the floor) is visible.
+
 Every transport carries the same MessagePack body, encoded and decoded with the same codec
 (msgspec): a ``web_search`` call of ~200 bytes with a ~200-byte answer, and a ``fetch`` call
 answered with 64 KB. Latency = one call, client side.
