@@ -1036,23 +1036,39 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 async def _read_reports(fd: int, timeout_s: float) -> tuple[list[dict[str, Any]], int]:
-    """Read JSON lines until EOF (the workload's execve closed the pipe)."""
+    """Read the report lines until EOF (the workload's execve closed the pipe).
 
-    def read_all() -> tuple[bytes, int]:
-        chunks = []
+    Read by the event loop itself (the pipe is non-blocking): the EOF that makes a sandbox ready
+    is seen at the loop's next poll, without a worker thread's hand-off on the way.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+    chunks: list[bytes] = []
+
+    def readable() -> None:
         try:
             while chunk := os.read(fd, 65536):
                 chunks.append(chunk)
-        finally:
-            os.close(fd)
-        return b"".join(chunks), time.monotonic_ns()
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if not done.done():
+                done.set_exception(exc)
+            return
+        if not done.done():
+            done.set_result(time.monotonic_ns())
 
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
     try:
-        raw, eof_ns = await asyncio.wait_for(asyncio.to_thread(read_all), timeout_s)
+        eof_ns = await asyncio.wait_for(done, timeout_s)
     except TimeoutError as exc:
         raise SandboxStartError("?", "spawn", f"no ready signal within {timeout_s}s") from exc
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
     records = []
-    for line in raw.decode(errors="replace").splitlines():
+    for line in b"".join(chunks).decode(errors="replace").splitlines():
         with contextlib.suppress(ValueError, SyntaxError):
             record = ast.literal_eval(line)  # literals only: nothing is executed
             if isinstance(record, dict):
