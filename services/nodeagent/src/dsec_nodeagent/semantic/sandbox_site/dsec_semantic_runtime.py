@@ -11,13 +11,13 @@ never reach it — Landlock, seccomp and the eBPF egress layer refuse those in t
 from __future__ import annotations
 
 import _socket  # not socket: its enums cost milliseconds of every sandboxed interpreter's start
+import _thread  # not threading: only its C thread-local is needed
 import builtins
 import fnmatch
 import io
 import json
 import os
 import sys
-import threading
 import time
 from collections import deque
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # typing costs start-up time in every sandboxed interpreter
     from collections.abc import Callable
     from typing import Any
 
-_guard = threading.local()
+_guard = _thread._local()
 
 
 class Rule:
