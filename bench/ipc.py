@@ -105,10 +105,10 @@ def stats(samples_ns: list[int]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------- the shm floor
-# The same channel (memfd rings, C hot path) between two processes, both ends spinning as the
-# real ones do (a sched_yield every 5 us of pure spinning), carrying the same 200-byte request
-# and response bytes, with no codec, no dispatch and no client API: what is left of a call once
-# everything DSec adds on top of the rings is gone.
+# The same channel (memfd rings, C hot path) between two processes on two cores, both ends
+# spinning as the real ones do (a sched_yield every 5 us of pure spinning), carrying the same
+# 200-byte request and response bytes, with no codec, no dispatch and no client API: what is
+# left of a call once everything DSec adds on top of the rings is gone.
 FLOOR_REQUEST = pack(["web_search", {"query": QUERY}, 5000])
 FLOOR_RESPONSE = pack(ANSWER)
 FLOOR_FAR = 1 << 62
@@ -150,7 +150,16 @@ def _floor_ends(fds: Any, parent_pidfd: int) -> tuple[Any, Any]:
     )
 
 
+def _own_core(index: int) -> None:
+    """The floor's two ends on two different cores (when there are two): a floor, not the
+    luck of the scheduler's placement (DSec's ends move apart themselves, see CoreMover)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        os.sched_setaffinity(0, {cpus[index]})
+
+
 def floor_server(fds: Any, server_wake: int, parent_pidfd: int) -> None:
+    _own_core(0)
     end = _floor_ends(fds, parent_pidfd)[1](server_wake)
     spin_read = end.requests.fast.spin_read
     write = end.responses.fast.try_write
@@ -167,6 +176,7 @@ def floor_server(fds: Any, server_wake: int, parent_pidfd: int) -> None:
 def floor_client(
     fds: Any, server_wake: int, parent_pidfd: int, calls: int, out: Connection
 ) -> None:
+    _own_core(1)
     end = _floor_ends(fds, parent_pidfd)[0](server_wake)
     call = end.requests.fast.call
     write = end.requests.try_write
@@ -181,8 +191,8 @@ def floor_client(
             if outcome.__class__ is tuple:
                 break
             if outcome == -1:  # the record would cross the ring's end: ring.py writes the WRAP
-                if not write(1, i, request):
-                    raise RuntimeError("the floor's ring is full")
+                if not write(1, i, request) and not end.send(1, i, request, FLOOR_FAR):
+                    raise RuntimeError("the floor's ring stayed full")
             else:
                 os.sched_yield()  # sent; spin again for the answer
             outcome = responses.spin_read(FLOOR_FAR, clock() + 5_000, len)
