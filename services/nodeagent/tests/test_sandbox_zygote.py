@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -150,3 +151,32 @@ async def test_a_dead_zygote_is_replaced_and_its_sandboxes_live_on(tmp_path: Pat
         assert manager.running() == ["zyg-long"]
         stopped = await manager.stop("zyg-long", grace_s=1.0)
         assert stopped.reason is ExitReason.STOPPED
+
+
+async def test_the_zygote_refuses_a_request_it_does_not_understand_and_forks_nothing() -> None:
+    from dsec_nodeagent.sandbox.manager import BOOTSTRAP, _init_env
+    from dsec_nodeagent.sandbox.zygote import Zygote
+
+    zygote = Zygote(Path(sys.executable), BOOTSTRAP, _init_env())
+    await zygote.prestart()
+    try:
+        assert zygote.pid is not None
+        sock = zygote._sock
+        assert sock is not None
+        sock.setblocking(True)
+        spare = [os.open("/dev/null", os.O_RDONLY) for _ in range(2)]
+        try:
+            sock.sendmsg([b"exec"])  # not a word it knows, and no fd
+            assert sock.recv(64).startswith(b"error")
+            payload = b"".join(fd.to_bytes(4, sys.byteorder) for fd in spare)
+            sock.sendmsg([b"fork"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])  # 2 fds
+            assert sock.recv(64).startswith(b"error")
+        finally:
+            for fd in spare:
+                os.close(fd)
+        children = Path(f"/proc/{zygote.pid}/task/{zygote.pid}/children").read_text().split()
+        assert children == []
+        sock.setblocking(False)
+    finally:
+        await zygote.close()
+    assert zygote.pid is None
