@@ -178,6 +178,10 @@ class SandboxManager:
         self._hierarchy: cgroups.Hierarchy | None = None
         self._facts: tuple[int, int, bytes] | None = None
         self._exec_filter: str | None = None  # hex; the same for every sandbox of this kernel
+        self._views: dict[
+            tuple[Path, tuple[Path, ...]],
+            tuple[tuple[tuple[int, int, int], ...], discovery.RuntimeView],
+        ] = {}
         self._images = quota.ImagePool(layout.cache / "disk-images")
         self._image_sizes: dict[int, None] = {}  # recently asked sizes, oldest first
         self._image_fill: asyncio.Task[None] | None = None
@@ -298,9 +302,7 @@ class SandboxManager:
     async def _plan(self, config: SandboxConfig, run_dir: Path) -> tuple[plan.PlanResult, int]:
         sdk, sdk_deps = sdk_packages() if config.agent is not None else ((), ())
         extra = [p for p in (config.env_dir, *config.extra_ro_paths, *sdk_deps) if p is not None]
-        view = await asyncio.to_thread(
-            discovery.discover_cached, config.runtime, extra, self.cache_dir
-        )
+        view = await self._runtime_view(config.runtime, extra)
         uid = domain.allocate_uid(config.sandbox_id, self._uids_in_use(), base=self.uid_base)
         run_dir.mkdir(parents=True, exist_ok=False)
         (run_dir / "root").mkdir()
@@ -331,6 +333,26 @@ class SandboxManager:
                 "calls will fail"
             )
         return built, uid
+
+    async def _runtime_view(self, runtime: Path, extra: list[Path]) -> discovery.RuntimeView:
+        """:func:`discovery.discover_cached`, remembered while its inputs are unchanged.
+
+        The inputs' identity (device, inode, mtime of what each path points to: what the disk
+        cache keys on) is a few ``stat`` calls; only a change, or the first sandbox of a runtime,
+        goes to a worker thread (whose hand-off is on every start's path otherwise).
+        """
+        key = (runtime, tuple(extra))
+        try:
+            stamp = tuple(_identity(path) for path in (runtime, *extra))
+        except OSError:
+            stamp = None
+        known = self._views.get(key)
+        if stamp is not None and known is not None and known[0] == stamp:
+            return known[1]
+        view = await asyncio.to_thread(discovery.discover_cached, runtime, extra, self.cache_dir)
+        if stamp is not None:
+            self._views[key] = (stamp, view)
+        return view
 
     async def _make_quota(
         self, config: SandboxConfig, data_dir: Path, built: plan.PlanResult
@@ -1005,6 +1027,15 @@ def build_exec_plan(
     exec_plan["argv"] = [first, *rest]
     exec_plan["env"] = {**exec_plan["env"], **(env or {})}
     return exec_plan
+
+
+def _identity(path: Path) -> tuple[int, int, int]:
+    """``(device, inode, mtime)`` of what ``path`` points to (a missing path: zeros)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return (0, 0, 0)
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
 
 
 def _compile_sandbox_site() -> None:
