@@ -240,6 +240,8 @@ class SandboxManager:
         channel: DecisionChannel | None = None
         # The supervisor is forked now and waits for its plan: the fork overlaps the planning.
         early = self.zygote.fork() if self.zygote is not None else None
+        if early is not None:
+            await asyncio.sleep(0)  # let it send the request now: planning may never yield
         try:
             built, uid = await self._plan(config, run_dir)
             self._uid_owners[uid] = sid
