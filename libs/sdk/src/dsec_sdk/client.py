@@ -86,11 +86,12 @@ class _SyncChannel:
         # The last timeout seen and its (timeout_ms, ns): calls usually repeat the same one.
         self._timeout: float | None = None
         self._timeout_parts = (0, 0)
+        if self._fast_call is not None:
+            self.call = self._hot_call()  # type: ignore[method-assign,assignment]
 
     def call(self, tool: str, arguments: dict[str, Any], timeout: float | None, group: str) -> Any:
         end = self.end
         with self.lock:
-            # The hot path of every call: inlined on purpose (a Python call costs ~0.1 µs).
             if timeout is None:
                 timeout_ms, deadline = 0, _NO_DEADLINE
             else:
@@ -109,10 +110,8 @@ class _SyncChannel:
                 raise PeerGone(end.peer, "the channel was closed")
             call_id = end.next_id
             end.next_id = call_id + 1
-            frame = None
-            sent = False
+            outcome: Any = -1
             if self._fast_call is not None:
-                # The C round trip: publish, spin, read in one go (see Ring.fast_call).
                 spin = end.spin
                 try:
                     outcome = self._fast_call(
@@ -127,30 +126,114 @@ class _SyncChannel:
                     )
                 except codec.DECODE_ERRORS as exc:
                     raise ProtocolError(f"undecodable answer from {end.peer!r}: {exc}") from exc
-                if outcome.__class__ is tuple:
-                    if not spin.settled:
-                        spin.hit()
-                    if outcome[1] == call_id:
-                        frame = outcome
-                    sent = True
-                elif outcome != -1:
-                    sent = True
-                    if outcome == 2:  # spun past the pure-spin span: give the core away once
-                        spin.yield_cpu(_clock())
-                    else:
-                        spin.miss()
-            if frame is None:
-                try:
-                    frame = self._general(end, tool, timeout, call_id, body, deadline, sent)
-                except PeerGone as exc:
-                    # One call at a time on this channel: a request still unread is this one.
-                    if not end.is_closed:
-                        hdr = end.requests.hdr
-                        exc.untaken = hdr[_TAIL] != hdr[_HEAD]
-                    raise
+            frame = self._after_fast_call(end, tool, timeout, call_id, body, deadline, outcome)
         if frame[0] == _RESULT:
             return frame[2]
         codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
+
+    def _hot_call(self) -> Callable[[str, dict[str, Any], float | None, str], Any]:
+        """:meth:`call` for C rings, with what it uses held in closure cells.
+
+        The hot path of every call: an attribute lookup costs ~20 ns and :meth:`call` made about
+        twenty, a good part of what a call costs beyond its codec and the rings. Anything but a
+        settled spin answered by the right frame continues in :meth:`_after_fast_call`, as in
+        :meth:`call`.
+        """
+        end = self.end
+        lock = self.lock
+        pack = self._pack
+        fast_call = self._fast_call
+        responses = self._fast_responses
+        spin = end.spin
+        max_payload = self.max_payload
+        after = self._after_fast_call
+        clock = _clock
+        unpack = _unpack
+        request = _REQUEST
+        result = _RESULT
+        no_deadline = _NO_DEADLINE
+        decode_errors = codec.DECODE_ERRORS
+        assert fast_call is not None
+
+        def call(tool: str, arguments: dict[str, Any], timeout: float | None, group: str) -> Any:
+            with lock:
+                if timeout is None:
+                    timeout_ms, deadline = 0, no_deadline
+                else:
+                    if timeout != self._timeout:
+                        self._timeout_parts = (max(1, int(timeout * 1000)), int(timeout * 1e9))
+                        self._timeout = timeout
+                    timeout_ms, timeout_ns = self._timeout_parts
+                    deadline = clock() + timeout_ns
+                try:
+                    body = pack([tool, arguments, timeout_ms])
+                except (TypeError, ValueError, OverflowError):
+                    body = codec.encode_request(self.packer, tool, arguments, timeout_ms)
+                if len(body) > max_payload:
+                    raise PayloadTooLarge(f"request to {end.peer}.{tool}", len(body), max_payload)
+                if end.is_closed:
+                    raise PeerGone(end.peer, "the channel was closed")
+                call_id = end.next_id
+                end.next_id = call_id + 1
+                try:
+                    outcome = fast_call(
+                        responses,
+                        request,
+                        call_id,
+                        body,
+                        unpack,
+                        spin.budget_ns,
+                        spin.pure_ns,
+                        deadline,
+                    )
+                except decode_errors as exc:
+                    raise ProtocolError(f"undecodable answer from {end.peer!r}: {exc}") from exc
+                if outcome.__class__ is tuple and spin.settled and outcome[1] == call_id:
+                    frame = outcome
+                else:
+                    frame = after(end, tool, timeout, call_id, body, deadline, outcome)
+            if frame[0] == result:
+                return frame[2]
+            codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
+
+        return call
+
+    def _after_fast_call(
+        self,
+        end: CallerEnd,
+        tool: str,
+        timeout: float | None,
+        call_id: int,
+        body: bytes,
+        deadline: int,
+        outcome: Any,
+    ) -> tuple[int, int, Any]:
+        """The rest of a call after the C round trip's ``outcome`` (-1: nothing was sent)."""
+        frame = None
+        sent = False
+        spin = end.spin
+        if outcome.__class__ is tuple:
+            if not spin.settled:
+                spin.hit()
+            if outcome[1] == call_id:
+                frame = outcome
+            sent = True
+        elif outcome != -1:
+            sent = True
+            if outcome == 2:  # spun past the pure-spin span: give the core away once
+                spin.yield_cpu(_clock())
+            else:
+                spin.miss()
+        if frame is None:
+            try:
+                frame = self._general(end, tool, timeout, call_id, body, deadline, sent)
+            except PeerGone as exc:
+                # One call at a time on this channel: a request still unread is this one.
+                if not end.is_closed:
+                    hdr = end.requests.hdr
+                    exc.untaken = hdr[_TAIL] != hdr[_HEAD]
+                raise
+        return frame
 
     def _general(
         self,

@@ -673,16 +673,177 @@ def exec_into(plan: Plan, report: _Reporter) -> int:
     return os.WEXITSTATUS(status)
 
 
+# ----------------------------------------------------------------------------- the zygote
+
+# To the zygote, one request per sandbox: the word "fork" and one fd (SCM_RIGHTS), the child's
+# end of a stream socket of its own. The answer: the child's pid (text) and a pidfd of it.
+# Over that socket the node agent then sends the report pipe's write end and the stdout and
+# stderr log files (SCM_RIGHTS, with the first bytes), then the marshalled plan, then EOF.
+HANDOVER_FDS = 3
+
+
+def zygote(sock_fd: int) -> int:
+    """Fork one supervisor per request; never read a plan.
+
+    Started once per node agent (a fresh interpreter with a clean environment, holding only the
+    control socket ``sock_fd``), it has paid the interpreter's start and these modules' imports
+    once; each sandbox then costs a fork, requested before the node agent plans the sandbox so
+    that the two overlap. It never sees a plan (the child receives it on its own socket), so no
+    sandbox's secrets pass through, or linger in, the process later sandboxes are forked from.
+    EOF on the control socket (the node agent went away) ends it.
+    """
+    import _socket
+    import gc
+    import resource  # noqa: F401  (imported once here, used by every child's uid drop)
+    import select  # noqa: F401  (the supervisor's pump)
+
+    sock = _socket.socket(fileno=sock_fd)
+
+    def reap(_signum: int, _frame: object) -> None:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+
+    signal.signal(signal.SIGCHLD, reap)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the node agent's to handle
+    gc.collect()
+    gc.freeze()  # children share these pages instead of copying them at their first collection
+    while True:
+        try:
+            msg, fds = _recv_fds(sock, 16, 1)
+        except OSError:
+            return 1
+        if not msg:
+            return 0  # the node agent closed its end
+        if msg != b"fork" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            sock.sendmsg([b"error: expected 'fork' and one fd"])
+            continue
+        # SIGCHLD waits until the pidfd exists: a child failing at once is not reaped before.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        pid = os.fork()
+        if pid == 0:
+            _zygote_child(sock, fds[0])
+        os.close(fds[0])
+        pidfd = os.pidfd_open(pid)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        try:
+            sock.sendmsg(
+                [str(pid).encode()],
+                [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder))],
+            )
+        except OSError:
+            return 1
+        finally:
+            os.close(pidfd)
+
+
+def _recv_fds(sock: Any, size: int, max_fds: int) -> tuple[bytes, list[int]]:
+    """One ``recvmsg``: the bytes and the fds that came with them (close-on-exec)."""
+    import _socket
+
+    msg, ancillary, _flags, _addr = sock.recvmsg(
+        size, _socket.CMSG_SPACE(4 * max_fds), _socket.MSG_CMSG_CLOEXEC
+    )
+    fds = []
+    for level, kind, data in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            fds += [
+                int.from_bytes(data[i : i + 4], sys.byteorder)
+                for i in range(0, len(data) - len(data) % 4, 4)
+            ]
+    return msg, fds
+
+
+def _zygote_child(control: Any, channel_fd: int) -> None:
+    """The supervisor, fresh from the zygote: shed its state, wait for the plan, then as ``run``.
+
+    Never returns. Before anything else it closes the zygote's control socket and every fd but
+    its own channel, restores the signal dispositions and mask, and starts a session of its own:
+    it then holds what a spawned pre-exec stage holds.
+    """
+    code = 126
+    try:
+        control.close()  # no sandbox process may ever hold the zygote's socket
+        for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())  # execve would pass a mask on
+        os.setsid()
+        null = os.open("/dev/null", os.O_RDWR)
+        for target in (0, 1, 2):
+            os.dup2(null, target)
+        _close_all_but({0, 1, 2, channel_fd})
+        plan, fds = _receive_plan(channel_fd)
+        if len(fds) != HANDOVER_FDS:  # the launch was given up before its plan was sent
+            for fd in fds:
+                os.close(fd)
+            return
+        report_fd, out_fd, err_fd = fds
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        os.close(out_fd)
+        os.close(err_fd)
+        report = _Reporter(report_fd)
+        report.send(stage="spawn", end_ns=time.monotonic_ns())
+        try:
+            code = run(marshal.loads(plan), report)
+        except Exception as exc:
+            report.send(error=f"{type(exc).__name__}: {exc}", stage="supervisor")
+    finally:
+        os._exit(code)
+
+
+def _close_all_but(keep: set[int]) -> None:
+    """Close every fd of this process not in ``keep`` (whatever the zygote held)."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            try:  # noqa: SIM105
+                os.close(fd)
+            except OSError:
+                pass  # the listing's own fd, already closed
+
+
+def _receive_plan(channel_fd: int) -> tuple[bytes, list[int]]:
+    """The plan and the hand-over fds from the node agent, until EOF."""
+    import _socket
+
+    sock = _socket.socket(fileno=channel_fd)
+    chunks = []
+    fds: list[int] = []
+    try:
+        while True:
+            data, more = _recv_fds(sock, 1 << 16, HANDOVER_FDS)
+            fds += more
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        sock.close()
+    return b"".join(chunks), fds
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``init run|exec PLAN_FD REPORT_FD``."""
+    """Entry point: ``init run|exec PLAN_FD REPORT_FD`` or ``init zygote SOCKET_FD``."""
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "zygote":
+        syscalls.check_arch()
+        return zygote(int(args[1]))
     if len(args) != 3 or args[0] not in ("run", "exec"):
         print(
-            "usage: python -m dsec_nodeagent.sandbox.init run|exec PLAN_FD REPORT_FD",
+            "usage: python -m dsec_nodeagent.sandbox.init run|exec PLAN_FD REPORT_FD"
+            " | zygote SOCKET_FD",
             file=sys.stderr,
         )
         return 2
     syscalls.check_arch()
+    return _serve(args)
+
+
+def _serve(args: list[str]) -> int:
     report = _Reporter(int(args[2]))
     report.send(stage="spawn", end_ns=time.monotonic_ns())
     try:

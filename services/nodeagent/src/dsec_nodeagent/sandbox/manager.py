@@ -36,6 +36,7 @@ from dsec_nodeagent.sandbox import (
     plan,
     quota,
     seccomp,
+    zygote,
 )
 from dsec_nodeagent.sandbox.models import (
     AgentIdentity,
@@ -83,6 +84,7 @@ class Sandbox:
     state: dict[str, Any]
     cgroup: cgroups.SandboxCgroup
     process: asyncio.subprocess.Process | None = None
+    pidfd: int | None = None  # the supervisor's, when the zygote forked it (not our child)
     channel: DecisionChannel | None = None
     refusals: notify.RefusalReporter | None = None
     requested: ExitReason | None = None
@@ -124,6 +126,10 @@ class SandboxManager:
             :func:`cgroups.favor_dynamic_modifications`).
         ipc_socket: the IPC broker's socket: each sandbox with an ``agent`` identity sees it
             (through a directory of its own holding only a link to it); ``None``: no broker.
+        use_zygote: fork each sandbox's pre-exec stage from a launcher started once
+            (:mod:`.zygote`) instead of starting an interpreter per sandbox; every layer is the
+            same either way. When the launcher cannot be started, a launch falls back to a
+            fresh interpreter (and logs why).
     """
 
     def __init__(
@@ -139,6 +145,7 @@ class SandboxManager:
         ipc_socket: Path | None = None,
         uid_base: int = domain.UID_BASE,
         node_id: str = "node-1",
+        use_zygote: bool = True,
     ) -> None:
         self.home = home.resolve()
         self.uid_base = uid_base  # node agents of one machine get disjoint uid ranges
@@ -148,6 +155,7 @@ class SandboxManager:
         self.data_root = layout.sandboxes
         self.cache_dir = layout.cache / "runtimes"
         self.python = python or Path(sys.executable)
+        self.zygote = zygote.Zygote(self.python, BOOTSTRAP, _init_env()) if use_zygote else None
         self.on_exit = on_exit
         self.on_decision = on_decision
         self.on_kernel_refusal = on_kernel_refusal
@@ -169,6 +177,11 @@ class SandboxManager:
         self._ended: dict[str, SandboxExited] = {}  # recent results, for wait() after the end
         self._hierarchy: cgroups.Hierarchy | None = None
         self._facts: tuple[int, int, bytes] | None = None
+        self._exec_filter: str | None = None  # hex; the same for every sandbox of this kernel
+        self._views: dict[
+            tuple[Path, tuple[Path, ...]],
+            tuple[tuple[tuple[int, int, int], ...], discovery.RuntimeView],
+        ] = {}
         self._images = quota.ImagePool(layout.cache / "disk-images")
         self._image_sizes: dict[int, None] = {}  # recently asked sizes, oldest first
         self._image_fill: asyncio.Task[None] | None = None
@@ -225,6 +238,10 @@ class SandboxManager:
         marks: dict[str, int] = {}
         cgroup: cgroups.SandboxCgroup | None = None
         channel: DecisionChannel | None = None
+        # The supervisor is forked now and waits for its plan: the fork overlaps the planning.
+        early = self.zygote.fork() if self.zygote is not None else None
+        if early is not None:
+            await asyncio.sleep(0)  # let it send the request now: planning may never yield
         try:
             built, uid = await self._plan(config, run_dir)
             self._uid_owners[uid] = sid
@@ -256,20 +273,30 @@ class SandboxManager:
                     sid, run_dir / "events.sock", uid, self.on_decision
                 )
             marks["cgroup"] = time.monotonic_ns()
-            process, records, init_pid, ready_ns = await self._spawn(config, built.plan, marks)
+            spawned, records, init_pid, ready_ns = await self._spawn(
+                config, built.plan, marks, early
+            )
         except SandboxStartError:
-            await self._abort(sid, cgroup, channel, run_dir)
+            await self._abort(sid, cgroup, channel, run_dir, early)
             raise
         except Exception as exc:
-            await self._abort(sid, cgroup, channel, run_dir)
+            await self._abort(sid, cgroup, channel, run_dir, early)
             stage = next((m for m in ("plan", "cgroup") if m not in marks), "spawn")
             raise SandboxStartError(sid, stage, str(exc)) from exc
-        refusals = self._report_refusals(sid, process.pid, built.warnings)
+        process, supervisor_pid, pidfd = spawned
+        refusals = self._report_refusals(sid, supervisor_pid, built.warnings)
         ready = self._ready(config, built, uid, cgroup, t0, marks, records, ready_ns, init_pid)
-        state = self._state(config, built.plan, ready, process.pid, init_pid, cgroup, run_dir)
+        state = self._state(config, built.plan, ready, supervisor_pid, init_pid, cgroup, run_dir)
         self.states.write(sid, state)
         sandbox = Sandbox(
-            sid, ready, state, cgroup, process=process, channel=channel, refusals=refusals
+            sid,
+            ready,
+            state,
+            cgroup,
+            process=process,
+            pidfd=pidfd,
+            channel=channel,
+            refusals=refusals,
         )
         self._watch(sandbox)
         return ready
@@ -277,9 +304,7 @@ class SandboxManager:
     async def _plan(self, config: SandboxConfig, run_dir: Path) -> tuple[plan.PlanResult, int]:
         sdk, sdk_deps = sdk_packages() if config.agent is not None else ((), ())
         extra = [p for p in (config.env_dir, *config.extra_ro_paths, *sdk_deps) if p is not None]
-        view = await asyncio.to_thread(
-            discovery.discover_cached, config.runtime, extra, self.cache_dir
-        )
+        view = await self._runtime_view(config.runtime, extra)
         uid = domain.allocate_uid(config.sandbox_id, self._uids_in_use(), base=self.uid_base)
         run_dir.mkdir(parents=True, exist_ok=False)
         (run_dir / "root").mkdir()
@@ -310,6 +335,26 @@ class SandboxManager:
                 "calls will fail"
             )
         return built, uid
+
+    async def _runtime_view(self, runtime: Path, extra: list[Path]) -> discovery.RuntimeView:
+        """:func:`discovery.discover_cached`, remembered while its inputs are unchanged.
+
+        The inputs' identity (device, inode, mtime of what each path points to: what the disk
+        cache keys on) is a few ``stat`` calls; only a change, or the first sandbox of a runtime,
+        goes to a worker thread (whose hand-off is on every start's path otherwise).
+        """
+        key = (runtime, tuple(extra))
+        try:
+            stamp = tuple(_identity(path) for path in (runtime, *extra))
+        except OSError:
+            stamp = None
+        known = self._views.get(key)
+        if stamp is not None and known is not None and known[0] == stamp:
+            return known[1]
+        view = await asyncio.to_thread(discovery.discover_cached, runtime, extra, self.cache_dir)
+        if stamp is not None:
+            self._views[key] = (stamp, view)
+        return view
 
     async def _make_quota(
         self, config: SandboxConfig, data_dir: Path, built: plan.PlanResult
@@ -380,6 +425,7 @@ class SandboxManager:
 
     def _kernel_facts(self) -> tuple[int, int, bytes]:
         if self._facts is None:
+            _compile_sandbox_site()
             last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
             self._facts = (landlock.abi_version(), last_cap, seccomp.build_filter(notify=True))
         return self._facts
@@ -448,46 +494,86 @@ class SandboxManager:
             os.chmod(path, 0o750)
 
     async def _spawn(
-        self, config: SandboxConfig, the_plan: dict[str, Any], marks: dict[str, int]
-    ) -> tuple[asyncio.subprocess.Process, list[dict[str, Any]], int, int]:
+        self,
+        config: SandboxConfig,
+        the_plan: dict[str, Any],
+        marks: dict[str, int],
+        early: zygote.PendingFork | None,
+    ) -> tuple[
+        tuple[asyncio.subprocess.Process | None, int, int | None], list[dict[str, Any]], int, int
+    ]:
+        """Start the pre-exec stage (forked by the zygote, else a fresh interpreter), give it the
+        plan, read its reports until the workload's execve.
+
+        Returns ``((process or None, supervisor pid, its pidfd or None), records, init pid,
+        ready ns)``."""
         stdout_path, stderr_path = self.log_paths(config.sandbox_id)
         stdout_path.parent.mkdir(parents=True, exist_ok=True)
-        plan_r, plan_w = os.pipe()
         report_r, report_w = os.pipe()
+        process: asyncio.subprocess.Process | None = None
+        pidfd: int | None = None
+        data = marshal.dumps(the_plan)
         try:
             with open(stdout_path, "ab") as out, open(stderr_path, "ab") as err:
                 marks["spawn_start"] = time.monotonic_ns()
-                process = await asyncio.create_subprocess_exec(
-                    str(self.python),
-                    "-I",
-                    "-S",
-                    "-c",
-                    BOOTSTRAP,
-                    "run",
-                    str(plan_r),
-                    str(report_w),
-                    pass_fds=(plan_r, report_w),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                    env=_init_env(),
-                )
+                if early is not None:
+                    try:
+                        pid, pidfd = await early.hand_over(
+                            data, report_w, out.fileno(), err.fileno()
+                        )
+                    except zygote.ZygoteError as exc:
+                        log.warning("%s; starting the pre-exec stage directly", exc)
+                if pidfd is None:
+                    process = await self._spawn_interpreter(data, report_w, out, err)
+                    pid = process.pid
         finally:
-            os.close(plan_r)
             os.close(report_w)
-        try:
-            await asyncio.to_thread(_write_all, plan_w, marshal.dumps(the_plan))
-        finally:
-            os.close(plan_w)
         records, ready_ns = await _read_reports(report_r, START_TIMEOUT_S)
         errors = [r for r in records if "error" in r]
         init_pid = next((r["init_pid"] for r in records if "init_pid" in r), None)
         if errors or init_pid is None or not any(r.get("stage") == "exec" for r in records):
-            await process.wait()
+            if process is not None:
+                await process.wait()
+            elif pidfd is not None:
+                await zygote.wait_pidfd(pidfd)
             first = errors[0] if errors else {"stage": "spawn", "error": _tail(stderr_path)}
             raise SandboxStartError(config.sandbox_id, first["stage"], first["error"])
-        return process, records, int(init_pid), ready_ns
+        return (process, pid, pidfd), records, int(init_pid), ready_ns
+
+    async def _spawn_interpreter(
+        self, data: bytes, report_w: int, out: Any, err: Any
+    ) -> asyncio.subprocess.Process:
+        """The pre-exec stage as a fresh interpreter (no zygote, or it cannot start)."""
+        plan_r, plan_w = os.pipe()
+        try:
+            process = await self._exec_interpreter(plan_r, report_w, out, err)
+        finally:
+            os.close(plan_r)
+        try:
+            await asyncio.to_thread(_write_all, plan_w, data)
+        finally:
+            os.close(plan_w)
+        return process
+
+    async def _exec_interpreter(
+        self, plan_r: int, report_w: int, out: Any, err: Any
+    ) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            str(self.python),
+            "-I",
+            "-S",
+            "-c",
+            BOOTSTRAP,
+            "run",
+            str(plan_r),
+            str(report_w),
+            pass_fds=(plan_r, report_w),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+            env=_init_env(),
+        )
 
     def _ready(
         self,
@@ -545,7 +631,9 @@ class SandboxManager:
         }
         exec_plan["env"] = {k: v for k, v in the_plan["env"].items() if k not in secret_names}
         # `sandbox exec` has no listener to hand over: its filter fails denied calls itself.
-        exec_plan["seccomp"] = seccomp.build_filter().hex()
+        if self._exec_filter is None:
+            self._exec_filter = seccomp.build_filter().hex()
+        exec_plan["seccomp"] = self._exec_filter
         deadline = time.time() + config.timeout_s if config.timeout_s else None
         return {
             "sandbox_id": config.sandbox_id,
@@ -569,8 +657,11 @@ class SandboxManager:
         cgroup: cgroups.SandboxCgroup | None,
         channel: DecisionChannel | None,
         run_dir: Path,
+        early: zygote.PendingFork | None = None,
     ) -> None:
         self._agents.pop(sid, None)
+        if early is not None:
+            await early.discard()
         if channel is not None:
             await channel.close()
         if cgroup is not None:
@@ -598,6 +689,9 @@ class SandboxManager:
     async def _monitor(self, sandbox: Sandbox) -> None:
         if sandbox.process is not None:
             await sandbox.process.wait()
+        elif sandbox.pidfd is not None:
+            await zygote.wait_pidfd(sandbox.pidfd)  # closes it
+            sandbox.pidfd = None
         else:
             await _wait_pid(sandbox.state["supervisor_pid"], sandbox.state["supervisor_start"])
         if sandbox.refusals is not None:
@@ -894,6 +988,8 @@ class SandboxManager:
         if self._audit is not None:
             await self._audit.close()
             self._audit = None
+        if self.zygote is not None:
+            await self.zygote.close()
         if self._image_fill is not None:  # a few ms of mkfs: let it finish, leave no staging
             await asyncio.gather(self._image_fill, return_exceptions=True)
         if self.states.ids():  # sandboxes keep running, unwatched: they reap their own cgroups
@@ -935,6 +1031,30 @@ def build_exec_plan(
     return exec_plan
 
 
+def _identity(path: Path) -> tuple[int, int, int]:
+    """``(device, inode, mtime)`` of what ``path`` points to (a missing path: zeros)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return (0, 0, 0)
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+def _compile_sandbox_site() -> None:
+    """Bring the bytecode of the in-sandbox ``sitecustomize`` up to date (once per manager).
+
+    Sandboxes see that directory read-only: with a stale or missing ``.pyc`` every sandboxed
+    interpreter would compile the semantic layer again at its start (milliseconds each). An
+    installed package has it compiled already; this covers a source tree edited since.
+    """
+    import compileall
+
+    try:
+        compileall.compile_dir(site_dir(), quiet=2, legacy=False)
+    except OSError as exc:  # a read-only install: its bytecode came with it
+        log.debug("cannot compile %s: %s", site_dir(), exc)
+
+
 def _init_env() -> dict[str, str]:
     # The pre-exec stage must not inherit the node agent's environment (tokens, endpoints):
     # pid 1 of the sandbox is forked from it.
@@ -949,23 +1069,39 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 async def _read_reports(fd: int, timeout_s: float) -> tuple[list[dict[str, Any]], int]:
-    """Read JSON lines until EOF (the workload's execve closed the pipe)."""
+    """Read the report lines until EOF (the workload's execve closed the pipe).
 
-    def read_all() -> tuple[bytes, int]:
-        chunks = []
+    Read by the event loop itself (the pipe is non-blocking): the EOF that makes a sandbox ready
+    is seen at the loop's next poll, without a worker thread's hand-off on the way.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+    chunks: list[bytes] = []
+
+    def readable() -> None:
         try:
             while chunk := os.read(fd, 65536):
                 chunks.append(chunk)
-        finally:
-            os.close(fd)
-        return b"".join(chunks), time.monotonic_ns()
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if not done.done():
+                done.set_exception(exc)
+            return
+        if not done.done():
+            done.set_result(time.monotonic_ns())
 
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
     try:
-        raw, eof_ns = await asyncio.wait_for(asyncio.to_thread(read_all), timeout_s)
+        eof_ns = await asyncio.wait_for(done, timeout_s)
     except TimeoutError as exc:
         raise SandboxStartError("?", "spawn", f"no ready signal within {timeout_s}s") from exc
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
     records = []
-    for line in raw.decode(errors="replace").splitlines():
+    for line in b"".join(chunks).decode(errors="replace").splitlines():
         with contextlib.suppress(ValueError, SyntaxError):
             record = ast.literal_eval(line)  # literals only: nothing is executed
             if isinstance(record, dict):

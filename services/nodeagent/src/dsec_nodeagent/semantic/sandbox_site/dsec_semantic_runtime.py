@@ -10,23 +10,24 @@ never reach it — Landlock, seccomp and the eBPF egress layer refuse those in t
 
 from __future__ import annotations
 
+import _socket  # not socket: its enums cost milliseconds of every sandboxed interpreter's start
+import _thread  # not threading: only its C thread-local is needed
 import builtins
 import fnmatch
 import io
 import json
 import os
-import socket
 import sys
-import threading
 import time
 from collections import deque
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs start-up time in every sandboxed interpreter
+    import socket
     from collections.abc import Callable
     from typing import Any
 
-_guard = threading.local()
+_guard = _thread._local()
 
 
 class Rule:
@@ -116,7 +117,7 @@ class Engine:
         self.default: str = raw.get("default", "allow")
         self.spec_file: str = raw.get("spec_file", "sandbox.yaml")
         self.socket_path = socket_path
-        self._sock: socket.socket | None = None
+        self._sock: _socket.socket | None = None
         self.watched = {r.on for r in self.rules} | ({"http"} if self.limits else set())
         if self.default == "log":
             self.watched |= {"open", "subprocess", "connect", "http"}
@@ -188,7 +189,7 @@ class Engine:
         _guard.active = True
         try:
             if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                self._sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM)
                 self._sock.setblocking(False)
             self._sock.sendto(json.dumps(payload).encode(), self.socket_path)
         except OSError:
@@ -254,6 +255,8 @@ def _wrap_open(engine: Engine) -> None:
 
 
 def _wrap_connect(engine: Engine) -> None:
+    import socket  # only for sandboxes with connect rules
+
     real_connect = socket.socket.connect
     real_connect_ex = socket.socket.connect_ex
 
@@ -400,7 +403,7 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
         engine.decide("connect", f"{host}:{args[1] or 0}", {"host": host, "port": args[1]})
     elif event == "socket.connect" and "connect" in engine.watched:
         sock, address = args
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
+        if sock.family in (_socket.AF_INET, _socket.AF_INET6):
             engine.decide(
                 "connect", f"{address[0]}:{address[1]}", {"host": address[0], "port": address[1]}
             )

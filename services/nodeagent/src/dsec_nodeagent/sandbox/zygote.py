@@ -1,0 +1,262 @@
+"""The node agent's end of the pre-forked launcher (the *zygote*).
+
+Starting the pre-exec stage as a fresh interpreter costs ~15 ms a sandbox (interpreter start and
+imports), more than every isolation layer together. The zygote is that interpreter started once
+per node agent — spawned exactly like the pre-exec stage (``-I -S``, a clean environment, no fd
+but its control socket) — which forks one supervisor per sandbox. The fork then goes on exactly
+as a spawned pre-exec stage would: it reads the plan from its own pipe and applies every layer.
+
+The zygote never sees a plan (no secret passes through it), and each child closes everything it
+inherited but its four fds before reading one; see :func:`.init.zygote` and
+``docs/architecture.md`` ("Sandbox launch").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 10.0
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not fork a supervisor (after one restart)."""
+
+
+class _Gone(Exception):
+    """The zygote died or closed its socket: start a new one."""
+
+
+class Zygote:
+    """Starts the zygote on first use, restarts it when it died, forks supervisors through it.
+
+    Args:
+        python: the interpreter of the pre-exec stage.
+        bootstrap: the ``-c`` program that imports :mod:`.init` and calls its ``main``.
+        env: the zygote's whole environment (nothing of the node agent's).
+    """
+
+    def __init__(self, python: Path, bootstrap: str, env: dict[str, str]) -> None:
+        self.python = python
+        self.bootstrap = bootstrap
+        self.env = env
+        self.starts = 0  # how many zygotes this node agent started (1 unless one died)
+        self._process: asyncio.subprocess.Process | None = None
+        self._sock: socket.socket | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        """The running zygote's pid (None before the first launch or after it died)."""
+        if self._process is None or self._process.returncode is not None:
+            return None
+        return self._process.pid
+
+    def fork(self) -> PendingFork:
+        """Have a supervisor forked now; give it its plan later (:meth:`PendingFork.hand_over`)."""
+        return PendingFork(self)
+
+    async def spawn(self, channel_fd: int) -> tuple[int, int]:
+        """Fork a supervisor that waits for its plan on ``channel_fd`` (which stays open here);
+        ``(pid, pidfd)`` of it.
+
+        Raises:
+            ZygoteError: no zygote could fork one, even after a restart.
+        """
+        fds = [channel_fd]
+        async with self._lock:
+            for attempt in range(2):
+                try:
+                    if self.pid is None or self._sock is None:
+                        await self._start()
+                    return await asyncio.wait_for(self._request(fds), REQUEST_TIMEOUT_S)
+                except (_Gone, TimeoutError, OSError) as exc:
+                    await self._discard()
+                    if attempt:
+                        raise ZygoteError(f"the sandbox launcher (zygote) failed: {exc}") from exc
+                    log.warning(
+                        "the sandbox launcher (zygote) is gone (%s); starting a new one", exc
+                    )
+        raise AssertionError("unreachable")
+
+    async def prestart(self) -> None:
+        """Start the zygote now rather than at the first launch (errors: at that launch)."""
+        async with self._lock:
+            if self.pid is None:
+                try:
+                    await self._start()
+                except OSError as exc:
+                    log.warning("the sandbox launcher (zygote) cannot start: %s", exc)
+
+    async def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                str(self.python),
+                "-I",
+                "-S",
+                "-c",
+                self.bootstrap,
+                "zygote",
+                str(theirs.fileno()),
+                pass_fds=(theirs.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=None,  # a crash of the zygote shows in the node agent's log
+                start_new_session=True,
+                env=self.env,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._sock = ours
+        self.starts += 1
+
+    async def _request(self, fds: list[int]) -> tuple[int, int]:
+        sock = self._sock
+        assert sock is not None
+        payload = b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
+        try:
+            sock.sendmsg([b"fork"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
+        except (BrokenPipeError, ConnectionError) as exc:
+            raise _Gone(str(exc)) from exc
+        await _readable(sock)
+        msg, ancillary, _flags, _addr = sock.recvmsg(
+            64, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
+        )
+        received = [
+            int.from_bytes(data[:4], sys.byteorder)
+            for level, kind, data in ancillary
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= 4
+        ]
+        if not msg:
+            raise _Gone("it closed its socket")
+        if not msg.isdigit() or len(received) != 1:
+            for fd in received:
+                os.close(fd)
+            raise ZygoteError(f"the sandbox launcher answered {msg[:64]!r}")
+        return int(msg), received[0]
+
+    async def _discard(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        process, self._process = self._process, None
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+
+    async def close(self) -> None:
+        """End the zygote. Sandboxes it forked keep running: each supervisor is in a session of
+        its own, and the node agent watches it by pidfd, not as a child."""
+        async with self._lock:
+            if self._sock is not None:
+                self._sock.close()  # EOF: the zygote returns
+                self._sock = None
+            process, self._process = self._process, None
+            if process is not None and process.returncode is None:
+                try:
+                    await asyncio.wait_for(process.wait(), 2.0)
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+                    await process.wait()
+
+
+class PendingFork:
+    """A supervisor forked ahead of its plan: the fork overlaps the node agent's planning.
+
+    Until :meth:`hand_over` the child holds nothing but its end of ``channel`` (and /dev/null on
+    0-2); closing ``channel`` without a plan (:meth:`discard`) makes it exit.
+    """
+
+    def __init__(self, zygote: Zygote) -> None:
+        self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._handed = False  # hand_over() owns the pidfd from then on
+        self._task = asyncio.ensure_future(self._fork(zygote, theirs))
+
+    @staticmethod
+    async def _fork(zygote: Zygote, theirs: socket.socket) -> tuple[int, int]:
+        try:
+            return await zygote.spawn(theirs.fileno())
+        finally:
+            theirs.close()
+
+    async def hand_over(
+        self, plan: bytes, report_w: int, stdout_fd: int, stderr_fd: int
+    ) -> tuple[int, int]:
+        """Send the child its fds and plan; ``(pid, pidfd)`` of it.
+
+        Raises:
+            ZygoteError: there is no child (the zygote failed even after a restart).
+        """
+        self._handed = True
+        pid, pidfd = await self._task
+        sock = self.channel
+        try:
+            payload = b"".join(
+                fd.to_bytes(4, sys.byteorder) for fd in (report_w, stdout_fd, stderr_fd)
+            )
+            sock.setblocking(False)
+            first = sock.sendmsg([plan[:4096]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
+            await asyncio.get_running_loop().sock_sendall(sock, plan[first:])
+        except BaseException:
+            os.close(pidfd)
+            raise
+        finally:
+            sock.close()  # EOF: the plan is complete
+        return pid, pidfd
+
+    async def discard(self) -> None:
+        """The launch was given up before its plan: the child exits at the EOF."""
+        self.channel.close()
+        if self._handed:
+            return
+        try:
+            _pid, pidfd = await self._task
+        except (ZygoteError, asyncio.CancelledError):
+            return
+        os.close(pidfd)
+
+
+async def _readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+async def wait_pidfd(pidfd: int) -> None:
+    """Wait until the process of ``pidfd`` has ended; closes ``pidfd``."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(pidfd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)

@@ -1,0 +1,182 @@
+"""Sandboxes forked by the pre-forked launcher (the zygote) keep every layer and inherit nothing
+of the node agent; a dead zygote is replaced at the next launch (root, real kernel).
+
+The probe tests of ``test_sandbox_kernel.py`` run through the zygote too (it is the default);
+these check what the zygote could add: fds, environment and state of the node agent or of the
+zygote leaking into a sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
+from _dsec_sandbox_testkit import managed, read_json_output, snippet_config
+
+from dsec_nodeagent.sandbox import ExitReason
+
+pytestmark = [pytest.mark.kernel]
+
+PROBE = r"""
+import json, os
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return line.split(":", 1)[1].strip()
+def can_read(path):
+    try:
+        open(path, "rb").close()
+        return "yes"
+    except OSError as exc:
+        return type(exc).__name__
+fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+print(json.dumps({
+    "fd_targets": {str(fd): os.readlink(f"/proc/self/fd/{fd}") for fd in fds if fd > 2
+                   and os.path.exists(f"/proc/self/fd/{fd}")},
+    "token": os.environ.get("DSEC_TEST_AGENT_TOKEN"),
+    "host_file": can_read(os.environ["HOST_FILE"]),
+    "etc_shadow": can_read("/etc/shadow"),
+    "seccomp": status("Seccomp"),
+    "no_new_privs": status("NoNewPrivs"),
+    "cap_eff": status("CapEff"),
+    "uid": os.getuid(),
+    "cgroup": open("/proc/self/cgroup").read(),
+}), flush=True)
+"""
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith("socket:"):
+            found.add(target)
+    return found
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no PPid for {pid}")
+
+
+async def test_a_zygote_sandbox_keeps_every_layer_and_inherits_nothing_of_the_agent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = tmp_path / "agent-secret.txt"
+    secret.write_text("the node agent's secret")
+    leaked = os.open(secret, os.O_RDONLY)  # an fd of the node agent a child could inherit
+    os.set_inheritable(leaked, True)
+    monkeypatch.setenv("DSEC_TEST_AGENT_TOKEN", "agent-token")
+    host_file = tmp_path / "host-only.txt"
+    host_file.write_text("host")
+    try:
+        async with managed(tmp_path / "home") as manager:
+            assert manager.zygote is not None
+            await manager.launch(
+                snippet_config(
+                    "zyg-probe",
+                    PROBE + "import time; time.sleep(60)\n",
+                    tmp_path,
+                    env={"HOST_FILE": str(host_file)},
+                )
+            )
+            zygote_pid = manager.zygote.pid
+            assert zygote_pid is not None
+            state = manager.states.read("zyg-probe")
+            assert state is not None
+            supervisor, init = state["supervisor_pid"], state["init_pid"]
+            assert _parent_of(supervisor) == zygote_pid  # forked by the zygote, not spawned
+            # Neither the supervisor nor pid 1 of the sandbox holds the zygote's control socket.
+            control = _socket_inodes(zygote_pid)
+            assert control
+            assert not control & _socket_inodes(supervisor)
+            assert not control & _socket_inodes(init)
+            for pid in (supervisor, init):
+                targets = {
+                    os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")
+                }
+                assert str(secret) not in targets
+            stdout = Path(manager.log_paths("zyg-probe")[0])
+            deadline = time.monotonic() + 60
+            while not stdout.read_text().strip() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            result = await manager.stop("zyg-probe", grace_s=1.0)
+    finally:
+        os.close(leaked)
+    assert result.reason is ExitReason.STOPPED
+    report = read_json_output(result)
+    assert report["fd_targets"] == {}  # 0-2 only (the listing's own fd is gone by then)
+    assert report["token"] is None
+    assert report["host_file"] == "FileNotFoundError"  # not in its root view at all
+    assert report["etc_shadow"] in ("FileNotFoundError", "PermissionError")
+    assert report["seccomp"] == "2"  # filter mode
+    assert report["no_new_privs"] == "1"
+    assert int(report["cap_eff"], 16) == 0
+    assert report["uid"] != 0
+    assert "/dsec/node-1/zyg-probe" in report["cgroup"]
+
+
+async def test_a_dead_zygote_is_replaced_and_its_sandboxes_live_on(tmp_path: Path) -> None:
+    async with managed(tmp_path / "home") as manager:
+        assert manager.zygote is not None
+        await manager.launch(snippet_config("zyg-long", "import time; time.sleep(60)\n", tmp_path))
+        first = manager.zygote.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while manager.zygote.pid is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert manager.zygote.pid is None
+        await manager.launch(snippet_config("zyg-next", "print('next')\n", tmp_path))
+        result = await asyncio.wait_for(manager.wait("zyg-next"), 60)
+        assert result.reason is ExitReason.OK
+        assert Path(result.stdout_path).read_text() == "next\n"
+        assert manager.zygote.pid not in (None, first)
+        assert manager.zygote.starts == 2
+        # The sandbox forked by the dead zygote still runs and is still watched.
+        assert manager.running() == ["zyg-long"]
+        stopped = await manager.stop("zyg-long", grace_s=1.0)
+        assert stopped.reason is ExitReason.STOPPED
+
+
+async def test_the_zygote_refuses_a_request_it_does_not_understand_and_forks_nothing() -> None:
+    from dsec_nodeagent.sandbox.manager import BOOTSTRAP, _init_env
+    from dsec_nodeagent.sandbox.zygote import Zygote
+
+    zygote = Zygote(Path(sys.executable), BOOTSTRAP, _init_env())
+    await zygote.prestart()
+    try:
+        assert zygote.pid is not None
+        sock = zygote._sock
+        assert sock is not None
+        sock.setblocking(True)
+        spare = [os.open("/dev/null", os.O_RDONLY) for _ in range(2)]
+        try:
+            sock.sendmsg([b"exec"])  # not a word it knows, and no fd
+            assert sock.recv(64).startswith(b"error")
+            payload = b"".join(fd.to_bytes(4, sys.byteorder) for fd in spare)
+            sock.sendmsg([b"fork"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])  # 2 fds
+            assert sock.recv(64).startswith(b"error")
+        finally:
+            for fd in spare:
+                os.close(fd)
+        children = Path(f"/proc/{zygote.pid}/task/{zygote.pid}/children").read_text().split()
+        assert children == []
+        sock.setblocking(False)
+    finally:
+        await zygote.close()
+    assert zygote.pid is None
