@@ -81,7 +81,14 @@ class _SyncChannel:
         self._timeout: float | None = None
         self._timeout_parts = (0, 0)
 
-    def call(self, tool: str, arguments: dict[str, Any], timeout: float | None, group: str) -> Any:
+    def call(
+        self,
+        tool: str,
+        arguments: dict[str, Any],
+        timeout: float | None,
+        group: str,
+        trace: str | None = None,
+    ) -> Any:
         end = self.end
         with self.lock:
             # The hot path of every call: inlined on purpose (a Python call costs ~0.1 µs).
@@ -94,7 +101,11 @@ class _SyncChannel:
                 timeout_ms, timeout_ns = self._timeout_parts
                 deadline = _clock() + timeout_ns
             try:
-                body = self._pack([tool, arguments, timeout_ms])
+                body = self._pack(
+                    [tool, arguments, timeout_ms]
+                    if trace is None
+                    else [tool, arguments, timeout_ms, trace]  # W3C traceparent (tracing on)
+                )
             except (TypeError, ValueError, OverflowError):
                 body = codec.encode_request(self.packer, tool, arguments, timeout_ms)  # raises
             if len(body) > self.max_payload:
@@ -197,6 +208,10 @@ class DSecClient:
             task group) instead of being refused; the replaced one's ``serve()`` ends with
             ``BrokerUnavailable``.
             Without it, a name is owned by the first live server until its process exits.
+        observe: Report every call made and served to the node agent (the ``dsec_tool_*``
+            metrics, ``tool.degraded``) and trace it when tracing is on (docs/tools.md).
+            Default: on inside a DSec sandbox (``DSEC_SANDBOX_ID`` set), off elsewhere (the
+            raw communication plane, e.g. its benchmarks).
     """
 
     def __init__(
@@ -209,6 +224,7 @@ class DSecClient:
         spin_us: float = 50.0,
         serve_spin_us: float = 100.0,
         takeover: bool = False,
+        observe: bool | None = None,
     ) -> None:
         raw_agent = agent or os.environ.get("DSEC_AGENT_NAME") or f"agent-{os.getpid()}"
         self.agent = control.check_name("agent name", raw_agent)
@@ -228,6 +244,16 @@ class DSecClient:
         self._server: BlockingServer | AsyncServer | None = None
         self._state: Any = None  # an AgentState (dsec_sdk.state) this client serves with
         self._watched: Any = None  # the state whose hand-over callbacks are registered
+        if observe is None:
+            observe = bool(os.environ.get("DSEC_SANDBOX_ID"))
+        self._runner: Any = None  # a dsec_sdk.tools.ToolRunner when calls are observed
+        if observe:
+            from dsec_sdk.tools.pipeline import ToolRunner
+            from dsec_sdk.tools.report import BrokerReporter
+
+            self._runner = ToolRunner(
+                reporter=BrokerReporter(self.socket_path, self.agent, self.group)
+            )
 
     # ------------------------------------------------------------------ tools
     def tool(self, name: str | None = None) -> Callable[[F], F]:
@@ -243,7 +269,10 @@ class DSecClient:
         """Register ``function`` as tool ``name`` (before :meth:`serve`)."""
         if not callable(function):
             raise TypeError(f"tool {name!r} must be callable, got {type(function).__name__}")
-        self._tools[control.check_tool_name(name)] = function
+        name = control.check_tool_name(name)
+        self._tools[name] = (
+            function if self._runner is None else self._runner.served(name, function)
+        )
 
     def serve(self, tools: Mapping[str, Tool] | None = None) -> None:
         """Serve the registered tools (plus ``tools``) from this thread until :meth:`stop`.
@@ -384,6 +413,8 @@ class DSecClient:
             PayloadTooLarge: The request or response exceeds the limit.
             BrokerUnavailable: The node agent cannot be reached.
         """
+        if self._runner is not None:
+            return self._observed_call(agent, tool, _merge(arguments, kwargs), timeout)
         channel = self._channels.get(agent)
         if channel is None or channel.end.is_closed:
             channel = self._channel(agent)
@@ -407,6 +438,37 @@ class DSecClient:
             self._drop(agent, channel)
             raise
 
+    def _observed_call(
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        timeout: float | EllipsisType | None,
+    ) -> Any:
+        """:meth:`call_tool` observed: reported to the node agent, traced when tracing is on
+        (the ``traceparent`` goes in the request frame)."""
+        seconds = self.timeout if timeout is ... else timeout
+
+        def send(call: Any, trace: str | None) -> Any:
+            channel = self._channel(agent)
+            try:
+                return channel.call(tool, merged, seconds, self.group, trace)
+            except PeerGone as exc:
+                self._drop(agent, channel)
+                if not (exc.untaken and self._moved(agent)):
+                    raise
+            except ProtocolError:
+                self._drop(agent, channel)
+                raise
+            channel = self._channel(agent)  # moved by a hand-over: once more, to the new one
+            try:
+                return channel.call(tool, merged, seconds, self.group, trace)
+            except (PeerGone, ProtocolError):
+                self._drop(agent, channel)
+                raise
+
+        return self._runner.call_remote(agent, tool, merged, seconds, send)
+
     def _moved(self, agent: str) -> bool:
         """Whether the broker said that ``agent`` moved to a new server (a hand-over)."""
         link = self._link
@@ -424,10 +486,29 @@ class DSecClient:
     ) -> Any:
         """``async`` twin of :meth:`call_tool`; many calls may be in flight at once."""
         seconds = self.timeout if isinstance(timeout, EllipsisType) else timeout
+        if self._runner is not None:
+            merged = _merge(arguments, kwargs)
+            return await self._runner.acall_remote(
+                agent,
+                tool,
+                merged,
+                seconds,
+                lambda trace: self._acall(agent, tool, merged, seconds, trace),
+            )
+        return await self._acall(agent, tool, _merge(arguments, kwargs), seconds, None)
+
+    async def _acall(
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        seconds: float | None,
+        trace: str | None,
+    ) -> Any:
         caller = await self._async_channel(agent)
         packer = codec.new_packer()
         timeout_ms = 0 if seconds is None else max(1, int(seconds * 1000))
-        body = codec.encode_request(packer, tool, _merge(arguments, kwargs), timeout_ms)
+        body = codec.encode_request(packer, tool, merged, timeout_ms, trace)
         limit = caller.end.requests.max_payload
         if len(body) > limit:
             raise PayloadTooLarge(f"request to {agent}.{tool}", len(body), limit)

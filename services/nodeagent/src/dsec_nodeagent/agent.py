@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
 import sys
 import time
+import urllib.parse
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -76,6 +78,10 @@ from dsec_nodeagent.snapshots import SnapshotStartRefused
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper
 from dsec_nodeagent.state.wiring import ENV_HANDOVER_FROM
 from dsec_nodeagent.tlsproxy import CA_BUNDLE_PATH, ProxyGrant, TlsProxies
+from dsec_nodeagent.toolwatch import SecretLease, ToolWatch, effective_tools
+
+ENV_TOOLS = "DSEC_TOOLS"
+"""The effective tool policies handed to the SDK (dsec_sdk.tools.policy)."""
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +231,8 @@ class NodeAgent:
         self.start_from_snapshot: StartFromSnapshot | None = None
         """Puts a snapshot's code in a new sandbox's code dir (``dsec_nodeagent.snapshots``)."""
         self.expect_handover: Callable[[str, str], None] | None = None
+        # Tool-call reports -> dsec_tool_* metrics, tool.degraded/recovered (docs/tools.md).
+        self.toolwatch: ToolWatch | None = None
         """Tells the IPC broker that a new sandbox takes over an old one's tool name."""
         _AGENTS.add(self)  # dsec_sandboxes_running counts its manager's sandboxes
 
@@ -522,6 +530,8 @@ class NodeAgent:
         self._launched[sid] = Launched(config, plan, egress_plan, ready.started_at)
         self._contexts[sid] = ctx
         self._keepalive[sid] = asyncio.create_task(self.injector.keepalive(ctx))
+        if self.toolwatch is not None and config.agent is not None:
+            self.toolwatch.watch(sid, config.agent.name, plan, _leases(ctx, ready.started_at))
         ready_event = self._ready_event(ready, code_dir, {"env_stage": stage_ms})
         observe_start(ready_event.start_latency_ms)
         STARTS.labels("started").inc()
@@ -600,6 +610,9 @@ class NodeAgent:
         self._rules[sid] = rules  # what the sandbox's reports are checked against
         res = plan.resources
         assert plan.entrypoint is not None
+        env = {e.name: e.value for e in plan.env}
+        # The tool pipeline's policies (spec `tools:` over the catalogue's defaults).
+        env[ENV_TOOLS] = json.dumps(effective_tools(plan), separators=(",", ":"))
         return SandboxConfig(
             sandbox_id=sid,
             argv=list(plan.entrypoint),
@@ -607,7 +620,7 @@ class NodeAgent:
             env_dir=env_dir,
             code_dir=code_dir,
             workdir=plan.workdir,
-            env={e.name: e.value for e in plan.env},
+            env=env,
             secret_env=ctx.secret_env,
             mounts=ctx.mounts,
             read_allowed=list(plan.filesystem.read),
@@ -706,6 +719,8 @@ class NodeAgent:
                 return  # running again: sandbox.restarted published
             result = final
         self._launched.pop(sid, None)
+        if self.toolwatch is not None:
+            self.toolwatch.forget(sid)
         self._stop_wanted.discard(sid)
         self._restart_tasks.pop(sid, None)
         if launched is not None:
@@ -879,6 +894,10 @@ class NodeAgent:
             REPORTS_REFUSED.labels(checked.reason).inc()
             return
         report = checked
+        if self.toolwatch is not None and decision.on == "http" and report.action != "deny":
+            host = urllib.parse.urlsplit(decision.subject).hostname
+            if host:
+                self.toolwatch.http(sid, host)  # a plain HTTP call of a tool (spec tools.hosts)
         self.outlet.refusal(
             sid,
             Key("semantic", report.rule_id, report.operation),
@@ -1021,6 +1040,15 @@ def agent_identity(plan: EnforcementPlan) -> AgentIdentity:
     """Who the sandbox of ``plan`` is on the communication plane: its name and task group,
     granted within the plan's tenant (two tenants' groups of one name never meet)."""
     return AgentIdentity(name=plan.name, task_group=plan.effective_task_group, tenant=plan.tenant)
+
+
+def _leases(ctx: PreparedContext, started_at: float) -> list[SecretLease]:
+    """The secrets injected into a sandbox, as the tool watch diagnoses them (no values)."""
+    return [
+        SecretLease(r.name, r.lease_id or "", started_at, r.ttl_s or 0.0)
+        for r in ctx.records
+        if r.kind == "secret"
+    ]
 
 
 def _through_proxy(config: SandboxConfig, grant: ProxyGrant) -> SandboxConfig:
