@@ -92,8 +92,8 @@ RETRIES = Counter(
 )
 FALLBACKS = Counter(
     "dsec_tool_fallbacks_total",
-    "Calls served by a fallback tool, by the tool it stood in for",
-    ["tool", "fallback", "agent"],
+    "Calls served by a fallback tool, by the tool (and its family) it stood in for",
+    ["tool", "family", "fallback", "agent"],
 )
 DEGRADED = Gauge(
     "dsec_tool_degraded",
@@ -299,7 +299,9 @@ class ToolWatch:
         if record.attempts > 1:
             RETRIES.labels(tool, family, agent_label).inc(record.attempts - 1)
         if record.via and record.outcome == "ok":
-            FALLBACKS.labels(self._tool_label(box, record.via), tool, agent_label).inc()
+            via = self._tool_label(box, record.via)
+            via_family = self._family(box, record.via) if via != OTHER else OTHER
+            FALLBACKS.labels(via, via_family, tool, agent_label).inc()
         if record.side == "call" and tool != OTHER:
             self._health(sandbox_id, box, agent, record)
 
