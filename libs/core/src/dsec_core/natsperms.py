@@ -181,6 +181,9 @@ TABLE: Mapping[str, Role] = {
             "state.checkpointed",
             "state.recovered",
             "state.handed_over",
+            # tools
+            "tool.degraded",
+            "tool.recovered",
         ),
         # each node agent sees these through its own node's durables; acts only on its own
         node_consumes=(

@@ -1044,8 +1044,9 @@ def agent_identity(plan: EnforcementPlan) -> AgentIdentity:
 
 def _leases(ctx: PreparedContext, started_at: float) -> list[SecretLease]:
     """The secrets injected into a sandbox, as the tool watch diagnoses them (no values)."""
+    leases = {lease.accessor: lease for lease in ctx.leases}
     return [
-        SecretLease(r.name, r.lease_id or "", started_at, r.ttl_s or 0.0)
+        SecretLease(r.name, r.lease_id or "", started_at, r.ttl_s or 0.0, leases.get(r.lease_id))
         for r in ctx.records
         if r.kind == "secret"
     ]

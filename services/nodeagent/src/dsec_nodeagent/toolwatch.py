@@ -115,12 +115,20 @@ Publish = Callable[[events.Payload, str], Coroutine[Any, Any, None]]
 
 @dataclass(frozen=True)
 class SecretLease:
-    """What the node agent knows of a secret it injected (never its value)."""
+    """What the node agent knows of a secret it injected (never its value). ``live``: the
+    injector's lease object (its ``ttl_s`` and ``renewed_at`` move as it renews it)."""
 
     env_var: str
     lease_id: str
     injected_at: float  # wall clock
     ttl_s: float
+    live: Any = None
+
+    def expires_at(self) -> float:
+        """When the lease runs out unless renewed again."""
+        renewed = float(getattr(self.live, "renewed_at", 0.0) or 0.0)
+        ttl = float(getattr(self.live, "ttl_s", 0) or self.ttl_s)
+        return max(self.injected_at, renewed) + ttl
 
 
 @dataclass
@@ -420,7 +428,7 @@ class ToolWatch:
                 f"{code} from {tool} since {since}: its credentials are refused (no injected "
                 f"secret is named for it: set tools.{tool}.secret); check the key rotation"
             )
-        expires = lease.injected_at + lease.ttl_s
+        expires = lease.expires_at()
         if self._wall() >= expires:
             return (
                 f"{code} since the lease of {lease.env_var} expired at {_clock_time(expires)} "

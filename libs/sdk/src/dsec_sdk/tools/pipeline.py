@@ -280,8 +280,11 @@ class ToolRunner:
             attempts = int(getattr(exc, "dsec_attempts", 1))
             failure = classify(exc)
             outcome = "rejected" if isinstance(exc, CircuitOpen) else "error"
-            if outcome == "rejected":
-                self._say(str(exc))
+            if isinstance(exc, CircuitOpen):
+                self._say(
+                    f"{call.tool}: circuit open after repeated {exc.last_class} failures; "
+                    f"next trial in {exc.retry_in:.1f} s"
+                )
             self._record(call.tool, "call", outcome, failure, started, attempts, via, span)
             raise
         self._record(call.tool, "call", "ok", None, started, attempts, via, span)
