@@ -1046,7 +1046,9 @@ def _leases(ctx: PreparedContext, started_at: float) -> list[SecretLease]:
     """The secrets injected into a sandbox, as the tool watch diagnoses them (no values)."""
     leases = {lease.accessor: lease for lease in ctx.leases}
     return [
-        SecretLease(r.name, r.lease_id or "", started_at, r.ttl_s or 0.0, leases.get(r.lease_id))
+        SecretLease(
+            r.name, r.lease_id or "", started_at, r.ttl_s or 0.0, leases.get(r.lease_id or "")
+        )
         for r in ctx.records
         if r.kind == "secret"
     ]
