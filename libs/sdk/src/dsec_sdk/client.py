@@ -249,10 +249,10 @@ class DSecClient:
         self._runner: Any = None  # a dsec_sdk.tools.ToolRunner when calls are observed
         if observe:
             from dsec_sdk.tools.pipeline import ToolRunner
-            from dsec_sdk.tools.report import BrokerReporter
+            from dsec_sdk.tools.report import shared_reporter
 
             self._runner = ToolRunner(
-                reporter=BrokerReporter(self.socket_path, self.agent, self.group)
+                reporter=shared_reporter(self.socket_path, self.agent, self.group)
             )
 
     # ------------------------------------------------------------------ tools
@@ -449,8 +449,10 @@ class DSecClient:
         (the ``traceparent`` goes in the request frame)."""
         seconds = self.timeout if timeout is ... else timeout
 
-        def send(call: Any, trace: str | None) -> Any:
-            channel = self._channel(agent)
+        def send(_call: Any, trace: str | None) -> Any:
+            channel = self._channels.get(agent)
+            if channel is None or channel.end.is_closed:
+                channel = self._channel(agent)
             try:
                 return channel.call(tool, merged, seconds, self.group, trace)
             except PeerGone as exc:

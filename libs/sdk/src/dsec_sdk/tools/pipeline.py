@@ -44,6 +44,11 @@ from dsec_sdk.tools.retry import call_with_retries
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
+_now = time.perf_counter
+
+
+def _ms_since(started: float) -> float:
+    return round((_now() - started) * 1000.0, 3)
 
 
 @dataclass(frozen=True)
@@ -156,14 +161,22 @@ class ToolRunner:
         tool: str,
         arguments: Mapping[str, Any],
         timeout_s: float | None,
-        send: Callable[[Call, str | None], Any],
+        send: Callable[[Call | None, str | None], Any],
     ) -> Any:
         """One call over the communication plane, observed (no retry: a remote tool may not be
-        idempotent; use :meth:`call` with a transport for that). ``send(call, traceparent)``."""
-        call = Call(tool, arguments, timeout_s, agent)
+        idempotent; use :meth:`call` with a transport for that). ``send(call, traceparent)``;
+        ``call`` is ``None`` when tracing is off (nothing needs it: the hot path builds none)."""
         tracer = tracing.tracer()
         if tracer is None:
-            return self._timed(call, lambda: send(call, None), "call", "", None)
+            started = _now()
+            try:
+                result = send(None, None)
+            except Exception as exc:
+                self._record(tool, "call", "error", classify(exc), started, 1, "", None)
+                raise
+            self.reporter.record((tool, "call", "ok", "", _ms_since(started), 1, 0, "", ""))
+            return result
+        call = Call(tool, arguments, timeout_s, agent)
         span = tracing.start_span(tracer, f"call {agent}.{tool}", tool)
         with tracing.use(span):
             parent = tracing.traceparent()
@@ -203,12 +216,20 @@ class ToolRunner:
 
             return observed_async
 
+        record = self.reporter.record
+
         def observed(**arguments: Any) -> Any:
+            if tracing.tracer() is None:  # the hot path: time, call, one tuple to the reporter
+                started = _now()
+                try:
+                    result = function(**arguments)
+                except Exception as exc:
+                    self._record(tool, "serve", "error", classify(exc), started, 1, "", None)
+                    raise
+                record((tool, "serve", "ok", "", _ms_since(started), 1, 0, "", ""))
+                return result
             call = Call(tool, arguments)
-            tracer = tracing.tracer()
-            if tracer is None:
-                return self._timed(call, lambda: function(**arguments), "serve", "", None)
-            span = tracing.start_span(tracer, f"serve {tool}", tool, server=True)
+            span = tracing.start_span(tracing.tracer(), f"serve {tool}", tool, server=True)
             with tracing.use(span):
                 return self._timed(call, lambda: function(**arguments), "serve", "", span)
 
@@ -330,7 +351,7 @@ class ToolRunner:
             side,
             outcome,
             failure.failure_class if failure else "",
-            round((time.perf_counter() - started) * 1000.0, 3),
+            _ms_since(started),
             attempts,
             (failure.status or 0) if failure else 0,
             via,

@@ -80,18 +80,22 @@ class BrokerReporter(Reporter):
     def record(self, record: Record) -> None:
         if self._off:
             return
+        pending = self._pending
+        if len(pending) == MAX_PENDING:
+            self._dropped += 1  # the deque drops the oldest itself
+        pending.append(record)  # deque.append is atomic: no lock on the hot path
+        if self._thread is None:
+            self._start()
+        if record[2] != "ok" or len(pending) >= MAX_BATCH:
+            self._wake.set()
+
+    def _start(self) -> None:
         with self._lock:
-            if len(self._pending) == MAX_PENDING:
-                self._dropped += 1
-            self._pending.append(record)
-            urgent = record[2] != "ok" or len(self._pending) >= MAX_BATCH
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="dsec-tool-reports", daemon=True
                 )
                 self._thread.start()
-        if urgent:
-            self._wake.set()
 
     def _run(self) -> None:
         while not self._closed:
@@ -102,9 +106,14 @@ class BrokerReporter(Reporter):
     def flush(self) -> None:
         while not self._off:
             with self._lock:
-                if not self._pending:
+                batch: list[Record] = []
+                try:
+                    while len(batch) < MAX_BATCH:
+                        batch.append(self._pending.popleft())  # atomic, beside append()
+                except IndexError:
+                    pass
+                if not batch:
                     return
-                batch = [self._pending.popleft() for _ in range(min(MAX_BATCH, len(self._pending)))]
                 dropped, self._dropped = self._dropped, 0
             self._send({"op": "tools", "calls": [list(r) for r in batch], "dropped": dropped})
 
@@ -145,6 +154,20 @@ class BrokerReporter(Reporter):
 
 _default: Reporter | None = None
 _default_lock = threading.Lock()
+_shared: dict[tuple[str, str, str], BrokerReporter] = {}
+
+
+def shared_reporter(socket_path: Path, agent: str, group: str) -> BrokerReporter:
+    """One reporter (one broker connection) per broker, agent and group in this process, sent
+    out before the process ends."""
+    key = (str(socket_path), agent, group)
+    with _default_lock:
+        found = _shared.get(key)
+        if found is None:
+            found = BrokerReporter(socket_path, agent, group)
+            _shared[key] = found
+            atexit.register(found.close)
+        return found
 
 
 def default_reporter() -> Reporter:

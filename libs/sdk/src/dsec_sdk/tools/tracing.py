@@ -36,9 +36,10 @@ _tracer: Any = _UNSET
 def tracer() -> Any:
     """The tracer to use, or ``None`` when tracing is off (decided once per process)."""
     global _tracer
-    if _tracer is _UNSET:
-        _tracer = _make_tracer()
-    return _tracer
+    found = _tracer
+    if found is _UNSET:
+        found = _tracer = _make_tracer()
+    return found
 
 
 def reset() -> None:
