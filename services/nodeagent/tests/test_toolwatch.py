@@ -116,6 +116,21 @@ def test_degraded_then_recovered_with_a_diagnosis_naming_the_lease() -> None:
 
 
 @pytest.mark.unit
+def test_plain_http_calls_count_for_the_spec_s_and_the_catalogue_s_hosts() -> None:
+    watch = ToolWatch("node-1", Published())
+    watch.watch("sbx_http", "crawler", plan())
+    labels = {"family": "search", "agent": "crawler", "side": "http", "outcome": "seen"}
+    before = sample("dsec_tool_calls_total", tool="web_search", **labels)
+    tavily = sample("dsec_tool_calls_total", tool="tavily_search", **labels)
+    watch.http("sbx_http", "API.websearch.test.")  # the spec's tools.web_search.hosts
+    watch.http("sbx_http", "api.tavily.com")  # the catalogue's tavily_search
+    watch.http("sbx_http", "unknown.example.com")  # no tool: not counted
+    watch.http("sbx_other", "api.tavily.com")  # not a watched sandbox
+    assert sample("dsec_tool_calls_total", tool="web_search", **labels) == before + 1
+    assert sample("dsec_tool_calls_total", tool="tavily_search", **labels) == tavily + 1
+
+
+@pytest.mark.unit
 def test_a_hostile_sandbox_is_bounded() -> None:
     now = [0.0]
     watch = ToolWatch("node-1", Published(), clock=lambda: now[0])

@@ -25,6 +25,7 @@ across tools and families, and bounded label values instead of unbounded metric 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import re
@@ -184,6 +185,22 @@ def effective_tools(plan: EnforcementPlan) -> dict[str, dict[str, Any]]:
     return result
 
 
+@functools.cache
+def catalogue_hosts() -> dict[str, str]:
+    """Host -> tool of the catalogue's providers (``api.tavily.com`` -> ``tavily_search``):
+    plain HTTP calls to them count for that tool."""
+    from dsec_rules.infer.catalogue import load_catalogue
+
+    return {egress.domain: tool.name for tool in load_catalogue().tools for egress in tool.egress}
+
+
+def _catalogue_family(tool: str) -> str:
+    from dsec_rules.infer.catalogue import load_catalogue
+
+    known = load_catalogue().lookup(tool)
+    return known.category if known else OTHER
+
+
 class ToolWatch:
     """Turns sandboxes' tool-call reports into metrics and events.
 
@@ -221,7 +238,10 @@ class ToolWatch:
     ) -> None:
         """Accept reports from ``sandbox_id`` (its agent named ``agent``)."""
         tools = effective_tools(plan)
-        hosts = {host: name for name, policy in plan.tools.items() for host in policy.hosts}
+        hosts = {**catalogue_hosts()}  # the catalogue's providers, then the spec's own hosts
+        hosts.update({host: name for name, policy in plan.tools.items() for host in policy.hosts})
+        for tool in set(hosts.values()) - set(tools):
+            tools[tool] = {"family": _catalogue_family(tool)}
         egress = tuple(
             f"{rule.domain or rule.cidr}:{','.join(str(p) for p in rule.ports)}"
             for rule in plan.egress
