@@ -381,3 +381,22 @@ def test_policies_come_from_the_node_agent_s_environment() -> None:
     assert policy.fallback == ("local_search",)
     assert (policy.degraded_after, policy.family, policy.secret) == (2, "search", "WEB_SEARCH_KEY")
     assert from_environment({"DSEC_TOOLS": "{not json"}) == {}
+
+
+def test_a_served_tool_tells_a_signature_mismatch_from_its_own_type_error() -> None:
+    runner, reporter, _ = make_runner(FakeTime())
+
+    def tool(query: str) -> str:
+        raise TypeError("inside the tool")
+
+    served = runner.served("t", tool)
+    with pytest.raises(TypeError) as mismatch:
+        served(q="x")
+    assert getattr(mismatch.value, "dsec_binding", False)  # the dispatcher: BadArguments
+    with pytest.raises(TypeError) as own:
+        served(query="x")
+    assert not getattr(own.value, "dsec_binding", False)  # the tool's own: RemoteError
+    assert [(r[1], r[3]) for r in reporter.sent] == [
+        ("serve", "bad_arguments"),
+        ("serve", "tool_error"),
+    ]

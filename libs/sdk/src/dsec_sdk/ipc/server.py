@@ -61,8 +61,9 @@ class Dispatcher:
             result = function(**arguments)
         except TypeError as exc:
             tb = exc.__traceback__
-            if tb is not None and tb.tb_next is None:
-                # Raised by the call itself, not inside the tool: the signature does not match.
+            if (tb is not None and tb.tb_next is None) or getattr(exc, "dsec_binding", False):
+                # Raised by the call itself, not inside the tool: the signature does not match
+                # (dsec_binding: said so by the observing wrapper of dsec_sdk.tools).
                 return codec.ERROR, codec.encode_error(
                     self.packer, codec.E_BAD_ARGUMENTS, "TypeError", str(exc)
                 )

@@ -47,6 +47,27 @@ F = TypeVar("F", bound=Callable[..., Any])
 _now = time.perf_counter
 
 
+def _served_failure(exc: BaseException) -> Failure:
+    """A served tool's failure; a ``TypeError`` raised by binding the arguments (the caller's
+    signature mistake, not the tool's) is ``bad_arguments``, and is marked so that the
+    dispatcher still answers ``BadArguments`` through this wrapper."""
+    if isinstance(exc, TypeError) and _raised_by_binding(exc):
+        exc.dsec_binding = True  # type: ignore[attr-defined]
+        return Failure("bad_arguments")
+    return classify(exc)
+
+
+def _raised_by_binding(exc: TypeError) -> bool:
+    """Raised in the wrapper's own frame by the call (no frame of the tool ran)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_name in _WRAPPERS
+
+
+_WRAPPERS = frozenset({"observed", "_served_async", "<lambda>"})
+
+
 def _ms_since(started: float) -> float:
     return round((_now() - started) * 1000.0, 3)
 
@@ -224,7 +245,7 @@ class ToolRunner:
                 try:
                     result = function(**arguments)
                 except Exception as exc:
-                    self._record(tool, "serve", "error", classify(exc), started, 1, "", None)
+                    self._record(tool, "serve", "error", _served_failure(exc), started, 1, "", None)
                     raise
                 record((tool, "serve", "ok", "", _ms_since(started), 1, 0, "", ""))
                 return result
@@ -242,7 +263,7 @@ class ToolRunner:
         try:
             result = await function(**arguments)
         except Exception as exc:
-            failure = classify(exc)
+            failure = _served_failure(exc)
             self._record(tool, "serve", "error", failure, started, 1, "", None)
             raise
         self._record(tool, "serve", "ok", None, started, 1, "", None)
@@ -316,7 +337,8 @@ class ToolRunner:
         try:
             result = run()
         except Exception as exc:
-            self._record(call.tool, side, "error", classify(exc), started, 1, via, span)
+            failure = _served_failure(exc) if side == "serve" else classify(exc)
+            self._record(call.tool, side, "error", failure, started, 1, via, span)
             raise
         self._record(call.tool, side, "ok", None, started, 1, via, span)
         return result
