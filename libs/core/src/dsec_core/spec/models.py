@@ -1493,23 +1493,35 @@ class ToolPolicySpec(SpecModel):
         return problems
 
 
+def _field(value: Any, name: str) -> Any:
+    """A field of a validated model or of its raw YAML mapping (the loader's second pass)."""
+    if isinstance(value, Mapping):
+        return value.get(name)
+    return getattr(value, name, None)
+
+
+def _names(value: Any) -> list[str]:
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list | tuple) else []
+
+
 def tools_problems(fields: Mapping[str, Any]) -> list[PydanticCustomError]:
     """The ``tools:`` section against the rest of the spec: no tool falls back to itself or
-    round in a circle, and ``secret`` names a secret the runtime context injects."""
+    round in a circle, and ``secret`` names a secret the runtime context injects. Runs on the
+    validated models and, when something else failed, on the raw YAML (every error at once)."""
     tools = fields.get("tools")
     if not isinstance(tools, Mapping):
         return []
     problems: list[PydanticCustomError] = []
     context = fields.get("runtime_context")
-    secrets = (
-        {e.name for e in context.env_vars if e.source}
-        if isinstance(context, RuntimeContext)
-        else None
-    )
+    env_vars = _field(context, "env_vars") if context is not None else ()
+    secrets = {
+        _field(e, "name") for e in env_vars or () if _field(e, "source") and _field(e, "name")
+    }
+    fallbacks = {name: _names(_field(policy, "fallback")) for name, policy in tools.items()}
     for name, policy in tools.items():
-        if not isinstance(policy, ToolPolicySpec):
+        if not isinstance(policy, Mapping | ToolPolicySpec):
             continue
-        for index, other in enumerate(policy.fallback):
+        for index, other in enumerate(fallbacks[name]):
             if other == name:
                 problems.append(
                     invalid(
@@ -1520,10 +1532,10 @@ def tools_problems(fields: Mapping[str, Any]) -> list[PydanticCustomError]:
                 )
                 continue
             seen, path = {name}, [name, other]
-            current = tools.get(other)
-            while isinstance(current, ToolPolicySpec) and current.fallback:
-                nxt = current.fallback[0]
-                if nxt in seen:
+            chain = fallbacks.get(other) or []
+            while chain:
+                nxt = chain[0]
+                if nxt in seen or nxt == path[-1]:
                     problems.append(
                         invalid(
                             f"fallbacks go round in a circle: {' → '.join([*path, nxt])}",
@@ -1534,12 +1546,13 @@ def tools_problems(fields: Mapping[str, Any]) -> list[PydanticCustomError]:
                     break
                 seen.add(path[-1])
                 path.append(nxt)
-                current = tools.get(nxt)
-        if policy.secret is not None and secrets is not None and policy.secret not in secrets:
-            known = ", ".join(sorted(secrets)) or "none"
+                chain = fallbacks.get(nxt) or []
+        secret = _field(policy, "secret")
+        if isinstance(secret, str) and context is not None and secret not in secrets:
+            known = ", ".join(sorted(str(x) for x in secrets)) or "none"
             problems.append(
                 invalid(
-                    f"secret {policy.secret!r} is not a secret of runtime_context.env_vars",
+                    f"secret {secret!r} is not a secret of runtime_context.env_vars",
                     f"name an env var with a source (secrets here: {known})",
                     loc=("tools", name, "secret"),
                 )
