@@ -400,3 +400,40 @@ def test_a_served_tool_tells_a_signature_mismatch_from_its_own_type_error() -> N
         ("serve", "bad_arguments"),
         ("serve", "tool_error"),
     ]
+
+
+async def test_acall_retries_with_an_async_sleep_and_falls_back() -> None:
+    fake = FakeTime()
+    slept: list[float] = []
+
+    async def asleep(seconds: float) -> None:
+        slept.append(seconds)
+        fake.now += seconds
+
+    reporter = Reporter()
+    runner = ToolRunner(
+        {"web_search": ToolPolicy(retries=RetryPolicy(attempts=3), fallback=("local_search",))},
+        reporter=reporter,
+        clock=fake.clock,
+        rng=lambda: 1.0,
+        asleep=asleep,
+    )
+    tries = 0
+
+    @runner.tool("web_search")
+    async def web_search(query: str) -> str:
+        nonlocal tries
+        tries += 1
+        raise http_error(429, "2")
+
+    @runner.tool("local_search")
+    def local_search(query: str) -> str:  # a sync tool: run in a worker thread
+        return f"local {query}"
+
+    assert await runner.acall("web_search", query="q") == "local q"
+    assert tries == 3
+    assert slept == [2.0, 2.0]
+    assert [(r[0], r[2], r[3], r[5]) for r in reporter.sent] == [
+        ("web_search", "error", "rate_limited", 3),
+        ("local_search", "ok", "", 1),
+    ]

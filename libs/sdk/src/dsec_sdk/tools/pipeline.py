@@ -26,6 +26,7 @@ the same under replay.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import random
@@ -40,7 +41,7 @@ from dsec_sdk.tools.breaker import CircuitBreaker
 from dsec_sdk.tools.classify import CircuitOpen, Failure, ToolFailure, classify
 from dsec_sdk.tools.policy import DEFAULT, ToolPolicy, from_environment, with_overrides
 from dsec_sdk.tools.report import Record, Reporter, default_reporter
-from dsec_sdk.tools.retry import call_with_retries
+from dsec_sdk.tools.retry import acall_with_retries, call_with_retries
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -92,7 +93,7 @@ class ToolRunner:
     Args:
         policies: per-tool policies (override ``$DSEC_TOOLS``, the node agent's effective ones).
         reporter: where call records go (default: the node agent, inside a sandbox).
-        sleep, clock, rng: injected for tests (no real sleeping).
+        sleep, asleep, clock, rng: injected for tests (no real sleeping).
         on_event: told, in plain words, about retries, fallbacks and open breakers (e.g. print).
     """
 
@@ -105,6 +106,7 @@ class ToolRunner:
         clock: Callable[[], float] = time.monotonic,
         rng: Callable[[], float] = random.random,
         on_event: Callable[[str], None] | None = None,
+        asleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._policies: dict[str, ToolPolicy] = {**from_environment(), **(policies or {})}
         self._functions: dict[str, Callable[..., Any]] = {}
@@ -116,6 +118,7 @@ class ToolRunner:
         self._clock = clock
         self._rng = rng
         self._on_event = on_event
+        self._asleep = asleep
         self._transport: Transport = self._local
 
     # ------------------------------------------------------------------ registration
@@ -175,6 +178,89 @@ class ToolRunner:
                     self._say(f"{name} failed ({failure.failure_class}): falling back to {nxt}")
         assert first is not None
         raise first
+
+    async def acall(self, tool: str, /, **arguments: Any) -> Any:
+        """``async`` twin of :meth:`call`: waits with ``asyncio.sleep``; a sync tool function
+        runs in a worker thread (it may block on the network)."""
+        chain = [tool, *(name for name in self.policy(tool).fallback if name != tool)]
+        first: BaseException | None = None
+        for index, name in enumerate(chain):
+            via = tool if index else ""
+            try:
+                return await self._aguarded(name, arguments, via)
+            except Exception as exc:
+                failure = classify(exc)
+                if index == 0:
+                    first = exc
+                    if failure.failure_class == "bad_arguments":
+                        raise
+                nxt = chain[index + 1] if index + 1 < len(chain) else None
+                if nxt is not None:
+                    self._say(f"{name} failed ({failure.failure_class}): falling back to {nxt}")
+        assert first is not None
+        raise first
+
+    async def _aguarded(self, tool: str, arguments: Mapping[str, Any], via: str) -> Any:
+        policy = self.policy(tool)
+        call = Call(tool, arguments, policy.timeout_s)
+        breaker = self.breaker(tool)
+        transport = self._transport
+        tracer = tracing.tracer()
+        span = tracing.start_span(tracer, f"tool {tool}", tool) if tracer is not None else None
+        started = time.perf_counter()
+
+        async def attempt() -> Any:
+            breaker.before()
+            try:
+                if transport == self._local:
+                    result = await self._alocal(call)
+                else:
+                    result = transport(call)
+                    if inspect.isawaitable(result):
+                        result = await result
+            except Exception as exc:
+                breaker.failure(classify(exc).failure_class)
+                raise
+            breaker.success()
+            return result
+
+        def retried(number: int, failure: Failure, wait: float) -> None:
+            self._say(
+                f"{tool}: attempt {number} failed ({failure.failure_class}); "
+                f"retrying in {wait:.2f} s"
+            )
+
+        try:
+            result, attempts = await acall_with_retries(
+                attempt,
+                policy.retries,
+                sleep=self._asleep,
+                clock=self._clock,
+                rng=self._rng,
+                on_retry=retried,
+                retry_if=lambda exc: not isinstance(exc, CircuitOpen),
+            )
+        except Exception as exc:
+            attempts = int(getattr(exc, "dsec_attempts", 1))
+            outcome = "rejected" if isinstance(exc, CircuitOpen) else "error"
+            self._record(tool, "call", outcome, classify(exc), started, attempts, via, span)
+            raise
+        self._record(tool, "call", "ok", None, started, attempts, via, span)
+        return result
+
+    async def _alocal(self, call: Call) -> Any:
+        function = self._functions.get(call.tool)
+        if function is None:
+            raise ToolFailure("bad_arguments", f"no tool named {call.tool!r} is registered")
+        arguments = dict(call.arguments)
+        takes = call.tool in self._takes_timeout and "timeout" not in arguments
+        if takes and call.timeout_s is not None:
+            arguments["timeout"] = call.timeout_s
+        if inspect.iscoroutinefunction(function):
+            if call.timeout_s is not None and call.tool not in self._takes_timeout:
+                return await asyncio.wait_for(function(**arguments), call.timeout_s)
+            return await function(**arguments)
+        return await asyncio.to_thread(function, **arguments)
 
     def call_remote(
         self,

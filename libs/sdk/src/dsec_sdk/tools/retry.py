@@ -7,9 +7,10 @@ that the fake sleep advances.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import tenacity
@@ -26,22 +27,14 @@ def backoff(attempt: int, policy: RetryPolicy, rng: Callable[[], float] = random
     return float(rng()) * ceiling
 
 
-def call_with_retries(
-    fn: Callable[[], T],
+def _strategy(
     policy: RetryPolicy,
-    *,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-    rng: Callable[[], float] = random.random,
-    on_retry: Callable[[int, Failure, float], None] | None = None,
-    retry_if: Callable[[BaseException], bool] | None = None,
-) -> tuple[T, int]:
-    """Run ``fn`` until it succeeds or the policy says stop: ``(result, attempts)``.
-
-    The last exception is re-raised with ``dsec_attempts`` set on it. A failure whose class is
-    not in ``policy.on`` (or is never retried) is raised at once. A wait that would end past
-    ``max_time_s`` is not taken.
-    """
+    clock: Callable[[], float],
+    rng: Callable[[], float],
+    on_retry: Callable[[int, Failure, float], None] | None,
+    retry_if: Callable[[BaseException], bool] | None,
+) -> dict[str, Any]:
+    """tenacity's stop, wait, retry and before_sleep for ``policy`` (sync and async alike)."""
     start = clock()
     last: dict[str, Failure] = {}
 
@@ -72,14 +65,32 @@ def call_with_retries(
         if on_retry is not None:
             on_retry(state.attempt_number, last["failure"], state.upcoming_sleep or 0.0)
 
-    retrying = tenacity.Retrying(
-        sleep=sleep,
-        stop=stop,
-        wait=wait,
-        retry=should_retry,
-        before_sleep=before_sleep,
-        reraise=True,
-    )
+    return {
+        "stop": stop,
+        "wait": wait,
+        "retry": should_retry,
+        "before_sleep": before_sleep,
+        "reraise": True,
+    }
+
+
+def call_with_retries(
+    fn: Callable[[], T],
+    policy: RetryPolicy,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    rng: Callable[[], float] = random.random,
+    on_retry: Callable[[int, Failure, float], None] | None = None,
+    retry_if: Callable[[BaseException], bool] | None = None,
+) -> tuple[T, int]:
+    """Run ``fn`` until it succeeds or the policy says stop: ``(result, attempts)``.
+
+    The last exception is re-raised with ``dsec_attempts`` set on it. A failure whose class is
+    not in ``policy.on`` (or is never retried) is raised at once. A wait that would end past
+    ``max_time_s`` is not taken.
+    """
+    retrying = tenacity.Retrying(sleep=sleep, **_strategy(policy, clock, rng, on_retry, retry_if))
     attempts = 0
 
     def attempt() -> T:
@@ -89,6 +100,35 @@ def call_with_retries(
 
     try:
         result: Any = retrying(attempt)
+    except BaseException as exc:
+        exc.dsec_attempts = attempts  # type: ignore[attr-defined]
+        raise
+    return result, attempts
+
+
+async def acall_with_retries(
+    fn: Callable[[], Awaitable[T]],
+    policy: RetryPolicy,
+    *,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    rng: Callable[[], float] = random.random,
+    on_retry: Callable[[int, Failure, float], None] | None = None,
+    retry_if: Callable[[BaseException], bool] | None = None,
+) -> tuple[T, int]:
+    """``async`` twin of :func:`call_with_retries` (waits with ``asyncio.sleep``)."""
+    retrying = tenacity.AsyncRetrying(
+        sleep=sleep, **_strategy(policy, clock, rng, on_retry, retry_if)
+    )
+    attempts = 0
+
+    async def attempt() -> T:
+        nonlocal attempts
+        attempts += 1
+        return await fn()
+
+    try:
+        result: Any = await retrying(attempt)
     except BaseException as exc:
         exc.dsec_attempts = attempts  # type: ignore[attr-defined]
         raise
