@@ -68,7 +68,7 @@ def dashboard() -> dict[str, Any]:
             "Tools of an agent that failed degraded_after calls in a row "
             "(tool.degraded; back to 0 on tool.recovered)",
             "short",
-            [("sum by (tool, agent) (dsec_tool_degraded) > 0", "{{tool}} ({{agent}})")],
+            [("max by (tool, agent) (dsec_tool_degraded)", "{{tool}} ({{agent}})")],
         ),
         (
             "Error ratio by family",
