@@ -131,6 +131,30 @@ def test_plain_http_calls_count_for_the_spec_s_and_the_catalogue_s_hosts() -> No
 
 
 @pytest.mark.unit
+def test_refusals_of_the_sandbox_s_own_policy_are_named_in_the_diagnosis() -> None:
+    now = [0.0]
+    watch = ToolWatch("node-1", Published(), clock=lambda: now[0])
+    watch.watch("sbx_rules", "searcher", plan())
+    watch.refused("sbx_rules", "http_proxy", "egress[0]", "https://api.websearch.test/v1")
+    limited = ["web_search", "call", "error", "rate_limited", 5.0, 3, 429, "", ""]
+    watch.report("sbx_rules", "searcher", {"calls": [limited, limited]})
+    degraded = watch.published[-1]
+    assert isinstance(degraded, events.ToolDegraded)
+    assert "rate limited by the sandbox's own policy, not its provider" in degraded.reason
+    assert "rule egress[0]" in degraded.reason
+    ok = ["web_search", "call", "ok", "", 5.0, 1, 0, "", ""]
+    watch.report("sbx_rules", "searcher", {"calls": [ok]})
+    now[0] += 1000  # long after: the refusal is forgotten
+    watch.refused("sbx_rules", "semantic", "semantic[1]", "")  # the node agent passes no target
+    refused = ["web_search", "call", "error", "network_policy", 1.0, 1, 0, "", ""]
+    watch.report("sbx_rules", "searcher", {"calls": [refused, refused]})
+    degraded = watch.published[-1]
+    assert isinstance(degraded, events.ToolDegraded)
+    assert degraded.failure_class == "network_policy"
+    assert "rule semantic[1] refused it (a spec problem" in degraded.reason
+
+
+@pytest.mark.unit
 def test_a_hostile_sandbox_is_bounded() -> None:
     now = [0.0]
     watch = ToolWatch("node-1", Published(), clock=lambda: now[0])

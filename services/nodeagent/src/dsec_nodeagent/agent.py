@@ -894,10 +894,15 @@ class NodeAgent:
             REPORTS_REFUSED.labels(checked.reason).inc()
             return
         report = checked
-        if self.toolwatch is not None and decision.on == "http" and report.action != "deny":
-            host = urllib.parse.urlsplit(decision.subject).hostname
-            if host:
-                self.toolwatch.http(sid, host)  # a plain HTTP call of a tool (spec tools.hosts)
+        if self.toolwatch is not None:
+            if report.action == "deny":  # a tool failing on it is diagnosed by this rule
+                # (the rule id was checked against the plan; the target is the sandbox's own
+                # words, which never reach a tool event)
+                self.toolwatch.refused(sid, "semantic", report.rule_id, "")
+            elif decision.on == "http":
+                host = urllib.parse.urlsplit(decision.subject).hostname
+                if host:
+                    self.toolwatch.http(sid, host)  # a plain HTTP call of a tool
         self.outlet.refusal(
             sid,
             Key("semantic", report.rule_id, report.operation),
@@ -926,6 +931,8 @@ class NodeAgent:
 
     def _http_refused(self, sid: str, rule_id: str, target: str) -> None:
         """A request the HTTPS proxy answered 429 (the rule's requests budget is spent)."""
+        if self.toolwatch is not None:  # a tool's 429 from here is the spec's limit, not theirs
+            self.toolwatch.refused(sid, "http_proxy", rule_id, target)
 
         def event() -> events.PolicyViolation:
             return events.PolicyViolation(

@@ -30,6 +30,7 @@ import logging
 import math
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -48,6 +49,7 @@ MAX_TOOL_LABELS: Final = 256
 UNKNOWN_TOOLS_PER_SANDBOX: Final = 16
 MAX_AGENT_LABELS: Final = 512
 EVENTS_PER_MINUTE: Final = 20
+REFUSAL_MEMORY_S: Final = 120.0
 OTHER: Final = "other"
 
 _TOOL_RE: Final = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,62}")
@@ -156,6 +158,9 @@ class _Sandbox:
     unknown_tools: set[str] = field(default_factory=set)
     health: dict[tuple[str, str], _Health] = field(default_factory=dict)
     event_times: list[float] = field(default_factory=list)
+    # The sandbox's latest refusals (monotonic time, layer, rule id, target): a diagnosis names
+    # the rule that refused a tool's call.
+    refusals: deque[tuple[float, str, str, str]] = field(default_factory=lambda: deque(maxlen=8))
 
 
 def effective_tools(plan: EnforcementPlan) -> dict[str, dict[str, Any]]:
@@ -306,6 +311,20 @@ class ToolWatch:
             tool, self._family(box, tool), self._agent_label(box.agent), "http", "seen"
         ).inc()
 
+    def refused(self, sandbox_id: str, layer: str, rule_id: str, target: str) -> None:
+        """The node refused something of the sandbox (a semantic deny, the HTTPS proxy's rate
+        limit): kept a while, so that a tool failing because of it is diagnosed by its rule."""
+        box = self._sandboxes.get(sandbox_id)
+        if box is not None:
+            box.refusals.append((self._clock(), layer, rule_id[:128], target[:256]))
+
+    def _recent_refusal(self, box: _Sandbox, layer: str | None = None) -> tuple[str, str] | None:
+        now = self._clock()
+        for when, kind, rule, target in reversed(box.refusals):
+            if now - when <= REFUSAL_MEMORY_S and (layer is None or kind == layer):
+                return rule, target
+        return None
+
     def _admit(self, box: _Sandbox) -> bool:
         now = self._clock()
         box.tokens = min(REPORT_BURST, box.tokens + (now - box.refilled) * REPORTS_PER_S)
@@ -398,6 +417,13 @@ class ToolWatch:
         tail = f"; calls go to {fallback} meanwhile" if fallback else "; it has no fallback"
         if klass == "auth":
             return self._auth_reason(box, tool, status, since, policy) + tail
+        proxy = self._recent_refusal(box, "http_proxy")
+        if klass == "rate_limited" and proxy is not None:
+            return (
+                f"{tool} is rate limited by the sandbox's own policy, not its provider: rule "
+                f"{proxy[0]} ({proxy[1]}) spent its requests budget (HTTP 429 since {since}); "
+                f"raise its rate_limit in the spec or call less often{tail}"
+            )
         if klass == "rate_limited":
             return (
                 f"{tool} is rate limited (HTTP 429 since {since}, {count} calls in a row): the "
@@ -416,6 +442,14 @@ class ToolWatch:
             return (
                 f"{tool}'s provider answers {code} since {since} ({count} calls): an outage "
                 f"upstream{tail}"
+            )
+        refusal = self._recent_refusal(box)
+        if klass == "network_policy" and refusal is not None:
+            what = f" {refusal[1]}" if refusal[1] else " it"
+            return (
+                f"the sandbox's policy refuses {tool}'s calls since {since}: rule {refusal[0]} "
+                f"refused{what} (a spec problem, never retried; change the rule or the "
+                f"tool's destination){tail}"
             )
         if klass == "network_policy":
             allowed = ", ".join(box.egress) or "nothing"
