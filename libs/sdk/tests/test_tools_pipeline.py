@@ -437,3 +437,36 @@ async def test_acall_retries_with_an_async_sleep_and_falls_back() -> None:
         ("web_search", "error", "rate_limited", 3),
         ("local_search", "ok", "", 1),
     ]
+
+
+def test_reports_reach_the_broker_in_call_order_whoever_flushes() -> None:
+    """The node agent counts failures in a row: batches must not overtake each other."""
+    import threading
+
+    from dsec_sdk.tools.report import BrokerReporter
+
+    sent: list[list[Any]] = []
+    reporter = BrokerReporter()
+    reporter._thread = threading.current_thread()  # no background thread: flush by hand
+    in_send = threading.Event()
+    release = threading.Event()
+
+    def send(message: dict[str, Any]) -> None:
+        if not sent and not in_send.is_set():
+            in_send.set()
+            release.wait(5)  # the first flusher is slow to send its batch
+        sent.append(message["calls"])
+
+    reporter._send = send  # type: ignore[method-assign]
+    reporter.record(("t", "call", "error", "auth", 1.0, 1, 401, "", ""))
+    first = threading.Thread(target=reporter.flush)
+    first.start()
+    assert in_send.wait(5)
+    reporter.record(("t", "call", "ok", "", 1.0, 1, 0, "", ""))
+    second = threading.Thread(target=reporter.flush)
+    second.start()
+    release.set()
+    first.join(5)
+    second.join(5)
+    outcomes = [call[2] for batch in sent for call in batch]
+    assert outcomes == ["error", "ok"]

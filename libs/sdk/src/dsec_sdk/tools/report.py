@@ -70,7 +70,8 @@ class BrokerReporter(Reporter):
         self._group = group
         self._pending: deque[Record] = deque(maxlen=MAX_PENDING)
         self._dropped = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # starting the thread
+        self._flush_lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
         self._off = False
@@ -104,8 +105,10 @@ class BrokerReporter(Reporter):
             self.flush()
 
     def flush(self) -> None:
-        while not self._off:
-            with self._lock:
+        # One flusher at a time, taking and sending under the same lock: batches reach the node
+        # agent in the order the calls happened (it counts failures in a row).
+        with self._flush_lock:
+            while not self._off:
                 batch: list[Record] = []
                 try:
                     while len(batch) < MAX_BATCH:
@@ -115,7 +118,7 @@ class BrokerReporter(Reporter):
                 if not batch:
                     return
                 dropped, self._dropped = self._dropped, 0
-            self._send({"op": "tools", "calls": [list(r) for r in batch], "dropped": dropped})
+                self._send({"op": "tools", "calls": [list(r) for r in batch], "dropped": dropped})
 
     def _send(self, message: dict[str, Any]) -> None:
         from dsec_sdk.errors import BrokerUnavailable
