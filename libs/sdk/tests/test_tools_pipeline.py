@@ -470,3 +470,36 @@ def test_reports_reach_the_broker_in_call_order_whoever_flushes() -> None:
     second.join(5)
     outcomes = [call[2] for batch in sent for call in batch]
     assert outcomes == ["error", "ok"]
+
+
+async def test_calls_to_other_agents_go_through_the_transport_layers_too() -> None:
+    """What a DSecClient's runner does: a replay layer answers without the live call."""
+    runner, reporter, _ = make_runner(FakeTime())
+    live: list[str] = []
+    seen: list[tuple[str | None, str]] = []
+
+    def replay(inner: Any) -> Any:
+        def transport(call: Any) -> Any:
+            seen.append((call.agent, call.tool))
+            if call.tool == "recorded":
+                return "from the recording"
+            return inner(call)
+
+        return transport
+
+    def send(call: Any, trace: str | None) -> str:
+        live.append(call.tool if call is not None else "(fast path: no Call built)")
+        return "live"
+
+    async def asend(trace: str | None) -> str:
+        live.append("async")
+        return "live"
+
+    assert runner.call_remote("b", "t", {}, 1.0, send) == "live"  # no layer: straight through
+    runner.wrap_transport(replay)
+    assert runner.call_remote("b", "recorded", {"q": 1}, 1.0, send) == "from the recording"
+    assert runner.call_remote("b", "other", {}, 1.0, send) == "live"
+    assert await runner.acall_remote("b", "recorded", {}, 1.0, asend) == "from the recording"
+    assert seen == [("b", "recorded"), ("b", "other"), ("b", "recorded")]
+    assert live == ["(fast path: no Call built)", "other"]
+    assert [r[0] for r in reporter.sent] == ["t", "recorded", "other", "recorded"]

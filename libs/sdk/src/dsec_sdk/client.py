@@ -256,6 +256,13 @@ class DSecClient:
             )
 
     # ------------------------------------------------------------------ tools
+    @property
+    def tool_runner(self) -> Any:
+        """The ``dsec_sdk.tools.ToolRunner`` observing this client's calls (``None`` when not
+        observing): ``client.tool_runner.wrap_transport(...)`` puts a layer (recording,
+        replay) under every ``call_tool`` / ``acall_tool`` (docs/tools.md)."""
+        return self._runner
+
     def tool(self, name: str | None = None) -> Callable[[F], F]:
         """Register the decorated function as a tool (named ``name`` or after the function)."""
 

@@ -120,6 +120,7 @@ class ToolRunner:
         self._on_event = on_event
         self._asleep = asleep
         self._transport: Transport = self._local
+        self._wrappers: list[Callable[[Transport], Transport]] = []
 
     # ------------------------------------------------------------------ registration
     def tool(self, name: str | None = None, **policy: Any) -> Callable[[F], F]:
@@ -155,8 +156,15 @@ class ToolRunner:
 
     def wrap_transport(self, wrapper: Callable[[Transport], Transport]) -> None:
         """Insert a layer between retry and the transport (recording, replay, fault injection):
-        ``wrapper(inner) -> transport``."""
+        ``wrapper(inner) -> transport``. It wraps local tools and, for a ``DSecClient``'s runner
+        (``client.tool_runner``), its calls to other agents too (``Call.agent`` set)."""
+        self._wrappers.append(wrapper)
         self._transport = wrapper(self._transport)
+
+    def _wrapped(self, base: Transport) -> Transport:
+        for wrapper in self._wrappers:
+            base = wrapper(base)
+        return base
 
     # ------------------------------------------------------------------ calls
     def call(self, tool: str, /, **arguments: Any) -> Any:
@@ -274,7 +282,7 @@ class ToolRunner:
         idempotent; use :meth:`call` with a transport for that). ``send(call, traceparent)``;
         ``call`` is ``None`` when tracing is off (nothing needs it: the hot path builds none)."""
         tracer = tracing.tracer()
-        if tracer is None:
+        if tracer is None and not self._wrappers:
             started = _now()
             try:
                 result = send(None, None)
@@ -284,10 +292,14 @@ class ToolRunner:
             self.reporter.record((tool, "call", "ok", "", _ms_since(started), 1, 0, "", ""))
             return result
         call = Call(tool, arguments, timeout_s, agent)
+        if tracer is None:
+            transport = self._wrapped(lambda c: send(c, None))
+            return self._timed(call, lambda: transport(call), "call", "", None)
         span = tracing.start_span(tracer, f"call {agent}.{tool}", tool)
         with tracing.use(span):
             parent = tracing.traceparent()
-            return self._timed(call, lambda: send(call, parent), "call", "", span)
+            transport = self._wrapped(lambda c: send(c, parent))
+            return self._timed(call, lambda: transport(call), "call", "", span)
 
     async def acall_remote(
         self,
@@ -307,7 +319,13 @@ class ToolRunner:
                 parent = tracing.traceparent()
         started = time.perf_counter()
         try:
-            result = await send(parent)
+            if self._wrappers:
+                transport = self._wrapped(lambda _call: send(parent))
+                result = transport(Call(tool, arguments, timeout_s, agent))
+                if inspect.isawaitable(result):
+                    result = await result
+            else:
+                result = await send(parent)
         except Exception as exc:
             self._record(tool, "call", "error", classify(exc), started, 1, "", span)
             raise
