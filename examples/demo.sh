@@ -66,6 +66,11 @@ SEARCH_SID=$(grep -o 'sbx_[0-9a-f]*' "$DSEC_HOME/websearch-submit.log" | head -n
 echo "--- what the agent printed:"
 dsec sandbox logs "$SEARCH_SID"
 
+step "Tools at run time: the search API stalls, rate limits and refuses the key; the agent's
+  calls are retried, fall back to local_search, and the node agent says why (tool.degraded) and
+  when it heals (tool.recovered)" bash examples/flaky-search/demo.sh
+WORLD="$WORLD" bash examples/flaky-search/demo.sh
+
 step "Two agents call each other's tools over shared memory (same task group)" \
   dsec submit examples/two-agents/researcher/dsec.yaml --code examples/two-agents/researcher --wait ready
 researcher_json=$(dsec submit examples/two-agents/researcher/dsec.yaml \

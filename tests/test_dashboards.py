@@ -24,6 +24,7 @@ import dsec_nodeagent.dns.proxy
 import dsec_nodeagent.ebpf.controller
 import dsec_nodeagent.ipc.metrics
 import dsec_nodeagent.outlet  # imported for its metrics
+import dsec_nodeagent.toolwatch  # the dsec_tool_* metrics
 import dsec_scheduler.metrics  # the scheduler's placement and live-state metrics
 import dsec_snapstore.metrics
 import pytest
@@ -51,6 +52,7 @@ EXPECTED_DASHBOARDS = {
     "dsec-security",
     "dsec-fleet",
     "dsec-bus",
+    "dsec-tools",
 }
 
 
@@ -141,6 +143,22 @@ def test_no_dashboard_metric_has_a_per_sandbox_label() -> None:
             assert "sandbox=" not in line and "sandbox_id=" not in line, line
 
 
+def test_the_tools_dashboard_is_generated_with_a_row_per_tool_family() -> None:
+    """docs/tools.md: one row per family of the tool catalogue (and `other`), generated."""
+    import importlib.util
+
+    script = Path(__file__).parents[1] / "scripts" / "tools_dashboard.py"
+    spec = importlib.util.spec_from_file_location("tools_dashboard", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = DASHBOARDS_DIR / "dsec-tools.json"
+    assert path.read_text() == module.render(), "run `uv run python scripts/tools_dashboard.py`"
+    rows = [p["title"] for p in json.loads(path.read_text())["panels"] if p["type"] == "row"]
+    assert rows == ["Tools: overview", *(f"Family: {f}" for f in module.families())]
+    assert "Family: search" in rows and rows[-1] == "Family: other"
+
+
 def test_the_placement_row_shows_the_schedulers_placement_metrics() -> None:
     """Operators find GPU allocation, pending reasons, decisions and their latency in one row."""
     panels = json.loads((DASHBOARDS_DIR / "dsec-backbone.json").read_text())["panels"]
@@ -216,6 +234,30 @@ def _observe_what_services_observe() -> None:
     REFUSALS.labels("kernel", "seccomp").inc()
     dsec_scheduler.metrics.NODES.labels("ready").set(1)
     dsec_nodeagent.dns.proxy.DNS_QUERIES.labels("answer").inc()
+    _observe_tool_calls()
+
+
+def _observe_tool_calls() -> None:
+    """A web_search that failed and fell back to local_search, through the node agent's
+    tool watch (as the SDK reports it)."""
+    from dsec_core.spec import compile_plan, load_spec
+
+    spec = load_spec(
+        'version: "1.2"\nname: dash\nbase: dsec/python311:latest\nentrypoint: [python, a.py]\n'
+    )
+    assert spec.spec is not None
+    watch = dsec_nodeagent.toolwatch.ToolWatch("node-1", _no_publish)
+    watch.watch("sbx_dashboard", "dash", compile_plan(spec.spec))
+    calls = [
+        ["web_search", "call", "error", "timeout", 2000.0, 3, 0, "", ""],
+        ["local_search", "call", "ok", "", 4.0, 1, 0, "web_search", ""],
+    ]
+    watch.report("sbx_dashboard", "dash", {"calls": calls})
+    watch.http("sbx_dashboard", "api.websearch.test")
+
+
+async def _no_publish(payload: Any, aggregate_id: str) -> None:
+    """The dashboards test publishes no event."""
 
 
 @pytest.fixture(scope="module")

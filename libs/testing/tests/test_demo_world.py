@@ -217,3 +217,26 @@ async def test_seed_without_vault_says_how_to_configure_it(
         seed(
             running.info, Settings(home=tmp_path, vault_addr="http://127.0.0.1:9", vault_token="t")
         )
+
+
+@pytest.mark.unit
+async def test_faults_set_through_the_admin_fail_the_next_requests_once_each(
+    running: Running,
+) -> None:
+    """The flaky-search scene: `faults 429 401x2 503` through the world's admin endpoint."""
+    assert running.info.admin.startswith("127.0.0.1:")
+    from dsec_testing.demo_world import main, parse_faults
+
+    assert parse_faults(["timeout", "401x2"]) == ["timeout", "401", "401"]
+    with pytest.raises(ValueError, match="fault '418'"):
+        parse_faults(["418"])
+    code = await asyncio.to_thread(
+        main, ["faults", "--dir", str(running.world.directory), "429", "401x2", "503"]
+    )
+    assert code == 0
+    key = "wsk_test-key"
+    assert await get(running, "/v1/search?q=x", key) == (429, {"error": "rate limit exceeded"})
+    assert await get(running, "/v1/search?q=x", key) == (401, {"error": "API key expired"})
+    assert (await get(running, "/v1/search?q=x", key))[0] == 401
+    assert (await get(running, "/v1/search?q=x", key))[0] == 503
+    assert (await get(running, "/v1/search?q=ebpf", key))[0] == 200  # the faults are spent

@@ -46,6 +46,9 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     "gpu.degraded": frozenset({"nodeagent"}),
     "gpu.recovered": frozenset({"nodeagent"}),
     "link.congested": frozenset({"nodeagent"}),
+    # tools: the node agent running the sandbox, from its SDK's call reports
+    "tool.degraded": frozenset({"nodeagent"}),
+    "tool.recovered": frozenset({"nodeagent"}),
     # the node agent that runs the sandbox
     "context.injected": frozenset({"nodeagent"}),
     "sandbox.ready": frozenset({"nodeagent"}),

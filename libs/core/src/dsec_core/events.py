@@ -1010,6 +1010,57 @@ class ExperimentCompleted(Payload):
     verdict: str = Field(default="", max_length=300)
 
 
+# -- tools (issue 16: tools at run time) ----------------------------------------------------------
+
+ToolFailureClass = Literal[
+    "timeout",
+    "rate_limited",
+    "upstream_5xx",
+    "unavailable",
+    "auth",
+    "bad_arguments",
+    "network_policy",
+    "tool_error",
+]
+
+
+class ToolDegraded(Payload):
+    """A tool of a sandbox's agent failed ``degraded_after`` times in a row (spec
+    ``tools.<name>.degraded_after``): published by the node agent running the sandbox, from the
+    call reports of the SDK in it (docs/tools.md). ``reason`` is the node agent's plain-language
+    diagnosis (the sandbox's own messages never reach an event)."""
+
+    TYPE = "tool.degraded"
+    AGGREGATE = "sandbox"
+
+    node_id: str
+    agent: str = Field(max_length=63)
+    tool: str = Field(max_length=63)
+    failure_class: ToolFailureClass
+    status: int | None = Field(default=None, ge=100, le=599, description="The last HTTP status")
+    failures: int = Field(ge=1, description="Failures in a row when it was declared degraded")
+    reason: str = Field(max_length=500, description="The diagnosis, in a line a user can act on")
+    fallback: str | None = Field(
+        default=None, max_length=63, description="The tool calls go to meanwhile, if any"
+    )
+    trace_id: str = Field(
+        default="", max_length=32, description="Trace of the last failing call (tracing on)"
+    )
+
+
+class ToolRecovered(Payload):
+    """A degraded tool answered again (its first successful call after ``tool.degraded``)."""
+
+    TYPE = "tool.recovered"
+    AGGREGATE = "sandbox"
+
+    node_id: str
+    agent: str = Field(max_length=63)
+    tool: str = Field(max_length=63)
+    degraded_s: float = Field(ge=0, description="How long it was degraded")
+    failures: int = Field(ge=0, description="Failed calls while it was degraded")
+
+
 EVENT_MODELS: tuple[type[Payload], ...] = (
     PolicyViolationSummary,
     PolicyReported,
@@ -1060,6 +1111,9 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     ExperimentStarted,
     ExperimentTrialCompleted,
     ExperimentCompleted,
+    # tools
+    ToolDegraded,
+    ToolRecovered,
 )
 
 EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}

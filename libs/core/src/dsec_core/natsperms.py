@@ -192,6 +192,9 @@ TABLE: Mapping[str, Role] = {
             "state.recovered",
             "state.handed_over",
             "recording.saved",
+            # tools
+            "tool.degraded",
+            "tool.recovered",
         ),
         # each node agent sees these through its own node's durables; acts only on its own
         node_consumes=(

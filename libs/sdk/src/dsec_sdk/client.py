@@ -89,7 +89,14 @@ class _SyncChannel:
         if self._fast_call is not None:
             self.call = self._hot_call()  # type: ignore[method-assign,assignment]
 
-    def call(self, tool: str, arguments: dict[str, Any], timeout: float | None, group: str) -> Any:
+    def call(
+        self,
+        tool: str,
+        arguments: dict[str, Any],
+        timeout: float | None,
+        group: str,
+        trace: str | None = None,
+    ) -> Any:
         end = self.end
         with self.lock:
             if timeout is None:
@@ -101,7 +108,11 @@ class _SyncChannel:
                 timeout_ms, timeout_ns = self._timeout_parts
                 deadline = _clock() + timeout_ns
             try:
-                body = self._pack([tool, arguments, timeout_ms])
+                body = self._pack(
+                    [tool, arguments, timeout_ms]
+                    if trace is None
+                    else [tool, arguments, timeout_ms, trace]  # W3C traceparent (tracing on)
+                )
             except (TypeError, ValueError, OverflowError):
                 body = codec.encode_request(self.packer, tool, arguments, timeout_ms)  # raises
             if len(body) > self.max_payload:
@@ -286,6 +297,10 @@ class DSecClient:
             task group) instead of being refused; the replaced one's ``serve()`` ends with
             ``BrokerUnavailable``.
             Without it, a name is owned by the first live server until its process exits.
+        observe: Report every call made and served to the node agent (the ``dsec_tool_*``
+            metrics, ``tool.degraded``) and trace it when tracing is on (docs/tools.md).
+            Default: on inside a DSec sandbox (``DSEC_SANDBOX_ID`` set), off elsewhere (the
+            raw communication plane, e.g. its benchmarks).
     """
 
     def __init__(
@@ -298,6 +313,7 @@ class DSecClient:
         spin_us: float = 50.0,
         serve_spin_us: float = 100.0,
         takeover: bool = False,
+        observe: bool | None = None,
     ) -> None:
         raw_agent = agent or os.environ.get("DSEC_AGENT_NAME") or f"agent-{os.getpid()}"
         self.agent = control.check_name("agent name", raw_agent)
@@ -319,8 +335,25 @@ class DSecClient:
         self._watched: Any = None  # the state whose hand-over callbacks are registered
         # Record or replay (docs/experiments.md): None when calls go live as they are
         self._recording: Recorder | Replayer | None = _recording_layer()
+        if observe is None:
+            observe = bool(os.environ.get("DSEC_SANDBOX_ID"))
+        self._runner: Any = None  # a dsec_sdk.tools.ToolRunner when calls are observed
+        if observe:
+            from dsec_sdk.tools.pipeline import ToolRunner
+            from dsec_sdk.tools.report import shared_reporter
+
+            self._runner = ToolRunner(
+                reporter=shared_reporter(self.socket_path, self.agent, self.group)
+            )
 
     # ------------------------------------------------------------------ tools
+    @property
+    def tool_runner(self) -> Any:
+        """The ``dsec_sdk.tools.ToolRunner`` observing this client's calls (``None`` when not
+        observing): ``client.tool_runner.wrap_transport(...)`` puts a layer (recording,
+        replay) under every ``call_tool`` / ``acall_tool`` (docs/tools.md)."""
+        return self._runner
+
     def tool(self, name: str | None = None) -> Callable[[F], F]:
         """Register the decorated function as a tool (named ``name`` or after the function)."""
 
@@ -334,7 +367,10 @@ class DSecClient:
         """Register ``function`` as tool ``name`` (before :meth:`serve`)."""
         if not callable(function):
             raise TypeError(f"tool {name!r} must be callable, got {type(function).__name__}")
-        self._tools[control.check_tool_name(name)] = function
+        name = control.check_tool_name(name)
+        self._tools[name] = (
+            function if self._runner is None else self._runner.served(name, function)
+        )
 
     def serve(self, tools: Mapping[str, Tool] | None = None) -> None:
         """Serve the registered tools (plus ``tools``) from this thread until :meth:`stop`.
@@ -475,8 +511,13 @@ class DSecClient:
             PayloadTooLarge: The request or response exceeds the limit.
             BrokerUnavailable: The node agent cannot be reached.
         """
-        if self._recording is not None:  # record or replay (docs/experiments.md)
-            return self._call_recorded(agent, tool, _merge(arguments, kwargs), timeout)
+        # Layers, outside in: observed (metrics, traces: docs/tools.md), then recorded or
+        # replayed (docs/experiments.md) closest to the transport, so a replayed call is
+        # observed like a live one.
+        if self._runner is not None:
+            return self._observed_call(agent, tool, _merge(arguments, kwargs), timeout)
+        if self._recording is not None:
+            return self._call_recorded(agent, tool, _merge(arguments, kwargs), timeout, None)
         channel = self._channels.get(agent)
         if channel is None or channel.end.is_closed:
             channel = self._channel(agent)
@@ -510,20 +551,30 @@ class DSecClient:
             raise
 
     def _call_live(
-        self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        timeout: float | EllipsisType | None,
+        trace: str | None,
     ) -> Any:
-        """:meth:`call_tool` without the record/replay layer (the layer's ``live``)."""
+        """:meth:`call_tool` without the layers (the record/replay layer's ``live``)."""
         channel = self._channels.get(agent)
         if channel is None or channel.end.is_closed:
             channel = self._channel(agent)
         seconds = self.timeout if timeout is ... else timeout
         try:
-            return channel.call(tool, merged, seconds, self.group)
+            return channel.call(tool, merged, seconds, self.group, trace)
         except (PeerGone, ProtocolError) as exc:
             return self._call_again(agent, tool, merged, seconds, channel, exc)
 
     def _call_recorded(
-        self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        timeout: float | EllipsisType | None,
+        trace: str | None,
     ) -> Any:
         from dsec_sdk import recording
 
@@ -532,9 +583,27 @@ class DSecClient:
         key = recording.tool_key(agent, tool, merged)
 
         def live() -> bytes:
-            return _outcome(lambda: self._call_live(agent, tool, merged, timeout))
+            return _outcome(lambda: self._call_live(agent, tool, merged, timeout, trace))
 
         return _unwrap(agent, tool, self.group, layer.call_sync(key, live, recording.is_error))
+
+    def _observed_call(
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        timeout: float | EllipsisType | None,
+    ) -> Any:
+        """:meth:`call_tool` observed: reported to the node agent, traced when tracing is on
+        (the ``traceparent`` goes in the request frame)."""
+        seconds = self.timeout if timeout is ... else timeout
+
+        def send(_call: Any, trace: str | None) -> Any:
+            if self._recording is not None:
+                return self._call_recorded(agent, tool, merged, seconds, trace)
+            return self._call_live(agent, tool, merged, seconds, trace)
+
+        return self._runner.call_remote(agent, tool, merged, seconds, send)
 
     def _moved(self, agent: str) -> bool:
         """Whether the broker said that ``agent`` moved to a new server (a hand-over)."""
@@ -552,22 +621,37 @@ class DSecClient:
         **kwargs: Any,
     ) -> Any:
         """``async`` twin of :meth:`call_tool`; many calls may be in flight at once."""
-        if self._recording is not None:  # record or replay (docs/experiments.md)
-            return await self._acall_recorded(agent, tool, _merge(arguments, kwargs), timeout)
-        return await self._acall_live(agent, tool, _merge(arguments, kwargs), timeout)
+        seconds = self.timeout if isinstance(timeout, EllipsisType) else timeout
+        merged = _merge(arguments, kwargs)
+        if self._runner is not None:
+            return await self._runner.acall_remote(
+                agent,
+                tool,
+                merged,
+                seconds,
+                lambda trace: self._acall_layered(agent, tool, merged, seconds, trace),
+            )
+        return await self._acall_layered(agent, tool, merged, seconds, None)
 
-    async def _acall_recorded(
-        self, agent: str, tool: str, merged: dict[str, Any], timeout: float | EllipsisType | None
+    async def _acall_layered(
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        seconds: float | None,
+        trace: str | None,
     ) -> Any:
+        """The call under the observing layer: recorded or replayed when the sandbox says so."""
+        if self._recording is None:
+            return await self._acall(agent, tool, merged, seconds, trace)
         from dsec_sdk import recording
 
         layer = self._recording
-        assert layer is not None
         key = recording.tool_key(agent, tool, merged)
 
         async def live() -> bytes:
             try:
-                value = await self._acall_live(agent, tool, merged, timeout)
+                value = await self._acall(agent, tool, merged, seconds, trace)
             except IpcError as exc:
                 frame = _frame(exc)
                 if frame is None:
@@ -577,18 +661,18 @@ class DSecClient:
 
         return _unwrap(agent, tool, self.group, await layer.call(key, live, recording.is_error))
 
-    async def _acall_live(
+    async def _acall(
         self,
         agent: str,
         tool: str,
         merged: dict[str, Any],
-        timeout: float | EllipsisType | None,
+        seconds: float | None,
+        trace: str | None,
     ) -> Any:
-        seconds = self.timeout if isinstance(timeout, EllipsisType) else timeout
         caller = await self._async_channel(agent)
         packer = codec.new_packer()
         timeout_ms = 0 if seconds is None else max(1, int(seconds * 1000))
-        body = codec.encode_request(packer, tool, merged, timeout_ms)
+        body = codec.encode_request(packer, tool, merged, timeout_ms, trace)
         limit = caller.end.requests.max_payload
         if len(body) > limit:
             raise PayloadTooLarge(f"request to {agent}.{tool}", len(body), limit)

@@ -10,15 +10,21 @@ may not, and the authoritative DNS that names both.
 - **Tracker**: 127.0.0.54:443 accepts TCP connections and reports each one — a sandboxed agent
   must never get there.
 
+- **Faults** (the flaky-search scene, docs/tools.md): the API can be told to misbehave for its
+  next requests, one fault each — ``timeout`` (answers after 3 s), ``429`` (``Retry-After: 1``),
+  ``401`` (the key refused: "expired"), ``503`` — through an admin endpoint on loopback
+  (``python -m dsec_testing.demo_world faults --dir DIR timeout 429 401x6``).
+
 Every request and DNS question is reported on stdout (never the key). ``DIR/world.json`` appears
 once everything listens::
 
-    {"dns": "127.0.0.1:PORT", "api_key": "...", "ca": "DIR/ca.pem"}
+    {"dns": "127.0.0.1:PORT", "api_key": "...", "ca": "DIR/ca.pem", "admin": "127.0.0.1:PORT"}
 
 Run (root: port 443)::
 
     python -m dsec_testing.demo_world --dir DIR [--dns-port 0] [--max-seconds 1800]
     python -m dsec_testing.demo_world seed --dir DIR   # key → OpenBao, queries + CA → S3
+    python -m dsec_testing.demo_world faults --dir DIR timeout 429 401x6   # the next requests
 
 It stops on SIGTERM/SIGINT or after ``--max-seconds`` and removes what it wrote.
 """
@@ -40,6 +46,7 @@ import signal
 import socket
 import ssl
 import sys
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +132,21 @@ _STOPWORDS = frozenset(
 )
 
 
+FAULTS = ("timeout", "429", "401", "503")
+FAULT_STALL_S = 3.0
+
+
+def parse_faults(words: Sequence[str]) -> list[str]:
+    """``timeout 429 401x6`` → one fault per request (``NAMExN``: N of them)."""
+    faults: list[str] = []
+    for word in words:
+        name, _, count = word.partition("x")
+        if name not in FAULTS or (count and not count.isdigit()):
+            raise ValueError(f"fault {word!r}: use {', '.join(FAULTS)}, optionally xN")
+        faults += [name] * (int(count) if count else 1)
+    return faults
+
+
 class WorldError(RuntimeError):
     """The world cannot start or be seeded; the message says what to do."""
 
@@ -142,10 +164,13 @@ class WorldInfo:
     dns: str
     api_key: str = field(repr=False)
     ca: Path
+    admin: str = ""
 
     def to_json(self) -> str:
         """The ``world.json`` text."""
-        return json.dumps({"dns": self.dns, "api_key": self.api_key, "ca": str(self.ca)})
+        return json.dumps(
+            {"dns": self.dns, "api_key": self.api_key, "ca": str(self.ca), "admin": self.admin}
+        )
 
     @classmethod
     def load(cls, path: Path) -> WorldInfo:
@@ -156,7 +181,12 @@ class WorldInfo:
         """
         try:
             data = json.loads(path.read_text())
-            return cls(dns=data["dns"], api_key=data["api_key"], ca=Path(data["ca"]))
+            return cls(
+                dns=data["dns"],
+                api_key=data["api_key"],
+                ca=Path(data["ca"]),
+                admin=str(data.get("admin", "")),
+            )
         except FileNotFoundError:
             raise WorldError(f"{path} does not exist: is the demo world running?") from None
         except (ValueError, KeyError, TypeError) as exc:
@@ -299,6 +329,9 @@ class DemoWorld:
         self.dns = ZoneServer([ZONE_TEXT], host=DNS_HOST, port=dns_port, on_question=_dns_said)
         self.api_requests = 0
         self.tracker_connections = 0
+        self.faults: list[str] = []  # what the API does to its next requests, one each
+        self._admin: web.AppRunner | None = None
+        self._admin_address = ""
         self._runner: web.AppRunner | None = None
         self._tracker: asyncio.Server | None = None
         self._written: list[Path] = []
@@ -326,7 +359,9 @@ class DemoWorld:
             await self.close()
             raise
         ca = self._write(CA_FILE, pki.ca_pem, 0o644)
-        info = WorldInfo(dns=self.dns.address, api_key=self.api_key, ca=ca)
+        info = WorldInfo(
+            dns=self.dns.address, api_key=self.api_key, ca=ca, admin=self._admin_address
+        )
         self._write(WORLD_FILE, info.to_json().encode(), 0o600)  # holds the key
         _say(
             f"world: dns {info.dns} (zone {ZONE}), api https://{API_HOST} "
@@ -346,6 +381,13 @@ class DemoWorld:
         except OSError as exc:
             raise WorldError(_bind_problem(API_ADDRESS, self.https_port, exc)) from None
         self.https_port = api.getsockname()[1]  # port 0 (tests): the tracker takes the same one
+        admin = web.Application()
+        admin.router.add_post("/faults", self._set_faults)
+        self._admin = web.AppRunner(admin, access_log=None)
+        await self._admin.setup()
+        admin_socket = socket.create_server((DNS_HOST, 0))
+        self._admin_address = f"{DNS_HOST}:{admin_socket.getsockname()[1]}"
+        await web.SockSite(self._admin, admin_socket).start()
         app = web.Application()
         app.router.add_get("/v1/search", self._search)
         self._runner = web.AppRunner(app, access_log=None)
@@ -381,6 +423,12 @@ class DemoWorld:
         return path
 
     async def close(self) -> None:
+        if self._admin is not None:
+            await self._admin.cleanup()
+            self._admin = None
+        await self._close()
+
+    async def _close(self) -> None:
         """Stop every server and remove what the world wrote."""
         if self._tracker is not None:
             self._tracker.close()
@@ -403,8 +451,41 @@ class DemoWorld:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def _set_faults(self, request: web.Request) -> web.Response:
+        try:
+            faults = await request.json()
+            if not isinstance(faults, list) or not all(f in FAULTS for f in faults):
+                raise ValueError(f"a list of {', '.join(FAULTS)}")
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        self.faults = list(faults)
+        _say(f"api: the next {len(faults)} requests fail: {' '.join(faults)}")
+        return web.json_response({"faults": self.faults})
+
+    async def _fault(self) -> web.Response | None:
+        """The next fault, if one is set: an answer, or a wait (``timeout``) then none."""
+        if not self.faults:
+            return None
+        fault = self.faults.pop(0)
+        if fault == "timeout":
+            _say(f"api: GET /v1/search stalls {FAULT_STALL_S:g} s (fault)")
+            await asyncio.sleep(FAULT_STALL_S)
+            return None
+        status = int(fault)
+        text = {
+            "429": "rate limit exceeded",
+            "401": "API key expired",
+            "503": "search backend unavailable",
+        }[fault]
+        _say(f"api: GET /v1/search {status} ({text}, fault)")
+        headers = {"Retry-After": "1"} if status == 429 else None
+        return web.json_response({"error": text}, status=status, headers=headers)
+
     async def _search(self, request: web.Request) -> web.Response:
         self.api_requests += 1
+        faulty = await self._fault()
+        if faulty is not None:
+            return faulty
         wanted = f"Bearer {self.api_key}".encode()
         given = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, wanted):
@@ -539,7 +620,8 @@ def _parser() -> argparse.ArgumentParser:
         description="The DSec demo's loopback world (serve, the default), or seed the stack "
         "with its key, queries and CA (seed).",
     )
-    parser.add_argument("command", nargs="?", choices=("serve", "seed"), default="serve")
+    parser.add_argument("command", nargs="?", choices=("serve", "seed", "faults"), default="serve")
+    parser.add_argument("faults", nargs="*", help="faults: e.g. timeout 429 401x6")
     parser.add_argument("--dir", type=Path, required=True, help="where world.json and ca.pem go")
     parser.add_argument("--dns-port", type=int, default=0, help="DNS port on 127.0.0.1 (0: free)")
     parser.add_argument(
@@ -551,15 +633,24 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m dsec_testing.demo_world``."""
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     try:
+        if args.command == "faults":
+            info = WorldInfo.load(args.dir / WORLD_FILE)
+            body = json.dumps(parse_faults(args.faults)).encode()
+            request = urllib.request.Request(
+                f"http://{info.admin}/faults", data=body, method="POST"
+            )
+            with urllib.request.urlopen(request, timeout=10) as response:
+                _say(f"faults set: {json.load(response)['faults']}")
+            return 0
         if args.command == "seed":
             queries = args.queries.read_text() if args.queries else DEFAULT_QUERIES
             report = seed(WorldInfo.load(args.dir / WORLD_FILE), queries=queries)
             _say(f"seeded: {report.secret}, {', '.join(report.objects)}")
             return 0
         asyncio.run(serve(args.dir, dns_port=args.dns_port, max_seconds=args.max_seconds))
-    except (WorldError, OSError) as exc:
+    except (WorldError, OSError, ValueError) as exc:
         print(f"demo world: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0

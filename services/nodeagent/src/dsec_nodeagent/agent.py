@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
 import sys
 import time
+import urllib.parse
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -80,6 +82,10 @@ from dsec_nodeagent.state.keeper import SandboxState, StateKeeper
 from dsec_nodeagent.state.sealing import TenantKeys
 from dsec_nodeagent.state.wiring import ENV_HANDOVER_FROM
 from dsec_nodeagent.tlsproxy import CA_BUNDLE_PATH, ProxyGrant, TlsProxies
+from dsec_nodeagent.toolwatch import SecretLease, ToolWatch, effective_tools
+
+ENV_TOOLS = "DSEC_TOOLS"
+"""The effective tool policies handed to the SDK (dsec_sdk.tools.policy)."""
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +238,8 @@ class NodeAgent:
         self.start_from_snapshot: StartFromSnapshot | None = None
         """Puts a snapshot's code in a new sandbox's code dir (``dsec_nodeagent.snapshots``)."""
         self.expect_handover: Callable[[str, str], None] | None = None
+        # Tool-call reports -> dsec_tool_* metrics, tool.degraded/recovered (docs/tools.md).
+        self.toolwatch: ToolWatch | None = None
         """Tells the IPC broker that a new sandbox takes over an old one's tool name."""
         _AGENTS.add(self)  # dsec_sandboxes_running counts its manager's sandboxes
 
@@ -553,6 +561,8 @@ class NodeAgent:
         self._launched[sid] = Launched(config, plan, egress_plan, ready.started_at)
         self._contexts[sid] = ctx
         self._keepalive[sid] = asyncio.create_task(self.injector.keepalive(ctx))
+        if self.toolwatch is not None and config.agent is not None:
+            self.toolwatch.watch(sid, config.agent.name, plan, _leases(ctx, ready.started_at))
         ready_event = self._ready_event(ready, code_dir, {"env_stage": staged.ms})
         observe_start(ready_event.start_latency_ms)
         STARTS.labels("started").inc()
@@ -631,6 +641,9 @@ class NodeAgent:
         self._rules[sid] = rules  # what the sandbox's reports are checked against
         res = plan.resources
         assert plan.entrypoint is not None
+        env = {e.name: e.value for e in plan.env}
+        # The tool pipeline's policies (spec `tools:` over the catalogue's defaults).
+        env[ENV_TOOLS] = json.dumps(effective_tools(plan), separators=(",", ":"))
         return SandboxConfig(
             sandbox_id=sid,
             argv=list(plan.entrypoint),
@@ -638,7 +651,7 @@ class NodeAgent:
             env_dir=env_dir,
             code_dir=code_dir,
             workdir=plan.workdir,
-            env={e.name: e.value for e in plan.env},
+            env=env,
             secret_env=ctx.secret_env,
             mounts=ctx.mounts,
             read_allowed=list(plan.filesystem.read),
@@ -737,6 +750,8 @@ class NodeAgent:
                 return  # running again: sandbox.restarted published
             result = final
         self._launched.pop(sid, None)
+        if self.toolwatch is not None:
+            self.toolwatch.forget(sid)
         self._stop_wanted.discard(sid)
         self._restart_tasks.pop(sid, None)
         if launched is not None:
@@ -918,6 +933,15 @@ class NodeAgent:
             REPORTS_REFUSED.labels(checked.reason).inc()
             return
         report = checked
+        if self.toolwatch is not None:
+            if report.action == "deny":  # a tool failing on it is diagnosed by this rule
+                # (the rule id was checked against the plan; the target is the sandbox's own
+                # words, which never reach a tool event)
+                self.toolwatch.refused(sid, "semantic", report.rule_id, "")
+            elif decision.on == "http":
+                host = urllib.parse.urlsplit(decision.subject).hostname
+                if host:
+                    self.toolwatch.http(sid, host)  # a plain HTTP call of a tool
         self.outlet.refusal(
             sid,
             Key("semantic", report.rule_id, report.operation),
@@ -946,6 +970,8 @@ class NodeAgent:
 
     def _http_refused(self, sid: str, rule_id: str, target: str) -> None:
         """A request the HTTPS proxy answered 429 (the rule's requests budget is spent)."""
+        if self.toolwatch is not None:  # a tool's 429 from here is the spec's limit, not theirs
+            self.toolwatch.refused(sid, "http_proxy", rule_id, target)
 
         def event() -> events.PolicyViolation:
             return events.PolicyViolation(
@@ -1081,6 +1107,18 @@ def _with_recording(config: SandboxConfig, prepared: Prepared) -> SandboxConfig:
             "write_allowed": [*config.write_allowed, *prepared.write],
         }
     )
+
+
+def _leases(ctx: PreparedContext, started_at: float) -> list[SecretLease]:
+    """The secrets injected into a sandbox, as the tool watch diagnoses them (no values)."""
+    leases = {lease.accessor: lease for lease in ctx.leases}
+    return [
+        SecretLease(
+            r.name, r.lease_id or "", started_at, r.ttl_s or 0.0, leases.get(r.lease_id or "")
+        )
+        for r in ctx.records
+        if r.kind == "secret"
+    ]
 
 
 def _through_proxy(config: SandboxConfig, grant: ProxyGrant) -> SandboxConfig:

@@ -24,6 +24,7 @@ from dsec_nodeagent.remote_access import RemoteAccess
 from dsec_nodeagent.snapshots import NodeSnapshots
 from dsec_nodeagent.state import wiring as state_wiring
 from dsec_nodeagent.state.keeper import StateKeeper
+from dsec_nodeagent.toolwatch import ToolWatch
 
 
 def outlet_for(settings: Settings, service: Service) -> EventOutlet:
@@ -124,6 +125,14 @@ def wire(
     )
     comms.state_keeper = keeper
     agent.state_keeper = keeper
+    # Tools at run time (docs/tools.md): the SDK's call reports over the broker become the
+    # dsec_tool_* metrics and tool.degraded/tool.recovered, lifecycle events of the sandbox.
+    toolwatch = ToolWatch(
+        service.settings.node_id,
+        lambda payload, aggregate_id: outlet.lifecycle(payload, aggregate_id, None),
+    )
+    agent.toolwatch = toolwatch
+    comms.tool_reports = toolwatch.report
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
     # Per-node durables (nodeagent-<node>-<type>): every node sees each event, and acts only on
     # those of sandboxes placed on it.
@@ -149,7 +158,15 @@ def wire(
         [outlet.start, egress.start, keeper.start, comms.start, agent.start, heartbeat.start]
     )
     service.on_stop.extend(
-        [heartbeat.stop, agent.shutdown, comms.stop, keeper.stop, egress.close, outlet.stop]
+        [
+            heartbeat.stop,
+            agent.shutdown,
+            comms.stop,
+            keeper.stop,
+            toolwatch.close,
+            egress.close,
+            outlet.stop,
+        ]
     )
     RemoteAccess(service, agent.manager).attach()  # `dsec sandbox logs|exec` over the bus
     return Wired(service, agent, outlet, egress, heartbeat, keeper)

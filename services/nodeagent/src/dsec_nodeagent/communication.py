@@ -11,7 +11,9 @@ sandbox its process runs in (its cgroup), within the operator's ``DSEC_IPC_*`` b
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dsec_core.natsclient import auth_options
 from dsec_core.settings import Settings
@@ -65,6 +67,8 @@ class CommunicationPlane:
         self._manager: SandboxManager | None = None
         self.state_keeper: StateKeeper | None = None
         """Serves the broker's ``state`` op (set by the node agent's wiring)."""
+        self.tool_reports: Callable[[str, str, dict[str, Any]], None] | None = None
+        """Receives the broker's ``tools`` reports (the node agent's tool watch)."""
 
     def attach(self, manager: SandboxManager) -> None:
         """Identify connecting processes through ``manager``'s sandboxes."""
@@ -89,6 +93,7 @@ class CommunicationPlane:
             sandbox_of=sandbox_of,
             state_keeper=self.state_keeper,
         )
+        broker.tool_reports = self.tool_reports
         await broker.start()
         self.broker = broker
 

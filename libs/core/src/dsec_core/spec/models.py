@@ -1450,13 +1450,186 @@ def record_problems(fields: Mapping[str, Any]) -> list[PydanticCustomError]:
     return problems
 
 
-def _field(node: Any, name: str) -> Any:
-    """A field of a validated model or of a raw YAML mapping."""
-    if node is None:
-        return None
-    if isinstance(node, Mapping):
-        return node.get(name)
-    return getattr(node, name, None)
+# -- tools (issue 16: retries, breaker, fallbacks per tool; docs/tools.md) -------------------------
+
+MAX_TOOLS = 64
+_TOOL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,62}")
+TOOL_NAME_HINT = "1-63 of [A-Za-z0-9_-], starting with a letter, e.g. web_search"
+RetryableClass = Literal["timeout", "rate_limited", "upstream_5xx", "unavailable"]
+RETRYABLE_CLASSES: tuple[RetryableClass, ...] = (
+    "timeout",
+    "rate_limited",
+    "upstream_5xx",
+    "unavailable",
+)
+_MAX_TOOL_TIME_S = 3600.0
+
+
+def _tool_name(value: str) -> str:
+    if not isinstance(value, str) or not _TOOL_NAME.fullmatch(value):
+        raise invalid(f"{value!r} is not a tool name", TOOL_NAME_HINT)
+    return value
+
+
+ToolName = Annotated[str, AfterValidator(_tool_name)]
+
+
+def _at_most_an_hour(value: timedelta) -> timedelta:
+    if value.total_seconds() > _MAX_TOOL_TIME_S:
+        raise invalid(
+            f"{format_duration(value)} is longer than a tool call may wait",
+            "at most 1h, e.g. 30s",
+        )
+    return value
+
+
+ToolDuration = Annotated[Duration, AfterValidator(_at_most_an_hour)]
+
+
+class ToolRetries(SpecModel):
+    """Retries of one tool: exponential backoff with full jitter, bounded by attempts and time.
+    ``bad_arguments`` and ``network_policy`` failures are never retried."""
+
+    attempts: int = Field(default=3, ge=1, le=10, description="Attempts in all (1: no retry)")
+    max_time: ToolDuration = Field(
+        default=timedelta(seconds=30), description="No wait is taken that would end past this"
+    )
+    backoff: ToolDuration = Field(
+        default=timedelta(seconds=0.2), description="First wait's ceiling (then doubled)"
+    )
+    max_backoff: ToolDuration = Field(
+        default=timedelta(seconds=5), description="Ceiling of any one wait"
+    )
+    on: tuple[RetryableClass, ...] = Field(
+        default=RETRYABLE_CLASSES, description="Failure classes retried"
+    )
+
+
+class ToolBreaker(SpecModel):
+    """The tool's circuit breaker."""
+
+    failures: int = Field(default=5, ge=1, le=1000, description="Failures in a row that open it")
+    reset_after: ToolDuration = Field(
+        default=timedelta(seconds=30), description="Open this long, then one trial call"
+    )
+
+
+class ToolPolicySpec(SpecModel):
+    """What the SDK's tool pipeline does for one tool (``tools.<name>``)."""
+
+    timeout: ToolDuration | None = Field(default=None, description="Per attempt; unset: none")
+    retries: ToolRetries = ToolRetries()
+    breaker: ToolBreaker = ToolBreaker()
+    fallback: tuple[ToolName, ...] = Field(
+        default=(), max_length=8, description="Tools tried in order when this one fails"
+    )
+    degraded_after: int = Field(
+        default=3, ge=1, le=1000, description="Failed calls in a row before tool.degraded"
+    )
+    secret: str | None = Field(
+        default=None,
+        description="The env var (from runtime_context) holding its key: named in the diagnosis "
+        "of auth failures",
+        examples=["WEB_SEARCH_KEY"],
+    )
+    hosts: tuple[str, ...] = Field(
+        default=(), max_length=16, description="Hosts it calls (plain HTTP calls count for it)"
+    )
+    family: str | None = Field(
+        default=None, max_length=63, description="Dashboard row; unset: the catalogue's category"
+    )
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for index, host in enumerate(value):
+            if not _HOSTNAME.fullmatch(host.lower()):
+                raise invalid(
+                    f"{host!r} is not a host name", "e.g. api.websearch.com", loc=(index,)
+                )
+        return tuple(h.lower() for h in value)
+
+    @classmethod
+    def cross_checks(cls, fields: Mapping[str, Any]) -> list[PydanticCustomError]:
+        retries = fields.get("retries")
+        problems: list[PydanticCustomError] = []
+        if isinstance(retries, ToolRetries) and retries.backoff > retries.max_backoff:
+            problems.append(
+                invalid(
+                    f"backoff {format_duration(retries.backoff)} is above max_backoff "
+                    f"{format_duration(retries.max_backoff)}",
+                    "backoff is the first wait's ceiling; max_backoff caps every wait",
+                    loc=("retries", "backoff"),
+                )
+            )
+        return problems
+
+
+def _field(value: Any, name: str) -> Any:
+    """A field of a validated model or of its raw YAML mapping (the loader's second pass)."""
+    if isinstance(value, Mapping):
+        return value.get(name)
+    return getattr(value, name, None)
+
+
+def _names(value: Any) -> list[str]:
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list | tuple) else []
+
+
+def tools_problems(fields: Mapping[str, Any]) -> list[PydanticCustomError]:
+    """The ``tools:`` section against the rest of the spec: no tool falls back to itself or
+    round in a circle, and ``secret`` names a secret the runtime context injects. Runs on the
+    validated models and, when something else failed, on the raw YAML (every error at once)."""
+    tools = fields.get("tools")
+    if not isinstance(tools, Mapping):
+        return []
+    problems: list[PydanticCustomError] = []
+    context = fields.get("runtime_context")
+    env_vars = _field(context, "env_vars") if context is not None else ()
+    secrets = {
+        _field(e, "name") for e in env_vars or () if _field(e, "source") and _field(e, "name")
+    }
+    fallbacks = {name: _names(_field(policy, "fallback")) for name, policy in tools.items()}
+    for name, policy in tools.items():
+        if not isinstance(policy, Mapping | ToolPolicySpec):
+            continue
+        for index, other in enumerate(fallbacks[name]):
+            if other == name:
+                problems.append(
+                    invalid(
+                        f"tool {name!r} falls back to itself",
+                        "name another tool (e.g. local_search), or remove it",
+                        loc=("tools", name, "fallback", index),
+                    )
+                )
+                continue
+            seen, path = {name}, [name, other]
+            chain = fallbacks.get(other) or []
+            while chain:
+                nxt = chain[0]
+                if nxt in seen or nxt == path[-1]:
+                    problems.append(
+                        invalid(
+                            f"fallbacks go round in a circle: {' → '.join([*path, nxt])}",
+                            "a fallback chain must end at a tool with no fallback",
+                            loc=("tools", name, "fallback", index),
+                        )
+                    )
+                    break
+                seen.add(path[-1])
+                path.append(nxt)
+                chain = fallbacks.get(nxt) or []
+        secret = _field(policy, "secret")
+        if isinstance(secret, str) and context is not None and secret not in secrets:
+            known = ", ".join(sorted(str(x) for x in secrets)) or "none"
+            problems.append(
+                invalid(
+                    f"secret {secret!r} is not a secret of runtime_context.env_vars",
+                    f"name an env var with a source (secrets here: {known})",
+                    loc=("tools", name, "secret"),
+                )
+            )
+    return problems
 
 
 def _version(value: object) -> object:
@@ -1512,12 +1685,28 @@ class SandboxSpec(SpecModel):
         "it does not hold fails (never made live)",
         examples=["rec_0123456789abcdef0123456789abcdef"],
     )
+    tools: dict[ToolName, ToolPolicySpec] = Field(
+        default_factory=dict,
+        description=f"Per tool (at most {MAX_TOOLS}): timeout, retries, breaker, fallback, "
+        "degraded_after (docs/tools.md); unset: the catalogue's defaults",
+    )
 
     @classmethod
     def cross_checks(cls, fields: Mapping[str, Any]) -> list[PydanticCustomError]:
         """Task names unique; edges between declared tasks, once; tasks own the commands and
-        the GPUs; record and replay agree with the egress rules."""
-        return [*topology_problems(fields), *record_problems(fields)]
+        the GPUs; record and replay agree with the egress rules; tool fallbacks end and name
+        declared secrets."""
+        return [*topology_problems(fields), *record_problems(fields), *tools_problems(fields)]
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _bounded_tools(cls, value: Any) -> Any:
+        if isinstance(value, Mapping) and len(value) > MAX_TOOLS:
+            raise invalid(
+                f"{len(value)} tools; a spec declares at most {MAX_TOOLS}",
+                "declare only the tools whose policy differs from the defaults",
+            )
+        return value
 
     @model_validator(mode="after")
     def _links_fit(self) -> SandboxSpec:

@@ -20,6 +20,7 @@ from dsec_core.spec.models import (
     Mount,
     SandboxSpec,
     State,
+    ToolPolicySpec,
     accepted_models,
 )
 from dsec_core.spec.models import EgressRule as SpecEgressRule
@@ -203,6 +204,22 @@ class TopologyPlan(PlanModel):
     priority: int = 0
 
 
+class ToolPlan(PlanModel):
+    """The spec's ``tools.<name>``, compiled (seconds as numbers): the form the node agent
+    hands the SDK in ``$DSEC_TOOLS`` (merged with the catalogue's defaults) and reads to
+    diagnose a degraded tool."""
+
+    timeout_s: float | None = None
+    retries: dict[str, Any] = Field(default_factory=dict)
+    breaker: dict[str, float] = Field(default_factory=dict)
+    fallback: tuple[str, ...] = ()
+    degraded_after: int = 3
+    secret: str | None = None
+    hosts: tuple[str, ...] = ()
+    family: str | None = None
+    spec_line: int | None = None
+
+
 class StatePlan(PlanModel):
     """The spec's ``state:`` section, compiled: how the node agent's state keeper checkpoints,
     merges, uploads and keeps an agent's state, and whether the sandbox restarts after a crash
@@ -294,6 +311,9 @@ class EnforcementPlan(PlanModel):
     replay: str | None = Field(
         default=None, description="The recording every recorded call is answered from"
     )
+    tools: dict[str, ToolPlan] = Field(
+        default_factory=dict, description="The spec's `tools:` section (docs/tools.md)"
+    )
     topology: TopologyPlan = Field(
         description="The compute units to place (a single sandbox: one unit, main); a plan "
         "compiled before topologies gets main from its resources"
@@ -368,7 +388,35 @@ def compile_plan(
         if spec.record is None
         else RecordPlan(tools=spec.record.tools, http=spec.record.http),
         replay=spec.replay,
+        tools={
+            name: _tool(policy, _line(source, ("tools", name)))
+            for name, policy in spec.tools.items()
+        },
         topology=_topology(spec, source),
+    )
+
+
+def _tool(policy: ToolPolicySpec, line: int | None) -> ToolPlan:
+    retries = policy.retries
+    return ToolPlan(
+        timeout_s=policy.timeout.total_seconds() if policy.timeout else None,
+        retries={
+            "attempts": retries.attempts,
+            "max_time_s": retries.max_time.total_seconds(),
+            "backoff_s": retries.backoff.total_seconds(),
+            "max_backoff_s": retries.max_backoff.total_seconds(),
+            "on": list(retries.on),
+        },
+        breaker={
+            "failures": policy.breaker.failures,
+            "reset_after_s": policy.breaker.reset_after.total_seconds(),
+        },
+        fallback=policy.fallback,
+        degraded_after=policy.degraded_after,
+        secret=policy.secret,
+        hosts=policy.hosts,
+        family=policy.family,
+        spec_line=line,
     )
 
 

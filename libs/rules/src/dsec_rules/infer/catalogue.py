@@ -43,6 +43,11 @@ class ToolSemantics(BaseModel):
     write: tuple[str, ...] = ()
     rate_limit: Rate | None = None
     latency_ms: int = Field(ge=0)
+    fallback: tuple[str, ...] = Field(
+        default=(),
+        description="Tools to try, in order, when this one is failing (the spec's "
+        "tools.<name>.fallback overrides it; docs/tools.md)",
+    )
 
 
 class Catalogue(BaseModel):

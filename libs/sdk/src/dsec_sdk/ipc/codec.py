@@ -3,7 +3,9 @@
 A frame is ``(kind, call_id, body)``: kind and id live in the ring's fixed record header, so a
 proxy (the broker bridging to NATS) forwards a body without decoding it.
 
-* ``REQUEST``: ``[tool, arguments, timeout_ms]`` (``timeout_ms`` 0 = none)
+* ``REQUEST``: ``[tool, arguments, timeout_ms]`` (``timeout_ms`` 0 = none), or
+  ``[tool, arguments, timeout_ms, traceparent]`` when the caller traces (a W3C ``traceparent``,
+  see :mod:`dsec_sdk.tools.tracing`)
 * ``RESULT``: the tool's return value
 * ``ERROR``: ``[code, error_type, message, traceback_summary]``
 
@@ -69,10 +71,22 @@ def decode(body: memoryview) -> Any:
         raise ProtocolError(f"undecodable frame body: {exc}") from exc
 
 
-def encode_request(packer: Packer, tool: str, arguments: dict[str, Any], timeout_ms: int) -> bytes:
+MAX_TRACEPARENT: Final = 128
+
+
+def encode_request(
+    packer: Packer,
+    tool: str,
+    arguments: dict[str, Any],
+    timeout_ms: int,
+    trace: str | None = None,
+) -> bytes:
     """Encode a call; ``TypeError`` names the argument MessagePack cannot carry."""
     try:
-        body: bytes = packer.encode([tool, arguments, timeout_ms])
+        frame: list[Any] = [tool, arguments, timeout_ms]
+        if trace is not None:
+            frame.append(trace)
+        body: bytes = packer.encode(frame)
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(
             f"arguments of tool {tool!r} are not MessagePack-serialisable: {exc}"

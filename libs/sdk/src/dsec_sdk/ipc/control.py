@@ -8,6 +8,8 @@ Agent -> broker::
 
     {"op": "hello", "agent": str, "group": str, "role": "caller" | "server", "tools": [str]}
     {"op": "connect", "ref": int, "peer": str}
+    {"op": "tools", "calls": [[...], ...], "dropped": int}   (tool-call reports, unanswered;
+                                                           see dsec_sdk.tools.report)
 
 Broker -> agent::
 

@@ -45,10 +45,10 @@ class Dispatcher:
         try:
             name, arguments, _ = request
             function = self.tools.get(name)
-        except (TypeError, ValueError):
-            return codec.ERROR, codec.encode_error(
-                self.packer, codec.E_BAD_ARGUMENTS, "ProtocolError", "malformed request frame"
-            )
+        except ValueError:
+            return self._start_traced(request)  # [tool, arguments, timeout_ms, traceparent]
+        except TypeError:
+            return self._malformed()
         if function is None:
             known = ", ".join(sorted(self.tools)) or "none"
             return codec.ERROR, codec.encode_error(
@@ -61,8 +61,9 @@ class Dispatcher:
             result = function(**arguments)
         except TypeError as exc:
             tb = exc.__traceback__
-            if tb is not None and tb.tb_next is None:
-                # Raised by the call itself, not inside the tool: the signature does not match.
+            if (tb is not None and tb.tb_next is None) or getattr(exc, "dsec_binding", False):
+                # Raised by the call itself, not inside the tool: the signature does not match
+                # (dsec_binding: said so by the observing wrapper of dsec_sdk.tools).
                 return codec.ERROR, codec.encode_error(
                     self.packer, codec.E_BAD_ARGUMENTS, "TypeError", str(exc)
                 )
@@ -78,6 +79,32 @@ class Dispatcher:
         if len(body) > self.max_payload:
             return self.finish(result)
         return codec.RESULT, body
+
+    def _malformed(self) -> tuple[int, bytes]:
+        return codec.ERROR, codec.encode_error(
+            self.packer, codec.E_BAD_ARGUMENTS, "ProtocolError", "malformed request frame"
+        )
+
+    def _start_traced(self, request: Any) -> tuple[int, bytes] | Awaitable[Any]:
+        """A request that carries the caller's W3C ``traceparent`` (tracing is on there): run
+        it with the trace context set, so the tool's span is the caller's child. Off the hot
+        path: untraced requests have three elements."""
+        from dsec_sdk.tools.tracing import INCOMING
+
+        try:
+            name, arguments, timeout_ms, trace = request
+        except (TypeError, ValueError):
+            return self._malformed()
+        if not isinstance(trace, str) or len(trace) > codec.MAX_TRACEPARENT:
+            trace = None
+        token = INCOMING.set(trace)
+        try:
+            started = self.start([name, arguments, timeout_ms])
+        finally:
+            INCOMING.reset(token)
+        if isinstance(started, tuple):
+            return started
+        return _with_trace(started, trace)
 
     def finish(self, result: Any) -> tuple[int, bytes]:
         """Encode a tool's return value."""
@@ -102,6 +129,16 @@ class Dispatcher:
     def failed(self, exc: BaseException) -> tuple[int, bytes]:
         """Encode an exception an ``async`` tool raised."""
         return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
+
+
+async def _with_trace(awaitable: Awaitable[Any], trace: str | None) -> Any:
+    from dsec_sdk.tools.tracing import INCOMING
+
+    token = INCOMING.set(trace)
+    try:
+        return await awaitable
+    finally:
+        INCOMING.reset(token)
 
 
 class ServeCore:

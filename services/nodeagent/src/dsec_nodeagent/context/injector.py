@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,7 @@ class ContextInjector:
             for lease in ctx.leases:
                 try:
                     lease.ttl_s = await vault.renew(lease) or lease.ttl_s
+                    lease.renewed_at = time.time()
                 except ContextError as exc:
                     log.warning("sandbox %s: %s", ctx.sandbox_id, exc)
 

@@ -79,11 +79,14 @@ class Lease:
         accessor: the token's accessor (safe to log, enough to revoke).
         ttl_s: the granted TTL.
         token: the child token itself (kept in memory only, never logged).
+        renewed_at: wall-clock time of the last successful grant or renewal (0: unknown);
+            the lease expires ``ttl_s`` after it unless renewed again.
     """
 
     accessor: str
     ttl_s: int
     token: str = field(repr=False)
+    renewed_at: float = 0.0
 
 
 def vault_uri(mount: str, path: str, key: str) -> str:

@@ -164,6 +164,8 @@ class Broker:
         self._state_sockets: dict[str, int] = {}  # sandbox -> its open state sockets
         # Hand-overs the node agent expects: new sandbox -> the old one it takes over from.
         self._handovers: dict[str, str] = {}
+        self.tool_reports: Callable[[str, str, dict[str, Any]], None] | None = None
+        """Receives ``tools`` reports: (the connection's sandbox, its agent, the message)."""
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -331,6 +333,9 @@ class Broker:
             self._spawn(self._connect(conn, message))
         elif op == "state":
             self._state(conn, message)
+        elif op == "tools":  # tool-call reports (docs/tools.md); never answered
+            if self.tool_reports is not None and conn.key is not None:
+                self.tool_reports(conn.sandbox, conn.key.agent, message)
         else:
             self._reply_error(conn, message, "bad_request", f"unknown op {op!r}")
 

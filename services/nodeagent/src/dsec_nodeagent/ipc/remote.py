@@ -328,7 +328,10 @@ class RemoteBridge:
 def _parse_request(body: bytes) -> tuple[str, float]:
     """The tool name and the timeout of a REQUEST body (``ValueError`` if malformed)."""
     try:
-        tool, arguments, timeout_ms = codec.unpack(body)
+        frame = codec.unpack(body)
+        if isinstance(frame, list) and len(frame) == 4:  # with the caller's traceparent
+            frame = frame[:3]
+        tool, arguments, timeout_ms = frame
     except (ValueError, TypeError) as exc:
         raise ValueError(f"malformed request: {exc}") from exc
     if not isinstance(arguments, dict) or not isinstance(timeout_ms, int) or timeout_ms < 0:

@@ -1002,7 +1002,8 @@ class SandboxManager:
 
 def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
     """Host directories of the SDK (``dsec_sdk``) and of the packages it needs (``msgpack``,
-    ``msgspec``, and ``blake3`` for the state plane's content hashes).
+    ``msgspec``, ``blake3`` for the state plane's content hashes, ``tenacity`` for the tool
+    pipeline's retries).
 
     They come from the node agent's own environment, built for the same interpreter the
     sandbox runs, so the compiled parts (msgspec, the SDK's ring extension) load there too.
@@ -1011,9 +1012,11 @@ def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:
     import dsec_sdk
     import msgpack
     import msgspec
+    import tenacity
 
     return (Path(dsec_sdk.__file__).resolve().parent,), tuple(
-        Path(str(module.__file__)).resolve().parent for module in (msgpack, msgspec, blake3)
+        Path(str(module.__file__)).resolve().parent
+        for module in (msgpack, msgspec, blake3, tenacity)
     )
 
 
