@@ -164,7 +164,9 @@ def test_recording_mode_records_what_the_live_call_answered(
     client = DSecClient("planner", "team", socket_path=tmp_path / "absent.sock")
     calls: list[tuple[str, str, dict[str, object]]] = []
 
-    def fake_live(agent: str, tool: str, merged: dict[str, object], timeout: object) -> object:
+    def fake_live(
+        agent: str, tool: str, merged: dict[str, object], timeout: object, trace: object = None
+    ) -> object:
         calls.append((agent, tool, merged))
         if merged.get("query") == "bad":
             raise RemoteError(agent, tool, "remote", "ValueError", "bad query", "")

@@ -30,6 +30,15 @@ from dsec_sdk.tools.report import Reporter
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture(autouse=True)
+def _tracing_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests count the pipeline's calls with tracing off, whatever tracer provider an
+    earlier test of the process installed (OpenTelemetry's is set once per process)."""
+    from dsec_sdk.tools import tracing
+
+    monkeypatch.setattr(tracing, "_tracer", None)
+
+
 class FakeTime:
     """A clock that only the fake sleep moves."""
 

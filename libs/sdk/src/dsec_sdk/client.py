@@ -114,7 +114,9 @@ class _SyncChannel:
                     else [tool, arguments, timeout_ms, trace]  # W3C traceparent (tracing on)
                 )
             except (TypeError, ValueError, OverflowError):
-                body = codec.encode_request(self.packer, tool, arguments, timeout_ms)  # raises
+                body = codec.encode_request(
+                    self.packer, tool, arguments, timeout_ms, trace
+                )  # raises
             if len(body) > self.max_payload:
                 raise PayloadTooLarge(f"request to {end.peer}.{tool}", len(body), self.max_payload)
             if end.is_closed:
@@ -142,7 +144,7 @@ class _SyncChannel:
             return frame[2]
         codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
 
-    def _hot_call(self) -> Callable[[str, dict[str, Any], float | None, str], Any]:
+    def _hot_call(self) -> Callable[[str, dict[str, Any], float | None, str, str | None], Any]:
         """:meth:`call` for C rings, with what it uses held in closure cells.
 
         The hot path of every call: an attribute lookup costs ~20 ns and :meth:`call` made about
@@ -166,7 +168,13 @@ class _SyncChannel:
         decode_errors = codec.DECODE_ERRORS
         assert fast_call is not None
 
-        def call(tool: str, arguments: dict[str, Any], timeout: float | None, group: str) -> Any:
+        def call(
+            tool: str,
+            arguments: dict[str, Any],
+            timeout: float | None,
+            group: str,
+            trace: str | None = None,
+        ) -> Any:
             with lock:
                 if timeout is None:
                     timeout_ms, deadline = 0, no_deadline
@@ -177,9 +185,13 @@ class _SyncChannel:
                     timeout_ms, timeout_ns = self._timeout_parts
                     deadline = clock() + timeout_ns
                 try:
-                    body = pack([tool, arguments, timeout_ms])
+                    body = pack(
+                        [tool, arguments, timeout_ms]
+                        if trace is None
+                        else [tool, arguments, timeout_ms, trace]  # W3C traceparent (tracing on)
+                    )
                 except (TypeError, ValueError, OverflowError):
-                    body = codec.encode_request(self.packer, tool, arguments, timeout_ms)
+                    body = codec.encode_request(self.packer, tool, arguments, timeout_ms, trace)
                 if len(body) > max_payload:
                     raise PayloadTooLarge(f"request to {end.peer}.{tool}", len(body), max_payload)
                 if end.is_closed:
