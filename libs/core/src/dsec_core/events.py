@@ -921,6 +921,28 @@ class UnitMigrationFailed(Payload):
     still_running: bool = True
 
 
+# --- gpu (issue 15: slicing, health, operator thresholds; docs/gpu.md) -----------------------
+
+
+class ClusterConfigSet(Payload):
+    """An operator changed a cluster setting (``dsec cluster config set KEY VALUE``); carries
+    every setting in force after the change, so a reader needs only the latest one (node agents
+    and the simulated fleet read it for their GPU health thresholds and slicing modes; keys and
+    defaults: ``dsec_core.gpuhealth.CONFIG_KEYS``). Last writer wins."""
+
+    TYPE = "cluster.config_set"
+    AGGREGATE = "cluster"
+
+    key: str = Field(max_length=64, description="The key changed")
+    value: str = Field(max_length=500, description="Its new value (canonical spelling)")
+    previous: str | None = Field(default=None, max_length=500, description="Its value before")
+    config: dict[
+        Annotated[str, StringConstraints(max_length=64)],
+        Annotated[str, StringConstraints(max_length=500)],
+    ] = Field(default_factory=dict, max_length=64, description="Every key set, after this change")
+    requested_by: str = Field(default="", max_length=200)
+
+
 EVENT_MODELS: tuple[type[Payload], ...] = (
     PolicyViolationSummary,
     PolicyReported,
@@ -966,6 +988,8 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     UnitMigrationStarted,
     UnitMigrated,
     UnitMigrationFailed,
+    # gpu
+    ClusterConfigSet,
 )
 
 EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}

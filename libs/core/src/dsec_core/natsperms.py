@@ -181,6 +181,10 @@ TABLE: Mapping[str, Role] = {
             "state.checkpointed",
             "state.recovered",
             "state.handed_over",
+            # gpu: GPU health of its own node
+            "gpu.degraded",
+            "gpu.recovered",
+            "link.congested",
         ),
         # each node agent sees these through its own node's durables; acts only on its own
         node_consumes=(
@@ -218,6 +222,8 @@ TABLE: Mapping[str, Role] = {
             # `dsec node cordon|uncordon|drain` on the operator's machine (which connects as
             # its local user): the event must still be signed by the operator's key (authz)
             "node.cordon_requested",
+            # gpu: `dsec cluster config set` (signed by the operator's key: authz)
+            "cluster.config_set",
         ),
         extra_publish=(RPC_REQUESTS,),  # `dsec sandbox logs|exec` requests (signed)
     ),
@@ -232,6 +238,10 @@ TABLE: Mapping[str, Role] = {
             "sandbox.exited",
             "security.event_rejected",
             "audit.key_registered",
+            # gpu: the simulated nodes' GPU health
+            "gpu.degraded",
+            "gpu.recovered",
+            "link.congested",
         ),
         notes="simulated nodes (dsec fleet simulate)",
     ),

@@ -18,6 +18,7 @@ from dsec_core.events import GpuInfo, NodeInventory, Resources
 from dsec_core.lifecycle import Lifecycle, step
 from dsec_core.spec.plan import ResourceLimits
 
+from dsec_scheduler.degraded import DEGRADED_TYPES, DegradedGpus
 from dsec_scheduler.gangs import MAIN, UnitHeld, held_from_placed, held_from_resources
 
 GIB = 2**30
@@ -311,8 +312,8 @@ _SANDBOX_TYPES = {
     "sandbox.failed",
     "sandbox.stop_requested",
 }
-NODE_TYPES: frozenset[str] = frozenset({*_NODE_SEEN, "node.lost", "node.cordoned"})
-"""Node events (presence, losses, cordons)."""
+NODE_TYPES: frozenset[str] = frozenset({*_NODE_SEEN, "node.lost", "node.cordoned", *DEGRADED_TYPES})
+"""Node events (presence, losses, cordons, degraded GPUs)."""
 SANDBOX_TYPES: frozenset[str] = frozenset(_SANDBOX_TYPES)
 """Sandbox events, from ``env.built`` on: folded in full."""
 FOLDED_TYPES: frozenset[str] = NODE_TYPES | SANDBOX_TYPES
@@ -342,6 +343,8 @@ class SchedulerState:
     _units: dict[str, dict[str, tuple[int, UnitHeld]]] = field(default_factory=dict)
     """Sandbox → unit → (attempt, allocation) from ``unit.placed`` (the latest attempt's)."""
     _held_units: tuple[UnitHeld, ...] = ()
+    degraded: DegradedGpus = field(default_factory=DegradedGpus)
+    """GPUs that placed nothing new (``gpu.degraded`` until ``gpu.recovered``)."""
 
     # -- reading
 
@@ -521,6 +524,12 @@ class SchedulerState:
             return self._node_flag(
                 event, cordoned=bool(p.get("cordoned")), draining=bool(p.get("draining"))
             )
+        if event.type in DEGRADED_TYPES:
+            node_id = str(event.payload.get("node_id") or "")
+            if node_id != event.aggregate_id or node_id not in self.nodes:
+                return False  # filed under another node's subject, or a node not joined
+            changed = self.degraded.apply(event.type, event.payload, event.sent_at, event.id)
+            return changed and event.type == "gpu.recovered"
         if event.type in _SANDBOX_TYPES:
             return self._sandbox(event)
         return False
@@ -534,6 +543,8 @@ class SchedulerState:
         if old is not None and event.sent_at <= old.last_seen:
             return False  # sent before what is known already: a replay, never a sign of life
         inventory = NodeInventory.model_validate(p["inventory"])
+        if event.type == "node.joined":  # a new node agent judges its GPUs afresh
+            self.degraded.forget_node(node_id)
         node = Node(
             node_id=node_id,
             inventory=inventory,
