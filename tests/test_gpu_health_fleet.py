@@ -103,6 +103,10 @@ async def test_a_hot_gpu_takes_nothing_new_until_it_recovers(
         )
         row = next(r for r in shown.last_json() if r["key"] == "gpu.temperature_c")
         assert (row["value"], row["set"]) == ("100", True)
+        (*_, setting) = await _events(js, filter_for("cluster.config_set", "config"))
+        assert setting.producer == "operator"
+        assert setting.payload["config"]["gpu.temperature_c"] == "100"
+        assert (setting.payload["key"], setting.payload["value"]) == ("gpu.temperature_c", "100")
         recovered = await _poll(
             lambda: _events(js, filter_for("gpu.recovered", hot)), f"{hot} recovered", 60
         )

@@ -86,7 +86,10 @@ def test_the_brief_example_validates_and_compiles_to_three_units_and_two_edges()
         EdgePlan(src="llm-inference", dst="vector-search", protocol="rdma-over-converged-ethernet"),
     )
     assert topology.migration == MigrationPlan(
-        max_temperature_c=85, nvlink_congestion_threshold_pct=70
+        max_temperature_c=85,
+        nvlink_congestion_threshold_pct=70,
+        on=("temperature",),  # a temperature limit moves the unit when it is crossed
+        thresholds={"temperature_c": 85, "nvlink_utilization_pct": 70},
     )
     assert topology.priority == 0
 

@@ -100,15 +100,15 @@ class SpecValidated(Payload):
 
     TYPE = "spec.validated"
     AGGREGATE = "sandbox"
-    VERSION = "1.2"
+    VERSION = "1.3"
 
     name: str
     spec_digest: str = Field(description="BLAKE3 of the spec text")
     plan: EnforcementPlan = Field(
         description="The compiled plan (dsec_core.spec), typed; each rule with its spec line "
         "(1.1: spec_line, spec_file; 1.2: topology, the compute units to place, their edges, "
-        "migration limits and priority; a 1.1 plan reads as one unit, main). On the wire the "
-        "same map as before"
+        "migration limits and priority; a 1.1 plan reads as one unit, main; 1.3: migration's "
+        "on, paths, max_interruption_ms and thresholds). On the wire the same map as before"
     )
     code: BundleRef | None = None
     warnings: list[dict[str, Any]] = Field(default_factory=list)

@@ -43,6 +43,7 @@ _PARAMETERS: dict[str, tuple[str, str]] = {
     "producer": ("key_id", "The key id registered or revoked (16 hex characters)"),
     "security": ("consumer", "The durable consumer that refused a message"),
     "snapshot": ("request_id", "The delete request's own id (the CLI: del-<32 hex>)"),
+    "cluster": ("setting", "Always `config`: the operator's cluster settings"),
 }
 
 _HEX = "^[0-9a-f]+$"

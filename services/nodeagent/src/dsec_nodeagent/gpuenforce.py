@@ -175,7 +175,7 @@ class PynvmlBackend:
             util = None
             if tx is not None:
                 values = self._try(nvml.nvmlDeviceGetFieldValues, h, [(tx, link)])
-                if values:
+                if values and getattr(values[0], "nvmlReturn", 0) == 0:
                     kib = int(values[0].value.ullVal)
                     now = time.monotonic()
                     before = self._throughput.get((index, link))
@@ -211,6 +211,11 @@ class PynvmlBackend:
         nvml.nvmlComputeInstanceDestroy(ci)
         nvml.nvmlGpuInstanceDestroy(gi)
         raise RuntimeError(f"GPU {index}: the new MIG instance has no device")
+
+    def mig_ids(self, gi: Any, ci: Any) -> tuple[int, int]:
+        """The ids of a GPU instance and its compute instance (their capability files)."""
+        nvml = self.nvml
+        return int(nvml.nvmlGpuInstanceGetInfo(gi).id), int(nvml.nvmlComputeInstanceGetInfo(ci).id)
 
     def destroy_mig(self, gi: Any, ci: Any) -> None:
         self.nvml.nvmlComputeInstanceDestroy(ci)

@@ -116,7 +116,7 @@ def show(as_json: _Json = False) -> None:
     from dsec_core.gpuhealth import CONFIG_KEYS, ClusterConfig
 
     config = ClusterConfig.of(run(_show()))
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"key": k, "value": v, "set": is_set, "default": CONFIG_KEYS[k].default,
          "help": CONFIG_KEYS[k].help}
         for k, (v, is_set) in config.effective().items()
@@ -126,7 +126,9 @@ def show(as_json: _Json = False) -> None:
         return
     table = Table("KEY", "VALUE", "SET", "MEANING")
     for r in rows:
-        table.add_row(r["key"], r["value"], "yes" if r["set"] else "default", r["help"])
+        table.add_row(
+            safe_text(r["key"]), safe_text(r["value"]), "yes" if r["set"] else "default", r["help"]
+        )
     console.print(table)
 
 

@@ -1,0 +1,149 @@
+"""The node agent's GPU side with a fake NVML (pure unit tests): a unit's slice applied to its
+sandbox config, its quota watch warning then stopping it, the GPUs' health becoming events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dsec_core import events
+from dsec_core.events import GpuInfo, Payload
+from dsec_core.gpuhealth import GpuReading
+from dsec_core.settings import Settings
+
+from dsec_nodeagent.gpuenforce import MpsServers
+from dsec_nodeagent.gpunode import GpuNode
+from dsec_nodeagent.gpuslice import DeviceInfo, ProcessUsage
+from dsec_nodeagent.sandbox.models import SandboxConfig
+
+pytestmark = pytest.mark.unit
+GIB = 2**30
+
+
+@dataclass
+class FakeNvml:
+    """Two 80 GiB GPUs; processes and health as the test sets them."""
+
+    procs: list[ProcessUsage] = field(default_factory=list)
+    temperature: float = 50.0
+
+    def devices(self) -> list[DeviceInfo]:
+        return [DeviceInfo(i, f"GPU-{i}", i, 80 * GIB) for i in range(2)]
+
+    def processes(self) -> list[ProcessUsage]:
+        return list(self.procs)
+
+    def health(self, xids: dict[str, int]) -> list[GpuReading]:
+        return [GpuReading(0, "GPU-0", self.temperature, xids.get("GPU-0")), GpuReading(1, "GPU-1")]
+
+    def close(self) -> None:
+        pass
+
+
+class FakeGate:
+    async def find(self, subject: str, **_: Any) -> None:
+        return None
+
+
+@dataclass
+class Recorder:
+    published: list[tuple[Payload, str]] = field(default_factory=list)
+    stopped: list[tuple[str, str]] = field(default_factory=list)
+
+    async def publish(self, payload: Payload, aggregate_id: str) -> None:
+        self.published.append((payload, aggregate_id))
+
+    async def stop(self, sid: str, detail: str) -> None:
+        self.stopped.append((sid, detail))
+
+
+def _node(tmp_path: Path, nvml: FakeNvml, rec: Recorder, mps: bool = True) -> GpuNode:
+    settings = Settings(home=tmp_path, node_id="gpu-1")
+    servers = MpsServers(tmp_path / "mps", binary="/bin/true" if mps else None)
+    node = GpuNode(settings, rec.publish, lambda: FakeGate(), backend=nvml, mps=servers)  # type: ignore[arg-type, return-value]
+    node.stop_unit = rec.stop
+    return node
+
+
+def _placed(indices: list[int], milli: int) -> events.UnitPlaced:
+    return events.UnitPlaced(
+        sandbox_id="sbx_1", unit="main", node_id="gpu-1", gpu_indices=indices, gpu_milli=milli,
+        policy="dsec",
+    )  # fmt: skip
+
+
+async def test_a_shared_unit_gets_mps_its_gpu_only_and_is_stopped_over_quota(
+    tmp_path: Path,
+) -> None:
+    nvml, rec = FakeNvml(), Recorder()
+    node = _node(tmp_path, nvml, rec)
+    plan = await node.prepare("sbx_1", _placed([1], 250))
+    assert plan is not None and plan.mode == "mps"
+    assert node.mps.users == {"GPU-1": {"sbx_1"}}  # its GPU's MPS daemon, started
+    config = node.apply(
+        SandboxConfig(sandbox_id="sbx_1", argv=["python"], runtime=Path("/x")), plan
+    )
+    assert config.env["CUDA_VISIBLE_DEVICES"] == "GPU-1"
+    assert config.env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert config.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
+    assert config.gpu_devices == ["nvidiactl", "nvidia-uvm", "nvidia1"]
+    assert config.gpu_binds == {"/run/dsec/mps/GPU-1": tmp_path / "mps" / "GPU-1" / "pipe"}
+
+    cgroup = tmp_path / "cg"
+    cgroup.mkdir()
+    (cgroup / "cgroup.procs").write_text("100\n")
+    node.units["sbx_1"].cgroup_dir = cgroup  # (attach's device program needs root: kernel test)
+    nvml.procs = [ProcessUsage(1, 100, 19 * GIB), ProcessUsage(1, 555, 40 * GIB)]
+    ((sid, warn),) = await node.check_quotas(now=0)
+    assert sid == "sbx_1" and warn.action == "warn"  # 19 of 20 GiB: 95 %
+    nvml.procs = [ProcessUsage(1, 100, 22 * GIB)]
+    await node.check_quotas(now=1)
+    await node.check_quotas(now=3)
+    assert rec.stopped == []  # within the grace (5 s)
+    await node.check_quotas(now=7)
+    kinds = [
+        (p.action, p.rule_id, a) for p, a in rec.published if isinstance(p, events.PolicyViolation)
+    ]
+    assert kinds == [("log", "gpu-memory", "sbx_1")] * 2 + [("deny", "gpu-memory", "sbx_1")]
+    assert rec.stopped and rec.stopped[0][0] == "sbx_1"
+    assert (
+        "GPU 1: 22.00 GiB of its 20.00 GiB GPU memory quota: over it for 6.0 s" in rec.stopped[0][1]
+    )
+    detail = await node.release("sbx_1")
+    assert detail == rec.stopped[0][1] and node.mps.users == {}  # its daemon told to quit
+
+
+async def test_whole_gpus_time_slicing_and_health(tmp_path: Path) -> None:
+    nvml, rec = FakeNvml(), Recorder()
+    node = _node(tmp_path, nvml, rec, mps=False)
+    whole = await node.prepare("sbx_1", _placed([0, 1], 1000))
+    assert whole is not None and [g.mode for g in whole.grants] == ["whole", "whole"]
+    await node.release("sbx_1")
+    shared = await node.prepare("sbx_2", _placed([0], 500))
+    assert (
+        shared is not None and shared.mode == "time" and "CUDA_MPS_PIPE_DIRECTORY" not in shared.env
+    )
+    assert await node.prepare("sbx_3", _placed([], 0)) is None
+    gpus = [GpuInfo(index=0, uuid="GPU-0", model="H100", memory_total_bytes=80 * GIB, xid_errors=0)]
+    assert await node.health(gpus, now=0) == []
+    nvml.temperature = 91
+    (hot,) = await node.health(gpus, now=1)
+    assert isinstance(hot, events.GpuDegraded) and (hot.node_id, hot.signal, hot.source) == (
+        "gpu-1", "temperature", "nvml",
+    )  # fmt: skip
+    nvml.temperature = 60
+    (back,) = await node.health(gpus, now=2)
+    assert isinstance(back, events.GpuRecovered)
+
+
+async def test_without_nvml_a_declared_gpu_is_only_named(tmp_path: Path) -> None:
+    rec = Recorder()
+    settings = Settings(home=tmp_path, node_id="gpu-1")
+    node = GpuNode(settings, rec.publish, lambda: FakeGate())  # type: ignore[arg-type, return-value]
+    node.declared = [GpuInfo(index=0, uuid="GPU-decl-0", model="L4", memory_total_bytes=24 * GIB)]
+    plan = await node.prepare("sbx_1", _placed([0], 300))
+    assert plan is not None and plan.mode == "time"
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == "GPU-decl-0" and plan.devices == ()
+    assert node.units["sbx_1"].watch is None  # nothing to read GPU memory from
