@@ -183,3 +183,13 @@ def test_new_script_verbs_parse_and_need_a_gpu() -> None:
         parse_script("steps:\n  - {at: 1, node: sim-0, heal: true}\n", "s.yaml", ["sim-0"])
     with pytest.raises(Exception, match=r"steps\[0\].throttle\[0\]: Input should be 'gpu_idle'"):
         parse_script("steps:\n  - {at: 1, node: sim-0, gpu: 0, throttle: [hot]}\n", "s.yaml")
+
+
+def test_a_gpu_fallen_off_the_bus_is_degraded_lost() -> None:
+    from dsec_core.events import GpuDegraded
+    from dsec_core.gpuhealth import Thresholds
+
+    node = _node()
+    node.xid(3, 79)
+    out = [e for e in node.health_events(1, Thresholds()) if isinstance(e, GpuDegraded)]
+    assert [(e.gpu_index, e.signal, e.gpu_uuid) for e in out] == [(3, "lost", "GPU-sim-0-3")]

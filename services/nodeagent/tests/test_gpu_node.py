@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -147,3 +148,111 @@ async def test_without_nvml_a_declared_gpu_is_only_named(tmp_path: Path) -> None
     assert plan is not None and plan.mode == "time"
     assert plan.env["CUDA_VISIBLE_DEVICES"] == "GPU-decl-0" and plan.devices == ()
     assert node.units["sbx_1"].watch is None  # nothing to read GPU memory from
+
+
+class FakePynvml:
+    """The subset of ``pynvml`` :class:`PynvmlBackend` calls (two GPUs; GPU 1 has MIG on)."""
+
+    NVML_DEVICE_MIG_ENABLE = 1
+    NVML_TEMPERATURE_GPU = 0
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+    NVML_VOLATILE_ECC = 0
+    NVML_FEATURE_ENABLED = 1
+    NVML_NVLINK_MAX_LINKS = 18
+    NVML_NVLINK_ERROR_DL_REPLAY, NVML_NVLINK_ERROR_DL_RECOVERY = 0, 1
+    NVML_NVLINK_ERROR_DL_CRC_FLIT = 2
+    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX = 138
+    NVML_GPU_INSTANCE_PROFILE_COUNT = 3
+
+    def __init__(self) -> None:
+        self.tx_kib = 0
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetUUID(self, h: int) -> bytes:
+        return f"GPU-{h}".encode()
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        return SimpleNamespace(total=80 * GIB, used=GIB)
+
+    def nvmlDeviceGetMinorNumber(self, h: int) -> int:
+        return 4 + h
+
+    def nvmlDeviceGetMigMode(self, h: int) -> list[int]:
+        if h == 0:
+            raise RuntimeError("not supported")
+        return [1, 1]
+
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, h: int, profile: int) -> Any:
+        if profile == 1:
+            raise RuntimeError("not supported")
+        return SimpleNamespace(
+            id=profile * 10, sliceCount=1 + profile * 3, memorySizeMB=10240 * (1 + profile * 3)
+        )
+
+    def nvmlDeviceGetGpuInstanceRemainingCapacity(self, h: int, profile_id: int) -> int:
+        return 2 if profile_id == 0 else 1
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        return [SimpleNamespace(pid=100 + h, usedGpuMemory=GIB * (h + 1)),
+                SimpleNamespace(pid=200, usedGpuMemory=None)]  # fmt: skip
+
+    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+        return 70 + h
+
+    def nvmlDeviceGetTotalEccErrors(self, h: int, kind: int, counter: int) -> int:
+        return 3 * h
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: int) -> int:
+        return 0x40 if h else 0x1
+
+    def nvmlDeviceGetNvLinkVersion(self, h: int, link: int) -> int:
+        return 4
+
+    def nvmlDeviceGetNvLinkState(self, h: int, link: int) -> int:
+        if h == 1 or link >= 2:
+            raise RuntimeError("invalid argument")  # no (more) links
+        return 1
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, h: int, link: int, kind: int) -> int:
+        return 10 * (kind + 1) + link
+
+    def nvmlDeviceGetFieldValues(self, h: int, fields: list[tuple[int, int]]) -> list[Any]:
+        value = SimpleNamespace(ullVal=self.tx_kib)
+        return [SimpleNamespace(nvmlReturn=0, value=value)]
+
+
+def test_the_pynvml_backend_maps_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsec_nodeagent import gpuenforce
+
+    fake = FakePynvml()
+    backend = gpuenforce.PynvmlBackend(fake)
+    a, b = backend.devices()
+    assert (a.uuid, a.minor, a.mig_capable, a.mig_profiles) == ("GPU-0", 4, False, ())
+    assert (b.minor, b.mig_capable, b.mig_enabled) == (5, True, True)
+    assert [(p.profile_id, p.name, p.slices, p.free) for p in b.mig_profiles] == [
+        (0, "1g.10gb", 1, 2), (2, "7g.70gb", 7, 1),
+    ]  # fmt: skip
+    assert backend.processes() == [ProcessUsage(0, 100, GIB), ProcessUsage(1, 101, 2 * GIB)]
+    clock = iter([100.0, 101.0])
+    monkeypatch.setattr(gpuenforce.time, "monotonic", lambda: next(clock, 101.0))
+    first = backend.health({"GPU-0": 2})
+    fake.tx_kib = 12_207_031  # 12.5e9 bytes in the second since: half of a 25 GB/s link
+    second = backend.health({"GPU-0": 2})
+    g0, g1 = first
+    assert (g0.temperature_c, g0.xid_total, g0.ecc_uncorrected_total) == (70.0, 2, 0)
+    assert g0.throttle == frozenset({"gpu_idle"}) and g1.throttle == frozenset({"hw_thermal"})
+    assert [(link.link, link.errors_total, link.utilization_pct) for link in g0.links] == [
+        (0, 60, None), (1, 63, None),
+    ]  # fmt: skip
+    assert g1.links == () and second[0].links[0].utilization_pct == 50.0

@@ -347,6 +347,10 @@ class HealthTracker:
     thresholds: Thresholds = field(default_factory=Thresholds)
     gpus: dict[int, _GpuState] = field(default_factory=dict)
 
+    def track(self, index: int, uuid: str = "") -> None:
+        """Know a GPU before its first reading (one missing from that reading is ``lost``)."""
+        self.gpus.setdefault(index, _GpuState(uuid=uuid))
+
     def degraded(self) -> dict[int, tuple[str, ...]]:
         """GPU index -> its signals now (degraded GPUs only)."""
         return {i: tuple(sorted(s.bad)) for i, s in self.gpus.items() if s.bad}

@@ -284,6 +284,8 @@ class SimNode:
             if not any(h.scripted for h in self.health):
                 return []
             self.tracker = HealthTracker(self.node_id, "simulated", thresholds)
+            for g in self.gpus:  # a GPU already fallen off the bus is noticed as lost
+                self.tracker.track(g.index, g.uuid)
         self.tracker.thresholds = thresholds
         return self.tracker.observe(now, self.health_readings(now))
 
