@@ -141,6 +141,7 @@ class Fleet:
         self.ready = asyncio.Event()
         self.config = ClusterConfig()
         """The operator's settings (``cluster.config_set``): the GPU health thresholds."""
+        self.thresholds = self.config.thresholds()
 
     def _publisher(self, node_id: str) -> EventPublisher:
         ident = self.identities[node_id]
@@ -194,7 +195,9 @@ class Fleet:
         if found is not None:
             payload = found.decoded()
             assert isinstance(payload, events.ClusterConfigSet)
-            self.config = ClusterConfig.of(payload.config)
+            config = ClusterConfig.of(payload.config)
+            if config != self.config:
+                self.config, self.thresholds = config, config.thresholds()
         return self.config
 
     async def _config_forever(self) -> None:
@@ -285,7 +288,7 @@ class Fleet:
             if await self._publish(node, node.heartbeat(self.now()), aggregate_id=node.node_id):
                 self.stats.heartbeats += 1
             # GPU health, judged as a node agent judges NVML's readings at each beat
-            for event in node.health_events(self.now(), self.config.thresholds()):
+            for event in node.health_events(self.now(), self.thresholds):
                 await self._publish(node, event, aggregate_id=node.node_id)
         finally:
             self._inflight.discard(node.node_id)
