@@ -256,3 +256,46 @@ def test_the_pynvml_backend_maps_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
         (0, 60, None), (1, 63, None),
     ]  # fmt: skip
     assert g1.links == () and second[0].links[0].utilization_pct == 50.0
+
+
+async def test_the_node_agent_slices_only_its_own_current_placement(tmp_path: Path) -> None:
+    """``NodeAgent._gpu_slice``: the unit's latest ``unit.placed`` here, for the attempt it
+    runs as, with GPUs; anything else leaves the sandbox's config as it is."""
+    from dsec_core.envelope import Envelope
+    from dsec_core.spec import compile_plan, load_spec
+
+    from dsec_nodeagent.agent import NodeAgent, StartRefused
+
+    rec = Recorder()
+    agent = object.__new__(NodeAgent)
+    agent.node_id = "gpu-1"
+    agent._attempts = {"sbx_1": 2}
+    agent.gpus = _node(tmp_path, FakeNvml(), rec)
+    found: dict[str, events.UnitPlaced | None] = {"placed": None}
+
+    async def maybe_last(event_type: str, sid: str) -> Envelope | None:
+        assert event_type == "unit.placed"
+        placed = found["placed"]
+        return None if placed is None else SimpleNamespace(decoded=lambda: placed)  # type: ignore[return-value]
+
+    agent._maybe_last = maybe_last  # type: ignore[method-assign]
+    spec = load_spec('version: "1.2"\nname: g\nbase: b\nentrypoint: [python]\n', "g.yaml").spec
+    assert spec is not None
+    plan = compile_plan(spec)
+    config = SandboxConfig(sandbox_id="sbx_1", argv=["python"], runtime=Path("/x"))
+    assert await agent._gpu_slice("sbx_1", plan, config) is config  # no unit.placed
+    for other in (
+        _placed([1], 250).model_copy(update={"node_id": "gpu-2", "attempt": 2}),
+        _placed([1], 250).model_copy(update={"attempt": 1}),  # an older placement
+        _placed([], 0).model_copy(update={"attempt": 2}),  # no GPU
+    ):
+        found["placed"] = other
+        assert await agent._gpu_slice("sbx_1", plan, config) is config
+    found["placed"] = _placed([1], 250).model_copy(update={"attempt": 2})
+    sliced = await agent._gpu_slice("sbx_1", plan, config)
+    assert sliced.env["CUDA_VISIBLE_DEVICES"] == "GPU-1" and sliced.gpu_devices[-1] == "nvidia1"
+    found["placed"] = _placed([7], 250).model_copy(update={"attempt": 2})
+    with pytest.raises(
+        StartRefused, match="GPU slice: placed on GPU 7, which this node does not have"
+    ):
+        await agent._gpu_slice("sbx_2", plan, config)
