@@ -121,6 +121,7 @@ async def test_whole_gpus_time_slicing_and_health(tmp_path: Path) -> None:
     node = _node(tmp_path, nvml, rec, mps=False)
     whole = await node.prepare("sbx_1", _placed([0, 1], 1000))
     assert whole is not None and [g.mode for g in whole.grants] == ["whole", "whole"]
+    assert node.units["sbx_1"].watch is None  # no neighbour on its GPUs to protect
     await node.release("sbx_1")
     shared = await node.prepare("sbx_2", _placed([0], 500))
     assert (

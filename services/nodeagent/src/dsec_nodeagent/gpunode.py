@@ -210,9 +210,10 @@ class GpuNode:
         except BaseException:
             await self.release(sid)
             raise
-        if real:
+        shared = [g for g in plan.grants if g.mode != "whole"]
+        if real and shared:  # a whole GPU has no neighbour to protect
             unit.watch = QuotaWatch(
-                {g.index: g.memory_quota_bytes for g in plan.grants},
+                {g.index: g.memory_quota_bytes for g in shared},
                 warn_pct=float(self.config.get("gpu.memory_warn_pct")),
                 grace_s=float(self.config.get("gpu.memory_grace_s")),
             )
