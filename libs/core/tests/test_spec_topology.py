@@ -86,7 +86,10 @@ def test_the_brief_example_validates_and_compiles_to_three_units_and_two_edges()
         EdgePlan(src="llm-inference", dst="vector-search", protocol="rdma-over-converged-ethernet"),
     )
     assert topology.migration == MigrationPlan(
-        max_temperature_c=85, nvlink_congestion_threshold_pct=70
+        max_temperature_c=85,
+        nvlink_congestion_threshold_pct=70,
+        on=("temperature",),  # a temperature limit moves the unit when it is crossed
+        thresholds={"temperature_c": 85, "nvlink_utilization_pct": 70},
     )
     assert topology.priority == 0
 
@@ -102,7 +105,7 @@ def test_the_topology_travels_in_spec_validated_and_back() -> None:
     wire = json.loads(event.model_dump_json())
     again = decode_payload("spec.validated", SpecValidated.VERSION, wire)
     assert isinstance(again, SpecValidated) and again.plan.topology == plan.topology
-    assert SpecValidated.VERSION == "1.2"
+    assert SpecValidated.VERSION == "1.3"  # 1.3: the migration section's on, paths, ...
 
 
 def test_a_plan_from_before_topologies_reads_as_one_main_unit() -> None:

@@ -139,3 +139,57 @@ def test_each_node_signs_as_its_own_certified_node_agent(tmp_path: Path) -> None
 def test_without_the_root_key_it_says_only_the_operator_can(tmp_path: Path) -> None:
     with pytest.raises(NoRoot, match="only the operator can certify simulated nodes"):
         root_key(tmp_path)
+
+
+def test_scripted_health_becomes_gpu_and_link_events() -> None:
+    from dsec_core.events import GpuDegraded, GpuRecovered, LinkCongested
+    from dsec_core.gpuhealth import Thresholds
+
+    node = _node()
+    t = Thresholds(recover_after_s=10)
+    assert node.health_events(0, t) == [] and node.tracker is None  # untouched: no cost
+    node.heat(2, 92, 0, 1)
+    node.xid(5, 48, count=3)
+    node.health[4].nvlink_utilization = 96
+    out = node.health_events(2, t)
+    assert {(type(e).__name__, e.gpu_index) for e in out} == {
+        ("GpuDegraded", 2), ("GpuDegraded", 5),
+    } | {("LinkCongested", 4)}  # fmt: skip
+    heat = next(e for e in out if isinstance(e, GpuDegraded) and e.gpu_index == 2)
+    assert (heat.signal, heat.value, heat.source) == ("temperature", 92, "simulated")
+    burst = next(e for e in out if isinstance(e, GpuDegraded) and e.gpu_index == 5)
+    assert (burst.signal, burst.value) == ("xid", 3)
+    links = [e for e in out if isinstance(e, LinkCongested)]
+    assert len(links) == 18 and links[0].action == "warn"  # every active H100 link
+    node.heal(2)
+    node.heal(5)
+    assert [type(e) for e in node.health_events(3, t)] == [GpuRecovered]  # 2; 5 waits 10 s
+    assert [(type(e), e.gpu_index) for e in node.health_events(13, t)] == [(GpuRecovered, 5)]
+
+
+def test_new_script_verbs_parse_and_need_a_gpu() -> None:
+    steps = parse_script(
+        "steps:\n"
+        "  - {at: 1, node: sim-0, gpu: 0, xid: 48, count: 3}\n"
+        "  - {at: 2, node: sim-0, gpu: 1, throttle: [hw_thermal]}\n"
+        "  - {at: 3, node: sim-0, gpu: all, heal: true}\n"
+        "  - {at: 4, node: sim-0, gpu: 0, nvlink_errors: 500}\n",
+        "s.yaml",
+        ["sim-0"],
+    )
+    assert [s.action for s in steps] == ["xid", "throttle", "heal", "nvlink_errors"]
+    assert steps[0].count == 3 and steps[1].throttle == ["hw_thermal"]
+    with pytest.raises(Exception, match=r"steps\[0\]: Value error, heal needs gpu"):
+        parse_script("steps:\n  - {at: 1, node: sim-0, heal: true}\n", "s.yaml", ["sim-0"])
+    with pytest.raises(Exception, match=r"steps\[0\].throttle\[0\]: Input should be 'gpu_idle'"):
+        parse_script("steps:\n  - {at: 1, node: sim-0, gpu: 0, throttle: [hot]}\n", "s.yaml")
+
+
+def test_a_gpu_fallen_off_the_bus_is_degraded_lost() -> None:
+    from dsec_core.events import GpuDegraded
+    from dsec_core.gpuhealth import Thresholds
+
+    node = _node()
+    node.xid(3, 79)
+    out = [e for e in node.health_events(1, Thresholds()) if isinstance(e, GpuDegraded)]
+    assert [(e.gpu_index, e.signal, e.gpu_uuid) for e in out] == [(3, "lost", "GPU-sim-0-3")]

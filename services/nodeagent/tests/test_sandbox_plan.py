@@ -193,3 +193,25 @@ def test_restart_backoff_doubles_from_200ms_up_to_5s() -> None:
     from dsec_nodeagent.agent import restart_backoff_s
 
     assert [restart_backoff_s(n) for n in range(7)] == [0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
+
+
+def test_a_gpu_unit_sees_only_its_device_nodes_and_mps_pipe(tmp_path: Path) -> None:
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    config = _config(
+        tmp_path,
+        gpu_devices=["nvidiactl", "nvidia-uvm", "nvidia3"],
+        gpu_binds={"/run/dsec/mps/GPU-3": pipe},
+    )
+    result = plan.build(config, VIEW, _host(tmp_path), FACTS, uid=200001)
+    dev = next(e for e in result.plan["layout"] if e["kind"] == "dev")
+    assert dev["nodes"] == [*plan.DEV_NODES, "nvidiactl", "nvidia-uvm", "nvidia3"]
+    binds = {e["path"]: e for e in result.plan["layout"] if e["kind"] == "bind"}
+    assert binds["/run/dsec/mps/GPU-3"] == {
+        "kind": "bind", "src": str(pipe), "path": "/run/dsec/mps/GPU-3", "ro": False,
+    }  # fmt: skip
+    write = result.plan["landlock"]["write"]
+    assert {"/dev/nvidia3", "/dev/nvidiactl", "/run/dsec/mps/GPU-3"} <= set(write)
+    plain = plan.build(_config(tmp_path), VIEW, _host(tmp_path), FACTS, uid=200001)
+    plain_dev = next(e for e in plain.plan["layout"] if e["kind"] == "dev")
+    assert plain_dev["nodes"] == list(plan.DEV_NODES)  # no GPU granted: no NVIDIA node at all

@@ -31,6 +31,7 @@ from dsec_cli import commands
 #: one). A module that is not named here is imported at start-up (and the test fails).
 COMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("audit", "Verify and replay the signed audit trail."),
+    "cluster": ("cluster", "Cluster-wide operator settings."),
     "code": ("code", "Code bundles: what `dsec submit` and snapshots take."),
     "env": ("env", "Environments, content-addressed by lock hash, as the object store holds them."),
     "events": ("events", "Follow the event log; export the bus schema."),

@@ -25,6 +25,8 @@ PRODUCERS: Mapping[str, frozenset[Role]] = {
     # the operator runs the fleet
     "node.cordon_requested": frozenset({"operator"}),
     "unit.migration_requested": frozenset({"operator"}),
+    # gpu: cluster settings (GPU health thresholds, slicing modes), operator only
+    "cluster.config_set": frozenset({"operator"}),
     # the pipeline
     "spec.validated": frozenset({"policy"}),
     "spec.rejected": frozenset({"policy"}),

@@ -100,15 +100,15 @@ class SpecValidated(Payload):
 
     TYPE = "spec.validated"
     AGGREGATE = "sandbox"
-    VERSION = "1.2"
+    VERSION = "1.3"
 
     name: str
     spec_digest: str = Field(description="BLAKE3 of the spec text")
     plan: EnforcementPlan = Field(
         description="The compiled plan (dsec_core.spec), typed; each rule with its spec line "
         "(1.1: spec_line, spec_file; 1.2: topology, the compute units to place, their edges, "
-        "migration limits and priority; a 1.1 plan reads as one unit, main). On the wire the "
-        "same map as before"
+        "migration limits and priority; a 1.1 plan reads as one unit, main; 1.3: migration's "
+        "on, paths, max_interruption_ms and thresholds). On the wire the same map as before"
     )
     code: BundleRef | None = None
     warnings: list[dict[str, Any]] = Field(default_factory=list)
@@ -1061,6 +1061,28 @@ class ToolRecovered(Payload):
     failures: int = Field(ge=0, description="Failed calls while it was degraded")
 
 
+# --- gpu (issue 15: slicing, health, operator thresholds; docs/gpu.md) -----------------------
+
+
+class ClusterConfigSet(Payload):
+    """An operator changed a cluster setting (``dsec cluster config set KEY VALUE``); carries
+    every setting in force after the change, so a reader needs only the latest one (node agents
+    and the simulated fleet read it for their GPU health thresholds and slicing modes; keys and
+    defaults: ``dsec_core.gpuhealth.CONFIG_KEYS``). Last writer wins."""
+
+    TYPE = "cluster.config_set"
+    AGGREGATE = "cluster"
+
+    key: str = Field(max_length=64, description="The key changed")
+    value: str = Field(max_length=500, description="Its new value (canonical spelling)")
+    previous: str | None = Field(default=None, max_length=500, description="Its value before")
+    config: dict[
+        Annotated[str, StringConstraints(max_length=64)],
+        Annotated[str, StringConstraints(max_length=500)],
+    ] = Field(default_factory=dict, max_length=64, description="Every key set, after this change")
+    requested_by: str = Field(default="", max_length=200)
+
+
 EVENT_MODELS: tuple[type[Payload], ...] = (
     PolicyViolationSummary,
     PolicyReported,
@@ -1114,6 +1136,8 @@ EVENT_MODELS: tuple[type[Payload], ...] = (
     # tools
     ToolDegraded,
     ToolRecovered,
+    # gpu
+    ClusterConfigSet,
 )
 
 EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}

@@ -195,6 +195,10 @@ TABLE: Mapping[str, Role] = {
             # tools
             "tool.degraded",
             "tool.recovered",
+            # gpu: GPU health of its own node
+            "gpu.degraded",
+            "gpu.recovered",
+            "link.congested",
         ),
         # each node agent sees these through its own node's durables; acts only on its own
         node_consumes=(
@@ -238,6 +242,8 @@ TABLE: Mapping[str, Role] = {
             "experiment.completed",
             # migrate: `dsec unit migrate` (signed by the operator's key, authz)
             "unit.migration_requested",
+            # gpu: `dsec cluster config set` (signed by the operator's key: authz)
+            "cluster.config_set",
         ),
         extra_publish=(RPC_REQUESTS,),  # `dsec sandbox logs|exec` requests (signed)
     ),
@@ -252,10 +258,13 @@ TABLE: Mapping[str, Role] = {
             "sandbox.exited",
             "security.event_rejected",
             "audit.key_registered",
-            # migrate: the simulated nodes carry out migrations (and report their GPUs' health)
+            # migrate: the simulated nodes carry out migrations
             "unit.migrated",
             "unit.migration_failed",
+            # gpu: the simulated nodes' GPU health
             "gpu.degraded",
+            "gpu.recovered",
+            "link.congested",
         ),
         notes="simulated nodes (dsec fleet simulate)",
     ),

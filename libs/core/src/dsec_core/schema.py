@@ -44,6 +44,7 @@ _PARAMETERS: dict[str, tuple[str, str]] = {
     "security": ("consumer", "The durable consumer that refused a message"),
     "snapshot": ("request_id", "The delete request's own id (the CLI: del-<32 hex>)"),
     "experiment": ("experiment_id", "The experiment (`dsec experiment run`: exp_<hex>)"),
+    "cluster": ("setting", "Always `config`: the operator's cluster settings"),
 }
 
 _HEX = "^[0-9a-f]+$"

@@ -34,9 +34,10 @@ from typing import Any
 from dsec_core import events, natsperms
 from dsec_core.bus import EventPublisher, follow
 from dsec_core.envelope import Envelope
+from dsec_core.gpuhealth import CONFIG_ID, ClusterConfig
 from dsec_core.identity import SYSTEM_TENANT
 from dsec_core.ids import derive_event_id
-from dsec_core.subjects import STREAM, filter_for
+from dsec_core.subjects import STREAM, filter_for, subject_for
 from dsec_core.trust import Gate, Refusal, unpack_fields
 from nats.js import JetStreamContext
 
@@ -55,6 +56,8 @@ TICK_S = 0.05
 """Granularity of the heartbeat spread."""
 JOIN_CHUNK = 256
 """Nodes joining at once (their registrations and node.joined in flight together)."""
+CONFIG_EVERY_S = 5.0
+"""How often the operator's cluster config (GPU health thresholds) is read again."""
 
 
 def placement_types() -> list[str]:
@@ -144,6 +147,9 @@ class Fleet:
         self._aborted: set[str] = set()  # migration ids failed before they finished
         self._t0 = time.monotonic()
         self.ready = asyncio.Event()
+        self.config = ClusterConfig()
+        """The operator's settings (``cluster.config_set``): the GPU health thresholds."""
+        self.thresholds = self.config.thresholds()
 
     def _publisher(self, node_id: str) -> EventPublisher:
         ident = self.identities[node_id]
@@ -186,6 +192,27 @@ class Fleet:
         self._loop(self._end_units(), "units")
         self._loop(self._run_script(), "script")
         self._loop(self._status_forever(), "status")
+        self._loop(self._config_forever(), "config")
+
+    async def read_config(self) -> ClusterConfig:
+        """The latest authentic ``cluster.config_set`` (none: the defaults)."""
+        try:
+            found = await self.gate.find(subject_for(events.ClusterConfigSet.TYPE, CONFIG_ID))
+        except Exception as exc:  # the bus is away: keep what is known
+            log.warning("cluster config not read: %s", exc)
+            return self.config
+        if found is not None:
+            payload = found.decoded()
+            assert isinstance(payload, events.ClusterConfigSet)
+            config = ClusterConfig.of(payload.config)
+            if config != self.config:
+                self.config, self.thresholds = config, config.thresholds()
+        return self.config
+
+    async def _config_forever(self) -> None:
+        while True:
+            await self.read_config()
+            await asyncio.sleep(CONFIG_EVERY_S)
 
     async def stop(self) -> None:
         """Stop publishing (nodes fall silent, as node agents that stop)."""
@@ -269,6 +296,9 @@ class Fleet:
         try:
             if await self._publish(node, node.heartbeat(self.now()), aggregate_id=node.node_id):
                 self.stats.heartbeats += 1
+            # GPU health, judged as a node agent judges NVML's readings at each beat
+            for event in node.health_events(self.now(), self.thresholds):
+                await self._publish(node, event, aggregate_id=node.node_id)
         finally:
             self._inflight.discard(node.node_id)
 
@@ -612,10 +642,21 @@ class Fleet:
             for gpu in gpus:
                 if gpu >= len(node.gpus):
                     continue
+                state = node.health[gpu]
                 if action == "temperature":
                     node.heat(gpu, float(step.temperature or 0), step.over, now)
                 elif action == "xid":
-                    node.xid(gpu, int(step.xid or 0))
+                    node.xid(gpu, int(step.xid or 0), step.count)
+                elif action == "ecc":
+                    state.ecc += int(step.ecc or 0)
+                elif action == "throttle":
+                    state.throttle = frozenset(step.throttle or ())
+                elif action == "nvlink_utilization":
+                    state.nvlink_utilization = step.nvlink_utilization
+                elif action == "nvlink_errors":
+                    state.nvlink_errors += int(step.nvlink_errors or 0)
+                elif action == "heal":
+                    node.heal(gpu)
 
     # ------------------------------------------------------------------ status
 

@@ -32,7 +32,9 @@ from dsec_core.events import (
     NodeHeartbeat,
     NodeInventory,
     NodeJoined,
+    Payload,
 )
+from dsec_core.gpuhealth import GpuReading, HealthTracker, LinkReading, Thresholds
 from pydantic import PrivateAttr
 
 from dsec_fleetsim.inventory import NodePlan
@@ -134,6 +136,18 @@ class GpuState:
     ramp: Ramp | None = None
     xids: int = 0
     lost: bool = False
+    ecc: int = 0
+    throttle: frozenset[str] = frozenset()
+    nvlink_utilization: float | None = None
+    nvlink_errors: int = 0
+
+    @property
+    def scripted(self) -> bool:
+        """Whether a script touched its health (else the health check has nothing to judge)."""
+        return self != _RESTING
+
+
+_RESTING = GpuState()
 
 
 def static_gpus(plan: NodePlan) -> list[GpuInfo]:
@@ -190,7 +204,9 @@ class SimNode:
     seq: int = 0
     run_for_s: float | None = None
     """This node's run time for new units (a script's ``run_for``; ``None``: the fleet's)."""
-    _json: dict[tuple[int, float | None, float | None, int | None], Canonical] = field(
+    tracker: HealthTracker | None = None
+    """Judges its GPUs' health once a script touched them (``gpu.degraded``/``recovered``)."""
+    _json: dict[tuple[int, float | None, float | None, int | None, int | None], Canonical] = field(
         default_factory=dict
     )
 
@@ -207,6 +223,7 @@ class SimNode:
     def restart(self) -> None:
         """A fresh node agent process: counters since start are zero, nothing runs."""
         self.health = [GpuState() for _ in self.gpus]
+        self.tracker = None
         self.units.clear()
         self.seq = 0
         self.joined = False
@@ -217,11 +234,60 @@ class SimNode:
         start = state.ramp.at(now) if state.ramp is not None else self._base_temperature(gpu)
         state.ramp = Ramp(now, start, target_c, over_s)
 
-    def xid(self, gpu: int, code: int) -> None:
+    def xid(self, gpu: int, code: int, count: int = 1) -> None:
         state = self.health[gpu]
-        state.xids += 1
+        state.xids += count
         if code in FALLEN_OFF_BUS:
             state.lost = True
+
+    def heal(self, gpu: int) -> None:
+        """A GPU reset: counters, throttle and link load cleared, back to its base temperature
+        (as after ``nvidia-smi -r``, which also resets the volatile counters NVML reports)."""
+        self.health[gpu] = GpuState()
+
+    def health_readings(self, now: float) -> list[GpuReading]:
+        """What NVML's health fields would read now (a lost GPU is not listed)."""
+        busy = self._busy()
+        out = []
+        for g, h in zip(self.gpus, self.health, strict=True):
+            if h.lost:
+                continue
+            temperature = (
+                h.ramp.at(now) if h.ramp is not None else (BUSY_C if g.index in busy else IDLE_C)
+            )
+            links = tuple(
+                LinkReading(
+                    link=link.link,
+                    utilization_pct=h.nvlink_utilization,
+                    errors_total=h.nvlink_errors,
+                )
+                for link in g.nvlinks
+                if link.active
+            )
+            out.append(
+                GpuReading(
+                    index=g.index,
+                    uuid=g.uuid,
+                    temperature_c=temperature,
+                    xid_total=h.xids,
+                    ecc_uncorrected_total=h.ecc,
+                    throttle=h.throttle,
+                    links=links,
+                )
+            )
+        return out
+
+    def health_events(self, now: float, thresholds: Thresholds) -> list[Payload]:
+        """``gpu.degraded`` / ``gpu.recovered`` / ``link.congested`` this node's GPUs call for
+        now (nothing, and no cost, while no script touched them)."""
+        if self.tracker is None:
+            if not any(h.scripted for h in self.health):
+                return []
+            self.tracker = HealthTracker(self.node_id, "simulated", thresholds)
+            for g in self.gpus:  # a GPU already fallen off the bus is noticed as lost
+                self.tracker.track(g.index, g.uuid)
+        self.tracker.thresholds = thresholds
+        return self.tracker.observe(now, self.health_readings(now))
 
     # ------------------------------------------------------------------ units
 
@@ -254,7 +320,7 @@ class SimNode:
                 continue
             in_use = g.index in busy
             temperature = h.ramp.at(now) if h.ramp is not None else (BUSY_C if in_use else IDLE_C)
-            if (in_use, temperature, h.xids) == (False, IDLE_C, 0):
+            if (in_use, temperature, h.xids, h.ecc) == (False, IDLE_C, 0, 0):
                 gpus.append(g)
                 continue
             gpus.append(
@@ -264,6 +330,7 @@ class SimNode:
                         "utilization_pct": BUSY_UTILIZATION if in_use else 0.0,
                         "memory_used_bytes": int(g.memory_total_bytes * 0.9) if in_use else 0,
                         "xid_errors": h.xids,
+                        "ecc_uncorrected": h.ecc,
                     }
                 )
             )
@@ -310,7 +377,13 @@ class SimNode:
         return beat
 
     def _gpu_json(self, gpu: GpuInfo) -> Canonical:
-        key = (gpu.index, gpu.temperature_c, gpu.utilization_pct, gpu.xid_errors)
+        key = (
+            gpu.index,
+            gpu.temperature_c,
+            gpu.utilization_pct,
+            gpu.xid_errors,
+            gpu.ecc_uncorrected,
+        )
         found = self._json.get(key)
         if found is None:
             if len(self._json) > 4 * max(1, len(self.gpus)):

@@ -6,10 +6,20 @@
       - {at: 60, node: sim-7, crash: true}                         # stops heartbeating
       - {at: 120, node: sim-7, recover: true}                      # starts again (node.joined)
       - {at: 0, node: "sim-1*", run_for: 600}                      # its units run 600 s
+      - {at: 50, node: sim-2, gpu: 0, xid: 48, count: 3}           # an XID burst (3 × XID 48)
+      - {at: 55, node: sim-2, gpu: 1, ecc: 2}                      # 2 uncorrected ECC errors
+      - {at: 60, node: sim-2, gpu: 3, throttle: [hw_thermal]}      # clocks throttled ([]: none)
+      - {at: 70, node: sim-4, gpu: 0, nvlink_utilization: 96}      # its NVLinks 96 % busy
+      - {at: 75, node: sim-4, gpu: 0, nvlink_errors: 500}          # 500 replay/CRC errors
+      - {at: 90, node: sim-2, gpu: all, heal: true}                # reset: healthy and idle-cool
 
 ``at`` is seconds since the fleet joined; ``node`` an id or a glob (``sim-1*``, ``*``); ``gpu``
 an index or ``all``. Exactly one action per step: ``temperature`` (with ``over``, default 0),
-``xid`` (an XID code), ``crash``, ``recover`` or ``run_for``. Errors name the step and field.
+``xid`` (an XID code; ``count`` of them, default 1), ``ecc`` (uncorrected errors), ``throttle``
+(NVML clock throttle reasons), ``nvlink_utilization`` (percent, every active link of the GPU),
+``nvlink_errors`` (errors added on each active link), ``heal`` (a GPU reset: counters, throttle
+and links cleared, back to its resting temperature), ``crash``, ``recover`` or ``run_for``.
+Errors name the step and field.
 """
 
 from __future__ import annotations
@@ -24,7 +34,33 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dsec_fleetsim.inventory import InventoryError
 
-ACTIONS = ("temperature", "xid", "crash", "recover", "run_for")
+ThrottleReason = Literal[
+    "gpu_idle",
+    "applications_clocks",
+    "sw_power_cap",
+    "hw_slowdown",
+    "sync_boost",
+    "sw_thermal",
+    "hw_thermal",
+    "hw_power_brake",
+    "display_clocks",
+]
+
+ACTIONS = (
+    "temperature",
+    "xid",
+    "crash",
+    "recover",
+    "run_for",
+    "ecc",
+    "throttle",
+    "nvlink_utilization",
+    "nvlink_errors",
+    "heal",
+)
+GPU_ACTIONS = frozenset(
+    {"temperature", "xid", "ecc", "throttle", "nvlink_utilization", "nvlink_errors", "heal"}
+)
 
 
 class ScriptError(InventoryError):
@@ -42,6 +78,12 @@ class Step(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=150)
     over: float = Field(default=0.0, ge=0, le=86400, description="Ramp time of temperature")
     xid: int | None = Field(default=None, ge=1, le=1000)
+    count: int = Field(default=1, ge=1, le=10_000, description="XIDs of a burst")
+    ecc: int | None = Field(default=None, ge=1, le=10_000, description="Uncorrected ECC errors")
+    throttle: list[ThrottleReason] | None = Field(default=None, max_length=9)
+    nvlink_utilization: float | None = Field(default=None, ge=0, le=100)
+    nvlink_errors: int | None = Field(default=None, ge=1, le=10**9)
+    heal: bool = False
     crash: bool = False
     recover: bool = False
     run_for: float | None = Field(default=None, gt=0, le=30 * 86400)
@@ -54,7 +96,7 @@ class Step(BaseModel):
                 f"exactly one action of {', '.join(ACTIONS)}; got "
                 + (", ".join(given) if given else "none")
             )
-        if given[0] in ("temperature", "xid") and self.gpu is None:
+        if given[0] in GPU_ACTIONS and self.gpu is None:
             raise ValueError(f"{given[0]} needs gpu: an index or all")
         if isinstance(self.gpu, int) and self.gpu < 0:
             raise ValueError("gpu: an index from 0, or all")

@@ -55,6 +55,8 @@ from dsec_nodeagent.context.models import ContextError
 from dsec_nodeagent.context.s3 import S3Materializer
 from dsec_nodeagent.context.vault import VaultSecrets
 from dsec_nodeagent.envstage import EnvStageError, EnvStager, EnvStageUnavailable, Staged
+from dsec_nodeagent.gpunode import GpuNode
+from dsec_nodeagent.gpuslice import SliceError
 from dsec_nodeagent.outlet import EventOutlet
 from dsec_nodeagent.recording import Prepared, Recordings, ReplayUnavailable
 from dsec_nodeagent.recording.store import KEY_PATH as RECORDING_KEY_PATH
@@ -241,6 +243,8 @@ class NodeAgent:
         # Tool-call reports -> dsec_tool_* metrics, tool.degraded/recovered (docs/tools.md).
         self.toolwatch: ToolWatch | None = None
         """Tells the IPC broker that a new sandbox takes over an old one's tool name."""
+        self.gpus: GpuNode | None = None
+        """Slices, fences and watches the GPUs of units placed on GPUs (``gpunode``)."""
         _AGENTS.add(self)  # dsec_sandboxes_running counts its manager's sandboxes
 
     def _injector(self) -> ContextInjector:
@@ -531,6 +535,7 @@ class NodeAgent:
         try:
             staged = await staging
             config = self._config(sid, plan, staged.site_packages, code_dir, ctx)
+            config = await self._gpu_slice(sid, plan, config)
             if handover_from is not None:
                 config = config.model_copy(
                     update={"env": {**config.env, ENV_HANDOVER_FROM: handover_from}}
@@ -557,6 +562,8 @@ class NodeAgent:
             self.recordings.forget(sid)
             await self.injector.release(ctx)
             self._forget_state(sid, plan)
+            if self.gpus is not None:
+                await self.gpus.release(sid)
             raise
         self._launched[sid] = Launched(config, plan, egress_plan, ready.started_at)
         self._contexts[sid] = ctx
@@ -568,6 +575,39 @@ class NodeAgent:
         STARTS.labels("started").inc()
         outputs.append(ready_event)
         return outputs
+
+    async def _gpu_slice(
+        self, sid: str, plan: EnforcementPlan, config: SandboxConfig
+    ) -> SandboxConfig:
+        """``config`` with the unit's GPU slice (docs/gpu.md): its ``unit.placed`` here names
+        its GPUs and share; none (no GPU, or a placement before units): unchanged."""
+        if self.gpus is None:
+            return config
+        found = await self._maybe_last("unit.placed", sid)
+        placed = found.decoded() if found is not None else None
+        if not isinstance(placed, events.UnitPlaced) or placed.node_id != self.node_id:
+            return config
+        if placed.attempt != self._attempts.get(sid, placed.attempt) or not placed.gpu_indices:
+            return config
+        units = plan.topology.units
+        asked = units[0].min_gpu_memory_bytes if units else 0
+        try:
+            sliced = await self.gpus.prepare(sid, placed, memory_quota_bytes=asked or None)
+        except SliceError as exc:
+            raise StartRefused(f"GPU slice: {exc}") from None
+        except (OSError, RuntimeError) as exc:  # MPS daemon or MIG instance not made
+            raise StartRefused(f"GPU slice: {type(exc).__name__}: {exc}") from None
+        return config if sliced is None else self.gpus.apply(config, sliced)
+
+    async def stop_over_gpu_memory(self, sid: str, detail: str) -> None:
+        """Stop a unit over its GPU memory quota (``sandbox.exited`` reason ``gpu_memory``, with
+        ``detail``, follows from the exit watcher; it is never restarted)."""
+        log.warning("%s: %s", sid, detail)
+        if sid in self._launched:
+            self._stop_wanted.add(sid)
+        if self.manager.get(sid) is not None:
+            with contextlib.suppress(KeyError):  # it ended meanwhile
+                await self.manager.stop(sid, reason=ExitReason.GPU_MEMORY, grace_s=1.0)
 
     async def _from_snapshot(
         self, sid: str, submitted: events.SpecSubmitted, plan: EnforcementPlan
@@ -594,6 +634,8 @@ class NodeAgent:
         (with its cgroup, for the hand-over's freezer) before its agent can connect."""
 
         async def attach(sid: str, cgroup_dir: Path, cgroup_id: int) -> None:
+            if self.gpus is not None:  # only its own NVIDIA device nodes
+                await self.gpus.attach(sid, cgroup_dir)
             self.proxies.bind(sid, cgroup_dir)
             if self._before_start is not None:
                 await self._before_start(sid, cgroup_dir, cgroup_id, plan)
@@ -754,6 +796,10 @@ class NodeAgent:
             self.toolwatch.forget(sid)
         self._stop_wanted.discard(sid)
         self._restart_tasks.pop(sid, None)
+        if self.gpus is not None:  # its MPS daemon's last unit, its MIG instance
+            over = await self.gpus.release(sid)
+            if over is not None and result.reason == ExitReason.GPU_MEMORY:
+                result = result.model_copy(update={"detail": over})
         if launched is not None:
             self._forget_state(sid, launched.plan)
             result = result.model_copy(update={"started_at": launched.first_started_at})

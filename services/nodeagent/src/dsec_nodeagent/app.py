@@ -16,6 +16,7 @@ from dsec_nodeagent.agent import NodeAgent
 from dsec_nodeagent.communication import CommunicationPlane
 from dsec_nodeagent.ebpf.controller import EgressController
 from dsec_nodeagent.egress import Egress
+from dsec_nodeagent.gpunode import GpuNode
 from dsec_nodeagent.heartbeat import Heartbeat
 from dsec_nodeagent.inventory import Inventory
 from dsec_nodeagent.outlet import EventOutlet
@@ -60,7 +61,7 @@ class Wired:
     keeper: StateKeeper | None = None
 
 
-def heartbeat_for(service: Service, agent: NodeAgent) -> Heartbeat:
+def heartbeat_for(service: Service, agent: NodeAgent, gpus: GpuNode | None = None) -> Heartbeat:
     """``node.joined`` and ``node.heartbeat`` of this node, signed by the node agent's key."""
     settings, manager = service.settings, agent.manager
 
@@ -81,6 +82,7 @@ def heartbeat_for(service: Service, agent: NodeAgent) -> Heartbeat:
         sandboxes=manager.running,
         problems=service.problems,
         connected=lambda: service.nc is not None and service.nc.is_connected,
+        health=gpus.health if gpus is not None else None,
     )
 
 
@@ -153,14 +155,26 @@ def wire(
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)
     # and stops after the node agent stops watching them.
     agent.proxies.forbidden = egress.is_stack  # the proxy's upstreams: never the stack
-    heartbeat = heartbeat_for(service, agent)  # joins after the sandboxes were reconciled
-    service.on_start.extend(
-        [outlet.start, egress.start, keeper.start, comms.start, agent.start, heartbeat.start]
+    # GPU slices, their memory quota watch and the GPUs' health (docs/gpu.md)
+    gpus = GpuNode(
+        service.settings,
+        lambda payload, aggregate_id: outlet.lifecycle(payload, aggregate_id, None),
+        gate,
     )
+    gpus.stop_unit = agent.stop_over_gpu_memory
+    agent.gpus = gpus
+    heartbeat = heartbeat_for(service, agent, gpus)  # joins after the sandboxes were reconciled
+    service.on_start.extend(
+        [
+            outlet.start, egress.start, keeper.start, comms.start, gpus.start, agent.start,
+            heartbeat.start,
+        ]
+    )  # fmt: skip
     service.on_stop.extend(
         [
             heartbeat.stop,
             agent.shutdown,
+            gpus.stop,
             comms.stop,
             keeper.stop,
             toolwatch.close,

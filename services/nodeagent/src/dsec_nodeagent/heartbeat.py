@@ -13,7 +13,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-from dsec_core.events import MAX_PROBLEMS, NodeHeartbeat, NodeJoined, Payload
+from dsec_core.events import MAX_PROBLEMS, GpuInfo, NodeHeartbeat, NodeJoined, Payload
 from dsec_core.subjects import InvalidSubjectToken, subject_for
 
 from dsec_nodeagent.inventory import Inventory
@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 Publish = Callable[[Payload, str], Awaitable[None]]
 """Publishes a payload with the given aggregate id (the node's publisher, signed)."""
+Health = Callable[[list[GpuInfo]], Awaitable[list[Payload]]]
+"""The GPU health events the inventory's GPUs call for (``gpunode.GpuNode.health``)."""
 
 
 class Heartbeat:
@@ -38,6 +40,7 @@ class Heartbeat:
         sandboxes: Callable[[], list[str]],
         problems: Callable[[], list[str]],
         connected: Callable[[], bool] = lambda: True,
+        health: Health | None = None,
     ) -> None:
         self.node_id = node_id
         self.version = version
@@ -47,6 +50,7 @@ class Heartbeat:
         self._sandboxes = sandboxes
         self._problems = problems
         self._connected = connected
+        self._health = health
         self.seq = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -106,6 +110,12 @@ class Heartbeat:
             heartbeat_s=self.interval_s,
         )
         await self._publish(heartbeat, self.node_id)
+        if self._health is not None:  # gpu.degraded / gpu.recovered / link.congested
+            try:
+                for event in await self._health(list(inventory.gpus)):
+                    await self._publish(event, self.node_id)
+            except Exception:  # a health check must never cost the node its heartbeat
+                log.exception("GPU health check failed")
         return heartbeat
 
     async def _run(self) -> None:

@@ -133,7 +133,7 @@ class Scheduler:
         self._handovers: dict[str, str] = {}
         self._pending_class: dict[str, str] = {}  # sandbox -> class of its published wait
         self._blocker: Waiting | None = None  # a head of the queue no backfill may pass
-        self._specs: dict[str, tuple[Any, tuple[str, ...], Any]] = {}  # node -> its engine spec
+        self._specs: dict[str, tuple[Any, tuple[Any, ...], Any]] = {}  # node -> its engine spec
         self._empty: tuple[tuple[int, ...], SimpleEngine, list[Any]] | None = None
         self._deciding = asyncio.Lock()
         """Held from a decision's reading of the state to its events' publication: the queue
@@ -394,10 +394,14 @@ class Scheduler:
             why = tuple(usable(n, fleet))
             # keyed on the reason's class: "lost (silent 45 s)" changes every second, the spec
             # (which carries only the class) does not
-            state = (unschedulable_class(why),) if why else ()
+            state: tuple[Any, ...] = (unschedulable_class(why),) if why else ()
+            degraded = self.state.degraded.of_node(n.node_id)
+            if degraded:  # nothing new on a degraded GPU (gpu.degraded until gpu.recovered)
+                state = (*state, degraded)
             cached = self._specs.get(n.node_id)
             if cached is None or cached[0] is not n.inventory or cached[1] != state:
-                cached = (n.inventory, state, node_spec(n.node_id, n.inventory, why))
+                spec = node_spec(n.node_id, n.inventory, why, degraded)
+                cached = (n.inventory, state, spec)
                 self._specs[n.node_id] = cached
             specs.append(cached[2])
         for gone in set(self._specs) - set(fleet.nodes):

@@ -18,6 +18,7 @@ from dsec_core.events import GpuInfo, NodeInventory, Resources
 from dsec_core.lifecycle import Lifecycle, step
 from dsec_core.spec.plan import ResourceLimits
 
+from dsec_scheduler.degraded import DEGRADED_TYPES, DegradedGpus
 from dsec_scheduler.gangs import MAIN, UnitHeld, held_from_placed, held_from_resources
 from dsec_scheduler.migration import HEALTH_TYPES, MIGRATION_TYPES, MigrationBook, started
 
@@ -313,8 +314,10 @@ _SANDBOX_TYPES = {
     "sandbox.stop_requested",
     *MIGRATION_TYPES,
 }
-NODE_TYPES: frozenset[str] = frozenset({*_NODE_SEEN, "node.lost", "node.cordoned", *HEALTH_TYPES})
-"""Node events (presence, losses, cordons)."""
+NODE_TYPES: frozenset[str] = frozenset(
+    {*_NODE_SEEN, "node.lost", "node.cordoned", *DEGRADED_TYPES, *HEALTH_TYPES}
+)
+"""Node events (presence, losses, cordons, degraded GPUs)."""
 SANDBOX_TYPES: frozenset[str] = frozenset(_SANDBOX_TYPES)
 """Sandbox events, from ``env.built`` on: folded in full."""
 FOLDED_TYPES: frozenset[str] = NODE_TYPES | SANDBOX_TYPES
@@ -346,6 +349,8 @@ class SchedulerState:
     _held_units: tuple[UnitHeld, ...] = ()
     migrations: MigrationBook = field(default_factory=MigrationBook)
     """Migrations in flight (each holds its target) and the degraded GPUs."""
+    degraded: DegradedGpus = field(default_factory=DegradedGpus)
+    """GPUs that placed nothing new (``gpu.degraded`` until ``gpu.recovered``)."""
 
     # -- reading
 
@@ -544,8 +549,14 @@ class SchedulerState:
             )
         if event.type in MIGRATION_TYPES:
             return self._migration(event)
-        if event.type in HEALTH_TYPES:
-            return self.migrations.health(event.type, event.payload, event.aggregate_id)
+        if event.type in DEGRADED_TYPES:
+            node_id = str(event.payload.get("node_id") or "")
+            if node_id != event.aggregate_id or node_id not in self.nodes:
+                return False  # filed under another node's subject, or a node not joined
+            changed = self.degraded.apply(event.type, event.payload, event.sent_at, event.id)
+            # the migrations' own view: which GPUs no migration may go to
+            back = self.migrations.health(event.type, event.payload, event.aggregate_id)
+            return (changed and event.type == "gpu.recovered") or back
         if event.type in _SANDBOX_TYPES:
             return self._sandbox(event)
         return False
@@ -592,6 +603,8 @@ class SchedulerState:
         if old is not None and event.sent_at <= old.last_seen:
             return False  # sent before what is known already: a replay, never a sign of life
         inventory = NodeInventory.model_validate(p["inventory"])
+        if event.type == "node.joined":  # a new node agent judges its GPUs afresh
+            self.degraded.forget_node(node_id)
         node = Node(
             node_id=node_id,
             inventory=inventory,

@@ -311,8 +311,14 @@ def unschedulable_class(why: Sequence[str]) -> str:
     return "unschedulable"
 
 
-def node_spec(node_id: str, inv: NodeInventory, why_not: Sequence[str]) -> NodeSpec:
-    """A node's inventory as the engine sees it; ``why_not``: why it may take nothing now."""
+def node_spec(
+    node_id: str,
+    inv: NodeInventory,
+    why_not: Sequence[str],
+    degraded: frozenset[int] = frozenset(),
+) -> NodeSpec:
+    """A node's inventory as the engine sees it; ``why_not``: why it may take nothing now;
+    ``degraded``: GPUs reported degraded (``gpu.degraded``), offered to nothing new."""
     groups = nvlink_groups(inv.gpus)
     return NodeSpec(
         node_id=node_id,
@@ -324,7 +330,7 @@ def node_spec(node_id: str, inv: NodeInventory, why_not: Sequence[str]) -> NodeS
                 model=gpumodels.canonical(g.model),
                 memory_bytes=g.memory_total_bytes,
                 nvlink_group=groups[g.index],
-                healthy=gpu_healthy(g),
+                healthy=gpu_healthy(g) and g.index not in degraded,
                 temperature_c=g.temperature_c,
             )
             for g in inv.gpus

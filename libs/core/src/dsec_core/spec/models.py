@@ -1029,8 +1029,33 @@ class Link(SpecModel):
     )
 
 
+MigrationSignal = Literal["temperature", "xid", "ecc", "throttle", "nvlink_errors", "lost"]
+"""Health signals that may move a unit (``gpu.degraded``'s signals)."""
+MigrationPathName = Literal["handover", "criu", "restart"]
+"""How a unit may be moved: its state through the state plane, its process tree by CRIU, or
+started afresh on the target."""
+MAX_INTERRUPTION_MS = 600_000.0
+
+
+class MigrationThresholds(SpecModel):
+    """This unit's own health limits: only ever stricter than the operator's
+    (``dsec cluster config``); a looser one is ignored."""
+
+    temperature_c: Celsius | None = Field(default=None, description="°C, 30-110")
+    xid_errors: int | None = Field(default=None, ge=1, le=10_000, description="New XIDs")
+    ecc_uncorrected: int | None = Field(
+        default=None, ge=1, le=10_000, description="New uncorrected ECC errors"
+    )
+    nvlink_errors: int | None = Field(
+        default=None, ge=1, le=10**9, description="New NVLink errors on a link"
+    )
+    nvlink_utilization_pct: Percent | None = Field(
+        default=None, description="NVLink utilization (percent, 1-100) that is congestion"
+    )
+
+
 class Migration(SpecModel):
-    """When a running unit should move: GPU temperature and NVLink congestion limits."""
+    """When and how a running unit moves off a degraded GPU (docs/gpu.md, docs/migration.md)."""
 
     max_temperature_c: Celsius | None = Field(
         default=None, description="Hottest GPU (°C) a unit may stay on, 30-110"
@@ -1040,6 +1065,65 @@ class Migration(SpecModel):
         description="NVLink utilisation (percent, 1-100) above which a unit degrades to PCIe or "
         "moves",
     )
+    on: tuple[MigrationSignal, ...] | None = Field(
+        default=None,
+        description="Signals that move the unit (temperature, xid, ecc, throttle, "
+        "nvlink_errors, lost); unset: temperature when a temperature limit is set, else none",
+        examples=[["temperature", "xid"]],
+    )
+    paths: tuple[MigrationPathName, ...] = Field(
+        default=("handover", "criu"),
+        min_length=1,
+        description="How it may be moved, in order of preference: handover, criu, restart",
+    )
+    max_interruption_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_INTERRUPTION_MS,
+        description="Longest pause the unit accepts; a path that cannot promise it is not used",
+    )
+    thresholds: MigrationThresholds = MigrationThresholds()
+
+    @classmethod
+    def cross_checks(cls, fields: Mapping[str, Any]) -> list[PydanticCustomError]:
+        """Each signal and path once; one temperature limit."""
+        problems = []
+        for name in ("on", "paths"):
+            values = fields.get(name) or ()
+            for index, value in enumerate(values):
+                if value in values[:index]:
+                    problems.append(
+                        invalid(
+                            f"{value!r} is listed twice",
+                            f"list each {name[:-1] if name == 'paths' else 'signal'} once",
+                            (name, index),
+                        )
+                    )
+                    break
+        thresholds = fields.get("thresholds")
+        limit = getattr(thresholds, "temperature_c", None)
+        if (
+            limit is not None
+            and fields.get("max_temperature_c") is not None
+            and limit != fields["max_temperature_c"]
+        ):
+            problems.append(
+                invalid(
+                    f"two temperature limits: max_temperature_c {fields['max_temperature_c']:g} "
+                    f"and thresholds.temperature_c {limit:g}",
+                    "give one of them",
+                    ("thresholds", "temperature_c"),
+                )
+            )
+        return problems
+
+    @property
+    def signals(self) -> tuple[str, ...]:
+        """The signals that move the unit (``on``, or its default)."""
+        if self.on is not None:
+            return self.on
+        limited = self.max_temperature_c is not None or self.thresholds.temperature_c is not None
+        return ("temperature",) if limited else ()
 
 
 class Scheduling(SpecModel):

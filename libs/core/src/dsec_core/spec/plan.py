@@ -189,10 +189,22 @@ class EdgePlan(PlanModel):
 
 
 class MigrationPlan(PlanModel):
-    """When a running unit should move."""
+    """When and how a running unit should move (the spec's ``migration:``)."""
 
     max_temperature_c: float | None = None
     nvlink_congestion_threshold_pct: float | None = None
+    on: tuple[str, ...] = Field(
+        default=(), description="Signals that move it (gpu.degraded's signal); empty: none"
+    )
+    paths: tuple[str, ...] = Field(
+        default=("handover", "criu"), description="Allowed paths, preferred first"
+    )
+    max_interruption_ms: float | None = None
+    thresholds: dict[str, float] = Field(
+        default_factory=dict,
+        description="The unit's own limits (temperature_c, xid_errors, ecc_uncorrected, "
+        "nvlink_errors, nvlink_utilization_pct): stricter than the operator's only",
+    )
 
 
 class TopologyPlan(PlanModel):
@@ -497,12 +509,24 @@ def _main_unit(
 
 def _topology(spec: SandboxSpec, source: SourceMap | None) -> TopologyPlan:
     mig = spec.migration
+    limit = (
+        mig.max_temperature_c if mig.max_temperature_c is not None else mig.thresholds.temperature_c
+    )
+    thresholds = {k: float(v) for k, v in mig.thresholds.model_dump().items() if v is not None}
+    if mig.max_temperature_c is not None:
+        thresholds.setdefault("temperature_c", mig.max_temperature_c)
+    if mig.nvlink_congestion_threshold is not None:
+        thresholds.setdefault("nvlink_utilization_pct", mig.nvlink_congestion_threshold)
     migration = MigrationPlan(
-        max_temperature_c=mig.max_temperature_c,
+        max_temperature_c=limit,
         nvlink_congestion_threshold_pct=mig.nvlink_congestion_threshold,
+        on=mig.signals,
+        paths=mig.paths,
+        max_interruption_ms=mig.max_interruption_ms,
+        thresholds=thresholds,
     )
     if not spec.tasks:
-        main = _main_unit(_resources(spec), spec.entrypoint, mig.max_temperature_c)
+        main = _main_unit(_resources(spec), spec.entrypoint, limit)
         return TopologyPlan(units=(main,), migration=migration, priority=spec.scheduling.priority)
     needs = spec.unit_needs()
     units = []
@@ -521,7 +545,7 @@ def _topology(spec: SandboxSpec, source: SourceMap | None) -> TopologyPlan:
                 cpu_millicores=max(1, round(cpu * 1000)),
                 memory_bytes=unit.memory if unit.memory is not None else spec.resources.memory,
                 nvlink_group=unit.nvlink_affinity,
-                max_temperature_c=temperature if temperature is not None else mig.max_temperature_c,
+                max_temperature_c=temperature if temperature is not None else limit,
                 entrypoint=task.command,
                 spec_line=_line(source, ("tasks", index)),
             )

@@ -539,6 +539,8 @@ def _mount_dev(dst: str, nodes: list[str]) -> None:
     syscalls.mount("tmpfs", dst, "tmpfs", syscalls.MS_NOSUID, "mode=0755,size=64k")
     for node in nodes:
         target = f"{dst}/{node}"
+        if "/" in node:  # nvidia-caps/nvidia-capN: a MIG instance's capability
+            os.makedirs(os.path.dirname(target), exist_ok=True)
         os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o666))
         syscalls.mount(f"/dev/{node}", target, None, syscalls.MS_BIND, None)
     for name, target in (

@@ -43,6 +43,7 @@ class ExitReason(StrEnum):
     DISK = "disk"
     POLICY_FLOOD = "policy_flood"
     HANDED_OVER = "handed_over"  # a new version took over its state and tool name
+    GPU_MEMORY = "gpu_memory"  # over its GPU memory quota (dsec_nodeagent.gpuquota)
 
 
 class Limits(BaseModel):
@@ -151,6 +152,11 @@ class SandboxConfig(BaseModel):
             ``DSEC_AGENT_NAME``/``DSEC_TASK_GROUP`` and, when the manager runs with an IPC broker,
             the broker's socket (``DSEC_IPC_SOCKET``) and the SDK on their import path.
         metadata: caller data stored in the state file and echoed in results (e.g. lease ids).
+        gpu_devices: NVIDIA device nodes (names under ``/dev``: ``nvidia0``, ``nvidiactl``,
+            ``nvidia-caps/nvidia-cap21``) bound into the sandbox's ``/dev`` (its granted GPUs
+            only, ``dsec_nodeagent.gpuslice``).
+        gpu_binds: sandbox path -> host directory bound read-write (an MPS server's pipe
+            directory).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -176,6 +182,8 @@ class SandboxConfig(BaseModel):
     hostname: str | None = None
     agent: AgentIdentity | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    gpu_devices: list[str] = Field(default_factory=list, max_length=512)
+    gpu_binds: dict[str, Path] = Field(default_factory=dict, max_length=64)
 
     @field_validator("sandbox_id")
     @classmethod

@@ -117,7 +117,7 @@ def build(
     result = PlanResult(plan={})
     layout = _runtime_entries(runtime, config)
     layout += _declared_entries(config, host, result)
-    layout += _system_entries(host, uid, layout)
+    layout += _system_entries(host, uid, layout, config)
     _check_overlaps(layout)
     layout.sort(key=lambda e: PurePosixPath(e["path"]).parts.__len__())
     read, write = _landlock_sets(config, runtime, host, layout, result)
@@ -214,13 +214,16 @@ def _existing(path: Path, what: str) -> Path:
 
 
 def _system_entries(
-    host: HostPaths, uid: int, layout: list[dict[str, Any]]
+    host: HostPaths, uid: int, layout: list[dict[str, Any]], config: SandboxConfig | None = None
 ) -> list[dict[str, Any]]:
+    gpu_devices = list(config.gpu_devices) if config is not None else []
     entries: list[dict[str, Any]] = [
         {"kind": "proc", "path": "/proc"},
-        {"kind": "dev", "path": "/dev", "nodes": list(DEV_NODES)},
+        {"kind": "dev", "path": "/dev", "nodes": [*DEV_NODES, *gpu_devices]},
         _bind(host.semantic_site, SEMANTIC_TARGET),
     ]
+    if config is not None:  # an MPS server's pipe directory (its clients connect there)
+        entries += [_bind(src, target, ro=False) for target, src in config.gpu_binds.items()]
     if host.rules_path is not None:
         entries.append(_bind(host.rules_path, RULES_TARGET))
     if host.events_socket is not None:
@@ -290,6 +293,7 @@ def _landlock_sets(
         read.append(SDK_DEPS_TARGET)
     read += config.read_allowed
     write = list(config.write_allowed) + list(DEV_WRITABLE)
+    write += [f"/dev/{name}" for name in config.gpu_devices] + list(config.gpu_binds)
     if host.events_socket is not None:
         write.append(EVENTS_TARGET)
     granted = read + write
