@@ -28,14 +28,17 @@ def test_signals_paths_and_thresholds_compile() -> None:
     assert plan.units[0].max_temperature_c == 80  # the placement limit of unit main too
 
 
-def test_defaults_move_on_temperature_only_when_a_limit_is_set() -> None:
+def test_by_default_hardware_faults_move_the_unit_and_an_empty_on_none() -> None:
     plain = load_spec(HEAD, "m.yaml").spec
     limited = load_spec(HEAD + "migration: {max_temperature_c: 85}\n", "m.yaml").spec
-    assert plain is not None and limited is not None
-    assert compile_plan(plain).topology.migration.on == ()
+    never = load_spec(HEAD + "migration: {on: []}\n", "m.yaml").spec
+    assert plain is not None and limited is not None and never is not None
+    faults = ("temperature", "xid", "ecc", "lost")
+    assert compile_plan(plain).topology.migration.on == faults
     limited_plan = compile_plan(limited).topology.migration
-    assert (limited_plan.on, limited_plan.paths) == (("temperature",), ("handover", "criu"))
+    assert (limited_plan.on, limited_plan.paths) == (faults, ("handover", "criu"))
     assert limited_plan.thresholds == {"temperature_c": 85}
+    assert compile_plan(never).topology.migration.on == ()
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,7 @@ def test_the_brief_example_validates_and_compiles_to_three_units_and_two_edges()
     assert topology.migration == MigrationPlan(
         max_temperature_c=85,
         nvlink_congestion_threshold_pct=70,
-        on=("temperature",),  # a temperature limit moves the unit when it is crossed
+        on=("temperature", "xid", "ecc", "lost"),  # the default: hardware faults move it
         thresholds={"temperature_c": 85, "nvlink_utilization_pct": 70},
     )
     assert topology.priority == 0

@@ -1031,6 +1031,8 @@ class Link(SpecModel):
 
 MigrationSignal = Literal["temperature", "xid", "ecc", "throttle", "nvlink_errors", "lost"]
 """Health signals that may move a unit (``gpu.degraded``'s signals)."""
+DEFAULT_MIGRATION_SIGNALS: tuple[str, ...] = ("temperature", "xid", "ecc", "lost")
+"""What moves a unit when its spec does not say (``migration.on`` unset)."""
 MigrationPathName = Literal["handover", "criu", "restart"]
 """How a unit may be moved: its state through the state plane, its process tree by CRIU, or
 started afresh on the target."""
@@ -1068,7 +1070,8 @@ class Migration(SpecModel):
     on: tuple[MigrationSignal, ...] | None = Field(
         default=None,
         description="Signals that move the unit (temperature, xid, ecc, throttle, "
-        "nvlink_errors, lost); unset: temperature when a temperature limit is set, else none",
+        "nvlink_errors, lost); unset: temperature, xid, ecc and lost (the operator's thresholds, "
+        "or this section's); `[]`: never moved automatically",
         examples=[["temperature", "xid"]],
     )
     paths: tuple[MigrationPathName, ...] = Field(
@@ -1119,11 +1122,11 @@ class Migration(SpecModel):
 
     @property
     def signals(self) -> tuple[str, ...]:
-        """The signals that move the unit (``on``, or its default)."""
+        """The signals that move the unit (``on``, or its default: the hardware faults a unit
+        cannot ride out, as the brief's "a GPU runs hot, its unit moves" asks)."""
         if self.on is not None:
             return self.on
-        limited = self.max_temperature_c is not None or self.thresholds.temperature_c is not None
-        return ("temperature",) if limited else ()
+        return DEFAULT_MIGRATION_SIGNALS
 
 
 class Scheduling(SpecModel):

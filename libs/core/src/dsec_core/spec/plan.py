@@ -194,7 +194,8 @@ class MigrationPlan(PlanModel):
     max_temperature_c: float | None = None
     nvlink_congestion_threshold_pct: float | None = None
     on: tuple[str, ...] = Field(
-        default=(), description="Signals that move it (gpu.degraded's signal); empty: none"
+        default=("temperature", "xid", "ecc", "lost"),
+        description="Signals that move it (gpu.degraded's signal); empty: none",
     )
     paths: tuple[str, ...] = Field(
         default=("handover", "criu"), description="Allowed paths, preferred first"
