@@ -121,6 +121,8 @@ class Packer:
         self._futures: list[Future[tuple[str, list[list[Any]], int]]] = []
         self.chunks = 0
         self.bytes = 0
+        self.sizes: dict[str, int] = {}
+        """Bytes of each pack stored (after :meth:`finish`)."""
 
     def claim(self, chunk_id: str) -> bool:
         """True for the first caller with ``chunk_id`` (it then owes an :meth:`add`)."""
@@ -170,8 +172,9 @@ class Packer:
             self._upload(sealed)
         out: dict[str, list[list[Any]]] = {}
         for future in self._futures:
-            key, entries, _ = future.result()
+            key, entries, size = future.result()
             out[key] = entries
+            self.sizes[key] = size
         return out
 
 

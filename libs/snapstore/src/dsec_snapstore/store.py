@@ -24,7 +24,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeVar
 
 import blake3
 import pydantic
@@ -111,6 +111,7 @@ _RESTORE_BATCH = 64 << 20
 REPACK_BELOW = 0.5
 """GC rewrites a pack whose live (referenced) bytes fall below this fraction of it."""
 _local = threading.local()
+_T = TypeVar("_T")
 SIGNER_ROLES = frozenset({"snapshot", "nodeagent"})
 """Roles whose certified keys may sign snapshot manifests."""
 _MAX_LINE_DIFFS = 200
@@ -146,6 +147,7 @@ class SnapshotStore:
         raw_keys = [self._public, *(bytes(k) for k in trusted_keys)]
         self._trusted = {key_id_of(k): k for k in raw_keys}
         self._cache_dir = cache_dir
+        self._workers = workers
         self._pool: Executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snap")
         self._uploader: Executor = default_uploader()
         index_cache = None
@@ -348,13 +350,18 @@ class SnapshotStore:
                 out[entry.path] = (entry, hit)
             else:
                 todo.append(entry)
+
+        def hash_run(run: Sequence[TreeEntry]) -> list[HashedFile]:
+            return [hash_and_chunk(f"{e.root}/{e.path}", sink) for e in run]
+
         try:
-
-            def hash_entry(entry: TreeEntry) -> HashedFile:
-                return hash_and_chunk(entry.abspath, sink)
-
-            for entry, result in zip(todo, self._pool.map(hash_entry, todo), strict=True):
-                out[entry.path] = (entry, result)
+            # Runs of neighbouring files per task: one task per file costs more than a small
+            # file's hash, and neighbours land in the same pack (fewer ranged GETs later).
+            for run, results in zip(
+                runs := _runs(todo, self._workers), self._pool.map(hash_run, runs), strict=True
+            ):
+                for entry, result in zip(run, results, strict=True):
+                    out[entry.path] = (entry, result)
         except (FileChanged, OSError) as exc:
             raise SnapshotError(f"cannot read the code: {exc}") from exc
         ordered = {e.path: out[e.path] for e in entries}  # manifests list files sorted by path
@@ -862,22 +869,25 @@ class SnapshotStore:
         *,
         replace: bool = False,
     ) -> int:
-        checked: set[PurePosixPath] = set()
-        targets = [(entry, real_parent(root, entry.path, checked)) for entry in entries]
+        targets = _targets(root, entries)
         written = 0
         for batch in _batches(targets, _RESTORE_BATCH):
             ids = {c for entry, _ in batch for c in manifest.chunks_of(entry)}
             chunks = self._fetch_chunks(ids)
 
-            def write(item: tuple[FileEntry, Path], chunks: dict[str, bytes] = chunks) -> int:
-                entry, target = item
-                data = b""
-                if entry.kind == "file":
-                    data = _assemble(entry, manifest.chunks_of(entry), chunks)
-                place(entry, target, data, replace=replace)
-                return len(data)
+            def write(
+                run: Sequence[tuple[FileEntry, str]], chunks: dict[str, bytes] = chunks
+            ) -> int:
+                size = 0
+                for entry, target in run:
+                    data = b""
+                    if entry.kind == "file":
+                        data = _assemble(entry, manifest.chunks_of(entry), chunks)
+                    place(entry, target, data, replace=replace)
+                    size += len(data)
+                return size
 
-            written += sum(self._pool.map(write, batch))
+            written += sum(self._pool.map(write, _runs(batch, self._workers)))
         return written
 
     def verify_code_dir(self, name: str, directory: Path) -> CodeCheck:
@@ -1081,11 +1091,15 @@ class SnapshotStore:
         doomed = sorted(repack + drop + orphans) + legacy_dead + audit_dead
         sizes = {**packs_stored, **legacy, **audit_stored}
         freed = sum(sizes[k].size for k in doomed)
-        written = 0
-        if not dry_run and (repack or drop):
-            written = self._repack(repack, entries, home, keep, effective, read_docs)
-        elif not dry_run and len(effective) > 1:
-            written = self._repack([], entries, home, keep, effective, read_docs)  # compaction
+        written: dict[str, int] = {}
+        if not dry_run and (repack or drop or len(effective) > 1):  # > 1: compact the index
+            written = self._repack(repack, entries, home, keep, read_docs)
+            # A pack written again with the same content has the same key: it stays.
+            doomed = [k for k in doomed if k not in written]
+        elif not dry_run and len(read_docs) > len(effective):
+            # Documents a durable one supersedes (a GC stopped after its step 2).
+            self.objects.delete_many(sorted(read_docs.keys() - set(effective)))
+            self.index.refresh(self._pool)
         if not dry_run:
             self.objects.delete_many(doomed)
         referenced = {*(home.values()), *(chunk_key(c) for c in live if c not in home), *audits}
@@ -1094,7 +1108,7 @@ class SnapshotStore:
             objects_stored=len(stored_keys),
             objects_referenced=len(referenced & stored_keys),
             deleted=tuple(doomed),
-            bytes_freed=max(0, freed - written),
+            bytes_freed=max(0, freed - sum(written.values())),
             dry_run=dry_run,
             chunks_removed=dead_chunks + len(legacy_dead),
             packs_repacked=len(repack),
@@ -1106,11 +1120,11 @@ class SnapshotStore:
         entries: dict[str, list[list[Any]]],
         home: dict[str, str],
         keep: list[str],
-        effective: list[str],
         read_docs: Mapping[str, IndexDoc],
-    ) -> int:
+    ) -> dict[str, int]:
         """Steps 1-3 of :meth:`gc`: copy the live chunks of ``repack`` into new packs, write
-        the index that supersedes every document read, delete those; return bytes written."""
+        the index that supersedes every document read, delete those; return the new packs
+        and their sizes."""
         moving = [
             (chunk_id, Loc(pack, offset, length))
             for pack in repack
@@ -1152,9 +1166,9 @@ class SnapshotStore:
         packs = {p: entries[p] for p in keep}
         packs.update(new_packs)
         self.index.write(IndexDoc(packs, tuple(sorted(read_docs))))
-        self.objects.delete_many(effective_doc for effective_doc in sorted(read_docs))
+        self.objects.delete_many(sorted(read_docs))
         self.index.refresh(self._pool)
-        return packer.bytes
+        return {k: packer.sizes[k] for k in new_packs}
 
     def _manifest_for_gc(self, name: str) -> SnapshotManifest:
         key = manifest_key(name)
@@ -1215,11 +1229,47 @@ def _assemble(entry: FileEntry, ids: Sequence[str], chunks: Mapping[str, bytes])
     return data
 
 
+def _runs(items: Sequence[_T], workers: int) -> list[Sequence[_T]]:
+    """Cut ``items`` into contiguous runs, a few per worker (one task per item costs more
+    than writing or hashing a small file)."""
+    size = max(1, -(-len(items) // (workers * 4)))
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _targets(root: Path, entries: Sequence[FileEntry]) -> list[tuple[FileEntry, str]]:
+    """Each entry with the path to write it at; parents created, none a symlink or a file.
+
+    Each directory is checked once (:func:`real_parent`); a plain relative path whose parent
+    was checked is joined as a string.
+    """
+    checked: set[PurePosixPath] = set()
+    parents: set[str] = set()
+    base = str(root)
+    out: list[tuple[FileEntry, str]] = []
+    for entry in entries:
+        path = entry.path
+        parent, _, name = path.rpartition("/")
+        plain = (
+            path
+            and "\0" not in path
+            and not path.startswith("/")
+            and name not in ("", ".", "..")
+            and not any(p in ("", ".", "..") for p in parent.split("/") if parent)
+        )
+        if plain and (not parent or parent in parents):
+            out.append((entry, f"{base}/{path}"))
+            continue
+        out.append((entry, str(real_parent(root, path, checked))))
+        if plain:
+            parents.add(parent)
+    return out
+
+
 def _batches(
-    targets: list[tuple[FileEntry, Path]], limit: int
-) -> Iterator[list[tuple[FileEntry, Path]]]:
+    targets: list[tuple[FileEntry, str]], limit: int
+) -> Iterator[list[tuple[FileEntry, str]]]:
     """Split files into runs of about ``limit`` bytes."""
-    batch: list[tuple[FileEntry, Path]] = []
+    batch: list[tuple[FileEntry, str]] = []
     size = 0
     for item in targets:
         batch.append(item)

@@ -52,7 +52,7 @@ ChunkSink = Callable[["ChunkRef", "bytes | memoryview"], None]
 """Called with each chunk and its bytes while a file is read (valid only during the call)."""
 
 
-def hash_and_chunk(path: Path, on_chunk: ChunkSink | None = None) -> HashedFile:
+def hash_and_chunk(path: str | Path, on_chunk: ChunkSink | None = None) -> HashedFile:
     """Hash ``path`` (never following a final symlink) and cut it into chunks.
 
     ``on_chunk`` sees every chunk's bytes as they are read, so a snapshot compresses and packs
