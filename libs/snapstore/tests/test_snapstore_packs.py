@@ -90,8 +90,9 @@ class MemoryObjects:
 
 
 def make_store(objects: MemoryObjects, cache: Path | None = None) -> SnapshotStore:
-    # Small packs, so a few files already make several packs.
-    return SnapshotStore(objects, signing_key=KEY, cache_dir=cache, workers=4, pack_target=64 << 10)
+    # Small packs, so a few files already make several; one worker, so what goes into which
+    # pack is the same on every run.
+    return SnapshotStore(objects, signing_key=KEY, cache_dir=cache, workers=1, pack_target=16 << 10)
 
 
 def inputs(root: Path) -> SnapshotInputs:
@@ -105,7 +106,7 @@ def tree(tmp_path: Path) -> Path:
     for i in range(40):
         path = root / f"pkg{i % 4}" / f"mod{i}.py"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"VALUE_{i} = {rng.random()!r}\n" * 200)
+        path.write_text(f"VALUE_{i} = {rng.randbytes(3000).hex()!r}\n")  # ~3 KB compressed
     (root / "big.bin").write_bytes(rng.randbytes(900_000))  # several CDC chunks
     (root / "empty.txt").write_bytes(b"")
     (root / "link.py").symlink_to("pkg0/mod0.py")
@@ -227,7 +228,7 @@ def test_a_crash_while_packing_leaves_no_snapshot_and_gc_removes_the_packs(
         nonlocal puts
         if op == "put" and key.startswith(PACK_PREFIX):
             puts += 1
-            if puts == 2:
+            if puts == 3:
                 raise Crash(key)
 
     objects.fail = fail
@@ -246,6 +247,8 @@ def test_a_crash_while_packing_leaves_no_snapshot_and_gc_removes_the_packs(
 def two_snapshots(store: SnapshotStore, tree: Path) -> tuple[set[str], set[str]]:
     s1 = store.create("s1", inputs(tree)).manifest
     (tree / "big.bin").write_bytes(random.Random(2).randbytes(900_000))
+    for i in range(0, 40, 3):  # dead chunks beside live ones in s1's packs
+        (tree / f"pkg{i % 4}" / f"mod{i}.py").write_text(f"CHANGED = {i}\n")
     s2 = store.create("s2", inputs(tree)).manifest
     return s1.all_chunks(), s2.all_chunks()
 

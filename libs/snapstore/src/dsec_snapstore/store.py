@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, as_completed
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
@@ -150,6 +150,9 @@ class SnapshotStore:
         self._workers = workers
         self._pool: Executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snap")
         self._uploader: Executor = default_uploader()
+        self._writer: Executor = ThreadPoolExecutor(
+            max_workers=min(4, workers), thread_name_prefix="snap-write"
+        )
         index_cache = None
         if cache_dir is not None:
             ident = blake3.blake3(objects.identity.encode()).hexdigest()[:32]
@@ -215,6 +218,7 @@ class SnapshotStore:
         """Stop the worker threads."""
         self._pool.shutdown(wait=True)
         self._uploader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
 
     def __enter__(self) -> SnapshotStore:
         return self
@@ -581,26 +585,21 @@ class SnapshotStore:
         rest = [_note(c, "too many changed files: no line diff") for c in changes[_MAX_LINE_DIFFS:]]
         return tuple(shown + rest)
 
-    def _chunk(self, chunk_id: str) -> bytes:
-        """Fetch a chunk and check it is what its id says.
-
-        Raises:
-            VerificationFailed: the chunk is missing, not zstd, or its hash differs.
-        """
-        return self._fetch_chunks([chunk_id])[chunk_id]
-
     def _fetch_chunks(
         self,
         ids: Iterable[str],
         problems: dict[str, str] | None = None,
         *,
         keep: bool = True,
+        parallel: bool = True,
     ) -> dict[str, bytes]:
         """Fetch and check chunks: from packs by few ranged GETs in parallel, else (snapshots
         from before packs) from their own ``chunks/`` objects.
 
         Without ``problems``, the first bad chunk raises; with it, each bad chunk's problem is
         put there (by chunk id) and the others are returned (``keep=False``: only checked).
+        ``parallel=False`` reads one range after the other in the calling thread (for callers
+        that run on the worker pool themselves: waiting on it from there could deadlock).
 
         Raises:
             VerificationFailed: a chunk is missing, altered or undecodable (without ``problems``).
@@ -608,15 +607,16 @@ class SnapshotStore:
         wanted = set(ids)
         out: dict[str, bytes] = {}
         found: dict[str, str] = {}
-        located, unknown = self._locate(wanted, refreshed=False)
+        pool = self._pool if parallel else None
+        located, unknown = self._locate(wanted, refreshed=False, pool=pool)
         for attempt in range(2):
-            missing_packs = self._read_spans(plan_reads(located.items()), out, found, keep)
+            missing_packs = self._read_spans(plan_reads(located.items()), out, found, keep, pool)
             if not missing_packs:
                 break
             gone = {c for c, loc in located.items() if loc.pack in missing_packs}
             if attempt == 0:
-                self.index.refresh(self._pool)  # a GC may have repacked them: look again
-                moved, more = self._locate(gone, refreshed=True)
+                self.index.refresh(pool)  # a GC may have repacked them: look again
+                moved, more = self._locate(gone, refreshed=True, pool=pool)
                 unknown |= more
                 located = {c: loc for c, loc in moved.items() if loc.pack not in missing_packs}
                 gone -= located.keys() | more
@@ -627,7 +627,7 @@ class SnapshotStore:
             if attempt == 0 and not located:
                 break
         legacy = sorted(unknown)
-        results = self._pool.map(self._legacy_chunk, legacy)
+        results = (pool.map if pool is not None else map)(self._legacy_chunk, legacy)
         for chunk_id, result in zip(legacy, results, strict=True):
             if isinstance(result, bytes):
                 if keep:
@@ -641,7 +641,9 @@ class SnapshotStore:
             problems.update(found)
         return out
 
-    def _locate(self, ids: set[str], *, refreshed: bool) -> tuple[dict[str, Loc], set[str]]:
+    def _locate(
+        self, ids: set[str], *, refreshed: bool, pool: Executor | None = None
+    ) -> tuple[dict[str, Loc], set[str]]:
         """Where each chunk is per the pack index (read again once when some are unknown)."""
         located: dict[str, Loc] = {}
         unknown: set[str] = set()
@@ -652,44 +654,51 @@ class SnapshotStore:
             else:
                 located[chunk_id] = loc
         if unknown and not refreshed:
-            self.index.refresh(self._pool)
-            more, unknown = self._locate(unknown, refreshed=True)
+            self.index.refresh(pool)
+            more, unknown = self._locate(unknown, refreshed=True, pool=pool)
             located.update(more)
         return located, unknown
 
     def _read_spans(
-        self, spans: list[Span], out: dict[str, bytes], problems: dict[str, str], keep: bool
+        self,
+        spans: list[Span],
+        out: dict[str, bytes],
+        problems: dict[str, str],
+        keep: bool,
+        pool: Executor | None,
     ) -> set[str]:
-        """Read ``spans`` in parallel into ``out`` (bad chunks into ``problems``); return the
-        packs found missing."""
-        missing: set[str] = set()
+        """Read ``spans`` (in parallel on ``pool``) into ``out`` (bad chunks into ``problems``);
+        return the packs found missing."""
+        mapper = pool.map if pool is not None else map
+        read = mapper(lambda span: self._read_span(span, out, problems, keep), spans)
+        return {span.pack for span, gone in zip(spans, read, strict=True) if gone}
 
-        def read(span: Span) -> None:
+    def _read_span(
+        self, span: Span, out: dict[str, bytes], problems: dict[str, str], keep: bool
+    ) -> bool:
+        """One ranged GET: each chunk decompressed (from a view of the body, not a copy) and
+        checked, into ``out`` or ``problems``; True when the pack is missing."""
+        try:
+            body = self.objects.get_range(span.pack, span.start, span.end - span.start)
+        except ObjectMissing:
+            return True
+        view = memoryview(body)
+        decompressor = _decompressor()
+        for chunk_id, offset, length in span.chunks:
+            where = f"{span.pack}@{offset}"
+            frame = view[offset - span.start : offset - span.start + length]
             try:
-                body = self.objects.get_range(span.pack, span.start, span.end - span.start)
-            except ObjectMissing:
-                missing.add(span.pack)
-                return
-            view = memoryview(body)
-            decompressor = _decompressor()
-            for chunk_id, offset, length in span.chunks:
-                where = f"{span.pack}@{offset}"
-                frame = view[offset - span.start : offset - span.start + length]
-                try:
-                    data = decompressor.decompress(frame)
-                except zstandard.ZstdError:
-                    problems[chunk_id] = f"{where}: chunk {chunk_id} is not a zstd frame (altered)"
-                    continue
-                if blake3.blake3(data).hexdigest() != chunk_id:
-                    problems[chunk_id] = (
-                        f"{where}: chunk {chunk_id} content does not match its hash (altered)"
-                    )
-                elif keep:
-                    out[chunk_id] = data
-
-        for _ in self._pool.map(read, spans):
-            pass
-        return missing
+                data = decompressor.decompress(frame)
+            except zstandard.ZstdError:
+                problems[chunk_id] = f"{where}: chunk {chunk_id} is not a zstd frame (altered)"
+                continue
+            if blake3.blake3(data).hexdigest() != chunk_id:
+                problems[chunk_id] = (
+                    f"{where}: chunk {chunk_id} content does not match its hash (altered)"
+                )
+            elif keep:
+                out[chunk_id] = data
+        return False
 
     def _legacy_chunk(self, chunk_id: str) -> bytes | str:
         """A chunk stored as its own object (before packs); a problem text when bad."""
@@ -711,7 +720,7 @@ class SnapshotStore:
         if entry.kind == "symlink":
             return os.fsencode(entry.target or "")
         ids = manifest.chunks_of(entry)
-        chunks = self._fetch_chunks(ids)
+        chunks = self._fetch_chunks(ids, parallel=False)  # callers run on the pool
         return _assemble(entry, ids, chunks)
 
     # --- verify ---------------------------------------------------------------------------
@@ -870,25 +879,81 @@ class SnapshotStore:
         replace: bool = False,
     ) -> int:
         targets = _targets(root, entries)
-        written = 0
-        for batch in _batches(targets, _RESTORE_BATCH):
-            ids = {c for entry, _ in batch for c in manifest.chunks_of(entry)}
-            chunks = self._fetch_chunks(ids)
+        return sum(
+            self._write_batch(manifest, batch, replace)
+            for batch in _batches(targets, _RESTORE_BATCH)
+        )
 
-            def write(
-                run: Sequence[tuple[FileEntry, str]], chunks: dict[str, bytes] = chunks
-            ) -> int:
-                size = 0
-                for entry, target in run:
-                    data = b""
-                    if entry.kind == "file":
-                        data = _assemble(entry, manifest.chunks_of(entry), chunks)
-                    place(entry, target, data, replace=replace)
-                    size += len(data)
-                return size
+    def _write_batch(
+        self, manifest: SnapshotManifest, batch: list[tuple[FileEntry, str]], replace: bool
+    ) -> int:
+        """Write files while their packs are read: a file is written as soon as the ranged
+        GETs holding its chunks are in (pipelined; a few writer threads, so the disk is not
+        fought over)."""
+        ids_of = [manifest.chunks_of(entry) for entry, _ in batch]
+        located, unknown = self._locate(
+            {c for row in ids_of for c in row}, refreshed=False, pool=self._pool
+        )
+        chunks: dict[str, bytes] = self._fetch_chunks(unknown) if unknown else {}
+        spans = plan_reads(located.items())
+        span_no = {c: i for i, span in enumerate(spans) for c, _, _ in span.chunks}
+        waiting: dict[int, list[int]] = {}
+        left: list[int] = []
+        ready: list[int] = []
+        for n, row in enumerate(ids_of):
+            needed = {span_no[c] for c in row if c in span_no}
+            left.append(len(needed))
+            if not needed:
+                ready.append(n)
+            for i in needed:
+                waiting.setdefault(i, []).append(n)
+        skipped: list[int] = []
 
-            written += sum(self._pool.map(write, _runs(batch, self._workers)))
-        return written
+        def write(files: list[int]) -> int:
+            size = 0
+            for n in files:
+                entry, target = batch[n]
+                if any(c not in chunks for c in ids_of[n]):
+                    skipped.append(n)  # a chunk is bad or its pack moved: after the reads
+                    continue
+                data = _assemble(entry, ids_of[n], chunks) if entry.kind == "file" else b""
+                place(entry, target, data, replace=replace)
+                size += len(data)
+            return size
+
+        run = max(16, len(batch) // (self._workers * 4))
+        writes: list[Future[int]] = []
+
+        def flush(final: bool) -> None:
+            while len(ready) >= run or (final and ready):
+                part = ready[:run]
+                del ready[:run]
+                writes.append(self._writer.submit(write, part))
+
+        problems: dict[str, str] = {}
+        reads = {
+            self._pool.submit(self._read_span, span, chunks, problems, True): i
+            for i, span in enumerate(spans)
+        }
+        flush(False)
+        for done in as_completed(reads):
+            done.result()  # a missing pack leaves its chunks out: fetched again below
+            for n in waiting.get(reads[done], ()):
+                left[n] -= 1
+                if left[n] == 0:
+                    ready.append(n)
+            flush(False)
+        flush(True)
+        size = sum(w.result() for w in writes)
+        if problems:
+            problem = min(problems.items())[1]
+            where, _, what = problem.partition(": ")
+            raise VerificationFailed(where, [what])
+        if skipped:  # chunks of packs a GC moved meanwhile: look them up again
+            again = {c for n in skipped for c in ids_of[n] if c not in chunks}
+            chunks.update(self._fetch_chunks(again))
+            size += write(sorted(skipped))
+        return size
 
     def verify_code_dir(self, name: str, directory: Path) -> CodeCheck:
         """Compare ``directory`` with a snapshot's code, with line diffs of changed files.
