@@ -153,6 +153,11 @@ class SnapshotStore:
         self._writer: Executor = ThreadPoolExecutor(
             max_workers=min(4, workers), thread_name_prefix="snap-write"
         )
+        # Hashing and compressing is CPU work: more threads than cores only fight over them.
+        self._cpu_threads = max(1, min(workers, 2 * (os.cpu_count() or 1)))
+        self._cpu: Executor = ThreadPoolExecutor(
+            max_workers=self._cpu_threads, thread_name_prefix="snap-cpu"
+        )
         index_cache = None
         if cache_dir is not None:
             ident = blake3.blake3(objects.identity.encode()).hexdigest()[:32]
@@ -219,6 +224,7 @@ class SnapshotStore:
         self._pool.shutdown(wait=True)
         self._uploader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        self._cpu.shutdown(wait=True)
 
     def __enter__(self) -> SnapshotStore:
         return self
@@ -362,7 +368,7 @@ class SnapshotStore:
             # Runs of neighbouring files per task: one task per file costs more than a small
             # file's hash, and neighbours land in the same pack (fewer ranged GETs later).
             for run, results in zip(
-                runs := _runs(todo, self._workers), self._pool.map(hash_run, runs), strict=True
+                runs := _runs(todo, self._cpu_threads), self._cpu.map(hash_run, runs), strict=True
             ):
                 for entry, result in zip(run, results, strict=True):
                     out[entry.path] = (entry, result)
