@@ -35,7 +35,7 @@ from dsec_snapstore.adapters.objectstore import ObjectMissing, ObjectStore
 
 PACK_PREFIX = "packs/"
 PACK_INDEX_PREFIX = "pack-index/"
-PACK_TARGET = 8 << 20
+PACK_TARGET = 4 << 20
 """A pack is sealed once its chunks reach this many (compressed) bytes."""
 PACK_MAGIC = b"DSECPAK1"
 _TRAILER_LEN = struct.Struct("<I")

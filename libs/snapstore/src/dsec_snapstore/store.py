@@ -34,6 +34,7 @@ from dsec_core.codebundle import (
     BundleError,
     CodeManifest,
     FileEntry,
+    GitInfo,
     TreeEntry,
     file_entry,
     git_info,
@@ -265,6 +266,7 @@ class SnapshotStore:
         taken = self._pool.submit(self._exists, name)
         parent_alive = self._pool.submit(self._exists, cache.snapshot) if cache.snapshot else None
         index_read = self._pool.submit(self.index.refresh)  # what is stored already: dedup
+        git = self._pool.submit(git_info, root)  # runs git: meanwhile
         scan_ns = time.time_ns()
         try:
             entries = list_tree(root, inputs.exclude_patterns)
@@ -288,7 +290,9 @@ class SnapshotStore:
         total_chunks = len({c.id for _, h in hashed.values() for c in h.chunks})
         snapshot_id = new_event_id()
         created = now or datetime.now(UTC)
-        manifest = self._manifest(name, snapshot_id, root, inputs, hashed, parent, created)
+        manifest = self._manifest(
+            name, snapshot_id, root, inputs, hashed, parent, created, git.result()
+        )
         try:
             digest = self._write_manifest(manifest)
         except BaseException:
@@ -386,6 +390,7 @@ class SnapshotStore:
         hashed: dict[str, tuple[TreeEntry, HashedFile]],
         parent: str | None,
         created_at: datetime,
+        git: GitInfo | None,
     ) -> SnapshotManifest:
         files = tuple(
             file_entry(e, h.blake3, h.size if e.kind == "file" else None)
@@ -405,7 +410,7 @@ class SnapshotStore:
             source=Source(sandbox_id=inputs.sandbox_id, code_dir=str(root), node_id=inputs.node_id),
             labels=dict(inputs.labels),
             code=CodeManifest(
-                files=files, git=git_info(root), exclude_patterns=tuple(inputs.exclude_patterns)
+                files=files, git=git, exclude_patterns=tuple(inputs.exclude_patterns)
             ),
             chunk_map=chunk_map,
             deps=inputs.deps,
