@@ -621,7 +621,9 @@ class SnapshotStore:
         pool = self._pool if parallel else None
         located, unknown = self._locate(wanted, refreshed=False, pool=pool)
         for attempt in range(2):
-            missing_packs = self._read_spans(plan_reads(located.items()), out, found, keep, pool)
+            spans = plan_reads(located.items())
+            readers = self._cpu if parallel else None  # decompressing and hashing: CPU work
+            missing_packs = self._read_spans(spans, out, found, keep, readers)
             if not missing_packs:
                 break
             gone = {c for c, loc in located.items() if loc.pack in missing_packs}
@@ -943,7 +945,7 @@ class SnapshotStore:
 
         problems: dict[str, str] = {}
         reads = {
-            self._pool.submit(self._read_span, span, chunks, problems, True): i
+            self._cpu.submit(self._read_span, span, chunks, problems, True): i
             for i, span in enumerate(spans)
         }
         flush(False)
