@@ -17,6 +17,8 @@ A generated tree of 5,000 files and 50 MB (4,950 source-like text files, 50 rand
 - tar | zstd + sha256sum: `tar -cf - | zstd -3` of the tree plus `sha256sum` of every file (an
   archive and a hash list: what a snapshot holds), before and after the change (it has no
   incremental mode); restore is `zstd -dc | tar -x`.
+- the S3 floor: PUT and GET of as many bytes, in objects of the packs' sizes, four at a time
+  (what the object store alone costs a cold snapshot and a restore).
 - git: `git add -A && git commit` in a copy of the tree, before and after the change; restore is
   `git clone` of that repository.
 
@@ -39,6 +41,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +172,20 @@ def bench_dsec(tree: Path, texts: list[Path], work: Path, store: SnapshotStore) 
         "dsec_incremental_bytes_uploaded": second.bytes_uploaded,
         "dsec_incremental_files_rehashed": second.files_rehashed,
         "dsec_packs": len(store.objects.list(PACK_PREFIX)),
+        **s3_floor(store),
     }
+
+
+def s3_floor(store: SnapshotStore) -> dict[str, float]:
+    """The object store alone: PUT the bytes of the cold snapshot's packs (as many objects of
+    the same sizes, four at a time, as the packer does) and GET them back; what S3 costs a
+    snapshot before any hashing, compressing or file writing."""
+    packs = sorted((k, i.size) for k, i in store.objects.list(PACK_PREFIX).items())
+    bodies = [(f"floor/{n}", os.urandom(size)) for n, (_, size) in enumerate(packs)]
+    with ThreadPoolExecutor(4) as pool:
+        put, _ = timed(lambda: list(pool.map(lambda kb: store.objects.put(*kb), bodies)))
+        get, _ = timed(lambda: list(pool.map(store.objects.get, [k for k, _ in packs])))
+    return {"s3_put_floor": put, "s3_get_floor": get}
 
 
 def one_round(work: Path, s3: Any, number: int, with_git: bool) -> dict[str, Any]:
@@ -240,7 +256,8 @@ def main(rounds: int, with_git: bool, json_only: bool) -> None:
         f"tar|zstd+sha256sum (target <= 1); restore {results['dsec_restore']:.2f} s = "
         f"{results['ratio_restore_vs_tar']:.2f}x tar|zstd (target <= 1); after a 1% change "
         f"{inc:.3f} s (target <= 0.18 s) = {results['ratio_incremental_vs_tar']:.2f}x tar; "
-        f"rollback {results['dsec_rollback_1pct']:.3f} s (target <= 0.15 s)"
+        f"rollback {results['dsec_rollback_1pct']:.3f} s (target <= 0.15 s); S3 alone: PUT "
+        f"{results['s3_put_floor']:.2f} s, GET {results['s3_get_floor']:.2f} s of the packs"
     )
     if json_only:
         with contextlib.redirect_stdout(io.StringIO()):
