@@ -28,7 +28,9 @@ from dsec_core.events import (
 from dsec_core.ids import new_sandbox_id
 from dsec_core.natsperms import durable_name
 from dsec_core.subjects import STREAM, aggregate_filter
-from dsec_snapstore.manifest import SignedManifest, chunk_key, manifest_key, summary_key
+from dsec_snapstore.adapters.objectstore import S3ObjectStore
+from dsec_snapstore.manifest import SignedManifest, manifest_key, summary_key
+from dsec_snapstore.packs import PackIndex
 from dsec_testing import trust
 from dsec_testing.plans import minimal_plan
 
@@ -61,9 +63,14 @@ def stored(s3: S3Info, key: str) -> bool:
 
 
 def chunk_keys(s3: S3Info, name: str) -> list[str]:
+    """The packs holding the snapshot's chunks (per the pack index)."""
     raw = s3.client().get_object(s3.bucket, manifest_key(name)).read()
     manifest = SignedManifest.model_validate_json(raw).manifest
-    return [chunk_key(c) for c in manifest.all_chunks()]
+    index = PackIndex(S3ObjectStore(s3.endpoint, s3.access_key, s3.secret_key, s3.bucket))
+    index.refresh()
+    locs = [index.lookup(c) for c in manifest.all_chunks()]
+    assert all(loc is not None for loc in locs), "a chunk in no pack"
+    return sorted({loc.pack for loc in locs if loc is not None})
 
 
 def test_rm_and_gc_go_through_the_snapshot_service_and_the_objects_are_gone(

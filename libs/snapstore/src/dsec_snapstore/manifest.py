@@ -1,10 +1,12 @@
 """The snapshot manifest: what a snapshot records, signed as one canonical document.
 
 A snapshot is stored as ``snapshots/<name>.json`` = :class:`SignedManifest` (the manifest plus an
-Ed25519 signature over its compact JSON bytes) and content-addressed objects: file
-chunks under ``chunks/<blake3>`` (zstd-compressed; the id is the BLAKE3 of the plain bytes) and
-the encrypted audit segment under ``snapshot-audit/<blake3 of the ciphertext>``; index rows
-under ``snapshot-index/<name>.json``. The snapshot GC owns ``chunks/`` and ``snapshot-audit/``.
+Ed25519 signature over its compact JSON bytes) and content-addressed objects: file chunks
+(zstd-compressed; the id is the BLAKE3 of the plain bytes) inside pack objects found through the
+pack index (:mod:`dsec_snapstore.packs`; snapshots taken before packs have one object per chunk
+under ``chunks/<blake3>``, still read) and the encrypted audit segment under
+``snapshot-audit/<blake3 of the ciphertext>``; index rows under ``snapshot-index/<name>.json``.
+The snapshot GC owns ``packs/``, ``pack-index/``, ``chunks/`` and ``snapshot-audit/``.
 """
 
 from __future__ import annotations

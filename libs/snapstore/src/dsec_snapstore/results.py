@@ -117,3 +117,6 @@ class GcReport:
     deleted: tuple[str, ...]
     bytes_freed: int
     dry_run: bool
+    chunks_removed: int = 0
+    """Chunks no snapshot references that are gone (with their pack, or repacked without)."""
+    packs_repacked: int = 0

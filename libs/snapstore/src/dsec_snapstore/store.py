@@ -17,12 +17,14 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, as_completed
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
 
 import blake3
 import pydantic
@@ -32,6 +34,7 @@ from dsec_core.codebundle import (
     BundleError,
     CodeManifest,
     FileEntry,
+    GitInfo,
     TreeEntry,
     file_entry,
     git_info,
@@ -46,11 +49,11 @@ from nacl.signing import SigningKey, VerifyKey
 from dsec_snapstore import crypto, domain
 from dsec_snapstore.adapters.files import (
     ChunkRef,
+    ChunkSink,
     FileChanged,
     HashedFile,
     StatCache,
     hash_and_chunk,
-    read_chunk,
 )
 from dsec_snapstore.adapters.gpu import probe_gpus
 from dsec_snapstore.adapters.kernel import read_kernel_params
@@ -83,6 +86,17 @@ from dsec_snapstore.manifest import (
     manifest_key,
     summary_key,
 )
+from dsec_snapstore.packs import (
+    PACK_PREFIX,
+    PACK_TARGET,
+    IndexDoc,
+    Loc,
+    Packer,
+    PackIndex,
+    Span,
+    default_uploader,
+    plan_reads,
+)
 from dsec_snapstore.results import (
     CodeCheck,
     CreateResult,
@@ -93,9 +107,12 @@ from dsec_snapstore.results import (
 )
 
 _ZSTD_LEVEL = 3
-_ASK_FIRST_BYTES = 1 << 20
-"""Up to this many candidate bytes, chunks are uploaded without an existence check first
-(a content-addressed PUT is idempotent, and one round trip is saved)."""
+_RESTORE_BATCH = 64 << 20
+"""A restore fetches the chunks of this many bytes of files at once (bounded memory)."""
+REPACK_BELOW = 0.5
+"""GC rewrites a pack whose live (referenced) bytes fall below this fraction of it."""
+_local = threading.local()
+_T = TypeVar("_T")
 SIGNER_ROLES = frozenset({"snapshot", "nodeagent"})
 """Roles whose certified keys may sign snapshot manifests."""
 _MAX_LINE_DIFFS = 200
@@ -119,8 +136,10 @@ class SnapshotStore:
         workers: int = 16,
         certificate: identity.Certificate | None = None,
         anchor: bytes | None = None,
+        pack_target: int = PACK_TARGET,
     ) -> None:
         self.objects = objects
+        self._pack_target = pack_target
         self._certificate = certificate
         self._anchor = anchor
         self.keys = keys
@@ -129,7 +148,22 @@ class SnapshotStore:
         raw_keys = [self._public, *(bytes(k) for k in trusted_keys)]
         self._trusted = {key_id_of(k): k for k in raw_keys}
         self._cache_dir = cache_dir
+        self._workers = workers
         self._pool: Executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snap")
+        self._uploader: Executor = default_uploader()
+        self._writer: Executor = ThreadPoolExecutor(
+            max_workers=min(4, workers), thread_name_prefix="snap-write"
+        )
+        # Hashing and compressing is CPU work: more threads than cores only fight over them.
+        self._cpu_threads = max(1, min(workers, 2 * (os.cpu_count() or 1)))
+        self._cpu: Executor = ThreadPoolExecutor(
+            max_workers=self._cpu_threads, thread_name_prefix="snap-cpu"
+        )
+        index_cache = None
+        if cache_dir is not None:
+            ident = blake3.blake3(objects.identity.encode()).hexdigest()[:32]
+            index_cache = cache_dir / "pack-index" / ident
+        self.index = PackIndex(objects, index_cache)
 
     @classmethod
     def from_settings(
@@ -189,6 +223,9 @@ class SnapshotStore:
     def close(self) -> None:
         """Stop the worker threads."""
         self._pool.shutdown(wait=True)
+        self._uploader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        self._cpu.shutdown(wait=True)
 
     def __enter__(self) -> SnapshotStore:
         return self
@@ -228,6 +265,8 @@ class SnapshotStore:
         cache = self._stat_cache(root)
         taken = self._pool.submit(self._exists, name)
         parent_alive = self._pool.submit(self._exists, cache.snapshot) if cache.snapshot else None
+        index_read = self._pool.submit(self.index.refresh)  # what is stored already: dedup
+        git = self._pool.submit(git_info, root)  # runs git: meanwhile
         scan_ns = time.time_ns()
         try:
             entries = list_tree(root, inputs.exclude_patterns)
@@ -236,13 +275,24 @@ class SnapshotStore:
         if taken.result():
             raise SnapshotExists(f"snapshot {name!r} exists already (snapshots are immutable)")
         parent = cache.snapshot if parent_alive is not None and parent_alive.result() else None
-        hashed, rehashed = self._hash_all(entries, cache if parent else None)
-        uploaded, uploaded_bytes, total_chunks = self._upload_missing(
-            hashed, rehashed if parent else None
-        )
+        index_read.result()
+        packer = Packer(self.objects, self._uploader, target=self._pack_target)
+        try:
+            hashed, rehashed = self._hash_all(
+                entries, cache if parent else None, self._packing_sink(packer)
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                packer.finish()  # let the uploads end; those packs are orphans GC removes
+            raise
+        self._store_packs(packer)
+        uploaded, uploaded_bytes = packer.chunks, packer.bytes
+        total_chunks = len({c.id for _, h in hashed.values() for c in h.chunks})
         snapshot_id = new_event_id()
         created = now or datetime.now(UTC)
-        manifest = self._manifest(name, snapshot_id, root, inputs, hashed, parent, created)
+        manifest = self._manifest(
+            name, snapshot_id, root, inputs, hashed, parent, created, git.result()
+        )
         try:
             digest = self._write_manifest(manifest)
         except BaseException:
@@ -273,10 +323,35 @@ class SnapshotStore:
     def _exists(self, name: str) -> bool:
         return self.objects.exists(manifest_key(name))
 
+    def _packing_sink(self, packer: Packer) -> ChunkSink:
+        """What a file read for a snapshot hands each chunk to: unless some pack has it
+        already (or another file of this snapshot), compress it into the open pack."""
+        index = self.index
+
+        def sink(ref: ChunkRef, data: bytes | memoryview) -> None:
+            if ref.id in index or not packer.claim(ref.id):
+                return
+            packer.add(ref.id, _compressor().compress(data))
+
+        return sink
+
+    def _store_packs(self, packer: Packer) -> None:
+        """Wait for the packs' uploads, then record them in a new index document (before the
+        manifest that needs them is written)."""
+        packs = packer.finish()
+        if packs:
+            self.index.write(IndexDoc(packs))
+
     def _hash_all(
-        self, entries: list[TreeEntry], cache: StatCache | None
+        self,
+        entries: list[TreeEntry],
+        cache: StatCache | None,
+        sink: ChunkSink | None = None,
     ) -> tuple[dict[str, tuple[TreeEntry, HashedFile]], set[str]]:
-        """Hash every file (reusing the stat cache); also return the paths actually read."""
+        """Hash every file (reusing the stat cache); also return the paths actually read.
+
+        ``sink`` gets the chunks of every file read (not of stat cache hits).
+        """
         out: dict[str, tuple[TreeEntry, HashedFile]] = {}
         todo: list[TreeEntry] = []
         for entry in entries:
@@ -289,48 +364,22 @@ class SnapshotStore:
                 out[entry.path] = (entry, hit)
             else:
                 todo.append(entry)
+
+        def hash_run(run: Sequence[TreeEntry]) -> list[HashedFile]:
+            return [hash_and_chunk(f"{e.root}/{e.path}", sink) for e in run]
+
         try:
-            for entry, result in zip(todo, self._pool.map(_hash_entry, todo), strict=True):
-                out[entry.path] = (entry, result)
+            # Runs of neighbouring files per task: one task per file costs more than a small
+            # file's hash, and neighbours land in the same pack (fewer ranged GETs later).
+            for run, results in zip(
+                runs := _runs(todo, self._cpu_threads), self._cpu.map(hash_run, runs), strict=True
+            ):
+                for entry, result in zip(run, results, strict=True):
+                    out[entry.path] = (entry, result)
         except (FileChanged, OSError) as exc:
             raise SnapshotError(f"cannot read the code: {exc}") from exc
         ordered = {e.path: out[e.path] for e in entries}  # manifests list files sorted by path
         return ordered, {e.path for e in todo}
-
-    def _upload_missing(
-        self, hashed: dict[str, tuple[TreeEntry, HashedFile]], rehashed: set[str] | None
-    ) -> tuple[int, int, int]:
-        """Upload chunks not stored yet; return (chunks uploaded, bytes uploaded, chunks).
-
-        ``rehashed`` (when the stat cache's snapshot still exists) are the files read anew:
-        only their chunks can be new, since the cached files' chunks are in that snapshot.
-        """
-        wanted: dict[str, tuple[TreeEntry, ChunkRef]] = {}
-        for entry, h in hashed.values():
-            for ref in h.chunks:
-                wanted.setdefault(ref.id, (entry, ref))
-        candidates = set(wanted)
-        if rehashed is not None:
-            candidates = {ref.id for path in rehashed for ref in hashed[path][1].chunks}
-        if sum(wanted[c][1].length for c in candidates) <= _ASK_FIRST_BYTES:
-            missing = sorted(candidates)  # sending a few small chunks costs what asking does
-        else:
-            keys = {chunk_key(c) for c in candidates}
-            present = self.objects.present(keys, CHUNK_PREFIX, self._pool)
-            missing = sorted(c for c in candidates if chunk_key(c) not in present)
-
-        def upload(chunk_id: str) -> int:
-            entry, ref = wanted[chunk_id]
-            data = read_chunk(entry.abspath, ref)
-            body = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(data)
-            self.objects.put(chunk_key(chunk_id), body)
-            return len(body)
-
-        try:
-            sizes = list(self._pool.map(upload, missing))
-        except FileChanged as exc:
-            raise SnapshotError(str(exc)) from exc
-        return len(missing), sum(sizes), len(wanted)
 
     def _manifest(
         self,
@@ -341,6 +390,7 @@ class SnapshotStore:
         hashed: dict[str, tuple[TreeEntry, HashedFile]],
         parent: str | None,
         created_at: datetime,
+        git: GitInfo | None,
     ) -> SnapshotManifest:
         files = tuple(
             file_entry(e, h.blake3, h.size if e.kind == "file" else None)
@@ -360,7 +410,7 @@ class SnapshotStore:
             source=Source(sandbox_id=inputs.sandbox_id, code_dir=str(root), node_id=inputs.node_id),
             labels=dict(inputs.labels),
             code=CodeManifest(
-                files=files, git=git_info(root), exclude_patterns=tuple(inputs.exclude_patterns)
+                files=files, git=git, exclude_patterns=tuple(inputs.exclude_patterns)
             ),
             chunk_map=chunk_map,
             deps=inputs.deps,
@@ -546,33 +596,145 @@ class SnapshotStore:
         rest = [_note(c, "too many changed files: no line diff") for c in changes[_MAX_LINE_DIFFS:]]
         return tuple(shown + rest)
 
-    def _chunk(self, chunk_id: str) -> bytes:
-        """Fetch a chunk and check it is what its id says.
+    def _fetch_chunks(
+        self,
+        ids: Iterable[str],
+        problems: dict[str, str] | None = None,
+        *,
+        keep: bool = True,
+        parallel: bool = True,
+    ) -> dict[str, bytes]:
+        """Fetch and check chunks: from packs by few ranged GETs in parallel, else (snapshots
+        from before packs) from their own ``chunks/`` objects.
+
+        Without ``problems``, the first bad chunk raises; with it, each bad chunk's problem is
+        put there (by chunk id) and the others are returned (``keep=False``: only checked).
+        ``parallel=False`` reads one range after the other in the calling thread (for callers
+        that run on the worker pool themselves: waiting on it from there could deadlock).
 
         Raises:
-            VerificationFailed: the chunk is missing, not zstd, or its hash differs.
+            VerificationFailed: a chunk is missing, altered or undecodable (without ``problems``).
         """
+        wanted = set(ids)
+        out: dict[str, bytes] = {}
+        found: dict[str, str] = {}
+        pool = self._pool if parallel else None
+        located, unknown = self._locate(wanted, refreshed=False, pool=pool)
+        for attempt in range(2):
+            spans = plan_reads(located.items())
+            readers = self._cpu if parallel else None  # decompressing and hashing: CPU work
+            missing_packs = self._read_spans(spans, out, found, keep, readers)
+            if not missing_packs:
+                break
+            gone = {c for c, loc in located.items() if loc.pack in missing_packs}
+            if attempt == 0:
+                self.index.refresh(pool)  # a GC may have repacked them: look again
+                moved, more = self._locate(gone, refreshed=True, pool=pool)
+                unknown |= more
+                located = {c: loc for c, loc in moved.items() if loc.pack not in missing_packs}
+                gone -= located.keys() | more
+            for chunk_id in gone:
+                loc = located.get(chunk_id) or self.index.lookup(chunk_id)
+                where = loc.pack if loc is not None else PACK_PREFIX
+                found[chunk_id] = f"{where}: missing (holds chunk {chunk_id})"
+            if attempt == 0 and not located:
+                break
+        legacy = sorted(unknown)
+        results = (pool.map if pool is not None else map)(self._legacy_chunk, legacy)
+        for chunk_id, result in zip(legacy, results, strict=True):
+            if isinstance(result, bytes):
+                if keep:
+                    out[chunk_id] = result
+            else:
+                found[chunk_id] = result
+        if problems is None and found:
+            chunk_id, problem = next(iter(sorted(found.items())))
+            raise VerificationFailed(problem.split(": ", 1)[0], [problem.split(": ", 1)[1]])
+        if problems is not None:
+            problems.update(found)
+        return out
+
+    def _locate(
+        self, ids: set[str], *, refreshed: bool, pool: Executor | None = None
+    ) -> tuple[dict[str, Loc], set[str]]:
+        """Where each chunk is per the pack index (read again once when some are unknown)."""
+        located: dict[str, Loc] = {}
+        unknown: set[str] = set()
+        for chunk_id in ids:
+            loc = self.index.lookup(chunk_id)
+            if loc is None:
+                unknown.add(chunk_id)
+            else:
+                located[chunk_id] = loc
+        if unknown and not refreshed:
+            self.index.refresh(pool)
+            more, unknown = self._locate(unknown, refreshed=True, pool=pool)
+            located.update(more)
+        return located, unknown
+
+    def _read_spans(
+        self,
+        spans: list[Span],
+        out: dict[str, bytes],
+        problems: dict[str, str],
+        keep: bool,
+        pool: Executor | None,
+    ) -> set[str]:
+        """Read ``spans`` (in parallel on ``pool``) into ``out`` (bad chunks into ``problems``);
+        return the packs found missing."""
+        mapper = pool.map if pool is not None else map
+        read = mapper(lambda span: self._read_span(span, out, problems, keep), spans)
+        return {span.pack for span, gone in zip(spans, read, strict=True) if gone}
+
+    def _read_span(
+        self, span: Span, out: dict[str, bytes], problems: dict[str, str], keep: bool
+    ) -> bool:
+        """One ranged GET: each chunk decompressed (from a view of the body, not a copy) and
+        checked, into ``out`` or ``problems``; True when the pack is missing."""
+        try:
+            body = self.objects.get_range(span.pack, span.start, span.end - span.start)
+        except ObjectMissing:
+            return True
+        view = memoryview(body)
+        decompressor = _decompressor()
+        for chunk_id, offset, length in span.chunks:
+            where = f"{span.pack}@{offset}"
+            frame = view[offset - span.start : offset - span.start + length]
+            try:
+                data = decompressor.decompress(frame)
+            except zstandard.ZstdError:
+                problems[chunk_id] = f"{where}: chunk {chunk_id} is not a zstd frame (altered)"
+                continue
+            if blake3.blake3(data).hexdigest() != chunk_id:
+                problems[chunk_id] = (
+                    f"{where}: chunk {chunk_id} content does not match its hash (altered)"
+                )
+            elif keep:
+                out[chunk_id] = data
+        return False
+
+    def _legacy_chunk(self, chunk_id: str) -> bytes | str:
+        """A chunk stored as its own object (before packs); a problem text when bad."""
         key = chunk_key(chunk_id)
         try:
             body = self.objects.get(key)
         except ObjectMissing:
-            raise VerificationFailed(key, ["missing"]) from None
+            return f"{key}: missing (in no pack either)"
         try:
-            data = zstandard.ZstdDecompressor().decompress(body)
+            data = _decompressor().decompress(body)
         except zstandard.ZstdError:
-            raise VerificationFailed(key, ["not a zstd frame (altered)"]) from None
+            return f"{key}: not a zstd frame (altered)"
         if blake3.blake3(data).hexdigest() != chunk_id:
-            raise VerificationFailed(key, ["content does not match its hash (altered)"])
+            return f"{key}: content does not match its hash (altered)"
         return data
 
     def _file_bytes(self, manifest: SnapshotManifest, entry: FileEntry) -> bytes:
         """Reassemble a file of a snapshot, checking every chunk and the whole file's hash."""
         if entry.kind == "symlink":
             return os.fsencode(entry.target or "")
-        data = b"".join(self._chunk(c) for c in manifest.chunks_of(entry))
-        if blake3.blake3(data).hexdigest() != entry.blake3:
-            raise VerificationFailed(entry.path, ["reassembled content does not match its hash"])
-        return data
+        ids = manifest.chunks_of(entry)
+        chunks = self._fetch_chunks(ids, parallel=False)  # callers run on the pool
+        return _assemble(entry, ids, chunks)
 
     # --- verify ---------------------------------------------------------------------------
 
@@ -591,15 +753,9 @@ class SnapshotStore:
             for chunk_id in manifest.chunks_of(entry):
                 users.setdefault(chunk_id, []).append(entry.path)
 
-        def check(chunk_id: str) -> str | None:
-            try:
-                self._chunk(chunk_id)
-            except VerificationFailed as exc:
-                files = ", ".join(users[chunk_id][:3])
-                return f"{exc} (used by {files})"
-            return None
-
-        problems += [p for p in self._pool.map(check, sorted(users)) if p is not None]
+        bad: dict[str, str] = {}
+        self._fetch_chunks(users, bad, keep=False)
+        problems += [f"{bad[c]} (used by {', '.join(users[c][:3])})" for c in sorted(bad)]
         problems += self._multi_chunk_problems(manifest)
         problems += self._audit_problems(manifest)
         checked = 1 + len(users) + (1 if manifest.audit else 0)
@@ -735,16 +891,82 @@ class SnapshotStore:
         *,
         replace: bool = False,
     ) -> int:
-        checked: set[PurePosixPath] = set()
-        targets = [(entry, real_parent(root, entry.path, checked)) for entry in entries]
+        targets = _targets(root, entries)
+        return sum(
+            self._write_batch(manifest, batch, replace)
+            for batch in _batches(targets, _RESTORE_BATCH)
+        )
 
-        def write(item: tuple[FileEntry, Path]) -> int:
-            entry, target = item
-            data = self._file_bytes(manifest, entry) if entry.kind == "file" else b""
-            place(entry, target, data, replace=replace)
-            return len(data)
+    def _write_batch(
+        self, manifest: SnapshotManifest, batch: list[tuple[FileEntry, str]], replace: bool
+    ) -> int:
+        """Write files while their packs are read: a file is written as soon as the ranged
+        GETs holding its chunks are in (pipelined; a few writer threads, so the disk is not
+        fought over)."""
+        ids_of = [manifest.chunks_of(entry) for entry, _ in batch]
+        located, unknown = self._locate(
+            {c for row in ids_of for c in row}, refreshed=False, pool=self._pool
+        )
+        chunks: dict[str, bytes] = self._fetch_chunks(unknown) if unknown else {}
+        spans = plan_reads(located.items())
+        span_no = {c: i for i, span in enumerate(spans) for c, _, _ in span.chunks}
+        waiting: dict[int, list[int]] = {}
+        left: list[int] = []
+        ready: list[int] = []
+        for n, row in enumerate(ids_of):
+            needed = {span_no[c] for c in row if c in span_no}
+            left.append(len(needed))
+            if not needed:
+                ready.append(n)
+            for i in needed:
+                waiting.setdefault(i, []).append(n)
+        skipped: list[int] = []
 
-        return sum(self._pool.map(write, targets))
+        def write(files: list[int]) -> int:
+            size = 0
+            for n in files:
+                entry, target = batch[n]
+                if any(c not in chunks for c in ids_of[n]):
+                    skipped.append(n)  # a chunk is bad or its pack moved: after the reads
+                    continue
+                data = _assemble(entry, ids_of[n], chunks) if entry.kind == "file" else b""
+                place(entry, target, data, replace=replace)
+                size += len(data)
+            return size
+
+        run = max(16, len(batch) // (self._workers * 4))
+        writes: list[Future[int]] = []
+
+        def flush(final: bool) -> None:
+            while len(ready) >= run or (final and ready):
+                part = ready[:run]
+                del ready[:run]
+                writes.append(self._writer.submit(write, part))
+
+        problems: dict[str, str] = {}
+        reads = {
+            self._cpu.submit(self._read_span, span, chunks, problems, True): i
+            for i, span in enumerate(spans)
+        }
+        flush(False)
+        for done in as_completed(reads):
+            done.result()  # a missing pack leaves its chunks out: fetched again below
+            for n in waiting.get(reads[done], ()):
+                left[n] -= 1
+                if left[n] == 0:
+                    ready.append(n)
+            flush(False)
+        flush(True)
+        size = sum(w.result() for w in writes)
+        if problems:
+            problem = min(problems.items())[1]
+            where, _, what = problem.partition(": ")
+            raise VerificationFailed(where, [what])
+        if skipped:  # chunks of packs a GC moved meanwhile: look them up again
+            again = {c for n in skipped for c in ids_of[n] if c not in chunks}
+            chunks.update(self._fetch_chunks(again))
+            size += write(sorted(skipped))
+        return size
 
     def verify_code_dir(self, name: str, directory: Path) -> CodeCheck:
         """Compare ``directory`` with a snapshot's code, with line diffs of changed files.
@@ -865,35 +1087,166 @@ class SnapshotStore:
             if s.series == series and s.labels.get("periodic") == policy.name_prefix
         ]
 
-    def gc(self, *, grace: timedelta = timedelta(hours=1), dry_run: bool = False) -> GcReport:
-        """Delete chunks and blobs no snapshot references (older than ``grace``).
+    def gc(
+        self,
+        *,
+        grace: timedelta = timedelta(hours=1),
+        dry_run: bool = False,
+        repack_below: float = REPACK_BELOW,
+    ) -> GcReport:
+        """Free what no snapshot references (objects older than ``grace``) and repack.
+
+        A pack none of whose chunks is referenced is deleted; one whose live bytes fall below
+        ``repack_below`` of it has its live chunks copied (checked) into new packs. Steps, each
+        safe to crash after: (1) new packs are written; (2) one index document listing every
+        kept and new pack and superseding the documents read is written; (3) the superseded
+        documents, then (4) the dead and repacked packs, are deleted. Packs in no index (a
+        snapshot that crashed before its index, a GC before step 2) go after ``grace``;
+        pre-pack ``chunks/`` objects and audit segments are collected as before.
 
         Raises:
-            SnapshotError: a manifest cannot be read; nothing is deleted then, since its
-                objects would look unreferenced.
+            SnapshotError: a manifest cannot be read, or a live chunk does not check; nothing
+                is deleted then.
         """
-        stored = {**self.objects.list(CHUNK_PREFIX), **self.objects.list(AUDIT_PREFIX)}
+        now = datetime.now(UTC)
         names = [
             k[len(MANIFEST_PREFIX) : -len(".json")]
             for k in self.objects.list(MANIFEST_PREFIX)
             if k.endswith(".json")
         ]
-        referenced: set[str] = set()
+        live: set[str] = set()
+        audits: set[str] = set()
         for manifest in self._pool.map(self._manifest_for_gc, names):
-            referenced |= {chunk_key(c) for c in manifest.all_chunks()}
+            live |= manifest.all_chunks()
             if manifest.audit is not None:
-                referenced.add(manifest.audit.object_key)
-        modified = {k: info.last_modified for k, info in stored.items()}
-        doomed = domain.collectable(modified, referenced, datetime.now(UTC), grace)
+                audits.add(manifest.audit.object_key)
+        self.index.refresh(self._pool)
+        read_docs = dict(self.index.docs)
+        effective = self.index.effective
+        packs_stored = self.objects.list(PACK_PREFIX)
+        legacy = self.objects.list(CHUNK_PREFIX)
+        audit_stored = self.objects.list(AUDIT_PREFIX)
+
+        # Each pack's entries (first document wins) and which chunks it keeps alive.
+        entries: dict[str, list[list[Any]]] = {}
+        for key in effective:
+            for pack, rows in read_docs[key].packs.items():
+                entries.setdefault(pack, [list(r) for r in rows])
+        home: dict[str, str] = {}  # live chunk -> the one pack that keeps it
+        for pack in sorted(entries, key=lambda p: (p not in packs_stored, p)):
+            for chunk_id, _, _ in entries[pack]:
+                if chunk_id in live and pack in packs_stored:
+                    home.setdefault(chunk_id, pack)
+
+        def old(info_time: datetime) -> bool:
+            return now - info_time > grace
+
+        keep: list[str] = []
+        repack: list[str] = []
+        drop: list[str] = []
+        dead_chunks = 0
+        for pack, rows in sorted(entries.items()):
+            info = packs_stored.get(pack)
+            if info is None:
+                continue  # listed but gone: the new index leaves it out
+            total = sum(r[2] for r in rows) or 1
+            live_bytes = sum(r[2] for r in rows if home.get(r[0]) == pack)
+            if not old(info.last_modified) or live_bytes / total >= repack_below:
+                keep.append(pack)
+                continue
+            dead_chunks += sum(1 for r in rows if home.get(r[0]) != pack)
+            (repack if live_bytes else drop).append(pack)
+        orphans = [k for k, i in packs_stored.items() if k not in entries and old(i.last_modified)]
+        legacy_dead = domain.collectable(
+            {k: i.last_modified for k, i in legacy.items()},
+            {chunk_key(c) for c in live if c not in home},
+            now,
+            grace,
+        )
+        audit_dead = domain.collectable(
+            {k: i.last_modified for k, i in audit_stored.items()}, audits, now, grace
+        )
+        doomed = sorted(repack + drop + orphans) + legacy_dead + audit_dead
+        sizes = {**packs_stored, **legacy, **audit_stored}
+        freed = sum(sizes[k].size for k in doomed)
+        written: dict[str, int] = {}
+        if not dry_run and (repack or drop or len(effective) > 1):  # > 1: compact the index
+            written = self._repack(repack, entries, home, keep, read_docs)
+            # A pack written again with the same content has the same key: it stays.
+            doomed = [k for k in doomed if k not in written]
+        elif not dry_run and len(read_docs) > len(effective):
+            # Documents a durable one supersedes (a GC stopped after its step 2).
+            self.objects.delete_many(sorted(read_docs.keys() - set(effective)))
+            self.index.refresh(self._pool)
         if not dry_run:
             self.objects.delete_many(doomed)
+        referenced = {*(home.values()), *(chunk_key(c) for c in live if c not in home), *audits}
+        stored_keys = sizes.keys()
         return GcReport(
-            objects_stored=len(stored),
-            objects_referenced=len(referenced & stored.keys()),
+            objects_stored=len(stored_keys),
+            objects_referenced=len(referenced & stored_keys),
             deleted=tuple(doomed),
-            bytes_freed=sum(stored[k].size for k in doomed),
+            bytes_freed=max(0, freed - sum(written.values())),
             dry_run=dry_run,
+            chunks_removed=dead_chunks + len(legacy_dead),
+            packs_repacked=len(repack),
         )
+
+    def _repack(
+        self,
+        repack: list[str],
+        entries: dict[str, list[list[Any]]],
+        home: dict[str, str],
+        keep: list[str],
+        read_docs: Mapping[str, IndexDoc],
+    ) -> dict[str, int]:
+        """Steps 1-3 of :meth:`gc`: copy the live chunks of ``repack`` into new packs, write
+        the index that supersedes every document read, delete those; return the new packs
+        and their sizes."""
+        moving = [
+            (chunk_id, Loc(pack, offset, length))
+            for pack in repack
+            for chunk_id, offset, length in entries[pack]
+            if home.get(chunk_id) == pack
+        ]
+        packer = Packer(self.objects, self._uploader, target=self._pack_target)
+        bad: dict[str, str] = {}
+
+        def copy(span: Span) -> None:
+            try:
+                body = self.objects.get_range(span.pack, span.start, span.end - span.start)
+            except ObjectMissing:
+                bad[span.pack] = f"{span.pack}: missing"
+                return
+            view = memoryview(body)
+            for chunk_id, offset, length in span.chunks:
+                frame = bytes(view[offset - span.start : offset - span.start + length])
+                try:
+                    data = _decompressor().decompress(frame)
+                except zstandard.ZstdError:
+                    data = b""
+                if blake3.blake3(data).hexdigest() != chunk_id:
+                    bad[chunk_id] = f"{span.pack}: chunk {chunk_id} does not check"
+                    continue
+                if packer.claim(chunk_id):
+                    packer.add(chunk_id, frame)  # the frame is copied as stored: no recompression
+
+        try:
+            for _ in self._pool.map(copy, plan_reads(moving)):
+                pass
+        finally:
+            new_packs = packer.finish()
+        if bad:
+            raise SnapshotError(
+                "gc stopped: live chunks do not check, nothing was deleted: "
+                + "; ".join(sorted(bad.values())[:5])
+            )
+        packs = {p: entries[p] for p in keep}
+        packs.update(new_packs)
+        self.index.write(IndexDoc(packs, tuple(sorted(read_docs))))
+        self.objects.delete_many(sorted(read_docs))
+        self.index.refresh(self._pool)
+        return {k: packer.sizes[k] for k in new_packs}
 
     def _manifest_for_gc(self, name: str) -> SnapshotManifest:
         key = manifest_key(name)
@@ -922,8 +1275,88 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _hash_entry(entry: TreeEntry) -> HashedFile:
-    return hash_and_chunk(entry.abspath)
+def _compressor() -> zstandard.ZstdCompressor:
+    """This thread's zstd compressor (one is not safe to share between threads)."""
+    comp = getattr(_local, "comp", None)
+    if comp is None:
+        comp = _local.comp = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+    return comp
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompressor."""
+    dec = getattr(_local, "dec", None)
+    if dec is None:
+        dec = _local.dec = zstandard.ZstdDecompressor()
+    return dec
+
+
+def _assemble(entry: FileEntry, ids: Sequence[str], chunks: Mapping[str, bytes]) -> bytes:
+    """A file's bytes from its checked chunks; the whole is checked unless it is one chunk
+    (whose id is the file's hash, checked already)."""
+    if not ids:
+        data = b""
+    elif len(ids) == 1:
+        data = chunks[ids[0]]
+        if ids[0] == entry.blake3:
+            return data
+    else:
+        data = b"".join(chunks[c] for c in ids)
+    if blake3.blake3(data).hexdigest() != entry.blake3:
+        raise VerificationFailed(entry.path, ["reassembled content does not match its hash"])
+    return data
+
+
+def _runs(items: Sequence[_T], workers: int) -> list[Sequence[_T]]:
+    """Cut ``items`` into contiguous runs, a few per worker (one task per item costs more
+    than writing or hashing a small file)."""
+    size = max(1, -(-len(items) // (workers * 4)))
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _targets(root: Path, entries: Sequence[FileEntry]) -> list[tuple[FileEntry, str]]:
+    """Each entry with the path to write it at; parents created, none a symlink or a file.
+
+    Each directory is checked once (:func:`real_parent`); a plain relative path whose parent
+    was checked is joined as a string.
+    """
+    checked: set[PurePosixPath] = set()
+    parents: set[str] = set()
+    base = str(root)
+    out: list[tuple[FileEntry, str]] = []
+    for entry in entries:
+        path = entry.path
+        parent, _, name = path.rpartition("/")
+        plain = (
+            path
+            and "\0" not in path
+            and not path.startswith("/")
+            and name not in ("", ".", "..")
+            and not any(p in ("", ".", "..") for p in parent.split("/") if parent)
+        )
+        if plain and (not parent or parent in parents):
+            out.append((entry, f"{base}/{path}"))
+            continue
+        out.append((entry, str(real_parent(root, path, checked))))
+        if plain:
+            parents.add(parent)
+    return out
+
+
+def _batches(
+    targets: list[tuple[FileEntry, str]], limit: int
+) -> Iterator[list[tuple[FileEntry, str]]]:
+    """Split files into runs of about ``limit`` bytes."""
+    batch: list[tuple[FileEntry, str]] = []
+    size = 0
+    for item in targets:
+        batch.append(item)
+        size += item[0].size or 0
+        if size >= limit:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def _note(change: domain.FileChange, note: str) -> domain.FileChange:

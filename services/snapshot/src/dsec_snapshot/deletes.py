@@ -50,7 +50,7 @@ class SnapshotDeletes:
             except SnapshotError as exc:  # an unreadable manifest: nothing was collected
                 log.warning("snapshot gc refused: %s", exc)
             else:
-                chunks, freed = len(report.deleted), report.bytes_freed
+                chunks, freed = report.chunks_removed, report.bytes_freed
         return [
             events.SnapshotDeleted(
                 names=deleted, missing=missing, chunks_removed=chunks, bytes_freed=freed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,16 @@ class HashedFile:
     chunks: tuple[ChunkRef, ...]
 
 
-def hash_and_chunk(path: Path) -> HashedFile:
-    """Hash ``path`` (never following a final symlink) and cut it into chunks."""
+ChunkSink = Callable[["ChunkRef", "bytes | memoryview"], None]
+"""Called with each chunk and its bytes while a file is read (valid only during the call)."""
+
+
+def hash_and_chunk(path: str | Path, on_chunk: ChunkSink | None = None) -> HashedFile:
+    """Hash ``path`` (never following a final symlink) and cut it into chunks.
+
+    ``on_chunk`` sees every chunk's bytes as they are read, so a snapshot compresses and packs
+    what it hashed without reading the file a second time.
+    """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
@@ -59,26 +68,36 @@ def hash_and_chunk(path: Path) -> HashedFile:
             if len(data) != size:
                 raise FileChanged(f"{path}: size changed while reading")
             digest = blake3.blake3(data).hexdigest()
-            return HashedFile(digest, size, (ChunkRef(digest, 0, size),))
+            ref = ChunkRef(digest, 0, size)
+            if on_chunk is not None:
+                on_chunk(ref, data)
+            return HashedFile(digest, size, (ref,))
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
-            return _chunk_large(view, size)
+            return _chunk_large(view, size, on_chunk)
     finally:
         os.close(fd)
 
 
-def _chunk_large(view: mmap.mmap, size: int) -> HashedFile:
-    whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    whole.update(view)
+def _chunk_large(view: mmap.mmap, size: int, on_chunk: ChunkSink | None) -> HashedFile:
     cuts = fastcdc.fastcdc(
         view, min_size=MIN_CHUNK, avg_size=AVG_CHUNK, max_size=MAX_CHUNK, fat=False, hf=None
     )
-    chunks = tuple(
-        ChunkRef(
-            blake3.blake3(view[c.offset : c.offset + c.length]).hexdigest(), c.offset, c.length
-        )
-        for c in cuts
-    )
-    return HashedFile(whole.hexdigest(), size, chunks)
+    # Each chunk is copied out of the mapping once, then hashed, added to the file's hash and
+    # handed on: what is stored is exactly what was hashed, even if the file changes meanwhile.
+    whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    chunks: list[ChunkRef] = []
+    end = 0
+    for c in cuts:
+        part = view[c.offset : c.offset + c.length]
+        whole.update(part)
+        ref = ChunkRef(blake3.blake3(part).hexdigest(), c.offset, c.length)
+        if on_chunk is not None:
+            on_chunk(ref, part)
+        chunks.append(ref)
+        end = c.offset + c.length
+    if end != size:
+        raise FileChanged("chunks do not cover the file")
+    return HashedFile(whole.hexdigest(), size, tuple(chunks))
 
 
 def read_chunk(path: Path, ref: ChunkRef) -> bytes:

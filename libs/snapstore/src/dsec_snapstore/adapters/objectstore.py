@@ -48,6 +48,10 @@ class ObjectStore(Protocol):
         """Return the object at ``key`` (raises ObjectMissing)."""
         ...
 
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of the object at ``key`` from ``offset`` (raises ObjectMissing)."""
+        ...
+
     def exists(self, key: str) -> bool:
         """True when ``key`` exists."""
         ...
@@ -126,9 +130,15 @@ class S3ObjectStore:
 
     def get(self, key: str) -> bytes:
         """Return the object at ``key``."""
+        return self.get_range(key, 0, 0)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """Return ``length`` bytes from ``offset`` (``length=0``: to the end), one ranged GET."""
         self.ensure_bucket()
         try:
-            response = self._client.get_object(self.bucket, self.prefix + key)
+            response = self._client.get_object(
+                self.bucket, self.prefix + key, offset=offset, length=length
+            )
         except S3Error as exc:
             if exc.code in ("NoSuchKey", "NoSuchObject"):
                 raise ObjectMissing(key) from None

@@ -34,17 +34,30 @@ def real_parent(root: Path, rel_text: str, checked: set[PurePosixPath]) -> Path:
         raise InvalidInput(f"{root / rel}: {exc}") from None
 
 
-def place(entry: FileEntry, target: Path, data: bytes, *, replace: bool) -> None:
+def place(entry: FileEntry, target: str | Path, data: bytes, *, replace: bool) -> None:
     """Write one file or link; with ``replace`` via a temporary name and an atomic rename."""
-    path = target.with_name(f".{target.name}.dsec-{os.getpid()}") if replace else target
+    target = os.fspath(target)
+    if replace:
+        head, _, name = target.rpartition("/")
+        path = f"{head}/.{name}.dsec-{os.getpid()}"
+    else:
+        path = target
     if entry.kind == "symlink":
         os.symlink(entry.target or "", path)
     else:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            os.fchmod(fh.fileno(), entry.mode)
+        try:
+            _write_all(fd, data)
+            os.fchmod(fd, entry.mode)
+        finally:
+            os.close(fd)
     if replace:
-        if target.is_dir() and not target.is_symlink():
+        if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)  # a directory where the snapshot has a file
         os.replace(path, target)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

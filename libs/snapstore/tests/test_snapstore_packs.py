@@ -1,0 +1,363 @@
+"""Pack files and their index, on an in-memory object store: layout, ranged reads, dedup across
+snapshots and stores, GC repacking (and a crash at each of its steps), old one-object-per-chunk
+snapshots."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import zstandard
+from nacl.signing import SigningKey
+
+from dsec_snapstore import SnapshotInputs, SnapshotStore
+from dsec_snapstore.adapters.objectstore import ObjectInfo, ObjectMissing
+from dsec_snapstore.errors import SnapshotError, VerificationFailed
+from dsec_snapstore.manifest import GpuRecord, chunk_key
+from dsec_snapstore.packs import (
+    PACK_INDEX_PREFIX,
+    PACK_PREFIX,
+    Loc,
+    decode_trailer,
+    encode_pack,
+    plan_reads,
+)
+
+KEY = SigningKey.generate()
+
+
+class Crash(Exception):
+    """A simulated crash of the process between two steps."""
+
+
+@dataclass
+class MemoryObjects:
+    """An ObjectStore in a dict; ``fail`` is asked before each write and may raise."""
+
+    data: dict[str, tuple[bytes, datetime]] = field(default_factory=dict)
+    fail: Callable[[str, str], None] = lambda op, key: None
+    puts: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def identity(self) -> str:
+        return f"memory/{id(self)}"
+
+    def put(self, key: str, data: bytes) -> None:
+        self.fail("put", key)
+        with self.lock:
+            self.data[key] = (bytes(data), datetime.now(UTC))
+            self.puts.append(key)
+
+    def get(self, key: str) -> bytes:
+        return self.get_range(key, 0, 0)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        try:
+            body = self.data[key][0]
+        except KeyError:
+            raise ObjectMissing(key) from None
+        return body[offset : offset + length] if length else body[offset:]
+
+    def exists(self, key: str) -> bool:
+        return key in self.data
+
+    def present(self, keys: Collection[str], prefix: str, pool: Executor) -> set[str]:
+        return {k for k in keys if k in self.data}
+
+    def list(self, prefix: str) -> dict[str, ObjectInfo]:
+        with self.lock:
+            items = list(self.data.items())
+        return {k: ObjectInfo(len(v), t) for k, (v, t) in items if k.startswith(prefix)}
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        for key in keys:
+            self.fail("delete", key)
+        with self.lock:
+            for key in keys:
+                self.data.pop(key, None)
+
+    def under(self, prefix: str) -> list[str]:
+        return sorted(k for k in self.data if k.startswith(prefix))
+
+
+def make_store(objects: MemoryObjects, cache: Path | None = None) -> SnapshotStore:
+    # Small packs, so a few files already make several; one worker, so what goes into which
+    # pack is the same on every run.
+    return SnapshotStore(objects, signing_key=KEY, cache_dir=cache, workers=1, pack_target=16 << 10)
+
+
+def inputs(root: Path) -> SnapshotInputs:
+    return SnapshotInputs(code_dir=root, kernel={}, gpu=GpuRecord(present=False, reason="test"))
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "code"
+    rng = random.Random(19)
+    for i in range(40):
+        path = root / f"pkg{i % 4}" / f"mod{i}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"VALUE_{i} = {rng.randbytes(3000).hex()!r}\n")  # ~3 KB compressed
+    (root / "big.bin").write_bytes(rng.randbytes(900_000))  # several CDC chunks
+    (root / "empty.txt").write_bytes(b"")
+    (root / "link.py").symlink_to("pkg0/mod0.py")
+    return root
+
+
+@pytest.fixture
+def objects() -> MemoryObjects:
+    return MemoryObjects()
+
+
+@pytest.fixture
+def store(objects: MemoryObjects) -> Iterator[SnapshotStore]:
+    with make_store(objects) as s:
+        yield s
+
+
+def same_tree(a: Path, b: Path) -> bool:
+    def listing(root: Path) -> dict[str, bytes | str]:
+        out: dict[str, bytes | str] = {}
+        for path in sorted(root.rglob("*")):
+            rel = str(path.relative_to(root))
+            if path.is_symlink():
+                out[rel] = "->" + os.readlink(path)
+            elif path.is_file():
+                out[rel] = path.read_bytes()
+        return out
+
+    return listing(a) == listing(b)
+
+
+# --- layout --------------------------------------------------------------------------------
+
+
+def test_a_pack_lists_its_chunks_in_a_trailer() -> None:
+    comp = zstandard.ZstdCompressor()
+    blobs = [(f"id{i}", comp.compress(bytes([i]) * 1000)) for i in range(3)]
+    body, entries = encode_pack(blobs)
+    assert decode_trailer(body) == [tuple(e) for e in entries]
+    _, offset, length = entries[1]
+    assert body[offset : offset + length] == blobs[1][1]
+
+
+def test_near_chunks_are_read_with_one_ranged_get_far_ones_apart() -> None:
+    wanted = [
+        ("a", Loc("packs/p", 0, 100)),
+        ("b", Loc("packs/p", 150, 100)),  # 50 bytes after a: same read
+        ("c", Loc("packs/p", 10_000, 100)),  # far: its own read
+        ("d", Loc("packs/q", 0, 10)),  # another pack
+    ]
+    spans = plan_reads(wanted, gap=1000, limit=1 << 20)
+    got = {(s.pack, s.start, s.end, tuple(c for c, _, _ in s.chunks)) for s in spans}
+    assert got == {
+        ("packs/p", 0, 250, ("a", "b")),
+        ("packs/p", 10_000, 10_100, ("c",)),
+        ("packs/q", 0, 10, ("d",)),
+    }
+    assert len(plan_reads(wanted[:2], gap=1000, limit=200)) == 2  # a read is capped
+
+
+# --- create, dedup, restore ----------------------------------------------------------------
+
+
+def test_a_cold_snapshot_writes_few_packs_and_restores(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path, tmp_path: Path
+) -> None:
+    result = store.create("s1", inputs(tree))
+    packs = objects.under(PACK_PREFIX)
+    assert result.chunks_uploaded == result.chunks_total > 40
+    assert 1 < len(packs) < result.chunks_total  # many chunks per object
+    assert objects.under("chunks/") == []
+    assert len(objects.under(PACK_INDEX_PREFIX)) == 1
+    store.restore("s1", tmp_path / "out")
+    assert same_tree(tree, tmp_path / "out")
+    assert store.verify("s1").ok
+
+
+def test_dedup_across_snapshots_and_stores_survives_packing(
+    objects: MemoryObjects, tree: Path, tmp_path: Path
+) -> None:
+    with make_store(objects) as first:
+        first.create("s1", inputs(tree))
+    (tree / "new.py").write_text("NEW = 1\n")
+    packs_before = set(objects.under(PACK_PREFIX))
+    # Another store (another node, no stat cache, nothing in memory): only the new file's
+    # chunk is stored, in one new pack.
+    with make_store(objects, tmp_path / "cache") as second:
+        result = second.create("s2", inputs(tree))
+        assert result.chunks_uploaded == 1
+        assert len(set(objects.under(PACK_PREFIX)) - packs_before) == 1
+        second.restore("s2", tmp_path / "out")
+    assert same_tree(tree, tmp_path / "out")
+
+
+def test_an_altered_pack_is_named_and_nothing_is_restored(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path, tmp_path: Path
+) -> None:
+    result = store.create("s", inputs(tree))
+    entry = result.manifest.code.by_path()["pkg1/mod1.py"]
+    loc = store.index.lookup(entry.blake3)
+    assert loc is not None
+    body = bytearray(objects.get(loc.pack))
+    body[loc.offset + loc.length - 5] ^= 0xFF
+    objects.data[loc.pack] = (bytes(body), datetime.now(UTC))
+    report = store.verify("s")
+    (problem,) = report.problems
+    assert entry.blake3 in problem and "pkg1/mod1.py" in problem and loc.pack in problem
+    with pytest.raises(VerificationFailed, match=loc.pack):
+        store.restore("s", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_crash_while_packing_leaves_no_snapshot_and_gc_removes_the_packs(
+    objects: MemoryObjects, tree: Path
+) -> None:
+    puts = 0
+
+    def fail(op: str, key: str) -> None:
+        nonlocal puts
+        if op == "put" and key.startswith(PACK_PREFIX):
+            puts += 1
+            if puts == 3:
+                raise Crash(key)
+
+    objects.fail = fail
+    with make_store(objects) as store, pytest.raises(Crash):
+        store.create("s", inputs(tree))
+    assert objects.under(PACK_INDEX_PREFIX) == [] and objects.under("snapshots/") == []
+    objects.fail = lambda op, key: None
+    with make_store(objects) as store:
+        store.gc(grace=timedelta(0))
+    assert objects.under(PACK_PREFIX) == []
+
+
+# --- GC ------------------------------------------------------------------------------------
+
+
+def two_snapshots(store: SnapshotStore, tree: Path) -> tuple[set[str], set[str]]:
+    s1 = store.create("s1", inputs(tree)).manifest
+    (tree / "big.bin").write_bytes(random.Random(2).randbytes(900_000))
+    for i in range(0, 40, 3):  # dead chunks beside live ones in s1's packs
+        (tree / f"pkg{i % 4}" / f"mod{i}.py").write_text(f"CHANGED = {i}\n")
+    s2 = store.create("s2", inputs(tree)).manifest
+    return s1.all_chunks(), s2.all_chunks()
+
+
+def test_gc_repacks_mostly_dead_packs_and_keeps_every_live_chunk(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path, tmp_path: Path
+) -> None:
+    only_s1, in_s2 = (lambda a, b: (a - b, b))(*two_snapshots(store, tree))
+    store.delete("s1")
+    before = set(objects.under(PACK_PREFIX))
+    report = store.gc(grace=timedelta(0), repack_below=0.99)
+    assert report.chunks_removed == len(only_s1)
+    assert report.packs_repacked >= 1 and report.bytes_freed > 0
+    assert set(report.deleted) <= before
+    assert len(objects.under(PACK_INDEX_PREFIX)) == 1  # one document supersedes the others
+    stored = set()
+    for pack in objects.under(PACK_PREFIX):
+        stored |= {c for c, _, _ in decode_trailer(objects.get(pack))}
+    assert in_s2 <= stored and not (only_s1 & stored)
+    with make_store(objects) as fresh:  # reads the new index from scratch
+        assert fresh.verify("s2").ok
+        fresh.restore("s2", tmp_path / "out")
+    assert same_tree(tree, tmp_path / "out")
+    assert store.verify("s2").ok  # its in-memory index is current too
+
+
+def test_gc_dry_run_and_grace_delete_nothing(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path
+) -> None:
+    two_snapshots(store, tree)
+    store.delete("s1")
+    stored = dict(objects.data)
+    assert store.gc(grace=timedelta(0), dry_run=True).chunks_removed > 0
+    assert store.gc(grace=timedelta(hours=1)).deleted == ()
+    assert objects.under(PACK_PREFIX) == sorted(k for k in stored if k.startswith(PACK_PREFIX))
+
+
+@pytest.mark.parametrize(
+    "crash_at",
+    [
+        ("put", PACK_PREFIX),  # step 1: a new pack
+        ("put", PACK_INDEX_PREFIX),  # step 2: the new index
+        ("delete", PACK_INDEX_PREFIX),  # step 3: the superseded documents
+        ("delete", PACK_PREFIX),  # step 4: the old packs
+    ],
+    ids=["new-pack", "new-index", "old-index", "old-packs"],
+)
+def test_a_gc_crash_at_any_step_loses_no_live_chunk(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path, crash_at: tuple[str, str]
+) -> None:
+    two_snapshots(store, tree)
+    store.delete("s1")
+
+    def fail(op: str, key: str) -> None:
+        if (op, key[: len(crash_at[1])]) == crash_at:
+            raise Crash(f"{op} {key}")
+
+    objects.fail = fail
+    with pytest.raises(Crash):
+        store.gc(grace=timedelta(0), repack_below=0.99)
+    objects.fail = lambda op, key: None
+    with make_store(objects) as fresh:
+        assert fresh.verify("s2").ok  # after the crash: every chunk reachable and intact
+        fresh.gc(grace=timedelta(0), repack_below=0.99)  # the next GC finishes the job
+        assert fresh.verify("s2").ok
+        assert fresh.index.effective == objects.under(PACK_INDEX_PREFIX)  # one, in force
+        indexed = {p for d in fresh.index.docs.values() for p in d.packs}
+    assert set(objects.under(PACK_PREFIX)) == indexed  # no orphan left, none missing
+
+
+def test_gc_stops_before_deleting_when_a_live_chunk_does_not_check(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path
+) -> None:
+    _, in_s2 = two_snapshots(store, tree)
+    store.delete("s1")
+    live = sorted(in_s2)[0]
+    loc = store.index.lookup(live)
+    assert loc is not None
+    body = bytearray(objects.get(loc.pack))
+    body[loc.offset + 3] ^= 0xFF
+    objects.data[loc.pack] = (bytes(body), datetime.now(UTC))
+    stored = set(objects.under(PACK_PREFIX))
+    with pytest.raises(SnapshotError, match="do not check"):
+        store.gc(grace=timedelta(0), repack_below=1.1)  # everything is repacked
+    assert set(objects.under(PACK_PREFIX)) >= stored
+
+
+# --- snapshots from before packs -----------------------------------------------------------
+
+
+def test_a_snapshot_of_one_object_per_chunk_still_restores_and_is_collected_as_before(
+    objects: MemoryObjects, tree: Path, tmp_path: Path
+) -> None:
+    with make_store(objects) as store:
+        old = store.create("old", inputs(tree)).manifest
+    # Rewrite it in the old layout: each chunk its own zstd object under chunks/, no packs.
+    for pack in objects.under(PACK_PREFIX):
+        body = objects.get(pack)
+        for chunk_id, offset, length in decode_trailer(body):
+            objects.put(chunk_key(chunk_id), body[offset : offset + length])
+    objects.delete_many(objects.under(PACK_PREFIX) + objects.under(PACK_INDEX_PREFIX))
+    objects.put(chunk_key("0" * 64), zstandard.ZstdCompressor().compress(b"unreferenced"))
+    with make_store(objects, tmp_path / "cache") as store:
+        store.restore("old", tmp_path / "out")
+        assert same_tree(tree, tmp_path / "out")
+        assert store.verify("old").ok
+        report = store.gc(grace=timedelta(0))
+        assert report.deleted == (chunk_key("0" * 64),)
+        (tree / "new.py").write_text("NEW = 2\n")
+        new = store.create("new", inputs(tree))  # new chunks go into packs
+        assert objects.under(PACK_PREFIX) and new.chunks_uploaded == new.chunks_total
+    assert {chunk_key(c) for c in old.all_chunks()} <= set(objects.under("chunks/"))
