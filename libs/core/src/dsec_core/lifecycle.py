@@ -16,7 +16,8 @@ States::
                                                    ▼   │ unit.lost (reschedule)
                                                  running ─► lost ──► failed (unit.lost fail)
                                                    │ ▲
-                                                   │ └─ sandbox.restarted (stateful, in place)
+                                                   │ └─ sandbox.restarted (stateful, in place),
+                                                   │    unit.migrated (now on its to_node)
                                                    ▼
                                             exited | failed
 
@@ -63,6 +64,8 @@ _MOVES: dict[str, tuple[frozenset[State], State]] = {
     "sandbox.ready": (frozenset({"scheduled"}), "running"),
     # a stateful sandbox that died and was started again in place: it stays running
     "sandbox.restarted": (frozenset({"running"}), "running"),
+    # moved to another node while it ran (docs/migration.md): it stays running, there
+    "unit.migrated": (frozenset({"running"}), "running"),
     "unit.lost": (frozenset({"scheduled", "running"}), "lost"),
     "sandbox.exited": (frozenset({"built", "pending", "scheduled", "running"}), "exited"),
 }
@@ -113,6 +116,8 @@ class Lifecycle:
     refused: tuple[Refused, ...] = field(default_factory=tuple)
     restarts: int = 0
     """Times it was started again in place after dying (``sandbox.restarted``)."""
+    migrations: tuple[str, ...] = ()
+    """Ids of the migrations that moved it (``unit.migrated``), oldest first."""
 
     @property
     def terminal(self) -> bool:
@@ -150,6 +155,11 @@ def _stale_placement(current: Lifecycle, event_type: str, payload: Mapping[str, 
     node or attempt — the replayed bytes of an old genuine event, which must never move the
     sandbox back to a node it left, nor take it from the node it runs on now."""
     try:
+        if event_type == "unit.migrated":  # moves it from where it is, once per migration
+            return (
+                payload.get("from_node") != current.node_id
+                or payload.get("migration_id") in current.migrations
+            )
         if event_type in {"sandbox.scheduled", "sandbox.pending"}:
             return int(payload.get("attempt", 1)) <= current.attempt
         if event_type == "unit.lost" and current.node_id is not None:
@@ -190,6 +200,9 @@ def step(
         changes["node_id"] = payload.get("node_id")
         changes["attempt"] = int(payload.get("attempt", 1))
         changes["reason"] = None
+    if event_type == "unit.migrated":
+        changes["node_id"] = payload.get("to_node")
+        changes["migrations"] = (*current.migrations, str(payload.get("migration_id")))
     if event_type == "sandbox.exited":
         changes["exit_code"] = payload.get("exit_code")
     if event_type == "sandbox.restarted":

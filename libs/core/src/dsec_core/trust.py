@@ -270,6 +270,9 @@ async def scan(
         yield data
 
 
+_MIGRATION_ENDS = frozenset({"unit.migrated", "unit.migration_failed"})
+
+
 def _attempt(payload: dict[str, Any]) -> int:
     """The placement attempt a ``sandbox.scheduled`` payload names (0 when unreadable)."""
     try:
@@ -320,7 +323,10 @@ class Gate:
         self._handled = handled
         self._tenants: OrderedDict[str, tuple[str, str]] = OrderedDict()
         # sandbox -> (stream position read up to, node and attempt of its latest placement)
-        self._nodes: OrderedDict[str, tuple[int, str | None, int]] = OrderedDict()
+        self._nodes: OrderedDict[str, tuple[int, str | None, int, int]] = OrderedDict()
+        self._moves: OrderedDict[str, tuple[int, list[tuple[int, str, str]], frozenset[str]]] = (
+            OrderedDict()
+        )
         self._lock = asyncio.Lock()
 
     async def admit(
@@ -388,15 +394,19 @@ class Gate:
         problem = authz.refusal(fields, cert)
         if problem is not None:
             return "unauthorized", problem
-        return await self._tenant(envelope) or await self._node(envelope, cert)
+        return await self._tenant(envelope) or await self._node(envelope, cert, stream_seq)
 
-    async def _node(self, envelope: Envelope, cert: Certificate) -> tuple[str, str] | None:
+    async def _node(
+        self, envelope: Envelope, cert: Certificate, stream_seq: int | None = None
+    ) -> tuple[str, str] | None:
         """A node agent speaks for a sandbox only while the sandbox's latest authentic
         ``sandbox.scheduled`` names its node: a rescheduled sandbox moves, and the node it left
         may say nothing more about it."""
         if cert.role != "nodeagent" or envelope.aggregate != SpecSubmitted.AGGREGATE:
             return None
-        node = await self.placement(envelope.aggregate_id)
+        if envelope.type in _MIGRATION_ENDS:
+            return await self._migration_end(envelope, cert)
+        node = await self.placement(envelope.aggregate_id, before=stream_seq)
         if node != cert.node_id:
             where = f"on {node!r}" if node is not None else "on no node"
             return (
@@ -405,22 +415,69 @@ class Gate:
             )
         return None
 
-    async def placement(self, sandbox_id: str) -> str | None:
-        """The node of the sandbox's latest authentic ``sandbox.scheduled`` (read from the log
-        each time: only the stream position already read is remembered). Attempts only grow: a
-        placement whose attempt is not above the one before is the replayed bytes of an old
-        one (a genuine event re-published), and never moves the sandbox back."""
+    async def _migration_end(self, envelope: Envelope, cert: Certificate) -> tuple[str, str] | None:
+        """A node agent reports a migration (``unit.migrated``, ``unit.migration_failed``) only
+        as an end of an authentic ``unit.migration_started`` of that sandbox with the same
+        ``migration_id`` (the scheduler's choice of both ends), never on its own say."""
+        mid = envelope.payload.get("migration_id")
+        sid = envelope.aggregate_id
+        subject = subject_for("unit.migration_started", sid)
+        async for _, data in scan_seq(self._js, subject, limit=1 << 30):
+            started = await self.authentic(data)
+            if started is None or started.subject != subject:
+                continue
+            p = started.payload
+            if p.get("migration_id") != mid:
+                continue
+            if cert.node_id in (p.get("from_node"), p.get("to_node")):
+                return None
+        return "wrong-node", f"{cert.node_id!r} is no end of migration {mid!r} of sandbox {sid}"
+
+    async def placement(self, sandbox_id: str, *, before: int | None = None) -> str | None:
+        """The node of the sandbox's latest authentic ``sandbox.scheduled`` or ``unit.migrated``
+        (read from the log each time: only the stream positions already read are remembered).
+        Attempts only grow: a placement whose attempt is not above the one before is the
+        replayed bytes of an old one (a genuine event re-published), and never moves the
+        sandbox back. A migration moves it from the node it is on (its ``from_node``), once per
+        ``migration_id``, and only when logged after the placement it moves; ``before``: the
+        stream position of the event being checked (what the source said before it migrated
+        stays the source's)."""
         subject = subject_for("sandbox.scheduled", sandbox_id)
-        read, node, attempt = self._nodes.get(sandbox_id, (0, None, 0))
+        read, node, attempt, placed_seq = self._nodes.get(sandbox_id, (0, None, 0, 0))
         async for seq, data in scan_seq(self._js, subject, limit=1 << 30, after=read):
             read = seq
             envelope = await self.authentic(data)
             if envelope is not None and envelope.subject == subject:
                 placed = _attempt(envelope.payload)
                 if placed > attempt:
-                    node, attempt = str(envelope.payload.get("node_id")), placed
-        _remember(self._nodes, sandbox_id, (read, node, attempt))
+                    node, attempt, placed_seq = str(envelope.payload.get("node_id")), placed, seq
+        _remember(self._nodes, sandbox_id, (read, node, attempt, placed_seq))
+        moved = await self._migrations(sandbox_id)
+        for seq, from_node, to_node in moved:
+            if before is not None and seq > before:
+                break
+            if seq > placed_seq and from_node == node:
+                node = to_node
         return node
+
+    async def _migrations(self, sandbox_id: str) -> list[tuple[int, str, str]]:
+        """``(stream seq, from_node, to_node)`` of the sandbox's authentic ``unit.migrated``,
+        in log order, each migration id once."""
+        subject = subject_for("unit.migrated", sandbox_id)
+        read, found, ids = self._moves.get(sandbox_id, (0, [], frozenset()))
+        async for seq, data in scan_seq(self._js, subject, limit=1 << 30, after=read):
+            read = seq
+            envelope = await self.authentic(data)
+            if envelope is None or envelope.subject != subject:
+                continue
+            mid = str(envelope.payload.get("migration_id"))
+            if mid in ids:
+                continue
+            ids = ids | {mid}
+            p = envelope.payload
+            found = [*found, (seq, str(p.get("from_node")), str(p.get("to_node")))]
+        _remember(self._moves, sandbox_id, (read, found, ids))
+        return found
 
     async def lifecycle(self, sandbox_id: str, limit: int = 256) -> Lifecycle:
         """The sandbox's state: the fold of its authentic lifecycle events in log order (each
@@ -429,7 +486,7 @@ class Gate:
         for event_type in sorted(LIFECYCLE_TYPES):
             subject = subject_for(event_type, sandbox_id)
             async for seq, data in scan_seq(self._js, subject, limit):
-                envelope = await self.authentic(data)
+                envelope = await self.authentic(data, stream_seq=seq)
                 if envelope is not None and envelope.subject == subject:
                     found.append((seq, envelope))
         found.sort(key=lambda item: item[0])

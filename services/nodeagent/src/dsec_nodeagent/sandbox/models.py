@@ -151,6 +151,11 @@ class SandboxConfig(BaseModel):
             ``DSEC_AGENT_NAME``/``DSEC_TASK_GROUP`` and, when the manager runs with an IPC broker,
             the broker's socket (``DSEC_IPC_SOCKET``) and the SDK on their import path.
         metadata: caller data stored in the state file and echoed in results (e.g. lease ids).
+        checkpointable: CRIU can checkpoint the whole sandbox (migration path ``criu``,
+            docs/migration.md): pid 1 re-executes the sandbox's own interpreter once the root
+            view is built (no process maps a file of the host's mount tree), and Landlock does
+            not scope abstract unix sockets (CRIU's parasite, run inside the workload, connects
+            to one CRIU made) — the one isolation a checkpointable sandbox gives up.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -176,6 +181,7 @@ class SandboxConfig(BaseModel):
     hostname: str | None = None
     agent: AgentIdentity | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
+    checkpointable: bool = False
 
     @field_validator("sandbox_id")
     @classmethod
