@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services/nodeagent/tests"))
-from _common import emit, nats_server, percentile
 import _nodeagent_harness
+from _common import emit, nats_server, percentile
 from _nodeagent_harness import NodeAgentHarness
 from dsec_core import events
 from dsec_core.layout import NodeLayout
