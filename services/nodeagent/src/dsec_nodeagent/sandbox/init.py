@@ -344,12 +344,13 @@ def _init_main(plan: Plan, report: _Reporter, status_w: int, holder_fd: int) -> 
         report.stage("namespaces", start)
         start = time.monotonic_ns()
         build_root(plan)
-        # The sandbox's own /dev/null on stdin (not the host's, opened before pivot_root): no
-        # process of the sandbox then holds a file of the host's mount tree, which a checkpoint
-        # (CRIU, docs/migration.md) could not name.
-        null = os.open("/dev/null", os.O_RDWR)
-        os.dup2(null, 0)
-        os.close(null)
+        if plan.get("reaper_exec") and not plan.get("tty"):
+            # The sandbox's own /dev/null on stdin (not the host's, opened before pivot_root):
+            # no process of the sandbox then holds a file of the host's mount tree, which a
+            # checkpoint (CRIU, docs/migration.md) could not name.
+            null = os.open("/dev/null", os.O_RDWR)
+            os.dup2(null, 0)
+            os.close(null)
         report.stage("mounts", start)
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
     except BaseException as exc:  # report every failure, then die: nothing else can
