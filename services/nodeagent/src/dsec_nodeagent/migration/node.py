@@ -238,6 +238,7 @@ class Migrations:
                 "checkpoint",
             )
             await channel.send_file(root_tar, "root.tar")
+            await channel.call({"op": "prepare"})  # the target's restorer starts, off the freeze
             stages: dict[str, float] = {}
             t0 = time.perf_counter()
 
@@ -444,6 +445,9 @@ class Migrations:
                 path.unlink()
             path.symlink_to(target)
             return {"ok": True}
+        if op == "prepare":
+            await self._prepare(session)
+            return {"ok": True}
         if op == "restore":
             try:
                 ms = await self._restore(session, dict(body["meta"]))
@@ -471,6 +475,24 @@ class Migrations:
         if host_path.startswith(source_home + "/"):
             return str(self.agent.home) + host_path[len(source_home) :]
         return host_path
+
+    async def _prepare(self, session: _Session) -> None:
+        """Start the restorer and have it rebuild the root view while the source still runs."""
+        root = self.agent.manager.run_dir / session.sandbox_id / "root"
+        root.mkdir(parents=True, exist_ok=True)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "dsec_nodeagent.migration.restorer",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        session.process = process
+        assert process.stdin is not None
+        first = {"root": str(root), "root_tar": str(session.work / "root.tar")}
+        process.stdin.write(canonical_json(first) + b"\n")
+        await process.stdin.drain()
 
     async def _restore(self, session: _Session, meta: dict[str, Any]) -> float:
         sid = session.sandbox_id
@@ -510,8 +532,6 @@ class Migrations:
             ),
             "pipes": {k: v for k, v in meta["pipes"].items() if v},
             "cgroup_procs": cgroup.procs_files(),
-            "root": str(run_dir / "root"),
-            "root_tar": str(session.work / "root.tar"),
             "placeholders": [(mp, os.path.isdir(hp)) for mp, hp in sorted(mounts.items())],
             "log": str(final / "criu-restore.log"),
             "pidfile": str(final / "restored.pid"),
@@ -520,17 +540,11 @@ class Migrations:
             "exit_path": str(run_dir / "exit.json"),
         }
         start = time.perf_counter()
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "dsec_nodeagent.migration.restorer",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        session.process = process
-        assert process.stdin is not None and process.stdout is not None
-        process.stdin.write(canonical_json(plan))
+        if session.process is None:  # an old source that sent no prepare
+            await self._prepare(session)
+        process = session.process
+        assert process is not None and process.stdin is not None and process.stdout is not None
+        process.stdin.write(canonical_json(plan) + b"\n")
         process.stdin.close()
         line = await asyncio.wait_for(process.stdout.readline(), 120)
         ms = (time.perf_counter() - start) * 1000
@@ -618,6 +632,8 @@ class Migrations:
                 await asyncio.to_thread(session.cgroup.kill)
         if session.process is not None:
             with contextlib.suppress(Exception):
+                if session.process.stdin is not None and not session.process.stdin.is_closing():
+                    session.process.stdin.close()  # EOF: a restorer still waiting ends
                 await asyncio.wait_for(session.process.wait(), 10)
         if session.cgroup is not None:
             with contextlib.suppress(Exception):

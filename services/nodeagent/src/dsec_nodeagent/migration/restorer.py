@@ -1,5 +1,5 @@
 """The supervisor of a sandbox restored by CRIU on the target node:
-``python -m dsec_nodeagent.migration.restorer`` (a plan as JSON on stdin).
+``python -m dsec_nodeagent.migration.restorer`` (its plan as two JSON lines on stdin).
 
 It stands where :func:`dsec_nodeagent.sandbox.init.run` stands for a launched sandbox: outside
 the sandbox's cgroup, the parent of its pid 1, the reader of its output. It
@@ -37,7 +37,10 @@ def _say(record: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    plan: dict[str, Any] = json.loads(sys.stdin.read())
+    # Two lines on stdin: where the root view goes (before the source freezes the sandbox, so
+    # this process's start and the root's rebuild stay out of the freeze), then the rest of the
+    # plan (EOF instead: the migration was dropped; nothing of it outlives this process).
+    plan: dict[str, Any] = json.loads(sys.stdin.readline())
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -56,6 +59,10 @@ def main() -> int:
         if step.returncode != 0:
             _say({"error": f"{' '.join(argv[:2])}: {step.stderr.decode()[-300:]}", "ms": 0})
             return 1
+    rest = sys.stdin.readline()
+    if not rest.strip():
+        return 0
+    plan.update(json.loads(rest))
     # Mount points the archive could not hold (a socket bound over a file): made again empty.
     for mountpoint, is_dir in plan.get("placeholders", []):
         path = plan["root"] + mountpoint
