@@ -58,7 +58,7 @@ OFFER_DOMAIN = b"dsec-migrate/1 offer\n"
 HELLO_DOMAIN = b"dsec-migrate/1 hello\n"
 CHUNK = 512 * 1024
 """Bytes of an image in one frame (NATS' default max payload is 1 MiB)."""
-WINDOW = 8
+WINDOW = 32
 """Frames in flight (each acknowledged by the target)."""
 REQUEST_S = 30.0
 EXPECT_S = 15.0
