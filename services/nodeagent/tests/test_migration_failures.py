@@ -141,3 +141,21 @@ async def test_a_sandbox_that_does_not_run_here_is_reported_not_running(tmp_path
     m.agent.manager.get = lambda sid: None  # type: ignore[attr-defined]
     out = await m.move("gone", STARTED)
     assert isinstance(out[0], events.UnitMigrationFailed) and not out[0].still_running
+
+
+async def test_a_target_refusing_the_offer_leaves_it_running_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workload: subprocess.Popen[bytes]
+) -> None:
+    async def never(*_: Any, **__: Any) -> criu.DumpResult:
+        raise AssertionError("nothing is dumped for a target that refused")
+
+    _patch(monkeypatch, FakeChannel({"ok": True}), never)
+
+    async def refused(*_: Any) -> Any:
+        raise node.MigrationError("transfer", "the target node-2 refused: no such migration")
+
+    monkeypatch.setattr(node._Channel, "open", refused)
+    out = await _migrations(tmp_path, workload.pid).move("sbx", STARTED)
+    assert isinstance(out[0], events.UnitMigrationFailed)
+    assert (out[0].stage, out[0].still_running) == ("transfer", True)
+    assert "refused" in out[0].reason and _state(workload.pid) in "SR"

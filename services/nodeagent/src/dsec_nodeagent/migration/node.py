@@ -326,9 +326,16 @@ class Migrations:
                 log.error("%s: the target could not continue it: %s", sid, answer.get("reason"))
             await self._stage(event, "released")
             return []
-        except MigrationError as exc:
+        except Exception as caught:  # whatever failed: never leave the unit frozen
+            err = (
+                caught
+                if isinstance(caught, MigrationError)
+                else MigrationError(
+                    "transfer" if frozen else "checkpoint", f"{type(caught).__name__}: {caught}"
+                )
+            )
             log.warning(
-                "%s: migration %s failed at %s: %s", sid, event.migration_id, exc.stage, exc
+                "%s: migration %s failed at %s: %s", sid, event.migration_id, err.stage, err
             )
             if frozen:
                 await asyncio.to_thread(_resume, sandbox.cgroup.pids())
@@ -336,7 +343,7 @@ class Migrations:
                 with contextlib.suppress(Exception):
                     await channel.call({"op": "abort"}, timeout=10)
             return [
-                self._failed(event, exc.stage, exc.reason, self.agent.manager.get(sid) is not None)
+                self._failed(event, err.stage, err.reason, self.agent.manager.get(sid) is not None)
             ]
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -451,9 +458,10 @@ class Migrations:
         if op == "restore":
             try:
                 ms = await self._restore(session, dict(body["meta"]))
-            except MigrationError as exc:
+            except Exception as exc:  # anything: nothing of the restore stays
                 await self._discard(session)
-                return {"ok": False, "stage": exc.stage, "reason": exc.reason}
+                stage = exc.stage if isinstance(exc, MigrationError) else "restore"
+                return {"ok": False, "stage": stage, "reason": str(exc)[:500]}
             return {"ok": True, "restore_ms": ms}
         if op == "commit":
             return await self._commit(session, body)
