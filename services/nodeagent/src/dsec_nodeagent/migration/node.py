@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -499,7 +500,7 @@ class Migrations:
         session.process = process
         assert process.stdin is not None
         first = {"root": str(root), "root_tar": str(session.work / "root.tar")}
-        process.stdin.write(canonical_json(first) + b"\n")
+        process.stdin.write(_json_line(first))
         await process.stdin.drain()
 
     async def _restore(self, session: _Session, meta: dict[str, Any]) -> float:
@@ -552,12 +553,10 @@ class Migrations:
             await self._prepare(session)
         process = session.process
         assert process is not None and process.stdin is not None and process.stdout is not None
-        process.stdin.write(canonical_json(plan) + b"\n")
+        process.stdin.write(_json_line(plan))
         process.stdin.close()
         line = await asyncio.wait_for(process.stdout.readline(), 120)
         ms = (time.perf_counter() - start) * 1000
-        import json
-
         try:
             report = json.loads(line or b"{}")
         except ValueError:
@@ -765,10 +764,8 @@ class _Channel:
                 await self.send_file(entry, f"{name}/{entry.name}")
 
 
-def canonical_json(data: dict[str, Any]) -> bytes:
-    import json
-
-    return json.dumps(data).encode()
+def _json_line(data: dict[str, Any]) -> bytes:
+    return json.dumps(data).encode() + b"\n"
 
 
 def _inside(root: Path, name: str) -> Path:
