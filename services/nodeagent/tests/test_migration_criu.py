@@ -128,6 +128,14 @@ async def test_a_sandbox_migrates_by_criu_and_its_counter_goes_on(
         state = await h2.agent.lifecycle(sid)
         assert state.state == "running" and state.owned_by("node-2")
         assert not rec.of("sandbox.exited")  # the sandbox lives on: no end was published
+        # a command runs in it on node-2 (`dsec sandbox exec`), in its restored namespaces
+        said = homes[1] / "exec.out"
+        with said.open("wb") as out:
+            code = await h2.agent.manager.exec(
+                sid, ["python", "-c", "print(open('/proc/1/cmdline').read().count('-c'))"],
+                stdout=out.fileno(),
+            )  # fmt: skip
+        assert (code, said.read_text().strip()) == (0, "1")  # pid 1: the restored reaper
         await h2.upstream.user.publish(
             events.SandboxStopRequested(requested_by="test"), aggregate_id=sid
         )
