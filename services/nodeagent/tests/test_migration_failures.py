@@ -100,7 +100,7 @@ async def test_a_failed_dump_leaves_it_running_and_says_checkpoint(
     assert (out[0].stage, out[0].still_running) == ("checkpoint", True)
     assert "Can't infect" in out[0].reason
     assert channel.ops[-1] == "abort"  # the target drops what it received
-    assert _state(workload.pid) in "SR"
+    assert _state(workload.pid) not in "Tt"
 
 
 async def test_a_target_refusing_the_restore_resumes_the_frozen_source(
@@ -125,7 +125,7 @@ async def test_a_target_refusing_the_restore_resumes_the_frozen_source(
         if _state(workload.pid) != "T":
             break
         await asyncio.sleep(0.02)
-    assert _state(workload.pid) in "SR"
+    assert _state(workload.pid) not in "Tt"
 
 
 async def test_a_sandbox_not_started_checkpointable_is_refused_at_once(
@@ -158,4 +158,28 @@ async def test_a_target_refusing_the_offer_leaves_it_running_untouched(
     out = await _migrations(tmp_path, workload.pid).move("sbx", STARTED)
     assert isinstance(out[0], events.UnitMigrationFailed)
     assert (out[0].stage, out[0].still_running) == ("transfer", True)
-    assert "refused" in out[0].reason and _state(workload.pid) in "SR"
+    assert "refused" in out[0].reason and _state(workload.pid) not in "Tt"
+
+
+async def test_a_second_migration_of_a_sandbox_on_the_move_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workload: subprocess.Popen[bytes]
+) -> None:
+    going = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow(*_: Any, **__: Any) -> criu.DumpResult:
+        going.set()
+        await release.wait()
+        raise criu.CriuError("dump", "stopped here")
+
+    _patch(monkeypatch, FakeChannel({"ok": True}), slow)
+    m = _migrations(tmp_path, workload.pid)
+    envelope = SimpleNamespace(aggregate_id="sbx")
+    first = asyncio.create_task(m.on_started(envelope, STARTED))  # type: ignore[arg-type]
+    await asyncio.wait_for(going.wait(), 10)
+    second = STARTED.model_copy(update={"migration_id": "m-2"})
+    out = await m.on_started(envelope, second)  # type: ignore[arg-type]
+    assert isinstance(out[0], events.UnitMigrationFailed) and out[0].migration_id == "m-2"
+    assert "already" in out[0].reason and out[0].still_running
+    release.set()
+    assert (await first)[0].migration_id == "m-1"

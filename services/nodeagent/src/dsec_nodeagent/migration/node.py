@@ -119,6 +119,7 @@ class Migrations:
         self._expected: dict[str, tuple[str, events.UnitMigrationStarted]] = {}
         self._seen = asyncio.Event()
         self._sessions: dict[str, _Session] = {}
+        self._moving: set[str] = set()  # sandboxes this node is moving away right now
         self._sub: Any = None
         self.on_stage: Callable[[str, str], Awaitable[None]] | None = None
         """Tests: awaited with (migration id, stage) as the source reaches each stage."""
@@ -155,7 +156,14 @@ class Migrations:
             return []
         if event.from_node != self.node_id:
             return []
-        return await self.move(sid, event)
+        if sid in self._moving:
+            why = f"{sid} is being moved by another migration already"
+            return [self._failed(event, "checkpoint", why, True)]
+        self._moving.add(sid)
+        try:
+            return await self.move(sid, event)
+        finally:
+            self._moving.discard(sid)
 
     def exhausted(self, envelope: Envelope, reason: str, attempts: int) -> list[events.Payload]:
         """The runtime gave the event up (retries exhausted): this node, an end of the
