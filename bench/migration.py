@@ -100,8 +100,13 @@ async def two_nodes(base: Path, nats_url: str) -> AsyncIterator[tuple[Any, Any]]
         for name in ("root.key", "root.pub"):
             shutil.copy2(first / "trust" / name, second / "trust" / name)
         settings = {"node_id": "node-2", "sandbox_uid_base": 260000, **common}
-        async with NodeAgentHarness(second, nats_url, **settings) as h2:
-            yield h1, h2
+        try:
+            async with NodeAgentHarness(second, nats_url, **settings) as h2:
+                yield h1, h2
+        finally:  # node-2's parent cgroups go, as at `dsec down`
+            from dsec_nodeagent.sandbox import cgroups
+
+            cgroups.remove_node_group(cgroups.detect(), "node-2")
 
 
 async def one_run(h1: Any, h2: Any, base: Path, mib: int, say: Any) -> dict[str, Any]:

@@ -23,6 +23,8 @@ from dsec_core.layout import NodeLayout
 sys.path.insert(0, str(Path(__file__).parent))
 from _nodeagent_harness import NodeAgentHarness
 
+from dsec_nodeagent.sandbox import cgroups
+
 pytestmark = [pytest.mark.integration, pytest.mark.kernel]
 
 QUIET = "{cidr: 10.77.0.0/16, ports: [80]}"
@@ -58,8 +60,11 @@ async def two_nodes(homes: tuple[Path, Path], nats_url: str) -> AsyncIterator[An
         for name in ("root.key", "root.pub"):
             shutil.copy2(first / "trust" / name, second / "trust" / name)
         settings = {"node_id": "node-2", "sandbox_uid_base": 260000, **common}
-        async with NodeAgentHarness(second, nats_url, **settings) as h2:
-            yield h1, h2
+        try:
+            async with NodeAgentHarness(second, nats_url, **settings) as h2:
+                yield h1, h2
+        finally:  # node-2's parent cgroups go, as at `dsec down` (node-1 is the session's)
+            cgroups.remove_node_group(cgroups.detect(), "node-2")
 
 
 def counts(path: Path) -> list[int]:
