@@ -155,3 +155,23 @@ def test_a_migrated_main_unit_moves_the_sandbox_to_the_target_node() -> None:
     assert side == after  # another unit's move leaves the sandbox where it is
     left = step(after, "sandbox.exited", {"exit_code": 0, "reason": "migrated"})
     assert left == after  # the process left its old node; the sandbox runs on
+
+
+def _migrated(mid: str, from_node: str, to_node: str) -> tuple[str, dict[str, str]]:
+    return "unit.migrated", {"migration_id": mid, "from_node": from_node, "to_node": to_node}
+
+
+def test_a_migration_moves_a_running_sandbox_once_and_only_from_where_it_runs() -> None:
+    running = HAPPY[:7]  # running on node-2
+    moved = fold([*running, _migrated("m1", "node-2", "node-5")])
+    assert (moved.state, moved.node_id) == ("running", "node-5")
+    assert moved.owned_by("node-5") and not moved.owned_by("node-2")
+    # the same migration's bytes again, or one that starts from a node it is not on: no move
+    again = step(moved, *_migrated("m1", "node-2", "node-5"))
+    elsewhere = step(moved, *_migrated("m2", "node-2", "node-7"))
+    assert again.node_id == elsewhere.node_id == "node-5"
+    assert len(again.refused) == len(elsewhere.refused) == 1
+    # its end comes from the node it moved to
+    assert step(moved, "sandbox.exited", {"exit_code": 0}).state == "exited"
+    # a sandbox placed nowhere does not migrate
+    assert step(fold(HAPPY[:3]), *_migrated("m3", "node-2", "node-5")).node_id is None

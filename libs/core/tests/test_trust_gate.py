@@ -231,3 +231,53 @@ async def test_only_the_scheduler_places_fences_or_drains(stream, dsec_stack) ->
         refused = await gate.admit(sent.sealed.wire, stream_seq=sent.stream_seq)
         assert isinstance(refused, Refusal) and refused.reason == "unauthorized", payload
     assert await gate.placement(sid) == "n1"
+
+
+async def test_a_migration_moves_who_speaks_for_a_sandbox_and_only_its_ends_report_it(
+    stream, dsec_stack
+) -> None:
+    """``unit.migrated`` from the target of an authentic ``unit.migration_started`` moves the
+    sandbox there: the target speaks for it from then on, what the source said before stays
+    authentic, and a node agent that is no end of the migration cannot report one."""
+    from dsec_core.events import (
+        SandboxExited,
+        SandboxScheduled,
+        UnitMigrated,
+        UnitMigrationFailed,
+        UnitMigrationStarted,
+    )
+
+    _, js = stream
+    home = dsec_stack.home
+    user = await trust.publisher(js, home, "user")
+    scheduler = await trust.publisher(js, home, "scheduler", acts_for="default")
+    n1 = await trust.publisher(js, home, "nodeagent", node_id="n1", acts_for="default")
+    n2 = await trust.publisher(js, home, "nodeagent", node_id="n2", acts_for="default")
+    n3 = await trust.publisher(js, home, "nodeagent", node_id="n3", acts_for="default")
+    gate = await _gate(stream, dsec_stack)
+    sid = new_sandbox_id()
+
+    async def verdict(agent, payload) -> str | None:  # type: ignore[no-untyped-def]
+        sent = await agent.publish(payload, aggregate_id=sid)
+        admitted = await gate.admit(sent.sealed.wire, stream_seq=sent.stream_seq)
+        return admitted.reason if isinstance(admitted, Refusal) else None
+
+    await user.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sid)
+    await scheduler.publish(SandboxScheduled(node_id="n1"), aggregate_id=sid)
+    before_exit = await n1.publish(
+        SandboxExited(exit_code=0, reason="ok", duration_s=1.0), aggregate_id=sid
+    )
+    ends = {"from_node": "n1", "to_node": "n3", "reason": "operator", "path": "criu"}
+    moved = UnitMigrated(migration_id="m-1", interruption_ms=5.0, **ends)
+    # no migration_started with that id: nobody may report it
+    assert await verdict(n3, moved) == "wrong-node"
+    await scheduler.publish(UnitMigrationStarted(migration_id="m-1", **ends), aggregate_id=sid)
+    failed = UnitMigrationFailed(migration_id="m-1", from_node="n1", to_node="n3", reason="x")
+    assert await verdict(n2, failed) == "unauthorized"  # authz: n2 is no end
+    assert await verdict(n3, moved) is None
+    exited = SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+    assert await verdict(n3, exited) is None  # n3 speaks for it now
+    assert await verdict(n1, exited) == "wrong-node"
+    # the source's word from before the migration stays authentic
+    again = await gate.admit(before_exit.sealed.wire, stream_seq=before_exit.stream_seq)
+    assert not isinstance(again, Refusal)

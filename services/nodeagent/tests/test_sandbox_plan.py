@@ -111,6 +111,15 @@ def test_secrets_reach_the_workload_env_only(tmp_path: Path) -> None:
     assert "v4lue" not in repr(config)
 
 
+def test_only_a_checkpointable_sandbox_gives_up_the_abstract_socket_scope(tmp_path: Path) -> None:
+    """Migration path criu (docs/migration.md): opt-in, and what it costs is named in the plan."""
+    default = plan.build(_config(tmp_path), VIEW, _host(tmp_path), FACTS, uid=1).plan
+    assert default["landlock"]["scope_abstract_unix"] is True and not default["reaper_exec"]
+    config = _config(tmp_path, checkpointable=True)
+    movable = plan.build(config, VIEW, _host(tmp_path), FACTS, uid=1).plan
+    assert movable["landlock"]["scope_abstract_unix"] is False and movable["reaper_exec"]
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

@@ -16,7 +16,8 @@ States::
                                                    ▼   │ unit.lost (reschedule)
                                                  running ─► lost ──► failed (unit.lost fail)
                                                    │ ▲
-                                                   │ └─ sandbox.restarted (stateful, in place)
+                                                   │ └─ sandbox.restarted (stateful, in place),
+                                                   │    unit.migrated (now on its to_node)
                                                    ▼
                                             exited | failed
 
@@ -63,6 +64,8 @@ _MOVES: dict[str, tuple[frozenset[State], State]] = {
     "sandbox.ready": (frozenset({"scheduled"}), "running"),
     # a stateful sandbox that died and was started again in place: it stays running
     "sandbox.restarted": (frozenset({"running"}), "running"),
+    # moved to another node while it ran (docs/migration.md): it stays running, there
+    "unit.migrated": (frozenset({"running"}), "running"),
     "unit.lost": (frozenset({"scheduled", "running"}), "lost"),
     "sandbox.exited": (frozenset({"built", "pending", "scheduled", "running"}), "exited"),
 }
@@ -116,6 +119,8 @@ class Lifecycle:
     refused: tuple[Refused, ...] = field(default_factory=tuple)
     restarts: int = 0
     """Times it was started again in place after dying (``sandbox.restarted``)."""
+    migrations: tuple[str, ...] = ()
+    """Ids of the migrations that moved it (``unit.migrated``), oldest first."""
 
     @property
     def terminal(self) -> bool:
@@ -213,16 +218,23 @@ def step(
 def _migrated(current: Lifecycle, payload: Mapping[str, Any], event_id: str | None) -> Lifecycle:
     """``unit.migrated``: the unit ``main`` of a placed sandbox moves its node from the node it
     was on (another unit's move changes nothing here; one that does not start from the
-    sandbox's node — replayed bytes of an older move — is refused)."""
+    sandbox's node, or that was applied already — replayed bytes of an older move — is
+    refused)."""
     if payload.get("unit", "main") != "main":
         return current
     # (``scheduled`` too: a reader that judges the source's ``sandbox.ready`` against the
     # sandbox's latest node, as a rebuilt scheduler does, never saw it running there)
     placed = current.state in {"scheduled", "running"}
-    if not placed or payload.get("from_node") != current.node_id:
+    mid = str(payload.get("migration_id"))
+    if not placed or payload.get("from_node") != current.node_id or mid in current.migrations:
         refused = Refused(MIGRATED, event_id, current.state)
         return replace(current, refused=(*current.refused, refused))
-    return replace(current, node_id=str(payload.get("to_node")), last_event_id=event_id)
+    return replace(
+        current,
+        node_id=str(payload.get("to_node")),
+        migrations=(*current.migrations, mid),
+        last_event_id=event_id,
+    )
 
 
 def fold(events: Iterable[tuple[str, Mapping[str, Any]]]) -> Lifecycle:

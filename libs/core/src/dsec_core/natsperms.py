@@ -199,6 +199,9 @@ TABLE: Mapping[str, Role] = {
             "gpu.degraded",
             "gpu.recovered",
             "link.congested",
+            # criu
+            "unit.migrated",
+            "unit.migration_failed",
         ),
         # each node agent sees these through its own node's durables; acts only on its own
         node_consumes=(
@@ -207,6 +210,7 @@ TABLE: Mapping[str, Role] = {
             "unit.lost",
             "snapshot.requested",
             "snapshot.restore_requested",
+            "unit.migration_started",  # criu
         ),
         # remote logs/exec: answers go to the requester's inbox (encrypted, signed); the state
         # keeper's encrypted deltas (DSEC_STATE: publish, read back by sequence; a warm

@@ -173,6 +173,13 @@ class Settings(BaseSettings):
         default=True, description="Stop a flooding sandbox (sandbox.exited reason policy_flood)"
     )
 
+    # Migration, path criu (docs/migration.md).
+    migration_checkpointable: bool = Field(
+        default=False,
+        description="Start sandboxes so that CRIU can checkpoint them (migration path criu); "
+        "they give up Landlock's abstract-unix-socket scope (docs/migration.md)",
+    )
+
     # Node presence (README, "Nodes and inventory").
     heartbeat_s: float = Field(
         default=5.0, gt=0, description="How often a node agent publishes node.heartbeat"

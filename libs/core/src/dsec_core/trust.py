@@ -28,7 +28,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from functools import lru_cache
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -42,16 +41,9 @@ from dsec_core import authz, canonical, identity
 from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import KeyRegistered, KeyRevoked, SpecSubmitted, model_for
 from dsec_core.identity import Certificate, CertificateError
-from dsec_core.lifecycle import LIFECYCLE_TYPES, MIGRATED, Lifecycle, fold_envelopes
+from dsec_core.lifecycle import LIFECYCLE_TYPES, Lifecycle, fold_envelopes
 from dsec_core.signing import verify_raw
-from dsec_core.subjects import (
-    ROOT,
-    STREAM,
-    event_suffix,
-    filter_for,
-    subject_for,
-    token_problem,
-)
+from dsec_core.subjects import STREAM, filter_for, subject_for
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +55,6 @@ CLOCK_SKEW = timedelta(minutes=5)
 RECHECK_S = 60.0
 """A cached key's revocation status is read from the log again after this long."""
 """Events dated further in the future are refused (they would outlive the replay window)."""
-MIGRATION_ENDS = frozenset({MIGRATED, "unit.migration_failed"})
-"""What a node agent reports as an end of a migration (:meth:`Gate._migration_end`)."""
 
 
 def shape_problem(fields: dict[str, Any]) -> str | None:
@@ -74,30 +64,16 @@ def shape_problem(fields: dict[str, Any]) -> str | None:
     event_type, aggregate_id = fields.get("type"), fields.get("aggregate_id")
     if not isinstance(event_type, str) or not isinstance(aggregate_id, str):
         return "type and aggregate_id must be strings"
-    route = _route(event_type)
-    if isinstance(route, str):
-        return route
-    aggregate, suffix = route
-    problem = token_problem(aggregate_id)
-    if problem is not None:
-        return problem[:300]
-    if fields.get("aggregate") != aggregate:
+    try:
+        model = model_for(event_type)
+        subject = subject_for(event_type, aggregate_id)
+    except ValueError as exc:
+        return str(exc)[:300]
+    if fields.get("aggregate") != model.AGGREGATE:
         return f"aggregate {fields.get('aggregate')!r} is not that of {event_type}"
-    subject = f"{ROOT}.{aggregate}.{aggregate_id}.{suffix}"
     if fields.get("subject") != subject:
         return f"subject {fields.get('subject')!r} is not {subject!r}"
     return None
-
-
-@lru_cache(maxsize=1024)
-def _route(event_type: str) -> tuple[str, str] | str:
-    """``(aggregate, subject suffix)`` of a known type (:func:`subject_for`'s parts, per type
-    once: every message's shape check needs them), else why it is not one."""
-    try:
-        aggregate = model_for(event_type).AGGREGATE
-    except ValueError as exc:
-        return str(exc)[:300]
-    return aggregate, event_suffix(aggregate, event_type)
 
 
 @dataclass(frozen=True)
@@ -294,6 +270,9 @@ async def scan(
         yield data
 
 
+_MIGRATION_ENDS = frozenset({"unit.migrated", "unit.migration_failed"})
+
+
 def _attempt(payload: dict[str, Any]) -> int:
     """The placement attempt a ``sandbox.scheduled`` payload names (0 when unreadable)."""
     try:
@@ -343,9 +322,9 @@ class Gate:
         self._js = js
         self._handled = handled
         self._tenants: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        # sandbox -> (stream positions read up to on sandbox.scheduled and unit.migrated, node
-        # and attempt of its latest placement, the migrations of its main unit applied)
-        self._nodes: OrderedDict[str, tuple[int, int, str | None, int, tuple[str, ...]]] = (
+        # sandbox -> (stream position read up to, node and attempt of its latest placement)
+        self._nodes: OrderedDict[str, tuple[int, str | None, int, int]] = OrderedDict()
+        self._moves: OrderedDict[str, tuple[int, list[tuple[int, str, str]], frozenset[str]]] = (
             OrderedDict()
         )
         self._lock = asyncio.Lock()
@@ -415,17 +394,19 @@ class Gate:
         problem = authz.refusal(fields, cert)
         if problem is not None:
             return "unauthorized", problem
-        return await self._tenant(envelope) or await self._node(envelope, cert)
+        return await self._tenant(envelope) or await self._node(envelope, cert, stream_seq)
 
-    async def _node(self, envelope: Envelope, cert: Certificate) -> tuple[str, str] | None:
+    async def _node(
+        self, envelope: Envelope, cert: Certificate, stream_seq: int | None = None
+    ) -> tuple[str, str] | None:
         """A node agent speaks for a sandbox only while the sandbox's latest authentic
         ``sandbox.scheduled`` names its node: a rescheduled sandbox moves, and the node it left
         may say nothing more about it."""
         if cert.role != "nodeagent" or envelope.aggregate != SpecSubmitted.AGGREGATE:
             return None
-        if envelope.type in MIGRATION_ENDS:
+        if envelope.type in _MIGRATION_ENDS:
             return await self._migration_end(envelope, cert)
-        node = await self.placement(envelope.aggregate_id)
+        node = await self.placement(envelope.aggregate_id, before=stream_seq)
         if node != cert.node_id:
             where = f"on {node!r}" if node is not None else "on no node"
             return (
@@ -434,41 +415,6 @@ class Gate:
             )
         return None
 
-    async def placement(self, sandbox_id: str) -> str | None:
-        """The node of the sandbox's latest authentic ``sandbox.scheduled`` (read from the log
-        each time: only the stream position already read is remembered). Attempts only grow: a
-        placement whose attempt is not above the one before is the replayed bytes of an old
-        one (a genuine event re-published), and never moves the sandbox back. An authentic
-        ``unit.migrated`` of its unit ``main`` from that node moves it to the target."""
-        subject = subject_for("sandbox.scheduled", sandbox_id)
-        moved = subject_for(MIGRATED, sandbox_id)
-        read, read_moved, node, attempt, done = self._nodes.get(sandbox_id, (0, 0, None, 0, ()))
-        found: list[tuple[int, bytes]] = []
-        async for seq, data in scan_seq(self._js, subject, limit=1 << 30, after=read):
-            read = seq
-            found.append((seq, data))
-        async for seq, data in scan_seq(self._js, moved, limit=1 << 30, after=read_moved):
-            read_moved = seq
-            found.append((seq, data))
-        for _, data in sorted(found, key=lambda item: item[0]):
-            envelope = await self.authentic(data)
-            if envelope is None or envelope.subject not in {subject, moved}:
-                continue
-            p = envelope.payload
-            if envelope.type == MIGRATED:
-                # the unit main moved from the node it was on: it is the target's now (once:
-                # the replayed bytes of an older move never move it back)
-                mid = str(p.get("migration_id"))
-                main = p.get("unit", "main") == "main"
-                if main and p.get("from_node") == node and mid not in done:
-                    node, done = str(p.get("to_node")), (*done[-31:], mid)
-                continue
-            placed = _attempt(p)
-            if placed > attempt:
-                node, attempt = str(p.get("node_id")), placed
-        _remember(self._nodes, sandbox_id, (read, read_moved, node, attempt, done))
-        return node
-
     async def _migration_end(self, envelope: Envelope, cert: Certificate) -> tuple[str, str] | None:
         """A node agent reports a migration (``unit.migrated``, ``unit.migration_failed``)
         only as an end of one the scheduler started: an authentic ``unit.migration_started`` of
@@ -476,9 +422,10 @@ class Gate:
         p = envelope.payload
         mid = p.get("migration_id")
         ends = (p.get("from_node"), p.get("to_node"))
-        subject = subject_for("unit.migration_started", envelope.aggregate_id)
+        sid = envelope.aggregate_id
+        subject = subject_for("unit.migration_started", sid)
         if mid:
-            async for data in scan(self._js, subject, limit=1024):
+            async for _, data in scan_seq(self._js, subject, limit=1 << 30):
                 started = await self.authentic(data)
                 if started is None or started.subject != subject:
                     continue
@@ -493,9 +440,55 @@ class Gate:
                     return None
         return (
             "wrong-node",
-            f"no migration {mid!r} of sandbox {envelope.aggregate_id} from {ends[0]!r} to "
-            f"{ends[1]!r} was started for node {cert.node_id!r} to report",
+            f"no migration {mid!r} of sandbox {sid} from {ends[0]!r} to {ends[1]!r} was started "
+            f"for node {cert.node_id!r} to report",
         )
+
+    async def placement(self, sandbox_id: str, *, before: int | None = None) -> str | None:
+        """The node of the sandbox's latest authentic ``sandbox.scheduled`` or ``unit.migrated``
+        (read from the log each time: only the stream positions already read are remembered).
+        Attempts only grow: a placement whose attempt is not above the one before is the
+        replayed bytes of an old one (a genuine event re-published), and never moves the
+        sandbox back. A migration moves it from the node it is on (its ``from_node``), once per
+        ``migration_id``, and only when logged after the placement it moves; ``before``: the
+        stream position of the event being checked (what the source said before it migrated
+        stays the source's)."""
+        subject = subject_for("sandbox.scheduled", sandbox_id)
+        read, node, attempt, placed_seq = self._nodes.get(sandbox_id, (0, None, 0, 0))
+        async for seq, data in scan_seq(self._js, subject, limit=1 << 30, after=read):
+            read = seq
+            envelope = await self.authentic(data)
+            if envelope is not None and envelope.subject == subject:
+                placed = _attempt(envelope.payload)
+                if placed > attempt:
+                    node, attempt, placed_seq = str(envelope.payload.get("node_id")), placed, seq
+        _remember(self._nodes, sandbox_id, (read, node, attempt, placed_seq))
+        moved = await self._migrations(sandbox_id)
+        for seq, from_node, to_node in moved:
+            if before is not None and seq > before:
+                break
+            if seq > placed_seq and from_node == node:
+                node = to_node
+        return node
+
+    async def _migrations(self, sandbox_id: str) -> list[tuple[int, str, str]]:
+        """``(stream seq, from_node, to_node)`` of the sandbox's authentic ``unit.migrated``,
+        in log order, each migration id once."""
+        subject = subject_for("unit.migrated", sandbox_id)
+        read, found, ids = self._moves.get(sandbox_id, (0, [], frozenset()))
+        async for seq, data in scan_seq(self._js, subject, limit=1 << 30, after=read):
+            read = seq
+            envelope = await self.authentic(data)
+            if envelope is None or envelope.subject != subject:
+                continue
+            mid = str(envelope.payload.get("migration_id"))
+            if mid in ids or envelope.payload.get("unit", "main") != "main":
+                continue  # each migration once; only the unit main moves the sandbox
+            ids = ids | {mid}
+            p = envelope.payload
+            found = [*found, (seq, str(p.get("from_node")), str(p.get("to_node")))]
+        _remember(self._moves, sandbox_id, (read, found, ids))
+        return found
 
     async def lifecycle(self, sandbox_id: str, limit: int = 256) -> Lifecycle:
         """The sandbox's state: the fold of its authentic lifecycle events in log order (each
@@ -504,7 +497,7 @@ class Gate:
         for event_type in sorted(LIFECYCLE_TYPES):
             subject = subject_for(event_type, sandbox_id)
             async for seq, data in scan_seq(self._js, subject, limit):
-                envelope = await self.authentic(data)
+                envelope = await self.authentic(data, stream_seq=seq)
                 if envelope is not None and envelope.subject == subject:
                     found.append((seq, envelope))
         found.sort(key=lambda item: item[0])

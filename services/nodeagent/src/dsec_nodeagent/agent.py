@@ -703,6 +703,7 @@ class NodeAgent:
             semantic_rules=semantic,
             agent=agent_identity(plan),
             metadata=ctx.metadata(),
+            checkpointable=self.settings.migration_checkpointable,
         )
 
     def _ready_event(
@@ -780,6 +781,41 @@ class NodeAgent:
             restarting.set()
         with contextlib.suppress(KeyError):  # it ended meanwhile
             await self.manager.stop(sid, reason=ExitReason.STOPPED, grace_s=1.0)
+
+    # --------------------------------------------------------------- migration
+
+    def launched(self, sid: str) -> Launched | None:
+        """How a sandbox running here was started (None: re-adopted or restored)."""
+        return self._launched.get(sid)
+
+    def release_migrated(self, sid: str) -> None:
+        """The sandbox now runs on another node: its copy here ends without any event (as a
+        fenced copy does) and is not restarted."""
+        self._fenced.add(sid)
+        self._launched.pop(sid, None)
+
+    async def attach_restored(self, sid: str, cgroup_dir: Path, cgroup_id: int) -> None:
+        """Before a migrated sandbox's tree is restored here: its egress programs on its new
+        cgroup (from its plan, read back from the log through the trust gate)."""
+        found = await self._maybe_last("spec.validated", sid)
+        validated = found.decoded() if found is not None else None
+        if not isinstance(validated, events.SpecValidated):
+            raise ValueError(f"no authentic spec.validated for {sid}")
+        self._rules[sid] = rules_from_plan(validated.plan, validated.plan.spec_file)
+        if self._before_start is not None:
+            await self._before_start(sid, cgroup_dir, cgroup_id, validated.plan)
+
+    async def detach_restored(self, sid: str) -> None:
+        """A restore that was not committed: its egress programs go."""
+        self._rules.pop(sid, None)
+        if self._on_stopped is not None:
+            with contextlib.suppress(Exception):
+                await self._on_stopped(sid)
+
+    async def adopted_migrated(self, sid: str, started: events.UnitMigrationStarted) -> None:
+        """A migrated sandbox runs here now: it is this node's (its placement attempt stays)."""
+        state = await self.lifecycle(sid)
+        self._attempts[sid] = state.attempt
 
     # --------------------------------------------------------------- callbacks
 

@@ -19,6 +19,7 @@ from dsec_nodeagent.egress import Egress
 from dsec_nodeagent.gpunode import GpuNode
 from dsec_nodeagent.heartbeat import Heartbeat
 from dsec_nodeagent.inventory import Inventory
+from dsec_nodeagent.migration.node import Migrations
 from dsec_nodeagent.outlet import EventOutlet
 from dsec_nodeagent.refusals import RefusalGate
 from dsec_nodeagent.remote_access import RemoteAccess
@@ -59,6 +60,7 @@ class Wired:
     egress: Egress
     heartbeat: Heartbeat
     keeper: StateKeeper | None = None
+    migrations: Migrations | None = None
 
 
 def heartbeat_for(service: Service, agent: NodeAgent, gpus: GpuNode | None = None) -> Heartbeat:
@@ -144,6 +146,12 @@ def wire(
     # sandbox that now belongs to another node
     service.handles(events.UnitLost, scope="node", on_exhausted=lambda *_: [])(agent.on_unit_lost)
     agent.start_from_snapshot = NodeSnapshots(service).start_from  # snapshots of its sandboxes
+    # migrations (docs/migration.md): the source moves the unit, the target resumes it; a
+    # failure the runtime gives up on is this node's unit.migration_failed, never sandbox.failed
+    migrations = Migrations(service, agent).attach()
+    service.handles(events.UnitMigrationStarted, scope="node", on_exhausted=migrations.exhausted)(
+        migrations.on_started
+    )
 
     def expect_handover(new_sandbox: str, old_sandbox: str) -> None:
         if comms.broker is not None:  # a standby for the old one's tool name (hand-over)
@@ -183,4 +191,4 @@ def wire(
         ]
     )
     RemoteAccess(service, agent.manager).attach()  # `dsec sandbox logs|exec` over the bus
-    return Wired(service, agent, outlet, egress, heartbeat, keeper)
+    return Wired(service, agent, outlet, egress, heartbeat, keeper, migrations)

@@ -344,6 +344,13 @@ def _init_main(plan: Plan, report: _Reporter, status_w: int, holder_fd: int) -> 
         report.stage("namespaces", start)
         start = time.monotonic_ns()
         build_root(plan)
+        if plan.get("reaper_exec") and not plan.get("tty"):
+            # The sandbox's own /dev/null on stdin (not the host's, opened before pivot_root):
+            # no process of the sandbox then holds a file of the host's mount tree, which a
+            # checkpoint (CRIU, docs/migration.md) could not name.
+            null = os.open("/dev/null", os.O_RDWR)
+            os.dup2(null, 0)
+            os.close(null)
         report.stage("mounts", start)
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
     except BaseException as exc:  # report every failure, then die: nothing else can
@@ -355,7 +362,40 @@ def _init_main(plan: Plan, report: _Reporter, status_w: int, holder_fd: int) -> 
         _exec_workload(plan, report, holder_fd)
     os.close(holder_fd)
     report.close()
+    if plan.get("reaper_exec"):
+        _exec_reaper(plan["python"], workload, status_w)
     os._exit(_reap_until(workload, status_w))
+
+
+# Pid 1 once it has exec'd the sandbox's own interpreter: the same loop as _reap_until, with
+# nothing of the host's mount tree mapped (this module was loaded before pivot_root), so that
+# CRIU can checkpoint the whole sandbox (docs/migration.md).
+REAPER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)\n"  # PR_SET_DUMPABLE 0, as before the exec
+    "w, fd = int(sys.argv[1]), int(sys.argv[2])\n"
+    "def fwd(n, _f):\n"
+    "    try: os.kill(-1, n)\n"
+    "    except ProcessLookupError: pass\n"
+    "signal.signal(signal.SIGTERM, fwd)\n"
+    "signal.signal(signal.SIGINT, fwd)\n"
+    "while True:\n"
+    "    try: pid, st = os.waitpid(-1, 0)\n"
+    "    except ChildProcessError: os._exit(1)\n"
+    "    if pid == w:\n"
+    "        os.write(fd, str(st).encode()); os._exit(0)\n"
+)
+
+
+def _exec_reaper(python: str, workload: int, status_w: int) -> None:
+    """Replace this process image by :data:`REAPER` (run by the sandbox's interpreter, which is
+    bound at the same path inside); on any failure, reap here as before."""
+    try:
+        os.setsid()  # a session of its own: CRIU needs every session leader inside the sandbox
+        os.set_inheritable(status_w, True)
+        os.execv(python, [python, "-S", "-I", "-c", REAPER, str(workload), str(status_w)])
+    except OSError:
+        os.set_inheritable(status_w, False)
 
 
 def _reap_until(workload: int, status_w: int) -> int:
@@ -578,7 +618,11 @@ def _exec_workload(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
         stage, start = "landlock", time.monotonic_ns()
         policy = plan["landlock"]
         landlock.restrict_self(
-            policy["read"], policy["write"], policy["tcp_connect_ports"], policy["abi"]
+            policy["read"],
+            policy["write"],
+            policy["tcp_connect_ports"],
+            policy["abi"],
+            policy.get("scope_abstract_unix", True),
         )
         report.stage(stage, start)
         stage, start = "seccomp", time.monotonic_ns()

@@ -123,6 +123,7 @@ def restrict_self(
     write_paths: list[str],
     tcp_connect_ports: list[int] | None,
     abi: int,
+    scope_abstract_unix: bool = True,
 ) -> None:
     """Apply a ruleset to the calling thread and its future children; irreversible.
 
@@ -132,6 +133,9 @@ def restrict_self(
         tcp_connect_ports: the only TCP ports ``connect`` may reach, or ``None`` to leave TCP
             connects to the eBPF egress layer.
         abi: the kernel's Landlock ABI (from :func:`abi_version`, computed once by the parent).
+        scope_abstract_unix: scope abstract unix sockets to the domain (ABI 6). Off only for a
+            checkpointable sandbox: CRIU's parasite, run inside the workload, connects to one
+            that CRIU made (docs/migration.md).
 
     Raises:
         OSError: Landlock unavailable (ABI < 1) or a syscall failed. ``no_new_privs`` must be set.
@@ -146,7 +150,7 @@ def restrict_self(
         attr.handled_access_net = NET_CONNECT_TCP if tcp_connect_ports is not None else 0
     if abi >= 6:
         size = 24
-        attr.scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
+        attr.scoped = SCOPE_SIGNAL | (SCOPE_ABSTRACT_UNIX_SOCKET if scope_abstract_unix else 0)
     ruleset_fd = syscalls.syscall(
         syscalls.SYS_LANDLOCK_CREATE_RULESET, ctypes.c_void_p(ctypes.addressof(attr)), size, 0
     )

@@ -41,6 +41,7 @@ from dsec_nodeagent.sandbox import (
 from dsec_nodeagent.sandbox.models import (
     AgentIdentity,
     ExitReason,
+    Limits,
     SandboxConfig,
     SandboxExited,
     SandboxReady,
@@ -471,13 +472,49 @@ class SandboxManager:
         return sid if sid is not None and sid in self._sandboxes else None
 
     def _create_cgroup(self, config: SandboxConfig) -> cgroups.SandboxCgroup:
+        return self.create_cgroup(config.sandbox_id, config.limits)
+
+    def create_cgroup(self, sandbox_id: str, limits: Limits) -> cgroups.SandboxCgroup:
+        """A sandbox's fresh cgroups under this node's parent (a launch, or a restore)."""
         if self._hierarchy is None:
             self._hierarchy = cgroups.detect()
             if self.tune_cgroups:
                 cgroups.favor_dynamic_modifications(self._hierarchy)
-        return cgroups.SandboxCgroup.create(
-            self._hierarchy, config.sandbox_id, config.limits, node=self.node_id
+        return cgroups.SandboxCgroup.create(self._hierarchy, sandbox_id, limits, node=self.node_id)
+
+    async def prepare_restored(
+        self, sandbox_id: str, uid: int, *, ipc: bool, semantic: bool
+    ) -> DecisionChannel | None:
+        """The node-side ends a restored sandbox's root view binds (before ``criu restore``):
+        its view of this node's broker (``ipc``) and its semantic layer's channel."""
+        run_dir = self.run_dir / sandbox_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if ipc and self.ipc_socket is not None:
+            (run_dir / "ipc").mkdir(mode=0o755, exist_ok=True)
+            self._link_ipc(run_dir / "ipc")
+        if not semantic:
+            return None
+        return await DecisionChannel.open(
+            sandbox_id, run_dir / "events.sock", uid, self.on_decision
         )
+
+    def adopt_restored(
+        self,
+        state: dict[str, Any],
+        cgroup: cgroups.SandboxCgroup,
+        process: asyncio.subprocess.Process,
+        channel: DecisionChannel | None = None,
+    ) -> None:
+        """Watch a sandbox another node checkpointed and this one restored
+        (``dsec_nodeagent.migration``): ``state`` as :meth:`_state` writes it, its supervisor
+        the restorer ``process``. Its seccomp listener did not come along (CRIU restores the
+        filter, not the listener): its refusals still fail, unreported."""
+        sid = state["sandbox_id"]
+        ready = SandboxReady.model_validate(state["ready"])
+        self.states.write(sid, state)
+        self._adopt_agent(state, ready.uid)
+        self._uid_owners[ready.uid] = sid
+        self._watch(Sandbox(sid, ready, state, cgroup, process=process, channel=channel))
 
     def _uids_in_use(self) -> set[int]:
         used = {s.ready.uid for s in self._sandboxes.values()}
@@ -649,6 +686,7 @@ class SandboxManager:
             "exec_plan": exec_plan,
             "secret_env_names": sorted(secret_names),
             "agent": config.agent.model_dump() if config.agent is not None else None,
+            "checkpointable": config.checkpointable,
         }
 
     async def _abort(

@@ -157,6 +157,11 @@ class SandboxConfig(BaseModel):
             only, ``dsec_nodeagent.gpuslice``).
         gpu_binds: sandbox path -> host directory bound read-write (an MPS server's pipe
             directory).
+        checkpointable: CRIU can checkpoint the whole sandbox (migration path ``criu``,
+            docs/migration.md): pid 1 re-executes the sandbox's own interpreter once the root
+            view is built (no process maps a file of the host's mount tree), and Landlock does
+            not scope abstract unix sockets (CRIU's parasite, run inside the workload, connects
+            to one CRIU made) — the one isolation a checkpointable sandbox gives up.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -184,6 +189,7 @@ class SandboxConfig(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     gpu_devices: list[str] = Field(default_factory=list, max_length=512)
     gpu_binds: dict[str, Path] = Field(default_factory=dict, max_length=64)
+    checkpointable: bool = False
 
     @field_validator("sandbox_id")
     @classmethod

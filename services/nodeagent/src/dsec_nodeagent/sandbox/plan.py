@@ -136,11 +136,15 @@ def build(
             "read": read,
             "write": write,
             "tcp_connect_ports": config.tcp_connect_ports,
+            # CRIU's parasite, run inside the workload, must reach the abstract socket CRIU
+            # makes: a checkpointable sandbox has no abstract-socket scope (docs/migration.md)
+            "scope_abstract_unix": not config.checkpointable,
         },
         "seccomp": kernel.seccomp_program.hex(),
         "cap_last_cap": kernel.cap_last_cap,
         "argv": _argv(config, runtime),
         "python": runtime.executable,
+        "reaper_exec": config.checkpointable,
         "env": workload_env(config, runtime, host),
         "cwd": config.workdir,
         "nofile": config.limits.files,

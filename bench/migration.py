@@ -1,0 +1,323 @@
+"""Migration: a CPU sandbox with 256 MiB of touched memory moved between two node agents by CRIU.
+
+    sudo .venv/bin/python bench/migration.py [--quick] [--json] [--runs N] [--mib 256]
+
+Two node agents in this process (the real service each: node-1 and node-2, homes of their own,
+certified by one operator root, egress programs under their own pin directories, a throwaway
+NATS). Each run starts a sandbox on node-1 that fills ``--mib`` MiB of memory and then keeps
+printing a counter, publishes ``unit.migration_started{path: criu}`` as the scheduler would, and
+waits for node-2's ``unit.migrated``: its ``interruption_ms`` is the **freeze** (from the final
+dump freezing the sandbox to the restored tree continuing on node-2: dump, transfer of the
+images, restore, the source's release), with ``bytes_moved``, ``precopy_rounds`` and the stages.
+Every run checks that the counter went on with nothing lost or repeated.
+
+Anchors (published figures, not measured here): Xen live migration ~60 ms downtime (Clark et
+al., NSDI 2005); the CUDA restore phase ~1.3 s (NVIDIA Dynamo). On a kernel without
+``CONFIG_MEM_SOFT_DIRTY`` (this VM's) CRIU cannot track the pages written after a pre-dump, so
+there are no pre-copy rounds: the whole memory is dumped and moved inside the freeze.
+
+The hand-over path (docs/state.md) across nodes is not built yet (docs/migration.md). What is
+measured instead, and reported as ``handover``: the hand-over's switch on one node's broker with
+real SDK agent processes — the old version serving ``record``, another agent calling it in a
+loop, the new version registered as the standby, the old one paused (its call in progress
+finished) and frozen, the name switched, the caller told ``moved`` — as the caller's gap from
+its last answer by the old version to its first by the new one (the state plane's final delta,
+timed in bench/state.py, is not in it).
+
+``--json``: the last line is exactly
+``{"criu": {"freeze_ms_p50": X, "freeze_ms_p99": X, "bytes": N}, "handover":
+{"interruption_ms_p50": X, "interruption_ms_p99": X}}``. Needs root and CRIU
+(``scripts/setup-criu.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services/nodeagent/tests"))
+import _nodeagent_harness
+from _common import emit, nats_server, percentile
+from _ipc_testkit import BrokerThread
+from _nodeagent_harness import NodeAgentHarness
+from dsec_core import events
+from dsec_core.layout import NodeLayout
+
+QUIET = "{cidr: 10.77.0.0/16, ports: [80]}"
+PROGRAM = """
+import time
+memory = bytearray({mib} << 20)
+for i in range(0, len(memory), 4096):
+    memory[i] = 1
+print("filled", flush=True)
+n = 0
+while True:
+    n += 1
+    memory[(n * 4096) % len(memory)] = n & 255
+    print("count", n, flush=True)
+    time.sleep(0.01)
+"""
+# the harness's spec gives a sandbox 256 MiB; this one holds 256 MiB of data besides Python
+_nodeagent_harness.SPEC = _nodeagent_harness.SPEC.replace("memory: 256MiB", "memory: 1GiB")
+ANCHORS = {"xen_live_migration_downtime_ms": 60.0, "cuda_restore_dynamo_ms": 1300.0}
+
+
+def counts(path: Path) -> list[int]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [int(line.split()[1]) for line in lines if line.startswith("count ")]
+
+
+async def until(check: Any, what: str, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"migration bench: not {what} within {timeout} s")
+        await asyncio.sleep(0.05)
+    return value
+
+
+@contextlib.asynccontextmanager
+async def two_nodes(base: Path, nats_url: str) -> AsyncIterator[tuple[Any, Any]]:
+    first, second = base / "n1", base / "n2"
+    common = {"migration_checkpointable": True}
+    async with NodeAgentHarness(first, nats_url, node_id="node-1", **common) as h1:
+        (second / "trust").mkdir(parents=True)
+        for name in ("root.key", "root.pub"):
+            shutil.copy2(first / "trust" / name, second / "trust" / name)
+        settings = {"node_id": "node-2", "sandbox_uid_base": 260000, **common}
+        try:
+            async with NodeAgentHarness(second, nats_url, **settings) as h2:
+                yield h1, h2
+        finally:  # node-2's parent cgroups go, as at `dsec down`
+            from dsec_nodeagent.sandbox import cgroups
+
+            cgroups.remove_node_group(cgroups.detect(), "node-2")
+
+
+async def one_run(h1: Any, h2: Any, base: Path, mib: int, say: Any) -> dict[str, Any]:
+    code = PROGRAM.format(mib=mib)
+    sid = await h1.submit("migrate", code, QUIET)
+    await h1.wait_for(sid, "sandbox.ready", 120)
+    source_log = NodeLayout.of(base / "n1").sandbox(sid).logs / "stdout.log"
+    target_log = NodeLayout.of(base / "n2").sandbox(sid).logs / "stdout.log"
+    await until(lambda: len(counts(source_log)) >= 50, "counting on node-1", 120)
+    mid = f"bench-{uuid.uuid4().hex[:8]}"
+    await h1.upstream.scheduler.publish(
+        events.UnitMigrationStarted(
+            migration_id=mid, from_node="node-1", to_node="node-2", reason="operator", path="criu"
+        ),
+        aggregate_id=sid,
+    )
+    rec = h1.recorded[sid]
+    await until(lambda: rec.of("unit.migrated") or rec.of("unit.migration_failed"), "migrated", 300)
+    if rec.of("unit.migration_failed"):
+        raise SystemExit(f"migration failed: {rec.of('unit.migration_failed')[0].payload}")
+    migrated = events.UnitMigrated.model_validate(rec.of("unit.migrated")[0].payload)
+    at = len(counts(target_log))
+    await until(lambda: len(counts(target_log)) >= at + 20, "counting on node-2", 60)
+    seen = counts(target_log)
+    intact = seen == list(range(1, len(seen) + 1))
+    await h2.upstream.user.publish(
+        events.SandboxStopRequested(requested_by="bench"), aggregate_id=sid
+    )
+    await h2.wait_for(sid, "sandbox.exited", 60)
+    result = {
+        "freeze_ms": migrated.interruption_ms,
+        "bytes": migrated.bytes_moved,
+        "precopy_rounds": migrated.precopy_rounds,
+        "stages_ms": migrated.stages_ms,
+        "counter_intact": intact,
+    }
+    say(f"  run: {json.dumps(result)}")
+    if not intact:
+        raise SystemExit("migration bench: the counter lost or repeated a count")
+    return result
+
+
+# ------------------------------------------------------------------ the hand-over's switch
+
+AGENTS = Path(__file__).resolve().parents[1] / "services/nodeagent/tests/_handover_agents.py"
+CALLER = """
+import json, os, sys, time
+from pathlib import Path
+from dsec_sdk import DSecClient
+client = DSecClient("agent-a", "g1", socket_path=sys.argv[1], timeout=60)
+stop, out, seen, seq = Path(sys.argv[3]), sys.argv[2], [], 0
+while not stop.exists():
+    answer = client.call_tool("agent-b", "record", seq=seq)
+    seen.append((answer["who"], time.monotonic()))
+    seq += 1
+Path(out).write_text(json.dumps(seen))
+client.close()
+"""
+
+
+def _sandbox_of(pid: int, _uid: int) -> str | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(b"DSEC_TEST_SANDBOX="):
+            return entry.split(b"=", 1)[1].decode()
+    return None
+
+
+def _spawn(sandbox: str, argv: list[str], handover_from: str = "") -> subprocess.Popen[bytes]:
+    env = {**os.environ, "DSEC_TEST_SANDBOX": sandbox, "DSEC_STATE_HANDOVER_FROM": handover_from}
+    return subprocess.Popen([sys.executable, *argv], env=env)
+
+
+def _poll(predicate: Any, what: str, timeout: float = 60.0, every: float = 0.0005) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"hand-over bench: not {what} within {timeout} s")
+        time.sleep(every)
+    return value
+
+
+def one_handover(work: Path) -> float:
+    """One hand-over of a real SDK agent's tool name on one node's broker while another agent
+    calls it in a loop: the new version registers as the standby, the old one finishes its call
+    in progress and takes no more, is frozen (SIGSTOP, as the keeper's cgroup freeze), the broker
+    switches the name and tells the caller ``moved``. Returns the caller's gap: from its last
+    answer by the old version to its first by the new one."""
+    from dsec_nodeagent.ipc.registry import AgentKey
+
+    key = AgentKey("g1", "agent-b")
+    broker = BrokerThread(work / "ipc.sock", sandbox_of=_sandbox_of)
+    sock = str(broker.socket_path)
+    old_log, new_log, out, stop = (work / n for n in ("old.log", "new.log", "out.json", "stop"))
+    procs = [_spawn("old", [str(AGENTS), "server", sock, "old", str(old_log)])]
+    try:
+        _poll(lambda: broker.broker.local_server(key), "the old version serving", every=0.01)
+        procs.append(_spawn("caller", ["-c", CALLER, sock, str(out), str(stop)]))
+        _poll(lambda: old_log.exists() and old_log.stat().st_size > 2000, "calls", every=0.01)
+        broker.broker.expect_handover("new", "old")
+        procs.append(
+            _spawn("new", [str(AGENTS), "server", sock, "new", str(new_log)], handover_from="old")
+        )
+        _poll(lambda: Path(f"{new_log}.ready").exists(), "the new version ready", every=0.01)
+        old = procs[0]
+        old.send_signal(signal.SIGUSR1)  # the keeper's `handover`: finish the call, take no more
+        _poll(lambda: Path(f"{old_log}.paused").exists(), "the old version paused")
+        old.send_signal(signal.SIGSTOP)  # the freeze
+
+        async def switch() -> int:
+            return broker.broker.switch(key, "new")
+
+        broker.run(switch())
+        broker.broker.forget_handover("new")
+        old.kill()
+        _poll(lambda: new_log.exists() and new_log.stat().st_size > 2000, "calls to new")
+        stop.touch()
+        procs[1].wait(60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        broker.stop()
+    seen = json.loads(out.read_text())
+    last_old = max(t for who, t in seen if who == "old")
+    first_new = min(t for who, t in seen if who == "new")
+    return (first_new - last_old) * 1000
+
+
+def handover(runs: int, say: Any) -> dict[str, Any]:
+    gaps = []
+    for _ in range(runs):
+        work = Path(tempfile.mkdtemp(prefix="dsec-mho-"))  # short: a socket path's 107 bytes
+        try:
+            gaps.append(one_handover(work))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        say(f"  hand-over: caller's gap {gaps[-1]:.2f} ms")
+    return {
+        "runs": runs,
+        "interruption_ms_p50": round(percentile(gaps, 0.5), 2),
+        "interruption_ms_p99": round(percentile(gaps, 0.99), 2),
+        "gaps_ms": [round(g, 2) for g in gaps],
+        "scope": "one node's broker with real SDK agents (pause, freeze, switch, `moved`); "
+        "the state plane's final delta and the cross-node hand-over are not in it (the latter "
+        "is not built: docs/migration.md)",
+    }
+
+
+async def run(runs: int, mib: int, say: Any) -> dict[str, Any]:
+    base = Path(tempfile.mkdtemp(prefix="mig-", dir="/tmp"))
+    try:
+        with nats_server() as url:
+            async with two_nodes(base, url) as (h1, h2):
+                done = [await one_run(h1, h2, base, mib, say) for _ in range(runs)]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    freezes = [r["freeze_ms"] for r in done]
+    stages = {k: round(percentile([r["stages_ms"].get(k, 0.0) for r in done], 0.5), 1)
+              for k in done[0]["stages_ms"]}  # fmt: skip
+    return {
+        "criu": {
+            "runs": runs,
+            "memory_mib": mib,
+            "freeze_ms_p50": round(percentile(freezes, 0.5), 1),
+            "freeze_ms_p99": round(percentile(freezes, 0.99), 1),
+            "bytes": int(percentile([r["bytes"] for r in done], 0.5)),
+            "precopy_rounds": max(r["precopy_rounds"] for r in done),
+            "stages_p50_ms": stages,
+            "runs_detail": done,
+        },
+        "anchors": ANCHORS,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 runs instead of 5")
+    parser.add_argument("--json", action="store_true", help="print only the ratio and JSON lines")
+    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--mib", type=int, default=256, help="memory the sandbox touches")
+    args = parser.parse_args()
+    runs = args.runs or (2 if args.quick else 5)
+
+    def say(text: str) -> None:
+        if not args.json:
+            print(text, flush=True)
+
+    results = asyncio.run(run(runs, args.mib, say))
+    results["handover"] = h = handover(5 if args.quick else 20, say)
+    c = results["criu"]
+    line = (
+        f"migration: criu freeze p50 {c['freeze_ms_p50']:.0f} ms, p99 {c['freeze_ms_p99']:.0f} ms "
+        f"for {args.mib} MiB touched ({c['bytes'] / 2**20:.0f} MiB moved, "
+        f"{c['precopy_rounds']} pre-copy rounds; stages p50 {c['stages_p50_ms']}); anchors: Xen "
+        f"live migration ~60 ms downtime, CUDA restore ~1.3 s; hand-over (one node's broker, "
+        f"real SDK agents, a caller calling throughout): gap p50 {h['interruption_ms_p50']:.2f} "
+        f"ms, p99 {h['interruption_ms_p99']:.2f} ms (target < 12 ms; across nodes: not built)"
+    )
+    summary = {
+        "criu": {"freeze_ms_p50": c["freeze_ms_p50"], "freeze_ms_p99": c["freeze_ms_p99"],
+                 "bytes": c["bytes"]},
+        "handover": {"interruption_ms_p50": h["interruption_ms_p50"],
+                     "interruption_ms_p99": h["interruption_ms_p99"]},
+    }  # fmt: skip
+    emit("migration", results, line, summary=summary, runs=runs)
+
+
+if __name__ == "__main__":
+    main()
