@@ -163,6 +163,9 @@ async def test_a_failing_tool_is_degraded_with_a_diagnosis_then_recovers(
         await asyncio.sleep(0.5)
     assert {r["metric"]["class"]: float(r["value"][1]) for r in result} == {"auth": 3.0}
     fallbacks = await asyncio.to_thread(
-        _query, prometheus, 'dsec_tool_fallbacks_total{tool="web_search",fallback="local_search"}'
+        _query,
+        prometheus,
+        'sum(dsec_tool_fallbacks_total{tool="web_search",fallback="local_search",'
+        'agent="toolsdemo"})',
     )
     assert fallbacks and float(fallbacks[0]["value"][1]) >= 3
