@@ -794,6 +794,27 @@ class NodeAgent:
         self._fenced.add(sid)
         self._launched.pop(sid, None)
 
+    async def stage_migrated(self, sid: str) -> tuple[Envelope, asyncio.Task[Staged]]:
+        """Path ``handover``, on the target, while the source still serves: the sandbox's
+        authentic ``env.built`` (that of its current ``sandbox.scheduled``) and its
+        environment's staging, started."""
+        scheduled = (await self._last("sandbox.scheduled", sid)).decoded()
+        assert isinstance(scheduled, events.SandboxScheduled)
+        built_env = await self._last("env.built", sid, scheduled.env_built_id)
+        built = built_env.decoded()
+        assert isinstance(built, events.EnvBuilt)
+        return built_env, asyncio.create_task(self._stage(built))
+
+    async def launch_migrated(
+        self, sid: str, built_env: Envelope, staging: asyncio.Task[Staged]
+    ) -> None:
+        """Path ``handover``, on the target: start the same sandbox (same plan, code,
+        secrets, limits, id) as a start here would. Its events (``sandbox.ready``,
+        ``context.injected``) are not published: the sandbox is not starting, it moves
+        (``unit.migrated`` says so)."""
+        outputs = await self._launch(sid, staging, built_env)
+        log.info("%s: started here for a migration (%d start events kept back)", sid, len(outputs))
+
     async def attach_restored(self, sid: str, cgroup_dir: Path, cgroup_id: int) -> None:
         """Before a migrated sandbox's tree is restored here: its egress programs on its new
         cgroup (from its plan, read back from the log through the trust gate)."""

@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 from dsec_core import canonical, events
 from dsec_core.envelope import Envelope
 from nacl.exceptions import BadSignatureError, CryptoError
@@ -46,6 +47,8 @@ from nacl.signing import VerifyKey
 from dsec_nodeagent.migration import criu
 from dsec_nodeagent.sandbox import quota
 from dsec_nodeagent.sandbox.models import Limits
+from dsec_nodeagent.state.handover import FINAL_TIMEOUT_S, CgroupFreezer
+from dsec_nodeagent.state.keeper import StateKey
 
 if TYPE_CHECKING:
     from dsec_core.service import Service
@@ -64,6 +67,8 @@ WINDOW = 32
 REQUEST_S = 30.0
 EXPECT_S = 15.0
 """How long the target waits to see the scheduler's ``unit.migration_started`` for an offer."""
+RECOVER_S = 90.0
+"""Path ``handover``: how long the target's sandbox may take to start and open its state."""
 
 
 RUN_FILES = ("rules.json",)
@@ -200,12 +205,15 @@ class Migrations:
             return [
                 self._failed(event, "checkpoint", f"{sid} does not run on {self.node_id}", False)
             ]
+        if event.path == "handover":
+            return await self.move_handover(sid, event)
         if event.path != "criu":
             return [
                 self._failed(
                     event,
                     "checkpoint",
-                    f"path {event.path!r} is not carried out by node agents yet; only 'criu'",
+                    f"path {event.path!r} is not carried out by node agents yet; only 'criu' "
+                    "and 'handover'",
                     True,
                 )
             ]
@@ -357,6 +365,115 @@ class Migrations:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
+    async def move_handover(
+        self, sid: str, event: events.UnitMigrationStarted
+    ) -> Sequence[events.Payload]:
+        """Path ``handover`` across nodes, the source's part (docs/migration.md "Path
+        ``handover``"): the target stages the sandbox's environment while this copy serves;
+        then the agent stops taking calls and makes its final checkpoint durable in the state
+        plane (the same-node hand-over's final-delta step), its cgroup is frozen, the target
+        starts the same sandbox and its keeper recovers the state from DSEC_STATE/S3 (as
+        after a node loss), and only once the target's agent holds the state up to that final
+        checkpoint is this frozen copy killed (no ``sandbox.exited``). Any failure before:
+        thawed, told ``handover-aborted``, it serves on (``still_running``)."""
+        sandbox = self.agent.manager.get(sid)
+        keeper = self.agent.state_keeper
+        launched = self.agent.launched(sid)
+        plan = launched.plan if launched is not None else None
+        if sandbox is None or keeper is None or plan is None or plan.state is None:
+            why = (
+                f"{sid} has no state plane on {self.node_id} (no `state:` section, or it was "
+                "re-adopted by a restarted node agent): path handover cannot carry it"
+            )
+            return [self._failed(event, "checkpoint", why, sandbox is not None)]
+        key = StateKey(plan.tenant, plan.effective_task_group, plan.name)
+        session = keeper.session_of(key)
+        if session is None or session.sandbox_id != sid or session._agent is None:
+            why = f"the agent of {sid} holds no open state (AgentState): nothing to hand over"
+            return [self._failed(event, "checkpoint", why, True)]
+        cgroup_dir = sandbox.ready.cgroup_path
+        freezer = CgroupFreezer()
+        channel: _Channel | None = None
+        stopped = False
+        frozen_dir: str | None = None
+        stages: dict[str, float] = {}
+        try:
+            channel = await _Channel.open(self, sid, event)
+            await self._stage(event, "offered")
+            t_prep = time.perf_counter()
+            answer = await channel.call({"op": "hprepare"}, timeout=120)
+            if not answer.get("ok"):
+                raise MigrationError(str(answer.get("stage", "restore")), str(answer.get("reason")))
+            stages["prepare"] = round((time.perf_counter() - t_prep) * 1000, 2)
+            # The interruption starts here: the agent finishes the call in progress, takes no
+            # more, and sends its final checkpoint, made durable (JetStream) by the keeper.
+            t0 = time.perf_counter()
+            stopped = True
+            final = await session.request_final(sid, timeout_s=FINAL_TIMEOUT_S)
+            final_seq = session._seq()
+            await freezer.freeze(cgroup_dir)
+            frozen_dir = cgroup_dir
+            t1 = time.perf_counter()
+            stages["final"] = round((t1 - t0) * 1000, 2)
+            await self._stage(event, "stopped")
+            answer = await channel.call({"op": "hlaunch", "seq": final_seq}, timeout=180)
+            if not answer.get("ok"):
+                raise MigrationError(str(answer.get("stage", "restore")), str(answer.get("reason")))
+            t2 = time.perf_counter()
+            stages["launch"] = round(float(answer.get("launch_ms", 0.0)), 2)
+            stages["recover"] = round(float(answer.get("recover_ms", 0.0)), 2)
+            interruption = (t2 - t0) * 1000
+            # The target's agent holds the state: this frozen copy goes, with no event.
+            self.agent.release_migrated(sid)
+            keeper.forget_sandbox(sid)
+            await asyncio.to_thread(sandbox.cgroup.kill)
+            frozen_dir = None
+            stages["release"] = round((time.perf_counter() - t2) * 1000, 2)
+            answer = await channel.call(
+                {
+                    "op": "hcommit",
+                    "interruption_ms": interruption,
+                    "stages": stages,
+                    "bytes": len(msgpack.packb(final, use_bin_type=True)) if final else 0,
+                    "seq": final_seq,
+                },
+                timeout=30,
+            )
+            if not answer.get("ok"):
+                log.error("%s: the target could not adopt it: %s", sid, answer.get("reason"))
+            await self._stage(event, "released")
+            return []
+        except Exception as caught:  # whatever failed: the source serves on
+            err = (
+                caught
+                if isinstance(caught, MigrationError)
+                else MigrationError(
+                    "restore" if stopped else "checkpoint", f"{type(caught).__name__}: {caught}"
+                )
+            )
+            log.warning(
+                "%s: migration %s failed at %s: %s", sid, event.migration_id, err.stage, err
+            )
+            if frozen_dir is not None:
+                with contextlib.suppress(Exception):
+                    await freezer.thaw(frozen_dir)
+            if channel is not None:
+                with contextlib.suppress(Exception):
+                    await channel.call({"op": "abort"}, timeout=30)
+            if stopped:  # it stopped taking calls for its final checkpoint: it serves again
+                with contextlib.suppress(Exception):
+                    await session.send(
+                        {
+                            "op": "error",
+                            "code": "handover-aborted",
+                            "message": err.reason[:300],
+                            "seq": None,
+                        }
+                    )
+            return [
+                self._failed(event, err.stage, err.reason, self.agent.manager.get(sid) is not None)
+            ]
+
     async def _stage(self, event: events.UnitMigrationStarted, stage: str) -> None:
         if self.on_stage is not None:
             await self.on_stage(event.migration_id, stage)
@@ -477,7 +594,89 @@ class Migrations:
         if op == "abort":
             await self._discard(session)
             return {"ok": True}
+        if op in ("hprepare", "hlaunch"):
+            try:
+                return await self._handover_step(session, op, body)
+            except Exception as exc:  # anything: nothing of the start stays
+                log.warning("%s: %s failed: %s", session.sandbox_id, op, exc)
+                await self._discard(session)
+                stage = exc.stage if isinstance(exc, MigrationError) else "restore"
+                return {"ok": False, "stage": stage, "reason": f"{type(exc).__name__}: {exc}"}
+        if op == "hcommit":
+            return await self._handover_commit(session, body)
         raise ValueError(f"unknown op {op!r}")
+
+    async def _handover_step(
+        self, session: _Session, op: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Path ``handover``, the target: ``hprepare`` stages the sandbox's environment while
+        the source serves; ``hlaunch`` (the source stopped and froze) starts the same sandbox
+        here and waits until its agent holds the state up to the source's final checkpoint
+        (its keeper recovered it from DSEC_STATE/S3)."""
+        sid = session.sandbox_id
+        if op == "hprepare":
+            built_env, staging = await self.agent.stage_migrated(sid)
+            session.meta = {"built": built_env, "staging": staging}
+            return {"ok": True}
+        if "built" not in session.meta:
+            raise MigrationError("restore", "hlaunch before hprepare")
+        final_seq = int(body.get("seq", 0))
+        t0 = time.perf_counter()
+        session.meta["launched"] = True
+        await self.agent.launch_migrated(sid, session.meta["built"], session.meta["staging"])
+        t1 = time.perf_counter()
+        launched = self.agent.launched(sid)
+        keeper = self.agent.state_keeper
+        if launched is None or keeper is None or launched.plan.state is None:
+            raise MigrationError("restore", f"{sid} started here without its state plane")
+        plan = launched.plan
+        key = StateKey(plan.tenant, plan.effective_task_group, plan.name)
+        deadline = time.monotonic() + RECOVER_S
+        while True:
+            held = keeper.session_of(key)
+            if (
+                held is not None
+                and held.sandbox_id == sid
+                and held._agent is not None
+                and held._seq() >= final_seq
+            ):
+                break
+            if self.agent.manager.get(sid) is None:
+                raise MigrationError("restore", f"{sid} ended on {self.node_id} before it served")
+            if time.monotonic() > deadline:
+                raise MigrationError(
+                    "restore",
+                    f"the agent of {sid} did not open its state (up to seq {final_seq}) on "
+                    f"{self.node_id} within {RECOVER_S:g} s",
+                )
+            await asyncio.sleep(0.005)
+        return {
+            "ok": True,
+            "launch_ms": (t1 - t0) * 1000,
+            "recover_ms": (time.perf_counter() - t1) * 1000,
+        }
+
+    async def _handover_commit(self, session: _Session, body: dict[str, Any]) -> dict[str, Any]:
+        """Path ``handover``: the source released its copy; this one is the sandbox's."""
+        sid = session.sandbox_id
+        self._sessions.pop(session.migration_id, None)
+        shutil.rmtree(session.work, ignore_errors=True)
+        await self.agent.adopted_migrated(sid, session.started)
+        migrated = events.UnitMigrated(
+            unit=session.started.unit,
+            migration_id=session.migration_id,
+            from_node=session.started.from_node,
+            to_node=self.node_id,
+            from_gpus=session.started.from_gpus,
+            to_gpus=session.started.to_gpus,
+            reason=session.started.reason,
+            path="handover",
+            interruption_ms=round(float(body.get("interruption_ms", 0.0)), 2),
+            bytes_moved=int(body.get("bytes", 0)),
+            stages_ms={k: float(v) for k, v in dict(body.get("stages") or {}).items()},
+        )
+        await self.agent.outlet.lifecycle(migrated, sid, None)
+        return {"ok": True}
 
     def _target_path(self, meta: dict[str, Any], host_path: str) -> str:
         """The target's path for a source host path: the sandbox's files are here under its
@@ -639,6 +838,10 @@ class Migrations:
         """Undo a restore that will not be committed (nothing of it stays)."""
         self._sessions.pop(session.migration_id, None)
         sid = session.sandbox_id
+        if session.meta.get("launched") and self.agent.manager.get(sid) is not None:
+            with contextlib.suppress(Exception):  # path handover: the copy started here
+                self.agent.release_migrated(sid)
+                await self.agent.fence(sid)
         if session.channel is not None:
             with contextlib.suppress(Exception):
                 await session.channel.close()
