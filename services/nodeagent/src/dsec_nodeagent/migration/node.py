@@ -12,6 +12,12 @@ target restores the tree in fresh cgroups (egress programs attached first), the 
 its stopped copy (no ``sandbox.exited``: the sandbox lives on), the target continues the tree,
 adopts it and publishes ``unit.migrated``.
 
+Path ``handover`` (a sandbox with a ``state:`` section; :meth:`Migrations.move_handover`):
+stop-and-recover, not a warm standby. The target stages the environment, the source's agent
+makes its final checkpoint durable and is frozen, the target starts the same sandbox whose
+keeper recovers the state from DSEC_STATE/S3, then the source's copy is killed (no event) and
+the target publishes ``unit.migrated``. The channel carries only the steps.
+
 The channel: core NATS request-reply on ``dsec_ipc._migrate.<to_node>`` (outside the audited
 stream; node agents already hold ``dsec_ipc.>``). The source's ``offer`` and the target's
 ``hello`` are signed by each node agent's certified key and carry fresh X25519 keys; every later
