@@ -488,7 +488,7 @@ class NodeAgent:
             raise StartRefused(str(exc)) from None
 
     async def _launch(
-        self, sid: str, staging: asyncio.Task[Staged], built: Envelope
+        self, sid: str, staging: asyncio.Task[Staged], built: Envelope, *, standby: bool = False
     ) -> list[events.Payload]:
         # Follow the causes back: env.built <- deps.resolved <- spec.validated <- spec.submitted,
         # each authentic; never simply the newest message on those subjects.
@@ -525,6 +525,8 @@ class NodeAgent:
                 "%s: %s does not run on this node; starting without a hand-over", sid, handover_from
             )
             handover_from = None
+        if standby:  # migration path handover: the warm standby of its copy on another node
+            handover_from = sid
         ctx = await self.injector.prepare(
             sid, plan.secrets, plan.mounts, tenant=plan.tenant, tenant_vault=plan.tenant_vault
         )
@@ -809,10 +811,12 @@ class NodeAgent:
         self, sid: str, built_env: Envelope, staging: asyncio.Task[Staged]
     ) -> None:
         """Path ``handover``, on the target: start the same sandbox (same plan, code,
-        secrets, limits, id) as a start here would. Its events (``sandbox.ready``,
+        secrets, limits, id) as a start here would, as the warm standby of its copy on the
+        source (``DSEC_STATE_HANDOVER_FROM`` = its own id: its agent restores and waits for
+        the switch; its tool servers register as standbys). Its events (``sandbox.ready``,
         ``context.injected``) are not published: the sandbox is not starting, it moves
         (``unit.migrated`` says so)."""
-        outputs = await self._launch(sid, staging, built_env)
+        outputs = await self._launch(sid, staging, built_env, standby=True)
         log.info("%s: started here for a migration (%d start events kept back)", sid, len(outputs))
 
     async def attach_restored(self, sid: str, cgroup_dir: Path, cgroup_id: int) -> None:

@@ -50,16 +50,18 @@ from nacl.exceptions import BadSignatureError, CryptoError
 from nacl.public import Box, PrivateKey, PublicKey
 from nacl.signing import VerifyKey
 
+from dsec_nodeagent.ipc.registry import AgentKey
 from dsec_nodeagent.migration import criu
 from dsec_nodeagent.sandbox import quota
 from dsec_nodeagent.sandbox.models import Limits
-from dsec_nodeagent.state.handover import FINAL_TIMEOUT_S, CgroupFreezer
+from dsec_nodeagent.state.handover import FINAL_TIMEOUT_S, RECORDS_FRAME_BYTES, CgroupFreezer
 from dsec_nodeagent.state.keeper import StateKey
 
 if TYPE_CHECKING:
     from dsec_core.service import Service
 
     from dsec_nodeagent.agent import NodeAgent
+    from dsec_nodeagent.ipc.broker import Broker
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +122,25 @@ class _Session:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class _Standby:
+    """Path ``handover``, the target: the warm standby's progress."""
+
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    final: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    done: asyncio.Future[float] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    failed: str | None = None
+
+
 class Migrations:
     """Both ends of the node agent's migrations."""
+
+    broker: Callable[[], Broker | None] | None = None
+    """The IPC broker (path ``handover``: the moved-in standby's tool names served here)."""
 
     def __init__(self, service: Service, agent: NodeAgent) -> None:
         self.service = service
@@ -407,10 +426,13 @@ class Migrations:
             channel = await _Channel.open(self, sid, event)
             await self._stage(event, "offered")
             t_prep = time.perf_counter()
-            answer = await channel.call({"op": "hprepare"}, timeout=120)
+            answer = await channel.call({"op": "hprepare"}, timeout=180)
             if not answer.get("ok"):
                 raise MigrationError(str(answer.get("stage", "restore")), str(answer.get("reason")))
             stages["prepare"] = round((time.perf_counter() - t_prep) * 1000, 2)
+            stages["launch"] = round(float(answer.get("launch_ms", 0.0)), 2)
+            stages["recover"] = round(float(answer.get("recover_ms", 0.0)), 2)
+            await self._stage(event, "standby")
             # The interruption starts here: the agent finishes the call in progress, takes no
             # more, and sends its final checkpoint, made durable (JetStream) by the keeper.
             t0 = time.perf_counter()
@@ -422,12 +444,11 @@ class Migrations:
             t1 = time.perf_counter()
             stages["final"] = round((t1 - t0) * 1000, 2)
             await self._stage(event, "stopped")
-            answer = await channel.call({"op": "hlaunch", "seq": final_seq}, timeout=180)
+            answer = await channel.call({"op": "hfinal", "seq": final_seq}, timeout=60)
             if not answer.get("ok"):
                 raise MigrationError(str(answer.get("stage", "restore")), str(answer.get("reason")))
             t2 = time.perf_counter()
-            stages["launch"] = round(float(answer.get("launch_ms", 0.0)), 2)
-            stages["recover"] = round(float(answer.get("recover_ms", 0.0)), 2)
+            stages["switch"] = round((t2 - t1) * 1000, 2)
             interruption = (t2 - t0) * 1000
             # The target's agent holds the state: this frozen copy goes, with no event.
             self.agent.release_migrated(sid)
@@ -600,7 +621,7 @@ class Migrations:
         if op == "abort":
             await self._discard(session)
             return {"ok": True}
-        if op in ("hprepare", "hlaunch"):
+        if op in ("hprepare", "hfinal"):
             try:
                 return await self._handover_step(session, op, body)
             except Exception as exc:  # anything: nothing of the start stays
@@ -615,52 +636,115 @@ class Migrations:
     async def _handover_step(
         self, session: _Session, op: str, body: dict[str, Any]
     ) -> dict[str, Any]:
-        """Path ``handover``, the target: ``hprepare`` stages the sandbox's environment while
-        the source serves; ``hlaunch`` (the source stopped and froze) starts the same sandbox
-        here and waits until its agent holds the state up to the source's final checkpoint
-        (its keeper recovered it from DSEC_STATE/S3)."""
+        """Path ``handover``, the target. ``hprepare`` (the source serves): start the same
+        sandbox as the warm standby of its copy (its keeper here recovers the state from
+        DSEC_STATE/S3 and streams it to the agent, whose tool servers register as standbys)
+        and answer once the agent said ``ready``. ``hfinal{seq}`` (the source stopped after
+        its final checkpoint and froze): the checkpoints after the recovered ones, the final
+        included, read from DSEC_STATE and forwarded as ``deltas``; the agent owns the state
+        (``switched``) and the broker serves its name here; answered then."""
         sid = session.sandbox_id
-        if op == "hprepare":
-            built_env, staging = await self.agent.stage_migrated(sid)
-            session.meta = {"built": built_env, "staging": staging}
-            return {"ok": True}
-        if "built" not in session.meta:
-            raise MigrationError("restore", "hlaunch before hprepare")
-        final_seq = int(body.get("seq", 0))
-        t0 = time.perf_counter()
-        session.meta["launched"] = True
-        await self.agent.launch_migrated(sid, session.meta["built"], session.meta["staging"])
-        t1 = time.perf_counter()
-        launched = self.agent.launched(sid)
         keeper = self.agent.state_keeper
-        if launched is None or keeper is None or launched.plan.state is None:
-            raise MigrationError("restore", f"{sid} started here without its state plane")
-        plan = launched.plan
-        key = StateKey(plan.tenant, plan.effective_task_group, plan.name)
-        deadline = time.monotonic() + RECOVER_S
-        while True:
-            held = keeper.session_of(key)
-            if (
-                held is not None
-                and held.sandbox_id == sid
-                and held._agent is not None
-                and held._seq() >= final_seq
-            ):
-                break
-            if self.agent.manager.get(sid) is None:
-                raise MigrationError("restore", f"{sid} ended on {self.node_id} before it served")
-            if time.monotonic() > deadline:
+        if keeper is None:
+            raise MigrationError("restore", f"no state keeper on {self.node_id}")
+        if op == "hprepare":
+            standby = _Standby()
+            session.meta = {"standby": standby}
+            keeper.incoming[sid] = lambda new: self._serve_standby(session, standby, new)
+            t0 = time.perf_counter()
+            built_env, staging = await self.agent.stage_migrated(sid)
+            session.meta["launched"] = True
+            await self.agent.launch_migrated(sid, built_env, staging)
+            t1 = time.perf_counter()
+            deadline = time.monotonic() + RECOVER_S
+            while not standby.ready.is_set():
+                if standby.failed is not None:
+                    raise MigrationError("restore", standby.failed)
+                if self.agent.manager.get(sid) is None:
+                    raise MigrationError("restore", f"{sid} ended on {self.node_id} as a standby")
+                if time.monotonic() > deadline:
+                    raise MigrationError(
+                        "restore",
+                        f"the agent of {sid} did not restore its state on {self.node_id} "
+                        f"within {RECOVER_S:g} s",
+                    )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(standby.ready.wait(), 0.2)
+            return {
+                "ok": True,
+                "launch_ms": (t1 - t0) * 1000,
+                "recover_ms": (time.perf_counter() - t1) * 1000,
+            }
+        waiting = session.meta.get("standby")
+        if not isinstance(waiting, _Standby) or not waiting.ready.is_set():
+            raise MigrationError("restore", "hfinal before the standby was ready")
+        waiting.final.set_result(int(body.get("seq", 0)))
+        await asyncio.wait_for(asyncio.shield(waiting.done), 60)
+        return {"ok": True}
+
+    async def _serve_standby(self, session: _Session, standby: _Standby, new: Any) -> None:
+        """The keeper's side of the standby's state session (``keeper.incoming``)."""
+        keeper = self.agent.state_keeper
+        assert keeper is not None
+        sid = session.sandbox_id
+        try:
+            records, seq0 = await keeper.records_for(new)
+            batch: list[dict[str, Any]] = []
+            size = 0
+            for record in records:
+                record_bytes = len(msgpack.packb(record, use_bin_type=True))
+                if batch and size + record_bytes > RECORDS_FRAME_BYTES:
+                    await new.send({"op": "records", "records": batch})
+                    batch, size = [], 0
+                batch.append(record)
+                size += record_bytes
+            if batch:
+                await new.send({"op": "records", "records": batch})
+            await new.send(
+                {
+                    "op": "fetched",
+                    "seq": seq0,
+                    "deltas": len(records),
+                    "source": "remote" if records else "empty",
+                    "ms": 0.0,
+                }
+            )
+            await asyncio.wait_for(new.ready.wait(), RECOVER_S)
+            standby.ready.set()
+            final_seq = await standby.final
+            started = time.perf_counter()
+            caught = await keeper.catch_up(new, seq0)
+            for seq, delta in caught:
+                await new.send({"op": "deltas", "seq": seq, "records": delta})
+            seq = caught[-1][0] if caught else seq0
+            if seq < final_seq:
                 raise MigrationError(
-                    "restore",
-                    f"the agent of {sid} did not open its state (up to seq {final_seq}) on "
-                    f"{self.node_id} within {RECOVER_S:g} s",
+                    "restore", f"DSEC_STATE holds checkpoints up to {seq}, not {final_seq}"
                 )
-            await asyncio.sleep(0.005)
-        return {
-            "ok": True,
-            "launch_ms": (t1 - t0) * 1000,
-            "recover_ms": (time.perf_counter() - t1) * 1000,
-        }
+            keeper.take_owner(new)
+            launched = self.agent.launched(sid)
+            broker = self.broker() if self.broker is not None else None
+            if broker is not None and launched is not None:
+                plan = launched.plan
+                broker.promote(AgentKey(plan.effective_task_group, plan.name, plan.tenant), sid)
+            ms = (time.perf_counter() - started) * 1000
+            await new.send({"op": "switched", "interruption_ms": ms, "seq": seq})
+            standby.done.set_result(ms)
+        except BaseException as exc:
+            why = str(exc) or type(exc).__name__
+            standby.failed = why
+            if not standby.done.done():
+                standby.done.set_exception(MigrationError("restore", why))
+            with contextlib.suppress(Exception):
+                await new.send({"op": "error", "code": "handover-failed", "message": why,
+                                "seq": None})  # fmt: skip
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            keeper.incoming.pop(sid, None)
+            broker = self.broker() if self.broker is not None else None
+            if broker is not None:
+                broker.forget_handover(sid)
 
     async def _handover_commit(self, session: _Session, body: dict[str, Any]) -> dict[str, Any]:
         """Path ``handover``: the source released its copy; this one is the sandbox's."""
@@ -844,6 +928,13 @@ class Migrations:
         """Undo a restore that will not be committed (nothing of it stays)."""
         self._sessions.pop(session.migration_id, None)
         sid = session.sandbox_id
+        standby = session.meta.get("standby")
+        if isinstance(standby, _Standby):
+            if not standby.final.done():
+                standby.final.set_exception(MigrationError("restore", "aborted"))
+                standby.final.exception()  # retrieved: the standby's task may be gone
+            if self.agent.state_keeper is not None:
+                self.agent.state_keeper.incoming.pop(sid, None)
         if session.meta.get("launched") and self.agent.manager.get(sid) is not None:
             with contextlib.suppress(Exception):  # path handover: the copy started here
                 self.agent.release_migrated(sid)
