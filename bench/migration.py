@@ -16,8 +16,8 @@ al., NSDI 2005); the CUDA restore phase ~1.3 s (NVIDIA Dynamo). On a kernel with
 ``CONFIG_MEM_SOFT_DIRTY`` (this VM's) CRIU cannot track the pages written after a pre-dump, so
 there are no pre-copy rounds: the whole memory is dumped and moved inside the freeze.
 
-Path ``handover`` across nodes (docs/migration.md) is built as stop-and-recover, not a warm
-standby: measured as ``handover.cross_node`` in the full JSON (``--cross-node-runs``, on the
+Path ``handover`` across nodes (docs/migration.md, a warm standby on the target) is measured
+as ``handover.cross_node`` in the full JSON (``--cross-node-runs``, on the
 embedded stack: JetStream ``DSEC_STATE``, S3, OpenBao). Reported as ``handover`` in the
 last line, as before: the hand-over's switch on one node's broker with
 real SDK agent processes — the old version serving ``record``, another agent calling it in a
@@ -267,9 +267,10 @@ def handover(runs: int, say: Any) -> dict[str, Any]:
 async def cross_node(runs: int, say: Any) -> dict[str, Any]:
     """Path ``handover`` between node-1 and node-2 on the embedded stack (JetStream
     ``DSEC_STATE``, S3, OpenBao): a stateful SDK agent counting in its state (a checkpoint
-    before each count), moved by stop-and-recover (docs/migration.md "Path ``handover``");
-    ``interruption_ms`` from the agent stopping to take calls to its copy on node-2 holding the
-    state. Every run checks that the count went on from the last durable one."""
+    before each count), moved with a warm standby (docs/migration.md "Path ``handover``");
+    ``interruption_ms`` from the agent being asked for its final checkpoint (it takes no call
+    from then on) to its copy on node-2 owning the state and serving the name. Every run checks
+    that the count went on from the last durable one."""
     from dsec_testing.stack import StackFixture
     from test_migration_handover import COUNTER, lines
     from test_migration_handover import counts as ticks
@@ -336,7 +337,7 @@ async def cross_node(runs: int, say: Any) -> dict[str, Any]:
     gaps = [r["interruption_ms"] for r in done]
     return {
         "runs": runs,
-        "variant": "stop-and-recover (no warm standby)",
+        "variant": "warm standby",
         "interruption_ms_p50": round(percentile(gaps, 0.5), 1),
         "interruption_ms_p99": round(percentile(gaps, 0.99), 1),
         "stages_p50_ms": {
@@ -400,8 +401,8 @@ def main() -> None:
         h["cross_node"] = asyncio.run(cross_node(cross_runs, say))
     x = h.get("cross_node")
     across = (
-        f"across nodes (stop-and-recover): p50 {x['interruption_ms_p50']:.0f} ms, p99 "
-        f"{x['interruption_ms_p99']:.0f} ms"
+        f"across nodes (warm standby): p50 {x['interruption_ms_p50']:.1f} ms, p99 "
+        f"{x['interruption_ms_p99']:.1f} ms"
         if x
         else "across nodes: not run"
     )

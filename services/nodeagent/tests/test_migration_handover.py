@@ -100,16 +100,16 @@ async def test_a_stateful_agent_migrates_by_handover_and_its_state_goes_on(
         source_log = NodeLayout.of(homes[0]).sandbox(sid).logs / "stdout.log"
         target_log = NodeLayout.of(homes[1]).sandbox(sid).logs / "stdout.log"
         await until(lambda: len(counts(source_log)) >= 10, "counting on node-1", 90)
-        # A target that fails after the source stopped and froze (its standby cannot catch
-        # up): the source is thawed and serves on, the standby goes.
+        # A target that fails after the source stopped and froze (it cannot keep the final
+        # delta it got): the source is thawed and serves on, the standby goes.
         keeper = h2.agent.state_keeper
         assert keeper is not None
-        catch_up = keeper.catch_up
+        apply = keeper.apply
 
         async def cannot(*_: Any) -> Any:
             raise RuntimeError("no room here")
 
-        keeper.catch_up = cannot  # type: ignore[method-assign]
+        keeper.apply = cannot  # type: ignore[method-assign]
         refused = await migrate(h1, sid)
         assert refused.type == "unit.migration_failed", refused.payload
         assert refused.payload["still_running"] and refused.payload["stage"] == "restore"
@@ -117,7 +117,7 @@ async def test_a_stateful_agent_migrates_by_handover_and_its_state_goes_on(
         assert h1.agent.manager.get(sid) is not None and h2.agent.manager.get(sid) is None
         before = len(counts(source_log))
         await until(lambda: len(counts(source_log)) >= before + 5, "counting on after it", 60)
-        keeper.catch_up = catch_up  # type: ignore[method-assign]
+        keeper.apply = apply  # type: ignore[method-assign]
 
         rec = h1.recorded[sid]
         ended = await migrate(h1, sid)
@@ -125,6 +125,7 @@ async def test_a_stateful_agent_migrates_by_handover_and_its_state_goes_on(
         migrated = events.UnitMigrated.model_validate(ended.payload)
         assert (migrated.from_node, migrated.to_node) == ("node-1", "node-2")
         assert migrated.path == "handover" and migrated.interruption_ms > 0
+        assert migrated.bytes_moved > 0  # the final delta, over the node-to-node channel
         assert {"launch", "recover", "final", "switch", "release"} <= set(migrated.stages_ms)
         # it runs on node-2 now, and only there
         assert h2.agent.manager.get(sid) is not None

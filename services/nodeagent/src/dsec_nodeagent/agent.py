@@ -841,6 +841,12 @@ class NodeAgent:
         """A migrated sandbox runs here now: it is this node's (its placement attempt stays)."""
         state = await self.lifecycle(sid)
         self._attempts[sid] = state.attempt
+        launched = self._launched.get(sid)
+        if launched is not None and ENV_HANDOVER_FROM in launched.config.env:
+            # path handover: started as its own standby; a restart in place opens its state
+            # as the owner
+            env = {k: v for k, v in launched.config.env.items() if k != ENV_HANDOVER_FROM}
+            launched.config = launched.config.model_copy(update={"env": env})
 
     # --------------------------------------------------------------- callbacks
 

@@ -12,11 +12,13 @@ target restores the tree in fresh cgroups (egress programs attached first), the 
 its stopped copy (no ``sandbox.exited``: the sandbox lives on), the target continues the tree,
 adopts it and publishes ``unit.migrated``.
 
-Path ``handover`` (a sandbox with a ``state:`` section; :meth:`Migrations.move_handover`):
-stop-and-recover, not a warm standby. The target stages the environment, the source's agent
-makes its final checkpoint durable and is frozen, the target starts the same sandbox whose
-keeper recovers the state from DSEC_STATE/S3, then the source's copy is killed (no event) and
-the target publishes ``unit.migrated``. The channel carries only the steps.
+Path ``handover`` (a sandbox with a ``state:`` section; :meth:`Migrations.move_handover`): the
+target starts the same sandbox as the warm standby of its copy (its keeper recovers the state
+from DSEC_STATE/S3 and streams it to the agent; its tool servers register as standbys); the
+source's agent stops taking calls and makes its final checkpoint durable, its cgroup is frozen,
+the checkpoints the standby lacks (the final one included) go over the channel, the target
+switches the agent and the broker name, then the source's copy is killed (no event) and the
+target publishes ``unit.migrated``.
 
 The channel: core NATS request-reply on ``dsec_ipc._migrate.<to_node>`` (outside the audited
 stream; node agents already hold ``dsec_ipc.>``). The source's ``offer`` and the target's
@@ -75,6 +77,8 @@ WINDOW = 32
 REQUEST_S = 30.0
 EXPECT_S = 15.0
 """How long the target waits to see the scheduler's ``unit.migration_started`` for an offer."""
+DELTAS_FRAME_BYTES = 512 * 1024
+"""Path ``handover``: checkpoint records in one frame of the channel."""
 RECOVER_S = 90.0
 """Path ``handover``: how long the target's sandbox may take to start and open its state."""
 
@@ -134,6 +138,10 @@ class _Standby:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     failed: str | None = None
+    seq: int = 0
+    """The seq of the state the standby recovered."""
+    deltas: list[tuple[int, list[dict[str, Any]]]] = field(default_factory=list)
+    """The checkpoints after ``seq`` the source sent over the channel, in order."""
 
 
 class Migrations:
@@ -394,13 +402,13 @@ class Migrations:
         self, sid: str, event: events.UnitMigrationStarted
     ) -> Sequence[events.Payload]:
         """Path ``handover`` across nodes, the source's part (docs/migration.md "Path
-        ``handover``"): the target stages the sandbox's environment while this copy serves;
-        then the agent stops taking calls and makes its final checkpoint durable in the state
-        plane (the same-node hand-over's final-delta step), its cgroup is frozen, the target
-        starts the same sandbox and its keeper recovers the state from DSEC_STATE/S3 (as
-        after a node loss), and only once the target's agent holds the state up to that final
-        checkpoint is this frozen copy killed (no ``sandbox.exited``). Any failure before:
-        thawed, told ``handover-aborted``, it serves on (``still_running``)."""
+        ``handover``"): the target starts the sandbox as a warm standby while this copy serves
+        (``hprepare``); then the agent stops taking calls and makes its final checkpoint
+        durable (the same-node hand-over's final-delta step), its cgroup is frozen, the
+        checkpoints after the standby's recovered seq go to the target over the node-to-node
+        channel (``hfinal``), the target switches, and only then is this frozen copy killed
+        (no ``sandbox.exited``). Any failure before: thawed, told ``handover-aborted``, it
+        serves on (``still_running``)."""
         sandbox = self.agent.manager.get(sid)
         keeper = self.agent.state_keeper
         launched = self.agent.launched(sid)
@@ -422,6 +430,12 @@ class Migrations:
         stopped = False
         frozen_dir: str | None = None
         stages: dict[str, float] = {}
+        made: list[tuple[int, list[dict[str, Any]]]] = []
+
+        async def collect(seq: int, records: list[dict[str, Any]]) -> None:
+            made.append((seq, records))
+
+        session.on_checkpoint(collect)  # what the standby will not have read from DSEC_STATE
         try:
             channel = await _Channel.open(self, sid, event)
             await self._stage(event, "offered")
@@ -437,19 +451,37 @@ class Migrations:
             # more, and sends its final checkpoint, made durable (JetStream) by the keeper.
             t0 = time.perf_counter()
             stopped = True
-            final = await session.request_final(sid, timeout_s=FINAL_TIMEOUT_S)
+            await session.request_final(sid, timeout_s=FINAL_TIMEOUT_S)
             final_seq = session._seq()
             await freezer.freeze(cgroup_dir)
             frozen_dir = cgroup_dir
             t1 = time.perf_counter()
             stages["final"] = round((t1 - t0) * 1000, 2)
             await self._stage(event, "stopped")
-            answer = await channel.call({"op": "hfinal", "seq": final_seq}, timeout=60)
+            # The checkpoints after the standby's recovered seq, the final one included: over
+            # the node-to-node channel (sealed), in frames the bus carries.
+            since = int(answer.get("seq", 0))
+            deltas = [[seq, records] for seq, records in made if seq > since]
+            sent = 0
+            frame: list[list[Any]] = []
+            size = 0
+            for item in deltas:
+                item_bytes = len(msgpack.packb(item, use_bin_type=True))
+                if frame and size + item_bytes > DELTAS_FRAME_BYTES:
+                    await channel.call({"op": "hdeltas", "deltas": frame})
+                    frame, size = [], 0
+                frame.append(item)
+                size += item_bytes
+                sent += item_bytes
+            answer = await channel.call(
+                {"op": "hfinal", "seq": final_seq, "deltas": frame}, timeout=60
+            )
             if not answer.get("ok"):
                 raise MigrationError(str(answer.get("stage", "restore")), str(answer.get("reason")))
             t2 = time.perf_counter()
             stages["switch"] = round((t2 - t1) * 1000, 2)
             interruption = (t2 - t0) * 1000
+            del made[:]
             # The target's agent holds the state: this frozen copy goes, with no event.
             self.agent.release_migrated(sid)
             keeper.forget_sandbox(sid)
@@ -461,7 +493,7 @@ class Migrations:
                     "op": "hcommit",
                     "interruption_ms": interruption,
                     "stages": stages,
-                    "bytes": len(msgpack.packb(final, use_bin_type=True)) if final else 0,
+                    "bytes": sent,
                     "seq": final_seq,
                 },
                 timeout=30,
@@ -500,6 +532,8 @@ class Migrations:
             return [
                 self._failed(event, err.stage, err.reason, self.agent.manager.get(sid) is not None)
             ]
+        finally:
+            session.off_checkpoint(collect)
 
     async def _stage(self, event: events.UnitMigrationStarted, stage: str) -> None:
         if self.on_stage is not None:
@@ -621,7 +655,7 @@ class Migrations:
         if op == "abort":
             await self._discard(session)
             return {"ok": True}
-        if op in ("hprepare", "hfinal"):
+        if op in ("hprepare", "hdeltas", "hfinal"):
             try:
                 return await self._handover_step(session, op, body)
             except Exception as exc:  # anything: nothing of the start stays
@@ -674,8 +708,17 @@ class Migrations:
                 "ok": True,
                 "launch_ms": (t1 - t0) * 1000,
                 "recover_ms": (time.perf_counter() - t1) * 1000,
+                "seq": standby.seq,
             }
         waiting = session.meta.get("standby")
+        if not isinstance(waiting, _Standby):
+            raise MigrationError("restore", f"{op} before hprepare")
+        for item in body.get("deltas") or []:
+            seq, records = int(item[0]), list(item[1])
+            if seq == (waiting.deltas[-1][0] if waiting.deltas else waiting.seq) + 1:
+                waiting.deltas.append((seq, records))
+        if op == "hdeltas":
+            return {"ok": True}
         if not isinstance(waiting, _Standby) or not waiting.ready.is_set():
             raise MigrationError("restore", "hfinal before the standby was ready")
         waiting.final.set_result(int(body.get("seq", 0)))
@@ -689,6 +732,7 @@ class Migrations:
         sid = session.sandbox_id
         try:
             records, seq0 = await keeper.records_for(new)
+            standby.seq = seq0
             batch: list[dict[str, Any]] = []
             size = 0
             for record in records:
@@ -713,7 +757,11 @@ class Migrations:
             standby.ready.set()
             final_seq = await standby.final
             started = time.perf_counter()
-            caught = await keeper.catch_up(new, seq0)
+            caught = standby.deltas
+            if (caught[-1][0] if caught else seq0) >= final_seq:
+                await keeper.apply(new, caught)  # the source's, over the channel
+            else:  # a gap in what came over the channel: read them from DSEC_STATE
+                caught = await keeper.catch_up(new, seq0)
             for seq, delta in caught:
                 await new.send({"op": "deltas", "seq": seq, "records": delta})
             seq = caught[-1][0] if caught else seq0

@@ -280,6 +280,13 @@ class StateSession:
         finally:
             self._final = None
 
+    def off_checkpoint(
+        self, callback: Callable[[int, list[dict[str, Any]]], Awaitable[None]]
+    ) -> None:
+        """Stop calling ``callback`` (a migration that ended)."""
+        with contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)
+
     def on_checkpoint(
         self, callback: Callable[[int, list[dict[str, Any]]], Awaitable[None]]
     ) -> None:
@@ -713,6 +720,24 @@ class StateKeeper:
             if entries:
                 store.seq = max(store.seq, entries[-1].seq)
         return [(e.seq, e.records) for e in entries]
+
+    async def apply(
+        self, session: StateSession, deltas: list[tuple[int, list[dict[str, Any]]]]
+    ) -> None:
+        """Migration path ``handover``, the target: checkpoints the source's keeper made
+        durable, received over the node-to-node channel, appended to this node's journal."""
+        store = self._agent(session.key)
+        async with store.lock:
+
+            def append() -> None:
+                store.journal_dir.mkdir(parents=True, exist_ok=True)
+                with store.journal.open("ab") as fh:
+                    for seq, records in deltas:
+                        fh.write(_journal_frame(seq, records))
+
+            await asyncio.to_thread(append)
+            if deltas:
+                store.seq = max(store.seq, deltas[-1][0])
 
     def take_owner(self, session: StateSession) -> None:
         """Migration path ``handover``, the target: ``session`` owns its key's state from now
