@@ -547,6 +547,13 @@ class Broker:
         log.info("ipc: %s now served by sandbox %s (moved in)", key, sandbox)
         return True
 
+    async def withdraw(self, key: AgentKey) -> None:
+        """Migration path ``handover``, the source: stop answering other nodes for ``key`` now
+        (its server was killed; the target serves the name next), before the bridge notices
+        the server's socket closing: never two nodes answering one name."""
+        if self._remote is not None:
+            await self._remote.unexport(key)
+
     def _live_channels(self, sandbox: str) -> int:
         """Channels of ``sandbox`` still open (closed ones are forgotten here)."""
         tracked = self._live.get(sandbox)

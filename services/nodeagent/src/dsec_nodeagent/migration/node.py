@@ -480,18 +480,20 @@ class Migrations:
                 raise MigrationError(str(answer.get("stage", "restore")), str(answer.get("reason")))
             t2 = time.perf_counter()
             stages["switch"] = round((t2 - t1) * 1000, 2)
-            interruption = (t2 - t0) * 1000
             del made[:]
             # The target's agent holds the state: this frozen copy goes, with no event.
             self.agent.release_migrated(sid)
             keeper.forget_sandbox(sid)
             await asyncio.to_thread(sandbox.cgroup.kill)
             frozen_dir = None
+            broker = self.broker() if self.broker is not None else None
+            if broker is not None:
+                await broker.withdraw(AgentKey(plan.effective_task_group, plan.name, plan.tenant))
             stages["release"] = round((time.perf_counter() - t2) * 1000, 2)
             answer = await channel.call(
                 {
                     "op": "hcommit",
-                    "interruption_ms": interruption,
+                    "stopped_ago_ms": (time.perf_counter() - t0) * 1000,
                     "stages": stages,
                     "bytes": sent,
                     "seq": final_seq,
@@ -770,11 +772,6 @@ class Migrations:
                     "restore", f"DSEC_STATE holds checkpoints up to {seq}, not {final_seq}"
                 )
             keeper.take_owner(new)
-            launched = self.agent.launched(sid)
-            broker = self.broker() if self.broker is not None else None
-            if broker is not None and launched is not None:
-                plan = launched.plan
-                broker.promote(AgentKey(plan.effective_task_group, plan.name, plan.tenant), sid)
             ms = (time.perf_counter() - started) * 1000
             await new.send({"op": "switched", "interruption_ms": ms, "seq": seq})
             standby.done.set_result(ms)
@@ -797,6 +794,13 @@ class Migrations:
     async def _handover_commit(self, session: _Session, body: dict[str, Any]) -> dict[str, Any]:
         """Path ``handover``: the source released its copy; this one is the sandbox's."""
         sid = session.sandbox_id
+        received = time.perf_counter()
+        launched = self.agent.launched(sid)
+        broker = self.broker() if self.broker is not None else None
+        if broker is not None and launched is not None:  # the name is served from here now
+            plan = launched.plan
+            broker.promote(AgentKey(plan.effective_task_group, plan.name, plan.tenant), sid)
+        served = time.perf_counter()
         self._sessions.pop(session.migration_id, None)
         shutil.rmtree(session.work, ignore_errors=True)
         await self.agent.adopted_migrated(sid, session.started)
@@ -809,7 +813,10 @@ class Migrations:
             to_gpus=session.started.to_gpus,
             reason=session.started.reason,
             path="handover",
-            interruption_ms=round(float(body.get("interruption_ms", 0.0)), 2),
+            # from the stop to the name served here (the commit frame's transit not counted)
+            interruption_ms=round(
+                float(body.get("stopped_ago_ms", 0.0)) + (served - received) * 1000, 2
+            ),
             bytes_moved=int(body.get("bytes", 0)),
             stages_ms={k: float(v) for k, v in dict(body.get("stages") or {}).items()},
         )
