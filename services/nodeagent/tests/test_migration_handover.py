@@ -1,9 +1,12 @@
 """Migration path ``handover`` between two node agents on this machine (docs/migration.md "Path
 ``handover``"): a real sandbox whose SDK agent keeps a counter in its state plane (a log it
-checkpoints before it prints each count) is moved node-1 → node-2. The agent stops on node-1
-after its final checkpoint, the same sandbox starts on node-2 and its keeper recovers the state
-from DSEC_STATE, and the counter goes on there from the last durable count: nothing
-acknowledged is lost, nothing repeated, and the events tell the story."""
+checkpoints before it prints each count, and a tool) is moved node-1 → node-2 while another
+agent on node-1 calls its tool. The same sandbox starts on node-2 as a warm standby (its keeper
+recovers the state from DSEC_STATE/S3), the agent on node-1 stops after its final checkpoint,
+that delta crosses the node-to-node channel, node-2 switches and serves the tool's name; the
+counter goes on from the last durable count (nothing acknowledged lost, nothing repeated), the
+caller is answered from node-2 over the bridge, and the events tell the story. First, a target
+that fails after the source stopped: the source thaws and serves on."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import pytest
 from dsec_core import events
 from dsec_core.layout import NodeLayout
 
+from dsec_nodeagent.ipc.registry import AgentKey
+
 sys.path.insert(0, str(Path(__file__).parent))
 from test_migration_criu import QUIET, homes, two_nodes, until
 
@@ -24,12 +29,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.kernel]
 __all__ = ["homes"]  # the fixture, shared with the criu test
 
 COUNTER = """
-import time
+import threading, time
+from dsec_sdk import DSecClient
 from dsec_sdk.state import AgentState, StateError
 state = AgentState.open()
 ticks = state.log("ticks")
+client = DSecClient()
+client.attach_state(state)  # a standby's tool server registers, then the keeper hears ready
+client.tool("count")(lambda: len(ticks))
+threading.Thread(target=client.serve, daemon=True).start()
 if state.handover:  # the warm standby on the target: restored, it waits for the switch
-    state.ready()
     state.wait_switched(120)
 print("restored", len(ticks), list(ticks) == list(range(1, len(ticks) + 1)), flush=True)
 while True:
@@ -72,6 +81,20 @@ async def migrate(h: Any, sid: str) -> Any:
     return await until(ended, f"migration {mid} ended", 180)
 
 
+CALLER = """
+import time
+from dsec_sdk import DSecClient
+client = DSecClient(timeout=10)
+while True:
+    try:
+        print("ok", client.call_tool(AGENT, "count"), flush=True)
+    except Exception as exc:
+        print("err", type(exc).__name__, flush=True)
+        time.sleep(0.05)
+    time.sleep(0.01)
+"""
+
+
 def lines(path: Path) -> list[list[str]]:
     if not path.exists():
         return []
@@ -100,6 +123,13 @@ async def test_a_stateful_agent_migrates_by_handover_and_its_state_goes_on(
         source_log = NodeLayout.of(homes[0]).sandbox(sid).logs / "stdout.log"
         target_log = NodeLayout.of(homes[1]).sandbox(sid).logs / "stdout.log"
         await until(lambda: len(counts(source_log)) >= 10, "counting on node-1", 90)
+        # another agent of its task group on node-1 calls its tool throughout
+        caller = await h1.submit(
+            f"{name}-c", CALLER.replace("AGENT", repr(name)), QUIET, extra=f"task_group: {name}\n"
+        )
+        await h1.wait_for(caller, "sandbox.ready")
+        caller_log = NodeLayout.of(homes[0]).sandbox(caller).logs / "stdout.log"
+        await until(lambda: sum(w[0] == "ok" for w in lines(caller_log)) >= 5, "answered", 60)
         # A target that fails after the source stopped and froze (it cannot keep the final
         # delta it got): the source is thawed and serves on, the standby goes.
         keeper = h2.agent.state_keeper
@@ -130,8 +160,10 @@ async def test_a_stateful_agent_migrates_by_handover_and_its_state_goes_on(
         # it runs on node-2 now, and only there
         assert h2.agent.manager.get(sid) is not None
         await until(lambda: h1.agent.manager.get(sid) is None, "released on node-1")
-        acknowledged = counts(source_log)  # each printed only once durable
-        assert acknowledged == list(range(1, len(acknowledged) + 1))
+        # each printed only once durable; one taken into the aborted attempt's final
+        # checkpoint was never printed (its checkpoint call was refused), none repeated
+        acknowledged = counts(source_log)
+        assert acknowledged == sorted(set(acknowledged)) and acknowledged[0] == 1
         restored = await until(
             lambda: next((w for w in lines(target_log) if w and w[0] == "restored"), None),
             "restored on node-2",
@@ -143,8 +175,24 @@ async def test_a_stateful_agent_migrates_by_handover_and_its_state_goes_on(
         await until(lambda: len(counts(target_log)) >= 10, "counting on node-2", 90)
         went_on = counts(target_log)
         assert went_on == list(range(n + 1, n + 1 + len(went_on))), "a count lost or repeated"
+        # the caller on node-1 reaches it on node-2 (the cross-node bridge): answers with the
+        # counts node-2 keeps; what it saw meanwhile were errors it retried
+        seen = len(lines(caller_log))
+        await until(
+            lambda: sum(w[0] == "ok" and int(w[1]) > n for w in lines(caller_log)[seen:]) >= 5,
+            "answered from node-2",
+            60,
+        )
+        errors = {w[1] for w in lines(caller_log) if w[0] == "err"}
+        assert errors <= {"PeerGone", "AgentNotFound", "CallTimeout"}, errors
         state = await h2.agent.lifecycle(sid)
         assert state.state == "running" and state.owned_by("node-2")
+        # its tool's name is served from node-2 (the standby promoted), and only from there
+        key = AgentKey(name, name, "default")
+        b1, b2 = h1.wired.migrations.broker(), h2.wired.migrations.broker()
+        assert b2._registry.owner(key) == sid and b1._registry.owner(key) is None
+        assert b2._remote is not None and key in b2._remote._subs  # the bridge answers for it
+        assert b1._remote is not None and key not in b1._remote._subs
         assert not rec.of("sandbox.exited")  # the sandbox lives on: no end was published
         await h2.upstream.user.publish(
             events.SandboxStopRequested(requested_by="test"), aggregate_id=sid
