@@ -430,6 +430,7 @@ class Migrations:
         stopped = False
         frozen_dir: str | None = None
         stages: dict[str, float] = {}
+        released = False  # its copy here is gone: a later failure leaves it not running
         made: list[tuple[int, list[dict[str, Any]]]] = []
 
         async def collect(seq: int, records: list[dict[str, Any]]) -> None:
@@ -484,6 +485,7 @@ class Migrations:
             # The target's agent holds the state: this frozen copy goes, with no event.
             self.agent.release_migrated(sid)
             keeper.forget_sandbox(sid)
+            released = True
             await asyncio.to_thread(sandbox.cgroup.kill)
             frozen_dir = None
             broker = self.broker() if self.broker is not None else None
@@ -521,7 +523,7 @@ class Migrations:
             if channel is not None:
                 with contextlib.suppress(Exception):
                     await channel.call({"op": "abort"}, timeout=30)
-            if stopped:  # it stopped taking calls for its final checkpoint: it serves again
+            if stopped and not released:  # it stopped taking calls for its final checkpoint
                 with contextlib.suppress(Exception):
                     await session.send(
                         {
@@ -531,9 +533,8 @@ class Migrations:
                             "seq": None,
                         }
                     )
-            return [
-                self._failed(event, err.stage, err.reason, self.agent.manager.get(sid) is not None)
-            ]
+            running = not released and self.agent.manager.get(sid) is not None
+            return [self._failed(event, err.stage, err.reason, running)]
         finally:
             session.off_checkpoint(collect)
 
