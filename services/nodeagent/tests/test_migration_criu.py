@@ -51,10 +51,11 @@ def homes() -> Iterator[tuple[Path, Path]]:
 
 
 @contextlib.asynccontextmanager
-async def two_nodes(homes: tuple[Path, Path], nats_url: str) -> AsyncIterator[Any]:
-    """node-1 and node-2, each with its own home, certified by one operator root."""
+async def two_nodes(homes: tuple[Path, Path], nats_url: str, **extra: Any) -> AsyncIterator[Any]:
+    """node-1 and node-2, each with its own home, certified by one operator root (``extra``:
+    more settings of both, e.g. the stack's S3 and OpenBao for the state plane)."""
     first, second = homes
-    common = {"migration_checkpointable": True}
+    common = {"migration_checkpointable": True, **extra}
     async with NodeAgentHarness(first, nats_url, node_id="node-1", **common) as h1:
         (second / "trust").mkdir(parents=True)
         for name in ("root.key", "root.pub"):

@@ -488,7 +488,7 @@ class NodeAgent:
             raise StartRefused(str(exc)) from None
 
     async def _launch(
-        self, sid: str, staging: asyncio.Task[Staged], built: Envelope
+        self, sid: str, staging: asyncio.Task[Staged], built: Envelope, *, standby: bool = False
     ) -> list[events.Payload]:
         # Follow the causes back: env.built <- deps.resolved <- spec.validated <- spec.submitted,
         # each authentic; never simply the newest message on those subjects.
@@ -525,6 +525,8 @@ class NodeAgent:
                 "%s: %s does not run on this node; starting without a hand-over", sid, handover_from
             )
             handover_from = None
+        if standby:  # migration path handover: the warm standby of its copy on another node
+            handover_from = sid
         ctx = await self.injector.prepare(
             sid, plan.secrets, plan.mounts, tenant=plan.tenant, tenant_vault=plan.tenant_vault
         )
@@ -794,6 +796,29 @@ class NodeAgent:
         self._fenced.add(sid)
         self._launched.pop(sid, None)
 
+    async def stage_migrated(self, sid: str) -> tuple[Envelope, asyncio.Task[Staged]]:
+        """Path ``handover``, on the target, while the source still serves: the sandbox's
+        authentic ``env.built`` (that of its current ``sandbox.scheduled``) and its
+        environment's staging, started."""
+        scheduled = (await self._last("sandbox.scheduled", sid)).decoded()
+        assert isinstance(scheduled, events.SandboxScheduled)
+        built_env = await self._last("env.built", sid, scheduled.env_built_id)
+        built = built_env.decoded()
+        assert isinstance(built, events.EnvBuilt)
+        return built_env, asyncio.create_task(self._stage(built))
+
+    async def launch_migrated(
+        self, sid: str, built_env: Envelope, staging: asyncio.Task[Staged]
+    ) -> None:
+        """Path ``handover``, on the target: start the same sandbox (same plan, code,
+        secrets, limits, id) as a start here would, as the warm standby of its copy on the
+        source (``DSEC_STATE_HANDOVER_FROM`` = its own id: its agent restores and waits for
+        the switch; its tool servers register as standbys). Its events (``sandbox.ready``,
+        ``context.injected``) are not published: the sandbox is not starting, it moves
+        (``unit.migrated`` says so)."""
+        outputs = await self._launch(sid, staging, built_env, standby=True)
+        log.info("%s: started here for a migration (%d start events kept back)", sid, len(outputs))
+
     async def attach_restored(self, sid: str, cgroup_dir: Path, cgroup_id: int) -> None:
         """Before a migrated sandbox's tree is restored here: its egress programs on its new
         cgroup (from its plan, read back from the log through the trust gate)."""
@@ -816,6 +841,12 @@ class NodeAgent:
         """A migrated sandbox runs here now: it is this node's (its placement attempt stays)."""
         state = await self.lifecycle(sid)
         self._attempts[sid] = state.attempt
+        launched = self._launched.get(sid)
+        if launched is not None and ENV_HANDOVER_FROM in launched.config.env:
+            # path handover: started as its own standby; a restart in place opens its state
+            # as the owner
+            env = {k: v for k, v in launched.config.env.items() if k != ENV_HANDOVER_FROM}
+            launched.config = launched.config.model_copy(update={"env": env})
 
     # --------------------------------------------------------------- callbacks
 

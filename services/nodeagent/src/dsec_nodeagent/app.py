@@ -149,6 +149,7 @@ def wire(
     # migrations (docs/migration.md): the source moves the unit, the target resumes it; a
     # failure the runtime gives up on is this node's unit.migration_failed, never sandbox.failed
     migrations = Migrations(service, agent).attach()
+    migrations.broker = lambda: comms.broker
     service.handles(events.UnitMigrationStarted, scope="node", on_exhausted=migrations.exhausted)(
         migrations.on_started
     )

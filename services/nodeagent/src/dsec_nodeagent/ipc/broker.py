@@ -373,7 +373,9 @@ class Broker:
         }
         if role == "server":
             expected = self._handovers.get(conn.sandbox)
-            if expected is not None and self._registry.owner(key) == expected:
+            owner = self._registry.owner(key)
+            migrating_in = expected == conn.sandbox and owner is None
+            if expected is not None and (owner == expected or migrating_in):
                 # The new version of a hand-over: a standby until switch() points the name here.
                 refused = self._registry.standby(key, conn, conn.sandbox)
                 if refused is not None:
@@ -532,6 +534,25 @@ class Broker:
                 self._send(caller, {"op": "moved", "peer": key.agent})
         log.info("ipc: %s now served by sandbox %s (%d callers told)", key, to_sandbox, len(told))
         return len(told)
+
+    def promote(self, key: AgentKey, sandbox: str) -> bool:
+        """Migration path ``handover``, the target: the standby server of ``sandbox`` (a
+        sandbox moving in from another node; no server of ``key`` here) serves ``key`` from
+        now on, for this node and, through the bridge, the others. False: no such standby."""
+        self._registry.switch(key, sandbox)
+        if self._registry.owner(key) != sandbox:
+            return False
+        if self._remote is not None:
+            self._spawn(self._remote.export(key))
+        log.info("ipc: %s now served by sandbox %s (moved in)", key, sandbox)
+        return True
+
+    async def withdraw(self, key: AgentKey) -> None:
+        """Migration path ``handover``, the source: stop answering other nodes for ``key`` now
+        (its server was killed; the target serves the name next), before the bridge notices
+        the server's socket closing: never two nodes answering one name."""
+        if self._remote is not None:
+            await self._remote.unexport(key)
 
     def _live_channels(self, sandbox: str) -> int:
         """Channels of ``sandbox`` still open (closed ones are forgotten here)."""

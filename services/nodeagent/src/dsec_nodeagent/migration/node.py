@@ -12,6 +12,14 @@ target restores the tree in fresh cgroups (egress programs attached first), the 
 its stopped copy (no ``sandbox.exited``: the sandbox lives on), the target continues the tree,
 adopts it and publishes ``unit.migrated``.
 
+Path ``handover`` (a sandbox with a ``state:`` section; :meth:`Migrations.move_handover`): the
+target starts the same sandbox as the warm standby of its copy (its keeper recovers the state
+from DSEC_STATE/S3 and streams it to the agent; its tool servers register as standbys); the
+source's agent stops taking calls and makes its final checkpoint durable, its cgroup is frozen,
+the checkpoints the standby lacks (the final one included) go over the channel, the target
+switches the agent and the broker name, then the source's copy is killed (no event) and the
+target publishes ``unit.migrated``.
+
 The channel: core NATS request-reply on ``dsec_ipc._migrate.<to_node>`` (outside the audited
 stream; node agents already hold ``dsec_ipc.>``). The source's ``offer`` and the target's
 ``hello`` are signed by each node agent's certified key and carry fresh X25519 keys; every later
@@ -37,20 +45,25 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 from dsec_core import canonical, events
 from dsec_core.envelope import Envelope
 from nacl.exceptions import BadSignatureError, CryptoError
 from nacl.public import Box, PrivateKey, PublicKey
 from nacl.signing import VerifyKey
 
+from dsec_nodeagent.ipc.registry import AgentKey
 from dsec_nodeagent.migration import criu
 from dsec_nodeagent.sandbox import quota
 from dsec_nodeagent.sandbox.models import Limits
+from dsec_nodeagent.state.handover import FINAL_TIMEOUT_S, RECORDS_FRAME_BYTES, CgroupFreezer
+from dsec_nodeagent.state.keeper import StateKey
 
 if TYPE_CHECKING:
     from dsec_core.service import Service
 
     from dsec_nodeagent.agent import NodeAgent
+    from dsec_nodeagent.ipc.broker import Broker
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +77,10 @@ WINDOW = 32
 REQUEST_S = 30.0
 EXPECT_S = 15.0
 """How long the target waits to see the scheduler's ``unit.migration_started`` for an offer."""
+DELTAS_FRAME_BYTES = 512 * 1024
+"""Path ``handover``: checkpoint records in one frame of the channel."""
+RECOVER_S = 90.0
+"""Path ``handover``: how long the target's sandbox may take to start and open its state."""
 
 
 RUN_FILES = ("rules.json",)
@@ -109,8 +126,29 @@ class _Session:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class _Standby:
+    """Path ``handover``, the target: the warm standby's progress."""
+
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    final: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    done: asyncio.Future[float] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    failed: str | None = None
+    seq: int = 0
+    """The seq of the state the standby recovered."""
+    deltas: list[tuple[int, list[dict[str, Any]]]] = field(default_factory=list)
+    """The checkpoints after ``seq`` the source sent over the channel, in order."""
+
+
 class Migrations:
     """Both ends of the node agent's migrations."""
+
+    broker: Callable[[], Broker | None] | None = None
+    """The IPC broker (path ``handover``: the moved-in standby's tool names served here)."""
 
     def __init__(self, service: Service, agent: NodeAgent) -> None:
         self.service = service
@@ -200,12 +238,15 @@ class Migrations:
             return [
                 self._failed(event, "checkpoint", f"{sid} does not run on {self.node_id}", False)
             ]
+        if event.path == "handover":
+            return await self.move_handover(sid, event)
         if event.path != "criu":
             return [
                 self._failed(
                     event,
                     "checkpoint",
-                    f"path {event.path!r} is not carried out by node agents yet; only 'criu'",
+                    f"path {event.path!r} is not carried out by node agents yet; only 'criu' "
+                    "and 'handover'",
                     True,
                 )
             ]
@@ -357,6 +398,146 @@ class Migrations:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
+    async def move_handover(
+        self, sid: str, event: events.UnitMigrationStarted
+    ) -> Sequence[events.Payload]:
+        """Path ``handover`` across nodes, the source's part (docs/migration.md "Path
+        ``handover``"): the target starts the sandbox as a warm standby while this copy serves
+        (``hprepare``); then the agent stops taking calls and makes its final checkpoint
+        durable (the same-node hand-over's final-delta step), its cgroup is frozen, the
+        checkpoints after the standby's recovered seq go to the target over the node-to-node
+        channel (``hfinal``), the target switches, and only then is this frozen copy killed
+        (no ``sandbox.exited``). Any failure before: thawed, told ``handover-aborted``, it
+        serves on (``still_running``)."""
+        sandbox = self.agent.manager.get(sid)
+        keeper = self.agent.state_keeper
+        launched = self.agent.launched(sid)
+        plan = launched.plan if launched is not None else None
+        if sandbox is None or keeper is None or plan is None or plan.state is None:
+            why = (
+                f"{sid} has no state plane on {self.node_id} (no `state:` section, or it was "
+                "re-adopted by a restarted node agent): path handover cannot carry it"
+            )
+            return [self._failed(event, "checkpoint", why, sandbox is not None)]
+        key = StateKey(plan.tenant, plan.effective_task_group, plan.name)
+        session = keeper.session_of(key)
+        if session is None or session.sandbox_id != sid or session._agent is None:
+            why = f"the agent of {sid} holds no open state (AgentState): nothing to hand over"
+            return [self._failed(event, "checkpoint", why, True)]
+        cgroup_dir = sandbox.ready.cgroup_path
+        freezer = CgroupFreezer()
+        channel: _Channel | None = None
+        stopped = False
+        frozen_dir: str | None = None
+        stages: dict[str, float] = {}
+        released = False  # its copy here is gone: a later failure leaves it not running
+        made: list[tuple[int, list[dict[str, Any]]]] = []
+
+        async def collect(seq: int, records: list[dict[str, Any]]) -> None:
+            made.append((seq, records))
+
+        session.on_checkpoint(collect)  # what the standby will not have read from DSEC_STATE
+        try:
+            channel = await _Channel.open(self, sid, event)
+            await self._stage(event, "offered")
+            t_prep = time.perf_counter()
+            answer = await channel.call({"op": "hprepare"}, timeout=180)
+            if not answer.get("ok"):
+                raise MigrationError(str(answer.get("stage", "restore")), str(answer.get("reason")))
+            stages["prepare"] = round((time.perf_counter() - t_prep) * 1000, 2)
+            stages["launch"] = round(float(answer.get("launch_ms", 0.0)), 2)
+            stages["recover"] = round(float(answer.get("recover_ms", 0.0)), 2)
+            await self._stage(event, "standby")
+            # The interruption starts here: the agent finishes the call in progress, takes no
+            # more, and sends its final checkpoint, made durable (JetStream) by the keeper.
+            t0 = time.perf_counter()
+            stopped = True
+            await session.request_final(sid, timeout_s=FINAL_TIMEOUT_S)
+            final_seq = session._seq()
+            await freezer.freeze(cgroup_dir)
+            frozen_dir = cgroup_dir
+            t1 = time.perf_counter()
+            stages["final"] = round((t1 - t0) * 1000, 2)
+            await self._stage(event, "stopped")
+            # The checkpoints after the standby's recovered seq, the final one included: over
+            # the node-to-node channel (sealed), in frames the bus carries.
+            since = int(answer.get("seq", 0))
+            deltas = [[seq, records] for seq, records in made if seq > since]
+            sent = 0
+            frame: list[list[Any]] = []
+            size = 0
+            for item in deltas:
+                item_bytes = len(msgpack.packb(item, use_bin_type=True))
+                if frame and size + item_bytes > DELTAS_FRAME_BYTES:
+                    await channel.call({"op": "hdeltas", "deltas": frame})
+                    frame, size = [], 0
+                frame.append(item)
+                size += item_bytes
+                sent += item_bytes
+            answer = await channel.call(
+                {"op": "hfinal", "seq": final_seq, "deltas": frame}, timeout=60
+            )
+            if not answer.get("ok"):
+                raise MigrationError(str(answer.get("stage", "restore")), str(answer.get("reason")))
+            t2 = time.perf_counter()
+            stages["switch"] = round((t2 - t1) * 1000, 2)
+            del made[:]
+            # The target's agent holds the state: this frozen copy goes, with no event.
+            self.agent.release_migrated(sid)
+            keeper.forget_sandbox(sid)
+            released = True
+            await asyncio.to_thread(sandbox.cgroup.kill)
+            frozen_dir = None
+            broker = self.broker() if self.broker is not None else None
+            if broker is not None:
+                await broker.withdraw(AgentKey(plan.effective_task_group, plan.name, plan.tenant))
+            stages["release"] = round((time.perf_counter() - t2) * 1000, 2)
+            answer = await channel.call(
+                {
+                    "op": "hcommit",
+                    "stopped_ago_ms": (time.perf_counter() - t0) * 1000,
+                    "stages": stages,
+                    "bytes": sent,
+                    "seq": final_seq,
+                },
+                timeout=30,
+            )
+            if not answer.get("ok"):
+                log.error("%s: the target could not adopt it: %s", sid, answer.get("reason"))
+            await self._stage(event, "released")
+            return []
+        except Exception as caught:  # whatever failed: the source serves on
+            err = (
+                caught
+                if isinstance(caught, MigrationError)
+                else MigrationError(
+                    "restore" if stopped else "checkpoint", f"{type(caught).__name__}: {caught}"
+                )
+            )
+            log.warning(
+                "%s: migration %s failed at %s: %s", sid, event.migration_id, err.stage, err
+            )
+            if frozen_dir is not None:
+                with contextlib.suppress(Exception):
+                    await freezer.thaw(frozen_dir)
+            if channel is not None:
+                with contextlib.suppress(Exception):
+                    await channel.call({"op": "abort"}, timeout=30)
+            if stopped and not released:  # it stopped taking calls for its final checkpoint
+                with contextlib.suppress(Exception):
+                    await session.send(
+                        {
+                            "op": "error",
+                            "code": "handover-aborted",
+                            "message": err.reason[:300],
+                            "seq": None,
+                        }
+                    )
+            running = not released and self.agent.manager.get(sid) is not None
+            return [self._failed(event, err.stage, err.reason, running)]
+        finally:
+            session.off_checkpoint(collect)
+
     async def _stage(self, event: events.UnitMigrationStarted, stage: str) -> None:
         if self.on_stage is not None:
             await self.on_stage(event.migration_id, stage)
@@ -477,7 +658,171 @@ class Migrations:
         if op == "abort":
             await self._discard(session)
             return {"ok": True}
+        if op in ("hprepare", "hdeltas", "hfinal"):
+            try:
+                return await self._handover_step(session, op, body)
+            except Exception as exc:  # anything: nothing of the start stays
+                log.warning("%s: %s failed: %s", session.sandbox_id, op, exc)
+                await self._discard(session)
+                stage = exc.stage if isinstance(exc, MigrationError) else "restore"
+                return {"ok": False, "stage": stage, "reason": f"{type(exc).__name__}: {exc}"}
+        if op == "hcommit":
+            return await self._handover_commit(session, body)
         raise ValueError(f"unknown op {op!r}")
+
+    async def _handover_step(
+        self, session: _Session, op: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Path ``handover``, the target. ``hprepare`` (the source serves): start the same
+        sandbox as the warm standby of its copy (its keeper here recovers the state from
+        DSEC_STATE/S3 and streams it to the agent, whose tool servers register as standbys)
+        and answer once the agent said ``ready``. ``hfinal{seq}`` (the source stopped after
+        its final checkpoint and froze): the checkpoints after the recovered ones, the final
+        included, read from DSEC_STATE and forwarded as ``deltas``; the agent owns the state
+        (``switched``) and the broker serves its name here; answered then."""
+        sid = session.sandbox_id
+        keeper = self.agent.state_keeper
+        if keeper is None:
+            raise MigrationError("restore", f"no state keeper on {self.node_id}")
+        if op == "hprepare":
+            standby = _Standby()
+            session.meta = {"standby": standby}
+            keeper.incoming[sid] = lambda new: self._serve_standby(session, standby, new)
+            t0 = time.perf_counter()
+            built_env, staging = await self.agent.stage_migrated(sid)
+            session.meta["launched"] = True
+            await self.agent.launch_migrated(sid, built_env, staging)
+            t1 = time.perf_counter()
+            deadline = time.monotonic() + RECOVER_S
+            while not standby.ready.is_set():
+                if standby.failed is not None:
+                    raise MigrationError("restore", standby.failed)
+                if self.agent.manager.get(sid) is None:
+                    raise MigrationError("restore", f"{sid} ended on {self.node_id} as a standby")
+                if time.monotonic() > deadline:
+                    raise MigrationError(
+                        "restore",
+                        f"the agent of {sid} did not restore its state on {self.node_id} "
+                        f"within {RECOVER_S:g} s",
+                    )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(standby.ready.wait(), 0.2)
+            return {
+                "ok": True,
+                "launch_ms": (t1 - t0) * 1000,
+                "recover_ms": (time.perf_counter() - t1) * 1000,
+                "seq": standby.seq,
+            }
+        waiting = session.meta.get("standby")
+        if not isinstance(waiting, _Standby):
+            raise MigrationError("restore", f"{op} before hprepare")
+        for item in body.get("deltas") or []:
+            seq, records = int(item[0]), list(item[1])
+            if seq == (waiting.deltas[-1][0] if waiting.deltas else waiting.seq) + 1:
+                waiting.deltas.append((seq, records))
+        if op == "hdeltas":
+            return {"ok": True}
+        if not isinstance(waiting, _Standby) or not waiting.ready.is_set():
+            raise MigrationError("restore", "hfinal before the standby was ready")
+        waiting.final.set_result(int(body.get("seq", 0)))
+        await asyncio.wait_for(asyncio.shield(waiting.done), 60)
+        return {"ok": True}
+
+    async def _serve_standby(self, session: _Session, standby: _Standby, new: Any) -> None:
+        """The keeper's side of the standby's state session (``keeper.incoming``)."""
+        keeper = self.agent.state_keeper
+        assert keeper is not None
+        sid = session.sandbox_id
+        try:
+            records, seq0 = await keeper.records_for(new)
+            standby.seq = seq0
+            batch: list[dict[str, Any]] = []
+            size = 0
+            for record in records:
+                record_bytes = len(msgpack.packb(record, use_bin_type=True))
+                if batch and size + record_bytes > RECORDS_FRAME_BYTES:
+                    await new.send({"op": "records", "records": batch})
+                    batch, size = [], 0
+                batch.append(record)
+                size += record_bytes
+            if batch:
+                await new.send({"op": "records", "records": batch})
+            await new.send(
+                {
+                    "op": "fetched",
+                    "seq": seq0,
+                    "deltas": len(records),
+                    "source": "remote" if records else "empty",
+                    "ms": 0.0,
+                }
+            )
+            await asyncio.wait_for(new.ready.wait(), RECOVER_S)
+            standby.ready.set()
+            final_seq = await standby.final
+            started = time.perf_counter()
+            caught = standby.deltas
+            if (caught[-1][0] if caught else seq0) >= final_seq:
+                await keeper.apply(new, caught)  # the source's, over the channel
+            else:  # a gap in what came over the channel: read them from DSEC_STATE
+                caught = await keeper.catch_up(new, seq0)
+            for seq, delta in caught:
+                await new.send({"op": "deltas", "seq": seq, "records": delta})
+            seq = caught[-1][0] if caught else seq0
+            if seq < final_seq:
+                raise MigrationError(
+                    "restore", f"DSEC_STATE holds checkpoints up to {seq}, not {final_seq}"
+                )
+            keeper.take_owner(new)
+            ms = (time.perf_counter() - started) * 1000
+            await new.send({"op": "switched", "interruption_ms": ms, "seq": seq})
+            standby.done.set_result(ms)
+        except BaseException as exc:
+            why = str(exc) or type(exc).__name__
+            standby.failed = why
+            if not standby.done.done():
+                standby.done.set_exception(MigrationError("restore", why))
+            with contextlib.suppress(Exception):
+                await new.send({"op": "error", "code": "handover-failed", "message": why,
+                                "seq": None})  # fmt: skip
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            keeper.incoming.pop(sid, None)
+            broker = self.broker() if self.broker is not None else None
+            if broker is not None:
+                broker.forget_handover(sid)
+
+    async def _handover_commit(self, session: _Session, body: dict[str, Any]) -> dict[str, Any]:
+        """Path ``handover``: the source released its copy; this one is the sandbox's."""
+        sid = session.sandbox_id
+        received = time.perf_counter()
+        launched = self.agent.launched(sid)
+        broker = self.broker() if self.broker is not None else None
+        if broker is not None and launched is not None:  # the name is served from here now
+            plan = launched.plan
+            broker.promote(AgentKey(plan.effective_task_group, plan.name, plan.tenant), sid)
+        served = time.perf_counter()
+        self._sessions.pop(session.migration_id, None)
+        shutil.rmtree(session.work, ignore_errors=True)
+        await self.agent.adopted_migrated(sid, session.started)
+        migrated = events.UnitMigrated(
+            unit=session.started.unit,
+            migration_id=session.migration_id,
+            from_node=session.started.from_node,
+            to_node=self.node_id,
+            from_gpus=session.started.from_gpus,
+            to_gpus=session.started.to_gpus,
+            reason=session.started.reason,
+            path="handover",
+            # from the stop to the name served here (the commit frame's transit not counted)
+            interruption_ms=round(
+                float(body.get("stopped_ago_ms", 0.0)) + (served - received) * 1000, 2
+            ),
+            bytes_moved=int(body.get("bytes", 0)),
+            stages_ms={k: float(v) for k, v in dict(body.get("stages") or {}).items()},
+        )
+        await self.agent.outlet.lifecycle(migrated, sid, None)
+        return {"ok": True}
 
     def _target_path(self, meta: dict[str, Any], host_path: str) -> str:
         """The target's path for a source host path: the sandbox's files are here under its
@@ -639,6 +984,17 @@ class Migrations:
         """Undo a restore that will not be committed (nothing of it stays)."""
         self._sessions.pop(session.migration_id, None)
         sid = session.sandbox_id
+        standby = session.meta.get("standby")
+        if isinstance(standby, _Standby):
+            if not standby.final.done():
+                standby.final.set_exception(MigrationError("restore", "aborted"))
+                standby.final.exception()  # retrieved: the standby's task may be gone
+            if self.agent.state_keeper is not None:
+                self.agent.state_keeper.incoming.pop(sid, None)
+        if session.meta.get("launched") and self.agent.manager.get(sid) is not None:
+            with contextlib.suppress(Exception):  # path handover: the copy started here
+                self.agent.release_migrated(sid)
+                await self.agent.fence(sid)
         if session.channel is not None:
             with contextlib.suppress(Exception):
                 await session.channel.close()

@@ -280,6 +280,13 @@ class StateSession:
         finally:
             self._final = None
 
+    def off_checkpoint(
+        self, callback: Callable[[int, list[dict[str, Any]]], Awaitable[None]]
+    ) -> None:
+        """Stop calling ``callback`` (a migration that ended)."""
+        with contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)
+
     def on_checkpoint(
         self, callback: Callable[[int, list[dict[str, Any]]], Awaitable[None]]
     ) -> None:
@@ -342,6 +349,24 @@ class StateSession:
                 "unregistered", f"sandbox {self.sandbox_id} has no state plane (no `state:`)"
             )
         self.key = StateKey(tenant, group, agent)
+        incoming = keeper.incoming.get(self.sandbox_id)
+        if hello.get("handover") is True and incoming is not None:
+            if keeper.session_of(self.key) is not None:
+                raise StateError("state-held", f"the state of {agent!r} is open on this node")
+            store = keeper._agent(self.key)
+            async with store.lock:
+                await keeper._sync(store)  # recovered as after a node loss
+            await self.send(
+                {
+                    "op": "welcome",
+                    "state_id": store.state_id,
+                    "seq": store.seq,
+                    "config": _plan_config(self.plan),
+                    "handover": True,
+                }
+            )
+            keeper._spawn(incoming(self))
+            return
         if hello.get("handover") is True:
             if keeper.handover is None:
                 raise StateError("no-handover", "this node agent does not hand state over")
@@ -637,6 +662,11 @@ class StateKeeper:
         self._nc: Any = None
         self._js: Any = None
         self._store: Any = None
+        self.incoming: dict[str, Callable[[StateSession], Awaitable[None]]] = {}
+        """Migration path ``handover`` (docs/migration.md): sandboxes started here as the warm
+        standby of their copy on another node; a ``hello{handover: true}`` of one is served by
+        its callable (the state is recovered from DSEC_STATE/S3, not streamed by a local
+        session)."""
 
     # ------------------------------------------------------------------ the node agent's side
 
@@ -667,6 +697,62 @@ class StateKeeper:
         async with store.lock:
             records, _, _ = await self._materialize(store)
             # as a fetch sends them: an array too large for one frame goes in slices
+            return [part for record in records for part in split_large(record)], store.seq
+
+    async def catch_up(
+        self, session: StateSession, after: int
+    ) -> list[tuple[int, list[dict[str, Any]]]]:
+        """Migration path ``handover``, the target: the checkpoints of ``session``'s agent
+        made durable in DSEC_STATE after ``after`` (by its copy on the source node), appended
+        to this node's journal; returns them as ``(seq, records)``."""
+        store = self._agent(session.key)
+        async with store.lock:
+            key = await self._key(store.key.tenant)
+            entries = [e for e in await self._read_stream(store, key, after=after) if e.seq > after]
+
+            def append() -> None:
+                store.journal_dir.mkdir(parents=True, exist_ok=True)
+                with store.journal.open("ab") as fh:
+                    for entry in entries:
+                        fh.write(_journal_frame(entry.seq, entry.records))
+
+            await asyncio.to_thread(append)
+            if entries:
+                store.seq = max(store.seq, entries[-1].seq)
+        return [(e.seq, e.records) for e in entries]
+
+    async def apply(
+        self, session: StateSession, deltas: list[tuple[int, list[dict[str, Any]]]]
+    ) -> None:
+        """Migration path ``handover``, the target: checkpoints the source's keeper made
+        durable, received over the node-to-node channel, appended to this node's journal."""
+        store = self._agent(session.key)
+        async with store.lock:
+
+            def append() -> None:
+                store.journal_dir.mkdir(parents=True, exist_ok=True)
+                with store.journal.open("ab") as fh:
+                    for seq, records in deltas:
+                        fh.write(_journal_frame(seq, records))
+
+            await asyncio.to_thread(append)
+            if deltas:
+                store.seq = max(store.seq, deltas[-1][0])
+
+    def take_owner(self, session: StateSession) -> None:
+        """Migration path ``handover``, the target: ``session`` owns its key's state from now
+        on (its checkpoints continue the recovered seq)."""
+        store = self._agent(session.key)
+        session._agent = store
+        self._owners[store.key] = session
+        session.start_timers()
+
+    async def records_for(self, session: StateSession) -> tuple[list[dict[str, Any]], int]:
+        """Migration path ``handover``: the recovered state of ``session``'s key as a fetch
+        sends it, and its seq."""
+        store = self._agent(session.key)
+        async with store.lock:
+            records, _, _ = await self._materialize(store)
             return [part for record in records for part in split_large(record)], store.seq
 
     def switch_owner(self, old: StateSession, new: StateSession) -> None:
