@@ -101,7 +101,11 @@ class _Unverified(NamedTuple):
     before: tuple[int, str | None]  # the chain's (next_seq, last_hash) before it
 
 
-@dataclass
+# tuple.__new__ skips the generated __new__'s Python frame (the fields are given in order).
+_new_unverified = tuple.__new__
+
+
+@dataclass(slots=True)
 class _Chain:
     next_seq: int = 0
     last_hash: str | None = None
@@ -133,6 +137,12 @@ _REQUIRED: dict[str, type | tuple[type, ...]] = {
 
 _REQUIRED_ITEMS = tuple(_REQUIRED.items())
 
+_KEY_REGISTERED = KeyRegistered.TYPE
+_SANDBOX = SpecSubmitted.AGGREGATE
+
+# Routing fields found consistent, per (type, aggregate id): (aggregate, subject). Bounded.
+_ROUTES_LIMIT = 65_536
+
 
 def _fields(data: bytes) -> dict[str, Any]:
     """Unpack an envelope without model validation (the verifier's hot path)."""
@@ -151,7 +161,7 @@ def _fields(data: bytes) -> dict[str, Any]:
         and isinstance(get("key_id"), str)
         and isinstance(get("chain"), str)
         and isinstance(get("chain_seq"), int)
-        and isinstance(get("prev"), str | None)
+        and ((prev := get("prev")) is None or isinstance(prev, str))
         and isinstance(get("sig"), str)
         and isinstance(get("payload"), dict)
         and isinstance(get("aggregate_id"), str)
@@ -193,6 +203,7 @@ class Verifier:
         self._causes: dict[str, int] = {}  # cause id -> first authentic event it caused
         self._answers: dict[int, list[int]] = {}
         self._injected_at: dict[int, Injected] = {}
+        self._routes: dict[tuple[str, str], tuple[Any, Any]] = {}
 
     # -- feeding ---------------------------------------------------------------------------------
 
@@ -211,16 +222,22 @@ class Verifier:
         except MalformedEnvelope as exc:
             self._inject(seq, None, f"malformed: {exc}")
             return None
-        shape = shape_problem(f)
-        if shape is not None:
-            self._inject(seq, f, f"malformed: {shape}")
-            return None
+        route = self._routes.get((f["type"], f["aggregate_id"]))
+        if route is None or route[0] != f.get("aggregate") or route[1] != f.get("subject"):
+            shape = shape_problem(f)
+            if shape is not None:
+                self._inject(seq, f, f"malformed: {shape}")
+                return None
+            if len(self._routes) >= _ROUTES_LIMIT:
+                self._routes.clear()
+            # shape_problem found these consistent: the same pair gives the same verdict again
+            self._routes[(f["type"], f["aggregate_id"])] = (f["aggregate"], f["subject"])
         self._check(seq, f, data)
         return report.finding
 
     def _check(self, seq: int, f: dict[str, Any], data: bytes) -> None:
         key_id = f["key_id"]
-        if f["type"] == KeyRegistered.TYPE and key_id not in self._certs:
+        if f["type"] == _KEY_REGISTERED and key_id not in self._certs:
             found = (
                 registration_problem(f, self._anchor)
                 if self._anchor is not None
@@ -237,16 +254,17 @@ class Verifier:
         if key_id in self._revoked:
             self._inject(seq, f, f"revoked-key: key {key_id} was revoked before")
             return
-        chain = self._chains.get((f["producer"], f["chain"]))
+        producer = f["producer"]
+        chain = self._chains.get((producer, f["chain"]))
         if chain is None:  # (not setdefault: that would build a _Chain for every event)
-            chain = self._chains[(f["producer"], f["chain"])] = _Chain()
+            chain = self._chains[(producer, f["chain"])] = _Chain()
         key = self._keys.get(key_id)
         if key is None:
             key = self._keys[key_id] = bytes.fromhex(cert.public_key)
-        if f["producer"] != cert.subject:
+        if producer != cert.subject:
             self._inject(seq, f, f"unauthorized: key certified for {cert.subject!r}")
             return
-        if not chain.fits(f):
+        if f["chain_seq"] != chain.next_seq or f["prev"] != chain.last_hash:  # chain.fits, inline
             self._repair(chain)
             if self.report.finding is not None:
                 return
@@ -303,24 +321,27 @@ class Verifier:
                 self._find(seq, f, f"a service acted across tenants: {tenancy}")
             return
         before = (chain.next_seq, chain.last_hash)
-        chain.advance(data)
+        chain.next_seq += 1  # chain.advance, inline
+        chain.last_hash = envelope_hash(data)
         self._seen[f["id"]] = seq
         self._record(seq, f, key)
-        if f["type"] == KeyRegistered.TYPE:
-            chain.pending.clear()  # its signature, checked at registration, vouches for the chain
+        pending = chain.pending
+        if f["type"] == _KEY_REGISTERED:
+            pending.clear()  # its signature, checked at registration, vouches for the chain
         else:
-            chain.pending.append(_Unverified(seq, f, key, before))
-            if len(chain.pending) >= self._signature_every:
+            pending.append(_new_unverified(_Unverified, (seq, f, key, before)))
+            if len(pending) >= self._signature_every:
                 self._settle(chain)
-        self.report.events += 1
-        self.report.producers.add(f["producer"])
-        self.report.chains = len(self._chains)
+        report = self.report
+        report.events += 1
+        report.producers.add(f["producer"])
+        report.chains = len(self._chains)
 
     def _wrong_node(self, f: dict[str, Any], cert: Certificate) -> str | None:
         """A node agent's sandbox event for a sandbox its latest ``sandbox.scheduled`` placed on
         another node (as the gate; logs from before scheduling: the node ``env.built`` named)."""
         # After the shape check, ``aggregate`` is the one the subject and the type give.
-        if cert.role != "nodeagent" or f["aggregate"] != SpecSubmitted.AGGREGATE:
+        if cert.role != "nodeagent" or f["aggregate"] != _SANDBOX:
             return None
         node = self._nodes.get(f["aggregate_id"])
         if node is None or node == cert.node_id:
@@ -328,7 +349,7 @@ class Verifier:
         return f"node agent of {cert.node_id!r} spoke for a sandbox of node {node!r}"
 
     def _tenancy(self, f: dict[str, Any], cert: Certificate) -> str | None:
-        if f["payload"] is None or f["aggregate"] != SpecSubmitted.AGGREGATE:
+        if f["payload"] is None or f["aggregate"] != _SANDBOX:
             return None
         sandbox = f["aggregate_id"]
         first = self._tenants.get(sandbox)
