@@ -244,6 +244,18 @@ def test_malformed_bytes_are_injected() -> None:
     assert [i.reason.split(":")[0] for i in report.injected] == ["malformed", "malformed"]
 
 
+def test_an_envelope_without_prev_is_malformed_not_a_crash() -> None:
+    user = _user()
+    wires = _log(user, n=1)
+    fields = canonical.unpack(
+        user.signer.seal(SpecSubmitted(spec_yaml="x"), aggregate_id="sbx_p").wire
+    )
+    del fields["prev"]
+    report = verify_stream(_numbered([*wires, canonical.pack(fields)]), ANCHOR)
+    assert report.ok
+    assert [i.reason for i in report.injected] == ["malformed: invalid envelope field prev"]
+
+
 def _relink_from(wires: list[bytes], index: int) -> None:
     """Alter event ``index`` and re-link every later one (without the key: signatures fail)."""
     env = decode(wires[index])

@@ -152,23 +152,25 @@ def _fields(data: bytes) -> dict[str, Any]:
         raise MalformedEnvelope(f"not MessagePack: {exc}") from None
     if not isinstance(raw, dict):
         raise MalformedEnvelope("envelope must be a map")
-    get = raw.get
-    if (  # _REQUIRED unrolled (the common case, in one expression)
-        isinstance(get("id"), str)
-        and isinstance(get("type"), str)
-        and isinstance(get("producer"), str)
-        and isinstance(get("tenant"), str)
-        and isinstance(get("key_id"), str)
-        and isinstance(get("chain"), str)
-        and isinstance(get("chain_seq"), int)
-        and ((prev := get("prev")) is None or isinstance(prev, str))
-        and isinstance(get("sig"), str)
-        and isinstance(get("payload"), dict)
-        and isinstance(get("aggregate_id"), str)
-    ):
-        return raw
+    try:  # _REQUIRED unrolled (the common case, in one expression; a missing field: below)
+        if (
+            isinstance(raw["id"], str)
+            and isinstance(raw["type"], str)
+            and isinstance(raw["producer"], str)
+            and isinstance(raw["tenant"], str)
+            and isinstance(raw["key_id"], str)
+            and isinstance(raw["chain"], str)
+            and isinstance(raw["chain_seq"], int)
+            and ((prev := raw["prev"]) is None or isinstance(prev, str))
+            and isinstance(raw["sig"], str)
+            and isinstance(raw["payload"], dict)
+            and isinstance(raw["aggregate_id"], str)
+        ):
+            return raw
+    except KeyError:
+        pass
     for name, kind in _REQUIRED_ITEMS:
-        if not isinstance(get(name), kind):
+        if name not in raw or not isinstance(raw[name], kind):  # (a missing prev too)
             raise MalformedEnvelope(f"invalid envelope field {name}")
     return raw  # (not reached: the expression above is _REQUIRED)
 
