@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import http.server
 import importlib.util
+import json
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -137,6 +139,44 @@ def test_rate_limit_counts_requests_not_connections() -> None:
         engine.decide("http", facts["url"], facts)
     assert "rate limit 3 requests per 60s" in str(info.value)
     assert "line 12" in str(info.value)
+
+
+@pytest.mark.unit
+def test_the_layer_loads_its_rules_without_json_and_denies_on_first_use(tmp_path: Path) -> None:
+    # It runs at every sandboxed interpreter's start: json, fnmatch (re) and _socket wait for
+    # the first rule match or report. A fresh interpreter (no site, no PYTHON* variables) shows
+    # what it imported.
+    rules = compile_rules(
+        {
+            "rules": [
+                {"name": "no-etc", "on": "open", "match": {"path": "/etc/*"}, "action": "deny"},
+                {"name": "quiet", "on": "http", "match": {"host": "*.é.test"}, "action": "log"},
+            ],
+            "rate_limits": [{"name": "api", "host": "api.test", "requests": 2, "period_s": 60}],
+        }
+    )
+    rules_file = tmp_path / "rules.json"
+    rules_file.write_text(json.dumps(rules))
+    program = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(site_dir())!r})\n"
+        "import dsec_semantic_runtime as r\n"
+        f"engine = r.install({str(rules_file)!r}, None)\n"
+        "late = sorted({'json', 'fnmatch', 're', '_socket'} & set(sys.modules))\n"
+        "try:\n"
+        "    open('/etc/hostname')\n"
+        "    denied = False\n"
+        "except PermissionError:\n"
+        "    denied = True\n"
+        "import http.client\n"
+        "patched = http.client.HTTPConnection.putrequest.__qualname__\n"
+        "print(repr((late, denied, patched, [x.name for x in engine.rules])))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", program], capture_output=True, text=True, check=True
+    ).stdout
+    patched = "_wrap_http_client.<locals>.putrequest"  # patched once imported, not before
+    assert out.strip() == repr(([], True, patched, ["no-etc", "quiet"]))
 
 
 @pytest.mark.unit

@@ -243,8 +243,12 @@ class SandboxManager:
         early = self.zygote.fork() if self.zygote is not None else None
         if early is not None:
             await asyncio.sleep(0)  # let it send the request now: planning may never yield
+        disk: asyncio.Future[None] | None = None
         try:
             built, uid = await self._plan(config, run_dir)
+            # The disk quota's loop mount runs in a worker thread while the cgroup and the
+            # decision channel are made here; awaited before its directories are prepared.
+            disk = asyncio.ensure_future(self._make_quota(config, self.data_root / sid, built))
             self._uid_owners[uid] = sid
             self._watch_landlock(built.warnings)
             if config.agent is not None:
@@ -268,6 +272,7 @@ class SandboxManager:
             built.plan["reap"] = cgroup.reaper_plan(self.unwatched_marker)
             if before_start is not None:
                 await before_start(sid, cgroup.v2_dir, cgroup.inode)
+            await disk
             self._prepare_dirs(built, uid)
             if config.semantic_rules is not None:
                 channel = await DecisionChannel.open(
@@ -278,9 +283,11 @@ class SandboxManager:
                 config, built.plan, marks, early
             )
         except SandboxStartError:
+            await _settled(disk)
             await self._abort(sid, cgroup, channel, run_dir, early)
             raise
         except Exception as exc:
+            await _settled(disk)
             await self._abort(sid, cgroup, channel, run_dir, early)
             stage = next((m for m in ("plan", "cgroup") if m not in marks), "spawn")
             raise SandboxStartError(sid, stage, str(exc)) from exc
@@ -328,7 +335,6 @@ class SandboxManager:
         abi, last_cap, program = self._kernel_facts()
         facts = plan.KernelFacts(abi, last_cap, program, [])
         built = plan.build(config, view, host, facts, uid)
-        await self._make_quota(config, host.data_dir, built)
         if ipc_dir is not None and not (ipc_dir / plan.IPC_SOCKET_NAME).exists():
             built.warnings.append(
                 f"the IPC broker's socket {self.ipc_socket} could not be shown to the sandbox "
@@ -1079,6 +1085,15 @@ def _identity(path: Path) -> tuple[int, int, int]:
     except FileNotFoundError:
         return (0, 0, 0)
     return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+async def _settled(task: asyncio.Future[None] | None) -> None:
+    """Wait for ``task`` to end (its outcome is the caller's no more): a start that failed
+    elsewhere must not release its disk quota while the mount is still being made."""
+    if task is None:
+        return
+    with contextlib.suppress(Exception):
+        await asyncio.shield(task)  # a worker thread's mount cannot be cancelled midway
 
 
 def _compile_sandbox_site() -> None:

@@ -10,19 +10,20 @@ never reach it — Landlock, seccomp and the eBPF egress layer refuse those in t
 
 from __future__ import annotations
 
-import _socket  # not socket: its enums cost milliseconds of every sandboxed interpreter's start
 import _thread  # not threading: only its C thread-local is needed
 import builtins
-import fnmatch
 import io
-import json
 import os
 import sys
 import time
 from collections import deque
 
+# Imported on first use, not here: this module runs at the start of every sandboxed interpreter,
+# and json, fnmatch (hence re) and _socket together cost about as much as the rest of it. A
+# workload that never trips a rule never loads them.
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing costs start-up time in every sandboxed interpreter
+    import _socket
     import socket
     from collections.abc import Callable
     from typing import Any
@@ -55,7 +56,7 @@ class Rule:
             if key == "argv":
                 if not _argv_matches(value, pattern):
                     return False
-            elif not fnmatch.fnmatchcase(
+            elif not _fnmatchcase(
                 str(value).lower() if key == "host" else str(value),
                 pattern.lower() if key == "host" else pattern,
             ):
@@ -65,11 +66,9 @@ class Rule:
 
 def _argv_matches(argv: list[str], pattern: list[str]) -> bool:
     wanted = " ".join(pattern)
-    if fnmatch.fnmatchcase(" ".join(argv), wanted):
+    if _fnmatchcase(" ".join(argv), wanted):
         return True
-    return bool(argv) and fnmatch.fnmatchcase(
-        " ".join([os.path.basename(argv[0]), *argv[1:]]), wanted
-    )
+    return bool(argv) and _fnmatchcase(" ".join([os.path.basename(argv[0]), *argv[1:]]), wanted)
 
 
 class RateLimit:
@@ -87,7 +86,7 @@ class RateLimit:
 
     def over(self, host: str, now: float) -> bool:
         """Count one request to ``host``; True when it exceeds the budget."""
-        if not fnmatch.fnmatchcase(host.lower(), self.host):
+        if not _fnmatchcase(host.lower(), self.host):
             return False
         while self.stamps and self.stamps[0] <= now - self.period:
             self.stamps.popleft()
@@ -188,7 +187,11 @@ class Engine:
         }
         _guard.active = True
         try:
+            import json  # (while guarded: the audit hook does not judge the import's opens)
+
             if self._sock is None:
+                import _socket
+
                 self._sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM)
                 self._sock.setblocking(False)
             self._sock.sendto(json.dumps(payload).encode(), self.socket_path)
@@ -199,6 +202,48 @@ class Engine:
 
 
 _engine: Engine | None = None
+
+
+def _fnmatchcase(name: str, pattern: str) -> bool:
+    """``fnmatch.fnmatchcase``, imported at the first rule match (it brings ``re``)."""
+    global _fnmatchcase
+    held = _busy()
+    _guard.active = True  # the import opens files: the audit hook must not judge them (recurse)
+    try:
+        from fnmatch import fnmatchcase
+    finally:
+        _guard.active = held
+    _fnmatchcase = fnmatchcase  # type: ignore[assignment]
+    return fnmatchcase(name, pattern)
+
+
+class _JsonContext:
+    """What ``_json.make_scanner`` reads from a decoder: the defaults of ``json.loads``."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    parse_constant = None
+
+
+def _load_json(text: str) -> Any:
+    """``json.loads`` of the node agent's rules file without importing ``json`` (and ``re``):
+    the C scanner ``json`` itself uses; ``json.loads`` where there is none (not CPython)."""
+    try:
+        import _json
+
+        value, end = _json.make_scanner(_JsonContext())(text, 0)  # type: ignore[arg-type]
+    except (ImportError, AttributeError, TypeError, ValueError, StopIteration):
+        import json
+
+        return json.loads(text)
+    if text[end:].strip():
+        import json
+
+        return json.loads(text)  # raises the usual error for trailing data
+    return value
 
 
 def _busy() -> bool:
@@ -284,15 +329,14 @@ def _wrap_connect(engine: Engine) -> None:
     socket.socket.connect_ex = connect_ex  # type: ignore[method-assign,assignment]
 
 
-def _wrap_http_client(engine: Engine) -> None:
-    import http.client
-
-    real_putrequest = http.client.HTTPConnection.putrequest
+def _wrap_http_client(engine: Engine, module: Any) -> None:
+    real_putrequest = module.HTTPConnection.putrequest
+    secure = getattr(module, "HTTPSConnection", ())  # absent without ssl
 
     def putrequest(self: Any, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
         if _busy():
             return real_putrequest(self, method, url, *args, **kwargs)
-        scheme = "https" if isinstance(self, http.client.HTTPSConnection) else "http"
+        scheme = "https" if isinstance(self, secure) else "http"
         if url.startswith(("http://", "https://")):
             full = url
         else:
@@ -305,7 +349,7 @@ def _wrap_http_client(engine: Engine) -> None:
             url = decision.subject
         return real_putrequest(self, method, url, *args, **kwargs)
 
-    http.client.HTTPConnection.putrequest = putrequest  # type: ignore[method-assign]
+    module.HTTPConnection.putrequest = putrequest
 
 
 def _wrap_httpx(engine: Engine, module: Any) -> None:
@@ -403,28 +447,40 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
         engine.decide("connect", f"{host}:{args[1] or 0}", {"host": host, "port": args[1]})
     elif event == "socket.connect" and "connect" in engine.watched:
         sock, address = args
+        import _socket  # loaded already: the event comes from a socket
+
         if sock.family in (_socket.AF_INET, _socket.AF_INET6):
             engine.decide(
                 "connect", f"{address[0]}:{address[1]}", {"host": address[0], "port": address[1]}
             )
 
 
+def _wrap_when_imported(engine: Engine, name: str, wrap: Callable[[Engine, Any], None]) -> None:
+    if name in sys.modules:
+        wrap(engine, sys.modules[name])
+        return
+
+    def patch(module: Any) -> None:
+        wrap(engine, module)
+
+    sys.meta_path.insert(0, _AfterImport(name, patch))
+
+
 def install(rules_file: str, socket_path: str | None) -> Engine:
     """Load the rules and install wrappers + the audit hook (once per interpreter)."""
     global _engine
     with open(rules_file) as fh:
-        raw = json.load(fh)
+        raw = _load_json(fh.read())
     engine = Engine(raw, socket_path)
     if "open" in engine.watched:
         _wrap_open(engine)
     if "connect" in engine.watched:
         _wrap_connect(engine)
     if "http" in engine.watched:
-        _wrap_http_client(engine)
-        if "httpx" in sys.modules:
-            _wrap_httpx(engine, sys.modules["httpx"])
-        else:
-            sys.meta_path.insert(0, _AfterImport("httpx", lambda m: _wrap_httpx(engine, m)))
+        # Patched once imported, not imported here: http.client (email, socket, re) would cost
+        # milliseconds of every sandboxed interpreter's start, HTTP or not.
+        _wrap_when_imported(engine, "http.client", _wrap_http_client)
+        _wrap_when_imported(engine, "httpx", _wrap_httpx)
     _engine = engine
     sys.addaudithook(_audit)
     return engine
