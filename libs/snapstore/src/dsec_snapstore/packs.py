@@ -161,15 +161,19 @@ class Packer:
         finally:
             self._slots.release()
 
+    def seal(self) -> None:
+        """Start uploading the open pack now (when no more chunks come), without waiting."""
+        with self._lock:
+            sealed, self._open, self._open_size = self._open, [], 0
+        if sealed:
+            self._upload(sealed)
+
     def finish(self) -> dict[str, list[list[Any]]]:
         """Seal the last pack, wait for every upload; return ``{pack key: entries}``.
 
         Raises whatever an upload raised (the packs stored meanwhile are orphans GC removes).
         """
-        with self._lock:
-            sealed, self._open, self._open_size = self._open, [], 0
-        if sealed:
-            self._upload(sealed)
+        self.seal()
         out: dict[str, list[list[Any]]] = {}
         for future in self._futures:
             key, entries, size = future.result()

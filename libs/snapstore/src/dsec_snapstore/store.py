@@ -106,7 +106,10 @@ from dsec_snapstore.results import (
     VerifyReport,
 )
 
-_ZSTD_LEVEL = 3
+_ZSTD_LEVEL = 1
+"""Chunks are compressed at zstd's fastest standard level: a cold snapshot is bound by
+compressing (two cores) while its packs upload; level 3 saves a few percent of bytes for about
+1.5x the CPU. Any level decompresses the same way, so older packs read as before."""
 _RESTORE_BATCH = 64 << 20
 """A restore fetches the chunks of this many bytes of files at once (bounded memory)."""
 REPACK_BELOW = 0.5
@@ -285,23 +288,42 @@ class SnapshotStore:
             with contextlib.suppress(Exception):
                 packer.finish()  # let the uploads end; those packs are orphans GC removes
             raise
-        self._store_packs(packer)
-        uploaded, uploaded_bytes = packer.chunks, packer.bytes
+        packer.seal()  # the last pack uploads while the manifest is built
+        # The manifest is built while the last packs upload (it names chunks, not packs); it
+        # is written only after they are stored and indexed.
         total_chunks = len({c.id for _, h in hashed.values() for c in h.chunks})
         snapshot_id = new_event_id()
         created = now or datetime.now(UTC)
-        manifest = self._manifest(
-            name, snapshot_id, root, inputs, hashed, parent, created, git.result()
-        )
+        try:
+            manifest = self._manifest(
+                name, snapshot_id, root, inputs, hashed, parent, created, git.result()
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                packer.finish()
+            raise
+        try:
+            self._store_packs(packer)
+        except BaseException:
+            if manifest.audit is not None and self.keys is not None:
+                self.keys.delete_segment_key(snapshot_id)
+            raise
+        uploaded, uploaded_bytes = packer.chunks, packer.bytes
+        # The stat cache is encoded and written while the manifest uploads; it names this
+        # snapshot, so it is removed again if the manifest cannot be stored.
+        saved = self._pool.submit(cache.save, name, hashed, scan_ns, rehashed if parent else None)
         try:
             digest = self._write_manifest(manifest)
         except BaseException:
             if manifest.audit is not None and self.keys is not None:
                 self.keys.delete_segment_key(snapshot_id)
+            with contextlib.suppress(Exception):
+                saved.result()
+            cache.forget()
             raise
         total = manifest.code.total_size
         self._write_summary(manifest, digest, uploaded_bytes)
-        cache.save(name, hashed, scan_ns, rehashed if parent else None)
+        saved.result()
         return CreateResult(
             manifest=manifest,
             manifest_digest=digest,
@@ -944,8 +966,13 @@ class SnapshotStore:
                 writes.append(self._writer.submit(write, part))
 
         problems: dict[str, str] = {}
+        # Big spans (a full restore) are mostly decompressing and hashing: as many readers as
+        # cores. Many small ones (a rollback's scattered files) mostly wait on S3: more at once.
+        span_bytes = sum(s.end - s.start for s in spans)
+        small = len(spans) > self._cpu_threads and span_bytes < len(spans) * (256 << 10)
+        readers = self._pool if small else self._cpu
         reads = {
-            self._cpu.submit(self._read_span, span, chunks, problems, True): i
+            readers.submit(self._read_span, span, chunks, problems, True): i
             for i, span in enumerate(spans)
         }
         flush(False)

@@ -151,6 +151,11 @@ class StatCache:
         digest, chunks = row[1], row[2]
         return HashedFile(digest, entry.size, tuple(ChunkRef(*c) for c in chunks))
 
+    def forget(self) -> None:
+        """Remove the cache file (its snapshot was not stored after all)."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
     def save(
         self,
         snapshot: str,
