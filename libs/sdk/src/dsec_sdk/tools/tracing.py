@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import sys
 from typing import Any, Final
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ def _make_tracer() -> Any:
         "OTEL_EXPORTER_OTLP_ENDPOINT"
     )
     mode = os.environ.get("DSEC_TRACING", "").lower()
+    if not endpoint and not mode and "opentelemetry.trace" not in sys.modules:
+        return None  # nothing asked for it and nothing set a provider up: no import (memory)
     try:
         from opentelemetry import trace
     except ImportError:
