@@ -281,3 +281,38 @@ async def test_a_migration_moves_who_speaks_for_a_sandbox_and_only_its_ends_repo
     # the source's word from before the migration stays authentic
     again = await gate.admit(before_exit.sealed.wire, stream_seq=before_exit.stream_seq)
     assert not isinstance(again, Refusal)
+
+
+async def test_a_flood_of_forged_settings_hides_no_newer_genuine_one(stream, dsec_stack) -> None:
+    """Any user may store messages on ``cluster.config_set``'s subject (the operator's CLI
+    connects as a user); 300 user-signed settings around the operator's must not hide it, nor
+    a newer one of the operator's, from the readers that take the newest (node agents, the
+    simulated fleet), which read only what came since the last time."""
+    from dsec_core.events import ClusterConfigSet
+    from dsec_core.gpuhealth import CONFIG_ID
+    from dsec_core.subjects import subject_for
+
+    _, js = stream
+    home = dsec_stack.home
+    user = await trust.publisher(js, home, "user")
+    operator = await trust.publisher(js, home, "operator", subject="operator")
+    gate = await _gate(stream, dsec_stack)
+    subject = subject_for("cluster.config_set", CONFIG_ID)
+    _, start = await gate.newest(subject)  # what earlier tests stored on it
+
+    def setting(value: str) -> ClusterConfigSet:
+        return ClusterConfigSet(
+            key="gpu.temperature_c", value=value, config={"gpu.temperature_c": value}
+        )
+
+    await operator.publish(setting("80"), aggregate_id=CONFIG_ID)
+    for _ in range(300):
+        await user.publish(setting("110"), aggregate_id=CONFIG_ID)
+    found, read = await gate.newest(subject, after=start)
+    assert found is not None and found.payload["value"] == "80"
+    again, same = await gate.newest(subject, after=read)  # nothing new since
+    assert (again, same) == (None, read)
+    await operator.publish(setting("75"), aggregate_id=CONFIG_ID)
+    await user.publish(setting("110"), aggregate_id=CONFIG_ID)
+    newer, _ = await gate.newest(subject, after=read)
+    assert newer is not None and newer.payload["value"] == "75"

@@ -576,6 +576,27 @@ class Gate:
                 found = envelope
         return found
 
+    async def newest(self, subject: str, *, after: int = 0) -> tuple[Envelope | None, int]:
+        """The newest authentic, authorized event on ``subject`` stored after stream seq
+        ``after`` (``None`` when there is none), and the last stream seq read. Every message
+        after ``after`` is read, so no number of forged messages on the subject hides a genuine
+        newer one (:meth:`find` reads the first ``limit``); callers pass the seq back in to read
+        only what came since."""
+        found: Envelope | None = None
+        last = after
+        async for seq, data in scan_seq(self._js, subject, 1 << 62, after=after):
+            last = seq
+            try:
+                fields = unpack_fields(data)
+                envelope = Envelope.model_validate(fields)
+            except (MalformedEnvelope, ValueError):
+                continue
+            if envelope.subject != subject:  # copied here from elsewhere
+                continue
+            if await self.check(fields, envelope, stream_seq=seq) is None:
+                found = envelope
+        return found, last
+
     async def _replay(
         self, envelope: Envelope, stream_seq: int, consumer: str
     ) -> tuple[str, str] | None:

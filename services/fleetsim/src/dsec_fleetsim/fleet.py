@@ -149,6 +149,7 @@ class Fleet:
         self.ready = asyncio.Event()
         self.config = ClusterConfig()
         """The operator's settings (``cluster.config_set``): the GPU health thresholds."""
+        self._config_seq = 0  # the stream seq of cluster.config_set read up to
         self.thresholds = self.config.thresholds()
 
     def _publisher(self, node_id: str) -> EventPublisher:
@@ -197,7 +198,9 @@ class Fleet:
     async def read_config(self) -> ClusterConfig:
         """The latest authentic ``cluster.config_set`` (none: the defaults)."""
         try:
-            found = await self.gate.find(subject_for(events.ClusterConfigSet.TYPE, CONFIG_ID))
+            found, self._config_seq = await self.gate.newest(
+                subject_for(events.ClusterConfigSet.TYPE, CONFIG_ID), after=self._config_seq
+            )
         except Exception as exc:  # the bus is away: keep what is known
             log.warning("cluster config not read: %s", exc)
             return self.config

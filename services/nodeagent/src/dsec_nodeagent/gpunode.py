@@ -101,6 +101,7 @@ class GpuNode:
         self.backend: Any = backend
         self.mps = mps or MpsServers(settings.home.resolve() / "gpu" / "mps")
         self.config = ClusterConfig()
+        self._config_seq = 0  # the stream seq of cluster.config_set read up to
         self.units: dict[str, UnitGpu] = {}
         source = "declared" if settings.node_inventory is not None else "nvml"
         self.tracker = HealthTracker(settings.node_id, source)  # type: ignore[arg-type]
@@ -148,7 +149,9 @@ class GpuNode:
     async def refresh_config(self) -> ClusterConfig:
         """The latest authentic ``cluster.config_set`` (kept when the bus is away)."""
         try:
-            found = await self._gate().find(subject_for(events.ClusterConfigSet.TYPE, CONFIG_ID))
+            found, self._config_seq = await self._gate().newest(
+                subject_for(events.ClusterConfigSet.TYPE, CONFIG_ID), after=self._config_seq
+            )
         except Exception as exc:
             log.debug("cluster config not read: %s", exc)
             return self.config
