@@ -344,10 +344,15 @@ async def history(d: DSec, experiment_id: str) -> History:
     found = History()
     for event in await _scan(d, aggregate_filter("experiment", experiment_id)):
         payload = event.payload
-        if isinstance(payload, ExperimentStarted):
-            found.started, found.tenant = payload, event.tenant
-            found.started_at = event.time.isoformat()
-        elif isinstance(payload, ExperimentTrialCompleted):
+        if found.started is None:
+            # the experiment is its first start; anything before it belongs to nothing
+            if isinstance(payload, ExperimentStarted):
+                found.started, found.tenant = payload, event.tenant
+                found.started_at = event.time.isoformat()
+            continue
+        if event.tenant != found.tenant:
+            continue  # another tenant's user wrote under this id: never one of its trials
+        if isinstance(payload, ExperimentTrialCompleted):
             found.trials.append(payload)
         elif isinstance(payload, ExperimentCompleted):
             found.completed = payload
@@ -362,7 +367,9 @@ async def experiments(d: DSec) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for event in await _scan(d, f"{ROOT}.experiment.>"):
         eid = event.aggregate_id
-        if isinstance(event.payload, ExperimentStarted):
+        if eid in rows and event.tenant != rows[eid]["tenant"]:
+            continue  # another tenant's user wrote under this id (its first start decides)
+        if isinstance(event.payload, ExperimentStarted) and eid not in rows:
             p = event.payload
             rows[eid] = {
                 "experiment_id": eid,
@@ -374,6 +381,7 @@ async def experiments(d: DSec) -> list[dict[str, Any]]:
                 "done": set(),
                 "state": "running",
                 "verdict": "",
+                "tenant": event.tenant,
             }
         elif eid in rows and event.type == "experiment.trial_completed":
             rows[eid]["done"].add((event.payload.variant, event.payload.repeat))
@@ -383,6 +391,7 @@ async def experiments(d: DSec) -> list[dict[str, Any]]:
     out = []
     for row in rows.values():
         row["trials"] = f"{len(row.pop('done'))}/{row.pop('planned')}"
+        row.pop("tenant")
         out.append(row)
     return out
 
