@@ -305,14 +305,15 @@ async def test_a_flood_of_forged_settings_hides_no_newer_genuine_one(stream, dse
             key="gpu.temperature_c", value=value, config={"gpu.temperature_c": value}
         )
 
-    await operator.publish(setting("80"), aggregate_id=CONFIG_ID)
+    await operator.publish(setting("84"), aggregate_id=CONFIG_ID)
     for _ in range(300):
         await user.publish(setting("110"), aggregate_id=CONFIG_ID)
     found, read = await gate.newest(subject, after=start)
-    assert found is not None and found.payload["value"] == "80"
+    assert found is not None and found.payload["value"] == "84"
     again, same = await gate.newest(subject, after=read)  # nothing new since
     assert (again, same) == (None, read)
-    await operator.publish(setting("75"), aggregate_id=CONFIG_ID)
+    # the newest genuine setting is the default again: the session stack is shared
+    await operator.publish(setting("85"), aggregate_id=CONFIG_ID)
     await user.publish(setting("110"), aggregate_id=CONFIG_ID)
     newer, _ = await gate.newest(subject, after=read)
-    assert newer is not None and newer.payload["value"] == "75"
+    assert newer is not None and newer.payload["value"] == "85"

@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import nats.errors
+import nats.js.errors
 from dsec_core import metrics as core_metrics
 from dsec_core.envelope import Envelope
 from dsec_core.events import (
@@ -95,6 +96,8 @@ NODE_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_SEEN_TYPES})
 NODE_FLAG_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_TYPES - NODE_SEEN_TYPES})
 SANDBOX_FILTERS: list[str] = sorted({filter_for(t) for t in SANDBOX_TYPES})
 IDLE_S = 0.2
+UNAVAILABLE_S = 30.0
+"""How long the start-up read waits out a JetStream answering "service unavailable"."""
 BARRIER_TIMEOUT_S = 20.0
 SWEEP_S = 5.0
 """The queue is also tried this often while anything waits."""
@@ -205,6 +208,9 @@ class Scheduler:
         )
         out: list[tuple[int, Seen | None]] = []
         sub = await self._js().pull_subscribe("", stream=STREAM, config=config)
+        # A clustered JetStream just started (or electing a leader) answers "service
+        # unavailable" for a moment: wait for it, within a bound, rather than exit.
+        unavailable_until = time.monotonic() + UNAVAILABLE_S
         try:
             while True:
                 try:
@@ -213,6 +219,11 @@ class Scheduler:
                     if (await sub.consumer_info()).num_pending:
                         continue
                     return out
+                except nats.js.errors.ServiceUnavailableError:
+                    if time.monotonic() > unavailable_until:
+                        raise
+                    await asyncio.sleep(0.25)
+                    continue
                 for msg in msgs:
                     seq = msg.metadata.sequence.stream
                     if seq > last:

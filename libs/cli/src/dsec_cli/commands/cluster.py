@@ -44,7 +44,7 @@ async def _latest(nc: Any, js: Any) -> dict[str, str]:
     gate = cli_gate(nc, js)
     if gate is None:
         return {}
-    found = await gate.find(subject_for(ClusterConfigSet.TYPE, CONFIG_ID))
+    found, _ = await gate.newest(subject_for(ClusterConfigSet.TYPE, CONFIG_ID))
     if found is None:
         return {}
     payload = found.decoded()
