@@ -310,3 +310,14 @@ def test_calls_through_the_broker_become_metrics_events_and_one_trace(
     assert f"{calls[0].context.trace_id:032x}" in {degraded.trace_id} | {
         f"{s.context.trace_id:032x}" for s in calls
     }
+
+
+def test_the_sdk_and_the_events_name_the_same_failure_classes() -> None:
+    """The SDK (no dsec_core inside a sandbox) keeps its own copy of the classes it reports;
+    the node agent accepts exactly those of ``tool.degraded``."""
+    from typing import get_args
+
+    from dsec_core import events
+    from dsec_sdk.tools.classify import FailureClass
+
+    assert set(get_args(FailureClass)) == set(get_args(events.ToolFailureClass))

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, get_args
 
 from dsec_core import events
 from dsec_core.spec.plan import EnforcementPlan, ToolPlan
@@ -55,18 +55,7 @@ OTHER: Final = "other"
 _TOOL_RE: Final = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,62}")
 _SIDES: Final = frozenset({"call", "serve"})
 _OUTCOMES: Final = frozenset({"ok", "error", "rejected"})
-_CLASSES: Final = frozenset(
-    {
-        "timeout",
-        "rate_limited",
-        "upstream_5xx",
-        "unavailable",
-        "auth",
-        "bad_arguments",
-        "network_policy",
-        "tool_error",
-    }
-)
+_CLASSES: Final = frozenset(get_args(events.ToolFailureClass))
 _TRACE_RE: Final = re.compile(r"[0-9a-f]{32}")
 # Latency buckets in ms: a cached local tool (1 ms) to a slow search API with retries (60 s).
 _BUCKETS_MS: Final = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
