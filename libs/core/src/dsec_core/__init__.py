@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from dsec_core.lazyimports import defer_minio_admin_crypto
+
+defer_minio_admin_crypto()
+
 if TYPE_CHECKING:
     from dsec_core.envelope import Envelope, decode, encode
     from dsec_core.events import EVENT_TYPES, TERMINAL_TYPES, Payload, decode_payload

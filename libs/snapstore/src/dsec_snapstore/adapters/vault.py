@@ -7,11 +7,17 @@ and deleting a snapshot's key path crypto-shreds its audit segment.
 from __future__ import annotations
 
 import base64
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import hvac
-import hvac.exceptions
-import requests
+from dsec_core.lazyimports import lazy_module
+
+if TYPE_CHECKING:
+    import hvac
+    import hvac.exceptions
+    import requests
+else:  # hvac and requests load when a secret or key is first needed (idle RSS)
+    hvac = lazy_module("hvac")
+    requests = lazy_module("requests")
 
 from dsec_snapstore.crypto import new_key
 from dsec_snapstore.errors import StoreUnavailable

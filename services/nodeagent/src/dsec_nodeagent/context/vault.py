@@ -19,11 +19,17 @@ import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import hvac
-import hvac.exceptions
-import requests.exceptions
+from dsec_core.lazyimports import lazy_module
+
+if TYPE_CHECKING:
+    import hvac
+    import hvac.exceptions
+    import requests.exceptions
+else:  # hvac and requests load when a secret or key is first needed (idle RSS)
+    hvac = lazy_module("hvac")
+    requests = lazy_module("requests")
 
 from dsec_nodeagent.context.models import ContextError
 

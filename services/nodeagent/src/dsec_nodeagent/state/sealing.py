@@ -17,11 +17,17 @@ import asyncio
 import base64
 import os
 import threading
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-import hvac
-import hvac.exceptions
-import requests
+from dsec_core.lazyimports import lazy_module
+
+if TYPE_CHECKING:
+    import hvac
+    import hvac.exceptions
+    import requests
+else:  # hvac and requests load when a secret or key is first needed (idle RSS)
+    hvac = lazy_module("hvac")
+    requests = lazy_module("requests")
 from nacl.bindings import (
     crypto_aead_xchacha20poly1305_ietf_decrypt,
     crypto_aead_xchacha20poly1305_ietf_encrypt,

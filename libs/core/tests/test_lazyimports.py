@@ -1,0 +1,70 @@
+"""Idle services do not load minio's admin crypto or hvac; both still work on first use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+
+def run(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_minio_admin_crypto_loads_on_first_use_and_still_round_trips() -> None:
+    out = run(
+        """
+        import io, sys
+        import dsec_core
+        from minio import Minio, MinioAdmin
+        assert "argon2" not in sys.modules and "Crypto" not in sys.modules, "loaded at import"
+        import minio.crypto
+        sealed = minio.crypto.encrypt(b"a payload", "a password")
+        assert "argon2" in sys.modules
+
+        class Response(io.BytesIO):  # what minio.crypto.decrypt reads: an urllib3-like body
+            def stream(self, n=None): yield self.read()
+            def release_conn(self): pass
+
+        print(minio.crypto.decrypt(Response(sealed), "a password").decode())
+        """
+    )
+    assert out == "a payload"
+
+
+def test_hvac_loads_on_first_attribute_use() -> None:
+    out = run(
+        """
+        import sys
+        from dsec_nodeagent.context import vault
+        assert type(sys.modules["hvac"]).__name__ == "_LazyModule", type(sys.modules["hvac"])
+        assert "hvac.v1" not in sys.modules
+        client = vault.hvac.Client(url="http://127.0.0.1:9", timeout=1)
+        assert issubclass(vault.hvac.exceptions.Forbidden, vault.hvac.exceptions.VaultError)
+        import hvac  # another module's plain import gets the same module
+        assert hvac.Client is vault.hvac.Client
+        print(type(client).__name__, vault.requests.exceptions.RequestException.__name__)
+        """
+    )
+    assert out == "Client RequestException"
+
+
+def test_a_module_imported_before_dsec_core_is_left_as_it_is() -> None:
+    out = run(
+        """
+        import sys
+        import minio
+        import dsec_core.lazyimports as lazy
+        lazy.defer_minio_admin_crypto()
+        print(sys.modules["minio.crypto"].__file__.endswith("crypto.py"), "argon2" in sys.modules)
+        """
+    )
+    assert out == "True True"
