@@ -10,8 +10,7 @@ their use at idle justifies:
   ``decrypt`` (and any other name) load the real module on first use, so MinioAdmin still
   works if anyone calls it.
 - ``hvac`` (with ``requests``) is needed only when a sandbox asks for a secret or a key:
-  :func:`lazy_module` returns a module that executes on first attribute access (the standard
-  library's :class:`importlib.util.LazyLoader`).
+  :func:`lazy_module` returns a stand-in that imports the module on its first attribute read.
 """
 
 from __future__ import annotations
@@ -27,26 +26,37 @@ from typing import Any
 _lock = threading.RLock()
 
 
-def lazy_module(name: str) -> types.ModuleType:
-    """``name``, imported now if it already is, else a module that loads on first attribute use.
+class DeferredModule:
+    """Stands for module ``name`` and imports it on the first attribute read.
 
-    Submodules stay reachable as attributes once the package's own ``__init__`` imports them
-    (``hvac.exceptions``, ``requests.exceptions``); an ``import name.sub`` statement loads the
-    package at once, so callers use attribute access instead.
+    Nothing goes into ``sys.modules`` before that, so the import system never sees a
+    half-made module (the standard library's ``LazyLoader`` does that: an ``import
+    name.sub`` elsewhere then loads ``name.sub`` twice, and an ``except`` naming one copy's
+    exception class misses the other's). Attribute reads only: use ``deferred.sub.Class``
+    where ``name/__init__`` imports ``sub``.
     """
-    with _lock:
-        module = sys.modules.get(name)
-        if module is not None:
-            return module
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        loader = importlib.util.LazyLoader(spec.loader)
-        spec.loader = loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        loader.exec_module(module)
-        return module
+
+    __slots__ = ("_module", "_name")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._module: types.ModuleType | None = None
+
+    def __getattr__(self, attr: str) -> Any:
+        module = self._module
+        if module is None:
+            module = importlib.import_module(self._name)  # thread-safe: the import lock
+            self._module = module
+        return getattr(module, attr)
+
+    def __repr__(self) -> str:
+        return f"<deferred module {self._name!r}>"
+
+
+def lazy_module(name: str) -> Any:
+    """A :class:`DeferredModule` for ``name`` (typed ``Any``: declare the real module for
+    type checkers under ``TYPE_CHECKING``)."""
+    return DeferredModule(name)
 
 
 class _StandInLoader(importlib.abc.Loader):
