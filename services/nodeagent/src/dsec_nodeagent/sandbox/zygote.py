@@ -41,12 +41,16 @@ class Zygote:
         python: the interpreter of the pre-exec stage.
         bootstrap: the ``-c`` program that imports :mod:`.init` and calls its ``main``.
         env: the zygote's whole environment (nothing of the node agent's).
+        root: an empty directory only the node agent writes: each forked sandbox's init mounts
+            its root tmpfs there, in a mount namespace of its own, before its plan (which names
+            the sandbox's own run directory) has come.
     """
 
-    def __init__(self, python: Path, bootstrap: str, env: dict[str, str]) -> None:
+    def __init__(self, python: Path, bootstrap: str, env: dict[str, str], root: Path) -> None:
         self.python = python
         self.bootstrap = bootstrap
         self.env = env
+        self.root = root
         self.starts = 0  # how many zygotes this node agent started (1 unless one died)
         self._process: asyncio.subprocess.Process | None = None
         self._sock: socket.socket | None = None
@@ -96,6 +100,7 @@ class Zygote:
                     log.warning("the sandbox launcher (zygote) cannot start: %s", exc)
 
     async def _start(self) -> None:
+        self.root.mkdir(mode=0o755, parents=True, exist_ok=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._process = await asyncio.create_subprocess_exec(
@@ -106,6 +111,7 @@ class Zygote:
                 self.bootstrap,
                 "zygote",
                 str(theirs.fileno()),
+                str(self.root),
                 pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
