@@ -128,15 +128,18 @@ def prepare(root: str, inherited: list[int] | None = None) -> Prepared:
     err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        for fd in (status_r, out_r, err_r, *(inherited or ())):
-            os.close(fd)
-        holder.close()
-        plan_sock.close()
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.close(out_w)
-        os.close(err_w)
-        _init_main(root, status_w, holder_peer.detach(), plan_peer.detach())
+        try:  # init never returns into its parent's code
+            for fd in (status_r, out_r, err_r, *(inherited or ())):
+                os.close(fd)
+            holder.close()
+            plan_sock.close()
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            os.close(out_w)
+            os.close(err_w)
+            _init_main(root, status_w, holder_peer.detach(), plan_peer.detach())
+        finally:
+            os._exit(126)
     os.close(status_w)
     os.close(out_w)
     os.close(err_w)
@@ -164,12 +167,13 @@ def abandon(prepared: Prepared) -> None:
         pass
 
 
-def supervise(prepared: Prepared, plan: Plan, report: _Reporter) -> int:
-    """Give init its plan and the report pipe, then pump the logs and record the outcome."""
+def supervise(prepared: Prepared, plan: Plan, report: _Reporter, raw: bytes | None = None) -> int:
+    """Give init its plan (``raw``: as marshalled already) and the report pipe, then pump the
+    logs and record the outcome."""
     import _socket
 
     pid = prepared.init_pid
-    data = marshal.dumps(plan)
+    data = raw if raw is not None else marshal.dumps(plan)
     sock = prepared.plan_sock
     try:
         sent = sock.sendmsg(
@@ -961,7 +965,7 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
         report = _Reporter(report_fd)
         report.send(stage="spawn", end_ns=time.monotonic_ns())
         try:
-            code = supervise(prepared, marshal.loads(plan), report)
+            code = supervise(prepared, marshal.loads(plan), report, plan)
         except Exception as exc:
             report.send(error=f"{type(exc).__name__}: {exc}", stage="supervisor")
     finally:
