@@ -199,9 +199,8 @@ def supervise(prepared: Prepared, plan: Plan, report: _Reporter, raw: bytes | No
     # node's other work; the first line is not held back behind that work.
     pump({prepared.out_r: logs["stdout"], prepared.err_r: logs["stderr"]}, pid, renice=10)
     _, init_status = os.waitpid(pid, 0)
-    status_r = prepared.status_r
-    raw = os.read(status_r, 64).decode().strip()
-    outcome = _outcome(int(raw) if raw else init_status, bool(raw))
+    status = os.read(prepared.status_r, 64).decode().strip()
+    outcome = _outcome(int(status) if status else init_status, bool(status))
     outcome["logs"] = {name: log.finish() for name, log in logs.items()}
     reap = plan.get("reap") or {}
     orphaned = bool(reap) and os.path.exists(reap["marker"])
