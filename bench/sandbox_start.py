@@ -11,7 +11,11 @@ take turns, start by start, so background load hits them alike.
   no_new_privs, Landlock, seccomp, semantic layer (sitecustomize with one rule); its stdout is a
   log file, polled every 0.2 ms. ``sandbox.ready`` (every layer applied, workload exec'd) is
   reported too, with the per-layer breakdown. The pre-exec stage is forked by the node agent's
-  pre-forked launcher (the zygote), as in production.
+  pre-forked launcher (the zygote), as in production; its child makes the namespaces and the
+  root view's /proc and /dev while the manager plans. The disk quota (``/workspace/output``,
+  the default 256 MiB) comes from the node's pool of images formatted and mounted ahead, as in
+  production: the warm-up start fills it, each start's refill runs in the background (a burst
+  of starts faster than the refill formats and mounts its own, as the first start does).
 - dsec_spawn: the same, with the pre-exec stage started as a fresh interpreter per sandbox (the
   launch path before the zygote), for comparison.
 - subprocess: ``subprocess.Popen`` of the interpreter, no isolation.
