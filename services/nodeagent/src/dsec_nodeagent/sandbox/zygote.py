@@ -65,6 +65,7 @@ class Zygote:
 
     def fork(self) -> PendingFork:
         """Have a supervisor forked now; give it its plan later (:meth:`PendingFork.hand_over`)."""
+        self.root.mkdir(mode=0o755, parents=True, exist_ok=True)  # its init mounts its root here
         return PendingFork(self)
 
     async def spawn(self, channel_fd: int) -> tuple[int, int]:
@@ -100,7 +101,6 @@ class Zygote:
                     log.warning("the sandbox launcher (zygote) cannot start: %s", exc)
 
     async def _start(self) -> None:
-        self.root.mkdir(mode=0o755, parents=True, exist_ok=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._process = await asyncio.create_subprocess_exec(
