@@ -442,9 +442,8 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
         if plan["unshare_net"]:
             syscalls.unshare(syscalls.CLONE_NEWNET)
         syscalls.sethostname(plan["hostname"])
-        # The layers' own time, the part made before the plan included (reported as a span).
-        end = time.monotonic_ns()
-        report.send(stage="namespaces", start_ns=end - (end - start) - ns_ns, end_ns=end)
+        # Each layer's whole time, the part made before the plan included (a span that long).
+        report.send(stage="namespaces", start_ns=start - ns_ns, end_ns=time.monotonic_ns())
         start = time.monotonic_ns()
         build_root(plan, root)
         if plan.get("reaper_exec") and not plan.get("tty"):
@@ -454,8 +453,7 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
             null = os.open("/dev/null", os.O_RDWR)
             os.dup2(null, 0)
             os.close(null)
-        end = time.monotonic_ns()
-        report.send(stage="mounts", start_ns=end - (end - start) - mounts_ns, end_ns=end)
+        report.send(stage="mounts", start_ns=start - mounts_ns, end_ns=time.monotonic_ns())
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
     except BaseException as exc:  # report every failure, then die: nothing else can
         report.send(error=_describe(exc) if error is None else error, stage="init")
