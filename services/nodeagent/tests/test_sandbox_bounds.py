@@ -181,17 +181,3 @@ def test_an_old_spec_gets_the_safe_defaults_and_a_node_maximum_refuses_more() ->
     with pytest.raises(StartRefused, match=r"resources.files = 100000 exceeds .* 65536"):
         node_limits(big, Settings())
     assert node_limits(big, Settings(sandbox_max_files=200_000)).files == 100_000
-
-
-def test_image_pool_hands_out_formatted_images_and_drops_unused_sizes(tmp_path: Path) -> None:
-    from dsec_nodeagent.sandbox import quota
-
-    pool = quota.ImagePool(tmp_path / "pool", per_size=1)
-    dest = tmp_path / "disk.img"
-    assert not pool.take(16 * MiB, dest)
-    assert pool.fill(16 * MiB) == 1 and pool.fill(16 * MiB) == 0
-    assert pool.take(16 * MiB, dest) and dest.stat().st_size == 16 * MiB
-    assert dest.read_bytes()[1024 + 56 : 1024 + 58] == b"\x53\xef"  # the ext4 superblock magic
-    pool.fill(32 * MiB)
-    pool.prune({16 * MiB})
-    assert list(pool.directory.glob("*.img")) == []

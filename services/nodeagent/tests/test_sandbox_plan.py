@@ -224,3 +224,40 @@ def test_a_gpu_unit_sees_only_its_device_nodes_and_mps_pipe(tmp_path: Path) -> N
     plain = plan.build(_config(tmp_path), VIEW, _host(tmp_path), FACTS, uid=200001)
     plain_dev = next(e for e in plain.plan["layout"] if e["kind"] == "dev")
     assert plain_dev["nodes"] == list(plan.DEV_NODES)  # no GPU granted: no NVIDIA node at all
+
+
+@pytest.mark.parametrize(
+    ("writes", "mount_writable", "sources", "disk"),
+    [
+        (["/tmp"], False, {}, 64 * 2**20),  # /tmp is a tmpfs: no quota filesystem
+        (["/tmp", "/workspace/out"], False, {}, 64 * 2**20),
+        (["/workspace/data/out"], True, {}, 64 * 2**20),  # inside a writable mount
+        (["/workspace/out"], False, {"/workspace/out": "src"}, 64 * 2**20),  # placed elsewhere
+        (["/workspace/out"], False, {}, None),  # no quota asked for
+    ],
+)
+def test_the_quota_taken_before_the_plan_is_the_one_the_plan_lays_out(
+    tmp_path: Path,
+    writes: list[str],
+    mount_writable: bool,
+    sources: dict[str, str],
+    disk: int | None,
+) -> None:
+    """The manager takes a pooled quota image before it plans (init copies the mount tree at
+    its fork): ``needs_disk_quota`` must agree with the writable directories the plan puts on
+    the quota filesystem."""
+    data = tmp_path / "d"
+    data.mkdir()
+    config = _config(
+        tmp_path,
+        mounts=[Mount(source=data, target="/workspace/data", read_only=not mount_writable)],
+        write_allowed=writes,
+        write_sources={k: tmp_path / v for k, v in sources.items()},
+        limits={"disk_bytes": disk},
+    )
+    built = plan.build(config, VIEW, _host(tmp_path), FACTS, uid=200001)
+    on_quota = any(d.is_relative_to(tmp_path / "data" / "fs") for d in built.writable_dirs)
+    assert plan.needs_disk_quota(config) is (on_quota and disk is not None)
+    assert plan.needs_disk_quota(config) is (
+        writes[-1] == "/workspace/out" and not sources and disk is not None
+    )

@@ -153,11 +153,13 @@ async def test_a_dead_zygote_is_replaced_and_its_sandboxes_live_on(tmp_path: Pat
         assert stopped.reason is ExitReason.STOPPED
 
 
-async def test_the_zygote_refuses_a_request_it_does_not_understand_and_forks_nothing() -> None:
+async def test_the_zygote_refuses_a_request_it_does_not_understand_and_forks_nothing(
+    tmp_path: Path,
+) -> None:
     from dsec_nodeagent.sandbox.manager import BOOTSTRAP, _init_env
     from dsec_nodeagent.sandbox.zygote import Zygote
 
-    zygote = Zygote(Path(sys.executable), BOOTSTRAP, _init_env())
+    zygote = Zygote(Path(sys.executable), BOOTSTRAP, _init_env(), tmp_path / "root")
     await zygote.prestart()
     try:
         assert zygote.pid is not None

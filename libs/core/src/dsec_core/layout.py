@@ -10,6 +10,8 @@ directory (under ``$DSEC_HOME``)   owner         what
 =================================  ============  ===============================================
 ``sandboxes/<id>/``                nodeagent     a sandbox's code copy, logs, disk image, fs
 ``run/sandboxes/<id>/``            nodeagent     its runtime state (pid, cgroup, sockets)
+``run/sandbox-root/``              nodeagent     empty: each sandbox's root view is mounted
+                                                 there in the sandbox's own mount namespace
 ``envs/<lock hash>/``              nodeagent     environments staged from the object store
 ``cache/``                         nodeagent     S3 objects for sandboxes, runtimes, disk images,
                                                  stat caches of its sandboxes' snapshots
@@ -78,6 +80,12 @@ class NodeLayout:
     @property
     def sandboxes_run(self) -> Path:
         return self.home / "run" / "sandboxes"
+
+    @property
+    def sandbox_root_mount(self) -> Path:
+        """An empty directory where each sandbox's init, in a mount namespace of its own, mounts
+        its root view before its plan names the sandbox (the node agent's pre-forked launcher)."""
+        return self.home / "run" / "sandbox-root"
 
     def sandbox(self, sandbox_id: str) -> SandboxDirs:
         """One sandbox's directories (the id is checked: one path component)."""

@@ -30,6 +30,9 @@ import time
 
 from dsec_nodeagent.sandbox import landlock, seccomp, syscalls
 
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
+"""The device nodes of every sandbox's ``/dev`` (bound from the host's)."""
+
 # Neither json nor typing: together they cost more start-up time than every layer's set-up.
 # The plan arrives marshalled; reports are Python literals (the manager reads them with
 # ast.literal_eval).
@@ -86,45 +89,118 @@ def _read_plan(fd: int) -> Plan:
 
 def run(plan: Plan, report: _Reporter) -> int:
     """Supervisor: new pid ns, fork init, pump the output into capped logs, record the outcome."""
+    return supervise(prepare(plan["root"], [report.fd]), plan, report)
+
+
+class Prepared:
+    """What :func:`prepare` made: init, waiting for its plan, and the supervisor's ends."""
+
+    def __init__(self, init_pid: int, start_ns: int, end_ns: int, fds: dict[str, Any]) -> None:
+        self.init_pid = init_pid
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.status_r: int = fds["status_r"]
+        self.holder: Any = fds["holder"]
+        self.out_r: int = fds["out_r"]
+        self.err_r: int = fds["err_r"]
+        self.plan_sock: Any = fds["plan_sock"]
+
+
+def prepare(root: str, inherited: list[int] | None = None) -> Prepared:
+    """Everything of a sandbox that no plan decides, made ahead of it: a new pid namespace and
+    its init, which enters new mount, IPC and UTS namespaces and mounts the root view's
+    request-independent part (a tmpfs at ``root``, a private ``/proc`` with its read-only parts,
+    ``/dev``) and then waits for its plan (:func:`_init_main`).
+
+    The zygote's child calls this before its plan arrives, so this work overlaps the node
+    agent's planning; init holds nothing of the host but ``/dev/null``, the pipes to its
+    supervisor, and runs nothing until its plan (cgroups joined first) has come.
+    ``inherited``: fds of this process init must not keep (closed in init at once).
+    """
     import _socket  # the listener's hand-over; imported once, before the forks
 
     start = time.monotonic_ns()
     syscalls.unshare(syscalls.CLONE_NEWPID)
     status_r, status_w = os.pipe()
     holder, holder_peer = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    plan_sock, plan_peer = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.close(status_r)
-        holder.close()
-        os.close(out_r)
-        os.close(err_r)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        os.close(out_w)
-        os.close(err_w)
-        _init_main(plan, report, status_w, holder_peer.detach())
+        try:  # init never returns into its parent's code
+            for fd in (status_r, out_r, err_r, *(inherited or ())):
+                os.close(fd)
+            holder.close()
+            plan_sock.close()
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            os.close(out_w)
+            os.close(err_w)
+            _init_main(root, status_w, holder_peer.detach(), plan_peer.detach())
+        finally:
+            os._exit(126)
     os.close(status_w)
     os.close(out_w)
     os.close(err_w)
     holder_peer.close()
-    report.send(stage="fork", start_ns=start, end_ns=time.monotonic_ns(), init_pid=pid)
+    plan_peer.close()
+    fds = {
+        "status_r": status_r,
+        "holder": holder,
+        "out_r": out_r,
+        "err_r": err_r,
+        "plan_sock": plan_sock,
+    }
+    return Prepared(pid, start, time.monotonic_ns(), fds)
+
+
+def abandon(prepared: Prepared) -> None:
+    """No plan came (the launch was given up): init exits at the EOF; reap it."""
+    prepared.plan_sock.close()
+    prepared.holder.close()
+    for fd in (prepared.status_r, prepared.out_r, prepared.err_r):
+        os.close(fd)
+    try:  # noqa: SIM105
+        os.waitpid(prepared.init_pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def supervise(prepared: Prepared, plan: Plan, report: _Reporter, raw: bytes | None = None) -> int:
+    """Give init its plan (``raw``: as marshalled already) and the report pipe, then pump the
+    logs and record the outcome."""
+    import _socket
+
+    pid = prepared.init_pid
+    data = raw if raw is not None else marshal.dumps(plan)
+    sock = prepared.plan_sock
+    try:
+        sent = sock.sendmsg(
+            [data[:4096]],
+            [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, report.fd.to_bytes(4, sys.byteorder))],
+        )
+        sock.sendall(data[sent:])
+    except OSError:  # init died before its plan: its wait status tells the rest
+        pass
+    finally:
+        sock.close()  # EOF: the plan is complete
+    report.send(stage="fork", start_ns=prepared.start_ns, end_ns=prepared.end_ns, init_pid=pid)
     # Before closing the report channel: its EOF tells the node agent the listener is here.
-    _keep_listener(holder)
+    _keep_listener(prepared.holder)
     report.close()
-    # Copying the output is host CPU outside the sandbox's cgroup: at a lower priority, a flood
-    # of output waits on the pipe rather than taking CPU from the node's other work.
-    os.nice(10)
     limit = plan.get("log_bytes")
     logs = {
         "stdout": CappedLog(1, plan.get("stdout_path", ""), limit),
         "stderr": CappedLog(2, plan.get("stderr_path", ""), limit),
     }
-    pump({out_r: logs["stdout"], err_r: logs["stderr"]}, pid)
+    # Copying the output is host CPU outside the sandbox's cgroup: at a lower priority (from
+    # the second chunk on), a flood of output waits on the pipe rather than taking CPU from the
+    # node's other work; the first line is not held back behind that work.
+    pump({prepared.out_r: logs["stdout"], prepared.err_r: logs["stderr"]}, pid, renice=10)
     _, init_status = os.waitpid(pid, 0)
-    raw = os.read(status_r, 64).decode().strip()
-    outcome = _outcome(int(raw) if raw else init_status, bool(raw))
+    status = os.read(prepared.status_r, 64).decode().strip()
+    outcome = _outcome(int(status) if status else init_status, bool(status))
     outcome["logs"] = {name: log.finish() for name, log in logs.items()}
     reap = plan.get("reap") or {}
     orphaned = bool(reap) and os.path.exists(reap["marker"])
@@ -242,11 +318,12 @@ class CappedLog:
         return {"bytes": self.total, "dropped": self.dropped}
 
 
-def pump(streams: dict[int, CappedLog], init_pid: int) -> None:
+def pump(streams: dict[int, CappedLog], init_pid: int, renice: int = 0) -> None:
     """Copy each pipe into its log until init ends, then drain what is left and stop.
 
     Init's end kills every process of the sandbox; a copy of a pipe's write end that escaped
     it (passed over a socket) must not keep the supervisor waiting, so EOF is not awaited then.
+    ``renice``: lower this process's priority by that much once the first chunk is copied.
     """
     import select
 
@@ -263,6 +340,9 @@ def pump(streams: dict[int, CappedLog], init_pid: int) -> None:
             chunk = os.read(fd, 1 << 16)
             if chunk:
                 streams[fd].write(chunk)
+                if renice:
+                    os.nice(renice)
+                    renice = 0
                 continue
             poller.unregister(fd)
             os.close(fd)
@@ -323,9 +403,32 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _init_main(plan: Plan, report: _Reporter, status_w: int, holder_fd: int) -> None:
-    """Pid 1 of the sandbox. Never returns."""
+def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
+    """Pid 1 of the sandbox: the plan-independent namespaces and mounts, then (once the plan
+    and the report pipe came over ``plan_fd``) cgroups, the rest of the root view, the
+    workload. Never returns."""
+    error = None
+    ns_ns = mounts_ns = 0
     try:
+        start = time.monotonic_ns()
+        syscalls.unshare(syscalls.CLONE_NEWNS | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS)
+        ns_ns = time.monotonic_ns() - start
+        start = time.monotonic_ns()
+        prepare_root(root)
+        mounts_ns = time.monotonic_ns() - start
+    except BaseException as exc:  # reported once there is a report pipe
+        error = _describe(exc)
+    try:
+        data, fds = _receive_plan(plan_fd, 1)
+    except BaseException:
+        os._exit(126)
+    if len(fds) != 1:  # given up before its plan: nothing ran here
+        os._exit(126)
+    report = _Reporter(fds[0])
+    try:
+        if error is not None:
+            raise RuntimeError(error)
+        plan: Plan = marshal.loads(data)
         start = time.monotonic_ns()
         _join_cgroups(plan["cgroup_procs"])
         # OOM should take the workload, not init; needs CAP_SYS_RESOURCE, not always held.
@@ -336,14 +439,13 @@ def _init_main(plan: Plan, report: _Reporter, status_w: int, holder_fd: int) -> 
             pass
         report.stage("cgroup_join", start)
         start = time.monotonic_ns()
-        flags = syscalls.CLONE_NEWNS | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS
         if plan["unshare_net"]:
-            flags |= syscalls.CLONE_NEWNET
-        syscalls.unshare(flags)
+            syscalls.unshare(syscalls.CLONE_NEWNET)
         syscalls.sethostname(plan["hostname"])
-        report.stage("namespaces", start)
+        # Each layer's whole time, the part made before the plan included (a span that long).
+        report.send(stage="namespaces", start_ns=start - ns_ns, end_ns=time.monotonic_ns())
         start = time.monotonic_ns()
-        build_root(plan)
+        build_root(plan, root)
         if plan.get("reaper_exec") and not plan.get("tty"):
             # The sandbox's own /dev/null on stdin (not the host's, opened before pivot_root):
             # no process of the sandbox then holds a file of the host's mount tree, which a
@@ -351,10 +453,10 @@ def _init_main(plan: Plan, report: _Reporter, status_w: int, holder_fd: int) -> 
             null = os.open("/dev/null", os.O_RDWR)
             os.dup2(null, 0)
             os.close(null)
-        report.stage("mounts", start)
+        report.send(stage="mounts", start_ns=start - mounts_ns, end_ns=time.monotonic_ns())
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
     except BaseException as exc:  # report every failure, then die: nothing else can
-        report.send(error=_describe(exc), stage="init")
+        report.send(error=_describe(exc) if error is None else error, stage="init")
         os._exit(126)
     workload = os.fork()
     if workload == 0:
@@ -438,11 +540,21 @@ def _write(path: str, text: str) -> None:
 _NOSUID_NODEV = syscalls.MS_NOSUID | syscalls.MS_NODEV
 
 
-def build_root(plan: Plan) -> None:
-    """Private mount tree → tmpfs root with the plan's entries → pivot_root → read-only root."""
-    root = plan["root"]
+def prepare_root(root: str) -> None:
+    """The root view's part no plan decides: a private mount tree, a tmpfs at ``root`` holding
+    ``/proc`` (this pid namespace's, its host-wide files read-only) and ``/dev`` (the standard
+    nodes). Made by init before its plan arrives (:func:`prepare`)."""
     syscalls.mount(None, "/", None, syscalls.MS_REC | syscalls.MS_PRIVATE, None)
     syscalls.mount("tmpfs", root, "tmpfs", _NOSUID_NODEV, "mode=0755,size=4m")
+    _make_dir(root, "/proc")
+    _mount_proc(root + "/proc")
+    _make_dir(root, "/dev")
+    _mount_dev(root + "/dev", DEV_NODES)
+
+
+def build_root(plan: Plan, root: str) -> None:
+    """The plan's entries on the prepared tmpfs at ``root`` (:func:`prepare_root`) →
+    pivot_root → read-only root."""
     for entry in plan["layout"]:
         _apply_entry(root, entry, plan)
     os.chdir(root)
@@ -526,9 +638,13 @@ def _apply_entry(root: str, entry: dict[str, Any], plan: Plan) -> None:
             os.close(parent)
     elif kind == "file":
         fd = _make_file(root, path, entry.get("mode", 0o644))
-        with os.fdopen(fd, "w") as fh:
-            fh.write(entry["content"])
+        try:  # plain writes: a text-mode file object costs more than the write itself
+            view = memoryview(entry["content"].encode())
+            while view:
+                view = view[os.write(fd, view) :]
             os.fchmod(fd, entry.get("mode", 0o644))
+        finally:
+            os.close(fd)
     elif kind == "bind":
         if os.path.isdir(entry["src"]):
             _make_dir(root, path)
@@ -539,11 +655,14 @@ def _apply_entry(root: str, entry: dict[str, Any], plan: Plan) -> None:
         _make_dir(root, path)
         syscalls.mount("tmpfs", dst, "tmpfs", _NOSUID_NODEV, entry["options"])
     elif kind == "proc":
-        _make_dir(root, path)
-        _mount_proc(dst)
+        if path != "/proc":  # /proc itself was mounted ahead (prepare_root)
+            _make_dir(root, path)
+            _mount_proc(dst)
     elif kind == "dev":
-        _make_dir(root, path)
-        _mount_dev(dst, entry["nodes"])
+        if path != "/dev":
+            _make_dir(root, path)
+            _mount_dev(dst, [])
+        _dev_nodes(dst, [n for n in entry["nodes"] if path != "/dev" or n not in DEV_NODES])
     else:
         raise ValueError(f"unknown layout entry kind {kind!r}")
 
@@ -574,15 +693,19 @@ def _mount_proc(dst: str) -> None:
             _bind(path, path, ro=True)
 
 
-def _mount_dev(dst: str, nodes: list[str]) -> None:
-    os.makedirs(dst, exist_ok=True)
-    syscalls.mount("tmpfs", dst, "tmpfs", syscalls.MS_NOSUID, "mode=0755,size=64k")
+def _dev_nodes(dst: str, nodes: list[str]) -> None:
     for node in nodes:
         target = f"{dst}/{node}"
         if "/" in node:  # nvidia-caps/nvidia-capN: a MIG instance's capability
             os.makedirs(os.path.dirname(target), exist_ok=True)
         os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o666))
         syscalls.mount(f"/dev/{node}", target, None, syscalls.MS_BIND, None)
+
+
+def _mount_dev(dst: str, nodes: tuple[str, ...] | list[str]) -> None:
+    os.makedirs(dst, exist_ok=True)
+    syscalls.mount("tmpfs", dst, "tmpfs", syscalls.MS_NOSUID, "mode=0755,size=64k")
+    _dev_nodes(dst, list(nodes))
     for name, target in (
         ("fd", "/proc/self/fd"),
         ("stdin", "/proc/self/fd/0"),
@@ -728,7 +851,7 @@ def exec_into(plan: Plan, report: _Reporter) -> int:
 HANDOVER_FDS = 3
 
 
-def zygote(sock_fd: int) -> int:
+def zygote(sock_fd: int, root: str) -> int:
     """Fork one supervisor per request; never read a plan.
 
     Started once per node agent (a fresh interpreter with a clean environment, holding only the
@@ -772,7 +895,7 @@ def zygote(sock_fd: int) -> int:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         pid = os.fork()
         if pid == 0:
-            _zygote_child(sock, fds[0])
+            _zygote_child(sock, fds[0], root)
         os.close(fds[0])
         pidfd = os.pidfd_open(pid)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
@@ -804,7 +927,7 @@ def _recv_fds(sock: Any, size: int, max_fds: int) -> tuple[bytes, list[int]]:
     return msg, fds
 
 
-def _zygote_child(control: Any, channel_fd: int) -> None:
+def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
     """The supervisor, fresh from the zygote: shed its state, wait for the plan, then as ``run``.
 
     Never returns. Before anything else it closes the zygote's control socket and every fd but
@@ -822,10 +945,14 @@ def _zygote_child(control: Any, channel_fd: int) -> None:
         for target in (0, 1, 2):
             os.dup2(null, target)
         _close_all_but({0, 1, 2, channel_fd})
+        # The sandbox's plan-independent part, made while the node agent plans (init holds
+        # none of this process's fds but /dev/null).
+        prepared = prepare(root, [channel_fd])
         plan, fds = _receive_plan(channel_fd)
         if len(fds) != HANDOVER_FDS:  # the launch was given up before its plan was sent
             for fd in fds:
                 os.close(fd)
+            abandon(prepared)
             return
         report_fd, out_fd, err_fd = fds
         os.dup2(out_fd, 1)
@@ -835,7 +962,7 @@ def _zygote_child(control: Any, channel_fd: int) -> None:
         report = _Reporter(report_fd)
         report.send(stage="spawn", end_ns=time.monotonic_ns())
         try:
-            code = run(marshal.loads(plan), report)
+            code = supervise(prepared, marshal.loads(plan), report, plan)
         except Exception as exc:
             report.send(error=f"{type(exc).__name__}: {exc}", stage="supervisor")
     finally:
@@ -853,8 +980,8 @@ def _close_all_but(keep: set[int]) -> None:
                 pass  # the listing's own fd, already closed
 
 
-def _receive_plan(channel_fd: int) -> tuple[bytes, list[int]]:
-    """The plan and the hand-over fds from the node agent, until EOF."""
+def _receive_plan(channel_fd: int, max_fds: int = HANDOVER_FDS) -> tuple[bytes, list[int]]:
+    """The plan and the hand-over fds (from the node agent, or the supervisor), until EOF."""
     import _socket
 
     sock = _socket.socket(fileno=channel_fd)
@@ -862,7 +989,7 @@ def _receive_plan(channel_fd: int) -> tuple[bytes, list[int]]:
     fds: list[int] = []
     try:
         while True:
-            data, more = _recv_fds(sock, 1 << 16, HANDOVER_FDS)
+            data, more = _recv_fds(sock, 1 << 16, max_fds)
             fds += more
             if not data:
                 break
@@ -873,15 +1000,17 @@ def _receive_plan(channel_fd: int) -> tuple[bytes, list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``init run|exec PLAN_FD REPORT_FD`` or ``init zygote SOCKET_FD``."""
+    """Entry point: ``init run|exec PLAN_FD REPORT_FD`` or ``init zygote SOCKET_FD ROOT_DIR``
+    (``ROOT_DIR``: an empty directory only the node agent writes, where each sandbox's init
+    mounts its root tmpfs, in its own mount namespace)."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) == 2 and args[0] == "zygote":
+    if len(args) == 3 and args[0] == "zygote":
         syscalls.check_arch()
-        return zygote(int(args[1]))
+        return zygote(int(args[1]), args[2])
     if len(args) != 3 or args[0] not in ("run", "exec"):
         print(
             "usage: python -m dsec_nodeagent.sandbox.init run|exec PLAN_FD REPORT_FD"
-            " | zygote SOCKET_FD",
+            " | zygote SOCKET_FD ROOT_DIR",
             file=sys.stderr,
         )
         return 2

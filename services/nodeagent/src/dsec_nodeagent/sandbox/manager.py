@@ -156,7 +156,11 @@ class SandboxManager:
         self.data_root = layout.sandboxes
         self.cache_dir = layout.cache / "runtimes"
         self.python = python or Path(sys.executable)
-        self.zygote = zygote.Zygote(self.python, BOOTSTRAP, _init_env()) if use_zygote else None
+        self.zygote = (
+            zygote.Zygote(self.python, BOOTSTRAP, _init_env(), layout.sandbox_root_mount)
+            if use_zygote
+            else None
+        )
         self.on_exit = on_exit
         self.on_decision = on_decision
         self.on_kernel_refusal = on_kernel_refusal
@@ -239,16 +243,24 @@ class SandboxManager:
         marks: dict[str, int] = {}
         cgroup: cgroups.SandboxCgroup | None = None
         channel: DecisionChannel | None = None
-        # The supervisor is forked now and waits for its plan: the fork overlaps the planning.
-        early = self.zygote.fork() if self.zygote is not None else None
-        if early is not None:
-            await asyncio.sleep(0)  # let it send the request now: planning may never yield
+        data_dir = self.data_root / sid
+        early: zygote.PendingFork | None = None
         disk: asyncio.Future[None] | None = None
         try:
+            quota_needed = plan.needs_disk_quota(config)
+            # The disk quota from the pool of images mounted ahead (well under a millisecond),
+            # before the fork below: the sandbox's init copies the mount tree as it is then.
+            taken = quota_needed and self._take_quota(config, data_dir)
+            if self.zygote is not None and (taken or not quota_needed):
+                # The supervisor is forked now and, with its init, makes what no plan decides
+                # (namespaces, the root view's /proc and /dev) while the sandbox is planned.
+                early = self.zygote.fork()
+                await asyncio.sleep(0)  # let it send the request now: planning may not yield
             built, uid = await self._plan(config, run_dir)
-            # The disk quota's loop mount runs in a worker thread while the cgroup and the
-            # decision channel are made here; awaited before its directories are prepared.
-            disk = asyncio.ensure_future(self._make_quota(config, self.data_root / sid, built))
+            if quota_needed and not taken:
+                # The disk quota's mkfs and loop mount run in a worker thread while the cgroup
+                # and the decision channel are made here; awaited before the fork below.
+                disk = asyncio.ensure_future(self._make_quota(config, data_dir, built))
             self._uid_owners[uid] = sid
             self._watch_landlock(built.warnings)
             if config.agent is not None:
@@ -272,7 +284,10 @@ class SandboxManager:
             built.plan["reap"] = cgroup.reaper_plan(self.unwatched_marker)
             if before_start is not None:
                 await before_start(sid, cgroup.v2_dir, cgroup.inode)
-            await disk
+            if disk is not None:
+                await disk
+            if early is None and self.zygote is not None:
+                early = self.zygote.fork()  # after the quota's mount, which init must see
             self._prepare_dirs(built, uid)
             if config.semantic_rules is not None:
                 channel = await DecisionChannel.open(
@@ -363,6 +378,19 @@ class SandboxManager:
             self._views[key] = (stamp, view)
         return view
 
+    def _take_quota(self, config: SandboxConfig, data_dir: Path) -> bool:
+        """The usual case of :meth:`_make_quota`: an image the pool formatted, attached and
+        mounted ahead, moved in on the event loop (a worker thread's hand-off would cost more
+        than the rename and bind mount). ``False``: none ready, or this sandbox's earlier
+        outputs must be carried over (then :meth:`_make_quota`)."""
+        size = config.limits.disk_bytes
+        if size is None or quota.is_mounted(data_dir):
+            return False
+        if not quota.take_mounted(data_dir, size, self._images):
+            return False
+        self._refill_images(size)
+        return True
+
     async def _make_quota(
         self, config: SandboxConfig, data_dir: Path, built: plan.PlanResult
     ) -> None:
@@ -372,9 +400,9 @@ class SandboxManager:
             d.is_relative_to(fs) for d in built.writable_dirs
         ):
             return
+        size = config.limits.disk_bytes
         if quota.is_mounted(data_dir):  # a leftover of an earlier start with this id
             await asyncio.to_thread(quota.release, data_dir, keep_outputs=False)
-        size = config.limits.disk_bytes
         try:
             await asyncio.to_thread(quota.create, data_dir, size, self._images)
         except quota.QuotaError as exc:
@@ -980,6 +1008,9 @@ class SandboxManager:
             if self.on_exit is not None:
                 await self.on_exit(result)
         await asyncio.to_thread(self._release_stray_quotas)
+        # Images a node agent that died had mounted ahead for its next starts: unmounted (their
+        # loop devices freed) and deleted; the pool fills again after the first start.
+        await asyncio.to_thread(self._images.clear)
         return ReconcileReport(adopted, cleaned)
 
     def _release_stray_quotas(self) -> None:
@@ -1036,6 +1067,8 @@ class SandboxManager:
             await self.zygote.close()
         if self._image_fill is not None:  # a few ms of mkfs: let it finish, leave no staging
             await asyncio.gather(self._image_fill, return_exceptions=True)
+        # The images mounted ahead for the next starts: no loop device, mount or file stays.
+        await asyncio.to_thread(self._images.clear)
         if self.states.ids():  # sandboxes keep running, unwatched: they reap their own cgroups
             self.unwatched_marker.parent.mkdir(parents=True, exist_ok=True)
             self.unwatched_marker.write_text("no node agent watches these sandboxes\n")

@@ -12,6 +12,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from dsec_nodeagent.sandbox.discovery import RuntimeView
+from dsec_nodeagent.sandbox.init import DEV_NODES
 from dsec_nodeagent.sandbox.models import SandboxConfig
 
 ENV_TARGET = "/opt/dsec/env"
@@ -24,7 +25,6 @@ EVENTS_TARGET = f"{RUN_TARGET}/events.sock"
 IPC_TARGET = f"{RUN_TARGET}/ipc"
 IPC_SOCKET_NAME = "ipc.sock"
 IPC_SOCKET_TARGET = f"{IPC_TARGET}/{IPC_SOCKET_NAME}"
-DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 DEV_WRITABLE = ("/dev/null", "/dev/zero", "/dev/full", "/dev/shm", "/dev/tty")
 TMP_OPTIONS = "mode=1777"
 
@@ -209,6 +209,21 @@ def _declared_entries(
         else:
             result.warnings.append(f"read_allowed {path} exists neither in a mount nor on the host")
     return entries
+
+
+def needs_disk_quota(config: SandboxConfig) -> bool:
+    """Whether the sandbox has writable directories kept on the host (under its quota
+    filesystem): a ``write_allowed`` path but ``/tmp`` that no writable mount covers and no
+    ``write_sources`` entry places elsewhere — as :func:`_declared_entries` lays them out."""
+    if config.limits.disk_bytes is None:
+        return False
+    writable = [m.target for m in config.mounts if not m.read_only]
+    return any(
+        path != "/tmp"
+        and path not in config.write_sources
+        and not any(_under(path, t) for t in writable)
+        for path in config.write_allowed
+    )
 
 
 def _existing(path: Path, what: str) -> Path:

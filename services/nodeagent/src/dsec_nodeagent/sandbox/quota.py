@@ -6,7 +6,9 @@ sandbox with writable directories gets a sparse image file ``DSEC_HOME/sandboxes
 of ``resources.disk`` bytes, formatted ext4 (no journal, no reserved blocks, lazy inode tables:
 ~7 ms) and loop-mounted (``nosuid,nodev``; ~8 ms) at ``DSEC_HOME/sandboxes/<id>/fs``, where the
 writable directories are created. A write beyond the quota fails with ``ENOSPC`` inside the
-sandbox; the host's disk never sees more than the image's used blocks.
+sandbox; the host's disk never sees more than the image's used blocks. The node agent keeps a
+few images of the sizes recently asked for formatted and mounted ahead (:class:`ImagePool`), so
+a start only renames one and bind-mounts it (:func:`take_mounted`).
 
 At exit the node agent notes whether the quota was full (``sandbox.exited{reason: "disk"}``),
 copies the outputs out to a plain directory at the same path (so they stay readable where they
@@ -102,9 +104,11 @@ def create(data_dir: Path, size_bytes: int, pool: ImagePool | None = None) -> Pa
         if target.exists():
             target.rename(previous)
     target.mkdir(exist_ok=True)
-    if pool is None or not pool.take(size_bytes, image):
+    taken = pool.take(size_bytes, image, target) if pool is not None else None
+    if taken is None:
         format_image(image, size_bytes)
-    mount_image(image, target)
+    if not taken:  # formatted here, or a pooled image that was not mounted ahead
+        mount_image(image, target)
     with contextlib.suppress(FileNotFoundError):
         (target / "lost+found").rmdir()
     if previous.is_dir():
@@ -182,54 +186,180 @@ def _mount_loop(image: Path, target: Path) -> None:
         os.close(backing)
 
 
+def take_mounted(data_dir: Path, size_bytes: int, pool: ImagePool) -> bool:
+    """:func:`create` without any slow step, or nothing: when ``pool`` holds a mounted image of
+    ``size_bytes`` and no earlier outputs of this sandbox must be carried over, move it in (a
+    rename and a bind mount, ~0.1 ms: cheaper than a worker thread's hand-off) and return
+    ``True``; else ``False`` (call :func:`create`)."""
+    image, target = data_dir / IMAGE_NAME, mount_point(data_dir)
+    previous = data_dir / f".{MOUNT_NAME}.previous"
+    if previous.exists() or (target.exists() and not _empty_dir(target)):
+        return False
+    data_dir.mkdir(parents=True, exist_ok=True)
+    target.mkdir(exist_ok=True)
+    if pool.take(size_bytes, image, target, mounted_only=True):
+        return True
+    with contextlib.suppress(OSError):
+        target.rmdir()
+    return False
+
+
+def _empty_dir(path: Path) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except NotADirectoryError:
+        return False
+
+
 class ImagePool:
-    """Formatted, unused images of the sizes recently asked for, so that mkfs is not on a
-    sandbox's start path; kept under ``DSEC_HOME/cache/disk-images`` (the data directories'
-    filesystem: taking one is a rename)."""
+    """Formatted, unused images of the sizes recently asked for, already attached to a loop
+    device and mounted, so that neither mkfs nor the loop attach and ext4 mount is on a
+    sandbox's start path.
+
+    Kept under ``DSEC_HOME/cache/disk-images`` (the data directories' filesystem: taking an
+    image is a rename): ``<size>-<id>.img`` is a ready image, mounted (``nosuid,nodev``, its
+    ``lost+found`` removed) at ``mnt/<size>-<id>`` when the kernel allowed it. Taking one renames
+    the image into the sandbox's data directory (the claim: a concurrent taker finds it gone),
+    bind-mounts its filesystem at the sandbox's mount point and detaches the pool's mount, so the
+    sandbox's mount is the only one left and unmounting it at the sandbox's end frees the loop
+    device (auto-clear) as before. :meth:`clear` unmounts and deletes everything (node agent
+    shutdown, and at start after a crash): no loop device, mount or file stays behind.
+    """
 
     def __init__(self, directory: Path, per_size: int = 2) -> None:
         self.directory = directory
+        self.mounts = directory / "mnt"
         self.per_size = per_size
+        self._taken: list[Path] = []  # pool mounts of taken images, detached by the next fill
 
     def _ready(self, size_bytes: int) -> list[Path]:
         return sorted(self.directory.glob(f"{size_bytes}-*.img"))
 
-    def take(self, size_bytes: int, dest: Path) -> bool:
-        """Move a formatted image of ``size_bytes`` to ``dest``; ``False`` when none is ready."""
+    def has_mounted(self, size_bytes: int) -> bool:
+        """Whether a mounted image of ``size_bytes`` is ready (a few ``stat`` calls)."""
         try:
             ready = self._ready(size_bytes)
         except OSError:
             return False
+        return any(os.path.ismount(self.mounts / image.stem) for image in ready)
+
+    def take(
+        self, size_bytes: int, dest: Path, target: Path | None = None, *, mounted_only: bool = False
+    ) -> bool | None:
+        """Move a formatted image of ``size_bytes`` to ``dest``: ``None`` when none is ready;
+        ``True`` when it was mounted ahead and its filesystem is now mounted at ``target``;
+        ``False`` when it still has to be mounted (or no ``target`` was given)."""
+        try:
+            ready = self._ready(size_bytes)
+        except OSError:
+            return None
         for image in ready:
+            mount = self.mounts / image.stem
+            mounted = os.path.ismount(mount)
+            if mounted_only and not mounted:
+                continue
             try:
                 os.rename(image, dest)
             except FileNotFoundError:  # taken by a concurrent start
                 continue
             except OSError:  # another filesystem than the data directories (EXDEV): format
+                return None
+            if not mounted:
                 return False
+            if target is None:  # the caller mounts the image itself: drop the pool's mount
+                self._unmount(mount)
+                return False
+            try:
+                syscalls.mount(str(mount), str(target), None, syscalls.MS_BIND, None)
+            except OSError:  # mount it the usual way (the pool's mount goes below)
+                self._unmount(mount)
+                return False
+            # Detaching the pool's mount (up to ~2 ms: the kernel waits out an RCU grace
+            # period) is left to the next fill, off the start path: the image is claimed.
+            self._taken.append(mount)
             return True
-        return False
+        return None
+
+    def detach_taken(self) -> None:
+        """Detach the pool's mounts of the images taken since (their sandboxes keep theirs)."""
+        while self._taken:
+            self._unmount(self._taken.pop())
+
+    @staticmethod
+    def _unmount(mount: Path) -> None:
+        with contextlib.suppress(OSError):
+            syscalls.umount2(str(mount), syscalls.MNT_DETACH)
+        with contextlib.suppress(OSError):
+            mount.rmdir()
 
     def prune(self, keep_sizes: set[int]) -> None:
-        """Delete the ready images of every other size."""
+        """Delete the ready images of every other size (each claimed first, like a take)."""
         for image in self.directory.glob("*-*.img"):
             size = image.name.split("-", 1)[0]
             if not size.isdigit() or int(size) not in keep_sizes:
-                image.unlink(missing_ok=True)
+                self._drop(image)
+
+    def _drop(self, image: Path) -> None:
+        try:
+            os.rename(image, image.with_suffix(".dropping"))  # claimed: no start takes it now
+        except FileNotFoundError:
+            return
+        self._unmount(self.mounts / image.stem)
+        image.with_suffix(".dropping").unlink(missing_ok=True)
+
+    def _drop_orphan_mounts(self) -> None:
+        """Mounts no ready image claims: left by a node agent that died (only while no start
+        can take an image: a claimed image's mount is its taker's until it detached it)."""
+        try:
+            names = os.listdir(self.mounts)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if not (self.directory / f"{name}.img").exists():
+                self._unmount(self.mounts / name)
 
     def fill(self, size_bytes: int) -> int:
-        """Format images of ``size_bytes`` until ``per_size`` are ready; return how many."""
+        """Format (and mount) images of ``size_bytes`` until ``per_size`` are ready; return how
+        many were made."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.detach_taken()
         made = 0
         while len(self._ready(size_bytes)) < self.per_size:
-            staging = self.directory / f".{uuid.uuid4().hex}.tmp"
+            name = f"{size_bytes}-{uuid.uuid4().hex}"
+            staging = self.directory / f".{name}.tmp"
+            mount = self.mounts / name
             try:
                 format_image(staging, size_bytes)
-                os.rename(staging, self.directory / f"{size_bytes}-{uuid.uuid4().hex}.img")
+                self.mounts.mkdir(exist_ok=True)
+                mount.mkdir()
+                try:
+                    mount_image(staging, mount)
+                    with contextlib.suppress(FileNotFoundError):
+                        (mount / "lost+found").rmdir()
+                except QuotaError:  # no loop device here: a start mounts it (slower)
+                    mount.rmdir()
+                os.rename(staging, self.directory / f"{name}.img")  # ready from now on
+            except BaseException:
+                self._unmount(mount)
+                raise
             finally:
                 staging.unlink(missing_ok=True)
             made += 1
         return made
+
+    def clear(self) -> None:
+        """Unmount and delete every pooled image (the loop devices are freed with them).
+
+        Only while nothing takes from the pool: at the node agent's start and shutdown."""
+        self.detach_taken()
+        if not self.directory.is_dir():
+            return
+        for image in self.directory.glob("*-*.img"):
+            self._drop(image)
+        self._drop_orphan_mounts()
+        for leftover in (*self.directory.glob(".*.tmp"), *self.directory.glob("*.dropping")):
+            leftover.unlink(missing_ok=True)
 
 
 def is_mounted(data_dir: Path) -> bool:

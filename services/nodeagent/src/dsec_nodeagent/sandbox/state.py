@@ -40,12 +40,27 @@ class StateStore:
         return self.run_dir / f"{sandbox_id}.json"
 
     def write(self, sandbox_id: str, state: dict[str, Any]) -> None:
-        """Replace the state file (write + rename)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / f".{sandbox_id}.json.tmp"
-        tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
-        os.chmod(tmp, 0o600)
-        tmp.replace(self.path(sandbox_id))
+        """Replace the state file (write + rename).
+
+        Three system calls and a rename on a sandbox's start path (each start writes its state
+        twice before its workload runs): no directory creation but the first time, no mode
+        change by path."""
+        data = json.dumps(state, indent=1, sort_keys=True).encode()
+        tmp = f"{self.run_dir}/.{sandbox_id}.json.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, flags, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # a leftover temporary file keeps its mode through O_TRUNC
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path(sandbox_id))
 
     def read(self, sandbox_id: str) -> dict[str, Any] | None:
         """The state, or ``None`` when there is none."""

@@ -41,12 +41,16 @@ class Zygote:
         python: the interpreter of the pre-exec stage.
         bootstrap: the ``-c`` program that imports :mod:`.init` and calls its ``main``.
         env: the zygote's whole environment (nothing of the node agent's).
+        root: an empty directory only the node agent writes: each forked sandbox's init mounts
+            its root tmpfs there, in a mount namespace of its own, before its plan (which names
+            the sandbox's own run directory) has come.
     """
 
-    def __init__(self, python: Path, bootstrap: str, env: dict[str, str]) -> None:
+    def __init__(self, python: Path, bootstrap: str, env: dict[str, str], root: Path) -> None:
         self.python = python
         self.bootstrap = bootstrap
         self.env = env
+        self.root = root
         self.starts = 0  # how many zygotes this node agent started (1 unless one died)
         self._process: asyncio.subprocess.Process | None = None
         self._sock: socket.socket | None = None
@@ -61,6 +65,7 @@ class Zygote:
 
     def fork(self) -> PendingFork:
         """Have a supervisor forked now; give it its plan later (:meth:`PendingFork.hand_over`)."""
+        self.root.mkdir(mode=0o755, parents=True, exist_ok=True)  # its init mounts its root here
         return PendingFork(self)
 
     async def spawn(self, channel_fd: int) -> tuple[int, int]:
@@ -106,6 +111,7 @@ class Zygote:
                 self.bootstrap,
                 "zygote",
                 str(theirs.fileno()),
+                str(self.root),
                 pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
