@@ -24,6 +24,7 @@ import traceback
 from typing import Any, Protocol
 
 from dsec_core.audit import SIGNATURE_EVERY, Verifier, VerifyReport, fewer_collections
+from dsec_core.signing import envelope_hash
 
 WORKER_MIN_EVENTS = 20_000
 """Streams shorter than this are verified in the caller's process (a fork is not worth it)."""
@@ -94,10 +95,10 @@ class _Drain(asyncio.Protocol):
 class VerifierWorker:
     """:class:`BatchVerifier` in a forked child process (forked when constructed).
 
-    The caller writes each batch (pickled, length-prefixed) into a pipe without waiting for
-    the child to take it (up to a few MB ahead), and reads on. The child writes one byte as
-    soon as a finding holds (:meth:`feed` then returns True) and its report once its input
-    ends.
+    The caller writes each batch (with each envelope's chain hash, pickled, length-prefixed)
+    into a pipe without waiting for the child to take it (up to a few MB ahead), and reads on.
+    The child writes one byte as soon as a finding holds (:meth:`feed` then returns True) and
+    its report once its input ends.
     """
 
     def __init__(self, anchor: bytes | None, signature_every: int = SIGNATURE_EVERY) -> None:
@@ -137,7 +138,9 @@ class VerifierWorker:
             transport.set_write_buffer_limits(high=_WRITE_AHEAD)
             self._transport, self._drain = transport, drain
         assert self._drain is not None
-        blob = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        # The chain hashes are computed here, on the reader's core: the child's share shrinks.
+        hashed = [(seq, data, envelope_hash(data)) for seq, data in batch]
+        blob = pickle.dumps(hashed, protocol=pickle.HIGHEST_PROTOCOL)
         self._transport.write(len(blob).to_bytes(4, "big"))
         self._transport.write(blob)
         await self._drain.drain()
@@ -224,8 +227,8 @@ def _serve(data_fd: int, result_fd: int, anchor: bytes | None, signature_every: 
                 batch = pickle.loads(src.read(int.from_bytes(head, "big")))
                 if verifier.report.finding is not None:
                     continue  # (the caller stops soon; what follows changes nothing)
-                for seq, data in batch:
-                    if verifier.feed(seq, data) is not None:
+                for seq, data, digest in batch:
+                    if verifier.feed(seq, data, digest) is not None:
                         break
                 if verifier.report.finding is not None and not told:
                     os.write(result_fd, _FOUND)
