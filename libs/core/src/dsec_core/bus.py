@@ -781,7 +781,9 @@ class _ReplayTap:
         self._sink = sink
         self._batch = batch
         self._full = full
-        self._rest = b""
+        self._parts: list[bytes] = []  # the start of a frame not read whole yet
+        self._have = 0  # their bytes
+        self._need = 0  # the bytes that frame takes (0: not known yet)
         self.sid = b""  # the replay subscription's id, once it has one
 
     @staticmethod
@@ -798,24 +800,33 @@ class _ReplayTap:
         ):
             return None
         tap = _ReplayTap(nc, inner, sink, batch, full)
-        tap._rest = bytes(inner.buf)  # a partial control line: the tap's now
+        tap._parts = [bytes(inner.buf)]  # a partial control line: the tap's now
+        tap._have = len(inner.buf)
         inner.buf.clear()
         nc._ps = tap  # type: ignore[assignment]
         return tap
 
     def remove(self) -> None:
         if self._nc._ps is self:  # type: ignore[comparison-overlap]
-            self._inner.buf.extend(self._rest)  # a partial frame: nats-py's again
-            self._rest = b""
+            self._inner.buf.extend(b"".join(self._parts))  # a partial frame: nats-py's again
+            self._parts, self._have = [], 0
             self._nc._ps = self._inner
 
     def reset(self) -> None:
         """nats-py on a reconnect: what was read of the old connection is gone."""
-        self._rest = b""
+        self._parts, self._have, self._need = [], 0, 0
         self._inner.reset()
 
     async def parse(self, data: bytes = b"") -> None:
-        buf = self._rest + data if self._rest else bytes(data)
+        if self._parts:
+            self._parts.append(data)
+            self._have += len(data)
+            if self._have < self._need:  # a large message, still incomplete: no copy yet
+                return
+            buf = b"".join(self._parts)
+            self._parts, self._have, self._need = [], 0, 0
+        else:
+            buf = bytes(data)
         end, pos, sid, sink, inner = len(buf), 0, self.sid, self._sink, self._inner
         while pos < end:
             eol = buf.find(b"\r\n", pos)
@@ -829,6 +840,7 @@ class _ReplayTap:
                 except ValueError:
                     frame = eol + 2  # malformed: nats-py's parser says so
                 if frame > end:
+                    self._need = frame - pos
                     break
                 # MSG <subject> <sid> <reply> <size>, HMSG ... <reply> <header size> <size>
                 # (a stored message's headers, e.g. Nats-Msg-Id, are not the event's)
@@ -844,9 +856,9 @@ class _ReplayTap:
                         continue
             else:
                 frame = eol + 2
-            self._rest = b""
             await inner.parse(buf[pos:frame])
             pos = frame
-        self._rest = buf[pos:]
+        if pos < end:
+            self._parts, self._have = [buf[pos:]], end - pos
         if len(sink) >= self._batch:
             self._full.set()
