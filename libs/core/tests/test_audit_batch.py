@@ -12,7 +12,7 @@ import random
 
 import pytest
 from dsec_core import canonical
-from dsec_core.audit import VerifyReport, verify_stream
+from dsec_core.audit import Verifier, VerifyReport, verify_stream
 from dsec_core.events import SandboxExited, SandboxStopRequested, SpecSubmitted
 from dsec_core.signing import Signer
 from dsec_testing.trust import Producer, certified
@@ -178,3 +178,23 @@ async def test_short_logs_stay_in_process_and_an_empty_log_verifies() -> None:
     finally:
         worker.close()
     assert report.ok and report.events == 0 and report.first_seq is None
+
+
+class _Broken(Verifier):
+    def feed(self, *args: object) -> None:  # type: ignore[override]
+        raise ValueError("out of memory, say")
+
+
+async def test_a_failing_verifier_process_is_an_error_not_a_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dsec_core import audit_worker
+
+    monkeypatch.setattr(audit_worker, "Verifier", _Broken)  # (the fork inherits it)
+    worker = audit_worker.VerifierWorker(ANCHOR)
+    try:
+        await worker.feed(list(enumerate(_log(0), start=1)))
+        with pytest.raises(audit_worker.VerifierFailed, match="ValueError: out of memory, say"):
+            await worker.finish()
+    finally:
+        worker.close()

@@ -20,7 +20,6 @@ import gc
 import os
 import pickle
 import select
-import traceback
 from typing import Any, Protocol
 
 from dsec_core.audit import SIGNATURE_EVERY, Verifier, VerifyReport, fewer_collections
@@ -32,6 +31,10 @@ WORKER_MIN_EVENTS = 20_000
 _FOUND = b"!"  # the child's early note: a finding holds, the caller may stop reading
 _PIPE_BYTES = 1 << 20
 _WRITE_AHEAD = 8 << 20  # bytes the caller may have written ahead of the child
+
+
+class VerifierFailed(RuntimeError):
+    """The verifier process failed (its error, or that it ended without a report)."""
 
 
 class BatchVerifier(Protocol):
@@ -130,7 +133,7 @@ class VerifierWorker:
     async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
         if self._transport is None:
             if self._data_fd is None:
-                raise RuntimeError("the verifier process was closed")
+                raise VerifierFailed("the verifier process was closed")
             pipe = open(self._data_fd, "wb", buffering=0)  # noqa: SIM115 (the transport's)
             self._data_fd = None
             drain = _Drain()
@@ -143,13 +146,20 @@ class VerifierWorker:
         blob = pickle.dumps(hashed, protocol=pickle.HIGHEST_PROTOCOL)
         self._transport.write(len(blob).to_bytes(4, "big"))
         self._transport.write(blob)
-        await self._drain.drain()
+        try:
+            await self._drain.drain()
+        except OSError:  # the child is gone: finish() says why
+            self.found = True
+            return True
         if not self.found and self._result_fd is not None:
-            self.found = bool(select.select([self._result_fd], [], [], 0)[0])
+            poller = select.poll()  # (not select.select: a descriptor may be above 1023)
+            poller.register(self._result_fd, select.POLLIN)
+            self.found = bool(poller.poll(0))
         return self.found
 
     async def finish(self) -> VerifyReport:
-        """End the child's input; its report (raises RuntimeError if the child failed)."""
+        """End the child's input; its report (raises :class:`VerifierFailed` if the child
+        failed)."""
         if self._transport is not None:
             self._transport.close()  # after what is buffered is written
             self._transport = None
@@ -157,7 +167,7 @@ class VerifierWorker:
             os.close(self._data_fd)
             self._data_fd = None
         if self._result_fd is None or self._pid is None:
-            raise RuntimeError("the verifier process was closed")
+            raise VerifierFailed("the verifier process was closed")
         fd, pid = self._result_fd, self._pid
         loop = asyncio.get_running_loop()
         raw = await loop.run_in_executor(None, _read_all, fd)
@@ -168,9 +178,9 @@ class VerifierWorker:
         try:
             kind, value = pickle.loads(raw.lstrip(_FOUND))
         except Exception as exc:
-            raise RuntimeError("the verifier process ended without a report") from exc
+            raise VerifierFailed("the verifier process ended without a report") from exc
         if kind != "report":
-            raise RuntimeError(f"the verifier process failed: {value}")
+            raise VerifierFailed(f"the verifier process failed: {value}")
         report: VerifyReport = value
         return report
 
@@ -198,7 +208,10 @@ def open_verifier(
     """A :class:`VerifierWorker` for ``expected_events`` >= :data:`WORKER_MIN_EVENTS` where
     ``os.fork`` exists, else an :class:`InlineVerifier`."""
     if expected_events >= WORKER_MIN_EVENTS and hasattr(os, "fork"):
-        return VerifierWorker(anchor, signature_every)
+        try:
+            return VerifierWorker(anchor, signature_every)
+        except OSError:  # no process or pipe to be had (limits): verify in this one
+            pass
     return InlineVerifier(anchor, signature_every)
 
 
@@ -221,6 +234,7 @@ def _serve(data_fd: int, result_fd: int, anchor: bytes | None, signature_every: 
     result: tuple[str, Any]
     try:
         verifier = Verifier(anchor, signature_every)
+        feed = verifier.feed
         told = False
         with open(data_fd, "rb", buffering=_PIPE_BYTES) as src, fewer_collections():
             while len(head := src.read(4)) == 4:
@@ -228,13 +242,13 @@ def _serve(data_fd: int, result_fd: int, anchor: bytes | None, signature_every: 
                 if verifier.report.finding is not None:
                     continue  # (the caller stops soon; what follows changes nothing)
                 for seq, data, digest in batch:
-                    if verifier.feed(seq, data, digest) is not None:
+                    if feed(seq, data, digest) is not None:
                         break
                 if verifier.report.finding is not None and not told:
                     os.write(result_fd, _FOUND)
                     told = True
         result = ("report", verifier.finish())
-    except Exception:
-        result = ("error", traceback.format_exc(limit=5))
+    except Exception as exc:
+        result = ("error", f"{type(exc).__name__}: {exc}")
     _write_all(result_fd, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
     os.close(result_fd)

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 from dsec_core.audit import VerifyReport
-from dsec_core.audit_worker import BatchVerifier
+from dsec_core.audit_worker import BatchVerifier, VerifierFailed
 from dsec_core.subjects import ALL_EVENTS, aggregate_filter
 from rich.table import Table
 
@@ -233,7 +233,10 @@ def verify(
     """
     anchor = trust_anchor()
     source = _archive_source(bucket, anchor) if archive else None
-    report = run(_verify(anchor, source))
+    try:
+        report = run(_verify(anchor, source))
+    except VerifierFailed as exc:
+        fail(f"audit verify could not finish: {exc}", EXIT_FAILED)
     result = _report_dict(report)
     if source is not None:
         result["archived_upto"] = source[2].last_seq
