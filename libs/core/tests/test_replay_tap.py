@@ -39,6 +39,8 @@ class _Conn:
 
 
 def _ack(seq: int) -> bytes:
+    if seq % 4 == 0:  # the layout with a domain and an account hash
+        return f"$JS.ACK.hub.ACCHASH.DSEC_EVENTS.c1.1.{seq}.{seq}.1700000000000000000.0.r".encode()
     return f"$JS.ACK.DSEC_EVENTS.c1.1.{seq}.{seq}.1700000000000000000.0".encode()
 
 
