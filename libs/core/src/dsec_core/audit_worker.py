@@ -20,6 +20,7 @@ import gc
 import os
 import pickle
 import select
+import signal
 from typing import Any, Protocol
 
 from dsec_core.audit import SIGNATURE_EVERY, Verifier, VerifyReport, fewer_collections
@@ -173,12 +174,15 @@ class VerifierWorker:
         raw = await loop.run_in_executor(None, _read_all, fd)
         os.close(fd)
         self._result_fd = None
-        await loop.run_in_executor(None, os.waitpid, pid, 0)
+        _, status = await loop.run_in_executor(None, os.waitpid, pid, 0)
         self._pid = None
         try:
             kind, value = pickle.loads(raw.lstrip(_FOUND))
         except Exception as exc:
-            raise VerifierFailed("the verifier process ended without a report") from exc
+            why = "ended without a report"
+            if os.WIFSIGNALED(status):
+                why = f"was stopped by {signal.Signals(os.WTERMSIG(status)).name}"
+            raise VerifierFailed(f"the verifier process {why}") from exc
         if kind != "report":
             raise VerifierFailed(f"the verifier process failed: {value}")
         report: VerifyReport = value
@@ -230,6 +234,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def _serve(data_fd: int, result_fd: int, anchor: bytes | None, signature_every: int) -> None:
     """The child: verify the batches read from ``data_fd``; the report to ``result_fd``."""
+    with contextlib.suppress(ValueError, OSError):  # the caller's event loop is not the child's
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it with its caller
     gc.freeze()  # the objects inherited from the caller: no collection walks them again
     result: tuple[str, Any]
     try:
