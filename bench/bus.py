@@ -112,14 +112,16 @@ def verify_rates(n: int) -> dict[str, int]:
         wires.append(s.seal(reg, aggregate_id=s.key_id).wire)
     payload = _payload()
     wires += [signers[i % 6].seal(payload, aggregate_id=f"sbx_{i % 64}").wire for i in range(n)]
-    rates = {}
+    rates: dict[str, Any] = {}
     for name, every in (("chain_heads", audit.SIGNATURE_EVERY), ("every_signature", 1)):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         report = audit.verify_stream(enumerate(wires, 1), ANCHOR, signature_every=every)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         if not report.ok:
             raise SystemExit(f"verification failed: {report.finding}")
         rates[name] = round(len(wires) / elapsed)
+        if name == "chain_heads":
+            rates["chain_heads_cpu_us_per_event"] = round(cpu * 1e6 / len(wires), 2)
     return rates
 
 
@@ -328,12 +330,17 @@ async def gate_admit(url: str, n: int) -> dict[str, float]:
     return {"p50_us": round(p50, 1), "p99_us": round(p99, 1)}
 
 
-async def replay_verify(url: str) -> int:
+async def replay_verify(url: str) -> tuple[int, dict[str, float]]:
     """Events/s of ``dsec audit verify`` end to end: the whole DSEC_EVENTS stream replayed
     through JetStream (``dsec_core.bus.replay_batches``, as the CLI reads it) into the verifier
-    (as the CLI: in a forked process of its own for a long log, fed while the stream is read)."""
+    (as the CLI: in a forked process of its own for a long log, fed while the stream is read);
+    and the CPU µs per event of the reader (this process), the verifier process and nats-server
+    (on a busy machine these say more than the throughput: the slowest of reader + server and
+    verifier process bounds it on two idle cores)."""
     nc = await _connect(url)
     js = nc.jetstream()
+    server = _server_cpu_s(url)
+    before = os.times()
     started = time.perf_counter()
     messages = (await js.stream_info(STREAM)).state.messages
     verifier = open_verifier(ANCHOR, messages)
@@ -345,10 +352,21 @@ async def replay_verify(url: str) -> int:
     finally:
         verifier.close()
     elapsed = time.perf_counter() - started
+    after = os.times()
+    server = _server_cpu_s(url) - server
     await nc.close()
     if not report.ok or report.injected:
         raise SystemExit(f"verification failed: {report.finding} {report.injected[:3]}")
-    return round(((report.last_seq or 0) - (report.first_seq or 1) + 1) / elapsed)
+    events = (report.last_seq or 0) - (report.first_seq or 1) + 1
+    cpu = {
+        "reader": after.user + after.system - before.user - before.system,
+        "verifier_process": after.children_user
+        + after.children_system
+        - before.children_user
+        - before.children_system,
+        "nats_server": server,
+    }
+    return round(events / elapsed), {k: round(v * 1e6 / events, 2) for k, v in cpu.items()}
 
 
 async def replay_read(url: str) -> int:
@@ -388,11 +406,12 @@ def main(n: int, repeat: int) -> None:
     verify = verify_rates(n)
     pairs, same = [], []
     replayed = gate = every_sig = read = nats_read = None
+    replay_cpu: dict[str, float] = {}
     for _ in range(repeat):
         with nats_server() as url:
             dsec_rate, size, dsec_cpu = run_path(url, n, dsec=True)
             if replayed is None:
-                replayed = asyncio.run(replay_verify(url))
+                replayed, replay_cpu = asyncio.run(replay_verify(url))
                 read = asyncio.run(replay_read(url))
                 nats_read = asyncio.run(nats_py_read(url))
                 gate = asyncio.run(gate_admit(url, min(n, 2000)))
@@ -413,6 +432,7 @@ def main(n: int, repeat: int) -> None:
     same.sort(key=lambda p: p[0])
     same_ratio, same_rate, same_cpu = same[len(same) // 2]
     verify["replay_end_to_end"] = replayed
+    verify["replay_cpu_us_per_event"] = replay_cpu
     verify["replay_read_only"] = read
     verify["nats_py_fetch_read_only"] = nats_read
     emit(
