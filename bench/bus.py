@@ -20,8 +20,10 @@ nats-server, ``--repeat`` times: the ratio of each pair is reported and their me
 work on the machine moves both figures; the pair's ratio moves less).
 
 Also measured: the replay verifier alone (the core of ``dsec audit verify``) over envelopes of six
-interleaved producers, as shipped (chain heads) and checking every signature; and ``dsec audit
-verify`` end to end (the stream replayed through JetStream into the verifier, as the CLI does).
+interleaved producers, as shipped (chain heads) and checking every signature; ``dsec audit
+verify`` end to end (the stream replayed through JetStream into the verifier, as the CLI does:
+the verifier in a forked process fed batches while the stream is read); and, beside it, how fast
+its reader alone reads the stream, and nats-py alone (a pull consumer fetching 2,048 at a time).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ import nats
 from _common import emit, nats_server, percentile
 from dsec_core import audit, identity
 from dsec_core.audit import Verifier
-from dsec_core.bus import EventPublisher, ensure_stream, replay, stream_seq
+from dsec_core.audit_worker import open_verifier
+from dsec_core.bus import EventPublisher, ensure_stream, replay_batches, stream_seq
 from dsec_core.envelope import Envelope
 from dsec_core.events import KeyRegistered, SandboxExited, SandboxScheduled, SpecSubmitted
 from dsec_core.identity import Role
@@ -109,14 +112,16 @@ def verify_rates(n: int) -> dict[str, int]:
         wires.append(s.seal(reg, aggregate_id=s.key_id).wire)
     payload = _payload()
     wires += [signers[i % 6].seal(payload, aggregate_id=f"sbx_{i % 64}").wire for i in range(n)]
-    rates = {}
+    rates: dict[str, Any] = {}
     for name, every in (("chain_heads", audit.SIGNATURE_EVERY), ("every_signature", 1)):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         report = audit.verify_stream(enumerate(wires, 1), ANCHOR, signature_every=every)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
         if not report.ok:
             raise SystemExit(f"verification failed: {report.finding}")
         rates[name] = round(len(wires) / elapsed)
+        if name == "chain_heads":
+            rates["chain_heads_cpu_us_per_event"] = round(cpu * 1e6 / len(wires), 2)
     return rates
 
 
@@ -325,35 +330,90 @@ async def gate_admit(url: str, n: int) -> dict[str, float]:
     return {"p50_us": round(p50, 1), "p99_us": round(p99, 1)}
 
 
-async def replay_verify(url: str) -> int:
+async def replay_verify(url: str) -> tuple[int, dict[str, float]]:
     """Events/s of ``dsec audit verify`` end to end: the whole DSEC_EVENTS stream replayed
-    through JetStream (``dsec_core.bus.replay``, as the CLI reads it) into the verifier."""
+    through JetStream (``dsec_core.bus.replay_batches``, as the CLI reads it) into the verifier
+    (as the CLI: in a forked process of its own for a long log, fed while the stream is read);
+    and the CPU µs per event of the reader (this process), the verifier process and nats-server
+    (on a busy machine these say more than the throughput: the slowest of reader + server and
+    verifier process bounds it on two idle cores)."""
     nc = await _connect(url)
     js = nc.jetstream()
-    verifier = Verifier(ANCHOR)
+    server = _server_cpu_s(url)
+    before = os.times()
     started = time.perf_counter()
-    with audit.fewer_collections():  # as the CLI does
-        async for seq, data in replay(js):
-            if verifier.feed(seq, data) is not None:
-                raise SystemExit(f"verification failed: {verifier.report.finding}")
-        report = verifier.finish()
+    messages = (await js.stream_info(STREAM)).state.messages
+    verifier = open_verifier(ANCHOR, messages)
+    try:
+        async for msgs in replay_batches(js):
+            if await verifier.feed(msgs):
+                break
+        report = await verifier.finish()
+    finally:
+        verifier.close()
     elapsed = time.perf_counter() - started
+    after = os.times()
+    server = _server_cpu_s(url) - server
     await nc.close()
     if not report.ok or report.injected:
         raise SystemExit(f"verification failed: {report.finding} {report.injected[:3]}")
-    return round(((report.last_seq or 0) - (report.first_seq or 1) + 1) / elapsed)
+    events = (report.last_seq or 0) - (report.first_seq or 1) + 1
+    cpu = {
+        "reader": after.user + after.system - before.user - before.system,
+        "verifier_process": after.children_user
+        + after.children_system
+        - before.children_user
+        - before.children_system,
+        "nats_server": server,
+    }
+    return round(events / elapsed), {k: round(v * 1e6 / events, 2) for k, v in cpu.items()}
+
+
+async def replay_read(url: str) -> int:
+    """Messages/s of the replay's reader alone (``replay_batches``, nothing verified)."""
+    nc = await _connect(url)
+    js = nc.jetstream()
+    started = time.perf_counter()
+    count = 0
+    async for msgs in replay_batches(js):
+        count += len(msgs)
+    elapsed = time.perf_counter() - started
+    await nc.close()
+    return round(count / elapsed)
+
+
+async def nats_py_read(url: str) -> int:
+    """Messages/s of nats-py alone reading the stream: a pull consumer fetching batches of
+    2,048 (the usual way to read a stream with it; the peer of :func:`replay_read`)."""
+    nc = await _connect(url)
+    js = nc.jetstream()
+    last = (await js.stream_info(STREAM)).state.last_seq
+    config = ConsumerConfig(ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=30)
+    started = time.perf_counter()
+    sub = await js.pull_subscribe("dsec.>", stream=STREAM, config=config)
+    count, seq = 0, 0
+    while seq < last:
+        msgs = await sub.fetch(2048, timeout=5)
+        count += len(msgs)
+        seq = stream_seq(msgs[-1])
+    elapsed = time.perf_counter() - started
+    await nc.close()
+    return round(count / elapsed)
 
 
 def main(n: int, repeat: int) -> None:
     sign = micro_sign_encode(min(n, 5000))
     verify = verify_rates(n)
     pairs, same = [], []
-    replayed = gate = every_sig = None
+    replayed = gate = every_sig = read = nats_read = None
+    replay_cpu: dict[str, float] = {}
     for _ in range(repeat):
         with nats_server() as url:
             dsec_rate, size, dsec_cpu = run_path(url, n, dsec=True)
             if replayed is None:
-                replayed = asyncio.run(replay_verify(url))
+                replayed, replay_cpu = asyncio.run(replay_verify(url))
+                read = asyncio.run(replay_read(url))
+                nats_read = asyncio.run(nats_py_read(url))
                 gate = asyncio.run(gate_admit(url, min(n, 2000)))
         with nats_server() as url:
             raw_rate, _, raw_cpu = run_path(url, n, dsec=False, size=size)
@@ -372,6 +432,9 @@ def main(n: int, repeat: int) -> None:
     same.sort(key=lambda p: p[0])
     same_ratio, same_rate, same_cpu = same[len(same) // 2]
     verify["replay_end_to_end"] = replayed
+    verify["replay_cpu_us_per_event"] = replay_cpu
+    verify["replay_read_only"] = read
+    verify["nats_py_fetch_read_only"] = nats_read
     emit(
         "bus",
         {
@@ -400,7 +463,8 @@ def main(n: int, repeat: int) -> None:
         f"{raw_cpu['total']:.0f} µs (raw/DSec {cpu_ratio:.0%}); "
         f"sign+encode p50 {sign['p50_us']} µs; "
         f"audit verify core {verify['chain_heads']:,} ev/s ({verify['every_signature']:,} "
-        f"checking every signature), end to end through JetStream {replayed:,} ev/s; "
+        f"checking every signature), end to end through JetStream {replayed:,} ev/s (its "
+        f"reader alone {read:,} msg/s, nats-py fetch alone {nats_read:,} msg/s); "
         f"consumer gate p50 {gate['p50_us']} µs",
     )
 

@@ -69,3 +69,14 @@ def make_publisher(dsec_stack: StackFixture) -> Callable[..., Any]:
         return await trust.publisher(js, dsec_stack.home, role, subject=subject)
 
     return make
+
+
+@pytest.fixture(params=["in-process", "verifier-process"])
+def verifier_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`dsec audit verify` verifies a long log in a forked process of its own (fed while it
+    reads the stream): these logs are short, so the threshold is lowered to try both."""
+    from dsec_core import audit_worker
+
+    if request.param == "verifier-process":
+        monkeypatch.setattr(audit_worker, "WORKER_MIN_EVENTS", 0)
+    return str(request.param)

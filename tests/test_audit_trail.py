@@ -81,7 +81,7 @@ async def test_intact_log_verifies(js, private_nats, private_home, dsec_cli, tmp
 
 
 async def test_event_signed_with_an_uncertified_key_is_listed_as_injected(
-    js, private_nats, private_home, dsec_cli, tmp_path
+    js, private_nats, private_home, dsec_cli, tmp_path, verifier_kind
 ) -> None:
     await _legit(js, private_home)
     impostor = Signer("user-default", SigningKey.generate(), tenant="default")
@@ -107,7 +107,7 @@ async def test_event_signed_with_an_uncertified_key_is_listed_as_injected(
 
 
 async def test_altered_payload_is_named_once_its_successor_arrives(
-    js, private_nats, private_home, dsec_cli, tmp_path
+    js, private_nats, private_home, dsec_cli, tmp_path, verifier_kind
 ) -> None:
     publisher = await _agent(js, private_home)
     real = publisher.signer.seal(

@@ -91,7 +91,7 @@ async def _more(user: EventPublisher, agent: EventPublisher, n: int, tag: str) -
         await agent.publish(exited, aggregate_id=f"sbx_{tag}x{i}")
 
 
-async def test_archive_then_live_verify_as_one_log(js, private, cli) -> None:
+async def test_archive_then_live_verify_as_one_log(js, private, cli, verifier_kind) -> None:
     user, agent = await _traffic(js, private.home, 5)  # seq 1..12
     done = cli("events", "archive", "--upto", "10", "--segment-events", "4", "--json")
     assert done.exit_code == 0, done.output
@@ -165,7 +165,7 @@ def _rewrite(store: Any, key: str, change: Any) -> bytes:
     return altered
 
 
-async def test_altered_archive_is_named(js, private, cli) -> None:
+async def test_altered_archive_is_named(js, private, cli, verifier_kind) -> None:
     await _traffic(js, private.home, 4)  # seq 1..10; the agent's exits at 4, 6, 8, 10
     assert cli("events", "archive", "--segment-events", "5", "--json").exit_code == 0
     store = private.s3.client()

@@ -12,7 +12,7 @@ import random
 
 import pytest
 from dsec_core import canonical
-from dsec_core.audit import VerifyReport, verify_stream
+from dsec_core.audit import Verifier, VerifyReport, verify_stream
 from dsec_core.events import SandboxExited, SandboxStopRequested, SpecSubmitted
 from dsec_core.signing import Signer
 from dsec_testing.trust import Producer, certified
@@ -123,3 +123,78 @@ def test_the_unrolled_field_check_is_the_required_table() -> None:
         for bad in (missing, {**good, name: wrong[kind]}):  # (a missing prev too: not nil)
             with pytest.raises(MalformedEnvelope, match=f"invalid envelope field {name}$"):
                 _fields(canonical.canonical_bytes(bad))
+
+
+def _full(report: VerifyReport) -> tuple[object, ...]:
+    return (
+        *_outcome(report),
+        report.producers,
+        report.chains,
+        report.first_seq,
+        report.last_seq,
+        report.finding,
+        report.injected,
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_the_verifier_process_reports_what_the_in_process_verifier_reports(
+    seed: int,
+) -> None:
+    """``dsec audit verify`` verifies a long log in a forked process fed batches while it reads:
+    the same report (finding, injected messages and their answers, counts) as in process."""
+    from dsec_core.audit_worker import VerifierWorker
+
+    wires = _log(seed)
+    numbered = list(enumerate(wires, start=1))
+    expected = verify_stream(numbered, ANCHOR)
+    worker = VerifierWorker(ANCHOR)
+    rng = random.Random(seed)
+    try:
+        at = 0
+        while at < len(numbered):
+            size = rng.randint(1, 9)
+            stop = await worker.feed(numbered[at : at + size])
+            at += size
+            if stop:
+                break
+        report = await worker.finish()
+    finally:
+        worker.close()
+    assert _full(report) == _full(expected)
+    if expected.finding is not None and at < len(numbered):  # it said stop early
+        assert expected.finding.stream_seq <= at
+
+
+async def test_short_logs_stay_in_process_and_an_empty_log_verifies() -> None:
+    from dsec_core import audit_worker
+
+    inline = audit_worker.open_verifier(ANCHOR, audit_worker.WORKER_MIN_EVENTS - 1)
+    assert isinstance(inline, audit_worker.InlineVerifier)
+    worker = audit_worker.open_verifier(ANCHOR, audit_worker.WORKER_MIN_EVENTS)
+    try:
+        assert isinstance(worker, audit_worker.VerifierWorker)
+        report = await worker.finish()  # nothing fed
+    finally:
+        worker.close()
+    assert report.ok and report.events == 0 and report.first_seq is None
+
+
+class _Broken(Verifier):
+    def feed(self, *args: object) -> None:  # type: ignore[override]
+        raise ValueError("out of memory, say")
+
+
+async def test_a_failing_verifier_process_is_an_error_not_a_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dsec_core import audit_worker
+
+    monkeypatch.setattr(audit_worker, "Verifier", _Broken)  # (the fork inherits it)
+    worker = audit_worker.VerifierWorker(ANCHOR)
+    try:
+        await worker.feed(list(enumerate(_log(0), start=1)))
+        with pytest.raises(audit_worker.VerifierFailed, match="ValueError: out of memory, say"):
+            await worker.finish()
+    finally:
+        worker.close()

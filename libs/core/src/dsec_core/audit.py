@@ -209,8 +209,11 @@ class Verifier:
 
     # -- feeding ---------------------------------------------------------------------------------
 
-    def feed(self, seq: int, data: bytes) -> Finding | None:
-        """Check one event; return the finding if the trail is (or already was) tampered with."""
+    def feed(self, seq: int, data: bytes, digest: str | None = None) -> Finding | None:
+        """Check one event; return the finding if the trail is (or already was) tampered with.
+
+        ``digest``: ``envelope_hash(data)`` where the caller computed it already (the verifier
+        process's reader does, on the other core); computed here when not given."""
         report = self.report
         if report.finding is not None:
             return report.finding
@@ -234,10 +237,10 @@ class Verifier:
                 self._routes.clear()
             # shape_problem found these consistent: the same pair gives the same verdict again
             self._routes[(f["type"], f["aggregate_id"])] = (f["aggregate"], f["subject"])
-        self._check(seq, f, data)
+        self._check(seq, f, data, digest)
         return report.finding
 
-    def _check(self, seq: int, f: dict[str, Any], data: bytes) -> None:
+    def _check(self, seq: int, f: dict[str, Any], data: bytes, digest: str | None) -> None:
         key_id = f["key_id"]
         if f["type"] == _KEY_REGISTERED and key_id not in self._certs:
             found = (
@@ -273,7 +276,7 @@ class Verifier:
             if not chain.fits(f):
                 self._misfit(seq, f, chain, key, chain.removed)
                 return
-        self._accept(seq, f, data, chain, cert, key)
+        self._accept(seq, f, data, chain, cert, key, digest)
 
     def _accept(
         self,
@@ -283,6 +286,7 @@ class Verifier:
         chain: _Chain,
         cert: Certificate,
         key: bytes,
+        digest: str | None = None,
     ) -> None:
         """A message in its chain's next position: authentic unless its signature fails later."""
         problem = authz.refusal(f, cert) or self._wrong_node(f, cert)
@@ -324,7 +328,7 @@ class Verifier:
             return
         before = (chain.next_seq, chain.last_hash)
         chain.next_seq += 1  # chain.advance, inline
-        chain.last_hash = envelope_hash(data)
+        chain.last_hash = digest or envelope_hash(data)
         self._seen[f["id"]] = seq
         self._record(seq, f, key)
         pending = chain.pending

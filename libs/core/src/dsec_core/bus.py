@@ -35,6 +35,8 @@ from nats.js.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
+from nats.protocol.parser import AWAITING_CONTROL_LINE as _AWAITING_CONTROL_LINE
+from nats.protocol.parser import Parser
 
 from dsec_core import natsclient
 from dsec_core.envelope import Envelope
@@ -594,13 +596,31 @@ async def replay(
     start_seq: int = 1,
     batch: int = 512,
 ) -> AsyncIterator[tuple[int, bytes]]:
-    """Yield ``(stream_seq, data)`` from ``start_seq`` to the end of the stream as it is now.
+    """Yield ``(stream_seq, data)`` from ``start_seq`` to the end of the stream as it is now
+    (one by one; :func:`replay_batches` yields them as they are read, a list at a time)."""
+    async for msgs in replay_batches(
+        js, filter_subject=filter_subject, start_seq=start_seq, batch=batch
+    ):
+        for item in msgs:
+            yield item
 
-    Read with pipelined pull requests into a subscription callback (:func:`_pulled`): nats-py's
-    ``fetch`` waits for each message in a task of its own, which caps a replay (``dsec audit
-    verify``, the read models' rebuild) far below what the verifier keeps up with. Whatever
-    that fast path does not expect (a cluster electing a leader, a replica behind, an
-    unexpected status) hands over to :func:`follow`, from the next position.
+
+async def replay_batches(
+    js: JetStreamContext,
+    *,
+    filter_subject: str = ALL_EVENTS,
+    start_seq: int = 1,
+    batch: int = 512,
+) -> AsyncIterator[list[tuple[int, bytes]]]:
+    """Yield lists of ``(stream_seq, data)`` from ``start_seq`` to the end of the stream as it
+    is now, in stream order, each message once.
+
+    Read with pipelined pull requests whose messages the connection's :class:`_ReplayTap` cuts
+    out of the bytes read (:func:`_pulled`): nats-py builds a ``Msg`` and hands it to a task
+    for each message, which capped a replay (``dsec audit verify``, the read models' rebuild)
+    below what the verifier keeps up with. Whatever that fast path does not expect (a cluster
+    electing a leader, a replica behind, an unexpected status) hands over to :func:`follow`,
+    from the next position.
     """
     info = await js.stream_info(STREAM)
     last = info.state.last_seq
@@ -610,18 +630,22 @@ async def replay(
     nc = getattr(js, "_nc", None)  # JetStreamContext keeps its connection private
     if isinstance(nc, NATS):
         async for msgs in _pulled(js, nc, filter_subject, start_seq, last):
-            for seq, data in msgs:
-                yield seq, data
-                next_seq = seq + 1
-                if seq >= last:
-                    return
+            if msgs[-1][0] >= last:
+                head = [m for m in msgs if m[0] <= last]
+                if head:
+                    yield head
+                return
+            yield msgs
+            next_seq = msgs[-1][0] + 1
     async for msgs in follow(js, filter_subject=filter_subject, start_seq=next_seq, batch=batch):
         if not msgs:  # nothing more matches the filter up to ``last``
             return
-        for seq, data in msgs:
-            yield seq, data
-            if seq >= last:
-                return
+        if msgs[-1][0] >= last:
+            head = [m for m in msgs if m[0] <= last]
+            if head:
+                yield head
+            return
+        yield msgs
 
 
 PULL_BATCH = 2048
@@ -661,7 +685,8 @@ async def _pulled(
     wait_s: float = 5.0,
 ) -> AsyncIterator[list[tuple[int, bytes]]]:
     """Batches of ``(stream_seq, data)`` from ``start_seq`` through an ephemeral consumer (the
-    configuration :func:`follow` uses) and ``no_wait`` pull requests answered into a callback.
+    configuration :func:`follow` uses) and ``no_wait`` pull requests answered into the
+    connection's :class:`_ReplayTap` (or, where it cannot go in, a subscription callback).
     Ends at ``last``, when the server has no more for the filter, or at anything unexpected
     (the caller goes on from the next position with :func:`follow`)."""
     try:
@@ -672,7 +697,7 @@ async def _pulled(
     batch = PULL_BATCH
     inbox = nc.new_inbox()
     arrived: list[tuple[int, bytes]] = []
-    state: dict[str, Any] = {"count": 0, "status": None}
+    state: dict[str, Any] = {"status": None}
     done = asyncio.Event()
 
     async def on_message(msg: Msg) -> None:
@@ -680,20 +705,23 @@ async def _pulled(
             state["status"] = (msg.headers or {}).get("Status", "?")
             done.set()
             return
-        try:
+        try:  # (data messages come here only where the tap could not go in)
             arrived.append((_ack_stream_seq(msg.reply), msg.data))
         except ValueError as exc:
             state["status"] = str(exc)
             done.set()
             return
-        state["count"] += 1
-        if state["count"] >= batch:
+        if len(arrived) >= batch:
             done.set()
 
     request = json.dumps({"batch": batch, "no_wait": True}).encode()
     subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{consumer.name}"
-    sub = await nc.subscribe(inbox, cb=on_message)
+    tap = _ReplayTap.install(nc, arrived, batch, done)
+    sub = None
     try:
+        sub = await nc.subscribe(inbox, cb=on_message)
+        if tap is not None:
+            tap.sid = str(sub._id).encode()
         await nc.publish(subject, request, reply=inbox)
         while True:
             try:
@@ -703,7 +731,7 @@ async def _pulled(
             done.clear()
             msgs = arrived[:]
             del arrived[:]
-            status, state["status"], state["count"] = state["status"], None, 0
+            status, state["status"] = state["status"], None
             finished = bool(msgs) and msgs[-1][0] >= last
             more = not finished and status is None  # a full batch: ask for the next now
             if more:
@@ -713,7 +741,124 @@ async def _pulled(
             if not more:
                 return
     finally:
+        if tap is not None:
+            tap.remove()
         # The consumer goes with its inactivity threshold, as follow()'s (only the operator
         # may delete consumers).
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+
+def _ack_stream_seq_bytes(reply: bytes) -> int:
+    """:func:`_ack_stream_seq` of an ack subject's raw bytes."""
+    tokens = reply.split(b".")
+    if tokens[0] != b"$JS" or tokens[1] != b"ACK":
+        raise ValueError("not a JetStream ack subject")
+    if len(tokens) == 9:
+        return int(tokens[5])
+    if len(tokens) >= 11:
+        return int(tokens[7])
+    raise ValueError("unexpected JetStream ack subject")
+
+
+class _ReplayTap:
+    """Stands in for a connection's protocol parser while :func:`_pulled` reads.
+
+    The replay's data messages are cut out of the bytes read, in one loop, into its list (no
+    ``Msg``, no task hand-off per message: nats-py's path cost a replay more than the verifier
+    spends on an event); every other frame (pings, infos, errors, the pull requests' status
+    messages, other subscriptions' messages) goes whole and in order to nats-py's parser.
+    Goes in before the replay subscribes (so no message of it takes the slower path first and
+    arrives out of order), and out when the replay ends.
+    """
+
+    def __init__(
+        self, nc: NATS, inner: Parser, sink: list[tuple[int, bytes]], batch: int, full: Any
+    ) -> None:
+        self._nc = nc
+        self._inner = inner
+        self._sink = sink
+        self._batch = batch
+        self._full = full
+        self._parts: list[bytes] = []  # the start of a frame not read whole yet
+        self._have = 0  # their bytes
+        self._need = 0  # the bytes that frame takes (0: not known yet)
+        self.sid = b""  # the replay subscription's id, once it has one
+
+    @staticmethod
+    def install(
+        nc: NATS, sink: list[tuple[int, bytes]], batch: int, full: asyncio.Event
+    ) -> _ReplayTap | None:
+        """Put a tap in; ``None`` where it cannot go (a nats-py whose parser this does not
+        know, one in the middle of a message's payload, or another tap already in)."""
+        inner = getattr(nc, "_ps", None)
+        if (
+            type(inner) is not Parser
+            or inner.state != _AWAITING_CONTROL_LINE
+            or not isinstance(inner.buf, bytearray)
+        ):
+            return None
+        tap = _ReplayTap(nc, inner, sink, batch, full)
+        tap._parts = [bytes(inner.buf)]  # a partial control line: the tap's now
+        tap._have = len(inner.buf)
+        inner.buf.clear()
+        nc._ps = tap  # type: ignore[assignment]
+        return tap
+
+    def remove(self) -> None:
+        if self._nc._ps is self:  # type: ignore[comparison-overlap]
+            self._inner.buf.extend(b"".join(self._parts))  # a partial frame: nats-py's again
+            self._parts, self._have = [], 0
+            self._nc._ps = self._inner
+
+    def reset(self) -> None:
+        """nats-py on a reconnect: what was read of the old connection is gone."""
+        self._parts, self._have, self._need = [], 0, 0
+        self._inner.reset()
+
+    async def parse(self, data: bytes = b"") -> None:
+        if self._parts:
+            self._parts.append(data)
+            self._have += len(data)
+            if self._have < self._need:  # a large message, still incomplete: no copy yet
+                return
+            buf = b"".join(self._parts)
+            self._parts, self._have, self._need = [], 0, 0
+        else:
+            buf = bytes(data)
+        end, pos, sid, sink, inner = len(buf), 0, self.sid, self._sink, self._inner
+        while pos < end:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            tokens = buf[pos:eol].split(b" ")
+            op = tokens[0]
+            if op == b"MSG" or op == b"HMSG":
+                try:
+                    frame = eol + 4 + int(tokens[-1])
+                except ValueError:
+                    frame = eol + 2  # malformed: nats-py's parser says so
+                if frame > end:
+                    self._need = frame - pos
+                    break
+                # MSG <subject> <sid> <reply> <size>, HMSG ... <reply> <header size> <size>
+                # (a stored message's headers, e.g. Nats-Msg-Id, are not the event's)
+                if len(tokens) == (5 if op == b"MSG" else 6) and tokens[2] == sid:
+                    try:
+                        seq = _ack_stream_seq_bytes(tokens[3])
+                        body = eol + 2 + (int(tokens[4]) if op == b"HMSG" else 0)
+                    except (ValueError, IndexError):
+                        seq = 0  # no stored message (a status): the callback tells what
+                    if seq:
+                        sink.append((seq, buf[body : frame - 2]))
+                        pos = frame
+                        continue
+            else:
+                frame = eol + 2
+            await inner.parse(buf[pos:frame])
+            pos = frame
+        if pos < end:
+            self._parts, self._have = [buf[pos:]], end - pos
+        if len(sink) >= self._batch:
+            self._full.set()

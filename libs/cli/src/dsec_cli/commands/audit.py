@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from dsec_core.audit import Verifier, VerifyReport
+from dsec_core.audit import VerifyReport
+from dsec_core.audit_worker import BatchVerifier, VerifierFailed
 from dsec_core.subjects import ALL_EVENTS, aggregate_filter
 from rich.table import Table
 
@@ -51,45 +52,65 @@ def trust_anchor() -> bytes:
 
 async def _verify(anchor: bytes, archive: Any = None) -> VerifyReport:
     """Replay the stream (``archive``: ``(store, bucket, manifest)`` — the archived segments
-    first, then the live stream after them) into the verifier."""
-    from dsec_core.audit import Finding, fewer_collections
-    from dsec_core.bus import replay
-    from dsec_core.eventarchive import ArchiveCorrupt, archived_records
+    first, then the live stream after them) into the verifier (on a core of its own for a long
+    log: :func:`dsec_core.audit_worker.open_verifier`)."""
+    from dsec_core.audit_worker import open_verifier
     from dsec_core.subjects import STREAM
 
-    verifier = Verifier(anchor)
     async with bus() as (_, js):
-        start = 1
-        if archive is not None:
-            store, bucket, manifest = archive
-            try:
-                async for record in archived_records(store, bucket, manifest):
-                    if verifier.feed(record.seq, record.data) is not None:
-                        return verifier.finish()
-            except ArchiveCorrupt as exc:
-                report = verifier.finish()
+        state = (await js.stream_info(STREAM)).state
+        expected = state.messages + (archive[2].last_seq or 0 if archive is not None else 0)
+        verifier = open_verifier(anchor, expected)
+        try:
+            return await _feed(js, verifier, state.first_seq, archive)
+        finally:
+            verifier.close()
+
+
+async def _feed(js: Any, verifier: BatchVerifier, first: int, archive: Any) -> VerifyReport:
+    """Feed the archive's records (if any), then the live stream from after them."""
+    from dsec_core.audit import Finding
+    from dsec_core.bus import replay_batches
+    from dsec_core.eventarchive import ArchiveCorrupt, archived_records
+
+    start = 1
+    if archive is not None:
+        store, bucket, manifest = archive
+        batch: list[tuple[int, bytes]] = []
+        try:
+            async for record in archived_records(store, bucket, manifest):
+                batch.append((record.seq, record.data))
+                if len(batch) >= 2048:
+                    if await verifier.feed(batch):
+                        return await verifier.finish()
+                    batch = []
+            if batch and await verifier.feed(batch):
+                return await verifier.finish()
+        except ArchiveCorrupt as exc:
+            # what came before the corrupt segment counts: a finding there comes first
+            found = bool(batch) and await verifier.feed(batch)
+            report: VerifyReport = await verifier.finish()
+            if not found:
                 report.finding = Finding(exc.first_seq, None, None, None, str(exc))
-                return report
-            start = (manifest.last_seq or 0) + 1
-            problem = await _tail_problem(js, manifest)
-            if problem is not None:
-                report = verifier.finish()
-                report.finding = Finding(start - 1, None, None, None, problem)
-                return report
-        else:
-            first = (await js.stream_info(STREAM)).state.first_seq
-            if first > 1:
-                err_console.print(
-                    f"[yellow]note:[/] the stream starts at seq {first} (earlier events were "
-                    "discarded by its limits): keys registered before are unknown here; "
-                    "verify with --archive",
-                    highlight=False,
-                )
-        with fewer_collections():
-            async for seq, data in replay(js, start_seq=start):
-                if verifier.feed(seq, data) is not None:
-                    break
-    return verifier.finish()
+            return report
+        start = (manifest.last_seq or 0) + 1
+        problem = await _tail_problem(js, manifest)
+        if problem is not None:
+            report = await verifier.finish()
+            report.finding = Finding(start - 1, None, None, None, problem)
+            return report
+    elif first > 1:
+        err_console.print(
+            f"[yellow]note:[/] the stream starts at seq {first} (earlier events were "
+            "discarded by its limits): keys registered before are unknown here; "
+            "verify with --archive",
+            highlight=False,
+        )
+    async for msgs in replay_batches(js, start_seq=start):
+        if await verifier.feed(msgs):
+            break
+    report = await verifier.finish()
+    return report
 
 
 async def _tail_problem(js: Any, manifest: Any) -> str | None:
@@ -212,7 +233,10 @@ def verify(
     """
     anchor = trust_anchor()
     source = _archive_source(bucket, anchor) if archive else None
-    report = run(_verify(anchor, source))
+    try:
+        report = run(_verify(anchor, source))
+    except VerifierFailed as exc:
+        fail(f"audit verify could not finish: {exc}", EXIT_FAILED)
     result = _report_dict(report)
     if source is not None:
         result["archived_upto"] = source[2].last_seq

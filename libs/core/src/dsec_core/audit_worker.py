@@ -1,0 +1,261 @@
+"""The audit verifier on a core of its own while the caller reads the stream.
+
+Reading a replay (:func:`dsec_core.bus.replay_batches`) and verifying it
+(:class:`dsec_core.audit.Verifier`) each cost a few microseconds of Python an event, and one
+interpreter runs one at a time: in one process, ``dsec audit verify`` went at the speed of their
+sum. :class:`VerifierWorker` runs the verifier in a forked child, fed the batches the caller
+reads through a pipe, so reading and verifying overlap on two cores.
+
+The child is a fork of the caller: the same :class:`~dsec_core.audit.Verifier`, fed the same
+``(stream_seq, data)`` pairs in the same order, so its report is the one an in-process verifier
+gives (``libs/core/tests/test_audit_worker.py`` holds them equal). :func:`open_verifier` picks it
+for long streams where ``os.fork`` exists, and the in-process verifier otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import pickle
+import select
+import signal
+from typing import Any, Protocol
+
+from dsec_core.audit import SIGNATURE_EVERY, Verifier, VerifyReport, fewer_collections
+from dsec_core.signing import envelope_hash
+
+WORKER_MIN_EVENTS = 20_000
+"""Streams shorter than this are verified in the caller's process (a fork is not worth it)."""
+
+_FOUND = b"!"  # the child's early note: a finding holds, the caller may stop reading
+_PIPE_BYTES = 1 << 20
+_WRITE_AHEAD = 8 << 20  # bytes the caller may have written ahead of the child
+
+
+class VerifierFailed(RuntimeError):
+    """The verifier process failed (its error, or that it ended without a report)."""
+
+
+class BatchVerifier(Protocol):
+    """What ``dsec audit verify`` feeds: batches in stream order, then :meth:`finish`."""
+
+    async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
+        """Verify a batch; True once a finding holds (what follows changes nothing)."""
+
+    async def finish(self) -> VerifyReport:
+        """Check what is pending and return the report."""
+
+    def close(self) -> None:
+        """Release what it holds (after :meth:`finish`, or instead of it on an error)."""
+
+
+class InlineVerifier:
+    """:class:`BatchVerifier` in the caller's process (short streams; no ``os.fork``)."""
+
+    def __init__(self, anchor: bytes | None, signature_every: int = SIGNATURE_EVERY) -> None:
+        self.verifier = Verifier(anchor, signature_every)
+
+    async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
+        verifier = self.verifier
+        with fewer_collections():
+            for seq, data in batch:
+                if verifier.feed(seq, data) is not None:
+                    return True
+        return False
+
+    async def finish(self) -> VerifyReport:
+        return self.verifier.finish()
+
+    def close(self) -> None:
+        pass
+
+
+class _Drain(asyncio.Protocol):
+    """Flow control of the pipe to the child (the transport buffers what the pipe refuses)."""
+
+    def __init__(self) -> None:
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self.lost: BaseException | None = None
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost = exc or BrokenPipeError("the verifier process closed its input")
+        self._writable.set()
+
+    async def drain(self) -> None:
+        await self._writable.wait()
+        if self.lost is not None:
+            raise self.lost
+
+
+class VerifierWorker:
+    """:class:`BatchVerifier` in a forked child process (forked when constructed).
+
+    The caller writes each batch (with each envelope's chain hash, pickled, length-prefixed)
+    into a pipe without waiting for the child to take it (up to a few MB ahead), and reads on.
+    The child writes one byte as soon as a finding holds (:meth:`feed` then returns True) and
+    its report once its input ends.
+    """
+
+    def __init__(self, anchor: bytes | None, signature_every: int = SIGNATURE_EVERY) -> None:
+        data_r, data_w = os.pipe()
+        result_r, result_w = os.pipe()
+        with contextlib.suppress(OSError, AttributeError):  # Linux: fewer, larger writes
+            import fcntl
+
+            fcntl.fcntl(data_w, getattr(fcntl, "F_SETPIPE_SZ", 1031), _PIPE_BYTES)
+        pid = os.fork()
+        if pid == 0:  # the child: never returns from here
+            code = 1
+            try:
+                os.close(data_w)
+                os.close(result_r)
+                _serve(data_r, result_w, anchor, signature_every)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(data_r)
+        os.close(result_w)
+        self._pid: int | None = pid
+        self._data_fd: int | None = data_w
+        self._result_fd: int | None = result_r
+        self._transport: asyncio.WriteTransport | None = None
+        self._drain: _Drain | None = None
+        self.found = False
+
+    async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
+        if self._transport is None:
+            if self._data_fd is None:
+                raise VerifierFailed("the verifier process was closed")
+            pipe = open(self._data_fd, "wb", buffering=0)  # noqa: SIM115 (the transport's)
+            self._data_fd = None
+            drain = _Drain()
+            transport, _ = await asyncio.get_running_loop().connect_write_pipe(lambda: drain, pipe)
+            transport.set_write_buffer_limits(high=_WRITE_AHEAD)
+            self._transport, self._drain = transport, drain
+        assert self._drain is not None
+        # The chain hashes are computed here, on the reader's core: the child's share shrinks.
+        hashed = [(seq, data, envelope_hash(data)) for seq, data in batch]
+        blob = pickle.dumps(hashed, protocol=pickle.HIGHEST_PROTOCOL)
+        self._transport.write(len(blob).to_bytes(4, "big"))
+        self._transport.write(blob)
+        try:
+            await self._drain.drain()
+        except OSError:  # the child is gone: finish() says why
+            self.found = True
+            return True
+        if not self.found and self._result_fd is not None:
+            poller = select.poll()  # (not select.select: a descriptor may be above 1023)
+            poller.register(self._result_fd, select.POLLIN)
+            self.found = bool(poller.poll(0))
+        return self.found
+
+    async def finish(self) -> VerifyReport:
+        """End the child's input; its report (raises :class:`VerifierFailed` if the child
+        failed)."""
+        if self._transport is not None:
+            self._transport.close()  # after what is buffered is written
+            self._transport = None
+        elif self._data_fd is not None:
+            os.close(self._data_fd)
+            self._data_fd = None
+        if self._result_fd is None or self._pid is None:
+            raise VerifierFailed("the verifier process was closed")
+        fd, pid = self._result_fd, self._pid
+        loop = asyncio.get_running_loop()
+        raw = await loop.run_in_executor(None, _read_all, fd)
+        os.close(fd)
+        self._result_fd = None
+        _, status = await loop.run_in_executor(None, os.waitpid, pid, 0)
+        self._pid = None
+        try:
+            kind, value = pickle.loads(raw.lstrip(_FOUND))
+        except Exception as exc:
+            why = "ended without a report"
+            if os.WIFSIGNALED(status):
+                why = f"was stopped by {signal.Signals(os.WTERMSIG(status)).name}"
+            raise VerifierFailed(f"the verifier process {why}") from exc
+        if kind != "report":
+            raise VerifierFailed(f"the verifier process failed: {value}")
+        report: VerifyReport = value
+        return report
+
+    def close(self) -> None:
+        """Stop the child if it still runs (an error in the caller) and release the pipes."""
+        if self._transport is not None:
+            self._transport.abort()
+            self._transport = None
+        for name in ("_data_fd", "_result_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(self, name, None)
+        if self._pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(self._pid, 9)
+                os.waitpid(self._pid, 0)
+            self._pid = None
+
+
+def open_verifier(
+    anchor: bytes | None, expected_events: int, signature_every: int = SIGNATURE_EVERY
+) -> BatchVerifier:
+    """A :class:`VerifierWorker` for ``expected_events`` >= :data:`WORKER_MIN_EVENTS` where
+    ``os.fork`` exists, else an :class:`InlineVerifier`."""
+    if expected_events >= WORKER_MIN_EVENTS and hasattr(os, "fork"):
+        try:
+            return VerifierWorker(anchor, signature_every)
+        except OSError:  # no process or pipe to be had (limits): verify in this one
+            pass
+    return InlineVerifier(anchor, signature_every)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _serve(data_fd: int, result_fd: int, anchor: bytes | None, signature_every: int) -> None:
+    """The child: verify the batches read from ``data_fd``; the report to ``result_fd``."""
+    with contextlib.suppress(ValueError, OSError):  # the caller's event loop is not the child's
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it with its caller
+    gc.freeze()  # the objects inherited from the caller: no collection walks them again
+    result: tuple[str, Any]
+    try:
+        verifier = Verifier(anchor, signature_every)
+        feed = verifier.feed
+        told = False
+        with open(data_fd, "rb", buffering=_PIPE_BYTES) as src, fewer_collections():
+            while len(head := src.read(4)) == 4:
+                batch = pickle.loads(src.read(int.from_bytes(head, "big")))
+                if verifier.report.finding is not None:
+                    continue  # (the caller stops soon; what follows changes nothing)
+                for seq, data, digest in batch:
+                    if feed(seq, data, digest) is not None:
+                        break
+                if verifier.report.finding is not None and not told:
+                    os.write(result_fd, _FOUND)
+                    told = True
+        result = ("report", verifier.finish())
+    except Exception as exc:
+        result = ("error", f"{type(exc).__name__}: {exc}")
+    _write_all(result_fd, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+    os.close(result_fd)
