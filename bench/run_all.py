@@ -18,6 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 BENCHES = {
     "bus": ["--events", "20000"],
+    "audit_verify": [],
     "build": [],
     "sandbox_start": ["--n", "50"],
     "egress": [],
@@ -31,6 +32,7 @@ BENCHES = {
 }
 QUICK = {
     "bus": ["--quick"],
+    "audit_verify": ["--events", "50000", "--repeat", "1"],
     "egress": ["--quick"],
     "ipc": ["--quick"],
     "sandbox_start": ["--n", "20"],
