@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
@@ -112,6 +112,8 @@ compressing (two cores) while its packs upload; level 3 saves a few percent of b
 1.5x the CPU. Any level decompresses the same way, so older packs read as before."""
 _RESTORE_BATCH = 64 << 20
 """A restore fetches the chunks of this many bytes of files at once (bounded memory)."""
+_RESTORE_SPAN = 16 << 20
+"""The largest ranged GET of a restore (one task: fetch, decompress, check, write)."""
 REPACK_BELOW = 0.5
 """GC rewrites a pack whose live (referenced) bytes fall below this fraction of it."""
 _local = threading.local()
@@ -154,9 +156,6 @@ class SnapshotStore:
         self._workers = workers
         self._pool: Executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snap")
         self._uploader: Executor = default_uploader()
-        self._writer: Executor = ThreadPoolExecutor(
-            max_workers=min(4, workers), thread_name_prefix="snap-write"
-        )
         # Hashing and compressing is CPU work: more threads than cores only fight over them.
         self._cpu_threads = max(1, min(workers, 2 * (os.cpu_count() or 1)))
         self._cpu: Executor = ThreadPoolExecutor(
@@ -227,7 +226,6 @@ class SnapshotStore:
         """Stop the worker threads."""
         self._pool.shutdown(wait=True)
         self._uploader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
         self._cpu.shutdown(wait=True)
 
     def __enter__(self) -> SnapshotStore:
@@ -394,7 +392,9 @@ class SnapshotStore:
             # Runs of neighbouring files per task: one task per file costs more than a small
             # file's hash, and neighbours land in the same pack (fewer ranged GETs later).
             for run, results in zip(
-                runs := _runs(todo, self._cpu_threads), self._cpu.map(hash_run, runs), strict=True
+                runs := _weighed_runs(todo, self._cpu_threads),
+                self._cpu.map(hash_run, runs),
+                strict=True,
             ):
                 for entry, result in zip(run, results, strict=True):
                     out[entry.path] = (entry, result)
@@ -922,15 +922,17 @@ class SnapshotStore:
     def _write_batch(
         self, manifest: SnapshotManifest, batch: list[tuple[FileEntry, str]], replace: bool
     ) -> int:
-        """Write files while their packs are read: a file is written as soon as the ranged
-        GETs holding its chunks are in (pipelined; a few writer threads, so the disk is not
-        fought over)."""
+        """Write files while their packs are read, pipelined: each ranged GET is one task that
+        decompresses and checks its chunks and then writes, in the same thread, every file
+        whose last chunk it brought (no hand-off; a file starts as soon as its bytes are in)."""
         ids_of = [manifest.chunks_of(entry) for entry, _ in batch]
         located, unknown = self._locate(
             {c for row in ids_of for c in row}, refreshed=False, pool=self._pool
         )
         chunks: dict[str, bytes] = self._fetch_chunks(unknown) if unknown else {}
-        spans = plan_reads(located.items())
+        # Spans of at most _RESTORE_SPAN: many small tasks start writing sooner and share the
+        # cores evenly; neighbours within a span still come in one GET.
+        spans = plan_reads(located.items(), limit=_RESTORE_SPAN)
         span_no = {c: i for i, span in enumerate(spans) for c, _, _ in span.chunks}
         waiting: dict[int, list[int]] = {}
         left: list[int] = []
@@ -943,8 +945,10 @@ class SnapshotStore:
             for i in needed:
                 waiting.setdefault(i, []).append(n)
         skipped: list[int] = []
+        lock = threading.Lock()
+        umask = _umask()
 
-        def write(files: list[int]) -> int:
+        def write(files: Iterable[int]) -> int:
             size = 0
             for n in files:
                 entry, target = batch[n]
@@ -952,39 +956,30 @@ class SnapshotStore:
                     skipped.append(n)  # a chunk is bad or its pack moved: after the reads
                     continue
                 data = _assemble(entry, ids_of[n], chunks) if entry.kind == "file" else b""
-                place(entry, target, data, replace=replace)
+                place(entry, target, data, replace=replace, umask=umask)
                 size += len(data)
             return size
 
-        run = max(16, len(batch) // (self._workers * 4))
-        writes: list[Future[int]] = []
-
-        def flush(final: bool) -> None:
-            while len(ready) >= run or (final and ready):
-                part = ready[:run]
-                del ready[:run]
-                writes.append(self._writer.submit(write, part))
-
         problems: dict[str, str] = {}
-        # Big spans (a full restore) are mostly decompressing and hashing: as many readers as
-        # cores. Many small ones (a rollback's scattered files) mostly wait on S3: more at once.
+
+        def fetch_and_write(i: int, span: Span) -> int:
+            self._read_span(span, chunks, problems, True)  # a missing pack: fetched again below
+            done: list[int] = []
+            with lock:
+                for n in waiting.get(i, ()):
+                    left[n] -= 1
+                    if left[n] == 0:
+                        done.append(n)
+            return write(done)
+
+        # Big spans (a full restore) are mostly decompressing, hashing and writing: as many
+        # tasks as cores. Many small ones (a rollback's scattered files) mostly wait on S3.
         span_bytes = sum(s.end - s.start for s in spans)
         small = len(spans) > self._cpu_threads and span_bytes < len(spans) * (256 << 10)
-        readers = self._pool if small else self._cpu
-        reads = {
-            readers.submit(self._read_span, span, chunks, problems, True): i
-            for i, span in enumerate(spans)
-        }
-        flush(False)
-        for done in as_completed(reads):
-            done.result()  # a missing pack leaves its chunks out: fetched again below
-            for n in waiting.get(reads[done], ()):
-                left[n] -= 1
-                if left[n] == 0:
-                    ready.append(n)
-            flush(False)
-        flush(True)
-        size = sum(w.result() for w in writes)
+        runner = self._pool if small else self._cpu
+        tasks = [runner.submit(fetch_and_write, i, span) for i, span in enumerate(spans)]
+        size = write(ready)  # links and empty files (no chunks) meanwhile
+        size += sum(t.result() for t in tasks)
         if problems:
             problem = min(problems.items())[1]
             where, _, what = problem.partition(": ")
@@ -992,7 +987,10 @@ class SnapshotStore:
         if skipped:  # chunks of packs a GC moved meanwhile: look them up again
             again = {c for n in skipped for c in ids_of[n] if c not in chunks}
             chunks.update(self._fetch_chunks(again))
-            size += write(sorted(skipped))
+            redo, skipped[:] = sorted(skipped), []
+            size += write(redo)
+            if skipped:
+                raise VerificationFailed(batch[skipped[0]][0].path, ["a chunk could not be read"])
         return size
 
     def verify_code_dir(self, name: str, directory: Path) -> CodeCheck:
@@ -1334,11 +1332,46 @@ def _assemble(entry: FileEntry, ids: Sequence[str], chunks: Mapping[str, bytes])
     return data
 
 
+def _umask() -> int | None:
+    """This process's umask, read without changing it (Linux); None when unknown."""
+    try:
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _runs(items: Sequence[_T], workers: int) -> list[Sequence[_T]]:
     """Cut ``items`` into contiguous runs, a few per worker (one task per item costs more
     than writing or hashing a small file)."""
     size = max(1, -(-len(items) // (workers * 4)))
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+_FILE_COST = 16 << 10
+"""What opening and closing a file costs, in bytes of reading, hashing and compressing."""
+
+
+def _weighed_runs(entries: Sequence[TreeEntry], workers: int) -> list[Sequence[TreeEntry]]:
+    """Cut ``entries`` into contiguous runs of about equal work (bytes plus a per-file cost),
+    a few per worker, heaviest first: big files start at once, so the packs they fill upload
+    while the many small files are still being compressed (not all at the end)."""
+    weights = [e.size + _FILE_COST for e in entries]
+    target = max(1, sum(weights) // (workers * 4))
+    runs: list[Sequence[TreeEntry]] = []
+    start = acc = 0
+    for i, weight in enumerate(weights):
+        acc += weight
+        if acc >= target:
+            runs.append(entries[start : i + 1])
+            start, acc = i + 1, 0
+    if start < len(entries):
+        runs.append(entries[start:])
+    runs.sort(key=lambda run: sum(e.size for e in run), reverse=True)
+    return runs
 
 
 def _targets(root: Path, entries: Sequence[FileEntry]) -> list[tuple[FileEntry, str]]:
