@@ -19,7 +19,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -87,14 +87,18 @@ from dsec_snapstore.manifest import (
     summary_key,
 )
 from dsec_snapstore.packs import (
+    GROUP_CHUNK_MAX,
+    GROUP_LIMIT,
     PACK_PREFIX,
     PACK_TARGET,
     IndexDoc,
     Loc,
+    Member,
     Packer,
     PackIndex,
     Span,
     default_uploader,
+    loc_of,
     plan_reads,
 )
 from dsec_snapstore.results import (
@@ -280,7 +284,7 @@ class SnapshotStore:
         packer = Packer(self.objects, self._uploader, target=self._pack_target)
         try:
             hashed, rehashed = self._hash_all(
-                entries, cache if parent else None, self._packing_sink(packer)
+                entries, cache if parent else None, _PackingSink(self.index, packer)
             )
         except BaseException:
             with contextlib.suppress(Exception):
@@ -343,18 +347,6 @@ class SnapshotStore:
     def _exists(self, name: str) -> bool:
         return self.objects.exists(manifest_key(name))
 
-    def _packing_sink(self, packer: Packer) -> ChunkSink:
-        """What a file read for a snapshot hands each chunk to: unless some pack has it
-        already (or another file of this snapshot), compress it into the open pack."""
-        index = self.index
-
-        def sink(ref: ChunkRef, data: bytes | memoryview) -> None:
-            if ref.id in index or not packer.claim(ref.id):
-                return
-            packer.add(ref.id, _compressor().compress(data))
-
-        return sink
-
     def _store_packs(self, packer: Packer) -> None:
         """Wait for the packs' uploads, then record them in a new index document (before the
         manifest that needs them is written)."""
@@ -386,7 +378,10 @@ class SnapshotStore:
                 todo.append(entry)
 
         def hash_run(run: Sequence[TreeEntry]) -> list[HashedFile]:
-            return [hash_and_chunk(f"{e.root}/{e.path}", sink) for e in run]
+            out = [hash_and_chunk(f"{e.root}/{e.path}", sink) for e in run]
+            if isinstance(sink, _PackingSink):
+                sink.flush()  # this thread's last group frame
+            return out
 
         try:
             # Runs of neighbouring files per task: one task per file costs more than a small
@@ -513,13 +508,17 @@ class SnapshotStore:
             SnapshotNotFound: no such snapshot.
             VerificationFailed: the manifest is malformed, altered, or signed by an untrusted key.
         """
+        return self._load_digest(name)[0]
+
+    def _load_digest(self, name: str) -> tuple[SnapshotManifest, str]:
+        """:meth:`load`, with the manifest's digest (its signed bytes serialized once)."""
         domain.validate_name(name)
-        manifest, problems = self._load_checked(name)
+        manifest, problems, digest = self._load_checked(name)
         if manifest is None or problems:
             raise VerificationFailed(f"snapshot {name!r}", problems)
-        return manifest
+        return manifest, digest
 
-    def _load_checked(self, name: str) -> tuple[SnapshotManifest | None, list[str]]:
+    def _load_checked(self, name: str) -> tuple[SnapshotManifest | None, list[str], str]:
         key = manifest_key(name)
         try:
             raw = self.objects.get(key)
@@ -530,19 +529,21 @@ class SnapshotStore:
         except pydantic.ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            return None, [f"manifest {key}: not a valid manifest (field {where!r}: {first['msg']})"]
-        problems = self._signature_problems(key, doc)
+            problem = f"manifest {key}: not a valid manifest (field {where!r}: {first['msg']})"
+            return None, [problem], ""
+        signed = doc.manifest.signed_bytes()
+        problems = self._signature_problems(key, doc, signed)
         if doc.manifest.name != name:
             problems.append(f"manifest {key}: records name {doc.manifest.name!r}, not {name!r}")
-        return doc.manifest, problems
+        return doc.manifest, problems, blake3.blake3(signed).hexdigest()
 
-    def _signature_problems(self, key: str, doc: SignedManifest) -> list[str]:
+    def _signature_problems(self, key: str, doc: SignedManifest, signed: bytes) -> list[str]:
         sig = doc.signature
         trusted = self._trusted.get(sig.key_id) or self._certified(sig)
         if trusted is None or trusted.hex() != sig.public_key:
             return [f"manifest {key}: signed by untrusted key {sig.key_id}"]
         try:
-            VerifyKey(trusted).verify(doc.manifest.signed_bytes(), bytes.fromhex(sig.value))
+            VerifyKey(trusted).verify(signed, bytes.fromhex(sig.value))
         except (BadSignatureError, ValueError):
             return [f"manifest {key}: signature does not match its content (altered)"]
         return []
@@ -719,14 +720,22 @@ class SnapshotStore:
             return True
         view = memoryview(body)
         decompressor = _decompressor()
-        for chunk_id, offset, length in span.chunks:
+        last = -1
+        content: bytes | None = None
+        for chunk_id, offset, length, inner, size in span.chunks:
             where = f"{span.pack}@{offset}"
-            frame = view[offset - span.start : offset - span.start + length]
-            try:
-                data = decompressor.decompress(frame)
-            except zstandard.ZstdError:
+            if offset != last:  # the chunks of a group frame come one after the other
+                last = offset
+                try:
+                    content = decompressor.decompress(
+                        view[offset - span.start : offset - span.start + length]
+                    )
+                except zstandard.ZstdError:
+                    content = None
+            if content is None:
                 problems[chunk_id] = f"{where}: chunk {chunk_id} is not a zstd frame (altered)"
                 continue
+            data = content if size < 0 else content[inner : inner + size]
             if blake3.blake3(data).hexdigest() != chunk_id:
                 problems[chunk_id] = (
                     f"{where}: chunk {chunk_id} content does not match its hash (altered)"
@@ -767,7 +776,7 @@ class SnapshotStore:
             SnapshotNotFound: no such snapshot.
         """
         domain.validate_name(name)
-        manifest, problems = self._load_checked(name)
+        manifest, problems, digest = self._load_checked(name)
         if manifest is None:
             return VerifyReport(name, None, 1, tuple(problems))
         users: dict[str, list[str]] = {}
@@ -781,7 +790,7 @@ class SnapshotStore:
         problems += self._multi_chunk_problems(manifest)
         problems += self._audit_problems(manifest)
         checked = 1 + len(users) + (1 if manifest.audit else 0)
-        return VerifyReport(name, manifest.digest(), checked, tuple(problems))
+        return VerifyReport(name, digest, checked, tuple(problems))
 
     def _multi_chunk_problems(self, manifest: SnapshotManifest) -> list[str]:
         split = [f for f in manifest.code.files if f.path in manifest.chunk_map]
@@ -851,16 +860,17 @@ class SnapshotStore:
             InvalidInput: ``dest`` is not usable.
         """
         started = time.perf_counter()
-        manifest = self.load(name)
-        dest = Path(dest).absolute()
-        if sync:
-            written, removed, size = self._sync_into(manifest, dest)
-        else:
-            written, size = self._restore_fresh(manifest, dest)
-            removed = 0
+        with _no_gc():  # thousands of short-lived records (see _no_gc)
+            manifest, digest = self._load_digest(name)
+            dest = Path(dest).absolute()
+            if sync:
+                written, removed, size = self._sync_into(manifest, dest)
+            else:
+                written, size = self._restore_fresh(manifest, dest)
+                removed = 0
         return RestoreResult(
             manifest=manifest,
-            manifest_digest=manifest.digest(),
+            manifest_digest=digest,
             dest=dest,
             files_written=written,
             files_removed=removed,
@@ -887,19 +897,36 @@ class SnapshotStore:
     def _sync_into(self, manifest: SnapshotManifest, dest: Path) -> tuple[int, int, int]:
         if not dest.is_dir():
             raise InvalidInput(f"{dest}: not a directory (rollback needs the existing code dir)")
+        cache_read = self._pool.submit(self._stat_cache, dest)  # decoded while the tree is read
         try:
             current_entries = list_tree(dest, manifest.code.exclude_patterns)
         except BundleError as exc:
             raise InvalidInput(str(exc)) from exc
-        cache = self._stat_cache(dest)
-        current, _ = self._hash_all(current_entries, cache)
+        cache = cache_read.result()
+        # Each file's hash: from the stat cache when its stat data is unchanged, else read.
+        digests: dict[str, str] = {}
+        todo: list[TreeEntry] = []
+        for entry in current_entries:
+            if entry.kind == "symlink":
+                target = os.fsencode(entry.target or "")
+                digests[entry.path] = blake3.blake3(target).hexdigest()
+            elif (digest := cache.digest(entry)) is not None:
+                digests[entry.path] = digest
+            else:
+                todo.append(entry)
+        if todo:
+            hashed, _ = self._hash_all(todo, None)
+            digests.update((path, h.blake3) for path, (_, h) in hashed.items())
+        current = {e.path: e for e in current_entries}
         wanted = manifest.code.by_path()
         stale = [
             entry
             for path, entry in wanted.items()
-            if path not in current or not _same(entry, current[path])
+            if (here := current.get(path)) is None
+            or (entry.kind, entry.blake3, entry.mode, entry.target)
+            != (here.kind, digests[path], here.mode, here.target)
         ]
-        extra = [current[p][0] for p in current if p not in wanted]
+        extra = [current[p] for p in current if p not in wanted]
         size = self._write_files(manifest, dest, stale, replace=True)
         for entry in extra:
             entry.abspath.unlink(missing_ok=True)
@@ -933,7 +960,7 @@ class SnapshotStore:
         # Spans of at most _RESTORE_SPAN: many small tasks start writing sooner and share the
         # cores evenly; neighbours within a span still come in one GET.
         spans = plan_reads(located.items(), limit=_RESTORE_SPAN)
-        span_no = {c: i for i, span in enumerate(spans) for c, _, _ in span.chunks}
+        span_no = {c: i for i, span in enumerate(spans) for c, *_ in span.chunks}
         waiting: dict[int, list[int]] = {}
         left: list[int] = []
         ready: list[int] = []
@@ -1159,7 +1186,7 @@ class SnapshotStore:
                 entries.setdefault(pack, [list(r) for r in rows])
         home: dict[str, str] = {}  # live chunk -> the one pack that keeps it
         for pack in sorted(entries, key=lambda p: (p not in packs_stored, p)):
-            for chunk_id, _, _ in entries[pack]:
+            for chunk_id, *_ in entries[pack]:
                 if chunk_id in live and pack in packs_stored:
                     home.setdefault(chunk_id, pack)
 
@@ -1174,8 +1201,8 @@ class SnapshotStore:
             info = packs_stored.get(pack)
             if info is None:
                 continue  # listed but gone: the new index leaves it out
-            total = sum(r[2] for r in rows) or 1
-            live_bytes = sum(r[2] for r in rows if home.get(r[0]) == pack)
+            homed = {r[0] for r in rows if home.get(r[0]) == pack}
+            total, live_bytes = _frame_bytes(rows, homed)
             if not old(info.last_modified) or live_bytes / total >= repack_below:
                 keep.append(pack)
                 continue
@@ -1229,10 +1256,10 @@ class SnapshotStore:
         the index that supersedes every document read, delete those; return the new packs
         and their sizes."""
         moving = [
-            (chunk_id, Loc(pack, offset, length))
+            (row[0], loc_of(pack, row))
             for pack in repack
-            for chunk_id, offset, length in entries[pack]
-            if home.get(chunk_id) == pack
+            for row in entries[pack]
+            if home.get(row[0]) == pack
         ]
         packer = Packer(self.objects, self._uploader, target=self._pack_target)
         bad: dict[str, str] = {}
@@ -1244,17 +1271,32 @@ class SnapshotStore:
                 bad[span.pack] = f"{span.pack}: missing"
                 return
             view = memoryview(body)
-            for chunk_id, offset, length in span.chunks:
+            frames: dict[tuple[int, int], list[Member]] = {}
+            for chunk_id, offset, length, inner, size in span.chunks:
+                frames.setdefault((offset, length), []).append((chunk_id, inner, size))
+            for (offset, length), members in frames.items():
                 frame = bytes(view[offset - span.start : offset - span.start + length])
                 try:
-                    data = _decompressor().decompress(frame)
+                    content = _decompressor().decompress(frame)
                 except zstandard.ZstdError:
-                    data = b""
-                if blake3.blake3(data).hexdigest() != chunk_id:
-                    bad[chunk_id] = f"{span.pack}: chunk {chunk_id} does not check"
-                    continue
-                if packer.claim(chunk_id):
-                    packer.add(chunk_id, frame)  # the frame is copied as stored: no recompression
+                    content = b""
+                kept: list[tuple[str, bytes]] = []
+                for chunk_id, inner, size in members:
+                    data = content if size < 0 else content[inner : inner + size]
+                    if blake3.blake3(data).hexdigest() != chunk_id:
+                        bad[chunk_id] = f"{span.pack}: chunk {chunk_id} does not check"
+                    elif packer.claim(chunk_id):
+                        kept.append((chunk_id, data))
+                if len(kept) == 1 and members[0][2] < 0:
+                    packer.add(kept[0][0], frame)  # copied as stored: no recompression
+                elif kept:  # a group's live chunks, compressed again without the dead ones
+                    group: list[Member] = []
+                    at = 0
+                    for chunk_id, data in kept:
+                        group.append((chunk_id, at, len(data)))
+                        at += len(data)
+                    joined = b"".join(d for _, d in kept)
+                    packer.add_group(group, _compressor().compress(joined))
 
         try:
             for _ in self._pool.map(copy, plan_reads(moving)):
@@ -1298,6 +1340,68 @@ def _no_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+class _PackingSink:
+    """What a file read for a snapshot hands each chunk to: unless some pack has it already
+    (or another file of this snapshot), compress it into the open pack. Small chunks are
+    gathered per thread and compressed together (one frame per :data:`GROUP_LIMIT` bytes);
+    each worker calls :meth:`flush` at the end of its run of files."""
+
+    def __init__(self, index: PackIndex, packer: Packer) -> None:
+        self._index = index
+        self._packer = packer
+        self._local = threading.local()
+
+    def __call__(self, ref: ChunkRef, data: bytes | memoryview) -> None:
+        if ref.id in self._index or not self._packer.claim(ref.id):
+            return
+        if ref.length > GROUP_CHUNK_MAX:
+            self._packer.add(ref.id, _compressor().compress(data))
+            return
+        group: list[tuple[str, bytes]] | None = getattr(self._local, "group", None)
+        if group is None:
+            group = self._local.group = []
+            self._local.size = 0
+        group.append((ref.id, bytes(data)))  # a small file's own bytes: no copy
+        self._local.size += ref.length
+        if self._local.size >= GROUP_LIMIT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Compress and pack this thread's open group."""
+        group: list[tuple[str, bytes]] | None = getattr(self._local, "group", None)
+        self._local.group = None
+        if not group:
+            return
+        if len(group) == 1:
+            self._packer.add(group[0][0], _compressor().compress(group[0][1]))
+            return
+        members: list[Member] = []
+        at = 0
+        for chunk_id, data in group:
+            members.append((chunk_id, at, len(data)))
+            at += len(data)
+        self._packer.add_group(members, _compressor().compress(b"".join(d for _, d in group)))
+
+
+def _frame_bytes(rows: Sequence[Sequence[Any]], live: Collection[str]) -> tuple[int, float]:
+    """Stored bytes of a pack's frames (a group frame counted once) and the share of them the
+    ``live`` chunks hold (in a group frame: in proportion to the live chunks' plain sizes)."""
+    frames: dict[int, list[Sequence[Any]]] = {}
+    for row in rows:
+        frames.setdefault(int(row[1]), []).append(row)
+    total = 0
+    alive = 0.0
+    for members in frames.values():
+        length = int(members[0][2])
+        total += length
+        if len(members[0]) == 5:
+            plain = sum(int(m[4]) for m in members) or 1
+            alive += length * sum(int(m[4]) for m in members if m[0] in live) / plain
+        elif any(m[0] in live for m in members):
+            alive += length
+    return total or 1, alive
 
 
 def _compressor() -> zstandard.ZstdCompressor:
@@ -1421,13 +1525,3 @@ def _batches(
 
 def _note(change: domain.FileChange, note: str) -> domain.FileChange:
     return domain.FileChange(change.path, change.old, change.new, None, note)
-
-
-def _same(entry: FileEntry, current: tuple[TreeEntry, HashedFile]) -> bool:
-    tree, h = current
-    return (entry.kind, entry.blake3, entry.mode, entry.target) == (
-        tree.kind,
-        h.blake3,
-        tree.mode,
-        tree.target,
-    )

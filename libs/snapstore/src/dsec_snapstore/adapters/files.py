@@ -151,6 +151,19 @@ class StatCache:
         digest, chunks = row[1], row[2]
         return HashedFile(digest, entry.size, tuple(ChunkRef(*c) for c in chunks))
 
+    def digest(self, entry: TreeEntry) -> str | None:
+        """Only the cached BLAKE3 of ``entry`` if its stat data is unchanged (no chunk list)."""
+        row = self._entries.get(entry.path)
+        if row is None or row[0] != [
+            entry.size,
+            entry.mtime_ns,
+            entry.ctime_ns,
+            entry.ino,
+            entry.dev,
+        ]:
+            return None
+        return str(row[1])
+
     def forget(self) -> None:
         """Remove the cache file (its snapshot was not stored after all)."""
         if self.path is not None:
