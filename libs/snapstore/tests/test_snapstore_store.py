@@ -241,6 +241,21 @@ def test_restore_materializes_the_tree(store: SnapshotStore, code: Path) -> None
         store.restore("s", dest)
 
 
+def test_restored_files_get_their_recorded_mode_under_any_umask(
+    store: SnapshotStore, code: Path
+) -> None:
+    store.create("s", inputs(code))
+    old = os.umask(0o077)  # files are created with their mode only when the umask keeps it
+    try:
+        store.restore("s", code.parent / "private")
+    finally:
+        os.umask(old)
+    store.restore("s", code.parent / "usual")
+    for dest in (code.parent / "private", code.parent / "usual"):
+        assert (dest / "run.sh").stat().st_mode & 0o777 == 0o755
+        assert (dest / "agent.py").stat().st_mode & 0o777 == 0o644
+
+
 def test_rollback_syncs_in_place_and_keeps_excluded_files(store: SnapshotStore, code: Path) -> None:
     store.create("good", inputs(code))
     (code / "agent.py").write_text("broken\n")

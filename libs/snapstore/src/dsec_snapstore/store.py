@@ -304,18 +304,24 @@ class SnapshotStore:
             with contextlib.suppress(Exception):
                 packer.finish()
             raise
+        # The manifest is signed and the stat cache encoded and written while the last packs
+        # upload; the cache names this snapshot, so it is removed again if the snapshot is not
+        # stored after all.
+        signing = self._pool.submit(self._signed_document, manifest)
+        saved = self._pool.submit(cache.save, name, hashed, scan_ns, rehashed if parent else None)
         try:
             self._store_packs(packer)
         except BaseException:
             if manifest.audit is not None and self.keys is not None:
                 self.keys.delete_segment_key(snapshot_id)
+            with contextlib.suppress(Exception):
+                saved.result()
+            cache.forget()
             raise
         uploaded, uploaded_bytes = packer.chunks, packer.bytes
-        # The stat cache is encoded and written while the manifest uploads; it names this
-        # snapshot, so it is removed again if the manifest cannot be stored.
-        saved = self._pool.submit(cache.save, name, hashed, scan_ns, rehashed if parent else None)
         try:
-            digest = self._write_manifest(manifest)
+            doc, digest = signing.result()
+            self.objects.put(manifest_key(manifest.name), doc)
         except BaseException:
             if manifest.audit is not None and self.keys is not None:
                 self.keys.delete_segment_key(snapshot_id)
@@ -468,7 +474,8 @@ class SnapshotStore:
             key_ref=ref,
         )
 
-    def _write_manifest(self, manifest: SnapshotManifest) -> str:
+    def _signed_document(self, manifest: SnapshotManifest) -> tuple[bytes, str]:
+        """The :class:`SignedManifest` document to store, and the manifest's digest."""
         signed_bytes = manifest.signed_bytes()
         signature = Signature(
             key_id=key_id_of(self._public),
@@ -480,8 +487,7 @@ class SnapshotStore:
         doc = (
             b'{"manifest":' + signed_bytes + b',"signature":' + signature.model_dump_json().encode()
         )
-        self.objects.put(manifest_key(manifest.name), doc + b"}")
-        return blake3.blake3(signed_bytes).hexdigest()
+        return doc + b"}", blake3.blake3(signed_bytes).hexdigest()
 
     def _write_summary(self, m: SnapshotManifest, digest: str, uploaded: int) -> None:
         summary = SnapshotSummary(
