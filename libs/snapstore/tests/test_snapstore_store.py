@@ -267,6 +267,20 @@ def test_rollback_syncs_in_place_and_keeps_excluded_files(store: SnapshotStore, 
     assert (code / ".venv" / "site.py").read_text() == "excluded"
 
 
+def test_rollback_honours_the_snapshots_own_exclude_patterns(
+    store: SnapshotStore, code: Path
+) -> None:
+    (code / "model.ckpt").write_text("weights v1")
+    store.create("good", inputs(code, exclude_patterns=("*.ckpt",)))
+    (code / "model.ckpt").write_text("weights v2")  # excluded: neither restored nor removed
+    (code / "run.ckpt").write_text("new, excluded too")
+    (code / "agent.py").write_text("broken\n")
+    result = store.restore("good", code, sync=True)
+    assert (result.files_written, result.files_removed) == (1, 0)
+    assert (code / "model.ckpt").read_text() == "weights v2" and (code / "run.ckpt").exists()
+    assert store.verify_code_dir("good", code).ok
+
+
 def test_code_check_lists_each_file_and_its_lines(store: SnapshotStore, code: Path) -> None:
     store.create("s", inputs(code))
     (code / "agent.py").write_text("import pkg\n\ndef score():\n    return 0.5\n")

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
@@ -867,10 +867,18 @@ class SnapshotStore:
         """
         started = time.perf_counter()
         with _no_gc():  # thousands of short-lived records (see _no_gc)
-            manifest, digest = self._load_digest(name)
             dest = Path(dest).absolute()
+            # A rollback reads the tree and its stat cache while the manifest is fetched and
+            # checked (listed without the snapshot's own exclude patterns, known only then: the
+            # listing is used when it has none, else the tree is listed again with them).
+            early = (
+                (self._pool.submit(list_tree, dest), self._pool.submit(self._stat_cache, dest))
+                if sync and dest.is_dir()
+                else None
+            )
+            manifest, digest = self._load_digest(name)
             if sync:
-                written, removed, size = self._sync_into(manifest, dest)
+                written, removed, size = self._sync_into(manifest, dest, early)
             else:
                 written, size = self._restore_fresh(manifest, dest)
                 removed = 0
@@ -900,12 +908,21 @@ class SnapshotStore:
             raise
         return len(manifest.code.files), size
 
-    def _sync_into(self, manifest: SnapshotManifest, dest: Path) -> tuple[int, int, int]:
-        if not dest.is_dir():
+    def _sync_into(
+        self,
+        manifest: SnapshotManifest,
+        dest: Path,
+        early: tuple[Future[list[TreeEntry]], Future[StatCache]] | None = None,
+    ) -> tuple[int, int, int]:
+        if early is None or not dest.is_dir():
             raise InvalidInput(f"{dest}: not a directory (rollback needs the existing code dir)")
-        cache_read = self._pool.submit(self._stat_cache, dest)  # decoded while the tree is read
+        listed, cache_read = early
         try:
-            current_entries = list_tree(dest, manifest.code.exclude_patterns)
+            if manifest.code.exclude_patterns:
+                listed.cancel()
+                current_entries = list_tree(dest, manifest.code.exclude_patterns)
+            else:
+                current_entries = listed.result()
         except BundleError as exc:
             raise InvalidInput(str(exc)) from exc
         cache = cache_read.result()
@@ -946,19 +963,19 @@ class SnapshotStore:
         *,
         replace: bool = False,
     ) -> int:
-        targets = _targets(root, entries)
         return sum(
-            self._write_batch(manifest, batch, replace)
-            for batch in _batches(targets, _RESTORE_BATCH)
+            self._write_batch(manifest, root, batch, replace)
+            for batch in _batches(entries, _RESTORE_BATCH)
         )
 
     def _write_batch(
-        self, manifest: SnapshotManifest, batch: list[tuple[FileEntry, str]], replace: bool
+        self, manifest: SnapshotManifest, root: Path, entries: list[FileEntry], replace: bool
     ) -> int:
         """Write files while their packs are read, pipelined: each ranged GET is one task that
         decompresses and checks its chunks and then writes, in the same thread, every file
-        whose last chunk it brought (no hand-off; a file starts as soon as its bytes are in)."""
-        ids_of = [manifest.chunks_of(entry) for entry, _ in batch]
+        whose last chunk it brought (no hand-off; a file starts as soon as its bytes are in).
+        The GETs start first; the target paths (and directories) are made meanwhile."""
+        ids_of = [manifest.chunks_of(entry) for entry in entries]
         located, unknown = self._locate(
             {c for row in ids_of for c in row}, refreshed=False, pool=self._pool
         )
@@ -966,17 +983,11 @@ class SnapshotStore:
         # Spans of at most _RESTORE_SPAN: many small tasks start writing sooner and share the
         # cores evenly; neighbours within a span still come in one GET.
         spans = plan_reads(located.items(), limit=_RESTORE_SPAN)
-        span_no = {c: i for i, span in enumerate(spans) for c, *_ in span.chunks}
+        problems: dict[str, str] = {}
+        planned = threading.Event()  # set once `batch` and `waiting` below are complete
+        batch: list[tuple[FileEntry, str]] = []
         waiting: dict[int, list[int]] = {}
         left: list[int] = []
-        ready: list[int] = []
-        for n, row in enumerate(ids_of):
-            needed = {span_no[c] for c in row if c in span_no}
-            left.append(len(needed))
-            if not needed:
-                ready.append(n)
-            for i in needed:
-                waiting.setdefault(i, []).append(n)
         skipped: list[int] = []
         lock = threading.Lock()
         umask = _umask()
@@ -993,10 +1004,11 @@ class SnapshotStore:
                 size += len(data)
             return size
 
-        problems: dict[str, str] = {}
-
         def fetch_and_write(i: int, span: Span) -> int:
             self._read_span(span, chunks, problems, True)  # a missing pack: fetched again below
+            planned.wait()
+            if len(batch) != len(entries):
+                return 0  # the targets could not be made: the restore fails
             done: list[int] = []
             with lock:
                 for n in waiting.get(i, ()):
@@ -1011,6 +1023,22 @@ class SnapshotStore:
         small = len(spans) > self._cpu_threads and span_bytes < len(spans) * (256 << 10)
         runner = self._pool if small else self._cpu
         tasks = [runner.submit(fetch_and_write, i, span) for i, span in enumerate(spans)]
+        ready: list[int] = []
+        try:
+            span_no = {c: i for i, span in enumerate(spans) for c, *_ in span.chunks}
+            for n, row in enumerate(ids_of):
+                needed = {span_no[c] for c in row if c in span_no}
+                left.append(len(needed))
+                if not needed:
+                    ready.append(n)
+                for i in needed:
+                    waiting.setdefault(i, []).append(n)
+            batch.extend(_targets(root, entries))
+        finally:
+            planned.set()
+            if len(batch) != len(entries):
+                for task in tasks:
+                    task.exception()  # let the reads end before the error propagates
         size = write(ready)  # links and empty files (no chunks) meanwhile
         size += sum(t.result() for t in tasks)
         if problems:
@@ -1513,15 +1541,13 @@ def _targets(root: Path, entries: Sequence[FileEntry]) -> list[tuple[FileEntry, 
     return out
 
 
-def _batches(
-    targets: list[tuple[FileEntry, str]], limit: int
-) -> Iterator[list[tuple[FileEntry, str]]]:
+def _batches(entries: Sequence[FileEntry], limit: int) -> Iterator[list[FileEntry]]:
     """Split files into runs of about ``limit`` bytes."""
-    batch: list[tuple[FileEntry, str]] = []
+    batch: list[FileEntry] = []
     size = 0
-    for item in targets:
+    for item in entries:
         batch.append(item)
-        size += item[0].size or 0
+        size += item.size or 0
         if size >= limit:
             yield batch
             batch, size = [], 0
