@@ -22,6 +22,7 @@ from dsec_snapstore.adapters.objectstore import ObjectInfo, ObjectMissing
 from dsec_snapstore.errors import SnapshotError, VerificationFailed
 from dsec_snapstore.manifest import GpuRecord, chunk_key
 from dsec_snapstore.packs import (
+    GROUP_CHUNK_MAX,
     PACK_INDEX_PREFIX,
     PACK_PREFIX,
     Loc,
@@ -158,7 +159,7 @@ def test_near_chunks_are_read_with_one_ranged_get_far_ones_apart() -> None:
         ("d", Loc("packs/q", 0, 10)),  # another pack
     ]
     spans = plan_reads(wanted, gap=1000, limit=1 << 20)
-    got = {(s.pack, s.start, s.end, tuple(c for c, _, _ in s.chunks)) for s in spans}
+    got = {(s.pack, s.start, s.end, tuple(c for c, *_ in s.chunks)) for s in spans}
     assert got == {
         ("packs/p", 0, 250, ("a", "b")),
         ("packs/p", 10_000, 10_100, ("c",)),
@@ -186,6 +187,27 @@ def test_a_cold_snapshot_writes_few_packs_and_restores(
     store.restore("s1", tmp_path / "out")
     assert same_tree(tree, tmp_path / "out")
     assert store.verify("s1").ok
+
+
+def test_small_files_share_group_frames_and_a_rollback_reads_one_back(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path, tmp_path: Path
+) -> None:
+    result = store.create("s", inputs(tree))
+    rows = [r for p in objects.under(PACK_PREFIX) for r in decode_trailer(objects.get(p))]
+    grouped = [r for r in rows if len(r) == 5]
+    small = {
+        f.blake3
+        for f in result.manifest.code.files
+        if f.kind == "file" and 0 < f.size <= GROUP_CHUNK_MAX
+    }
+    assert {r[0] for r in grouped} <= small and len(grouped) >= len(small) // 2
+    assert len({(r[1], r[2]) for r in grouped}) < len(grouped) / 4  # many chunks per frame
+    assert not any(len(r) == 5 for r in rows if r[0] not in small)  # big chunks: alone
+    (tree / "pkg1" / "mod1.py").write_text("CHANGED = 1\n")
+    back = store.restore("s", tree, sync=True)  # out of its group frame, checked
+    assert back.files_written == 1
+    store.restore("s", tmp_path / "out")
+    assert same_tree(tree, tmp_path / "out")
 
 
 def test_dedup_across_snapshots_and_stores_survives_packing(
@@ -216,8 +238,17 @@ def test_an_altered_pack_is_named_and_nothing_is_restored(
     body[loc.offset + loc.length - 5] ^= 0xFF
     objects.data[loc.pack] = (bytes(body), datetime.now(UTC))
     report = store.verify("s")
-    (problem,) = report.problems
-    assert entry.blake3 in problem and "pkg1/mod1.py" in problem and loc.pack in problem
+    # The altered frame (small files share a group frame) is named, with the file whose bytes
+    # no longer match; nothing else is.
+    in_frame = {
+        f.path
+        for f in result.manifest.code.files
+        if (other := store.index.lookup(f.blake3)) and other.offset == loc.offset
+    }
+    assert "pkg1/mod1.py" in in_frame and report.problems
+    for problem in report.problems:
+        assert f"{loc.pack}@{loc.offset}:" in problem
+        assert any(f"used by {path}" in problem for path in in_frame)
     with pytest.raises(VerificationFailed, match=loc.pack):
         store.restore("s", tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -270,7 +301,7 @@ def test_gc_repacks_mostly_dead_packs_and_keeps_every_live_chunk(
     assert len(objects.under(PACK_INDEX_PREFIX)) == 1  # one document supersedes the others
     stored = set()
     for pack in objects.under(PACK_PREFIX):
-        stored |= {c for c, _, _ in decode_trailer(objects.get(pack))}
+        stored |= {c for c, *_ in decode_trailer(objects.get(pack))}
     assert in_s2 <= stored and not (only_s1 & stored)
     with make_store(objects) as fresh:  # reads the new index from scratch
         assert fresh.verify("s2").ok
@@ -351,8 +382,12 @@ def test_a_snapshot_of_one_object_per_chunk_still_restores_and_is_collected_as_b
     # Rewrite it in the old layout: each chunk its own zstd object under chunks/, no packs.
     for pack in objects.under(PACK_PREFIX):
         body = objects.get(pack)
-        for chunk_id, offset, length in decode_trailer(body):
-            objects.put(chunk_key(chunk_id), body[offset : offset + length])
+        for chunk_id, offset, length, *inner in decode_trailer(body):
+            frame = body[offset : offset + length]
+            if inner:  # a chunk of a group frame: compressed alone, as it used to be
+                data = zstandard.ZstdDecompressor().decompress(frame)
+                frame = zstandard.ZstdCompressor().compress(data[inner[0] : inner[0] + inner[1]])
+            objects.put(chunk_key(chunk_id), frame)
     objects.delete_many(objects.under(PACK_PREFIX) + objects.under(PACK_INDEX_PREFIX))
     objects.put(chunk_key("0" * 64), zstandard.ZstdCompressor().compress(b"unreferenced"))
     with make_store(objects, tmp_path / "cache") as store:

@@ -143,8 +143,17 @@ def test_verify_passes_then_names_a_tampered_chunk(
     objects.put(loc.pack, bytes(body))
     report = store.verify("s")
     assert not report.ok
-    (problem,) = report.problems
-    assert tools.blake3 in problem and loc.pack in problem and "pkg/tools.py" in problem
+    # The altered frame (a group frame of small files) is named, with the file whose bytes
+    # no longer match; nothing else is.
+    in_frame = {
+        f.path
+        for f in result.manifest.code.files
+        if (other := store.index.lookup(f.blake3)) and other.offset == loc.offset
+    }
+    assert "pkg/tools.py" in in_frame and report.problems
+    for problem in report.problems:
+        assert f"{loc.pack}@{loc.offset}:" in problem
+        assert any(f"used by {path}" in problem for path in in_frame)
     with pytest.raises(VerificationFailed, match=loc.pack):
         store.restore("s", code.parent / "out")
     assert not (code.parent / "out").exists()
@@ -232,6 +241,21 @@ def test_restore_materializes_the_tree(store: SnapshotStore, code: Path) -> None
         store.restore("s", dest)
 
 
+def test_restored_files_get_their_recorded_mode_under_any_umask(
+    store: SnapshotStore, code: Path
+) -> None:
+    store.create("s", inputs(code))
+    old = os.umask(0o077)  # files are created with their mode only when the umask keeps it
+    try:
+        store.restore("s", code.parent / "private")
+    finally:
+        os.umask(old)
+    store.restore("s", code.parent / "usual")
+    for dest in (code.parent / "private", code.parent / "usual"):
+        assert (dest / "run.sh").stat().st_mode & 0o777 == 0o755
+        assert (dest / "agent.py").stat().st_mode & 0o777 == 0o644
+
+
 def test_rollback_syncs_in_place_and_keeps_excluded_files(store: SnapshotStore, code: Path) -> None:
     store.create("good", inputs(code))
     (code / "agent.py").write_text("broken\n")
@@ -241,6 +265,20 @@ def test_rollback_syncs_in_place_and_keeps_excluded_files(store: SnapshotStore, 
     assert (result.files_written, result.files_removed) == (2, 1)
     assert store.verify_code_dir("good", code).ok
     assert (code / ".venv" / "site.py").read_text() == "excluded"
+
+
+def test_rollback_honours_the_snapshots_own_exclude_patterns(
+    store: SnapshotStore, code: Path
+) -> None:
+    (code / "model.ckpt").write_text("weights v1")
+    store.create("good", inputs(code, exclude_patterns=("*.ckpt",)))
+    (code / "model.ckpt").write_text("weights v2")  # excluded: neither restored nor removed
+    (code / "run.ckpt").write_text("new, excluded too")
+    (code / "agent.py").write_text("broken\n")
+    result = store.restore("good", code, sync=True)
+    assert (result.files_written, result.files_removed) == (1, 0)
+    assert (code / "model.ckpt").read_text() == "weights v2" and (code / "run.ckpt").exists()
+    assert store.verify_code_dir("good", code).ok
 
 
 def test_code_check_lists_each_file_and_its_lines(store: SnapshotStore, code: Path) -> None:

@@ -19,8 +19,8 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
@@ -87,14 +87,18 @@ from dsec_snapstore.manifest import (
     summary_key,
 )
 from dsec_snapstore.packs import (
+    GROUP_CHUNK_MAX,
+    GROUP_LIMIT,
     PACK_PREFIX,
     PACK_TARGET,
     IndexDoc,
     Loc,
+    Member,
     Packer,
     PackIndex,
     Span,
     default_uploader,
+    loc_of,
     plan_reads,
 )
 from dsec_snapstore.results import (
@@ -112,6 +116,8 @@ compressing (two cores) while its packs upload; level 3 saves a few percent of b
 1.5x the CPU. Any level decompresses the same way, so older packs read as before."""
 _RESTORE_BATCH = 64 << 20
 """A restore fetches the chunks of this many bytes of files at once (bounded memory)."""
+_RESTORE_SPAN = 16 << 20
+"""The largest ranged GET of a restore (one task: fetch, decompress, check, write)."""
 REPACK_BELOW = 0.5
 """GC rewrites a pack whose live (referenced) bytes fall below this fraction of it."""
 _local = threading.local()
@@ -154,9 +160,6 @@ class SnapshotStore:
         self._workers = workers
         self._pool: Executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snap")
         self._uploader: Executor = default_uploader()
-        self._writer: Executor = ThreadPoolExecutor(
-            max_workers=min(4, workers), thread_name_prefix="snap-write"
-        )
         # Hashing and compressing is CPU work: more threads than cores only fight over them.
         self._cpu_threads = max(1, min(workers, 2 * (os.cpu_count() or 1)))
         self._cpu: Executor = ThreadPoolExecutor(
@@ -227,7 +230,6 @@ class SnapshotStore:
         """Stop the worker threads."""
         self._pool.shutdown(wait=True)
         self._uploader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
         self._cpu.shutdown(wait=True)
 
     def __enter__(self) -> SnapshotStore:
@@ -282,7 +284,7 @@ class SnapshotStore:
         packer = Packer(self.objects, self._uploader, target=self._pack_target)
         try:
             hashed, rehashed = self._hash_all(
-                entries, cache if parent else None, self._packing_sink(packer)
+                entries, cache if parent else None, _PackingSink(self.index, packer)
             )
         except BaseException:
             with contextlib.suppress(Exception):
@@ -302,18 +304,24 @@ class SnapshotStore:
             with contextlib.suppress(Exception):
                 packer.finish()
             raise
+        # The manifest is signed and the stat cache encoded and written while the last packs
+        # upload; the cache names this snapshot, so it is removed again if the snapshot is not
+        # stored after all.
+        signing = self._pool.submit(self._signed_document, manifest)
+        saved = self._pool.submit(cache.save, name, hashed, scan_ns, rehashed if parent else None)
         try:
             self._store_packs(packer)
         except BaseException:
             if manifest.audit is not None and self.keys is not None:
                 self.keys.delete_segment_key(snapshot_id)
+            with contextlib.suppress(Exception):
+                saved.result()
+            cache.forget()
             raise
         uploaded, uploaded_bytes = packer.chunks, packer.bytes
-        # The stat cache is encoded and written while the manifest uploads; it names this
-        # snapshot, so it is removed again if the manifest cannot be stored.
-        saved = self._pool.submit(cache.save, name, hashed, scan_ns, rehashed if parent else None)
         try:
-            digest = self._write_manifest(manifest)
+            doc, digest = signing.result()
+            self.objects.put(manifest_key(manifest.name), doc)
         except BaseException:
             if manifest.audit is not None and self.keys is not None:
                 self.keys.delete_segment_key(snapshot_id)
@@ -344,18 +352,6 @@ class SnapshotStore:
 
     def _exists(self, name: str) -> bool:
         return self.objects.exists(manifest_key(name))
-
-    def _packing_sink(self, packer: Packer) -> ChunkSink:
-        """What a file read for a snapshot hands each chunk to: unless some pack has it
-        already (or another file of this snapshot), compress it into the open pack."""
-        index = self.index
-
-        def sink(ref: ChunkRef, data: bytes | memoryview) -> None:
-            if ref.id in index or not packer.claim(ref.id):
-                return
-            packer.add(ref.id, _compressor().compress(data))
-
-        return sink
 
     def _store_packs(self, packer: Packer) -> None:
         """Wait for the packs' uploads, then record them in a new index document (before the
@@ -388,13 +384,18 @@ class SnapshotStore:
                 todo.append(entry)
 
         def hash_run(run: Sequence[TreeEntry]) -> list[HashedFile]:
-            return [hash_and_chunk(f"{e.root}/{e.path}", sink) for e in run]
+            out = [hash_and_chunk(f"{e.root}/{e.path}", sink) for e in run]
+            if isinstance(sink, _PackingSink):
+                sink.flush()  # this thread's last group frame
+            return out
 
         try:
             # Runs of neighbouring files per task: one task per file costs more than a small
             # file's hash, and neighbours land in the same pack (fewer ranged GETs later).
             for run, results in zip(
-                runs := _runs(todo, self._cpu_threads), self._cpu.map(hash_run, runs), strict=True
+                runs := _weighed_runs(todo, self._cpu_threads),
+                self._cpu.map(hash_run, runs),
+                strict=True,
             ):
                 for entry, result in zip(run, results, strict=True):
                     out[entry.path] = (entry, result)
@@ -473,7 +474,8 @@ class SnapshotStore:
             key_ref=ref,
         )
 
-    def _write_manifest(self, manifest: SnapshotManifest) -> str:
+    def _signed_document(self, manifest: SnapshotManifest) -> tuple[bytes, str]:
+        """The :class:`SignedManifest` document to store, and the manifest's digest."""
         signed_bytes = manifest.signed_bytes()
         signature = Signature(
             key_id=key_id_of(self._public),
@@ -485,8 +487,7 @@ class SnapshotStore:
         doc = (
             b'{"manifest":' + signed_bytes + b',"signature":' + signature.model_dump_json().encode()
         )
-        self.objects.put(manifest_key(manifest.name), doc + b"}")
-        return blake3.blake3(signed_bytes).hexdigest()
+        return doc + b"}", blake3.blake3(signed_bytes).hexdigest()
 
     def _write_summary(self, m: SnapshotManifest, digest: str, uploaded: int) -> None:
         summary = SnapshotSummary(
@@ -513,13 +514,17 @@ class SnapshotStore:
             SnapshotNotFound: no such snapshot.
             VerificationFailed: the manifest is malformed, altered, or signed by an untrusted key.
         """
+        return self._load_digest(name)[0]
+
+    def _load_digest(self, name: str) -> tuple[SnapshotManifest, str]:
+        """:meth:`load`, with the manifest's digest (its signed bytes serialized once)."""
         domain.validate_name(name)
-        manifest, problems = self._load_checked(name)
+        manifest, problems, digest = self._load_checked(name)
         if manifest is None or problems:
             raise VerificationFailed(f"snapshot {name!r}", problems)
-        return manifest
+        return manifest, digest
 
-    def _load_checked(self, name: str) -> tuple[SnapshotManifest | None, list[str]]:
+    def _load_checked(self, name: str) -> tuple[SnapshotManifest | None, list[str], str]:
         key = manifest_key(name)
         try:
             raw = self.objects.get(key)
@@ -530,19 +535,21 @@ class SnapshotStore:
         except pydantic.ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
-            return None, [f"manifest {key}: not a valid manifest (field {where!r}: {first['msg']})"]
-        problems = self._signature_problems(key, doc)
+            problem = f"manifest {key}: not a valid manifest (field {where!r}: {first['msg']})"
+            return None, [problem], ""
+        signed = doc.manifest.signed_bytes()
+        problems = self._signature_problems(key, doc, signed)
         if doc.manifest.name != name:
             problems.append(f"manifest {key}: records name {doc.manifest.name!r}, not {name!r}")
-        return doc.manifest, problems
+        return doc.manifest, problems, blake3.blake3(signed).hexdigest()
 
-    def _signature_problems(self, key: str, doc: SignedManifest) -> list[str]:
+    def _signature_problems(self, key: str, doc: SignedManifest, signed: bytes) -> list[str]:
         sig = doc.signature
         trusted = self._trusted.get(sig.key_id) or self._certified(sig)
         if trusted is None or trusted.hex() != sig.public_key:
             return [f"manifest {key}: signed by untrusted key {sig.key_id}"]
         try:
-            VerifyKey(trusted).verify(doc.manifest.signed_bytes(), bytes.fromhex(sig.value))
+            VerifyKey(trusted).verify(signed, bytes.fromhex(sig.value))
         except (BadSignatureError, ValueError):
             return [f"manifest {key}: signature does not match its content (altered)"]
         return []
@@ -719,14 +726,22 @@ class SnapshotStore:
             return True
         view = memoryview(body)
         decompressor = _decompressor()
-        for chunk_id, offset, length in span.chunks:
+        last = -1
+        content: bytes | None = None
+        for chunk_id, offset, length, inner, size in span.chunks:
             where = f"{span.pack}@{offset}"
-            frame = view[offset - span.start : offset - span.start + length]
-            try:
-                data = decompressor.decompress(frame)
-            except zstandard.ZstdError:
+            if offset != last:  # the chunks of a group frame come one after the other
+                last = offset
+                try:
+                    content = decompressor.decompress(
+                        view[offset - span.start : offset - span.start + length]
+                    )
+                except zstandard.ZstdError:
+                    content = None
+            if content is None:
                 problems[chunk_id] = f"{where}: chunk {chunk_id} is not a zstd frame (altered)"
                 continue
+            data = content if size < 0 else content[inner : inner + size]
             if blake3.blake3(data).hexdigest() != chunk_id:
                 problems[chunk_id] = (
                     f"{where}: chunk {chunk_id} content does not match its hash (altered)"
@@ -767,7 +782,7 @@ class SnapshotStore:
             SnapshotNotFound: no such snapshot.
         """
         domain.validate_name(name)
-        manifest, problems = self._load_checked(name)
+        manifest, problems, digest = self._load_checked(name)
         if manifest is None:
             return VerifyReport(name, None, 1, tuple(problems))
         users: dict[str, list[str]] = {}
@@ -781,7 +796,7 @@ class SnapshotStore:
         problems += self._multi_chunk_problems(manifest)
         problems += self._audit_problems(manifest)
         checked = 1 + len(users) + (1 if manifest.audit else 0)
-        return VerifyReport(name, manifest.digest(), checked, tuple(problems))
+        return VerifyReport(name, digest, checked, tuple(problems))
 
     def _multi_chunk_problems(self, manifest: SnapshotManifest) -> list[str]:
         split = [f for f in manifest.code.files if f.path in manifest.chunk_map]
@@ -851,16 +866,25 @@ class SnapshotStore:
             InvalidInput: ``dest`` is not usable.
         """
         started = time.perf_counter()
-        manifest = self.load(name)
-        dest = Path(dest).absolute()
-        if sync:
-            written, removed, size = self._sync_into(manifest, dest)
-        else:
-            written, size = self._restore_fresh(manifest, dest)
-            removed = 0
+        with _no_gc():  # thousands of short-lived records (see _no_gc)
+            dest = Path(dest).absolute()
+            # A rollback reads the tree and its stat cache while the manifest is fetched and
+            # checked (listed without the snapshot's own exclude patterns, known only then: the
+            # listing is used when it has none, else the tree is listed again with them).
+            early = (
+                (self._pool.submit(list_tree, dest), self._pool.submit(self._stat_cache, dest))
+                if sync and dest.is_dir()
+                else None
+            )
+            manifest, digest = self._load_digest(name)
+            if sync:
+                written, removed, size = self._sync_into(manifest, dest, early)
+            else:
+                written, size = self._restore_fresh(manifest, dest)
+                removed = 0
         return RestoreResult(
             manifest=manifest,
-            manifest_digest=manifest.digest(),
+            manifest_digest=digest,
             dest=dest,
             files_written=written,
             files_removed=removed,
@@ -884,22 +908,48 @@ class SnapshotStore:
             raise
         return len(manifest.code.files), size
 
-    def _sync_into(self, manifest: SnapshotManifest, dest: Path) -> tuple[int, int, int]:
-        if not dest.is_dir():
+    def _sync_into(
+        self,
+        manifest: SnapshotManifest,
+        dest: Path,
+        early: tuple[Future[list[TreeEntry]], Future[StatCache]] | None = None,
+    ) -> tuple[int, int, int]:
+        if early is None or not dest.is_dir():
             raise InvalidInput(f"{dest}: not a directory (rollback needs the existing code dir)")
+        listed, cache_read = early
         try:
-            current_entries = list_tree(dest, manifest.code.exclude_patterns)
+            if manifest.code.exclude_patterns:
+                listed.cancel()
+                current_entries = list_tree(dest, manifest.code.exclude_patterns)
+            else:
+                current_entries = listed.result()
         except BundleError as exc:
             raise InvalidInput(str(exc)) from exc
-        cache = self._stat_cache(dest)
-        current, _ = self._hash_all(current_entries, cache)
+        cache = cache_read.result()
+        # Each file's hash: from the stat cache when its stat data is unchanged, else read.
+        digests: dict[str, str] = {}
+        todo: list[TreeEntry] = []
+        for entry in current_entries:
+            if entry.kind == "symlink":
+                target = os.fsencode(entry.target or "")
+                digests[entry.path] = blake3.blake3(target).hexdigest()
+            elif (digest := cache.digest(entry)) is not None:
+                digests[entry.path] = digest
+            else:
+                todo.append(entry)
+        if todo:
+            hashed, _ = self._hash_all(todo, None)
+            digests.update((path, h.blake3) for path, (_, h) in hashed.items())
+        current = {e.path: e for e in current_entries}
         wanted = manifest.code.by_path()
         stale = [
             entry
             for path, entry in wanted.items()
-            if path not in current or not _same(entry, current[path])
+            if (here := current.get(path)) is None
+            or (entry.kind, entry.blake3, entry.mode, entry.target)
+            != (here.kind, digests[path], here.mode, here.target)
         ]
-        extra = [current[p][0] for p in current if p not in wanted]
+        extra = [current[p] for p in current if p not in wanted]
         size = self._write_files(manifest, dest, stale, replace=True)
         for entry in extra:
             entry.abspath.unlink(missing_ok=True)
@@ -913,38 +963,36 @@ class SnapshotStore:
         *,
         replace: bool = False,
     ) -> int:
-        targets = _targets(root, entries)
         return sum(
-            self._write_batch(manifest, batch, replace)
-            for batch in _batches(targets, _RESTORE_BATCH)
+            self._write_batch(manifest, root, batch, replace)
+            for batch in _batches(entries, _RESTORE_BATCH)
         )
 
     def _write_batch(
-        self, manifest: SnapshotManifest, batch: list[tuple[FileEntry, str]], replace: bool
+        self, manifest: SnapshotManifest, root: Path, entries: list[FileEntry], replace: bool
     ) -> int:
-        """Write files while their packs are read: a file is written as soon as the ranged
-        GETs holding its chunks are in (pipelined; a few writer threads, so the disk is not
-        fought over)."""
-        ids_of = [manifest.chunks_of(entry) for entry, _ in batch]
+        """Write files while their packs are read, pipelined: each ranged GET is one task that
+        decompresses and checks its chunks and then writes, in the same thread, every file
+        whose last chunk it brought (no hand-off; a file starts as soon as its bytes are in).
+        The GETs start first; the target paths (and directories) are made meanwhile."""
+        ids_of = [manifest.chunks_of(entry) for entry in entries]
         located, unknown = self._locate(
             {c for row in ids_of for c in row}, refreshed=False, pool=self._pool
         )
         chunks: dict[str, bytes] = self._fetch_chunks(unknown) if unknown else {}
-        spans = plan_reads(located.items())
-        span_no = {c: i for i, span in enumerate(spans) for c, _, _ in span.chunks}
+        # Spans of at most _RESTORE_SPAN: many small tasks start writing sooner and share the
+        # cores evenly; neighbours within a span still come in one GET.
+        spans = plan_reads(located.items(), limit=_RESTORE_SPAN)
+        problems: dict[str, str] = {}
+        planned = threading.Event()  # set once `batch` and `waiting` below are complete
+        batch: list[tuple[FileEntry, str]] = []
         waiting: dict[int, list[int]] = {}
         left: list[int] = []
-        ready: list[int] = []
-        for n, row in enumerate(ids_of):
-            needed = {span_no[c] for c in row if c in span_no}
-            left.append(len(needed))
-            if not needed:
-                ready.append(n)
-            for i in needed:
-                waiting.setdefault(i, []).append(n)
         skipped: list[int] = []
+        lock = threading.Lock()
+        umask = _umask()
 
-        def write(files: list[int]) -> int:
+        def write(files: Iterable[int]) -> int:
             size = 0
             for n in files:
                 entry, target = batch[n]
@@ -952,39 +1000,47 @@ class SnapshotStore:
                     skipped.append(n)  # a chunk is bad or its pack moved: after the reads
                     continue
                 data = _assemble(entry, ids_of[n], chunks) if entry.kind == "file" else b""
-                place(entry, target, data, replace=replace)
+                place(entry, target, data, replace=replace, umask=umask)
                 size += len(data)
             return size
 
-        run = max(16, len(batch) // (self._workers * 4))
-        writes: list[Future[int]] = []
+        def fetch_and_write(i: int, span: Span) -> int:
+            self._read_span(span, chunks, problems, True)  # a missing pack: fetched again below
+            planned.wait()
+            if len(batch) != len(entries):
+                return 0  # the targets could not be made: the restore fails
+            done: list[int] = []
+            with lock:
+                for n in waiting.get(i, ()):
+                    left[n] -= 1
+                    if left[n] == 0:
+                        done.append(n)
+            return write(done)
 
-        def flush(final: bool) -> None:
-            while len(ready) >= run or (final and ready):
-                part = ready[:run]
-                del ready[:run]
-                writes.append(self._writer.submit(write, part))
-
-        problems: dict[str, str] = {}
-        # Big spans (a full restore) are mostly decompressing and hashing: as many readers as
-        # cores. Many small ones (a rollback's scattered files) mostly wait on S3: more at once.
+        # Big spans (a full restore) are mostly decompressing, hashing and writing: as many
+        # tasks as cores. Many small ones (a rollback's scattered files) mostly wait on S3.
         span_bytes = sum(s.end - s.start for s in spans)
         small = len(spans) > self._cpu_threads and span_bytes < len(spans) * (256 << 10)
-        readers = self._pool if small else self._cpu
-        reads = {
-            readers.submit(self._read_span, span, chunks, problems, True): i
-            for i, span in enumerate(spans)
-        }
-        flush(False)
-        for done in as_completed(reads):
-            done.result()  # a missing pack leaves its chunks out: fetched again below
-            for n in waiting.get(reads[done], ()):
-                left[n] -= 1
-                if left[n] == 0:
+        runner = self._pool if small else self._cpu
+        tasks = [runner.submit(fetch_and_write, i, span) for i, span in enumerate(spans)]
+        ready: list[int] = []
+        try:
+            span_no = {c: i for i, span in enumerate(spans) for c, *_ in span.chunks}
+            for n, row in enumerate(ids_of):
+                needed = {span_no[c] for c in row if c in span_no}
+                left.append(len(needed))
+                if not needed:
                     ready.append(n)
-            flush(False)
-        flush(True)
-        size = sum(w.result() for w in writes)
+                for i in needed:
+                    waiting.setdefault(i, []).append(n)
+            batch.extend(_targets(root, entries))
+        finally:
+            planned.set()
+            if len(batch) != len(entries):
+                for task in tasks:
+                    task.exception()  # let the reads end before the error propagates
+        size = write(ready)  # links and empty files (no chunks) meanwhile
+        size += sum(t.result() for t in tasks)
         if problems:
             problem = min(problems.items())[1]
             where, _, what = problem.partition(": ")
@@ -992,7 +1048,10 @@ class SnapshotStore:
         if skipped:  # chunks of packs a GC moved meanwhile: look them up again
             again = {c for n in skipped for c in ids_of[n] if c not in chunks}
             chunks.update(self._fetch_chunks(again))
-            size += write(sorted(skipped))
+            redo, skipped[:] = sorted(skipped), []
+            size += write(redo)
+            if skipped:
+                raise VerificationFailed(batch[skipped[0]][0].path, ["a chunk could not be read"])
         return size
 
     def verify_code_dir(self, name: str, directory: Path) -> CodeCheck:
@@ -1161,7 +1220,7 @@ class SnapshotStore:
                 entries.setdefault(pack, [list(r) for r in rows])
         home: dict[str, str] = {}  # live chunk -> the one pack that keeps it
         for pack in sorted(entries, key=lambda p: (p not in packs_stored, p)):
-            for chunk_id, _, _ in entries[pack]:
+            for chunk_id, *_ in entries[pack]:
                 if chunk_id in live and pack in packs_stored:
                     home.setdefault(chunk_id, pack)
 
@@ -1176,8 +1235,8 @@ class SnapshotStore:
             info = packs_stored.get(pack)
             if info is None:
                 continue  # listed but gone: the new index leaves it out
-            total = sum(r[2] for r in rows) or 1
-            live_bytes = sum(r[2] for r in rows if home.get(r[0]) == pack)
+            homed = {r[0] for r in rows if home.get(r[0]) == pack}
+            total, live_bytes = _frame_bytes(rows, homed)
             if not old(info.last_modified) or live_bytes / total >= repack_below:
                 keep.append(pack)
                 continue
@@ -1231,10 +1290,10 @@ class SnapshotStore:
         the index that supersedes every document read, delete those; return the new packs
         and their sizes."""
         moving = [
-            (chunk_id, Loc(pack, offset, length))
+            (row[0], loc_of(pack, row))
             for pack in repack
-            for chunk_id, offset, length in entries[pack]
-            if home.get(chunk_id) == pack
+            for row in entries[pack]
+            if home.get(row[0]) == pack
         ]
         packer = Packer(self.objects, self._uploader, target=self._pack_target)
         bad: dict[str, str] = {}
@@ -1246,17 +1305,32 @@ class SnapshotStore:
                 bad[span.pack] = f"{span.pack}: missing"
                 return
             view = memoryview(body)
-            for chunk_id, offset, length in span.chunks:
+            frames: dict[tuple[int, int], list[Member]] = {}
+            for chunk_id, offset, length, inner, size in span.chunks:
+                frames.setdefault((offset, length), []).append((chunk_id, inner, size))
+            for (offset, length), members in frames.items():
                 frame = bytes(view[offset - span.start : offset - span.start + length])
                 try:
-                    data = _decompressor().decompress(frame)
+                    content = _decompressor().decompress(frame)
                 except zstandard.ZstdError:
-                    data = b""
-                if blake3.blake3(data).hexdigest() != chunk_id:
-                    bad[chunk_id] = f"{span.pack}: chunk {chunk_id} does not check"
-                    continue
-                if packer.claim(chunk_id):
-                    packer.add(chunk_id, frame)  # the frame is copied as stored: no recompression
+                    content = b""
+                kept: list[tuple[str, bytes]] = []
+                for chunk_id, inner, size in members:
+                    data = content if size < 0 else content[inner : inner + size]
+                    if blake3.blake3(data).hexdigest() != chunk_id:
+                        bad[chunk_id] = f"{span.pack}: chunk {chunk_id} does not check"
+                    elif packer.claim(chunk_id):
+                        kept.append((chunk_id, data))
+                if len(kept) == 1 and members[0][2] < 0:
+                    packer.add(kept[0][0], frame)  # copied as stored: no recompression
+                elif kept:  # a group's live chunks, compressed again without the dead ones
+                    group: list[Member] = []
+                    at = 0
+                    for chunk_id, data in kept:
+                        group.append((chunk_id, at, len(data)))
+                        at += len(data)
+                    joined = b"".join(d for _, d in kept)
+                    packer.add_group(group, _compressor().compress(joined))
 
         try:
             for _ in self._pool.map(copy, plan_reads(moving)):
@@ -1302,6 +1376,68 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
+class _PackingSink:
+    """What a file read for a snapshot hands each chunk to: unless some pack has it already
+    (or another file of this snapshot), compress it into the open pack. Small chunks are
+    gathered per thread and compressed together (one frame per :data:`GROUP_LIMIT` bytes);
+    each worker calls :meth:`flush` at the end of its run of files."""
+
+    def __init__(self, index: PackIndex, packer: Packer) -> None:
+        self._index = index
+        self._packer = packer
+        self._local = threading.local()
+
+    def __call__(self, ref: ChunkRef, data: bytes | memoryview) -> None:
+        if ref.id in self._index or not self._packer.claim(ref.id):
+            return
+        if ref.length > GROUP_CHUNK_MAX:
+            self._packer.add(ref.id, _compressor().compress(data))
+            return
+        group: list[tuple[str, bytes]] | None = getattr(self._local, "group", None)
+        if group is None:
+            group = self._local.group = []
+            self._local.size = 0
+        group.append((ref.id, bytes(data)))  # a small file's own bytes: no copy
+        self._local.size += ref.length
+        if self._local.size >= GROUP_LIMIT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Compress and pack this thread's open group."""
+        group: list[tuple[str, bytes]] | None = getattr(self._local, "group", None)
+        self._local.group = None
+        if not group:
+            return
+        if len(group) == 1:
+            self._packer.add(group[0][0], _compressor().compress(group[0][1]))
+            return
+        members: list[Member] = []
+        at = 0
+        for chunk_id, data in group:
+            members.append((chunk_id, at, len(data)))
+            at += len(data)
+        self._packer.add_group(members, _compressor().compress(b"".join(d for _, d in group)))
+
+
+def _frame_bytes(rows: Sequence[Sequence[Any]], live: Collection[str]) -> tuple[int, float]:
+    """Stored bytes of a pack's frames (a group frame counted once) and the share of them the
+    ``live`` chunks hold (in a group frame: in proportion to the live chunks' plain sizes)."""
+    frames: dict[int, list[Sequence[Any]]] = {}
+    for row in rows:
+        frames.setdefault(int(row[1]), []).append(row)
+    total = 0
+    alive = 0.0
+    for members in frames.values():
+        length = int(members[0][2])
+        total += length
+        if len(members[0]) == 5:
+            plain = sum(int(m[4]) for m in members) or 1
+            alive += length * sum(int(m[4]) for m in members if m[0] in live) / plain
+        elif any(m[0] in live for m in members):
+            alive += length
+    return total or 1, alive
+
+
 def _compressor() -> zstandard.ZstdCompressor:
     """This thread's zstd compressor (one is not safe to share between threads)."""
     comp = getattr(_local, "comp", None)
@@ -1334,11 +1470,46 @@ def _assemble(entry: FileEntry, ids: Sequence[str], chunks: Mapping[str, bytes])
     return data
 
 
+def _umask() -> int | None:
+    """This process's umask, read without changing it (Linux); None when unknown."""
+    try:
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _runs(items: Sequence[_T], workers: int) -> list[Sequence[_T]]:
     """Cut ``items`` into contiguous runs, a few per worker (one task per item costs more
     than writing or hashing a small file)."""
     size = max(1, -(-len(items) // (workers * 4)))
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+_FILE_COST = 16 << 10
+"""What opening and closing a file costs, in bytes of reading, hashing and compressing."""
+
+
+def _weighed_runs(entries: Sequence[TreeEntry], workers: int) -> list[Sequence[TreeEntry]]:
+    """Cut ``entries`` into contiguous runs of about equal work (bytes plus a per-file cost),
+    a few per worker, heaviest first: big files start at once, so the packs they fill upload
+    while the many small files are still being compressed (not all at the end)."""
+    weights = [e.size + _FILE_COST for e in entries]
+    target = max(1, sum(weights) // (workers * 4))
+    runs: list[Sequence[TreeEntry]] = []
+    start = acc = 0
+    for i, weight in enumerate(weights):
+        acc += weight
+        if acc >= target:
+            runs.append(entries[start : i + 1])
+            start, acc = i + 1, 0
+    if start < len(entries):
+        runs.append(entries[start:])
+    runs.sort(key=lambda run: sum(e.size for e in run), reverse=True)
+    return runs
 
 
 def _targets(root: Path, entries: Sequence[FileEntry]) -> list[tuple[FileEntry, str]]:
@@ -1370,15 +1541,13 @@ def _targets(root: Path, entries: Sequence[FileEntry]) -> list[tuple[FileEntry, 
     return out
 
 
-def _batches(
-    targets: list[tuple[FileEntry, str]], limit: int
-) -> Iterator[list[tuple[FileEntry, str]]]:
+def _batches(entries: Sequence[FileEntry], limit: int) -> Iterator[list[FileEntry]]:
     """Split files into runs of about ``limit`` bytes."""
-    batch: list[tuple[FileEntry, str]] = []
+    batch: list[FileEntry] = []
     size = 0
-    for item in targets:
+    for item in entries:
         batch.append(item)
-        size += item[0].size or 0
+        size += item.size or 0
         if size >= limit:
             yield batch
             batch, size = [], 0
@@ -1388,13 +1557,3 @@ def _batches(
 
 def _note(change: domain.FileChange, note: str) -> domain.FileChange:
     return domain.FileChange(change.path, change.old, change.new, None, note)
-
-
-def _same(entry: FileEntry, current: tuple[TreeEntry, HashedFile]) -> bool:
-    tree, h = current
-    return (entry.kind, entry.blake3, entry.mode, entry.target) == (
-        tree.kind,
-        h.blake3,
-        tree.mode,
-        tree.target,
-    )

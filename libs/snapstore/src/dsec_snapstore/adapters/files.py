@@ -84,20 +84,27 @@ def _chunk_large(view: mmap.mmap, size: int, on_chunk: ChunkSink | None) -> Hash
     )
     # Each chunk is copied out of the mapping once, then hashed, added to the file's hash and
     # handed on: what is stored is exactly what was hashed, even if the file changes meanwhile.
-    whole = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    # One thread per file (files are hashed in parallel already: more threads only contend),
+    # and a file that is one chunk is hashed once (its chunk id is the file's hash).
+    whole = blake3.blake3()
+    only: str | None = None
     chunks: list[ChunkRef] = []
     end = 0
     for c in cuts:
         part = view[c.offset : c.offset + c.length]
-        whole.update(part)
-        ref = ChunkRef(blake3.blake3(part).hexdigest(), c.offset, c.length)
+        digest = blake3.blake3(part).hexdigest()
+        if c.offset == 0 and c.length == size:
+            only = digest
+        else:
+            whole.update(part)
+        ref = ChunkRef(digest, c.offset, c.length)
         if on_chunk is not None:
             on_chunk(ref, part)
         chunks.append(ref)
         end = c.offset + c.length
     if end != size:
         raise FileChanged("chunks do not cover the file")
-    return HashedFile(whole.hexdigest(), size, tuple(chunks))
+    return HashedFile(only or whole.hexdigest(), size, tuple(chunks))
 
 
 def read_chunk(path: Path, ref: ChunkRef) -> bytes:
@@ -150,6 +157,19 @@ class StatCache:
             return None
         digest, chunks = row[1], row[2]
         return HashedFile(digest, entry.size, tuple(ChunkRef(*c) for c in chunks))
+
+    def digest(self, entry: TreeEntry) -> str | None:
+        """Only the cached BLAKE3 of ``entry`` if its stat data is unchanged (no chunk list)."""
+        row = self._entries.get(entry.path)
+        if row is None or row[0] != [
+            entry.size,
+            entry.mtime_ns,
+            entry.ctime_ns,
+            entry.ino,
+            entry.dev,
+        ]:
+            return None
+        return str(row[1])
 
     def forget(self) -> None:
         """Remove the cache file (its snapshot was not stored after all)."""

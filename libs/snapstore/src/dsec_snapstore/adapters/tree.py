@@ -34,8 +34,14 @@ def real_parent(root: Path, rel_text: str, checked: set[PurePosixPath]) -> Path:
         raise InvalidInput(f"{root / rel}: {exc}") from None
 
 
-def place(entry: FileEntry, target: str | Path, data: bytes, *, replace: bool) -> None:
-    """Write one file or link; with ``replace`` via a temporary name and an atomic rename."""
+def place(
+    entry: FileEntry, target: str | Path, data: bytes, *, replace: bool, umask: int | None = None
+) -> None:
+    """Write one file or link; with ``replace`` via a temporary name and an atomic rename.
+
+    ``umask``: the process's umask when known; a file whose mode it leaves intact is created
+    with that mode (no ``fchmod``), else it is created private and given its mode after.
+    """
     target = os.fspath(target)
     if replace:
         head, _, name = target.rpartition("/")
@@ -45,16 +51,22 @@ def place(entry: FileEntry, target: str | Path, data: bytes, *, replace: bool) -
     if entry.kind == "symlink":
         os.symlink(entry.target or "", path)
     else:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        exact = umask is not None and not entry.mode & umask
+        fd = os.open(path, _CREATE, entry.mode if exact else 0o600)
         try:
-            _write_all(fd, data)
-            os.fchmod(fd, entry.mode)
+            if data:
+                _write_all(fd, data)
+            if not exact:
+                os.fchmod(fd, entry.mode)
         finally:
             os.close(fd)
     if replace:
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)  # a directory where the snapshot has a file
         os.replace(path, target)
+
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _write_all(fd: int, data: bytes) -> None:
