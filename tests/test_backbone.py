@@ -7,6 +7,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -362,3 +363,52 @@ async def test_a_pipelined_batch_lands_in_order_once_with_its_acks(
         assert (await js.get_msg(STREAM, p.stream_seq)).data == p.sealed.wire
     again = await publisher.publish_many(batch)
     assert [p.stream_seq for p in again] == seqs and all(p.duplicate for p in again)
+
+
+async def test_a_reader_whose_consumer_vanished_reads_on_from_a_new_one(
+    js: JetStreamContext, publisher: EventPublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader's consumer lives in memory: a NATS restart drops it (the fetch in flight then
+    times out), and the server deletes one whose process stalled past its inactive threshold.
+    ``follow`` (the projector's and the scheduler's reader) reads on from where it was on a new
+    one, missing and repeating nothing, instead of dying on "consumer not found" (the read
+    models then stopped moving and the service's shutdown hung)."""
+    from dsec_core import bus
+
+    real_fetch = JetStreamContext.PullSubscription.fetch
+    restart = {"pending": False}
+
+    async def fetch(self: JetStreamContext.PullSubscription, *args: Any, **kwargs: Any) -> Any:
+        if restart["pending"]:  # the fetch that was in flight when NATS went away
+            restart["pending"] = False
+            raise nats.errors.TimeoutError
+        return await real_fetch(self, *args, **kwargs)
+
+    monkeypatch.setattr(JetStreamContext.PullSubscription, "fetch", fetch)
+    sandbox = f"sbx_{uuid.uuid4().hex[:12]}"
+    filt = aggregate_filter("sandbox", sandbox)
+    published = [await publisher.publish(SpecSubmitted(spec_yaml="a"), aggregate_id=sandbox)]
+    seen: list[int] = []
+    reader = bus.follow(js, filter_subject=filt, start_seq=published[0].stream_seq, idle_s=0.2)
+    try:
+        async with asyncio.timeout(60):
+            while not seen:
+                seen += [seq for seq, _ in await anext(reader)]
+            mine = [
+                info.name
+                for info in await js.consumers_info(STREAM)
+                if info.config.filter_subject == filt
+            ]
+            assert len(mine) == 1, mine
+            await js.delete_consumer(STREAM, mine[0])
+            restart["pending"] = True
+            for text in ("b", "c"):
+                published.append(
+                    await publisher.publish(SpecSubmitted(spec_yaml=text), aggregate_id=sandbox)
+                )
+            while len(seen) < 3:
+                seen += [seq for seq, _ in await anext(reader)]
+    finally:
+        await reader.aclose()
+    assert not restart["pending"]
+    assert seen == [p.stream_seq for p in published]

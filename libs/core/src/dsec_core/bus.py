@@ -555,6 +555,18 @@ async def follow(
     """Yield batches of ``(stream_seq, data)`` forever; an empty batch after ``idle_s`` idle."""
     sub = await _subscribe(js, filter_subject, _ordered_config(filter_subject, start_seq))
     next_seq, unavailable_since = start_seq, 0.0
+
+    async def anew() -> JetStreamContext.PullSubscription:
+        # The reader's consumer is gone: it lives in memory, so a NATS restart drops it, and
+        # the server deletes it after `inactive_threshold` if this process stalled that long.
+        # Read on from where this reader is, on a new one.
+        log.warning(
+            "the reader's consumer for %s is gone; reading on from %d", filter_subject, next_seq
+        )
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        return await _subscribe(js, filter_subject, _ordered_config(filter_subject, next_seq))
+
     try:
         while True:
             try:
@@ -562,9 +574,17 @@ async def follow(
             except TimeoutError:  # nats-py raises both its own and the builtin TimeoutError
                 # An idle fetch is not the end: a slow server or a sparse filter looks the
                 # same. Only report "caught up" when the consumer has nothing pending.
-                if (await sub.consumer_info()).num_pending:
+                try:
+                    pending = (await sub.consumer_info()).num_pending
+                except NotFoundError:
+                    sub = await anew()
+                    continue
+                if pending:
                     continue
                 yield []
+                continue
+            except NotFoundError:
+                sub = await anew()
                 continue
             except ServiceUnavailableError:
                 # On a NATS cluster: the reader's consumer is not served (just created, or its

@@ -91,6 +91,9 @@ from dsec_scheduler.placement.simple import SimpleEngine
 
 log = logging.getLogger(__name__)
 
+STOP_ROUNDS = 10
+STOP_ROUND_S = 0.5
+
 FILTERS: list[str] = sorted({filter_for(t) for t in FOLDED_TYPES})
 NODE_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_SEEN_TYPES})
 NODE_FLAG_FILTERS: list[str] = sorted({filter_for(t) for t in NODE_TYPES - NODE_SEEN_TYPES})
@@ -186,12 +189,24 @@ class Scheduler:
         self._tasks.append(asyncio.create_task(self._watch_forever(), name="scheduler-watch"))
 
     async def stop(self) -> None:
-        """Stop following and deciding."""
+        """Stop following and deciding.
+
+        A cancel can be lost: on Python 3.11, ``asyncio.wait_for`` (nats-py's fetch uses it)
+        swallows a cancel that arrives as its inner call completes, and the loop reads on.
+        So cancel again until the tasks end, within a bound (a shutdown hung on it until the
+        SIGKILL after the grace period)."""
+        pending = {task for task in self._tasks if not task.done()}
+        for _ in range(STOP_ROUNDS):
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=STOP_ROUND_S)
+        for task in pending:
+            log.warning("scheduler: %s did not stop", task.get_name())
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                log.warning("scheduler: %s had failed: %s", task.get_name(), task.exception())
         self._tasks.clear()
 
     async def _read_up_to(
@@ -1028,8 +1043,12 @@ def create_service(settings: Settings | None = None) -> Service:
         await scheduler.stop()
         stop.set()
         for task in tasks:
-            with contextlib.suppress(asyncio.TimeoutError):
+            try:
                 await asyncio.wait_for(task, timeout=5)
+            except TimeoutError:
+                log.warning("scheduler: %s did not stop within 5 s", task.get_name())
+            except Exception:  # it failed before: shutting down goes on all the same
+                log.exception("scheduler: %s had failed", task.get_name())
 
     service.health_checks.append(lambda: scheduler.follow_problem)
     service.on_start.append(start_projector)
