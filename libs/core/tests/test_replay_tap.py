@@ -110,3 +110,28 @@ def test_the_tap_stays_out_of_a_parser_in_the_middle_of_a_payload() -> None:
 
     asyncio.run(go())
     assert conn.seen == [("msg", 1, b"", b"abcde", None)]
+
+
+def test_a_hole_in_the_consumer_sequence_ends_what_the_tap_takes() -> None:
+    """Messages lost on the way (a reconnect: the consumer counted them delivered) show as a
+    skipped consumer sequence; the tap takes nothing after it, so the replay reads on from the
+    last message before the hole instead of yielding a log with events missing."""
+    frames = [
+        b"MSG _INBOX.r 7 %s %d\r\n%s\r\n" % (_ack(seq), len(b"e%d" % seq), b"e%d" % seq)
+        for seq in (1, 2, 3, 5, 6)
+    ]
+    conn = _Conn()
+    sink: list[tuple[int, bytes]] = []
+    full = asyncio.Event()
+
+    async def read() -> _ReplayTap:
+        tap = _ReplayTap.install(conn, sink, 10**9, full)  # type: ignore[arg-type]
+        assert tap is not None
+        tap.sid = b"7"
+        await tap.parse(b"".join(frames))
+        tap.remove()
+        return tap
+
+    tap = asyncio.run(read())
+    assert sink == [(1, b"e1"), (2, b"e2"), (3, b"e3")]
+    assert tap.hole and full.is_set()

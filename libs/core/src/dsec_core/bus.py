@@ -25,6 +25,7 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
+    Header,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -555,13 +556,16 @@ async def follow(
     """Yield batches of ``(stream_seq, data)`` forever; an empty batch after ``idle_s`` idle."""
     sub = await _subscribe(js, filter_subject, _ordered_config(filter_subject, start_seq))
     next_seq, unavailable_since = start_seq, 0.0
+    delivered = 0  # the consumer sequence of the last message read: 1, 2, 3... without holes
 
     async def anew() -> JetStreamContext.PullSubscription:
-        # The reader's consumer is gone: it lives in memory, so a NATS restart drops it, and
-        # the server deletes it after `inactive_threshold` if this process stalled that long.
-        # Read on from where this reader is, on a new one.
+        # The reader's consumer is gone (it lives in memory, so a NATS restart drops it, and
+        # the server deletes it after `inactive_threshold` if this process stalled that long),
+        # or messages it delivered were lost on the way. Read on from the last one read.
         log.warning(
-            "the reader's consumer for %s is gone; reading on from %d", filter_subject, next_seq
+            "reader of %s: consumer gone or messages lost; reading on from %d",
+            filter_subject,
+            next_seq,
         )
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
@@ -575,16 +579,22 @@ async def follow(
                 # An idle fetch is not the end: a slow server or a sparse filter looks the
                 # same. Only report "caught up" when the consumer has nothing pending.
                 try:
-                    pending = (await sub.consumer_info()).num_pending
+                    info = await sub.consumer_info()
                 except NotFoundError:
-                    sub = await anew()
+                    sub, delivered = await anew(), 0
                     continue
-                if pending:
+                sent = getattr(info.delivered, "consumer_seq", 0) or 0
+                if sent > delivered:
+                    # Delivered, never read: lost with a connection (a reconnect, or the server
+                    # dropping a slow reader). Not "caught up": read them again.
+                    sub, delivered = await anew(), 0
+                    continue
+                if info.num_pending:
                     continue
                 yield []
                 continue
             except NotFoundError:
-                sub = await anew()
+                sub, delivered = await anew(), 0
                 continue
             except ServiceUnavailableError:
                 # On a NATS cluster: the reader's consumer is not served (just created, or its
@@ -595,14 +605,27 @@ async def follow(
                     with contextlib.suppress(Exception):
                         await sub.unsubscribe()
                     config = _ordered_config(filter_subject, next_seq)
-                    sub = await _subscribe(js, filter_subject, config)
+                    sub, delivered = await _subscribe(js, filter_subject, config), 0
                     unavailable_since = 0.0
                 await asyncio.sleep(0.1)
                 continue
             unavailable_since = 0.0
-            if msgs:
-                next_seq = stream_seq(msgs[-1]) + 1
-            yield [(stream_seq(m), m.data) for m in msgs]
+            good, hole = [], False
+            for m in msgs:
+                try:
+                    number = _ack_consumer_seq(m.reply)
+                except (ValueError, IndexError, AttributeError):
+                    number = delivered + 1  # not a JetStream delivery's subject: nats-py's own
+                if number != delivered + 1:
+                    hole = True  # lost before this one: read on anew from the last good one
+                    break
+                delivered = number
+                good.append(m)
+            if good:
+                next_seq = stream_seq(good[-1]) + 1
+            if hole:
+                sub, delivered = await anew(), 0
+            yield [(stream_seq(m), m.data) for m in good]
     finally:
         # The caller may close the connection before this generator is finalized.
         with contextlib.suppress(ConnectionClosedError):
@@ -671,6 +694,13 @@ async def replay_batches(
 PULL_BATCH = 2048
 """Messages one pull request of a replay asks for (the next is sent before a batch is used)."""
 
+PULL_MAX_BYTES = 16 * 1024 * 1024
+"""Bytes one pull request of a replay asks for at most (at least twice the server's
+``max_payload``)."""
+
+_BYTES_FULL = "409 max bytes"
+_HOLE = "hole"
+
 
 def _ack_stream_seq(reply: str) -> int:
     """The stream sequence in a JetStream message's ack subject (both of its layouts:
@@ -717,24 +747,42 @@ async def _pulled(
     batch = PULL_BATCH
     inbox = nc.new_inbox()
     arrived: list[tuple[int, bytes]] = []
-    state: dict[str, Any] = {"status": None}
+    state: dict[str, Any] = {"status": None, "delivered": 0}
     done = asyncio.Event()
 
     async def on_message(msg: Msg) -> None:
         if not msg.reply:  # a status: 404 no (more) messages, 408, 409 ...
-            state["status"] = (msg.headers or {}).get("Status", "?")
+            headers = msg.headers or {}
+            status = headers.get("Status", "?")
+            described = str(headers.get(Header.DESCRIPTION) or headers.get("Description") or "")
+            if status == "409" and described == "Batch Completed":
+                return  # after a full batch (which already woke the reader): nothing to do
+            if status == "409" and "MaxBytes" in described:
+                status = _BYTES_FULL  # the request's byte budget is used up: ask again
+            state["status"] = status
             done.set()
             return
         try:  # (data messages come here only where the tap could not go in)
-            arrived.append((_ack_stream_seq(msg.reply), msg.data))
+            seq, delivered = _ack_stream_seq(msg.reply), _ack_consumer_seq(msg.reply)
         except ValueError as exc:
             state["status"] = str(exc)
             done.set()
             return
+        if delivered != state["delivered"] + 1:
+            state["status"] = _HOLE
+            done.set()
+            return
+        state["delivered"] = delivered
+        arrived.append((seq, msg.data))
         if len(arrived) >= batch:
             done.set()
 
-    request = json.dumps({"batch": batch, "no_wait": True}).encode()
+    # A byte budget per request: the server queues what a request asks for at once, and more
+    # than its per-client limit (64 MiB by default) behind a slow reader makes it drop the
+    # connection (large events are enough: 2,048 of 32 KiB). One request is in flight at a
+    # time, so this bounds what waits for this reader.
+    max_bytes = max(PULL_MAX_BYTES, 2 * int(getattr(nc, "max_payload", 0) or 0))
+    request = json.dumps({"batch": batch, "no_wait": True, "max_bytes": max_bytes}).encode()
     subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{consumer.name}"
     tap = _ReplayTap.install(nc, arrived, batch, done)
     sub = None
@@ -752,8 +800,13 @@ async def _pulled(
             msgs = arrived[:]
             del arrived[:]
             status, state["status"] = state["status"], None
+            if tap is not None and tap.hole:
+                status = _HOLE  # what came before the hole is good; the rest is read again
             finished = bool(msgs) and msgs[-1][0] >= last
-            more = not finished and status is None  # a full batch: ask for the next now
+            # A full batch, or a byte budget used up by some messages: ask for the next now.
+            more = not finished and (status is None or (status == _BYTES_FULL and bool(msgs)))
+            if status == _HOLE:
+                log.warning("replay: messages lost on the way (a reconnect); reading on anew")
             if more:
                 await nc.publish(subject, request, reply=inbox)
             if msgs:
@@ -770,16 +823,30 @@ async def _pulled(
                 await sub.unsubscribe()
 
 
-def _ack_stream_seq_bytes(reply: bytes) -> int:
-    """:func:`_ack_stream_seq` of an ack subject's raw bytes."""
+def _ack_seqs_bytes(reply: bytes) -> tuple[int, int]:
+    """The stream and consumer sequences in an ack subject's raw bytes (see
+    :func:`_ack_stream_seq`; the consumer sequence follows the stream's)."""
     tokens = reply.split(b".")
     if tokens[0] != b"$JS" or tokens[1] != b"ACK":
         raise ValueError("not a JetStream ack subject")
     if len(tokens) == 9:
-        return int(tokens[5])
+        return int(tokens[5]), int(tokens[6])
     if len(tokens) >= 11:
-        return int(tokens[7])
+        return int(tokens[7]), int(tokens[8])
     raise ValueError("unexpected JetStream ack subject")
+
+
+def _ack_consumer_seq(reply: str) -> int:
+    """The consumer sequence in a JetStream message's ack subject: 1, 2, 3... for each message
+    one consumer delivers, so a hole means messages were lost on the way (a reconnect)."""
+    tokens = reply.split(".")
+    if tokens[0] != "$JS" or tokens[1] != "ACK":
+        raise ValueError(f"not a JetStream ack subject: {reply[:80]!r}")
+    if len(tokens) == 9:
+        return int(tokens[6])
+    if len(tokens) >= 11:
+        return int(tokens[8])
+    raise ValueError(f"unexpected JetStream ack subject: {reply[:80]!r}")
 
 
 class _ReplayTap:
@@ -805,6 +872,8 @@ class _ReplayTap:
         self._have = 0  # their bytes
         self._need = 0  # the bytes that frame takes (0: not known yet)
         self.sid = b""  # the replay subscription's id, once it has one
+        self.delivered = 0  # the consumer sequence of the last message taken
+        self.hole = False  # a consumer sequence skipped: messages were lost (a reconnect)
 
     @staticmethod
     def install(
@@ -866,12 +935,19 @@ class _ReplayTap:
                 # (a stored message's headers, e.g. Nats-Msg-Id, are not the event's)
                 if len(tokens) == (5 if op == b"MSG" else 6) and tokens[2] == sid:
                     try:
-                        seq = _ack_stream_seq_bytes(tokens[3])
+                        seq, delivered = _ack_seqs_bytes(tokens[3])
                         body = eol + 2 + (int(tokens[4]) if op == b"HMSG" else 0)
                     except (ValueError, IndexError):
                         seq = 0  # no stored message (a status): the callback tells what
                     if seq:
-                        sink.append((seq, buf[body : frame - 2]))
+                        if delivered != self.delivered + 1 or self.hole:
+                            # Lost messages before this one: take nothing more; the replay
+                            # goes on from the last message before the hole.
+                            self.hole = True
+                            self._full.set()
+                        else:
+                            self.delivered = delivered
+                            sink.append((seq, buf[body : frame - 2]))
                         pos = frame
                         continue
             else:

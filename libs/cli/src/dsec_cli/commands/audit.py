@@ -62,13 +62,17 @@ async def _verify(anchor: bytes, archive: Any = None) -> VerifyReport:
         expected = state.messages + (archive[2].last_seq or 0 if archive is not None else 0)
         verifier = open_verifier(anchor, expected)
         try:
-            return await _feed(js, verifier, state.first_seq, archive)
+            return await _feed(js, verifier, state.first_seq, archive, state.last_seq)
         finally:
             verifier.close()
 
 
-async def _feed(js: Any, verifier: BatchVerifier, first: int, archive: Any) -> VerifyReport:
-    """Feed the archive's records (if any), then the live stream from after them."""
+async def _feed(
+    js: Any, verifier: BatchVerifier, first: int, archive: Any, last: int = 0
+) -> VerifyReport:
+    """Feed the archive's records (if any), then the live stream from after them, through
+    ``last`` (the stream's last sequence when verify began): a replay that ends before it
+    read that far proves nothing about the rest and is reported so, never as intact."""
     from dsec_core.audit import Finding
     from dsec_core.bus import replay_batches
     from dsec_core.eventarchive import ArchiveCorrupt, archived_records
@@ -106,10 +110,23 @@ async def _feed(js: Any, verifier: BatchVerifier, first: int, archive: Any) -> V
             "verify with --archive",
             highlight=False,
         )
+    found = False
     async for msgs in replay_batches(js, start_seq=start):
         if await verifier.feed(msgs):
+            found = True
             break
     report = await verifier.finish()
+    read_to = report.last_seq or 0
+    if not found and report.finding is None and last >= start and read_to < last:
+        report.finding = Finding(
+            read_to + 1,
+            None,
+            None,
+            None,
+            f"incomplete: the stream held events up to seq {last} when verify began, and the "
+            f"replay ended after seq {read_to} (messages lost on the way to this reader); "
+            "nothing after it was checked: run verify again",
+        )
     return report
 
 
