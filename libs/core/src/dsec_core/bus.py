@@ -610,22 +610,23 @@ async def follow(
                 await asyncio.sleep(0.1)
                 continue
             unavailable_since = 0.0
-            good, hole = [], False
+            good: list[tuple[int, bytes]] = []
+            hole = False
             for m in msgs:
                 try:
-                    number = _ack_consumer_seq(m.reply)
-                except (ValueError, IndexError, AttributeError):
-                    number = delivered + 1  # not a JetStream delivery's subject: nats-py's own
+                    seq, number = _ack_seqs(m.reply)
+                except (ValueError, AttributeError):  # not the usual subject: nats-py reads it
+                    seq, number = int(m.metadata.sequence.stream), delivered + 1
                 if number != delivered + 1:
                     hole = True  # lost before this one: read on anew from the last good one
                     break
                 delivered = number
-                good.append(m)
+                good.append((seq, m.data))
             if good:
-                next_seq = stream_seq(good[-1]) + 1
+                next_seq = good[-1][0] + 1
             if hole:
                 sub, delivered = await anew(), 0
-            yield [(stream_seq(m), m.data) for m in good]
+            yield good
     finally:
         # The caller may close the connection before this generator is finalized.
         with contextlib.suppress(ConnectionClosedError):
@@ -702,18 +703,19 @@ _BYTES_FULL = "409 max bytes"
 _HOLE = "hole"
 
 
+def _ack_seqs(reply: str) -> tuple[int, int]:
+    """The stream and consumer sequences in a JetStream message's ack subject (see
+    :func:`_ack_seqs_bytes`)."""
+    try:
+        return _ack_seqs_bytes(reply.encode())
+    except (ValueError, IndexError) as exc:
+        raise ValueError(f"{exc}: {reply[:80]!r}") from None
+
+
 def _ack_stream_seq(reply: str) -> int:
-    """The stream sequence in a JetStream message's ack subject (both of its layouts:
-    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...`` and the one with domain and account
-    hash after ``ACK``), as nats-py's ``Msg.metadata`` reads it, without building it."""
-    tokens = reply.split(".")
-    if tokens[0] != "$JS" or tokens[1] != "ACK":
-        raise ValueError(f"not a JetStream ack subject: {reply[:80]!r}")
-    if len(tokens) == 9:
-        return int(tokens[5])
-    if len(tokens) >= 11:
-        return int(tokens[7])
-    raise ValueError(f"unexpected JetStream ack subject: {reply[:80]!r}")
+    """The stream sequence in a JetStream message's ack subject, as nats-py's
+    ``Msg.metadata`` reads it, without building it."""
+    return _ack_seqs(reply)[0]
 
 
 def stream_seq(msg: Msg) -> int:
@@ -763,7 +765,7 @@ async def _pulled(
             done.set()
             return
         try:  # (data messages come here only where the tap could not go in)
-            seq, delivered = _ack_stream_seq(msg.reply), _ack_consumer_seq(msg.reply)
+            seq, delivered = _ack_seqs(msg.reply)
         except ValueError as exc:
             state["status"] = str(exc)
             done.set()
@@ -824,8 +826,10 @@ async def _pulled(
 
 
 def _ack_seqs_bytes(reply: bytes) -> tuple[int, int]:
-    """The stream and consumer sequences in an ack subject's raw bytes (see
-    :func:`_ack_stream_seq`; the consumer sequence follows the stream's)."""
+    """The stream and consumer sequences in an ack subject's raw bytes, in both of its
+    layouts: ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>...`` and the one with
+    domain and account hash after ``ACK``. The consumer sequence counts 1, 2, 3... the
+    messages one consumer delivers, so a hole means messages were lost on the way."""
     tokens = reply.split(b".")
     if tokens[0] != b"$JS" or tokens[1] != b"ACK":
         raise ValueError("not a JetStream ack subject")
@@ -834,19 +838,6 @@ def _ack_seqs_bytes(reply: bytes) -> tuple[int, int]:
     if len(tokens) >= 11:
         return int(tokens[7]), int(tokens[8])
     raise ValueError("unexpected JetStream ack subject")
-
-
-def _ack_consumer_seq(reply: str) -> int:
-    """The consumer sequence in a JetStream message's ack subject: 1, 2, 3... for each message
-    one consumer delivers, so a hole means messages were lost on the way (a reconnect)."""
-    tokens = reply.split(".")
-    if tokens[0] != "$JS" or tokens[1] != "ACK":
-        raise ValueError(f"not a JetStream ack subject: {reply[:80]!r}")
-    if len(tokens) == 9:
-        return int(tokens[6])
-    if len(tokens) >= 11:
-        return int(tokens[8])
-    raise ValueError(f"unexpected JetStream ack subject: {reply[:80]!r}")
 
 
 class _ReplayTap:

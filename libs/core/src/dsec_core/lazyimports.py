@@ -10,7 +10,7 @@ their use at idle justifies:
   ``decrypt`` (and any other name) load the real module on first use, so MinioAdmin still
   works if anyone calls it.
 - ``hvac`` (with ``requests``) is needed only when a sandbox asks for a secret or a key:
-  :func:`lazy_module` returns a stand-in that imports the module on its first attribute read.
+  :class:`DeferredModule` stands for a module and imports it on its first attribute read.
 """
 
 from __future__ import annotations
@@ -51,12 +51,6 @@ class DeferredModule:
 
     def __repr__(self) -> str:
         return f"<deferred module {self._name!r}>"
-
-
-def lazy_module(name: str) -> Any:
-    """A :class:`DeferredModule` for ``name`` (typed ``Any``: declare the real module for
-    type checkers under ``TYPE_CHECKING``)."""
-    return DeferredModule(name)
 
 
 class _StandInLoader(importlib.abc.Loader):

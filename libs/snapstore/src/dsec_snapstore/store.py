@@ -311,15 +311,6 @@ class SnapshotStore:
         saved = self._pool.submit(cache.save, name, hashed, scan_ns, rehashed if parent else None)
         try:
             self._store_packs(packer)
-        except BaseException:
-            if manifest.audit is not None and self.keys is not None:
-                self.keys.delete_segment_key(snapshot_id)
-            with contextlib.suppress(Exception):
-                saved.result()
-            cache.forget()
-            raise
-        uploaded, uploaded_bytes = packer.chunks, packer.bytes
-        try:
             doc, digest = signing.result()
             self.objects.put(manifest_key(manifest.name), doc)
         except BaseException:
@@ -329,6 +320,7 @@ class SnapshotStore:
                 saved.result()
             cache.forget()
             raise
+        uploaded, uploaded_bytes = packer.chunks, packer.bytes
         total = manifest.code.total_size
         self._write_summary(manifest, digest, uploaded_bytes)
         saved.result()

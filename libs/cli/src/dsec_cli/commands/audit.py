@@ -110,14 +110,12 @@ async def _feed(
             "verify with --archive",
             highlight=False,
         )
-    found = False
     async for msgs in replay_batches(js, start_seq=start):
         if await verifier.feed(msgs):
-            found = True
             break
     report = await verifier.finish()
     read_to = report.last_seq or 0
-    if not found and report.finding is None and last >= start and read_to < last:
+    if report.finding is None and last >= start and read_to < last:
         report.finding = Finding(
             read_to + 1,
             None,

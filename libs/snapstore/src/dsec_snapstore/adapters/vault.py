@@ -9,15 +9,15 @@ from __future__ import annotations
 import base64
 from typing import TYPE_CHECKING, Protocol
 
-from dsec_core.lazyimports import lazy_module
+from dsec_core.lazyimports import DeferredModule
 
 if TYPE_CHECKING:
     import hvac
     import hvac.exceptions
     import requests
 else:  # hvac and requests load when a secret or key is first needed (idle RSS)
-    hvac = lazy_module("hvac")
-    requests = lazy_module("requests")
+    hvac = DeferredModule("hvac")
+    requests = DeferredModule("requests")
 
 from dsec_snapstore.crypto import new_key
 from dsec_snapstore.errors import StoreUnavailable

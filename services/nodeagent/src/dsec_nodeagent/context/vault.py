@@ -21,15 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dsec_core.lazyimports import lazy_module
+from dsec_core.lazyimports import DeferredModule
 
 if TYPE_CHECKING:
     import hvac
     import hvac.exceptions
     import requests.exceptions
 else:  # hvac and requests load when a secret or key is first needed (idle RSS)
-    hvac = lazy_module("hvac")
-    requests = lazy_module("requests")
+    hvac = DeferredModule("hvac")
+    requests = DeferredModule("requests")
 
 from dsec_nodeagent.context.models import ContextError
 

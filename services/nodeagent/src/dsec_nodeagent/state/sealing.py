@@ -19,15 +19,15 @@ import os
 import threading
 from typing import TYPE_CHECKING, Final
 
-from dsec_core.lazyimports import lazy_module
+from dsec_core.lazyimports import DeferredModule
 
 if TYPE_CHECKING:
     import hvac
     import hvac.exceptions
     import requests
 else:  # hvac and requests load when a secret or key is first needed (idle RSS)
-    hvac = lazy_module("hvac")
-    requests = lazy_module("requests")
+    hvac = DeferredModule("hvac")
+    requests = DeferredModule("requests")
 from nacl.bindings import (
     crypto_aead_xchacha20poly1305_ietf_decrypt,
     crypto_aead_xchacha20poly1305_ietf_encrypt,
