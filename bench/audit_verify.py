@@ -120,10 +120,23 @@ def main(n: int, repeat: int) -> None:
     )
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1 (a count of events or runs)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a count: give 1 or more")
+    return value
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--events", type=int, default=200_000)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--events", type=at_least_one, default=200_000, help="events in the stream to verify"
+    )
+    parser.add_argument("--repeat", type=at_least_one, default=3, help="runs (the median)")
     parser.add_argument("--json", action="store_true", help="(the JSON line is printed last)")
     args = parser.parse_args()
-    main(args.events, max(1, args.repeat))
+    main(args.events, args.repeat)
