@@ -146,6 +146,7 @@ async def test_a_sandbox_migrates_by_criu_and_its_counter_goes_on(
             events.SandboxStopRequested(requested_by="test"), aggregate_id=sid
         )
         exited = await h2.wait_for(sid, "sandbox.exited", 60)
+        await h1.wait_for(sid, "sandbox.exited", 60)  # the story below is node-1's recorder
         assert exited.payload["reason"] == "stopped"
         key = await h2.service.gate.keys.certificate(exited.key_id)  # type: ignore[union-attr]
         assert not isinstance(key, str) and key.node_id == "node-2"

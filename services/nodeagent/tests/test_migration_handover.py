@@ -198,6 +198,7 @@ async def test_a_stateful_agent_migrates_by_handover_and_its_state_goes_on(
             events.SandboxStopRequested(requested_by="test"), aggregate_id=sid
         )
         exited = await h2.wait_for(sid, "sandbox.exited", 60)
+        await h1.wait_for(sid, "sandbox.exited", 60)  # the story below is node-1's recorder
         key = await h2.service.gate.keys.certificate(exited.key_id)  # type: ignore[union-attr]
         assert not isinstance(key, str) and key.node_id == "node-2"
         story = [
