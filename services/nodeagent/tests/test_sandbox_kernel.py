@@ -76,6 +76,11 @@ probe("subprocess", child)
 # filesystem
 probe("write_rw_mount_not_allowed", lambda: open("/workspace/scratch/x", "w"))
 probe("write_ro_mount", lambda: open("/workspace/data/new.txt", "w"))
+def read_submount():  # a mount below a bind's source comes along with it ...
+    if open("/workspace/data/inner/hello.txt").read() != "below":
+        raise OSError(0, "the mount below /workspace/data is not visible")
+probe("read_submount", read_submount)
+probe("write_ro_submount", lambda: open("/workspace/data/inner/new.txt", "w"))  # ... read-only
 probe("write_code", lambda: open("/workspace/code/evil.py", "w"))
 probe("write_root", lambda: open("/evil", "w"))
 probe("read_private_mount", lambda: open("/workspace/private/secret.txt").read())
@@ -132,10 +137,13 @@ def probe_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run the probe sandbox once (and a second sandbox whose environ it tries to read)."""
     tmp = tmp_path_factory.mktemp("probe")
 
+    data = tmp / "data"
+    data.mkdir()
+    (data / "input.txt").write_text("input")
+    inner = data / "inner"  # a host mount below a read-only bind's source
+    inner.mkdir()
+
     async def run() -> dict[str, Any]:
-        data = tmp / "data"
-        data.mkdir()
-        (data / "input.txt").write_text("input")
         private = tmp / "private"
         private.mkdir()
         (private / "secret.txt").write_text("top secret")
@@ -194,7 +202,12 @@ def probe_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             ).read_text()
             return report
 
-    return _run_sync(run)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(inner)], check=True)
+    try:
+        (inner / "hello.txt").write_text("below")
+        return _run_sync(run)
+    finally:
+        subprocess.run(["umount", "-l", str(inner)], check=True)
 
 
 def _run_sync(factory: Any) -> dict[str, Any]:
@@ -213,6 +226,7 @@ PERMITTED = [
     "unix_socketpair",
     "write_output",
     "read_input",
+    "read_submount",
     "write_tmp",
     "read_own_environ",
     "tcp_socket",
@@ -240,6 +254,7 @@ def test_the_probe_sandbox_exits_ok_and_its_output_stays_on_the_host(
     [
         ("write_rw_mount_not_allowed", "EACCES"),  # Landlock: writable mount, not write_allowed
         ("write_ro_mount", "EROFS"),
+        ("write_ro_submount", "EROFS"),  # the whole bind is read-only, not just its top mount
         ("write_code", "EROFS"),
         ("write_root", "EROFS"),
         ("read_private_mount", "EACCES"),  # Landlock: mounted but not read_allowed
@@ -577,3 +592,17 @@ async def test_a_link_in_a_bound_tree_is_never_followed_by_the_pre_exec_stage(
     assert info.value.stage == "init"
     assert [p.name for p in host_dir.iterdir()] == ["x"] and list((host_dir / "x").iterdir()) == []
     assert leftover_cgroups(["linked"]) == []
+
+
+def test_mounts_below_a_path_are_found_with_odd_names(tmp_path: Path) -> None:
+    # The fallback for kernels without mount_setattr remounts each of these read-only.
+    from dsec_nodeagent.sandbox import syscalls
+
+    odd = tmp_path / "a b\tc" / "deeper"
+    odd.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(odd)], check=True)
+    try:
+        assert syscalls.mounts_below(str(tmp_path)) == [str(odd)]
+        assert syscalls.mounts_below(str(odd)) == []
+    finally:
+        subprocess.run(["umount", "-l", str(odd)], check=True)

@@ -22,6 +22,7 @@ sandbox keeps the listener (it would answer its own refusals).
 
 from __future__ import annotations
 
+import errno
 import marshal
 import os
 import signal
@@ -675,10 +676,23 @@ def _bind(src: str, dst: str, ro: bool) -> None:
         if not os.path.lexists(dst):
             os.close(os.open(dst, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
     syscalls.mount(src, dst, None, syscalls.MS_BIND | syscalls.MS_REC, None)
-    flags = syscalls.MS_REMOUNT | syscalls.MS_BIND | _NOSUID_NODEV
+    # The bind is recursive (MS_REC), so whatever is mounted below ``src`` comes along; a
+    # remount changes only the top mount, which would leave those writable (a source above
+    # DSEC_HOME would bring the node's pooled disk images in writable). Every mount of the
+    # bind gets the flags, in one call where the kernel has mount_setattr.
+    attrs = syscalls.MOUNT_ATTR_NOSUID | syscalls.MOUNT_ATTR_NODEV
     if ro:
-        flags |= syscalls.MS_RDONLY
-    syscalls.mount(None, dst, None, flags, None)
+        attrs |= syscalls.MOUNT_ATTR_RDONLY
+    try:
+        syscalls.mount_setattr_recursive(dst, attrs)
+    except OSError as exc:
+        if exc.errno != errno.ENOSYS:
+            raise
+        flags = syscalls.MS_REMOUNT | syscalls.MS_BIND | _NOSUID_NODEV
+        if ro:
+            flags |= syscalls.MS_RDONLY
+        for point in [dst, *syscalls.mounts_below(dst)]:
+            syscalls.mount(None, point, None, flags, None)
 
 
 _PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")

@@ -21,6 +21,7 @@ SYS_SECCOMP = 277 if _MACHINE == "aarch64" else 317
 SYS_LANDLOCK_CREATE_RULESET = 444
 SYS_LANDLOCK_ADD_RULE = 445
 SYS_LANDLOCK_RESTRICT_SELF = 446
+SYS_MOUNT_SETATTR = 442
 SUPPORTED_MACHINES = ("x86_64", "aarch64")
 
 CLONE_NEWNS = 0x00020000
@@ -41,6 +42,11 @@ MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
+AT_FDCWD = -100
+AT_RECURSIVE = 0x8000
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -135,3 +141,43 @@ def drop_capabilities(last_cap: int) -> None:
     prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
     for cap in range(last_cap + 1):
         prctl(PR_CAPBSET_DROP, cap)
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [  # struct mount_attr (linux/mount.h), MOUNT_ATTR_SIZE_VER0
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def mount_setattr_recursive(target: str, attr_set: int) -> None:
+    """Set ``attr_set`` (MOUNT_ATTR_*) on ``target`` and every mount below it, in one call
+    (Linux 5.12+). Raises OSError(ENOSYS) on older kernels; the caller falls back."""
+    attr = _MountAttr(attr_set, 0, 0, 0)
+    _check(
+        _syscall(
+            SYS_MOUNT_SETATTR,
+            ctypes.c_int(AT_FDCWD),
+            target.encode(),
+            ctypes.c_uint(AT_RECURSIVE),
+            ctypes.byref(attr),
+            ctypes.c_size_t(ctypes.sizeof(attr)),
+        ),
+        f"mount_setattr {target}",
+    )
+
+
+def mounts_below(target: str) -> list[str]:
+    """Mount points strictly below ``target`` in this mount namespace (from mountinfo,
+    octal escapes decoded), parents before children."""
+    prefix = target.rstrip("/") + "/"
+    found: list[str] = []
+    with open("/proc/self/mountinfo", "rb") as info:
+        for line in info:
+            raw = line.split(b" ", 5)[4]
+            point = raw.decode("unicode_escape").encode("latin-1").decode("utf-8", "replace")
+            if point.startswith(prefix):
+                found.append(point)
+    return sorted(set(found), key=lambda p: p.count("/"))
