@@ -156,6 +156,12 @@ def probe_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             refusals.append(refusal)
 
         async with managed(tmp / "home", on_kernel_refusal=on_kernel_refusal) as manager:
+            # mounted once the node is up (whatever it made ahead), as a volume would be
+            mount = await asyncio.create_subprocess_exec(
+                "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(inner)
+            )
+            assert await mount.wait() == 0
+            (inner / "hello.txt").write_text("below")
             other = await manager.launch(
                 snippet_config(
                     "probe-other",
@@ -202,12 +208,10 @@ def probe_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             ).read_text()
             return report
 
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(inner)], check=True)
     try:
-        (inner / "hello.txt").write_text("below")
         return _run_sync(run)
     finally:
-        subprocess.run(["umount", "-l", str(inner)], check=True)
+        subprocess.run(["umount", "-l", str(inner)], check=False)  # unless the mount failed
 
 
 def _run_sync(factory: Any) -> dict[str, Any]:
