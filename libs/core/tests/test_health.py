@@ -61,3 +61,48 @@ async def test_running_out_of_file_descriptors_is_reported_unhealthy() -> None:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         await server.stop()
+
+
+async def _raw(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 5)  # the server closes after answering
+    finally:
+        writer.close()
+
+
+async def test_the_endpoint_answers_scrapers_and_refuses_the_rest_with_a_status() -> None:
+    server = MetricsServer("probe", "1.2", lambda: True)
+    port = await server.start(0)
+    try:
+        async with aiohttp.ClientSession() as session:  # one kept-alive connection, 3 requests
+            for _ in range(2):
+                async with session.get(f"http://127.0.0.1:{port}/metrics?x=1") as response:
+                    assert response.status == 200
+                    assert response.headers["Content-Type"].startswith("text/plain; version=")
+                    assert "dsec_events_consumed_total" in await response.text()
+            async with session.get(f"http://127.0.0.1:{port}/healthz") as response:
+                assert await response.json() == {
+                    "status": "ok",
+                    "service": "probe",
+                    "version": "1.2",
+                }
+            async with session.head(f"http://127.0.0.1:{port}/healthz") as response:
+                assert response.status == 200 and await response.read() == b""
+            async with session.get(f"http://127.0.0.1:{port}/other") as response:
+                assert response.status == 404 and "/metrics" in await response.text()
+            async with session.post(f"http://127.0.0.1:{port}/metrics", data=b"x") as response:
+                assert response.status in (400, 405)
+        assert (
+            await _raw(port, b"DELETE /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
+        ).startswith(b"HTTP/1.1 405 ")
+        assert (await _raw(port, b"nonsense\r\n\r\n")).startswith(b"HTTP/1.1 400 ")
+        huge = b"GET /metrics HTTP/1.1\r\n" + b"X-Pad: " + b"a" * 20000 + b"\r\n\r\n"
+        assert (await _raw(port, huge)).startswith(b"HTTP/1.1 431 ")
+        # a kept-alive connection left open does not hold the stop up
+        _, idle = await asyncio.open_connection("127.0.0.1", port)
+    finally:
+        await asyncio.wait_for(server.stop(), 5)
+    idle.close()

@@ -73,3 +73,33 @@ def test_a_module_imported_before_dsec_core_is_left_as_it_is() -> None:
         """
     )
     assert out == "True True"
+
+
+def test_nats_loads_without_aiohttp_and_its_websocket_transport_still_gets_it() -> None:
+    out = run(
+        """
+        import sys
+        import dsec_core
+        import nats, nats.aio.client
+        from dsec_core.metrics import MetricsServer
+        assert "aiohttp" not in sys.modules, "loaded at import"
+        import nats.aio.transport as transport
+        assert transport.aiohttp  # the transport's "is aiohttp installed" check passes
+        import aiohttp  # another module's plain import gets the real package
+        assert transport.aiohttp.ClientSession is aiohttp.ClientSession
+        print(transport.WebSocketTransport.__name__, transport.aiohttp.WSMsgType.BINARY.name)
+        """
+    )
+    assert out == "WebSocketTransport BINARY"
+
+
+def test_aiohttp_imported_before_nats_is_left_as_it_is() -> None:
+    out = run(
+        """
+        import sys
+        import aiohttp
+        import dsec_core, nats.aio.transport as transport
+        print(transport.aiohttp is aiohttp)
+        """
+    )
+    assert out == "True"

@@ -11,6 +11,11 @@ their use at idle justifies:
   works if anyone calls it.
 - ``hvac`` (with ``requests``) is needed only when a sandbox asks for a secret or a key:
   :class:`DeferredModule` stands for a module and imports it on its first attribute read.
+- ``aiohttp`` (about 10 MiB with yarl, multidict and friends) is imported by nats-py's
+  ``nats.aio.transport`` for its WebSocket transport alone; DSec speaks ``nats://`` and
+  ``tls://``. :func:`defer_aiohttp_for_nats` (called when ``dsec_core`` is imported) lets that
+  module load without it and hands it a :class:`DeferredModule` instead, so a ``ws://`` server
+  still works, loading aiohttp then.
 """
 
 from __future__ import annotations
@@ -120,3 +125,59 @@ def defer_minio_admin_crypto() -> None:
         if "minio" in sys.modules or _finder in sys.meta_path or _finder.real_wanted:
             return
         sys.meta_path.insert(0, _finder)
+
+
+class _NatsTransportLoader(importlib.abc.Loader):
+    """Runs nats-py's real ``nats.aio.transport`` with ``import aiohttp`` answered by
+    ImportError (the module's own fallback), then gives it a deferred aiohttp."""
+
+    def __init__(self, real: importlib.machinery.ModuleSpec) -> None:
+        self._real = real
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        assert self._real.loader is not None
+        return self._real.loader.create_module(self._real)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        assert self._real.loader is not None
+        blocked = "aiohttp" not in sys.modules
+        if blocked:
+            sys.modules["aiohttp"] = None  # type: ignore[assignment]  # import -> ImportError
+        try:
+            self._real.loader.exec_module(module)
+        finally:
+            if blocked and sys.modules.get("aiohttp", False) is None:
+                del sys.modules["aiohttp"]
+        if getattr(module, "aiohttp", True) is None:
+            module.aiohttp = DeferredModule("aiohttp")  # type: ignore[attr-defined]
+
+
+class _DeferNatsAiohttp(importlib.abc.MetaPathFinder):
+    """Finds ``nats.aio.transport`` as the path finders would and wraps its loader."""
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "nats.aio.transport":
+            return None
+        real = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if real is None or real.loader is None:
+            return None
+        spec = importlib.util.spec_from_loader(
+            fullname, _NatsTransportLoader(real), origin=real.origin
+        )
+        if spec is not None:
+            spec.has_location = real.has_location
+            spec.cached = real.cached
+        return spec
+
+
+_nats_finder = _DeferNatsAiohttp()
+
+
+def defer_aiohttp_for_nats() -> None:
+    """Load nats-py's transport module without aiohttp, unless it is already loaded."""
+    with _lock:
+        if "nats.aio.transport" in sys.modules or _nats_finder in sys.meta_path:
+            return
+        sys.meta_path.insert(0, _nats_finder)

@@ -9,7 +9,6 @@ import resource
 import time
 from collections.abc import Callable
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 EVENTS_CONSUMED = Counter(
@@ -125,8 +124,26 @@ class LoopWatch:
         return None
 
 
+_MAX_HEAD = 8192  # request line + headers; a scraper sends a few hundred bytes
+_READ_TIMEOUT_S = 10.0  # a request's head must arrive within this
+_IDLE_TIMEOUT_S = 60.0  # a kept-alive connection closes after this long without a request
+_MAX_CONNECTIONS = 64
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
+
+
 class MetricsServer:
     """Serves ``/metrics`` (Prometheus text) and ``/healthz`` (JSON) for one process.
+
+    A small HTTP/1.1 server on asyncio streams (GET and HEAD, keep-alive, bounded heads,
+    timeouts and connections): every service runs one, and aiohttp's web server cost each
+    idle service ~10 MiB of its 120 MB budget for two fixed routes.
 
     Args:
         healthy: whether the process can serve.
@@ -145,32 +162,120 @@ class MetricsServer:
         self._version = version
         self._healthy = healthy
         self._problems = problems
-        self._runner: web.AppRunner | None = None
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
         self.port = 0
 
     async def start(self, port: int, host: str = "127.0.0.1") -> int:
         """Start listening; return the bound port (useful with port 0)."""
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/healthz", self._health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
+        self._server = await asyncio.start_server(
+            self._serve, host, port, limit=_MAX_HEAD, reuse_address=True
+        )
+        sockets = list(self._server.sockets)
         self.port = sockets[0].getsockname()[1] if sockets else port
         return self.port
 
     async def stop(self) -> None:
-        """Stop listening."""
-        if self._runner is not None:
-            await self._runner.cleanup()
+        """Stop listening and close open connections."""
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._connections):
+                task.cancel()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+            await self._server.wait_closed()
+            self._server = None
 
-    async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is None or len(self._connections) >= _MAX_CONNECTIONS:
+            writer.close()
+            return
+        self._connections.add(task)
+        try:
+            while await self._one_request(reader, writer):
+                pass
+        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+            pass
+        finally:
+            self._connections.discard(task)
+            writer.close()
 
-    async def _health(self, _: web.Request) -> web.Response:
+    async def _one_request(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Answer one request; return whether the connection stays open."""
+        try:
+            first = await asyncio.wait_for(reader.readline(), _IDLE_TIMEOUT_S)
+            if not first:
+                return False
+            head = await asyncio.wait_for(self._read_headers(reader), _READ_TIMEOUT_S)
+        except (asyncio.LimitOverrunError, ValueError):
+            await self._send(writer, 431, b"request head too large\n", "text/plain", False)
+            return False
+        parts = first.decode("latin-1").split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            await self._send(writer, 400, b"bad request line\n", "text/plain", False)
+            return False
+        method, target, version = parts
+        headers = head.decode("latin-1").lower()
+        if "content-length:" in headers or "transfer-encoding:" in headers:
+            # GET and HEAD carry no body here; not reading one would desynchronise the stream
+            await self._send(writer, 400, b"no request body expected\n", "text/plain", False)
+            return False
+        keep = (version == "HTTP/1.1" and "connection: close" not in headers) or (
+            "connection: keep-alive" in headers
+        )
+        path = target.split("?", 1)[0]
+        if path not in ("/metrics", "/healthz"):
+            status, body, ctype = 404, b"not found: try /metrics or /healthz\n", "text/plain"
+        elif method not in ("GET", "HEAD"):
+            status, body, ctype = 405, b"GET or HEAD only\n", "text/plain"
+        elif path == "/metrics":
+            status, body, ctype = 200, generate_latest(), CONTENT_TYPE_LATEST
+        else:
+            status, body = self._health()
+            ctype = "application/json"
+        await self._send(writer, status, body, ctype, keep, head_only=method == "HEAD")
+        return keep
+
+    @staticmethod
+    async def _read_headers(reader: asyncio.StreamReader) -> bytes:
+        """The header lines up to the empty one (ValueError past ``_MAX_HEAD`` bytes)."""
+        head = b""
+        while True:
+            line = await reader.readline()
+            if not line:
+                raise asyncio.IncompleteReadError(head, None)
+            if line in (b"\r\n", b"\n"):
+                return head
+            head += line
+            if len(head) > _MAX_HEAD:
+                raise ValueError("request head too large")
+
+    @staticmethod
+    async def _send(
+        writer: asyncio.StreamWriter,
+        status: int,
+        body: bytes,
+        content_type: str,
+        keep: bool,
+        *,
+        head_only: bool = False,
+    ) -> None:
+        if "charset" not in content_type and content_type != CONTENT_TYPE_LATEST:
+            content_type += "; charset=utf-8"
+        lines = [
+            f"HTTP/1.1 {status} {_REASONS[status]}",
+            f"Content-Type: {content_type}",
+            f"Content-Length: {len(body)}",
+            "Connection: " + ("keep-alive" if keep else "close"),
+        ]
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        if not head_only:
+            writer.write(body)
+        await writer.drain()
+
+    def _health(self) -> tuple[int, bytes]:
         problems = self._problems() if self._problems is not None else []
         ok = self._healthy() and not problems
         body: dict[str, object] = {
@@ -180,6 +285,4 @@ class MetricsServer:
         }
         if problems:
             body["problems"] = problems
-        return web.Response(
-            text=json.dumps(body), status=200 if ok else 503, content_type="application/json"
-        )
+        return (200 if ok else 503), json.dumps(body).encode()
