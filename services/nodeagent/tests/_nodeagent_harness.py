@@ -155,7 +155,11 @@ class NodeAgentHarness:
                         await self.agent.manager.stop(sid, grace_s=0.5)
             await self.service.stop()
         await self.controller.uninstall()
-        for path in (Path(f"/sys/fs/bpf/dsec-{self.tag}"), Path(f"/run/dsec-{self.tag}")):
+        for path in (
+            Path(f"/sys/fs/bpf/dsec-{self.tag}"),
+            Path(f"/run/dsec-{self.tag}"),
+            self.settings.state_journal_dir().parent,  # the state journals, in node memory
+        ):
             shutil.rmtree(path, ignore_errors=True)
             with contextlib.suppress(OSError):
                 _rmdirs(path)

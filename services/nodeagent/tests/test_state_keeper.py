@@ -547,3 +547,25 @@ async def test_an_agent_past_its_state_limit_is_refused_and_its_neighbour_is_not
         assert (await other.checkpoint(1, [small]))["op"] == "ack"
         for each in (agent, other):
             await each.close()
+
+
+async def test_stopping_leaves_no_empty_journal_dirs_and_dsec_down_leaves_none(
+    tmp_path: Path,
+) -> None:
+    from dsec_core import retention
+
+    settings = Settings(home=tmp_path / "home", node_id="node-t")
+    root = tmp_path / "shm" / "dsec-node-t-12345678"  # as /dev/shm/dsec-<node>-<hash>
+    keeper = StateKeeper(settings, journal_dir=root / "state", warm_dir=tmp_path / "warm")
+    keeper._private_dirs()  # what start() makes before it connects
+    (root / "state" / "acme" / "g" / "idle").mkdir(parents=True)
+    live = root / "state" / "acme" / "g" / "busy"
+    live.mkdir(parents=True)
+    (live / "journal.bin").write_bytes(b"entries")
+    await keeper.stop()  # a restart: the journal with entries stays for the next start
+    assert not (root / "state" / "acme" / "g" / "idle").exists()
+    assert (live / "journal.bin").read_bytes() == b"entries"
+    retention.down_marker(settings.home).parent.mkdir(parents=True)
+    retention.down_marker(settings.home).touch()
+    await keeper.stop()  # `dsec down`: nothing stays in node memory
+    assert not root.exists() and (tmp_path / "shm").is_dir()

@@ -28,7 +28,7 @@ from typing import Any, Final
 import blake3
 import msgpack
 import zstandard
-from dsec_core import events, natsclient, objectstore
+from dsec_core import events, natsclient, objectstore, retention
 from dsec_core.layout import NodeLayout
 from dsec_core.settings import Settings
 from dsec_core.spec.plan import StatePlan
@@ -837,6 +837,25 @@ class StateKeeper:
             with contextlib.suppress(Exception):
                 await self._nc.close()
             self._nc = self._js = None
+        await asyncio.to_thread(self._tidy_journal)
+
+    def _tidy_journal(self) -> None:
+        """Leave nothing in node memory (``/dev/shm``) that a later start would not read:
+        at ``dsec down`` with no sandbox left, the whole journal (its entries are copies of the
+        state stream's); otherwise the directories no journal file is in (a node that never
+        ran a stateful agent leaves none)."""
+        root = self.journal_dir.parent if self.journal_dir.parent.name.startswith("dsec-") else None
+        down = retention.down_marker(self.settings.home).exists() and not self._sandboxes
+        if down:
+            shutil.rmtree(self.journal_dir, ignore_errors=True)
+        elif self.journal_dir.is_dir():
+            for path, _dirs, files in os.walk(self.journal_dir, topdown=False):
+                if not files:
+                    with contextlib.suppress(OSError):  # only when empty
+                        os.rmdir(path)
+        if root is not None:
+            with contextlib.suppress(OSError):  # only when empty
+                root.rmdir()
 
     # ------------------------------------------------------------------ storage
 
