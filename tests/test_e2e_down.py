@@ -78,6 +78,9 @@ def test_down_stops_sandboxes_and_leaves_no_cgroup_program_or_pinned_map(
     # the pins and egress state are this stack's own (per node and home): nothing else is
     # attached there, so the node agent removed them
     assert "removing the pinned maps" in services.log("nodeagent")
-    assert not pin_dir.exists()
+    assert not pin_dir.exists() and not pin_dir.parent.exists()
+    assert not egress_state.parent.exists()  # /run/dsec-<node>-<hash>
+    journals = Settings(node_id="node-1", home=home).state_journal_dir()
+    assert not journals.exists() and not journals.parent.exists()  # /dev/shm/dsec-<node>-<hash>
     assert not (home / "run" / "sandboxes" / f"{sid}.json").exists()
     assert "stopping" in services.log("nodeagent")

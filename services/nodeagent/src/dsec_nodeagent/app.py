@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 from dsec_core.trust import Gate
 
+from dsec_nodeagent import leftovers
 from dsec_nodeagent.agent import NodeAgent
 from dsec_nodeagent.communication import CommunicationPlane
 from dsec_nodeagent.ebpf.controller import EgressController
@@ -173,10 +175,15 @@ def wire(
     gpus.stop_unit = agent.stop_over_gpu_memory
     agent.gpus = gpus
     heartbeat = heartbeat_for(service, agent, gpus)  # joins after the sandboxes were reconciled
+
+    async def sweep_leftovers() -> None:  # of other homes' node agents, long gone
+        mine = service.settings.egress_dirs()[1].parent.name
+        await asyncio.to_thread(leftovers.sweep, mine)
+
     service.on_start.extend(
         [
-            outlet.start, egress.start, keeper.start, comms.start, gpus.start, agent.start,
-            heartbeat.start,
+            sweep_leftovers, outlet.start, egress.start, keeper.start, comms.start, gpus.start,
+            agent.start, heartbeat.start,
         ]
     )  # fmt: skip
     service.on_stop.extend(

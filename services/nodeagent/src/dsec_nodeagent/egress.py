@@ -19,6 +19,7 @@ from dsec_core.stackinfo import stack_endpoints
 from dsec_core.text import bound
 from prometheus_client import REGISTRY
 
+from dsec_nodeagent import leftovers
 from dsec_nodeagent.dns.policy import DnsBounds
 from dsec_nodeagent.ebpf import EgressPlan, Verdict, VerdictEvent
 from dsec_nodeagent.ebpf.controller import EgressController
@@ -105,6 +106,8 @@ class Egress:
     async def start(self) -> None:
         """Load the programs (or re-open the pinned ones) and re-adopt live sandboxes."""
         await self.controller.start()
+        if self._own_state_root is not None:  # whose it is, should this home vanish
+            await asyncio.to_thread(leftovers.claim, self._own_state_root, self.home)
         await self.deny_stack()
         report = await self.controller.reconcile()
         log.info("egress reconciled: adopted %s, removed %s", report.adopted, report.removed)
@@ -151,8 +154,7 @@ class Egress:
             log.info("the stack is down and no sandbox is attached: removing the pinned maps")
             await self.controller.uninstall()
             if self._own_state_root is not None:
-                with contextlib.suppress(OSError):  # only when empty
-                    self._own_state_root.rmdir()
+                leftovers.release(self._own_state_root)
             return
         await self.controller.close()
         if self._collector is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 from functools import cache
 
@@ -55,6 +56,8 @@ def _lib() -> ctypes.CDLL:
     ]
     lib.bpf_prog_detach2.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.ring_buffer__epoll_fd.argtypes = [ctypes.c_void_p]
+    lib.bpf_obj_get.argtypes = [ctypes.c_char_p]
+    lib.bpf_prog_get_next_id.argtypes = [ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32)]
     return lib
 
 
@@ -114,3 +117,22 @@ def detach_prog_id(cgroup_fd: int, attach_type: int, prog_id: int) -> None:
 def ring_buffer_epoll_fd(manager: int) -> int:
     """The epoll fd of a libbpf ``struct ring_buffer`` (BCC's ring buffer manager)."""
     return _check(_lib().ring_buffer__epoll_fd(manager), "ring_buffer__epoll_fd")
+
+
+def obj_get(path: os.PathLike[str] | str) -> int:
+    """A file descriptor of the BPF object pinned at ``path`` (the caller closes it)."""
+    return _check(_lib().bpf_obj_get(os.fsencode(path)), f"bpf_obj_get {path}")
+
+
+def loaded_prog_ids() -> list[int]:
+    """Ids of every BPF program loaded on this machine (attached or held by a process)."""
+    ids: list[int] = []
+    current = ctypes.c_uint32(0)
+    while True:
+        rc = _lib().bpf_prog_get_next_id(current.value, ctypes.byref(current))
+        if rc != 0:
+            err = -rc if rc != -1 else ctypes.get_errno()
+            if err == errno.ENOENT:  # past the last one
+                return ids
+            raise OSError(err, f"bpf_prog_get_next_id: {os.strerror(err)}")
+        ids.append(current.value)

@@ -38,6 +38,7 @@ from dsec_sdk.state import wire
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Histogram
 
+from dsec_nodeagent import leftovers
 from dsec_nodeagent.state import merge
 from dsec_nodeagent.state.merge import split_large
 from dsec_nodeagent.state.sealing import (
@@ -825,6 +826,7 @@ class StateKeeper:
             os.chmod(path, 0o700)
         if self.journal_dir.parent.name.startswith("dsec-"):  # /dev/shm/dsec-<node>-<hash>
             os.chmod(self.journal_dir.parent, 0o700)
+            leftovers.claim(self.journal_dir.parent, self.settings.home)
 
     async def stop(self) -> None:
         for session in list(self._sessions):
@@ -854,8 +856,7 @@ class StateKeeper:
                     with contextlib.suppress(OSError):  # only when empty
                         os.rmdir(path)
         if root is not None:
-            with contextlib.suppress(OSError):  # only when empty
-                root.rmdir()
+            leftovers.release(root)
 
     # ------------------------------------------------------------------ storage
 
