@@ -663,7 +663,9 @@ class S3Server(Server):
     def command(self) -> list[str]:
         master, volume, filer, s3, admin = self.ports
         return [
-            str(self.binary), "mini", f"-dir={self.data_dir}",
+            # -logtostderr: its log goes to the stack's log file only, not also to glog
+            # files in /tmp that no one removes
+            str(self.binary), "-logtostderr", "mini", f"-dir={self.data_dir}",
             "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
             f"-s3.config={self.identities_path}",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
