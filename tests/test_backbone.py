@@ -474,3 +474,41 @@ async def test_a_replay_of_large_messages_asks_within_a_byte_budget(
     assert [seq for seq, _ in got] == seqs
     assert [data for _, data in got] == [bytes([i]) * sizes for i in range(12)]
     assert calls == []  # over several byte budgets, all on the fast path
+
+
+async def test_a_live_reader_of_large_messages_asks_for_fewer_at_a_time(
+    js: JetStreamContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``follow`` (every service's read model and the projector) cannot give nats-py's fetch a
+    byte budget, so it sizes its fetches by the largest message it read lately: what it may
+    make the server queue behind it stays near the budget instead of 512 large events."""
+    from dsec_core import bus
+
+    monkeypatch.setattr(bus, "PULL_MAX_BYTES", 1)  # the floor: twice the server's max_payload
+    size = js._nc.max_payload // 3
+    subject = f"dsec.sandbox.sbx_{uuid.uuid4().hex[:12]}.junk"
+    asked: list[int] = []
+    real_fetch = JetStreamContext.PullSubscription.fetch
+
+    async def fetch(self: JetStreamContext.PullSubscription, n: int, **kwargs: Any) -> Any:
+        asked.append(n)
+        return await real_fetch(self, n, **kwargs)
+
+    monkeypatch.setattr(JetStreamContext.PullSubscription, "fetch", fetch)
+    seqs = [(await js.publish(subject, bytes([i]) * size)).seq for i in range(2)]
+    got: list[tuple[int, bytes]] = []
+    reader = bus.follow(js, filter_subject=subject, start_seq=seqs[0], batch=64, idle_s=0.2)
+    try:
+        async with asyncio.timeout(60):
+            while len(got) < 2:
+                got += await anext(reader)
+            assert asked[0] == 64  # nothing seen yet: the whole batch
+            first = len(asked)
+            seqs += [(await js.publish(subject, bytes([i]) * size)).seq for i in range(2, 20)]
+            while len(got) < len(seqs):
+                got += await anext(reader)
+    finally:
+        await reader.aclose()
+    assert [seq for seq, _ in got] == seqs
+    assert [data for _, data in got] == [bytes([i]) * size for i in range(20)]
+    assert max(asked[first:]) == (2 * js._nc.max_payload) // size  # 6, not 64

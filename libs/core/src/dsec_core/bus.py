@@ -553,10 +553,18 @@ async def follow(
     batch: int = 512,
     idle_s: float = 0.5,
 ) -> AsyncIterator[list[tuple[int, bytes]]]:
-    """Yield batches of ``(stream_seq, data)`` forever; an empty batch after ``idle_s`` idle."""
+    """Yield batches of ``(stream_seq, data)`` forever; an empty batch after ``idle_s`` idle.
+
+    A fetch asks for at most ``batch`` messages, and for fewer once large ones were seen: what
+    it may make the server queue behind this reader stays near ``PULL_MAX_BYTES`` (nats-py's
+    fetch takes no byte budget). Messages lost on the way halve the next fetches until
+    reads are whole again (a burst of large events a reader had not seen yet)."""
     sub = await _subscribe(js, filter_subject, _ordered_config(filter_subject, start_seq))
     next_seq, unavailable_since = start_seq, 0.0
     delivered = 0  # the consumer sequence of the last message read: 1, 2, 3... without holes
+    budget = max(PULL_MAX_BYTES, 2 * int(getattr(js._nc, "max_payload", 0) or 0))
+    largest = 0  # the largest message read lately (decays as smaller ones come)
+    cap = batch  # halved when messages were lost, doubled back after whole reads
 
     async def anew() -> JetStreamContext.PullSubscription:
         # The reader's consumer is gone (it lives in memory, so a NATS restart drops it, and
@@ -573,8 +581,9 @@ async def follow(
 
     try:
         while True:
+            count = max(1, min(cap, budget // largest if largest else batch))
             try:
-                msgs = await sub.fetch(batch, timeout=idle_s)
+                msgs = await sub.fetch(count, timeout=idle_s)
             except TimeoutError:  # nats-py raises both its own and the builtin TimeoutError
                 # An idle fetch is not the end: a slow server or a sparse filter looks the
                 # same. Only report "caught up" when the consumer has nothing pending.
@@ -587,7 +596,7 @@ async def follow(
                 if sent > delivered:
                     # Delivered, never read: lost with a connection (a reconnect, or the server
                     # dropping a slow reader). Not "caught up": read them again.
-                    sub, delivered = await anew(), 0
+                    sub, delivered, cap = await anew(), 0, max(1, cap // 2)
                     continue
                 if info.num_pending:
                     continue
@@ -622,10 +631,14 @@ async def follow(
                     break
                 delivered = number
                 good.append((seq, m.data))
+            if msgs:
+                largest = max(largest // 2, max(len(m.data) for m in msgs))
             if good:
                 next_seq = good[-1][0] + 1
             if hole:
-                sub, delivered = await anew(), 0
+                sub, delivered, cap = await anew(), 0, max(1, cap // 2)
+            elif cap < batch:
+                cap = min(batch, cap * 2)
             yield good
     finally:
         # The caller may close the connection before this generator is finalized.
