@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import BinaryIO, ClassVar
 
 import pytest
+from dsec_core import events
 from dsec_core.layout import NodeLayout
 from dsec_core.objectstore import ensure_bucket, get_bytes, put_bytes
 from dsec_core.spec.plan import PlanEgressRule
@@ -369,3 +370,62 @@ async def test_a_sandbox_records_its_http_calls_and_a_replaying_one_never_reache
     assert (status, marker) == (502, "miss")
     assert "no recorded answer for http call POST /other" in body
     assert hits == ["/chat", "/chat"]  # the replaying sandbox never reached the host
+
+
+TOOL_RECORDER = """
+import os, sys, time
+from dsec_sdk.recording import Recorder, tool_key
+from pathlib import Path
+recorder = Recorder(Path(os.environ["DSEC_RECORD_FILE"]))
+recorder.call_sync(tool_key("records", "users", {"n": 1}), lambda: b"\\x92\\x00\\x90")
+print("recorded one", flush=True)
+while not os.path.exists("/dsec/recording/again"):  # the new node agent runs: go on
+    time.sleep(0.05)
+recorder.call_sync(tool_key("records", "users", {"n": 2}), lambda: b"\\x92\\x01\\x90")
+print("recorded two", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.kernel
+async def test_a_recording_sandbox_that_outlives_its_node_agent_keeps_its_recording(
+    short_home: Path, nats_url: str, s3: S3Info, vault: VaultInfo
+) -> None:
+    """The node agent restarts while a sandbox records (an upgrade, a crash): the sandbox
+    runs on, and at its exit the new node agent saves every call it recorded, before and
+    after the restart; before, the recording was silently lost."""
+    settings = {
+        "s3_endpoint": s3.endpoint,
+        "s3_access_key": s3.access_key,
+        "s3_secret_key": s3.secret_key,
+        "s3_bucket": s3.bucket,
+        "vault_addr": vault.addr,
+        "vault_token": vault.token,
+    }
+    async with NodeAgentHarness(short_home, nats_url, **settings) as first:
+        sid = await first.submit(
+            "outlives", TOOL_RECORDER, "{domain: allowed.test, ports: [443]}",
+            extra="record: {tools: true}\n",
+        )  # fmt: skip
+        await first.wait_for(sid, "sandbox.ready")
+        stdout, stderr = first.agent.manager.log_paths(sid)
+        deadline = asyncio.get_running_loop().time() + 60
+        while "recorded one" not in stdout.read_text():
+            assert asyncio.get_running_loop().time() < deadline, stderr.read_text()[-3000:]
+            await asyncio.sleep(0.05)
+        await first.stop_agent()  # a node agent restart: the sandbox keeps running
+        second = NodeAgentHarness(short_home, nats_url, **settings)
+        async with second:
+            assert second.agent.manager.get(sid) is not None
+            shown = NodeLayout.of(short_home).sandbox(sid).root / "recording" / "sandbox"
+            (shown / "again").write_text("go")  # /dsec/recording/again in the sandbox
+            while "recorded two" not in stdout.read_text():
+                assert asyncio.get_running_loop().time() < deadline + 60, "no second call"
+                await asyncio.sleep(0.05)
+            await second.upstream.user.publish(
+                events.SandboxStopRequested(requested_by="test"), aggregate_id=sid
+            )
+            saved = (await second.wait_for(sid, "recording.saved")).payload
+            exited = await second.wait_for(sid, "sandbox.exited")
+    assert exited.payload["reason"] == "stopped"
+    assert (saved["tool_calls"], saved["http_calls"]) == (2, 0)

@@ -284,17 +284,18 @@ class NodeAgent:
         self._retention = asyncio.create_task(self._retain_forever())
 
     async def _readopt_state(self, sid: str) -> None:
-        """A stateful sandbox that outlived its node agent: registered with this one's keeper
-        again (its agent reconnects), forgotten at its exit; it is not restarted (the config it
-        ran with, secrets included, died with the previous node agent)."""
-        if self.state_keeper is None:
-            return
+        """A sandbox that outlived its node agent. Recording: what it recorded is saved at its
+        exit. Stateful: registered with this one's keeper again (its agent reconnects),
+        forgotten at its exit; it is not restarted (the config it ran with, secrets included,
+        died with the previous node agent)."""
         found = await self._maybe_last("spec.validated", sid)
         validated = found.decoded() if found is not None else None
         running = self.manager.get(sid)
         if not isinstance(validated, events.SpecValidated) or running is None:
             return
-        if validated.plan.state is None:
+        if self.recordings.readopt(sid, validated.plan):
+            log.info("%s: re-adopted while recording; its recording is saved at its exit", sid)
+        if self.state_keeper is None or validated.plan.state is None:
             return
         self._adopted_plans[sid] = validated.plan
         self._register_state(sid, validated.plan, Path(running.ready.cgroup_path), None)

@@ -124,6 +124,19 @@ class Recordings:
             prepared.http = (Recorder(directory / "http.jsonl"), frozenset(plan.record.http))
         return prepared
 
+    def readopt(self, sid: str, plan: EnforcementPlan) -> bool:
+        """A recording sandbox that outlived its node agent: what it recorded so far (its
+        tool calls go on being appended by the SDK; the HTTP calls its proxy recorded before
+        the restart) is saved at its exit, as if nothing happened. Its proxy died with the
+        previous node agent (its HTTPS then fails closed), so no HTTP call is recorded after.
+        Returns whether ``sid`` is recording."""
+        directory = self._dir(sid)
+        if plan.record is None or not directory.is_dir():
+            return False
+        self._record[sid] = (plan.tenant, directory)
+        self._prepared.add(sid)
+        return True
+
     async def finish(self, sid: str) -> events.RecordingSaved | None:
         """Store what ``sid`` recorded (None: it recorded nothing, or is not recording)."""
         found = self._record.pop(sid, None)
