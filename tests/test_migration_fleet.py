@@ -64,6 +64,7 @@ async def test_a_degraded_gpu_moves_its_unit_and_the_operator_moves_it_again(
     js = nc.jetstream()
     pipe = await trust.pipeline(js, dsec_stack.home)
     sid = f"sbx_mig_{uuid.uuid4().hex[:12]}"
+    stateful = f"sbx_mis_{uuid.uuid4().hex[:12]}"
     gpu_nodes = {f"{prefix}-h100-{i}" for i in range(3)}
     try:
         await sim.until(lambda: sim.last("started"), "started", timeout=120)
@@ -174,10 +175,31 @@ async def test_a_degraded_gpu_moves_its_unit_and_the_operator_moves_it_again(
         refused = await gate.check(fields, claim.envelope)
         assert refused is not None and refused[0] == "wrong-node", refused
         assert await gate.placement(sid) == third  # where the log says it runs
+
+        # 6. A drain hands a stateful unit over to another node (no restart) and restarts a
+        #    stateless one elsewhere, as before.
+        await pipe.built(SPEC + "state: {}\n", stateful)
+        [placed] = await _poll(lambda: _of(js, "unit.placed", stateful), "unit.placed")
+        await _poll(lambda: _of(js, "sandbox.ready", stateful), "sandbox.ready (stateful)")
+        drained = placed.payload["node_id"]
+        out = await asyncio.to_thread(
+            dsec_cli, "node", "drain", drained, "--yes", "--json", env=stack_env
+        )
+        assert out.exit_code == 0, out.output
+        [moved] = await _poll(lambda: _of(js, "unit.migrated", stateful), "drain: unit.migrated")
+        [started] = await _of(js, "unit.migration_started", stateful)
+        assert (started.payload["reason"], started.payload["path"]) == ("drain", "handover")
+        assert moved.payload["from_node"] == drained != moved.payload["to_node"]
+        assert await _of(js, "unit.lost", stateful) == []  # moved, not restarted
+        if drained == third:  # the stateless one was there too: restarted elsewhere
+            [lost] = await _poll(lambda: _of(js, "unit.lost", sid), "drain: unit.lost")
+            assert lost.payload["reason"] == "node drained"
+            assert len(await _of(js, "unit.migration_started", sid)) == 2  # none by the drain
     finally:
         await sim.stop()
-        await pipe.builder.publish(
-            events.SandboxFailed(stage="test", reason="test over"), aggregate_id=sid
-        )
+        for dead in (sid, stateful):
+            await pipe.builder.publish(
+                events.SandboxFailed(stage="test", reason="test over"), aggregate_id=dead
+            )
         await nc.close()
         await _until_silent(dsec_cli, stack_env, prefix)

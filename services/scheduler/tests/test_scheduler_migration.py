@@ -10,7 +10,7 @@ from typing import Any
 from dsec_core.events import GpuInfo, NodeInventory, Resources, UnitMigrationFailed
 
 from dsec_scheduler.domain import SchedulerState, Seen
-from dsec_scheduler.migration import RESERVED, Migrator, allows, path_for
+from dsec_scheduler.migration import RESERVED, Migrator, allows, drain_migrates, path_for
 
 GIB = 2**30
 _ids = itertools.count()
@@ -31,6 +31,12 @@ def test_what_the_spec_allows_and_the_path_it_takes() -> None:
     assert path_for({}) == "criu" and path_for({"state": {"restart": "never"}}) == "handover"
     assert path_for({"state": {}, "migration": {"paths": ["criu", "restart"]}}) == "criu"
     assert path_for({"migration": {"paths": ["restart"]}}) == "restart"
+    # a drain hands stateful units over; the others restart elsewhere (no CRIU by default)
+    state = {"restart": "never"}
+    assert drain_migrates({"state": state}) and not drain_migrates({})
+    assert drain_migrates({"state": state, "topology": {"migration": {"on": ["temperature"]}}})
+    assert not drain_migrates({"state": state, "migration": {"paths": ["criu", "restart"]}})
+    assert not drain_migrates({"state": state, "migration": {"enabled": False}})
 
 
 def _placed_on(state: SchedulerState, node: str) -> None:

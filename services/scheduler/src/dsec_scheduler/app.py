@@ -773,6 +773,10 @@ class Scheduler:
                 sbx = self.state.sandboxes.get(sandbox_id)
                 if sbx is None or sbx.holds != node.node_id:
                     continue  # it ended (or moved) while the previous decision was published
+                if not node.lost and await self.migrator.for_drain(
+                    node.node_id, node.drain_event_id, sandbox_id
+                ):
+                    continue  # moved live (hand-over): no restart
                 retry = node.draining or sbx.life.attempt < self.max_placements
                 await self._decide(
                     UnitLost(

@@ -201,6 +201,18 @@ def allows(plan: Mapping[str, Any], reason: str, signal: str | None = None) -> b
     return reason in names or (signal is not None and signal in names)
 
 
+def drain_migrates(plan: Mapping[str, Any]) -> bool:
+    """Whether a drain moves the unit live instead of restarting it elsewhere: when it would be
+    handed over (its state lives in the state plane, and its ``migration.paths`` allow
+    ``handover``). The new copy starts as any sandbox does, every isolation layer on, and takes
+    the state. Others restart on another node, as a drain always did (CRIU would carry the
+    process but not its Landlock domain: docs/migration.md)."""
+    section = _section(plan)
+    if section is False or (isinstance(section, Mapping) and section.get("enabled") is False):
+        return False
+    return path_for(plan) == "handover"
+
+
 def path_for(plan: Mapping[str, Any]) -> MigrationPath:
     """How the node agents move the unit: ``handover`` when the spec keeps its state in the
     state plane (a ``state:`` section), else ``criu``; a section's ``paths`` list narrows it
@@ -308,6 +320,42 @@ class Migrator:
             if not ok:
                 self._quiet[(held.sandbox_id, held.unit)] = time.monotonic()
         return []
+
+    async def for_drain(self, node_id: str, drain_event_id: str, sandbox_id: str) -> bool:
+        """A draining node's sandbox: start moving it live when its spec allows
+        (:func:`drain_migrates`) and it is one unit, all on that node. True while that
+        migration is in flight or was just started; False when the drain must restart it
+        elsewhere instead (not movable, no target, or the migration this drain started for it
+        failed and it still runs there)."""
+        sbx = self.s.state.sandboxes.get(sandbox_id)
+        if sbx is None or sbx.holds != node_id:
+            return False
+        units = self.s.state.units_of(sbx)
+        if len(units) != 1 or units[0].node_id != node_id:
+            return False
+        unit = units[0].unit
+        if self.book.of_unit(sandbox_id, unit) is not None:
+            return True  # moving (this drain's migration, or another's)
+        mid = derive_event_id(drain_event_id, f"migration/{sandbox_id}/{unit}")
+        if self.book.known(mid):
+            return False  # this drain tried, it failed, and it still runs here: restart it
+        plan = await self._plan(sandbox_id)
+        if not drain_migrates(plan):
+            return False
+        causation = await self.s._gate().find(subject_for("node.cordoned", node_id))
+        if causation is None:
+            return False
+        async with self.s._deciding:
+            return await self._start(
+                sandbox_id,
+                unit,
+                mid=mid,
+                reason="drain",
+                to_node=None,
+                causation=causation,
+                detail=f"node {node_id} drained",
+                plan=plan,
+            )
 
     async def tick(self, now: float) -> None:
         """Migrations that got no answer in time, or whose sandbox ended: failed."""
@@ -429,7 +477,9 @@ class Migrator:
                     still_running=refused.still_running,
                 ),
                 aggregate_id=sandbox_id,
-                event_id=derive_event_id(causation.id, f"{FAILED}/{unit}"),
+                # from the migration's id, unique per unit and request: one cause (a degraded
+                # GPU, a drain) may move units of the same name in several sandboxes
+                event_id=derive_event_id(mid, f"{FAILED}/choose"),
                 tenant=tenant,
                 causation=causation,
             )
@@ -454,7 +504,7 @@ class Migrator:
                 )[:500],
             ),
             aggregate_id=sandbox_id,
-            event_id=derive_event_id(causation.id, f"{STARTED}/{unit}"),
+            event_id=derive_event_id(mid, STARTED),
             tenant=sbx.tenant,
             causation=causation,
         )
