@@ -171,6 +171,7 @@ async def bus(
         nc = await connect(
             settings,
             "dsec-cli",
+            fail_fast=True,
             connect_timeout=3,
             max_reconnect_attempts=3,
             allow_reconnect=True,

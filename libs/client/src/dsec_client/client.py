@@ -171,6 +171,7 @@ class DSec:
             self._nc = await connect(
                 self.settings,
                 self._name,
+                fail_fast=True,
                 connect_timeout=3,
                 max_reconnect_attempts=3,
                 allow_reconnect=True,

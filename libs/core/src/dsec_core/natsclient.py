@@ -147,11 +147,47 @@ def nats_options(settings: Settings, *, name: str, **overrides: Any) -> dict[str
     return opts
 
 
-async def connect(settings: Settings, name: str, **overrides: Any) -> NATS:
-    """``nats.connect`` with :func:`nats_options`."""
+async def connect(
+    settings: Settings, name: str, *, fail_fast: bool = False, **overrides: Any
+) -> NATS:
+    """``nats.connect`` with :func:`nats_options`.
+
+    ``fail_fast`` (commands a person waits on): when every server of the URL refuses the TCP
+    connection (nothing listens there: the stack is down), raise ``ConnectionRefusedError`` at
+    once instead of after nats-py's reconnect attempts (seconds). A server that answers, or
+    does not answer in time, is left to nats-py as before."""
     import nats
 
-    return await nats.connect(**nats_options(settings, name=name, **overrides))
+    options = nats_options(settings, name=name, **overrides)
+    if fail_fast and await refused_everywhere(settings.nats_endpoint()):
+        raise ConnectionRefusedError("no NATS server of the URL accepts connections")
+    return await nats.connect(**options)
+
+
+async def refused_everywhere(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether each server of a NATS URL (comma-separated) refuses a TCP connection."""
+    import asyncio
+
+    async def refused(one: str) -> bool:
+        parts = urlsplit(one.strip() if "://" in one else f"nats://{one.strip()}")
+        try:
+            host, port = parts.hostname, parts.port or 4222
+        except ValueError:
+            return False
+        if not host:
+            return False
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+        except ConnectionRefusedError:
+            return True
+        except (OSError, TimeoutError):
+            return False  # unreachable in another way: nats-py says so, as before
+        writer.close()
+        return False
+
+    servers = [u for u in url.split(",") if u.strip()]
+    results = await asyncio.gather(*(refused(u) for u in servers))
+    return bool(servers) and all(results)
 
 
 def broker_options(settings: Settings, *, name: str, **overrides: Any) -> dict[str, Any]:

@@ -1,0 +1,42 @@
+"""A command a person waits on learns at once that nothing listens at the NATS URL."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+from dsec_core.natsclient import connect, refused_everywhere
+from dsec_core.settings import Settings
+
+pytestmark = pytest.mark.unit
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # closed once this returns: nothing listens
+
+
+async def test_only_a_url_whose_every_server_refuses_is_refused() -> None:
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    listening = server.sockets[0].getsockname()[1]
+    closed = _closed_port()
+    try:
+        assert await refused_everywhere(f"nats://127.0.0.1:{closed}")
+        assert await refused_everywhere(f"nats://u:p@127.0.0.1:{closed},127.0.0.1:{closed}")
+        assert not await refused_everywhere(f"nats://127.0.0.1:{listening}")
+        assert not await refused_everywhere(
+            f"nats://127.0.0.1:{closed},nats://127.0.0.1:{listening}"
+        )  # one server up: nats-py connects to it
+        assert not await refused_everywhere("nats://127.0.0.1:notaport")  # nats-py says why
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_fail_fast_raises_connection_refused_instead_of_retrying(tmp_path: Path) -> None:
+    settings = Settings(nats_url=f"nats://127.0.0.1:{_closed_port()}", home=tmp_path)
+    with pytest.raises(ConnectionRefusedError, match="no NATS server"):
+        await connect(settings, "test", fail_fast=True, max_reconnect_attempts=3)
