@@ -569,3 +569,28 @@ async def test_stopping_leaves_no_empty_journal_dirs_and_dsec_down_leaves_none(
     retention.down_marker(settings.home).touch()
     await keeper.stop()  # `dsec down`: nothing stays in node memory
     assert not root.exists() and (tmp_path / "shm").is_dir()
+
+
+def test_a_journal_directory_someone_else_made_in_dev_shm_is_refused(tmp_path: Path) -> None:
+    # /dev/shm is writable by every user: another one may make our directory first.
+    import os
+
+    from dsec_nodeagent.state.keeper import StateError
+
+    settings = Settings(home=tmp_path / "home", node_id="node-t")
+    planted = tmp_path / "shm" / "dsec-node-t-12345678"
+    planted.mkdir(parents=True, mode=0o777)
+    os.chown(planted, 65534, 65534)  # nobody's
+    keeper = StateKeeper(settings, journal_dir=planted / "state", warm_dir=tmp_path / "warm")
+    with pytest.raises(StateError, match="uid 65534, not this node agent's"):
+        keeper._private_dirs()
+    assert list(planted.iterdir()) == []  # nothing of ours went into it
+    planted.rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    planted.symlink_to(tmp_path / "elsewhere")  # a link to a directory it controls
+    with pytest.raises(StateError, match="not a directory"):
+        keeper._private_dirs()
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    planted.unlink()
+    keeper._private_dirs()  # its own: made private
+    assert oct(planted.stat().st_mode & 0o777) == oct(0o700)

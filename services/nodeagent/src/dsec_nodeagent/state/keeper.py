@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -820,13 +821,30 @@ class StateKeeper:
                 self._keys = TenantKeys(str(addr), str(token))
 
     def _private_dirs(self) -> None:
-        """The journal (plain, on tmpfs) and the warm snapshots: the node agent's alone."""
+        """The journal (plain, on tmpfs) and the warm snapshots: the node agent's alone.
+
+        ``/dev/shm`` is writable by every user of the node: a ``dsec-<node>-<hash>`` directory
+        someone else made there first (or a link) would let them read or swap the journals,
+        so the node agent refuses to start on one instead of using it."""
+        root = self.journal_dir.parent
+        if root.name.startswith("dsec-"):  # /dev/shm/dsec-<node>-<hash>
+            root.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(root, 0o700)
+            st = os.lstat(root)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
+                raise StateError(
+                    "unsafe-journal-dir",
+                    f"{root} is {kind} of uid {st.st_uid}, not this node agent's (uid "
+                    f"{os.geteuid()}): another user may have made it to read or replace the "
+                    "state journals; remove it and start again",
+                )
+            os.chmod(root, 0o700)
+            leftovers.claim(root, self.settings.home)
         for path in (self.journal_dir, self.warm_dir):
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(path, 0o700)
-        if self.journal_dir.parent.name.startswith("dsec-"):  # /dev/shm/dsec-<node>-<hash>
-            os.chmod(self.journal_dir.parent, 0o700)
-            leftovers.claim(self.journal_dir.parent, self.settings.home)
 
     async def stop(self) -> None:
         for session in list(self._sessions):
