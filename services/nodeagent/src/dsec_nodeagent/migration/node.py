@@ -265,7 +265,7 @@ class Migrations:
             return [self._failed(event, "checkpoint", problem, True)]
         work = Path("/dev/shm") / f"dsec-migrate-{self.node_id}-{event.migration_id}"
         shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
+        work.mkdir(mode=0o700)  # the sandbox's memory and files; /dev/shm is everyone's
         frozen = False
         channel: _Channel | None = None
         init_pid = int(sandbox.state["init_pid"])
@@ -603,7 +603,7 @@ class Migrations:
         box = Box(key, PublicKey(bytes(frame["key"])))
         work = Path("/dev/shm") / f"dsec-restore-{self.node_id}-{mid}"
         shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
+        work.mkdir(mode=0o700)  # the sandbox's memory and files; /dev/shm is everyone's
         self._sessions[mid] = _Session(mid, sid, started, box, work)
         assert self.service.publisher is not None
         signer = self.service.publisher.signer
