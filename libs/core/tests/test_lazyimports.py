@@ -73,3 +73,25 @@ def test_a_module_imported_before_dsec_core_is_left_as_it_is() -> None:
         """
     )
     assert out == "True True"
+
+
+def test_nats_loads_aiohttp_only_for_a_websocket_and_others_get_the_real_one() -> None:
+    """nats-py imports aiohttp for its WebSocket transport alone: connecting over TCP does not
+    load it; the transport still finds it when asked, and a plain import is the real one."""
+    out = run(
+        """
+        import sys
+        import dsec_core
+        import nats
+        from nats.aio import transport
+        assert "aiohttp" not in sys.modules, "loaded with nats"
+        assert transport.aiohttp  # (nats-py checks this before a WebSocket transport)
+        session_class = transport.aiohttp.ClientSession  # first use: the real aiohttp
+        import aiohttp
+        assert session_class is aiohttp.ClientSession
+        assert not getattr(aiohttp, "_dsec_stand_in", False)
+        from aiohttp import web  # a submodule, as the metrics endpoint imports it
+        print(transport.aiohttp.WSMsgType.BINARY is aiohttp.WSMsgType.BINARY)
+        """
+    )
+    assert out == "True"

@@ -9,9 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dsec_core.lazyimports import defer_minio_admin_crypto
+from dsec_core.lazyimports import defer_minio_admin_crypto, defer_nats_websocket
 
 defer_minio_admin_crypto()
+defer_nats_websocket()
 
 if TYPE_CHECKING:
     from dsec_core.envelope import Envelope, decode, encode

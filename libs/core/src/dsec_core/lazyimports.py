@@ -11,6 +11,11 @@ their use at idle justifies:
   works if anyone calls it.
 - ``hvac`` (with ``requests``) is needed only when a sandbox asks for a secret or a key:
   :class:`DeferredModule` stands for a module and imports it on its first attribute read.
+- ``nats-py``'s transport module imports ``aiohttp`` (a fifth of a second, and megabytes) for
+  its WebSocket transport alone; DSec connects over TCP. :func:`defer_nats_websocket` (called
+  when ``dsec_core`` is imported) gives that one module a stand-in that loads the real
+  ``aiohttp`` on first use (a ``ws://`` server); every other ``import aiohttp`` gets the real
+  one. Every CLI command that talks to the bus starts that much sooner.
 """
 
 from __future__ import annotations
@@ -120,3 +125,66 @@ def defer_minio_admin_crypto() -> None:
         if "minio" in sys.modules or _finder in sys.meta_path or _finder.real_wanted:
             return
         sys.meta_path.insert(0, _finder)
+
+
+class _NatsTransportLoader(importlib.abc.Loader):
+    """Runs ``nats.aio.transport`` with a stand-in ``aiohttp`` in ``sys.modules``, removed
+    right after: the module keeps the stand-in; nobody else sees it."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        created: types.ModuleType | None = self._real.create_module(spec)
+        return created
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        with _lock:
+            if "aiohttp" in sys.modules:  # loaded already: nothing to save
+                self._real.exec_module(module)
+                return
+            stand_in = types.ModuleType("aiohttp", "Stand-in: aiohttp loads on first use.")
+            stand_in._dsec_stand_in = True  # type: ignore[attr-defined]
+            stand_in.__getattr__ = _real_aiohttp_attr  # type: ignore[method-assign]
+            sys.modules["aiohttp"] = stand_in
+            try:
+                self._real.exec_module(module)
+            finally:
+                if sys.modules.get("aiohttp") is stand_in:
+                    del sys.modules["aiohttp"]
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename...: the real loader's
+        return getattr(self._real, name)
+
+
+def _real_aiohttp_attr(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return getattr(importlib.import_module("aiohttp"), name)
+
+
+class _DeferNatsWebsocket(importlib.abc.MetaPathFinder):
+    """Finds ``nats.aio.transport`` as the path finder does, with :class:`_NatsTransportLoader`
+    around its loader."""
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "nats.aio.transport":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _NatsTransportLoader(spec.loader)
+        return spec
+
+
+_nats_finder = _DeferNatsWebsocket()
+
+
+def defer_nats_websocket() -> None:
+    """Give ``nats.aio.transport`` its stand-in ``aiohttp``, unless it is loaded already."""
+    with _lock:
+        if "nats.aio.transport" in sys.modules or _nats_finder in sys.meta_path:
+            return
+        sys.meta_path.insert(0, _nats_finder)
