@@ -26,6 +26,7 @@ from dsec_core.events import (
     SandboxStopRequested,
     SpecSubmitted,
 )
+from dsec_core.signing import Signer
 from dsec_testing.trust import Producer, certified
 from nacl.signing import SigningKey
 
@@ -167,6 +168,10 @@ def _log(seed: int) -> list[bytes]:
                 lock_hash="l", fingerprint="f", object_key="k", digest="d", size_bytes=1, reused=1
             )
             wires.append(builder.signer.seal(built, aggregate_id=sandbox).wire)
+        elif roll < 0.61:  # the agent's key under another producer's name (a new chain)
+            impostor = Signer("scheduler", agent.signer._key)
+            exited = SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+            wires.append(impostor.seal(exited, aggregate_id=sandbox).wire)
         elif roll < 0.63:  # a user speaking for another tenant
             stop = SandboxStopRequested(requested_by="mallory")
             wires.append(other.signer.seal(stop, aggregate_id=sandbox).wire)
@@ -228,6 +233,25 @@ def test_a_payloads_odd_node_id_gets_the_same_verdict(
     monkeypatch.setattr(Verifier, "_fast", lambda *args: False)
     assert _full(fast) == _full(verify_stream(numbered, ANCHOR))
     assert fast.injected  # refused: a node agent speaking for another node
+
+
+def test_a_chain_opened_by_a_refused_event_counts_once_the_fast_path_takes_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The report's chain count includes chains whose events were all refused (a certified
+    key under another producer's name), as of the next event taken, whichever path takes it."""
+    agent = certified(ROOT, "nodeagent", node_id="n1")
+    impostor = Signer("scheduler", agent.signer._key)
+    exited = SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+    wires = [agent.registration()]
+    wires += [agent.signer.seal(exited, aggregate_id="sbx_1").wire for _ in range(3)]
+    wires.append(impostor.seal(exited, aggregate_id="sbx_1").wire)
+    wires += [agent.signer.seal(exited, aggregate_id="sbx_1").wire for _ in range(3)]
+    numbered = list(enumerate(wires, start=1))
+    fast = verify_stream(numbered, ANCHOR)
+    monkeypatch.setattr(Verifier, "_fast", lambda *args: False)
+    assert _full(fast) == _full(verify_stream(numbered, ANCHOR))
+    assert fast.chains == 2 and len(fast.injected) == 1
 
 
 def test_the_seeded_logs_hold_what_the_fast_path_must_leave_alone() -> None:
