@@ -93,6 +93,9 @@ def refusal(fields: Mapping[str, Any], cert: Certificate) -> str | None:
     """Why the producer holding ``cert`` may not emit this envelope; ``None`` when it may.
 
     ``fields`` is the envelope as a mapping (``type``, ``producer``, ``tenant``, ``payload``).
+    The audit verifier remembers verdicts by the type, key, producer, tenant and payload
+    ``node_id`` (:meth:`dsec_core.audit.Verifier._fast`, leaving the migration and key types
+    to its full path): a rule reading another payload field must be added there too.
     """
     event_type = fields.get("type")
     allowed = PRODUCERS.get(str(event_type))

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -853,6 +854,22 @@ def _ack_seqs_bytes(reply: bytes) -> tuple[int, int]:
     raise ValueError("unexpected JetStream ack subject")
 
 
+_TOKEN = rb"[^ .\r\n]+"
+_DATA_LINE = re.compile(
+    rb"(H?)MSG [^ \r\n]+ ([^ \r\n]+) \$JS\.ACK\."
+    + rb"\.".join([_TOKEN] * 3)
+    + rb"\.([0-9]+)\.([0-9]+)\."
+    + _TOKEN
+    + rb"\."
+    + _TOKEN
+    + rb"(?: ([0-9]+))? ([0-9]+)\r\n"
+)
+"""A replay's data message's control line, as the server writes it, in one match (no split):
+``MSG <subject> <sid> <ack subject> <size>`` or ``HMSG ... <header size> <size>``, the ack
+subject in its 9-token layout (stream and consumer sequences the 4th and 5th numbers). What it
+does not match goes the general way (:meth:`_ReplayTap.parse`), which reads the same values."""
+
+
 class _ReplayTap:
     """Stands in for a connection's protocol parser while :func:`_pulled` reads.
 
@@ -921,7 +938,23 @@ class _ReplayTap:
         else:
             buf = bytes(data)
         end, pos, sid, sink, inner = len(buf), 0, self.sid, self._sink, self._inner
+        match = _DATA_LINE.match
         while pos < end:
+            line = match(buf, pos)
+            if line is not None:
+                # The common frame, read in one match: the values the general way reads below.
+                hmsg, line_sid, seq_text, delivered_text, header, size = line.groups()
+                if line_sid == sid and (header is not None) == (hmsg == b"H"):
+                    seq = int(seq_text)
+                    body = line.end()
+                    frame = body + int(size) + 2
+                    if seq and frame <= end and not self.hole:
+                        delivered = int(delivered_text)
+                        if delivered == self.delivered + 1:
+                            self.delivered = delivered
+                            sink.append((seq, buf[body + int(header or 0) : frame - 2]))
+                            pos = frame
+                            continue
             eol = buf.find(b"\r\n", pos)
             if eol < 0:
                 break

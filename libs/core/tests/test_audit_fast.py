@@ -1,0 +1,296 @@
+"""The verifier's fast path (:meth:`dsec_core.audit.Verifier._fast`: the envelope decoded by
+msgspec into a struct, the payload by MessagePack, authorization verdicts remembered) reports
+exactly what the full path (every envelope decoded by MessagePack into a dict) reports.
+
+Seeded logs mix authentic events of several roles with forged, unauthorized, replayed,
+reordered and re-encoded ones (the same values written another way: a duplicate key, a
+non-minimal header, an extra field, a bool for an int, bytes for a string, trailing bytes,
+foreign types in the payload), and each is verified twice: as shipped, and with the fast path
+turned off.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+from typing import Any
+
+import msgpack
+import pytest
+from dsec_core import audit, canonical, signing
+from dsec_core.audit import Verifier, VerifyReport, verify_stream
+from dsec_core.events import (
+    EnvBuilt,
+    SandboxExited,
+    SandboxScheduled,
+    SandboxStopRequested,
+    SpecSubmitted,
+)
+from dsec_core.signing import Signer
+from dsec_testing.trust import Producer, certified
+from nacl.signing import SigningKey
+
+pytestmark = pytest.mark.unit
+
+ROOT = SigningKey.generate()
+ANCHOR = bytes(ROOT.verify_key)
+
+
+def _pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _map(items: list[tuple[Any, Any]], *, wide: bool = False) -> bytes:
+    """A MessagePack map of ``items`` as given (duplicates, order and header kept)."""
+    wide = wide or len(items) >= 16
+    head = struct.pack(">BH", 0xDE, len(items)) if wide else bytes([0x80 | len(items)])
+    return head + b"".join(_pack(k) + _pack(v) for k, v in items)
+
+
+def _variant(wire: bytes, rng: random.Random) -> bytes:
+    """The same envelope (its signature kept) written in one of the ways a forger or a
+    broken client might: some decode to the same values, some do not decode, some to others."""
+    try:
+        fields = canonical.unpack(wire)
+    except ValueError:  # a variant already (a replayed copy of one)
+        return wire + b"\xc0"
+    items = sorted(fields.items())
+    how = rng.randrange(12)
+    if how == 0:  # non-minimal map header: the same values
+        return _map(items, wide=True)
+    if how == 1:  # a duplicate key, the last one the real value
+        return _map([("id", "decoy"), *items])
+    if how == 2:  # a duplicate key, the last one another value
+        return _map([*items, ("tenant", "team-b")])
+    if how == 3:  # a field no producer writes
+        return _map([*items, ("extra", 1)])
+    if how == 4:  # a bool where an int goes
+        return _map([(k, bool(v) if k == "chain_seq" else v) for k, v in items])
+    if how == 5:  # bytes where a string goes
+        return _map([(k, v.encode() if k == "id" and isinstance(v, str) else v) for k, v in items])
+    if how == 6:  # trailing bytes
+        return wire + b"\xc0"
+    if how == 7:  # an int key inside the payload (MessagePack's strict decode refuses it)
+        inner = sorted(fields["payload"].items())
+        payload = bytes([0x80 | (len(inner) + 1)]) + _map(inner)[1:] + _pack(7) + _pack("x")
+        rest = [(k, v) for k, v in items if k != "payload"]
+        return (
+            struct.pack(">BH", 0xDE, len(items))
+            + _map(rest, wide=True)[3:]
+            + _pack("payload")
+            + payload
+        )
+    if how == 8:  # a node id that is no string
+        payload = {**fields["payload"], "node_id": rng.choice([1, True, ["n1"], None])}
+        return _map([(k, payload if k == "payload" else v) for k, v in items])
+    if how == 9:  # a causation id that is no string
+        return _map([(k, 5 if k == "causation_id" else v) for k, v in items])
+    if how == 10:  # an ext type in the payload
+        payload = {**fields["payload"], "node_id": msgpack.ExtType(5, b"n1")}
+        return _map([(k, payload if k == "payload" else v) for k, v in items])
+    return _map([(k, v) for k, v in items if k != rng.choice(["aggregate", "time", "subject"])])
+
+
+def _odd(
+    p: Producer, wire: bytes, rng: random.Random, ids: list[str], how: int | None = None
+) -> bytes:
+    """``wire`` (just sealed by ``p``) with a field changed and signed again by ``p`` in the
+    same chain position (the chain goes on from it): an authentic event of a broken or
+    malicious producer, which the verifier must take or refuse the same way on both paths."""
+    fields = canonical.unpack(wire)
+    payload = fields["payload"]
+    how = rng.randrange(10) if how is None else how
+    if how == 0:
+        fields["chain_seq"] = bool(fields["chain_seq"])
+    elif how == 1:
+        fields["id"] = fields["id"].encode()
+    elif how == 2:
+        payload["node_id"] = rng.choice([1, True, ["n1"], msgpack.ExtType(5, b"n1"), None])
+    elif how == 3:
+        payload["node_id"] = rng.choice(["n1", "n2"])
+    elif how == 4:
+        fields["causation_id"] = rng.choice([5, rng.choice(ids) if ids else None])
+    elif how == 5:
+        fields["extra"] = 1
+    elif how == 6:
+        del fields[rng.choice(["aggregate", "time", "subject", "correlation_id"])]
+    elif how == 7 and ids:  # an event id it emitted before (it acted on a replay)
+        fields["id"] = rng.choice(ids)
+    elif how == 8:
+        fields["payload"] = rng.choice([[], None, "x", 1])
+    else:
+        fields["tenant"] = rng.choice(["default", "team-b", "system"])
+    fields["sig"] = p.signer._key.sign(signing.signed_bytes(fields)).signature.hex()
+    odd = _map(sorted(fields.items(), key=lambda kv: str(kv[0])), wide=rng.random() < 0.5)
+    p.signer._prev = signing.envelope_hash(odd)
+    return odd
+
+
+def _log(seed: int) -> list[bytes]:
+    rng = random.Random(seed)
+    agent = certified(ROOT, "nodeagent", node_id="n1")
+    agent2 = certified(ROOT, "nodeagent", subject="nodeagent-2", node_id="n2")
+    scheduler = certified(ROOT, "scheduler")
+    builder = certified(ROOT, "builder")
+    user = certified(ROOT, "user", tenant="default")
+    other = certified(ROOT, "user", tenant="team-b")
+    producers: list[Producer] = [agent, agent2, scheduler, builder, user, other]
+    wires = [p.registration() for p in producers]
+    authentic: list[bytes] = []
+    ids: list[str] = []
+    variant = False
+    for i in range(rng.randint(60, 160)):
+        if i and len(wires) > len(producers) and not variant:
+            authentic.append(wires[-1])  # (a replayed copy counts too: it decodes)
+        variant = False
+        sandbox = f"sbx_{i % 6}"
+        roll = rng.random()
+        if roll < 0.35:
+            node_agent = agent if rng.random() < 0.8 else agent2
+            exited = SandboxExited(exit_code=0, reason="ok", duration_s=float(i))
+            wires.append(node_agent.signer.seal(exited, aggregate_id=sandbox).wire)
+            if rng.random() < 0.15:
+                wires[-1] = _odd(node_agent, wires[-1], rng, ids)
+            else:
+                ids.append(canonical.unpack(wires[-1])["id"])
+        elif roll < 0.45:
+            stop = SandboxStopRequested(requested_by="alice")
+            wires.append(user.signer.seal(stop, aggregate_id=sandbox).wire)
+        elif roll < 0.5:
+            submitted = SpecSubmitted(spec_yaml="x")
+            signer = (user if rng.random() < 0.7 else other).signer
+            wires.append(signer.seal(submitted, aggregate_id=sandbox).wire)
+        elif roll < 0.55:
+            placed = SandboxScheduled(node_id=rng.choice(["n1", "n2"]))
+            wires.append(scheduler.signer.seal(placed, aggregate_id=sandbox).wire)
+        elif roll < 0.6:
+            built = EnvBuilt(
+                lock_hash="l", fingerprint="f", object_key="k", digest="d", size_bytes=1, reused=1
+            )
+            wires.append(builder.signer.seal(built, aggregate_id=sandbox).wire)
+        elif roll < 0.61:  # the agent's key under another producer's name (a new chain)
+            impostor = Signer("scheduler", agent.signer._key)
+            exited = SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+            wires.append(impostor.seal(exited, aggregate_id=sandbox).wire)
+        elif roll < 0.63:  # a user speaking for another tenant
+            stop = SandboxStopRequested(requested_by="mallory")
+            wires.append(other.signer.seal(stop, aggregate_id=sandbox).wire)
+        elif roll < 0.8 and authentic:  # an authentic event written another way
+            wires.append(_variant(rng.choice(authentic), rng))
+            variant = True
+        elif roll < 0.85 and len(wires) > 7:  # replayed
+            wires.append(wires[rng.randrange(6, len(wires))])
+    if rng.random() < 0.4 and authentic:  # re-encoded in place: the chain after it breaks
+        at = wires.index(rng.choice(authentic))
+        wires[at] = _variant(wires[at], rng)
+    return wires
+
+
+def _full(report: VerifyReport) -> tuple[object, ...]:
+    return (
+        report.finding,
+        report.injected,
+        report.events,
+        report.producers,
+        report.chains,
+        report.first_seq,
+        report.last_seq,
+    )
+
+
+@pytest.mark.parametrize("every", [1, 4, 256])
+@pytest.mark.parametrize("seed", range(24))
+def test_the_fast_path_reports_what_the_full_path_reports(
+    seed: int, every: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    numbered = list(enumerate(_log(seed), start=1))
+    fast = verify_stream(numbered, ANCHOR, signature_every=every)
+    monkeypatch.setattr(Verifier, "_fast", lambda *args: False)
+    full = verify_stream(numbered, ANCHOR, signature_every=every)
+    assert _full(fast) == _full(full)
+
+
+@pytest.mark.parametrize("node", [1, True, ["n1"], msgpack.ExtType(5, b"n1"), "n2"])
+def test_a_payloads_odd_node_id_gets_the_same_verdict(
+    node: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Authorization verdicts are remembered by the values they read: a node id that is no
+    string (an equal 1 and True, an unhashable list) must not share or break them."""
+    agent = certified(ROOT, "nodeagent", node_id="n1")
+    wires = [agent.registration()]
+    for i, value in enumerate([None, node, 1, True, None, node]):
+        exited = SandboxExited(exit_code=0, reason="ok", duration_s=float(i))
+        wire = agent.signer.seal(exited, aggregate_id="sbx_1").wire
+        if value is not None:
+            fields = canonical.unpack(wire)
+            fields["payload"]["node_id"] = value
+            fields["sig"] = agent.signer._key.sign(signing.signed_bytes(fields)).signature.hex()
+            wire = _map(sorted(fields.items()))
+            agent.signer._prev = signing.envelope_hash(wire)
+        wires.append(wire)
+    numbered = list(enumerate(wires, start=1))
+    fast = verify_stream(numbered, ANCHOR)
+    monkeypatch.setattr(Verifier, "_fast", lambda *args: False)
+    assert _full(fast) == _full(verify_stream(numbered, ANCHOR))
+    assert fast.injected  # refused: a node agent speaking for another node
+
+
+def test_a_chain_opened_by_a_refused_event_counts_once_the_fast_path_takes_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The report's chain count includes chains whose events were all refused (a certified
+    key under another producer's name), as of the next event taken, whichever path takes it."""
+    agent = certified(ROOT, "nodeagent", node_id="n1")
+    impostor = Signer("scheduler", agent.signer._key)
+    exited = SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+    wires = [agent.registration()]
+    wires += [agent.signer.seal(exited, aggregate_id="sbx_1").wire for _ in range(3)]
+    wires.append(impostor.seal(exited, aggregate_id="sbx_1").wire)
+    wires += [agent.signer.seal(exited, aggregate_id="sbx_1").wire for _ in range(3)]
+    numbered = list(enumerate(wires, start=1))
+    fast = verify_stream(numbered, ANCHOR)
+    monkeypatch.setattr(Verifier, "_fast", lambda *args: False)
+    assert _full(fast) == _full(verify_stream(numbered, ANCHOR))
+    assert fast.chains == 2 and len(fast.injected) == 1
+
+
+def test_the_seeded_logs_hold_what_the_fast_path_must_leave_alone() -> None:
+    reasons: set[str] = set()
+    for seed in range(16):
+        report = verify_stream(list(enumerate(_log(seed), start=1)), ANCHOR)
+        reasons |= {i.reason.split(":")[0] for i in report.injected}
+        if report.finding is not None:
+            reasons.add("finding")
+    assert {"malformed", "unauthorized", "replayed", "bad-signature", "finding"} <= reasons
+
+
+def test_authentic_events_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every event of a plain log after the first of each chain (its registration, the first
+    sight of its route) goes the fast way: the speed this file guards is real."""
+    agent = certified(ROOT, "nodeagent", node_id="n1")
+    wires = [agent.registration()]
+    for i in range(300):
+        exited = SandboxExited(exit_code=0, reason="ok", duration_s=float(i))
+        wires.append(agent.signer.seal(exited, aggregate_id=f"sbx_{i % 3}").wire)
+    taken = []
+    real = Verifier._fast
+
+    def counting(self: Verifier, *args: Any) -> bool:
+        took = real(self, *args)
+        taken.append(took)
+        return took
+
+    monkeypatch.setattr(Verifier, "_fast", counting)
+    report = verify_stream(list(enumerate(wires, start=1)), ANCHOR)
+    assert report.ok and report.events == 301
+    assert taken.count(True) == 300 - 3  # all but the first of each sandbox's route
+
+
+def test_the_struct_names_every_field_a_signer_writes() -> None:
+    """A field the signer writes that the struct does not know would send every event the
+    full way (msgspec refuses unknown fields): the struct and the envelope agree."""
+    agent = certified(ROOT, "nodeagent", node_id="n1")
+    wire = agent.signer.seal(
+        SandboxExited(exit_code=0, reason="ok", duration_s=1.0), aggregate_id="sbx_1"
+    ).wire
+    assert set(canonical.unpack(wire)) == set(audit._Envelope.__struct_fields__)
