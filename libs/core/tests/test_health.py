@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import socket
 import time
 
 import aiohttp
@@ -106,3 +107,40 @@ async def test_the_endpoint_answers_scrapers_and_refuses_the_rest_with_a_status(
     finally:
         await asyncio.wait_for(server.stop(), 5)
     idle.close()
+
+
+async def test_clients_that_never_read_their_answers_cannot_keep_the_endpoint_from_probes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Pipelined requests whose answers are never read fill the socket buffers: the server's
+    # write then waits, and a connection it never gives up counts against the limit forever.
+    from dsec_core import metrics
+
+    monkeypatch.setattr(metrics, "_WRITE_TIMEOUT_S", 0.5, raising=False)
+    monkeypatch.setattr(metrics, "_MAX_CONNECTIONS", 4)  # as with 64, in less time
+    server = MetricsServer("probe", "1.2", lambda: True)
+    port = await server.start(0)
+    hogs: list[socket.socket] = []
+    try:
+        pipelined = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 4000
+        for _ in range(metrics._MAX_CONNECTIONS):
+            hog = socket.socket()
+            hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            hog.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(hog, ("127.0.0.1", port))
+            await asyncio.get_running_loop().sock_sendall(hog, pipelined)
+            hogs.append(hog)
+        deadline = asyncio.get_running_loop().time() + 60
+        while True:  # a probe gets its answer once the stuck connections were given up
+            try:
+                answer = await _raw(port, b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+            except (OSError, TimeoutError):
+                answer = b""
+            if answer.startswith(b"HTTP/1.1 200 "):
+                break
+            assert asyncio.get_running_loop().time() < deadline, "probes are refused for good"
+            await asyncio.sleep(0.2)
+    finally:
+        for hog in hogs:
+            hog.close()
+        await asyncio.wait_for(server.stop(), 5)

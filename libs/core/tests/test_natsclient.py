@@ -40,3 +40,25 @@ async def test_fail_fast_raises_connection_refused_instead_of_retrying(tmp_path:
     settings = Settings(nats_url=f"nats://127.0.0.1:{_closed_port()}", home=tmp_path)
     with pytest.raises(ConnectionRefusedError, match="no NATS server"):
         await connect(settings, "test", fail_fast=True, max_reconnect_attempts=3)
+
+
+async def test_the_port_probed_is_the_one_nats_py_connects_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A WebSocket URL without a port is port 80 (443 for wss) to nats-py, not 4222: probing
+    # 4222, where nothing listens, called a working server unreachable.
+    probed: list[tuple[str, int]] = []
+
+    async def refuse(host: str, port: int, **_: object) -> None:
+        probed.append((host, port))
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(asyncio, "open_connection", refuse)
+    for url in ("ws://nats.example", "wss://u:p@nats.example", "tls://nats.example", "h"):
+        await refused_everywhere(url)
+    assert probed == [
+        ("nats.example", 80),
+        ("nats.example", 443),
+        ("nats.example", 4222),
+        ("h", 4222),
+    ]

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,3 +84,49 @@ def test_a_directory_holding_only_its_owner_file_is_released(tmp_path: Path) -> 
     (directory / "egress").rmdir()
     leftovers.release(directory)
     assert not directory.exists()
+
+
+def test_an_owner_file_another_user_made_a_fifo_does_not_hold_up_the_start(
+    tmp_path: Path,
+) -> None:
+    # /dev/shm is everyone's: a local user makes a node-like directory whose owner is a FIFO
+    shm, run = tmp_path / "shm", tmp_path / "run"
+    run.mkdir()
+    planted = shm / "dsec-evil-12345678"
+    planted.mkdir(parents=True)
+    os.mkfifo(planted / leftovers.OWNER)
+    done = threading.Event()
+    worker = threading.Thread(
+        target=lambda: (leftovers.sweep("dsec-me-00000000", shm=shm, run=run), done.set()),
+        daemon=True,
+    )
+    worker.start()
+    try:
+        assert done.wait(30), "the sweep (and so the node agent's start) waits on the FIFO"
+    finally:
+        if not done.is_set():  # let the blocked reader go
+            os.close(os.open(planted / leftovers.OWNER, os.O_WRONLY | os.O_NONBLOCK))
+            worker.join(10)
+
+
+def test_a_home_that_cannot_be_looked_at_now_is_not_a_vanished_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A home on NFS with root_squash (EACCES for root), a stale handle (ESTALE) or a failing
+    # disk (EIO) is still someone's: only "no such file" says the home is gone.
+    shm, run = tmp_path / "shm", tmp_path / "run"
+    run.mkdir()
+    home = tmp_path / "nfs-home"
+    home.mkdir()
+    live = node_dir(shm, "dsec-node-2-aaaaaaaa", home)
+    real_stat = os.stat
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if os.fspath(path) == str(home):
+            raise PermissionError(13, "Permission denied", str(home))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    swept = leftovers.sweep("dsec-me-00000000", shm=shm, run=run)
+    monkeypatch.undo()
+    assert swept.journals == [] and (live / "state").is_dir()

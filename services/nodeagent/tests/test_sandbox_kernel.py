@@ -610,3 +610,46 @@ def test_mounts_below_a_path_are_found_with_odd_names(tmp_path: Path) -> None:
         assert syscalls.mounts_below(str(odd)) == []
     finally:
         subprocess.run(["umount", "-l", str(odd)], check=True)
+
+
+_FALLBACK_BIND = r"""
+import errno, os, sys
+from dsec_nodeagent.sandbox import init, syscalls
+
+def no_mount_setattr(target, attrs):
+    raise OSError(errno.ENOSYS, "mount_setattr: not on this kernel")
+
+if sys.argv[1] == "fallback":
+    syscalls.mount_setattr_recursive = no_mount_setattr
+src, dst = sys.argv[2], sys.argv[3]
+os.makedirs(dst)
+init._bind(src, dst, ro=False)
+try:
+    open(os.path.join(dst, "inner", "new.txt"), "w").close()
+    print("writable")
+except OSError as exc:
+    print(errno.errorcode[exc.errno])
+"""
+
+
+@pytest.mark.parametrize("kernel", ["mount_setattr", "fallback"])
+def test_a_writable_bind_keeps_a_read_only_mount_below_its_source_read_only(
+    tmp_path: Path, kernel: str
+) -> None:
+    # The host made a mount below the source read-only (per mount, its filesystem writable):
+    # binding the source writable must not lift that, with mount_setattr (5.12+) or without.
+    src = tmp_path / "src"
+    (src / "inner").mkdir(parents=True)
+    script = (
+        f"mount -t tmpfs -o size=1m tmpfs {src}/inner && "
+        f"mount -o remount,bind,ro {src}/inner && "
+        f"{sys.executable} -c '{_FALLBACK_BIND}' {kernel} {src} {tmp_path}/dst"
+    )
+    done = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "EROFS"

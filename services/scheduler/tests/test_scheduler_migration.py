@@ -126,3 +126,27 @@ async def test_a_migration_without_an_answer_times_out_once_and_releases_its_tar
     assert _held(state) == {("main", "n1", (0,))}  # the target released
     await migrator.tick(1020.0)
     assert len(decider.published) == 1  # once
+
+
+async def test_a_second_start_of_a_migration_in_flight_does_not_fail_it() -> None:
+    # A drain's migration id is derived (drain event, sandbox, unit), and evacuate() runs from
+    # both the cordon handler and the watch tick: two for_drain() of one sandbox may both get
+    # past their checks before either holds the lock. The second must not publish
+    # unit.migration_failed under the id of the migration the first just started (the first
+    # end counts: it would release the target and restart the unit mid hand-over).
+    state = SchedulerState(lost_after_s=15)
+    _placed_on(state, "n1")
+    state.apply(_seen("unit.migration_started", "sbx_m", _started("m5")))
+    decider = _Decider(state)
+    migrator = Migrator(decider, timeout_s=10)  # type: ignore[arg-type]
+    started = await migrator._start(
+        "sbx_m",
+        "main",
+        mid="m5",
+        reason="drain",
+        to_node=None,
+        causation=None,  # type: ignore[arg-type]
+    )
+    assert started  # it is in flight
+    assert [p for _, p in decider.published if isinstance(p, UnitMigrationFailed)] == []
+    assert "m5" in state.migrations.active

@@ -127,6 +127,7 @@ class LoopWatch:
 _MAX_HEAD = 8192  # request line + headers; a scraper sends a few hundred bytes
 _READ_TIMEOUT_S = 10.0  # a request's head must arrive within this
 _IDLE_TIMEOUT_S = 60.0  # a kept-alive connection closes after this long without a request
+_WRITE_TIMEOUT_S = 10.0  # a client must take an answer within this (else it is dropped)
 _MAX_CONNECTIONS = 64
 _REASONS = {
     200: "OK",
@@ -163,7 +164,7 @@ class MetricsServer:
         self._healthy = healthy
         self._problems = problems
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
         self.port = 0
 
     async def start(self, port: int, host: str = "127.0.0.1") -> int:
@@ -179,26 +180,32 @@ class MetricsServer:
         """Stop listening and close open connections."""
         if self._server is not None:
             self._server.close()
-            for task in list(self._connections):
-                task.cancel()
-            await asyncio.gather(*self._connections, return_exceptions=True)
+            tasks = list(self._connections)
+            for writer in self._connections.values():
+                writer.transport.abort()  # each handler sees its connection lost and ends
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._server.wait_closed()
             self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is None or len(self._connections) >= _MAX_CONNECTIONS:
-            writer.close()
+            writer.transport.abort()
             return
-        self._connections.add(task)
+        self._connections[task] = writer
         try:
             while await self._one_request(reader, writer):
                 pass
+            # what is left of the last answer goes out, unless the client stopped reading
+            writer.close()
+            await asyncio.wait_for(writer.wait_closed(), _WRITE_TIMEOUT_S)
         except (OSError, asyncio.IncompleteReadError, TimeoutError):
             pass
         finally:
-            self._connections.discard(task)
-            writer.close()
+            # A client that does not take its answers (pipelined requests never read) would
+            # otherwise hold its connection, and a descriptor, for as long as it likes.
+            writer.transport.abort()
+            del self._connections[task]
 
     async def _one_request(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -273,7 +280,7 @@ class MetricsServer:
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         if not head_only:
             writer.write(body)
-        await writer.drain()
+        await asyncio.wait_for(writer.drain(), _WRITE_TIMEOUT_S)
 
     def _health(self) -> tuple[int, bytes]:
         problems = self._problems() if self._problems is not None else []

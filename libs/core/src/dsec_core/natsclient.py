@@ -164,6 +164,9 @@ async def connect(
     return await nats.connect(**options)
 
 
+_DEFAULT_PORTS = {"ws": 80, "wss": 443}
+
+
 async def refused_everywhere(url: str, timeout_s: float = 1.0) -> bool:
     """Whether each server of a NATS URL (comma-separated) refuses a TCP connection."""
     import asyncio
@@ -171,7 +174,8 @@ async def refused_everywhere(url: str, timeout_s: float = 1.0) -> bool:
     async def refused(one: str) -> bool:
         parts = urlsplit(one.strip() if "://" in one else f"nats://{one.strip()}")
         try:
-            host, port = parts.hostname, parts.port or 4222
+            # nats-py's defaults: WebSocket URLs without a port are the web ports
+            host, port = parts.hostname, parts.port or _DEFAULT_PORTS.get(parts.scheme, 4222)
         except ValueError:
             return False
         if not host:

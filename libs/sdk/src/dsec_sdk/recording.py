@@ -172,8 +172,13 @@ class Entry:
 
 def read_entries(path: Path) -> list[Entry]:
     """The entries of a recording file (JSON lines); a torn last line is ignored."""
+    return parse_entries(path.read_text() if path.exists() else "", str(path))
+
+
+def parse_entries(text: str, where: str) -> list[Entry]:
+    """The entries of a recording's text (JSON lines, from ``where``); a torn last line is
+    ignored."""
     entries: list[Entry] = []
-    text = path.read_text() if path.exists() else ""
     lines = text.split("\n")
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -183,7 +188,7 @@ def read_entries(path: Path) -> list[Entry]:
         except (ValueError, KeyError, TypeError) as exc:
             if number == len(lines):  # torn last line of a writer that died mid-write
                 break
-            raise ValueError(f"{path}:{number}: not a recorded call: {exc}") from None
+            raise ValueError(f"{where}:{number}: not a recorded call: {exc}") from None
     return entries
 
 
@@ -374,6 +379,7 @@ __all__ = [
     "Replayer",
     "active_layer",
     "http_key",
+    "parse_entries",
     "read_entries",
     "tool_key",
 ]

@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,13 +67,40 @@ class Swept:
     kept_in_use: list[str] = field(default_factory=list)
 
 
+def _owner(directory: Path) -> tuple[str, float]:
+    """The home an ``owner`` file names and its mtime. In ``/dev/shm`` anyone may have made
+    the directory: only a plain file is read (a FIFO would hold the start up), never through
+    a link, and no more than a path's worth."""
+    fd = os.open(directory / OWNER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{directory / OWNER} is not a plain file")
+        return os.read(fd, 4097).decode("utf-8", "replace"), st.st_mtime
+    finally:
+        os.close(fd)
+
+
+def _gone(home: str) -> bool:
+    """Whether ``home`` no longer exists: only "no such file" says so. A home that cannot be
+    looked at right now (NFS with root_squash: EACCES; a stale handle, a failing disk) may be
+    a live node's."""
+    try:
+        os.stat(home)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
 def _abandoned(directory: Path, min_age_s: float, now: float) -> bool:
     try:
-        home = (directory / OWNER).read_text()
-        age = now - max(directory.stat().st_mtime, (directory / OWNER).stat().st_mtime)
+        home, owner_mtime = _owner(directory)
+        age = now - max(directory.stat().st_mtime, owner_mtime)
     except OSError:
         return False
-    return home.startswith("/") and not os.path.exists(home) and age >= min_age_s
+    return home.startswith("/") and len(home) <= 4096 and age >= min_age_s and _gone(home)
 
 
 def _maps_in_use(pins: Path) -> bool:

@@ -431,6 +431,11 @@ class Migrator:
                     + ", ".join(sorted(units))
                 )
             other = self.book.of_unit(sandbox_id, unit)
+            if other is not None and other.migration_id == mid:
+                # this very migration, started by a caller that got here first (evacuate()
+                # runs from the cordon handler and the watch tick): not a refusal, which
+                # would end it under its own id
+                return True
             if other is not None:
                 raise Refused(
                     f"unit {unit} of {sandbox_id} is already moving to {other.to_node} "

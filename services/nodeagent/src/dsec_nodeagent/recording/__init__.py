@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -24,7 +26,15 @@ from typing import Final
 from dsec_core import events
 from dsec_core.layout import NodeLayout
 from dsec_core.spec import EnforcementPlan
-from dsec_sdk.recording import ENV_RECORD, ENV_REPLAY, Entry, Recorder, Replayer, read_entries
+from dsec_sdk.recording import (
+    ENV_RECORD,
+    ENV_REPLAY,
+    Entry,
+    Recorder,
+    Replayer,
+    parse_entries,
+    read_entries,
+)
 
 from dsec_nodeagent.recording.store import (
     RecordingCorrupt,
@@ -55,6 +65,24 @@ class Prepared:
     http: tuple[Recorder | Replayer, frozenset[str]] | None = None
     recording_id: str | None = None
     root_hash: str | None = None
+
+
+def _sandbox_text(path: Path) -> str:
+    """The text of a file the sandbox wrote in its own directory ("" when there is none).
+
+    The sandbox chose what is at ``path``: a link there would have the node agent (root, on
+    the host's view) read another sandbox's recording, or any host file, into this one's; a
+    FIFO would block it. Only a plain file is read, never through a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:  # ELOOP: a link
+        raise ValueError(f"{CALLS_FILE} is not a plain file ({exc.strerror})") from None
+    with open(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise ValueError(f"{CALLS_FILE} is not a plain file")
+        return file.read().decode()
 
 
 class Recordings:
@@ -146,10 +174,9 @@ class Recordings:
         tenant, directory = found
         try:
             entries: list[Entry] = []
-            sandbox_calls = directory / "sandbox" / CALLS_FILE
-            if sandbox_calls.is_file():
-                # the sandbox wrote this file: only tool calls are taken from it
-                entries += [e for e in read_entries(sandbox_calls) if e.key.kind == "tool"]
+            # the sandbox wrote this file: only tool calls are taken from it
+            sandbox_calls = _sandbox_text(directory / "sandbox" / CALLS_FILE)
+            entries += [e for e in parse_entries(sandbox_calls, CALLS_FILE) if e.key.kind == "tool"]
             http_calls = directory / "http.jsonl"
             if http_calls.is_file():
                 entries += [e for e in read_entries(http_calls) if e.key.kind == "http"]

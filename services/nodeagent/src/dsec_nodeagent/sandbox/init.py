@@ -691,8 +691,11 @@ def _bind(src: str, dst: str, ro: bool) -> None:
         flags = syscalls.MS_REMOUNT | syscalls.MS_BIND | _NOSUID_NODEV
         if ro:
             flags |= syscalls.MS_RDONLY
+        # such a remount sets a mount's flags to exactly these: each keeps its own too (a
+        # mount the host made read-only below a writable bind's source stays read-only)
+        kept = syscalls.mount_flags()
         for point in [dst, *syscalls.mounts_below(dst)]:
-            syscalls.mount(None, point, None, flags, None)
+            syscalls.mount(None, point, None, flags | kept.get(point, 0), None)
 
 
 _PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")

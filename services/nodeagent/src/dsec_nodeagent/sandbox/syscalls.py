@@ -38,6 +38,9 @@ MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_NOEXEC = 0x8
 MS_REMOUNT = 0x20
+MS_NOATIME = 0x400
+MS_NODIRATIME = 0x800
+MS_RELATIME = 0x200000
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
@@ -173,11 +176,31 @@ def mounts_below(target: str) -> list[str]:
     """Mount points strictly below ``target`` in this mount namespace (from mountinfo,
     octal escapes decoded), parents before children."""
     prefix = target.rstrip("/") + "/"
-    found: list[str] = []
+    found = {point for point in mount_flags() if point.startswith(prefix)}
+    return sorted(found, key=lambda p: p.count("/"))
+
+
+# per-mount options (mountinfo's sixth field) a bind remount would otherwise clear
+_KEPT_OPTIONS = {
+    "ro": MS_RDONLY,
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+}
+
+
+def mount_flags() -> dict[str, int]:
+    """Each mount point of this mount namespace and the ``MS_*`` flags of the mount on top of
+    it (mountinfo lists mounts in the order made), as ``MS_REMOUNT | MS_BIND`` would need to
+    keep them: such a remount sets the mount's flags to exactly those it is given."""
+    flags: dict[str, int] = {}
     with open("/proc/self/mountinfo", "rb") as info:
         for line in info:
-            raw = line.split(b" ", 5)[4]
-            point = raw.decode("unicode_escape").encode("latin-1").decode("utf-8", "replace")
-            if point.startswith(prefix):
-                found.append(point)
-    return sorted(set(found), key=lambda p: p.count("/"))
+            fields = line.split(b" ", 6)
+            point = os.fsdecode(fields[4].decode("unicode_escape").encode("latin-1"))
+            options = fields[5].decode("ascii", "replace").split(",")
+            flags[point] = sum(_KEPT_OPTIONS.get(option, 0) for option in set(options))
+    return flags

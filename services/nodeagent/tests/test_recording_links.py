@@ -1,0 +1,53 @@
+"""The file a recording sandbox writes its tool calls into is the sandbox's to shape: the node
+agent (root, on the host's view of the files) must read it as a plain file and nothing else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from dsec_core.layout import NodeLayout
+from dsec_sdk.recording import Entry, Recorder, tool_key
+from dsec_testing.plans import minimal_plan
+
+from dsec_nodeagent.recording import Recordings
+
+
+class _Store:
+    """Keeps what would be saved (the real one seals it into S3)."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[str, list[Entry]]] = []
+
+    async def save(self, tenant: str, entries: list[Entry]) -> Any:
+        self.saved.append((tenant, entries))
+        n = len(entries)
+        return SimpleNamespace(
+            recording_id="rec_" + "0" * 32, root_hash="0" * 64, calls=n, tool_calls=n, http_calls=0,
+            failed_calls=0, bytes=0, new_objects=0,
+        )  # fmt: skip
+
+
+def _recording(tenant: str) -> Any:
+    plan = minimal_plan("rec", "record: {tools: true}\n")
+    return plan.model_copy(update={"tenant": tenant})
+
+
+async def test_a_link_in_place_of_the_calls_file_reads_nothing_through_it(
+    tmp_path: Path,
+) -> None:
+    store = _Store()
+    recordings = Recordings(NodeLayout.of(tmp_path), store)  # type: ignore[arg-type]
+    victim = await recordings.prepare("sbx_victim", _recording("globex"))
+    attacker = await recordings.prepare("sbx_attacker", _recording("acme"))
+    assert victim is not None and attacker is not None
+    secret = tool_key("crm", "customers", {"q": "globex only"})
+    Recorder(victim.mounts[0].source / "calls.jsonl").call_sync(secret, lambda: b"\x92\x00\x90")
+    # the attacking sandbox replaces its own calls file with a link to the victim's (sandbox
+    # ids are on the bus, the node's layout is the same everywhere)
+    (attacker.mounts[0].source / "calls.jsonl").symlink_to(victim.mounts[0].source / "calls.jsonl")
+
+    await recordings.finish("sbx_attacker")
+    leaked = [tenant for tenant, entries in store.saved if secret in [e.key for e in entries]]
+    assert leaked == []  # nothing of globex's went into acme's recording
