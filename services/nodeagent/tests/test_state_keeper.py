@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import shutil
 import socket
 import sys
 import uuid
@@ -571,8 +572,10 @@ async def test_stopping_leaves_no_empty_journal_dirs_and_dsec_down_leaves_none(
     assert not root.exists() and (tmp_path / "shm").is_dir()
 
 
-def test_a_journal_directory_someone_else_made_in_dev_shm_is_refused(tmp_path: Path) -> None:
-    # /dev/shm is writable by every user: another one may make our directory first.
+def test_a_journal_directory_someone_else_made_in_dev_shm_is_replaced_by_our_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # /dev/shm is writable by every user: another one may make our directory (or a link) first.
     import os
 
     from dsec_nodeagent.state.keeper import StateError
@@ -580,17 +583,21 @@ def test_a_journal_directory_someone_else_made_in_dev_shm_is_refused(tmp_path: P
     settings = Settings(home=tmp_path / "home", node_id="node-t")
     planted = tmp_path / "shm" / "dsec-node-t-12345678"
     planted.mkdir(parents=True, mode=0o777)
+    (planted / "theirs").write_text("x")
     os.chown(planted, 65534, 65534)  # nobody's
     keeper = StateKeeper(settings, journal_dir=planted / "state", warm_dir=tmp_path / "warm")
-    with pytest.raises(StateError, match="uid 65534, not this node agent's"):
-        keeper._private_dirs()
-    assert list(planted.iterdir()) == []  # nothing of ours went into it
-    planted.rmdir()
+    keeper._private_dirs()  # root: removed, and ours made in its place
+    assert planted.stat().st_uid == os.geteuid() and not (planted / "theirs").exists()
+    assert oct(planted.stat().st_mode & 0o777) == oct(0o700) and (planted / "state").is_dir()
+    shutil.rmtree(planted)
     (tmp_path / "elsewhere").mkdir()
     planted.symlink_to(tmp_path / "elsewhere")  # a link to a directory it controls
-    with pytest.raises(StateError, match="not a directory"):
+    keeper._private_dirs()
+    assert not planted.is_symlink() and list((tmp_path / "elsewhere").iterdir()) == []
+    shutil.rmtree(planted)
+    planted.mkdir(mode=0o777)
+    os.chown(planted, 65534, 65534)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # not root: it refuses, writes nothing
+    with pytest.raises(StateError, match="uid 65534, not this node agent's"):
         keeper._private_dirs()
-    assert list((tmp_path / "elsewhere").iterdir()) == []
-    planted.unlink()
-    keeper._private_dirs()  # its own: made private
-    assert oct(planted.stat().st_mode & 0o777) == oct(0o700)
+    assert list(planted.iterdir()) == []

@@ -824,22 +824,39 @@ class StateKeeper:
         """The journal (plain, on tmpfs) and the warm snapshots: the node agent's alone.
 
         ``/dev/shm`` is writable by every user of the node: a ``dsec-<node>-<hash>`` directory
-        someone else made there first (or a link) would let them read or swap the journals,
-        so the node agent refuses to start on one instead of using it."""
+        someone else made there first (or a link) would let them read or swap the journals.
+        Running as root, the node agent removes such an entry (without following it) and makes
+        its own, a few times if someone races it; otherwise, or if the race goes on, it refuses
+        to start on it."""
         root = self.journal_dir.parent
         if root.name.startswith("dsec-"):  # /dev/shm/dsec-<node>-<hash>
             root.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(root, 0o700)
-            st = os.lstat(root)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            for attempt in range(4):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(root, 0o700)
+                st = os.lstat(root)
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                    break
                 kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
-                raise StateError(
-                    "unsafe-journal-dir",
-                    f"{root} is {kind} of uid {st.st_uid}, not this node agent's (uid "
-                    f"{os.geteuid()}): another user may have made it to read or replace the "
-                    "state journals; remove it and start again",
+                if os.geteuid() != 0 or attempt == 3:
+                    raise StateError(
+                        "unsafe-journal-dir",
+                        f"{root} is {kind} of uid {st.st_uid}, not this node agent's (uid "
+                        f"{os.geteuid()}): another user may have made it to read or replace "
+                        "the state journals; remove it and start again",
+                    )
+                log.warning(
+                    "%s was %s of uid %d, not ours: removed (someone may have planted it to "
+                    "read or replace the state journals)",
+                    root,
+                    kind,
+                    st.st_uid,
                 )
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(root, ignore_errors=True)  # fd-based: follows no link
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(root)
             os.chmod(root, 0o700)
             leftovers.claim(root, self.settings.home)
         for path in (self.journal_dir, self.warm_dir):
