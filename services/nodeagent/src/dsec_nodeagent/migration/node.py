@@ -52,6 +52,7 @@ from nacl.exceptions import BadSignatureError, CryptoError
 from nacl.public import Box, PrivateKey, PublicKey
 from nacl.signing import VerifyKey
 
+from dsec_nodeagent import privdir
 from dsec_nodeagent.ipc.registry import AgentKey
 from dsec_nodeagent.migration import criu
 from dsec_nodeagent.sandbox import quota
@@ -264,8 +265,10 @@ class Migrations:
         if problem is not None:
             return [self._failed(event, "checkpoint", problem, True)]
         work = Path("/dev/shm") / f"dsec-migrate-{self.node_id}-{event.migration_id}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(mode=0o700)  # the sandbox's memory and files; /dev/shm is everyone's
+        try:
+            privdir.own_directory(work)  # the sandbox's memory and files; /dev/shm is everyone's
+        except privdir.UnsafeDirectory as exc:
+            return [self._failed(event, "checkpoint", str(exc), True)]
         frozen = False
         channel: _Channel | None = None
         init_pid = int(sandbox.state["init_pid"])
@@ -602,8 +605,10 @@ class Migrations:
         key = PrivateKey.generate()
         box = Box(key, PublicKey(bytes(frame["key"])))
         work = Path("/dev/shm") / f"dsec-restore-{self.node_id}-{mid}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(mode=0o700)  # the sandbox's memory and files; /dev/shm is everyone's
+        try:
+            privdir.own_directory(work)  # the sandbox's memory and files; /dev/shm is everyone's
+        except privdir.UnsafeDirectory as exc:
+            raise ValueError(str(exc)) from None
         self._sessions[mid] = _Session(mid, sid, started, box, work)
         assert self.service.publisher is not None
         signer = self.service.publisher.signer

@@ -18,7 +18,6 @@ import logging
 import os
 import shutil
 import socket
-import stat
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -39,7 +38,7 @@ from dsec_sdk.state import wire
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Histogram
 
-from dsec_nodeagent import leftovers
+from dsec_nodeagent import leftovers, privdir
 from dsec_nodeagent.state import merge
 from dsec_nodeagent.state.merge import split_large
 from dsec_nodeagent.state.sealing import (
@@ -830,34 +829,10 @@ class StateKeeper:
         to start on it."""
         root = self.journal_dir.parent
         if root.name.startswith("dsec-"):  # /dev/shm/dsec-<node>-<hash>
-            root.parent.mkdir(parents=True, exist_ok=True)
-            for attempt in range(4):
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(root, 0o700)
-                st = os.lstat(root)
-                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
-                    break
-                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
-                if os.geteuid() != 0 or attempt == 3:
-                    raise StateError(
-                        "unsafe-journal-dir",
-                        f"{root} is {kind} of uid {st.st_uid}, not this node agent's (uid "
-                        f"{os.geteuid()}): another user may have made it to read or replace "
-                        "the state journals; remove it and start again",
-                    )
-                log.warning(
-                    "%s was %s of uid %d, not ours: removed (someone may have planted it to "
-                    "read or replace the state journals)",
-                    root,
-                    kind,
-                    st.st_uid,
-                )
-                if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(root, ignore_errors=True)  # fd-based: follows no link
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(root)
-            os.chmod(root, 0o700)
+            try:
+                privdir.own_directory(root)
+            except privdir.UnsafeDirectory as exc:
+                raise StateError("unsafe-journal-dir", str(exc)) from None
             leftovers.claim(root, self.settings.home)
         for path in (self.journal_dir, self.warm_dir):
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
