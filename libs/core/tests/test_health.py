@@ -144,3 +144,27 @@ async def test_clients_that_never_read_their_answers_cannot_keep_the_endpoint_fr
         for hog in hogs:
             hog.close()
         await asyncio.wait_for(server.stop(), 5)
+
+
+async def test_connections_that_say_nothing_give_way_to_a_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Connections that open and send nothing (or trickle a head) would hold every slot for
+    # as long as their timeouts allow; at the cap the one that waited longest is closed.
+    from dsec_core import metrics
+
+    monkeypatch.setattr(metrics, "_MAX_CONNECTIONS", 4)
+    server = MetricsServer("probe", "1.2", lambda: True)
+    port = await server.start(0)
+    silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
+    try:
+        for _ in range(3):  # each probe is answered at once, the oldest silent one closed
+            answer = await _raw(port, b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            silent.append(await asyncio.open_connection("127.0.0.1", port))  # full again
+        for reader, _ in silent[:3]:  # the three that waited longest
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+    finally:
+        for _, writer in silent:
+            writer.close()
+        await asyncio.wait_for(server.stop(), 5)

@@ -165,6 +165,8 @@ class MetricsServer:
         self._problems = problems
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        # when each connection last began waiting for a request (absent: answering one)
+        self._waiting_since: dict[asyncio.Task[None], float] = {}
         self.port = 0
 
     async def start(self, port: int, host: str = "127.0.0.1") -> int:
@@ -189,13 +191,17 @@ class MetricsServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        if task is None or len(self._connections) >= _MAX_CONNECTIONS:
+        if task is None:
             writer.transport.abort()
+            return
+        if len(self._connections) >= _MAX_CONNECTIONS and not self._evict_one():
+            writer.transport.abort()  # every connection is busy answering: come back
             return
         self._connections[task] = writer
         try:
-            while await self._one_request(reader, writer):
-                pass
+            first = True
+            while await self._one_request(reader, writer, task, first):
+                first = False
             # what is left of the last answer goes out, unless the client stopped reading
             writer.close()
             await asyncio.wait_for(writer.wait_closed(), _WRITE_TIMEOUT_S)
@@ -206,17 +212,38 @@ class MetricsServer:
             # otherwise hold its connection, and a descriptor, for as long as it likes.
             writer.transport.abort()
             del self._connections[task]
+            self._waiting_since.pop(task, None)
+
+    def _evict_one(self) -> bool:
+        """At the connection cap, close the connection that has waited longest for a request
+        (connections that say nothing cannot keep a probe out); False when all are answering."""
+        if not self._waiting_since:
+            return False
+        oldest = min(self._waiting_since, key=self._waiting_since.__getitem__)
+        del self._waiting_since[oldest]
+        self._connections[oldest].transport.abort()  # its handler ends and removes it
+        return True
 
     async def _one_request(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        task: asyncio.Task[None],
+        opening: bool,
     ) -> bool:
-        """Answer one request; return whether the connection stays open."""
+        """Answer one request; return whether the connection stays open. A new connection's
+        first request must come within ``_READ_TIMEOUT_S``, a kept-alive one's next within
+        ``_IDLE_TIMEOUT_S``."""
+        self._waiting_since[task] = asyncio.get_running_loop().time()
         try:
-            first = await asyncio.wait_for(reader.readline(), _IDLE_TIMEOUT_S)
+            wait = _READ_TIMEOUT_S if opening else _IDLE_TIMEOUT_S
+            first = await asyncio.wait_for(reader.readline(), wait)
             if not first:
                 return False
             head = await asyncio.wait_for(self._read_headers(reader), _READ_TIMEOUT_S)
+            self._waiting_since.pop(task, None)
         except (asyncio.LimitOverrunError, ValueError):
+            self._waiting_since.pop(task, None)
             await self._send(writer, 431, b"request head too large\n", "text/plain", False)
             return False
         parts = first.decode("latin-1").split()
