@@ -150,3 +150,25 @@ async def test_a_second_start_of_a_migration_in_flight_does_not_fail_it() -> Non
     assert started  # it is in flight
     assert [p for _, p in decider.published if isinstance(p, UnitMigrationFailed)] == []
     assert "m5" in state.migrations.active
+
+
+async def test_a_lost_node_ends_the_migrations_from_or_to_it() -> None:
+    # A unit whose source is lost mid hand-over is restarted elsewhere (unit.lost follows): the
+    # migration must end first, or its target would also take it over (two copies).
+    state = SchedulerState(lost_after_s=15)
+    _placed_on(state, "n1")
+    state.apply(_seen("unit.migration_started", "sbx_m", _started("m6")))
+    decider = _Decider(state)
+    migrator = Migrator(decider)  # type: ignore[arg-type]
+    await migrator.on_node_lost("n3")  # not involved: nothing
+    assert decider.published == []
+    await migrator.on_node_lost("n1")  # the source
+    [(_, failed)] = decider.published
+    assert isinstance(failed, UnitMigrationFailed)
+    assert (failed.migration_id, failed.stage, failed.still_running) == ("m6", "transfer", False)
+    assert state.migrations.active == {} and _held(state) == {("main", "n1", (0,))}
+    state.apply(_seen("unit.migration_started", "sbx_m", _started("m7")))
+    await migrator.on_node_lost("n2")  # the target: the unit stays where it runs
+    (_, failed) = decider.published[-1]
+    assert (failed.migration_id, failed.stage, failed.still_running) == ("m7", "restore", True)
+    assert _held(state) == {("main", "n1", (0,))}

@@ -758,6 +758,7 @@ class Scheduler:
                 event_id=derive_event_id(node.last_event_id, "node.lost"),
                 tenant=SYSTEM_TENANT,
             )
+            await self.migrator.on_node_lost(node.node_id)
         await self.evacuate()
 
     async def evacuate(self) -> None:

@@ -357,6 +357,35 @@ class Migrator:
                 plan=plan,
             )
 
+    async def on_node_lost(self, node_id: str) -> None:
+        """A node was declared lost: every migration from or to it ends now (``failed``), so
+        its target's reservation is released and a unit lost with its source is restarted
+        elsewhere (``unit.lost``) instead of also being handed over: never two copies."""
+        for m in list(self.book.active.values()):
+            if node_id not in (m.from_node, m.to_node):
+                continue
+            source_lost = m.from_node == node_id
+            why = (
+                f"its source {node_id} was lost during the migration; the unit is restarted "
+                "elsewhere"
+                if source_lost
+                else f"its target {node_id} was lost; the unit stays on {m.from_node}"
+            )
+            await self.s._decide(
+                UnitMigrationFailed(
+                    unit=m.unit,
+                    migration_id=m.migration_id,
+                    from_node=m.from_node,
+                    to_node=m.to_node,
+                    reason=why,
+                    stage="transfer" if source_lost else "restore",
+                    still_running=not source_lost,
+                ),
+                aggregate_id=m.sandbox_id,
+                event_id=derive_event_id(m.migration_id, FAILED),
+                tenant=m.tenant,
+            )
+
     async def tick(self, now: float) -> None:
         """Migrations that got no answer in time, or whose sandbox ended: failed."""
         for m in list(self.book.active.values()):
