@@ -254,8 +254,7 @@ class SandboxManager:
             if self.zygote is not None and (taken or not quota_needed):
                 # The supervisor is forked now and, with its init, makes what no plan decides
                 # (namespaces, the root view's /proc and /dev) while the sandbox is planned.
-                early = self.zygote.fork()
-                await asyncio.sleep(0)  # let it send the request now: planning may not yield
+                early = self.zygote.fork()  # the request is sent at once
             built, uid = await self._plan(config, run_dir)
             if quota_needed and not taken:
                 # The disk quota's mkfs and loop mount run in a worker thread while the cgroup

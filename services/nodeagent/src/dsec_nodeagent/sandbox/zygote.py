@@ -14,6 +14,7 @@ inherited but its four fds before reading one; see :func:`.init.zygote` and
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -54,7 +55,9 @@ class Zygote:
         self.starts = 0  # how many zygotes this node agent started (1 unless one died)
         self._process: asyncio.subprocess.Process | None = None
         self._sock: socket.socket | None = None
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # held while a zygote is started or discarded
+        # The answers still due, in the order their requests were sent.
+        self._replies: collections.deque[asyncio.Future[tuple[int, int]]] = collections.deque()
 
     @property
     def pid(self) -> int | None:
@@ -68,27 +71,52 @@ class Zygote:
         self.root.mkdir(mode=0o755, parents=True, exist_ok=True)  # its init mounts its root here
         return PendingFork(self)
 
-    async def spawn(self, channel_fd: int) -> tuple[int, int]:
+    def send_now(self, channel_fd: int) -> asyncio.Future[tuple[int, int]] | None:
+        """Ask the running zygote for a fork at once, without waiting for the event loop (the
+        launch plans meanwhile without yielding); the answer resolves the returned future.
+        ``None``: no zygote runs yet, or it is being restarted (then :meth:`spawn` starts one).
+
+        The request is a non-blocking ``sendmsg`` on the control socket; answers come back in
+        the order of the requests (the zygote serves one at a time) and are matched to them by
+        that order.
+        """
+        sock = self._sock
+        if sock is None or self.pid is None or self._lock.locked():
+            return None
+        payload = channel_fd.to_bytes(4, sys.byteorder)
+        try:
+            sock.sendmsg([b"fork"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
+        except OSError:
+            return None  # spawn() finds it gone and starts another
+        reply: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        self._replies.append(reply)
+        return reply
+
+    async def spawn(
+        self, channel_fd: int, sent: asyncio.Future[tuple[int, int]] | None = None
+    ) -> tuple[int, int]:
         """Fork a supervisor that waits for its plan on ``channel_fd`` (which stays open here);
-        ``(pid, pidfd)`` of it.
+        ``(pid, pidfd)`` of it. ``sent``: the answer to a request :meth:`send_now` made already.
 
         Raises:
             ZygoteError: no zygote could fork one, even after a restart.
         """
-        fds = [channel_fd]
-        async with self._lock:
-            for attempt in range(2):
-                try:
-                    if self.pid is None or self._sock is None:
-                        await self._start()
-                    return await asyncio.wait_for(self._request(fds), REQUEST_TIMEOUT_S)
-                except (_Gone, TimeoutError, OSError) as exc:
-                    await self._discard()
-                    if attempt:
-                        raise ZygoteError(f"the sandbox launcher (zygote) failed: {exc}") from exc
-                    log.warning(
-                        "the sandbox launcher (zygote) is gone (%s); starting a new one", exc
-                    )
+        for attempt in range(2):
+            try:
+                reply = sent if attempt == 0 else None
+                if reply is None:
+                    async with self._lock:
+                        if self.pid is None or self._sock is None:
+                            await self._start()
+                    reply = self.send_now(channel_fd)
+                    if reply is None:
+                        raise _Gone("its control socket is closed")
+                return await asyncio.wait_for(reply, REQUEST_TIMEOUT_S)
+            except (_Gone, TimeoutError, OSError) as exc:
+                await self._discard()
+                if attempt:
+                    raise ZygoteError(f"the sandbox launcher (zygote) failed: {exc}") from exc
+                log.warning("the sandbox launcher (zygote) is gone (%s); starting a new one", exc)
         raise AssertionError("unreachable")
 
     async def prestart(self) -> None:
@@ -127,49 +155,67 @@ class Zygote:
         ours.setblocking(False)
         self._sock = ours
         self.starts += 1
+        asyncio.get_running_loop().add_reader(ours.fileno(), self._on_answers, ours)
 
-    async def _request(self, fds: list[int]) -> tuple[int, int]:
-        sock = self._sock
-        assert sock is not None
-        payload = b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
-        try:
-            sock.sendmsg([b"fork"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
-        except (BrokenPipeError, ConnectionError) as exc:
-            raise _Gone(str(exc)) from exc
-        await _readable(sock)
-        msg, ancillary, _flags, _addr = sock.recvmsg(
-            64, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
-        )
-        received = [
-            int.from_bytes(data[:4], sys.byteorder)
-            for level, kind, data in ancillary
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= 4
-        ]
-        if not msg:
-            raise _Gone("it closed its socket")
-        if not msg.isdigit() or len(received) != 1:
-            for fd in received:
-                os.close(fd)
-            raise ZygoteError(f"the sandbox launcher answered {msg[:64]!r}")
-        return int(msg), received[0]
+    def _on_answers(self, sock: socket.socket) -> None:
+        """Match each answer on the control socket to the oldest request still due."""
+        while True:
+            try:
+                msg, ancillary, _flags, _addr = sock.recvmsg(
+                    64, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
+                )
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._fail_all(_Gone(str(exc)), sock)
+                return
+            received = [
+                int.from_bytes(data[:4], sys.byteorder)
+                for level, kind, data in ancillary
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= 4
+            ]
+            if not msg:
+                self._fail_all(_Gone("it closed its socket"), sock)
+                return
+            reply = self._replies.popleft() if self._replies else None
+            if reply is None or reply.done():  # nobody waits for it (given up): release it
+                for fd in received:
+                    os.close(fd)
+                continue
+            if not msg.isdigit() or len(received) != 1:
+                for fd in received:
+                    os.close(fd)
+                reply.set_exception(ZygoteError(f"the sandbox launcher answered {msg[:64]!r}"))
+                continue
+            reply.set_result((int(msg), received[0]))
+
+    def _fail_all(self, exc: Exception, sock: socket.socket) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(sock.fileno())
+        while self._replies:
+            reply = self._replies.popleft()
+            if not reply.done():
+                reply.set_exception(exc)
 
     async def _discard(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._close_sock(_Gone("the sandbox launcher was restarted"))
         process, self._process = self._process, None
         if process is not None and process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
 
+    def _close_sock(self, exc: Exception) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self._fail_all(exc, sock)
+            sock.close()
+
     async def close(self) -> None:
         """End the zygote. Sandboxes it forked keep running: each supervisor is in a session of
         its own, and the node agent watches it by pidfd, not as a child."""
         async with self._lock:
-            if self._sock is not None:
-                self._sock.close()  # EOF: the zygote returns
-                self._sock = None
+            self._close_sock(ZygoteError("the sandbox launcher was closed"))  # EOF: it returns
             process, self._process = self._process, None
             if process is not None and process.returncode is None:
                 try:
@@ -190,12 +236,16 @@ class PendingFork:
     def __init__(self, zygote: Zygote) -> None:
         self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._handed = False  # hand_over() owns the pidfd from then on
-        self._task = asyncio.ensure_future(self._fork(zygote, theirs))
+        # Sent now, not at the event loop's next turn: the zygote forks while the launch plans.
+        sent = zygote.send_now(theirs.fileno())
+        self._task = asyncio.ensure_future(self._fork(zygote, theirs, sent))
 
     @staticmethod
-    async def _fork(zygote: Zygote, theirs: socket.socket) -> tuple[int, int]:
+    async def _fork(
+        zygote: Zygote, theirs: socket.socket, sent: asyncio.Future[tuple[int, int]] | None
+    ) -> tuple[int, int]:
         try:
-            return await zygote.spawn(theirs.fileno())
+            return await zygote.spawn(theirs.fileno(), sent)
         finally:
             theirs.close()
 
@@ -234,21 +284,6 @@ class PendingFork:
         except (ZygoteError, asyncio.CancelledError):
             return
         os.close(pidfd)
-
-
-async def _readable(sock: socket.socket) -> None:
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(sock.fileno(), wake)
-    try:
-        await ready
-    finally:
-        loop.remove_reader(sock.fileno())
 
 
 async def wait_pidfd(pidfd: int) -> None:
