@@ -182,3 +182,56 @@ async def test_the_zygote_refuses_a_request_it_does_not_understand_and_forks_not
     finally:
         await zygote.close()
     assert zygote.pid is None
+
+
+def _children(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+
+
+async def test_a_launch_failing_after_its_plan_was_handed_over_runs_nothing_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """The zygote's child gets its plan before the sandbox's cgroups exist (its init binds the
+    root view meanwhile); when making them fails, init never gets its go and exits having run
+    nothing of the sandbox, and its supervisor with it."""
+    from dsec_nodeagent.sandbox import SandboxStartError
+    from dsec_nodeagent.sandbox.models import Mount
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    seen: list[list[str]] = []
+    async with managed(tmp_path / "home") as manager:
+        assert manager.zygote is not None
+        await manager.zygote.prestart()
+        zygote_pid = manager.zygote.pid
+        assert zygote_pid is not None
+
+        async def refuse(sandbox_id: str, cgroup_dir: Path, inode: int) -> None:
+            assert cgroup_dir.is_dir()
+            seen.append(_children(zygote_pid))  # the supervisor, forked and handed its plan
+            raise RuntimeError("the egress programs cannot be attached")
+
+        config = snippet_config(
+            "zyg-nogo",
+            "open('/mnt/shared/ran', 'w').write('ran')\n",
+            tmp_path,
+            mounts=[Mount(source=shared, target="/mnt/shared", read_only=False)],
+            write_allowed=["/tmp", "/workspace/output", "/mnt/shared"],
+        )
+        with pytest.raises(SandboxStartError) as failed:
+            await manager.launch(config, before_start=refuse)
+        assert failed.value.stage == "cgroup"
+        assert "egress programs" in str(failed.value)
+        assert len(seen) == 1 and len(seen[0]) == 1
+        deadline = time.monotonic() + 30
+        while _children(zygote_pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert _children(zygote_pid) == []
+        assert not (shared / "ran").exists()
+        assert manager.states.read("zyg-nogo") is None
+        after = snippet_config("zyg-after", "print('after')\n", tmp_path)
+        await manager.launch(after)
+        result = await asyncio.wait_for(manager.wait("zyg-after"), 60)
+        assert result.reason is ExitReason.OK
+        assert Path(result.stdout_path).read_text() == "after\n"

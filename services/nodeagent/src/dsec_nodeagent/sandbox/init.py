@@ -167,24 +167,35 @@ def abandon(prepared: Prepared) -> None:
         pass
 
 
-def supervise(prepared: Prepared, plan: Plan, report: _Reporter, raw: bytes | None = None) -> int:
-    """Give init its plan (``raw``: as marshalled already) and the report pipe, then pump the
-    logs and record the outcome."""
+def supervise(
+    prepared: Prepared, plan: Plan, report: _Reporter, raw: bytes | None = None, go_fd: int = -1
+) -> int:
+    """Give init its plan (``raw``: as marshalled already), the report pipe and the go pipe
+    (``go_fd``; none: its cgroups exist already), then pump the logs and record the outcome."""
     import _socket
 
     pid = prepared.init_pid
     data = raw if raw is not None else marshal.dumps(plan)
     sock = prepared.plan_sock
+    handed = [report.fd] if go_fd < 0 else [report.fd, go_fd]
     try:
         sent = sock.sendmsg(
             [data[:4096]],
-            [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, report.fd.to_bytes(4, sys.byteorder))],
+            [
+                (
+                    _socket.SOL_SOCKET,
+                    _socket.SCM_RIGHTS,
+                    b"".join(fd.to_bytes(4, sys.byteorder) for fd in handed),
+                )
+            ],
         )
         sock.sendall(data[sent:])
     except OSError:  # init died before its plan: its wait status tells the rest
         pass
     finally:
         sock.close()  # EOF: the plan is complete
+        if go_fd >= 0:
+            os.close(go_fd)  # init's copy only: the node agent's EOF must reach it
     report.send(stage="fork", start_ns=prepared.start_ns, end_ns=prepared.end_ns, init_pid=pid)
     # Before closing the report channel: its EOF tells the node agent the listener is here.
     _keep_listener(prepared.holder)
@@ -419,16 +430,31 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
     except BaseException as exc:  # reported once there is a report pipe
         error = _describe(exc)
     try:
-        data, fds = _receive_plan(plan_fd, 1)
+        data, fds = _receive_plan(plan_fd, 2)
     except BaseException:
         os._exit(126)
-    if len(fds) != 1:  # given up before its plan: nothing ran here
+    if len(fds) not in (1, 2):  # given up before its plan: nothing ran here
         os._exit(126)
     report = _Reporter(fds[0])
+    go = fds[1] if len(fds) == 2 else -1
     try:
         if error is not None:
             raise RuntimeError(error)
         plan: Plan = marshal.loads(data)
+        start = time.monotonic_ns()
+        if plan["unshare_net"]:
+            syscalls.unshare(syscalls.CLONE_NEWNET)
+        syscalls.sethostname(plan["hostname"])
+        # Each layer's whole time, the part made before the plan included (a span that long).
+        report.send(stage="namespaces", start_ns=start - ns_ns, end_ns=time.monotonic_ns())
+        start = time.monotonic_ns()
+        bind_root(plan, root)
+        mounts_ns += time.monotonic_ns() - start
+        if go >= 0:  # the node agent made the cgroups meanwhile: wait for its word
+            told = os.read(go, 1)
+            os.close(go)
+            if not told:  # the launch failed there: nothing of the sandbox ran
+                os._exit(126)
         start = time.monotonic_ns()
         _join_cgroups(plan["cgroup_procs"])
         # OOM should take the workload, not init; needs CAP_SYS_RESOURCE, not always held.
@@ -439,13 +465,7 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
             pass
         report.stage("cgroup_join", start)
         start = time.monotonic_ns()
-        if plan["unshare_net"]:
-            syscalls.unshare(syscalls.CLONE_NEWNET)
-        syscalls.sethostname(plan["hostname"])
-        # Each layer's whole time, the part made before the plan included (a span that long).
-        report.send(stage="namespaces", start_ns=start - ns_ns, end_ns=time.monotonic_ns())
-        start = time.monotonic_ns()
-        build_root(plan, root)
+        pivot_root(root)
         if plan.get("reaper_exec") and not plan.get("tty"):
             # The sandbox's own /dev/null on stdin (not the host's, opened before pivot_root):
             # no process of the sandbox then holds a file of the host's mount tree, which a
@@ -555,8 +575,18 @@ def prepare_root(root: str) -> None:
 def build_root(plan: Plan, root: str) -> None:
     """The plan's entries on the prepared tmpfs at ``root`` (:func:`prepare_root`) →
     pivot_root → read-only root."""
+    bind_root(plan, root)
+    pivot_root(root)
+
+
+def bind_root(plan: Plan, root: str) -> None:
+    """The plan's entries on the prepared tmpfs at ``root`` (:func:`prepare_root`)."""
     for entry in plan["layout"]:
         _apply_entry(root, entry, plan)
+
+
+def pivot_root(root: str) -> None:
+    """Make ``root`` (bound by :func:`bind_root`) this mount namespace's root, read-only."""
     os.chdir(root)
     # pivot_root(".", ".") stacks the old root under the new one; detaching it leaves only ours.
     syscalls.pivot_root(".", ".")
@@ -846,9 +876,11 @@ def exec_into(plan: Plan, report: _Reporter) -> int:
 
 # To the zygote, one request per sandbox: the word "fork" and one fd (SCM_RIGHTS), the child's
 # end of a stream socket of its own. The answer: the child's pid (text) and a pidfd of it.
-# Over that socket the node agent then sends the report pipe's write end and the stdout and
-# stderr log files (SCM_RIGHTS, with the first bytes), then the marshalled plan, then EOF.
-HANDOVER_FDS = 3
+# Over that socket the node agent then sends the report pipe's write end, the stdout and
+# stderr log files and the read end of the go pipe (SCM_RIGHTS, with the first bytes), then
+# the marshalled plan, then EOF. The go: one byte once the sandbox's cgroups exist (init binds
+# the root view meanwhile, and joins them only then); EOF without it: init exits.
+HANDOVER_FDS = 4
 
 
 def zygote(sock_fd: int, root: str) -> int:
@@ -954,7 +986,7 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
                 os.close(fd)
             abandon(prepared)
             return
-        report_fd, out_fd, err_fd = fds
+        report_fd, out_fd, err_fd, go_fd = fds
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
         os.close(out_fd)
@@ -962,7 +994,7 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
         report = _Reporter(report_fd)
         report.send(stage="spawn", end_ns=time.monotonic_ns())
         try:
-            code = supervise(prepared, marshal.loads(plan), report, plan)
+            code = supervise(prepared, marshal.loads(plan), report, plan, go_fd)
         except Exception as exc:
             report.send(error=f"{type(exc).__name__}: {exc}", stage="supervisor")
     finally:

@@ -228,9 +228,11 @@ class SandboxManager:
 
         Args:
             config: what to run and how.
-            before_start: awaited once the sandbox's cgroup exists and before any of its
-                processes runs — attach the eBPF egress programs here, so that no connect can
-                precede them. Its time counts in the ``cgroup`` layer; an error aborts the start.
+            before_start: awaited once the sandbox's cgroup exists and before any process
+                joins it (the sandbox's init, handed its plan already, binds its root view
+                meanwhile and waits for this to end) — attach the eBPF egress programs here, so
+                that no connect can precede them. Its time counts in the ``cgroup`` layer; an
+                error aborts the start.
 
         Raises:
             SandboxStartError: naming the failing layer; nothing is left behind.
@@ -265,24 +267,20 @@ class SandboxManager:
             if config.agent is not None:
                 self._agents[sid] = (uid, config.agent)
             marks["plan"] = time.monotonic_ns()
-            self.states.write(
-                sid,
-                {"sandbox_id": sid, "phase": "starting", "cgroup": None, "run_dir": str(run_dir)},
-            )
-            cgroup = self._create_cgroup(config)
+            planned = self._planned_cgroup(config)
+            built.plan["cgroup_procs"] = planned.procs_files()
+            built.plan["reap"] = planned.reaper_plan(self.unwatched_marker)
+            # One state write before anything of the sandbox runs, naming its cgroup before it
+            # exists: a node agent restarted after a crash removes it (or finds it absent).
             self.states.write(
                 sid,
                 {
                     "sandbox_id": sid,
                     "phase": "starting",
-                    "cgroup": cgroup.to_state(),
+                    "cgroup": planned.to_state(),
                     "run_dir": str(run_dir),
                 },
             )
-            built.plan["cgroup_procs"] = cgroup.procs_files()
-            built.plan["reap"] = cgroup.reaper_plan(self.unwatched_marker)
-            if before_start is not None:
-                await before_start(sid, cgroup.v2_dir, cgroup.inode)
             if disk is not None:
                 await disk
             if early is None and self.zygote is not None:
@@ -292,10 +290,22 @@ class SandboxManager:
                 channel = await DecisionChannel.open(
                     sid, run_dir / "events.sock", uid, self.on_decision
                 )
-            marks["cgroup"] = time.monotonic_ns()
+
+            async def make_cgroup() -> None:
+                nonlocal cgroup
+                try:
+                    cgroup = self._make_cgroup(planned, config)
+                    if before_start is not None:
+                        await before_start(sid, cgroup.v2_dir, cgroup.inode)
+                except SandboxStartError:
+                    raise
+                except Exception as exc:
+                    raise SandboxStartError(sid, "cgroup", str(exc)) from exc
+
             spawned, records, init_pid, ready_ns = await self._spawn(
-                config, built.plan, marks, early
+                config, built.plan, marks, early, make_cgroup
             )
+            assert cgroup is not None  # made before the sandbox's init could go on
         except SandboxStartError:
             await _settled(disk)
             await self._abort(sid, cgroup, channel, run_dir, early)
@@ -303,7 +313,8 @@ class SandboxManager:
         except Exception as exc:
             await _settled(disk)
             await self._abort(sid, cgroup, channel, run_dir, early)
-            stage = next((m for m in ("plan", "cgroup") if m not in marks), "spawn")
+            stage = "plan" if "plan" not in marks else "cgroup"
+            stage = stage if "spawn_start" not in marks else "spawn"
             raise SandboxStartError(sid, stage, str(exc)) from exc
         process, supervisor_pid, pidfd = spawned
         refusals = self._report_refusals(sid, supervisor_pid, built.warnings)
@@ -504,16 +515,30 @@ class SandboxManager:
         sid = cgroups.sandbox_of_process(pid) if pid is not None else None
         return sid if sid is not None and sid in self._sandboxes else None
 
-    def _create_cgroup(self, config: SandboxConfig) -> cgroups.SandboxCgroup:
-        return self.create_cgroup(config.sandbox_id, config.limits)
-
-    def create_cgroup(self, sandbox_id: str, limits: Limits) -> cgroups.SandboxCgroup:
-        """A sandbox's fresh cgroups under this node's parent (a launch, or a restore)."""
+    def _hierarchy_now(self) -> cgroups.Hierarchy:
         if self._hierarchy is None:
             self._hierarchy = cgroups.detect()
             if self.tune_cgroups:
                 cgroups.favor_dynamic_modifications(self._hierarchy)
-        return cgroups.SandboxCgroup.create(self._hierarchy, sandbox_id, limits, node=self.node_id)
+        return self._hierarchy
+
+    def _planned_cgroup(self, config: SandboxConfig) -> cgroups.SandboxCgroup:
+        """The sandbox's cgroups, named (its plan holds them) but not made yet."""
+        return cgroups.SandboxCgroup.planned(
+            self._hierarchy_now(), config.sandbox_id, node=self.node_id
+        )
+
+    def _make_cgroup(
+        self, planned: cgroups.SandboxCgroup, config: SandboxConfig
+    ) -> cgroups.SandboxCgroup:
+        planned.make(self._hierarchy_now(), config.limits)
+        return planned
+
+    def create_cgroup(self, sandbox_id: str, limits: Limits) -> cgroups.SandboxCgroup:
+        """A sandbox's fresh cgroups under this node's parent (a launch, or a restore)."""
+        return cgroups.SandboxCgroup.create(
+            self._hierarchy_now(), sandbox_id, limits, node=self.node_id
+        )
 
     async def prepare_restored(
         self, sandbox_id: str, uid: int, *, ipc: bool, semantic: bool
@@ -569,35 +594,67 @@ class SandboxManager:
         the_plan: dict[str, Any],
         marks: dict[str, int],
         early: zygote.PendingFork | None,
+        make_cgroup: Callable[[], Awaitable[None]],
     ) -> tuple[
         tuple[asyncio.subprocess.Process | None, int, int | None], list[dict[str, Any]], int, int
     ]:
         """Start the pre-exec stage (forked by the zygote, else a fresh interpreter), give it the
-        plan, read its reports until the workload's execve.
+        plan, make the cgroups (``make_cgroup``), read its reports until the workload's execve.
+
+        A forked one gets its plan first: its init binds the root view while the cgroups are
+        made here, and goes on (joins them, then pivot_root, the workload) only at the *go*, a
+        byte on a pipe written once ``make_cgroup`` succeeded; its EOF without that byte (a
+        failed launch) makes init exit having run nothing. A fresh interpreter gets its plan
+        after ``make_cgroup``.
 
         Returns ``((process or None, supervisor pid, its pidfd or None), records, init pid,
         ready ns)``."""
         stdout_path, stderr_path = self.log_paths(config.sandbox_id)
         stdout_path.parent.mkdir(parents=True, exist_ok=True)
         report_r, report_w = os.pipe()
+        go_r, go_w = os.pipe()
         process: asyncio.subprocess.Process | None = None
         pidfd: int | None = None
         data = marshal.dumps(the_plan)
         try:
-            with open(stdout_path, "ab") as out, open(stderr_path, "ab") as err:
-                marks["spawn_start"] = time.monotonic_ns()
-                if early is not None:
-                    try:
-                        pid, pidfd = await early.hand_over(
-                            data, report_w, out.fileno(), err.fileno()
-                        )
-                    except zygote.ZygoteError as exc:
-                        log.warning("%s; starting the pre-exec stage directly", exc)
-                if pidfd is None:
-                    process = await self._spawn_interpreter(data, report_w, out, err)
-                    pid = process.pid
+            try:
+                with open(stdout_path, "ab") as out, open(stderr_path, "ab") as err:
+                    marks["spawn_start"] = time.monotonic_ns()
+                    if early is not None:
+                        try:
+                            pid, pidfd = await early.hand_over(
+                                data, report_w, out.fileno(), err.fileno(), go_r
+                            )
+                        except zygote.ZygoteError as exc:
+                            log.warning("%s; starting the pre-exec stage directly", exc)
+                    if pidfd is None:
+                        marks["cgroup_start"] = time.monotonic_ns()
+                        await make_cgroup()
+                        marks["cgroup"] = time.monotonic_ns()
+                        process = await self._spawn_interpreter(data, report_w, out, err)
+                        pid = process.pid
+            finally:
+                os.close(report_w)
+                os.close(go_r)
+            if pidfd is not None:
+                marks["cgroup_start"] = time.monotonic_ns()
+                try:
+                    await make_cgroup()
+                except BaseException:
+                    os.close(go_w)  # no go: init exits, then its supervisor
+                    go_w = -1
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(zygote.wait_pidfd(pidfd), START_TIMEOUT_S)
+                    raise
+                marks["cgroup"] = time.monotonic_ns()
+                with contextlib.suppress(OSError):  # init died already: its report says why
+                    os.write(go_w, b"1")
+        except BaseException:
+            os.close(report_r)
+            raise
         finally:
-            os.close(report_w)
+            if go_w >= 0:
+                os.close(go_w)
         records, ready_ns = await _read_reports(report_r, START_TIMEOUT_S)
         errors = [r for r in records if "error" in r]
         init_pid = next((r["init_pid"] for r in records if "init_pid" in r), None)

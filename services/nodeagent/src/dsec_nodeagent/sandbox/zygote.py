@@ -250,9 +250,10 @@ class PendingFork:
             theirs.close()
 
     async def hand_over(
-        self, plan: bytes, report_w: int, stdout_fd: int, stderr_fd: int
+        self, plan: bytes, report_w: int, stdout_fd: int, stderr_fd: int, go_r: int
     ) -> tuple[int, int]:
-        """Send the child its fds and plan; ``(pid, pidfd)`` of it.
+        """Send the child its fds and plan; ``(pid, pidfd)`` of it. ``go_r``: the pipe its
+        init waits on before joining the sandbox's cgroups (see ``SandboxManager._spawn``).
 
         Raises:
             ZygoteError: there is no child (the zygote failed even after a restart).
@@ -262,7 +263,7 @@ class PendingFork:
         sock = self.channel
         try:
             payload = b"".join(
-                fd.to_bytes(4, sys.byteorder) for fd in (report_w, stdout_fd, stderr_fd)
+                fd.to_bytes(4, sys.byteorder) for fd in (report_w, stdout_fd, stderr_fd, go_r)
             )
             sock.setblocking(False)
             first = sock.sendmsg([plan[:4096]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
