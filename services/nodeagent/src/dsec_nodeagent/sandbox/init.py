@@ -437,6 +437,7 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
         os._exit(126)
     report = _Reporter(fds[0])
     go = fds[1] if len(fds) == 2 else -1
+    workload = -1
     try:
         if error is not None:
             raise RuntimeError(error)
@@ -447,6 +448,10 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
         syscalls.sethostname(plan["hostname"])
         # Each layer's whole time, the part made before the plan included (a span that long).
         report.send(stage="namespaces", start_ns=start - ns_ns, end_ns=time.monotonic_ns())
+        # The workload's process is forked now, its fork beside the binds below; it runs nothing
+        # until init's word (written once it is in the cgroups and the root view is in place);
+        # if init dies first, the pid namespace ends with it.
+        workload, begin_w = _fork_workload(plan, report, holder_fd, [status_w, go])
         start = time.monotonic_ns()
         bind_root(plan, root)
         mounts_ns += time.monotonic_ns() - start
@@ -456,7 +461,7 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
             if not told:  # the launch failed there: nothing of the sandbox ran
                 os._exit(126)
         start = time.monotonic_ns()
-        _join_cgroups(plan["cgroup_procs"])
+        _join_cgroups(plan["cgroup_procs"], workload)
         # OOM should take the workload, not init; needs CAP_SYS_RESOURCE, not always held.
         # (No contextlib here: every import is start-up latency.)
         try:  # noqa: SIM105
@@ -467,26 +472,63 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
         start = time.monotonic_ns()
         pivot_root(root)
         if plan.get("reaper_exec") and not plan.get("tty"):
-            # The sandbox's own /dev/null on stdin (not the host's, opened before pivot_root):
-            # no process of the sandbox then holds a file of the host's mount tree, which a
-            # checkpoint (CRIU, docs/migration.md) could not name.
-            null = os.open("/dev/null", os.O_RDWR)
-            os.dup2(null, 0)
-            os.close(null)
+            _sandbox_null_stdin()
         report.send(stage="mounts", start_ns=start - mounts_ns, end_ns=time.monotonic_ns())
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
+        os.write(begin_w, b"1")
+        os.close(begin_w)
     except BaseException as exc:  # report every failure, then die: nothing else can
         report.send(error=_describe(exc) if error is None else error, stage="init")
-        os._exit(126)
-    workload = os.fork()
-    if workload == 0:
-        os.close(status_w)
-        _exec_workload(plan, report, holder_fd)
+        os._exit(126)  # the workload's process, waiting, ends with the pid namespace
     os.close(holder_fd)
     report.close()
     if plan.get("reaper_exec"):
         _exec_reaper(plan["python"], workload, status_w)
     os._exit(_reap_until(workload, status_w))
+
+
+def _sandbox_null_stdin() -> None:
+    """The sandbox's own /dev/null on stdin (not the host's, opened before pivot_root): no
+    process of the sandbox then holds a file of the host's mount tree, which a checkpoint (CRIU,
+    docs/migration.md) could not name."""
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 0)
+    os.close(null)
+
+
+def _fork_workload(
+    plan: Plan, report: _Reporter, holder_fd: int, init_only: list[int]
+) -> tuple[int, int]:
+    """Fork the workload's process; ``(its pid, the write end of its begin pipe)``.
+
+    The child closes init's own fds (``init_only``) and waits for one byte on the pipe: init
+    writes it once the child is in the sandbox's cgroups (init moves it there with itself) and
+    the root view is in place (pivot_root moved the child's root and cwd too). EOF instead: init
+    failed, and the child exits having run nothing.
+    """
+    begin_r, begin_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(begin_w)
+            for fd in init_only:
+                if fd >= 0:
+                    os.close(fd)
+            told = os.read(begin_r, 1)
+            os.close(begin_r)
+        except BaseException:
+            os._exit(126)
+        if not told:
+            os._exit(126)
+        try:  # as init is by now: not dumpable, no file of the host's mount tree on stdin
+            syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
+            if plan.get("reaper_exec") and not plan.get("tty"):
+                _sandbox_null_stdin()
+        except BaseException:
+            os._exit(126)
+        _exec_workload(plan, report, holder_fd)
+    os.close(begin_r)
+    return pid, begin_w
 
 
 # Pid 1 once it has exec'd the sandbox's own interpreter: the same loop as _reap_until, with
@@ -542,9 +584,12 @@ def _reap_until(workload: int, status_w: int) -> int:
             return 0
 
 
-def _join_cgroups(procs_files: list[str]) -> None:
+def _join_cgroups(procs_files: list[str], also: int = -1) -> None:
+    """Move this process (and the process ``also``, when given) into each cgroup."""
     for path in procs_files:
         _write(path, "0")  # "0" = the writing process itself
+        if also > 0:
+            _write(path, str(also))
 
 
 def _write(path: str, text: str) -> None:

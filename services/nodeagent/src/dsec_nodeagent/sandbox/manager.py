@@ -270,17 +270,6 @@ class SandboxManager:
             planned = self._planned_cgroup(config)
             built.plan["cgroup_procs"] = planned.procs_files()
             built.plan["reap"] = planned.reaper_plan(self.unwatched_marker)
-            # One state write before anything of the sandbox runs, naming its cgroup before it
-            # exists: a node agent restarted after a crash removes it (or finds it absent).
-            self.states.write(
-                sid,
-                {
-                    "sandbox_id": sid,
-                    "phase": "starting",
-                    "cgroup": planned.to_state(),
-                    "run_dir": str(run_dir),
-                },
-            )
             if disk is not None:
                 await disk
             if early is None and self.zygote is not None:
@@ -292,7 +281,20 @@ class SandboxManager:
                 )
 
             async def make_cgroup() -> None:
+                # Made while the sandbox's init binds its root view (it waits for them). The
+                # state file first, naming the cgroup before it exists: a node agent restarted
+                # after a crash removes it (or finds it absent). A crash before this write
+                # leaves no process (init exits at the go pipe's EOF) and no cgroup.
                 nonlocal cgroup
+                self.states.write(
+                    sid,
+                    {
+                        "sandbox_id": sid,
+                        "phase": "starting",
+                        "cgroup": planned.to_state(),
+                        "run_dir": str(run_dir),
+                    },
+                )
                 try:
                     cgroup = self._make_cgroup(planned, config)
                     if before_start is not None:
@@ -340,7 +342,8 @@ class SandboxManager:
         view = await self._runtime_view(config.runtime, extra)
         uid = domain.allocate_uid(config.sandbox_id, self._uids_in_use(), base=self.uid_base)
         run_dir.mkdir(parents=True, exist_ok=False)
-        (run_dir / "root").mkdir()
+        if self.zygote is None:  # (a zygote's sandbox mounts its root elsewhere; see _spawn)
+            (run_dir / "root").mkdir()
         ipc_dir = self._ipc_dir(config, run_dir)
         rules_path = None
         if config.semantic_rules is not None:
@@ -628,6 +631,7 @@ class SandboxManager:
                         except zygote.ZygoteError as exc:
                             log.warning("%s; starting the pre-exec stage directly", exc)
                     if pidfd is None:
+                        Path(the_plan["root"]).mkdir(exist_ok=True)
                         marks["cgroup_start"] = time.monotonic_ns()
                         await make_cgroup()
                         marks["cgroup"] = time.monotonic_ns()
