@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
-from _dsec_sandbox_testkit import managed, read_json_output, snippet_config
+from _dsec_sandbox_testkit import managed, read_json_output, run_to_end, snippet_config
 
 from dsec_nodeagent.sandbox import ExitReason
 
@@ -235,3 +235,27 @@ async def test_a_launch_failing_after_its_plan_was_handed_over_runs_nothing_and_
         result = await asyncio.wait_for(manager.wait("zyg-after"), 60)
         assert result.reason is ExitReason.OK
         assert Path(result.stdout_path).read_text() == "after\n"
+
+
+async def test_a_launch_given_up_before_its_plan_leaves_no_process(tmp_path: Path) -> None:
+    """The fork is asked for before the launch plans; a plan that fails gives the child (and
+    the init it made, whose plan socket was sent to the node agent) up: both exit."""
+    from dsec_nodeagent.sandbox import SandboxStartError
+
+    async with managed(tmp_path / "home") as manager:
+        assert manager.zygote is not None
+        await manager.zygote.prestart()
+        zygote_pid = manager.zygote.pid
+        assert zygote_pid is not None
+        config = snippet_config(
+            "zyg-noplan", "print('never')\n", tmp_path, extra_ro_paths=[tmp_path / "missing"]
+        )
+        with pytest.raises(SandboxStartError) as failed:
+            await manager.launch(config)
+        assert failed.value.stage == "plan"
+        deadline = time.monotonic() + 30
+        while _children(zygote_pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert _children(zygote_pid) == []
+        result = await run_to_end(manager, snippet_config("zyg-planned", "print('ok')\n", tmp_path))
+        assert Path(result.stdout_path).read_text() == "ok\n"

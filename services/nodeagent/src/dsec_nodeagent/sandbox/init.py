@@ -103,7 +103,7 @@ class Prepared:
         self.holder: Any = fds["holder"]
         self.out_r: int = fds["out_r"]
         self.err_r: int = fds["err_r"]
-        self.plan_sock: Any = fds["plan_sock"]
+        self.plan_sock: Any = fds["plan_sock"]  # None once handed to the node agent
 
 
 def prepare(root: str, inherited: list[int] | None = None) -> Prepared:
@@ -157,7 +157,8 @@ def prepare(root: str, inherited: list[int] | None = None) -> Prepared:
 
 def abandon(prepared: Prepared) -> None:
     """No plan came (the launch was given up): init exits at the EOF; reap it."""
-    prepared.plan_sock.close()
+    if prepared.plan_sock is not None:
+        prepared.plan_sock.close()
     prepared.holder.close()
     for fd in (prepared.status_r, prepared.out_r, prepared.err_r):
         os.close(fd)
@@ -167,35 +168,26 @@ def abandon(prepared: Prepared) -> None:
         pass
 
 
-def supervise(
-    prepared: Prepared, plan: Plan, report: _Reporter, raw: bytes | None = None, go_fd: int = -1
-) -> int:
-    """Give init its plan (``raw``: as marshalled already), the report pipe and the go pipe
-    (``go_fd``; none: its cgroups exist already), then pump the logs and record the outcome."""
+def supervise(prepared: Prepared, plan: Plan, report: _Reporter, raw: bytes | None = None) -> int:
+    """Give init its plan (``raw``: as marshalled already) and the report pipe — unless the node
+    agent gave them to init itself (the zygote's child) — then pump the logs and record the
+    outcome."""
     import _socket
 
     pid = prepared.init_pid
-    data = raw if raw is not None else marshal.dumps(plan)
     sock = prepared.plan_sock
-    handed = [report.fd] if go_fd < 0 else [report.fd, go_fd]
-    try:
-        sent = sock.sendmsg(
-            [data[:4096]],
-            [
-                (
-                    _socket.SOL_SOCKET,
-                    _socket.SCM_RIGHTS,
-                    b"".join(fd.to_bytes(4, sys.byteorder) for fd in handed),
-                )
-            ],
-        )
-        sock.sendall(data[sent:])
-    except OSError:  # init died before its plan: its wait status tells the rest
-        pass
-    finally:
-        sock.close()  # EOF: the plan is complete
-        if go_fd >= 0:
-            os.close(go_fd)  # init's copy only: the node agent's EOF must reach it
+    if sock is not None:
+        data = raw if raw is not None else marshal.dumps(plan)
+        try:
+            sent = sock.sendmsg(
+                [data[:4096]],
+                [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, report.fd.to_bytes(4, sys.byteorder))],
+            )
+            sock.sendall(data[sent:])
+        except OSError:  # init died before its plan: its wait status tells the rest
+            pass
+        finally:
+            sock.close()  # EOF: the plan is complete
     report.send(stage="fork", start_ns=prepared.start_ns, end_ns=prepared.end_ns, init_pid=pid)
     # Before closing the report channel: its EOF tells the node agent the listener is here.
     _keep_listener(prepared.holder)
@@ -921,11 +913,13 @@ def exec_into(plan: Plan, report: _Reporter) -> int:
 
 # To the zygote, one request per sandbox: the word "fork" and one fd (SCM_RIGHTS), the child's
 # end of a stream socket of its own. The answer: the child's pid (text) and a pidfd of it.
-# Over that socket the node agent then sends the report pipe's write end, the stdout and
-# stderr log files and the read end of the go pipe (SCM_RIGHTS, with the first bytes), then
-# the marshalled plan, then EOF. The go: one byte once the sandbox's cgroups exist (init binds
-# the root view meanwhile, and joins them only then); EOF without it: init exits.
-HANDOVER_FDS = 4
+# Over that socket the child, once it has forked init, sends the word "init" and its end of
+# init's plan socket, on which the node agent sends init the report pipe's write end and the
+# read end of the go pipe (SCM_RIGHTS, with the first bytes), the marshalled plan, then EOF.
+# Then, over the child's socket, the report pipe's write end and the stdout and stderr log
+# files, the plan, EOF. The go: one byte once the sandbox's cgroups exist (init binds the root
+# view meanwhile, and joins them only then); EOF without it: init exits.
+HANDOVER_FDS = 3
 
 
 def zygote(sock_fd: int, root: str) -> int:
@@ -1011,6 +1005,8 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
     its own channel, restores the signal dispositions and mask, and starts a session of its own:
     it then holds what a spawned pre-exec stage holds.
     """
+    import _socket
+
     code = 126
     try:
         control.close()  # no sandbox process may ever hold the zygote's socket
@@ -1025,13 +1021,22 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
         # The sandbox's plan-independent part, made while the node agent plans (init holds
         # none of this process's fds but /dev/null).
         prepared = prepare(root, [channel_fd])
+        # Init's plan comes straight from the node agent (see HANDOVER_FDS).
+        channel = _socket.socket(fileno=channel_fd)
+        try:
+            init_sock = prepared.plan_sock.fileno().to_bytes(4, sys.byteorder)
+            channel.sendmsg([b"init"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, init_sock)])
+        finally:
+            channel.detach()
+        prepared.plan_sock.close()
+        prepared.plan_sock = None
         plan, fds = _receive_plan(channel_fd)
         if len(fds) != HANDOVER_FDS:  # the launch was given up before its plan was sent
             for fd in fds:
                 os.close(fd)
             abandon(prepared)
             return
-        report_fd, out_fd, err_fd, go_fd = fds
+        report_fd, out_fd, err_fd = fds
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
         os.close(out_fd)
@@ -1039,7 +1044,7 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
         report = _Reporter(report_fd)
         report.send(stage="spawn", end_ns=time.monotonic_ns())
         try:
-            code = supervise(prepared, marshal.loads(plan), report, plan, go_fd)
+            code = supervise(prepared, marshal.loads(plan), report, plan)
         except Exception as exc:
             report.send(error=f"{type(exc).__name__}: {exc}", stage="supervisor")
     finally:

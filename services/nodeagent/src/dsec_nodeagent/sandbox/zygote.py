@@ -252,22 +252,28 @@ class PendingFork:
     async def hand_over(
         self, plan: bytes, report_w: int, stdout_fd: int, stderr_fd: int, go_r: int
     ) -> tuple[int, int]:
-        """Send the child its fds and plan; ``(pid, pidfd)`` of it. ``go_r``: the pipe its
-        init waits on before joining the sandbox's cgroups (see ``SandboxManager._spawn``).
+        """Send the child and its init their fds and the plan; ``(pid, pidfd)`` of the child.
+
+        Init gets the plan first and directly, on the socket the child sent here once it had
+        forked init (no hop through the child on the start path), with the report pipe's write
+        end and ``go_r``: the pipe it waits on before joining the sandbox's cgroups (see
+        ``SandboxManager._spawn``). The child gets the plan, the report pipe and the log files.
 
         Raises:
-            ZygoteError: there is no child (the zygote failed even after a restart).
+            ZygoteError: there is no child (the zygote failed even after a restart), or it
+                failed before its init existed.
         """
         self._handed = True
         pid, pidfd = await self._task
         sock = self.channel
         try:
-            payload = b"".join(
-                fd.to_bytes(4, sys.byteorder) for fd in (report_w, stdout_fd, stderr_fd, go_r)
-            )
             sock.setblocking(False)
-            first = sock.sendmsg([plan[:4096]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
-            await asyncio.get_running_loop().sock_sendall(sock, plan[first:])
+            init = await _receive_socket(sock)
+            try:
+                await _send(init, plan, (report_w, go_r))
+            finally:
+                init.close()  # EOF: init's plan is complete
+            await _send(sock, plan, (report_w, stdout_fd, stderr_fd))
         except BaseException:
             os.close(pidfd)
             raise
@@ -285,6 +291,52 @@ class PendingFork:
         except (ZygoteError, asyncio.CancelledError):
             return
         os.close(pidfd)
+
+
+async def _send(sock: socket.socket, data: bytes, fds: tuple[int, ...]) -> None:
+    """``data`` with ``fds`` (SCM_RIGHTS, with its first bytes) on the non-blocking ``sock``."""
+    payload = b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
+    sock.setblocking(False)
+    first = sock.sendmsg([data[:4096]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
+    await asyncio.get_running_loop().sock_sendall(sock, data[first:])
+
+
+async def _receive_socket(sock: socket.socket) -> socket.socket:
+    """The one socket the child sends on ``sock`` (its init's plan socket)."""
+    while True:
+        try:
+            msg, ancillary, _flags, _addr = sock.recvmsg(
+                16, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
+            )
+            break
+        except BlockingIOError:
+            await _readable(sock.fileno())
+    received = [
+        int.from_bytes(data[i : i + 4], sys.byteorder)
+        for level, kind, data in ancillary
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+        for i in range(0, len(data) - len(data) % 4, 4)
+    ]
+    if msg != b"init" or len(received) != 1:
+        for fd in received:
+            os.close(fd)
+        raise ZygoteError(f"the sandbox launcher's child failed before its init ({msg!r})")
+    return socket.socket(fileno=received[0])
+
+
+async def _readable(fd: int) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
 
 
 async def wait_pidfd(pidfd: int) -> None:
