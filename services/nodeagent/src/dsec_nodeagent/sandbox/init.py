@@ -429,6 +429,8 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
         os._exit(126)
     report = _Reporter(fds[0])
     go = fds[1] if len(fds) == 2 else -1
+    if go >= 0:  # straight from the node agent (the zygote's): the hand-over ends here
+        report.send(stage="spawn", end_ns=time.monotonic_ns())
     workload = -1
     try:
         if error is not None:
@@ -1041,8 +1043,7 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
         os.dup2(err_fd, 2)
         os.close(out_fd)
         os.close(err_fd)
-        report = _Reporter(report_fd)
-        report.send(stage="spawn", end_ns=time.monotonic_ns())
+        report = _Reporter(report_fd)  # (the "spawn" stage: init's, which has its plan first)
         try:
             code = supervise(prepared, marshal.loads(plan), report, plan)
         except Exception as exc:
