@@ -179,6 +179,7 @@ def supervise(prepared: Prepared, plan: Plan, report: _Reporter, raw: bytes | No
     if sock is not None:
         data = raw if raw is not None else marshal.dumps(plan)
         try:
+            sock.sendall(MOUNT_NOW)
             sent = sock.sendmsg(
                 [data[:4096]],
                 [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, report.fd.to_bytes(4, sys.byteorder))],
@@ -406,6 +407,11 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+MOUNT_NOW = b"m"
+"""To init on its plan socket, before the plan: copy the host's mount tree and make the root
+view's plan-independent part now."""
+
+
 def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
     """Pid 1 of the sandbox: the plan-independent namespaces and mounts, then (once the plan
     and the report pipe came over ``plan_fd``) cgroups, the rest of the root view, the
@@ -414,13 +420,28 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
     ns_ns = mounts_ns = 0
     try:
         start = time.monotonic_ns()
-        syscalls.unshare(syscalls.CLONE_NEWNS | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS)
+        syscalls.unshare(syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS)
         ns_ns = time.monotonic_ns() - start
-        start = time.monotonic_ns()
-        prepare_root(root)
-        mounts_ns = time.monotonic_ns() - start
     except BaseException as exc:  # reported once there is a report pipe
         error = _describe(exc)
+    # The host's mount tree is copied only at the word "m" (MOUNT_NOW): a shell made before its
+    # launch (SandboxManager's pooled one) holds no copy of the host's mounts while it waits,
+    # and its copy is as fresh as the launch's own (its disk quota mounted before the word).
+    try:
+        if os.read(plan_fd, 1) != MOUNT_NOW:
+            os._exit(126)
+    except BaseException:
+        os._exit(126)
+    if error is None:
+        try:
+            start = time.monotonic_ns()
+            syscalls.unshare(syscalls.CLONE_NEWNS)
+            ns_ns += time.monotonic_ns() - start
+            start = time.monotonic_ns()
+            prepare_root(root)
+            mounts_ns = time.monotonic_ns() - start
+        except BaseException as exc:
+            error = _describe(exc)
     try:
         data, fds = _receive_plan(plan_fd, 2)
     except BaseException:

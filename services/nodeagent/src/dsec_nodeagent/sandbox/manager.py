@@ -59,6 +59,8 @@ CgroupHook = Callable[[str, Path, int], Awaitable[None]]
 
 START_TIMEOUT_S = 30.0
 IMAGE_SIZES_POOLED = 4
+SHELL_REFILL_DELAY_S = 0.05
+"""After a launch, how long before the next launch's shell is forked (see _refill_shell)."""
 RECENT_RESULTS = 256
 _SRC = Path(__file__).resolve().parents[2]
 # Run the pre-exec stage without site-packages (-S) and without executing the packages'
@@ -190,6 +192,9 @@ class SandboxManager:
         self._images = quota.ImagePool(layout.cache / "disk-images")
         self._image_sizes: dict[int, None] = {}  # recently asked sizes, oldest first
         self._image_fill: asyncio.Task[None] | None = None
+        self._shell: zygote.PendingFork | None = None  # forked ahead for the next launch
+        self._shell_timer: asyncio.TimerHandle | None = None
+        self._closing = False
 
     # ------------------------------------------------------------------ queries
 
@@ -254,9 +259,11 @@ class SandboxManager:
             # before the fork below: the sandbox's init copies the mount tree as it is then.
             taken = quota_needed and self._take_quota(config, data_dir)
             if self.zygote is not None and (taken or not quota_needed):
-                # The supervisor is forked now and, with its init, makes what no plan decides
-                # (namespaces, the root view's /proc and /dev) while the sandbox is planned.
-                early = self.zygote.fork()  # the request is sent at once
+                # The supervisor and its init, forked ahead (else now), make what no plan
+                # decides (the mount namespace, the root view's /proc and /dev) while the
+                # sandbox is planned.
+                early = self._take_shell()
+                early.mount_now()
             built, uid = await self._plan(config, run_dir)
             if quota_needed and not taken:
                 # The disk quota's mkfs and loop mount run in a worker thread while the cgroup
@@ -273,7 +280,8 @@ class SandboxManager:
             if disk is not None:
                 await disk
             if early is None and self.zygote is not None:
-                early = self.zygote.fork()  # after the quota's mount, which init must see
+                early = self._take_shell()
+                early.mount_now()  # after the quota's mount, which init must see
             self._prepare_dirs(built, uid)
             if config.semantic_rules is not None:
                 channel = await DecisionChannel.open(
@@ -318,6 +326,8 @@ class SandboxManager:
             stage = "plan" if "plan" not in marks else "cgroup"
             stage = stage if "spawn_start" not in marks else "spawn"
             raise SandboxStartError(sid, stage, str(exc)) from exc
+        finally:
+            self._refill_shell()
         process, supervisor_pid, pidfd = spawned
         refusals = self._report_refusals(sid, supervisor_pid, built.warnings)
         ready = self._ready(config, built, uid, cgroup, t0, marks, records, ready_ns, init_pid)
@@ -335,6 +345,36 @@ class SandboxManager:
         )
         self._watch(sandbox)
         return ready
+
+    def _take_shell(self) -> zygote.PendingFork:
+        """The supervisor and init forked ahead for the next launch (each serves one launch
+        only), or, when there is none or it failed, a fork asked for now."""
+        assert self.zygote is not None
+        shell, self._shell = self._shell, None
+        if shell is None or shell.failed:
+            if shell is not None:
+                shell.drop_failed()
+            shell = self.zygote.fork()
+        return shell
+
+    def _refill_shell(self) -> None:
+        """Have the next launch's supervisor and init forked soon after a launch, so that the
+        fork, the pid namespace and init are not on its start path. The shell holds no copy of
+        the host's mount tree until its launch says so (:meth:`.zygote.PendingFork.mount_now`).
+
+        Not at once: the three forks would take CPU from the workload just started, whose
+        interpreter start is what its user waits for (on 2 CPUs, as much as ~5 ms of its first
+        line); a launch before then forks its own, as without a shell."""
+        if self.zygote is None or self._shell is not None or self._closing:
+            return
+        if self._shell_timer is None:
+            loop = asyncio.get_running_loop()
+            self._shell_timer = loop.call_later(SHELL_REFILL_DELAY_S, self._refill_now)
+
+    def _refill_now(self) -> None:
+        self._shell_timer = None
+        if self.zygote is not None and self._shell is None and not self._closing:
+            self._shell = self.zygote.fork()
 
     async def _plan(self, config: SandboxConfig, run_dir: Path) -> tuple[plan.PlanResult, int]:
         sdk, sdk_deps = sdk_packages() if config.agent is not None else ((), ())
@@ -1123,6 +1163,13 @@ class SandboxManager:
         if self._audit is not None:
             await self._audit.close()
             self._audit = None
+        self._closing = True
+        if self._shell_timer is not None:
+            self._shell_timer.cancel()
+            self._shell_timer = None
+        shell, self._shell = self._shell, None
+        if shell is not None:  # its child and init exit at the EOF
+            await shell.discard()
         if self.zygote is not None:
             await self.zygote.close()
         if self._image_fill is not None:  # a few ms of mkfs: let it finish, leave no staging

@@ -226,28 +226,77 @@ class Zygote:
                     await process.wait()
 
 
-class PendingFork:
-    """A supervisor forked ahead of its plan: the fork overlaps the node agent's planning.
+MOUNT_NOW = b"m"  # init.MOUNT_NOW (not imported: init is the zygote's module, not the agent's)
 
-    Until :meth:`hand_over` the child holds nothing but its end of ``channel`` (and /dev/null on
-    0-2); closing ``channel`` without a plan (:meth:`discard`) makes it exit.
+
+class PendingFork:
+    """A supervisor forked ahead of its plan — at the start of its launch, or before it (the
+    manager keeps one made ahead) — with its init, in new pid, IPC and UTS namespaces.
+
+    Until :meth:`mount_now` init holds no copy of the host's mount tree; until :meth:`hand_over`
+    the child holds nothing but its end of ``channel`` (and /dev/null on 0-2). Each is used by
+    one launch only; :meth:`discard` (closing the sockets without a plan) makes both exit.
     """
 
     def __init__(self, zygote: Zygote) -> None:
         self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.channel.setblocking(False)
+        self.pid: int | None = None  # the child's, once forked
         self._handed = False  # hand_over() owns the pidfd from then on
+        self._init: socket.socket | None = None  # init's plan socket, from the child
+        self._mount = False
         # Sent now, not at the event loop's next turn: the zygote forks while the launch plans.
         sent = zygote.send_now(theirs.fileno())
         self._task = asyncio.ensure_future(self._fork(zygote, theirs, sent))
 
-    @staticmethod
     async def _fork(
-        zygote: Zygote, theirs: socket.socket, sent: asyncio.Future[tuple[int, int]] | None
+        self, zygote: Zygote, theirs: socket.socket, sent: asyncio.Future[tuple[int, int]] | None
     ) -> tuple[int, int]:
         try:
-            return await zygote.spawn(theirs.fileno(), sent)
+            pid, pidfd = await zygote.spawn(theirs.fileno(), sent)
         finally:
             theirs.close()
+        self.pid = pid
+        try:
+            self._init = await _receive_socket(self.channel)
+        except asyncio.CancelledError:
+            os.close(pidfd)
+            raise
+        except (ZygoteError, OSError):
+            pass  # hand_over() finds no init and fails
+        else:
+            if self._mount:
+                self._send_mount()
+        return pid, pidfd
+
+    @property
+    def failed(self) -> bool:
+        """The fork or its init failed: no launch can use it."""
+        if not self._task.done():
+            return False
+        return self._task.cancelled() or self._task.exception() is not None or self._init is None
+
+    def mount_now(self) -> None:
+        """Have init copy the host's mount tree now (as soon as it exists): call once every
+        mount the sandbox needs (its disk quota) is made."""
+        self._mount = True
+        if self._init is not None:
+            self._send_mount()
+
+    def _send_mount(self) -> None:
+        assert self._init is not None
+        with contextlib.suppress(OSError):  # init is gone: hand_over() fails on its socket
+            self._init.send(MOUNT_NOW)
+
+    def drop_failed(self) -> None:
+        """Release a :attr:`failed` one (its task is over)."""
+        assert self.failed
+        self.channel.close()
+        if self._init is not None:
+            self._init.close()
+            self._init = None
+        if not self._task.cancelled() and self._task.exception() is None:
+            os.close(self._task.result()[1])
 
     async def hand_over(
         self, plan: bytes, report_w: int, stdout_fd: int, stderr_fd: int, go_r: int
@@ -264,11 +313,14 @@ class PendingFork:
                 failed before its init existed.
         """
         self._handed = True
+        if not self._mount:
+            self.mount_now()
         pid, pidfd = await self._task
         sock = self.channel
+        init, self._init = self._init, None
         try:
-            sock.setblocking(False)
-            init = await _receive_socket(sock)
+            if init is None:
+                raise ZygoteError("the sandbox launcher's child failed before its init")
             try:
                 await _send(init, plan, (report_w, go_r))
             finally:
@@ -282,14 +334,21 @@ class PendingFork:
         return pid, pidfd
 
     async def discard(self) -> None:
-        """The launch was given up before its plan: the child exits at the EOF."""
-        self.channel.close()
+        """The launch was given up before its plan (or the shell made ahead is not wanted): the
+        child and its init exit at the EOF."""
         if self._handed:
+            self.channel.close()
             return
+        self._task.cancel()  # (no-op once forked and init's socket came)
         try:
             _pid, pidfd = await self._task
-        except (ZygoteError, asyncio.CancelledError):
+        except (ZygoteError, OSError, asyncio.CancelledError):
             return
+        finally:
+            self.channel.close()
+            if self._init is not None:
+                self._init.close()
+                self._init = None
         os.close(pidfd)
 
 
