@@ -18,6 +18,7 @@ import collections
 import contextlib
 import logging
 import os
+import select
 import socket
 import sys
 from pathlib import Path
@@ -321,8 +322,12 @@ class PendingFork:
         try:
             if init is None:
                 raise ZygoteError("the sandbox launcher's child failed before its init")
+            if select.select([pidfd], [], [], 0)[0]:  # a shell made ahead died meanwhile
+                raise ZygoteError("the sandbox launcher's child ended before its plan")
             try:
                 await _send(init, plan, (report_w, go_r))
+            except OSError as exc:
+                raise ZygoteError(f"the sandbox launcher's init is gone: {exc}") from exc
             finally:
                 init.close()  # EOF: init's plan is complete
             await _send(sock, plan, (report_w, stdout_fd, stderr_fd))
