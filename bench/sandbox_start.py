@@ -16,8 +16,9 @@ sandbox's interpreter).
   no_new_privs, Landlock, seccomp, semantic layer (sitecustomize with one rule); its stdout is a
   log file, polled every 0.2 ms. ``sandbox.ready`` (every layer applied, workload exec'd) is
   reported too, with the per-layer breakdown. The pre-exec stage is forked by the node agent's
-  pre-forked launcher (the zygote), as in production; its child makes the namespaces and the
-  root view's /proc and /dev while the manager plans. The disk quota (``/workspace/output``,
+  pre-forked launcher (the zygote), as in production: its supervisor and init are forked ahead,
+  50 ms after the previous launch (the shell), and init makes its mount namespace and the root
+  view's /proc and /dev while the manager plans. The disk quota (``/workspace/output``,
   the default 256 MiB) comes from the node's pool of images formatted and mounted ahead, as in
   production: the warm-up start fills it, each start's refill runs in the background (a burst
   of starts faster than the refill formats and mounts its own, as the first start does).

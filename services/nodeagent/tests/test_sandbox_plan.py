@@ -198,6 +198,35 @@ def test_stage_timings_are_in_layer_order() -> None:
     assert timings == {"plan": 1.0, "cgroup": 1.0, "spawn": 10.0, "mounts": 2.0, "exec": 1.0}
 
 
+def test_cgroups_made_after_the_hand_over_count_with_the_hosts_preparation() -> None:
+    # plan ends at 1 ms; the host prepares until the hand-over at 1.5 ms; the cgroups are made
+    # from 2 to 2.5 ms while init binds: "cgroup" is 0.5 + 0.5 ms, not the span 1 to 2.5 ms.
+    marks = {"plan": 1_000_000, "spawn_start": 1_500_000, "cgroup_start": 2_000_000}
+    marks["cgroup"] = 2_500_000
+    records = [{"stage": "spawn", "end_ns": 3_000_000}]
+    timings = domain.stage_timings(0, marks, records, ready_ns=9_000_000)
+    assert timings == {"plan": 1.0, "cgroup": 1.0, "spawn": 1.5}
+
+
+def test_named_cgroups_are_the_ones_made(tmp_path: Path) -> None:
+    from dsec_nodeagent.sandbox import cgroups
+
+    hierarchy = cgroups.Hierarchy(
+        tmp_path / "unified", frozenset({"pids"}), {"memory": tmp_path / "v1-memory"}
+    )
+    planned = cgroups.SandboxCgroup.planned(hierarchy, "sb-1", node="node-7")
+    assert planned.v2_dir == tmp_path / "unified" / "dsec" / "node-7" / "sb-1"
+    assert planned.dirs == {
+        "memory": tmp_path / "v1-memory" / "dsec" / "node-7" / "sb-1",
+        "pids": planned.v2_dir,
+    }
+    assert planned.procs_files() == [
+        str(planned.v2_dir / "cgroup.procs"),
+        str(tmp_path / "v1-memory" / "dsec" / "node-7" / "sb-1" / "cgroup.procs"),
+    ]
+    assert not planned.v2_dir.exists()  # named only
+
+
 def test_restart_backoff_doubles_from_200ms_up_to_5s() -> None:
     from dsec_nodeagent.agent import restart_backoff_s
 

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
-from _dsec_sandbox_testkit import managed, read_json_output, snippet_config
+from _dsec_sandbox_testkit import managed, read_json_output, run_to_end, snippet_config
 
-from dsec_nodeagent.sandbox import ExitReason
+from dsec_nodeagent.sandbox import ExitReason, SandboxManager
+from dsec_nodeagent.sandbox.zygote import PendingFork
 
 pytestmark = [pytest.mark.kernel]
 
@@ -182,3 +183,141 @@ async def test_the_zygote_refuses_a_request_it_does_not_understand_and_forks_not
     finally:
         await zygote.close()
     assert zygote.pid is None
+
+
+def _children(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+
+
+async def test_a_launch_failing_after_its_plan_was_handed_over_runs_nothing_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """The zygote's child gets its plan before the sandbox's cgroups exist (its init binds the
+    root view meanwhile); when making them fails, init never gets its go and exits having run
+    nothing of the sandbox, and its supervisor with it."""
+    from dsec_nodeagent.sandbox import SandboxStartError
+    from dsec_nodeagent.sandbox.models import Mount
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    seen: list[list[str]] = []
+    async with managed(tmp_path / "home") as manager:
+        assert manager.zygote is not None
+        await manager.zygote.prestart()
+        zygote_pid = manager.zygote.pid
+        assert zygote_pid is not None
+
+        async def refuse(sandbox_id: str, cgroup_dir: Path, inode: int) -> None:
+            assert cgroup_dir.is_dir()
+            seen.append(_children(zygote_pid))  # the supervisor, forked and handed its plan
+            raise RuntimeError("the egress programs cannot be attached")
+
+        config = snippet_config(
+            "zyg-nogo",
+            "open('/mnt/shared/ran', 'w').write('ran')\n",
+            tmp_path,
+            mounts=[Mount(source=shared, target="/mnt/shared", read_only=False)],
+            write_allowed=["/tmp", "/workspace/output", "/mnt/shared"],
+        )
+        with pytest.raises(SandboxStartError) as failed:
+            await manager.launch(config, before_start=refuse)
+        assert failed.value.stage == "cgroup"
+        assert "egress programs" in str(failed.value)
+        assert len(seen) == 1 and len(seen[0]) == 1
+        launched = seen[0][0]
+        # Its supervisor is gone; what the zygote still has is the next launch's shell.
+        await _only_the_next_shell_left(manager, zygote_pid)
+        assert launched not in _children(zygote_pid)
+        assert not (shared / "ran").exists()
+        assert manager.states.read("zyg-nogo") is None
+        after = snippet_config("zyg-after", "print('after')\n", tmp_path)
+        await manager.launch(after)
+        result = await asyncio.wait_for(manager.wait("zyg-after"), 60)
+        assert result.reason is ExitReason.OK
+        assert Path(result.stdout_path).read_text() == "after\n"
+
+
+async def test_a_launch_given_up_before_its_plan_leaves_no_process(tmp_path: Path) -> None:
+    """The fork is asked for before the launch plans; a plan that fails gives the child (and
+    the init it made, whose plan socket was sent to the node agent) up: both exit."""
+    from dsec_nodeagent.sandbox import SandboxStartError
+
+    async with managed(tmp_path / "home") as manager:
+        assert manager.zygote is not None
+        await manager.zygote.prestart()
+        zygote_pid = manager.zygote.pid
+        assert zygote_pid is not None
+        config = snippet_config(
+            "zyg-noplan", "print('never')\n", tmp_path, extra_ro_paths=[tmp_path / "missing"]
+        )
+        with pytest.raises(SandboxStartError) as failed:
+            await manager.launch(config)
+        assert failed.value.stage == "plan"
+        await _only_the_next_shell_left(manager, zygote_pid)
+        result = await run_to_end(manager, snippet_config("zyg-planned", "print('ok')\n", tmp_path))
+        assert Path(result.stdout_path).read_text() == "ok\n"
+
+
+async def _only_the_next_shell_left(manager: SandboxManager, zygote_pid: int) -> None:
+    """Poll until the zygote's only child is the shell made ahead for the next launch."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        shell = manager._shell
+        expected = [str(shell.pid)] if shell is not None and shell.pid is not None else None
+        if expected is not None and _children(zygote_pid) == expected:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"zygote children {_children(zygote_pid)}, shell {manager._shell}")
+
+
+async def _next_shell(manager: SandboxManager) -> PendingFork:
+    """The shell forked ahead for the next launch (a moment after the last one)."""
+    deadline = time.monotonic() + 30
+    while manager._shell is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert manager._shell is not None
+    return manager._shell
+
+
+def _mount_ns(pid: int | str) -> str:
+    return os.readlink(f"/proc/{pid}/ns/mnt")
+
+
+async def test_a_shell_made_ahead_holds_no_mounts_serves_one_launch_and_goes_at_shutdown(
+    tmp_path: Path,
+) -> None:
+    """After a launch the manager has the next launch's supervisor and init forked; until that
+    launch, init has no mount namespace of its own (no copy of the host's mounts, nothing
+    stale); the launch uses it, the one after gets another; shutdown ends the spare one."""
+    async with managed(tmp_path / "home") as manager:
+        assert manager.zygote is not None
+        await run_to_end(manager, snippet_config("zyg-first", "print('1')\n", tmp_path))
+        shell = await _next_shell(manager)
+        deadline = time.monotonic() + 30
+        while (shell.pid is None or not _children(shell.pid)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert shell.pid is not None
+        (init,) = _children(shell.pid)
+        assert _mount_ns(init) == _mount_ns(os.getpid())  # the host's: not copied yet
+        assert os.readlink(f"/proc/{init}/ns/pid") != os.readlink(f"/proc/{os.getpid()}/ns/pid")
+        await manager.launch(
+            snippet_config("zyg-second", "import time; time.sleep(60)\n", tmp_path)
+        )
+        state = manager.states.read("zyg-second")
+        assert state is not None
+        assert state["supervisor_pid"] == shell.pid  # the shell made ahead
+        assert _mount_ns(state["init_pid"]) != _mount_ns(os.getpid())
+        await manager.stop("zyg-second", grace_s=1.0)
+        await manager.launch(snippet_config("zyg-third", "import time; time.sleep(60)\n", tmp_path))
+        third = manager.states.read("zyg-third")
+        assert third is not None
+        assert third["supervisor_pid"] != shell.pid  # one launch per shell
+        await manager.stop("zyg-third", grace_s=1.0)
+        spare = await _next_shell(manager)
+        assert spare is not shell
+    assert spare.pid is not None
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{spare.pid}") and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert not os.path.exists(f"/proc/{spare.pid}")

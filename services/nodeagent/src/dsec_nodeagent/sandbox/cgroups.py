@@ -111,11 +111,32 @@ class SandboxCgroup:
     dirs: dict[str, Path]
 
     @classmethod
+    def planned(cls, hierarchy: Hierarchy, sandbox_id: str, node: str = "node-1") -> SandboxCgroup:
+        """The directories :meth:`create` makes, named before they exist (a launch hands its plan
+        to the sandbox's init while they are made; init joins them once told they are)."""
+        v2_dir = hierarchy.unified / GROUP / node / sandbox_id
+        dirs: dict[str, Path] = {}
+        for controller in CONTROLLERS:
+            backend = hierarchy.backend(controller)
+            if backend == "v2":
+                dirs[controller] = v2_dir
+            elif backend == "v1":
+                dirs[controller] = hierarchy.v1[controller] / GROUP / node / sandbox_id
+        return cls(v2_dir=v2_dir, dirs=dirs)
+
+    @classmethod
     def create(
         cls, hierarchy: Hierarchy, sandbox_id: str, limits: Limits, node: str = "node-1"
     ) -> SandboxCgroup:
         """Create the directories and write ``limits``; on failure remove what was made."""
-        v2_parent = hierarchy.unified / GROUP / node
+        group = cls.planned(hierarchy, sandbox_id, node)
+        group.make(hierarchy, limits)
+        return group
+
+    def make(self, hierarchy: Hierarchy, limits: Limits) -> None:
+        """Create the :meth:`planned` directories and write ``limits``; on failure remove what
+        was made (never a directory that existed before: that is an error)."""
+        v2_parent = self.v2_dir.parent
         v2_parent.mkdir(parents=True, exist_ok=True)
         on_v2 = [c for c in CONTROLLERS if hierarchy.backend(c) == "v2"]
         if on_v2:
@@ -123,25 +144,20 @@ class SandboxCgroup:
             _write(hierarchy.unified / "cgroup.subtree_control", enable)
             _write(v2_parent.parent / "cgroup.subtree_control", enable)
             _write(v2_parent / "cgroup.subtree_control", enable)
-        group = cls(v2_dir=v2_parent / sandbox_id, dirs={})
         try:
-            group.v2_dir.mkdir()
+            self.v2_dir.mkdir()
         except FileExistsError as exc:
-            raise CgroupError(f"cgroup {group.v2_dir} already exists") from exc
+            raise CgroupError(f"cgroup {self.v2_dir} already exists") from exc
+        made = {self.v2_dir}
         try:
-            for controller in CONTROLLERS:
-                backend = hierarchy.backend(controller)
-                if backend == "v2":
-                    group.dirs[controller] = group.v2_dir
-                elif backend == "v1":
-                    path = hierarchy.v1[controller] / GROUP / node / sandbox_id
-                    path.mkdir(parents=True)
-                    group.dirs[controller] = path
-            group._apply(limits)
+            for path in sorted(set(self.dirs.values()) - made):
+                path.mkdir(parents=True)
+                made.add(path)
+            self._apply(limits)
         except BaseException:
-            group.remove(timeout_s=1.0)
+            ours = {c: p for c, p in self.dirs.items() if p in made}
+            SandboxCgroup(self.v2_dir, ours).remove(timeout_s=1.0)
             raise
-        return group
 
     def _is_v2(self, controller: str) -> bool:
         return self.dirs.get(controller) == self.v2_dir

@@ -104,7 +104,7 @@ class Prepared:
         self.holder: Any = fds["holder"]
         self.out_r: int = fds["out_r"]
         self.err_r: int = fds["err_r"]
-        self.plan_sock: Any = fds["plan_sock"]
+        self.plan_sock: Any = fds["plan_sock"]  # None once handed to the node agent
 
 
 def prepare(root: str, inherited: list[int] | None = None) -> Prepared:
@@ -158,7 +158,8 @@ def prepare(root: str, inherited: list[int] | None = None) -> Prepared:
 
 def abandon(prepared: Prepared) -> None:
     """No plan came (the launch was given up): init exits at the EOF; reap it."""
-    prepared.plan_sock.close()
+    if prepared.plan_sock is not None:
+        prepared.plan_sock.close()
     prepared.holder.close()
     for fd in (prepared.status_r, prepared.out_r, prepared.err_r):
         os.close(fd)
@@ -169,23 +170,26 @@ def abandon(prepared: Prepared) -> None:
 
 
 def supervise(prepared: Prepared, plan: Plan, report: _Reporter, raw: bytes | None = None) -> int:
-    """Give init its plan (``raw``: as marshalled already) and the report pipe, then pump the
-    logs and record the outcome."""
+    """Give init its plan (``raw``: as marshalled already) and the report pipe — unless the node
+    agent gave them to init itself (the zygote's child) — then pump the logs and record the
+    outcome."""
     import _socket
 
     pid = prepared.init_pid
-    data = raw if raw is not None else marshal.dumps(plan)
     sock = prepared.plan_sock
-    try:
-        sent = sock.sendmsg(
-            [data[:4096]],
-            [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, report.fd.to_bytes(4, sys.byteorder))],
-        )
-        sock.sendall(data[sent:])
-    except OSError:  # init died before its plan: its wait status tells the rest
-        pass
-    finally:
-        sock.close()  # EOF: the plan is complete
+    if sock is not None:
+        data = raw if raw is not None else marshal.dumps(plan)
+        try:
+            sock.sendall(MOUNT_NOW)
+            sent = sock.sendmsg(
+                [data[:4096]],
+                [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, report.fd.to_bytes(4, sys.byteorder))],
+            )
+            sock.sendall(data[sent:])
+        except OSError:  # init died before its plan: its wait status tells the rest
+            pass
+        finally:
+            sock.close()  # EOF: the plan is complete
     report.send(stage="fork", start_ns=prepared.start_ns, end_ns=prepared.end_ns, init_pid=pid)
     # Before closing the report channel: its EOF tells the node agent the listener is here.
     _keep_listener(prepared.holder)
@@ -404,6 +408,11 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+MOUNT_NOW = b"m"
+"""To init on its plan socket, before the plan: copy the host's mount tree and make the root
+view's plan-independent part now."""
+
+
 def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
     """Pid 1 of the sandbox: the plan-independent namespaces and mounts, then (once the plan
     and the report pipe came over ``plan_fd``) cgroups, the rest of the root view, the
@@ -412,26 +421,63 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
     ns_ns = mounts_ns = 0
     try:
         start = time.monotonic_ns()
-        syscalls.unshare(syscalls.CLONE_NEWNS | syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS)
+        syscalls.unshare(syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS)
         ns_ns = time.monotonic_ns() - start
-        start = time.monotonic_ns()
-        prepare_root(root)
-        mounts_ns = time.monotonic_ns() - start
     except BaseException as exc:  # reported once there is a report pipe
         error = _describe(exc)
+    # The host's mount tree is copied only at the word "m" (MOUNT_NOW): a shell made before its
+    # launch (SandboxManager's pooled one) holds no copy of the host's mounts while it waits,
+    # and its copy is as fresh as the launch's own (its disk quota mounted before the word).
     try:
-        data, fds = _receive_plan(plan_fd, 1)
+        if os.read(plan_fd, 1) != MOUNT_NOW:
+            os._exit(126)
     except BaseException:
         os._exit(126)
-    if len(fds) != 1:  # given up before its plan: nothing ran here
+    if error is None:
+        try:
+            start = time.monotonic_ns()
+            syscalls.unshare(syscalls.CLONE_NEWNS)
+            ns_ns += time.monotonic_ns() - start
+            start = time.monotonic_ns()
+            prepare_root(root)
+            mounts_ns = time.monotonic_ns() - start
+        except BaseException as exc:
+            error = _describe(exc)
+    try:
+        data, fds = _receive_plan(plan_fd, 2)
+    except BaseException:
+        os._exit(126)
+    if len(fds) not in (1, 2):  # given up before its plan: nothing ran here
         os._exit(126)
     report = _Reporter(fds[0])
+    go = fds[1] if len(fds) == 2 else -1
+    if go >= 0:  # straight from the node agent (the zygote's): the hand-over ends here
+        report.send(stage="spawn", end_ns=time.monotonic_ns())
+    workload = -1
     try:
         if error is not None:
             raise RuntimeError(error)
         plan: Plan = marshal.loads(data)
         start = time.monotonic_ns()
-        _join_cgroups(plan["cgroup_procs"])
+        if plan["unshare_net"]:
+            syscalls.unshare(syscalls.CLONE_NEWNET)
+        syscalls.sethostname(plan["hostname"])
+        # Each layer's whole time, the part made before the plan included (a span that long).
+        report.send(stage="namespaces", start_ns=start - ns_ns, end_ns=time.monotonic_ns())
+        # The workload's process is forked now, its fork beside the binds below; it runs nothing
+        # until init's word (written once it is in the cgroups and the root view is in place);
+        # if init dies first, the pid namespace ends with it.
+        workload, begin_w = _fork_workload(plan, report, holder_fd, [status_w, go])
+        start = time.monotonic_ns()
+        bind_root(plan, root)
+        mounts_ns += time.monotonic_ns() - start
+        if go >= 0:  # the node agent made the cgroups meanwhile: wait for its word
+            told = os.read(go, 1)
+            os.close(go)
+            if not told:  # the launch failed there: nothing of the sandbox ran
+                os._exit(126)
+        start = time.monotonic_ns()
+        _join_cgroups(plan["cgroup_procs"], workload)
         # OOM should take the workload, not init; needs CAP_SYS_RESOURCE, not always held.
         # (No contextlib here: every import is start-up latency.)
         try:  # noqa: SIM105
@@ -440,34 +486,65 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
             pass
         report.stage("cgroup_join", start)
         start = time.monotonic_ns()
-        if plan["unshare_net"]:
-            syscalls.unshare(syscalls.CLONE_NEWNET)
-        syscalls.sethostname(plan["hostname"])
-        # Each layer's whole time, the part made before the plan included (a span that long).
-        report.send(stage="namespaces", start_ns=start - ns_ns, end_ns=time.monotonic_ns())
-        start = time.monotonic_ns()
-        build_root(plan, root)
+        pivot_root(root)
         if plan.get("reaper_exec") and not plan.get("tty"):
-            # The sandbox's own /dev/null on stdin (not the host's, opened before pivot_root):
-            # no process of the sandbox then holds a file of the host's mount tree, which a
-            # checkpoint (CRIU, docs/migration.md) could not name.
-            null = os.open("/dev/null", os.O_RDWR)
-            os.dup2(null, 0)
-            os.close(null)
+            _sandbox_null_stdin()
         report.send(stage="mounts", start_ns=start - mounts_ns, end_ns=time.monotonic_ns())
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
+        os.write(begin_w, b"1")
+        os.close(begin_w)
     except BaseException as exc:  # report every failure, then die: nothing else can
         report.send(error=_describe(exc) if error is None else error, stage="init")
-        os._exit(126)
-    workload = os.fork()
-    if workload == 0:
-        os.close(status_w)
-        _exec_workload(plan, report, holder_fd)
+        os._exit(126)  # the workload's process, waiting, ends with the pid namespace
     os.close(holder_fd)
     report.close()
     if plan.get("reaper_exec"):
         _exec_reaper(plan["python"], workload, status_w)
     os._exit(_reap_until(workload, status_w))
+
+
+def _sandbox_null_stdin() -> None:
+    """The sandbox's own /dev/null on stdin (not the host's, opened before pivot_root): no
+    process of the sandbox then holds a file of the host's mount tree, which a checkpoint (CRIU,
+    docs/migration.md) could not name."""
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 0)
+    os.close(null)
+
+
+def _fork_workload(
+    plan: Plan, report: _Reporter, holder_fd: int, init_only: list[int]
+) -> tuple[int, int]:
+    """Fork the workload's process; ``(its pid, the write end of its begin pipe)``.
+
+    The child closes init's own fds (``init_only``) and waits for one byte on the pipe: init
+    writes it once the child is in the sandbox's cgroups (init moves it there with itself) and
+    the root view is in place (pivot_root moved the child's root and cwd too). EOF instead: init
+    failed, and the child exits having run nothing.
+    """
+    begin_r, begin_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(begin_w)
+            for fd in init_only:
+                if fd >= 0:
+                    os.close(fd)
+            told = os.read(begin_r, 1)
+            os.close(begin_r)
+        except BaseException:
+            os._exit(126)
+        if not told:
+            os._exit(126)
+        try:  # as init is by now: not dumpable, no file of the host's mount tree on stdin
+            syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
+            if plan.get("reaper_exec") and not plan.get("tty"):
+                _sandbox_null_stdin()
+        except BaseException:
+            os._exit(126)
+        _exec_workload(plan, report, holder_fd)
+    os.close(begin_r)
+    return pid, begin_w
 
 
 # Pid 1 once it has exec'd the sandbox's own interpreter: the same loop as _reap_until, with
@@ -523,9 +600,12 @@ def _reap_until(workload: int, status_w: int) -> int:
             return 0
 
 
-def _join_cgroups(procs_files: list[str]) -> None:
+def _join_cgroups(procs_files: list[str], also: int = -1) -> None:
+    """Move this process (and the process ``also``, when given) into each cgroup."""
     for path in procs_files:
         _write(path, "0")  # "0" = the writing process itself
+        if also > 0:
+            _write(path, str(also))
 
 
 def _write(path: str, text: str) -> None:
@@ -556,8 +636,18 @@ def prepare_root(root: str) -> None:
 def build_root(plan: Plan, root: str) -> None:
     """The plan's entries on the prepared tmpfs at ``root`` (:func:`prepare_root`) →
     pivot_root → read-only root."""
+    bind_root(plan, root)
+    pivot_root(root)
+
+
+def bind_root(plan: Plan, root: str) -> None:
+    """The plan's entries on the prepared tmpfs at ``root`` (:func:`prepare_root`)."""
     for entry in plan["layout"]:
         _apply_entry(root, entry, plan)
+
+
+def pivot_root(root: str) -> None:
+    """Make ``root`` (bound by :func:`bind_root`) this mount namespace's root, read-only."""
     os.chdir(root)
     # pivot_root(".", ".") stacks the old root under the new one; detaching it leaves only ours.
     syscalls.pivot_root(".", ".")
@@ -863,8 +953,12 @@ def exec_into(plan: Plan, report: _Reporter) -> int:
 
 # To the zygote, one request per sandbox: the word "fork" and one fd (SCM_RIGHTS), the child's
 # end of a stream socket of its own. The answer: the child's pid (text) and a pidfd of it.
-# Over that socket the node agent then sends the report pipe's write end and the stdout and
-# stderr log files (SCM_RIGHTS, with the first bytes), then the marshalled plan, then EOF.
+# Over that socket the child, once it has forked init, sends the word "init" and its end of
+# init's plan socket, on which the node agent sends init the report pipe's write end and the
+# read end of the go pipe (SCM_RIGHTS, with the first bytes), the marshalled plan, then EOF.
+# Then, over the child's socket, the report pipe's write end and the stdout and stderr log
+# files, the plan, EOF. The go: one byte once the sandbox's cgroups exist (init binds the root
+# view meanwhile, and joins them only then); EOF without it: init exits.
 HANDOVER_FDS = 3
 
 
@@ -951,6 +1045,8 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
     its own channel, restores the signal dispositions and mask, and starts a session of its own:
     it then holds what a spawned pre-exec stage holds.
     """
+    import _socket
+
     code = 126
     try:
         control.close()  # no sandbox process may ever hold the zygote's socket
@@ -965,6 +1061,15 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
         # The sandbox's plan-independent part, made while the node agent plans (init holds
         # none of this process's fds but /dev/null).
         prepared = prepare(root, [channel_fd])
+        # Init's plan comes straight from the node agent (see HANDOVER_FDS).
+        channel = _socket.socket(fileno=channel_fd)
+        try:
+            init_sock = prepared.plan_sock.fileno().to_bytes(4, sys.byteorder)
+            channel.sendmsg([b"init"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, init_sock)])
+        finally:
+            channel.detach()
+        prepared.plan_sock.close()
+        prepared.plan_sock = None
         plan, fds = _receive_plan(channel_fd)
         if len(fds) != HANDOVER_FDS:  # the launch was given up before its plan was sent
             for fd in fds:
@@ -976,8 +1081,7 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
         os.dup2(err_fd, 2)
         os.close(out_fd)
         os.close(err_fd)
-        report = _Reporter(report_fd)
-        report.send(stage="spawn", end_ns=time.monotonic_ns())
+        report = _Reporter(report_fd)  # (the "spawn" stage: init's, which has its plan first)
         try:
             code = supervise(prepared, marshal.loads(plan), report, plan)
         except Exception as exc:

@@ -59,6 +59,8 @@ CgroupHook = Callable[[str, Path, int], Awaitable[None]]
 
 START_TIMEOUT_S = 30.0
 IMAGE_SIZES_POOLED = 4
+SHELL_REFILL_DELAY_S = 0.05
+"""After a launch, how long before the next launch's shell is forked (see _refill_shell)."""
 RECENT_RESULTS = 256
 _SRC = Path(__file__).resolve().parents[2]
 # Run the pre-exec stage without site-packages (-S) and without executing the packages'
@@ -190,6 +192,9 @@ class SandboxManager:
         self._images = quota.ImagePool(layout.cache / "disk-images")
         self._image_sizes: dict[int, None] = {}  # recently asked sizes, oldest first
         self._image_fill: asyncio.Task[None] | None = None
+        self._shell: zygote.PendingFork | None = None  # forked ahead for the next launch
+        self._shell_timer: asyncio.TimerHandle | None = None
+        self._closing = False
 
     # ------------------------------------------------------------------ queries
 
@@ -228,9 +233,11 @@ class SandboxManager:
 
         Args:
             config: what to run and how.
-            before_start: awaited once the sandbox's cgroup exists and before any of its
-                processes runs — attach the eBPF egress programs here, so that no connect can
-                precede them. Its time counts in the ``cgroup`` layer; an error aborts the start.
+            before_start: awaited once the sandbox's cgroup exists and before any process
+                joins it (the sandbox's init, handed its plan already, binds its root view
+                meanwhile and waits for this to end) — attach the eBPF egress programs here, so
+                that no connect can precede them. Its time counts in the ``cgroup`` layer; an
+                error aborts the start.
 
         Raises:
             SandboxStartError: naming the failing layer; nothing is left behind.
@@ -252,10 +259,11 @@ class SandboxManager:
             # before the fork below: the sandbox's init copies the mount tree as it is then.
             taken = quota_needed and self._take_quota(config, data_dir)
             if self.zygote is not None and (taken or not quota_needed):
-                # The supervisor is forked now and, with its init, makes what no plan decides
-                # (namespaces, the root view's /proc and /dev) while the sandbox is planned.
-                early = self.zygote.fork()
-                await asyncio.sleep(0)  # let it send the request now: planning may not yield
+                # The supervisor and its init, forked ahead (else now), make what no plan
+                # decides (the mount namespace, the root view's /proc and /dev) while the
+                # sandbox is planned.
+                early = self._take_shell()
+                early.mount_now()
             built, uid = await self._plan(config, run_dir)
             if quota_needed and not taken:
                 # The disk quota's mkfs and loop mount run in a worker thread while the cgroup
@@ -266,37 +274,48 @@ class SandboxManager:
             if config.agent is not None:
                 self._agents[sid] = (uid, config.agent)
             marks["plan"] = time.monotonic_ns()
-            self.states.write(
-                sid,
-                {"sandbox_id": sid, "phase": "starting", "cgroup": None, "run_dir": str(run_dir)},
-            )
-            cgroup = self._create_cgroup(config)
-            self.states.write(
-                sid,
-                {
-                    "sandbox_id": sid,
-                    "phase": "starting",
-                    "cgroup": cgroup.to_state(),
-                    "run_dir": str(run_dir),
-                },
-            )
-            built.plan["cgroup_procs"] = cgroup.procs_files()
-            built.plan["reap"] = cgroup.reaper_plan(self.unwatched_marker)
-            if before_start is not None:
-                await before_start(sid, cgroup.v2_dir, cgroup.inode)
+            planned = self._planned_cgroup(config)
+            built.plan["cgroup_procs"] = planned.procs_files()
+            built.plan["reap"] = planned.reaper_plan(self.unwatched_marker)
             if disk is not None:
                 await disk
             if early is None and self.zygote is not None:
-                early = self.zygote.fork()  # after the quota's mount, which init must see
+                early = self._take_shell()
+                early.mount_now()  # after the quota's mount, which init must see
             self._prepare_dirs(built, uid)
             if config.semantic_rules is not None:
                 channel = await DecisionChannel.open(
                     sid, run_dir / "events.sock", uid, self.on_decision
                 )
-            marks["cgroup"] = time.monotonic_ns()
+
+            async def make_cgroup() -> None:
+                # Made while the sandbox's init binds its root view (it waits for them). The
+                # state file first, naming the cgroup before it exists: a node agent restarted
+                # after a crash removes it (or finds it absent). A crash before this write
+                # leaves no process (init exits at the go pipe's EOF) and no cgroup.
+                nonlocal cgroup
+                self.states.write(
+                    sid,
+                    {
+                        "sandbox_id": sid,
+                        "phase": "starting",
+                        "cgroup": planned.to_state(),
+                        "run_dir": str(run_dir),
+                    },
+                )
+                try:
+                    cgroup = self._make_cgroup(planned, config)
+                    if before_start is not None:
+                        await before_start(sid, cgroup.v2_dir, cgroup.inode)
+                except SandboxStartError:
+                    raise
+                except Exception as exc:
+                    raise SandboxStartError(sid, "cgroup", str(exc)) from exc
+
             spawned, records, init_pid, ready_ns = await self._spawn(
-                config, built.plan, marks, early
+                config, built.plan, marks, early, make_cgroup
             )
+            assert cgroup is not None  # made before the sandbox's init could go on
         except SandboxStartError:
             await _settled(disk)
             await self._abort(sid, cgroup, channel, run_dir, early)
@@ -304,8 +323,11 @@ class SandboxManager:
         except Exception as exc:
             await _settled(disk)
             await self._abort(sid, cgroup, channel, run_dir, early)
-            stage = next((m for m in ("plan", "cgroup") if m not in marks), "spawn")
+            stage = "plan" if "plan" not in marks else "cgroup"
+            stage = stage if "spawn_start" not in marks else "spawn"
             raise SandboxStartError(sid, stage, str(exc)) from exc
+        finally:
+            self._refill_shell()
         process, supervisor_pid, pidfd = spawned
         refusals = self._report_refusals(sid, supervisor_pid, built.warnings)
         ready = self._ready(config, built, uid, cgroup, t0, marks, records, ready_ns, init_pid)
@@ -324,13 +346,44 @@ class SandboxManager:
         self._watch(sandbox)
         return ready
 
+    def _take_shell(self) -> zygote.PendingFork:
+        """The supervisor and init forked ahead for the next launch (each serves one launch
+        only), or, when there is none or it failed, a fork asked for now."""
+        assert self.zygote is not None
+        shell, self._shell = self._shell, None
+        if shell is None or shell.failed:
+            if shell is not None:
+                shell.drop_failed()
+            shell = self.zygote.fork()
+        return shell
+
+    def _refill_shell(self) -> None:
+        """Have the next launch's supervisor and init forked soon after a launch, so that the
+        fork, the pid namespace and init are not on its start path. The shell holds no copy of
+        the host's mount tree until its launch says so (:meth:`.zygote.PendingFork.mount_now`).
+
+        Not at once: the three forks would take CPU from the workload just started, whose
+        interpreter start is what its user waits for (on 2 CPUs, as much as ~5 ms of its first
+        line); a launch before then forks its own, as without a shell."""
+        if self.zygote is None or self._shell is not None or self._closing:
+            return
+        if self._shell_timer is None:
+            loop = asyncio.get_running_loop()
+            self._shell_timer = loop.call_later(SHELL_REFILL_DELAY_S, self._refill_now)
+
+    def _refill_now(self) -> None:
+        self._shell_timer = None
+        if self.zygote is not None and self._shell is None and not self._closing:
+            self._shell = self.zygote.fork()
+
     async def _plan(self, config: SandboxConfig, run_dir: Path) -> tuple[plan.PlanResult, int]:
         sdk, sdk_deps = sdk_packages() if config.agent is not None else ((), ())
         extra = [p for p in (config.env_dir, *config.extra_ro_paths, *sdk_deps) if p is not None]
         view = await self._runtime_view(config.runtime, extra)
         uid = domain.allocate_uid(config.sandbox_id, self._uids_in_use(), base=self.uid_base)
         run_dir.mkdir(parents=True, exist_ok=False)
-        (run_dir / "root").mkdir()
+        if self.zygote is None:  # (a zygote's sandbox mounts its root elsewhere; see _spawn)
+            (run_dir / "root").mkdir()
         ipc_dir = self._ipc_dir(config, run_dir)
         rules_path = None
         if config.semantic_rules is not None:
@@ -505,16 +558,30 @@ class SandboxManager:
         sid = cgroups.sandbox_of_process(pid) if pid is not None else None
         return sid if sid is not None and sid in self._sandboxes else None
 
-    def _create_cgroup(self, config: SandboxConfig) -> cgroups.SandboxCgroup:
-        return self.create_cgroup(config.sandbox_id, config.limits)
-
-    def create_cgroup(self, sandbox_id: str, limits: Limits) -> cgroups.SandboxCgroup:
-        """A sandbox's fresh cgroups under this node's parent (a launch, or a restore)."""
+    def _hierarchy_now(self) -> cgroups.Hierarchy:
         if self._hierarchy is None:
             self._hierarchy = cgroups.detect()
             if self.tune_cgroups:
                 cgroups.favor_dynamic_modifications(self._hierarchy)
-        return cgroups.SandboxCgroup.create(self._hierarchy, sandbox_id, limits, node=self.node_id)
+        return self._hierarchy
+
+    def _planned_cgroup(self, config: SandboxConfig) -> cgroups.SandboxCgroup:
+        """The sandbox's cgroups, named (its plan holds them) but not made yet."""
+        return cgroups.SandboxCgroup.planned(
+            self._hierarchy_now(), config.sandbox_id, node=self.node_id
+        )
+
+    def _make_cgroup(
+        self, planned: cgroups.SandboxCgroup, config: SandboxConfig
+    ) -> cgroups.SandboxCgroup:
+        planned.make(self._hierarchy_now(), config.limits)
+        return planned
+
+    def create_cgroup(self, sandbox_id: str, limits: Limits) -> cgroups.SandboxCgroup:
+        """A sandbox's fresh cgroups under this node's parent (a launch, or a restore)."""
+        return cgroups.SandboxCgroup.create(
+            self._hierarchy_now(), sandbox_id, limits, node=self.node_id
+        )
 
     async def prepare_restored(
         self, sandbox_id: str, uid: int, *, ipc: bool, semantic: bool
@@ -570,35 +637,68 @@ class SandboxManager:
         the_plan: dict[str, Any],
         marks: dict[str, int],
         early: zygote.PendingFork | None,
+        make_cgroup: Callable[[], Awaitable[None]],
     ) -> tuple[
         tuple[asyncio.subprocess.Process | None, int, int | None], list[dict[str, Any]], int, int
     ]:
         """Start the pre-exec stage (forked by the zygote, else a fresh interpreter), give it the
-        plan, read its reports until the workload's execve.
+        plan, make the cgroups (``make_cgroup``), read its reports until the workload's execve.
+
+        A forked one gets its plan first: its init binds the root view while the cgroups are
+        made here, and goes on (joins them, then pivot_root, the workload) only at the *go*, a
+        byte on a pipe written once ``make_cgroup`` succeeded; its EOF without that byte (a
+        failed launch) makes init exit having run nothing. A fresh interpreter gets its plan
+        after ``make_cgroup``.
 
         Returns ``((process or None, supervisor pid, its pidfd or None), records, init pid,
         ready ns)``."""
         stdout_path, stderr_path = self.log_paths(config.sandbox_id)
         stdout_path.parent.mkdir(parents=True, exist_ok=True)
         report_r, report_w = os.pipe()
+        go_r, go_w = os.pipe()
         process: asyncio.subprocess.Process | None = None
         pidfd: int | None = None
         data = marshal.dumps(the_plan)
         try:
-            with open(stdout_path, "ab") as out, open(stderr_path, "ab") as err:
-                marks["spawn_start"] = time.monotonic_ns()
-                if early is not None:
-                    try:
-                        pid, pidfd = await early.hand_over(
-                            data, report_w, out.fileno(), err.fileno()
-                        )
-                    except zygote.ZygoteError as exc:
-                        log.warning("%s; starting the pre-exec stage directly", exc)
-                if pidfd is None:
-                    process = await self._spawn_interpreter(data, report_w, out, err)
-                    pid = process.pid
+            try:
+                with open(stdout_path, "ab") as out, open(stderr_path, "ab") as err:
+                    marks["spawn_start"] = time.monotonic_ns()
+                    if early is not None:
+                        try:
+                            pid, pidfd = await early.hand_over(
+                                data, report_w, out.fileno(), err.fileno(), go_r
+                            )
+                        except zygote.ZygoteError as exc:
+                            log.warning("%s; starting the pre-exec stage directly", exc)
+                    if pidfd is None:
+                        Path(the_plan["root"]).mkdir(exist_ok=True)
+                        marks["cgroup_start"] = time.monotonic_ns()
+                        await make_cgroup()
+                        marks["cgroup"] = time.monotonic_ns()
+                        process = await self._spawn_interpreter(data, report_w, out, err)
+                        pid = process.pid
+            finally:
+                os.close(report_w)
+                os.close(go_r)
+            if pidfd is not None:
+                marks["cgroup_start"] = time.monotonic_ns()
+                try:
+                    await make_cgroup()
+                except BaseException:
+                    os.close(go_w)  # no go: init exits, then its supervisor
+                    go_w = -1
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(zygote.wait_pidfd(pidfd), START_TIMEOUT_S)
+                    raise
+                marks["cgroup"] = time.monotonic_ns()
+                with contextlib.suppress(OSError):  # init died already: its report says why
+                    os.write(go_w, b"1")
+        except BaseException:
+            os.close(report_r)
+            raise
         finally:
-            os.close(report_w)
+            if go_w >= 0:
+                os.close(go_w)
         records, ready_ns = await _read_reports(report_r, START_TIMEOUT_S)
         errors = [r for r in records if "error" in r]
         init_pid = next((r["init_pid"] for r in records if "init_pid" in r), None)
@@ -1063,6 +1163,13 @@ class SandboxManager:
         if self._audit is not None:
             await self._audit.close()
             self._audit = None
+        self._closing = True
+        if self._shell_timer is not None:
+            self._shell_timer.cancel()
+            self._shell_timer = None
+        shell, self._shell = self._shell, None
+        if shell is not None:  # its child and init exit at the EOF
+            await shell.discard()
         if self.zygote is not None:
             await self.zygote.close()
         if self._image_fill is not None:  # a few ms of mkfs: let it finish, leave no staging

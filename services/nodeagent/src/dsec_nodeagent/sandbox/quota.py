@@ -186,6 +186,20 @@ def _mount_loop(image: Path, target: Path) -> None:
         os.close(backing)
 
 
+WARM_DIRS = 4
+
+
+def _warm(mount: Path) -> None:
+    """Make and remove a few directories at the root of a pooled image's new filesystem: the
+    metadata a start's first ``mkdir`` there needs (the block groups' bitmaps and inode tables
+    the allocator spreads directories over) is then cached, instead of read through the loop
+    device's worker on the start path (~0.1 ms a directory, several ms under I/O load)."""
+    for index in range(WARM_DIRS):
+        path = mount / f".dsec-warm-{index}"
+        path.mkdir()
+        path.rmdir()
+
+
 def take_mounted(data_dir: Path, size_bytes: int, pool: ImagePool) -> bool:
     """:func:`create` without any slow step, or nothing: when ``pool`` holds a mounted image of
     ``size_bytes`` and no earlier outputs of this sandbox must be carried over, move it in (a
@@ -337,6 +351,7 @@ class ImagePool:
                     mount_image(staging, mount)
                     with contextlib.suppress(FileNotFoundError):
                         (mount / "lost+found").rmdir()
+                    _warm(mount)
                 except QuotaError:  # no loop device here: a start mounts it (slower)
                     mount.rmdir()
                 os.rename(staging, self.directory / f"{name}.img")  # ready from now on

@@ -14,9 +14,11 @@ inherited but its four fds before reading one; see :func:`.init.zygote` and
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
+import select
 import socket
 import sys
 from pathlib import Path
@@ -54,7 +56,9 @@ class Zygote:
         self.starts = 0  # how many zygotes this node agent started (1 unless one died)
         self._process: asyncio.subprocess.Process | None = None
         self._sock: socket.socket | None = None
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # held while a zygote is started or discarded
+        # The answers still due, in the order their requests were sent.
+        self._replies: collections.deque[asyncio.Future[tuple[int, int]]] = collections.deque()
 
     @property
     def pid(self) -> int | None:
@@ -68,27 +72,52 @@ class Zygote:
         self.root.mkdir(mode=0o755, parents=True, exist_ok=True)  # its init mounts its root here
         return PendingFork(self)
 
-    async def spawn(self, channel_fd: int) -> tuple[int, int]:
+    def send_now(self, channel_fd: int) -> asyncio.Future[tuple[int, int]] | None:
+        """Ask the running zygote for a fork at once, without waiting for the event loop (the
+        launch plans meanwhile without yielding); the answer resolves the returned future.
+        ``None``: no zygote runs yet, or it is being restarted (then :meth:`spawn` starts one).
+
+        The request is a non-blocking ``sendmsg`` on the control socket; answers come back in
+        the order of the requests (the zygote serves one at a time) and are matched to them by
+        that order.
+        """
+        sock = self._sock
+        if sock is None or self.pid is None or self._lock.locked():
+            return None
+        payload = channel_fd.to_bytes(4, sys.byteorder)
+        try:
+            sock.sendmsg([b"fork"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
+        except OSError:
+            return None  # spawn() finds it gone and starts another
+        reply: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        self._replies.append(reply)
+        return reply
+
+    async def spawn(
+        self, channel_fd: int, sent: asyncio.Future[tuple[int, int]] | None = None
+    ) -> tuple[int, int]:
         """Fork a supervisor that waits for its plan on ``channel_fd`` (which stays open here);
-        ``(pid, pidfd)`` of it.
+        ``(pid, pidfd)`` of it. ``sent``: the answer to a request :meth:`send_now` made already.
 
         Raises:
             ZygoteError: no zygote could fork one, even after a restart.
         """
-        fds = [channel_fd]
-        async with self._lock:
-            for attempt in range(2):
-                try:
-                    if self.pid is None or self._sock is None:
-                        await self._start()
-                    return await asyncio.wait_for(self._request(fds), REQUEST_TIMEOUT_S)
-                except (_Gone, TimeoutError, OSError) as exc:
-                    await self._discard()
-                    if attempt:
-                        raise ZygoteError(f"the sandbox launcher (zygote) failed: {exc}") from exc
-                    log.warning(
-                        "the sandbox launcher (zygote) is gone (%s); starting a new one", exc
-                    )
+        for attempt in range(2):
+            try:
+                reply = sent if attempt == 0 else None
+                if reply is None:
+                    async with self._lock:
+                        if self.pid is None or self._sock is None:
+                            await self._start()
+                    reply = self.send_now(channel_fd)
+                    if reply is None:
+                        raise _Gone("its control socket is closed")
+                return await asyncio.wait_for(reply, REQUEST_TIMEOUT_S)
+            except (_Gone, TimeoutError, OSError) as exc:
+                await self._discard()
+                if attempt:
+                    raise ZygoteError(f"the sandbox launcher (zygote) failed: {exc}") from exc
+                log.warning("the sandbox launcher (zygote) is gone (%s); starting a new one", exc)
         raise AssertionError("unreachable")
 
     async def prestart(self) -> None:
@@ -127,49 +156,67 @@ class Zygote:
         ours.setblocking(False)
         self._sock = ours
         self.starts += 1
+        asyncio.get_running_loop().add_reader(ours.fileno(), self._on_answers, ours)
 
-    async def _request(self, fds: list[int]) -> tuple[int, int]:
-        sock = self._sock
-        assert sock is not None
-        payload = b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
-        try:
-            sock.sendmsg([b"fork"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
-        except (BrokenPipeError, ConnectionError) as exc:
-            raise _Gone(str(exc)) from exc
-        await _readable(sock)
-        msg, ancillary, _flags, _addr = sock.recvmsg(
-            64, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
-        )
-        received = [
-            int.from_bytes(data[:4], sys.byteorder)
-            for level, kind, data in ancillary
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= 4
-        ]
-        if not msg:
-            raise _Gone("it closed its socket")
-        if not msg.isdigit() or len(received) != 1:
-            for fd in received:
-                os.close(fd)
-            raise ZygoteError(f"the sandbox launcher answered {msg[:64]!r}")
-        return int(msg), received[0]
+    def _on_answers(self, sock: socket.socket) -> None:
+        """Match each answer on the control socket to the oldest request still due."""
+        while True:
+            try:
+                msg, ancillary, _flags, _addr = sock.recvmsg(
+                    64, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
+                )
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._fail_all(_Gone(str(exc)), sock)
+                return
+            received = [
+                int.from_bytes(data[:4], sys.byteorder)
+                for level, kind, data in ancillary
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= 4
+            ]
+            if not msg:
+                self._fail_all(_Gone("it closed its socket"), sock)
+                return
+            reply = self._replies.popleft() if self._replies else None
+            if reply is None or reply.done():  # nobody waits for it (given up): release it
+                for fd in received:
+                    os.close(fd)
+                continue
+            if not msg.isdigit() or len(received) != 1:
+                for fd in received:
+                    os.close(fd)
+                reply.set_exception(ZygoteError(f"the sandbox launcher answered {msg[:64]!r}"))
+                continue
+            reply.set_result((int(msg), received[0]))
+
+    def _fail_all(self, exc: Exception, sock: socket.socket) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(sock.fileno())
+        while self._replies:
+            reply = self._replies.popleft()
+            if not reply.done():
+                reply.set_exception(exc)
 
     async def _discard(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._close_sock(_Gone("the sandbox launcher was restarted"))
         process, self._process = self._process, None
         if process is not None and process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
 
+    def _close_sock(self, exc: Exception) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self._fail_all(exc, sock)
+            sock.close()
+
     async def close(self) -> None:
         """End the zygote. Sandboxes it forked keep running: each supervisor is in a session of
         its own, and the node agent watches it by pidfd, not as a child."""
         async with self._lock:
-            if self._sock is not None:
-                self._sock.close()  # EOF: the zygote returns
-                self._sock = None
+            self._close_sock(ZygoteError("the sandbox launcher was closed"))  # EOF: it returns
             process, self._process = self._process, None
             if process is not None and process.returncode is None:
                 try:
@@ -180,43 +227,110 @@ class Zygote:
                     await process.wait()
 
 
-class PendingFork:
-    """A supervisor forked ahead of its plan: the fork overlaps the node agent's planning.
+MOUNT_NOW = b"m"  # init.MOUNT_NOW (not imported: init is the zygote's module, not the agent's)
 
-    Until :meth:`hand_over` the child holds nothing but its end of ``channel`` (and /dev/null on
-    0-2); closing ``channel`` without a plan (:meth:`discard`) makes it exit.
+
+class PendingFork:
+    """A supervisor forked ahead of its plan — at the start of its launch, or before it (the
+    manager keeps one made ahead) — with its init, in new pid, IPC and UTS namespaces.
+
+    Until :meth:`mount_now` init holds no copy of the host's mount tree; until :meth:`hand_over`
+    the child holds nothing but its end of ``channel`` (and /dev/null on 0-2). Each is used by
+    one launch only; :meth:`discard` (closing the sockets without a plan) makes both exit.
     """
 
     def __init__(self, zygote: Zygote) -> None:
         self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.channel.setblocking(False)
+        self.pid: int | None = None  # the child's, once forked
         self._handed = False  # hand_over() owns the pidfd from then on
-        self._task = asyncio.ensure_future(self._fork(zygote, theirs))
+        self._init: socket.socket | None = None  # init's plan socket, from the child
+        self._mount = False
+        # Sent now, not at the event loop's next turn: the zygote forks while the launch plans.
+        sent = zygote.send_now(theirs.fileno())
+        self._task = asyncio.ensure_future(self._fork(zygote, theirs, sent))
 
-    @staticmethod
-    async def _fork(zygote: Zygote, theirs: socket.socket) -> tuple[int, int]:
+    async def _fork(
+        self, zygote: Zygote, theirs: socket.socket, sent: asyncio.Future[tuple[int, int]] | None
+    ) -> tuple[int, int]:
         try:
-            return await zygote.spawn(theirs.fileno())
+            pid, pidfd = await zygote.spawn(theirs.fileno(), sent)
         finally:
             theirs.close()
+        self.pid = pid
+        try:
+            self._init = await _receive_socket(self.channel)
+        except asyncio.CancelledError:
+            os.close(pidfd)
+            raise
+        except (ZygoteError, OSError):
+            pass  # hand_over() finds no init and fails
+        else:
+            if self._mount:
+                self._send_mount()
+        return pid, pidfd
+
+    @property
+    def failed(self) -> bool:
+        """The fork or its init failed: no launch can use it."""
+        if not self._task.done():
+            return False
+        return self._task.cancelled() or self._task.exception() is not None or self._init is None
+
+    def mount_now(self) -> None:
+        """Have init copy the host's mount tree now (as soon as it exists): call once every
+        mount the sandbox needs (its disk quota) is made."""
+        self._mount = True
+        if self._init is not None:
+            self._send_mount()
+
+    def _send_mount(self) -> None:
+        assert self._init is not None
+        with contextlib.suppress(OSError):  # init is gone: hand_over() fails on its socket
+            self._init.send(MOUNT_NOW)
+
+    def drop_failed(self) -> None:
+        """Release a :attr:`failed` one (its task is over)."""
+        assert self.failed
+        self.channel.close()
+        if self._init is not None:
+            self._init.close()
+            self._init = None
+        if not self._task.cancelled() and self._task.exception() is None:
+            os.close(self._task.result()[1])
 
     async def hand_over(
-        self, plan: bytes, report_w: int, stdout_fd: int, stderr_fd: int
+        self, plan: bytes, report_w: int, stdout_fd: int, stderr_fd: int, go_r: int
     ) -> tuple[int, int]:
-        """Send the child its fds and plan; ``(pid, pidfd)`` of it.
+        """Send the child and its init their fds and the plan; ``(pid, pidfd)`` of the child.
+
+        Init gets the plan first and directly, on the socket the child sent here once it had
+        forked init (no hop through the child on the start path), with the report pipe's write
+        end and ``go_r``: the pipe it waits on before joining the sandbox's cgroups (see
+        ``SandboxManager._spawn``). The child gets the plan, the report pipe and the log files.
 
         Raises:
-            ZygoteError: there is no child (the zygote failed even after a restart).
+            ZygoteError: there is no child (the zygote failed even after a restart), or it
+                failed before its init existed.
         """
         self._handed = True
+        if not self._mount:
+            self.mount_now()
         pid, pidfd = await self._task
         sock = self.channel
+        init, self._init = self._init, None
         try:
-            payload = b"".join(
-                fd.to_bytes(4, sys.byteorder) for fd in (report_w, stdout_fd, stderr_fd)
-            )
-            sock.setblocking(False)
-            first = sock.sendmsg([plan[:4096]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
-            await asyncio.get_running_loop().sock_sendall(sock, plan[first:])
+            if init is None:
+                raise ZygoteError("the sandbox launcher's child failed before its init")
+            if select.select([pidfd], [], [], 0)[0]:  # a shell made ahead died meanwhile
+                raise ZygoteError("the sandbox launcher's child ended before its plan")
+            try:
+                await _send(init, plan, (report_w, go_r))
+            except OSError as exc:
+                raise ZygoteError(f"the sandbox launcher's init is gone: {exc}") from exc
+            finally:
+                init.close()  # EOF: init's plan is complete
+            await _send(sock, plan, (report_w, stdout_fd, stderr_fd))
         except BaseException:
             os.close(pidfd)
             raise
@@ -225,18 +339,56 @@ class PendingFork:
         return pid, pidfd
 
     async def discard(self) -> None:
-        """The launch was given up before its plan: the child exits at the EOF."""
-        self.channel.close()
+        """The launch was given up before its plan (or the shell made ahead is not wanted): the
+        child and its init exit at the EOF."""
         if self._handed:
+            self.channel.close()
             return
+        self._task.cancel()  # (no-op once forked and init's socket came)
         try:
             _pid, pidfd = await self._task
-        except (ZygoteError, asyncio.CancelledError):
+        except (ZygoteError, OSError, asyncio.CancelledError):
             return
+        finally:
+            self.channel.close()
+            if self._init is not None:
+                self._init.close()
+                self._init = None
         os.close(pidfd)
 
 
-async def _readable(sock: socket.socket) -> None:
+async def _send(sock: socket.socket, data: bytes, fds: tuple[int, ...]) -> None:
+    """``data`` with ``fds`` (SCM_RIGHTS, with its first bytes) on the non-blocking ``sock``."""
+    payload = b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds)
+    sock.setblocking(False)
+    first = sock.sendmsg([data[:4096]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
+    await asyncio.get_running_loop().sock_sendall(sock, data[first:])
+
+
+async def _receive_socket(sock: socket.socket) -> socket.socket:
+    """The one socket the child sends on ``sock`` (its init's plan socket)."""
+    while True:
+        try:
+            msg, ancillary, _flags, _addr = sock.recvmsg(
+                16, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
+            )
+            break
+        except BlockingIOError:
+            await _readable(sock.fileno())
+    received = [
+        int.from_bytes(data[i : i + 4], sys.byteorder)
+        for level, kind, data in ancillary
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+        for i in range(0, len(data) - len(data) % 4, 4)
+    ]
+    if msg != b"init" or len(received) != 1:
+        for fd in received:
+            os.close(fd)
+        raise ZygoteError(f"the sandbox launcher's child failed before its init ({msg!r})")
+    return socket.socket(fileno=received[0])
+
+
+async def _readable(fd: int) -> None:
     loop = asyncio.get_running_loop()
     ready: asyncio.Future[None] = loop.create_future()
 
@@ -244,11 +396,11 @@ async def _readable(sock: socket.socket) -> None:
         if not ready.done():
             ready.set_result(None)
 
-    loop.add_reader(sock.fileno(), wake)
+    loop.add_reader(fd, wake)
     try:
         await ready
     finally:
-        loop.remove_reader(sock.fileno())
+        loop.remove_reader(fd)
 
 
 async def wait_pidfd(pidfd: int) -> None:
