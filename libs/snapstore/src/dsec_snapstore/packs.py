@@ -200,7 +200,7 @@ class Packer:
         try:
             body, entries = encode_pack(blobs)
             key = pack_key(blake3.blake3(body).hexdigest())  # the cores are busy compressing
-            self._objects.put(key, body)
+            self._objects.put(key, body, checked_on_read=True)
             return key, entries, len(body)
         finally:
             self._slots.release()
@@ -329,7 +329,7 @@ class PackIndex:
         """Store ``doc`` and take it; return its key."""
         data = doc.encode()
         key = index_key(data)
-        self.objects.put(key, data)
+        self.objects.put(key, data, checked_on_read=True)
         self.add(key, doc, data)
         return key
 
