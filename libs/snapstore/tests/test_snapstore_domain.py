@@ -326,3 +326,21 @@ def test_damaged_stat_cache_is_ignored(tmp_path: Path) -> None:
     path = tmp_path / "cache.msgpack"
     path.write_bytes(b"\xc1garbage")
     assert StatCache(path).snapshot is None
+
+
+@pytest.mark.parametrize("bad", ["/a/x.py", "a/../x.py", "a/..", "a/x\0.py"])
+def test_restore_targets_refuse_a_hostile_path_after_a_plain_one_in_its_directory(
+    tmp_path: Path, bad: str
+) -> None:
+    """Files of a directory checked once are joined as strings; a path that is not plain is
+    still refused even when its directory was seen before."""
+    from dsec_snapstore.errors import VerificationFailed
+    from dsec_snapstore.store import _targets
+
+    def row(path: str) -> FileEntry:
+        return FileEntry(path=path, kind="file", size=0, mode=0o644, blake3="0" * 64)
+
+    good = _targets(tmp_path, [row("a/x.py"), row("a/y.py"), row("top.py")])
+    assert [t for _, t in good] == [f"{tmp_path}/{p}" for p in ("a/x.py", "a/y.py", "top.py")]
+    with pytest.raises((VerificationFailed, InvalidInput)):
+        _targets(tmp_path, [row("a/x.py"), row(bad)])

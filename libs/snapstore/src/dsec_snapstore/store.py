@@ -1538,12 +1538,15 @@ def _targets(root: Path, entries: Sequence[FileEntry]) -> list[tuple[FileEntry, 
     was checked is joined as a string.
     """
     checked: set[PurePosixPath] = set()
-    parents: set[str] = set()
+    parents: set[str] = set()  # plain parents checked already
     base = str(root)
     out: list[tuple[FileEntry, str]] = []
     for entry in entries:
         path = entry.path
         parent, _, name = path.rpartition("/")
+        if parent in parents and name not in _ODD_NAMES and "\0" not in name:
+            out.append((entry, f"{base}/{path}"))  # the common case: a lookup, no split
+            continue
         plain = (
             path
             and "\0" not in path
@@ -1558,6 +1561,9 @@ def _targets(root: Path, entries: Sequence[FileEntry]) -> list[tuple[FileEntry, 
         if plain:
             parents.add(parent)
     return out
+
+
+_ODD_NAMES = frozenset({"", ".", ".."})
 
 
 def _batches(entries: Sequence[FileEntry], limit: int) -> Iterator[list[FileEntry]]:
