@@ -183,7 +183,9 @@ def s3_floor(store: SnapshotStore) -> dict[str, float]:
     packs = sorted((k, i.size) for k, i in store.objects.list(PACK_PREFIX).items())
     bodies = [(f"floor/{n}", os.urandom(size)) for n, (_, size) in enumerate(packs)]
     with ThreadPoolExecutor(4) as pool:
-        put, _ = timed(lambda: list(pool.map(lambda kb: store.objects.put(*kb), bodies)))
+        put, _ = timed(
+            lambda: list(pool.map(lambda kb: store.objects.put(*kb, checked_on_read=True), bodies))
+        )  # sent as the packs are (UNSIGNED-PAYLOAD: the reader checks their hash)
         get, _ = timed(lambda: list(pool.map(store.objects.get, [k for k, _ in packs])))
     return {"s3_put_floor": put, "s3_get_floor": get}
 
