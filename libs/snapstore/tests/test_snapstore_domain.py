@@ -302,6 +302,17 @@ def test_small_file_is_one_chunk_named_by_its_hash(tmp_path: Path) -> None:
     assert hash_and_chunk(tmp_path / "empty").chunks == ()
 
 
+@pytest.mark.parametrize("listed", [0, 1, 99, 100, 101, MIN_CHUNK, MIN_CHUNK + 5])
+def test_a_size_the_listing_saw_is_only_a_hint(tmp_path: Path, listed: int) -> None:
+    """A file that changed size since it was listed is hashed as it is now (whole), grown,
+    shrunk or emptied."""
+    for content in (b"y" * 100, b"", b"z" * (MIN_CHUNK + 10)):
+        path = tmp_path / "f.py"
+        path.write_bytes(content)
+        assert hash_and_chunk(path, listed_size=listed) == hash_and_chunk(path)
+        assert hash_and_chunk(path, listed_size=listed).blake3 == blake3.blake3(content).hexdigest()
+
+
 def test_stat_cache_trusts_only_unchanged_and_non_racy_files(tmp_path: Path) -> None:
     root = tmp_path / "code"
     root.mkdir()

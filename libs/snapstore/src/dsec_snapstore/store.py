@@ -387,7 +387,7 @@ class SnapshotStore:
                 todo.append(entry)
 
         def hash_run(run: Sequence[TreeEntry]) -> list[HashedFile]:
-            out = [hash_and_chunk(f"{e.root}/{e.path}", sink) for e in run]
+            out = [hash_and_chunk(f"{e.root}/{e.path}", sink, listed_size=e.size) for e in run]
             if isinstance(sink, _PackingSink):
                 sink.flush()  # this thread's last group frame
             return out
