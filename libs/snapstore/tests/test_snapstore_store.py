@@ -234,6 +234,9 @@ def test_packs_go_with_an_unsigned_payload_and_the_manifest_signed(
     assert store.verify("s").ok
     store.restore("s", code.parent / "out")
     assert (code.parent / "out" / "data.bin").read_bytes() == (code / "data.bin").read_bytes()
+    big = random.Random(3).randbytes((5 << 20) + 7)  # past the client's part size: multipart
+    objects.put("packs/big", big, checked_on_read=True)
+    assert objects.get("packs/big") == big
 
 
 def test_a_stat_cache_kept_in_memory_is_dropped_with_its_file(
