@@ -161,6 +161,24 @@ def test_manifest_hashes_sizes_modes(tree: Path) -> None:
     assert manifest.total_size == sum(f.size for f in manifest.files)
 
 
+def test_a_row_built_without_validation_is_the_validated_row(tree: Path) -> None:
+    from dsec_core.codebundle import FileEntry, file_entry
+
+    for entry in list_tree(tree):
+        row = file_entry(entry, "ab" * 32)
+        fields = {
+            "path": entry.path, "kind": entry.kind, "size": entry.size, "mode": entry.mode,
+            "blake3": "ab" * 32, "target": entry.target,
+        }  # fmt: skip
+        validated = FileEntry(**fields)
+        assert row == validated == FileEntry.model_construct(**fields)
+        assert row.model_dump_json() == validated.model_dump_json()
+        assert row.model_fields_set == set(fields)
+        assert row.model_copy(update={"size": 1}).size == 1 and row.size == entry.size
+        with pytest.raises(ValueError, match="frozen"):
+            row.size = 3  # type: ignore[misc]
+
+
 def test_symlinks_are_stored_as_links_never_followed(tree: Path, tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     write(outside, "secret.txt", "do not bundle")
@@ -287,6 +305,48 @@ def test_combined_exclude_matcher_agrees_with_pathspec() -> None:
     fast = _exclude_spec(("build/", "*.log"))
     for probe in [*probes, "build/", "a/build/", "x.log"]:
         assert fast.match(probe) == reference.match_file(probe), probe
+
+
+def test_a_walk_decides_by_name_exactly_as_by_whole_path(tmp_path: Path) -> None:
+    """Patterns without an inner slash are matched on each name once per listing; what is
+    listed is what matching each whole path (and its directories) with pathspec keeps."""
+    import pathspec
+    from dsec_core.codebundle import DEFAULT_EXCLUDES
+
+    root = tmp_path / "proj"
+    names = ["mod.py", "mod.pyc", "x.log", "build", "keep.txt", ".DS_Store", "a.swp"]
+    for d in ["", "pkg", "pkg/build", "pkg/sub", "pkg/__pycache__", "docs/x.log", "node_modules"]:
+        for name in names:
+            if name != "build" or not d:  # (pkg/build is a directory)
+                write(root, f"{d}/{name}" if d else name, "x")
+    for extra, gone in [
+        (("*.log", "build/"), {"pkg/build/mod.py", "x.log", "pkg/sub/x.log"}),
+        (("*.log", "pkg/sub/"), {"pkg/sub/mod.py", "docs/x.log/keep.txt"}),
+    ]:
+        reference = pathspec.GitIgnoreSpec.from_lines([*DEFAULT_EXCLUDES, *extra])
+        expected = []
+        for path in sorted(p.relative_to(root).as_posix() for p in root.rglob("*")):
+            if (root / path).is_dir():
+                continue
+            parts = path.split("/")
+            dirs = ["/".join(parts[:i]) + "/" for i in range(1, len(parts))]
+            if not any(reference.match_file(p) for p in [*dirs, path]):
+                expected.append(path)
+        listed = paths(root, extra)
+        assert listed == expected
+        assert not gone & set(listed) and {"mod.py", "pkg/mod.py"} <= set(listed)
+
+
+def test_no_git_is_run_for_a_tree_in_no_repository(
+    tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsec_core import codebundle
+
+    def no_git(*args: object, **kw: object) -> None:
+        raise AssertionError("git was started")
+
+    monkeypatch.setattr(codebundle, "_git", no_git)
+    assert "agent.py" in paths(tree) and git_info(tree) is None
 
 
 # --- bounds and special files -------------------------------------------------------------------

@@ -302,6 +302,17 @@ def test_small_file_is_one_chunk_named_by_its_hash(tmp_path: Path) -> None:
     assert hash_and_chunk(tmp_path / "empty").chunks == ()
 
 
+@pytest.mark.parametrize("listed", [0, 1, 99, 100, 101, MIN_CHUNK, MIN_CHUNK + 5])
+def test_a_size_the_listing_saw_is_only_a_hint(tmp_path: Path, listed: int) -> None:
+    """A file that changed size since it was listed is hashed as it is now (whole), grown,
+    shrunk or emptied."""
+    for content in (b"y" * 100, b"", b"z" * (MIN_CHUNK + 10)):
+        path = tmp_path / "f.py"
+        path.write_bytes(content)
+        assert hash_and_chunk(path, listed_size=listed) == hash_and_chunk(path)
+        assert hash_and_chunk(path, listed_size=listed).blake3 == blake3.blake3(content).hexdigest()
+
+
 def test_stat_cache_trusts_only_unchanged_and_non_racy_files(tmp_path: Path) -> None:
     root = tmp_path / "code"
     root.mkdir()
@@ -326,3 +337,21 @@ def test_damaged_stat_cache_is_ignored(tmp_path: Path) -> None:
     path = tmp_path / "cache.msgpack"
     path.write_bytes(b"\xc1garbage")
     assert StatCache(path).snapshot is None
+
+
+@pytest.mark.parametrize("bad", ["/a/x.py", "a/../x.py", "a/..", "a/x\0.py"])
+def test_restore_targets_refuse_a_hostile_path_after_a_plain_one_in_its_directory(
+    tmp_path: Path, bad: str
+) -> None:
+    """Files of a directory checked once are joined as strings; a path that is not plain is
+    still refused even when its directory was seen before."""
+    from dsec_snapstore.errors import VerificationFailed
+    from dsec_snapstore.store import _targets
+
+    def row(path: str) -> FileEntry:
+        return FileEntry(path=path, kind="file", size=0, mode=0o644, blake3="0" * 64)
+
+    good = _targets(tmp_path, [row("a/x.py"), row("a/y.py"), row("top.py")])
+    assert [t for _, t in good] == [f"{tmp_path}/{p}" for p in ("a/x.py", "a/y.py", "top.py")]
+    with pytest.raises((VerificationFailed, InvalidInput)):
+        _targets(tmp_path, [row("a/x.py"), row(bad)])

@@ -51,7 +51,7 @@ class MemoryObjects:
     def identity(self) -> str:
         return f"memory/{id(self)}"
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, *, checked_on_read: bool = False) -> None:
         self.fail("put", key)
         with self.lock:
             self.data[key] = (bytes(data), datetime.now(UTC))

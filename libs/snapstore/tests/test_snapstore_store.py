@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
+import re
 import stat
 import uuid
 from collections.abc import Iterator
@@ -26,7 +28,7 @@ from dsec_snapstore.errors import (
     SnapshotNotFound,
     VerificationFailed,
 )
-from dsec_snapstore.manifest import GpuDevice, GpuRecord, manifest_key
+from dsec_snapstore.manifest import GpuDevice, GpuRecord, SignedManifest, manifest_key
 
 if TYPE_CHECKING:
     from dsec_testing.stack import S3Info, VaultInfo
@@ -193,6 +195,60 @@ def test_altered_manifest_fails_signature_check(
         store.restore("s", code.parent / "out")
     objects.put(manifest_key("s"), b"{not json")
     assert "not a valid manifest" in store.verify("s").problems[0]
+
+
+def test_the_manifest_kept_after_a_create_is_the_one_stored(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path
+) -> None:
+    """A snapshot taken by a store is not parsed again when it reads it back: what it keeps
+    must be exactly what a reader parses from S3."""
+    result = store.create("s", inputs(code))
+    stored = SignedManifest.model_validate_json(objects.get(manifest_key("s"))).manifest
+    assert stored == result.manifest
+    assert store.load("s") == stored
+
+
+def test_packs_go_with_an_unsigned_payload_and_the_manifest_signed(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path
+) -> None:
+    """Packs and index documents, checked by their BLAKE3 on every read, are sent without a
+    SHA-256 of the body (as over TLS); the manifest and the `ls` row keep it."""
+    trace = io.StringIO()
+    objects._client.trace_on(trace)
+    try:
+        store.create("s", inputs(code))
+    finally:
+        objects._client.trace_off()
+    sent: dict[str, set[str]] = {}
+    for request in trace.getvalue().split("---------START-HTTP---------")[1:]:
+        line, _, rest = request.strip().partition("\n")
+        method, path, _ = line.split(" ")
+        if method != "PUT":
+            continue
+        kind = path.split("/")[3]  # /bucket/prefix/<kind>/...
+        (payload,) = re.findall(r"(?im)^x-amz-content-sha256: (\S+)$", rest)
+        sent.setdefault(kind, set()).add("unsigned" if payload == "UNSIGNED-PAYLOAD" else payload)
+    assert sent["packs"] == sent["pack-index"] == {"unsigned"}
+    for kind in ("snapshots", "snapshot-index"):
+        assert len(sent[kind]) == 1 and re.fullmatch("[0-9a-f]{64}", next(iter(sent[kind])))
+    assert store.verify("s").ok
+    store.restore("s", code.parent / "out")
+    assert (code.parent / "out" / "data.bin").read_bytes() == (code / "data.bin").read_bytes()
+    big = random.Random(3).randbytes((5 << 20) + 7)  # past the client's part size: multipart
+    objects.put("packs/big", big, checked_on_read=True)
+    assert objects.get("packs/big") == big
+
+
+def test_a_stat_cache_kept_in_memory_is_dropped_with_its_file(
+    store: SnapshotStore, code: Path, tmp_path: Path
+) -> None:
+    first = store.create("s1", inputs(code))
+    assert store.create("s2", inputs(code)).files_rehashed == 0
+    (cache_file,) = (tmp_path / "cache").glob("*.msgpack")
+    cache_file.unlink()  # removed by someone else: what was kept of it is not used
+    assert store.create("s3", inputs(code)).files_rehashed == first.files_rehashed > 0
+    cache_file.write_bytes(b"damaged")  # replaced by another file: read, found bad, not used
+    assert store.create("s4", inputs(code)).files_rehashed == first.files_rehashed
 
 
 def test_snapshot_signed_by_another_key_is_untrusted(

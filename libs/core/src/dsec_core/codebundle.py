@@ -217,12 +217,38 @@ class _Excludes:
         if not negated and all(r is not None for r in regexes):
             parts = [_NAMED_GROUP.sub("(?:", r.pattern) for r in regexes if r is not None]
             self._combined = re.compile("|".join(f"(?:{p})" for p in parts) or "(?!)")
+        # Patterns without an inner slash (``*.pyc``, ``__pycache__/``: all the defaults) match
+        # one path component, whatever the directories above it. A walk that never enters an
+        # excluded directory may then decide on the name alone, and names repeat (``mod.py``,
+        # ``__init__.py``): each is matched once per listing.
+        self._by_name: dict[str, bool] | None = (
+            {} if self._combined is not None and all(map(_name_only, lines)) else None
+        )
 
     def match(self, rel: str) -> bool:
         """True when ``rel`` (a directory ends with ``/``) is excluded."""
         if self._combined is not None:
             return self._combined.search(rel) is not None
         return bool(self.spec.match_file(rel))
+
+    def match_child(self, rel: str, name: str) -> bool:
+        """:meth:`match` of ``rel`` (ending in ``name``; a directory: both end with ``/``),
+        for a walk whose parent directories of ``rel`` were matched and kept."""
+        if self._by_name is None:
+            return self.match(rel)
+        verdict = self._by_name.get(name)
+        if verdict is None:
+            verdict = self._by_name[name] = self.match(name)
+        return verdict
+
+
+def _name_only(line: str) -> bool:
+    """True for a pattern line that matches a single path component (no inner slash, no
+    escape, no ``**``), or a blank or comment line."""
+    body = line.strip()
+    if not body or body.startswith("#"):
+        return True
+    return "/" not in body.rstrip("/") and "\\" not in body and "**" not in body
 
 
 _NAMED_GROUP = re.compile(r"\(\?P<\w+>")
@@ -332,10 +358,15 @@ def _walk_dir(
     with os.scandir(here) as it:
         children = list(it)
     for child in children:
-        rel = f"{rel_dir}/{child.name}" if rel_dir else child.name
+        name = child.name
+        rel = f"{rel_dir}/{name}" if rel_dir else name
         is_dir = child.is_dir(follow_symlinks=False)
-        probe = rel + "/" if is_dir else rel
-        if child.name == ".git" or excludes.match(probe) or (specs and _gitignored(probe, specs)):
+        probe, name_probe = (rel + "/", name + "/") if is_dir else (rel, name)
+        if (
+            name == ".git"
+            or excludes.match_child(probe, name_probe)
+            or (specs and _gitignored(probe, specs))
+        ):
             continue
         if is_dir:
             _walk_dir(root, rel, specs, excludes, out, skipped)
@@ -368,7 +399,7 @@ def _git(root: Path, *args: str, config: Sequence[str] = ()) -> subprocess.Compl
 
 
 def _git_toplevel(root: Path) -> Path | None:
-    if shutil.which("git") is None:
+    if shutil.which("git") is None or not _may_be_in_repo(root):
         return None
     proc = _git(root, "rev-parse", "--show-toplevel")
     if proc.returncode != 0:
@@ -379,6 +410,13 @@ def _git_toplevel(root: Path) -> Path | None:
         # .dsec/) is not part of that repository: bundle it as a plain directory.
         return None
     return toplevel
+
+
+def _may_be_in_repo(root: Path) -> bool:
+    """False when no directory from ``root`` up has a ``.git``: git (run without ``GIT_DIR``)
+    would find no work tree there, so it is not started (a few ms a call, twice a snapshot)."""
+    real = Path(os.path.realpath(root))
+    return any(os.path.lexists(os.path.join(d, ".git")) for d in (real, *real.parents))
 
 
 def _git_paths(root: Path) -> list[str]:
@@ -467,15 +505,31 @@ def _entry_hash(entry: TreeEntry) -> str:
 
 def file_entry(entry: TreeEntry, digest: str, size: int | None = None) -> FileEntry:
     """Return the manifest row of ``entry`` given its content hash."""
-    # Built from values this module derived itself: skip validation (thousands per snapshot).
-    return FileEntry.model_construct(
-        path=entry.path,
-        kind=entry.kind,
-        size=entry.size if size is None else size,
-        mode=entry.mode,
-        blake3=digest,
-        target=entry.target,
+    # Built from values this module derived itself: no validation (thousands per snapshot),
+    # and what ``FileEntry.model_construct`` leaves, set directly (it walks every field by
+    # name in Python: a third of a snapshot's manifest building).
+    row = _new_model(FileEntry)
+    _set(
+        row,
+        "__dict__",
+        {
+            "path": entry.path,
+            "kind": entry.kind,
+            "size": entry.size if size is None else size,
+            "mode": entry.mode,
+            "blake3": digest,
+            "target": entry.target,
+        },
     )
+    _set(row, "__pydantic_fields_set__", set(_FILE_ENTRY_FIELDS))
+    _set(row, "__pydantic_extra__", None)
+    _set(row, "__pydantic_private__", None)
+    return row
+
+
+_new_model = object.__new__
+_set = object.__setattr__
+_FILE_ENTRY_FIELDS = tuple(FileEntry.model_fields)
 
 
 def scan_tree(root: Path, exclude_patterns: Sequence[str] = ()) -> CodeManifest:

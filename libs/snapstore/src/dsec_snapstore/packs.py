@@ -41,8 +41,11 @@ from dsec_snapstore.adapters.objectstore import ObjectMissing, ObjectStore
 
 PACK_PREFIX = "packs/"
 PACK_INDEX_PREFIX = "pack-index/"
-PACK_TARGET = 4 << 20
-"""A pack is sealed once its chunks reach this many (compressed) bytes."""
+PACK_TARGET = 2 << 20
+"""A pack is sealed once its chunks reach this many (compressed) bytes. SeaweedFS spent about
+13 % less CPU storing 28 MB as 2 MiB objects than as 4 MiB ones, and the last pack of a cold
+snapshot, uploaded after the last file is read, is smaller (a cold 50 MB tree: 3 % faster,
+7 of 10 paired runs)."""
 PACK_MAGIC = b"DSECPAK1"
 _TRAILER_LEN = struct.Struct("<I")
 RANGE_GAP = 256 << 10
@@ -200,7 +203,7 @@ class Packer:
         try:
             body, entries = encode_pack(blobs)
             key = pack_key(blake3.blake3(body).hexdigest())  # the cores are busy compressing
-            self._objects.put(key, body)
+            self._objects.put(key, body, checked_on_read=True)
             return key, entries, len(body)
         finally:
             self._slots.release()
@@ -329,7 +332,7 @@ class PackIndex:
         """Store ``doc`` and take it; return its key."""
         data = doc.encode()
         key = index_key(data)
-        self.objects.put(key, data)
+        self.objects.put(key, data, checked_on_read=True)
         self.add(key, doc, data)
         return key
 

@@ -19,6 +19,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -53,6 +54,7 @@ from dsec_snapstore.adapters.files import (
     FileChanged,
     HashedFile,
     StatCache,
+    StatCacheMemo,
     hash_and_chunk,
 )
 from dsec_snapstore.adapters.gpu import probe_gpus
@@ -125,6 +127,8 @@ _T = TypeVar("_T")
 SIGNER_ROLES = frozenset({"snapshot", "nodeagent"})
 """Roles whose certified keys may sign snapshot manifests."""
 _MAX_LINE_DIFFS = 200
+_CHECKED_KEPT = 8
+"""Checked manifests kept in memory (see ``SnapshotStore._checked``)."""
 """Changed files shown with a line diff in one ``diff`` or code check; the rest are listed."""
 
 
@@ -170,6 +174,12 @@ class SnapshotStore:
             ident = blake3.blake3(objects.identity.encode()).hexdigest()[:32]
             index_cache = cache_dir / "pack-index" / ident
         self.index = PackIndex(objects, index_cache)
+        self._stat_memo = StatCacheMemo()
+        # Manifests checked already, by the BLAKE3 of their stored document: a snapshot taken
+        # here, or loaded before, is not parsed and its signature not checked again when the
+        # bytes read back are the same (they are immutable; a rollback re-reads them).
+        self._checked: OrderedDict[str, tuple[SnapshotManifest, str]] = OrderedDict()
+        self._checked_lock = threading.Lock()
 
     @classmethod
     def from_settings(
@@ -313,6 +323,7 @@ class SnapshotStore:
             self._store_packs(packer)
             doc, digest = signing.result()
             self.objects.put(manifest_key(manifest.name), doc)
+            self._remember(blake3.blake3(doc).hexdigest(), manifest, digest)
         except BaseException:
             if manifest.audit is not None and self.keys is not None:
                 self.keys.delete_segment_key(snapshot_id)
@@ -340,7 +351,7 @@ class SnapshotStore:
         if self._cache_dir is None:
             return StatCache(None)  # no cache directory: nothing is read or written
         ident = blake3.blake3(f"{self.objects.identity}\0{root}".encode()).hexdigest()[:32]
-        return StatCache(self._cache_dir / f"{ident}.msgpack")
+        return StatCache(self._cache_dir / f"{ident}.msgpack", self._stat_memo)
 
     def _exists(self, name: str) -> bool:
         return self.objects.exists(manifest_key(name))
@@ -376,7 +387,7 @@ class SnapshotStore:
                 todo.append(entry)
 
         def hash_run(run: Sequence[TreeEntry]) -> list[HashedFile]:
-            out = [hash_and_chunk(f"{e.root}/{e.path}", sink) for e in run]
+            out = [hash_and_chunk(f"{e.root}/{e.path}", sink, listed_size=e.size) for e in run]
             if isinstance(sink, _PackingSink):
                 sink.flush()  # this thread's last group frame
             return out
@@ -522,6 +533,11 @@ class SnapshotStore:
             raw = self.objects.get(key)
         except ObjectMissing:
             raise SnapshotNotFound(f"no snapshot named {name!r}") from None
+        raw_digest = blake3.blake3(raw).hexdigest()
+        with self._checked_lock:
+            known = self._checked.get(raw_digest)
+        if known is not None and known[0].name == name:
+            return known[0], [], known[1]
         try:
             doc = SignedManifest.model_validate_json(raw)
         except pydantic.ValidationError as exc:
@@ -533,7 +549,18 @@ class SnapshotStore:
         problems = self._signature_problems(key, doc, signed)
         if doc.manifest.name != name:
             problems.append(f"manifest {key}: records name {doc.manifest.name!r}, not {name!r}")
-        return doc.manifest, problems, blake3.blake3(signed).hexdigest()
+        digest = blake3.blake3(signed).hexdigest()
+        if not problems:
+            self._remember(raw_digest, doc.manifest, digest)
+        return doc.manifest, problems, digest
+
+    def _remember(self, raw_digest: str, manifest: SnapshotManifest, digest: str) -> None:
+        """Keep a checked manifest (the last :data:`_CHECKED_KEPT`)."""
+        with self._checked_lock:
+            self._checked[raw_digest] = (manifest, digest)
+            self._checked.move_to_end(raw_digest)
+            while len(self._checked) > _CHECKED_KEPT:
+                self._checked.popitem(last=False)
 
     def _signature_problems(self, key: str, doc: SignedManifest, signed: bytes) -> list[str]:
         sig = doc.signature
@@ -1511,12 +1538,15 @@ def _targets(root: Path, entries: Sequence[FileEntry]) -> list[tuple[FileEntry, 
     was checked is joined as a string.
     """
     checked: set[PurePosixPath] = set()
-    parents: set[str] = set()
+    parents: set[str] = set()  # plain parents checked already
     base = str(root)
     out: list[tuple[FileEntry, str]] = []
     for entry in entries:
         path = entry.path
         parent, _, name = path.rpartition("/")
+        if parent in parents and name not in _ODD_NAMES and "\0" not in name:
+            out.append((entry, f"{base}/{path}"))  # the common case: a lookup, no split
+            continue
         plain = (
             path
             and "\0" not in path
@@ -1531,6 +1561,9 @@ def _targets(root: Path, entries: Sequence[FileEntry]) -> list[tuple[FileEntry, 
         if plain:
             parents.add(parent)
     return out
+
+
+_ODD_NAMES = frozenset({"", ".", ".."})
 
 
 def _batches(entries: Sequence[FileEntry], limit: int) -> Iterator[list[FileEntry]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,14 +53,22 @@ ChunkSink = Callable[["ChunkRef", "bytes | memoryview"], None]
 """Called with each chunk and its bytes while a file is read (valid only during the call)."""
 
 
-def hash_and_chunk(path: str | Path, on_chunk: ChunkSink | None = None) -> HashedFile:
+def hash_and_chunk(
+    path: str | Path, on_chunk: ChunkSink | None = None, *, listed_size: int | None = None
+) -> HashedFile:
     """Hash ``path`` (never following a final symlink) and cut it into chunks.
 
     ``on_chunk`` sees every chunk's bytes as they are read, so a snapshot compresses and packs
-    what it hashed without reading the file a second time.
+    what it hashed without reading the file a second time. ``listed_size``: the size the
+    listing saw; a small file that still has it is read without an ``fstat`` first (one
+    syscall less per file), any other is measured again.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
+        if listed_size is not None and 0 < listed_size <= MIN_CHUNK:
+            data = os.pread(fd, listed_size + 1, 0)
+            if len(data) == listed_size:  # neither shorter nor longer: all of it
+                return _small(data, on_chunk)
         size = os.fstat(fd).st_size
         if size == 0:
             return HashedFile(blake3.blake3(b"").hexdigest(), 0, ())
@@ -67,15 +76,21 @@ def hash_and_chunk(path: str | Path, on_chunk: ChunkSink | None = None) -> Hashe
             data = os.pread(fd, size + 1, 0)
             if len(data) != size:
                 raise FileChanged(f"{path}: size changed while reading")
-            digest = blake3.blake3(data).hexdigest()
-            ref = ChunkRef(digest, 0, size)
-            if on_chunk is not None:
-                on_chunk(ref, data)
-            return HashedFile(digest, size, (ref,))
+            return _small(data, on_chunk)
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
             return _chunk_large(view, size, on_chunk)
     finally:
         os.close(fd)
+
+
+def _small(data: bytes, on_chunk: ChunkSink | None) -> HashedFile:
+    """A file of at most :data:`MIN_CHUNK` bytes (not empty): one chunk, its id the file's
+    hash."""
+    digest = blake3.blake3(data).hexdigest()
+    ref = ChunkRef(digest, 0, len(data))
+    if on_chunk is not None:
+        on_chunk(ref, data)
+    return HashedFile(digest, len(data), (ref,))
 
 
 def _chunk_large(view: mmap.mmap, size: int, on_chunk: ChunkSink | None) -> HashedFile:
@@ -135,12 +150,21 @@ class StatCache:
     stored, so an unchanged file is neither re-read nor checked for existence.
     """
 
-    def __init__(self, path: Path | None) -> None:
-        """``path=None``: a cache that remembers nothing (a store without a cache directory)."""
+    def __init__(self, path: Path | None, memo: StatCacheMemo | None = None) -> None:
+        """``path=None``: a cache that remembers nothing (a store without a cache directory).
+
+        ``memo``: what this process wrote last to each cache file; a file still the one
+        written (same inode, size and times) is not read and decoded again.
+        """
         self.path = path
         self.snapshot: str | None = None
         self._entries: dict[str, list[Any]] = {}
+        self._memo = memo
         if path is None:
+            return
+        known = memo.get(path) if memo is not None else None
+        if known is not None:
+            self.snapshot, self._entries = known
             return
         try:
             raw = msgpack.unpackb(path.read_bytes(), raw=False)
@@ -174,6 +198,8 @@ class StatCache:
     def forget(self) -> None:
         """Remove the cache file (its snapshot was not stored after all)."""
         if self.path is not None:
+            if self._memo is not None:
+                self._memo.drop(self.path)
             self.path.unlink(missing_ok=True)
 
     def save(
@@ -204,4 +230,60 @@ class StatCache:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(data)
+        if self._memo is None:
+            os.replace(tmp, self.path)
+            return
+        self._memo.drop(self.path)
+        written = StatCacheMemo.identity(tmp)  # (a rename changes the ctime, not these)
         os.replace(tmp, self.path)
+        if written is not None:
+            self._memo.put(self.path, written, snapshot, entries)
+
+
+class StatCacheMemo:
+    """The stat caches this process wrote, decoded, by file (a few per store: one per code
+    directory snapshotted). An entry holds only while the file is the one written: its
+    inode, size and times are compared on each use. Thread-safe."""
+
+    def __init__(self, limit: int = 16) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._known: dict[Path, tuple[tuple[int, ...], str, dict[str, list[Any]]]] = {}
+
+    @staticmethod
+    def identity(path: Path) -> tuple[int, ...] | None:
+        """What tells the file at ``path`` from any other: device, inode, size, mtime (an
+        inode number is not reused while the file holding it exists)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def get(self, path: Path) -> tuple[str, dict[str, list[Any]]] | None:
+        """The snapshot and rows written to ``path`` when it is still that file."""
+        with self._lock:
+            known = self._known.get(path)
+        if known is None or self.identity(path) != known[0]:
+            return None
+        return known[1], known[2]
+
+    def put(
+        self,
+        path: Path,
+        identity: tuple[int, ...],
+        snapshot: str,
+        entries: dict[str, list[Any]],
+    ) -> None:
+        """Remember what was just written to ``path`` (the file of ``identity``; its rows are
+        never changed after)."""
+        with self._lock:
+            self._known.pop(path, None)
+            while len(self._known) >= self._limit:
+                del self._known[next(iter(self._known))]
+            self._known[path] = (identity, snapshot, entries)
+
+    def drop(self, path: Path) -> None:
+        """Forget ``path`` (about to be replaced or removed)."""
+        with self._lock:
+            self._known.pop(path, None)

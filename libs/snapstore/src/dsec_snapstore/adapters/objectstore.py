@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Collection, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -11,8 +12,10 @@ from typing import Protocol
 
 import urllib3
 from minio import Minio
+from minio.credentials.credentials import Credentials
 from minio.deleteobjects import DeleteObject
 from minio.error import MinioException, S3Error
+from minio.helpers import DictType
 
 from dsec_snapstore.errors import StoreUnavailable
 
@@ -40,8 +43,12 @@ class ObjectStore(Protocol):
         """A stable name of the store (endpoint and bucket) for local caches."""
         ...
 
-    def put(self, key: str, data: bytes) -> None:
-        """Store ``data`` at ``key``."""
+    def put(self, key: str, data: bytes, *, checked_on_read: bool = False) -> None:
+        """Store ``data`` at ``key``.
+
+        ``checked_on_read``: every reader checks these bytes itself (content-addressed or
+        signed), so the store need not protect them in transit on its own.
+        """
         ...
 
     def get(self, key: str) -> bytes:
@@ -69,6 +76,34 @@ class ObjectStore(Protocol):
         ...
 
 
+_unsigned = threading.local()
+
+
+class _Minio(Minio):
+    """A client that leaves the payload of a PUT unsigned while :data:`_unsigned` says so.
+
+    SigV4 over plain HTTP signs a SHA-256 of the body: the client hashes every byte it sends
+    and the server hashes them again to compare (over TLS the client sends ``UNSIGNED-PAYLOAD``
+    already). For packs and index documents that second hash protects nothing: their key is
+    their BLAKE3 and each reader checks it (every chunk, every document), so they are sent as
+    over TLS. The request itself (method, key, headers, time) stays signed.
+    """
+
+    def _build_headers(
+        self,
+        host: str,
+        headers: DictType | None = None,
+        body: bytes | None = None,
+        creds: Credentials | None = None,
+    ) -> tuple[DictType, datetime]:
+        if not body or creds is None or not getattr(_unsigned, "on", False):
+            return super()._build_headers(host, headers, body, creds)
+        out, date = super()._build_headers(host, headers, None, creds)
+        out["Content-Length"] = str(len(body))
+        out["x-amz-content-sha256"] = "UNSIGNED-PAYLOAD"
+        return out, date
+
+
 class S3ObjectStore:
     """An :class:`ObjectStore` on one S3 bucket (created on first use), under ``prefix``."""
 
@@ -88,7 +123,7 @@ class S3ObjectStore:
             timeout=urllib3.Timeout(connect=3.0, read=60.0),
             retries=urllib3.Retry(total=3, backoff_factor=0.1, status_forcelist=(500, 502, 503)),
         )
-        self._client = Minio(
+        self._client = _Minio(
             endpoint, access_key=access_key, secret_key=secret_key, secure=secure, http_client=http
         )
         self._endpoint = endpoint
@@ -120,13 +155,17 @@ class S3ObjectStore:
             raise self._unavailable(exc) from exc
         self._bucket_checked = True
 
-    def put(self, key: str, data: bytes) -> None:
-        """Store ``data`` at ``key``."""
+    def put(self, key: str, data: bytes, *, checked_on_read: bool = False) -> None:
+        """Store ``data`` at ``key``; ``checked_on_read``: sent with ``UNSIGNED-PAYLOAD`` (see
+        :class:`_Minio`)."""
         self.ensure_bucket()
+        _unsigned.on = checked_on_read
         try:
             self._client.put_object(self.bucket, self.prefix + key, io.BytesIO(data), len(data))
         except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
             raise self._unavailable(exc) from exc
+        finally:
+            _unsigned.on = False
 
     def get(self, key: str) -> bytes:
         """Return the object at ``key``."""
