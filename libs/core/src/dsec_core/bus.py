@@ -563,7 +563,8 @@ async def follow(
     sub = await _subscribe(js, filter_subject, _ordered_config(filter_subject, start_seq))
     next_seq, unavailable_since = start_seq, 0.0
     delivered = 0  # the consumer sequence of the last message read: 1, 2, 3... without holes
-    budget = max(PULL_MAX_BYTES, 2 * int(getattr(js._nc, "max_payload", 0) or 0))
+    nc = getattr(js, "_nc", None)  # (a test double of JetStream may have no connection)
+    budget = max(PULL_MAX_BYTES, 2 * int(getattr(nc, "max_payload", 0) or 0))
     largest = 0  # the largest message read lately (decays as smaller ones come)
     cap = batch  # halved when messages were lost, doubled back after whole reads
 
