@@ -844,6 +844,7 @@ class LinkCongested(Payload):
 
 MigrationReason = Literal["gpu_degraded", "operator", "drain", "link_congested", "rebalance"]
 MigrationPath = Literal["handover", "criu", "restart"]
+MigrationFailedStage = Literal["choose", "checkpoint", "transfer", "restore", "resume", "timeout"]
 
 
 class UnitMigrationRequested(Payload):
@@ -917,7 +918,7 @@ class UnitMigrationFailed(Payload):
     from_node: str | None = None
     to_node: str | None = None
     reason: str = Field(max_length=500, description="Why, in a line a user can act on")
-    stage: Literal["choose", "checkpoint", "transfer", "restore", "resume", "timeout"] = "choose"
+    stage: MigrationFailedStage = "choose"
     still_running: bool = True
 
 

@@ -30,11 +30,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from dsec_core.envelope import Envelope
 from dsec_core.events import (
     GpuDegraded,
+    MigrationFailedStage,
     MigrationPath,
     MigrationReason,
     Payload,
@@ -371,19 +372,8 @@ class Migrator:
                 if source_lost
                 else f"its target {node_id} was lost; the unit stays on {m.from_node}"
             )
-            await self.s._decide(
-                UnitMigrationFailed(
-                    unit=m.unit,
-                    migration_id=m.migration_id,
-                    from_node=m.from_node,
-                    to_node=m.to_node,
-                    reason=why,
-                    stage="transfer" if source_lost else "restore",
-                    still_running=not source_lost,
-                ),
-                aggregate_id=m.sandbox_id,
-                event_id=derive_event_id(m.migration_id, FAILED),
-                tenant=m.tenant,
+            await self._end_failed(
+                m, why, "transfer" if source_lost else "restore", still_running=not source_lost
             )
 
     async def tick(self, now: float) -> None:
@@ -392,7 +382,7 @@ class Migrator:
             gone = m.sandbox_id not in self.s.state.sandboxes
             if not gone and now - m.started_at <= self.timeout_s:
                 continue
-            stage: Literal["resume", "timeout"]
+            stage: MigrationFailedStage
             if gone:
                 why = "the sandbox ended during its migration"
                 stage, running = "resume", False
@@ -402,20 +392,26 @@ class Migrator:
                     f"on {m.from_node} and the reservation on {m.to_node} is released"
                 )
                 stage, running = "timeout", True
-            await self.s._decide(
-                UnitMigrationFailed(
-                    unit=m.unit,
-                    migration_id=m.migration_id,
-                    from_node=m.from_node,
-                    to_node=m.to_node,
-                    reason=why,
-                    stage=stage,
-                    still_running=running,
-                ),
-                aggregate_id=m.sandbox_id,
-                event_id=derive_event_id(m.migration_id, FAILED),
-                tenant=m.tenant,
-            )
+            await self._end_failed(m, why, stage, still_running=running)
+
+    async def _end_failed(
+        self, m: Migration, why: str, stage: MigrationFailedStage, *, still_running: bool
+    ) -> None:
+        """End a started migration as failed (the id is the migration's: the first end wins)."""
+        await self.s._decide(
+            UnitMigrationFailed(
+                unit=m.unit,
+                migration_id=m.migration_id,
+                from_node=m.from_node,
+                to_node=m.to_node,
+                reason=why,
+                stage=stage,
+                still_running=still_running,
+            ),
+            aggregate_id=m.sandbox_id,
+            event_id=derive_event_id(m.migration_id, FAILED),
+            tenant=m.tenant,
+        )
 
     # -- choosing
 
