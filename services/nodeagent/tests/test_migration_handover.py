@@ -108,14 +108,7 @@ def counts(path: Path) -> list[int]:
 async def test_a_stateful_agent_migrates_by_handover_and_its_state_goes_on(
     homes: tuple[Path, Path], nats_url: str, s3: Any, vault: Any
 ) -> None:
-    stack = {
-        "s3_endpoint": s3.endpoint,
-        "s3_access_key": s3.access_key,
-        "s3_secret_key": s3.secret_key,
-        "s3_bucket": s3.bucket,
-        "vault_addr": vault.addr,
-        "vault_token": vault.token,
-    }
+    stack = {**s3.settings(), **vault.settings()}
     async with two_nodes(homes, nats_url, **stack) as (h1, h2):
         name = f"hand-{uuid.uuid4().hex[:6]}"  # its own state (the stream is shared)
         sid = await h1.submit(name, COUNTER, QUIET, extra="state: {}\n")

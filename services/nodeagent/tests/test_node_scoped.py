@@ -40,15 +40,6 @@ def home() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _s3_settings(s3: Any) -> dict[str, Any]:
-    return {
-        "s3_endpoint": s3.endpoint,
-        "s3_access_key": s3.access_key,
-        "s3_secret_key": s3.secret_key,
-        "s3_bucket": s3.bucket,
-    }
-
-
 def _stored_env(tmp: Path, s3: Any, value: str) -> events.EnvBuilt:
     """An environment holding module ``stagedmod`` (``VALUE = value``) stored as the builder
     stores it; returns its ``env.built``."""
@@ -109,7 +100,7 @@ async def test_a_fresh_node_stages_the_environment_from_s3_once_per_lock(
     code = "import stagedmod, sys; sys.exit(0 if stagedmod.VALUE == 'from-s3' else 3)"
     starts = _sample("dsec_sandbox_starts_total", outcome="started")
     timed = _sample("dsec_sandbox_start_seconds_count", stage="total")
-    async with NodeAgentHarness(home, nats_url, **_s3_settings(s3)) as h:
+    async with NodeAgentHarness(home, nats_url, **s3.settings()) as h:
         sid = await h.submit("staged", code, QUIET, built=built)
         ready = await h.wait_for(sid, "sandbox.ready")
         exited = await h.wait_for(sid, "sandbox.exited")
@@ -138,7 +129,7 @@ async def test_a_corrupted_archive_fails_the_sandbox_and_leaves_nothing_half_unp
     genuine = _stored_env(tmp_path, s3, "genuine")
     altered = genuine.model_copy(update={"digest": blake3.blake3(b"other bytes").hexdigest()})
     failed_starts = _sample("dsec_sandbox_starts_total", outcome="failed")
-    async with NodeAgentHarness(home, nats_url, **_s3_settings(s3)) as h:
+    async with NodeAgentHarness(home, nats_url, **s3.settings()) as h:
         sid = await h.submit("corrupt", "print(1)", QUIET, built=altered)
         await _until(lambda: _in_log(h, "sandbox.failed", sid), "sandbox.failed")
         (failed,) = h.recorded[sid].of("sandbox.failed")

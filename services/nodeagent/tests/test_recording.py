@@ -330,15 +330,7 @@ async def test_a_sandbox_records_its_http_calls_and_a_replaying_one_never_reache
         f"{{domain: localhost, ports: [{port}], rate_limit: 100requests/min, tls_proxy: true, "
         "allow_internal_only: true}"
     )
-    settings = {
-        "tls_proxy_upstream_ca": upstream_ca,
-        "s3_endpoint": s3.endpoint,
-        "s3_access_key": s3.access_key,
-        "s3_secret_key": s3.secret_key,
-        "s3_bucket": s3.bucket,
-        "vault_addr": vault.addr,
-        "vault_token": vault.token,
-    }
+    settings = {"tls_proxy_upstream_ca": upstream_ca, **s3.settings(), **vault.settings()}
     async with NodeAgentHarness(short_home, nats_url, **settings) as h:
         sid = await h.submit(
             "recorder",
@@ -394,14 +386,7 @@ async def test_a_recording_sandbox_that_outlives_its_node_agent_keeps_its_record
     """The node agent restarts while a sandbox records (an upgrade, a crash): the sandbox
     runs on, and at its exit the new node agent saves every call it recorded, before and
     after the restart; before, the recording was silently lost."""
-    settings = {
-        "s3_endpoint": s3.endpoint,
-        "s3_access_key": s3.access_key,
-        "s3_secret_key": s3.secret_key,
-        "s3_bucket": s3.bucket,
-        "vault_addr": vault.addr,
-        "vault_token": vault.token,
-    }
+    settings = {**s3.settings(), **vault.settings()}
     async with NodeAgentHarness(short_home, nats_url, **settings) as first:
         sid = await first.submit(
             "outlives", TOOL_RECORDER, "{domain: allowed.test, ports: [443]}",

@@ -8,7 +8,7 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dsec_cli.stack import CORE_SERVERS, ServiceProcess, ServiceSpec, Stack, StartFailed, domain
 from dsec_core.natsclient import DEFAULT_USER_IDENTITY
@@ -29,6 +29,15 @@ class S3Info:
     bucket: str
     secure: bool = False
 
+    def settings(self) -> dict[str, Any]:
+        """The ``Settings`` fields (``DSEC_S3_*``) that point a service at this server."""
+        return {
+            "s3_endpoint": self.endpoint,
+            "s3_access_key": self.access_key,
+            "s3_secret_key": self.secret_key,
+            "s3_bucket": self.bucket,
+        }
+
     def client(self) -> minio.Minio:
         """A MinIO SDK client with these credentials (no retries: failures show at once)."""
         from dsec_cli.stack.adapters.probes import minio_client
@@ -42,6 +51,10 @@ class VaultInfo:
 
     addr: str
     token: str = field(repr=False)
+
+    def settings(self) -> dict[str, Any]:
+        """The ``Settings`` fields (``DSEC_VAULT_*``) that point a service at this server."""
+        return {"vault_addr": self.addr, "vault_token": self.token}
 
     def client(self) -> hvac.Client:
         """An authenticated hvac client."""
