@@ -199,9 +199,9 @@ class MetricsServer:
             return
         self._connections[task] = writer
         try:
-            first = True
-            while await self._one_request(reader, writer, task, first):
-                first = False
+            opening = True
+            while await self._one_request(reader, writer, task, opening):
+                opening = False
             # what is left of the last answer goes out, unless the client stopped reading
             writer.close()
             await asyncio.wait_for(writer.wait_closed(), _WRITE_TIMEOUT_S)
@@ -235,18 +235,21 @@ class MetricsServer:
         first request must come within ``_READ_TIMEOUT_S``, a kept-alive one's next within
         ``_IDLE_TIMEOUT_S``."""
         self._waiting_since[task] = asyncio.get_running_loop().time()
+        head: bytes | None = None
         try:
             wait = _READ_TIMEOUT_S if opening else _IDLE_TIMEOUT_S
-            first = await asyncio.wait_for(reader.readline(), wait)
-            if not first:
+            request_line = await asyncio.wait_for(reader.readline(), wait)
+            if not request_line:
                 return False
             head = await asyncio.wait_for(self._read_headers(reader), _READ_TIMEOUT_S)
-            self._waiting_since.pop(task, None)
         except (asyncio.LimitOverrunError, ValueError):
+            pass  # head stays None: too large
+        finally:
             self._waiting_since.pop(task, None)
+        if head is None:
             await self._send(writer, 431, b"request head too large\n", "text/plain", False)
             return False
-        parts = first.decode("latin-1").split()
+        parts = request_line.decode("latin-1").split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
             await self._send(writer, 400, b"bad request line\n", "text/plain", False)
             return False
