@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from dsec_core.natsclient import connect, refused_everywhere
+from dsec_core.natsclient import NatsSettingsError, connect, refused_everywhere
 from dsec_core.settings import Settings
 
 pytestmark = pytest.mark.unit
@@ -30,7 +30,11 @@ async def test_only_a_url_whose_every_server_refuses_is_refused() -> None:
         assert not await refused_everywhere(
             f"nats://127.0.0.1:{closed},nats://127.0.0.1:{listening}"
         )  # one server up: nats-py connects to it
-        assert not await refused_everywhere("nats://127.0.0.1:notaport")  # nats-py says why
+        with pytest.raises(NatsSettingsError, match="notaport") as bad:  # said at once
+            await refused_everywhere("nats://u:s3cret@127.0.0.1:notaport")
+        assert "s3cret" not in str(bad.value)
+        why = await refused_everywhere(f"nats://127.0.0.1:{closed},nats://no-such-host.invalid")
+        assert why == f"nothing listens at 127.0.0.1:{closed}; no such host 'no-such-host.invalid'"
     finally:
         server.close()
         await server.wait_closed()
@@ -38,7 +42,7 @@ async def test_only_a_url_whose_every_server_refuses_is_refused() -> None:
 
 async def test_fail_fast_raises_connection_refused_instead_of_retrying(tmp_path: Path) -> None:
     settings = Settings(nats_url=f"nats://127.0.0.1:{_closed_port()}", home=tmp_path)
-    with pytest.raises(ConnectionRefusedError, match="no NATS server"):
+    with pytest.raises(ConnectionRefusedError, match=r"nothing listens at 127\.0\.0\.1:"):
         await connect(settings, "test", fail_fast=True, max_reconnect_attempts=3)
 
 

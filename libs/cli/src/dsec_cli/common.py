@@ -180,7 +180,12 @@ async def bus(
     except NatsSettingsError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
     except Exception as exc:  # any connect failure means "unreachable" to the user
-        reason = str(exc) if "authorization" in str(exc).lower() else type(exc).__name__
+        # a refusal names where (fail_fast); nats-py's errors say little beyond their kind
+        reason = (
+            str(exc)
+            if isinstance(exc, ConnectionRefusedError) or "authorization" in str(exc).lower()
+            else type(exc).__name__
+        )
         fail(
             f"cannot reach NATS at {without_credentials(url)} ({reason}); "
             "start the stack with `dsec up` or set DSEC_NATS_URL (and its credentials: "

@@ -152,46 +152,70 @@ async def connect(
 ) -> NATS:
     """``nats.connect`` with :func:`nats_options`.
 
-    ``fail_fast`` (commands a person waits on): when every server of the URL refuses the TCP
-    connection (nothing listens there: the stack is down), raise ``ConnectionRefusedError`` at
-    once instead of after nats-py's reconnect attempts (seconds). A server that answers, or
-    does not answer in time, is left to nats-py as before."""
+    ``fail_fast`` (commands a person waits on): a URL that is no NATS URL raises
+    :class:`NatsSettingsError`, and when no server of it can be reached at all (each refuses
+    the TCP connection, or names a host that does not exist: the stack is down, a typo)
+    ``ConnectionRefusedError`` says which, at once instead of after nats-py's reconnect
+    attempts (seconds). A server that answers, or does not answer in time, is left to nats-py
+    as before."""
     import nats
 
     options = nats_options(settings, name=name, **overrides)
-    if fail_fast and await refused_everywhere(settings.nats_endpoint()):
-        raise ConnectionRefusedError("no NATS server of the URL accepts connections")
+    if fail_fast:
+        why = await refused_everywhere(settings.nats_endpoint())
+        if why:
+            raise ConnectionRefusedError(why)
     return await nats.connect(**options)
 
 
 _DEFAULT_PORTS = {"ws": 80, "wss": 443}
 
 
-async def refused_everywhere(url: str, timeout_s: float = 1.0) -> bool:
-    """Whether each server of a NATS URL (comma-separated) refuses a TCP connection."""
-    import asyncio
+def _address(server: str) -> tuple[str, int]:
+    """``(host, port)`` of one server of a NATS URL, as nats-py reads it (a bare ``host:port``
+    is ``nats://``; WebSocket URLs without a port are the web ports)."""
+    server = server.strip()
+    parts = urlsplit(server if "://" in server else f"nats://{server}")
+    shown = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"  # never the credentials
+    try:
+        port = parts.port or _DEFAULT_PORTS.get(parts.scheme, 4222)
+    except ValueError as exc:
+        raise NatsSettingsError(f"DSEC_NATS_URL: {shown!r}: {exc}") from None
+    if not parts.hostname:
+        raise NatsSettingsError(f"DSEC_NATS_URL: {shown!r} names no host")
+    return parts.hostname, port
 
-    async def refused(one: str) -> bool:
-        parts = urlsplit(one.strip() if "://" in one else f"nats://{one.strip()}")
-        try:
-            # nats-py's defaults: WebSocket URLs without a port are the web ports
-            host, port = parts.hostname, parts.port or _DEFAULT_PORTS.get(parts.scheme, 4222)
-        except ValueError:
-            return False
-        if not host:
-            return False
+
+async def refused_everywhere(url: str, timeout_s: float = 1.0) -> str | None:
+    """Why no server of a NATS URL (comma-separated) can be reached, when each refuses a TCP
+    connection or names a host that does not exist; ``None`` when one might answer.
+
+    Raises:
+        NatsSettingsError: a server is no ``[scheme://][user:pass@]host[:port]``.
+    """
+    import asyncio
+    import socket
+
+    async def why(server: str) -> str | None:
+        host, port = _address(server)
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
         except ConnectionRefusedError:
-            return True
+            return f"nothing listens at {host}:{port}"
+        except socket.gaierror as exc:
+            if exc.errno == socket.EAI_NONAME:
+                return f"no such host {host!r}"
+            return None  # DNS failing now: nats-py says so, as before
         except (OSError, TimeoutError):
-            return False  # unreachable in another way: nats-py says so, as before
+            return None  # unreachable in another way: nats-py says so, as before
         writer.close()
-        return False
+        return None
 
     servers = [u for u in url.split(",") if u.strip()]
-    results = await asyncio.gather(*(refused(u) for u in servers))
-    return bool(servers) and all(results)
+    reasons = await asyncio.gather(*(why(u) for u in servers))
+    if not servers or None in reasons:
+        return None
+    return "; ".join(r for r in reasons if r)
 
 
 def broker_options(settings: Settings, *, name: str, **overrides: Any) -> dict[str, Any]:
