@@ -6,10 +6,13 @@ CLI's ``dsec_core.text``) must not load the event models, pydantic and nats with
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from dsec_core.lazyimports import defer_aiohttp_for_nats, defer_minio_admin_crypto
+from dsec_core.lazyimports import (
+    defer_aiohttp_for_nats,
+    defer_minio_admin_crypto,
+    submodule_attributes,
+)
 
 defer_minio_admin_crypto()
 defer_aiohttp_for_nats()
@@ -38,11 +41,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__ = submodule_attributes(__name__, _WHERE)
 
 
 __all__ = [

@@ -26,6 +26,7 @@ import importlib.util
 import sys
 import threading
 import types
+from collections.abc import Callable
 from typing import Any
 
 _lock = threading.RLock()
@@ -181,3 +182,19 @@ def defer_aiohttp_for_nats() -> None:
         if "nats.aio.transport" in sys.modules or _nats_finder in sys.meta_path:
             return
         sys.meta_path.insert(0, _nats_finder)
+
+
+def submodule_attributes(package: str, where: dict[str, str]) -> Callable[[str], Any]:
+    """A PEP 562 ``__getattr__`` for ``package``: each name of ``where`` is imported from its
+    submodule (``where[name]``) on first use and kept in the package, so the next read is a
+    plain one. Importing the package alone then loads none of them."""
+
+    def __getattr__(name: str) -> Any:
+        module = where.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return __getattr__

@@ -16,8 +16,9 @@ audit verify`` start that much sooner).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dsec_core.lazyimports import submodule_attributes
 
 if TYPE_CHECKING:
     from dsec_core.spec.errors import Severity, SpecError, format_path
@@ -156,13 +157,7 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # (the next read is a plain one)
-    return value
+__getattr__ = submodule_attributes(__name__, _WHERE)
 
 
 __all__ = [
