@@ -127,9 +127,9 @@ _T = TypeVar("_T")
 SIGNER_ROLES = frozenset({"snapshot", "nodeagent"})
 """Roles whose certified keys may sign snapshot manifests."""
 _MAX_LINE_DIFFS = 200
+"""Changed files shown with a line diff in one ``diff`` or code check; the rest are listed."""
 _CHECKED_KEPT = 8
 """Checked manifests kept in memory (see ``SnapshotStore._checked``)."""
-"""Changed files shown with a line diff in one ``diff`` or code check; the rest are listed."""
 
 
 class SnapshotStore:
