@@ -25,7 +25,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeVar
+from typing import Any
 
 import blake3
 import pydantic
@@ -123,7 +123,6 @@ _RESTORE_SPAN = 16 << 20
 REPACK_BELOW = 0.5
 """GC rewrites a pack whose live (referenced) bytes fall below this fraction of it."""
 _local = threading.local()
-_T = TypeVar("_T")
 SIGNER_ROLES = frozenset({"snapshot", "nodeagent"})
 """Roles whose certified keys may sign snapshot manifests."""
 _MAX_LINE_DIFFS = 200
@@ -1499,13 +1498,6 @@ def _umask() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def _runs(items: Sequence[_T], workers: int) -> list[Sequence[_T]]:
-    """Cut ``items`` into contiguous runs, a few per worker (one task per item costs more
-    than writing or hashing a small file)."""
-    size = max(1, -(-len(items) // (workers * 4)))
-    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 _FILE_COST = 16 << 10
