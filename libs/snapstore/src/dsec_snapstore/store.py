@@ -1342,13 +1342,7 @@ class SnapshotStore:
                 if len(kept) == 1 and members[0][2] < 0:
                     packer.add(kept[0][0], frame)  # copied as stored: no recompression
                 elif kept:  # a group's live chunks, compressed again without the dead ones
-                    group: list[Member] = []
-                    at = 0
-                    for chunk_id, data in kept:
-                        group.append((chunk_id, at, len(data)))
-                        at += len(data)
-                    joined = b"".join(d for _, d in kept)
-                    packer.add_group(group, _compressor().compress(joined))
+                    _add_group(packer, kept)
 
         try:
             for _ in self._pool.map(copy, plan_reads(moving)):
@@ -1429,12 +1423,17 @@ class _PackingSink:
         if len(group) == 1:
             self._packer.add(group[0][0], _compressor().compress(group[0][1]))
             return
-        members: list[Member] = []
-        at = 0
-        for chunk_id, data in group:
-            members.append((chunk_id, at, len(data)))
-            at += len(data)
-        self._packer.add_group(members, _compressor().compress(b"".join(d for _, d in group)))
+        _add_group(self._packer, group)
+
+
+def _add_group(packer: Packer, chunks: Sequence[tuple[str, bytes]]) -> None:
+    """Compress claimed ``(chunk id, bytes)`` together into one group frame of ``packer``."""
+    members: list[Member] = []
+    at = 0
+    for chunk_id, data in chunks:
+        members.append((chunk_id, at, len(data)))
+        at += len(data)
+    packer.add_group(members, _compressor().compress(b"".join(d for _, d in chunks)))
 
 
 def _frame_bytes(rows: Sequence[Sequence[Any]], live: Collection[str]) -> tuple[int, float]:
