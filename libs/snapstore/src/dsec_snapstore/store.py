@@ -930,8 +930,10 @@ class SnapshotStore:
         self,
         manifest: SnapshotManifest,
         dest: Path,
-        early: tuple[Future[list[TreeEntry]], Future[StatCache]] | None = None,
+        early: tuple[Future[list[TreeEntry]], Future[StatCache]] | None,
     ) -> tuple[int, int, int]:
+        """``early``: the tree's listing and stat cache, started by :meth:`restore` (None: ``dest``
+        was no directory then)."""
         if early is None or not dest.is_dir():
             raise InvalidInput(f"{dest}: not a directory (rollback needs the existing code dir)")
         listed, cache_read = early
