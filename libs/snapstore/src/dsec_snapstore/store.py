@@ -25,7 +25,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeVar
+from typing import Any
 
 import blake3
 import pydantic
@@ -123,13 +123,12 @@ _RESTORE_SPAN = 16 << 20
 REPACK_BELOW = 0.5
 """GC rewrites a pack whose live (referenced) bytes fall below this fraction of it."""
 _local = threading.local()
-_T = TypeVar("_T")
 SIGNER_ROLES = frozenset({"snapshot", "nodeagent"})
 """Roles whose certified keys may sign snapshot manifests."""
 _MAX_LINE_DIFFS = 200
+"""Changed files shown with a line diff in one ``diff`` or code check; the rest are listed."""
 _CHECKED_KEPT = 8
 """Checked manifests kept in memory (see ``SnapshotStore._checked``)."""
-"""Changed files shown with a line diff in one ``diff`` or code check; the rest are listed."""
 
 
 class SnapshotStore:
@@ -931,8 +930,10 @@ class SnapshotStore:
         self,
         manifest: SnapshotManifest,
         dest: Path,
-        early: tuple[Future[list[TreeEntry]], Future[StatCache]] | None = None,
+        early: tuple[Future[list[TreeEntry]], Future[StatCache]] | None,
     ) -> tuple[int, int, int]:
+        """``early``: the tree's listing and stat cache, started by :meth:`restore` (None: ``dest``
+        was no directory then)."""
         if early is None or not dest.is_dir():
             raise InvalidInput(f"{dest}: not a directory (rollback needs the existing code dir)")
         listed, cache_read = early
@@ -1343,13 +1344,7 @@ class SnapshotStore:
                 if len(kept) == 1 and members[0][2] < 0:
                     packer.add(kept[0][0], frame)  # copied as stored: no recompression
                 elif kept:  # a group's live chunks, compressed again without the dead ones
-                    group: list[Member] = []
-                    at = 0
-                    for chunk_id, data in kept:
-                        group.append((chunk_id, at, len(data)))
-                        at += len(data)
-                    joined = b"".join(d for _, d in kept)
-                    packer.add_group(group, _compressor().compress(joined))
+                    _add_group(packer, kept)
 
         try:
             for _ in self._pool.map(copy, plan_reads(moving)):
@@ -1430,12 +1425,17 @@ class _PackingSink:
         if len(group) == 1:
             self._packer.add(group[0][0], _compressor().compress(group[0][1]))
             return
-        members: list[Member] = []
-        at = 0
-        for chunk_id, data in group:
-            members.append((chunk_id, at, len(data)))
-            at += len(data)
-        self._packer.add_group(members, _compressor().compress(b"".join(d for _, d in group)))
+        _add_group(self._packer, group)
+
+
+def _add_group(packer: Packer, chunks: Sequence[tuple[str, bytes]]) -> None:
+    """Compress claimed ``(chunk id, bytes)`` together into one group frame of ``packer``."""
+    members: list[Member] = []
+    at = 0
+    for chunk_id, data in chunks:
+        members.append((chunk_id, at, len(data)))
+        at += len(data)
+    packer.add_group(members, _compressor().compress(b"".join(d for _, d in chunks)))
 
 
 def _frame_bytes(rows: Sequence[Sequence[Any]], live: Collection[str]) -> tuple[int, float]:
@@ -1499,13 +1499,6 @@ def _umask() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def _runs(items: Sequence[_T], workers: int) -> list[Sequence[_T]]:
-    """Cut ``items`` into contiguous runs, a few per worker (one task per item costs more
-    than writing or hashing a small file)."""
-    size = max(1, -(-len(items) // (workers * 4)))
-    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 _FILE_COST = 16 << 10

@@ -176,14 +176,20 @@ class StatCache:
 
     def lookup(self, entry: TreeEntry) -> HashedFile | None:
         """The cached hash of ``entry`` if its stat data is unchanged."""
-        row = self._entries.get(entry.path)
-        if row is None or tuple(row[0]) != stat_key(entry):
+        row = self._fresh_row(entry)
+        if row is None:
             return None
         digest, chunks = row[1], row[2]
         return HashedFile(digest, entry.size, tuple(ChunkRef(*c) for c in chunks))
 
     def digest(self, entry: TreeEntry) -> str | None:
         """Only the cached BLAKE3 of ``entry`` if its stat data is unchanged (no chunk list)."""
+        row = self._fresh_row(entry)
+        return None if row is None else str(row[1])
+
+    def _fresh_row(self, entry: TreeEntry) -> list[Any] | None:
+        """``entry``'s row when its stat data is unchanged (:func:`stat_key`'s fields, a list as
+        saved and decoded: compared without building the tuple)."""
         row = self._entries.get(entry.path)
         if row is None or row[0] != [
             entry.size,
@@ -193,7 +199,7 @@ class StatCache:
             entry.dev,
         ]:
             return None
-        return str(row[1])
+        return row
 
     def forget(self) -> None:
         """Remove the cache file (its snapshot was not stored after all)."""
