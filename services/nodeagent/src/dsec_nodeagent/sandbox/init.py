@@ -633,13 +633,6 @@ def prepare_root(root: str) -> None:
     _mount_dev(root + "/dev", DEV_NODES)
 
 
-def build_root(plan: Plan, root: str) -> None:
-    """The plan's entries on the prepared tmpfs at ``root`` (:func:`prepare_root`) →
-    pivot_root → read-only root."""
-    bind_root(plan, root)
-    pivot_root(root)
-
-
 def bind_root(plan: Plan, root: str) -> None:
     """The plan's entries on the prepared tmpfs at ``root`` (:func:`prepare_root`)."""
     for entry in plan["layout"]:
