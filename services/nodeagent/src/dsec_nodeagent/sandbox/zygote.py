@@ -170,11 +170,7 @@ class Zygote:
             except OSError as exc:
                 self._fail_all(_Gone(str(exc)), sock)
                 return
-            received = [
-                int.from_bytes(data[:4], sys.byteorder)
-                for level, kind, data in ancillary
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= 4
-            ]
+            received = _received_fds(ancillary)
             if not msg:
                 self._fail_all(_Gone("it closed its socket"), sock)
                 return
@@ -365,6 +361,16 @@ async def _send(sock: socket.socket, data: bytes, fds: tuple[int, ...]) -> None:
     await asyncio.get_running_loop().sock_sendall(sock, data[first:])
 
 
+def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The fds a ``recvmsg`` received (SCM_RIGHTS)."""
+    return [
+        int.from_bytes(data[i : i + 4], sys.byteorder)
+        for level, kind, data in ancillary
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+        for i in range(0, len(data) - len(data) % 4, 4)
+    ]
+
+
 async def _receive_socket(sock: socket.socket) -> socket.socket:
     """The one socket the child sends on ``sock`` (its init's plan socket)."""
     while True:
@@ -375,12 +381,7 @@ async def _receive_socket(sock: socket.socket) -> socket.socket:
             break
         except BlockingIOError:
             await _readable(sock.fileno())
-    received = [
-        int.from_bytes(data[i : i + 4], sys.byteorder)
-        for level, kind, data in ancillary
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-        for i in range(0, len(data) - len(data) % 4, 4)
-    ]
+    received = _received_fds(ancillary)
     if msg != b"init" or len(received) != 1:
         for fd in received:
             os.close(fd)
