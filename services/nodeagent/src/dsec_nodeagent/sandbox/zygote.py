@@ -288,10 +288,7 @@ class PendingFork:
     def drop_failed(self) -> None:
         """Release a :attr:`failed` one (its task is over)."""
         assert self.failed
-        self.channel.close()
-        if self._init is not None:
-            self._init.close()
-            self._init = None
+        self._close_sockets()
         if not self._task.cancelled() and self._task.exception() is None:
             os.close(self._task.result()[1])
 
@@ -346,11 +343,15 @@ class PendingFork:
         except (ZygoteError, OSError, asyncio.CancelledError):
             return
         finally:
-            self.channel.close()
-            if self._init is not None:
-                self._init.close()
-                self._init = None
+            self._close_sockets()
         os.close(pidfd)
+
+    def _close_sockets(self) -> None:
+        """EOF to the child and to its init (before their plan: both exit)."""
+        self.channel.close()
+        if self._init is not None:
+            self._init.close()
+            self._init = None
 
 
 async def _send(sock: socket.socket, data: bytes, fds: tuple[int, ...]) -> None:
