@@ -777,7 +777,7 @@ def _bind(src: str, dst: str, ro: bool) -> None:
         # such a remount sets a mount's flags to exactly these: each keeps its own too (a
         # mount the host made read-only below a writable bind's source stays read-only)
         kept = syscalls.mount_flags()
-        for point in [dst, *syscalls.mounts_below(dst)]:
+        for point in [dst, *syscalls.mounts_below(dst, kept)]:
             syscalls.mount(None, point, None, flags | kept.get(point, 0), None)
 
 
