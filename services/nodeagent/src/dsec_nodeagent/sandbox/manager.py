@@ -304,7 +304,8 @@ class SandboxManager:
                     },
                 )
                 try:
-                    cgroup = self._make_cgroup(planned, config)
+                    planned.make(self._hierarchy_now(), config.limits)
+                    cgroup = planned
                     if before_start is not None:
                         await before_start(sid, cgroup.v2_dir, cgroup.inode)
                 except SandboxStartError:
@@ -568,12 +569,6 @@ class SandboxManager:
         return cgroups.SandboxCgroup.planned(
             self._hierarchy_now(), config.sandbox_id, node=self.node_id
         )
-
-    def _make_cgroup(
-        self, planned: cgroups.SandboxCgroup, config: SandboxConfig
-    ) -> cgroups.SandboxCgroup:
-        planned.make(self._hierarchy_now(), config.limits)
-        return planned
 
     def create_cgroup(self, sandbox_id: str, limits: Limits) -> cgroups.SandboxCgroup:
         """A sandbox's fresh cgroups under this node's parent (a launch, or a restore)."""
