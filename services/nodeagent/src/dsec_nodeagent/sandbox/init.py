@@ -633,13 +633,6 @@ def prepare_root(root: str) -> None:
     _mount_dev(root + "/dev", DEV_NODES)
 
 
-def build_root(plan: Plan, root: str) -> None:
-    """The plan's entries on the prepared tmpfs at ``root`` (:func:`prepare_root`) →
-    pivot_root → read-only root."""
-    bind_root(plan, root)
-    pivot_root(root)
-
-
 def bind_root(plan: Plan, root: str) -> None:
     """The plan's entries on the prepared tmpfs at ``root`` (:func:`prepare_root`)."""
     for entry in plan["layout"]:
@@ -784,7 +777,7 @@ def _bind(src: str, dst: str, ro: bool) -> None:
         # such a remount sets a mount's flags to exactly these: each keeps its own too (a
         # mount the host made read-only below a writable bind's source stays read-only)
         kept = syscalls.mount_flags()
-        for point in [dst, *syscalls.mounts_below(dst)]:
+        for point in [dst, *syscalls.mounts_below(dst, kept)]:
             syscalls.mount(None, point, None, flags | kept.get(point, 0), None)
 
 

@@ -304,7 +304,8 @@ class SandboxManager:
                     },
                 )
                 try:
-                    cgroup = self._make_cgroup(planned, config)
+                    planned.make(self._hierarchy_now(), config.limits)
+                    cgroup = planned
                     if before_start is not None:
                         await before_start(sid, cgroup.v2_dir, cgroup.inode)
                 except SandboxStartError:
@@ -381,9 +382,7 @@ class SandboxManager:
         extra = [p for p in (config.env_dir, *config.extra_ro_paths, *sdk_deps) if p is not None]
         view = await self._runtime_view(config.runtime, extra)
         uid = domain.allocate_uid(config.sandbox_id, self._uids_in_use(), base=self.uid_base)
-        run_dir.mkdir(parents=True, exist_ok=False)
-        if self.zygote is None:  # (a zygote's sandbox mounts its root elsewhere; see _spawn)
-            (run_dir / "root").mkdir()
+        run_dir.mkdir(parents=True, exist_ok=False)  # (its root: made by _spawn when needed)
         ipc_dir = self._ipc_dir(config, run_dir)
         rules_path = None
         if config.semantic_rules is not None:
@@ -571,12 +570,6 @@ class SandboxManager:
             self._hierarchy_now(), config.sandbox_id, node=self.node_id
         )
 
-    def _make_cgroup(
-        self, planned: cgroups.SandboxCgroup, config: SandboxConfig
-    ) -> cgroups.SandboxCgroup:
-        planned.make(self._hierarchy_now(), config.limits)
-        return planned
-
     def create_cgroup(self, sandbox_id: str, limits: Limits) -> cgroups.SandboxCgroup:
         """A sandbox's fresh cgroups under this node's parent (a launch, or a restore)."""
         return cgroups.SandboxCgroup.create(
@@ -671,6 +664,7 @@ class SandboxManager:
                         except zygote.ZygoteError as exc:
                             log.warning("%s; starting the pre-exec stage directly", exc)
                     if pidfd is None:
+                        # (a zygote's sandbox mounts its root elsewhere)
                         Path(the_plan["root"]).mkdir(exist_ok=True)
                         marks["cgroup_start"] = time.monotonic_ns()
                         await make_cgroup()

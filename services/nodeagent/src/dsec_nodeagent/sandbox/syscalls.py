@@ -172,11 +172,14 @@ def mount_setattr_recursive(target: str, attr_set: int) -> None:
     )
 
 
-def mounts_below(target: str) -> list[str]:
+def mounts_below(target: str, flags: dict[str, int] | None = None) -> list[str]:
     """Mount points strictly below ``target`` in this mount namespace (from mountinfo,
-    octal escapes decoded), parents before children."""
+    octal escapes decoded, or from ``flags``: :func:`mount_flags` read already), parents
+    before children."""
     prefix = target.rstrip("/") + "/"
-    found = {point for point in mount_flags() if point.startswith(prefix)}
+    found = {
+        point for point in (mount_flags() if flags is None else flags) if point.startswith(prefix)
+    }
     return sorted(found, key=lambda p: p.count("/"))
 
 

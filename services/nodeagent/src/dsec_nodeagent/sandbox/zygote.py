@@ -170,11 +170,7 @@ class Zygote:
             except OSError as exc:
                 self._fail_all(_Gone(str(exc)), sock)
                 return
-            received = [
-                int.from_bytes(data[:4], sys.byteorder)
-                for level, kind, data in ancillary
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS and len(data) >= 4
-            ]
+            received = _received_fds(ancillary)
             if not msg:
                 self._fail_all(_Gone("it closed its socket"), sock)
                 return
@@ -292,10 +288,7 @@ class PendingFork:
     def drop_failed(self) -> None:
         """Release a :attr:`failed` one (its task is over)."""
         assert self.failed
-        self.channel.close()
-        if self._init is not None:
-            self._init.close()
-            self._init = None
+        self._close_sockets()
         if not self._task.cancelled() and self._task.exception() is None:
             os.close(self._task.result()[1])
 
@@ -350,11 +343,15 @@ class PendingFork:
         except (ZygoteError, OSError, asyncio.CancelledError):
             return
         finally:
-            self.channel.close()
-            if self._init is not None:
-                self._init.close()
-                self._init = None
+            self._close_sockets()
         os.close(pidfd)
+
+    def _close_sockets(self) -> None:
+        """EOF to the child and to its init (before their plan: both exit)."""
+        self.channel.close()
+        if self._init is not None:
+            self._init.close()
+            self._init = None
 
 
 async def _send(sock: socket.socket, data: bytes, fds: tuple[int, ...]) -> None:
@@ -363,6 +360,16 @@ async def _send(sock: socket.socket, data: bytes, fds: tuple[int, ...]) -> None:
     sock.setblocking(False)
     first = sock.sendmsg([data[:4096]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, payload)])
     await asyncio.get_running_loop().sock_sendall(sock, data[first:])
+
+
+def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The fds a ``recvmsg`` received (SCM_RIGHTS)."""
+    return [
+        int.from_bytes(data[i : i + 4], sys.byteorder)
+        for level, kind, data in ancillary
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+        for i in range(0, len(data) - len(data) % 4, 4)
+    ]
 
 
 async def _receive_socket(sock: socket.socket) -> socket.socket:
@@ -375,12 +382,7 @@ async def _receive_socket(sock: socket.socket) -> socket.socket:
             break
         except BlockingIOError:
             await _readable(sock.fileno())
-    received = [
-        int.from_bytes(data[i : i + 4], sys.byteorder)
-        for level, kind, data in ancillary
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-        for i in range(0, len(data) - len(data) % 4, 4)
-    ]
+    received = _received_fds(ancillary)
     if msg != b"init" or len(received) != 1:
         for fd in received:
             os.close(fd)
