@@ -616,25 +616,27 @@ class Verifier:
         chain.pending = [p for p in chain.pending if p.seq < first.seq]
         chain.removed = bad
         for p in bad:
-            self._unaccept(p)
-            self._inject(p.seq, p.fields, f"bad-signature: {_bad_signature(p.fields)}")
+            f = p.fields  # (decoded from its bytes on each read: once here)
+            self._unaccept(p.seq, f)
+            self._inject(p.seq, f, f"bad-signature: {_bad_signature(f)}")
         if later_good:
             p = later_good[0]
+            f = p.fields
             self._find(
                 p.seq,
-                p.fields,
-                f"chain of {p.fields['producer']!r} broken: it links to the event at seq "
+                f,
+                f"chain of {f['producer']!r} broken: it links to the event at seq "
                 f"{first.seq}, whose signature is invalid",
             )
         return bad
 
-    def _unaccept(self, p: _Unverified) -> None:
-        self._seen.pop(p.fields["id"], None)
-        cause = p.fields.get("causation_id")
-        if isinstance(cause, str) and self._causes.get(cause) == p.seq:
+    def _unaccept(self, seq: int, f: dict[str, Any]) -> None:
+        self._seen.pop(f["id"], None)
+        cause = f.get("causation_id")
+        if isinstance(cause, str) and self._causes.get(cause) == seq:
             del self._causes[cause]  # a forgery acted on nothing
-        sandbox = p.fields["aggregate_id"]
-        if self._tenants.get(sandbox, ("", ""))[0] == p.fields["id"]:
+        sandbox = f["aggregate_id"]
+        if self._tenants.get(sandbox, ("", ""))[0] == f["id"]:
             del self._tenants[sandbox]
         self.report.events -= 1
 

@@ -563,8 +563,8 @@ async def follow(
     sub = await _subscribe(js, filter_subject, _ordered_config(filter_subject, start_seq))
     next_seq, unavailable_since = start_seq, 0.0
     delivered = 0  # the consumer sequence of the last message read: 1, 2, 3... without holes
-    nc = getattr(js, "_nc", None)  # (a test double of JetStream may have no connection)
-    budget = max(PULL_MAX_BYTES, 2 * int(getattr(nc, "max_payload", 0) or 0))
+    # (a test double of JetStream may have no connection)
+    budget = _pull_max_bytes(getattr(js, "_nc", None))
     largest = 0  # the largest message read lately (decays as smaller ones come)
     cap = batch  # halved when messages were lost, doubled back after whole reads
 
@@ -714,6 +714,13 @@ PULL_MAX_BYTES = 16 * 1024 * 1024
 """Bytes one pull request of a replay asks for at most (at least twice the server's
 ``max_payload``)."""
 
+
+def _pull_max_bytes(nc: Any) -> int:
+    """:data:`PULL_MAX_BYTES`, or twice the connection's ``max_payload`` where that is more
+    (``nc`` may be ``None``: the limit is then unknown)."""
+    return max(PULL_MAX_BYTES, 2 * int(getattr(nc, "max_payload", 0) or 0))
+
+
 _BYTES_FULL = "409 max bytes"
 _HOLE = "hole"
 
@@ -798,7 +805,7 @@ async def _pulled(
     # than its per-client limit (64 MiB by default) behind a slow reader makes it drop the
     # connection (large events are enough: 2,048 of 32 KiB). One request is in flight at a
     # time, so this bounds what waits for this reader.
-    max_bytes = max(PULL_MAX_BYTES, 2 * int(getattr(nc, "max_payload", 0) or 0))
+    max_bytes = _pull_max_bytes(nc)
     request = json.dumps({"batch": batch, "no_wait": True, "max_bytes": max_bytes}).encode()
     subject = f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.{consumer.name}"
     tap = _ReplayTap.install(nc, arrived, batch, done)
