@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -84,3 +85,14 @@ def emit(
     (RESULTS / f"{bench}.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(ratio_line)
     print(json.dumps(doc if summary is None else summary))
+
+
+def at_least_one(text: str) -> int:
+    """An argparse type: a whole number >= 1 (a count of events or runs)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a count: give 1 or more")
+    return value

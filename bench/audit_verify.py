@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import bus as busbench
-from _common import emit, nats_server
+from _common import at_least_one, emit, nats_server
 from dsec_core import audit
 from dsec_core.bus import EventPublisher, ensure_stream
 
@@ -118,17 +118,6 @@ def main(n: int, repeat: int) -> None:
         f"verifier core alone {core_rate:,.0f} ev/s in the same run = {ratio:.0%}; the command's "
         f"start-up {startup:.2f} s of it",
     )
-
-
-def at_least_one(text: str) -> int:
-    """An argparse type: a whole number >= 1 (a count of events or runs)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a count: give 1 or more")
-    return value
 
 
 if __name__ == "__main__":

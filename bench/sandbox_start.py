@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import emit, percentile
+from _common import at_least_one, emit, percentile
 from dsec_nodeagent.sandbox import SandboxConfig, SandboxManager
 from dsec_nodeagent.sandbox.discovery import discover
 from dsec_nodeagent.sandbox.seccomp import build_filter
@@ -306,7 +306,9 @@ def _favordynmods() -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=50, help="starts per variant (>= 50 for p99)")
+    parser.add_argument(
+        "--n", type=at_least_one, default=50, help="starts per variant (>= 50 for p99)"
+    )
     parser.add_argument("--quick", action="store_true", help="10 starts per variant")
     parser.add_argument("--json", action="store_true", help="print only the ratio and JSON lines")
     parser.add_argument(

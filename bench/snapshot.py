@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from _common import emit
+from _common import at_least_one, emit
 from dsec_snapstore import SnapshotInputs, SnapshotStore
 from dsec_snapstore.adapters.objectstore import S3ObjectStore
 from dsec_snapstore.packs import PACK_PREFIX
@@ -274,7 +274,7 @@ def main(rounds: int, with_git: bool, json_only: bool) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="rounds (median reported)")
+    parser.add_argument("--rounds", type=at_least_one, default=3, help="rounds (median reported)")
     parser.add_argument("--quick", action="store_true", help="one round, no git")
     parser.add_argument("--json", action="store_true", help="print only the JSON document")
     args = parser.parse_args()
