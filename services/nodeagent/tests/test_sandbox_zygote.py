@@ -259,6 +259,48 @@ async def test_a_launch_given_up_before_its_plan_leaves_no_process(tmp_path: Pat
         assert Path(result.stdout_path).read_text() == "ok\n"
 
 
+async def test_a_seccomp_filter_the_kernel_refuses_fails_the_launch_before_any_sandbox_code(
+    tmp_path: Path,
+) -> None:
+    """The workload's process installs its seccomp filter while init binds the root view; a
+    filter the kernel refuses fails the launch at that layer, the workload never run, and
+    leaves no cgroup, state or process."""
+    from dsec_nodeagent.sandbox import SandboxStartError
+    from dsec_nodeagent.sandbox.models import Mount
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    async with managed(tmp_path / "home") as manager:
+        assert manager.zygote is not None
+        await manager.zygote.prestart()
+        zygote_pid = manager.zygote.pid
+        assert zygote_pid is not None
+        abi, last_cap, program = manager._kernel_facts()
+        # BPF_LD|BPF_IMM with an unknown mode bit: the kernel's checker refuses it (EINVAL).
+        manager._facts = (abi, last_cap, b"\xff\xff\x00\x00\x00\x00\x00\x00")
+        config = snippet_config(
+            "zyg-badfilter",
+            "open('/mnt/shared/ran', 'w').write('ran')\n",
+            tmp_path,
+            mounts=[Mount(source=shared, target="/mnt/shared", read_only=False)],
+            write_allowed=["/tmp", "/workspace/output", "/mnt/shared"],
+        )
+        with pytest.raises(SandboxStartError) as failed:
+            await manager.launch(config)
+        assert failed.value.stage == "seccomp"
+        assert "Invalid argument" in str(failed.value)
+        assert not (shared / "ran").exists()
+        assert manager.states.read("zyg-badfilter") is None
+        planned = manager._planned_cgroup(config)
+        assert not planned.v2_dir.exists()
+        assert not any(d.exists() for d in planned.dirs.values())
+        await _only_the_next_shell_left(manager, zygote_pid)
+        manager._facts = (abi, last_cap, program)
+        result = await run_to_end(manager, snippet_config("zyg-good", "print('ok')\n", tmp_path))
+        assert Path(result.stdout_path).read_text() == "ok\n"
+
+
 async def _only_the_next_shell_left(manager: SandboxManager, zygote_pid: int) -> None:
     """Poll until the zygote's only child is the shell made ahead for the next launch."""
     deadline = time.monotonic() + 30

@@ -127,6 +127,6 @@ def stage_timings(
             out["spawn"] = (record["end_ns"] - host_marks["spawn_start"]) / 1e6
         elif name == "exec":
             out["exec"] = (ready_ns - record["start_ns"]) / 1e6
-        elif name in STAGE_ORDER and "end_ns" in record:
-            out[name] = (record["end_ns"] - record["start_ns"]) / 1e6
+        elif name in STAGE_ORDER and "end_ns" in record:  # a stage done in parts: their sum
+            out[name] = out.get(name, 0.0) + (record["end_ns"] - record["start_ns"]) / 1e6
     return {k: round(out[k], 3) for k in STAGE_ORDER if k in out}

@@ -39,7 +39,7 @@ DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 # ast.literal_eval).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, NoReturn
 
     Plan = dict[str, Any]
 
@@ -530,6 +530,13 @@ def _fork_workload(
             for fd in init_only:
                 if fd >= 0:
                     os.close(fd)
+        except BaseException:
+            os._exit(126)
+        # What needs neither the cgroups nor the root view, done while init binds the root view
+        # (on another CPU): the capability bounding set, limits, no_new_privs, the seccomp
+        # filter. The rest (cwd, uid, Landlock: they need the root view) waits for the word.
+        _confine_early(plan, report, holder_fd)
+        try:
             told = os.read(begin_r, 1)
             os.close(begin_r)
         except BaseException:
@@ -542,7 +549,7 @@ def _fork_workload(
                 _sandbox_null_stdin()
         except BaseException:
             os._exit(126)
-        _exec_workload(plan, report, holder_fd)
+        _exec_workload(plan, report, confined_early=True)
     os.close(begin_r)
     return pid, begin_w
 
@@ -627,9 +634,9 @@ def prepare_root(root: str) -> None:
     nodes). Made by init before its plan arrives (:func:`prepare`)."""
     syscalls.mount(None, "/", None, syscalls.MS_REC | syscalls.MS_PRIVATE, None)
     syscalls.mount("tmpfs", root, "tmpfs", _NOSUID_NODEV, "mode=0755,size=4m")
-    _make_dir(root, "/proc")
+    os.mkdir(root + "/proc", 0o755)  # (the tmpfs was just mounted: nothing in it to follow)
     _mount_proc(root + "/proc")
-    _make_dir(root, "/dev")
+    os.mkdir(root + "/dev", 0o755)
     _mount_dev(root + "/dev", DEV_NODES)
 
 
@@ -759,7 +766,12 @@ def _bind(src: str, dst: str, ro: bool) -> None:
         if not os.path.lexists(dst):
             os.close(os.open(dst, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
     syscalls.mount(src, dst, None, syscalls.MS_BIND | syscalls.MS_REC, None)
-    # The bind is recursive (MS_REC), so whatever is mounted below ``src`` comes along; a
+    _restrict(dst, ro)
+
+
+def _restrict(dst: str, ro: bool) -> None:
+    """nosuid, nodev (and ``ro``: read-only) on the bind at ``dst`` and every mount below it."""
+    # The bind is recursive (MS_REC), so whatever is mounted below its source comes along; a
     # remount changes only the top mount, which would leave those writable (a source above
     # DSEC_HOME would bring the node's pooled disk images in writable). Every mount of the
     # bind gets the flags, in one call where the kernel has mount_setattr.
@@ -785,12 +797,15 @@ _PROC_READONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")
 
 
 def _mount_proc(dst: str) -> None:
-    os.makedirs(dst, exist_ok=True)
+    """This pid namespace's proc at the directory ``dst``, its host-wide files read-only."""
     syscalls.mount("proc", dst, "proc", _NOSUID_NODEV | syscalls.MS_NOEXEC, None)
     for name in _PROC_READONLY:
         path = f"{dst}/{name}"
-        if os.path.exists(path):
-            _bind(path, path, ro=True)
+        try:  # bound onto itself, then made read-only (no stat first: on every start's path)
+            syscalls.mount(path, path, None, syscalls.MS_BIND | syscalls.MS_REC, None)
+        except FileNotFoundError:
+            continue  # not on this kernel (sysrq-trigger without CONFIG_MAGIC_SYSRQ)
+        _restrict(path, ro=True)
 
 
 def _dev_nodes(dst: str, nodes: list[str]) -> None:
@@ -803,7 +818,7 @@ def _dev_nodes(dst: str, nodes: list[str]) -> None:
 
 
 def _mount_dev(dst: str, nodes: tuple[str, ...] | list[str]) -> None:
-    os.makedirs(dst, exist_ok=True)
+    """A fresh /dev (tmpfs) at the directory ``dst`` with ``nodes`` bound from the host's."""
     syscalls.mount("tmpfs", dst, "tmpfs", syscalls.MS_NOSUID, "mode=0755,size=64k")
     _dev_nodes(dst, list(nodes))
     for name, target in (
@@ -813,18 +828,40 @@ def _mount_dev(dst: str, nodes: tuple[str, ...] | list[str]) -> None:
         ("stderr", "/proc/self/fd/2"),
     ):
         os.symlink(target, f"{dst}/{name}")
-    os.makedirs(f"{dst}/shm")
+    os.mkdir(f"{dst}/shm")
     syscalls.mount("tmpfs", f"{dst}/shm", "tmpfs", _NOSUID_NODEV, "mode=1777,size=64m")
 
 
 # ----------------------------------------------------------------------------- the workload
 
 
-def _exec_workload(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
+def _confine_early(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
+    """The confinement that needs neither the sandbox's cgroups nor its root view: empty
+    capability bounding and ambient sets, lowered limits, ``no_new_privs``, then the seccomp
+    filter (whose listener, with ``holder_fd``, goes to the supervisor). The process keeps its
+    uid and effective capabilities until :func:`_exec_workload` (its cwd is set as root, after
+    pivot_root). Never returns on failure: reports it and exits 127."""
+    stage = "credentials"
+    try:
+        start = time.monotonic_ns()
+        _bound(plan)
+        report.stage(stage, start)
+        stage, start = "seccomp", time.monotonic_ns()
+        _install_seccomp(plan, holder_fd)
+        report.stage(stage, start)
+    except BaseException as exc:
+        _fail(report, stage, exc)
+
+
+def _exec_workload(
+    plan: Plan, report: _Reporter, holder_fd: int = -1, *, confined_early: bool = False
+) -> None:
     """Drop privileges, confine, execve. Never returns.
 
     With ``holder_fd`` (a socket to the supervisor) the seccomp filter gets a notification
-    listener, handed over there and closed here before execve.
+    listener, handed over there and closed here before execve. ``confined_early``:
+    :func:`_confine_early` ran already (the seccomp filter is on); else it runs here, in the
+    same order as before: credentials, Landlock, seccomp.
     """
     stage = "credentials"
     try:
@@ -836,8 +873,10 @@ def _exec_workload(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
 
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         os.chdir(plan["cwd"])
+        if not confined_early:
+            _bound(plan)
         _drop_privileges(plan)
-        report.stage(stage, start)
+        report.stage(stage, start)  # (a second record, if confined early: the two add up)
         stage, start = "landlock", time.monotonic_ns()
         policy = plan["landlock"]
         landlock.restrict_self(
@@ -848,11 +887,10 @@ def _exec_workload(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
             policy.get("scope_abstract_unix", True),
         )
         report.stage(stage, start)
-        stage, start = "seccomp", time.monotonic_ns()
-        listener = seccomp.install(bytes.fromhex(plan["seccomp"]), listener=holder_fd >= 0)
-        if listener >= 0:
-            _hand_over(listener, holder_fd)
-        report.stage(stage, start)
+        if not confined_early:
+            stage, start = "seccomp", time.monotonic_ns()
+            _install_seccomp(plan, holder_fd)
+            report.stage(stage, start)
         if plan.get("transfer") is not None:  # `dsec sandbox cp`: copy, confined, no execve
             from dsec_nodeagent.sandbox import transfer
 
@@ -865,11 +903,22 @@ def _exec_workload(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
             os.set_inheritable(report.fd, False)
         os.execve(plan["argv"][0], plan["argv"], plan["env"])
     except BaseException as exc:
-        message = _describe(exc)
-        if report.fd < 0:
-            os.write(2, f"dsec sandbox: {stage} failed: {message}\n".encode())
-        report.send(error=message, stage=stage)
-        os._exit(127)
+        _fail(report, stage, exc)
+
+
+def _fail(report: _Reporter, stage: str, exc: BaseException) -> NoReturn:
+    """Report the failing ``stage`` (on stderr when there is no report pipe), exit 127."""
+    message = _describe(exc)
+    if report.fd < 0:
+        os.write(2, f"dsec sandbox: {stage} failed: {message}\n".encode())
+    report.send(error=message, stage=stage)
+    os._exit(127)
+
+
+def _install_seccomp(plan: Plan, holder_fd: int) -> None:
+    listener = seccomp.install(bytes.fromhex(plan["seccomp"]), listener=holder_fd >= 0)
+    if listener >= 0:
+        _hand_over(listener, holder_fd)
 
 
 def _hand_over(listener: int, holder_fd: int) -> None:
@@ -886,17 +935,23 @@ def _hand_over(listener: int, holder_fd: int) -> None:
         os.close(listener)
 
 
-def _drop_privileges(plan: Plan) -> None:
-    uid, gid = plan["uid"], plan["gid"]
+def _bound(plan: Plan) -> None:
+    """Lowered limits, empty capability bounding and ambient sets, ``no_new_privs``: what needs
+    neither the root view nor the uid (the process keeps its effective capabilities)."""
     nofile = plan.get("nofile")
     if nofile:  # lowered, soft and hard: not the node agent's own (high) limit
         import resource
 
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     syscalls.drop_capabilities(plan["cap_last_cap"])
+    syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
+
+
+def _drop_privileges(plan: Plan) -> None:
+    """The sandbox's uid and gid, no capabilities (after :func:`_bound`)."""
+    uid, gid = plan["uid"], plan["gid"]
     os.setgroups([])
     os.setresgid(gid, gid, gid)
-    syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
     os.setresuid(uid, uid, uid)
     os.umask(0o022)
 
