@@ -20,8 +20,10 @@ sandbox's interpreter).
   50 ms after the previous launch (the shell), and init makes its mount namespace and the root
   view's /proc and /dev while the manager plans. The disk quota (``/workspace/output``,
   the default 256 MiB) comes from the node's pool of images formatted and mounted ahead, as in
-  production: the warm-up start fills it, each start's refill runs in the background (a burst
-  of starts faster than the refill formats and mounts its own, as the first start does).
+  production: the warm-up start fills it, each start's refill runs in the background, 150 ms
+  after the start (a burst of starts faster than the refill formats and mounts its own, as the
+  first start does). After each DSec start the benchmark waits for that background work
+  (``SandboxManager.settle``), so no variant is timed while another's runs.
 - dsec_spawn: the same, with the pre-exec stage started as a fresh interpreter per sandbox (the
   launch path before the zygote), for comparison.
 - subprocess: ``subprocess.Popen`` of the interpreter, no isolation.
@@ -196,6 +198,9 @@ async def _dsec_once(
     if result.reason.value != "ok" or stdout.read_text().strip() != "ready":
         raise RuntimeError(f"DSec sandbox {sid} ended {result.reason}: {result.detail}")
     await manager.purge(sid)
+    # The node's background work after a start (the next shell, the disk image pool's refill)
+    # ends before the next variant's start: no variant is timed while another's runs.
+    await manager.settle()
     return first_line, ready.ready_ms, ready.timings_ms
 
 

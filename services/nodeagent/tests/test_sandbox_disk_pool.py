@@ -109,6 +109,36 @@ async def test_starts_take_pooled_images_the_quota_holds_and_shutdown_leaves_not
     assert _left_behind(home, pool_dir) == {"mounts": [], "loops": [], "files": []}
 
 
+async def test_the_pool_refills_only_after_a_start_and_settle_waits_for_it(tmp_path: Path) -> None:
+    """The pool's next image is formatted and mounted a moment after a start, not during it
+    (mkfs and the mount would share the CPUs with the start and its workload's interpreter);
+    ``settle()`` returns once that background work is done."""
+    from dsec_nodeagent.sandbox.manager import IMAGE_REFILL_DELAY_S
+
+    home = tmp_path / "home"
+    pool = quota.ImagePool(home / "cache" / "disk-images")
+    limits = Limits(disk_bytes=20 * MiB)
+    async with managed(home) as manager:
+
+        def ready() -> int:
+            return len(list(pool.directory.glob(f"{20 * MiB}-*.img")))
+
+        await run_to_end(manager, snippet_config("one", "print('hi')", tmp_path, limits=limits))
+        await manager.settle()
+        full = ready()
+        assert full >= 1 and pool.has_mounted(20 * MiB)  # the refill after the first start
+        taken = time.monotonic()
+        await manager.launch(snippet_config("two", "print('hi')", tmp_path, limits=limits))
+        if time.monotonic() - taken < IMAGE_REFILL_DELAY_S / 2:  # (a slow machine: no claim)
+            assert ready() == full - 1  # the start took one; none formatted yet
+            assert manager._image_fill is None or manager._image_fill.done()
+        await manager.settle()
+        assert ready() == full
+        assert manager._image_timer is None and manager._shell is not None
+        assert manager._shell.pid is not None  # the next launch's shell, forked
+        await manager.wait("two")
+
+
 async def test_images_a_dead_node_agent_mounted_ahead_are_released_at_the_next_start(
     tmp_path: Path,
 ) -> None:

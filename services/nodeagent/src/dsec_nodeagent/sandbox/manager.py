@@ -60,6 +60,12 @@ CgroupHook = Callable[[str, Path, int], Awaitable[None]]
 START_TIMEOUT_S = 30.0
 IMAGE_SIZES_POOLED = 4
 SHELL_REFILL_DELAY_S = 0.05
+IMAGE_REFILL_DELAY_S = 0.15
+"""How long after a start took a pooled disk image the pool's refill begins. Its mkfs, loop
+attach and mount take CPU (and, in a worker thread, the GIL) that the start and then its
+workload's interpreter start (~30-40 ms) would otherwise share: on 2 CPUs that was as much as
+4 ms of a sandbox's first line. A start within the delay formats its own image, as the first
+start does."""
 """After a launch, how long before the next launch's shell is forked (see _refill_shell)."""
 RECENT_RESULTS = 256
 _SRC = Path(__file__).resolve().parents[2]
@@ -194,6 +200,7 @@ class SandboxManager:
         self._image_fill: asyncio.Task[None] | None = None
         self._shell: zygote.PendingFork | None = None  # forked ahead for the next launch
         self._shell_timer: asyncio.TimerHandle | None = None
+        self._image_timer: asyncio.TimerHandle | None = None
         self._closing = False
 
     # ------------------------------------------------------------------ queries
@@ -347,6 +354,23 @@ class SandboxManager:
         self._watch(sandbox)
         return ready
 
+    async def settle(self) -> None:
+        """Return once the background work of earlier launches is done: the next launch's
+        shell forked and the disk image pool refilled (each begins a moment after a launch).
+        For a benchmark or a test that wants the node quiet before it measures."""
+        loop = asyncio.get_running_loop()
+        while True:
+            timers = [t for t in (self._shell_timer, self._image_timer) if t is not None]
+            if timers:
+                await asyncio.sleep(max(0.0, max(t.when() for t in timers) - loop.time()) + 0.001)
+                continue
+            if self._image_fill is not None and not self._image_fill.done():
+                await asyncio.gather(self._image_fill, return_exceptions=True)
+                continue
+            if self._shell is not None:
+                await self._shell.forked()
+            return
+
     def _take_shell(self) -> zygote.PendingFork:
         """The supervisor and init forked ahead for the next launch (each serves one launch
         only), or, when there is none or it failed, a fork asked for now."""
@@ -469,6 +493,14 @@ class SandboxManager:
         while len(self._image_sizes) > IMAGE_SIZES_POOLED:
             self._image_sizes.pop(next(iter(self._image_sizes)))
         if self._image_fill is not None and not self._image_fill.done():
+            return
+        if self._image_timer is None and not self._closing:
+            loop = asyncio.get_running_loop()
+            self._image_timer = loop.call_later(IMAGE_REFILL_DELAY_S, self._fill_images)
+
+    def _fill_images(self) -> None:
+        self._image_timer = None
+        if self._closing or (self._image_fill is not None and not self._image_fill.done()):
             return
 
         async def fill() -> None:
@@ -1158,9 +1190,10 @@ class SandboxManager:
             await self._audit.close()
             self._audit = None
         self._closing = True
-        if self._shell_timer is not None:
-            self._shell_timer.cancel()
-            self._shell_timer = None
+        for timer in (self._shell_timer, self._image_timer):
+            if timer is not None:
+                timer.cancel()
+        self._shell_timer = self._image_timer = None
         shell, self._shell = self._shell, None
         if shell is not None:  # its child and init exit at the EOF
             await shell.discard()

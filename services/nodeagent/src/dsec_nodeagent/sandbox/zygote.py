@@ -266,6 +266,10 @@ class PendingFork:
                 self._send_mount()
         return pid, pidfd
 
+    async def forked(self) -> None:
+        """Return once the child and its init exist (or the fork failed: see :attr:`failed`)."""
+        await asyncio.gather(asyncio.shield(self._task), return_exceptions=True)
+
     @property
     def failed(self) -> bool:
         """The fork or its init failed: no launch can use it."""
