@@ -10,7 +10,8 @@ Process tree of ``run``::
     supervisor (host pid ns, not in the sandbox cgroup)   waits, then writes exit.json
       └─ init (pid 1 of a new pid ns; new mount/ipc/uts[/net] ns; in the cgroups)
            reaps orphans, forwards SIGTERM/SIGINT, reports the workload's wait status
-           └─ workload: uid drop, no caps, no_new_privs, Landlock, seccomp, then execve
+           └─ workload: while init binds the root view: bounding set emptied, limits,
+              no_new_privs, seccomp; at init's word: cwd, uid drop, Landlock, then execve
 
 The supervisor stays outside the cgroup so that ``cgroup.kill`` (stop, OOM) cannot take the
 record of how the sandbox ended with it; exit.json lets a restarted node agent learn the outcome
@@ -535,7 +536,11 @@ def _fork_workload(
         # What needs neither the cgroups nor the root view, done while init binds the root view
         # (on another CPU): the capability bounding set, limits, no_new_privs, the seccomp
         # filter. The rest (cwd, uid, Landlock: they need the root view) waits for the word.
-        _confine_early(plan, report, holder_fd)
+        try:
+            syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
+            _confine_early(plan, report, holder_fd)
+        except BaseException:  # (_confine_early reports its own failures, then exits)
+            os._exit(127)
         try:
             told = os.read(begin_r, 1)
             os.close(begin_r)
@@ -543,8 +548,7 @@ def _fork_workload(
             os._exit(126)
         if not told:
             os._exit(126)
-        try:  # as init is by now: not dumpable, no file of the host's mount tree on stdin
-            syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
+        try:  # as init is by now: no file of the host's mount tree on stdin (not dumpable: above)
             if plan.get("reaper_exec") and not plan.get("tty"):
                 _sandbox_null_stdin()
         except BaseException:

@@ -60,13 +60,13 @@ CgroupHook = Callable[[str, Path, int], Awaitable[None]]
 START_TIMEOUT_S = 30.0
 IMAGE_SIZES_POOLED = 4
 SHELL_REFILL_DELAY_S = 0.05
+"""After a launch, how long before the next launch's shell is forked (see _refill_shell)."""
 IMAGE_REFILL_DELAY_S = 0.15
 """How long after a start took a pooled disk image the pool's refill begins. Its mkfs, loop
 attach and mount take CPU (and, in a worker thread, the GIL) that the start and then its
 workload's interpreter start (~30-40 ms) would otherwise share: on 2 CPUs that was as much as
 4 ms of a sandbox's first line. A start within the delay formats its own image, as the first
 start does."""
-"""After a launch, how long before the next launch's shell is forked (see _refill_shell)."""
 RECENT_RESULTS = 256
 _SRC = Path(__file__).resolve().parents[2]
 # Run the pre-exec stage without site-packages (-S) and without executing the packages'
