@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -137,6 +138,32 @@ async def test_the_pool_refills_only_after_a_start_and_settle_waits_for_it(tmp_p
         assert manager._image_timer is None and manager._shell is not None
         assert manager._shell.pid is not None  # the next launch's shell, forked
         await manager.wait("two")
+
+
+async def test_a_size_asked_for_during_a_fill_gets_its_images_in_the_next_round(
+    tmp_path: Path,
+) -> None:
+    """A start that asks for images of a size while the pool is filling others (its round has
+    already listed the sizes it fills) is not forgotten: another round follows."""
+    home = tmp_path / "home"
+    pool = quota.ImagePool(home / "cache" / "disk-images")
+    async with managed(home) as manager:
+        started, release = threading.Event(), threading.Event()
+        real_fill = manager._images.fill
+
+        def held_fill(size: int) -> int:
+            started.set()
+            release.wait(30)
+            return real_fill(size)
+
+        manager._images.fill = held_fill  # type: ignore[method-assign]
+        manager._refill_images(20 * MiB)
+        manager._fill_images()  # the round starts now (no delay): it fills 20 MiB only
+        assert await asyncio.to_thread(started.wait, 30)
+        manager._refill_images(28 * MiB)  # a start asks for another size meanwhile
+        release.set()
+        await manager.settle()
+        assert pool.has_mounted(20 * MiB) and pool.has_mounted(28 * MiB)
 
 
 async def test_images_a_dead_node_agent_mounted_ahead_are_released_at_the_next_start(

@@ -201,6 +201,7 @@ class SandboxManager:
         self._shell: zygote.PendingFork | None = None  # forked ahead for the next launch
         self._shell_timer: asyncio.TimerHandle | None = None
         self._image_timer: asyncio.TimerHandle | None = None
+        self._images_again = False  # a start took or asked for an image during a fill
         self._closing = False
 
     # ------------------------------------------------------------------ queries
@@ -493,7 +494,13 @@ class SandboxManager:
         while len(self._image_sizes) > IMAGE_SIZES_POOLED:
             self._image_sizes.pop(next(iter(self._image_sizes)))
         if self._image_fill is not None and not self._image_fill.done():
+            # The fill under way may have passed this size (or its image was just taken):
+            # another round follows it.
+            self._images_again = True
             return
+        self._schedule_fill()
+
+    def _schedule_fill(self) -> None:
         if self._image_timer is None and not self._closing:
             loop = asyncio.get_running_loop()
             self._image_timer = loop.call_later(IMAGE_REFILL_DELAY_S, self._fill_images)
@@ -502,6 +509,7 @@ class SandboxManager:
         self._image_timer = None
         if self._closing or (self._image_fill is not None and not self._image_fill.done()):
             return
+        self._images_again = False
 
         async def fill() -> None:
             try:
@@ -510,6 +518,8 @@ class SandboxManager:
                     await asyncio.to_thread(self._images.fill, wanted)
             except (OSError, quota.QuotaError) as exc:  # a start formats its own instead
                 log.warning("cannot prepare disk images: %s", exc)
+            if self._images_again:  # a start during this round: the next one, as delayed
+                self._schedule_fill()
 
         self._image_fill = asyncio.ensure_future(fill())
 
