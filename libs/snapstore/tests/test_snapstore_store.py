@@ -283,6 +283,40 @@ def test_a_key_the_root_certified_for_taking_snapshots_is_trusted_elsewhere(
         assert "signed by untrusted key" in no_anchor.verify("s").problems[0]
 
 
+def test_a_manifest_checked_once_is_refused_once_its_signers_certificate_expires(
+    objects: S3ObjectStore, code: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store remembers the manifests it checked (a repeat load skips the signature check),
+    but only while the certificate of the key that signed one is valid: after it expires the
+    manifest is checked again, and refused."""
+    root, key = SigningKey.generate(), SigningKey.generate()
+    expires = datetime.now(UTC) + timedelta(hours=1)
+    cert = identity.issue(
+        root,
+        bytes(key.verify_key),
+        subject="nodeagent",
+        role="nodeagent",  # type: ignore[arg-type]
+        node_id="n1",
+        expires_at=expires,
+    )
+    with SnapshotStore(objects, signing_key=key, certificate=cert) as node:
+        node.create("s", inputs(code))
+    anchor = bytes(root.verify_key)
+    with SnapshotStore(objects, signing_key=SigningKey.generate(), anchor=anchor) as reader:
+        assert reader.load("s").name == "s"  # checked, and remembered
+        assert reader.load("s").name == "s"  # from memory
+
+        class _AnHourLater(datetime):
+            @classmethod
+            def now(cls, tz: object = None) -> datetime:  # type: ignore[override]
+                return expires + timedelta(seconds=1)
+
+        monkeypatch.setattr("dsec_snapstore.store.datetime", _AnHourLater)
+        monkeypatch.setattr("dsec_core.identity.datetime", _AnHourLater)
+        with pytest.raises(VerificationFailed, match="untrusted key"):
+            reader.load("s")
+
+
 def test_restore_materializes_the_tree(store: SnapshotStore, code: Path) -> None:
     store.create("s", inputs(code))
     dest = code.parent / "restored"

@@ -177,7 +177,11 @@ class SnapshotStore:
         # Manifests checked already, by the BLAKE3 of their stored document: a snapshot taken
         # here, or loaded before, is not parsed and its signature not checked again when the
         # bytes read back are the same (they are immutable; a rollback re-reads them).
-        self._checked: OrderedDict[str, tuple[SnapshotManifest, str]] = OrderedDict()
+        # BLAKE3 of a manifest's bytes -> (manifest, digest, when its signer's certificate
+        # expires: None for a key trusted directly)
+        self._checked: OrderedDict[str, tuple[SnapshotManifest, str, datetime | None]] = (
+            OrderedDict()
+        )
         self._checked_lock = threading.Lock()
 
     @classmethod
@@ -535,8 +539,12 @@ class SnapshotStore:
         raw_digest = blake3.blake3(raw).hexdigest()
         with self._checked_lock:
             known = self._checked.get(raw_digest)
-        if known is not None and known[0].name == name:
-            return known[0], [], known[1]
+        if (
+            known is not None
+            and known[0].name == name
+            and (known[2] is None or datetime.now(UTC) < known[2])
+        ):
+            return known[0], [], known[1]  # (a certificate expired since: checked again below)
         try:
             doc = SignedManifest.model_validate_json(raw)
         except pydantic.ValidationError as exc:
@@ -545,36 +553,51 @@ class SnapshotStore:
             problem = f"manifest {key}: not a valid manifest (field {where!r}: {first['msg']})"
             return None, [problem], ""
         signed = doc.manifest.signed_bytes()
-        problems = self._signature_problems(key, doc, signed)
+        problems, valid_until = self._signature_problems(key, doc, signed)
         if doc.manifest.name != name:
             problems.append(f"manifest {key}: records name {doc.manifest.name!r}, not {name!r}")
         digest = blake3.blake3(signed).hexdigest()
         if not problems:
-            self._remember(raw_digest, doc.manifest, digest)
+            self._remember(raw_digest, doc.manifest, digest, valid_until)
         return doc.manifest, problems, digest
 
-    def _remember(self, raw_digest: str, manifest: SnapshotManifest, digest: str) -> None:
-        """Keep a checked manifest (the last :data:`_CHECKED_KEPT`)."""
+    def _remember(
+        self,
+        raw_digest: str,
+        manifest: SnapshotManifest,
+        digest: str,
+        valid_until: datetime | None = None,
+    ) -> None:
+        """Keep a checked manifest (the last :data:`_CHECKED_KEPT`), trusted until its
+        signer's certificate expires (``valid_until``; ``None``: a key trusted directly)."""
         with self._checked_lock:
-            self._checked[raw_digest] = (manifest, digest)
+            self._checked[raw_digest] = (manifest, digest, valid_until)
             self._checked.move_to_end(raw_digest)
             while len(self._checked) > _CHECKED_KEPT:
                 self._checked.popitem(last=False)
 
-    def _signature_problems(self, key: str, doc: SignedManifest, signed: bytes) -> list[str]:
+    def _signature_problems(
+        self, key: str, doc: SignedManifest, signed: bytes
+    ) -> tuple[list[str], datetime | None]:
+        """What is wrong with a manifest's signature, and until when its signer is trusted
+        (its certificate's expiry; ``None`` for a key trusted directly, or no expiry)."""
         sig = doc.signature
-        trusted = self._trusted.get(sig.key_id) or self._certified(sig)
+        trusted, valid_until = self._trusted.get(sig.key_id), None
+        if trusted is None:
+            cert = self._certified(sig)
+            if cert is not None:
+                trusted, valid_until = bytes.fromhex(cert.public_key), cert.expires_at
         if trusted is None or trusted.hex() != sig.public_key:
-            return [f"manifest {key}: signed by untrusted key {sig.key_id}"]
+            return [f"manifest {key}: signed by untrusted key {sig.key_id}"], None
         try:
             VerifyKey(trusted).verify(signed, bytes.fromhex(sig.value))
         except (BadSignatureError, ValueError):
-            return [f"manifest {key}: signature does not match its content (altered)"]
-        return []
+            return [f"manifest {key}: signature does not match its content (altered)"], None
+        return [], valid_until
 
-    def _certified(self, sig: Signature) -> bytes | None:
-        """The signer's key when its certificate is the operator root's, for a role that takes
-        snapshots (the snapshot service, a node agent)."""
+    def _certified(self, sig: Signature) -> identity.Certificate | None:
+        """The signer's certificate when the operator root issued it, still valid, for a role
+        that takes snapshots (the snapshot service, a node agent)."""
         if sig.certificate is None or self._anchor is None:
             return None
         try:
@@ -584,7 +607,7 @@ class SnapshotStore:
             return None
         if cert.role not in SIGNER_ROLES or cert.key_id != sig.key_id:
             return None
-        return bytes.fromhex(cert.public_key)
+        return cert
 
     def list_snapshots(self) -> list[SnapshotSummary]:
         """Every snapshot's index row, oldest first."""
