@@ -553,7 +553,7 @@ def _fork_workload(
                 _sandbox_null_stdin()
         except BaseException:
             os._exit(126)
-        _exec_workload(plan, report, confined_early=True)
+        _exec_workload(plan, report)
     os.close(begin_r)
     return pid, begin_w
 
@@ -840,33 +840,33 @@ def _mount_dev(dst: str, nodes: tuple[str, ...] | list[str]) -> None:
 
 
 def _confine_early(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
-    """The confinement that needs neither the sandbox's cgroups nor its root view: empty
-    capability bounding and ambient sets, lowered limits, ``no_new_privs``, then the seccomp
+    """The confinement that needs neither the sandbox's cgroups nor its root view: lowered
+    limits, empty capability bounding and ambient sets, ``no_new_privs``, then the seccomp
     filter (whose listener, with ``holder_fd``, goes to the supervisor). The process keeps its
-    uid and effective capabilities until :func:`_exec_workload` (its cwd is set as root, after
-    pivot_root). Never returns on failure: reports it and exits 127."""
+    uid and effective capabilities for :func:`_exec_workload`, which sets its cwd as root.
+    Never returns on failure: reports it and exits 127."""
     stage = "credentials"
     try:
         start = time.monotonic_ns()
-        _bound(plan)
+        nofile = plan.get("nofile")
+        if nofile:  # lowered, soft and hard: not the node agent's own (high) limit
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        syscalls.drop_capabilities(plan["cap_last_cap"])
+        syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
         report.stage(stage, start)
         stage, start = "seccomp", time.monotonic_ns()
-        _install_seccomp(plan, holder_fd)
+        listener = seccomp.install(bytes.fromhex(plan["seccomp"]), listener=holder_fd >= 0)
+        if listener >= 0:
+            _hand_over(listener, holder_fd)
         report.stage(stage, start)
     except BaseException as exc:
         _fail(report, stage, exc)
 
 
-def _exec_workload(
-    plan: Plan, report: _Reporter, holder_fd: int = -1, *, confined_early: bool = False
-) -> None:
-    """Drop privileges, confine, execve. Never returns.
-
-    With ``holder_fd`` (a socket to the supervisor) the seccomp filter gets a notification
-    listener, handed over there and closed here before execve. ``confined_early``:
-    :func:`_confine_early` ran already (the seccomp filter is on); else it runs here, in the
-    same order as before: credentials, Landlock, seccomp.
-    """
+def _exec_workload(plan: Plan, report: _Reporter) -> None:
+    """After :func:`_confine_early`: cwd, uid drop, Landlock, execve. Never returns."""
     stage = "credentials"
     try:
         start = time.monotonic_ns()
@@ -877,10 +877,8 @@ def _exec_workload(
 
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         os.chdir(plan["cwd"])
-        if not confined_early:
-            _bound(plan)
         _drop_privileges(plan)
-        report.stage(stage, start)  # (a second record, if confined early: the two add up)
+        report.stage(stage, start)  # (a second record: the two add up)
         stage, start = "landlock", time.monotonic_ns()
         policy = plan["landlock"]
         landlock.restrict_self(
@@ -891,10 +889,6 @@ def _exec_workload(
             policy.get("scope_abstract_unix", True),
         )
         report.stage(stage, start)
-        if not confined_early:
-            stage, start = "seccomp", time.monotonic_ns()
-            _install_seccomp(plan, holder_fd)
-            report.stage(stage, start)
         if plan.get("transfer") is not None:  # `dsec sandbox cp`: copy, confined, no execve
             from dsec_nodeagent.sandbox import transfer
 
@@ -919,12 +913,6 @@ def _fail(report: _Reporter, stage: str, exc: BaseException) -> NoReturn:
     os._exit(127)
 
 
-def _install_seccomp(plan: Plan, holder_fd: int) -> None:
-    listener = seccomp.install(bytes.fromhex(plan["seccomp"]), listener=holder_fd >= 0)
-    if listener >= 0:
-        _hand_over(listener, holder_fd)
-
-
 def _hand_over(listener: int, holder_fd: int) -> None:
     """Send the listener to the supervisor; keep no copy (the workload must not answer itself)."""
     import _socket
@@ -939,20 +927,8 @@ def _hand_over(listener: int, holder_fd: int) -> None:
         os.close(listener)
 
 
-def _bound(plan: Plan) -> None:
-    """Lowered limits, empty capability bounding and ambient sets, ``no_new_privs``: what needs
-    neither the root view nor the uid (the process keeps its effective capabilities)."""
-    nofile = plan.get("nofile")
-    if nofile:  # lowered, soft and hard: not the node agent's own (high) limit
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-    syscalls.drop_capabilities(plan["cap_last_cap"])
-    syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
-
-
 def _drop_privileges(plan: Plan) -> None:
-    """The sandbox's uid and gid, no capabilities (after :func:`_bound`)."""
+    """The sandbox's uid and gid, no capabilities (after :func:`_confine_early`)."""
     uid, gid = plan["uid"], plan["gid"]
     os.setgroups([])
     os.setresgid(gid, gid, gid)
@@ -991,6 +967,7 @@ def exec_into(plan: Plan, report: _Reporter) -> int:
         os.close(fds[ns])
     pid = os.fork()  # the pid namespace applies to children only
     if pid == 0:
+        _confine_early(plan, report)
         _exec_workload(plan, report)
     report.close()
     signal.signal(signal.SIGINT, lambda *_: os.kill(pid, signal.SIGINT))
