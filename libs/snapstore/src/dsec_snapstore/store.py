@@ -25,7 +25,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, NamedTuple
 
 import blake3
 import pydantic
@@ -131,6 +131,18 @@ _CHECKED_KEPT = 8
 """Checked manifests kept in memory (see ``SnapshotStore._checked``)."""
 
 
+class _Checked(NamedTuple):
+    """A manifest whose signature held, remembered by the BLAKE3 of its stored bytes."""
+
+    manifest: SnapshotManifest
+    digest: str
+    valid_until: datetime | None
+    """When the signer's certificate expires; ``None``: a key trusted directly, or no expiry."""
+
+    def still_trusted(self) -> bool:
+        return self.valid_until is None or datetime.now(UTC) < self.valid_until
+
+
 class SnapshotStore:
     """Signed, content-addressed snapshots in an object store.
 
@@ -176,12 +188,9 @@ class SnapshotStore:
         self._stat_memo = StatCacheMemo()
         # Manifests checked already, by the BLAKE3 of their stored document: a snapshot taken
         # here, or loaded before, is not parsed and its signature not checked again when the
-        # bytes read back are the same (they are immutable; a rollback re-reads them).
-        # BLAKE3 of a manifest's bytes -> (manifest, digest, when its signer's certificate
-        # expires: None for a key trusted directly)
-        self._checked: OrderedDict[str, tuple[SnapshotManifest, str, datetime | None]] = (
-            OrderedDict()
-        )
+        # bytes read back are the same (they are immutable; a rollback re-reads them), until
+        # the certificate of the key that signed it expires.
+        self._checked: OrderedDict[str, _Checked] = OrderedDict()
         self._checked_lock = threading.Lock()
 
     @classmethod
@@ -539,12 +548,8 @@ class SnapshotStore:
         raw_digest = blake3.blake3(raw).hexdigest()
         with self._checked_lock:
             known = self._checked.get(raw_digest)
-        if (
-            known is not None
-            and known[0].name == name
-            and (known[2] is None or datetime.now(UTC) < known[2])
-        ):
-            return known[0], [], known[1]  # (a certificate expired since: checked again below)
+        if known is not None and known.manifest.name == name and known.still_trusted():
+            return known.manifest, [], known.digest  # (else checked again below)
         try:
             doc = SignedManifest.model_validate_json(raw)
         except pydantic.ValidationError as exc:
@@ -571,7 +576,7 @@ class SnapshotStore:
         """Keep a checked manifest (the last :data:`_CHECKED_KEPT`), trusted until its
         signer's certificate expires (``valid_until``; ``None``: a key trusted directly)."""
         with self._checked_lock:
-            self._checked[raw_digest] = (manifest, digest, valid_until)
+            self._checked[raw_digest] = _Checked(manifest, digest, valid_until)
             self._checked.move_to_end(raw_digest)
             while len(self._checked) > _CHECKED_KEPT:
                 self._checked.popitem(last=False)
