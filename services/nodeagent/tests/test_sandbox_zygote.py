@@ -21,7 +21,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
 from _dsec_sandbox_testkit import managed, read_json_output, run_to_end, snippet_config
 
-from dsec_nodeagent.sandbox import ExitReason, SandboxManager
+from dsec_nodeagent.sandbox import ExitReason, SandboxConfig, SandboxManager
+from dsec_nodeagent.sandbox.models import Mount
 from dsec_nodeagent.sandbox.zygote import PendingFork
 
 pytestmark = [pytest.mark.kernel]
@@ -189,6 +190,21 @@ def _children(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
 
 
+def _writes_to_a_shared_mount(sandbox_id: str, tmp_path: Path) -> tuple[Path, SandboxConfig]:
+    """A host directory, and a sandbox that writes ``ran`` into it if any of its code runs."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    config = snippet_config(
+        sandbox_id,
+        "open('/mnt/shared/ran', 'w').write('ran')\n",
+        tmp_path,
+        mounts=[Mount(source=shared, target="/mnt/shared", read_only=False)],
+        write_allowed=["/tmp", "/workspace/output", "/mnt/shared"],
+    )
+    return shared, config
+
+
 async def test_a_launch_failing_after_its_plan_was_handed_over_runs_nothing_and_leaves_nothing(
     tmp_path: Path,
 ) -> None:
@@ -196,11 +212,8 @@ async def test_a_launch_failing_after_its_plan_was_handed_over_runs_nothing_and_
     root view meanwhile); when making them fails, init never gets its go and exits having run
     nothing of the sandbox, and its supervisor with it."""
     from dsec_nodeagent.sandbox import SandboxStartError
-    from dsec_nodeagent.sandbox.models import Mount
 
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)
+    shared, config = _writes_to_a_shared_mount("zyg-nogo", tmp_path)
     seen: list[list[str]] = []
     async with managed(tmp_path / "home") as manager:
         assert manager.zygote is not None
@@ -213,13 +226,6 @@ async def test_a_launch_failing_after_its_plan_was_handed_over_runs_nothing_and_
             seen.append(_children(zygote_pid))  # the supervisor, forked and handed its plan
             raise RuntimeError("the egress programs cannot be attached")
 
-        config = snippet_config(
-            "zyg-nogo",
-            "open('/mnt/shared/ran', 'w').write('ran')\n",
-            tmp_path,
-            mounts=[Mount(source=shared, target="/mnt/shared", read_only=False)],
-            write_allowed=["/tmp", "/workspace/output", "/mnt/shared"],
-        )
         with pytest.raises(SandboxStartError) as failed:
             await manager.launch(config, before_start=refuse)
         assert failed.value.stage == "cgroup"
@@ -266,11 +272,8 @@ async def test_a_seccomp_filter_the_kernel_refuses_fails_the_launch_before_any_s
     filter the kernel refuses fails the launch at that layer, the workload never run, and
     leaves no cgroup, state or process."""
     from dsec_nodeagent.sandbox import SandboxStartError
-    from dsec_nodeagent.sandbox.models import Mount
 
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)
+    shared, config = _writes_to_a_shared_mount("zyg-badfilter", tmp_path)
     async with managed(tmp_path / "home") as manager:
         assert manager.zygote is not None
         await manager.zygote.prestart()
@@ -279,13 +282,6 @@ async def test_a_seccomp_filter_the_kernel_refuses_fails_the_launch_before_any_s
         abi, last_cap, program = manager._kernel_facts()
         # BPF_LD|BPF_IMM with an unknown mode bit: the kernel's checker refuses it (EINVAL).
         manager._facts = (abi, last_cap, b"\xff\xff\x00\x00\x00\x00\x00\x00")
-        config = snippet_config(
-            "zyg-badfilter",
-            "open('/mnt/shared/ran', 'w').write('ran')\n",
-            tmp_path,
-            mounts=[Mount(source=shared, target="/mnt/shared", read_only=False)],
-            write_allowed=["/tmp", "/workspace/output", "/mnt/shared"],
-        )
         with pytest.raises(SandboxStartError) as failed:
             await manager.launch(config)
         assert failed.value.stage == "seccomp"
