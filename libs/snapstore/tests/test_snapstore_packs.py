@@ -17,7 +17,7 @@ import pytest
 import zstandard
 from nacl.signing import SigningKey
 
-from dsec_snapstore import SnapshotInputs, SnapshotStore
+from dsec_snapstore import SnapshotInputs, SnapshotStore, packs
 from dsec_snapstore.adapters.objectstore import ObjectInfo, ObjectMissing
 from dsec_snapstore.errors import SnapshotError, VerificationFailed
 from dsec_snapstore.manifest import GpuRecord, chunk_key
@@ -25,9 +25,12 @@ from dsec_snapstore.packs import (
     GROUP_CHUNK_MAX,
     PACK_INDEX_PREFIX,
     PACK_PREFIX,
+    IndexDoc,
     Loc,
+    PackIndex,
     decode_trailer,
     encode_pack,
+    index_key,
     plan_reads,
 )
 
@@ -369,6 +372,67 @@ def test_gc_stops_before_deleting_when_a_live_chunk_does_not_check(
     with pytest.raises(SnapshotError, match="do not check"):
         store.gc(grace=timedelta(0), repack_below=1.1)  # everything is repacked
     assert set(objects.under(PACK_PREFIX)) >= stored
+
+
+# --- the index in memory ----------------------------------------------------------------------
+
+
+def _doc(pack: str, chunks: Iterable[str], supersedes: tuple[str, ...] = ()) -> IndexDoc:
+    return IndexDoc({pack: [[c, 100 * n, 100] for n, c in enumerate(chunks)]}, supersedes)
+
+
+def _where(index: PackIndex, chunks: Iterable[str]) -> dict[str, str | None]:
+    return {c: loc.pack if (loc := index.lookup(c)) else None for c in chunks}
+
+
+def test_each_new_index_document_costs_its_own_rows_not_the_stores(
+    objects: MemoryObjects, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index = PackIndex(objects)
+    index.write(_doc("packs/a", (f"a{n}" for n in range(5000))))
+    seen: list[str] = []
+    real = packs.loc_of
+    monkeypatch.setattr(packs, "loc_of", lambda pack, row: seen.append(row[0]) or real(pack, row))
+    index.write(_doc("packs/b", ["b1", "b2", "a7"]))  # a7: stored already (a race of two writers)
+    other = PackIndex(objects)
+    other.refresh()  # a second process reads both documents
+    seen.clear()
+    third = _doc("packs/c", ["c1"]).encode()
+    objects.put(index_key(third), third)
+    other.refresh()  # and then a third one another process wrote
+    assert seen == ["c1"]
+    assert _where(index, ["a0", "a4999", "b1", "b2", "a7"]) == {
+        "a0": "packs/a", "a4999": "packs/a", "b1": "packs/b", "b2": "packs/b", "a7": "packs/a",
+    }  # fmt: skip
+    assert _where(other, ["a0", "b2", "c1"]) == {"a0": "packs/a", "b2": "packs/b", "c1": "packs/c"}
+    assert _where(other, ["a7"])["a7"] in ("packs/a", "packs/b")  # either copy reads back
+    assert len(other.effective) == 3
+
+
+def test_a_document_that_supersedes_others_moves_their_chunks_and_a_late_superseded_one_is_ignored(
+    objects: MemoryObjects,
+) -> None:
+    index = PackIndex(objects)
+    first = index.write(_doc("packs/a", ["x", "y", "gone"]))
+    second = index.write(_doc("packs/b", ["z"]))
+    repacked = index.write(_doc("packs/r", ["x", "y", "z"], supersedes=(first, second)))
+    assert index.effective == [repacked]
+    assert _where(index, ["x", "y", "z", "gone"]) == {
+        "x": "packs/r", "y": "packs/r", "z": "packs/r", "gone": None,
+    }  # fmt: skip
+    # A process that read only the GC's document, and then lists one it superseded (written
+    # before the GC, not yet deleted): that one names packs about to go and is not taken.
+    objects.delete_many([first])
+    late = PackIndex(objects)
+    late.refresh()
+    objects.put(first, _doc("packs/a", ["x", "y", "gone"]).encode())
+    late.refresh()
+    assert late.effective == [repacked]
+    assert _where(late, ["x", "gone"]) == {"x": "packs/r", "gone": None}
+    objects.delete_many([repacked])  # a document removed: the map is read again from the rest
+    late.refresh()
+    assert sorted(late.effective) == sorted([first, second])
+    assert _where(late, ["x", "z", "gone"]) == {"x": "packs/a", "z": "packs/b", "gone": "packs/a"}
 
 
 # --- snapshots from before packs -----------------------------------------------------------

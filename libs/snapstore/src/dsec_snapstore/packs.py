@@ -25,6 +25,7 @@ a local cache directory, and only lists ``pack-index/`` to learn of new ones.
 
 from __future__ import annotations
 
+import bisect
 import os
 import struct
 import threading
@@ -284,6 +285,7 @@ class PackIndex:
     docs: dict[str, IndexDoc] = field(default_factory=dict)
     _by_chunk: dict[str, Loc] = field(default_factory=dict)
     _effective: list[str] = field(default_factory=list)
+    _superseded: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def lookup(self, chunk_id: str) -> Loc | None:
@@ -310,15 +312,12 @@ class PackIndex:
         runner = pool.map if pool is not None and len(new) > 4 else map
         fetched = dict(zip(new, runner(self._read_doc, new), strict=True))
         with self._lock:
-            changed = bool(new) or bool(self.docs.keys() - listed)
-            for key in list(self.docs):
-                if key not in listed:
-                    del self.docs[key]
-            for key, doc in fetched.items():
-                if doc is not None:
-                    self.docs[key] = doc
-            if changed:
-                self._rebuild()
+            removed = [key for key in self.docs if key not in listed]
+            for key in removed:
+                del self.docs[key]
+            added = {key: doc for key, doc in fetched.items() if doc is not None}
+            self.docs.update(added)
+            self._take(added, rebuild=bool(removed))
 
     def add(self, key: str, doc: IndexDoc, data: bytes | None = None) -> None:
         """Take a document this process just stored (and cache it locally)."""
@@ -326,7 +325,7 @@ class PackIndex:
             self._cache_put(key, data)
         with self._lock:
             self.docs[key] = doc
-            self._rebuild()
+            self._take({key: doc})
 
     def write(self, doc: IndexDoc) -> str:
         """Store ``doc`` and take it; return its key."""
@@ -335,6 +334,26 @@ class PackIndex:
         self.objects.put(key, data, checked_on_read=True)
         self.add(key, doc, data)
         return key
+
+    def _take(self, added: Mapping[str, IndexDoc], *, rebuild: bool = False) -> None:
+        """Bring the chunk map up to date with ``added`` (in ``docs`` already): merged into it
+        when they only add locations, which is every snapshot's document, so a snapshot's cost
+        does not grow with the store; rebuilt from every document when ``rebuild`` (some were
+        removed) or the documents in force change otherwise (a GC's document supersedes
+        others, or one arrives that an earlier one superseded). Under ``_lock``."""
+        if rebuild or any(d.supersedes for d in added.values()) or added.keys() & self._superseded:
+            self._rebuild()
+            return
+        by_chunk = self._by_chunk  # readers see it grow, never a chunk's location vanish
+        for key, doc in added.items():
+            index = bisect.bisect_left(self._effective, key)
+            if index < len(self._effective) and self._effective[index] == key:
+                continue  # taken already (a document's key is the hash of its bytes)
+            self._effective.insert(index, key)
+            for pack, entries in doc.packs.items():
+                for row in entries:
+                    if row[0] not in by_chunk:
+                        by_chunk[row[0]] = loc_of(pack, row)
 
     def _rebuild(self) -> None:
         superseded = {s for doc in self.docs.values() for s in doc.supersedes}
@@ -346,6 +365,7 @@ class PackIndex:
                     by_chunk.setdefault(row[0], loc_of(pack, row))
         self._by_chunk = by_chunk
         self._effective = effective
+        self._superseded = superseded
 
     def _read_doc(self, key: str) -> IndexDoc | None:
         digest = key[len(PACK_INDEX_PREFIX) :]
