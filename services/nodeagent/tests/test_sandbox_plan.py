@@ -290,3 +290,31 @@ def test_the_quota_taken_before_the_plan_is_the_one_the_plan_lays_out(
     assert plan.needs_disk_quota(config) is (
         writes[-1] == "/workspace/out" and not sources and disk is not None
     )
+
+
+def test_the_state_files_uids_are_read_once_and_follow_writes_removals_and_other_writers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node agent checks which uids its state files name at every sandbox start: each file is
+    read once (the store writes them), not once per start."""
+    from dsec_nodeagent.sandbox.state import StateStore
+
+    store = StateStore(tmp_path / "state")
+    assert store.uids() == set()
+    for n in range(50):
+        store.write(f"sbx-{n}", {"sandbox_id": f"sbx-{n}", "uid": 200_000 + n})
+    store.write("sbx-starting", {"sandbox_id": "sbx-starting", "phase": "starting"})
+    StateStore(tmp_path / "state").write("sbx-left", {"uid": 300_000})  # an earlier agent's
+    reads: list[str] = []
+    real = StateStore.read
+    monkeypatch.setattr(StateStore, "read", lambda self, sid: reads.append(sid) or real(self, sid))
+    expected = {200_000 + n for n in range(50)} | {300_000}
+    assert store.uids() == expected
+    assert reads == ["sbx-left"]  # the one file it did not write
+    reads.clear()
+    store.write("sbx-starting", {"sandbox_id": "sbx-starting", "uid": 250_000})
+    store.remove("sbx-3")
+    (tmp_path / "state" / "sbx-4.json").unlink()  # removed by another (a cleanup)
+    for _ in range(3):
+        assert store.uids() == (expected - {200_003, 200_004}) | {250_000}
+    assert reads == []

@@ -359,3 +359,35 @@ async def test_a_shell_made_ahead_holds_no_mounts_serves_one_launch_and_goes_at_
     while os.path.exists(f"/proc/{spare.pid}") and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     assert not os.path.exists(f"/proc/{spare.pid}")
+
+
+def _same_uid_start(prefix: str) -> tuple[str, str]:
+    """Two sandbox ids whose uids would start at the same place (allocate_uid's hash)."""
+    import blake3
+
+    from dsec_nodeagent.sandbox.domain import UID_COUNT
+
+    seen: dict[int, str] = {}
+    for n in range(100_000):
+        sid = f"{prefix}-{n}"
+        start = int.from_bytes(blake3.blake3(sid.encode()).digest()[:4], "big") % UID_COUNT
+        if start in seen:
+            return seen[start], sid
+        seen[start] = sid
+    raise AssertionError("no two ids with the same start")
+
+
+async def test_launches_under_way_at_once_never_share_a_uid(tmp_path: Path) -> None:
+    """Each sandbox runs under a uid of its own; two launches under way at the same time, whose
+    ids hash to the same first choice, still get two."""
+    first, second = _same_uid_start("zyg-uid")
+    async with managed(tmp_path / "home") as manager:
+        # (one launch first: the runtime is inspected once, then both plan without waiting)
+        await run_to_end(manager, snippet_config("zyg-uid-warm", "print('w')\n", tmp_path))
+        ready = await asyncio.gather(
+            manager.launch(snippet_config(first, "print('a')\n", tmp_path)),
+            manager.launch(snippet_config(second, "print('b')\n", tmp_path)),
+        )
+        assert ready[0].uid != ready[1].uid
+        for sid in (first, second):
+            assert (await asyncio.wait_for(manager.wait(sid), 60)).reason is ExitReason.OK

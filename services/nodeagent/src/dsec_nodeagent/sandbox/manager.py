@@ -177,6 +177,8 @@ class SandboxManager:
         # uid -> sandbox id, for audit records; kept after the exit (late records of the last
         # denials), overwritten when the uid is given to a new sandbox.
         self._uid_owners: dict[int, str] = {}
+        # uids given to launches still under way (neither watched nor in a state file yet)
+        self._starting_uids: set[int] = set()
         self.tune_cgroups = tune_cgroups
         self.ipc_socket = ipc_socket
         self.states = StateStore(self.run_dir)
@@ -261,6 +263,7 @@ class SandboxManager:
         data_dir = self.data_root / sid
         early: zygote.PendingFork | None = None
         disk: asyncio.Future[None] | None = None
+        starting = -1
         try:
             quota_needed = plan.needs_disk_quota(config)
             # The disk quota from the pool of images mounted ahead (well under a millisecond),
@@ -273,6 +276,8 @@ class SandboxManager:
                 early = self._take_shell()
                 early.mount_now()
             built, uid = await self._plan(config, run_dir)
+            self._starting_uids.add(uid)
+            starting = uid
             if quota_needed and not taken:
                 # The disk quota's mkfs and loop mount run in a worker thread while the cgroup
                 # and the decision channel are made here; awaited before the fork below.
@@ -336,6 +341,8 @@ class SandboxManager:
             stage = stage if "spawn_start" not in marks else "spawn"
             raise SandboxStartError(sid, stage, str(exc)) from exc
         finally:
+            # (the state written below names the uid before any other launch can run)
+            self._starting_uids.discard(starting)
             self._refill_shell()
         process, supervisor_pid, pidfd = spawned
         refusals = self._report_refusals(sid, supervisor_pid, built.warnings)
@@ -653,12 +660,12 @@ class SandboxManager:
         self._watch(Sandbox(sid, ready, state, cgroup, process=process, channel=channel))
 
     def _uids_in_use(self) -> set[int]:
-        used = {s.ready.uid for s in self._sandboxes.values()}
-        for sid in self.states.ids():
-            state = self.states.read(sid) or {}
-            if "uid" in state:
-                used.add(int(state["uid"]))
-        return used
+        """Those of watched sandboxes, of launches under way, and named by state files."""
+        return (
+            {s.ready.uid for s in self._sandboxes.values()}
+            | self._starting_uids
+            | (self.states.uids())
+        )
 
     def _prepare_dirs(self, built: plan.PlanResult, uid: int) -> None:
         for path in built.writable_dirs:

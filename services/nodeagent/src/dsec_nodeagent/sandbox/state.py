@@ -34,6 +34,10 @@ class StateStore:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
+        # The "uid" of each state file this store wrote or read (None: not given yet). It is
+        # their only writer (a node agent's one manager), so a file is read once, not at every
+        # sandbox start (what a node running many sandboxes would pay per start otherwise).
+        self._uids: dict[str, int | None] = {}
 
     def path(self, sandbox_id: str) -> Path:
         """The state file of ``sandbox_id``."""
@@ -61,6 +65,7 @@ class StateStore:
         finally:
             os.close(fd)
         os.replace(tmp, self.path(sandbox_id))
+        self._uids[sandbox_id] = _uid_of(state)
 
     def read(self, sandbox_id: str) -> dict[str, Any] | None:
         """The state, or ``None`` when there is none."""
@@ -73,9 +78,30 @@ class StateStore:
     def remove(self, sandbox_id: str) -> None:
         """Delete the state file (missing is fine)."""
         self.path(sandbox_id).unlink(missing_ok=True)
+        self._uids.pop(sandbox_id, None)
+
+    def uids(self) -> set[int]:
+        """The uids the state files name (a file this store neither wrote nor read yet, such as
+        one a node agent before it left, is read now; one gone is forgotten)."""
+        listed = self.ids()
+        known = self._uids
+        if len(known) > len(listed):
+            for gone in known.keys() - set(listed):
+                del known[gone]
+        for sandbox_id in listed:
+            if sandbox_id not in known:
+                known[sandbox_id] = _uid_of(self.read(sandbox_id) or {})
+        return {uid for sandbox_id in listed if (uid := known.get(sandbox_id)) is not None}
 
     def ids(self) -> list[str]:
         """Every sandbox with a state file."""
-        if not self.run_dir.is_dir():
+        try:
+            names = os.listdir(self.run_dir)
+        except FileNotFoundError:
             return []
-        return sorted(p.stem for p in self.run_dir.glob("*.json") if not p.name.startswith("."))
+        return sorted(n[:-5] for n in names if n.endswith(".json") and not n.startswith("."))
+
+
+def _uid_of(state: dict[str, Any]) -> int | None:
+    uid = state.get("uid")
+    return int(uid) if uid is not None else None
