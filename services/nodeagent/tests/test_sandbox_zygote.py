@@ -391,3 +391,29 @@ async def test_launches_under_way_at_once_never_share_a_uid(tmp_path: Path) -> N
         assert ready[0].uid != ready[1].uid
         for sid in (first, second):
             assert (await asyncio.wait_for(manager.wait(sid), 60)).reason is ExitReason.OK
+
+
+async def test_a_second_launch_of_an_id_under_way_is_refused_and_leaves_the_first_intact(
+    tmp_path: Path,
+) -> None:
+    """The same launch asked for twice at once (a request delivered again): the second is
+    refused at once, and its failure removes nothing of the first (run directory, disk quota,
+    state), which runs and writes its output."""
+    from dsec_nodeagent.sandbox import SandboxStartError
+
+    code = (
+        "import time; time.sleep(0.2)\n"  # (the second launch's failure is over by then)
+        "open('/workspace/output/done', 'w').write('yes')\n"
+        "print(open('/workspace/output/done').read())\n"
+    )
+    config = snippet_config("zyg-twice", code, tmp_path)
+    async with managed(tmp_path / "home") as manager:
+        first, second = await asyncio.gather(
+            manager.launch(config), manager.launch(config), return_exceptions=True
+        )
+        assert not isinstance(first, BaseException), first
+        assert isinstance(second, SandboxStartError) and "already exists" in str(second)
+        assert manager.states.read("zyg-twice") is not None
+        result = await asyncio.wait_for(manager.wait("zyg-twice"), 60)
+        assert result.reason is ExitReason.OK, Path(result.stderr_path).read_text()[-500:]
+        assert Path(result.stdout_path).read_text() == "yes\n"

@@ -179,6 +179,7 @@ class SandboxManager:
         self._uid_owners: dict[int, str] = {}
         # uids given to launches still under way (neither watched nor in a state file yet)
         self._starting_uids: set[int] = set()
+        self._launching: set[str] = set()  # ids of the launches under way
         self.tune_cgroups = tune_cgroups
         self.ipc_socket = ipc_socket
         self.states = StateStore(self.run_dir)
@@ -254,8 +255,21 @@ class SandboxManager:
         """
         t0 = time.monotonic_ns()
         sid = config.sandbox_id
-        if sid in self._sandboxes or self.states.read(sid) is not None:
+        # Taken at once (no await before it): a second launch of the same id while the first is
+        # under way is refused here, not failed later by a directory the first made — whose
+        # clean-up would remove the first's run directory, disk quota and state.
+        if sid in self._sandboxes or sid in self._launching or self.states.read(sid) is not None:
             raise SandboxStartError(sid, "plan", "a sandbox with this id already exists")
+        self._launching.add(sid)
+        try:
+            return await self._launch(config, before_start, t0)
+        finally:
+            self._launching.discard(sid)
+
+    async def _launch(
+        self, config: SandboxConfig, before_start: CgroupHook | None, t0: int
+    ) -> SandboxReady:
+        sid = config.sandbox_id
         run_dir = self.run_dir / sid
         marks: dict[str, int] = {}
         cgroup: cgroups.SandboxCgroup | None = None
