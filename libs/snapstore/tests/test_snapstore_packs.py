@@ -18,7 +18,7 @@ import zstandard
 from nacl.signing import SigningKey
 
 from dsec_snapstore import SnapshotInputs, SnapshotStore, packs
-from dsec_snapstore.adapters.objectstore import ObjectInfo, ObjectMissing
+from dsec_snapstore.adapters.objectstore import ObjectExists, ObjectInfo, ObjectMissing
 from dsec_snapstore.errors import SnapshotError, VerificationFailed
 from dsec_snapstore.manifest import GpuRecord, chunk_key
 from dsec_snapstore.packs import (
@@ -54,9 +54,13 @@ class MemoryObjects:
     def identity(self) -> str:
         return f"memory/{id(self)}"
 
-    def put(self, key: str, data: bytes, *, checked_on_read: bool = False) -> None:
+    def put(
+        self, key: str, data: bytes, *, checked_on_read: bool = False, if_absent: bool = False
+    ) -> None:
         self.fail("put", key)
         with self.lock:
+            if if_absent and key in self.data:
+                raise ObjectExists(key)
             self.data[key] = (bytes(data), datetime.now(UTC))
             self.puts.append(key)
 

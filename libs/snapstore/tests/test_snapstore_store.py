@@ -29,6 +29,7 @@ from dsec_snapstore.errors import (
     VerificationFailed,
 )
 from dsec_snapstore.manifest import GpuDevice, GpuRecord, SignedManifest, manifest_key
+from dsec_snapstore.results import CreateResult
 
 if TYPE_CHECKING:
     from dsec_testing.stack import S3Info, VaultInfo
@@ -89,6 +90,30 @@ def test_second_snapshot_uploads_only_new_chunks(store: SnapshotStore, code: Pat
     assert second.bytes_uploaded < 200
     assert ".venv/site.py" not in second.manifest.code.by_path()
     assert [s.name for s in store.list_snapshots()] == ["s1", "s2"]
+
+
+def test_of_two_creates_of_one_name_at_once_the_second_to_finish_is_refused(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both find the name free when they start (a request delivered again while the first still
+    runs, or two nodes); the manifest is written only if absent (S3's conditional write), so
+    the one that finishes second is refused, and what is stored is what the first reported."""
+    other = SnapshotStore(objects, signing_key=store._signing_key)  # another node agent's
+    done: list[CreateResult] = []
+    real = SnapshotStore._store_packs
+
+    def slow(self: SnapshotStore, packer: object) -> None:
+        real(self, packer)  # type: ignore[arg-type]
+        if self is store and not done:  # the other create starts and ends meanwhile
+            (code / "other.py").write_text("OTHER = 1\n")
+            done.append(other.create("race", inputs(code)))
+
+    monkeypatch.setattr(SnapshotStore, "_store_packs", slow)
+    with pytest.raises(SnapshotExists, match="'race' exists already"):
+        store.create("race", inputs(code))
+    assert store.load("race").id == done[0].manifest.id
+    assert "other.py" in store.load("race").code.by_path()
+    other.close()
 
 
 def test_names_are_unique_and_validated(store: SnapshotStore, code: Path) -> None:

@@ -59,7 +59,12 @@ from dsec_snapstore.adapters.files import (
 )
 from dsec_snapstore.adapters.gpu import probe_gpus
 from dsec_snapstore.adapters.kernel import read_kernel_params
-from dsec_snapstore.adapters.objectstore import ObjectMissing, ObjectStore, S3ObjectStore
+from dsec_snapstore.adapters.objectstore import (
+    ObjectExists,
+    ObjectMissing,
+    ObjectStore,
+    S3ObjectStore,
+)
 from dsec_snapstore.adapters.tree import local_bytes, place, real_parent
 from dsec_snapstore.adapters.vault import KeyMissing, KeyStore, VaultKeyStore
 from dsec_snapstore.errors import (
@@ -334,7 +339,13 @@ class SnapshotStore:
         try:
             self._store_packs(packer)
             doc, digest = signing.result()
-            self.objects.put(manifest_key(manifest.name), doc)
+            try:  # created only: another create of this name may have finished meanwhile
+                self.objects.put(manifest_key(manifest.name), doc, if_absent=True)
+            except ObjectExists:
+                raise SnapshotExists(
+                    f"snapshot {name!r} exists already (snapshots are immutable): another "
+                    "create of this name stored it first"
+                ) from None
             self._remember(blake3.blake3(doc).hexdigest(), manifest, digest)
         except BaseException:
             if manifest.audit is not None and self.keys is not None:

@@ -27,6 +27,10 @@ class ObjectMissing(KeyError):
     """The object does not exist."""
 
 
+class ObjectExists(KeyError):
+    """The object exists already (a write asked to create it only)."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """Size and modification time of a stored object."""
@@ -43,11 +47,14 @@ class ObjectStore(Protocol):
         """A stable name of the store (endpoint and bucket) for local caches."""
         ...
 
-    def put(self, key: str, data: bytes, *, checked_on_read: bool = False) -> None:
+    def put(
+        self, key: str, data: bytes, *, checked_on_read: bool = False, if_absent: bool = False
+    ) -> None:
         """Store ``data`` at ``key``.
 
         ``checked_on_read``: every reader checks these bytes itself (content-addressed or
-        signed), so the store need not protect them in transit on its own.
+        signed), so the store need not protect them in transit on its own. ``if_absent``:
+        only create it, atomically (raises :class:`ObjectExists` when it exists).
         """
         ...
 
@@ -77,6 +84,9 @@ class ObjectStore(Protocol):
 
 
 _unsigned = threading.local()
+_MAX_SINGLE_PUT = 5 << 30
+"""S3's largest single PUT: an ``if_absent`` write is one request up to it (a multipart
+upload's parts would each carry the condition)."""
 
 
 class _Minio(Minio):
@@ -97,10 +107,13 @@ class _Minio(Minio):
         creds: Credentials | None = None,
     ) -> tuple[DictType, datetime]:
         if not body or creds is None or not getattr(_unsigned, "on", False):
-            return super()._build_headers(host, headers, body, creds)
-        out, date = super()._build_headers(host, headers, None, creds)
-        out["Content-Length"] = str(len(body))
-        out["x-amz-content-sha256"] = "UNSIGNED-PAYLOAD"
+            out, date = super()._build_headers(host, headers, body, creds)
+        else:
+            out, date = super()._build_headers(host, headers, None, creds)
+            out["Content-Length"] = str(len(body))
+            out["x-amz-content-sha256"] = "UNSIGNED-PAYLOAD"
+        if body is not None and getattr(_unsigned, "if_absent", False):
+            out["If-None-Match"] = "*"  # (signed with the rest) create only: 412 if it exists
         return out, date
 
 
@@ -155,17 +168,37 @@ class S3ObjectStore:
             raise self._unavailable(exc) from exc
         self._bucket_checked = True
 
-    def put(self, key: str, data: bytes, *, checked_on_read: bool = False) -> None:
+    def put(
+        self, key: str, data: bytes, *, checked_on_read: bool = False, if_absent: bool = False
+    ) -> None:
         """Store ``data`` at ``key``; ``checked_on_read``: sent with ``UNSIGNED-PAYLOAD`` (see
-        :class:`_Minio`)."""
+        :class:`_Minio`); ``if_absent``: with ``If-None-Match: *`` (S3's conditional write;
+        SeaweedFS, MinIO and AWS honour it), in one request.
+
+        Raises:
+            ObjectExists: ``if_absent`` and the key exists.
+            StoreUnavailable: S3 failed.
+        """
         self.ensure_bucket()
         _unsigned.on = checked_on_read
+        _unsigned.if_absent = if_absent
         try:
-            self._client.put_object(self.bucket, self.prefix + key, io.BytesIO(data), len(data))
+            self._client.put_object(
+                self.bucket,
+                self.prefix + key,
+                io.BytesIO(data),
+                len(data),
+                part_size=_MAX_SINGLE_PUT if if_absent else 0,
+            )
+        except S3Error as exc:
+            if if_absent and exc.code == "PreconditionFailed":
+                raise ObjectExists(key) from None
+            raise self._unavailable(exc) from exc
         except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
             raise self._unavailable(exc) from exc
         finally:
             _unsigned.on = False
+            _unsigned.if_absent = False
 
     def get(self, key: str) -> bytes:
         """Return the object at ``key``."""
