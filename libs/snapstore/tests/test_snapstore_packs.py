@@ -439,6 +439,38 @@ def test_a_document_that_supersedes_others_moves_their_chunks_and_a_late_superse
     assert _where(late, ["x", "z", "gone"]) == {"x": "packs/a", "z": "packs/b", "gone": "packs/a"}
 
 
+def test_a_listing_older_than_a_gc_does_not_undo_it(
+    objects: MemoryObjects, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads refresh at once; the one whose listing predates a GC applies it last. It
+    must neither drop the GC's document nor bring back the one it superseded (whose packs the
+    GC deletes): a snapshot would then name chunks stored nowhere."""
+    index = PackIndex(objects)
+    old = index.write(_doc("packs/a", ["x", "y"]))
+    stale = set(objects.list(PACK_INDEX_PREFIX))  # a listing taken now...
+    repacked = _doc("packs/r", ["x", "y"], supersedes=(old,)).encode()
+    objects.put(index_key(repacked), repacked)  # ...then a GC (another process) repacks
+    objects.delete_many([old])
+    real_list = objects.list
+    calls: list[str] = []
+
+    def listing(prefix: str) -> dict[str, ObjectInfo]:
+        calls.append(prefix)
+        if len(calls) == 1:  # the slow thread's listing: meanwhile the other one refreshes
+            index.refresh()
+            return {k: v for k, v in real_list(prefix).items() if k in stale} | {
+                old: ObjectInfo(1, datetime.now(UTC))
+            }
+        return real_list(prefix)
+
+    monkeypatch.setattr(objects, "list", listing)
+    index.refresh()
+    assert index.effective == [index_key(repacked)]
+    assert _where(index, ["x", "y"]) == {"x": "packs/r", "y": "packs/r"}
+    docs, effective = index.read()
+    assert effective == [index_key(repacked)] and set(effective) <= docs.keys()
+
+
 # --- snapshots from before packs -----------------------------------------------------------
 
 

@@ -300,19 +300,30 @@ class PackIndex:
         """Keys of the documents in force (read and not superseded)."""
         return list(self._effective)
 
+    def read(self) -> tuple[dict[str, IndexDoc], list[str]]:
+        """Every document read and the keys of those in force, at one moment (what a GC
+        works from: a document taken between reading the two would be in force but unread)."""
+        with self._lock:
+            return dict(self.docs), list(self._effective)
+
     def refresh(self, pool: Executor | None = None) -> None:
         """List ``pack-index/`` and read the documents not read yet (local cache first).
 
         Raises:
             StoreUnavailable: S3 failed.
         """
+        with self._lock:
+            known = set(self.docs)  # read before the listing: what it can say is gone
         listed = set(self.objects.list(PACK_INDEX_PREFIX))
-        new = sorted(listed - self.docs.keys())
+        new = sorted(listed - known)
         runner: Callable[[Callable[[str], IndexDoc | None], Iterable[str]], Iterable[Any]]
         runner = pool.map if pool is not None and len(new) > 4 else map
         fetched = dict(zip(new, runner(self._read_doc, new), strict=True))
         with self._lock:
-            removed = [key for key in self.docs if key not in listed]
+            # Only a document read before this listing and absent from it is gone: one that a
+            # later refresh (after a GC) or add() took meanwhile stays, whatever this older
+            # listing says (a GC's document would be lost, the ones it superseded come back).
+            removed = [key for key in known - listed if key in self.docs]
             for key in removed:
                 del self.docs[key]
             added = {key: doc for key, doc in fetched.items() if doc is not None}

@@ -1266,8 +1266,7 @@ class SnapshotStore:
             if manifest.audit is not None:
                 audits.add(manifest.audit.object_key)
         self.index.refresh(self._pool)
-        read_docs = dict(self.index.docs)
-        effective = self.index.effective
+        read_docs, effective = self.index.read()
         packs_stored = self.objects.list(PACK_PREFIX)
         legacy = self.objects.list(CHUNK_PREFIX)
         audit_stored = self.objects.list(AUDIT_PREFIX)
