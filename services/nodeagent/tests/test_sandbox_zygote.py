@@ -417,3 +417,72 @@ async def test_a_second_launch_of_an_id_under_way_is_refused_and_leaves_the_firs
         result = await asyncio.wait_for(manager.wait("zyg-twice"), 60)
         assert result.reason is ExitReason.OK, Path(result.stderr_path).read_text()[-500:]
         assert Path(result.stdout_path).read_text() == "yes\n"
+
+
+async def test_a_launch_cancelled_midway_leaves_nothing_and_its_uid_was_reserved_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """A launch cancelled while under way (the node agent stopping, a migration given up)
+    cleans up as a failed one does: no cgroup, state file, run directory or process stays
+    (``managed`` checks at its end). Until then its state file names its uid."""
+    shared, config = _writes_to_a_shared_mount("zyg-cancel", tmp_path)
+    seen: list[object] = []
+    held = asyncio.Event()
+    async with managed(tmp_path / "home") as manager:
+
+        async def hold(sandbox_id: str, cgroup_dir: Path, inode: int) -> None:
+            seen.append((manager.states.read(sandbox_id) or {}).get("uid"))
+            held.set()
+            await asyncio.Event().wait()  # until cancelled
+
+        launch = asyncio.ensure_future(manager.launch(config, before_start=hold))
+        await asyncio.wait_for(held.wait(), 60)
+        assert isinstance(seen[0], int) and seen[0] in manager._uids_in_use()
+        launch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await launch
+        assert manager.states.read("zyg-cancel") is None
+        assert not (manager.run_dir / "zyg-cancel").exists()
+        assert not manager._planned_cgroup(config).v2_dir.exists()
+        assert not (shared / "ran").exists()
+        result = await run_to_end(manager, snippet_config("zyg-next", "print('ok')\n", tmp_path))
+        assert Path(result.stdout_path).read_text() == "ok\n"
+
+
+async def test_purging_a_sandbox_whose_launch_is_under_way_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Purge deletes an ended sandbox's outputs; asked for an id being launched, before its
+    state file exists (here: while its semantic layer's channel opens), it is refused and the
+    sandbox runs with its outputs."""
+    from dsec_nodeagent.sandbox import manager as manager_module
+    from dsec_nodeagent.semantic import compile_rules
+
+    opening = asyncio.Event()
+    go = asyncio.Event()
+    real_open = manager_module.DecisionChannel.open
+
+    async def slow_open(*args: object, **kwargs: object) -> object:
+        opening.set()
+        await go.wait()
+        return await real_open(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(manager_module.DecisionChannel, "open", slow_open)
+    rules = compile_rules(
+        {"rules": [{"name": "n", "on": "open", "match": {"path": "/etc/*"}, "action": "deny"}]}
+    )
+    code = (
+        "open('/workspace/output/done', 'w').write('yes')\n"
+        "print(open('/workspace/output/done').read())\n"
+    )
+    config = snippet_config("zyg-purge", code, tmp_path, semantic_rules=rules)
+    async with managed(tmp_path / "home") as manager:
+        launch = asyncio.ensure_future(manager.launch(config))
+        await asyncio.wait_for(opening.wait(), 60)
+        assert manager.states.read("zyg-purge") is None  # no state file yet
+        with pytest.raises(RuntimeError, match="still runs"):
+            await manager.purge("zyg-purge")
+        go.set()
+        await launch
+        result = await asyncio.wait_for(manager.wait("zyg-purge"), 60)
+        assert Path(result.stdout_path).read_text() == "yes\n"

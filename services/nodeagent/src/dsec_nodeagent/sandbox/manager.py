@@ -258,7 +258,7 @@ class SandboxManager:
         # Taken at once (no await before it): a second launch of the same id while the first is
         # under way is refused here, not failed later by a directory the first made — whose
         # clean-up would remove the first's run directory, disk quota and state.
-        if sid in self._sandboxes or sid in self._launching or self.states.read(sid) is not None:
+        if self.busy(sid):
             raise SandboxStartError(sid, "plan", "a sandbox with this id already exists")
         self._launching.add(sid)
         try:
@@ -328,6 +328,9 @@ class SandboxManager:
                         "phase": "starting",
                         "cgroup": planned.to_state(),
                         "run_dir": str(run_dir),
+                        # reserved while this file lasts: a launch cancelled, or whose clean-up
+                        # failed, may leave processes or files of this uid behind
+                        "uid": uid,
                     },
                 )
                 try:
@@ -354,6 +357,15 @@ class SandboxManager:
             stage = "plan" if "plan" not in marks else "cgroup"
             stage = stage if "spawn_start" not in marks else "spawn"
             raise SandboxStartError(sid, stage, str(exc)) from exc
+        except BaseException:  # cancelled (the node agent stopping, a migration given up)
+            # The same clean-up, to its end even if cancelled again (shielded): else the
+            # cgroup, state file, run directory and disk quota stayed until a restart.
+            cleanup = asyncio.ensure_future(
+                self._abort_after(disk, sid, cgroup, channel, run_dir, early)
+            )
+            with contextlib.suppress(Exception):
+                await asyncio.shield(cleanup)
+            raise
         finally:
             # (the state written below names the uid before any other launch can run)
             self._starting_uids.discard(starting)
@@ -880,6 +892,18 @@ class SandboxManager:
             "checkpointable": config.checkpointable,
         }
 
+    async def _abort_after(
+        self,
+        disk: asyncio.Future[None] | None,
+        sid: str,
+        cgroup: cgroups.SandboxCgroup | None,
+        channel: DecisionChannel | None,
+        run_dir: Path,
+        early: zygote.PendingFork | None,
+    ) -> None:
+        await _settled(disk)
+        await self._abort(sid, cgroup, channel, run_dir, early)
+
     async def _abort(
         self,
         sid: str,
@@ -1123,9 +1147,18 @@ class SandboxManager:
         Raises:
             RuntimeError: the sandbox still runs.
         """
-        if sandbox_id in self._sandboxes or self.states.read(sandbox_id) is not None:
+        if self.busy(sandbox_id):
             raise RuntimeError(f"sandbox {sandbox_id} still runs; stop it first")
         await asyncio.to_thread(shutil.rmtree, self.data_root / sandbox_id, True)
+
+    def busy(self, sandbox_id: str) -> bool:
+        """Whether ``sandbox_id`` is watched, being launched, or has a state file (a sandbox of
+        this node whose run directory, disk quota and outputs must not be touched)."""
+        return (
+            sandbox_id in self._sandboxes
+            or sandbox_id in self._launching
+            or self.states.read(sandbox_id) is not None
+        )
 
     # ------------------------------------------------------------------ restart
 
