@@ -155,3 +155,44 @@ async def test_a_sandbox_migrates_by_criu_and_its_counter_goes_on(
                                            "unit.migrated", "sandbox.exited")]  # fmt: skip
         assert story == ["sandbox.ready", "unit.migration_started", "unit.migrated",
                          "sandbox.exited"]  # fmt: skip
+
+
+async def test_a_sandbox_whose_uid_a_sandbox_of_the_target_has_is_not_restored_there(
+    homes: tuple[Path, Path], nats_url: str
+) -> None:
+    """A sandbox keeps its uid when it moves (its files and restored processes have it). The
+    target may give that uid to one of its own sandboxes (machines allocate apart): then the
+    move fails at the restore, before anything of it ran there, and it goes on at the source."""
+    async with two_nodes(homes, nats_url) as (h1, h2):
+        sid = await h1.submit("criu-uid", COUNTER, QUIET)
+        await h1.wait_for(sid, "sandbox.ready")
+        source = h1.agent.manager.get(sid)
+        assert source is not None
+        # node-2 has a sandbox under that uid (as its state file says: one being started)
+        h2.agent.manager.states.write(
+            "occupant", {"sandbox_id": "occupant", "uid": source.ready.uid}
+        )
+        try:
+            await h1.upstream.scheduler.publish(
+                events.UnitMigrationStarted(
+                    migration_id=f"m-{uuid.uuid4().hex[:8]}",
+                    from_node="node-1",
+                    to_node="node-2",
+                    reason="operator",
+                    path="criu",
+                ),
+                aggregate_id=sid,
+            )
+            rec = h1.recorded[sid]
+            failed = await until(lambda: rec.of("unit.migration_failed"), "refused", 120)
+            payload = events.UnitMigrationFailed.model_validate(failed[0].payload)
+            assert payload.stage == "restore" and f"uid {source.ready.uid}" in payload.reason
+            assert payload.still_running
+            assert h2.agent.manager.get(sid) is None
+            assert not (NodeLayout.of(homes[1]).sandbox(sid).logs / "stdout.log").exists()
+            source_log = NodeLayout.of(homes[0]).sandbox(sid).logs / "stdout.log"
+            before = len(counts(source_log))
+            await until(lambda: len(counts(source_log)) >= before + 10, "counting on node-1")
+            assert h1.agent.manager.get(sid) is not None
+        finally:
+            h2.agent.manager.states.remove("occupant")

@@ -600,7 +600,7 @@ class Migrations:
         esid, started = expected
         if cert.role != "nodeagent" or cert.node_id != started.from_node or esid != sid:
             raise ValueError("the offer is not from the migration's source node")
-        if self.agent.manager.get(sid) is not None:
+        if self.agent.manager.busy(sid):
             raise ValueError(f"{sid} already runs on {self.node_id}")
         key = PrivateKey.generate()
         box = Box(key, PublicKey(bytes(frame["key"])))
@@ -868,6 +868,17 @@ class Migrations:
         data_dir = manager.data_root / sid
         run_dir = manager.run_dir / sid
         try:
+            uid = int(meta["state"]["uid"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MigrationError("restore", f"the sandbox's uid is missing: {exc}") from None
+        if manager.busy(sid):
+            raise MigrationError("restore", f"{sid} already runs or starts on {self.node_id}")
+        if not manager.reserve_uid(uid):  # it keeps its uid: its files and processes have it
+            raise MigrationError(
+                "restore", f"uid {uid} of {sid} is a sandbox's of {self.node_id} already"
+            )
+        session.meta["uid_reserved"] = uid
+        try:
             limits = Limits.model_validate(meta["limits"])
             if meta.get("quota_bytes"):
                 await asyncio.to_thread(quota.create, data_dir, int(meta["quota_bytes"]))
@@ -883,7 +894,7 @@ class Migrations:
             binds = {hp.rsplit("/", 1)[-1] for hp in meta["mounts"].values()}
             session.channel = await manager.prepare_restored(
                 sid,
-                int(meta["state"]["uid"]),
+                uid,
                 ipc="ipc" in binds,
                 semantic="events.sock" in binds,
             )
@@ -996,7 +1007,7 @@ class Migrations:
                 standby.final.exception()  # retrieved: the standby's task may be gone
             if self.agent.state_keeper is not None:
                 self.agent.state_keeper.incoming.pop(sid, None)
-        if session.meta.get("launched") and self.agent.manager.get(sid) is not None:
+        if session.meta.get("launched") and self.agent.manager.busy(sid):
             with contextlib.suppress(Exception):  # path handover: the copy started here
                 self.agent.release_migrated(sid)
                 await self.agent.fence(sid)
@@ -1015,8 +1026,13 @@ class Migrations:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(session.cgroup.remove)
             await self.agent.detach_restored(sid)
+        reserved = session.meta.get("uid_reserved")
+        if isinstance(reserved, int) and self.agent.manager.get(sid) is None:
+            self.agent.manager.release_uid(reserved)
         data_dir = self.agent.manager.data_root / sid
-        if self.agent.manager.get(sid) is None:
+        # Nothing of a sandbox of this id that runs, starts or has a state here (a standby's
+        # restart under way) is removed: only what this restore made.
+        if not self.agent.manager.busy(sid):
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(quota.release, data_dir, keep_outputs=False)
             shutil.rmtree(data_dir, ignore_errors=True)

@@ -684,6 +684,20 @@ class SandboxManager:
         self._adopt_agent(state, ready.uid)
         self._uid_owners[ready.uid] = sid
         self._watch(Sandbox(sid, ready, state, cgroup, process=process, channel=channel))
+        self._starting_uids.discard(ready.uid)  # (reserve_uid's: watched from now on)
+
+    def reserve_uid(self, uid: int) -> bool:
+        """Hold ``uid`` for a sandbox arriving from another node (it keeps its uid: its files
+        and restored processes have it) until :meth:`adopt_restored` or :meth:`release_uid`;
+        ``False`` when a sandbox of this node has it already (two would share it)."""
+        if uid in self._uids_in_use():
+            return False
+        self._starting_uids.add(uid)
+        return True
+
+    def release_uid(self, uid: int) -> None:
+        """Give up a :meth:`reserve_uid` (the arrival failed)."""
+        self._starting_uids.discard(uid)
 
     def _uids_in_use(self) -> set[int]:
         """Those of watched sandboxes, of launches under way, and named by state files."""
