@@ -87,6 +87,14 @@ async def until(check: Callable[[], Any], what: str, timeout: float = 60.0) -> A
         await asyncio.sleep(0.1)
 
 
+async def move_to_node_2(h1: Any, sid: str, mid: str) -> None:
+    """What the scheduler publishes to move ``sid`` from node-1 to node-2 by CRIU."""
+    started = events.UnitMigrationStarted(
+        migration_id=mid, from_node="node-1", to_node="node-2", reason="operator", path="criu"
+    )
+    await h1.upstream.scheduler.publish(started, aggregate_id=sid)
+
+
 async def test_a_sandbox_migrates_by_criu_and_its_counter_goes_on(
     homes: tuple[Path, Path], nats_url: str
 ) -> None:
@@ -97,16 +105,7 @@ async def test_a_sandbox_migrates_by_criu_and_its_counter_goes_on(
         target_log = NodeLayout.of(homes[1]).sandbox(sid).logs / "stdout.log"
         await until(lambda: len(counts(source_log)) >= 20, "counting on node-1")
         mid = f"m-{uuid.uuid4().hex[:8]}"
-        await h1.upstream.scheduler.publish(
-            events.UnitMigrationStarted(
-                migration_id=mid,
-                from_node="node-1",
-                to_node="node-2",
-                reason="operator",
-                path="criu",
-            ),
-            aggregate_id=sid,
-        )
+        await move_to_node_2(h1, sid, mid)
         rec = h1.recorded[sid]
         await until(
             lambda: rec.of("unit.migrated") or rec.of("unit.migration_failed"),
@@ -173,16 +172,7 @@ async def test_a_sandbox_whose_uid_a_sandbox_of_the_target_has_is_not_restored_t
             "occupant", {"sandbox_id": "occupant", "uid": source.ready.uid}
         )
         try:
-            await h1.upstream.scheduler.publish(
-                events.UnitMigrationStarted(
-                    migration_id=f"m-{uuid.uuid4().hex[:8]}",
-                    from_node="node-1",
-                    to_node="node-2",
-                    reason="operator",
-                    path="criu",
-                ),
-                aggregate_id=sid,
-            )
+            await move_to_node_2(h1, sid, f"m-{uuid.uuid4().hex[:8]}")
             rec = h1.recorded[sid]
             failed = await until(lambda: rec.of("unit.migration_failed"), "refused", 120)
             payload = events.UnitMigrationFailed.model_validate(failed[0].payload)
