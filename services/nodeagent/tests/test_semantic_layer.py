@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -407,3 +409,46 @@ def test_rules_from_the_typed_plan_are_those_of_the_spec() -> None:
         ("api.example.com", 7),
         ("*.cdn.example.com", 8),
     ]
+
+
+async def test_garbage_on_the_decision_channel_is_dropped_cheaply_and_raises_nothing(
+    tmp_path: Path,
+) -> None:
+    """What a sandbox sends on its decision channel is its own to shape: deeply nested JSON
+    (which made the parser recurse until RecursionError), a list, a number, bytes that are not
+    JSON — each is counted as malformed and dropped, no exception reaches the node agent's
+    loop, and the next well-formed decision (brackets in its subject) still arrives."""
+    import socket
+
+    from dsec_nodeagent.semantic.channel import DecisionChannel
+
+    got: list[object] = []
+    errors: list[dict[str, object]] = []
+
+    async def handler(decision: object) -> None:
+        got.append(decision)
+
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    channel = await DecisionChannel.open("garbage", tmp_path / "events.sock", os.getuid(), handler)
+    try:
+        sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        good = {"on": "connect", "action": "log", "subject": "http://[::1]:8080/x", "rule": "r"}
+        for data in (
+            b"[" * 16000,
+            b'{"on": ' + b"[" * 15000,
+            b"[1, 2]",
+            b"7",
+            b"\xff\xfe not json",
+            json.dumps(good).encode(),
+        ):
+            sender.sendto(data, str(tmp_path / "events.sock"))
+        deadline = loop.time() + 10
+        while not got and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        sender.close()
+    finally:
+        await channel.close()
+        loop.set_exception_handler(None)
+    assert [(d.on, d.subject) for d in got] == [("connect", "http://[::1]:8080/x")]  # type: ignore[attr-defined]
+    assert errors == []

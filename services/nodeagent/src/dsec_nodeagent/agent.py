@@ -1053,7 +1053,10 @@ class NodeAgent:
                 # words, which never reach a tool event)
                 self.toolwatch.refused(sid, "semantic", report.rule_id, "")
             elif decision.on == "http":
-                host = urllib.parse.urlsplit(decision.subject).hostname
+                try:  # the sandbox's own words: "http://[x" is no URL
+                    host = urllib.parse.urlsplit(decision.subject).hostname
+                except ValueError:
+                    host = None
                 if host:
                     self.toolwatch.http(sid, host)  # a plain HTTP call of a tool
         self.outlet.refusal(

@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from prometheus_client import Counter
-from pydantic import ValidationError
 
 from dsec_nodeagent.refusals import metric_rule
 from dsec_nodeagent.semantic.models import SemanticDecision
@@ -33,6 +32,9 @@ DECISIONS = Counter(
 _ONS = frozenset({"open", "subprocess", "connect", "http"})
 _ACTIONS = frozenset({"allow", "redirect", "log", "deny"})
 MAX_DATAGRAM = 16 * 1024
+MAX_BRACKETS = 64
+"""Brackets and braces a decision datagram may hold: the layer sends one flat object (a subject
+may hold a few, as in ``http://[::1]/``); more is refused unparsed."""
 SLICE_BUDGET = 128
 """Datagrams read per :data:`SLICE_S` at most (about 2,500/s per sandbox)."""
 SLICE_S = 0.05
@@ -120,11 +122,19 @@ class DecisionChannel:
             self._watching = True
 
     def received(self, data: bytes) -> None:
-        """Decode one datagram; malformed ones are logged, never trusted."""
+        """Decode one datagram; malformed ones are logged, never trusted.
+
+        A decision is one flat JSON object: a datagram with more than :data:`MAX_BRACKETS`
+        brackets and braces is refused before parsing (``[[[[...`` made the parser recurse
+        until RecursionError, ~0.3 ms and a traceback each), and no exception the sandbox can
+        shape escapes.
+        """
         try:
+            if data.count(b"[") + data.count(b"{") > MAX_BRACKETS:
+                raise ValueError("not a flat decision object")
             raw = json.loads(data)
             decision = SemanticDecision.model_validate({**raw, "sandbox_id": self.sandbox_id})
-        except (ValueError, ValidationError, TypeError) as exc:
+        except Exception as exc:  # (ValueError, ValidationError, TypeError, RecursionError...)
             MALFORMED.inc()
             if not self._warned:  # once per sandbox: a flood of garbage must not flood the log
                 self._warned = True
