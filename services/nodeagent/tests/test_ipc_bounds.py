@@ -316,3 +316,58 @@ def test_a_sandbox_identity_carries_the_plan_tenant() -> None:
         "researcher",
     )
     assert agent_identity(compile_plan(loaded.spec)).tenant == "default"
+
+
+def test_a_connection_that_keeps_sending_is_read_in_turns_and_odd_shapes_end_only_it(
+    sock_dir: Path,
+) -> None:
+    """A sandbox's connection is read at most READS_PER_TURN messages at a time, then the node
+    agent's loop serves everyone else (a sender that never stops held it for up to 0.25 s);
+    every message is still answered. A hello whose fields have odd types ends that connection,
+    with no error escaping to the loop, and the broker serves the next client."""
+    import time
+
+    from dsec_nodeagent.ipc.broker import READS_PER_TURN
+
+    thread = BrokerThread(sock_dir / "ipc.sock")
+    broker = thread.broker
+    per_turn: list[int] = []
+    dispatched = [0]
+    errors: list[dict[str, object]] = []
+    thread.loop.call_soon_threadsafe(
+        thread.loop.set_exception_handler, lambda _loop, context: errors.append(context)
+    )
+    real_readable, real_dispatch = broker._on_readable, broker._dispatch
+
+    def readable(conn: object) -> None:
+        before = dispatched[0]
+        real_readable(conn)  # type: ignore[arg-type]
+        per_turn.append(dispatched[0] - before)
+
+    def dispatch(conn: object, message: dict[str, object]) -> None:
+        dispatched[0] += 1
+        real_dispatch(conn, message)  # type: ignore[arg-type]
+
+    broker._on_readable = readable  # type: ignore[method-assign]
+    broker._dispatch = dispatch  # type: ignore[method-assign]
+    flooder = _raw(thread.socket_path)
+    try:
+        time.sleep(0.2)  # accepted
+        thread.loop.call_soon_threadsafe(time.sleep, 0.5)  # the loop busy while they queue
+        for n in range(200):
+            control.send(flooder, {"op": "nonsense", "id": n})
+        answers = [control.recv(flooder) for _ in range(200)]
+        assert all(a is not None and a[0]["op"] == "error" for a in answers)
+        assert sum(per_turn) == 200 and max(per_turn) <= READS_PER_TURN < 200
+        odd = _raw(thread.socket_path)
+        control.send(
+            odd, {"op": "hello", "group": "g1", "agent": "a", "role": "caller", "tools": 5}
+        )
+        assert control.recv(odd) is None  # dropped
+        odd.close()
+        with pytest.raises(AgentNotFound):  # the broker serves the next client
+            DSecClient("b", "g1", socket_path=thread.socket_path).call_tool("nobody", "ping")
+        assert errors == []
+    finally:
+        flooder.close()
+        thread.stop()
