@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from dsec_core.layout import NodeLayout
 from dsec_sdk.recording import Entry, Recorder, tool_key
 from dsec_testing.plans import minimal_plan
@@ -51,3 +52,26 @@ async def test_a_link_in_place_of_the_calls_file_reads_nothing_through_it(
     await recordings.finish("sbx_attacker")
     leaked = [tenant for tenant, entries in store.saved if secret in [e.key for e in entries]]
     assert leaked == []  # nothing of globex's went into acme's recording
+
+
+async def test_a_calls_file_beyond_the_limit_is_not_read_into_the_node_agent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sandbox decides how big its calls file grows; the node agent reads it whole at the
+    end, so one past MAX_SANDBOX_BYTES is refused by its size (the recording is not saved, a
+    warning says why) before a byte of it is read."""
+    import dsec_nodeagent.recording as recording
+
+    monkeypatch.setattr(recording, "MAX_SANDBOX_BYTES", 1 << 20)  # (a small limit: same check)
+    store = _Store()
+    recordings = Recordings(NodeLayout.of(tmp_path), store)  # type: ignore[arg-type]
+    prepared = await recordings.prepare("sbx_big", _recording("acme"))
+    assert prepared is not None
+    calls = prepared.mounts[0].source / "calls.jsonl"
+    for n in range(20):  # well-formed calls (a big argument each): ~1.2 MB
+        Recorder(calls).call_sync(
+            tool_key("crm", "put", {"n": n, "pad": "x" * 60_000}), lambda: b"\x90"
+        )
+    assert calls.stat().st_size > 1 << 20
+    assert await recordings.finish("sbx_big") is None
+    assert store.saved == []

@@ -14,6 +14,7 @@ recorded is ever asked live. A recording that cannot be loaded refuses the start
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -67,6 +68,10 @@ class Prepared:
     root_hash: str | None = None
 
 
+MAX_SANDBOX_BYTES = 256 << 20
+"""The most a sandbox's file of recorded tool calls may hold when it ends (it is read whole)."""
+
+
 def _sandbox_text(path: Path) -> str:
     """The text of a file the sandbox wrote in its own directory ("" when there is none).
 
@@ -80,9 +85,15 @@ def _sandbox_text(path: Path) -> str:
     except OSError as exc:  # ELOOP: a link
         raise ValueError(f"{CALLS_FILE} is not a plain file ({exc.strerror})") from None
     with open(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{CALLS_FILE} is not a plain file")
-        return file.read().decode()
+        if info.st_size > MAX_SANDBOX_BYTES:  # read whole below: the node agent's memory
+            raise ValueError(
+                f"{CALLS_FILE} is {info.st_size} bytes: a sandbox's recorded calls may take "
+                f"at most {MAX_SANDBOX_BYTES}"
+            )
+        return file.read(MAX_SANDBOX_BYTES + 1).decode()
 
 
 class Recordings:
@@ -175,11 +186,8 @@ class Recordings:
         try:
             entries: list[Entry] = []
             # the sandbox wrote this file: only tool calls are taken from it
-            sandbox_calls = _sandbox_text(directory / "sandbox" / CALLS_FILE)
-            entries += [e for e in parse_entries(sandbox_calls, CALLS_FILE) if e.key.kind == "tool"]
-            http_calls = directory / "http.jsonl"
-            if http_calls.is_file():
-                entries += [e for e in read_entries(http_calls) if e.key.kind == "http"]
+            # (in a worker thread: up to MAX_SANDBOX_BYTES to read and parse, off the loop)
+            entries += await asyncio.to_thread(_recorded, directory)
             saved = await self.store.save(tenant, entries)
         except ValueError as exc:
             log.warning("%s: its recording is not saved: %s", sid, exc)
@@ -203,3 +211,13 @@ class Recordings:
         if sid in self._prepared:
             self._prepared.discard(sid)
             shutil.rmtree(self._dir(sid), ignore_errors=True)
+
+
+def _recorded(directory: Path) -> list[Entry]:
+    """The tool calls the sandbox wrote and the HTTP calls its proxy recorded."""
+    sandbox_calls = _sandbox_text(directory / "sandbox" / CALLS_FILE)
+    entries = [e for e in parse_entries(sandbox_calls, CALLS_FILE) if e.key.kind == "tool"]
+    http_calls = directory / "http.jsonl"
+    if http_calls.is_file():
+        entries += [e for e in read_entries(http_calls) if e.key.kind == "http"]
+    return entries
