@@ -500,3 +500,24 @@ def test_a_snapshot_of_one_object_per_chunk_still_restores_and_is_collected_as_b
         new = store.create("new", inputs(tree))  # new chunks go into packs
         assert objects.under(PACK_PREFIX) and new.chunks_uploaded == new.chunks_total
     assert {chunk_key(c) for c in old.all_chunks()} <= set(objects.under("chunks/"))
+
+
+def test_a_manifest_write_retried_after_its_first_try_was_stored_is_the_snapshot_not_a_clash(
+    objects: MemoryObjects, tree: Path
+) -> None:
+    """S3 clients retry a PUT whose answer was lost (or a 5xx); the retry of a create-only
+    write then finds the object its first try stored. That is this snapshot, not another of
+    its name: the create succeeds, with its listing row and everything else."""
+    real_put = objects.put
+
+    def put_twice(key: str, data: bytes, **kwargs: bool) -> None:
+        if key.startswith("snapshots/"):
+            real_put(key, data, **kwargs)  # stored; the answer lost, the client tries again
+        real_put(key, data, **kwargs)
+
+    objects.put = put_twice  # type: ignore[method-assign]
+    with make_store(objects) as store:
+        taken = store.create("s1", inputs(tree))
+        assert [s.name for s in store.list_snapshots()] == ["s1"]
+        assert store.load("s1").id == taken.manifest.id
+        assert store.verify("s1").ok

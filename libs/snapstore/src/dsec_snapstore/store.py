@@ -342,10 +342,12 @@ class SnapshotStore:
             try:  # created only: another create of this name may have finished meanwhile
                 self.objects.put(manifest_key(manifest.name), doc, if_absent=True)
             except ObjectExists:
-                raise SnapshotExists(
-                    f"snapshot {name!r} exists already (snapshots are immutable): another "
-                    "create of this name stored it first"
-                ) from None
+                # Ours, when a retried PUT (a lost answer, a 5xx) found its first try stored.
+                if not self._stored_is(manifest_key(manifest.name), doc):
+                    raise SnapshotExists(
+                        f"snapshot {name!r} exists already (snapshots are immutable): another "
+                        "create of this name stored it first"
+                    ) from None
             self._remember(blake3.blake3(doc).hexdigest(), manifest, digest)
         except BaseException:
             if manifest.audit is not None and self.keys is not None:
@@ -378,6 +380,13 @@ class SnapshotStore:
 
     def _exists(self, name: str) -> bool:
         return self.objects.exists(manifest_key(name))
+
+    def _stored_is(self, key: str, data: bytes) -> bool:
+        """Whether the object at ``key`` holds exactly ``data`` (signed: no one else's is)."""
+        try:
+            return self.objects.get(key) == data
+        except ObjectMissing:
+            return False
 
     def _store_packs(self, packer: Packer) -> None:
         """Wait for the packs' uploads, then record them in a new index document (before the
