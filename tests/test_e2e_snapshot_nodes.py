@@ -76,7 +76,8 @@ def chunk_keys(s3: S3Info, name: str) -> list[str]:
 def test_rm_and_gc_go_through_the_snapshot_service_and_the_objects_are_gone(
     services: ServiceRunner, stack_env: dict[str, str], dsec_cli: Any, s3: S3Info, tmp_path: Path
 ) -> None:
-    services.start("snapshot")
+    # (the operator lets a GC asked for on the bus collect packs of any age)
+    services.start("snapshot", env={"DSEC_SNAPSHOT_GC_MIN_GRACE_S": "0"})
     env = dict(stack_env)
     name = snapshot_of_dir(dsec_cli, env, tmp_path)
     chunks = chunk_keys(s3, name)
@@ -98,6 +99,23 @@ def test_rm_and_gc_go_through_the_snapshot_service_and_the_objects_are_gone(
     again = dsec_cli("snapshot", "rm", name, "--yes", env=env)
     assert again.exit_code == 2
     assert f"no snapshot named {name}" in " ".join(again.output.split())
+
+
+def test_a_gc_asked_with_no_grace_keeps_young_packs_another_snapshot_may_be_naming(
+    services: ServiceRunner, stack_env: dict[str, str], dsec_cli: Any, s3: S3Info, tmp_path: Path
+) -> None:
+    """Packs a snapshot being taken has uploaded are named by no manifest yet; a GC anyone can
+    ask for would delete them with `--grace 0s`. The snapshot service applies at least its
+    minimum grace (1 h by default): young packs stay, whatever the request says."""
+    services.start("snapshot")
+    env = dict(stack_env)
+    name = snapshot_of_dir(dsec_cli, env, tmp_path)
+    chunks = chunk_keys(s3, name)
+    assert dsec_cli("snapshot", "rm", name, "--yes", env=env).exit_code == 0
+    collected = dsec_cli("snapshot", "gc", "--grace", "0s", "--yes", "--json", env=env)
+    assert collected.exit_code == 0, collected.output
+    assert collected.last_json()["chunks_removed"] == 0
+    assert chunks and all(stored(s3, k) for k in chunks)
 
 
 def test_a_user_of_another_tenant_cannot_delete_a_snapshot(

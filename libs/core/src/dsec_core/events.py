@@ -520,7 +520,8 @@ class SnapshotDeleteRequested(Payload):
         default=3600.0,
         ge=0,
         description="GC keeps unreferenced chunks younger than this (a snapshot being taken "
-        "has uploaded chunks its manifest does not yet name)",
+        "has uploaded chunks its manifest does not yet name); the snapshot service applies "
+        "at least its DSEC_SNAPSHOT_GC_MIN_GRACE_S (1 h)",
     )
     requested_by: str = ""
 

@@ -124,6 +124,12 @@ class Settings(BaseSettings):
     snapshot_keep: int = Field(
         default=10, ge=1, description="Periodic snapshots kept per sandbox (older are deleted)"
     )
+    snapshot_gc_min_grace_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="The shortest grace a GC asked for on the bus gets: chunks younger than "
+        "this stay (a snapshot being taken has uploaded packs no manifest names yet)",
+    )
     # The node agent's IPC broker: what one sandbox may take (see the README's
     # "Communication-plane bounds and identity").
     ipc_fd_budget: int = Field(
