@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -521,3 +522,29 @@ def test_a_manifest_write_retried_after_its_first_try_was_stored_is_the_snapshot
         assert [s.name for s in store.list_snapshots()] == ["s1"]
         assert store.load("s1").id == taken.manifest.id
         assert store.verify("s1").ok
+
+
+def test_a_parent_deleted_collected_and_taken_again_under_its_name_is_not_trusted(
+    objects: MemoryObjects, tree: Path, tmp_path: Path
+) -> None:
+    """A directory's stat cache lists the chunks of its last snapshot, trusted while that
+    snapshot exists. Deleted, its chunks collected and its name taken by a snapshot of another
+    directory, it does not: the next snapshot of the first directory reads its files again and
+    stores what it names."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "main.py").write_text("print('another tree')\n")
+    hour_ago = time.time() - 3600  # (files written just now are never trusted from a cache)
+    for path in tree.rglob("*"):
+        os.utime(path, (hour_ago, hour_ago), follow_symlinks=False)
+    with make_store(objects, tmp_path / "cache") as store:
+        store.create("base", inputs(tree))
+        store.delete("base")
+        store.gc(grace=timedelta(0))
+        store.create("base", inputs(other))  # the name again, another tree
+        (tree / "pkg0" / "mod0.py").write_text("CHANGED = 1\n")
+        taken = store.create("next", inputs(tree))
+        assert taken.files_rehashed == taken.files - 1  # (all but the link: nothing trusted)
+        assert store.verify("next").ok
+        store.restore("next", tmp_path / "out")
+    assert same_tree(tree, tmp_path / "out")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import getpass
+import json
 import os
 import shutil
 import socket
@@ -296,7 +297,11 @@ class SnapshotStore:
     ) -> CreateResult:
         cache = self._stat_cache(root)
         taken = self._pool.submit(self._exists, name)
-        parent_alive = self._pool.submit(self._exists, cache.snapshot) if cache.snapshot else None
+        parent_alive = (
+            self._pool.submit(self._still_is, cache.snapshot, cache.snapshot_id)
+            if cache.snapshot
+            else None
+        )
         index_read = self._pool.submit(self.index.refresh)  # what is stored already: dedup
         git = self._pool.submit(git_info, root)  # runs git: meanwhile
         scan_ns = time.time_ns()
@@ -335,7 +340,9 @@ class SnapshotStore:
         # upload; the cache names this snapshot, so it is removed again if the snapshot is not
         # stored after all.
         signing = self._pool.submit(self._signed_document, manifest)
-        saved = self._pool.submit(cache.save, name, hashed, scan_ns, rehashed if parent else None)
+        saved = self._pool.submit(
+            cache.save, name, hashed, scan_ns, rehashed if parent else None, snapshot_id
+        )
         try:
             self._store_packs(packer)
             doc, digest = signing.result()
@@ -380,6 +387,17 @@ class SnapshotStore:
 
     def _exists(self, name: str) -> bool:
         return self.objects.exists(manifest_key(name))
+
+    def _still_is(self, name: str, snapshot_id: str | None) -> bool:
+        """Whether the snapshot called ``name`` is still the one of ``snapshot_id`` (deleted,
+        collected and taken again under its name, it is another: its listing row says)."""
+        if snapshot_id is None:
+            return False
+        try:
+            row = json.loads(self.objects.get(summary_key(name)))
+        except (ObjectMissing, ValueError):
+            return False
+        return isinstance(row, dict) and row.get("id") == snapshot_id
 
     def _stored_is(self, key: str, data: bytes) -> bool:
         """Whether the object at ``key`` holds exactly ``data`` (signed: no one else's is)."""

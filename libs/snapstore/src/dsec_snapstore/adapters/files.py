@@ -158,13 +158,16 @@ class StatCache:
         """
         self.path = path
         self.snapshot: str | None = None
+        self.snapshot_id: str | None = None
+        """The id of that snapshot: a snapshot deleted and taken again under its name is
+        another, whose chunks are not those listed here (``None``: not known, not trusted)."""
         self._entries: dict[str, list[Any]] = {}
         self._memo = memo
         if path is None:
             return
         known = memo.get(path) if memo is not None else None
         if known is not None:
-            self.snapshot, self._entries = known
+            self.snapshot, self.snapshot_id, self._entries = known
             return
         try:
             raw = msgpack.unpackb(path.read_bytes(), raw=False)
@@ -172,6 +175,7 @@ class StatCache:
             return  # no cache (or a damaged one): everything is rehashed
         if isinstance(raw, dict) and raw.get("v") == 1:
             self.snapshot = raw.get("snapshot")
+            self.snapshot_id = raw.get("snapshot_id")
             self._entries = raw.get("entries", {})
 
     def lookup(self, entry: TreeEntry) -> HashedFile | None:
@@ -214,8 +218,10 @@ class StatCache:
         hashed: dict[str, tuple[TreeEntry, HashedFile]],
         now_ns: int,
         rehashed: set[str] | None = None,
+        snapshot_id: str | None = None,
     ) -> None:
-        """Replace the cache with ``hashed`` as of ``snapshot`` (atomically).
+        """Replace the cache with ``hashed`` as of ``snapshot`` (atomically; ``snapshot_id``:
+        its id).
 
         Rows of files not in ``rehashed`` (cache hits) are carried over as they are.
         """
@@ -232,7 +238,10 @@ class StatCache:
                 h.blake3,
                 [[c.id, c.offset, c.length] for c in h.chunks],
             ]
-        data = msgpack.packb({"v": 1, "snapshot": snapshot, "entries": entries}, use_bin_type=True)
+        data = msgpack.packb(
+            {"v": 1, "snapshot": snapshot, "snapshot_id": snapshot_id, "entries": entries},
+            use_bin_type=True,
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_bytes(data)
@@ -243,7 +252,11 @@ class StatCache:
         written = StatCacheMemo.identity(tmp)  # (a rename changes the ctime, not these)
         os.replace(tmp, self.path)
         if written is not None:
-            self._memo.put(self.path, written, snapshot, entries)
+            self._memo.put(self.path, written, (snapshot, snapshot_id, entries))
+
+
+_Written = tuple[str, str | None, dict[str, list[Any]]]
+"""A stat cache as written: its snapshot's name and id, its rows."""
 
 
 class StatCacheMemo:
@@ -254,7 +267,7 @@ class StatCacheMemo:
     def __init__(self, limit: int = 16) -> None:
         self._limit = limit
         self._lock = threading.Lock()
-        self._known: dict[Path, tuple[tuple[int, ...], str, dict[str, list[Any]]]] = {}
+        self._known: dict[Path, tuple[tuple[int, ...], _Written]] = {}
 
     @staticmethod
     def identity(path: Path) -> tuple[int, ...] | None:
@@ -266,20 +279,19 @@ class StatCacheMemo:
             return None
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
-    def get(self, path: Path) -> tuple[str, dict[str, list[Any]]] | None:
-        """The snapshot and rows written to ``path`` when it is still that file."""
+    def get(self, path: Path) -> _Written | None:
+        """The snapshot, its id and the rows written to ``path`` when it is still that file."""
         with self._lock:
             known = self._known.get(path)
         if known is None or self.identity(path) != known[0]:
             return None
-        return known[1], known[2]
+        return known[1]
 
     def put(
         self,
         path: Path,
         identity: tuple[int, ...],
-        snapshot: str,
-        entries: dict[str, list[Any]],
+        written: _Written,
     ) -> None:
         """Remember what was just written to ``path`` (the file of ``identity``; its rows are
         never changed after)."""
@@ -287,7 +299,7 @@ class StatCacheMemo:
             self._known.pop(path, None)
             while len(self._known) >= self._limit:
                 del self._known[next(iter(self._known))]
-            self._known[path] = (identity, snapshot, entries)
+            self._known[path] = (identity, written)
 
     def drop(self, path: Path) -> None:
         """Forget ``path`` (about to be replaced or removed)."""
