@@ -548,3 +548,22 @@ def test_a_parent_deleted_collected_and_taken_again_under_its_name_is_not_truste
         assert store.verify("next").ok
         store.restore("next", tmp_path / "out")
     assert same_tree(tree, tmp_path / "out")
+
+
+def test_a_snapshot_deleted_while_gc_reads_the_manifests_is_collected_not_an_error(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GC lists the manifests, then reads each; one deleted in between (a user's rm) is a
+    snapshot that no longer keeps its chunks, not a reason to stop collecting."""
+    s1, s2 = two_snapshots(store, tree)
+    real_get = objects.get
+
+    def get(key: str) -> bytes:
+        if key == "snapshots/s1.json":  # deleted just after the listing (as rm does)
+            objects.delete_many([key, "snapshot-index/s1.json"])
+        return real_get(key)
+
+    monkeypatch.setattr(objects, "get", get)
+    report = store.gc(grace=timedelta(0), repack_below=0.99)
+    assert report.chunks_removed == len(s1 - s2) > 0
+    assert store.verify("s2").ok

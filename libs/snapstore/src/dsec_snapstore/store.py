@@ -198,6 +198,7 @@ class SnapshotStore:
         # the certificate of the key that signed it expires.
         self._checked: OrderedDict[str, _Checked] = OrderedDict()
         self._checked_lock = threading.Lock()
+        self._gc_lock = threading.Lock()
 
     @classmethod
     def from_settings(
@@ -1280,6 +1281,13 @@ class SnapshotStore:
             SnapshotError: a manifest cannot be read, or a live chunk does not check; nothing
                 is deleted then.
         """
+        # One GC of this store at a time in this process (the service's periodic retention
+        # and a user's delete both collect): two repacking the same packs apart would each
+        # index their own copy and delete the other's source.
+        with self._gc_lock:
+            return self._gc(grace=grace, dry_run=dry_run, repack_below=repack_below)
+
+    def _gc(self, *, grace: timedelta, dry_run: bool, repack_below: float) -> GcReport:
         now = datetime.now(UTC)
         names = [
             k[len(MANIFEST_PREFIX) : -len(".json")]
@@ -1289,6 +1297,8 @@ class SnapshotStore:
         live: set[str] = set()
         audits: set[str] = set()
         for manifest in self._pool.map(self._manifest_for_gc, names):
+            if manifest is None:
+                continue  # deleted since the listing: its chunks are no longer kept for it
             live |= manifest.all_chunks()
             if manifest.audit is not None:
                 audits.add(manifest.audit.object_key)
@@ -1428,11 +1438,14 @@ class SnapshotStore:
         self.index.refresh(self._pool)
         return {k: packer.sizes[k] for k in new_packs}
 
-    def _manifest_for_gc(self, name: str) -> SnapshotManifest:
+    def _manifest_for_gc(self, name: str) -> SnapshotManifest | None:
+        """A listed snapshot's manifest (``None``: deleted since it was listed)."""
         key = manifest_key(name)
         try:
             return SignedManifest.model_validate_json(self.objects.get(key)).manifest
-        except (ObjectMissing, pydantic.ValidationError) as exc:
+        except ObjectMissing:
+            return None
+        except pydantic.ValidationError as exc:
             raise SnapshotError(
                 f"gc stopped: cannot read {key} ({type(exc).__name__}); nothing was deleted"
             ) from exc
