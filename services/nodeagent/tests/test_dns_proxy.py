@@ -551,3 +551,28 @@ async def test_open_tcp_connections_to_the_proxy_are_bounded_per_sandbox(zone: Z
         await p.close()
     with pytest.raises(ValueError, match="max_tcp_connections: must be at least 1"):
         DnsBounds(max_tcp_connections=0)
+
+
+async def test_datagrams_too_short_to_answer_count_against_the_rate_too(zone: ZoneServer) -> None:
+    """A datagram too short to be a query (or a response sent back) is dropped, and it counts
+    against the sandbox's query rate like any other: a flood of them is a flood."""
+    p = DnsProxy(
+        UpstreamClient(zone.host, zone.port),
+        RecordingSink(),
+        bounds=DnsBounds(queries_per_s=0.01, query_burst=3),
+    )
+    refusals = record_refusals(p)
+    port = await p.serve(25, PLAN)
+    try:
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(
+            asyncio.DatagramProtocol, remote_addr=("127.0.0.1", port)
+        )
+        for runt in (b"\x00", b"\x00\x01\x80" + b"\x00" * 9, b"short"):  # the burst of 3
+            transport.sendto(runt)
+        transport.close()
+        limited = await ask(port, "allowed.test")
+        assert limited.rcode() == dns.rcode.REFUSED
+        assert [r[3] for r in refusals] == ["dns.rate"]
+    finally:
+        await p.close()

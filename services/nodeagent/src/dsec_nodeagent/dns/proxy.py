@@ -155,13 +155,21 @@ class _UdpServer(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
+        # Screened here, before any task: every datagram counts against the sandbox's rate
+        # (runts and responses too), and one refused or dropped costs no task.
+        early = self.proxy.screen(self.sandbox, data)
+        if early is not None:
+            self._send(early, addr)
+            return
         task = asyncio.get_running_loop().create_task(self._reply(data, addr))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _reply(self, data: bytes, addr: tuple[str | int, ...]) -> None:
-        wire = await self.proxy.answer(self.sandbox, data, udp=True)
-        if wire is not None and self.transport is not None and not self.transport.is_closing():
+        self._send(await self.proxy.answer(self.sandbox, data, udp=True, screened=True), addr)
+
+    def _send(self, wire: bytes | None, addr: tuple[str | int, ...]) -> None:
+        if wire and self.transport is not None and not self.transport.is_closing():
             self.transport.sendto(wire, addr)
 
 
@@ -330,7 +338,7 @@ class DnsProxy:
                     (length,) = struct.unpack("!H", await reader.readexactly(2))
                     data = await reader.readexactly(length)
                 wire = await self.answer(sandbox, data, udp=False)
-                if wire is None:
+                if not wire:  # dropped: nothing sensible to say on this connection
                     break
                 writer.write(struct.pack("!H", len(wire)) + wire)
                 await writer.drain()
@@ -394,16 +402,14 @@ class DnsProxy:
             )
         return None
 
-    async def answer(self, sandbox: _Sandbox, data: bytes, *, udp: bool) -> bytes | None:
-        """The wire answer to one question of ``sandbox`` (None: drop it).
-
-        The question is parsed and screened; upstream gets a fresh minimal query of our own
-        (one lower-cased question, our EDNS OPT, a new id), never the sandbox's bytes.
-        """
-        if len(data) < 12 or data[2] & 0x80:
-            return None  # not even a header, or a response: nothing sensible to say
+    def screen(self, sandbox: _Sandbox, data: bytes) -> bytes | None:
+        """What to answer ``sandbox`` at once, before any parsing: ``b""`` (drop) or a refusal
+        for a datagram over its rate (every one counts, garbage too) or not even a query;
+        ``None``: go on (:meth:`answer`)."""
         bounds = self.bounds
         if not self._rate_ok(sandbox):  # first: a flood of garbage is a flood too
+            if len(data) < 12 or data[2] & 0x80:
+                return b""  # no header to answer: dropped, counted
             self._refuse(
                 sandbox,
                 "?",
@@ -412,6 +418,22 @@ class DnsProxy:
                 f"more than {bounds.queries_per_s:g} queries/s (burst {bounds.query_burst})",
             )
             return _refused_reply(data, bounds.max_query_bytes)
+        if len(data) < 12 or data[2] & 0x80:
+            return b""  # not even a header, or a response: nothing sensible to say
+        return None
+
+    async def answer(
+        self, sandbox: _Sandbox, data: bytes, *, udp: bool, screened: bool = False
+    ) -> bytes | None:
+        """The wire answer to one question of ``sandbox`` (None or ``b""``: drop it).
+
+        The question is parsed and screened (``screened``: :meth:`screen` ran already); upstream
+        gets a fresh minimal query of our own (one lower-cased question, our EDNS OPT, a new
+        id), never the sandbox's bytes.
+        """
+        if not screened and (early := self.screen(sandbox, data)) is not None:
+            return early
+        bounds = self.bounds
         if len(data) > bounds.max_query_bytes:
             self._refuse(
                 sandbox,
