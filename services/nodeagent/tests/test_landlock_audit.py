@@ -301,6 +301,30 @@ def _other_readers() -> set[str]:
     return {p.name for p in readers.iterdir()} if readers.is_dir() else set()
 
 
+async def test_the_domain_table_stays_bounded_when_a_sandbox_makes_domains_without_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sandbox may make Landlock domains in a loop, and their "deallocated" records can be
+    lost in a flood: the reader remembers at most MAX_DOMAINS of them (the most recent), and
+    none of other processes' domains."""
+    monkeypatch.setattr(audit, "MAX_DOMAINS", 8)
+    seen: list[LandlockRefusal] = []
+
+    async def handler(refusal: LandlockRefusal) -> None:
+        seen.append(refusal)
+
+    reader = audit.LandlockAudit(lambda pid, uid: "sbx-a" if uid == 65001 else None, handler)
+    for serial in range(1, 41):
+        record = ALLOCATED.format(serial=serial).replace("domain=1fe", f"domain={serial:x}")
+        if serial % 2:  # every other one of a process of no sandbox here
+            record = record.replace("uid=65001", "uid=0")
+        reader.add_record(audit.AUDIT_LANDLOCK_DOMAIN, record)
+        reader.add_record(audit.AUDIT_EOE, f"audit(1796009056.066:{serial}): ")
+    await reader.close()
+    assert len(reader._domains) == 8
+    assert set(reader._domains.values()) == {"sbx-a"}
+
+
 @pytest.mark.kernel
 def test_one_node_agent_stopping_leaves_audit_on_for_another_of_the_host() -> None:
     import signal

@@ -377,6 +377,10 @@ class _Event:
     timer: asyncio.TimerHandle | None = None
 
 
+MAX_DOMAINS = 4096
+"""Landlock domains whose sandbox the reader remembers (the most recent)."""
+
+
 class LandlockAudit:
     """Reads the audit multicast group and hands each Landlock refusal of a sandbox to ``handler``.
 
@@ -499,15 +503,24 @@ class LandlockAudit:
         syscall = next((f for k, f in event.records if k == AUDIT_SYSCALL), None)
         for kind, fields in event.records:
             if kind == AUDIT_LANDLOCK_DOMAIN and fields.get("status") == "allocated":
-                self._domains[fields.get("domain", "")] = self.resolve(
-                    _int(fields.get("pid")), _int(fields.get("uid"))
-                )
+                sandbox_id = self.resolve(_int(fields.get("pid")), _int(fields.get("uid")))
+                if sandbox_id is not None:  # (another process's: nothing to remember)
+                    self._remember(fields.get("domain", ""), sandbox_id)
         for kind, fields in event.records:
             if kind == AUDIT_LANDLOCK_ACCESS:
                 self._refused(fields, syscall)
         for kind, fields in event.records:
             if kind == AUDIT_LANDLOCK_DOMAIN and fields.get("status") == "deallocated":
                 self._domains.pop(fields.get("domain", ""), None)
+
+    def _remember(self, domain: str, sandbox_id: str) -> None:
+        """Note ``domain``'s sandbox, forgetting the oldest beyond :data:`MAX_DOMAINS`: its
+        "deallocated" record may be lost (a flood past the read budget) while a sandbox makes
+        domains without end (the Landlock calls are allowed), so the table is bounded."""
+        self._domains.pop(domain, None)
+        self._domains[domain] = sandbox_id
+        while len(self._domains) > MAX_DOMAINS:
+            del self._domains[next(iter(self._domains))]
 
     def _refused(self, fields: dict[str, str], syscall: dict[str, str] | None) -> None:
         domain = fields.get("domain", "")
@@ -516,7 +529,7 @@ class LandlockAudit:
         if sandbox_id is None and syscall is not None:
             sandbox_id = self.resolve(pid, _int(syscall.get("uid")))
             if sandbox_id is not None:
-                self._domains[domain] = sandbox_id
+                self._remember(domain, sandbox_id)
         if sandbox_id is None:
             return  # a Landlock domain of another program on this node
         blockers = tuple(b for b in fields.get("blockers", "").split(",") if b)
