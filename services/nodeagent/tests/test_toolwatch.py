@@ -211,6 +211,31 @@ def test_a_hostile_sandbox_is_bounded() -> None:
     )
 
 
+@pytest.mark.unit
+def test_sandboxes_spending_the_nodes_unknown_tool_labels_leave_a_neighbours_tools_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Names no policy knows get labels of their own only within a node-wide budget. Sandboxes
+    that spend it (16 fresh names each, and each restart again) must not take a neighbour's
+    declared tool its label, nor its health events."""
+    monkeypatch.setattr(tw, "MAX_TOOL_LABELS", 32)
+    now = [1_000.0]
+    wall = [1_796_169_600.0]
+    watch = ToolWatch("node-1", Published(), clock=lambda: now[0], wall=lambda: wall[0])
+    for n in range(4):  # 4 x 16 fresh names: the node's budget of 32 is spent
+        sid = f"sbx_spender{n}"
+        watch.watch(sid, "mallory", plan())
+        calls = [[f"x{n}_{i}", "call", "ok", "", 1.0, 1, 0, "", ""] for i in range(16)]
+        watch.report(sid, "mallory", {"calls": calls})
+    neighbour = "sbx_neighbour_tools"
+    watch.watch(neighbour, "searcher", plan(), [SecretLease("WEB_SEARCH_KEY", "a", wall[0], 60)])
+    wall[0] += 120  # its lease expired
+    fail = ["web_search", "call", "error", "auth", 12.0, 1, 401, "", ""]
+    watch.report(neighbour, "searcher", {"calls": [fail, fail]})
+    assert [p.TYPE for p in watch.published] == ["tool.degraded"]
+    assert sample("dsec_tool_degraded", tool="web_search", family="search", agent="searcher") == 1
+
+
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="dsec-tools-"))

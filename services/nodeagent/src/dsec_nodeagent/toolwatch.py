@@ -10,9 +10,11 @@ speaks for it — and trusts it no further than its own sandbox:
 * reports from processes outside a watched sandbox are refused;
 * each sandbox may send :data:`REPORTS_PER_S` reports a second (burst :data:`REPORT_BURST`) of
   at most :data:`MAX_CALLS` calls each; malformed records are dropped and counted;
-* label values are bounded: a tool name the sandbox's policy does not know takes a label of its
-  own only within :data:`UNKNOWN_TOOLS_PER_SANDBOX` per sandbox and :data:`MAX_TOOL_LABELS` per
-  node (others count as ``other``), agents within :data:`MAX_AGENT_LABELS`;
+* label values are bounded: a tool its sandbox's policy names always has its own (a spec names
+  at most 64); one it does not know takes a label of its own only within
+  :data:`UNKNOWN_TOOLS_PER_SANDBOX` per sandbox and :data:`MAX_TOOL_LABELS` such names per node
+  (others count as ``other``): a sandbox spending them leaves its neighbours' tools their
+  labels and their health events; agents within :data:`MAX_AGENT_LABELS`;
 * events: at most :data:`EVENTS_PER_MINUTE` per sandbox; their ``reason`` is composed here from
   the failure class, the HTTP status and the plan (secret names, lease times, egress rules) —
   nothing the sandbox wrote reaches an event.
@@ -218,6 +220,7 @@ class ToolWatch:
         self._wall = wall
         self._sandboxes: dict[str, _Sandbox] = {}
         self._tool_labels: set[str] = set()
+        self._unknown_labels = 0  # of those, names no policy knew when they were given
         self._agent_labels: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.published: list[events.Payload] = []  # the newest few, for tests and `dsec status`
@@ -514,15 +517,15 @@ class ToolWatch:
     def _tool_label(self, box: _Sandbox, tool: str) -> str:
         if tool in self._tool_labels:
             return tool
-        known = tool in box.tools
-        if not known and (
-            len(box.unknown_tools) >= UNKNOWN_TOOLS_PER_SANDBOX and tool not in box.unknown_tools
-        ):
+        if tool in box.tools:  # named by its policy: its own label (a spec names at most 64)
+            self._tool_labels.add(tool)
+            return tool
+        if len(box.unknown_tools) >= UNKNOWN_TOOLS_PER_SANDBOX and tool not in box.unknown_tools:
             return OTHER
-        if len(self._tool_labels) >= MAX_TOOL_LABELS:
+        if self._unknown_labels >= MAX_TOOL_LABELS:
             return OTHER
-        if not known:
-            box.unknown_tools.add(tool)
+        box.unknown_tools.add(tool)
+        self._unknown_labels += 1
         self._tool_labels.add(tool)
         return tool
 
