@@ -4,6 +4,7 @@ trust gate (``dsec_testing.inmemory``); the store is the real S3 server."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dsec_core import events
@@ -25,12 +26,10 @@ async def _submitted_and_validated(bus: MemoryBus, sid: str) -> None:
     await bus.send("policy", validated, sid, deliver=False)
 
 
-@pytest.mark.integration
-async def test_a_requested_snapshot_is_taken_and_signed_by_the_service(
-    tmp_path: Path, s3, vault
-) -> None:
-    settings = Settings(
-        home=tmp_path,
+def _settings(home: Path, s3: Any, vault: Any) -> Settings:
+    """The service's settings on the test servers (S3 and OpenBao)."""
+    return Settings(
+        home=home,
         s3_endpoint=s3.endpoint,
         s3_access_key=s3.access_key,
         s3_secret_key=s3.secret_key,
@@ -38,6 +37,13 @@ async def test_a_requested_snapshot_is_taken_and_signed_by_the_service(
         vault_addr=vault.addr,
         vault_token=vault.token,
     )
+
+
+@pytest.mark.integration
+async def test_a_requested_snapshot_is_taken_and_signed_by_the_service(
+    tmp_path: Path, s3, vault
+) -> None:
+    settings = _settings(tmp_path, s3, vault)
     async with in_memory(create_service(settings)) as bus:
         await _submitted_and_validated(bus, "sbx_snap")
         name = f"inmem-{tmp_path.name[-12:]}"
@@ -62,3 +68,29 @@ async def test_a_rollback_of_a_sandbox_that_does_not_run_is_refused(tmp_path: Pa
     assert answer.type == "snapshot.failed" and answer.payload["operation"] == "restore"
     assert "sandbox sbx_idle is not running" in answer.payload["reason"]
     assert rejected.payload["reason"] == "cross-tenant"
+
+
+@pytest.mark.integration
+async def test_a_request_delivered_again_after_its_answer_does_not_act_again(
+    tmp_path: Path, s3, vault
+) -> None:
+    """JetStream delivers a request again when its ack is lost or its wait runs out: answered
+    already (its answer is in the sandbox's history), it is not acted on twice, so a snapshot
+    the user deleted meanwhile is not taken again."""
+    from dsec_snapstore.adapters.objectstore import S3ObjectStore
+    from dsec_snapstore.manifest import manifest_key, summary_key
+
+    settings = _settings(tmp_path, s3, vault)
+    objects = S3ObjectStore(s3.endpoint, s3.access_key, s3.secret_key, s3.bucket)
+    async with in_memory(create_service(settings)) as bus:
+        await _submitted_and_validated(bus, "sbx_again")
+        name = f"again-{tmp_path.name[-12:]}"
+        sent = await bus.send("user", events.SnapshotRequested(name=name), "sbx_again")
+        (answer,) = bus.caused_by(sent)
+        assert answer.type == "snapshot.taken"
+        objects.delete_many([manifest_key(name), summary_key(name)])  # the user's rm, say
+        seq = bus.log.seq_of_id(sent.id)
+        _, subject, data = bus.log.records[seq - 1]
+        await bus.deliver(data, subject)  # the same request, delivered again
+        assert [e.id for e in bus.caused_by(sent)] == [answer.id]
+    assert not objects.exists(manifest_key(name))

@@ -31,6 +31,7 @@ from dsec_core import events
 from dsec_core.bus import replay
 from dsec_core.codebundle import MAX_SIZE_LIMIT, BundleError, extract_bundle
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
+from dsec_core.ids import derive_event_id
 from dsec_core.lifecycle import fold_envelopes
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.settings import Settings
@@ -70,6 +71,16 @@ def code_label(code: CodeSource) -> str:
 
 class Refused(Exception):
     """A deterministic reason a request cannot be served: becomes ``snapshot.failed``."""
+
+
+def _answered(
+    request: Envelope, history: Sequence[Envelope], *answers: type[events.Payload]
+) -> bool:
+    """Whether ``history`` holds an answer to ``request`` (its id is derived from the
+    request's: see ``dsec_core.service``): a request delivered again after it was answered
+    (an ack lost, its wait exceeded) must not act twice."""
+    ids = {derive_event_id(request.id, f"{a.TYPE}#0") for a in answers}
+    return any(e.id in ids for e in history)
 
 
 def failed(
@@ -189,6 +200,8 @@ class SnapshotRequests:
         if not self.mine(owner):
             log.debug("snapshot %s of %s: acted on by %s, skipped here", event.name, sid, owner)
             return []
+        if _answered(envelope, envelopes, events.SnapshotTaken, events.SnapshotFailed):
+            return []  # delivered again after its answer (the snapshot may be deleted since)
         started = time.perf_counter()
         refusal = sandboxes.create_refusal(facts, event)
         if refusal is not None:
@@ -320,9 +333,11 @@ class SnapshotRequests:
         """Roll a running sandbox's code back to a snapshot (the owning node), or say why
         not (the snapshot service, for a sandbox that runs nowhere)."""
         name = event.snapshot
-        facts, owner, _ = await self.facts(envelope.aggregate_id)
+        facts, owner, history = await self.facts(envelope.aggregate_id)
         if not self.mine(owner):
             return []
+        if _answered(envelope, history, events.SnapshotRestored, events.SnapshotFailed):
+            return []  # delivered again after its answer: the rollback is not done twice
         started = time.perf_counter()
         return metrics.answered(
             "restore", started, await self._restore_requested(envelope, name, facts)
