@@ -567,3 +567,22 @@ def test_a_snapshot_deleted_while_gc_reads_the_manifests_is_collected_not_an_err
     report = store.gc(grace=timedelta(0), repack_below=0.99)
     assert report.chunks_removed == len(s1 - s2) > 0
     assert store.verify("s2").ok
+
+
+def test_a_listing_row_left_without_its_manifest_does_not_vouch_for_a_stat_cache(
+    objects: MemoryObjects, tree: Path, tmp_path: Path
+) -> None:
+    """A delete removes the manifest and the listing row in one request, which S3 may carry out
+    in part. A row left alone (its id matching the cache's) proves nothing: the chunks were
+    collected with the manifest gone, and the next snapshot reads the directory again."""
+    hour_ago = time.time() - 3600
+    for path in tree.rglob("*"):
+        os.utime(path, (hour_ago, hour_ago), follow_symlinks=False)
+    with make_store(objects, tmp_path / "cache") as store:
+        store.create("base", inputs(tree))
+        objects.delete_many(["snapshots/base.json"])  # the row stays
+        store.gc(grace=timedelta(0))
+        (tree / "pkg0" / "mod0.py").write_text("CHANGED = 1\n")
+        taken = store.create("next", inputs(tree))
+        assert taken.files_rehashed == taken.files - 1
+        assert store.verify("next").ok

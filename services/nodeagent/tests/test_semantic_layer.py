@@ -434,21 +434,27 @@ async def test_garbage_on_the_decision_channel_is_dropped_cheaply_and_raises_not
     try:
         sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         good = {"on": "connect", "action": "log", "subject": "http://[::1]:8080/x", "rule": "r"}
+        script = "python -c " + "x = [[1], {2: [3]}]; " * 20  # 140 brackets, all in a string
+        busy = {"on": "subprocess", "action": "log", "subject": script, "rule": "r"}
         for data in (
             b"[" * 16000,
             b'{"on": ' + b"[" * 15000,
             b"[1, 2]",
             b"7",
             b"\xff\xfe not json",
+            json.dumps(busy).encode(),
             json.dumps(good).encode(),
         ):
             sender.sendto(data, str(tmp_path / "events.sock"))
         deadline = loop.time() + 10
-        while not got and loop.time() < deadline:
+        while len(got) < 2 and loop.time() < deadline:
             await asyncio.sleep(0.01)
         sender.close()
     finally:
         await channel.close()
         loop.set_exception_handler(None)
-    assert [(d.on, d.subject) for d in got] == [("connect", "http://[::1]:8080/x")]  # type: ignore[attr-defined]
+    assert [(d.on, d.subject) for d in got] == [  # type: ignore[attr-defined]
+        ("subprocess", script),
+        ("connect", "http://[::1]:8080/x"),
+    ]
     assert errors == []

@@ -234,6 +234,14 @@ def test_sandboxes_spending_the_nodes_unknown_tool_labels_leave_a_neighbours_too
     watch.report(neighbour, "searcher", {"calls": [fail, fail]})
     assert [p.TYPE for p in watch.published] == ["tool.degraded"]
     assert sample("dsec_tool_degraded", tool="web_search", family="search", agent="searcher") == 1
+    # Declared names have a node budget of their own too: labels stay bounded however many
+    # specs come and go (here 1: the next declared name is 'other').
+    monkeypatch.setattr(tw, "MAX_DECLARED_TOOL_LABELS", 1)
+    box = watch._sandboxes[neighbour]
+    assert [watch._tool_label(box, t) for t in ("web_search", "local_search")] == [
+        "web_search",
+        "other",
+    ]
 
 
 @pytest.fixture

@@ -398,7 +398,9 @@ class SnapshotStore:
             row = json.loads(self.objects.get(summary_key(name)))
         except (ObjectMissing, ValueError):
             return False
-        return isinstance(row, dict) and row.get("id") == snapshot_id
+        # and the manifest itself (a delete removes both in one request, which S3 may carry
+        # out in part: a row left without its manifest proves nothing)
+        return isinstance(row, dict) and row.get("id") == snapshot_id and self._exists(name)
 
     def _stored_is(self, key: str, data: bytes) -> bool:
         """Whether the object at ``key`` holds exactly ``data`` (signed: no one else's is)."""

@@ -10,11 +10,12 @@ speaks for it — and trusts it no further than its own sandbox:
 * reports from processes outside a watched sandbox are refused;
 * each sandbox may send :data:`REPORTS_PER_S` reports a second (burst :data:`REPORT_BURST`) of
   at most :data:`MAX_CALLS` calls each; malformed records are dropped and counted;
-* label values are bounded: a tool its sandbox's policy names always has its own (a spec names
-  at most 64); one it does not know takes a label of its own only within
-  :data:`UNKNOWN_TOOLS_PER_SANDBOX` per sandbox and :data:`MAX_TOOL_LABELS` such names per node
-  (others count as ``other``): a sandbox spending them leaves its neighbours' tools their
-  labels and their health events; agents within :data:`MAX_AGENT_LABELS`;
+* label values are bounded: a tool its sandbox's policy names has its own within
+  :data:`MAX_DECLARED_TOOL_LABELS` such names per node (a spec names at most 64); one it does
+  not know, only within :data:`UNKNOWN_TOOLS_PER_SANDBOX` per sandbox and
+  :data:`MAX_TOOL_LABELS` such names per node (others count as ``other``): two budgets, so a
+  sandbox sending made-up names leaves its neighbours' declared tools their labels and their
+  health events; agents within :data:`MAX_AGENT_LABELS`;
 * events: at most :data:`EVENTS_PER_MINUTE` per sandbox; their ``reason`` is composed here from
   the failure class, the HTTP status and the plan (secret names, lease times, egress rules) —
   nothing the sandbox wrote reaches an event.
@@ -48,6 +49,7 @@ REPORTS_PER_S: Final = 20.0
 REPORT_BURST: Final = 40.0
 MAX_CALLS: Final = 256
 MAX_TOOL_LABELS: Final = 256
+MAX_DECLARED_TOOL_LABELS: Final = 4096
 UNKNOWN_TOOLS_PER_SANDBOX: Final = 16
 MAX_AGENT_LABELS: Final = 512
 EVENTS_PER_MINUTE: Final = 20
@@ -221,6 +223,7 @@ class ToolWatch:
         self._sandboxes: dict[str, _Sandbox] = {}
         self._tool_labels: set[str] = set()
         self._unknown_labels = 0  # of those, names no policy knew when they were given
+        self._declared_labels = 0  # and names a policy declared
         self._agent_labels: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.published: list[events.Payload] = []  # the newest few, for tests and `dsec status`
@@ -517,7 +520,10 @@ class ToolWatch:
     def _tool_label(self, box: _Sandbox, tool: str) -> str:
         if tool in self._tool_labels:
             return tool
-        if tool in box.tools:  # named by its policy: its own label (a spec names at most 64)
+        if tool in box.tools:  # named by its policy: a budget of its own, not the one below
+            if self._declared_labels >= MAX_DECLARED_TOOL_LABELS:
+                return OTHER
+            self._declared_labels += 1
             self._tool_labels.add(tool)
             return tool
         if len(box.unknown_tools) >= UNKNOWN_TOOLS_PER_SANDBOX and tool not in box.unknown_tools:

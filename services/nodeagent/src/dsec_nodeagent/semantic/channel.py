@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -33,8 +34,10 @@ _ONS = frozenset({"open", "subprocess", "connect", "http"})
 _ACTIONS = frozenset({"allow", "redirect", "log", "deny"})
 MAX_DATAGRAM = 16 * 1024
 MAX_BRACKETS = 64
-"""Brackets and braces a decision datagram may hold: the layer sends one flat object (a subject
-may hold a few, as in ``http://[::1]/``); more is refused unparsed."""
+"""Brackets and braces a decision datagram may hold outside its strings: the layer sends one
+flat object; more is refused unparsed (nesting that deep could only be an attack)."""
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+"""A JSON string literal (what the bracket count skips)."""
 SLICE_BUDGET = 128
 """Datagrams read per :data:`SLICE_S` at most (about 2,500/s per sandbox)."""
 SLICE_S = 0.05
@@ -130,7 +133,8 @@ class DecisionChannel:
         shape escapes.
         """
         try:
-            if data.count(b"[") + data.count(b"{") > MAX_BRACKETS:
+            bare = _STRINGS.sub(b"", data)  # (a subject may hold any number of brackets)
+            if bare.count(b"[") + bare.count(b"{") > MAX_BRACKETS:
                 raise ValueError("not a flat decision object")
             raw = json.loads(data)
             decision = SemanticDecision.model_validate({**raw, "sandbox_id": self.sandbox_id})
