@@ -323,7 +323,9 @@ def test_stat_cache_trusts_only_unchanged_and_non_racy_files(tmp_path: Path) -> 
     entries = {e.path: e for e in list_tree(root)}
     hashed = {p: (e, hash_and_chunk(e.abspath)) for p, e in entries.items()}
     cache_path = tmp_path / "cache.msgpack"
-    StatCache(cache_path).save("s1", hashed, now_ns=entries["new.py"].mtime_ns + 1)
+    StatCache(cache_path).save(
+        "s1", hashed, now_ns=entries["new.py"].mtime_ns + 1, snapshot_id="id-1"
+    )
     cache = StatCache(cache_path)
     assert cache.snapshot == "s1"
     assert cache.lookup(entries["old.py"]) == hashed["old.py"][1]

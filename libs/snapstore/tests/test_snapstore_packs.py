@@ -133,6 +133,14 @@ def store(objects: MemoryObjects) -> Iterator[SnapshotStore]:
         yield s
 
 
+def aged(root: Path) -> None:
+    """Date every file of ``root`` an hour back (files written just now are never trusted
+    from a stat cache)."""
+    hour_ago = time.time() - 3600
+    for path in root.rglob("*"):
+        os.utime(path, (hour_ago, hour_ago), follow_symlinks=False)
+
+
 def same_tree(a: Path, b: Path) -> bool:
     def listing(root: Path) -> dict[str, bytes | str]:
         out: dict[str, bytes | str] = {}
@@ -534,9 +542,7 @@ def test_a_parent_deleted_collected_and_taken_again_under_its_name_is_not_truste
     other = tmp_path / "other"
     other.mkdir()
     (other / "main.py").write_text("print('another tree')\n")
-    hour_ago = time.time() - 3600  # (files written just now are never trusted from a cache)
-    for path in tree.rglob("*"):
-        os.utime(path, (hour_ago, hour_ago), follow_symlinks=False)
+    aged(tree)
     with make_store(objects, tmp_path / "cache") as store:
         store.create("base", inputs(tree))
         store.delete("base")
@@ -575,9 +581,7 @@ def test_a_listing_row_left_without_its_manifest_does_not_vouch_for_a_stat_cache
     """A delete removes the manifest and the listing row in one request, which S3 may carry out
     in part. A row left alone (its id matching the cache's) proves nothing: the chunks were
     collected with the manifest gone, and the next snapshot reads the directory again."""
-    hour_ago = time.time() - 3600
-    for path in tree.rglob("*"):
-        os.utime(path, (hour_ago, hour_ago), follow_symlinks=False)
+    aged(tree)
     with make_store(objects, tmp_path / "cache") as store:
         store.create("base", inputs(tree))
         objects.delete_many(["snapshots/base.json"])  # the row stays

@@ -362,15 +362,13 @@ async def test_a_shell_made_ahead_holds_no_mounts_serves_one_launch_and_goes_at_
 
 
 def _same_uid_start(prefix: str) -> tuple[str, str]:
-    """Two sandbox ids whose uids would start at the same place (allocate_uid's hash)."""
-    import blake3
-
-    from dsec_nodeagent.sandbox.domain import UID_COUNT
+    """Two sandbox ids whose uids would start at the same place (allocate_uid's first choice)."""
+    from dsec_nodeagent.sandbox.domain import allocate_uid
 
     seen: dict[int, str] = {}
     for n in range(100_000):
         sid = f"{prefix}-{n}"
-        start = int.from_bytes(blake3.blake3(sid.encode()).digest()[:4], "big") % UID_COUNT
+        start = allocate_uid(sid, set())
         if start in seen:
             return seen[start], sid
         seen[start] = sid

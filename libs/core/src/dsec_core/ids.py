@@ -47,6 +47,13 @@ def derive_event_id(input_id: str, label: str) -> str:
     return str(uuid.uuid5(_DERIVE_NS, f"{input_id}/{label}"))
 
 
+def output_event_id(input_id: str, event_type: str, n: int = 0) -> str:
+    """The id a service runtime gives the ``n``-th output of type ``event_type`` it publishes
+    in answer to the event ``input_id`` (so a redelivery publishes the same ids, and a
+    handler can find its earlier answer)."""
+    return derive_event_id(input_id, f"{event_type}#{n}")
+
+
 def new_sandbox_id() -> str:
     """Return a new sandbox id (``sbx_`` + 26 chars of a UUIDv7, sortable by creation)."""
     return "sbx_" + uuid6.uuid7().hex[:26]

@@ -44,7 +44,7 @@ from dsec_core import identity, keysource, metrics, natsclient
 from dsec_core.bus import EventPublisher, StreamWeakened, connect, require_stream
 from dsec_core.envelope import Envelope
 from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
-from dsec_core.ids import derive_event_id
+from dsec_core.ids import derive_event_id, output_event_id
 from dsec_core.natsperms import durable_name
 from dsec_core.settings import Settings
 from dsec_core.signing import Signer
@@ -393,7 +393,7 @@ class Service:
             await self.publisher.publish(
                 out.payload,
                 aggregate_id=out.aggregate_id or envelope.aggregate_id,
-                event_id=derive_event_id(envelope.id, f"{out.payload.TYPE}#{n}"),
+                event_id=output_event_id(envelope.id, out.payload.TYPE, n),
                 causation=envelope,
             )
             metrics.EVENTS_PUBLISHED.labels(self.name, out.payload.TYPE).inc()

@@ -31,7 +31,7 @@ from dsec_core import events
 from dsec_core.bus import replay
 from dsec_core.codebundle import MAX_SIZE_LIMIT, BundleError, extract_bundle
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
-from dsec_core.ids import derive_event_id
+from dsec_core.ids import output_event_id
 from dsec_core.lifecycle import fold_envelopes
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
 from dsec_core.settings import Settings
@@ -76,10 +76,10 @@ class Refused(Exception):
 def _answered(
     request: Envelope, history: Sequence[Envelope], *answers: type[events.Payload]
 ) -> bool:
-    """Whether ``history`` holds an answer to ``request`` (its id is derived from the
-    request's: see ``dsec_core.service``): a request delivered again after it was answered
-    (an ack lost, its wait exceeded) must not act twice."""
-    ids = {derive_event_id(request.id, f"{a.TYPE}#0") for a in answers}
+    """Whether ``history`` holds an answer to ``request`` (the service runtime derives its id
+    from the request's): a request delivered again after it was answered (an ack lost, its
+    wait exceeded) must not act twice."""
+    ids = {output_event_id(request.id, a.TYPE) for a in answers}
     return any(e.id in ids for e in history)
 
 

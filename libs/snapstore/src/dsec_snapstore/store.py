@@ -298,9 +298,14 @@ class SnapshotStore:
     ) -> CreateResult:
         cache = self._stat_cache(root)
         taken = self._pool.submit(self._exists, name)
+        # The cache's snapshot is still there and still the one it was (by id: deleted and
+        # taken again under its name, it is another): its manifest and its row, both at once.
         parent_alive = (
-            self._pool.submit(self._still_is, cache.snapshot, cache.snapshot_id)
-            if cache.snapshot
+            (
+                self._pool.submit(self._exists, cache.snapshot),
+                self._pool.submit(self._row_is, cache.snapshot, cache.snapshot_id),
+            )
+            if cache.snapshot and cache.snapshot_id
             else None
         )
         index_read = self._pool.submit(self.index.refresh)  # what is stored already: dedup
@@ -312,7 +317,11 @@ class SnapshotStore:
             raise InvalidInput(str(exc)) from exc
         if taken.result():
             raise SnapshotExists(f"snapshot {name!r} exists already (snapshots are immutable)")
-        parent = cache.snapshot if parent_alive is not None and parent_alive.result() else None
+        parent = (
+            cache.snapshot
+            if parent_alive is not None and all(f.result() for f in parent_alive)
+            else None
+        )
         index_read.result()
         packer = Packer(self.objects, self._uploader, target=self._pack_target)
         try:
@@ -342,7 +351,7 @@ class SnapshotStore:
         # stored after all.
         signing = self._pool.submit(self._signed_document, manifest)
         saved = self._pool.submit(
-            cache.save, name, hashed, scan_ns, rehashed if parent else None, snapshot_id
+            cache.save, name, hashed, scan_ns, rehashed if parent else None, snapshot_id=snapshot_id
         )
         try:
             self._store_packs(packer)
@@ -389,18 +398,14 @@ class SnapshotStore:
     def _exists(self, name: str) -> bool:
         return self.objects.exists(manifest_key(name))
 
-    def _still_is(self, name: str, snapshot_id: str | None) -> bool:
-        """Whether the snapshot called ``name`` is still the one of ``snapshot_id`` (deleted,
-        collected and taken again under its name, it is another: its listing row says)."""
-        if snapshot_id is None:
-            return False
+    def _row_is(self, name: str, snapshot_id: str) -> bool:
+        """Whether ``name``'s listing row is that of ``snapshot_id`` (alone it proves nothing:
+        a delete removes row and manifest in one request, which S3 may carry out in part)."""
         try:
             row = json.loads(self.objects.get(summary_key(name)))
         except (ObjectMissing, ValueError):
             return False
-        # and the manifest itself (a delete removes both in one request, which S3 may carry
-        # out in part: a row left without its manifest proves nothing)
-        return isinstance(row, dict) and row.get("id") == snapshot_id and self._exists(name)
+        return isinstance(row, dict) and row.get("id") == snapshot_id
 
     def _stored_is(self, key: str, data: bytes) -> bool:
         """Whether the object at ``key`` holds exactly ``data`` (signed: no one else's is)."""

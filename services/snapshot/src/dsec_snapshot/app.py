@@ -68,7 +68,7 @@ def create_service(settings: Settings | None = None) -> Service:
         events.SnapshotRestoreRequested, retry=retry, batch=4, on_exhausted=snapshot_failed
     )(handlers.on_restore_requested)
     service.handles("snapshot.delete_requested", retry=retry, batch=4, on_exhausted=not_deleted)(
-        SnapshotDeletes(handlers, service.settings.snapshot_gc_min_grace_s).on_delete_requested
+        SnapshotDeletes(handlers).on_delete_requested
     )
     service.on_start.append(handlers.start)
     if service.settings.snapshot_interval_s > 0:

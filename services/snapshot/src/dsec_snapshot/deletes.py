@@ -27,9 +27,8 @@ log = logging.getLogger(__name__)
 class SnapshotDeletes:
     """Deletes and GC on behalf of users (the store of the snapshot service's requests)."""
 
-    def __init__(self, requests_: requests.SnapshotRequests, min_grace_s: float = 3600.0) -> None:
+    def __init__(self, requests_: requests.SnapshotRequests) -> None:
         self.requests = requests_
-        self.min_grace_s = min_grace_s
 
     async def on_delete_requested(
         self, envelope: Envelope, event: events.SnapshotDeleteRequested
@@ -48,15 +47,16 @@ class SnapshotDeletes:
             # A shorter grace would let one tenant's GC delete the packs another tenant's
             # snapshot has uploaded but not yet named (its create then stores a snapshot that
             # names chunks stored nowhere): anyone may ask for more, no one for less.
-            if event.gc_grace_s < self.min_grace_s:
+            grace_s = max(event.gc_grace_s, self.requests.settings.snapshot_gc_min_grace_s)
+            if grace_s != event.gc_grace_s:
                 log.warning(
                     "snapshot gc asked by %s with a grace of %.0f s: %.0f s applied (the least)",
                     envelope.tenant,
                     event.gc_grace_s,
-                    self.min_grace_s,
+                    grace_s,
                 )
             try:
-                grace = timedelta(seconds=max(event.gc_grace_s, self.min_grace_s))
+                grace = timedelta(seconds=grace_s)
                 report = await asyncio.to_thread(store.gc, grace=grace)
             except SnapshotError as exc:  # an unreadable manifest: nothing was collected
                 log.warning("snapshot gc refused: %s", exc)

@@ -218,7 +218,8 @@ class StatCache:
         hashed: dict[str, tuple[TreeEntry, HashedFile]],
         now_ns: int,
         rehashed: set[str] | None = None,
-        snapshot_id: str | None = None,
+        *,
+        snapshot_id: str,
     ) -> None:
         """Replace the cache with ``hashed`` as of ``snapshot`` (atomically; ``snapshot_id``:
         its id).

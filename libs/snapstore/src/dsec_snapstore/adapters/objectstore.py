@@ -83,14 +83,17 @@ class ObjectStore(Protocol):
         ...
 
 
-_unsigned = threading.local()
+_put_options = threading.local()
+"""The options of the PUT this thread is making (see :class:`_Minio`): ``unsigned``,
+``if_absent``."""
 _MAX_SINGLE_PUT = 5 << 30
 """S3's largest single PUT: an ``if_absent`` write is one request up to it (a multipart
 upload's parts would each carry the condition)."""
 
 
 class _Minio(Minio):
-    """A client that leaves the payload of a PUT unsigned while :data:`_unsigned` says so.
+    """A client that leaves the payload of a PUT unsigned while :data:`_put_options` says so
+    (and adds ``If-None-Match: *`` to a create-only one).
 
     SigV4 over plain HTTP signs a SHA-256 of the body: the client hashes every byte it sends
     and the server hashes them again to compare (over TLS the client sends ``UNSIGNED-PAYLOAD``
@@ -106,13 +109,13 @@ class _Minio(Minio):
         body: bytes | None = None,
         creds: Credentials | None = None,
     ) -> tuple[DictType, datetime]:
-        if not body or creds is None or not getattr(_unsigned, "on", False):
+        if not body or creds is None or not getattr(_put_options, "unsigned", False):
             out, date = super()._build_headers(host, headers, body, creds)
         else:
             out, date = super()._build_headers(host, headers, None, creds)
             out["Content-Length"] = str(len(body))
             out["x-amz-content-sha256"] = "UNSIGNED-PAYLOAD"
-        if body is not None and getattr(_unsigned, "if_absent", False):
+        if body is not None and getattr(_put_options, "if_absent", False):
             out["If-None-Match"] = "*"  # (signed with the rest) create only: 412 if it exists
         return out, date
 
@@ -180,8 +183,8 @@ class S3ObjectStore:
             StoreUnavailable: S3 failed.
         """
         self.ensure_bucket()
-        _unsigned.on = checked_on_read
-        _unsigned.if_absent = if_absent
+        _put_options.unsigned = checked_on_read
+        _put_options.if_absent = if_absent
         try:
             self._client.put_object(
                 self.bucket,
@@ -197,8 +200,7 @@ class S3ObjectStore:
         except (MinioException, urllib3.exceptions.HTTPError, OSError) as exc:
             raise self._unavailable(exc) from exc
         finally:
-            _unsigned.on = False
-            _unsigned.if_absent = False
+            _put_options.unsigned = _put_options.if_absent = False
 
     def get(self, key: str) -> bytes:
         """Return the object at ``key``."""

@@ -166,7 +166,7 @@ class _UdpServer(asyncio.DatagramProtocol):
         task.add_done_callback(self.tasks.discard)
 
     async def _reply(self, data: bytes, addr: tuple[str | int, ...]) -> None:
-        self._send(await self.proxy.answer(self.sandbox, data, udp=True, screened=True), addr)
+        self._send(await self.proxy.answer(self.sandbox, data, udp=True), addr)
 
     def _send(self, wire: bytes | None, addr: tuple[str | int, ...]) -> None:
         if wire and self.transport is not None and not self.transport.is_closing():
@@ -337,7 +337,8 @@ class DnsProxy:
                 async with asyncio.timeout(_TCP_IDLE_S):
                     (length,) = struct.unpack("!H", await reader.readexactly(2))
                     data = await reader.readexactly(length)
-                wire = await self.answer(sandbox, data, udp=False)
+                early = self.screen(sandbox, data)
+                wire = early if early is not None else await self.answer(sandbox, data, udp=False)
                 if not wire:  # dropped: nothing sensible to say on this connection
                     break
                 writer.write(struct.pack("!H", len(wire)) + wire)
@@ -407,9 +408,10 @@ class DnsProxy:
         for a datagram over its rate (every one counts, garbage too) or not even a query;
         ``None``: go on (:meth:`answer`)."""
         bounds = self.bounds
+        no_query = len(data) < 12 or bool(data[2] & 0x80)  # no header, or a response
         if not self._rate_ok(sandbox):  # first: a flood of garbage is a flood too
-            if len(data) < 12 or data[2] & 0x80:
-                return b""  # no header to answer: dropped, counted
+            if no_query:
+                return b""  # nothing to answer: dropped, counted
             self._refuse(
                 sandbox,
                 "?",
@@ -418,21 +420,15 @@ class DnsProxy:
                 f"more than {bounds.queries_per_s:g} queries/s (burst {bounds.query_burst})",
             )
             return _refused_reply(data, bounds.max_query_bytes)
-        if len(data) < 12 or data[2] & 0x80:
-            return b""  # not even a header, or a response: nothing sensible to say
-        return None
+        return b"" if no_query else None
 
-    async def answer(
-        self, sandbox: _Sandbox, data: bytes, *, udp: bool, screened: bool = False
-    ) -> bytes | None:
-        """The wire answer to one question of ``sandbox`` (None or ``b""``: drop it).
+    async def answer(self, sandbox: _Sandbox, data: bytes, *, udp: bool) -> bytes | None:
+        """The wire answer to one question of ``sandbox`` that :meth:`screen` let through
+        (``None``: drop it).
 
-        The question is parsed and screened (``screened``: :meth:`screen` ran already); upstream
-        gets a fresh minimal query of our own (one lower-cased question, our EDNS OPT, a new
-        id), never the sandbox's bytes.
+        The question is parsed and screened; upstream gets a fresh minimal query of our own
+        (one lower-cased question, our EDNS OPT, a new id), never the sandbox's bytes.
         """
-        if not screened and (early := self.screen(sandbox, data)) is not None:
-            return early
         bounds = self.bounds
         if len(data) > bounds.max_query_bytes:
             self._refuse(

@@ -307,7 +307,8 @@ class Broker:
 
     def _on_readable(self, conn: Connection) -> None:
         # At most READS_PER_TURN messages, then the loop serves everyone else before this
-        # connection is read again: a sandbox that never stops sending held the node agent's
+        # connection is read again (its reader is level-triggered: still readable, it is called
+        # on the loop's next turn): a sandbox that never stops sending held the node agent's
         # loop for up to 0.25 s at a time.
         for _ in range(READS_PER_TURN):
             try:
@@ -331,13 +332,6 @@ class Broker:
                 return
             if conn not in self._connections:  # refused and dropped
                 return
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(conn.sock.fileno())
-        loop.call_soon(self._read_again, conn)
-
-    def _read_again(self, conn: Connection) -> None:
-        if conn in self._connections:
-            asyncio.get_running_loop().add_reader(conn.sock.fileno(), self._on_readable, conn)
 
     def _dispatch(self, conn: Connection, message: dict[str, Any]) -> None:
         op = message["op"]

@@ -875,7 +875,7 @@ class Migrations:
             raise MigrationError("restore", f"{sid} already runs or starts on {self.node_id}")
         if not manager.reserve_uid(uid):  # it keeps its uid: its files and processes have it
             raise MigrationError(
-                "restore", f"uid {uid} of {sid} is a sandbox's of {self.node_id} already"
+                "restore", f"uid {uid} of {sid} is already a sandbox's uid on {self.node_id}"
             )
         session.meta["uid_reserved"] = uid
         try:

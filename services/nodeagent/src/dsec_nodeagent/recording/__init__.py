@@ -93,7 +93,10 @@ def _sandbox_text(path: Path) -> str:
                 f"{CALLS_FILE} is {info.st_size} bytes: a sandbox's recorded calls may take "
                 f"at most {MAX_SANDBOX_BYTES}"
             )
-        return file.read(MAX_SANDBOX_BYTES + 1).decode()
+        data = file.read(MAX_SANDBOX_BYTES + 1)
+        if len(data) > MAX_SANDBOX_BYTES:  # grown since the fstat
+            raise ValueError(f"{CALLS_FILE} is over {MAX_SANDBOX_BYTES} bytes")
+        return data.decode()
 
 
 class Recordings:

@@ -348,12 +348,10 @@ class SandboxManager:
             )
             assert cgroup is not None  # made before the sandbox's init could go on
         except SandboxStartError:
-            await _settled(disk)
-            await self._abort(sid, cgroup, channel, run_dir, early)
+            await self._abort_after(disk, sid, cgroup, channel, run_dir, early)
             raise
         except Exception as exc:
-            await _settled(disk)
-            await self._abort(sid, cgroup, channel, run_dir, early)
+            await self._abort_after(disk, sid, cgroup, channel, run_dir, early)
             stage = "plan" if "plan" not in marks else "cgroup"
             stage = stage if "spawn_start" not in marks else "spawn"
             raise SandboxStartError(sid, stage, str(exc)) from exc
@@ -701,11 +699,8 @@ class SandboxManager:
 
     def _uids_in_use(self) -> set[int]:
         """Those of watched sandboxes, of launches under way, and named by state files."""
-        return (
-            {s.ready.uid for s in self._sandboxes.values()}
-            | self._starting_uids
-            | (self.states.uids())
-        )
+        watched = {s.ready.uid for s in self._sandboxes.values()}
+        return watched | self._starting_uids | self.states.uids()
 
     def _prepare_dirs(self, built: plan.PlanResult, uid: int) -> None:
         for path in built.writable_dirs:
@@ -915,6 +910,8 @@ class SandboxManager:
         run_dir: Path,
         early: zygote.PendingFork | None,
     ) -> None:
+        """A failed or cancelled launch's clean-up, once its disk quota's mount (``disk``, in a
+        worker thread) has ended."""
         await _settled(disk)
         await self._abort(sid, cgroup, channel, run_dir, early)
 
@@ -1171,7 +1168,7 @@ class SandboxManager:
         return (
             sandbox_id in self._sandboxes
             or sandbox_id in self._launching
-            or self.states.read(sandbox_id) is not None
+            or self.states.exists(sandbox_id)
         )
 
     # ------------------------------------------------------------------ restart
@@ -1224,7 +1221,7 @@ class SandboxManager:
             return
         for data_dir in self.data_root.iterdir():
             sid = data_dir.name
-            if sid in self._sandboxes or self.states.read(sid) is not None:
+            if self.busy(sid):
                 continue
             if quota.is_mounted(data_dir):
                 log.warning("releasing the disk quota of %s: no sandbox state records it", sid)

@@ -80,18 +80,19 @@ class StateStore:
         self.path(sandbox_id).unlink(missing_ok=True)
         self._uids.pop(sandbox_id, None)
 
+    def exists(self, sandbox_id: str) -> bool:
+        """Whether ``sandbox_id`` has a state file (without reading it)."""
+        return self.path(sandbox_id).exists()
+
     def uids(self) -> set[int]:
         """The uids the state files name (a file this store neither wrote nor read yet, such as
         one a node agent before it left, is read now; one gone is forgotten)."""
-        listed = self.ids()
-        known = self._uids
-        if len(known) > len(listed):
-            for gone in known.keys() - set(listed):
-                del known[gone]
-        for sandbox_id in listed:
-            if sandbox_id not in known:
-                known[sandbox_id] = _uid_of(self.read(sandbox_id) or {})
-        return {uid for sandbox_id in listed if (uid := known.get(sandbox_id)) is not None}
+        listed = set(self.ids())
+        for gone in self._uids.keys() - listed:
+            del self._uids[gone]
+        for sandbox_id in listed - self._uids.keys():
+            self._uids[sandbox_id] = _uid_of(self.read(sandbox_id) or {})
+        return {uid for uid in self._uids.values() if uid is not None}
 
     def ids(self) -> list[str]:
         """Every sandbox with a state file."""

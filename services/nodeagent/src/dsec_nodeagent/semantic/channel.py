@@ -38,6 +38,12 @@ MAX_BRACKETS = 64
 flat object; more is refused unparsed (nesting that deep could only be an attack)."""
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
 """A JSON string literal (what the bracket count skips)."""
+
+
+def _brackets(data: bytes) -> int:
+    return data.count(b"[") + data.count(b"{")
+
+
 SLICE_BUDGET = 128
 """Datagrams read per :data:`SLICE_S` at most (about 2,500/s per sandbox)."""
 SLICE_S = 0.05
@@ -133,9 +139,8 @@ class DecisionChannel:
         shape escapes.
         """
         try:
-            bare = _STRINGS.sub(b"", data)  # (a subject may hold any number of brackets)
-            if bare.count(b"[") + bare.count(b"{") > MAX_BRACKETS:
-                raise ValueError("not a flat decision object")
+            if _brackets(data) > MAX_BRACKETS and _brackets(_STRINGS.sub(b"", data)) > MAX_BRACKETS:
+                raise ValueError("not a flat decision object")  # (strings may hold any number)
             raw = json.loads(data)
             decision = SemanticDecision.model_validate({**raw, "sandbox_id": self.sandbox_id})
         except Exception as exc:  # (ValueError, ValidationError, TypeError, RecursionError...)
