@@ -332,3 +332,71 @@ def test_exec_json_is_chunks_then_the_exit_code(
         {"stream": "stderr", "data": "warn\ufffd"},
         {"exit_code": 3},
     ]
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "COLUMNS": "100"},
+    )
+
+
+def test_the_script_ends_without_teardown_yet_with_all_its_output_and_its_status() -> None:
+    """`dsec` ends by ``os._exit`` after the command (``run``): a 270 KB document written to a
+    pipe arrives whole, the exit status is the command's, the ``atexit`` handlers ran."""
+    script = subprocess.run(
+        [DSEC, "events", "schema"], capture_output=True, text=True, timeout=120, check=False
+    )
+    usual = _python("from dsec_cli.main import main; main()", "events", "schema")
+    assert script.returncode == usual.returncode == 0, script.stderr + usual.stderr
+    assert len(script.stdout) > 100_000 and script.stdout == usual.stdout
+
+    at_exit = (
+        "import atexit, sys; atexit.register(print, 'atexit ran'); sys.argv[0] = 'dsec'\n"
+        "from dsec_cli.main import run; run()"
+    )
+    for argv, status in ((["version", "--json"], 0), (["no-such-command"], 2)):
+        done = _python(at_exit, *argv)
+        assert done.returncode == status, done.stderr
+        assert done.stdout.rstrip().endswith("atexit ran")
+    assert json.loads(_python(at_exit, "version", "--json").stdout.splitlines()[0])["python"]
+
+
+def test_the_script_waits_for_a_thread_still_running() -> None:
+    """With another thread alive, ``run`` leaves by Python's own exit, which waits for it."""
+    done = _python(
+        "import sys, threading, time\n"
+        "def late(): time.sleep(0.3); print('thread finished', flush=True)\n"
+        "threading.Thread(target=late).start(); sys.argv[0] = 'dsec'\n"
+        "from dsec_cli.main import run; run()",
+        "version",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "thread finished"
+
+
+def test_collection_is_paused_for_start_up_only() -> None:
+    """``main`` pauses the garbage collector while a command's modules load; the command itself
+    runs with it on, and what start-up made is frozen (never walked again)."""
+    done = _python(
+        "import gc, json, sys\n"
+        "from dsec_cli import main as m\n"
+        "seen = []\n"
+        "load = m.LazyGroup._load\n"
+        "def spy(self, name):\n"
+        "    seen.append(gc.isenabled()); load(self, name); seen.append(gc.isenabled())\n"
+        "m.LazyGroup._load = spy\n"
+        "sys.argv[0] = 'dsec'\n"
+        "try: m.main()\n"
+        "except SystemExit: pass\n"
+        "print(json.dumps([seen, gc.isenabled(), gc.get_freeze_count()]))",
+        "events",
+        "schema",
+    )
+    seen, enabled, frozen = json.loads(done.stdout.splitlines()[-1])
+    assert seen == [False, True] and enabled and frozen > 10_000

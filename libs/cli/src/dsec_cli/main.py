@@ -13,9 +13,12 @@ its heavy imports (nats, the event models, rich tables, yaml) inside its functio
 
 from __future__ import annotations
 
+import atexit
+import gc
 import importlib
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any
@@ -111,6 +114,7 @@ class LazyGroup(TyperGroup):
 
     def _load(self, module_name: str) -> None:
         module = importlib.import_module(f"{commands.__name__}.{module_name}")
+        _resume_gc()
         holder = typer.Typer()
         module.register(holder)
         group = typer.main.get_group(holder)
@@ -274,10 +278,76 @@ def version(
     _print_versions(as_json)
 
 
+_gc_paused = False
+
+
+def _resume_gc() -> None:
+    """After start-up (see :func:`main`): what the imports made is frozen, collections resume."""
+    global _gc_paused
+    if _gc_paused:
+        _gc_paused = False
+        gc.freeze()
+        gc.enable()
+
+
 def main() -> None:
-    """Entry point of the ``dsec`` script."""
-    app()
+    """Run the command line (ends in ``SystemExit``, as Click's standalone mode does).
+
+    Collecting while a command's modules are imported walks the thousands of long-lived objects
+    the imports make (event models, nats-py's dataclasses) again and again to find almost
+    nothing. Collection is paused until the command's module is loaded
+    (:meth:`LazyGroup._load`); what the imports made is then frozen, so no collection walks it
+    again, and collection resumes for the command itself.
+    """
+    global _gc_paused
+    if gc.isenabled():
+        gc.disable()
+        _gc_paused = True
+    try:
+        app()
+    finally:
+        _resume_gc()
+
+
+def run() -> None:
+    """Entry point of the ``dsec`` script: :func:`main`, then the process ends.
+
+    Python's own shutdown frees every module and object one by one: about 0.1 s once the event
+    models are loaded, longer than some commands take. When only this thread is left (nothing
+    else can still be writing), the ``atexit`` handlers run, the output is flushed and the
+    process ends without that teardown (:func:`_leave`), with the exit status ``SystemExit``
+    would give.
+    """
+    try:
+        main()
+    except SystemExit as exc:
+        _leave(exc.code)
+        raise
+
+
+def _leave(code: Any) -> None:
+    """End the process with ``code`` as ``SystemExit(code)`` would, skipping the interpreter's
+    teardown, when only this thread runs; else return (the caller raises)."""
+    if threading.active_count() > 1:
+        return
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            # A reader that went away (`dsec events tail | head`) or a closed stream: as
+            # Python's own exit does, the lost output makes the status 120 unless it failed.
+            status = status or 120
+    os._exit(status)
 
 
 if __name__ == "__main__":
-    main()
+    run()
