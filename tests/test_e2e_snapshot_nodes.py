@@ -94,6 +94,7 @@ def test_rm_and_gc_go_through_the_snapshot_service_and_the_objects_are_gone(
     collected = dsec_cli("snapshot", "gc", "--grace", "0s", "--yes", "--json", env=env)
     assert collected.exit_code == 0, collected.output
     assert collected.last_json()["chunks_removed"] >= len(chunks)
+    assert collected.last_json()["gc_grace_s"] == 0  # the grace asked for: no minimum here
     assert not any(stored(s3, k) for k in chunks)
 
     again = dsec_cli("snapshot", "rm", name, "--yes", env=env)
@@ -115,7 +116,11 @@ def test_a_gc_asked_with_no_grace_keeps_young_packs_another_snapshot_may_be_nami
     collected = dsec_cli("snapshot", "gc", "--grace", "0s", "--yes", "--json", env=env)
     assert collected.exit_code == 0, collected.output
     assert collected.last_json()["chunks_removed"] == 0
+    assert collected.last_json()["gc_grace_s"] == 3600  # raised, and the answer says so
     assert chunks and all(stored(s3, k) for k in chunks)
+    told = dsec_cli("snapshot", "gc", "--grace", "0s", "--yes", env=env)
+    assert told.exit_code == 0, told.output
+    assert "kept everything younger than 1h, not 0s" in " ".join(told.output.split())
 
 
 def test_a_user_of_another_tenant_cannot_delete_a_snapshot(

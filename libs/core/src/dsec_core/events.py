@@ -532,11 +532,19 @@ class SnapshotDeleted(Payload):
     TYPE = "snapshot.deleted"
     AGGREGATE = "snapshot"
     TERMINAL = True
+    VERSION = "1.1"
 
     names: list[str] = Field(default_factory=list)
     missing: list[str] = Field(default_factory=list, description="Names that did not exist")
     chunks_removed: int = 0
     bytes_freed: int = 0
+    gc_grace_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="The grace the collection ran with, in seconds: the one asked for, or the "
+        "service's minimum (DSEC_SNAPSHOT_GC_MIN_GRACE_S) where that is longer; none when no "
+        "collection ran",
+    )
 
 
 class GpuLink(BaseModel):

@@ -42,6 +42,7 @@ class SnapshotDeletes:
             else:
                 missing.append(name)
         chunks, freed = 0, 0
+        ran_with: float | None = None
         if event.gc:
             store = self.requests.store
             # A shorter grace would let one tenant's GC delete the packs another tenant's
@@ -62,9 +63,14 @@ class SnapshotDeletes:
                 log.warning("snapshot gc refused: %s", exc)
             else:
                 chunks, freed = report.chunks_removed, report.bytes_freed
+                ran_with = grace_s  # (the answer says so: a raised grace is no silent change)
         return [
             events.SnapshotDeleted(
-                names=deleted, missing=missing, chunks_removed=chunks, bytes_freed=freed
+                names=deleted,
+                missing=missing,
+                chunks_removed=chunks,
+                bytes_freed=freed,
+                gc_grace_s=ran_with,
             )
         ]
 

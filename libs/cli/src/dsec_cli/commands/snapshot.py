@@ -620,7 +620,11 @@ def gc(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Delete chunks and audit blobs that no snapshot references (the snapshot service does;
-    `--dry-run` only reads the store here)."""
+    `--dry-run` only reads the store here).
+
+    The service keeps at least `DSEC_SNAPSHOT_GC_MIN_GRACE_S` (1 h by default): a shorter
+    `--grace` is raised to it, and the answer says so (`gc_grace_s` in `--json`).
+    """
     period = _duration(grace, "--grace")
     if not dry_run:
         confirm(f"delete the snapshot objects no snapshot refers to, older than {grace}", yes)
@@ -633,17 +637,48 @@ def gc(
             f"freed {p['chunks_removed']} objects ({human_size(p['bytes_freed'])})",
             highlight=False,
         )
+        applied = p.get("gc_grace_s")
+        if applied is not None and applied > period.total_seconds():
+            _grace_raised(grace, applied)
         return
+    from dsec_core.settings import Settings
+
+    asked = period
+    least = Settings().snapshot_gc_min_grace_s  # what the service applies, if set alike
+    if least > asked.total_seconds():
+        period = timedelta(seconds=least)
     with snapshot_store() as store:
         report = store.gc(grace=period, dry_run=True)
     if as_json:
-        print_json(asdict(report) | {"deleted": len(report.deleted)})
+        print_json(
+            asdict(report) | {"deleted": len(report.deleted), "gc_grace_s": period.total_seconds()}
+        )
         return
     console.print(
         f"{report.objects_stored} objects, {report.objects_referenced} referenced; would free "
         f"{len(report.deleted)} ({human_size(report.bytes_freed)})",
         highlight=False,
     )
+    if period > asked:
+        _grace_raised(grace, period.total_seconds())
+
+
+def _grace_raised(asked: str, applied_s: float) -> None:
+    err_console.print(
+        f"[yellow]note:[/] kept everything younger than {_age(applied_s)}, not {safe_text(asked)}: "
+        "the snapshot service's least grace (DSEC_SNAPSHOT_GC_MIN_GRACE_S) protects packs a "
+        "snapshot being taken has uploaded but not yet named",
+        highlight=False,
+    )
+
+
+def _age(seconds: float) -> str:
+    """``seconds`` as the largest whole unit ``--grace`` takes (3600 -> ``1h``)."""
+    whole = int(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if whole >= size and whole % size == 0:
+            return f"{whole // size}{unit}"
+    return f"{whole}s"
 
 
 def register(app: typer.Typer) -> None:
