@@ -15,11 +15,13 @@ from dsec_core import identity
 from dsec_core.bus import EventPublisher, ensure_stream, replay
 from dsec_core.envelope import decode
 from dsec_core.events import SpecSubmitted, SpecValidated
-from dsec_core.service import RetryPolicy, Service
+from dsec_core.service import RetryPolicy, Service, sandbox_failed
 from dsec_core.settings import Settings
+from dsec_core.signing import Signer
 from dsec_core.subjects import STREAM, aggregate_filter
 from dsec_testing import trust
 from dsec_testing.plans import minimal_plan
+from nacl.signing import SigningKey
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 from prometheus_client import REGISTRY
@@ -211,6 +213,40 @@ async def test_redelivery_after_a_crash_between_publish_and_ack_publishes_nothin
     finally:
         await service.stop()
     assert [t for _, t, _ in events] == ["spec.submitted", "spec.validated"]
+
+
+async def test_a_spare_delivery_ends_only_a_request_no_attempt_answered(
+    publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path, dsec_stack
+) -> None:
+    """Once retries run out, the spare delivery publishes the failure, unless an attempt's
+    answer reached the log before its process died (the ack did not): one request, one
+    terminal answer. A forged "answer" (the service's name, a key nobody certified) does not
+    count."""
+    service = _service(nats_url, tmp_path, dsec_stack.home)
+
+    @service.handles(SpecSubmitted)
+    async def ignore(envelope, payload):  # type: ignore[no-untyped-def]
+        return []
+
+    answered, unanswered = (f"sbx_{uuid.uuid4().hex[:10]}" for _ in range(2))
+    await service.start()
+    try:
+        first = await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=answered)
+        second = await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=unanswered)
+        output = SpecValidated(name="a", spec_digest="d", plan=minimal_plan())
+        await service._publish_outputs(first.envelope, [output])  # then the process "died"
+        forger = Signer(service.name, SigningKey.generate())
+        forged = forger.seal(output, aggregate_id=unanswered, causation=second.envelope)
+        await js.publish(forged.envelope.subject, forged.wire)
+        failure = sandbox_failed(service.name)
+        await service._end_unfinished(first.envelope, first.stream_seq, 5, failure)
+        await service._end_unfinished(second.envelope, second.stream_seq, 5, failure)
+        one = [t for _, t, _ in await _events_of(js, answered)]
+        two = [t for _, t, _ in await _events_of(js, unanswered)]
+    finally:
+        await service.stop()
+    assert one == ["spec.submitted", "spec.validated"]
+    assert two == ["spec.submitted", "spec.validated", "sandbox.failed"]  # (the forgery)
 
 
 async def test_events_are_ordered_per_aggregate_and_carry_causation(

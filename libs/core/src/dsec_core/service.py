@@ -41,15 +41,15 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from dsec_core import identity, keysource, metrics, natsclient
-from dsec_core.bus import EventPublisher, StreamWeakened, connect, require_stream
-from dsec_core.envelope import Envelope
+from dsec_core.bus import EventPublisher, StreamWeakened, connect, replay, require_stream
+from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
 from dsec_core.ids import derive_event_id, output_event_id
 from dsec_core.natsperms import durable_name
 from dsec_core.settings import Settings
 from dsec_core.signing import Signer
-from dsec_core.subjects import STREAM, filter_for
-from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket
+from dsec_core.subjects import STREAM, aggregate_filter, filter_for
+from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket, unpack_fields
 
 SYSTEM_TENANT = identity.SYSTEM_TENANT
 CONSUMER_POLL_S = 15.0
@@ -319,8 +319,7 @@ class Service:
         if attempt > policy.max_attempts:
             # The handler crashed the process (or outran ack_wait) on every attempt: this spare
             # delivery only ends the request, it does not run the handler again.
-            reason = f"no attempt of {self.name} completed (crashed or timed out {attempt - 1}x)"
-            await self._publish_outputs(envelope, failure(envelope, reason, attempt - 1))
+            await self._end_unfinished(envelope, stream_seq, attempt - 1, failure)
             await msg.ack_sync()
             return
         started = time.perf_counter()
@@ -337,6 +336,48 @@ class Service:
             HANDLING_SEQ.reset(token)
         metrics.HANDLER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
         await msg.ack_sync()
+
+    async def _end_unfinished(
+        self, envelope: Envelope, stream_seq: int, attempts: int, failure: FailureEvents
+    ) -> None:
+        """End a request no attempt of which was acknowledged: its failure event(s), unless
+        an attempt answered it before the process died (its outputs reached the log, the ack
+        did not): a request ends in one terminal answer, never in a success and a failure."""
+        reason = f"no attempt of {self.name} completed (crashed or timed out {attempts}x)"
+        outputs = failure(envelope, reason, attempts)
+        if outputs and await self._caused_here(envelope, stream_seq, outputs):
+            log.warning(
+                "%s: %s was answered by an attempt that was never acknowledged: no failure",
+                self.name,
+                envelope.id,
+            )
+            return
+        await self._publish_outputs(envelope, outputs)
+
+    async def _caused_here(
+        self, envelope: Envelope, stream_seq: int, outputs: Sequence[Payload]
+    ) -> bool:
+        """Whether an authentic event of this producer caused by ``envelope`` follows it in the
+        log, on an aggregate the failure ``outputs`` would go to (forged ones do not count)."""
+        assert self.publisher is not None and self.gate is not None
+        producer = self.publisher.signer.producer
+        for aggregate in dict.fromkeys(p.AGGREGATE for p in outputs):
+            subject = aggregate_filter(aggregate, envelope.aggregate_id)
+            async for _, data in replay(
+                self.publisher.js, filter_subject=subject, start_seq=stream_seq + 1
+            ):
+                try:
+                    fields = unpack_fields(data)
+                    if fields.get("causation_id") != envelope.id:
+                        continue
+                    if fields.get("producer") != producer:
+                        continue
+                    caused = Envelope.model_validate(fields)
+                except (MalformedEnvelope, ValueError):
+                    continue
+                if await self.gate.check(fields, caused) is None:
+                    return True
+        return False
 
     async def _refuse(
         self, durable: str, event_type: str, seq: int, msg: NatsMessage, refusal: Refusal
