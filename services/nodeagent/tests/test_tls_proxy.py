@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -27,6 +28,7 @@ from dsec_core.spec.units import Rate
 
 from dsec_nodeagent.tlsproxy import (
     MAX_CONNECTIONS,
+    PROXY_THREADS,
     CertAuthority,
     ProxyRule,
     SandboxProxy,
@@ -279,6 +281,62 @@ async def test_connections_past_the_bound_are_closed_unanswered(
         for sock in held:
             sock.close()
         await proxy.close()
+
+
+def test_a_sandbox_whose_upstream_hangs_holds_none_of_the_node_agents_shared_threads(
+    tmp_path: Path,
+) -> None:
+    """Every connection the proxy allows, each with a request to an upstream that never
+    answers: the proxy's blocking work waits on its own threads (``PROXY_THREADS``), and the
+    event loop's shared pool (the node agent's, six threads on two cores) stays free for the
+    neighbours' work. (A loop of its own: its shared pool is sized as on a 2-core node.)"""
+    asyncio.run(_upstream_hangs(tmp_path))
+
+
+async def _upstream_hangs(tmp_path: Path) -> None:
+    shared = ThreadPoolExecutor(6)  # the default pool's size on a 2-core node
+    asyncio.get_running_loop().set_default_executor(shared)
+    silent = socket.socket()  # takes connections, never speaks TLS
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    port = silent.getsockname()[1]
+    upstream: list[socket.socket] = []  # the proxy's connections to it, held open
+
+    def take() -> None:
+        with contextlib.suppress(OSError):  # (closed at the end)
+            while True:
+                upstream.append(silent.accept()[0])
+
+    threading.Thread(target=take, daemon=True).start()
+    ca = CertAuthority("sbx-hang", tmp_path)
+    proxy = SandboxProxy("sbx-hang", [_rule(port, rate=None)], ca, lambda r, t: None)
+    opened: list[socket.socket] = []
+
+    def ask() -> None:
+        tls, answer = _tunnel(proxy_port, f"{HOST}:{port}", ca)
+        opened.append(tls)
+        if answer.startswith(b"HTTP/1.1 200"):
+            tls.sendall(f"GET / HTTP/1.1\r\nHost: {HOST}\r\n\r\n".encode())
+
+    async with serving(proxy) as proxy_port:
+        try:
+            askers = [threading.Thread(target=ask) for _ in range(MAX_CONNECTIONS)]
+            for thread in askers:
+                thread.start()
+            for thread in askers:
+                await asyncio.to_thread(thread.join, 20)  # (while the pool is still free)
+            assert len(opened) == MAX_CONNECTIONS
+            deadline = time.monotonic() + 20  # the requests reach the upstream and hang there
+            while len(upstream) < PROXY_THREADS:
+                assert time.monotonic() < deadline, f"{len(upstream)} requests reached upstream"
+                await asyncio.sleep(0.01)
+            # a neighbour's blocking work meanwhile: done at once, not after the upstreams
+            assert await asyncio.wait_for(asyncio.to_thread(lambda: "free"), 5) == "free"
+            assert len(upstream) == PROXY_THREADS  # the rest wait for the sandbox's own threads
+        finally:
+            for sock in opened + upstream:
+                sock.close()
+            silent.close()  # the hung handshakes end: so do the proxy's threads
 
 
 @pytest.mark.unit

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import http.client
 import ipaddress
 import math
@@ -28,8 +29,10 @@ import ssl
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import msgpack
 from cryptography import x509
@@ -45,6 +48,14 @@ MAX_CONNECTIONS = 16  # open connections to one sandbox's proxy; more are closed
 MAX_LEAVES = 256  # leaf certificates kept per sandbox (a wildcard rule admits many hosts)
 IDLE_TIMEOUT_S = 60.0
 UPSTREAM_TIMEOUT_S = 30.0
+PROXY_THREADS = 4
+"""Threads one sandbox's proxy holds at most for its blocking work (the upstream requests, their
+address lookups, the check of whose socket connected). They are its own: a sandbox whose
+upstream is slow, or that holds its connections open, waits on itself. On the event loop's
+shared pool (six threads on two cores) it would stall the node agent's other blocking work
+(its neighbours' launches, state files, snapshots) for up to ``UPSTREAM_TIMEOUT_S``."""
+
+T = TypeVar("T")
 
 Refused = Callable[[str, str], None]  # (rule_id, target) for each request refused (429)
 
@@ -226,6 +237,14 @@ class SandboxProxy:
         self.recording: tuple[Recorder | Replayer, frozenset[str]] | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on this proxy's own threads (:data:`PROXY_THREADS`), made on first use."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(PROXY_THREADS, thread_name_prefix="dsec-tls-proxy")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen; returns the port."""
@@ -242,6 +261,9 @@ class SandboxProxy:
         for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
+        if self._pool is not None:  # (a request still upstream ends by its own timeout)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -270,7 +292,7 @@ class SandboxProxy:
         try:
             if len(self._tasks) > MAX_CONNECTIONS:
                 return  # a bound on what one sandbox's connections may hold in the node agent
-            if await asyncio.to_thread(self._from_sandbox, writer):
+            if await self._blocking(self._from_sandbox, writer):
                 await self._tunnel(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, TimeoutError):
             pass
@@ -344,13 +366,13 @@ class SandboxProxy:
                     continue
                 if upstream is None:
                     try:
-                        addresses = await asyncio.to_thread(self._address, rule, host, port)
+                        addresses = await self._blocking(self._address, rule, host, port)
                     except (OSError, UnicodeError) as exc:
                         await _reply(writer, 502, f"upstream {host}: {exc}", close=True)
                         return
                     upstream = _Pinned(host, port, addresses, self.upstream)
                 try:
-                    status, reason, headers, body = await asyncio.to_thread(
+                    status, reason, headers, body = await self._blocking(
                         _forward, upstream, request
                     )
                 except (OSError, http.client.HTTPException) as exc:  # incl. certificate errors
@@ -398,10 +420,10 @@ class SandboxProxy:
         else:
 
             async def live() -> bytes:
-                addresses = await asyncio.to_thread(self._address_of, host, port)
+                addresses = await self._blocking(self._address_of, host, port)
                 connection = _Pinned(host, port, addresses, self.upstream)
                 try:
-                    answer = await asyncio.to_thread(_forward, connection, request)
+                    answer = await self._blocking(_forward, connection, request)
                 finally:
                     connection.close()
                 return pack_response(*answer)
