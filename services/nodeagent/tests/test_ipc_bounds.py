@@ -3,6 +3,7 @@ broker with real processes. (Real sandboxes beside a victim: test_ipc_sandbox.py
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -238,6 +239,69 @@ def test_an_agent_is_held_to_its_live_channels_and_a_closed_one_frees_its_place(
         stop.set()
         server.stop()
         serving.join(10)
+        thread.stop()
+
+
+class _SlowRemote:
+    """The other nodes, reached over a NATS that does not answer until ``answer`` is set: each
+    connect to an agent there waits in ``locate``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.answer = asyncio.Event()
+        self.waiting = 0
+        self._loop = loop
+
+    async def locate(self, key: AgentKey) -> bool:
+        self.waiting += 1
+        try:
+            await self.answer.wait()
+        finally:
+            self.waiting -= 1
+        return False  # registered nowhere
+
+    async def export(self, key: AgentKey) -> None:
+        pass
+
+    async def unexport(self, key: AgentKey) -> None:
+        pass
+
+    def forget(self, conn: object) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+@pytest.mark.integration
+def test_connects_under_way_are_bounded_per_sandbox(sock_dir: Path) -> None:
+    """A caller asks for 100 channels to agents of other nodes at once while NATS is slow: 4
+    wait (DSEC_IPC_CONNECTS_PER_SANDBOX here), the other 96 are answered `busy` at once instead
+    of each holding a task and a lookup in the node agent; once answered, connects go on."""
+    thread = BrokerThread(sock_dir / "ipc.sock", limits=BrokerLimits(connects_per_sandbox=4))
+    remote = _SlowRemote(thread.loop)
+    thread.broker._remote = remote
+    before = metric("dsec_ipc_refusals_total", reason="connects")
+    caller = _raw(thread.socket_path)
+    try:
+        control.send(caller, {"op": "hello", "group": "g1", "agent": "a", "role": "caller"})
+        welcome, _ = control.recv(caller) or ({}, [])
+        assert welcome.get("op") == "welcome", welcome
+        for n in range(100):
+            control.send(caller, {"op": "connect", "ref": n, "peer": f"far-{n}"})
+        busy = [control.recv(caller) for _ in range(96)]
+        assert all(m is not None and m[0].get("code") == "busy" for m in busy), busy[:2]
+        assert "4 connects under way" in busy[0][0]["message"]  # type: ignore[index]
+        assert remote.waiting == 4
+        assert metric("dsec_ipc_refusals_total", reason="connects") - before == 96
+        thread.loop.call_soon_threadsafe(remote.answer.set)
+        ended = [control.recv(caller) for _ in range(4)]
+        assert all(m is not None and m[0].get("code") == "not_found" for m in ended), ended
+        control.send(caller, {"op": "connect", "ref": 100, "peer": "far-100"})
+        again, _ = control.recv(caller) or ({}, [])
+        assert again.get("code") == "not_found"  # its place is free again
+    finally:
+        caller.close()
+        thread.broker._remote = None
         thread.stop()
 
 

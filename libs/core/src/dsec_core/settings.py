@@ -150,6 +150,9 @@ class Settings(BaseSettings):
     ipc_channels_per_agent: int = Field(
         default=256, ge=1, description="Live shared-memory channels one agent may hold as caller"
     )
+    ipc_connects_per_sandbox: int = Field(
+        default=16, ge=1, description="IPC connects one sandbox may have under way at once"
+    )
     sandbox_max_files: int = Field(
         default=65_536, ge=64, description="Node maximum of a spec's resources.files"
     )

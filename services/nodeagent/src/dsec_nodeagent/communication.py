@@ -43,6 +43,7 @@ def broker_limits(settings: Settings) -> BrokerLimits:
         pending_total=settings.ipc_pending_total,
         hello_timeout_s=settings.ipc_hello_timeout_s,
         channels_per_agent=settings.ipc_channels_per_agent,
+        connects_per_sandbox=settings.ipc_connects_per_sandbox,
     )
 
 

@@ -25,6 +25,7 @@ import mmap
 import os
 import socket
 import struct
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +165,7 @@ class Broker:
         self._remote: Any = None  # RemoteBridge, imported lazily (nats-py only when used)
         self.state_keeper = state_keeper
         self._state_sockets: dict[str, int] = {}  # sandbox -> its open state sockets
+        self._connecting: Counter[str] = Counter()  # sandbox -> its connects under way
         # Hand-overs the node agent expects: new sandbox -> the old one it takes over from.
         self._handovers: dict[str, str] = {}
         self.tool_reports: Callable[[str, str, dict[str, Any]], None] | None = None
@@ -341,7 +343,18 @@ class Broker:
                 return
             self._hello(conn, message)
         elif op == "connect":
-            self._spawn(self._connect(conn, message))
+            sandbox = conn.sandbox
+            if self._connecting[sandbox] >= self.limits.connects_per_sandbox:
+                metrics.REFUSALS.labels("connects").inc()
+                self._refusals.refused("connects", sandbox)
+                text = (
+                    f"this sandbox has {self.limits.connects_per_sandbox} connects under way, "
+                    "the most one sandbox may (DSEC_IPC_CONNECTS_PER_SANDBOX); retry when one ends"
+                )
+                self._reply_error(conn, message, "busy", text)
+                return
+            self._connecting[sandbox] += 1
+            self._spawn(self._connect_counted(conn, message))
         elif op == "state":
             self._state(conn, message)
         elif op == "tools":  # tool-call reports (docs/tools.md); never answered
@@ -414,6 +427,16 @@ class Broker:
         else:
             self._send(conn, welcome)
 
+    async def _connect_counted(self, conn: Connection, message: dict[str, Any]) -> None:
+        """:meth:`_connect`, counted among its sandbox's connects under way until it ends."""
+        sandbox = conn.sandbox
+        try:
+            await self._connect(conn, message)
+        finally:
+            self._connecting[sandbox] -= 1
+            if self._connecting[sandbox] <= 0:
+                del self._connecting[sandbox]
+
     async def _connect(self, conn: Connection, message: dict[str, Any]) -> None:
         assert conn.key is not None
         ref = message.get("ref")
@@ -424,7 +447,9 @@ class Broker:
             self._reply_error(conn, message, "bad_request", str(exc))
             return
         key = AgentKey(conn.key.group, name, conn.key.tenant)
-        if self._live_channels(conn.sandbox) >= self.limits.channels_per_agent:
+        # (the other connects under way count too: each may end in a channel)
+        under_way = self._connecting[conn.sandbox] - 1
+        if self._live_channels(conn.sandbox) + under_way >= self.limits.channels_per_agent:
             metrics.REFUSALS.labels("channels").inc()
             self._refusals.refused("channels", conn.sandbox)
             text = (

@@ -12,7 +12,9 @@ I/O; the broker counts and calls :class:`Admission`.
 * node-wide at most ``pending_total`` connections wait for their hello; when that pool is full a
   newcomer from a sandbox with fewer waiting connections than the greediest one evicts the
   greediest one's oldest waiting connection, so a flood from one sandbox cannot lock others out;
-* one agent (sandbox) holds at most ``channels_per_agent`` live channels as a caller;
+* one agent (sandbox) holds at most ``channels_per_agent`` live channels as a caller, and has
+  at most ``connects_per_sandbox`` connects under way at once (one to an agent of another node
+  waits on NATS: each would otherwise hold a task and a lookup in the node agent);
 * one sandbox holds at most ``state_per_sandbox`` state sockets (each is an fd pair: the agent's
   end and the keeper's).
 """
@@ -39,6 +41,7 @@ REASONS: Final = (
     "pending_evicted",  # a waiting connection made room for another sandbox's
     "hello_timeout",  # no hello within hello_timeout_s
     "channels",  # this agent holds its maximum of live channels
+    "connects",  # this sandbox has its maximum of connects under way
     "identity",  # the hello named an agent this process may not act as, or bad input
     "name_taken",  # another sandbox already serves that agent name
     "taken_over",  # a server replaced by an explicit takeover
@@ -57,6 +60,7 @@ class BrokerLimits:
     hello_timeout_s: float = 2.0
     channels_per_agent: int = 256
     state_per_sandbox: int = 4
+    connects_per_sandbox: int = 16
 
     def __post_init__(self) -> None:
         for name in (
@@ -66,6 +70,7 @@ class BrokerLimits:
             "pending_total",
             "channels_per_agent",
             "state_per_sandbox",
+            "connects_per_sandbox",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ipc limit {name}={getattr(self, name)} is invalid: use >= 1")
