@@ -345,13 +345,11 @@ class Broker:
         elif op == "connect":
             sandbox = conn.sandbox
             if self._connecting[sandbox] >= self.limits.connects_per_sandbox:
-                metrics.REFUSALS.labels("connects").inc()
-                self._refusals.refused("connects", sandbox)
                 text = (
                     f"this sandbox has {self.limits.connects_per_sandbox} connects under way, "
                     "the most one sandbox may (DSEC_IPC_CONNECTS_PER_SANDBOX); retry when one ends"
                 )
-                self._reply_error(conn, message, "busy", text)
+                self._refuse_request(conn, message, "connects", "busy", text)
                 return
             self._connecting[sandbox] += 1
             self._spawn(self._connect_counted(conn, message))
@@ -427,6 +425,14 @@ class Broker:
         else:
             self._send(conn, welcome)
 
+    def _refuse_request(
+        self, conn: Connection, message: dict[str, Any], reason: str, code: str, text: str
+    ) -> None:
+        """Refuse one request of a connection (it stays open): counted, logged, answered."""
+        metrics.REFUSALS.labels(reason).inc()
+        self._refusals.refused(reason, conn.sandbox)
+        self._reply_error(conn, message, code, text)
+
     async def _connect_counted(self, conn: Connection, message: dict[str, Any]) -> None:
         """:meth:`_connect`, counted among its sandbox's connects under way until it ends."""
         sandbox = conn.sandbox
@@ -450,13 +456,11 @@ class Broker:
         # (the other connects under way count too: each may end in a channel)
         under_way = self._connecting[conn.sandbox] - 1
         if self._live_channels(conn.sandbox) + under_way >= self.limits.channels_per_agent:
-            metrics.REFUSALS.labels("channels").inc()
-            self._refusals.refused("channels", conn.sandbox)
             text = (
                 f"this agent holds {self.limits.channels_per_agent} live channels, the most "
                 "one agent may (DSEC_IPC_CHANNELS_PER_AGENT); close some first"
             )
-            self._reply_error(conn, message, "too_many_channels", text)
+            self._refuse_request(conn, message, "channels", "too_many_channels", text)
             return
         server = self._registry.lookup(key)
         opened = self.open_channel(server, conn.name, conn.pidfd) if server else None
@@ -470,10 +474,8 @@ class Broker:
             return
         if self._remote is not None and await self._remote.locate(key):
             if (self._remote.proxy_channels() + 1) * PROXY_FDS > self._proxy_fd_budget:
-                metrics.REFUSALS.labels("fd_budget").inc()
-                self._refusals.refused("fd_budget", conn.sandbox)
                 text = "the node's budget of channels to other nodes is spent; retry later"
-                self._reply_error(conn, message, "busy", text)
+                self._refuse_request(conn, message, "fd_budget", "busy", text)
                 return
             channel_id, fds = self._remote.open_proxy(key, conn)
             reply = self._channel_reply(ref, channel_id, key.agent, remote=True)
@@ -495,13 +497,11 @@ class Broker:
             return
         sandbox = conn.sandbox
         if self._state_sockets.get(sandbox, 0) >= self.limits.state_per_sandbox:
-            metrics.REFUSALS.labels("state_sockets").inc()
-            self._refusals.refused("state_sockets", sandbox)
             text = (
                 f"this sandbox holds {self.limits.state_per_sandbox} state sockets, the most one "
                 "sandbox may; close one first"
             )
-            self._reply_error(conn, message, "too_many_state_sockets", text)
+            self._refuse_request(conn, message, "state_sockets", "too_many_state_sockets", text)
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
