@@ -16,6 +16,7 @@ import io
 import shutil
 import socket
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from dsec_testing import trust
 from prometheus_client import REGISTRY
 
 from dsec_nodeagent.ipc import Broker
-from dsec_nodeagent.state.keeper import SandboxState, StateKeeper, StateKey
+from dsec_nodeagent.state.keeper import REPORT_INTERVAL_S, SandboxState, StateKeeper, StateKey
 from dsec_nodeagent.state.merge import merge
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
@@ -297,7 +298,11 @@ async def test_acknowledged_state_comes_back_locally_then_on_another_node(
     hot = await world.events_of("state.checkpointed", sid)
     tiers = sorted((e.payload["tier"], e.payload["seq"]) for _, e in hot)
     assert ("warm", 3) in tiers and ("cold", 1) in tiers
-    assert [s for t, s in tiers if t == "hot"] == [1, 2, 3, 4]
+    # every hot checkpoint reported: the first at once, the rest within a second together
+    reports = [e.payload for _, e in hot if e.payload["tier"] == "hot"]
+    assert reports[0]["seq"] == 1 and reports[0]["checkpoints"] == 1
+    assert [r["seq"] for r in reports] == sorted(r["seq"] for r in reports)
+    assert reports[-1]["seq"] == 4 and sum(r["checkpoints"] for r in reports) == 4
     recovered = await world.events_of("state.recovered", sid)
     assert [e.payload["source"] for _, e in recovered] == ["local"]
     assert recovered[0][1].payload["deltas_applied"] == 3
@@ -511,6 +516,39 @@ async def test_the_broker_hands_out_state_sockets_within_the_bound(world: World)
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+async def test_an_agent_checkpointing_in_a_loop_is_reported_once_a_second(
+    world: World,
+) -> None:
+    """300 checkpoints as fast as the keeper acks them: each is acked (none is slowed or
+    refused), and the event log gets one ``state.checkpointed`` at once and then at most one a
+    second, which together stand for all 300 (the last names seq 300)."""
+    async with world.node("a") as node:
+        sid = await world.sandbox(node.keeper)
+        agent = await node.connect(sid)
+        welcome = await agent.hello(world.agent, world.group)
+        assert welcome["op"] == "welcome", welcome
+        started = time.monotonic()
+        for seq in range(1, 301):
+            record = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"n": seq}}
+            ack = await agent.checkpoint(seq, [record])
+            assert ack["op"] == "ack" and ack["seq"] == seq, ack
+        elapsed = time.monotonic() - started
+        await agent.close()
+        deadline = time.monotonic() + 10
+        while True:
+            hot = [
+                e.payload
+                for _, e in await world.events_of("state.checkpointed", sid)
+                if e.payload["tier"] == "hot"
+            ]
+            if sum(p["checkpoints"] for p in hot) >= 300 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+    assert sum(p["checkpoints"] for p in hot) == 300 and hot[-1]["seq"] == 300
+    assert len(hot) <= elapsed / REPORT_INTERVAL_S + 2, (len(hot), elapsed)
+    assert hot[0]["checkpoints"] == 1 and hot[0]["seq"] == 1
 
 
 async def test_an_agent_past_its_state_limit_is_refused_and_its_neighbour_is_not(

@@ -80,9 +80,12 @@ def _summary(env: Envelope) -> str:
     if t == "context.injected":
         return f"{p.get('kind')} {p.get('name')} from {p.get('source')}"
     if t == "state.checkpointed":
+        many = p.get("checkpoints") or 1
         return (
-            f"{p.get('agent')} {p.get('tier')} #{p.get('seq')}: {human_size(p.get('bytes') or 0)}"
-            f", pause {p.get('pause_ms')} ms, durable in {p.get('durable_ms')} ms"
+            f"{p.get('agent')} {p.get('tier')} #{p.get('seq')}"
+            + (f" ({many} checkpoints)" if many != 1 else "")
+            + f": {human_size(p.get('bytes') or 0)}, pause {p.get('pause_ms')} ms, "
+            f"durable in {p.get('durable_ms')} ms"
         )
     if t == "state.recovered":
         return (

@@ -747,17 +747,25 @@ class StateCheckpointed(Payload):
 
     TYPE = "state.checkpointed"
     AGGREGATE = "sandbox"
+    VERSION = "1.1"
 
     agent: str
     group: str
     tier: Literal["hot", "warm", "cold"]
-    seq: int
+    seq: int = Field(description="The newest checkpoint this event stands for")
     bytes: int = Field(
         description="Bytes of deltas (hot), of the snapshot (warm), of new objects (cold)"
     )
     records: int
     pause_ms: float = Field(description="The agent's pause (hot); 0 for keeper-side merges")
     durable_ms: float = Field(description="From receipt to durable")
+    checkpoints: int = Field(
+        default=1,
+        ge=1,
+        description="Checkpoints this event stands for: an agent's hot and cold checkpoints are "
+        "reported at most once a second, those within that second together (bytes and records "
+        "summed, pause_ms and durable_ms the longest)",
+    )
 
 
 class StateRecovered(Payload):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import shutil
 import socket
@@ -75,6 +76,11 @@ JOURNAL_WARM_BYTES: Final = 64 << 20
 """A journal this large is merged into a warm snapshot at once."""
 RECORDS_FRAME_BYTES: Final = 8 << 20
 HELLO_TIMEOUT_S: Final = 10.0
+REPORT_INTERVAL_S: Final = 1.0
+"""An agent's hot and cold checkpoints are reported (``state.checkpointed``) at most once per
+this interval: the first at once, those that follow within it in one event when it ends, naming
+the newest seq and how many checkpoints it stands for. An agent checkpointing in a loop (one
+every millisecond or two) cannot flood the event log its neighbours share."""
 SEQ_HEADER: Final = "Dsec-State-Seq"
 CHUNK_HEADER: Final = "Dsec-Chunk"
 WARM_HEADER: Final = "Dsec-Warm"
@@ -239,6 +245,26 @@ def _plan_config(plan: StatePlan) -> dict[str, Any]:
     return config
 
 
+@dataclass
+class _Tally:
+    """Checkpoints of one tier not reported yet: one ``state.checkpointed`` will stand for them."""
+
+    seq: int = 0
+    checkpoints: int = 0
+    bytes: int = 0
+    records: int = 0
+    pause_ms: float = 0.0  # the longest
+    durable_ms: float = 0.0  # the longest
+
+    def add(self, seq: int, size: int, records: int, pause_ms: float, durable_ms: float) -> None:
+        self.seq = max(self.seq, seq)
+        self.checkpoints += 1
+        self.bytes += size
+        self.records += records
+        self.pause_ms = max(self.pause_ms, pause_ms)
+        self.durable_ms = max(self.durable_ms, durable_ms)
+
+
 class StateSession:
     """One agent connection (an open state socket)."""
 
@@ -260,6 +286,9 @@ class StateSession:
         self._source = "empty"
         self._sync_ms = 0.0
         self._timers: asyncio.Task[None] | None = None
+        self._tallies: dict[str, _Tally] = {}  # tier -> checkpoints not reported yet
+        self._reported_at = -math.inf  # when the last report went out (monotonic)
+        self._reporter: asyncio.TimerHandle | None = None  # the report due at the interval's end
         self.ready = asyncio.Event()
         """Set when a hand-over's new version sends ``ready``."""
 
@@ -539,39 +568,58 @@ class StateSession:
         if cold_bytes:
             CHECKPOINTS.labels("cold").inc()
         pause = frame.get("pause_ms")
-        await keeper._event(
-            events.StateCheckpointed(
-                agent=self.key.agent,
-                group=self.key.group,
-                tier="hot",
-                seq=seq,
-                bytes=size,
-                records=len(records),
-                pause_ms=float(pause) if isinstance(pause, int | float) else 0.0,
-                durable_ms=round(durable_ms, 3),
-            ),
-            self.sandbox_id,
-        )
+        pause_ms = float(pause) if isinstance(pause, int | float) else 0.0
+        durable = round(durable_ms, 3)
+        self._tallies.setdefault("hot", _Tally()).add(seq, size, len(records), pause_ms, durable)
         if cold_bytes:
-            await keeper._event(
-                events.StateCheckpointed(
-                    agent=self.key.agent,
-                    group=self.key.group,
-                    tier="cold",
-                    seq=seq,
-                    bytes=cold_bytes,
-                    records=sum(1 for r in records if r["k"] == "ref"),
-                    pause_ms=0.0,
-                    durable_ms=round(durable_ms, 3),
-                ),
-                self.sandbox_id,
-            )
+            refs = sum(1 for r in records if r["k"] == "ref")
+            self._tallies.setdefault("cold", _Tally()).add(seq, cold_bytes, refs, 0.0, durable)
+        await self._report(now=frame.get("final") is True)
         for callback in self._callbacks:
             await callback(seq, records)
         if frame.get("final") is True and self._final is not None and not self._final.done():
             self._final.set_result(records)
         if store.journal_bytes > JOURNAL_WARM_BYTES and not store.warming.locked():
             keeper._spawn(self.warm())  # checkpoints go on meanwhile
+
+    async def _report(self, *, now: bool = False) -> None:
+        """Report the checkpoints not reported yet: at once when the last report is at least
+        :data:`REPORT_INTERVAL_S` old (or ``now``), else when that interval ends."""
+        if now and self._reporter is not None:
+            self._reporter.cancel()
+            self._reporter = None
+        if self._reporter is not None:
+            return  # (reported when the interval ends)
+        wait = self._reported_at + REPORT_INTERVAL_S - time.monotonic()
+        if wait <= 0 or now:
+            await self._send_reports()
+        else:
+            self._reporter = asyncio.get_running_loop().call_later(wait, self._report_due)
+
+    def _report_due(self) -> None:
+        self._reporter = None
+        self.keeper._spawn(self._send_reports())
+
+    async def _send_reports(self) -> None:
+        tallies, self._tallies = self._tallies, {}
+        if not tallies:
+            return
+        self._reported_at = time.monotonic()
+        for tier, tally in tallies.items():
+            await self.keeper._event(
+                events.StateCheckpointed(
+                    agent=self.key.agent,
+                    group=self.key.group,
+                    tier=tier,
+                    seq=tally.seq,
+                    bytes=tally.bytes,
+                    records=tally.records,
+                    pause_ms=tally.pause_ms,
+                    durable_ms=tally.durable_ms,
+                    checkpoints=tally.checkpoints,
+                ),
+                self.sandbox_id,
+            )
 
     async def warm(self) -> None:
         """Merge now (the timer's and the journal size's trigger; one at a time)."""
@@ -608,6 +656,11 @@ class StateSession:
     def close(self) -> None:
         if self._timers is not None:
             self._timers.cancel()
+        if self._reporter is not None:
+            self._reporter.cancel()
+            self._reporter = None
+        if self._tallies:  # what the interval held back: reported now, not lost
+            self.keeper._spawn(self._send_reports())
         if self._final is not None and not self._final.done():
             self._final.set_exception(ConnectionError("the old version's session ended"))
 
@@ -839,7 +892,10 @@ class StateKeeper:
             os.chmod(path, 0o700)
 
     async def stop(self) -> None:
-        for session in list(self._sessions):
+        sessions = list(self._sessions)
+        # what a report interval holds back goes out before the sessions and tasks end
+        await asyncio.gather(*(s._send_reports() for s in sessions), return_exceptions=True)
+        for session in sessions:
             session.close()
         for task in list(self._tasks):
             task.cancel()
