@@ -50,6 +50,7 @@ from dsec_nodeagent.recording.store import (
     RecordingNotFound,
     RecordingStore,
 )
+from dsec_nodeagent.sandbox.plan import kept_dir
 from dsec_nodeagent.state.sealing import TenantKeys
 from dsec_nodeagent.tlsproxy import CertAuthority, ProxyRule, SandboxProxy
 
@@ -249,11 +250,12 @@ async def test_a_sandbox_records_its_tools_and_the_proxy_its_http_then_another_r
     prepared = await recordings.prepare("sbx_rec1", plan)
     assert prepared is not None and prepared.http is not None
     assert prepared.env == {ENV_RECORD: "/dsec/recording/calls.jsonl"}
-    (mount,) = prepared.mounts
-    assert (mount.target, mount.read_only) == ("/dsec/recording", False)
-    assert prepared.write == ["/dsec/recording"]
+    # one of its write_allowed paths (on its disk quota), no directory of the host's mounted
+    assert prepared.mounts == [] and prepared.write == ["/dsec/recording"]
+    kept = kept_dir(NodeLayout.of(tmp_path).sandbox("sbx_rec1").root, "/dsec/recording")
+    kept.mkdir(parents=True)  # (what the sandbox's manager makes)
     # what the sandbox wrote through the SDK, plus an HTTP call it forged in its own file
-    sandbox_file = mount.source / "calls.jsonl"
+    sandbox_file = kept / "calls.jsonl"
     Recorder(sandbox_file).call_sync(tool_key("records", "users", {}), lambda: b"\x92\x00\x90")
     forged = http_key("GET", "api.example.com", 443, "/forged", [], b"")
     Recorder(sandbox_file).call_sync(forged, lambda: b"forged")
@@ -402,7 +404,7 @@ async def test_a_recording_sandbox_that_outlives_its_node_agent_keeps_its_record
         second = NodeAgentHarness(short_home, nats_url, **settings)
         async with second:
             assert second.agent.manager.get(sid) is not None
-            shown = NodeLayout.of(short_home).sandbox(sid).root / "recording" / "sandbox"
+            shown = kept_dir(NodeLayout.of(short_home).sandbox(sid).root, "/dsec/recording")
             (shown / "again").write_text("go")  # /dsec/recording/again in the sandbox
             while "recorded two" not in stdout.read_text():
                 assert asyncio.get_running_loop().time() < deadline + 60, "no second call"
@@ -414,3 +416,37 @@ async def test_a_recording_sandbox_that_outlives_its_node_agent_keeps_its_record
             exited = await second.wait_for(sid, "sandbox.exited")
     assert exited.payload["reason"] == "stopped"
     assert (saved["tool_calls"], saved["http_calls"]) == (2, 0)
+
+
+FILLER = """
+import errno, os
+path = "/dsec/recording/fill"
+try:
+    with open(path, "wb") as out:
+        for _ in range(400):  # 400 MiB, past the sandbox's disk quota (256 MiB by default)
+            out.write(b"x" * (1 << 20))
+            out.flush()
+    print("wrote 400 MiB", flush=True)
+except OSError as exc:
+    print("refused", errno.errorcode.get(exc.errno), os.path.getsize(path) >> 20, flush=True)
+"""
+
+
+@pytest.mark.kernel
+async def test_a_recording_sandbox_cannot_fill_the_nodes_disk_through_its_calls_directory(
+    short_home: Path, nats_url: str, s3: S3Info, vault: VaultInfo
+) -> None:
+    """The directory a recording sandbox writes its tool calls into is on its disk quota, like
+    its other outputs: writing 400 MiB there stops at the quota (ENOSPC), never on the host's
+    disk, which every sandbox of the node shares."""
+    settings = {**s3.settings(), **vault.settings()}
+    async with NodeAgentHarness(short_home, nats_url, **settings) as h:
+        sid = await h.submit(
+            "filler", FILLER, "{domain: allowed.test, ports: [443]}",
+            extra="record: {tools: true}\n",
+        )  # fmt: skip
+        exited = await h.wait_for(sid, "sandbox.exited")
+        stdout, stderr = (p.read_text() for p in h.agent.manager.log_paths(sid))
+    words = stdout.split()
+    assert words[:2] == ["refused", "ENOSPC"], (stdout, stderr[-2000:], exited.payload)
+    assert int(words[2]) <= 256  # MiB: what the quota holds at most

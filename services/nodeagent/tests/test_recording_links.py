@@ -13,6 +13,7 @@ from dsec_sdk.recording import Entry, Recorder, tool_key
 from dsec_testing.plans import minimal_plan
 
 from dsec_nodeagent.recording import Recordings
+from dsec_nodeagent.sandbox.plan import kept_dir
 
 
 class _Store:
@@ -35,6 +36,13 @@ def _recording(tenant: str) -> Any:
     return plan.model_copy(update={"tenant": tenant})
 
 
+def _calls_dir(root: Path, sid: str) -> Path:
+    """The sandbox's /dsec/recording on the host (its manager makes it, on its disk quota)."""
+    kept = kept_dir(NodeLayout.of(root).sandbox(sid).root, "/dsec/recording")
+    kept.mkdir(parents=True, exist_ok=True)
+    return kept
+
+
 async def test_a_link_in_place_of_the_calls_file_reads_nothing_through_it(
     tmp_path: Path,
 ) -> None:
@@ -44,10 +52,11 @@ async def test_a_link_in_place_of_the_calls_file_reads_nothing_through_it(
     attacker = await recordings.prepare("sbx_attacker", _recording("acme"))
     assert victim is not None and attacker is not None
     secret = tool_key("crm", "customers", {"q": "globex only"})
-    Recorder(victim.mounts[0].source / "calls.jsonl").call_sync(secret, lambda: b"\x92\x00\x90")
+    victims = _calls_dir(tmp_path, "sbx_victim") / "calls.jsonl"
+    Recorder(victims).call_sync(secret, lambda: b"\x92\x00\x90")
     # the attacking sandbox replaces its own calls file with a link to the victim's (sandbox
     # ids are on the bus, the node's layout is the same everywhere)
-    (attacker.mounts[0].source / "calls.jsonl").symlink_to(victim.mounts[0].source / "calls.jsonl")
+    (_calls_dir(tmp_path, "sbx_attacker") / "calls.jsonl").symlink_to(victims)
 
     await recordings.finish("sbx_attacker")
     leaked = [tenant for tenant, entries in store.saved if secret in [e.key for e in entries]]
@@ -67,7 +76,7 @@ async def test_a_calls_file_beyond_the_limit_is_not_read_into_the_node_agent(
     recordings = Recordings(NodeLayout.of(tmp_path), store)  # type: ignore[arg-type]
     prepared = await recordings.prepare("sbx_big", _recording("acme"))
     assert prepared is not None
-    calls = prepared.mounts[0].source / "calls.jsonl"
+    calls = _calls_dir(tmp_path, "sbx_big") / "calls.jsonl"
     for n in range(20):  # well-formed calls (a big argument each): ~1.2 MB
         Recorder(calls).call_sync(
             tool_key("crm", "put", {"n": n, "pad": "x" * 60_000}), lambda: b"\x90"

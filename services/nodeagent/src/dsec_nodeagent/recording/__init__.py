@@ -1,7 +1,9 @@
 """Record and replay on the node (docs/experiments.md).
 
 For a sandbox whose plan has ``record:``, the node agent gives it a writable directory at
-:data:`RECORD_MOUNT` where the SDK appends its tool calls (``$DSEC_RECORD_FILE``), and records
+:data:`RECORD_MOUNT` where the SDK appends its tool calls (``$DSEC_RECORD_FILE``): one of its
+``write_allowed`` paths, so on its disk quota's filesystem like its other outputs (a directory
+of the host's would let it fill the node's disk), read from its outputs when it ends. It records
 the HTTP requests to the recorded hosts in its TLS proxy (into a file of its own, outside the
 sandbox). When the sandbox ends, both become one recording in the object store
 (:mod:`.store`) and ``recording.saved`` is published before ``sandbox.exited``.
@@ -43,6 +45,7 @@ from dsec_nodeagent.recording.store import (
     RecordingStore,
 )
 from dsec_nodeagent.sandbox.models import Mount
+from dsec_nodeagent.sandbox.plan import kept_dir
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +158,9 @@ class Recordings:
         assert plan.record is not None
         self._record[sid] = (plan.tenant, directory)
         if plan.record.tools:
-            shown = directory / "sandbox"
-            shown.mkdir(mode=0o700)
-            shown.chmod(0o777)  # the sandbox's user appends its calls (its own dir only)
+            # A write_allowed path: the sandbox's manager makes it, owned by the sandbox's user,
+            # on the sandbox's disk quota (kept_dir), never a directory of the host's.
             prepared.env[ENV_RECORD] = f"{RECORD_MOUNT}/{CALLS_FILE}"
-            prepared.mounts.append(Mount(source=shown, target=RECORD_MOUNT, read_only=False))
             prepared.read.append(RECORD_MOUNT)
             prepared.write.append(RECORD_MOUNT)
         if plan.record.http:
@@ -190,7 +191,8 @@ class Recordings:
             entries: list[Entry] = []
             # the sandbox wrote this file: only tool calls are taken from it
             # (in a worker thread: up to MAX_SANDBOX_BYTES to read and parse, off the loop)
-            entries += await asyncio.to_thread(_recorded, directory)
+            calls = kept_dir(self.layout.sandbox(sid).root, RECORD_MOUNT) / CALLS_FILE
+            entries += await asyncio.to_thread(_recorded, calls, directory / "http.jsonl")
             saved = await self.store.save(tenant, entries)
         except ValueError as exc:
             log.warning("%s: its recording is not saved: %s", sid, exc)
@@ -216,11 +218,10 @@ class Recordings:
             shutil.rmtree(self._dir(sid), ignore_errors=True)
 
 
-def _recorded(directory: Path) -> list[Entry]:
+def _recorded(sandbox_calls: Path, http_calls: Path) -> list[Entry]:
     """The tool calls the sandbox wrote and the HTTP calls its proxy recorded."""
-    sandbox_calls = _sandbox_text(directory / "sandbox" / CALLS_FILE)
-    entries = [e for e in parse_entries(sandbox_calls, CALLS_FILE) if e.key.kind == "tool"]
-    http_calls = directory / "http.jsonl"
+    written = _sandbox_text(sandbox_calls)
+    entries = [e for e in parse_entries(written, CALLS_FILE) if e.key.kind == "tool"]
     if http_calls.is_file():
         entries += [e for e in read_entries(http_calls) if e.key.kind == "http"]
     return entries

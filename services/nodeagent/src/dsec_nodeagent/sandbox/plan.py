@@ -96,6 +96,13 @@ def _slug(path: str) -> str:
     return path.strip("/").replace("/", "__") or "root"
 
 
+def kept_dir(data_dir: Path, path: str) -> Path:
+    """Where the host keeps a sandbox's writable ``path`` (a ``write_allowed`` path no mount
+    covers and no ``write_sources`` entry places): inside its disk quota's filesystem while it
+    runs, among its outputs after it ended."""
+    return data_dir / "fs" / _slug(path)
+
+
 def env_site_dir(env_dir: Path | None, version: str) -> str | None:
     """The sandbox path of the environment's site-packages directory."""
     if env_dir is None:
@@ -197,7 +204,7 @@ def _declared_entries(
         if path == "/tmp":
             entries.append({"kind": "tmpfs", "path": path, "options": TMP_OPTIONS})
             continue
-        source = config.write_sources.get(path) or host.data_dir / "fs" / _slug(path)
+        source = config.write_sources.get(path) or kept_dir(host.data_dir, path)
         result.writable_dirs.append(source)
         entries.append(_bind(source, path, ro=False))
     targets = [e["path"] for e in entries if e["kind"] in ("bind", "tmpfs")]
