@@ -381,6 +381,13 @@ time.sleep(600)
 """
 
 
+async def _recording(harness: NodeAgentHarness, name: str, code: str) -> str:
+    """A sandbox running ``code`` that records its tool calls; its id."""
+    return await harness.submit(
+        name, code, "{domain: allowed.test, ports: [443]}", extra="record: {tools: true}\n"
+    )
+
+
 @pytest.mark.kernel
 async def test_a_recording_sandbox_that_outlives_its_node_agent_keeps_its_recording(
     short_home: Path, nats_url: str, s3: S3Info, vault: VaultInfo
@@ -390,10 +397,7 @@ async def test_a_recording_sandbox_that_outlives_its_node_agent_keeps_its_record
     after the restart; before, the recording was silently lost."""
     settings = {**s3.settings(), **vault.settings()}
     async with NodeAgentHarness(short_home, nats_url, **settings) as first:
-        sid = await first.submit(
-            "outlives", TOOL_RECORDER, "{domain: allowed.test, ports: [443]}",
-            extra="record: {tools: true}\n",
-        )  # fmt: skip
+        sid = await _recording(first, "outlives", TOOL_RECORDER)
         await first.wait_for(sid, "sandbox.ready")
         stdout, stderr = first.agent.manager.log_paths(sid)
         deadline = asyncio.get_running_loop().time() + 60
@@ -441,10 +445,7 @@ async def test_a_recording_sandbox_cannot_fill_the_nodes_disk_through_its_calls_
     disk, which every sandbox of the node shares."""
     settings = {**s3.settings(), **vault.settings()}
     async with NodeAgentHarness(short_home, nats_url, **settings) as h:
-        sid = await h.submit(
-            "filler", FILLER, "{domain: allowed.test, ports: [443]}",
-            extra="record: {tools: true}\n",
-        )  # fmt: skip
+        sid = await _recording(h, "filler", FILLER)
         exited = await h.wait_for(sid, "sandbox.exited")
         stdout, stderr = (p.read_text() for p in h.agent.manager.log_paths(sid))
     words = stdout.split()
