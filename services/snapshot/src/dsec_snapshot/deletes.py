@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -24,11 +25,19 @@ from dsec_snapstore.errors import InvalidInput, SnapshotError, SnapshotNotFound,
 log = logging.getLogger(__name__)
 
 
+_REMEMBERED = 1024
+"""Delete requests whose deletions this process remembers (see ``SnapshotDeletes._done``)."""
+
+
 class SnapshotDeletes:
     """Deletes and GC on behalf of users (the store of the snapshot service's requests)."""
 
     def __init__(self, requests_: requests.SnapshotRequests) -> None:
         self.requests = requests_
+        # request id -> the names it deleted: an attempt that failed halfway (S3 down after the
+        # first of three names) is delivered again, and must report what it deleted before as
+        # deleted, not as missing (the user would read "no snapshot named" for its own)
+        self._done: OrderedDict[str, set[str]] = OrderedDict()
 
     async def on_delete_requested(
         self, envelope: Envelope, event: events.SnapshotDeleteRequested
@@ -36,9 +45,14 @@ class SnapshotDeletes:
         """Delete what the user may delete; say what was missing; GC when asked."""
         deleted: list[str] = []
         missing: list[str] = []
+        done = self._done.pop(envelope.id, set())
+        self._done[envelope.id] = done  # (the newest last: the oldest go first)
+        while len(self._done) > _REMEMBERED:
+            self._done.popitem(last=False)
         for name in dict.fromkeys(event.names):
-            if await self._delete_one(name, envelope.tenant):
+            if name in done or await self._delete_one(name, envelope.tenant):
                 deleted.append(name)
+                done.add(name)
             else:
                 missing.append(name)
         chunks, freed = 0, 0
