@@ -14,11 +14,12 @@ import pytest
 from dsec_core import identity
 from dsec_core.bus import EventPublisher, ensure_stream, replay
 from dsec_core.envelope import decode
-from dsec_core.events import SpecSubmitted, SpecValidated
+from dsec_core.events import SpecRejected, SpecSubmitted, SpecValidated
+from dsec_core.ids import output_event_id
 from dsec_core.service import RetryPolicy, Service, sandbox_failed
 from dsec_core.settings import Settings
 from dsec_core.signing import Signer
-from dsec_core.subjects import STREAM, aggregate_filter
+from dsec_core.subjects import STREAM, aggregate_filter, subject_for
 from dsec_testing import trust
 from dsec_testing.plans import minimal_plan
 from nacl.signing import SigningKey
@@ -220,33 +221,41 @@ async def test_a_spare_delivery_ends_only_a_request_no_attempt_answered(
 ) -> None:
     """Once retries run out, the spare delivery publishes the failure, unless an attempt's
     answer reached the log before its process died (the ack did not): one request, one
-    terminal answer. A forged "answer" (the service's name, a key nobody certified) does not
-    count."""
+    answer. Neither a forged answer (the service's name, a key nobody certified) nor a copy of
+    a genuine one the service gave on another aggregate counts."""
     service = _service(nats_url, tmp_path, dsec_stack.home)
+    answers = (SpecValidated, SpecRejected)
 
-    @service.handles(SpecSubmitted)
+    @service.handles(SpecSubmitted, answers=answers)
     async def ignore(envelope, payload):  # type: ignore[no-untyped-def]
         return []
 
-    answered, unanswered = (f"sbx_{uuid.uuid4().hex[:10]}" for _ in range(2))
+    answered, forged_for, copied_for, elsewhere = (f"sbx_{uuid.uuid4().hex[:10]}" for _ in range(4))
     await service.start()
     try:
-        first = await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=answered)
-        second = await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=unanswered)
+        asked = {
+            sid: await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sid)
+            for sid in (answered, forged_for, copied_for)
+        }
         output = SpecValidated(name="a", spec_digest="d", plan=minimal_plan())
-        await service._publish_outputs(first.envelope, [output])  # then the process "died"
+        await service._publish_outputs(asked[answered].envelope, [output])  # then it "died"
+        wanted = output_event_id(asked[forged_for].envelope.id, SpecValidated.TYPE, 0)
         forger = Signer(service.name, SigningKey.generate())
-        forged = forger.seal(output, aggregate_id=unanswered, causation=second.envelope)
+        forged = forger.seal(output, aggregate_id=forged_for, event_id=wanted)
         await js.publish(forged.envelope.subject, forged.wire)
+        assert service.publisher is not None  # a genuine answer to it, on another aggregate
+        wanted = output_event_id(asked[copied_for].envelope.id, SpecValidated.TYPE, 0)
+        genuine = await service.publisher.publish(output, aggregate_id=elsewhere, event_id=wanted)
+        await js.publish(subject_for(SpecValidated.TYPE, copied_for), genuine.sealed.wire)
         failure = sandbox_failed(service.name)
-        await service._end_unfinished(first.envelope, first.stream_seq, 5, failure)
-        await service._end_unfinished(second.envelope, second.stream_seq, 5, failure)
-        one = [t for _, t, _ in await _events_of(js, answered)]
-        two = [t for _, t, _ in await _events_of(js, unanswered)]
+        for request in asked.values():
+            await service._end_unfinished(request.envelope, request.stream_seq, 5, failure, answers)
+        seen = {sid: [t for _, t, _ in await _events_of(js, sid)] for sid in asked}
     finally:
         await service.stop()
-    assert one == ["spec.submitted", "spec.validated"]
-    assert two == ["spec.submitted", "spec.validated", "sandbox.failed"]  # (the forgery)
+    assert seen[answered] == ["spec.submitted", "spec.validated"]
+    for sid in (forged_for, copied_for):  # (the forgery and the copy are in the log)
+        assert seen[sid] == ["spec.submitted", "spec.validated", "sandbox.failed"]
 
 
 async def test_events_are_ordered_per_aggregate_and_carry_causation(

@@ -41,15 +41,15 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from dsec_core import identity, keysource, metrics, natsclient
-from dsec_core.bus import EventPublisher, StreamWeakened, connect, replay, require_stream
+from dsec_core.bus import EventPublisher, StreamWeakened, connect, require_stream
 from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
 from dsec_core.ids import derive_event_id, output_event_id
 from dsec_core.natsperms import durable_name
 from dsec_core.settings import Settings
 from dsec_core.signing import Signer
-from dsec_core.subjects import STREAM, aggregate_filter, filter_for
-from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket, unpack_fields
+from dsec_core.subjects import STREAM, filter_for, subject_for
+from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket, scan_seq, unpack_fields
 
 SYSTEM_TENANT = identity.SYSTEM_TENANT
 CONSUMER_POLL_S = 15.0
@@ -76,6 +76,10 @@ Handler = Callable[[Envelope, Any], Awaitable[Sequence[Output | Payload]]]
 P = TypeVar("P", bound=Payload)
 TypedHandler = Callable[[Envelope, P], Awaitable[Sequence[Output | Payload]]]
 """A handler of one event class: it receives the envelope and the payload as that class."""
+ANSWER_SCAN = 256
+"""Messages of one subject a spare delivery reads looking for a request's answer (see
+``Service._answered``): an answer behind more forgeries than this is not found, and the request
+ends with its failure event, never without an end."""
 FailureEvents = Callable[[Envelope, str, int], Sequence[Payload]]
 """Builds the terminal event(s) of a request whose retries are exhausted: (input, reason,
 attempts) -> payloads. The default is ``sandbox.failed`` for events of a sandbox."""
@@ -215,6 +219,7 @@ class Service:
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
         scope: Literal["service", "node"] = "service",
+        answers: Sequence[type[Payload]] = (),
     ) -> Callable[[TypedHandler[P]], TypedHandler[P]]: ...
 
     @overload
@@ -226,6 +231,7 @@ class Service:
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
         scope: Literal["service", "node"] = "service",
+        answers: Sequence[type[Payload]] = (),
     ) -> Callable[[Handler], Handler]: ...
 
     def handles(
@@ -236,6 +242,7 @@ class Service:
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
         scope: Literal["service", "node"] = "service",
+        answers: Sequence[type[Payload]] = (),
     ) -> Callable[[Any], Any]:
         """Register ``fn`` as the durable handler of the event class ``event`` for this
         service; ``fn(envelope, payload)`` receives the payload as an instance of that class.
@@ -245,7 +252,10 @@ class Service:
         ``on_exhausted`` builds the terminal event(s) once retries are exhausted (default:
         ``sandbox.failed``); a request must always end in a terminal event. ``scope="node"``:
         every node's instance has a durable of its own (``<service>-<node id>-<type>``), so
-        each sees every event (the handler acts only on its own node's).
+        each sees every event (the handler acts only on its own node's). ``answers``: the event
+        classes that answer a request (``spec.validated``, ``spec.rejected``): when every attempt
+        crashed, the spare delivery publishes the failure only if none of them is in the log
+        (an attempt may have answered before its process died); without them, it always does.
         """
         model = model_for(event) if isinstance(event, str) else event  # fails fast on a typo
         if model_for(model.TYPE) is not model:
@@ -253,6 +263,7 @@ class Service:
         event_type = model.TYPE
         policy = retry or RetryPolicy()
         failure = on_exhausted or sandbox_failed(self.name)
+        answered_by = tuple(answers)
         node = self.settings.node_id if scope == "node" else None
         durable = durable_name(self.name, event_type, node)
         self.durables.append(durable)
@@ -267,7 +278,7 @@ class Service:
             )
 
             async def consume(msg: NatsMessage) -> None:
-                await self._dispatch(event_type, durable, fn, policy, failure, msg)
+                await self._dispatch(event_type, durable, fn, policy, failure, msg, answered_by)
 
             self.broker.subscriber(
                 filter_for(event_type),
@@ -298,6 +309,7 @@ class Service:
         policy: RetryPolicy,
         failure: FailureEvents,
         msg: NatsMessage,
+        answers: Sequence[type[Payload]] = (),
     ) -> None:
         attempt, stream_seq = self.delivery(msg)
         labels = (self.name, event_type)
@@ -319,7 +331,7 @@ class Service:
         if attempt > policy.max_attempts:
             # The handler crashed the process (or outran ack_wait) on every attempt: this spare
             # delivery only ends the request, it does not run the handler again.
-            await self._end_unfinished(envelope, stream_seq, attempt - 1, failure)
+            await self._end_unfinished(envelope, stream_seq, attempt - 1, failure, answers)
             await msg.ack_sync()
             return
         started = time.perf_counter()
@@ -338,14 +350,26 @@ class Service:
         await msg.ack_sync()
 
     async def _end_unfinished(
-        self, envelope: Envelope, stream_seq: int, attempts: int, failure: FailureEvents
+        self,
+        envelope: Envelope,
+        stream_seq: int,
+        attempts: int,
+        failure: FailureEvents,
+        answers: Sequence[type[Payload]] = (),
     ) -> None:
-        """End a request no attempt of which was acknowledged: its failure event(s), unless
-        an attempt answered it before the process died (its outputs reached the log, the ack
-        did not): a request ends in one terminal answer, never in a success and a failure."""
+        """End a request no attempt of which was acknowledged: its failure event(s), unless an
+        attempt answered it (one of ``answers``) before its process died (its outputs reached
+        the log, its ack did not): a request ends in one answer, never in a success and a
+        failure. Whatever keeps the answer from being found (NATS slow, forgeries crowding its
+        subject) ends the request with the failure: never without an end."""
         reason = f"no attempt of {self.name} completed (crashed or timed out {attempts}x)"
         outputs = failure(envelope, reason, attempts)
-        if outputs and await self._caused_here(envelope, stream_seq, outputs):
+        try:
+            answered = bool(answers) and await self._answered(envelope, stream_seq, answers)
+        except Exception as exc:
+            log.warning("%s: answer to %s not looked up (%s)", self.name, envelope.id, exc)
+            answered = False
+        if answered:
             log.warning(
                 "%s: %s was answered by an attempt that was never acknowledged: no failure",
                 self.name,
@@ -354,28 +378,31 @@ class Service:
             return
         await self._publish_outputs(envelope, outputs)
 
-    async def _caused_here(
-        self, envelope: Envelope, stream_seq: int, outputs: Sequence[Payload]
+    async def _answered(
+        self, envelope: Envelope, stream_seq: int, answers: Sequence[type[Payload]]
     ) -> bool:
-        """Whether an authentic event of this producer caused by ``envelope`` follows it in the
-        log, on an aggregate the failure ``outputs`` would go to (forged ones do not count)."""
+        """Whether the log holds, after the request, an answer of one of the ``answers``
+        classes this producer gave it: the id the runtime derives for it (the first output of
+        that type), on the subject it was published to, authentic and authorized where the
+        log holds it. A copy (another aggregate's answer, the same bytes on this subject) or a
+        forgery does not count. Reads at most :data:`ANSWER_SCAN` messages per subject."""
         assert self.publisher is not None and self.gate is not None
-        producer = self.publisher.signer.producer
-        for aggregate in dict.fromkeys(p.AGGREGATE for p in outputs):
-            subject = aggregate_filter(aggregate, envelope.aggregate_id)
-            async for _, data in replay(
-                self.publisher.js, filter_subject=subject, start_seq=stream_seq + 1
+        for model in answers:
+            wanted = output_event_id(envelope.id, model.TYPE, 0)
+            subject = subject_for(model.TYPE, envelope.aggregate_id)
+            async for seq, data in scan_seq(
+                self.publisher.js, subject, ANSWER_SCAN, after=stream_seq
             ):
                 try:
                     fields = unpack_fields(data)
-                    if fields.get("causation_id") != envelope.id:
+                    if fields.get("id") != wanted or fields.get("subject") != subject:
                         continue
-                    if fields.get("producer") != producer:
-                        continue
-                    caused = Envelope.model_validate(fields)
+                    answer = Envelope.model_validate(fields)
                 except (MalformedEnvelope, ValueError):
                     continue
-                if await self.gate.check(fields, caused) is None:
+                if answer.aggregate_id != envelope.aggregate_id:
+                    continue
+                if await self.gate.check(fields, answer, stream_seq=seq) is None:
                     return True
         return False
 

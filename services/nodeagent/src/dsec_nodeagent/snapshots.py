@@ -53,16 +53,18 @@ class NodeSnapshots:
         )
         # S3 or Vault hiccups: a few quick retries (a rollback is wanted within seconds).
         retry = RetryPolicy(max_attempts=4, base_delay_s=0.5, max_delay_s=4.0, ack_wait_s=60.0)
-        for event_type, handler in (
-            ("snapshot.requested", self.requests.on_requested),
-            ("snapshot.restore_requested", self.requests.on_restore_requested),
-        ):
+        for event_type, handler, answer in (
+            ("snapshot.requested", self.requests.on_requested, events.SnapshotTaken),
+            ("snapshot.restore_requested", self.requests.on_restore_requested,
+             events.SnapshotRestored),
+        ):  # fmt: skip
             service.handles(
                 event_type,
                 retry=retry,
                 batch=4,
                 on_exhausted=snapshot_failed,
                 scope="node",
+                answers=(answer, events.SnapshotFailed),
             )(handler)
         service.on_start.append(self.requests.start)
         service.on_stop.append(self.requests.close)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsec_core.events import SpecSubmitted
+from dsec_core.events import SpecRejected, SpecSubmitted, SpecValidated
 from dsec_core.service import Service
 from dsec_core.settings import Settings
 from dsec_rules.adapters.org_policy_file import load_org_policy
@@ -21,5 +21,5 @@ def create_service(settings: Settings | None = None) -> Service:
     handlers = PolicyHandlers(
         service.settings, load_org_policy(service.settings.org_policy), tenant_of=tenant_of
     )
-    service.handles(SpecSubmitted)(handlers.on_submitted)
+    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected))(handlers.on_submitted)
     return service

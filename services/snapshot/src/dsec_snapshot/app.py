@@ -61,15 +61,24 @@ def create_service(settings: Settings | None = None) -> Service:
     handlers = service_requests(service.settings, js, gate)
     # S3 or Vault hiccups: a few quick retries (a rollback is wanted within seconds).
     retry = RetryPolicy(max_attempts=4, base_delay_s=0.5, max_delay_s=4.0, ack_wait_s=60.0)
-    service.handles(events.SnapshotRequested, retry=retry, batch=4, on_exhausted=snapshot_failed)(
-        handlers.on_requested
-    )
+    for request, handler, answer in (
+        (events.SnapshotRequested, handlers.on_requested, events.SnapshotTaken),
+        (events.SnapshotRestoreRequested, handlers.on_restore_requested, events.SnapshotRestored),
+    ):
+        service.handles(
+            request.TYPE,
+            retry=retry,
+            batch=4,
+            on_exhausted=snapshot_failed,
+            answers=(answer, events.SnapshotFailed),
+        )(handler)
     service.handles(
-        events.SnapshotRestoreRequested, retry=retry, batch=4, on_exhausted=snapshot_failed
-    )(handlers.on_restore_requested)
-    service.handles("snapshot.delete_requested", retry=retry, batch=4, on_exhausted=not_deleted)(
-        SnapshotDeletes(handlers).on_delete_requested
-    )
+        events.SnapshotDeleteRequested,
+        retry=retry,
+        batch=4,
+        on_exhausted=not_deleted,
+        answers=(events.SnapshotDeleted,),
+    )(SnapshotDeletes(handlers).on_delete_requested)
     service.on_start.append(handlers.start)
     if service.settings.snapshot_interval_s > 0:
         periodic = PeriodicSnapshots(
