@@ -75,8 +75,9 @@ class World:
     tmp: Path
 
     @contextlib.asynccontextmanager
-    async def node(self, name: str) -> AsyncIterator[Node]:
+    async def node(self, name: str, publish_delay_s: float = 0.0) -> AsyncIterator[Node]:
         async def publish(payload: events.Payload, aggregate_id: str) -> None:
+            await asyncio.sleep(publish_delay_s)  # (a slow NATS: what shutdown must wait for)
             await self.pipe.nodeagent.publish(payload, aggregate_id=aggregate_id)
 
         keeper = StateKeeper(
@@ -549,6 +550,52 @@ async def test_an_agent_checkpointing_in_a_loop_is_reported_once_a_second(
     assert sum(p["checkpoints"] for p in hot) == 300 and hot[-1]["seq"] == 300
     assert len(hot) <= elapsed / REPORT_INTERVAL_S + 2, (len(hot), elapsed)
     assert hot[0]["checkpoints"] == 1 and hot[0]["seq"] == 1
+
+
+async def test_reports_held_back_go_out_when_the_connection_and_then_the_keeper_stop(
+    world: World,
+) -> None:
+    """Checkpoint 2 comes within a second of 1: its report is held back. The node agent
+    stops its broker first (the agent's connection ends), then its keeper, over a slow NATS:
+    the held-back report still goes out."""
+    async with world.node("a", publish_delay_s=0.2) as node:
+        sid = await world.sandbox(node.keeper)
+        agent = await node.connect(sid)
+        assert (await agent.hello(world.agent, world.group))["op"] == "welcome"
+        for seq in (1, 2):
+            record = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"n": seq}}
+            assert (await agent.checkpoint(seq, [record]))["seq"] == seq
+        await agent.close()
+        await _released(node.keeper, StateKey(world.tenant, world.group, world.agent))
+    hot = [e.payload for _, e in await world.events_of("state.checkpointed", sid)]
+    assert [(p["seq"], p["checkpoints"]) for p in hot if p["tier"] == "hot"] == [(1, 1), (2, 1)]
+
+
+async def test_an_agent_reconnecting_or_fetching_in_a_loop_is_reported_once_a_second(
+    world: World,
+) -> None:
+    """The report clock is the agent's, not its connection's: 30 connections, each with a
+    hello, a fetch and a checkpoint, give at most one state.checkpointed and one
+    state.recovered a second (the checkpoints' count still adds up)."""
+    async with world.node("a") as node:
+        sid = await world.sandbox(node.keeper)
+        key = StateKey(world.tenant, world.group, world.agent)
+        started = time.monotonic()
+        for seq in range(1, 31):
+            agent = await node.connect(sid)
+            assert (await agent.hello(world.agent, world.group))["op"] == "welcome"
+            await agent.fetch()
+            record = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"n": seq}}
+            assert (await agent.checkpoint(seq, [record]))["seq"] == seq
+            await agent.close()
+            await _released(node.keeper, key)
+        elapsed = time.monotonic() - started
+    hot = [e.payload for _, e in await world.events_of("state.checkpointed", sid)]
+    hot = [p for p in hot if p["tier"] == "hot"]
+    recovered = await world.events_of("state.recovered", sid)
+    bound = elapsed / REPORT_INTERVAL_S + 2
+    assert sum(p["checkpoints"] for p in hot) == 30 and len(hot) <= bound, (len(hot), elapsed)
+    assert 1 <= len(recovered) <= bound, (len(recovered), elapsed)
 
 
 async def test_an_agent_past_its_state_limit_is_refused_and_its_neighbour_is_not(

@@ -238,9 +238,12 @@ class SandboxProxy:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on this proxy's own threads (:data:`PROXY_THREADS`), made on first use."""
+        if self._closed:  # (a connection accepted while close() ran: no new pool after it)
+            raise ConnectionError("the proxy is closed")
         if self._pool is None:
             self._pool = ThreadPoolExecutor(PROXY_THREADS, thread_name_prefix="dsec-tls-proxy")
         loop = asyncio.get_running_loop()
@@ -254,6 +257,7 @@ class SandboxProxy:
 
     async def close(self) -> None:
         """Stop listening and drop the open connections."""
+        self._closed = True
         if self._server is not None:
             self._server.close()
         for task in list(self._tasks):
@@ -290,7 +294,7 @@ class SandboxProxy:
         assert task is not None
         self._tasks.add(task)
         try:
-            if len(self._tasks) > MAX_CONNECTIONS:
+            if self._closed or len(self._tasks) > MAX_CONNECTIONS:
                 return  # a bound on what one sandbox's connections may hold in the node agent
             if await self._blocking(self._from_sandbox, writer):
                 await self._tunnel(reader, writer)

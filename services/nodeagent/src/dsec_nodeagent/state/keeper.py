@@ -21,6 +21,7 @@ import shutil
 import socket
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +81,15 @@ REPORT_INTERVAL_S: Final = 1.0
 """An agent's hot and cold checkpoints are reported (``state.checkpointed``) at most once per
 this interval: the first at once, those that follow within it in one event when it ends, naming
 the newest seq and how many checkpoints it stands for. An agent checkpointing in a loop (one
-every millisecond or two) cannot flood the event log its neighbours share."""
+every millisecond or two) cannot flood the event log its neighbours share. The clock is the
+agent's (its name in its group and tenant), not the connection's: reconnecting does not start
+it again. ``state.recovered`` (one per fetch) is held to the same rate: a fetch within the
+interval of the last one reported is not reported (``dsec_state_recoveries_total`` counts
+it)."""
+REPORT_STOP_S: Final = 5.0
+"""How long the keeper's stop waits for the reports held back to go out."""
+REPORT_CLOCKS: Final = 65_536
+"""Agents (and what of them) whose last report time the keeper remembers."""
 SEQ_HEADER: Final = "Dsec-State-Seq"
 CHUNK_HEADER: Final = "Dsec-Chunk"
 WARM_HEADER: Final = "Dsec-Warm"
@@ -286,9 +295,6 @@ class StateSession:
         self._source = "empty"
         self._sync_ms = 0.0
         self._timers: asyncio.Task[None] | None = None
-        self._tallies: dict[str, _Tally] = {}  # tier -> checkpoints not reported yet
-        self._reported_at = -math.inf  # when the last report went out (monotonic)
-        self._reporter: asyncio.TimerHandle | None = None  # the report due at the interval's end
         self.ready = asyncio.Event()
         """Set when a hand-over's new version sends ``ready``."""
 
@@ -504,6 +510,9 @@ class StateSession:
         await self.send({"op": "fetched", "seq": seq, "deltas": deltas, "source": source, "ms": ms})
         if records:
             RECOVERIES.labels("remote" if source == "remote" else "local").inc()
+            if time.monotonic() - keeper.last_reported(self.key, "recovered") < REPORT_INTERVAL_S:
+                return  # an agent fetching in a loop: reported once per interval (see above)
+            keeper.reported(self.key, "recovered")
             await keeper._event(
                 events.StateRecovered(
                     agent=self.key.agent,
@@ -570,56 +579,19 @@ class StateSession:
         pause = frame.get("pause_ms")
         pause_ms = float(pause) if isinstance(pause, int | float) else 0.0
         durable = round(durable_ms, 3)
-        self._tallies.setdefault("hot", _Tally()).add(seq, size, len(records), pause_ms, durable)
+        final = frame.get("final") is True  # (a hand-over's: reported at once)
+        hot = ("hot", seq, size, len(records), pause_ms, durable)
+        await keeper.report(self.key, self.sandbox_id, *hot, now=final)
         if cold_bytes:
             refs = sum(1 for r in records if r["k"] == "ref")
-            self._tallies.setdefault("cold", _Tally()).add(seq, cold_bytes, refs, 0.0, durable)
-        await self._report(now=frame.get("final") is True)
+            cold = ("cold", seq, cold_bytes, refs, 0.0, durable)
+            await keeper.report(self.key, self.sandbox_id, *cold, now=final)
         for callback in self._callbacks:
             await callback(seq, records)
         if frame.get("final") is True and self._final is not None and not self._final.done():
             self._final.set_result(records)
         if store.journal_bytes > JOURNAL_WARM_BYTES and not store.warming.locked():
             keeper._spawn(self.warm())  # checkpoints go on meanwhile
-
-    async def _report(self, *, now: bool = False) -> None:
-        """Report the checkpoints not reported yet: at once when the last report is at least
-        :data:`REPORT_INTERVAL_S` old (or ``now``), else when that interval ends."""
-        if now and self._reporter is not None:
-            self._reporter.cancel()
-            self._reporter = None
-        if self._reporter is not None:
-            return  # (reported when the interval ends)
-        wait = self._reported_at + REPORT_INTERVAL_S - time.monotonic()
-        if wait <= 0 or now:
-            await self._send_reports()
-        else:
-            self._reporter = asyncio.get_running_loop().call_later(wait, self._report_due)
-
-    def _report_due(self) -> None:
-        self._reporter = None
-        self.keeper._spawn(self._send_reports())
-
-    async def _send_reports(self) -> None:
-        tallies, self._tallies = self._tallies, {}
-        if not tallies:
-            return
-        self._reported_at = time.monotonic()
-        for tier, tally in tallies.items():
-            await self.keeper._event(
-                events.StateCheckpointed(
-                    agent=self.key.agent,
-                    group=self.key.group,
-                    tier=tier,
-                    seq=tally.seq,
-                    bytes=tally.bytes,
-                    records=tally.records,
-                    pause_ms=tally.pause_ms,
-                    durable_ms=tally.durable_ms,
-                    checkpoints=tally.checkpoints,
-                ),
-                self.sandbox_id,
-            )
 
     async def warm(self) -> None:
         """Merge now (the timer's and the journal size's trigger; one at a time)."""
@@ -656,11 +628,6 @@ class StateSession:
     def close(self) -> None:
         if self._timers is not None:
             self._timers.cancel()
-        if self._reporter is not None:
-            self._reporter.cancel()
-            self._reporter = None
-        if self._tallies:  # what the interval held back: reported now, not lost
-            self.keeper._spawn(self._send_reports())
         if self._final is not None and not self._final.done():
             self._final.set_exception(ConnectionError("the old version's session ended"))
 
@@ -713,6 +680,13 @@ class StateKeeper:
         self._agents: dict[StateKey, _Agent] = {}
         self._sessions: set[StateSession] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._reports: set[asyncio.Task[None]] = set()  # held-back reports under way
+        # (agent, tier, sandbox) -> its checkpoints not reported yet, and the timer of the next
+        self._pending: dict[tuple[StateKey, str, str], _Tally] = {}
+        self._report_timer: asyncio.TimerHandle | None = None
+        # (agent, what) -> when it was last reported: per agent, not per connection, so an
+        # agent that reconnects in a loop is held to the same rate (bounded; oldest go first)
+        self._reported_at: OrderedDict[tuple[StateKey, str], float] = OrderedDict()
         self._nc: Any = None
         self._js: Any = None
         self._store: Any = None
@@ -892,15 +866,19 @@ class StateKeeper:
             os.chmod(path, 0o700)
 
     async def stop(self) -> None:
-        sessions = list(self._sessions)
-        # what a report interval holds back goes out before the sessions and tasks end
-        await asyncio.gather(*(s._send_reports() for s in sessions), return_exceptions=True)
-        for session in sessions:
+        for session in list(self._sessions):
             session.close()
-        for task in list(self._tasks):
+        if self._report_timer is not None:
+            self._report_timer.cancel()
+            self._report_timer = None
+        for entry in list(self._pending):  # what a report interval held back goes out now
+            self._report_later(self._send_report(entry, self._pending.pop(entry)))
+        if self._reports:
+            await asyncio.wait(list(self._reports), timeout=REPORT_STOP_S)
+        for task in list(self._tasks | self._reports):
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks or self._reports:
+            await asyncio.gather(*self._tasks, *self._reports, return_exceptions=True)
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await self._nc.close()
@@ -933,6 +911,85 @@ class StateKeeper:
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def report(
+        self,
+        key: StateKey,
+        sandbox_id: str,
+        tier: str,
+        seq: int,
+        size: int,
+        records: int,
+        pause_ms: float,
+        durable_ms: float,
+        *,
+        now: bool = False,
+    ) -> None:
+        """Report a checkpoint (``state.checkpointed``): at once when ``now`` or when the
+        agent's last report of ``tier`` is :data:`REPORT_INTERVAL_S` old, else with the others
+        of that interval when it ends (see :data:`REPORT_INTERVAL_S`)."""
+        entry = (key, tier, sandbox_id)
+        self._pending.setdefault(entry, _Tally()).add(seq, size, records, pause_ms, durable_ms)
+        if now or time.monotonic() >= self.last_reported(key, tier) + REPORT_INTERVAL_S:
+            await self._send_report(entry, self._pending.pop(entry))
+        else:
+            self._arm_reports()
+
+    def _arm_reports(self) -> None:
+        if self._report_timer is not None or not self._pending:
+            return
+        due = min(self.last_reported(k, t) for k, t, _ in self._pending) + REPORT_INTERVAL_S
+        loop = asyncio.get_running_loop()
+        self._report_timer = loop.call_later(max(0.0, due - time.monotonic()), self._reports_due)
+
+    def _reports_due(self) -> None:
+        self._report_timer = None
+        now = time.monotonic()
+        for entry in list(self._pending):
+            key, tier, _ = entry
+            if now >= self.last_reported(key, tier) + REPORT_INTERVAL_S:
+                self._report_later(self._send_report(entry, self._pending.pop(entry)))
+        self._arm_reports()
+
+    async def _send_report(self, entry: tuple[StateKey, str, str], tally: _Tally) -> None:
+        key, tier, sandbox_id = entry
+        self.reported(key, tier)
+        await self._event(
+            events.StateCheckpointed(
+                agent=key.agent,
+                group=key.group,
+                tier=tier,
+                seq=tally.seq,
+                bytes=tally.bytes,
+                records=tally.records,
+                pause_ms=tally.pause_ms,
+                durable_ms=tally.durable_ms,
+                checkpoints=tally.checkpoints,
+            ),
+            sandbox_id,
+        )
+
+    def _report_later(self, coro: Awaitable[None]) -> None:
+        """Run a held-back report; :meth:`stop` waits for it (up to ``REPORT_STOP_S``)."""
+
+        async def run() -> None:
+            await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    def last_reported(self, key: StateKey, what: str) -> float:
+        """When ``what`` (a tier, ``recovered``) of agent ``key`` was last reported (monotonic;
+        -inf: never)."""
+        return self._reported_at.get((key, what), -math.inf)
+
+    def reported(self, key: StateKey, what: str) -> None:
+        """Note that ``what`` of agent ``key`` was reported now."""
+        self._reported_at.pop((key, what), None)
+        self._reported_at[(key, what)] = time.monotonic()
+        while len(self._reported_at) > REPORT_CLOCKS:
+            self._reported_at.popitem(last=False)
 
     def _agent(self, key: StateKey) -> _Agent:
         found = self._agents.get(key)
