@@ -48,6 +48,7 @@ import ctypes, errno, json, os, socket, sys, time
 import dns.message, dns.query, dns.rcode
 
 cgroup, actions = sys.argv[1], json.loads(sys.argv[2])
+FAKE = "127.0.0.99"
 with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
     f.write(str(os.getpid()))
 held = {}
@@ -141,6 +142,20 @@ def run(a):
                 return list(s.getpeername()[:2])
             finally:
                 s.close()
+        if op == "dns_after_churn":
+            # A query, then (before its answer is read) as many DNS sockets as the node-wide
+            # table of original destinations once held: where does the answer seem to come from?
+            q = dns.message.make_query(a["name"], "A")
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.settimeout(5)
+            s.sendto(q.to_wire(), (FAKE, 53))
+            for _ in range(a["sockets"]):
+                other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                other.sendto(b"x", (FAKE, 53))
+                other.close()
+            data, source = s.recvfrom(4096)
+            s.close()
+            return [source[0], source[1], dns.rcode.to_text(dns.message.from_wire(data).rcode())]
         if op == "until_denied":
             deadline = time.monotonic() + a["deadline"]
             attempts = 0
@@ -446,6 +461,24 @@ async def test_dns_is_forced_to_the_proxy_whatever_resolver_the_code_names(
     assert results[9] == ["::1", 53]
     assert results[10]["addresses"] == ["::1"]
     assert results[11] == "ok"
+
+
+async def test_a_dns_answer_keeps_its_source_however_many_dns_sockets_come_after(
+    egress: EgressController, echo: Echo, cgroup: Path
+) -> None:
+    """The address a DNS query went to is kept with its socket: 70,000 DNS sockets made
+    after it (more than the node-wide table of 65,536 that held them before, where such a
+    churn evicted every neighbour's entry) do not make its answer seem to come from the proxy,
+    which resolvers drop as a spoof."""
+    port = await echo.serve("127.0.0.10")
+    plan = EgressPlan(
+        sandbox_id="sbx-churn", rules=(rule("egress[0]", domain="allowed.test", ports=(port,)),)
+    )
+    async with attached(egress, cgroup, plan):
+        (answer,) = await run_client(
+            cgroup, [{"op": "dns_after_churn", "name": "allowed.test", "sockets": 70_000}]
+        )
+    assert answer == [FAKE_RESOLVER, 53, "NOERROR"], answer
 
 
 async def test_bad_input_is_refused_and_leaves_nothing(

@@ -160,7 +160,12 @@ BPF_TABLE_PINNED("hash", struct bucket_key, struct bucket, buckets, MAX_BUCKETS,
                  PIN_DIR "/buckets");
 BPF_TABLE_PINNED("percpu_hash", struct counter_key, u64, counters, MAX_COUNTERS,
                  PIN_DIR "/counters");
-BPF_TABLE_PINNED("lru_hash", u64, struct orig_dst, dns_orig, 65536, PIN_DIR "/dns_orig");
+// Where each socket's DNS query really went (its reply is shown as coming from there): storage
+// of the socket itself, freed with it. (An LRU hash keyed by socket cookie was node-wide: one
+// sandbox making DNS sockets in a loop evicted its neighbours' entries, and their resolvers
+// then dropped replies that seemed to come from the proxy.)
+BPF_TABLE_PINNED7("sk_storage", int, struct orig_dst, dns_dst, 0, PIN_DIR "/dns_dst",
+                  BPF_F_NO_PREALLOC);
 // Well-known DoH/DoT resolver addresses; IPv4 as ::a.b.c.d (addr[3]).
 struct doh_key {
     u32 addr[4];
@@ -435,6 +440,22 @@ static __always_inline int decide6(struct bpf_sock_addr *ctx, struct sbx_cfg *cf
     return finish(cfg, cgid, m.rule, V_ALLOW, hook, 6, ctx, ip, port);
 }
 
+static __always_inline void remember_dns(struct bpf_sock_addr *ctx, struct orig_dst *o) {
+    struct bpf_sock *sk = ctx->sk;
+    if (!sk)
+        return;
+    struct orig_dst *kept = dns_dst.sk_storage_get(sk, o, BPF_SK_STORAGE_GET_F_CREATE);
+    if (kept)
+        *kept = *o;  // (a socket asking another server later: its newest)
+}
+
+static __always_inline struct orig_dst *dns_of(struct bpf_sock_addr *ctx) {
+    struct bpf_sock *sk = ctx->sk;
+    if (!sk)
+        return 0;
+    return dns_dst.sk_storage_get(sk, 0, 0);
+}
+
 static __always_inline int hook4(struct bpf_sock_addr *ctx, u32 hook) {
     u64 cgid = 0;
     struct sbx_cfg *cfg = find_sandbox(&cgid);
@@ -447,8 +468,7 @@ static __always_inline int hook4(struct bpf_sock_addr *ctx, u32 hook) {
     if (port == DNS_PORT) {
         struct orig_dst o = {.port = ctx->user_port, .family = 4};
         o.ip6[3] = ip;
-        u64 cookie = bpf_get_socket_cookie(ctx);
-        dns_orig.update(&cookie, &o);
+        remember_dns(ctx, &o);
         ctx->user_ip4 = cfg->proxy4;
         ctx->user_port = cfg->proxy_port;
         u32 ev_addr[4] = {ip, 0, 0, 0};
@@ -475,8 +495,7 @@ static __always_inline int hook6(struct bpf_sock_addr *ctx, u32 hook) {
         o.ip6[1] = ip[1];
         o.ip6[2] = ip[2];
         o.ip6[3] = ip[3];
-        u64 cookie = bpf_get_socket_cookie(ctx);
-        dns_orig.update(&cookie, &o);
+        remember_dns(ctx, &o);
         if (mapped) {
             // A dual-stack socket talking IPv4: send it to the proxy's IPv4 address.
             ctx->user_ip6[0] = 0;
@@ -504,8 +523,7 @@ static __always_inline int restore4(struct bpf_sock_addr *ctx) {
     struct sbx_cfg *cfg = find_sandbox(&cgid);
     if (!cfg || ctx->user_ip4 != cfg->proxy4 || ctx->user_port != cfg->proxy_port)
         return 1;
-    u64 cookie = bpf_get_socket_cookie(ctx);
-    struct orig_dst *o = dns_orig.lookup(&cookie);
+    struct orig_dst *o = dns_of(ctx);
     if (!o || o->family != 4)
         return 1;
     ctx->user_ip4 = o->ip6[3];
@@ -524,8 +542,7 @@ static __always_inline int restore6(struct bpf_sock_addr *ctx) {
     int from_proxy4 = is_v4_mapped(ip) && ip[3] == cfg->proxy4;
     if (!from_proxy6 && !from_proxy4)
         return 1;
-    u64 cookie = bpf_get_socket_cookie(ctx);
-    struct orig_dst *o = dns_orig.lookup(&cookie);
+    struct orig_dst *o = dns_of(ctx);
     if (!o)
         return 1;
     if (o->family == 4) {

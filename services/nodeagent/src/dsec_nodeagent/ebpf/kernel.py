@@ -49,7 +49,7 @@ MAP_NAMES = (
     "host6",
     "buckets",
     "counters",
-    "dns_orig",
+    "dns_dst",
     "doh",
     "stack_deny",
     "events",
