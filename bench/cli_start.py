@@ -37,6 +37,7 @@ COMMANDS = [
     ["sandbox", "list", "--help"],
     ["events", "tail", "--help"],
     ["submit", "--help"],
+    ["events", "schema"],  # a command that runs: loads the event models, prints 270 KB
 ]
 
 BARE_TYPER = """
