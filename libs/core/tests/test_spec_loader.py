@@ -202,6 +202,16 @@ def test_duplicate_keys_are_errors_not_silently_overwritten() -> None:
             "s3://BUCKET/PREFIX/",
         ),
         (
+            "runtime_context: {mounts: [{path: /dsec/data, source: 's3://bkt/p/'}]}",
+            "runtime_context.mounts[0].path",
+            "a path outside /dsec, e.g. /workspace/data",
+        ),
+        (
+            "runtime_context: {mounts: [{path: /, source: 's3://bkt/p/', mode: rw}]}",
+            "runtime_context.mounts[0].path",
+            "a path outside /dsec, e.g. /workspace/data",
+        ),
+        (
             "runtime_context: {mounts: [{path: /d, source: 'configmap://c/k', mode: rw}]}",
             "runtime_context.mounts[0].mode",
             "mode: ro",

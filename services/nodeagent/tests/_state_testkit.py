@@ -58,7 +58,9 @@ class FakeAgent:
                 return records, frame
             records.extend(frame["records"])
 
-    async def checkpoint(self, seq: int, records: list[dict[str, Any]]) -> dict[str, Any]:
+    async def checkpoint(
+        self, seq: int, records: list[dict[str, Any]], *, final: bool = False
+    ) -> dict[str, Any]:
         await self.send(
             {
                 "op": "checkpoint",
@@ -66,7 +68,7 @@ class FakeAgent:
                 "records": records,
                 "pause_ms": 0.5,
                 "tiers": ["hot", "warm", "cold"],
-                "final": False,
+                "final": final,
             }
         )
         return await self.recv()

@@ -48,6 +48,9 @@ async def test_a_delete_delivered_again_after_failing_halfway_reports_its_own_de
     envelope = Signer("user-x", SigningKey.generate()).seal(request, aggregate_id="del-2").envelope
     with pytest.raises(ConnectionError):
         await deletes.on_delete_requested(envelope, request)
+    (given_up,) = not_deleted(envelope, "S3 unreachable", 4, deletes.deleted_by(envelope.id))
+    assert isinstance(given_up, events.SnapshotDeleted)  # (had it given up here instead)
+    assert given_up.names == ["a"] and given_up.missing == ["b", "c", "z"]
     (answer,) = await deletes.on_delete_requested(envelope, request)  # the redelivery
     assert isinstance(answer, events.SnapshotDeleted)
     assert answer.names == ["a", "b", "c"] and answer.missing == ["z"] and stored == set()

@@ -1220,8 +1220,9 @@ def _with_recording(config: SandboxConfig, prepared: Prepared) -> SandboxConfig:
         update={
             "env": {**config.env, **prepared.env},
             "mounts": [*config.mounts, *prepared.mounts],
-            "read_allowed": [*config.read_allowed, *prepared.read],
-            "write_allowed": [*config.write_allowed, *prepared.write],
+            # (once each: a spec may list /dsec/recording itself)
+            "read_allowed": list(dict.fromkeys([*config.read_allowed, *prepared.read])),
+            "write_allowed": list(dict.fromkeys([*config.write_allowed, *prepared.write])),
         }
     )
 

@@ -142,7 +142,13 @@ def wire(
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
     # Per-node durables (nodeagent-<node>-<type>): every node sees each event, and acts only on
     # those of sandboxes placed on it.
-    service.handles(events.SandboxScheduled, retry=retry, batch=4, scope="node")(agent.on_scheduled)
+    service.handles(
+        events.SandboxScheduled,
+        retry=retry,
+        batch=4,
+        scope="node",
+        answers=(events.SandboxReady, events.SandboxFailed),
+    )(agent.on_scheduled)
     service.handles(events.SandboxStopRequested, scope="node")(agent.on_stop_requested)
     # fencing is this node's own cleanup: a failure is logged, never a sandbox.failed for a
     # sandbox that now belongs to another node

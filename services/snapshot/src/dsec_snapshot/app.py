@@ -10,7 +10,7 @@ nowhere â†’ ``snapshot.failed`` with the reason; ``snapshot.delete_requested`` â
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from dsec_core import events
 from dsec_core.envelope import Envelope
@@ -28,12 +28,19 @@ from dsec_snapshot.periodic import PeriodicSnapshots
 log = logging.getLogger(__name__)
 
 
-def not_deleted(envelope: Envelope, reason: str, attempts: int) -> Sequence[Payload]:
-    """A delete whose retries are exhausted still ends in ``snapshot.deleted`` (terminal): every
-    name it asked for is reported missing (nothing is known to be deleted)."""
+def not_deleted(
+    envelope: Envelope, reason: str, attempts: int, deleted: Collection[str] = ()
+) -> Sequence[Payload]:
+    """A delete whose retries are exhausted still ends in ``snapshot.deleted`` (terminal): the
+    names this process knows it deleted (``deleted``) as deleted, every other one missing."""
     log.warning("snapshot delete %s gave up after %d attempts: %s", envelope.id, attempts, reason)
-    names = [str(n) for n in envelope.payload.get("names") or []]
-    return [SnapshotDeleted(names=[], missing=names)]
+    names = list(dict.fromkeys(str(n) for n in envelope.payload.get("names") or []))
+    return [
+        SnapshotDeleted(
+            names=[n for n in names if n in deleted],
+            missing=[n for n in names if n not in deleted],
+        )
+    ]
 
 
 def create_service(settings: Settings | None = None) -> Service:
@@ -72,13 +79,16 @@ def create_service(settings: Settings | None = None) -> Service:
             on_exhausted=snapshot_failed,
             answers=(answer, events.SnapshotFailed),
         )(handler)
+    deletes = SnapshotDeletes(handlers)
     service.handles(
         events.SnapshotDeleteRequested,
         retry=retry,
         batch=4,
-        on_exhausted=not_deleted,
+        on_exhausted=lambda envelope, reason, attempts: not_deleted(
+            envelope, reason, attempts, deletes.deleted_by(envelope.id)
+        ),
         answers=(events.SnapshotDeleted,),
-    )(SnapshotDeletes(handlers).on_delete_requested)
+    )(deletes.on_delete_requested)
     service.on_start.append(handlers.start)
     if service.settings.snapshot_interval_s > 0:
         periodic = PeriodicSnapshots(

@@ -39,6 +39,10 @@ class SnapshotDeletes:
         # deleted, not as missing (the user would read "no snapshot named" for its own)
         self._done: OrderedDict[str, set[str]] = OrderedDict()
 
+    def deleted_by(self, request_id: str) -> frozenset[str]:
+        """The names this process deleted for the request (for its answer when it gives up)."""
+        return frozenset(self._done.get(request_id, ()))
+
     async def on_delete_requested(
         self, envelope: Envelope, event: events.SnapshotDeleteRequested
     ) -> Sequence[events.Payload]:

@@ -368,6 +368,11 @@ def parse_mount_source(value: str) -> MountSource:
     raise invalid(f"{value!r} has an unknown scheme", MOUNT_SOURCE_HINT)
 
 
+RESERVED_DIR = "/dsec"
+"""Where DSec puts a sandbox's own files (``/dsec/recording``, ``/dsec/replay``): no spec mount
+may cover it."""
+
+
 class Mount(SpecModel):
     """Data mounted into the sandbox. ``cache_ttl`` unset means no local cache."""
 
@@ -384,17 +389,30 @@ class Mount(SpecModel):
 
     @classmethod
     def cross_checks(cls, fields: Mapping[str, Any]) -> list[PydanticCustomError]:
-        """A config map can only be mounted read-only."""
+        """A config map can only be mounted read-only; nothing is mounted over ``/dsec``."""
+        found: list[PydanticCustomError] = []
         source, mode = fields.get("source"), fields.get("mode", "ro")
         if isinstance(source, str) and source.startswith("configmap://") and mode != "ro":
-            return [
+            found.append(
                 invalid(
                     f"a config map mount is read-only; mode {mode!r} is not possible",
                     "mode: ro",
                     loc=("mode",),
                 )
-            ]
-        return []
+            )
+        path = fields.get("path")
+        if isinstance(path, str) and (
+            path.rstrip("/") in ("", RESERVED_DIR) or path.startswith(RESERVED_DIR + "/")
+        ):
+            found.append(
+                invalid(
+                    f"{path!r} is in or over {RESERVED_DIR}, where DSec puts a sandbox's recorded "
+                    "and replayed calls",
+                    "a path outside /dsec, e.g. /workspace/data",
+                    loc=("path",),
+                )
+            )
+        return found
 
     @property
     def parsed_source(self) -> MountSource:

@@ -192,6 +192,8 @@ class Recordings:
             # the sandbox wrote this file: only tool calls are taken from it
             # (in a worker thread: up to MAX_SANDBOX_BYTES to read and parse, off the loop)
             calls = kept_dir(self.layout.sandbox(sid).root, RECORD_MOUNT) / CALLS_FILE
+            if not calls.exists() and (directory / "sandbox").is_dir():
+                calls = directory / "sandbox" / CALLS_FILE  # started before its own quota dir
             entries += await asyncio.to_thread(_recorded, calls, directory / "http.jsonl")
             saved = await self.store.save(tenant, entries)
         except ValueError as exc:

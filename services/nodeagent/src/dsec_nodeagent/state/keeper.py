@@ -579,7 +579,9 @@ class StateSession:
         pause = frame.get("pause_ms")
         pause_ms = float(pause) if isinstance(pause, int | float) else 0.0
         durable = round(durable_ms, 3)
-        final = frame.get("final") is True  # (a hand-over's: reported at once)
+        # A hand-over's final checkpoint (one the keeper asked for) is reported at once; the
+        # flag alone, which any agent may set, is not: it would undo the rate.
+        final = frame.get("final") is True and self._final is not None
         hot = ("hot", seq, size, len(records), pause_ms, durable)
         await keeper.report(self.key, self.sandbox_id, *hot, now=final)
         if cold_bytes:
