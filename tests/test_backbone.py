@@ -258,6 +258,29 @@ async def test_a_spare_delivery_ends_only_a_request_no_attempt_answered(
         assert seen[sid] == ["spec.submitted", "spec.validated", "sandbox.failed"]
 
 
+async def test_no_one_can_take_a_derived_ids_place_in_the_duplicate_window(
+    publisher: EventPublisher, js: JetStreamContext
+) -> None:
+    """Derived ids are predictable (a hash of a public request id); JetStream's duplicate
+    window is stream-wide. A message published first under the bare id (anyone allowed to
+    publish anywhere in the stream may) does not make the genuine envelope a "duplicate": it
+    goes in under an id only its key can compute, and publishing it again (a handler's
+    redelivery) still stores it once."""
+    sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
+    request = await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
+    wanted = output_event_id(request.envelope.id, SpecRejected.TYPE, 0)
+    junk_subject = subject_for(SpecSubmitted.TYPE, f"sbx_{uuid.uuid4().hex[:10]}")
+    await js.publish(junk_subject, b"junk", headers={"Nats-Msg-Id": wanted})
+    answer = SpecRejected(errors=[])
+    first = await publisher.publish(answer, aggregate_id=sandbox, event_id=wanted)
+    assert not first.duplicate
+    assert (await js.get_msg(STREAM, first.stream_seq)).data == first.sealed.wire
+    again = await publisher.publish(answer, aggregate_id=sandbox, event_id=wanted)
+    assert again.duplicate and again.stream_seq == first.stream_seq
+    stored = [t for _, t, _ in await _events_of(js, sandbox)]
+    assert stored == ["spec.submitted", "spec.rejected"]
+
+
 async def test_events_are_ordered_per_aggregate_and_carry_causation(
     publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path, dsec_stack
 ) -> None:

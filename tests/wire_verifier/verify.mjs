@@ -183,7 +183,12 @@ export class Verifier {
     if (f.type === 'audit.key_revoked') this.revoked.add(f.payload.get('key_id'));
     // 9. the deduplication header names the event
     const msgId = (message.headers ?? {})['Nats-Msg-Id'];
-    if (msgId !== f.id) throw new Verdict('bad-msg-id', `Nats-Msg-Id ${msgId} is not the id ${f.id}`);
+    // the id, or (section 8: another message took it first) the id, a dot and 16 hex digits
+    const claimed = typeof msgId === 'string' && msgId.startsWith(`${f.id}.`)
+      && /^[0-9a-f]{16}$/.test(msgId.slice(f.id.length + 1));
+    if (msgId !== f.id && !claimed) {
+      throw new Verdict('bad-msg-id', `Nats-Msg-Id ${msgId} is not the id ${f.id}`);
+    }
   }
 
   register(env, f) {

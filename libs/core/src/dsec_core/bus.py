@@ -13,7 +13,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -40,12 +40,12 @@ from nats.js.errors import (
 from nats.protocol.parser import AWAITING_CONTROL_LINE as _AWAITING_CONTROL_LINE
 from nats.protocol.parser import Parser
 
-from dsec_core import natsclient
+from dsec_core import canonical, natsclient
 from dsec_core.envelope import Envelope
 from dsec_core.events import KeyRegistered, Payload
 from dsec_core.identity import SYSTEM_TENANT, Certificate
 from dsec_core.settings import Settings
-from dsec_core.signing import Sealed, Signer
+from dsec_core.signing import Sealed, Signer, verify_raw
 from dsec_core.subjects import ALL_EVENTS, STATE_STREAM, STATE_SUBJECTS, STREAM
 from dsec_core.trust import handled_bucket
 
@@ -386,18 +386,45 @@ class EventPublisher:
             except EventTooLarge:
                 self.signer.rewind(sealed)  # it never left: the next envelope takes its place
                 raise
-            if published.duplicate and not await self._stored(published):
-                self.signer.rewind(sealed)
+            if published.duplicate:
+                held = await self._held(published)
+                if held == "taken":
+                    # Another message took this id first in the duplicate window (derived ids
+                    # are predictable, the window is stream-wide): the envelope goes in under
+                    # an id only this key can compute, not dropped as a "duplicate".
+                    log.warning("event id %s was taken by another message: published under "
+                                "its claimed id", sealed.id)  # fmt: skip
+                    published = await self.publish_sealed(
+                        sealed, msg_id=self.signer.claimed_id(sealed.id)
+                    )
+                    held = await self._held(published) if published.duplicate else "this"
+                if held == "earlier":
+                    self.signer.rewind(sealed)
             return published
 
-    async def _stored(self, published: Published) -> bool:
-        """Whether the log holds exactly this envelope at the acknowledged sequence."""
-        stored = await self.js.get_msg(STREAM, published.stream_seq)
-        return stored.data == published.sealed.wire
+    async def _held(self, published: Published) -> Literal["this", "earlier", "taken"]:
+        """What the log holds at a duplicate's acknowledged sequence: this very envelope, an
+        earlier one of this producer's key with the same id (a handler's output published again
+        after a crash), or anything else (another message took the id first)."""
+        stored = (await self.js.get_msg(STREAM, published.stream_seq)).data or b""
+        if stored == published.sealed.wire:
+            return "this"
+        try:
+            fields = canonical.unpack(stored)
+            earlier = (
+                isinstance(fields, dict)
+                and fields.get("id") == published.sealed.id
+                and fields.get("key_id") == self.signer.key_id
+                and verify_raw(fields, self.signer.public_raw)
+            )
+        except Exception:  # not MessagePack, not an envelope: anything else
+            earlier = False
+        return "earlier" if earlier else "taken"
 
-    async def publish_sealed(self, sealed: Sealed) -> Published:
-        """Publish an already signed envelope, retrying through server restarts."""
-        headers = {"Nats-Msg-Id": sealed.id}
+    async def publish_sealed(self, sealed: Sealed, *, msg_id: str | None = None) -> Published:
+        """Publish an already signed envelope, retrying through server restarts (``msg_id``:
+        its ``Nats-Msg-Id``, the envelope's id unless said)."""
+        headers = {"Nats-Msg-Id": msg_id or sealed.id}
         delay = 0.05
         for attempt in range(self._retries):
             try:

@@ -127,7 +127,9 @@ def _headers_schema() -> dict[str, Any]:
             "Nats-Msg-Id": {
                 "type": "string",
                 "description": "The envelope's id: JetStream drops a second publish of the same "
-                "id within the stream's duplicate window (idempotent retries)",
+                "id within the stream's duplicate window (idempotent retries). Where another "
+                "message took the id first, the id, a dot and 16 hex digits only the "
+                "producer's key can compute (docs/events.md, section 8)",
             }
         },
         "required": ["Nats-Msg-Id"],

@@ -94,6 +94,9 @@ class Sealed:
         return Envelope.model_construct(**{**self.fields, "time": self.time})
 
 
+_CLAIM_CONTEXT = "dsec 2026-12-02 Nats-Msg-Id of an envelope whose id was taken"
+
+
 class Signer:
     """Builds, signs and chains envelopes for one producer instance (thread-safe)."""
 
@@ -106,10 +109,19 @@ class Signer:
         self._secret = crypto_sign_seed_keypair(bytes(key))[1]
         self.public_raw = bytes(key.verify_key)
         self.key_id = key_id_of(self.public_raw)
+        self._claim_key = blake3.blake3(bytes(key), derive_key_context=_CLAIM_CONTEXT).digest()
         self.chain = new_event_id()
         self._seq = 0
         self._prev: str | None = None
         self._lock = threading.Lock()
+
+    def claimed_id(self, event_id: str) -> str:
+        """The ``Nats-Msg-Id`` of an envelope whose own id another message took first in the
+        stream's duplicate window (see ``EventPublisher.publish``): the id with a BLAKE3 of it
+        keyed by a secret of this signing key, which no one else can compute (so no one can
+        take it first too), the same for every retry (so a retry is still deduplicated)."""
+        keyed = blake3.blake3(event_id.encode(), key=self._claim_key).hexdigest()[:16]
+        return f"{event_id}.{keyed}"
 
     def seal(
         self,
