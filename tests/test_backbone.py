@@ -15,7 +15,7 @@ from dsec_core import identity
 from dsec_core.bus import EventPublisher, ensure_stream, replay
 from dsec_core.envelope import decode
 from dsec_core.events import SpecRejected, SpecSubmitted, SpecValidated
-from dsec_core.ids import output_event_id
+from dsec_core.ids import derive_event_id, output_event_id
 from dsec_core.service import RetryPolicy, Service, sandbox_failed
 from dsec_core.settings import Settings
 from dsec_core.signing import Signer
@@ -230,12 +230,14 @@ async def test_a_spare_delivery_ends_only_a_request_no_attempt_answered(
     async def ignore(envelope, payload):  # type: ignore[no-untyped-def]
         return []
 
-    answered, forged_for, copied_for, elsewhere = (f"sbx_{uuid.uuid4().hex[:10]}" for _ in range(4))
+    answered, forged_for, copied_for, elsewhere, labelled = (
+        f"sbx_{uuid.uuid4().hex[:10]}" for _ in range(5)
+    )
     await service.start()
     try:
         asked = {
             sid: await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sid)
-            for sid in (answered, forged_for, copied_for)
+            for sid in (answered, forged_for, copied_for, labelled)
         }
         output = SpecValidated(name="a", spec_digest="d", plan=minimal_plan())
         await service._publish_outputs(asked[answered].envelope, [output])  # then it "died"
@@ -247,13 +249,20 @@ async def test_a_spare_delivery_ends_only_a_request_no_attempt_answered(
         wanted = output_event_id(asked[copied_for].envelope.id, SpecValidated.TYPE, 0)
         genuine = await service.publisher.publish(output, aggregate_id=elsewhere, event_id=wanted)
         await js.publish(subject_for(SpecValidated.TYPE, copied_for), genuine.sealed.wire)
+        # an answer the handler publishes itself, under an id of its own label
+        cause = asked[labelled].envelope
+        own = derive_event_id(cause.id, "placement")
+        await service.publisher.publish(
+            output, aggregate_id=labelled, event_id=own, causation=cause
+        )
         failure = sandbox_failed(service.name)
-        for request in asked.values():
-            await service._end_unfinished(request.envelope, request.stream_seq, 5, failure, answers)
+        declared = (*answers, (SpecValidated, "placement"))
+        for asking in asked.values():
+            await service._end_unfinished(asking.envelope, asking.stream_seq, 5, failure, declared)
         seen = {sid: [t for _, t, _ in await _events_of(js, sid)] for sid in asked}
     finally:
         await service.stop()
-    assert seen[answered] == ["spec.submitted", "spec.validated"]
+    assert seen[answered] == seen[labelled] == ["spec.submitted", "spec.validated"]
     for sid in (forged_for, copied_for):  # (the forgery and the copy are in the log)
         assert seen[sid] == ["spec.submitted", "spec.validated", "sandbox.failed"]
 

@@ -76,6 +76,10 @@ Handler = Callable[[Envelope, Any], Awaitable[Sequence[Output | Payload]]]
 P = TypeVar("P", bound=Payload)
 TypedHandler = Callable[[Envelope, P], Awaitable[Sequence[Output | Payload]]]
 """A handler of one event class: it receives the envelope and the payload as that class."""
+Answer = type[Payload] | tuple[type[Payload], str]
+"""An event class that answers a request, published by the runtime (its id the runtime's,
+``output_event_id``), or ``(class, label)`` for one a handler publishes itself with the id
+``derive_event_id(request id, label)`` (the scheduler's placement)."""
 ANSWER_SCAN = 256
 """Messages of one subject a spare delivery reads looking for a request's answer (see
 ``Service._answered``): an answer behind more forgeries than this is not found, and the request
@@ -219,7 +223,7 @@ class Service:
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
         scope: Literal["service", "node"] = "service",
-        answers: Sequence[type[Payload]] = (),
+        answers: Sequence[Answer] = (),
     ) -> Callable[[TypedHandler[P]], TypedHandler[P]]: ...
 
     @overload
@@ -231,7 +235,7 @@ class Service:
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
         scope: Literal["service", "node"] = "service",
-        answers: Sequence[type[Payload]] = (),
+        answers: Sequence[Answer] = (),
     ) -> Callable[[Handler], Handler]: ...
 
     def handles(
@@ -242,7 +246,7 @@ class Service:
         batch: int = 16,
         on_exhausted: FailureEvents | None = None,
         scope: Literal["service", "node"] = "service",
-        answers: Sequence[type[Payload]] = (),
+        answers: Sequence[Answer] = (),
     ) -> Callable[[Any], Any]:
         """Register ``fn`` as the durable handler of the event class ``event`` for this
         service; ``fn(envelope, payload)`` receives the payload as an instance of that class.
@@ -309,7 +313,7 @@ class Service:
         policy: RetryPolicy,
         failure: FailureEvents,
         msg: NatsMessage,
-        answers: Sequence[type[Payload]] = (),
+        answers: Sequence[Answer] = (),
     ) -> None:
         attempt, stream_seq = self.delivery(msg)
         labels = (self.name, event_type)
@@ -355,7 +359,7 @@ class Service:
         stream_seq: int,
         attempts: int,
         failure: FailureEvents,
-        answers: Sequence[type[Payload]] = (),
+        answers: Sequence[Answer] = (),
     ) -> None:
         """End a request no attempt of which was acknowledged: its failure event(s), unless an
         attempt answered it (one of ``answers``) before its process died (its outputs reached
@@ -379,7 +383,7 @@ class Service:
         await self._publish_outputs(envelope, outputs)
 
     async def _answered(
-        self, envelope: Envelope, stream_seq: int, answers: Sequence[type[Payload]]
+        self, envelope: Envelope, stream_seq: int, answers: Sequence[Answer]
     ) -> bool:
         """Whether the log holds, after the request, an answer of one of the ``answers``
         classes this producer gave it: the id the runtime derives for it (the first output of
@@ -387,8 +391,11 @@ class Service:
         log holds it. A copy (another aggregate's answer, the same bytes on this subject) or a
         forgery does not count. Reads at most :data:`ANSWER_SCAN` messages per subject."""
         assert self.publisher is not None and self.gate is not None
-        for model in answers:
-            wanted = output_event_id(envelope.id, model.TYPE, 0)
+        for answer in answers:
+            if isinstance(answer, tuple):
+                model, wanted = answer[0], derive_event_id(envelope.id, answer[1])
+            else:
+                model, wanted = answer, output_event_id(envelope.id, answer.TYPE, 0)
             subject = subject_for(model.TYPE, envelope.aggregate_id)
             async for seq, data in scan_seq(
                 self.publisher.js, subject, ANSWER_SCAN, after=stream_seq
@@ -397,12 +404,12 @@ class Service:
                     fields = unpack_fields(data)
                     if fields.get("id") != wanted or fields.get("subject") != subject:
                         continue
-                    answer = Envelope.model_validate(fields)
+                    found = Envelope.model_validate(fields)
                 except (MalformedEnvelope, ValueError):
                     continue
-                if answer.aggregate_id != envelope.aggregate_id:
+                if found.aggregate_id != envelope.aggregate_id:
                     continue
-                if await self.gate.check(fields, answer, stream_seq=seq) is None:
+                if await self.gate.check(fields, found, stream_seq=seq) is None:
                     return True
         return False
 

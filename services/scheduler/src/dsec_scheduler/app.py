@@ -1011,7 +1011,11 @@ def create_service(settings: Settings | None = None) -> Service:
     stop = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
 
-    @service.handles("env.built")
+    # Its decision goes out under ids derived from the env.built (label "placement"), its
+    # refusals as the runtime's outputs: what a spare delivery looks for before it fails one.
+    placement = ((SandboxScheduled, "placement"), (SandboxPending, "placement"))
+
+    @service.handles("env.built", answers=(*placement, SandboxFailed, SandboxExited))
     async def env_built(envelope: Envelope, _: Any) -> list[Output | Payload]:
         return await scheduler.on_env_built(envelope)
 
