@@ -40,14 +40,14 @@ from nats.js.errors import (
 from nats.protocol.parser import AWAITING_CONTROL_LINE as _AWAITING_CONTROL_LINE
 from nats.protocol.parser import Parser
 
-from dsec_core import canonical, natsclient
-from dsec_core.envelope import Envelope
+from dsec_core import natsclient
+from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import KeyRegistered, Payload
 from dsec_core.identity import SYSTEM_TENANT, Certificate
 from dsec_core.settings import Settings
 from dsec_core.signing import Sealed, Signer, verify_raw
 from dsec_core.subjects import ALL_EVENTS, STATE_STREAM, STATE_SUBJECTS, STREAM
-from dsec_core.trust import handled_bucket
+from dsec_core.trust import handled_bucket, unpack_fields
 
 log = logging.getLogger(__name__)
 
@@ -392,8 +392,7 @@ class EventPublisher:
                     # Another message took this id first in the duplicate window (derived ids
                     # are predictable, the window is stream-wide): the envelope goes in under
                     # an id only this key can compute, not dropped as a "duplicate".
-                    log.warning("event id %s was taken by another message: published under "
-                                "its claimed id", sealed.id)  # fmt: skip
+                    log.warning("event id %s was taken first: published under its claim", sealed.id)
                     published = await self.publish_sealed(
                         sealed, msg_id=self.signer.claimed_id(sealed.id)
                     )
@@ -410,15 +409,15 @@ class EventPublisher:
         if stored == published.sealed.wire:
             return "this"
         try:
-            fields = canonical.unpack(stored)
-            earlier = (
-                isinstance(fields, dict)
-                and fields.get("id") == published.sealed.id
-                and fields.get("key_id") == self.signer.key_id
-                and verify_raw(fields, self.signer.public_raw)
-            )
-        except Exception:  # not MessagePack, not an envelope: anything else
-            earlier = False
+            fields = unpack_fields(stored)
+        except MalformedEnvelope:  # not an envelope at all
+            return "taken"
+        earlier = (
+            fields.get("id") == published.sealed.id
+            and fields.get("key_id") == self.signer.key_id
+            and isinstance(fields.get("sig"), str)
+            and verify_raw(fields, self.signer.public_raw)
+        )
         return "earlier" if earlier else "taken"
 
     async def publish_sealed(self, sealed: Sealed, *, msg_id: str | None = None) -> Published:

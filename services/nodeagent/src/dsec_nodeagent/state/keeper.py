@@ -906,13 +906,16 @@ class StateKeeper:
 
     # ------------------------------------------------------------------ storage
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Awaitable[None], into: set[asyncio.Task[None]] | None = None) -> None:
+        """Run ``coro`` in a task kept in ``into`` (default: the tasks :meth:`stop` cancels)."""
+        tasks = self._tasks if into is None else into
+
         async def run() -> None:
             await coro
 
         task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def report(
         self,
@@ -973,13 +976,7 @@ class StateKeeper:
 
     def _report_later(self, coro: Awaitable[None]) -> None:
         """Run a held-back report; :meth:`stop` waits for it (up to ``REPORT_STOP_S``)."""
-
-        async def run() -> None:
-            await coro
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
+        self._spawn(coro, self._reports)
 
     def last_reported(self, key: StateKey, what: str) -> float:
         """When ``what`` (a tier, ``recovered``) of agent ``key`` was last reported (monotonic;
