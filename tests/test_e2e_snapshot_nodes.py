@@ -29,6 +29,7 @@ from dsec_core.ids import new_sandbox_id
 from dsec_core.natsperms import durable_name
 from dsec_core.subjects import STREAM, aggregate_filter
 from dsec_snapstore.adapters.objectstore import S3ObjectStore
+from dsec_snapstore.locks import StoreLocks
 from dsec_snapstore.manifest import SignedManifest, manifest_key, summary_key
 from dsec_snapstore.packs import PackIndex
 from dsec_testing import trust
@@ -100,6 +101,33 @@ def test_rm_and_gc_go_through_the_snapshot_service_and_the_objects_are_gone(
     again = dsec_cli("snapshot", "rm", name, "--yes", env=env)
     assert again.exit_code == 2
     assert f"no snapshot named {name}" in " ".join(again.output.split())
+
+
+def test_a_gc_while_a_snapshot_is_taken_elsewhere_collects_nothing_and_says_so(
+    services: ServiceRunner, stack_env: dict[str, str], dsec_cli: Any, s3: S3Info, tmp_path: Path
+) -> None:
+    """A snapshot being taken on another host (its shared lock in the bucket) holds the store:
+    the service's GC waits for it (here 0.5 s), gives up and deletes nothing; `dsec snapshot gc`
+    says so and exits 1 (it used to print "freed 0 objects", exit 0). Free again, it collects."""
+    services.start(
+        "snapshot",
+        env={"DSEC_SNAPSHOT_GC_MIN_GRACE_S": "0", "DSEC_SNAPSHOT_GC_WAIT_S": "0.5"},
+    )
+    env = dict(stack_env)
+    name = snapshot_of_dir(dsec_cli, env, tmp_path)
+    chunks = chunk_keys(s3, name)
+    assert dsec_cli("snapshot", "rm", name, "--yes", env=env).exit_code == 0
+    elsewhere = StoreLocks(S3ObjectStore(s3.endpoint, s3.access_key, s3.secret_key, s3.bucket))
+    with elsewhere.shared(5.0, "snapshot create on another host"):
+        told = dsec_cli("snapshot", "gc", "--grace", "0s", "--yes", env=env)
+        assert told.exit_code == 1, told.output
+        assert "the snapshot service did not collect" in " ".join(told.output.split())
+        assert all(stored(s3, k) for k in chunks)
+        asked = dsec_cli("snapshot", "gc", "--grace", "0s", "--yes", "--json", env=env)
+        assert asked.exit_code == 1 and asked.last_json()["gc_grace_s"] is None
+    collected = dsec_cli("snapshot", "gc", "--grace", "0s", "--yes", "--json", env=env)
+    assert collected.exit_code == 0, collected.output
+    assert not any(stored(s3, k) for k in chunks)
 
 
 def test_a_gc_asked_with_no_grace_keeps_young_packs_another_snapshot_may_be_naming(

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,7 +21,8 @@ from nacl.signing import SigningKey
 
 from dsec_snapstore import SnapshotInputs, SnapshotStore, packs
 from dsec_snapstore.adapters.objectstore import ObjectExists, ObjectInfo, ObjectMissing
-from dsec_snapstore.errors import SnapshotError, VerificationFailed
+from dsec_snapstore.errors import SnapshotError, StoreBusy, VerificationFailed
+from dsec_snapstore.locks import LOCK_PREFIX, STALE_AFTER, StoreLocks
 from dsec_snapstore.manifest import GpuRecord, chunk_key
 from dsec_snapstore.packs import (
     GROUP_CHUNK_MAX,
@@ -590,3 +592,123 @@ def test_a_listing_row_left_without_its_manifest_does_not_vouch_for_a_stat_cache
         taken = store.create("next", inputs(tree))
         assert taken.files_rehashed == taken.files - 1
         assert store.verify("next").ok
+
+
+# --- a GC and the creates of other processes (locks in the store) ----------------------------
+
+
+def _other_process(objects: MemoryObjects, **waits: float) -> SnapshotStore:
+    """Another SnapshotStore on the same objects: what another process (the CLI, another node's
+    snapshot service) is to this one; nothing in memory is shared."""
+    return SnapshotStore(
+        objects,
+        signing_key=KEY,
+        workers=1,
+        pack_target=16 << 10,
+        **waits,  # type: ignore[arg-type]
+    )
+
+
+def test_a_gc_in_another_process_never_deletes_a_chunk_a_running_create_reuses(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """s1 is deleted; its chunks are dead and their packs old enough to go. A create of the
+    same tree reuses them (dedup) while another process's GC runs: without the store's lock the
+    GC deleted those packs and the create stored a snapshot naming chunks stored nowhere."""
+    store.create("s1", inputs(tree))
+    store.delete("s1")
+    hashed = threading.Event()
+    go_on = threading.Event()
+    real_hash_all = store._hash_all
+
+    def paused(*args: object, **kwargs: object) -> object:
+        result = real_hash_all(*args, **kwargs)  # type: ignore[arg-type]
+        hashed.set()  # the chunks are found stored already: nothing uploaded for them
+        assert go_on.wait(30)
+        return result
+
+    monkeypatch.setattr(store, "_hash_all", paused)
+    creating = ThreadPoolExecutor(1).submit(store.create, "s2", inputs(tree))
+    assert hashed.wait(30)
+    with _other_process(objects, gc_wait_s=0.2) as other:
+        packs_before = objects.under(PACK_PREFIX)
+        with pytest.raises(StoreBusy, match=r"locked by locks/shared-.*snapshot create 's2'"):
+            other.gc(grace=timedelta(0))
+        assert objects.under(PACK_PREFIX) == packs_before  # nothing collected
+        go_on.set()
+        assert creating.result(30).chunks_uploaded == 0  # every chunk reused
+        assert objects.under(LOCK_PREFIX) == []  # released
+        other.gc(grace=timedelta(0))  # now it runs, and keeps what s2 names
+    assert store.verify("s2").ok
+    restored = store.restore("s2", tree.parent / "back")
+    assert same_tree(tree, restored.dest)
+
+
+def test_a_create_waits_for_another_processs_gc_then_goes_on(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path
+) -> None:
+    shared_puts = threading.Semaphore(0)
+
+    def count(op: str, key: str) -> None:
+        if op == "put" and key.startswith(LOCK_PREFIX + "shared-"):
+            shared_puts.release()
+
+    objects.fail = count
+    with _other_process(objects) as other, other.locks.exclusive(1.0):
+        creating = ThreadPoolExecutor(1).submit(store.create, "s", inputs(tree))
+        for _ in range(2):  # it tried, stepped back and tried again: it is waiting
+            assert shared_puts.acquire(timeout=30)
+        assert not creating.done() and objects.under("snapshots/") == []
+    assert creating.result(30).files > 0  # the GC's lock released: the create went on
+    assert store.verify("s").ok and objects.under(LOCK_PREFIX) == []
+
+
+def test_a_create_that_waited_too_long_says_who_holds_the_store_and_leaves_nothing(
+    objects: MemoryObjects, tree: Path
+) -> None:
+    with _other_process(objects) as gc_side, gc_side.locks.exclusive(1.0) as held:
+        with (
+            _other_process(objects, create_wait_s=0.1) as store,
+            pytest.raises(StoreBusy) as caught,
+        ):
+            store.create("s", inputs(tree))
+        text = str(caught.value)
+        assert "snapshot create 's'" in text and held in text
+        assert f"snapshot gc by {socket.gethostname()}:{os.getpid()}" in text
+        assert "Try again later" in text
+        assert objects.under(LOCK_PREFIX) == [held]  # its own lock removed
+        assert objects.under(PACK_PREFIX) == [] and objects.under("snapshots/") == []
+
+
+def test_a_crashed_holders_lock_is_ignored_once_stale_and_removed_by_the_next_gc(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path
+) -> None:
+    stale = datetime.now(UTC) - STALE_AFTER - timedelta(seconds=5)
+    objects.data[LOCK_PREFIX + "exclusive-crashed.json"] = (b"{}", stale)
+    objects.data[LOCK_PREFIX + "shared-crashed.json"] = (b"{}", stale)
+    store.create("s", inputs(tree))  # not held back by the dead GC's lock
+    store.gc(grace=timedelta(0))  # nor the GC by the dead create's; both removed
+    assert objects.under(LOCK_PREFIX) == []
+    assert store.verify("s").ok
+
+
+def test_two_gcs_in_two_processes_do_not_run_at_once(objects: MemoryObjects, tree: Path) -> None:
+    with (
+        _other_process(objects, gc_wait_s=0.1) as first,
+        _other_process(objects, gc_wait_s=0.1) as second,
+    ):
+        first.create("s", inputs(tree))
+        with first.locks.exclusive(1.0), pytest.raises(StoreBusy, match="snapshot gc"):
+            second.gc(grace=timedelta(0))
+        second.gc(grace=timedelta(0))
+
+
+def test_a_held_lock_is_written_again_until_released(objects: MemoryObjects) -> None:
+    locks = StoreLocks(objects, refresh_s=0.01)
+    written = threading.Semaphore(0)
+    objects.fail = lambda op, key: written.release() if op == "put" else None
+    with locks.shared(1.0) as key:
+        for _ in range(3):  # the first write, then two refreshes
+            assert written.acquire(timeout=30)
+        assert objects.under(LOCK_PREFIX) == [key]
+    assert objects.under(LOCK_PREFIX) == []

@@ -26,6 +26,7 @@ from dsec_snapstore.errors import (
     InvalidInput,
     SnapshotExists,
     SnapshotNotFound,
+    StoreBusy,
     VerificationFailed,
 )
 from dsec_snapstore.manifest import GpuDevice, GpuRecord, SignedManifest, manifest_key
@@ -474,3 +475,25 @@ def test_a_store_without_a_cache_directory_writes_no_stat_cache(
     assert second.files_rehashed == first.files_rehashed > 0  # no cache: all hashed again
     st = os.lstat(os.devnull)
     assert stat.S_ISCHR(st.st_mode)
+
+
+def test_on_real_s3_a_gc_and_a_create_of_two_processes_exclude_each_other(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path
+) -> None:
+    """The store's locks (dsec_snapstore.locks) on SeaweedFS: its listing, its last-modified
+    times and its deletes, as the two sides of a race see them."""
+    store.create("before", inputs(code))
+    other = S3ObjectStore.__new__(S3ObjectStore)
+    other.__dict__.update(objects.__dict__)  # another client of the same bucket and prefix
+    with SnapshotStore(
+        other, signing_key=SigningKey.generate(), create_wait_s=0.2, gc_wait_s=0.2
+    ) as elsewhere:
+        with store.locks.exclusive(5.0) as held:  # a GC here
+            with pytest.raises(StoreBusy, match=re.escape(held)):
+                elsewhere.create("during", inputs(code))
+            assert list(objects.list("locks/")) == [held]  # the create's own lock removed
+        with store.locks.shared(5.0) as creating, pytest.raises(StoreBusy, match=creating):
+            elsewhere.gc(grace=timedelta(0))  # a create here
+        assert elsewhere.gc(grace=timedelta(0)).chunks_removed == 0  # free again; all live
+    store.create("after", inputs(code))
+    assert objects.list("locks/") == {} and store.verify("after").ok

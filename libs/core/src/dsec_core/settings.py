@@ -130,6 +130,12 @@ class Settings(BaseSettings):
         description="The shortest grace a GC asked for on the bus gets: chunks younger than "
         "this stay (a snapshot being taken has uploaded packs no manifest names yet)",
     )
+    snapshot_gc_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="How long a GC waits for the snapshots being taken (in any process) to "
+        "end before it gives up (a GC and a create never run at once)",
+    )
     # The node agent's IPC broker: what one sandbox may take (see the README's
     # "Communication-plane bounds and identity").
     ipc_fd_budget: int = Field(

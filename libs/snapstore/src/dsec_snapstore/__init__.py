@@ -22,6 +22,7 @@ from dsec_snapstore.errors import (
     SnapshotError,
     SnapshotExists,
     SnapshotNotFound,
+    StoreBusy,
     StoreUnavailable,
     VerificationFailed,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "SnapshotStore",
     "SnapshotSummary",
     "Source",
+    "StoreBusy",
     "StoreUnavailable",
     "VerificationFailed",
     "VerifyReport",

@@ -25,6 +25,11 @@ class StoreUnavailable(SnapshotError):
     """The object store or Vault cannot be reached or refused the request (CLI exit 3)."""
 
 
+class StoreBusy(StoreUnavailable):
+    """Another process holds a conflicting lock of the store (a GC, or the creates a GC waits
+    for) past the wait allowed (CLI exit 3)."""
+
+
 class VerificationFailed(SnapshotError):
     """A signature, object hash or code file does not match; ``problems`` names each one."""
 

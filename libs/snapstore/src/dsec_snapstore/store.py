@@ -76,6 +76,7 @@ from dsec_snapstore.errors import (
     StoreUnavailable,
     VerificationFailed,
 )
+from dsec_snapstore.locks import StoreLocks
 from dsec_snapstore.manifest import (
     AUDIT_PREFIX,
     CHUNK_PREFIX,
@@ -167,8 +168,15 @@ class SnapshotStore:
         certificate: identity.Certificate | None = None,
         anchor: bytes | None = None,
         pack_target: int = PACK_TARGET,
+        create_wait_s: float = 120.0,
+        gc_wait_s: float = 30.0,
     ) -> None:
         self.objects = objects
+        # A GC and a create never run at once, in any process (see dsec_snapstore.locks): a
+        # create waits up to create_wait_s for a GC, a GC up to gc_wait_s for the creates.
+        self.locks = StoreLocks(objects)
+        self._create_wait_s = create_wait_s
+        self._gc_wait_s = gc_wait_s
         self._pack_target = pack_target
         self._certificate = certificate
         self._anchor = anchor
@@ -251,6 +259,7 @@ class SnapshotStore:
             signing_key=key,
             keys=keys,
             cache_dir=cache_dir or settings.home / "cache" / "snapshot",
+            gc_wait_s=settings.snapshot_gc_wait_s,
             certificate=cert,
             anchor=anchor,
         )
@@ -285,7 +294,7 @@ class SnapshotStore:
         started = time.perf_counter()
         domain.validate_name(name)
         root = Path(inputs.code_dir).absolute()
-        with _no_gc():
+        with _no_gc(), self.locks.shared(self._create_wait_s, f"snapshot create {name!r}"):
             return self._create(name, inputs, root, now, started)
 
     def _create(
@@ -1292,7 +1301,13 @@ class SnapshotStore:
         # and a user's delete both collect): two repacking the same packs apart would each
         # index their own copy and delete the other's source.
         with self._gc_lock:
-            return self._gc(grace=grace, dry_run=dry_run, repack_below=repack_below)
+            if dry_run:  # deletes nothing: no lock needed
+                return self._gc(grace=grace, dry_run=dry_run, repack_below=repack_below)
+            # And in no other process while any create runs (see dsec_snapstore.locks).
+            with self.locks.exclusive(self._gc_wait_s):
+                with contextlib.suppress(StoreUnavailable):  # crashed holders' locks
+                    self.objects.delete_many(self.locks.stale())
+                return self._gc(grace=grace, dry_run=dry_run, repack_below=repack_below)
 
     def _gc(self, *, grace: timedelta, dry_run: bool, repack_below: float) -> GcReport:
         now = datetime.now(UTC)

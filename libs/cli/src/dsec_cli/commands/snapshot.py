@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -549,8 +549,9 @@ def rm(
 ) -> None:
     """Delete snapshots of your tenant (their chunks are freed by `gc`, or `--gc`).
 
-    Exit 0 all deleted; 2 bad name, or some did not exist (or are another tenant's: they are
-    reported like missing ones); 3 unreachable; 4 no answer in time.
+    Exit 0 all deleted; 1 `--gc` asked and the service did not collect (see `gc`); 2 bad
+    name, or some did not exist (or are another tenant's: they are reported like missing
+    ones); 3 unreachable; 4 no answer in time.
     """
     for name in names:
         _validate_name(name)
@@ -570,13 +571,29 @@ def rm(
                 f"[bold red]error:[/] no snapshot named {safe_text(name)} (of your tenant)",
                 highlight=False,
             )
-        if collect:
+        if collect and p.get("gc_grace_s") is not None:
             console.print(
                 f"freed {p['chunks_removed']} objects ({human_size(p['bytes_freed'])})",
                 highlight=False,
             )
+    if collect and p.get("gc_grace_s") is None:
+        _gc_did_not_run(as_json)
     if p["missing"]:
         raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def _gc_did_not_run(as_json: bool) -> NoReturn:
+    """The snapshot service answered without collecting (``snapshot.deleted`` without
+    ``gc_grace_s``): say so, exit 1."""
+    if not as_json:
+        err_console.print(
+            "[bold red]error:[/] the snapshot service did not collect: the store was busy (a "
+            "snapshot being taken, or a GC elsewhere, held it longer than a GC waits: "
+            "DSEC_SNAPSHOT_GC_WAIT_S) or a manifest could not be read; its log says which. "
+            "Try again later.",
+            highlight=False,
+        )
+    raise typer.Exit(EXIT_FAILED)
 
 
 @snapshot_app.command("retain")
@@ -624,20 +641,28 @@ def gc(
 
     The service keeps at least `DSEC_SNAPSHOT_GC_MIN_GRACE_S` (1 h by default): a shorter
     `--grace` is raised to it, and the answer says so (`gc_grace_s` in `--json`).
+
+    Exit 0 collected; 1 the service did not collect (snapshots being taken held the store
+    longer than `DSEC_SNAPSHOT_GC_WAIT_S`, or a manifest is unreadable); 2 bad input; 3
+    unreachable; 4 no answer in time.
     """
     period = _duration(grace, "--grace")
     if not dry_run:
         confirm(f"delete the snapshot objects no snapshot refers to, older than {grace}", yes)
         answer = ask_delete([], collect=True, grace_s=period.total_seconds(), timeout=timeout)
         p = answer.payload
+        applied = p.get("gc_grace_s")
         if as_json:
             print_json({"event": answer.type, **p})
+            if applied is None:
+                _gc_did_not_run(as_json)
             return
+        if applied is None:
+            _gc_did_not_run(as_json)
         console.print(
             f"freed {p['chunks_removed']} objects ({human_size(p['bytes_freed'])})",
             highlight=False,
         )
-        applied = p.get("gc_grace_s")
         if applied is not None and applied > period.total_seconds():
             _grace_raised(grace, applied)
         return
