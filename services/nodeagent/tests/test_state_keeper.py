@@ -572,6 +572,28 @@ async def test_reports_held_back_go_out_when_the_connection_and_then_the_keeper_
     assert [(p["seq"], p["checkpoints"]) for p in hot if p["tier"] == "hot"] == [(1, 1), (2, 1)]
 
 
+async def test_a_report_sent_at_once_takes_along_what_was_held_back_never_a_lower_seq_after_it(
+    world: World,
+) -> None:
+    """Checkpoint 2 is held back; its interval ends (its report is scheduled) and, before that
+    report goes out, checkpoint 3 must be reported at once (a hand-over's last): one report
+    names seq 3 and both checkpoints, and no report of seq 2 comes after it (it used to, the
+    held-back report being published second)."""
+    async with world.node("a", publish_delay_s=0.05) as node:
+        keeper = node.keeper
+        sid = await world.sandbox(keeper)
+        key = StateKey(world.tenant, world.group, world.agent)
+        await keeper.report(key, sid, "hot", 1, 10, 1, 0.1, 0.1)  # the first: at once
+        await keeper.report(key, sid, "hot", 2, 10, 1, 0.1, 0.1)  # held back
+        assert keeper._pending  # the state under test
+        keeper._reported_at[(key, "hot")] -= REPORT_INTERVAL_S  # its second ends
+        keeper._reports_due()  # (the timer's callback) schedules its report
+        await keeper.report(key, sid, "hot", 3, 10, 1, 0.1, 0.1, now=True)
+        await asyncio.gather(*keeper._reports)  # the scheduled one has run
+    hot = [e.payload for _, e in await world.events_of("state.checkpointed", sid)]
+    assert [(p["seq"], p["checkpoints"]) for p in hot] == [(1, 1), (3, 2)]
+
+
 async def test_an_agent_reconnecting_or_fetching_in_a_loop_is_reported_once_a_second(
     world: World,
 ) -> None:

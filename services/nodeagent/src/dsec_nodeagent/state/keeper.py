@@ -874,7 +874,7 @@ class StateKeeper:
             self._report_timer.cancel()
             self._report_timer = None
         for entry in list(self._pending):  # what a report interval held back goes out now
-            self._report_later(self._send_report(entry, self._pending.pop(entry)))
+            self._report_later(self._send_pending(entry))
         if self._reports:
             await asyncio.wait(list(self._reports), timeout=REPORT_STOP_S)
         for task in list(self._tasks | self._reports):
@@ -953,8 +953,17 @@ class StateKeeper:
         for entry in list(self._pending):
             key, tier, _ = entry
             if now >= self.last_reported(key, tier) + REPORT_INTERVAL_S:
-                self._report_later(self._send_report(entry, self._pending.pop(entry)))
+                self.reported(key, tier)  # (due: not armed again for it meanwhile)
+                self._report_later(self._send_pending(entry))
         self._arm_reports()
+
+    async def _send_pending(self, entry: tuple[StateKey, str, str]) -> None:
+        """Report what is held back for ``entry`` when this task runs, not when it was
+        scheduled: a report sent at once in between (``now``) took it along, with the higher
+        seq, so no report of a lower seq follows it."""
+        tally = self._pending.pop(entry, None)
+        if tally is not None:
+            await self._send_report(entry, tally)
 
     async def _send_report(self, entry: tuple[StateKey, str, str], tally: _Tally) -> None:
         key, tier, sandbox_id = entry
