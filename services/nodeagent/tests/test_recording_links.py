@@ -66,7 +66,7 @@ async def test_a_link_in_place_of_the_calls_file_reads_nothing_through_it(
 async def test_a_calls_file_beyond_the_limit_is_not_read_into_the_node_agent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The sandbox decides how big its calls file grows; the node agent reads it whole at the
+    """The sandbox decides how big its calls file grows; the node agent reads its calls at the
     end, so one past MAX_SANDBOX_BYTES is refused by its size (the recording is not saved, a
     warning says why) before a byte of it is read."""
     import dsec_nodeagent.recording as recording
@@ -84,3 +84,53 @@ async def test_a_calls_file_beyond_the_limit_is_not_read_into_the_node_agent(
     assert calls.stat().st_size > 1 << 20
     assert await recordings.finish("sbx_big") is None
     assert store.saved == []
+
+
+async def test_recordings_of_sandboxes_ending_together_are_read_and_stored_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """Each recording may hold up to MAX_SANDBOX_BYTES of calls in the node agent's memory
+    while it is read and stored; sandboxes that end together must not add theirs up (a
+    neighbour's recording would then be what makes the node agent run out of memory)."""
+    import asyncio
+
+    class _Slow(_Store):
+        def __init__(self) -> None:
+            super().__init__()
+            self.running = 0
+            self.most = 0
+
+        async def save(self, tenant: str, entries: list[Entry]) -> Any:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            await asyncio.sleep(0.01)  # (storing takes a while: the others' reads come in)
+            self.running -= 1
+            return await super().save(tenant, entries)
+
+    store = _Slow()
+    recordings = Recordings(NodeLayout.of(tmp_path), store)  # type: ignore[arg-type]
+    sids = [f"sbx_{n}" for n in range(4)]
+    for n, sid in enumerate(sids):
+        assert await recordings.prepare(sid, _recording("acme")) is not None
+        calls = _calls_dir(tmp_path, sid) / "calls.jsonl"
+        Recorder(calls).call_sync(tool_key("crm", "get", {"n": n}), lambda: b"\x90")
+    saved = await asyncio.gather(*(recordings.finish(sid) for sid in sids))
+    assert all(s is not None for s in saved) and len(store.saved) == 4
+    assert store.most == 1
+
+
+def test_a_calls_file_is_read_line_by_line_up_to_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Read line by line (never whole), and a file that grew past the limit after its size was
+    checked is refused when the lines read add up past it."""
+    import io
+
+    import dsec_nodeagent.recording as recording
+
+    monkeypatch.setattr(recording, "MAX_SANDBOX_BYTES", 100)
+    assert list(recording._bounded_lines(io.BytesIO(b"a\n" * 50))) == [b"a\n"] * 50
+    with pytest.raises(ValueError, match="over 100 bytes"):
+        list(recording._bounded_lines(io.BytesIO(b"a\n" * 51)))
+    with pytest.raises(ValueError, match="over 100 bytes"):
+        list(recording._bounded_lines(io.BytesIO(b"x" * 500)))  # one long line

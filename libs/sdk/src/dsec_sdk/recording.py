@@ -41,7 +41,7 @@ import json
 import os
 import threading
 from collections import defaultdict, deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol
@@ -178,18 +178,25 @@ def read_entries(path: Path) -> list[Entry]:
 def parse_entries(text: str, where: str) -> list[Entry]:
     """The entries of a recording's text (JSON lines, from ``where``); a torn last line is
     ignored."""
-    entries: list[Entry] = []
-    lines = text.split("\n")
+    return list(iter_entries(text.split("\n"), where))
+
+
+def iter_entries(lines: Iterable[str | bytes], where: str) -> Iterator[Entry]:
+    """The entries of a recording's lines (JSON lines, from ``where``), one at a time: a file
+    is read line by line, never whole. A line that is not a recorded call is an error unless
+    it is the last one (torn: a writer that died mid-write)."""
+    torn: str | None = None
     for number, line in enumerate(lines, 1):
+        if torn is not None:  # a bad line with more after it
+            raise ValueError(torn)
         if not line.strip():
             continue
         try:
-            entries.append(Entry.from_json(json.loads(line)))
+            entry = Entry.from_json(json.loads(line))
         except (ValueError, KeyError, TypeError) as exc:
-            if number == len(lines):  # torn last line of a writer that died mid-write
-                break
-            raise ValueError(f"{where}:{number}: not a recorded call: {exc}") from None
-    return entries
+            torn = f"{where}:{number}: not a recorded call: {exc}"
+            continue
+        yield entry
 
 
 class Layer(Protocol):
@@ -379,6 +386,7 @@ __all__ = [
     "Replayer",
     "active_layer",
     "http_key",
+    "iter_entries",
     "parse_entries",
     "read_entries",
     "tool_key",

@@ -22,9 +22,10 @@ import logging
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import BinaryIO, Final
 
 from dsec_core import events
 from dsec_core.layout import NodeLayout
@@ -35,7 +36,7 @@ from dsec_sdk.recording import (
     Entry,
     Recorder,
     Replayer,
-    parse_entries,
+    iter_entries,
     read_entries,
 )
 
@@ -75,8 +76,10 @@ MAX_SANDBOX_BYTES = 256 << 20
 """The most a sandbox's file of recorded tool calls may hold when it ends (it is read whole)."""
 
 
-def _sandbox_text(path: Path) -> str:
-    """The text of a file the sandbox wrote in its own directory ("" when there is none).
+def _sandbox_tool_calls(path: Path) -> list[Entry]:
+    """The tool calls recorded in a file the sandbox wrote in its own directory (none when
+    there is no file), read line by line: the node agent never holds the file's text whole
+    (up to :data:`MAX_SANDBOX_BYTES`), only the calls.
 
     The sandbox chose what is at ``path``: a link there would have the node agent (root, on
     the host's view) read another sandbox's recording, or any host file, into this one's; a
@@ -84,22 +87,32 @@ def _sandbox_text(path: Path) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return ""
+        return []
     except OSError as exc:  # ELOOP: a link
         raise ValueError(f"{CALLS_FILE} is not a plain file ({exc.strerror})") from None
     with open(fd, "rb") as file:
         info = os.fstat(file.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{CALLS_FILE} is not a plain file")
-        if info.st_size > MAX_SANDBOX_BYTES:  # read whole below: the node agent's memory
+        if info.st_size > MAX_SANDBOX_BYTES:
             raise ValueError(
                 f"{CALLS_FILE} is {info.st_size} bytes: a sandbox's recorded calls may take "
                 f"at most {MAX_SANDBOX_BYTES}"
             )
-        data = file.read(MAX_SANDBOX_BYTES + 1)
-        if len(data) > MAX_SANDBOX_BYTES:  # grown since the fstat
+        return [e for e in iter_entries(_bounded_lines(file), CALLS_FILE) if e.key.kind == "tool"]
+
+
+def _bounded_lines(file: BinaryIO) -> Iterator[bytes]:
+    """``file``'s lines, up to :data:`MAX_SANDBOX_BYTES` in all (it may grow while read)."""
+    left = MAX_SANDBOX_BYTES
+    while True:
+        line = file.readline(left + 1)
+        if not line:
+            return
+        left -= len(line)
+        if left < 0:
             raise ValueError(f"{CALLS_FILE} is over {MAX_SANDBOX_BYTES} bytes")
-        return data.decode()
+        yield line
 
 
 class Recordings:
@@ -110,6 +123,10 @@ class Recordings:
         self.store = store
         self._record: dict[str, tuple[str, Path]] = {}  # sandbox -> (tenant, its dir)
         self._prepared: set[str] = set()  # sandboxes with a recording or replay directory
+        # One recording read and stored at a time: each may hold up to MAX_SANDBOX_BYTES of
+        # calls in memory, and sandboxes ending together would add theirs up in the node
+        # agent (a neighbour's recording must not be what makes it run out of memory).
+        self._saving = asyncio.Semaphore(1)
 
     def _dir(self, sid: str) -> Path:
         return self.layout.sandbox(sid).root / "recording"
@@ -194,8 +211,9 @@ class Recordings:
             calls = kept_dir(self.layout.sandbox(sid).root, RECORD_MOUNT) / CALLS_FILE
             if not calls.exists() and (directory / "sandbox").is_dir():
                 calls = directory / "sandbox" / CALLS_FILE  # started before its own quota dir
-            entries += await asyncio.to_thread(_recorded, calls, directory / "http.jsonl")
-            saved = await self.store.save(tenant, entries)
+            async with self._saving:
+                entries += await asyncio.to_thread(_recorded, calls, directory / "http.jsonl")
+                saved = await self.store.save(tenant, entries)
         except ValueError as exc:
             log.warning("%s: its recording is not saved: %s", sid, exc)
             return None
@@ -222,8 +240,7 @@ class Recordings:
 
 def _recorded(sandbox_calls: Path, http_calls: Path) -> list[Entry]:
     """The tool calls the sandbox wrote and the HTTP calls its proxy recorded."""
-    written = _sandbox_text(sandbox_calls)
-    entries = [e for e in parse_entries(written, CALLS_FILE) if e.key.kind == "tool"]
+    entries = _sandbox_tool_calls(sandbox_calls)
     if http_calls.is_file():
         entries += [e for e in read_entries(http_calls) if e.key.kind == "http"]
     return entries
