@@ -36,6 +36,9 @@ class Dispatcher:
         self.async_tools = {name for name, function in self.tools.items() if _is_async(function)}
         self.max_payload = max_payload
         self.packer = codec.new_packer()
+        # Bound once: every call's hot path (an attribute lookup is ~20 ns of a ~3 µs call).
+        self._tool = self.tools.get
+        self._encode = self.packer.encode
 
     def start(self, request: Any) -> tuple[int, bytes] | Awaitable[Any]:
         """Run a request: a finished ``(kind, body)``, or an awaitable an ``async`` tool returned.
@@ -44,7 +47,7 @@ class Dispatcher:
         """
         try:
             name, arguments, _ = request
-            function = self.tools.get(name)
+            function = self._tool(name)
         except ValueError:
             return self._start_traced(request)  # [tool, arguments, timeout_ms, traceparent]
         except TypeError:
@@ -73,12 +76,12 @@ class Dispatcher:
         if name in self.async_tools:
             return result  # type: ignore[no-any-return]
         try:  # finish(), inlined: this is every call's hot path
-            body: bytes = self.packer.encode(result)
+            body: bytes = self._encode(result)
         except (TypeError, ValueError, OverflowError):
             return self.finish(result)
         if len(body) > self.max_payload:
             return self.finish(result)
-        return codec.RESULT, body
+        return _RESULT, body
 
     def _malformed(self) -> tuple[int, bytes]:
         return codec.ERROR, codec.encode_error(
@@ -297,6 +300,7 @@ def _is_async(function: Tool) -> bool:
 
 
 _unpack = codec.unpack
+_RESULT = codec.RESULT
 
 
 def decode_request(body: memoryview) -> Any:
