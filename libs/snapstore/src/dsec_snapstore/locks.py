@@ -71,14 +71,32 @@ class StoreLocks:
     @contextmanager
     def shared(self, wait_s: float, what: str = "snapshot create") -> Iterator[str]:
         """Hold a shared lock (any number at once; none while a GC holds its lock)."""
-        with self._held("shared", wait_s, what) as key:
-            yield key
+        held = self.acquire("shared", wait_s, what)
+        try:
+            yield held.key
+        finally:
+            held.release()
 
     @contextmanager
     def exclusive(self, wait_s: float, what: str = "snapshot gc") -> Iterator[str]:
         """Hold the exclusive lock (no other lock at once)."""
-        with self._held("exclusive", wait_s, what) as key:
-            yield key
+        held = self.acquire("exclusive", wait_s, what)
+        try:
+            yield held.key
+        finally:
+            held.release()
+
+    def acquire(self, kind: Kind, wait_s: float, what: str) -> Held:
+        """Take a lock of ``kind``, waiting up to ``wait_s`` for conflicting ones to go; it is
+        written again every ``refresh_s`` until :meth:`Held.release`.
+
+        Raises:
+            StoreBusy: a conflicting lock was still there after ``wait_s``.
+        """
+        key = self._acquire(kind, wait_s, what)
+        held = Held(self, key, self._body(kind, what))
+        held.start()
+        return held
 
     def stale(self) -> list[str]:
         """The locks not written again for ``stale_after`` (by the store's clock)."""
@@ -87,30 +105,6 @@ class StoreLocks:
             return []
         now = max(info.last_modified for info in listed.values())
         return [k for k, info in listed.items() if now - info.last_modified > self.stale_after]
-
-    @contextmanager
-    def _held(self, kind: Kind, wait_s: float, what: str) -> Iterator[str]:
-        key = self._acquire(kind, wait_s, what)
-        stop = threading.Event()
-        guard = threading.Lock()  # a refresh never writes the lock again after its release
-        body = self._body(kind, what)
-        refresher = threading.Thread(
-            target=self._refresh,
-            args=(key, body, stop, guard),
-            name="snap-lock",
-            daemon=True,
-        )
-        refresher.start()
-        try:
-            yield key
-        finally:
-            with guard:
-                stop.set()
-            try:
-                self.objects.delete_many([key])
-            except Exception as exc:
-                log.warning("could not remove the store lock %s (stale in %s): %s", key,
-                            self.stale_after, exc)  # fmt: skip
 
     def _body(self, kind: Kind, what: str) -> bytes:
         return json.dumps({"kind": kind, "holder": self.holder, "for": what}).encode()
@@ -168,15 +162,47 @@ class StoreLocks:
             f"once it is {int(self.stale_after.total_seconds())} s old"
         )
 
-    def _refresh(self, key: str, body: bytes, stop: threading.Event, guard: threading.Lock) -> None:
-        while not stop.wait(self.refresh_s):
-            with guard:
-                if stop.is_set():
+
+class Held:
+    """A lock taken: written again every ``refresh_s`` (a thread of its own) until released."""
+
+    def __init__(self, locks: StoreLocks, key: str, body: bytes) -> None:
+        self.key = key
+        self._locks = locks
+        self._body = body
+        self._stop = threading.Event()
+        self._guard = threading.Lock()  # a refresh never writes the lock again after release
+        self._thread = threading.Thread(target=self._refresh, name="snap-lock", daemon=True)
+
+    def start(self) -> None:
+        """Start writing the lock again every ``refresh_s``."""
+        self._thread.start()
+
+    def release(self) -> None:
+        """Delete the lock (the first call only); a failure is logged, the lock goes stale."""
+        with self._guard:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+        try:
+            self._locks.objects.delete_many([self.key])
+        except Exception as exc:  # it goes stale; the work is done
+            log.warning(
+                "could not remove the store lock %s (stale in %s): %s",
+                self.key,
+                self._locks.stale_after,
+                exc,
+            )
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self._locks.refresh_s):
+            with self._guard:
+                if self._stop.is_set():
                     return
                 try:
-                    self.objects.put(key, body)
-                except Exception as exc:
-                    log.warning("could not refresh the store lock %s: %s", key, exc)
+                    self._locks.objects.put(self.key, self._body)
+                except Exception as exc:  # tried again at the next tick
+                    log.warning("could not refresh the store lock %s: %s", self.key, exc)
 
 
 def _iso(when: datetime) -> str:

@@ -22,11 +22,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import blake3
 import pydantic
@@ -123,6 +123,7 @@ _ZSTD_LEVEL = 1
 """Chunks are compressed at zstd's fastest standard level: a cold snapshot is bound by
 compressing (two cores) while its packs upload; level 3 saves a few percent of bytes for about
 1.5x the CPU. Any level decompresses the same way, so older packs read as before."""
+_T = TypeVar("_T")
 _RESTORE_BATCH = 64 << 20
 """A restore fetches the chunks of this many bytes of files at once (bounded memory)."""
 _RESTORE_SPAN = 16 << 20
@@ -294,8 +295,8 @@ class SnapshotStore:
         started = time.perf_counter()
         domain.validate_name(name)
         root = Path(inputs.code_dir).absolute()
-        with _no_gc(), self.locks.shared(self._create_wait_s, f"snapshot create {name!r}"):
-            return self._create(name, inputs, root, now, started)
+        with _no_gc(), contextlib.ExitStack() as held:
+            return self._create(name, inputs, root, now, started, held)
 
     def _create(
         self,
@@ -304,34 +305,56 @@ class SnapshotStore:
         root: Path,
         now: datetime | None,
         started: float,
+        held: contextlib.ExitStack,
     ) -> CreateResult:
         cache = self._stat_cache(root)
+        # The store's shared lock (no GC runs while it is held: dsec_snapstore.locks), taken on
+        # the pool while the tree is listed; what it protects is read only once it is held:
+        # the pack index (dedup) and whether the stat cache's snapshot is still there. Released
+        # with ``held`` when the create ends.
+        what = f"snapshot create {name!r}"
+
+        def lock() -> None:
+            held.callback(self.locks.acquire("shared", self._create_wait_s, what).release)
+
+        locked = self._pool.submit(lock)  # (first: a task below that waits for it never
+        # holds its worker)
+
+        def once_locked(fn: Callable[..., _T], *args: Any) -> _T:
+            locked.result()
+            return fn(*args)
+
         taken = self._pool.submit(self._exists, name)
         # The cache's snapshot is still there and still the one it was (by id: deleted and
         # taken again under its name, it is another): its manifest and its row, both at once.
         parent_alive = (
             (
-                self._pool.submit(self._exists, cache.snapshot),
-                self._pool.submit(self._row_is, cache.snapshot, cache.snapshot_id),
+                self._pool.submit(once_locked, self._exists, cache.snapshot),
+                self._pool.submit(once_locked, self._row_is, cache.snapshot, cache.snapshot_id),
             )
             if cache.snapshot and cache.snapshot_id
             else None
         )
-        index_read = self._pool.submit(self.index.refresh)  # what is stored already: dedup
+        # what is stored already: dedup
+        index_read = self._pool.submit(once_locked, self.index.refresh)
         git = self._pool.submit(git_info, root)  # runs git: meanwhile
         scan_ns = time.time_ns()
         try:
-            entries = list_tree(root, inputs.exclude_patterns)
-        except BundleError as exc:
-            raise InvalidInput(str(exc)) from exc
-        if taken.result():
-            raise SnapshotExists(f"snapshot {name!r} exists already (snapshots are immutable)")
-        parent = (
-            cache.snapshot
-            if parent_alive is not None and all(f.result() for f in parent_alive)
-            else None
-        )
-        index_read.result()
+            try:
+                entries = list_tree(root, inputs.exclude_patterns)
+            except BundleError as exc:
+                raise InvalidInput(str(exc)) from exc
+            if taken.result():
+                raise SnapshotExists(f"snapshot {name!r} exists already (snapshots are immutable)")
+            parent = (
+                cache.snapshot
+                if parent_alive is not None and all(f.result() for f in parent_alive)
+                else None
+            )
+            index_read.result()
+        except BaseException:
+            wait([locked, index_read, *(parent_alive or ())])  # then ``held`` releases it
+            raise
         packer = Packer(self.objects, self._uploader, target=self._pack_target)
         try:
             hashed, rehashed = self._hash_all(
