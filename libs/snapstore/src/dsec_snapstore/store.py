@@ -76,7 +76,7 @@ from dsec_snapstore.errors import (
     StoreUnavailable,
     VerificationFailed,
 )
-from dsec_snapstore.locks import StoreLocks
+from dsec_snapstore.locks import Held, StoreLocks
 from dsec_snapstore.manifest import (
     AUDIT_PREFIX,
     CHUNK_PREFIX,
@@ -314,8 +314,11 @@ class SnapshotStore:
         # with ``held`` when the create ends.
         what = f"snapshot create {name!r}"
 
+        lock_held: list[Held] = []
+
         def lock() -> None:
-            held.callback(self.locks.acquire("shared", self._create_wait_s, what).release)
+            lock_held.append(self.locks.acquire("shared", self._create_wait_s, what))
+            held.callback(lock_held[0].release)  # (on any error; once only)
 
         locked = self._pool.submit(lock)  # (first: a task below that waits for it never
         # holds its worker)
@@ -405,10 +408,14 @@ class SnapshotStore:
                 saved.result()
             cache.forget()
             raise
+        # Stored: a GC counts its chunks live from now on. The lock goes while the summary is
+        # written (gone before this returns).
+        released = self._pool.submit(lock_held[0].release)
         uploaded, uploaded_bytes = packer.chunks, packer.bytes
         total = manifest.code.total_size
         self._write_summary(manifest, digest, uploaded_bytes)
         saved.result()
+        released.result()
         return CreateResult(
             manifest=manifest,
             manifest_digest=digest,
