@@ -21,7 +21,7 @@ from nacl.signing import SigningKey
 
 from dsec_snapstore import SnapshotInputs, SnapshotStore, packs
 from dsec_snapstore.adapters.objectstore import ObjectExists, ObjectInfo, ObjectMissing
-from dsec_snapstore.errors import SnapshotError, StoreBusy, VerificationFailed
+from dsec_snapstore.errors import SnapshotError, StoreBusy, StoreUnavailable, VerificationFailed
 from dsec_snapstore.locks import LOCK_PREFIX, STALE_AFTER, StoreLocks
 from dsec_snapstore.manifest import GpuRecord, chunk_key
 from dsec_snapstore.packs import (
@@ -701,6 +701,108 @@ def test_two_gcs_in_two_processes_do_not_run_at_once(objects: MemoryObjects, tre
         with first.locks.exclusive(1.0), pytest.raises(StoreBusy, match="snapshot gc"):
             second.gc(grace=timedelta(0))
         second.gc(grace=timedelta(0))
+
+
+def test_a_create_whose_lock_could_not_be_refreshed_stores_no_manifest(
+    store: SnapshotStore, objects: MemoryObjects, tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store went away from this create long enough for its lock to look stale to others
+    (a GC elsewhere may have removed it and run): it must not write a manifest naming chunks
+    that GC may have deleted."""
+    store.locks = StoreLocks(objects, stale_after=timedelta(seconds=0.2), refresh_s=0.01)
+    hashed, go_on = threading.Event(), threading.Event()
+    failed_refreshes = threading.Semaphore(0)
+    real_hash_all = store._hash_all
+
+    def paused(*args: object, **kwargs: object) -> object:
+        result = real_hash_all(*args, **kwargs)  # type: ignore[arg-type]
+        hashed.set()
+        assert go_on.wait(30)
+        return result
+
+    def refresh_fails(op: str, key: str) -> None:
+        if op == "put" and key.startswith(LOCK_PREFIX) and hashed.is_set():
+            failed_refreshes.release()
+            raise StoreUnavailable("S3 unreachable from here")
+
+    monkeypatch.setattr(store, "_hash_all", paused)
+    creating = ThreadPoolExecutor(1).submit(store.create, "s", inputs(tree))
+    assert hashed.wait(30)
+    objects.fail = refresh_fails
+    for _ in range(20):  # refreshes fail every 0.01 s: 0.2 s and more without a written lock
+        assert failed_refreshes.acquire(timeout=30)
+    go_on.set()
+    with pytest.raises(StoreUnavailable, match=r"could not be written again for \d+ s"):
+        creating.result(30)
+    assert objects.under("snapshots/") == []  # no manifest: the packs are orphans GC removes
+    assert objects.under(LOCK_PREFIX) == []  # (deletes still worked: released)
+
+
+def test_a_lock_that_the_listing_does_not_show_is_not_taken(
+    objects: MemoryObjects, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store whose listing lags its writes would let two parties each miss the other."""
+    real_list = objects.list
+    monkeypatch.setattr(
+        objects, "list", lambda prefix: {} if prefix == LOCK_PREFIX else real_list(prefix)
+    )
+    with pytest.raises(StoreUnavailable, match="written but is not listed"):
+        StoreLocks(objects).acquire("shared", 1.0, "snapshot create")
+    assert objects.under(LOCK_PREFIX) == []
+
+
+def test_a_lock_whose_write_answer_was_lost_is_removed(
+    objects: MemoryObjects, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_put = objects.put
+
+    def stored_then_failed(key: str, data: bytes, **kwargs: bool) -> None:
+        real_put(key, data, **kwargs)
+        raise StoreUnavailable("connection reset (the object was stored)")
+
+    monkeypatch.setattr(objects, "put", stored_then_failed)
+    with pytest.raises(StoreUnavailable, match="connection reset"):
+        StoreLocks(objects).acquire("exclusive", 1.0, "snapshot gc")
+    assert objects.under(LOCK_PREFIX) == []
+
+
+def test_a_release_that_fails_once_is_tried_again(objects: MemoryObjects) -> None:
+    failures = [StoreUnavailable("503 slow down")]
+
+    def once(op: str, key: str) -> None:
+        if op == "delete" and failures:
+            raise failures.pop()
+
+    with StoreLocks(objects).shared(1.0):
+        objects.fail = once
+    assert not failures and objects.under(LOCK_PREFIX) == []
+
+
+def test_a_waiting_gc_holds_new_creates_back_so_overlapping_creates_cannot_starve_it(
+    objects: MemoryObjects, tree: Path
+) -> None:
+    """Creates that overlap one another would always leave a shared lock in the store: a GC
+    that waits says so (``locks/waiting-…``) and new creates step back for it."""
+    running = StoreLocks(objects)
+    first = running.acquire("shared", 1.0, "snapshot create 'long'")  # a create running
+    waiting_written = threading.Event()
+    objects.fail = lambda op, key: (
+        waiting_written.set() if op == "put" and key.startswith(LOCK_PREFIX + "waiting-") else None
+    )
+    with (
+        _other_process(objects, gc_wait_s=30) as gc_side,
+        _other_process(objects, create_wait_s=0.1) as creator,
+    ):
+        collecting = ThreadPoolExecutor(1).submit(gc_side.gc, grace=timedelta(0))
+        assert waiting_written.wait(30)
+        with pytest.raises(StoreBusy, match=r"locks/waiting-.*snapshot gc by"):
+            creator.create("new", inputs(tree))  # a new create waits for the GC
+        assert not collecting.done()
+        first.release()  # the running create ends: the GC goes on
+        collecting.result(30)
+        assert objects.under(LOCK_PREFIX) == []  # its lock and its waiting marker gone
+        creator.create("new", inputs(tree))
+    assert objects.under("snapshots/") == ["snapshots/new.json"]
 
 
 def test_a_held_lock_is_written_again_until_released(objects: MemoryObjects) -> None:

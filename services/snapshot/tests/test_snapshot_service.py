@@ -3,14 +3,19 @@ which snapshots are a sandbox's periodic series."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import time
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 import pytest
 from dsec_core import events
 from dsec_core.signing import Signer
+from dsec_snapstore.errors import SnapshotError, StoreBusy, StoreUnavailable
 from dsec_snapstore.manifest import SnapshotSummary
+from dsec_snapstore.results import GcReport
 from nacl.signing import SigningKey
 
+from dsec_snapshot import periodic
 from dsec_snapshot.app import not_deleted
 from dsec_snapshot.deletes import SnapshotDeletes
 from dsec_snapshot.periodic import periodic_series
@@ -24,6 +29,97 @@ def test_a_delete_that_keeps_failing_still_ends_in_snapshot_deleted() -> None:
     (answer,) = not_deleted(envelope, "S3 unreachable", 4)
     assert isinstance(answer, events.SnapshotDeleted) and answer.TERMINAL
     assert answer.names == [] and answer.missing == ["a", "b"]
+    assert answer.gc_grace_s is None and answer.gc_skipped == "gave_up"  # (gc was asked)
+
+
+class _Store:
+    """What the delete handler and the periodic GC ask of the store, failing as told."""
+
+    def __init__(self, *failures: Exception) -> None:
+        self.failures = list(failures)
+        self.collected = 0
+
+    def gc(self, grace: timedelta = timedelta(hours=1)) -> GcReport:
+        if self.failures:
+            raise self.failures.pop(0)
+        self.collected += 1
+        return GcReport(
+            objects_stored=0, objects_referenced=0, deleted=(), bytes_freed=0, dry_run=False
+        )
+
+
+@pytest.mark.parametrize(
+    ("failure", "skipped"),
+    [(StoreBusy("locked by locks/shared-1.json"), "busy"), (SnapshotError("bad"), "unreadable")],
+)
+async def test_a_gc_that_did_not_run_says_why(failure: Exception, skipped: str) -> None:
+    deletes = SnapshotDeletes(
+        SimpleNamespace(  # type: ignore[arg-type]
+            store=_Store(failure), settings=SimpleNamespace(snapshot_gc_min_grace_s=0.0)
+        )
+    )
+    request = events.SnapshotDeleteRequested(gc=True, gc_grace_s=0)
+    envelope = Signer("user-x", SigningKey.generate()).seal(request, aggregate_id="del-3").envelope
+    (answer,) = await deletes.on_delete_requested(envelope, request)
+    assert isinstance(answer, events.SnapshotDeleted)
+    assert answer.gc_grace_s is None and answer.gc_skipped == skipped
+
+
+async def test_a_gc_whose_store_fails_is_tried_again_not_reported_done() -> None:
+    store = _Store(StoreUnavailable("S3 unreachable"))
+    deletes = SnapshotDeletes(
+        SimpleNamespace(  # type: ignore[arg-type]
+            store=store, settings=SimpleNamespace(snapshot_gc_min_grace_s=0.0)
+        )
+    )
+    request = events.SnapshotDeleteRequested(gc=True, gc_grace_s=0)
+    envelope = Signer("user-x", SigningKey.generate()).seal(request, aggregate_id="del-4").envelope
+    with pytest.raises(StoreUnavailable):  # the bus delivers it again
+        await deletes.on_delete_requested(envelope, request)
+    (answer,) = await deletes.on_delete_requested(envelope, request)
+    assert isinstance(answer, events.SnapshotDeleted)
+    assert answer.gc_grace_s == 0 and answer.gc_skipped is None and store.collected == 1
+
+
+async def test_a_periodic_gc_kept_out_by_a_busy_store_is_owed_until_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Retention deleted snapshots once; the GC it made due found the store busy. The next
+    ticks delete nothing more, yet the GC is tried again (soon, not in GC_EVERY_S) until it
+    runs, once."""
+    monkeypatch.setattr(periodic, "GC_EVERY_S", 0.0)
+    monkeypatch.setattr(periodic, "GC_BUSY_RETRY_S", 0.0)
+    store = _Store(StoreBusy("locked"), StoreBusy("locked"))
+    stored = ["auto-sbx_1-1", "auto-sbx_1-2"]  # the older goes (keep=1)
+
+    class Store(_Store):
+        def list_snapshots(self) -> list[SnapshotSummary]:
+            return [
+                row(n, periodic="auto-sbx_1").model_copy(
+                    update={"created_at": datetime(2026, 12, 1, i, tzinfo=UTC)}
+                )
+                for i, n in enumerate(stored)
+            ]
+
+        def delete(self, name: str) -> None:
+            stored.remove(name)
+
+    store.__class__ = Store
+    snapshots = periodic.PeriodicSnapshots(
+        SimpleNamespace(store=store),
+        _no_publish,
+        3600.0,
+        keep=1,  # type: ignore[arg-type]
+    )
+    snapshots.running.add("sbx_1")
+    snapshots._last_asked["sbx_1"] = time.monotonic()  # (asked just now: nothing is due)
+    for _ in range(4):
+        await snapshots.tick()
+    assert stored == ["auto-sbx_1-2"] and store.failures == [] and store.collected == 1
+
+
+async def _no_publish(*_: object) -> None:
+    raise AssertionError("nothing is due")
 
 
 async def test_a_delete_delivered_again_after_failing_halfway_reports_its_own_deletions() -> None:

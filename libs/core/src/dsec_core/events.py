@@ -532,7 +532,7 @@ class SnapshotDeleted(Payload):
     TYPE = "snapshot.deleted"
     AGGREGATE = "snapshot"
     TERMINAL = True
-    VERSION = "1.1"
+    VERSION = "1.2"
 
     names: list[str] = Field(default_factory=list)
     missing: list[str] = Field(default_factory=list, description="Names that did not exist")
@@ -544,6 +544,14 @@ class SnapshotDeleted(Payload):
         description="The grace the collection ran with, in seconds: the one asked for, or the "
         "service's minimum (DSEC_SNAPSHOT_GC_MIN_GRACE_S) where that is longer; none when no "
         "collection ran",
+    )
+    gc_skipped: Literal["busy", "unreadable", "gave_up"] | None = Field(
+        default=None,
+        description="Why a collection that was asked for (gc: true) did not run: busy "
+        "(snapshots being taken, or a GC elsewhere, held the store longer than "
+        "DSEC_SNAPSHOT_GC_WAIT_S; try again), unreadable (a manifest cannot be read, so "
+        "nothing was deleted; the service's log names it), gave_up (the request's retries "
+        "ran out, the object store failing); none when it ran or was not asked (since 1.2)",
     )
 
 

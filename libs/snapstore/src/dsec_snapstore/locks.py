@@ -20,6 +20,17 @@ Two parties that write at once both see the other and both step back (each waits
 tries again), so at no time do a GC and a create both go on. A lock not written again for
 ``stale_after`` is a crashed holder's and is ignored (a GC removes it). Ages are measured with
 the store's own clock: the last-modified time of the lock just written, not this host's clock.
+
+Three additions to restic's protocol close the gaps a long-lived holder would leave:
+
+- a holder whose lock could not be written again for most of ``stale_after`` (the store
+  unreachable from it, not from others) may be taken for crashed: before it acts on what the
+  lock protects (a create writing its manifest, a GC deleting) :meth:`Held.check` fails it;
+- a lock written must show up in the listing that follows; if it does not, the store's listing
+  is not to be trusted and taking the lock fails (no party may go on unseen);
+- a GC that has to wait writes ``locks/waiting-<id>.json``: new creates step back for it as for
+  a GC's lock, so a stream of creates, each overlapping the next, cannot keep a GC out for
+  ever; the creates already running end, the GC runs, then the waiting creates go on.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -37,14 +49,16 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from dsec_snapstore.adapters.objectstore import ObjectInfo, ObjectMissing, ObjectStore
-from dsec_snapstore.errors import StoreBusy
+from dsec_snapstore.errors import StoreBusy, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
 LOCK_PREFIX = "locks/"
 STALE_AFTER = timedelta(minutes=5)
 REFRESH_S = 60.0
+RETRY_S = 5.0  # a refresh that failed is tried again this soon
 Kind = Literal["shared", "exclusive"]
+WAITING = "waiting"  # a GC waiting for the creates running to end: no new create starts
 
 
 class StoreLocks:
@@ -92,10 +106,16 @@ class StoreLocks:
 
         Raises:
             StoreBusy: a conflicting lock was still there after ``wait_s``.
+            StoreUnavailable: the store failed (no lock of this call is left behind where the
+                store let it be deleted).
         """
-        key = self._acquire(kind, wait_s, what)
-        held = Held(self, key, self._body(kind, what))
-        held.start()
+        key, written = self._acquire(kind, wait_s, what)
+        held = Held(self, key, self._body(kind, what), written)
+        try:
+            held.start()
+        except BaseException:
+            held.release()
+            raise
         return held
 
     def stale(self) -> list[str]:
@@ -106,42 +126,96 @@ class StoreLocks:
         now = max(info.last_modified for info in listed.values())
         return [k for k, info in listed.items() if now - info.last_modified > self.stale_after]
 
-    def _body(self, kind: Kind, what: str) -> bytes:
+    def _body(self, kind: str, what: str) -> bytes:
         return json.dumps({"kind": kind, "holder": self.holder, "for": what}).encode()
 
-    def _acquire(self, kind: Kind, wait_s: float, what: str) -> str:
+    def _acquire(self, kind: Kind, wait_s: float, what: str) -> tuple[str, float]:
         deadline = time.monotonic() + wait_s
         delay = 0.02
         body = self._body(kind, what)
-        while True:
-            key = f"{LOCK_PREFIX}{kind}-{uuid.uuid4().hex}.json"
+        waiting: str | None = None  # a GC's marker while it waits (see the module's text)
+        waiting_written = 0.0
+        try:
+            while True:
+                key = f"{LOCK_PREFIX}{kind}-{uuid.uuid4().hex}.json"
+                written = self._put(key, body)
+                try:
+                    blockers = self._blockers(key, kind)
+                except BaseException:
+                    self._delete(key)
+                    raise
+                if not blockers:
+                    return key, written
+                if not self._delete(key):
+                    raise StoreUnavailable(
+                        f"{what}: could not remove its own lock {key} after stepping back for "
+                        f"another; it goes stale in {int(self.stale_after.total_seconds())} s"
+                    )
+                if time.monotonic() + delay > deadline:
+                    raise StoreBusy(self._busy_text(what, blockers, wait_s))
+                if kind == "exclusive" and (
+                    waiting is None or time.monotonic() - waiting_written > self.refresh_s
+                ):
+                    waiting = waiting or f"{LOCK_PREFIX}{WAITING}-{uuid.uuid4().hex}.json"
+                    waiting_written = self._put(waiting, self._body(WAITING, what))
+                # (both sides stepped back when they wrote at once: back off, apart)
+                time.sleep(delay * random.uniform(0.5, 1.5))
+                delay = min(delay * 2, 0.5)
+        finally:
+            if waiting is not None:
+                self._delete(waiting)
+
+    def _put(self, key: str, body: bytes) -> float:
+        """Write a lock; when its first write was sent (monotonic). A failed write may have
+        been stored (its answer lost): it is deleted then, as far as the store allows."""
+        started = time.monotonic()
+        try:
             self.objects.put(key, body)
+        except BaseException:
+            self._delete(key)
+            raise
+        return started
+
+    def _delete(self, key: str, tries: int = 3) -> bool:
+        """Delete a lock, trying again briefly; whether it is gone (a failure is logged: the
+        lock goes stale by itself)."""
+        for attempt in range(tries):
             try:
-                blockers = self._blockers(key, kind)
-            except BaseException:
                 self.objects.delete_many([key])
-                raise
-            if not blockers:
-                return key
-            self.objects.delete_many([key])
-            if time.monotonic() + delay > deadline:
-                raise StoreBusy(self._busy_text(what, blockers, wait_s))
-            time.sleep(delay)  # (both sides stepped back when they wrote at once: back off)
-            delay = min(delay * 2, 0.5)
+                return True
+            except Exception as exc:
+                if attempt == tries - 1:
+                    log.warning(
+                        "could not remove the store lock %s (stale in %s): %s",
+                        key,
+                        self.stale_after,
+                        exc,
+                    )
+                else:
+                    time.sleep(0.05 * 4**attempt)
+        return False
 
     def _blockers(self, mine: str, kind: Kind) -> dict[str, ObjectInfo]:
-        listed = self.objects.list(LOCK_PREFIX)
-        own = listed.get(mine)
-        if own is None:  # not listed yet: count every lock as fresh
-            now = max((i.last_modified for i in listed.values()), default=None)
-        else:
-            now = own.last_modified
+        for attempt in range(4):
+            listed = self.objects.list(LOCK_PREFIX)
+            own = listed.get(mine)
+            if own is not None:
+                break
+            time.sleep(0.05 * 2**attempt)
+        else:  # a party that went on unseen could run beside a conflicting one
+            raise StoreUnavailable(
+                f"the store lock {mine} was written but is not listed: the object store's "
+                "listing is not read-after-write consistent, so its locks cannot be taken"
+            )
+        now = own.last_modified
         out: dict[str, ObjectInfo] = {}
         for key, info in listed.items():
-            if key == mine or (now is not None and now - info.last_modified > self.stale_after):
+            if key == mine or now - info.last_modified > self.stale_after:
                 continue
             other = key[len(LOCK_PREFIX) :].partition("-")[0]
-            if kind == "exclusive" or other == "exclusive":
+            if other == WAITING and kind == "exclusive":
+                continue  # (another GC's wait: its exclusive lock is what counts)
+            if kind == "exclusive" or other in ("exclusive", WAITING):
                 out[key] = info
         return out
 
@@ -166,10 +240,11 @@ class StoreLocks:
 class Held:
     """A lock taken: written again every ``refresh_s`` (a thread of its own) until released."""
 
-    def __init__(self, locks: StoreLocks, key: str, body: bytes) -> None:
+    def __init__(self, locks: StoreLocks, key: str, body: bytes, written: float) -> None:
         self.key = key
         self._locks = locks
         self._body = body
+        self._written = written  # when its last successful write was sent (monotonic)
         self._stop = threading.Event()
         self._guard = threading.Lock()  # a refresh never writes the lock again after release
         self._thread = threading.Thread(target=self._refresh, name="snap-lock", daemon=True)
@@ -178,31 +253,46 @@ class Held:
         """Start writing the lock again every ``refresh_s``."""
         self._thread.start()
 
+    def check(self, doing: str) -> None:
+        """Fail unless the lock still holds: not released, and written within most of
+        ``stale_after`` (past it, another process may take it for a crashed holder's).
+
+        Raises:
+            StoreUnavailable: naming the lock and how long ago it was last written.
+        """
+        stale_s = self._locks.stale_after.total_seconds()
+        age = time.monotonic() - self._written
+        if self._stop.is_set() or age > stale_s * 0.8:
+            raise StoreUnavailable(
+                f"{doing}: the store lock {self.key} could not be written again for "
+                f"{age:.0f} s (the object store failed); past {stale_s:.0f} s another process "
+                "may take it for a crashed holder's, so this stopped before acting on it"
+            )
+
     def release(self) -> None:
-        """Delete the lock (the first call only); a failure is logged, the lock goes stale."""
+        """Delete the lock (the first call only), trying again briefly; a failure is logged,
+        the lock goes stale."""
         with self._guard:
             if self._stop.is_set():
                 return
             self._stop.set()
-        try:
-            self._locks.objects.delete_many([self.key])
-        except Exception as exc:  # it goes stale; the work is done
-            log.warning(
-                "could not remove the store lock %s (stale in %s): %s",
-                self.key,
-                self._locks.stale_after,
-                exc,
-            )
+        self._locks._delete(self.key)
 
     def _refresh(self) -> None:
-        while not self._stop.wait(self._locks.refresh_s):
+        wait = self._locks.refresh_s
+        while not self._stop.wait(wait):
             with self._guard:
                 if self._stop.is_set():
                     return
+                started = time.monotonic()
                 try:
                     self._locks.objects.put(self.key, self._body)
-                except Exception as exc:  # tried again at the next tick
+                except Exception as exc:  # tried again soon
                     log.warning("could not refresh the store lock %s: %s", self.key, exc)
+                    wait = min(RETRY_S, self._locks.refresh_s)
+                else:
+                    self._written = started
+                    wait = self._locks.refresh_s
 
 
 def _iso(when: datetime) -> str:

@@ -391,6 +391,9 @@ class SnapshotStore:
         try:
             self._store_packs(packer)
             doc, digest = signing.result()
+            # Still held (not taken for a crashed holder's by a GC elsewhere): then no GC
+            # has run since this create read the pack index.
+            lock_held[0].check(what)
             try:  # created only: another create of this name may have finished meanwhile
                 self.objects.put(manifest_key(manifest.name), doc, if_absent=True)
             except ObjectExists:
@@ -1334,12 +1337,21 @@ class SnapshotStore:
             if dry_run:  # deletes nothing: no lock needed
                 return self._gc(grace=grace, dry_run=dry_run, repack_below=repack_below)
             # And in no other process while any create runs (see dsec_snapstore.locks).
-            with self.locks.exclusive(self._gc_wait_s):
+            held = self.locks.acquire("exclusive", self._gc_wait_s, "snapshot gc")
+            try:
                 with contextlib.suppress(StoreUnavailable):  # crashed holders' locks
                     self.objects.delete_many(self.locks.stale())
-                return self._gc(grace=grace, dry_run=dry_run, repack_below=repack_below)
+                return self._gc(grace=grace, dry_run=dry_run, repack_below=repack_below, held=held)
+            finally:
+                held.release()
 
-    def _gc(self, *, grace: timedelta, dry_run: bool, repack_below: float) -> GcReport:
+    def _gc(
+        self, *, grace: timedelta, dry_run: bool, repack_below: float, held: Held | None = None
+    ) -> GcReport:
+        def still_held() -> None:  # before each step that deletes or supersedes
+            if held is not None:
+                held.check("snapshot gc")
+
         now = datetime.now(UTC)
         names = [
             k[len(MANIFEST_PREFIX) : -len(".json")]
@@ -1404,14 +1416,16 @@ class SnapshotStore:
         freed = sum(sizes[k].size for k in doomed)
         written: dict[str, int] = {}
         if not dry_run and (repack or drop or len(effective) > 1):  # > 1: compact the index
-            written = self._repack(repack, entries, home, keep, read_docs)
+            written = self._repack(repack, entries, home, keep, read_docs, still_held)
             # A pack written again with the same content has the same key: it stays.
             doomed = [k for k in doomed if k not in written]
         elif not dry_run and len(read_docs) > len(effective):
             # Documents a durable one supersedes (a GC stopped after its step 2).
+            still_held()
             self.objects.delete_many(sorted(read_docs.keys() - set(effective)))
             self.index.refresh(self._pool)
         if not dry_run:
+            still_held()
             self.objects.delete_many(doomed)
         referenced = {*(home.values()), *(chunk_key(c) for c in live if c not in home), *audits}
         stored_keys = sizes.keys()
@@ -1432,6 +1446,7 @@ class SnapshotStore:
         home: dict[str, str],
         keep: list[str],
         read_docs: Mapping[str, IndexDoc],
+        still_held: Callable[[], None],
     ) -> dict[str, int]:
         """Steps 1-3 of :meth:`gc`: copy the live chunks of ``repack`` into new packs, write
         the index that supersedes every document read, delete those; return the new packs
@@ -1485,6 +1500,7 @@ class SnapshotStore:
             )
         packs = {p: entries[p] for p in keep}
         packs.update(new_packs)
+        still_held()  # (the copies took a while)
         self.index.write(IndexDoc(packs, tuple(sorted(read_docs))))
         self.objects.delete_many(sorted(read_docs))
         self.index.refresh(self._pool)

@@ -39,6 +39,7 @@ def not_deleted(
         SnapshotDeleted(
             names=[n for n in names if n in deleted],
             missing=[n for n in names if n not in deleted],
+            gc_skipped="gave_up" if envelope.payload.get("gc") else None,
         )
     ]
 

@@ -15,12 +15,20 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Literal
 
 from dsec_core import events
 from dsec_core.envelope import Envelope
 from dsec_core.identity import DEFAULT_TENANT
 from dsec_snapstore import requests
-from dsec_snapstore.errors import InvalidInput, SnapshotError, SnapshotNotFound, VerificationFailed
+from dsec_snapstore.errors import (
+    InvalidInput,
+    SnapshotError,
+    SnapshotNotFound,
+    StoreBusy,
+    StoreUnavailable,
+    VerificationFailed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +69,7 @@ class SnapshotDeletes:
                 missing.append(name)
         chunks, freed = 0, 0
         ran_with: float | None = None
+        skipped: Literal["busy", "unreadable"] | None = None
         if event.gc:
             store = self.requests.store
             # A shorter grace would let one tenant's GC delete the packs another tenant's
@@ -77,8 +86,14 @@ class SnapshotDeletes:
             try:
                 grace = timedelta(seconds=grace_s)
                 report = await asyncio.to_thread(store.gc, grace=grace)
+            except StoreBusy as exc:  # creates held the store past DSEC_SNAPSHOT_GC_WAIT_S
+                log.warning("snapshot gc put off: %s", exc)
+                skipped = "busy"
+            except StoreUnavailable:
+                raise  # (tried again; the deletes done are remembered, see _done)
             except SnapshotError as exc:  # an unreadable manifest: nothing was collected
                 log.warning("snapshot gc refused: %s", exc)
+                skipped = "unreadable"
             else:
                 chunks, freed = report.chunks_removed, report.bytes_freed
                 ran_with = grace_s  # (the answer says so: a raised grace is no silent change)
@@ -89,6 +104,7 @@ class SnapshotDeletes:
                 chunks_removed=chunks,
                 bytes_freed=freed,
                 gc_grace_s=ran_with,
+                gc_skipped=skipped,
             )
         ]
 

@@ -25,6 +25,7 @@ from dsec_core.ids import derive_event_id
 from dsec_core.subjects import filter_for
 from dsec_snapstore import domain, sandboxes
 from dsec_snapstore.domain import RetentionPolicy
+from dsec_snapstore.errors import StoreBusy
 from dsec_snapstore.manifest import SnapshotSummary
 from dsec_snapstore.requests import PERIODIC_REQUESTER, SnapshotRequests
 
@@ -34,6 +35,8 @@ Publish = Callable[[events.Payload, str, str | None], Awaitable[None]]
 
 GC_EVERY_S = 600.0
 """Chunks become unreferenced only when retention deletes snapshots: GC at most this often."""
+GC_BUSY_RETRY_S = 60.0
+"""A GC owed but kept out by snapshots being taken (``StoreBusy``) is tried again this soon."""
 
 
 class PeriodicSnapshots:
@@ -49,6 +52,7 @@ class PeriodicSnapshots:
         self.running: set[str] = set()
         self._last_asked: dict[str, float] = {}
         self._last_gc = time.monotonic()
+        self._gc_owed = False  # retention deleted snapshots since the last GC that ran
         self._since = datetime.now(UTC)
         self._task: asyncio.Task[None] | None = None
 
@@ -115,11 +119,22 @@ class PeriodicSnapshots:
             wanted = await self._ask_if_due(sid, series, now)
             if wanted is not None:
                 asked.append(wanted)
-        if expired_any and time.monotonic() - self._last_gc >= GC_EVERY_S:
-            self._last_gc = time.monotonic()
-            report = await asyncio.to_thread(store.gc)
-            log.info("snapshot gc: %d objects deleted", len(report.deleted))
+        self._gc_owed |= expired_any
+        if self._gc_owed and time.monotonic() - self._last_gc >= GC_EVERY_S:
+            await self._collect()
         return asked
+
+    async def _collect(self) -> None:
+        """The GC retention made due; owed until it has run (a busy store puts it off)."""
+        self._last_gc = time.monotonic()
+        try:
+            report = await asyncio.to_thread(self.requests.store.gc)
+        except StoreBusy as exc:  # snapshots being taken: soon again, not in GC_EVERY_S
+            self._last_gc -= GC_EVERY_S - GC_BUSY_RETRY_S
+            log.warning("snapshot gc put off %.0f s: %s", GC_BUSY_RETRY_S, exc)
+            return
+        self._gc_owed = False
+        log.info("snapshot gc: %d objects deleted", len(report.deleted))
 
     async def _ask_if_due(
         self, sid: str, series: list[SnapshotSummary], now: datetime

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -551,7 +551,8 @@ def rm(
 
     Exit 0 all deleted; 1 `--gc` asked and the service did not collect (see `gc`); 2 bad
     name, or some did not exist (or are another tenant's: they are reported like missing
-    ones); 3 unreachable; 4 no answer in time.
+    ones; this wins over 1 and 3); 3 unreachable (or the service's store failed); 4 no
+    answer in time.
     """
     for name in names:
         _validate_name(name)
@@ -576,24 +577,48 @@ def rm(
                 f"freed {p['chunks_removed']} objects ({human_size(p['bytes_freed'])})",
                 highlight=False,
             )
-    if collect and p.get("gc_grace_s") is None:
-        _gc_did_not_run(as_json)
+    not_run = _gc_not_run(p) if collect else None
+    if not_run is not None and not as_json:
+        err_console.print(f"[bold red]error:[/] {not_run[1]}", highlight=False)
     if p["missing"]:
         raise typer.Exit(EXIT_BAD_INPUT)
+    if not_run is not None:
+        raise typer.Exit(not_run[0])
 
 
-def _gc_did_not_run(as_json: bool) -> NoReturn:
-    """The snapshot service answered without collecting (``snapshot.deleted`` without
-    ``gc_grace_s``): say so, exit 1."""
-    if not as_json:
-        err_console.print(
-            "[bold red]error:[/] the snapshot service did not collect: the store was busy (a "
-            "snapshot being taken, or a GC elsewhere, held it longer than a GC waits: "
-            "DSEC_SNAPSHOT_GC_WAIT_S) or a manifest could not be read; its log says which. "
-            "Try again later.",
-            highlight=False,
-        )
-    raise typer.Exit(EXIT_FAILED)
+_GC_SKIPPED = {
+    "busy": (
+        EXIT_FAILED,
+        "the snapshot service did not collect: the store was busy (snapshots being taken, or "
+        "a GC elsewhere, held it longer than the service's GC waits: "
+        "DSEC_SNAPSHOT_GC_WAIT_S). Try again later.",
+    ),
+    "unreadable": (
+        EXIT_FAILED,
+        "the snapshot service did not collect: a snapshot's manifest cannot be read, so "
+        "nothing was deleted; the service's log names it.",
+    ),
+    "gave_up": (
+        EXIT_UNREACHABLE,
+        "the snapshot service did not collect: it gave up after its retries (the object "
+        "store failing); its log says why.",
+    ),
+}
+
+
+def _gc_not_run(p: dict[str, Any]) -> tuple[int, str] | None:
+    """A collection asked for that did not run (``snapshot.deleted`` without ``gc_grace_s``):
+    the exit code and what to tell the user (``gc_skipped`` says why, since 1.2)."""
+    if p.get("gc_grace_s") is not None:
+        return None
+    return _GC_SKIPPED.get(
+        str(p.get("gc_skipped")),
+        (
+            EXIT_FAILED,
+            "the snapshot service did not say it collected (a service older than this CLI?); "
+            "its log says why.",
+        ),
+    )
 
 
 @snapshot_app.command("retain")
@@ -643,8 +668,9 @@ def gc(
     `--grace` is raised to it, and the answer says so (`gc_grace_s` in `--json`).
 
     Exit 0 collected; 1 the service did not collect (snapshots being taken held the store
-    longer than `DSEC_SNAPSHOT_GC_WAIT_S`, or a manifest is unreadable); 2 bad input; 3
-    unreachable; 4 no answer in time.
+    longer than `DSEC_SNAPSHOT_GC_WAIT_S`, or a manifest is unreadable: `gc_skipped` in
+    `--json` says which); 2 bad input; 3 unreachable (or the service's object store failed
+    past its retries); 4 no answer in time.
     """
     period = _duration(grace, "--grace")
     if not dry_run:
@@ -652,13 +678,15 @@ def gc(
         answer = ask_delete([], collect=True, grace_s=period.total_seconds(), timeout=timeout)
         p = answer.payload
         applied = p.get("gc_grace_s")
+        not_run = _gc_not_run(p)
         if as_json:
             print_json({"event": answer.type, **p})
-            if applied is None:
-                _gc_did_not_run(as_json)
+        elif not_run is not None:
+            err_console.print(f"[bold red]error:[/] {not_run[1]}", highlight=False)
+        if not_run is not None:
+            raise typer.Exit(not_run[0])
+        if as_json:
             return
-        if applied is None:
-            _gc_did_not_run(as_json)
         console.print(
             f"freed {p['chunks_removed']} objects ({human_size(p['bytes_freed'])})",
             highlight=False,
