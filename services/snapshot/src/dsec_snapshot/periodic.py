@@ -35,8 +35,9 @@ Publish = Callable[[events.Payload, str, str | None], Awaitable[None]]
 
 GC_EVERY_S = 600.0
 """Chunks become unreferenced only when retention deletes snapshots: GC at most this often."""
-GC_BUSY_RETRY_S = 60.0
-"""A GC owed but kept out by snapshots being taken (``StoreBusy``) is tried again this soon."""
+GC_BUSY_RETRY_S = 300.0
+"""A GC owed but kept out by snapshots being taken (``StoreBusy``) is tried again this soon
+(not sooner: while it waits, up to DSEC_SNAPSHOT_GC_WAIT_S, new snapshots wait for it)."""
 
 
 class PeriodicSnapshots:
