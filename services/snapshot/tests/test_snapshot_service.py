@@ -28,7 +28,7 @@ def test_a_delete_that_keeps_failing_still_ends_in_snapshot_deleted() -> None:
     envelope = Signer("user-x", SigningKey.generate()).seal(request, aggregate_id="del-1").envelope
     (answer,) = not_deleted(envelope, "S3 unreachable", 4)
     assert isinstance(answer, events.SnapshotDeleted) and answer.TERMINAL
-    assert answer.names == [] and answer.missing == ["a", "b"]
+    assert answer.names == [] and answer.failed == ["a", "b"] and answer.missing == []
     assert answer.gc_grace_s is None and answer.gc_skipped == "gave_up"  # (gc was asked)
 
 
@@ -146,7 +146,7 @@ async def test_a_delete_delivered_again_after_failing_halfway_reports_its_own_de
         await deletes.on_delete_requested(envelope, request)
     (given_up,) = not_deleted(envelope, "S3 unreachable", 4, deletes.deleted_by(envelope.id))
     assert isinstance(given_up, events.SnapshotDeleted)  # (had it given up here instead)
-    assert given_up.names == ["a"] and given_up.missing == ["b", "c", "z"]
+    assert given_up.names == ["a"] and given_up.failed == ["b", "c", "z"]
     (answer,) = await deletes.on_delete_requested(envelope, request)  # the redelivery
     assert isinstance(answer, events.SnapshotDeleted)
     assert answer.names == ["a", "b", "c"] and answer.missing == ["z"] and stored == set()

@@ -536,6 +536,11 @@ class SnapshotDeleted(Payload):
 
     names: list[str] = Field(default_factory=list)
     missing: list[str] = Field(default_factory=list, description="Names that did not exist")
+    failed: list[str] = Field(
+        default_factory=list,
+        description="Names not deleted because the request gave up (its retries ran out, the "
+        "object store failing): they may still exist; try again (since 1.2)",
+    )
     chunks_removed: int = 0
     bytes_freed: int = 0
     gc_grace_s: float | None = Field(
@@ -549,9 +554,10 @@ class SnapshotDeleted(Payload):
         default=None,
         description="Why a collection that was asked for (gc: true) did not run: busy "
         "(snapshots being taken, or a GC elsewhere, held the store longer than "
-        "DSEC_SNAPSHOT_GC_WAIT_S; try again), unreadable (a manifest cannot be read, so "
-        "nothing was deleted; the service's log names it), gave_up (the request's retries "
-        "ran out, the object store failing); none when it ran or was not asked (since 1.2)",
+        "DSEC_SNAPSHOT_GC_WAIT_S; try again), unreadable (a manifest cannot be read, or a "
+        "live chunk does not check, so nothing was deleted; the service's log names it), "
+        "gave_up (the request's retries ran out, the object store failing); none when it "
+        "ran or was not asked (since 1.2)",
     )
 
 

@@ -59,6 +59,17 @@ REFRESH_S = 60.0
 RETRY_S = 5.0  # a refresh that failed is tried again this soon
 Kind = Literal["shared", "exclusive"]
 WAITING = "waiting"  # a GC waiting for the creates running to end: no new create starts
+WAITING_REFRESH_S = 10.0  # a waiting GC writes its marker again this often
+WAITING_STALE = timedelta(seconds=30)  # a marker older than this is a GC's that went away
+
+
+def _clock() -> float:
+    """Seconds of a clock that also counts while the machine sleeps (a laptop's CLI paused for
+    longer than ``stale_after`` must find its lock aged, not young)."""
+    return time.clock_gettime(_CLOCK)
+
+
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
 
 
 class StoreLocks:
@@ -135,26 +146,37 @@ class StoreLocks:
         body = self._body(kind, what)
         waiting: str | None = None  # a GC's marker while it waits (see the module's text)
         waiting_written = 0.0
+        seen: tuple[datetime, float] | None = None  # the store's time at a step back, and ours
         try:
             while True:
-                key = f"{LOCK_PREFIX}{kind}-{uuid.uuid4().hex}.json"
-                written = self._put(key, body)
-                try:
-                    blockers = self._blockers(key, kind)
-                except BaseException:
-                    self._delete(key)
-                    raise
+                blockers: dict[str, ObjectInfo] = {}
+                if kind == "shared" and seen is not None:
+                    # Stepped back before: look first, and write a lock only when no GC holds
+                    # or waits for the store (a create polling with writes would keep showing
+                    # a GC a shared lock, and keep it out).
+                    store_now = seen[0] + timedelta(seconds=time.monotonic() - seen[1])
+                    blockers = self._conflicts(self.objects.list(LOCK_PREFIX), "", kind, store_now)
                 if not blockers:
-                    return key, written
-                if not self._delete(key):
-                    raise StoreUnavailable(
-                        f"{what}: could not remove its own lock {key} after stepping back for "
-                        f"another; it goes stale in {int(self.stale_after.total_seconds())} s"
-                    )
+                    key = f"{LOCK_PREFIX}{kind}-{uuid.uuid4().hex}.json"
+                    written = self._put(key, body)
+                    try:
+                        blockers, own_time = self._blockers(key, kind)
+                    except BaseException:
+                        self._delete(key)
+                        raise
+                    if not blockers:
+                        return key, written
+                    seen = (own_time, time.monotonic())
+                    if not self._delete(key):
+                        raise StoreUnavailable(
+                            f"{what}: could not remove its own lock {key} after stepping back "
+                            f"for another; it goes stale in {self.stale_after}"
+                        )
                 if time.monotonic() + delay > deadline:
                     raise StoreBusy(self._busy_text(what, blockers, wait_s))
                 if kind == "exclusive" and (
-                    waiting is None or time.monotonic() - waiting_written > self.refresh_s
+                    waiting is None
+                    or _clock() - waiting_written > min(WAITING_REFRESH_S, self.refresh_s)
                 ):
                     waiting = waiting or f"{LOCK_PREFIX}{WAITING}-{uuid.uuid4().hex}.json"
                     waiting_written = self._put(waiting, self._body(WAITING, what))
@@ -166,9 +188,9 @@ class StoreLocks:
                 self._delete(waiting)
 
     def _put(self, key: str, body: bytes) -> float:
-        """Write a lock; when its first write was sent (monotonic). A failed write may have
+        """Write a lock; when its write was sent (:func:`_clock`). A failed write may have
         been stored (its answer lost): it is deleted then, as far as the store allows."""
-        started = time.monotonic()
+        started = _clock()
         try:
             self.objects.put(key, body)
         except BaseException:
@@ -195,7 +217,9 @@ class StoreLocks:
                     time.sleep(0.05 * 4**attempt)
         return False
 
-    def _blockers(self, mine: str, kind: Kind) -> dict[str, ObjectInfo]:
+    def _blockers(self, mine: str, kind: Kind) -> tuple[dict[str, ObjectInfo], datetime]:
+        """The fresh locks that conflict with ``mine`` (just written), and its time by the
+        store's clock."""
         for attempt in range(4):
             listed = self.objects.list(LOCK_PREFIX)
             own = listed.get(mine)
@@ -207,12 +231,17 @@ class StoreLocks:
                 f"the store lock {mine} was written but is not listed: the object store's "
                 "listing is not read-after-write consistent, so its locks cannot be taken"
             )
-        now = own.last_modified
+        return self._conflicts(listed, mine, kind, own.last_modified), own.last_modified
+
+    def _conflicts(
+        self, listed: dict[str, ObjectInfo], mine: str, kind: Kind, now: datetime
+    ) -> dict[str, ObjectInfo]:
         out: dict[str, ObjectInfo] = {}
         for key, info in listed.items():
-            if key == mine or now - info.last_modified > self.stale_after:
-                continue
             other = key[len(LOCK_PREFIX) :].partition("-")[0]
+            stale = WAITING_STALE if other == WAITING else self.stale_after
+            if key == mine or now - info.last_modified > stale:
+                continue
             if other == WAITING and kind == "exclusive":
                 continue  # (another GC's wait: its exclusive lock is what counts)
             if kind == "exclusive" or other in ("exclusive", WAITING):
@@ -238,13 +267,19 @@ class StoreLocks:
 
 
 class Held:
-    """A lock taken: written again every ``refresh_s`` (a thread of its own) until released."""
+    """A lock taken: written again every ``refresh_s`` (a thread of its own) until released.
+
+    Lost for good once it went unwritten for most of ``stale_after``: another process may have
+    taken it for a crashed holder's meanwhile, and a later successful write cannot undo what
+    that process did (:meth:`check` fails from then on).
+    """
 
     def __init__(self, locks: StoreLocks, key: str, body: bytes, written: float) -> None:
         self.key = key
         self._locks = locks
         self._body = body
-        self._written = written  # when its last successful write was sent (monotonic)
+        self._written = written  # when its last successful write was sent (_clock)
+        self._lost = False
         self._stop = threading.Event()
         self._guard = threading.Lock()  # a refresh never writes the lock again after release
         self._thread = threading.Thread(target=self._refresh, name="snap-lock", daemon=True)
@@ -254,19 +289,23 @@ class Held:
         self._thread.start()
 
     def check(self, doing: str) -> None:
-        """Fail unless the lock still holds: not released, and written within most of
-        ``stale_after`` (past it, another process may take it for a crashed holder's).
+        """Fail unless the lock has held throughout: not released, and never unwritten for
+        most of ``stale_after`` (past it, another process may take it for a crashed holder's).
 
         Raises:
-            StoreUnavailable: naming the lock and how long ago it was last written.
+            StoreUnavailable: naming the lock and how long it went unwritten.
         """
         stale_s = self._locks.stale_after.total_seconds()
-        age = time.monotonic() - self._written
-        if self._stop.is_set() or age > stale_s * 0.8:
+        age = _clock() - self._written
+        if age > stale_s * 0.8:
+            self._lost = True
+        if self._stop.is_set() or self._lost:
             raise StoreUnavailable(
-                f"{doing}: the store lock {self.key} could not be written again for "
-                f"{age:.0f} s (the object store failed); past {stale_s:.0f} s another process "
-                "may take it for a crashed holder's, so this stopped before acting on it"
+                f"{doing}: the store lock {self.key} went unwritten for "
+                f"{max(age, stale_s * 0.8):.0f} s or more (the object store failed, or this "
+                "process was paused); past "
+                f"{stale_s:.0f} s another process may take it for a crashed holder's, so this "
+                "stopped rather than act on it"
             )
 
     def release(self) -> None:
@@ -280,11 +319,16 @@ class Held:
 
     def _refresh(self) -> None:
         wait = self._locks.refresh_s
+        limit = self._locks.stale_after.total_seconds() * 0.8
         while not self._stop.wait(wait):
             with self._guard:
                 if self._stop.is_set():
                     return
-                started = time.monotonic()
+                started = _clock()
+                if started - self._written > limit:
+                    self._lost = True  # (a write now would hide the gap: see the class text)
+                    log.warning("the store lock %s went unwritten too long: lost", self.key)
+                    return
                 try:
                     self._locks.objects.put(self.key, self._body)
                 except Exception as exc:  # tried again soon

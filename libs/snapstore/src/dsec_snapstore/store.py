@@ -315,31 +315,51 @@ class SnapshotStore:
         what = f"snapshot create {name!r}"
 
         lock_held: list[Held] = []
+        locked: Future[None] = Future()
 
-        def lock() -> None:
-            lock_held.append(self.locks.acquire("shared", self._create_wait_s, what))
-            held.callback(lock_held[0].release)  # (on any error; once only)
+        def lock() -> None:  # on a thread of its own: no pool worker sleeps while it waits
+            try:
+                taken_lock = self.locks.acquire("shared", self._create_wait_s, what)
+            except BaseException as exc:
+                locked.set_exception(exc)
+                return
+            lock_held.append(taken_lock)
+            held.callback(taken_lock.release)  # (on any error; once only)
+            locked.set_result(None)
 
-        locked = self._pool.submit(lock)  # (first: a task below that waits for it never
-        # holds its worker)
+        threading.Thread(target=lock, name="snap-lock-take", daemon=True).start()
 
-        def once_locked(fn: Callable[..., _T], *args: Any) -> _T:
-            locked.result()
-            return fn(*args)
+        def once_locked(fn: Callable[..., _T], *args: Any) -> Future[_T]:
+            """``fn(*args)`` on the pool once the lock is held (submitted then: it never
+            holds a worker while the lock is awaited); the lock's error if it is not."""
+            out: Future[_T] = Future()
+
+            def go(_: Future[None]) -> None:
+                error = locked.exception()
+                if error is not None:
+                    out.set_exception(error)
+                    return
+                try:
+                    self._pool.submit(fn, *args).add_done_callback(lambda f: _settle(out, f))
+                except BaseException as exc:  # (the pool shut down)
+                    out.set_exception(exc)
+
+            locked.add_done_callback(go)
+            return out
 
         taken = self._pool.submit(self._exists, name)
         # The cache's snapshot is still there and still the one it was (by id: deleted and
         # taken again under its name, it is another): its manifest and its row, both at once.
         parent_alive = (
             (
-                self._pool.submit(once_locked, self._exists, cache.snapshot),
-                self._pool.submit(once_locked, self._row_is, cache.snapshot, cache.snapshot_id),
+                once_locked(self._exists, cache.snapshot),
+                once_locked(self._row_is, cache.snapshot, cache.snapshot_id),
             )
             if cache.snapshot and cache.snapshot_id
             else None
         )
         # what is stored already: dedup
-        index_read = self._pool.submit(once_locked, self.index.refresh)
+        index_read = once_locked(self.index.refresh)
         git = self._pool.submit(git_info, root)  # runs git: meanwhile
         scan_ns = time.time_ns()
         try:
@@ -403,6 +423,12 @@ class SnapshotStore:
                         f"snapshot {name!r} exists already (snapshots are immutable): another "
                         "create of this name stored it first"
                     ) from None
+            try:  # still held while it was written (a slow PUT, refreshes failing)
+                lock_held[0].check(what)
+            except StoreUnavailable:
+                with contextlib.suppress(Exception):  # a GC may have run: not a snapshot
+                    self.objects.delete_many([manifest_key(manifest.name)])
+                raise
             self._remember(blake3.blake3(doc).hexdigest(), manifest, digest)
         except BaseException:
             if manifest.audit is not None and self.keys is not None:
@@ -1425,8 +1451,9 @@ class SnapshotStore:
             self.objects.delete_many(sorted(read_docs.keys() - set(effective)))
             self.index.refresh(self._pool)
         if not dry_run:
-            still_held()
-            self.objects.delete_many(doomed)
+            for start in range(0, len(doomed), _GC_DELETE_BATCH):  # (a long delete: checked)
+                still_held()
+                self.objects.delete_many(doomed[start : start + _GC_DELETE_BATCH])
         referenced = {*(home.values()), *(chunk_key(c) for c in live if c not in home), *audits}
         stored_keys = sizes.keys()
         return GcReport(
@@ -1520,6 +1547,18 @@ class SnapshotStore:
 
 
 # --- helpers ------------------------------------------------------------------------------
+
+
+_GC_DELETE_BATCH = 1000  # a GC checks its lock before each batch of deletes
+
+
+def _settle(out: Future[_T], done: Future[_T]) -> None:
+    """Give ``out`` the outcome of ``done``."""
+    error = done.exception()
+    if error is not None:
+        out.set_exception(error)
+    else:
+        out.set_result(done.result())
 
 
 @contextlib.contextmanager

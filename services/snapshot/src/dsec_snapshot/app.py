@@ -32,13 +32,14 @@ def not_deleted(
     envelope: Envelope, reason: str, attempts: int, deleted: Collection[str] = ()
 ) -> Sequence[Payload]:
     """A delete whose retries are exhausted still ends in ``snapshot.deleted`` (terminal): the
-    names this process knows it deleted (``deleted``) as deleted, every other one missing."""
+    names this process knows it deleted (``deleted``) as deleted, every other one ``failed``
+    (it may exist still: not "missing", which would tell the user there was no such one)."""
     log.warning("snapshot delete %s gave up after %d attempts: %s", envelope.id, attempts, reason)
     names = list(dict.fromkeys(str(n) for n in envelope.payload.get("names") or []))
     return [
         SnapshotDeleted(
             names=[n for n in names if n in deleted],
-            missing=[n for n in names if n not in deleted],
+            failed=[n for n in names if n not in deleted],
             gc_skipped="gave_up" if envelope.payload.get("gc") else None,
         )
     ]

@@ -551,8 +551,8 @@ def rm(
 
     Exit 0 all deleted; 1 `--gc` asked and the service did not collect (see `gc`); 2 bad
     name, or some did not exist (or are another tenant's: they are reported like missing
-    ones; this wins over 1 and 3); 3 unreachable (or the service's store failed); 4 no
-    answer in time.
+    ones; this wins over 1 and 3); 3 unreachable, or the service gave up on some (its object
+    store failing: `failed` in `--json`); 4 no answer in time.
     """
     for name in names:
         _validate_name(name)
@@ -572,6 +572,12 @@ def rm(
                 f"[bold red]error:[/] no snapshot named {safe_text(name)} (of your tenant)",
                 highlight=False,
             )
+        for name in p.get("failed") or ():
+            err_console.print(
+                f"[bold red]error:[/] {safe_text(name)} was not deleted: the snapshot service "
+                "gave up (the object store failing; its log says why). Try again.",
+                highlight=False,
+            )
         if collect and p.get("gc_grace_s") is not None:
             console.print(
                 f"freed {p['chunks_removed']} objects ({human_size(p['bytes_freed'])})",
@@ -582,6 +588,8 @@ def rm(
         err_console.print(f"[bold red]error:[/] {not_run[1]}", highlight=False)
     if p["missing"]:
         raise typer.Exit(EXIT_BAD_INPUT)
+    if p.get("failed"):
+        raise typer.Exit(EXIT_UNREACHABLE)
     if not_run is not None:
         raise typer.Exit(not_run[0])
 
@@ -595,8 +603,9 @@ _GC_SKIPPED = {
     ),
     "unreadable": (
         EXIT_FAILED,
-        "the snapshot service did not collect: a snapshot's manifest cannot be read, so "
-        "nothing was deleted; the service's log names it.",
+        "the snapshot service did not collect: a snapshot's manifest cannot be read, or a "
+        "chunk a snapshot needs does not check, so nothing was deleted; the service's log "
+        "names it.",
     ),
     "gave_up": (
         EXIT_UNREACHABLE,
@@ -631,10 +640,15 @@ def retain(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Apply a retention policy: delete the snapshots it does not keep (of your tenant)."""
+    """Apply a retention policy: delete the snapshots it does not keep (of your tenant).
+
+    Exit 0 done; 2 bad input; 3 unreachable, or the snapshot service gave up on some
+    (`failed` in `--json`); 4 no answer in time.
+    """
     from dsec_snapstore.domain import RetentionPolicy
 
     within = _duration(keep_within, "--keep-within") if keep_within else None
+    failed: list[str] = []
     with snapshot_store() as store:  # decided here (read-only), deleted by the snapshot service
         policy = RetentionPolicy(keep_last=keep_last, keep_within=within, keep_daily=keep_daily)
         expired = store.apply_retention(policy, series=series, dry_run=True)
@@ -642,13 +656,23 @@ def retain(
         confirm(f"delete {len(expired)} snapshot(s): {', '.join(expired)}", yes)
         answer = ask_delete(expired, collect=False, grace_s=3600.0, timeout=60.0)
         expired = list(answer.payload["names"])
+        failed = list(answer.payload.get("failed") or ())
+        if failed and not as_json:
+            err_console.print(
+                f"[bold red]error:[/] not deleted: {safe_text(', '.join(failed))}: the snapshot "
+                "service gave up (the object store failing; its log says why). Try again.",
+                highlight=False,
+            )
     if as_json:
-        print_json({"deleted": expired, "dry_run": dry_run})
-        return
-    verb = "would delete" if dry_run else "deleted"
-    console.print(
-        f"{verb} {len(expired)} snapshots: {safe_text(', '.join(expired) or '-')}", highlight=False
-    )
+        print_json({"deleted": expired, "failed": failed, "dry_run": dry_run})
+    else:
+        verb = "would delete" if dry_run else "deleted"
+        console.print(
+            f"{verb} {len(expired)} snapshots: {safe_text(', '.join(expired) or '-')}",
+            highlight=False,
+        )
+    if failed:
+        raise typer.Exit(EXIT_UNREACHABLE)
 
 
 @snapshot_app.command("gc")
