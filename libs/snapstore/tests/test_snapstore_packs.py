@@ -705,6 +705,22 @@ def test_two_gcs_in_two_processes_do_not_run_at_once(objects: MemoryObjects, tre
         second.gc(grace=timedelta(0))
 
 
+def _paused_hash(
+    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Event, threading.Event]:
+    hashed, go_on = threading.Event(), threading.Event()
+    real = store._hash_all
+
+    def paused(*args: object, **kwargs: object) -> object:
+        result = real(*args, **kwargs)  # type: ignore[arg-type]
+        hashed.set()
+        assert go_on.wait(30)
+        return result
+
+    monkeypatch.setattr(store, "_hash_all", paused)
+    return hashed, go_on
+
+
 def test_a_create_whose_lock_could_not_be_refreshed_stores_no_manifest(
     store: SnapshotStore, objects: MemoryObjects, tree: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -712,22 +728,14 @@ def test_a_create_whose_lock_could_not_be_refreshed_stores_no_manifest(
     (a GC elsewhere may have removed it and run): it must not write a manifest naming chunks
     that GC may have deleted."""
     store.locks = StoreLocks(objects, stale_after=timedelta(seconds=0.2), refresh_s=0.01)
-    hashed, go_on = threading.Event(), threading.Event()
+    hashed, go_on = _paused_hash(store, monkeypatch)
     failed_refreshes = threading.Semaphore(0)
-    real_hash_all = store._hash_all
-
-    def paused(*args: object, **kwargs: object) -> object:
-        result = real_hash_all(*args, **kwargs)  # type: ignore[arg-type]
-        hashed.set()
-        assert go_on.wait(30)
-        return result
 
     def refresh_fails(op: str, key: str) -> None:
         if op == "put" and key.startswith(LOCK_PREFIX) and hashed.is_set():
             failed_refreshes.release()
             raise StoreUnavailable("S3 unreachable from here")
 
-    monkeypatch.setattr(store, "_hash_all", paused)
     creating = ThreadPoolExecutor(1).submit(store.create, "s", inputs(tree))
     assert hashed.wait(30)
     objects.fail = refresh_fails
@@ -816,22 +824,6 @@ def test_a_held_lock_is_written_again_until_released(objects: MemoryObjects) -> 
             assert written.acquire(timeout=30)
         assert objects.under(LOCK_PREFIX) == [key]
     assert objects.under(LOCK_PREFIX) == []
-
-
-def _paused_hash(
-    store: SnapshotStore, monkeypatch: pytest.MonkeyPatch
-) -> tuple[threading.Event, threading.Event]:
-    hashed, go_on = threading.Event(), threading.Event()
-    real = store._hash_all
-
-    def paused(*args: object, **kwargs: object) -> object:
-        result = real(*args, **kwargs)  # type: ignore[arg-type]
-        hashed.set()
-        assert go_on.wait(30)
-        return result
-
-    monkeypatch.setattr(store, "_hash_all", paused)
-    return hashed, go_on
 
 
 def test_a_lock_written_again_after_a_gap_is_still_lost(
