@@ -950,3 +950,41 @@ def test_a_waiting_marker_left_by_a_gc_that_went_away_holds_creates_back_30_s_on
         objects.data[LOCK_PREFIX + "waiting-recent.json"] = (b"{}", datetime.now(UTC))
         with pytest.raises(StoreBusy, match="waiting-recent"):
             creator.create("t", inputs(tree))
+
+
+def test_a_refresh_that_lands_after_stale_after_loses_the_lock(objects: MemoryObjects) -> None:
+    """A refresh sent in time (0.6 s after the last write, under 80 % of 1 s) but landing 0.7 s
+    later: for a while the lock was stale by the store's clock, and a GC took the store. The
+    write's success must not make the lock look held."""
+    locks = StoreLocks(objects, stale_after=timedelta(seconds=1), refresh_s=0.6)
+    slow, landed = threading.Event(), threading.Event()
+
+    def slow_refresh(op: str, key: str) -> None:
+        if op == "put" and key.startswith(LOCK_PREFIX + "shared") and slow.is_set():
+            time.sleep(0.7)
+            landed.set()
+
+    objects.fail = slow_refresh
+    held = locks.acquire("shared", 1.0, "snapshot create")
+    slow.set()
+    time.sleep(1.1)  # (the refresh sent at 0.6 s is in flight; the lock is stale meanwhile)
+    taken = StoreLocks(objects, stale_after=timedelta(seconds=1)).acquire("exclusive", 0.2, "gc")
+    taken.release()  # a GC ran meanwhile
+    assert landed.wait(30)
+    slow.clear()
+    with pytest.raises(StoreUnavailable, match="went unwritten"):
+        held.check("snapshot create")
+    held.release()
+
+
+def test_a_create_that_fails_before_it_starts_takes_no_lock(
+    objects: MemoryObjects, tree: Path
+) -> None:
+    """A closed store refuses the create's first reads: no lock thread may be left to take a
+    lock that no one would release (every GC would find the store busy)."""
+    store = make_store(objects)
+    store.close()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        store.create("x", inputs(tree))
+    assert not [t for t in threading.enumerate() if t.name == "snap-lock-take"]
+    assert objects.under(LOCK_PREFIX) == []

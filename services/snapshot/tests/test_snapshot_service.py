@@ -144,12 +144,40 @@ async def test_a_delete_delivered_again_after_failing_halfway_reports_its_own_de
     envelope = Signer("user-x", SigningKey.generate()).seal(request, aggregate_id="del-2").envelope
     with pytest.raises(ConnectionError):
         await deletes.on_delete_requested(envelope, request)
-    (given_up,) = not_deleted(envelope, "S3 unreachable", 4, deletes.deleted_by(envelope.id))
+    (given_up,) = not_deleted(
+        envelope,
+        "S3 unreachable",
+        4,
+        deletes.deleted_by(envelope.id),
+        deletes.missing_in(envelope.id),
+    )
     assert isinstance(given_up, events.SnapshotDeleted)  # (had it given up here instead)
     assert given_up.names == ["a"] and given_up.failed == ["b", "c", "z"]
     (answer,) = await deletes.on_delete_requested(envelope, request)  # the redelivery
     assert isinstance(answer, events.SnapshotDeleted)
     assert answer.names == ["a", "b", "c"] and answer.missing == ["z"] and stored == set()
+
+
+async def test_a_delete_that_gives_up_reports_what_it_found_missing_as_missing() -> None:
+    """Only the names it could not get to are ``failed`` (they may exist); one it found absent
+    before the store failed is ``missing`` (the CLI's exit 2, not 3)."""
+
+    class Deletes(SnapshotDeletes):
+        async def _delete_one(self, name: str, tenant: str) -> bool:
+            if name == "b":
+                raise ConnectionError("S3 unreachable")
+            return name == "a"
+
+    deletes = Deletes(None)  # type: ignore[arg-type]
+    request = events.SnapshotDeleteRequested(names=["z", "a", "b"])
+    envelope = Signer("user-x", SigningKey.generate()).seal(request, aggregate_id="del-5").envelope
+    with pytest.raises(ConnectionError):
+        await deletes.on_delete_requested(envelope, request)
+    (given_up,) = not_deleted(
+        envelope, "S3", 4, deletes.deleted_by(envelope.id), deletes.missing_in(envelope.id)
+    )
+    assert isinstance(given_up, events.SnapshotDeleted)
+    assert (given_up.names, given_up.missing, given_up.failed) == (["a"], ["z"], ["b"])
 
 
 def row(name: str, **labels: str) -> SnapshotSummary:

@@ -335,6 +335,12 @@ class Held:
                     log.warning("could not refresh the store lock %s: %s", self.key, exc)
                     wait = min(RETRY_S, self._locks.refresh_s)
                 else:
+                    # The store dates a write by its arrival: one that took long may have
+                    # landed after the lock had aged past stale_after there.
+                    if _clock() - self._written > limit:
+                        self._lost = True
+                        log.warning("the store lock %s was written too late: lost", self.key)
+                        return
                     self._written = started
                     wait = self._locks.refresh_s
 

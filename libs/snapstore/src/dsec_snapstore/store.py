@@ -14,6 +14,7 @@ import contextlib
 import gc
 import getpass
 import json
+import logging
 import os
 import shutil
 import socket
@@ -137,6 +138,8 @@ _MAX_LINE_DIFFS = 200
 """Changed files shown with a line diff in one ``diff`` or code check; the rest are listed."""
 _CHECKED_KEPT = 8
 """Checked manifests kept in memory (see ``SnapshotStore._checked``)."""
+
+log = logging.getLogger(__name__)
 
 
 class _Checked(NamedTuple):
@@ -327,8 +330,6 @@ class SnapshotStore:
             held.callback(taken_lock.release)  # (on any error; once only)
             locked.set_result(None)
 
-        threading.Thread(target=lock, name="snap-lock-take", daemon=True).start()
-
         def once_locked(fn: Callable[..., _T], *args: Any) -> Future[_T]:
             """``fn(*args)`` on the pool once the lock is held (submitted then: it never
             holds a worker while the lock is awaited); the lock's error if it is not."""
@@ -361,6 +362,9 @@ class SnapshotStore:
         # what is stored already: dedup
         index_read = once_locked(self.index.refresh)
         git = self._pool.submit(git_info, root)  # runs git: meanwhile
+        # Started once nothing above can fail: a lock taken after the create failed would be
+        # released by no one.
+        threading.Thread(target=lock, name="snap-lock-take", daemon=True).start()
         scan_ns = time.time_ns()
         try:
             try:
@@ -426,8 +430,7 @@ class SnapshotStore:
             try:  # still held while it was written (a slow PUT, refreshes failing)
                 lock_held[0].check(what)
             except StoreUnavailable:
-                with contextlib.suppress(Exception):  # a GC may have run: not a snapshot
-                    self.objects.delete_many([manifest_key(manifest.name)])
+                self._take_back(manifest_key(manifest.name), doc)  # a GC may have run
                 raise
             self._remember(blake3.blake3(doc).hexdigest(), manifest, digest)
         except BaseException:
@@ -617,6 +620,21 @@ class SnapshotStore:
             b'{"manifest":' + signed_bytes + b',"signature":' + signature.model_dump_json().encode()
         )
         return doc + b"}", blake3.blake3(signed_bytes).hexdigest()
+
+    def _take_back(self, key: str, doc: bytes) -> None:
+        """Delete the manifest this create stored (only if it is still this create's: a
+        slow PUT's name may have been deleted and taken again meanwhile); a failure is
+        logged, as that manifest may name chunks a GC deleted (``dsec snapshot verify``)."""
+        try:
+            if self._stored_is(key, doc):
+                self.objects.delete_many([key])
+        except Exception as exc:
+            log.error(
+                "could not delete %s, stored while its create's lock was lost: it may name "
+                "chunks a GC deleted; run `dsec snapshot verify` on it (%s)",
+                key,
+                exc,
+            )
 
     def _write_summary(self, m: SnapshotManifest, digest: str, uploaded: int) -> None:
         summary = SnapshotSummary(
@@ -1554,6 +1572,9 @@ _GC_DELETE_BATCH = 1000  # a GC checks its lock before each batch of deletes
 
 def _settle(out: Future[_T], done: Future[_T]) -> None:
     """Give ``out`` the outcome of ``done``."""
+    if done.cancelled():
+        out.cancel()
+        return
     error = done.exception()
     if error is not None:
         out.set_exception(error)

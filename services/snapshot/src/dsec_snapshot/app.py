@@ -29,17 +29,23 @@ log = logging.getLogger(__name__)
 
 
 def not_deleted(
-    envelope: Envelope, reason: str, attempts: int, deleted: Collection[str] = ()
+    envelope: Envelope,
+    reason: str,
+    attempts: int,
+    deleted: Collection[str] = (),
+    missing: Collection[str] = (),
 ) -> Sequence[Payload]:
     """A delete whose retries are exhausted still ends in ``snapshot.deleted`` (terminal): the
-    names this process knows it deleted (``deleted``) as deleted, every other one ``failed``
-    (it may exist still: not "missing", which would tell the user there was no such one)."""
+    names this process knows it deleted (``deleted``) as deleted, those it found missing
+    (``missing``) as missing, every other one ``failed`` (it may exist still: not "missing",
+    which would tell the user there was no such one)."""
     log.warning("snapshot delete %s gave up after %d attempts: %s", envelope.id, attempts, reason)
     names = list(dict.fromkeys(str(n) for n in envelope.payload.get("names") or []))
     return [
         SnapshotDeleted(
             names=[n for n in names if n in deleted],
-            failed=[n for n in names if n not in deleted],
+            missing=[n for n in names if n in missing and n not in deleted],
+            failed=[n for n in names if n not in deleted and n not in missing],
             gc_skipped="gave_up" if envelope.payload.get("gc") else None,
         )
     ]
@@ -87,7 +93,11 @@ def create_service(settings: Settings | None = None) -> Service:
         retry=retry,
         batch=4,
         on_exhausted=lambda envelope, reason, attempts: not_deleted(
-            envelope, reason, attempts, deletes.deleted_by(envelope.id)
+            envelope,
+            reason,
+            attempts,
+            deletes.deleted_by(envelope.id),
+            deletes.missing_in(envelope.id),
         ),
         answers=(events.SnapshotDeleted,),
     )(deletes.on_delete_requested)

@@ -42,14 +42,19 @@ class SnapshotDeletes:
 
     def __init__(self, requests_: requests.SnapshotRequests) -> None:
         self.requests = requests_
-        # request id -> the names it deleted: an attempt that failed halfway (S3 down after the
-        # first of three names) is delivered again, and must report what it deleted before as
-        # deleted, not as missing (the user would read "no snapshot named" for its own)
-        self._done: OrderedDict[str, set[str]] = OrderedDict()
+        # request id -> name -> deleted (True) or found missing (False): an attempt that failed
+        # halfway (S3 down after the first of three names) is delivered again, and must report
+        # what it deleted before as deleted, not as missing (the user would read "no snapshot
+        # named" for its own); one that gives up reports what it found missing as missing
+        self._done: OrderedDict[str, dict[str, bool]] = OrderedDict()
 
     def deleted_by(self, request_id: str) -> frozenset[str]:
         """The names this process deleted for the request (for its answer when it gives up)."""
-        return frozenset(self._done.get(request_id, ()))
+        return frozenset(n for n, gone in self._done.get(request_id, {}).items() if gone)
+
+    def missing_in(self, request_id: str) -> frozenset[str]:
+        """The names this process found missing for the request (for the same answer)."""
+        return frozenset(n for n, gone in self._done.get(request_id, {}).items() if not gone)
 
     async def on_delete_requested(
         self, envelope: Envelope, event: events.SnapshotDeleteRequested
@@ -57,16 +62,17 @@ class SnapshotDeletes:
         """Delete what the user may delete; say what was missing; GC when asked."""
         deleted: list[str] = []
         missing: list[str] = []
-        done = self._done.pop(envelope.id, set())
+        done = self._done.pop(envelope.id, {})
         self._done[envelope.id] = done  # (the newest last: the oldest go first)
         while len(self._done) > _REMEMBERED:
             self._done.popitem(last=False)
         for name in dict.fromkeys(event.names):
-            if name in done or await self._delete_one(name, envelope.tenant):
+            if done.get(name) or await self._delete_one(name, envelope.tenant):
                 deleted.append(name)
-                done.add(name)
+                done[name] = True
             else:
                 missing.append(name)
+                done[name] = False
         chunks, freed = 0, 0
         ran_with: float | None = None
         skipped: Literal["busy", "unreadable"] | None = None
