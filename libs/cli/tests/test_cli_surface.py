@@ -253,6 +253,19 @@ def test_completion_lists_top_level_and_sub_commands() -> None:
     assert {"list", "logs", "stop"} <= set(complete("dsec sandbox "))
 
 
+def _bare_dsec(args: list[str], **settings: str) -> subprocess.CompletedProcess[str]:
+    """The installed ``dsec`` with no ``DSEC_*`` setting but ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")}
+    return subprocess.run(
+        [DSEC, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**env, **settings},
+    )
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -261,15 +274,10 @@ def _closed_port() -> int:
 
 @pytest.mark.parametrize("as_json", [False, True])
 def test_events_tail_with_nats_down_is_one_clean_error(as_json: bool, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")}
-    env.update({"DSEC_HOME": str(tmp_path), "DSEC_NATS_URL": f"nats://127.0.0.1:{_closed_port()}"})
-    done = subprocess.run(
-        [DSEC, "events", "tail", *(["--json"] if as_json else [])],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=env,
+    done = _bare_dsec(
+        ["events", "tail", *(["--json"] if as_json else [])],
+        DSEC_HOME=str(tmp_path),
+        DSEC_NATS_URL=f"nats://127.0.0.1:{_closed_port()}",
     )
     assert done.returncode == 3
     assert "Traceback" not in done.stdout + done.stderr
@@ -280,6 +288,23 @@ def test_events_tail_with_nats_down_is_one_clean_error(as_json: bool, tmp_path: 
         assert done.stdout == ""
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: cannot reach NATS at nats://")
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_bad_setting_read_by_any_command_is_one_clean_error(
+    as_json: bool, tmp_path: Path
+) -> None:
+    """``snapshot gc --dry-run`` reads the settings itself, outside the stack's checks: a bad
+    ``DSEC_*`` value there printed a traceback; now every command names the variable, exit 2."""
+    done = _bare_dsec(
+        ["snapshot", "gc", "--dry-run", *(["--json"] if as_json else [])],
+        DSEC_HOME=str(tmp_path),
+        DSEC_SNAPSHOT_GC_WAIT_S="soon",
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stdout + done.stderr
+    said = json.loads(done.stdout)["error"]["message"] if as_json else done.stderr.strip()
+    assert said.removeprefix("error: ").startswith("DSEC_SNAPSHOT_GC_WAIT_S: Input should be")
 
 
 def test_spinner_only_when_both_streams_are_terminals(monkeypatch: pytest.MonkeyPatch) -> None:

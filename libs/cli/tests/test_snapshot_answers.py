@@ -30,6 +30,15 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
+def rm_with_gc(monkeypatch: pytest.MonkeyPatch, **payload: Any) -> tuple[int, str]:
+    """``dsec snapshot rm`` of the answer's names (all three kinds) with ``--gc``: its exit
+    code and its output on one line."""
+    answered(monkeypatch, **payload)
+    asked = [*payload.get("names", []), *payload.get("missing", []), *payload.get("failed", [])]
+    result = runner.invoke(app, ["snapshot", "rm", *asked, "--gc", "--yes"])
+    return result.exit_code, flat(result.output)
+
+
 @pytest.mark.parametrize(
     ("payload", "code", "said"),
     [
@@ -52,10 +61,8 @@ def test_gc_exits_by_what_the_service_says(
 def test_rm_names_what_the_service_gave_up_on_and_exits_3(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    answered(monkeypatch, names=["a"], failed=["b"], gc_skipped="gave_up")
-    result = runner.invoke(app, ["snapshot", "rm", "a", "b", "--gc", "--yes"])
-    assert result.exit_code == 3, result.output
-    text = flat(result.output)
+    code, text = rm_with_gc(monkeypatch, names=["a"], failed=["b"], gc_skipped="gave_up")
+    assert code == 3, text
     assert "deleted a" in text and "b was not deleted" in text
     assert "no snapshot named b" not in text  # it may exist still: not "missing"
 
@@ -63,10 +70,8 @@ def test_rm_names_what_the_service_gave_up_on_and_exits_3(
 def test_rm_with_a_missing_name_exits_2_even_when_the_gc_did_not_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    answered(monkeypatch, names=["a"], missing=["z"], gc_skipped="busy")
-    result = runner.invoke(app, ["snapshot", "rm", "a", "z", "--gc", "--yes"])
-    assert result.exit_code == 2, result.output
-    text = flat(result.output)
+    code, text = rm_with_gc(monkeypatch, names=["a"], missing=["z"], gc_skipped="busy")
+    assert code == 2, text
     assert "no snapshot named z" in text and "the store was busy" in text
 
 
@@ -93,3 +98,15 @@ def test_retain_exits_3_when_the_service_gave_up_on_some(
         "failed": ["old-2"],
         "dry_run": False,
     }
+
+
+def test_retain_with_a_bad_policy_is_bad_input_before_any_store_is_opened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_store() -> None:
+        raise AssertionError("the store was opened for a policy that cannot be applied")
+
+    monkeypatch.setattr(snapshot_cmd, "snapshot_store", no_store)
+    result = runner.invoke(app, ["snapshot", "retain", "--keep-last", "0", "--yes"])
+    assert result.exit_code == 2, result.output
+    assert "keep_last=0: must be at least 1" in flat(result.output)

@@ -305,8 +305,27 @@ def main() -> None:
         _gc_paused = True
     try:
         app()
+    except Exception as exc:  # a bad DSEC_* setting, wherever a command reads the settings
+        _settings_failed(exc)
+        raise
     finally:
         _resume_gc()
+
+
+def _settings_failed(exc: Exception) -> None:
+    """Exit 2 with one line naming the variable when ``exc`` is a bad ``DSEC_*`` setting (it
+    would print a traceback); else return."""
+    if type(exc).__name__ != "ValidationError":
+        return
+    from dsec_cli import common
+
+    problem = common.settings_problem(exc)
+    if problem is None:
+        return
+    try:
+        common.fail(problem, common.EXIT_BAD_INPUT)
+    except typer.Exit as done:
+        raise SystemExit(done.exit_code) from None
 
 
 def run() -> None:

@@ -57,6 +57,7 @@ LOCK_PREFIX = "locks/"
 STALE_AFTER = timedelta(minutes=5)
 REFRESH_S = 60.0
 RETRY_S = 5.0  # a refresh that failed is tried again this soon
+LOST_AT = 0.8  # a lock unwritten for this share of stale_after is lost (see Held)
 Kind = Literal["shared", "exclusive"]
 WAITING = "waiting"  # a GC waiting for the creates running to end: no new create starts
 WAITING_REFRESH_S = 10.0  # a waiting GC writes its marker again this often
@@ -295,18 +296,21 @@ class Held:
         Raises:
             StoreUnavailable: naming the lock and how long it went unwritten.
         """
-        stale_s = self._locks.stale_after.total_seconds()
-        age = _clock() - self._written
-        if age > stale_s * 0.8:
-            self._lost = True
-        if self._stop.is_set() or self._lost:
+        if self._stop.is_set() or self._lost_since(_clock()):
+            stale_s = self._locks.stale_after.total_seconds()
             raise StoreUnavailable(
                 f"{doing}: the store lock {self.key} went unwritten for "
-                f"{max(age, stale_s * 0.8):.0f} s or more (the object store failed, or this "
-                "process was paused); past "
-                f"{stale_s:.0f} s another process may take it for a crashed holder's, so this "
-                "stopped rather than act on it"
+                f"{stale_s * LOST_AT:.0f} s or more (the object store failed, or this process "
+                f"was paused); past {stale_s:.0f} s another process may take it for a crashed "
+                "holder's, so this stopped rather than act on it"
             )
+
+    def _lost_since(self, now: float) -> bool:
+        """Whether the lock is lost, ``now`` being a moment its last write was still the one
+        before (see the class text); once lost, for good."""
+        if now - self._written > self._locks.stale_after.total_seconds() * LOST_AT:
+            self._lost = True
+        return self._lost
 
     def release(self) -> None:
         """Delete the lock (the first call only), trying again briefly; a failure is logged,
@@ -319,14 +323,12 @@ class Held:
 
     def _refresh(self) -> None:
         wait = self._locks.refresh_s
-        limit = self._locks.stale_after.total_seconds() * 0.8
         while not self._stop.wait(wait):
             with self._guard:
                 if self._stop.is_set():
                     return
                 started = _clock()
-                if started - self._written > limit:
-                    self._lost = True  # (a write now would hide the gap: see the class text)
+                if self._lost_since(started):  # a write now would hide the gap
                     log.warning("the store lock %s went unwritten too long: lost", self.key)
                     return
                 try:
@@ -334,15 +336,14 @@ class Held:
                 except Exception as exc:  # tried again soon
                     log.warning("could not refresh the store lock %s: %s", self.key, exc)
                     wait = min(RETRY_S, self._locks.refresh_s)
-                else:
-                    # The store dates a write by its arrival: one that took long may have
-                    # landed after the lock had aged past stale_after there.
-                    if _clock() - self._written > limit:
-                        self._lost = True
-                        log.warning("the store lock %s was written too late: lost", self.key)
-                        return
-                    self._written = started
-                    wait = self._locks.refresh_s
+                    continue
+                # The store dates a write by its arrival: one that took long may have landed
+                # after the lock had aged past its margin there.
+                if self._lost_since(_clock()):
+                    log.warning("the store lock %s was written too late: lost", self.key)
+                    return
+                self._written = started
+                wait = self._locks.refresh_s
 
 
 def _iso(when: datetime) -> str:

@@ -10,7 +10,7 @@ nowhere â†’ ``snapshot.failed`` with the reason; ``snapshot.delete_requested`` â
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 
 from dsec_core import events
 from dsec_core.envelope import Envelope
@@ -29,23 +29,20 @@ log = logging.getLogger(__name__)
 
 
 def not_deleted(
-    envelope: Envelope,
-    reason: str,
-    attempts: int,
-    deleted: Collection[str] = (),
-    missing: Collection[str] = (),
+    envelope: Envelope, reason: str, attempts: int, done: Mapping[str, bool] | None = None
 ) -> Sequence[Payload]:
     """A delete whose retries are exhausted still ends in ``snapshot.deleted`` (terminal): the
-    names this process knows it deleted (``deleted``) as deleted, those it found missing
-    (``missing``) as missing, every other one ``failed`` (it may exist still: not "missing",
+    names this process knows it deleted (``done[name]`` true) as deleted, those it found
+    missing (false) as missing, every other one ``failed`` (it may exist still: not "missing",
     which would tell the user there was no such one)."""
     log.warning("snapshot delete %s gave up after %d attempts: %s", envelope.id, attempts, reason)
     names = list(dict.fromkeys(str(n) for n in envelope.payload.get("names") or []))
+    done = done or {}
     return [
         SnapshotDeleted(
-            names=[n for n in names if n in deleted],
-            missing=[n for n in names if n in missing and n not in deleted],
-            failed=[n for n in names if n not in deleted and n not in missing],
+            names=[n for n in names if done.get(n) is True],
+            missing=[n for n in names if done.get(n) is False],
+            failed=[n for n in names if n not in done],
             gc_skipped="gave_up" if envelope.payload.get("gc") else None,
         )
     ]
@@ -93,11 +90,7 @@ def create_service(settings: Settings | None = None) -> Service:
         retry=retry,
         batch=4,
         on_exhausted=lambda envelope, reason, attempts: not_deleted(
-            envelope,
-            reason,
-            attempts,
-            deletes.deleted_by(envelope.id),
-            deletes.missing_in(envelope.id),
+            envelope, reason, attempts, deletes.outcome(envelope.id)
         ),
         answers=(events.SnapshotDeleted,),
     )(deletes.on_delete_requested)

@@ -48,13 +48,10 @@ class SnapshotDeletes:
         # named" for its own); one that gives up reports what it found missing as missing
         self._done: OrderedDict[str, dict[str, bool]] = OrderedDict()
 
-    def deleted_by(self, request_id: str) -> frozenset[str]:
-        """The names this process deleted for the request (for its answer when it gives up)."""
-        return frozenset(n for n, gone in self._done.get(request_id, {}).items() if gone)
-
-    def missing_in(self, request_id: str) -> frozenset[str]:
-        """The names this process found missing for the request (for the same answer)."""
-        return frozenset(n for n, gone in self._done.get(request_id, {}).items() if not gone)
+    def outcome(self, request_id: str) -> dict[str, bool]:
+        """What this process did for the request: name -> deleted (True) or found missing
+        (False); for its answer when it gives up."""
+        return dict(self._done.get(request_id, {}))
 
     async def on_delete_requested(
         self, envelope: Envelope, event: events.SnapshotDeleteRequested

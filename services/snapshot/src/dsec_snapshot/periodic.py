@@ -52,7 +52,7 @@ class PeriodicSnapshots:
         self.retention = RetentionPolicy(keep_last=keep)
         self.running: set[str] = set()
         self._last_asked: dict[str, float] = {}
-        self._last_gc = time.monotonic()
+        self._gc_after = time.monotonic() + GC_EVERY_S  # no GC before this (monotonic)
         self._gc_owed = False  # retention deleted snapshots since the last GC that ran
         self._since = datetime.now(UTC)
         self._task: asyncio.Task[None] | None = None
@@ -121,17 +121,17 @@ class PeriodicSnapshots:
             if wanted is not None:
                 asked.append(wanted)
         self._gc_owed |= expired_any
-        if self._gc_owed and time.monotonic() - self._last_gc >= GC_EVERY_S:
+        if self._gc_owed and time.monotonic() >= self._gc_after:
             await self._collect()
         return asked
 
     async def _collect(self) -> None:
         """The GC retention made due; owed until it has run (a busy store puts it off)."""
-        self._last_gc = time.monotonic()
+        self._gc_after = time.monotonic() + GC_EVERY_S
         try:
             report = await asyncio.to_thread(self.requests.store.gc)
         except StoreBusy as exc:  # snapshots being taken: soon again, not in GC_EVERY_S
-            self._last_gc -= GC_EVERY_S - GC_BUSY_RETRY_S
+            self._gc_after = time.monotonic() + GC_BUSY_RETRY_S
             log.warning("snapshot gc put off %.0f s: %s", GC_BUSY_RETRY_S, exc)
             return
         self._gc_owed = False

@@ -574,8 +574,7 @@ def rm(
             )
         for name in p.get("failed") or ():
             err_console.print(
-                f"[bold red]error:[/] {safe_text(name)} was not deleted: the snapshot service "
-                "gave up (the object store failing; its log says why). Try again.",
+                f"[bold red]error:[/] {safe_text(name)} was not deleted: {_GAVE_UP}. Try again.",
                 highlight=False,
             )
         if collect and p.get("gc_grace_s") is not None:
@@ -594,6 +593,9 @@ def rm(
         raise typer.Exit(not_run[0])
 
 
+_GAVE_UP = (
+    "the snapshot service gave up after its retries (the object store failing; its log says why)"
+)
 _GC_SKIPPED = {
     "busy": (
         EXIT_FAILED,
@@ -607,11 +609,7 @@ _GC_SKIPPED = {
         "chunk a snapshot needs does not check, so nothing was deleted; the service's log "
         "names it.",
     ),
-    "gave_up": (
-        EXIT_UNREACHABLE,
-        "the snapshot service did not collect: it gave up after its retries (the object "
-        "store failing); its log says why.",
-    ),
+    "gave_up": (EXIT_UNREACHABLE, f"the snapshot service did not collect: {_GAVE_UP}."),
 }
 
 
@@ -646,11 +644,15 @@ def retain(
     (`failed` in `--json`); 4 no answer in time.
     """
     from dsec_snapstore.domain import RetentionPolicy
+    from dsec_snapstore.errors import InvalidInput
 
     within = _duration(keep_within, "--keep-within") if keep_within else None
     failed: list[str] = []
-    with snapshot_store() as store:  # decided here (read-only), deleted by the snapshot service
+    try:  # (before the store is opened: a bad policy is bad input whether S3 is up or not)
         policy = RetentionPolicy(keep_last=keep_last, keep_within=within, keep_daily=keep_daily)
+    except InvalidInput as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
+    with snapshot_store() as store:  # decided here (read-only), deleted by the snapshot service
         expired = store.apply_retention(policy, series=series, dry_run=True)
     if expired and not dry_run:
         confirm(f"delete {len(expired)} snapshot(s): {', '.join(expired)}", yes)
@@ -659,8 +661,8 @@ def retain(
         failed = list(answer.payload.get("failed") or ())
         if failed and not as_json:
             err_console.print(
-                f"[bold red]error:[/] not deleted: {safe_text(', '.join(failed))}: the snapshot "
-                "service gave up (the object store failing; its log says why). Try again.",
+                f"[bold red]error:[/] not deleted: {safe_text(', '.join(failed))}: {_GAVE_UP}. "
+                "Try again.",
                 highlight=False,
             )
     if as_json:

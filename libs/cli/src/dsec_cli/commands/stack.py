@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dsec_cli.common import fail
+from dsec_cli.common import fail, settings_problem
 from dsec_cli.stack import (
     NeverStarted,
     Stack,
@@ -47,9 +47,7 @@ def _stack(**kwargs: Any) -> Stack:
         settings = Settings()
         return Stack.from_settings(settings, **kwargs)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = "DSEC_" + ".".join(str(p) for p in first["loc"]).upper()
-        fail(f"{field}: {first['msg']}", 2)
+        fail(settings_problem(exc) or str(exc), 2)
     except (StackConfigError, StackStateError) as exc:
         fail(str(exc), 2)
 
