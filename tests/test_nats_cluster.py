@@ -145,6 +145,10 @@ async def _kill_leader_mid_flow(
             msgs = await verify.fetch(100, timeout=2.0)
         except (TimeoutError, nats.errors.TimeoutError):
             continue
+        except nats.js.errors.ServiceUnavailableError:
+            # The new consumer's leader is still being elected on the healed cluster (503).
+            await asyncio.sleep(0.1)
+            continue
         for msg in msgs:
             stored[decode(msg.data).id] += 1
             await msg.ack()
@@ -172,3 +176,5 @@ async def _kill_leader_mid_flow(
                 await msg.ack_sync()
         except (TimeoutError, nats.errors.TimeoutError):
             pass
+        except nats.js.errors.ServiceUnavailableError:
+            await asyncio.sleep(0.1)  # a consumer leader election in flight: ask again
