@@ -13,12 +13,10 @@ its heavy imports (nats, the event models, rich tables, yaml) inside its functio
 
 from __future__ import annotations
 
-import atexit
 import gc
 import importlib
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any
@@ -334,38 +332,16 @@ def run() -> None:
     Python's own shutdown frees every module and object one by one: about 0.1 s once the event
     models are loaded, longer than some commands take. When only this thread is left (nothing
     else can still be writing), the ``atexit`` handlers run, the output is flushed and the
-    process ends without that teardown (:func:`_leave`), with the exit status ``SystemExit``
-    would give.
+    process ends without that teardown (:func:`dsec_core.quickexit.leave`), with the exit
+    status ``SystemExit`` would give.
     """
     try:
         main()
     except SystemExit as exc:
-        _leave(exc.code)
+        from dsec_core.quickexit import leave
+
+        leave(exc.code)
         raise
-
-
-def _leave(code: Any) -> None:
-    """End the process with ``code`` as ``SystemExit(code)`` would, skipping the interpreter's
-    teardown, when only this thread runs; else return (the caller raises)."""
-    if threading.active_count() > 1:
-        return
-    if code is None:
-        status = 0
-    elif isinstance(code, int):
-        status = code
-    else:
-        print(code, file=sys.stderr)
-        status = 1
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            # A reader that went away (`dsec events tail | head`) or a closed stream: as
-            # Python's own exit does, the lost output makes the status 120 unless it failed.
-            status = status or 120
-    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 from nats.js import JetStreamContext
@@ -28,6 +28,8 @@ from dsec_core.bus import follow, replay
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from dsec_core.subjects import ROOT
 from dsec_core.trust import Gate
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -384,15 +386,46 @@ class Projector:
         try:
             await ensure_schema(conn)
             start = await applied_seq(conn) + 1
-            async for batch in follow(
+            batches = follow(
                 self.js, start_seq=start, batch=self.batch_size, filter_subject=f"{ROOT}.sandbox.>"
-            ):
+            )
+            async for batch in until_set(stop, batches):
                 if batch:
                     await apply_batch(conn, batch, self.gate)
-                if stop.is_set():
-                    break
         finally:
             await conn.close()
+
+
+async def until_set(stop: asyncio.Event, batches: AsyncIterator[T]) -> AsyncIterator[T]:
+    """The items of ``batches`` until ``stop`` is set, then closes it.
+
+    A wait for the next item (an idle read waits up to :func:`~dsec_core.bus.follow`'s
+    ``idle_s`` for one) ends as soon as ``stop`` is set: a stopping service does not wait for
+    it. What the caller does with an item it was given is never interrupted: ``stop`` is
+    looked at only while waiting for the next one."""
+    stopping = asyncio.ensure_future(stop.wait())
+    step: asyncio.Future[T] | None = None
+    try:
+        while not stop.is_set():
+            step = asyncio.ensure_future(anext(batches))
+            await asyncio.wait({step, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                return  # stopped while waiting (the read is cancelled below)
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            step = None
+            yield item
+    finally:
+        stopping.cancel()
+        if step is not None and not step.done():
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await step
+        aclose = getattr(batches, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def rebuild(js: JetStreamContext, dsn: str, gate: Gate | None = None) -> int:
@@ -599,13 +632,12 @@ class NodeProjector:
                 )
                 + 1
             )
-            async for batch in follow(
+            batches = follow(
                 self.js, start_seq=start, batch=self.batch_size, filter_subject=f"{ROOT}.node.>"
-            ):
+            )
+            async for batch in until_set(stop, batches):
                 if batch:
                     await apply_node_batch(conn, batch, self.gate)
-                if stop.is_set():
-                    break
         finally:
             await conn.close()
 

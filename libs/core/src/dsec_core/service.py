@@ -40,7 +40,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from dsec_core import identity, keysource, metrics, natsclient
+from dsec_core import identity, keysource, metrics, natsclient, quickexit
 from dsec_core.bus import EventPublisher, StreamWeakened, connect, require_stream
 from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
@@ -635,6 +635,7 @@ class Service:
         await self.start()
         await self._stopping.wait()
         await self.stop()
+        log.info("%s %s stopped", self.name, self.version)
 
 
 def main(service: Service) -> None:
@@ -648,3 +649,6 @@ def main(service: Service) -> None:
     except identity.CertificateError as exc:  # no certified key, no trust root: say what to do
         log.critical("%s cannot start: %s", service.name, exc)
         raise SystemExit(2) from None
+    # Stopped cleanly: every hook ran and the connection drained. The interpreter's teardown
+    # would only free memory, for about 0.2 s that `dsec down` waits on each service.
+    quickexit.leave(0)
