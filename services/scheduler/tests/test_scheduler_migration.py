@@ -7,7 +7,13 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from dsec_core.events import GpuInfo, NodeInventory, Resources, UnitMigrationFailed
+from dsec_core.events import (
+    GpuInfo,
+    NodeInventory,
+    Resources,
+    UnitMigrationFailed,
+    UnitMigrationStarted,
+)
 
 from dsec_scheduler.domain import SchedulerState, Seen
 from dsec_scheduler.migration import RESERVED, Migrator, allows, drain_migrates, path_for
@@ -172,3 +178,53 @@ async def test_a_lost_node_ends_the_migrations_from_or_to_it() -> None:
     (_, failed) = decider.published[-1]
     assert (failed.migration_id, failed.stage, failed.still_running) == ("m7", "restore", True)
     assert _held(state) == {("main", "n1", (0,))}
+
+
+async def test_a_storm_of_gpu_degraded_handled_at_once_starts_one_migration(
+    monkeypatch: Any,
+) -> None:
+    # Two readings of one GPU, handled concurrently: both find the unit not moving, then both
+    # read its plan (an await). The one that gets the lock second must see the migration the
+    # first started meanwhile and leave it alone, not refuse it ("already moving": a
+    # unit.migration_failed for a unit that is moving fine).
+    import asyncio
+
+    from dsec_core.envelope import Envelope
+    from dsec_core.events import GpuDegraded
+
+    state = SchedulerState(lost_after_s=15)
+    _placed_on(state, "n1")
+    decider = _Decider(state)
+    decider.barrier = lambda upto=None: asyncio.sleep(0)  # type: ignore[attr-defined]
+    decider._deciding = asyncio.Lock()  # type: ignore[attr-defined]
+    migrator = Migrator(decider)  # type: ignore[arg-type]
+    both_planning = asyncio.Barrier(2)
+    starts: list[str] = []
+
+    async def plan(sandbox_id: str) -> dict[str, Any]:
+        await both_planning.wait()  # neither goes on before both looked
+        return {}
+
+    async def start(sandbox_id: str, unit: str, *, mid: str, **_: Any) -> bool:
+        starts.append(mid)
+        await decider._decide(
+            UnitMigrationStarted(**{**_started(mid), "reason": "gpu_degraded"}),
+            aggregate_id=sandbox_id,
+            event_id=mid,
+            tenant="acme",
+        )
+        return True
+
+    monkeypatch.setattr(migrator, "_plan", plan)
+    monkeypatch.setattr(migrator, "_start", start)
+
+    def reading(value: float) -> tuple[Envelope, GpuDegraded]:
+        degraded = GpuDegraded(
+            node_id="n1", gpu_index=0, signal="temperature", value=value, threshold=85.0
+        )
+        envelope = Envelope.model_construct(id=f"reading-{value}", type=degraded.TYPE)
+        return envelope, degraded
+
+    await asyncio.gather(*(migrator.on_degraded(*reading(v)) for v in (91.0, 93.0)))
+    assert len(starts) == 1  # one migration for the storm, no refusal
+    assert [p for _, p in decider.published if isinstance(p, UnitMigrationFailed)] == []

@@ -307,6 +307,10 @@ class Migrator:
             if self.book.known(mid):
                 continue
             async with self.s._deciding:
+                if self.book.of_unit(held.sandbox_id, held.unit) is not None:
+                    # moving since the look above: another reading of this storm, handled
+                    # meanwhile (while this one read the plan), started it
+                    continue
                 ok = await self._start(
                     held.sandbox_id,
                     held.unit,
