@@ -58,10 +58,13 @@ async def js(nats_url: str) -> AsyncIterator[JetStreamContext]:
     await nc.close()
 
 
-async def _events(js: JetStreamContext, subject: str) -> list[tuple[int, dict[str, Any]]]:
-    """Every message on ``subject`` so far: (stream seq, raw envelope fields or {})."""
+async def _events(
+    js: JetStreamContext, subject: str, start: int = 1
+) -> list[tuple[int, dict[str, Any]]]:
+    """Every message on ``subject`` so far, from stream seq ``start`` on: (stream seq, raw
+    envelope fields or {})."""
     out: list[tuple[int, dict[str, Any]]] = []
-    seq = 1
+    seq = start
     while True:
         try:
             msg = await js.get_msg(STREAM, seq=seq, subject=subject, next=True)
@@ -79,9 +82,9 @@ async def _rejections(js: JetStreamContext, seq: int, timeout: float = 20.0) -> 
     """The ``security.event_rejected`` answers to the message at ``seq`` (waits for one)."""
     deadline = time.monotonic() + timeout
     while True:
-        found = [
+        found = [  # (an answer comes after what it answers: the session's earlier are skipped)
             f["payload"]
-            for _, f in await _events(js, filter_for("security.event_rejected"))
+            for _, f in await _events(js, filter_for("security.event_rejected"), start=seq)
             if f.get("payload", {}).get("stream_seq") == seq
         ]
         if found or time.monotonic() > deadline:
