@@ -9,6 +9,8 @@ import contextlib
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats
 import pytest
@@ -23,13 +25,18 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 pytestmark = [pytest.mark.integration]
 
 EVENTS = 300
+T = TypeVar("T")
 
 
 async def _healthy_r3(js: nats.js.JetStreamContext, name: str, deadline: float) -> None:
     """Wait until ``name`` has a leader and two current followers (every member back)."""
     last = None
     while time.monotonic() < deadline:
-        info = await js.stream_info(name)
+        try:
+            info = await js.stream_info(name)
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError):
+            await asyncio.sleep(0.2)  # no stream leader at this moment: not healthy yet
+            continue
         cluster = info.cluster
         last = cluster
         if (
@@ -42,6 +49,18 @@ async def _healthy_r3(js: nats.js.JetStreamContext, name: str, deadline: float) 
             return
         await asyncio.sleep(0.2)
     raise AssertionError(f"{name} not R3-healthy before the deadline: {last}")
+
+
+async def _asking_again(ask: Callable[[], Awaitable[T]], deadline: float) -> T:
+    """``ask()``, asked again while the healed cluster answers 503 or times out (a consumer's
+    leader being elected) until ``deadline``."""
+    while True:
+        try:
+            return await ask()
+        except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 async def test_stream_is_r3_and_services_accept_it(dsec_cluster: ClusterFixture):
@@ -138,8 +157,10 @@ async def _kill_leader_mid_flow(
     assert killed_at < EVENTS and len(acked) == EVENTS
 
     stored: Counter[str] = Counter()
-    verify = await sub_js.pull_subscribe(subject, stream=STREAM)  # ephemeral: a full re-read
     deadline = time.monotonic() + 30
+    verify = await _asking_again(  # ephemeral: a full re-read
+        lambda: sub_js.pull_subscribe(subject, stream=STREAM), deadline
+    )
     while sum(stored.values()) < EVENTS and time.monotonic() < deadline:
         try:
             msgs = await verify.fetch(100, timeout=2.0)
@@ -163,10 +184,12 @@ async def _kill_leader_mid_flow(
     assert not twice, f"events delivered from two stream positions: {twice}"
     await _healthy_r3(js, STREAM, time.monotonic() + 60)
     # Nothing left behind: an ack lost with the killed server comes back once and is acked.
-    drain = await sub_js.pull_subscribe(subject, durable=durable, stream=STREAM)
     deadline = time.monotonic() + 30
+    drain = await _asking_again(
+        lambda: sub_js.pull_subscribe(subject, durable=durable, stream=STREAM), deadline
+    )
     while True:
-        consumer_info = await sub_js.consumer_info(STREAM, durable)
+        consumer_info = await _asking_again(lambda: sub_js.consumer_info(STREAM, durable), deadline)
         if consumer_info.num_ack_pending == 0 and consumer_info.num_pending == 0:
             break
         assert time.monotonic() < deadline, f"consumer not drained: {consumer_info}"
