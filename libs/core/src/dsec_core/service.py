@@ -36,6 +36,7 @@ from typing import Any, Literal, TypeVar, overload
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
+from nats import errors as nats_errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -62,6 +63,23 @@ HANDLING_SEQ: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 """The stream sequence of the message a handler is running for (``None`` outside a handler):
 a handler that must see the log up to its own message (and no further) waits for exactly that."""
 log = logging.getLogger(__name__)
+
+
+def _idle_fetches_are_not_errors() -> None:
+    """FastStream 0.7's pull consumer ends an idle fetch by catching ``nats.errors.TimeoutError``,
+    but nats-py 2.16 raises the builtin ``TimeoutError`` (its base) when a fetch's deadline
+    passes before the second pull request: the consumer task then died on an idle read, and
+    FastStream's supervisor logged it as an ERROR with a traceback and started it again (once
+    a consumer, about a second after every service start). Its modules catch the base
+    instead, which is what they mean: nothing else changes."""
+    from faststream.nats.subscriber.usecases import stream_basic, stream_pull_subscriber
+
+    for module in (stream_pull_subscriber, stream_basic):
+        if getattr(module, "TimeoutError", None) is nats_errors.TimeoutError:
+            module.TimeoutError = TimeoutError  # type: ignore[attr-defined]
+
+
+_idle_fetches_are_not_errors()
 
 
 @dataclass(frozen=True)
