@@ -29,6 +29,7 @@ BENCHES = {
     "state": [],
     "migration": [],
     "e2e": [],
+    "service_stop": [],
 }
 QUICK = {
     "bus": ["--quick"],
@@ -41,6 +42,7 @@ QUICK = {
     "state": ["--quick"],
     "migration": ["--quick"],
     "e2e": ["--quick"],
+    "service_stop": ["--rounds", "2"],
 }
 
 
