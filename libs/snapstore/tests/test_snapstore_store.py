@@ -8,6 +8,7 @@ import os
 import random
 import re
 import stat
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -497,3 +498,26 @@ def test_on_real_s3_a_gc_and_a_create_of_two_processes_exclude_each_other(
         assert elsewhere.gc(grace=timedelta(0)).chunks_removed == 0  # free again; all live
     store.create("after", inputs(code))
     assert objects.list("locks/") == {} and store.verify("after").ok
+
+
+def test_a_create_refused_early_does_not_wait_out_a_running_gc(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path
+) -> None:
+    """A create whose name is taken (or whose exclude pattern is bad) is refused at once,
+    even while a GC holds the store: its wait for the lock is given up, not sat out."""
+    store.create("taken", inputs(code))
+    other = S3ObjectStore.__new__(S3ObjectStore)
+    other.__dict__.update(objects.__dict__)  # another client of the same bucket and prefix
+    with (
+        SnapshotStore(other, signing_key=SigningKey.generate(), create_wait_s=120.0) as elsewhere,
+        store.locks.exclusive(5.0) as held,
+    ):  # a GC here, for as long as it takes
+        started = time.monotonic()
+        with pytest.raises(SnapshotExists):
+            elsewhere.create("taken", inputs(code))
+        with pytest.raises(InvalidInput, match="exclude_patterns"):
+            elsewhere.create("fresh", inputs(code, exclude_patterns=["a\nb"]))
+        # answered long before the 120 s a create waits for a GC (the old behaviour)
+        assert time.monotonic() - started < 30
+        assert list(objects.list("locks/")) == [held]  # no lock of the refused creates left
+    assert objects.list("locks/") == {}

@@ -64,6 +64,10 @@ WAITING_REFRESH_S = 10.0  # a waiting GC writes its marker again this often
 WAITING_STALE = timedelta(seconds=30)  # a marker older than this is a GC's that went away
 
 
+class LockGivenUp(Exception):
+    """The caller gave up waiting for a lock (:meth:`StoreLocks.acquire`'s ``given_up``)."""
+
+
 def _clock() -> float:
     """Seconds of a clock that also counts while the machine sleeps (a laptop's CLI paused for
     longer than ``stale_after`` must find its lock aged, not young)."""
@@ -112,16 +116,22 @@ class StoreLocks:
         finally:
             held.release()
 
-    def acquire(self, kind: Kind, wait_s: float, what: str) -> Held:
+    def acquire(
+        self, kind: Kind, wait_s: float, what: str, *, given_up: threading.Event | None = None
+    ) -> Held:
         """Take a lock of ``kind``, waiting up to ``wait_s`` for conflicting ones to go; it is
         written again every ``refresh_s`` until :meth:`Held.release`.
+
+        ``given_up``: set by the caller once it no longer wants the lock (a create that failed
+        while its lock was awaited): the wait ends at once with :class:`LockGivenUp`.
 
         Raises:
             StoreBusy: a conflicting lock was still there after ``wait_s``.
             StoreUnavailable: the store failed (no lock of this call is left behind where the
                 store let it be deleted).
+            LockGivenUp: ``given_up`` was set while a conflicting lock was waited out.
         """
-        key, written = self._acquire(kind, wait_s, what)
+        key, written = self._acquire(kind, wait_s, what, given_up)
         held = Held(self, key, self._body(kind, what), written)
         try:
             held.start()
@@ -141,7 +151,9 @@ class StoreLocks:
     def _body(self, kind: str, what: str) -> bytes:
         return json.dumps({"kind": kind, "holder": self.holder, "for": what}).encode()
 
-    def _acquire(self, kind: Kind, wait_s: float, what: str) -> tuple[str, float]:
+    def _acquire(
+        self, kind: Kind, wait_s: float, what: str, given_up: threading.Event | None = None
+    ) -> tuple[str, float]:
         deadline = time.monotonic() + wait_s
         delay = 0.02
         body = self._body(kind, what)
@@ -150,6 +162,8 @@ class StoreLocks:
         seen: tuple[datetime, float] | None = None  # the store's time at a step back, and ours
         try:
             while True:
+                if given_up is not None and given_up.is_set():
+                    raise LockGivenUp(f"{what}: no longer waiting for the store's lock")
                 blockers: dict[str, ObjectInfo] = {}
                 if kind == "shared" and seen is not None:
                     # Stepped back before: look first, and write a lock only when no GC holds
@@ -182,7 +196,11 @@ class StoreLocks:
                     waiting = waiting or f"{LOCK_PREFIX}{WAITING}-{uuid.uuid4().hex}.json"
                     waiting_written = self._put(waiting, self._body(WAITING, what))
                 # (both sides stepped back when they wrote at once: back off, apart)
-                time.sleep(delay * random.uniform(0.5, 1.5))
+                pause = delay * random.uniform(0.5, 1.5)
+                if given_up is None:
+                    time.sleep(pause)
+                elif given_up.wait(pause):
+                    raise LockGivenUp(f"{what}: no longer waiting for the store's lock")
                 delay = min(delay * 2, 0.5)
         finally:
             if waiting is not None:

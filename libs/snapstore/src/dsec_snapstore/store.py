@@ -319,10 +319,15 @@ class SnapshotStore:
 
         lock_held: list[Held] = []
         locked: Future[None] = Future()
+        # Set when the create fails before its lock is held (the name is taken, a bad exclude
+        # pattern): it answers at once instead of after waiting out a GC (create_wait_s).
+        given_up = threading.Event()
 
         def lock() -> None:  # on a thread of its own: no pool worker sleeps while it waits
             try:
-                taken_lock = self.locks.acquire("shared", self._create_wait_s, what)
+                taken_lock = self.locks.acquire(
+                    "shared", self._create_wait_s, what, given_up=given_up
+                )
             except BaseException as exc:
                 locked.set_exception(exc)
                 return
@@ -380,6 +385,7 @@ class SnapshotStore:
             )
             index_read.result()
         except BaseException:
+            given_up.set()
             wait([locked, index_read, *(parent_alive or ())])  # then ``held`` releases it
             raise
         packer = Packer(self.objects, self._uploader, target=self._pack_target)
