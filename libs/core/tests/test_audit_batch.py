@@ -188,9 +188,10 @@ class _Broken(Verifier):
 async def test_a_failing_verifier_process_is_an_error_not_a_report(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from dsec_core import audit_worker
+    from dsec_core import audit, audit_worker
 
-    monkeypatch.setattr(audit_worker, "Verifier", _Broken)  # (the fork inherits it)
+    # (the child imports the verifier from dsec_core.audit after the fork: it finds this one)
+    monkeypatch.setattr(audit, "Verifier", _Broken)
     worker = audit_worker.VerifierWorker(ANCHOR)
     try:
         await worker.feed(list(enumerate(_log(0), start=1)))

@@ -33,15 +33,20 @@ cannot decode the same way, goes the full path, which decides as it always did.
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
 
 from dsec_core import authz, canonical
+from dsec_core.audit_report import (  # (re-exported: they were defined here)
+    SIGNATURE_EVERY,
+    Finding,
+    Injected,
+    VerifyReport,
+    fewer_collections,
+)
 from dsec_core.envelope import MalformedEnvelope
 from dsec_core.events import (
     EventRejected,
@@ -55,54 +60,9 @@ from dsec_core.identity import Certificate
 from dsec_core.signing import envelope_hash, verify_raw
 from dsec_core.trust import registration_problem, shape_problem
 
-
-@dataclass(frozen=True)
-class Finding:
-    """The first event that shows tampering, and why."""
-
-    stream_seq: int
-    event_id: str | None
-    event_type: str | None
-    producer: str | None
-    reason: str
-
-
-@dataclass
-class Injected:
-    """A foreign message nobody may act on: listed, with the refusals that answered it."""
-
-    stream_seq: int
-    event_id: str | None
-    event_type: str | None
-    producer: str | None
-    reason: str
-    answered_by: list[int] = field(default_factory=list)
-
-
-@dataclass
-class VerifyReport:
-    """Result of a verification run."""
-
-    events: int = 0
-    producers: set[str] = field(default_factory=set)
-    chains: int = 0
-    first_seq: int | None = None
-    last_seq: int | None = None
-    finding: Finding | None = None
-    injected: list[Injected] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """True when the trail was not tampered with (injected-and-ignored messages allowed)."""
-        return self.finding is None
-
-
 # Forged-looking events remembered per chain, to name the first altered one if a genuine
 # successor shows up later.
 _REMOVED_LIMIT = 4096
-
-# A chain's newest signature is checked at least this often (and every chain's at the end).
-SIGNATURE_EVERY = 256
 
 
 class _Unverified(NamedTuple):
@@ -707,20 +667,6 @@ def _altered_run(removed: list[_Unverified], chain_seq: int) -> _Unverified | No
         first = by_position[position]
         position -= 1
     return first
-
-
-@contextmanager
-def fewer_collections(threshold: int = 50_000) -> Iterator[None]:
-    """Run the cyclic garbage collector less often while a log is verified (process-wide,
-    restored after). Each event allocates a few dicts that reference counting frees (no cycles),
-    yet at the default threshold (700 allocations) a collection runs every hundred events or
-    so: a fifth of the verifier's time."""
-    before = gc.get_threshold()
-    gc.set_threshold(max(threshold, before[0]), *before[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
 
 
 def verify_stream(

@@ -23,8 +23,12 @@ import select
 import signal
 from typing import Any, Protocol
 
-from dsec_core.audit import SIGNATURE_EVERY, Verifier, VerifyReport, fewer_collections
-from dsec_core.signing import envelope_hash
+from dsec_core.audit_report import SIGNATURE_EVERY, VerifyReport, fewer_collections
+from dsec_core.canonical import envelope_hash
+
+# The verifier (:mod:`dsec_core.audit`, with the event models: a third of a second of imports)
+# is imported where it runs: by the forked child, on its own core, while the caller connects
+# and reads; the caller never needs it (the report it unpickles is :mod:`dsec_core.audit_report`'s).
 
 WORKER_MIN_EVENTS = 20_000
 """Streams shorter than this are verified in the caller's process (a fork is not worth it)."""
@@ -55,6 +59,8 @@ class InlineVerifier:
     """:class:`BatchVerifier` in the caller's process (short streams; no ``os.fork``)."""
 
     def __init__(self, anchor: bytes | None, signature_every: int = SIGNATURE_EVERY) -> None:
+        from dsec_core.audit import Verifier
+
         self.verifier = Verifier(anchor, signature_every)
 
     async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
@@ -207,11 +213,13 @@ class VerifierWorker:
 
 
 def open_verifier(
-    anchor: bytes | None, expected_events: int, signature_every: int = SIGNATURE_EVERY
+    anchor: bytes | None, expected_events: int | None = None, signature_every: int = SIGNATURE_EVERY
 ) -> BatchVerifier:
-    """A :class:`VerifierWorker` for ``expected_events`` >= :data:`WORKER_MIN_EVENTS` where
-    ``os.fork`` exists, else an :class:`InlineVerifier`."""
-    if expected_events >= WORKER_MIN_EVENTS and hasattr(os, "fork"):
+    """A :class:`VerifierWorker` where ``os.fork`` exists and ``expected_events`` is unknown
+    (``None``: fork first, before connecting, so the child loads the verifier while the caller
+    reads) or >= :data:`WORKER_MIN_EVENTS`; else an :class:`InlineVerifier`."""
+    long = expected_events is None or expected_events >= WORKER_MIN_EVENTS
+    if long and hasattr(os, "fork"):
         try:
             return VerifierWorker(anchor, signature_every)
         except OSError:  # no process or pipe to be had (limits): verify in this one
@@ -240,6 +248,11 @@ def _serve(data_fd: int, result_fd: int, anchor: bytes | None, signature_every: 
     gc.freeze()  # the objects inherited from the caller: no collection walks them again
     result: tuple[str, Any]
     try:
+        gc.disable()  # (an import makes objects, no cycles worth a collection: 5 % of it)
+        try:
+            from dsec_core.audit import Verifier  # (meanwhile the caller reads ahead)
+        finally:
+            gc.enable()
         verifier = Verifier(anchor, signature_every)
         feed = verifier.feed
         told = False

@@ -13,7 +13,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -41,13 +41,17 @@ from nats.protocol.parser import AWAITING_CONTROL_LINE as _AWAITING_CONTROL_LINE
 from nats.protocol.parser import Parser
 
 from dsec_core import natsclient
-from dsec_core.envelope import Envelope, MalformedEnvelope
-from dsec_core.events import KeyRegistered, Payload
-from dsec_core.identity import SYSTEM_TENANT, Certificate
 from dsec_core.settings import Settings
-from dsec_core.signing import Sealed, Signer, verify_raw
 from dsec_core.subjects import ALL_EVENTS, STATE_STREAM, STATE_SUBJECTS, STREAM
-from dsec_core.trust import handled_bucket, unpack_fields
+
+if TYPE_CHECKING:
+    from dsec_core.envelope import Envelope
+    from dsec_core.events import Payload
+    from dsec_core.identity import Certificate
+    from dsec_core.signing import Sealed, Signer
+
+# The event models, identities and signatures (a third of a second of imports) load on first
+# use: a reader of the stream (`dsec audit verify`'s replay, `dsec events tail`) needs none.
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +141,8 @@ async def ensure_stream(js: JetStreamContext, *, replicas: int | None = None) ->
     (the embedded cluster's min(3, N)) is applied to the stream and the replay bucket; ``None``
     keeps what an operator chose on an existing stream (R1 when it is created here).
     """
+    from dsec_core.trust import handled_bucket
+
     wanted = stream_config(replicas or 1)
     try:
         current = (await js.stream_info(STREAM)).config
@@ -328,6 +334,9 @@ class EventPublisher:
     async def register_key(self, *, endorsement: str | None = None) -> Published:
         """Publish this producer's public key and its certificate (subject per key id);
         ``endorsement``: on a rotation, the new key signed by the previous one."""
+        from dsec_core.events import KeyRegistered
+        from dsec_core.identity import SYSTEM_TENANT
+
         cert = self.certificate
         reg = KeyRegistered(
             producer=self.signer.producer,
@@ -405,6 +414,10 @@ class EventPublisher:
         """What the log holds at a duplicate's acknowledged sequence: this very envelope, an
         earlier one of this producer's key with the same id (a handler's output published again
         after a crash), or anything else (another message took the id first)."""
+        from dsec_core.envelope import MalformedEnvelope
+        from dsec_core.signing import verify_raw
+        from dsec_core.trust import unpack_fields
+
         stored = (await self.js.get_msg(STREAM, published.stream_seq)).data or b""
         if stored == published.sealed.wire:
             return "this"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+import blake3
 import msgpack
 import msgspec
 
@@ -71,3 +72,10 @@ def unpack(data: bytes) -> Any:
 def canonical_bytes(value: Any) -> bytes:
     """Canonicalize then pack ``value``."""
     return pack(canonicalize(value))
+
+
+def envelope_hash(wire: bytes) -> str:
+    """Return the chain hash of an envelope's wire bytes (BLAKE3, hex): each envelope's
+    ``prev`` is its predecessor's. (Here, not in :mod:`dsec_core.signing`, which re-exports
+    it: a reader of the stream hashes without loading the event models.)"""
+    return blake3.blake3(wire).hexdigest()

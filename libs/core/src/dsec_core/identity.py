@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsec_core import canonical
 from dsec_core.signing import key_id_of, load_or_create_key
+from dsec_core.trustroot import (  # (re-exported: defined there, apart from the signing stack)
+    CertificateError as CertificateError,
+)
+from dsec_core.trustroot import TrustPaths as TrustPaths
+from dsec_core.trustroot import read_anchor as read_anchor
 
 Role = Literal["operator", "policy", "builder", "snapshot", "scheduler", "nodeagent", "user"]
 SERVICE_ROLES: tuple[Role, ...] = ("policy", "builder", "snapshot", "scheduler", "nodeagent")
@@ -59,10 +63,6 @@ class Certificate(BaseModel):
     def signed_bytes(self) -> bytes:
         """The canonical bytes the root signature covers."""
         return canonical.canonical_bytes(self.model_dump(mode="json", exclude={"sig"}))
-
-
-class CertificateError(ValueError):
-    """A certificate that does not hold (wrong issuer, bad signature, expired, malformed)."""
 
 
 def issue(
@@ -121,35 +121,6 @@ def parse(data: Any) -> Certificate:
 # --- files --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TrustPaths:
-    """Where the embedded stack keeps the root key, the service keys and the local identity."""
-
-    home: Path
-
-    @property
-    def root_key(self) -> Path:
-        return self.home / "trust" / "root.key"
-
-    @property
-    def anchor(self) -> Path:
-        return self.home / "trust" / "root.pub"
-
-    def key(self, name: str) -> Path:
-        return self.home / "keys" / f"{name}.key"
-
-    def cert(self, name: str) -> Path:
-        return self.home / "keys" / f"{name}.cert.json"
-
-    @property
-    def user_key(self) -> Path:
-        return self.home / "identity" / "user.key"
-
-    @property
-    def user_cert(self) -> Path:
-        return self.home / "identity" / "user.cert.json"
-
-
 def _write_private(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -183,20 +154,6 @@ def ensure_root(paths: TrustPaths) -> SigningKey:
     if not paths.anchor.exists() or paths.anchor.read_text().strip() != public:
         paths.anchor.write_text(public + "\n")
     return root
-
-
-def read_anchor(paths: TrustPaths, configured: str | None = None) -> bytes | None:
-    """The trust anchor: ``configured`` (hex, ``DSEC_TRUST_ROOT``) or the stack's ``root.pub``."""
-    text = configured or (paths.anchor.read_text().strip() if paths.anchor.exists() else "")
-    if not text:
-        return None
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError:
-        raise CertificateError("the trust root must be a hex Ed25519 public key") from None
-    if len(raw) != 32:
-        raise CertificateError("the trust root must be 32 bytes (64 hex characters)")
-    return raw
 
 
 def ensure_service_identity(

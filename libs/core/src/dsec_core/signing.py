@@ -23,6 +23,7 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
 from dsec_core import canonical
+from dsec_core.canonical import envelope_hash as envelope_hash  # (defined there: light)
 from dsec_core.envelope import Envelope, utcnow
 from dsec_core.events import Payload
 from dsec_core.ids import new_event_id
@@ -53,11 +54,6 @@ def load_or_create_key(path: Path) -> SigningKey:
     finally:
         tmp.unlink()
     return key
-
-
-def envelope_hash(wire: bytes) -> str:
-    """Return the chain hash of an envelope's wire bytes."""
-    return blake3.blake3(wire).hexdigest()
 
 
 def signed_bytes(fields: dict[str, Any]) -> bytes:

@@ -8,8 +8,7 @@ sandbox ``sbx_1`` is ``dsec.sandbox.sbx_1.ready`` while ``spec.submitted`` is
 from __future__ import annotations
 
 import re
-
-from dsec_core.events import model_for
+from typing import Any
 
 STREAM = "DSEC_EVENTS"
 ROOT = "dsec"
@@ -39,18 +38,33 @@ def token_problem(aggregate_id: str) -> str | None:
     return f"aggregate id {aggregate_id!r} must match [A-Za-z0-9_-]+ (one subject token)"
 
 
+_model_for: Any = None
+
+
+def _aggregate(event_type: str) -> str:
+    """The aggregate of ``event_type`` (the event models load on first use: a reader of the
+    stream that names no event type needs none of them)."""
+    global _model_for
+    if _model_for is None:
+        from dsec_core.events import model_for
+
+        _model_for = model_for
+    aggregate: str = _model_for(event_type).AGGREGATE
+    return aggregate
+
+
 def subject_for(event_type: str, aggregate_id: str) -> str:
     """Return the subject of an event of ``event_type`` about ``aggregate_id``."""
     problem = token_problem(aggregate_id)
     if problem is not None:
         raise InvalidSubjectToken(problem)
-    aggregate = model_for(event_type).AGGREGATE
+    aggregate = _aggregate(event_type)
     return f"{ROOT}.{aggregate}.{aggregate_id}.{event_suffix(aggregate, event_type)}"
 
 
 def filter_for(event_type: str, aggregate_id: str = "*") -> str:
     """Return the subscription filter for ``event_type`` (all aggregates by default)."""
-    aggregate = model_for(event_type).AGGREGATE
+    aggregate = _aggregate(event_type)
     return f"{ROOT}.{aggregate}.{aggregate_id}.{event_suffix(aggregate, event_type)}"
 
 

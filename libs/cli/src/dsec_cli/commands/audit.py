@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from dsec_core.audit import VerifyReport
+from dsec_core.audit_report import VerifyReport
 from dsec_core.audit_worker import BatchVerifier, VerifierFailed
 from dsec_core.subjects import ALL_EVENTS, aggregate_filter
 from rich.table import Table
@@ -33,13 +33,13 @@ audit_app = typer.Typer(help="Verify and replay the signed audit trail.", no_arg
 
 def trust_anchor() -> bytes:
     """The operator root public key verification trusts, or exit 2 saying where to set it."""
-    from dsec_core import identity
+    from dsec_core import trustroot  # (not identity: verify's reader never loads the models)
     from dsec_core.settings import Settings
 
     settings = Settings()
     try:
-        anchor = identity.read_anchor(identity.TrustPaths(settings.home), settings.trust_root)
-    except identity.CertificateError as exc:
+        anchor = trustroot.read_anchor(trustroot.TrustPaths(settings.home), settings.trust_root)
+    except trustroot.CertificateError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
     if anchor is None:
         fail(
@@ -50,21 +50,17 @@ def trust_anchor() -> bytes:
     return anchor
 
 
-async def _verify(anchor: bytes, archive: Any = None) -> VerifyReport:
+async def _verify(verifier: BatchVerifier, archive: Any = None) -> VerifyReport:
     """Replay the stream (``archive``: ``(store, bucket, manifest)`` — the archived segments
-    first, then the live stream after them) into the verifier (on a core of its own for a long
-    log: :func:`dsec_core.audit_worker.open_verifier`)."""
-    from dsec_core.audit_worker import open_verifier
+    first, then the live stream after them) into ``verifier``."""
     from dsec_core.subjects import STREAM
 
-    async with bus() as (_, js):
-        state = (await js.stream_info(STREAM)).state
-        expected = state.messages + (archive[2].last_seq or 0 if archive is not None else 0)
-        verifier = open_verifier(anchor, expected)
-        try:
+    try:
+        async with bus() as (_, js):
+            state = (await js.stream_info(STREAM)).state
             return await _feed(js, verifier, state.first_seq, archive, state.last_seq)
-        finally:
-            verifier.close()
+    finally:
+        verifier.close()  # (here, while its pipe's event loop runs; again after: a no-op)
 
 
 async def _feed(
@@ -73,7 +69,7 @@ async def _feed(
     """Feed the archive's records (if any), then the live stream from after them, through
     ``last`` (the stream's last sequence when verify began): a replay that ends before it
     read that far proves nothing about the rest and is reported so, never as intact."""
-    from dsec_core.audit import Finding
+    from dsec_core.audit_report import Finding
     from dsec_core.bus import replay_batches
 
     start = 1
@@ -249,12 +245,19 @@ def verify(
     one the manifest lists is tampering, and where the live stream still holds the archive's
     last sequence it must be the message the manifest records.
     """
+    from dsec_core.audit_worker import open_verifier
+
     anchor = trust_anchor()
-    source = _archive_source(bucket, anchor) if archive else None
+    # The verifier is forked first, on a core of its own: it loads the event models and the
+    # signature checks (a third of a second) while this process connects and reads the log.
+    verifier = open_verifier(anchor)
     try:
-        report = run(_verify(anchor, source))
+        source = _archive_source(bucket, anchor) if archive else None
+        report = run(_verify(verifier, source))
     except VerifierFailed as exc:
         fail(f"audit verify could not finish: {exc}", EXIT_FAILED)
+    finally:
+        verifier.close()
     result = _report_dict(report)
     if source is not None:
         result["archived_upto"] = source[2].last_seq
