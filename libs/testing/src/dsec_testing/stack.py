@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -291,10 +290,6 @@ class ServiceRunner:
         self._fixture = fixture
         self._started: dict[str, ServiceSpec] = {}
         self._env: dict[str, dict[str, str]] = {}
-        # Where the event stream stood when the test began: the requests of earlier tests are
-        # not this test's (see _skip_earlier_requests).
-        self._began_at: int | None = _in_thread(_stream_last_seq(fixture.nats_url))
-        self._skipped = False
 
     def start(
         self,
@@ -309,9 +304,6 @@ class ServiceRunner:
             dsec_cli.stack.StartFailed: a service exited or stayed unhealthy (log tail inside).
         """
         self._fixture.ensure(*CORE_SERVERS)
-        if not self._skipped:
-            self._skipped = True
-            self._skip_earlier_requests()
         specs = [n if isinstance(n, ServiceSpec) else ServiceSpec(n) for n in names]
         started = {*self._started, *(s.name for s in specs)}
         if "nodeagent" in started and "scheduler" not in started:
@@ -328,22 +320,6 @@ class ServiceRunner:
             stack.ensure_services(specs, extra_env=env)
         finally:
             stack.service_timeout = default_timeout
-
-    def _skip_earlier_requests(self) -> None:
-        """Move every idle service consumer of the session's stream past the events of earlier
-        tests, once, before this test's first service starts.
-
-        A service's durable consumer delivers every request since it was last running (as it
-        must); on the session stack that is every request earlier tests published while it
-        was stopped: a node agent started by a later test relaunched dozens of their
-        sandboxes and the builder retried their failed builds before this test's own request
-        (15 s of one test in the suite, 4 s alone). Each such consumer is made again with its
-        own configuration, starting after the last event before this test began; the events
-        this test publishes (before or after its services start) are all delivered. A consumer
-        with pull requests waiting (a service running, of another runner) is left alone."""
-        if self._began_at is None:
-            return
-        _in_thread(_start_consumers_after(self._fixture.nats_url, self._began_at))
 
     def process(self, name: str) -> ServiceProcess:
         """The process handle of a started service."""
@@ -396,57 +372,3 @@ class ServiceRunner:
                 if marker is not None:
                     marker.unlink(missing_ok=True)
         self._started.clear()
-
-
-def _in_thread(coro: Any) -> Any:
-    """Run ``coro`` to its end on a thread of its own (callers may be inside an event loop)."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-async def _stream_last_seq(url: str) -> int | None:
-    """The event stream's last sequence number (``None``: no stream yet)."""
-    import nats
-    from dsec_core.subjects import STREAM
-    from nats.js.errors import NotFoundError
-
-    nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
-    try:
-        return int((await nc.jetstream().stream_info(STREAM)).state.last_seq)
-    except NotFoundError:
-        return None
-    finally:
-        await nc.close()
-
-
-async def _start_consumers_after(url: str, seq: int) -> None:
-    """Make each idle durable service consumer that delivers from the stream's start (and has
-    not acknowledged everything up to ``seq``) again, delivering from ``seq + 1`` on."""
-    import dataclasses
-
-    import nats
-    from dsec_core.subjects import STREAM
-    from nats.js.api import DeliverPolicy
-
-    nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
-    try:
-        js = nc.jetstream()
-        for info in await js.consumers_info(STREAM):
-            config = info.config
-            if (
-                not config.durable_name
-                or config.deliver_policy != DeliverPolicy.ALL
-                or (info.num_waiting or 0) > 0  # a service pulls from it now
-                or info.ack_floor is None
-                or (info.ack_floor.stream_seq or 0) >= seq
-            ):
-                continue
-            await js.delete_consumer(STREAM, info.name)
-            await js.add_consumer(
-                STREAM,
-                config=dataclasses.replace(
-                    config, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq + 1
-                ),
-            )
-    finally:
-        await nc.close()
