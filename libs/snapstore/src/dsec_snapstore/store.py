@@ -193,8 +193,12 @@ class SnapshotStore:
         self._workers = workers
         self._pool: Executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snap")
         self._uploader: Executor = default_uploader()
-        # Hashing and compressing is CPU work: more threads than cores only fight over them.
-        self._cpu_threads = max(1, min(workers, 2 * (os.cpu_count() or 1)))
+        # Hashing, compressing, decompressing and checking is CPU work: one thread per core.
+        # Each of those calls releases the GIL, and with more threads than cores every release
+        # hands it to a thread that was waiting (measured on 2 cores, 4 threads against 2: a
+        # restore into tmpfs 0.238-0.248 s against 0.202-0.221 s, a cold create 0.39 s
+        # against 0.37 s).
+        self._cpu_threads = max(1, min(workers, os.cpu_count() or 1))
         self._cpu: Executor = ThreadPoolExecutor(
             max_workers=self._cpu_threads, thread_name_prefix="snap-cpu"
         )
