@@ -23,8 +23,9 @@ import select
 import signal
 from typing import Any, Protocol
 
+import blake3
+
 from dsec_core.audit_report import SIGNATURE_EVERY, VerifyReport, fewer_collections
-from dsec_core.canonical import envelope_hash
 
 # The verifier (:mod:`dsec_core.audit`, with the event models: a third of a second of imports)
 # is imported where it runs: by the forked child, on its own core, while the caller connects
@@ -135,6 +136,7 @@ class VerifierWorker:
         self._result_fd: int | None = result_r
         self._transport: asyncio.WriteTransport | None = None
         self._drain: _Drain | None = None
+        self._hasher = blake3.blake3()
         self.found = False
 
     async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
@@ -148,8 +150,16 @@ class VerifierWorker:
             transport.set_write_buffer_limits(high=_WRITE_AHEAD)
             self._transport, self._drain = transport, drain
         assert self._drain is not None
-        # The chain hashes are computed here, on the reader's core: the child's share shrinks.
-        hashed = [(seq, data, envelope_hash(data)) for seq, data in batch]
+        # The chain hashes (envelope_hash) are computed here, on the reader's core: the child's
+        # share shrinks. One hasher, reset after each digest: 1.17 against 1.55 us an event
+        # for a new hasher each.
+        update, hexdigest, reset = self._hasher.update, self._hasher.hexdigest, self._hasher.reset
+        hashed: list[tuple[int, bytes, str]] = []
+        add = hashed.append
+        for seq, data in batch:
+            update(data)
+            add((seq, data, hexdigest()))
+            reset()
         blob = pickle.dumps(hashed, protocol=pickle.HIGHEST_PROTOCOL)
         self._transport.write(len(blob).to_bytes(4, "big"))
         self._transport.write(blob)
