@@ -74,21 +74,26 @@ debian_tarball() {
   echo "$work/$name"
 }
 
+# The source is unpacked into its own directory (the apt lists of a failed Debian attempt stay
+# beside it in $work, never mistaken for it).
+unpacked="$work/src"
+mkdir "$unpacked"
 if [[ -n "${CRIU_TARBALL:-}" ]]; then
-  tar -xf "$CRIU_TARBALL" -C "$work"
+  [[ -f "$CRIU_TARBALL" ]] || die "CRIU_TARBALL=$CRIU_TARBALL: no such file (a CRIU source tarball: .tar.gz, .tar.xz)"
+  tar -xf "$CRIU_TARBALL" -C "$unpacked" || die "CRIU_TARBALL=$CRIU_TARBALL: not a tar archive tar can read"
 elif tarball="$(debian_tarball)"; then
-  tar -xf "$tarball" -C "$work"
-  rm -rf "$work/apt" "$tarball"
+  tar -xf "$tarball" -C "$unpacked"
 elif ! curl -fsSL --max-time 120 \
     "https://github.com/checkpoint-restore/criu/archive/refs/tags/v$VERSION.tar.gz" \
-    | tar -xz -C "$work"; then
+    | tar -xz -C "$unpacked"; then
   # Not fatal: everything but the migration path `criu` works without it (and says so).
   log "warning: could not download CRIU's source from the Debian archive or github.com; the"
   log "migration path criu will refuse with 'CRIU unusable'. Fetch a tarball elsewhere and run:"
   log "  CRIU_TARBALL=criu-$VERSION.tar.gz bash scripts/setup-criu.sh"
   exit 0
 fi
-src="$(find "$work" -maxdepth 1 -mindepth 1 -type d | head -1)"
+src="$(find "$unpacked" -maxdepth 1 -mindepth 1 -type d | head -1)"
+[[ -n "$src" && -f "$src/Makefile" ]] || die "the tarball holds no CRIU source tree (a top directory with a Makefile)"
 patch -s -d "$src" -p1 < "$REPO/scripts/criu/rlimits-from-proc.patch"
 make -C "$src" -j"$(nproc)" criu >/dev/null
 install -m 755 "$src/criu/criu" /usr/local/sbin/criu

@@ -8,8 +8,10 @@ reads through a pipe, so reading and verifying overlap on two cores.
 
 The child is a fork of the caller: the same :class:`~dsec_core.audit.Verifier`, fed the same
 ``(stream_seq, data)`` pairs in the same order, so its report is the one an in-process verifier
-gives (``libs/core/tests/test_audit_worker.py`` holds them equal). :func:`open_verifier` picks it
-for long streams where ``os.fork`` exists, and the in-process verifier otherwise.
+gives (``libs/core/tests/test_audit_batch.py`` holds them equal). :func:`open_verifier` picks it
+where ``os.fork`` exists for a long stream or one of unknown length (``dsec audit verify`` forks
+before it connects: the child imports the verifier while the caller reads), and the in-process
+verifier otherwise.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from dsec_core.signing import Sealed, Signer
 
 # The event models, identities and signatures (a third of a second of imports) load on first
-# use: a reader of the stream (`dsec audit verify`'s replay, `dsec events tail`) needs none.
+# use: `dsec audit verify`'s reader replays the stream without them (its forked verifier loads
+# them).
 
 log = logging.getLogger(__name__)
 
