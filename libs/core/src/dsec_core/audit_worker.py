@@ -41,12 +41,27 @@ _PIPE_BYTES = 1 << 20
 _WRITE_AHEAD = 8 << 20  # bytes the caller may have written ahead of the child
 
 
+class _Deferred:
+    def __repr__(self) -> str:
+        return "DEFERRED"
+
+
+DEFERRED: Any = _Deferred()
+"""An ``anchor`` given later (:meth:`BatchVerifier.trust`): ``dsec audit verify`` forks its
+verifier before it reads its settings (a tenth of a second of imports), so the child loads the
+verifier meanwhile."""
+
+
 class VerifierFailed(RuntimeError):
     """The verifier process failed (its error, or that it ended without a report)."""
 
 
 class BatchVerifier(Protocol):
     """What ``dsec audit verify`` feeds: batches in stream order, then :meth:`finish`."""
+
+    def trust(self, anchor: bytes | None) -> None:
+        """The operator root to trust (once, before :meth:`feed`), where it was
+        :data:`DEFERRED` when the verifier was opened."""
 
     async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
         """Verify a batch; True once a finding holds (what follows changes nothing)."""
@@ -62,9 +77,24 @@ class InlineVerifier:
     """:class:`BatchVerifier` in the caller's process (short streams; no ``os.fork``)."""
 
     def __init__(self, anchor: bytes | None, signature_every: int = SIGNATURE_EVERY) -> None:
+        self._signature_every = signature_every
+        self._verifier: Any = None
+        if anchor is not DEFERRED:
+            self.trust(anchor)
+
+    def trust(self, anchor: bytes | None) -> None:
         from dsec_core.audit import Verifier
 
-        self.verifier = Verifier(anchor, signature_every)
+        if self._verifier is not None:
+            raise RuntimeError("the verifier has its trust root already")
+        self._verifier = Verifier(anchor, self._signature_every)
+
+    @property
+    def verifier(self) -> Any:
+        """The :class:`~dsec_core.audit.Verifier` (once :meth:`trust` gave its root)."""
+        if self._verifier is None:
+            raise RuntimeError("no trust root given to the verifier (trust)")
+        return self._verifier
 
     async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
         verifier = self.verifier
@@ -75,7 +105,8 @@ class InlineVerifier:
         return False
 
     async def finish(self) -> VerifyReport:
-        return self.verifier.finish()
+        report: VerifyReport = self.verifier.finish()
+        return report
 
     def close(self) -> None:
         pass
@@ -108,8 +139,9 @@ class _Drain(asyncio.Protocol):
 class VerifierWorker:
     """:class:`BatchVerifier` in a forked child process (forked when constructed).
 
-    The caller writes each batch (with each envelope's chain hash, pickled, length-prefixed)
-    into a pipe without waiting for the child to take it (up to a few MB ahead), and reads on.
+    The caller writes the trust root first (:meth:`trust`, or ``anchor`` here), then each batch
+    (with each envelope's chain hash, pickled, length-prefixed) into a pipe without waiting for
+    the child to take it (up to a few MB ahead), and reads on.
     The child writes one byte as soon as a finding holds (:meth:`feed` then returns True) and
     its report once its input ends.
     """
@@ -127,7 +159,7 @@ class VerifierWorker:
             try:
                 os.close(data_w)
                 os.close(result_r)
-                _serve(data_r, result_w, anchor, signature_every)
+                _serve(data_r, result_w)
                 code = 0
             finally:
                 os._exit(code)
@@ -139,9 +171,24 @@ class VerifierWorker:
         self._transport: asyncio.WriteTransport | None = None
         self._drain: _Drain | None = None
         self._hasher = blake3.blake3()
+        self._signature_every = signature_every
+        self._trusted = False
         self.found = False
+        if anchor is not DEFERRED:
+            self.trust(anchor)
+
+    def trust(self, anchor: bytes | None) -> None:
+        if self._trusted:
+            raise RuntimeError("the verifier has its trust root already")
+        if self._data_fd is None:
+            raise VerifierFailed("the verifier process was closed")
+        # (a few bytes into an empty pipe: the write does not wait)
+        _write_all(self._data_fd, _frame((anchor, self._signature_every)))
+        self._trusted = True
 
     async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
+        if not self._trusted:
+            raise RuntimeError("no trust root given to the verifier (trust)")
         if self._transport is None:
             if self._data_fd is None:
                 raise VerifierFailed("the verifier process was closed")
@@ -162,9 +209,7 @@ class VerifierWorker:
             update(data)
             add((seq, data, hexdigest()))
             reset()
-        blob = pickle.dumps(hashed, protocol=pickle.HIGHEST_PROTOCOL)
-        self._transport.write(len(blob).to_bytes(4, "big"))
-        self._transport.write(blob)
+        self._transport.write(_frame(hashed))
         try:
             await self._drain.drain()
         except OSError:  # the child is gone: finish() says why
@@ -179,6 +224,8 @@ class VerifierWorker:
     async def finish(self) -> VerifyReport:
         """End the child's input; its report (raises :class:`VerifierFailed` if the child
         failed)."""
+        if not self._trusted:
+            raise RuntimeError("no trust root given to the verifier (trust)")
         if self._transport is not None:
             self._transport.close()  # after what is buffered is written
             self._transport = None
@@ -229,7 +276,8 @@ def open_verifier(
 ) -> BatchVerifier:
     """A :class:`VerifierWorker` where ``os.fork`` exists and ``expected_events`` is unknown
     (``None``: fork first, before connecting, so the child loads the verifier while the caller
-    reads) or >= :data:`WORKER_MIN_EVENTS`; else an :class:`InlineVerifier`."""
+    reads) or >= :data:`WORKER_MIN_EVENTS`; else an :class:`InlineVerifier`. ``anchor``
+    :data:`DEFERRED`: given later, with :meth:`~BatchVerifier.trust`."""
     long = expected_events is None or expected_events >= WORKER_MIN_EVENTS
     if long and hasattr(os, "fork"):
         try:
@@ -237,6 +285,11 @@ def open_verifier(
         except OSError:  # no process or pipe to be had (limits): verify in this one
             pass
     return InlineVerifier(anchor, signature_every)
+
+
+def _frame(value: Any) -> bytes:
+    blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(blob).to_bytes(4, "big") + blob
 
 
 def _read_all(fd: int) -> bytes:
@@ -252,8 +305,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _serve(data_fd: int, result_fd: int, anchor: bytes | None, signature_every: int) -> None:
-    """The child: verify the batches read from ``data_fd``; the report to ``result_fd``."""
+def _serve(data_fd: int, result_fd: int) -> None:
+    """The child: verify the batches read from ``data_fd`` (after the trust root and how often
+    to check signatures); the report to ``result_fd``."""
     with contextlib.suppress(ValueError, OSError):  # the caller's event loop is not the child's
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it with its caller
@@ -265,10 +319,14 @@ def _serve(data_fd: int, result_fd: int, anchor: bytes | None, signature_every: 
             from dsec_core.audit import Verifier  # (meanwhile the caller reads ahead)
         finally:
             gc.enable()
-        verifier = Verifier(anchor, signature_every)
-        feed = verifier.feed
         told = False
         with open(data_fd, "rb", buffering=_PIPE_BYTES) as src, fewer_collections():
+            head = src.read(4)
+            if len(head) != 4:
+                raise EOFError("no trust root came (the caller stopped)")
+            anchor, signature_every = pickle.loads(src.read(int.from_bytes(head, "big")))
+            verifier = Verifier(anchor, signature_every)
+            feed = verifier.feed
             while len(head := src.read(4)) == 4:
                 batch = pickle.loads(src.read(int.from_bytes(head, "big")))
                 if verifier.report.finding is not None:

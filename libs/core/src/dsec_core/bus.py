@@ -902,6 +902,11 @@ def _ack_seqs_bytes(reply: bytes) -> tuple[int, int]:
     raise ValueError("unexpected JetStream ack subject")
 
 
+try:  # the C scanner of a replay's common frames (dsec_core/_framescan.c), where it was built
+    from dsec_core._framescan import scan as _scan_frames
+except ImportError:  # (no C compiler where it was installed: the Python path alone)
+    _scan_frames = None
+
 _TOKEN = rb"[^ .\r\n]+"
 _DATA_LINE = re.compile(
     rb"(H?)MSG [^ \r\n]+ ([^ \r\n]+) \$JS\.ACK\."
@@ -986,8 +991,14 @@ class _ReplayTap:
         else:
             buf = bytes(data)
         end, pos, sid, sink, inner = len(buf), 0, self.sid, self._sink, self._inner
-        match = _DATA_LINE.match
+        match, scan = _DATA_LINE.match, _scan_frames
         while pos < end:
+            if scan is not None and not self.hole:
+                # The common frames in C (what the match below takes, the same way); it stops
+                # at any other, which the code below reads, then it goes on from the next.
+                pos, self.delivered = scan(buf, pos, sid, self.delivered, sink)
+                if pos >= end:
+                    break
             line = match(buf, pos)
             if line is not None:
                 # The common frame, read in one match: the values the general way reads below.

@@ -245,13 +245,15 @@ def verify(
     one the manifest lists is tampering, and where the live stream still holds the archive's
     last sequence it must be the message the manifest records.
     """
-    from dsec_core.audit_worker import open_verifier
+    from dsec_core.audit_worker import DEFERRED, open_verifier
 
-    anchor = trust_anchor()
     # The verifier is forked first, on a core of its own: it loads the event models and the
-    # signature checks (a third of a second) while this process connects and reads the log.
-    verifier = open_verifier(anchor)
+    # signature checks (a third of a second) while this process reads its settings (the trust
+    # root it then hands over), connects and reads the log.
+    verifier = open_verifier(DEFERRED)
     try:
+        anchor = trust_anchor()
+        verifier.trust(anchor)
         source = _archive_source(bucket, anchor) if archive else None
         report = run(_verify(verifier, source))
     except VerifierFailed as exc:
