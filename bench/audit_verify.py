@@ -9,7 +9,8 @@ JetStream and the verifier, as shipped: forked before the reader connects, in a 
 own) and, each time beside it, the verifier core alone over the same envelopes in memory.
 Events/s = the stream's events / the command's wall time. The start-up is reported too, as it
 is a fixed cost in every run: the reader's imports before it forks the verifier, and the
-verifier's own (the event models), which the forked child pays before it verifies.
+verifier's own (the signature checks and certificates, not the event models), which the forked
+child pays before it verifies.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _startup_s(code: str) -> float:
 
 
 # What the reader imports before it forks the verifier and reads, and what the forked verifier
-# imports before it verifies (the event models; beside the reader, on the other core).
+# imports before it verifies (the signature checks and the certificates; beside the reader, on the
+# other core).
 READER_IMPORTS = "import dsec_cli.main, dsec_cli.commands.audit, dsec_core.audit_worker"
 VERIFIER_IMPORTS = f"{READER_IMPORTS}; import dsec_core.audit"
 

@@ -91,6 +91,21 @@ def _variant(wire: bytes, rng: random.Random) -> bytes:
     return _map([(k, v) for k, v in items if k != rng.choice(["aggregate", "time", "subject"])])
 
 
+# Payload values the fast path's msgspec decode must refuse, or take as MessagePack does.
+_ODD_VALUES: list[Any] = [
+    {"a": {1: "x"}},  # a non-string key, nested
+    {"a": [{"b": {2.5: 1}}]},
+    {"a": [[[[[[["seven deep"]]]]]]]},  # deeper than the msgspec decode goes
+    {"a": [[[[["five deep", {"k": None}]]]]]},
+    {"a": b"\xff", "b": [b"x"]},  # bytes
+    {"a": [1.5, True, 0, None, "s", {"d": -(2**63)}, 2**64 - 1]},
+    {"a": msgpack.Timestamp(1, 0)},
+    {"a": {b"k": 1}},  # a bytes key (the strict decode takes it)
+    {"a": {"": {"": []}}},
+    {"a": {"x": [{"y": {3: 4}}]}},
+]
+
+
 def _odd(
     p: Producer, wire: bytes, rng: random.Random, ids: list[str], how: int | None = None
 ) -> bytes:
@@ -99,7 +114,7 @@ def _odd(
     malicious producer, which the verifier must take or refuse the same way on both paths."""
     fields = canonical.unpack(wire)
     payload = fields["payload"]
-    how = rng.randrange(10) if how is None else how
+    how = rng.randrange(11) if how is None else how
     if how == 0:
         fields["chain_seq"] = bool(fields["chain_seq"])
     elif how == 1:
@@ -118,6 +133,8 @@ def _odd(
         fields["id"] = rng.choice(ids)
     elif how == 8:
         fields["payload"] = rng.choice([[], None, "x", 1])
+    elif how == 9:  # values the payload's msgspec decode must refuse, or take as MessagePack does
+        payload["more"] = rng.choice(_ODD_VALUES)
     else:
         fields["tenant"] = rng.choice(["default", "team-b", "system"])
     fields["sig"] = p.signer._key.sign(signing.signed_bytes(fields)).signature.hex()
@@ -210,29 +227,49 @@ def test_the_fast_path_reports_what_the_full_path_reports(
     assert _full(fast) == _full(full)
 
 
-@pytest.mark.parametrize("node", [1, True, ["n1"], msgpack.ExtType(5, b"n1"), "n2"])
-def test_a_payloads_odd_node_id_gets_the_same_verdict(
-    node: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Authorization verdicts are remembered by the values they read: a node id that is no
-    string (an equal 1 and True, an unhashable list) must not share or break them."""
+def _both_paths(
+    key: str, values: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> tuple[VerifyReport, VerifyReport]:
+    """A node agent's events, the payload's ``key`` set to each of ``values`` (``None``: left
+    as sealed) and signed again; verified with the fast path, then with the full path only."""
     agent = certified(ROOT, "nodeagent", node_id="n1")
     wires = [agent.registration()]
-    for i, value in enumerate([None, node, 1, True, None, node]):
+    for i, value in enumerate(values):
         exited = SandboxExited(exit_code=0, reason="ok", duration_s=float(i))
         wire = agent.signer.seal(exited, aggregate_id="sbx_1").wire
         if value is not None:
             fields = canonical.unpack(wire)
-            fields["payload"]["node_id"] = value
+            fields["payload"][key] = value
             fields["sig"] = agent.signer._key.sign(signing.signed_bytes(fields)).signature.hex()
             wire = _map(sorted(fields.items()))
             agent.signer._prev = signing.envelope_hash(wire)
         wires.append(wire)
     numbered = list(enumerate(wires, start=1))
     fast = verify_stream(numbered, ANCHOR)
-    monkeypatch.setattr(Verifier, "_fast", lambda *args: False)
-    assert _full(fast) == _full(verify_stream(numbered, ANCHOR))
+    with monkeypatch.context() as patch:
+        patch.setattr(Verifier, "_fast", lambda *args: False)
+        return fast, verify_stream(numbered, ANCHOR)
+
+
+@pytest.mark.parametrize("node", [1, True, ["n1"], msgpack.ExtType(5, b"n1"), "n2"])
+def test_a_payloads_odd_node_id_gets_the_same_verdict(
+    node: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Authorization verdicts are remembered by the values they read: a node id that is no
+    string (an equal 1 and True, an unhashable list) must not share or break them."""
+    fast, full = _both_paths("node_id", [None, node, 1, True, None, node], monkeypatch)
+    assert _full(fast) == _full(full)
     assert fast.injected  # refused: a node agent speaking for another node
+
+
+@pytest.mark.parametrize("value", _ODD_VALUES)
+def test_a_payloads_odd_values_get_the_same_verdict(
+    value: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A payload the fast path's msgspec decode must refuse (a non-string key at any depth,
+    bytes, ext types, deep nesting), or take as MessagePack's strict decode does."""
+    fast, full = _both_paths("more", [None, value, None, value, None], monkeypatch)
+    assert _full(fast) == _full(full)
 
 
 def test_a_chain_opened_by_a_refused_event_counts_once_the_fast_path_takes_the_next(

@@ -357,3 +357,15 @@ def test_a_replayed_placement_is_injected_and_the_new_node_is_not_blamed() -> No
     assert [(i.stream_seq, i.reason) for i in report.injected][1:] == [
         (10, "unauthorized: node agent of 'n1' spoke for a sandbox of node 'n2'")
     ]
+
+
+def test_the_types_the_verifier_names_are_the_models_types() -> None:
+    """The verifier names a few types by literal (it does not load their models)."""
+    from dsec_core import audit
+    from dsec_core.events import EventRejected, SpecSubmitted, UnitMigrated, UnitMigrationFailed
+
+    assert audit._EVENT_REJECTED == EventRejected.TYPE
+    assert audit._SPEC_SUBMITTED == SpecSubmitted.TYPE
+    assert audit._SANDBOX == SpecSubmitted.AGGREGATE
+    assert audit._UNIT_MIGRATED == UnitMigrated.TYPE
+    assert audit._UNIT_MIGRATION_FAILED == UnitMigrationFailed.TYPE

@@ -125,3 +125,35 @@ def test_a_canonical_mapping_is_taken_as_is_and_packs_the_same() -> None:
     outer = canonical.canonicalize({"x": made, "w": 0})
     assert outer["x"] is made  # not walked again
     assert canonical.pack(outer) == canonical.canonical_bytes({"x": inner, "w": 0})
+
+
+def test_the_light_aggregate_table_is_the_models_own() -> None:
+    """Routing (subject_for) and the audit verifier read each type's aggregate from
+    dsec_core.eventtypes, not from the models: the table must name every type, each with its
+    model's aggregate, and an unknown type must fail there as it fails in model_for."""
+    from dsec_core.events import EVENT_TYPES, model_for
+    from dsec_core.eventtypes import AGGREGATES, aggregate_of
+
+    assert {t: m.AGGREGATE for t, m in EVENT_TYPES.items()} == AGGREGATES, (
+        "dsec_core/eventtypes.py's AGGREGATES is out of date: add or change the event type there"
+    )
+    with pytest.raises(UnknownEventType) as light:
+        aggregate_of("sandbox.exploded")
+    with pytest.raises(UnknownEventType) as full:
+        model_for("sandbox.exploded")
+    assert str(light.value) == str(full.value)
+
+
+def test_the_audit_verifier_loads_neither_the_event_models_nor_nats() -> None:
+    """``dsec audit verify``'s verifier process imports dsec_core.audit while the reader reads:
+    it must stay that small (the event models and the spec models are a fifth of a second)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dsec_core.audit; "
+        "print(sorted(m for m in sys.modules if m in ('dsec_core.events', 'dsec_core.spec', "
+        "'dsec_core.trust', 'dsec_core.signing', 'dsec_core.envelope') or m.startswith('nats')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsec_core import canonical
 from dsec_core.events import Payload, decode_payload
+from dsec_core.eventtypes import MalformedEnvelope as MalformedEnvelope  # (defined there: light)
+from dsec_core.eventtypes import unpack_fields
 
 
 class Envelope(BaseModel):
@@ -57,10 +59,6 @@ class Envelope(BaseModel):
         return self.model_dump(mode="json")
 
 
-class MalformedEnvelope(ValueError):
-    """Bytes on the bus that are not a DSec envelope."""
-
-
 def utcnow() -> datetime:
     """Return the current time in UTC."""
     return datetime.now(UTC)
@@ -75,12 +73,7 @@ def encode(envelope: Envelope) -> bytes:
 
 def decode(data: bytes) -> Envelope:
     """Parse wire bytes into an envelope, or raise :class:`MalformedEnvelope`."""
-    try:
-        raw = canonical.unpack(data)
-    except Exception as exc:  # msgpack raises several unrelated exception types
-        raise MalformedEnvelope(f"not MessagePack: {exc}") from None
-    if not isinstance(raw, dict):
-        raise MalformedEnvelope("envelope must be a map")
+    raw = unpack_fields(data)
     try:
         return Envelope.model_validate(raw)
     except ValidationError as exc:

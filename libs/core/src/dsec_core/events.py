@@ -11,23 +11,16 @@ Versioning rule: adding an optional field is a minor bump; removing or retyping 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from dsec_core.eventbase import KeyRegistered as KeyRegistered
+from dsec_core.eventbase import KeyRevoked as KeyRevoked
+from dsec_core.eventbase import Payload as Payload
+from dsec_core.eventtypes import UnknownEventType as UnknownEventType
+from dsec_core.eventtypes import aggregate_of
 from dsec_core.spec.plan import EnforcementPlan
-
-
-class Payload(BaseModel):
-    """Base of every event payload."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    TYPE: ClassVar[str]
-    AGGREGATE: ClassVar[str]
-    VERSION: ClassVar[str] = "1.0"
-    TERMINAL: ClassVar[bool] = False
-
 
 # --- shared value objects -------------------------------------------------------------------
 
@@ -722,35 +715,7 @@ class EventRejected(Payload):
     detail: str = ""
 
 
-class KeyRegistered(Payload):
-    """A producer's Ed25519 public key, registered in the log itself."""
-
-    TYPE = "audit.key_registered"
-    AGGREGATE = "producer"
-    VERSION = "1.1"
-
-    producer: str
-    key_id: str
-    public_key: str = Field(description="Raw Ed25519 public key, hex")
-    endorsement: str | None = Field(
-        default=None, description="For a key rotation: the new key signed by the previous key"
-    )
-    certificate: dict[str, Any] | None = Field(
-        default=None,
-        description="The operator root's certificate binding this key to a role (and a tenant "
-        "or node); a key without one is never trusted",
-    )
-
-
-class KeyRevoked(Payload):
-    """The operator withdrew a key: events it signs from now on are refused."""
-
-    TYPE = "audit.key_revoked"
-    AGGREGATE = "producer"
-
-    key_id: str
-    producer: str = Field(description="The producer the key was certified for")
-    reason: str = ""
+# (audit.key_registered and audit.key_revoked: in dsec_core.eventbase, imported above)
 
 
 # --- the state plane (docs/state.md) --------------------------------------------------------
@@ -1176,21 +1141,17 @@ EVENT_TYPES: dict[str, type[Payload]] = {m.TYPE: m for m in EVENT_MODELS}
 TERMINAL_TYPES: frozenset[str] = frozenset(m.TYPE for m in EVENT_MODELS if m.TERMINAL)
 
 
-class UnknownEventType(ValueError):
-    """The event type is not part of this version of DSec."""
-
-
 class UnsupportedSchemaVersion(ValueError):
     """The payload's major schema version is newer than this consumer understands."""
 
 
 def model_for(event_type: str) -> type[Payload]:
     """Return the payload model of ``event_type`` or raise :class:`UnknownEventType`."""
-    try:
-        return EVENT_TYPES[event_type]
-    except KeyError:
-        known = ", ".join(sorted(EVENT_TYPES))
-        raise UnknownEventType(f"unknown event type {event_type!r}; known: {known}") from None
+    model = EVENT_TYPES.get(event_type)
+    if model is None:
+        aggregate_of(event_type)  # UnknownEventType, naming the known types (the same table)
+        raise UnknownEventType(f"unknown event type {event_type!r}")  # (the table is out of date)
+    return model
 
 
 def _major_minor(version: str) -> tuple[int, int]:

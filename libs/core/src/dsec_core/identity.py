@@ -28,7 +28,7 @@ from nacl.signing import SigningKey, VerifyKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsec_core import canonical
-from dsec_core.signing import key_id_of, load_or_create_key
+from dsec_core.sigkeys import key_id_of, load_or_create_key
 from dsec_core.trustroot import (  # (re-exported: defined there, apart from the signing stack)
     CertificateError as CertificateError,
 )

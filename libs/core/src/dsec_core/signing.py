@@ -10,55 +10,25 @@ here, and verification is the audit trail's hot path.
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import blake3
 from nacl.bindings import crypto_sign, crypto_sign_seed_keypair
-from nacl.exceptions import BadSignatureError
-from nacl.signing import SigningKey, VerifyKey
+from nacl.signing import SigningKey
 
 from dsec_core import canonical
 from dsec_core.canonical import envelope_hash as envelope_hash  # (defined there: light)
 from dsec_core.envelope import Envelope, utcnow
 from dsec_core.events import Payload
 from dsec_core.ids import new_event_id
+from dsec_core.sigkeys import key_id_of as key_id_of  # (defined there, apart from the models)
+from dsec_core.sigkeys import load_or_create_key as load_or_create_key
+from dsec_core.sigkeys import signed_bytes as signed_bytes
+from dsec_core.sigkeys import verify_raw as verify_raw
 from dsec_core.subjects import subject_for
-
-
-def key_id_of(public_raw: bytes) -> str:
-    """Return the short id of a public key: first 16 hex chars of BLAKE3 of its raw bytes."""
-    return blake3.blake3(public_raw).hexdigest()[:16]
-
-
-def load_or_create_key(path: Path) -> SigningKey:
-    """Load the raw private key at ``path``, creating it (mode 0600) when absent."""
-    if path.exists():
-        return SigningKey(path.read_bytes())
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = SigningKey.generate()
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, bytes(key))
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)  # atomic, and never overwrites a key another process created first
-    except FileExistsError:
-        return SigningKey(path.read_bytes())
-    finally:
-        tmp.unlink()
-    return key
-
-
-def signed_bytes(fields: dict[str, Any]) -> bytes:
-    """The bytes a signature covers: canonical MessagePack of every field except ``sig``."""
-    return canonical.pack({k: v for k, v in fields.items() if k != "sig"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,15 +152,6 @@ class Signer:
     def endorse(self, new_public_raw: bytes) -> str:
         """Sign another public key (key rotation: the old key endorses the new one)."""
         return str(self._key.sign(new_public_raw).signature.hex())
-
-
-def verify_raw(fields: dict[str, Any], public_raw: bytes) -> bool:
-    """Return True when ``fields['sig']`` is valid for the other fields under ``public_raw``."""
-    try:
-        VerifyKey(public_raw).verify(signed_bytes(fields), bytes.fromhex(fields["sig"]))
-    except (BadSignatureError, ValueError, TypeError):
-        return False
-    return True
 
 
 def verify_signature(envelope: Envelope, public_raw: bytes) -> bool:

@@ -8,7 +8,8 @@ sandbox ``sbx_1`` is ``dsec.sandbox.sbx_1.ready`` while ``spec.submitted`` is
 from __future__ import annotations
 
 import re
-from typing import Any
+
+from dsec_core.eventtypes import aggregate_of
 
 STREAM = "DSEC_EVENTS"
 ROOT = "dsec"
@@ -38,19 +39,10 @@ def token_problem(aggregate_id: str) -> str | None:
     return f"aggregate id {aggregate_id!r} must match [A-Za-z0-9_-]+ (one subject token)"
 
 
-_model_for: Any = None
-
-
 def _aggregate(event_type: str) -> str:
-    """The aggregate of ``event_type`` (the event models load on first use: a reader of the
-    stream that names no event type needs none of them)."""
-    global _model_for
-    if _model_for is None:
-        from dsec_core.events import model_for
-
-        _model_for = model_for
-    aggregate: str = _model_for(event_type).AGGREGATE
-    return aggregate
+    """The aggregate of ``event_type`` (from :mod:`dsec_core.eventtypes`' table: a reader of the
+    stream routes without loading the event models)."""
+    return aggregate_of(event_type)
 
 
 def subject_for(event_type: str, aggregate_id: str) -> str:

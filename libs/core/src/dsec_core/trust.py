@@ -37,13 +37,16 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
-from dsec_core import authz, canonical, identity
+from dsec_core import authz
 from dsec_core.envelope import Envelope, MalformedEnvelope
-from dsec_core.events import KeyRegistered, KeyRevoked, SpecSubmitted, model_for
-from dsec_core.identity import Certificate, CertificateError
+from dsec_core.events import KeyRegistered, KeyRevoked, SpecSubmitted
+from dsec_core.eventtypes import unpack_fields as unpack_fields
+from dsec_core.identity import Certificate
 from dsec_core.lifecycle import LIFECYCLE_TYPES, Lifecycle, fold_envelopes
 from dsec_core.signing import verify_raw
 from dsec_core.subjects import STREAM, filter_for, subject_for
+from dsec_core.trustcheck import registration_problem as registration_problem  # (defined there)
+from dsec_core.trustcheck import shape_problem as shape_problem
 
 log = logging.getLogger(__name__)
 
@@ -55,25 +58,6 @@ CLOCK_SKEW = timedelta(minutes=5)
 RECHECK_S = 60.0
 """A cached key's revocation status is read from the log again after this long."""
 """Events dated further in the future are refused (they would outlive the replay window)."""
-
-
-def shape_problem(fields: dict[str, Any]) -> str | None:
-    """What is inconsistent in an envelope's routing fields (raw, as signed): its aggregate and
-    subject must be the ones its type and aggregate id give, so a message cannot pose as
-    another kind or another sandbox's."""
-    event_type, aggregate_id = fields.get("type"), fields.get("aggregate_id")
-    if not isinstance(event_type, str) or not isinstance(aggregate_id, str):
-        return "type and aggregate_id must be strings"
-    try:
-        model = model_for(event_type)
-        subject = subject_for(event_type, aggregate_id)
-    except ValueError as exc:
-        return str(exc)[:300]
-    if fields.get("aggregate") != model.AGGREGATE:
-        return f"aggregate {fields.get('aggregate')!r} is not that of {event_type}"
-    if fields.get("subject") != subject:
-        return f"subject {fields.get('subject')!r} is not {subject!r}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -89,42 +73,6 @@ class Refusal:
 
 class _Revoked(Exception):
     pass
-
-
-def unpack_fields(data: bytes) -> dict[str, Any]:
-    """The envelope's raw fields, exactly as signed (no model round trip)."""
-    try:
-        raw = canonical.unpack(data)
-    except Exception as exc:  # msgpack raises several unrelated exception types
-        raise MalformedEnvelope(f"not MessagePack: {exc}") from None
-    if not isinstance(raw, dict):
-        raise MalformedEnvelope("envelope must be a map")
-    return raw
-
-
-def registration_problem(fields: dict[str, Any], anchor: bytes) -> str | Certificate:
-    """Check one ``audit.key_registered`` envelope: its certificate or what is wrong with it."""
-    try:
-        reg = KeyRegistered.model_validate(fields.get("payload"))
-        public = bytes.fromhex(reg.public_key)
-    except ValueError as exc:
-        return f"malformed key registration: {str(exc)[:200]}"
-    if not verify_raw(fields, public):
-        return "key registration not signed by the key it registers"
-    if not (fields.get("key_id") == fields.get("aggregate_id") == reg.key_id):
-        return "a key registration must be filed under the key id it registers"
-    if reg.certificate is None:
-        return f"key {reg.key_id} of {reg.producer!r} has no certificate from the operator root"
-    try:
-        cert = identity.parse(reg.certificate)
-        identity.check(cert, anchor)
-    except CertificateError as exc:
-        return f"key {reg.key_id} of {reg.producer!r}: {exc}"
-    if cert.public_key != reg.public_key or cert.key_id != reg.key_id:
-        return "the certificate is for another key"
-    if cert.subject != reg.producer or fields.get("producer") != reg.producer:
-        return f"certificate for {cert.subject!r} registered as {reg.producer!r}"
-    return cert
 
 
 class KeyRing:

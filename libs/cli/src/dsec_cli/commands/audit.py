@@ -247,9 +247,9 @@ def verify(
     """
     from dsec_core.audit_worker import DEFERRED, open_verifier
 
-    # The verifier is forked first, on a core of its own: it loads the event models and the
-    # signature checks (a third of a second) while this process reads its settings (the trust
-    # root it then hands over), connects and reads the log.
+    # The verifier is forked first, on a core of its own: it loads the signature checks while
+    # this process reads its settings (the trust root it then hands over), connects and reads
+    # the log.
     verifier = open_verifier(DEFERRED)
     try:
         anchor = trust_anchor()
