@@ -55,7 +55,7 @@ def _variant(wire: bytes, rng: random.Random) -> bytes:
     except ValueError:  # a variant already (a replayed copy of one)
         return wire + b"\xc0"
     items = sorted(fields.items())
-    how = rng.randrange(12)
+    how = rng.randrange(13)
     if how == 0:  # non-minimal map header: the same values
         return _map(items, wide=True)
     if how == 1:  # a duplicate key, the last one the real value
@@ -70,7 +70,7 @@ def _variant(wire: bytes, rng: random.Random) -> bytes:
         return _map([(k, v.encode() if k == "id" and isinstance(v, str) else v) for k, v in items])
     if how == 6:  # trailing bytes
         return wire + b"\xc0"
-    if how == 7:  # an int key inside the payload (MessagePack's strict decode refuses it)
+    if how == 7 and isinstance(fields["payload"], dict):  # an int key in the payload (refused)
         inner = sorted(fields["payload"].items())
         payload = bytes([0x80 | (len(inner) + 1)]) + _map(inner)[1:] + _pack(7) + _pack("x")
         rest = [(k, v) for k, v in items if k != "payload"]
@@ -80,14 +80,16 @@ def _variant(wire: bytes, rng: random.Random) -> bytes:
             + _pack("payload")
             + payload
         )
-    if how == 8:  # a node id that is no string
+    if how == 8 and isinstance(fields["payload"], dict):  # a node id that is no string
         payload = {**fields["payload"], "node_id": rng.choice([1, True, ["n1"], None])}
         return _map([(k, payload if k == "payload" else v) for k, v in items])
     if how == 9:  # a causation id that is no string
         return _map([(k, 5 if k == "causation_id" else v) for k, v in items])
-    if how == 10:  # an ext type in the payload
+    if how == 10 and isinstance(fields["payload"], dict):  # an ext type in the payload
         payload = {**fields["payload"], "node_id": msgpack.ExtType(5, b"n1")}
         return _map([(k, payload if k == "payload" else v) for k, v in items])
+    if how == 11:  # the payload shadowed: a first "payload" the strict decode refuses
+        return _map([("payload", {1: 1}), *items])
     return _map([(k, v) for k, v in items if k != rng.choice(["aggregate", "time", "subject"])])
 
 
@@ -270,6 +272,35 @@ def test_a_payloads_odd_values_get_the_same_verdict(
     bytes, ext types, deep nesting), or take as MessagePack's strict decode does."""
     fast, full = _both_paths("more", [None, value, None, value, None], monkeypatch)
     assert _full(fast) == _full(full)
+
+
+def test_an_injected_envelope_with_a_shadowed_payload_is_refused_on_both_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Anyone can publish: a copy of a producer's next chain position, its signature garbage,
+    with a first ``payload`` MessagePack's strict decode refuses ({1: 1}) before the real one.
+    msgspec keeps the last of two keys without reading the first; the fast path took it into
+    the chain and the verifier failed at its signature check (no verdict at all). Both paths
+    now list it as injected, and the producer's genuine next event still verifies."""
+    agent = certified(ROOT, "nodeagent", node_id="n1")
+    exited = [SandboxExited(exit_code=0, reason="ok", duration_s=float(i)) for i in range(5)]
+    wires = [agent.registration()]
+    wires += [agent.signer.seal(exited[i], aggregate_id="sbx_1").wire for i in range(3)]
+    last = canonical.unpack(wires[-1])
+    forged = {
+        **last,
+        "id": "forged",
+        "chain_seq": last["chain_seq"] + 1,
+        "prev": signing.envelope_hash(wires[-1]),
+        "sig": "00" * 64,
+    }
+    wires.append(_map([("payload", {1: 1}), *sorted(forged.items())]))
+    wires.append(agent.signer.seal(exited[4], aggregate_id="sbx_1").wire)
+    numbered = list(enumerate(wires, start=1))
+    fast = verify_stream(numbered, ANCHOR)
+    monkeypatch.setattr(Verifier, "_fast", lambda *args: False)
+    assert _full(fast) == _full(verify_stream(numbered, ANCHOR))
+    assert fast.ok and [i.stream_seq for i in fast.injected] == [5] and fast.events == 5
 
 
 def test_a_chain_opened_by_a_refused_event_counts_once_the_fast_path_takes_the_next(

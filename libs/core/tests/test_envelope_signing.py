@@ -157,3 +157,24 @@ def test_the_audit_verifier_loads_neither_the_event_models_nor_nats() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("value", ["sbx_1\n", "n1\n", "sbx_1\r", "sbx 1", ""])
+def test_names_that_become_subjects_paths_or_permissions_refuse_a_trailing_newline(
+    value: str,
+) -> None:
+    """Each validator matched with ``^...$``, and ``$`` matches before a final newline: an id
+    ``"sbx_1\\n"`` passed as a subject token, a NATS node id or a sandbox id of a path."""
+    from dsec_core import natsperms, remote
+    from dsec_core.layout import LayoutError, NodeLayout
+    from dsec_core.subjects import InvalidSubjectToken, subject_for, token_problem
+
+    assert token_problem(value) is not None
+    with pytest.raises(InvalidSubjectToken):
+        subject_for("sandbox.exited", value)
+    with pytest.raises(ValueError):
+        natsperms.durable_name("nodeagent", "sandbox.exited", value)
+    with pytest.raises(remote.RemoteError):
+        remote.request_subject(value, "logs")
+    with pytest.raises(LayoutError):
+        NodeLayout.of(Path("/tmp/dsec-layout-test")).sandbox(value)

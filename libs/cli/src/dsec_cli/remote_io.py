@@ -25,7 +25,7 @@ from dsec_core import remote
 
 from dsec_cli.remote import Ended, Send, session
 
-_TERM = re.compile(r"^[A-Za-z0-9._+-]{1,64}$")
+_TERM = re.compile(r"^[A-Za-z0-9._+-]{1,64}\Z")
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 

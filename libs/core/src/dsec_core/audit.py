@@ -160,6 +160,13 @@ class _Envelope(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 _decode_envelope = msgspec.msgpack.Decoder(_Envelope).decode
 
+_SIGNED_MAP_HEAD = b"\xde" + len(_Envelope.__struct_fields__).to_bytes(2, "big")
+"""The map header a signer writes (a map16 of exactly the struct's 17 fields). The fast path
+takes only envelopes that begin with it: with every field required and no other allowed, 17
+entries leave no room for a duplicate key, which msgspec resolves without reading the first
+value (a ``payload`` shadowed by one MessagePack's strict decode refuses passed the fast path
+and failed the signature check's decode later)."""
+
 
 def _json_like(depth: int) -> Any:
     """The values a payload holds (what ``model_dump(mode="json")`` gives: string keys; str,
@@ -272,17 +279,18 @@ class Verifier:
         self._expected = seq + 1
         report.first_seq = report.first_seq if report.first_seq is not None else seq
         report.last_seq = seq
-        try:
-            envelope = _decode_envelope(data)
+        if data[:3] == _SIGNED_MAP_HEAD:  # else the full path (a duplicate key, for one)
             try:
-                payload = _decode_payload(envelope.payload)
-            except msgspec.ValidationError:  # (deeper, or of rarer types: MessagePack decides)
-                payload = canonical.unpack(envelope.payload)
-        except Exception:  # (msgspec or msgpack: the full path says what is wrong, if anything)
-            pass
-        else:
-            if type(payload) is dict and self._fast(seq, envelope, payload, data, digest):
-                return None
+                envelope = _decode_envelope(data)
+                try:
+                    payload = _decode_payload(envelope.payload)
+                except msgspec.ValidationError:  # (deeper, or rarer types: MessagePack decides)
+                    payload = canonical.unpack(envelope.payload)
+            except Exception:  # (msgspec or msgpack: the full path says what is wrong, if any)
+                pass
+            else:
+                if type(payload) is dict and self._fast(seq, envelope, payload, data, digest):
+                    return None
         try:
             f = _fields(data)
         except MalformedEnvelope as exc:

@@ -28,8 +28,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-_LOCK = re.compile(r"^[A-Za-z0-9]{8,128}$")
-_SANDBOX = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_LOCK = re.compile(r"^[A-Za-z0-9]{8,128}\Z")
+_SANDBOX = re.compile(r"^[A-Za-z0-9_-]{1,128}\Z")
 
 
 class LayoutError(ValueError):

@@ -61,9 +61,9 @@ HANDLED_BUCKET = "dsec-handled"
 _API = "$JS.API"
 
 
-_NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 INBOX = "_INBOX"
-_IDENTITY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_IDENTITY = re.compile(r"^[A-Za-z0-9_-]{1,128}\Z")
 
 
 def inbox_prefix(identity: str) -> str:

@@ -77,7 +77,7 @@ async def put_bytes(store: Minio, bucket: str, key: str, data: bytes) -> None:
 
 
 ENV_ARCHIVES = "envs/"
-_LOCK_HASH = re.compile(r"^[A-Za-z0-9]{8,128}$")
+_LOCK_HASH = re.compile(r"^[A-Za-z0-9]{8,128}\Z")
 
 
 def env_archive_key(lock_hash: str) -> str:

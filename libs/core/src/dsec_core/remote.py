@@ -75,10 +75,10 @@ CP_WINDOW = 16
 acknowledgements: below MAX_STDIN_BUFFER, so a slow disk slows the sender instead of ending
 the session."""
 MAX_PATH_BYTES = 4096
-_TERM = re.compile(r"^[A-Za-z0-9._+-]{1,64}$")
+_TERM = re.compile(r"^[A-Za-z0-9._+-]{1,64}\Z")
 
-_NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_SANDBOX = re.compile(r"^sbx_[A-Za-z0-9_-]{1,64}$")
+_NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
+_SANDBOX = re.compile(r"^sbx_[A-Za-z0-9_-]{1,64}\Z")
 
 
 class RemoteError(ValueError):

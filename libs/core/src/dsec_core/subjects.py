@@ -19,7 +19,7 @@ STATE_STREAM = "DSEC_STATE"
 STATE_ROOT = "dsec_state"
 STATE_SUBJECTS = f"{STATE_ROOT}.>"
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+_TOKEN = re.compile(r"[A-Za-z0-9_\-]+")  # (fullmatch: "$" let a trailing newline through)
 
 
 class InvalidSubjectToken(ValueError):
@@ -34,7 +34,7 @@ def event_suffix(aggregate: str, event_type: str) -> str:
 
 def token_problem(aggregate_id: str) -> str | None:
     """Why ``aggregate_id`` cannot be one NATS subject token; ``None`` when it can."""
-    if _TOKEN.match(aggregate_id):
+    if _TOKEN.fullmatch(aggregate_id):
         return None
     return f"aggregate id {aggregate_id!r} must match [A-Za-z0-9_-]+ (one subject token)"
 

@@ -25,7 +25,7 @@ CHUNK_PREFIX = "chunks/"
 AUDIT_PREFIX = "snapshot-audit/"
 INDEX_PREFIX = "snapshot-index/"
 MANIFEST_PREFIX = "snapshots/"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 NAME_RULE = "1-128 characters: letters, digits, '.', '_', '-', starting with a letter or digit"
 
 

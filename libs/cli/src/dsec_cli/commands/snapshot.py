@@ -52,7 +52,7 @@ snapshot_app = typer.Typer(
     help="Signed, content-addressed snapshots of sandbox code and state.", no_args_is_help=True
 )
 
-_DURATION = re.compile(r"^(\d+)([smhd])$")
+_DURATION = re.compile(r"^(\d+)([smhd])\Z")
 
 
 def _duration(value: str, flag: str) -> timedelta:

@@ -47,8 +47,8 @@ RESULT_PREFIX = "DSEC_RESULT "
 DATASET_FILE = "dsec_inputs.jsonl"
 ENV_TRIAL = "DSEC_TRIAL"
 ENV_INPUTS = "DSEC_EXPERIMENT_INPUTS"
-RECORDING = re.compile(r"^rec_[0-9a-f]{32}$")
-VARIANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+RECORDING = re.compile(r"^rec_[0-9a-f]{32}\Z")
+VARIANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}\Z")
 ALPHA = 0.05
 
 

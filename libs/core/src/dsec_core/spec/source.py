@@ -49,7 +49,7 @@ class _Loader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no type st
 
 
 _Loader.add_implicit_resolver(
-    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)\Z"), list("tTfF")
 )
 
 

@@ -51,8 +51,8 @@ CALLER_FDS: Final = 6
 # caller pidfd.
 SERVER_FDS: Final = 5
 
-NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
-TOOL_RE: Final = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
+NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}\Z")
+TOOL_RE: Final = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}\Z")
 
 DEFAULT_SOCKET: Final = Path("run") / "ipc.sock"
 

@@ -37,7 +37,7 @@ from dsec_sdk.state.store import (
 
 log = logging.getLogger("dsec_sdk.state")
 
-NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 FRAME_BYTES: Final = 3 * codec.MAX_RECORD_BYTES
 """Records of one checkpoint frame, at most about (a larger checkpoint: several frames)."""
 DEFAULT_WARM_INTERVAL_S: Final = 300.0

@@ -38,7 +38,7 @@ import msgpack
 MAX_RECORD_BYTES: Final = 16 << 20
 """Full values larger than this are written as several records (``full_records``)."""
 
-_DTYPE_RE: Final = re.compile(r"^[<>|=]?([biufc])(\d+)$")
+_DTYPE_RE: Final = re.compile(r"^[<>|=]?([biufc])(\d+)\Z")
 
 
 class CodecError(ValueError):

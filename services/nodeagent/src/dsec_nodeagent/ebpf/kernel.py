@@ -59,7 +59,7 @@ BPF_PROG_TYPE_CGROUP_SOCK_ADDR = 18
 AF_HOST_EXACT = 1
 _TRANSPORTS = 2 | 4  # AF_TCP | AF_UDP
 SF_LOG_ALLOWED = 1
-_SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./-]+$")
+_SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./-]+\Z")
 
 
 class EgressUnavailable(RuntimeError):

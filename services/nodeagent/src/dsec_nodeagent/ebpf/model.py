@@ -22,7 +22,7 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 
-_LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
+_LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?\Z")
 MAX_RULES = 65535
 
 

@@ -23,7 +23,7 @@ C = TypeVar("C")
 
 SUBJECT_PREFIX = "dsec_ipc"
 DEFAULT_TENANT: Final = "default"
-_TOKEN_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+_TOKEN_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}\Z")
 
 
 def tenant_token(tenant: str) -> str:
