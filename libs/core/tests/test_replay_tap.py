@@ -174,15 +174,15 @@ _BENDS = [
     "sid_prefix",
     "ack_11",
     "ack_8",
-    "hdr_over_size",
     "nul_subject",
     "seq_plus",
     "tab_subject",
     "size_zeros",
     "ack_extra_dot",
 ]
-# (not here: frames nats-py's own parser refuses, e.g. a sid "7x" or a MSG with a header size:
-# the read ends there, either way; the test below holds that the scanner leaves them alone)
+# (not here: frames nats-py's own parser, or the tap, refuses with a protocol error, e.g. a sid
+# "7x", a MSG with a header size, headers larger than the message: the read ends there, either
+# way; the tests below hold that the scanner leaves them alone and that they raise)
 _HOLES = ["cseq_skip", "cseq_long"]  # after one, nothing more is taken (rarer: some seeds)
 
 
@@ -222,8 +222,6 @@ def _bent_frame(rng: random.Random, seq: int, delivered: int, bends: list[str]) 
         op, use_hdr = b"MSG", True
     elif bend == "hmsg_without_hdr":
         op, use_hdr = b"HMSG", False
-    elif bend == "hdr_over_size":
-        use_hdr, hdr_field = True, b"%d" % (len(hdr) + len(body) + 1)
     elif bend == "nul_subject":
         subject = b"dsec.sand\x00box"
     elif bend == "seq_plus":
@@ -332,6 +330,8 @@ def test_the_scanner_stops_at_the_first_frame_it_does_not_take() -> None:
         b"MSG s 7 $JS.ACK.S.c.1.1.1.%s.0 0 2\r\nab\r\n" % TS,
         b"HMSG s 7 $JS.ACK.S.c.1.1.1.%s.0 2\r\nab\r\n" % TS,
         b"MSG s 7 $JS.ACK.S.c.1.1.1.%s.0 2 \r\nab\r\n" % TS,
+        b"MSG s 7 $JS.ACK.S.c.1.1.1.%s.0 1\r\nab\r\n" % TS,  # no CRLF where the size ends
+        b"HMSG s 7 $JS.ACK.S.c.1.1.1.%s.0 3 2\r\nab\r\n" % TS,  # headers larger than it
     ):
         assert scan(line, 0, b"7", 0, []) == (0, 0), line
     # a frame not whole yet: nothing taken
@@ -340,3 +340,61 @@ def test_the_scanner_stops_at_the_first_frame_it_does_not_take() -> None:
         scan(data, len(data) + 1, b"7", 0, [])
     with pytest.raises(TypeError):
         scan(bytearray(data), 0, b"7", 0, [])
+
+
+_ACK = b"$JS.ACK.S.c.1.1.1.%s.0" % TS
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"MSG a 9 -100\r\n",  # a negative size: the reader went backwards, for ever
+        b"MSG a 7 " + _ACK + b" -100\r\n",
+        b"HMSG s 7 " + _ACK + b" -20 3\r\nabc\r\n",  # a negative header size
+        b"HMSG s 7 " + _ACK + b" 5 3\r\nabc\r\n",  # headers larger than the message
+        b"MSG s 7 " + _ACK + b" 1\r\nabc\r\n",  # the message does not end where its size says
+        b"MSG s 7 " + _ACK + b" +3\r\nabc\r\n",  # int() takes these; the protocol does not
+        b"MSG s 7 " + _ACK + b" 1_0\r\n0123456789\r\n",
+    ],
+)
+def test_a_malformed_frame_is_a_protocol_error_not_a_hang_or_an_event(
+    frame: bytes, scanner: str
+) -> None:
+    """A server that sends a size or sequence that is not digits, headers larger than their
+    message, or a payload that does not end in CRLF where its size says: the replay's reader
+    raises nats-py's protocol error (the connection's read loop then reconnects), as nats-py's
+    own parser does for a frame it cannot read; it never loops, and never takes bytes of a
+    control line for an event."""
+    from nats.errors import ProtocolError
+
+    conn = _Conn()
+    sink: list[tuple[int, bytes]] = []
+
+    async def read() -> None:
+        tap = _ReplayTap.install(conn, sink, 10**9, asyncio.Event())  # type: ignore[arg-type]
+        assert tap is not None
+        tap.sid = b"7"
+        await asyncio.wait_for(tap.parse(frame + b"PING\r\n"), 5)
+
+    with pytest.raises(ProtocolError):
+        asyncio.run(read())
+    assert sink == []
+
+
+@pytest.mark.parametrize("seq", [b"-1", b"+1", b"1_0", b"\xd9\xa1"])
+def test_an_ack_subject_whose_sequence_is_not_digits_is_not_taken(seq: bytes, scanner: str) -> None:
+    """Not an event of the replay: the frame goes to nats-py's parser and so to the replay's
+    subscription callback, which ends the fast path (its caller reads on with follow())."""
+    frame = b"MSG s 7 $JS.ACK.S.c.1.%s.1.%s.0 3\r\nabc\r\n" % (seq, TS)
+    conn = _Conn()
+    sink: list[tuple[int, bytes]] = []
+
+    async def read() -> None:
+        tap = _ReplayTap.install(conn, sink, 10**9, asyncio.Event())  # type: ignore[arg-type]
+        assert tap is not None
+        tap.sid = b"7"
+        await tap.parse(frame)
+
+    asyncio.run(read())
+    assert sink == []
+    assert [m[3] for m in conn.seen] == [b"abc"]

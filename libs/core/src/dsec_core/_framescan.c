@@ -15,7 +15,7 @@
  *   - the control line matches dsec_core.bus._DATA_LINE exactly (the 9-token ack subject);
  *   - its sid is the replay's, and it has a header size exactly when it is an HMSG;
  *   - the stream sequence is not 0, the consumer sequence is the one after `delivered`,
- *     the header fits in the message, and the whole frame is in `buf`;
+ *     the header fits in the message, the whole frame is in `buf` and ends in CRLF;
  *   - every number has at most 18 digits (no overflow).
  *
  * For each frame taken it appends (stream_seq, data) to `sink`, as the Python path does, and
@@ -135,7 +135,7 @@ static int common_frame(const char *s, const char *end, const char *sid, Py_ssiz
     if (header < 0) {
         header = 0;
     }
-    if (header > size || size + 2 > end - s) {
+    if (header > size || size + 2 > end - s || s[size] != '\r' || s[size + 1] != '\n') {
         return 0;
     }
     *seq_out = seq;

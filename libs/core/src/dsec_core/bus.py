@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError
+from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError, ProtocolError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -887,6 +887,15 @@ async def _pulled(
                 await sub.unsubscribe()
 
 
+def _count(token: bytes) -> int:
+    """A size or sequence number of the protocol: ASCII digits only (``int`` also takes
+    ``-5``, ``+5``, ``1_0`` and `` 5``: a negative size sent the replay's reader backwards, for
+    ever)."""
+    if not token.isdigit():  # (bytes.isdigit: ASCII digits, not empty)
+        raise ValueError(f"not a count: {token[:24]!r}")
+    return int(token)
+
+
 def _ack_seqs_bytes(reply: bytes) -> tuple[int, int]:
     """The stream and consumer sequences in an ack subject's raw bytes, in both of its
     layouts: ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>...`` and the one with
@@ -896,9 +905,9 @@ def _ack_seqs_bytes(reply: bytes) -> tuple[int, int]:
     if tokens[0] != b"$JS" or tokens[1] != b"ACK":
         raise ValueError("not a JetStream ack subject")
     if len(tokens) == 9:
-        return int(tokens[5]), int(tokens[6])
+        return _count(tokens[5]), _count(tokens[6])
     if len(tokens) >= 11:
-        return int(tokens[7]), int(tokens[8])
+        return _count(tokens[7]), _count(tokens[8])
     raise ValueError("unexpected JetStream ack subject")
 
 
@@ -1007,11 +1016,18 @@ class _ReplayTap:
                     seq = int(seq_text)
                     body = line.end()
                     frame = body + int(size) + 2
-                    if seq and frame <= end and not self.hole:
+                    start = body + int(header or 0)
+                    if (
+                        seq
+                        and frame <= end
+                        and start <= frame - 2
+                        and buf[frame - 2 : frame] == b"\r\n"
+                        and not self.hole
+                    ):
                         delivered = int(delivered_text)
                         if delivered == self.delivered + 1:
                             self.delivered = delivered
-                            sink.append((seq, buf[body + int(header or 0) : frame - 2]))
+                            sink.append((seq, buf[start : frame - 2]))
                             pos = frame
                             continue
             eol = buf.find(b"\r\n", pos)
@@ -1021,20 +1037,24 @@ class _ReplayTap:
             op = tokens[0]
             if op == b"MSG" or op == b"HMSG":
                 try:
-                    frame = eol + 4 + int(tokens[-1])
+                    frame = eol + 4 + _count(tokens[-1])
                 except ValueError:
-                    frame = eol + 2  # malformed: nats-py's parser says so
+                    frame = eol + 2  # malformed: nats-py's parser says so (a protocol error)
                 if frame > end:
                     self._need = frame - pos
                     break
+                if frame > eol + 2 and buf[frame - 2 : frame] != b"\r\n":
+                    raise ProtocolError("nats: a message does not end where its size says")
                 # MSG <subject> <sid> <reply> <size>, HMSG ... <reply> <header size> <size>
                 # (a stored message's headers, e.g. Nats-Msg-Id, are not the event's)
                 if len(tokens) == (5 if op == b"MSG" else 6) and tokens[2] == sid:
                     try:
                         seq, delivered = _ack_seqs_bytes(tokens[3])
-                        body = eol + 2 + (int(tokens[4]) if op == b"HMSG" else 0)
+                        body = eol + 2 + (_count(tokens[4]) if op == b"HMSG" else 0)
                     except (ValueError, IndexError):
                         seq = 0  # no stored message (a status): the callback tells what
+                    if seq and body > frame - 2:
+                        raise ProtocolError("nats: a message's headers are larger than it")
                     if seq:
                         if delivered != self.delivered + 1 or self.hole:
                             # Lost messages before this one: take nothing more; the replay
