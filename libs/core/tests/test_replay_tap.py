@@ -345,6 +345,20 @@ def test_the_scanner_stops_at_the_first_frame_it_does_not_take() -> None:
 _ACK = b"$JS.ACK.S.c.1.1.1.%s.0" % TS
 
 
+def _tap_reads(data: bytes, sink: list[tuple[int, bytes]]) -> _Conn:
+    """``data`` read in one piece by a tap of the replay's sid 7 (5 s at most)."""
+    conn = _Conn()
+
+    async def read() -> None:
+        tap = _ReplayTap.install(conn, sink, 10**9, asyncio.Event())  # type: ignore[arg-type]
+        assert tap is not None
+        tap.sid = b"7"
+        await asyncio.wait_for(tap.parse(data), 5)
+
+    asyncio.run(read())
+    return conn
+
+
 @pytest.mark.parametrize(
     "frame",
     [
@@ -367,17 +381,9 @@ def test_a_malformed_frame_is_a_protocol_error_not_a_hang_or_an_event(
     control line for an event."""
     from nats.errors import ProtocolError
 
-    conn = _Conn()
     sink: list[tuple[int, bytes]] = []
-
-    async def read() -> None:
-        tap = _ReplayTap.install(conn, sink, 10**9, asyncio.Event())  # type: ignore[arg-type]
-        assert tap is not None
-        tap.sid = b"7"
-        await asyncio.wait_for(tap.parse(frame + b"PING\r\n"), 5)
-
     with pytest.raises(ProtocolError):
-        asyncio.run(read())
+        _tap_reads(frame + b"PING\r\n", sink)
     assert sink == []
 
 
@@ -385,16 +391,7 @@ def test_a_malformed_frame_is_a_protocol_error_not_a_hang_or_an_event(
 def test_an_ack_subject_whose_sequence_is_not_digits_is_not_taken(seq: bytes, scanner: str) -> None:
     """Not an event of the replay: the frame goes to nats-py's parser and so to the replay's
     subscription callback, which ends the fast path (its caller reads on with follow())."""
-    frame = b"MSG s 7 $JS.ACK.S.c.1.%s.1.%s.0 3\r\nabc\r\n" % (seq, TS)
-    conn = _Conn()
     sink: list[tuple[int, bytes]] = []
-
-    async def read() -> None:
-        tap = _ReplayTap.install(conn, sink, 10**9, asyncio.Event())  # type: ignore[arg-type]
-        assert tap is not None
-        tap.sid = b"7"
-        await tap.parse(frame)
-
-    asyncio.run(read())
+    conn = _tap_reads(b"MSG s 7 $JS.ACK.S.c.1.%s.1.%s.0 3\r\nabc\r\n" % (seq, TS), sink)
     assert sink == []
     assert [m[3] for m in conn.seen] == [b"abc"]
