@@ -50,7 +50,7 @@ from dsec_core.audit_report import (  # (re-exported: they were defined here)
 )
 from dsec_core.canonical import envelope_hash
 from dsec_core.eventbase import KeyRegistered, KeyRevoked
-from dsec_core.eventtypes import MalformedEnvelope, unpack_fields
+from dsec_core.eventtypes import AGGREGATES, MalformedEnvelope, unpack_fields
 from dsec_core.identity import Certificate
 from dsec_core.sigkeys import verify_raw
 from dsec_core.trustcheck import registration_problem, shape_problem
@@ -59,7 +59,7 @@ from dsec_core.trustcheck import registration_problem, shape_problem
 # here; libs/core/tests/test_audit_verify.py holds them equal to the models' TYPE and AGGREGATE)
 _EVENT_REJECTED = "security.event_rejected"
 _SPEC_SUBMITTED = "spec.submitted"
-_SANDBOX = "sandbox"  # spec.submitted's aggregate
+_SANDBOX = AGGREGATES[_SPEC_SUBMITTED]
 _UNIT_MIGRATED = "unit.migrated"
 _UNIT_MIGRATION_FAILED = "unit.migration_failed"
 

@@ -30,9 +30,9 @@ import blake3
 from dsec_core.audit_report import SIGNATURE_EVERY, VerifyReport, fewer_collections
 
 # The verifier (:mod:`dsec_core.audit`: the signature checks and certificates, not the event
-# models; 0.05 s of imports beside the reader's)
-# is imported where it runs: by the forked child, on its own core, while the caller connects
-# and reads; the caller never needs it (the report it unpickles is :mod:`dsec_core.audit_report`'s).
+# models; 0.05 s of imports beside the reader's) is imported where it runs: by the forked child,
+# on its own core, while the caller connects and reads; the caller never needs it (the report
+# it unpickles is :mod:`dsec_core.audit_report`'s).
 
 WORKER_MIN_EVENTS = 20_000
 """Streams shorter than this are verified in the caller's process (a fork is not worth it)."""
@@ -42,27 +42,12 @@ _PIPE_BYTES = 1 << 20
 _WRITE_AHEAD = 8 << 20  # bytes the caller may have written ahead of the child
 
 
-class _Deferred:
-    def __repr__(self) -> str:
-        return "DEFERRED"
-
-
-DEFERRED: Any = _Deferred()
-"""An ``anchor`` given later (:meth:`BatchVerifier.trust`): ``dsec audit verify`` forks its
-verifier before it reads its settings (a tenth of a second of imports), so the child loads the
-verifier meanwhile."""
-
-
 class VerifierFailed(RuntimeError):
     """The verifier process failed (its error, or that it ended without a report)."""
 
 
 class BatchVerifier(Protocol):
     """What ``dsec audit verify`` feeds: batches in stream order, then :meth:`finish`."""
-
-    def trust(self, anchor: bytes | None) -> None:
-        """The operator root to trust (once, before :meth:`feed`), where it was
-        :data:`DEFERRED` when the verifier was opened."""
 
     async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
         """Verify a batch; True once a finding holds (what follows changes nothing)."""
@@ -78,24 +63,9 @@ class InlineVerifier:
     """:class:`BatchVerifier` in the caller's process (short streams; no ``os.fork``)."""
 
     def __init__(self, anchor: bytes | None, signature_every: int = SIGNATURE_EVERY) -> None:
-        self._signature_every = signature_every
-        self._verifier: Any = None
-        if anchor is not DEFERRED:
-            self.trust(anchor)
-
-    def trust(self, anchor: bytes | None) -> None:
         from dsec_core.audit import Verifier
 
-        if self._verifier is not None:
-            raise RuntimeError("the verifier has its trust root already")
-        self._verifier = Verifier(anchor, self._signature_every)
-
-    @property
-    def verifier(self) -> Any:
-        """The :class:`~dsec_core.audit.Verifier` (once :meth:`trust` gave its root)."""
-        if self._verifier is None:
-            raise RuntimeError("no trust root given to the verifier (trust)")
-        return self._verifier
+        self.verifier = Verifier(anchor, signature_every)
 
     async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
         verifier = self.verifier
@@ -106,8 +76,7 @@ class InlineVerifier:
         return False
 
     async def finish(self) -> VerifyReport:
-        report: VerifyReport = self.verifier.finish()
-        return report
+        return self.verifier.finish()
 
     def close(self) -> None:
         pass
@@ -140,9 +109,8 @@ class _Drain(asyncio.Protocol):
 class VerifierWorker:
     """:class:`BatchVerifier` in a forked child process (forked when constructed).
 
-    The caller writes the trust root first (:meth:`trust`, or ``anchor`` here), then each batch
-    (with each envelope's chain hash, pickled, length-prefixed) into a pipe without waiting for
-    the child to take it (up to a few MB ahead), and reads on.
+    The caller writes each batch (with each envelope's chain hash, pickled, length-prefixed)
+    into a pipe without waiting for the child to take it (up to a few MB ahead), and reads on.
     The child writes one byte as soon as a finding holds (:meth:`feed` then returns True) and
     its report once its input ends.
     """
@@ -160,7 +128,7 @@ class VerifierWorker:
             try:
                 os.close(data_w)
                 os.close(result_r)
-                _serve(data_r, result_w)
+                _serve(data_r, result_w, anchor, signature_every)
                 code = 0
             finally:
                 os._exit(code)
@@ -172,24 +140,9 @@ class VerifierWorker:
         self._transport: asyncio.WriteTransport | None = None
         self._drain: _Drain | None = None
         self._hasher = blake3.blake3()
-        self._signature_every = signature_every
-        self._trusted = False
         self.found = False
-        if anchor is not DEFERRED:
-            self.trust(anchor)
-
-    def trust(self, anchor: bytes | None) -> None:
-        if self._trusted:
-            raise RuntimeError("the verifier has its trust root already")
-        if self._data_fd is None:
-            raise VerifierFailed("the verifier process was closed")
-        # (a few bytes into an empty pipe: the write does not wait)
-        _write_all(self._data_fd, _frame((anchor, self._signature_every)))
-        self._trusted = True
 
     async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
-        if not self._trusted:
-            raise RuntimeError("no trust root given to the verifier (trust)")
         if self._transport is None:
             if self._data_fd is None:
                 raise VerifierFailed("the verifier process was closed")
@@ -210,7 +163,9 @@ class VerifierWorker:
             update(data)
             add((seq, data, hexdigest()))
             reset()
-        self._transport.write(_frame(hashed))
+        blob = pickle.dumps(hashed, protocol=pickle.HIGHEST_PROTOCOL)
+        self._transport.write(len(blob).to_bytes(4, "big"))
+        self._transport.write(blob)
         try:
             await self._drain.drain()
         except OSError:  # the child is gone: finish() says why
@@ -225,8 +180,6 @@ class VerifierWorker:
     async def finish(self) -> VerifyReport:
         """End the child's input; its report (raises :class:`VerifierFailed` if the child
         failed)."""
-        if not self._trusted:
-            raise RuntimeError("no trust root given to the verifier (trust)")
         if self._transport is not None:
             self._transport.close()  # after what is buffered is written
             self._transport = None
@@ -277,8 +230,7 @@ def open_verifier(
 ) -> BatchVerifier:
     """A :class:`VerifierWorker` where ``os.fork`` exists and ``expected_events`` is unknown
     (``None``: fork first, before connecting, so the child loads the verifier while the caller
-    reads) or >= :data:`WORKER_MIN_EVENTS`; else an :class:`InlineVerifier`. ``anchor``
-    :data:`DEFERRED`: given later, with :meth:`~BatchVerifier.trust`."""
+    reads) or >= :data:`WORKER_MIN_EVENTS`; else an :class:`InlineVerifier`."""
     long = expected_events is None or expected_events >= WORKER_MIN_EVENTS
     if long and hasattr(os, "fork"):
         try:
@@ -286,11 +238,6 @@ def open_verifier(
         except OSError:  # no process or pipe to be had (limits): verify in this one
             pass
     return InlineVerifier(anchor, signature_every)
-
-
-def _frame(value: Any) -> bytes:
-    blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    return len(blob).to_bytes(4, "big") + blob
 
 
 def _read_all(fd: int) -> bytes:
@@ -306,9 +253,8 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _serve(data_fd: int, result_fd: int) -> None:
-    """The child: verify the batches read from ``data_fd`` (after the trust root and how often
-    to check signatures); the report to ``result_fd``."""
+def _serve(data_fd: int, result_fd: int, anchor: bytes | None, signature_every: int) -> None:
+    """The child: verify the batches read from ``data_fd``; the report to ``result_fd``."""
     with contextlib.suppress(ValueError, OSError):  # the caller's event loop is not the child's
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it with its caller
@@ -320,14 +266,10 @@ def _serve(data_fd: int, result_fd: int) -> None:
             from dsec_core.audit import Verifier  # (meanwhile the caller reads ahead)
         finally:
             gc.enable()
+        verifier = Verifier(anchor, signature_every)
+        feed = verifier.feed
         told = False
         with open(data_fd, "rb", buffering=_PIPE_BYTES) as src, fewer_collections():
-            head = src.read(4)
-            if len(head) != 4:
-                raise EOFError("no trust root came (the caller stopped)")
-            anchor, signature_every = pickle.loads(src.read(int.from_bytes(head, "big")))
-            verifier = Verifier(anchor, signature_every)
-            feed = verifier.feed
             while len(head := src.read(4)) == 4:
                 batch = pickle.loads(src.read(int.from_bytes(head, "big")))
                 if verifier.report.finding is not None:

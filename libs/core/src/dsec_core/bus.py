@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from dsec_core.signing import Sealed, Signer
 
 # The event models, identities and signatures (a third of a second of imports) load on first
-# use: `dsec audit verify`'s reader replays the stream without them (its forked verifier loads
-# them).
+# use: `dsec audit verify` replays the stream without them (its reader, and its forked verifier,
+# which reads key events with dsec_core.eventbase alone).
 
 log = logging.getLogger(__name__)
 

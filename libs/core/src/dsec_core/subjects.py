@@ -61,5 +61,9 @@ def filter_for(event_type: str, aggregate_id: str = "*") -> str:
 
 
 def aggregate_filter(aggregate: str, aggregate_id: str) -> str:
-    """Return the filter for every event of one aggregate, e.g. one sandbox."""
+    """Return the filter for every event of one aggregate, e.g. one sandbox
+    (:class:`InvalidSubjectToken` for an id that cannot be one subject token)."""
+    problem = token_problem(aggregate_id)
+    if problem is not None:
+        raise InvalidSubjectToken(problem)
     return f"{ROOT}.{aggregate}.{aggregate_id}.>"

@@ -245,15 +245,13 @@ def verify(
     one the manifest lists is tampering, and where the live stream still holds the archive's
     last sequence it must be the message the manifest records.
     """
-    from dsec_core.audit_worker import DEFERRED, open_verifier
+    from dsec_core.audit_worker import open_verifier
 
+    anchor = trust_anchor()
     # The verifier is forked first, on a core of its own: it loads the signature checks while
-    # this process reads its settings (the trust root it then hands over), connects and reads
-    # the log.
-    verifier = open_verifier(DEFERRED)
+    # this process connects and reads the log.
+    verifier = open_verifier(anchor)
     try:
-        anchor = trust_anchor()
-        verifier.trust(anchor)
         source = _archive_source(bucket, anchor) if archive else None
         report = run(_verify(verifier, source))
     except VerifierFailed as exc:
@@ -299,9 +297,13 @@ def verify(
 
 async def _replay(sandbox: str | None, types: list[str], since: str | None, as_json: bool) -> int:
     from dsec_core.bus import replay
+    from dsec_core.subjects import InvalidSubjectToken
 
     since_t = parse_since(since) if since else None
-    filt = aggregate_filter("sandbox", sandbox) if sandbox else ALL_EVENTS
+    try:
+        filt = aggregate_filter("sandbox", sandbox) if sandbox else ALL_EVENTS
+    except InvalidSubjectToken as exc:
+        fail(f"--sandbox: {exc}", EXIT_BAD_INPUT)
     shown = 0
     async with bus() as (_, js):
         async for seq, data in replay(js, filter_subject=filt):

@@ -25,11 +25,14 @@ async def _tail(
     types: list[str], sandbox: str | None, from_start: bool, as_json: bool, count: int | None
 ) -> None:
     from dsec_core.bus import follow
-    from dsec_core.subjects import ALL_EVENTS, STREAM, aggregate_filter
+    from dsec_core.subjects import ALL_EVENTS, STREAM, InvalidSubjectToken, aggregate_filter
 
     from dsec_cli.render import decode_or_warn, event_json, event_line
 
-    filt = aggregate_filter("sandbox", sandbox) if sandbox else ALL_EVENTS
+    try:
+        filt = aggregate_filter("sandbox", sandbox) if sandbox else ALL_EVENTS
+    except InvalidSubjectToken as exc:
+        fail(f"--sandbox: {exc}", EXIT_BAD_INPUT)
     shown = 0
     async with bus() as (_, js):
         info = await js.stream_info(STREAM)
