@@ -79,7 +79,8 @@ def test_an_agent_sees_only_its_socket_directory_and_the_sdk(tmp_path: Path) -> 
     assert env["DSEC_IPC_SOCKET"] == "/run/dsec/ipc/ipc.sock"
     assert env["DSEC_AGENT_NAME"] == "researcher"  # the spec's own env cannot rename it
     assert env["DSEC_TASK_GROUP"] == "team"
-    assert env["PYTHONPATH"] == "/opt/dsec/semantic:/opt/dsec/sdk"
+    assert env["PYTHONPATH"] == "/opt/dsec/sdk"
+    assert env["PYTHONUSERBASE"] == "/opt/dsec/user"
     assert env["DSEC_SDK_DEPS"] == "/opt/dsec/sdk-deps"
     assert {"/opt/dsec/sdk", "/opt/dsec/sdk-deps"} <= set(built["landlock"]["read"])
     assert not any(p.startswith("/run/dsec") for p in built["landlock"]["write"])

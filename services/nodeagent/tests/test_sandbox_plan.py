@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 from pydantic import SecretStr, ValidationError
@@ -85,17 +85,28 @@ def test_a_mount_nobody_may_read_is_warned_about(tmp_path: Path) -> None:
     assert result.warnings == ["mount /data is not under read_allowed: the sandbox cannot read it"]
 
 
+def _two_mounts(tmp_path: Path, first: str, second: str) -> SandboxConfig:
+    """A config mounting one source directory at two targets."""
+    (tmp_path / "a").mkdir(exist_ok=True)
+    mounts = [Mount(source=tmp_path / "a", target=t) for t in (first, second)]
+    return _config(tmp_path, mounts=mounts)
+
+
 def test_a_mount_inside_another_is_refused_naming_both(tmp_path: Path) -> None:
-    (tmp_path / "a").mkdir()
-    config = _config(
-        tmp_path,
-        mounts=[
-            Mount(source=tmp_path / "a", target="/w"),
-            Mount(source=tmp_path / "a", target="/w/x/y"),
-        ],
-    )
+    config = _two_mounts(tmp_path, "/w", "/w/x/y")
     with pytest.raises(plan.PlanError, match="/w/x/y lies inside the mount at /w"):
         plan.build(config, VIEW, _host(tmp_path), FACTS, uid=1)
+
+
+def test_the_overlap_check_tells_a_parent_directory_from_a_name_prefix(tmp_path: Path) -> None:
+    built = plan.build(_two_mounts(tmp_path, "/w", "/wide/x"), VIEW, _host(tmp_path), FACTS, 1)
+    layout = built.plan["layout"]
+    assert {"/w", "/wide/x"} <= {e["path"] for e in layout}
+    depths = [len(PurePosixPath(e["path"]).parts) for e in layout]
+    assert depths == sorted(depths)  # parents are made before what lies in them
+    deep = _two_mounts(tmp_path, "/w/x", "/w/x/y/z")
+    with pytest.raises(plan.PlanError, match="/w/x/y/z lies inside the mount at /w/x;"):
+        plan.build(deep, VIEW, _host(tmp_path), FACTS, uid=1)
 
 
 def test_missing_mount_source_names_the_mount(tmp_path: Path) -> None:

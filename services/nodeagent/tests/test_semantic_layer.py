@@ -27,6 +27,7 @@ from _dsec_sandbox_testkit import (
 )
 from dsec_core.spec.loader import load_spec
 
+from dsec_nodeagent.sandbox.plan import RULES_FILE, encode_rules
 from dsec_nodeagent.semantic import compile_rules, rules_from_spec, site_dir
 
 RUNTIME_FILE = site_dir() / "dsec_semantic_runtime.py"
@@ -146,8 +147,9 @@ def test_rate_limit_counts_requests_not_connections() -> None:
 @pytest.mark.unit
 def test_the_layer_loads_its_rules_without_json_and_denies_on_first_use(tmp_path: Path) -> None:
     # It runs at every sandboxed interpreter's start: json, fnmatch (re) and _socket wait for
-    # the first rule match or report. A fresh interpreter (no site, no PYTHON* variables) shows
-    # what it imported.
+    # the first rule match or report; the rules come as marshal (no _json), the rate limits'
+    # deque from _collections (not the collections package), and no __future__ import. A fresh
+    # interpreter (no site, no PYTHON* variables) shows what it imported.
     rules = compile_rules(
         {
             "rules": [
@@ -157,14 +159,15 @@ def test_the_layer_loads_its_rules_without_json_and_denies_on_first_use(tmp_path
             "rate_limits": [{"name": "api", "host": "api.test", "requests": 2, "period_s": 60}],
         }
     )
-    rules_file = tmp_path / "rules.json"
-    rules_file.write_text(json.dumps(rules))
+    rules_file = tmp_path / RULES_FILE
+    rules_file.write_bytes(encode_rules(rules))
     program = (
         "import sys\n"
         f"sys.path.insert(0, {str(site_dir())!r})\n"
         "import dsec_semantic_runtime as r\n"
         f"engine = r.install({str(rules_file)!r}, None)\n"
-        "late = sorted({'json', 'fnmatch', 're', '_socket'} & set(sys.modules))\n"
+        "late = {'json', '_json', 'collections', '__future__', 'fnmatch', 're', '_socket'}\n"
+        "late = sorted(late & set(sys.modules))\n"
         "try:\n"
         "    open('/etc/hostname')\n"
         "    denied = False\n"
@@ -352,7 +355,9 @@ async def test_rules_apply_inside_the_sandbox_and_every_decision_is_reported(
                 SANDBOX_CODE,
                 tmp_path,
                 semantic_rules=rules,
-                env={"PORT": str(http_server)},
+                # a spec's own import path: the layer does not ride on PYTHONPATH, so this
+                # cannot switch it off (it did before 2026-12-04)
+                env={"PORT": str(http_server), "PYTHONPATH": "/workspace/code"},
             ),
         )
         decisions = await recorder.wait_decisions(7)

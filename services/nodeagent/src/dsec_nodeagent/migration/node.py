@@ -57,6 +57,7 @@ from dsec_nodeagent.ipc.registry import AgentKey
 from dsec_nodeagent.migration import criu
 from dsec_nodeagent.sandbox import quota
 from dsec_nodeagent.sandbox.models import Limits
+from dsec_nodeagent.sandbox.plan import RULES_FILE
 from dsec_nodeagent.state.handover import FINAL_TIMEOUT_S, RECORDS_FRAME_BYTES, CgroupFreezer
 from dsec_nodeagent.state.keeper import StateKey
 
@@ -84,7 +85,7 @@ RECOVER_S = 90.0
 """Path ``handover``: how long the target's sandbox may take to start and open its state."""
 
 
-RUN_FILES = ("rules.json",)
+RUN_FILES = (RULES_FILE,)
 """Files of the source's run dir the root view binds (the semantic layer's rules)."""
 
 

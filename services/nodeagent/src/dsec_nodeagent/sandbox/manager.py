@@ -442,8 +442,8 @@ class SandboxManager:
         ipc_dir = self._ipc_dir(config, run_dir)
         rules_path = None
         if config.semantic_rules is not None:
-            rules_path = run_dir / "rules.json"
-            rules_path.write_text(json.dumps(config.semantic_rules))
+            rules_path = run_dir / plan.RULES_FILE
+            rules_path.write_bytes(plan.encode_rules(config.semantic_rules))
         host = plan.HostPaths(
             root=run_dir / "root",
             exit_path=run_dir / "exit.json",
@@ -1339,7 +1339,7 @@ async def _settled(task: asyncio.Future[None] | None) -> None:
 
 
 def _compile_sandbox_site() -> None:
-    """Bring the bytecode of the in-sandbox ``sitecustomize`` up to date (once per manager).
+    """Bring the bytecode of the in-sandbox ``usercustomize`` up to date (once per manager).
 
     Sandboxes see that directory read-only: with a stale or missing ``.pyc`` every sandboxed
     interpreter would compile the semantic layer again at its start (milliseconds each). An

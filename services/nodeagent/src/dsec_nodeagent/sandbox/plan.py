@@ -6,9 +6,10 @@ Landlock sets and the workload's environment are decided here, so they can be un
 
 from __future__ import annotations
 
+import marshal
 import os
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from dsec_nodeagent.sandbox.discovery import RuntimeView
@@ -17,10 +18,14 @@ from dsec_nodeagent.sandbox.models import SandboxConfig
 
 ENV_TARGET = "/opt/dsec/env"
 SEMANTIC_TARGET = "/opt/dsec/semantic"
+USER_BASE_TARGET = "/opt/dsec/user"
+"""The sandbox's ``PYTHONUSERBASE``: its user site-packages links to :data:`SEMANTIC_TARGET`."""
 SDK_TARGET = "/opt/dsec/sdk"
 SDK_DEPS_TARGET = "/opt/dsec/sdk-deps"
 RUN_TARGET = "/run/dsec"
-RULES_TARGET = f"{RUN_TARGET}/rules.json"
+RULES_FILE = "rules.marshal"
+"""The semantic layer's rules in a sandbox's run directory (:func:`encode_rules`)."""
+RULES_TARGET = f"{RUN_TARGET}/{RULES_FILE}"
 EVENTS_TARGET = f"{RUN_TARGET}/events.sock"
 IPC_TARGET = f"{RUN_TARGET}/ipc"
 IPC_SOCKET_NAME = "ipc.sock"
@@ -41,7 +46,7 @@ class HostPaths:
         root: empty directory the new root tmpfs is mounted on (inside the sandbox's mount ns).
         exit_path: where the supervisor writes ``exit.json``.
         data_dir: per-sandbox data (backing dirs of ``write_allowed`` paths).
-        semantic_site: directory holding ``sitecustomize.py`` of the semantic layer.
+        semantic_site: directory holding ``usercustomize.py`` of the semantic layer.
         rules_path: the sandbox's semantic rules file, or ``None``.
         events_socket: the node agent's datagram socket for semantic decisions, or ``None``.
         ipc_dir: a directory holding only a link to the IPC broker's socket (shown at
@@ -92,6 +97,22 @@ def _under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
+def _depth(path: str) -> int:
+    """``len(PurePosixPath(path).parts)``, without building the path object (every start sorts
+    its layout by it)."""
+    return sum(1 for part in path.split("/") if part and part != ".") + path.startswith("/")
+
+
+def _ancestors(path: str) -> list[str]:
+    """Every directory ``path`` lies strictly inside, ``/`` last ("/a/b/c": "/a/b", "/a", "/")."""
+    found = []
+    head = path.rstrip("/")
+    while "/" in head:
+        head = head.rsplit("/", 1)[0]
+        found.append(head or "/")
+    return found
+
+
 def _slug(path: str) -> str:
     return path.strip("/").replace("/", "__") or "root"
 
@@ -125,8 +146,11 @@ def build(
     layout = _runtime_entries(runtime, config)
     layout += _declared_entries(config, host, result)
     layout += _system_entries(host, uid, layout, config)
+    layout.append(
+        {"kind": "symlink", "path": user_site(runtime.version), "target": SEMANTIC_TARGET}
+    )
     _check_overlaps(layout)
-    layout.sort(key=lambda e: PurePosixPath(e["path"]).parts.__len__())
+    layout.sort(key=lambda e: _depth(e["path"]))
     read, write = _landlock_sets(config, runtime, host, layout, result)
     result.plan = {
         "sandbox_id": config.sandbox_id,
@@ -281,14 +305,20 @@ def _communication_entries(host: HostPaths) -> list[dict[str, Any]]:
 
 def _check_overlaps(layout: list[dict[str, Any]]) -> None:
     seen: dict[str, dict[str, Any]] = {}
-    mounts = [e for e in layout if e["kind"] in ("bind", "tmpfs", "proc", "dev")]
+    # Mounts by their path (a trailing "/" dropped): an entry's strict ancestors are looked up,
+    # not every mount tried against every entry.
+    mounts: dict[str, list[dict[str, Any]]] = {}
+    for entry in layout:
+        if entry["kind"] in ("bind", "tmpfs", "proc", "dev"):
+            mounts.setdefault(entry["path"].rstrip("/") or "/", []).append(entry)
     for entry in layout:
         path = entry["path"]
         if path in seen and entry["kind"] != "dir":
             raise PlanError(f"{path} is the target of two mounts")
         seen[path] = entry
-        for outer in mounts:
-            if outer is entry or not _under(path, outer["path"]) or path == outer["path"]:
+        outers = [o for a in _ancestors(path) for o in mounts.get(a, ())]
+        for outer in outers:
+            if outer is entry or path == outer["path"]:
                 continue
             rel = os.path.relpath(path, outer["path"])
             src = outer.get("src")
@@ -340,6 +370,18 @@ def _argv(config: SandboxConfig, runtime: RuntimeView) -> list[str]:
     return [first, *rest]
 
 
+def encode_rules(rules: dict[str, Any]) -> bytes:
+    """The rules file's bytes: the compiled rules (JSON types only) as ``marshal`` format 4,
+    which the sandbox's interpreter reads without loading a module (any Python 3.4+)."""
+    return marshal.dumps(rules, 4)
+
+
+def user_site(version: str) -> str:
+    """The user site-packages directory of a CPython ``version`` ("3.11") in the sandbox
+    (``site.getusersitepackages()`` with ``PYTHONUSERBASE`` set to :data:`USER_BASE_TARGET`)."""
+    return f"{USER_BASE_TARGET}/lib/python{version}/site-packages"
+
+
 def workload_env(config: SandboxConfig, runtime: RuntimeView, host: HostPaths) -> dict[str, str]:
     """The workload's environment (secret values included; never persist the result)."""
     bin_dirs = [os.path.dirname(runtime.executable), "/usr/bin", "/bin"]
@@ -347,7 +389,8 @@ def workload_env(config: SandboxConfig, runtime: RuntimeView, host: HostPaths) -
         "PATH": ":".join(bin_dirs),
         "HOME": "/tmp",
         "LANG": "C.UTF-8",
-        "PYTHONPATH": SEMANTIC_TARGET,
+        # (the semantic layer's usercustomize: see dsec_nodeagent/semantic/sandbox_site)
+        "PYTHONUSERBASE": USER_BASE_TARGET,
         "PYTHONDONTWRITEBYTECODE": "1",
         "DSEC_SANDBOX_ID": config.sandbox_id,
     }
@@ -361,7 +404,7 @@ def workload_env(config: SandboxConfig, runtime: RuntimeView, host: HostPaths) -
     if host.events_socket is not None:
         env["DSEC_SEMANTIC_SOCKET"] = EVENTS_TARGET
     if host.sdk_packages:
-        env["PYTHONPATH"] += f":{SDK_TARGET}"
+        env["PYTHONPATH"] = SDK_TARGET
     if host.sdk_fallbacks:
         env["DSEC_SDK_DEPS"] = SDK_DEPS_TARGET
     env.update(config.env)

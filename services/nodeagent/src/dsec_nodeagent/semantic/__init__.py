@@ -1,18 +1,20 @@
 """The semantic layer: rules the sandbox's Python applies to its own calls, and their reports.
 
-The in-sandbox half lives in ``sandbox_site/`` (standard library only, ``sitecustomize.py`` on
-the sandbox's path); this package is the node agent's half.
+The in-sandbox half lives in ``sandbox_site/`` (standard library only, ``usercustomize.py`` in
+the sandbox interpreter's user site directory); this package is the node agent's half.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 __all__ = ["compile_rules", "rules_from_plan", "rules_from_spec", "site_dir"]
 
 
+@functools.cache
 def site_dir() -> Path:
-    """Directory holding the in-sandbox ``sitecustomize.py`` (mounted read-only)."""
+    """Directory holding the in-sandbox ``usercustomize.py`` (mounted read-only)."""
     return Path(__file__).resolve().parent / "sandbox_site"
 
 
