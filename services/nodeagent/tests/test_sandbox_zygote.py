@@ -9,6 +9,7 @@ zygote leaking into a sandbox.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -28,7 +29,7 @@ from dsec_nodeagent.sandbox.zygote import PendingFork
 pytestmark = [pytest.mark.kernel]
 
 PROBE = r"""
-import json, os
+import json, locale, os
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):
@@ -51,6 +52,7 @@ print(json.dumps({
     "cap_eff": status("CapEff"),
     "uid": os.getuid(),
     "cgroup": open("/proc/self/cgroup").read(),
+    "ctype": locale.setlocale(locale.LC_CTYPE, ""),
 }), flush=True)
 """
 
@@ -130,6 +132,32 @@ async def test_a_zygote_sandbox_keeps_every_layer_and_inherits_nothing_of_the_ag
     assert int(report["cap_eff"], 16) == 0
     assert report["uid"] != 0
     assert "/dsec/node-1/zyg-probe" in report["cgroup"]
+    if os.path.isdir("/usr/lib/locale/C.utf8"):  # the LANG it is given exists in its view
+        assert report["ctype"] == "C.UTF-8"
+
+
+async def test_sandboxes_run_on_every_cpu_the_node_agent_may_use(tmp_path: Path) -> None:
+    # The launch keeps init off the node agent's CPU for one wake-up (zygote._elsewhere); init
+    # widens its mask again at once. Neither it nor the workload keeps the narrowed mask: the
+    # first launch (its init forked at the launch) and the second (init forked ahead) alike.
+    cpus = sorted(os.sched_getaffinity(0))
+    code = "import json, os; print(json.dumps(sorted(os.sched_getaffinity(0))), flush=True)\n"
+    async with managed(tmp_path / "home") as manager:
+        for index in range(2):
+            sid = f"zyg-cpus-{index}"
+            await manager.launch(
+                snippet_config(sid, code + "import time; time.sleep(60)\n", tmp_path)
+            )
+            state = manager.states.read(sid)
+            assert state is not None
+            assert sorted(os.sched_getaffinity(state["init_pid"])) == cpus
+            stdout = Path(manager.log_paths(sid)[0])
+            deadline = time.monotonic() + 60
+            while not stdout.read_text().strip() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert json.loads(stdout.read_text()) == cpus
+            await manager.stop(sid, grace_s=0.5)
+            await manager.settle()  # the next launch takes the shell forked ahead
 
 
 async def test_a_dead_zygote_is_replaced_and_its_sandboxes_live_on(tmp_path: Path) -> None:
@@ -354,6 +382,7 @@ async def test_a_shell_made_ahead_holds_no_mounts_serves_one_launch_and_goes_at_
         await manager.stop("zyg-third", grace_s=1.0)
         spare = await _next_shell(manager)
         assert spare is not shell
+        await spare.forked()  # (made by a timer: its fork may still be on its way)
     assert spare.pid is not None
     deadline = time.monotonic() + 30
     while os.path.exists(f"/proc/{spare.pid}") and time.monotonic() < deadline:

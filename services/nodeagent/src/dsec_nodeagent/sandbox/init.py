@@ -46,16 +46,23 @@ if TYPE_CHECKING:
 
 
 class _Reporter:
-    """JSON lines on the report pipe; each line is one atomic write (< PIPE_BUF)."""
+    """One record per line on the report pipe; each line is one atomic write (< PIPE_BUF).
+
+    JSON where ``json`` is loaded already (the zygote imports it once: the node agent reads a
+    line in ~2 µs, right as the sandbox's workload starts), else a Python literal (a pre-exec
+    stage started as a fresh interpreter does without the import; the node agent reads those
+    with ``ast.literal_eval``, ~20 µs a line)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        json = sys.modules.get("json")
+        self._encode = json.dumps if json is not None else repr
 
     def send(self, **record: Any) -> None:
         if self.fd < 0:
             return
         try:
-            os.write(self.fd, (repr(record) + "\n").encode())
+            os.write(self.fd, (self._encode(record) + "\n").encode())
         except OSError:
             self.fd = -1  # the node agent went away; the sandbox still runs
 
@@ -122,6 +129,7 @@ def prepare(root: str, inherited: list[int] | None = None) -> Prepared:
     import _socket  # the listener's hand-over; imported once, before the forks
 
     start = time.monotonic_ns()
+    cpus = os.sched_getaffinity(0)  # init's, to widen back to (see _init_main)
     syscalls.unshare(syscalls.CLONE_NEWPID)
     status_r, status_w = os.pipe()
     holder, holder_peer = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
@@ -139,7 +147,7 @@ def prepare(root: str, inherited: list[int] | None = None) -> Prepared:
             os.dup2(err_w, 2)
             os.close(out_w)
             os.close(err_w)
-            _init_main(root, status_w, holder_peer.detach(), plan_peer.detach())
+            _init_main(root, status_w, holder_peer.detach(), plan_peer.detach(), cpus)
         finally:
             os._exit(126)
     os.close(status_w)
@@ -414,10 +422,10 @@ MOUNT_NOW = b"m"
 view's plan-independent part now."""
 
 
-def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
+def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int, cpus: set[int]) -> None:
     """Pid 1 of the sandbox: the plan-independent namespaces and mounts, then (once the plan
     and the report pipe came over ``plan_fd``) cgroups, the rest of the root view, the
-    workload. Never returns."""
+    workload. ``cpus``: the CPU affinity it was forked with. Never returns."""
     error = None
     ns_ns = mounts_ns = 0
     try:
@@ -426,12 +434,24 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
         ns_ns = time.monotonic_ns() - start
     except BaseException as exc:  # reported once there is a report pipe
         error = _describe(exc)
+    # The workload's process, forked now (for a shell made ahead: long before its launch), so
+    # the fork is not on the start's path; it joins init's mount namespace once there is one.
+    early: tuple[int, Any] | None = None
+    if error is None:
+        try:
+            early = _fork_early([status_w, plan_fd], holder_fd, cpus)
+        except BaseException:  # forked after the plan instead (a failure there is reported)
+            early = None
     # The host's mount tree is copied only at the word "m" (MOUNT_NOW): a shell made before its
     # launch (SandboxManager's pooled one) holds no copy of the host's mounts while it waits,
     # and its copy is as fresh as the launch's own (its disk quota mounted before the word).
     try:
         if os.read(plan_fd, 1) != MOUNT_NOW:
             os._exit(126)
+        # The node agent may have kept init off its own CPU for this wake-up (a hint: see
+        # cpuhint.elsewhere); the mask init was forked with, back at once, before anything
+        # forks from init. It can fail only if none of those CPUs is left: then every CPU.
+        _widen(cpus)
     except BaseException:
         os._exit(126)
     if error is None:
@@ -444,6 +464,22 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
             mounts_ns = time.monotonic_ns() - start
         except BaseException as exc:
             error = _describe(exc)
+    # The workload's process resolves its Landlock paths from this fd: it holds the root view's
+    # tmpfs mount whether or not init has pivoted to it by then.
+    root_fd = -1
+    if error is None:
+        try:
+            root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except BaseException as exc:
+            error = _describe(exc)
+    if early is not None:
+        try:  # the early process joins this mount namespace now, while the node agent plans
+            if error is not None:
+                raise RuntimeError(error)
+            _join_early(early[1], root_fd)
+        except BaseException:  # EOF: it exits having run nothing (reaped as any orphan)
+            early[1].close()
+            early = None
     try:
         data, fds = _receive_plan(plan_fd, 2)
     except BaseException:
@@ -465,13 +501,30 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
         syscalls.sethostname(plan["hostname"])
         # Each layer's whole time, the part made before the plan included (a span that long).
         report.send(stage="namespaces", start_ns=start - ns_ns, end_ns=time.monotonic_ns())
-        # The workload's process is forked now, its fork beside the binds below; it runs nothing
-        # until init's word (written once it is in the cgroups and the root view is in place);
-        # if init dies first, the pid namespace ends with it.
-        workload, begin_w = _fork_workload(plan, report, holder_fd, [status_w, go])
+        # The workload's process: forked ahead (it gets the plan now), or now when it could
+        # not be (its network namespace is the one just made; a plan too large for one
+        # message). It runs nothing until init's word (written once it is in the cgroups and
+        # the root view is in place); if init dies first, the pid namespace ends with it.
+        if early is not None and not plan["unshare_net"] and len(data) <= EARLY_PLAN_MAX:
+            import _socket  # (loaded already: prepare() imported it)
+
+            workload, sock = early
+            early = None
+            rights = report.fd.to_bytes(4, sys.byteorder)
+            sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
+            begin_w = sock.detach()
+        else:
+            if early is not None:  # EOF: it exits having run nothing (reaped as any orphan)
+                early[1].close()
+                early = None
+            workload, begin_w = _fork_workload(plan, report, holder_fd, [status_w, go], root_fd)
+        os.close(root_fd)
         start = time.monotonic_ns()
         bind_root(plan, root)
         mounts_ns += time.monotonic_ns() - start
+        # The root view is bound: the workload's process builds its Landlock ruleset in it
+        # while init joins the cgroups and pivots (it enforces it after the word below).
+        os.write(begin_w, BOUND)
         if go >= 0:  # the node agent made the cgroups meanwhile: wait for its word
             told = os.read(go, 1)
             os.close(go)
@@ -492,7 +545,7 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int) -> None:
             _sandbox_null_stdin()
         report.send(stage="mounts", start_ns=start - mounts_ns, end_ns=time.monotonic_ns())
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
-        os.write(begin_w, b"1")
+        os.write(begin_w, BEGIN)
         os.close(begin_w)
     except BaseException as exc:  # report every failure, then die: nothing else can
         report.send(error=_describe(exc) if error is None else error, stage="init")
@@ -513,16 +566,18 @@ def _sandbox_null_stdin() -> None:
     os.close(null)
 
 
-def _fork_workload(
-    plan: Plan, report: _Reporter, holder_fd: int, init_only: list[int]
-) -> tuple[int, int]:
-    """Fork the workload's process; ``(its pid, the write end of its begin pipe)``.
+BOUND = b"b"
+"""Init to the workload's process: the root view is bound (at ``root``, not yet pivoted to)."""
+BEGIN = b"1"
+"""Init to the workload's process: cgroups joined, root view in place: go on to execve."""
 
-    The child closes init's own fds (``init_only``) and waits for one byte on the pipe: init
-    writes it once the child is in the sandbox's cgroups (init moves it there with itself) and
-    the root view is in place (pivot_root moved the child's root and cwd too). EOF instead: init
-    failed, and the child exits having run nothing.
-    """
+
+def _fork_workload(
+    plan: Plan, report: _Reporter, holder_fd: int, init_only: list[int], root_fd: int
+) -> tuple[int, int]:
+    """Fork the workload's process once the plan is here; ``(its pid, the write end of its
+    begin pipe)``: the child closes init's own fds (``init_only``), then
+    :func:`_workload_main`. Where it could be forked ahead, :func:`_fork_early` did."""
     begin_r, begin_w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -533,29 +588,120 @@ def _fork_workload(
                     os.close(fd)
         except BaseException:
             os._exit(126)
-        # What needs neither the cgroups nor the root view, done while init binds the root view
-        # (on another CPU): the capability bounding set, limits, no_new_privs, the seccomp
-        # filter. The rest (cwd, uid, Landlock: they need the root view) waits for the word.
-        try:
-            syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
-            _confine_early(plan, report, holder_fd)
-        except BaseException:  # (_confine_early reports its own failures, then exits)
-            os._exit(127)
-        try:
-            told = os.read(begin_r, 1)
-            os.close(begin_r)
-        except BaseException:
-            os._exit(126)
-        if not told:
-            os._exit(126)
-        try:  # as init is by now: no file of the host's mount tree on stdin (not dumpable: above)
-            if plan.get("reaper_exec") and not plan.get("tty"):
-                _sandbox_null_stdin()
-        except BaseException:
-            os._exit(126)
-        _exec_workload(plan, report)
+        _workload_main(plan, report, holder_fd, begin_r, root_fd)
     os.close(begin_r)
     return pid, begin_w
+
+
+EARLY_PLAN_MAX = 1 << 16
+"""The largest plan (marshalled) init hands to a workload process forked ahead; a larger one
+goes to a process forked after it (a plan is ~8 KB; its seccomp program is most of it)."""
+
+
+def _widen(cpus: set[int]) -> None:
+    """This process's CPU affinity back to ``cpus``; every CPU if none of them is left."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+
+
+def _fork_early(init_only: list[int], holder_fd: int, cpus: set[int]) -> tuple[int, Any]:
+    """Fork the workload's process before its launch: ``(its pid, init's end of a
+    SOCK_SEQPACKET pair)``. It closes init's own fds (``init_only``) at once and holds nothing
+    of the node agent while it waits. Over the pair come, as messages: init's mount namespace
+    and the root view's fd (:func:`_join_early`), then the marshalled plan with the report pipe
+    (SCM_RIGHTS), then the words of :func:`_workload_main`. EOF at any point (the launch was
+    given up; the plan needs a network namespace this process is not in): it exits having run
+    nothing.
+
+    Init forks it before its launch's word (a shell made ahead), so the fork (a copy of a
+    Python process, ~0.4 ms on the project's VM) is not on the start's path. It shares init's
+    pid, IPC and UTS namespaces from the fork on. ``cpus``: the CPU affinity init was forked
+    with, set again at once (the node agent's hint may have narrowed init's before the fork)."""
+    import _socket
+
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ours.close()
+            for fd in init_only:
+                if fd >= 0:
+                    os.close(fd)
+            _widen(cpus)
+            word, fds = _recv_fds(theirs, 16, 2)
+            if word != JOIN or len(fds) != 2:
+                os._exit(126)
+            mount_ns, root_fd = fds
+            syscalls.setns(mount_ns, syscalls.CLONE_NEWNS)  # (root and cwd: its root)
+            os.close(mount_ns)
+            data, fds = _recv_fds(theirs, EARLY_PLAN_MAX, 1)
+            if len(fds) != 1 or not data:
+                os._exit(126)
+            plan: Plan = marshal.loads(data)
+            begin_r = theirs.detach()
+        except BaseException:
+            os._exit(126)
+        _workload_main(plan, _Reporter(fds[0]), holder_fd, begin_r, root_fd)
+    theirs.close()
+    return pid, ours
+
+
+JOIN = b"j"
+"""Init to the workload's process forked ahead: join my mount namespace (with its fd, and the
+root view's)."""
+
+
+def _join_early(sock: Any, root_fd: int) -> None:
+    """Send the early workload process init's new mount namespace and the root view's fd."""
+    import _socket
+
+    mount_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        rights = mount_ns.to_bytes(4, sys.byteorder) + root_fd.to_bytes(4, sys.byteorder)
+        sock.sendmsg([JOIN], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
+    finally:
+        os.close(mount_ns)
+
+
+def _workload_main(
+    plan: Plan, report: _Reporter, holder_fd: int, begin_r: int, root_fd: int
+) -> NoReturn:
+    """The workload's process, forked by init: confine what needs neither the cgroups nor the
+    root view, then read init's words on ``begin_r``: BOUND once init has bound the root view
+    below ``root_fd`` (build the Landlock ruleset there, close that fd), BEGIN once this
+    process is in the sandbox's cgroups (init moves it there with itself) and the root view is
+    in place (pivot_root moved this process's root and cwd too). EOF instead: init failed, and
+    this process exits having run nothing. Then :func:`_exec_workload`. Never returns."""
+    # What needs neither the cgroups nor the root view, done while init binds the root view
+    # (on another CPU): the capability bounding set, limits, no_new_privs, the seccomp
+    # filter. The rest (cwd, uid, Landlock: they need the root view) waits for the word.
+    try:
+        syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
+        _confine_early(plan, report, holder_fd)
+    except BaseException:  # (_confine_early reports its own failures, then exits)
+        os._exit(127)
+    ruleset = -1
+    try:
+        told = os.read(begin_r, 1)
+        if told == BOUND:
+            ruleset = _build_landlock(plan, report, root_fd)
+            told = os.read(begin_r, 1)
+        os.close(begin_r)
+        if root_fd >= 0:
+            os.close(root_fd)
+    except BaseException:
+        os._exit(126)
+    if told != BEGIN:
+        os._exit(126)
+    try:  # as init is by now: no file of the host's mount tree on stdin (not dumpable: above)
+        if plan.get("reaper_exec") and not plan.get("tty"):
+            _sandbox_null_stdin()
+    except BaseException:
+        os._exit(126)
+    _exec_workload(plan, report, ruleset)
+    os._exit(127)  # (_exec_workload never returns)
 
 
 # Pid 1 once it has exec'd the sandbox's own interpreter: the same loop as _reap_until, with
@@ -865,8 +1011,35 @@ def _confine_early(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
         _fail(report, stage, exc)
 
 
-def _exec_workload(plan: Plan, report: _Reporter) -> None:
-    """After :func:`_confine_early`: cwd, uid drop, Landlock, execve. Never returns."""
+def _build_landlock(plan: Plan, report: _Reporter, root_fd: int) -> int:
+    """The sandbox's Landlock ruleset, its paths resolved in the bound root view below
+    ``root_fd`` (before or after init pivots to it: the fd holds its mount); its fd, or -1
+    where the kernel lacks ``openat2`` (then :func:`_exec_workload` builds it after the pivot).
+    Never returns on another failure: reports it and exits 127."""
+    start = time.monotonic_ns()
+    try:
+        policy = plan["landlock"]
+        ruleset = landlock.build_ruleset(
+            policy["read"],
+            policy["write"],
+            policy["tcp_connect_ports"],
+            policy["abi"],
+            policy.get("scope_abstract_unix", True),
+            root_fd=root_fd,
+        )
+    except OSError as exc:
+        if exc.errno == errno.ENOSYS:
+            return -1
+        _fail(report, "landlock", exc)
+    except BaseException as exc:
+        _fail(report, "landlock", exc)
+    report.stage("landlock", start)  # (a first record: the two add up)
+    return ruleset
+
+
+def _exec_workload(plan: Plan, report: _Reporter, ruleset: int = -1) -> None:
+    """After :func:`_confine_early`: cwd, uid drop, Landlock (``ruleset``: built already, by
+    :func:`_build_landlock`), execve. Never returns."""
     stage = "credentials"
     try:
         start = time.monotonic_ns()
@@ -881,13 +1054,17 @@ def _exec_workload(plan: Plan, report: _Reporter) -> None:
         report.stage(stage, start)  # (a second record: the two add up)
         stage, start = "landlock", time.monotonic_ns()
         policy = plan["landlock"]
-        landlock.restrict_self(
-            policy["read"],
-            policy["write"],
-            policy["tcp_connect_ports"],
-            policy["abi"],
-            policy.get("scope_abstract_unix", True),
-        )
+        if ruleset >= 0:
+            landlock.enforce(ruleset, policy["abi"])
+            os.close(ruleset)
+        else:
+            landlock.restrict_self(
+                policy["read"],
+                policy["write"],
+                policy["tcp_connect_ports"],
+                policy["abi"],
+                policy.get("scope_abstract_unix", True),
+            )
         report.stage(stage, start)
         if plan.get("transfer") is not None:  # `dsec sandbox cp`: copy, confined, no execve
             from dsec_nodeagent.sandbox import transfer
@@ -1003,6 +1180,7 @@ def zygote(sock_fd: int, root: str) -> int:
     """
     import _socket
     import gc
+    import json  # noqa: F401  (the reports' encoder: see _Reporter)
     import resource  # noqa: F401  (imported once here, used by every child's uid drop)
     import select  # noqa: F401  (the supervisor's pump)
 
@@ -1094,7 +1272,10 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
         channel = _socket.socket(fileno=channel_fd)
         try:
             init_sock = prepared.plan_sock.fileno().to_bytes(4, sys.byteorder)
-            channel.sendmsg([b"init"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, init_sock)])
+            channel.sendmsg(
+                [b"init %d" % prepared.init_pid],
+                [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, init_sock)],
+            )
         finally:
             channel.detach()
         prepared.plan_sock.close()

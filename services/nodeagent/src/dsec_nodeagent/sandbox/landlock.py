@@ -11,7 +11,9 @@ only for what the running ABI knows.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import stat
 
 from dsec_nodeagent.sandbox import syscalls
 
@@ -140,6 +142,32 @@ def restrict_self(
     Raises:
         OSError: Landlock unavailable (ABI < 1) or a syscall failed. ``no_new_privs`` must be set.
     """
+    ruleset_fd = build_ruleset(read_paths, write_paths, tcp_connect_ports, abi, scope_abstract_unix)
+    try:
+        enforce(ruleset_fd, abi)
+    finally:
+        os.close(ruleset_fd)
+
+
+def build_ruleset(
+    read_paths: list[str],
+    write_paths: list[str],
+    tcp_connect_ports: list[int] | None,
+    abi: int,
+    scope_abstract_unix: bool = True,
+    root_fd: int | None = None,
+) -> int:
+    """The ruleset of :func:`restrict_self`, not yet enforced: a new fd (close it).
+
+    ``root_fd``: resolve the paths inside this directory, as if it were ``/`` (``openat2``'s
+    ``RESOLVE_IN_ROOT``: no symlink on the way leads out of it): a root view before its
+    ``pivot_root``. A rule binds the inode it names, not the path, so it holds the same once
+    that view is ``/``.
+
+    Raises:
+        OSError: Landlock unavailable (ABI < 1), a syscall failed, or (``root_fd``) ``openat2``
+            is missing (``ENOSYS``, kernels before 5.6).
+    """
     if abi < 1:
         raise OSError("Landlock is not enabled on this kernel; refusing to start unconfined")
     fs = handled_fs(abi)
@@ -156,9 +184,9 @@ def restrict_self(
     )
     try:
         for path in read_paths:
-            _add_path_rule(ruleset_fd, path, READ & fs)
+            _add_path_rule(ruleset_fd, path, READ & fs, root_fd)
         for path in write_paths:
-            _add_path_rule(ruleset_fd, path, WRITE & fs)
+            _add_path_rule(ruleset_fd, path, WRITE & fs, root_fd)
         if abi >= 4 and tcp_connect_ports is not None:
             for port in tcp_connect_ports:
                 net = _NetPortAttr(allowed_access=NET_CONNECT_TCP, port=port)
@@ -169,18 +197,33 @@ def restrict_self(
                     ctypes.c_void_p(ctypes.addressof(net)),
                     0,
                 )
-        syscalls.syscall(syscalls.SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, restrict_flags(abi))
-    finally:
+    except BaseException:
         os.close(ruleset_fd)
+        raise
+    return ruleset_fd
 
 
-def _add_path_rule(ruleset_fd: int, path: str, rights: int) -> None:
+def enforce(ruleset_fd: int, abi: int) -> None:
+    """Restrict the calling thread (and what it execs) to ``ruleset_fd``; irreversible."""
+    syscalls.syscall(syscalls.SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, restrict_flags(abi))
+
+
+def _add_path_rule(ruleset_fd: int, path: str, rights: int, root_fd: int | None = None) -> None:
     try:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        if root_fd is None:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        else:
+            # (RESOLVE_IN_ROOT refuses magic links, /proc/self/fd/N: ELOOP. Such a rule named
+            # a pipe or a socket, which Landlock's path rights never govern: skipped too.)
+            fd = syscalls.open_in_root(root_fd, path, os.O_PATH | os.O_CLOEXEC)
     except FileNotFoundError:
         return
+    except OSError as exc:
+        if root_fd is None or exc.errno != errno.ELOOP:
+            raise
+        return
     try:
-        if not os.path.isdir(path):
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
             rights &= FILE_RIGHTS
         rule = _PathBeneathAttr(allowed_access=rights, parent_fd=fd)
         syscalls.syscall(

@@ -29,6 +29,7 @@ from dsec_core.retention import ENDED_MARK
 from dsec_nodeagent.sandbox import (
     audit,
     cgroups,
+    cpuhint,
     discovery,
     domain,
     landlock,
@@ -346,6 +347,10 @@ class SandboxManager:
             spawned, records, init_pid, ready_ns = await self._spawn(
                 config, built.plan, marks, early, make_cgroup
             )
+            # What follows (the sandbox's state, its watchers) runs beside the workload's
+            # first milliseconds, not on their CPU (where the execve's wake-up put it).
+            with contextlib.suppress(OSError):
+                cpuhint.leave_cpu_of(init_pid)
             assert cgroup is not None  # made before the sandbox's init could go on
         except SandboxStartError:
             await self._abort_after(disk, sid, cgroup, channel, run_dir, early)
@@ -1398,13 +1403,21 @@ async def _read_reports(fd: int, timeout_s: float) -> tuple[list[dict[str, Any]]
     finally:
         loop.remove_reader(fd)
         os.close(fd)
+    return _parse_reports(b"".join(chunks)), eof_ns
+
+
+def _parse_reports(data: bytes) -> list[dict[str, Any]]:
+    """The report lines' records: JSON from a zygote's sandbox, Python literals from a pre-exec
+    stage started as a fresh interpreter (see ``init._Reporter``); a line that is neither, or
+    not a mapping, is skipped."""
     records = []
-    for line in b"".join(chunks).decode(errors="replace").splitlines():
+    for line in data.decode(errors="replace").splitlines():
         with contextlib.suppress(ValueError, SyntaxError):
-            record = ast.literal_eval(line)  # literals only: nothing is executed
+            # (literal_eval: literals only, nothing is executed)
+            record = json.loads(line) if line.startswith('{"') else ast.literal_eval(line)
             if isinstance(record, dict):
                 records.append(record)
-    return records, eof_ns
+    return records
 
 
 async def _wait_pid(pid: int, start_time: int | None) -> None:

@@ -49,7 +49,9 @@ class StateStore:
         Three system calls and a rename on a sandbox's start path (each start writes its state
         twice before its workload runs): no directory creation but the first time, no mode
         change by path."""
-        data = json.dumps(state, indent=1, sort_keys=True).encode()
+        # compact: json's C encoder (an indent takes its pure-Python one, ~0.3 ms a write here,
+        # on the CPU a just-started workload runs on)
+        data = json.dumps(state, separators=(",", ":"), sort_keys=True).encode()
         tmp = f"{self.run_dir}/.{sandbox_id}.json.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:

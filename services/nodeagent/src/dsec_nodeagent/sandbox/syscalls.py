@@ -22,6 +22,8 @@ SYS_LANDLOCK_CREATE_RULESET = 444
 SYS_LANDLOCK_ADD_RULE = 445
 SYS_LANDLOCK_RESTRICT_SELF = 446
 SYS_MOUNT_SETATTR = 442
+SYS_OPENAT2 = 437
+RESOLVE_IN_ROOT = 0x10
 SUPPORTED_MACHINES = ("x86_64", "aarch64")
 
 CLONE_NEWNS = 0x00020000
@@ -153,6 +155,34 @@ class _MountAttr(ctypes.Structure):
         ("propagation", ctypes.c_uint64),
         ("userns_fd", ctypes.c_uint64),
     ]
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [  # struct open_how (linux/openat2.h)
+        ("flags", ctypes.c_uint64),
+        ("mode", ctypes.c_uint64),
+        ("resolve", ctypes.c_uint64),
+    ]
+
+
+def open_in_root(root_fd: int, path: str, flags: int, resolve: int = 0) -> int:
+    """``openat2(root_fd, path, flags, RESOLVE_IN_ROOT | resolve)``: ``path`` (absolute or not)
+    and every symlink on its way resolve as if ``root_fd`` were ``/``; a new fd.
+
+    Raises:
+        OSError: errno ``ENOSYS`` on kernels before 5.6; as ``open(2)`` otherwise.
+    """
+    how = _OpenHow(flags=flags, mode=0, resolve=RESOLVE_IN_ROOT | resolve)
+    return _check(
+        _syscall(
+            SYS_OPENAT2,
+            root_fd,
+            os.fsencode(path),
+            ctypes.c_void_p(ctypes.addressof(how)),
+            ctypes.sizeof(how),
+        ),
+        f"openat2 {path}",
+    )
 
 
 def mount_setattr_recursive(target: str, attr_set: int) -> None:

@@ -23,6 +23,8 @@ import socket
 import sys
 from pathlib import Path
 
+from dsec_nodeagent.sandbox import cpuhint
+
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 10.0
@@ -241,6 +243,8 @@ class PendingFork:
         self.pid: int | None = None  # the child's, once forked
         self._handed = False  # hand_over() owns the pidfd from then on
         self._init: socket.socket | None = None  # init's plan socket, from the child
+        self._init_pid = 0  # (host pid namespace), from the child with that socket
+        self._child_pidfd = -1  # the child's pidfd, until hand_over() or discard() takes it
         self._mount = False
         # Sent now, not at the event loop's next turn: the zygote forks while the launch plans.
         sent = zygote.send_now(theirs.fileno())
@@ -254,9 +258,11 @@ class PendingFork:
         finally:
             theirs.close()
         self.pid = pid
+        self._child_pidfd = pidfd
         try:
-            self._init = await _receive_socket(self.channel)
+            self._init, self._init_pid = await _receive_socket(self.channel)
         except asyncio.CancelledError:
+            self._child_pidfd = -1
             os.close(pidfd)
             raise
         except (ZygoteError, OSError):
@@ -286,12 +292,19 @@ class PendingFork:
 
     def _send_mount(self) -> None:
         assert self._init is not None
+        # Init's pid is still its own while the child lives: init is the child's child, which
+        # reaps it only after the hand-over (a dead init stays a zombie until then).
+        if self._child_pidfd >= 0 and self._init_pid > 0:
+            with contextlib.suppress(OSError):  # (a hint: init works without it)
+                if not select.select([self._child_pidfd], [], [], 0)[0]:  # the child lives
+                    cpuhint.elsewhere(self._init_pid)
         with contextlib.suppress(OSError):  # init is gone: hand_over() fails on its socket
             self._init.send(MOUNT_NOW)
 
     def drop_failed(self) -> None:
         """Release a :attr:`failed` one (its task is over)."""
         assert self.failed
+        self._child_pidfd = -1
         self._close_sockets()
         if not self._task.cancelled() and self._task.exception() is None:
             os.close(self._task.result()[1])
@@ -314,6 +327,7 @@ class PendingFork:
         if not self._mount:
             self.mount_now()
         pid, pidfd = await self._task
+        self._child_pidfd = -1  # the caller's from here on
         sock = self.channel
         init, self._init = self._init, None
         try:
@@ -347,6 +361,7 @@ class PendingFork:
         except (ZygoteError, OSError, asyncio.CancelledError):
             return
         finally:
+            self._child_pidfd = -1
             self._close_sockets()
         os.close(pidfd)
 
@@ -376,8 +391,8 @@ def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
     ]
 
 
-async def _receive_socket(sock: socket.socket) -> socket.socket:
-    """The one socket the child sends on ``sock`` (its init's plan socket)."""
+async def _receive_socket(sock: socket.socket) -> tuple[socket.socket, int]:
+    """The one socket the child sends on ``sock`` (its init's plan socket), and init's pid."""
     while True:
         try:
             msg, ancillary, _flags, _addr = sock.recvmsg(
@@ -387,11 +402,12 @@ async def _receive_socket(sock: socket.socket) -> socket.socket:
         except BlockingIOError:
             await _readable(sock.fileno())
     received = _received_fds(ancillary)
-    if msg != b"init" or len(received) != 1:
+    word, _, pid = msg.partition(b" ")
+    if word != b"init" or len(received) != 1 or not pid.isdigit():
         for fd in received:
             os.close(fd)
         raise ZygoteError(f"the sandbox launcher's child failed before its init ({msg!r})")
-    return socket.socket(fileno=received[0])
+    return socket.socket(fileno=received[0]), int(pid)
 
 
 async def _readable(fd: int) -> None:
