@@ -53,6 +53,11 @@ print(json.dumps({
     "uid": os.getuid(),
     "cgroup": open("/proc/self/cgroup").read(),
     "ctype": locale.setlocale(locale.LC_CTYPE, ""),
+    "dev": sorted(os.listdir("/dev")),
+    "nodes": {n: [os.stat("/dev/" + n).st_rdev, os.stat("/dev/" + n).st_mode]
+              for n in ("null", "zero", "full", "random", "urandom", "tty")},
+    "io": [open("/dev/null", "wb").write(b"x"), len(open("/dev/urandom", "rb").read(16)),
+           open("/dev/zero", "rb").read(4).hex()],
 }), flush=True)
 """
 
@@ -132,6 +137,13 @@ async def test_a_zygote_sandbox_keeps_every_layer_and_inherits_nothing_of_the_ag
     assert int(report["cap_eff"], 16) == 0
     assert report["uid"] != 0
     assert "/dsec/node-1/zyg-probe" in report["cgroup"]
+    # its /dev: the standard nodes (the host's device numbers and modes), nothing else of it
+    nodes = ["null", "zero", "full", "random", "urandom", "tty"]
+    assert report["dev"] == sorted([*nodes, "fd", "stdin", "stdout", "stderr", "shm"])
+    for name, (rdev, mode) in report["nodes"].items():
+        host = os.stat(f"/dev/{name}")
+        assert (rdev, mode) == (host.st_rdev, host.st_mode), name
+    assert report["io"] == [1, 16, "00000000"]
     if os.path.isdir("/usr/lib/locale/C.utf8"):  # the LANG it is given exists in its view
         assert report["ctype"] == "C.UTF-8"
 

@@ -27,6 +27,7 @@ import errno
 import marshal
 import os
 import signal
+import stat
 import sys
 import time
 
@@ -909,12 +910,8 @@ def _apply_entry(root: str, entry: dict[str, Any], plan: Plan) -> None:
 
 
 def _bind(src: str, dst: str, ro: bool) -> None:
-    if os.path.isdir(src):
-        os.makedirs(dst, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        if not os.path.lexists(dst):
-            os.close(os.open(dst, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+    """Bind ``src`` at ``dst`` (made already, never through a link: :func:`_apply_entry`),
+    then :func:`_restrict`."""
     syscalls.mount(src, dst, None, syscalls.MS_BIND | syscalls.MS_REC, None)
     _restrict(dst, ro)
 
@@ -959,12 +956,23 @@ def _mount_proc(dst: str) -> None:
 
 
 def _dev_nodes(dst: str, nodes: list[str]) -> None:
-    for node in nodes:
-        target = f"{dst}/{node}"
-        if "/" in node:  # nvidia-caps/nvidia-capN: a MIG instance's capability
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o666))
-        syscalls.mount(f"/dev/{node}", target, None, syscalls.MS_BIND, None)
+    """The host's device nodes ``nodes`` (names under ``/dev``) made again in the sandbox's
+    /dev (a tmpfs without ``nodev``): the same device numbers and permission bits, no mount
+    each (two calls instead of a file, a bind mount and their Python). Only root in the host's
+    user namespace may; the sandbox cannot (no ``CAP_MKNOD``)."""
+    mask = os.umask(0)  # the host's permission bits exactly (0666 for null, tty, ...)
+    try:
+        for node in nodes:
+            target = f"{dst}/{node}"
+            if "/" in node:  # nvidia-caps/nvidia-capN: a MIG instance's capability
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+            host = os.stat(f"/dev/{node}")
+            if not (stat.S_ISCHR(host.st_mode) or stat.S_ISBLK(host.st_mode)):
+                raise OSError(errno.ENODEV, f"/dev/{node} is not a device node")
+            mode = stat.S_IFMT(host.st_mode) | stat.S_IMODE(host.st_mode)
+            os.mknod(target, mode, host.st_rdev)
+    finally:
+        os.umask(mask)
 
 
 def _mount_dev(dst: str, nodes: tuple[str, ...] | list[str]) -> None:
