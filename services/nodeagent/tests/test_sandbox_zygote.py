@@ -148,6 +148,47 @@ async def test_a_zygote_sandbox_keeps_every_layer_and_inherits_nothing_of_the_ag
         assert report["ctype"] == "C.UTF-8"
 
 
+def _memory_holds(pid: int, needle: bytes) -> bool:
+    """Whether any readable private mapping of ``pid`` holds ``needle`` (root reads any)."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            fields = line.split()
+            if not fields[1].startswith("r") or (len(fields) > 5 and fields[5].startswith("/")):
+                continue  # unreadable, or a file's mapping (code, not data)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            try:
+                mem.seek(start)
+                if needle in mem.read(end - start):
+                    return True
+            except OSError:  # [vvar] and the like
+                continue
+    return False
+
+
+async def test_a_sandboxs_supervisor_never_holds_its_secrets(tmp_path: Path) -> None:
+    # The supervisor (outside the sandbox, alive for its whole life) gets only what it uses of
+    # the plan: where the logs and the outcome go, what to reap. Not the environment.
+    secret = "s3cr3t-" + os.urandom(8).hex()
+    async with managed(tmp_path / "home") as manager:
+        await manager.launch(
+            snippet_config(
+                "zyg-secret",
+                "import os, time; print(len(os.environ['API_KEY']), flush=True); time.sleep(60)\n",
+                tmp_path,
+                secret_env={"API_KEY": secret},
+            )
+        )
+        state = manager.states.read("zyg-secret")
+        assert state is not None
+        stdout = Path(manager.log_paths("zyg-secret")[0])
+        deadline = time.monotonic() + 60
+        while not stdout.read_text().strip() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert stdout.read_text().strip() == str(len(secret))  # the workload has it
+        assert not _memory_holds(state["supervisor_pid"], secret.encode())
+        await manager.stop("zyg-secret", grace_s=0.5)
+
+
 async def test_sandboxes_run_on_every_cpu_the_node_agent_may_use(tmp_path: Path) -> None:
     # The launch keeps init off the node agent's CPU for one wake-up (zygote._elsewhere); init
     # widens its mask again at once. Neither it nor the workload keeps the narrowed mask: the

@@ -179,6 +179,16 @@ def abandon(prepared: Prepared) -> None:
         pass
 
 
+SUPERVISOR_KEYS = ("log_bytes", "stdout_path", "stderr_path", "exit_path", "reap")
+"""What of a plan its supervisor reads (:func:`supervise`); a zygote's supervisor gets these
+only."""
+
+
+def supervisor_plan(plan: Plan) -> Plan:
+    """The part of ``plan`` a zygote's supervisor gets: no layout, environment or secret."""
+    return {key: plan[key] for key in SUPERVISOR_KEYS if key in plan}
+
+
 def supervise(prepared: Prepared, plan: Plan, report: _Reporter, raw: bytes | None = None) -> int:
     """Give init its plan (``raw``: as marshalled already) and the report pipe — unless the node
     agent gave them to init itself (the zygote's child) — then pump the logs and record the

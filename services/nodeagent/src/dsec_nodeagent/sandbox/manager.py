@@ -39,6 +39,7 @@ from dsec_nodeagent.sandbox import (
     seccomp,
     zygote,
 )
+from dsec_nodeagent.sandbox.init import supervisor_plan
 from dsec_nodeagent.sandbox.models import (
     AgentIdentity,
     ExitReason,
@@ -748,7 +749,12 @@ class SandboxManager:
                     if early is not None:
                         try:
                             pid, pidfd = await early.hand_over(
-                                data, report_w, out.fileno(), err.fileno(), go_r
+                                data,
+                                marshal.dumps(supervisor_plan(the_plan)),
+                                report_w,
+                                out.fileno(),
+                                err.fileno(),
+                                go_r,
                             )
                         except zygote.ZygoteError as exc:
                             log.warning("%s; starting the pre-exec stage directly", exc)

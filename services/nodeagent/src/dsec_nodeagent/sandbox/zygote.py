@@ -310,14 +310,23 @@ class PendingFork:
             os.close(self._task.result()[1])
 
     async def hand_over(
-        self, plan: bytes, report_w: int, stdout_fd: int, stderr_fd: int, go_r: int
+        self,
+        plan: bytes,
+        supervisor_plan: bytes,
+        report_w: int,
+        stdout_fd: int,
+        stderr_fd: int,
+        go_r: int,
     ) -> tuple[int, int]:
         """Send the child and its init their fds and the plan; ``(pid, pidfd)`` of the child.
 
         Init gets the plan first and directly, on the socket the child sent here once it had
         forked init (no hop through the child on the start path), with the report pipe's write
         end and ``go_r``: the pipe it waits on before joining the sandbox's cgroups (see
-        ``SandboxManager._spawn``). The child gets the plan, the report pipe and the log files.
+        ``SandboxManager._spawn``). The child, the sandbox's supervisor, gets only its part of
+        the plan (``supervisor_plan``: :func:`.init.supervisor_plan`, marshalled: where the logs
+        go, how much of them, where the outcome goes, what to reap; never the sandbox's
+        environment and its secrets), the report pipe and the log files.
 
         Raises:
             ZygoteError: there is no child (the zygote failed even after a restart), or it
@@ -341,7 +350,7 @@ class PendingFork:
                 raise ZygoteError(f"the sandbox launcher's init is gone: {exc}") from exc
             finally:
                 init.close()  # EOF: init's plan is complete
-            await _send(sock, plan, (report_w, stdout_fd, stderr_fd))
+            await _send(sock, supervisor_plan, (report_w, stdout_fd, stderr_fd))
         except BaseException:
             os.close(pidfd)
             raise
