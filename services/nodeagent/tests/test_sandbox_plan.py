@@ -122,6 +122,25 @@ def test_secrets_reach_the_workload_env_only(tmp_path: Path) -> None:
     assert "v4lue" not in repr(config)
 
 
+def test_a_spec_cannot_move_or_switch_off_the_user_site(tmp_path: Path) -> None:
+    # usercustomize adds the environment's packages and the semantic layer: the sandbox's
+    # Python must load it whatever the spec's env says, and the spec hears why.
+    config = _config(
+        tmp_path, env={"PYTHONUSERBASE": "/tmp/mine", "PYTHONNOUSERSITE": "1", "A": "b"}
+    )
+    result = plan.build(config, VIEW, _host(tmp_path), FACTS, uid=1)
+    env = result.plan["env"]
+    assert env["PYTHONUSERBASE"] == "/opt/dsec/user"
+    assert "PYTHONNOUSERSITE" not in env
+    assert env["A"] == "b"
+    assert [w.split(":")[0] for w in result.warnings if "user site" in w] == [
+        "env PYTHONUSERBASE",
+        "env PYTHONNOUSERSITE",
+    ]
+    site = {e["path"]: e for e in result.plan["layout"]}[plan.user_site(VIEW.version)]
+    assert site == {"kind": "symlink", "path": site["path"], "target": plan.SEMANTIC_TARGET}
+
+
 def test_only_a_checkpointable_sandbox_gives_up_the_abstract_socket_scope(tmp_path: Path) -> None:
     """Migration path criu (docs/migration.md): opt-in, and what it costs is named in the plan."""
     default = plan.build(_config(tmp_path), VIEW, _host(tmp_path), FACTS, uid=1).plan

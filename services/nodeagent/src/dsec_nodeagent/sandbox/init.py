@@ -475,19 +475,11 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int, cpus: set
             mounts_ns = time.monotonic_ns() - start
         except BaseException as exc:
             error = _describe(exc)
-    # The workload's process resolves its Landlock paths from this fd: it holds the root view's
-    # tmpfs mount whether or not init has pivoted to it by then.
-    root_fd = -1
-    if error is None:
-        try:
-            root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except BaseException as exc:
-            error = _describe(exc)
     if early is not None:
         try:  # the early process joins this mount namespace now, while the node agent plans
             if error is not None:
                 raise RuntimeError(error)
-            _join_early(early[1], root_fd)
+            _join_early(early[1])
         except BaseException:  # EOF: it exits having run nothing (reaped as any orphan)
             early[1].close()
             early = None
@@ -522,20 +514,24 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int, cpus: set
             workload, sock = early
             early = None
             rights = report.fd.to_bytes(4, sys.byteorder)
-            sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
-            begin_w = sock.detach()
-        else:
+            try:
+                sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
+                begin_w = sock.detach()
+            except OSError:  # it died, or the socket takes no message this large: fork now
+                sock.close()
+                workload = -1
+        if workload < 0:
             if early is not None:  # EOF: it exits having run nothing (reaped as any orphan)
                 early[1].close()
                 early = None
-            workload, begin_w = _fork_workload(plan, report, holder_fd, [status_w, go], root_fd)
-        os.close(root_fd)
+            workload, begin_w = _fork_workload(plan, report, holder_fd, [status_w, go])
         start = time.monotonic_ns()
         bind_root(plan, root)
         mounts_ns += time.monotonic_ns() - start
-        # The root view is bound: the workload's process builds its Landlock ruleset in it
-        # while init joins the cgroups and pivots (it enforces it after the word below).
-        os.write(begin_w, BOUND)
+        # The root view is bound: the workload's process builds its Landlock ruleset in a
+        # detached copy of it while init joins the cgroups and pivots (and enforces it after
+        # the word below).
+        _send_bound(begin_w, root)
         if go >= 0:  # the node agent made the cgroups meanwhile: wait for its word
             told = os.read(go, 1)
             os.close(go)
@@ -584,24 +580,27 @@ BEGIN = b"1"
 
 
 def _fork_workload(
-    plan: Plan, report: _Reporter, holder_fd: int, init_only: list[int], root_fd: int
+    plan: Plan, report: _Reporter, holder_fd: int, init_only: list[int]
 ) -> tuple[int, int]:
-    """Fork the workload's process once the plan is here; ``(its pid, the write end of its
-    begin pipe)``: the child closes init's own fds (``init_only``), then
+    """Fork the workload's process once the plan is here; ``(its pid, init's end of their
+    SOCK_SEQPACKET pair)``: the child closes init's own fds (``init_only``), then
     :func:`_workload_main`. Where it could be forked ahead, :func:`_fork_early` did."""
-    begin_r, begin_w = os.pipe()
+    import _socket
+
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
         try:
-            os.close(begin_w)
+            ours.close()
             for fd in init_only:
                 if fd >= 0:
                     os.close(fd)
+            begin_r = theirs.detach()
         except BaseException:
             os._exit(126)
-        _workload_main(plan, report, holder_fd, begin_r, root_fd)
-    os.close(begin_r)
-    return pid, begin_w
+        _workload_main(plan, report, holder_fd, begin_r)
+    theirs.close()
+    return pid, ours.detach()
 
 
 EARLY_PLAN_MAX = 1 << 16
@@ -621,8 +620,8 @@ def _fork_early(init_only: list[int], holder_fd: int, cpus: set[int]) -> tuple[i
     """Fork the workload's process before its launch: ``(its pid, init's end of a
     SOCK_SEQPACKET pair)``. It closes init's own fds (``init_only``) at once and holds nothing
     of the node agent while it waits. Over the pair come, as messages: init's mount namespace
-    and the root view's fd (:func:`_join_early`), then the marshalled plan with the report pipe
-    (SCM_RIGHTS), then the words of :func:`_workload_main`. EOF at any point (the launch was
+    (:func:`_join_early`), then the marshalled plan with the report pipe (SCM_RIGHTS), then
+    the words of :func:`_workload_main`. EOF at any point (the launch was
     given up; the plan needs a network namespace this process is not in): it exits having run
     nothing.
 
@@ -641,12 +640,11 @@ def _fork_early(init_only: list[int], holder_fd: int, cpus: set[int]) -> tuple[i
                 if fd >= 0:
                     os.close(fd)
             _widen(cpus)
-            word, fds = _recv_fds(theirs, 16, 2)
-            if word != JOIN or len(fds) != 2:
+            word, fds = _recv_fds(theirs, 16, 1)
+            if word != JOIN or len(fds) != 1:
                 os._exit(126)
-            mount_ns, root_fd = fds
-            syscalls.setns(mount_ns, syscalls.CLONE_NEWNS)  # (root and cwd: its root)
-            os.close(mount_ns)
+            syscalls.setns(fds[0], syscalls.CLONE_NEWNS)  # (root and cwd: its root)
+            os.close(fds[0])
             data, fds = _recv_fds(theirs, EARLY_PLAN_MAX, 1)
             if len(fds) != 1 or not data:
                 os._exit(126)
@@ -654,34 +652,58 @@ def _fork_early(init_only: list[int], holder_fd: int, cpus: set[int]) -> tuple[i
             begin_r = theirs.detach()
         except BaseException:
             os._exit(126)
-        _workload_main(plan, _Reporter(fds[0]), holder_fd, begin_r, root_fd)
+        _workload_main(plan, _Reporter(fds[0]), holder_fd, begin_r)
     theirs.close()
     return pid, ours
 
 
 JOIN = b"j"
-"""Init to the workload's process forked ahead: join my mount namespace (with its fd, and the
-root view's)."""
+"""Init to the workload's process forked ahead: join my mount namespace (with its fd)."""
 
 
-def _join_early(sock: Any, root_fd: int) -> None:
-    """Send the early workload process init's new mount namespace and the root view's fd."""
+def _join_early(sock: Any) -> None:
+    """Send the early workload process init's new mount namespace."""
     import _socket
 
     mount_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        rights = mount_ns.to_bytes(4, sys.byteorder) + root_fd.to_bytes(4, sys.byteorder)
+        rights = mount_ns.to_bytes(4, sys.byteorder)
         sock.sendmsg([JOIN], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
     finally:
         os.close(mount_ns)
 
 
-def _workload_main(
-    plan: Plan, report: _Reporter, holder_fd: int, begin_r: int, root_fd: int
-) -> NoReturn:
+def _send_bound(sock_fd: int, root: str) -> None:
+    """Word BOUND to the workload's process, with a detached copy of the bound root view
+    (``open_tree(OPEN_TREE_CLONE | AT_RECURSIVE)``) to resolve its Landlock paths in: the same
+    mounts and inodes, and nothing can be mounted over its root, as ``pivot_root`` stacks the
+    host's tree over the view's own root until init detaches it. Without ``open_tree`` (before
+    5.2) the word comes alone and the ruleset is built after the pivot."""
+    import _socket
+
+    try:
+        view = syscalls.open_tree_clone(root)
+    except OSError:
+        view = -1
+    sock = _socket.socket(fileno=sock_fd)
+    try:
+        rights = (
+            []
+            if view < 0
+            else [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, view.to_bytes(4, sys.byteorder))]
+        )
+        sock.sendmsg([BOUND], rights)
+    finally:
+        sock.detach()
+        if view >= 0:
+            os.close(view)
+
+
+def _workload_main(plan: Plan, report: _Reporter, holder_fd: int, begin_r: int) -> NoReturn:
     """The workload's process, forked by init: confine what needs neither the cgroups nor the
-    root view, then read init's words on ``begin_r``: BOUND once init has bound the root view
-    below ``root_fd`` (build the Landlock ruleset there, close that fd), BEGIN once this
+    root view, then read init's words on ``begin_r`` (a SOCK_SEQPACKET socket): BOUND once
+    init has bound the root view, with a detached copy of it (build the Landlock ruleset
+    there, close it), BEGIN once this
     process is in the sandbox's cgroups (init moves it there with itself) and the root view is
     in place (pivot_root moved this process's root and cwd too). EOF instead: init failed, and
     this process exits having run nothing. Then :func:`_exec_workload`. Never returns."""
@@ -695,13 +717,16 @@ def _workload_main(
         os._exit(127)
     ruleset = -1
     try:
-        told = os.read(begin_r, 1)
+        import _socket
+
+        sock = _socket.socket(fileno=begin_r)
+        told, fds = _recv_fds(sock, 16, 1)
         if told == BOUND:
-            ruleset = _build_landlock(plan, report, root_fd)
-            told = os.read(begin_r, 1)
-        os.close(begin_r)
-        if root_fd >= 0:
-            os.close(root_fd)
+            if fds:
+                ruleset = _build_landlock(plan, report, fds[0])
+                os.close(fds[0])
+            told, _ = _recv_fds(sock, 16, 0)
+        sock.close()
     except BaseException:
         os._exit(126)
     if told != BEGIN:
@@ -970,19 +995,34 @@ def _dev_nodes(dst: str, nodes: list[str]) -> None:
     /dev (a tmpfs without ``nodev``): the same device numbers and permission bits, no mount
     each (two calls instead of a file, a bind mount and their Python). Only root in the host's
     user namespace may; the sandbox cannot (no ``CAP_MKNOD``)."""
+    dev = os.open(dst, _DIR_FLAGS)
     mask = os.umask(0)  # the host's permission bits exactly (0666 for null, tty, ...)
     try:
         for node in nodes:
-            target = f"{dst}/{node}"
-            if "/" in node:  # nvidia-caps/nvidia-capN: a MIG instance's capability
-                os.makedirs(os.path.dirname(target), exist_ok=True)
+            # Below the sandbox's /dev fd, never through a link: a name is one or two
+            # components without dots (SandboxConfig checks it; checked again here, as root).
+            parts = node.split("/")
+            if len(parts) > 2 or any(not p or p.startswith(".") for p in parts):
+                raise OSError(errno.EINVAL, f"{node!r} is not a device name under /dev")
             host = os.stat(f"/dev/{node}")
             if not (stat.S_ISCHR(host.st_mode) or stat.S_ISBLK(host.st_mode)):
                 raise OSError(errno.ENODEV, f"/dev/{node} is not a device node")
-            mode = stat.S_IFMT(host.st_mode) | stat.S_IMODE(host.st_mode)
-            os.mknod(target, mode, host.st_rdev)
+            parent = dev
+            if len(parts) == 2:  # nvidia-caps/nvidia-capN: a MIG instance's capability
+                try:  # noqa: SIM105 - contextlib is an import this stage does without
+                    os.mkdir(parts[0], 0o755, dir_fd=dev)
+                except FileExistsError:
+                    pass
+                parent = os.open(parts[0], _DIR_FLAGS, dir_fd=dev)
+            try:
+                mode = stat.S_IFMT(host.st_mode) | stat.S_IMODE(host.st_mode)
+                os.mknod(parts[-1], mode, host.st_rdev, dir_fd=parent)
+            finally:
+                if parent != dev:
+                    os.close(parent)
     finally:
         os.umask(mask)
+        os.close(dev)
 
 
 def _mount_dev(dst: str, nodes: tuple[str, ...] | list[str]) -> None:
@@ -1030,9 +1070,10 @@ def _confine_early(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
 
 
 def _build_landlock(plan: Plan, report: _Reporter, root_fd: int) -> int:
-    """The sandbox's Landlock ruleset, its paths resolved in the bound root view below
-    ``root_fd`` (before or after init pivots to it: the fd holds its mount); its fd, or -1
-    where the kernel lacks ``openat2`` (then :func:`_exec_workload` builds it after the pivot).
+    """The sandbox's Landlock ruleset, its paths resolved in the root view whose detached copy
+    ``root_fd`` is (:func:`_send_bound`); its fd, or -1 where the kernel lacks ``openat2`` or a
+    lookup kept being interrupted (``EAGAIN``: a mount or rename anywhere on the host during a
+    ``..``): then :func:`_exec_workload` builds it after the pivot, as the sandbox's root.
     Never returns on another failure: reports it and exits 127."""
     start = time.monotonic_ns()
     try:
@@ -1046,7 +1087,7 @@ def _build_landlock(plan: Plan, report: _Reporter, root_fd: int) -> int:
             root_fd=root_fd,
         )
     except OSError as exc:
-        if exc.errno == errno.ENOSYS:
+        if exc.errno in (errno.ENOSYS, errno.EAGAIN):
             return -1
         _fail(report, "landlock", exc)
     except BaseException as exc:

@@ -11,6 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 # The communication plane's alphabet (names become NATS subject tokens; see dsec_sdk.ipc.control).
+DEVICE_NAME_RE = re.compile(
+    r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}(/[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63})?\Z"
+)
+"""A device node's name under /dev: one name, or a directory and a name
+(``nvidia-caps/nvidia-cap1``, ``dri/renderD128``); no component starts with a dot (no ``.``,
+``..`` or hidden names)."""
 AGENT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}\Z")
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -190,6 +196,17 @@ class SandboxConfig(BaseModel):
     gpu_devices: list[str] = Field(default_factory=list, max_length=512)
     gpu_binds: dict[str, Path] = Field(default_factory=dict, max_length=64)
     checkpointable: bool = False
+
+    @field_validator("gpu_devices")
+    @classmethod
+    def _device_names(cls, values: list[str]) -> list[str]:
+        for value in values:
+            if not DEVICE_NAME_RE.match(value):
+                raise ValueError(
+                    f"gpu_devices: {value!r} is not a device name under /dev (one or two "
+                    "components of [A-Za-z0-9_.-], none starting with '.')"
+                )
+        return values
 
     @field_validator("sandbox_id")
     @classmethod

@@ -152,6 +152,13 @@ def build(
     _check_overlaps(layout)
     layout.sort(key=lambda e: _depth(e["path"]))
     read, write = _landlock_sets(config, runtime, host, layout, result)
+    for name in USER_SITE_VARIABLES:
+        if name in config.env or name in config.secret_env:
+            result.warnings.append(
+                f"env {name}: ignored; the sandbox's Python loads DSec's user site "
+                f"({USER_BASE_TARGET}), which adds the environment's packages and the "
+                "semantic layer"
+            )
     result.plan = {
         "sandbox_id": config.sandbox_id,
         "hostname": config.hostname or config.sandbox_id,
@@ -410,7 +417,15 @@ def workload_env(config: SandboxConfig, runtime: RuntimeView, host: HostPaths) -
     env.update(config.env)
     env.update({k: v.get_secret_value() for k, v in config.secret_env.items()})
     env.update(agent_env(config))
+    # The user site is where the semantic layer and the environment's packages come from
+    # (usercustomize): a spec's own value cannot move or switch it off (build() warns).
+    env["PYTHONUSERBASE"] = USER_BASE_TARGET
+    env.pop("PYTHONNOUSERSITE", None)
     return env
+
+
+USER_SITE_VARIABLES = ("PYTHONUSERBASE", "PYTHONNOUSERSITE")
+"""Environment variables a spec cannot set: DSec's user site must load (:func:`workload_env`)."""
 
 
 def agent_env(config: SandboxConfig) -> dict[str, str]:

@@ -7,6 +7,7 @@ latency counts toward ``sandbox.ready`` (pydantic alone would cost more than the
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -165,24 +166,45 @@ class _OpenHow(ctypes.Structure):
     ]
 
 
-def open_in_root(root_fd: int, path: str, flags: int, resolve: int = 0) -> int:
-    """``openat2(root_fd, path, flags, RESOLVE_IN_ROOT | resolve)``: ``path`` (absolute or not)
-    and every symlink on its way resolve as if ``root_fd`` were ``/``; a new fd.
+SYS_OPEN_TREE = 428
+OPEN_TREE_CLONE = 1
+
+
+def open_tree_clone(path: str) -> int:
+    """``open_tree(path, OPEN_TREE_CLONE | AT_RECURSIVE | OPEN_TREE_CLOEXEC)``: an fd of a
+    detached copy of the mount tree at ``path`` (gone when the fd closes).
 
     Raises:
-        OSError: errno ``ENOSYS`` on kernels before 5.6; as ``open(2)`` otherwise.
+        OSError: errno ``ENOSYS`` on kernels before 5.2.
+    """
+    flags = OPEN_TREE_CLONE | AT_RECURSIVE | os.O_CLOEXEC
+    return _check(_syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(path), flags), f"open_tree {path}")
+
+
+def open_in_root(root_fd: int, path: str, flags: int, resolve: int = 0) -> int:
+    """``openat2(root_fd, path, flags, RESOLVE_IN_ROOT | resolve)``: ``path`` (absolute or not)
+    and every symlink on its way resolve as if ``root_fd`` were ``/``; a new fd. ``root_fd``
+    should be the root of a detached mount tree (``open_tree``): a ``..`` that reaches the
+    root steps into whatever is mounted over it.
+
+    Raises:
+        OSError: errno ``ENOSYS`` on kernels before 5.6; ``EAGAIN`` when a lookup through
+            ``..`` was interrupted :data:`_OPENAT2_TRIES` times; as ``open(2)`` otherwise.
     """
     how = _OpenHow(flags=flags, mode=0, resolve=RESOLVE_IN_ROOT | resolve)
-    return _check(
-        _syscall(
-            SYS_OPENAT2,
-            root_fd,
-            os.fsencode(path),
-            ctypes.c_void_p(ctypes.addressof(how)),
-            ctypes.sizeof(how),
-        ),
-        f"openat2 {path}",
-    )
+    name = os.fsencode(path)
+    for _ in range(_OPENAT2_TRIES):
+        fd = _syscall(
+            SYS_OPENAT2, root_fd, name, ctypes.c_void_p(ctypes.addressof(how)), ctypes.sizeof(how)
+        )
+        if fd >= 0 or ctypes.get_errno() != errno.EAGAIN:
+            break
+    return _check(fd, f"openat2 {path}")
+
+
+_OPENAT2_TRIES = 16
+"""A scoped lookup through ``..`` fails with EAGAIN when any mount or rename on the host
+happened meanwhile; it is tried again this often (then the EAGAIN is the caller's)."""
 
 
 def mount_setattr_recursive(target: str, attr_set: int) -> None:
