@@ -242,6 +242,11 @@ def test_duplicate_keys_are_errors_not_silently_overwritten() -> None:
             "subprocess",
         ),
         ("resources: [1]", "resources", "fields: cpu, memory, pids, gpu"),
+        (
+            "runtime_context: {env_vars: [{name: PYTHONNOUSERSITE, value: '1'}]}",
+            "runtime_context.env_vars[0].name",
+            "remove PYTHONNOUSERSITE",
+        ),
     ],
 )
 def test_each_mistake_is_located_with_what_is_valid(

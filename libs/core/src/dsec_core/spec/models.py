@@ -60,6 +60,8 @@ _DNS_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 _HOST_LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
 _HOSTNAME = re.compile(rf"{_HOST_LABEL}(?:\.{_HOST_LABEL})*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SANDBOX_OWNED_ENV = ("PYTHONUSERBASE", "PYTHONNOUSERSITE")
+"""Environment variables a spec may not set: the node agent sets them in every sandbox."""
 _PACKAGE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
 _VAULT = re.compile(r"vault://([A-Za-z0-9_.-]+)/([A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*)(?:#(.+))?")
 _S3 = re.compile(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(.*)")
@@ -295,6 +297,12 @@ class EnvVar(SpecModel):
             raise invalid(
                 f"{value!r} is not an environment variable name",
                 "letters, digits and '_', not starting with a digit, e.g. WEB_SEARCH_KEY",
+            )
+        if value in SANDBOX_OWNED_ENV:
+            raise invalid(
+                f"{value} is set by DSec in every sandbox: the sandbox's Python loads DSec's "
+                "user site, which adds the built environment's packages and the semantic layer",
+                f"remove {value}; put your own modules on PYTHONPATH instead",
             )
         return value
 

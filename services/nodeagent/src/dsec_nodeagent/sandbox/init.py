@@ -508,22 +508,14 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int, cpus: set
         # not be (its network namespace is the one just made; a plan too large for one
         # message). It runs nothing until init's word (written once it is in the cgroups and
         # the root view is in place); if init dies first, the pid namespace ends with it.
-        if early is not None and not plan["unshare_net"] and len(data) <= EARLY_PLAN_MAX:
-            import _socket  # (loaded already: prepare() imported it)
-
+        begin_w = -1
+        if early is not None:
             workload, sock = early
-            early = None
-            rights = report.fd.to_bytes(4, sys.byteorder)
-            try:
-                sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
-                begin_w = sock.detach()
-            except OSError:  # it died, or the socket takes no message this large: fork now
+            if not plan["unshare_net"] and len(data) <= EARLY_PLAN_MAX:
+                begin_w = _hand_plan(sock, data, report.fd)
+            else:  # EOF: it exits having run nothing (reaped as any orphan)
                 sock.close()
-                workload = -1
-        if workload < 0:
-            if early is not None:  # EOF: it exits having run nothing (reaped as any orphan)
-                early[1].close()
-                early = None
+        if begin_w < 0:
             workload, begin_w = _fork_workload(plan, report, holder_fd, [status_w, go])
         start = time.monotonic_ns()
         bind_root(plan, root)
@@ -657,6 +649,22 @@ def _fork_early(init_only: list[int], holder_fd: int, cpus: set[int]) -> tuple[i
     return pid, ours
 
 
+def _hand_plan(sock: Any, data: bytes, report_fd: int) -> int:
+    """Give the workload process forked ahead its marshalled plan and the report pipe; the
+    socket's fd (detached from ``sock``), or -1 having closed it where that process could not
+    take them (it died; a socket buffer smaller than the plan)."""
+    import _socket  # (loaded already: prepare() imported it)
+
+    rights = report_fd.to_bytes(4, sys.byteorder)
+    try:
+        sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
+    except OSError:
+        sock.close()
+        return -1
+    fd: int = sock.detach()
+    return fd
+
+
 JOIN = b"j"
 """Init to the workload's process forked ahead: join my mount namespace (with its fd)."""
 
@@ -737,7 +745,6 @@ def _workload_main(plan: Plan, report: _Reporter, holder_fd: int, begin_r: int) 
     except BaseException:
         os._exit(126)
     _exec_workload(plan, report, ruleset)
-    os._exit(127)  # (_exec_workload never returns)
 
 
 # Pid 1 once it has exec'd the sandbox's own interpreter: the same loop as _reap_until, with
@@ -1077,15 +1084,7 @@ def _build_landlock(plan: Plan, report: _Reporter, root_fd: int) -> int:
     Never returns on another failure: reports it and exits 127."""
     start = time.monotonic_ns()
     try:
-        policy = plan["landlock"]
-        ruleset = landlock.build_ruleset(
-            policy["read"],
-            policy["write"],
-            policy["tcp_connect_ports"],
-            policy["abi"],
-            policy.get("scope_abstract_unix", True),
-            root_fd=root_fd,
-        )
+        ruleset = _ruleset(plan, root_fd)
     except OSError as exc:
         if exc.errno in (errno.ENOSYS, errno.EAGAIN):
             return -1
@@ -1096,7 +1095,20 @@ def _build_landlock(plan: Plan, report: _Reporter, root_fd: int) -> int:
     return ruleset
 
 
-def _exec_workload(plan: Plan, report: _Reporter, ruleset: int = -1) -> None:
+def _ruleset(plan: Plan, root_fd: int | None = None) -> int:
+    """The plan's Landlock ruleset (:func:`.landlock.build_ruleset`), not yet enforced."""
+    policy = plan["landlock"]
+    return landlock.build_ruleset(
+        policy["read"],
+        policy["write"],
+        policy["tcp_connect_ports"],
+        policy["abi"],
+        policy.get("scope_abstract_unix", True),
+        root_fd=root_fd,
+    )
+
+
+def _exec_workload(plan: Plan, report: _Reporter, ruleset: int = -1) -> NoReturn:
     """After :func:`_confine_early`: cwd, uid drop, Landlock (``ruleset``: built already, by
     :func:`_build_landlock`), execve. Never returns."""
     stage = "credentials"
@@ -1112,18 +1124,12 @@ def _exec_workload(plan: Plan, report: _Reporter, ruleset: int = -1) -> None:
         _drop_privileges(plan)
         report.stage(stage, start)  # (a second record: the two add up)
         stage, start = "landlock", time.monotonic_ns()
-        policy = plan["landlock"]
-        if ruleset >= 0:
-            landlock.enforce(ruleset, policy["abi"])
+        if ruleset < 0:  # not built beside the pivot: resolved here, as the sandbox's root
+            ruleset = _ruleset(plan)
+        try:
+            landlock.enforce(ruleset, plan["landlock"]["abi"])
+        finally:
             os.close(ruleset)
-        else:
-            landlock.restrict_self(
-                policy["read"],
-                policy["write"],
-                policy["tcp_connect_ports"],
-                policy["abi"],
-                policy.get("scope_abstract_unix", True),
-            )
         report.stage(stage, start)
         if plan.get("transfer") is not None:  # `dsec sandbox cp`: copy, confined, no execve
             from dsec_nodeagent.sandbox import transfer

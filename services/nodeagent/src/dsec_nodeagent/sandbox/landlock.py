@@ -120,14 +120,15 @@ def restrict_flags(abi: int) -> int:
     return RESTRICT_SELF_LOG_NEW_EXEC_ON if abi >= 7 else 0
 
 
-def restrict_self(
+def build_ruleset(
     read_paths: list[str],
     write_paths: list[str],
     tcp_connect_ports: list[int] | None,
     abi: int,
     scope_abstract_unix: bool = True,
-) -> None:
-    """Apply a ruleset to the calling thread and its future children; irreversible.
+    root_fd: int | None = None,
+) -> int:
+    """A ruleset, not yet enforced (:func:`enforce`): a new fd (close it).
 
     Args:
         read_paths: paths (files or dirs) granted ``READ`` beneath them; missing ones are skipped.
@@ -138,31 +139,10 @@ def restrict_self(
         scope_abstract_unix: scope abstract unix sockets to the domain (ABI 6). Off only for a
             checkpointable sandbox: CRIU's parasite, run inside the workload, connects to one
             that CRIU made (docs/migration.md).
-
-    Raises:
-        OSError: Landlock unavailable (ABI < 1) or a syscall failed. ``no_new_privs`` must be set.
-    """
-    ruleset_fd = build_ruleset(read_paths, write_paths, tcp_connect_ports, abi, scope_abstract_unix)
-    try:
-        enforce(ruleset_fd, abi)
-    finally:
-        os.close(ruleset_fd)
-
-
-def build_ruleset(
-    read_paths: list[str],
-    write_paths: list[str],
-    tcp_connect_ports: list[int] | None,
-    abi: int,
-    scope_abstract_unix: bool = True,
-    root_fd: int | None = None,
-) -> int:
-    """The ruleset of :func:`restrict_self`, not yet enforced: a new fd (close it).
-
-    ``root_fd``: resolve the paths inside this directory, as if it were ``/`` (``openat2``'s
-    ``RESOLVE_IN_ROOT``: no symlink on the way leads out of it): a root view before its
-    ``pivot_root``. A rule binds the inode it names, not the path, so it holds the same once
-    that view is ``/``.
+        root_fd: resolve the paths inside this directory, as if it were ``/`` (``openat2``'s
+            ``RESOLVE_IN_ROOT``: no symlink on the way leads out of it): a detached copy of a
+            root view before its ``pivot_root``. A rule binds the inode it names, not the path,
+            so it holds the same once that view is ``/``. ``None``: as the caller sees them.
 
     Raises:
         OSError: Landlock unavailable (ABI < 1), a syscall failed, or (``root_fd``) ``openat2``
@@ -204,7 +184,8 @@ def build_ruleset(
 
 
 def enforce(ruleset_fd: int, abi: int) -> None:
-    """Restrict the calling thread (and what it execs) to ``ruleset_fd``; irreversible."""
+    """Restrict the calling thread and its future children to ``ruleset_fd``; irreversible.
+    ``no_new_privs`` must be set."""
     syscalls.syscall(syscalls.SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, restrict_flags(abi))
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec_core.spec.models import SANDBOX_OWNED_ENV
+
 from dsec_nodeagent.sandbox.discovery import RuntimeView
 from dsec_nodeagent.sandbox.init import DEV_NODES
 from dsec_nodeagent.sandbox.models import SandboxConfig
@@ -152,7 +154,7 @@ def build(
     _check_overlaps(layout)
     layout.sort(key=lambda e: _depth(e["path"]))
     read, write = _landlock_sets(config, runtime, host, layout, result)
-    for name in USER_SITE_VARIABLES:
+    for name in SANDBOX_OWNED_ENV:  # (a spec is refused them; a config made here is not)
         if name in config.env or name in config.secret_env:
             result.warnings.append(
                 f"env {name}: ignored; the sandbox's Python loads DSec's user site "
@@ -419,13 +421,10 @@ def workload_env(config: SandboxConfig, runtime: RuntimeView, host: HostPaths) -
     env.update(agent_env(config))
     # The user site is where the semantic layer and the environment's packages come from
     # (usercustomize): a spec's own value cannot move or switch it off (build() warns).
+    for name in SANDBOX_OWNED_ENV:
+        env.pop(name, None)
     env["PYTHONUSERBASE"] = USER_BASE_TARGET
-    env.pop("PYTHONNOUSERSITE", None)
     return env
-
-
-USER_SITE_VARIABLES = ("PYTHONUSERBASE", "PYTHONNOUSERSITE")
-"""Environment variables a spec cannot set: DSec's user site must load (:func:`workload_env`)."""
 
 
 def agent_env(config: SandboxConfig) -> dict[str, str]:

@@ -181,8 +181,8 @@ def open_tree_clone(path: str) -> int:
     return _check(_syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(path), flags), f"open_tree {path}")
 
 
-def open_in_root(root_fd: int, path: str, flags: int, resolve: int = 0) -> int:
-    """``openat2(root_fd, path, flags, RESOLVE_IN_ROOT | resolve)``: ``path`` (absolute or not)
+def open_in_root(root_fd: int, path: str, flags: int) -> int:
+    """``openat2(root_fd, path, flags, RESOLVE_IN_ROOT)``: ``path`` (absolute or not)
     and every symlink on its way resolve as if ``root_fd`` were ``/``; a new fd. ``root_fd``
     should be the root of a detached mount tree (``open_tree``): a ``..`` that reaches the
     root steps into whatever is mounted over it.
@@ -191,7 +191,7 @@ def open_in_root(root_fd: int, path: str, flags: int, resolve: int = 0) -> int:
         OSError: errno ``ENOSYS`` on kernels before 5.6; ``EAGAIN`` when a lookup through
             ``..`` was interrupted :data:`_OPENAT2_TRIES` times; as ``open(2)`` otherwise.
     """
-    how = _OpenHow(flags=flags, mode=0, resolve=RESOLVE_IN_ROOT | resolve)
+    how = _OpenHow(flags=flags, mode=0, resolve=RESOLVE_IN_ROOT)
     name = os.fsencode(path)
     for _ in range(_OPENAT2_TRIES):
         fd = _syscall(
