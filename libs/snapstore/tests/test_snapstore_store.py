@@ -344,7 +344,23 @@ def test_a_manifest_checked_once_is_refused_once_its_signers_certificate_expires
             reader.load("s")
 
 
-def test_restore_materializes_the_tree(store: SnapshotStore, code: Path) -> None:
+@pytest.fixture(params=["c", "python"])
+def writer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which path writes a fresh restore's files: the C writer (dsec_snapstore._placefiles,
+    built by `./taskw setup`) or, as where no compiler was found, Python's place()."""
+    from dsec_snapstore import store as store_module
+
+    assert store_module._write_new is not None, (
+        "dsec-snapstore's C extension (dsec_snapstore._placefiles) is not built: `./taskw "
+        "setup` needs a C compiler (gcc) and the interpreter's headers"
+    )
+    if request.param == "python":
+        monkeypatch.setattr(store_module, "_write_new", None)
+    mode: str = request.param
+    return mode
+
+
+def test_restore_materializes_the_tree(store: SnapshotStore, code: Path, writer: str) -> None:
     store.create("s", inputs(code))
     dest = code.parent / "restored"
     result = store.restore("s", dest)
@@ -359,7 +375,7 @@ def test_restore_materializes_the_tree(store: SnapshotStore, code: Path) -> None
 
 
 def test_restored_files_get_their_recorded_mode_under_any_umask(
-    store: SnapshotStore, code: Path
+    store: SnapshotStore, code: Path, writer: str
 ) -> None:
     store.create("s", inputs(code))
     old = os.umask(0o077)  # files are created with their mode only when the umask keeps it

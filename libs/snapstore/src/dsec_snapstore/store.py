@@ -904,10 +904,17 @@ class SnapshotStore:
         return {span.pack for span, gone in zip(spans, read, strict=True) if gone}
 
     def _read_span(
-        self, span: Span, out: dict[str, bytes], problems: dict[str, str], keep: bool
+        self,
+        span: Span,
+        out: dict[str, bytes],
+        problems: dict[str, str],
+        keep: bool,
+        views: bool = False,
     ) -> bool:
         """One ranged GET: each chunk decompressed (from a view of the body, not a copy) and
-        checked, into ``out`` or ``problems``; True when the pack is missing."""
+        checked, into ``out`` or ``problems``; True when the pack is missing. ``views``: a
+        chunk of a group frame goes into ``out`` as a view of the frame's content (no copy;
+        for callers that only write or join the bytes)."""
         try:
             body = self.objects.get_range(span.pack, span.start, span.end - span.start)
         except ObjectMissing:
@@ -915,27 +922,31 @@ class SnapshotStore:
         view = memoryview(body)
         decompressor = _decompressor()
         last = -1
-        content: bytes | None = None
+        content: bytes | memoryview | None = None
         for chunk_id, offset, length, inner, size in span.chunks:
-            where = f"{span.pack}@{offset}"
             if offset != last:  # the chunks of a group frame come one after the other
                 last = offset
                 try:
                     content = decompressor.decompress(
                         view[offset - span.start : offset - span.start + length]
                     )
+                    if views:
+                        content = memoryview(content)
                 except zstandard.ZstdError:
                     content = None
             if content is None:
-                problems[chunk_id] = f"{where}: chunk {chunk_id} is not a zstd frame (altered)"
+                problems[chunk_id] = (
+                    f"{span.pack}@{offset}: chunk {chunk_id} is not a zstd frame (altered)"
+                )
                 continue
             data = content if size < 0 else content[inner : inner + size]
             if blake3.blake3(data).hexdigest() != chunk_id:
                 problems[chunk_id] = (
-                    f"{where}: chunk {chunk_id} content does not match its hash (altered)"
+                    f"{span.pack}@{offset}: chunk {chunk_id} content does not match its hash"
+                    " (altered)"
                 )
             elif keep:
-                out[chunk_id] = data
+                out[chunk_id] = data  # type: ignore[assignment]  # (a view only with views)
         return False
 
     def _legacy_chunk(self, chunk_id: str) -> bytes | str:
@@ -1173,38 +1184,62 @@ class SnapshotStore:
         # Spans of at most _RESTORE_SPAN: many small tasks start writing sooner and share the
         # cores evenly; neighbours within a span still come in one GET.
         spans = plan_reads(located.items(), limit=_RESTORE_SPAN)
-        problems: dict[str, str] = {}
-        planned = threading.Event()  # set once `batch` and `waiting` below are complete
-        batch: list[tuple[FileEntry, str]] = []
-        waiting: dict[int, list[int]] = {}
+        # Each file waits for its distinct chunks that a span brings: the files waiting on a
+        # chunk, and how many chunks each file still waits for (none: written at once).
+        waiting: dict[str, list[int]] = {}
         left: list[int] = []
+        ready: list[int] = []
+        for n, row in enumerate(ids_of):
+            count = 0
+            for chunk_id in row if len(row) < 2 else set(row):
+                if chunk_id in located:  # (else fetched on its own already)
+                    waiting.setdefault(chunk_id, []).append(n)
+                    count += 1
+            left.append(count)
+            if not count:
+                ready.append(n)
+        problems: dict[str, str] = {}
+        planned = threading.Event()  # set once `batch` below is complete
+        batch: list[tuple[FileEntry, str]] = []
         skipped: list[int] = []
         lock = threading.Lock()
         umask = _umask()
 
         def write(files: Iterable[int]) -> int:
             size = 0
+            fresh: list[tuple[str, bytes, int, bool]] = []  # new files, for _write_new
             for n in files:
                 entry, target = batch[n]
                 if any(c not in chunks for c in ids_of[n]):
                     skipped.append(n)  # a chunk is bad or its pack moved: after the reads
                     continue
-                data = _assemble(entry, ids_of[n], chunks) if entry.kind == "file" else b""
-                place(entry, target, data, replace=replace, umask=umask)
-                size += len(data)
+                if entry.kind != "file":
+                    place(entry, target, b"", replace=replace, umask=umask)
+                    continue
+                data = _assemble(entry, ids_of[n], chunks)
+                if replace or _write_new is None:
+                    place(entry, target, data, replace=replace, umask=umask)
+                    size += len(data)
+                else:
+                    mode = entry.mode
+                    fresh.append((target, data, mode, umask is not None and not mode & umask))
+            if fresh:
+                size += _write_new(fresh)
             return size
 
-        def fetch_and_write(i: int, span: Span) -> int:
-            self._read_span(span, chunks, problems, True)  # a missing pack: fetched again below
+        def fetch_and_write(span: Span) -> int:
+            # (a missing pack: fetched again below)
+            self._read_span(span, chunks, problems, True, views=True)
             planned.wait()
             if len(batch) != len(entries):
                 return 0  # the targets could not be made: the restore fails
             done: list[int] = []
             with lock:
-                for n in waiting.get(i, ()):
-                    left[n] -= 1
-                    if left[n] == 0:
-                        done.append(n)
+                for chunk_id, *_ in span.chunks:
+                    for n in waiting[chunk_id]:
+                        left[n] -= 1
+                        if left[n] == 0:
+                            done.append(n)
             return write(done)
 
         # Big spans (a full restore) are mostly decompressing, hashing and writing: as many
@@ -1212,17 +1247,8 @@ class SnapshotStore:
         span_bytes = sum(s.end - s.start for s in spans)
         small = len(spans) > self._cpu_threads and span_bytes < len(spans) * (256 << 10)
         runner = self._pool if small else self._cpu
-        tasks = [runner.submit(fetch_and_write, i, span) for i, span in enumerate(spans)]
-        ready: list[int] = []
+        tasks = [runner.submit(fetch_and_write, span) for span in spans]
         try:
-            span_no = {c: i for i, span in enumerate(spans) for c, *_ in span.chunks}
-            for n, row in enumerate(ids_of):
-                needed = {span_no[c] for c in row if c in span_no}
-                left.append(len(needed))
-                if not needed:
-                    ready.append(n)
-                for i in needed:
-                    waiting.setdefault(i, []).append(n)
             batch.extend(_targets(root, entries))
         finally:
             planned.set()
@@ -1687,6 +1713,12 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     if dec is None:
         dec = _local.dec = zstandard.ZstdDecompressor()
     return dec
+
+
+try:  # a restore's new files written without the GIL (dsec_snapstore/_placefiles.c)
+    from dsec_snapstore._placefiles import write_files as _write_new
+except ImportError:  # (no C compiler where it was installed: each file from Python, by place)
+    _write_new = None
 
 
 def _assemble(entry: FileEntry, ids: Sequence[str], chunks: Mapping[str, bytes]) -> bytes:
