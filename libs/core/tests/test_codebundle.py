@@ -443,3 +443,20 @@ def test_declared_max_size_reads_the_spec_before_validation() -> None:
     assert declared_max_size("include_code: {max_size: 64GiB}\n") == MAX_SIZE_LIMIT  # capped
     for unset in ("name: x\n", "include_code: {max_size: lots}\n", "[not, a, map]", ": :"):
         assert declared_max_size(unset) == DEFAULT_MAX_SIZE, unset
+
+
+@pytest.mark.parametrize(
+    ("kind", "mode"),
+    [("file", 0o4755), ("file", 0o777), ("file", 0o100644), ("file", -1), ("symlink", 0o644)],
+)
+def test_a_manifest_entry_names_only_the_modes_a_tree_is_recorded_with(
+    kind: str, mode: int
+) -> None:
+    """A setuid bit or a world-writable file in a (hostile) manifest would be handed to whoever
+    restores it as root: refused when the manifest is read."""
+    from dsec_core.codebundle import FileEntry
+
+    with pytest.raises(ValueError, match="is recorded as"):
+        FileEntry(path="a", kind=kind, size=1, mode=mode, blake3="0" * 64)  # type: ignore[arg-type]
+    FileEntry(path="a", kind="file", size=1, mode=0o755, blake3="0" * 64)
+    FileEntry(path="a", kind="symlink", size=1, mode=0o777, blake3="0" * 64, target="b")

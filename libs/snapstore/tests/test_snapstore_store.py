@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from dsec_core import identity
@@ -398,6 +398,57 @@ def test_rollback_syncs_in_place_and_keeps_excluded_files(store: SnapshotStore, 
     assert (result.files_written, result.files_removed) == (2, 1)
     assert store.verify_code_dir("good", code).ok
     assert (code / ".venv" / "site.py").read_text() == "excluded"
+
+
+def test_a_rollback_never_writes_through_a_parent_swapped_for_a_link(
+    store: SnapshotStore, code: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sandbox running in its code dir swaps a directory for a symlink to elsewhere right
+    after the rollback checked the parents: nothing is written or removed there."""
+    from dsec_snapstore import store as store_module
+
+    store.create("good", inputs(code))
+    (code / "pkg" / "tools.py").write_text("TOOLS = []\n")
+    (code / "pkg" / "stray.py").write_text("x = 1\n")  # not in the snapshot: removed
+    outside = code.parent / "outside"
+    outside.mkdir()
+    (outside / "stray.py").write_text("not the tree's\n")
+    checked = store_module._targets
+
+    def racing(root: Path, entries: list[Any]) -> list[Any]:
+        out = checked(root, entries)
+        (code / "pkg").rename(code / "pkg.moved")
+        (code / "pkg").symlink_to(outside)
+        return out
+
+    monkeypatch.setattr(store_module, "_targets", racing)
+    with pytest.raises(InvalidInput, match="changed while the rollback ran"):
+        store.restore("good", code, sync=True)
+    assert sorted(p.name for p in outside.iterdir()) == ["stray.py"]
+    assert (outside / "stray.py").read_text() == "not the tree's\n"
+
+
+def test_a_rollback_never_removes_through_a_parent_swapped_for_a_link(
+    store: SnapshotStore, code: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.create("good", inputs(code))
+    (code / "pkg" / "stray.py").write_text("x = 1\n")  # not in the snapshot: to be removed
+    outside = code.parent / "outside"
+    outside.mkdir()
+    (outside / "stray.py").write_text("not the tree's\n")
+    written = SnapshotStore._write_files
+
+    def racing(self: SnapshotStore, *args: Any, **kwargs: Any) -> int:
+        size: int = written(self, *args, **kwargs)
+        (code / "pkg").rename(code / "pkg.moved")
+        (code / "pkg").symlink_to(outside)
+        return size
+
+    monkeypatch.setattr(SnapshotStore, "_write_files", racing)
+    result = store.restore("good", code, sync=True)
+    assert result.files_removed == 1  # (it was in the tree when the tree was listed)
+    assert (outside / "stray.py").read_text() == "not the tree's\n"
+    assert (code / "pkg.moved" / "stray.py").exists()  # moved away by the sandbox itself
 
 
 def test_rollback_honours_the_snapshots_own_exclude_patterns(

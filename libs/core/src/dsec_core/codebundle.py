@@ -38,7 +38,7 @@ from typing import IO, BinaryIO, Literal, cast
 import blake3
 import pathspec
 import zstandard
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsec_core import canonical
 
@@ -118,6 +118,22 @@ class FileEntry(BaseModel):
     mode: int = Field(description="0o644 or 0o755 for files (as git records it), 0o777 for links")
     blake3: str = Field(description="BLAKE3 hex of the content (of the target text for a link)")
     target: str | None = Field(default=None, description="Link target, for symlinks")
+
+    @model_validator(mode="after")
+    def _mode_is_one_we_record(self) -> FileEntry:
+        # A manifest names only these (list_tree records them so): anything else, such as a
+        # setuid bit, would be handed to whoever restores the tree as root.
+        allowed = _FILE_MODES if self.kind == "file" else _LINK_MODES
+        if self.mode not in allowed:
+            raise ValueError(
+                f"mode {self.mode:#o} of {self.path!r}: a {self.kind} is recorded as "
+                + " or ".join(f"{m:#o}" for m in sorted(allowed))
+            )
+        return self
+
+
+_FILE_MODES = frozenset({0o644, 0o755})
+_LINK_MODES = frozenset({0o777})
 
 
 class GitInfo(BaseModel):

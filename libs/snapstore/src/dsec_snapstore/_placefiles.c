@@ -21,7 +21,6 @@
 #include <Python.h>
 
 #include <errno.h>
-#include <string.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -36,11 +35,13 @@ typedef struct {
 
 static PyObject *write_files(PyObject *module, PyObject *arg) {
     (void)module;
-    PyObject *seq = PySequence_Fast(arg, "write_files: expected a list of (path, data, mode, exact)");
+    /* An immutable copy: nothing run while the arguments are read (a path's __fspath__, a
+     * mode's __index__), nor another thread while the GIL is released, can change the items. */
+    PyObject *seq = PySequence_Tuple(arg);
     if (seq == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     item_t *items = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(item_t));
     if (items == NULL) {
         Py_DECREF(seq);
@@ -49,7 +50,7 @@ static PyObject *write_files(PyObject *module, PyObject *arg) {
     PyObject *result = NULL;
     Py_ssize_t parsed = 0;
     for (; parsed < n; parsed++) {
-        PyObject *t = PySequence_Fast_GET_ITEM(seq, parsed);
+        PyObject *t = PyTuple_GET_ITEM(seq, parsed);
         item_t *it = &items[parsed];
         if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) {
             PyErr_SetString(PyExc_TypeError, "write_files: each item is (path, data, mode, exact)");
@@ -76,10 +77,6 @@ static PyObject *write_files(PyObject *module, PyObject *arg) {
             goto done;
         }
         it->exact = exact;
-        if (strlen(PyBytes_AS_STRING(it->path)) != (size_t)PyBytes_GET_SIZE(it->path)) {
-            PyErr_SetString(PyExc_ValueError, "write_files: embedded null byte in a path");
-            goto done;
-        }
     }
 
     Py_ssize_t failed = -1;
@@ -126,7 +123,7 @@ static PyObject *write_files(PyObject *module, PyObject *arg) {
     if (failed >= 0) {
         errno = err;
         PyErr_SetFromErrnoWithFilenameObject(
-            PyExc_OSError, PyTuple_GET_ITEM(PySequence_Fast_GET_ITEM(seq, failed), 0));
+            PyExc_OSError, PyTuple_GET_ITEM(PyTuple_GET_ITEM(seq, failed), 0));
         goto done;
     }
     result = PyLong_FromLongLong(total);

@@ -67,7 +67,7 @@ from dsec_snapstore.adapters.objectstore import (
     ObjectStore,
     S3ObjectStore,
 )
-from dsec_snapstore.adapters.tree import local_bytes, place, real_parent
+from dsec_snapstore.adapters.tree import local_bytes, place, place_in, real_parent, remove_in
 from dsec_snapstore.adapters.vault import KeyMissing, KeyStore, VaultKeyStore
 from dsec_snapstore.errors import (
     InvalidInput,
@@ -1152,8 +1152,12 @@ class SnapshotStore:
         ]
         extra = [current[p] for p in current if p not in wanted]
         size = self._write_files(manifest, dest, stale, replace=True)
-        for entry in extra:
-            entry.abspath.unlink(missing_ok=True)
+        root_fd = os.open(dest, _DIR_OPEN)
+        try:
+            for entry in extra:
+                remove_in(root_fd, entry.path)
+        finally:
+            os.close(root_fd)
         return len(stale), len(extra), size
 
     def _write_files(
@@ -1164,13 +1168,24 @@ class SnapshotStore:
         *,
         replace: bool = False,
     ) -> int:
-        return sum(
-            self._write_batch(manifest, root, batch, replace)
-            for batch in _batches(entries, _RESTORE_BATCH)
-        )
+        # A rollback writes below one fd of the tree (place_in: no parent followed as a link).
+        root_fd = os.open(root, _DIR_OPEN) if replace else -1
+        try:
+            return sum(
+                self._write_batch(manifest, root, batch, replace, root_fd)
+                for batch in _batches(entries, _RESTORE_BATCH)
+            )
+        finally:
+            if replace:
+                os.close(root_fd)
 
     def _write_batch(
-        self, manifest: SnapshotManifest, root: Path, entries: list[FileEntry], replace: bool
+        self,
+        manifest: SnapshotManifest,
+        root: Path,
+        entries: list[FileEntry],
+        replace: bool,
+        root_fd: int,
     ) -> int:
         """Write files while their packs are read, pipelined: each ranged GET is one task that
         decompresses and checks its chunks and then writes, in the same thread, every file
@@ -1213,12 +1228,12 @@ class SnapshotStore:
                 if any(c not in chunks for c in ids_of[n]):
                     skipped.append(n)  # a chunk is bad or its pack moved: after the reads
                     continue
-                if entry.kind != "file":
-                    place(entry, target, b"", replace=replace, umask=umask)
-                    continue
-                data = _assemble(entry, ids_of[n], chunks)
-                if replace or _write_new is None:
-                    place(entry, target, data, replace=replace, umask=umask)
+                data = _assemble(entry, ids_of[n], chunks) if entry.kind == "file" else b""
+                if replace:  # the tree may be in use: every parent opened without a link
+                    place_in(root_fd, entry, data, umask=umask)
+                    size += len(data)
+                elif entry.kind != "file" or _write_new is None:
+                    place(entry, target, data, replace=False, umask=umask)
                     size += len(data)
                 else:
                     mode = entry.mode
@@ -1228,8 +1243,10 @@ class SnapshotStore:
             return size
 
         def fetch_and_write(span: Span) -> int:
-            # (a missing pack: fetched again below)
-            self._read_span(span, chunks, problems, True, views=True)
+            # (a missing pack: fetched again below). Views of group frames for a fresh
+            # restore, which writes most members of each frame; a rollback's few files keep
+            # copies, not whole frames.
+            self._read_span(span, chunks, problems, True, views=not replace)
             planned.wait()
             if len(batch) != len(entries):
                 return 0  # the targets could not be made: the restore fails
@@ -1255,8 +1272,14 @@ class SnapshotStore:
             if len(batch) != len(entries):
                 for task in tasks:
                     task.exception()  # let the reads end before the error propagates
-        size = write(ready)  # links and empty files (no chunks) meanwhile
-        size += sum(t.result() for t in tasks)
+        try:
+            size = write(ready)  # links and empty files (no chunks) meanwhile
+            size += sum(t.result() for t in tasks)
+        except BaseException:
+            for task in tasks:  # every writer stopped before the caller removes the tree
+                task.cancel()
+            wait(tasks)
+            raise
         if problems:
             problem = min(problems.items())[1]
             where, _, what = problem.partition(": ")
@@ -1714,6 +1737,9 @@ def _decompressor() -> zstandard.ZstdDecompressor:
         dec = _local.dec = zstandard.ZstdDecompressor()
     return dec
 
+
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+"""How a rollback opens the tree it writes below (the tree itself is the caller's path)."""
 
 try:  # a restore's new files written without the GIL (dsec_snapstore/_placefiles.c)
     from dsec_snapstore._placefiles import write_files as _write_new

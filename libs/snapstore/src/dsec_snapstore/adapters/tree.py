@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path, PurePosixPath
 
 from dsec_core import codebundle
@@ -35,24 +36,31 @@ def real_parent(root: Path, rel_text: str, checked: set[PurePosixPath]) -> Path:
 
 
 def place(
-    entry: FileEntry, target: str | Path, data: bytes, *, replace: bool, umask: int | None = None
+    entry: FileEntry,
+    target: str | Path,
+    data: bytes,
+    *,
+    replace: bool,
+    umask: int | None = None,
+    dir_fd: int | None = None,
 ) -> None:
     """Write one file or link; with ``replace`` via a temporary name and an atomic rename.
 
     ``umask``: the process's umask when known; a file whose mode it leaves intact is created
     with that mode (no ``fchmod``), else it is created private and given its mode after.
+    ``dir_fd``: ``target`` is a name in that directory (see :func:`place_in`).
     """
     target = os.fspath(target)
     if replace:
-        head, _, name = target.rpartition("/")
-        path = f"{head}/.{name}.dsec-{os.getpid()}"
+        head, slash, name = target.rpartition("/")
+        path = f"{head}{slash}.{name}.dsec-{os.getpid()}"
     else:
         path = target
     if entry.kind == "symlink":
-        os.symlink(entry.target or "", path)
+        os.symlink(entry.target or "", path, dir_fd=dir_fd)
     else:
         exact = umask is not None and not entry.mode & umask
-        fd = os.open(path, _CREATE, entry.mode if exact else 0o600)
+        fd = os.open(path, _CREATE, entry.mode if exact else 0o600, dir_fd=dir_fd)
         try:
             if data:
                 _write_all(fd, data)
@@ -61,9 +69,45 @@ def place(
         finally:
             os.close(fd)
     if replace:
-        if os.path.isdir(target) and not os.path.islink(target):
-            shutil.rmtree(target)  # a directory where the snapshot has a file
-        os.replace(path, target)
+        try:
+            here = os.stat(target, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            here = None
+        if here is not None and stat.S_ISDIR(here.st_mode):
+            shutil.rmtree(target, dir_fd=dir_fd)  # a directory where the snapshot has a file
+        os.replace(path, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def place_in(root_fd: int, entry: FileEntry, data: bytes, *, umask: int | None = None) -> None:
+    """Replace ``entry.path`` below the directory ``root_fd`` (a rollback), its parents opened
+    one by one without following a link: a sandbox running in the tree that swaps a directory
+    for a symlink while the rollback runs gets nothing written, replaced or removed outside."""
+    rel = PurePosixPath(entry.path)
+    try:
+        parent = codebundle.open_real_dir(root_fd, rel.parent, create=True)
+    except NotADirectoryError as exc:
+        raise InvalidInput(f"{entry.path}: {exc} (changed while the rollback ran)") from None
+    try:
+        place(entry, rel.name, data, replace=True, umask=umask, dir_fd=parent)
+    finally:
+        os.close(parent)
+
+
+def remove_in(root_fd: int, rel_text: str) -> None:
+    """Remove the file or link ``rel_text`` below ``root_fd`` (missing: nothing to do), its
+    parents opened without following a link (a parent that is no longer a real directory holds
+    nothing of the tree)."""
+    rel = PurePosixPath(rel_text)
+    try:
+        parent = codebundle.open_real_dir(root_fd, rel.parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    try:
+        os.unlink(rel.name, dir_fd=parent)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(parent)
 
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
