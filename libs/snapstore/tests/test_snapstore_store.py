@@ -374,6 +374,34 @@ def test_restore_materializes_the_tree(store: SnapshotStore, code: Path, writer:
         store.restore("s", dest)
 
 
+def test_a_restore_that_fails_leaves_nothing_while_other_tasks_were_writing(
+    store: SnapshotStore, objects: S3ObjectStore, tmp_path: Path, writer: str
+) -> None:
+    """A (hostile, signed) manifest names a path twice: the task writing its second copy fails
+    while the tasks of the other packs still write; every one of them stops before the staging
+    tree is removed, so nothing of it is left."""
+    tree = tmp_path / "many"
+    rng = random.Random(11)
+    for d in range(4):
+        (tree / f"d{d}").mkdir(parents=True)
+        for i in range(150):
+            (tree / f"d{d}" / f"f{i}.bin").write_bytes(rng.randbytes(30_000 + i))
+    store.create("s", inputs(tree))
+    manifest = store.load("s")
+    files = manifest.code.files
+    twice = manifest.model_copy(
+        update={
+            "name": "twice",
+            "code": manifest.code.model_copy(update={"files": (*files, files[0])}),
+        }
+    )
+    doc, _ = store._signed_document(twice)
+    objects.put(manifest_key("twice"), doc)
+    with pytest.raises(FileExistsError):
+        store.restore("twice", tmp_path / "dest")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "many"]
+
+
 def test_restored_files_get_their_recorded_mode_under_any_umask(
     store: SnapshotStore, code: Path, writer: str
 ) -> None:
