@@ -442,23 +442,28 @@ def plan_reads(
     """Group chunk reads into few ranged GETs: per pack, by offset, merging near neighbours."""
     by_pack: dict[str, list[tuple[int, int, int, int, str]]] = {}
     for chunk_id, loc in wanted:
-        by_pack.setdefault(loc.pack, []).append(
-            (loc.offset, loc.length, loc.start, loc.size, chunk_id)
-        )
+        row = (loc.offset, loc.length, loc.start, loc.size, chunk_id)
+        rows = by_pack.get(loc.pack)
+        if rows is None:
+            by_pack[loc.pack] = [row]
+        else:
+            rows.append(row)
     spans: list[Span] = []
     for pack, items in by_pack.items():
         items.sort()
         current: list[tuple[str, int, int, int, int]] = []
         start = end = 0
         for offset, length, inner, size, chunk_id in items:
-            far = offset - end > gap or offset + length - start > limit
-            if current and offset >= end and far:  # (offset < end: a frame already read)
+            stop = offset + length
+            # (offset < end: a frame already read)
+            if current and offset >= end and (offset - end > gap or stop - start > limit):
                 spans.append(Span(pack, start, end, tuple(current)))
                 current = []
             if not current:
                 start = offset
             current.append((chunk_id, offset, length, inner, size))
-            end = max(end, offset + length)
+            if stop > end:
+                end = stop
         if current:
             spans.append(Span(pack, start, end, tuple(current)))
     spans.sort(key=lambda s: s.end - s.start, reverse=True)  # big reads first: less tail

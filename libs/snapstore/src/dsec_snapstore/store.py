@@ -1191,7 +1191,11 @@ class SnapshotStore:
         decompresses and checks its chunks and then writes, in the same thread, every file
         whose last chunk it brought (no hand-off; a file starts as soon as its bytes are in).
         The GETs start first; the target paths (and directories) are made meanwhile."""
-        ids_of = [manifest.chunks_of(entry) for entry in entries]
+        chunk_map = manifest.chunk_map  # (manifest.chunks_of, inlined: 5,000 calls a restore)
+        ids_of = [
+            chunk_map.get(e.path, (e.blake3,)) if e.kind == "file" and e.size != 0 else ()
+            for e in entries
+        ]
         located, unknown = self._locate(
             {c for row in ids_of for c in row}, refreshed=False, pool=self._pool
         )
