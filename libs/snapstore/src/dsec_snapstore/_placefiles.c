@@ -48,10 +48,9 @@ static PyObject *write_files(PyObject *module, PyObject *arg) {
         return PyErr_NoMemory();
     }
     PyObject *result = NULL;
-    Py_ssize_t parsed = 0;
-    for (; parsed < n; parsed++) {
-        PyObject *t = PyTuple_GET_ITEM(seq, parsed);
-        item_t *it = &items[parsed];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyTuple_GET_ITEM(seq, i);
+        item_t *it = &items[i];
         if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) {
             PyErr_SetString(PyExc_TypeError, "write_files: each item is (path, data, mode, exact)");
             goto done;

@@ -1151,9 +1151,11 @@ class SnapshotStore:
             != (here.kind, digests[path], here.mode, here.target)
         ]
         extra = [current[p] for p in current if p not in wanted]
-        size = self._write_files(manifest, dest, stale, replace=True)
+        # The tree may be in use (a sandbox's code dir): every write and removal below one fd
+        # of it, no parent followed as a link (place_in, remove_in).
         root_fd = os.open(dest, _DIR_OPEN)
         try:
+            size = self._write_files(manifest, dest, stale, root_fd)
             for entry in extra:
                 remove_in(root_fd, entry.path)
         finally:
@@ -1165,32 +1167,27 @@ class SnapshotStore:
         manifest: SnapshotManifest,
         root: Path,
         entries: Sequence[FileEntry],
-        *,
-        replace: bool = False,
+        root_fd: int | None = None,
     ) -> int:
-        # A rollback writes below one fd of the tree (place_in: no parent followed as a link).
-        root_fd = os.open(root, _DIR_OPEN) if replace else -1
-        try:
-            return sum(
-                self._write_batch(manifest, root, batch, replace, root_fd)
-                for batch in _batches(entries, _RESTORE_BATCH)
-            )
-        finally:
-            if replace:
-                os.close(root_fd)
+        """Write ``entries`` below ``root``: new files into a fresh tree, or (``root_fd``, an fd
+        of ``root``: a rollback) each replaced atomically below that fd."""
+        return sum(
+            self._write_batch(manifest, root, batch, root_fd)
+            for batch in _batches(entries, _RESTORE_BATCH)
+        )
 
     def _write_batch(
         self,
         manifest: SnapshotManifest,
         root: Path,
         entries: list[FileEntry],
-        replace: bool,
-        root_fd: int,
+        root_fd: int | None,
     ) -> int:
         """Write files while their packs are read, pipelined: each ranged GET is one task that
         decompresses and checks its chunks and then writes, in the same thread, every file
         whose last chunk it brought (no hand-off; a file starts as soon as its bytes are in).
-        The GETs start first; the target paths (and directories) are made meanwhile."""
+        The GETs start first; the target paths (and directories) are made meanwhile.
+        ``root_fd``: as :meth:`_write_files`'s."""
         chunk_map = manifest.chunk_map  # (manifest.chunks_of, inlined: 5,000 calls a restore)
         ids_of = [
             chunk_map.get(e.path, (e.blake3,)) if e.kind == "file" and e.size != 0 else ()
@@ -1233,7 +1230,7 @@ class SnapshotStore:
                     skipped.append(n)  # a chunk is bad or its pack moved: after the reads
                     continue
                 data = _assemble(entry, ids_of[n], chunks) if entry.kind == "file" else b""
-                if replace:  # the tree may be in use: every parent opened without a link
+                if root_fd is not None:  # a rollback: every parent opened without a link
                     place_in(root_fd, entry, data, umask=umask)
                     size += len(data)
                 elif entry.kind != "file" or _write_new is None:
@@ -1250,7 +1247,7 @@ class SnapshotStore:
             # (a missing pack: fetched again below). Views of group frames for a fresh
             # restore, which writes most members of each frame; a rollback's few files keep
             # copies, not whole frames.
-            self._read_span(span, chunks, problems, True, views=not replace)
+            self._read_span(span, chunks, problems, True, views=root_fd is None)
             planned.wait()
             if len(batch) != len(entries):
                 return 0  # the targets could not be made: the restore fails
@@ -1270,13 +1267,10 @@ class SnapshotStore:
         runner = self._pool if small else self._cpu
         tasks = [runner.submit(fetch_and_write, span) for span in spans]
         try:
-            batch.extend(_targets(root, entries))
-        finally:
-            planned.set()
-            if len(batch) != len(entries):
-                for task in tasks:
-                    task.exception()  # let the reads end before the error propagates
-        try:
+            try:
+                batch.extend(_targets(root, entries))
+            finally:
+                planned.set()  # (the tasks write nothing when the targets are incomplete)
             size = write(ready)  # links and empty files (no chunks) meanwhile
             size += sum(t.result() for t in tasks)
         except BaseException:
@@ -1743,7 +1737,8 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 _DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-"""How a rollback opens the tree it writes below (the tree itself is the caller's path)."""
+"""How a rollback opens the tree it writes below (the tree itself is the caller's path, a link
+or not)."""
 
 try:  # a restore's new files written without the GIL (dsec_snapstore/_placefiles.c)
     from dsec_snapstore._placefiles import write_files as _write_new

@@ -577,6 +577,17 @@ def _fork_workload(
     """Fork the workload's process once the plan is here; ``(its pid, init's end of their
     SOCK_SEQPACKET pair)``: the child closes init's own fds (``init_only``), then
     :func:`_workload_main`. Where it could be forked ahead, :func:`_fork_early` did."""
+    pid, sock = _fork_paired(init_only)
+    if pid == 0:
+        _workload_main(plan, report, holder_fd, sock.detach())
+    fd: int = sock.detach()
+    return pid, fd
+
+
+def _fork_paired(init_only: list[int]) -> tuple[int, Any]:
+    """Fork the workload's process with a SOCK_SEQPACKET pair between it and init: ``(its
+    pid, init's end)`` in init; ``(0, its end)`` in the child, which has closed init's own fds
+    (``init_only``; -1s are skipped) and exits 126 where it could not."""
     import _socket
 
     ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
@@ -587,12 +598,11 @@ def _fork_workload(
             for fd in init_only:
                 if fd >= 0:
                     os.close(fd)
-            begin_r = theirs.detach()
         except BaseException:
             os._exit(126)
-        _workload_main(plan, report, holder_fd, begin_r)
+        return 0, theirs
     theirs.close()
-    return pid, ours.detach()
+    return pid, ours
 
 
 EARLY_PLAN_MAX = 1 << 16
@@ -621,32 +631,24 @@ def _fork_early(init_only: list[int], holder_fd: int, cpus: set[int]) -> tuple[i
     Python process, ~0.4 ms on the project's VM) is not on the start's path. It shares init's
     pid, IPC and UTS namespaces from the fork on. ``cpus``: the CPU affinity init was forked
     with, set again at once (the node agent's hint may have narrowed init's before the fork)."""
-    import _socket
-
-    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
-    pid = os.fork()
+    pid, sock = _fork_paired(init_only)
     if pid == 0:
         try:
-            ours.close()
-            for fd in init_only:
-                if fd >= 0:
-                    os.close(fd)
             _widen(cpus)
-            word, fds = _recv_fds(theirs, 16, 1)
+            word, fds = _recv_fds(sock, 16, 1)
             if word != JOIN or len(fds) != 1:
                 os._exit(126)
             syscalls.setns(fds[0], syscalls.CLONE_NEWNS)  # (root and cwd: its root)
             os.close(fds[0])
-            data, fds = _recv_fds(theirs, EARLY_PLAN_MAX, 1)
+            data, fds = _recv_fds(sock, EARLY_PLAN_MAX, 1)
             if len(fds) != 1 or not data:
                 os._exit(126)
             plan: Plan = marshal.loads(data)
-            begin_r = theirs.detach()
+            begin_r = sock.detach()
         except BaseException:
             os._exit(126)
         _workload_main(plan, _Reporter(fds[0]), holder_fd, begin_r)
-    theirs.close()
-    return pid, ours
+    return pid, sock
 
 
 def _hand_plan(sock: Any, data: bytes, report_fd: int) -> int:

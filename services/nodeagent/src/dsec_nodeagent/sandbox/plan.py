@@ -325,10 +325,7 @@ def _check_overlaps(layout: list[dict[str, Any]]) -> None:
         if path in seen and entry["kind"] != "dir":
             raise PlanError(f"{path} is the target of two mounts")
         seen[path] = entry
-        outers = [o for a in _ancestors(path) for o in mounts.get(a, ())]
-        for outer in outers:
-            if outer is entry or path == outer["path"]:
-                continue
+        for outer in (o for a in _ancestors(path) for o in mounts.get(a, ())):
             rel = os.path.relpath(path, outer["path"])
             src = outer.get("src")
             if entry["kind"] == "bind" and src and os.path.exists(os.path.join(src, rel)):
