@@ -328,6 +328,26 @@ def test_gc_repacks_mostly_dead_packs_and_keeps_every_live_chunk(
     assert store.verify("s2").ok  # its in-memory index is current too
 
 
+def test_gc_removes_the_nodes_copies_of_the_packs_it_deleted(
+    objects: MemoryObjects, tree: Path, tmp_path: Path
+) -> None:
+    with make_store(objects, tmp_path / "cache") as store:
+        assert store.pack_cache is not None
+        two_snapshots(store, tree)
+        copies = store.pack_cache.directory
+        assert {f"{PACK_PREFIX}{p.name}" for p in copies.iterdir()} == set(
+            objects.under(PACK_PREFIX)
+        )
+        store.delete("s1")
+        report = store.gc(grace=timedelta(0), repack_below=0.99)
+        gone = {k for k in report.deleted if k.startswith(PACK_PREFIX)}
+        assert gone
+        kept = {f"{PACK_PREFIX}{p.name}" for p in copies.iterdir()}
+        assert kept and not (kept & gone) and kept <= set(objects.under(PACK_PREFIX))
+        store.restore("s2", tmp_path / "out")
+    assert same_tree(tree, tmp_path / "out")
+
+
 def test_gc_dry_run_and_grace_delete_nothing(
     store: SnapshotStore, objects: MemoryObjects, tree: Path
 ) -> None:

@@ -183,9 +183,84 @@ def test_verify_passes_then_names_a_tampered_chunk(
     for problem in report.problems:
         assert f"{loc.pack}@{loc.offset}:" in problem
         assert any(f"used by {path}" in problem for path in in_frame)
-    with pytest.raises(VerificationFailed, match=loc.pack):
-        store.restore("s", code.parent / "out")
+    # This node keeps a checked copy of each pack it stored: its restore is the snapshot's
+    # exact bytes, read from that copy (verify, above, checked what S3 holds).
+    store.restore("s", code.parent / "here")
+    assert (code.parent / "here" / "pkg" / "tools.py").read_bytes() == (
+        code / "pkg" / "tools.py"
+    ).read_bytes()
+    # A node without a copy reads the altered pack: refused, naming it; nothing left behind.
+    with (
+        other_node(store, objects, code.parent / "node-2") as there,
+        pytest.raises(VerificationFailed, match=loc.pack),
+    ):
+        there.restore("s", code.parent / "out")
     assert not (code.parent / "out").exists()
+
+
+def other_node(store: SnapshotStore, objects: S3ObjectStore, cache: Path) -> SnapshotStore:
+    """The same object store seen from another node: its own (empty) cache, trusting the
+    key that signed ``store``'s snapshots."""
+    from nacl.signing import VerifyKey
+
+    return SnapshotStore(
+        objects,
+        signing_key=SigningKey.generate(),
+        keys=store.keys,
+        cache_dir=cache,
+        trusted_keys=[VerifyKey(store.public_key)],
+    )
+
+
+def store_reads() -> float:
+    """Pack reads the object store served so far (the metric a node exports)."""
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value("dsec_snapshot_pack_reads_total", {"source": "store"})
+    return value or 0.0
+
+
+def test_a_restore_and_a_rollback_on_the_node_that_took_the_snapshot_read_no_pack_from_s3(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path, tmp_path: Path
+) -> None:
+    (code / "data.bin").write_bytes(os.urandom(300_000))
+    store.create("s", inputs(code))
+    before = store_reads()
+    store.restore("s", tmp_path / "out")
+    (tmp_path / "out" / "agent.py").write_text("changed\n")
+    back = store.restore("s", tmp_path / "out", sync=True)
+    assert back.files_written == 1
+    assert store_reads() == before  # every pack came from this node's copies
+    assert (tmp_path / "out" / "data.bin").read_bytes() == (code / "data.bin").read_bytes()
+    # Another node reads them from S3 once, then from the copies its restore kept.
+    with other_node(store, objects, tmp_path / "node-2") as there:
+        there.restore("s", tmp_path / "there-1")
+        read_once = store_reads()
+        assert read_once > before
+        there.restore("s", tmp_path / "there-2")
+        assert store_reads() == read_once
+        assert (tmp_path / "there-2" / "data.bin").read_bytes() == (code / "data.bin").read_bytes()
+
+
+def test_a_nodes_copy_altered_on_its_disk_is_dropped_and_the_pack_read_from_s3(
+    store: SnapshotStore, code: Path, tmp_path: Path
+) -> None:
+    (code / "data.bin").write_bytes(os.urandom(300_000))
+    store.create("s", inputs(code))
+    assert store.pack_cache is not None
+    copies = sorted(store.pack_cache.directory.iterdir())
+    assert copies and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in copies)
+    assert stat.S_IMODE(store.pack_cache.directory.stat().st_mode) == 0o700
+    for path in copies:  # every copy altered in its first frame
+        body = bytearray(path.read_bytes())
+        body[10] ^= 0x55
+        path.write_bytes(bytes(body))
+    before = store_reads()
+    store.restore("s", tmp_path / "out")
+    for path in (code / "agent.py", code / "pkg" / "tools.py", code / "data.bin"):
+        assert (tmp_path / "out" / path.relative_to(code)).read_bytes() == path.read_bytes()
+    assert store_reads() == before + len(copies)  # each pack read again from S3
+    assert not any(p.exists() for p in copies)  # the altered copies are gone
 
 
 def test_verify_names_a_missing_chunk_and_a_tampered_audit_blob(

@@ -124,6 +124,13 @@ class Settings(BaseSettings):
     snapshot_keep: int = Field(
         default=10, ge=1, description="Periodic snapshots kept per sandbox (older are deleted)"
     )
+    snapshot_pack_cache_mb: int = Field(
+        default=1024,
+        ge=0,
+        description="The node's copies of the snapshot packs it stored or read, kept to this "
+        "many MiB (least recently used removed first): a restore or rollback on the node "
+        "reads them from local disk, not S3; every chunk is still checked (0 = off)",
+    )
     snapshot_gc_min_grace_s: float = Field(
         default=3600.0,
         ge=0,

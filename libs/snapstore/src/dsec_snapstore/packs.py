@@ -148,8 +148,10 @@ class Packer:
         *,
         target: int = PACK_TARGET,
         max_inflight: int = 4,
+        on_stored: Callable[[str, bytes], None] | None = None,
     ) -> None:
         self._objects = objects
+        self._on_stored = on_stored  # (the node's pack cache: a copy of each pack stored)
         self._uploader = uploader
         self._target = target
         self._slots = threading.BoundedSemaphore(max_inflight)
@@ -205,6 +207,8 @@ class Packer:
             body, entries = encode_pack(blobs)
             key = pack_key(blake3.blake3(body).hexdigest())  # the cores are busy compressing
             self._objects.put(key, body, checked_on_read=True)
+            if self._on_stored is not None:
+                self._on_stored(key, body)
             return key, entries, len(body)
         finally:
             self._slots.release()

@@ -96,6 +96,7 @@ from dsec_snapstore.manifest import (
     manifest_key,
     summary_key,
 )
+from dsec_snapstore.packcache import PackCache, count_store_read
 from dsec_snapstore.packs import (
     GROUP_CHUNK_MAX,
     GROUP_LIMIT,
@@ -127,6 +128,8 @@ compressing (two cores) while its packs upload; level 3 saves a few percent of b
 _T = TypeVar("_T")
 _RESTORE_BATCH = 64 << 20
 """A restore fetches the chunks of this many bytes of files at once (bounded memory)."""
+PACK_CACHE_BYTES = 1 << 30
+"""The node's copies of packs (:class:`.PackCache`) are kept to this many bytes by default."""
 _RESTORE_SPAN = 16 << 20
 """The largest ranged GET of a restore (one task: fetch, decompress, check, write)."""
 REPACK_BELOW = 0.5
@@ -174,6 +177,7 @@ class SnapshotStore:
         pack_target: int = PACK_TARGET,
         create_wait_s: float = 120.0,
         gc_wait_s: float = 30.0,
+        pack_cache_bytes: int = PACK_CACHE_BYTES,
     ) -> None:
         self.objects = objects
         # A GC and a create never run at once, in any process (see dsec_snapstore.locks): a
@@ -203,9 +207,13 @@ class SnapshotStore:
             max_workers=self._cpu_threads, thread_name_prefix="snap-cpu"
         )
         index_cache = None
+        # The node's copies of packs it stored or read (see dsec_snapstore.packcache).
+        self.pack_cache: PackCache | None = None
         if cache_dir is not None:
             ident = blake3.blake3(objects.identity.encode()).hexdigest()[:32]
             index_cache = cache_dir / "pack-index" / ident
+            if pack_cache_bytes > 0:
+                self.pack_cache = PackCache(cache_dir / "packs" / ident, pack_cache_bytes)
         self.index = PackIndex(objects, index_cache)
         self._stat_memo = StatCacheMemo()
         # Manifests checked already, by the BLAKE3 of their stored document: a snapshot taken
@@ -268,9 +276,16 @@ class SnapshotStore:
             keys=keys,
             cache_dir=cache_dir or settings.home / "cache" / "snapshot",
             gc_wait_s=settings.snapshot_gc_wait_s,
+            pack_cache_bytes=settings.snapshot_pack_cache_mb << 20,
             certificate=cert,
             anchor=anchor,
         )
+
+    @property
+    def public_key(self) -> bytes:
+        """The raw Ed25519 key this store signs manifests with (another store trusts it with
+        ``trusted_keys=[VerifyKey(...)]``)."""
+        return self._public
 
     def close(self) -> None:
         """Stop the worker threads."""
@@ -392,7 +407,12 @@ class SnapshotStore:
             given_up.set()
             wait([locked, index_read, *(parent_alive or ())])  # then ``held`` releases it
             raise
-        packer = Packer(self.objects, self._uploader, target=self._pack_target)
+        packer = Packer(
+            self.objects,
+            self._uploader,
+            target=self._pack_target,
+            on_stored=self.pack_cache.put if self.pack_cache is not None else None,
+        )
         try:
             hashed, rehashed = self._hash_all(
                 entries, cache if parent else None, _PackingSink(self.index, packer)
@@ -900,7 +920,8 @@ class SnapshotStore:
         """Read ``spans`` (in parallel on ``pool``) into ``out`` (bad chunks into ``problems``);
         return the packs found missing."""
         mapper = pool.map if pool is not None else map
-        read = mapper(lambda span: self._read_span(span, out, problems, keep), spans)
+        # (keep=False is a verify: it checks what the object store holds, not the node's copies)
+        read = mapper(lambda span: self._read_span(span, out, problems, keep, cached=keep), spans)
         return {span.pack for span, gone in zip(spans, read, strict=True) if gone}
 
     def _read_span(
@@ -910,19 +931,29 @@ class SnapshotStore:
         problems: dict[str, str],
         keep: bool,
         views: bool = False,
+        cached: bool = True,
     ) -> bool:
-        """One ranged GET: each chunk decompressed (from a view of the body, not a copy) and
-        checked, into ``out`` or ``problems``; True when the pack is missing. ``views``: a
-        chunk of a group frame goes into ``out`` as a view of the frame's content (no copy;
-        for callers that only write or join the bytes)."""
-        try:
-            body = self.objects.get_range(span.pack, span.start, span.end - span.start)
-        except ObjectMissing:
-            return True
+        """One ranged GET, or a read of the node's copy (:attr:`pack_cache`; ``cached=False``:
+        never): each chunk decompressed (from a view of the body, not a copy) and checked,
+        into ``out`` or ``problems``; True when the pack is missing. A copy whose chunks do
+        not check is dropped and the pack read from the store again; a checked read of a
+        pack from its start is kept as a copy. ``views``: a chunk of a group frame goes into
+        ``out`` as a view of the frame's content (no copy; for callers that only write or
+        join the bytes)."""
+        cache = self.pack_cache if cached else None
+        body = None if cache is None else cache.read(span.pack, span.start, span.end - span.start)
+        from_cache = body is not None
+        if body is None:
+            try:
+                body = self.objects.get_range(span.pack, span.start, span.end - span.start)
+            except ObjectMissing:
+                return True
+            count_store_read()
         view = memoryview(body)
         decompressor = _decompressor()
         last = -1
         content: bytes | memoryview | None = None
+        bad = False
         for chunk_id, offset, length, inner, size in span.chunks:
             if offset != last:  # the chunks of a group frame come one after the other
                 last = offset
@@ -938,6 +969,7 @@ class SnapshotStore:
                 problems[chunk_id] = (
                     f"{span.pack}@{offset}: chunk {chunk_id} is not a zstd frame (altered)"
                 )
+                bad = True
                 continue
             data = content if size < 0 else content[inner : inner + size]
             if blake3.blake3(data).hexdigest() != chunk_id:
@@ -945,8 +977,18 @@ class SnapshotStore:
                     f"{span.pack}@{offset}: chunk {chunk_id} content does not match its hash"
                     " (altered)"
                 )
+                bad = True
             elif keep:
                 out[chunk_id] = data  # type: ignore[assignment]  # (a view only with views)
+        if bad and from_cache and cache is not None:
+            # The node's copy did not check: dropped, and the pack read from the store again.
+            cache.drop(span.pack)
+            for chunk_id, *_ in span.chunks:
+                problems.pop(chunk_id, None)
+                out.pop(chunk_id, None)
+            return self._read_span(span, out, problems, keep, views, cached=False)
+        if cache is not None and not from_cache and not bad and span.start == 0:
+            cache.put(span.pack, body)  # checked: the next read of this pack stays local
         return False
 
     def _legacy_chunk(self, chunk_id: str) -> bytes | str:
@@ -1529,6 +1571,9 @@ class SnapshotStore:
             for start in range(0, len(doomed), _GC_DELETE_BATCH):  # (a long delete: checked)
                 still_held()
                 self.objects.delete_many(doomed[start : start + _GC_DELETE_BATCH])
+            if self.pack_cache is not None:  # (their copies would only take room here)
+                for key in doomed:
+                    self.pack_cache.drop(key)
         referenced = {*(home.values()), *(chunk_key(c) for c in live if c not in home), *audits}
         stored_keys = sizes.keys()
         return GcReport(

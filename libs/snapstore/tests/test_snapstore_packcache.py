@@ -1,0 +1,98 @@
+"""The node's copies of packs (dsec_snapstore.packcache): bounded, least recently used first out,
+only pack names, prefixes honoured, nothing half-written."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from dsec_snapstore.packcache import PackCache
+
+
+def key(n: int) -> str:
+    return f"packs/{n:064x}"
+
+
+def test_a_copy_is_read_back_by_range_and_a_read_past_its_end_is_a_miss(tmp_path: Path) -> None:
+    cache = PackCache(tmp_path / "packs", 1 << 20)
+    body = os.urandom(1000)
+    cache.put(key(1), body[:600])  # a prefix: the frames a restore read, without the trailer
+    assert cache.read(key(1), 100, 200) == body[100:300]
+    assert cache.read(key(1), 0, 600) == body[:600]
+    assert cache.read(key(1), 500, 200) is None  # reaches past the copy
+    assert cache.read(key(2), 0, 10) is None  # never stored
+    cache.put(key(1), body)  # a longer copy replaces it; a shorter one does not
+    cache.put(key(1), body[:10])
+    assert cache.read(key(1), 900, 100) == body[900:]
+    assert cache.size == 1000
+
+
+def test_only_pack_names_are_kept(tmp_path: Path) -> None:
+    cache = PackCache(tmp_path / "packs", 1 << 20)
+    for hostile in (
+        "packs/../../etc/passwd",
+        "manifests/abc",
+        "packs/" + "g" * 64,
+        "packs/" + "a" * 63,
+        "packs/" + "A" * 64,
+        key(1) + "/x",
+    ):
+        cache.put(hostile, b"data")
+        assert cache.read(hostile, 0, 4) is None
+    assert not (tmp_path / "packs").exists() or not any((tmp_path / "packs").iterdir())
+
+
+def test_the_cache_stays_within_its_limit_least_recently_used_out_first(tmp_path: Path) -> None:
+    directory = tmp_path / "packs"
+    cache = PackCache(directory, 1000)
+    for n in range(4):
+        cache.put(key(n), bytes([n]) * 240)  # 4 x 240 = 960
+    assert cache.read(key(0), 0, 10) == b"\0" * 10  # 0 used again: 1 is now the oldest
+    cache.put(key(4), b"\4" * 240)  # 1,200 > 1,000: the least recently used goes
+    assert cache.size <= 1000
+    assert cache.read(key(1), 0, 10) is None and not (directory / key(1)[6:]).exists()
+    assert all(cache.read(key(n), 0, 240) is not None for n in (0, 2, 3, 4))
+    cache.put(key(5), b"\5" * 251)  # larger than a quarter of the cache: never kept
+    assert cache.read(key(5), 0, 10) is None and not (directory / key(5)[6:]).exists()
+
+
+def test_a_new_process_finds_the_copies_in_their_order_of_use_under_a_lowered_limit(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "packs"
+    first = PackCache(directory, 10_000)
+    now = time.time()
+    for n in range(4):
+        first.put(key(n), bytes([n]) * 100)
+        os.utime(directory / key(n)[6:], (now - 100 + n, now - 100 + n))
+    first.read(key(0), 0, 1)  # used last: its mtime is now
+    (directory / f"{key(9)[6:]}.tmp123.456").write_bytes(b"half")  # a crashed writer's
+    os.utime(directory / f"{key(9)[6:]}.tmp123.456", (now - 3600, now - 3600))
+    second = PackCache(directory, 250)  # room for two
+    assert second.size == 200
+    assert sorted(p.name for p in directory.iterdir()) == sorted([key(3)[6:], key(0)[6:]])
+
+
+def test_a_copy_removed_or_cut_short_behind_the_caches_back_is_a_miss(tmp_path: Path) -> None:
+    directory = tmp_path / "packs"
+    cache = PackCache(directory, 10_000)
+    cache.put(key(1), b"x" * 100)
+    cache.put(key(2), b"y" * 100)
+    (directory / key(1)[6:]).unlink()
+    assert cache.read(key(1), 0, 10) is None
+    (directory / key(2)[6:]).write_bytes(b"y" * 10)
+    assert cache.read(key(2), 50, 10) is None
+    assert cache.size == 0
+
+
+def test_without_room_to_write_nothing_is_kept_and_nothing_is_left_behind(tmp_path: Path) -> None:
+    directory = tmp_path / "packs"
+    directory.mkdir(mode=0o500)  # not writable
+    cache = PackCache(directory, 10_000)
+    if os.geteuid() == 0:  # root writes anyway: a file where the directory should be instead
+        directory.rmdir()
+        directory.write_bytes(b"")
+    cache.put(key(1), b"x" * 100)
+    assert cache.read(key(1), 0, 10) is None
+    assert cache.size == 0
