@@ -4,6 +4,7 @@ only pack names, prefixes honoured, nothing half-written."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -96,3 +97,60 @@ def test_without_room_to_write_nothing_is_kept_and_nothing_is_left_behind(tmp_pa
     cache.put(key(1), b"x" * 100)
     assert cache.read(key(1), 0, 10) is None
     assert cache.size == 0
+
+
+def test_a_copy_kept_behind_is_read_from_memory_then_from_its_file(tmp_path: Path) -> None:
+    directory = tmp_path / "packs"
+    cache = PackCache(directory, 1 << 20)
+    body = os.urandom(1000)
+    cache.keep(key(1), body)
+    got = cache.read(key(1), 10, 20)  # from memory or, once written, from the file
+    assert got is not None and bytes(got) == body[10:30]
+    assert cache.flush(10)
+    assert (directory / key(1)[6:]).read_bytes() == body
+    assert cache.read(key(1), 990, 10) == body[990:]
+    cache.close()
+    cache.keep(key(2), body)  # closed: nothing more is kept
+    assert cache.read(key(2), 0, 10) is None and not (directory / key(2)[6:]).exists()
+
+
+def test_copies_waiting_beyond_the_pending_limit_are_not_kept(tmp_path: Path) -> None:
+    directory = tmp_path / "packs"
+    cache = PackCache(directory, 1 << 20, pending_limit=250)
+    gate = threading.Event()  # the writer thread waits here: the copies stay in memory
+    write = cache.put
+
+    def slow_put(key: str, data: bytes | memoryview) -> None:
+        gate.wait(10)
+        write(key, data)
+
+    cache.put = slow_put  # type: ignore[method-assign]
+    cache.keep(key(1), b"a" * 100)
+    cache.keep(key(2), b"b" * 100)
+    cache.keep(key(3), b"c" * 100)  # 300 > 250 bytes would wait: not kept
+    assert cache.read(key(2), 0, 3) == b"bbb"
+    assert cache.read(key(3), 0, 3) is None
+    gate.set()
+    assert cache.flush(10)
+    assert sorted(p.name for p in directory.iterdir()) == [key(1)[6:], key(2)[6:]]
+    cache.close()
+
+
+def test_close_writes_every_copy_still_waiting(tmp_path: Path) -> None:
+    directory = tmp_path / "packs"
+    cache = PackCache(directory, 1 << 30)
+    bodies = {n: os.urandom(200_000) for n in range(20)}
+    for n, body in bodies.items():
+        cache.keep(key(n), body)
+    cache.close()
+    for n, body in bodies.items():
+        assert (directory / key(n)[6:]).read_bytes() == body
+
+
+def test_a_dropped_copy_waiting_to_be_written_is_never_read(tmp_path: Path) -> None:
+    cache = PackCache(tmp_path / "packs", 1 << 20)
+    cache.keep(key(1), b"x" * 100)
+    cache.drop(key(1))
+    assert cache.flush(10)
+    assert cache.read(key(1), 0, 10) is None
+    cache.close()

@@ -334,6 +334,7 @@ def test_gc_removes_the_nodes_copies_of_the_packs_it_deleted(
     with make_store(objects, tmp_path / "cache") as store:
         assert store.pack_cache is not None
         two_snapshots(store, tree)
+        assert store.pack_cache.flush(10)  # (written behind the creates)
         copies = store.pack_cache.directory
         assert {f"{PACK_PREFIX}{p.name}" for p in copies.iterdir()} == set(
             objects.under(PACK_PREFIX)

@@ -248,6 +248,7 @@ def test_a_nodes_copy_altered_on_its_disk_is_dropped_and_the_pack_read_from_s3(
     (code / "data.bin").write_bytes(os.urandom(300_000))
     store.create("s", inputs(code))
     assert store.pack_cache is not None
+    assert store.pack_cache.flush(10)  # (written behind the create)
     copies = sorted(store.pack_cache.directory.iterdir())
     assert copies and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in copies)
     assert stat.S_IMODE(store.pack_cache.directory.stat().st_mode) == 0o700

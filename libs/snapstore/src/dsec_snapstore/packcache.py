@@ -14,6 +14,12 @@ copy is written only after its chunks checked (a restore) or from the bytes just
 snapshot), with mode 0600 in a 0700 directory, through a temporary file renamed into place,
 so a crash or a second process never leaves a half-written copy under a pack's name.
 
+Copies are written behind (:meth:`PackCache.keep`): a thread of lower priority writes them
+after the snapshot or restore that brought the bytes, which does not wait for it (writing 28 MB
+into new files costs ~30 ms of CPU on a 2-vCPU VM: 9 % of a cold snapshot of 50 MB, measured
+alternating with the cache off). Until it is written, a copy is read from memory; at most
+``pending_limit`` bytes wait (more are not kept), and :meth:`PackCache.close` writes what waits.
+
 The cache is bounded (``limit`` bytes, ``DSEC_SNAPSHOT_PACK_CACHE_MB``): the least recently used
 copies are removed once it is over. Its bookkeeping is per process; the directory is the
 caller's own (one per store, under its ``cache_dir``), so no two services share it. Every
@@ -42,6 +48,9 @@ _FROM_STORE = PACK_READS.labels("store")
 
 _NAME = re.compile(r"packs/([0-9a-f]{64})")
 _TMP_MARK = ".tmp"
+PENDING_LIMIT = 64 << 20
+"""Bytes of copies waiting to be written at most (a snapshot larger than that is partly kept)."""
+_WRITER_NICE = 10
 _STALE_TMP_S = 600.0
 """A temporary file older than this is a crashed writer's: removed when the cache is loaded."""
 
@@ -57,22 +66,33 @@ class PackCache:
     Thread-safe. ``limit`` is in bytes; a pack larger than a quarter of it is never kept.
     """
 
-    def __init__(self, directory: Path, limit: int) -> None:
+    def __init__(self, directory: Path, limit: int, pending_limit: int = PENDING_LIMIT) -> None:
         self.directory = directory
         self.limit = limit
+        self.pending_limit = pending_limit
         self._lock = threading.Lock()
         self._sizes: OrderedDict[str, int] | None = None  # name -> bytes, oldest use first
         self._total = 0
+        # Copies waiting for the writer thread (name -> (key, bytes)), in the order kept.
+        self._pending: dict[str, tuple[str, bytes]] = {}
+        self._pending_bytes = 0
+        self._changed = threading.Condition(self._lock)
+        self._writer: threading.Thread | None = None
+        self._closed = False
 
     # ------------------------------------------------------------------------------ reading
 
-    def read(self, key: str, start: int, length: int) -> bytes | None:
+    def read(self, key: str, start: int, length: int) -> bytes | memoryview | None:
         """``length`` bytes of pack ``key`` from ``start``, or ``None`` (not here, shorter
         than that, unreadable)."""
         name = _name_of(key)
         if name is None or length <= 0:
             return None
         with self._lock:
+            waiting = self._pending.get(name)
+            if waiting is not None and start + length <= len(waiting[1]):
+                _FROM_CACHE.inc()
+                return memoryview(waiting[1])[start : start + length]
             sizes = self._loaded()
             size = sizes.get(name)
             if size is None or start + length > size:
@@ -97,6 +117,65 @@ class PackCache:
         return data
 
     # ------------------------------------------------------------------------------ writing
+
+    def keep(self, key: str, data: bytes) -> None:
+        """Keep ``data`` (see :meth:`put`), written behind by the writer thread; read from
+        memory until then. Not kept when ``pending_limit`` bytes wait already."""
+        name = _name_of(key)
+        size = len(data)
+        if name is None or size == 0 or size > self.limit // 4:
+            return
+        with self._lock:
+            if (
+                self._closed
+                or name in self._pending
+                or self._pending_bytes + size > self.pending_limit
+                or self._loaded().get(name, -1) >= size
+            ):
+                return
+            self._pending[name] = (key, data)
+            self._pending_bytes += size
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_behind, name="snap-pack-cache", daemon=True
+                )
+                self._writer.start()
+            self._changed.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every copy kept so far is written; False when ``timeout_s`` ran out."""
+        with self._lock:
+            return self._changed.wait_for(lambda: not self._pending, timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write what waits, then stop the writer thread (nothing is kept after this)."""
+        with self._lock:
+            self._closed = True
+            self._changed.notify_all()
+            writer = self._writer
+        if writer is not None:
+            writer.join(timeout_s)
+
+    def _write_behind(self) -> None:
+        # Below the threads that compress, hash and write a restore (on Linux a thread has its
+        # own nice value); raising it needs no privilege.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICE)
+        while True:
+            with self._lock:
+                self._changed.wait_for(lambda: bool(self._pending) or self._closed)
+                if not self._pending:
+                    self._writer = None
+                    return
+                name = next(iter(self._pending))
+                key, data = self._pending[name]
+            try:
+                self.put(key, data)
+            finally:
+                with self._lock:
+                    if self._pending.pop(name, None) is not None:
+                        self._pending_bytes -= len(data)
+                    self._changed.notify_all()
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Keep ``data``, the first ``len(data)`` bytes of pack ``key`` (checked already), unless
@@ -135,7 +214,14 @@ class PackCache:
     def drop(self, key: str) -> None:
         """Forget pack ``key`` and remove its copy (GC removed it; its copy did not check)."""
         name = _name_of(key)
-        if name is not None and self._forget(name):
+        if name is None:
+            return
+        with self._lock:
+            waiting = self._pending.pop(name, None)
+            if waiting is not None:
+                self._pending_bytes -= len(waiting[1])
+                self._changed.notify_all()
+        if self._forget(name):
             self._remove([name])
 
     @property

@@ -292,6 +292,8 @@ class SnapshotStore:
         self._pool.shutdown(wait=True)
         self._uploader.shutdown(wait=True)
         self._cpu.shutdown(wait=True)
+        if self.pack_cache is not None:
+            self.pack_cache.close()  # (the copies still waiting are written first)
 
     def __enter__(self) -> SnapshotStore:
         return self
@@ -411,7 +413,7 @@ class SnapshotStore:
             self.objects,
             self._uploader,
             target=self._pack_target,
-            on_stored=self.pack_cache.put if self.pack_cache is not None else None,
+            on_stored=self.pack_cache.keep if self.pack_cache is not None else None,
         )
         try:
             hashed, rehashed = self._hash_all(
@@ -942,10 +944,12 @@ class SnapshotStore:
         join the bytes)."""
         cache = self.pack_cache if cached else None
         body = None if cache is None else cache.read(span.pack, span.start, span.end - span.start)
-        from_cache = body is not None
+        fetched: bytes | None = None  # (read from S3: a copy may be kept once it checked)
         if body is None:
             try:
-                body = self.objects.get_range(span.pack, span.start, span.end - span.start)
+                body = fetched = self.objects.get_range(
+                    span.pack, span.start, span.end - span.start
+                )
             except ObjectMissing:
                 return True
             count_store_read()
@@ -980,15 +984,15 @@ class SnapshotStore:
                 bad = True
             elif keep:
                 out[chunk_id] = data  # type: ignore[assignment]  # (a view only with views)
-        if bad and from_cache and cache is not None:
+        if bad and fetched is None and cache is not None:
             # The node's copy did not check: dropped, and the pack read from the store again.
             cache.drop(span.pack)
             for chunk_id, *_ in span.chunks:
                 problems.pop(chunk_id, None)
                 out.pop(chunk_id, None)
             return self._read_span(span, out, problems, keep, views, cached=False)
-        if cache is not None and not from_cache and not bad and span.start == 0:
-            cache.put(span.pack, body)  # checked: the next read of this pack stays local
+        if cache is not None and fetched is not None and not bad and span.start == 0:
+            cache.keep(span.pack, fetched)  # checked: the next read of this pack stays local
         return False
 
     def _legacy_chunk(self, chunk_id: str) -> bytes | str:
