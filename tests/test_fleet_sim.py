@@ -74,8 +74,8 @@ class Sim:
     async def stop(self) -> None:
         if self.proc.returncode is None:
             self.proc.terminate()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.proc.wait(), 15)
+            with contextlib.suppress(TimeoutError):  # (its stop is bounded: ~10 s at most)
+                await asyncio.wait_for(self.proc.wait(), 60)
         if self.proc.returncode is None:
             self.proc.kill()
             await self.proc.wait()

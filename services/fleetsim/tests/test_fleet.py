@@ -273,3 +273,28 @@ def test_the_model_of_each_path() -> None:
     criu, handover, restart = (model(p, 8 << 30) for p in ("criu", "handover", "restart"))
     assert handover.freeze_ms < criu.freeze_ms < restart.freeze_ms
     assert handover.bytes_moved <= (64 << 20) and criu.bytes_moved > 8 << 30
+
+
+async def test_stop_returns_when_a_loop_lost_its_first_cancellation() -> None:
+    fleet, _ = _fleet()
+    lost: list[int] = []
+
+    async def stubborn() -> None:
+        # What a loop does when Python 3.11's wait_for swallows the cancellation that raced
+        # its result: it goes on as if nothing happened.
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if not lost:
+                    lost.append(1)
+                    continue
+                raise
+
+    fleet._loop(stubborn(), "stubborn")
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await asyncio.wait_for(fleet.stop(), 10)
+    assert loop.time() - began < 5  # (before: it waited for the loop, forever)
+    assert lost == [1] and all(t.done() for t in fleet._loops)

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 import resource
@@ -58,6 +57,8 @@ JOIN_CHUNK = 256
 """Nodes joining at once (their registrations and node.joined in flight together)."""
 CONFIG_EVERY_S = 5.0
 """How often the operator's cluster config (GPU health thresholds) is read again."""
+_STOP_ATTEMPTS = 5
+"""Times :meth:`Fleet.stop` cancels a loop that runs on (a second apart)."""
 
 
 def placement_types() -> list[str]:
@@ -219,11 +220,21 @@ class Fleet:
 
     async def stop(self) -> None:
         """Stop publishing (nodes fall silent, as node agents that stop)."""
+        pending = set(self._loops)
+        for _ in range(_STOP_ATTEMPTS):
+            # Cancelled again while one runs on: on Python 3.11 a cancellation that races the
+            # result of an `asyncio.wait_for` (nats-py waits for acks and fetches with it) is
+            # lost, and the loop it hit would run on; awaited once, stop() never returned.
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+            if not pending:
+                break
         for task in self._loops:
-            task.cancel()
-        for task in self._loops:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            if task.done() and not task.cancelled():
+                task.exception()  # (retrieved: a loop that failed is not logged at exit)
+        if pending:
+            log.warning("%d loops did not stop: %s", len(pending), [t.get_name() for t in pending])
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=5)
 
