@@ -248,3 +248,23 @@ async def test_a_stop_of_a_sandbox_scheduled_here_that_has_not_started_ends_it_s
 
 async def _starting(h: NodeAgentHarness, sid: str) -> bool:
     return sid in h.agent._starting
+
+
+async def test_what_a_start_warns_about_reaches_its_user_in_sandbox_ready(
+    home: Path, nats_url: str
+) -> None:
+    missing = f"/nonexistent-{uuid.uuid4().hex[:8]}/data"
+    async with NodeAgentHarness(home, nats_url) as h:
+        sid = await h.submit(
+            "warned",
+            "print(1)",
+            QUIET,
+            extra=f"  filesystem:\n    read_allowed: [{missing}]\n",  # (under security_policy)
+        )
+        ready = await h.wait_for(sid, "sandbox.ready")
+        quiet = await h.submit("unwarned", "print(1)", QUIET)
+        plain = await h.wait_for(quiet, "sandbox.ready")
+    assert ready.payload["warnings"] == [
+        f"read_allowed {missing} exists neither in a mount nor on the host"
+    ]
+    assert plain.payload["warnings"] == []

@@ -85,6 +85,21 @@ def test_a_mount_nobody_may_read_is_warned_about(tmp_path: Path) -> None:
     assert result.warnings == ["mount /data is not under read_allowed: the sandbox cannot read it"]
 
 
+def test_a_read_allowed_path_that_exists_nowhere_is_warned_about_the_workdir_is_not(
+    tmp_path: Path,
+) -> None:
+    missing = "/nonexistent-dsec-plan-test/data"
+    result = plan.build(
+        # no code bundle: the workdir is an empty directory of the view, there all the same
+        _config(tmp_path, workdir="/workspace", read_allowed=["/workspace", missing]),
+        VIEW,
+        _host(tmp_path),
+        FACTS,
+        uid=1,
+    )
+    assert result.warnings == [f"read_allowed {missing} exists neither in a mount nor on the host"]
+
+
 def _two_mounts(tmp_path: Path, first: str, second: str) -> SandboxConfig:
     """A config mounting one source directory at two targets."""
     (tmp_path / "a").mkdir(exist_ok=True)

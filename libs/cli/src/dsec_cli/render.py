@@ -43,6 +43,15 @@ def _summary(env: Envelope) -> str:
         size = p.get("size_bytes")
         stored = f", archive {human_size(int(size))}" if isinstance(size, int) else ""
         return f"{reuse} {str(p.get('fingerprint'))[:12]}{stored}"
+    if t == "sandbox.ready":
+        line = f"node_id={p.get('node_id')} pid {p.get('pid')}"
+        latency = (p.get("start_latency_ms") or {}).get("total")
+        if latency is not None:
+            line += f", ready in {latency} ms"
+        warnings = p.get("warnings") or []
+        if warnings:  # each names a path or setting of the spec that did not take effect
+            line += "; warning: " + "; warning: ".join(str(w) for w in warnings)
+        return line
     if t == "sandbox.exited":
         line = f"exit {p.get('exit_code')} ({p.get('reason')}) after {p.get('duration_s')} s"
         if p.get("reason") == "disk" and p.get("detail"):

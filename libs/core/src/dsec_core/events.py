@@ -285,7 +285,7 @@ class SandboxReady(Payload):
 
     TYPE = "sandbox.ready"
     AGGREGATE = "sandbox"
-    VERSION = "1.1"
+    VERSION = "1.2"
 
     node_id: str
     pid: int
@@ -295,6 +295,15 @@ class SandboxReady(Payload):
         default=None,
         description="Host path (on node_id) of the sandbox's code copy, shown read-only at the "
         "spec's workdir; None when it runs without a code bundle",
+    )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="(1.2) What the node found while it started the sandbox that its user should "
+        "know, each a sentence naming the path or setting: a mount outside read_allowed (the "
+        "sandbox cannot read it), a read_allowed path that exists nowhere, an env variable the "
+        "sandbox's Python owns, kernel or Landlock refusals the node cannot report (the layers "
+        "still refuse), an IPC broker the sandbox cannot reach; at most 32, each at most 500 "
+        "characters; empty when there is nothing to say",
     )
 
 

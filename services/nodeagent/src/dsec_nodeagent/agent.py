@@ -91,6 +91,9 @@ ENV_TOOLS = "DSEC_TOOLS"
 
 log = logging.getLogger(__name__)
 
+_WARNINGS = 32
+_WARNING_CHARS = 500
+"""What ``sandbox.ready`` carries of a start's warnings at most (a spec's paths are in them)."""
 RETENTION_INTERVAL_S = 300.0
 """How often the node agent applies DSEC_SANDBOX_KEEP_HOURS / DSEC_SANDBOX_KEEP_MAX."""
 
@@ -721,6 +724,7 @@ class NodeAgent:
             | {k: round(v, 2) for k, v in ready.timings_ms.items()}
             | {"total": round(ready.ready_ms, 2)},
             code_dir=str(code_dir) if code_dir is not None else None,
+            warnings=[w[:_WARNING_CHARS] for w in ready.warnings[:_WARNINGS]],
         )
 
     async def on_stop_requested(

@@ -241,8 +241,9 @@ def _declared_entries(
         result.writable_dirs.append(source)
         entries.append(_bind(source, path, ro=False))
     targets = [e["path"] for e in entries if e["kind"] in ("bind", "tmpfs")]
+    made = {e["path"] for e in entries if e["kind"] == "dir"}  # (the workdir without code)
     for path in config.read_allowed:
-        if any(_under(path, t) for t in targets):
+        if path in made or any(_under(path, t) for t in targets):
             continue
         if os.path.exists(path):
             entries.append(_bind(path, path))
