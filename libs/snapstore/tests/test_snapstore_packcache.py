@@ -8,7 +8,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from dsec_snapstore.packcache import PackCache
+
+BLOCK = 4096
 
 
 def key(n: int) -> str:
@@ -26,7 +30,7 @@ def test_a_copy_is_read_back_by_range_and_a_read_past_its_end_is_a_miss(tmp_path
     cache.put(key(1), body)  # a longer copy replaces it; a shorter one does not
     cache.put(key(1), body[:10])
     assert cache.read(key(1), 900, 100) == body[900:]
-    assert cache.size == 1000
+    assert cache.size == 4096  # (counted in the blocks it takes on disk)
 
 
 def test_only_pack_names_are_kept(tmp_path: Path) -> None:
@@ -46,23 +50,32 @@ def test_only_pack_names_are_kept(tmp_path: Path) -> None:
 
 def test_the_cache_stays_within_its_limit_least_recently_used_out_first(tmp_path: Path) -> None:
     directory = tmp_path / "packs"
-    cache = PackCache(directory, 1000)
-    for n in range(4):
-        cache.put(key(n), bytes([n]) * 240)  # 4 x 240 = 960
+    cache = PackCache(directory, 5 * BLOCK)
+    for n in range(5):
+        cache.put(key(n), bytes([n]) * BLOCK)  # at the limit, not over it
     assert cache.read(key(0), 0, 10) == b"\0" * 10  # 0 used again: 1 is now the oldest
-    cache.put(key(4), b"\4" * 240)  # 1,200 > 1,000: the least recently used goes
-    assert cache.size <= 1000
+    cache.put(key(5), b"\5" * BLOCK)  # over: the least recently used goes
+    assert cache.size == 5 * BLOCK
     assert cache.read(key(1), 0, 10) is None and not (directory / key(1)[6:]).exists()
-    assert all(cache.read(key(n), 0, 240) is not None for n in (0, 2, 3, 4))
-    cache.put(key(5), b"\5" * 251)  # larger than a quarter of the cache: never kept
-    assert cache.read(key(5), 0, 10) is None and not (directory / key(5)[6:]).exists()
+    assert all(cache.read(key(n), 0, BLOCK) is not None for n in (0, 2, 3, 4, 5))
+    cache.put(key(6), b"\6" * (5 * BLOCK // 4 + 1))  # over a quarter of the cache: never kept
+    assert cache.read(key(6), 0, 10) is None and not (directory / key(6)[6:]).exists()
+
+
+def test_tiny_copies_count_the_blocks_they_take(tmp_path: Path) -> None:
+    directory = tmp_path / "packs"
+    cache = PackCache(directory, 100 * BLOCK)
+    for n in range(200):  # packs of a few small edits: ~95 bytes each
+        cache.put(key(n), b"x" * 95)
+    assert cache.size == 100 * BLOCK
+    assert len(list(directory.iterdir())) == 100
 
 
 def test_a_new_process_finds_the_copies_in_their_order_of_use_under_a_lowered_limit(
     tmp_path: Path,
 ) -> None:
     directory = tmp_path / "packs"
-    first = PackCache(directory, 10_000)
+    first = PackCache(directory, 1 << 20)
     now = time.time()
     for n in range(4):
         first.put(key(n), bytes([n]) * 100)
@@ -70,8 +83,8 @@ def test_a_new_process_finds_the_copies_in_their_order_of_use_under_a_lowered_li
     first.read(key(0), 0, 1)  # used last: its mtime is now
     (directory / f"{key(9)[6:]}.tmp123.456").write_bytes(b"half")  # a crashed writer's
     os.utime(directory / f"{key(9)[6:]}.tmp123.456", (now - 3600, now - 3600))
-    second = PackCache(directory, 250)  # room for two
-    assert second.size == 200
+    second = PackCache(directory, 2 * BLOCK + 100)  # room for two
+    assert second.size == 2 * BLOCK
     assert sorted(p.name for p in directory.iterdir()) == sorted([key(3)[6:], key(0)[6:]])
 
 
@@ -154,3 +167,87 @@ def test_a_dropped_copy_waiting_to_be_written_is_never_read(tmp_path: Path) -> N
     assert cache.flush(10)
     assert cache.read(key(1), 0, 10) is None
     cache.close()
+
+
+def _gated(cache: PackCache) -> threading.Event:
+    """Make the writer thread wait at each copy until the returned event is set."""
+    gate = threading.Event()
+    write = cache.put
+
+    def slow_put(key: str, data: bytes | memoryview) -> None:
+        gate.wait(10)
+        write(key, data)
+
+    cache.put = slow_put  # type: ignore[method-assign]
+    return gate
+
+
+def test_a_copy_dropped_while_it_is_written_is_removed_and_a_newer_one_written(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "packs"
+    cache = PackCache(directory, 1 << 20)
+    gate = _gated(cache)
+    cache.keep(key(1), b"old" * 100)
+    for _ in range(100):  # until the writer thread has taken it
+        if cache._writing is not None:
+            break
+        time.sleep(0.01)
+    assert not cache.flush(0.05)  # a write under way is waited for
+    cache.drop(key(1))  # (a GC deleted the pack; its copy did not check)
+    gate.set()
+    assert cache.flush(10)
+    assert not (directory / key(1)[6:]).exists() and cache.read(key(1), 0, 3) is None
+    assert cache._pending_bytes == 0
+    gate.clear()
+    cache.keep(key(1), b"old" * 100)
+    while cache._writing is None:
+        time.sleep(0.01)
+    cache.drop(key(1))
+    cache.keep(key(1), b"new" * 1000)  # kept again meanwhile: this one is written
+    gate.set()
+    assert cache.flush(10)
+    assert (directory / key(1)[6:]).read_bytes() == b"new" * 1000
+    assert cache._pending_bytes == 0
+    cache.close()
+
+
+def test_retain_removes_copies_no_index_names_once_old_enough(tmp_path: Path) -> None:
+    directory = tmp_path / "packs"
+    cache = PackCache(directory, 1 << 20)
+    for n in range(4):
+        cache.put(key(n), b"x" * 10)
+    old = time.time() - 7200
+    for n in (0, 1, 2):
+        os.utime(directory / key(n)[6:], (old, old))
+    assert cache.retain({key(0)}, min_age_s=3600) == 2  # 1 and 2; 3 is too young to judge
+    assert sorted(p.name for p in directory.iterdir()) == sorted([key(0)[6:], key(3)[6:]])
+    assert cache.read(key(1), 0, 1) is None
+
+
+def test_without_a_thread_to_write_nothing_is_kept_and_nothing_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = PackCache(tmp_path / "packs", 1 << 20)
+
+    def refuse(_self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    cache.keep(key(1), b"x" * 100)
+    assert cache.read(key(1), 0, 1) is None
+    assert cache.flush(1)
+    cache.close()
+
+
+def test_a_copy_whose_time_cannot_be_touched_is_still_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = PackCache(tmp_path / "packs", 1 << 20)
+    cache.put(key(1), b"abc" * 100)
+
+    def read_only(*_args: object, **_kwargs: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "utime", read_only)
+    assert cache.read(key(1), 3, 3) == b"abc"

@@ -349,6 +349,27 @@ def test_gc_removes_the_nodes_copies_of_the_packs_it_deleted(
     assert same_tree(tree, tmp_path / "out")
 
 
+def test_a_node_prunes_its_copies_of_packs_another_processs_gc_deleted(
+    objects: MemoryObjects, tree: Path, tmp_path: Path
+) -> None:
+    with make_store(objects, tmp_path / "node") as node:
+        assert node.pack_cache is not None
+        two_snapshots(node, tree)
+        assert node.pack_cache.flush(10)
+        copies = node.pack_cache.directory
+        with make_store(objects) as service:  # (the snapshot service: no copies of its own)
+            service.delete("s1")
+            report = service.gc(grace=timedelta(0), repack_below=0.99)
+        gone = {k for k in report.deleted if k.startswith(PACK_PREFIX)}
+        assert gone and gone <= {f"{PACK_PREFIX}{p.name}" for p in copies.iterdir()}
+        assert node.prune_pack_cache(min_age_s=3600) == 0  # too young to judge yet
+        assert node.prune_pack_cache(min_age_s=0) == len(gone)
+        kept = {f"{PACK_PREFIX}{p.name}" for p in copies.iterdir()}
+        assert kept and not (kept & gone) and kept <= set(objects.under(PACK_PREFIX))
+        node.restore("s2", tmp_path / "out")
+    assert same_tree(tree, tmp_path / "out")
+
+
 def test_gc_dry_run_and_grace_delete_nothing(
     store: SnapshotStore, objects: MemoryObjects, tree: Path
 ) -> None:

@@ -252,16 +252,20 @@ def test_a_nodes_copy_altered_on_its_disk_is_dropped_and_the_pack_read_from_s3(
     copies = sorted(store.pack_cache.directory.iterdir())
     assert copies and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in copies)
     assert stat.S_IMODE(store.pack_cache.directory.stat().st_mode) == 0o700
+    altered = {}
     for path in copies:  # every copy altered in its first frame
         body = bytearray(path.read_bytes())
         body[10] ^= 0x55
         path.write_bytes(bytes(body))
+        altered[path] = bytes(body)
     before = store_reads()
     store.restore("s", tmp_path / "out")
     for path in (code / "agent.py", code / "pkg" / "tools.py", code / "data.bin"):
         assert (tmp_path / "out" / path.relative_to(code)).read_bytes() == path.read_bytes()
     assert store_reads() == before + len(copies)  # each pack read again from S3
-    assert not any(p.exists() for p in copies)  # the altered copies are gone
+    assert store.pack_cache.flush(10)  # ... and what S3 sent, checked, kept instead
+    for path, bad in altered.items():
+        assert not path.exists() or path.read_bytes() != bad
 
 
 def test_verify_names_a_missing_chunk_and_a_tampered_audit_blob(
@@ -692,3 +696,69 @@ def test_a_create_refused_early_does_not_wait_out_a_running_gc(
         assert time.monotonic() - started < 30
         assert list(objects.list("locks/")) == [held]  # no lock of the refused creates left
     assert objects.list("locks/") == {}
+
+
+def _claim_huge(body: bytearray, offset: int) -> None:
+    """Rewrite the zstd frame at ``offset`` so its header claims 4 TiB of content (same frame
+    length: the 2-byte size field becomes an 8-byte one over the first block's bytes)."""
+    assert body[offset : offset + 4] == b"\x28\xb5\x2f\xfd"
+    body[offset + 4 : offset + 13] = bytes([0xE0]) + (1 << 42).to_bytes(8, "little")
+
+
+def test_a_frame_claiming_terabytes_is_altered_whether_in_s3_or_in_a_nodes_copy(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path, tmp_path: Path
+) -> None:
+    (code / "data.bin").write_bytes(os.urandom(300_000))
+    result = store.create("s", inputs(code))
+    assert store.pack_cache is not None and store.pack_cache.flush(10)
+    loc = store.index.lookup(result.manifest.code.by_path()["data.bin"].blake3)
+    assert loc is not None
+    copy = store.pack_cache.directory / loc.pack.removeprefix("packs/")
+    body = bytearray(copy.read_bytes())
+    _claim_huge(body, loc.offset)
+    copy.write_bytes(bytes(body))
+    # the node's copy: refused before anything is allocated, dropped, read again from S3
+    store.restore("s", tmp_path / "out")
+    assert (tmp_path / "out" / "data.bin").read_bytes() == (code / "data.bin").read_bytes()
+    assert store.pack_cache.flush(10)  # the copy now holds what S3 sent, checked
+    assert copy.read_bytes() != bytes(body) and objects.get(loc.pack).startswith(copy.read_bytes())
+    # the same in S3: verify names it (no MemoryError), a restore refuses it
+    objects.put(loc.pack, bytes(body))
+    report = store.verify("s")
+    assert not report.ok
+    assert any(
+        f"{loc.pack}@{loc.offset}:" in p and "not a zstd frame" in p for p in report.problems
+    )
+    with (
+        other_node(store, objects, tmp_path / "node-2") as there,
+        pytest.raises(VerificationFailed, match=loc.pack),
+    ):
+        there.restore("s", tmp_path / "out-2")
+
+
+async def test_a_node_keeps_copies_of_packs_and_the_snapshot_service_none(
+    s3: S3Info, tmp_path: Path
+) -> None:
+    from dsec_core.settings import Settings
+
+    from dsec_snapstore.requests import SnapshotRequests
+
+    def no_bus() -> Any:  # (opening the store needs none)
+        raise AssertionError("the bus is not used here")
+
+    settings = Settings(home=tmp_path / "home", **s3.settings())
+    node = SnapshotRequests(
+        settings, no_bus, no_bus, node_id="node-1", cache_dir=tmp_path / "node", signer="nodeagent"
+    )
+    service = SnapshotRequests(
+        settings, no_bus, no_bus, cache_dir=tmp_path / "svc", signer="snapshot"
+    )
+    await node.start()
+    await service.start()
+    try:
+        assert node.store.pack_cache is not None
+        assert node.store.pack_cache.limit == settings.snapshot_pack_cache_mb << 20
+        assert service.store.pack_cache is None
+    finally:
+        await node.close()
+        await service.close()

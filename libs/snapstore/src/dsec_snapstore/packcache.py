@@ -3,16 +3,19 @@ it once already) reads its packs from local disk instead of the object store.
 
 Packs are immutable and named by the BLAKE3 of their content (``packs/<hex>``), so a cached
 copy never goes stale: a pack GC rewrote has a new name, and the old copy is only unused
-bytes until it is evicted. What a file holds is a prefix of its pack (the whole pack when
-the packer or a whole-pack read put it there; the frames without the trailer after a restore's
-read), and a read that reaches past it is a miss.
+bytes until it is removed (:meth:`PackCache.retain`, or evicted). What a file holds is a prefix
+of its pack (the whole pack when the packer put it there; the bytes a restore's first read of
+the pack brought otherwise, exactly as long as asked for), and a read that reaches past it is a
+miss.
 
-Nothing read from here is trusted more than what S3 sends: every chunk is decompressed and its
-BLAKE3 checked against the signed manifest as before (:meth:`.SnapshotStore._read_span`), and a
-copy whose chunks do not check is dropped and the pack read from the object store again. A
-copy is written only after its chunks checked (a restore) or from the bytes just uploaded (a
-snapshot), with mode 0600 in a 0700 directory, through a temporary file renamed into place,
-so a crash or a second process never leaves a half-written copy under a pack's name.
+Nothing read from here is trusted more than what S3 sends: every chunk a read uses is
+decompressed and its BLAKE3 checked against the signed manifest as before
+(:meth:`.SnapshotStore._read_span`), and a copy in which one does not check, or does not even
+decompress, is dropped and the pack read from the object store again. A restore keeps a copy
+only of a read in which every chunk it used checked (bytes between those chunks are kept
+unchecked: they are checked when a later read uses them, and dropped then if they are bad).
+Copies are written with mode 0600 in a 0700 directory, through a temporary file renamed into
+place, so a crash or a second process never leaves a half-written copy under a pack's name.
 
 Copies are written behind (:meth:`PackCache.keep`): a thread of lower priority writes them
 after the snapshot or restore that brought the bytes, which does not wait for it (writing 28 MB
@@ -20,27 +23,35 @@ into new files costs ~30 ms of CPU on a 2-vCPU VM: 9 % of a cold snapshot of 50 
 alternating with the cache off). Until it is written, a copy is read from memory; at most
 ``pending_limit`` bytes wait (more are not kept), and :meth:`PackCache.close` writes what waits.
 
-The cache is bounded (``limit`` bytes, ``DSEC_SNAPSHOT_PACK_CACHE_MB``): the least recently used
-copies are removed once it is over. Its bookkeeping is per process; the directory is the
-caller's own (one per store, under its ``cache_dir``), so no two services share it. Every
-``OSError`` here is a miss or a copy not kept: the object store is always there behind it.
+The cache is bounded (``limit`` bytes, ``DSEC_SNAPSHOT_PACK_CACHE_MB``, each copy counted in
+whole 4 KiB blocks): the least recently used copies are removed once it is over, and a pack
+larger than a quarter of the limit is never kept. Its bookkeeping is per process: two
+processes on one directory (two CLI runs at once) may each fill it to the limit until the next
+one to load it trims it back. Every ``OSError`` here is a miss or a copy not kept: the object
+store is always there behind it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from pathlib import Path
 
 from prometheus_client import Counter
 
+log = logging.getLogger(__name__)
+
 PACK_READS = Counter(
     "dsec_snapshot_pack_reads_total",
-    "Pack reads of restores and rollbacks, by source: cache (the node's copy) or store (S3)",
+    "Pack reads of restores, rollbacks and diffs (not verify, which always reads S3), by "
+    "source: cache (the node's copy) or store (S3)",
     ["source"],
 )
 _FROM_CACHE = PACK_READS.labels("cache")
@@ -48,6 +59,7 @@ _FROM_STORE = PACK_READS.labels("store")
 
 _NAME = re.compile(r"packs/([0-9a-f]{64})")
 _TMP_MARK = ".tmp"
+_BLOCK = 4096
 PENDING_LIMIT = 64 << 20
 """Bytes of copies waiting to be written at most (a snapshot larger than that is partly kept)."""
 _WRITER_NICE = 10
@@ -58,6 +70,11 @@ _STALE_TMP_S = 600.0
 def count_store_read() -> None:
     """Count a pack read the object store served (the cache missed or is off)."""
     _FROM_STORE.inc()
+
+
+def _charge(size: int) -> int:
+    """What a copy of ``size`` bytes counts against the limit: its blocks on disk."""
+    return max(1, -(-size // _BLOCK)) * _BLOCK
 
 
 class PackCache:
@@ -72,13 +89,17 @@ class PackCache:
         self.pending_limit = pending_limit
         self._lock = threading.Lock()
         self._sizes: OrderedDict[str, int] | None = None  # name -> bytes, oldest use first
-        self._total = 0
-        # Copies waiting for the writer thread (name -> (key, bytes)), in the order kept.
+        self._total = 0  # what the copies count against the limit (_charge of each)
+        # Copies waiting for the writer thread (name -> (key, bytes)), in the order kept; the
+        # one being written stays here (read from memory) until its file is in place.
         self._pending: dict[str, tuple[str, bytes]] = {}
         self._pending_bytes = 0
+        self._writing: str | None = None  # the name the writer thread is writing now
+        self._revoked: set[str] = set()  # ... dropped meanwhile: its file goes once written
         self._changed = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
         self._closed = False
+        self._dir_made = False
 
     # ------------------------------------------------------------------------------ reading
 
@@ -86,7 +107,7 @@ class PackCache:
         """``length`` bytes of pack ``key`` from ``start``, or ``None`` (not here, shorter
         than that, unreadable)."""
         name = _name_of(key)
-        if name is None or length <= 0:
+        if name is None or length <= 0 or start < 0:
             return None
         with self._lock:
             waiting = self._pending.get(name)
@@ -99,18 +120,25 @@ class PackCache:
                 return None
             sizes.move_to_end(name)
         try:
-            fd = os.open(self.directory / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # (no FIFO or device can stall a restore here: non-blocking, a regular file only)
+            fd = os.open(
+                self.directory / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+            )
         except OSError:
             self._forget(name)
             return None
         try:
-            data = os.pread(fd, length, start)
-            os.utime(fd)  # the order of use survives a restart (loaded by mtime)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                data = b""
+            else:
+                data = os.pread(fd, length, start)
+                with contextlib.suppress(OSError):  # (a read-only mount: the order is lost)
+                    os.utime(fd)  # the order of use survives a restart (loaded by mtime)
         except OSError:
             return None
         finally:
             os.close(fd)
-        if len(data) != length:  # truncated behind our back: not a copy of the pack
+        if len(data) != length:  # cut short or swapped behind our back: not a copy of the pack
             self.drop(key)
             return None
         _FROM_CACHE.inc()
@@ -120,7 +148,8 @@ class PackCache:
 
     def keep(self, key: str, data: bytes) -> None:
         """Keep ``data`` (see :meth:`put`), written behind by the writer thread; read from
-        memory until then. Not kept when ``pending_limit`` bytes wait already."""
+        memory until then. Not kept when ``pending_limit`` bytes wait already. Never raises:
+        a copy that cannot be kept is only a later read from S3."""
         name = _name_of(key)
         size = len(data)
         if name is None or size == 0 or size > self.limit // 4:
@@ -136,16 +165,24 @@ class PackCache:
             self._pending[name] = (key, data)
             self._pending_bytes += size
             if self._writer is None:
-                self._writer = threading.Thread(
+                writer = threading.Thread(
                     target=self._write_behind, name="snap-pack-cache", daemon=True
                 )
-                self._writer.start()
+                try:
+                    writer.start()
+                except RuntimeError:  # no thread to be had: not kept
+                    del self._pending[name]
+                    self._pending_bytes -= size
+                    return
+                self._writer = writer
             self._changed.notify_all()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every copy kept so far is written; False when ``timeout_s`` ran out."""
         with self._lock:
-            return self._changed.wait_for(lambda: not self._pending, timeout_s)
+            return self._changed.wait_for(
+                lambda: not self._pending and self._writing is None, timeout_s
+            )
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what waits, then stop the writer thread (nothing is kept after this)."""
@@ -153,7 +190,7 @@ class PackCache:
             self._closed = True
             self._changed.notify_all()
             writer = self._writer
-        if writer is not None:
+        if writer is not None and writer.is_alive():
             writer.join(timeout_s)
 
     def _write_behind(self) -> None:
@@ -161,21 +198,34 @@ class PackCache:
         # own nice value); raising it needs no privilege.
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICE)
-        while True:
-            with self._lock:
-                self._changed.wait_for(lambda: bool(self._pending) or self._closed)
-                if not self._pending:
-                    self._writer = None
-                    return
-                name = next(iter(self._pending))
-                key, data = self._pending[name]
-            try:
-                self.put(key, data)
-            finally:
+        try:
+            while True:
                 with self._lock:
-                    if self._pending.pop(name, None) is not None:
-                        self._pending_bytes -= len(data)
-                    self._changed.notify_all()
+                    self._changed.wait_for(lambda: bool(self._pending) or self._closed)
+                    if not self._pending:
+                        return
+                    name, entry = next(iter(self._pending.items()))
+                    self._writing = name
+                try:
+                    self.put(*entry)
+                except Exception:  # (put turns OSError into a copy not kept; anything else)
+                    log.exception("pack copy %s not kept", name)
+                finally:
+                    with self._lock:
+                        self._writing = None
+                        if self._pending.get(name) is entry:  # (not a newer copy kept since)
+                            del self._pending[name]
+                            self._pending_bytes -= len(entry[1])
+                        revoked = name in self._revoked
+                        self._revoked.discard(name)
+                        self._changed.notify_all()
+                    if revoked and self._forget(name):  # dropped while it was being written
+                        self._remove([name])
+        finally:
+            with self._lock:
+                if self._writer is threading.current_thread():
+                    self._writer = None
+                self._changed.notify_all()
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Keep ``data``, the first ``len(data)`` bytes of pack ``key`` (checked already), unless
@@ -189,7 +239,10 @@ class PackCache:
                 return
         tmp = self.directory / f"{name}{_TMP_MARK}{os.getpid()}.{threading.get_ident()}"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not self._dir_made:  # 0700 whoever made it, and whatever umask made it
+                self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+                os.chmod(self.directory, 0o700, follow_symlinks=False)
+                self._dir_made = True
             fd = os.open(
                 tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
             )
@@ -206,13 +259,15 @@ class PackCache:
             return
         with self._lock:
             sizes = self._loaded()
-            self._total += size - sizes.pop(name, 0)
+            old = sizes.pop(name, None)
+            self._total += _charge(size) - (0 if old is None else _charge(old))
             sizes[name] = size
             doomed = self._over_limit(sizes)
         self._remove(doomed)
 
     def drop(self, key: str) -> None:
-        """Forget pack ``key`` and remove its copy (GC removed it; its copy did not check)."""
+        """Forget pack ``key`` and remove its copy (GC removed it; its copy did not check),
+        also one waiting to be written or being written now."""
         name = _name_of(key)
         if name is None:
             return
@@ -220,13 +275,35 @@ class PackCache:
             waiting = self._pending.pop(name, None)
             if waiting is not None:
                 self._pending_bytes -= len(waiting[1])
-                self._changed.notify_all()
+            if self._writing == name:
+                self._revoked.add(name)
+            self._changed.notify_all()
         if self._forget(name):
             self._remove([name])
 
+    def retain(self, live: Collection[str], min_age_s: float) -> int:
+        """Remove the copies of packs not in ``live`` (pack keys: what the store's index
+        names) whose file is older than ``min_age_s`` (a snapshot being taken stores its packs
+        before an index names them); how many went."""
+        keep = {name for key in live if (name := _name_of(key)) is not None}
+        with self._lock:
+            candidates = [name for name in self._loaded() if name not in keep]
+        now = time.time()
+        removed = 0
+        for name in candidates:
+            try:
+                age = now - os.stat(self.directory / name, follow_symlinks=False).st_mtime
+            except OSError:
+                self._forget(name)
+                continue
+            if age >= min_age_s:
+                self.drop(f"packs/{name}")
+                removed += 1
+        return removed
+
     @property
     def size(self) -> int:
-        """Bytes held (as this process knows them)."""
+        """What the copies count against the limit, as this process knows them."""
         with self._lock:
             self._loaded()
             return self._total
@@ -238,14 +315,14 @@ class PackCache:
             size = self._loaded().pop(name, None)
             if size is None:
                 return False
-            self._total -= size
+            self._total -= _charge(size)
             return True
 
     def _over_limit(self, sizes: OrderedDict[str, int]) -> list[str]:
         doomed: list[str] = []
         while self._total > self.limit and sizes:
             name, size = sizes.popitem(last=False)
-            self._total -= size
+            self._total -= _charge(size)
             doomed.append(name)
         return doomed
 
@@ -276,7 +353,7 @@ class PackCache:
             pass
         found.sort()
         self._sizes = OrderedDict((name, size) for _, name, size in found)
-        self._total = sum(self._sizes.values())
+        self._total = sum(_charge(size) for size in self._sizes.values())
         self._remove(stale + self._over_limit(self._sizes))  # (a lowered limit applies now)
         return self._sizes
 

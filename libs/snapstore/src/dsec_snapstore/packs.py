@@ -304,6 +304,11 @@ class PackIndex:
         """Keys of the documents in force (read and not superseded)."""
         return list(self._effective)
 
+    def pack_keys(self) -> set[str]:
+        """Every pack the documents in force name."""
+        with self._lock:
+            return {pack for key in self._effective for pack in self.docs[key].packs}
+
     def read(self) -> tuple[dict[str, IndexDoc], list[str]]:
         """Every document read and the keys of those in force, at one moment (what a GC
         works from: a document taken between reading the two would be in force but unread)."""

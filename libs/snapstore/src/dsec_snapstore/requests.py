@@ -18,6 +18,7 @@ block: they run in worker threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import threading
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 CodeSource = Path | bytes | None
 """The running sandbox's code copy, its bundle archive, or no code at all."""
 
+PRUNE_EVERY_S = 300.0
+"""How often a node agent removes its copies of packs no index names any more."""
 PERIODIC_REQUESTER = "periodic"
 """``requested_by`` of the snapshot service's periodic requests."""
 
@@ -125,6 +128,7 @@ class SnapshotRequests:
         # One snapshot at a time: a directory's stat cache is one file that concurrent creates
         # of the same tree (a request during a periodic snapshot) would both rewrite.
         self._create_lock = threading.Lock()
+        self._pruner: asyncio.Task[None] | None = None
 
     @property
     def store(self) -> SnapshotStore:
@@ -143,17 +147,43 @@ class SnapshotRequests:
                 self.settings,
                 signer=self.signer,
                 cache_dir=self.cache_dir,
+                # A node keeps copies of the packs it stores and reads (its restores and
+                # rollbacks read them back); the snapshot service, which restores nothing it
+                # took, keeps none.
+                pack_cache_bytes=None if self.node_id is not None else 0,
             )
         except StoreUnavailable as exc:
             if self.store_required:
                 raise
             self._unavailable = str(exc)
             log.warning("snapshots unavailable on this node: %s", exc)
+            return
+        if self._store.pack_cache is not None:
+            self._pruner = asyncio.create_task(self._prune_forever(), name="snapshot-pack-prune")
 
     async def close(self) -> None:
         """Stop the store's worker threads."""
+        if self._pruner is not None:
+            self._pruner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pruner
         if self._store is not None:
             await asyncio.to_thread(self._store.close)
+
+    async def _prune_forever(self) -> None:
+        """Remove, every :data:`PRUNE_EVERY_S`, the node's copies of packs a GC (run by the
+        snapshot service or an operator) deleted: their snapshots are gone, so are they."""
+        while True:
+            await asyncio.sleep(PRUNE_EVERY_S)
+            try:
+                removed = await asyncio.to_thread(
+                    self.store.prune_pack_cache, self.settings.snapshot_gc_min_grace_s
+                )
+            except Exception as exc:  # S3 away: the next turn tries again
+                log.warning("pack copies not pruned: %s", exc)
+                continue
+            if removed:
+                log.info("removed %d copies of packs no snapshot uses any more", removed)
 
     # --------------------------------------------------------------- the sandbox, from the log
 

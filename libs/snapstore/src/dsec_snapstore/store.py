@@ -128,6 +128,9 @@ compressing (two cores) while its packs upload; level 3 saves a few percent of b
 _T = TypeVar("_T")
 _RESTORE_BATCH = 64 << 20
 """A restore fetches the chunks of this many bytes of files at once (bounded memory)."""
+_FRAME_CONTENT_MAX = 64 << 20
+"""No frame of ours holds more (chunks are at most 4 MiB, group frames ~160 KiB): a header
+that claims more is altered, refused before decompress() would allocate it."""
 PACK_CACHE_BYTES = 1 << 30
 """The node's copies of packs (:class:`.PackCache`) are kept to this many bytes by default."""
 _RESTORE_SPAN = 16 << 20
@@ -231,6 +234,7 @@ class SnapshotStore:
         *,
         signer: str = "snapshot",
         cache_dir: Path | None = None,
+        pack_cache_bytes: int | None = None,
     ) -> SnapshotStore:
         """Build a store from ``DSEC_*`` settings / ``$DSEC_HOME/stack.json``.
 
@@ -238,7 +242,8 @@ class SnapshotStore:
         snapshot service's or a node agent's) and carry its certificate when there is one; a
         manifest is trusted when signed by that key or by any key the operator root certified
         for the snapshot service or a node agent. ``cache_dir`` holds the stat caches of
-        incremental snapshots (default ``$DSEC_HOME/cache/snapshot``).
+        incremental snapshots (default ``$DSEC_HOME/cache/snapshot``) and the node's copies of
+        packs, kept to ``pack_cache_bytes`` (default ``DSEC_SNAPSHOT_PACK_CACHE_MB``; 0: none).
 
         Raises:
             StoreUnavailable: no S3 endpoint is configured.
@@ -276,10 +281,28 @@ class SnapshotStore:
             keys=keys,
             cache_dir=cache_dir or settings.home / "cache" / "snapshot",
             gc_wait_s=settings.snapshot_gc_wait_s,
-            pack_cache_bytes=settings.snapshot_pack_cache_mb << 20,
+            pack_cache_bytes=(
+                settings.snapshot_pack_cache_mb << 20
+                if pack_cache_bytes is None
+                else pack_cache_bytes
+            ),
             certificate=cert,
             anchor=anchor,
         )
+
+    def prune_pack_cache(self, min_age_s: float = 3600.0) -> int:
+        """Remove this node's copies of packs the store's index no longer names (a GC, in
+        whichever process, deleted or repacked them), when older than ``min_age_s`` (a snapshot
+        being taken stores packs before its index document names them); how many went. The
+        node agent calls it periodically; the index is read again first.
+
+        Raises:
+            StoreUnavailable: S3 failed (nothing was removed).
+        """
+        if self.pack_cache is None:
+            return 0
+        self.index.refresh(self._pool)
+        return self.pack_cache.retain(self.index.pack_keys(), min_age_s)
 
     @property
     def public_key(self) -> bytes:
@@ -922,8 +945,7 @@ class SnapshotStore:
         """Read ``spans`` (in parallel on ``pool``) into ``out`` (bad chunks into ``problems``);
         return the packs found missing."""
         mapper = pool.map if pool is not None else map
-        # (keep=False is a verify: it checks what the object store holds, not the node's copies)
-        read = mapper(lambda span: self._read_span(span, out, problems, keep, cached=keep), spans)
+        read = mapper(lambda span: self._read_span(span, out, problems, keep), spans)
         return {span.pack for span, gone in zip(spans, read, strict=True) if gone}
 
     def _read_span(
@@ -935,24 +957,25 @@ class SnapshotStore:
         views: bool = False,
         cached: bool = True,
     ) -> bool:
-        """One ranged GET, or a read of the node's copy (:attr:`pack_cache`; ``cached=False``:
-        never): each chunk decompressed (from a view of the body, not a copy) and checked,
-        into ``out`` or ``problems``; True when the pack is missing. A copy whose chunks do
-        not check is dropped and the pack read from the store again; a checked read of a
-        pack from its start is kept as a copy. ``views``: a chunk of a group frame goes into
-        ``out`` as a view of the frame's content (no copy; for callers that only write or
-        join the bytes)."""
-        cache = self.pack_cache if cached else None
-        body = None if cache is None else cache.read(span.pack, span.start, span.end - span.start)
+        """One ranged GET, or a read of the node's copy (:attr:`pack_cache`): each chunk
+        decompressed (from a view of the body, not a copy) and checked, into ``out`` or
+        ``problems``; True when the pack is missing. ``keep=False`` (a verify) reads what the
+        object store holds, never a copy. A copy in which a chunk does not check is dropped
+        and the pack read from the store again (``cached=False``); a read of a pack from its
+        start in which every chunk checked is kept as a copy. ``views``: a chunk of a group
+        frame goes into ``out`` as a view of the frame's content (no copy; for callers that
+        only write or join the bytes)."""
+        keeper = self.pack_cache if keep else None
+        wanted = span.end - span.start
+        body = keeper.read(span.pack, span.start, wanted) if keeper and cached else None
         fetched: bytes | None = None  # (read from S3: a copy may be kept once it checked)
         if body is None:
             try:
-                body = fetched = self.objects.get_range(
-                    span.pack, span.start, span.end - span.start
-                )
+                body = fetched = self.objects.get_range(span.pack, span.start, wanted)
             except ObjectMissing:
                 return True
-            count_store_read()
+            if keep:
+                count_store_read()
         view = memoryview(body)
         decompressor = _decompressor()
         last = -1
@@ -961,13 +984,16 @@ class SnapshotStore:
         for chunk_id, offset, length, inner, size in span.chunks:
             if offset != last:  # the chunks of a group frame come one after the other
                 last = offset
+                frame = view[offset - span.start : offset - span.start + length]
                 try:
-                    content = decompressor.decompress(
-                        view[offset - span.start : offset - span.start + length]
-                    )
-                    if views:
-                        content = memoryview(content)
-                except zstandard.ZstdError:
+                    # A header may claim any size, which decompress() would allocate first.
+                    if zstandard.get_frame_parameters(frame).content_size > _FRAME_CONTENT_MAX:
+                        content = None
+                    else:
+                        content = decompressor.decompress(frame)
+                        if views:
+                            content = memoryview(content)
+                except (zstandard.ZstdError, MemoryError, ValueError):
                     content = None
             if content is None:
                 problems[chunk_id] = (
@@ -984,15 +1010,21 @@ class SnapshotStore:
                 bad = True
             elif keep:
                 out[chunk_id] = data  # type: ignore[assignment]  # (a view only with views)
-        if bad and fetched is None and cache is not None:
+        if bad and fetched is None and keeper is not None:
             # The node's copy did not check: dropped, and the pack read from the store again.
-            cache.drop(span.pack)
+            keeper.drop(span.pack)
             for chunk_id, *_ in span.chunks:
                 problems.pop(chunk_id, None)
                 out.pop(chunk_id, None)
             return self._read_span(span, out, problems, keep, views, cached=False)
-        if cache is not None and fetched is not None and not bad and span.start == 0:
-            cache.keep(span.pack, fetched)  # checked: the next read of this pack stays local
+        if (
+            keeper is not None
+            and fetched is not None
+            and not bad
+            and span.start == 0
+            and len(fetched) == wanted  # (not what an odd S3 sent beyond)
+        ):
+            keeper.keep(span.pack, fetched)  # the next read of this pack stays local
         return False
 
     def _legacy_chunk(self, chunk_id: str) -> bytes | str:
