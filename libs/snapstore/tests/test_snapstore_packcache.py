@@ -133,9 +133,9 @@ def test_copies_waiting_beyond_the_pending_limit_are_not_kept(tmp_path: Path) ->
     gate = threading.Event()  # the writer thread waits here: the copies stay in memory
     write = cache.put
 
-    def slow_put(key: str, data: bytes | memoryview) -> None:
+    def slow_put(key: str, data: bytes | memoryview, *, own: bool = False) -> None:
         gate.wait(10)
-        write(key, data)
+        write(key, data, own=own)
 
     cache.put = slow_put  # type: ignore[method-assign]
     cache.keep(key(1), b"a" * 100)
@@ -174,9 +174,9 @@ def _gated(cache: PackCache) -> threading.Event:
     gate = threading.Event()
     write = cache.put
 
-    def slow_put(key: str, data: bytes | memoryview) -> None:
+    def slow_put(key: str, data: bytes | memoryview, *, own: bool = False) -> None:
         gate.wait(10)
-        write(key, data)
+        write(key, data, own=own)
 
     cache.put = slow_put  # type: ignore[method-assign]
     return gate

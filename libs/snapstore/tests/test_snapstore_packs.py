@@ -24,6 +24,7 @@ from dsec_snapstore.adapters.objectstore import ObjectExists, ObjectInfo, Object
 from dsec_snapstore.errors import SnapshotError, StoreBusy, StoreUnavailable, VerificationFailed
 from dsec_snapstore.locks import LOCK_PREFIX, STALE_AFTER, StoreLocks
 from dsec_snapstore.manifest import GpuRecord, chunk_key
+from dsec_snapstore.packcache import OWN
 from dsec_snapstore.packs import (
     GROUP_CHUNK_MAX,
     PACK_INDEX_PREFIX,
@@ -331,7 +332,9 @@ def test_gc_repacks_mostly_dead_packs_and_keeps_every_live_chunk(
 def _copies(store: SnapshotStore) -> set[str]:
     """The packs ``store``'s node holds copies of (once every copy waiting is written)."""
     assert store.pack_cache is not None and store.pack_cache.flush(10)
-    return {f"{PACK_PREFIX}{p.name}" for p in store.pack_cache.directory.iterdir()}
+    return {
+        f"{PACK_PREFIX}{p.name.removesuffix(OWN)}" for p in store.pack_cache.directory.iterdir()
+    }
 
 
 @pytest.mark.parametrize("where", ["the node's own process", "another process"])

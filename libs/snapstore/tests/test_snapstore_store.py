@@ -31,6 +31,7 @@ from dsec_snapstore.errors import (
     VerificationFailed,
 )
 from dsec_snapstore.manifest import GpuDevice, GpuRecord, SignedManifest, manifest_key
+from dsec_snapstore.packcache import OWN
 from dsec_snapstore.results import CreateResult
 
 if TYPE_CHECKING:
@@ -713,14 +714,19 @@ def test_a_frame_claiming_terabytes_is_altered_whether_in_s3_or_in_a_nodes_copy(
     assert store.pack_cache is not None and store.pack_cache.flush(10)
     loc = store.index.lookup(result.manifest.code.by_path()["data.bin"].blake3)
     assert loc is not None
-    copy = store.pack_cache.directory / loc.pack.removeprefix("packs/")
-    body = bytearray(copy.read_bytes())
+    own = store.pack_cache.directory / (loc.pack.removeprefix("packs/") + OWN)
+    body = bytearray(own.read_bytes())
     _claim_huge(body, loc.offset)
+    # a copy read from S3 of that pack, so altered: refused before anything is allocated
+    # (this node's own whole copy, altered, is refused as a whole: its hash is not its name)
+    own.unlink()
+    copy = own.with_name(loc.pack.removeprefix("packs/"))
     copy.write_bytes(bytes(body))
-    # the node's copy: refused before anything is allocated, dropped, read again from S3
-    store.restore("s", tmp_path / "out")
-    assert (tmp_path / "out" / "data.bin").read_bytes() == (code / "data.bin").read_bytes()
-    assert store.pack_cache.flush(10)  # the copy now holds what S3 sent, checked
+    with other_node(store, objects, store.pack_cache.directory.parent.parent) as again:
+        assert again.pack_cache is not None
+        again.restore("s", tmp_path / "out")  # dropped, read again from S3
+        assert (tmp_path / "out" / "data.bin").read_bytes() == (code / "data.bin").read_bytes()
+        assert again.pack_cache.flush(10)  # the copy now holds what S3 sent, checked
     assert copy.read_bytes() != bytes(body) and objects.get(loc.pack).startswith(copy.read_bytes())
     # the same in S3: verify names it (no MemoryError), a restore refuses it
     objects.put(loc.pack, bytes(body))
@@ -762,3 +768,53 @@ async def test_a_node_keeps_copies_of_packs_and_the_snapshot_service_none(
     finally:
         await node.close()
         await service.close()
+
+
+def _many_files(root: Path, count: int = 200) -> None:
+    for n in range(count):
+        (root / f"m{n:03}.py").write_text(f"VALUE = {n}\n" + "# pad\n" * (n % 40))
+
+
+def test_the_packs_this_node_made_are_checked_whole_not_chunk_by_chunk(
+    store: SnapshotStore, code: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dsec_snapstore.store as store_module
+
+    _many_files(code)
+    result = store.create("s", inputs(code))
+    assert store.pack_cache is not None and store.pack_cache.flush(10)
+    owns = [p for p in store.pack_cache.directory.iterdir() if p.name.endswith(OWN)]
+    assert owns
+    hashed: list[int] = []
+    real = store_module.blake3.blake3
+
+    def counting(data: bytes = b"", *args: Any, **kwargs: Any) -> Any:
+        hashed.append(len(data))
+        return real(data, *args, **kwargs)
+
+    monkeypatch.setattr(store_module.blake3, "blake3", counting)
+    store.restore("s", tmp_path / "out")
+    monkeypatch.undo()
+    for entry in result.manifest.code.files:
+        assert (tmp_path / "out" / entry.path).read_bytes() == (code / entry.path).read_bytes()
+    # one hash per pack read whole (its name) and the manifest's, none per chunk (200+ files)
+    packs = sorted(n for n in hashed if n > 100_000)
+    assert len(packs) == len(owns) and len(hashed) <= len(owns) + 3
+
+
+def test_an_index_that_misplaces_a_chunk_in_a_pack_this_node_made_is_refused(
+    store: SnapshotStore, code: Path, tmp_path: Path
+) -> None:
+    _many_files(code, 50)
+    result = store.create("s", inputs(code))
+    assert store.pack_cache is not None and store.pack_cache.flush(10)
+    a = result.manifest.code.by_path()["m001.py"].blake3
+    b = result.manifest.code.by_path()["m002.py"].blake3
+    la, lb = store.index.lookup(a), store.index.lookup(b)
+    assert la is not None and lb is not None and la.pack == lb.pack
+    lookup = store.index.lookup
+    # what an S3 attacker's index document could say: a's bytes are where b's are
+    store.index.lookup = lambda c: lb if c == a else lookup(c)  # type: ignore[method-assign]
+    with pytest.raises(VerificationFailed, match=a):
+        store.restore("s", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -8,12 +8,17 @@ of its pack (the whole pack when the packer put it there; the bytes a restore's 
 the pack brought otherwise, exactly as long as asked for), and a read that reaches past it is a
 miss.
 
-Nothing read from here is trusted more than what S3 sends: every chunk a read uses is
-decompressed and its BLAKE3 checked against the signed manifest as before
-(:meth:`.SnapshotStore._read_span`), and a copy in which one does not check, or does not even
-decompress, is dropped and the pack read from the object store again. A restore keeps a copy
-only of a read in which every chunk it used checked (bytes between those chunks are kept
-unchecked: they are checked when a later read uses them, and dropped then if they are bad).
+Two kinds of copy: a pack this node's packer made is kept whole (``<hash>.own``), and a read
+of most of it is checked once, as a whole, against the pack's name and the trailer this node
+wrote (:func:`.store._own_pack`): every chunk in it is what the packer compressed, whose id it
+computed from the bytes it compressed, so none needs hashing again. A copy of what a restore
+read from S3 (``<hash>``) is trusted no more than S3: every chunk a read uses is decompressed
+and its BLAKE3 checked against the signed manifest (:meth:`.SnapshotStore._read_span`), as is
+every chunk of a small read of an own copy. A copy in which a chunk does not check, or does not
+even decompress, or whose hash is not its name, is dropped and the pack read from the object
+store again. A restore keeps a copy only of a read in which every chunk it used checked (bytes
+between those chunks are kept unchecked: they are checked when a later read uses them, and
+dropped then if they are bad).
 Copies are written with mode 0600 in a 0700 directory, through a temporary file renamed into
 place, so a crash or a second process never leaves a half-written copy under a pack's name.
 
@@ -58,6 +63,12 @@ _FROM_CACHE = PACK_READS.labels("cache")
 _FROM_STORE = PACK_READS.labels("store")
 
 _NAME = re.compile(r"packs/([0-9a-f]{64})")
+_FILE = re.compile(r"[0-9a-f]{64}(?:\.own)?")
+OWN = ".own"
+"""The file of a whole pack this node's packer made (``<hash>.own``), as against a copy of what
+a read brought from S3 (``<hash>``): only the former is checked as a whole against its name and
+its own trailer (:meth:`PackCache.read_own`), since an S3 attacker may have written the
+trailer of the latter."""
 _TMP_MARK = ".tmp"
 _BLOCK = 4096
 PENDING_LIMIT = 64 << 20
@@ -65,6 +76,11 @@ PENDING_LIMIT = 64 << 20
 _WRITER_NICE = 10
 _STALE_TMP_S = 600.0
 """A temporary file older than this is a crashed writer's: removed when the cache is loaded."""
+
+
+def count_cache_read() -> None:
+    """Count a pack read this node's copy served (whole, through :meth:`PackCache.read_own`)."""
+    _FROM_CACHE.inc()
 
 
 def count_store_read() -> None:
@@ -90,9 +106,9 @@ class PackCache:
         self._lock = threading.Lock()
         self._sizes: OrderedDict[str, int] | None = None  # name -> bytes, oldest use first
         self._total = 0  # what the copies count against the limit (_charge of each)
-        # Copies waiting for the writer thread (name -> (key, bytes)), in the order kept; the
-        # one being written stays here (read from memory) until its file is in place.
-        self._pending: dict[str, tuple[str, bytes]] = {}
+        # Copies waiting for the writer thread (file name -> (key, bytes, own)), in the order
+        # kept; the one being written stays here (read from memory) until its file is in place.
+        self._pending: dict[str, tuple[str, bytes, bool]] = {}
         self._pending_bytes = 0
         self._writing: str | None = None  # the name the writer thread is writing now
         self._revoked: set[str] = set()  # ... dropped meanwhile: its file goes once written
@@ -109,23 +125,49 @@ class PackCache:
         name = _name_of(key)
         if name is None or length <= 0 or start < 0:
             return None
-        with self._lock:
-            waiting = self._pending.get(name)
-            if waiting is not None and start + length <= len(waiting[1]):
+        for file in (name + OWN, name):
+            data = self._read(file, start, length)
+            if data is not None:
                 _FROM_CACHE.inc()
+                return data
+        return None
+
+    def read_own(self, key: str) -> tuple[bytes, bool] | None:
+        """The whole pack ``key`` as this node's packer made it, and whether it came from
+        memory (written by this process, never on disk yet); ``None`` when there is no such
+        copy. The caller checks a copy from disk against the pack's name, and counts the read
+        (:func:`count_cache_read`) if it uses it."""
+        name = _name_of(key)
+        if name is None:
+            return None
+        file = name + OWN
+        with self._lock:
+            waiting = self._pending.get(file)
+            if waiting is not None:
+                return waiting[1], True
+            size = self._loaded().get(file)
+        if size is None:
+            return None
+        data = self._read(file, 0, size)
+        return None if data is None else (bytes(data), False)
+
+    def _read(self, file: str, start: int, length: int) -> bytes | memoryview | None:
+        with self._lock:
+            waiting = self._pending.get(file)
+            if waiting is not None and start + length <= len(waiting[1]):
                 return memoryview(waiting[1])[start : start + length]
             sizes = self._loaded()
-            size = sizes.get(name)
+            size = sizes.get(file)
             if size is None or start + length > size:
                 return None
-            sizes.move_to_end(name)
+            sizes.move_to_end(file)
         try:
             # (no FIFO or device can stall a restore here: non-blocking, a regular file only)
             fd = os.open(
-                self.directory / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+                self.directory / file, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
             )
         except OSError:
-            self._forget(name)
+            self._forget(file)
             return None
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -139,14 +181,13 @@ class PackCache:
         finally:
             os.close(fd)
         if len(data) != length:  # cut short or swapped behind our back: not a copy of the pack
-            self.drop(key)
+            self._discard(file)
             return None
-        _FROM_CACHE.inc()
         return data
 
     # ------------------------------------------------------------------------------ writing
 
-    def keep(self, key: str, data: bytes) -> None:
+    def keep(self, key: str, data: bytes, *, own: bool = False) -> None:
         """Keep ``data`` (see :meth:`put`), written behind by the writer thread; read from
         memory until then. Not kept when ``pending_limit`` bytes wait already. Never raises:
         a copy that cannot be kept is only a later read from S3."""
@@ -154,15 +195,16 @@ class PackCache:
         size = len(data)
         if name is None or size == 0 or size > self.limit // 4:
             return
+        file = name + OWN if own else name
         with self._lock:
             if (
                 self._closed
-                or name in self._pending
+                or file in self._pending
                 or self._pending_bytes + size > self.pending_limit
-                or self._loaded().get(name, -1) >= size
+                or self._have(file, size)
             ):
                 return
-            self._pending[name] = (key, data)
+            self._pending[file] = (key, data, own)
             self._pending_bytes += size
             if self._writer is None:
                 writer = threading.Thread(
@@ -171,7 +213,7 @@ class PackCache:
                 try:
                     writer.start()
                 except RuntimeError:  # no thread to be had: not kept
-                    del self._pending[name]
+                    del self._pending[file]
                     self._pending_bytes -= size
                     return
                 self._writer = writer
@@ -204,38 +246,39 @@ class PackCache:
                     self._changed.wait_for(lambda: bool(self._pending) or self._closed)
                     if not self._pending:
                         return
-                    name, entry = next(iter(self._pending.items()))
-                    self._writing = name
+                    file, entry = next(iter(self._pending.items()))
+                    self._writing = file
                 try:
-                    self.put(*entry)
+                    self.put(entry[0], entry[1], own=entry[2])
                 except Exception:  # (put turns OSError into a copy not kept; anything else)
-                    log.exception("pack copy %s not kept", name)
+                    log.exception("pack copy %s not kept", file)
                 finally:
                     with self._lock:
                         self._writing = None
-                        if self._pending.get(name) is entry:  # (not a newer copy kept since)
-                            del self._pending[name]
+                        if self._pending.get(file) is entry:  # (not a newer copy kept since)
+                            del self._pending[file]
                             self._pending_bytes -= len(entry[1])
-                        revoked = name in self._revoked
-                        self._revoked.discard(name)
+                        revoked = file in self._revoked
+                        self._revoked.discard(file)
                         self._changed.notify_all()
-                    if revoked and self._forget(name):  # dropped while it was being written
-                        self._remove([name])
+                    if revoked:  # dropped while it was being written
+                        self._discard(file)
         finally:
             with self._lock:
                 if self._writer is threading.current_thread():
                     self._writer = None
                 self._changed.notify_all()
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
-        """Keep ``data``, the first ``len(data)`` bytes of pack ``key`` (checked already), unless
-        as long a copy is here or it is too large for the cache."""
+    def put(self, key: str, data: bytes | memoryview, *, own: bool = False) -> None:
+        """Keep ``data``, the first ``len(data)`` bytes of pack ``key`` (``own``: all of it, as
+        this node's packer made it), unless as good a copy is here or it is too large."""
         name = _name_of(key)
         size = len(data)
         if name is None or size == 0 or size > self.limit // 4:
             return
+        file = name + OWN if own else name
         with self._lock:
-            if self._loaded().get(name, -1) >= size:
+            if self._have(file, size):
                 return
         tmp = self.directory / f"{name}{_TMP_MARK}{os.getpid()}.{threading.get_ident()}"
         try:
@@ -252,18 +295,26 @@ class PackCache:
                     view = view[os.write(fd, view) :]
             finally:
                 os.close(fd)
-            os.replace(tmp, self.directory / name)
+            os.replace(tmp, self.directory / file)
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             return
         with self._lock:
             sizes = self._loaded()
-            old = sizes.pop(name, None)
+            old = sizes.pop(file, None)
             self._total += _charge(size) - (0 if old is None else _charge(old))
-            sizes[name] = size
+            sizes[file] = size
             doomed = self._over_limit(sizes)
         self._remove(doomed)
+
+    def _have(self, file: str, size: int) -> bool:
+        """Whether as good a copy as ``size`` bytes in ``file`` is here (the lock is held): a
+        copy read from S3 is no better than the whole pack this node made."""
+        sizes = self._loaded()
+        if not file.endswith(OWN) and (file + OWN in self._pending or file + OWN in sizes):
+            return True
+        return sizes.get(file, -1) >= size
 
     def drop(self, key: str) -> None:
         """Forget pack ``key`` and remove its copy (GC removed it; its copy did not check),
@@ -271,15 +322,20 @@ class PackCache:
         name = _name_of(key)
         if name is None:
             return
-        with self._lock:
-            waiting = self._pending.pop(name, None)
-            if waiting is not None:
-                self._pending_bytes -= len(waiting[1])
-            if self._writing == name:
-                self._revoked.add(name)
-            self._changed.notify_all()
-        if self._forget(name):
-            self._remove([name])
+        for file in (name + OWN, name):
+            with self._lock:
+                waiting = self._pending.pop(file, None)
+                if waiting is not None:
+                    self._pending_bytes -= len(waiting[1])
+                if self._writing == file:
+                    self._revoked.add(file)
+                self._changed.notify_all()
+            self._discard(file)
+
+    def _discard(self, file: str) -> None:
+        """Forget the file ``file`` and remove it."""
+        if self._forget(file):
+            self._remove([file])
 
     def retain(self, live: Collection[str], min_age_s: float) -> int:
         """Remove the copies of packs not in ``live`` (pack keys: what the store's index
@@ -287,17 +343,17 @@ class PackCache:
         before an index names them); how many went."""
         keep = {name for key in live if (name := _name_of(key)) is not None}
         with self._lock:
-            candidates = [name for name in self._loaded() if name not in keep]
+            candidates = [file for file in self._loaded() if file[:64] not in keep]
         now = time.time()
         removed = 0
-        for name in candidates:
+        for file in candidates:
             try:
-                age = now - os.stat(self.directory / name, follow_symlinks=False).st_mtime
+                age = now - os.stat(self.directory / file, follow_symlinks=False).st_mtime
             except OSError:
-                self._forget(name)
+                self._forget(file)
                 continue
             if age >= min_age_s:
-                self.drop(f"packs/{name}")
+                self.drop(f"packs/{file[:64]}")
                 removed += 1
         return removed
 
@@ -347,7 +403,7 @@ class PackCache:
                     if _TMP_MARK in item.name:
                         if now - info.st_mtime > _STALE_TMP_S:
                             stale.append(item.name)
-                    elif _NAME.fullmatch("packs/" + item.name):
+                    elif _FILE.fullmatch(item.name):
                         found.append((info.st_mtime, item.name, info.st_size))
         except OSError:
             pass

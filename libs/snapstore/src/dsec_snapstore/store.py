@@ -96,7 +96,7 @@ from dsec_snapstore.manifest import (
     manifest_key,
     summary_key,
 )
-from dsec_snapstore.packcache import PackCache, count_store_read
+from dsec_snapstore.packcache import PackCache, count_cache_read, count_store_read
 from dsec_snapstore.packs import (
     GROUP_CHUNK_MAX,
     GROUP_LIMIT,
@@ -106,10 +106,13 @@ from dsec_snapstore.packs import (
     Loc,
     Member,
     Packer,
+    PackFormatError,
     PackIndex,
     Span,
+    decode_trailer,
     default_uploader,
     loc_of,
+    pack_key,
     plan_reads,
 )
 from dsec_snapstore.results import (
@@ -436,7 +439,7 @@ class SnapshotStore:
             self.objects,
             self._uploader,
             target=self._pack_target,
-            on_stored=self.pack_cache.keep if self.pack_cache is not None else None,
+            on_stored=self._keep_own if self.pack_cache is not None else None,
         )
         try:
             hashed, rehashed = self._hash_all(
@@ -967,7 +970,12 @@ class SnapshotStore:
         only write or join the bytes)."""
         keeper = self.pack_cache if keep else None
         wanted = span.end - span.start
-        body = keeper.read(span.pack, span.start, wanted) if keeper and cached else None
+        # A pack this node made, read whole for a read of most of it: checked once against its
+        # name and its own trailer instead of chunk by chunk (see _own_pack).
+        own = _own_pack(keeper, span) if keeper is not None and cached else None
+        body: bytes | memoryview | None = own
+        if body is None and keeper is not None and cached:
+            body = keeper.read(span.pack, span.start, wanted)
         fetched: bytes | None = None  # (read from S3: a copy may be kept once it checked)
         if body is None:
             try:
@@ -1002,7 +1010,7 @@ class SnapshotStore:
                 bad = True
                 continue
             data = content if size < 0 else content[inner : inner + size]
-            if blake3.blake3(data).hexdigest() != chunk_id:
+            if own is None and blake3.blake3(data).hexdigest() != chunk_id:
                 problems[chunk_id] = (
                     f"{span.pack}@{offset}: chunk {chunk_id} content does not match its hash"
                     " (altered)"
@@ -1026,6 +1034,11 @@ class SnapshotStore:
         ):
             keeper.keep(span.pack, fetched)  # the next read of this pack stays local
         return False
+
+    def _keep_own(self, key: str, body: bytes) -> None:
+        """The packer's hand-over of a pack it stored: kept as this node's own copy."""
+        assert self.pack_cache is not None
+        self.pack_cache.keep(key, body, own=True)
 
     def _legacy_chunk(self, chunk_id: str) -> bytes | str:
         """A chunk stored as its own object (before packs); a problem text when bad."""
@@ -1807,6 +1820,40 @@ def _compressor() -> zstandard.ZstdCompressor:
     if comp is None:
         comp = _local.comp = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
     return comp
+
+
+_OWN_SHARE = 0.5
+"""A read of a pack at least this share of its own copy is checked as a whole (a rollback's
+few kilobytes of a 2 MiB pack are cheaper to check chunk by chunk)."""
+
+
+def _own_pack(cache: PackCache, span: Span) -> memoryview | None:
+    """``span``'s bytes from the whole copy of its pack that this node's packer made, when
+    that copy is authentic and says what the index says: its BLAKE3 is the pack's name (a copy
+    still in memory, written by this process, is not hashed again) and its trailer, which this
+    node wrote, lists every chunk of ``span`` at the offset, length and place in its frame the
+    index gave. Then every chunk of the span is what the packer compressed, whose id it
+    computed from the bytes it compressed, and no chunk needs hashing; ``None`` otherwise (the
+    read is checked chunk by chunk). A copy read from S3 is never taken for one: its trailer
+    is whatever the object store held."""
+    found = cache.read_own(span.pack)
+    if found is None:
+        return None
+    pack, in_memory = found
+    if span.end > len(pack) or (span.end - span.start) < _OWN_SHARE * len(pack):
+        return None
+    if not in_memory and pack_key(blake3.blake3(pack).hexdigest()) != span.pack:
+        cache.drop(span.pack)  # altered on this disk: S3 from now on
+        return None
+    try:
+        rows = {(r[0], r[1], r[2], *(r[3:] or (0, -1))) for r in decode_trailer(pack)}
+    except PackFormatError:
+        cache.drop(span.pack)
+        return None
+    if not all(chunk in rows for chunk in span.chunks):
+        return None  # the index says otherwise than the pack: chunk by chunk, then
+    count_cache_read()
+    return memoryview(pack)[span.start : span.end]
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
