@@ -132,6 +132,15 @@ class PackCache:
                 return data
         return None
 
+    def own_size(self, key: str) -> int | None:
+        """The size of the whole copy of pack ``key`` this node's packer made, if there is one."""
+        name = _name_of(key)
+        if name is None:
+            return None
+        with self._lock:
+            waiting = self._pending.get(name + OWN)
+            return len(waiting[1]) if waiting is not None else self._loaded().get(name + OWN)
+
     def read_own(self, key: str) -> tuple[bytes, bool] | None:
         """The whole pack ``key`` as this node's packer made it, and whether it came from
         memory (written by this process, never on disk yet); ``None`` when there is no such

@@ -1836,11 +1836,14 @@ def _own_pack(cache: PackCache, span: Span) -> memoryview | None:
     computed from the bytes it compressed, and no chunk needs hashing; ``None`` otherwise (the
     read is checked chunk by chunk). A copy read from S3 is never taken for one: its trailer
     is whatever the object store held."""
+    size = cache.own_size(span.pack)
+    if size is None or span.end > size or (span.end - span.start) < _OWN_SHARE * size:
+        return None
     found = cache.read_own(span.pack)
     if found is None:
         return None
     pack, in_memory = found
-    if span.end > len(pack) or (span.end - span.start) < _OWN_SHARE * len(pack):
+    if span.end > len(pack):
         return None
     if not in_memory and pack_key(blake3.blake3(pack).hexdigest()) != span.pack:
         cache.drop(span.pack)  # altered on this disk: S3 from now on
