@@ -251,3 +251,13 @@ def test_a_copy_whose_time_cannot_be_touched_is_still_read(
 
     monkeypatch.setattr(os, "utime", read_only)
     assert cache.read(key(1), 3, 3) == b"abc"
+
+
+def test_an_own_copy_kept_from_a_mutable_buffer_is_a_snapshot_of_it(tmp_path: Path) -> None:
+    cache = PackCache(tmp_path / "packs", 1 << 20)
+    buffer = bytearray(b"A" * 100)
+    cache.keep(key(1), buffer, own=True)  # type: ignore[arg-type]
+    buffer[:] = b"B" * 100
+    found = cache.read_own(key(1))
+    assert found is not None and bytes(found[0]) == b"A" * 100
+    cache.close()

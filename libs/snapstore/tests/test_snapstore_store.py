@@ -819,3 +819,9 @@ def test_an_index_that_misplaces_a_chunk_in_a_pack_this_node_made_is_refused(
     with pytest.raises(VerificationFailed, match=a):
         store.restore("s", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    # this node's genuine copy stays (the lie was the index's), and serves the true index
+    own = store.pack_cache.directory / (la.pack.removeprefix("packs/") + OWN)
+    assert own.exists()
+    store.index.lookup = lookup  # type: ignore[method-assign]
+    store.restore("s", tmp_path / "out")
+    assert (tmp_path / "out" / "m001.py").read_bytes() == (code / "m001.py").read_bytes()

@@ -205,6 +205,8 @@ class PackCache:
         if name is None or size == 0 or size > self.limit // 4:
             return
         file = name + OWN if own else name
+        if own and type(data) is not bytes:  # (trusted from memory unhashed: never mutable)
+            data = bytes(data)
         with self._lock:
             if (
                 self._closed

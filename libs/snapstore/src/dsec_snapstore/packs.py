@@ -130,7 +130,7 @@ def decode_trailer(pack: bytes) -> list[tuple[Any, ...]]:
         if any(len(r) not in (3, 5) for r in rows):
             raise ValueError("a row has neither 3 nor 5 fields")
         return rows
-    except (ValueError, TypeError, IndexError, msgpack.ExtraData) as exc:
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, msgpack.ExtraData) as exc:
         raise PackFormatError(f"pack trailer unreadable: {exc}") from None
 
 

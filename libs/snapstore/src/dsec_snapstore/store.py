@@ -973,6 +973,8 @@ class SnapshotStore:
         # A pack this node made, read whole for a read of most of it: checked once against its
         # name and its own trailer instead of chunk by chunk (see _own_pack).
         own = _own_pack(keeper, span) if keeper is not None and cached else None
+        if own is _DISAGREES:  # the index places a chunk elsewhere than this node's pack does:
+            own, cached = None, False  # S3, checked chunk by chunk (the copy is genuine: kept)
         body: bytes | memoryview | None = own
         if body is None and keeper is not None and cached:
             body = keeper.read(span.pack, span.start, wanted)
@@ -1827,6 +1829,12 @@ _OWN_SHARE = 0.5
 few kilobytes of a 2 MiB pack are cheaper to check chunk by chunk)."""
 
 
+_DISAGREES = memoryview(b"")
+"""What :func:`_own_pack` answers when the index places a chunk of the read elsewhere than
+this node's genuine copy of the pack says (an index an S3 attacker wrote): the read goes to S3
+and is checked chunk by chunk, and the copy stays."""
+
+
 def _own_pack(cache: PackCache, span: Span) -> memoryview | None:
     """``span``'s bytes from the whole copy of its pack that this node's packer made, when
     that copy is authentic and says what the index says: its BLAKE3 is the pack's name (a copy
@@ -1834,8 +1842,9 @@ def _own_pack(cache: PackCache, span: Span) -> memoryview | None:
     node wrote, lists every chunk of ``span`` at the offset, length and place in its frame the
     index gave. Then every chunk of the span is what the packer compressed, whose id it
     computed from the bytes it compressed, and no chunk needs hashing; ``None`` otherwise (the
-    read is checked chunk by chunk). A copy read from S3 is never taken for one: its trailer
-    is whatever the object store held."""
+    read is checked chunk by chunk), :data:`_DISAGREES` when the trailer and the index differ.
+    A copy read from S3 is never taken for one: its trailer is whatever the object store
+    held."""
     size = cache.own_size(span.pack)
     if size is None or span.end > size or (span.end - span.start) < _OWN_SHARE * size:
         return None
@@ -1854,7 +1863,7 @@ def _own_pack(cache: PackCache, span: Span) -> memoryview | None:
         cache.drop(span.pack)
         return None
     if not all(chunk in rows for chunk in span.chunks):
-        return None  # the index says otherwise than the pack: chunk by chunk, then
+        return _DISAGREES
     count_cache_read()
     return memoryview(pack)[span.start : span.end]
 
