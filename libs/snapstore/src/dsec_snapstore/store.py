@@ -1825,8 +1825,8 @@ def _compressor() -> zstandard.ZstdCompressor:
 
 
 _OWN_SHARE = 0.5
-"""A read of a pack at least this share of its own copy is checked as a whole (a rollback's
-few kilobytes of a 2 MiB pack are cheaper to check chunk by chunk)."""
+"""A read whose frames are at least this share of the pack's own copy is checked as a whole (a
+rollback's few kilobytes of a 2 MiB pack are cheaper to check chunk by chunk)."""
 
 
 _DISAGREES = memoryview(b"")
@@ -1846,7 +1846,11 @@ def _own_pack(cache: PackCache, span: Span) -> memoryview | None:
     A copy read from S3 is never taken for one: its trailer is whatever the object store
     held."""
     size = cache.own_size(span.pack)
-    if size is None or span.end > size or (span.end - span.start) < _OWN_SHARE * size:
+    if size is None or span.end > size:
+        return None
+    # the frames the read decompresses, not the bytes between them (a rollback's few files
+    # spread over a pack: cheaper chunk by chunk)
+    if sum(length for _, length in {(c[1], c[2]) for c in span.chunks}) < _OWN_SHARE * size:
         return None
     found = cache.read_own(span.pack)
     if found is None:
