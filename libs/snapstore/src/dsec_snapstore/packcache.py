@@ -78,14 +78,10 @@ _STALE_TMP_S = 600.0
 """A temporary file older than this is a crashed writer's: removed when the cache is loaded."""
 
 
-def count_cache_read() -> None:
-    """Count a pack read this node's copy served (whole, through :meth:`PackCache.read_own`)."""
-    _FROM_CACHE.inc()
-
-
-def count_store_read() -> None:
-    """Count a pack read the object store served (the cache missed or is off)."""
-    _FROM_STORE.inc()
+def count_read(from_cache: bool) -> None:
+    """Count a pack read of a restore, rollback or diff: served by this node's copy, or by the
+    object store (the copy missed, or there is no cache)."""
+    (_FROM_CACHE if from_cache else _FROM_STORE).inc()
 
 
 def _charge(size: int) -> int:
@@ -106,9 +102,9 @@ class PackCache:
         self._lock = threading.Lock()
         self._sizes: OrderedDict[str, int] | None = None  # name -> bytes, oldest use first
         self._total = 0  # what the copies count against the limit (_charge of each)
-        # Copies waiting for the writer thread (file name -> (key, bytes, own)), in the order
-        # kept; the one being written stays here (read from memory) until its file is in place.
-        self._pending: dict[str, tuple[str, bytes, bool]] = {}
+        # Copies waiting for the writer thread (file name -> bytes), in the order kept; the one
+        # being written stays here (read from memory) until its file is in place.
+        self._pending: dict[str, bytes] = {}
         self._pending_bytes = 0
         self._writing: str | None = None  # the name the writer thread is writing now
         self._revoked: set[str] = set()  # ... dropped meanwhile: its file goes once written
@@ -128,7 +124,6 @@ class PackCache:
         for file in (name + OWN, name):
             data = self._read(file, start, length)
             if data is not None:
-                _FROM_CACHE.inc()
                 return data
         return None
 
@@ -139,13 +134,12 @@ class PackCache:
             return None
         with self._lock:
             waiting = self._pending.get(name + OWN)
-            return len(waiting[1]) if waiting is not None else self._loaded().get(name + OWN)
+            return len(waiting) if waiting is not None else self._loaded().get(name + OWN)
 
     def read_own(self, key: str) -> tuple[bytes, bool] | None:
         """The whole pack ``key`` as this node's packer made it, and whether it came from
         memory (written by this process, never on disk yet); ``None`` when there is no such
-        copy. The caller checks a copy from disk against the pack's name, and counts the read
-        (:func:`count_cache_read`) if it uses it."""
+        copy. The caller checks a copy from disk against the pack's name."""
         name = _name_of(key)
         if name is None:
             return None
@@ -153,7 +147,7 @@ class PackCache:
         with self._lock:
             waiting = self._pending.get(file)
             if waiting is not None:
-                return waiting[1], True
+                return waiting, True
             size = self._loaded().get(file)
         if size is None:
             return None
@@ -163,8 +157,8 @@ class PackCache:
     def _read(self, file: str, start: int, length: int) -> bytes | memoryview | None:
         with self._lock:
             waiting = self._pending.get(file)
-            if waiting is not None and start + length <= len(waiting[1]):
-                return memoryview(waiting[1])[start : start + length]
+            if waiting is not None and start + length <= len(waiting):
+                return memoryview(waiting)[start : start + length]
             sizes = self._loaded()
             size = sizes.get(file)
             if size is None or start + length > size:
@@ -200,11 +194,10 @@ class PackCache:
         """Keep ``data`` (see :meth:`put`), written behind by the writer thread; read from
         memory until then. Not kept when ``pending_limit`` bytes wait already. Never raises:
         a copy that cannot be kept is only a later read from S3."""
-        name = _name_of(key)
         size = len(data)
-        if name is None or size == 0 or size > self.limit // 4:
+        file = self._file_for(key, size, own)
+        if file is None:
             return
-        file = name + OWN if own else name
         if own and type(data) is not bytes:  # (trusted from memory unhashed: never mutable)
             data = bytes(data)
         with self._lock:
@@ -215,7 +208,7 @@ class PackCache:
                 or self._have(file, size)
             ):
                 return
-            self._pending[file] = (key, data, own)
+            self._pending[file] = data
             self._pending_bytes += size
             if self._writer is None:
                 writer = threading.Thread(
@@ -257,18 +250,18 @@ class PackCache:
                     self._changed.wait_for(lambda: bool(self._pending) or self._closed)
                     if not self._pending:
                         return
-                    file, entry = next(iter(self._pending.items()))
+                    file, data = next(iter(self._pending.items()))
                     self._writing = file
                 try:
-                    self.put(entry[0], entry[1], own=entry[2])
+                    self.put(f"packs/{file[:64]}", data, own=file.endswith(OWN))
                 except Exception:  # (put turns OSError into a copy not kept; anything else)
                     log.exception("pack copy %s not kept", file)
                 finally:
                     with self._lock:
                         self._writing = None
-                        if self._pending.get(file) is entry:  # (not a newer copy kept since)
+                        if self._pending.get(file) is data:  # (not a newer copy kept since)
                             del self._pending[file]
-                            self._pending_bytes -= len(entry[1])
+                            self._pending_bytes -= len(data)
                         revoked = file in self._revoked
                         self._revoked.discard(file)
                         self._changed.notify_all()
@@ -283,15 +276,14 @@ class PackCache:
     def put(self, key: str, data: bytes | memoryview, *, own: bool = False) -> None:
         """Keep ``data``, the first ``len(data)`` bytes of pack ``key`` (``own``: all of it, as
         this node's packer made it), unless as good a copy is here or it is too large."""
-        name = _name_of(key)
         size = len(data)
-        if name is None or size == 0 or size > self.limit // 4:
+        file = self._file_for(key, size, own)
+        if file is None:
             return
-        file = name + OWN if own else name
         with self._lock:
             if self._have(file, size):
                 return
-        tmp = self.directory / f"{name}{_TMP_MARK}{os.getpid()}.{threading.get_ident()}"
+        tmp = self.directory / f"{file[:64]}{_TMP_MARK}{os.getpid()}.{threading.get_ident()}"
         try:
             if not self._dir_made:  # 0700 whoever made it, and whatever umask made it
                 self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -319,6 +311,14 @@ class PackCache:
             doomed = self._over_limit(sizes)
         self._remove(doomed)
 
+    def _file_for(self, key: str, size: int, own: bool) -> str | None:
+        """The file a copy of ``size`` bytes of pack ``key`` goes to; ``None``: not kept (not a
+        pack's name, empty, or more than a quarter of the cache)."""
+        name = _name_of(key)
+        if name is None or size == 0 or size > self.limit // 4:
+            return None
+        return name + OWN if own else name
+
     def _have(self, file: str, size: int) -> bool:
         """Whether as good a copy as ``size`` bytes in ``file`` is here (the lock is held): a
         copy read from S3 is no better than the whole pack this node made."""
@@ -337,7 +337,7 @@ class PackCache:
             with self._lock:
                 waiting = self._pending.pop(file, None)
                 if waiting is not None:
-                    self._pending_bytes -= len(waiting[1])
+                    self._pending_bytes -= len(waiting)
                 if self._writing == file:
                     self._revoked.add(file)
                 self._changed.notify_all()

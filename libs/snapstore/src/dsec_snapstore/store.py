@@ -27,7 +27,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path, PurePosixPath
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import blake3
 import pydantic
@@ -96,7 +96,7 @@ from dsec_snapstore.manifest import (
     manifest_key,
     summary_key,
 )
-from dsec_snapstore.packcache import PackCache, count_cache_read, count_store_read
+from dsec_snapstore.packcache import PackCache, count_read
 from dsec_snapstore.packs import (
     GROUP_CHUNK_MAX,
     GROUP_LIMIT,
@@ -134,8 +134,9 @@ _RESTORE_BATCH = 64 << 20
 _FRAME_CONTENT_MAX = 64 << 20
 """No frame of ours holds more (chunks are at most 4 MiB, group frames ~160 KiB): a header
 that claims more is altered, refused before decompress() would allocate it."""
-PACK_CACHE_BYTES = 1 << 30
-"""The node's copies of packs (:class:`.PackCache`) are kept to this many bytes by default."""
+PACK_CACHE_BYTES: int = Settings.model_fields["snapshot_pack_cache_mb"].default << 20
+"""The node's copies of packs (:class:`.PackCache`) are kept to this many bytes by default
+(``DSEC_SNAPSHOT_PACK_CACHE_MB``'s default: one figure for both)."""
 _RESTORE_SPAN = 16 << 20
 """The largest ranged GET of a restore (one task: fetch, decompress, check, write)."""
 REPACK_BELOW = 0.5
@@ -969,23 +970,12 @@ class SnapshotStore:
         frame goes into ``out`` as a view of the frame's content (no copy; for callers that
         only write or join the bytes)."""
         keeper = self.pack_cache if keep else None
-        wanted = span.end - span.start
-        # A pack this node made, read whole for a read of most of it: checked once against its
-        # name and its own trailer instead of chunk by chunk (see _own_pack).
-        own = _own_pack(keeper, span) if keeper is not None and cached else None
-        if own is _DISAGREES:  # the index places a chunk elsewhere than this node's pack does:
-            own, cached = None, False  # S3, checked chunk by chunk (the copy is genuine: kept)
-        body: bytes | memoryview | None = own
-        if body is None and keeper is not None and cached:
-            body = keeper.read(span.pack, span.start, wanted)
-        fetched: bytes | None = None  # (read from S3: a copy may be kept once it checked)
-        if body is None:
-            try:
-                body = fetched = self.objects.get_range(span.pack, span.start, wanted)
-            except ObjectMissing:
-                return True
-            if keep:
-                count_store_read()
+        read = self._span_bytes(span, keeper if cached else None, keep)
+        if read is None:
+            return True
+        body, source = read
+        own = source == "own"  # (checked whole: no chunk is hashed)
+        fetched = body if source == "s3" else None  # (a copy may be kept once it checked)
         view = memoryview(body)
         decompressor = _decompressor()
         last = -1
@@ -1012,7 +1002,7 @@ class SnapshotStore:
                 bad = True
                 continue
             data = content if size < 0 else content[inner : inner + size]
-            if own is None and blake3.blake3(data).hexdigest() != chunk_id:
+            if not own and blake3.blake3(data).hexdigest() != chunk_id:
                 problems[chunk_id] = (
                     f"{span.pack}@{offset}: chunk {chunk_id} content does not match its hash"
                     " (altered)"
@@ -1032,10 +1022,37 @@ class SnapshotStore:
             and fetched is not None
             and not bad
             and span.start == 0
-            and len(fetched) == wanted  # (not what an odd S3 sent beyond)
+            and len(fetched) == span.end - span.start  # (not what an odd S3 sent beyond)
         ):
-            keeper.keep(span.pack, fetched)  # the next read of this pack stays local
+            keeper.keep(span.pack, bytes(fetched))  # the next read of this pack stays local
         return False
+
+    def _span_bytes(
+        self, span: Span, copies: PackCache | None, counted: bool
+    ) -> tuple[bytes | memoryview, Literal["own", "copy", "s3"]] | None:
+        """``span``'s bytes and where they came from: this node's own pack, checked whole
+        (:func:`_own_pack`); a copy whose chunks are still to be checked; or S3 (``copies``:
+        ``None`` for S3 only). ``None``: the pack is missing. ``counted``: a read of a restore,
+        rollback or diff, counted in ``dsec_snapshot_pack_reads_total``."""
+        wanted = span.end - span.start
+        if copies is not None:
+            own = _own_pack(copies, span)
+            if own is not None and own is not _DISAGREES:
+                count_read(from_cache=True)
+                return own, "own"
+            # (the index places a chunk elsewhere than this node's genuine pack says: S3, whose
+            # chunks are checked, and the copy stays)
+            copy = copies.read(span.pack, span.start, wanted) if own is None else None
+            if copy is not None:
+                count_read(from_cache=True)
+                return copy, "copy"
+        try:
+            body = self.objects.get_range(span.pack, span.start, wanted)
+        except ObjectMissing:
+            return None
+        if counted:
+            count_read(from_cache=False)
+        return body, "s3"
 
     def _keep_own(self, key: str, body: bytes) -> None:
         """The packer's hand-over of a pack it stored: kept as this node's own copy."""
@@ -1868,7 +1885,6 @@ def _own_pack(cache: PackCache, span: Span) -> memoryview | None:
         return None
     if not all(chunk in rows for chunk in span.chunks):
         return _DISAGREES
-    count_cache_read()
     return memoryview(pack)[span.start : span.end]
 
 
