@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -14,7 +15,9 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import pytest
 import zstandard
 from nacl.signing import SigningKey
@@ -28,9 +31,11 @@ from dsec_snapstore.packcache import OWN
 from dsec_snapstore.packs import (
     GROUP_CHUNK_MAX,
     PACK_INDEX_PREFIX,
+    PACK_MAGIC,
     PACK_PREFIX,
     IndexDoc,
     Loc,
+    PackFormatError,
     PackIndex,
     decode_trailer,
     encode_pack,
@@ -433,14 +438,59 @@ def _where(index: PackIndex, chunks: Iterable[str]) -> dict[str, str | None]:
     return {c: loc.pack if (loc := index.lookup(c)) else None for c in chunks}
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"v": 1, "packs": {"packs/x": [["c1", "0", 10]]}},  # an offset that is a string
+        {"v": 1, "packs": {"packs/x": [["c1", -5, 10]]}},  # a negative offset
+        {"v": 1, "packs": {"packs/x": [["c1", 0]]}},  # a row too short
+        {"v": 2, "packs": {"packs/x": [["c1", 0, 10, 0, 5, 9]]}},  # a row too long
+        {"v": 1, "packs": {"packs/x": [[7, 0, 10]]}},  # a chunk id that is no string
+        {"v": 3, "packs": {}},  # a version this reader does not know
+        {"v": 1, "packs": [["c1", 0, 10]]},  # packs that are no map
+    ],
+)
+def test_a_malformed_index_document_is_ignored_and_the_others_still_serve(
+    objects: MemoryObjects, body: dict[str, Any]
+) -> None:
+    """An index document under its right key (anyone who can write the bucket can make one) is
+    still read with suspicion: a row of the wrong shape makes the whole document ignored, as an
+    altered one is, instead of failing every later read of the index."""
+    PackIndex(objects).write(_doc("packs/a", ["a1", "a2"]))
+    bad = msgpack.packb(body, use_bin_type=True)
+    objects.put(index_key(bad), bad)
+    with pytest.raises(PackFormatError, match="not a version 1 or 2 pack index document"):
+        IndexDoc.decode(bad)
+    reader = PackIndex(objects)
+    reader.refresh()
+    assert _where(reader, ["a1", "a2", "c1"]) == {"a1": "packs/a", "a2": "packs/a", "c1": None}
+    assert reader.effective == [k for k in objects.under(PACK_INDEX_PREFIX) if k != index_key(bad)]
+
+
+def test_a_pack_trailer_with_a_malformed_row_is_refused() -> None:
+    rows = [["c1", 0, 10], ["c2", "10", 10]]
+    trailer = msgpack.packb(rows, use_bin_type=True)
+    body = b"x" * 20 + trailer + struct.pack("<I", len(trailer)) + PACK_MAGIC
+    with pytest.raises(PackFormatError, match="pack trailer unreadable"):
+        decode_trailer(body)
+    long = b"x" * 20 + struct.pack("<I", 1 << 20) + PACK_MAGIC  # claims more than there is
+    with pytest.raises(PackFormatError, match="pack trailer unreadable"):
+        decode_trailer(long)
+
+
 def test_each_new_index_document_costs_its_own_rows_not_the_stores(
     objects: MemoryObjects, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     index = PackIndex(objects)
     index.write(_doc("packs/a", (f"a{n}" for n in range(5000))))
-    seen: list[str] = []
-    real = packs.loc_of
-    monkeypatch.setattr(packs, "loc_of", lambda pack, row: seen.append(row[0]) or real(pack, row))
+    seen: list[tuple[str, int]] = []  # every location made: (pack, offset)
+    real = packs.Loc
+    monkeypatch.setattr(packs, "Loc", lambda pack, offset, *rest: (
+        seen.append((pack, offset)) or real(pack, offset, *rest)
+    ))  # fmt: skip
+    rebuilt: list[None] = []
+    rebuild = PackIndex._rebuild
+    monkeypatch.setattr(PackIndex, "_rebuild", lambda self: rebuilt.append(None) or rebuild(self))
     index.write(_doc("packs/b", ["b1", "b2", "a7"]))  # a7: stored already (a race of two writers)
     other = PackIndex(objects)
     other.refresh()  # a second process reads both documents
@@ -448,7 +498,8 @@ def test_each_new_index_document_costs_its_own_rows_not_the_stores(
     third = _doc("packs/c", ["c1"]).encode()
     objects.put(index_key(third), third)
     other.refresh()  # and then a third one another process wrote
-    assert seen == ["c1"]
+    assert seen == [("packs/c", 0)]
+    assert not rebuilt
     assert _where(index, ["a0", "a4999", "b1", "b2", "a7"]) == {
         "a0": "packs/a", "a4999": "packs/a", "b1": "packs/b", "b2": "packs/b", "a7": "packs/a",
     }  # fmt: skip

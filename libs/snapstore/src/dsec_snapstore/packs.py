@@ -33,10 +33,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import blake3
 import msgpack
+import msgspec
 
 from dsec_snapstore.adapters.objectstore import ObjectMissing, ObjectStore
 
@@ -64,17 +65,50 @@ class PackFormatError(ValueError):
     """A pack or index document is not in the format this module writes."""
 
 
-@dataclass(frozen=True, slots=True)
-class Loc:
+class Loc(msgspec.Struct, frozen=True, gc=False):
     """Where a chunk's zstd frame lies: ``length`` bytes at ``offset`` of pack ``pack``; with
     ``size >= 0`` the frame holds a group and the chunk is ``size`` bytes at ``start`` of its
-    content (``size < 0``: the whole content)."""
+    content (``size < 0``: the whole content).
+
+    A msgspec struct, not a dataclass: an index holds one per chunk, and a frozen dataclass
+    took ~2 µs to make (11 ms of a 5,000-chunk document's 15 ms), a struct ~0.2."""
 
     pack: str
     offset: int
     length: int
     start: int = 0
     size: int = -1
+
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Row(msgspec.Struct, array_like=True, frozen=True, gc=False, forbid_unknown_fields=True):
+    """An index or trailer row as read: ``[chunk id, offset, length]`` or, for a chunk of a
+    group frame, ``[chunk id, offset, length, start, size]`` (a row of any other shape, or
+    with a negative number, is refused where it is decoded)."""
+
+    chunk: str
+    offset: _Count
+    length: _Count
+    start: _Count = 0
+    size: Annotated[int, msgspec.Meta(ge=-1)] = -1
+
+    def as_list(self) -> list[Any]:
+        """The row as :func:`encode_pack` lays it out (3 fields for a whole frame)."""
+        if self.size < 0:
+            return [self.chunk, self.offset, self.length]
+        return [self.chunk, self.offset, self.length, self.start, self.size]
+
+
+class _Document(msgspec.Struct, gc=False):
+    v: Literal[1, 2]
+    packs: dict[str, list[_Row]]
+    supersedes: list[str] = []
+
+
+_decode_rows = msgspec.msgpack.Decoder(list[_Row]).decode
+_decode_document = msgspec.msgpack.Decoder(_Document).decode
 
 
 Member = tuple[str, int, int]
@@ -120,18 +154,31 @@ def decode_trailer(pack: bytes) -> list[tuple[Any, ...]]:
     Raises:
         PackFormatError: not a pack.
     """
+    return [tuple(r.as_list()) for r in _trailer(pack)]
+
+
+def trailer_spans(pack: bytes | memoryview) -> set[tuple[str, int, int, int, int]]:
+    """A pack's trailer rows as :class:`Span` lists its chunks: ``(chunk id, offset, length,
+    start, size)``, ``start`` 0 and ``size`` -1 for a whole frame.
+
+    Raises:
+        PackFormatError: not a pack.
+    """
+    return {(r.chunk, r.offset, r.length, r.start, r.size) for r in _trailer(pack)}
+
+
+def _trailer(pack: bytes | memoryview) -> list[_Row]:
     tail = len(PACK_MAGIC) + _TRAILER_LEN.size
     if len(pack) < tail or pack[-len(PACK_MAGIC) :] != PACK_MAGIC:
         raise PackFormatError("no pack trailer (not a pack, or cut short)")
     (size,) = _TRAILER_LEN.unpack(pack[-tail : -len(PACK_MAGIC)])
+    if size > len(pack) - tail:
+        raise PackFormatError("pack trailer unreadable: longer than the pack")
     try:
-        raw = msgpack.unpackb(pack[-tail - size : -tail], raw=False)
-        rows = [(str(r[0]), *(int(x) for x in r[1:])) for r in raw]
-        if any(len(r) not in (3, 5) for r in rows):
-            raise ValueError("a row has neither 3 nor 5 fields")
-        return rows
-    except (ValueError, TypeError, IndexError, KeyError, AttributeError, msgpack.ExtraData) as exc:
+        rows = _decode_rows(pack[-tail - size : -tail])
+    except msgspec.DecodeError as exc:
         raise PackFormatError(f"pack trailer unreadable: {exc}") from None
+    return rows
 
 
 class Packer:
@@ -243,6 +290,19 @@ class IndexDoc:
 
     packs: Mapping[str, Sequence[Sequence[Any]]]
     supersedes: tuple[str, ...] = ()
+    _locations: dict[str, Loc] | None = field(default=None, compare=False, repr=False)
+
+    def locations(self) -> dict[str, Loc]:
+        """Where each chunk the document names is (a chunk named twice: its first row)."""
+        if self._locations is None:
+            found: dict[str, Loc] = {}
+            for pack, rows in self.packs.items():
+                for row in rows:
+                    if row[0] not in found:
+                        found[row[0]] = loc_of(pack, row)
+            object.__setattr__(self, "_locations", found)  # (immutable: computed once)
+        assert self._locations is not None
+        return self._locations
 
     def encode(self) -> bytes:
         """The document's bytes (its key is their BLAKE3)."""
@@ -263,16 +323,18 @@ class IndexDoc:
             PackFormatError: not an index document of version 1.
         """
         try:
-            raw = msgpack.unpackb(data, raw=False)
-        except (ValueError, msgpack.ExtraData) as exc:
-            raise PackFormatError(f"not msgpack: {exc}") from None
-        if (
-            not isinstance(raw, dict)
-            or raw.get("v") not in (1, 2)
-            or not isinstance(raw.get("packs"), dict)
-        ):
-            raise PackFormatError("not a version 1 or 2 pack index document")
-        return cls(raw["packs"], tuple(raw.get("supersedes", ())))
+            raw = _decode_document(data)
+        except msgspec.DecodeError as exc:
+            raise PackFormatError(f"not a version 1 or 2 pack index document: {exc}") from None
+        # Its rows and where each chunk is, in one pass (typed decoding checked every row).
+        packs: dict[str, list[list[Any]]] = {}
+        found: dict[str, Loc] = {}
+        for pack, rows in raw.packs.items():
+            packs[pack] = [row.as_list() for row in rows]
+            for row in rows:
+                if row.chunk not in found:
+                    found[row.chunk] = Loc(pack, row.offset, row.length, row.start, row.size)
+        return cls(packs, tuple(raw.supersedes), found)
 
 
 def index_key(data: bytes) -> str:
@@ -370,19 +432,20 @@ class PackIndex:
             if index < len(self._effective) and self._effective[index] == key:
                 continue  # taken already (a document's key is the hash of its bytes)
             self._effective.insert(index, key)
-            for pack, entries in doc.packs.items():
-                for row in entries:
-                    if row[0] not in by_chunk:
-                        by_chunk[row[0]] = loc_of(pack, row)
+            found = doc.locations()
+            for chunk_id, loc in found.items():  # (not a set difference: that walks by_chunk)
+                if chunk_id not in by_chunk:
+                    by_chunk[chunk_id] = loc
 
     def _rebuild(self) -> None:
         superseded = {s for doc in self.docs.values() for s in doc.supersedes}
         effective = sorted(k for k in self.docs if k not in superseded)
         by_chunk: dict[str, Loc] = {}
         for key in effective:
-            for pack, entries in self.docs[key].packs.items():
-                for row in entries:
-                    by_chunk.setdefault(row[0], loc_of(pack, row))
+            found = self.docs[key].locations()
+            for chunk_id, loc in found.items():  # (not a set difference: that walks by_chunk)
+                if chunk_id not in by_chunk:
+                    by_chunk[chunk_id] = loc
         self._by_chunk = by_chunk
         self._effective = effective
         self._superseded = superseded

@@ -109,11 +109,11 @@ from dsec_snapstore.packs import (
     PackFormatError,
     PackIndex,
     Span,
-    decode_trailer,
     default_uploader,
     loc_of,
     pack_key,
     plan_reads,
+    trailer_spans,
 )
 from dsec_snapstore.results import (
     CodeCheck,
@@ -1879,7 +1879,7 @@ def _own_pack(cache: PackCache, span: Span) -> memoryview | None:
         cache.drop(span.pack)  # altered on this disk: S3 from now on
         return None
     try:
-        rows = {(r[0], r[1], r[2], *(r[3:] or (0, -1))) for r in decode_trailer(pack)}
+        rows = trailer_spans(pack)
     except PackFormatError:
         cache.drop(span.pack)
         return None
