@@ -438,6 +438,15 @@ def _where(index: PackIndex, chunks: Iterable[str]) -> dict[str, str | None]:
     return {c: loc.pack if (loc := index.lookup(c)) else None for c in chunks}
 
 
+def _nested(depth: int) -> bytes:
+    """MessagePack of ``[[[...0...]]]``, ``depth`` arrays deep (msgpack's packer stops at 512)."""
+    return b"\x91" * depth + b"\x00"
+
+
+def _pack(*items: Any) -> bytes:
+    return b"".join(item if isinstance(item, bytes) else msgpack.packb(item) for item in items)
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -448,16 +457,20 @@ def _where(index: PackIndex, chunks: Iterable[str]) -> dict[str, str | None]:
         {"v": 1, "packs": {"packs/x": [[7, 0, 10]]}},  # a chunk id that is no string
         {"v": 3, "packs": {}},  # a version this reader does not know
         {"v": 1, "packs": [["c1", 0, 10]]},  # packs that are no map
+        {"v": 2, "packs": {"packs/x": [["c1", 0, 10, 7, -1]]}},  # a start without a size
+        pytest.param(  # a field this reader does not know, nested deeper than its stack
+            b"\x83" + _pack("v", 1, "packs", {}, "x", _nested(2000)), id="deep-unknown-field"
+        ),
     ],
 )
 def test_a_malformed_index_document_is_ignored_and_the_others_still_serve(
-    objects: MemoryObjects, body: dict[str, Any]
+    objects: MemoryObjects, body: dict[str, Any] | bytes
 ) -> None:
     """An index document under its right key (anyone who can write the bucket can make one) is
     still read with suspicion: a row of the wrong shape makes the whole document ignored, as an
     altered one is, instead of failing every later read of the index."""
     PackIndex(objects).write(_doc("packs/a", ["a1", "a2"]))
-    bad = msgpack.packb(body, use_bin_type=True)
+    bad = body if isinstance(body, bytes) else msgpack.packb(body, use_bin_type=True)
     objects.put(index_key(bad), bad)
     with pytest.raises(PackFormatError, match="not a version 1 or 2 pack index document"):
         IndexDoc.decode(bad)
@@ -467,9 +480,19 @@ def test_a_malformed_index_document_is_ignored_and_the_others_still_serve(
     assert reader.effective == [k for k in objects.under(PACK_INDEX_PREFIX) if k != index_key(bad)]
 
 
-def test_a_pack_trailer_with_a_malformed_row_is_refused() -> None:
-    rows = [["c1", 0, 10], ["c2", "10", 10]]
-    trailer = msgpack.packb(rows, use_bin_type=True)
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [["c1", 0, 10], ["c2", "10", 10]],  # an offset that is a string
+        [["c1", 0, 10], ["c2", 10, 10, 5, -1]],  # a start without a size
+        pytest.param(  # a sixth field, nested deeper than the stack
+            b"\x92" + _pack(["c1", 0, 10]) + b"\x96" + _pack("c2", 10, 10, 0, 5, _nested(2000)),
+            id="deep-sixth-field",
+        ),
+    ],
+)
+def test_a_pack_trailer_with_a_malformed_row_is_refused(rows: list[Any] | bytes) -> None:
+    trailer = rows if isinstance(rows, bytes) else msgpack.packb(rows, use_bin_type=True)
     body = b"x" * 20 + trailer + struct.pack("<I", len(trailer)) + PACK_MAGIC
     with pytest.raises(PackFormatError, match="pack trailer unreadable"):
         decode_trailer(body)
@@ -485,12 +508,20 @@ def test_each_new_index_document_costs_its_own_rows_not_the_stores(
     index.write(_doc("packs/a", (f"a{n}" for n in range(5000))))
     seen: list[tuple[str, int]] = []  # every location made: (pack, offset)
     real = packs.Loc
-    monkeypatch.setattr(packs, "Loc", lambda pack, offset, *rest: (
-        seen.append((pack, offset)) or real(pack, offset, *rest)
-    ))  # fmt: skip
+
+    def counted(pack: str, offset: int, *rest: int) -> Loc:
+        seen.append((pack, offset))
+        return real(pack, offset, *rest)
+
+    monkeypatch.setattr(packs, "Loc", counted)
     rebuilt: list[None] = []
     rebuild = PackIndex._rebuild
-    monkeypatch.setattr(PackIndex, "_rebuild", lambda self: rebuilt.append(None) or rebuild(self))
+
+    def rebuilding(self: PackIndex) -> None:
+        rebuilt.append(None)
+        rebuild(self)
+
+    monkeypatch.setattr(PackIndex, "_rebuild", rebuilding)
     index.write(_doc("packs/b", ["b1", "b2", "a7"]))  # a7: stored already (a race of two writers)
     other = PackIndex(objects)
     other.refresh()  # a second process reads both documents

@@ -85,8 +85,10 @@ _Count = Annotated[int, msgspec.Meta(ge=0)]
 
 class _Row(msgspec.Struct, array_like=True, frozen=True, gc=False, forbid_unknown_fields=True):
     """An index or trailer row as read: ``[chunk id, offset, length]`` or, for a chunk of a
-    group frame, ``[chunk id, offset, length, start, size]`` (a row of any other shape, or
-    with a negative number, is refused where it is decoded)."""
+    group frame, ``[chunk id, offset, length, start, size]``. Refused where it is decoded: a
+    row of fewer than 3 or more than 5 fields, a field of the wrong type, a negative number,
+    and (:func:`_checked`) a whole frame (``size`` -1) with a ``start``: the only row it cannot
+    write back as it was. ``[chunk id, offset, length, 0]`` reads as the whole frame it says."""
 
     chunk: str
     offset: _Count
@@ -109,6 +111,15 @@ class _Document(msgspec.Struct, gc=False):
 
 _decode_rows = msgspec.msgpack.Decoder(list[_Row]).decode
 _decode_document = msgspec.msgpack.Decoder(_Document).decode
+_UNDECODABLE = (msgspec.DecodeError, RecursionError)
+"""What decoding a document or trailer may raise: msgspec skips a field a struct does not
+declare by recursing into it, so a few KB nested a thousand deep raise ``RecursionError``."""
+
+
+def _checked(row: _Row) -> _Row:
+    if row.size < 0 and row.start:
+        raise PackFormatError(f"row of chunk {row.chunk!r}: a start ({row.start}) but no size")
+    return row
 
 
 Member = tuple[str, int, int]
@@ -176,9 +187,12 @@ def _trailer(pack: bytes | memoryview) -> list[_Row]:
         raise PackFormatError("pack trailer unreadable: longer than the pack")
     try:
         rows = _decode_rows(pack[-tail - size : -tail])
-    except msgspec.DecodeError as exc:
+    except _UNDECODABLE as exc:
         raise PackFormatError(f"pack trailer unreadable: {exc}") from None
-    return rows
+    try:
+        return [_checked(row) for row in rows]
+    except PackFormatError as exc:
+        raise PackFormatError(f"pack trailer unreadable: {exc}") from None
 
 
 class Packer:
@@ -300,7 +314,8 @@ class IndexDoc:
                 for row in rows:
                     if row[0] not in found:
                         found[row[0]] = loc_of(pack, row)
-            object.__setattr__(self, "_locations", found)  # (immutable: computed once)
+            # (a cache of what the immutable rows say: two threads would compute equal maps)
+            object.__setattr__(self, "_locations", found)
         assert self._locations is not None
         return self._locations
 
@@ -320,20 +335,20 @@ class IndexDoc:
         """Parse a document.
 
         Raises:
-            PackFormatError: not an index document of version 1.
+            PackFormatError: not an index document of version 1 or 2.
         """
         try:
             raw = _decode_document(data)
-        except msgspec.DecodeError as exc:
+            # Its rows and where each chunk is, in one pass (typed decoding checked each row).
+            packs: dict[str, list[list[Any]]] = {}
+            found: dict[str, Loc] = {}
+            for pack, rows in raw.packs.items():
+                packs[pack] = [_checked(row).as_list() for row in rows]
+                for row in rows:
+                    if row.chunk not in found:
+                        found[row.chunk] = Loc(pack, row.offset, row.length, row.start, row.size)
+        except (*_UNDECODABLE, PackFormatError) as exc:
             raise PackFormatError(f"not a version 1 or 2 pack index document: {exc}") from None
-        # Its rows and where each chunk is, in one pass (typed decoding checked every row).
-        packs: dict[str, list[list[Any]]] = {}
-        found: dict[str, Loc] = {}
-        for pack, rows in raw.packs.items():
-            packs[pack] = [row.as_list() for row in rows]
-            for row in rows:
-                if row.chunk not in found:
-                    found[row.chunk] = Loc(pack, row.offset, row.length, row.start, row.size)
         return cls(packs, tuple(raw.supersedes), found)
 
 
