@@ -15,8 +15,9 @@ from collections.abc import Iterable, Iterator
 import pytest
 from dsec_sdk.errors import PayloadTooLarge, PeerGone, ProtocolError
 from dsec_sdk.ipc import channel as ch
+from dsec_sdk.ipc import codec
 from dsec_sdk.ipc import ring as r
-from dsec_sdk.ipc.server import ServeCore
+from dsec_sdk.ipc.server import Dispatcher, ServeCore, decode_request
 
 CAPACITY = 4096
 
@@ -111,6 +112,21 @@ def test_garbage_in_shared_memory_is_a_protocol_error(pair: Pair) -> None:
     struct.pack_into("<IBBHQ", ring_r._data, 0, 2, 99, 1, 0, 1)
     with pytest.raises(ProtocolError, match="unknown record type 99"):
         ring_r.try_read(bytes)
+
+
+@pytest.mark.unit
+def test_a_body_nested_deeper_than_the_stack_is_malformed_not_a_crash(pair: Pair) -> None:
+    """A peer's request of one-element arrays 5,000 deep made msgspec raise RecursionError,
+    which no serving loop caught: the server agent stopped serving everyone."""
+    deep = b"\x91" * 5000 + b"\x00"
+    assert pair.caller.requests.try_write(1, 7, deep)
+    kind, call_id, request = pair.server.requests.try_read(decode_request)
+    assert (kind, call_id, request) == (1, 7, None)
+    answer_kind, answer = Dispatcher({}, max_payload=1000).start(request)  # type: ignore[misc]
+    assert answer_kind == codec.ERROR
+    assert b"malformed request frame" in answer
+    with pytest.raises(ProtocolError, match="undecodable frame body"):  # and as an answer
+        codec.decode(memoryview(deep))
 
 
 @pytest.mark.unit

@@ -54,8 +54,10 @@ _TEXT_LIMIT: Final = 4000
 Packer = msgspec.msgpack.Encoder
 # Decoding keeps no state between calls: one decoder serves every channel and thread.
 unpack = msgspec.msgpack.Decoder().decode
-# What unpack raises on a malformed body (msgspec.DecodeError is a ValueError).
-DECODE_ERRORS: Final = (ValueError,)
+# What unpack raises on a malformed body: msgspec.DecodeError (a ValueError), and
+# RecursionError for one nested deeper than the interpreter's stack (5 KB of one-element
+# arrays), which a peer can send as easily as any other bytes.
+DECODE_ERRORS: Final = (ValueError, RecursionError)
 
 
 def new_packer() -> Packer:

@@ -307,7 +307,7 @@ def decode_request(body: memoryview) -> Any:
     """Decode a request body; a malformed one becomes ``None`` (answered as bad arguments)."""
     try:
         return _unpack(body)
-    except ValueError:  # msgspec.DecodeError
+    except codec.DECODE_ERRORS:
         return None
 
 
