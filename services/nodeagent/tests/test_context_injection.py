@@ -104,6 +104,10 @@ def test_sealed_objects_round_trip_and_tampering_is_detected() -> None:
         crypto.open_sealed(tampered, lambda kek, wrapped: key)
     with pytest.raises(crypto.DecryptionError, match="DSECENC1"):
         crypto.open_sealed(b"plain text", lambda kek, wrapped: key)
+    deep = b"[" * 100_000  # an object in the bucket whose header nests deeper than the stack
+    forged = crypto.MAGIC + len(deep).to_bytes(4, "big") + deep
+    with pytest.raises(crypto.DecryptionError, match="corrupt encryption header"):
+        crypto.open_sealed(forged, lambda kek, wrapped: key)
 
 
 @pytest.mark.unit

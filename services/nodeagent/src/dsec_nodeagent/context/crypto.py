@@ -66,7 +66,7 @@ def parse_header(blob: bytes) -> tuple[dict[str, str], bytes, bytes]:
     end = len(MAGIC) + 4 + size
     try:
         header: dict[str, str] = json.loads(blob[len(MAGIC) + 4 : end])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # (a header nested deeper than the stack)
         raise DecryptionError("corrupt encryption header") from exc
     if header.get("alg") != ALG:
         raise DecryptionError(f"unsupported algorithm {header.get('alg')!r}; expected {ALG}")
