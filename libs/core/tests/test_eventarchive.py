@@ -61,6 +61,8 @@ def test_manifest_must_be_contiguous() -> None:
         Manifest.parse(Manifest(segments=[a, b, c]).to_bytes())
     with pytest.raises(ArchiveCorrupt, match="is not a manifest"):
         Manifest.parse(b"{}")
+    with pytest.raises(ArchiveCorrupt, match="is not a manifest"):  # nested past the stack
+        Manifest.parse(b"[" * 100_000)
 
 
 def _key(root: SigningKey, role: Role = "operator") -> tuple[SigningKey, identity.Certificate]:

@@ -26,7 +26,7 @@ from dsec_snapstore import SnapshotInputs, SnapshotStore, packs
 from dsec_snapstore.adapters.objectstore import ObjectExists, ObjectInfo, ObjectMissing
 from dsec_snapstore.errors import SnapshotError, StoreBusy, StoreUnavailable, VerificationFailed
 from dsec_snapstore.locks import LOCK_PREFIX, STALE_AFTER, StoreLocks
-from dsec_snapstore.manifest import GpuRecord, chunk_key
+from dsec_snapstore.manifest import GpuRecord, chunk_key, summary_key
 from dsec_snapstore.packcache import OWN
 from dsec_snapstore.packs import (
     GROUP_CHUNK_MAX,
@@ -706,6 +706,21 @@ def test_a_listing_row_left_without_its_manifest_does_not_vouch_for_a_stat_cache
         (tree / "pkg0" / "mod0.py").write_text("CHANGED = 1\n")
         taken = store.create("next", inputs(tree))
         assert taken.files_rehashed == taken.files - 1
+        assert store.verify("next").ok
+
+
+def test_a_listing_row_nested_past_the_stack_does_not_vouch_for_a_stat_cache_or_fail_a_create(
+    objects: MemoryObjects, tree: Path, tmp_path: Path
+) -> None:
+    """Anyone who writes the bucket can replace a listing row with JSON nested deeper than the
+    parser's stack: the next create reads the directory again, it does not fail."""
+    aged(tree)
+    with make_store(objects, tmp_path / "cache") as store:
+        store.create("base", inputs(tree))
+        objects.put(summary_key("base"), b"[" * 100_000)
+        (tree / "pkg0" / "mod0.py").write_text("CHANGED = 1\n")
+        taken = store.create("next", inputs(tree))
+        assert taken.files_rehashed == taken.files - 1  # (read again: as the test above)
         assert store.verify("next").ok
 
 

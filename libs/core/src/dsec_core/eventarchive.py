@@ -248,7 +248,7 @@ class Manifest:
             if manifest.cert is not None and not isinstance(manifest.cert, dict):
                 raise TypeError("cert is not an object")
             stated_last = body.get("last_seq", manifest.last_seq)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # (nested past the stack)
             raise ArchiveCorrupt(f"{MANIFEST_KEY} is not a manifest: {str(exc)[:200]}") from None
         if manifest.format == 1:
             raise ArchiveCorrupt(

@@ -273,7 +273,7 @@ class StoreLocks:
             try:
                 doc = json.loads(self.objects.get(key))
                 by = f"{doc.get('for', '?')} by {doc.get('holder', '?')}"
-            except (ObjectMissing, ValueError, AttributeError):
+            except (ObjectMissing, ValueError, AttributeError, RecursionError):
                 by = "released meanwhile"
             held.append(f"{key} ({by}, written {_iso(info.last_modified)})")
         more = f" and {len(blockers) - 3} more" if len(blockers) > 3 else ""

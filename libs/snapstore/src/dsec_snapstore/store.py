@@ -533,7 +533,7 @@ class SnapshotStore:
         a delete removes row and manifest in one request, which S3 may carry out in part)."""
         try:
             row = json.loads(self.objects.get(summary_key(name)))
-        except (ObjectMissing, ValueError):
+        except (ObjectMissing, ValueError, RecursionError):  # (a row nested past the stack)
             return False
         return isinstance(row, dict) and row.get("id") == snapshot_id
 
