@@ -392,10 +392,13 @@ def test_the_script_ends_without_teardown_yet_with_all_its_output_and_its_status
 
 
 def test_the_script_waits_for_a_thread_still_running() -> None:
-    """With another thread alive, ``run`` leaves by Python's own exit, which waits for it."""
+    """With another thread alive, ``run`` leaves by Python's own exit, which waits for it: the
+    thread prints once the main thread has ended (``os._exit`` would end the process first)."""
     done = _python(
         "import sys, threading, time\n"
-        "def late(): time.sleep(0.3); print('thread finished', flush=True)\n"
+        "def late():\n"
+        "    while threading.main_thread().is_alive(): time.sleep(0.005)\n"
+        "    print('thread finished', flush=True)\n"
         "threading.Thread(target=late).start(); sys.argv[0] = 'dsec'\n"
         "from dsec_cli.main import run; run()",
         "version",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,14 @@ def test_a_dropped_copy_waiting_to_be_written_is_never_read(tmp_path: Path) -> N
     cache.close()
 
 
+def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll ``condition`` (a state of the writer thread, which runs at nice +10) until true."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the writer thread never got there"
+        time.sleep(0.005)
+
+
 def _gated(cache: PackCache) -> threading.Event:
     """Make the writer thread wait at each copy until the returned event is set."""
     gate = threading.Event()
@@ -188,21 +197,24 @@ def test_a_copy_dropped_while_it_is_written_is_removed_and_a_newer_one_written(
     directory = tmp_path / "packs"
     cache = PackCache(directory, 1 << 20)
     gate = _gated(cache)
+    remove = cache._remove
+
+    def slow_remove(files: list[str]) -> None:  # a wide window between written and removed
+        time.sleep(0.2)
+        remove(files)
+
+    cache._remove = slow_remove  # type: ignore[method-assign]
     cache.keep(key(1), b"old" * 100)
-    for _ in range(100):  # until the writer thread has taken it
-        if cache._writing is not None:
-            break
-        time.sleep(0.01)
+    _until(lambda: cache._writing is not None)  # the writer thread has taken it
     assert not cache.flush(0.05)  # a write under way is waited for
     cache.drop(key(1))  # (a GC deleted the pack; its copy did not check)
     gate.set()
-    assert cache.flush(10)
+    assert cache.flush(10)  # ... and its removal too (flush used to return before it)
     assert not (directory / key(1)[6:]).exists() and cache.read(key(1), 0, 3) is None
     assert cache._pending_bytes == 0
     gate.clear()
     cache.keep(key(1), b"old" * 100)
-    while cache._writing is None:
-        time.sleep(0.01)
+    _until(lambda: cache._writing is not None)
     cache.drop(key(1))
     cache.keep(key(1), b"new" * 1000)  # kept again meanwhile: this one is written
     gate.set()

@@ -258,15 +258,16 @@ class PackCache:
                     log.exception("pack copy %s not kept", file)
                 finally:
                     with self._lock:
-                        self._writing = None
                         if self._pending.get(file) is data:  # (not a newer copy kept since)
                             del self._pending[file]
                             self._pending_bytes -= len(data)
                         revoked = file in self._revoked
-                        self._revoked.discard(file)
-                        self._changed.notify_all()
                     if revoked:  # dropped while it was being written
                         self._discard(file)
+                    with self._lock:  # done only now: flush() returns after the removal
+                        self._writing = None
+                        self._revoked.discard(file)
+                        self._changed.notify_all()
         finally:
             with self._lock:
                 if self._writer is threading.current_thread():
