@@ -367,6 +367,9 @@ class PackIndex:
     _by_chunk: dict[str, Loc] = field(default_factory=dict)
     _effective: list[str] = field(default_factory=list)
     _superseded: set[str] = field(default_factory=set)
+    _refused: set[str] = field(default_factory=set)
+    """Listed documents that hash to their key yet do not decode: immutable, so never read
+    again while listed (an attacker's document is not fetched and parsed on every refresh)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def lookup(self, chunk_id: str) -> Loc | None:
@@ -401,7 +404,9 @@ class PackIndex:
         with self._lock:
             known = set(self.docs)  # read before the listing: what it can say is gone
         listed = set(self.objects.list(PACK_INDEX_PREFIX))
-        new = sorted(listed - known)
+        with self._lock:
+            self._refused &= listed  # (forgotten once deleted)
+            new = sorted(listed - known - self._refused)
         runner: Callable[[Callable[[str], IndexDoc | None], Iterable[str]], Iterable[Any]]
         runner = pool.map if pool is not None and len(new) > 4 else map
         fetched = dict(zip(new, runner(self._read_doc, new), strict=True))
@@ -475,11 +480,18 @@ class PackIndex:
                 return None  # removed by a GC meanwhile
             if blake3.blake3(data).hexdigest() != digest:
                 return None  # altered: ignored (the chunks it names would not verify)
-            self._cache_put(key, data)
+            fetched = True
+        else:
+            fetched = False
         try:
-            return IndexDoc.decode(data)
+            doc = IndexDoc.decode(data)
         except PackFormatError:
+            with self._lock:
+                self._refused.add(key)  # (its bytes are its name: they never decode)
             return None
+        if fetched:
+            self._cache_put(key, data)  # (only a document that decodes is kept)
+        return doc
 
     def _cache_path(self, digest: str) -> Path | None:
         if self.cache_dir is None or not digest.isalnum():
