@@ -484,7 +484,12 @@ def test_a_malformed_index_document_is_ignored_and_the_others_still_serve(
     objects.get = lambda key: read.append(key) or get(key)  # type: ignore[method-assign]
     reader.refresh()
     assert read == []
-    assert not (tmp_path / "index-cache" / index_key(bad)[len(PACK_INDEX_PREFIX) :]).exists()
+    cached = tmp_path / "index-cache" / index_key(bad)[len(PACK_INDEX_PREFIX) :]
+    assert not cached.exists()
+    cached.write_bytes(bad)  # as an older version kept it (it cached before it decoded)
+    again = PackIndex(objects, tmp_path / "index-cache")
+    again.refresh()
+    assert not cached.exists() and _where(again, ["a1", "c1"]) == {"a1": "packs/a", "c1": None}
 
 
 @pytest.mark.parametrize(

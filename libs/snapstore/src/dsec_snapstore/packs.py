@@ -26,6 +26,7 @@ a local cache directory, and only lists ``pack-index/`` to learn of new ones.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import struct
 import threading
@@ -488,6 +489,10 @@ class PackIndex:
         except PackFormatError:
             with self._lock:
                 self._refused.add(key)  # (its bytes are its name: they never decode)
+            path = self._cache_path(digest)
+            if not fetched and path is not None:  # (an older version cached before decoding)
+                with contextlib.suppress(OSError):
+                    path.unlink()
             return None
         if fetched:
             self._cache_put(key, data)  # (only a document that decodes is kept)
