@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,9 @@ from dsec_sdk import (
     RemoteError,
     ToolNotFound,
 )
+from dsec_sdk.errors import ProtocolError
 from dsec_sdk.ipc import codec
-from dsec_sdk.ipc.server import Dispatcher
+from dsec_sdk.ipc.server import Dispatcher, await_tool
 
 pytestmark = pytest.mark.unit
 
@@ -106,6 +108,35 @@ def test_dispatcher_turns_every_failure_into_an_error_frame() -> None:
         )[1][0]
         == "bad_arguments"
     )
+
+
+def _deep(depth: int) -> list[object]:
+    value: list[object] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_a_result_nested_past_the_stack_is_a_bad_result_sync_or_async() -> None:
+    """A tool that echoes a caller's deep argument: its result cannot be encoded. That is the
+    tool's error (``bad_result``), not a RecursionError out of the serving loop."""
+
+    async def echo_later(x: object) -> object:
+        return x
+
+    dispatcher = Dispatcher({"echo": lambda x: x, "later": echo_later}, max_payload=1 << 20)
+    kind, body = _run(dispatcher, ["echo", {"x": _deep(5000)}, 0])
+    assert kind == codec.ERROR and body[:2] == ["bad_result", "RecursionError"]
+    pending = dispatcher.start(["later", {"x": _deep(5000)}, 0])
+    assert not isinstance(pending, tuple)
+    kind, raw = asyncio.run(await_tool(dispatcher, pending))
+    assert kind == codec.ERROR and codec.unpack(raw)[:2] == ["bad_result", "RecursionError"]
+
+
+def test_an_error_answer_nested_past_the_stack_is_a_protocol_error() -> None:
+    for body in (_deep(5000), ["remote", _deep(5000), "text", ""]):
+        with pytest.raises(ProtocolError, match="malformed error frame"):
+            codec.raise_error("b", "t", "g", 1.0, body)
 
 
 @pytest.mark.parametrize(

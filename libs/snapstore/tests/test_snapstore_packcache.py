@@ -224,6 +224,25 @@ def test_a_copy_dropped_while_it_is_written_is_removed_and_a_newer_one_written(
     cache.close()
 
 
+def test_a_failed_removal_of_a_revoked_copy_does_not_leave_flush_waiting(tmp_path: Path) -> None:
+    cache = PackCache(tmp_path / "packs", 1 << 20)
+    gate = _gated(cache)
+
+    def broken(file: str) -> None:
+        raise MemoryError("the removal failed")
+
+    cache.keep(key(1), b"old" * 100)
+    _until(lambda: cache._writing is not None)
+    cache.drop(key(1))
+    cache._discard = broken  # type: ignore[method-assign]  # (the writer's own removal)
+    gate.set()
+    assert cache.flush(10)  # (it waited forever: the writer died with _writing still set)
+    assert cache._writing is None
+    cache.keep(key(2), b"next" * 100)  # and the writer goes on
+    assert cache.flush(10) and cache.read(key(2), 0, 4) == b"next"
+    cache.close()
+
+
 def test_retain_removes_copies_no_index_names_once_old_enough(tmp_path: Path) -> None:
     directory = tmp_path / "packs"
     cache = PackCache(directory, 1 << 20)

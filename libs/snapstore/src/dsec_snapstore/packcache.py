@@ -262,12 +262,16 @@ class PackCache:
                             del self._pending[file]
                             self._pending_bytes -= len(data)
                         revoked = file in self._revoked
-                    if revoked:  # dropped while it was being written
-                        self._discard(file)
-                    with self._lock:  # done only now: flush() returns after the removal
-                        self._writing = None
-                        self._revoked.discard(file)
-                        self._changed.notify_all()
+                    try:
+                        if revoked:  # dropped while it was being written
+                            self._discard(file)
+                    except Exception:  # (the writer goes on; the next retain() removes it)
+                        log.exception("pack copy %s not removed", file)
+                    finally:
+                        with self._lock:  # done only now: flush() returns after the removal
+                            self._writing = None
+                            self._revoked.discard(file)
+                            self._changed.notify_all()
         finally:
             with self._lock:
                 if self._writer is threading.current_thread():

@@ -113,9 +113,12 @@ def error_from_exception(packer: Packer, code: str, exc: BaseException) -> bytes
 
 def raise_error(agent: str, tool: str, group: str, timeout: float, body: Any) -> NoReturn:
     """Turn a decoded ERROR body into the matching typed exception."""
-    if not isinstance(body, list) or len(body) != 4:
-        raise ProtocolError(f"malformed error frame from {agent!r}: {body!r:.200}")
-    code, error_type, message, summary = (str(part) for part in body)
+    try:  # (a body nested past the stack decodes a few frames up, yet repr/str fail here)
+        if not isinstance(body, list) or len(body) != 4:
+            raise ProtocolError(f"malformed error frame from {agent!r}: {body!r:.200}")
+        code, error_type, message, summary = (str(part) for part in body)
+    except RecursionError:
+        raise ProtocolError(f"malformed error frame from {agent!r}: nested too deep") from None
     exc: IpcError
     if code == E_UNKNOWN_TOOL:
         exc = ToolNotFound(agent, tool, code, error_type, message, summary)

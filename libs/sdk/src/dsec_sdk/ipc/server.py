@@ -22,6 +22,11 @@ T = TypeVar("T")
 Tool = Callable[..., Any]
 
 
+_UNENCODABLE = (TypeError, ValueError, OverflowError, RecursionError)
+"""What encoding a tool's result may raise: ``RecursionError`` for one nested past the stack (a
+tool that echoes a caller's deep argument: the request decoded a few frames higher up)."""
+
+
 class Dispatcher:
     """Maps tool names to functions and turns one request into one response frame.
 
@@ -77,7 +82,7 @@ class Dispatcher:
             return result  # type: ignore[no-any-return]
         try:  # finish(), inlined: this is every call's hot path
             body: bytes = self._encode(result)
-        except (TypeError, ValueError, OverflowError):
+        except _UNENCODABLE:
             return self.finish(result)
         if len(body) > self.max_payload:
             return self.finish(result)
@@ -113,7 +118,7 @@ class Dispatcher:
         """Encode a tool's return value."""
         try:
             body: bytes = self.packer.encode(result)
-        except (TypeError, ValueError, OverflowError) as exc:
+        except _UNENCODABLE as exc:
             return codec.ERROR, codec.encode_error(
                 self.packer,
                 codec.E_BAD_RESULT,

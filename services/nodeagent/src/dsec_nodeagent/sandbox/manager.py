@@ -1418,8 +1418,9 @@ def _parse_reports(data: bytes) -> list[dict[str, Any]]:
     not a mapping, is skipped."""
     records = []
     for line in data.decode(errors="replace").splitlines():
-        with contextlib.suppress(ValueError, SyntaxError):
-            # (literal_eval: literals only, nothing is executed)
+        with contextlib.suppress(ValueError, SyntaxError, RecursionError, MemoryError):
+            # (literal_eval: literals only, nothing is executed; a line nested past the stack
+            # raises RecursionError or MemoryError: skipped like any other malformed line)
             record = json.loads(line) if line.startswith('{"') else ast.literal_eval(line)
             if isinstance(record, dict):
                 records.append(record)
