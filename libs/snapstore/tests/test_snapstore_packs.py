@@ -464,7 +464,10 @@ def _pack(*items: Any) -> bytes:
     ],
 )
 def test_a_malformed_index_document_is_ignored_and_the_others_still_serve(
-    objects: MemoryObjects, body: dict[str, Any] | bytes, tmp_path: Path
+    objects: MemoryObjects,
+    body: dict[str, Any] | bytes,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """An index document under its right key (anyone who can write the bucket can make one) is
     still read with suspicion: a row of the wrong shape makes the whole document ignored, as an
@@ -475,15 +478,18 @@ def test_a_malformed_index_document_is_ignored_and_the_others_still_serve(
     with pytest.raises(PackFormatError, match="not a version 1 or 2 pack index document"):
         IndexDoc.decode(bad)
     reader = PackIndex(objects, tmp_path / "index-cache")
-    reader.refresh()
+    with caplog.at_level("WARNING", logger="dsec_snapstore.packs"):
+        reader.refresh()
+    assert f"pack index document {index_key(bad)} ignored: " in caplog.text  # (said once)
     assert _where(reader, ["a1", "a2", "c1"]) == {"a1": "packs/a", "a2": "packs/a", "c1": None}
     assert reader.effective == [k for k in objects.under(PACK_INDEX_PREFIX) if k != index_key(bad)]
     # Its bytes are its name, so they never decode: not read again, not kept in the cache.
     read: list[str] = []
     get = objects.get
     objects.get = lambda key: read.append(key) or get(key)  # type: ignore[method-assign]
+    caplog.clear()
     reader.refresh()
-    assert read == []
+    assert read == [] and "ignored" not in caplog.text
     cached = tmp_path / "index-cache" / index_key(bad)[len(PACK_INDEX_PREFIX) :]
     assert not cached.exists()
     cached.write_bytes(bad)  # as an older version kept it (it cached before it decoded)

@@ -52,6 +52,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from dsec_core import canonical, identity, objectstore
 from dsec_core.subjects import ALL_EVENTS, STREAM
+from dsec_core.text import untrusted_json
 
 PREFIX = "archive/events/"
 MANIFEST_KEY = f"{PREFIX}manifest.json"
@@ -235,7 +236,7 @@ class Manifest:
     def parse(cls, data: bytes) -> Manifest:
         """Read a manifest; :class:`ArchiveCorrupt` names what is wrong with it."""
         try:
-            body = json.loads(data)
+            body = untrusted_json(data)
             manifest = cls(
                 stream=str(body["stream"]),
                 format=int(body["format"]),
@@ -248,7 +249,7 @@ class Manifest:
             if manifest.cert is not None and not isinstance(manifest.cert, dict):
                 raise TypeError("cert is not an object")
             stated_last = body.get("last_seq", manifest.last_seq)
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # (nested past the stack)
+        except (ValueError, KeyError, TypeError) as exc:
             raise ArchiveCorrupt(f"{MANIFEST_KEY} is not a manifest: {str(exc)[:200]}") from None
         if manifest.format == 1:
             raise ArchiveCorrupt(

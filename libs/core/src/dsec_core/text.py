@@ -8,7 +8,9 @@ and the Unicode bidirectional overrides/isolates become visible escapes (``\\x1b
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 # C0, DEL, C1, and the bidi embeddings/overrides/isolates and marks that reorder what is shown.
@@ -37,3 +39,13 @@ def bound(text: str, limit: int) -> str:
     if len(safe) <= limit:
         return safe
     return safe[: max(limit - 1, 0)] + "…"
+
+
+def untrusted_json(data: bytes | str) -> Any:
+    """``json.loads`` for bytes from outside (an object in the bucket, a file a sandbox wrote):
+    anything malformed is a ``ValueError``, JSON nested past the parser's stack (``[`` a few
+    thousand times, which raises ``RecursionError``) included."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None

@@ -48,6 +48,8 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Literal
 
+from dsec_core.text import untrusted_json
+
 from dsec_snapstore.adapters.objectstore import ObjectInfo, ObjectMissing, ObjectStore
 from dsec_snapstore.errors import StoreBusy, StoreUnavailable
 
@@ -271,9 +273,9 @@ class StoreLocks:
         held = []
         for key, info in sorted(blockers.items())[:3]:
             try:
-                doc = json.loads(self.objects.get(key))
+                doc = untrusted_json(self.objects.get(key))
                 by = f"{doc.get('for', '?')} by {doc.get('holder', '?')}"
-            except (ObjectMissing, ValueError, AttributeError, RecursionError):
+            except (ObjectMissing, ValueError, AttributeError):
                 by = "released meanwhile"
             held.append(f"{key} ({by}, written {_iso(info.last_modified)})")
         more = f" and {len(blockers) - 3} more" if len(blockers) > 3 else ""

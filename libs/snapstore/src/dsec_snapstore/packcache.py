@@ -257,25 +257,31 @@ class PackCache:
                 except Exception:  # (put turns OSError into a copy not kept; anything else)
                     log.exception("pack copy %s not kept", file)
                 finally:
-                    with self._lock:
-                        if self._pending.get(file) is data:  # (not a newer copy kept since)
-                            del self._pending[file]
-                            self._pending_bytes -= len(data)
-                        revoked = file in self._revoked
-                    try:
-                        if revoked:  # dropped while it was being written
-                            self._discard(file)
-                    except Exception:  # (the writer goes on; the next retain() removes it)
-                        log.exception("pack copy %s not removed", file)
-                    finally:
-                        with self._lock:  # done only now: flush() returns after the removal
-                            self._writing = None
-                            self._revoked.discard(file)
-                            self._changed.notify_all()
+                    self._written(file, data)
         finally:
             with self._lock:
                 if self._writer is threading.current_thread():
                     self._writer = None
+                self._changed.notify_all()
+
+    def _written(self, file: str, data: bytes) -> None:
+        """The writer thread's end of one copy: it waits no more, it is removed if it was
+        dropped while written, and only then is the write done (``flush()`` returns after the
+        removal)."""
+        with self._lock:
+            if self._pending.get(file) is data:  # (not a newer copy kept since)
+                del self._pending[file]
+                self._pending_bytes -= len(data)
+            revoked = file in self._revoked
+        try:
+            if revoked:
+                self._discard(file)
+        except Exception:  # (the writer goes on; the next retain() removes it)
+            log.exception("pack copy %s not removed", file)
+        finally:
+            with self._lock:
+                self._writing = None
+                self._revoked.discard(file)
                 self._changed.notify_all()
 
     def put(self, key: str, data: bytes | memoryview, *, own: bool = False) -> None:

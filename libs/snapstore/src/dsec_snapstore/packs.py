@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import logging
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,8 @@ import msgpack
 import msgspec
 
 from dsec_snapstore.adapters.objectstore import ObjectMissing, ObjectStore
+
+log = logging.getLogger(__name__)
 
 PACK_PREFIX = "packs/"
 PACK_INDEX_PREFIX = "pack-index/"
@@ -123,6 +126,28 @@ def _checked(row: _Row) -> _Row:
     return row
 
 
+class _RowLists(Mapping[str, list[list[Any]]]):
+    """A decoded document's rows by pack, each made a list (as :func:`encode_pack` lays it out)
+    when first asked for: a restore reads only the document's chunk map, a GC and
+    :meth:`IndexDoc.encode` the rows (two threads at once would make equal lists)."""
+
+    def __init__(self, rows: dict[str, list[_Row]]) -> None:
+        self._rows = rows
+        self._lists: dict[str, list[list[Any]]] = {}
+
+    def __getitem__(self, pack: str) -> list[list[Any]]:
+        lists = self._lists.get(pack)
+        if lists is None:
+            lists = self._lists[pack] = [row.as_list() for row in self._rows[pack]]
+        return lists
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
 Member = tuple[str, int, int]
 """A chunk of a group frame: ``(chunk id, start, size)`` in the frame's content."""
 
@@ -187,12 +212,8 @@ def _trailer(pack: bytes | memoryview) -> list[_Row]:
     if size > len(pack) - tail:
         raise PackFormatError("pack trailer unreadable: longer than the pack")
     try:
-        rows = _decode_rows(pack[-tail - size : -tail])
-    except _UNDECODABLE as exc:
-        raise PackFormatError(f"pack trailer unreadable: {exc}") from None
-    try:
-        return [_checked(row) for row in rows]
-    except PackFormatError as exc:
+        return [_checked(row) for row in _decode_rows(pack[-tail - size : -tail])]
+    except (*_UNDECODABLE, PackFormatError) as exc:
         raise PackFormatError(f"pack trailer unreadable: {exc}") from None
 
 
@@ -340,17 +361,25 @@ class IndexDoc:
         """
         try:
             raw = _decode_document(data)
-            # Its rows and where each chunk is, in one pass (typed decoding checked each row).
-            packs: dict[str, list[list[Any]]] = {}
+            # Where each chunk is, as each row is checked (typed decoding checked the rest).
             found: dict[str, Loc] = {}
             for pack, rows in raw.packs.items():
-                packs[pack] = [_checked(row).as_list() for row in rows]
                 for row in rows:
+                    _checked(row)
                     if row.chunk not in found:
                         found[row.chunk] = Loc(pack, row.offset, row.length, row.start, row.size)
         except (*_UNDECODABLE, PackFormatError) as exc:
             raise PackFormatError(f"not a version 1 or 2 pack index document: {exc}") from None
-        return cls(packs, tuple(raw.supersedes), found)
+        return cls(_RowLists(raw.packs), tuple(raw.supersedes), found)
+
+
+def _merge(by_chunk: dict[str, Loc], found: Mapping[str, Loc]) -> None:
+    """Add ``found``'s locations of chunks ``by_chunk`` does not place yet (the first place a
+    chunk was seen stays). A loop over ``found``, not a set difference: that walks
+    ``by_chunk``, the whole store's map, for each document."""
+    for chunk_id, loc in found.items():
+        if chunk_id not in by_chunk:
+            by_chunk[chunk_id] = loc
 
 
 def index_key(data: bytes) -> str:
@@ -453,20 +482,14 @@ class PackIndex:
             if index < len(self._effective) and self._effective[index] == key:
                 continue  # taken already (a document's key is the hash of its bytes)
             self._effective.insert(index, key)
-            found = doc.locations()
-            for chunk_id, loc in found.items():  # (not a set difference: that walks by_chunk)
-                if chunk_id not in by_chunk:
-                    by_chunk[chunk_id] = loc
+            _merge(by_chunk, doc.locations())
 
     def _rebuild(self) -> None:
         superseded = {s for doc in self.docs.values() for s in doc.supersedes}
         effective = sorted(k for k in self.docs if k not in superseded)
         by_chunk: dict[str, Loc] = {}
         for key in effective:
-            found = self.docs[key].locations()
-            for chunk_id, loc in found.items():  # (not a set difference: that walks by_chunk)
-                if chunk_id not in by_chunk:
-                    by_chunk[chunk_id] = loc
+            _merge(by_chunk, self.docs[key].locations())
         self._by_chunk = by_chunk
         self._effective = effective
         self._superseded = superseded
@@ -486,9 +509,11 @@ class PackIndex:
             fetched = False
         try:
             doc = IndexDoc.decode(data)
-        except PackFormatError:
+        except PackFormatError as exc:
             with self._lock:
                 self._refused.add(key)  # (its bytes are its name: they never decode)
+            # (once per process: remembered above; the reason is ours, bounded, not its bytes)
+            log.warning("pack index document %s ignored: %.300s", key, exc)
             path = self._cache_path(digest)
             if not fetched and path is not None:  # (an older version cached before decoding)
                 with contextlib.suppress(OSError):

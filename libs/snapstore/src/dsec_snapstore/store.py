@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import getpass
-import json
 import logging
 import os
 import shutil
@@ -46,6 +45,7 @@ from dsec_core.codebundle import (
 from dsec_core.ids import new_event_id
 from dsec_core.settings import Settings
 from dsec_core.signing import key_id_of, load_or_create_key
+from dsec_core.text import untrusted_json
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
@@ -532,8 +532,8 @@ class SnapshotStore:
         """Whether ``name``'s listing row is that of ``snapshot_id`` (alone it proves nothing:
         a delete removes row and manifest in one request, which S3 may carry out in part)."""
         try:
-            row = json.loads(self.objects.get(summary_key(name)))
-        except (ObjectMissing, ValueError, RecursionError):  # (a row nested past the stack)
+            row = untrusted_json(self.objects.get(summary_key(name)))
+        except (ObjectMissing, ValueError):
             return False
         return isinstance(row, dict) and row.get("id") == snapshot_id
 

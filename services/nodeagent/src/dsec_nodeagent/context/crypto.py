@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from dsec_core.text import untrusted_json
 
 MAGIC = b"DSECENC1"
 ALG = "AES-256-GCM"
@@ -65,8 +66,8 @@ def parse_header(blob: bytes) -> tuple[dict[str, str], bytes, bytes]:
     (size,) = struct.unpack(">I", blob[len(MAGIC) : len(MAGIC) + 4])
     end = len(MAGIC) + 4 + size
     try:
-        header: dict[str, str] = json.loads(blob[len(MAGIC) + 4 : end])
-    except (ValueError, RecursionError) as exc:  # (a header nested deeper than the stack)
+        header: dict[str, str] = untrusted_json(blob[len(MAGIC) + 4 : end])
+    except ValueError as exc:
         raise DecryptionError("corrupt encryption header") from exc
     if header.get("alg") != ALG:
         raise DecryptionError(f"unsupported algorithm {header.get('alg')!r}; expected {ALG}")
