@@ -428,3 +428,28 @@ def test_collection_is_paused_for_start_up_only() -> None:
     )
     seen, enabled, frozen = json.loads(done.stdout.splitlines()[-1])
     assert seen == [False, True] and enabled and frozen > 10_000
+
+
+def test_options_left_unset_build_no_pydantic_adapter() -> None:
+    """Typer 0.29 builds a pydantic ``TypeAdapter`` for every option of the command that runs
+    before it looks at the value; a value left unset (``None``) is never coerced, so the CLI
+    defers each adapter to the first value that needs it: ``dsec version --json`` imports no
+    pydantic (183 -> 119 ms on 2026-12-04)."""
+    assert "pydantic" not in _imported_by("version", "--json")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("events", "tail", "-n", "1.5"), "Invalid value for '-n': Input should be a valid "
+         "integer, unable to parse string as an integer"),
+        (("experiment", "run", "--repeats", "x"), "Invalid value for '--repeats': Input should "
+         "be a valid integer, unable to parse string as an integer"),
+    ],
+)  # fmt: skip
+def test_a_value_given_is_coerced_and_refused_as_typer_does(
+    args: tuple[str, ...], message: str, tmp_path: Path
+) -> None:
+    result = invoke(*args, "--json", home=tmp_path)
+    assert result.exit_code == 2
+    assert json.loads(result.stdout)["error"]["message"] == message

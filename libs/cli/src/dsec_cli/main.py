@@ -27,6 +27,42 @@ from typer.core import TyperCommand, TyperGroup
 
 from dsec_cli import commands
 
+_TYPER = "0.29.1"  # the version :func:`_defer_coercion` was written for (pinned in pyproject)
+
+
+def _defer_coercion() -> None:
+    """Typer builds a pydantic ``TypeAdapter`` for every option of the command that runs, set
+    or not, before it looks at the value; the first one imports pydantic (~70 ms, and more with
+    each adapter). An unset option (``None``) is never coerced (:meth:`RuntimeParam.coerce`
+    returns it as it is), so the adapter of each parameter is built when a value first needs
+    it: the same coercion, the same errors, and a command given only flags and defaults of
+    ``None`` imports no pydantic for its options. Only for the Typer it was written for."""
+    from dataclasses import dataclass
+
+    from typer import _coercion
+    from typer import core as typer_core
+
+    if typer.__version__ != _TYPER or (
+        getattr(typer_core, "build_runtime_param", None) is not _coercion.build_runtime_param
+    ):
+        return
+
+    @dataclass(frozen=True)
+    class Deferred(_coercion.RuntimeParam):
+        descriptor: _coercion.TypeDescriptor
+
+        def _coerce_value(self, value: Any, param: Any, ctx: click.Context) -> Any:
+            built = param._runtime_param = _coercion.build_runtime_param(self.descriptor)
+            return built._coerce_value(value, param=param, ctx=ctx)
+
+    def deferred(descriptor: _coercion.TypeDescriptor) -> _coercion.RuntimeParam:
+        return Deferred(descriptor.parameter_info, descriptor.annotation, descriptor)
+
+    setattr(typer_core, "build_runtime_param", deferred)  # noqa: B010 (not exported: mypy)
+
+
+_defer_coercion()
+
 #: Every top-level command: the module of :mod:`dsec_cli.commands` that registers it, and the
 #: one-line help ``dsec --help`` shows without importing it (a test keeps it equal to the real
 #: one). A module that is not named here is imported at start-up (and the test fails).
