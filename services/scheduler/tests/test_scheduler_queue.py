@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from dsec_core.events import GpuInfo, NodeInventory, Payload, Resources
 from dsec_core.settings import Settings
 
@@ -348,3 +349,27 @@ async def test_a_team_cannot_fill_every_nodes_unit_slots_with_tiny_units(tmp_pat
     (swarm,) = [p.payload.model_dump() for p in rec.out if p.aggregate_id == "sbx_swarm"]
     assert swarm["reason"] == "quota: team acme holds 0/3 units, asks 4"
     assert decided(rec, "sbx_lab") == ["unit.placed", "sandbox.scheduled"]
+
+
+async def test_a_node_whose_heartbeat_went_stale_takes_nothing_until_it_is_heard_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's view of a node is judged again when the clock passes the time its
+    heartbeat goes stale, not only when the node's state changes (a decision reuses the view
+    judged before while it holds)."""
+    clock = [time.time()]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    s, rec = scheduler()
+    gpu_node(s, "n1", gpus=2)
+    waiting(s, "sbx_a", 1, clock[0])
+    await s.place_waiting()
+    assert decided(rec, "sbx_a") == ["unit.placed", "sandbox.scheduled"]
+    clock[0] += 3 * 5 + 1  # three heartbeats (heartbeat_s 5) missed: stale, not yet lost
+    waiting(s, "sbx_b", 1, clock[0])
+    await s.place_waiting()
+    assert "sandbox.scheduled" not in decided(rec, "sbx_b")
+    spec = s.engine.node("n1")
+    assert spec is not None and not spec.schedulable
+    gpu_node(s, "n1", gpus=2)  # heard from again (a node.joined at the clock's time)
+    await s.place_waiting()
+    assert decided(rec, "sbx_b")[-2:] == ["unit.placed", "sandbox.scheduled"]

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,6 +31,7 @@ from dsec_core.events import (
     GpuDegraded,
     NodeCordoned,
     NodeCordonRequested,
+    NodeInventory,
     NodeLost,
     Payload,
     SandboxExited,
@@ -59,6 +60,7 @@ from dsec_scheduler.domain import (
     NODE_TYPES,
     SANDBOX_TYPES,
     Fleet,
+    Node,
     NoFit,
     Sandbox,
     SchedulerState,
@@ -67,6 +69,7 @@ from dsec_scheduler.domain import (
     reason_shape,
     resources_from_plan,
     usable,
+    verdict_until,
 )
 from dsec_scheduler.engines import make_engine
 from dsec_scheduler.gangs import (
@@ -139,7 +142,7 @@ class Scheduler:
         self._handovers: dict[str, str] = {}
         self._pending_class: dict[str, str] = {}  # sandbox -> class of its published wait
         self._blocker: Waiting | None = None  # a head of the queue no backfill may pass
-        self._specs: dict[str, tuple[Any, tuple[Any, ...], Any]] = {}  # node -> its engine spec
+        self._specs: dict[str, _Spec] = {}  # node -> its engine spec, and while it holds
         self._empty: tuple[tuple[int, ...], SimpleEngine, list[Any]] | None = None
         self._deciding = asyncio.Lock()
         """Held from a decision's reading of the state to its events' publication: the queue
@@ -346,10 +349,18 @@ class Scheduler:
             )
             return None
         try:
-            payload = envelope.decoded().model_dump(mode="json")
+            typed = envelope.decoded()
         except ValueError as exc:
             log.warning("scheduler: %s %s unreadable: %s", envelope.type, envelope.id, exc)
             return None
+        inventory = getattr(typed, "inventory", None)
+        if isinstance(inventory, NodeInventory):
+            # A node's presence (13 KB of inventory from an 8-GPU node with NVLink, 200 a
+            # second from 1,000 nodes): the fold takes the inventory as validated here, not
+            # dumped to JSON and validated again.
+            payload = typed.model_dump(mode="json", exclude={"inventory"})
+        else:
+            payload, inventory = typed.model_dump(mode="json"), None
         return Seen(
             envelope.id,
             envelope.type,
@@ -358,6 +369,7 @@ class Scheduler:
             payload,
             stored_at,
             envelope.time.timestamp(),
+            inventory,
         )
 
     async def barrier(self, timeout: float = BARRIER_TIMEOUT_S, *, upto: int | None = None) -> None:
@@ -414,24 +426,41 @@ class Scheduler:
         return self.engine.engine.policy
 
     def _sync(self, fleet: Fleet) -> None:
-        """The engine's nodes and allocations as the folded state has them now."""
+        """The engine's nodes and allocations as the folded state has them now.
+
+        Asked on every decision, for every node: a node's spec is judged again only when its
+        state changed (a heartbeat, a flag, a degraded GPU) or the clock crossed the time its
+        verdict changes (its heartbeat going stale), else the one judged before is taken."""
         specs = []
+        now = fleet.now
+        degraded_of = self.state.degraded.of_node
+        known = self._specs
         for n in fleet.nodes.values():
+            degraded = degraded_of(n.node_id)
+            cached = known.get(n.node_id)
+            if (
+                cached is not None
+                and cached.node is n
+                and cached.degraded == degraded
+                and cached.since <= now < cached.until
+            ):
+                specs.append(cached.spec)
+                continue
             why = tuple(usable(n, fleet))
             # keyed on the reason's class: "lost (silent 45 s)" changes every second, the spec
             # (which carries only the class) does not
             state: tuple[Any, ...] = (unschedulable_class(why),) if why else ()
-            degraded = self.state.degraded.of_node(n.node_id)
             if degraded:  # nothing new on a degraded GPU (gpu.degraded until gpu.recovered)
                 state = (*state, degraded)
-            cached = self._specs.get(n.node_id)
-            if cached is None or cached[0] is not n.inventory or cached[1] != state:
+            if cached is None or cached.node.inventory is not n.inventory or cached.state != state:
                 spec = node_spec(n.node_id, n.inventory, why, degraded)
-                cached = (n.inventory, state, spec)
-                self._specs[n.node_id] = cached
-            specs.append(cached[2])
-        for gone in set(self._specs) - set(fleet.nodes):
-            del self._specs[gone]
+            else:
+                spec = cached.spec
+            known[n.node_id] = _Spec(n, degraded, state, spec, now, verdict_until(n, fleet))
+            specs.append(spec)
+        if len(known) > len(fleet.nodes):  # (every node of the fleet has one: others left)
+            for gone in set(known) - set(fleet.nodes):
+                del known[gone]
         self.engine.sync(specs, fleet.units)
 
     def _place_avoiding(self, gang: GangDemand, avoid: str | None) -> GangPlacement | Unfit:
@@ -468,7 +497,7 @@ class Scheduler:
         """Whether ``gang`` fits the schedulable fleet were it empty (the reference engine,
         rebuilt only when a node's spec changed: the queue asks this for every waiting gang)."""
         self._sync(fleet)
-        specs = [self._specs[n][2] for n in sorted(self._specs)]
+        specs = [self._specs[n].spec for n in sorted(self._specs)]
         key = tuple(id(spec) for spec in specs)
         if self._empty is None or self._empty[0] != key:
             empty = SimpleEngine("leastloaded")
@@ -511,7 +540,11 @@ class Scheduler:
                 f"{waited:.0f} s): no backfill past a head that waited this long",
                 "queued",
             )
-        refusal = quota_refusal(gang, self.quotas, usage(fleet.units), unit_counts(fleet.units))
+        refusal = (  # (what every team holds is summed only for a team with a quota)
+            quota_refusal(gang, self.quotas, usage(fleet.units), unit_counts(fleet.units))
+            if gang.team in self.quotas
+            else None
+        )
         if refusal is not None:
             return pending(refusal, "quota")
         decision: GangPlacement | Unfit | None = None
@@ -960,6 +993,19 @@ UNFIT_KEYS_MAX = 32
 
 READ_MODEL_EXPORT_S = 15.0
 """How often the scheduler reads the live sandboxes by state for ``dsec_sandboxes``."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    """A node's engine spec as judged from ``node`` (the folded state's object: a new one for
+    every change) and its degraded GPUs, which holds from ``since`` until ``until``."""
+
+    node: Node
+    degraded: frozenset[int]
+    state: tuple[Any, ...]
+    spec: Any
+    since: float
+    until: float
 
 
 def export_live_states(states: Mapping[str, LiveState] | None) -> None:

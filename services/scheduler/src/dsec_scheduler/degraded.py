@@ -31,6 +31,9 @@ class Degradation:
     event_id: str
 
 
+_NONE: frozenset[int] = frozenset()
+
+
 @dataclass
 class DegradedGpus:
     """node -> GPU index -> signal -> :class:`Degradation`."""
@@ -43,8 +46,12 @@ class DegradedGpus:
         return bool(self.nodes.get(node_id, {}).get(gpu_index))
 
     def of_node(self, node_id: str) -> frozenset[int]:
-        """The degraded GPU indices of a node."""
-        return frozenset(i for i, s in self.nodes.get(node_id, {}).items() if s)
+        """The degraded GPU indices of a node (asked for every node on every decision: most
+        have none)."""
+        gpus = self.nodes.get(node_id)
+        if not gpus:
+            return _NONE
+        return frozenset(i for i, s in gpus.items() if s)
 
     def signals(self, node_id: str, gpu_index: int) -> Mapping[str, Degradation]:
         """Why a GPU is degraded (empty: it is not)."""

@@ -8,6 +8,7 @@ where placement quality (GPU topology, gangs) plugs in later: it sees the whole 
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -152,6 +153,15 @@ def usable(node: Node, fleet: Fleet) -> list[str]:
     return _usable(node, fleet)
 
 
+def verdict_until(node: Node, fleet: Fleet) -> float:
+    """Until when :func:`usable`'s verdict on ``node`` holds as the clock moves (the node and
+    the fleet's settings unchanged): its heartbeat goes stale after that, else never."""
+    if node.lost:
+        return float("inf")
+    stale_at = node.last_seen + min(fleet.lost_after_s, 3 * node.heartbeat_s)
+    return stale_at if fleet.now <= stale_at else float("inf")
+
+
 def _usable(node: Node, fleet: Fleet) -> list[str]:
     """Why nothing may be placed on ``node`` now (empty: it may take work)."""
     silent = fleet.now - node.last_seen
@@ -251,6 +261,9 @@ class Seen:
     """When the log stored it (JetStream's timestamp, epoch seconds)."""
     signed_at: float | None = None
     """The time its producer signed into it (epoch seconds), when known."""
+    inventory: NodeInventory | None = None
+    """A node event's inventory, validated already (its ``payload`` then holds none); else
+    the fold validates ``payload["inventory"]``."""
 
     @property
     def sent_at(self) -> float:
@@ -342,8 +355,20 @@ class SchedulerState:
     after the end (a builder's late or second one, a failure recorded before the build) never
     brings one back to the queue."""
     _held: dict[str, tuple[Resources, ...]] | None = None  # allocations, until a sandbox changes
-    _held_until: float = float("inf")  # when an assumed placement in _held expires
     _awaiting_report: set[str] = field(default_factory=set)  # nodes whose next beat decides
+    _counted: dict[str, tuple[tuple[UnitHeld, Resources], ...]] = field(default_factory=dict)
+    """Sandbox → the units it holds capacity with now (each with its resources), as judged
+    last (:meth:`_judge`); a sandbox is judged again only once something it depends on changed
+    (:attr:`_stale`)."""
+    _stale: set[str] = field(default_factory=set)
+    """Sandboxes to judge again before the next count: an event of theirs, their node's report,
+    the end of their assumed placement."""
+    _all_stale: bool = True
+    _hosts: dict[str, set[str]] = field(default_factory=dict)
+    """Node → the sandboxes judged as placed on it (whose count its next report may change)."""
+    _host_of: dict[str, str] = field(default_factory=dict)
+    _assumed: list[tuple[float, str]] = field(default_factory=list)
+    """A heap: when each placement judged as assumed stops being so (judged again then)."""
     _units: dict[str, dict[str, tuple[int, UnitHeld]]] = field(default_factory=dict)
     """Sandbox → unit → (attempt, allocation) from ``unit.placed`` (the latest attempt's)."""
     _held_units: tuple[UnitHeld, ...] = ()
@@ -355,37 +380,80 @@ class SchedulerState:
     # -- reading
 
     def fleet(self, now: float) -> Fleet:
-        """The fleet now, with every sandbox's allocation on its node (recounted only after a
-        sandbox changed, so a long queue that fits nowhere costs no recount per entry)."""
-        if self._held is None or now >= self._held_until:
-            self._awaiting_report = set()
+        """The fleet now, with every sandbox's allocation on its node.
+
+        Asked on every decision. Only the sandboxes something changed for are judged again
+        (:meth:`_judge`: their own events, their node's report, the end of an assumed
+        placement); the sums are made again from what each holds only after such a change, so
+        a long queue that fits nowhere costs no recount per entry, and a decision costs what
+        changed, not every sandbox of the fleet."""
+        expiring = self._assumed
+        while expiring and expiring[0][0] <= now:
+            self._stale.add(heapq.heappop(expiring)[1])
+        if self._all_stale or self._stale:
+            self._judge(now)
+            self._held = None
+        if self._held is None:
             held: dict[str, list[Resources]] = {}
             units: list[UnitHeld] = []
-            until = float("inf")
-            for sbx in self.sandboxes.values():
-                node = sbx.holds
-                if node is None or sbx.resources is None:
-                    continue
-                if not self._counts(sbx, node, now):
-                    continue
-                if sbx.placed_at + ASSUMED_S > now:
-                    until = min(until, sbx.placed_at + ASSUMED_S)
-                placed = self._placed_now(sbx)
-                if not placed:  # placed as one unit (before units, or a test's sandbox)
-                    held.setdefault(node, []).append(sbx.resources)
-                    units.append(
-                        held_from_resources(sbx.sandbox_id, sbx.tenant, node, sbx.resources)
-                    )
-                for unit in placed:
-                    held.setdefault(unit.node_id, []).append(unit.resources())
+            counted = self._counted
+            for sid in self.sandboxes:  # (in the sandboxes' order: the engine's sync keeps it)
+                for unit, resources in counted.get(sid, ()):
+                    held.setdefault(unit.node_id, []).append(resources)
                     units.append(unit)
-            for reserved in self.migrations.reservations(self.sandboxes):
+            for reserved in self.migrations.reservations(self.sandboxes.keys()):
                 held.setdefault(reserved.node_id, []).append(reserved.resources())
                 units.append(reserved)
             self._held = {n: tuple(r) for n, r in held.items()}
             self._held_units = tuple(units)
-            self._held_until = until
         return Fleet(dict(self.nodes), self._held, now, self.lost_after_s, self._held_units)
+
+    def _judge(self, now: float) -> None:
+        """Judge again what the stale sandboxes hold (every sandbox after :attr:`_all_stale`):
+        nothing unless placed with known resources and counted (:meth:`_counts`); the units of
+        its current ``unit.placed``, or one unit of its resources."""
+        if self._all_stale:
+            stale: Iterable[str] = list(self.sandboxes)
+            self._all_stale = False
+            self._counted.clear()
+            self._hosts.clear()
+            self._host_of.clear()
+            self._assumed.clear()
+            self._awaiting_report = set()
+        else:
+            stale = self._stale
+        self._stale = set()
+        for sid in stale:
+            was = self._host_of.pop(sid, None)
+            if was is not None:
+                on = self._hosts.get(was)
+                if on is not None:
+                    on.discard(sid)
+                    if not on:
+                        del self._hosts[was]
+            sbx = self.sandboxes.get(sid)
+            node = sbx.holds if sbx is not None else None
+            if sbx is None or node is None or sbx.resources is None:
+                self._counted.pop(sid, None)
+                continue
+            self._host_of[sid] = node
+            self._hosts.setdefault(node, set()).add(sid)
+            if sbx.placed_at + ASSUMED_S > now:
+                heapq.heappush(self._assumed, (sbx.placed_at + ASSUMED_S, sid))
+            if not self._counts(sbx, node, now):
+                self._counted[sid] = ()
+                continue
+            placed = self._placed_now(sbx)
+            if placed:
+                self._counted[sid] = tuple((unit, unit.resources()) for unit in placed)
+            else:  # placed as one unit (before units, or a test's sandbox)
+                one = held_from_resources(sbx.sandbox_id, sbx.tenant, node, sbx.resources)
+                self._counted[sid] = ((one, sbx.resources),)
+
+    def _changed(self, sandbox_id: str) -> None:
+        """What ``sandbox_id`` holds may have changed: judged again before the next count."""
+        self._stale.add(sandbox_id)
+        self._held = None
 
     def units_of(self, sbx: Sandbox) -> list[UnitHeld]:
         """The units a placed sandbox holds: those its current attempt's ``unit.placed`` named
@@ -435,12 +503,14 @@ class SchedulerState:
         return sorted(s.sandbox_id for s in self.sandboxes.values() if s.holds == node_id)
 
     def evacuate(self) -> list[tuple[Node, list[str]]]:
-        """Lost or draining nodes that still hold sandboxes, with those sandboxes."""
+        """Lost or draining nodes that still hold sandboxes, with those sandboxes (asked on
+        every tick: the sandboxes are walked for the lost and draining nodes only, not for
+        every node of the fleet)."""
         out = []
-        for _, node in sorted(self.nodes.items()):
-            held = self.on_node(node.node_id)
-            if held and (node.lost or node.draining):
-                out.append((node, held))
+        for node_id in sorted(n for n, node in self.nodes.items() if node.lost or node.draining):
+            held = self.on_node(node_id)
+            if held:
+                out.append((self.nodes[node_id], held))
         return out
 
     def silent(self, now: float, watching_since: float = 0.0) -> list[Node]:
@@ -489,6 +559,7 @@ class SchedulerState:
     def _undo(self, undo: tuple[str, str, Any]) -> None:
         kind, key, before = undo
         if kind == "migration":
+            self._all_stale = True  # (rare: whatever the migration touched is judged again)
             self._held = None
             was, ended = before
             if was is None:
@@ -500,7 +571,7 @@ class SchedulerState:
             return
         if kind == "unit":
             sid, _, unit = key.rpartition("/")
-            self._held = None
+            self._changed(sid)
             placed = self._units.setdefault(sid, {})
             if before is None:
                 placed.pop(unit, None)
@@ -516,7 +587,7 @@ class SchedulerState:
                     now, lost=before.lost, cordoned=before.cordoned, draining=before.draining
                 )
             return
-        self._held = None
+        self._changed(key)
         now_sbx = self.sandboxes.get(key)
         if before is None:
             self.sandboxes.pop(key, None)
@@ -568,7 +639,7 @@ class SchedulerState:
         p, sid = event.payload, event.aggregate_id
         mid = str(p.get("migration_id") or "")
         book = self.migrations
-        self._held = None
+        self._changed(sid)  # (and the reservations: the sums are made again)
         if event.type == "unit.migration_started":
             sbx = self.sandboxes.get(sid)
             if not mid or book.known(mid) or sbx is None:
@@ -602,7 +673,7 @@ class SchedulerState:
         old = self.nodes.get(node_id)
         if old is not None and event.sent_at <= old.last_seen:
             return False  # sent before what is known already: a replay, never a sign of life
-        inventory = NodeInventory.model_validate(p["inventory"])
+        inventory = event.inventory or NodeInventory.model_validate(p["inventory"])
         if event.type == "node.joined":  # a new node agent judges its GPUs afresh
             self.degraded.forget_node(node_id)
         node = Node(
@@ -625,7 +696,10 @@ class SchedulerState:
         )
         self.nodes[node_id] = node
         if old is None or old.reported != node.reported or node_id in self._awaiting_report:
-            self._held = None  # what the node says runs there changed, or now decides: recount
+            # what the node says runs there changed, or now decides: its sandboxes judged again
+            self._awaiting_report.discard(node_id)
+            for sid in self._hosts.get(node_id, ()):
+                self._changed(sid)
         if old is None:
             return True
         # Returning, heard from again, healthier or larger: the queue may move.
@@ -656,8 +730,8 @@ class SchedulerState:
             self._ended.pop(next(iter(self._ended)))
 
     def _sandbox(self, event: Seen) -> bool:
-        self._held = None
         sid, p = event.aggregate_id, event.payload
+        self._changed(sid)
         sbx = self.sandboxes.get(sid)
         moved_on = event.type == "sandbox.exited" and p.get("reason") == "migrated"
         if (event.type in {"sandbox.failed", "sandbox.exited"} and not moved_on) or (

@@ -15,6 +15,7 @@ starved by a stream of small ones (it gets the capacity they free as they end).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -63,8 +64,8 @@ class UnitHeld:
     gpu_milli: int = 0
     gpu_model: str | None = None
 
-    @property
-    def key(self) -> str:
+    @functools.cached_property
+    def key(self) -> str:  # (read for every unit on every decision: made once)
         return f"{self.sandbox_id}/{self.unit}"
 
     @property
@@ -352,11 +353,14 @@ class EngineSync:
     _pinned: set[str] = field(default_factory=set)
     """Units committed whose events are being published (the state holds them once the
     sandbox's ``sandbox.scheduled`` is applied): never released by a sync meanwhile."""
+    _from: dict[str, tuple[UnitHeld, UnitChoice]] = field(default_factory=dict)
+    """Key → the unit a sync last took its choice from, and that choice (while it is the one
+    held: the same unit again needs no new choice and no compare)."""
 
     def sync(self, specs: Iterable[NodeSpec], held: Iterable[UnitHeld]) -> None:
-        seen = set()
+        """``specs``: one for each node (no node twice)."""
+        specs = list(specs)
         for spec in specs:
-            seen.add(spec.node_id)
             known = self._nodes.get(spec.node_id)
             if known is not spec:  # the same object: unchanged, no deep compare
                 if known != spec:
@@ -364,17 +368,26 @@ class EngineSync:
                 # an equal spec rebuilt from a new heartbeat is kept too, so the next sync finds
                 # the same object (else every node ever rebuilt was compared on every decision)
                 self._nodes[spec.node_id] = spec
-        for gone in set(self._nodes) - seen:
+        # (every node of ``specs`` is known now: others are gone when there are more)
+        gone_ones = (
+            set(self._nodes) - {s.node_id for s in specs} if len(self._nodes) > len(specs) else ()
+        )
+        for gone in gone_ones:
             self.engine.remove_node(gone)
             del self._nodes[gone]
             for key in [k for k, c in self._held.items() if c.node_id == gone]:
                 del self._held[key]
+                self._from.pop(key, None)
         wanted = {h.key: h for h in held if h.node_id in self._nodes}
         for key in set(self._held) - set(wanted) - self._pinned:
             self.engine.release(key)
             del self._held[key]
+            self._from.pop(key, None)
         for key, h in sorted(wanted.items(), key=lambda kv: not kv[1].gpu_indices):
             mine = self._held.get(key)
+            last = self._from.get(key)
+            if last is not None and last[0] is h and last[1] is mine:
+                continue  # what this very unit gave before, still held
             if not h.gpu_indices and h.gpus:
                 # Placed before units had GPU indices: it holds GPUs, which ones is unknown.
                 # Keep the ones it was given; else the smallest free ones large enough.
@@ -384,10 +397,12 @@ class EngineSync:
             else:
                 choice = h.choice()
             if mine is not None and _same(mine, choice):
+                self._from[key] = (h, mine)
                 continue
             self.engine.release(key)
             self.engine.assume(h.demand(), choice)
             self._held[key] = choice
+            self._from[key] = (h, choice)
 
     def _whole_gpus(self, h: UnitHeld) -> UnitChoice:
         """Whole GPUs for a unit that names none: the smallest free ones large enough (as the

@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -121,11 +121,11 @@ class MigrationBook:
             self.ended.popitem(last=False)
         return self.active.pop(migration_id, None)
 
-    def reservations(self, alive: Iterable[str]) -> list[UnitHeld]:
-        """Targets held for migrations of sandboxes that are still alive."""
-        live = set(alive)
+    def reservations(self, alive: Container[str]) -> list[UnitHeld]:
+        """Targets held for migrations of sandboxes that are still alive (``alive``: a set or
+        a mapping's keys, not copied: this is asked on every recount)."""
         return [
-            m.target for m in self.active.values() if m.target is not None and m.sandbox_id in live
+            m.target for m in self.active.values() if m.target is not None and m.sandbox_id in alive
         ]
 
     def health(self, event_type: str, payload: Mapping[str, Any], node_id: str) -> bool:
