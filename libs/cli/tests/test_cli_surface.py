@@ -81,6 +81,7 @@ def _imported_by(*args: str) -> set[str]:
         ("version",),
         ("sandbox", "list", "--help"),
         ("events", "tail", "--help"),
+        ("submit", "--help"),
     ],
 )
 def test_common_command_lines_import_no_heavy_module(args: tuple[str, ...]) -> None:

@@ -5,13 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from dsec_core import lifecycle
-from dsec_core.envelope import Envelope
-from dsec_core.events import BundleRef, Payload
-from dsec_core.settings import Settings
 
 from dsec_cli.common import (
     EXIT_BAD_INPUT,
@@ -28,6 +25,11 @@ from dsec_cli.common import (
     spinner,
 )
 from dsec_cli.render import event_line, waiting_for
+
+if TYPE_CHECKING:  # (loaded when the command runs: `dsec submit --help` needs no event model)
+    from dsec_core.envelope import Envelope
+    from dsec_core.events import BundleRef, Payload
+    from dsec_core.settings import Settings
 
 WAIT_FOR = {
     "validated": "spec.validated",
@@ -238,6 +240,8 @@ def submit(
         fail(f"cannot read spec {spec}: {exc}", EXIT_BAD_INPUT)
     if code is not None and not code.is_dir():
         fail(f"--code {code} is not a directory", EXIT_BAD_INPUT)
+    from dsec_core.settings import Settings
+
     settings = Settings()
     skipped: list[str] = []
     code_ref = None
