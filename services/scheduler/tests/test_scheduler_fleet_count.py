@@ -1,13 +1,15 @@
 """What the fleet counts as held, judged incrementally (only the sandboxes something changed
 for), equals a count of every sandbox from scratch, after any sequence of events: sandbox
 lifecycles, ``unit.placed`` of several attempts, node reports that do or do not name a
-sandbox, assumed placements expiring as the clock moves, decisions applied tentatively then
-withdrawn or confirmed, migrations started, ended and failed."""
+sandbox, nodes lost (their last word later than the fold knew), cordoned or not joined yet,
+assumed placements expiring as the clock moves on or steps back, decisions applied
+tentatively then withdrawn or confirmed, migrations started, ended and failed."""
 
 from __future__ import annotations
 
 import itertools
 import random
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -69,11 +71,19 @@ class _Run:
         return Seen(f"ev{next(_ids)}", type_, agg, "acme", payload, self.now, self.now)
 
     def node_event(self) -> Seen:
-        node_id = self.rng.choice(NODES)
-        kind = self.rng.choice(("node.joined", "node.heartbeat", "node.heartbeat"))
+        rng, node_id = self.rng, self.rng.choice((*NODES, "n_unjoined"))
+        kind = rng.choice(
+            ("node.joined", "node.heartbeat", "node.heartbeat", "node.lost", "node.cordoned")
+        )
         payload: dict[str, Any] = {"node_id": node_id, "inventory": _inventory()}
         if kind == "node.heartbeat":
-            payload["sandboxes"] = sorted(s for s in self.attempts if self.rng.random() < 0.5)
+            payload["sandboxes"] = sorted(s for s in self.attempts if rng.random() < 0.5)
+        elif kind == "node.lost":  # (its last word: before, at, or after what the fold knows)
+            last = datetime.fromtimestamp(self.now - rng.choice((0, 20, 200)), UTC)
+            payload = {"node_id": node_id, "silent_s": 20.0, "last_seen": last.isoformat()}
+        elif kind == "node.cordoned":
+            payload = {"node_id": node_id, "cordoned": rng.random() < 0.5,
+                       "draining": rng.random() < 0.3}  # fmt: skip
         return Seen(f"ev{next(_ids)}", kind, node_id, "system", payload, self.now, self.now)
 
     def sandbox_event(self) -> Seen:
@@ -133,8 +143,8 @@ class _Run:
     def step(self) -> None:
         rng, state = self.rng, self.state
         roll = rng.random()
-        if roll < 0.1:
-            self.now += rng.choice((ASSUMED_S + 1, ASSUMED_S / 2, 30.0))
+        if roll < 0.1:  # the clock moves on, or steps back (NTP)
+            self.now += rng.choice((ASSUMED_S + 1, ASSUMED_S / 2, 30.0, -ASSUMED_S / 2))
             return
         if roll < 0.35:
             event = self.node_event()

@@ -397,3 +397,28 @@ def test_a_replayed_unit_placed_of_an_older_attempt_never_replaces_a_newer_units
     held = [(u.unit, u.node_id, u.gpu_milli) for u in state.fleet(1001.0).units]
     assert held == [("main", "n2", 250)]
     assert state.placed_units("sbx_r")["main"].node_id == "n2"
+
+
+@pytest.mark.parametrize("policy", ["dsec", "leastloaded"])
+def test_a_unit_on_a_gpu_its_node_no_longer_reports_does_not_stop_a_fresh_engine(
+    policy: str,
+) -> None:
+    """A unit placed on GPU 3 of a node that now reports two GPUs (the others fell off the
+    bus): a scheduler started after that (a fresh engine) syncs, the unit keeps its CPUs and
+    memory, and the node's two GPUs still take new units. Before, the fresh engine's sync
+    raised on every decision ("node 'n1' has no GPU 3")."""
+    held = UnitHeld("sbx_a", "main", "acme", "n1", 8000, 64 * GIB, gpu_indices=(3,), gpu_milli=1000)
+    sync = EngineSync(make_engine(policy))
+    spec = node_spec("n1", inv(cpus=16, gpus=[gpu(0), gpu(1)]), [])
+    sync.sync([spec], [held])
+    sync.sync([spec], [held])  # (and again: the unit is not taken twice)
+    gang = GangDemand(
+        "sbx_b", (UnitDemand("sbx_b/main", cpu_milli=8000, memory_bytes=GIB, gpus=2),), team="acme"
+    )
+    placed = sync.engine.place(gang)
+    assert isinstance(placed, GangPlacement)
+    assert placed.choices[0].gpu_indices == (0, 1)
+    too_much = GangDemand(
+        "sbx_c", (UnitDemand("sbx_c/main", cpu_milli=9000, memory_bytes=GIB),), team="acme"
+    )
+    assert isinstance(sync.engine.place(too_much), Unfit)  # 8 of the 16 CPUs still held

@@ -369,6 +369,8 @@ class SchedulerState:
     _host_of: dict[str, str] = field(default_factory=dict)
     _assumed: list[tuple[float, str]] = field(default_factory=list)
     """A heap: when each placement judged as assumed stops being so (judged again then)."""
+    _judged_at: float = float("-inf")
+    """The latest clock a count was judged at (a clock stepped back: every sandbox again)."""
     _units: dict[str, dict[str, tuple[int, UnitHeld]]] = field(default_factory=dict)
     """Sandbox → unit → (attempt, allocation) from ``unit.placed`` (the latest attempt's)."""
     _held_units: tuple[UnitHeld, ...] = ()
@@ -387,9 +389,14 @@ class SchedulerState:
         placement); the sums are made again from what each holds only after such a change, so
         a long queue that fits nowhere costs no recount per entry, and a decision costs what
         changed, not every sandbox of the fleet."""
+        if now < self._judged_at:  # the clock stepped back: an expired placement may be assumed
+            self._all_stale = True
+        self._judged_at = now
         expiring = self._assumed
         while expiring and expiring[0][0] <= now:
-            self._stale.add(heapq.heappop(expiring)[1])
+            sid = heapq.heappop(expiring)[1]
+            if not self._all_stale:
+                self._stale.add(sid)
         if self._all_stale or self._stale:
             self._judge(now)
             self._held = None
@@ -451,9 +458,19 @@ class SchedulerState:
                 self._counted[sid] = ((one, sbx.resources),)
 
     def _changed(self, sandbox_id: str) -> None:
-        """What ``sandbox_id`` holds may have changed: judged again before the next count."""
-        self._stale.add(sandbox_id)
+        """What ``sandbox_id`` holds may have changed: judged again before the next count
+        (remembered only when not every sandbox is judged then anyway: while the log is read
+        at start-up, before the first count, no set of every sandbox id grows)."""
+        if not self._all_stale:
+            self._stale.add(sandbox_id)
         self._held = None
+
+    def _reported(self, node_id: str) -> None:
+        """What the node says runs there (or how recently it said it) changed: the sandboxes
+        placed on it are judged again (:meth:`_counts` reads its report and its last word)."""
+        self._awaiting_report.discard(node_id)
+        for sid in self._hosts.get(node_id, ()):
+            self._changed(sid)
 
     def units_of(self, sbx: Sandbox) -> list[UnitHeld]:
         """The units a placed sandbox holds: those its current attempt's ``unit.placed`` named
@@ -607,6 +624,7 @@ class SchedulerState:
                 return False  # heard from since: an old loss published again
             if heard is not None and heard > old.last_seen:  # the state was rebuilt from less
                 self.nodes[old.node_id] = old = replace(old, last_seen=heard)
+                self._reported(old.node_id)  # (its last word is later: what it holds may change)
             return self._node_flag(event, lost=True, cordoned=old.cordoned, draining=old.draining)
         if event.type == "node.cordoned":
             p = event.payload
@@ -697,9 +715,7 @@ class SchedulerState:
         self.nodes[node_id] = node
         if old is None or old.reported != node.reported or node_id in self._awaiting_report:
             # what the node says runs there changed, or now decides: its sandboxes judged again
-            self._awaiting_report.discard(node_id)
-            for sid in self._hosts.get(node_id, ()):
-                self._changed(sid)
+            self._reported(node_id)
         if old is None:
             return True
         # Returning, heard from again, healthier or larger: the queue may move.

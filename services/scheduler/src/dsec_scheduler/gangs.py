@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ from dsec_scheduler.placement.api import (
     UnitChoice,
     UnitDemand,
 )
+
+log = logging.getLogger(__name__)
 
 MAIN = "main"
 """The one unit of a sandbox whose spec declares no topology."""
@@ -400,9 +403,31 @@ class EngineSync:
                 self._from[key] = (h, mine)
                 continue
             self.engine.release(key)
-            self.engine.assume(h.demand(), choice)
+            choice = self._assume(h, choice)
             self._held[key] = choice
             self._from[key] = (h, choice)
+
+    def _assume(self, h: UnitHeld, choice: UnitChoice) -> UnitChoice:
+        """Take ``choice`` for a unit placed before; one naming GPUs its node no longer reports
+        (a GPU fallen off the bus, the node's inventory smaller since) holds the GPUs left and
+        its CPUs and memory, instead of failing every sync of an engine made after the
+        change (a restarted scheduler's)."""
+        try:
+            self.engine.assume(h.demand(), choice)
+            return choice
+        except ValueError:
+            spec = self._nodes.get(h.node_id)
+            present = {g.index for g in spec.gpus} if spec is not None else set()
+            kept = tuple(i for i in choice.gpu_indices if i in present)
+            if kept == tuple(choice.gpu_indices):
+                raise
+            log.warning(
+                "scheduler: unit %s holds GPUs %s of node %s, which reports only %s",
+                h.key, list(choice.gpu_indices), h.node_id, sorted(present),
+            )  # fmt: skip
+            choice = replace(choice, gpu_indices=kept, gpu_milli=choice.gpu_milli if kept else 0)
+            self.engine.assume(h.demand(), choice)
+            return choice
 
     def _whole_gpus(self, h: UnitHeld) -> UnitChoice:
         """Whole GPUs for a unit that names none: the smallest free ones large enough (as the
