@@ -56,7 +56,9 @@ def _seen(type_: str, agg: str, payload: dict[str, Any], at: float, tenant: str)
 
 
 def _scheduler(nodes: int, held: int, waiting: int) -> tuple[Scheduler, _Recorder]:
-    service = _StandIn(Settings())
+    # (no heartbeats while it runs: the nodes say they beat hourly, so they stay fresh however
+    # long the slower code takes)
+    service = _StandIn(Settings(node_lost_s=3600))
     s = Scheduler(service)  # type: ignore[arg-type]
     now = time.time()
     for i in range(nodes):
@@ -69,7 +71,11 @@ def _scheduler(nodes: int, held: int, waiting: int) -> tuple[Scheduler, _Recorde
                 for g in range(8)
             ],
         )
-        payload = {"node_id": node_id, "inventory": inv.model_dump(mode="json"), "heartbeat_s": 5}
+        payload = {
+            "node_id": node_id,
+            "inventory": inv.model_dump(mode="json"),
+            "heartbeat_s": 3600,
+        }
         s.state.apply(_seen("node.joined", node_id, payload, now, "system"))
     one = Resources(cpus=1, memory_bytes=GIB, gpus=1).model_dump(mode="json")
     for i in range(held):
