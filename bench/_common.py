@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -87,12 +87,20 @@ def emit(
     print(json.dumps(doc if summary is None else summary))
 
 
-def at_least_one(text: str) -> int:
-    """An argparse type: a whole number >= 1 (a count of events or runs)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a count: give 1 or more")
-    return value
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``least``."""
+
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is not a count: give {least} or more")
+        return value
+
+    return whole
+
+
+at_least_one = at_least(1)
+"""A count of events or runs: a whole number >= 1."""

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from _common import emit
+from _common import at_least, at_least_one, emit
 from dsec_core.events import GpuInfo, NodeInventory, Payload, Resources
 from dsec_core.settings import Settings
 from dsec_scheduler.app import Scheduler
@@ -120,14 +120,23 @@ def _measure(nodes: int, held: int, waiting: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--nodes", type=int, default=1000)
-    parser.add_argument("--held", type=int, nargs="+", default=[0, 2000])
-    parser.add_argument("--waiting", type=int, default=400)
+    parser.add_argument("--nodes", type=at_least_one, default=1000, help="nodes of 8 GPUs")
+    parser.add_argument(
+        "--held",
+        type=at_least(0),
+        nargs="+",
+        default=[0, 2000],
+        help="sandboxes placed before, each",
+    )
+    parser.add_argument("--waiting", type=at_least_one, default=400, help="sandboxes to place")
     args = parser.parse_args()
-    if args.nodes < 1 or args.waiting < 1 or min(args.held) < 0:
-        parser.error("--nodes and --waiting: 1 or more; --held: 0 or more")
-    if args.waiting + max(args.held) > args.nodes * 8:
-        parser.error(f"{args.nodes} nodes of 8 GPUs cannot hold {args.waiting + max(args.held)}")
+    gpus, most = args.nodes * 8, args.waiting + max(args.held)
+    if most > gpus:
+        parser.error(
+            f"{args.nodes} nodes have {gpus} GPUs: {args.waiting} waiting and {max(args.held)} "
+            "held sandboxes of one GPU each do not fit; give more --nodes or fewer --held / "
+            "--waiting"
+        )
     results = {str(h): _measure(args.nodes, h, args.waiting) for h in args.held}
     line = "; ".join(
         f"{h} held: {r['decision_ms']} ms a decision, loss pass {r['loss_pass_ms']} ms"

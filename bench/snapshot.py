@@ -115,11 +115,12 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, value
 
 
-def sh(cmd: str, cwd: Path, env: dict[str, str] | None = None) -> None:
+def sh(cmd: str, cwd: Path, env: dict[str, str] | None = None, stdin: bytes | None = None) -> None:
     subprocess.run(
         ["bash", "-c", f"set -euo pipefail; {cmd}"],
         cwd=cwd,
         check=True,
+        input=stdin,
         stdout=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
     )
@@ -149,17 +150,9 @@ def bench_tar(
     objects.put("a.tar.zst", (out / "a.tar.zst").read_bytes())
     there = work / "tar-restore-node-2"
     there.mkdir()
-    from_s3, _ = timed(lambda: extract(objects.get("a.tar.zst"), there))
+    from_s3, _ = timed(lambda: sh("zstd -dc -q | tar -xf -", there, stdin=objects.get("a.tar.zst")))
     return {"tar_zstd_sha256_cold": cold, "tar_zstd_sha256_after_1pct": incremental,
             "tar_zstd_restore": restore, "tar_zstd_restore_from_s3": from_s3}  # fmt: skip
-
-
-def extract(archive: bytes, dest: Path) -> None:
-    """``zstd -dc | tar -x`` of an archive held in memory, into ``dest``."""
-    subprocess.run(
-        ["bash", "-c", "set -euo pipefail; zstd -dc -q | tar -xf -"],
-        cwd=dest, input=archive, check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
 
 
 def bench_git(tree: Path, texts: list[Path], work: Path) -> dict[str, float]:

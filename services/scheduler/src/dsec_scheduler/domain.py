@@ -153,12 +153,17 @@ def usable(node: Node, fleet: Fleet) -> list[str]:
     return _usable(node, fleet)
 
 
+def _stale_after(node: Node, fleet: Fleet) -> float:
+    """Seconds of silence after which ``node``'s heartbeat is stale (it may take nothing)."""
+    return min(fleet.lost_after_s, 3 * node.heartbeat_s)
+
+
 def verdict_until(node: Node, fleet: Fleet) -> float:
     """Until when :func:`usable`'s verdict on ``node`` holds as the clock moves (the node and
     the fleet's settings unchanged): its heartbeat goes stale after that, else never."""
     if node.lost:
         return float("inf")
-    stale_at = node.last_seen + min(fleet.lost_after_s, 3 * node.heartbeat_s)
+    stale_at = node.last_seen + _stale_after(node, fleet)
     return stale_at if fleet.now <= stale_at else float("inf")
 
 
@@ -174,8 +179,7 @@ def _usable(node: Node, fleet: Fleet) -> list[str]:
         why.append("cordoned")
     if node.problems:
         why.append("unhealthy: " + ", ".join(node.problems))
-    stale_after = min(fleet.lost_after_s, 3 * node.heartbeat_s)
-    if silent > stale_after:
+    if silent > _stale_after(node, fleet):
         why.append(f"no heartbeat for {silent:.0f} s")
     return why
 
