@@ -190,13 +190,20 @@ async def test_a_sandboxs_supervisor_never_holds_its_secrets(tmp_path: Path) -> 
 
 
 async def test_sandboxes_run_on_every_cpu_the_node_agent_may_use(tmp_path: Path) -> None:
-    # The launch keeps init off the node agent's CPU for one wake-up (zygote._elsewhere); init
-    # widens its mask again at once. Neither it nor the workload keeps the narrowed mask: the
-    # first launch (its init forked at the launch) and the second (init forked ahead) alike.
+    # The launch keeps init off the node agent's CPU for one wake-up (zygote._elsewhere), and
+    # init keeps the workload's process off its own for another (init._off_this_cpu); each
+    # widens its mask again as it wakes. A shell made ahead copies its pages at SCHED_IDLE
+    # while it waits (init._prefault); its waker sets it back. No process of the sandbox keeps
+    # a narrowed mask or the idle policy: the first launch (its init forked at the launch) and
+    # the next ones (init forked ahead) alike.
     cpus = sorted(os.sched_getaffinity(0))
-    code = "import json, os; print(json.dumps(sorted(os.sched_getaffinity(0))), flush=True)\n"
+    code = (
+        "import json, os\n"
+        "print(json.dumps([sorted(os.sched_getaffinity(0)), os.sched_getscheduler(0)]),"
+        " flush=True)\n"
+    )
     async with managed(tmp_path / "home") as manager:
-        for index in range(2):
+        for index in range(3):
             sid = f"zyg-cpus-{index}"
             await manager.launch(
                 snippet_config(sid, code + "import time; time.sleep(60)\n", tmp_path)
@@ -204,13 +211,65 @@ async def test_sandboxes_run_on_every_cpu_the_node_agent_may_use(tmp_path: Path)
             state = manager.states.read(sid)
             assert state is not None
             assert sorted(os.sched_getaffinity(state["init_pid"])) == cpus
+            for pid in (state["init_pid"], state["supervisor_pid"]):
+                assert os.sched_getscheduler(pid) == os.SCHED_OTHER
             stdout = Path(manager.log_paths(sid)[0])
             deadline = time.monotonic() + 60
             while not stdout.read_text().strip() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert json.loads(stdout.read_text()) == cpus
+            assert json.loads(stdout.read_text()) == [cpus, os.SCHED_OTHER]
             await manager.stop(sid, grace_s=0.5)
             await manager.settle()  # the next launch takes the shell forked ahead
+
+
+def _faults_writing(data: bytearray, prefault: bool, wake: bool) -> tuple[int, int]:
+    """In a child forked now: ``init._prefault`` on a pipe (with a byte in it: ``wake``), then
+    one write to every page of ``data`` (the parent's, shared copy-on-write); ``(the minor
+    faults those writes took, the child's scheduling policy after _prefault)``."""
+    import resource
+
+    from dsec_nodeagent.sandbox import init
+
+    wake_r, wake_w = os.pipe()
+    out_r, out_w = os.pipe()
+    if wake:
+        os.write(wake_w, b"m")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(out_r)
+            if prefault:
+                init._prefault(wake_r)
+            policy = os.sched_getscheduler(0)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for offset in range(0, len(data), 4096):
+                data[offset] = 7
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            os.write(out_w, json.dumps([faults, policy]).encode())
+        finally:
+            os._exit(0)
+    os.close(out_w)
+    os.close(wake_w)
+    result = json.loads(os.read(out_r, 256))
+    os.close(out_r)
+    os.close(wake_r)
+    os.waitpid(pid, 0)
+    return result[0], result[1]
+
+
+def test_a_process_made_ahead_copies_its_shared_pages_while_it_waits() -> None:
+    # 16 MiB of the parent's memory (its own mapping: malloc maps blocks this large), shared
+    # copy-on-write with a child: every page the child writes first is a fault, unless the
+    # child copied it while it waited. Once its wake-up word is there, it copies nothing more.
+    data = bytearray(os.urandom(16 << 20))
+    pages = len(data) // 4096
+    copied, policy = _faults_writing(data, prefault=True, wake=False)
+    shared, _ = _faults_writing(data, prefault=False, wake=False)
+    woken, woken_policy = _faults_writing(data, prefault=True, wake=True)
+    assert shared >= pages  # the test's premise: each first write a fault
+    assert copied < pages // 20
+    assert woken >= pages
+    assert policy == woken_policy == os.SCHED_OTHER  # SCHED_IDLE only while it copied
 
 
 async def test_a_dead_zygote_is_replaced_and_its_sandboxes_live_on(tmp_path: Path) -> None:

@@ -116,7 +116,7 @@ class Prepared:
         self.plan_sock: Any = fds["plan_sock"]  # None once handed to the node agent
 
 
-def prepare(root: str, inherited: list[int] | None = None) -> Prepared:
+def prepare(root: str, inherited: list[int] | None = None, ahead: bool = False) -> Prepared:
     """Everything of a sandbox that no plan decides, made ahead of it: a new pid namespace and
     its init, which enters new mount, IPC and UTS namespaces and mounts the root view's
     request-independent part (a tmpfs at ``root``, a private ``/proc`` with its read-only parts,
@@ -126,6 +126,8 @@ def prepare(root: str, inherited: list[int] | None = None) -> Prepared:
     agent's planning; init holds nothing of the host but ``/dev/null``, the pipes to its
     supervisor, and runs nothing until its plan (cgroups joined first) has come.
     ``inherited``: fds of this process init must not keep (closed in init at once).
+    ``ahead``: made before its launch (the zygote's): init and the workload's process copy
+    their pages while they wait (:func:`_prefault`).
     """
     import _socket  # the listener's hand-over; imported once, before the forks
 
@@ -148,7 +150,7 @@ def prepare(root: str, inherited: list[int] | None = None) -> Prepared:
             os.dup2(err_w, 2)
             os.close(out_w)
             os.close(err_w)
-            _init_main(root, status_w, holder_peer.detach(), plan_peer.detach(), cpus)
+            _init_main(root, status_w, holder_peer.detach(), plan_peer.detach(), cpus, ahead)
         finally:
             os._exit(126)
     os.close(status_w)
@@ -433,10 +435,13 @@ MOUNT_NOW = b"m"
 view's plan-independent part now."""
 
 
-def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int, cpus: set[int]) -> None:
+def _init_main(
+    root: str, status_w: int, holder_fd: int, plan_fd: int, cpus: set[int], ahead: bool = False
+) -> None:
     """Pid 1 of the sandbox: the plan-independent namespaces and mounts, then (once the plan
     and the report pipe came over ``plan_fd``) cgroups, the rest of the root view, the
-    workload. ``cpus``: the CPU affinity it was forked with. Never returns."""
+    workload. ``cpus``: the CPU affinity it was forked with; ``ahead``: see :func:`prepare`.
+    Never returns."""
     error = None
     ns_ns = mounts_ns = 0
     try:
@@ -450,12 +455,14 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int, cpus: set
     early: tuple[int, Any] | None = None
     if error is None:
         try:
-            early = _fork_early([status_w, plan_fd], holder_fd, cpus)
+            early = _fork_early([status_w, plan_fd], holder_fd, cpus, ahead)
         except BaseException:  # forked after the plan instead (a failure there is reported)
             early = None
     # The host's mount tree is copied only at the word "m" (MOUNT_NOW): a shell made before its
     # launch (SandboxManager's pooled one) holds no copy of the host's mounts while it waits,
     # and its copy is as fresh as the launch's own (its disk quota mounted before the word).
+    if ahead:
+        _prefault(plan_fd)
     try:
         if os.read(plan_fd, 1) != MOUNT_NOW:
             os._exit(126)
@@ -479,7 +486,9 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int, cpus: set
         try:  # the early process joins this mount namespace now, while the node agent plans
             if error is not None:
                 raise RuntimeError(error)
+            normal_priority(early[0])  # (copying its pages, perhaps: see _prefault)
             _join_early(early[1])
+            normal_priority(early[0])
         except BaseException:  # EOF: it exits having run nothing (reaped as any orphan)
             early[1].close()
             early = None
@@ -509,10 +518,13 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int, cpus: set
         # message). It runs nothing until init's word (written once it is in the cgroups and
         # the root view is in place); if init dies first, the pid namespace ends with it.
         begin_w = -1
+        joining = False  # the workload's process joins this mount namespace on its own
         if early is not None:
             workload, sock = early
             if not plan["unshare_net"] and len(data) <= EARLY_PLAN_MAX:
+                _off_this_cpu(workload, cpus)
                 begin_w = _hand_plan(sock, data, report.fd)
+                joining = begin_w >= 0
             else:  # EOF: it exits having run nothing (reaped as any orphan)
                 sock.close()
         if begin_w < 0:
@@ -538,6 +550,8 @@ def _init_main(root: str, status_w: int, holder_fd: int, plan_fd: int, cpus: set
         except PermissionError:
             pass
         report.stage("cgroup_join", start)
+        if joining:
+            _await_joined(begin_w)
         start = time.monotonic_ns()
         pivot_root(root)
         if plan.get("reaper_exec") and not plan.get("tty"):
@@ -610,6 +624,75 @@ EARLY_PLAN_MAX = 1 << 16
 goes to a process forked after it (a plan is ~8 KB; its seccomp program is most of it)."""
 
 
+PREFAULT_CHUNK = 128 << 10
+PREFAULT_MAPPING_MAX = 64 << 20
+
+
+def _prefault(wake_fd: int) -> None:
+    """Copy now, while this process waits on ``wake_fd`` and only with CPU nothing else wants
+    (``SCHED_IDLE``), the pages it still shares copy-on-write with the process it was forked
+    from: every private writable mapping of at most 64 MiB, in 128 KiB steps, until
+    ``wake_fd`` is readable (the launch came: the rest is copied at its first write, as
+    without this). A forked Python process writes to most of its pages (reference counts),
+    each first write a fault (~1.5-2 us on the project's VM): ~900 in init and the workload's
+    process during a start, ~1.5 ms of CPU on its path. Whoever wakes this process sets its
+    policy back first (:func:`normal_priority`), so the word is not queued behind other work;
+    it is set back here too once the copying stops. The waker sets it back before its word
+    and again after it: a process that made itself idle between the two checks for the word
+    after that, so none is left idle with its word waiting."""
+    import select
+
+    if select.select([wake_fd], [], [], 0)[0]:
+        return
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            lines = maps.read().splitlines()
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        return
+    try:
+        for line in lines:
+            fields = line.split(None, 5)
+            if len(fields) < 5 or fields[1][:2] != b"rw" or fields[1][3:4] != b"p":
+                continue
+            if len(fields) == 6 and fields[5].startswith(b"[v"):  # [vvar], [vdso], [vsyscall]
+                continue
+            low, _, high = fields[0].partition(b"-")
+            start, end = int(low, 16), int(high, 16)
+            if end - start > PREFAULT_MAPPING_MAX:
+                continue
+            while start < end:
+                if select.select([wake_fd], [], [], 0)[0]:
+                    return
+                step = min(PREFAULT_CHUNK, end - start)
+                if syscalls.populate_write(start, step):
+                    break  # a mapping it refuses, a kernel before 5.14: the next one
+                start += step
+    finally:
+        normal_priority(0)
+
+
+def normal_priority(pid: int) -> None:
+    """``SCHED_OTHER`` again for ``pid`` (0: this process), out of :func:`_prefault`'s
+    ``SCHED_IDLE``; nothing where it is gone."""
+    try:  # noqa: SIM105
+        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        pass
+
+
+def _off_this_cpu(pid: int, cpus: set[int]) -> None:
+    """Keep ``pid`` (the workload's process, about to be woken by this one, which goes on
+    binding the root view) off this CPU until it widens its mask again, right as it wakes."""
+    here = syscalls.current_cpu()
+    if len(cpus) < 2 or here not in cpus:
+        return
+    try:  # noqa: SIM105
+        os.sched_setaffinity(pid, cpus - {here})
+    except OSError:
+        pass
+
+
 def _widen(cpus: set[int]) -> None:
     """This process's CPU affinity back to ``cpus``; every CPU if none of them is left."""
     try:
@@ -618,7 +701,9 @@ def _widen(cpus: set[int]) -> None:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
-def _fork_early(init_only: list[int], holder_fd: int, cpus: set[int]) -> tuple[int, Any]:
+def _fork_early(
+    init_only: list[int], holder_fd: int, cpus: set[int], ahead: bool = False
+) -> tuple[int, Any]:
     """Fork the workload's process before its launch: ``(its pid, init's end of a
     SOCK_SEQPACKET pair)``. It closes init's own fds (``init_only``) at once and holds nothing
     of the node agent while it waits. Over the pair come, as messages: init's mount namespace
@@ -630,17 +715,23 @@ def _fork_early(init_only: list[int], holder_fd: int, cpus: set[int]) -> tuple[i
     Init forks it before its launch's word (a shell made ahead), so the fork (a copy of a
     Python process, ~0.4 ms on the project's VM) is not on the start's path. It shares init's
     pid, IPC and UTS namespaces from the fork on. ``cpus``: the CPU affinity init was forked
-    with, set again at once (the node agent's hint may have narrowed init's before the fork)."""
+    with, set again at once (the node agent's hint may have narrowed init's before the fork)
+    and when its plan came (init's :func:`_off_this_cpu`). ``ahead``: it copies its pages
+    while it waits (:func:`_prefault`)."""
     pid, sock = _fork_paired(init_only)
     if pid == 0:
         try:
             _widen(cpus)
+            if ahead:
+                _prefault(sock.fileno())
             word, fds = _recv_fds(sock, 16, 1)
             if word != JOIN or len(fds) != 1:
                 os._exit(126)
             syscalls.setns(fds[0], syscalls.CLONE_NEWNS)  # (root and cwd: its root)
             os.close(fds[0])
+            sock.send(JOINED)
             data, fds = _recv_fds(sock, EARLY_PLAN_MAX, 1)
+            _widen(cpus)
             if len(fds) != 1 or not data:
                 os._exit(126)
             plan: Plan = marshal.loads(data)
@@ -669,6 +760,17 @@ def _hand_plan(sock: Any, data: bytes, report_fd: int) -> int:
 
 JOIN = b"j"
 """Init to the workload's process forked ahead: join my mount namespace (with its fd)."""
+JOINED = b"J"
+"""The workload's process forked ahead to init: I am in your mount namespace."""
+
+
+def _await_joined(sock_fd: int) -> None:
+    """Wait for the workload's process to say it joined this mount namespace (JOINED; sent
+    long before, as a rule). Init must not pivot before: ``setns`` between ``pivot_root`` and
+    the old root's detach gives the old root, the host's tree (a process kept off the CPU,
+    as one copying its pages at SCHED_IDLE is, can take that long to read its word)."""
+    if os.read(sock_fd, 16) != JOINED:
+        raise RuntimeError("the workload's process ended before it joined the sandbox's mounts")
 
 
 def _join_early(sock: Any) -> None:
@@ -1334,7 +1436,7 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
         _close_all_but({0, 1, 2, channel_fd})
         # The sandbox's plan-independent part, made while the node agent plans (init holds
         # none of this process's fds but /dev/null).
-        prepared = prepare(root, [channel_fd])
+        prepared = prepare(root, [channel_fd], ahead=True)
         # Init's plan comes straight from the node agent (see HANDOVER_FDS).
         channel = _socket.socket(fileno=channel_fd)
         try:
@@ -1347,6 +1449,7 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
             channel.detach()
         prepared.plan_sock.close()
         prepared.plan_sock = None
+        _prefault(channel_fd)
         plan, fds = _receive_plan(channel_fd)
         if len(fds) != HANDOVER_FDS:  # the launch was given up before its plan was sent
             for fd in fds:

@@ -259,3 +259,26 @@ def mount_flags() -> dict[str, int]:
             options = fields[5].decode("ascii", "replace").split(",")
             flags[point] = sum(_KEPT_OPTIONS.get(option, 0) for option in set(options))
     return flags
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14
+_madvise = _libc.madvise
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_madvise.restype = ctypes.c_int
+
+
+def populate_write(start: int, length: int) -> int:
+    """``madvise(MADV_POPULATE_WRITE)``: fault the range in writable now (a page shared
+    copy-on-write with the parent is copied). 0, or the errno: ``EINVAL`` before Linux 5.14
+    or for a mapping it cannot populate, ``ENOMEM``/``EFAULT`` where memory ran short."""
+    if _madvise(start, length, MADV_POPULATE_WRITE) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def current_cpu() -> int:
+    """The CPU this thread runs on (``sched_getcpu``), -1 where libc lacks it."""
+    try:
+        return int(_libc.sched_getcpu())
+    except AttributeError:
+        return -1
