@@ -243,9 +243,10 @@ def test_stage_timings_are_in_layer_order() -> None:
     assert timings == {"plan": 1.0, "cgroup": 1.0, "spawn": 10.0, "mounts": 2.0, "exec": 1.0}
 
 
-def test_cgroups_made_after_the_hand_over_count_with_the_hosts_preparation() -> None:
-    # plan ends at 1 ms; the host prepares until the hand-over at 1.5 ms; the cgroups are made
-    # from 2 to 2.5 ms while init binds: "cgroup" is 0.5 + 0.5 ms, not the span 1 to 2.5 ms.
+def test_a_hook_run_after_the_hand_over_counts_with_the_hosts_preparation() -> None:
+    # plan ends at 1 ms; the host prepares (the cgroups too) until the hand-over at 1.5 ms;
+    # the hook on the cgroups (egress programs) runs from 2 to 2.5 ms while init binds:
+    # "cgroup" is 0.5 + 0.5 ms, not the span 1 to 2.5 ms.
     marks = {"plan": 1_000_000, "spawn_start": 1_500_000, "cgroup_start": 2_000_000}
     marks["cgroup"] = 2_500_000
     records = [{"stage": "spawn", "end_ns": 3_000_000}]

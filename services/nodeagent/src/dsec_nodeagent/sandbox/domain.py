@@ -109,14 +109,16 @@ def stage_timings(
     Args:
         t0_ns: launch call start (``time.monotonic_ns``).
         host_marks: ``{"plan": end_ns, "cgroup": end_ns, "spawn_start": ns}`` from the manager,
-            and ``"cgroup_start"`` when the cgroups were made after the plan's hand-over.
+            and ``"cgroup_start"`` when the hook on the cgroups (the node agent's egress
+            programs) ran after the plan's hand-over.
         records: the child's ``{"stage", "start_ns", "end_ns"}`` lines.
         ready_ns: when the report pipe closed (``execve`` succeeded).
     """
     out = {"plan": (host_marks["plan"] - t0_ns) / 1e6}
     if "cgroup_start" in host_marks:
-        # Made while the sandbox's init binds its root view, after the hand-over: the host's
-        # own preparation before it (state, directories, decision channel) counts here too.
+        # The hook ran while the sandbox's init binds its root view, after the hand-over: the
+        # host's own preparation before it (state, directories, decision channel, the cgroups
+        # themselves) counts here too.
         host = host_marks["spawn_start"] - host_marks["plan"]
         out["cgroup"] = (host + host_marks["cgroup"] - host_marks["cgroup_start"]) / 1e6
     else:
