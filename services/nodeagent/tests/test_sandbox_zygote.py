@@ -222,10 +222,13 @@ async def test_sandboxes_run_on_every_cpu_the_node_agent_may_use(tmp_path: Path)
             await manager.settle()  # the next launch takes the shell forked ahead
 
 
-def _faults_writing(data: bytearray, prefault: bool, wake: bool) -> tuple[int, int]:
-    """In a child forked now: ``init._prefault`` on a pipe (with a byte in it: ``wake``), then
-    one write to every page of ``data`` (the parent's, shared copy-on-write); ``(the minor
-    faults those writes took, the child's scheduling policy after _prefault)``."""
+def _faults_writing(
+    data: bytearray, prefault: bool, wake: bool, uid: int | None = None, policy: int | None = None
+) -> tuple[int, int]:
+    """In a child forked now (as ``uid``, at ``policy``): ``init._prefault`` on a pipe (with a
+    byte in it: ``wake``), then one write to every page of ``data`` (the parent's, shared
+    copy-on-write); ``(the minor faults those writes took, the child's scheduling policy
+    after _prefault)``."""
     import resource
 
     from dsec_nodeagent.sandbox import init
@@ -238,14 +241,18 @@ def _faults_writing(data: bytearray, prefault: bool, wake: bool) -> tuple[int, i
     if pid == 0:
         try:
             os.close(out_r)
+            if policy is not None:
+                os.sched_setscheduler(0, policy, os.sched_param(0))
+            if uid is not None:
+                os.setuid(uid)  # (no capability left: CAP_SYS_NICE neither)
             if prefault:
                 init._prefault(wake_r)
-            policy = os.sched_getscheduler(0)
+            after = os.sched_getscheduler(0)
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             for offset in range(0, len(data), 4096):
                 data[offset] = 7
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-            os.write(out_w, json.dumps([faults, policy]).encode())
+            os.write(out_w, json.dumps([faults, after]).encode())
         finally:
             os._exit(0)
     os.close(out_w)
@@ -261,6 +268,8 @@ def test_a_process_made_ahead_copies_its_shared_pages_while_it_waits() -> None:
     # 16 MiB of the parent's memory (its own mapping: malloc maps blocks this large), shared
     # copy-on-write with a child: every page the child writes first is a fault, unless the
     # child copied it while it waited. Once its wake-up word is there, it copies nothing more.
+    # It copies at SCHED_IDLE, and only where it may leave it again (CAP_SYS_NICE); its
+    # policy is then put back as it was (the operator's, not always SCHED_OTHER).
     data = bytearray(os.urandom(16 << 20))
     pages = len(data) // 4096
     copied, policy = _faults_writing(data, prefault=True, wake=False)
@@ -270,6 +279,32 @@ def test_a_process_made_ahead_copies_its_shared_pages_while_it_waits() -> None:
     assert copied < pages // 20
     assert woken >= pages
     assert policy == woken_policy == os.SCHED_OTHER  # SCHED_IDLE only while it copied
+    batch_copied, batch_policy = _faults_writing(
+        data, prefault=True, wake=False, policy=os.SCHED_BATCH
+    )
+    assert batch_copied < pages // 20
+    assert batch_policy == os.SCHED_BATCH
+    unprivileged, unprivileged_policy = _faults_writing(data, prefault=True, wake=False, uid=65534)
+    assert unprivileged >= pages  # could not leave SCHED_IDLE: copies nothing
+    assert unprivileged_policy == os.SCHED_OTHER
+
+
+async def test_a_sandbox_keeps_the_scheduling_policy_the_node_agent_runs_at(
+    tmp_path: Path,
+) -> None:
+    # An operator's SCHED_BATCH (systemd's CPUSchedulingPolicy=, chrt) reaches the sandbox
+    # through the zygote and the shell made ahead, whose copying at SCHED_IDLE is undone.
+    code = "import os; print(os.sched_getscheduler(0), flush=True)\n"
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    try:
+        async with managed(tmp_path / "home") as manager:
+            for index in range(3):
+                sid = f"zyg-batch-{index}"
+                result = await run_to_end(manager, snippet_config(sid, code, tmp_path))
+                assert Path(result.stdout_path).read_text() == f"{os.SCHED_BATCH}\n"
+                await manager.settle()  # the next launch takes the shell forked ahead
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
 async def test_a_dead_zygote_is_replaced_and_its_sandboxes_live_on(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ where a call fails (no ``sched_getcpu``, one CPU, a process gone) nothing happen
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 from collections.abc import Callable
@@ -48,16 +47,6 @@ def elsewhere(pid: int) -> None:
     if len(cpus) < 2 or here not in cpus:
         return
     os.sched_setaffinity(pid, cpus - {here})
-
-
-def wake_normal(pid: int) -> None:
-    """``SCHED_OTHER`` for ``pid`` (a process of a shell made ahead, right before waking it):
-    while it waited it copied its pages with CPU nothing else wanted (``SCHED_IDLE``,
-    ``init._prefault``), and the word that wakes it must not queue behind other work. Called
-    before the word and again after it (one that made itself idle in between checks for its
-    word after that). The caller must know that ``pid`` is still the process it means."""
-    with contextlib.suppress(OSError):
-        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
 
 
 def leave_cpu_of(init_pid: int) -> None:

@@ -47,7 +47,9 @@ if TYPE_CHECKING:
 
 
 class _Reporter:
-    """One record per line on the report pipe; each line is one atomic write (< PIPE_BUF).
+    """One record per line on the report pipe. A stage's timing is held and written with the
+    next record sent (an error, the workload's ``exec``) or at :meth:`close`, in one atomic
+    write (< PIPE_BUF): the node agent wakes a few times per start, not once per stage.
 
     JSON where ``json`` is loaded already (the zygote imports it once: the node agent reads a
     line in ~2 µs, right as the sandbox's workload starts), else a Python literal (a pre-exec
@@ -58,22 +60,46 @@ class _Reporter:
         self.fd = fd
         json = sys.modules.get("json")
         self._encode = json.dumps if json is not None else repr
+        self._held: list[str] = []
 
     def send(self, **record: Any) -> None:
-        if self.fd < 0:
+        """Write ``record`` now, after the records held so far."""
+        self.hold(**record)
+        self.flush()
+
+    def hold(self, **record: Any) -> None:
+        """Keep ``record`` for the next :meth:`send` or :meth:`flush`: each write wakes the node
+        agent, which on a small node takes CPU from this sandbox's start."""
+        self._held.append(self._encode(record) + "\n")
+
+    def flush(self) -> None:
+        """Write the records held, as one write: atomic (the pipe's other writers' lines never
+        come between them) while under ``PIPE_BUF``, else one write per record."""
+        held, self._held = self._held, []
+        if self.fd < 0 or not held:
             return
+        data = "".join(held).encode()
         try:
-            os.write(self.fd, (self._encode(record) + "\n").encode())
+            if len(data) <= PIPE_BUF:
+                os.write(self.fd, data)
+            else:
+                for line in held:
+                    os.write(self.fd, line.encode())
         except OSError:
             self.fd = -1  # the node agent went away; the sandbox still runs
 
     def stage(self, name: str, start_ns: int) -> None:
-        self.send(stage=name, start_ns=start_ns, end_ns=time.monotonic_ns())
+        self.hold(stage=name, start_ns=start_ns, end_ns=time.monotonic_ns())
 
     def close(self) -> None:
         if self.fd >= 0:
+            self.flush()
             os.close(self.fd)
             self.fd = -1
+
+
+PIPE_BUF = 4096
+"""Writes to a pipe up to this many bytes are atomic (POSIX guarantees at least 512; Linux 4096)."""
 
 
 def _describe(exc: BaseException) -> str:
@@ -126,8 +152,8 @@ def prepare(root: str, inherited: list[int] | None = None, ahead: bool = False) 
     agent's planning; init holds nothing of the host but ``/dev/null``, the pipes to its
     supervisor, and runs nothing until its plan (cgroups joined first) has come.
     ``inherited``: fds of this process init must not keep (closed in init at once).
-    ``ahead``: made before its launch (the zygote's): init and the workload's process copy
-    their pages while they wait (:func:`_prefault`).
+    ``ahead``: made before its launch (the zygote's): the workload's process copies its pages
+    while it waits (:func:`_prefault`).
     """
     import _socket  # the listener's hand-over; imported once, before the forks
 
@@ -461,8 +487,6 @@ def _init_main(
     # The host's mount tree is copied only at the word "m" (MOUNT_NOW): a shell made before its
     # launch (SandboxManager's pooled one) holds no copy of the host's mounts while it waits,
     # and its copy is as fresh as the launch's own (its disk quota mounted before the word).
-    if ahead:
-        _prefault(plan_fd)
     try:
         if os.read(plan_fd, 1) != MOUNT_NOW:
             os._exit(126)
@@ -486,9 +510,9 @@ def _init_main(
         try:  # the early process joins this mount namespace now, while the node agent plans
             if error is not None:
                 raise RuntimeError(error)
-            normal_priority(early[0])  # (copying its pages, perhaps: see _prefault)
+            _share_policy(early[0])  # (copying its pages, perhaps: see _prefault)
             _join_early(early[1])
-            normal_priority(early[0])
+            _share_policy(early[0])
         except BaseException:  # EOF: it exits having run nothing (reaped as any orphan)
             early[1].close()
             early = None
@@ -501,7 +525,7 @@ def _init_main(
     report = _Reporter(fds[0])
     go = fds[1] if len(fds) == 2 else -1
     if go >= 0:  # straight from the node agent (the zygote's): the hand-over ends here
-        report.send(stage="spawn", end_ns=time.monotonic_ns())
+        report.hold(stage="spawn", end_ns=time.monotonic_ns())
     workload = -1
     try:
         if error is not None:
@@ -512,7 +536,7 @@ def _init_main(
             syscalls.unshare(syscalls.CLONE_NEWNET)
         syscalls.sethostname(plan["hostname"])
         # Each layer's whole time, the part made before the plan included (a span that long).
-        report.send(stage="namespaces", start_ns=start - ns_ns, end_ns=time.monotonic_ns())
+        report.hold(stage="namespaces", start_ns=start - ns_ns, end_ns=time.monotonic_ns())
         # The workload's process: forked ahead (it gets the plan now), or now when it could
         # not be (its network namespace is the one just made; a plan too large for one
         # message). It runs nothing until init's word (written once it is in the cgroups and
@@ -556,7 +580,7 @@ def _init_main(
         pivot_root(root)
         if plan.get("reaper_exec") and not plan.get("tty"):
             _sandbox_null_stdin()
-        report.send(stage="mounts", start_ns=start - mounts_ns, end_ns=time.monotonic_ns())
+        report.hold(stage="mounts", start_ns=start - mounts_ns, end_ns=time.monotonic_ns())
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
         os.write(begin_w, BEGIN)
         os.close(begin_w)
@@ -629,27 +653,33 @@ PREFAULT_MAPPING_MAX = 64 << 20
 
 
 def _prefault(wake_fd: int) -> None:
-    """Copy now, while this process waits on ``wake_fd`` and only with CPU nothing else wants
-    (``SCHED_IDLE``), the pages it still shares copy-on-write with the process it was forked
-    from: every private writable mapping of at most 64 MiB, in 128 KiB steps, until
+    """Copy now, while this process (the workload's, forked ahead) waits on ``wake_fd``, and
+    only with CPU nothing else wants (``SCHED_IDLE``), the pages it still shares copy-on-write
+    with init: every private writable mapping of at most 64 MiB, in 128 KiB steps, until
     ``wake_fd`` is readable (the launch came: the rest is copied at its first write, as
     without this). A forked Python process writes to most of its pages (reference counts),
-    each first write a fault (~1.5-2 us on the project's VM): ~900 in init and the workload's
-    process during a start, ~1.5 ms of CPU on its path. Whoever wakes this process sets its
-    policy back first (:func:`normal_priority`), so the word is not queued behind other work;
-    it is set back here too once the copying stops. The waker sets it back before its word
-    and again after it: a process that made itself idle between the two checks for the word
-    after that, so none is left idle with its word waiting."""
+    each first write a fault (~1.5-2 us on the project's VM): ~400 in this process during a
+    start, on its path. The copies go with its ``execve``.
+
+    Only where this process may leave ``SCHED_IDLE`` again (``CAP_SYS_NICE``): its policy and
+    priority are then put back as they were once the copying stops, and init, which wakes it,
+    gives it its own (the same) before and after the word (:func:`_share_policy`), so the
+    word is not queued behind other work. :func:`_exec_workload` checks it is back."""
+    global _POLICY_BEFORE
     import select
 
-    if select.select([wake_fd], [], [], 0)[0]:
+    poller = select.poll()  # (select refuses fds past 1,024)
+    poller.register(wake_fd, select.POLLIN)
+    if poller.poll(0) or not _may_renice():
         return
     try:
         with open("/proc/self/maps", "rb") as maps:
             lines = maps.read().splitlines()
+        before = (os.sched_getscheduler(0), os.sched_getparam(0))
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except OSError:
         return
+    _POLICY_BEFORE = before
     try:
         for line in lines:
             fields = line.split(None, 5)
@@ -662,21 +692,42 @@ def _prefault(wake_fd: int) -> None:
             if end - start > PREFAULT_MAPPING_MAX:
                 continue
             while start < end:
-                if select.select([wake_fd], [], [], 0)[0]:
+                if poller.poll(0):
                     return
                 step = min(PREFAULT_CHUNK, end - start)
                 if syscalls.populate_write(start, step):
                     break  # a mapping it refuses, a kernel before 5.14: the next one
                 start += step
     finally:
-        normal_priority(0)
+        try:  # noqa: SIM105
+            os.sched_setscheduler(0, *before)
+        except OSError:
+            pass  # (refused: _exec_workload fails the start rather than exec at SCHED_IDLE)
 
 
-def normal_priority(pid: int) -> None:
-    """``SCHED_OTHER`` again for ``pid`` (0: this process), out of :func:`_prefault`'s
-    ``SCHED_IDLE``; nothing where it is gone."""
+_POLICY_BEFORE: tuple[int, Any] | None = None
+"""The scheduling policy and priority :func:`_prefault` found, while it may have changed them."""
+
+CAP_SYS_NICE = 23
+
+
+def _may_renice() -> bool:
+    """Whether this process holds ``CAP_SYS_NICE`` (may leave ``SCHED_IDLE`` again)."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _share_policy(pid: int) -> None:
+    """Give ``pid`` (the workload's process, maybe at ``SCHED_IDLE`` in :func:`_prefault`)
+    this process's scheduling policy and priority: the ones it was forked with."""
     try:  # noqa: SIM105
-        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+        os.sched_setscheduler(pid, os.sched_getscheduler(0), os.sched_getparam(0))
     except OSError:
         pass
 
@@ -769,7 +820,11 @@ def _await_joined(sock_fd: int) -> None:
     long before, as a rule). Init must not pivot before: ``setns`` between ``pivot_root`` and
     the old root's detach gives the old root, the host's tree (a process kept off the CPU,
     as one copying its pages at SCHED_IDLE is, can take that long to read its word)."""
-    if os.read(sock_fd, 16) != JOINED:
+    try:
+        word = os.read(sock_fd, 16)
+    except OSError:  # ECONNRESET: it ended with words of init's unread
+        word = b""
+    if word != JOINED:
         raise RuntimeError("the workload's process ended before it joined the sandbox's mounts")
 
 
@@ -1240,6 +1295,11 @@ def _exec_workload(plan: Plan, report: _Reporter, ruleset: int = -1) -> NoReturn
 
             stage = "copy"
             os._exit(transfer.serve(plan["transfer"]))
+        if _POLICY_BEFORE is not None and (
+            os.sched_getscheduler(0) != _POLICY_BEFORE[0]
+            or os.sched_getparam(0) != _POLICY_BEFORE[1]
+        ):  # (_prefault's SCHED_IDLE would outlive the execve)
+            os.sched_setscheduler(0, *_POLICY_BEFORE)
         stage = "exec"
         report.send(stage="exec", start_ns=time.monotonic_ns())
         # The report pipe is close-on-exec: the node agent's EOF is the signal that execve worked.
@@ -1449,7 +1509,6 @@ def _zygote_child(control: Any, channel_fd: int, root: str) -> None:
             channel.detach()
         prepared.plan_sock.close()
         prepared.plan_sock = None
-        _prefault(channel_fd)
         plan, fds = _receive_plan(channel_fd)
         if len(fds) != HANDOVER_FDS:  # the launch was given up before its plan was sent
             for fd in fds:

@@ -745,11 +745,11 @@ class SandboxManager:
         agent's CPU while it made the cgroups that init then waited for (made after the
         hand-over, beside init's binding, the cgroups were ready ~1.5 ms after init's plan on
         the project's 2-vCPU VM; made first, ~0.5 ms before it). A forked one waits for the
-        *go*, a byte on a pipe, before it joins them: written with its plan, or, where there
-        is an ``attach`` (the node agent's egress programs: more work than init's binding), once
-        that is done, while init binds. The go pipe's EOF without that byte (the launch failed)
-        makes init exit having run nothing. A fresh interpreter gets its plan once both are
-        done.
+        *go*, a byte on a pipe, before it joins them: written right after the hand-over, or,
+        where there is an ``attach`` (the node agent's egress programs: more work than init's
+        binding), once that is done, while init binds. The go pipe's EOF without that byte
+        (the launch failed) makes init exit having run nothing. A fresh interpreter gets its
+        plan once both are done.
 
         Returns ``((process or None, supervisor pid, its pidfd or None), records, init pid,
         ready ns)``."""
@@ -766,7 +766,6 @@ class SandboxManager:
                     await make_cgroup()
                     if attach is None:
                         marks["cgroup"] = time.monotonic_ns()
-                        os.write(go_w, b"1")  # (in the pipe's buffer until init reads it)
                     if early is not None:
                         marks["spawn_start"] = time.monotonic_ns()
                         try:
@@ -780,6 +779,11 @@ class SandboxManager:
                             )
                         except zygote.ZygoteError as exc:
                             log.warning("%s; starting the pre-exec stage directly", exc)
+                        if pidfd is not None and attach is None:
+                            # Once the whole hand-over went through (init sees it well
+                            # before it needs it): a failed one must leave init without it.
+                            with contextlib.suppress(OSError):  # init died: its report says
+                                os.write(go_w, b"1")
                     if pidfd is None:
                         if attach is not None:
                             await attach()

@@ -292,25 +292,13 @@ class PendingFork:
 
     def _send_mount(self) -> None:
         assert self._init is not None
-        if self._init_is_its_own():
-            cpuhint.wake_normal(self._init_pid)
+        # Init's pid is still its own while the child lives: init is the child's child, which
+        # reaps it only after the hand-over (a dead init stays a zombie until then).
+        if self._child_pidfd >= 0 and self._init_pid > 0 and not ended(self._child_pidfd):
             with contextlib.suppress(OSError):  # (a hint: init works without it)
                 cpuhint.elsewhere(self._init_pid)
         with contextlib.suppress(OSError):  # init is gone: hand_over() fails on its socket
             self._init.send(MOUNT_NOW)
-        if self._init_is_its_own():  # again after the word: see cpuhint.wake_normal
-            cpuhint.wake_normal(self._init_pid)
-
-    def _init_is_its_own(self) -> bool:
-        """Init's pid still names this shell's init. It does while the child lives: init is
-        the child's child, which reaps it only after the hand-over (a dead init stays a zombie
-        until then)."""
-        if self._child_pidfd < 0 or self._init_pid <= 0:
-            return False
-        try:
-            return not select.select([self._child_pidfd], [], [], 0)[0]
-        except OSError:
-            return False
 
     def drop_failed(self) -> None:
         """Release a :attr:`failed` one (its task is over)."""
@@ -353,7 +341,7 @@ class PendingFork:
         try:
             if init is None:
                 raise ZygoteError("the sandbox launcher's child failed before its init")
-            if select.select([pidfd], [], [], 0)[0]:  # a shell made ahead died meanwhile
+            if ended(pidfd):  # a shell made ahead died meanwhile
                 raise ZygoteError("the sandbox launcher's child ended before its plan")
             try:
                 await _send(init, plan, (report_w, go_r))
@@ -361,13 +349,7 @@ class PendingFork:
                 raise ZygoteError(f"the sandbox launcher's init is gone: {exc}") from exc
             finally:
                 init.close()  # EOF: init's plan is complete
-            # Before and after its word (cpuhint.wake_normal), while the pid is still the
-            # child's (the zygote reaps it only once it ended).
-            if not select.select([pidfd], [], [], 0)[0]:
-                cpuhint.wake_normal(pid)
             await _send(sock, supervisor_plan, (report_w, stdout_fd, stderr_fd))
-            if not select.select([pidfd], [], [], 0)[0]:
-                cpuhint.wake_normal(pid)
         except BaseException:
             os.close(pidfd)
             raise
@@ -397,6 +379,15 @@ class PendingFork:
         if self._init is not None:
             self._init.close()
             self._init = None
+
+
+def ended(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has ended (its pidfd is readable). ``poll``, not
+    ``select``: a node agent's fds pass 1,024 (its IPC broker alone may hold 4,096), and
+    ``select`` refuses those with ``ValueError``."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 async def _send(sock: socket.socket, data: bytes, fds: tuple[int, ...]) -> None:
