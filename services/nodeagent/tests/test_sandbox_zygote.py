@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import os
 import signal
 import socket
@@ -223,7 +224,7 @@ async def test_sandboxes_run_on_every_cpu_the_node_agent_may_use(tmp_path: Path)
 
 
 def _faults_writing(
-    data: bytearray, prefault: bool, wake: bool, uid: int | None = None, policy: int | None = None
+    data: mmap.mmap, prefault: bool, wake: bool, uid: int | None = None, policy: int | None = None
 ) -> tuple[int, int]:
     """In a child forked now (as ``uid``, at ``policy``): ``init._prefault`` on a pipe (with a
     byte in it: ``wake``), then one write to every page of ``data`` (the parent's, shared
@@ -265,12 +266,14 @@ def _faults_writing(
 
 
 def test_a_process_made_ahead_copies_its_shared_pages_while_it_waits() -> None:
-    # 16 MiB of the parent's memory (its own mapping: malloc maps blocks this large), shared
-    # copy-on-write with a child: every page the child writes first is a fault, unless the
-    # child copied it while it waited. Once its wake-up word is there, it copies nothing more.
-    # It copies at SCHED_IDLE, and only where it may leave it again (CAP_SYS_NICE); its
+    # 16 MiB of the parent's memory in a private mapping of its own (malloc could put a block
+    # this large in the heap, which after a long test session is larger than what is copied),
+    # shared copy-on-write with a child: every page the child writes first is a fault, unless
+    # the child copied it while it waited. Once its wake-up word is there, it copies nothing
+    # more. It copies at SCHED_IDLE, and only where it may leave it again (CAP_SYS_NICE); its
     # policy is then put back as it was (the operator's, not always SCHED_OTHER).
-    data = bytearray(os.urandom(16 << 20))
+    data = mmap.mmap(-1, 16 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    data.write(os.urandom(16 << 20))
     pages = len(data) // 4096
     copied, policy = _faults_writing(data, prefault=True, wake=False)
     shared, _ = _faults_writing(data, prefault=False, wake=False)
