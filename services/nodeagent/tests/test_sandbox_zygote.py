@@ -310,6 +310,100 @@ async def test_a_sandbox_keeps_the_scheduling_policy_the_node_agent_runs_at(
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
+def _in_child(check: str) -> str:
+    """Run ``check`` (Python source, with ``init`` imported; it sets ``out``) in a child forked
+    from this process; its ``out``."""
+    from dsec_nodeagent.sandbox import init
+
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            scope: dict[str, object] = {"init": init, "os": os, "signal": signal}
+            exec(check, scope)
+            os.write(out_w, str(scope["out"]).encode())
+        finally:
+            os._exit(0)
+    os.close(out_w)
+    out = os.read(out_r, 4096).decode()
+    os.close(out_r)
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_the_workload_never_keeps_idle_or_realtime_scheduling() -> None:
+    # Set before the uid drop (after it the workload may not change it): the policy it had
+    # before copying its pages at SCHED_IDLE, and SCHED_OTHER for a realtime one (a node
+    # agent's may be; a sandbox's code must not take a CPU from the node).
+    idle_then_batch = (
+        "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+        "init._POLICY_BEFORE = (os.SCHED_BATCH, os.sched_param(0))\n"
+        "init._settle_scheduling()\n"
+        "out = os.sched_getscheduler(0)\n"
+    )
+    assert _in_child(idle_then_batch) == str(os.SCHED_BATCH)
+    realtime = (
+        "os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))\n"
+        "init._settle_scheduling()\n"
+        "out = (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority)\n"
+    )
+    assert _in_child(realtime) == str((os.SCHED_OTHER, 0))
+    batch = "os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))\n"
+    assert _in_child(batch + "init._settle_scheduling()\nout = os.sched_getscheduler(0)\n") == (
+        str(os.SCHED_BATCH)
+    )
+
+
+def test_the_workload_is_execd_with_sigpipe_and_sigxfsz_at_their_defaults() -> None:
+    # An ignored signal stays ignored across execve, and the pre-exec stage's interpreter
+    # ignores both at its start: a sandbox's `producer | head` got EPIPE errors instead of
+    # ending quietly. What an exec'd program sees: its SigIgn mask (bits 13 and 25).
+    check = (
+        "import subprocess\n"
+        "def before():\n"
+        "    signal.signal(signal.SIGPIPE, signal.SIG_IGN)\n"
+        "    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "    init._default_signals() if DEFAULTS else None\n"
+        "status = subprocess.run(['cat', '/proc/self/status'], preexec_fn=before,\n"
+        "                        restore_signals=False, capture_output=True, text=True).stdout\n"
+        "line = next(l for l in status.splitlines() if l.startswith('SigIgn:'))\n"
+        "out = int(line.split()[1], 16)\n"
+    )
+    pipe, xfsz = 1 << (signal.SIGPIPE - 1), 1 << (signal.SIGXFSZ - 1)
+    ignored = int(_in_child("DEFAULTS = False\n" + check))
+    assert ignored & pipe and ignored & xfsz  # the premise: they would stay ignored
+    assert int(_in_child("DEFAULTS = True\n" + check)) & (pipe | xfsz) == 0
+
+
+@pytest.mark.parametrize("network", [True, False], ids=["forked-ahead", "forked-after-plan"])
+async def test_each_stage_of_a_start_is_reported_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, network: bool
+) -> None:
+    # A workload process forked after the plan (its own network namespace) is a child of init,
+    # which holds its stage records to write them together: the child must not write init's
+    # again (its namespaces stage then counted twice in sandbox.ready's timings).
+    from dsec_nodeagent.sandbox import domain
+
+    seen: list[list[str]] = []
+    timings = domain.stage_timings
+
+    def spy(t0: int, marks: dict[str, int], records: list[dict[str, object]], ready: int) -> object:
+        seen.append([str(r.get("stage")) for r in records])
+        return timings(t0, marks, records, ready)
+
+    monkeypatch.setattr(domain, "stage_timings", spy)
+    async with managed(tmp_path / "home") as manager:
+        for index in range(2):  # the second takes the shell forked ahead
+            config = snippet_config(f"zyg-once-{index}", "print(1)\n", tmp_path, network=network)
+            result = await run_to_end(manager, config)
+            assert result.reason is ExitReason.OK
+            await manager.settle()
+    assert len(seen) == 2
+    for stages in seen:
+        for stage in ("fork", "spawn", "namespaces", "cgroup_join", "mounts", "seccomp", "exec"):
+            assert stages.count(stage) == 1, (stage, stages)
+
+
 async def test_a_dead_zygote_is_replaced_and_its_sandboxes_live_on(tmp_path: Path) -> None:
     async with managed(tmp_path / "home") as manager:
         assert manager.zygote is not None

@@ -575,6 +575,7 @@ def _init_main(
             pass
         report.stage("cgroup_join", start)
         if joining:
+            _share_policy(workload)  # (it may have made itself idle after the word: _prefault)
             _await_joined(begin_w)
         start = time.monotonic_ns()
         pivot_root(root)
@@ -616,8 +617,8 @@ def _fork_workload(
     SOCK_SEQPACKET pair)``: the child closes init's own fds (``init_only``), then
     :func:`_workload_main`. Where it could be forked ahead, :func:`_fork_early` did."""
     pid, sock = _fork_paired(init_only)
-    if pid == 0:
-        _workload_main(plan, report, holder_fd, sock.detach())
+    if pid == 0:  # (a reporter of its own: not a copy of the records init holds)
+        _workload_main(plan, _Reporter(report.fd), holder_fd, sock.detach())
     fd: int = sock.detach()
     return pid, fd
 
@@ -664,7 +665,8 @@ def _prefault(wake_fd: int) -> None:
     Only where this process may leave ``SCHED_IDLE`` again (``CAP_SYS_NICE``): its policy and
     priority are then put back as they were once the copying stops, and init, which wakes it,
     gives it its own (the same) before and after the word (:func:`_share_policy`), so the
-    word is not queued behind other work. :func:`_exec_workload` checks it is back."""
+    word is not queued behind other work. :func:`_settle_scheduling` sets it again before the
+    uid drop, whatever happened meanwhile."""
     global _POLICY_BEFORE
     import select
 
@@ -712,8 +714,12 @@ CAP_SYS_NICE = 23
 
 
 def _may_renice() -> bool:
-    """Whether this process holds ``CAP_SYS_NICE`` (may leave ``SCHED_IDLE`` again)."""
+    """Whether this process may leave ``SCHED_IDLE`` again: ``CAP_SYS_NICE`` in the host's user
+    namespace (the kernel asks there; the capability within another counts for nothing)."""
     try:
+        with open("/proc/self/uid_map", "rb") as uid_map:
+            if uid_map.read().split() != [b"0", b"0", b"4294967295"]:
+                return False
         with open("/proc/self/status", "rb") as status:
             for line in status:
                 if line.startswith(b"CapEff:"):
@@ -1280,6 +1286,7 @@ def _exec_workload(plan: Plan, report: _Reporter, ruleset: int = -1) -> NoReturn
 
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         os.chdir(plan["cwd"])
+        _settle_scheduling()
         _drop_privileges(plan)
         report.stage(stage, start)  # (a second record: the two add up)
         stage, start = "landlock", time.monotonic_ns()
@@ -1295,16 +1302,12 @@ def _exec_workload(plan: Plan, report: _Reporter, ruleset: int = -1) -> NoReturn
 
             stage = "copy"
             os._exit(transfer.serve(plan["transfer"]))
-        if _POLICY_BEFORE is not None and (
-            os.sched_getscheduler(0) != _POLICY_BEFORE[0]
-            or os.sched_getparam(0) != _POLICY_BEFORE[1]
-        ):  # (_prefault's SCHED_IDLE would outlive the execve)
-            os.sched_setscheduler(0, *_POLICY_BEFORE)
         stage = "exec"
         report.send(stage="exec", start_ns=time.monotonic_ns())
         # The report pipe is close-on-exec: the node agent's EOF is the signal that execve worked.
         if report.fd >= 0:
             os.set_inheritable(report.fd, False)
+        _default_signals()
         os.execve(plan["argv"][0], plan["argv"], plan["env"])
     except BaseException as exc:
         _fail(report, stage, exc)
@@ -1331,6 +1334,32 @@ def _hand_over(listener: int, holder_fd: int) -> None:
     finally:
         holder.close()
         os.close(listener)
+
+
+def _settle_scheduling() -> None:
+    """The workload's scheduling policy, set before its uid drop (after it, this process may no
+    longer change it): the one it had before :func:`_prefault` (``SCHED_IDLE`` would outlive
+    the ``execve``), and never a realtime one, which a node agent's may be: a sandbox's code must
+    not take a CPU from the node (``SCHED_OTHER`` at priority 0 then)."""
+    current = os.sched_getscheduler(0)
+    if _POLICY_BEFORE is not None:
+        policy, param = _POLICY_BEFORE
+    else:
+        policy, param = current, os.sched_getparam(0)
+    if policy in (os.SCHED_FIFO, os.SCHED_RR):
+        policy, param = os.SCHED_OTHER, os.sched_param(0)
+    if policy != current or param != os.sched_getparam(0):
+        os.sched_setscheduler(0, policy, param)
+
+
+def _default_signals() -> None:
+    """``SIGPIPE`` and ``SIGXFSZ`` back to their default action for the ``execve``: this
+    interpreter's start-up ignores both, and an ignored signal stays ignored across
+    ``execve`` (a sandbox's ``producer | head`` then got ``EPIPE`` errors instead of ending
+    quietly; a file past its size limit ``EFBIG`` instead of the signal). As ``subprocess``'s
+    ``restore_signals``."""
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
 
 
 def _drop_privileges(plan: Plan) -> None:
@@ -1392,8 +1421,9 @@ def exec_into(plan: Plan, report: _Reporter) -> int:
 # init's plan socket, on which the node agent sends init the report pipe's write end and the
 # read end of the go pipe (SCM_RIGHTS, with the first bytes), the marshalled plan, then EOF.
 # Then, over the child's socket, the report pipe's write end and the stdout and stderr log
-# files, the plan, EOF. The go: one byte once the sandbox's cgroups exist (init binds the root
-# view meanwhile, and joins them only then); EOF without it: init exits.
+# files, the plan, EOF. The go: one byte once the whole hand-over went through and the hooks on
+# the sandbox's cgroups (made before it) are done (init binds the root view meanwhile, and
+# joins the cgroups only then); EOF without it: init exits.
 HANDOVER_FDS = 3
 
 
