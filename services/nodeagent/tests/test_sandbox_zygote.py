@@ -16,7 +16,9 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -191,9 +193,9 @@ async def test_a_sandboxs_supervisor_never_holds_its_secrets(tmp_path: Path) -> 
 
 
 async def test_sandboxes_run_on_every_cpu_the_node_agent_may_use(tmp_path: Path) -> None:
-    # The launch keeps init off the node agent's CPU for one wake-up (zygote._elsewhere), and
-    # init keeps the workload's process off its own for another (init._off_this_cpu); each
-    # widens its mask again as it wakes. A shell made ahead copies its pages at SCHED_IDLE
+    # The launch keeps init off the node agent's CPU for one wake-up, and init keeps the
+    # workload's process off its own for another (cpuhint.elsewhere, both); each widens its
+    # mask again as it wakes. A shell made ahead copies its pages at SCHED_IDLE
     # while it waits (init._prefault); its waker sets it back. No process of the sandbox keeps
     # a narrowed mask or the idle policy: the first launch (its init forked at the launch) and
     # the next ones (init forked ahead) alike.
@@ -223,6 +225,26 @@ async def test_sandboxes_run_on_every_cpu_the_node_agent_may_use(tmp_path: Path)
             await manager.settle()  # the next launch takes the shell forked ahead
 
 
+def _in_child(work: Callable[[], Any]) -> Any:
+    """``work()`` in a child forked from this process (which keeps this one's memory shared
+    copy-on-write); its result, through JSON."""
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(out_r)
+            os.write(out_w, json.dumps(work()).encode())
+        finally:
+            os._exit(0)
+    os.close(out_w)
+    chunks = []
+    while chunk := os.read(out_r, 4096):
+        chunks.append(chunk)
+    os.close(out_r)
+    os.waitpid(pid, 0)
+    return json.loads(b"".join(chunks))
+
+
 def _faults_writing(
     data: mmap.mmap, prefault: bool, wake: bool, uid: int | None = None, policy: int | None = None
 ) -> tuple[int, int]:
@@ -235,34 +257,28 @@ def _faults_writing(
     from dsec_nodeagent.sandbox import init
 
     wake_r, wake_w = os.pipe()
-    out_r, out_w = os.pipe()
     if wake:
         os.write(wake_w, b"m")
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(out_r)
-            if policy is not None:
-                os.sched_setscheduler(0, policy, os.sched_param(0))
-            if uid is not None:
-                os.setuid(uid)  # (no capability left: CAP_SYS_NICE neither)
-            if prefault:
-                init._prefault(wake_r)
-            after = os.sched_getscheduler(0)
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            for offset in range(0, len(data), 4096):
-                data[offset] = 7
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-            os.write(out_w, json.dumps([faults, after]).encode())
-        finally:
-            os._exit(0)
-    os.close(out_w)
-    os.close(wake_w)
-    result = json.loads(os.read(out_r, 256))
-    os.close(out_r)
-    os.close(wake_r)
-    os.waitpid(pid, 0)
-    return result[0], result[1]
+
+    def work() -> tuple[int, int]:
+        if policy is not None:
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+        if uid is not None:
+            os.setuid(uid)  # (no capability left: CAP_SYS_NICE neither)
+        if prefault:
+            init._prefault(wake_r)
+        after = os.sched_getscheduler(0)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for offset in range(0, len(data), 4096):
+            data[offset] = 7
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, after
+
+    try:
+        faults, after = _in_child(work)
+    finally:
+        os.close(wake_r)
+        os.close(wake_w)
+    return faults, after
 
 
 def test_a_process_made_ahead_copies_its_shared_pages_while_it_waits() -> None:
@@ -292,87 +308,96 @@ def test_a_process_made_ahead_copies_its_shared_pages_while_it_waits() -> None:
     assert unprivileged_policy == os.SCHED_OTHER
 
 
+@pytest.mark.parametrize(
+    ("policy", "priority", "seen"),
+    [(os.SCHED_BATCH, 0, os.SCHED_BATCH), (os.SCHED_RR, 1, os.SCHED_OTHER)],
+    ids=["batch-kept", "realtime-dropped"],
+)
 async def test_a_sandbox_keeps_the_scheduling_policy_the_node_agent_runs_at(
-    tmp_path: Path,
+    tmp_path: Path, policy: int, priority: int, seen: int
 ) -> None:
     # An operator's SCHED_BATCH (systemd's CPUSchedulingPolicy=, chrt) reaches the sandbox
-    # through the zygote and the shell made ahead, whose copying at SCHED_IDLE is undone.
+    # through the zygote and the shell made ahead, whose copying at SCHED_IDLE is undone. A
+    # realtime one does not: the pre-exec stage drops it first (with realtime group scheduling
+    # a realtime init could not even join the sandbox's cgroup: every launch failed).
     code = "import os; print(os.sched_getscheduler(0), flush=True)\n"
-    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    os.sched_setscheduler(0, policy, os.sched_param(priority))
     try:
         async with managed(tmp_path / "home") as manager:
             for index in range(3):
-                sid = f"zyg-batch-{index}"
+                sid = f"zyg-policy-{index}"
                 result = await run_to_end(manager, snippet_config(sid, code, tmp_path))
-                assert Path(result.stdout_path).read_text() == f"{os.SCHED_BATCH}\n"
+                assert Path(result.stdout_path).read_text() == f"{seen}\n"
                 await manager.settle()  # the next launch takes the shell forked ahead
     finally:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
-def _in_child(check: str) -> str:
-    """Run ``check`` (Python source, with ``init`` imported; it sets ``out``) in a child forked
-    from this process; its ``out``."""
-    from dsec_nodeagent.sandbox import init
-
-    out_r, out_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            scope: dict[str, object] = {"init": init, "os": os, "signal": signal}
-            exec(check, scope)
-            os.write(out_w, str(scope["out"]).encode())
-        finally:
-            os._exit(0)
-    os.close(out_w)
-    out = os.read(out_r, 4096).decode()
-    os.close(out_r)
-    os.waitpid(pid, 0)
-    return out
-
-
 def test_the_workload_never_keeps_idle_or_realtime_scheduling() -> None:
     # Set before the uid drop (after it the workload may not change it): the policy it had
-    # before copying its pages at SCHED_IDLE, and SCHED_OTHER for a realtime one (a node
-    # agent's may be; a sandbox's code must not take a CPU from the node).
-    idle_then_batch = (
-        "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
-        "init._POLICY_BEFORE = (os.SCHED_BATCH, os.sched_param(0))\n"
-        "init._settle_scheduling()\n"
-        "out = os.sched_getscheduler(0)\n"
-    )
-    assert _in_child(idle_then_batch) == str(os.SCHED_BATCH)
-    realtime = (
-        "os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))\n"
-        "init._settle_scheduling()\n"
-        "out = (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority)\n"
-    )
-    assert _in_child(realtime) == str((os.SCHED_OTHER, 0))
-    batch = "os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))\n"
-    assert _in_child(batch + "init._settle_scheduling()\nout = os.sched_getscheduler(0)\n") == (
-        str(os.SCHED_BATCH)
-    )
+    # before copying its pages at SCHED_IDLE; and every pre-exec stage drops a realtime one as
+    # it starts (a node agent's may be; a sandbox's code must not take a CPU from the node).
+    from dsec_nodeagent.sandbox import init
+
+    def idle_then_batch() -> int:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        init._POLICY_BEFORE = (os.SCHED_BATCH, os.sched_param(0))
+        init._settle_scheduling()
+        return os.sched_getscheduler(0)
+
+    assert _in_child(idle_then_batch) == os.SCHED_BATCH
+
+    def realtime() -> tuple[int, int]:
+        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
+        init._no_realtime()
+        init._settle_scheduling()
+        return os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
+
+    assert tuple(_in_child(realtime)) == (os.SCHED_OTHER, 0)
+
+    def batch() -> int:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        init._no_realtime()
+        init._settle_scheduling()
+        return os.sched_getscheduler(0)
+
+    assert _in_child(batch) == os.SCHED_BATCH
+
+
+def _ignored_after_exec(defaults: bool) -> int:
+    """The ``SigIgn`` mask of a program exec'd by a child that ignores ``SIGPIPE`` and
+    ``SIGXFSZ`` (as the pre-exec stage's interpreter does), after ``init._default_signals``
+    when ``defaults``."""
+    import subprocess
+
+    from dsec_nodeagent.sandbox import init
+
+    def before() -> None:
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        if defaults:
+            init._default_signals()
+
+    status = subprocess.run(
+        ["cat", "/proc/self/status"],
+        preexec_fn=before,
+        restore_signals=False,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    line = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+    return int(line.split()[1], 16)
 
 
 def test_the_workload_is_execd_with_sigpipe_and_sigxfsz_at_their_defaults() -> None:
     # An ignored signal stays ignored across execve, and the pre-exec stage's interpreter
     # ignores both at its start: a sandbox's `producer | head` got EPIPE errors instead of
     # ending quietly. What an exec'd program sees: its SigIgn mask (bits 13 and 25).
-    check = (
-        "import subprocess\n"
-        "def before():\n"
-        "    signal.signal(signal.SIGPIPE, signal.SIG_IGN)\n"
-        "    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-        "    init._default_signals() if DEFAULTS else None\n"
-        "status = subprocess.run(['cat', '/proc/self/status'], preexec_fn=before,\n"
-        "                        restore_signals=False, capture_output=True, text=True).stdout\n"
-        "line = next(l for l in status.splitlines() if l.startswith('SigIgn:'))\n"
-        "out = int(line.split()[1], 16)\n"
-    )
     pipe, xfsz = 1 << (signal.SIGPIPE - 1), 1 << (signal.SIGXFSZ - 1)
-    ignored = int(_in_child("DEFAULTS = False\n" + check))
+    ignored = _ignored_after_exec(defaults=False)
     assert ignored & pipe and ignored & xfsz  # the premise: they would stay ignored
-    assert int(_in_child("DEFAULTS = True\n" + check)) & (pipe | xfsz) == 0
+    assert _ignored_after_exec(defaults=True) & (pipe | xfsz) == 0
 
 
 @pytest.mark.parametrize("network", [True, False], ids=["forked-ahead", "forked-after-plan"])

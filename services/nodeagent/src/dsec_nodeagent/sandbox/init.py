@@ -31,7 +31,7 @@ import stat
 import sys
 import time
 
-from dsec_nodeagent.sandbox import landlock, seccomp, syscalls
+from dsec_nodeagent.sandbox import cpuhint, landlock, seccomp, syscalls
 
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 """The device nodes of every sandbox's ``/dev`` (bound from the host's)."""
@@ -546,7 +546,10 @@ def _init_main(
         if early is not None:
             workload, sock = early
             if not plan["unshare_net"] and len(data) <= EARLY_PLAN_MAX:
-                _off_this_cpu(workload, cpus)
+                try:  # noqa: SIM105  (init goes on binding: the process not behind it)
+                    cpuhint.elsewhere(workload)
+                except OSError:
+                    pass  # (a hint: it ended meanwhile; its EOF is reported below)
                 begin_w = _hand_plan(sock, data, report.fd)
                 joining = begin_w >= 0
             else:  # EOF: it exits having run nothing (reaped as any orphan)
@@ -738,18 +741,6 @@ def _share_policy(pid: int) -> None:
         pass
 
 
-def _off_this_cpu(pid: int, cpus: set[int]) -> None:
-    """Keep ``pid`` (the workload's process, about to be woken by this one, which goes on
-    binding the root view) off this CPU until it widens its mask again, right as it wakes."""
-    here = syscalls.current_cpu()
-    if len(cpus) < 2 or here not in cpus:
-        return
-    try:  # noqa: SIM105
-        os.sched_setaffinity(pid, cpus - {here})
-    except OSError:
-        pass
-
-
 def _widen(cpus: set[int]) -> None:
     """This process's CPU affinity back to ``cpus``; every CPU if none of them is left."""
     try:
@@ -773,7 +764,7 @@ def _fork_early(
     Python process, ~0.4 ms on the project's VM) is not on the start's path. It shares init's
     pid, IPC and UTS namespaces from the fork on. ``cpus``: the CPU affinity init was forked
     with, set again at once (the node agent's hint may have narrowed init's before the fork)
-    and when its plan came (init's :func:`_off_this_cpu`). ``ahead``: it copies its pages
+    and when its plan came (init's :func:`.cpuhint.elsewhere`). ``ahead``: it copies its pages
     while it waits (:func:`_prefault`)."""
     pid, sock = _fork_paired(init_only)
     if pid == 0:
@@ -1339,17 +1330,21 @@ def _hand_over(listener: int, holder_fd: int) -> None:
 def _settle_scheduling() -> None:
     """The workload's scheduling policy, set before its uid drop (after it, this process may no
     longer change it): the one it had before :func:`_prefault` (``SCHED_IDLE`` would outlive
-    the ``execve``), and never a realtime one, which a node agent's may be: a sandbox's code must
-    not take a CPU from the node (``SCHED_OTHER`` at priority 0 then)."""
-    current = os.sched_getscheduler(0)
-    if _POLICY_BEFORE is not None:
-        policy, param = _POLICY_BEFORE
-    else:
-        policy, param = current, os.sched_getparam(0)
-    if policy in (os.SCHED_FIFO, os.SCHED_RR):
-        policy, param = os.SCHED_OTHER, os.sched_param(0)
-    if policy != current or param != os.sched_getparam(0):
-        os.sched_setscheduler(0, policy, param)
+    the ``execve``)."""
+    if _POLICY_BEFORE is not None and (
+        os.sched_getscheduler(0) != _POLICY_BEFORE[0] or os.sched_getparam(0) != _POLICY_BEFORE[1]
+    ):
+        os.sched_setscheduler(0, *_POLICY_BEFORE)
+
+
+def _no_realtime() -> None:
+    """``SCHED_OTHER`` at priority 0 for a pre-exec stage started at a realtime policy (a node
+    agent's may be one), before it forks anything: a sandbox's code must not take a CPU from
+    the node, and on a kernel with realtime group scheduling a realtime task cannot join a
+    sandbox's cgroup at all (each launch failed with init's ``EINVAL``). Every sandbox process
+    descends from this one; other policies (``SCHED_BATCH``, a nice value) are kept."""
+    if os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR):
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
 def _default_signals() -> None:
@@ -1594,6 +1589,7 @@ def main(argv: list[str] | None = None) -> int:
     (``ROOT_DIR``: an empty directory only the node agent writes, where each sandbox's init
     mounts its root tmpfs, in its own mount namespace)."""
     args = sys.argv[1:] if argv is None else argv
+    _no_realtime()
     if len(args) == 3 and args[0] == "zygote":
         syscalls.check_arch()
         return zygote(int(args[1]), args[2])
