@@ -364,3 +364,56 @@ def test_the_state_files_uids_are_read_once_and_follow_writes_removals_and_other
     for _ in range(3):
         assert store.uids() == (expected - {200_003, 200_004}) | {250_000}
     assert reads == []
+
+
+def test_a_plans_shared_entries_are_the_runtime_and_the_semantic_site_only(tmp_path: Path) -> None:
+    code, extra = tmp_path / "code", tmp_path / "extra"
+    code.mkdir()
+    extra.mkdir()
+    config = _config(
+        tmp_path, code_dir=code, extra_ro_paths=[extra], write_allowed=["/workspace/out"]
+    )
+    built = plan.build(config, VIEW, _host(tmp_path), FACTS, uid=200001).plan
+    shared = [built["layout"][index] for index in built["shared"]]
+    assert {(e["kind"], e["path"]) for e in shared} == {
+        ("symlink", "/lib64"),
+        ("bind", "/opt/py"),
+        ("bind", "/usr/lib/x86_64-linux-gnu"),
+        ("bind", plan.SEMANTIC_TARGET),
+        ("symlink", plan.user_site("3.11")),
+    }
+    assert built["shared"] == sorted(built["shared"])  # in the layout's (depth) order
+    # another sandbox of the same runtime shares exactly those, whatever else differs
+    other = plan.build(
+        _config(tmp_path, sandbox_id="s2", network=True), VIEW, _host(tmp_path), FACTS, uid=200002
+    ).plan
+    assert [other["layout"][index] for index in other["shared"]] == shared
+
+
+def _prebound_plan(*entries: dict[str, object], shared: list[int]) -> dict[str, object]:
+    return {"layout": list(entries), "shared": shared}
+
+
+def test_entries_bound_ahead_are_kept_only_where_the_plan_shares_exactly_them() -> None:
+    from dsec_nodeagent.sandbox import init
+
+    runtime = {"kind": "bind", "src": "/opt/py", "path": "/opt/py", "ro": True}
+    link = {"kind": "symlink", "path": "/lib64", "target": "usr/lib64"}
+    code = {"kind": "bind", "src": "/srv/code", "path": "/workspace/code", "ro": True}
+    kept = init._prebound_kept
+    assert kept(_prebound_plan(link, runtime, code, shared=[0, 1]), [link, runtime]) == {0, 1}
+    assert kept(_prebound_plan(link, runtime, code, shared=[0, 1]), []) is None
+    # another runtime, another order, fewer or more: none is kept
+    other = {**runtime, "src": "/opt/py2"}
+    assert kept(_prebound_plan(link, other, code, shared=[0, 1]), [link, runtime]) is None
+    assert kept(_prebound_plan(runtime, link, code, shared=[0, 1]), [link, runtime]) is None
+    assert kept(_prebound_plan(link, runtime, code, shared=[1]), [link, runtime]) is None
+    assert kept(_prebound_plan(link, runtime, shared=[0, 1, 5]), [link, runtime]) is None
+    # a plan's own entry above or at a shared one would have been bound before it: none kept
+    above = {"kind": "bind", "src": "/srv/opt", "path": "/opt", "ro": True}
+    assert kept(_prebound_plan(above, runtime, shared=[1]), [runtime]) is None
+    at = {"kind": "tmpfs", "path": "/opt/py", "options": "mode=755"}
+    assert kept(_prebound_plan(runtime, at, shared=[0]), [runtime]) is None
+    # a name that only starts like a shared path is not above it
+    beside = {"kind": "bind", "src": "/srv/x", "path": "/opt/python", "ro": True}
+    assert kept(_prebound_plan(runtime, beside, shared=[0]), [runtime]) == {0}

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import marshal
 import mmap
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +28,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
 from _dsec_sandbox_testkit import managed, read_json_output, run_to_end, snippet_config
 
-from dsec_nodeagent.sandbox import ExitReason, SandboxConfig, SandboxManager
+from dsec_nodeagent.sandbox import ExitReason, SandboxConfig, SandboxManager, init, syscalls
 from dsec_nodeagent.sandbox.models import Mount
 from dsec_nodeagent.sandbox.zygote import PendingFork
 
@@ -782,3 +785,116 @@ async def test_purging_a_sandbox_whose_launch_is_under_way_is_refused(
         await launch
         result = await asyncio.wait_for(manager.wait("zyg-purge"), 60)
         assert Path(result.stdout_path).read_text() == "yes\n"
+
+
+# A workload whose first instructions ask what a user's program may ask at once: its parent, a
+# parent-death signal (set before anything else), its session; then whether it is still alive.
+FIRST_INSTRUCTIONS = r"""
+#include <stdio.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    pid_t parent = getppid();
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (argc > 1) return 7;  /* ends at once */
+    usleep(300000);  /* long past the pre-exec stage's end */
+    printf("{\"ppid\": %d, \"pid\": %d, \"sid\": %d, \"pgid\": %d}\n",
+           (int)parent, (int)getpid(), (int)getsid(0), (int)getpgid(0));
+    return 0;
+}
+"""
+
+
+def _static_binary(tmp_path: Path) -> Path:
+    code = tmp_path / "first-code"
+    code.mkdir()
+    source = tmp_path / "first.c"
+    source.write_text(FIRST_INSTRUCTIONS)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler (the project's extensions need one too)"
+    subprocess.run([cc, "-static", "-O1", "-o", str(code / "first"), str(source)], check=True)
+    return code
+
+
+async def test_the_workload_is_inits_child_from_its_first_instruction_in_a_session_of_its_own(
+    tmp_path: Path,
+) -> None:
+    code = _static_binary(tmp_path)
+    async with managed(tmp_path / "home") as manager:
+        report = read_json_output(
+            await run_to_end(
+                manager,
+                SandboxConfig(
+                    sandbox_id="first-insn",
+                    argv=["/workspace/code/first"],
+                    runtime=Path(sys.executable),
+                    code_dir=code,
+                ),
+            )
+        )
+        # no process between init and the workload: the pre-exec stage's end changes nothing
+        # it can see (its parent-death signal never fires)
+        assert report["ppid"] == 1
+        assert report["sid"] == report["pid"] == report["pgid"]
+        # a workload that ends at once: its exit code, not a lost one
+        for attempt in range(3):
+            quick = await run_to_end(
+                manager,
+                SandboxConfig(
+                    sandbox_id=f"first-quick-{attempt}",
+                    argv=["/workspace/code/first", "now"],
+                    runtime=Path(sys.executable),
+                    code_dir=code,
+                ),
+            )
+            assert (quick.reason, quick.exit_code) == (ExitReason.ERROR, 7), quick
+
+
+def test_entries_bound_ahead_stay_only_where_the_plan_shares_them(tmp_path: Path) -> None:
+    runtime, other, code = tmp_path / "runtime", tmp_path / "other", tmp_path / "code"
+    for directory in (runtime, other, code):
+        directory.mkdir()
+    (runtime / "from-runtime").write_text("x")
+    ahead = {"kind": "bind", "src": str(runtime), "path": "/opt/rt", "ro": True}
+    own = {"kind": "bind", "src": str(code), "path": "/workspace/code", "ro": True}
+
+    def root_view(layout: list[dict[str, Any]], shared: list[int]) -> dict[str, Any]:
+        def work() -> dict[str, Any]:
+            syscalls.unshare(syscalls.CLONE_NEWNS)
+            root = str(tmp_path / f"root-{os.getpid()}")
+            os.mkdir(root)
+            init.prepare_root(root)
+            prebound = init._prebind(root, marshal.dumps([ahead]))
+            the_plan = {"layout": layout, "shared": shared}
+            kept = init._prebound_kept(the_plan, prebound)
+            if prebound and kept is None:
+                init._prepare_again(root)
+            init.bind_root(the_plan, root, kept)
+            with open("/proc/self/mountinfo") as info:
+                mounts = [line.split()[4] for line in info]
+            return {
+                "kept": sorted(kept) if kept is not None else None,
+                "opt": os.listdir(f"{root}/opt") if os.path.isdir(f"{root}/opt") else None,
+                "rt": os.listdir(f"{root}/opt/rt") if os.path.isdir(f"{root}/opt/rt") else None,
+                "mounts": sorted(m[len(root) :] for m in mounts if m.startswith(root + "/")),
+            }
+
+        result: dict[str, Any] = _in_child(work)
+        return result
+
+    same = root_view([ahead, own], [0])
+    assert same["kept"] == [0]
+    assert same["rt"] == ["from-runtime"]
+    assert same["mounts"].count("/opt/rt") == 1  # bound once, ahead
+    assert "/workspace/code" in same["mounts"]
+    # another runtime's directory at the same place: the view made again, only the plan's
+    moved = root_view([{**ahead, "src": str(other)}, own], [0])
+    assert moved["kept"] is None
+    assert moved["rt"] == []  # the plan's (empty) source, not the one bound ahead
+    assert moved["mounts"].count("/opt/rt") == 1
+    # a plan without it: nothing of it left, not even its mount point
+    without = root_view([own], [])
+    assert without["kept"] is None and without["opt"] is None
+    assert "/opt/rt" not in without["mounts"]
+    assert {"/proc", "/dev", "/workspace/code"} <= set(without["mounts"])

@@ -33,6 +33,11 @@ import time
 
 from dsec_nodeagent.sandbox import cpuhint, landlock, seccomp, syscalls
 
+try:  # the workload's execve in a sibling (_spawn.c), where the extension was built
+    from dsec_nodeagent.sandbox._spawn import spawn as _spawn_sibling
+except ImportError:  # (then the workload's process execs itself)
+    _spawn_sibling = None
+
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 """The device nodes of every sandbox's ``/dev`` (bound from the host's)."""
 
@@ -457,6 +462,10 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
 
 
 MOUNT_NOW = b"m"
+MOUNT_SHARED = b"M"
+""":data:`MOUNT_NOW`, followed by entries of the root view to bind at once, beside the planning
+(:func:`_prebind`): their marshalled bytes, after their length (4 bytes, big-endian)."""
+SHARED_MAX = 1 << 20
 """To init on its plan socket, before the plan: copy the host's mount tree and make the root
 view's plan-independent part now."""
 
@@ -470,6 +479,7 @@ def _init_main(
     Never returns."""
     error = None
     ns_ns = mounts_ns = 0
+    prebound: list[dict[str, Any]] = []
     try:
         start = time.monotonic_ns()
         syscalls.unshare(syscalls.CLONE_NEWIPC | syscalls.CLONE_NEWUTS)
@@ -487,8 +497,12 @@ def _init_main(
     # The host's mount tree is copied only at the word "m" (MOUNT_NOW): a shell made before its
     # launch (SandboxManager's pooled one) holds no copy of the host's mounts while it waits,
     # and its copy is as fresh as the launch's own (its disk quota mounted before the word).
+    shared = b""
     try:
-        if os.read(plan_fd, 1) != MOUNT_NOW:
+        word = os.read(plan_fd, 1)
+        if word == MOUNT_SHARED:
+            shared = _read_exact(plan_fd, int.from_bytes(_read_exact(plan_fd, 4), "big"))
+        elif word != MOUNT_NOW:
             os._exit(126)
         # The node agent may have kept init off its own CPU for this wake-up (a hint: see
         # cpuhint.elsewhere); the mask init was forked with, back at once, before anything
@@ -503,6 +517,8 @@ def _init_main(
             ns_ns += time.monotonic_ns() - start
             start = time.monotonic_ns()
             prepare_root(root)
+            if shared:  # (while the node agent plans)
+                prebound = _prebind(root, shared)
             mounts_ns = time.monotonic_ns() - start
         except BaseException as exc:
             error = _describe(exc)
@@ -557,7 +573,10 @@ def _init_main(
         if begin_w < 0:
             workload, begin_w = _fork_workload(plan, report, holder_fd, [status_w, go])
         start = time.monotonic_ns()
-        bind_root(plan, root)
+        skip = _prebound_kept(plan, prebound)
+        if prebound and skip is None:  # not this plan's: the root view made again, plainly
+            _prepare_again(root)
+        bind_root(plan, root, skip)
         mounts_ns += time.monotonic_ns() - start
         # The root view is bound: the workload's process builds its Landlock ruleset in a
         # detached copy of it while init joins the cgroups and pivots (and enforces it after
@@ -587,15 +606,34 @@ def _init_main(
         report.hold(stage="mounts", start_ns=start - mounts_ns, end_ns=time.monotonic_ns())
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
         os.write(begin_w, BEGIN)
-        os.close(begin_w)
     except BaseException as exc:  # report every failure, then die: nothing else can
         report.send(error=_describe(exc) if error is None else error, stage="init")
         os._exit(126)  # the workload's process, waiting, ends with the pid namespace
     os.close(holder_fd)
     report.close()
+    workload = _successor(begin_w, workload)
     if plan.get("reaper_exec"):
         _exec_reaper(plan["python"], workload, status_w)
     os._exit(_reap_until(workload, status_w))
+
+
+SPAWNED = b"P"
+"""The workload's process to init, with a pid: the workload is that process, spawned (its own
+``execve`` done in a child sharing its memory, :func:`_spawn_workload`); this one exits."""
+
+
+def _successor(sock_fd: int, workload: int) -> int:
+    """The workload's pid once it runs: ``workload`` (the process init forked, which exec'd
+    itself or failed: EOF), or the one it spawned (:data:`SPAWNED`)."""
+    try:
+        word = os.read(sock_fd, 32)
+    except OSError:  # ECONNRESET: it ended with a word of init's unread
+        word = b""
+    finally:
+        os.close(sock_fd)
+    if word[:1] == SPAWNED and word[1:].isdigit() and int(word[1:]) > 1:
+        return int(word[1:])
+    return workload
 
 
 def _sandbox_null_stdin() -> None:
@@ -890,7 +928,7 @@ def _workload_main(plan: Plan, report: _Reporter, holder_fd: int, begin_r: int) 
                 ruleset = _build_landlock(plan, report, fds[0])
                 os.close(fds[0])
             told, _ = _recv_fds(sock, 16, 0)
-        sock.close()
+        sock.detach()  # (kept: the workload's pid goes to init over it, _spawn_workload)
     except BaseException:
         os._exit(126)
     if told != BEGIN:
@@ -900,7 +938,7 @@ def _workload_main(plan: Plan, report: _Reporter, holder_fd: int, begin_r: int) 
             _sandbox_null_stdin()
     except BaseException:
         os._exit(126)
-    _exec_workload(plan, report, ruleset)
+    _exec_workload(plan, report, ruleset, begin_r)
 
 
 # Pid 1 once it has exec'd the sandbox's own interpreter: the same loop as _reap_until, with
@@ -989,10 +1027,59 @@ def prepare_root(root: str) -> None:
     _mount_dev(root + "/dev", DEV_NODES)
 
 
-def bind_root(plan: Plan, root: str) -> None:
-    """The plan's entries on the prepared tmpfs at ``root`` (:func:`prepare_root`)."""
-    for entry in plan["layout"]:
-        _apply_entry(root, entry, plan)
+def bind_root(plan: Plan, root: str, skip: set[int] | None = None) -> None:
+    """The plan's entries on the prepared tmpfs at ``root`` (:func:`prepare_root`), but those
+    whose index is in ``skip`` (bound already: :func:`_prebind`)."""
+    for index, entry in enumerate(plan["layout"]):
+        if skip is None or index not in skip:
+            _apply_entry(root, entry, plan)
+
+
+def _prebind(root: str, data: bytes) -> list[dict[str, Any]]:
+    """Bind, before the plan comes, the entries of the root view the node agent expects it to
+    share with the previous plans of the same runtime (the runtime's directories and links, the
+    semantic layer's site: the plan's ``shared``), in their order; the entries bound. Kept only
+    where the plan names exactly these as its shared ones (:func:`_prebound_kept`); one that
+    fails here (a source gone meanwhile) makes the root view again, plainly."""
+    entries: list[dict[str, Any]] = marshal.loads(data)
+    try:
+        for entry in entries:
+            _apply_entry(root, entry, {})
+    except Exception:  # (whatever failed: the view is made again, plainly)
+        _prepare_again(root)
+        return []
+    return entries
+
+
+def _prebound_kept(plan: Plan, prebound: list[dict[str, Any]]) -> set[int] | None:
+    """The indices in the plan's layout of the entries :func:`_prebind` bound, when they are
+    exactly its ``shared`` entries, in order, and no other entry of it lies above or at one of
+    them (the depth order puts an outer mount first: binding the shared ones first is then the
+    same root view); else ``None``."""
+    if not prebound:
+        return None
+    layout = plan["layout"]
+    shared = plan.get("shared") or []
+    try:
+        if [layout[index] for index in shared] != prebound:
+            return None
+    except (IndexError, TypeError):
+        return None
+    kept = set(shared)
+    paths = [entry["path"] for entry in prebound]
+    for index, entry in enumerate(layout):
+        if index in kept:
+            continue
+        outer = entry["path"].rstrip("/")
+        if any(path == entry["path"] or path.startswith(outer + "/") for path in paths):
+            return None
+    return kept
+
+
+def _prepare_again(root: str) -> None:
+    """Drop the root view's tmpfs with everything bound on it, and prepare it again."""
+    syscalls.umount2(root, syscalls.MNT_DETACH)
+    prepare_root(root)
 
 
 def pivot_root(root: str) -> None:
@@ -1264,13 +1351,18 @@ def _ruleset(plan: Plan, root_fd: int | None = None) -> int:
     )
 
 
-def _exec_workload(plan: Plan, report: _Reporter, ruleset: int = -1) -> NoReturn:
+def _exec_workload(
+    plan: Plan, report: _Reporter, ruleset: int = -1, successor: int = -1
+) -> NoReturn:
     """After :func:`_confine_early`: cwd, uid drop, Landlock (``ruleset``: built already, by
-    :func:`_build_landlock`), execve. Never returns."""
+    :func:`_build_landlock`), execve. ``successor``: init's socket, where the workload may be
+    spawned instead (:func:`_spawn_workload`). Never returns."""
     stage = "credentials"
+    spawn = successor >= 0 and not plan.get("tty") and _spawn_sibling is not None
     try:
         start = time.monotonic_ns()
-        os.setsid()
+        if not spawn:  # (else the spawned process makes its own session)
+            os.setsid()
         if plan.get("tty"):  # the pseudo-terminal on 0-2 becomes the controlling terminal
             import fcntl
             import termios
@@ -1299,9 +1391,38 @@ def _exec_workload(plan: Plan, report: _Reporter, ruleset: int = -1) -> NoReturn
         if report.fd >= 0:
             os.set_inheritable(report.fd, False)
         _default_signals()
+        if spawn:
+            _spawn_workload(plan, report, successor)
         os.execve(plan["argv"][0], plan["argv"], plan["env"])
     except BaseException as exc:
         _fail(report, stage, exc)
+
+
+def _spawn_workload(plan: Plan, report: _Reporter, successor: int) -> NoReturn:
+    """The workload's ``execve`` in a sibling of this process that shares its memory
+    (:mod:`._spawn`: ``clone(CLONE_VM | CLONE_VFORK | CLONE_PARENT)``): init's child from its
+    first instruction, in a session of its own, with everything this process holds (namespaces,
+    cgroups, uid, limits, no capabilities, ``no_new_privs``, seccomp, Landlock: all inherited).
+    An ``execve`` of this process itself first tears its memory down (a forked interpreter's,
+    tens of MB: 1-2 ms on the project's VM) before the workload's first instruction; here the
+    sibling's ``execve`` leaves that to this process's exit, at ``SCHED_IDLE``, beside the
+    workload. Init learns the sibling's pid before it reaps anything (:func:`_successor`). A
+    failed ``execve`` raises here, as ``os.execve`` would."""
+    env = []
+    for name, value in plan["env"].items():
+        if not name or "=" in name:  # (os.execve's own check)
+            raise ValueError(f"illegal environment variable name {name!r}")
+        env.append(os.fsencode(name) + b"=" + os.fsencode(value))
+    argv = [os.fsencode(arg) for arg in plan["argv"]]
+    assert _spawn_sibling is not None
+    pid = _spawn_sibling(argv[0], argv, env)
+    report.close()  # (the node agent's EOF: the workload runs)
+    os.write(successor, SPAWNED + str(pid).encode())
+    try:  # noqa: SIM105
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        pass
+    os._exit(0)
 
 
 def _fail(report: _Reporter, stage: str, exc: BaseException) -> NoReturn:
@@ -1563,6 +1684,20 @@ def _close_all_but(keep: set[int]) -> None:
                 os.close(fd)
             except OSError:
                 pass  # the listing's own fd, already closed
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    """``size`` bytes from ``fd`` (EOF before them: ``EOFError``); at most :data:`SHARED_MAX`."""
+    if not 0 <= size <= SHARED_MAX:
+        raise ValueError(f"{size} bytes announced: more than {SHARED_MAX}")
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            raise EOFError(f"{left} of {size} bytes missing")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _receive_plan(channel_fd: int, max_fds: int = HANDOVER_FDS) -> tuple[bytes, list[int]]:

@@ -18,6 +18,7 @@ import shutil
 import signal
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,6 +195,9 @@ class SandboxManager:
         self._sandboxes: dict[str, Sandbox] = {}
         self._ended: dict[str, SandboxExited] = {}  # recent results, for wait() after the end
         self._hierarchy: cgroups.Hierarchy | None = None
+        # The marshalled shared layout entries of the last plan of each runtime (at most
+        # SHARED_KEPT): the next sandbox's init binds them while it is planned.
+        self._shared_layouts: OrderedDict[tuple[str, ...], bytes] = OrderedDict()
         self._facts: tuple[int, int, bytes] | None = None
         self._exec_filter: str | None = None  # hex; the same for every sandbox of this kernel
         self._views: dict[
@@ -290,8 +294,10 @@ class SandboxManager:
                 # decides (the mount namespace, the root view's /proc and /dev) while the
                 # sandbox is planned.
                 early = self._take_shell()
-                early.mount_now()
+                early.mount_now(self._shared_layouts.get(_runtime_key(config), b""))
             built, uid = await self._plan(config, run_dir)
+            shared = _shared_entries(built.plan)
+            self._remember_shared(_runtime_key(config), shared)
             self._starting_uids.add(uid)
             starting = uid
             if quota_needed and not taken:
@@ -310,7 +316,7 @@ class SandboxManager:
                 await disk
             if early is None and self.zygote is not None:
                 early = self._take_shell()
-                early.mount_now()  # after the quota's mount, which init must see
+                early.mount_now(shared)  # after the quota's mount, which init must see
             self._prepare_dirs(built, uid)
             if config.semantic_rules is not None:
                 channel = await DecisionChannel.open(
@@ -653,6 +659,12 @@ class SandboxManager:
             if self.tune_cgroups:
                 cgroups.favor_dynamic_modifications(self._hierarchy)
         return self._hierarchy
+
+    def _remember_shared(self, key: tuple[str, ...], shared: bytes) -> None:
+        self._shared_layouts[key] = shared
+        self._shared_layouts.move_to_end(key)
+        while len(self._shared_layouts) > SHARED_KEPT:
+            self._shared_layouts.popitem(last=False)
 
     def _planned_cgroup(self, config: SandboxConfig) -> cgroups.SandboxCgroup:
         """The sandbox's cgroups, named (its plan holds them) but not made yet."""
@@ -1322,6 +1334,21 @@ class SandboxManager:
         elif stop_sandboxes:  # `dsec down`: the node's cgroup parent goes too
             with contextlib.suppress(cgroups.CgroupError, OSError):
                 cgroups.remove_node_group(self._hierarchy or cgroups.detect(), self.node_id)
+
+
+SHARED_KEPT = 32
+
+
+def _runtime_key(config: SandboxConfig) -> tuple[str, ...]:
+    """What a plan's shared layout entries depend on (its runtime view's inputs)."""
+    extra = (str(config.env_dir), *map(str, config.extra_ro_paths))
+    return (str(config.runtime), str(config.agent is not None), *extra)
+
+
+def _shared_entries(the_plan: dict[str, Any]) -> bytes:
+    """The plan's shared layout entries (``plan["shared"]``), marshalled for the next init."""
+    layout = the_plan["layout"]
+    return marshal.dumps([layout[index] for index in the_plan.get("shared", ())])
 
 
 def sdk_packages() -> tuple[tuple[Path, ...], tuple[Path, ...]]:

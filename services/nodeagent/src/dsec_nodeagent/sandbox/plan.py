@@ -145,12 +145,16 @@ def build(
 ) -> PlanResult:
     """Lay out the sandbox; raise :class:`PlanError` naming the offending path."""
     result = PlanResult(plan={})
-    layout = _runtime_entries(runtime, config)
+    layout = _runtime_entries(runtime)
+    site = {"kind": "symlink", "path": user_site(runtime.version), "target": SEMANTIC_TARGET}
+    # What every sandbox of this runtime on this node shares (the node agent has the next
+    # sandbox's init bind them while it plans it; init checks them against this plan's).
+    shared = {id(entry) for entry in (*layout, site)}
+    layout += _extra_entries(config, layout)
     layout += _declared_entries(config, host, result)
     layout += _system_entries(host, uid, layout, config)
-    layout.append(
-        {"kind": "symlink", "path": user_site(runtime.version), "target": SEMANTIC_TARGET}
-    )
+    shared.update(id(e) for e in layout if e["kind"] == "bind" and e["path"] == SEMANTIC_TARGET)
+    layout.append(site)
     _check_overlaps(layout)
     layout.sort(key=lambda e: _depth(e["path"]))
     read, write = _landlock_sets(config, runtime, host, layout, result)
@@ -171,6 +175,7 @@ def build(
         "root": str(host.root),
         "exit_path": str(host.exit_path),
         "layout": layout,
+        "shared": [index for index, entry in enumerate(layout) if id(entry) in shared],
         "landlock": {
             "abi": kernel.landlock_abi,
             "read": read,
@@ -199,17 +204,24 @@ def _bind(src: Path | str, dst: str, ro: bool = True) -> dict[str, Any]:
     return {"kind": "bind", "src": str(src), "path": dst, "ro": ro}
 
 
-def _runtime_entries(runtime: RuntimeView, config: SandboxConfig) -> list[dict[str, Any]]:
+def _runtime_entries(runtime: RuntimeView) -> list[dict[str, Any]]:
     entries: list[dict[str, Any]] = [
         {"kind": "symlink", "path": p, "target": t} for p, t in runtime.symlinks
     ]
     entries += [_bind(d, d) for d in runtime.ro_dirs]
     entries += [_bind(f, f) for f in runtime.ro_files]
+    return entries
+
+
+def _extra_entries(config: SandboxConfig, runtime: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The config's ``extra_ro_paths`` that no bind of the ``runtime`` entries covers."""
+    entries: list[dict[str, Any]] = []
     for extra in config.extra_ro_paths:
         resolved = str(extra.resolve())
         if not extra.exists():
             raise PlanError(f"extra_ro_paths: {extra} does not exist on this host")
-        if not any(_under(resolved, e["path"]) for e in entries if e["kind"] == "bind"):
+        binds = (e for e in (*runtime, *entries) if e["kind"] == "bind")
+        if not any(_under(resolved, e["path"]) for e in binds):
             entries.append(_bind(resolved, resolved))
         if str(extra) != resolved:
             entries.append({"kind": "symlink", "path": str(extra), "target": resolved})

@@ -226,6 +226,7 @@ class Zygote:
 
 
 MOUNT_NOW = b"m"  # init.MOUNT_NOW (not imported: init is the zygote's module, not the agent's)
+MOUNT_SHARED = b"M"  # init.MOUNT_SHARED
 
 
 class PendingFork:
@@ -246,6 +247,7 @@ class PendingFork:
         self._init_pid = 0  # (host pid namespace), from the child with that socket
         self._child_pidfd = -1  # the child's pidfd, until hand_over() or discard() takes it
         self._mount = False
+        self._shared = b""
         # Sent now, not at the event loop's next turn: the zygote forks while the launch plans.
         sent = zygote.send_now(theirs.fileno())
         self._task = asyncio.ensure_future(self._fork(zygote, theirs, sent))
@@ -283,10 +285,14 @@ class PendingFork:
             return False
         return self._task.cancelled() or self._task.exception() is not None or self._init is None
 
-    def mount_now(self) -> None:
+    def mount_now(self, shared: bytes = b"") -> None:
         """Have init copy the host's mount tree now (as soon as it exists): call once every
-        mount the sandbox needs (its disk quota) is made."""
+        mount the sandbox needs (its disk quota) is made. ``shared``: the marshalled layout
+        entries init binds at once, beside the planning (the ``shared`` entries of the
+        previous plan of the same runtime; init keeps them only where the plan names the
+        same)."""
         self._mount = True
+        self._shared = shared
         if self._init is not None:
             self._send_mount()
 
@@ -297,8 +303,11 @@ class PendingFork:
         if self._child_pidfd >= 0 and self._init_pid > 0 and not ended(self._child_pidfd):
             with contextlib.suppress(OSError):  # (a hint: init works without it)
                 cpuhint.elsewhere(self._init_pid)
+        word = MOUNT_NOW
+        if self._shared:
+            word = MOUNT_SHARED + len(self._shared).to_bytes(4, "big") + self._shared
         with contextlib.suppress(OSError):  # init is gone: hand_over() fails on its socket
-            self._init.send(MOUNT_NOW)
+            self._init.sendall(word)
 
     def drop_failed(self) -> None:
         """Release a :attr:`failed` one (its task is over)."""

@@ -1,0 +1,161 @@
+/* The workload's execve in a sibling that shares the caller's memory (dsec_nodeagent.sandbox.init).
+ *
+ * spawn(path, argv, env) -> pid
+ *
+ * clone(CLONE_VM | CLONE_VFORK | CLONE_PARENT): the child runs on a small stack of its own in the
+ * caller's memory (nothing is copied, as with vfork) while the caller waits; it makes its own
+ * session and execs. The caller's memory is not torn down by that execve (a forked interpreter's
+ * tens of MB: 1-2 ms before the workload's first instruction); the caller frees it as it exits,
+ * beside the workload. CLONE_PARENT: the workload is the caller's parent's child (the sandbox's
+ * init) from its first instruction, never the caller's, so the caller's exit changes nothing the
+ * workload can see (its parent, a parent-death signal it sets at once).
+ *
+ * As glibc's posix_spawn: every signal is blocked around the clone; the child puts each handled
+ * signal back to its default action (a handler must not run in it: it shares the caller's memory),
+ * then the caller's signal mask, then execs. A failed execve reaches the caller as the OSError
+ * execve itself would raise (the failed child, a zombie of the caller's parent, is reaped there).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define CHILD_STACK (64 * 1024)
+
+struct child_args {
+    const char *path;
+    char *const *argv;
+    char *const *envp;
+    sigset_t mask;
+    volatile int err;
+};
+
+static int child_main(void *opaque) {
+    struct child_args *args = opaque;
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    for (int sig = 1; sig < NSIG; sig++) {
+        struct sigaction old;
+        if (sig == SIGKILL || sig == SIGSTOP) continue;
+        if (sigaction(sig, NULL, &old) == 0 && old.sa_handler != SIG_IGN &&
+            old.sa_handler != SIG_DFL)
+            sigaction(sig, &dfl, NULL);
+    }
+    if (setsid() < 0) {
+        args->err = errno;
+        _exit(127);
+    }
+    sigprocmask(SIG_SETMASK, &args->mask, NULL);
+    execve(args->path, args->argv, args->envp);
+    args->err = errno;
+    _exit(127);
+}
+
+/* A NULL-terminated array of the bytes objects of `seq` (borrowed: `seq` keeps them alive). */
+static char **c_strings(PyObject *seq, const char *what) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    char **out = PyMem_Calloc((size_t)n + 1, sizeof(char *));
+    if (out == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        char *data;
+        Py_ssize_t size;
+        if (!PyBytes_Check(item) || PyBytes_AsStringAndSize(item, &data, &size) < 0) {
+            PyErr_Format(PyExc_TypeError, "%s: bytes expected", what);
+            PyMem_Free(out);
+            return NULL;
+        }
+        if ((size_t)size != strlen(data)) {
+            PyErr_Format(PyExc_ValueError, "%s: embedded null byte", what);
+            PyMem_Free(out);
+            return NULL;
+        }
+        out[i] = data;
+    }
+    return out;
+}
+
+static PyObject *spawn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "spawn(path, argv, env) takes 3 arguments");
+        return NULL;
+    }
+    PyObject *path = args[0];
+    char *c_path;
+    Py_ssize_t path_size;
+    if (!PyBytes_Check(path) || PyBytes_AsStringAndSize(path, &c_path, &path_size) < 0 ||
+        (size_t)path_size != strlen(c_path)) {
+        PyErr_SetString(PyExc_ValueError, "path: bytes without a null byte expected");
+        return NULL;
+    }
+    PyObject *argv = PySequence_Fast(args[1], "argv: a sequence expected");
+    if (argv == NULL) return NULL;
+    PyObject *env = PySequence_Fast(args[2], "env: a sequence expected");
+    if (env == NULL) {
+        Py_DECREF(argv);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    char **c_argv = NULL, **c_env = NULL;
+    void *stack = MAP_FAILED;
+    if (PySequence_Fast_GET_SIZE(argv) == 0) {
+        PyErr_SetString(PyExc_ValueError, "argv: empty");
+        goto done;
+    }
+    if ((c_argv = c_strings(argv, "argv")) == NULL || (c_env = c_strings(env, "env")) == NULL)
+        goto done;
+    stack = mmap(NULL, CHILD_STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK,
+                 -1, 0);
+    if (stack == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    struct child_args child = {.path = c_path, .argv = c_argv, .envp = c_env, .err = 0};
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &child.mask);
+    int pid = clone(child_main, (char *)stack + CHILD_STACK,
+                    CLONE_VM | CLONE_VFORK | CLONE_PARENT | SIGCHLD, &child);
+    int clone_errno = errno;
+    pthread_sigmask(SIG_SETMASK, &child.mask, NULL);
+    if (pid < 0) {
+        errno = clone_errno;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else if (child.err != 0) {
+        errno = child.err;
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+    } else {
+        result = PyLong_FromLong(pid);
+    }
+done:
+    if (stack != MAP_FAILED) munmap(stack, CHILD_STACK);
+    PyMem_Free(c_argv);
+    PyMem_Free(c_env);
+    Py_DECREF(argv);
+    Py_DECREF(env);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"spawn", (PyCFunction)(void (*)(void))spawn, METH_FASTCALL,
+     "spawn(path, argv, env) -> pid: execve in a sibling sharing this memory, in a session of "
+     "its own (see the module's source)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_spawn", "The workload's execve in a sibling sharing this memory.",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__spawn(void) { return PyModule_Create(&module); }
