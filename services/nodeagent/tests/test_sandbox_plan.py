@@ -417,3 +417,101 @@ def test_entries_bound_ahead_are_kept_only_where_the_plan_shares_exactly_them() 
     # a name that only starts like a shared path is not above it
     beside = {"kind": "bind", "src": "/srv/x", "path": "/opt/python", "ro": True}
     assert kept(_prebound_plan(runtime, beside, shared=[0]), [runtime]) == {0}
+
+
+def test_entries_bound_ahead_are_compared_by_their_names_not_their_spelling() -> None:
+    from dsec_nodeagent.sandbox import init
+
+    runtime = {"kind": "bind", "src": "/opt/py", "path": "/opt/py", "ro": True}
+    for above in ("//opt", "/opt/", "/./opt", "//opt/py", "/"):
+        entry = {"kind": "bind", "src": "/srv/x", "path": above, "ro": True}
+        assert init._prebound_kept({"layout": [entry, runtime], "shared": [1]}, [runtime]) is None
+
+
+def test_a_path_with_a_doubled_leading_slash_is_the_path(tmp_path: Path) -> None:
+    config = _config(tmp_path, workdir="//workspace/code", write_allowed=["//tmp"])
+    assert config.workdir == "/workspace/code"
+    assert config.write_allowed == ["/tmp"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"mounts": [{"source": "SRC", "target": "RT/bin"}]},
+        {"mounts": [{"source": "SRC", "target": "RT/bin/python3.11"}]},
+        {"workdir": "RT/lib/code", "code_dir": "SRC"},
+        {"write_allowed": ["RT/lib/python3.11"]},
+        {"mounts": [{"source": "RT/lib/code", "target": "RT/bin"}]},
+    ],
+)
+def test_nothing_a_spec_declares_may_replace_what_the_node_provides(
+    tmp_path: Path, fields: dict[str, object]
+) -> None:
+    # A checkpointable sandbox's init (root, every capability) runs the runtime's interpreter
+    # from the sandbox's view: a spec's mount over its bin directory ran the tenant's file as
+    # root. What lies inside the runtime's directories (and the semantic layer, the node's
+    # sockets) is the node's.
+    runtime = tmp_path / "rt"
+    for name in ("bin/python3.11", "lib/code/x", "lib/python3.11/os.py"):
+        (runtime / name).parent.mkdir(parents=True, exist_ok=True)
+        (runtime / name).write_text("")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "python3.11").write_text("#!/bin/sh\n")
+    view = RuntimeView(
+        executable=f"{runtime}/bin/python3.11",
+        version="3.11",
+        ro_dirs=[str(runtime)],
+        ro_files=[],
+        symlinks=[],
+    )
+
+    def given(value: object) -> object:
+        if isinstance(value, list):
+            return [given(v) for v in value]
+        if isinstance(value, dict):
+            return {k: given(v) for k, v in value.items()}
+        if value == "SRC":
+            return src
+        if isinstance(value, str) and value.startswith("RT/"):
+            return value.replace("RT", str(runtime))
+        return value
+
+    # (no /tmp tmpfs: the test's runtime lies under the host's /tmp)
+    config = _config(
+        tmp_path,
+        runtime=Path(view.executable),
+        **{"write_allowed": [], **{k: given(v) for k, v in fields.items()}},
+    )
+    with pytest.raises(plan.PlanError, match="which the node provides"):
+        plan.build(config, view, _host(tmp_path), FACTS, uid=200001)
+    # beside the runtime, the same declarations are laid out
+    beside = {k: given(v) for k, v in fields.items()}
+    moved = {
+        k: (
+            [{**m, "target": "/workspace/data"} for m in v]
+            if k == "mounts"
+            else ["/workspace/data"]
+            if isinstance(v, list)
+            else "/workspace/data"
+            if k == "workdir"
+            else v
+        )
+        for k, v in beside.items()
+    }
+    plan.build(
+        _config(tmp_path, runtime=Path(view.executable), **{"write_allowed": [], **moved}),
+        view,
+        _host(tmp_path),
+        FACTS,
+        uid=200001,
+    )
+    # the host's own file shown read-only at its own path (read_allowed) is what the node
+    # shows there already: laid out
+    readable = _config(
+        tmp_path,
+        runtime=Path(view.executable),
+        write_allowed=[],
+        read_allowed=[f"{runtime}/lib/python3.11/os.py"],
+    )
+    plan.build(readable, view, _host(tmp_path), FACTS, uid=200001)

@@ -28,7 +28,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
 from _dsec_sandbox_testkit import managed, read_json_output, run_to_end, snippet_config
 
-from dsec_nodeagent.sandbox import ExitReason, SandboxConfig, SandboxManager, init, syscalls
+from dsec_nodeagent.sandbox import (
+    ExitReason,
+    Limits,
+    SandboxConfig,
+    SandboxManager,
+    init,
+    syscalls,
+)
 from dsec_nodeagent.sandbox.models import Mount
 from dsec_nodeagent.sandbox.zygote import PendingFork
 
@@ -792,12 +799,35 @@ async def test_purging_a_sandbox_whose_launch_is_under_way_is_refused(
 FIRST_INSTRUCTIONS = r"""
 #include <stdio.h>
 #include <signal.h>
+#include <string.h>
 #include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 int main(int argc, char **argv) {
     pid_t parent = getppid();
     prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (argc > 1) return 7;  /* ends at once */
+    if (argc > 1 && strcmp(argv[1], "now") == 0) return 7;  /* ends at once */
+    if (argc > 1 && strcmp(argv[1], "signals") == 0) {  /* stop and kill all it may, 50 ms */
+        struct timespec start, now;
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        do {
+            kill(-1, SIGSTOP);
+            kill(-1, SIGKILL);
+            clock_gettime(CLOCK_MONOTONIC, &now);
+        } while ((now.tv_sec - start.tv_sec) * 1000000000L + now.tv_nsec - start.tv_nsec
+                 < 50000000L);
+        return 3;
+    }
+    if (argc > 1 && strcmp(argv[1], "fork") == 0) {  /* two children at once */
+        for (int i = 0; i < 2; i++) {
+            pid_t child = fork();
+            if (child < 0) return 9;
+            if (child == 0) { usleep(100000); _exit(0); }
+        }
+        while (wait(NULL) > 0) {}
+        return 0;
+    }
     usleep(300000);  /* long past the pre-exec stage's end */
     printf("{\"ppid\": %d, \"pid\": %d, \"sid\": %d, \"pgid\": %d}\n",
            (int)parent, (int)getpid(), (int)getsid(0), (int)getpgid(0));
@@ -837,18 +867,35 @@ async def test_the_workload_is_inits_child_from_its_first_instruction_in_a_sessi
         # it can see (its parent-death signal never fires)
         assert report["ppid"] == 1
         assert report["sid"] == report["pid"] == report["pgid"]
-        # a workload that ends at once: its exit code, not a lost one
-        for attempt in range(3):
-            quick = await run_to_end(
-                manager,
-                SandboxConfig(
-                    sandbox_id=f"first-quick-{attempt}",
-                    argv=["/workspace/code/first", "now"],
-                    runtime=Path(sys.executable),
-                    code_dir=code,
+        # A workload that ends at once: its exit code, not a lost one. One that stops and
+        # kills every process it may at once: the process that started it keeps root until it
+        # told init the workload's pid (before, init hung, or took that process's SIGKILL for
+        # the workload's end). One that forks twice at once with the smallest pids limit: the
+        # starter still there does not take one of them.
+        for attempt, (mode, limits, ended) in enumerate(
+            [
+                ("now", Limits(), (ExitReason.ERROR, 7)),
+                ("now", Limits(), (ExitReason.ERROR, 7)),
+                ("signals", Limits(), (ExitReason.ERROR, 3)),
+                ("signals", Limits(), (ExitReason.ERROR, 3)),
+                ("fork", Limits(pids=4), (ExitReason.OK, 0)),
+                ("fork", Limits(pids=4), (ExitReason.OK, 0)),
+            ]
+        ):
+            result = await asyncio.wait_for(
+                run_to_end(
+                    manager,
+                    SandboxConfig(
+                        sandbox_id=f"first-{mode}-{attempt}",
+                        argv=["/workspace/code/first", mode],
+                        runtime=Path(sys.executable),
+                        code_dir=code,
+                        limits=limits,
+                    ),
                 ),
+                60,
             )
-            assert (quick.reason, quick.exit_code) == (ExitReason.ERROR, 7), quick
+            assert (result.reason, result.exit_code) == ended, (mode, result)
 
 
 def test_entries_bound_ahead_stay_only_where_the_plan_shares_them(tmp_path: Path) -> None:

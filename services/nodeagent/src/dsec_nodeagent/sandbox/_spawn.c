@@ -1,10 +1,12 @@
 /* The workload's execve in a sibling that shares the caller's memory (dsec_nodeagent.sandbox.init).
  *
- * spawn(path, argv, env) -> pid
+ * spawn(path, argv, env, uid, gid) -> pid
  *
  * clone(CLONE_VM | CLONE_VFORK | CLONE_PARENT): the child runs on a small stack of its own in the
  * caller's memory (nothing is copied, as with vfork) while the caller waits; it makes its own
- * session and execs. The caller's memory is not torn down by that execve (a forked interpreter's
+ * session, drops to `uid`/`gid` with no supplementary groups and execs. The caller keeps its own
+ * uid: the workload cannot signal a process of another uid, so it cannot stop or kill the
+ * caller, which then tells the sandbox's init the workload's pid. The caller's memory is not torn down by that execve (a forked interpreter's
  * tens of MB: 1-2 ms before the workload's first instruction); the caller frees it as it exits,
  * beside the workload. CLONE_PARENT: the workload is the caller's parent's child (the sandbox's
  * init) from its first instruction, never the caller's, so the caller's exit changes nothing the
@@ -23,6 +25,7 @@
 #include <signal.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #define CHILD_STACK (64 * 1024)
@@ -31,9 +34,11 @@ struct child_args {
     const char *path;
     char *const *argv;
     char *const *envp;
+    long uid, gid;
     sigset_t mask;
     volatile int err;
 };
+
 
 static int child_main(void *opaque) {
     struct child_args *args = opaque;
@@ -47,7 +52,11 @@ static int child_main(void *opaque) {
             old.sa_handler != SIG_DFL)
             sigaction(sig, &dfl, NULL);
     }
-    if (setsid() < 0) {
+    /* Raw system calls for the credentials: glibc's wrappers would signal the threads of the
+     * process whose memory this is (its set*id broadcast), and only this task's change. */
+    if (setsid() < 0 || syscall(SYS_setgroups, 0, NULL) < 0 ||
+        syscall(SYS_setresgid, args->gid, args->gid, args->gid) < 0 ||
+        syscall(SYS_setresuid, args->uid, args->uid, args->uid) < 0) {
         args->err = errno;
         _exit(127);
     }
@@ -86,8 +95,14 @@ static char **c_strings(PyObject *seq, const char *what) {
 
 static PyObject *spawn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "spawn(path, argv, env) takes 3 arguments");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "spawn(path, argv, env, uid, gid) takes 5 arguments");
+        return NULL;
+    }
+    long uid = PyLong_AsLong(args[3]), gid = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (uid < 0 || gid < 0) {
+        PyErr_SetString(PyExc_ValueError, "uid and gid: 0 or more");
         return NULL;
     }
     PyObject *path = args[0];
@@ -120,7 +135,12 @@ static PyObject *spawn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_SetFromErrno(PyExc_OSError);
         goto done;
     }
-    struct child_args child = {.path = c_path, .argv = c_argv, .envp = c_env, .err = 0};
+    struct child_args child = {.path = c_path,
+                               .argv = c_argv,
+                               .envp = c_env,
+                               .uid = uid,
+                               .gid = gid,
+                               .err = 0};
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &child.mask);
@@ -148,8 +168,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"spawn", (PyCFunction)(void (*)(void))spawn, METH_FASTCALL,
-     "spawn(path, argv, env) -> pid: execve in a sibling sharing this memory, in a session of "
-     "its own (see the module's source)."},
+     "spawn(path, argv, env, uid, gid) -> pid: execve in a sibling sharing this memory, in a "
+     "session of its own, as uid/gid (see the module's source)."},
     {NULL, NULL, 0, NULL},
 };
 

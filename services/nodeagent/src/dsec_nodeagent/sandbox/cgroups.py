@@ -173,7 +173,10 @@ class SandboxCgroup:
                 _write(self._need("cpu") / "cpu.cfs_period_us", str(CPU_PERIOD_US))
                 _write(self._need("cpu") / "cpu.cfs_quota_us", str(quota))
         if limits.pids is not None:
-            _write(self._need("pids") / "pids.max", str(limits.pids))
+            # One more than asked: the process that starts the workload (init's child, see
+            # init._spawn_workload) is still there for the workload's first milliseconds, so a
+            # workload forking at once may have its `pids` beside it; then one stays unused.
+            _write(self._need("pids") / "pids.max", str(limits.pids + 1))
 
     def _set_memory(self, limit: int) -> None:
         path = self._need("memory")

@@ -43,12 +43,22 @@ def leave_cpu_of(init_pid: int) -> None:
     try:
         with open(f"/proc/{init_pid}/task/{init_pid}/children", "rb") as fh:
             children = fh.read().split()
-        if len(children) != 1:  # the workload only, else not the moment this is for
+        # The workload, and perhaps the process that started it, ending (init's child too
+        # for a moment: the later one is the workload); more: not the moment this is for.
+        if not 1 <= len(children) <= 2:
             return
-        with open(f"/proc/{int(children[0])}/stat", "rb") as fh:
-            # after the command's closing parenthesis: field 3 on; "processor" is field 39
-            cpu = int(fh.read().rsplit(b")", 1)[1].split()[36])
+        latest = (-1, -1)  # (start time, CPU)
+        for child in children:
+            with open(f"/proc/{int(child)}/stat", "rb") as fh:
+                # after the command's closing parenthesis: field 3 on ("state"); "starttime"
+                # is field 22, "processor" field 39
+                fields = fh.read().rsplit(b")", 1)[1].split()
+            if fields[0] not in (b"Z", b"X"):
+                latest = max(latest, (int(fields[19]), int(fields[36])))
+        cpu = latest[1]
     except (OSError, ValueError, IndexError):
+        return
+    if cpu < 0:
         return
     cpus = os.sched_getaffinity(0)
     if len(cpus) < 2 or cpu != syscalls.current_cpu() or cpu not in cpus:

@@ -618,13 +618,14 @@ def _init_main(
 
 
 SPAWNED = b"P"
-"""The workload's process to init, with a pid: the workload is that process, spawned (its own
-``execve`` done in a child sharing its memory, :func:`_spawn_workload`); this one exits."""
+"""The workload's process to init, with a pid: the workload is that process, spawned (its
+``execve`` done in a sibling sharing its memory, :func:`_spawn_workload`); this one exits."""
 
 
 def _successor(sock_fd: int, workload: int) -> int:
     """The workload's pid once it runs: ``workload`` (the process init forked, which exec'd
-    itself or failed: EOF), or the one it spawned (:data:`SPAWNED`)."""
+    itself or failed: EOF), or the one it spawned (:data:`SPAWNED`). Read before init reaps
+    anything: a workload that ends at once is reaped as the workload."""
     try:
         word = os.read(sock_fd, 32)
     except OSError:  # ECONNRESET: it ended with a word of init's unread
@@ -1066,14 +1067,19 @@ def _prebound_kept(plan: Plan, prebound: list[dict[str, Any]]) -> set[int] | Non
     except (IndexError, TypeError):
         return None
     kept = set(shared)
-    paths = [entry["path"] for entry in prebound]
+    paths = [_components(entry["path"]) for entry in prebound]
     for index, entry in enumerate(layout):
         if index in kept:
             continue
-        outer = entry["path"].rstrip("/")
-        if any(path == entry["path"] or path.startswith(outer + "/") for path in paths):
+        outer = _components(entry["path"])
+        if any(path[: len(outer)] == outer for path in paths):
             return None
     return kept
+
+
+def _components(path: str) -> list[str]:
+    """A path's names (``//a/./b/`` and ``/a/b``: ``["a", "b"]``; ``/``: none)."""
+    return [name for name in path.split("/") if name and name != "."]
 
 
 def _prepare_again(root: str) -> None:
@@ -1370,7 +1376,10 @@ def _exec_workload(
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         os.chdir(plan["cwd"])
         _settle_scheduling()
-        _drop_privileges(plan)
+        if spawn:  # (the uid drop is the spawned process's: this one keeps root until it ends)
+            os.umask(0o022)
+        else:
+            _drop_privileges(plan)
         report.stage(stage, start)  # (a second record: the two add up)
         stage, start = "landlock", time.monotonic_ns()
         if ruleset < 0:  # not built beside the pivot: resolved here, as the sandbox's root
@@ -1402,12 +1411,15 @@ def _spawn_workload(plan: Plan, report: _Reporter, successor: int) -> NoReturn:
     """The workload's ``execve`` in a sibling of this process that shares its memory
     (:mod:`._spawn`: ``clone(CLONE_VM | CLONE_VFORK | CLONE_PARENT)``): init's child from its
     first instruction, in a session of its own, with everything this process holds (namespaces,
-    cgroups, uid, limits, no capabilities, ``no_new_privs``, seccomp, Landlock: all inherited).
+    cgroups, limits, no capabilities in its bounding set, ``no_new_privs``, seccomp, Landlock:
+    all inherited). It drops to the sandbox's uid itself; this process keeps root until it
+    ends, so the workload cannot stop or kill it (another uid) before it told init the pid
+    (``successor``: init reads it before it reaps anything).
+
     An ``execve`` of this process itself first tears its memory down (a forked interpreter's,
-    tens of MB: 1-2 ms on the project's VM) before the workload's first instruction; here the
-    sibling's ``execve`` leaves that to this process's exit, at ``SCHED_IDLE``, beside the
-    workload. Init learns the sibling's pid before it reaps anything (:func:`_successor`). A
-    failed ``execve`` raises here, as ``os.execve`` would."""
+    tens of MB: 1-2 ms on the project's VM) before the workload's first instruction; here that
+    is left to this process's exit, at ``SCHED_IDLE``, beside the workload. A failed
+    ``execve`` raises here, as ``os.execve`` would."""
     env = []
     for name, value in plan["env"].items():
         if not name or "=" in name:  # (os.execve's own check)
@@ -1415,7 +1427,10 @@ def _spawn_workload(plan: Plan, report: _Reporter, successor: int) -> NoReturn:
         env.append(os.fsencode(name) + b"=" + os.fsencode(value))
     argv = [os.fsencode(arg) for arg in plan["argv"]]
     assert _spawn_sibling is not None
-    pid = _spawn_sibling(argv[0], argv, env)
+    try:
+        pid = _spawn_sibling(argv[0], argv, env, plan["uid"], plan["gid"])
+    except OSError as exc:  # named by the path as given, as os.execve names it
+        raise OSError(exc.errno, exc.strerror, plan["argv"][0]) from None
     report.close()  # (the node agent's EOF: the workload runs)
     os.write(successor, SPAWNED + str(pid).encode())
     try:  # noqa: SIM105

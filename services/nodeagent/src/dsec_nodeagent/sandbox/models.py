@@ -33,7 +33,9 @@ def _absolute(path: str, field_name: str) -> str:
     pure = PurePosixPath(path)
     if not pure.is_absolute() or ".." in pure.parts:
         raise ValueError(f"{field_name}: {path!r} must be an absolute path without '..'")
-    return str(pure)
+    # One leading slash: POSIX keeps "//x" apart from "/x" (PurePosixPath keeps it), the kernel
+    # does not, and every comparison of sandbox paths is by string.
+    return "/" + "/".join(pure.parts[1:])
 
 
 class ExitReason(StrEnum):
@@ -58,7 +60,9 @@ class Limits(BaseModel):
     Attributes:
         memory_bytes: hard memory limit (RAM + swap), the OOM killer acts beyond it.
         cpus: CPU bandwidth in cores (``1.5`` = 150 ms per 100 ms period).
-        pids: most tasks (processes + threads) alive at once.
+        pids: most tasks (processes + threads) alive at once, the sandbox's init included
+            (the cgroup's ``pids.max`` is one more: the process that starts the workload is
+            still there for the workload's first milliseconds).
         files: ``RLIMIT_NOFILE`` (soft = hard) of every sandbox process, never the node
             agent's own.
         disk_bytes: size of the per-sandbox filesystem (a loop-mounted ext4 image) holding its

@@ -151,11 +151,14 @@ def build(
     # sandbox's init bind them while it plans it; init checks them against this plan's).
     shared = {id(entry) for entry in (*layout, site)}
     layout += _extra_entries(config, layout)
-    layout += _declared_entries(config, host, result)
-    layout += _system_entries(host, uid, layout, config)
+    declared = _declared_entries(config, host, result)
+    layout += declared
+    system = _system_entries(host, uid, layout, config)
+    layout += system
     shared.update(id(e) for e in layout if e["kind"] == "bind" and e["path"] == SEMANTIC_TARGET)
     layout.append(site)
     _check_overlaps(layout)
+    _check_provided(declared, [e for e in layout if id(e) in shared] + system)
     layout.sort(key=lambda e: _depth(e["path"]))
     read, write = _landlock_sets(config, runtime, host, layout, result)
     for name in SANDBOX_OWNED_ENV:  # (a spec is refused them; a config made here is not)
@@ -323,6 +326,25 @@ def _communication_entries(host: HostPaths) -> list[dict[str, Any]]:
     if host.ipc_dir is not None:
         entries.append(_bind(host.ipc_dir, IPC_TARGET))
     return entries
+
+
+def _check_provided(declared: list[dict[str, Any]], provided: list[dict[str, Any]]) -> None:
+    """Refuse an entry the config declares (its code, mounts, writable and readable paths)
+    inside one the node provides (the runtime's directories, the semantic layer, /proc, /dev,
+    the node's sockets): it would replace what the node shows there, such as the interpreter a
+    checkpointable sandbox's init (root) runs as its reaper, or the semantic layer. An entry
+    above one is fine: the node's is bound over it (the depth order); so is a read-only bind of
+    a host path at that same path (a ``read_allowed`` one): what the node shows there already."""
+    for entry in declared:
+        if entry["kind"] == "bind" and entry.get("ro") and entry["src"] == entry["path"]:
+            continue
+        for outer in provided:
+            if entry["path"] != outer["path"] and _under(entry["path"], outer["path"]):
+                raise PlanError(
+                    f"{entry['path']} lies inside {outer['path']}, which the node provides to "
+                    "every sandbox (its runtime, the semantic layer, /proc, /dev); choose a "
+                    "path outside it"
+                )
 
 
 def _check_overlaps(layout: list[dict[str, Any]]) -> None:
