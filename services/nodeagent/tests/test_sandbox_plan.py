@@ -515,3 +515,25 @@ def test_nothing_a_spec_declares_may_replace_what_the_node_provides(
         read_allowed=[f"{runtime}/lib/python3.11/os.py"],
     )
     plan.build(readable, view, _host(tmp_path), FACTS, uid=200001)
+
+
+def test_a_host_path_shown_at_its_own_path_may_not_cover_a_node_directory_shown_elsewhere(
+    tmp_path: Path,
+) -> None:
+    # The exemption for read_allowed (the host's file at its own path) holds inside the
+    # runtime's own directories only; inside a node directory shown at another path (an MPS
+    # pipe directory, the semantic site) the host's file would replace the node's.
+    shown = tmp_path / "mps-src"
+    (shown / "sub").mkdir(parents=True)
+    (shown / "sub" / "control").write_text("the node's")
+    target = tmp_path / "mps"
+    (target / "sub").mkdir(parents=True)
+    (target / "sub" / "control").write_text("the host's")
+    config = _config(
+        tmp_path,
+        write_allowed=[],
+        gpu_binds={str(target): shown},
+        read_allowed=[str(target / "sub" / "control")],
+    )
+    with pytest.raises(plan.PlanError, match="which the node provides"):
+        plan.build(config, VIEW, _host(tmp_path), FACTS, uid=200001)

@@ -945,3 +945,79 @@ def test_entries_bound_ahead_stay_only_where_the_plan_shares_them(tmp_path: Path
     assert without["kept"] is None and without["opt"] is None
     assert "/opt/rt" not in without["mounts"]
     assert {"/proc", "/dev", "/workspace/code"} <= set(without["mounts"])
+
+
+# A library the sandbox's own files make every dynamically linked program load: it writes what
+# pid 1 is, when it runs in pid 1 (a checkpointable sandbox's init execs the runtime's
+# interpreter from the sandbox's view as its reaper).
+PRELOADED = r"""
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void where(void) {
+    if (getpid() != 1) return;
+    FILE *in = fopen("/proc/self/status", "r"), *out = fopen("/tmp/pid1-status", "w");
+    char line[256];
+    while (in && out && fgets(line, sizeof line, in)) fputs(line, out);
+    if (out) fclose(out);
+    if (in) fclose(in);
+}
+"""
+
+PID1_PROBE = r"""
+import json, os, time
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline and not os.path.exists("/tmp/pid1-status"):
+    time.sleep(0.02)
+time.sleep(0.1)  # (written whole by then)
+status = dict(line.split(":", 1) for line in open("/tmp/pid1-status"))
+print(json.dumps({k: status[k].split() for k in ("Uid", "CapEff", "CapBnd", "NoNewPrivs",
+                                               "Seccomp")} | {"me": os.getuid()}))
+"""
+
+
+async def test_a_checkpointable_sandboxs_reaper_runs_as_the_sandboxs_uid_confined(
+    tmp_path: Path,
+) -> None:
+    # A review made pid 1 load a tenant's library (/etc/ld.so.preload in the sandbox's view)
+    # as root with every capability, and mount the host's disk from there.
+    code = tmp_path / "pid1-code"
+    code.mkdir()
+    (tmp_path / "preloaded.c").write_text(PRELOADED)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler (the project's extensions need one too)"
+    subprocess.run(
+        [
+            cc,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-o",
+            str(code / "preloaded.so"),
+            str(tmp_path / "preloaded.c"),
+        ],
+        check=True,
+    )
+    (code / "main.py").write_text(PID1_PROBE)
+    preload = tmp_path / "ld.so.preload"
+    preload.write_text("/workspace/code/preloaded.so\n")
+    async with managed(tmp_path / "home") as manager:
+        result = await run_to_end(
+            manager,
+            SandboxConfig(
+                sandbox_id="pid1-probe",
+                argv=["python", "/workspace/code/main.py"],
+                runtime=Path(sys.executable),
+                code_dir=code,
+                write_allowed=["/tmp"],
+                mounts=[Mount(source=preload, target="/etc/ld.so.preload")],
+                # (readable: the library loads wherever the sandbox's own rules let it)
+                read_allowed=["/etc/ld.so.preload", "/workspace/code"],
+                checkpointable=True,
+            ),
+        )
+    report = read_json_output(result)
+    assert result.reason is ExitReason.OK
+    assert report["Uid"] == [str(report["me"])] * 4  # the sandbox's uid, not root
+    assert int(report["CapEff"][0], 16) == 0
+    assert int(report["CapBnd"][0], 16) == 0
+    assert report["NoNewPrivs"] == ["1"] and report["Seccomp"] == ["2"]

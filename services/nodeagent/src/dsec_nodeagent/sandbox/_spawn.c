@@ -101,8 +101,9 @@ static PyObject *spawn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     }
     long uid = PyLong_AsLong(args[3]), gid = PyLong_AsLong(args[4]);
     if (PyErr_Occurred()) return NULL;
-    if (uid < 0 || gid < 0) {
-        PyErr_SetString(PyExc_ValueError, "uid and gid: 0 or more");
+    /* Never root's, and never -1 (which setresuid reads as "unchanged"). */
+    if (uid < 1 || gid < 1 || uid >= 0xFFFFFFFFL || gid >= 0xFFFFFFFFL) {
+        PyErr_SetString(PyExc_ValueError, "uid and gid: a sandbox's, 1 to 4294967294");
         return NULL;
     }
     PyObject *path = args[0];

@@ -175,7 +175,8 @@ class SandboxCgroup:
         if limits.pids is not None:
             # One more than asked: the process that starts the workload (init's child, see
             # init._spawn_workload) is still there for the workload's first milliseconds, so a
-            # workload forking at once may have its `pids` beside it; then one stays unused.
+            # workload forking at once may have its `pids` beside it. The slot stays for the
+            # sandbox's life (nothing outside it learns when that process is gone).
             _write(self._need("pids") / "pids.max", str(limits.pids + 1))
 
     def _set_memory(self, limit: int) -> None:

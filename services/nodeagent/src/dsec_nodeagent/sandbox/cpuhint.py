@@ -47,15 +47,15 @@ def leave_cpu_of(init_pid: int) -> None:
         # for a moment: the later one is the workload); more: not the moment this is for.
         if not 1 <= len(children) <= 2:
             return
-        latest = (-1, -1)  # (start time, CPU)
+        latest = (-1, -1, -1)  # (start time in ticks, pid: a tie's later one, CPU)
         for child in children:
             with open(f"/proc/{int(child)}/stat", "rb") as fh:
                 # after the command's closing parenthesis: field 3 on ("state"); "starttime"
                 # is field 22, "processor" field 39
                 fields = fh.read().rsplit(b")", 1)[1].split()
             if fields[0] not in (b"Z", b"X"):
-                latest = max(latest, (int(fields[19]), int(fields[36])))
-        cpu = latest[1]
+                latest = max(latest, (int(fields[19]), int(child), int(fields[36])))
+        cpu = latest[2]
     except (OSError, ValueError, IndexError):
         return
     if cpu < 0:

@@ -257,8 +257,8 @@ def supervise(prepared: Prepared, plan: Plan, report: _Reporter, raw: bytes | No
     # node's other work; the first line is not held back behind that work.
     pump({prepared.out_r: logs["stdout"], prepared.err_r: logs["stderr"]}, pid, renice=10)
     _, init_status = os.waitpid(pid, 0)
-    status = os.read(prepared.status_r, 64).decode().strip()
-    outcome = _outcome(int(status) if status else init_status, bool(status))
+    status = _wait_status(os.read(prepared.status_r, 64))
+    outcome = _outcome(init_status if status is None else status, status is not None)
     outcome["logs"] = {name: log.finish() for name, log in logs.items()}
     reap = plan.get("reap") or {}
     orphaned = bool(reap) and os.path.exists(reap["marker"])
@@ -440,6 +440,15 @@ def _keep_listener(holder: Any) -> None:
             os.close(fd)
 
 
+def _wait_status(data: bytes) -> int | None:
+    """The workload's wait status as init (or its reaper, which runs as the sandbox's uid)
+    wrote it; ``None`` when there is none, or what came is no wait status."""
+    text = data.strip()
+    if not text.isdigit() or len(text) > 5 or int(text) > 0xFFFF:
+        return None
+    return int(text)
+
+
 def _outcome(wait_status: int, from_init: bool) -> dict[str, Any]:
     """Exit code and signal of the workload (or of init, when it died first)."""
     result: dict[str, Any] = {"source": "workload" if from_init else "init", "time": time.time()}
@@ -613,7 +622,7 @@ def _init_main(
     report.close()
     workload = _successor(begin_w, workload)
     if plan.get("reaper_exec"):
-        _exec_reaper(plan["python"], workload, status_w)
+        _exec_reaper(plan, workload, status_w)
     os._exit(_reap_until(workload, status_w))
 
 
@@ -962,15 +971,40 @@ REAPER = (
 )
 
 
-def _exec_reaper(python: str, workload: int, status_w: int) -> None:
+def _exec_reaper(plan: Plan, workload: int, status_w: int) -> None:
     """Replace this process image by :data:`REAPER` (run by the sandbox's interpreter, which is
-    bound at the same path inside); on any failure, reap here as before."""
+    bound at the same path inside), confined as the workload is (:func:`_confine_reaper`); on
+    any failure, reap here as before."""
+    python = plan["python"]
     try:
         os.setsid()  # a session of its own: CRIU needs every session leader inside the sandbox
+        _confine_reaper(plan)
         os.set_inheritable(status_w, True)
         os.execv(python, [python, "-S", "-I", "-c", REAPER, str(workload), str(status_w)])
     except OSError:
         os.set_inheritable(status_w, False)
+
+
+def _confine_reaper(plan: Plan) -> None:
+    """Everything the workload has, before the reaper's ``execve``: the sandbox's uid and gid,
+    no capabilities (bounding and ambient sets emptied, the uid change clears the rest),
+    ``no_new_privs``, the Landlock ruleset and the seccomp filter (without a listener: a refused
+    call fails with ``ENOSYS``). The reaper is a dynamically linked interpreter run from the
+    sandbox's view, where the spec's own files may sit at paths its loader and C library read
+    (``/etc/ld.so.preload`` under ``workdir: /etc``, a locale under a mount): run as root with
+    every capability, as it was, a tenant's library ran as the sandbox's pid 1 and could mount
+    the host's disk. Reaping and forwarding a stop to the sandbox's processes need nothing
+    more (they run as that uid). Raises ``OSError`` when a step fails (then init reaps itself,
+    having loaded nothing of the view)."""
+    syscalls.drop_capabilities(plan["cap_last_cap"])
+    syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
+    ruleset = _ruleset(plan)
+    try:
+        landlock.enforce(ruleset, plan["landlock"]["abi"])
+    finally:
+        os.close(ruleset)
+    seccomp.install(bytes.fromhex(plan["seccomp"]))
+    _drop_privileges(plan)
 
 
 def _reap_until(workload: int, status_w: int) -> int:

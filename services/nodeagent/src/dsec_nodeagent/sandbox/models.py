@@ -61,8 +61,8 @@ class Limits(BaseModel):
         memory_bytes: hard memory limit (RAM + swap), the OOM killer acts beyond it.
         cpus: CPU bandwidth in cores (``1.5`` = 150 ms per 100 ms period).
         pids: most tasks (processes + threads) alive at once, the sandbox's init included
-            (the cgroup's ``pids.max`` is one more: the process that starts the workload is
-            still there for the workload's first milliseconds).
+            (the cgroup's ``pids.max`` is one more, for the sandbox's life: the process that
+            starts the workload is still there for the workload's first milliseconds).
         files: ``RLIMIT_NOFILE`` (soft = hard) of every sandbox process, never the node
             agent's own.
         disk_bytes: size of the per-sandbox filesystem (a loop-mounted ext4 image) holding its

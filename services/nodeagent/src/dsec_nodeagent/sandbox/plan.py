@@ -334,11 +334,13 @@ def _check_provided(declared: list[dict[str, Any]], provided: list[dict[str, Any
     the node's sockets): it would replace what the node shows there, such as the interpreter a
     checkpointable sandbox's init (root) runs as its reaper, or the semantic layer. An entry
     above one is fine: the node's is bound over it (the depth order); so is a read-only bind of
-    a host path at that same path (a ``read_allowed`` one): what the node shows there already."""
+    a host path at that same path (a ``read_allowed`` one) inside a bind of the host's own
+    directory at its own path (a runtime directory): what the node shows there already."""
     for entry in declared:
-        if entry["kind"] == "bind" and entry.get("ro") and entry["src"] == entry["path"]:
-            continue
+        same = entry["kind"] == "bind" and entry.get("ro") and entry["src"] == entry["path"]
         for outer in provided:
+            if same and outer["kind"] == "bind" and outer.get("src") == outer["path"]:
+                continue
             if entry["path"] != outer["path"] and _under(entry["path"], outer["path"]):
                 raise PlanError(
                     f"{entry['path']} lies inside {outer['path']}, which the node provides to "
