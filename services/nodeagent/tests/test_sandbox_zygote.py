@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -1021,3 +1022,69 @@ async def test_a_checkpointable_sandboxs_reaper_runs_as_the_sandboxs_uid_confine
     assert int(report["CapEff"][0], 16) == 0
     assert int(report["CapBnd"][0], 16) == 0
     assert report["NoNewPrivs"] == ["1"] and report["Seccomp"] == ["2"]
+
+
+async def test_stopping_a_checkpointable_sandbox_sends_its_workload_sigterm(tmp_path: Path) -> None:
+    # Its reaper (pid 1, confined) forwards the stop; with Landlock's signal scope it could not
+    # reach the workload's domain, and every stop waited out its grace for a SIGKILL.
+    async with managed(tmp_path / "home") as manager:
+        await manager.launch(
+            snippet_config(
+                "ckpt-stop",
+                "import time\nprint('up', flush=True)\ntime.sleep(120)\n",
+                tmp_path,
+                checkpointable=True,
+            )
+        )
+        stdout = Path(manager.log_paths("ckpt-stop")[0])
+        deadline = time.monotonic() + 60
+        while "up" not in stdout.read_text() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        result = await manager.stop("ckpt-stop", grace_s=20.0)
+    assert result.reason is ExitReason.STOPPED
+    assert result.signal == signal.SIGTERM, result
+
+
+# Modules a stage running as root could import lazily, planted where the node agent's own
+# interpreter looks for them: once inside a sandbox whose runtime is another interpreter, those
+# paths name the sandbox's files.
+PLANT = r"""
+import os, sys
+stdlib = sys.argv[1]
+os.makedirs(stdlib, exist_ok=True)
+for name in ("resource", "select", "fcntl", "termios", "json", "_socket", "gc", "signal"):
+    with open(os.path.join(stdlib, name + ".py"), "w") as fh:
+        fh.write("open('/root/planted-ran', 'w').write(str(__import__('os').getuid()))\n")
+print("planted", flush=True)
+import time
+time.sleep(120)
+"""
+
+
+async def test_exec_into_a_sandbox_of_another_runtime_loads_nothing_of_its_view(
+    tmp_path: Path,
+) -> None:
+    other = Path("/usr/bin/python3")
+    assert other.resolve() != Path(sys.executable).resolve()
+    stdlib = sysconfig.get_paths()["stdlib"]  # the node agent's interpreter's, which exec runs
+    async with managed(tmp_path / "home") as manager:
+        config = snippet_config(
+            "other-rt",
+            PLANT,
+            tmp_path,
+            runtime=other,
+            argv=["python3", "/workspace/code/main.py", stdlib],
+            write_allowed=["/tmp", "/root"],
+        )
+        await manager.launch(config)
+        stdout = Path(manager.log_paths("other-rt")[0])
+        deadline = time.monotonic() + 60
+        while "planted" not in stdout.read_text() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert "planted" in stdout.read_text(), Path(manager.log_paths("other-rt")[1]).read_text()
+        code = await manager.exec("other-rt", ["python3", "-c", "print('exec ran')"])
+        kept = manager.data_root / "other-rt" / "fs" / "root"
+        ran = (kept / "planted-ran").exists()
+        await manager.stop("other-rt", grace_s=1.0)
+    assert not ran  # no planted module ran, as root or otherwise
+    assert code == 0

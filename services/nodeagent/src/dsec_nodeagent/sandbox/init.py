@@ -24,11 +24,14 @@ sandbox keeps the listener (it would answer its own refusals).
 from __future__ import annotations
 
 import errno
+import fcntl  # (imported here: see _seal_imports)
 import marshal
 import os
+import resource
 import signal
 import stat
 import sys
+import termios
 import time
 
 from dsec_nodeagent.sandbox import cpuhint, landlock, seccomp, syscalls
@@ -609,6 +612,7 @@ def _init_main(
             _share_policy(workload)  # (it may have made itself idle after the word: _prefault)
             _await_joined(begin_w)
         start = time.monotonic_ns()
+        _seal_imports()
         pivot_root(root)
         if plan.get("reaper_exec") and not plan.get("tty"):
             _sandbox_null_stdin()
@@ -644,6 +648,18 @@ def _successor(sock_fd: int, workload: int) -> int:
     if word[:1] == SPAWNED and word[1:].isdigit() and int(word[1:]) > 1:
         return int(word[1:])
     return workload
+
+
+def _seal_imports() -> None:
+    """Find no module on a path from here on: every one this process needs is loaded (at the
+    top of this module, or by :func:`prepare`/:func:`exec_into`). Called before this process
+    enters a sandbox's mount namespace or pivots into its view, where the host interpreter's
+    paths name what the sandbox shows there, which its spec may have put (a ``write_allowed``
+    path where the node agent's standard library sits, when the sandbox has another runtime):
+    a lazy import there ran the tenant's module as root with every capability (a review's
+    ``import resource`` in ``dsec sandbox exec``). A missed import fails instead."""
+    sys.path[:] = []
+    sys.path_importer_cache.clear()
 
 
 def _sandbox_null_stdin() -> None:
@@ -823,6 +839,7 @@ def _fork_early(
             word, fds = _recv_fds(sock, 16, 1)
             if word != JOIN or len(fds) != 1:
                 os._exit(126)
+            _seal_imports()
             syscalls.setns(fds[0], syscalls.CLONE_NEWNS)  # (root and cwd: its root)
             os.close(fds[0])
             sock.send(JOINED)
@@ -922,6 +939,7 @@ def _workload_main(plan: Plan, report: _Reporter, holder_fd: int, begin_r: int) 
     # What needs neither the cgroups nor the root view, done while init binds the root view
     # (on another CPU): the capability bounding set, limits, no_new_privs, the seccomp
     # filter. The rest (cwd, uid, Landlock: they need the root view) waits for the word.
+    _seal_imports()  # (init pivots this process's root into the view too)
     try:
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
         _confine_early(plan, report, holder_fd)
@@ -998,7 +1016,8 @@ def _confine_reaper(plan: Plan) -> None:
     having loaded nothing of the view)."""
     syscalls.drop_capabilities(plan["cap_last_cap"])
     syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
-    ruleset = _ruleset(plan)
+    # (no signal scope: the reaper forwards a stop to the workload, in a domain of its own)
+    ruleset = _ruleset(plan, signals=False)
     try:
         landlock.enforce(ruleset, plan["landlock"]["abi"])
     finally:
@@ -1344,8 +1363,6 @@ def _confine_early(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
         start = time.monotonic_ns()
         nofile = plan.get("nofile")
         if nofile:  # lowered, soft and hard: not the node agent's own (high) limit
-            import resource
-
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
         syscalls.drop_capabilities(plan["cap_last_cap"])
         syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
@@ -1378,8 +1395,9 @@ def _build_landlock(plan: Plan, report: _Reporter, root_fd: int) -> int:
     return ruleset
 
 
-def _ruleset(plan: Plan, root_fd: int | None = None) -> int:
-    """The plan's Landlock ruleset (:func:`.landlock.build_ruleset`), not yet enforced."""
+def _ruleset(plan: Plan, root_fd: int | None = None, signals: bool = True) -> int:
+    """The plan's Landlock ruleset (:func:`.landlock.build_ruleset`), not yet enforced;
+    ``signals``: scoped (none to a process outside the domain)."""
     policy = plan["landlock"]
     return landlock.build_ruleset(
         policy["read"],
@@ -1388,6 +1406,7 @@ def _ruleset(plan: Plan, root_fd: int | None = None) -> int:
         policy["abi"],
         policy.get("scope_abstract_unix", True),
         root_fd=root_fd,
+        scope_signal=signals,
     )
 
 
@@ -1404,9 +1423,6 @@ def _exec_workload(
         if not spawn:  # (else the spawned process makes its own session)
             os.setsid()
         if plan.get("tty"):  # the pseudo-terminal on 0-2 becomes the controlling terminal
-            import fcntl
-            import termios
-
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         os.chdir(plan["cwd"])
         _settle_scheduling()
@@ -1552,15 +1568,13 @@ _NS_FLAGS = {
 def exec_into(plan: Plan, report: _Reporter) -> int:
     """Join a running sandbox (namespaces + cgroups) and run a command with its confinement."""
     target = plan["join_pid"]
-    # Nothing of the host can be imported once in the sandbox's mount namespace: what the
-    # confined child needs for a terminal or a copy is imported here.
-    if plan.get("tty"):
-        import fcntl  # noqa: F401
-        import termios  # noqa: F401
+    # Nothing of the host can be imported once in the sandbox's mount namespace (nothing at all
+    # once sealed, below): what the confined child needs for a copy is imported here.
     if plan.get("transfer") is not None:
         from dsec_nodeagent.sandbox import transfer  # noqa: F401
     fds = {ns: os.open(f"/proc/{target}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC) for ns in _NS_ORDER}
     _join_cgroups(plan["cgroup_procs"])
+    _seal_imports()
     for ns in _NS_ORDER:
         if ns != "net" or plan["unshare_net"]:
             syscalls.setns(fds[ns], _NS_FLAGS[ns])
@@ -1605,7 +1619,6 @@ def zygote(sock_fd: int, root: str) -> int:
     import _socket
     import gc
     import json  # noqa: F401  (the reports' encoder: see _Reporter)
-    import resource  # noqa: F401  (imported once here, used by every child's uid drop)
     import select  # noqa: F401  (the supervisor's pump)
 
     sock = _socket.socket(fileno=sock_fd)

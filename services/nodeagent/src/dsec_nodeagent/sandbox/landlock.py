@@ -127,6 +127,7 @@ def build_ruleset(
     abi: int,
     scope_abstract_unix: bool = True,
     root_fd: int | None = None,
+    scope_signal: bool = True,
 ) -> int:
     """A ruleset, not yet enforced (:func:`enforce`): a new fd (close it).
 
@@ -139,6 +140,9 @@ def build_ruleset(
         scope_abstract_unix: scope abstract unix sockets to the domain (ABI 6). Off only for a
             checkpointable sandbox: CRIU's parasite, run inside the workload, connects to one
             that CRIU made (docs/migration.md).
+        scope_signal: no signal to a process outside the domain (a checkpointable sandbox's
+            reaper, pid 1, goes without: its stop goes to the workload, whose domain is
+            another; the workload still cannot signal it).
         root_fd: resolve the paths inside this directory, as if it were ``/`` (``openat2``'s
             ``RESOLVE_IN_ROOT``: no symlink on the way leads out of it): a detached copy of a
             root view before its ``pivot_root``. A rule binds the inode it names, not the path,
@@ -158,7 +162,9 @@ def build_ruleset(
         attr.handled_access_net = NET_CONNECT_TCP if tcp_connect_ports is not None else 0
     if abi >= 6:
         size = 24
-        attr.scoped = SCOPE_SIGNAL | (SCOPE_ABSTRACT_UNIX_SOCKET if scope_abstract_unix else 0)
+        attr.scoped = (SCOPE_SIGNAL if scope_signal else 0) | (
+            SCOPE_ABSTRACT_UNIX_SOCKET if scope_abstract_unix else 0
+        )
     ruleset_fd = syscalls.syscall(
         syscalls.SYS_LANDLOCK_CREATE_RULESET, ctypes.c_void_p(ctypes.addressof(attr)), size, 0
     )
