@@ -3,7 +3,7 @@
     uv run python bench/run_all.py [--quick] [NAME ...]
 
 Each benchmark writes ``bench/results/<name>.json`` and prints a ratio line and a JSON last line.
-Kernel benchmarks (sandbox_start, egress, noisy_neighbour) need root.
+Kernel benchmarks (sandbox_start, launch_first_instruction, egress, noisy_neighbour) need root.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ BENCHES = {
     "audit_verify": [],
     "build": [],
     "sandbox_start": ["--n", "50"],
+    "launch_first_instruction": ["--n", "40"],
     "egress": [],
     "snapshot": [],
     "ipc": [],
@@ -37,6 +38,7 @@ QUICK = {
     "egress": ["--quick"],
     "ipc": ["--quick"],
     "sandbox_start": ["--n", "20"],
+    "launch_first_instruction": ["--quick"],
     "noisy_neighbour": ["--n", "8", "--flood-s", "10"],
     "placement": ["--seeds", "3"],
     "state": ["--quick"],
