@@ -96,6 +96,17 @@ def _parent_of(pid: int) -> int:
     raise AssertionError(f"no PPid for {pid}")
 
 
+async def _output(path: Path, text: str = "", timeout_s: float = 60.0) -> str:
+    """The log at ``path`` once it holds ``text`` (any output: ``""``), or at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = path.read_text()
+        if out.strip() and text in out:
+            return out
+        await asyncio.sleep(0.05)
+    return path.read_text()
+
+
 async def test_a_zygote_sandbox_keeps_every_layer_and_inherits_nothing_of_the_agent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -134,9 +145,7 @@ async def test_a_zygote_sandbox_keeps_every_layer_and_inherits_nothing_of_the_ag
                 }
                 assert str(secret) not in targets
             stdout = Path(manager.log_paths("zyg-probe")[0])
-            deadline = time.monotonic() + 60
-            while not stdout.read_text().strip() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await _output(stdout)
             result = await manager.stop("zyg-probe", grace_s=1.0)
     finally:
         os.close(leaked)
@@ -195,10 +204,7 @@ async def test_a_sandboxs_supervisor_never_holds_its_secrets(tmp_path: Path) -> 
         state = manager.states.read("zyg-secret")
         assert state is not None
         stdout = Path(manager.log_paths("zyg-secret")[0])
-        deadline = time.monotonic() + 60
-        while not stdout.read_text().strip() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert stdout.read_text().strip() == str(len(secret))  # the workload has it
+        assert (await _output(stdout)).strip() == str(len(secret))  # the workload has it
         assert not _memory_holds(state["supervisor_pid"], secret.encode())
         await manager.stop("zyg-secret", grace_s=0.5)
 
@@ -228,10 +234,7 @@ async def test_sandboxes_run_on_every_cpu_the_node_agent_may_use(tmp_path: Path)
             for pid in (state["init_pid"], state["supervisor_pid"]):
                 assert os.sched_getscheduler(pid) == os.SCHED_OTHER
             stdout = Path(manager.log_paths(sid)[0])
-            deadline = time.monotonic() + 60
-            while not stdout.read_text().strip() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert json.loads(stdout.read_text()) == [cpus, os.SCHED_OTHER]
+            assert json.loads(await _output(stdout)) == [cpus, os.SCHED_OTHER]
             await manager.stop(sid, grace_s=0.5)
             await manager.settle()  # the next launch takes the shell forked ahead
 
@@ -1037,9 +1040,7 @@ async def test_stopping_a_checkpointable_sandbox_sends_its_workload_sigterm(tmp_
             )
         )
         stdout = Path(manager.log_paths("ckpt-stop")[0])
-        deadline = time.monotonic() + 60
-        while "up" not in stdout.read_text() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        assert "up" in await _output(stdout, "up")
         result = await manager.stop("ckpt-stop", grace_s=20.0)
     assert result.reason is ExitReason.STOPPED
     assert result.signal == signal.SIGTERM, result
@@ -1078,10 +1079,8 @@ async def test_exec_into_a_sandbox_of_another_runtime_loads_nothing_of_its_view(
         )
         await manager.launch(config)
         stdout = Path(manager.log_paths("other-rt")[0])
-        deadline = time.monotonic() + 60
-        while "planted" not in stdout.read_text() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert "planted" in stdout.read_text(), Path(manager.log_paths("other-rt")[1]).read_text()
+        stderr = Path(manager.log_paths("other-rt")[1])
+        assert "planted" in await _output(stdout, "planted"), stderr.read_text()
         code = await manager.exec("other-rt", ["python3", "-c", "print('exec ran')"])
         kept = manager.data_root / "other-rt" / "fs" / "root"
         ran = (kept / "planted-ran").exists()
