@@ -37,7 +37,7 @@ from dsec_nodeagent.sandbox import SandboxConfig, SandboxManager
 from dsec_nodeagent.sandbox.discovery import discover
 from dsec_nodeagent.sandbox.seccomp import build_filter
 from dsec_nodeagent.semantic import compile_rules
-from sandbox_start import _bwrap_argv
+from sandbox_start import RULES, _bwrap_argv
 
 PROBE = r"""
 #include <stdio.h>
@@ -112,18 +112,7 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 
 async def run(n: int) -> None:
-    rules = compile_rules(
-        {
-            "rules": [
-                {
-                    "name": "no-etc-writes",
-                    "on": "open",
-                    "match": {"path": "/etc/*"},
-                    "action": "deny",
-                }
-            ]
-        }
-    )
+    rules = compile_rules(RULES)
     view = discover(Path(sys.executable))
     with tempfile.TemporaryDirectory(prefix="dsec-bench-first-") as tmp:
         work = Path(tmp)

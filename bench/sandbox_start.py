@@ -57,6 +57,12 @@ from dsec_nodeagent.sandbox.seccomp import build_filter
 from dsec_nodeagent.semantic import compile_rules
 
 PROGRAM = "print('ready', flush=True)"
+RULES = {
+    "rules": [
+        {"name": "no-etc-writes", "on": "open", "match": {"path": "/etc/*"}, "action": "deny"}
+    ]
+}
+"""The semantic layer's rules of every DSec start (one rule: the layer loaded and consulted)."""
 POLL_S = 0.0002
 IN_MODIFY = 0x2
 FIRST_LINE_TIMEOUT_S = 60.0
@@ -208,18 +214,7 @@ async def run(n: int, poll: bool = False) -> None:
     runtime = Path(sys.executable)
     view = discover(runtime)
     python = view.executable
-    rules = compile_rules(
-        {
-            "rules": [
-                {
-                    "name": "no-etc-writes",
-                    "on": "open",
-                    "match": {"path": "/etc/*"},
-                    "action": "deny",
-                }
-            ]
-        }
-    )
+    rules = compile_rules(RULES)
     program = build_filter()
     samples: dict[str, list[float]] = {
         "dsec": [],

@@ -6,9 +6,9 @@
  * caller's memory (nothing is copied, as with vfork) while the caller waits; it makes its own
  * session, drops to `uid`/`gid` with no supplementary groups and execs. The caller keeps its own
  * uid: the workload cannot signal a process of another uid, so it cannot stop or kill the
- * caller, which then tells the sandbox's init the workload's pid. The caller's memory is not torn down by that execve (a forked interpreter's
- * tens of MB: 1-2 ms before the workload's first instruction); the caller frees it as it exits,
- * beside the workload. CLONE_PARENT: the workload is the caller's parent's child (the sandbox's
+ * caller, which then tells the sandbox's init the workload's pid. The caller's memory is not
+ * torn down by that execve (a forked interpreter's tens of MB: 1-2 ms before the workload's
+ * first instruction); the caller frees it as it exits, beside the workload. CLONE_PARENT: the workload is the caller's parent's child (the sandbox's
  * init) from its first instruction, never the caller's, so the caller's exit changes nothing the
  * workload can see (its parent, a parent-death signal it sets at once).
  *
@@ -39,7 +39,6 @@ struct child_args {
     volatile int err;
 };
 
-
 static int child_main(void *opaque) {
     struct child_args *args = opaque;
     struct sigaction dfl;
@@ -66,6 +65,22 @@ static int child_main(void *opaque) {
     _exit(127);
 }
 
+/* The C string of a bytes object (borrowed: `item` keeps it alive); NULL with an error set when
+ * `item` is no bytes or holds a null byte. */
+static char *c_string(PyObject *item, const char *what) {
+    char *data;
+    Py_ssize_t size;
+    if (!PyBytes_Check(item) || PyBytes_AsStringAndSize(item, &data, &size) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s: bytes expected", what);
+        return NULL;
+    }
+    if ((size_t)size != strlen(data)) {
+        PyErr_Format(PyExc_ValueError, "%s: embedded null byte", what);
+        return NULL;
+    }
+    return data;
+}
+
 /* A NULL-terminated array of the bytes objects of `seq` (borrowed: `seq` keeps them alive). */
 static char **c_strings(PyObject *seq, const char *what) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -75,20 +90,10 @@ static char **c_strings(PyObject *seq, const char *what) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        char *data;
-        Py_ssize_t size;
-        if (!PyBytes_Check(item) || PyBytes_AsStringAndSize(item, &data, &size) < 0) {
-            PyErr_Format(PyExc_TypeError, "%s: bytes expected", what);
+        if ((out[i] = c_string(PySequence_Fast_GET_ITEM(seq, i), what)) == NULL) {
             PyMem_Free(out);
             return NULL;
         }
-        if ((size_t)size != strlen(data)) {
-            PyErr_Format(PyExc_ValueError, "%s: embedded null byte", what);
-            PyMem_Free(out);
-            return NULL;
-        }
-        out[i] = data;
     }
     return out;
 }
@@ -107,13 +112,8 @@ static PyObject *spawn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     }
     PyObject *path = args[0];
-    char *c_path;
-    Py_ssize_t path_size;
-    if (!PyBytes_Check(path) || PyBytes_AsStringAndSize(path, &c_path, &path_size) < 0 ||
-        (size_t)path_size != strlen(c_path)) {
-        PyErr_SetString(PyExc_ValueError, "path: bytes without a null byte expected");
-        return NULL;
-    }
+    const char *c_path = c_string(path, "path");
+    if (c_path == NULL) return NULL;
     PyObject *argv = PySequence_Fast(args[1], "argv: a sequence expected");
     if (argv == NULL) return NULL;
     PyObject *env = PySequence_Fast(args[2], "env: a sequence expected");

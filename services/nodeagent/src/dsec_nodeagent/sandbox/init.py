@@ -474,12 +474,13 @@ def _write_json_atomic(path: str, data: dict[str, Any]) -> None:
 
 
 MOUNT_NOW = b"m"
+"""To init on its plan socket, before the plan: copy the host's mount tree and make the root
+view's plan-independent part now."""
 MOUNT_SHARED = b"M"
 """:data:`MOUNT_NOW`, followed by entries of the root view to bind at once, beside the planning
 (:func:`_prebind`): their marshalled bytes, after their length (4 bytes, big-endian)."""
 SHARED_MAX = 1 << 20
-"""To init on its plan socket, before the plan: copy the host's mount tree and make the root
-view's plan-independent part now."""
+"""The most bytes of entries :data:`MOUNT_SHARED` may announce."""
 
 
 def _init_main(
@@ -1014,8 +1015,7 @@ def _confine_reaper(plan: Plan) -> None:
     the host's disk. Reaping and forwarding a stop to the sandbox's processes need nothing
     more (they run as that uid). Raises ``OSError`` when a step fails (then init reaps itself,
     having loaded nothing of the view)."""
-    syscalls.drop_capabilities(plan["cap_last_cap"])
-    syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
+    _limit(plan)
     # (no signal scope: the reaper forwards a stop to the workload, in a domain of its own)
     ruleset = _ruleset(plan, signals=False)
     try:
@@ -1361,11 +1361,7 @@ def _confine_early(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
     stage = "credentials"
     try:
         start = time.monotonic_ns()
-        nofile = plan.get("nofile")
-        if nofile:  # lowered, soft and hard: not the node agent's own (high) limit
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-        syscalls.drop_capabilities(plan["cap_last_cap"])
-        syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
+        _limit(plan)
         report.stage(stage, start)
         stage, start = "seccomp", time.monotonic_ns()
         listener = seccomp.install(bytes.fromhex(plan["seccomp"]), listener=holder_fd >= 0)
@@ -1374,6 +1370,16 @@ def _confine_early(plan: Plan, report: _Reporter, holder_fd: int = -1) -> None:
         report.stage(stage, start)
     except BaseException as exc:
         _fail(report, stage, exc)
+
+
+def _limit(plan: Plan) -> None:
+    """Lowered limits, empty capability bounding and ambient sets, ``no_new_privs``: the first
+    of the confinement every process of the sandbox gets (the workload's, the reaper's)."""
+    nofile = plan.get("nofile")
+    if nofile:  # lowered, soft and hard: not the node agent's own (high) limit
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    syscalls.drop_capabilities(plan["cap_last_cap"])
+    syscalls.prctl(syscalls.PR_SET_NO_NEW_PRIVS, 1)
 
 
 def _build_landlock(plan: Plan, report: _Reporter, root_fd: int) -> int:

@@ -289,15 +289,16 @@ class SandboxManager:
             # The disk quota from the pool of images mounted ahead (well under a millisecond),
             # before the fork below: the sandbox's init copies the mount tree as it is then.
             taken = quota_needed and self._take_quota(config, data_dir)
+            runtime_key = _runtime_key(config)
             if self.zygote is not None and (taken or not quota_needed):
                 # The supervisor and its init, forked ahead (else now), make what no plan
                 # decides (the mount namespace, the root view's /proc and /dev) while the
                 # sandbox is planned.
                 early = self._take_shell()
-                early.mount_now(self._shared_layouts.get(_runtime_key(config), b""))
+                early.mount_now(self._shared_layouts.get(runtime_key, b""))
             built, uid = await self._plan(config, run_dir)
             shared = _shared_entries(built.plan)
-            self._remember_shared(_runtime_key(config), shared)
+            self._remember_shared(runtime_key, shared)
             self._starting_uids.add(uid)
             starting = uid
             if quota_needed and not taken:

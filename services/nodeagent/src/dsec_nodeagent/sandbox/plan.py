@@ -145,20 +145,19 @@ def build(
 ) -> PlanResult:
     """Lay out the sandbox; raise :class:`PlanError` naming the offending path."""
     result = PlanResult(plan={})
-    layout = _runtime_entries(runtime)
+    runtime_entries = _runtime_entries(runtime)
     site = {"kind": "symlink", "path": user_site(runtime.version), "target": SEMANTIC_TARGET}
-    # What every sandbox of this runtime on this node shares (the node agent has the next
-    # sandbox's init bind them while it plans it; init checks them against this plan's).
-    shared = {id(entry) for entry in (*layout, site)}
-    layout += _extra_entries(config, layout)
+    layout = [*runtime_entries, *_extra_entries(config, runtime_entries)]
     declared = _declared_entries(config, host, result)
     layout += declared
     system = _system_entries(host, uid, layout, config)
-    layout += system
-    shared.update(id(e) for e in layout if e["kind"] == "bind" and e["path"] == SEMANTIC_TARGET)
-    layout.append(site)
+    layout += [*system, site]
+    # What every sandbox of this runtime on this node shares (the node agent has the next
+    # sandbox's init bind them while it plans it; init checks them against this plan's).
+    semantic = [e for e in system if e["kind"] == "bind" and e["path"] == SEMANTIC_TARGET]
+    shared = {id(entry) for entry in (*runtime_entries, *semantic, site)}
     _check_overlaps(layout)
-    _check_provided(declared, [e for e in layout if id(e) in shared] + system)
+    _check_provided(config, declared, [*runtime_entries, *system, site])
     layout.sort(key=lambda e: _depth(e["path"]))
     read, write = _landlock_sets(config, runtime, host, layout, result)
     for name in SANDBOX_OWNED_ENV:  # (a spec is refused them; a config made here is not)
@@ -328,7 +327,9 @@ def _communication_entries(host: HostPaths) -> list[dict[str, Any]]:
     return entries
 
 
-def _check_provided(declared: list[dict[str, Any]], provided: list[dict[str, Any]]) -> None:
+def _check_provided(
+    config: SandboxConfig, declared: list[dict[str, Any]], provided: list[dict[str, Any]]
+) -> None:
     """Refuse an entry the config declares (its code, mounts, writable and readable paths)
     inside one the node provides (the runtime's directories, the semantic layer, /proc, /dev,
     the node's sockets): it would replace what the node shows there, such as the interpreter a
@@ -343,10 +344,21 @@ def _check_provided(declared: list[dict[str, Any]], provided: list[dict[str, Any
                 continue
             if entry["path"] != outer["path"] and _under(entry["path"], outer["path"]):
                 raise PlanError(
-                    f"{entry['path']} lies inside {outer['path']}, which the node provides to "
-                    "every sandbox (its runtime, the semantic layer, /proc, /dev); choose a "
-                    "path outside it"
+                    f"{_declared_by(config, entry['path'])} {entry['path']} lies inside "
+                    f"{outer['path']}, which the node provides to every sandbox (its runtime, "
+                    "the semantic layer, /proc, /dev); choose a path outside it"
                 )
+
+
+def _declared_by(config: SandboxConfig, path: str) -> str:
+    """The config's field that declares the sandbox path ``path`` (for an error message)."""
+    if any(m.target == path for m in config.mounts):
+        return "mount"
+    if path in config.write_allowed:
+        return "write_allowed"
+    if path in config.read_allowed:
+        return "read_allowed"
+    return "workdir" if path == config.workdir else "env_dir"
 
 
 def _check_overlaps(layout: list[dict[str, Any]]) -> None:
