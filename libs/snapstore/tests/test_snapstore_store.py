@@ -305,6 +305,38 @@ def test_altered_manifest_fails_signature_check(
     assert "not a valid manifest" in store.verify("s").problems[0]
 
 
+def test_a_cold_node_checks_the_manifest_as_stored_and_refuses_it_altered_in_place(
+    store: SnapshotStore, objects: S3ObjectStore, code: Path
+) -> None:
+    """A node that never read the snapshot checks the signature over the manifest's stored
+    bytes and parses those very bytes: it restores the snapshot, with the digest the create
+    reported. The same document altered by one byte in place (its layout kept), copied under
+    another name, or given another member is refused, as before."""
+    created = store.create("s", inputs(code))
+    with other_node(store, objects, code.parent / "node-2") as there:
+        restored = there.restore("s", code.parent / "out")
+        with pytest.raises(SnapshotNotFound, match="'nope'"):
+            there.restore("nope", code.parent / "none")  # (the index read meanwhile)
+    assert restored.manifest == created.manifest
+    assert restored.manifest_digest == created.manifest_digest
+    assert (code.parent / "out" / "data.bin").read_bytes() == (code / "data.bin").read_bytes()
+    raw = objects.get(manifest_key("s"))
+    assert raw.count(b'"mode":420') > 1
+    cases = {
+        "s": (raw.replace(b'"mode":420', b'"mode":493', 1), "signature does not match"),
+        "t": (raw, "records name 's', not 't'"),
+        "u": (raw[:-1] + b',"note":"x"}', "not a valid manifest"),
+    }
+    for name, (doc, problem) in cases.items():
+        objects.put(manifest_key(name), doc)
+        with (
+            other_node(store, objects, code.parent / f"node-{name}") as there,
+            pytest.raises(VerificationFailed, match=problem),
+        ):
+            there.restore(name, code.parent / f"out-{name}")
+        assert not (code.parent / f"out-{name}").exists()
+
+
 def test_the_manifest_kept_after_a_create_is_the_one_stored(
     store: SnapshotStore, objects: S3ObjectStore, code: Path
 ) -> None:

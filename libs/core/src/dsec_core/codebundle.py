@@ -742,30 +742,8 @@ def _safe_member_path(name: str) -> PurePosixPath:
     return path
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def real_parent(dest: Path, rel: PurePosixPath, checked: set[PurePosixPath]) -> Path:
-    """Create the parents of ``rel`` under ``dest``, refusing any that is a symlink or a file
-    (a write through it could land outside ``dest``); ``checked`` caches verified parents.
-
-    The walk is :func:`open_real_dir`'s (``O_NOFOLLOW``, component by component).
-
-    Raises:
-        NotADirectoryError: naming the first parent that is not a real directory.
-    """
-    parent = rel.parent
-    if parent.parts and parent not in checked:
-        root_fd = os.open(dest, _DIR_FLAGS)
-        try:
-            os.close(open_real_dir(root_fd, parent, create=True))
-        except NotADirectoryError as exc:
-            raise NotADirectoryError(f"parent {exc}") from None
-        finally:
-            os.close(root_fd)
-        checked.update(parent.parents)
-        checked.add(parent)
-    return dest / rel
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+"""How a directory of user content is opened: never through a symlink."""
 
 
 def open_real_dir(
@@ -793,23 +771,36 @@ def open_real_dir(
     try:
         for part in parts:
             done /= part
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(part, mode, dir_fd=fd)
-            try:
-                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise NotADirectoryError(
-                        f"{done} is a symlink or not a directory; refusing to follow it"
-                    ) from None
-                raise
+            child = open_child_dir(fd, part, done, create=create, mode=mode)
             os.close(fd)
             fd = child
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def open_child_dir(
+    dir_fd: int, name: str, shown: object, *, create: bool = False, mode: int = 0o755
+) -> int:
+    """Open the directory ``name`` in the directory ``dir_fd`` (created first with
+    ``create``) with ``O_NOFOLLOW | O_DIRECTORY``: one step of :func:`open_real_dir`.
+
+    Raises:
+        NotADirectoryError: naming ``shown`` (the path so far) when it is a symlink or not a
+            directory.
+    """
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, mode, dir_fd=dir_fd)
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotADirectoryError(
+                f"{shown} is a symlink or not a directory; refusing to follow it"
+            ) from None
+        raise
 
 
 class _Extraction:
@@ -950,7 +941,7 @@ def _extract_all(
 ) -> list[str]:
     written: list[str] = []
     decompressor = zstandard.ZstdDecompressor()
-    root_fd = os.open(staging, _DIR_FLAGS)
+    root_fd = os.open(staging, DIR_FLAGS)
     extraction = _Extraction(root_fd, max_size, max_members)
     try:
         with (

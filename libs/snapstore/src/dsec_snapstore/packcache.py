@@ -127,6 +127,16 @@ class PackCache:
                 return data
         return None
 
+    def holds(self, key: str) -> bool:
+        """Whether some copy of pack ``key`` is here (its own or one read from S3), whole or
+        not: a read of it may stay on this disk."""
+        name = _name_of(key)
+        if name is None:
+            return False
+        with self._lock:
+            sizes = self._loaded()
+            return any(f in self._pending or f in sizes for f in (name + OWN, name))
+
     def own_size(self, key: str) -> int | None:
         """The size of the whole copy of pack ``key`` this node's packer made, if there is one."""
         name = _name_of(key)

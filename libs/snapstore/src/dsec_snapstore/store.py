@@ -25,10 +25,11 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar
 
 import blake3
+import msgspec
 import pydantic
 import zstandard
 from dsec_core import identity
@@ -67,7 +68,7 @@ from dsec_snapstore.adapters.objectstore import (
     ObjectStore,
     S3ObjectStore,
 )
-from dsec_snapstore.adapters.tree import local_bytes, place, place_in, real_parent, remove_in
+from dsec_snapstore.adapters.tree import Parents, local_bytes, place, place_in, remove_in
 from dsec_snapstore.adapters.vault import KeyMissing, KeyStore, VaultKeyStore
 from dsec_snapstore.errors import (
     InvalidInput,
@@ -139,6 +140,10 @@ PACK_CACHE_BYTES: int = Settings.model_fields["snapshot_pack_cache_mb"].default 
 (``DSEC_SNAPSHOT_PACK_CACHE_MB``'s default: one figure for both)."""
 _RESTORE_SPAN = 16 << 20
 """The largest ranged GET of a restore (one task: fetch, decompress, check, write)."""
+_READ_AHEAD_BYTES = 32 << 20
+"""The bytes a restore reads ahead of the spans being checked and written (at least one
+span): on 2 cores, a cold-node restore of 5,000 files went from 0.199 / 0.207 s to 0.192 /
+0.198 s (30 alternating pairs each) with four spans ahead, 0.95x with the whole snapshot's."""
 REPACK_BELOW = 0.5
 """GC rewrites a pack whose live (referenced) bytes fall below this fraction of it."""
 _local = threading.local()
@@ -730,6 +735,21 @@ class SnapshotStore:
             raise VerificationFailed(f"snapshot {name!r}", problems)
         return manifest, digest
 
+    def _load_with_index(self, name: str) -> tuple[SnapshotManifest, str]:
+        """:meth:`_load_digest`, for a restore. A store that has read no pack index document
+        yet (a cold node) reads the index meanwhile: the restore needs both before its first
+        pack read, and both mostly wait on S3."""
+        if self.index.docs:
+            return self._load_digest(name)
+        loading = self._pool.submit(self._load_digest, name)
+        try:
+            self.index.refresh(self._pool)
+        except BaseException:
+            wait([loading])
+            loading.result()  # (its error first: a missing snapshot says more)
+            raise
+        return loading.result()
+
     def _load_checked(self, name: str) -> tuple[SnapshotManifest | None, list[str], str]:
         key = manifest_key(name)
         try:
@@ -741,6 +761,13 @@ class SnapshotStore:
             known = self._checked.get(raw_digest)
         if known is not None and known.manifest.name == name and known.still_trusted():
             return known.manifest, [], known.digest  # (else checked again below)
+        fast = self._check_stored_bytes(key, name, raw)
+        if fast is not None:
+            manifest, digest, valid_until = fast
+            self._remember(raw_digest, manifest, digest, valid_until)
+            return manifest, [], digest
+        # Anything else is checked in full (which says what is wrong): parsed, serialized
+        # again, and that checked against the signature.
         try:
             doc = SignedManifest.model_validate_json(raw)
         except pydantic.ValidationError as exc:
@@ -749,7 +776,7 @@ class SnapshotStore:
             problem = f"manifest {key}: not a valid manifest (field {where!r}: {first['msg']})"
             return None, [problem], ""
         signed = doc.manifest.signed_bytes()
-        problems, valid_until = self._signature_problems(key, doc, signed)
+        problems, valid_until = self._signature_problems(key, doc.signature, signed)
         if doc.manifest.name != name:
             problems.append(f"manifest {key}: records name {doc.manifest.name!r}, not {name!r}")
         digest = blake3.blake3(signed).hexdigest()
@@ -772,12 +799,35 @@ class SnapshotStore:
             while len(self._checked) > _CHECKED_KEPT:
                 self._checked.popitem(last=False)
 
+    def _check_stored_bytes(
+        self, key: str, name: str, raw: bytes
+    ) -> tuple[SnapshotManifest, str, datetime | None] | None:
+        """A stored manifest checked as it was written (:meth:`_signed_document` embeds the
+        signed bytes verbatim): the signature over those bytes first, then those very bytes
+        parsed, once, with no second serialization. Returns the manifest, its digest and until
+        when its signer is trusted; None for anything else (checked in full by the caller)."""
+        try:
+            parts = _STORED.decode(raw)
+            signature = Signature.model_validate_json(bytes(parts.signature))
+        except (msgspec.DecodeError, pydantic.ValidationError):
+            return None
+        signed = bytes(parts.manifest)
+        problems, valid_until = self._signature_problems(key, signature, signed)
+        if problems:
+            return None
+        try:
+            manifest = SnapshotManifest.model_validate_json(signed)
+        except pydantic.ValidationError:
+            return None
+        if manifest.name != name:
+            return None
+        return manifest, blake3.blake3(signed).hexdigest(), valid_until
+
     def _signature_problems(
-        self, key: str, doc: SignedManifest, signed: bytes
+        self, key: str, sig: Signature, signed: bytes
     ) -> tuple[list[str], datetime | None]:
         """What is wrong with a manifest's signature, and until when its signer is trusted
         (its certificate's expiry; ``None`` for a key trusted directly, or no expiry)."""
-        sig = doc.signature
         trusted, valid_until = self._trusted.get(sig.key_id), None
         if trusted is None:
             cert = self._certified(sig)
@@ -960,6 +1010,7 @@ class SnapshotStore:
         keep: bool,
         views: bool = False,
         cached: bool = True,
+        early: Future[_SpanRead] | None = None,
     ) -> bool:
         """One ranged GET, or a read of the node's copy (:attr:`pack_cache`): each chunk
         decompressed (from a view of the body, not a copy) and checked, into ``out`` or
@@ -968,9 +1019,14 @@ class SnapshotStore:
         and the pack read from the store again (``cached=False``); a read of a pack from its
         start in which every chunk checked is kept as a copy. ``views``: a chunk of a group
         frame goes into ``out`` as a view of the frame's content (no copy; for callers that
-        only write or join the bytes)."""
+        only write or join the bytes). ``early``: the span's bytes, read ahead by
+        :meth:`_span_bytes` (with the pack cache when ``keep``)."""
         keeper = self.pack_cache if keep else None
-        read = self._span_bytes(span, keeper if cached else None, keep)
+        read = (
+            early.result()
+            if early is not None
+            else self._span_bytes(span, keeper if cached else None, keep)
+        )
         if read is None:
             return True
         body, source = read
@@ -1027,9 +1083,7 @@ class SnapshotStore:
             keeper.keep(span.pack, bytes(fetched))  # the next read of this pack stays local
         return False
 
-    def _span_bytes(
-        self, span: Span, copies: PackCache | None, counted: bool
-    ) -> tuple[bytes | memoryview, Literal["own", "copy", "s3"]] | None:
+    def _span_bytes(self, span: Span, copies: PackCache | None, counted: bool) -> _SpanRead:
         """``span``'s bytes and where they came from: this node's own pack, checked whole
         (:func:`_own_pack`); a copy whose chunks are still to be checked; or S3 (``copies``:
         ``None`` for S3 only). ``None``: the pack is missing. ``counted``: a read of a restore,
@@ -1185,7 +1239,7 @@ class SnapshotStore:
                 if sync and dest.is_dir()
                 else None
             )
-            manifest, digest = self._load_digest(name)
+            manifest, digest = self._load_with_index(name)
             if sync:
                 written, removed, size = self._sync_into(manifest, dest, early)
             else:
@@ -1310,6 +1364,46 @@ class SnapshotStore:
         # Spans of at most _RESTORE_SPAN: many small tasks start writing sooner and share the
         # cores evenly; neighbours within a span still come in one GET.
         spans = plan_reads(located.items(), limit=_RESTORE_SPAN)
+        # Big spans (a full restore) are mostly decompressing, hashing and writing: as many
+        # tasks as cores. Many small ones (a rollback's scattered files) mostly wait on S3.
+        span_bytes = sum(s.end - s.start for s in spans)
+        small = len(spans) > self._cpu_threads and span_bytes < len(spans) * (256 << 10)
+        runner = self._pool if small else self._cpu
+        # On the CPU threads, the spans' S3 reads run ahead on the I/O pool, in span order,
+        # while the bytes read and not yet checked fit _READ_AHEAD_BYTES, so a core never
+        # waits on S3 while there is work for it. (A pack this node holds a copy of is read
+        # by its task: that read is a local one.)
+        reads: dict[int, Future[_SpanRead] | None] = {}
+        reads_lock = threading.Lock()
+        held = [0, 0]  # the next span to read; bytes read ahead and not used yet
+        keeper = self.pack_cache
+
+        def read_ahead(number: int = -1) -> Future[_SpanRead] | None:
+            """Start reads while they fit (always up to span ``number``, which a task needs
+            now); ``number``'s read."""
+            if runner is not self._cpu:
+                return None
+            with reads_lock:
+                while held[0] < len(spans):
+                    span = spans[held[0]]
+                    if keeper is not None and keeper.holds(span.pack):
+                        reads[held[0]] = None
+                        held[0] += 1
+                        continue
+                    width = span.end - span.start
+                    if held[0] > number and held[1] and held[1] + width > _READ_AHEAD_BYTES:
+                        break
+                    reads[held[0]] = self._pool.submit(self._span_bytes, span, keeper, True)
+                    held[0] += 1
+                    held[1] += width
+                return reads.get(number)
+
+        def used(number: int) -> None:
+            with reads_lock:
+                reads[number] = _DONE  # (its body freed with the task that used it)
+                held[1] -= spans[number].end - spans[number].start
+            read_ahead()
+
         # Each file waits for its distinct chunks that a span brings: the files waiting on a
         # chunk, and how many chunks each file still waits for (none: written at once).
         waiting: dict[str, list[int]] = {}
@@ -1353,11 +1447,17 @@ class SnapshotStore:
                 size += _write_new(fresh)
             return size
 
-        def fetch_and_write(span: Span) -> int:
+        def fetch_and_write(number: int) -> int:
+            span = spans[number]
             # (a missing pack: fetched again below). Views of group frames for a fresh
             # restore, which writes most members of each frame; a rollback's few files keep
             # copies, not whole frames.
-            self._read_span(span, chunks, problems, True, views=root_fd is None)
+            early = read_ahead(number)
+            try:
+                self._read_span(span, chunks, problems, True, views=root_fd is None, early=early)
+            finally:
+                if early is not None:
+                    used(number)
             planned.wait()
             if len(batch) != len(entries):
                 return 0  # the targets could not be made: the restore fails
@@ -1370,12 +1470,8 @@ class SnapshotStore:
                             done.append(n)
             return write(done)
 
-        # Big spans (a full restore) are mostly decompressing, hashing and writing: as many
-        # tasks as cores. Many small ones (a rollback's scattered files) mostly wait on S3.
-        span_bytes = sum(s.end - s.start for s in spans)
-        small = len(spans) > self._cpu_threads and span_bytes < len(spans) * (256 << 10)
-        runner = self._pool if small else self._cpu
-        tasks = [runner.submit(fetch_and_write, span) for span in spans]
+        read_ahead()
+        tasks = [runner.submit(fetch_and_write, number) for number in range(len(spans))]
         try:
             try:
                 batch.extend(_targets(root, entries))
@@ -1387,6 +1483,11 @@ class SnapshotStore:
             for task in tasks:  # every writer stopped before the caller removes the tree
                 task.cancel()
             wait(tasks)
+            with reads_lock:
+                early_reads = [read for read in reads.values() if read is not None]
+            for read in early_reads:  # (and no read left running)
+                read.cancel()
+            wait(early_reads)
             raise
         if problems:
             problem = min(problems.items())[1]
@@ -1752,6 +1853,24 @@ def _settle(out: Future[_T], done: Future[_T]) -> None:
         out.set_result(done.result())
 
 
+_SpanRead = tuple[bytes | memoryview, Literal["own", "copy", "s3"]] | None
+"""A span's bytes and where they came from (:meth:`SnapshotStore._span_bytes`); None: its
+pack is missing."""
+
+_DONE: Future[_SpanRead] = Future()
+_DONE.set_result(None)  # (a read ahead whose body was used and dropped)
+
+
+class _Stored(msgspec.Struct, forbid_unknown_fields=True):
+    """A stored :class:`SignedManifest` with its two members left as their JSON bytes."""
+
+    manifest: msgspec.Raw
+    signature: msgspec.Raw
+
+
+_STORED = msgspec.json.Decoder(_Stored)
+
+
 @contextlib.contextmanager
 def _no_gc() -> Iterator[None]:
     """Pause the cyclic GC while thousands of short-lived records are built (as Mercurial's
@@ -1960,32 +2079,32 @@ def _weighed_runs(entries: Sequence[TreeEntry], workers: int) -> list[Sequence[T
 def _targets(root: Path, entries: Sequence[FileEntry]) -> list[tuple[FileEntry, str]]:
     """Each entry with the path to write it at; parents created, none a symlink or a file.
 
-    Each directory is checked once (:func:`real_parent`); a plain relative path whose parent
-    was checked is joined as a string.
+    Each directory is made and checked once (:class:`Parents`); a plain relative path whose
+    parent was checked is joined as a string.
     """
-    checked: set[PurePosixPath] = set()
     parents: set[str] = set()  # plain parents checked already
     base = str(root)
     out: list[tuple[FileEntry, str]] = []
-    for entry in entries:
-        path = entry.path
-        parent, _, name = path.rpartition("/")
-        if parent in parents and name not in _ODD_NAMES and "\0" not in name:
-            out.append((entry, f"{base}/{path}"))  # the common case: a lookup, no split
-            continue
-        plain = (
-            path
-            and "\0" not in path
-            and not path.startswith("/")
-            and name not in ("", ".", "..")
-            and not any(p in ("", ".", "..") for p in parent.split("/") if parent)
-        )
-        if plain and (not parent or parent in parents):
-            out.append((entry, f"{base}/{path}"))
-            continue
-        out.append((entry, str(real_parent(root, path, checked))))
-        if plain:
-            parents.add(parent)
+    with Parents(root) as made:
+        for entry in entries:
+            path = entry.path
+            parent, _, name = path.rpartition("/")
+            if parent in parents and name not in _ODD_NAMES and "\0" not in name:
+                out.append((entry, f"{base}/{path}"))  # the common case: a lookup, no split
+                continue
+            plain = (
+                path
+                and "\0" not in path
+                and not path.startswith("/")
+                and name not in ("", ".", "..")
+                and not any(p in ("", ".", "..") for p in parent.split("/") if parent)
+            )
+            if plain and (not parent or parent in parents):
+                out.append((entry, f"{base}/{path}"))
+                continue
+            out.append((entry, str(made.make(path))))
+            if plain:
+                parents.add(parent)
     return out
 
 

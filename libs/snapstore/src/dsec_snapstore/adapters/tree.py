@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+from collections import OrderedDict
 from pathlib import Path, PurePosixPath
 
 from dsec_core import codebundle
@@ -23,16 +24,69 @@ def local_bytes(entry: TreeEntry) -> bytes:
         return fh.read()
 
 
-def real_parent(root: Path, rel_text: str, checked: set[PurePosixPath]) -> Path:
-    """Create the parents of ``rel_text`` under ``root``; refuse a symlink or file on the way."""
-    try:
-        rel = domain.validate_member_path(rel_text)
-    except InvalidInput as exc:
-        raise VerificationFailed("manifest", [str(exc)]) from None
-    try:
-        return codebundle.real_parent(root, rel, checked)
-    except NotADirectoryError as exc:
-        raise InvalidInput(f"{root / rel}: {exc}") from None
+class Parents:
+    """Makes the parent directories of files written below ``root``, refusing any that is a
+    symlink or not a directory (a write through it could land outside ``root``).
+
+    Each directory is opened with ``O_NOFOLLOW | O_DIRECTORY`` relative to the one above it,
+    as :func:`dsec_core.codebundle.open_real_dir` does, but the fds of the directories last
+    used are kept (a manifest lists a directory's files together), so a new directory costs one
+    ``mkdir`` and one ``open`` instead of a walk from the root. Close it when done.
+    """
+
+    _KEPT = 64  # directory fds held at most
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._root_fd: int | None = None
+        self._fds: OrderedDict[PurePosixPath, int] = OrderedDict()
+
+    def __enter__(self) -> Parents:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every fd held."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
+
+    def make(self, rel_text: str) -> Path:
+        """Create the parents of ``rel_text``; return the path to write it at.
+
+        Raises:
+            VerificationFailed: the path is absolute or escapes the root (the manifest is bad).
+            InvalidInput: a parent is a symlink or not a directory.
+        """
+        try:
+            rel = domain.validate_member_path(rel_text)
+        except InvalidInput as exc:
+            raise VerificationFailed("manifest", [str(exc)]) from None
+        try:
+            self._fd(rel.parent)
+        except NotADirectoryError as exc:
+            raise InvalidInput(f"{self.root / rel}: parent {exc}") from None
+        return self.root / rel
+
+    def _fd(self, rel: PurePosixPath) -> int:
+        if not rel.parts:
+            if self._root_fd is None:
+                self._root_fd = os.open(self.root, codebundle.DIR_FLAGS)
+            return self._root_fd
+        fd = self._fds.get(rel)
+        if fd is not None:
+            self._fds.move_to_end(rel)
+            return fd
+        fd = codebundle.open_child_dir(self._fd(rel.parent), rel.name, rel, create=True)
+        self._fds[rel] = fd
+        if len(self._fds) > self._KEPT:  # (the oldest: never `above`, used just now)
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
 
 
 def place(
