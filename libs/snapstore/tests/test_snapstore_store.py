@@ -322,10 +322,15 @@ def test_a_cold_node_checks_the_manifest_as_stored_and_refuses_it_altered_in_pla
     assert (code.parent / "out" / "data.bin").read_bytes() == (code / "data.bin").read_bytes()
     raw = objects.get(manifest_key("s"))
     assert raw.count(b'"mode":420') > 1
+    signature = raw[raw.rindex(b',"signature":') + 1 : -1]
     cases = {
         "s": (raw.replace(b'"mode":420', b'"mode":493', 1), "signature does not match"),
         "t": (raw, "records name 's', not 't'"),
         "u": (raw[:-1] + b',"note":"x"}', "not a valid manifest"),
+        # Nested too deep for a decoder, and a first `manifest` member that is no UTF-8 (a
+        # reader that skips it unchecked must not take the document where the GC refuses it).
+        "v": (b'{"manifest":' + b"[" * 3000 + b"]" * 3000 + b"," + signature + b"}", "not a valid"),
+        "w": (b'{"manifest":{"x":"\xff"},' + raw[1:], "not a valid manifest"),
     }
     for name, (doc, problem) in cases.items():
         objects.put(manifest_key(name), doc)
@@ -333,6 +338,7 @@ def test_a_cold_node_checks_the_manifest_as_stored_and_refuses_it_altered_in_pla
             other_node(store, objects, code.parent / f"node-{name}") as there,
             pytest.raises(VerificationFailed, match=problem),
         ):
+            assert problem in " ".join(there.verify(name).problems)
             there.restore(name, code.parent / f"out-{name}")
         assert not (code.parent / f"out-{name}").exists()
 

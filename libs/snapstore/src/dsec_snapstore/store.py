@@ -806,13 +806,22 @@ class SnapshotStore:
         """A stored manifest checked as it was written (:meth:`_signed_document` embeds the
         signed bytes verbatim): the signature over those bytes first, then those very bytes
         parsed, once, with no second serialization. Returns the manifest, its digest and until
-        when its signer is trusted; None for anything else (checked in full by the caller)."""
+        when its signer is trusted; None for anything else (checked in full by the caller).
+
+        Only the writer's exact layout takes this path: a document msgspec reads otherwise than
+        pydantic would (a member repeated, bytes it skips unchecked) is checked in full, so
+        ``verify`` and the GC, which parse the whole document, judge it as a restore does."""
         try:
             parts = _STORED.decode(raw)
-            signature = Signature.model_validate_json(bytes(parts.signature))
-        except (msgspec.DecodeError, pydantic.ValidationError):
+        except (msgspec.DecodeError, RecursionError):  # (RecursionError: nested too deep)
             return None
-        signed = bytes(parts.manifest)
+        signed, stored_signature = bytes(parts.manifest), bytes(parts.signature)
+        if raw != b'{"manifest":' + signed + b',"signature":' + stored_signature + b"}":
+            return None
+        try:
+            signature = Signature.model_validate_json(stored_signature)
+        except pydantic.ValidationError:
+            return None
         problems, valid_until = self._signature_problems(key, signature, signed)
         if problems:
             return None

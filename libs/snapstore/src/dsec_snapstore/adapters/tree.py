@@ -74,18 +74,24 @@ class Parents:
         return self.root / rel
 
     def _fd(self, rel: PurePosixPath) -> int:
-        if not rel.parts:
+        """The directory ``rel``'s fd: from the nearest directory above it that is held (or
+        the root), each one below made and opened in turn."""
+        missing: list[PurePosixPath] = []
+        while rel.parts and rel not in self._fds:
+            missing.append(rel)
+            rel = rel.parent
+        if rel.parts:
+            fd = self._fds[rel]
+            self._fds.move_to_end(rel)
+        else:
             if self._root_fd is None:
                 self._root_fd = os.open(self.root, codebundle.DIR_FLAGS)
-            return self._root_fd
-        fd = self._fds.get(rel)
-        if fd is not None:
-            self._fds.move_to_end(rel)
-            return fd
-        fd = codebundle.open_child_dir(self._fd(rel.parent), rel.name, rel, create=True)
-        self._fds[rel] = fd
-        if len(self._fds) > self._KEPT:  # (the oldest: never `above`, used just now)
-            os.close(self._fds.popitem(last=False)[1])
+            fd = self._root_fd
+        for below in reversed(missing):
+            fd = codebundle.open_child_dir(fd, below.name, below, create=True)
+            self._fds[below] = fd
+            if len(self._fds) > self._KEPT:  # (the oldest: never the one just opened above)
+                os.close(self._fds.popitem(last=False)[1])
         return fd
 
 
