@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import at_least_one, emit, percentile
+from _common import at_least_one, emit
 from dsec_nodeagent.sandbox import SandboxConfig, SandboxManager
 from dsec_nodeagent.sandbox.discovery import discover
 from dsec_nodeagent.sandbox.seccomp import build_filter
 from dsec_nodeagent.semantic import compile_rules
-from sandbox_start import RULES, _bwrap_argv
+from sandbox_start import RULES, _bwrap_argv, _bwrap_dirs, _stats
 
 PROBE = r"""
 #include <stdio.h>
@@ -92,23 +92,15 @@ async def _dsec_once(
     }
 
 
-def _bwrap_once(argv: list[str], seccomp_path: Path) -> float:
+def _bwrap_once(dirs: list[str], probe: Path, seccomp_path: Path) -> float:
     fd = os.open(seccomp_path, os.O_RDONLY)
     try:
-        argv = [*argv[:-1], str(fd), *argv[-1:]]
+        argv = _bwrap_argv(dirs, fd, ["/probe"], binds=((str(probe), "/probe"),))
         start = time.monotonic_ns()
         done = subprocess.run(argv, pass_fds=(fd,), capture_output=True, check=True)
     finally:
         os.close(fd)
     return (int(done.stdout) - start) / 1e6
-
-
-def _stats(samples: list[float]) -> dict[str, float]:
-    return {
-        "p50_ms": round(percentile(samples, 0.5), 3),
-        "p90_ms": round(percentile(samples, 0.9), 3),
-        "n": len(samples),
-    }
 
 
 async def run(n: int) -> None:
@@ -121,10 +113,7 @@ async def run(n: int) -> None:
         probe = _build_probe(code_dir)
         seccomp_path = work / "seccomp.bpf"
         seccomp_path.write_bytes(build_filter())
-        # bubblewrap's argv from sandbox_start.py, the probe bound and run in place of Python
-        argv = _bwrap_argv("/probe", sorted({*view.ro_dirs, "/usr/lib/x86_64-linux-gnu"}), -1)
-        program = argv.index("/probe")
-        argv = [*argv[: program - 2], "--ro-bind", str(probe), "/probe", "--seccomp", "/probe"]
+        dirs = _bwrap_dirs(view)  # (sandbox_start.py's bubblewrap, the probe in place of Python)
         manager = SandboxManager(work / "home")
         samples: dict[str, list[float]] = {}
         try:
@@ -133,7 +122,7 @@ async def run(n: int) -> None:
                 for key, value in (await _dsec_once(manager, index, code_dir, rules)).items():
                     samples.setdefault(f"dsec_{key}", []).append(value)
                 samples.setdefault("bwrap_first_instruction_ms", []).append(
-                    _bwrap_once(argv, seccomp_path)
+                    _bwrap_once(dirs, probe, seccomp_path)
                 )
         finally:
             await manager.shutdown()

@@ -52,7 +52,7 @@ from typing import Any
 
 from _common import at_least_one, emit, percentile
 from dsec_nodeagent.sandbox import SandboxConfig, SandboxManager
-from dsec_nodeagent.sandbox.discovery import discover
+from dsec_nodeagent.sandbox.discovery import RuntimeView, discover
 from dsec_nodeagent.sandbox.seccomp import build_filter
 from dsec_nodeagent.semantic import compile_rules
 
@@ -128,10 +128,25 @@ def _first_line_ms(argv: list[str], **popen: Any) -> float:
     return elapsed
 
 
-def _bwrap_argv(python: str, runtime_dirs: list[str], seccomp_fd: int) -> list[str]:
+def _bwrap_dirs(view: RuntimeView) -> list[str]:
+    """The host directories bubblewrap binds read-only: the runtime's and the C library's."""
+    return sorted({*view.ro_dirs, "/usr/lib/x86_64-linux-gnu"})
+
+
+def _bwrap_argv(
+    runtime_dirs: list[str],
+    seccomp_fd: int,
+    command: list[str],
+    binds: tuple[tuple[str, str], ...] = (),
+) -> list[str]:
+    """bubblewrap running ``command`` with the namespaces, binds (``runtime_dirs`` at their
+    own paths, then ``binds`` as source and destination) and DSec's seccomp filter (read
+    from ``seccomp_fd``, which the caller passes on)."""
     argv = ["bwrap"]
     for path in runtime_dirs:
         argv += ["--ro-bind", path, path]
+    for source, destination in binds:
+        argv += ["--ro-bind", source, destination]
     argv += [
         "--symlink",
         "usr/lib",
@@ -157,9 +172,7 @@ def _bwrap_argv(python: str, runtime_dirs: list[str], seccomp_fd: int) -> list[s
         "ALL",
         "--seccomp",
         str(seccomp_fd),
-        python,
-        "-c",
-        PROGRAM,
+        *command,
     ]
     return argv
 
@@ -234,7 +247,7 @@ async def run(n: int, poll: bool = False) -> None:
         spawning = SandboxManager(Path(tmp) / "home-spawn", use_zygote=False, node_id="bench-2")
         seccomp_path = Path(tmp) / "seccomp.bpf"
         seccomp_path.write_bytes(program)
-        bwrap_dirs = sorted({*view.ro_dirs, "/usr/lib/x86_64-linux-gnu"})
+        bwrap_dirs = _bwrap_dirs(view)
         await _dsec_once(manager, -1, runtime, rules, code_dir)  # warm the runtime cache
         await _dsec_once(spawning, -1, runtime, rules, code_dir)  # (and start the zygote)
         for index in range(n):
@@ -265,7 +278,8 @@ async def run(n: int, poll: bool = False) -> None:
             with open(seccomp_path, "rb") as fh:
                 samples["bwrap"].append(
                     _first_line_ms(
-                        _bwrap_argv(python, bwrap_dirs, fh.fileno()), pass_fds=(fh.fileno(),)
+                        _bwrap_argv(bwrap_dirs, fh.fileno(), [python, "-c", PROGRAM]),
+                        pass_fds=(fh.fileno(),),
                     )
                 )
         await manager.shutdown(stop_sandboxes=True)

@@ -394,6 +394,35 @@ def _prebound_plan(*entries: dict[str, object], shared: list[int]) -> dict[str, 
     return {"layout": list(entries), "shared": shared}
 
 
+def test_the_mount_word_init_reads_carries_what_init_takes_and_no_more() -> None:
+    """The node agent's side (zygote.py) writes the word init's side reads, with their
+    constants kept by hand in two modules: shared entries within init's bound go with it, more
+    than that do not (init would refuse them and fail the launch)."""
+    import marshal
+    import os
+
+    from dsec_nodeagent.sandbox import init, zygote
+
+    assert (zygote.MOUNT_NOW, zygote.MOUNT_SHARED, zygote.SHARED_MAX) == (
+        init.MOUNT_NOW,
+        init.MOUNT_SHARED,
+        init.SHARED_MAX,
+    )
+    entries = [{"kind": "bind", "src": "/opt/py", "path": "/opt/py", "ro": True}]
+    word = zygote.mount_word(marshal.dumps(entries))
+    read_fd, write_fd = os.pipe()
+    try:
+        os.write(write_fd, word)
+        assert os.read(read_fd, 1) == init.MOUNT_SHARED
+        size = int.from_bytes(init._read_exact(read_fd, 4), "big")
+        assert marshal.loads(init._read_exact(read_fd, size)) == entries
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+    assert zygote.mount_word(b"") == init.MOUNT_NOW
+    assert zygote.mount_word(b"x" * (init.SHARED_MAX + 1)) == init.MOUNT_NOW
+
+
 def test_entries_bound_ahead_are_kept_only_where_the_plan_shares_exactly_them() -> None:
     from dsec_nodeagent.sandbox import init
 

@@ -1383,35 +1383,39 @@ class SnapshotStore:
         # while the bytes read and not yet checked fit _READ_AHEAD_BYTES, so a core never
         # waits on S3 while there is work for it. (A pack this node holds a copy of is read
         # by its task: that read is a local one.)
-        reads: dict[int, Future[_SpanRead] | None] = {}
+        reads: dict[int, Future[_SpanRead]] = {}  # started and not used yet, by span number
         reads_lock = threading.Lock()
-        held = [0, 0]  # the next span to read; bytes read ahead and not used yet
+        next_read = 0  # the next span whose read is to start (or to be left to its task)
+        read_bytes = 0  # bytes read ahead and not used yet
         keeper = self.pack_cache
 
         def read_ahead(number: int = -1) -> Future[_SpanRead] | None:
             """Start reads while they fit (always up to span ``number``, which a task needs
             now); ``number``'s read."""
+            nonlocal next_read, read_bytes
             if runner is not self._cpu:
                 return None
             with reads_lock:
-                while held[0] < len(spans):
-                    span = spans[held[0]]
-                    if keeper is not None and keeper.holds(span.pack):
-                        reads[held[0]] = None
-                        held[0] += 1
-                        continue
+                while next_read < len(spans):
+                    span = spans[next_read]
                     width = span.end - span.start
-                    if held[0] > number and held[1] and held[1] + width > _READ_AHEAD_BYTES:
+                    if keeper is not None and keeper.holds(span.pack):
+                        pass  # (read by its task)
+                    elif (
+                        next_read > number and read_bytes and read_bytes + width > _READ_AHEAD_BYTES
+                    ):
                         break
-                    reads[held[0]] = self._pool.submit(self._span_bytes, span, keeper, True)
-                    held[0] += 1
-                    held[1] += width
+                    else:
+                        reads[next_read] = self._pool.submit(self._span_bytes, span, keeper, True)
+                        read_bytes += width
+                    next_read += 1
                 return reads.get(number)
 
         def used(number: int) -> None:
+            nonlocal read_bytes
             with reads_lock:
-                reads[number] = _DONE  # (its body freed with the task that used it)
-                held[1] -= spans[number].end - spans[number].start
+                del reads[number]  # (its body freed with the task that used it)
+                read_bytes -= spans[number].end - spans[number].start
             read_ahead()
 
         # Each file waits for its distinct chunks that a span brings: the files waiting on a
@@ -1494,7 +1498,7 @@ class SnapshotStore:
                 task.cancel()
             wait(tasks)
             with reads_lock:
-                early_reads = [read for read in reads.values() if read is not None]
+                early_reads = list(reads.values())
             for read in early_reads:  # (and no read left running)
                 read.cancel()
             wait(early_reads)
@@ -1866,9 +1870,6 @@ def _settle(out: Future[_T], done: Future[_T]) -> None:
 _SpanRead = tuple[bytes | memoryview, Literal["own", "copy", "s3"]] | None
 """A span's bytes and where they came from (:meth:`SnapshotStore._span_bytes`); None: its
 pack is missing."""
-
-_DONE: Future[_SpanRead] = Future()
-_DONE.set_result(None)  # (a read ahead whose body was used and dropped)
 
 
 class _Stored(msgspec.Struct, forbid_unknown_fields=True):

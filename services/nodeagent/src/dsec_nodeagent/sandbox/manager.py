@@ -1338,6 +1338,7 @@ class SandboxManager:
 
 
 SHARED_KEPT = 32
+"""Runtimes whose last shared layout entries a node agent keeps for the next launch."""
 
 
 def _runtime_key(config: SandboxConfig) -> tuple[str, ...]:

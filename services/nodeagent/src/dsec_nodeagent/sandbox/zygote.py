@@ -227,6 +227,16 @@ class Zygote:
 
 MOUNT_NOW = b"m"  # init.MOUNT_NOW (not imported: init is the zygote's module, not the agent's)
 MOUNT_SHARED = b"M"  # init.MOUNT_SHARED
+SHARED_MAX = 1 << 20  # init.SHARED_MAX
+
+
+def mount_word(shared: bytes) -> bytes:
+    """What init reads at :meth:`PendingFork.mount_now`: :data:`MOUNT_SHARED` with the shared
+    entries, or plain :data:`MOUNT_NOW` when there are none or more than init takes (it would
+    refuse them and fail the launch; without them it binds every entry after the plan)."""
+    if not shared or len(shared) > SHARED_MAX:
+        return MOUNT_NOW
+    return MOUNT_SHARED + len(shared).to_bytes(4, "big") + shared
 
 
 class PendingFork:
@@ -303,11 +313,8 @@ class PendingFork:
         if self._child_pidfd >= 0 and self._init_pid > 0 and not ended(self._child_pidfd):
             with contextlib.suppress(OSError):  # (a hint: init works without it)
                 cpuhint.elsewhere(self._init_pid)
-        word = MOUNT_NOW
-        if self._shared:
-            word = MOUNT_SHARED + len(self._shared).to_bytes(4, "big") + self._shared
         with contextlib.suppress(OSError):  # init is gone: hand_over() fails on its socket
-            self._init.sendall(word)
+            self._init.sendall(mount_word(self._shared))
 
     def drop_failed(self) -> None:
         """Release a :attr:`failed` one (its task is over)."""
