@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,9 @@ from dsec_sdk import (
     RemoteError,
     ToolNotFound,
 )
+from dsec_sdk.client import _SyncChannel
 from dsec_sdk.errors import ProtocolError
+from dsec_sdk.ipc import channel as ch
 from dsec_sdk.ipc import codec
 from dsec_sdk.ipc.server import Dispatcher, await_tool
 
@@ -154,3 +159,130 @@ def test_an_error_answer_nested_past_the_stack_is_a_protocol_error() -> None:
 def test_error_codes_map_to_typed_errors(code: str, expected: type[Exception]) -> None:
     with pytest.raises(expected):
         codec.raise_error("b", "t", "g", 1.0, [code, "E", "text", ""])
+
+
+# ------------------------------------------------------------ call_tool over an in-process channel
+# The client's channel to agent "b" is a ring pair in this process, answered by a scripted server
+# thread: every way a call can end, through the C common case (and what it hands back to Python)
+# and through the Python path alone (ring_mode "python"), must look the same to the caller.
+class _Channel:
+    def __init__(self, tmp_path: Path, max_payload: int = 1 << 16) -> None:
+        fds = ch.create_channel(4096)
+        self.doorbell = ch.new_eventfd()
+        pidfd = os.pidfd_open(os.getpid())
+        caller = ch.CallerEnd(
+            channel_id=1,
+            peer="b",
+            capacity=4096,
+            fds=[os.dup(fd) for fd in fds.all()] + [os.dup(self.doorbell), os.dup(pidfd)],
+            max_payload=max_payload,
+            spin_ns=1000,
+        )
+        self.server = ch.ServerEnd(
+            channel_id=1,
+            peer="a",
+            capacity=4096,
+            fds=[os.dup(fd) for fd in fds.all()] + [pidfd],
+            doorbell=self.doorbell,
+            max_payload=max_payload,
+        )
+        fds.close()
+        self.client = DSecClient("a", "g", socket_path=tmp_path / "none.sock", observe=False)
+        self.channel = _SyncChannel(caller, max_payload)
+        self.client._channels["b"] = self.channel
+        self.requests: list[object] = []
+
+    def answer(self, *script: Callable[[int], list[tuple[int, int, bytes]]]) -> threading.Thread:
+        """Serve one request per step: each step maps its id to the records to answer with."""
+
+        def run() -> None:
+            for step in script:
+                frame = None
+                while frame is None:
+                    frame = self.server.requests.try_read(codec.unpack)
+                self.requests.append(frame[2])
+                for kind, call_id, body in step(frame[1]):
+                    assert self.server.responses.try_write(kind, call_id, body)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+        os.close(self.doorbell)
+
+
+@pytest.fixture
+def channel(tmp_path: Path) -> Iterator[_Channel]:
+    made = _Channel(tmp_path)
+    yield made
+    made.close()
+
+
+_encode = codec.new_packer().encode
+
+
+def test_a_call_ends_the_same_whichever_path_carries_it(channel: _Channel) -> None:
+    call = channel.client.call_tool
+    served = channel.answer(
+        lambda i: [(codec.RESULT, i, _encode({"hits": [1, 2]}))],
+        # the late answer to an earlier call first: dropped, the right one returned
+        lambda i: [(codec.RESULT, i - 1, _encode("late")), (codec.RESULT, i, _encode("right"))],
+        lambda i: [(codec.ERROR, i, _encode(["remote", "KeyError", "'k'", "in tool"]))],
+        lambda i: [(codec.ERROR, i, _encode(["bad_arguments", "TypeError", "no x", ""]))],
+    )
+    assert call("b", "search", query="memfd") == {"hits": [1, 2]}
+    assert call("b", "search", {"timeout": 3}, timeout=None) == "right"
+    with pytest.raises(RemoteError, match="KeyError") as err:
+        call("b", "search")
+    assert err.value.traceback_summary == "in tool"
+    with pytest.raises(BadArguments, match="no x"):
+        call("b", "search", x=1)
+    served.join()
+    assert channel.requests == [
+        ["search", {"query": "memfd"}, 30_000],
+        ["search", {"timeout": 3}, 0],
+        ["search", {}, 30_000],
+        ["search", {"x": 1}, 30_000],
+    ]
+    # What cannot be sent is refused before anything is sent.
+    with pytest.raises(TypeError, match="arguments of tool 'search' are not MessagePack-serial"):
+        call("b", "search", when=object())
+    with pytest.raises(PayloadTooLarge, match=r"request to b.search is \d+ bytes; the limit is"):
+        call("b", "search", text="x" * (1 << 16))
+    with pytest.raises(ValueError, match="cannot convert float NaN to integer"):
+        call("b", "search", timeout=float("nan"))
+    assert not channel.server.requests.readable()
+    # No answer in time; then an answer that does not decode: the channel is dropped.
+    with pytest.raises(CallTimeout, match=r"timed out after 0\.02 s"):
+        call("b", "search", timeout=0.02)
+    channel.server.requests.try_read(len)
+    served = channel.answer(lambda i: [(codec.RESULT, i, b"\xc1")])
+    with pytest.raises(ProtocolError, match="undecodable answer from 'b'"):
+        call("b", "search")
+    served.join()
+    assert "b" not in channel.client._channels
+
+
+def test_calls_from_many_threads_on_one_channel_each_get_their_own_answer(
+    channel: _Channel,
+) -> None:
+    calls = 200
+    served = channel.answer(*[lambda i: [(codec.RESULT, i, _encode(i))]] * calls)
+    results: list[tuple[int, object]] = []
+
+    def caller(n: int) -> None:
+        for k in range(calls // 4):
+            # each answer is the id its request carried: ids in order, none shared
+            results.append((n, channel.client.call_tool("b", "count", n=n, k=k)))
+
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    served.join()
+    assert sorted(value for _, value in results) == list(range(1, calls + 1))  # type: ignore[type-var]
+    assert len(channel.requests) == calls

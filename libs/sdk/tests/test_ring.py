@@ -9,8 +9,10 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 from dsec_sdk.errors import PayloadTooLarge, PeerGone, ProtocolError
@@ -639,3 +641,178 @@ def test_the_c_methods_name_their_arguments(pair: Pair, ring_mode: str) -> None:
         return  # ring.py's methods are Python functions: Python names their arguments
     with pytest.raises(TypeError, match=r"try_write\(kind, call_id, body\) takes 3 arguments"):
         pair.caller.requests.try_write(1, 2)
+
+
+# ------------------------------------------------------------------ a whole call's common case in C
+# FastCaller and FastServer (client.py's and runner.py's hot paths): each either finishes the
+# common case or stops where the Python path goes on, handing over what it needs.
+C_ONLY = pytest.mark.parametrize("ring_mode", ["c"], indirect=True)
+FAR = 1 << 62
+ANSWER = {"results": [{"title": "memfd_create(2)", "url": "https://man7.org/"}]}
+_pack = codec.new_packer().encode
+
+
+def _fast_caller(pair: Pair) -> tuple[Any, threading.Lock]:
+    lock = threading.Lock()
+    spin = pair.caller.spin
+    caller = pair.caller.requests.fast_caller(
+        pair.caller.responses, _pack, codec.unpack, lock, spin, spin.max_ns, ch.PURE_SPIN_NS
+    )
+    assert caller is not None
+    return caller, lock
+
+
+@pytest.mark.unit
+@C_ONLY
+def test_the_c_caller_returns_the_answer_and_frees_the_lock(pair: Pair) -> None:
+    caller, lock = _fast_caller(pair)
+    for timeout, timeout_ms in ((2.0, 2000), (None, 0), (3, 3000), (0.0001, 1)):
+        call_id = caller.next_id
+        assert pair.server.responses.try_write(codec.RESULT, call_id, _pack(ANSWER))
+        assert caller.call("search", {"q": "x"}, timeout) == ANSWER
+        assert caller.next_id == call_id + 1
+        assert not lock.locked()
+        frame = pair.server.requests.try_read(codec.unpack)
+        assert frame == (codec.REQUEST, call_id, ["search", {"q": "x"}, timeout_ms])
+
+
+@pytest.mark.unit
+@C_ONLY
+def test_the_c_caller_hands_every_other_case_to_python(pair: Pair) -> None:
+    caller, lock = _fast_caller(pair)
+    requests = pair.server.requests
+    # Another thread's call holds the lock: nothing is sent, nothing taken.
+    with lock:
+        assert caller.call("t", {}, 1.0) == (0,)
+    # Timeouts only Python converts (it raises for them as it always did): the same.
+    for timeout in (float("nan"), float("inf"), 1e12, "soon", 2**70):
+        assert caller.call("t", {}, timeout) == (0,)
+    # Arguments MessagePack cannot carry; a request over the channel's limit.
+    assert caller.call("t", {"x": object()}, 1.0) == (2,)
+    too_large = caller.call("t", {"x": "a" * (1 << 20)}, 1.0)
+    assert too_large[0] == 3 and too_large[1] > 1 << 20
+    assert not requests.readable() and not lock.locked()
+    assert caller.next_id == 1  # no id was spent on what was never sent
+    # Sent, and no answer while spinning: the lock stays held for the Python path that waits.
+    status = caller.call("t", {"k": 1}, 1.0)
+    assert status[0] == 1 and status[1] in (0, 2) and lock.locked()
+    _, _, call_id, body, deadline = status
+    assert codec.unpack(body) == ["t", {"k": 1}, 1000]
+    assert time.perf_counter_ns() < deadline < time.perf_counter_ns() + 1_100_000_000
+    assert requests.try_read(codec.unpack) == (codec.REQUEST, call_id, ["t", {"k": 1}, 1000])
+    lock.release()
+    # An error frame, or the late answer to an earlier id: held, with the frame as read.
+    for kind, answer_id in ((codec.ERROR, caller.next_id), (codec.RESULT, caller.next_id - 1)):
+        assert pair.server.responses.try_write(kind, answer_id, _pack(["remote", "E", "m", ""]))
+        status = caller.call("t", {}, 1.0)
+        assert status[0] == 1 and status[1] == (kind, answer_id, ["remote", "E", "m", ""])
+        assert lock.locked()
+        lock.release()
+        requests.try_read(len)
+    # An answer that does not decode: the exception, the lock freed.
+    assert pair.server.responses.try_write(codec.RESULT, caller.next_id, b"\xc1")
+    status = caller.call("t", {}, 1.0)
+    assert status[0] == 5 and isinstance(status[1], ValueError) and not lock.locked()
+    requests.try_read(len)
+    # The channel closed: said so, nothing touched.
+    pair.caller.close()
+    assert caller.call("t", {}, 1.0) == (4,)
+    assert not lock.locked()
+
+
+def _fast_server(pair: Pair, tools: dict[str, Any]) -> tuple[Dispatcher, Any]:
+    dispatcher = Dispatcher(tools, 1 << 16)
+    fast = pair.server.requests.fast_server(
+        pair.server.responses,
+        decode_request,
+        dispatcher.tools,
+        dispatcher.async_tools,
+        dispatcher.packer.encode,
+        dispatcher.max_payload,
+    )
+    assert fast is not None
+    return dispatcher, fast
+
+
+def _echo(text: str) -> str:
+    return text.upper()
+
+
+@pytest.mark.unit
+@C_ONLY
+def test_the_c_server_answers_a_plain_call(pair: Pair) -> None:
+    _, fast = _fast_server(pair, {"echo": _echo})
+    assert pair.caller.requests.try_write(codec.REQUEST, 7, _pack(["echo", {"text": "hi"}, 0]))
+    assert fast.serve(FAR, FAR) == 1
+    assert pair.caller.responses.try_read(codec.unpack) == (codec.RESULT, 7, "HI")
+    assert fast.serve(time.perf_counter_ns() + 2000, FAR) == 0  # nothing more came
+    assert fast.serve(FAR, time.perf_counter_ns() + 2000) == 2  # time to yield the core
+
+
+@pytest.mark.unit
+@C_ONLY
+def test_the_c_server_stops_where_python_goes_on_and_python_answers_the_same(pair: Pair) -> None:
+    def fail() -> None:
+        raise ValueError("no luck")
+
+    async def later() -> int:
+        return 1
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    tools = {
+        "echo": _echo,
+        "fail": fail,
+        "later": later,
+        "odd": lambda: object(),
+        "big": lambda: "x" * (1 << 17),
+        "interrupted": interrupted,
+    }
+    dispatcher, fast = _fast_server(pair, tools)
+
+    def serve(body: bytes) -> Any:
+        assert pair.caller.requests.try_write(codec.REQUEST, 7, body)
+        return fast.serve(FAR, FAR)
+
+    # Not a plain call: the request as decoded, for the dispatcher (None: undecodable).
+    for request in (
+        ["nope", {}, 0],  # no such tool: the dispatcher names the ones there are
+        ["later", {}, 0],  # async
+        ["echo", {"text": "a"}, 0, "00-" + "1" * 32 + "-" + "2" * 16 + "-01"],  # traced
+        ["echo", ["a"], 0],
+        [["echo"], {}, 0],
+        "echo",
+    ):
+        assert serve(_pack(request)) == (0, 7, request)
+    assert serve(b"\xc1") == (0, 7, None)
+    assert dispatcher.start(None)[0] == codec.ERROR
+    # The tool raised: the exception; raised by the call itself (the signature) it has no
+    # traceback, and the dispatcher answers exactly as its Python path does.
+    for request, at_call in (
+        (["fail", {}, 0], False),
+        (["echo", {"nope": 1}, 0], True),
+        (["echo", {1: 2}, 0], True),
+        (["echo", {}, 0], True),
+    ):
+        stage, call_id, exc = serve(_pack(request))
+        assert (stage, call_id) == (1, 7)
+        assert (exc.__traceback__ is None) == at_call
+        kind, body = dispatcher.raised(exc, at_call=at_call)
+        python_kind, python_body = dispatcher.start(request)
+        # code, type, message: the same (the traceback summary lacks the dispatcher's frame)
+        assert (kind, codec.unpack(body)[:3]) == (python_kind, codec.unpack(python_body)[:3])
+        assert ("no luck" in codec.unpack(body)[2]) == (not at_call)
+    # A result that does not encode, or is over the limit: the result, for finish() to say so.
+    for request in (["odd", {}, 0], ["big", {}, 0]):
+        stage, call_id, result = serve(_pack(request))
+        assert (stage, call_id) == (2, 7)
+        assert dispatcher.finish(result) == dispatcher.start(request)
+    assert not pair.caller.responses.readable()
+    # The caller's ring has no room: the encoded answer, for the backlog.
+    while pair.server.responses.try_write(codec.RESULT, 1, b""):
+        pass
+    assert serve(_pack(["echo", {"text": "b"}, 0])) == (3, 7, _pack("B"))
+    # What a tool must not swallow is not swallowed.
+    with pytest.raises(KeyboardInterrupt):
+        serve(_pack(["interrupted", {}, 0]))

@@ -36,7 +36,7 @@ from dsec_sdk.errors import (
 )
 from dsec_sdk.ipc import codec, control, ring
 from dsec_sdk.ipc.aio import AsyncCaller
-from dsec_sdk.ipc.channel import CallerEnd
+from dsec_sdk.ipc.channel import PURE_SPIN_NS, CallerEnd
 from dsec_sdk.ipc.link import BrokerLink
 from dsec_sdk.ipc.runner import AsyncServer, BlockingServer
 from dsec_sdk.ipc.server import Dispatcher, Tool
@@ -55,6 +55,13 @@ _REQUEST: Final = codec.REQUEST
 _RESULT: Final = codec.RESULT
 _HEAD: Final = ring.HEAD
 _TAIL: Final = ring.TAIL
+# FastCaller.call's status codes (see _fastring.c; the same numbers with or without it).
+_CALL_BUSY: Final = 0
+_CALL_HELD: Final = 1
+_CALL_UNENCODABLE: Final = 2
+_CALL_TOO_LARGE: Final = 3
+_CALL_CLOSED: Final = 4
+_CALL_UNDECODABLE: Final = 5
 
 
 def default_socket_path() -> Path:
@@ -68,7 +75,13 @@ def default_socket_path() -> Path:
 
 
 class _SyncChannel:
-    """A caller channel used from threads: one call at a time (the lock)."""
+    """A caller channel used from threads: one call at a time (the lock).
+
+    With C rings a call's common case is one C call, ``fast`` (``_fastring.FastCaller.call``):
+    it takes the lock without blocking, encodes, sends, spins, decodes, and returns the result.
+    Anything else comes back as a status tuple and :meth:`resume` goes on in Python. Without
+    them (or ``fast`` busy in another thread, or a traced call), :meth:`call` is the Python path.
+    """
 
     def __init__(self, end: CallerEnd, max_payload: int) -> None:
         self.end = end
@@ -86,8 +99,55 @@ class _SyncChannel:
         # The last timeout seen and its (timeout_ms, ns): calls usually repeat the same one.
         self._timeout: float | None = None
         self._timeout_parts = (0, 0)
-        if self._fast_call is not None:
-            self.call = self._hot_call()  # type: ignore[method-assign,assignment]
+        spin = end.spin
+        self._caller = end.requests.fast_caller(
+            end.responses, self._pack, _unpack, self.lock, spin, spin.max_ns, PURE_SPIN_NS
+        )
+        self.fast: Callable[[str, dict[str, Any], float | None], Any] | None = (
+            None if self._caller is None else self._caller.call
+        )
+
+    def _take_id(self) -> int:
+        """The next call id (the C caller's counter when there is one: both paths share it)."""
+        caller = self._caller
+        if caller is None:
+            call_id: int = self.end.next_id
+            self.end.next_id = call_id + 1
+            return call_id
+        call_id = caller.next_id
+        caller.next_id = call_id + 1
+        return call_id
+
+    def resume(
+        self,
+        status: tuple[Any, ...],
+        tool: str,
+        arguments: dict[str, Any],
+        timeout: float | None,
+        group: str,
+    ) -> Any:
+        """Go on from the status tuple :attr:`fast` returned instead of a result."""
+        code = status[0]
+        end = self.end
+        if code == _CALL_HELD:  # sent or not, the lock is held: wait as the Python path does
+            _, outcome, call_id, body, deadline = status
+            try:
+                frame = self._after_fast_call(end, tool, timeout, call_id, body, deadline, outcome)
+            finally:
+                self.lock.release()
+            if frame[0] == _RESULT:
+                return frame[2]
+            codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
+        if code == _CALL_TOO_LARGE:
+            raise PayloadTooLarge(f"request to {end.peer}.{tool}", status[1], self.max_payload)
+        if code == _CALL_CLOSED:
+            raise PeerGone(end.peer, "the channel was closed")
+        if code == _CALL_UNDECODABLE:
+            exc = status[1]
+            raise ProtocolError(f"undecodable answer from {end.peer!r}: {exc}") from exc
+        # _CALL_BUSY (another thread's call, or a timeout only Python handles), or
+        # _CALL_UNENCODABLE (the Python path names the argument MessagePack cannot carry).
+        return self.call(tool, arguments, timeout, group)
 
     def call(
         self,
@@ -97,6 +157,7 @@ class _SyncChannel:
         group: str,
         trace: str | None = None,
     ) -> Any:
+        """The Python path of a call (see the class docstring)."""
         end = self.end
         with self.lock:
             if timeout is None:
@@ -121,8 +182,7 @@ class _SyncChannel:
                 raise PayloadTooLarge(f"request to {end.peer}.{tool}", len(body), self.max_payload)
             if end.is_closed:
                 raise PeerGone(end.peer, "the channel was closed")
-            call_id = end.next_id
-            end.next_id = call_id + 1
+            call_id = self._take_id()
             outcome: Any = -1
             if self._fast_call is not None:
                 spin = end.spin
@@ -143,83 +203,6 @@ class _SyncChannel:
         if frame[0] == _RESULT:
             return frame[2]
         codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
-
-    def _hot_call(self) -> Callable[[str, dict[str, Any], float | None, str, str | None], Any]:
-        """:meth:`call` for C rings, with what it uses held in closure cells.
-
-        The hot path of every call: an attribute lookup costs ~20 ns and :meth:`call` made about
-        twenty, a good part of what a call costs beyond its codec and the rings. Anything but a
-        settled spin answered by the right frame continues in :meth:`_after_fast_call`, as in
-        :meth:`call`.
-        """
-        end = self.end
-        lock = self.lock
-        pack = self._pack
-        fast_call = self._fast_call
-        responses = self._fast_responses
-        spin = end.spin
-        max_payload = self.max_payload
-        after = self._after_fast_call
-        clock = _clock
-        unpack = _unpack
-        request = _REQUEST
-        result = _RESULT
-        no_deadline = _NO_DEADLINE
-        decode_errors = codec.DECODE_ERRORS
-        assert fast_call is not None
-
-        def call(
-            tool: str,
-            arguments: dict[str, Any],
-            timeout: float | None,
-            group: str,
-            trace: str | None = None,
-        ) -> Any:
-            with lock:
-                if timeout is None:
-                    timeout_ms, deadline = 0, no_deadline
-                else:
-                    if timeout != self._timeout:
-                        self._timeout_parts = (max(1, int(timeout * 1000)), int(timeout * 1e9))
-                        self._timeout = timeout
-                    timeout_ms, timeout_ns = self._timeout_parts
-                    deadline = clock() + timeout_ns
-                try:
-                    body = pack(
-                        [tool, arguments, timeout_ms]
-                        if trace is None
-                        else [tool, arguments, timeout_ms, trace]  # W3C traceparent (tracing on)
-                    )
-                except (TypeError, ValueError, OverflowError):
-                    body = codec.encode_request(self.packer, tool, arguments, timeout_ms, trace)
-                if len(body) > max_payload:
-                    raise PayloadTooLarge(f"request to {end.peer}.{tool}", len(body), max_payload)
-                if end.is_closed:
-                    raise PeerGone(end.peer, "the channel was closed")
-                call_id = end.next_id
-                end.next_id = call_id + 1
-                try:
-                    outcome = fast_call(
-                        responses,
-                        request,
-                        call_id,
-                        body,
-                        unpack,
-                        spin.budget_ns,
-                        spin.pure_ns,
-                        deadline,
-                    )
-                except decode_errors as exc:
-                    raise ProtocolError(f"undecodable answer from {end.peer!r}: {exc}") from exc
-                if outcome.__class__ is tuple and spin.settled and outcome[1] == call_id:
-                    frame = outcome
-                else:
-                    frame = after(end, tool, timeout, call_id, body, deadline, outcome)
-            if frame[0] == result:
-                return frame[2]
-            codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
-
-        return call
 
     def _after_fast_call(
         self,
@@ -357,6 +340,9 @@ class DSecClient:
             self._runner = ToolRunner(
                 reporter=shared_reporter(self.socket_path, self.agent, self.group)
             )
+        if self._runner is None and self._recording is None:
+            # No layer to pass through (decided here, once): the hot path without their checks.
+            self.call_tool = self._unlayered_call_tool()  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ tools
     @property
@@ -539,6 +525,42 @@ class DSecClient:
             return channel.call(tool, merged, seconds, self.group)
         except (PeerGone, ProtocolError) as exc:
             return self._call_again(agent, tool, merged, seconds, channel, exc)
+
+    def _unlayered_call_tool(self) -> Callable[..., Any]:
+        """:meth:`call_tool` for a client that neither observes nor records nor replays, with
+        what it uses held in closure cells (a call's whole budget is a few microseconds)."""
+        channels_get = self._channels.get
+        open_channel = self._channel
+        call_again = self._call_again
+        merge = _merge
+
+        def call_tool(
+            agent: str,
+            tool: str,
+            arguments: Mapping[str, Any] | None = None,
+            /,
+            *,
+            timeout: float | EllipsisType | None = ...,
+            **kwargs: Any,
+        ) -> Any:
+            channel = channels_get(agent)
+            if channel is None or channel.end.is_closed:
+                channel = open_channel(agent)
+            merged = kwargs if arguments is None else merge(arguments, kwargs)
+            seconds = self.timeout if timeout is ... else timeout
+            try:
+                fast = channel.fast
+                if fast is None:
+                    return channel.call(tool, merged, seconds, self.group)
+                value = fast(tool, merged, seconds)
+                if value.__class__ is not tuple:  # (the decoder makes lists, never tuples)
+                    return value
+                return channel.resume(value, tool, merged, seconds, self.group)
+            except (PeerGone, ProtocolError) as exc:
+                return call_again(agent, tool, merged, seconds, channel, exc)
+
+        call_tool.__doc__ = DSecClient.call_tool.__doc__
+        return call_tool
 
     def _call_again(
         self,

@@ -14,7 +14,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <errno.h>
+#include <math.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -480,11 +482,6 @@ static PyObject *current_cpu(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ig
     return PyLong_FromLong(sched_getcpu());
 }
 
-static PyMethodDef module_methods[] = {
-    {"current_cpu", current_cpu, METH_NOARGS,
-     PyDoc_STR("current_cpu() -> int\n\nThe CPU this thread runs on now (sched_getcpu; -1 if unknown).")},
-    {NULL, NULL, 0, NULL},
-};
 
 static PyTypeObject FastRingType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dsec_sdk.ipc._fastring.FastRing",
@@ -499,6 +496,632 @@ static PyTypeObject FastRingType = {
     .tp_methods = FastRing_methods,
 };
 
+/* ------------------------------------------------------------------------------------------ */
+/* FastCaller: a caller channel's whole common-case tool call in one C call.
+ *
+ * DSecClient.call_tool spent more of a ~3 us call in Python bytecode around the ring (the lock,
+ * the timeout, the request list, the id, the checks of the outcome) than in the rings and the
+ * codec together. Here all of it runs in C, calling the same msgspec encoder and decoder and the
+ * same ring paths as above. Anything but the common case returns a status tuple and client.py's
+ * _SyncChannel.resume() goes on from there in Python, exactly as before.
+ *
+ * Mutual exclusion: the channel's threading.Lock, taken without blocking (the GIL is held for the
+ * whole of this call, so no other thread runs in between; one that holds the lock is in the
+ * Python path, and this call leaves it the channel: CALL_BUSY). When the answer did not come
+ * while spinning, the call returns CALL_HELD with the lock still held, and the Python path
+ * that goes on waiting releases it.
+ */
+#define CALL_BUSY 0        /* (0,): nothing done, the lock not taken: use the Python path */
+#define CALL_HELD 1        /* (1, outcome, call_id, body, deadline_ns): lock held, go on */
+#define CALL_UNENCODABLE 2 /* (2,): the request could not be encoded; nothing sent */
+#define CALL_TOO_LARGE 3   /* (3, size): the request is over max_payload; nothing sent */
+#define CALL_CLOSED 4      /* (4,): the channel was closed; nothing sent */
+#define CALL_UNDECODABLE 5 /* (5, exception): the answer could not be decoded */
+#define NO_DEADLINE ((int64_t)1 << 62)
+#define KIND_REQUEST 1
+#define KIND_RESULT 2
+
+typedef struct {
+    PyObject_HEAD
+    FastRing *requests;
+    FastRing *responses;
+    PyObject *pack;    /* bytes = pack([tool, arguments, timeout_ms]) */
+    PyObject *unpack;  /* value = unpack(memoryview) */
+    PyObject *acquire; /* the channel lock's acquire / release */
+    PyObject *release;
+    PyObject *spin;    /* channel.Spin: settled, budget_ns, pure_ns */
+    long long max_payload;
+    long long settled_budget_ns; /* a settled Spin's budget_ns (its max_ns) */
+    long long settled_pure_ns;   /* and pure_ns (PURE_SPIN_NS) */
+    unsigned long long next_id;
+    double last_timeout; /* the last timeout seen and its parts: calls repeat the same one */
+    long long last_ms;
+    long long last_ns;
+    int have_last;
+} FastCaller;
+
+static PyObject *str_settled, *str_budget_ns, *str_pure_ns;
+
+static int FastCaller_init(FastCaller *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"requests", "responses", "pack", "unpack", "lock", "spin",
+                             "max_payload", "settled_budget_ns", "settled_pure_ns", NULL};
+    PyObject *requests, *responses, *pack, *unpack, *lock, *spin;
+    long long max_payload, budget, pure;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OOOOLLL", kwlist, &FastRingType, &requests,
+                                     &FastRingType, &responses, &pack, &unpack, &lock, &spin,
+                                     &max_payload, &budget, &pure))
+        return -1;
+    if (!PyCallable_Check(pack) || !PyCallable_Check(unpack)) {
+        PyErr_SetString(PyExc_TypeError, "pack and unpack must be callable");
+        return -1;
+    }
+    if (max_payload < 0 || budget < 0 || pure < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_payload and the spin times must be >= 0");
+        return -1;
+    }
+    PyObject *acquire = PyObject_GetAttrString(lock, "acquire");
+    PyObject *release = acquire ? PyObject_GetAttrString(lock, "release") : NULL;
+    if (release == NULL) {
+        Py_XDECREF(acquire);
+        return -1;
+    }
+    Py_INCREF(requests);
+    Py_XSETREF(self->requests, (FastRing *)requests);
+    Py_INCREF(responses);
+    Py_XSETREF(self->responses, (FastRing *)responses);
+    Py_INCREF(pack);
+    Py_XSETREF(self->pack, pack);
+    Py_INCREF(unpack);
+    Py_XSETREF(self->unpack, unpack);
+    Py_XSETREF(self->acquire, acquire);
+    Py_XSETREF(self->release, release);
+    Py_INCREF(spin);
+    Py_XSETREF(self->spin, spin);
+    self->max_payload = max_payload;
+    self->settled_budget_ns = budget;
+    self->settled_pure_ns = pure;
+    if (self->next_id == 0)
+        self->next_id = 1;
+    self->have_last = 0;
+    return 0;
+}
+
+static int FastCaller_traverse(FastCaller *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->requests);
+    Py_VISIT(self->responses);
+    Py_VISIT(self->pack);
+    Py_VISIT(self->unpack);
+    Py_VISIT(self->acquire);
+    Py_VISIT(self->release);
+    Py_VISIT(self->spin);
+    return 0;
+}
+
+static int FastCaller_clear(FastCaller *self)
+{
+    Py_CLEAR(self->requests);
+    Py_CLEAR(self->responses);
+    Py_CLEAR(self->pack);
+    Py_CLEAR(self->unpack);
+    Py_CLEAR(self->acquire);
+    Py_CLEAR(self->release);
+    Py_CLEAR(self->spin);
+    return 0;
+}
+
+static void FastCaller_dealloc(FastCaller *self)
+{
+    PyObject_GC_UnTrack(self);
+    FastCaller_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Release the channel lock; returns result, or NULL (result dropped) if releasing failed. */
+static PyObject *unlock_and(FastCaller *self, PyObject *result)
+{
+    PyObject *exc_type, *exc_value, *exc_tb;
+    PyErr_Fetch(&exc_type, &exc_value, &exc_tb); /* a pending error survives the release */
+    PyObject *r = PyObject_CallNoArgs(self->release);
+    if (r == NULL) {
+        Py_XDECREF(exc_type);
+        Py_XDECREF(exc_value);
+        Py_XDECREF(exc_tb);
+        Py_XDECREF(result);
+        return NULL;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(exc_type, exc_value, exc_tb);
+    return result;
+}
+
+static PyObject *status1(int code) { return Py_BuildValue("(i)", code); }
+
+/* The deadline of a call with this timeout (None: none); 0 when the Python path must decide
+ * (not a plain number, not finite, too large for nanoseconds): it raises as it always did. */
+static int call_deadline(FastCaller *self, PyObject *timeout, long long *ms, int64_t *deadline)
+{
+    if (timeout == Py_None) {
+        *ms = 0;
+        *deadline = NO_DEADLINE;
+        return 1;
+    }
+    double t;
+    if (PyFloat_CheckExact(timeout))
+        t = PyFloat_AS_DOUBLE(timeout);
+    else if (PyLong_CheckExact(timeout)) {
+        t = PyLong_AsDouble(timeout);
+        if (t == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+    } else
+        return 0;
+    if (!isfinite(t) || fabs(t) > 9e9)
+        return 0;
+    if (!self->have_last || t != self->last_timeout) {
+        /* As Python's max(1, int(t * 1000)) and int(t * 1e9): truncated toward zero. */
+        long long m = (long long)(t * 1000.0);
+        self->last_ms = m < 1 ? 1 : m;
+        self->last_ns = (long long)(t * 1e9);
+        self->last_timeout = t;
+        self->have_last = 1;
+    }
+    *ms = self->last_ms;
+    *deadline = now_ns() + self->last_ns;
+    return 1;
+}
+
+/* CALL_HELD's status (steals outcome); the lock stays held, unless building it failed. */
+static PyObject *held(FastCaller *self, PyObject *outcome, unsigned long long call_id,
+                      PyObject *body, int64_t deadline)
+{
+    if (outcome == NULL)
+        return unlock_and(self, NULL);
+    PyObject *status = Py_BuildValue("(iNKOL)", CALL_HELD, outcome, call_id, body,
+                                     (long long)deadline);
+    return status != NULL ? status : unlock_and(self, NULL);
+}
+
+PyDoc_STRVAR(caller_call_doc,
+             "call(tool, arguments, timeout) -> value | status tuple\n\n"
+             "One tool call's common case: the request [tool, arguments, timeout_ms] encoded,\n"
+             "published, the answer awaited spinning and decoded. Returns the tool's result (never\n"
+             "a tuple: the decoder makes lists), or a status tuple client.py goes on from:\n"
+             "(0,) busy, (1, outcome, call_id, body, deadline_ns) with the lock still held,\n"
+             "(2,) unencodable, (3, size) too large, (4,) closed, (5, exception) undecodable.");
+
+static PyObject *FastCaller_call(FastCaller *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "call(tool, arguments, timeout) takes 3 arguments");
+        return NULL;
+    }
+    if (self->requests == NULL) {
+        PyErr_SetString(PyExc_ValueError, "FastCaller is not initialised");
+        return NULL;
+    }
+    long long timeout_ms;
+    int64_t deadline;
+    if (!call_deadline(self, args[2], &timeout_ms, &deadline))
+        return status1(CALL_BUSY);
+    PyObject *got = PyObject_CallOneArg(self->acquire, Py_False);
+    if (got == NULL)
+        return NULL;
+    int locked = got == Py_True;
+    Py_DECREF(got);
+    if (!locked)
+        return status1(CALL_BUSY);
+    /* The lock is held: every way out below releases it, but CALL_HELD. */
+    FastRing *requests = self->requests, *responses = self->responses;
+    if (!requests->has_view || !responses->has_view)
+        return unlock_and(self, status1(CALL_CLOSED));
+    PyObject *frame_list = PyList_New(3);
+    if (frame_list == NULL)
+        return unlock_and(self, NULL);
+    PyObject *ms = PyLong_FromLongLong(timeout_ms);
+    if (ms == NULL) {
+        Py_DECREF(frame_list);
+        return unlock_and(self, NULL);
+    }
+    Py_INCREF(args[0]);
+    PyList_SET_ITEM(frame_list, 0, args[0]);
+    Py_INCREF(args[1]);
+    PyList_SET_ITEM(frame_list, 1, args[1]);
+    PyList_SET_ITEM(frame_list, 2, ms);
+    PyObject *body = PyObject_CallOneArg(self->pack, frame_list);
+    Py_DECREF(frame_list);
+    if (body == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_ValueError) ||
+            PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            return unlock_and(self, status1(CALL_UNENCODABLE));
+        }
+        return unlock_and(self, NULL);
+    }
+    if (!PyBytes_CheckExact(body)) {
+        Py_DECREF(body);
+        PyErr_SetString(PyExc_TypeError, "pack must return bytes");
+        return unlock_and(self, NULL);
+    }
+    Py_ssize_t size = PyBytes_GET_SIZE(body);
+    if (size > self->max_payload) {
+        Py_DECREF(body);
+        return unlock_and(self, Py_BuildValue("(in)", CALL_TOO_LARGE, size));
+    }
+    unsigned long long call_id = self->next_id++;
+    /* The spin: a settled Spin has its full budget (hit() would change nothing). */
+    long long budget = self->settled_budget_ns, pure = self->settled_pure_ns;
+    PyObject *flag = PyObject_GetAttr(self->spin, str_settled);
+    int settled = flag == NULL ? -1 : PyObject_IsTrue(flag);
+    Py_XDECREF(flag);
+    if (settled < 0) {
+        Py_DECREF(body);
+        return unlock_and(self, NULL);
+    }
+    if (!settled) {
+        PyObject *b = PyObject_GetAttr(self->spin, str_budget_ns);
+        PyObject *p = b ? PyObject_GetAttr(self->spin, str_pure_ns) : NULL;
+        budget = b ? PyLong_AsLongLong(b) : -1;
+        pure = p ? PyLong_AsLongLong(p) : -1;
+        Py_XDECREF(b);
+        Py_XDECREF(p);
+        if (PyErr_Occurred()) {
+            Py_DECREF(body);
+            return unlock_and(self, NULL);
+        }
+    }
+    int done = write_fast(requests, KIND_REQUEST, call_id, body);
+    if (done < 0) {
+        Py_DECREF(body);
+        return unlock_and(self, NULL);
+    }
+    PyObject *status;
+    if (!done) { /* not written here (a wrap, a full ring): the Python path sends it */
+        status = held(self, PyLong_FromLong(-1), call_id, body, deadline);
+        Py_DECREF(body);
+        return status;
+    }
+    int64_t now = now_ns();
+    int64_t until = now + budget < deadline ? now + budget : deadline;
+    int outcome = spin_wait(responses, until, now + pure);
+    if (outcome != 1) {
+        status = held(self, PyLong_FromLong(outcome), call_id, body, deadline);
+        Py_DECREF(body);
+        return status;
+    }
+    PyObject *frame = FastRing_try_read(responses, self->unpack);
+    if (frame == NULL) {
+        Py_DECREF(body);
+        if (PyErr_ExceptionMatches(PyExc_ValueError) ||
+            PyErr_ExceptionMatches(PyExc_RecursionError)) {
+            PyObject *exc_type, *exc_value, *exc_tb;
+            PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+            PyErr_NormalizeException(&exc_type, &exc_value, &exc_tb);
+            if (exc_tb != NULL)
+                PyException_SetTraceback(exc_value, exc_tb);
+            Py_XDECREF(exc_type);
+            Py_XDECREF(exc_tb);
+            return unlock_and(self, Py_BuildValue("(iN)", CALL_UNDECODABLE, exc_value));
+        }
+        return unlock_and(self, NULL);
+    }
+    if (settled && PyTuple_CheckExact(frame) && PyTuple_GET_SIZE(frame) == 3 &&
+        PyLong_AsLong(PyTuple_GET_ITEM(frame, 0)) == KIND_RESULT &&
+        PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(frame, 1)) == call_id) {
+        PyObject *value = PyTuple_GET_ITEM(frame, 2);
+        Py_INCREF(value);
+        Py_DECREF(frame);
+        Py_DECREF(body);
+        return unlock_and(self, value);
+    }
+    PyErr_Clear(); /* (an id that did not fit: not ours) */
+    status = held(self, frame, call_id, body, deadline);
+    Py_DECREF(body);
+    return status;
+}
+
+static PyMethodDef FastCaller_methods[] = {
+    {"call", (PyCFunction)(void (*)(void))FastCaller_call, METH_FASTCALL, caller_call_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef FastCaller_members[] = {
+    {"next_id", T_ULONGLONG, offsetof(FastCaller, next_id), 0,
+     "The id of the next call on this channel (the Python path takes its ids here too)."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject FastCallerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dsec_sdk.ipc._fastring.FastCaller",
+    .tp_doc = PyDoc_STR("A caller channel's common-case tool call in C (see client.py)."),
+    .tp_basicsize = sizeof(FastCaller),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)FastCaller_init,
+    .tp_dealloc = (destructor)FastCaller_dealloc,
+    .tp_traverse = (traverseproc)FastCaller_traverse,
+    .tp_clear = (inquiry)FastCaller_clear,
+    .tp_methods = FastCaller_methods,
+    .tp_members = FastCaller_members,
+};
+
+/* ------------------------------------------------------------------------------------------ */
+/* FastServer: a serving loop's common case in C: spin for a request, read and decode it, call
+ * the tool (a plain function registered for its name), encode the result, publish it. Anything
+ * else (another shape of request, a tool that raised or is async, a result that will not encode
+ * or fit, a full ring) returns where it stopped, and server.py goes on in Python as before. */
+#define SERVE_REQUEST 0 /* (0, call_id, request): dispatch it in Python */
+#define SERVE_RAISED 1  /* (1, call_id, exception): the tool raised it; answer the error */
+#define SERVE_RESULT 2  /* (2, call_id, result): encode it in Python (it failed, or too large) */
+#define SERVE_BODY 3    /* (3, call_id, body): the encoded result, not written: write it */
+
+typedef struct {
+    PyObject_HEAD
+    FastRing *requests;
+    FastRing *responses;
+    PyObject *decode;      /* body -> request, None when undecodable (see lenient()) */
+    PyObject *tools;       /* dict: name -> function */
+    PyObject *async_tools; /* set: the names whose function is async */
+    PyObject *pack;
+    long long max_payload;
+} FastServer;
+
+static PyObject *empty_args;
+
+static int FastServer_init(FastServer *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"requests", "responses", "decode", "tools", "async_tools", "pack",
+                             "max_payload", NULL};
+    PyObject *requests, *responses, *decode, *tools, *async_tools, *pack;
+    long long max_payload;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!OL", kwlist, &FastRingType, &requests,
+                                     &FastRingType, &responses, &decode, &PyDict_Type, &tools,
+                                     &PySet_Type, &async_tools, &pack, &max_payload))
+        return -1;
+    if (!PyCallable_Check(decode) || !PyCallable_Check(pack)) {
+        PyErr_SetString(PyExc_TypeError, "decode and pack must be callable");
+        return -1;
+    }
+    Py_INCREF(requests);
+    Py_XSETREF(self->requests, (FastRing *)requests);
+    Py_INCREF(responses);
+    Py_XSETREF(self->responses, (FastRing *)responses);
+    Py_INCREF(decode);
+    Py_XSETREF(self->decode, decode);
+    Py_INCREF(tools);
+    Py_XSETREF(self->tools, tools);
+    Py_INCREF(async_tools);
+    Py_XSETREF(self->async_tools, async_tools);
+    Py_INCREF(pack);
+    Py_XSETREF(self->pack, pack);
+    self->max_payload = max_payload;
+    return 0;
+}
+
+static int FastServer_traverse(FastServer *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->requests);
+    Py_VISIT(self->responses);
+    Py_VISIT(self->decode);
+    Py_VISIT(self->tools);
+    Py_VISIT(self->async_tools);
+    Py_VISIT(self->pack);
+    return 0;
+}
+
+static int FastServer_clear(FastServer *self)
+{
+    Py_CLEAR(self->requests);
+    Py_CLEAR(self->responses);
+    Py_CLEAR(self->decode);
+    Py_CLEAR(self->tools);
+    Py_CLEAR(self->async_tools);
+    Py_CLEAR(self->pack);
+    return 0;
+}
+
+static void FastServer_dealloc(FastServer *self)
+{
+    PyObject_GC_UnTrack(self);
+    FastServer_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* (stage, call_id, value); steals value. */
+static PyObject *stopped_at(int stage, PyObject *call_id, PyObject *value)
+{
+    if (value == NULL)
+        return NULL;
+    return Py_BuildValue("(iON)", stage, call_id, value);
+}
+
+PyDoc_STRVAR(serve_doc,
+             "serve(until_ns, yield_after_ns) -> int | (stage, call_id, value)\n\n"
+             "Spin for one request and answer it: 1 once answered; 0 or 2 as spin_until() when\n"
+             "none came; or where it stopped: (0, id, request) dispatch it, (1, id, exception)\n"
+             "the tool raised, (2, id, result) encode it, (3, id, body) write it.");
+
+static PyObject *FastServer_serve(FastServer *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "serve(until_ns, yield_after_ns) takes 2 arguments");
+        return NULL;
+    }
+    if (self->requests == NULL) {
+        PyErr_SetString(PyExc_ValueError, "FastServer is not initialised");
+        return NULL;
+    }
+    FastRing *requests = self->requests, *responses = self->responses;
+    if (released(requests) || released(responses))
+        return NULL;
+    long long until = PyLong_AsLongLong(args[0]);
+    long long yield_after = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    int outcome = spin_wait(requests, until, yield_after);
+    if (outcome != 1)
+        return PyLong_FromLong(outcome);
+    PyObject *frame = FastRing_try_read(requests, self->decode);
+    if (frame == NULL) /* ProtocolError: server.py drops the peer */
+        return NULL;
+    if (frame == Py_None) { /* empty again: only a peer that moved HEAD back does that */
+        Py_DECREF(frame);
+        return PyLong_FromLong(2);
+    }
+    if (!PyTuple_CheckExact(frame) || PyTuple_GET_SIZE(frame) != 3) {
+        Py_DECREF(frame);
+        PyErr_SetString(PyExc_TypeError, "a ring read returned something else than a frame");
+        return NULL;
+    }
+    PyObject *call_id = PyTuple_GET_ITEM(frame, 1);
+    PyObject *request = PyTuple_GET_ITEM(frame, 2);
+    PyObject *result = NULL;
+    if (!PyList_CheckExact(request) || PyList_GET_SIZE(request) != 3)
+        goto in_python;
+    PyObject *name = PyList_GET_ITEM(request, 0);
+    PyObject *arguments = PyList_GET_ITEM(request, 1);
+    if (!PyUnicode_CheckExact(name) || !PyDict_CheckExact(arguments))
+        goto in_python;
+    PyObject *function = PyDict_GetItemWithError(self->tools, name);
+    if (function == NULL) {
+        if (PyErr_Occurred()) {
+            Py_DECREF(frame);
+            return NULL;
+        }
+        goto in_python; /* not a tool of this agent: server.py says which are */
+    }
+    int is_async = PySet_Contains(self->async_tools, name);
+    if (is_async < 0) {
+        Py_DECREF(frame);
+        return NULL;
+    }
+    if (is_async)
+        goto in_python;
+    /* function(**arguments): keys that are not strings raise TypeError here, as there. */
+    Py_INCREF(function);
+    result = PyObject_Call(function, empty_args, arguments);
+    Py_DECREF(function);
+    if (result == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* KeyboardInterrupt, SystemExit */
+            Py_DECREF(frame);
+            return NULL;
+        }
+        PyObject *exc_type, *exc_value, *exc_tb;
+        PyErr_Fetch(&exc_type, &exc_value, &exc_tb);
+        PyErr_NormalizeException(&exc_type, &exc_value, &exc_tb);
+        if (exc_tb != NULL)
+            PyException_SetTraceback(exc_value, exc_tb);
+        Py_XDECREF(exc_type);
+        Py_XDECREF(exc_tb);
+        PyObject *status = stopped_at(SERVE_RAISED, call_id, exc_value);
+        Py_DECREF(frame);
+        return status;
+    }
+    PyObject *body = PyObject_CallOneArg(self->pack, result);
+    if (body == NULL) {
+        if (!(PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_ValueError) ||
+              PyErr_ExceptionMatches(PyExc_OverflowError) ||
+              PyErr_ExceptionMatches(PyExc_RecursionError))) {
+            Py_DECREF(result);
+            Py_DECREF(frame);
+            return NULL;
+        }
+        PyErr_Clear();
+        PyObject *status = stopped_at(SERVE_RESULT, call_id, result);
+        Py_DECREF(frame);
+        return status;
+    }
+    if (!PyBytes_CheckExact(body) || PyBytes_GET_SIZE(body) > self->max_payload) {
+        Py_DECREF(body);
+        PyObject *status = stopped_at(SERVE_RESULT, call_id, result);
+        Py_DECREF(frame);
+        return status;
+    }
+    Py_DECREF(result);
+    unsigned long long id = PyLong_AsUnsignedLongLong(call_id);
+    if (id == (unsigned long long)-1 && PyErr_Occurred()) {
+        Py_DECREF(body);
+        Py_DECREF(frame);
+        return NULL;
+    }
+    int done = write_fast(responses, KIND_RESULT, id, body);
+    if (done < 0) {
+        Py_DECREF(body);
+        Py_DECREF(frame);
+        return NULL;
+    }
+    if (!done) {
+        PyObject *status = stopped_at(SERVE_BODY, call_id, body);
+        Py_DECREF(frame);
+        return status;
+    }
+    Py_DECREF(body);
+    Py_DECREF(frame);
+    return PyLong_FromLong(1);
+in_python:
+    Py_INCREF(request);
+    {
+        PyObject *status = stopped_at(SERVE_REQUEST, call_id, request);
+        Py_DECREF(frame);
+        return status;
+    }
+}
+
+static PyMethodDef FastServer_methods[] = {
+    {"serve", (PyCFunction)(void (*)(void))FastServer_serve, METH_FASTCALL, serve_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject FastServerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "dsec_sdk.ipc._fastring.FastServer",
+    .tp_doc = PyDoc_STR("A served channel's common-case request in C (see runner.py)."),
+    .tp_basicsize = sizeof(FastServer),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)FastServer_init,
+    .tp_dealloc = (destructor)FastServer_dealloc,
+    .tp_traverse = (traverseproc)FastServer_traverse,
+    .tp_clear = (inquiry)FastServer_clear,
+    .tp_methods = FastServer_methods,
+};
+
+/* lenient(decode): decode, with an undecodable body (ValueError, RecursionError) read as None,
+ * as server.py's decode_request, without a Python frame per request. */
+static PyObject *lenient_decode(PyObject *decode, PyObject *body)
+{
+    PyObject *value = PyObject_CallOneArg(decode, body);
+    if (value == NULL && (PyErr_ExceptionMatches(PyExc_ValueError) ||
+                          PyErr_ExceptionMatches(PyExc_RecursionError))) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    return value;
+}
+
+static PyMethodDef lenient_decode_def = {
+    "lenient_decode", lenient_decode, METH_O,
+    PyDoc_STR("lenient_decode(body) -> value | None (None: the body could not be decoded)")};
+
+static PyObject *lenient(PyObject *Py_UNUSED(module), PyObject *decode)
+{
+    if (!PyCallable_Check(decode)) {
+        PyErr_SetString(PyExc_TypeError, "decode must be callable");
+        return NULL;
+    }
+    return PyCFunction_NewEx(&lenient_decode_def, decode, NULL);
+}
+
+static PyMethodDef module_methods[] = {
+    {"lenient", lenient, METH_O,
+     PyDoc_STR("lenient(decode) -> callable\n\ndecode, reading a body it cannot decode (ValueError, "
+               "RecursionError) as None.")},
+    {"current_cpu", current_cpu, METH_NOARGS,
+     PyDoc_STR("current_cpu() -> int\n\nThe CPU this thread runs on now (sched_getcpu; -1 if unknown).")},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef fastring_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "dsec_sdk.ipc._fastring",
@@ -509,14 +1132,29 @@ static struct PyModuleDef fastring_module = {
 
 PyMODINIT_FUNC PyInit__fastring(void)
 {
-    if (PyType_Ready(&FastRingType) < 0)
+    if (PyType_Ready(&FastRingType) < 0 || PyType_Ready(&FastCallerType) < 0 ||
+        PyType_Ready(&FastServerType) < 0)
+        return NULL;
+    empty_args = PyTuple_New(0);
+    if (empty_args == NULL)
+        return NULL;
+    str_settled = PyUnicode_InternFromString("settled");
+    str_budget_ns = PyUnicode_InternFromString("budget_ns");
+    str_pure_ns = PyUnicode_InternFromString("pure_ns");
+    if (str_settled == NULL || str_budget_ns == NULL || str_pure_ns == NULL)
         return NULL;
     PyObject *module = PyModule_Create(&fastring_module);
     if (module == NULL)
         return NULL;
-    Py_INCREF(&FastRingType);
-    if (PyModule_AddObject(module, "FastRing", (PyObject *)&FastRingType) < 0) {
-        Py_DECREF(&FastRingType);
+    if (PyModule_AddType(module, &FastRingType) < 0 ||
+        PyModule_AddType(module, &FastCallerType) < 0 ||
+        PyModule_AddType(module, &FastServerType) < 0 ||
+        PyModule_AddIntConstant(module, "CALL_BUSY", CALL_BUSY) < 0 ||
+        PyModule_AddIntConstant(module, "CALL_HELD", CALL_HELD) < 0 ||
+        PyModule_AddIntConstant(module, "CALL_UNENCODABLE", CALL_UNENCODABLE) < 0 ||
+        PyModule_AddIntConstant(module, "CALL_TOO_LARGE", CALL_TOO_LARGE) < 0 ||
+        PyModule_AddIntConstant(module, "CALL_CLOSED", CALL_CLOSED) < 0 ||
+        PyModule_AddIntConstant(module, "CALL_UNDECODABLE", CALL_UNDECODABLE) < 0) {
         Py_DECREF(module);
         return NULL;
     }

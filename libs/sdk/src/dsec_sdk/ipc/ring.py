@@ -112,6 +112,21 @@ def accelerated() -> bool:
     return _fastring is not None and value in _FALSE
 
 
+def lenient(decode: Callable[[memoryview], T]) -> Callable[[memoryview], T | None]:
+    """``decode``, reading a body it cannot decode (``ValueError``, ``RecursionError``) as
+    ``None``: in C when the extension is built (no Python frame per request), else in Python."""
+    if _fastring is not None:
+        return _fastring.lenient(decode)  # type: ignore[no-any-return]
+
+    def lenient_decode(body: memoryview) -> T | None:
+        try:
+            return decode(body)
+        except (ValueError, RecursionError):
+            return None
+
+    return lenient_decode
+
+
 _fence_lock = threading.Lock()
 _fence_acquire = _fence_lock.acquire
 _fence_release = _fence_lock.release
@@ -229,6 +244,59 @@ class Ring:
         pure-spin span passed).
         """
         return None if self._fast is None else self._fast.call
+
+    def fast_caller(
+        self,
+        responses: Ring,
+        pack: Callable[[Any], bytes],
+        unpack: Callable[[memoryview], Any],
+        lock: threading.Lock,
+        spin: Any,
+        settled_budget_ns: int,
+        settled_pure_ns: int,
+    ) -> Any:
+        """A caller channel's whole common-case call in C (``_fastring.FastCaller``), publishing
+        on this ring and reading ``responses``; ``None`` unless both rings are accelerated.
+
+        ``spin`` is the channel's ``Spin`` (its ``settled``, ``budget_ns`` and ``pure_ns`` are
+        read at each call); a settled one spins ``settled_budget_ns`` with ``settled_pure_ns``
+        of pure spinning.
+        """
+        if self._fast is None or responses._fast is None:
+            return None
+        return _fastring.FastCaller(
+            self._fast,
+            responses._fast,
+            pack,
+            unpack,
+            lock,
+            spin,
+            self.max_payload,
+            settled_budget_ns,
+            settled_pure_ns,
+        )
+
+    def fast_server(
+        self,
+        responses: Ring,
+        decode: Callable[[memoryview], Any],
+        tools: dict[str, Callable[..., Any]],
+        async_tools: set[str],
+        pack: Callable[[Any], bytes],
+        max_payload: int,
+    ) -> Any:
+        """A served channel's common-case request in C (``_fastring.FastServer``), reading this
+        ring and answering on ``responses``; ``None`` unless both rings are accelerated.
+
+        ``decode`` must read an undecodable body as ``None`` (see :func:`lenient`); ``tools``
+        and ``async_tools`` are the dispatcher's own (read at each request); a result encoded
+        larger than ``max_payload`` is handed back (the dispatcher answers the error).
+        """
+        if self._fast is None or responses._fast is None:
+            return None
+        return _fastring.FastServer(
+            self._fast, responses._fast, decode, tools, async_tools, pack, max_payload
+        )
 
     # ---------------------------------------------------------------- producer
     # The hot paths below use literal header indexes and local names on purpose: each attribute

@@ -67,17 +67,10 @@ class Dispatcher:
             )
         try:
             result = function(**arguments)
-        except TypeError as exc:
-            tb = exc.__traceback__
-            if (tb is not None and tb.tb_next is None) or getattr(exc, "dsec_binding", False):
-                # Raised by the call itself, not inside the tool: the signature does not match
-                # (dsec_binding: said so by the observing wrapper of dsec_sdk.tools).
-                return codec.ERROR, codec.encode_error(
-                    self.packer, codec.E_BAD_ARGUMENTS, "TypeError", str(exc)
-                )
-            return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
         except Exception as exc:
-            return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
+            tb = exc.__traceback__
+            # Raised by the call itself, not inside the tool: no frame below this one.
+            return self.raised(exc, at_call=tb is not None and tb.tb_next is None)
         if name in self.async_tools:
             return result  # type: ignore[no-any-return]
         try:  # finish(), inlined: this is every call's hot path
@@ -113,6 +106,17 @@ class Dispatcher:
         if isinstance(started, tuple):
             return started
         return _with_trace(started, trace)
+
+    def raised(self, exc: Exception, *, at_call: bool) -> tuple[int, bytes]:
+        """The ERROR frame for an exception a tool call raised; ``at_call``: raised by the call
+        itself, before any frame of the tool ran (for a ``TypeError``: the signature does not
+        match)."""
+        if isinstance(exc, TypeError) and (at_call or getattr(exc, "dsec_binding", False)):
+            # (dsec_binding: said so by the observing wrapper of dsec_sdk.tools)
+            return codec.ERROR, codec.encode_error(
+                self.packer, codec.E_BAD_ARGUMENTS, "TypeError", str(exc)
+            )
+        return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
 
     def finish(self, result: Any) -> tuple[int, bytes]:
         """Encode a tool's return value."""
@@ -308,12 +312,8 @@ _unpack = codec.unpack
 _RESULT = codec.RESULT
 
 
-def decode_request(body: memoryview) -> Any:
-    """Decode a request body; a malformed one becomes ``None`` (answered as bad arguments)."""
-    try:
-        return _unpack(body)
-    except codec.DECODE_ERRORS:
-        return None
+decode_request: Callable[[memoryview], Any] = r.lenient(_unpack)
+"""Decode a request body; a malformed one becomes ``None`` (answered as bad arguments)."""
 
 
 async def await_tool(dispatcher: Dispatcher, pending: Awaitable[Any]) -> tuple[int, bytes]:
