@@ -5,9 +5,10 @@
 One run, the same tool call over three transports, each side in its own process:
 
 * ``dsec_shm``: ``DSecClient.call_tool`` -> memfd ring -> ``DSecClient.serve`` (broker-created
-  channel, spin-then-block waiting, MessagePack frames), with the ring's C hot path; the same
-  call with ``DSEC_IPC_PURE_PYTHON=1`` (where the extension could not be built) is reported
-  beside it as ``pure_python``;
+  channel, spin-then-block waiting, MessagePack frames), with the SDK's C hot path (each end's
+  common case one C call: ``FastCaller``, ``FastServer``); the same call with
+  ``DSEC_IPC_PURE_PYTHON=1`` (where the extension could not be built) is reported beside it as
+  ``pure_python``;
 * ``nats_request_reply``: nats-py ``request()`` against a real nats-server, a nats-py responder;
 * ``http_keepalive``: stdlib ``http.client`` on one keep-alive connection to an aiohttp server.
 

@@ -286,3 +286,32 @@ def test_calls_from_many_threads_on_one_channel_each_get_their_own_answer(
     served.join()
     assert sorted(value for _, value in results) == list(range(1, calls + 1))  # type: ignore[type-var]
     assert len(channel.requests) == calls
+
+
+@pytest.mark.parametrize("ring_mode", ["c"], indirect=True)
+def test_an_interrupt_between_the_c_call_and_its_python_rest_leaves_the_channel_usable(
+    channel: _Channel,
+) -> None:
+    sync = channel.channel
+    real = sync.fast
+    assert real is not None
+
+    def interrupted(tool: str, arguments: dict[str, object], timeout: float | None) -> object:
+        status = real(tool, arguments, timeout)
+        if status.__class__ is tuple and status[0] == 1:  # sent, lock held: Ctrl-C lands here
+            raise KeyboardInterrupt
+        return status
+
+    sync.fast = interrupted
+    for call in (
+        lambda: channel.client.call_tool("b", "search", timeout=0.01),  # the inlined path
+        lambda: sync.invoke("search", {}, 0.01, "g"),
+    ):
+        with pytest.raises(KeyboardInterrupt):
+            call()  # nobody answers: the C spin runs out and hands over with the lock held
+        assert not sync.lock.locked()
+        assert channel.server.requests.try_read(codec.unpack) is not None  # it was sent
+    sync.fast = real
+    served = channel.answer(lambda i: [(codec.RESULT, i, _encode("after"))])
+    assert channel.client.call_tool("b", "search") == "after"
+    served.join()

@@ -6,6 +6,7 @@ import fcntl
 import os
 import random
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -455,7 +456,10 @@ for _ in range(20000):
         struct.pack_into("<IBBHQ", ring._data, ring.hdr[r.TAIL] & 4095,
                          rng.choice([0, 1, 100, 2032, 2033, 4096, 1 << 20, 2**32 - 1]),
                          rng.choice([1, 2, 3, 0, 255]), 1, 0, 1)
-    ring.hdr[r.HEAD] = ring.hdr[r.TAIL] + rng.choice([16, 32, 4096, 2**40])
+    if rng.random() < 0.05:  # counters at the end of their 64 bits: they wrap, as in C
+        ring.hdr[r.TAIL] = 2**64 - rng.choice([16, 32, 4096])
+        ring.hdr[r.LARGE_CONSUMED] = 2**64 - 1
+    ring.hdr[r.HEAD] = (ring.hdr[r.TAIL] + rng.choice([16, 32, 4096, 2**40])) % 2**64
     try:
         frame = ring.try_read(bytes)
     except ProtocolError:
@@ -471,7 +475,10 @@ caller = ch.CallerEnd(channel_id=1, peer="evil", capacity=4096,
                       max_payload=1 << 16, spin_ns=0)
 out = caller.requests
 for _ in range(20000):
-    out.hdr[r.TAIL] = rng.choice([0, out.hdr[r.HEAD], out.hdr[r.HEAD] + 2**40, 2**63,
+    if rng.random() < 0.05:
+        out.hdr[r.HEAD] = 2**64 - rng.choice([16, 32, 4096])
+        out.hdr[r.LARGE_WRITTEN] = out.hdr[r.LARGE_CONSUMED] = 2**64 - 1
+    out.hdr[r.TAIL] = rng.choice([0, out.hdr[r.HEAD], (out.hdr[r.HEAD] + 2**40) % 2**64, 2**63,
                                    rng.randrange(2**64)])
     # True or False ("no space" is a fine answer to a lie); anything else fails the test.
     body = rng.randbytes(rng.choice([0, 15, 2000, 2033, 5000]))
@@ -714,10 +721,34 @@ def test_the_c_caller_hands_every_other_case_to_python(pair: Pair) -> None:
     status = caller.call("t", {}, 1.0)
     assert status[0] == 5 and isinstance(status[1], ValueError) and not lock.locked()
     requests.try_read(len)
-    # The channel closed: said so, nothing touched.
+    # The channel closed: said so, nothing touched; what could never be sent is said first,
+    # as the Python path does.
     pair.caller.close()
     assert caller.call("t", {}, 1.0) == (4,)
+    assert caller.call("t", {"x": object()}, 1.0) == (2,)
+    assert caller.call("t", {"x": "a" * (1 << 20)}, 1.0)[0] == 3
     assert not lock.locked()
+
+
+@pytest.mark.unit
+@C_ONLY
+def test_the_lock_a_held_call_keeps_is_released_only_by_the_thread_that_holds_it(
+    pair: Pair,
+) -> None:
+    caller, lock = _fast_caller(pair)
+    assert caller.release_held() is False  # nothing held: a no-op, every way out may run it
+    status = caller.call("t", {}, 0.001)  # no server: the spin runs out, the lock stays held
+    assert status[0] == 1 and lock.locked()
+    other: list[bool] = []
+    thread = threading.Thread(target=lambda: other.append(caller.release_held()))
+    thread.start()
+    thread.join()
+    assert other == [False] and lock.locked()  # not another thread's to release
+    assert caller.release_held() is True and not lock.locked()
+    assert caller.release_held() is False  # once
+    with lock:  # and never a lock some Python-path call holds
+        assert caller.release_held() is False
+        assert lock.locked()
 
 
 def _fast_server(pair: Pair, tools: dict[str, Any]) -> tuple[Dispatcher, Any]:
@@ -816,3 +847,95 @@ def test_the_c_server_stops_where_python_goes_on_and_python_answers_the_same(pai
     # What a tool must not swallow is not swallowed.
     with pytest.raises(KeyboardInterrupt):
         serve(_pack(["interrupted", {}, 0]))
+
+
+@pytest.mark.unit
+@C_ONLY
+def test_a_tool_that_closes_its_own_channel_gets_no_write_into_unmapped_memory(
+    pair: Pair,
+) -> None:
+    def hang_up() -> str:
+        pair.server.close()  # a stop or a hand-over, from inside the tool
+        return "bye"
+
+    _, fast = _fast_server(pair, {"hang_up": hang_up})
+    assert pair.caller.requests.try_write(codec.REQUEST, 7, _pack(["hang_up", {}, 0]))
+    # The encoded answer comes back unwritten; the serving loop sees the end closed.
+    assert fast.serve(FAR, FAR) == (3, 7, _pack("bye"))
+    assert pair.server.is_closed
+
+
+@pytest.mark.unit
+def test_a_hostile_caller_that_breaks_the_answer_ring_mid_call_loses_only_its_channel(
+    ring_mode: str,
+) -> None:
+    from types import SimpleNamespace
+
+    from dsec_sdk.ipc.runner import BlockingServer
+
+    good, bad = Pair(), Pair()
+
+    def tool(n: int) -> str:
+        if n == 1:  # meanwhile the hostile caller moves the server's head off alignment,
+            bad.server.responses.hdr[r.HEAD] = CAPACITY - 11  # where the answer needs a wrap
+        return "x" * 100
+
+    sock_a, sock_b = socket.socketpair()
+    link = SimpleNamespace(
+        welcome_fds=[ch.new_eventfd()], welcome={"max_payload": 1 << 16}, sock=sock_a
+    )
+    server = BlockingServer(link, Dispatcher({"tool": tool}, 1 << 16), 1000)  # type: ignore[arg-type]
+    try:
+        server.core.add(good.server)
+        server.core.add(bad.server)
+        far = time.perf_counter_ns() + 1_000_000_000
+
+        def serve_one(end: ch.ServerEnd) -> None:
+            # What the serving loop runs for a lone caller: C rings spin and serve in one call.
+            if ring_mode == "c":
+                server._spin_serve_one(end, time.perf_counter_ns() + 2_000_000, far)
+            else:
+                assert server._serve_one(end)
+
+        assert bad.caller.requests.try_write(codec.REQUEST, 3, _pack(["tool", {"n": 1}, 0]))
+        serve_one(bad.server)  # returns: no exception out of the serving loop
+        assert bad.server.broken is not None and "not record-aligned" in bad.server.broken
+        assert server.core.reap(check_pids=False) == [bad.server]
+        assert good.caller.requests.try_write(codec.REQUEST, 4, _pack(["tool", {"n": 2}, 0]))
+        serve_one(good.server)
+        assert good.caller.responses.try_read(codec.unpack) == (codec.RESULT, 4, "x" * 100)
+    finally:
+        server.core.close()
+        for p in (good, bad):
+            p.caller.close()
+            os.close(p.doorbell)
+        sock_a.close()
+        sock_b.close()
+        os.close(link.welcome_fds[0])
+
+
+GC_UNCLOSED = """
+import gc, os
+from dsec_sdk.ipc import channel as ch
+for _ in range(50):
+    fds = ch.create_channel(4096)
+    end = ch.CallerEnd(channel_id=1, peer="b", capacity=4096,
+                       fds=[os.dup(fd) for fd in fds.all()]
+                       + [ch.new_eventfd(), os.pidfd_open(os.getpid())],
+                       max_payload=1 << 20, spin_ns=1000)
+    fds.close()
+    assert end.requests.try_write(1, 1, b"x" * 100)
+    end.me = end  # a cycle: only the collector frees it
+    del end
+    gc.collect()
+print("collected")
+"""
+
+
+@pytest.mark.integration
+def test_an_end_nobody_closed_is_freed_by_the_collector_without_a_crash(ring_mode: str) -> None:
+    """In a child process: a crash would show as a signal."""
+    result = subprocess.run(
+        [sys.executable, "-c", GC_UNCLOSED], capture_output=True, text=True, timeout=120
+    )
+    assert (result.returncode, result.stdout.strip()) == (0, "collected"), result.stderr[-3000:]

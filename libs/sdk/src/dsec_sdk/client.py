@@ -74,6 +74,10 @@ def default_socket_path() -> Path:
     return Settings().home / control.DEFAULT_SOCKET
 
 
+def _nothing_held() -> bool:
+    return False
+
+
 class _SyncChannel:
     """A caller channel used from threads: one call at a time (the lock).
 
@@ -106,6 +110,12 @@ class _SyncChannel:
         self.fast: Callable[[str, dict[str, Any], float | None], Any] | None = (
             None if self._caller is None else self._caller.call
         )
+        # Releases the lock a CALL_HELD status left held by this thread (else a no-op): run on
+        # every way out of a call, so an interrupt between ``fast`` and :meth:`resume` (a
+        # KeyboardInterrupt, a signal handler that raises) cannot leave the channel locked.
+        self.release_held: Callable[[], bool] = (
+            _nothing_held if self._caller is None else self._caller.release_held
+        )
 
     def _take_id(self) -> int:
         """The next call id (the C caller's counter when there is one: both paths share it)."""
@@ -117,6 +127,27 @@ class _SyncChannel:
         call_id = caller.next_id
         caller.next_id = call_id + 1
         return call_id
+
+    def invoke(
+        self,
+        tool: str,
+        arguments: dict[str, Any],
+        timeout: float | None,
+        group: str,
+        trace: str | None = None,
+    ) -> Any:
+        """One call: the C common case when there is one (untraced), else the Python path."""
+        fast = self.fast
+        if fast is None or trace is not None:
+            return self.call(tool, arguments, timeout, group, trace)
+        try:
+            value = fast(tool, arguments, timeout)
+            if value.__class__ is not tuple:  # (the decoder makes lists, never tuples)
+                return value
+            return self.resume(value, tool, arguments, timeout, group)
+        except BaseException:
+            self.release_held()
+            raise
 
     def resume(
         self,
@@ -134,7 +165,7 @@ class _SyncChannel:
             try:
                 frame = self._after_fast_call(end, tool, timeout, call_id, body, deadline, outcome)
             finally:
-                self.lock.release()
+                self.release_held()
             if frame[0] == _RESULT:
                 return frame[2]
             codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
@@ -522,7 +553,7 @@ class DSecClient:
         merged = kwargs if arguments is None else _merge(arguments, kwargs)
         seconds = self.timeout if timeout is ... else timeout
         try:
-            return channel.call(tool, merged, seconds, self.group)
+            return channel.invoke(tool, merged, seconds, self.group)
         except (PeerGone, ProtocolError) as exc:
             return self._call_again(agent, tool, merged, seconds, channel, exc)
 
@@ -548,7 +579,7 @@ class DSecClient:
                 channel = open_channel(agent)
             merged = kwargs if arguments is None else merge(arguments, kwargs)
             seconds = self.timeout if timeout is ... else timeout
-            try:
+            try:  # channel.invoke(), inlined: a method call is ~0.05 µs of a ~2 µs call
                 fast = channel.fast
                 if fast is None:
                     return channel.call(tool, merged, seconds, self.group)
@@ -558,6 +589,9 @@ class DSecClient:
                 return channel.resume(value, tool, merged, seconds, self.group)
             except (PeerGone, ProtocolError) as exc:
                 return call_again(agent, tool, merged, seconds, channel, exc)
+            except BaseException:  # an interrupt between fast() and resume(): see release_held
+                channel.release_held()
+                raise
 
         call_tool.__doc__ = DSecClient.call_tool.__doc__
         return call_tool
@@ -579,7 +613,7 @@ class DSecClient:
             raise exc
         channel = self._channel(agent)
         try:
-            return channel.call(tool, merged, seconds, self.group)
+            return channel.invoke(tool, merged, seconds, self.group)
         except (PeerGone, ProtocolError):
             self._drop(agent, channel)
             raise
@@ -598,7 +632,7 @@ class DSecClient:
             channel = self._channel(agent)
         seconds = self.timeout if timeout is ... else timeout
         try:
-            return channel.call(tool, merged, seconds, self.group, trace)
+            return channel.invoke(tool, merged, seconds, self.group, trace)
         except (PeerGone, ProtocolError) as exc:
             return self._call_again(agent, tool, merged, seconds, channel, exc)
 

@@ -153,8 +153,8 @@ static int FastRing_traverse(FastRing *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->write_slow);
     Py_VISIT(self->read_slow);
-    if (self->has_view)
-        Py_VISIT(self->view.obj);
+    /* Not view.obj: the buffer's exporter (a slice of the channel's mapping) is owned through
+     * the view, and handing it to the collector let it clear the mapping under a live ring. */
     return 0;
 }
 
@@ -538,6 +538,8 @@ typedef struct {
     long long last_ms;
     long long last_ns;
     int have_last;
+    int holding;           /* a CALL_HELD call left the lock held ... */
+    unsigned long holder;  /* ... in this thread (PyThread_get_thread_ident) */
 } FastCaller;
 
 static PyObject *str_settled, *str_budget_ns, *str_pure_ns;
@@ -681,7 +683,24 @@ static PyObject *held(FastCaller *self, PyObject *outcome, unsigned long long ca
         return unlock_and(self, NULL);
     PyObject *status = Py_BuildValue("(iNKOL)", CALL_HELD, outcome, call_id, body,
                                      (long long)deadline);
-    return status != NULL ? status : unlock_and(self, NULL);
+    if (status == NULL)
+        return unlock_and(self, NULL);
+    self->holding = 1;
+    self->holder = PyThread_get_thread_ident();
+    return status;
+}
+
+PyDoc_STRVAR(release_held_doc,
+             "release_held() -> bool\n\n"
+             "Release the channel lock a CALL_HELD call left held by this thread: True if it\n"
+             "did, False if there was none (a no-op, so every way out of a call may run it).");
+
+static PyObject *FastCaller_release_held(FastCaller *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!self->holding || self->holder != PyThread_get_thread_ident())
+        Py_RETURN_FALSE;
+    self->holding = 0;
+    return unlock_and(self, Py_NewRef(Py_True));
 }
 
 PyDoc_STRVAR(caller_call_doc,
@@ -715,8 +734,6 @@ static PyObject *FastCaller_call(FastCaller *self, PyObject *const *args, Py_ssi
         return status1(CALL_BUSY);
     /* The lock is held: every way out below releases it, but CALL_HELD. */
     FastRing *requests = self->requests, *responses = self->responses;
-    if (!requests->has_view || !responses->has_view)
-        return unlock_and(self, status1(CALL_CLOSED));
     PyObject *frame_list = PyList_New(3);
     if (frame_list == NULL)
         return unlock_and(self, NULL);
@@ -749,6 +766,11 @@ static PyObject *FastCaller_call(FastCaller *self, PyObject *const *args, Py_ssi
     if (size > self->max_payload) {
         Py_DECREF(body);
         return unlock_and(self, Py_BuildValue("(in)", CALL_TOO_LARGE, size));
+    }
+    /* Closed (checked after the encoding, as the Python path: its errors come first). */
+    if (!requests->has_view || !responses->has_view) {
+        Py_DECREF(body);
+        return unlock_and(self, status1(CALL_CLOSED));
     }
     unsigned long long call_id = self->next_id++;
     /* The spin: a settled Spin has its full budget (hit() would change nothing). */
@@ -824,6 +846,7 @@ static PyObject *FastCaller_call(FastCaller *self, PyObject *const *args, Py_ssi
 
 static PyMethodDef FastCaller_methods[] = {
     {"call", (PyCFunction)(void (*)(void))FastCaller_call, METH_FASTCALL, caller_call_doc},
+    {"release_held", (PyCFunction)FastCaller_release_held, METH_NOARGS, release_held_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -992,15 +1015,17 @@ static PyObject *FastServer_serve(FastServer *self, PyObject *const *args, Py_ss
         }
         goto in_python; /* not a tool of this agent: server.py says which are */
     }
+    Py_INCREF(function); /* borrowed from the dict: ours before anything else runs */
     int is_async = PySet_Contains(self->async_tools, name);
-    if (is_async < 0) {
-        Py_DECREF(frame);
-        return NULL;
-    }
-    if (is_async)
+    if (is_async) {
+        Py_DECREF(function);
+        if (is_async < 0) {
+            Py_DECREF(frame);
+            return NULL;
+        }
         goto in_python;
+    }
     /* function(**arguments): keys that are not strings raise TypeError here, as there. */
-    Py_INCREF(function);
     result = PyObject_Call(function, empty_args, arguments);
     Py_DECREF(function);
     if (result == NULL) {
@@ -1040,6 +1065,11 @@ static PyObject *FastServer_serve(FastServer *self, PyObject *const *args, Py_ss
         return status;
     }
     Py_DECREF(result);
+    if (!responses->has_view) { /* the tool closed this channel: server.py sees it closed */
+        PyObject *status = stopped_at(SERVE_BODY, call_id, body);
+        Py_DECREF(frame);
+        return status;
+    }
     unsigned long long id = PyLong_AsUnsignedLongLong(call_id);
     if (id == (unsigned long long)-1 && PyErr_Occurred()) {
         Py_DECREF(body);

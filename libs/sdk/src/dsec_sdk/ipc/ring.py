@@ -128,8 +128,7 @@ def lenient(decode: Callable[[memoryview], T]) -> Callable[[memoryview], T | Non
 
 
 _fence_lock = threading.Lock()
-_fence_acquire = _fence_lock.acquire
-_fence_release = _fence_lock.release
+_U64: Final = (1 << 64) - 1  # header words are u64: a hostile peer's values wrap, as in C
 
 
 def fence() -> None:
@@ -137,10 +136,11 @@ def fence() -> None:
 
     CPython's lock is a POSIX semaphore whose uncontended acquire and release are ``lock``-prefixed
     read-modify-writes, which on x86-64 order every earlier store before every later load: what
-    the Dekker-style sleep handshake needs (~0.1 µs, versus a lost wake-up without it).
+    the Dekker-style sleep handshake needs (~0.1 µs, versus a lost wake-up without it). A
+    ``with`` block, so an interrupt cannot leave the lock held (and every later fence stuck).
     """
-    _fence_acquire()
-    _fence_release()
+    with _fence_lock:
+        pass
 
 
 def ring_size(capacity: int) -> int:
@@ -319,9 +319,9 @@ class Ring:
         data = self._data
         _pack_record(data, pos, n, 1, kind, 0, call_id)  # REC_INLINE
         data[pos + 16 : pos + 16 + n] = body
-        hdr[0] = end
-        _fence_acquire()
-        _fence_release()
+        hdr[0] = end & _U64
+        with _fence_lock:  # fence(), inlined
+            pass
         if hdr[16]:  # CONSUMER_WAITING
             _notify(self.consumer_wake_fd)
         return True
@@ -352,7 +352,7 @@ class Ring:
             return False
         _pack_record(data, pos, n, REC_INLINE, kind, 0, call_id)
         data[pos + RECORD.size : pos + RECORD.size + n] = body
-        hdr[HEAD] = head + need
+        hdr[HEAD] = (head + need) & _U64
         fence()
         if hdr[CONSUMER_WAITING]:
             _notify(self.consumer_wake_fd)
@@ -371,9 +371,9 @@ class Ring:
             return False
         overflow = self._map_overflow()
         overflow[:n] = body
-        hdr[LARGE_WRITTEN] = hdr[LARGE_WRITTEN] + 1
+        hdr[LARGE_WRITTEN] = (hdr[LARGE_WRITTEN] + 1) & _U64
         RECORD.pack_into(self._data, head & self._mask, n, REC_LARGE, kind, 0, call_id)
-        hdr[HEAD] = head + 16
+        hdr[HEAD] = (head + 16) & _U64
         fence()
         if hdr[CONSUMER_WAITING]:
             _notify(self.consumer_wake_fd)
@@ -436,7 +436,7 @@ class Ring:
                 value = decode(body)
             finally:
                 body.release()  # a decoder that kept the view cannot read a reused slot
-                hdr[8] = tail + 16 + ((n + 15) & ~15)
+                hdr[8] = (tail + 16 + ((n + 15) & ~15)) & _U64
                 # No fence here (it would cost ~0.2 µs on every read, on the critical path): a
                 # producer whose "waiting" flag this load misses is woken by our next read, or by
                 # wake_waiting_producer() which every consumer runs, fenced, before it sleeps.
@@ -476,7 +476,7 @@ class Ring:
             else:
                 raise ProtocolError(f"unknown record type {rec} at ring offset {pos}")
         finally:
-            hdr[TAIL] = tail
+            hdr[TAIL] = tail & _U64
             fence()
             if hdr[PRODUCER_WAITING]:
                 _notify(self.producer_wake_fd)
@@ -503,7 +503,7 @@ class Ring:
                     with contextlib.suppress(OSError):
                         overflow.madvise(mmap.MADV_REMOVE, 0, used)
         finally:
-            hdr[LARGE_CONSUMED] = hdr[LARGE_CONSUMED] + 1
+            hdr[LARGE_CONSUMED] = (hdr[LARGE_CONSUMED] + 1) & _U64
 
     def wake_waiting_producer(self) -> None:
         """Wake a producer waiting for space. Call after :func:`fence`, before sleeping."""

@@ -201,9 +201,7 @@ class BlockingServer:
         outcome = self.dispatcher.start(request)
         if not isinstance(outcome, tuple):
             outcome = self._run_async(outcome)
-        kind, body = outcome
-        if not end.responses.try_write(kind, call_id, body):
-            end.backlog.append((kind, call_id, body))
+        end.respond(outcome[0], call_id, outcome[1])  # a corrupted ring breaks only this channel
 
     def _spin_serve_one(self, end: ServerEnd, until_ns: int, control_due: int) -> bool:
         """Spin for requests on ``end`` and serve them; ``False`` once a spin ran out.
@@ -229,7 +227,6 @@ class BlockingServer:
             )
             self._fast_servers[end] = fast
         serve = fast.serve
-        write = end.responses.try_write
         dispatcher = self.dispatcher
         spin = self.spin
         clock = time.perf_counter_ns
@@ -256,8 +253,10 @@ class BlockingServer:
                     kind, body = dispatcher.finish(value)
                 if not spin.settled:
                     spin.hit()
-                if not write(kind, call_id, body):
-                    end.backlog.append((kind, call_id, body))
+                if end.is_closed:  # the tool closed it (a stop, a hand-over): nobody to answer
+                    return True
+                end.respond(kind, call_id, body)  # a corrupted ring breaks only this channel
+                if end.backlog or end.broken is not None:
                     return True
             elif got != 1:
                 if got == 0:  # the spin ran out: the caller counts a miss and may sleep
