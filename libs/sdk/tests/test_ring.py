@@ -939,3 +939,43 @@ def test_an_end_nobody_closed_is_freed_by_the_collector_without_a_crash(ring_mod
         [sys.executable, "-c", GC_UNCLOSED], capture_output=True, text=True, timeout=120
     )
     assert (result.returncode, result.stdout.strip()) == (0, "collected"), result.stderr[-3000:]
+
+
+@pytest.mark.unit
+def test_a_tool_that_closes_its_own_channel_ends_only_that_channel(ring_mode: str) -> None:
+    from types import SimpleNamespace
+
+    from dsec_sdk.ipc.runner import BlockingServer
+
+    good, gone = Pair(), Pair()
+
+    def hang_up() -> str:
+        gone.server.close()  # a stop or a hand-over, from inside the tool
+        return "bye"
+
+    sock_a, sock_b = socket.socketpair()
+    link = SimpleNamespace(
+        welcome_fds=[ch.new_eventfd()], welcome={"max_payload": 1 << 16}, sock=sock_a
+    )
+    server = BlockingServer(link, Dispatcher({"hang_up": hang_up}, 1 << 16), 1000)  # type: ignore[arg-type]
+    try:
+        server.core.add(gone.server)
+        assert gone.caller.requests.try_write(codec.REQUEST, 3, _pack(["hang_up", {}, 0]))
+        far = time.perf_counter_ns() + 1_000_000_000
+        if ring_mode == "c":
+            server._spin_serve_one(gone.server, time.perf_counter_ns() + 2_000_000, far)
+        else:
+            assert server._serve_one(gone.server)
+        assert server.core.channels == []  # no exception, and no longer served
+        server.core.add(good.server)
+        assert good.caller.requests.try_write(codec.REQUEST, 4, _pack(["nope", {}, 0]))
+        assert server._serve_burst()
+        assert good.caller.responses.try_read(codec.unpack)[0] == codec.ERROR
+    finally:
+        server.core.close()
+        for p in (good, gone):
+            p.caller.close()
+            os.close(p.doorbell)
+        sock_a.close()
+        sock_b.close()
+        os.close(link.welcome_fds[0])

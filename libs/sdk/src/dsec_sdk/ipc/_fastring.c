@@ -546,6 +546,10 @@ static PyObject *str_settled, *str_budget_ns, *str_pure_ns;
 
 static int FastCaller_init(FastCaller *self, PyObject *args, PyObject *kwds)
 {
+    if (self->requests != NULL) { /* its calls hold the rings borrowed across Python code */
+        PyErr_SetString(PyExc_RuntimeError, "FastCaller is already initialised");
+        return -1;
+    }
     static char *kwlist[] = {"requests", "responses", "pack", "unpack", "lock", "spin",
                              "max_payload", "settled_budget_ns", "settled_pure_ns", NULL};
     PyObject *requests, *responses, *pack, *unpack, *lock, *spin;
@@ -895,6 +899,10 @@ static PyObject *empty_args;
 
 static int FastServer_init(FastServer *self, PyObject *args, PyObject *kwds)
 {
+    if (self->requests != NULL) { /* its calls hold the rings borrowed across Python code */
+        PyErr_SetString(PyExc_RuntimeError, "FastServer is already initialised");
+        return -1;
+    }
     static char *kwlist[] = {"requests", "responses", "decode", "tools", "async_tools", "pack",
                              "max_payload", NULL};
     PyObject *requests, *responses, *decode, *tools, *async_tools, *pack;

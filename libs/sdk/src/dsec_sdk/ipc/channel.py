@@ -508,9 +508,10 @@ class ServerEnd(_End):
         """Send a response now, or queue it behind earlier ones when the ring is full.
 
         A ring a hostile caller corrupted marks this channel broken (the server reaps it, see
-        :meth:`peer_gone_reason`) instead of raising into the server's loop.
+        :meth:`peer_gone_reason`) instead of raising into the server's loop. A channel closed
+        meanwhile (a tool that stopped its server, a hand-over) has nobody to answer: dropped.
         """
-        if self.broken is not None:
+        if self.broken is not None or self.is_closed:
             return
         try:
             if self.backlog or not self.responses.try_write(kind, call_id, body):

@@ -183,6 +183,8 @@ class BlockingServer:
             if not isinstance(outcome, tuple):
                 outcome = self._run_async(outcome)
             end.respond(outcome[0], call_id, outcome[1])
+            if end.is_closed:  # the tool closed its own channel: stop serving it
+                self.core.remove(end)
         return bool(work)
 
     def _serve_one(self, end: ServerEnd) -> bool:
@@ -202,6 +204,8 @@ class BlockingServer:
         if not isinstance(outcome, tuple):
             outcome = self._run_async(outcome)
         end.respond(outcome[0], call_id, outcome[1])  # a corrupted ring breaks only this channel
+        if end.is_closed:  # the tool closed its own channel: stop serving it
+            self.core.remove(end)
 
     def _spin_serve_one(self, end: ServerEnd, until_ns: int, control_due: int) -> bool:
         """Spin for requests on ``end`` and serve them; ``False`` once a spin ran out.
@@ -254,6 +258,7 @@ class BlockingServer:
                 if not spin.settled:
                     spin.hit()
                 if end.is_closed:  # the tool closed it (a stop, a hand-over): nobody to answer
+                    self.core.remove(end)
                     return True
                 end.respond(kind, call_id, body)  # a corrupted ring breaks only this channel
                 if end.backlog or end.broken is not None:
