@@ -979,3 +979,55 @@ def test_a_tool_that_closes_its_own_channel_ends_only_that_channel(ring_mode: st
         sock_a.close()
         sock_b.close()
         os.close(link.welcome_fds[0])
+
+
+@pytest.mark.unit
+def test_a_caller_whose_ring_never_empties_cannot_keep_the_server_from_its_control_socket(
+    ring_mode: str,
+) -> None:
+    """A hostile caller fills its ring once and moves HEAD far ahead (no CPU of its own): the
+    server still reads its control socket (new callers, reaping) and still stops when asked."""
+    from types import SimpleNamespace
+
+    from dsec_sdk.ipc.runner import BlockingServer
+
+    flood = Pair()
+    sock_a, sock_b = socket.socketpair()
+    link = SimpleNamespace(
+        welcome_fds=[ch.new_eventfd()],
+        welcome={"max_payload": 1 << 16},
+        sock=sock_a,
+        path="test",
+        close=lambda: None,
+    )
+    server = BlockingServer(link, Dispatcher({"t": lambda: 1}, 1 << 16), 1000)  # type: ignore[arg-type]
+    body = _pack(["no_such_tool", {}, 0])
+    requests = flood.caller.requests
+    for pos in range(0, CAPACITY, 32):
+        struct.pack_into("<IBBHQ", requests._data, pos, len(body), 1, codec.REQUEST, 0, 1)
+        requests._data[pos + 16 : pos + 16 + len(body)] = body
+    flood.caller.responses.hdr[r.TAIL] = 2**63  # the server always finds room for answers
+    requests.hdr[r.HEAD] = 2**40  # ~10^10 requests "pending"
+    polled = threading.Event()
+    real_poll = server._poll_control
+
+    def poll() -> bool:
+        if server.core.channels:  # a poll while the flood is being served
+            polled.set()
+        return bool(real_poll())
+
+    server._poll_control = poll  # type: ignore[method-assign]
+    server.core.add(flood.server)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert polled.wait(10), "the control socket was never read again"
+    finally:
+        server.stop()
+        thread.join(10)
+        alive = thread.is_alive()
+        flood.caller.close()
+        os.close(flood.doorbell)
+        sock_a.close()
+        sock_b.close()  # (the server closed its doorbell as it ended)
+    assert not alive, "stop() was not heard"

@@ -141,7 +141,9 @@ class BlockingServer:
                 serve_burst = self._serve_burst
                 spin_for_work = self.core.spin_for_work
                 spin = self.spin
-                while not pause_asked() and serve_burst():
+                # Bounded by control_due too: a caller whose ring never empties (a flood, or a
+                # hostile HEAD) must not keep new channels, reaping and stop() waiting.
+                while not pause_asked() and clock() < control_due and serve_burst():
                     pass
                 # Idle: spin for the next request (and serve it), up to the adaptive budget.
                 while True:
@@ -167,7 +169,7 @@ class BlockingServer:
                         break
                     if not spin.settled:
                         spin.hit()
-                    while not pause_asked() and serve_burst():
+                    while not pause_asked() and clock() < control_due and serve_burst():
                         pass
         finally:
             self.close()
@@ -273,6 +275,8 @@ class BlockingServer:
             if asked[0]:  # a stop or a pause
                 return True
             now = clock()
+            if now >= control_due:  # the control socket's turn, however busy the ring
+                return True
             yield_after = now + spin.pure_ns
             until_ns = now + spin.budget_ns
             if until_ns > control_due:
