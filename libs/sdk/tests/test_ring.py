@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -769,6 +769,32 @@ def _echo(text: str) -> str:
     return text.upper()
 
 
+def _blocking_server(tools: dict[str, Any]) -> tuple[Any, Callable[[], None]]:
+    """A BlockingServer on a stand-in broker link (a socket pair, an eventfd doorbell), and
+    what frees it (a run() that was stopped closed the server itself as it ended)."""
+    from types import SimpleNamespace
+
+    from dsec_sdk.ipc.runner import BlockingServer
+
+    sock_a, sock_b = socket.socketpair()
+    link = SimpleNamespace(
+        welcome_fds=[ch.new_eventfd()],
+        welcome={"max_payload": 1 << 16},
+        sock=sock_a,
+        path="test",
+        close=lambda: None,
+    )
+    server = BlockingServer(link, Dispatcher(tools, 1 << 16), 1000)  # type: ignore[arg-type]
+
+    def close() -> None:
+        if not server._stopped.is_set():
+            server.close()
+        sock_a.close()
+        sock_b.close()
+
+    return server, close
+
+
 @pytest.mark.unit
 @C_ONLY
 def test_the_c_server_answers_a_plain_call(pair: Pair) -> None:
@@ -869,10 +895,6 @@ def test_a_tool_that_closes_its_own_channel_gets_no_write_into_unmapped_memory(
 def test_a_hostile_caller_that_breaks_the_answer_ring_mid_call_loses_only_its_channel(
     ring_mode: str,
 ) -> None:
-    from types import SimpleNamespace
-
-    from dsec_sdk.ipc.runner import BlockingServer
-
     good, bad = Pair(), Pair()
 
     def tool(n: int) -> str:
@@ -880,11 +902,7 @@ def test_a_hostile_caller_that_breaks_the_answer_ring_mid_call_loses_only_its_ch
             bad.server.responses.hdr[r.HEAD] = CAPACITY - 11  # where the answer needs a wrap
         return "x" * 100
 
-    sock_a, sock_b = socket.socketpair()
-    link = SimpleNamespace(
-        welcome_fds=[ch.new_eventfd()], welcome={"max_payload": 1 << 16}, sock=sock_a
-    )
-    server = BlockingServer(link, Dispatcher({"tool": tool}, 1 << 16), 1000)  # type: ignore[arg-type]
+    server, close_server = _blocking_server({"tool": tool})
     try:
         server.core.add(good.server)
         server.core.add(bad.server)
@@ -905,13 +923,10 @@ def test_a_hostile_caller_that_breaks_the_answer_ring_mid_call_loses_only_its_ch
         serve_one(good.server)
         assert good.caller.responses.try_read(codec.unpack) == (codec.RESULT, 4, "x" * 100)
     finally:
-        server.core.close()
+        close_server()
         for p in (good, bad):
             p.caller.close()
             os.close(p.doorbell)
-        sock_a.close()
-        sock_b.close()
-        os.close(link.welcome_fds[0])
 
 
 GC_UNCLOSED = """
@@ -943,21 +958,13 @@ def test_an_end_nobody_closed_is_freed_by_the_collector_without_a_crash(ring_mod
 
 @pytest.mark.unit
 def test_a_tool_that_closes_its_own_channel_ends_only_that_channel(ring_mode: str) -> None:
-    from types import SimpleNamespace
-
-    from dsec_sdk.ipc.runner import BlockingServer
-
     good, gone = Pair(), Pair()
 
     def hang_up() -> str:
         gone.server.close()  # a stop or a hand-over, from inside the tool
         return "bye"
 
-    sock_a, sock_b = socket.socketpair()
-    link = SimpleNamespace(
-        welcome_fds=[ch.new_eventfd()], welcome={"max_payload": 1 << 16}, sock=sock_a
-    )
-    server = BlockingServer(link, Dispatcher({"hang_up": hang_up}, 1 << 16), 1000)  # type: ignore[arg-type]
+    server, close_server = _blocking_server({"hang_up": hang_up})
     try:
         server.core.add(gone.server)
         assert gone.caller.requests.try_write(codec.REQUEST, 3, _pack(["hang_up", {}, 0]))
@@ -972,13 +979,10 @@ def test_a_tool_that_closes_its_own_channel_ends_only_that_channel(ring_mode: st
         assert server._serve_burst()
         assert good.caller.responses.try_read(codec.unpack)[0] == codec.ERROR
     finally:
-        server.core.close()
+        close_server()
         for p in (good, gone):
             p.caller.close()
             os.close(p.doorbell)
-        sock_a.close()
-        sock_b.close()
-        os.close(link.welcome_fds[0])
 
 
 @pytest.mark.unit
@@ -987,20 +991,8 @@ def test_a_caller_whose_ring_never_empties_cannot_keep_the_server_from_its_contr
 ) -> None:
     """A hostile caller fills its ring once and moves HEAD far ahead (no CPU of its own): the
     server still reads its control socket (new callers, reaping) and still stops when asked."""
-    from types import SimpleNamespace
-
-    from dsec_sdk.ipc.runner import BlockingServer
-
     flood = Pair()
-    sock_a, sock_b = socket.socketpair()
-    link = SimpleNamespace(
-        welcome_fds=[ch.new_eventfd()],
-        welcome={"max_payload": 1 << 16},
-        sock=sock_a,
-        path="test",
-        close=lambda: None,
-    )
-    server = BlockingServer(link, Dispatcher({"t": lambda: 1}, 1 << 16), 1000)  # type: ignore[arg-type]
+    server, close_server = _blocking_server({"t": lambda: 1})
     body = _pack(["no_such_tool", {}, 0])
     requests = flood.caller.requests
     for pos in range(0, CAPACITY, 32):
@@ -1028,6 +1020,5 @@ def test_a_caller_whose_ring_never_empties_cannot_keep_the_server_from_its_contr
         alive = thread.is_alive()
         flood.caller.close()
         os.close(flood.doorbell)
-        sock_a.close()
-        sock_b.close()  # (the server closed its doorbell as it ended)
+        close_server()
     assert not alive, "stop() was not heard"
