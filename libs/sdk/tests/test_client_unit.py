@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -252,8 +253,12 @@ def test_a_call_ends_the_same_whichever_path_carries_it(channel: _Channel) -> No
         call("b", "search", when=object())
     with pytest.raises(PayloadTooLarge, match=r"request to b.search is \d+ bytes; the limit is"):
         call("b", "search", text="x" * (1 << 16))
-    with pytest.raises(ValueError, match="cannot convert float NaN to integer"):
+    # A timeout that is no number of seconds names the argument and what it takes.
+    with pytest.raises(ValueError, match=r"timeout must be a number of seconds.*got nan"):
         call("b", "search", timeout=float("nan"))
+    for bad in ("soon", True, [1]):
+        with pytest.raises(TypeError, match=r"timeout must be a number of seconds, or None for"):
+            call("b", "search", timeout=bad)
     assert not channel.server.requests.readable()
     # No answer in time; then an answer that does not decode: the channel is dropped.
     with pytest.raises(CallTimeout, match=r"timed out after 0\.02 s"):
@@ -264,6 +269,27 @@ def test_a_call_ends_the_same_whichever_path_carries_it(channel: _Channel) -> No
         call("b", "search")
     served.join()
     assert "b" not in channel.client._channels
+
+
+def test_a_timeout_past_any_deadline_is_no_limit_and_a_bad_default_is_refused_at_once(
+    channel: _Channel, tmp_path: Path
+) -> None:
+    longest = (float("inf"), 1e12, 2**70, 10**400)
+    served = channel.answer(*[lambda i: [(codec.RESULT, i, _encode("ok"))]] * len(longest))
+    for timeout in longest:
+        assert channel.client.call_tool("b", "t", timeout=timeout) == "ok"
+    served.join()
+    assert channel.requests == [["t", {}, 0]] * len(longest)  # sent as "no limit"
+    with pytest.raises(CallTimeout):  # 0 or less: due at once (and never "no limit")
+        channel.client.call_tool("b", "t", timeout=-1)
+    assert channel.server.requests.try_read(codec.unpack)[2] == ["t", {}, 1]
+    with pytest.raises(ValueError, match=r"timeout must be a number of seconds.*got nan"):
+        DSecClient("a", "g", socket_path=tmp_path / "s", timeout=float("nan"))
+    with pytest.raises(TypeError, match=r"timeout must be a number of seconds.*got str"):
+        DSecClient("a", "g", socket_path=tmp_path / "s", timeout="30")  # type: ignore[arg-type]
+    no_broker = DSecClient("a", "g", socket_path=tmp_path / "none.sock", observe=False)
+    with pytest.raises(ValueError, match=r"timeout must be a number of seconds.*got nan"):
+        asyncio.run(no_broker.acall_tool("b", "t", timeout=float("nan")))
 
 
 def test_calls_from_many_threads_on_one_channel_each_get_their_own_answer(
@@ -286,6 +312,50 @@ def test_calls_from_many_threads_on_one_channel_each_get_their_own_answer(
     served.join()
     assert sorted(value for _, value in results) == list(range(1, calls + 1))  # type: ignore[type-var]
     assert len(channel.requests) == calls
+
+
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("ring_mode", ["c"], indirect=True)
+def test_a_call_nested_in_a_signal_handler_never_frees_the_lock_of_the_call_it_interrupted(
+    channel: _Channel,
+) -> None:
+    """A signal handler calls the same agent while a call waits for its answer: the nested
+    call finds the channel taken and waits for it; interrupted there, it must leave the outer
+    call's lock held (else another thread's call could read the outer call's answer)."""
+    seen: list[bool] = []
+    fired = 0
+
+    def on_alarm(signum: int, frame: object) -> None:
+        nonlocal fired
+        fired += 1
+        if fired == 1:  # the nested call, which waits for the outer call's lock ...
+            try:
+                channel.client.call_tool("b", "nested", timeout=5)
+            except _Interrupted:
+                seen.append(channel.channel.lock.locked())
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        else:  # ... until the second alarm interrupts it
+            raise _Interrupted
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+        with pytest.raises(CallTimeout):
+            channel.client.call_tool("b", "outer", timeout=0.5)  # nobody answers
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert seen == [True]  # the outer call still held its lock while it waited
+    assert not channel.channel.lock.locked()  # and freed it when it ended
+    # Only the outer call's request went: the nested one never had the channel.
+    assert channel.server.requests.try_read(codec.unpack)[2][0] == "outer"
+    assert not channel.server.requests.readable()
+    served = channel.answer(lambda i: [(codec.RESULT, i, _encode("after"))])
+    assert channel.client.call_tool("b", "search") == "after"
+    served.join()
 
 
 @pytest.mark.parametrize("ring_mode", ["c"], indirect=True)

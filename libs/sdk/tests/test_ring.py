@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import os
 import random
@@ -1022,3 +1023,65 @@ def test_a_caller_whose_ring_never_empties_cannot_keep_the_server_from_its_contr
         os.close(flood.doorbell)
         close_server()
     assert not alive, "stop() was not heard"
+
+
+class _NoZone(datetime.tzinfo):
+    def utcoffset(self, dt: datetime.datetime | None) -> datetime.timedelta:
+        raise LookupError("no such zone")
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+def _raise(exc: Exception) -> None:
+    raise exc
+
+
+@pytest.mark.unit
+def test_a_tool_whose_error_or_result_cannot_be_told_gets_an_error_answer_and_serving_goes_on(
+    ring_mode: str,
+) -> None:
+    """A tool's result whose encoding runs its own failing code, an exception whose ``__str__``
+    raises, a message UTF-8 cannot carry: each is the tool's error, answered as one; none may
+    escape the serving loop (which would end every caller's channel with it)."""
+    p = Pair()
+    tools = {
+        "zone": lambda: datetime.datetime(2026, 1, 1, tzinfo=_NoZone()),
+        "mute": lambda: _raise(_Unprintable()),
+        "surrogate": lambda: _raise(ValueError("bad \ud800 text")),
+        "surrogate_result": lambda: "bad \udfff text",
+        "echo": _echo,
+    }
+    server, close_server = _blocking_server(tools)
+    try:
+        server.core.add(p.server)
+        far = time.perf_counter_ns() + 1_000_000_000
+
+        def call(call_id: int, tool: str, arguments: dict[str, Any]) -> Any:
+            assert p.caller.requests.try_write(codec.REQUEST, call_id, _pack([tool, arguments, 0]))
+            if ring_mode == "c":
+                server._spin_serve_one(p.server, time.perf_counter_ns() + 2_000_000, far)
+            else:
+                assert server._serve_one(p.server)
+            frame = p.caller.responses.try_read(codec.unpack)
+            assert frame is not None and frame[1] == call_id
+            return frame[0], frame[2]
+
+        kind, body = call(1, "zone", {})
+        assert kind == codec.ERROR and body[:2] == ["bad_result", "LookupError"]
+        assert "cannot be sent as MessagePack: no such zone" in body[2]
+        kind, body = call(2, "mute", {})
+        assert kind == codec.ERROR and body[:2] == ["remote", "_Unprintable"]
+        assert "str() raised RuntimeError" in body[2]
+        kind, body = call(3, "surrogate", {})
+        assert kind == codec.ERROR and body[:3] == ["remote", "ValueError", "bad \\ud800 text"]
+        kind, body = call(4, "surrogate_result", {})
+        assert kind == codec.ERROR and body[:2] == ["bad_result", "UnicodeEncodeError"]
+        assert call(5, "echo", {"text": "still here"}) == (codec.RESULT, "STILL HERE")
+        assert server.core.channels == [p.server]
+    finally:
+        close_server()
+        p.caller.close()
+        os.close(p.doorbell)

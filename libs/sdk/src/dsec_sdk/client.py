@@ -16,6 +16,7 @@ reached through the brokers over NATS request-reply, with the same calls and the
 from __future__ import annotations
 
 import asyncio
+import numbers
 import os
 import threading
 import time
@@ -195,10 +196,10 @@ class _SyncChannel:
                 timeout_ms, deadline = 0, _NO_DEADLINE
             else:
                 if timeout != self._timeout:
-                    self._timeout_parts = (max(1, int(timeout * 1000)), int(timeout * 1e9))
+                    self._timeout_parts = timeout_parts(timeout)
                     self._timeout = timeout
                 timeout_ms, timeout_ns = self._timeout_parts
-                deadline = _clock() + timeout_ns
+                deadline = _clock() + timeout_ns if timeout_ns >= 0 else _NO_DEADLINE
             try:
                 body = self._pack(
                     [tool, arguments, timeout_ms]
@@ -302,10 +303,37 @@ class _SyncChannel:
                 return frame
 
 
-def _deadline(timeout: float | None) -> int:
+_LONGEST_TIMEOUT: Final = 9e9
+"""Seconds (~285 years); a longer timeout (``inf`` included) is no limit, like ``None``."""
+
+
+def timeout_parts(timeout: object) -> tuple[int, int]:
+    """A call's timeout in seconds as ``(ms, ns)``: the ``timeout_ms`` its request carries
+    (``0``: none) and the nanoseconds to its deadline (``-1``: none; a timeout of 0 or less
+    is due at once).
+
+    Raises:
+        TypeError: Not a number (nor ``None``).
+        ValueError: NaN.
+    """
     if timeout is None:
-        return _NO_DEADLINE
-    return time.perf_counter_ns() + int(timeout * 1e9)
+        return 0, -1
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(
+            "timeout must be a number of seconds, or None for no limit; "
+            f"got {type(timeout).__name__}"
+        )
+    value = timeout if isinstance(timeout, int | float) else float(timeout)  # (a Fraction)
+    if value != value:
+        raise ValueError("timeout must be a number of seconds, or None for no limit; got nan")
+    if value > _LONGEST_TIMEOUT:  # (an int too large for a float is compared as an int)
+        return 0, -1
+    seconds = float(value)
+    return max(1, int(seconds * 1000)), max(0, int(seconds * 1e9))  # (0 or less: due now)
+
+
+def _deadline(timeout_ns: int) -> int:
+    return time.perf_counter_ns() + timeout_ns if timeout_ns >= 0 else _NO_DEADLINE
 
 
 class DSecClient:
@@ -346,6 +374,7 @@ class DSecClient:
         raw_group = group or os.environ.get("DSEC_TASK_GROUP") or DEFAULT_GROUP
         self.group = control.check_name("task group", raw_group)
         self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        timeout_parts(timeout)  # a bad default is said here, not at the first call
         self.timeout = timeout
         self._spin_ns = int(spin_us * 1000)
         self._serve_spin_ns = int(serve_spin_us * 1000)
@@ -531,9 +560,12 @@ class DSecClient:
         """Call ``tool`` of ``agent`` and return its result.
 
         Arguments go as keywords, or as a mapping when a name clashes (``{"timeout": 3}``).
+        ``timeout`` is in seconds: ``None`` or ``inf`` wait as long as the agent lives, 0 or
+        less is due at once.
 
         Raises:
             CallTimeout: No answer within ``timeout`` (default: the client's).
+            TypeError, ValueError: ``timeout`` is no number of seconds (NaN, a string).
             RemoteError: The tool raised (``ToolNotFound``, ``BadArguments`` are subclasses).
             PeerGone: The agent died or left during the call.
             AgentNotFound: No agent of that name in this task group.
@@ -737,15 +769,15 @@ class DSecClient:
         seconds: float | None,
         trace: str | None,
     ) -> Any:
+        timeout_ms, timeout_ns = timeout_parts(seconds)  # a bad one is said before anything
         caller = await self._async_channel(agent)
         packer = codec.new_packer()
-        timeout_ms = 0 if seconds is None else max(1, int(seconds * 1000))
         body = codec.encode_request(packer, tool, merged, timeout_ms, trace)
         limit = caller.end.requests.max_payload
         if len(body) > limit:
             raise PayloadTooLarge(f"request to {agent}.{tool}", len(body), limit)
         try:
-            frame = await caller.call(codec.REQUEST, body, _deadline(seconds))
+            frame = await caller.call(codec.REQUEST, body, _deadline(timeout_ns))
         except PeerGone as exc:
             if self._async_channels.get(agent) is caller:
                 del self._async_channels[agent]
@@ -754,7 +786,7 @@ class DSecClient:
             # Moved by a hand-over before the old server read it: once more, to the new one.
             caller = await self._async_channel(agent)
             try:
-                frame = await caller.call(codec.REQUEST, body, _deadline(seconds))
+                frame = await caller.call(codec.REQUEST, body, _deadline(timeout_ns))
             except PeerGone:
                 if self._async_channels.get(agent) is caller:
                     del self._async_channels[agent]

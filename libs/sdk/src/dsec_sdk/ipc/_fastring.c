@@ -269,7 +269,9 @@ static PyObject *FastRing_try_write(FastRing *self, PyObject *const *args, Py_ss
 PyDoc_STRVAR(try_read_doc,
              "try_read(decode) -> (kind, call_id, value) | None\n\n"
              "Consume one record; decode runs on the body in place (a memoryview that is released\n"
-             "afterwards if decode kept it). The record is consumed even when decode raises.");
+             "afterwards if decode kept it). The record is consumed even when decode raises.\n"
+             "decode must copy what it keeps: a slice of the body would still see ring memory\n"
+             "the peer reuses (msgspec's decoders copy).");
 
 static PyObject *FastRing_try_read(FastRing *self, PyObject *decode)
 {
@@ -539,7 +541,8 @@ typedef struct {
     long long last_ns;
     int have_last;
     int holding;           /* a CALL_HELD call left the lock held ... */
-    unsigned long holder;  /* ... in this thread (PyThread_get_thread_ident) */
+    unsigned long holder;  /* ... in this thread (PyThread_get_thread_ident) ... */
+    PyObject *holder_frame; /* ... for the Python frame that made it (a strong reference) */
 } FastCaller;
 
 static PyObject *str_settled, *str_budget_ns, *str_pure_ns;
@@ -602,11 +605,13 @@ static int FastCaller_traverse(FastCaller *self, visitproc visit, void *arg)
     Py_VISIT(self->acquire);
     Py_VISIT(self->release);
     Py_VISIT(self->spin);
+    Py_VISIT(self->holder_frame);
     return 0;
 }
 
 static int FastCaller_clear(FastCaller *self)
 {
+    Py_CLEAR(self->holder_frame);
     Py_CLEAR(self->requests);
     Py_CLEAR(self->responses);
     Py_CLEAR(self->pack);
@@ -691,19 +696,49 @@ static PyObject *held(FastCaller *self, PyObject *outcome, unsigned long long ca
         return unlock_and(self, NULL);
     self->holding = 1;
     self->holder = PyThread_get_thread_ident();
+    Py_XSETREF(self->holder_frame, Py_XNewRef((PyObject *)PyEval_GetFrame()));
     return status;
+}
+
+/* Whether the running Python code may release what the held call holds: the frame that made
+ * the call, one it called (client.py's resume()) or the one that called it (a wrapper around
+ * call()). Not a call nested above it in the same thread (a signal handler's call on this
+ * channel, which found the lock taken): if that one is interrupted, the outer call's lock is
+ * not its to release. */
+static int held_here(FastCaller *self)
+{
+    PyObject *holder = self->holder_frame;
+    if (holder == NULL) /* held from C code with no Python frame: the thread's to release */
+        return 1;
+    PyFrameObject *frame = PyEval_GetFrame();
+    if (frame == NULL)
+        return 0;
+    if ((PyObject *)frame == holder)
+        return 1;
+    PyFrameObject *back = PyFrame_GetBack(frame);
+    int mine = (PyObject *)back == holder;
+    Py_XDECREF(back);
+    if (!mine) {
+        back = PyFrame_GetBack((PyFrameObject *)holder);
+        mine = (PyObject *)back == (PyObject *)frame;
+        Py_XDECREF(back);
+    }
+    return mine;
 }
 
 PyDoc_STRVAR(release_held_doc,
              "release_held() -> bool\n\n"
-             "Release the channel lock a CALL_HELD call left held by this thread: True if it\n"
-             "did, False if there was none (a no-op, so every way out of a call may run it).");
+             "Release the channel lock a CALL_HELD call left held: True if it did, False if\n"
+             "there was none (a no-op, so every way out of a call may run it). Only the thread\n"
+             "and the Python frame that made that call, or a function it called, release it:\n"
+             "a call nested above it (from a signal handler) never releases the outer one's.");
 
 static PyObject *FastCaller_release_held(FastCaller *self, PyObject *Py_UNUSED(ignored))
 {
-    if (!self->holding || self->holder != PyThread_get_thread_ident())
+    if (!self->holding || self->holder != PyThread_get_thread_ident() || !held_here(self))
         Py_RETURN_FALSE;
     self->holding = 0;
+    Py_CLEAR(self->holder_frame);
     return unlock_and(self, Py_NewRef(Py_True));
 }
 
@@ -1054,9 +1089,10 @@ static PyObject *FastServer_serve(FastServer *self, PyObject *const *args, Py_ss
     }
     PyObject *body = PyObject_CallOneArg(self->pack, result);
     if (body == NULL) {
-        if (!(PyErr_ExceptionMatches(PyExc_TypeError) || PyErr_ExceptionMatches(PyExc_ValueError) ||
-              PyErr_ExceptionMatches(PyExc_OverflowError) ||
-              PyErr_ExceptionMatches(PyExc_RecursionError))) {
+        /* Whatever encoding raised (even the result's own code: a datetime whose utcoffset()
+           raises) is the tool's error: server.py's finish() says so. Only what a tool must not
+           swallow (KeyboardInterrupt, SystemExit) goes up. */
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
             Py_DECREF(result);
             Py_DECREF(frame);
             return NULL;

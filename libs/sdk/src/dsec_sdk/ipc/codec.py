@@ -99,16 +99,37 @@ def encode_request(
 def encode_error(
     packer: Packer, code: str, error_type: str, message: str, summary: str = ""
 ) -> bytes:
-    """Encode an ERROR body."""
-    body: bytes = packer.encode([code, error_type, message[:_TEXT_LIMIT], summary[-_TEXT_LIMIT:]])
+    """Encode an ERROR body. Text UTF-8 cannot carry (a lone surrogate in a tool's exception
+    message) is sent with those characters escaped, never raised out of the serving loop."""
+    parts = [code, error_type, message[:_TEXT_LIMIT], summary[-_TEXT_LIMIT:]]
+    try:
+        body: bytes = packer.encode(parts)
+    except UnicodeEncodeError:
+        body = packer.encode([_utf8_safe(part) for part in parts])
     return body
+
+
+def _utf8_safe(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, or what stands for it when the exception's own ``__str__`` raises: a tool's
+    exception is the tool's code, and it must not take the serving loop down with it."""
+    try:
+        return str(exc)
+    except Exception as failure:  # anything a hostile __str__ raises
+        return f"<the exception's text could not be read: str() raised {type(failure).__name__}>"
 
 
 def error_from_exception(packer: Packer, code: str, exc: BaseException) -> bytes:
     """Encode an exception raised by a tool, with a short traceback summary."""
-    frames = traceback.extract_tb(exc.__traceback__)[-_TRACEBACK_FRAMES:]
-    summary = "".join(traceback.format_list(frames)).rstrip()
-    return encode_error(packer, code, type(exc).__name__, str(exc), summary)
+    try:
+        frames = traceback.extract_tb(exc.__traceback__)[-_TRACEBACK_FRAMES:]
+        summary = "".join(traceback.format_list(frames)).rstrip()
+    except Exception:  # a traceback summary is a courtesy, never a crash
+        summary = ""
+    return encode_error(packer, code, type(exc).__name__, describe(exc), summary)
 
 
 def raise_error(agent: str, tool: str, group: str, timeout: float, body: Any) -> NoReturn:

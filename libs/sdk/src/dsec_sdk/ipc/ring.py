@@ -416,6 +416,9 @@ class Ring:
         """Consume one record: ``(kind, call_id, decode(body))``, or ``None`` when empty.
 
         ``decode`` runs on the body in place; the record is consumed even when it raises.
+        It must copy what it keeps: the body view itself is released after it returns, but
+        a slice or cast of it (``body[4:]``) would still see the ring's memory, which the
+        peer reuses for later records. msgspec's decoders (every decoder DSec passes) copy.
 
         Raises:
             ProtocolError: The record is malformed (a peer wrote garbage).

@@ -22,11 +22,6 @@ T = TypeVar("T")
 Tool = Callable[..., Any]
 
 
-_UNENCODABLE = (TypeError, ValueError, OverflowError, RecursionError)
-"""What encoding a tool's result may raise: ``RecursionError`` for one nested past the stack (a
-tool that echoes a caller's deep argument: the request decoded a few frames higher up)."""
-
-
 class Dispatcher:
     """Maps tool names to functions and turns one request into one response frame.
 
@@ -75,7 +70,7 @@ class Dispatcher:
             return result  # type: ignore[no-any-return]
         try:  # finish(), inlined: this is every call's hot path
             body: bytes = self._encode(result)
-        except _UNENCODABLE:
+        except Exception:  # finish() says what
             return self.finish(result)
         if len(body) > self.max_payload:
             return self.finish(result)
@@ -114,7 +109,7 @@ class Dispatcher:
         if isinstance(exc, TypeError) and (at_call or getattr(exc, "dsec_binding", False)):
             # (dsec_binding: said so by the observing wrapper of dsec_sdk.tools)
             return codec.ERROR, codec.encode_error(
-                self.packer, codec.E_BAD_ARGUMENTS, "TypeError", str(exc)
+                self.packer, codec.E_BAD_ARGUMENTS, "TypeError", codec.describe(exc)
             )
         return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
 
@@ -122,12 +117,13 @@ class Dispatcher:
         """Encode a tool's return value."""
         try:
             body: bytes = self.packer.encode(result)
-        except _UNENCODABLE as exc:
+        except Exception as exc:  # whatever encoding raised, even from the
+            # result's own code (a datetime whose utcoffset() raises): the tool's error
             return codec.ERROR, codec.encode_error(
                 self.packer,
                 codec.E_BAD_RESULT,
                 type(exc).__name__,
-                f"the tool's result cannot be sent as MessagePack: {exc}",
+                f"the tool's result cannot be sent as MessagePack: {codec.describe(exc)}",
             )
         if len(body) > self.max_payload:
             return codec.ERROR, codec.encode_error(
