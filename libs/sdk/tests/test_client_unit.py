@@ -7,6 +7,8 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -280,9 +282,20 @@ def test_a_timeout_past_any_deadline_is_no_limit_and_a_bad_default_is_refused_at
         assert channel.client.call_tool("b", "t", timeout=timeout) == "ok"
     served.join()
     assert channel.requests == [["t", {}, 0]] * len(longest)  # sent as "no limit"
-    with pytest.raises(CallTimeout):  # 0 or less: due at once (and never "no limit")
-        channel.client.call_tool("b", "t", timeout=-1)
-    assert channel.server.requests.try_read(codec.unpack)[2] == ["t", {}, 1]
+    for due in (-1, float("-inf"), -(10**400), Fraction(-1, 2)):  # 0 or less: due at once
+        with pytest.raises(CallTimeout):
+            channel.client.call_tool("b", "t", timeout=due)
+        assert channel.server.requests.try_read(codec.unpack)[2] == ["t", {}, 1]
+    # Numbers of other types convert; a value equal to the last timeout is still checked as
+    # itself (True == 1, and only one of them is a timeout), on either path.
+    served = channel.answer(*[lambda i: [(codec.RESULT, i, _encode("ok"))]] * 3)
+    for timeout in (Fraction(3, 2), Decimal("1.5"), 1):
+        assert channel.client.call_tool("b", "t", timeout=timeout) == "ok"
+    served.join()
+    assert [r[2] for r in channel.requests[-3:]] == [1500, 1500, 1000]  # type: ignore[index]
+    with pytest.raises(TypeError, match="got bool"):
+        channel.client.call_tool("b", "t", timeout=True)
+    assert not channel.server.requests.readable()
     with pytest.raises(ValueError, match=r"timeout must be a number of seconds.*got nan"):
         DSecClient("a", "g", socket_path=tmp_path / "s", timeout=float("nan"))
     with pytest.raises(TypeError, match=r"timeout must be a number of seconds.*got str"):

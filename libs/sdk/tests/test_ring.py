@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import fcntl
 import os
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 from dsec_sdk.errors import PayloadTooLarge, PeerGone, ProtocolError
@@ -1035,6 +1037,43 @@ class _Unprintable(Exception):
         raise RuntimeError("no text for you")
 
 
+class _SlyText(str):
+    def __getitem__(self, key: object) -> str:
+        raise RuntimeError("no slicing")
+
+
+class _SlyStr(Exception):
+    def __str__(self) -> str:
+        return _SlyText("sly")
+
+
+class _SlyBinding(TypeError):
+    @property
+    def dsec_binding(self) -> bool:
+        raise RuntimeError("no binding for you")
+
+
+class _Nameless(type):
+    @property
+    def __name__(cls) -> str:  # type: ignore[override]
+        raise RuntimeError("no name")
+
+
+class _NamelessError(Exception, metaclass=_Nameless):
+    pass
+
+
+class _NamelessZone(datetime.tzinfo):
+    def utcoffset(self, dt: datetime.datetime | None) -> datetime.timedelta:
+        raise _NamelessError
+
+
+async def _cancels_its_own_helper() -> None:
+    helper = asyncio.ensure_future(asyncio.sleep(10))
+    helper.cancel()
+    await helper
+
+
 def _raise(exc: Exception) -> None:
     raise exc
 
@@ -1052,6 +1091,11 @@ def test_a_tool_whose_error_or_result_cannot_be_told_gets_an_error_answer_and_se
         "mute": lambda: _raise(_Unprintable()),
         "surrogate": lambda: _raise(ValueError("bad \ud800 text")),
         "surrogate_result": lambda: "bad \udfff text",
+        "sly_str": lambda: _raise(_SlyStr()),
+        "sly_binding": lambda: _raise(_SlyBinding()),
+        "nameless": lambda: _raise(_NamelessError()),
+        "nameless_result": lambda: datetime.datetime(2026, 1, 1, tzinfo=_NamelessZone()),
+        "cancelled": _cancels_its_own_helper,
         "echo": _echo,
     }
     server, close_server = _blocking_server(tools)
@@ -1079,6 +1123,18 @@ def test_a_tool_whose_error_or_result_cannot_be_told_gets_an_error_answer_and_se
         assert kind == codec.ERROR and body[:3] == ["remote", "ValueError", "bad \\ud800 text"]
         kind, body = call(4, "surrogate_result", {})
         assert kind == codec.ERROR and body[:2] == ["bad_result", "UnicodeEncodeError"]
+        # Hostile exception code: a str subclass that cannot be sliced, a property that
+        # raises, a type whose name raises; and an async tool's own CancelledError (a helper
+        # task it cancelled and then awaited).
+        assert call(6, "sly_str", {}) == (codec.ERROR, ["remote", "_SlyStr", "sly", ANY])
+        kind, body = call(7, "sly_binding", {})
+        assert kind == codec.ERROR and body[0] == "remote"
+        kind, body = call(8, "nameless", {})
+        assert kind == codec.ERROR and body[:2] == ["remote", "<unnamed type>"]
+        kind, body = call(9, "nameless_result", {})
+        assert kind == codec.ERROR and body[:2] == ["bad_result", "<unnamed type>"]
+        kind, body = call(10, "cancelled", {})
+        assert kind == codec.ERROR and body[:2] == ["remote", "CancelledError"]
         assert call(5, "echo", {"text": "still here"}) == (codec.RESULT, "STILL HERE")
         assert server.core.channels == [p.server]
     finally:

@@ -16,14 +16,13 @@ reached through the brokers over NATS request-reply, with the same calls and the
 from __future__ import annotations
 
 import asyncio
-import numbers
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import EllipsisType, TracebackType
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar
 
 from dsec_sdk.errors import (
     AgentNotFound,
@@ -195,7 +194,8 @@ class _SyncChannel:
             if timeout is None:
                 timeout_ms, deadline = 0, _NO_DEADLINE
             else:
-                if timeout != self._timeout:
+                # (the type too: 1 and True are equal, and only one of them is a timeout)
+                if timeout.__class__ is not self._timeout.__class__ or timeout != self._timeout:
                     self._timeout_parts = timeout_parts(timeout)
                     self._timeout = timeout
                 timeout_ms, timeout_ns = self._timeout_parts
@@ -318,18 +318,30 @@ def timeout_parts(timeout: object) -> tuple[int, int]:
     """
     if timeout is None:
         return 0, -1
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(
-            "timeout must be a number of seconds, or None for no limit; "
-            f"got {type(timeout).__name__}"
-        )
-    value = timeout if isinstance(timeout, int | float) else float(timeout)  # (a Fraction)
+    value: int | float
+    if isinstance(timeout, bool | str | bytes | bytearray):
+        value = _not_seconds(timeout)
+    elif isinstance(timeout, int | float):
+        value = timeout
+    else:  # a Fraction, a Decimal, a NumPy number: what converts to a float
+        try:
+            value = float(timeout)  # type: ignore[arg-type]
+        except (TypeError, ValueError, OverflowError):
+            value = _not_seconds(timeout)
     if value != value:
         raise ValueError("timeout must be a number of seconds, or None for no limit; got nan")
-    if value > _LONGEST_TIMEOUT:  # (an int too large for a float is compared as an int)
+    if value <= 0:  # (-inf and an int too large for a float included)
+        return 1, 0
+    if value > _LONGEST_TIMEOUT:
         return 0, -1
     seconds = float(value)
-    return max(1, int(seconds * 1000)), max(0, int(seconds * 1e9))  # (0 or less: due now)
+    return max(1, int(seconds * 1000)), int(seconds * 1e9)
+
+
+def _not_seconds(timeout: object) -> NoReturn:
+    raise TypeError(
+        f"timeout must be a number of seconds, or None for no limit; got {type(timeout).__name__}"
+    )
 
 
 def _deadline(timeout_ns: int) -> int:

@@ -48,7 +48,11 @@ class CallTimeout(IpcError, TimeoutError):
         self.agent = agent
         self.tool = tool
         self.timeout = timeout
-        super().__init__(f"call {agent}.{tool} timed out after {timeout:g} s")
+        try:  # (a Fraction, a Decimal, an int past a float's range: the call's own value)
+            shown = f"{float(timeout):g}"
+        except (TypeError, ValueError, OverflowError):
+            shown = str(timeout)
+        super().__init__(f"call {agent}.{tool} timed out after {shown} s")
 
 
 class PayloadTooLarge(IpcError, ValueError):

@@ -715,6 +715,7 @@ static int held_here(FastCaller *self)
         return 0;
     if ((PyObject *)frame == holder)
         return 1;
+    Py_INCREF(holder); /* PyFrame_GetBack may allocate, and so collect */
     PyFrameObject *back = PyFrame_GetBack(frame);
     int mine = (PyObject *)back == holder;
     Py_XDECREF(back);
@@ -723,6 +724,8 @@ static int held_here(FastCaller *self)
         mine = (PyObject *)back == (PyObject *)frame;
         Py_XDECREF(back);
     }
+    Py_DECREF(holder);
+    PyErr_Clear(); /* (out of memory making a frame object: not the caller's) */
     return mine;
 }
 
@@ -738,8 +741,10 @@ static PyObject *FastCaller_release_held(FastCaller *self, PyObject *Py_UNUSED(i
     if (!self->holding || self->holder != PyThread_get_thread_ident() || !held_here(self))
         Py_RETURN_FALSE;
     self->holding = 0;
+    /* The lock first: dropping the frame may run finalizers, which may call on this channel. */
+    PyObject *done = unlock_and(self, Py_NewRef(Py_True));
     Py_CLEAR(self->holder_frame);
-    return unlock_and(self, Py_NewRef(Py_True));
+    return done;
 }
 
 PyDoc_STRVAR(caller_call_doc,

@@ -115,11 +115,22 @@ def _utf8_safe(text: str) -> str:
 
 def describe(exc: BaseException) -> str:
     """``str(exc)``, or what stands for it when the exception's own ``__str__`` raises: a tool's
-    exception is the tool's code, and it must not take the serving loop down with it."""
+    exception is the tool's code, and it must not take the serving loop down with it. Always
+    a plain ``str`` (a subclass of it may override what slicing or encoding it does)."""
     try:
-        return str(exc)
+        text = str(exc)
+        return text if text.__class__ is str else str.__str__(text)
     except Exception as failure:  # anything a hostile __str__ raises
-        return f"<the exception's text could not be read: str() raised {type(failure).__name__}>"
+        return f"<the exception's text could not be read: str() raised {type_name(failure)}>"
+
+
+def type_name(value: object) -> str:
+    """The name of ``value``'s type, as a plain ``str`` whatever its metaclass says."""
+    try:
+        name = type(value).__name__
+        return name if name.__class__ is str else str.__str__(name)
+    except Exception:  # a metaclass whose __name__ raises
+        return "<unnamed type>"
 
 
 def error_from_exception(packer: Packer, code: str, exc: BaseException) -> bytes:
@@ -129,7 +140,7 @@ def error_from_exception(packer: Packer, code: str, exc: BaseException) -> bytes
         summary = "".join(traceback.format_list(frames)).rstrip()
     except Exception:  # a traceback summary is a courtesy, never a crash
         summary = ""
-    return encode_error(packer, code, type(exc).__name__, describe(exc), summary)
+    return encode_error(packer, code, type_name(exc), describe(exc), summary)
 
 
 def raise_error(agent: str, tool: str, group: str, timeout: float, body: Any) -> NoReturn:

@@ -106,12 +106,22 @@ class Dispatcher:
         """The ERROR frame for an exception a tool call raised; ``at_call``: raised by the call
         itself, before any frame of the tool ran (for a ``TypeError``: the signature does not
         match)."""
-        if isinstance(exc, TypeError) and (at_call or getattr(exc, "dsec_binding", False)):
-            # (dsec_binding: said so by the observing wrapper of dsec_sdk.tools)
-            return codec.ERROR, codec.encode_error(
-                self.packer, codec.E_BAD_ARGUMENTS, "TypeError", codec.describe(exc)
-            )
-        return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
+        try:
+            if isinstance(exc, TypeError) and (at_call or getattr(exc, "dsec_binding", False)):
+                # (dsec_binding: said so by the observing wrapper of dsec_sdk.tools)
+                return codec.ERROR, codec.encode_error(
+                    self.packer, codec.E_BAD_ARGUMENTS, "TypeError", codec.describe(exc)
+                )
+            return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
+        except Exception:  # the exception's own code raised while it was told
+            return self._untold(codec.E_REMOTE)
+
+    def _untold(self, code: str) -> tuple[int, bytes]:
+        """The last resort: an error nothing of could be told (its type's or text's own code
+        raised), still an answer; the serving loop goes on."""
+        return codec.ERROR, codec.encode_error(
+            self.packer, code, "Exception", "<the tool's error could not be described>"
+        )
 
     def finish(self, result: Any) -> tuple[int, bytes]:
         """Encode a tool's return value."""
@@ -119,12 +129,15 @@ class Dispatcher:
             body: bytes = self.packer.encode(result)
         except Exception as exc:  # whatever encoding raised, even from the
             # result's own code (a datetime whose utcoffset() raises): the tool's error
-            return codec.ERROR, codec.encode_error(
-                self.packer,
-                codec.E_BAD_RESULT,
-                type(exc).__name__,
-                f"the tool's result cannot be sent as MessagePack: {codec.describe(exc)}",
-            )
+            try:
+                return codec.ERROR, codec.encode_error(
+                    self.packer,
+                    codec.E_BAD_RESULT,
+                    codec.type_name(exc),
+                    f"the tool's result cannot be sent as MessagePack: {codec.describe(exc)}",
+                )
+            except Exception:
+                return self._untold(codec.E_BAD_RESULT)
         if len(body) > self.max_payload:
             return codec.ERROR, codec.encode_error(
                 self.packer,
@@ -136,7 +149,10 @@ class Dispatcher:
 
     def failed(self, exc: BaseException) -> tuple[int, bytes]:
         """Encode an exception an ``async`` tool raised."""
-        return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
+        try:
+            return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
+        except Exception:
+            return self._untold(codec.E_REMOTE)
 
 
 async def _with_trace(awaitable: Awaitable[Any], trace: str | None) -> Any:
@@ -316,8 +332,12 @@ async def await_tool(dispatcher: Dispatcher, pending: Awaitable[Any]) -> tuple[i
     """Await an ``async`` tool's result and encode it."""
     try:
         result = await pending
-    except asyncio.CancelledError:
-        raise
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise  # the server cancelled it (a stop): not the tool's to answer
+        # The tool's own: a task it cancelled and then awaited. An error answer, as any.
+        return dispatcher.failed(exc)
     except Exception as exc:
         return dispatcher.failed(exc)
     return dispatcher.finish(result)
