@@ -1027,9 +1027,14 @@ def test_a_caller_whose_ring_never_empties_cannot_keep_the_server_from_its_contr
     assert not alive, "stop() was not heard"
 
 
-class _NoZone(datetime.tzinfo):
+class _FailingZone(datetime.tzinfo):
+    """A time zone whose own code raises ``error`` while a datetime is encoded."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
     def utcoffset(self, dt: datetime.datetime | None) -> datetime.timedelta:
-        raise LookupError("no such zone")
+        raise self.error
 
 
 class _Unprintable(Exception):
@@ -1063,11 +1068,6 @@ class _NamelessError(Exception, metaclass=_Nameless):
     pass
 
 
-class _NamelessZone(datetime.tzinfo):
-    def utcoffset(self, dt: datetime.datetime | None) -> datetime.timedelta:
-        raise _NamelessError
-
-
 async def _cancels_its_own_helper() -> None:
     helper = asyncio.ensure_future(asyncio.sleep(10))
     helper.cancel()
@@ -1076,6 +1076,11 @@ async def _cancels_its_own_helper() -> None:
 
 def _raise(exc: Exception) -> None:
     raise exc
+
+
+def _when(error: Exception) -> datetime.datetime:
+    """A result whose encoding raises ``error`` from the result's own code."""
+    return datetime.datetime(2026, 1, 1, tzinfo=_FailingZone(error))
 
 
 @pytest.mark.unit
@@ -1087,14 +1092,14 @@ def test_a_tool_whose_error_or_result_cannot_be_told_gets_an_error_answer_and_se
     escape the serving loop (which would end every caller's channel with it)."""
     p = Pair()
     tools = {
-        "zone": lambda: datetime.datetime(2026, 1, 1, tzinfo=_NoZone()),
+        "zone": lambda: _when(LookupError("no such zone")),
         "mute": lambda: _raise(_Unprintable()),
         "surrogate": lambda: _raise(ValueError("bad \ud800 text")),
         "surrogate_result": lambda: "bad \udfff text",
         "sly_str": lambda: _raise(_SlyStr()),
         "sly_binding": lambda: _raise(_SlyBinding()),
         "nameless": lambda: _raise(_NamelessError()),
-        "nameless_result": lambda: datetime.datetime(2026, 1, 1, tzinfo=_NamelessZone()),
+        "nameless_result": lambda: _when(_NamelessError()),
         "cancelled": _cancels_its_own_helper,
         "echo": _echo,
     }
@@ -1135,7 +1140,7 @@ def test_a_tool_whose_error_or_result_cannot_be_told_gets_an_error_answer_and_se
         assert kind == codec.ERROR and body[:2] == ["bad_result", "<unnamed type>"]
         kind, body = call(10, "cancelled", {})
         assert kind == codec.ERROR and body[:2] == ["remote", "CancelledError"]
-        assert call(5, "echo", {"text": "still here"}) == (codec.RESULT, "STILL HERE")
+        assert call(11, "echo", {"text": "still here"}) == (codec.RESULT, "STILL HERE")
         assert server.core.channels == [p.server]
     finally:
         close_server()

@@ -134,7 +134,8 @@ def type_name(value: object) -> str:
 
 
 def error_from_exception(packer: Packer, code: str, exc: BaseException) -> bytes:
-    """Encode an exception raised by a tool, with a short traceback summary."""
+    """Encode an exception raised by a tool, with a short traceback summary. Never raises,
+    whatever the exception's own code does (its text, its type's name, its traceback)."""
     try:
         frames = traceback.extract_tb(exc.__traceback__)[-_TRACEBACK_FRAMES:]
         summary = "".join(traceback.format_list(frames)).rstrip()

@@ -106,22 +106,12 @@ class Dispatcher:
         """The ERROR frame for an exception a tool call raised; ``at_call``: raised by the call
         itself, before any frame of the tool ran (for a ``TypeError``: the signature does not
         match)."""
-        try:
-            if isinstance(exc, TypeError) and (at_call or getattr(exc, "dsec_binding", False)):
-                # (dsec_binding: said so by the observing wrapper of dsec_sdk.tools)
-                return codec.ERROR, codec.encode_error(
-                    self.packer, codec.E_BAD_ARGUMENTS, "TypeError", codec.describe(exc)
-                )
-            return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
-        except Exception:  # the exception's own code raised while it was told
-            return self._untold(codec.E_REMOTE)
-
-    def _untold(self, code: str) -> tuple[int, bytes]:
-        """The last resort: an error nothing of could be told (its type's or text's own code
-        raised), still an answer; the serving loop goes on."""
-        return codec.ERROR, codec.encode_error(
-            self.packer, code, "Exception", "<the tool's error could not be described>"
-        )
+        # (codec tells any exception without raising, whatever its own code does)
+        if _bad_arguments(exc, at_call):
+            return codec.ERROR, codec.encode_error(
+                self.packer, codec.E_BAD_ARGUMENTS, "TypeError", codec.describe(exc)
+            )
+        return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
 
     def finish(self, result: Any) -> tuple[int, bytes]:
         """Encode a tool's return value."""
@@ -129,15 +119,12 @@ class Dispatcher:
             body: bytes = self.packer.encode(result)
         except Exception as exc:  # whatever encoding raised, even from the
             # result's own code (a datetime whose utcoffset() raises): the tool's error
-            try:
-                return codec.ERROR, codec.encode_error(
-                    self.packer,
-                    codec.E_BAD_RESULT,
-                    codec.type_name(exc),
-                    f"the tool's result cannot be sent as MessagePack: {codec.describe(exc)}",
-                )
-            except Exception:
-                return self._untold(codec.E_BAD_RESULT)
+            return codec.ERROR, codec.encode_error(
+                self.packer,
+                codec.E_BAD_RESULT,
+                codec.type_name(exc),
+                f"the tool's result cannot be sent as MessagePack: {codec.describe(exc)}",
+            )
         if len(body) > self.max_payload:
             return codec.ERROR, codec.encode_error(
                 self.packer,
@@ -149,10 +136,17 @@ class Dispatcher:
 
     def failed(self, exc: BaseException) -> tuple[int, bytes]:
         """Encode an exception an ``async`` tool raised."""
-        try:
-            return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
-        except Exception:
-            return self._untold(codec.E_REMOTE)
+        return codec.ERROR, codec.error_from_exception(self.packer, codec.E_REMOTE, exc)
+
+
+def _bad_arguments(exc: Exception, at_call: bool) -> bool:
+    """A ``TypeError`` of the call itself (the signature does not match), or one the observing
+    wrapper of ``dsec_sdk.tools`` marked so (``dsec_binding``); ``False`` when asking raised
+    (the exception's own code: it is told as the tool's error)."""
+    try:
+        return isinstance(exc, TypeError) and bool(at_call or getattr(exc, "dsec_binding", False))
+    except Exception:
+        return False
 
 
 async def _with_trace(awaitable: Awaitable[Any], trace: str | None) -> Any:
