@@ -4,6 +4,7 @@ them: ANSI escapes, newlines, carriage returns, bidi overrides and rich markup c
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,6 +106,12 @@ def test_snapshot_inspect_prints_hostile_file_names_escaped(
     assert "\x1b" not in shown.output and "\r" not in shown.output
     assert "\u202e" not in shown.output
     assert "evil\\x1b[2J\\x1b[31mred\\rover\\nnext\\u202eexe.txt[bold]x" in shown.output
+    as_json = runner.invoke(app, ["snapshot", "inspect", name, "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    largest = json.loads(as_json.output)["largest"]
+    assert [(f["path"], f["size"], f["mode"]) for f in largest] == [
+        (HOSTILE.replace("/", "_"), 4096, 0o644)
+    ]
 
 
 LOG = "line one\n\x1b]0;owned\x07\x1b[2Jcleared\rover \u202eevil \u00e9\n".encode()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import tarfile
 from pathlib import Path
 
 import blake3
+import pydantic
 import pytest
 import zstandard
 from dsec_core.codebundle import (
@@ -161,22 +163,51 @@ def test_manifest_hashes_sizes_modes(tree: Path) -> None:
     assert manifest.total_size == sum(f.size for f in manifest.files)
 
 
-def test_a_row_built_without_validation_is_the_validated_row(tree: Path) -> None:
-    from dsec_core.codebundle import FileEntry, file_entry
+def test_a_manifest_reads_back_as_written_with_its_rows_in_field_order(tree: Path) -> None:
+    """The rows are msgspec structs inside a pydantic model: written as the objects pydantic
+    wrote for the model they replace (field order, ``target`` null for files), read back equal,
+    and frozen."""
+    from dsec_core.codebundle import CodeManifest, FileEntry
 
-    for entry in list_tree(tree):
-        row = file_entry(entry, "ab" * 32)
-        fields = {
-            "path": entry.path, "kind": entry.kind, "size": entry.size, "mode": entry.mode,
-            "blake3": "ab" * 32, "target": entry.target,
-        }  # fmt: skip
-        validated = FileEntry(**fields)
-        assert row == validated == FileEntry.model_construct(**fields)
-        assert row.model_dump_json() == validated.model_dump_json()
-        assert row.model_fields_set == set(fields)
-        assert row.model_copy(update={"size": 1}).size == 1 and row.size == entry.size
-        with pytest.raises(ValueError, match="frozen"):
-            row.size = 3  # type: ignore[misc]
+    (tree / "link").symlink_to("agent.py")
+    manifest = scan_tree(tree)
+    text = manifest.model_dump_json()
+    rows = json.loads(text)["files"]
+    assert [list(r) for r in rows] == [["path", "kind", "size", "mode", "blake3", "target"]] * len(
+        rows
+    )
+    assert {r["path"]: r["target"] for r in rows}["link"] == "agent.py"
+    again = CodeManifest.model_validate_json(text)
+    assert again == manifest and again.tree_digest == manifest.tree_digest
+    assert all(type(f) is FileEntry for f in again.files)
+    assert CodeManifest.model_validate(manifest.model_dump()) == manifest
+    assert CodeManifest(files=list(manifest.files)) == CodeManifest(files=manifest.files)
+    with pytest.raises(AttributeError, match="immutable"):
+        again.files[0].size = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("row", "complaint"),
+    [
+        ({"mode": 0o4755}, "is recorded as"),
+        ({"kind": "dir"}, "Invalid enum value 'dir' - at `$[0].kind`, valid: 'file', 'symlink'"),
+        ({"size": "12"}, "Expected `int`, got `str` - at `$[0].size`"),
+        ({"size": True}, "Expected `int`, got `bool`"),
+        ({"owner": "root"}, "unknown field `owner`"),
+        ({"blake3": None}, "Expected `str`, got `null`"),
+    ],
+)
+def test_a_manifest_with_a_bad_row_is_refused_naming_the_row_and_field(
+    row: dict[str, object], complaint: str
+) -> None:
+    from dsec_core.codebundle import CodeManifest
+
+    good = {"path": "a", "kind": "file", "size": 1, "mode": 0o644, "blake3": "0" * 64}
+    text = json.dumps({"files": [{**good, **row}]})
+    with pytest.raises(pydantic.ValidationError) as caught:
+        CodeManifest.model_validate_json(text)
+    assert caught.value.errors()[0]["loc"] == ("files",)
+    assert complaint in str(caught.value)
 
 
 def test_symlinks_are_stored_as_links_never_followed(tree: Path, tmp_path: Path) -> None:

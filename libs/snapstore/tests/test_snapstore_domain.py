@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,6 +25,7 @@ from dsec_snapstore.manifest import (
     SnapshotManifest,
     SnapshotSummary,
     Source,
+    parse_manifest,
 )
 
 pytestmark = pytest.mark.unit
@@ -357,3 +359,77 @@ def test_restore_targets_refuse_a_hostile_path_after_a_plain_one_in_its_director
     assert [t for _, t in good] == [f"{tmp_path}/{p}" for p in ("a/x.py", "a/y.py", "top.py")]
     with pytest.raises((VerificationFailed, InvalidInput)):
         _targets(tmp_path, [row("a/x.py"), row(bad)])
+
+
+TRICKY = '"x\\",\\"code\\":{\\"files\\":[]}\\ ,"code":{"files":[]} \u2028 ü 🙂 \x7f \x01'
+
+
+def _varied_manifests() -> list[SnapshotManifest]:
+    link = FileEntry(path="l", kind="symlink", size=1, mode=0o777, blake3="0" * 64, target="a")
+    files = [entry(f'd{i}/ü {i}\\"q.py', bytes([i])) for i in range(40)] + [link]
+    return [
+        manifest("plain", files),
+        manifest("empty", []),
+        manifest(
+            "tricky",
+            [entry(TRICKY), *files],
+            labels={TRICKY: TRICKY, "code": TRICKY},
+            source=Source(code_dir=TRICKY, sandbox_id="sbx"),
+            chunk_map={TRICKY: ("a" * 64, "b" * 64)},
+            kernel={"k": TRICKY},
+            env=EnvRecord(key_id="k", hashes={TRICKY: "h"}),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("m", _varied_manifests(), ids=lambda m: m.name)
+def test_signed_bytes_are_pydantic_s_and_read_back_alike_by_either_parser(
+    m: SnapshotManifest,
+) -> None:
+    """The signed bytes (rows written by msgspec into pydantic's document) are byte for byte
+    what pydantic writes, so manifests signed before still verify, and the fast reader of a
+    restore reads them as ``model_validate_json`` does, whatever the strings hold (quotes,
+    backslashes, the splice marker's own text, non-ASCII, control characters)."""
+    signed = m.signed_bytes()
+    assert signed == m.model_dump_json().encode()
+    assert parse_manifest(signed) == SnapshotManifest.model_validate_json(signed) == m
+    assert parse_manifest(signed).signed_bytes() == signed
+
+
+def _refusals() -> list[tuple[str, bytes]]:
+    doc = json.loads(_varied_manifests()[0].signed_bytes())
+    row = doc["code"]["files"][0]
+    cases: list[tuple[str, dict[str, object]]] = [
+        ("extra member", {**doc, "owner": "root"}),
+        ("extra code member", {**doc, "code": {**doc["code"], "x": 1}}),
+        ("no code", {k: v for k, v in doc.items() if k != "code"}),
+        ("no files", {**doc, "code": {"git": None}}),
+        ("files not a list", {**doc, "code": {"files": {}}}),
+        ("setuid row", {**doc, "code": {"files": [{**row, "mode": 0o4755}]}}),
+        ("row of strings", {**doc, "code": {"files": [{**row, "size": "1"}]}}),
+        ("bad date", {**doc, "created_at": "yesterday"}),
+        ("bad schema", {**doc, "schema_version": 2}),
+    ]
+    out = [(name, json.dumps(d).encode()) for name, d in cases]
+    return [
+        *out,
+        ("not json", b'{"code":'),
+        ("deep", b'{"labels":' + b"[" * 3000 + b"]" * 3000 + b"}"),
+    ]
+
+
+@pytest.mark.parametrize(("case", "text"), _refusals(), ids=[c for c, _ in _refusals()])
+def test_the_fast_reader_refuses_what_pydantic_refuses(case: str, text: bytes) -> None:
+    with pytest.raises((ValueError, RecursionError)):
+        SnapshotManifest.model_validate_json(text)
+    with pytest.raises((ValueError, RecursionError)):
+        parse_manifest(text)
+
+
+def test_the_fast_reader_keeps_a_repeated_member_s_last_value_as_pydantic_does() -> None:
+    signed = _varied_manifests()[0].signed_bytes()
+    twice = signed.replace(b'"name":"plain"', b'"name":"other","name":"plain"', 1)
+    rows = twice.replace(b'"code":{"files":', b'"code":{"files":[],"files":', 1)
+    for text in (twice, rows):
+        assert parse_manifest(text) == SnapshotManifest.model_validate_json(text)
+    assert parse_manifest(twice).name == "plain" and len(parse_manifest(rows).code.files) == 41

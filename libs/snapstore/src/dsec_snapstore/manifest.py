@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 import blake3
+import msgspec
 from dsec_core.codebundle import CodeManifest, FileEntry
 from dsec_core.events import LockedPackage
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +28,10 @@ INDEX_PREFIX = "snapshot-index/"
 MANIFEST_PREFIX = "snapshots/"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 NAME_RULE = "1-128 characters: letters, digits, '.', '_', '-', starting with a letter or digit"
+
+
+_NO_FILES = b',"code":{"files":[]'
+_ROWS = msgspec.json.Encoder()
 
 
 class _Frozen(BaseModel):
@@ -138,8 +143,22 @@ class SnapshotManifest(_Frozen):
         keeps, so a verifier re-serializes the parsed manifest and gets the same bytes (an
         altered manifest does not). Several times faster than canonical MessagePack on a
         manifest of thousands of files.
+
+        The file rows are written by msgspec (0.4 ms for 5,000, against 3 ms through pydantic's
+        serializer) into the rest of the document as pydantic writes it: the same bytes, since
+        both write a row's strings, integers and nulls alike (UTF-8 unescaped, the same
+        escapes), which the tests check against :meth:`model_dump_json`.
         """
-        return self.model_dump_json().encode()
+        files = self.code.files
+        if not files:
+            return self.model_dump_json().encode()
+        bare = self.model_copy(update={"code": self.code.model_copy(update={"files": ()})})
+        doc = bare.model_dump_json().encode()
+        # Where the rows go: a '"' outside a string begins the member "code" (a string holds
+        # every quote escaped), and no member before it can hold an object named "code".
+        if doc.count(_NO_FILES) != 1:
+            return self.model_dump_json().encode()
+        return doc.replace(_NO_FILES, b',"code":{"files":' + _ROWS.encode(files), 1)
 
     def digest(self) -> str:
         """BLAKE3 hex of :meth:`signed_bytes` (``manifest_digest`` in ``snapshot.taken``)."""
@@ -157,6 +176,52 @@ class SnapshotManifest(_Frozen):
         for entry in self.code.files:
             out.update(self.chunks_of(entry))
         return out
+
+
+def _split_type(model: type[BaseModel], name: str, **typed: Any) -> Any:
+    """A msgspec struct with ``model``'s fields: those in ``typed`` of that type, every other
+    one left as its JSON bytes (:class:`msgspec.Raw`), any member ``model`` lacks refused."""
+    fields = [(f, typed.get(f, msgspec.Raw), msgspec.UNSET) for f in model.model_fields]
+    return msgspec.defstruct(name, fields, forbid_unknown_fields=True)
+
+
+_CodeParts = _split_type(CodeManifest, "_CodeParts", files=tuple[FileEntry, ...])
+_ManifestParts = _split_type(SnapshotManifest, "_ManifestParts", code=_CodeParts)
+_MANIFEST_PARTS = msgspec.json.Decoder(_ManifestParts)
+
+
+def _joined(parts: Any, replace: dict[str, bytes]) -> bytes:
+    members = []
+    for field in parts.__struct_fields__:
+        value = replace.get(field) or getattr(parts, field)
+        if value is not msgspec.UNSET:
+            members.append(b'"' + field.encode() + b'":' + bytes(value))
+    return b"{" + b",".join(members) + b"}"
+
+
+def parse_manifest(signed: bytes) -> SnapshotManifest:
+    """Parse a manifest's JSON bytes as ``SnapshotManifest.model_validate_json`` does, faster.
+
+    The file rows (thousands) are decoded and checked by msgspec straight from the bytes; the
+    rest of the document is handed to pydantic as JSON, so every other field is judged exactly
+    as ``model_validate_json`` judges it. A member repeated keeps its last value, as there.
+    ~2 ms for 5,000 files where ``model_validate_json`` takes ~4.5 ms (it makes a mapping of
+    every row first).
+
+    Raises:
+        ValueError: not a valid manifest (``msgspec.DecodeError`` or
+            ``pydantic.ValidationError``, both ``ValueError``).
+        RecursionError: nested too deep.
+    """
+    parts = _MANIFEST_PARTS.decode(signed)
+    code = parts.code
+    if code is msgspec.UNSET or code.files is msgspec.UNSET:
+        return SnapshotManifest.model_validate_json(signed)  # (it says what is missing)
+    manifest = SnapshotManifest.model_validate_json(
+        _joined(parts, {"code": _joined(code, {"files": b"[]"})})
+    )
+    code_ = manifest.code.model_copy(update={"files": code.files})
+    return manifest.model_copy(update={"code": code_})
 
 
 class Signature(_Frozen):

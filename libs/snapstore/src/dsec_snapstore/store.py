@@ -95,6 +95,7 @@ from dsec_snapstore.manifest import (
     audit_key,
     chunk_key,
     manifest_key,
+    parse_manifest,
     summary_key,
 )
 from dsec_snapstore.packcache import PackCache, count_read
@@ -826,8 +827,8 @@ class SnapshotStore:
         if problems:
             return None
         try:
-            manifest = SnapshotManifest.model_validate_json(signed)
-        except pydantic.ValidationError:
+            manifest = parse_manifest(signed)
+        except (ValueError, RecursionError):  # (pydantic's and msgspec's errors are both)
             return None
         if manifest.name != name:
             return None

@@ -332,8 +332,10 @@ def ls(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
 
 
 def _inspection_json(i: Inspection) -> dict[str, Any]:
+    import msgspec
+
     doc = asdict(i)
-    doc["largest"] = [f.model_dump(mode="json") for f in i.largest]
+    doc["largest"] = msgspec.to_builtins(i.largest)
     return doc
 
 
