@@ -20,6 +20,7 @@ from dsec_sdk import (
     DSecClient,
     PayloadTooLarge,
     PeerGone,
+    ReentrantCall,
     RemoteError,
     ToolNotFound,
 )
@@ -327,48 +328,64 @@ def test_calls_from_many_threads_on_one_channel_each_get_their_own_answer(
     assert len(channel.requests) == calls
 
 
-class _Interrupted(Exception):
-    pass
-
-
-@pytest.mark.parametrize("ring_mode", ["c"], indirect=True)
-def test_a_call_nested_in_a_signal_handler_never_frees_the_lock_of_the_call_it_interrupted(
+def test_a_call_on_the_same_channel_from_a_signal_handler_is_refused_and_the_outer_goes_on(
     channel: _Channel,
 ) -> None:
-    """A signal handler calls the same agent while a call waits for its answer: the nested
-    call finds the channel taken and waits for it; interrupted there, it must leave the outer
-    call's lock held (else another thread's call could read the outer call's answer)."""
-    seen: list[bool] = []
-    fired = 0
+    """A signal handler calls the same agent while this thread's call waits for its answer.
+    The nested call cannot have the channel before the outer call ends, and the outer call
+    cannot end before the handler returns: it used to wait for ever. It is refused at once
+    (``ReentrantCall``), the outer call's lock untouched, and the outer call gets its answer."""
+    seen: list[tuple[bool, str]] = []
+    handled = threading.Event()
 
     def on_alarm(signum: int, frame: object) -> None:
-        nonlocal fired
-        fired += 1
-        if fired == 1:  # the nested call, which waits for the outer call's lock ...
-            try:
-                channel.client.call_tool("b", "nested", timeout=5)
-            except _Interrupted:
-                seen.append(channel.channel.lock.locked())
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        else:  # ... until the second alarm interrupts it
-            raise _Interrupted
+        try:
+            channel.client.call_tool("b", "nested", timeout=5)
+        except ReentrantCall as exc:
+            seen.append((channel.channel.lock.locked(), str(exc)))
+        handled.set()
+
+    def after_the_handler(call_id: int) -> list[tuple[int, int, bytes]]:
+        assert handled.wait(10)
+        return [(codec.RESULT, call_id, _encode("outer done"))]
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
-        with pytest.raises(CallTimeout):
-            channel.client.call_tool("b", "outer", timeout=0.5)  # nobody answers
+        served = channel.answer(after_the_handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        assert channel.client.call_tool("b", "outer", timeout=20) == "outer done"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    assert seen == [True]  # the outer call still held its lock while it waited
-    assert not channel.channel.lock.locked()  # and freed it when it ended
-    # Only the outer call's request went: the nested one never had the channel.
-    assert channel.server.requests.try_read(codec.unpack)[2][0] == "outer"
-    assert not channel.server.requests.readable()
+    served.join()
+    assert len(seen) == 1
+    locked, text = seen[0]
+    assert locked  # the outer call still held its lock: the nested one never took or freed it
+    assert "call b.nested made while this thread's call to 'b' is in flight" in text
+    assert [r[0] for r in channel.requests] == ["outer"]  # type: ignore[index]  # (nested never sent)
+    assert not channel.server.requests.readable() and not channel.channel.lock.locked()
     served = channel.answer(lambda i: [(codec.RESULT, i, _encode("after"))])
     assert channel.client.call_tool("b", "search") == "after"
     served.join()
+
+
+@pytest.mark.parametrize("ring_mode", ["c"], indirect=True)
+def test_the_c_caller_says_which_thread_holds_the_channel(channel: _Channel) -> None:
+    """What the refusal above rests on where the C caller holds the lock: a held call is this
+    thread's until it is released, never another thread's."""
+    sync = channel.channel
+    assert sync.fast is not None
+    status = sync.fast("search", {}, 0.001)  # nobody answers: handed over with the lock held
+    assert status[0] == 1 and sync.lock.locked()
+    assert sync._held_by_me()
+    elsewhere: list[bool] = []
+    other = threading.Thread(target=lambda: elsewhere.append(sync._held_by_me()))
+    other.start()
+    other.join()
+    assert elsewhere == [False]
+    with pytest.raises(ReentrantCall):
+        sync.call("again", {}, 1.0, "g")  # (it would have waited for ever)
+    assert sync.release_held() and not sync._held_by_me() and not sync.lock.locked()
 
 
 @pytest.mark.parametrize("ring_mode", ["c"], indirect=True)

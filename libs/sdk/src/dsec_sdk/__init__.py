@@ -18,6 +18,7 @@ from dsec_sdk.errors import (
     PayloadTooLarge,
     PeerGone,
     ProtocolError,
+    ReentrantCall,
     RemoteError,
     ToolNotFound,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "PayloadTooLarge",
     "PeerGone",
     "ProtocolError",
+    "ReentrantCall",
     "RemoteError",
     "StateError",
     "ToolNotFound",

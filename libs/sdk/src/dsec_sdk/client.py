@@ -32,6 +32,7 @@ from dsec_sdk.errors import (
     PayloadTooLarge,
     PeerGone,
     ProtocolError,
+    ReentrantCall,
     RemoteError,
 )
 from dsec_sdk.ipc import codec, control, ring
@@ -51,6 +52,7 @@ DEFAULT_GROUP: Final = "default"
 _NO_DEADLINE: Final = 1 << 62
 _unpack = codec.unpack
 _clock = time.perf_counter_ns
+_thread_id = threading.get_ident
 _REQUEST: Final = codec.REQUEST
 _RESULT: Final = codec.RESULT
 _HEAD: Final = ring.HEAD
@@ -115,6 +117,12 @@ class _SyncChannel:
         # KeyboardInterrupt, a signal handler that raises) cannot leave the channel locked.
         self.release_held: Callable[[], bool] = (
             _nothing_held if self._caller is None else self._caller.release_held
+        )
+        # The threads whose Python-path call holds (or is taking) the lock, and whether this
+        # thread's C call left it held: a call from above either is refused (ReentrantCall).
+        self._callers: set[int] = set()
+        self._held_by_me: Callable[[], bool] = (
+            _nothing_held if self._caller is None else self._caller.held_by_this_thread
         )
 
     def _take_id(self) -> int:
@@ -190,48 +198,60 @@ class _SyncChannel:
     ) -> Any:
         """The Python path of a call (see the class docstring)."""
         end = self.end
-        with self.lock:
-            if timeout is None:
-                timeout_ms, deadline = 0, _NO_DEADLINE
-            else:
-                # (the type too: 1 and True are equal, and only one of them is a timeout)
-                if timeout.__class__ is not self._timeout.__class__ or timeout != self._timeout:
-                    self._timeout_parts = timeout_parts(timeout)
-                    self._timeout = timeout
-                timeout_ms, timeout_ns = self._timeout_parts
-                deadline = _clock() + timeout_ns if timeout_ns >= 0 else _NO_DEADLINE
-            try:
-                body = self._pack(
-                    [tool, arguments, timeout_ms]
-                    if trace is None
-                    else [tool, arguments, timeout_ms, trace]  # W3C traceparent (tracing on)
-                )
-            except (TypeError, ValueError, OverflowError):
-                body = codec.encode_request(
-                    self.packer, tool, arguments, timeout_ms, trace
-                )  # raises
-            if len(body) > self.max_payload:
-                raise PayloadTooLarge(f"request to {end.peer}.{tool}", len(body), self.max_payload)
-            if end.is_closed:
-                raise PeerGone(end.peer, "the channel was closed")
-            call_id = self._take_id()
-            outcome: Any = -1
-            if self._fast_call is not None:
-                spin = end.spin
+        # A call on this channel already in flight in this thread (this one comes from a
+        # signal handler that interrupted it, or a generator holds it) would wait for itself.
+        me = _thread_id()
+        callers = self._callers
+        if me in callers or self._held_by_me():
+            raise ReentrantCall(end.peer, tool)
+        callers.add(me)  # (before the lock: no moment holds it unmarked)
+        try:
+            with self.lock:
+                if timeout is None:
+                    timeout_ms, deadline = 0, _NO_DEADLINE
+                else:
+                    # (the type too: 1 and True are equal, and only one of them is a timeout)
+                    if timeout.__class__ is not self._timeout.__class__ or timeout != self._timeout:
+                        self._timeout_parts = timeout_parts(timeout)
+                        self._timeout = timeout
+                    timeout_ms, timeout_ns = self._timeout_parts
+                    deadline = _clock() + timeout_ns if timeout_ns >= 0 else _NO_DEADLINE
                 try:
-                    outcome = self._fast_call(
-                        self._fast_responses,
-                        _REQUEST,
-                        call_id,
-                        body,
-                        _unpack,
-                        spin.budget_ns,
-                        spin.pure_ns,
-                        deadline,
+                    body = self._pack(
+                        [tool, arguments, timeout_ms]
+                        if trace is None
+                        else [tool, arguments, timeout_ms, trace]  # W3C traceparent (tracing on)
                     )
-                except codec.DECODE_ERRORS as exc:
-                    raise ProtocolError(f"undecodable answer from {end.peer!r}: {exc}") from exc
-            frame = self._after_fast_call(end, tool, timeout, call_id, body, deadline, outcome)
+                except (TypeError, ValueError, OverflowError):
+                    body = codec.encode_request(
+                        self.packer, tool, arguments, timeout_ms, trace
+                    )  # raises
+                if len(body) > self.max_payload:
+                    raise PayloadTooLarge(
+                        f"request to {end.peer}.{tool}", len(body), self.max_payload
+                    )
+                if end.is_closed:
+                    raise PeerGone(end.peer, "the channel was closed")
+                call_id = self._take_id()
+                outcome: Any = -1
+                if self._fast_call is not None:
+                    spin = end.spin
+                    try:
+                        outcome = self._fast_call(
+                            self._fast_responses,
+                            _REQUEST,
+                            call_id,
+                            body,
+                            _unpack,
+                            spin.budget_ns,
+                            spin.pure_ns,
+                            deadline,
+                        )
+                    except codec.DECODE_ERRORS as exc:
+                        raise ProtocolError(f"undecodable answer from {end.peer!r}: {exc}") from exc
+                frame = self._after_fast_call(end, tool, timeout, call_id, body, deadline, outcome)
+        finally:
+            callers.discard(me)
         if frame[0] == _RESULT:
             return frame[2]
         codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])

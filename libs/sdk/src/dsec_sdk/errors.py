@@ -55,6 +55,21 @@ class CallTimeout(IpcError, TimeoutError):
         super().__init__(f"call {agent}.{tool} timed out after {shown} s")
 
 
+class ReentrantCall(IpcError, RuntimeError):
+    """A call on a channel made while the same thread's call on it is still in flight: from a
+    signal handler that interrupted that call, or while a generator holds one. It would wait
+    for the outer call, which cannot go on until it returns: refused at once instead."""
+
+    def __init__(self, agent: str, tool: str) -> None:
+        self.agent = agent
+        self.tool = tool
+        super().__init__(
+            f"call {agent}.{tool} made while this thread's call to {agent!r} is in flight "
+            "(from a signal handler, or a generator holding a call): it would wait for itself "
+            "for ever, so it is refused; call from another thread or after that call returns"
+        )
+
+
 class PayloadTooLarge(IpcError, ValueError):
     """A request or response is larger than the transport accepts."""
 

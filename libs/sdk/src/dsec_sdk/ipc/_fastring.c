@@ -543,6 +543,8 @@ typedef struct {
     int holding;           /* a CALL_HELD call left the lock held ... */
     unsigned long holder;  /* ... in this thread (PyThread_get_thread_ident) ... */
     PyObject *holder_frame; /* ... for the Python frame that made it (a strong reference) */
+    int owned;             /* this caller took the lock and has not released it ... */
+    unsigned long owner;   /* ... in this thread */
 } FastCaller;
 
 static PyObject *str_settled, *str_budget_ns, *str_pure_ns;
@@ -634,6 +636,7 @@ static PyObject *unlock_and(FastCaller *self, PyObject *result)
 {
     PyObject *exc_type, *exc_value, *exc_tb;
     PyErr_Fetch(&exc_type, &exc_value, &exc_tb); /* a pending error survives the release */
+    self->owned = 0;
     PyObject *r = PyObject_CallNoArgs(self->release);
     if (r == NULL) {
         Py_XDECREF(exc_type);
@@ -747,6 +750,17 @@ static PyObject *FastCaller_release_held(FastCaller *self, PyObject *Py_UNUSED(i
     return done;
 }
 
+PyDoc_STRVAR(held_by_this_thread_doc,
+             "held_by_this_thread() -> bool\n\n"
+             "Whether a call of this thread through this caller holds the channel lock now (a\n"
+             "CALL_HELD call, or one whose encoder or decoder runs Python code): a call made on\n"
+             "this channel from above it (a signal handler) would wait for itself for ever.");
+
+static PyObject *FastCaller_held_by_this_thread(FastCaller *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(self->owned && self->owner == PyThread_get_thread_ident());
+}
+
 PyDoc_STRVAR(caller_call_doc,
              "call(tool, arguments, timeout) -> value | status tuple\n\n"
              "One tool call's common case: the request [tool, arguments, timeout_ms] encoded,\n"
@@ -776,7 +790,11 @@ static PyObject *FastCaller_call(FastCaller *self, PyObject *const *args, Py_ssi
     Py_DECREF(got);
     if (!locked)
         return status1(CALL_BUSY);
-    /* The lock is held: every way out below releases it, but CALL_HELD. */
+    /* The lock is held: every way out below releases it, but CALL_HELD. Marked as this
+     * thread's until released: the encoder or decoder may run Python code (hooks), and a
+     * signal handler there that calls on this channel must be refused, not wait for ever. */
+    self->owned = 1;
+    self->owner = PyThread_get_thread_ident();
     FastRing *requests = self->requests, *responses = self->responses;
     PyObject *frame_list = PyList_New(3);
     if (frame_list == NULL)
@@ -891,6 +909,8 @@ static PyObject *FastCaller_call(FastCaller *self, PyObject *const *args, Py_ssi
 static PyMethodDef FastCaller_methods[] = {
     {"call", (PyCFunction)(void (*)(void))FastCaller_call, METH_FASTCALL, caller_call_doc},
     {"release_held", (PyCFunction)FastCaller_release_held, METH_NOARGS, release_held_doc},
+    {"held_by_this_thread", (PyCFunction)FastCaller_held_by_this_thread, METH_NOARGS,
+     held_by_this_thread_doc},
     {NULL, NULL, 0, NULL},
 };
 
