@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import tarfile
 from pathlib import Path
@@ -491,3 +492,21 @@ def test_a_manifest_entry_names_only_the_modes_a_tree_is_recorded_with(
         FileEntry(path="a", kind=kind, size=1, mode=mode, blake3="0" * 64)  # type: ignore[arg-type]
     FileEntry(path="a", kind="file", size=1, mode=0o755, blake3="0" * 64)
     FileEntry(path="a", kind="symlink", size=1, mode=0o777, blake3="0" * 64, target="b")
+
+
+def test_a_name_or_link_target_that_is_not_utf8_is_refused_naming_the_file(tmp_path: Path) -> None:
+    from dsec_core.codebundle import BundleError, build_bundle, scan_tree
+
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "ok-é.py").write_text("x = 1\n")  # UTF-8 beyond ASCII: fine
+    bad = os.path.join(os.fsencode(root), b"caf\xe9.py")  # Latin-1 bytes
+    with open(bad, "wb") as fh:
+        fh.write(b"x = 1\n")
+    for make in (build_bundle, scan_tree):
+        with pytest.raises(
+            BundleError, match=re.escape("b'caf\\xe9.py': the file's name is not UTF-8")
+        ):
+            make(root)
+    os.unlink(bad)
+    assert [f.path for f in build_bundle(root).manifest.files] == ["ok-é.py"]

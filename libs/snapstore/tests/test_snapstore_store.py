@@ -131,6 +131,34 @@ def test_names_are_unique_and_validated(store: SnapshotStore, code: Path) -> Non
         store.verify("nope")
 
 
+def test_a_file_name_that_is_not_utf8_is_refused_by_name_and_a_rollback_removes_it(
+    store: SnapshotStore, code: Path, tmp_path: Path
+) -> None:
+    """A sandbox's file named with raw bytes (``b'bad\\xff'``) cannot go into a manifest (JSON,
+    UTF-8). Found by an adversarial review: a snapshot failed at signing with an encoder's
+    error naming no file. It is refused before anything is read or stored, naming the file;
+    a rollback of a tree holding one removes it like any file the snapshot lacks."""
+    store.create("clean", inputs(code))
+    bad = os.path.join(os.fsencode(code), b"pkg", b"bad\xff.py")
+    with open(bad, "wb") as fh:
+        fh.write(b"x = 1\n")
+    with pytest.raises(
+        InvalidInput, match=re.escape("b'pkg/bad\\xff.py': the file's name is not UTF-8")
+    ):
+        store.create("dirty", inputs(code))
+    assert [s.name for s in store.list_snapshots()] == ["clean"]
+    os.unlink(bad)
+    link = os.path.join(os.fsencode(code), b"pkg", b"link.py")
+    os.symlink(b"target-\xfe", link)
+    with pytest.raises(InvalidInput, match=re.escape("link target is not UTF-8 (b'target-\\xfe')")):
+        store.create("dirty", inputs(code))
+    with open(bad, "wb") as fh:
+        fh.write(b"x = 1\n")
+    back = store.restore("clean", code, sync=True)
+    assert not os.path.lexists(bad) and not os.path.lexists(link) and back.files_written == 0
+    assert store.create("dirty", inputs(code)).chunks_uploaded == 0  # (the clean tree again)
+
+
 def test_diff_shows_files_lines_env_and_kernel(store: SnapshotStore, code: Path) -> None:
     store.create("a", inputs(code, env={"MODE": "train", "KEY": SECRET}))
     (code / "agent.py").write_text("import pkg\n\ndef score():\n    return 0.87\n")

@@ -65,6 +65,7 @@ __all__ = [
     "GitInfo",
     "TreeEntry",
     "build_bundle",
+    "check_names",
     "declared_max_size",
     "extract_bundle",
     "file_entry",
@@ -145,10 +146,22 @@ class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
     target: str | None = None
 
     def __post_init__(self) -> None:
+        # Decoding checks the types; construction in Python does not, so they are checked
+        # here too (a float size would be signed and never read back).
+        if not (
+            type(self.size) is int
+            and type(self.mode) is int
+            and type(self.path) is str
+            and type(self.blake3) is str
+            and (self.target is None or type(self.target) is str)
+        ):
+            raise TypeError(
+                f"file entry {self.path!r}: path, blake3 and target (or None) are str, size "
+                f"and mode int; got {', '.join(type(getattr(self, f)).__name__ for f in _ROW)}"
+            )
         # A manifest names only these modes (list_tree records them so): anything else, such
-        # as a setuid bit, would be handed to whoever restores the tree as root. (Construction
-        # in Python checks no types, so the kind is checked here too.)
-        allowed = _MODES.get(self.kind)
+        # as a setuid bit, would be handed to whoever restores the tree as root.
+        allowed = _MODES.get(self.kind) if type(self.kind) is str else None
         if allowed is None:
             raise ValueError(f"kind {self.kind!r} of {self.path!r}: 'file' or 'symlink'")
         if self.mode not in allowed:
@@ -161,6 +174,7 @@ class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
 _FILE_MODES = frozenset({0o644, 0o755})
 _LINK_MODES = frozenset({0o777})
 _MODES: dict[object, frozenset[int]] = {"file": _FILE_MODES, "symlink": _LINK_MODES}
+_ROW = ("path", "kind", "size", "mode", "blake3", "target")
 _FILES_TYPE = tuple[FileEntry, ...]
 
 
@@ -376,6 +390,33 @@ def list_tree(
     if skipped is not None:
         skipped.sort()
     return entries
+
+
+def check_names(entries: Sequence[TreeEntry]) -> None:
+    """Refuse a file whose name or link target is not UTF-8 (a name made of raw bytes, read
+    with ``surrogateescape``): a manifest is JSON and records UTF-8 text, so such a name
+    could be neither signed nor stored. Checked once for the whole tree (one pass in C when
+    every name is ASCII, as code's names almost always are).
+
+    Raises:
+        BundleError: naming the file, its name's bytes, and what to do.
+    """
+    texts = [e.path for e in entries]
+    texts += [e.target for e in entries if e.target is not None]
+    if "".join(texts).isascii():
+        return
+    for e in entries:
+        for what, text in (("name", e.path), ("link target", e.target)):
+            if text is None or text.isascii():
+                continue
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                raise BundleError(
+                    f"{os.fsencode(e.path)!r}: the file's {what} is not UTF-8 "
+                    f"({os.fsencode(text)!r}); a manifest records UTF-8 names: rename or "
+                    "remove it, or exclude it (include_code.exclude_patterns)"
+                ) from None
 
 
 _SPECIAL_KINDS = (
@@ -606,6 +647,7 @@ def scan_tree(root: Path, exclude_patterns: Sequence[str] = ()) -> CodeManifest:
         BundleError: ``root`` is not a directory, or a pattern is malformed.
     """
     entries = list_tree(root, exclude_patterns)
+    check_names(entries)
     files = tuple(file_entry(e, _entry_hash(e)) for e in entries)
     return CodeManifest(files=files, git=git_info(root), exclude_patterns=tuple(exclude_patterns))
 
@@ -758,6 +800,7 @@ def build_bundle(
     root = Path(root).absolute()
     skipped: list[str] = []
     entries = list_tree(root, exclude_patterns, skipped=skipped)
+    check_names(entries)
     if max_size is not None:
         check_size(entries, max_size)
     git = git_info(root)

@@ -39,6 +39,7 @@ from dsec_core.codebundle import (
     FileEntry,
     GitInfo,
     TreeEntry,
+    check_names,
     file_entry,
     git_info,
     list_tree,
@@ -429,6 +430,7 @@ class SnapshotStore:
         try:
             try:
                 entries = list_tree(root, inputs.exclude_patterns)
+                check_names(entries)
             except BundleError as exc:
                 raise InvalidInput(str(exc)) from exc
             if taken.result():
