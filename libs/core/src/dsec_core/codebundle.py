@@ -124,7 +124,7 @@ class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
 
     A frozen msgspec struct, not a pydantic model: a snapshot's manifest holds one per file
     (thousands), and reading it builds them all. msgspec decodes and checks 5,000 of them in
-    ~1.8 ms where pydantic took ~6.5 ms, most of it making the model instances; a restore on a
+    ~2.2 ms where pydantic took ~6.5 ms, most of it making the model instances; a restore on a
     cold node waits for that. The rules are the same: every field typed, no other member,
     the mode one a manifest records (:meth:`__post_init__`, run on decoding and on
     construction). Inside a pydantic model use :data:`FileList` for the tuple of them.
