@@ -369,6 +369,40 @@ def test_a_call_on_the_same_channel_from_a_signal_handler_is_refused_and_the_out
     served.join()
 
 
+def test_a_client_closed_from_a_signal_handler_closes_the_channel_once_the_call_it_interrupted_ends(
+    channel: _Channel,
+) -> None:
+    """A SIGTERM handler that calls ``client.close()`` while this thread's call waits for
+    its answer: ``close`` used to wait for that call's lock, which the call could not give
+    back before the handler returned. The channel is closed once the call ends instead (its
+    rings are in use below the handler): the call gets its answer, then the channel is gone."""
+    sync = channel.channel
+    closed_in_handler: list[bool] = []
+    handled = threading.Event()
+
+    def on_alarm(signum: int, frame: object) -> None:
+        channel.client.close()
+        closed_in_handler.append(sync.end.is_closed)
+        handled.set()
+
+    def after_the_handler(call_id: int) -> list[tuple[int, int, bytes]]:
+        assert handled.wait(10)
+        return [(codec.RESULT, call_id, _encode("outer done"))]
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        served = channel.answer(after_the_handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        assert channel.client.call_tool("b", "outer", timeout=20) == "outer done"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    served.join()
+    assert closed_in_handler == [False]  # not under the call that was using it ...
+    assert sync.end.is_closed and not sync.lock.locked()  # ... but as soon as it ended
+    assert "b" not in channel.client._channels
+
+
 @pytest.mark.parametrize("ring_mode", ["c"], indirect=True)
 def test_the_c_caller_says_which_thread_holds_the_channel(channel: _Channel) -> None:
     """What the refusal above rests on where the C caller holds the lock: a held call is this

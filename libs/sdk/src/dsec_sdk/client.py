@@ -121,9 +121,31 @@ class _SyncChannel:
         # The threads whose Python-path call holds (or is taking) the lock, and whether this
         # thread's C call left it held: a call from above either is refused (ReentrantCall).
         self._callers: set[int] = set()
+        self.closing = False  # closed from above a call in flight: close when it ends
         self._held_by_me: Callable[[], bool] = (
             _nothing_held if self._caller is None else self._caller.held_by_this_thread
         )
+
+    def held_here(self) -> bool:
+        """Whether a call of this thread on the channel is in flight: code running now is
+        above it (a signal handler that interrupted it)."""
+        return _thread_id() in self._callers or self._held_by_me()
+
+    def close(self) -> None:
+        """Close the channel (waiting for another thread's call on it to end). From above a
+        call of this thread on it (a signal handler calling ``DSecClient.close()``), which
+        would wait for itself, it is closed once that call ends instead: its rings are in
+        use below."""
+        if self.held_here():
+            self.closing = True
+            return
+        with self.lock:
+            self.end.close()
+
+    def _close_if_asked(self) -> None:
+        if not self.held_here():  # (else the call below this one closes it when it ends)
+            with self.lock:
+                self.end.close()
 
     def _take_id(self) -> int:
         """The next call id (the C caller's counter when there is one: both paths share it)."""
@@ -174,6 +196,8 @@ class _SyncChannel:
                 frame = self._after_fast_call(end, tool, timeout, call_id, body, deadline, outcome)
             finally:
                 self.release_held()
+                if self.closing:
+                    self._close_if_asked()
             if frame[0] == _RESULT:
                 return frame[2]
             codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
@@ -252,6 +276,8 @@ class _SyncChannel:
                 frame = self._after_fast_call(end, tool, timeout, call_id, body, deadline, outcome)
         finally:
             callers.discard(me)
+            if self.closing:
+                self._close_if_asked()
         if frame[0] == _RESULT:
             return frame[2]
         codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
@@ -892,15 +918,13 @@ class DSecClient:
     def _drop(self, agent: str, channel: _SyncChannel) -> None:
         if self._channels.get(agent) is channel:
             del self._channels[agent]
-        with channel.lock:
-            channel.end.close()
+        channel.close()
 
     def close(self) -> None:
         """Stop serving and close every channel and the broker connection."""
         self.stop()
         for channel in self._channels.values():
-            with channel.lock:
-                channel.end.close()
+            channel.close()  # (from a signal handler above a call on it: once that call ends)
         self._channels.clear()
         for caller in self._async_channels.values():
             caller.close()
