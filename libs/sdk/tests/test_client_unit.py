@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import threading
@@ -401,6 +402,116 @@ def test_a_client_closed_from_a_signal_handler_closes_the_channel_once_the_call_
     assert closed_in_handler == [False]  # not under the call that was using it ...
     assert sync.end.is_closed and not sync.lock.locked()  # ... but as soon as it ended
     assert "b" not in channel.client._channels
+
+
+_TRACE = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"  # (a traced call takes the Python path)
+
+
+def test_an_interrupt_as_a_call_marks_its_thread_never_leaves_the_thread_marked(
+    channel: _Channel,
+) -> None:
+    """Found by a review of the refusal above: a KeyboardInterrupt handled right after the
+    call marked its thread (before its ``try``) left the mark for good, so every later call
+    of that thread on the channel was refused and ``close()`` never closed it. Here the
+    interrupt comes from the marking itself, at exactly that point."""
+    sync = channel.channel
+
+    class InterruptedOnce(set[int]):
+        armed = True
+
+        def add(self, item: int) -> None:
+            super().add(item)
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+
+    sync._callers = InterruptedOnce()
+    with pytest.raises(KeyboardInterrupt):
+        sync.call("search", {}, 1.0, "g", _TRACE)
+    assert not sync._callers and not sync.lock.locked()
+    served = channel.answer(lambda i: [(codec.RESULT, i, _encode("next"))])
+    assert sync.call("search", {}, 1.0, "g", _TRACE) == "next"
+    served.join()
+    channel.client.close()
+    assert sync.end.is_closed
+
+
+def test_a_close_from_a_handler_above_a_close_defers_and_a_call_there_is_refused(
+    channel: _Channel,
+) -> None:
+    """Found by the same review: a SIGTERM handled while this thread closes the client
+    (leaving ``with DSecClient() as c:``) whose handler closes it again, or calls that agent,
+    waited for ever for the lock the close below it held."""
+    sync = channel.channel
+    seen: list[object] = []
+
+    def on_term(signum: int, frame: object) -> None:
+        try:
+            channel.client.call_tool("b", "ping", timeout=1)
+        except ReentrantCall as exc:
+            seen.append(type(exc))
+        channel.client.close()  # the client is being closed below: this one only asks
+
+    real_close = sync.end.close
+
+    def close_with_signal() -> None:
+        signal.raise_signal(signal.SIGTERM)  # handled as the end starts closing
+        real_close()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        sync.end.close = close_with_signal  # type: ignore[method-assign]
+        with channel.client:
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == [ReentrantCall] and sync.end.is_closed and not sync.lock.locked()
+
+
+@pytest.mark.parametrize("ring_mode", ["c"], indirect=True)
+def test_a_close_from_a_handler_inside_the_c_call_closes_the_channel_when_it_returns(
+    channel: _Channel,
+) -> None:
+    """Found by the same review: a handler can run inside the C call (from a finalizer that
+    its allocations trigger) while it holds the lock; a ``close()`` there is deferred, and
+    the C call then returned its value straight to the caller, which never closed the
+    channel (its file descriptors stayed open until the process ended)."""
+    sync = channel.channel
+    ran_inside: list[bool] = []
+
+    def on_term(signum: int, frame: object) -> None:
+        ran_inside.append(sync._held_by_me())
+        channel.client.close()
+
+    class Bait:
+        """Cyclic garbage whose finalizer raises SIGTERM once collected inside the C call."""
+
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            if sync._held_by_me() and not ran_inside:
+                signal.raise_signal(signal.SIGTERM)
+            elif not ran_inside:
+                Bait()  # (collected too early: leave another)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    threshold = gc.get_threshold()
+    try:
+        caller = sync._caller
+        assert caller is not None
+        answered = channel.server.responses.try_write(
+            codec.RESULT, caller.next_id, _encode("outer done")
+        )  # (answered already: the C call returns the value itself)
+        assert answered
+        Bait()
+        gc.set_threshold(1)
+        assert channel.client.call_tool("b", "outer", timeout=5) == "outer done"
+    finally:
+        gc.set_threshold(*threshold)
+        signal.signal(signal.SIGTERM, previous)
+    assert ran_inside == [True]  # the handler ran above the C call, the lock held
+    assert sync.end.is_closed and not sync.lock.locked()
 
 
 @pytest.mark.parametrize("ring_mode", ["c"], indirect=True)

@@ -139,13 +139,20 @@ class _SyncChannel:
         if self.held_here():
             self.closing = True
             return
-        with self.lock:
-            self.end.close()
+        self._close_now()
+
+    def _close_now(self) -> None:
+        me = _thread_id()
+        try:
+            self._callers.add(me)  # (a handler above this close defers, never waits for it)
+            with self.lock:
+                self.end.close()
+        finally:
+            self._callers.discard(me)
 
     def _close_if_asked(self) -> None:
         if not self.held_here():  # (else the call below this one closes it when it ends)
-            with self.lock:
-                self.end.close()
+            self._close_now()
 
     def _take_id(self) -> int:
         """The next call id (the C caller's counter when there is one: both paths share it)."""
@@ -178,6 +185,9 @@ class _SyncChannel:
         except BaseException:
             self.release_held()
             raise
+        finally:
+            if self.closing:  # (close() from a handler above this call: now it has ended)
+                self._close_if_asked()
 
     def resume(
         self,
@@ -222,14 +232,16 @@ class _SyncChannel:
     ) -> Any:
         """The Python path of a call (see the class docstring)."""
         end = self.end
-        # A call on this channel already in flight in this thread (this one comes from a
-        # signal handler that interrupted it, or a generator holds it) would wait for itself.
+        # A call on this channel already in flight in this thread, or waiting for the channel
+        # (this one comes from a signal handler that interrupted it), would wait for itself;
+        # refused even when that call only waits behind another thread's: from here the two
+        # cannot be told apart without a moment where the lock is this thread's unmarked.
         me = _thread_id()
         callers = self._callers
         if me in callers or self._held_by_me():
             raise ReentrantCall(end.peer, tool)
-        callers.add(me)  # (before the lock: no moment holds it unmarked)
         try:
+            callers.add(me)  # (inside the try: an interrupt right after it still unmarks)
             with self.lock:
                 if timeout is None:
                     timeout_ms, deadline = 0, _NO_DEADLINE
@@ -682,6 +694,9 @@ class DSecClient:
             except BaseException:  # an interrupt between fast() and resume(): see release_held
                 channel.release_held()
                 raise
+            finally:
+                if channel.closing:  # (close() from a handler above the C call)
+                    channel._close_if_asked()
 
         call_tool.__doc__ = DSecClient.call_tool.__doc__
         return call_tool
@@ -923,7 +938,7 @@ class DSecClient:
     def close(self) -> None:
         """Stop serving and close every channel and the broker connection."""
         self.stop()
-        for channel in self._channels.values():
+        for channel in list(self._channels.values()):
             channel.close()  # (from a signal handler above a call on it: once that call ends)
         self._channels.clear()
         for caller in self._async_channels.values():

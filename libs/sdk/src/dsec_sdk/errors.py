@@ -56,17 +56,18 @@ class CallTimeout(IpcError, TimeoutError):
 
 
 class ReentrantCall(IpcError, RuntimeError):
-    """A call on a channel made while the same thread's call on it is still in flight: from a
-    signal handler that interrupted that call, or while a generator holds one. It would wait
-    for the outer call, which cannot go on until it returns: refused at once instead."""
+    """A call on a channel made while the same thread's call on it is in flight or waiting
+    for the channel: from a signal handler that interrupted that call. It could only wait for
+    the outer call, which cannot go on until the handler returns: refused at once instead."""
 
     def __init__(self, agent: str, tool: str) -> None:
         self.agent = agent
         self.tool = tool
         super().__init__(
-            f"call {agent}.{tool} made while this thread's call to {agent!r} is in flight "
-            "(from a signal handler, or a generator holding a call): it would wait for itself "
-            "for ever, so it is refused; call from another thread or after that call returns"
+            f"call {agent}.{tool} made while this thread's call to {agent!r} is in flight or "
+            "waiting for the channel (from a signal handler that interrupted it): it could "
+            "not go on before this one returns, so this one is refused; call from another "
+            "thread or after that call returns"
         )
 
 
