@@ -329,21 +329,13 @@ def test_calls_from_many_threads_on_one_channel_each_get_their_own_answer(
     assert len(channel.requests) == calls
 
 
-def test_a_call_on_the_same_channel_from_a_signal_handler_is_refused_and_the_outer_goes_on(
-    channel: _Channel,
-) -> None:
-    """A signal handler calls the same agent while this thread's call waits for its answer.
-    The nested call cannot have the channel before the outer call ends, and the outer call
-    cannot end before the handler returns: it used to wait for ever. It is refused at once
-    (``ReentrantCall``), the outer call's lock untouched, and the outer call gets its answer."""
-    seen: list[tuple[bool, str]] = []
+def _outer_call_interrupted_by(channel: _Channel, handler: Callable[[], None]) -> None:
+    """Call "b.outer" while nobody answers; a SIGALRM runs ``handler`` above that call, and
+    only then is the call answered ("outer done", asserted)."""
     handled = threading.Event()
 
     def on_alarm(signum: int, frame: object) -> None:
-        try:
-            channel.client.call_tool("b", "nested", timeout=5)
-        except ReentrantCall as exc:
-            seen.append((channel.channel.lock.locked(), str(exc)))
+        handler()
         handled.set()
 
     def after_the_handler(call_id: int) -> list[tuple[int, int, bytes]]:
@@ -359,6 +351,24 @@ def test_a_call_on_the_same_channel_from_a_signal_handler_is_refused_and_the_out
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     served.join()
+
+
+def test_a_call_on_the_same_channel_from_a_signal_handler_is_refused_and_the_outer_goes_on(
+    channel: _Channel,
+) -> None:
+    """A signal handler calls the same agent while this thread's call waits for its answer.
+    The nested call cannot have the channel before the outer call ends, and the outer call
+    cannot end before the handler returns: it used to wait for ever. It is refused at once
+    (``ReentrantCall``), the outer call's lock untouched, and the outer call gets its answer."""
+    seen: list[tuple[bool, str]] = []
+
+    def nested_call() -> None:
+        try:
+            channel.client.call_tool("b", "nested", timeout=5)
+        except ReentrantCall as exc:
+            seen.append((channel.channel.lock.locked(), str(exc)))
+
+    _outer_call_interrupted_by(channel, nested_call)
     assert len(seen) == 1
     locked, text = seen[0]
     assert locked  # the outer call still held its lock: the nested one never took or freed it
@@ -379,26 +389,12 @@ def test_a_client_closed_from_a_signal_handler_closes_the_channel_once_the_call_
     rings are in use below the handler): the call gets its answer, then the channel is gone."""
     sync = channel.channel
     closed_in_handler: list[bool] = []
-    handled = threading.Event()
 
-    def on_alarm(signum: int, frame: object) -> None:
+    def close_client() -> None:
         channel.client.close()
         closed_in_handler.append(sync.end.is_closed)
-        handled.set()
 
-    def after_the_handler(call_id: int) -> list[tuple[int, int, bytes]]:
-        assert handled.wait(10)
-        return [(codec.RESULT, call_id, _encode("outer done"))]
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    try:
-        served = channel.answer(after_the_handler)
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
-        assert channel.client.call_tool("b", "outer", timeout=20) == "outer done"
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    served.join()
+    _outer_call_interrupted_by(channel, close_client)
     assert closed_in_handler == [False]  # not under the call that was using it ...
     assert sync.end.is_closed and not sync.lock.locked()  # ... but as soon as it ended
     assert "b" not in channel.client._channels

@@ -155,9 +155,10 @@ class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
             and type(self.blake3) is str
             and (self.target is None or type(self.target) is str)
         ):
+            got = ", ".join(type(getattr(self, f)).__name__ for f in self.__struct_fields__)
             raise TypeError(
                 f"file entry {self.path!r}: path, blake3 and target (or None) are str, size "
-                f"and mode int; got {', '.join(type(getattr(self, f)).__name__ for f in _ROW)}"
+                f"and mode int; got {got}"
             )
         # A manifest names only these modes (list_tree records them so): anything else, such
         # as a setuid bit, would be handed to whoever restores the tree as root.
@@ -174,7 +175,6 @@ class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=Fals
 _FILE_MODES = frozenset({0o644, 0o755})
 _LINK_MODES = frozenset({0o777})
 _MODES: dict[object, frozenset[int]] = {"file": _FILE_MODES, "symlink": _LINK_MODES}
-_ROW = ("path", "kind", "size", "mode", "blake3", "target")
 _FILES_TYPE = tuple[FileEntry, ...]
 
 

@@ -121,7 +121,7 @@ class _SyncChannel:
         # The threads whose Python-path call holds (or is taking) the lock, and whether this
         # thread's C call left it held: a call from above either is refused (ReentrantCall).
         self._callers: set[int] = set()
-        self.closing = False  # closed from above a call in flight: close when it ends
+        self.closing = False  # closed from above a call in flight: closed when invoke() ends
         self._held_by_me: Callable[[], bool] = (
             _nothing_held if self._caller is None else self._caller.held_by_this_thread
         )
@@ -175,9 +175,9 @@ class _SyncChannel:
     ) -> Any:
         """One call: the C common case when there is one (untraced), else the Python path."""
         fast = self.fast
-        if fast is None or trace is not None:
-            return self.call(tool, arguments, timeout, group, trace)
         try:
+            if fast is None or trace is not None:
+                return self.call(tool, arguments, timeout, group, trace)
             value = fast(tool, arguments, timeout)
             if value.__class__ is not tuple:  # (the decoder makes lists, never tuples)
                 return value
@@ -186,7 +186,9 @@ class _SyncChannel:
             self.release_held()
             raise
         finally:
-            if self.closing:  # (close() from a handler above this call: now it has ended)
+            # A close() from a handler above this call, deferred: now the call has ended. (Here
+            # and in DSecClient's call_tool, the two ways in: every path of a call ends there.)
+            if self.closing:
                 self._close_if_asked()
 
     def resume(
@@ -206,8 +208,6 @@ class _SyncChannel:
                 frame = self._after_fast_call(end, tool, timeout, call_id, body, deadline, outcome)
             finally:
                 self.release_held()
-                if self.closing:
-                    self._close_if_asked()
             if frame[0] == _RESULT:
                 return frame[2]
             codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])
@@ -288,8 +288,6 @@ class _SyncChannel:
                 frame = self._after_fast_call(end, tool, timeout, call_id, body, deadline, outcome)
         finally:
             callers.discard(me)
-            if self.closing:
-                self._close_if_asked()
         if frame[0] == _RESULT:
             return frame[2]
         codec.raise_error(end.peer, tool, group, timeout or 0.0, frame[2])

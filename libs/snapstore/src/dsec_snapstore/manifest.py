@@ -30,10 +30,6 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 NAME_RULE = "1-128 characters: letters, digits, '.', '_', '-', starting with a letter or digit"
 
 
-_NO_FILES = b',"code":{"files":[]'
-_ROWS = msgspec.json.Encoder()
-
-
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -158,7 +154,7 @@ class SnapshotManifest(_Frozen):
         # every quote escaped), and no member before it can hold an object named "code".
         if doc.count(_NO_FILES) != 1:
             return self.model_dump_json().encode()
-        return doc.replace(_NO_FILES, b',"code":{"files":' + _ROWS.encode(files), 1)
+        return doc.replace(_NO_FILES, b',"code":{"files":' + _ROWS_ENCODER.encode(files), 1)
 
     def digest(self) -> str:
         """BLAKE3 hex of :meth:`signed_bytes` (``manifest_digest`` in ``snapshot.taken``)."""
@@ -189,6 +185,8 @@ _CodeParts = _split_type(CodeManifest, "_CodeParts")
 _ManifestParts = _split_type(SnapshotManifest, "_ManifestParts", code=_CodeParts)
 _MANIFEST_PARTS = msgspec.json.Decoder(_ManifestParts)
 _ROWS_DECODER = msgspec.json.Decoder(tuple[FileEntry, ...])
+_ROWS_ENCODER = msgspec.json.Encoder()
+_NO_FILES = b',"code":{"files":[]'  # (where signed_bytes() puts the rows)
 
 # What parse_manifest rests on: pydantic judges everything but the rows, and is handed the
 # rows already checked; a validator of these models would not see them, an alias would not
@@ -206,7 +204,7 @@ def _span(parts: Any, sizes: dict[str, int]) -> int:
         value = getattr(parts, field)
         if value is not msgspec.UNSET:
             members += 1
-            size += len(field) + 3 + sizes.get(field, 0) + (0 if field in sizes else len(value))
+            size += len(field) + 3 + (sizes[field] if field in sizes else len(value))
     return size + max(members - 1, 0)
 
 
