@@ -412,10 +412,11 @@ def check_names(entries: Sequence[TreeEntry]) -> None:
             try:
                 text.encode()
             except UnicodeEncodeError:
+                shown = "" if text is e.path else f" ({os.fsencode(text)!r})"
                 raise BundleError(
-                    f"{os.fsencode(e.path)!r}: the file's {what} is not UTF-8 "
-                    f"({os.fsencode(text)!r}); a manifest records UTF-8 names: rename or "
-                    "remove it, or exclude it (include_code.exclude_patterns)"
+                    f"{os.fsencode(e.path)!r}: the file's {what} is not UTF-8{shown}, and a "
+                    "manifest records names as UTF-8 text: rename or remove it, or exclude it "
+                    "(--exclude, or the spec's include_code.exclude_patterns)"
                 ) from None
 
 
