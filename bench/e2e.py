@@ -19,6 +19,11 @@ cases:
   whose cluster already has the wheels; the environment archive is built again from them.
 * **warm node**: the same spec again on a node that ran it (``--warm`` times, p50).
 
+The two cold cases and the peer's two run in turn for ``--rounds`` rounds (median; this VM's
+disk and CPU speed move by up to 2x from one cold case to the next). Before each timed case the
+disk is flushed and the machine left to go quiet (the services' start-up work done), so no case
+inherits another's write-back or start.
+
 The peer is what a user does by hand on the same machine with the same inputs: a fresh venv,
 ``pip install`` of the same 12 packages (cold, then warm pip cache), the secret read from OpenBao
 with ``hvac``, the S3 data downloaded with ``minio``, then ``bwrap`` with the same binds
@@ -44,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import emit
+from _common import at_least_one, emit
 from dsec_testing.stack import ServiceRunner, StackFixture
 
 PACKAGES = [
@@ -146,6 +151,43 @@ async def _submit_until_ready(spec: str, code: Path) -> dict[str, Any]:
         "build_ms": built,
         "output": out.strip().splitlines()[-1:],
     }
+
+
+def _median(runs: list[dict[str, Any]], key: str = "ready_ms") -> float:
+    return round(statistics.median(r[key] for r in runs), 1)
+
+
+def _median_round(runs: list[Any], key: str = "ready_ms") -> Any:
+    """The run whose ``key`` is the median (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda r: r[key])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _cpu_busy(window_s: float = 0.25) -> float:
+    """The machine's busy CPU fraction over ``window_s`` (from /proc/stat)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as fh:
+            values = [int(v) for v in fh.readline().split()[1:]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(window_s)
+    total1, idle1 = sample()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def _settle(say: Any, quiet: float = 0.10, timeout_s: float = 30.0) -> float:
+    """Before a timed case: the disk flushed and the machine quiet (the services' start-up work
+    done: imports, the zygote, the disk image pool), so no case inherits the previous one's
+    write-back or the services' start. Returns the seconds waited."""
+    started = time.monotonic()
+    os.sync()
+    while _cpu_busy() > quiet and time.monotonic() - started < timeout_s:
+        pass
+    waited = time.monotonic() - started
+    say(f"  (settled in {waited:.1f} s)")
+    return waited
 
 
 def _wipe_node(home: Path) -> None:
@@ -328,10 +370,17 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="60 MiB of data, 2 warm runs")
     parser.add_argument("--data-mb", type=int, default=300)
     parser.add_argument("--warm", type=int, default=5, help="warm-node runs (p50)")
+    parser.add_argument(
+        "--rounds",
+        type=at_least_one,
+        default=3,
+        help="rounds of the cold cases, DSec's and the peer's in turn (median; this VM's disk "
+        "speed moves by 2x from one cold case to the next)",
+    )
     parser.add_argument("--json", action="store_true", help="only the JSON line")
     args = parser.parse_args()
     if args.quick:
-        args.data_mb, args.warm = min(args.data_mb, 60), 2
+        args.data_mb, args.warm, args.rounds = min(args.data_mb, 60), 2, 1
     if os.geteuid() != 0 or shutil.which("bwrap") is None:
         print("e2e needs root (sandboxes, port 443 of the demo world) and bwrap", file=sys.stderr)
         return 2
@@ -352,40 +401,51 @@ def main() -> int:
             code.mkdir()
             (code / "agent.py").write_text(AGENT)
             spec = spec_text()
+            cold: list[dict[str, Any]] = []
+            warm_s3: list[dict[str, Any]] = []
+            peer_cold: list[dict[str, float]] = []
+            peer_warm_cache: list[dict[str, float]] = []
 
-            say("cold node, cold cache ...")
             services.start("policy", "builder", "nodeagent", env=node_env, timeout=120)
-            services.stop("builder")
-            services.stop("nodeagent")
-            _remove_prefix(stack, "wheels/")
-            _remove_prefix(stack, "envs/")
-            _wipe_builder(home)
-            _wipe_node(home)
-            services.start("builder", "nodeagent", env=node_env, timeout=120)
-            cold = asyncio.run(_submit_until_ready(spec, code))
-            say(f"  {cold['ready_ms'] / 1000:.1f} s  {cold['output']}")
+            work = Path(tmp) / "peer"
+            work.mkdir()
 
-            say("cold node, warm S3 wheel cache ...")
-            services.stop("builder")
-            services.stop("nodeagent")
-            _remove_prefix(stack, "envs/")
-            _wipe_builder(home)
-            _wipe_node(home)
-            services.start("builder", "nodeagent", env=node_env, timeout=120)
-            warm_s3 = asyncio.run(_submit_until_ready(spec, code))
-            say(f"  {warm_s3['ready_ms'] / 1000:.1f} s")
+            def cold_case(wheels_too: bool) -> dict[str, Any]:
+                """A new node (nothing staged or cached), the builder's and the cluster's
+                environments gone and, ``wheels_too``, the cluster's wheel cache too."""
+                services.stop("builder")
+                services.stop("nodeagent")
+                if wheels_too:
+                    _remove_prefix(stack, "wheels/")
+                _remove_prefix(stack, "envs/")
+                _wipe_builder(home)
+                _wipe_node(home)
+                services.start("builder", "nodeagent", env=node_env, timeout=120)
+                _settle(say)
+                return asyncio.run(_submit_until_ready(spec, code))
+
+            for round_ in range(args.rounds):
+                say(f"round {round_ + 1} of {args.rounds}: cold node, cold cache ...")
+                cold.append(cold_case(wheels_too=True))
+                say(f"  {cold[-1]['ready_ms'] / 1000:.1f} s  {cold[-1]['output']}")
+                say("cold node, warm S3 wheel cache ...")
+                warm_s3.append(cold_case(wheels_too=False))
+                say(f"  {warm_s3[-1]['ready_ms'] / 1000:.1f} s")
+
+                say("peer: venv + pip (cold, then warm cache) + hvac + minio + bwrap ...")
+                pip_cache = Path(tmp) / f"pip-cache-{round_}"  # (a cold pip cache each round)
+                _settle(say)
+                peer_cold.append(_peer(work, stack, pip_cache=pip_cache, fresh_venv=True))
+                _settle(say)
+                peer_warm_cache.append(_peer(work, stack, pip_cache=pip_cache, fresh_venv=True))
+                pc, pw = peer_cold[-1]["total"], peer_warm_cache[-1]["total"]
+                say(f"  {pc / 1000:.1f} s, {pw / 1000:.1f} s")
 
             say(f"warm node x{args.warm} ...")
+            _settle(say)
             warm_runs = [asyncio.run(_submit_until_ready(spec, code)) for _ in range(args.warm)]
             warm_ms = statistics.median(r["ready_ms"] for r in warm_runs)
             say(f"  p50 {warm_ms / 1000:.2f} s")
-
-            say("peer: venv + pip + hvac + minio + bwrap ...")
-            work = Path(tmp) / "peer"
-            work.mkdir()
-            pip_cache = Path(tmp) / "pip-cache"
-            peer_cold = _peer(work, stack, pip_cache=pip_cache, fresh_venv=True)
-            peer_warm_cache = _peer(work, stack, pip_cache=pip_cache, fresh_venv=True)
             peer_warm = [
                 _peer(work, stack, pip_cache=pip_cache, fresh_venv=False) for _ in range(args.warm)
             ]
@@ -400,34 +460,45 @@ def main() -> int:
         shutil.which("docker") is not None
         and subprocess.run(["docker", "info"], capture_output=True).returncode == 0
     )
+    mid = _median_round(cold)
+    mid_s3 = _median_round(warm_s3)
+    mid_peer = _median_round(peer_cold, key="total")
     result.update(
         {
+            "rounds": args.rounds,
             "dsec": {
-                "cold_ms": cold["ready_ms"],
-                "cold_warm_s3_ms": warm_s3["ready_ms"],
+                "cold_ms": _median(cold),
+                "cold_ms_rounds": [r["ready_ms"] for r in cold],
+                "cold_warm_s3_ms": _median(warm_s3),
+                "cold_warm_s3_ms_rounds": [r["ready_ms"] for r in warm_s3],
                 "warm_ms_p50": round(warm_ms, 1),
-                "cold_events_ms": cold["events_ms"],
-                "cold_build_ms": cold["build_ms"],
-                "cold_node_ms": cold["node_ms"],
-                "warm_s3_events_ms": warm_s3["events_ms"],
+                # (the stages of the round whose time is the median)
+                "cold_events_ms": mid["events_ms"],
+                "cold_build_ms": mid["build_ms"],
+                "cold_node_ms": mid["node_ms"],
+                "warm_s3_events_ms": mid_s3["events_ms"],
+                "warm_s3_build_ms": mid_s3["build_ms"],
+                "warm_s3_node_ms": mid_s3["node_ms"],
                 "warm_events_ms": warm_runs[-1]["events_ms"],
                 "warm_node_ms": warm_runs[-1]["node_ms"],
             },
             "peer": {
-                "cold_ms": peer_cold["total"],
-                "cold_stages_ms": peer_cold,
-                "warm_pip_cache_ms": peer_warm_cache["total"],
+                "cold_ms": _median(peer_cold, key="total"),
+                "cold_ms_rounds": [r["total"] for r in peer_cold],
+                "cold_stages_ms": mid_peer,
+                "warm_pip_cache_ms": _median(peer_warm_cache, key="total"),
+                "warm_pip_cache_ms_rounds": [r["total"] for r in peer_warm_cache],
                 "warm_ms_p50": round(peer_warm_ms, 1),
             },
             "docker": "no Docker daemon on this machine" if not docker else "not measured",
         }
     )
-    c, p = cold["ready_ms"] / 1000, peer_cold["total"] / 1000
+    c, p = result["dsec"]["cold_ms"] / 1000, result["peer"]["cold_ms"] / 1000
+    s3, pw = result["dsec"]["cold_warm_s3_ms"] / 1000, result["peer"]["warm_pip_cache_ms"] / 1000
     ratio = (
-        f"e2e: spec->ready cold {c:.1f} s vs peer {p:.1f} s ({p / c:.2f}x);"
-        f" warm S3 {warm_s3['ready_ms'] / 1000:.1f} s vs peer warm pip"
-        f" {peer_warm_cache['total'] / 1000:.1f} s; warm node {warm_ms / 1000:.2f} s"
-        f" vs peer {peer_warm_ms / 1000:.2f} s"
+        f"e2e (median of {args.rounds} round(s)): spec->ready cold {c:.1f} s vs peer {p:.1f} s"
+        f" ({p / c:.2f}x); warm S3 {s3:.1f} s vs peer warm pip {pw:.1f} s; warm node"
+        f" {warm_ms / 1000:.2f} s vs peer {peer_warm_ms / 1000:.2f} s"
     )
     if args.json:
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
