@@ -1,10 +1,14 @@
-"""What a runtime needs to see: computed from the interpreter itself and ``ldd``, never a list.
+"""What a runtime needs to see: computed from the interpreter and its ELF files, never a list.
 
-The interpreter is asked for its prefix, stdlib, extension-module dir and OpenSSL paths; ``ldd``
-over the interpreter and every extension module (the runtime's and the built environment's) gives
-the shared libraries; each path's symlink chain (``/lib64`` → ``usr/lib64`` on merged-/usr
-systems) is recorded so the sandbox's root can recreate it. Results are cached on disk per
-(interpreter, environment) since both are immutable once built.
+The interpreter is asked for its prefix, stdlib, extension-module dir and OpenSSL paths; the
+shared libraries come from the ELF files themselves (:mod:`.elfdeps`: the interpreter, every
+extension module of the runtime and of the built environment, their ``DT_NEEDED`` resolved as the
+loader would, without running it); each path's symlink chain (``/lib64`` → ``usr/lib64`` on
+merged-/usr systems) is recorded so the sandbox's root can recreate it. A built environment is
+the tenant's: what its files name is resolved inside it and in the system's library directories
+only. Results are cached on disk per (interpreter, environment) since both are immutable once
+built, and the runtime's part in memory per interpreter, so a new environment reads only its own
+files.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import blake3
+
+from dsec_nodeagent.sandbox import elfdeps
 
 _PROBE = """
 import json, os, ssl, sys, sysconfig
@@ -36,12 +42,12 @@ _LOCALES = ("/usr/lib/locale/C.utf8", "/usr/lib/locale/C.UTF-8")
 as a directory; Debian and Ubuntu always have it). Without it ``setlocale`` falls back to
 "C": Python then starts in its UTF-8 mode by a detour (about 0.2 ms of every start), and
 every other program in the sandbox runs in the ASCII locale its ``LANG`` did not ask for."""
-_VIEW_FORMAT = 2  # part of the disk cache's key: a view cached by an older rule is not reused
+_VIEW_FORMAT = 4  # part of the disk cache's key: a view cached by an older rule is not reused
 _MAX_LINKS = 40
 
 
 class DiscoveryError(RuntimeError):
-    """The runtime cannot be inspected (missing interpreter, ldd failure)."""
+    """The runtime cannot be inspected (missing interpreter)."""
 
 
 @dataclass(frozen=True)
@@ -64,27 +70,35 @@ class RuntimeView:
 
 
 def resolve_chain(path: str, depth: int = 0) -> tuple[str, list[tuple[str, str]]]:
-    """Resolve ``path`` component by component, returning its real path and the links crossed.
+    """Resolve ``path`` component by component, as the kernel does, returning its real path and
+    the links crossed (a ``..`` after a link goes up from where the link led, not from the
+    link's name).
 
     Raises:
         DiscoveryError: a symlink loop.
     """
     if depth > _MAX_LINKS:
         raise DiscoveryError(f"too many symlinks resolving {path}")
-    parts = [p for p in path.split("/") if p]
-    current = ""
-    for index, part in enumerate(parts):
-        candidate = f"{current}/{part}"
+    current = "/"
+    links: list[tuple[str, str]] = []
+    for part in [p for p in path.split("/") if p]:
+        if part == ".":
+            continue
+        if part == "..":
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, part)
         if os.path.islink(candidate):
             target = os.readlink(candidate)
-            base = target if target.startswith("/") else os.path.join(current or "/", target)
-            rest = "/".join(parts[index + 1 :])
-            real, links = resolve_chain(
-                os.path.normpath(os.path.join(base, rest) if rest else base), depth + 1
+            links.append((candidate, target))
+            real, more = resolve_chain(
+                target if target.startswith("/") else os.path.join(current, target), depth + 1
             )
-            return real, [(candidate, target), *links]
-        current = candidate
-    return current or "/", []
+            links += more
+            current = real
+        else:
+            current = candidate
+    return current, links
 
 
 def _ldd(files: list[str]) -> set[str]:
@@ -110,11 +124,28 @@ def _ldd(files: list[str]) -> set[str]:
     return libs
 
 
+_MAX_TREE_ENTRIES = 1_000_000
+"""Entries a tree's walk for ELF files looks at before refusing the tree."""
+
+
 def _elf_files(root: Path) -> list[str]:
-    found = []
-    for path in root.rglob("*.so*"):
-        if path.is_file() and not path.is_symlink():
-            found.append(str(path))
+    """Regular files named ``*.so*`` under ``root``, links not followed (an explicit stack:
+    no recursion limit for a deep tree)."""
+    found: list[str] = []
+    stack, seen = [str(root)], 0
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            seen += 1
+            if seen > _MAX_TREE_ENTRIES:
+                raise DiscoveryError(f"{root}: more than {_MAX_TREE_ENTRIES} entries to look at")
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+            elif ".so" in entry.name and entry.is_file(follow_symlinks=False):
+                found.append(entry.path)  # (what ``rglob("*.so*")`` matched)
     return sorted(found)
 
 
@@ -143,20 +174,32 @@ def discover(interpreter: Path, extra: list[Path] | None = None) -> RuntimeView:
     Args:
         interpreter: the runtime's Python (a venv's ``bin/python`` resolves to its base).
         extra: built environments or binaries whose shared libraries the sandbox also needs.
+            A directory is untrusted (a built environment's files come from any wheel): what
+            its files need is looked for inside it and in the system's library directories
+            only. A file is the node's own (e.g. ``/bin/sh``): resolved as the runtime's.
     """
-    info = _probe(interpreter)
+    info, runtime_needs = _runtime_part(interpreter)
     prefixes = sorted({str(info["prefix"]), str(info["exec_prefix"])})
-    elf = [str(info["executable"])]
-    if info["dynload"] and os.path.isdir(str(info["dynload"])):
-        elf += _elf_files(Path(str(info["dynload"])))
     covered = list(prefixes)
-    for item in extra or []:
-        if item.is_dir():
-            elf += _elf_files(item)
-            covered.append(str(item.resolve()))
-        elif item.exists():
-            elf.append(str(item.resolve()))
-    needed = _ldd(elf) | {str(x) for x in extra or [] if Path(x).is_file()}
+    resolver = _resolver(info)
+    needed = set(runtime_needs)
+    try:
+        for item in extra or []:
+            if item.is_dir():
+                tree = os.path.realpath(item)
+                # (what it finds inside the tree is shown with the tree: only the system's
+                # libraries it needs are the view's business)
+                libs = resolver.closure(_elf_files(item), tree=tree)
+                needed |= {lib for lib in libs if not elfdeps.inside(lib, tree)}
+                covered.append(tree)
+            elif item.exists():
+                real = str(item.resolve())
+                needed |= _trusted_closure(resolver, [real]) | {str(item)}
+    except elfdeps.BudgetExceeded as exc:
+        raise DiscoveryError(
+            f"the shared libraries of {', '.join(map(str, extra or []))} could not be "
+            f"resolved within the node's bound ({exc}): no real environment needs that much"
+        ) from None
     return _assemble(
         str(info["executable"]),
         str(info["version"]),
@@ -166,6 +209,49 @@ def discover(interpreter: Path, extra: list[Path] | None = None) -> RuntimeView:
         covered,
         [p for p in _LOCALES if os.path.isdir(p)][:1],
     )
+
+
+_RUNTIMES: dict[tuple[str, int, int, int], tuple[dict[str, object], frozenset[str]]] = {}
+""":func:`_runtime_part` per interpreter (its real path, device, inode and mtime)."""
+
+
+def _runtime_part(interpreter: Path) -> tuple[dict[str, object], frozenset[str]]:
+    """The interpreter's facts and the libraries it and its extension modules need; computed
+    once per interpreter in this process (a new environment does not read the runtime again)."""
+    real = os.path.realpath(interpreter)
+    try:
+        st = os.stat(real)
+    except OSError as exc:
+        raise DiscoveryError(f"runtime {interpreter} cannot be inspected: {exc}") from exc
+    key = (real, st.st_dev, st.st_ino, st.st_mtime_ns)
+    known = _RUNTIMES.get(key)
+    if known is not None:
+        return known
+    info = _probe(interpreter)
+    elf = [str(info["executable"])]
+    if info["dynload"] and os.path.isdir(str(info["dynload"])):
+        elf += _elf_files(Path(str(info["dynload"])))
+    result = (info, frozenset(_trusted_closure(_resolver(info), elf)))
+    _RUNTIMES[key] = result
+    return result
+
+
+def _resolver(info: dict[str, object]) -> elfdeps.Resolver:
+    """A resolver that asks the runtime's own loader (its ``PT_INTERP``) for its directories."""
+    own = elfdeps.read_dynamic(str(info["executable"]))
+    return elfdeps.Resolver(loader=own.interp if own is not None else None)
+
+
+def _trusted_closure(resolver: elfdeps.Resolver, files: list[str]) -> set[str]:
+    """:meth:`.elfdeps.Resolver.closure` of trusted files (the runtime's, the node's), with
+    ``ldd``'s answer for each of them whose closure met a need this reader could not place (a
+    loader rule it does not follow) or a file it could not read: never less than before."""
+    start = len(resolver.unresolved)
+    found = resolver.closure(files)
+    puzzling = sorted({root for root, _, _ in resolver.unresolved[start:]})
+    if puzzling:
+        found |= _ldd(puzzling)
+    return found
 
 
 def _assemble(
@@ -182,6 +268,8 @@ def _assemble(
     links: dict[str, str] = {}
     for path in sorted(needed | {executable}):
         real, chain = resolve_chain(path)
+        if real != os.path.realpath(path):  # (a view bound by a wrong answer shows too much)
+            raise DiscoveryError(f"{path}: resolved to {real}, the kernel says otherwise")
         links.update(chain)
         if not _inside(real, covered):
             dirs.add(os.path.dirname(real))
