@@ -18,6 +18,9 @@ import pytest
 
 from dsec_nodeagent.sandbox import discovery, elfdeps
 
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the helper
+from _mkelf import mkelf
+
 CC = shutil.which("cc") or shutil.which("gcc")
 
 
@@ -258,7 +261,7 @@ def test_a_candidate_outside_the_tree_is_never_opened(
     monkeypatch.setattr(elfdeps, "read_dynamic", spy)
     forged = elfdeps.Dynamic(info.kind, True, ("libx.so",), (), (str(env),))
     resolver = elfdeps.Resolver(cache={})
-    assert resolver._resolve("libx.so", forged, str(env), (), str(env)) is None
+    assert resolver._resolve("libx.so", forged, ((str(env), str(env)),), str(env)) is None
     assert str(host / "secret") not in opened
 
 
@@ -291,3 +294,39 @@ def test_resolve_chain_goes_up_from_where_a_link_led(tmp_path: Path) -> None:
     real, links = discovery.resolve_chain(f"{tmp_path}/link/../x")
     assert real == os.path.realpath(f"{tmp_path}/link/../x") == f"{tmp_path}/deep/x"
     assert links == [(f"{tmp_path}/link", str(tmp_path / "deep" / "er"))]
+
+
+def test_a_tenants_file_loaded_by_a_system_library_stays_the_tenants(tmp_path: Path) -> None:
+    # e.so's RPATH is inherited by the system's libz, whose libc.so.6 the loader then finds in
+    # the environment: that file is the tenant's, whoever asked for it (its PT_INTERP "/" once
+    # bound the host's root)
+    env = tmp_path / "env"
+    (env / "a").mkdir(parents=True)
+    (env / "z").mkdir()
+    (env / "z" / "e.so").write_bytes(mkelf(["libz.so.1"], rpath="$ORIGIN/../a"))
+    (env / "a" / "libc.so.6").write_bytes(mkelf(["/etc/passwd"], interp="/", runpath="/etc"))
+    view = discovery.discover(Path(sys.executable), [env])
+    for path in [*view.ro_dirs, *view.ro_files, *(link for link, _ in view.symlinks)]:
+        assert path != "/" and not path.startswith("/etc/passwd"), path
+    assert "/etc" not in view.ro_dirs
+
+
+def test_search_paths_along_a_chain_are_counted_and_links_resolved_by_the_kernel(
+    tmp_path: Path,
+) -> None:
+    env = tmp_path / "env"
+    env.mkdir()
+    chain = env / "l0"
+    chain.mkdir()
+    for i in range(1, 60):  # a chain of links past the kernel's 40: no Python recursion
+        (env / f"l{i}").symlink_to(f"l{i - 1}")
+    (env / "ext.so").write_bytes(mkelf(["libnope.so"], runpath="$ORIGIN/l59"))
+    assert elfdeps.real_path(str(env / "l59")) is None  # ELOOP: nothing found there
+    assert elfdeps.Resolver().closure([str(env / "ext.so")], tree=str(env)) == set()
+    # a long chain of libraries, each with search paths of its own: bounded work
+    for i in range(40):
+        rpath = ":".join(["$ORIGIN", *(f"$ORIGIN/d{i}-{j}" for j in range(30))])
+        need = [f"libc{i + 1}.so"] if i < 39 else []
+        (env / f"libc{i}.so").write_bytes(mkelf(need, rpath=rpath))
+    with pytest.raises(elfdeps.BudgetExceeded):
+        elfdeps.Resolver(max_lookups=500).closure([str(env / "libc0.so")], tree=str(env))

@@ -190,7 +190,17 @@ def discover(interpreter: Path, extra: list[Path] | None = None) -> RuntimeView:
                 # (what it finds inside the tree is shown with the tree: only the system's
                 # libraries it needs are the view's business)
                 libs = resolver.closure(_elf_files(item), tree=tree)
-                needed |= {lib for lib in libs if not elfdeps.inside(lib, tree)}
+                system = resolver.system_real_dirs()
+                for lib in libs:
+                    if resolver.inside(lib, tree):  # (the memo: the answer the search had)
+                        continue
+                    real = elfdeps.real_path(lib)
+                    if real is None or os.path.dirname(real) not in system:  # (a backstop)
+                        raise DiscoveryError(
+                            f"{item}: its files need {lib}, outside the environment and the "
+                            "system's library directories: not shown to a sandbox"
+                        )
+                    needed.add(lib)
                 covered.append(tree)
             elif item.exists():
                 real = str(item.resolve())

@@ -47,6 +47,7 @@ MAX_NAME = 255
 MAX_SEARCH = 32
 """Directories of one file's ``DT_RPATH`` or ``DT_RUNPATH``."""
 MAX_PATH = 4096
+MAX_TENANT_MISSES = 1000
 FALLBACK_SYSTEM_DIRS = ("/lib64", "/usr/lib64", "/lib", "/usr/lib")
 """The loader's own directories when it cannot be asked (``ld.so --help``)."""
 
@@ -257,11 +258,14 @@ def system_dirs(loader: str | None) -> tuple[str, ...]:
 _ORIGIN = re.compile(r"\$(?:ORIGIN|\{ORIGIN\})(?=/|$)")
 
 
+_Dir = tuple[str, "str | None"]  # a search directory, and the tree it is held to (None: trusted)
+
+
 @dataclass(frozen=True)
 class _Item:
     path: str
     tree: str | None  # the untrusted tree it belongs to, or None: trusted
-    inherited: tuple[str, ...]  # DT_RPATH directories of the objects that loaded it
+    inherited: tuple[_Dir, ...]  # DT_RPATH directories of the objects that loaded it
     root: str  # the file whose closure reached it
 
 
@@ -290,6 +294,8 @@ class Resolver:
         self._trusted: dict[str, Dynamic | None] = {}  # system files: small, read once
         self._resolved: dict[tuple[object, ...], str | None] = {}
         self._system_real: set[str] | None = None
+        self._inside: dict[tuple[str, str], bool] = {}
+        self.tenant_misses = 0
         self.unresolved: list[tuple[str, str, str]] = []
         """``(root, requester, name)`` no directory held (the loader would fail on them too),
         or ``(root, path, "")`` for a trusted ELF file this reader refused."""
@@ -327,16 +333,18 @@ class Resolver:
         real_tree = os.path.realpath(tree) if tree is not None else None
         found: set[str] = set()
         queue = [_Item(f, real_tree, (), f) for f in files]
-        seen: set[tuple[int, int]] = set()
+        seen: set[tuple[object, ...]] = set()
         while queue:
             item = queue.pop()
             try:
                 st = os.stat(item.path)
             except OSError:
                 continue
-            if (st.st_dev, st.st_ino) in seen:
+            # (what a file needs depends on the RPATH it inherited and on whose it is)
+            mark = (st.st_dev, st.st_ino, item.tree, item.inherited)
+            if mark in seen:
                 continue
-            seen.add((st.st_dev, st.st_ino))
+            seen.add(mark)
             info = self._dynamic(item.path, trusted=item.tree is None)
             if info is None:
                 if item.tree is None and _is_elf(item.path):
@@ -344,47 +352,66 @@ class Resolver:
                 continue
             if item.tree is None and info.interp and os.path.isabs(info.interp):
                 found.add(info.interp)
-            origin = os.path.dirname(os.path.realpath(item.path))
+            real = real_path(item.path)
+            if real is None:  # (gone, or past the kernel's link limit)
+                continue
+            origin = os.path.dirname(real)
             own_rpath = () if info.runpath else _expand_all(info.rpath, origin)
-            inherited = (*own_rpath, *item.inherited) if not info.runpath else ()
+            own = tuple((d, item.tree) for d in own_rpath)
+            chain = tuple(dict.fromkeys((*own, *item.inherited)))  # (a repeat finds nothing new)
+            inherited = chain if not info.runpath else ()
+            runpath = tuple((d, item.tree) for d in _expand_all(info.runpath, origin))
+            self._count(len(inherited) + len(runpath))  # (a chain's RPATHs add up: counted)
+            search = tuple(
+                (d, t) for d, t in (*inherited, *runpath) if t is None or self.inside(d, t)
+            )
             for name in info.needed:
-                lib = self._resolve(name, info, origin, inherited, item.tree)
+                lib = self._resolve(name, info, search, item.tree)
                 if lib is None:
-                    self.unresolved.append((item.root, item.path, name))
+                    # (only a trusted root's misses are asked of ldd; a tenant's few are kept
+                    # for the log, not 128 names of each of 50 000 files)
+                    if item.tree is None or self.tenant_misses < MAX_TENANT_MISSES:
+                        self.unresolved.append((item.root, item.path, name))
+                    self.tenant_misses += item.tree is not None
                     continue
                 found.add(lib)
-                # (a library found in the tree stays untrusted; one found in the system is not)
-                in_tree = item.tree is not None and inside(lib, item.tree)
-                child_tree = item.tree if in_tree else None
-                queue.append(_Item(lib, child_tree, (*own_rpath, *item.inherited), item.root))
+                # a library in the tree is the tenant's, whoever asked for it
+                child_tree = real_tree if real_tree and self.inside(lib, real_tree) else None
+                queue.append(_Item(lib, child_tree, chain, item.root))
         return found
 
+    def inside(self, path: str, tree: str) -> bool:
+        """:func:`inside`, memoised and counted (a link chain costs the kernel's 40 at most)."""
+        key = (path, tree)
+        hit = self._inside.get(key)
+        if hit is None:
+            self._count(1)
+            hit = self._inside[key] = inside(path, tree)
+        return hit
+
+    def _count(self, lookups: int) -> None:
+        self.lookups += lookups
+        if self.lookups > self.max_lookups:
+            raise BudgetExceeded(f"more than {self.max_lookups} library lookups")
+
     def _resolve(
-        self,
-        name: str,
-        info: Dynamic,
-        origin: str,
-        rpath: tuple[str, ...],
-        tree: str | None,
+        self, name: str, info: Dynamic, search: tuple[_Dir, ...], tree: str | None
     ) -> str | None:
         if not name or name in (".", ".."):
             return None
         if "/" in name:  # a path, as the loader takes it: only a trusted file's
             return name if tree is None and self._fits(name, info, None) else None
-        search = (*rpath, *_expand_all(info.runpath, origin))
-        if tree is not None:
-            search = tuple(d for d in search if inside(d, tree))
         key = (name, info.kind, search, tree)  # (a trusted answer is no tenant's answer)
         if key not in self._resolved:
             self._resolved[key] = self._search(name, info, search, tree)
         return self._resolved[key]
 
     def _search(
-        self, name: str, info: Dynamic, search: tuple[str, ...], tree: str | None
+        self, name: str, info: Dynamic, search: tuple[_Dir, ...], tree: str | None
     ) -> str | None:
-        for directory in search:
+        for directory, held in search:
             candidate = os.path.join(directory, name)
-            if self._fits(candidate, info, tree):
+            if self._fits(candidate, info, held):
                 return candidate
         system = None if tree is None else self.system_real_dirs()
         for candidate in self.cache.get(name, ()):
@@ -405,13 +432,13 @@ class Resolver:
     ) -> bool:
         """Whether the loader would take ``candidate`` for ``requester``: checked where it
         must stay (``tree``, or the ``system`` directories) before it is opened."""
-        self.lookups += 1
-        if self.lookups > self.max_lookups:
-            raise BudgetExceeded(f"more than {self.max_lookups} library lookups")
-        if tree is not None and not inside(candidate, tree):
+        self._count(1)
+        if tree is not None and not self.inside(candidate, tree):
             return False
-        if system is not None and os.path.dirname(os.path.realpath(candidate)) not in system:
-            return False
+        if system is not None:
+            real = real_path(candidate)
+            if real is None or os.path.dirname(real) not in system:
+                return False
         if not os.path.isfile(candidate):
             return False
         info = self._dynamic(candidate, trusted=tree is None)
@@ -432,9 +459,24 @@ def _expand(entry: str, origin: str) -> str | None:
 
 
 def inside(path: str, tree: str) -> bool:
-    """Whether ``path``'s real path is ``tree`` (a real path) or below it."""
-    real = os.path.realpath(path)
-    return real == tree or real.startswith(tree.rstrip("/") + "/")
+    """Whether ``path``'s real path is ``tree`` (a real path) or below it: ``False`` when it
+    does not exist, or the kernel will not resolve it (ELOOP past 40 links, too long)."""
+    real = real_path(path)
+    return real is not None and (real == tree or real.startswith(tree.rstrip("/") + "/"))
+
+
+def real_path(path: str) -> str | None:
+    """``path`` resolved by the kernel (its link limit, no Python recursion), or ``None``."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except (OSError, ValueError):
+        return None
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _is_elf(path: str) -> bool:
