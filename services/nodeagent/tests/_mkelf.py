@@ -49,52 +49,19 @@ def mkelf(
     body_interp = (interp.encode() + b"\0") if interp else b""
     total = interpoff + len(body_interp)
     ident = b"\x7fELF" + bytes([cls, data, 1, 0]) + bytes(8)
-    if wide:
-        head = ident + struct.pack(
-            end + "HHIQQQIHHHHHH",
-            etype,
-            machine,
-            1,
-            0,
-            phoff,
-            0,
-            0,
-            ehsize,
-            phentsize,
-            nph,
-            64,
-            0,
-            0,
-        )
+    head_fmt, ph_fmt, dyn_fmt = (
+        ("HHIQQQIHHHHHH", "IIQQQQQQ", "qQ") if wide else ("HHIIIIIHHHHHH", "IIIIIIII", "iI")
+    )
+    fields = (etype, machine, 1, 0, phoff, 0, 0, ehsize, phentsize, nph, 64 if wide else 40, 0, 0)
+    head = ident + struct.pack(end + head_fmt, *fields)
 
-        def ph(kind: int, off: int, size: int) -> bytes:
-            return struct.pack(end + "IIQQQQQQ", kind, 4, off, off, off, size, size, 8)
+    def ph(kind: int, off: int, size: int) -> bytes:
+        if wide:  # type, flags, offset, vaddr, paddr, filesz, memsz, align
+            return struct.pack(end + ph_fmt, kind, 4, off, off, off, size, size, 8)
+        return struct.pack(end + ph_fmt, kind, off, off, off, size, size, 4, 4)
 
-        def de(tag: int, value: int) -> bytes:
-            return struct.pack(end + "qQ", tag, value)
-    else:
-        head = ident + struct.pack(
-            end + "HHIIIIIHHHHHH",
-            etype,
-            machine,
-            1,
-            0,
-            phoff,
-            0,
-            0,
-            ehsize,
-            phentsize,
-            nph,
-            40,
-            0,
-            0,
-        )
-
-        def ph(kind: int, off: int, size: int) -> bytes:
-            return struct.pack(end + "IIIIIIII", kind, off, off, off, size, size, 4, 4)
-
-        def de(tag: int, value: int) -> bytes:
-            return struct.pack(end + "iI", tag, value)
+    def de(tag: int, value: int) -> bytes:
+        return struct.pack(end + dyn_fmt, tag, value)
 
     phs = ph(1, 0, total) + ph(2, dynoff, len(dyn) * entry)
     if interp is not None:
