@@ -153,10 +153,6 @@ async def _submit_until_ready(spec: str, code: Path) -> dict[str, Any]:
     }
 
 
-def _median(runs: list[dict[str, Any]], key: str = "ready_ms") -> float:
-    return round(statistics.median(r[key] for r in runs), 1)
-
-
 def _median_round(runs: list[Any], key: str = "ready_ms") -> Any:
     """The run whose ``key`` is the median (the lower middle one of an even count)."""
     ordered = sorted(runs, key=lambda r: r[key])
@@ -177,17 +173,15 @@ def _cpu_busy(window_s: float = 0.25) -> float:
     return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
 
 
-def _settle(say: Any, quiet: float = 0.10, timeout_s: float = 30.0) -> float:
+def _settle(say: Any, quiet: float = 0.10, timeout_s: float = 30.0) -> None:
     """Before a timed case: the disk flushed and the machine quiet (the services' start-up work
     done: imports, the zygote, the disk image pool), so no case inherits the previous one's
-    write-back or the services' start. Returns the seconds waited."""
+    write-back or the services' start."""
     started = time.monotonic()
     os.sync()
     while _cpu_busy() > quiet and time.monotonic() - started < timeout_s:
         pass
-    waited = time.monotonic() - started
-    say(f"  (settled in {waited:.1f} s)")
-    return waited
+    say(f"  (settled in {time.monotonic() - started:.1f} s)")
 
 
 def _wipe_node(home: Path) -> None:
@@ -467,12 +461,12 @@ def main() -> int:
         {
             "rounds": args.rounds,
             "dsec": {
-                "cold_ms": _median(cold),
+                "cold_ms": mid["ready_ms"],
                 "cold_ms_rounds": [r["ready_ms"] for r in cold],
-                "cold_warm_s3_ms": _median(warm_s3),
+                "cold_warm_s3_ms": mid_s3["ready_ms"],
                 "cold_warm_s3_ms_rounds": [r["ready_ms"] for r in warm_s3],
                 "warm_ms_p50": round(warm_ms, 1),
-                # (the stages of the round whose time is the median)
+                # (each figure and its stages: the round whose time is the median)
                 "cold_events_ms": mid["events_ms"],
                 "cold_build_ms": mid["build_ms"],
                 "cold_node_ms": mid["node_ms"],
@@ -483,10 +477,10 @@ def main() -> int:
                 "warm_node_ms": warm_runs[-1]["node_ms"],
             },
             "peer": {
-                "cold_ms": _median(peer_cold, key="total"),
+                "cold_ms": mid_peer["total"],
                 "cold_ms_rounds": [r["total"] for r in peer_cold],
                 "cold_stages_ms": mid_peer,
-                "warm_pip_cache_ms": _median(peer_warm_cache, key="total"),
+                "warm_pip_cache_ms": _median_round(peer_warm_cache, key="total")["total"],
                 "warm_pip_cache_ms_rounds": [r["total"] for r in peer_warm_cache],
                 "warm_ms_p50": round(peer_warm_ms, 1),
             },

@@ -150,10 +150,6 @@ class _SyncChannel:
         finally:
             self._callers.discard(me)
 
-    def _close_if_asked(self) -> None:
-        if not self.held_here():  # (else the call below this one closes it when it ends)
-            self._close_now()
-
     def _take_id(self) -> int:
         """The next call id (the C caller's counter when there is one: both paths share it)."""
         caller = self._caller
@@ -188,8 +184,8 @@ class _SyncChannel:
         finally:
             # A close() from a handler above this call, deferred: now the call has ended. (Here
             # and in DSecClient's call_tool, the two ways in: every path of a call ends there.)
-            if self.closing:
-                self._close_if_asked()
+            if self.closing:  # (still held here: the call below this one closes it)
+                self.close()
 
     def resume(
         self,
@@ -694,7 +690,7 @@ class DSecClient:
                 raise
             finally:
                 if channel.closing:  # (close() from a handler above the C call)
-                    channel._close_if_asked()
+                    channel.close()
 
         call_tool.__doc__ = DSecClient.call_tool.__doc__
         return call_tool

@@ -47,7 +47,9 @@ _MAX_LINKS = 40
 
 
 class DiscoveryError(RuntimeError):
-    """The runtime cannot be inspected (missing interpreter)."""
+    """The view cannot be computed: the runtime cannot be inspected, or a built environment
+    needs more than the node shows a sandbox (a library outside it and the system's library
+    directories, or more work than the node's bound)."""
 
 
 @dataclass(frozen=True)
@@ -135,17 +137,18 @@ def _elf_files(root: Path) -> list[str]:
     stack, seen = [str(root)], 0
     while stack:
         try:
-            entries = list(os.scandir(stack.pop()))
+            entries = os.scandir(stack.pop())
         except OSError:
             continue
-        for entry in entries:
-            seen += 1
-            if seen > _MAX_TREE_ENTRIES:
-                raise DiscoveryError(f"{root}: more than {_MAX_TREE_ENTRIES} entries to look at")
-            if entry.is_dir(follow_symlinks=False):
-                stack.append(entry.path)
-            elif ".so" in entry.name and entry.is_file(follow_symlinks=False):
-                found.append(entry.path)  # (what ``rglob("*.so*")`` matched)
+        with entries:
+            for entry in entries:
+                seen += 1
+                if seen > _MAX_TREE_ENTRIES:
+                    raise DiscoveryError(f"{root}: more than {_MAX_TREE_ENTRIES} entries")
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif ".so" in entry.name and entry.is_file(follow_symlinks=False):
+                    found.append(entry.path)  # (what ``rglob("*.so*")`` matched)
     return sorted(found)
 
 
@@ -178,37 +181,26 @@ def discover(interpreter: Path, extra: list[Path] | None = None) -> RuntimeView:
             its files need is looked for inside it and in the system's library directories
             only. A file is the node's own (e.g. ``/bin/sh``): resolved as the runtime's.
     """
-    info, runtime_needs = _runtime_part(interpreter)
+    runtime = _runtime_part(interpreter)
+    info = runtime.info
     prefixes = sorted({str(info["prefix"]), str(info["exec_prefix"])})
     covered = list(prefixes)
-    resolver = _resolver(info)
-    needed = set(runtime_needs)
+    resolver = elfdeps.Resolver(loader=runtime.loader)
+    needed = set(runtime.needs)
     try:
         for item in extra or []:
             if item.is_dir():
                 tree = os.path.realpath(item)
-                # (what it finds inside the tree is shown with the tree: only the system's
-                # libraries it needs are the view's business)
-                libs = resolver.closure(_elf_files(item), tree=tree)
-                system = resolver.system_real_dirs()
-                for lib in libs:
-                    if resolver.inside(lib, tree):  # (the memo: the answer the search had)
-                        continue
-                    real = elfdeps.real_path(lib)
-                    if real is None or os.path.dirname(real) not in system:  # (a backstop)
-                        raise DiscoveryError(
-                            f"{item}: its files need {lib}, outside the environment and the "
-                            "system's library directories: not shown to a sandbox"
-                        )
-                    needed.add(lib)
+                needed |= _tenant_needs(resolver, item, tree)
                 covered.append(tree)
             elif item.exists():
                 real = str(item.resolve())
                 needed |= _trusted_closure(resolver, [real]) | {str(item)}
     except elfdeps.BudgetExceeded as exc:
         raise DiscoveryError(
-            f"the shared libraries of {', '.join(map(str, extra or []))} could not be "
-            f"resolved within the node's bound ({exc}): no real environment needs that much"
+            f"{', '.join(map(str, extra or []))}: finding the shared libraries its files need "
+            f"takes more than a node does for one sandbox ({exc}); no usual environment comes "
+            "near that: leave out the packages the sandbox does not use"
         ) from None
     return _assemble(
         str(info["executable"]),
@@ -221,13 +213,21 @@ def discover(interpreter: Path, extra: list[Path] | None = None) -> RuntimeView:
     )
 
 
-_RUNTIMES: dict[tuple[str, int, int, int], tuple[dict[str, object], frozenset[str]]] = {}
+@dataclass(frozen=True)
+class _Runtime:
+    info: dict[str, object]  # the interpreter's answers to _PROBE
+    needs: frozenset[str]  # the libraries it and its extension modules need
+    loader: str | None  # its PT_INTERP: asked for the system's search directories
+
+
+_RUNTIMES: dict[tuple[str, int, int, int], _Runtime] = {}
 """:func:`_runtime_part` per interpreter (its real path, device, inode and mtime)."""
 
 
-def _runtime_part(interpreter: Path) -> tuple[dict[str, object], frozenset[str]]:
-    """The interpreter's facts and the libraries it and its extension modules need; computed
-    once per interpreter in this process (a new environment does not read the runtime again)."""
+def _runtime_part(interpreter: Path) -> _Runtime:
+    """The interpreter's facts, its loader and the libraries it and its extension modules
+    need; computed once per interpreter in this process (a new environment does not read the
+    runtime again)."""
     real = os.path.realpath(interpreter)
     try:
         st = os.stat(real)
@@ -241,15 +241,30 @@ def _runtime_part(interpreter: Path) -> tuple[dict[str, object], frozenset[str]]
     elf = [str(info["executable"])]
     if info["dynload"] and os.path.isdir(str(info["dynload"])):
         elf += _elf_files(Path(str(info["dynload"])))
-    result = (info, frozenset(_trusted_closure(_resolver(info), elf)))
-    _RUNTIMES[key] = result
-    return result
+    own = elfdeps.read_dynamic(elf[0])
+    loader = own.interp if own is not None else None
+    needs = _trusted_closure(elfdeps.Resolver(loader=loader), elf)
+    _RUNTIMES[key] = _Runtime(info, frozenset(needs), loader)
+    return _RUNTIMES[key]
 
 
-def _resolver(info: dict[str, object]) -> elfdeps.Resolver:
-    """A resolver that asks the runtime's own loader (its ``PT_INTERP``) for its directories."""
-    own = elfdeps.read_dynamic(str(info["executable"]))
-    return elfdeps.Resolver(loader=own.interp if own is not None else None)
+def _tenant_needs(resolver: elfdeps.Resolver, item: Path, tree: str) -> set[str]:
+    """The system libraries a built environment's files need (``tree``: its real path). What
+    they find inside it is shown with it; anything else must really live in a system library
+    directory (the resolver only looks there: a backstop)."""
+    system = resolver.system_real_dirs()
+    needs: set[str] = set()
+    for lib in resolver.closure(_elf_files(item), tree=tree):
+        if resolver.inside(lib, tree):  # (the memo: the answer the search had)
+            continue
+        real = elfdeps.real_path(lib)
+        if real is None or os.path.dirname(real) not in system:
+            raise DiscoveryError(
+                f"{item}: its files need {lib}, outside the environment and the system's "
+                "library directories: not shown to a sandbox"
+            )
+        needs.add(lib)
+    return needs
 
 
 def _trusted_closure(resolver: elfdeps.Resolver, files: list[str]) -> set[str]:

@@ -209,9 +209,27 @@ def _text(data: bytes) -> str | None:
         return None
 
 
+LD_SO_CACHE = "/etc/ld.so.cache"
+_CACHES: dict[tuple[int, int] | None, dict[str, list[str]]] = {}
+_SYSTEM_DIRS: dict[str | None, tuple[str, ...]] = {}
+
+
 def system_cache() -> dict[str, list[str]]:
     """The dynamic loader's cache (``ldconfig -p``): each name, its paths in the cache's order.
-    Empty when ``ldconfig`` is missing (the system directories still resolve)."""
+    Empty when ``ldconfig`` is missing (the system directories still resolve). Read again only
+    when ``/etc/ld.so.cache`` changed (do not modify the mapping returned)."""
+    try:
+        st = os.stat(LD_SO_CACHE)
+        key: tuple[int, int] | None = (st.st_ino, st.st_mtime_ns)
+    except OSError:
+        key = None
+    if key not in _CACHES:
+        _CACHES.clear()
+        _CACHES[key] = _read_system_cache()
+    return _CACHES[key]
+
+
+def _read_system_cache() -> dict[str, list[str]]:
     try:
         out = subprocess.run(
             ["ldconfig", "-p"],
@@ -232,7 +250,13 @@ def system_cache() -> dict[str, list[str]]:
 
 def system_dirs(loader: str | None) -> tuple[str, ...]:
     """The loader's own search directories (``ld.so --help``: "system search path"), in order;
-    :data:`FALLBACK_SYSTEM_DIRS` when the loader cannot say."""
+    :data:`FALLBACK_SYSTEM_DIRS` when the loader cannot say. Asked once per loader."""
+    if loader not in _SYSTEM_DIRS:
+        _SYSTEM_DIRS[loader] = _ask_loader(loader)
+    return _SYSTEM_DIRS[loader]
+
+
+def _ask_loader(loader: str | None) -> tuple[str, ...]:
     if loader:
         try:
             out = subprocess.run(
@@ -314,9 +338,9 @@ class Resolver:
     def system_real_dirs(self) -> set[str]:
         """The real directories a tenant's need may be found in: the cache's and the loader's."""
         if self._system_real is None:
-            found = {os.path.realpath(os.path.dirname(p)) for ps in self.cache.values() for p in ps}
-            found |= {os.path.realpath(d) for d in self.system}
-            self._system_real = found
+            dirs = {os.path.dirname(p) for ps in self.cache.values() for p in ps}
+            real = (real_path(d) for d in (*dirs, *self.system))
+            self._system_real = {d for d in real if d is not None}
         return self._system_real
 
     def closure(self, files: Iterable[str], tree: str | None = None) -> set[str]:
