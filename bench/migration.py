@@ -279,12 +279,7 @@ async def cross_node(runs: int, say: Any) -> dict[str, Any]:
     stack = StackFixture(base / "stack")
     done: list[dict[str, Any]] = []
     try:
-        s3, vault = stack.s3, stack.vault
-        extra = {
-            "s3_endpoint": s3.endpoint, "s3_access_key": s3.access_key,
-            "s3_secret_key": s3.secret_key, "s3_bucket": s3.bucket, "vault_addr": vault.addr,
-            "vault_token": vault.token,
-        }  # fmt: skip
+        extra = {**stack.s3.settings(), **stack.vault.settings()}
         async with two_nodes(base, stack.nats_url, **extra) as (h1, h2):
             for _ in range(runs):
                 sid = await h1.submit(f"hand-{uuid.uuid4().hex[:6]}", COUNTER, QUIET,

@@ -42,15 +42,28 @@ savez: ``np.load`` + ``json.load``), then checked equal to the state before the 
 of every container, not timed). Every contender reads files this run just wrote (the page cache
 is warm for all alike: a restart on the same node).
 
-Hand-over interruption: the real one (freeze the old sandbox, forward its final delta, switch the
-tool name) needs the node agent; this benchmark measures its in-process core, labelled as such
-(``handover_in_process_ms``, the worst of N runs, and its p50): the new version is restored
-beforehand (untimed, as it is in the real flow while the old one still serves); then the old
-version makes one step of changes and, timed, takes its final checkpoint (pause, pack, durable
-write), the frame is forwarded and decoded, and the new version applies it. The node's share
-(cgroup freeze, the broker's switch) is ``null`` (``handover_node_ms``): the real hand-over's
-interruption is measured by the node agent into ``state.handed_over`` (the demo scene,
-``examples/stateful-agent/demo.sh``, prints it); reading it here is a TODO.
+Hand-over interruption, twice:
+
+- its in-process core with this state (``handover_in_process_ms``, the worst of N runs, and its
+  p50): the new version is restored beforehand (untimed, as it is in the real flow while the
+  old one still serves); then the old version makes one step of changes and, timed, takes its
+  final checkpoint (pause, pack, durable write), the frame is forwarded and decoded, and the new
+  version applies it. Not in it: the node's share (the cgroup freeze, the broker's switch).
+- the real one through the node agent (``handover_node``, ``--node-runs``, root; 0 skips it):
+  the embedded stack's servers (JetStream ``DSEC_STATE``, S3, OpenBao; not timed) and the node
+  agent service in this process; a sandbox whose SDK agent counts in its state (a checkpoint
+  before each count: a small state, so this is the node's share) and serves the count as a
+  tool, and another sandbox of its task group calling that tool in a loop. Each run submits a
+  new version with ``handover_from`` (what ``dsec sandbox upgrade`` submits) and reads
+  ``state.handed_over``: ``interruption_ms`` is the node agent's own measure, from asking the
+  old version for its final delta (it takes no call from then on) through the freeze and the
+  broker's switch to the new version owning the state. Beside it, what the caller saw: the
+  call its first answer by the new version came to (``caller_switch_call_ms``: the call that
+  crossed the switch, re-sent to the new version if the old one had stopped taking calls), and
+  its slowest call from the submission on (``caller_call_ms``: the new version's start shares
+  the 2 cores), against its median call before (``caller_call_before_ms``). Every run
+  checks that the count went on with nothing lost or repeated and that the caller had no failed
+  call.
 
 The store: by default the SDK's local store (plain Python, a directory on this machine's disk;
 ``--dir /dev/shm`` puts every contender's files on tmpfs, as the keeper's hot journal is).
@@ -61,9 +74,10 @@ to tmpfs and acks once the encrypted chunks are in JetStream; the hand-over's st
 from each ack (what the keeper forwards to a new version once a checkpoint is durable).
 
 With ``--json`` only the ratio line and the JSON line are printed; the last line is
-``{"pause_p99_ms", "recovery_s", "handover_interruption_ms", "bytes_per_checkpoint",
-"full_checkpoint_bytes"}`` (DSec's figures; ``full_checkpoint_bytes``: the pickle peer's).
-``--quick`` (fewer steps, same state) takes < 60 s on 2 cores.
+``{"pause_p99_ms", "recovery_s", "handover_interruption_ms", "handover_node_interruption_ms",
+"bytes_per_checkpoint", "full_checkpoint_bytes"}`` (DSec's figures; the node's: the worst of its
+runs, null when not run; ``full_checkpoint_bytes``: the pickle peer's). ``--quick`` (fewer
+steps, same state, 3 hand-overs through the node) takes about a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -86,6 +100,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -490,7 +505,7 @@ def bench_handover(
     each time, the old version makes one step of changes and, timed: its final checkpoint
     (capture = pause, pack, durable write), the frame forwarded and decoded, and the new version
     applying it (under its own lock) -> it could serve. Not in it: the cgroup freeze and the
-    broker's switch of the tool name (node side: ``handover_node_ms``, null: see the docstring).
+    broker's switch of the tool name (the node's share: :func:`bench_node_handover`).
     """
     from dsec_sdk.state import AgentState, codec
 
@@ -526,7 +541,6 @@ def bench_handover(
         "handover_in_process_ms": round(max(interruptions), 2),
         "handover_in_process_p50_ms": round(percentile(interruptions, 0.5), 2),
         "handover_in_process_runs": times,
-        "handover_node_ms": None,  # TODO: the node's freeze + switch (state.handed_over)
     }
 
 
@@ -716,6 +730,129 @@ def serve_keeper(sockets: str, journal: str, warm: str, *names: str) -> None:
     asyncio.run(main())
 
 
+# ------------------------------------------------------------ the hand-over through the node
+NODE_TESTS = Path(__file__).resolve().parents[1] / "services/nodeagent/tests"
+
+
+async def _until(check: Callable[[], Any], what: str, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"state bench: not {what} within {timeout} s")
+        await asyncio.sleep(0.02)
+    return value
+
+
+def _answered_by_new(
+    caller_log: Path, seen: int, n: int, lines: Callable[[Path], list[list[str]]]
+) -> list[list[str]] | None:
+    """The caller's lines from ``seen`` on through its first answer by the new version (a count
+    past ``n``, where the new version went on from); None before that answer."""
+    window = lines(caller_log)[seen:]
+    for i, words in enumerate(window):
+        if words and words[0] == "ok" and int(words[1]) > n:
+            return window[: i + 1]
+    return None
+
+
+async def bench_node_handover(runs: int, say: Callable[[str], None]) -> dict[str, Any]:
+    """``runs`` live hand-overs through the node agent on the embedded stack, one after the
+    other (each new version replaces the one before), while a caller calls the tool throughout
+    (see the module's docstring)."""
+    sys.path.insert(0, str(NODE_TESTS))
+    import uuid
+
+    from _nodeagent_harness import NodeAgentHarness
+    from dsec_core import events
+    from dsec_core.layout import NodeLayout
+    from dsec_testing.stack import StackFixture
+    from test_migration_criu import QUIET
+    from test_migration_handover import COUNTER, counts, lines
+    from test_state_upgrade import CALLER, answers
+
+    base = Path(tempfile.mkdtemp(prefix="sho-", dir="/tmp"))  # (short: AF_UNIX paths)
+    stack = StackFixture(base / "stack")
+    done: list[dict[str, Any]] = []
+    before: list[float] = []
+    try:
+        extra = {**stack.s3.settings(), **stack.vault.settings()}
+        home = base / "n"
+        async with NodeAgentHarness(home, stack.nats_url, **extra) as h:
+            layout = NodeLayout.of(home)
+            name = f"upg-{uuid.uuid4().hex[:6]}"
+            sid = await h.submit(name, COUNTER, QUIET, extra="state: {}\n")
+            await h.wait_for(sid, "sandbox.ready", 120)
+            log = layout.sandbox(sid).logs / "stdout.log"
+            await _until(lambda: len(counts(log)) >= 10, "counting", 120)
+            caller = await h.submit(
+                f"{name}-c", CALLER.replace("AGENT", repr(name)), QUIET,
+                extra=f"task_group: {name}\n",
+            )  # fmt: skip
+            await h.wait_for(caller, "sandbox.ready", 120)
+            caller_log = layout.sandbox(caller).logs / "stdout.log"
+            await _until(lambda: len(answers(caller_log)) >= 50, "the caller answered", 60)
+            before = [ms for _, ms in answers(caller_log)]
+            for _ in range(runs):
+                seen = len(lines(caller_log))
+                new = await h.submit(name, COUNTER, QUIET, extra="state: {}\n", handover_from=sid)
+                handed = (await h.wait_for(new, "state.handed_over", 120)).decoded()
+                exited = (await h.wait_for(sid, "sandbox.exited", 60)).decoded()
+                new_log = layout.sandbox(new).logs / "stdout.log"
+                restored = await _until(
+                    lambda: next((w for w in lines(new_log) if w and w[0] == "restored"), None),  # noqa: B023
+                    "restored in the new version", 60,
+                )  # fmt: skip
+                n = int(restored[1])
+                await _until(lambda: len(counts(new_log)) >= 5, "counting on", 60)  # noqa: B023
+                window = await _until(
+                    partial(_answered_by_new, caller_log, seen, n, lines),
+                    "the caller answered by the new version", 60,
+                )  # fmt: skip
+                acked, went_on = counts(log), counts(new_log)
+                intact = (
+                    restored[2] == "True"
+                    and acked[-1] <= n <= acked[-1] + 1
+                    and went_on == list(range(n + 1, n + 1 + len(went_on)))
+                )
+                failed = [w for w in window if w[0] == "err"]
+                result = {
+                    "interruption_ms": handed.interruption_ms,
+                    "deltas_streamed": handed.deltas_streamed,
+                    "caller_call_ms": max(float(w[2]) for w in window if w[0] == "ok"),
+                    "caller_switch_call_ms": float(window[-1][2]),
+                    "caller_calls": len(window),
+                    "old_exit": str(exited.reason),
+                    "state_intact": intact,
+                    "failed_calls": len(failed),
+                }
+                say(f"  hand-over through the node agent: {json.dumps(result)}")
+                if not intact or failed or result["old_exit"] != "handed_over":
+                    raise SystemExit(f"state bench: the hand-over went wrong: {result}")
+                done.append(result)
+                sid, log = new, new_log
+            for each in (sid, caller):
+                await h.upstream.user.publish(
+                    events.SandboxStopRequested(requested_by="bench"), aggregate_id=each
+                )
+                await h.wait_for(each, "sandbox.exited", 60)
+    finally:
+        stack.close()
+        shutil.rmtree(base, ignore_errors=True)
+    gaps = [r["interruption_ms"] for r in done]
+    calls = [r["caller_call_ms"] for r in done]
+    switch_calls = [r["caller_switch_call_ms"] for r in done]
+    return {
+        "runs": runs,
+        "interruption_ms_p50": round(percentile(gaps, 0.5), 2),
+        "interruption_ms_max": round(max(gaps), 2),
+        "caller_call_ms_p50": round(percentile(calls, 0.5), 2),
+        "caller_call_ms_max": round(max(calls), 2),
+        "caller_switch_call_ms_p50": round(percentile(switch_calls, 0.5), 2),
+        "caller_call_before_ms": round(percentile(before, 0.5), 3),
+        "runs_detail": done,
+    }
+
+
 # ------------------------------------------------------------------------------- main
 def main() -> None:
     if sys.argv[1:2] == ["--serve-keeper"]:
@@ -726,7 +863,15 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the ratio and JSON lines")
     parser.add_argument("--stack", action="store_true", help="DSec through the node's keeper")
     parser.add_argument("--dir", type=Path, default=None, help="where the stores go (a temp dir)")
+    parser.add_argument(
+        "--node-runs", type=int, default=None,
+        help="live hand-overs through the node agent on the embedded stack (root; default 3 "
+        "with --quick, else 5; 0: skip)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.node_runs is not None and args.node_runs < 0:
+        parser.error(f"argument --node-runs: {args.node_runs} is not a count: give 0 or more")
+    node_runs = args.node_runs if args.node_runs is not None else (3 if args.quick else 5)
     steps, full_steps, handovers = (12, 3, 3) if args.quick else (60, 10, 10)
 
     def say(text: str) -> None:
@@ -751,12 +896,18 @@ def main() -> None:
         results["savez"] = bench_peer("savez", w, full_steps, work, savez_save, savez_load, say)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    node: dict[str, Any] | None = None
+    if node_runs and os.geteuid() != 0:
+        say("hand-over through the node agent: skipped (needs root: sandboxes, cgroups)")
+    elif node_runs:
+        node = results["handover_node"] = asyncio.run(bench_node_handover(node_runs, say))
 
     d, p = results["dsec"], results["pickle"]
     summary = {
         "pause_p99_ms": d["pause_p99_ms"],
         "recovery_s": d["recovery_s"],
         "handover_interruption_ms": d.get("handover_in_process_ms"),
+        "handover_node_interruption_ms": node["interruption_ms_max"] if node else None,
         "bytes_per_checkpoint": d["bytes_per_checkpoint"],
         "full_checkpoint_bytes": p["bytes_per_checkpoint"],
     }
@@ -775,6 +926,16 @@ def main() -> None:
             if handover is None
             else f"{handover:.1f} ms (in-process core, worst of {handovers}; p50 "
             f"{d['handover_in_process_p50_ms']:.1f}; target <= 12)"
+        )
+        + (
+            "; through the node agent: not run"
+            if node is None
+            else f"; through the node agent (small state): interruption p50 "
+            f"{node['interruption_ms_p50']:.1f} ms, worst {node['interruption_ms_max']:.1f} of "
+            f"{node['runs']}; the caller's first answer by the new version p50 "
+            f"{node['caller_switch_call_ms_p50']:.1f} ms, its slowest call while the new "
+            f"version started and took over p50 {node['caller_call_ms_p50']:.1f} ms (its median "
+            f"call before {node['caller_call_before_ms']:.2f} ms), no call failed"
         )
     )
     emit(

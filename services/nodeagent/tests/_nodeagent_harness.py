@@ -192,12 +192,14 @@ class NodeAgentHarness:
         built: events.EnvBuilt | None = None,
         node_id: str | None = None,
         extra: str = "",
+        handover_from: str | None = None,
     ) -> str:
         """Publish what policy, builder and scheduler would for a sandbox running
         ``python -c code`` (``egress``: its one egress rule, in YAML flow style; ``built``: its
         ``env.built``, default the harness's staged empty environment; ``node_id``: the node
         it is scheduled on, default the harness's; ``extra``: more top-level YAML, e.g. a
-        ``state:`` section)."""
+        ``state:`` section; ``handover_from``: the running sandbox this one replaces by a live
+        hand-over, as ``dsec sandbox upgrade`` submits it)."""
         assert self._upstream is not None
         sid = f"{name}-{uuid.uuid4().hex[:8]}"
         text = SPEC.format(name=name, code=json.dumps(code), egress=egress) + extra
@@ -207,7 +209,8 @@ class NodeAgentHarness:
         rec = self.recorded.setdefault(sid, Recorded())
         p = self._upstream
         submitted = await p.user.publish(
-            events.SpecSubmitted(spec_yaml=text, filename="dsec.yaml"), aggregate_id=sid
+            events.SpecSubmitted(spec_yaml=text, filename="dsec.yaml", handover_from=handover_from),
+            aggregate_id=sid,
         )
         validated = await p.policy.publish(
             events.SpecValidated(
