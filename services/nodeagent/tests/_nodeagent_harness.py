@@ -46,7 +46,7 @@ base: dsec/python311:latest
 entrypoint: [python, -c, {code}]
 workdir: /workspace
 resources: {{cpu: 1, memory: 256MiB, pids: 64}}
-timeout: 2m
+timeout: {timeout}
 security_policy:
   dns_passthrough: false
   network:
@@ -193,16 +193,18 @@ class NodeAgentHarness:
         node_id: str | None = None,
         extra: str = "",
         handover_from: str | None = None,
+        timeout: str = "2m",
     ) -> str:
         """Publish what policy, builder and scheduler would for a sandbox running
         ``python -c code`` (``egress``: its one egress rule, in YAML flow style; ``built``: its
         ``env.built``, default the harness's staged empty environment; ``node_id``: the node
         it is scheduled on, default the harness's; ``extra``: more top-level YAML, e.g. a
         ``state:`` section; ``handover_from``: the running sandbox this one replaces by a live
-        hand-over, as ``dsec sandbox upgrade`` submits it)."""
+        hand-over, as ``dsec sandbox upgrade`` submits it; ``timeout``: its spec's, which ends
+        it)."""
         assert self._upstream is not None
         sid = f"{name}-{uuid.uuid4().hex[:8]}"
-        text = SPEC.format(name=name, code=json.dumps(code), egress=egress) + extra
+        text = SPEC.format(name=name, code=json.dumps(code), egress=egress, timeout=timeout) + extra
         spec = load_spec(text, "dsec.yaml")
         assert spec.spec is not None, spec.errors
         plan = compile_plan(spec.spec, source=spec.source)

@@ -96,9 +96,12 @@ while True:
 
 
 def lines(path: Path) -> list[list[str]]:
+    """The words of each complete line of a log (one still being written, with no newline yet,
+    is left for the next read: ``count 12`` read as ``count 1`` would look like a lost count)."""
     if not path.exists():
         return []
-    return [line.split() for line in path.read_text().splitlines()]
+    text = path.read_text()
+    return [line.split() for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def counts(path: Path) -> list[int]:

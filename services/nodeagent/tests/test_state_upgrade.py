@@ -32,6 +32,14 @@ from test_migration_handover import COUNTER, counts, lines
 
 pytestmark = [pytest.mark.integration, pytest.mark.kernel]
 
+COUNTING = COUNTER.replace(
+    'client.tool("count")(lambda: len(ticks))',
+    # (who answered: the sandbox's id; each sandbox has a pid namespace of its own)
+    'client.tool("count")(lambda: [len(ticks), __import__("os").environ["DSEC_SANDBOX_ID"]])',
+)
+assert COUNTING != COUNTER
+"""The counting agent of the migration test, its tool saying which sandbox answered."""
+
 CALLER = """
 import time
 from dsec_sdk import DSecClient
@@ -39,8 +47,8 @@ client = DSecClient(timeout=10)
 while True:
     t = time.perf_counter()
     try:
-        n = client.call_tool(AGENT, "count")
-        print("ok", n, round((time.perf_counter() - t) * 1000, 3), flush=True)
+        n, by = client.call_tool(AGENT, "count")
+        print("ok", n, round((time.perf_counter() - t) * 1000, 3), by, flush=True)
     except Exception as exc:
         print("err", type(exc).__name__, flush=True)
         time.sleep(0.05)
@@ -56,9 +64,10 @@ def home() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def answers(path: Path) -> list[tuple[int, float]]:
-    """The caller's answered calls: (the count it was told, the call's milliseconds)."""
-    return [(int(w[1]), float(w[2])) for w in lines(path) if w and w[0] == "ok"]
+def answers(path: Path) -> list[tuple[int, float, str]]:
+    """The caller's answered calls: (the count it was told, the call's milliseconds, the
+    sandbox that answered)."""
+    return [(int(w[1]), float(w[2]), w[3]) for w in lines(path) if w and w[0] == "ok"]
 
 
 async def test_a_new_version_takes_over_the_state_and_the_tool_name_on_the_same_node(
@@ -67,7 +76,7 @@ async def test_a_new_version_takes_over_the_state_and_the_tool_name_on_the_same_
     stack = {**s3.settings(), **vault.settings()}
     async with NodeAgentHarness(home, nats_url, **stack) as h:
         name = f"upg-{uuid.uuid4().hex[:6]}"  # its own state (the stream is shared)
-        old = await h.submit(name, COUNTER, QUIET, extra="state: {}\n")
+        old = await h.submit(name, COUNTING, QUIET, extra="state: {}\n")
         await h.wait_for(old, "sandbox.ready")
         layout = NodeLayout.of(home)
         old_log = layout.sandbox(old).logs / "stdout.log"
@@ -79,7 +88,7 @@ async def test_a_new_version_takes_over_the_state_and_the_tool_name_on_the_same_
         caller_log = layout.sandbox(caller).logs / "stdout.log"
         await until(lambda: len(answers(caller_log)) >= 5, "the caller answered", 60)
 
-        new = await h.submit(name, COUNTER, QUIET, extra="state: {}\n", handover_from=old)
+        new = await h.submit(name, COUNTING, QUIET, extra="state: {}\n", handover_from=old)
         handed = (await h.wait_for(new, "state.handed_over", 120)).decoded()
         assert handed.from_sandbox == old and handed.agent == name
         assert handed.interruption_ms > 0 and handed.deltas_streamed > 0
@@ -102,12 +111,15 @@ async def test_a_new_version_takes_over_the_state_and_the_tool_name_on_the_same_
         went_on = counts(new_log)
         assert went_on == list(range(n + 1, n + 1 + len(went_on))), "a count lost or repeated"
 
-        # The caller never failed a call: the one that crossed the switch was answered by the
-        # new version; every answer after it comes from the new version's counts.
-        await until(lambda: any(c > n for c, _ in answers(caller_log)), "answered by v2", 60)
-        assert not [w for w in lines(caller_log) if w and w[0] == "err"]
-        told = [c for c, _ in answers(caller_log)]
-        assert told == sorted(told), "the caller was told a count that went back"
+        # The caller never failed a call: answered by the old version, then (from the call that
+        # crossed the switch on) by the new one only, told counts that never went back.
+        await until(lambda: any(by == new for _, _, by in answers(caller_log)), "answered by v2")
+        assert not [w for w in lines(caller_log) if w and w[0] != "ok"]
+        told = answers(caller_log)
+        by_whom = [by for _, _, by in told]
+        switched = by_whom.index(new)
+        assert set(by_whom[:switched]) == {old} and set(by_whom[switched:]) == {new}
+        assert [c for c, _, _ in told] == sorted(c for c, _, _ in told), "a count went back"
         key = AgentKey(name, name, "default")
         assert h.wired.migrations.broker()._registry.owner(key) == new
 
