@@ -65,6 +65,7 @@ class FakeKeeper(threading.Thread):
         self.takes_over = takes_over  # False: a hand-over hello finds no old version
         self.received: queue.Queue[dict[str, Any]] = queue.Queue()
         self.checkpoints: list[dict[str, Any]] = []
+        self.hold_final: threading.Event | None = None  # set: a final checkpoint's ack waits
         self._lock = threading.Lock()
 
     def send(self, frame: dict[str, Any]) -> None:
@@ -107,7 +108,14 @@ class FakeKeeper(threading.Thread):
                             {"op": "error", "code": "disk", "message": "full", "seq": frame["seq"]}
                         )
                         continue
+                    if frame["seq"] != self.seq + 1:  # (as the node's keeper: in order, no gap)
+                        message = f"checkpoint {frame['seq']} after {self.seq}"
+                        refusal = {"op": "error", "code": "bad-seq", "message": message}
+                        self.send({**refusal, "seq": frame["seq"]})
+                        continue
                     self.checkpoints.append(frame)
+                    if frame.get("final") and self.hold_final is not None:
+                        self.hold_final.wait(10)
                     self.seq = frame["seq"]
                     self.send({"op": "ack", "seq": frame["seq"], "bytes": 100})
                 elif op == "bye":

@@ -109,9 +109,11 @@ def test_a_refused_checkpoint_is_sent_again(pair: Callable[..., Any]) -> None:
     keeper.refuse_checkpoints = False
     state.log("h").append("more")
     info = state.checkpoint()
-    assert info.seq == 2
+    assert info.seq == 1  # the keeper took nothing under 1: the next checkpoint is 1 again
     items = [i[2] for r in keeper.checkpoints[-1]["records"] for i in r["items"]]
     assert items == ["precious", "more"]
+    state.log("h").append("then")
+    assert state.checkpoint().seq == 2  # and the ones after it follow
     state.close(checkpoint=False)
 
 
@@ -163,6 +165,37 @@ def test_the_old_version_hands_over_with_a_final_checkpoint(pair: Callable[..., 
     state.close()  # no checkpoint after the hand-over
 
 
+def test_nothing_is_checkpointed_after_the_final_one_unless_the_hand_over_fails(
+    pair: Callable[..., Any],
+) -> None:
+    """The state goes to the new version as of the old one's final checkpoint: from the moment
+    it is sent, the old version's own checkpoints (another thread's, the automatic ones) are
+    refused here, not sent after it; a failed hand-over lets them go on, in seq order."""
+    store, keeper = pair()
+    keeper.hold_final = threading.Event()
+    state = AgentState(store, agent="bot", group="team")
+    history = state.log("history")
+    history.append("before")
+    assert state.checkpoint().seq == 1
+    keeper.send({"op": "handover", "to": "sb-new"})
+    final = keeper.next_frame("checkpoint")
+    final = keeper.next_frame("checkpoint") if final["seq"] == 1 else final
+    assert final["final"] is True and final["seq"] == 2
+    history.append("after the final")  # (its ack is held: the final is on its way)
+    with pytest.raises(StateError, match="handing its state over"):
+        state.checkpoint()
+    keeper.hold_final.set()
+    wait_for(state.handed_over.is_set, "handed_over")
+    keeper.send({"op": "error", "code": "handover-aborted", "message": "gone", "seq": None})
+    wait_for(lambda: not state.handed_over.is_set(), "the abort")
+    info = state.checkpoint()
+    assert info.seq == 3
+    assert [i[2] for r in keeper.checkpoints[-1]["records"] for i in r["items"]] == [
+        "after the final"
+    ]
+    state.close(checkpoint=False)
+
+
 def test_the_new_version_follows_deltas_then_owns_the_state(pair: Callable[..., Any]) -> None:
     store, keeper = pair(records=SAVED, seq=5)
     state = AgentState(store, agent="bot", group="team", handover=True, interval=0.05)
@@ -183,6 +216,7 @@ def test_the_new_version_follows_deltas_then_owns_the_state(pair: Callable[..., 
             ],
         }
     )  # fmt: skip
+    keeper.seq = 7  # (the keeper's: the old version's checkpoint it forwarded)
     wait_for(lambda: len(history) == 3, "the deltas")
     assert arr[0] == 9.0
     with pytest.raises(StateError, match="only once switched"):

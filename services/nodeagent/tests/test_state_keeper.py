@@ -712,3 +712,39 @@ def test_a_journal_directory_someone_else_made_in_dev_shm_is_replaced_by_our_own
     with pytest.raises(StateError, match="uid 65534, not this node agent's"):
         keeper._private_dirs()
     assert list(planted.iterdir()) == []
+
+
+async def test_nothing_after_a_hand_overs_final_checkpoint_is_taken_until_it_is_aborted(
+    world: World,
+) -> None:
+    """A hand-over hands the state over as of the old version's final checkpoint: a checkpoint
+    the old version sends after it is refused (``handed-over``; the state's seq stays at the
+    final's, where the new version goes on from), and taken again once the hand-over failed."""
+    async with world.node("a") as node:
+        sid = await world.sandbox(node.keeper)
+        agent = await node.connect(sid)
+        assert (await agent.hello(world.agent, world.group))["op"] == "welcome"
+        await agent.fetch()
+        first = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"a": 1}}
+        assert (await agent.checkpoint(1, [first]))["op"] == "ack"
+        key = StateKey(world.tenant, world.group, world.agent)
+        session = node.keeper.session_of(key)
+        assert session is not None
+        asking = asyncio.ensure_future(session.request_final("sbx-new"))
+        assert (await agent.recv()) == {"op": "handover", "to": "sbx-new"}
+        last = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"b": 2}}
+        assert (await agent.checkpoint(2, [last], final=True))["op"] == "ack"
+        assert await asyncio.wait_for(asking, 10) == [last]
+
+        late = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"late": 3}}
+        refused = await agent.checkpoint(3, [late])
+        assert refused["op"] == "error" and refused["code"] == "handed-over", refused
+        assert refused["seq"] == 3 and "final hand-over checkpoint 2" in refused["message"]
+        records, seq = await node.keeper.records_of(session)
+        assert seq == 2 and "late" not in str(records)
+
+        await session.abort_handover("the new version went away")
+        aborted = await agent.recv()
+        assert aborted["op"] == "error" and aborted["code"] == "handover-aborted", aborted
+        assert (await agent.checkpoint(3, [late]))["op"] == "ack"
+        await agent.close()

@@ -27,6 +27,7 @@ from dsec_sdk.state.containers import (
     VectorIndex,
 )
 from dsec_sdk.state.store import (
+    CheckpointRefused,
     LocalStore,
     NodeStore,
     StateError,
@@ -138,6 +139,7 @@ class AgentState:
         self.handed_over = threading.Event()
         """Set once this (old) version's final checkpoint is acknowledged: it no longer owns
         the state."""
+        self._final_sent = False  # (its final checkpoint is on its way: nothing may follow it)
         self.switched: SwitchInfo | None = None
         """Hand-over, on the new version: set when the keeper says it owns the state."""
         self._switched = threading.Event()
@@ -388,6 +390,13 @@ class AgentState:
         with self._ckpt_lock:
             if self.handed_over.is_set():
                 raise StateError("this version handed its state over: it checkpoints no more")
+            if self._final_sent:
+                # (the state goes to the new version as of the final checkpoint: one after it
+                # would be refused by the keeper, and lost to both versions)
+                raise StateError(
+                    "this version is handing its state over (its final checkpoint is sent): "
+                    "it checkpoints again only if the hand-over fails"
+                )
             if self.handover and self.switched is None:
                 raise StateError("a hand-over's new version owns the state only once switched")
             if self._closed and not final:
@@ -427,16 +436,29 @@ class AgentState:
             except StateError:
                 self._retry.append((first_seq, packed))
                 raise
+            self._final_sent = final
             seq = self._seq
         wait = self.timeout if timeout is None else timeout
         acked = 0
+        taken = 0  # frames acknowledged, in order
         try:
             for fut in futures:
                 ack = fut.result(timeout=wait)
                 acked += int(ack.get("bytes") or 0)
+                taken += 1
         except Exception as exc:
             with self._ckpt_lock:
-                self._retry.append((first_seq, packed))
+                if isinstance(exc, CheckpointRefused):
+                    # The keeper took the frames before the refused one and none from it on
+                    # (a later frame, of this checkpoint or one sent after it, is refused in
+                    # turn): their records go again, under the refused frame's seq.
+                    left = [body for batch in batches[taken:] for body in batch]
+                    self._retry.append((first_seq + taken, left))
+                    self._seq = min(self._seq, first_seq + taken - 1)
+                else:  # (no answer: whether the keeper took them is not known here)
+                    self._retry.append((first_seq, packed))
+                if final:
+                    self._final_sent = False
             if isinstance(exc, StateError):
                 raise
             raise StateError(f"checkpoint {seq} was not acknowledged: {exc!r}") from exc
@@ -538,6 +560,7 @@ class AgentState:
             ).start()
         elif op == "error" and frame.get("code") == "handover-aborted":
             self.last_error = f"handover-aborted: {frame.get('message')}"
+            self._final_sent = False
             log.warning("state keeper: the hand-over failed; this version goes on")
             self.handed_over.clear()
             self.handover_to = None

@@ -39,6 +39,15 @@ class StateError(Exception):
     restored value does not fit the container declared."""
 
 
+class CheckpointRefused(StateError):
+    """The keeper refused a checkpoint (an ``error`` frame for its seq, ``code`` its word):
+    it took nothing of it, and that seq is still the next one."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def encode_checkpoint(
     seq: int, packed: Sequence[bytes], pause_ms: float, tiers: Sequence[str], final: bool
 ) -> bytes:
@@ -410,9 +419,10 @@ class NodeStore:
                         fut.set_result(frame)
                     else:
                         fut.set_exception(
-                            StateError(
+                            CheckpointRefused(
                                 f"the state keeper refused checkpoint {seq}: "
-                                f"{frame.get('code')}: {frame.get('message')}"
+                                f"{frame.get('code')}: {frame.get('message')}",
+                                str(frame.get("code")),
                             )
                         )
                     continue

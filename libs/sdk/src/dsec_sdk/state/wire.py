@@ -41,7 +41,10 @@ state), ``no-handover``, ``bad-seq`` (a checkpoint's seq is not the last acked +
 ``bad-record``, ``not-durable`` (JetStream did not take it: nothing acked, retry the same seq),
 ``corrupt`` (stored state does not authenticate or is incomplete: nothing was sent),
 ``unavailable`` (OpenBao, the object store or NATS missing), ``unregistered`` (a sandbox
-without a ``state:`` section), ``quota`` (the state on the node is at its ``state.max_size``).
+without a ``state:`` section), ``quota`` (the state on the node is at its ``state.max_size``),
+``handed-over`` (a checkpoint of the OLD version after its final hand-over checkpoint: the
+state goes to the NEW version as of the final; taken again once told ``handover-aborted``).
+A refused checkpoint's seq is not taken: the next checkpoint uses it again.
 
 Hand-over (docs/state.md): the NEW version's ``hello{handover: true}`` is answered by
 ``welcome{handover: true}``, then (without a ``fetch`` from it) ``records``... ``fetched`` with

@@ -529,14 +529,7 @@ class Migrations:
                     await channel.call({"op": "abort"}, timeout=30)
             if stopped and not released:  # it stopped taking calls for its final checkpoint
                 with contextlib.suppress(Exception):
-                    await session.send(
-                        {
-                            "op": "error",
-                            "code": "handover-aborted",
-                            "message": err.reason[:300],
-                            "seq": None,
-                        }
-                    )
+                    await session.abort_handover(err.reason[:300])
             running = not released and self.agent.manager.get(sid) is not None
             return [self._failed(event, err.stage, err.reason, running)]
         finally:

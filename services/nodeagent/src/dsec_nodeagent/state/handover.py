@@ -360,9 +360,7 @@ class _Run:
         if self.final_asked:
             # OLD stopped taking calls for its final checkpoint: it serves again on this.
             with contextlib.suppress(Exception):
-                await self.old.send(
-                    {"op": "error", "code": "handover-aborted", "message": message, "seq": None}
-                )
+                await self.old.abort_handover(message)
         with contextlib.suppress(Exception):
             await self.new.send({"op": "error", "code": code, "message": message, "seq": None})
         if self.hooks.stop_new is not None:

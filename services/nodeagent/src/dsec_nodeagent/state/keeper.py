@@ -291,6 +291,9 @@ class StateSession:
         self._send_lock = asyncio.Lock()
         self._callbacks: list[Callable[[int, list[dict[str, Any]]], Awaitable[None]]] = []
         self._final: asyncio.Future[list[dict[str, Any]]] | None = None
+        self._final_taken = False
+        """A hand-over's final checkpoint of this session is durable: the state it hands over
+        ends there, and no later checkpoint of it is taken (until :meth:`abort_handover`)."""
         self._agent: _Agent | None = None
         self._source = "empty"
         self._sync_ms = 0.0
@@ -315,6 +318,14 @@ class StateSession:
             return await asyncio.wait_for(self._final, timeout_s)
         finally:
             self._final = None
+
+    async def abort_handover(self, message: str) -> None:
+        """Hand-over, on the OLD version's session, after :meth:`request_final`: the hand-over
+        failed; OLD owns its state again and checkpoints on (told ``handover-aborted``)."""
+        self._final_taken = False
+        await self.send(
+            {"op": "error", "code": "handover-aborted", "message": message, "seq": None}
+        )
 
     def off_checkpoint(
         self, callback: Callable[[int, list[dict[str, Any]]], Awaitable[None]]
@@ -557,7 +568,20 @@ class StateSession:
         if not isinstance(seq, int) or not isinstance(raw, list):
             raise StateError("bad-request", "a checkpoint needs an int 'seq' and a 'records' list")
         received = time.monotonic()
+        # A hand-over's final checkpoint (one the keeper asked for) is reported at once; the
+        # flag alone, which any agent may set, is not: it would undo the rate.
+        final = frame.get("final") is True and self._final is not None
         async with store.lock:
+            if self._final_taken:
+                # (an agent that goes on checkpointing after its final one, a bug or on
+                # purpose: what it adds would never reach the new version, and the seq it takes
+                # would put the new version's first checkpoint out of step)
+                raise StateError(
+                    "handed-over",
+                    f"checkpoint {seq} after this version's final hand-over checkpoint "
+                    f"{store.seq}: its state goes to the new version as it was then",
+                    seq,
+                )
             if seq != store.seq + 1:
                 raise StateError(
                     "bad-seq", f"checkpoint {seq} after {store.seq}: expected {store.seq + 1}", seq
@@ -570,6 +594,8 @@ class StateSession:
                 raise StateError("bad-record", str(exc), seq) from None
             size = await keeper._durable(store, seq, records, self.sandbox_id)
             store.seq = seq
+            if final:
+                self._final_taken = True
         durable_ms = (time.monotonic() - received) * 1000
         await self.send({"op": "ack", "seq": seq, "bytes": size})
         DURABLE.observe(durable_ms / 1000)
@@ -579,9 +605,6 @@ class StateSession:
         pause = frame.get("pause_ms")
         pause_ms = float(pause) if isinstance(pause, int | float) else 0.0
         durable = round(durable_ms, 3)
-        # A hand-over's final checkpoint (one the keeper asked for) is reported at once; the
-        # flag alone, which any agent may set, is not: it would undo the rate.
-        final = frame.get("final") is True and self._final is not None
         hot = ("hot", seq, size, len(records), pause_ms, durable)
         await keeper.report(self.key, self.sandbox_id, *hot, now=final)
         if cold_bytes:
