@@ -66,6 +66,7 @@ class FakeKeeper(threading.Thread):
         self.received: queue.Queue[dict[str, Any]] = queue.Queue()
         self.checkpoints: list[dict[str, Any]] = []
         self.hold_final: threading.Event | None = None  # set: a final checkpoint's ack waits
+        self.before_answer: Callable[[dict[str, Any]], None] | None = None  # per checkpoint
         self._lock = threading.Lock()
 
     def send(self, frame: dict[str, Any]) -> None:
@@ -103,6 +104,8 @@ class FakeKeeper(threading.Thread):
                         }
                     )
                 elif op == "checkpoint":
+                    if self.before_answer is not None:
+                        self.before_answer(frame)
                     if self.refuse_checkpoints:
                         self.send(
                             {"op": "error", "code": "disk", "message": "full", "seq": frame["seq"]}

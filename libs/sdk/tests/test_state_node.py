@@ -117,6 +117,68 @@ def test_a_refused_checkpoint_is_sent_again(pair: Callable[..., Any]) -> None:
     state.close(checkpoint=False)
 
 
+def test_checkpoints_on_their_way_when_one_is_refused_go_again_in_their_order(
+    pair: Callable[..., Any],
+) -> None:
+    """Two checkpoints on their way (the automatic one and the agent's, say), the first
+    refused: the second is refused in turn, and both go again, first, in the order they were
+    made, under the refused seq — also while the second's refusal is still on its way and newer
+    checkpoints are already sent."""
+    store, keeper = pair()
+    state = AgentState(store, agent="bot", group="team")
+    history = state.log("h")
+    seen: list[int] = []
+    go = [threading.Event(), threading.Event()]
+
+    def before_answer(frame: dict[str, Any]) -> None:
+        n = len(seen)
+        seen.append(frame["seq"])
+        if n < 2:
+            go[n].wait(10)
+        keeper.refuse_checkpoints = n == 0  # the first one only ("disk full")
+
+    keeper.before_answer = before_answer
+    outcomes: dict[str, Any] = {}
+
+    def checkpoint(name: str) -> threading.Thread:
+        def run() -> None:
+            try:
+                outcomes[name] = state.checkpoint().seq
+            except StateError as exc:
+                outcomes[name] = str(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    history.append("a")
+    first = checkpoint("a")
+    wait_for(lambda: len(seen) == 1, "the first on its way")
+    history.append("b")
+    second = checkpoint("b")
+    wait_for(lambda: len(state._outstanding) == 2, "the second sent")
+    go[0].set()  # the first is refused...
+    first.join(10)
+    assert "refused checkpoint 1: disk" in outcomes["a"]
+    history.append("z")
+    third = checkpoint("z")  # ...and newer ones go out before the second's refusal comes
+    wait_for(lambda: len(state._outstanding) == 1, "the third sent")
+    history.append("w")
+    fourth = checkpoint("w")
+    wait_for(lambda: len(state._outstanding) == 2, "the fourth sent")
+    go[1].set()
+    for thread in (second, third, fourth):
+        thread.join(10)
+    assert "refused checkpoint 2: bad-seq" in outcomes["b"]
+    assert (outcomes["z"], outcomes["w"]) == (1, 2)
+    taken = [[i[2] for r in c["records"] for i in r["items"]] for c in keeper.checkpoints]
+    assert [c["seq"] for c in keeper.checkpoints] == [1, 2]
+    assert taken == [["a", "b", "z"], ["w"]]
+    history.append("then")
+    assert state.checkpoint().seq == 3
+    state.close(checkpoint=False)
+
+
 def test_a_keeper_that_goes_away_fails_checkpoints(pair: Callable[..., Any]) -> None:
     store, keeper = pair()
     state = AgentState(store, agent="bot", group="team")
@@ -193,6 +255,30 @@ def test_nothing_is_checkpointed_after_the_final_one_unless_the_hand_over_fails(
     assert [i[2] for r in keeper.checkpoints[-1]["records"] for i in r["items"]] == [
         "after the final"
     ]
+    state.close(checkpoint=False)
+
+
+def test_an_abort_while_the_final_checkpoints_ack_is_on_its_way_leaves_it_serving(
+    pair: Callable[..., Any],
+) -> None:
+    """The hand-over fails (``handover-aborted``) before the final checkpoint's ack arrives:
+    this version still owns its state when the ack comes, and checkpoints on."""
+    store, keeper = pair()
+    keeper.hold_final = threading.Event()
+    state = AgentState(store, agent="bot", group="team")
+    state.log("history").append("before")
+    keeper.send({"op": "handover", "to": "sb-new"})
+    assert keeper.next_frame("checkpoint")["final"] is True
+    keeper.send({"op": "error", "code": "handover-aborted", "message": "gone", "seq": None})
+    wait_for(lambda: (state.last_error or "").startswith("handover-aborted"), "the abort")
+    keeper.hold_final.set()  # the final's ack, after the abort
+    wait_for(
+        lambda: not any(t.name == "dsec-state-handover" for t in threading.enumerate()),
+        "the hand-over thread's end (after the final's ack)",
+    )
+    assert keeper.seq == 1 and not state.handed_over.is_set()
+    state.log("history").append("after")
+    assert state.checkpoint().seq == 2
     state.close(checkpoint=False)
 
 

@@ -44,9 +44,16 @@ class FakeSession(StateSession):
         self.final_error: Exception | None = None
         self.final_requested = asyncio.Event()
         self.before_final: Any = None  # a coroutine function run inside request_final
+        self.durable = 4  # the keeper's seq of this state (FakeKeeper.records_of's to start)
 
     async def send(self, frame: dict[str, Any]) -> None:
         self.sent.append(frame)
+
+    async def abort_handover(self, message: str) -> None:
+        await self.send({"op": "error", "code": "handover-aborted", "message": message})
+
+    def _seq(self) -> int:
+        return self.durable
 
     async def request_final(self, to_sandbox: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
         self.sent.append({"op": "handover", "to": to_sandbox})
@@ -55,12 +62,19 @@ class FakeSession(StateSession):
             await self.before_final()
         if self.final_error is not None:
             raise self.final_error
+        if self.before_final is None and self.final:  # durable, not reported: the next seq
+            self.durable += 1
         return self.final
 
     def on_checkpoint(self, callback: Any) -> None:
         self.callbacks.append(callback)
 
+    def off_checkpoint(self, callback: Any) -> None:
+        if callback in self.callbacks:  # (as the keeper's: a callback never added is fine)
+            self.callbacks.remove(callback)
+
     async def checkpoint(self, seq: int, records: list[dict[str, Any]]) -> None:
+        self.durable = max(self.durable, seq)
         for callback in self.callbacks:
             await callback(seq, records)
 
@@ -226,6 +240,29 @@ async def test_an_empty_final_checkpoint_still_moves_the_seq_new_continues_from(
     assert result is not None
     assert [f["seq"] for f in new.sent if f["op"] == "deltas"] == [5, 6]  # nothing to apply
     assert new.sent[-1]["op"] == "switched" and new.sent[-1]["seq"] == 7
+
+
+@pytest.mark.unit
+async def test_a_durable_checkpoint_the_new_version_never_got_fails_the_hand_over() -> None:
+    """NEW would go on from a seq whose records it never received: the hand-over fails before
+    the switch (OLD thawed, told, serving; NEW told and stopped), never a NEW out of step."""
+    old_info, new_info = infos("/cg/old")
+    keeper = FakeKeeper(old_info, new_info)
+    freezer = RecordingFreezer()
+    node = Node(freezer)
+    old, new = FakeSession("old"), FakeSession("new")
+
+    async def unreported() -> None:  # one more made durable, never reported; then the final
+        old.durable += 2
+
+    old.before_final = unreported
+    assert await _drive(old, new, keeper, node.hooks) is None
+    assert freezer.calls == [("freeze", "/cg/old"), ("thaw", "/cg/old")]
+    assert not [c for c in node.log if c[0] == "switch"] and keeper.owner[KEY] == "old"
+    assert old.sent[-1]["code"] == "handover-aborted"
+    assert new.sent[-1]["op"] == "error" and "durable up to checkpoint" in new.sent[-1]["message"]
+    assert node.log[-1][:2] == ("stop_new", "new") and not node.published
+    assert not old.callbacks  # OLD's later checkpoints go to no hand-over
 
 
 @pytest.mark.unit

@@ -748,3 +748,28 @@ async def test_nothing_after_a_hand_overs_final_checkpoint_is_taken_until_it_is_
         assert aborted["op"] == "error" and aborted["code"] == "handover-aborted", aborted
         assert (await agent.checkpoint(3, [late]))["op"] == "ack"
         await agent.close()
+
+
+async def test_a_final_checkpoint_that_comes_after_the_hand_over_gave_up_is_an_ordinary_one(
+    world: World,
+) -> None:
+    """The old version's final checkpoint arrives after the keeper stopped waiting for it and
+    aborted the hand-over: it is taken as any checkpoint, and the ones after it are too (the
+    old version serves on, its state its own)."""
+    async with world.node("a") as node:
+        sid = await world.sandbox(node.keeper)
+        agent = await node.connect(sid)
+        assert (await agent.hello(world.agent, world.group))["op"] == "welcome"
+        await agent.fetch()
+        session = node.keeper.session_of(StateKey(world.tenant, world.group, world.agent))
+        assert session is not None
+        with pytest.raises(TimeoutError):
+            await session.request_final("sbx-new", timeout_s=0.1)
+        assert (await agent.recv()) == {"op": "handover", "to": "sbx-new"}
+        await session.abort_handover("the old version did not answer in time")
+        assert (await agent.recv())["code"] == "handover-aborted"
+        late = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"late": 1}}
+        assert (await agent.checkpoint(1, [late], final=True))["op"] == "ack"
+        more = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"more": 2}}
+        assert (await agent.checkpoint(2, [more]))["op"] == "ack"
+        await agent.close()

@@ -27,6 +27,7 @@ from dsec_sdk.state.containers import (
     VectorIndex,
 )
 from dsec_sdk.state.store import (
+    Ack,
     CheckpointRefused,
     LocalStore,
     NodeStore,
@@ -140,6 +141,11 @@ class AgentState:
         """Set once this (old) version's final checkpoint is acknowledged: it no longer owns
         the state."""
         self._final_sent = False  # (its final checkpoint is on its way: nothing may follow it)
+        self._aborts = 0  # hand-overs aborted (``handover-aborted``), under _handover_lock
+        self._handover_lock = threading.Lock()  # (never held across I/O)
+        # Frames sent and not answered yet, by seq: their records and their answer's future
+        # (under _ckpt_lock; see _refused).
+        self._outstanding: dict[int, tuple[list[bytes], Ack[dict[str, Any]]]] = {}
         self.switched: SwitchInfo | None = None
         """Hand-over, on the new version: set when the keeper says it owns the state."""
         self._switched = threading.Event()
@@ -424,7 +430,7 @@ class AgentState:
                 batches[-1].append(body)
                 size += len(body)
             t1 = time.perf_counter()
-            futures = []
+            futures: list[tuple[int, Ack[dict[str, Any]]]] = []
             sent = 0
             try:
                 for i, batch in enumerate(batches):
@@ -432,30 +438,33 @@ class AgentState:
                     last = i == len(batches) - 1
                     frame = encode_checkpoint(self._seq, batch, pause_ms, chosen, final and last)
                     sent += len(frame)
-                    futures.append(self._store.checkpoint(self._seq, frame))
+                    fut = self._store.checkpoint(self._seq, frame)
+                    self._outstanding[self._seq] = (batch, fut)
+                    futures.append((self._seq, fut))
             except StateError:
+                for frame_seq, _ in futures:
+                    self._outstanding.pop(frame_seq, None)
                 self._retry.append((first_seq, packed))
                 raise
             self._final_sent = final
             seq = self._seq
         wait = self.timeout if timeout is None else timeout
         acked = 0
-        taken = 0  # frames acknowledged, in order
         try:
-            for fut in futures:
+            for frame_seq, fut in futures:
                 ack = fut.result(timeout=wait)
                 acked += int(ack.get("bytes") or 0)
-                taken += 1
+                with self._ckpt_lock:
+                    if self._outstanding.get(frame_seq, (None, None))[1] is fut:
+                        del self._outstanding[frame_seq]
         except Exception as exc:
             with self._ckpt_lock:
                 if isinstance(exc, CheckpointRefused):
-                    # The keeper took the frames before the refused one and none from it on
-                    # (a later frame, of this checkpoint or one sent after it, is refused in
-                    # turn): their records go again, under the refused frame's seq.
-                    left = [body for batch in batches[taken:] for body in batch]
-                    self._retry.append((first_seq + taken, left))
-                    self._seq = min(self._seq, first_seq + taken - 1)
+                    self._refused()
                 else:  # (no answer: whether the keeper took them is not known here)
+                    for frame_seq, fut in futures:
+                        if self._outstanding.get(frame_seq, (None, None))[1] is fut:
+                            del self._outstanding[frame_seq]
                     self._retry.append((first_seq, packed))
                 if final:
                     self._final_sent = False
@@ -473,6 +482,33 @@ class AgentState:
         )
         self.last_checkpoint = info
         return info
+
+    def _refused(self) -> None:
+        """The keeper refused a checkpoint frame (under ``_ckpt_lock``). It answers frames in
+        the order they were sent, so every frame sent before a refused one has its answer by
+        now, and after the first refusal it takes none of the frames that were already on
+        their way (their seqs no longer follow its own). So: the frames before the first
+        refusal are durable; that one and every later outstanding frame go again, in their
+        order, from the refused seq on. Done once for them all: the waiters of the other
+        refused frames find theirs already gone from ``_outstanding``."""
+        refused = [
+            frame_seq
+            for frame_seq, (_, fut) in self._outstanding.items()
+            if fut.done() and isinstance(fut.exception(), CheckpointRefused)
+        ]
+        if not refused:  # (another waiter already did it)
+            return
+        first = min(refused)
+        again: list[bytes] = []
+        for frame_seq in sorted(self._outstanding):
+            records, fut = self._outstanding[frame_seq]
+            if frame_seq >= first:
+                again.extend(records)
+                del self._outstanding[frame_seq]
+            elif fut.done() and fut.exception() is None:
+                del self._outstanding[frame_seq]  # (durable; its waiter finds it gone)
+        self._retry.append((first, again))
+        self._seq = first - 1
 
     # ------------------------------------------------------------------------ automatic
     def _start_auto(self) -> None:
@@ -562,7 +598,9 @@ class AgentState:
             self.last_error = f"handover-aborted: {frame.get('message')}"
             self._final_sent = False
             log.warning("state keeper: the hand-over failed; this version goes on")
-            self.handed_over.clear()
+            with self._handover_lock:
+                self._aborts += 1
+                self.handed_over.clear()
             self.handover_to = None
             self._stop.clear()
             self._auto_thread = None
@@ -583,13 +621,16 @@ class AgentState:
             except Exception:
                 log.exception("state: a hand-over callback failed")
         self._stop.set()
+        aborts = self._aborts
         try:
             self._checkpoint(None, skip_empty=False, final=True, timeout=None)
         except StateError as exc:
             self.last_error = str(exc)
             log.error("state: the final hand-over checkpoint failed: %s", exc)
             return
-        self.handed_over.set()
+        with self._handover_lock:
+            if self._aborts == aborts:  # (an abort while the final's ack came: it serves on)
+                self.handed_over.set()
 
     # -------------------------------------------------------------------------- closing
     def close(self, *, checkpoint: bool = True) -> None:

@@ -10,6 +10,7 @@ Both implement :class:`Store`, so :class:`~dsec_sdk.state.AgentState` is the sam
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import fcntl
@@ -293,7 +294,10 @@ class NodeStore:
         self.timeout = timeout
         self._link = link
         self._send_lock = threading.Lock()
-        self._acks: dict[int, Ack[dict[str, Any]]] = {}
+        # Per seq, the checkpoints waiting for their answer, oldest first: after a refusal the
+        # next checkpoint uses the refused seq again while a later one sent before it (refused
+        # in turn) may still wait, and the keeper answers in the order it was sent.
+        self._acks: dict[int, collections.deque[Ack[dict[str, Any]]]] = {}
         self._acks_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._closed = False
@@ -377,15 +381,34 @@ class NodeStore:
             if self._gone is not None:
                 fut.set_exception(StateError(self._gone))
                 return fut
-            self._acks[seq] = fut
+            self._acks.setdefault(seq, collections.deque()).append(fut)
         try:
             with self._send_lock:
                 self.sock.sendall(frame)
         except OSError as exc:
             with self._acks_lock:
-                self._acks.pop(seq, None)
+                self._forget(seq, fut)
             fut.set_exception(StateError(f"cannot send a checkpoint to the state keeper: {exc}"))
         return fut
+
+    def _oldest(self, seq: int) -> Ack[dict[str, Any]] | None:
+        """The oldest checkpoint of ``seq`` waiting for its answer, no longer waiting (under
+        ``_acks_lock``)."""
+        waiting = self._acks.get(seq)
+        if not waiting:
+            return None
+        fut = waiting.popleft()
+        if not waiting:
+            del self._acks[seq]
+        return fut
+
+    def _forget(self, seq: int, fut: Ack[dict[str, Any]]) -> None:
+        """``fut`` (of ``seq``) waits no more (under ``_acks_lock``)."""
+        waiting = self._acks.get(seq)
+        if waiting is not None and fut in waiting:
+            waiting.remove(fut)
+            if not waiting:
+                del self._acks[seq]
 
     def send(self, frame: dict[str, Any]) -> None:
         data = wire.encode(frame)
@@ -412,7 +435,7 @@ class NodeStore:
                 seq = frame.get("seq")
                 if op == "ack" or (op == "error" and isinstance(seq, int) and seq in self._acks):
                     with self._acks_lock:
-                        fut = self._acks.pop(int(seq or 0), None)
+                        fut = self._oldest(int(seq or 0))
                     if fut is None:
                         continue
                     if op == "ack":
@@ -436,8 +459,9 @@ class NodeStore:
         with self._acks_lock:
             self._gone = reason
             pending, self._acks = self._acks, {}
-        for fut in pending.values():
-            fut.set_exception(StateError(reason))
+        for waiting in pending.values():
+            for fut in waiting:
+                fut.set_exception(StateError(reason))
         if not self._closed:
             with contextlib.suppress(Exception):
                 on_frame({"op": "closed", "message": reason})

@@ -171,6 +171,7 @@ async def hand_over(
         await run.fail("handover-failed", str(exc) or type(exc).__name__)
         raise
     finally:
+        old.off_checkpoint(run._on_checkpoint)  # (OLD serves on after a failure)
         if hooks.done is not None:
             hooks.done(new.sandbox_id)
 
@@ -303,6 +304,13 @@ class _Run:
         elif reported is not None:
             # An empty final checkpoint still took a seq: NEW's next one follows it.
             self.seq = max(self.seq, reported)
+        durable = self.old._seq()
+        if self.seq != durable:  # (NEW would go on from a seq whose records it never got)
+            raise HandOverError(
+                "handover-failed",
+                f"the state is durable up to checkpoint {durable}, the new version got it up to "
+                f"{self.seq}",
+            )
         moved = 0
         if self.hooks.switch is not None:
             self.switched_to = (old_info, new_info)

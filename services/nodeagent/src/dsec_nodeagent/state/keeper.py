@@ -568,9 +568,6 @@ class StateSession:
         if not isinstance(seq, int) or not isinstance(raw, list):
             raise StateError("bad-request", "a checkpoint needs an int 'seq' and a 'records' list")
         received = time.monotonic()
-        # A hand-over's final checkpoint (one the keeper asked for) is reported at once; the
-        # flag alone, which any agent may set, is not: it would undo the rate.
-        final = frame.get("final") is True and self._final is not None
         async with store.lock:
             if self._final_taken:
                 # (an agent that goes on checkpointing after its final one, a bug or on
@@ -594,6 +591,12 @@ class StateSession:
                 raise StateError("bad-record", str(exc), seq) from None
             size = await keeper._durable(store, seq, records, self.sandbox_id)
             store.seq = seq
+            # A hand-over's final checkpoint: one the keeper asked for and still waits for,
+            # decided once, as it becomes durable (a request that timed out meanwhile, and was
+            # aborted, takes none). It is reported at once; the flag alone, which any agent may
+            # set, is not: it would undo the rate.
+            waiting = self._final
+            final = frame.get("final") is True and waiting is not None and not waiting.done()
             if final:
                 self._final_taken = True
         durable_ms = (time.monotonic() - received) * 1000
@@ -611,10 +614,10 @@ class StateSession:
             refs = sum(1 for r in records if r["k"] == "ref")
             cold = ("cold", seq, cold_bytes, refs, 0.0, durable)
             await keeper.report(self.key, self.sandbox_id, *cold, now=final)
-        for callback in self._callbacks:
+        for callback in self._callbacks:  # (before the final's result: it is in their queue)
             await callback(seq, records)
-        if frame.get("final") is True and self._final is not None and not self._final.done():
-            self._final.set_result(records)
+        if final and waiting is not None and not waiting.done():
+            waiting.set_result(records)
         if store.journal_bytes > JOURNAL_WARM_BYTES and not store.warming.locked():
             keeper._spawn(self.warm())  # checkpoints go on meanwhile
 
