@@ -258,11 +258,42 @@ def test_nothing_is_checkpointed_after_the_final_one_unless_the_hand_over_fails(
     state.close(checkpoint=False)
 
 
+def _handing_over(before: set[threading.Thread]) -> bool:
+    """Whether a hand-over thread started since ``before`` still runs."""
+    return any(t.name == "dsec-state-handover" and t not in before for t in threading.enumerate())
+
+
+def test_an_abort_while_the_hand_over_callbacks_run_sends_no_final_and_serves_on(
+    pair: Callable[..., Any],
+) -> None:
+    """The keeper gives up (``handover-aborted``) while this version still finishes its call in
+    progress (its hand-over callback): no final checkpoint goes out, it never counts as handed
+    over, and it checkpoints on, automatic checkpoints included."""
+    before = set(threading.enumerate())
+    store, keeper = pair()
+    state = AgentState(store, agent="bot", group="team", interval=0.05)
+    entered, release = threading.Event(), threading.Event()
+    state.on_handover(lambda: (entered.set(), release.wait(10)))
+    keeper.send({"op": "handover", "to": "sb-new"})
+    wait_for(entered.is_set, "the call in progress")
+    keeper.send({"op": "error", "code": "handover-aborted", "message": "too slow", "seq": None})
+    wait_for(lambda: (state.last_error or "").startswith("handover-aborted"), "the abort")
+    release.set()
+    wait_for(lambda: not _handing_over(before), "the hand-over thread's end")
+    assert not state.handed_over.is_set()
+    assert not [c for c in keeper.checkpoints if c["final"]]
+    state.log("h").append("after")
+    wait_for(lambda: keeper.checkpoints, "an automatic checkpoint")  # (not stopped)
+    assert state.checkpoint().seq == keeper.seq
+    state.close(checkpoint=False)
+
+
 def test_an_abort_while_the_final_checkpoints_ack_is_on_its_way_leaves_it_serving(
     pair: Callable[..., Any],
 ) -> None:
     """The hand-over fails (``handover-aborted``) before the final checkpoint's ack arrives:
     this version still owns its state when the ack comes, and checkpoints on."""
+    before = set(threading.enumerate())
     store, keeper = pair()
     keeper.hold_final = threading.Event()
     state = AgentState(store, agent="bot", group="team")
@@ -272,10 +303,7 @@ def test_an_abort_while_the_final_checkpoints_ack_is_on_its_way_leaves_it_servin
     keeper.send({"op": "error", "code": "handover-aborted", "message": "gone", "seq": None})
     wait_for(lambda: (state.last_error or "").startswith("handover-aborted"), "the abort")
     keeper.hold_final.set()  # the final's ack, after the abort
-    wait_for(
-        lambda: not any(t.name == "dsec-state-handover" for t in threading.enumerate()),
-        "the hand-over thread's end (after the final's ack)",
-    )
+    wait_for(lambda: not _handing_over(before), "the hand-over thread's end (after the ack)")
     assert keeper.seq == 1 and not state.handed_over.is_set()
     state.log("history").append("after")
     assert state.checkpoint().seq == 2

@@ -38,7 +38,13 @@ from dsec_testing import trust
 from prometheus_client import REGISTRY
 
 from dsec_nodeagent.ipc import Broker
-from dsec_nodeagent.state.keeper import REPORT_INTERVAL_S, SandboxState, StateKeeper, StateKey
+from dsec_nodeagent.state.keeper import (
+    REPORT_INTERVAL_S,
+    SandboxState,
+    StateError,
+    StateKeeper,
+    StateKey,
+)
 from dsec_nodeagent.state.merge import merge
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
@@ -750,12 +756,12 @@ async def test_nothing_after_a_hand_overs_final_checkpoint_is_taken_until_it_is_
         await agent.close()
 
 
-async def test_a_final_checkpoint_that_comes_after_the_hand_over_gave_up_is_an_ordinary_one(
+async def test_a_final_checkpoint_still_being_made_durable_when_the_hand_over_gave_up_is_ordinary(
     world: World,
 ) -> None:
-    """The old version's final checkpoint arrives after the keeper stopped waiting for it and
-    aborted the hand-over: it is taken as any checkpoint, and the ones after it are too (the
-    old version serves on, its state its own)."""
+    """The old version's final checkpoint is being made durable when the keeper stops waiting
+    for it and aborts the hand-over: once durable it is an ordinary checkpoint, and the ones
+    after it are taken (the old version serves on, its state its own)."""
     async with world.node("a") as node:
         sid = await world.sandbox(node.keeper)
         agent = await node.connect(sid)
@@ -763,13 +769,54 @@ async def test_a_final_checkpoint_that_comes_after_the_hand_over_gave_up_is_an_o
         await agent.fetch()
         session = node.keeper.session_of(StateKey(world.tenant, world.group, world.agent))
         assert session is not None
-        with pytest.raises(TimeoutError):
-            await session.request_final("sbx-new", timeout_s=0.1)
+        durable, entered, release = node.keeper._durable, asyncio.Event(), asyncio.Event()
+
+        async def slow_durable(*args: Any) -> int:
+            entered.set()
+            await release.wait()
+            return await durable(*args)
+
+        node.keeper._durable = slow_durable  # type: ignore[method-assign]
+        asking = asyncio.ensure_future(session.request_final("sbx-new", timeout_s=0.5))
         assert (await agent.recv()) == {"op": "handover", "to": "sbx-new"}
+        last = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"last": 1}}
+        await agent.send(
+            {"op": "checkpoint", "seq": 1, "records": [last], "pause_ms": 0.5,
+             "tiers": ["hot"], "final": True}
+        )  # fmt: skip
+        await asyncio.wait_for(entered.wait(), 10)
+        with pytest.raises(TimeoutError):
+            await asking
         await session.abort_handover("the old version did not answer in time")
+        release.set()
         assert (await agent.recv())["code"] == "handover-aborted"
-        late = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"late": 1}}
-        assert (await agent.checkpoint(1, [late], final=True))["op"] == "ack"
+        assert (await agent.recv())["op"] == "ack"
+        node.keeper._durable = durable  # type: ignore[method-assign]
         more = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"more": 2}}
         assert (await agent.checkpoint(2, [more]))["op"] == "ack"
+        await agent.close()
+
+
+async def test_a_checkpoint_the_keeper_cannot_make_durable_is_answered_under_its_seq(
+    world: World,
+) -> None:
+    """A failure inside the keeper (OpenBao, NATS or the object store away) refuses the
+    checkpoint by its seq: the agent waiting for that answer gets it, and sends it again."""
+    async with world.node("a") as node:
+        sid = await world.sandbox(node.keeper)
+        agent = await node.connect(sid)
+        assert (await agent.hello(world.agent, world.group))["op"] == "welcome"
+        await agent.fetch()
+        durable = node.keeper._durable
+
+        async def away(*_: Any) -> int:
+            raise StateError("unavailable", "NATS is away")
+
+        node.keeper._durable = away  # type: ignore[method-assign]
+        memo = {"c": "memo", "k": "kv", "t": "hot", "o": "set", "items": {"a": 1}}
+        refused = await agent.checkpoint(1, [memo])
+        assert refused["op"] == "error" and refused["code"] == "unavailable", refused
+        assert refused["seq"] == 1
+        node.keeper._durable = durable  # type: ignore[method-assign]
+        assert (await agent.checkpoint(1, [memo]))["op"] == "ack"
         await agent.close()

@@ -391,6 +391,7 @@ class AgentState:
         skip_empty: bool,
         final: bool,
         timeout: float | None,
+        aborts: int | None = None,
     ) -> CheckpointInfo | None:
         chosen = tuple(wire.TIERS if tiers is None else (_check_tier(t, "tiers") for t in tiers))
         with self._ckpt_lock:
@@ -429,6 +430,14 @@ class AgentState:
                     size = 0
                 batches[-1].append(body)
                 size += len(body)
+            if final:
+                with self._handover_lock:
+                    if aborts is not None and self._aborts != aborts:
+                        self._retry.append((first_seq, packed))  # (this version's still)
+                        raise StateError("the hand-over was aborted before the final checkpoint")
+                    # (set before it is sent: no other checkpoint may follow it; an abort from
+                    # here on clears it)
+                    self._final_sent = True
             t1 = time.perf_counter()
             futures: list[tuple[int, Ack[dict[str, Any]]]] = []
             sent = 0
@@ -445,8 +454,9 @@ class AgentState:
                 for frame_seq, _ in futures:
                     self._outstanding.pop(frame_seq, None)
                 self._retry.append((first_seq, packed))
+                if final:
+                    self._final_sent = False
                 raise
-            self._final_sent = final
             seq = self._seq
         wait = self.timeout if timeout is None else timeout
         acked = 0
@@ -462,10 +472,19 @@ class AgentState:
                 if isinstance(exc, CheckpointRefused):
                     self._refused()
                 else:  # (no answer: whether the keeper took them is not known here)
-                    for frame_seq, fut in futures:
+                    # Sent again: the frames still this call's and not acknowledged (a refusal
+                    # may have queued the others already; acknowledged ones are durable).
+                    again = [
+                        (frame_seq, self._outstanding.pop(frame_seq)[0])
+                        for frame_seq, fut in futures
+                        if self._outstanding.get(frame_seq, (None, None))[1] is fut
+                        and not (fut.done() and fut.exception() is None)
+                    ]
+                    for frame_seq, fut in futures:  # (acknowledged meanwhile: durable)
                         if self._outstanding.get(frame_seq, (None, None))[1] is fut:
                             del self._outstanding[frame_seq]
-                    self._retry.append((first_seq, packed))
+                    if again:
+                        self._retry.append((again[0][0], [b for _, recs in again for b in recs]))
                 if final:
                     self._final_sent = False
             if isinstance(exc, StateError):
@@ -591,15 +610,17 @@ class AgentState:
             self._start_auto()
         elif op == "handover":
             self.handover_to = str(frame.get("to") or "")
+            with self._handover_lock:
+                aborts = self._aborts  # (this hand-over's: an abort after it counts one more)
             threading.Thread(
-                target=self._hand_over, name="dsec-state-handover", daemon=True
+                target=self._hand_over, args=(aborts,), name="dsec-state-handover", daemon=True
             ).start()
         elif op == "error" and frame.get("code") == "handover-aborted":
             self.last_error = f"handover-aborted: {frame.get('message')}"
-            self._final_sent = False
             log.warning("state keeper: the hand-over failed; this version goes on")
             with self._handover_lock:
                 self._aborts += 1
+                self._final_sent = False
                 self.handed_over.clear()
             self.handover_to = None
             self._stop.clear()
@@ -614,16 +635,20 @@ class AgentState:
             self.last_error = f"{frame.get('code', op)}: {frame.get('message')}"
             log.warning("state keeper: %s", self.last_error)
 
-    def _hand_over(self) -> None:
+    def _hand_over(self, aborts: int) -> None:
+        """The old version's side of a hand-over (``aborts``: the count of aborted ones when
+        it was asked; an abort since ends it: this version serves on, as it was)."""
         for callback in list(self._handover_callbacks):
             try:
                 callback()
             except Exception:
                 log.exception("state: a hand-over callback failed")
-        self._stop.set()
-        aborts = self._aborts
+        with self._handover_lock:
+            if self._aborts != aborts:  # (aborted while the callbacks ran: no final)
+                return
+            self._stop.set()
         try:
-            self._checkpoint(None, skip_empty=False, final=True, timeout=None)
+            self._checkpoint(None, skip_empty=False, final=True, timeout=None, aborts=aborts)
         except StateError as exc:
             self.last_error = str(exc)
             log.error("state: the final hand-over checkpoint failed: %s", exc)

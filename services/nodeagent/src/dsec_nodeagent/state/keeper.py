@@ -484,7 +484,13 @@ class StateSession:
         if op == "fetch":
             await self._fetch()
         elif op == "checkpoint":
-            await self._checkpoint(frame)
+            try:
+                await self._checkpoint(frame)
+            except StateError as exc:
+                # (every refusal of a checkpoint names its seq: an agent waits for that answer)
+                if exc.seq is None and isinstance(frame.get("seq"), int):
+                    exc.seq = frame["seq"]
+                raise
         elif op == "ready":
             self.ready.set()
         else:
