@@ -114,7 +114,7 @@ class FakeKeeper(threading.Thread):
                     if frame["seq"] != self.seq + 1:  # (as the node's keeper: in order, no gap)
                         message = f"checkpoint {frame['seq']} after {self.seq}"
                         refusal = {"op": "error", "code": "bad-seq", "message": message}
-                        self.send({**refusal, "seq": frame["seq"]})
+                        self.send({**refusal, "seq": frame["seq"], "expected": self.seq + 1})
                         continue
                     self.checkpoints.append(frame)
                     if frame.get("final") and self.hold_final is not None:

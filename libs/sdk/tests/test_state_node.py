@@ -179,6 +179,38 @@ def test_checkpoints_on_their_way_when_one_is_refused_go_again_in_their_order(
     state.close(checkpoint=False)
 
 
+def test_a_checkpoint_that_timed_out_and_was_refused_later_does_not_leave_the_seq_behind(
+    pair: Callable[..., Any],
+) -> None:
+    """A checkpoint times out here (the keeper slow), goes again with the next one, and only
+    then is refused there: the next checkpoint's refusal (``bad-seq``) says which seq the keeper
+    takes, and the one after goes out under it with every record, in order."""
+    store, keeper = pair()
+    state = AgentState(store, agent="bot", group="team")
+    history = state.log("h")
+    slow = threading.Event()
+
+    def before_answer(frame: dict[str, Any]) -> None:
+        if frame["seq"] == 1 and not slow.is_set():
+            slow.wait(10)  # (the first one only: answered after its waiter gave up)
+            keeper.refuse_checkpoints = True
+        else:
+            keeper.refuse_checkpoints = False
+
+    keeper.before_answer = before_answer
+    history.append("a")
+    with pytest.raises(StateError, match="not acknowledged"):
+        state.checkpoint(timeout=0.2)
+    history.append("b")
+    slow.set()  # the first is refused now; the second (seq 2) comes after it
+    with pytest.raises(StateError, match="refused checkpoint 2: bad-seq"):
+        state.checkpoint()
+    history.append("c")
+    assert state.checkpoint().seq == 1
+    assert [i[2] for r in keeper.checkpoints[-1]["records"] for i in r["items"]] == ["a", "b", "c"]
+    state.close(checkpoint=False)
+
+
 def test_a_keeper_that_goes_away_fails_checkpoints(pair: Callable[..., Any]) -> None:
     store, keeper = pair()
     state = AgentState(store, agent="bot", group="team")

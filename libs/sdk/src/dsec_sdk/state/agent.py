@@ -450,6 +450,8 @@ class AgentState:
                     fut = self._store.checkpoint(self._seq, frame)
                     self._outstanding[self._seq] = (batch, fut)
                     futures.append((self._seq, fut))
+                    if fut.done() and fut.exception() is not None:
+                        break  # (not taken: the frames after it are not sent, not to pass it)
             except StateError:
                 for frame_seq, _ in futures:
                     self._outstanding.pop(frame_seq, None)
@@ -483,8 +485,10 @@ class AgentState:
                     for frame_seq, fut in futures:  # (acknowledged meanwhile: durable)
                         if self._outstanding.get(frame_seq, (None, None))[1] is fut:
                             del self._outstanding[frame_seq]
+                    unsent = [b for batch in batches[len(futures) :] for b in batch]
                     if again:
-                        self._retry.append((again[0][0], [b for _, recs in again for b in recs]))
+                        records = [b for _, recs in again for b in recs] + unsent
+                        self._retry.append((again[0][0], records))
                 if final:
                     self._final_sent = False
             if isinstance(exc, StateError):
@@ -510,11 +514,11 @@ class AgentState:
         refusal are durable; that one and every later outstanding frame go again, in their
         order, from the refused seq on. Done once for them all: the waiters of the other
         refused frames find theirs already gone from ``_outstanding``."""
-        refused = [
-            frame_seq
+        refused = {
+            frame_seq: exc
             for frame_seq, (_, fut) in self._outstanding.items()
-            if fut.done() and isinstance(fut.exception(), CheckpointRefused)
-        ]
+            if fut.done() and isinstance(exc := fut.exception(), CheckpointRefused)
+        }
         if not refused:  # (another waiter already did it)
             return
         first = min(refused)
@@ -528,6 +532,11 @@ class AgentState:
                 del self._outstanding[frame_seq]  # (durable; its waiter finds it gone)
         self._retry.append((first, again))
         self._seq = first - 1
+        # The keeper may be further back (a frame that timed out here was refused there
+        # later: its records are queued again already): it says where it is.
+        expected = [e.expected for e in refused.values() if e.expected is not None]
+        if expected:
+            self._seq = min(self._seq, min(expected) - 1)
 
     # ------------------------------------------------------------------------ automatic
     def _start_auto(self) -> None:

@@ -44,9 +44,10 @@ class CheckpointRefused(StateError):
     """The keeper refused a checkpoint (an ``error`` frame for its seq, ``code`` its word):
     it took nothing of it, and that seq is still the next one."""
 
-    def __init__(self, message: str, code: str) -> None:
+    def __init__(self, message: str, code: str, expected: int | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.expected = expected  # (``bad-seq``: the seq the keeper takes next)
 
 
 def encode_checkpoint(
@@ -441,11 +442,13 @@ class NodeStore:
                     if op == "ack":
                         fut.set_result(frame)
                     else:
+                        next_seq = frame.get("expected")
                         fut.set_exception(
                             CheckpointRefused(
                                 f"the state keeper refused checkpoint {seq}: "
                                 f"{frame.get('code')}: {frame.get('message')}",
                                 str(frame.get("code")),
+                                next_seq if isinstance(next_seq, int) else None,
                             )
                         )
                     continue

@@ -33,7 +33,7 @@ Keeper -> agent::
     {"op": "deltas", "seq": int, "records": [record...]}  # hand-over: the old one's new deltas
     {"op": "handover", "to": str}                        # to the OLD version: final checkpoint
     {"op": "switched", "interruption_ms": float}         # to the NEW version: it owns the state
-    {"op": "error", "code": str, "message": str, "seq": int | None}
+    {"op": "error", "code": str, "message": str, "seq": int | None, "expected"?: int}
 
 Error codes: ``bad-request`` (a frame that breaks this contract), ``wrong-agent`` (the hello
 names another agent than the sandbox's), ``state-held`` (another live session owns that
@@ -44,7 +44,9 @@ state), ``no-handover``, ``bad-seq`` (a checkpoint's seq is not the last acked +
 without a ``state:`` section), ``quota`` (the state on the node is at its ``state.max_size``),
 ``handed-over`` (a checkpoint of the OLD version after its final hand-over checkpoint: the
 state goes to the NEW version as of the final; taken again once told ``handover-aborted``).
-A refused checkpoint's seq is not taken: the next checkpoint uses it again.
+A refused checkpoint's seq is not taken: the next checkpoint uses it again. Every refusal of a
+checkpoint carries its ``seq``; ``bad-seq`` also carries ``expected``, the seq the keeper takes
+next.
 
 Hand-over (docs/state.md): the NEW version's ``hello{handover: true}`` is answered by
 ``welcome{handover: true}``, then (without a ``fetch`` from it) ``records``... ``fetched`` with

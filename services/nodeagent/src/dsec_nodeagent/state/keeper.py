@@ -130,11 +130,14 @@ class SandboxState:
 class StateError(Exception):
     """A refusal or failure told to the agent as an ``error`` frame (``code``: a short word)."""
 
-    def __init__(self, code: str, message: str, seq: int | None = None) -> None:
+    def __init__(
+        self, code: str, message: str, seq: int | None = None, expected: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.seq = seq
+        self.expected = expected  # (bad-seq: the seq the next checkpoint must have)
 
 
 @dataclass
@@ -499,9 +502,10 @@ class StateSession:
     async def _error(self, exc: StateError) -> None:
         REFUSED.labels(exc.code).inc()
         with contextlib.suppress(OSError, ConnectionError):
-            await self.send(
-                {"op": "error", "code": exc.code, "message": exc.message, "seq": exc.seq}
-            )
+            frame = {"op": "error", "code": exc.code, "message": exc.message, "seq": exc.seq}
+            if exc.expected is not None:
+                frame["expected"] = exc.expected
+            await self.send(frame)
 
     async def _fetch(self) -> None:
         assert self._agent is not None
@@ -587,7 +591,10 @@ class StateSession:
                 )
             if seq != store.seq + 1:
                 raise StateError(
-                    "bad-seq", f"checkpoint {seq} after {store.seq}: expected {store.seq + 1}", seq
+                    "bad-seq",
+                    f"checkpoint {seq} after {store.seq}: expected {store.seq + 1}",
+                    seq,
+                    expected=store.seq + 1,
                 )
             await self._within_quota(store, seq)
             try:
