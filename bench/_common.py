@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -104,3 +105,14 @@ def at_least(least: int) -> Callable[[str], int]:
 
 at_least_one = at_least(1)
 """A count of events or runs: a whole number >= 1."""
+
+
+async def until(check: Callable[[], Any], what: str, timeout: float, poll: float = 0.05) -> Any:
+    """``check()``'s first true value, polled every ``poll`` s; exits the bench naming
+    ``what`` after ``timeout`` s without one."""
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{Path(sys.argv[0]).stem} bench: not {what} within {timeout} s")
+        await asyncio.sleep(poll)
+    return value

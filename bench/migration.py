@@ -52,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services/nodeagent/tests"))
 import _nodeagent_harness
-from _common import emit, nats_server, percentile
+from _common import emit, nats_server, percentile, until
 from _ipc_testkit import BrokerThread
 from _nodeagent_harness import NodeAgentHarness
 from dsec_core import events
@@ -82,15 +82,6 @@ def counts(path: Path) -> list[int]:
         return []
     lines = path.read_text().splitlines()
     return [int(line.split()[1]) for line in lines if line.startswith("count ")]
-
-
-async def until(check: Any, what: str, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"migration bench: not {what} within {timeout} s")
-        await asyncio.sleep(0.05)
-    return value
 
 
 @contextlib.asynccontextmanager

@@ -104,7 +104,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from _common import emit, percentile
+from _common import emit, percentile, until
 
 SEED = 2026
 MESSAGES = 50_000
@@ -733,15 +733,6 @@ def serve_keeper(sockets: str, journal: str, warm: str, *names: str) -> None:
 NODE_TESTS = Path(__file__).resolve().parents[1] / "services/nodeagent/tests"
 
 
-async def _until(check: Callable[[], Any], what: str, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"state bench: not {what} within {timeout} s")
-        await asyncio.sleep(0.02)
-    return value
-
-
 def _crossed(caller_log: Path, seen: int, new: str, lines: Callable[[Path], list[list[str]]]
              ) -> list[list[str]] | None:  # fmt: skip
     """The caller's lines from ``seen`` on through its first answer by the sandbox ``new`` (the
@@ -783,7 +774,7 @@ async def bench_node_handover(runs: int, say: Callable[[str], None]) -> dict[str
             sid = await h.submit(name, COUNTING, QUIET, extra="state: {}\n", timeout=lifetime)
             await h.wait_for(sid, "sandbox.ready", 120)
             log = layout.sandbox(sid).logs / "stdout.log"
-            await _until(lambda: len(counts(log)) >= 10, "counting", 120)
+            await until(lambda: len(counts(log)) >= 10, "counting", 120)
             caller = await h.submit(
                 f"{name}-c", CALLER.replace("AGENT", repr(name)), QUIET,
                 extra=f"task_group: {name}\n", timeout=lifetime,
@@ -801,7 +792,7 @@ async def bench_node_handover(runs: int, say: Callable[[str], None]) -> dict[str
                 if failed:
                     raise SystemExit(f"state bench: a call failed: {failed[:3]}")
 
-            await _until(lambda: len(answers(caller_log)) >= 50, "the caller answered", 60)
+            await until(lambda: len(answers(caller_log)) >= 50, "the caller answered", 60)
             before = [ms for _, ms, _ in answers(caller_log)]
             for _ in range(runs):
                 seen = len(lines(caller_log))
@@ -812,13 +803,13 @@ async def bench_node_handover(runs: int, say: Callable[[str], None]) -> dict[str
                 handed = (await h.wait_for(new, "state.handed_over", 120)).decoded()
                 exited = (await h.wait_for(sid, "sandbox.exited", 60)).decoded()
                 new_log = layout.sandbox(new).logs / "stdout.log"
-                restored = await _until(
+                restored = await until(
                     lambda: next((w for w in lines(new_log) if w[:1] == ["restored"]), None),  # noqa: B023
                     "restored in the new version", 60,
                 )  # fmt: skip
                 n = int(restored[1])
-                await _until(lambda: len(counts(new_log)) >= 5, "counting on", 60)  # noqa: B023
-                window = await _until(
+                await until(lambda: len(counts(new_log)) >= 5, "counting on", 60)  # noqa: B023
+                window = await until(
                     lambda: check_caller() or _crossed(caller_log, seen, new, lines),  # noqa: B023
                     "the caller answered by the new version", 60,
                 )  # fmt: skip

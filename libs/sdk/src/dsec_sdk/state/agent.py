@@ -467,28 +467,25 @@ class AgentState:
                 ack = fut.result(timeout=wait)
                 acked += int(ack.get("bytes") or 0)
                 with self._ckpt_lock:
-                    if self._outstanding.get(frame_seq, (None, None))[1] is fut:
-                        del self._outstanding[frame_seq]
+                    self._take(frame_seq, fut)
         except Exception as exc:
             with self._ckpt_lock:
                 if isinstance(exc, CheckpointRefused):
                     self._refused()
                 else:  # (no answer: whether the keeper took them is not known here)
                     # Sent again: the frames still this call's and not acknowledged (a refusal
-                    # may have queued the others already; acknowledged ones are durable).
-                    again = [
-                        (frame_seq, self._outstanding.pop(frame_seq)[0])
-                        for frame_seq, fut in futures
-                        if self._outstanding.get(frame_seq, (None, None))[1] is fut
-                        and not (fut.done() and fut.exception() is None)
-                    ]
-                    for frame_seq, fut in futures:  # (acknowledged meanwhile: durable)
-                        if self._outstanding.get(frame_seq, (None, None))[1] is fut:
-                            del self._outstanding[frame_seq]
-                    unsent = [b for batch in batches[len(futures) :] for b in batch]
+                    # may have queued the others already; acknowledged ones are durable), then
+                    # those never sent.
+                    again: list[tuple[int, list[bytes]]] = []
+                    for frame_seq, fut in futures:
+                        records = self._take(frame_seq, fut)
+                        if records is not None and not (fut.done() and fut.exception() is None):
+                            again.append((frame_seq, records))
                     if again:
-                        records = [b for _, recs in again for b in recs] + unsent
-                        self._retry.append((again[0][0], records))
+                        unsent = [b for batch in batches[len(futures) :] for b in batch]
+                        self._retry.append(
+                            (again[0][0], [b for _, recs in again for b in recs] + unsent)
+                        )
                 if final:
                     self._final_sent = False
             if isinstance(exc, StateError):
@@ -505,6 +502,15 @@ class AgentState:
         )
         self.last_checkpoint = info
         return info
+
+    def _take(self, frame_seq: int, fut: Ack[dict[str, Any]]) -> list[bytes] | None:
+        """The records of the frame ``frame_seq`` this call sent (``fut``), no longer
+        outstanding; None when a refusal already took them (under ``_ckpt_lock``)."""
+        entry = self._outstanding.get(frame_seq)
+        if entry is None or entry[1] is not fut:
+            return None
+        del self._outstanding[frame_seq]
+        return entry[0]
 
     def _refused(self) -> None:
         """The keeper refused a checkpoint frame (under ``_ckpt_lock``). It answers frames in
