@@ -31,12 +31,14 @@ CAPACITY = 4096
 class Pair:
     """Both ends of one channel in this process (the peer pidfd is our own: never exits)."""
 
-    def __init__(self, capacity: int = CAPACITY, max_payload: int = 1 << 20) -> None:
+    def __init__(
+        self, capacity: int = CAPACITY, max_payload: int = 1 << 20, channel_id: int = 1
+    ) -> None:
         fds = ch.create_channel(capacity)
         self.doorbell = ch.new_eventfd()
         pidfd = os.pidfd_open(os.getpid())
         self.caller = ch.CallerEnd(
-            channel_id=1,
+            channel_id=channel_id,
             peer="b",
             capacity=capacity,
             fds=[os.dup(fd) for fd in fds.all()] + [os.dup(self.doorbell), os.dup(pidfd)],
@@ -44,7 +46,7 @@ class Pair:
             spin_ns=1000,
         )
         self.server = ch.ServerEnd(
-            channel_id=1,
+            channel_id=channel_id,
             peer="a",
             capacity=capacity,
             fds=[os.dup(fd) for fd in fds.all()] + [pidfd],

@@ -69,11 +69,20 @@ def _served(logfile: Path) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("mode", "server"), [("sync", "server"), ("async", "server"), ("sync", "aserver")]
+    ("mode", "server", "release"),
+    [
+        ("sync", "server", False),
+        ("async", "server", False),
+        ("sync", "aserver", False),
+        ("sync", "server", True),
+        ("sync", "aserver", True),
+    ],
 )
 def test_callers_follow_a_switched_name_without_an_error(
-    broker: BrokerThread, work: Path, mode: str, server: str
+    broker: BrokerThread, work: Path, mode: str, server: str, release: bool
 ) -> None:
+    """``release``: the hand-over is final while the old process still exists (stopped, as a
+    frozen one): a caller waiting on it moves to the new version at once, not when it dies."""
     sock = str(broker.socket_path)
     old_log, new_log = work / "old.log", work / "new.log"
     out, stop = work / "answers.json", work / "stop"
@@ -104,6 +113,10 @@ def test_callers_follow_a_switched_name_without_an_error(
         told = broker.run(_switch(broker, "new"))
         assert told == 1  # the one caller holding a channel to the old server
         assert broker.broker._registry.owner(KEY) == "new"
+        if release:
+            assert broker.run(_release(broker, "old")) == 1  # its one channel to the old server
+            wait_until(lambda: len(_served(new_log)) > 200, what="calls to the new version")
+            assert old.poll() is None  # they moved while the old process still exists
         broker.broker.forget_handover("new")
         old.kill()
         old.wait(10)
@@ -132,6 +145,10 @@ def test_callers_follow_a_switched_name_without_an_error(
 
 async def _switch(broker: BrokerThread, to: str) -> int:
     return broker.broker.switch(KEY, to)
+
+
+async def _release(broker: BrokerThread, frm: str) -> int:
+    return broker.broker.release(KEY, frm)
 
 
 def test_a_second_server_without_an_expected_hand_over_is_still_refused(

@@ -120,6 +120,7 @@ class Node:
         self.hooks = HandOverHooks(
             freezer=freezer,
             switch=self.switch,
+            release=self.release,
             stop_old=self.stop_old,
             stop_new=self.stop_new,
             publish=self.publish,
@@ -132,6 +133,10 @@ class Node:
         if self.switch_fails and to.sandbox_id == "new":
             raise OSError("broker gone")
         return 2
+
+    async def release(self, frm: SandboxState, to: SandboxState) -> int:
+        self.log.append(("release", frm.sandbox_id, to.sandbox_id))
+        return 1
 
     async def stop_old(self, sandbox_id: str) -> None:
         self.log.append(("stop_old", sandbox_id))
@@ -198,7 +203,8 @@ async def test_the_new_version_gets_the_state_every_delta_then_the_final_and_the
     assert new.sent[-1]["interruption_ms"] == result.interruption_ms >= 0
     assert old.sent == [{"op": "handover", "to": "new"}]
     assert freezer.calls == [("freeze", "/cg/old")]  # frozen, never thawed: it is stopped
-    assert node.log == [("switch", "old", "new"), ("stop_old", "old")]
+    # OLD's callers are told which channels moved once nothing can undo it, before OLD dies
+    assert node.log == [("switch", "old", "new"), ("release", "old", "new"), ("stop_old", "old")]
     [(sandbox, event)] = node.published
     assert sandbox == "new"
     assert (event.from_sandbox, event.agent, event.group, event.seq) == ("old", "agent-b", "g1", 7)
@@ -322,6 +328,29 @@ async def test_a_failed_switch_gives_the_name_back_and_thaws_old() -> None:
     assert ("stop_old", "old") not in node.log
     assert new.sent[-1]["op"] == "error"
     assert node.published == []
+
+
+@pytest.mark.unit
+async def test_a_hand_over_undone_after_the_switch_never_releases_old_callers() -> None:
+    """NEW's connection fails as it is told ``switched``: the switch is undone and OLD thawed,
+    so OLD may still read a call waiting in its ring; no caller may be told to send it again."""
+    old_info, new_info = infos("/cg/old")
+    keeper = FakeKeeper(old_info, new_info)
+    freezer = RecordingFreezer()
+    node = Node(freezer)
+    old, new = FakeSession("old"), FakeSession("new")
+    sent = new.send
+
+    async def send(frame: dict[str, Any]) -> None:
+        if frame["op"] == "switched":
+            raise ConnectionError("the new version's connection closed")
+        await sent(frame)
+
+    new.send = send  # type: ignore[method-assign]
+    assert await _drive(old, new, keeper, node.hooks) is None
+    assert node.log[:2] == [("switch", "old", "new"), ("switch", "new", "old")]
+    assert not [c for c in node.log if c[0] in ("release", "stop_old")]
+    assert freezer.calls == [("freeze", "/cg/old"), ("thaw", "/cg/old")]
 
 
 @pytest.mark.unit

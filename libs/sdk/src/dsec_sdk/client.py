@@ -122,6 +122,7 @@ class _SyncChannel:
         # thread's C call left it held: a call from above either is refused (ReentrantCall).
         self._callers: set[int] = set()
         self.closing = False  # closed from above a call in flight: closed when invoke() ends
+        self.link: BrokerLink | None = None  # the broker connection that opened it
         self._held_by_me: Callable[[], bool] = (
             _nothing_held if self._caller is None else self._caller.held_by_this_thread
         )
@@ -872,10 +873,16 @@ class DSecClient:
         return self._link
 
     def _open(self, agent: str) -> CallerEnd:
+        return self._open_on(agent)[0]
+
+    def _open_on(self, agent: str) -> tuple[CallerEnd, BrokerLink]:
+        """A new channel to ``agent``, and the broker connection that opened it (whose notices
+        name it: channel ids are the broker's, a restarted broker counts from 1 again)."""
         with self._link_lock:
             fresh = self._link is None
             try:
-                message, fds = self._broker().connect(agent)
+                link = self._broker()
+                message, fds = link.connect(agent)
             except BrokerUnavailable:
                 if self._link is not None:
                     self._link.close()
@@ -883,8 +890,9 @@ class DSecClient:
                 if fresh:
                     raise
                 # An old connection to a broker that has since restarted: connect once afresh.
-                message, fds = self._broker().connect(agent)
-        return CallerEnd(
+                link = self._broker()
+                message, fds = link.connect(agent)
+        end = CallerEnd(
             channel_id=int(message["channel"]),
             peer=agent,
             capacity=int(message["ring_capacity"]),
@@ -892,13 +900,17 @@ class DSecClient:
             max_payload=int(message["max_payload"]),
             spin_ns=self._spin_ns,
         )
+        return end, link
 
     def _channel(self, agent: str) -> _SyncChannel:
         channel = self._channels.get(agent)
         if channel is not None and not channel.end.is_closed:
             return channel
-        end = self._open(agent)
+        end, link = self._open_on(agent)
+        # A final hand-over's notice, on the connection that opened it, wakes a call waiting here.
+        end.watch_moves(link.sock.fileno(), link.moved_channel, link.moved_known)
         channel = _SyncChannel(end, end.requests.max_payload)
+        channel.link = link
         self._channels[agent] = channel
         return channel
 
@@ -927,6 +939,8 @@ class DSecClient:
     def _drop(self, agent: str, channel: _SyncChannel) -> None:
         if self._channels.get(agent) is channel:
             del self._channels[agent]
+        if channel.link is not None:
+            channel.link.forget_channel(channel.end.channel_id)
         channel.close()
 
     def close(self) -> None:

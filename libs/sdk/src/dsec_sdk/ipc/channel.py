@@ -16,15 +16,22 @@ import mmap
 import os
 import select
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
 from dsec_sdk.errors import PeerGone, ProtocolError
 from dsec_sdk.ipc import ring as r
 from dsec_sdk.ipc.control import close_fds
+from dsec_sdk.ipc.link import BUSY as _BUSY
+from dsec_sdk.ipc.link import GONE as _GONE
+from dsec_sdk.ipc.link import MOVED as _MOVED
 
 DEFAULT_CAPACITY: Final = 1 << 18
 DEFAULT_MAX_PAYLOAD: Final = 64 << 20
+# A caller that found the broker connection in another thread's hands looks again after this
+# (that thread reads the hand-over notices queued there before it lets go).
+_MOVES_AGAIN_NS: Final = 1_000_000
 # A sleeper re-checks this often even without a wake-up: a lost wake-up costs at most this, never
 # a hang (belt and braces on top of the fence).
 _MAX_SLEEP_NS: Final = 50_000_000
@@ -374,6 +381,24 @@ class CallerEnd(_End):
         self.sleeper = Sleeper(caller_wake)
         self.sleeper.watch(peer_pidfd)
         self.next_id = 1
+        # The broker connection's moved notices (see watch_moves): its fd, the question to ask
+        # when it is readable, and when to watch it again after the answer was "busy".
+        self._moves_fd = -1
+        self._moves: Callable[[int], int] | None = None
+        self._moves_known: Callable[[int], bool] | None = None
+        self._moves_again_ns = 0
+
+    def watch_moves(
+        self, fd: int, moved: Callable[[int], int], known: Callable[[int], bool]
+    ) -> None:
+        """While asleep, also watch the broker connection ``fd``: a final hand-over's ``moved``
+        notice naming this channel wakes a call whose request the old (frozen) server never
+        read, which then goes to the new server at once instead of when the old process is
+        gone. ``moved(channel_id)`` answers as ``BrokerLink.moved_channel``; ``known`` as
+        ``BrokerLink.moved_known`` (a notice another thread read already: asked before each
+        sleep and after each wake-up, whatever woke it)."""
+        self._moves_fd, self._moves, self._moves_known = fd, moved, known
+        self.sleeper.watch(fd)
 
     def _server_cpu(self) -> int:
         # Recorded by the server's C read path; 0 (unknown) in a pure-Python server.
@@ -443,12 +468,50 @@ class CallerEnd(_End):
         reason = self.peer_gone_reason()
         if reason is not None and not self.responses.readable():
             raise PeerGone(self.peer, reason)
-        remaining = deadline_ns - time.perf_counter_ns()
+        now = time.perf_counter_ns()
+        remaining = deadline_ns - now
         if remaining <= 0:
             return False
-        self.sleeper.sleep(remaining)
+        known = self._moves_known
+        if known is not None:
+            if known(self.channel_id):  # (another thread read the notice: no wake-up comes)
+                self._moved()
+            if self._moves_again_ns:  # watching the connection paused (see _check_moved)
+                if now >= self._moves_again_ns:
+                    self._moves_again_ns = 0
+                    self.sleeper.watch(self._moves_fd)
+                else:
+                    remaining = min(remaining, self._moves_again_ns - now)
+        fired = self.sleeper.sleep(remaining)
+        if known is not None and self._moves is not None:
+            if fired and self._moves_fd in fired:
+                self._check_moved()
+            elif known(self.channel_id):
+                self._moved()
         self.leave_servers_core()
         return True
+
+    def _moved(self) -> None:
+        """A final hand-over moved this channel's server: unless its answer is here, the call
+        waiting on it stops waiting (the client sends it again if the old one never read it)."""
+        if not self.responses.readable():
+            raise PeerGone(self.peer, "a hand-over moved it to its new version")
+
+    def _check_moved(self) -> None:
+        """The broker connection is readable: raise :class:`PeerGone` if a final hand-over moved
+        this channel's server and no answer is waiting here."""
+        assert self._moves is not None
+        verdict = self._moves(self.channel_id)
+        if verdict == _MOVED:
+            self._moved()
+        elif verdict == _BUSY:
+            # Another thread reads the connection now (and the notices with it): stop watching
+            # it for a moment instead of waking again and again while its answer is unread.
+            self.sleeper.unwatch(self._moves_fd)
+            self._moves_again_ns = time.perf_counter_ns() + _MOVES_AGAIN_NS
+        elif verdict == _GONE:  # closed, or at its end: it says nothing any more
+            self.sleeper.unwatch(self._moves_fd)
+            self._moves, self._moves_known, self._moves_fd = None, None, -1
 
     def leave_servers_core(self) -> None:
         """Just woken (likely by the server): if it runs on this core, move to another."""

@@ -24,7 +24,12 @@ Broker -> agent::
     {"op": "error", "ref": int, "code": str, "message": str}
     {"op": "moved", "peer": str}     (to a caller, unasked: a hand-over moved the name ``peer``
                                       to a new server; a call the old one had not read may be
-                                      sent again to it)
+                                      sent again to it once the old one is gone)
+    {"op": "moved", "peer": str, "channels": [int]}
+                                     (to a caller, unasked, once the hand-over is final: the old
+                                      server of these channels of this caller is frozen and
+                                      never reads again; a call it had not read may be sent
+                                      again to the new server now)
 """
 
 from __future__ import annotations

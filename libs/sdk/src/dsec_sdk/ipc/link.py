@@ -15,6 +15,13 @@ from dsec_sdk.errors import AgentNotFound, BrokerUnavailable, ProtocolError
 from dsec_sdk.ipc import control
 
 _CONNECT_TIMEOUT_S = 10.0
+_MOVED_CHANNELS_KEPT = 4096
+
+# BrokerLink.moved_channel's answers.
+MOVED = 1
+NOT_MOVED = 0
+BUSY = -1
+GONE = -2
 
 
 def _connect(sock: socket.socket, path: Path) -> None:
@@ -75,6 +82,10 @@ class BrokerLink:
         self._lock = threading.Lock()
         # Peers a hand-over moved to a new server (``moved`` messages not yet looked at).
         self._moved: set[str] = set()
+        # This caller's channels whose old server a final hand-over froze for good (the
+        # ``channels`` of ``moved`` notices; see :meth:`moved_channel`).
+        self._moved_channels: set[int] = set()
+        self._eof = False  # the broker closed the connection (a notice reader saw it)
         self._refs = itertools.count(1)
         try:
             hello = {
@@ -127,27 +138,76 @@ class BrokerLink:
         peer = message.get("peer")
         if isinstance(peer, str):
             self._moved.add(peer)
+        channels = message.get("channels")
+        if isinstance(channels, list):
+            if len(self._moved_channels) + len(channels) > _MOVED_CHANNELS_KEPT:
+                # (a caller whose channel is forgotten here learns it when the old process
+                # is gone, as before final notices existed)
+                self._moved_channels.clear()
+            self._moved_channels.update(c for c in channels if type(c) is int)
+
+    def _read_queued(self) -> None:
+        """Read the notices queued on the connection without waiting (the lock held)."""
+        if self._eof:
+            return
+        # poll() first: a socket with a timeout would wait for data despite MSG_DONTWAIT.
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        while poller.poll(0):
+            try:
+                received = control.recv(self.sock, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            except ProtocolError:  # (that datagram is consumed: read on)
+                continue
+            except OSError:
+                self._eof = True
+                break
+            if received is None:
+                self._eof = True
+                break
+            message, fds = received
+            control.close_fds(fds)
+            if message.get("op") == "moved":
+                self._note_moved(message)
 
     def take_moved(self, peer: str) -> bool:
         """Whether the broker ever said that ``peer`` moved to a new server (reads the notices
         queued on the connection without waiting)."""
         with self._lock:
-            # poll() first: a socket with a timeout would wait for data despite MSG_DONTWAIT.
-            poller = select.poll()
-            poller.register(self.sock, select.POLLIN)
-            while poller.poll(0):
-                try:
-                    received = control.recv(self.sock, socket.MSG_DONTWAIT)
-                except (OSError, ProtocolError):
-                    break
-                if received is None:
-                    break
-                message, fds = received
-                control.close_fds(fds)
-                if message.get("op") == "moved":
-                    self._note_moved(message)
+            self._read_queued()
             # Kept: several calls in flight to the old server may each need the answer.
             return peer in self._moved
+
+    def moved_channel(self, channel_id: int) -> int:
+        """Whether a final hand-over moved the server of this caller's channel ``channel_id``
+        (reading the notices queued on the connection without waiting): :data:`MOVED`,
+        :data:`NOT_MOVED`; :data:`BUSY` when another thread is talking to the broker now (it
+        reads the notices before it lets go: ask again soon); :data:`GONE` when the connection
+        is closed or at its end (no notice comes any more: stop watching it)."""
+        if channel_id in self._moved_channels:  # (noted by whoever read it: no lock needed)
+            return MOVED
+        if not self._lock.acquire(blocking=False):
+            return BUSY
+        try:
+            if self.sock.fileno() < 0:
+                return GONE
+            self._read_queued()
+            if channel_id in self._moved_channels:
+                return MOVED
+            return GONE if self._eof else NOT_MOVED
+        finally:
+            self._lock.release()
+
+    def moved_known(self, channel_id: int) -> bool:
+        """Whether a notice already read (by any thread) named ``channel_id``: no lock, no
+        syscall (a sleeper asks this on every wake-up, whatever woke it)."""
+        return channel_id in self._moved_channels
+
+    def forget_channel(self, channel_id: int) -> None:
+        """Forget a closed channel's notice (no wait: a notice still unread only costs a set
+        entry)."""
+        self._moved_channels.discard(channel_id)
 
     def _recv_any(self) -> tuple[dict[str, Any], list[int]]:
         try:
@@ -177,6 +237,9 @@ class BrokerLink:
             except OSError as exc:
                 raise BrokerUnavailable(f"the broker at {self.path} is gone: {exc}") from exc
             message, fds = self._recv()
+            # Notices behind the answer: read now, while no caller watching the connection may
+            # (it found the lock taken and waits for this thread to read them).
+            self._read_queued()
         if message.get("ref") != ref:
             control.close_fds(fds)
             raise ProtocolError(f"broker answered ref {message.get('ref')}, expected {ref}")

@@ -63,6 +63,8 @@ PROXY_FDS: Final = 5
 # flood is shed (turned away at once) faster than one sandbox can queue it.
 _BACKLOG: Final = 1024
 _ACCEPT_BATCH: Final = 64
+# Channel ids one ``moved`` notice names at most (9 bytes each in MessagePack at worst).
+_NOTICE_CHANNELS: Final = 4096
 # The CLOSED word of a channel's first ring header (see dsec_sdk.ipc.ring.CLOSED).
 _CLOSED_AT: Final = 32 * 8
 
@@ -74,6 +76,7 @@ class _Tracked:
     header: mmap.mmap
     server: Connection | None  # None: the broker's own proxy serves it
     caller: Connection | None = None  # the local caller it was handed to
+    channel_id: int = -1  # (the caller's name for it in a final hand-over's ``moved`` notice)
 
     def closed(self) -> bool:
         return bool(struct.unpack_from("<Q", self.header, _CLOSED_AT)[0])
@@ -468,7 +471,7 @@ class Broker:
             channel_id, caller_fds = opened
             reply = self._channel_reply(ref, channel_id, key.agent, remote=False)
             metrics.CHANNELS_OPENED.labels("local").inc()  # before the caller can use it
-            self._track(conn.sandbox, caller_fds[0], server, conn)
+            self._track(conn.sandbox, caller_fds[0], server, conn, channel_id)
             self._send(conn, reply, caller_fds)
             control.close_fds(caller_fds)
             return
@@ -532,13 +535,14 @@ class Broker:
         memfd: int,
         server: Connection | None,
         caller: Connection | None = None,
+        channel_id: int = -1,
     ) -> None:
         """Watch a channel handed to ``sandbox`` until one end closes it (or its server leaves)."""
         try:
             header = mmap.mmap(memfd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
         except OSError:
             return
-        self._live.setdefault(sandbox, []).append(_Tracked(header, server, caller))
+        self._live.setdefault(sandbox, []).append(_Tracked(header, server, caller, channel_id))
 
     # ------------------------------------------------------------------ hand-over
     def expect_handover(self, new_sandbox: str, old_sandbox: str) -> None:
@@ -570,6 +574,44 @@ class Broker:
                 self._send(caller, {"op": "moved", "peer": key.agent})
         log.info("ipc: %s now served by sandbox %s (%d callers told)", key, to_sandbox, len(told))
         return len(told)
+
+    def release(self, key: AgentKey, from_sandbox: str) -> int:
+        """A hand-over switched ``key`` away from ``from_sandbox`` for good (the old server is
+        frozen and is stopped next; nothing thaws it any more): tell each local caller with a
+        channel to that server which of its channels it was, ``{"op": "moved", "peer": name,
+        "channels": [ids]}``. A call waiting there whose request the old server never read goes
+        to the new server at once, instead of when the old process is gone (:meth:`switch`'s
+        notice names no channel: the switch may still be undone, the old server thawed, and
+        the request read after all). Returns how many channels were named."""
+        standby = self._registry.standby_of(key)
+        if standby is None or standby[1] != from_sandbox:
+            return 0
+        previous = standby[0]
+        named: dict[Connection, list[int]] = {}
+        for tracked in self._live.values():
+            for item in tracked:
+                caller = item.caller
+                if (
+                    item.server is previous
+                    and caller is not None
+                    and item.channel_id >= 0
+                    and not item.closed()
+                ):
+                    named.setdefault(caller, []).append(item.channel_id)
+        for caller, channels in named.items():
+            # (a control message holds 64 KiB: however many channels an agent may hold)
+            for at in range(0, len(channels), _NOTICE_CHANNELS):
+                if caller in self._connections:
+                    part = channels[at : at + _NOTICE_CHANNELS]
+                    self._send(caller, {"op": "moved", "peer": key.agent, "channels": part})
+        count = sum(len(channels) for channels in named.values())
+        log.info(
+            "ipc: %s left sandbox %s for good (%d channels of callers told)",
+            key,
+            from_sandbox,
+            count,
+        )
+        return count
 
     def promote(self, key: AgentKey, sandbox: str) -> bool:
         """Migration path ``handover``, the target: the standby server of ``sandbox`` (a

@@ -89,6 +89,10 @@ class Registry(Generic[C]):
         self._standby[key] = (conn, owner)
         return None
 
+    def standby_of(self, key: AgentKey) -> tuple[C, str] | None:
+        """The standby server of ``key`` and its owner (after a switch: the previous server)."""
+        return self._standby.get(key)
+
     def switch(self, key: AgentKey, to_owner: str) -> C | None:
         """Point ``key`` at the standby server of sandbox ``to_owner``; the server that held
         it becomes the standby. Returns that previous server (``None``: no such standby)."""

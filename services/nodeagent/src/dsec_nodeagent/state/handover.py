@@ -16,7 +16,9 @@ The keeper calls :func:`hand_over` (``keeper.handover``) when the NEW sandbox's 
    callers are told ``moved`` and re-send a call OLD had not taken), make NEW the owner of the
    state (``keeper.switch_owner``), send NEW ``switched{interruption_ms, seq}`` (from asking
    OLD for its final delta — it takes no call from then on — to the switch);
-7. stop OLD (``sandbox.exited{reason: handed_over}``), publish ``state.handed_over``.
+7. now final: tell OLD's callers which of their channels moved (``release``: a call OLD never
+   read goes to NEW at once, not when OLD's process is gone), stop OLD
+   (``sandbox.exited{reason: handed_over}``), publish ``state.handed_over``.
 
 Every failure before the switch is complete thaws OLD and leaves it serving (the broker name
 is given back to it when it was already moved); NEW gets an ``error`` frame and is stopped.
@@ -121,6 +123,10 @@ class HandOverHooks:
     freezer: Freezer = field(default_factory=CgroupFreezer)
     switch: Switch | None = None
     """The broker switch and its undo (called with the arguments swapped); None: no broker."""
+    release: Switch | None = None
+    """Once the hand-over is final (nothing thaws OLD any more), before OLD is stopped: tell
+    the callers waiting on OLD's server, channel by channel, so a call it never read goes to
+    NEW at once (:meth:`dsec_nodeagent.ipc.broker.Broker.release`); returns how many channels."""
     stop_old: Callable[[str], Awaitable[None]] | None = None
     """Stop OLD's sandbox with ``sandbox.exited{reason: handed_over}``."""
     stop_new: Callable[[str, str], Awaitable[None]] | None = None
@@ -322,6 +328,11 @@ class _Run:
         self.frozen_dir = None
         self.switched_to = None
         result = HandOverResult(self.seq, interruption_ms, self.streamed, moved)
+        if self.hooks.release is not None:
+            try:
+                await self.hooks.release(old_info, new_info)
+            except Exception:  # (its callers then go on when OLD is gone, as without it)
+                log.exception("hand-over: telling %s's callers failed", old_info.sandbox_id)
         if self.hooks.stop_old is not None:
             try:
                 await self.hooks.stop_old(old_info.sandbox_id)

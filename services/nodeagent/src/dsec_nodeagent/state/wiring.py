@@ -37,6 +37,12 @@ def hooks_for(agent: NodeAgent, broker: Callable[[], Broker | None]) -> HandOver
             return 0
         return current.switch(AgentKey(to.group, to.agent, to.tenant), to.sandbox_id)
 
+    async def release(frm: SandboxState, to: SandboxState) -> int:
+        current = broker()
+        if current is None:
+            return 0
+        return current.release(AgentKey(frm.group, frm.agent, frm.tenant), frm.sandbox_id)
+
     async def stop_old(sandbox_id: str) -> None:
         # It is frozen: a SIGTERM would wait for a thaw; SIGKILL the cgroup at once.
         await agent.manager.stop(sandbox_id, reason=ExitReason.HANDED_OVER, grace_s=0.0)
@@ -61,6 +67,7 @@ def hooks_for(agent: NodeAgent, broker: Callable[[], Broker | None]) -> HandOver
 
     return HandOverHooks(
         switch=switch,
+        release=release,
         stop_old=stop_old,
         stop_new=stop_new,
         publish=publish,

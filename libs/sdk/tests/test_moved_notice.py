@@ -1,0 +1,241 @@
+"""A final hand-over's ``moved`` notice, on the caller's side: the broker connection names the
+caller's channels whose old server is frozen for good, and a call waiting on one of them stops
+waiting at once (``PeerGone``: the client sends it again to the new server when its request was
+never read), instead of when the old process is gone. The broker's side and the whole flow:
+``services/nodeagent/tests/test_ipc_handover.py``."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dsec_sdk.errors import PeerGone
+from dsec_sdk.ipc import control
+from dsec_sdk.ipc import link as lk
+
+sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach test_ring
+from test_ring import Pair
+
+pytestmark = pytest.mark.unit
+
+CAPACITY = 4096
+SECOND = 1_000_000_000
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair(CAPACITY, channel_id=7)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def notices() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """The broker connection as the caller's sleeper sees it: ours, and the broker's end."""
+    ours, broker = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    yield ours, broker
+    ours.close()
+    broker.close()
+
+
+class Script:
+    """A ``moved(channel_id)`` answering from a list, recording when it was asked."""
+
+    def __init__(self, *answers: int) -> None:
+        self.answers = list(answers)
+        self.asked: list[tuple[int, int]] = []
+
+    def __call__(self, channel_id: int) -> int:
+        self.asked.append((channel_id, time.perf_counter_ns()))
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def _never(_channel_id: int) -> bool:
+    return False
+
+
+def _later(seconds: float, action: Any) -> threading.Thread:
+    def run() -> None:
+        time.sleep(seconds)
+        action()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_notice_naming_the_channel_ends_the_wait_at_once(pair: Pair, notices: Any) -> None:
+    ours, broker = notices
+    moved = Script(lk.MOVED)
+    pair.caller.watch_moves(ours.fileno(), moved, _never)
+    _later(0.05, lambda: broker.send(b"notice"))
+    started = time.perf_counter_ns()
+    with pytest.raises(PeerGone, match="a hand-over moved it to its new version"):
+        pair.caller.wait_response(started + 30 * SECOND)
+    assert time.perf_counter_ns() - started < 10 * SECOND  # not the deadline: the notice
+    assert [channel for channel, _ in moved.asked] == [7]
+
+
+def test_an_answer_already_there_wins_over_the_notice(pair: Pair, notices: Any) -> None:
+    ours, broker = notices
+    pair.caller.watch_moves(ours.fileno(), Script(lk.MOVED), _never)
+    # Written while the caller sleeps, just before the notice: the old server answered the call
+    # before its final checkpoint.
+    _later(0.05, lambda: (pair.server.respond(2, 1, b"answer"), broker.send(b"notice")))
+    assert pair.caller.wait_response(time.perf_counter_ns() + 30 * SECOND)
+    assert pair.caller.responses.try_read(bytes) == (2, 1, b"answer")
+
+
+def test_another_thread_reading_the_connection_pauses_the_watch_not_the_wait(
+    pair: Pair, notices: Any
+) -> None:
+    ours, broker = notices
+    # Busy (another thread talks to the broker, the datagram stays unread), then not this
+    # channel, then this channel.
+    moved = Script(lk.BUSY, lk.BUSY, lk.NOT_MOVED, lk.MOVED)
+    pair.caller.watch_moves(ours.fileno(), moved, _never)
+    _later(0.05, lambda: broker.send(b"notice"))
+    with pytest.raises(PeerGone):
+        pair.caller.wait_response(time.perf_counter_ns() + 30 * SECOND)
+    times = [at for _, at in moved.asked]
+    # Unread data keeps the socket readable: after each "busy" the sleeper looks again only
+    # after a pause (~1 ms), never in a loop of wake-ups.
+    assert len(times) >= 4
+    assert times[1] - times[0] >= 900_000 and times[2] - times[1] >= 900_000
+
+
+def test_a_closed_or_ended_connection_is_no_longer_watched(pair: Pair, notices: Any) -> None:
+    ours, broker = notices
+    moved = Script(lk.GONE)
+    pair.caller.watch_moves(ours.fileno(), moved, _never)
+    broker.send(b"unread")  # readable for ever: watched on, it would wake the sleeper each time
+    started = time.perf_counter_ns()
+    assert not pair.caller.wait_response(started + SECOND // 5)  # the deadline, as usual
+    assert len(moved.asked) == 1
+    # and a later answer still wakes it
+    _later(0.05, lambda: pair.server.respond(2, 1, b"answer"))
+    assert pair.caller.wait_response(time.perf_counter_ns() + 30 * SECOND)
+
+
+# ------------------------------------------------------------------------------ BrokerLink
+class FakeBroker:
+    """A listening socket that welcomes one caller, then sends what the test says."""
+
+    def __init__(self, path: Path) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(str(path))
+        self.listener.listen(1)
+        self.conn: socket.socket | None = None
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        hello = control.recv(conn)
+        assert hello is not None and hello[0]["op"] == "hello"
+        control.send(conn, {"op": "welcome", "node": "n1", "ring_capacity": CAPACITY})
+        self.conn = conn
+
+    def wait(self) -> socket.socket:
+        self._thread.join(10)
+        assert self.conn is not None
+        return self.conn
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[FakeBroker, lk.BrokerLink]]:
+    home = Path(tempfile.mkdtemp(prefix="dsec-mv-"))
+    broker = FakeBroker(home / "ipc.sock")
+    link = lk.BrokerLink(home / "ipc.sock", "agent-a", "g1", "caller")
+    broker.wait()
+    yield broker, link
+    link.close()
+    broker.close()
+    (home / "ipc.sock").unlink()
+    home.rmdir()
+
+
+def _until(condition: Any) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "not in time"
+        time.sleep(0.001)
+
+
+def _readable(sock: socket.socket) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def test_the_link_names_only_the_channels_a_final_notice_lists(fake: Any) -> None:
+    broker, link = fake
+    conn = broker.wait()
+    assert link.moved_channel(7) == lk.NOT_MOVED
+    control.send(conn, {"op": "moved", "peer": "b"})  # the switch's notice: no channel named
+    control.send(conn, {"op": "moved", "peer": "b", "channels": [3, "7", 8]})
+    _until(lambda: _readable(link.sock))
+    assert link.moved_channel(7) == lk.NOT_MOVED  # ("7" is no channel id)
+    assert link.moved_channel(3) == lk.MOVED
+    assert link.moved_channel(8) == lk.MOVED
+    assert link.take_moved("b")  # the peer's notice for a call whose server is gone, as before
+    link.forget_channel(3)
+    assert link.moved_channel(3) == lk.NOT_MOVED
+
+
+def test_the_link_is_busy_while_another_thread_talks_to_the_broker(fake: Any) -> None:
+    _, link = fake
+    with link._lock:  # (what connect() holds while it waits for its answer)
+        assert link.moved_channel(7) == lk.BUSY
+
+
+def test_the_link_says_gone_at_the_connection_end_and_once_closed(fake: Any) -> None:
+    broker, link = fake
+    conn = broker.wait()
+    control.send(conn, {"op": "moved", "peer": "b", "channels": [5]})
+    conn.shutdown(socket.SHUT_RDWR)
+    _until(lambda: _readable(link.sock))
+    assert link.moved_channel(5) == lk.MOVED  # what came before the end still counts
+    assert link.moved_channel(6) == lk.GONE
+    link.close()
+    assert link.moved_channel(6) == lk.GONE
+    assert link.moved_channel(5) == lk.MOVED  # (known already: no read needed)
+
+
+def test_a_notice_another_thread_read_first_still_ends_the_wait(pair: Pair, fake: Any) -> None:
+    """The notice arrives while another thread of the caller talks to the broker: the sleeper
+    finds the connection busy, and that thread reads the notice before it lets go (the socket
+    is then empty: no wake-up comes from it any more)."""
+    broker, link = fake
+    conn = broker.wait()
+    pair.caller.watch_moves(link.sock.fileno(), link.moved_channel, link.moved_known)
+    holding, release = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        with link._lock:  # (connect() waiting for its answer)
+            holding.set()
+            release.wait(10)
+            link._read_queued()  # (what connect() does before it lets go)
+
+    thread = threading.Thread(target=other_thread, daemon=True)
+    thread.start()
+    assert holding.wait(10)
+    control.send(conn, {"op": "moved", "peer": "b", "channels": [7]})
+    _later(0.1, release.set)
+    started = time.perf_counter_ns()
+    with pytest.raises(PeerGone, match="moved"):
+        pair.caller.wait_response(started + 30 * SECOND)
+    assert time.perf_counter_ns() - started < 5 * SECOND  # (not the deadline)
+    thread.join(10)
