@@ -191,8 +191,6 @@ def test_the_link_names_only_the_channels_a_final_notice_lists(fake: Any) -> Non
     assert link.moved_channel(3) == lk.MOVED
     assert link.moved_channel(8) == lk.MOVED
     assert link.take_moved("b")  # the peer's notice for a call whose server is gone, as before
-    link.forget_channel(3)
-    assert link.moved_channel(3) == lk.NOT_MOVED
 
 
 def test_the_link_is_busy_while_another_thread_talks_to_the_broker(fake: Any) -> None:

@@ -8,7 +8,8 @@ then it creates LOGFILE + ".paused"; with ``$DSEC_STATE_HANDOVER_FROM`` set it i
 new version, and the client's ``ready()`` creates LOGFILE + ".ready".
 
 ``python _handover_agents.py caller SOCKET MODE OUTFILE STOPFILE``: calls ``record`` in a loop
-(MODE ``sync``: one at a time; ``async``: four in flight) until STOPFILE exists, then writes
+(MODE ``sync``: one at a time; ``threads``: three threads on one client; ``async``: four in
+flight) until STOPFILE exists, then writes
 ``{"answers": [[seq, who]...], "errors": [str...]}`` to OUTFILE.
 """
 
@@ -93,6 +94,25 @@ def call(socket_path: str, mode: str, outfile: str, stopfile: str) -> None:
             except Exception as exc:
                 errors.append(f"{seq}: {type(exc).__name__}: {exc}")
             seq += 1
+    elif mode == "threads":  # three threads sharing the client (and its channel)
+        counter = iter(range(1 << 62))
+        lock = threading.Lock()
+
+        def work() -> None:
+            while not stop.exists():
+                with lock:
+                    seq = next(counter)
+                try:
+                    answer = client.call_tool(NAME, "record", seq=seq)
+                    answers.append((answer["seq"], answer["who"]))
+                except Exception as exc:
+                    errors.append(f"{seq}: {type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=work) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     else:
 
         async def run() -> None:

@@ -76,6 +76,8 @@ def _served(logfile: Path) -> list[int]:
         ("sync", "aserver", False),
         ("sync", "server", True),
         ("sync", "aserver", True),
+        ("threads", "server", True),
+        ("threads", "server", False),
     ],
 )
 def test_callers_follow_a_switched_name_without_an_error(
@@ -114,7 +116,8 @@ def test_callers_follow_a_switched_name_without_an_error(
         assert told == 1  # the one caller holding a channel to the old server
         assert broker.broker._registry.owner(KEY) == "new"
         if release:
-            assert broker.run(_release(broker, "old")) == 1  # its one channel to the old server
+            named = broker.run(_release(broker, "old"))  # its channels to the old server
+            assert named == 1 if mode == "sync" else named >= 1  # (threads may open two)
             wait_until(lambda: len(_served(new_log)) > 200, what="calls to the new version")
             assert old.poll() is None  # they moved while the old process still exists
         broker.broker.forget_handover("new")

@@ -80,6 +80,14 @@ def _nothing_held() -> bool:
     return False
 
 
+def _unsent(exc: PeerGone) -> PeerGone:
+    """``exc`` for a call whose request was never written: after a hand-over the client sends
+    it to the new version (a thread that waited for the channel while another thread's call on
+    it found it moved and dropped it would otherwise get this error)."""
+    exc.untaken = True
+    return exc
+
+
 class _SyncChannel:
     """A caller channel used from threads: one call at a time (the lock).
 
@@ -122,7 +130,6 @@ class _SyncChannel:
         # thread's C call left it held: a call from above either is refused (ReentrantCall).
         self._callers: set[int] = set()
         self.closing = False  # closed from above a call in flight: closed when invoke() ends
-        self.link: BrokerLink | None = None  # the broker connection that opened it
         self._held_by_me: Callable[[], bool] = (
             _nothing_held if self._caller is None else self._caller.held_by_this_thread
         )
@@ -211,7 +218,7 @@ class _SyncChannel:
         if code == _CALL_TOO_LARGE:
             raise PayloadTooLarge(f"request to {end.peer}.{tool}", status[1], self.max_payload)
         if code == _CALL_CLOSED:
-            raise PeerGone(end.peer, "the channel was closed")
+            raise _unsent(PeerGone(end.peer, "the channel was closed"))
         if code == _CALL_UNDECODABLE:
             exc = status[1]
             raise ProtocolError(f"undecodable answer from {end.peer!r}: {exc}") from exc
@@ -263,8 +270,8 @@ class _SyncChannel:
                     raise PayloadTooLarge(
                         f"request to {end.peer}.{tool}", len(body), self.max_payload
                     )
-                if end.is_closed:
-                    raise PeerGone(end.peer, "the channel was closed")
+                if end.is_closed:  # (another thread's call dropped it: a hand-over, a death)
+                    raise _unsent(PeerGone(end.peer, "the channel was closed"))
                 call_id = self._take_id()
                 outcome: Any = -1
                 if self._fast_call is not None:
@@ -910,7 +917,6 @@ class DSecClient:
         # A final hand-over's notice, on the connection that opened it, wakes a call waiting here.
         end.watch_moves(link.sock.fileno(), link.moved_channel, link.moved_known)
         channel = _SyncChannel(end, end.requests.max_payload)
-        channel.link = link
         self._channels[agent] = channel
         return channel
 
@@ -939,8 +945,7 @@ class DSecClient:
     def _drop(self, agent: str, channel: _SyncChannel) -> None:
         if self._channels.get(agent) is channel:
             del self._channels[agent]
-        if channel.link is not None:
-            channel.link.forget_channel(channel.end.channel_id)
+        # (its moved notice stays noted: another thread may still be about to wait on it)
         channel.close()
 
     def close(self) -> None:

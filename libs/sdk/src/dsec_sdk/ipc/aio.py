@@ -54,7 +54,12 @@ class AsyncCaller:
         Raises:
             PeerGone: The server died or closed the channel.
         """
-        self._raise_if_gone()
+        try:
+            self._raise_if_gone()
+        except PeerGone as exc:  # nothing sent: a hand-over may send it to the new version
+            unsent = PeerGone(exc.agent, exc.reason)
+            unsent.untaken = True
+            raise unsent from exc
         end = self.end
         call_id = end.next_id
         end.next_id += 1

@@ -204,11 +204,6 @@ class BrokerLink:
         syscall (a sleeper asks this on every wake-up, whatever woke it)."""
         return channel_id in self._moved_channels
 
-    def forget_channel(self, channel_id: int) -> None:
-        """Forget a closed channel's notice (no wait: a notice still unread only costs a set
-        entry)."""
-        self._moved_channels.discard(channel_id)
-
     def _recv_any(self) -> tuple[dict[str, Any], list[int]]:
         try:
             try:
