@@ -6,6 +6,7 @@ never read), instead of when the old process is gone. The broker's side and the 
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import tempfile
@@ -237,3 +238,77 @@ def test_a_notice_another_thread_read_first_still_ends_the_wait(pair: Pair, fake
         pair.caller.wait_response(started + 30 * SECOND)
     assert time.perf_counter_ns() - started < 5 * SECOND  # (not the deadline)
     thread.join(10)
+
+
+def _watchers() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("dsec-ipc-notices-")]
+
+
+def test_the_notice_thread_reads_for_event_loops_and_ends_with_the_connection(fake: Any) -> None:
+    broker, link = fake
+    conn = broker.wait()
+    read = threading.Event()
+    link.watch_notices(read.set)
+    link.watch_notices(read.set)  # (once: a second asks for nothing more)
+    assert _watchers().count("dsec-ipc-notices-agent-a") == 1
+    control.send(conn, {"op": "moved", "peer": "b", "channels": [4]})
+    assert read.wait(10)
+    assert link.moved_known(4) and not _readable(link.sock)
+    conn.shutdown(socket.SHUT_RDWR)
+    _until(lambda: not _watchers())
+
+
+def test_the_notice_thread_leaves_the_connection_to_a_thread_talking_to_the_broker(
+    fake: Any,
+) -> None:
+    broker, link = fake
+    conn = broker.wait()
+    calls: list[int] = []
+    with link._lock:
+        link.watch_notices(lambda: calls.append(time.perf_counter_ns()))
+        control.send(conn, {"op": "moved", "peer": "b", "channels": [9]})
+        time.sleep(0.05)  # the thread found the connection busy: it waits, it does not spin
+        assert len(calls) == 0
+        link._read_queued()
+    _until(lambda: calls)  # told once the connection is free again
+    assert link.moved_known(9)
+    link.close()
+    _until(lambda: not _watchers())
+
+
+def test_an_async_call_waiting_on_a_moved_channel_ends_untaken(pair: Pair) -> None:
+    from dsec_sdk.ipc.aio import AsyncCaller
+
+    async def run() -> None:
+        caller = AsyncCaller(pair.caller, bytes)
+        call = asyncio.ensure_future(
+            caller.call(1, b"request", time.perf_counter_ns() + 30 * SECOND)
+        )
+        await asyncio.sleep(0.05)  # sent, waiting (the server never reads it)
+        assert not call.done()
+        caller.moved()
+        with pytest.raises(PeerGone, match="moved") as gone:
+            await call
+        assert gone.value.untaken  # never read by the old server: the client sends it again
+        assert caller.closed
+
+    asyncio.run(run())
+
+
+def test_an_answer_already_there_wins_over_the_move_in_an_event_loop(pair: Pair) -> None:
+    from dsec_sdk.ipc.aio import AsyncCaller
+
+    async def run() -> None:
+        caller = AsyncCaller(pair.caller, bytes)
+        call = asyncio.ensure_future(
+            caller.call(1, b"request", time.perf_counter_ns() + 30 * SECOND)
+        )
+        await asyncio.sleep(0.05)
+        frame = pair.server.requests.try_read(bytes)
+        assert frame is not None
+        # (read: taken by the old server, and answered before its final checkpoint)
+        assert pair.server.responses.try_write(2, frame[1], b"answer")
+        caller.moved()
+        assert await call == (2, b"answer")
+
+    asyncio.run(run())

@@ -78,6 +78,8 @@ def _served(logfile: Path) -> list[int]:
         ("sync", "aserver", True),
         ("threads", "server", True),
         ("threads", "server", False),
+        ("async", "server", True),
+        ("async", "aserver", True),
     ],
 )
 def test_callers_follow_a_switched_name_without_an_error(

@@ -16,9 +16,12 @@ reached through the brokers over NATS request-reply, with the same calls and the
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import EllipsisType, TracebackType
@@ -78,6 +81,18 @@ def default_socket_path() -> Path:
 
 def _nothing_held() -> bool:
     return False
+
+
+def _async_moves(client_ref: weakref.ref[DSecClient], link_ref: weakref.ref[BrokerLink]) -> None:
+    """After the notice thread of ``link`` read notices: each async channel it opened that a
+    final hand-over moved ends its waiting calls, in its own event loop."""
+    client, link = client_ref(), link_ref()
+    if client is None or link is None:
+        return
+    for caller in list(client._async_channels.values()):
+        if caller.link is link and not caller.closed and link.moved_known(caller.end.channel_id):
+            with contextlib.suppress(RuntimeError):  # (its event loop is closed)
+                caller.loop.call_soon_threadsafe(caller.moved)
 
 
 def _unsent(exc: PeerGone) -> PeerGone:
@@ -937,9 +952,13 @@ class DSecClient:
         return await asyncio.shield(opening)
 
     async def _open_async(self, agent: str) -> AsyncCaller:
-        end = await asyncio.to_thread(self._open, agent)
+        end, link = await asyncio.to_thread(self._open_on, agent)
         caller = AsyncCaller(end, codec.decode)
+        caller.link = link
         self._async_channels[agent] = caller
+        # A final hand-over's notice ends the calls waiting on it at once (the loop never sleeps
+        # in a call that could watch the connection: a thread reads the notices for it).
+        link.watch_notices(functools.partial(_async_moves, weakref.ref(self), weakref.ref(link)))
         return caller
 
     def _drop(self, agent: str, channel: _SyncChannel) -> None:

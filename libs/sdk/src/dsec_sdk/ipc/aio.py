@@ -34,6 +34,7 @@ class AsyncCaller:
         self._decode = decode
         self._loop = asyncio.get_running_loop()
         self.loop = self._loop
+        self.link: Any = None  # the broker connection that opened it (its notices name it)
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._space = asyncio.Event()
         self._send_lock = asyncio.Lock()
@@ -186,6 +187,16 @@ class AsyncCaller:
         if not self.end.is_closed:
             self._read_all()
         self._fail(PeerGone(self.end.peer, "its process exited"))
+
+    def moved(self) -> None:
+        """A final hand-over moved this channel's server (its old process frozen for good):
+        answers already here are delivered, every call still waiting ends in ``PeerGone``
+        (untaken where the old server never read its request: the client sends it to the new
+        one), and the channel is closed (the next call opens one to the new server)."""
+        if self.end.is_closed or self._gone is not None:
+            return
+        self._read_all()
+        self._fail(PeerGone(self.end.peer, "a hand-over moved it to its new version"))
 
     def _raise_if_gone(self) -> None:
         if self._gone is not None:

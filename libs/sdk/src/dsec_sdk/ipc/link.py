@@ -8,6 +8,8 @@ import select
 import socket
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,39 @@ def _connect(sock: socket.socket, path: Path) -> None:
                 raise
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
+
+
+_WATCH_POLL_MS = 1000  # the notice thread looks whether its connection still lives this often
+
+
+def _watch(link_ref: weakref.ref[BrokerLink], fd: int, notify: Callable[[], None]) -> None:
+    """:meth:`BrokerLink.watch_notices`'s thread. It only polls ``fd``; reading is the link's,
+    which first checks that its socket is still open (a closed fd's number may be reused)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    paused = False
+    while True:
+        fired = poller.poll(1 if paused else _WATCH_POLL_MS)
+        link = link_ref()
+        if link is None:
+            return
+        if paused:  # look again: the thread that held it read what was queued, or let go
+            paused = False
+            poller.register(fd, select.POLLIN)
+            fired = [(fd, 0)]
+        if not fired:
+            if link.sock.fileno() < 0:
+                return
+            continue
+        verdict = link.read_notices()
+        del link
+        if verdict == BUSY:  # leave the connection to that thread a moment (no busy loop)
+            poller.unregister(fd)
+            paused = True
+            continue
+        notify()
+        if verdict == GONE:
+            return
 
 
 class BrokerLink:
@@ -86,6 +121,8 @@ class BrokerLink:
         # ``channels`` of ``moved`` notices; see :meth:`moved_channel`).
         self._moved_channels: set[int] = set()
         self._eof = False  # the broker closed the connection (a notice reader saw it)
+        self._watch_lock = threading.Lock()
+        self._watching = False  # a thread reads the notices (see watch_notices)
         self._refs = itertools.count(1)
         try:
             hello = {
@@ -187,17 +224,38 @@ class BrokerLink:
         is closed or at its end (no notice comes any more: stop watching it)."""
         if channel_id in self._moved_channels:  # (noted by whoever read it: no lock needed)
             return MOVED
+        verdict = self.read_notices()
+        return MOVED if channel_id in self._moved_channels else verdict
+
+    def read_notices(self) -> int:
+        """Read the notices queued on the connection without waiting: :data:`NOT_MOVED` once
+        read (see :meth:`moved_known`), :data:`BUSY` while another thread talks to the broker
+        (it reads them before it lets go), :data:`GONE` when closed or at its end."""
         if not self._lock.acquire(blocking=False):
             return BUSY
         try:
             if self.sock.fileno() < 0:
                 return GONE
             self._read_queued()
-            if channel_id in self._moved_channels:
-                return MOVED
             return GONE if self._eof else NOT_MOVED
         finally:
             self._lock.release()
+
+    def watch_notices(self, notify: Callable[[], None]) -> None:
+        """Read the notices in a daemon thread from now on (once), calling ``notify()`` after
+        each read: for channels whose calls wait in an event loop, not asleep in a blocking
+        call that watches the connection itself. The thread ends when the connection is closed,
+        at its end, or garbage (it holds neither this link nor ``notify``'s owner alive: pass a
+        function of weak references)."""
+        with self._watch_lock:
+            if self._watching:
+                return
+            self._watching = True
+        thread = threading.Thread(
+            target=_watch, args=(weakref.ref(self), self.sock.fileno(), notify), daemon=True
+        )
+        thread.name = f"dsec-ipc-notices-{self.agent}"
+        thread.start()
 
     def moved_known(self, channel_id: int) -> bool:
         """Whether a notice already read (by any thread) named ``channel_id``: no lock, no
