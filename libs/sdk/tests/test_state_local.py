@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -322,4 +323,76 @@ def test_checkpoints_while_another_thread_writes(tmp_path: Path) -> None:
     again = AgentState.open(tmp_path)
     assert list(again.log("history")) == list(range(3000))
     assert again.array("w", 5000, "int64").view()[:3000].tolist() == list(range(3000))
+    again.close()
+
+
+FILE_LIMIT_AGENT = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from dsec_sdk import AgentState, StateError
+
+    state = AgentState.open(sys.argv[1], auto=False)
+    log = state.log("h")
+    log.append("first")
+    state.checkpoint()
+    # The file system refuses the next frame part-way: files may not grow past 1 KiB more
+    # (the kernel writes what fits, then says EFBIG); the frame is larger than a buffer.
+    import os
+    limit = os.path.getsize(sys.argv[1] + "/journal.bin") + 1024
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    log.append("second " + "x" * 20_000)
+    try:
+        state.checkpoint()
+    except StateError as exc:
+        print("refused", exc, flush=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    log.append("third")
+    state.checkpoint()  # (sends the refused records again with it)
+    state.close()
+    print("done", flush=True)
+    """
+)
+
+
+def test_a_failed_journal_write_leaves_nothing_behind_and_later_checkpoints_survive(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint the file system refused half-way is refused, and its half is cut off
+    again: the checkpoints acknowledged after it are read back (not dropped behind a torn
+    frame)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FILE_LIMIT_AGENT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "refused cannot write the state journal" in done.stdout and "done" in done.stdout
+    again = AgentState.open(tmp_path, auto=False)
+    assert list(again.log("h")) == ["first", "second " + "x" * 20_000, "third"]
+    again.close()
+
+
+def test_a_compaction_that_fails_does_not_refuse_a_durable_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal write and its fsync succeeded: the checkpoint is acknowledged even when
+    folding the journal into a snapshot fails (before, it was refused, sent again, and its
+    records were in the journal twice)."""
+    from dsec_sdk.state import store
+
+    def no_room(self: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store.LocalStore, "_compact", no_room)
+    state = AgentState(LocalStore(tmp_path, compact_bytes=1), agent="a", group="g")
+    log = state.log("h")
+    for i in range(3):
+        log.append(i)
+        state.checkpoint()
+    state.close()
+    monkeypatch.undo()
+    again = AgentState.open(tmp_path, auto=False)
+    assert list(again.log("h")) == [0, 1, 2]
     again.close()

@@ -135,7 +135,13 @@ class LocalStore:
         self._deltas = 0
         self._seq = 0
         self._read()
-        self._journal = open(self._journal_path, "ab")  # noqa: SIM115 - kept open
+        # Unbuffered: a frame is in the file or, after a failed write, cut off again (see
+        # checkpoint); nothing of it may wait in a buffer to follow the next frame.
+        self._journal = os.open(
+            self._journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
+        self._journal_end = os.fstat(self._journal).st_size
+        self._broken: str | None = None  # a failed write that could not be cut off again
 
     def _read(self) -> None:
         if self._snapshot_path.exists():
@@ -192,16 +198,36 @@ class LocalStore:
 
     def checkpoint(self, seq: int, frame: bytes) -> Ack[dict[str, Any]]:
         fut: Ack[dict[str, Any]] = concurrent.futures.Future()
+        if self._broken is not None:
+            fut.set_exception(StateError(self._broken))
+            return fut
+        start = self._journal_end
         try:
-            self._journal.write(frame)
-            self._journal.flush()
-            os.fsync(self._journal.fileno())
-            self._seq = seq
-            if self._journal.tell() > max(self.compact_bytes, 2 * self._snap_size):
-                self._compact()
+            view = memoryview(frame)
+            while view:
+                view = view[os.write(self._journal, view) :]
+            os.fsync(self._journal)
         except OSError as exc:
+            # Not acknowledged, so not in the journal either: a part of it left there would
+            # hide every later frame behind a torn one (read back as a torn tail and dropped).
+            try:
+                os.ftruncate(self._journal, start)
+            except OSError as cut:
+                self._broken = (
+                    f"the state journal in {self.path} holds part of a failed checkpoint that "
+                    f"could not be cut off ({cut}); reopen the state to go on"
+                )
             fut.set_exception(StateError(f"cannot write the state journal in {self.path}: {exc}"))
             return fut
+        self._journal_end = start + len(frame)
+        self._seq = seq
+        if self._journal_end > max(self.compact_bytes, 2 * self._snap_size):
+            try:
+                self._compact()
+            except OSError as exc:  # (the checkpoint is durable: the journal stays as it is)
+                log.warning(
+                    "state journal %s: compaction failed (%s); tried again later", self.path, exc
+                )
         fut.set_result({"op": "ack", "seq": seq, "bytes": len(frame)})
         return fut
 
@@ -235,9 +261,9 @@ class LocalStore:
         finally:
             os.close(dfd)
         self._snap_seq, self._snap_size = self._seq, size
-        self._journal.truncate(0)
-        self._journal.seek(0)
-        os.fsync(self._journal.fileno())
+        os.ftruncate(self._journal, 0)  # (its frames are in the snapshot now: skipped if kept)
+        self._journal_end = 0
+        os.fsync(self._journal)
 
     def start(self, on_frame: Callable[[dict[str, Any]], None]) -> None:
         pass  # a local store sends nothing unasked
@@ -247,10 +273,14 @@ class LocalStore:
             raise StateError("a hand-over needs the node agent's keeper (no local store)")
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._journal.close()
-        with contextlib.suppress(OSError):
-            os.close(self._lock_fd)
+        journal, self._journal = self._journal, -1
+        if journal >= 0:  # (once: the number may belong to another file afterwards)
+            with contextlib.suppress(OSError):
+                os.close(journal)
+        lock, self._lock_fd = self._lock_fd, -1
+        if lock >= 0:
+            with contextlib.suppress(OSError):
+                os.close(lock)
 
 
 def _frames(data: bytes) -> tuple[list[dict[str, Any]], int]:
