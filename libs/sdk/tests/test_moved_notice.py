@@ -28,6 +28,7 @@ pytestmark = pytest.mark.unit
 
 CAPACITY = 4096
 SECOND = 1_000_000_000
+AGENT = "moved-notice-test"  # (its notice thread's name is this test's own)
 
 
 @pytest.fixture
@@ -159,7 +160,7 @@ class FakeBroker:
 def fake() -> Iterator[tuple[FakeBroker, lk.BrokerLink]]:
     home = Path(tempfile.mkdtemp(prefix="dsec-mv-"))
     broker = FakeBroker(home / "ipc.sock")
-    link = lk.BrokerLink(home / "ipc.sock", "agent-a", "g1", "caller")
+    link = lk.BrokerLink(home / "ipc.sock", AGENT, "g1", "caller")
     broker.wait()
     yield broker, link
     link.close()
@@ -241,7 +242,7 @@ def test_a_notice_another_thread_read_first_still_ends_the_wait(pair: Pair, fake
 
 
 def _watchers() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("dsec-ipc-notices-")]
+    return [t.name for t in threading.enumerate() if t.name == f"dsec-ipc-notices-{AGENT}"]
 
 
 def test_the_notice_thread_reads_for_event_loops_and_ends_with_the_connection(fake: Any) -> None:
@@ -250,7 +251,7 @@ def test_the_notice_thread_reads_for_event_loops_and_ends_with_the_connection(fa
     read = threading.Event()
     link.watch_notices(read.set)
     link.watch_notices(read.set)  # (once: a second asks for nothing more)
-    assert _watchers().count("dsec-ipc-notices-agent-a") == 1
+    assert len(_watchers()) == 1
     control.send(conn, {"op": "moved", "peer": "b", "channels": [4]})
     assert read.wait(10)
     assert link.moved_known(4) and not _readable(link.sock)
@@ -312,3 +313,57 @@ def test_an_answer_already_there_wins_over_the_move_in_an_event_loop(pair: Pair)
         assert await call == (2, b"answer")
 
     asyncio.run(run())
+
+
+def test_the_listener_hears_of_a_notice_whichever_thread_read_it(fake: Any) -> None:
+    """A sync caller or a request may read the notice before the notice thread does: the
+    event loops must hear of it all the same."""
+    broker, link = fake
+    conn = broker.wait()
+    heard = threading.Event()
+    with link._lock:  # (the notice thread stays out while this thread talks to the broker)
+        link.watch_notices(heard.set)
+        control.send(conn, {"op": "moved", "peer": "b", "channels": [11]})
+        _until(lambda: _readable(link.sock))
+        link._read_queued()  # (as connect() does before it lets go)
+        assert heard.is_set()
+    heard.clear()
+    control.send(conn, {"op": "moved", "peer": "b"})  # no channel named: nobody to tell
+    _until(lambda: not _readable(link.sock))
+    time.sleep(0.05)
+    assert not heard.is_set()
+
+
+def test_async_calls_waiting_for_room_in_a_moved_channel_end_untaken(pair: Pair) -> None:
+    """The old server stopped reading with the ring full: the calls written end untaken, and
+    so do the calls still waiting for room (never written), none with another error."""
+    from dsec_sdk.ipc.aio import AsyncCaller
+
+    async def run() -> None:
+        caller = AsyncCaller(pair.caller, bytes)
+        deadline = time.perf_counter_ns() + 30 * SECOND
+        calls = [asyncio.ensure_future(caller.call(1, bytes(1000), deadline)) for _ in range(10)]
+        await asyncio.sleep(0.05)
+        assert not any(call.done() for call in calls)  # (4 KiB ring: most wait for room)
+        caller.moved()
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(o, PeerGone) and o.untaken for o in outcomes), outcomes
+
+    asyncio.run(run())
+
+
+def test_a_call_on_a_channel_closed_before_it_could_write_is_untaken(pair: Pair) -> None:
+    """Another thread's call found the channel moved (or its server dead) and closed it while
+    this call waited for it: nothing of this call was written, so it may go elsewhere."""
+    from dsec_sdk.client import _SyncChannel
+
+    channel = _SyncChannel(pair.caller, 1 << 20)
+    pair.caller.close()
+    with pytest.raises(PeerGone, match="the channel was closed") as gone:
+        channel.invoke("record", {"seq": 1}, 5.0, "g1")
+    assert gone.value.untaken
+    with pytest.raises(PeerGone) as again:  # the Python path (a traced call) says the same
+        channel.invoke(
+            "record", {"seq": 1}, 5.0, "g1", trace="00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+        )
+    assert again.value.untaken

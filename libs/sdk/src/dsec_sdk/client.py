@@ -930,7 +930,9 @@ class DSecClient:
             return channel
         end, link = self._open_on(agent)
         # A final hand-over's notice, on the connection that opened it, wakes a call waiting here.
-        end.watch_moves(link.sock.fileno(), link.moved_channel, link.moved_known)
+        fd = link.sock.fileno()
+        if fd >= 0:  # (closed by another thread meanwhile: the old process's death tells it)
+            end.watch_moves(fd, link.moved_channel, link.moved_known)
         channel = _SyncChannel(end, end.requests.max_payload)
         self._channels[agent] = channel
         return channel

@@ -55,12 +55,6 @@ class AsyncCaller:
         Raises:
             PeerGone: The server died or closed the channel.
         """
-        try:
-            self._raise_if_gone()
-        except PeerGone as exc:  # nothing sent: a hand-over may send it to the new version
-            unsent = PeerGone(exc.agent, exc.reason)
-            unsent.untaken = True
-            raise unsent from exc
         end = self.end
         call_id = end.next_id
         end.next_id += 1
@@ -68,6 +62,7 @@ class AsyncCaller:
         self._pending[call_id] = future
         sent_to = -1
         try:
+            self._raise_if_gone()
             if not await self._send(kind, call_id, body, deadline_ns):
                 return None
             sent_to = int(end.requests.hdr[r.HEAD])  # where this request ends in the ring
@@ -83,8 +78,12 @@ class AsyncCaller:
                     return None
             return future.result()
         except PeerGone as exc:
+            if sent_to < 0:  # never written (gone before, or while it waited for room)
+                unsent = PeerGone(exc.agent, exc.reason)
+                unsent.untaken = True
+                raise unsent from exc
             consumed = self._consumed_at_end
-            if sent_to < 0 or consumed is None or consumed >= sent_to:
+            if consumed is None or consumed >= sent_to:
                 raise
             # The server never read this request: say so (a hand-over may send it again).
             gone = PeerGone(exc.agent, exc.reason)
@@ -92,6 +91,8 @@ class AsyncCaller:
             raise gone from exc
         finally:
             self._pending.pop(call_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # (seen: a call that never got to wait on it raised already)
             if not self._pending and not self.end.is_closed:
                 self.end.responses.hdr[r.CONSUMER_WAITING] = 0
 
@@ -110,8 +111,10 @@ class AsyncCaller:
 
     async def _send_when_room(self, kind: int, call_id: int, body: bytes, deadline_ns: int) -> bool:
         ring = self.end.requests
-        while not ring.try_write(kind, call_id, body):
-            self._raise_if_gone()
+        while True:
+            self._raise_if_gone()  # (before the ring is touched: a gone channel is unmapped)
+            if ring.try_write(kind, call_id, body):
+                break
             ring.hdr[r.PRODUCER_WAITING] = 1
             r.fence()
             self.end.responses.wake_waiting_producer()
@@ -199,8 +202,9 @@ class AsyncCaller:
         self._fail(PeerGone(self.end.peer, "a hand-over moved it to its new version"))
 
     def _raise_if_gone(self) -> None:
-        if self._gone is not None:
-            raise self._gone
+        gone = self._gone
+        if gone is not None:  # (a new one each time: one raised in many tasks would collect
+            raise PeerGone(gone.agent, gone.reason)  # every task's traceback)
         if self.end.is_closed:
             raise PeerGone(self.end.peer, "the channel was closed")
 

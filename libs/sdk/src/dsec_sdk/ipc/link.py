@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 import select
 import socket
@@ -15,6 +17,8 @@ from typing import Any
 
 from dsec_sdk.errors import AgentNotFound, BrokerUnavailable, ProtocolError
 from dsec_sdk.ipc import control
+
+log = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 10.0
 _MOVED_CHANNELS_KEPT = 4096
@@ -45,9 +49,10 @@ def _connect(sock: socket.socket, path: Path) -> None:
 _WATCH_POLL_MS = 1000  # the notice thread looks whether its connection still lives this often
 
 
-def _watch(link_ref: weakref.ref[BrokerLink], fd: int, notify: Callable[[], None]) -> None:
+def _watch(link_ref: weakref.ref[BrokerLink], fd: int) -> None:
     """:meth:`BrokerLink.watch_notices`'s thread. It only polls ``fd``; reading is the link's,
-    which first checks that its socket is still open (a closed fd's number may be reused)."""
+    which first checks that its socket is still open (a closed fd's number may be reused), and
+    which tells the listener of every final notice, whichever thread read it."""
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     paused = False
@@ -70,7 +75,6 @@ def _watch(link_ref: weakref.ref[BrokerLink], fd: int, notify: Callable[[], None
             poller.unregister(fd)
             paused = True
             continue
-        notify()
         if verdict == GONE:
             return
 
@@ -122,7 +126,8 @@ class BrokerLink:
         self._moved_channels: set[int] = set()
         self._eof = False  # the broker closed the connection (a notice reader saw it)
         self._watch_lock = threading.Lock()
-        self._watching = False  # a thread reads the notices (see watch_notices)
+        # Told of every final notice; set when a thread reads them (see watch_notices).
+        self._listener: Callable[[], None] | None = None
         self._refs = itertools.count(1)
         try:
             hello = {
@@ -182,6 +187,12 @@ class BrokerLink:
                 # is gone, as before final notices existed)
                 self._moved_channels.clear()
             self._moved_channels.update(c for c in channels if type(c) is int)
+            listener = self._listener
+            if listener is not None:
+                try:
+                    listener()
+                except Exception:  # (a listener's bug must not stop this thread's request)
+                    log.exception("ipc: the moved-notice listener failed")
 
     def _read_queued(self) -> None:
         """Read the notices queued on the connection without waiting (the lock held)."""
@@ -242,18 +253,19 @@ class BrokerLink:
             self._lock.release()
 
     def watch_notices(self, notify: Callable[[], None]) -> None:
-        """Read the notices in a daemon thread from now on (once), calling ``notify()`` after
-        each read: for channels whose calls wait in an event loop, not asleep in a blocking
-        call that watches the connection itself. The thread ends when the connection is closed,
-        at its end, or garbage (it holds neither this link nor ``notify``'s owner alive: pass a
-        function of weak references)."""
+        """Read the notices in a daemon thread from now on (once), and call ``notify()`` for
+        each final notice, whichever thread reads it (this one, a sleeping caller, a request):
+        for channels whose calls wait in an event loop, not asleep in a blocking call that
+        watches the connection itself. ``notify`` runs with the connection's lock held: it must
+        only hand over (``call_soon_threadsafe``). The thread ends when the connection is
+        closed, at its end, or garbage (it holds neither this link nor ``notify``'s owner alive:
+        pass a function of weak references)."""
         with self._watch_lock:
-            if self._watching:
+            fd = self.sock.fileno()
+            if self._listener is not None or fd < 0:
                 return
-            self._watching = True
-        thread = threading.Thread(
-            target=_watch, args=(weakref.ref(self), self.sock.fileno(), notify), daemon=True
-        )
+            self._listener = notify
+        thread = threading.Thread(target=_watch, args=(weakref.ref(self), fd), daemon=True)
         thread.name = f"dsec-ipc-notices-{self.agent}"
         thread.start()
 
@@ -308,4 +320,8 @@ class BrokerLink:
 
     def close(self) -> None:
         """Close the connection (the broker forgets a server registration with it)."""
+        # Shut down first: a thread polling the socket (the notice thread) keeps it open until
+        # its poll returns, and the broker would see the end only then.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
