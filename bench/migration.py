@@ -24,7 +24,10 @@ real SDK agent processes — the old version serving ``record``, another agent c
 loop, the new version registered as the standby, the old one paused (its call in progress
 finished) and frozen, the name switched, the caller told ``moved`` — as the caller's gap from
 its last answer by the old version to its first by the new one (the state plane's final delta,
-timed in bench/state.py, is not in it).
+timed in bench/state.py, is not in it). Beside it, ``handover.large_agent``: the same with an
+old version that touched ``--large-agent-mib`` MiB (1024), with the callers moved at the final
+notice (as shipped) and, its peer, moved only when the old process is gone (as before
+2026-12-06): the second waits for a large process to die.
 
 ``--json``: the last line is exactly
 ``{"criu": {"freeze_ms_p50": X, "freeze_ms_p99": X, "bytes": N}, "handover":
@@ -185,19 +188,26 @@ def _poll(predicate: Any, what: str, timeout: float = 60.0, every: float = 0.000
     return value
 
 
-def one_handover(work: Path) -> float:
+def one_handover(work: Path, *, release: bool = True, ballast_mib: int = 0) -> float:
     """One hand-over of a real SDK agent's tool name on one node's broker while another agent
     calls it in a loop: the new version registers as the standby, the old one finishes its call
     in progress and takes no more, is frozen (SIGSTOP, as the keeper's cgroup freeze), the broker
-    switches the name and tells the caller ``moved``. Returns the caller's gap: from its last
-    answer by the old version to its first by the new one."""
+    switches the name, tells the caller which of its channels moved (``release``, as the node
+    agent does once the hand-over is final; ``release=False``: as before 2026-12-06, the caller
+    learns it when the old process is gone), and the old one is killed. ``ballast_mib``: memory
+    the old version touches first (a large agent, slower to die). Returns the caller's gap: from
+    its last answer by the old version to its first by the new one."""
     from dsec_nodeagent.ipc.registry import AgentKey
 
     key = AgentKey("g1", "agent-b")
     broker = BrokerThread(work / "ipc.sock", sandbox_of=_sandbox_of)
     sock = str(broker.socket_path)
     old_log, new_log, out, stop = (work / n for n in ("old.log", "new.log", "out.json", "stop"))
-    procs = [_spawn("old", [str(AGENTS), "server", sock, "old", str(old_log)])]
+    os.environ["DSEC_TEST_BALLAST_MIB"] = str(ballast_mib)  # (read by the old version only)
+    try:
+        procs = [_spawn("old", [str(AGENTS), "server", sock, "old", str(old_log)])]
+    finally:
+        del os.environ["DSEC_TEST_BALLAST_MIB"]
     try:
         _poll(lambda: broker.broker.local_server(key), "the old version serving", every=0.01)
         procs.append(_spawn("caller", ["-c", CALLER, sock, str(out), str(stop)]))
@@ -213,7 +223,8 @@ def one_handover(work: Path) -> float:
         old.send_signal(signal.SIGSTOP)  # the freeze
 
         async def switch() -> int:
-            return broker.broker.switch(key, "new")
+            told = broker.broker.switch(key, "new")
+            return broker.broker.release(key, "old") if release else told
 
         broker.run(switch())
         broker.broker.forget_handover("new")
@@ -233,23 +244,45 @@ def one_handover(work: Path) -> float:
     return (first_new - last_old) * 1000
 
 
-def handover(runs: int, say: Any) -> dict[str, Any]:
+def _gaps(runs: int, say: Any, what: str, **how: Any) -> list[float]:
     gaps = []
     for _ in range(runs):
         work = Path(tempfile.mkdtemp(prefix="dsec-mho-"))  # short: a socket path's 107 bytes
         try:
-            gaps.append(one_handover(work))
+            gaps.append(one_handover(work, **how))
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        say(f"  hand-over: caller's gap {gaps[-1]:.2f} ms")
-    return {
+        say(f"  hand-over{what}: caller's gap {gaps[-1]:.2f} ms")
+    return gaps
+
+
+def handover(runs: int, say: Any, large_runs: int, large_mib: int) -> dict[str, Any]:
+    gaps = _gaps(runs, say, "")
+    result: dict[str, Any] = {
         "runs": runs,
         "interruption_ms_p50": round(percentile(gaps, 0.5), 2),
         "interruption_ms_p99": round(percentile(gaps, 0.99), 2),
         "gaps_ms": [round(g, 2) for g in gaps],
-        "scope": "one node's broker with real SDK agents (pause, freeze, switch, `moved`); "
-        "the state plane's final delta is not in it; across nodes: `cross_node`",
+        "scope": "one node's broker with real SDK agents (pause, freeze, switch, `moved` to the "
+        "callers once final, kill); the state plane's final delta is not in it; across nodes: "
+        "`cross_node`",
     }
+    if large_runs > 0:
+        # A large old version, the caller moved at the final notice (as shipped) against moved
+        # when the old process is gone (as before 2026-12-06): the second waits for its death.
+        ours = _gaps(large_runs, say, f" ({large_mib} MiB)", ballast_mib=large_mib)
+        before = _gaps(
+            large_runs, say, f" ({large_mib} MiB, no notice)", ballast_mib=large_mib, release=False
+        )
+        result["large_agent"] = {
+            "mib": large_mib,
+            "runs": large_runs,
+            "gap_ms_p50": round(percentile(ours, 0.5), 2),
+            "gap_ms_max": round(max(ours), 2),
+            "without_notice_gap_ms_p50": round(percentile(before, 0.5), 2),
+            "without_notice_gap_ms_max": round(max(before), 2),
+        }
+    return result
 
 
 # ------------------------------------------------------------------ path handover across nodes
@@ -371,6 +404,14 @@ def main() -> None:
         help="path handover between the two node agents on the embedded stack (default 2 with "
         "--quick, else 5; 0: skip)",
     )  # fmt: skip
+    parser.add_argument(
+        "--large-agent-runs", type=int, default=None,
+        help="hand-overs of a large old version, with and without the final notice (default 2 "
+        "with --quick, else 5; 0: skip)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--large-agent-mib", type=int, default=1024, help="memory the large old version touches"
+    )
     args = parser.parse_args()
     runs = args.runs or (2 if args.quick else 5)
 
@@ -379,7 +420,12 @@ def main() -> None:
             print(text, flush=True)
 
     results = asyncio.run(run(runs, args.mib, say))
-    results["handover"] = h = handover(5 if args.quick else 20, say)
+    large_runs = (
+        args.large_agent_runs if args.large_agent_runs is not None else (2 if args.quick else 5)
+    )
+    results["handover"] = h = handover(
+        5 if args.quick else 20, say, large_runs, args.large_agent_mib
+    )
     cross_runs = (
         args.cross_node_runs if args.cross_node_runs is not None else (2 if args.quick else 5)
     )
@@ -392,6 +438,14 @@ def main() -> None:
         if x
         else "across nodes: not run"
     )
+    big = h.get("large_agent")
+    large = (
+        f"; a {big['mib']} MiB old version: gap p50 {big['gap_ms_p50']:.1f} ms (worst "
+        f"{big['gap_ms_max']:.1f}), {big['without_notice_gap_ms_p50']:.1f} ms (worst "
+        f"{big['without_notice_gap_ms_max']:.1f}) when callers waited for its death"
+        if big
+        else ""
+    )
     c = results["criu"]
     line = (
         f"migration: criu freeze p50 {c['freeze_ms_p50']:.0f} ms, p99 {c['freeze_ms_p99']:.0f} ms "
@@ -399,7 +453,7 @@ def main() -> None:
         f"{c['precopy_rounds']} pre-copy rounds; stages p50 {c['stages_p50_ms']}); anchors: Xen "
         f"live migration ~60 ms downtime, CUDA restore ~1.3 s; hand-over (one node's broker, "
         f"real SDK agents, a caller calling throughout): gap p50 {h['interruption_ms_p50']:.2f} "
-        f"ms, p99 {h['interruption_ms_p99']:.2f} ms (target < 12 ms); {across}"
+        f"ms, p99 {h['interruption_ms_p99']:.2f} ms (target < 12 ms); {across}{large}"
     )
     summary = {
         "criu": {"freeze_ms_p50": c["freeze_ms_p50"], "freeze_ms_p99": c["freeze_ms_p99"],

@@ -5,7 +5,8 @@ call's seq to LOGFILE, returns who served it) with ``serve()`` or ``aserve()``, 
 for its ``AgentState`` attached (``DSecClient.attach_state``): SIGUSR1 plays the keeper's
 ``handover`` (the state's hand-over callbacks run in a thread, as the SDK's do: serving pauses),
 then it creates LOGFILE + ".paused"; with ``$DSEC_STATE_HANDOVER_FROM`` set it is a hand-over's
-new version, and the client's ``ready()`` creates LOGFILE + ".ready".
+new version, and the client's ``ready()`` creates LOGFILE + ".ready". ``$DSEC_TEST_BALLAST_MIB``:
+memory it touches first (a large agent).
 
 ``python _handover_agents.py caller SOCKET MODE OUTFILE STOPFILE``: calls ``record`` in a loop
 (MODE ``sync``: one at a time; ``threads``: three threads on one client; ``async``: four in
@@ -56,6 +57,10 @@ class StandInState:
 
 
 def serve(socket_path: str, who: str, logfile: str, *, in_loop: bool = False) -> None:
+    # A large agent (bench/migration.py): memory touched first, so that its death takes long.
+    ballast = bytearray(int(os.environ.get("DSEC_TEST_BALLAST_MIB") or 0) << 20)
+    for page in range(0, len(ballast), 4096):
+        ballast[page] = 1
     client = DSecClient(NAME, GROUP, socket_path=socket_path)
     state = StandInState(logfile)
     client.attach_state(state)
