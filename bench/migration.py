@@ -55,7 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "services/nodeagent/tests"))
 import _nodeagent_harness
-from _common import emit, nats_server, percentile, until
+from _common import at_least, emit, nats_server, percentile, until
 from _ipc_testkit import BrokerThread
 from _nodeagent_harness import NodeAgentHarness
 from dsec_core import events
@@ -174,8 +174,15 @@ def _sandbox_of(pid: int, _uid: int) -> str | None:
     return None
 
 
-def _spawn(sandbox: str, argv: list[str], handover_from: str = "") -> subprocess.Popen[bytes]:
-    env = {**os.environ, "DSEC_TEST_SANDBOX": sandbox, "DSEC_STATE_HANDOVER_FROM": handover_from}
+def _spawn(
+    sandbox: str, argv: list[str], handover_from: str = "", **env: str
+) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "DSEC_TEST_SANDBOX": sandbox,
+        "DSEC_STATE_HANDOVER_FROM": handover_from,
+        **env,
+    }
     return subprocess.Popen([sys.executable, *argv], env=env)
 
 
@@ -203,11 +210,8 @@ def one_handover(work: Path, *, release: bool = True, ballast_mib: int = 0) -> f
     broker = BrokerThread(work / "ipc.sock", sandbox_of=_sandbox_of)
     sock = str(broker.socket_path)
     old_log, new_log, out, stop = (work / n for n in ("old.log", "new.log", "out.json", "stop"))
-    os.environ["DSEC_TEST_BALLAST_MIB"] = str(ballast_mib)  # (read by the old version only)
-    try:
-        procs = [_spawn("old", [str(AGENTS), "server", sock, "old", str(old_log)])]
-    finally:
-        del os.environ["DSEC_TEST_BALLAST_MIB"]
+    old_argv = [str(AGENTS), "server", sock, "old", str(old_log)]
+    procs = [_spawn("old", old_argv, DSEC_TEST_BALLAST_MIB=str(ballast_mib))]
     try:
         _poll(lambda: broker.broker.local_server(key), "the old version serving", every=0.01)
         procs.append(_spawn("caller", ["-c", CALLER, sock, str(out), str(stop)]))
@@ -405,12 +409,15 @@ def main() -> None:
         "--quick, else 5; 0: skip)",
     )  # fmt: skip
     parser.add_argument(
-        "--large-agent-runs", type=int, default=None,
+        "--large-agent-runs", type=at_least(0), default=None,
         help="hand-overs of a large old version, with and without the final notice (default 2 "
         "with --quick, else 5; 0: skip)",
     )  # fmt: skip
     parser.add_argument(
-        "--large-agent-mib", type=int, default=1024, help="memory the large old version touches"
+        "--large-agent-mib",
+        type=at_least(1),
+        default=1024,
+        help="memory the large old version touches",
     )
     args = parser.parse_args()
     runs = args.runs or (2 if args.quick else 5)

@@ -95,14 +95,6 @@ def _async_moves(client_ref: weakref.ref[DSecClient], link_ref: weakref.ref[Brok
                 caller.loop.call_soon_threadsafe(caller.moved)
 
 
-def _unsent(exc: PeerGone) -> PeerGone:
-    """``exc`` for a call whose request was never written: after a hand-over the client sends
-    it to the new version (a thread that waited for the channel while another thread's call on
-    it found it moved and dropped it would otherwise get this error)."""
-    exc.untaken = True
-    return exc
-
-
 class _SyncChannel:
     """A caller channel used from threads: one call at a time (the lock).
 
@@ -233,7 +225,7 @@ class _SyncChannel:
         if code == _CALL_TOO_LARGE:
             raise PayloadTooLarge(f"request to {end.peer}.{tool}", status[1], self.max_payload)
         if code == _CALL_CLOSED:
-            raise _unsent(PeerGone(end.peer, "the channel was closed"))
+            raise PeerGone(end.peer, "the channel was closed", untaken=True)  # (nothing sent)
         if code == _CALL_UNDECODABLE:
             exc = status[1]
             raise ProtocolError(f"undecodable answer from {end.peer!r}: {exc}") from exc
@@ -286,7 +278,9 @@ class _SyncChannel:
                         f"request to {end.peer}.{tool}", len(body), self.max_payload
                     )
                 if end.is_closed:  # (another thread's call dropped it: a hand-over, a death)
-                    raise _unsent(PeerGone(end.peer, "the channel was closed"))
+                    raise PeerGone(
+                        end.peer, "the channel was closed", untaken=True
+                    )  # (nothing sent)
                 call_id = self._take_id()
                 outcome: Any = -1
                 if self._fast_call is not None:

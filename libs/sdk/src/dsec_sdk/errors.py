@@ -32,12 +32,12 @@ class PeerGone(IpcError):
     A new call to the same agent reconnects through the broker (the agent may have restarted).
     """
 
-    def __init__(self, agent: str, reason: str) -> None:
+    def __init__(self, agent: str, reason: str, *, untaken: bool = False) -> None:
         self.agent = agent
         self.reason = reason
-        # The call's request was still in the ring, never read by the peer: safe to send again
-        # (to the new server of a name moved by a hand-over).
-        self.untaken = False
+        # The call's request was never read by the peer (still in the ring, or never written):
+        # safe to send again (to the new server of a name moved by a hand-over).
+        self.untaken = untaken
         super().__init__(f"agent {agent!r} is gone: {reason}")
 
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dsec_sdk.errors import PeerGone, ProtocolError
 from dsec_sdk.ipc import ring as r
 from dsec_sdk.ipc.channel import CallerEnd, ServerEnd, Spin, drain
 from dsec_sdk.ipc.server import ServeCore
+
+if TYPE_CHECKING:
+    from dsec_sdk.ipc.link import BrokerLink
 
 T = TypeVar("T")
 Frame = tuple[int, Any]
@@ -34,7 +37,7 @@ class AsyncCaller:
         self._decode = decode
         self._loop = asyncio.get_running_loop()
         self.loop = self._loop
-        self.link: Any = None  # the broker connection that opened it (its notices name it)
+        self.link: BrokerLink | None = None  # the connection that opened it (notices name it)
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._space = asyncio.Event()
         self._send_lock = asyncio.Lock()
@@ -78,17 +81,13 @@ class AsyncCaller:
                     return None
             return future.result()
         except PeerGone as exc:
-            if sent_to < 0:  # never written (gone before, or while it waited for room)
-                unsent = PeerGone(exc.agent, exc.reason)
-                unsent.untaken = True
-                raise unsent from exc
             consumed = self._consumed_at_end
-            if consumed is None or consumed >= sent_to:
+            # Written (sent_to >= 0) and read by the server, or not known to be unread: as is.
+            if sent_to >= 0 and (consumed is None or consumed >= sent_to):
                 raise
-            # The server never read this request: say so (a hand-over may send it again).
-            gone = PeerGone(exc.agent, exc.reason)
-            gone.untaken = True
-            raise gone from exc
+            # Never written (gone before, or while it waited for room), or never read: say so
+            # (a hand-over may send it again).
+            raise PeerGone(exc.agent, exc.reason, untaken=True) from exc
         finally:
             self._pending.pop(call_id, None)
             if future.done() and not future.cancelled():
