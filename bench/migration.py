@@ -27,7 +27,9 @@ its last answer by the old version to its first by the new one (the state plane'
 timed in bench/state.py, is not in it). Beside it, ``handover.large_agent``: the same with an
 old version that touched ``--large-agent-mib`` MiB (1024), with the callers moved at the final
 notice (as shipped) and, its peer, moved only when the old process is gone (as before
-2026-12-06): the second waits for a large process to die.
+2026-12-06): the second waits for a large process to die; and both again with the caller on
+another node (a second broker, the calls bridged over a throwaway NATS), whose calls the
+serving node's bridge moves at the notice as it does a local caller's.
 
 ``--json``: the last line is exactly
 ``{"criu": {"freeze_ms_p50": X, "freeze_ms_p99": X, "bytes": N}, "handover":
@@ -195,26 +197,33 @@ def _poll(predicate: Any, what: str, timeout: float = 60.0, every: float = 0.000
     return value
 
 
-def one_handover(work: Path, *, release: bool = True, ballast_mib: int = 0) -> float:
+def one_handover(
+    work: Path, *, release: bool = True, ballast_mib: int = 0, nats_url: str = ""
+) -> float:
     """One hand-over of a real SDK agent's tool name on one node's broker while another agent
     calls it in a loop: the new version registers as the standby, the old one finishes its call
     in progress and takes no more, is frozen (SIGSTOP, as the keeper's cgroup freeze), the broker
     switches the name, tells the caller which of its channels moved (``release``, as the node
     agent does once the hand-over is final; ``release=False``: as before 2026-12-06, the caller
     learns it when the old process is gone), and the old one is killed. ``ballast_mib``: memory
-    the old version touches first (a large agent, slower to die). Returns the caller's gap: from
-    its last answer by the old version to its first by the new one."""
+    the old version touches first (a large agent, slower to die). ``nats_url``: the caller is on
+    another node (a second broker, bridged over that NATS), its calls crossing through both
+    brokers. Returns the caller's gap: from its last answer by the old version to its first by
+    the new one."""
     from dsec_nodeagent.ipc.registry import AgentKey
 
     key = AgentKey("g1", "agent-b")
-    broker = BrokerThread(work / "ipc.sock", sandbox_of=_sandbox_of)
+    bridged = {"nats_url": nats_url} if nats_url else {}
+    broker = BrokerThread(work / "ipc.sock", sandbox_of=_sandbox_of, node_id="n2", **bridged)
     sock = str(broker.socket_path)
+    caller_node = BrokerThread(work / "n1.sock", node_id="n1", **bridged) if nats_url else None
+    caller_sock = str(caller_node.socket_path) if caller_node is not None else sock
     old_log, new_log, out, stop = (work / n for n in ("old.log", "new.log", "out.json", "stop"))
     old_argv = [str(AGENTS), "server", sock, "old", str(old_log)]
     procs = [_spawn("old", old_argv, DSEC_TEST_BALLAST_MIB=str(ballast_mib))]
     try:
         _poll(lambda: broker.broker.local_server(key), "the old version serving", every=0.01)
-        procs.append(_spawn("caller", ["-c", CALLER, sock, str(out), str(stop)]))
+        procs.append(_spawn("caller", ["-c", CALLER, caller_sock, str(out), str(stop)]))
         _poll(lambda: old_log.exists() and old_log.stat().st_size > 2000, "calls", every=0.01)
         broker.broker.expect_handover("new", "old")
         procs.append(
@@ -242,6 +251,8 @@ def one_handover(work: Path, *, release: bool = True, ballast_mib: int = 0) -> f
                 proc.kill()
             proc.wait(10)
         broker.stop()
+        if caller_node is not None:
+            caller_node.stop()
     seen = json.loads(out.read_text())
     last_old = max(t for who, t in seen if who == "old")
     first_new = min(t for who, t in seen if who == "new")
@@ -278,6 +289,19 @@ def handover(runs: int, say: Any, large_runs: int, large_mib: int) -> dict[str, 
         before = _gaps(
             large_runs, say, f" ({large_mib} MiB, no notice)", ballast_mib=large_mib, release=False
         )
+        # The same with the caller on another node: the serving node's bridge holds the
+        # channel to the old version, and moves it at the notice too (since 2026-12-06 05:00).
+        far_what = f" ({large_mib} MiB, caller on another node"
+        with nats_server() as url:
+            far = _gaps(large_runs, say, far_what + ")", ballast_mib=large_mib, nats_url=url)
+            far_before = _gaps(
+                large_runs,
+                say,
+                far_what + ", no notice)",
+                ballast_mib=large_mib,
+                nats_url=url,
+                release=False,
+            )
         result["large_agent"] = {
             "mib": large_mib,
             "runs": large_runs,
@@ -285,6 +309,12 @@ def handover(runs: int, say: Any, large_runs: int, large_mib: int) -> dict[str, 
             "gap_ms_max": round(max(ours), 2),
             "without_notice_gap_ms_p50": round(percentile(before, 0.5), 2),
             "without_notice_gap_ms_max": round(max(before), 2),
+            "caller_on_another_node": {
+                "gap_ms_p50": round(percentile(far, 0.5), 2),
+                "gap_ms_max": round(max(far), 2),
+                "without_notice_gap_ms_p50": round(percentile(far_before, 0.5), 2),
+                "without_notice_gap_ms_max": round(max(far_before), 2),
+            },
         }
     return result
 
@@ -446,10 +476,13 @@ def main() -> None:
         else "across nodes: not run"
     )
     big = h.get("large_agent")
+    far = big["caller_on_another_node"] if big else {}
     large = (
         f"; a {big['mib']} MiB old version: gap p50 {big['gap_ms_p50']:.1f} ms (worst "
         f"{big['gap_ms_max']:.1f}), {big['without_notice_gap_ms_p50']:.1f} ms (worst "
-        f"{big['without_notice_gap_ms_max']:.1f}) when callers waited for its death"
+        f"{big['without_notice_gap_ms_max']:.1f}) when callers waited for its death; a caller "
+        f"on another node {far['gap_ms_p50']:.1f} ms against {far['without_notice_gap_ms_p50']:.1f}"
+        " ms"
         if big
         else ""
     )

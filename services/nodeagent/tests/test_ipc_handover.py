@@ -18,7 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dsec_core import natsperms
 from dsec_sdk import DSecClient
+from dsec_testing.stack import StackFixture
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
 from _ipc_testkit import BrokerThread, wait_until
@@ -135,6 +137,74 @@ def test_callers_follow_a_switched_name_without_an_error(
                 proc.kill()
                 proc.wait(10)
 
+    whos = _answered_once(out, old_log, new_log)
+    if mode == "sync":  # one call at a time: every call before the switch went to the old one
+        switch_at = whos.index("new")
+        assert set(whos[:switch_at]) == {"old"} and set(whos[switch_at:]) == {"new"}
+
+
+@pytest.mark.parametrize(
+    ("mode", "release"), [("sync", True), ("async", True), ("threads", True), ("sync", False)]
+)
+def test_callers_on_another_node_follow_a_switched_name(
+    dsec_stack: StackFixture, work: Path, mode: str, release: bool
+) -> None:
+    """The caller on node 1, the agent's versions on node 2: its calls cross through both
+    brokers' bridge, whose channel to the old version moves at ``release`` (the old process
+    still there, stopped) as a local caller's does, or, without it, when the old one dies."""
+    auth = {
+        "nkeys_seed": str(dsec_stack.nats_seed("nodeagent")),
+        "inbox_prefix": natsperms.inbox_prefix("nodeagent"),
+    }
+    url = dsec_stack.nats_plain_url
+    here = BrokerThread(work / "n1.sock", node_id="n1", nats_url=url, nats_options=auth)
+    there = BrokerThread(
+        work / "n2.sock", node_id="n2", nats_url=url, nats_options=auth, sandbox_of=_sandbox_of
+    )
+    sock = str(there.socket_path)
+    old_log, new_log = work / "old.log", work / "new.log"
+    out, stop = work / "answers.json", work / "stop"
+    procs = [_spawn("old", "server", sock, "old", str(old_log))]
+    try:
+        wait_until(lambda: there.broker.local_server(KEY), what="the old version to serve")
+        procs.append(_spawn("caller", "caller", str(here.socket_path), mode, str(out), str(stop)))
+        wait_until(lambda: len(_served(old_log)) > 100, what="calls to the old version")
+        assert here.broker.local_server(KEY) is None  # (they do cross nodes)
+
+        there.broker.expect_handover("new", "old")
+        procs.append(_spawn("new", "server", sock, "new", str(new_log), handover_from="old"))
+        wait_until(lambda: Path(str(new_log) + ".ready").exists(), what="ready")
+        old = procs[0]
+        old.send_signal(signal.SIGUSR1)
+        wait_until(lambda: Path(str(old_log) + ".paused").exists(), what="the pause")
+        old.send_signal(signal.SIGSTOP)
+
+        there.run(_switch(there, "new"))
+        if release:
+            assert there.run(_release(there, "old")) == 1  # the bridge's channel
+            wait_until(lambda: len(_served(new_log)) > 100, what="calls to the new version")
+            assert old.poll() is None  # they moved while the old process still exists
+        there.broker.forget_handover("new")
+        old.kill()
+        old.wait(10)
+
+        wait_until(lambda: len(_served(new_log)) > 100, what="calls to the new version")
+        stop.touch()
+        assert procs[1].wait(60) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        here.stop()
+        there.stop()
+
+    _answered_once(out, old_log, new_log)
+
+
+def _answered_once(out: Path, old_log: Path, new_log: Path) -> list[str]:
+    """The caller saw no error, every call was answered once and served once, by one version
+    or the other, and both served; who answered each call, in call order."""
     result = json.loads(out.read_text())
     assert result["errors"] == []
     seqs = sorted(seq for seq, _ in result["answers"])
@@ -143,9 +213,7 @@ def test_callers_follow_a_switched_name_without_an_error(
     assert sorted(served) == seqs  # and served exactly once, by one version or the other
     whos = [who for _, who in sorted(result["answers"])]
     assert "old" in whos and "new" in whos
-    if mode == "sync":  # one call at a time: every call before the switch went to the old one
-        switch_at = whos.index("new")
-        assert set(whos[:switch_at]) == {"old"} and set(whos[switch_at:]) == {"new"}
+    return whos
 
 
 async def _switch(broker: BrokerThread, to: str) -> int:

@@ -582,7 +582,8 @@ class Broker:
         "channels": [ids]}``. A call waiting there whose request the old server never read goes
         to the new server at once, instead of when the old process is gone (:meth:`switch`'s
         notice names no channel: the switch may still be undone, the old server thawed, and
-        the request read after all). Returns how many channels were named."""
+        the request read after all). The bridge's own channel to that server, which carries
+        the calls of other nodes, moves the same way. Returns how many channels were named."""
         standby = self._registry.standby_of(key)
         if standby is None or standby[1] != from_sandbox:
             return 0
@@ -605,6 +606,8 @@ class Broker:
                     part = channels[at : at + _NOTICE_CHANNELS]
                     self._send(caller, {"op": "moved", "peer": key.agent, "channels": part})
         count = sum(len(channels) for channels in named.values())
+        if self._remote is not None:  # the bridge's channel, for callers on other nodes
+            count += self._remote.moved(key, previous)
         log.info(
             "ipc: %s left sandbox %s for good (%d channels of callers told)",
             key,

@@ -57,6 +57,7 @@ class RemoteBridge:
         self._subs: dict[AgentKey, Subscription] = {}
         self._targets: dict[int, AgentKey] = {}
         self._inbound: dict[AgentKey, AsyncCaller] = {}
+        self._inbound_to: dict[AgentKey, Connection] = {}  # the server each one reaches
         self._doorbell = -1
         self._proxy: AsyncServeLoop | None = None
         self._proxy_task: asyncio.Task[None] | None = None
@@ -85,6 +86,7 @@ class RemoteBridge:
         for caller in self._inbound.values():
             caller.close()
         self._inbound.clear()
+        self._inbound_to.clear()
         if self.nc is not None:
             for sub in self._subs.values():
                 with contextlib.suppress(nats.errors.Error):
@@ -114,8 +116,23 @@ class RemoteBridge:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
         caller = self._inbound.pop(key, None)
+        self._inbound_to.pop(key, None)
         if caller is not None:
             caller.close()
+
+    def moved(self, key: AgentKey, server: Connection) -> int:
+        """A final hand-over took ``key`` from ``server`` for good (the broker's ``release``):
+        if calls from other nodes reach it through this bridge's channel, that channel moves
+        now, not when the old process dies. An answer already written is delivered; a call
+        the old server never read ends untaken and :meth:`_call_local` sends it again, to the
+        new server. Returns how many channels moved (0 or 1)."""
+        caller = self._inbound.get(key)
+        if caller is None or self._inbound_to.get(key) is not server:
+            return 0
+        del self._inbound[key]
+        del self._inbound_to[key]
+        caller.moved()
+        return 1
 
     async def locate(self, key: AgentKey) -> bool:
         """Whether another node's broker serves ``key``."""
@@ -268,8 +285,7 @@ class RemoteBridge:
         try:
             frame = await caller.call(codec.REQUEST, body, deadline)
         except PeerGone as exc:
-            if self._inbound.get(key) is caller:
-                self._inbound.pop(key, None)
+            self._forget_inbound(key, caller)
             retry = self._inbound_caller(key) if exc.untaken else None
             if retry is None:
                 return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", exc.reason)
@@ -278,13 +294,20 @@ class RemoteBridge:
             try:
                 frame = await retry.call(codec.REQUEST, body, deadline)
             except PeerGone as again:
-                self._inbound.pop(key, None)
+                self._forget_inbound(key, retry)
                 return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", again.reason)
         if frame is None:
             text = f"no answer within {timeout_s:g} s"
             return codec.ERROR, self._error(codec.E_TIMEOUT, "CallTimeout", text)
         kind, value = frame
         return kind, bytes(value)
+
+    def _forget_inbound(self, key: AgentKey, caller: AsyncCaller) -> None:
+        """``caller`` failed: the next call to ``key`` opens a channel afresh (unless another
+        call already did)."""
+        if self._inbound.get(key) is caller:
+            del self._inbound[key]
+            del self._inbound_to[key]
 
     def _inbound_caller(self, key: AgentKey) -> AsyncCaller | None:
         caller = self._inbound.get(key)
@@ -308,6 +331,7 @@ class RemoteBridge:
         )
         caller = AsyncCaller(end, bytes)
         self._inbound[key] = caller
+        self._inbound_to[key] = server
         return caller
 
     # ------------------------------------------------------------------ helpers
