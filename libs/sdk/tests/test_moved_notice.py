@@ -7,6 +7,7 @@ never read), instead of when the old process is gone. The broker's side and the 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sys
 import tempfile
@@ -239,6 +240,61 @@ def test_a_notice_another_thread_read_first_still_ends_the_wait(pair: Pair, fake
         pair.caller.wait_response(started + 30 * SECOND)
     assert time.perf_counter_ns() - started < 5 * SECOND  # (not the deadline)
     thread.join(10)
+
+
+def test_a_notice_another_thread_read_unseen_wakes_the_sleeper_at_once(
+    pair: Pair, fake: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread (an event loop's notice thread, a call opening a channel) reads the
+    notice before the sleeper ever saw the connection readable: the link rings the channel's
+    wake eventfd, so the call ends at once, not when its sleep ends (up to 50 ms; 60 s here)."""
+    from dsec_sdk.ipc import channel as ch
+
+    monkeypatch.setattr(ch, "_MAX_SLEEP_NS", 60 * SECOND)
+    broker, link = fake
+    conn = broker.wait()
+    quiet_r, quiet_w = os.pipe()  # (a connection the sleeper watches that never says anything)
+    try:
+        pair.caller.watch_moves(quiet_r, link.moved_channel, link.moved_known)
+        link.ring_on_move(7, pair.caller, pair.caller.wake_fd)
+
+        def notice_thread() -> None:
+            control.send(conn, {"op": "moved", "peer": "b", "channels": [7]})
+            _until(lambda: _readable(link.sock))
+            assert link.read_notices() == lk.NOT_MOVED  # (read here; noted for channel 7)
+
+        _later(0.1, notice_thread)
+        started = time.perf_counter_ns()
+        with pytest.raises(PeerGone, match="moved"):
+            pair.caller.wait_response(started + 120 * SECOND)
+        assert time.perf_counter_ns() - started < 10 * SECOND  # (not its 60 s sleep)
+        assert link._bells == {}  # rung once, then forgotten
+    finally:
+        os.close(quiet_r)
+        os.close(quiet_w)
+
+
+def test_the_link_forgets_the_bells_of_closed_channels_and_closes_their_fds(fake: Any) -> None:
+    _, link = fake
+    ends = [Pair(CAPACITY, channel_id=cid) for cid in (1, 2)]
+    try:
+        link.ring_on_move(1, ends[0].caller, ends[0].caller.wake_fd)
+        first_dup = link._bells[1][1]
+        ends[0].caller.close()
+        link.ring_on_move(2, ends[1].caller, ends[1].caller.wake_fd)
+        assert list(link._bells) == [2]  # the closed one's forgotten when the next comes
+        with pytest.raises(OSError):
+            os.fstat(first_dup)  # and its duplicate closed
+        second_dup = link._bells[2][1]
+        link.close()
+        assert link._bells == {}
+        with pytest.raises(OSError):
+            os.fstat(second_dup)
+        link.ring_on_move(3, ends[1].caller, ends[1].caller.wake_fd)  # after close: kept nowhere
+        assert link._bells == {}
+    finally:
+        for p in ends:
+            p.close()
 
 
 def _watchers() -> list[str]:

@@ -125,6 +125,11 @@ class BrokerLink:
         # ``channels`` of ``moved`` notices; see :meth:`moved_channel`).
         self._moved_channels: set[int] = set()
         self._eof = False  # the broker closed the connection (a notice reader saw it)
+        # Channels whose sleeper a final notice wakes, whichever thread reads it: channel id ->
+        # (its caller end, weakly; a duplicate of that end's wake eventfd). See ring_on_move.
+        self._bells: dict[int, tuple[weakref.ref[Any], int]] = {}
+        self._bells_lock = threading.Lock()
+        self._bells_closed = False
         self._watch_lock = threading.Lock()
         # Told of every final notice; set when a thread reads them (see watch_notices).
         self._listener: Callable[[], None] | None = None
@@ -186,13 +191,46 @@ class BrokerLink:
                 # (a caller whose channel is forgotten here learns it when the old process
                 # is gone, as before final notices existed)
                 self._moved_channels.clear()
-            self._moved_channels.update(c for c in channels if type(c) is int)
+            named = [c for c in channels if type(c) is int]
+            self._moved_channels.update(named)
+            self._ring(named)  # (after noting them: a woken sleeper finds its channel known)
             listener = self._listener
             if listener is not None:
                 try:
                     listener()
                 except Exception:  # (a listener's bug must not stop this thread's request)
                     log.exception("ipc: the moved-notice listener failed")
+
+    def ring_on_move(self, channel_id: int, end: Any, wake_fd: int) -> None:
+        """Wake the caller asleep on channel ``channel_id`` (``end``, which sleeps on the eventfd
+        ``wake_fd``) as soon as a final notice naming it is read, by whichever thread: without
+        this, a sleeper whose notice another thread read (an event loop's notice thread, a
+        thread opening a channel) learned of it only after its current sleep, up to 50 ms.
+        The link keeps a duplicate of the fd (``end`` may close its own at any time, and a
+        closed fd's number may be reused) until the notice, until ``end`` is closed or garbage
+        (looked at whenever another channel is registered), or until the link closes."""
+        bell = os.dup(wake_fd)
+        stale: list[int] = []
+        with self._bells_lock:
+            if self._bells_closed:
+                stale.append(bell)
+            else:
+                for cid, (ref, fd) in list(self._bells.items()):
+                    owner = ref()
+                    if owner is None or owner.is_closed or cid == channel_id:
+                        del self._bells[cid]
+                        stale.append(fd)
+                self._bells[channel_id] = (weakref.ref(end), bell)
+        for fd in stale:
+            os.close(fd)
+
+    def _ring(self, channels: list[int]) -> None:
+        with self._bells_lock:
+            bells = [b for c in channels if (b := self._bells.pop(c, None)) is not None]
+        for _, fd in bells:
+            with contextlib.suppress(OSError):
+                os.eventfd_write(fd, 1)
+            os.close(fd)
 
     def _read_queued(self) -> None:
         """Read the notices queued on the connection without waiting (the lock held)."""
@@ -325,3 +363,8 @@ class BrokerLink:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+        with self._bells_lock:
+            self._bells_closed = True
+            bells, self._bells = list(self._bells.values()), {}
+        for _, fd in bells:
+            os.close(fd)
