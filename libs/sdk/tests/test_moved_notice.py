@@ -297,6 +297,51 @@ def test_the_link_forgets_the_bells_of_closed_channels_and_closes_their_fds(fake
             p.close()
 
 
+class _CloseInside:
+    """The link's bell lock, with ``link.close()`` run once while it is held: as a signal
+    handler above the thread registering a channel would."""
+
+    def __init__(self, link: lk.BrokerLink) -> None:
+        self.lock = threading.Lock()
+        self.link = link
+        self.armed = True
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        if self.armed:
+            self.armed = False
+            self.link.close()
+
+    def __exit__(self, *_: object) -> None:
+        self.lock.release()
+
+    def acquire(self, blocking: bool = True) -> bool:
+        return self.lock.acquire(blocking)
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def test_closing_the_link_inside_a_registration_neither_hangs_nor_leaks(fake: Any) -> None:
+    """``close()`` never waits for the bell lock (before the review's fix, 2026-12-06, a
+    signal handler closing the client above a channel's registration hung for ever); the
+    thread that held it closes the bells left once it lets go."""
+    _, link = fake
+    ends = [Pair(CAPACITY, channel_id=cid) for cid in (1, 2)]
+    try:
+        link.ring_on_move(1, ends[0].caller, ends[0].caller.wake_fd)
+        first_dup = link._bells[1][1]
+        link._bells_lock = _CloseInside(link)  # type: ignore[assignment]
+        link.ring_on_move(2, ends[1].caller, ends[1].caller.wake_fd)  # close() runs inside
+        assert link.sock.fileno() < 0  # closed
+        assert link._bells == {}  # the bell being registered and the earlier one: closed
+        with pytest.raises(OSError):
+            os.fstat(first_dup)
+    finally:
+        for p in ends:
+            p.close()
+
+
 def _watchers() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name == f"dsec-ipc-notices-{AGENT}"]
 

@@ -500,3 +500,26 @@ def test_a_served_call_counts_one_local_channel(
         assert metric("dsec_ipc_channels_opened_total", where="local") == before + 1
     finally:
         client.close()
+
+
+def test_a_channel_opens_and_works_when_no_fd_is_left_for_its_move_bell(
+    broker: BrokerThread, agent_b: ThreadServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wake-up a hand-over's final notice rings needs one more fd (a duplicate of the
+    channel's eventfd): at the fd limit the channel still opens, is kept and works (it learns
+    of a move at its next wake-up instead), nothing leaks and no bare OSError reaches the call
+    (found by a review, 2026-12-06: the new channel was neither kept nor closed)."""
+    from dsec_sdk.ipc import link as lk
+
+    def no_fd_left(*_: Any) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(lk.BrokerLink, "ring_on_move", no_fd_left)
+    client = DSecClient("agent-a", "g1", socket_path=broker.socket_path, timeout=20)
+    wait_serving(client, "agent-b")
+    assert client.call_tool("agent-b", "ping") == "pong"
+    channel = client._channels["agent-b"]
+    assert client.call_tool("agent-b", "ping") == "pong"
+    assert client._channels["agent-b"] is channel  # kept: one channel for both calls
+    client.close()
+    assert channel.end.is_closed  # (and so closed with the client, not left open)

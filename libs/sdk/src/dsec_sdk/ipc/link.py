@@ -221,15 +221,30 @@ class BrokerLink:
                         del self._bells[cid]
                         stale.append(fd)
                 self._bells[channel_id] = (weakref.ref(end), bell)
+        self._close_bells_if_closed()
         for fd in stale:
             os.close(fd)
 
     def _ring(self, channels: list[int]) -> None:
         with self._bells_lock:
             bells = [b for c in channels if (b := self._bells.pop(c, None)) is not None]
+        self._close_bells_if_closed()
         for _, fd in bells:
             with contextlib.suppress(OSError):
                 os.eventfd_write(fd, 1)
+            os.close(fd)
+
+    def _close_bells_if_closed(self) -> None:
+        """Once the link is closed, close the bells left, unless another thread holds their
+        lock: :meth:`close` never waits for it (it may run in a signal handler above a thread
+        holding it), so whoever holds it looks here after letting go."""
+        if not self._bells_closed or not self._bells_lock.acquire(blocking=False):
+            return
+        try:
+            bells, self._bells = list(self._bells.values()), {}
+        finally:
+            self._bells_lock.release()
+        for _, fd in bells:
             os.close(fd)
 
     def _read_queued(self) -> None:
@@ -363,8 +378,5 @@ class BrokerLink:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
-        with self._bells_lock:
-            self._bells_closed = True
-            bells, self._bells = list(self._bells.values()), {}
-        for _, fd in bells:
-            os.close(fd)
+        self._bells_closed = True
+        self._close_bells_if_closed()

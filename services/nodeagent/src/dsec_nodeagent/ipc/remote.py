@@ -131,6 +131,8 @@ class RemoteBridge:
             return 0
         del self._inbound[key]
         del self._inbound_to[key]
+        if caller.closed:  # (failed already: the next call opens a channel to the new server)
+            return 0
         caller.moved()
         return 1
 
