@@ -28,6 +28,10 @@ Scaling (DSec only) runs 10, 50 and 100 pairs (2 processes each) on this machine
 * ``duty_cycle``: every pair runs at once; each client makes a burst of calls, then "thinks"
   (sleeps ~1 s, as an agent waiting for its LLM), repeated. Pairs overlap at random.
 
+``first_call``: a new client's first call to a peer (DSec: the broker connection's hello, the
+connect, both ends mapping the channel, the call), beside HTTP's first call on a new TCP
+connection to the same aiohttp server.
+
 The first call of a burst finds its server asleep and pays an eventfd wake-up (~70 µs here); the
 rest of the burst runs spinning. Both are in the percentiles.
 """
@@ -286,6 +290,21 @@ def shm_latency(path: str, peer: str, kind: str, calls: int, out: Connection) ->
     out.send(samples)
 
 
+def shm_first_calls(path: str, peer: str, n: int, out: Connection) -> None:
+    """``n`` times: a new client's first call to ``peer`` (the broker connection's hello, the
+    channel's connect, both ends mapping it, the call), then the client closed."""
+    _shm_client(path, "c-first-warm", peer).close()  # (the server is up and warm)
+    clock = time.perf_counter_ns
+    samples = []
+    for i in range(n):
+        client = DSecClient(f"c-first-{i}", GROUP, socket_path=path)
+        start = clock()
+        client.call_tool(peer, "web_search", query=QUERY)
+        samples.append(clock() - start)
+        client.close()
+    out.send(samples)
+
+
 def shm_turns(
     path: str, index: int, pairs: int, rounds: int, tokens: list[int], done: int, out: Connection
 ) -> None:
@@ -369,6 +388,13 @@ class ShmBench:
 def bench_shm(shm: ShmBench, kind: str, calls: int) -> dict[str, float]:
     shm.server("one")
     result = shm.spawn(shm_latency, shm.path, "one", kind, calls).recv()
+    shm.stop_agents()
+    return stats(result)
+
+
+def bench_first_calls(shm: ShmBench, n: int) -> dict[str, float]:
+    shm.server("first")
+    result = shm.spawn(shm_first_calls, shm.path, "first", n).recv()
     shm.stop_agents()
     return stats(result)
 
@@ -482,17 +508,22 @@ def http_server(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, handle_signals=False)
 
 
-def http_latency(port: int, kind: str, calls: int, out: Connection) -> None:
+def _http_connected(port: int) -> http.client.HTTPConnection:
+    """A connection to the server on ``port``, once it listens."""
     deadline = time.monotonic() + 30
     while True:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port)
             conn.connect()
-            break
+            return conn
         except OSError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+def http_latency(port: int, kind: str, calls: int, out: Connection) -> None:
+    conn = _http_connected(port)
     assert conn.sock is not None
     conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     body = pack([TOOL_OF[kind], CALLS[kind], 5000])
@@ -515,7 +546,29 @@ def http_latency(port: int, kind: str, calls: int, out: Connection) -> None:
     out.send(samples)
 
 
-def bench_http(calls: dict[str, int]) -> dict[str, dict[str, float]]:
+def http_first_calls(port: int, n: int, out: Connection) -> None:
+    """``n`` times: a new connection's first call (TCP connect, the request, the answer)."""
+    body = pack([TOOL_OF["small"], CALLS["small"], 5000])
+    headers = {"Content-Type": "application/msgpack"}
+    warm = _http_connected(port)  # (the server is up and has answered once)
+    warm.request("POST", "/call", body, headers)
+    unpack(warm.getresponse().read())
+    warm.close()
+    clock = time.perf_counter_ns
+    samples = []
+    for _ in range(n):
+        start = clock()
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        conn.request("POST", "/call", body, headers)
+        unpack(conn.getresponse().read())
+        samples.append(clock() - start)
+        conn.close()
+    out.send(samples)
+
+
+def bench_http(calls: dict[str, int], first: int = 0) -> dict[str, dict[str, float]]:
+    """Keep-alive latency per kind; with ``first``, also that many new connections' first
+    calls (``results["first"]``), after the latency runs (the server is up and warm)."""
     port = free_port()
     server = ctx.Process(target=http_server, args=(port,), daemon=True)
     server.start()
@@ -527,6 +580,12 @@ def bench_http(calls: dict[str, int]) -> dict[str, dict[str, float]]:
             proc.start()
             results[kind] = stats(mine.recv())
             proc.join()
+        if first:
+            mine, theirs = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=http_first_calls, args=(port, first, theirs))
+            proc.start()
+            results["first"] = stats(mine.recv())
+            proc.join()
     finally:
         server.kill()
         server.join()
@@ -535,6 +594,7 @@ def bench_http(calls: dict[str, int]) -> dict[str, dict[str, float]]:
 
 # ---------------------------------------------------------------------------- main
 PAIRS = (10, 50, 100)
+FIRST_CALLS = 300  # new clients' first calls (dsec_shm, http)
 
 
 def dev_run(only: set[str], small: int, rounds: int, bursts: int) -> None:
@@ -546,6 +606,9 @@ def dev_run(only: set[str], small: int, rounds: int, bursts: int) -> None:
         if "one" in only:
             print("dsec_shm 200 B", bench_shm(shm, "small", small), flush=True)
             print("dsec_shm 64 KB", bench_shm(shm, "64k", small // 5), flush=True)
+        if "first" in only:
+            print("dsec_shm first call", bench_first_calls(shm, FIRST_CALLS), flush=True)
+            print("http first call", bench_http({}, FIRST_CALLS)["first"], flush=True)
         for pairs in PAIRS if "turns" in only else ():
             print(f"turns {pairs}", bench_turns(shm, pairs, rounds), flush=True)
         for pairs in PAIRS if "duty" in only else ():
@@ -605,9 +668,18 @@ def main() -> None:
         nats_r = bench_nats({"small": peer_small, "64k": peer_big})
         results["nats_request_reply"] = {**nats_r["small"], "64k": nats_r["64k"]}
         say(f"nats_request_reply  200 B: {nats_r['small']}   64 KB: {nats_r['64k']}")
-        http_r = bench_http({"small": peer_small, "64k": peer_big})
+        first_calls = FIRST_CALLS // 5 if args.quick else FIRST_CALLS
+        http_r = bench_http({"small": peer_small, "64k": peer_big}, first_calls)
         results["http_keepalive"] = {**http_r["small"], "64k": http_r["64k"]}
         say(f"http_keepalive      200 B: {http_r['small']}   64 KB: {http_r['64k']}")
+        dsec_first = bench_first_calls(shm, first_calls)
+        results["first_call"] = {
+            "dsec_shm": dsec_first,
+            "http_new_connection": http_r["first"],
+            "what": "a new client's first call, 200 B: DSec's broker hello, connect, both ends "
+            "mapping the channel and the call; HTTP's TCP connect, request and answer",
+        }
+        say(f"first call (new client) dsec_shm: {dsec_first}   HTTP: {http_r['first']}")
 
         scaling: dict[str, Any] = {"turns": {}, "duty_cycle": {}}
         for pairs in PAIRS:
@@ -631,6 +703,7 @@ def main() -> None:
     n50 = results["nats_request_reply"]["p50_us"]
     h50 = results["http_keepalive"]["p50_us"]
     f50 = results["shm_floor"].get("p50_us")
+    first = results["first_call"]
     results["dsec_shm"]["target"] = "p50 <= 2.4 us, p99 <= 10 us, >= 40x NATS"
     results["dsec_shm"]["over_nats"] = round(n50 / d50, 1)
     floor_text = f", shm floor {f50:.2f} us" if f50 else ""
@@ -639,7 +712,9 @@ def main() -> None:
         f"{n50 / d50:.0f}x faster than NATS request-reply ({n50:.0f} us) and {h50 / d50:.0f}x "
         f"faster than HTTP keep-alive ({h50:.0f} us); 100 vs 10 pairs p50: "
         f"{scaling['turns']['p50_100_over_10']}x (turns), "
-        f"{scaling['duty_cycle']['p50_100_over_10']}x (duty cycle)"
+        f"{scaling['duty_cycle']['p50_100_over_10']}x (duty cycle); a new client's first call "
+        f"p50 {first['dsec_shm']['p50_us']:.0f} us (HTTP, a new connection: "
+        f"{first['http_new_connection']['p50_us']:.0f} us)"
     )
     emit(
         "ipc",

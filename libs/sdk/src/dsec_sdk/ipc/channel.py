@@ -47,7 +47,6 @@ _SWITCHED_NS: Final = 3_000
 # So an end that wakes up next to its peer moves to another core, at most this often.
 MIGRATE_EVERY_NS: Final = 200_000
 
-_MAP_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
 _RING_SEALS: Final = r.SEALS
 
 
@@ -291,10 +290,14 @@ class _End:
         except (ValueError, ProtocolError):
             close_fds(fds)  # this end owns them: nothing may leak from a refused channel
             raise
-        # Populated up front: a page touched for the first time costs a fault in each process
-        # (several microseconds in a VM), which a fresh channel would otherwise pay every ~18
-        # small calls until its rings have wrapped once.
-        self._mm = mmap.mmap(memfd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+        # Faulted in as the rings are used, not up front: a page's first touch costs a fault in
+        # each process (~4 µs in a VM), so a new channel pays one every ~18 small calls until
+        # its rings have wrapped once, instead of ~0.5 ms for all 128 pages with MAP_POPULATE on
+        # the call that opened it (the first call to every peer, and the call that follows a
+        # hand-over). Populating on a helper thread instead gained nothing on two cores: it
+        # took the CPU the first calls needed (2026-12-06, first + second call 0.65 against
+        # 0.62 ms with MAP_POPULATE).
+        self._mm = mmap.mmap(memfd, size, flags=mmap.MAP_SHARED)
         view = memoryview(self._mm)
         half = r.ring_size(capacity)
         self.requests = r.Ring(
