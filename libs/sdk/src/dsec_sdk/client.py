@@ -883,9 +883,12 @@ class DSecClient:
         codec.raise_error(agent, tool, self.group, seconds or 0.0, value)
 
     # ------------------------------------------------------------------ channels
-    def _broker(self) -> BrokerLink:
+    def _broker(self, connect_to: str | None = None) -> BrokerLink:
+        """The broker connection; a new one sends ``connect_to``'s connect behind its hello."""
         if self._link is None:
-            self._link = BrokerLink(self.socket_path, self.agent, self.group, "caller")
+            self._link = BrokerLink(
+                self.socket_path, self.agent, self.group, "caller", connect_to=connect_to
+            )
         return self._link
 
     def _open(self, agent: str) -> CallerEnd:
@@ -897,7 +900,7 @@ class DSecClient:
         with self._link_lock:
             fresh = self._link is None
             try:
-                link = self._broker()
+                link = self._broker(agent)
                 message, fds = link.connect(agent)
             except BrokerUnavailable:
                 if self._link is not None:
@@ -906,7 +909,7 @@ class DSecClient:
                 if fresh:
                     raise
                 # An old connection to a broker that has since restarted: connect once afresh.
-                link = self._broker()
+                link = self._broker(agent)
                 message, fds = link.connect(agent)
         end = CallerEnd(
             channel_id=int(message["channel"]),

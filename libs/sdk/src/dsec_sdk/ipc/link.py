@@ -89,6 +89,9 @@ class BrokerLink:
         role: ``caller`` or ``server``.
         tools: Tool names (servers only).
         takeover: A server that replaces a live server of its name (see ``DSecClient``).
+        connect_to: A caller's first peer: its ``connect`` is sent right behind the hello, and
+            :meth:`connect` to that peer then only reads the answer (one round trip to the
+            broker saved on a new client's first call).
 
     Raises:
         BrokerUnavailable: Nothing listens on ``path``, or the broker refused the hello.
@@ -103,6 +106,7 @@ class BrokerLink:
         tools: list[str] | None = None,
         *,
         takeover: bool = False,
+        connect_to: str | None = None,
     ) -> None:
         self.path = path
         self.agent = agent
@@ -134,6 +138,7 @@ class BrokerLink:
         # Told of every final notice; set when a thread reads them (see watch_notices).
         self._listener: Callable[[], None] | None = None
         self._refs = itertools.count(1)
+        self._sent_connect: tuple[int, str] | None = None  # (ref, peer): sent, unanswered
         try:
             hello = {
                 "op": "hello",
@@ -146,6 +151,11 @@ class BrokerLink:
             }
             try:
                 control.send(sock, hello)
+                if connect_to is not None and role == "caller":
+                    # (the broker reads it once the hello is done; refused, it is never read)
+                    ref = next(self._refs)
+                    control.send(sock, {"op": "connect", "ref": ref, "peer": connect_to})
+                    self._sent_connect = (ref, connect_to)
             except OSError as exc:
                 # A broker that turns a connection away (a bound reached) sends why and closes,
                 # possibly before our hello: its reason is still queued for us to read.
@@ -349,11 +359,21 @@ class BrokerLink:
             BrokerUnavailable: The broker is gone.
         """
         with self._lock:
-            ref = next(self._refs)
-            try:
-                control.send(self.sock, {"op": "connect", "ref": ref, "peer": peer})
-            except OSError as exc:
-                raise BrokerUnavailable(f"the broker at {self.path} is gone: {exc}") from exc
+            sent = self._sent_connect
+            if sent is not None and sent[1] != peer:
+                # (its answer, a channel the broker holds for us, would come first)
+                raise ProtocolError(
+                    f"this connection's first connect, to {sent[1]!r}, is still unanswered"
+                )
+            self._sent_connect = None
+            if sent is not None:
+                ref = sent[0]  # (sent behind the hello: only its answer is left to read)
+            else:
+                ref = next(self._refs)
+                try:
+                    control.send(self.sock, {"op": "connect", "ref": ref, "peer": peer})
+                except OSError as exc:
+                    raise BrokerUnavailable(f"the broker at {self.path} is gone: {exc}") from exc
             message, fds = self._recv()
             # Notices behind the answer: read now, while no caller watching the connection may
             # (it found the lock taken and waits for this thread to read them).
