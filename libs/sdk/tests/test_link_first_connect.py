@@ -6,9 +6,11 @@ connection this way)."""
 from __future__ import annotations
 
 import os
+import select
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,16 +48,16 @@ class Broker:
             if self.refuse:
                 control.send(conn, {"op": "error", "code": "refused", "message": "full; retry"})
                 return
-            control.send(conn, {"op": "welcome", "node": "n1", "ring_capacity": 4096})
             fds = [os.eventfd(0) for _ in range(control.CALLER_FDS)]
             reply = {"op": "channel", "ref": connect[0]["ref"], "channel": 9, "peer": "b"}
-            control.send(conn, reply, fds)
-            control.close_fds(fds)
-            conn.settimeout(5)
-            try:  # (until the client closes: nothing more may arrive)
-                extra = control.recv(conn)
+            try:  # (a client that gave up may have closed already)
+                control.send(conn, {"op": "welcome", "node": "n1", "ring_capacity": 4096})
+                control.send(conn, reply, fds)
+                extra = control.recv(conn)  # (until the client closes: nothing may arrive)
             except OSError:
                 extra = None
+            finally:
+                control.close_fds(fds)
             if extra is not None:
                 self.before_welcome.append({"unexpected": extra[0]})
 
@@ -82,6 +84,28 @@ def test_the_first_connect_is_sent_before_the_welcome_and_answered_once(home: Pa
     broker.join()
     assert broker.before_welcome == [{"op": "connect", "ref": 1, "peer": "b"}]
     assert message["channel"] == 9 and len(fds) == control.CALLER_FDS
+
+
+def test_a_notice_reader_before_the_first_connect_leaves_its_answer_alone(home: Path) -> None:
+    """Another thread looking for notices (``take_moved``) between the hello and the first
+    connect's read must not consume that answer (found by a review, 2026-12-06: it was read
+    as a notice and dropped, and the call waited 10 s for nothing)."""
+    broker = Broker(home / "ipc.sock")
+    link = lk.BrokerLink(home / "ipc.sock", "a", "g1", "caller", connect_to="b")
+    deadline = time.monotonic() + 10
+    while not _readable(link.sock):  # (the answer is queued)
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert not link.take_moved("b")
+    message, fds = link.connect("b")
+    control.close_fds(fds)
+    link.close()
+    broker.join()
+    assert message["channel"] == 9
+
+
+def _readable(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 def test_another_peer_first_is_refused_and_a_refused_hello_still_says_why(home: Path) -> None:

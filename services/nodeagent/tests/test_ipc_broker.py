@@ -514,12 +514,45 @@ def test_a_channel_opens_and_works_when_no_fd_is_left_for_its_move_bell(
     def no_fd_left(*_: Any) -> None:
         raise OSError(24, "Too many open files")
 
-    monkeypatch.setattr(lk.BrokerLink, "ring_on_move", no_fd_left)
+    monkeypatch.setattr(lk, "_dup", no_fd_left)  # (the bells' duplicates only)
     client = DSecClient("agent-a", "g1", socket_path=broker.socket_path, timeout=20)
     wait_serving(client, "agent-b")
     assert client.call_tool("agent-b", "ping") == "pong"
     channel = client._channels["agent-b"]
     assert client.call_tool("agent-b", "ping") == "pong"
     assert client._channels["agent-b"] is channel  # kept: one channel for both calls
+    assert client._link is not None and client._link._bells == {}  # (no bell: no fd)
     client.close()
     assert channel.end.is_closed  # (and so closed with the client, not left open)
+
+
+def test_an_interrupted_first_call_leaves_the_client_usable_for_every_peer(
+    broker: BrokerThread, agent_b: ThreadServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C between a connect and its answer (here: the first call's, sent behind the
+    hello) leaves an answer queued: the client drops that connection, and its next calls,
+    to this peer or another, open a fresh one (found by a review, 2026-12-06: every later
+    call to another peer failed with ProtocolError)."""
+    from dsec_sdk.ipc import link as lk
+
+    other = ThreadServer(broker, "agent-c")
+    real = lk.BrokerLink.connect
+    calls = {"n": 0}
+
+    def interrupted_once(self: Any, peer: str) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return real(self, peer)
+
+    monkeypatch.setattr(lk.BrokerLink, "connect", interrupted_once)
+    client = DSecClient("agent-a", "g1", socket_path=broker.socket_path, timeout=20)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            client.call_tool("agent-b", "ping")
+        assert client._link is None  # dropped: its queued answer is nobody's
+        assert client.call_tool("agent-c", "ping") == "pong"
+        assert client.call_tool("agent-b", "ping") == "pong"
+    finally:
+        client.close()
+        other.stop()

@@ -900,17 +900,23 @@ class DSecClient:
         with self._link_lock:
             fresh = self._link is None
             try:
-                link = self._broker(agent)
-                message, fds = link.connect(agent)
-            except BrokerUnavailable:
-                if self._link is not None:
-                    self._link.close()
-                    self._link = None
-                if fresh:
-                    raise
-                # An old connection to a broker that has since restarted: connect once afresh.
-                link = self._broker(agent)
-                message, fds = link.connect(agent)
+                try:
+                    link = self._broker(agent)
+                    message, fds = link.connect(agent)
+                except BrokerUnavailable:
+                    self._drop_link()
+                    if fresh:
+                        raise
+                    # An old connection to a broker that has since restarted: once afresh.
+                    link = self._broker(agent)
+                    message, fds = link.connect(agent)
+            except (AgentNotFound, BrokerUnavailable):
+                raise  # (answered, or the connection is gone already)
+            except BaseException:
+                # Interrupted between a connect and its answer, or out of step with the
+                # broker: an answer may still be queued, so the next call starts afresh.
+                self._drop_link()
+                raise
         end = CallerEnd(
             channel_id=int(message["channel"]),
             peer=agent,
@@ -920,6 +926,11 @@ class DSecClient:
             spin_ns=self._spin_ns,
         )
         return end, link
+
+    def _drop_link(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
 
     def _channel(self, agent: str) -> _SyncChannel:
         channel = self._channels.get(agent)
@@ -931,8 +942,7 @@ class DSecClient:
         if fd >= 0:  # (closed by another thread meanwhile: the old process's death tells it)
             end.watch_moves(fd, link.moved_channel, link.moved_known)
             # (and wherever another thread reads that notice, it wakes the call at once)
-            with contextlib.suppress(OSError):  # (no fd left for it: learnt at the next wake)
-                link.ring_on_move(end.channel_id, end, end.wake_fd)
+            link.ring_on_move(end.channel_id, end, end.wake_fd)
         channel = _SyncChannel(end, end.requests.max_payload)
         self._channels[agent] = channel
         return channel

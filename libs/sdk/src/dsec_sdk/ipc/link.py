@@ -46,6 +46,8 @@ def _connect(sock: socket.socket, path: Path) -> None:
         pause = min(pause * 2, 0.05)
 
 
+_dup = os.dup  # (a name of its own: a test runs out of fds for the bells alone)
+
 _WATCH_POLL_MS = 1000  # the notice thread looks whether its connection still lives this often
 
 
@@ -219,7 +221,10 @@ class BrokerLink:
         The link keeps a duplicate of the fd (``end`` may close its own at any time, and a
         closed fd's number may be reused) until the notice, until ``end`` is closed or garbage
         (looked at whenever another channel is registered), or until the link closes."""
-        bell = os.dup(wake_fd)
+        try:
+            bell = _dup(wake_fd)
+        except OSError:  # (no fd left: this channel learns of a move at its next wake-up)
+            return
         stale: list[int] = []
         with self._bells_lock:
             if self._bells_closed:
@@ -259,7 +264,9 @@ class BrokerLink:
 
     def _read_queued(self) -> None:
         """Read the notices queued on the connection without waiting (the lock held)."""
-        if self._eof:
+        if self._eof or self._sent_connect is not None:
+            # (the first connect's answer may be queued among them: connect() reads it, then
+            # the notices behind it)
             return
         # poll() first: a socket with a timeout would wait for data despite MSG_DONTWAIT.
         poller = select.poll()
