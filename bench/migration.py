@@ -271,6 +271,19 @@ def _gaps(runs: int, say: Any, what: str, **how: Any) -> list[float]:
     return gaps
 
 
+def _with_and_without_notice(runs: int, say: Any, what: str, **how: Any) -> dict[str, float]:
+    """The caller's gaps moved at the final notice, then (the peer) when the old process is
+    gone; ``what`` opens the progress lines' parenthesis."""
+    ours = _gaps(runs, say, what + ")", **how)
+    before = _gaps(runs, say, what + ", no notice)", release=False, **how)
+    return {
+        "gap_ms_p50": round(percentile(ours, 0.5), 2),
+        "gap_ms_max": round(max(ours), 2),
+        "without_notice_gap_ms_p50": round(percentile(before, 0.5), 2),
+        "without_notice_gap_ms_max": round(max(before), 2),
+    }
+
+
 def handover(runs: int, say: Any, large_runs: int, large_mib: int) -> dict[str, Any]:
     gaps = _gaps(runs, say, "")
     result: dict[str, Any] = {
@@ -285,36 +298,20 @@ def handover(runs: int, say: Any, large_runs: int, large_mib: int) -> dict[str, 
     if large_runs > 0:
         # A large old version, the caller moved at the final notice (as shipped) against moved
         # when the old process is gone (as before 2026-12-06): the second waits for its death.
-        ours = _gaps(large_runs, say, f" ({large_mib} MiB)", ballast_mib=large_mib)
-        before = _gaps(
-            large_runs, say, f" ({large_mib} MiB, no notice)", ballast_mib=large_mib, release=False
-        )
+        what = f" ({large_mib} MiB"
+        big = _with_and_without_notice(large_runs, say, what, ballast_mib=large_mib)
         # The same with the caller on another node: the serving node's bridge holds the
         # channel to the old version, and moves it at the notice too (since 2026-12-06 05:00).
-        far_what = f" ({large_mib} MiB, caller on another node"
         with nats_server() as url:
-            far = _gaps(large_runs, say, far_what + ")", ballast_mib=large_mib, nats_url=url)
-            far_before = _gaps(
-                large_runs,
-                say,
-                far_what + ", no notice)",
-                ballast_mib=large_mib,
+            far = _with_and_without_notice(
+                large_runs, say, what + ", caller on another node", ballast_mib=large_mib,
                 nats_url=url,
-                release=False,
-            )
+            )  # fmt: skip
         result["large_agent"] = {
             "mib": large_mib,
             "runs": large_runs,
-            "gap_ms_p50": round(percentile(ours, 0.5), 2),
-            "gap_ms_max": round(max(ours), 2),
-            "without_notice_gap_ms_p50": round(percentile(before, 0.5), 2),
-            "without_notice_gap_ms_max": round(max(before), 2),
-            "caller_on_another_node": {
-                "gap_ms_p50": round(percentile(far, 0.5), 2),
-                "gap_ms_max": round(max(far), 2),
-                "without_notice_gap_ms_p50": round(percentile(far_before, 0.5), 2),
-                "without_notice_gap_ms_max": round(max(far_before), 2),
-            },
+            **big,
+            "caller_on_another_node": far,
         }
     return result
 

@@ -256,7 +256,7 @@ def test_a_notice_another_thread_read_unseen_wakes_the_sleeper_at_once(
     quiet_r, quiet_w = os.pipe()  # (a connection the sleeper watches that never says anything)
     try:
         pair.caller.watch_moves(quiet_r, link.moved_channel, link.moved_known)
-        link.ring_on_move(7, pair.caller, pair.caller.wake_fd)
+        link.ring_on_move(pair.caller)
 
         def notice_thread() -> None:
             control.send(conn, {"op": "moved", "peer": "b", "channels": [7]})
@@ -277,11 +277,12 @@ def test_a_notice_another_thread_read_unseen_wakes_the_sleeper_at_once(
 def test_the_link_forgets_the_bells_of_closed_channels_and_closes_their_fds(fake: Any) -> None:
     _, link = fake
     ends = [Pair(CAPACITY, channel_id=cid) for cid in (1, 2)]
+    link._bells_prune_at = 1  # (pruned at every registration here; see the test below)
     try:
-        link.ring_on_move(1, ends[0].caller, ends[0].caller.wake_fd)
+        link.ring_on_move(ends[0].caller)
         first_dup = link._bells[1][1]
         ends[0].caller.close()
-        link.ring_on_move(2, ends[1].caller, ends[1].caller.wake_fd)
+        link.ring_on_move(ends[1].caller)
         assert list(link._bells) == [2]  # the closed one's forgotten when the next comes
         with pytest.raises(OSError):
             os.fstat(first_dup)  # and its duplicate closed
@@ -290,11 +291,31 @@ def test_the_link_forgets_the_bells_of_closed_channels_and_closes_their_fds(fake
         assert link._bells == {}
         with pytest.raises(OSError):
             os.fstat(second_dup)
-        link.ring_on_move(3, ends[1].caller, ends[1].caller.wake_fd)  # after close: kept nowhere
+        link.ring_on_move(ends[1].caller)  # after close: kept nowhere
         assert link._bells == {}
     finally:
         for p in ends:
             p.close()
+
+
+def test_closed_channels_bells_do_not_pile_up_and_are_not_scanned_at_every_open(
+    fake: Any,
+) -> None:
+    """A long-lived client opening and dropping channels: the bells of closed ones are
+    forgotten (their fds closed) once the bells have doubled since the last look, so at most
+    twice the live ones (16 at least) are ever kept, without a scan on every channel opened."""
+    _, link = fake
+    before = len(os.listdir("/proc/self/fd"))
+    for cid in range(1, 101):
+        pair = Pair(CAPACITY, channel_id=cid)
+        link.ring_on_move(pair.caller)
+        pair.close()
+        assert len(link._bells) <= lk._BELLS_PRUNE_AT + 1
+    # (every pair closed: what is left open is the bells still kept, no more)
+    assert len(os.listdir("/proc/self/fd")) == before + len(link._bells)
+    link.close()
+    assert link._bells == {}
+    assert len(os.listdir("/proc/self/fd")) <= before
 
 
 class _CloseInside:
@@ -329,10 +350,10 @@ def test_closing_the_link_inside_a_registration_neither_hangs_nor_leaks(fake: An
     _, link = fake
     ends = [Pair(CAPACITY, channel_id=cid) for cid in (1, 2)]
     try:
-        link.ring_on_move(1, ends[0].caller, ends[0].caller.wake_fd)
+        link.ring_on_move(ends[0].caller)
         first_dup = link._bells[1][1]
         link._bells_lock = _CloseInside(link)  # type: ignore[assignment]
-        link.ring_on_move(2, ends[1].caller, ends[1].caller.wake_fd)  # close() runs inside
+        link.ring_on_move(ends[1].caller)  # close() runs inside
         assert link.sock.fileno() < 0  # closed
         assert link._bells == {}  # the bell being registered and the earlier one: closed
         with pytest.raises(OSError):

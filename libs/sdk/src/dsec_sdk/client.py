@@ -942,7 +942,7 @@ class DSecClient:
         if fd >= 0:  # (closed by another thread meanwhile: the old process's death tells it)
             end.watch_moves(fd, link.moved_channel, link.moved_known)
             # (and wherever another thread reads that notice, it wakes the call at once)
-            link.ring_on_move(end.channel_id, end, end.wake_fd)
+            link.ring_on_move(end)
         channel = _SyncChannel(end, end.requests.max_payload)
         self._channels[agent] = channel
         return channel

@@ -47,6 +47,7 @@ def _connect(sock: socket.socket, path: Path) -> None:
 
 
 _dup = os.dup  # (a name of its own: a test runs out of fds for the bells alone)
+_BELLS_PRUNE_AT = 16  # bells kept before closed channels' are looked for (then twice as many)
 
 _WATCH_POLL_MS = 1000  # the notice thread looks whether its connection still lives this often
 
@@ -134,6 +135,7 @@ class BrokerLink:
         # Channels whose sleeper a final notice wakes, whichever thread reads it: channel id ->
         # (its caller end, weakly; a duplicate of that end's wake eventfd). See ring_on_move.
         self._bells: dict[int, tuple[weakref.ref[Any], int]] = {}
+        self._bells_prune_at = _BELLS_PRUNE_AT  # (closed channels' bells forgotten past this)
         self._bells_lock = threading.Lock()
         self._bells_closed = False
         self._watch_lock = threading.Lock()
@@ -213,16 +215,17 @@ class BrokerLink:
                 except Exception:  # (a listener's bug must not stop this thread's request)
                     log.exception("ipc: the moved-notice listener failed")
 
-    def ring_on_move(self, channel_id: int, end: Any, wake_fd: int) -> None:
-        """Wake the caller asleep on channel ``channel_id`` (``end``, which sleeps on the eventfd
-        ``wake_fd``) as soon as a final notice naming it is read, by whichever thread: without
-        this, a sleeper whose notice another thread read (an event loop's notice thread, a
-        thread opening a channel) learned of it only after its current sleep, up to 50 ms.
-        The link keeps a duplicate of the fd (``end`` may close its own at any time, and a
-        closed fd's number may be reused) until the notice, until ``end`` is closed or garbage
-        (looked at whenever another channel is registered), or until the link closes."""
+    def ring_on_move(self, end: Any) -> None:
+        """Wake the caller asleep on ``end`` (a ``CallerEnd`` this link opened: it sleeps on
+        ``end.wake_fd``) as soon as a final notice naming ``end.channel_id`` is read, by
+        whichever thread: without this, a sleeper whose notice another thread read (an event
+        loop's notice thread, a thread opening a channel) learned of it only after its current
+        sleep, up to 50 ms. The link keeps a duplicate of the fd (``end`` may close its own at
+        any time, and a closed fd's number may be reused) until the notice, until the link
+        closes, or, once ``end`` is closed or garbage, until the bells are next pruned (when
+        their number has doubled since the last time: no scan on every channel opened)."""
         try:
-            bell = _dup(wake_fd)
+            bell = _dup(end.wake_fd)
         except OSError:  # (no fd left: this channel learns of a move at its next wake-up)
             return
         stale: list[int] = []
@@ -230,12 +233,17 @@ class BrokerLink:
             if self._bells_closed:
                 stale.append(bell)
             else:
-                for cid, (ref, fd) in list(self._bells.items()):
-                    owner = ref()
-                    if owner is None or owner.is_closed or cid == channel_id:
-                        del self._bells[cid]
-                        stale.append(fd)
-                self._bells[channel_id] = (weakref.ref(end), bell)
+                old = self._bells.pop(end.channel_id, None)  # (a dropped channel's id, reused)
+                if old is not None:
+                    stale.append(old[1])
+                if len(self._bells) >= self._bells_prune_at:
+                    for cid, (ref, fd) in list(self._bells.items()):
+                        owner = ref()
+                        if owner is None or owner.is_closed:
+                            del self._bells[cid]
+                            stale.append(fd)
+                    self._bells_prune_at = max(_BELLS_PRUNE_AT, 2 * len(self._bells))
+                self._bells[end.channel_id] = (weakref.ref(end), bell)
         self._close_bells_if_closed()
         for fd in stale:
             os.close(fd)

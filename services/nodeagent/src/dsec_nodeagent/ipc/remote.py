@@ -56,8 +56,9 @@ class RemoteBridge:
         self._packer = codec.new_packer()
         self._subs: dict[AgentKey, Subscription] = {}
         self._targets: dict[int, AgentKey] = {}
-        self._inbound: dict[AgentKey, AsyncCaller] = {}
-        self._inbound_to: dict[AgentKey, Connection] = {}  # the server each one reaches
+        # This node's own channel to each local agent called from other nodes, and the server
+        # connection it reaches (a hand-over's release moves only a channel to the old one).
+        self._inbound: dict[AgentKey, tuple[AsyncCaller, Connection]] = {}
         self._doorbell = -1
         self._proxy: AsyncServeLoop | None = None
         self._proxy_task: asyncio.Task[None] | None = None
@@ -83,10 +84,9 @@ class RemoteBridge:
         if self._proxy is not None and self._proxy_task is not None:
             self._proxy.stop()
             await self._proxy_task
-        for caller in self._inbound.values():
+        for caller, _ in self._inbound.values():
             caller.close()
         self._inbound.clear()
-        self._inbound_to.clear()
         if self.nc is not None:
             for sub in self._subs.values():
                 with contextlib.suppress(nats.errors.Error):
@@ -115,10 +115,9 @@ class RemoteBridge:
         if sub is not None:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
-        caller = self._inbound.pop(key, None)
-        self._inbound_to.pop(key, None)
-        if caller is not None:
-            caller.close()
+        inbound = self._inbound.pop(key, None)
+        if inbound is not None:
+            inbound[0].close()
 
     def moved(self, key: AgentKey, server: Connection) -> int:
         """A final hand-over took ``key`` from ``server`` for good (the broker's ``release``):
@@ -126,11 +125,11 @@ class RemoteBridge:
         now, not when the old process dies. An answer already written is delivered; a call
         the old server never read ends untaken and :meth:`_call_local` sends it again, to the
         new server. Returns how many channels moved (0 or 1)."""
-        caller = self._inbound.get(key)
-        if caller is None or self._inbound_to.get(key) is not server:
+        inbound = self._inbound.get(key)
+        if inbound is None or inbound[1] is not server:
             return 0
         del self._inbound[key]
-        del self._inbound_to[key]
+        caller = inbound[0]
         if caller.closed:  # (failed already: the next call opens a channel to the new server)
             return 0
         caller.moved()
@@ -307,14 +306,14 @@ class RemoteBridge:
     def _forget_inbound(self, key: AgentKey, caller: AsyncCaller) -> None:
         """``caller`` failed: the next call to ``key`` opens a channel afresh (unless another
         call already did)."""
-        if self._inbound.get(key) is caller:
+        inbound = self._inbound.get(key)
+        if inbound is not None and inbound[0] is caller:
             del self._inbound[key]
-            del self._inbound_to[key]
 
     def _inbound_caller(self, key: AgentKey) -> AsyncCaller | None:
-        caller = self._inbound.get(key)
-        if caller is not None and not caller.closed:
-            return caller
+        inbound = self._inbound.get(key)
+        if inbound is not None and not inbound[0].closed:
+            return inbound[0]
         server = self.broker.local_server(key)
         if server is None:
             return None
@@ -332,8 +331,7 @@ class RemoteBridge:
             spin_ns=0,
         )
         caller = AsyncCaller(end, bytes)
-        self._inbound[key] = caller
-        self._inbound_to[key] = server
+        self._inbound[key] = (caller, server)
         return caller
 
     # ------------------------------------------------------------------ helpers
