@@ -595,6 +595,7 @@ def bench_http(calls: dict[str, int], first: int = 0) -> dict[str, dict[str, flo
 # ---------------------------------------------------------------------------- main
 PAIRS = (10, 50, 100)
 FIRST_CALLS = 300  # new clients' first calls (dsec_shm, http)
+DEV_SECTIONS = frozenset({"floor", "one", "first", "turns", "duty"})  # --only (development)
 
 
 def dev_run(only: set[str], small: int, rounds: int, bursts: int) -> None:
@@ -635,6 +636,9 @@ def main() -> None:
     load_before = os.getloadavg()[0]
 
     only = set(filter(None, args.only.split(",")))
+    unknown = only - DEV_SECTIONS
+    if unknown:
+        parser.error(f"--only: unknown {sorted(unknown)}; use any of {sorted(DEV_SECTIONS)}")
     if only:
         dev_run(only, small, rounds, bursts)
         return

@@ -403,6 +403,18 @@ def test_broker_refuses_bad_hello_and_duplicate_names(broker: BrokerThread, agen
         duplicate.serve({"ping": lambda: "pong"})
 
 
+def test_a_bad_peer_name_is_the_callers_value_error_and_costs_nothing(
+    caller: DSecClient,
+) -> None:
+    """Said by the client, not refused by the broker (it was BrokerUnavailable, "broker:
+    agent name ... is invalid", and the client dropped its broker connection for it)."""
+    link = caller._link
+    with pytest.raises(ValueError, match=r"agent name 'bad name!' is invalid: use 1-63 of"):
+        caller.call_tool("bad name!", "ping")
+    assert caller._link is link  # (the connection is kept)
+    assert caller.call_tool("agent-b", "ping") == "pong"
+
+
 def test_missing_broker_is_a_clear_error(sock_dir: Path) -> None:
     client = DSecClient("a", "g1", socket_path=sock_dir / "nothing.sock")
     with pytest.raises(BrokerUnavailable, match=r"cannot reach the DSec IPC broker at .*nothing"):

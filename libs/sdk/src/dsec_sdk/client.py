@@ -650,6 +650,7 @@ class DSecClient:
             RemoteError: The tool raised (``ToolNotFound``, ``BadArguments`` are subclasses).
             PeerGone: The agent died or left during the call.
             AgentNotFound: No agent of that name in this task group.
+            ValueError: ``agent`` is no valid agent name.
             PayloadTooLarge: The request or response exceeds the limit.
             BrokerUnavailable: The node agent cannot be reached.
         """
@@ -897,6 +898,9 @@ class DSecClient:
     def _open_on(self, agent: str) -> tuple[CallerEnd, BrokerLink]:
         """A new channel to ``agent``, and the broker connection that opened it (whose notices
         name it: channel ids are the broker's, a restarted broker counts from 1 again)."""
+        # (here, not from the broker: a bad name is the caller's mistake, not the broker's, and
+        # a refused connect would cost the client its broker connection)
+        control.check_name("agent name", agent)
         with self._link_lock:
             fresh = self._link is None
             try:
