@@ -11,8 +11,13 @@ turned off.
 
 from __future__ import annotations
 
+import gc
+import os
 import random
 import struct
+import subprocess
+import sys
+import tracemalloc
 from typing import Any
 
 import msgpack
@@ -205,6 +210,40 @@ def _log(seed: int) -> list[bytes]:
     return wires
 
 
+_PATHS = ("c", "python", "full")
+
+
+def _verify(
+    numbered: list[tuple[int, bytes]],
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    every: int = audit.SIGNATURE_EVERY,
+) -> VerifyReport:
+    """Verify with the common case taken by C (as shipped), by the Python fast path, or by
+    neither (every event the full way)."""
+    assert audit._fast_run is not None, (
+        "dsec-core's C extension (dsec_core._auditfast) is not built: `./taskw setup` needs a "
+        "C compiler (gcc) and the interpreter's headers"
+    )
+    with monkeypatch.context() as patch:
+        if path != "c":
+            patch.setattr(audit, "_fast_run", None)
+        if path == "full":
+            patch.setattr(Verifier, "_fast", lambda *args: False)
+        return verify_stream(numbered, ANCHOR, signature_every=every)
+
+
+def _each_path(
+    numbered: list[tuple[int, bytes]], monkeypatch: pytest.MonkeyPatch, *, every: int = 256
+) -> VerifyReport:
+    """The report, the same whichever path takes the common case (asserted)."""
+    c, python, full = (_verify(numbered, p, monkeypatch, every=every) for p in _PATHS)
+    assert _full(c) == _full(full)
+    assert _full(python) == _full(full)
+    return c
+
+
 def _full(report: VerifyReport) -> tuple[object, ...]:
     return (
         report.finding,
@@ -222,18 +261,12 @@ def _full(report: VerifyReport) -> tuple[object, ...]:
 def test_the_fast_path_reports_what_the_full_path_reports(
     seed: int, every: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    numbered = list(enumerate(_log(seed), start=1))
-    fast = verify_stream(numbered, ANCHOR, signature_every=every)
-    monkeypatch.setattr(Verifier, "_fast", lambda *args: False)
-    full = verify_stream(numbered, ANCHOR, signature_every=every)
-    assert _full(fast) == _full(full)
+    _each_path(list(enumerate(_log(seed), start=1)), monkeypatch, every=every)
 
 
-def _both_paths(
-    key: str, values: list[Any], monkeypatch: pytest.MonkeyPatch
-) -> tuple[VerifyReport, VerifyReport]:
+def _each_payload(key: str, values: list[Any], monkeypatch: pytest.MonkeyPatch) -> VerifyReport:
     """A node agent's events, the payload's ``key`` set to each of ``values`` (``None``: left
-    as sealed) and signed again; verified with the fast path, then with the full path only."""
+    as sealed) and signed again; verified on each path (the same report, asserted)."""
     agent = certified(ROOT, "nodeagent", node_id="n1")
     wires = [agent.registration()]
     for i, value in enumerate(values):
@@ -246,11 +279,7 @@ def _both_paths(
             wire = _map(sorted(fields.items()))
             agent.signer._prev = signing.envelope_hash(wire)
         wires.append(wire)
-    numbered = list(enumerate(wires, start=1))
-    fast = verify_stream(numbered, ANCHOR)
-    with monkeypatch.context() as patch:
-        patch.setattr(Verifier, "_fast", lambda *args: False)
-        return fast, verify_stream(numbered, ANCHOR)
+    return _each_path(list(enumerate(wires, start=1)), monkeypatch)
 
 
 @pytest.mark.parametrize("node", [1, True, ["n1"], msgpack.ExtType(5, b"n1"), "n2"])
@@ -259,9 +288,8 @@ def test_a_payloads_odd_node_id_gets_the_same_verdict(
 ) -> None:
     """Authorization verdicts are remembered by the values they read: a node id that is no
     string (an equal 1 and True, an unhashable list) must not share or break them."""
-    fast, full = _both_paths("node_id", [None, node, 1, True, None, node], monkeypatch)
-    assert _full(fast) == _full(full)
-    assert fast.injected  # refused: a node agent speaking for another node
+    report = _each_payload("node_id", [None, node, 1, True, None, node], monkeypatch)
+    assert report.injected  # refused: a node agent speaking for another node
 
 
 @pytest.mark.parametrize("value", _ODD_VALUES)
@@ -270,8 +298,7 @@ def test_a_payloads_odd_values_get_the_same_verdict(
 ) -> None:
     """A payload the fast path's msgspec decode must refuse (a non-string key at any depth,
     bytes, ext types, deep nesting), or take as MessagePack's strict decode does."""
-    fast, full = _both_paths("more", [None, value, None, value, None], monkeypatch)
-    assert _full(fast) == _full(full)
+    _each_payload("more", [None, value, None, value, None], monkeypatch)
 
 
 def test_an_injected_envelope_with_a_shadowed_payload_is_refused_on_both_paths(
@@ -296,11 +323,8 @@ def test_an_injected_envelope_with_a_shadowed_payload_is_refused_on_both_paths(
     }
     wires.append(_map([("payload", {1: 1}), *sorted(forged.items())]))
     wires.append(agent.signer.seal(exited[4], aggregate_id="sbx_1").wire)
-    numbered = list(enumerate(wires, start=1))
-    fast = verify_stream(numbered, ANCHOR)
-    monkeypatch.setattr(Verifier, "_fast", lambda *args: False)
-    assert _full(fast) == _full(verify_stream(numbered, ANCHOR))
-    assert fast.ok and [i.stream_seq for i in fast.injected] == [5] and fast.events == 5
+    report = _each_path(list(enumerate(wires, start=1)), monkeypatch)
+    assert report.ok and [i.stream_seq for i in report.injected] == [5] and report.events == 5
 
 
 def test_a_chain_opened_by_a_refused_event_counts_once_the_fast_path_takes_the_next(
@@ -315,11 +339,8 @@ def test_a_chain_opened_by_a_refused_event_counts_once_the_fast_path_takes_the_n
     wires += [agent.signer.seal(exited, aggregate_id="sbx_1").wire for _ in range(3)]
     wires.append(impostor.seal(exited, aggregate_id="sbx_1").wire)
     wires += [agent.signer.seal(exited, aggregate_id="sbx_1").wire for _ in range(3)]
-    numbered = list(enumerate(wires, start=1))
-    fast = verify_stream(numbered, ANCHOR)
-    monkeypatch.setattr(Verifier, "_fast", lambda *args: False)
-    assert _full(fast) == _full(verify_stream(numbered, ANCHOR))
-    assert fast.chains == 2 and len(fast.injected) == 1
+    report = _each_path(list(enumerate(wires, start=1)), monkeypatch)
+    assert report.chains == 2 and len(report.injected) == 1
 
 
 def test_the_seeded_logs_hold_what_the_fast_path_must_leave_alone() -> None:
@@ -332,26 +353,38 @@ def test_the_seeded_logs_hold_what_the_fast_path_must_leave_alone() -> None:
     assert {"malformed", "unauthorized", "replayed", "bad-signature", "finding"} <= reasons
 
 
-def test_authentic_events_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_authentic_events_take_the_fast_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every event of a plain log after the first of each chain (its registration, the first
-    sight of its route) goes the fast way: the speed this file guards is real."""
+    sight of its route) goes the fast way: the speed this file guards is real. With the C
+    path, Python sees only those and the one event whose authorization verdict is asked first
+    (the Python fast path asks and remembers it)."""
     agent = certified(ROOT, "nodeagent", node_id="n1")
     wires = [agent.registration()]
     for i in range(300):
         exited = SandboxExited(exit_code=0, reason="ok", duration_s=float(i))
         wires.append(agent.signer.seal(exited, aggregate_id=f"sbx_{i % 3}").wire)
-    taken = []
-    real = Verifier._fast
+    full: list[int] = []
+    fed: list[int] = []
+    check, feed = Verifier._check, Verifier.feed
 
-    def counting(self: Verifier, *args: Any) -> bool:
-        took = real(self, *args)
-        taken.append(took)
-        return took
+    def counting_check(self: Verifier, seq: int, *args: Any) -> None:
+        full.append(seq)
+        check(self, seq, *args)
 
-    monkeypatch.setattr(Verifier, "_fast", counting)
-    report = verify_stream(list(enumerate(wires, start=1)), ANCHOR)
+    def counting_feed(self: Verifier, seq: int, *args: Any) -> Any:
+        fed.append(seq)
+        return feed(self, seq, *args)
+
+    monkeypatch.setattr(Verifier, "_check", counting_check)
+    monkeypatch.setattr(Verifier, "feed", counting_feed)
+    report = _verify(list(enumerate(wires, start=1)), path, monkeypatch)
     assert report.ok and report.events == 301
-    assert taken.count(True) == 300 - 3  # all but the first of each sandbox's route
+    assert full == [1, 2, 3, 4]  # the registration, the first of each sandbox's route
+    if path == "c":
+        assert fed == [1, 2, 3, 4, 5]  # and the first whose verdict is asked: the C took 296
+    else:
+        assert len(fed) == 301
 
 
 def test_the_struct_names_every_field_a_signer_writes() -> None:
@@ -362,3 +395,125 @@ def test_the_struct_names_every_field_a_signer_writes() -> None:
         SandboxExited(exit_code=0, reason="ok", duration_s=1.0), aggregate_id="sbx_1"
     ).wire
     assert set(canonical.unpack(wire)) == set(audit._Envelope.__struct_fields__)
+
+
+def _plain_log(events: int) -> list[bytes]:
+    agent = certified(ROOT, "nodeagent", node_id="n1")
+    scheduler = certified(ROOT, "scheduler")
+    wires = [agent.registration(), scheduler.registration()]
+    for i in range(events):
+        if i % 5 == 0:
+            placed = SandboxScheduled(node_id="n1")
+            wires.append(scheduler.signer.seal(placed, aggregate_id=f"sbx_{i % 7}").wire)
+        else:
+            exited = SandboxExited(exit_code=0, reason="ok", duration_s=float(i))
+            wires.append(agent.signer.seal(exited, aggregate_id=f"sbx_{i % 7}").wire)
+    return wires
+
+
+@pytest.mark.parametrize("every", [1, 256])
+@pytest.mark.parametrize("seed", range(8))
+def test_digests_given_by_the_reader_give_the_same_report(
+    seed: int, every: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dsec audit verify``'s reader hashes each envelope and sends (seq, data, digest): fed
+    in batches of every size, each path reports what the full path reports unhashed."""
+    numbered = list(enumerate(_log(seed), start=1))
+    expected = _verify(numbered, "full", monkeypatch, every=every)
+    hashed = [(seq, data, signing.envelope_hash(data)) for seq, data in numbered]
+    for path in ("c", "python"):
+        with monkeypatch.context() as patch:
+            if path != "c":
+                patch.setattr(audit, "_fast_run", None)
+            for size in (1, 3, 50, len(hashed)):
+                verifier = Verifier(ANCHOR, every)
+                for at in range(0, len(hashed), size):
+                    if verifier.feed_many(hashed[at : at + size]) is not None:
+                        break
+                assert _full(verifier.finish()) == _full(expected), (path, size)
+
+
+@pytest.mark.parametrize("hole", ["gap", "repeat", "back"])
+def test_a_sequence_out_of_order_mid_batch_is_the_same_finding(
+    hole: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream's sequence numbers, checked first for each event: a missing one, one seen
+    twice, one going back: the C path leaves it to feed, which names it, on every path."""
+    numbered = list(enumerate(_plain_log(40), start=1))
+    at = 20
+    seq, data = numbered[at]
+    numbered[at] = ({"gap": seq + 1, "repeat": seq - 1, "back": 3}[hole], data)
+    report = _each_path(numbered, monkeypatch)
+    assert report.finding is not None and report.finding.stream_seq == numbered[at][0]
+    assert report.finding.reason.startswith("gap")
+
+
+def test_items_the_c_path_does_not_read_go_the_python_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch item of another shape or type (a bytearray, a list, a big or bool sequence
+    number) is fed by Python as before, with the same outcome."""
+    numbered = list(enumerate(_plain_log(12), start=1))
+    bent: list[Any] = list(numbered)
+    bent[5] = (6, bytearray(numbered[5][1]))
+    bent[6] = [7, numbered[6][1]]
+    expected = _full(_verify(numbered, "full", monkeypatch))
+    for path in ("c", "python"):
+        with monkeypatch.context() as patch:
+            if path != "c":
+                patch.setattr(audit, "_fast_run", None)
+            verifier = Verifier(ANCHOR)
+            verifier.feed_many(bent)
+            assert _full(verifier.finish()) == expected
+    for seq in (2**70, True):  # (True == 1: the next is 2 as always; after 2**70, a gap)
+        report = _each_path([(seq, numbered[0][1]), *numbered[1:]], monkeypatch)
+        assert (report.finding is not None) == (seq != 1)
+
+
+def test_the_c_path_keeps_no_reference_to_what_it_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every object the C path reads or makes is released: the wires and digests it was given
+    are referenced as before once the verifier is gone, and nothing it allocated stays."""
+    hashed = [
+        (seq, data, signing.envelope_hash(data))
+        for seq, data in enumerate(_plain_log(600), start=1)
+    ]
+    before = [(sys.getrefcount(data), sys.getrefcount(digest)) for _, data, digest in hashed]
+    _verify([(s, d) for s, d, _ in hashed], "c", monkeypatch)  # (warm: caches, interned names)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for _ in range(3):
+            verifier = Verifier(ANCHOR)
+            assert verifier.feed_many(hashed) is None
+            report = verifier.finish()
+            assert report.ok and report.events == len(hashed)
+            del verifier, report
+        gc.collect()
+        left, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert left < 64 * 1024, f"{left} bytes still allocated after three verifications"
+    after = [(sys.getrefcount(data), sys.getrefcount(digest)) for _, data, digest in hashed]
+    assert after == before
+
+
+def test_dsec_audit_pure_python_turns_the_c_path_off_and_a_bad_value_is_named() -> None:
+    code = "import dsec_core.audit as a; print(a._fast_run is None)"
+    env = {k: v for k, v in os.environ.items() if k != "DSEC_AUDIT_PURE_PYTHON"}
+    for value, off in (("1", True), ("on", True), ("0", False), ("", False)):
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**env, "DSEC_AUDIT_PURE_PYTHON": value},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert done.stdout.strip() == str(off), value
+    bad = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "DSEC_AUDIT_PURE_PYTHON": "maybe"},
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0
+    assert "DSEC_AUDIT_PURE_PYTHON='maybe' is invalid: use 1/true/yes/on" in bad.stderr

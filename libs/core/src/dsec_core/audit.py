@@ -34,7 +34,9 @@ it always did.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -54,6 +56,11 @@ from dsec_core.eventtypes import AGGREGATES, MalformedEnvelope, unpack_fields
 from dsec_core.identity import Certificate
 from dsec_core.sigkeys import verify_raw
 from dsec_core.trustcheck import registration_problem, shape_problem
+
+try:  # the C path of the common case (dsec_core/_auditfast.c), where it was built
+    from dsec_core import _auditfast
+except ImportError:  # (no C compiler where it was installed: the Python path alone)
+    _auditfast = None
 
 # The other types the verifier names (literals: their models, in dsec_core.events, are not loaded
 # here; libs/core/tests/test_audit_verify.py holds them equal to the models' TYPE and AGGREGATE)
@@ -204,6 +211,35 @@ _PLACEMENT_TYPES = frozenset({"sandbox.scheduled", "env.built"})
 # authz.refusal's verdicts, per everything it reads (bounded).
 _REFUSALS_LIMIT = 65_536
 
+# verify_stream's batches for Verifier.feed_many.
+_BATCH = 4096
+
+
+# Verifier.feed_many's C path: run(verifier, batch, start) -> (index, status, chain); None where
+# the extension is not built, or DSEC_AUDIT_PURE_PYTHON=1 turns it off (a test does too).
+_RUN_DONE, _RUN_LEFT, _RUN_SETTLE = 0, 1, 2
+_fast_run: Any = None
+_PURE_PYTHON = os.environ.get("DSEC_AUDIT_PURE_PYTHON", "").strip().lower()
+if _PURE_PYTHON not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+    raise ValueError(
+        f"DSEC_AUDIT_PURE_PYTHON={_PURE_PYTHON!r} is invalid: use 1/true/yes/on (the verifier's "
+        "Python path alone) or 0/false/no/off or unset (its C path when built)"
+    )
+if _auditfast is not None and _PURE_PYTHON in ("", "0", "false", "no", "off"):
+    _auditfast.configure(
+        decode_envelope=_decode_envelope,
+        decode_payload=_decode_payload,
+        envelope_hash=envelope_hash,
+        unverified=_Unverified,
+        slow_types=_SLOW_TYPES,
+        placement_types=_PLACEMENT_TYPES,
+        sandbox=_SANDBOX,
+        scheduled="sandbox.scheduled",
+        nodeagent="nodeagent",
+        signed_head=_SIGNED_MAP_HEAD,
+    )
+    _fast_run = _auditfast.run
+
 
 def _fields(data: bytes) -> dict[str, Any]:
     """Unpack an envelope without model validation (the verifier's hot path)."""
@@ -308,6 +344,36 @@ class Verifier:
             self._routes[(f["type"], f["aggregate_id"])] = (f["aggregate"], f["subject"])
         self._check(seq, f, data, digest)
         return report.finding
+
+    def feed_many(
+        self, batch: Sequence[tuple[int, bytes]] | Sequence[tuple[int, bytes, str | None]]
+    ) -> Finding | None:
+        """:meth:`feed` each ``(seq, data)`` or ``(seq, data, digest)`` of ``batch`` in order;
+        stop at the first finding (returned, as :meth:`feed` returns it).
+
+        With the C extension (``dsec_core._auditfast``) the common events are taken in C, by the
+        same rules as :meth:`_fast`, with this verifier's own state; every other event, and
+        every chain due its signature check, comes back here (:meth:`feed`, :meth:`_settle`)."""
+        run = _fast_run
+        items: list[Any] = batch if type(batch) is list else list(batch)
+        if run is None:
+            for item in items:
+                if self.feed(*item) is not None:
+                    break
+            return self.report.finding
+        start, n = 0, len(items)
+        while start < n:
+            index, status, chain = run(self, items, start)
+            if status == _RUN_DONE:
+                break
+            if status == _RUN_SETTLE:
+                self._settle(chain)
+            elif self.feed(*items[index]) is not None:  # _RUN_LEFT: this one is feed's
+                break
+            if self.report.finding is not None:
+                break
+            start = index + 1
+        return self.report.finding
 
     def _fast(
         self, seq: int, e: _Envelope, payload: dict[str, Any], data: bytes, digest: str | None
@@ -706,7 +772,8 @@ def verify_stream(
     """Verify a stream replay; stop at the first tampering finding."""
     verifier = Verifier(anchor, signature_every)
     with fewer_collections():
-        for seq, data in messages:
-            if verifier.feed(seq, data) is not None:
+        items = iter(messages)
+        while batch := list(itertools.islice(items, _BATCH)):
+            if verifier.feed_many(batch) is not None:
                 break
         return verifier.finish()

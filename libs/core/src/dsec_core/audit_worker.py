@@ -68,12 +68,8 @@ class InlineVerifier:
         self.verifier = Verifier(anchor, signature_every)
 
     async def feed(self, batch: list[tuple[int, bytes]]) -> bool:
-        verifier = self.verifier
         with fewer_collections():
-            for seq, data in batch:
-                if verifier.feed(seq, data) is not None:
-                    return True
-        return False
+            return self.verifier.feed_many(batch) is not None
 
     async def finish(self) -> VerifyReport:
         return self.verifier.finish()
@@ -267,16 +263,14 @@ def _serve(data_fd: int, result_fd: int, anchor: bytes | None, signature_every: 
         finally:
             gc.enable()
         verifier = Verifier(anchor, signature_every)
-        feed = verifier.feed
+        feed_many = verifier.feed_many
         told = False
         with open(data_fd, "rb", buffering=_PIPE_BYTES) as src, fewer_collections():
             while len(head := src.read(4)) == 4:
                 batch = pickle.loads(src.read(int.from_bytes(head, "big")))
                 if verifier.report.finding is not None:
                     continue  # (the caller stops soon; what follows changes nothing)
-                for seq, data, digest in batch:
-                    if feed(seq, data, digest) is not None:
-                        break
+                feed_many(batch)
                 if verifier.report.finding is not None and not told:
                     os.write(result_fd, _FOUND)
                     told = True
