@@ -517,3 +517,104 @@ def test_dsec_audit_pure_python_turns_the_c_path_off_and_a_bad_value_is_named() 
     )
     assert bad.returncode != 0
     assert "DSEC_AUDIT_PURE_PYTHON='maybe' is invalid: use 1/true/yes/on" in bad.stderr
+
+
+# -- found by an adversarial review of the C path (2026-12-06), each failing on its first build --
+
+
+def _one_route_log(events: int) -> list[bytes]:
+    """A node agent's registration and ``events`` of one sandbox: from the fourth wire on
+    (the route seen, the verdict remembered) the common case."""
+    agent = certified(ROOT, "nodeagent", node_id="n1")
+    exited = [SandboxExited(exit_code=0, reason="ok", duration_s=float(i)) for i in range(events)]
+    return [
+        agent.registration(),
+        *(agent.signer.seal(e, aggregate_id="sbx_1").wire for e in exited),
+    ]
+
+
+def test_the_largest_sequence_number_is_left_to_python_and_gives_the_same_verdict(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """2**63 - 1 taken in C made the next expected sequence overflow: a false gap after it, or
+    a gap of 2**64 passed as in order. Such a sequence is now fed by Python."""
+    wires = _one_route_log(5)
+    base = 2**63 - 1 - 4  # (the fifth wire, a common event, at 2**63 - 1)
+    for after in (2**63, -(2**63)):
+        numbered = [(base + i, w) for i, w in enumerate(wires[:5])] + [(after, wires[5])]
+        report = _each_path(numbered, monkeypatch)
+        assert (report.finding is None) == (after == 2**63)
+
+
+def test_a_batch_shrunk_by_code_the_c_path_calls_is_read_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``feed_many`` with the caller's own digests: a digest's truth test that empties the
+    batch being walked crashed the C path (it kept the first length); it now reads the list
+    as it is after each event, as the Python loop does."""
+    wires = _one_route_log(20)
+    verifier = Verifier(ANCHOR)
+    verifier.feed_many(list(enumerate(wires[:6], start=1)))
+    batch: list[Any] = []
+
+    class Digest(str):
+        def __bool__(self) -> bool:
+            batch.clear()
+            return True
+
+    digest = Digest(signing.envelope_hash(wires[6]))
+    batch += [(7, wires[6], digest), *enumerate(wires[7:], start=8)]
+    verifier.feed_many(batch)
+    assert verifier.report.ok and verifier.report.last_seq == 7 and batch == []
+
+
+@pytest.mark.parametrize("every", [2**64, 4.0, 2.5])
+def test_a_signature_period_the_c_path_cannot_hold_goes_the_python_way(
+    every: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    report = _each_path(list(enumerate(_plain_log(8), start=1)), monkeypatch, every=every)
+    assert report.ok and report.events == 10
+
+
+def test_an_error_mid_batch_leaves_the_same_state_on_every_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exception while an event is judged (here a certificate that raises; in life a
+    KeyboardInterrupt in a decode) is raised after that event's prologue on every path, so a
+    caller that goes on feeding sees the same stream position and the same gap."""
+    wires = _one_route_log(8)
+
+    class Boom(Exception):
+        pass
+
+    class Cert:
+        armed = True
+
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "subject" and self.armed:
+                raise Boom
+            return getattr(self.real, name)
+
+    seen = []
+    for path in ("c", "python"):
+        with monkeypatch.context() as patch:
+            if path != "c":
+                patch.setattr(audit, "_fast_run", None)
+            verifier = Verifier(ANCHOR)
+            verifier.feed_many(list(enumerate(wires[:5], start=1)))
+            agent_key = next(k for k, c in verifier._certs.items() if c.role == "nodeagent")
+            cert = Cert(verifier._certs[agent_key])
+            verifier._certs[agent_key] = cert  # type: ignore[assignment]
+            with pytest.raises(Boom):
+                verifier.feed_many(list(enumerate(wires[5:], start=6)))
+            report = verifier.report
+            state = (verifier._expected, report.first_seq, report.last_seq, report.events)
+            Cert.armed = False
+            verifier.feed_many([(6, wires[5])])  # the caller retries the event that failed
+            Cert.armed = True
+            seen.append((state, report.finding))
+    assert seen[0] == seen[1]
+    assert seen[0][1] is not None and seen[0][1].reason.startswith("gap")

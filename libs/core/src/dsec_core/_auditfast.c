@@ -28,6 +28,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <limits.h>
 #include <string.h>
 
 enum { DONE = 0, DECLINED = 1, SETTLE = 2 };
@@ -383,13 +384,14 @@ static int one(State *st, PyObject *item, int have_expected, long long expected,
         return LEFT;
     }
     s = PyLong_AsLongLongAndOverflow(seq, &overflow);
-    if (overflow || (s == -1 && PyErr_Occurred())) {
+    if (overflow || (s == -1 && PyErr_Occurred()) || s == LLONG_MAX) { /* (s + 1 must fit) */
         PyErr_Clear();
         return LEFT;
     }
     if (have_expected && s != expected) {
         return LEFT; /* a gap: feed says so */
     }
+    *seq_out = s; /* (from here on an error is raised after feed's prologue, as in Python) */
     bytes = PyBytes_AS_STRING(data);
     if (PyBytes_GET_SIZE(data) < PyBytes_GET_SIZE(signed_head) ||
         memcmp(bytes, PyBytes_AS_STRING(signed_head), PyBytes_GET_SIZE(signed_head)) != 0) {
@@ -424,7 +426,6 @@ static int one(State *st, PyObject *item, int have_expected, long long expected,
     release(&e);
     Py_DECREF(payload);
     Py_DECREF(envelope);
-    *seq_out = s;
     return outcome;
 }
 
@@ -451,10 +452,10 @@ static int get_state(PyObject *obj, PyObject *name, PyTypeObject *type, PyObject
 
 /* Write back what the run counted (the verifier's expected sequence, the report's counters). */
 static int write_back(PyObject *verifier, PyObject *report, PyObject *chains, long long first,
-                      long long last, Py_ssize_t taken) {
+                      long long last, int seen, Py_ssize_t taken) {
     PyObject *value, *events, *sum;
     int r;
-    if (taken == 0) {
+    if (!seen) { /* (no event's prologue) */
         return 0;
     }
     if ((value = PyLong_FromLongLong(last + 1)) == NULL) {
@@ -505,7 +506,7 @@ static PyObject *run(PyObject *module, PyObject *args) {
                                 *every = NULL, *settle = NULL, *result = NULL;
     Py_ssize_t start, i, n, taken = 0;
     long long expected = 0, first = 0, last = 0, s = 0;
-    int have_expected, status = DONE, outcome;
+    int have_expected, seen = 0, status = DONE, outcome;
     State st;
 
     if (!PyArg_ParseTuple(args, "OO!n:run", &verifier, &PyList_Type, &batch, &start)) {
@@ -562,19 +563,28 @@ static PyObject *run(PyObject *module, PyObject *args) {
             /* (not a sequence this path can hold: the Python path reads it) */
             PyErr_Clear();
             Py_DECREF(expected_obj);
-            result = Py_BuildValue("(niO)", start, start < n ? DECLINED : DONE, Py_None);
+            result = Py_BuildValue("(niO)", start, start < PyList_GET_SIZE(batch) ? DECLINED : DONE,
+                                   Py_None);
             goto out;
         }
     }
     Py_DECREF(expected_obj);
-    for (i = start; i < n; i++) {
+    /* (the size read again each time: code this path calls, a digest's __bool__ for one, may
+     * have changed the list) */
+    for (i = start; i < PyList_GET_SIZE(batch); i++) {
         PyObject *item = Py_NewRef(PyList_GET_ITEM(batch, i));
         outcome = one(&st, item, have_expected, expected, &s, &settle);
         Py_DECREF(item);
-        if (outcome == FAILED) { /* the events before it were taken: counted, then raise */
+        if (outcome == FAILED) {
+            /* The events before it were taken, and Python raises after this one's prologue
+             * (its sequence, as the last read and the next expected): written back, raised. */
             PyObject *type, *value, *traceback;
+            if (!seen) {
+                first = s;
+            }
+            last = s;
             PyErr_Fetch(&type, &value, &traceback);
-            if (write_back(verifier, report, st.chains, first, last, taken) < 0) {
+            if (write_back(verifier, report, st.chains, first, last, 1, taken) < 0) {
                 PyErr_Clear();
             }
             PyErr_Restore(type, value, traceback);
@@ -584,8 +594,9 @@ static PyObject *run(PyObject *module, PyObject *args) {
             status = DECLINED;
             break;
         }
-        if (taken == 0) {
+        if (!seen) {
             first = s;
+            seen = 1;
         }
         last = s;
         expected = s + 1;
@@ -596,7 +607,7 @@ static PyObject *run(PyObject *module, PyObject *args) {
             break;
         }
     }
-    if (write_back(verifier, report, st.chains, first, last, taken) < 0) {
+    if (write_back(verifier, report, st.chains, first, last, seen, taken) < 0) {
         goto out;
     }
     result = Py_BuildValue("(niO)", i, status, settle != NULL ? settle : Py_None);

@@ -29,7 +29,10 @@ a route already seen consistent. :meth:`Verifier._fast` takes those without buil
 envelope's dict (a msgspec struct of strict types, the payload decoded by msgspec into a map of
 JSON-like values or else by MessagePack, authorization verdicts remembered by what they read);
 anything else, or anything it cannot decode the same way, goes the full path, which decides as
-it always did.
+it always did. :meth:`Verifier.feed_many` takes a batch: where the C extension
+(``dsec_core/_auditfast.c``) is built, one C call takes the common events by :meth:`_fast`'s
+rules and hands every other one, and each chain due its signature check, back to
+:meth:`Verifier.feed` and :meth:`Verifier._settle`.
 """
 
 from __future__ import annotations
@@ -218,6 +221,7 @@ _BATCH = 4096
 # Verifier.feed_many's C path: run(verifier, batch, start) -> (index, status, chain); None where
 # the extension is not built, or DSEC_AUDIT_PURE_PYTHON=1 turns it off (a test does too).
 _RUN_DONE, _RUN_LEFT, _RUN_SETTLE = 0, 1, 2
+_C_EVERY_MAX = 2**62  # (a signature_every the C path holds; above it no chain is ever due)
 _fast_run: Any = None
 _PURE_PYTHON = os.environ.get("DSEC_AUDIT_PURE_PYTHON", "").strip().lower()
 if _PURE_PYTHON not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
@@ -356,13 +360,14 @@ class Verifier:
         every chain due its signature check, comes back here (:meth:`feed`, :meth:`_settle`)."""
         run = _fast_run
         items: list[Any] = batch if type(batch) is list else list(batch)
-        if run is None:
+        every = self._signature_every
+        if run is None or type(every) is not int or every > _C_EVERY_MAX:  # (the C reads an int)
             for item in items:
                 if self.feed(*item) is not None:
                     break
             return self.report.finding
-        start, n = 0, len(items)
-        while start < n:
+        start = 0
+        while start < len(items):
             index, status, chain = run(self, items, start)
             if status == _RUN_DONE:
                 break
