@@ -6,7 +6,11 @@ Fills a fresh nats-server's DSEC_EVENTS stream with ``--events`` signed events o
 producers (interleaved, as ``bench/bus.py``'s verifier figures), then runs ``dsec audit verify
 --json`` ``--repeat`` times (a new process each time: start-up, connection, the replay through
 JetStream and the verifier, as shipped: forked before the reader connects, in a process of its
-own) and, each time beside it, the verifier core alone over the same envelopes in memory.
+own) and, each time beside it, the verifier core alone over the same envelopes in memory. Each
+run is made twice, alternating: as shipped (the verifier's common case in C,
+``dsec_core/_auditfast.c``) and with ``DSEC_AUDIT_PURE_PYTHON=1`` (its Python path alone); the
+core is also timed as the forked verifier is fed (batches with the reader's chain hashes), in
+µs an event.
 Events/s = the stream's events / the command's wall time. The start-up is reported too, as it
 is a fixed cost in every run: the reader's imports before it forks the verifier, and the
 verifier's own (the signature checks and certificates, not the event models), which the forked
@@ -28,8 +32,10 @@ from pathlib import Path
 
 import bus as busbench
 from _common import at_least_one, emit, nats_server
-from dsec_core import audit
+from dsec_core import audit, bus
+from dsec_core.audit_report import fewer_collections
 from dsec_core.bus import EventPublisher, ensure_stream
+from dsec_core.canonical import envelope_hash
 
 PRODUCERS = 6
 
@@ -63,7 +69,8 @@ def _dsec() -> str:
     return str(Path(sys.executable).parent / "dsec")
 
 
-def _cli_run(env: dict[str, str]) -> tuple[float, dict]:
+def _cli_run(env: dict[str, str], pure_python: bool = False) -> tuple[float, dict]:
+    env = {**env, "DSEC_AUDIT_PURE_PYTHON": "1" if pure_python else "0"}
     started = time.perf_counter()
     done = subprocess.run(
         [_dsec(), "audit", "verify", "--json"], env=env, capture_output=True, text=True
@@ -73,6 +80,20 @@ def _cli_run(env: dict[str, str]) -> tuple[float, dict]:
     if done.returncode != 0 or not report["ok"] or report["injected"]:
         raise SystemExit(f"dsec audit verify failed: {done.stdout[-500:]} {done.stderr[-500:]}")
     return elapsed, report
+
+
+def _hashed_core_us(hashed: list[tuple[int, bytes, str]]) -> float:
+    """µs an event of the verifier core fed as the forked verifier is fed: batches of the
+    reader's size, each envelope with its chain hash (the reader computes them)."""
+    started = time.perf_counter()
+    with fewer_collections():
+        verifier = audit.Verifier(busbench.ANCHOR)
+        for at in range(0, len(hashed), bus.PULL_BATCH):
+            verifier.feed_many(hashed[at : at + bus.PULL_BATCH])
+        report = verifier.finish()
+    if not report.ok or report.events != len(hashed):
+        raise SystemExit(f"verification failed: {report.finding}")
+    return (time.perf_counter() - started) / len(hashed) * 1e6
 
 
 def _startup_s(code: str) -> float:
@@ -100,20 +121,31 @@ def main(n: int, repeat: int) -> None:
             "DSEC_TRUST_ROOT": busbench.ANCHOR.hex(),
             "DSEC_HOME": home,
         }
+        # The forked verifier's input: each envelope with the chain hash the reader computed.
+        hashed = [(seq, data, envelope_hash(data)) for seq, data in numbered]
+        c_run = audit._fast_run
         for _ in range(repeat):
-            started = time.perf_counter()
-            core = audit.verify_stream(numbered, busbench.ANCHOR)
-            core_rate = len(numbered) / (time.perf_counter() - started)
-            if not core.ok:
-                raise SystemExit(f"verification failed: {core.finding}")
-            elapsed, report = _cli_run(env)
-            events = report["last_seq"] - report["first_seq"] + 1
-            rows.append((events / elapsed / core_rate, events / elapsed, core_rate))
+            row = []
+            for pure_python in (False, True):
+                audit._fast_run = None if pure_python else c_run
+                started = time.perf_counter()
+                core = audit.verify_stream(numbered, busbench.ANCHOR)
+                core_rate = len(numbered) / (time.perf_counter() - started)
+                if not core.ok:
+                    raise SystemExit(f"verification failed: {core.finding}")
+                elapsed, report = _cli_run(env, pure_python)
+                events = report["last_seq"] - report["first_seq"] + 1
+                row += [events / elapsed / core_rate, events / elapsed, core_rate]
+                row.append(_hashed_core_us(hashed))
+            rows.append(tuple(row))
+        audit._fast_run = c_run
         startup = min(_startup_s(READER_IMPORTS) for _ in range(3))
         verifier_import = min(_startup_s(VERIFIER_IMPORTS) for _ in range(3)) - startup
     # Each figure's own median (the CLI's rate is the target's; the run with the median ratio
     # may be another one).
-    ratio, cli_rate, core_rate = (statistics.median(r[k] for r in rows) for k in range(3))
+    ratio, cli_rate, core_rate, hashed_us, _, py_cli_rate, py_core_rate, py_hashed_us = (
+        statistics.median(r[k] for r in rows) for k in range(8)
+    )
     emit(
         "audit_verify",
         {
@@ -121,14 +153,32 @@ def main(n: int, repeat: int) -> None:
             "cli_events_per_s": round(cli_rate),
             "core_events_per_s": round(core_rate),
             "ratio_cli_over_core": round(ratio, 3),
-            "runs": [{"cli": round(r[1]), "core": round(r[2])} for r in rows],
+            "runs": [
+                {
+                    "cli": round(r[1]),
+                    "core": round(r[2]),
+                    "core_hashed_us": round(r[3], 2),
+                    "cli_pure_python": round(r[5]),
+                    "core_pure_python": round(r[6]),
+                    "core_hashed_pure_python_us": round(r[7], 2),
+                }
+                for r in rows
+            ],
+            "cli_pure_python_events_per_s": round(py_cli_rate),
+            "core_pure_python_events_per_s": round(py_core_rate),
+            "core_hashed_us_per_event": round(hashed_us, 2),
+            "core_hashed_pure_python_us_per_event": round(py_hashed_us, 2),
             "cli_startup_s": round(startup, 3),
             "verifier_import_s": round(verifier_import, 3),
         },
         f"audit verify: `dsec audit verify` {cli_rate:,.0f} ev/s end to end on {len(numbered):,} "
         f"events (median of {len(rows)}: {', '.join(f'{r[1]:,.0f}' for r in rows)}), the "
         f"verifier core alone {core_rate:,.0f} ev/s (median) in the same runs; the command "
-        f"reached {ratio:.0%} of the core in its median run; the command's "
+        f"reached {ratio:.0%} of the core in its median run; with its Python path alone "
+        f"(DSEC_AUDIT_PURE_PYTHON=1, alternating) the command {py_cli_rate:,.0f} ev/s (median: "
+        f"{', '.join(f'{r[5]:,.0f}' for r in rows)}), the core {py_core_rate:,.0f} ev/s; the "
+        f"core given the reader's chain hashes (as the forked verifier is) {hashed_us:.2f} "
+        f"against {py_hashed_us:.2f} us an event; the command's "
         f"start-up {startup:.2f} s of it, then the forked verifier's imports "
         f"{verifier_import:.2f} s",
     )
