@@ -43,3 +43,31 @@ def test_a_replay_that_ends_early_is_reported_incomplete(
         assert report.finding is not None and not report.ok
         assert report.finding.stream_seq == read_to + 1
         assert report.finding.reason.startswith("incomplete: the stream held events up to seq 10")
+
+
+def test_a_bad_pure_python_setting_is_bad_input_said_before_anything_runs(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``DSEC_AUDIT_PURE_PYTHON=maybe``: exit 2 naming the variable and what is valid, before
+    the verifier is forked or the bus reached (it was the forked verifier's error, exit 1)."""
+    import json
+    import os
+
+    from dsec_cli.main import app
+    from typer.testing import CliRunner
+
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("DSEC_")}
+    env.update({"DSEC_HOME": str(tmp_path), "DSEC_AUDIT_PURE_PYTHON": "maybe"})
+    forked = []
+
+    def fork() -> int:  # (recorded, then refused: the verifier would run in this process)
+        forked.append(1)
+        raise OSError("no fork in this test")
+
+    monkeypatch.setattr(os, "fork", fork)
+    result = CliRunner().invoke(app, ["audit", "verify", "--json"], env=env)
+    assert result.exit_code == 2, result.output
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "bad_input"
+    assert "DSEC_AUDIT_PURE_PYTHON='maybe' is invalid: use 1/true/yes/on" in error["message"]
+    assert not forked

@@ -38,7 +38,6 @@ rules and hands every other one, and each chain due its signature check, back to
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -51,6 +50,7 @@ from dsec_core.audit_report import (  # (re-exported: they were defined here)
     Finding,
     Injected,
     VerifyReport,
+    c_paths_wanted,
     fewer_collections,
 )
 from dsec_core.canonical import envelope_hash
@@ -223,13 +223,7 @@ _BATCH = 4096
 _RUN_DONE, _RUN_LEFT, _RUN_SETTLE = 0, 1, 2
 _C_EVERY_MAX = 2**62  # (a signature_every the C path holds; above it no chain is ever due)
 _fast_run: Any = None
-_PURE_PYTHON = os.environ.get("DSEC_AUDIT_PURE_PYTHON", "").strip().lower()
-if _PURE_PYTHON not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
-    raise ValueError(
-        f"DSEC_AUDIT_PURE_PYTHON={_PURE_PYTHON!r} is invalid: use 1/true/yes/on (the verifier's "
-        "Python path alone) or 0/false/no/off or unset (its C path when built)"
-    )
-if _auditfast is not None and _PURE_PYTHON in ("", "0", "false", "no", "off"):
+if _auditfast is not None and c_paths_wanted():
     _auditfast.configure(
         decode_envelope=_decode_envelope,
         decode_payload=_decode_payload,

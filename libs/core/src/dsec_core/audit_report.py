@@ -11,12 +11,32 @@ module alone. :mod:`dsec_core.audit` re-exports every name.
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 # A chain's newest signature is checked at least this often (and every chain's at the end).
 SIGNATURE_EVERY = 256
+
+
+def c_paths_wanted() -> bool:
+    """Whether the verifier's C path (``dsec_core/_auditfast.c``: its common case) may be used
+    where built: ``DSEC_AUDIT_PURE_PYTHON`` unset or a no.
+
+    Raises:
+        ValueError: ``DSEC_AUDIT_PURE_PYTHON`` is neither a yes nor a no.
+    """
+    raw = os.environ.get("DSEC_AUDIT_PURE_PYTHON", "")
+    value = raw.strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return True
+    if value in ("1", "true", "yes", "on"):
+        return False
+    raise ValueError(
+        f"DSEC_AUDIT_PURE_PYTHON={raw!r} is invalid: use 1/true/yes/on (the verifier's Python "
+        "path alone) or 0/false/no/off or unset (its C path when built)"
+    )
 
 
 @dataclass(frozen=True)

@@ -245,8 +245,13 @@ def verify(
     one the manifest lists is tampering, and where the live stream still holds the archive's
     last sequence it must be the message the manifest records.
     """
+    from dsec_core.audit_report import c_paths_wanted
     from dsec_core.audit_worker import open_verifier
 
+    try:
+        c_paths_wanted()  # (a bad DSEC_AUDIT_PURE_PYTHON: said here, not by the forked verifier)
+    except ValueError as exc:
+        fail(str(exc), EXIT_BAD_INPUT)
     anchor = trust_anchor()
     # The verifier is forked first, on a core of its own: it loads the signature checks while
     # this process connects and reads the log.
