@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import bus as busbench
 from _common import at_least_one, emit, nats_server
@@ -38,6 +39,14 @@ from dsec_core.bus import EventPublisher, ensure_stream
 from dsec_core.canonical import envelope_hash
 
 PRODUCERS = 6
+
+
+class _Round(NamedTuple):
+    """One path's figures in one round (as shipped, or the verifier's Python path alone)."""
+
+    cli: float  # the command's events/s
+    core: float  # verify_stream's events/s
+    hashed_us: float  # µs an event, fed as the forked verifier is
 
 
 async def _fill(url: str, n: int) -> list[bytes]:
@@ -111,7 +120,8 @@ VERIFIER_IMPORTS = f"{READER_IMPORTS}; import dsec_core.audit"
 
 
 def main(n: int, repeat: int) -> None:
-    rows = []
+    shipped: list[_Round] = []
+    python: list[_Round] = []
     with nats_server() as url, tempfile.TemporaryDirectory(prefix="dsec-bench-") as home:
         wires = asyncio.run(_fill(url, n))
         numbered = list(enumerate(wires, 1))
@@ -125,8 +135,7 @@ def main(n: int, repeat: int) -> None:
         hashed = [(seq, data, envelope_hash(data)) for seq, data in numbered]
         c_run = audit._fast_run
         for _ in range(repeat):
-            row = []
-            for pure_python in (False, True):
+            for pure_python, rounds in ((False, shipped), (True, python)):
                 audit._fast_run = None if pure_python else c_run
                 started = time.perf_counter()
                 core = audit.verify_stream(numbered, busbench.ANCHOR)
@@ -135,16 +144,16 @@ def main(n: int, repeat: int) -> None:
                     raise SystemExit(f"verification failed: {core.finding}")
                 elapsed, report = _cli_run(env, pure_python)
                 events = report["last_seq"] - report["first_seq"] + 1
-                row += [events / elapsed / core_rate, events / elapsed, core_rate]
-                row.append(_hashed_core_us(hashed))
-            rows.append(tuple(row))
+                rounds.append(_Round(events / elapsed, core_rate, _hashed_core_us(hashed)))
         audit._fast_run = c_run
         startup = min(_startup_s(READER_IMPORTS) for _ in range(3))
         verifier_import = min(_startup_s(VERIFIER_IMPORTS) for _ in range(3)) - startup
     # Each figure's own median (the CLI's rate is the target's; the run with the median ratio
     # may be another one).
-    ratio, cli_rate, core_rate, hashed_us, _, py_cli_rate, py_core_rate, py_hashed_us = (
-        statistics.median(r[k] for r in rows) for k in range(8)
+    ratio = statistics.median(r.cli / r.core for r in shipped)
+    cli_rate, core_rate, hashed_us = (statistics.median(f) for f in zip(*shipped, strict=True))
+    py_cli_rate, py_core_rate, py_hashed_us = (
+        statistics.median(f) for f in zip(*python, strict=True)
     )
     emit(
         "audit_verify",
@@ -155,14 +164,14 @@ def main(n: int, repeat: int) -> None:
             "ratio_cli_over_core": round(ratio, 3),
             "runs": [
                 {
-                    "cli": round(r[1]),
-                    "core": round(r[2]),
-                    "core_hashed_us": round(r[3], 2),
-                    "cli_pure_python": round(r[5]),
-                    "core_pure_python": round(r[6]),
-                    "core_hashed_pure_python_us": round(r[7], 2),
+                    "cli": round(c.cli),
+                    "core": round(c.core),
+                    "core_hashed_us": round(c.hashed_us, 2),
+                    "cli_pure_python": round(p.cli),
+                    "core_pure_python": round(p.core),
+                    "core_hashed_pure_python_us": round(p.hashed_us, 2),
                 }
-                for r in rows
+                for c, p in zip(shipped, python, strict=True)
             ],
             "cli_pure_python_events_per_s": round(py_cli_rate),
             "core_pure_python_events_per_s": round(py_core_rate),
@@ -172,11 +181,11 @@ def main(n: int, repeat: int) -> None:
             "verifier_import_s": round(verifier_import, 3),
         },
         f"audit verify: `dsec audit verify` {cli_rate:,.0f} ev/s end to end on {len(numbered):,} "
-        f"events (median of {len(rows)}: {', '.join(f'{r[1]:,.0f}' for r in rows)}), the "
+        f"events (median of {len(shipped)}: {', '.join(f'{r.cli:,.0f}' for r in shipped)}), the "
         f"verifier core alone {core_rate:,.0f} ev/s (median) in the same runs; the command "
         f"reached {ratio:.0%} of the core in its median run; with its Python path alone "
         f"(DSEC_AUDIT_PURE_PYTHON=1, alternating) the command {py_cli_rate:,.0f} ev/s (median: "
-        f"{', '.join(f'{r[5]:,.0f}' for r in rows)}), the core {py_core_rate:,.0f} ev/s; the "
+        f"{', '.join(f'{r.cli:,.0f}' for r in python)}), the core {py_core_rate:,.0f} ev/s; the "
         f"core given the reader's chain hashes (as the forked verifier is) {hashed_us:.2f} "
         f"against {py_hashed_us:.2f} us an event; the command's "
         f"start-up {startup:.2f} s of it, then the forked verifier's imports "

@@ -11,6 +11,7 @@ turned off.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -18,6 +19,7 @@ import struct
 import subprocess
 import sys
 import tracemalloc
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -222,6 +224,13 @@ def _verify(
 ) -> VerifyReport:
     """Verify with the common case taken by C (as shipped), by the Python fast path, or by
     neither (every event the full way)."""
+    with _on_path(path, monkeypatch):
+        return verify_stream(numbered, ANCHOR, signature_every=every)
+
+
+@contextlib.contextmanager
+def _on_path(path: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Within it, the common case is taken by ``path``: "c", "python" or "full" (neither)."""
     assert audit._fast_run is not None, (
         "dsec-core's C extension (dsec_core._auditfast) is not built: `./taskw setup` needs a "
         "C compiler (gcc) and the interpreter's headers"
@@ -231,7 +240,7 @@ def _verify(
             patch.setattr(audit, "_fast_run", None)
         if path == "full":
             patch.setattr(Verifier, "_fast", lambda *args: False)
-        return verify_stream(numbered, ANCHOR, signature_every=every)
+        yield
 
 
 def _each_path(
@@ -422,9 +431,7 @@ def test_digests_given_by_the_reader_give_the_same_report(
     expected = _verify(numbered, "full", monkeypatch, every=every)
     hashed = [(seq, data, signing.envelope_hash(data)) for seq, data in numbered]
     for path in ("c", "python"):
-        with monkeypatch.context() as patch:
-            if path != "c":
-                patch.setattr(audit, "_fast_run", None)
+        with _on_path(path, monkeypatch):
             for size in (1, 3, 50, len(hashed)):
                 verifier = Verifier(ANCHOR, every)
                 for at in range(0, len(hashed), size):
@@ -459,9 +466,7 @@ def test_items_the_c_path_does_not_read_go_the_python_way(
     bent[6] = [7, numbered[6][1]]
     expected = _full(_verify(numbered, "full", monkeypatch))
     for path in ("c", "python"):
-        with monkeypatch.context() as patch:
-            if path != "c":
-                patch.setattr(audit, "_fast_run", None)
+        with _on_path(path, monkeypatch):
             verifier = Verifier(ANCHOR)
             verifier.feed_many(bent)
             assert _full(verifier.finish()) == expected
@@ -500,7 +505,7 @@ def test_the_c_path_keeps_no_reference_to_what_it_read(monkeypatch: pytest.Monke
 def test_dsec_audit_pure_python_turns_the_c_path_off_and_a_bad_value_is_named() -> None:
     code = "import dsec_core.audit as a; print(a._fast_run is None)"
     env = {k: v for k, v in os.environ.items() if k != "DSEC_AUDIT_PURE_PYTHON"}
-    for value, off in (("on", True), ("0", False)):  # (c_paths_wanted: every spelling, below)
+    for value, off in (("on", True), ("0", False)):  # (c_path_wanted: every spelling, below)
         done = subprocess.run(
             [sys.executable, "-c", code],
             env={**env, "DSEC_AUDIT_PURE_PYTHON": value},
@@ -600,9 +605,7 @@ def test_an_error_mid_batch_leaves_the_same_state_on_every_path(
 
     seen = []
     for path in ("c", "python"):
-        with monkeypatch.context() as patch:
-            if path != "c":
-                patch.setattr(audit, "_fast_run", None)
+        with _on_path(path, monkeypatch):
             verifier = Verifier(ANCHOR)
             verifier.feed_many(list(enumerate(wires[:5], start=1)))
             agent_key = next(k for k, c in verifier._certs.items() if c.role == "nodeagent")
@@ -638,4 +641,4 @@ def test_every_spelling_of_the_pure_python_setting(
     value: str, wanted: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DSEC_AUDIT_PURE_PYTHON", value)
-    assert audit_report.c_paths_wanted() is wanted
+    assert audit_report.c_path_wanted() is wanted

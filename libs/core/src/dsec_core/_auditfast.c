@@ -46,7 +46,7 @@ static PyObject *s_type, *s_aggregate_id, *s_aggregate, *s_subject, *s_key_id, *
     *s_node_id, *s_next_seq, *s_last_hash, *s_pending, *s_report, *s_expected, *s_routes,
     *s_certs, *s_keys, *s_revoked, *s_chains, *s_seen, *s_refusals, *s_tenants, *s_nodes,
     *s_causes, *s_signature_every, *s_producers, *s_finding, *s_first_seq, *s_last_seq,
-    *s_events, *s_chains_count, *s_node_id_key;
+    *s_events, *s_chains_count;
 
 /* The verifier's state, read once per run(). Borrowed from `verifier` (kept alive by it). */
 typedef struct {
@@ -199,7 +199,7 @@ static int judge(State *st, PyObject *seq, PyObject *data, PyObject *digest, Fie
         goto done;
     }
     /* node = payload.get("node_id"): a str or None, else the full path */
-    node = PyDict_GetItemWithError(payload, s_node_id_key);
+    node = PyDict_GetItemWithError(payload, s_node_id);
     if (node == NULL) {
         if (PyErr_Occurred()) {
             goto done;
@@ -680,7 +680,6 @@ PyMODINIT_FUNC PyInit__auditfast(void) {
         {&s_payload, "payload"},
         {&s_role, "role"},
         {&s_node_id, "node_id"},
-        {&s_node_id_key, "node_id"},
         {&s_next_seq, "next_seq"},
         {&s_last_hash, "last_hash"},
         {&s_pending, "pending"},

@@ -50,7 +50,7 @@ from dsec_core.audit_report import (  # (re-exported: they were defined here)
     Finding,
     Injected,
     VerifyReport,
-    c_paths_wanted,
+    c_path_wanted,
     fewer_collections,
 )
 from dsec_core.canonical import envelope_hash
@@ -223,7 +223,7 @@ _BATCH = 4096
 _RUN_DONE, _RUN_LEFT, _RUN_SETTLE = 0, 1, 2
 _C_EVERY_MAX = 2**62  # (a signature_every the C path holds; above it no chain is ever due)
 _fast_run: Any = None
-if _auditfast is not None and c_paths_wanted():
+if _auditfast is not None and c_path_wanted():
     _auditfast.configure(
         decode_envelope=_decode_envelope,
         decode_payload=_decode_payload,

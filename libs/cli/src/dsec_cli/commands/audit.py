@@ -245,11 +245,11 @@ def verify(
     one the manifest lists is tampering, and where the live stream still holds the archive's
     last sequence it must be the message the manifest records.
     """
-    from dsec_core.audit_report import c_paths_wanted
+    from dsec_core.audit_report import c_path_wanted
     from dsec_core.audit_worker import open_verifier
 
     try:
-        c_paths_wanted()  # (a bad DSEC_AUDIT_PURE_PYTHON: said here, not by the forked verifier)
+        c_path_wanted()  # (a bad DSEC_AUDIT_PURE_PYTHON: said here, not by the forked verifier)
     except ValueError as exc:
         fail(str(exc), EXIT_BAD_INPUT)
     anchor = trust_anchor()
