@@ -14,6 +14,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dsec_sdk import AgentNotFound, BrokerUnavailable, DSecClient
@@ -246,9 +247,11 @@ class _SlowRemote:
     """The other nodes, reached over a NATS that does not answer until ``answer`` is set: each
     connect to an agent there waits in ``locate``."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, found: bool = False) -> None:
         self.answer = asyncio.Event()
         self.waiting = 0
+        self.found = found
+        self.proxies: list[str] = []
         self._loop = loop
 
     async def locate(self, key: AgentKey) -> bool:
@@ -257,7 +260,14 @@ class _SlowRemote:
             await self.answer.wait()
         finally:
             self.waiting -= 1
-        return False  # registered nowhere
+        return self.found  # registered on another node, or nowhere
+
+    def proxy_channels(self) -> int:
+        return len(self.proxies)
+
+    def open_proxy(self, key: AgentKey, caller: Any) -> tuple[int, list[int]]:
+        self.proxies.append(caller.name)  # (only a test that finds nobody left gets here)
+        raise AssertionError(f"a proxy channel opened for {caller.name}, pidfd {caller.pidfd}")
 
     async def export(self, key: AgentKey) -> None:
         pass
@@ -301,6 +311,32 @@ def test_connects_under_way_are_bounded_per_sandbox(sock_dir: Path) -> None:
         assert again.get("code") == "not_found"  # its place is free again
     finally:
         caller.close()
+        thread.broker._remote = None
+        thread.stop()
+
+
+@pytest.mark.integration
+def test_a_caller_that_leaves_while_another_node_is_asked_gets_no_channel(sock_dir: Path) -> None:
+    """A caller asks for an agent of another node and closes while NATS is asked: when the
+    answer comes, the broker opens no proxy channel for it (it duplicated the caller's pidfd,
+    already closed, and the connect crashed holding a fresh channel's fds)."""
+    thread = BrokerThread(sock_dir / "ipc.sock")
+    remote = _SlowRemote(thread.loop, found=True)
+    thread.broker._remote = remote
+    baseline = metric("dsec_ipc_connections")
+    try:
+        caller = _raw(thread.socket_path)
+        control.send(caller, {"op": "hello", "group": "g1", "agent": "a", "role": "caller"})
+        welcome, _ = control.recv(caller) or ({}, [])
+        assert welcome.get("op") == "welcome", welcome
+        control.send(caller, {"op": "connect", "ref": 1, "peer": "far"})
+        wait_until(lambda: remote.waiting == 1, what="the connect to ask the other nodes")
+        caller.close()
+        wait_until(lambda: metric("dsec_ipc_connections") == baseline, what="the drop")
+        thread.loop.call_soon_threadsafe(remote.answer.set)
+        wait_until(lambda: not thread.broker._connecting, what="the connect to end")
+        assert remote.proxies == []
+    finally:
         thread.broker._remote = None
         thread.stop()
 

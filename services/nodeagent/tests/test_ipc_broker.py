@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from dsec_sdk import (
     RemoteError,
     ToolNotFound,
 )
+from dsec_sdk.ipc import control
 
 from dsec_nodeagent.ipc import AgentKey
 
@@ -536,6 +538,38 @@ def test_a_channel_opens_and_works_when_no_fd_is_left_for_its_move_bell(
     assert client._link is not None and client._link._bells == {}  # (no bell: no fd)
     client.close()
     assert channel.end.is_closed  # (and so closed with the client, not left open)
+
+
+def test_a_caller_that_leaves_mid_connect_costs_the_agent_it_called_nothing(
+    broker: BrokerThread, agent_b: ThreadServer
+) -> None:
+    """A caller sends connect and closes at once: the broker read both in one turn, so the
+    connect ran after the caller was dropped, its pidfd already closed, and the
+    open notice to the agent it called failed with EBADF; the broker blamed the callee and
+    dropped it. Any agent could knock a neighbour off the node that way (found in CI,
+    2026-12-06). The callee stays registered and serving."""
+    key = AgentKey("g1", "agent-b")
+    server = broker.broker.local_server(key)
+    baseline = metric("dsec_ipc_connections")
+    for n in range(20):
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        raw.connect(os.fspath(broker.socket_path))
+        raw.settimeout(10)
+        control.send(raw, {"op": "hello", "group": "g1", "agent": f"gone-{n}", "role": "caller"})
+        welcome, _ = control.recv(raw) or ({}, [])
+        assert welcome.get("op") == "welcome", welcome
+        control.send(raw, {"op": "connect", "ref": 1, "peer": "agent-b"})
+        raw.close()
+    wait_until(
+        lambda: metric("dsec_ipc_connections") <= baseline and not broker.broker._connecting,
+        what="the leaving callers to be dropped and their connects to end",
+    )
+    assert broker.broker.local_server(key) is server
+    client = DSecClient("agent-a", "g1", socket_path=broker.socket_path, timeout=20)
+    try:
+        assert client.call_tool("agent-b", "ping") == "pong"
+    finally:
+        client.close()
 
 
 def test_an_interrupted_first_call_leaves_the_client_usable_for_every_peer(

@@ -448,6 +448,11 @@ class Broker:
 
     async def _connect(self, conn: Connection, message: dict[str, Any]) -> None:
         assert conn.key is not None
+        # The caller may have left since its connect was read (a connect and the caller's close
+        # read in one turn, or a close while NATS is asked below): its pidfd is closed then, and
+        # an open notice carrying it failed with EBADF, which dropped the agent it called.
+        if conn not in self._connections:
+            return
         ref = message.get("ref")
         peer = message.get("peer")
         try:
@@ -476,6 +481,8 @@ class Broker:
             control.close_fds(caller_fds)
             return
         if self._remote is not None and await self._remote.locate(key):
+            if conn not in self._connections:  # it left while NATS was asked
+                return
             if (self._remote.proxy_channels() + 1) * PROXY_FDS > self._proxy_fd_budget:
                 text = "the node's budget of channels to other nodes is spent; retry later"
                 self._refuse_request(conn, message, "fd_budget", "busy", text)
@@ -662,6 +669,8 @@ class Broker:
         server doorbell, server pidfd), now owned by whoever called this; ``None`` if the server
         turned out to be gone.
         """
+        if caller_pidfd < 0:  # a caller already dropped; the notice would fail on *its* fd
+            raise ValueError("open_channel: the caller's pidfd is closed")
         fds = ch.create_channel(self.ring_capacity, self.max_payload)
         channel_id = self.new_channel_id()
         opening = {
