@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -470,4 +473,128 @@ def test_a_connection_that_keeps_sending_is_read_in_turns_and_odd_shapes_end_onl
         assert errors == []
     finally:
         flooder.close()
+        thread.stop()
+
+
+LINGER_S = 5
+
+
+def _lingering_tcp_socket() -> tuple[socket.socket, socket.socket]:
+    """A TCP socket with unsent data to a peer that never reads, SO_LINGER on: its last close
+    blocks for LINGER_S (on whichever thread closes it)."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # never accepted: the handshake completes, nobody reads
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.connect(listener.getsockname())
+    sock.setblocking(False)
+    while True:
+        try:
+            sock.send(b"x" * 65536)
+        except BlockingIOError:
+            break
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, LINGER_S))
+    return sock, listener
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kernel", ["refuses fds", "before 6.16"])
+def test_an_fd_sent_to_the_broker_cannot_stall_its_loop(
+    sock_dir: Path, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection hands the broker a lingering TCP socket and closes its own copy: the
+    broker's close of it blocked its loop for as long as the sender chose (every neighbour's
+    connect waited). Where the kernel can (SO_PASSRIGHTS, Linux 6.16+), the fds are refused at
+    the sender's sendmsg; before it, they are closed on a thread of their own and the
+    connection is refused."""
+    from dsec_nodeagent.ipc import broker as broker_mod
+
+    if kernel == "before 6.16":
+        monkeypatch.setattr(broker_mod, "_SO_PASSRIGHTS", -1)  # setsockopt fails: the fallback
+    thread = BrokerThread(sock_dir / "ipc.sock")
+    tcp, listener = _lingering_tcp_socket()
+    attacker = _raw(thread.socket_path)
+    victim = DSecClient("victim", "g1", socket_path=thread.socket_path, timeout=30)
+    try:
+        with pytest.raises(AgentNotFound):
+            victim.call_tool("nobody", "ping")  # connected and greeted
+        assert thread.broker._fds_refused is (kernel == "refuses fds")
+        hello = {"op": "hello", "group": "g1", "agent": "a", "role": "caller"}
+        if kernel == "refuses fds":
+            with pytest.raises(PermissionError):
+                socket.send_fds(attacker, [control_bytes(hello)], [tcp.fileno()])
+            return
+        socket.send_fds(attacker, [control_bytes(hello)], [tcp.fileno()])
+        tcp.close()  # the broker holds the last reference
+        refused, _ = control.recv(attacker) or ({}, [])
+        assert refused.get("code") == "refused", refused
+        assert "file descriptors" in refused["message"]
+        started = time.monotonic()
+        with pytest.raises(AgentNotFound):
+            victim.call_tool("nobody-2", "ping")  # a fresh connect through the loop
+        assert time.monotonic() - started < LINGER_S / 2
+    finally:
+        victim.close()
+        attacker.close()
+        tcp.close()
+        listener.close()
+        thread.stop()
+
+
+def control_bytes(message: dict[str, Any]) -> bytes:
+    """A control message as the wire carries it (MessagePack)."""
+    import msgpack
+
+    return bytes(msgpack.packb(message))
+
+
+@pytest.mark.integration
+def test_a_callers_connects_cannot_knock_a_busy_server_off_the_node(sock_dir: Path) -> None:
+    """A server reads its control socket between calls. A caller connecting to it again and
+    again (closing each channel at once, so it stays under its channel limit) filled that
+    socket, and the broker took EAGAIN for a dead server and dropped it. Now the caller is told
+    `busy` and the server stays registered."""
+    thread = BrokerThread(sock_dir / "ipc.sock")
+    server = _raw(thread.socket_path)
+    caller = _raw(thread.socket_path)
+    before = metric("dsec_ipc_refusals_total", reason="server_busy")
+    try:
+        control.send(server, {"op": "hello", "group": "g1", "agent": "busy", "role": "server"})
+        welcome, fds = control.recv(server) or ({}, [])
+        control.close_fds(fds)
+        assert welcome.get("op") == "welcome"
+        control.send(caller, {"op": "hello", "group": "g1", "agent": "hostile", "role": "caller"})
+        assert (control.recv(caller) or ({}, []))[0].get("op") == "welcome"
+        opened, reply = 0, {}
+        for n in range(5000):
+            control.send(caller, {"op": "connect", "ref": n, "peer": "busy"})
+            reply, fds = control.recv(caller) or ({}, [])
+            if fds:  # closed at once (the CLOSED word), as a client closing a channel does
+                with mmap.mmap(fds[0], mmap.PAGESIZE) as header:
+                    struct.pack_into("<Q", header, 32 * 8, 1)
+            control.close_fds(fds)
+            if reply.get("op") != "channel":
+                break
+            opened += 1
+        assert reply.get("code") == "busy", (opened, reply)
+        assert "has not yet read the channels offered to it" in reply["message"]
+        assert thread.broker.local_server(AgentKey("g1", "busy")) is not None
+        assert metric("dsec_ipc_refusals_total", reason="server_busy") - before == 1
+        # once it reads its notices, channels to it open again
+        server.setblocking(False)
+        while True:
+            try:
+                _, fds = control.recv(server) or ({}, [])
+            except BlockingIOError:
+                break
+            control.close_fds(fds)
+        control.send(caller, {"op": "connect", "ref": "again", "peer": "busy"})
+        again, fds = control.recv(caller) or ({}, [])
+        control.close_fds(fds)
+        assert again.get("op") == "channel", again
+    finally:
+        caller.close()
+        server.close()
         thread.stop()

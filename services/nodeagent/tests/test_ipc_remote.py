@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dsec_core import natsperms
@@ -21,6 +25,7 @@ from dsec_sdk import (
     RemoteError,
     ToolNotFound,
 )
+from dsec_sdk.ipc import control
 from dsec_testing.stack import StackFixture
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
@@ -189,3 +194,150 @@ def test_another_tenants_agent_of_the_same_group_and_name_is_not_found_across_no
         one.stop()
         two.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _hello_and_leave(path: Path, name: str) -> None:
+    """A server's hello, and the connection closed before the broker answers it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(os.fspath(path))
+    control.send(sock, {"op": "hello", "group": "g1", "agent": name, "role": "server"})
+    sock.close()
+
+
+def _settled(thread: BrokerThread) -> bool:
+    """No connection left and no background task (exports, unexports) under way."""
+    broker = thread.broker
+    return not broker._connections and not broker._tasks
+
+
+def test_a_server_that_leaves_before_its_welcome_is_exported_nowhere(
+    nodes: tuple[BrokerThread, BrokerThread],
+) -> None:
+    """The welcome to a server gone already fails, the drop's unexport finds nothing yet, and
+    the export scheduled after it subscribed anyway: the name stayed answered over NATS for
+    good (callers anywhere got PeerGone, not AgentNotFound), and once the real server came,
+    two subscriptions ran each call from another node twice."""
+    one, two = nodes
+    for _ in range(10):
+        _hello_and_leave(one.socket_path, "ghost")
+        _hello_and_leave(one.socket_path, "dup")
+    wait_until(lambda: _settled(one), what="the leavers dropped and their exports settled")
+    assert one.broker._remote._subs == {}
+    client = DSecClient("agent-a", "g1", socket_path=two.socket_path, timeout=20)
+    proc = start_agent(one.socket_path, "g1", "dup")
+    local = DSecClient("local", "g1", socket_path=one.socket_path, timeout=20)
+    try:
+        with pytest.raises(AgentNotFound):
+            client.call_tool("ghost", "ping")
+        wait_serving(client, "dup")
+        assert client.call_tool("dup", "record", who="remote", seq=1, data=b"") is not None
+        assert local.call_tool("dup", "recorded", who="remote") == [1]  # run once
+    finally:
+        client.close()
+        local.close()
+        proc.kill()
+        proc.wait()
+
+
+def _raw_caller(path: Path, name: str) -> tuple[socket.socket, dict[str, Any]]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(os.fspath(path))
+    sock.settimeout(20)
+    control.send(sock, {"op": "hello", "group": "g1", "agent": name, "role": "caller"})
+    welcome, _ = control.recv(sock) or ({}, [])
+    assert welcome.get("op") == "welcome", welcome
+    return sock, welcome
+
+
+def test_one_sandbox_holds_at_most_its_share_of_the_channels_to_other_nodes(
+    nodes: tuple[BrokerThread, BrokerThread], remote_agent: DSecClient
+) -> None:
+    """One sandbox kept every channel to agents of other nodes the node may serve (204, under
+    its 256 channels per agent): no other sandbox could call another node. Now it holds a
+    quarter of them at most, and another sandbox's call goes through."""
+    one, _ = nodes
+    share = one.broker.proxy_channels_per_sandbox
+    assert share == one.broker._proxy_fd_budget // 5 // 4
+    hostile, _ = _raw_caller(one.socket_path, "hostile")
+    # (this process is one sandbox here: the fixture's client holds a channel of its share)
+    already = one.broker._live_proxies(f"pid-{os.getpid()}")
+    held: list[list[int]] = []
+    try:
+        reply: dict[str, Any] = {}
+        for n in range(share + 1 - already):
+            control.send(hostile, {"op": "connect", "ref": n, "peer": "agent-b"})
+            reply, fds = control.recv(hostile) or ({}, [])
+            if reply.get("op") != "channel":
+                break
+            held.append(fds)
+        assert len(held) + already == share
+        assert reply.get("code") == "too_many_channels", reply
+        assert f"holds {share} channels to agents of other nodes" in reply["message"]
+        # another sandbox of this node (a process of its own: another pid-... sandbox here)
+        victim = subprocess.run(
+            [sys.executable, "-c", VICTIM_CALL, os.fspath(one.socket_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert victim.returncode == 0 and victim.stdout.strip() == "pong", victim.stderr[-500:]
+    finally:
+        for fds in held:
+            control.close_fds(fds)
+        hostile.close()
+
+
+VICTIM_CALL = r"""
+import sys
+from dsec_sdk import DSecClient
+client = DSecClient("victim", "g1", socket_path=sys.argv[1], timeout=20)
+print(client.call_tool("agent-b", "ping"))
+client.close()
+"""
+
+
+def test_calls_in_flight_to_other_nodes_are_bounded_per_sandbox(
+    nodes: tuple[BrokerThread, BrokerThread], remote_agent: DSecClient
+) -> None:
+    """A caller wrote 3,000 requests into one channel to another node and read no answer: 3,000
+    forwarding tasks here and as many answering tasks there, each asking NATS every second
+    whether the agent still lives. Now a sandbox has 256 in flight at most; the rest are
+    answered `busy` at once."""
+    from dsec_sdk.ipc import channel as ch
+    from dsec_sdk.ipc import codec
+
+    from dsec_nodeagent.ipc.remote import FORWARDS_PER_SANDBOX
+
+    one, _ = nodes
+    hostile, welcome = _raw_caller(one.socket_path, "hostile")
+    try:
+        control.send(hostile, {"op": "connect", "ref": 1, "peer": "agent-b"})
+        reply, fds = control.recv(hostile) or ({}, [])
+        assert reply.get("op") == "channel" and reply["remote"], reply
+        end = ch.CallerEnd(
+            channel_id=reply["channel"],
+            peer="agent-b",
+            capacity=reply["ring_capacity"],
+            fds=fds,
+            max_payload=welcome["max_payload"],
+            spin_ns=0,
+        )
+        body = codec.encode_request(codec.new_packer(), "hang", {}, 0)  # 0: the longest
+        deadline = time.perf_counter_ns() + 10_000_000_000
+        wanted = FORWARDS_PER_SANDBOX + 100
+        for call_id in range(1, wanted + 1):
+            assert end.send(codec.REQUEST, call_id, body, deadline)
+        busy = 0
+        while busy < wanted - FORWARDS_PER_SANDBOX:
+            assert end.wait_response(deadline), f"{busy} busy answers before the deadline"
+            frame = end.responses.try_read(bytes)
+            assert frame is not None
+            kind, _call_id, value = frame
+            assert kind == codec.ERROR
+            assert codec.unpack(value)[0] == "busy"
+            busy += 1
+        assert sum(one.broker._remote._forwarding.values()) == FORWARDS_PER_SANDBOX
+        assert len(one.broker._remote._tasks) <= FORWARDS_PER_SANDBOX + 8
+        end.close()
+    finally:
+        hostile.close()

@@ -38,7 +38,7 @@ import contextlib
 import os
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -93,28 +93,37 @@ def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) 
         sock.send(data)
 
 
-def recv(sock: socket.socket, flags: int = 0) -> tuple[dict[str, Any], list[int]] | None:
+def recv(
+    sock: socket.socket,
+    flags: int = 0,
+    *,
+    max_fds: int = MAX_FDS,
+    close: Callable[[Sequence[int]], None] | None = None,
+) -> tuple[dict[str, Any], list[int]] | None:
     """Receive one control message; ``None`` when the other side closed the connection.
 
     ``flags``: for ``recvmsg`` (``socket.MSG_DONTWAIT``: raise ``BlockingIOError`` when none
-    is queued).
+    is queued). ``max_fds``: fds taken at most (the kernel closes any beyond). ``close``: what
+    closes the fds of a message refused here (default :func:`close_fds`; a receiver that must
+    never block in ``close`` hands them elsewhere).
 
     Raises:
         ProtocolError: The datagram is not a MessagePack map or its fds were truncated.
     """
-    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS, flags)
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, max_fds, flags)
     if not data and not fds:
         return None
+    close = close or close_fds
     if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-        close_fds(fds)
+        close(fds)
         raise ProtocolError("control message truncated")
     try:
         message = msgpack.unpackb(data, raw=False)
     except (ValueError, msgpack.UnpackException) as exc:
-        close_fds(fds)
+        close(fds)
         raise ProtocolError(f"undecodable control message: {exc}") from exc
     if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-        close_fds(fds)
+        close(fds)
         raise ProtocolError(f"control message without 'op': {message!r:.200}")
     return message, fds
 

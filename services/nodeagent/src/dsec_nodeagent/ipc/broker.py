@@ -23,10 +23,12 @@ import errno
 import logging
 import mmap
 import os
+import select
 import socket
 import struct
+import threading
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -36,7 +38,13 @@ from dsec_sdk.ipc import channel as ch
 from dsec_sdk.ipc import control
 
 from dsec_nodeagent.ipc import metrics
-from dsec_nodeagent.ipc.limits import FDS_PER_CONNECTION, Admission, BrokerLimits, RefusalLog
+from dsec_nodeagent.ipc.limits import (
+    FDS_PER_CONNECTION,
+    Admission,
+    BrokerLimits,
+    RefusalLog,
+    ServerBusy,
+)
 from dsec_nodeagent.ipc.registry import AgentKey, Registry
 
 if TYPE_CHECKING:
@@ -67,6 +75,31 @@ _ACCEPT_BATCH: Final = 64
 _NOTICE_CHANNELS: Final = 4096
 # The CLOSED word of a channel's first ring header (see dsec_sdk.ipc.ring.CLOSED).
 _CLOSED_AT: Final = 32 * 8
+
+
+_SO_PEERPIDFD: Final = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5+
+_SO_PASSRIGHTS: Final = getattr(socket, "SO_PASSRIGHTS", 83)  # Linux 6.16+
+_SCM_MAX_FD: Final = 253  # fds one message may carry: all taken, none closed by the kernel
+
+
+def _peer_pidfd(sock: socket.socket, pid: int) -> int:
+    """A pidfd of the process that connected ``sock`` (-1: it is gone)."""
+    try:
+        return int(sock.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD))
+    except OSError as exc:
+        if exc.errno not in (errno.ENOPROTOOPT, errno.EINVAL):
+            return -1  # (ESRCH: the peer exited)
+    try:  # an older kernel: the pid as of now (it was the peer's a moment ago)
+        return os.pidfd_open(pid)
+    except OSError:
+        return -1
+
+
+def _exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (a pidfd is readable from then on)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 @dataclass(eq=False)
@@ -171,6 +204,10 @@ class Broker:
         self._connecting: Counter[str] = Counter()  # sandbox -> its connects under way
         # Hand-overs the node agent expects: new sandbox -> the old one it takes over from.
         self._handovers: dict[str, str] = {}
+        self._fds_refused = False  # SO_PASSRIGHTS off on the listener (Linux 6.16+)
+        self._closing: list[int] = []  # fds the closer thread closes (where agents may send)
+        self._closer: threading.Thread | None = None
+        self._closer_wake = threading.Condition()
         self.tool_reports: Callable[[str, str, dict[str, Any]], None] | None = None
         """Receives ``tools`` reports: (the connection's sandbox, its agent, the message)."""
 
@@ -185,6 +222,15 @@ class Broker:
         try:
             listener.bind(os.fspath(self.socket_path))
             os.chmod(self.socket_path, self._socket_mode)
+            # No fds from agents (none sends any): refused by the kernel at their sendmsg, so
+            # none is ever queued to the broker. A received fd is closed by whoever holds it
+            # last, and the close of a lingering TCP socket blocks: on the node agent's loop
+            # that froze every agent's connects for as long as the sender chose.
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, _SO_PASSRIGHTS, 0)  # (accepted inherit)
+                self._fds_refused = True
+            except OSError:  # before Linux 6.16: they are closed on a thread of their own
+                self._fds_refused = False
             listener.listen(_BACKLOG)
             listener.setblocking(False)
         except BaseException:
@@ -264,18 +310,25 @@ class Broker:
         pid, uid, _gid = _UCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
         )
+        # The pidfd first (before a waiting connection is evicted for this one): a process
+        # already gone costs nobody else anything. The kernel's pidfd of the peer as of its
+        # connect where it has one (Linux 6.5+), so a pid reused since cannot lend its identity.
+        pidfd = _peer_pidfd(sock, pid)
+        if pidfd < 0:
+            self._close_sock(sock)
+            return
         sandbox = self._sandbox_of(pid, uid) or HOST
+        if _exited(pidfd):  # (the pid looked up may have been another process's by then)
+            os.close(pidfd)
+            self._close_sock(sock)
+            return
         reason, victim = self._admission.admit(sandbox)
         if reason is not None:
+            os.close(pidfd)
             self._turn_away(sock, sandbox, reason)
             return
         if victim is not None:
             self._refuse(victim, "pending_evicted", "too many connections wait for their hello")
-        try:
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            sock.close()
-            return
         conn = Connection(sock=sock, pid=pid, uid=uid, pidfd=pidfd, sandbox=sandbox)
         self._connections.add(conn)
         self._admission.add(conn, sandbox)
@@ -298,7 +351,7 @@ class Broker:
         }[reason]
         with contextlib.suppress(OSError):
             control.send(sock, {"op": "error", "code": "refused", "message": f"{text}; retry"})
-        sock.close()
+        self._close_sock(sock)
 
     def _hello_timed_out(self, conn: Connection) -> None:
         conn.hello_timer = None
@@ -317,7 +370,7 @@ class Broker:
         # loop for up to 0.25 s at a time.
         for _ in range(READS_PER_TURN):
             try:
-                received = control.recv(conn.sock)
+                received = control.recv(conn.sock, max_fds=_SCM_MAX_FD, close=self._close_elsewhere)
             except (BlockingIOError, InterruptedError):
                 return
             except (ProtocolError, OSError) as exc:
@@ -328,7 +381,10 @@ class Broker:
                 self._drop(conn)
                 return
             message, fds = received
-            control.close_fds(fds)  # agents never send fds; refuse any silently
+            if fds:  # (never where the kernel refuses them): no agent sends any
+                self._close_elsewhere(fds)
+                self._refuse(conn, "passed_fds", "agents send no file descriptors")
+                return
             try:
                 self._dispatch(conn, message)
             except Exception as exc:  # a shape the checks above missed: that connection ends
@@ -379,6 +435,9 @@ class Broker:
             return
         if self._identify is not None:
             allowed = self._identify(conn.pid, conn.uid, 0)
+            if _exited(conn.pidfd):  # its pid may name another process now: no identity
+                self._refuse(conn, "identity", f"process {conn.pid} exited before its hello")
+                return
             if allowed is None or (allowed.group, allowed.agent) != (key.group, key.agent):
                 self._refuse(conn, "identity", f"process {conn.pid} may not act as {key}")
                 return
@@ -423,7 +482,7 @@ class Broker:
                 )
             conn.doorbell = ch.new_eventfd()
             self._send(conn, welcome, [conn.doorbell])
-            if self._remote is not None:
+            if self._remote is not None and conn in self._connections:  # (not if it left)
                 self._spawn(self._remote.export(key))
         else:
             self._send(conn, welcome)
@@ -471,7 +530,11 @@ class Broker:
             self._refuse_request(conn, message, "channels", "too_many_channels", text)
             return
         server = self._registry.lookup(key)
-        opened = self.open_channel(server, conn.name, conn.pidfd) if server else None
+        try:
+            opened = self.open_channel(server, conn.name, conn.pidfd) if server else None
+        except ServerBusy as exc:
+            self._refuse_request(conn, message, "server_busy", "busy", str(exc))
+            return
         if opened is not None:
             channel_id, caller_fds = opened
             reply = self._channel_reply(ref, channel_id, key.agent, remote=False)
@@ -486,6 +549,14 @@ class Broker:
             if (self._remote.proxy_channels() + 1) * PROXY_FDS > self._proxy_fd_budget:
                 text = "the node's budget of channels to other nodes is spent; retry later"
                 self._refuse_request(conn, message, "fd_budget", "busy", text)
+                return
+            share = self.proxy_channels_per_sandbox
+            if self._live_proxies(conn.sandbox) >= share:
+                text = (
+                    f"this sandbox holds {share} channels to agents of other nodes, its share "
+                    "of the node's budget (a quarter); close some first"
+                )
+                self._refuse_request(conn, message, "proxy_channels", "too_many_channels", text)
                 return
             channel_id, fds = self._remote.open_proxy(key, conn)
             reply = self._channel_reply(ref, channel_id, key.agent, remote=True)
@@ -514,6 +585,8 @@ class Broker:
             self._refuse_request(conn, message, "state_sockets", "too_many_state_sockets", text)
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(OSError):  # (Linux 6.16+) no fds to the keeper either
+            ours.setsockopt(socket.SOL_SOCKET, _SO_PASSRIGHTS, 0)
         try:
             self._send(conn, {"op": "state", "ref": message.get("ref")}, [theirs.fileno()])
         finally:
@@ -642,6 +715,18 @@ class Broker:
         if self._remote is not None:
             await self._remote.unexport(key)
 
+    @property
+    def proxy_channels_per_sandbox(self) -> int:
+        """Channels to agents of other nodes one sandbox may hold: a quarter of the node's
+        budget for them (one sandbox took all of it, and no other could call another node)."""
+        return max(1, self._proxy_fd_budget // PROXY_FDS // 4)
+
+    def _live_proxies(self, sandbox: str) -> int:
+        """Channels to agents of other nodes ``sandbox`` holds (its live channels the broker's
+        proxy serves)."""
+        self._live_channels(sandbox)  # (forgets the closed ones)
+        return sum(1 for item in self._live.get(sandbox, ()) if item.server is None)
+
     def _live_channels(self, sandbox: str) -> int:
         """Channels of ``sandbox`` still open (closed ones are forgotten here)."""
         tracked = self._live.get(sandbox)
@@ -679,9 +764,21 @@ class Broker:
             "caller": caller,
             "ring_capacity": self.ring_capacity,
         }
-        self._send(server, opening, [*fds.all(), caller_pidfd])
-        if server not in self._connections:  # it died; _send dropped it
+        try:
+            control.send(server.sock, opening, [*fds.all(), caller_pidfd])
+        except BlockingIOError:
+            # Its control socket is full: a server reads it between calls, so a busy one (or
+            # one paused for a hand-over) fills up under callers' connects. Busy, not gone:
+            # it stays registered (it was dropped here, by any caller connecting often enough).
             fds.close()
+            raise ServerBusy(
+                f"agent {server.name} has not yet read the channels offered to it (busy "
+                "serving); retry"
+            ) from None
+        except OSError as exc:
+            fds.close()
+            log.warning("ipc: cannot reach %s (%s); dropping it", server.name, exc)
+            self._drop(server)
             return None
         return channel_id, [*fds.all(), os.dup(server.doorbell), os.dup(server.pidfd)]
 
@@ -736,6 +833,36 @@ class Broker:
         self._send(conn, {"op": "error", "code": "refused", "message": text})
         self._drop(conn)
 
+    def _close_sock(self, sock: socket.socket) -> None:
+        """Close an agent's connection (fds still queued on it are closed with it: where the
+        kernel may have queued some, on the closer thread)."""
+        if self._fds_refused:
+            sock.close()
+        else:
+            self._close_elsewhere([sock.detach()])
+
+    def _close_elsewhere(self, fds: Sequence[int]) -> None:
+        """Close ``fds`` (received from an agent, or a socket that may hold some) on the closer
+        thread: never on the loop, where the close of a lingering socket blocks."""
+        if not fds:
+            return
+        with self._closer_wake:
+            self._closing.extend(fds)
+            if self._closer is None:
+                self._closer = threading.Thread(
+                    target=self._close_loop, name="dsec-ipc-closer", daemon=True
+                )
+                self._closer.start()
+            self._closer_wake.notify()
+
+    def _close_loop(self) -> None:
+        while True:
+            with self._closer_wake:
+                while not self._closing:
+                    self._closer_wake.wait()
+                fds, self._closing = self._closing, []
+            control.close_fds(fds)
+
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
@@ -755,7 +882,7 @@ class Broker:
             metrics.AGENTS.labels(conn.role).dec()
         with contextlib.suppress(ValueError, OSError):
             asyncio.get_running_loop().remove_reader(conn.sock.fileno())
-        conn.sock.close()
+        self._close_sock(conn.sock)
         for key in self._registry.release(conn):
             if self._remote is not None:
                 self._spawn(self._remote.unexport(key))

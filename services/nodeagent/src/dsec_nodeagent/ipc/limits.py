@@ -46,7 +46,14 @@ REASONS: Final = (
     "name_taken",  # another sandbox already serves that agent name
     "taken_over",  # a server replaced by an explicit takeover
     "state_sockets",  # this sandbox holds its maximum of state sockets
+    "server_busy",  # the agent called has not read the channels offered to it yet
+    "proxy_channels",  # this sandbox holds its share of the channels to other nodes
+    "passed_fds",  # a connection sent fds (no agent does; refused by the kernel where it can)
 )
+
+
+class ServerBusy(Exception):
+    """A server's control socket is full: no channel to it now (the caller may retry)."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -31,6 +32,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from dsec_nodeagent.ipc import metrics
+from dsec_nodeagent.ipc.limits import ServerBusy
 from dsec_nodeagent.ipc.registry import AgentKey
 
 if TYPE_CHECKING:
@@ -45,6 +47,14 @@ LOCATE_TIMEOUT_S: Final = 5.0
 LIVENESS_EVERY_S: Final = 1.0
 # A call without a timeout still gets one across nodes: a vanished node must not hold it forever.
 DEFAULT_REMOTE_TIMEOUT_S: Final = 300.0
+# The longest a call across nodes may wait, whatever its caller asks: each holds a task here and
+# one on the serving node.
+MAX_REMOTE_TIMEOUT_S: Final = 3600.0
+# Calls of one sandbox forwarded to other nodes at once (each a task here and one on the serving
+# node, and a liveness question a second): beyond it a call is answered ``busy`` at once. One
+# sandbox wrote 3,000 requests into a proxy channel without reading an answer and held 3,000
+# tasks on both nodes.
+FORWARDS_PER_SANDBOX: Final = 256
 
 
 class RemoteBridge:
@@ -55,7 +65,10 @@ class RemoteBridge:
         self.nc: NATS | None = None
         self._packer = codec.new_packer()
         self._subs: dict[AgentKey, Subscription] = {}
-        self._targets: dict[int, AgentKey] = {}
+        self._targets: dict[int, tuple[AgentKey, str]] = {}  # channel -> (callee, caller sandbox)
+        self._forwarding: Counter[str] = Counter()  # caller sandbox -> its calls in flight
+        # key -> (when asked, the answer): one liveness question a key at a time, not one a call
+        self._liveness: dict[AgentKey, tuple[float, asyncio.Future[bool]]] = {}
         # This node's own channel to each local agent called from other nodes, and the server
         # connection it reaches (a hand-over's release moves only a channel to the old one).
         self._inbound: dict[AgentKey, tuple[AsyncCaller, Connection]] = {}
@@ -106,8 +119,17 @@ class RemoteBridge:
         async def on_message(msg: Msg) -> None:
             self._spawn(self._on_remote_call(key, msg))
 
-        self._subs[key] = await self.nc.subscribe(key.subject("*"), cb=on_message)
+        sub = await self.nc.subscribe(key.subject("*"), cb=on_message)
         await self.nc.flush()
+        # Checked after the awaits: the server may have left meanwhile (its unexport found
+        # nothing yet), or another export of the name finished first. A subscription kept then
+        # answered for a name nobody here serves, for good (unexport only knows the one in
+        # _subs), and two ran each call from another node twice.
+        if key in self._subs or self.broker.local_server(key) is None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+            return
+        self._subs[key] = sub
 
     async def unexport(self, key: AgentKey) -> None:
         """Stop answering for ``key`` (it left this node)."""
@@ -144,6 +166,19 @@ class RemoteBridge:
             return False
         return True
 
+    async def _still_there(self, key: AgentKey) -> bool:
+        """:meth:`locate`, asked once for all the calls to ``key`` waiting now (each asked
+        every second: a sandbox's calls in flight were as many questions a second)."""
+        now = time.monotonic()
+        asked = self._liveness.get(key)
+        if asked is None or now - asked[0] >= LIVENESS_EVERY_S / 2:
+            if len(self._liveness) > 1024:  # forget old answers (one per key called)
+                cutoff = now - LIVENESS_EVERY_S
+                self._liveness = {k: a for k, a in self._liveness.items() if a[0] >= cutoff}
+            asked = (now, asyncio.ensure_future(self.locate(key)))
+            self._liveness[key] = asked
+        return await asyncio.shield(asked[1])
+
     def proxy_channels(self) -> int:
         """Proxy channels this broker serves now (each holds 5 fds here)."""
         return len(self._proxy.core.channels) if self._proxy is not None else 0
@@ -169,14 +204,30 @@ class RemoteBridge:
             doorbell=self._doorbell,
             max_payload=self.broker.max_payload,
         )
-        self._targets[channel_id] = key
+        if len(self._targets) > 2 * len(self._proxy.core.channels) + 64:  # forget closed ones
+            live = {e.channel_id for e in self._proxy.core.channels}
+            self._targets = {c: t for c, t in self._targets.items() if c in live}
+        self._targets[channel_id] = (key, caller.sandbox)
         self._proxy.add(end)
         return channel_id, [*fds.all(), os.dup(self._doorbell), os.dup(self.broker.self_pidfd)]
 
     def _on_proxy_request(self, end: ch.ServerEnd, call_id: int, body: bytes) -> None:
-        self._spawn(self._forward(end, call_id, body))
+        assert self._proxy is not None
+        target = self._targets.get(end.channel_id)
+        sandbox = target[1] if target is not None else ""
+        if self._forwarding[sandbox] >= FORWARDS_PER_SANDBOX:
+            text = (
+                f"this sandbox has {FORWARDS_PER_SANDBOX} calls to other nodes in flight, the "
+                "most one sandbox may; retry when one ends"
+            )
+            reply = self._error("busy", "ServerBusy", text)
+            metrics.observe_remote("out", codec.ERROR, reply, 0.0)
+            self._proxy.respond(end, codec.ERROR, call_id, reply)
+            return
+        self._forwarding[sandbox] += 1
+        self._spawn(self._forward(end, call_id, body, sandbox))
 
-    async def _forward(self, end: ch.ServerEnd, call_id: int, body: bytes) -> None:
+    async def _forward(self, end: ch.ServerEnd, call_id: int, body: bytes, sandbox: str) -> None:
         assert self._proxy is not None
         started = time.perf_counter()
         try:
@@ -185,13 +236,18 @@ class RemoteBridge:
             log.exception("ipc: forwarding a call over NATS failed")
             text = f"the bridge to the other node failed: {type(exc).__name__}: {exc}"
             kind, reply = codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", text)
+        finally:
+            self._forwarding[sandbox] -= 1
+            if self._forwarding[sandbox] <= 0:
+                del self._forwarding[sandbox]
         # Counted before answering: whoever reads the metrics after the call sees it.
         metrics.observe_remote("out", kind, reply, time.perf_counter() - started)
         self._proxy.respond(end, kind, call_id, reply)
 
     async def _forward_body(self, end: ch.ServerEnd, body: bytes) -> tuple[int, bytes]:
         assert self.nc is not None
-        key = self._targets.get(end.channel_id)
+        target = self._targets.get(end.channel_id)
+        key = target[0] if target is not None else None
         kind, reply = codec.ERROR, b""
         try:
             tool, timeout_s = _parse_request(body)
@@ -221,7 +277,7 @@ class RemoteBridge:
             # timeout would end it), so while waiting, ask now and then whether the agent still
             # lives: the cross-node twin of watching a local peer's pidfd.
             while not (await asyncio.wait({request}, timeout=LIVENESS_EVERY_S))[0]:
-                if not await self.locate(key):
+                if not await self._still_there(key):
                     request.cancel()
                     text = "it left its node during the call"
                     return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", text)
@@ -279,7 +335,10 @@ class RemoteBridge:
         await self._reply(msg, kind, body)
 
     async def _call_local(self, key: AgentKey, body: bytes, timeout_s: float) -> tuple[int, bytes]:
-        caller = self._inbound_caller(key)
+        try:
+            caller = self._inbound_caller(key)
+        except ServerBusy as exc:
+            return codec.ERROR, self._error("busy", "ServerBusy", str(exc))
         if caller is None:
             return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", "it left its node")
         deadline = time.perf_counter_ns() + int(timeout_s * 1e9)
@@ -287,7 +346,10 @@ class RemoteBridge:
             frame = await caller.call(codec.REQUEST, body, deadline)
         except PeerGone as exc:
             self._forget_inbound(key, caller)
-            retry = self._inbound_caller(key) if exc.untaken else None
+            try:
+                retry = self._inbound_caller(key) if exc.untaken else None
+            except ServerBusy as busy:
+                return codec.ERROR, self._error("busy", "ServerBusy", str(busy))
             if retry is None:
                 return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", exc.reason)
             # The server left before reading it, and another serves the name now (a hand-over
@@ -361,7 +423,9 @@ def _parse_request(body: bytes) -> tuple[str, float]:
     if not isinstance(arguments, dict) or not isinstance(timeout_ms, int) or timeout_ms < 0:
         raise ValueError("malformed request: expected [tool, {arguments}, timeout_ms]")
     control.check_tool_name(tool)
-    return tool, (timeout_ms / 1000 if timeout_ms else DEFAULT_REMOTE_TIMEOUT_S)
+    if not timeout_ms:
+        return tool, DEFAULT_REMOTE_TIMEOUT_S
+    return tool, min(timeout_ms / 1000, MAX_REMOTE_TIMEOUT_S)
 
 
 def _finished(task: asyncio.Task[None]) -> None:
