@@ -266,6 +266,125 @@ async def test_a_huge_frame_or_garbage_is_refused_and_the_keeper_serves_others(
             await a.close()
 
 
+async def test_a_hello_is_small_and_read_only_for_a_sandbox_with_state(world: World) -> None:
+    """A sandbox without `state:` sent a 32 MiB hello of empty maps: decoding it stalled the
+    node agent's loop for ~6 s and took 2.4 GiB. It is refused before anything is read now,
+    and a registered sandbox's hello over 64 KiB is refused unread."""
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        _, owner = await victim(node, tenant, agent)
+        stranger = await node.connect(f"sbx-{tag()}")  # never registered
+        await stranger.raw(struct.pack(">I", 32 << 20) + b"\x80" * 4096)
+        frame = await stranger.recv()
+        assert (frame["op"], frame["code"]) == ("error", "unregistered"), frame
+        big_agent = f"b{tag()}"
+        big = await node.connect(node.register(tenant, big_agent))
+        await big.raw(struct.pack(">I", (64 << 10) + 1) + b"\x80" * 4096)
+        frame = await big.recv()
+        assert (frame["op"], frame["code"]) == ("error", "bad-request"), frame
+        assert "max 65536" in frame["message"]
+        await still_owns(owner, 3)
+        for a in (owner, stranger, big):
+            await a.close()
+
+
+async def test_odd_frames_and_fields_are_refused_and_never_lock_the_state(world: World) -> None:
+    """`seq: true` was acked as checkpoint 1 (True is an int to Python) and wrote a seq header
+    no later hello could read: the agent was locked out of its state for good. A map key that
+    is a list made the keeper's session end with a traceback and no answer."""
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        sid = node.register(tenant, agent)
+        owner = await node.connect(sid)
+        assert (await owner.hello(agent))["op"] == "welcome"
+        await owner.fetch()
+        await owner.send({"op": "checkpoint", "seq": True, "records": kv(x=1), "pause_ms": 0})
+        frame = await owner.recv()
+        assert (frame["op"], frame["code"]) == ("error", "bad-request"), frame
+        assert (await owner.checkpoint(1, kv(x=1)))["op"] == "ack"
+        await owner.close()
+        again = await node.connect(sid)  # the agent restarts: its state opens
+        assert (await again.hello(agent))["op"] == "welcome"
+        _, fetched = await again.fetch()
+        assert fetched["op"] == "fetched" and fetched["seq"] == 1
+        odd = await node.connect(node.register(tenant, f"o{tag()}"))
+        body = b"\x82\xa2op\xa5hello\x81\x90\x00\xc0"  # {"op": "hello", {[]: 0}: nil}
+        await odd.raw(struct.pack(">I", len(body)) + body)
+        frame = await odd.recv()
+        assert (frame["op"], frame["code"]) == ("error", "bad-request"), frame
+        await asyncio.gather(node.tasks[-1], return_exceptions=True)
+        assert node.tasks[-1].exception() is None  # ended with its answer, no traceback
+        for a in (again, odd):
+            await a.close()
+
+
+def _sparse(name: str, length: int) -> dict[str, Any]:
+    return {
+        "c": name,
+        "k": "array",
+        "t": "warm",
+        "o": "sparse",
+        "dtype": "<f4",
+        "shape": [length],
+        "idx": struct.pack("<q", 0),
+        "val": struct.pack("<f", 1.0),
+    }
+
+
+async def test_arrays_count_at_their_merged_size_not_their_compressed_one(world: World) -> None:
+    """Four 305-byte sparse records of 64M floats each: acked, the warm merge allocated 3 GiB
+    and the quota counted the 33 KB snapshot. An array counts at its declared size now: one
+    over the agent's limit is refused, and arrays that would pass it together are too."""
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        owner = await node.connect(node.register(tenant, agent))
+        assert (await owner.hello(agent))["op"] == "welcome"
+        await owner.fetch()
+        limit = StatePlan().max_bytes
+        frame = await owner.checkpoint(1, [_sparse("huge", limit // 4 + 1)])
+        assert (frame["op"], frame["code"]) == ("error", "bad-record"), frame
+        assert "over this agent's state limit" in frame["message"]
+        third = limit // 4 // 3  # three arrays of a third of the limit each: fine
+        for seq, name in enumerate(("a", "b", "c"), 1):
+            assert (await owner.checkpoint(seq, [_sparse(name, third)]))["op"] == "ack"
+        frame = await owner.checkpoint(4, [_sparse("d", third)])
+        assert (frame["op"], frame["code"]) == ("error", "quota"), frame
+        assert "once merged" in frame["message"]
+        odd = {**_sparse("e", 4), "dtype": "O"}
+        frame = await owner.checkpoint(4, [odd])
+        assert (frame["op"], frame["code"]) == ("error", "bad-record"), frame
+        await owner.close()
+
+
+async def test_the_warm_merge_keeps_a_log_as_the_agents_own_restore_does(world: World) -> None:
+    """The warm merge kept a log item only if its id sorted after the last as a string, where
+    the SDK inserts it in place: the same acked checkpoints restored to different logs before
+    and after a merge. Items whose id is not a string are refused now."""
+    from dsec_sdk.state import codec
+
+    def append(*ids: Any) -> list[dict[str, Any]]:
+        items = [[i, "00", f"msg {i}"] for i in ids]
+        return [{"c": "hist", "k": "log", "t": "hot", "o": "append", "items": items}]
+
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        owner = await node.connect(node.register(tenant, agent))
+        assert (await owner.hello(agent))["op"] == "welcome"
+        await owner.fetch()
+        assert (await owner.checkpoint(1, append("0190-b")))["op"] == "ack"
+        assert (await owner.checkpoint(2, append("0190-a", "0190-b")))["op"] == "ack"
+        frame = await owner.checkpoint(3, append(9, 10))
+        assert (frame["op"], frame["code"]) == ("error", "bad-record"), frame
+        before, _ = await owner.fetch()
+        session = node.keeper.session_of(StateKey(tenant, GROUP, agent))
+        assert session is not None
+        await session.warm()
+        after, _ = await owner.fetch()
+        ids = [[item[0] for item in codec.fold(r)["hist"].value] for r in (before, after)]
+        assert ids == [["0190-a", "0190-b"], ["0190-a", "0190-b"]]
+        await owner.close()
+
+
 # ---------------------------------------------------------------- 2. the hand-over
 
 
@@ -308,6 +427,47 @@ async def test_another_tenant_cannot_hand_over_a_sandbox(world: World) -> None:
         await still_owns(owner, 3)
         await owner.close()
         await thief.close()
+
+
+async def test_a_second_hand_over_of_one_state_is_refused_while_one_runs(world: World) -> None:
+    """The new version said hello{handover} on two sockets: two hand-overs asked the old one
+    for its final checkpoint, one switched the state to the new version and the other failed
+    and stopped it (both versions dead). The second is refused now."""
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        old, owner = await victim(node, tenant, agent)
+        new_sid = node.register(tenant, agent, handover_from=old)
+        first = await node.connect(new_sid)
+        assert (await first.hello(agent, handover=True))["op"] == "welcome"
+        second = await node.connect(new_sid)
+        refused = await second.hello(agent, handover=True)
+        assert (refused["op"], refused["code"]) == ("error", "state-held"), refused
+        assert "being handed over" in refused["message"]
+        for a in (owner, first, second):
+            await a.close()
+
+
+async def test_a_new_version_that_never_reads_fails_its_hand_over_in_time(world: World) -> None:
+    """The new version said hello{handover} and never read again: the deltas forwarded to it
+    blocked, the ready timeout was never looked at, and the old version's checkpoints queued
+    for it without end. One deadline covers it all now: the hand-over fails (the new version
+    is stopped) and the old one checkpoints on."""
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    loop = asyncio.get_running_loop()
+    async with world.node("a") as node:
+        old, owner = await victim(node, tenant, agent)
+        new_sid = node.register(tenant, agent, handover_from=old)
+        new = await node.connect(new_sid)
+        assert (await new.hello(agent, handover=True))["op"] == "welcome"
+        seq, give_up = 3, loop.time() + 30  # (the world's ready timeout is 5 s)
+        while new_sid not in node.stopped:
+            assert loop.time() < give_up, "the hand-over never ended"
+            ack = await owner.checkpoint(seq, kv(big="x" * (256 << 10), n=seq))
+            assert ack["op"] == "ack", ack
+            seq += 1
+        await still_owns(owner, seq)
+        for a in (owner, new):
+            await a.close()
 
 
 # ---------------------------------------------------------------- the bus

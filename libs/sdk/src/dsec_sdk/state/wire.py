@@ -97,6 +97,8 @@ import msgpack
 
 VERSION: Final = 1
 MAX_FRAME: Final = 64 << 20
+MAX_HELLO: Final = 64 << 10
+"""The largest hello the keeper reads (before it knows whom it serves; a hello is ~100 bytes)."""
 _LEN: Final = struct.Struct(">I")
 
 Tier = Literal["hot", "warm", "cold"]
@@ -129,6 +131,8 @@ def decode(body: bytes) -> dict[str, Any]:
         frame = msgpack.unpackb(body, raw=False, strict_map_key=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise WireError(f"not MessagePack: {exc}") from None
+    except TypeError as exc:  # a map key that cannot be one in Python (a list, a map)
+        raise WireError(f"not a frame: {exc}") from None
     if not isinstance(frame, dict) or not isinstance(frame.get("op"), str):
         raise WireError("a frame must be a map with an 'op'")
     return frame
@@ -165,8 +169,9 @@ def _read_exact(sock: socket.socket, size: int) -> bytes | None:
     return bytes(buf)
 
 
-async def read_frame(reader: Any) -> dict[str, Any] | None:
-    """Async receive (an ``asyncio.StreamReader``); ``None`` at a clean end of stream."""
+async def read_frame(reader: Any, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
+    """Async receive (an ``asyncio.StreamReader``); ``None`` at a clean end of stream.
+    ``max_size``: the largest frame taken (a hello is small: :data:`MAX_HELLO`)."""
     import asyncio
 
     try:
@@ -176,8 +181,8 @@ async def read_frame(reader: Any) -> dict[str, Any] | None:
             return None
         raise WireError("the stream ended inside a frame") from None
     (size,) = _LEN.unpack(head)
-    if size > MAX_FRAME:
-        raise WireError(f"a frame of {size} bytes announced (max {MAX_FRAME})")
+    if size > max_size:
+        raise WireError(f"a frame of {size} bytes announced (max {max_size})")
     try:
         body = await reader.readexactly(size)
     except asyncio.IncompleteReadError:

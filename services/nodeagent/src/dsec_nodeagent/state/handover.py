@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 60.0
 """How long NEW may take to restore and say ``ready``."""
 FINAL_TIMEOUT_S = 10.0
+# How long a failed hand-over waits to tell either version (one that reads nothing is cut off).
+TELL_TIMEOUT_S = 2.0
 """How long OLD may take to finish its call in progress and send its final checkpoint."""
 FREEZE_TIMEOUT_S = 2.0
 """How long the kernel may take to report OLD's cgroup frozen."""
@@ -266,10 +268,18 @@ class _Run:
     async def go(self) -> HandOverResult:
         old_info, new_info = self._infos()
         self.old.on_checkpoint(self._on_checkpoint)
+        # One deadline from the first record streamed to NEW's ready, the deltas forwarded
+        # meanwhile included: a NEW that never read hung its sends, the ready timeout never
+        # started, and OLD's checkpoints queued for it without end.
+        async with asyncio.timeout(self.hooks.ready_timeout_s):
+            await self._until_ready()
+            await self._forward_pending()
+        return await self._finish(old_info, new_info)
+
+    async def _until_ready(self) -> None:
+        """Stream OLD's state to NEW, then forward OLD's checkpoints until NEW is ready."""
         self.seq, self.streamed = await self._stream()
-        ready = asyncio.ensure_future(
-            asyncio.wait_for(self.new.ready.wait(), self.hooks.ready_timeout_s)
-        )
+        ready = asyncio.ensure_future(self.new.ready.wait())
         try:
             while not ready.done():
                 getter = asyncio.ensure_future(self.pending.get())
@@ -280,11 +290,12 @@ class _Run:
                     getter.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await getter
-            ready.result()  # raises what waiting for ready raised
+            ready.result()
         finally:
             if not ready.done():
                 ready.cancel()
-        await self._forward_pending()
+
+    async def _finish(self, old_info: SandboxState, new_info: SandboxState) -> HandOverResult:
         self.final_asked = True
         # The interruption callers can see starts here: OLD stops taking calls once it gets
         # `handover` (it finishes the one in progress, then sends its final delta).
@@ -379,9 +390,13 @@ class _Run:
         if self.final_asked:
             # OLD stopped taking calls for its final checkpoint: it serves again on this.
             with contextlib.suppress(Exception):
-                await self.old.abort_handover(message)
-        with contextlib.suppress(Exception):
-            await self.new.send({"op": "error", "code": code, "message": message, "seq": None})
+                await asyncio.wait_for(self.old.abort_handover(message), TELL_TIMEOUT_S)
+        # (a NEW that reads nothing would hold this send, and the hand-over, for good)
+        error = {"op": "error", "code": code, "message": message, "seq": None}
+        try:
+            await asyncio.wait_for(self.new.send(error), TELL_TIMEOUT_S)
+        except Exception:
+            self.new.abort()
         if self.hooks.stop_new is not None:
             try:
                 await self.hooks.stop_new(self.new.sandbox_id, message)

@@ -91,6 +91,7 @@ REPORT_STOP_S: Final = 5.0
 REPORT_CLOCKS: Final = 65_536
 """Agents (and what of them) whose last report time the keeper remembers."""
 SEQ_HEADER: Final = "Dsec-State-Seq"
+CLOSE_TIMEOUT_S: Final = 5.0  # an ended session's last frames, to an agent that reads them
 CHUNK_HEADER: Final = "Dsec-Chunk"
 WARM_HEADER: Final = "Dsec-Warm"
 DIGEST_HEADER: Final = "Dsec-Digest"
@@ -166,6 +167,9 @@ class _Agent:
     journal_bytes: int = 0
     warm_bytes: int | None = None  # size of the newest local warm snapshot (None: not read yet)
     writer: str | None = None  # the sandbox whose checkpoint is the newest, when known
+    # Each array container's size as declared (shape x itemsize) by the checkpoints this node
+    # took: what a merge allocates, whatever the records compress to.
+    arrays: dict[str, int] = field(default_factory=dict)
 
     @property
     def journal(self) -> Path:
@@ -277,6 +281,26 @@ class _Tally:
         self.durable_ms = max(self.durable_ms, durable_ms)
 
 
+def _declared_arrays(held: dict[str, int], records: list[dict[str, Any]]) -> dict[str, int]:
+    """``held`` after ``records``: each array container's declared bytes (checked records)."""
+    arrays = dict(held)
+    for record in records:
+        name = record["c"]
+        if record["k"] == "array":
+            arrays[name] = math.prod(record["shape"]) * merge.itemsize(record["dtype"])
+        elif record["o"] == "full":
+            arrays.pop(name, None)  # (the container holds something else now)
+    return arrays
+
+
+async def _one_at_a_time(handover: Awaitable[None], old: StateSession) -> None:
+    """Run a hand-over of ``old``'s state; another may start once it ended, however."""
+    try:
+        await handover
+    finally:
+        old.handing_over = False
+
+
 class StateSession:
     """One agent connection (an open state socket)."""
 
@@ -295,6 +319,7 @@ class StateSession:
         self._callbacks: list[Callable[[int, list[dict[str, Any]]], Awaitable[None]]] = []
         self._final: asyncio.Future[list[dict[str, Any]]] | None = None
         self._final_taken = False
+        self.handing_over = False  # a hand-over of this session's state runs (one at a time)
         """A hand-over's final checkpoint of this session is durable: the state it hands over
         ends there, and no later checkpoint of it is taken (until :meth:`abort_handover`)."""
         self._agent: _Agent | None = None
@@ -315,6 +340,8 @@ class StateSession:
         """Hand-over, on the OLD version's session: send ``{"op": "handover", "to": ...}``,
         wait for its ``final`` checkpoint, make it durable like any other, ack it, and return
         its records."""
+        if self._final is not None:
+            raise StateError("state-held", "a hand-over already waits for the final checkpoint")
         self._final = asyncio.get_running_loop().create_future()
         await self.send({"op": "handover", "to": to_sandbox})
         try:
@@ -347,8 +374,15 @@ class StateSession:
     # ------------------------------------------------------------------ the conversation
 
     async def run(self, reader: asyncio.StreamReader) -> None:
+        if self.keeper.registered_only and self.keeper.sandbox_of(self.sandbox_id) is None:
+            # (before its hello is even read: decoding costs the loop every sandbox shares)
+            text = f"sandbox {self.sandbox_id} has no state plane (no `state:`)"
+            await self._error(StateError("unregistered", text))
+            return
         try:
-            hello = await asyncio.wait_for(wire.read_frame(reader), HELLO_TIMEOUT_S)
+            hello = await asyncio.wait_for(
+                wire.read_frame(reader, max_size=wire.MAX_HELLO), HELLO_TIMEOUT_S
+            )
         except (TimeoutError, wire.WireError) as exc:
             await self._error(StateError("bad-request", f"no valid hello: {exc}"))
             return
@@ -423,16 +457,25 @@ class StateSession:
             old = keeper.session_of(self.key)
             if old is None:
                 raise StateError("no-handover", f"no running session owns {self.key}")
-            await self.send(
-                {
-                    "op": "welcome",
-                    "state_id": _state_id(self.key),
-                    "seq": old._seq(),
-                    "config": _plan_config(self.plan),
-                    "handover": True,
-                }
-            )
-            keeper._spawn(keeper.handover(keeper, old, self))
+            if old.handing_over:
+                # (a second one asked the old version for its final checkpoint again: both
+                # hand-overs ended, one switched and one failed, the new version stopped)
+                raise StateError("state-held", f"the state of {agent!r} is being handed over")
+            old.handing_over = True
+            try:
+                await self.send(
+                    {
+                        "op": "welcome",
+                        "state_id": _state_id(self.key),
+                        "seq": old._seq(),
+                        "config": _plan_config(self.plan),
+                        "handover": True,
+                    }
+                )
+            except BaseException:
+                old.handing_over = False
+                raise
+            keeper._spawn(_one_at_a_time(keeper.handover(keeper, old, self), old))
             return
         holder = keeper.session_of(self.key)
         if holder is not None and holder is not self and holder.sandbox_id == self.sandbox_id:
@@ -502,7 +545,9 @@ class StateSession:
     async def _error(self, exc: StateError) -> None:
         REFUSED.labels(exc.code).inc()
         with contextlib.suppress(OSError, ConnectionError):
-            frame = {"op": "error", "code": exc.code, "message": exc.message, "seq": exc.seq}
+            # (a message echoes what the agent sent, so it is cut: never too large to send)
+            message = exc.message if len(exc.message) <= 4096 else exc.message[:4096] + "..."
+            frame = {"op": "error", "code": exc.code, "message": message, "seq": exc.seq}
             if exc.expected is not None:
                 frame["expected"] = exc.expected
             await self.send(frame)
@@ -575,7 +620,9 @@ class StateSession:
         store, keeper = self._agent, self.keeper
         seq = frame.get("seq")
         raw = frame.get("records")
-        if not isinstance(seq, int) or not isinstance(raw, list):
+        # (type, not isinstance: `true` is an int to Python, and a checkpoint acked as seq True
+        # wrote a header no hello could read again, locking the agent out of its state)
+        if type(seq) is not int or not isinstance(raw, list):
             raise StateError("bad-request", "a checkpoint needs an int 'seq' and a 'records' list")
         received = time.monotonic()
         async with store.lock:
@@ -598,12 +645,23 @@ class StateSession:
                 )
             await self._within_quota(store, seq)
             try:
-                records = [merge.check(r) for r in raw]
+                records = [merge.check_bounded(r, self.plan.max_bytes) for r in raw]
+                arrays = _declared_arrays(store.arrays, records)
+                if sum(arrays.values()) > self.plan.max_bytes:
+                    raise StateError(
+                        "quota",
+                        f"the arrays of {store.key.agent} would hold "
+                        f"{_human(sum(arrays.values()))} once merged, its limit is "
+                        f"{_human(self.plan.max_bytes)} (spec `state.max_size`): checkpoint "
+                        f"{seq} refused",
+                        seq,
+                    )
                 records, cold_bytes = await keeper._cold(store, records)
             except merge.RecordError as exc:
                 raise StateError("bad-record", str(exc), seq) from None
             size = await keeper._durable(store, seq, records, self.sandbox_id)
             store.seq = seq
+            store.arrays = arrays
             # A hand-over's final checkpoint: one the keeper asked for and still waits for,
             # decided once, as it becomes durable (a request that timed out meanwhile, and was
             # aborted, takes none). It is reported at once; the flag alone, which any agent may
@@ -619,7 +677,11 @@ class StateSession:
         if cold_bytes:
             CHECKPOINTS.labels("cold").inc()
         pause = frame.get("pause_ms")
-        pause_ms = float(pause) if isinstance(pause, int | float) else 0.0
+        pause_ms = (
+            float(pause) if isinstance(pause, int | float) and type(pause) is not bool else 0.0
+        )
+        if not math.isfinite(pause_ms):  # (an agent's inf or nan would reach the event)
+            pause_ms = 0.0
         durable = round(durable_ms, 3)
         hot = ("hot", seq, size, len(records), pause_ms, durable)
         await keeper.report(self.key, self.sandbox_id, *hot, now=final)
@@ -847,6 +909,14 @@ class StateKeeper:
             await session.run(reader)
         except (ConnectionError, OSError) as exc:
             log.info("state session of sandbox %s ended: %s", sandbox_id, exc)
+        except Exception as exc:  # a shape the checks missed: this session ends, said once
+            log.warning(
+                "state session of sandbox %s failed: %s: %.200s",
+                sandbox_id,
+                type(exc).__name__,
+                exc,
+            )
+            await session._error(StateError("bad-request", "the keeper could not serve that"))
         finally:
             session.close()
             self._sessions.discard(session)
@@ -854,8 +924,10 @@ class StateKeeper:
             if key is not None and self._owners.get(key) is session:
                 del self._owners[key]
             writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            try:  # (what is still buffered for an agent that reads nothing is dropped)
+                await asyncio.wait_for(writer.wait_closed(), CLOSE_TIMEOUT_S)
+            except Exception:
+                writer.transport.abort()
 
     async def start(self) -> None:
         """Connect to NATS and the object store; read the OpenBao address."""
@@ -1090,7 +1162,12 @@ class StateKeeper:
         headers = msg.headers or {}
         if SANDBOX_HEADER in headers:
             store.writer = str(headers[SANDBOX_HEADER])
-        return int(headers.get(SEQ_HEADER, 0))
+        try:
+            return int(headers.get(SEQ_HEADER, 0))
+        except ValueError:
+            raise StateError(
+                "corrupt", f"the newest checkpoint of {store.key.agent} has no readable seq"
+            ) from None
 
     def _local_tail(self, store: _Agent) -> int:
         entries = _read_journal(store.journal)

@@ -8,8 +8,8 @@ record, which it follows exactly:
 * kind ``array`` op ``slice``: ``"dtype"``, ``"shape"``, ``"start"`` (flat element index, C
   order), ``"val"`` (a contiguous run of elements); the first one starts the array (zeros);
 * kind ``blob`` op ``part``: ``"offset"``, ``"size"`` (total), ``"hash"``, ``"data"``, in order;
-* a log ``append`` skips items whose id is not after the log's last id (ids are time-ordered),
-  so a checkpoint sent again changes nothing.
+* a log ``append`` keeps the log in id order, each id once (ids are time-ordered strings), so
+  a checkpoint sent again changes nothing (as ``dsec_sdk.state.codec`` folds it).
 
 The keeper sends an array whose full record would pass :data:`PART_BYTES` as slices, so no
 frame passes the wire's limit.
@@ -17,7 +17,10 @@ frame passes the wire's limit.
 
 from __future__ import annotations
 
+import bisect
 import importlib
+import math
+import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
@@ -63,6 +66,63 @@ def check(record: Any) -> dict[str, Any]:
     if record["t"] not in ("hot", "warm", "cold"):
         raise RecordError(f"record {record['c']!r}: tier {record['t']!r} (hot, warm or cold)")
     return record
+
+
+_DTYPE_RE: Final = re.compile(r"^[<>|=]?[biufc](1|2|4|8|16)\Z")  # (dsec_sdk.state.codec's)
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes an element of a numeric dtype string (``'<f4'``) takes; ``RecordError`` if it is
+    not one."""
+    m = _DTYPE_RE.match(dtype)
+    if m is None:
+        raise RecordError(f"dtype {dtype!r} is not a numeric dtype like '<f4'")
+    return int(m.group(1))
+
+
+def check_bounded(record: Any, max_bytes: int) -> dict[str, Any]:
+    """:func:`check`, and the fields a merge sizes memory by, before anything is kept: an
+    array's dtype is numeric and its shape holds at most ``max_bytes`` (the agent's
+    ``state.max_size``); a log's items are ``[id, ...]`` with a string id. A 305-byte
+    checkpoint of sparse records made the warm merge allocate GiBs (its compressed snapshot,
+    all the quota counted, was 33 KB)."""
+    checked = record = check(record)
+    if record["k"] == "array":
+        dtype: str = _need(record, "dtype", str)
+        try:
+            item = itemsize(dtype)
+        except RecordError as exc:
+            raise RecordError(f"array {record['c']!r}: {exc}") from None
+        shape = _need(record, "shape", (list, tuple))
+        if not all(type(x) is int and x >= 0 for x in shape):
+            raise RecordError(f"array {record['c']!r}: shape {shape!r:.80} (non-negative ints)")
+        size = math.prod(shape) * item
+        if size > max_bytes:
+            raise RecordError(
+                f"array {record['c']!r}: shape {list(shape)} of {dtype} is {size} bytes, over "
+                f"this agent's state limit of {max_bytes} bytes"
+            )
+    elif record["k"] == "log" and record["o"] in ("append", "full"):
+        for item in _need(record, "items", (list, tuple)):
+            if not isinstance(item, (list, tuple)) or not item or type(item[0]) is not str:
+                raise RecordError(f"log {record['c']!r}: an item must be [id, ...] with a str id")
+    return checked
+
+
+def _log_insert(items: list[Any], item: Any) -> None:
+    """Add ``item`` to a log kept in id order, each id once (``dsec_sdk.state.codec``'s
+    append: an item sent again changes nothing, a late one goes to its place)."""
+    item_id = item[0]
+    if not items or item_id > items[-1][0]:
+        items.append(item)
+        return
+    pos = bisect.bisect_left(items, item_id, key=_item_id)
+    if pos == len(items) or items[pos][0] != item_id:
+        items.insert(pos, item)
+
+
+def _item_id(item: Any) -> Any:
+    return item[0]
 
 
 def _array(record: dict[str, Any]) -> np.ndarray:
@@ -140,8 +200,7 @@ class Merged:
         if kind == "log" and op == "append":
             items = list(prev["items"]) if prev and prev.get("k") == "log" else []
             for item in _need(record, "items", (list, tuple)):
-                if not items or str(item[0]) > str(items[-1][0]):
-                    items.append(item)
+                _log_insert(items, item)
             self.records[name] = {**record, "o": "full", "items": items}
         elif kind == "kv" and op in ("set", "del"):
             base = dict(prev["items"]) if prev and prev.get("k") == "kv" else {}
