@@ -318,6 +318,37 @@ async def test_odd_frames_and_fields_are_refused_and_never_lock_the_state(world:
             await a.close()
 
 
+async def test_reading_a_state_whole_is_paced_per_agent(world: World) -> None:
+    """Fetching in a loop re-read the agent's whole journal on the loop each time (24 MiB of
+    small values: 1.2-1.6 s a fetch, for every sandbox of the node). A session fetches once
+    (as the SDK does, at open); opening the state again waits READ_SHARE times what the last
+    open held the loop (a sleep), so a reconnect loop takes at most a fifth of it."""
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        sid = node.register(tenant, agent)
+        owner = await node.connect(sid)
+        assert (await owner.hello(agent))["op"] == "welcome"
+        await owner.fetch()
+        values = {f"k{i}": i for i in range(20_000)}
+        assert (await owner.checkpoint(1, kv(**values)))["op"] == "ack"
+        await owner.send({"op": "fetch"})
+        frame = await owner.recv()
+        assert (frame["op"], frame["code"]) == ("error", "bad-request"), frame
+        assert "one fetch a session" in frame["message"]
+        await owner.close()
+        store = node.keeper._agents[StateKey(tenant, GROUP, agent)]
+        for _ in range(3):  # reconnecting: each open waits for the last one's pace
+            opened_at = asyncio.get_running_loop().time()
+            paced_until = store.next_read
+            again = await node.connect(sid)
+            assert (await again.hello(agent))["op"] == "welcome"
+            assert asyncio.get_running_loop().time() >= paced_until
+            records, fetched = await again.fetch()
+            assert fetched["seq"] == 1 and records
+            assert store.next_read > opened_at  # this open paces the next
+            await again.close()
+
+
 def _sparse(name: str, length: int) -> dict[str, Any]:
     return {
         "c": name,
@@ -368,21 +399,23 @@ async def test_the_warm_merge_keeps_a_log_as_the_agents_own_restore_does(world: 
 
     tenant, agent = f"t{tag()}", f"a{tag()}"
     async with world.node("a") as node:
-        owner = await node.connect(node.register(tenant, agent))
+        sid = node.register(tenant, agent)
+        owner = await node.connect(sid)
         assert (await owner.hello(agent))["op"] == "welcome"
         await owner.fetch()
         assert (await owner.checkpoint(1, append("0190-b")))["op"] == "ack"
         assert (await owner.checkpoint(2, append("0190-a", "0190-b")))["op"] == "ack"
         frame = await owner.checkpoint(3, append(9, 10))
         assert (frame["op"], frame["code"]) == ("error", "bad-record"), frame
-        before, _ = await owner.fetch()
         session = node.keeper.session_of(StateKey(tenant, GROUP, agent))
         assert session is not None
         await session.warm()
-        after, _ = await owner.fetch()
-        ids = [[item[0] for item in codec.fold(r)["hist"].value] for r in (before, after)]
-        assert ids == [["0190-a", "0190-b"], ["0190-a", "0190-b"]]
         await owner.close()
+        again = await node.connect(sid)  # the agent restarts: restored from the merged state
+        assert (await again.hello(agent))["op"] == "welcome"
+        after, _ = await again.fetch()
+        assert [item[0] for item in codec.fold(after)["hist"].value] == ["0190-a", "0190-b"]
+        await again.close()
 
 
 # ---------------------------------------------------------------- 2. the hand-over

@@ -91,7 +91,14 @@ REPORT_STOP_S: Final = 5.0
 REPORT_CLOCKS: Final = 65_536
 """Agents (and what of them) whose last report time the keeper remembers."""
 SEQ_HEADER: Final = "Dsec-State-Seq"
-CLOSE_TIMEOUT_S: Final = 5.0  # an ended session's last frames, to an agent that reads them
+CLOSE_TIMEOUT_S: Final = 5.0
+# Opening a state reads it whole on the loop every sandbox shares (the hello's sync, then the
+# one fetch a session may make): an open that held the loop T seconds makes the next open of
+# that state wait READ_SHARE x T (at most READ_WAIT_MAX_S, under the SDK's 60 s): an agent
+# reconnecting and fetching in a loop takes at most a fifth of the loop (a 24 MiB state fetched
+# in a loop held it 1.2-1.6 s a fetch).
+READ_SHARE: Final = 4.0
+READ_WAIT_MAX_S: Final = 30.0  # an ended session's last frames, to an agent that reads them
 CHUNK_HEADER: Final = "Dsec-Chunk"
 WARM_HEADER: Final = "Dsec-Warm"
 DIGEST_HEADER: Final = "Dsec-Digest"
@@ -170,6 +177,9 @@ class _Agent:
     # Each array container's size as declared (shape x itemsize) by the checkpoints this node
     # took: what a merge allocates, whatever the records compress to.
     arrays: dict[str, int] = field(default_factory=dict)
+    # Reading the whole state (a fetch, a hello's sync) runs on the loop every sandbox shares:
+    # the next read of this state waits until then (see _paced).
+    next_read: float = 0.0
 
     @property
     def journal(self) -> Path:
@@ -281,6 +291,18 @@ class _Tally:
         self.durable_ms = max(self.durable_ms, durable_ms)
 
 
+async def _paced(store: _Agent) -> None:
+    """Wait until ``store``'s state may be opened again (a sleep: no loop time)."""
+    wait = store.next_read - time.monotonic()
+    if wait > 0:
+        await asyncio.sleep(min(wait, READ_WAIT_MAX_S))
+
+
+def _spent(store: _Agent, held_s: float) -> None:
+    """Opening ``store``'s state held the loop ``held_s``: pace the next open."""
+    store.next_read = time.monotonic() + min(READ_SHARE * max(held_s, 0.0), READ_WAIT_MAX_S)
+
+
 def _declared_arrays(held: dict[str, int], records: list[dict[str, Any]]) -> dict[str, int]:
     """``held`` after ``records``: each array container's declared bytes (checked records)."""
     arrays = dict(held)
@@ -320,6 +342,7 @@ class StateSession:
         self._final: asyncio.Future[list[dict[str, Any]]] | None = None
         self._final_taken = False
         self.handing_over = False  # a hand-over of this session's state runs (one at a time)
+        self._fetched = False
         """A hand-over's final checkpoint of this session is durable: the state it hands over
         ends there, and no later checkpoint of it is taken (until :meth:`abort_handover`)."""
         self._agent: _Agent | None = None
@@ -495,10 +518,12 @@ class StateSession:
         keeper._owners[self.key] = self
         store = keeper._agent(self.key)
         self._agent = store
+        await _paced(store)
         started = time.monotonic()
         async with store.lock:
             self._source = await keeper._sync(store)
         self._sync_ms = (time.monotonic() - started) * 1000
+        _spent(store, self._sync_ms / 1000)
         await self.send(
             {
                 "op": "welcome",
@@ -554,23 +579,32 @@ class StateSession:
 
     async def _fetch(self) -> None:
         assert self._agent is not None
-        started = time.monotonic()
         keeper, store = self.keeper, self._agent
+        if self._fetched:
+            raise StateError(
+                "bad-request", "one fetch a session (the SDK's, at open): open the state again"
+            )
+        self._fetched = True
+        started = time.monotonic()
         async with store.lock:
             records, deltas, size = await keeper._materialize(store)
             seq = store.seq
         batch: list[dict[str, Any]] = []
         batch_bytes = 0
+        sending = 0.0  # (time the agent took to read is not the loop's)
         for record in records:
             for part in split_large(record):
                 part_bytes = len(msgpack.packb(part, use_bin_type=True))
                 if batch and batch_bytes + part_bytes > RECORDS_FRAME_BYTES:
+                    sent = time.monotonic()
                     await self.send({"op": "records", "records": batch})
+                    sending += time.monotonic() - sent
                     batch, batch_bytes = [], 0
                 batch.append(part)
                 batch_bytes += part_bytes
         if batch:
             await self.send({"op": "records", "records": batch})
+        _spent(store, self._sync_ms / 1000 + time.monotonic() - started - sending)
         ms = self._sync_ms + (time.monotonic() - started) * 1000
         source = self._source if records else "empty"
         await self.send({"op": "fetched", "seq": seq, "deltas": deltas, "source": source, "ms": ms})
