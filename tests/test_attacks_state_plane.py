@@ -164,6 +164,15 @@ async def victim(node: Node, tenant: str, agent: str) -> tuple[str, Agent]:
     return sid, owner
 
 
+async def opened(node: Node, tenant: str, agent: str) -> tuple[str, Agent]:
+    """A new sandbox of ``tenant`` running ``agent``, its state open (hello, fetch)."""
+    sid = node.register(tenant, agent)
+    owner = await node.connect(sid)
+    assert (await owner.hello(agent))["op"] == "welcome"
+    await owner.fetch()
+    return sid, owner
+
+
 async def still_owns(owner: Agent, seq: int) -> None:
     """The victim's session is intact: its next checkpoint is acknowledged in order."""
     ack = await owner.checkpoint(seq, kv(after=seq))
@@ -294,10 +303,7 @@ async def test_odd_frames_and_fields_are_refused_and_never_lock_the_state(world:
     is a list made the keeper's session end with a traceback and no answer."""
     tenant, agent = f"t{tag()}", f"a{tag()}"
     async with world.node("a") as node:
-        sid = node.register(tenant, agent)
-        owner = await node.connect(sid)
-        assert (await owner.hello(agent))["op"] == "welcome"
-        await owner.fetch()
+        sid, owner = await opened(node, tenant, agent)
         await owner.send({"op": "checkpoint", "seq": True, "records": kv(x=1), "pause_ms": 0})
         frame = await owner.recv()
         assert (frame["op"], frame["code"]) == ("error", "bad-request"), frame
@@ -325,10 +331,7 @@ async def test_reading_a_state_whole_is_paced_per_agent(world: World) -> None:
     open held the loop (a sleep), so a reconnect loop takes at most a fifth of it."""
     tenant, agent = f"t{tag()}", f"a{tag()}"
     async with world.node("a") as node:
-        sid = node.register(tenant, agent)
-        owner = await node.connect(sid)
-        assert (await owner.hello(agent))["op"] == "welcome"
-        await owner.fetch()
+        sid, owner = await opened(node, tenant, agent)
         values = {f"k{i}": i for i in range(20_000)}
         assert (await owner.checkpoint(1, kv(**values)))["op"] == "ack"
         await owner.send({"op": "fetch"})
@@ -368,9 +371,7 @@ async def test_arrays_count_at_their_merged_size_not_their_compressed_one(world:
     over the agent's limit is refused, and arrays that would pass it together are too."""
     tenant, agent = f"t{tag()}", f"a{tag()}"
     async with world.node("a") as node:
-        owner = await node.connect(node.register(tenant, agent))
-        assert (await owner.hello(agent))["op"] == "welcome"
-        await owner.fetch()
+        _, owner = await opened(node, tenant, agent)
         limit = StatePlan().max_bytes
         frame = await owner.checkpoint(1, [_sparse("huge", limit // 4 + 1)])
         assert (frame["op"], frame["code"]) == ("error", "bad-record"), frame
@@ -399,10 +400,7 @@ async def test_the_warm_merge_keeps_a_log_as_the_agents_own_restore_does(world: 
 
     tenant, agent = f"t{tag()}", f"a{tag()}"
     async with world.node("a") as node:
-        sid = node.register(tenant, agent)
-        owner = await node.connect(sid)
-        assert (await owner.hello(agent))["op"] == "welcome"
-        await owner.fetch()
+        sid, owner = await opened(node, tenant, agent)
         assert (await owner.checkpoint(1, append("0190-b")))["op"] == "ack"
         assert (await owner.checkpoint(2, append("0190-a", "0190-b")))["op"] == "ack"
         frame = await owner.checkpoint(3, append(9, 10))
