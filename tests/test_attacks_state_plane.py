@@ -388,6 +388,50 @@ async def test_arrays_count_at_their_merged_size_not_their_compressed_one(world:
         await owner.close()
 
 
+async def test_a_small_shape_cannot_hide_a_large_array(world: World) -> None:
+    """A review of the array accounting: a data-less `full` record of a large array, then a
+    `sparse` record of the same container declaring `shape: [1]`, counted 4 bytes while the
+    merge wrote into (and allocated) the large one. A sparse or slice record must name the
+    array's own dtype and shape now, in one checkpoint or across two. A dtype the SDK takes
+    (complex256) is taken."""
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        _, owner = await opened(node, tenant, agent)
+        big = {"c": "x", "k": "array", "t": "warm", "o": "full", "dtype": "<f4", "shape": [1000]}
+        frame = await owner.checkpoint(1, [big, _sparse("x", 1)])
+        assert (frame["op"], frame["code"]) == ("error", "bad-record"), frame
+        assert "a sparse record of <f4 [1] for an array of <f4 [1000]" in frame["message"]
+        assert (await owner.checkpoint(1, [big]))["op"] == "ack"
+        frame = await owner.checkpoint(2, [_sparse("x", 1)])
+        assert (frame["op"], frame["code"]) == ("error", "bad-record"), frame
+        assert (await owner.checkpoint(2, [_sparse("x", 1000)]))["op"] == "ack"
+        wide = {**big, "c": "z", "dtype": "<c32", "shape": [2], "data": bytes(64)}
+        assert (await owner.checkpoint(3, [wide]))["op"] == "ack"
+        await owner.close()
+
+
+async def test_an_open_is_paced_by_the_cpu_it_cost_not_by_waiting_on_the_network(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review of the pacing: it counted wall time, so an open that waited 2 s on JetStream
+    (a slow recovery) made the agent's restart wait 8 s. It counts the node agent's CPU now."""
+    from dsec_nodeagent.state import keeper as keeper_mod
+
+    real = keeper_mod.StateKeeper._remote_tail
+
+    async def slow(self: Any, store: Any) -> int:
+        await asyncio.sleep(2.0)  # the network, the loop idle
+        return int(await real(self, store))
+
+    monkeypatch.setattr(keeper_mod.StateKeeper, "_remote_tail", slow)
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        _, owner = await opened(node, tenant, agent)
+        store = node.keeper._agents[StateKey(tenant, GROUP, agent)]
+        assert store.next_read - asyncio.get_running_loop().time() < 1.0
+        await owner.close()
+
+
 async def test_the_warm_merge_keeps_a_log_as_the_agents_own_restore_does(world: World) -> None:
     """The warm merge kept a log item only if its id sorted after the last as a string, where
     the SDK inserts it in place: the same acked checkpoints restored to different logs before

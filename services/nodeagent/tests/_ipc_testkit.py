@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -126,3 +128,23 @@ def metric(name: str, **labels: str) -> float:
     from prometheus_client import REGISTRY
 
     return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def lingering_tcp_socket(linger_s: int) -> tuple[socket.socket, socket.socket]:
+    """A TCP socket with unsent data to a peer that never reads, SO_LINGER on: its last close
+    blocks for ``linger_s`` (on whichever thread closes it)."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # never accepted: the handshake completes, nobody reads
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.connect(listener.getsockname())
+    sock.setblocking(False)
+    while True:
+        try:
+            sock.send(b"x" * 65536)
+        except BlockingIOError:
+            break
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
+    return sock, listener

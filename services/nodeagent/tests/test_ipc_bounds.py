@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach
 from _ipc_testkit import (
     BrokerThread,
     agent_tools,
+    lingering_tcp_socket,
     metric,
     start_agent,
     wait_serving,
@@ -479,26 +480,6 @@ def test_a_connection_that_keeps_sending_is_read_in_turns_and_odd_shapes_end_onl
 LINGER_S = 5
 
 
-def _lingering_tcp_socket() -> tuple[socket.socket, socket.socket]:
-    """A TCP socket with unsent data to a peer that never reads, SO_LINGER on: its last close
-    blocks for LINGER_S (on whichever thread closes it)."""
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)  # never accepted: the handshake completes, nobody reads
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    sock.connect(listener.getsockname())
-    sock.setblocking(False)
-    while True:
-        try:
-            sock.send(b"x" * 65536)
-        except BlockingIOError:
-            break
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, LINGER_S))
-    return sock, listener
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("kernel", ["refuses fds", "before 6.16"])
 def test_an_fd_sent_to_the_broker_cannot_stall_its_loop(
@@ -514,7 +495,7 @@ def test_an_fd_sent_to_the_broker_cannot_stall_its_loop(
     if kernel == "before 6.16":
         monkeypatch.setattr(broker_mod, "_SO_PASSRIGHTS", -1)  # setsockopt fails: the fallback
     thread = BrokerThread(sock_dir / "ipc.sock")
-    tcp, listener = _lingering_tcp_socket()
+    tcp, listener = lingering_tcp_socket(LINGER_S)
     attacker = _raw(thread.socket_path)
     victim = DSecClient("victim", "g1", socket_path=thread.socket_path, timeout=30)
     try:
@@ -540,6 +521,8 @@ def test_an_fd_sent_to_the_broker_cannot_stall_its_loop(
         attacker.close()
         tcp.close()
         listener.close()
+        # (the lingering close ends once its peer is gone: no closer outlives the test)
+        wait_until(lambda: not thread.broker._closing, LINGER_S + 15, "the closes to end")
         thread.stop()
 
 
@@ -597,4 +580,69 @@ def test_a_callers_connects_cannot_knock_a_busy_server_off_the_node(sock_dir: Pa
     finally:
         caller.close()
         server.close()
+        thread.stop()
+
+
+LINGERER = r"""
+import os, socket, sys, time
+import msgpack
+sys.path.insert(0, sys.argv[3])
+from _ipc_testkit import lingering_tcp_socket
+tcp, listener = lingering_tcp_socket(int(sys.argv[2]))
+broker = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+broker.connect(sys.argv[1])
+hello = {"op": "hello", "group": "g1", "agent": "lingerer", "role": "caller"}
+socket.send_fds(broker, [msgpack.packb(hello)], [tcp.fileno()])
+tcp.close()
+print("sent", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.integration
+def test_a_sandbox_sending_a_lingering_fd_holds_up_only_its_own_closes(
+    sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before Linux 6.16 (simulated): the fds an agent sends are closed off the loop, and the
+    review of that fallback found one closer thread for the node: a lingering socket one sandbox
+    sent held every later close, and the connections the broker dropped for other sandboxes
+    stayed open (no EOF; fds piling up). Each sandbox's closes run on its own thread now."""
+    from dsec_nodeagent.ipc import broker as broker_mod
+
+    monkeypatch.setattr(broker_mod, "_SO_PASSRIGHTS", -1)
+    me = os.getpid()
+    thread = BrokerThread(
+        sock_dir / "ipc.sock",
+        sandbox_of=lambda pid, uid: "victim" if pid == me else "lingerer",
+    )
+    attacker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LINGERER,
+            os.fspath(thread.socket_path),
+            str(LINGER_S),
+            str(Path(__file__).parent),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    victim = _raw(thread.socket_path)
+    before = metric("dsec_ipc_refusals_total", reason="passed_fds")
+    try:
+        assert attacker.stdout is not None and attacker.stdout.readline() == b"sent\n"
+        wait_until(
+            lambda: metric("dsec_ipc_refusals_total", reason="passed_fds") > before,
+            what="the sender refused (its lingering socket closing)",
+        )
+        started = time.monotonic()
+        control.send(victim, {"op": "hello", "group": "g1", "agent": "v", "role": "nobody"})
+        refused, _ = control.recv(victim) or ({}, [])
+        assert refused.get("code") == "refused", refused
+        assert control.recv(victim) is None  # its connection closed: EOF
+        assert time.monotonic() - started < LINGER_S / 2
+    finally:
+        attacker.kill()
+        attacker.wait()
+        victim.close()
+        wait_until(lambda: not thread.broker._closing, LINGER_S + 15, "the closes to end")
         thread.stop()

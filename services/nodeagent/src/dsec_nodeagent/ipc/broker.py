@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -205,9 +206,10 @@ class Broker:
         # Hand-overs the node agent expects: new sandbox -> the old one it takes over from.
         self._handovers: dict[str, str] = {}
         self._fds_refused = False  # SO_PASSRIGHTS off on the listener (Linux 6.16+)
-        self._closing: list[int] = []  # fds the closer thread closes (where agents may send)
-        self._closer: threading.Thread | None = None
-        self._closer_wake = threading.Condition()
+        # Where agents may send fds (before Linux 6.16): per sandbox, the fds its closer thread
+        # closes (a close that blocks holds up that sandbox's closes only, not the others').
+        self._closing: dict[str, list[int]] = {}
+        self._closing_lock = threading.Lock()
         self.tool_reports: Callable[[str, str, dict[str, Any]], None] | None = None
         """Receives ``tools`` reports: (the connection's sandbox, its agent, the message)."""
 
@@ -231,6 +233,12 @@ class Broker:
                 self._fds_refused = True
             except OSError:  # before Linux 6.16: they are closed on a thread of their own
                 self._fds_refused = False
+                log.warning(
+                    "ipc: this kernel cannot refuse the fds agents send (SO_PASSRIGHTS, Linux "
+                    "6.16+): the broker closes them on each sandbox's own thread, and a "
+                    "state socket still takes them; a sandbox sending lingering sockets can "
+                    "hold up its own closes and the node's state reads"
+                )
             listener.listen(_BACKLOG)
             listener.setblocking(False)
         except BaseException:
@@ -315,12 +323,12 @@ class Broker:
         # connect where it has one (Linux 6.5+), so a pid reused since cannot lend its identity.
         pidfd = _peer_pidfd(sock, pid)
         if pidfd < 0:
-            self._close_sock(sock)
+            self._close_sock(sock, f"pid-{pid}")  # (gone: its sandbox is unknown)
             return
         sandbox = self._sandbox_of(pid, uid) or HOST
         if _exited(pidfd):  # (the pid looked up may have been another process's by then)
             os.close(pidfd)
-            self._close_sock(sock)
+            self._close_sock(sock, sandbox)
             return
         reason, victim = self._admission.admit(sandbox)
         if reason is not None:
@@ -351,7 +359,7 @@ class Broker:
         }[reason]
         with contextlib.suppress(OSError):
             control.send(sock, {"op": "error", "code": "refused", "message": f"{text}; retry"})
-        self._close_sock(sock)
+        self._close_sock(sock, sandbox)
 
     def _hello_timed_out(self, conn: Connection) -> None:
         conn.hello_timer = None
@@ -370,7 +378,11 @@ class Broker:
         # loop for up to 0.25 s at a time.
         for _ in range(READS_PER_TURN):
             try:
-                received = control.recv(conn.sock, max_fds=_SCM_MAX_FD, close=self._close_elsewhere)
+                received = control.recv(
+                    conn.sock,
+                    max_fds=_SCM_MAX_FD,
+                    close=functools.partial(self._close_elsewhere, sandbox=conn.sandbox),
+                )
             except (BlockingIOError, InterruptedError):
                 return
             except (ProtocolError, OSError) as exc:
@@ -382,7 +394,7 @@ class Broker:
                 return
             message, fds = received
             if fds:  # (never where the kernel refuses them): no agent sends any
-                self._close_elsewhere(fds)
+                self._close_elsewhere(fds, conn.sandbox)
                 self._refuse(conn, "passed_fds", "agents send no file descriptors")
                 return
             try:
@@ -833,34 +845,38 @@ class Broker:
         self._send(conn, {"op": "error", "code": "refused", "message": text})
         self._drop(conn)
 
-    def _close_sock(self, sock: socket.socket) -> None:
-        """Close an agent's connection (fds still queued on it are closed with it: where the
-        kernel may have queued some, on the closer thread)."""
+    def _close_sock(self, sock: socket.socket, sandbox: str) -> None:
+        """Close a connection of ``sandbox`` (fds still queued on it are closed with it: where
+        the kernel may have queued some, on that sandbox's closer thread)."""
         if self._fds_refused:
             sock.close()
         else:
-            self._close_elsewhere([sock.detach()])
+            self._close_elsewhere([sock.detach()], sandbox)
 
-    def _close_elsewhere(self, fds: Sequence[int]) -> None:
-        """Close ``fds`` (received from an agent, or a socket that may hold some) on the closer
-        thread: never on the loop, where the close of a lingering socket blocks."""
+    def _close_elsewhere(self, fds: Sequence[int], sandbox: str) -> None:
+        """Close ``fds`` (received from ``sandbox``'s agent, or a socket that may hold some) on
+        that sandbox's closer thread: never on the loop, where the close of a lingering socket
+        blocks, nor behind another sandbox's."""
         if not fds:
             return
-        with self._closer_wake:
-            self._closing.extend(fds)
-            if self._closer is None:
-                self._closer = threading.Thread(
-                    target=self._close_loop, name="dsec-ipc-closer", daemon=True
-                )
-                self._closer.start()
-            self._closer_wake.notify()
+        with self._closing_lock:
+            queued = self._closing.get(sandbox)
+            if queued is not None:  # its thread runs and takes these next
+                queued.extend(fds)
+                return
+            self._closing[sandbox] = list(fds)
+        threading.Thread(
+            target=self._close_loop, args=(sandbox,), name="dsec-ipc-closer", daemon=True
+        ).start()
 
-    def _close_loop(self) -> None:
+    def _close_loop(self, sandbox: str) -> None:
         while True:
-            with self._closer_wake:
-                while not self._closing:
-                    self._closer_wake.wait()
-                fds, self._closing = self._closing, []
+            with self._closing_lock:
+                fds = self._closing[sandbox]
+                if not fds:
+                    del self._closing[sandbox]
+                    return
+                self._closing[sandbox] = []
             control.close_fds(fds)
 
     def _spawn(self, coro: Any) -> None:
@@ -882,7 +898,7 @@ class Broker:
             metrics.AGENTS.labels(conn.role).dec()
         with contextlib.suppress(ValueError, OSError):
             asyncio.get_running_loop().remove_reader(conn.sock.fileno())
-        self._close_sock(conn.sock)
+        self._close_sock(conn.sock, conn.sandbox)
         for key in self._registry.release(conn):
             if self._remote is not None:
                 self._spawn(self._remote.unexport(key))

@@ -75,7 +75,7 @@ class RemoteBridge:
         self._doorbell = -1
         self._proxy: AsyncServeLoop | None = None
         self._proxy_task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     async def start(self, url: str, options: Mapping[str, Any] | None = None) -> None:
         """Connect to NATS (``options``: credentials, TLS) and start serving proxy channels."""
@@ -175,7 +175,10 @@ class RemoteBridge:
             if len(self._liveness) > 1024:  # forget old answers (one per key called)
                 cutoff = now - LIVENESS_EVERY_S
                 self._liveness = {k: a for k, a in self._liveness.items() if a[0] >= cutoff}
-            asked = (now, asyncio.ensure_future(self.locate(key)))
+            task = asyncio.get_running_loop().create_task(self.locate(key))
+            self._tasks.add(task)  # (stop() cancels it)
+            task.add_done_callback(self._tasks.discard)
+            asked = (now, task)
             self._liveness[key] = asked
         return await asyncio.shield(asked[1])
 

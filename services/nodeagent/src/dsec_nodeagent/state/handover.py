@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import msgpack
 from dsec_core.events import StateHandedOver
 
-from dsec_nodeagent.state.keeper import SandboxState, StateKeeper, StateSession
+from dsec_nodeagent.state.keeper import SandboxState, StateError, StateKeeper, StateSession
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ READY_TIMEOUT_S = 60.0
 FINAL_TIMEOUT_S = 10.0
 # How long a failed hand-over waits to tell either version (one that reads nothing is cut off).
 TELL_TIMEOUT_S = 2.0
+# How long NEW may take to read one frame (at most ~8 MiB of records) before the hand-over fails.
+SEND_TIMEOUT_S = 30.0
 """How long OLD may take to finish its call in progress and send its final checkpoint."""
 FREEZE_TIMEOUT_S = 2.0
 """How long the kernel may take to report OLD's cgroup frozen."""
@@ -171,8 +173,8 @@ async def hand_over(
     run = _Run(keeper, old, new, hooks)
     try:
         return await run.go()
-    except (HandOverError, TimeoutError, ConnectionError, OSError) as exc:
-        code = exc.code if isinstance(exc, HandOverError) else "handover-failed"
+    except (HandOverError, StateError, TimeoutError, ConnectionError, OSError) as exc:
+        code = exc.code if isinstance(exc, HandOverError | StateError) else "handover-failed"
         await run.fail(code, str(exc) or type(exc).__name__)
         return None
     except BaseException as exc:
@@ -233,13 +235,13 @@ class _Run:
         for record in records:
             record_bytes = len(msgpack.packb(record, use_bin_type=True))
             if batch and size + record_bytes > RECORDS_FRAME_BYTES:
-                await self.new.send({"op": "records", "records": batch})
+                await self._to_new({"op": "records", "records": batch})
                 batch, size = [], 0
             batch.append(record)
             size += record_bytes
         if batch:
-            await self.new.send({"op": "records", "records": batch})
-        await self.new.send(
+            await self._to_new({"op": "records", "records": batch})
+        await self._to_new(
             {
                 "op": "fetched",
                 "seq": seq,
@@ -249,6 +251,11 @@ class _Run:
             }
         )
         return seq, len(records)
+
+    async def _to_new(self, frame: dict[str, Any]) -> None:
+        """Send NEW a frame; one it does not take within SEND_TIMEOUT_S fails the hand-over
+        (a NEW that read nothing held the hand-over, and OLD's queued checkpoints, for good)."""
+        await asyncio.wait_for(self.new.send(frame), SEND_TIMEOUT_S)
 
     async def _on_checkpoint(self, seq: int, records: list[dict[str, Any]]) -> None:
         await self.pending.put((seq, records))
@@ -261,24 +268,23 @@ class _Run:
     async def _forward(self, seq: int, records: list[dict[str, Any]]) -> None:
         if seq <= self.seq:  # already part of what was streamed
             return
-        await self.new.send({"op": "deltas", "seq": seq, "records": records})
+        await self._to_new({"op": "deltas", "seq": seq, "records": records})
         self.seq = seq
         self.streamed += len(records)
 
     async def go(self) -> HandOverResult:
         old_info, new_info = self._infos()
         self.old.on_checkpoint(self._on_checkpoint)
-        # One deadline from the first record streamed to NEW's ready, the deltas forwarded
-        # meanwhile included: a NEW that never read hung its sends, the ready timeout never
-        # started, and OLD's checkpoints queued for it without end.
+        self.seq, self.streamed = await self._stream()
+        # The ready timeout holds the deltas forwarded meanwhile too: a send that waited on a
+        # NEW reading nothing kept it from being looked at (and OLD's checkpoints queued).
         async with asyncio.timeout(self.hooks.ready_timeout_s):
             await self._until_ready()
             await self._forward_pending()
         return await self._finish(old_info, new_info)
 
     async def _until_ready(self) -> None:
-        """Stream OLD's state to NEW, then forward OLD's checkpoints until NEW is ready."""
-        self.seq, self.streamed = await self._stream()
+        """Forward OLD's checkpoints to NEW until NEW is ready."""
         ready = asyncio.ensure_future(self.new.ready.wait())
         try:
             while not ready.done():
@@ -334,7 +340,7 @@ class _Run:
             moved = await self.hooks.switch(old_info, new_info)
         self.keeper.switch_owner(self.old, self.new)
         interruption_ms = (time.perf_counter() - stopped_at) * 1000
-        await self.new.send({"op": "switched", "interruption_ms": interruption_ms, "seq": self.seq})
+        await self._to_new({"op": "switched", "interruption_ms": interruption_ms, "seq": self.seq})
         # From here NEW owns the state and serves the name: OLD is only stopped.
         self.frozen_dir = None
         self.switched_to = None

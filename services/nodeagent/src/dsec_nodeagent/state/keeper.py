@@ -93,10 +93,10 @@ REPORT_CLOCKS: Final = 65_536
 SEQ_HEADER: Final = "Dsec-State-Seq"
 CLOSE_TIMEOUT_S: Final = 5.0
 # Opening a state reads it whole on the loop every sandbox shares (the hello's sync, then the
-# one fetch a session may make): an open that held the loop T seconds makes the next open of
-# that state wait READ_SHARE x T (at most READ_WAIT_MAX_S, under the SDK's 60 s): an agent
-# reconnecting and fetching in a loop takes at most a fifth of the loop (a 24 MiB state fetched
-# in a loop held it 1.2-1.6 s a fetch).
+# one fetch a session may make): an open that cost the node agent T seconds of CPU makes the
+# next open of that state wait READ_SHARE x T (at most READ_WAIT_MAX_S, under the SDK's 60 s):
+# an agent reconnecting and fetching in a loop takes at most a fifth of it (a 24 MiB state
+# fetched in a loop held the loop 1.2-1.6 s a fetch).
 READ_SHARE: Final = 4.0
 READ_WAIT_MAX_S: Final = 30.0  # an ended session's last frames, to an agent that reads them
 CHUNK_HEADER: Final = "Dsec-Chunk"
@@ -176,7 +176,7 @@ class _Agent:
     writer: str | None = None  # the sandbox whose checkpoint is the newest, when known
     # Each array container's size as declared (shape x itemsize) by the checkpoints this node
     # took: what a merge allocates, whatever the records compress to.
-    arrays: dict[str, int] = field(default_factory=dict)
+    arrays: dict[str, tuple[str, tuple[int, ...], int]] = field(default_factory=dict)
     # Reading the whole state (a fetch, a hello's sync) runs on the loop every sandbox shares:
     # the next read of this state waits until then (see _paced).
     next_read: float = 0.0
@@ -303,14 +303,28 @@ def _spent(store: _Agent, held_s: float) -> None:
     store.next_read = time.monotonic() + min(READ_SHARE * max(held_s, 0.0), READ_WAIT_MAX_S)
 
 
-def _declared_arrays(held: dict[str, int], records: list[dict[str, Any]]) -> dict[str, int]:
-    """``held`` after ``records``: each array container's declared bytes (checked records)."""
+_Arrays = dict[str, tuple[str, tuple[int, ...], int]]
+
+
+def _declared_arrays(held: _Arrays, records: list[dict[str, Any]]) -> _Arrays:
+    """``held`` after ``records``: each array container's dtype, shape and bytes (checked
+    records). A ``full`` record, or the first of a container, sets them; a ``sparse`` or
+    ``slice`` record must name the same (the merge writes it into the array it holds: a small
+    shape declared there hid a large one set before)."""
     arrays = dict(held)
     for record in records:
         name = record["c"]
         if record["k"] == "array":
-            arrays[name] = math.prod(record["shape"]) * merge.itemsize(record["dtype"])
-        elif record["o"] == "full":
+            declared = (record["dtype"], tuple(record["shape"]))
+            known = arrays.get(name)
+            if record["o"] != "full" and known is not None and known[:2] != declared:
+                raise merge.RecordError(
+                    f"array {name!r}: a {record['o']} record of {declared[0]} {list(declared[1])}"
+                    f" for an array of {known[0]} {list(known[1])}"
+                )
+            size = math.prod(declared[1]) * merge.itemsize(declared[0])
+            arrays[name] = (*declared, size)
+        elif record["o"] == "full" or record["k"] == "ref":
             arrays.pop(name, None)  # (the container holds something else now)
     return arrays
 
@@ -348,6 +362,7 @@ class StateSession:
         self._agent: _Agent | None = None
         self._source = "empty"
         self._sync_ms = 0.0
+        self._sync_cpu = 0.0  # the node agent's CPU time the hello's sync took
         self._timers: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
         """Set when a hand-over's new version sends ``ready``."""
@@ -500,6 +515,8 @@ class StateSession:
                 raise
             keeper._spawn(_one_at_a_time(keeper.handover(keeper, old, self), old))
             return
+        # (paced before it takes the state: no hand-over finds it owned and not yet synced)
+        await _paced(keeper._agent(self.key))
         holder = keeper.session_of(self.key)
         if holder is not None and holder is not self and holder.sandbox_id == self.sandbox_id:
             # the same sandbox again: its agent restarted before its old socket was seen closed
@@ -518,12 +535,12 @@ class StateSession:
         keeper._owners[self.key] = self
         store = keeper._agent(self.key)
         self._agent = store
-        await _paced(store)
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()
         async with store.lock:
             self._source = await keeper._sync(store)
         self._sync_ms = (time.monotonic() - started) * 1000
-        _spent(store, self._sync_ms / 1000)
+        self._sync_cpu = time.process_time() - cpu
+        _spent(store, self._sync_cpu)
         await self.send(
             {
                 "op": "welcome",
@@ -585,26 +602,25 @@ class StateSession:
                 "bad-request", "one fetch a session (the SDK's, at open): open the state again"
             )
         self._fetched = True
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()
         async with store.lock:
             records, deltas, size = await keeper._materialize(store)
             seq = store.seq
         batch: list[dict[str, Any]] = []
         batch_bytes = 0
-        sending = 0.0  # (time the agent took to read is not the loop's)
         for record in records:
             for part in split_large(record):
                 part_bytes = len(msgpack.packb(part, use_bin_type=True))
                 if batch and batch_bytes + part_bytes > RECORDS_FRAME_BYTES:
-                    sent = time.monotonic()
                     await self.send({"op": "records", "records": batch})
-                    sending += time.monotonic() - sent
                     batch, batch_bytes = [], 0
                 batch.append(part)
                 batch_bytes += part_bytes
         if batch:
             await self.send({"op": "records", "records": batch})
-        _spent(store, self._sync_ms / 1000 + time.monotonic() - started - sending)
+        # The node agent's CPU time, not the wall's: what waited on JetStream, S3 or the agent
+        # reading cost the others nothing (a slow remote recovery paced a restart for seconds).
+        _spent(store, self._sync_cpu + time.process_time() - cpu)
         ms = self._sync_ms + (time.monotonic() - started) * 1000
         source = self._source if records else "empty"
         await self.send({"op": "fetched", "seq": seq, "deltas": deltas, "source": source, "ms": ms})
@@ -681,11 +697,12 @@ class StateSession:
             try:
                 records = [merge.check_bounded(r, self.plan.max_bytes) for r in raw]
                 arrays = _declared_arrays(store.arrays, records)
-                if sum(arrays.values()) > self.plan.max_bytes:
+                merged_bytes = sum(size for _, _, size in arrays.values())
+                if merged_bytes > self.plan.max_bytes:
                     raise StateError(
                         "quota",
                         f"the arrays of {store.key.agent} would hold "
-                        f"{_human(sum(arrays.values()))} once merged, its limit is "
+                        f"{_human(merged_bytes)} once merged, its limit is "
                         f"{_human(self.plan.max_bytes)} (spec `state.max_size`): checkpoint "
                         f"{seq} refused",
                         seq,

@@ -68,16 +68,18 @@ def check(record: Any) -> dict[str, Any]:
     return record
 
 
-_DTYPE_RE: Final = re.compile(r"^[<>|=]?[biufc](1|2|4|8|16)\Z")  # (dsec_sdk.state.codec's)
+_DTYPE_RE: Final = re.compile(r"^[<>|=]?[biufc](\d{1,2})\Z")  # (dsec_sdk.state.codec's)
 
 
 def itemsize(dtype: str) -> int:
     """Bytes an element of a numeric dtype string (``'<f4'``) takes; ``RecordError`` if it is
     not one."""
-    m = _DTYPE_RE.match(dtype)
-    if m is None:
+    if _DTYPE_RE.match(dtype) is None:
         raise RecordError(f"dtype {dtype!r} is not a numeric dtype like '<f4'")
-    return int(m.group(1))
+    try:
+        return int(np.dtype(dtype).itemsize)  # ('<f3' has the shape of one, not the size)
+    except TypeError:
+        raise RecordError(f"dtype {dtype!r} is not a numeric dtype numpy knows") from None
 
 
 def check_bounded(record: Any, max_bytes: int) -> dict[str, Any]:
@@ -233,19 +235,31 @@ class Merged:
                 self.records.pop(name, None)
                 return
         arr, shape, tier = held
-        if op == "sparse":
-            idx = np.frombuffer(_need(record, "idx", bytes), dtype=np.int64)
-            val = np.frombuffer(_need(record, "val", bytes), dtype=arr.dtype)
-            if len(idx) != len(val) or (len(idx) and (idx.min() < 0 or idx.max() >= arr.size)):
-                raise RecordError(f"array {name!r}: sparse indices and values do not fit")
-            arr[idx] = val
-        elif op == "slice":
-            start = int(_need(record, "start", int))
-            data = np.frombuffer(_need(record, "val", bytes), dtype=arr.dtype)
-            if start < 0 or start + len(data) > arr.size:
-                raise RecordError(f"array {name!r}: slice {start}+{len(data)} outside the array")
-            arr[start : start + len(data)] = data
-        elif op != "full":
+        if (
+            np.dtype(_need(record, "dtype", str)) != arr.dtype
+            or [int(x) for x in _need(record, "shape", (list, tuple))] != shape
+        ):  # (as dsec_sdk.state.codec refuses it: never written into another array)
+            raise RecordError(f"array {name!r}: a {op} record of another dtype or shape")
+        try:
+            if op == "sparse":
+                idx = np.frombuffer(_need(record, "idx", bytes), dtype=np.int64)
+                val = np.frombuffer(_need(record, "val", bytes), dtype=arr.dtype)
+                if len(idx) != len(val) or (len(idx) and (idx.min() < 0 or idx.max() >= arr.size)):
+                    raise RecordError(f"array {name!r}: sparse indices and values do not fit")
+                arr[idx] = val
+            elif op == "slice":
+                start = int(_need(record, "start", int))
+                data = np.frombuffer(_need(record, "val", bytes), dtype=arr.dtype)
+                if start < 0 or start + len(data) > arr.size:
+                    raise RecordError(
+                        f"array {name!r}: slice {start}+{len(data)} outside the array"
+                    )
+                arr[start : start + len(data)] = data
+        except ValueError as exc:  # (bytes that are no whole number of elements)
+            if isinstance(exc, RecordError):
+                raise
+            raise RecordError(f"array {name!r}: {exc}") from None
+        if op not in ("sparse", "slice", "full"):
             raise RecordError(f"array {name!r}: unknown op {op!r}")
         self.records.pop(name, None)
         self._arrays[name] = (arr, shape, tier)
