@@ -410,6 +410,27 @@ async def test_a_small_shape_cannot_hide_a_large_array(world: World) -> None:
         await owner.close()
 
 
+async def test_arrays_held_before_a_node_agent_restart_still_count(world: World) -> None:
+    """The declared sizes lived in the node agent's memory only: after a restart, an agent
+    that checkpointed without fetching first could add another `state.max_size` of arrays.
+    What the state holds is read (once) before the first array checkpoint counts."""
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    three_quarters = StatePlan().max_bytes // 4 * 3 // 4  # elements of <f4
+    x = {"c": "x", "k": "array", "t": "warm", "o": "full", "dtype": "<f4"}
+    async with world.node("a") as node:
+        _, owner = await opened(node, tenant, agent)
+        assert (await owner.checkpoint(1, [{**x, "shape": [three_quarters]}]))["op"] == "ack"
+        await owner.close()
+    async with world.node("a") as node:  # the node agent restarted: same journal, new memory
+        sid = node.register(tenant, agent)
+        raw = await node.connect(sid)
+        assert (await raw.hello(agent))["op"] == "welcome"  # (no fetch)
+        frame = await raw.checkpoint(2, [{**x, "c": "y", "shape": [three_quarters]}])
+        assert (frame["op"], frame["code"]) == ("error", "quota"), frame
+        assert (await raw.checkpoint(2, [{**x, "c": "y", "shape": [1000]}]))["op"] == "ack"
+        await raw.close()
+
+
 async def test_an_open_is_paced_by_the_cpu_it_cost_not_by_waiting_on_the_network(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -177,6 +177,7 @@ class _Agent:
     # Each array container's size as declared (shape x itemsize) by the checkpoints this node
     # took: what a merge allocates, whatever the records compress to.
     arrays: dict[str, tuple[str, tuple[int, ...], int]] = field(default_factory=dict)
+    arrays_known: bool = False  # (False: the state held before, on this node, not counted yet)
     # Reading the whole state (a fetch, a hello's sync) runs on the loop every sandbox shares:
     # the next read of this state waits until then (see _paced).
     next_read: float = 0.0
@@ -304,6 +305,28 @@ def _spent(store: _Agent, held_s: float) -> None:
 
 
 _Arrays = dict[str, tuple[str, tuple[int, ...], int]]
+
+
+def _held_arrays(records: list[dict[str, Any]]) -> _Arrays:
+    """The arrays a state's records hold (as a merge of them would), leniently: the largest
+    shape a container was declared with counts (records taken before these checks)."""
+    arrays: _Arrays = {}
+    for record in records:
+        name = record.get("c")
+        if not isinstance(name, str):
+            continue
+        if record.get("k") == "array":
+            try:
+                shape = tuple(int(x) for x in record.get("shape") or ())
+                size = math.prod(shape) * merge.itemsize(str(record.get("dtype")))
+            except (merge.RecordError, TypeError, ValueError):
+                continue
+            known = arrays.get(name)
+            if known is None or record.get("o") == "full" or size > known[2]:
+                arrays[name] = (str(record.get("dtype")), shape, size)
+        elif record.get("o") == "full" or record.get("k") == "ref":
+            arrays.pop(name, None)
+    return arrays
 
 
 def _declared_arrays(held: _Arrays, records: list[dict[str, Any]]) -> _Arrays:
@@ -606,6 +629,8 @@ class StateSession:
         async with store.lock:
             records, deltas, size = await keeper._materialize(store)
             seq = store.seq
+            if not store.arrays_known:  # (what it holds already counts: read here anyway)
+                store.arrays, store.arrays_known = _held_arrays(records), True
         batch: list[dict[str, Any]] = []
         batch_bytes = 0
         for record in records:
@@ -696,6 +721,12 @@ class StateSession:
             await self._within_quota(store, seq)
             try:
                 records = [merge.check_bounded(r, self.plan.max_bytes) for r in raw]
+                if not store.arrays_known and any(r["k"] == "array" for r in records):
+                    # (after a restart of the node agent or a recovery from another node, the
+                    # arrays the state already holds count too: read once)
+                    _, warm, entries, _ = await keeper._local_state(store)
+                    store.arrays = _held_arrays([*warm, *(r for e in entries for r in e.records)])
+                    store.arrays_known = True
                 arrays = _declared_arrays(store.arrays, records)
                 merged_bytes = sum(size for _, _, size in arrays.values())
                 if merged_bytes > self.plan.max_bytes:
@@ -1235,6 +1266,7 @@ class StateKeeper:
             store.synced = True
             return "local" if local else "empty"
         await self._pull(store)
+        store.arrays, store.arrays_known = {}, False  # (the node's copy is another now)
         # what JetStream holds last may be an attempt that failed (never acked): the state
         # is what was pulled
         store.seq = await asyncio.to_thread(self._local_tail, store)
