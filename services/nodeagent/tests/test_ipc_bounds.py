@@ -4,6 +4,7 @@ broker with real processes. (Real sandboxes beside a victim: test_ipc_sandbox.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import os
@@ -645,4 +646,58 @@ def test_a_sandbox_sending_a_lingering_fd_holds_up_only_its_own_closes(
         attacker.wait()
         victim.close()
         wait_until(lambda: not thread.broker._closing, LINGER_S + 15, "the closes to end")
+        thread.stop()
+
+
+@pytest.mark.integration
+def test_the_sdk_retries_a_busy_server_and_keeps_its_connection(sock_dir: Path) -> None:
+    """`busy` says retry: the SDK does, for up to its timeout (10 s at most), on the same
+    broker connection (a refusal used to close it and open another). A server that reads its
+    notices meanwhile gets the call; one that does not leaves `BrokerRefused` (code busy)."""
+    from dsec_sdk import BrokerRefused, CallTimeout
+
+    thread = BrokerThread(sock_dir / "ipc.sock")
+    server = _raw(thread.socket_path)
+    filler = _raw(thread.socket_path)
+    client = DSecClient("caller", "g1", socket_path=thread.socket_path, timeout=1.0)
+    try:
+        control.send(server, {"op": "hello", "group": "g1", "agent": "busy", "role": "server"})
+        _, fds = control.recv(server) or ({}, [])
+        control.close_fds(fds)
+        control.send(filler, {"op": "hello", "group": "g1", "agent": "filler", "role": "caller"})
+        control.recv(filler)
+        for n in range(5000):  # fill the server's control socket (each channel closed at once)
+            control.send(filler, {"op": "connect", "ref": n, "peer": "busy"})
+            reply, fds = control.recv(filler) or ({}, [])
+            if fds:
+                with mmap.mmap(fds[0], mmap.PAGESIZE) as header:
+                    struct.pack_into("<Q", header, 32 * 8, 1)
+            control.close_fds(fds)
+            if reply.get("op") != "channel":
+                break
+        assert reply.get("code") == "busy", reply
+        with pytest.raises(AgentNotFound):
+            client.call_tool("nobody", "ping")  # (its broker connection, before)
+        link = client._link
+        started = time.monotonic()
+        with pytest.raises(BrokerRefused) as refused:
+            client.call_tool("busy", "ping")
+        assert refused.value.code == "busy"
+        assert time.monotonic() - started >= 0.9  # retried for its timeout
+        assert client._link is link  # the connection kept
+
+        def drain_soon() -> None:
+            time.sleep(0.3)
+            server.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    control.close_fds((control.recv(server) or ({}, []))[1])
+
+        threading.Thread(target=drain_soon, daemon=True).start()
+        with pytest.raises(CallTimeout):  # the channel opened; the raw server never answers
+            client.call_tool("busy", "ping")
+    finally:
+        client.close()
+        filler.close()
+        server.close()
         thread.stop()

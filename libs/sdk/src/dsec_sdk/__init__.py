@@ -12,6 +12,7 @@ from dsec_sdk.client import DSecClient
 from dsec_sdk.errors import (
     AgentNotFound,
     BadArguments,
+    BrokerRefused,
     BrokerUnavailable,
     CallTimeout,
     IpcError,
@@ -41,6 +42,7 @@ __all__ = [
     "AgentNotFound",
     "AgentState",
     "BadArguments",
+    "BrokerRefused",
     "BrokerUnavailable",
     "CallTimeout",
     "DSecClient",

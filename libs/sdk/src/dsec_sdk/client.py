@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar
 
 from dsec_sdk.errors import (
     AgentNotFound,
+    BrokerRefused,
     BrokerUnavailable,
     CallTimeout,
     IpcError,
@@ -52,6 +53,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_TIMEOUT: Final = 30.0
 DEFAULT_GROUP: Final = "default"
+BUSY_RETRY_S: Final = 10.0
+"""How long opening a channel retries a `busy` answer (at most the client's timeout)."""
 _NO_DEADLINE: Final = 1 << 62
 _unpack = codec.unpack
 _clock = time.perf_counter_ns
@@ -898,15 +901,31 @@ class DSecClient:
     def _open_on(self, agent: str) -> tuple[CallerEnd, BrokerLink]:
         """A new channel to ``agent``, and the broker connection that opened it (whose notices
         name it: channel ids are the broker's, a restarted broker counts from 1 again)."""
-        # (here, not from the broker: a bad name is the caller's mistake, not the broker's, and
-        # a refused connect would cost the client its broker connection)
+        # (here, not from the broker: a bad name is the caller's mistake, not the broker's)
         control.check_name("agent name", agent)
+        # A busy answer (the agent has not read the channels offered to it yet, or this
+        # sandbox's connects are at their bound) says retry: the client does, for a while.
+        timeout = self.timeout if self.timeout is not None else BUSY_RETRY_S
+        give_up = time.monotonic() + min(timeout, BUSY_RETRY_S)
+        pause = 0.005
+        while True:
+            try:
+                return self._open_once(agent)
+            except BrokerRefused as exc:
+                if exc.code != "busy" or time.monotonic() + pause > give_up:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+    def _open_once(self, agent: str) -> tuple[CallerEnd, BrokerLink]:
         with self._link_lock:
             fresh = self._link is None
             try:
                 try:
                     link = self._broker(agent)
                     message, fds = link.connect(agent)
+                except BrokerRefused:
+                    raise  # (a refusal: the connection stays, as it is)
                 except BrokerUnavailable:
                     self._drop_link()
                     if fresh:

@@ -15,6 +15,16 @@ class BrokerUnavailable(IpcError):
     """The node agent's IPC broker cannot be reached on its Unix socket."""
 
 
+class BrokerRefused(BrokerUnavailable):
+    """The broker refused one request; the connection stays usable. ``code`` says why:
+    ``busy`` (the agent called, or this sandbox's connects, are at a bound: the client retries
+    for a while before raising it), ``too_many_channels``, ``bad_request``..."""
+
+    def __init__(self, code: str, text: str) -> None:
+        self.code = code
+        super().__init__(text)
+
+
 class AgentNotFound(IpcError):
     """No agent of that name serves tools in this task group (on this node or any other)."""
 

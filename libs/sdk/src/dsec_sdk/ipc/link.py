@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dsec_sdk.errors import AgentNotFound, BrokerUnavailable, ProtocolError
+from dsec_sdk.errors import AgentNotFound, BrokerRefused, BrokerUnavailable, ProtocolError
 from dsec_sdk.ipc import control
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ class BrokerLink:
             control.close_fds(fds)
             if message.get("code") == "not_found":
                 raise AgentNotFound(peer, self.group, str(message.get("message", "")))
-            raise BrokerUnavailable(f"broker: {message.get('message')}")
+            raise BrokerRefused(str(message.get("code")), f"broker: {message.get('message')}")
         if message["op"] != "channel" or len(fds) != control.CALLER_FDS:
             control.close_fds(fds)
             raise ProtocolError(f"unexpected broker reply {message['op']!r} with {len(fds)} fds")
