@@ -116,8 +116,13 @@ def apply(value: Any, record: dict[str, Any]) -> Any:
 
 
 def _log_append(value: Any, r: dict[str, Any]) -> Any:
-    log: list[Any] = value if isinstance(value, list) else []
-    for item in r["items"]:
+    return log_append(value if isinstance(value, list) else [], r["items"])
+
+
+def log_append(log: list[Any], items: Any) -> list[Any]:
+    """``log`` (kept in id order, each id once) with ``items`` (``[id, ...]``) added: an item
+    sent again changes nothing, a late one goes to its place (the state keeper merges so too)."""
+    for item in items:
         item_id = item[0]
         if not log or item_id > log[-1][0]:
             log.append(list(item))

@@ -24,7 +24,6 @@ import functools
 import logging
 import mmap
 import os
-import select
 import socket
 import struct
 import threading
@@ -94,13 +93,6 @@ def _peer_pidfd(sock: socket.socket, pid: int) -> int:
         return os.pidfd_open(pid)
     except OSError:
         return -1
-
-
-def _exited(pidfd: int) -> bool:
-    """Whether the process of ``pidfd`` has exited (a pidfd is readable from then on)."""
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 @dataclass(eq=False)
@@ -326,7 +318,7 @@ class Broker:
             self._close_sock(sock, f"pid-{pid}")  # (gone: its sandbox is unknown)
             return
         sandbox = self._sandbox_of(pid, uid) or HOST
-        if _exited(pidfd):  # (the pid looked up may have been another process's by then)
+        if ch.pidfd_exited(pidfd):  # (the pid looked up may have been another process's by then)
             os.close(pidfd)
             self._close_sock(sock, sandbox)
             return
@@ -447,7 +439,7 @@ class Broker:
             return
         if self._identify is not None:
             allowed = self._identify(conn.pid, conn.uid, 0)
-            if _exited(conn.pidfd):  # its pid may name another process now: no identity
+            if ch.pidfd_exited(conn.pidfd):  # its pid may name another process now: no identity
                 self._refuse(conn, "identity", f"process {conn.pid} exited before its hello")
                 return
             if allowed is None or (allowed.group, allowed.agent) != (key.group, key.agent):
@@ -736,14 +728,17 @@ class Broker:
     def _live_proxies(self, sandbox: str) -> int:
         """Channels to agents of other nodes ``sandbox`` holds (its live channels the broker's
         proxy serves)."""
-        self._live_channels(sandbox)  # (forgets the closed ones)
-        return sum(1 for item in self._live.get(sandbox, ()) if item.server is None)
+        return sum(1 for item in self._alive(sandbox) if item.server is None)
 
     def _live_channels(self, sandbox: str) -> int:
-        """Channels of ``sandbox`` still open (closed ones are forgotten here)."""
+        """Channels of ``sandbox`` still open."""
+        return len(self._alive(sandbox))
+
+    def _alive(self, sandbox: str) -> list[_Tracked]:
+        """The channels of ``sandbox`` still open (closed ones are forgotten here)."""
         tracked = self._live.get(sandbox)
         if not tracked:
-            return 0
+            return []
         alive = []
         for item in tracked:
             gone = item.server is not None and item.server not in self._connections
@@ -755,7 +750,7 @@ class Broker:
             self._live[sandbox] = alive
         else:
             del self._live[sandbox]
-        return len(alive)
+        return alive
 
     def open_channel(
         self, server: Connection, caller: str, caller_pidfd: int

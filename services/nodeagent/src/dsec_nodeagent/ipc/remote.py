@@ -223,7 +223,7 @@ class RemoteBridge:
                 f"this sandbox has {FORWARDS_PER_SANDBOX} calls to other nodes in flight, the "
                 "most one sandbox may; retry when one ends"
             )
-            reply = self._error("busy", "ServerBusy", text)
+            reply = self._busy(text)
             metrics.observe_remote("out", codec.ERROR, reply, 0.0)
             self._proxy.respond(end, codec.ERROR, call_id, reply)
             return
@@ -339,9 +339,14 @@ class RemoteBridge:
 
     async def _call_local(self, key: AgentKey, body: bytes, timeout_s: float) -> tuple[int, bytes]:
         try:
-            caller = self._inbound_caller(key)
-        except ServerBusy as exc:
-            return codec.ERROR, self._error("busy", "ServerBusy", str(exc))
+            return await self._call_local_server(key, body, timeout_s)
+        except ServerBusy as exc:  # (its control socket is full: it stays, the caller retries)
+            return codec.ERROR, self._busy(str(exc))
+
+    async def _call_local_server(
+        self, key: AgentKey, body: bytes, timeout_s: float
+    ) -> tuple[int, bytes]:
+        caller = self._inbound_caller(key)
         if caller is None:
             return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", "it left its node")
         deadline = time.perf_counter_ns() + int(timeout_s * 1e9)
@@ -349,10 +354,7 @@ class RemoteBridge:
             frame = await caller.call(codec.REQUEST, body, deadline)
         except PeerGone as exc:
             self._forget_inbound(key, caller)
-            try:
-                retry = self._inbound_caller(key) if exc.untaken else None
-            except ServerBusy as busy:
-                return codec.ERROR, self._error("busy", "ServerBusy", str(busy))
+            retry = self._inbound_caller(key) if exc.untaken else None
             if retry is None:
                 return codec.ERROR, self._error(codec.E_PEER_GONE, "PeerGone", exc.reason)
             # The server left before reading it, and another serves the name now (a hand-over
@@ -406,6 +408,9 @@ class RemoteBridge:
 
     def _error(self, code: str, error_type: str, text: str) -> bytes:
         return codec.encode_error(self._packer, code, error_type, text)
+
+    def _busy(self, text: str) -> bytes:
+        return self._error("busy", "ServerBusy", text)
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)

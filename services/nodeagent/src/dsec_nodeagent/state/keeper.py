@@ -91,14 +91,14 @@ REPORT_STOP_S: Final = 5.0
 REPORT_CLOCKS: Final = 65_536
 """Agents (and what of them) whose last report time the keeper remembers."""
 SEQ_HEADER: Final = "Dsec-State-Seq"
-CLOSE_TIMEOUT_S: Final = 5.0
+CLOSE_TIMEOUT_S: Final = 5.0  # an ended session's last frames, to an agent that reads them
 # Opening a state reads it whole on the loop every sandbox shares (the hello's sync, then the
 # one fetch a session may make): an open that cost the node agent T seconds of CPU makes the
 # next open of that state wait READ_SHARE x T (at most READ_WAIT_MAX_S, under the SDK's 60 s):
 # an agent reconnecting and fetching in a loop takes at most a fifth of it (a 24 MiB state
 # fetched in a loop held the loop 1.2-1.6 s a fetch).
 READ_SHARE: Final = 4.0
-READ_WAIT_MAX_S: Final = 30.0  # an ended session's last frames, to an agent that reads them
+READ_WAIT_MAX_S: Final = 30.0
 CHUNK_HEADER: Final = "Dsec-Chunk"
 WARM_HEADER: Final = "Dsec-Warm"
 DIGEST_HEADER: Final = "Dsec-Digest"
@@ -157,6 +157,10 @@ class _Entry:
     size: int
 
 
+# array container -> (dtype, shape, bytes), as its checkpoints declared it
+_Arrays = dict[str, tuple[str, tuple[int, ...], int]]
+
+
 @dataclass(eq=False)
 class _Agent:
     """Where one agent's state lives on this node and in the shared plane."""
@@ -176,7 +180,7 @@ class _Agent:
     writer: str | None = None  # the sandbox whose checkpoint is the newest, when known
     # Each array container's size as declared (shape x itemsize) by the checkpoints this node
     # took: what a merge allocates, whatever the records compress to.
-    arrays: dict[str, tuple[str, tuple[int, ...], int]] = field(default_factory=dict)
+    arrays: _Arrays = field(default_factory=dict)
     arrays_known: bool = False  # (False: the state held before, on this node, not counted yet)
     # Reading the whole state (a fetch, a hello's sync) runs on the loop every sandbox shares:
     # the next read of this state waits until then (see _paced).
@@ -304,50 +308,35 @@ def _spent(store: _Agent, held_s: float) -> None:
     store.next_read = time.monotonic() + min(READ_SHARE * max(held_s, 0.0), READ_WAIT_MAX_S)
 
 
-_Arrays = dict[str, tuple[str, tuple[int, ...], int]]
-
-
-def _held_arrays(records: list[dict[str, Any]]) -> _Arrays:
-    """The arrays a state's records hold (as a merge of them would), leniently: the largest
-    shape a container was declared with counts (records taken before these checks)."""
-    arrays: _Arrays = {}
-    for record in records:
-        name = record.get("c")
-        if not isinstance(name, str):
-            continue
-        if record.get("k") == "array":
-            try:
-                shape = tuple(int(x) for x in record.get("shape") or ())
-                size = math.prod(shape) * merge.itemsize(str(record.get("dtype")))
-            except (merge.RecordError, TypeError, ValueError):
-                continue
-            known = arrays.get(name)
-            if known is None or record.get("o") == "full" or size > known[2]:
-                arrays[name] = (str(record.get("dtype")), shape, size)
-        elif record.get("o") == "full" or record.get("k") == "ref":
-            arrays.pop(name, None)
-    return arrays
-
-
-def _declared_arrays(held: _Arrays, records: list[dict[str, Any]]) -> _Arrays:
-    """``held`` after ``records``: each array container's dtype, shape and bytes (checked
-    records). A ``full`` record, or the first of a container, sets them; a ``sparse`` or
-    ``slice`` record must name the same (the merge writes it into the array it holds: a small
-    shape declared there hid a large one set before)."""
+def _declared_arrays(
+    held: _Arrays, records: list[dict[str, Any]], *, lenient: bool = False
+) -> _Arrays:
+    """``held`` after ``records``: each array container's dtype, shape and bytes. A ``full``
+    record, or the first of a container, sets them; a ``sparse`` or ``slice`` record must name
+    the same (the merge writes it into the array it holds: a small shape declared there hid a
+    large one set before). ``lenient``: records kept before these checks (the state held on
+    the node): one that names no size is skipped, and the largest size declared counts."""
     arrays = dict(held)
     for record in records:
-        name = record["c"]
-        if record["k"] == "array":
-            declared = (record["dtype"], tuple(record["shape"]))
+        name = str(record.get("c"))
+        if record.get("k") == "array":
+            try:
+                declared = (str(record["dtype"]), tuple(int(x) for x in record["shape"]))
+                size = math.prod(declared[1]) * merge.itemsize(declared[0])
+            except (merge.RecordError, KeyError, TypeError, ValueError):
+                if lenient:
+                    continue
+                raise
             known = arrays.get(name)
-            if record["o"] != "full" and known is not None and known[:2] != declared:
-                raise merge.RecordError(
-                    f"array {name!r}: a {record['o']} record of {declared[0]} {list(declared[1])}"
-                    f" for an array of {known[0]} {list(known[1])}"
-                )
-            size = math.prod(declared[1]) * merge.itemsize(declared[0])
+            if record.get("o") != "full" and known is not None and known[:2] != declared:
+                if not lenient:
+                    raise merge.RecordError(
+                        f"array {name!r}: a {record.get('o')} record of {declared[0]} "
+                        f"{list(declared[1])} for an array of {known[0]} {list(known[1])}"
+                    )
+                size = max(size, known[2])
             arrays[name] = (*declared, size)
-        elif record["o"] == "full" or record["k"] == "ref":
+        elif record.get("o") == "full" or record.get("k") == "ref":
             arrays.pop(name, None)  # (the container holds something else now)
     return arrays
 
@@ -630,7 +619,8 @@ class StateSession:
             records, deltas, size = await keeper._materialize(store)
             seq = store.seq
             if not store.arrays_known:  # (what it holds already counts: read here anyway)
-                store.arrays, store.arrays_known = _held_arrays(records), True
+                store.arrays = _declared_arrays({}, records, lenient=True)
+                store.arrays_known = True
         batch: list[dict[str, Any]] = []
         batch_bytes = 0
         for record in records:
@@ -725,7 +715,8 @@ class StateSession:
                     # (after a restart of the node agent or a recovery from another node, the
                     # arrays the state already holds count too: read once)
                     _, warm, entries, _ = await keeper._local_state(store)
-                    store.arrays = _held_arrays([*warm, *(r for e in entries for r in e.records)])
+                    held = [*warm, *(r for e in entries for r in e.records)]
+                    store.arrays = _declared_arrays({}, held, lenient=True)
                     store.arrays_known = True
                 arrays = _declared_arrays(store.arrays, records)
                 merged_bytes = sum(size for _, _, size in arrays.values())

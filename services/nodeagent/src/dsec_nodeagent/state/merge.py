@@ -17,12 +17,12 @@ frame passes the wire's limit.
 
 from __future__ import annotations
 
-import bisect
 import importlib
 import math
-import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final
+
+from dsec_sdk.state import codec
 
 if TYPE_CHECKING:
     import numpy as np
@@ -68,18 +68,14 @@ def check(record: Any) -> dict[str, Any]:
     return record
 
 
-_DTYPE_RE: Final = re.compile(r"^[<>|=]?[biufc](\d{1,2})\Z")  # (dsec_sdk.state.codec's)
-
-
 def itemsize(dtype: str) -> int:
-    """Bytes an element of a numeric dtype string (``'<f4'``) takes; ``RecordError`` if it is
-    not one."""
-    if _DTYPE_RE.match(dtype) is None:
-        raise RecordError(f"dtype {dtype!r} is not a numeric dtype like '<f4'")
+    """Bytes an element of a numeric dtype string (``'<f4'``) takes, by the SDK's rule and as
+    numpy makes it (``'<f3'`` has the shape of one, not a size); ``RecordError`` if none."""
     try:
-        return int(np.dtype(dtype).itemsize)  # ('<f3' has the shape of one, not the size)
-    except TypeError:
-        raise RecordError(f"dtype {dtype!r} is not a numeric dtype numpy knows") from None
+        codec.itemsize(dtype)
+        return int(np.dtype(dtype).itemsize)
+    except (codec.CodecError, TypeError):
+        raise RecordError(f"dtype {dtype!r} is not a numeric dtype like '<f4'") from None
 
 
 def check_bounded(record: Any, max_bytes: int) -> dict[str, Any]:
@@ -109,22 +105,6 @@ def check_bounded(record: Any, max_bytes: int) -> dict[str, Any]:
             if not isinstance(item, (list, tuple)) or not item or type(item[0]) is not str:
                 raise RecordError(f"log {record['c']!r}: an item must be [id, ...] with a str id")
     return checked
-
-
-def _log_insert(items: list[Any], item: Any) -> None:
-    """Add ``item`` to a log kept in id order, each id once (``dsec_sdk.state.codec``'s
-    append: an item sent again changes nothing, a late one goes to its place)."""
-    item_id = item[0]
-    if not items or item_id > items[-1][0]:
-        items.append(item)
-        return
-    pos = bisect.bisect_left(items, item_id, key=_item_id)
-    if pos == len(items) or items[pos][0] != item_id:
-        items.insert(pos, item)
-
-
-def _item_id(item: Any) -> Any:
-    return item[0]
 
 
 def _array(record: dict[str, Any]) -> np.ndarray:
@@ -201,8 +181,7 @@ class Merged:
             return
         if kind == "log" and op == "append":
             items = list(prev["items"]) if prev and prev.get("k") == "log" else []
-            for item in _need(record, "items", (list, tuple)):
-                _log_insert(items, item)
+            codec.log_append(items, _need(record, "items", (list, tuple)))
             self.records[name] = {**record, "o": "full", "items": items}
         elif kind == "kv" and op in ("set", "del"):
             base = dict(prev["items"]) if prev and prev.get("k") == "kv" else {}
