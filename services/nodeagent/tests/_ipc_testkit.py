@@ -7,6 +7,8 @@ Run as a script, this file is an agent: ``python _ipc_testkit.py SOCKET GROUP NA
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import mmap
 import os
 import socket
 import struct
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dsec_sdk import AgentNotFound, DSecClient
+from dsec_sdk.ipc import control
 
 from dsec_nodeagent.ipc import Broker
 
@@ -148,3 +151,34 @@ def lingering_tcp_socket(linger_s: int) -> tuple[socket.socket, socket.socket]:
             break
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
     return sock, listener
+
+
+def fill_control_socket(filler: socket.socket, peer: str) -> dict[str, Any]:
+    """Connect ``filler`` (a raw caller, welcomed) to ``peer`` (a raw server that never reads)
+    until the broker answers otherwise than with a channel: the server's control socket is
+    full. Each channel is marked closed at once, so only the socket fills. The last answer."""
+    reply: dict[str, Any] = {}
+    for n in range(5000):
+        control.send(filler, {"op": "connect", "ref": n, "peer": peer})
+        reply, fds = control.recv(filler) or ({}, [])
+        if fds:
+            with mmap.mmap(fds[0], mmap.PAGESIZE) as header:
+                struct.pack_into("<Q", header, 32 * 8, 1)
+        control.close_fds(fds)
+        if reply.get("op") != "channel":
+            break
+    return reply
+
+
+def drain_soon(server: socket.socket, after_s: float) -> None:
+    """In a thread, ``after_s`` from now: read (and close) every notice queued on the raw
+    server's control socket, as a server does between calls."""
+
+    def drain() -> None:
+        time.sleep(after_s)
+        server.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                control.close_fds((control.recv(server) or ({}, []))[1])
+
+    threading.Thread(target=drain, daemon=True).start()

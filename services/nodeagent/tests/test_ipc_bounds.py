@@ -4,13 +4,10 @@ broker with real processes. (Real sandboxes beside a victim: test_ipc_sandbox.py
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import mmap
 import os
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -32,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach
 from _ipc_testkit import (
     BrokerThread,
     agent_tools,
+    drain_soon,
+    fill_control_socket,
     lingering_tcp_socket,
     metric,
     start_agent,
@@ -551,18 +550,8 @@ def test_a_callers_connects_cannot_knock_a_busy_server_off_the_node(sock_dir: Pa
         assert welcome.get("op") == "welcome"
         control.send(caller, {"op": "hello", "group": "g1", "agent": "hostile", "role": "caller"})
         assert (control.recv(caller) or ({}, []))[0].get("op") == "welcome"
-        opened, reply = 0, {}
-        for n in range(5000):
-            control.send(caller, {"op": "connect", "ref": n, "peer": "busy"})
-            reply, fds = control.recv(caller) or ({}, [])
-            if fds:  # closed at once (the CLOSED word), as a client closing a channel does
-                with mmap.mmap(fds[0], mmap.PAGESIZE) as header:
-                    struct.pack_into("<Q", header, 32 * 8, 1)
-            control.close_fds(fds)
-            if reply.get("op") != "channel":
-                break
-            opened += 1
-        assert reply.get("code") == "busy", (opened, reply)
+        reply = fill_control_socket(caller, "busy")
+        assert reply.get("code") == "busy", reply
         assert "has not yet read the channels offered to it" in reply["message"]
         assert thread.broker.local_server(AgentKey("g1", "busy")) is not None
         assert metric("dsec_ipc_refusals_total", reason="server_busy") - before == 1
@@ -666,15 +655,7 @@ def test_the_sdk_retries_a_busy_server_and_keeps_its_connection(sock_dir: Path) 
         control.close_fds(fds)
         control.send(filler, {"op": "hello", "group": "g1", "agent": "filler", "role": "caller"})
         control.recv(filler)
-        for n in range(5000):  # fill the server's control socket (each channel closed at once)
-            control.send(filler, {"op": "connect", "ref": n, "peer": "busy"})
-            reply, fds = control.recv(filler) or ({}, [])
-            if fds:
-                with mmap.mmap(fds[0], mmap.PAGESIZE) as header:
-                    struct.pack_into("<Q", header, 32 * 8, 1)
-            control.close_fds(fds)
-            if reply.get("op") != "channel":
-                break
+        reply = fill_control_socket(filler, "busy")
         assert reply.get("code") == "busy", reply
         with pytest.raises(AgentNotFound):
             client.call_tool("nobody", "ping")  # (its broker connection, before)
@@ -686,14 +667,7 @@ def test_the_sdk_retries_a_busy_server_and_keeps_its_connection(sock_dir: Path) 
         assert time.monotonic() - started >= 0.9  # retried for its timeout
         assert client._link is link  # the connection kept
 
-        def drain_soon() -> None:
-            time.sleep(0.3)
-            server.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                while True:
-                    control.close_fds((control.recv(server) or ({}, []))[1])
-
-        threading.Thread(target=drain_soon, daemon=True).start()
+        drain_soon(server, 0.3)
         with pytest.raises(CallTimeout):  # the channel opened; the raw server never answers
             client.call_tool("busy", "ping")
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 from dsec_core import natsperms
 from dsec_sdk import (
+    AgentBusy,
     AgentNotFound,
     CallTimeout,
     DSecClient,
@@ -29,7 +31,15 @@ from dsec_sdk.ipc import control
 from dsec_testing.stack import StackFixture
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the test kit
-from _ipc_testkit import BrokerThread, metric, start_agent, wait_serving, wait_until
+from _ipc_testkit import (
+    BrokerThread,
+    drain_soon,
+    fill_control_socket,
+    metric,
+    start_agent,
+    wait_serving,
+    wait_until,
+)
 
 from dsec_nodeagent.ipc import AgentKey
 
@@ -239,12 +249,15 @@ def test_a_server_that_leaves_before_its_welcome_is_exported_nowhere(
         proc.wait()
 
 
-def _raw_caller(path: Path, name: str) -> tuple[socket.socket, dict[str, Any]]:
+def _raw_caller(
+    path: Path, name: str, role: str = "caller"
+) -> tuple[socket.socket, dict[str, Any]]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(os.fspath(path))
     sock.settimeout(20)
-    control.send(sock, {"op": "hello", "group": "g1", "agent": name, "role": "caller"})
-    welcome, _ = control.recv(sock) or ({}, [])
+    control.send(sock, {"op": "hello", "group": "g1", "agent": name, "role": role})
+    welcome, fds = control.recv(sock) or ({}, [])
+    control.close_fds(fds)
     assert welcome.get("op") == "welcome", welcome
     return sock, welcome
 
@@ -341,3 +354,39 @@ def test_calls_in_flight_to_other_nodes_are_bounded_per_sandbox(
         end.close()
     finally:
         hostile.close()
+
+
+def test_a_busy_agent_on_another_node_is_retried_then_said_busy(
+    nodes: tuple[BrokerThread, BrokerThread],
+) -> None:
+    """An agent on another node whose control socket is full (it has not read the channels
+    offered to it) cannot take a bridged call: the bridge there answers `busy`, and the tool
+    does not run. The SDK raised that at once as a plain RemoteError; now it retries for the
+    call's timeout (10 s at most), then raises AgentBusy saying how long, and a call whose
+    agent reads its notices meanwhile goes through."""
+    one, two = nodes
+    server, _ = _raw_caller(two.socket_path, "busy", role="server")
+    filler, _ = _raw_caller(two.socket_path, "filler")
+    client = DSecClient("agent-a", "g1", socket_path=one.socket_path, timeout=1.0)
+    try:
+        assert fill_control_socket(filler, "busy").get("code") == "busy"
+        for call in (
+            lambda: client.call_tool("busy", "ping"),
+            lambda: asyncio.run(client.acall_tool("busy", "ping")),
+        ):
+            started = time.monotonic()
+            with pytest.raises(AgentBusy) as busy:
+                call()
+            assert time.monotonic() - started >= 0.9  # retried for the call's timeout
+            assert busy.value.code == "busy" and busy.value.error_type == "ServerBusy"
+            text = str(busy.value)
+            assert "has not yet read the channels offered to it" in text
+            assert "still busy after" in text and "; retry" not in text
+
+        drain_soon(server, 0.3)
+        with pytest.raises(CallTimeout):  # it reached the agent, which never answers
+            client.call_tool("busy", "ping")
+    finally:
+        client.close()
+        filler.close()
+        server.close()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsec_sdk.client import DSecClient
 from dsec_sdk.errors import (
+    AgentBusy,
     AgentNotFound,
     BadArguments,
     BrokerRefused,
@@ -39,6 +40,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AgentBusy",
     "AgentNotFound",
     "AgentState",
     "BadArguments",

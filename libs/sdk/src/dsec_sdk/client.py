@@ -28,6 +28,7 @@ from types import EllipsisType, TracebackType
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TypeVar
 
 from dsec_sdk.errors import (
+    AgentBusy,
     AgentNotFound,
     BrokerRefused,
     BrokerUnavailable,
@@ -54,7 +55,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_TIMEOUT: Final = 30.0
 DEFAULT_GROUP: Final = "default"
 BUSY_RETRY_S: Final = 10.0
-"""How long opening a channel retries a `busy` answer (at most the client's timeout)."""
+"""How long a `busy` answer is retried (at most the client's timeout): one to opening a
+channel (:class:`BrokerRefused`), or to a call across nodes (:class:`AgentBusy`)."""
+_BUSY_FIRST_PAUSE_S: Final = 0.005
+_BUSY_MAX_PAUSE_S: Final = 0.2
 _NO_DEADLINE: Final = 1 << 62
 _unpack = codec.unpack
 _clock = time.perf_counter_ns
@@ -670,9 +674,12 @@ class DSecClient:
         merged = kwargs if arguments is None else _merge(arguments, kwargs)
         seconds = self.timeout if timeout is ... else timeout
         try:
-            return channel.invoke(tool, merged, seconds, self.group)
-        except (PeerGone, ProtocolError) as exc:
-            return self._call_again(agent, tool, merged, seconds, channel, exc)
+            try:
+                return channel.invoke(tool, merged, seconds, self.group)
+            except (PeerGone, ProtocolError) as exc:
+                return self._call_again(agent, tool, merged, seconds, channel, exc)
+        except AgentBusy as exc:
+            return self._busy_again(agent, tool, merged, seconds, None, exc)
 
     def _unlayered_call_tool(self) -> Callable[..., Any]:
         """:meth:`call_tool` for a client that neither observes nor records nor replays, with
@@ -680,6 +687,7 @@ class DSecClient:
         channels_get = self._channels.get
         open_channel = self._channel
         call_again = self._call_again
+        busy_again = self._busy_again
         merge = _merge
 
         def call_tool(
@@ -705,7 +713,12 @@ class DSecClient:
                     return value
                 return channel.resume(value, tool, merged, seconds, self.group)
             except (PeerGone, ProtocolError) as exc:
-                return call_again(agent, tool, merged, seconds, channel, exc)
+                try:
+                    return call_again(agent, tool, merged, seconds, channel, exc)
+                except AgentBusy as busy:  # (the call's second try, to the new version)
+                    return busy_again(agent, tool, merged, seconds, None, busy)
+            except AgentBusy as exc:  # (raised after resume() released the channel)
+                return busy_again(agent, tool, merged, seconds, None, exc)
             except BaseException:  # an interrupt between fast() and resume(): see release_held
                 channel.release_held()
                 raise
@@ -747,14 +760,42 @@ class DSecClient:
         trace: str | None,
     ) -> Any:
         """:meth:`call_tool` without the layers (the record/replay layer's ``live``)."""
+        seconds = self.timeout if timeout is ... else timeout
+        try:
+            return self._call_live_once(agent, tool, merged, seconds, trace)
+        except AgentBusy as exc:
+            return self._busy_again(agent, tool, merged, seconds, trace, exc)
+
+    def _call_live_once(
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        seconds: float | None,
+        trace: str | None,
+    ) -> Any:
         channel = self._channels.get(agent)
         if channel is None or channel.end.is_closed:
             channel = self._channel(agent)
-        seconds = self.timeout if timeout is ... else timeout
         try:
             return channel.invoke(tool, merged, seconds, self.group, trace)
         except (PeerGone, ProtocolError) as exc:
             return self._call_again(agent, tool, merged, seconds, channel, exc)
+
+    def _busy_again(
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        seconds: float | None,
+        trace: str | None,
+        exc: AgentBusy,
+    ) -> Any:
+        """After a `busy` answer from another node's bridge (the tool did not run): the call
+        again, with backoff, for up to its timeout (:data:`BUSY_RETRY_S` at most)."""
+        return _again_while_busy(
+            exc, seconds, lambda left: self._call_live_once(agent, tool, merged, left, trace)
+        )
 
     def _call_recorded(
         self,
@@ -857,6 +898,33 @@ class DSecClient:
         seconds: float | None,
         trace: str | None,
     ) -> Any:
+        try:
+            return await self._acall_once(agent, tool, merged, seconds, trace)
+        except AgentBusy as first:  # (as _again_while_busy, without blocking the loop)
+            last = first
+            started = time.monotonic()
+            budget = _busy_budget(seconds)
+            pause = _BUSY_FIRST_PAUSE_S
+            if pause > budget:
+                raise
+            while time.monotonic() - started + pause <= budget:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, _BUSY_MAX_PAUSE_S)
+                left = None if seconds is None else seconds - (time.monotonic() - started)
+                try:
+                    return await self._acall_once(agent, tool, merged, left, trace)
+                except AgentBusy as again:
+                    last = again
+            raise last.retried(time.monotonic() - started) from None
+
+    async def _acall_once(
+        self,
+        agent: str,
+        tool: str,
+        merged: dict[str, Any],
+        seconds: float | None,
+        trace: str | None,
+    ) -> Any:
         timeout_ms, timeout_ns = timeout_parts(seconds)  # a bad one is said before anything
         caller = await self._async_channel(agent)
         packer = codec.new_packer()
@@ -905,17 +973,12 @@ class DSecClient:
         control.check_name("agent name", agent)
         # A busy answer (the agent has not read the channels offered to it yet, or this
         # sandbox's connects are at their bound) says retry: the client does, for a while.
-        timeout = self.timeout if self.timeout is not None else BUSY_RETRY_S
-        give_up = time.monotonic() + min(timeout, BUSY_RETRY_S)
-        pause = 0.005
-        while True:
-            try:
-                return self._open_once(agent)
-            except BrokerRefused as exc:
-                if exc.code != "busy" or time.monotonic() + pause > give_up:
-                    raise
-            time.sleep(pause)
-            pause = min(pause * 2, 0.2)
+        try:
+            return self._open_once(agent)
+        except BrokerRefused as exc:
+            if exc.code != "busy":
+                raise
+            return _again_while_busy(exc, self.timeout, lambda _left: self._open_once(agent))
 
     def _open_once(self, agent: str) -> tuple[CallerEnd, BrokerLink]:
         with self._link_lock:
@@ -1036,6 +1099,37 @@ class DSecClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _busy_budget(seconds: float | None) -> float:
+    """How long a `busy` answer is retried under a call's (or the client's) timeout."""
+    return BUSY_RETRY_S if seconds is None else min(seconds, BUSY_RETRY_S)
+
+
+_Busy = TypeVar("_Busy", AgentBusy, BrokerRefused)
+_T = TypeVar("_T")
+
+
+def _again_while_busy(exc: _Busy, seconds: float | None, again: Callable[[float | None], _T]) -> _T:
+    """After the `busy` answer ``exc``: ``again(time left of seconds)``, with backoff, while
+    it answers busy, for up to ``seconds`` (:data:`BUSY_RETRY_S` at most); then the last
+    answer, saying how long it was retried (or ``exc`` as it came, when no time was left)."""
+    started = time.monotonic()
+    budget = _busy_budget(seconds)
+    pause = _BUSY_FIRST_PAUSE_S
+    if pause > budget:
+        raise exc
+    while time.monotonic() - started + pause <= budget:
+        time.sleep(pause)
+        pause = min(pause * 2, _BUSY_MAX_PAUSE_S)
+        left = None if seconds is None else seconds - (time.monotonic() - started)
+        try:
+            return again(left)
+        except (AgentBusy, BrokerRefused) as answer:
+            if type(answer) is not type(exc) or answer.code != "busy":
+                raise
+            exc = answer
+    raise exc.retried(time.monotonic() - started) from None
 
 
 def _merge(arguments: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:

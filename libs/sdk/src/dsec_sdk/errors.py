@@ -7,6 +7,12 @@ the whole family or exactly the case it handles (retry a timeout, fall back when
 from __future__ import annotations
 
 
+def _without_retry(text: str) -> str:
+    """A refusal's text without its closing "; retry ..." (said after the client retried)."""
+    head, sep, _ = text.rpartition("; retry")
+    return head if sep else text
+
+
 class IpcError(Exception):
     """Base class of every communication-plane error."""
 
@@ -23,6 +29,11 @@ class BrokerRefused(BrokerUnavailable):
     def __init__(self, code: str, text: str) -> None:
         self.code = code
         super().__init__(text)
+
+    def retried(self, seconds: float) -> BrokerRefused:
+        """This refusal as raised after the client retried it for ``seconds``."""
+        text = f"{_without_retry(str(self))}; still busy after {seconds:.1f} s of retries"
+        return BrokerRefused(self.code, text)
 
 
 class AgentNotFound(IpcError):
@@ -127,6 +138,26 @@ class RemoteError(IpcError):
         super().__init__(text)
 
 
+class AgentBusy(RemoteError):
+    """The agent called, on another node, could not take the call yet, and the tool did not
+    run: the bridge there found the agent's control socket full (it has not read the channels
+    offered to it), or this sandbox has the most calls to other nodes in flight that it may
+    (``code`` ``busy``). The client retries for a while (its timeout, 10 s at most) before
+    raising it."""
+
+    def retried(self, seconds: float) -> AgentBusy:
+        """This answer as raised after the client retried it for ``seconds``."""
+        message = _without_retry(self.remote_message)
+        return AgentBusy(
+            self.agent,
+            self.tool,
+            self.code,
+            self.error_type,
+            f"{message}; still busy after {seconds:.1f} s of retries",
+            self.traceback_summary,
+        )
+
+
 class ToolNotFound(RemoteError):
     """The peer serves no tool of that name."""
 
@@ -136,14 +167,17 @@ class BadArguments(RemoteError):
 
 
 __all__ = [
+    "AgentBusy",
     "AgentNotFound",
     "BadArguments",
+    "BrokerRefused",
     "BrokerUnavailable",
     "CallTimeout",
     "IpcError",
     "PayloadTooLarge",
     "PeerGone",
     "ProtocolError",
+    "ReentrantCall",
     "RemoteError",
     "ToolNotFound",
 ]

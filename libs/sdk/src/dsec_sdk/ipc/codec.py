@@ -22,6 +22,7 @@ from typing import Any, Final, NoReturn
 import msgspec
 
 from dsec_sdk.errors import (
+    AgentBusy,
     AgentNotFound,
     BadArguments,
     CallTimeout,
@@ -46,6 +47,8 @@ E_TOO_LARGE: Final = "payload_too_large"
 E_TIMEOUT: Final = "timeout"
 E_PEER_GONE: Final = "peer_gone"
 E_NOT_FOUND: Final = "agent_not_found"
+# Answered by another node's bridge, never by a tool: the call did not reach it (retry).
+E_BUSY: Final = "busy"
 
 _TRACEBACK_FRAMES: Final = 6
 _TEXT_LIMIT: Final = 4000
@@ -165,6 +168,8 @@ def raise_error(agent: str, tool: str, group: str, timeout: float, body: Any) ->
         exc = PeerGone(agent, message)
     elif code == E_NOT_FOUND:
         exc = AgentNotFound(agent, group, message)
+    elif code == E_BUSY:
+        exc = AgentBusy(agent, tool, code, error_type, message, summary)
     else:
         exc = RemoteError(agent, tool, code, error_type, message, summary)
     raise exc

@@ -410,7 +410,7 @@ class RemoteBridge:
         return codec.encode_error(self._packer, code, error_type, text)
 
     def _busy(self, text: str) -> bytes:
-        return self._error("busy", "ServerBusy", text)
+        return self._error(codec.E_BUSY, "ServerBusy", text)
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
