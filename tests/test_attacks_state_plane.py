@@ -15,6 +15,7 @@ import functools
 import socket
 import struct
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -294,6 +295,44 @@ async def test_a_hello_is_small_and_read_only_for_a_sandbox_with_state(world: Wo
         assert "max 65536" in frame["message"]
         await still_owns(owner, 3)
         for a in (owner, stranger, big):
+            await a.close()
+
+
+async def test_a_frame_of_too_many_objects_is_refused_unread_and_decoding_is_paced(
+    world: World,
+) -> None:
+    """A sandbox's checkpoint frame of 16 million one-byte empty arrays (16 MiB, under the
+    64 MiB frame bound) was decoded on the loop every sandbox on the node shares: 16 million
+    lists, ~1.2 GiB and seconds of that loop (64 MiB: ~4.6 GiB, ~20 s). Now a frame's objects
+    are counted first, off the loop, and one of more than a frame may hold is refused unread.
+    A frame within the bound whose decoding held the loop makes that sandbox's next frame
+    wait."""
+    from dsec_sdk.state import msgcount
+
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        _, other = await victim(node, tenant, f"v{tag()}")
+        sid, owner = await opened(node, tenant, agent)
+        n = 16 << 20
+        body = b"\x83\xa2op\xaacheckpoint\xa3seq\x01\xa3pad\xdd" + struct.pack(">I", n)
+        body += b"\x90" * n
+        await owner.raw(struct.pack(">I", len(body)) + body)
+        frame = await owner.recv()
+        assert (frame["op"], frame["code"]) == ("error", "bad-request"), frame
+        assert f"more than {msgcount.MAX_FRAME_OBJECTS:,} MessagePack objects" in frame["message"]
+        assert "refused unread" in frame["message"]
+        await still_owns(other, 3)  # the neighbour's session went on
+        again = await node.connect(sid)  # the state took nothing of it
+        assert (await again.hello(agent))["op"] == "welcome"
+        _, fetched = await again.fetch()
+        assert fetched["seq"] == 0, fetched
+        padded = {"op": "checkpoint", "seq": 1, "records": kv(x=1), "pause_ms": 0.0}
+        await again.send({**padded, "pad": [[]] * 900_000})  # within the bound: decoded
+        ack = await again.recv()
+        assert (ack["op"], ack["seq"]) == ("ack", 1), ack
+        assert node.keeper.frame_due[sid] > time.monotonic()  # its next frame waits
+        await still_owns(again, 2)
+        for a in (other, owner, again):
             await a.close()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, Final, TypeVar
 
-from dsec_sdk.state import codec, wire
+from dsec_sdk.state import codec, msgcount, wire
 from dsec_sdk.state.containers import (
     ArrayState,
     Blob,
@@ -41,6 +41,9 @@ log = logging.getLogger("dsec_sdk.state")
 
 NAME_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 FRAME_BYTES: Final = 3 * codec.MAX_RECORD_BYTES
+FRAME_OBJECTS: Final = msgcount.MAX_FRAME_OBJECTS - 64
+"""The most MessagePack objects of records a checkpoint frame carries (room for its header
+under the keeper's bound)."""
 """Records of one checkpoint frame, at most about (a larger checkpoint: several frames)."""
 DEFAULT_WARM_INTERVAL_S: Final = 300.0
 
@@ -422,14 +425,11 @@ class AgentState:
             first_seq = self._seq + 1
             if not packed and skip_empty:
                 return None
-            batches: list[list[bytes]] = [[]]
-            size = 0
-            for body in packed:
-                if batches[-1] and size + len(body) > FRAME_BYTES:
-                    batches.append([])
-                    size = 0
-                batches[-1].append(body)
-                size += len(body)
+            try:
+                batches = _frames(packed)
+            except codec.CodecError as exc:
+                self._retry.append((first_seq, packed))
+                raise StateError(f"checkpoint not sent: {exc}") from None
             if final:
                 with self._handover_lock:
                     if aborts is not None and self._aborts != aborts:
@@ -718,6 +718,23 @@ class AgentState:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._stop.set()
+
+
+def _frames(packed: list[bytes]) -> list[list[bytes]]:
+    """Packed records, in order, as the batches of one checkpoint frame each: at most about
+    :data:`FRAME_BYTES` and at most :data:`FRAME_OBJECTS` MessagePack objects (a record of many
+    items is cut first: ``codec.split_packed``)."""
+    batches: list[list[bytes]] = [[]]
+    size = objects = 0
+    for body in packed:
+        for piece, n in codec.split_packed(body):
+            if batches[-1] and (size + len(piece) > FRAME_BYTES or objects + n > FRAME_OBJECTS):
+                batches.append([])
+                size = objects = 0
+            batches[-1].append(piece)
+            size += len(piece)
+            objects += n
+    return batches
 
 
 def _check_tier(tier: Any, what: str) -> str:

@@ -35,8 +35,16 @@ from typing import Any, Final
 import blake3
 import msgpack
 
+from dsec_sdk.state import msgcount
+
 MAX_RECORD_BYTES: Final = 16 << 20
 """Full values larger than this are written as several records (``full_records``)."""
+MAX_ITEM_OBJECTS: Final = msgcount.MAX_FRAME_OBJECTS // 4
+"""The most MessagePack objects one log item or kv value may hold (each number, string, list
+and map key is one): records of many items are cut to fit a frame (:func:`split_packed`), one
+item is not."""
+RECORD_OBJECTS: Final = msgcount.MAX_FRAME_OBJECTS // 2
+"""A record of more objects than this is cut into several (:func:`split_packed`)."""
 
 _DTYPE_RE: Final = re.compile(r"^[<>|=]?([biufc])(\d+)\Z")
 
@@ -62,6 +70,20 @@ def pack_canonical(value: Any) -> bytes:
     """The canonical MessagePack of ``value`` (raises ``TypeError`` for a value it can't pack)."""
     data: bytes = msgpack.packb(canonical(value), use_bin_type=True)
     return data
+
+
+def check_item(body: bytes, what: str) -> None:
+    """Refuse (``ValueError``, naming ``what``) a packed log item or kv value of more than
+    :data:`MAX_ITEM_OBJECTS` objects: a checkpoint frame could not carry it (the keeper
+    refuses frames of more than ``msgcount.MAX_FRAME_OBJECTS``)."""
+    # (a value of n objects packs to n bytes at least: a short one is counted not at all)
+    if len(body) > MAX_ITEM_OBJECTS and msgcount.count(body, MAX_ITEM_OBJECTS) > MAX_ITEM_OBJECTS:
+        raise ValueError(
+            f"{what}: the value holds more than {MAX_ITEM_OBJECTS:,} MessagePack objects (each "
+            "number, string, list, map and key is one), more than a checkpoint frame may carry "
+            "for one item; keep many numbers in an array container, or pack the value into "
+            "bytes"
+        )
 
 
 def content_hash(value: Any) -> str:
@@ -448,6 +470,78 @@ def record_size(record: dict[str, Any]) -> int:
         elif key in ("ids", "keys"):
             size += sum(len(str(i)) + 2 for i in v)
     return size
+
+
+# The field of a record that split_packed cuts, per kind and op, and the op of the pieces after
+# the first ("full" then changes: applied in order, the same value).
+_SPLIT_FIELD: Final = {
+    ("kv", "set"): "items",
+    ("kv", "full"): "items",
+    ("kv", "del"): "keys",
+    ("log", "append"): "items",
+    ("log", "full"): "items",
+    ("vectors", "upsert"): "ids",
+    ("vectors", "full"): "ids",
+    ("vectors", "remove"): "ids",
+}
+_AFTER_FULL: Final = {"kv": "set", "log": "append", "vectors": "upsert"}
+
+
+def split_packed(body: bytes, max_objects: int = RECORD_OBJECTS) -> list[tuple[bytes, int]]:
+    """A packed record as records of at most ``max_objects`` MessagePack objects each (with
+    their counts), that give the same value applied in order: a log, kv or vectors record is cut
+    between its items (a ``full`` one into a ``full`` and then ``append``/``set``/``upsert``
+    records). ``CodecError``: a record of another kind, or one item alone over the bound (log
+    items and kv values are held to :data:`MAX_ITEM_OBJECTS` as they are stored)."""
+    total = msgcount.count(body, max_objects)
+    if total <= max_objects:
+        return [(body, total)]
+    record = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    kind, op, name = record.get("k"), record.get("o"), record.get("c")
+    field = _SPLIT_FIELD.get((kind, op))
+    if field is None:
+        raise CodecError(
+            f"container {name!r}: a {kind} {op!r} record of more than {max_objects:,} "
+            "MessagePack objects, which cannot be cut"
+        )
+    base = {k: v for k, v in record.items() if k not in (field, "vec")}
+    room = max_objects - msgcount.count(_packb(base), max_objects) - 4  # (field, vec: k + v)
+    items = record[field]
+    if kind == "kv" and field == "items":
+        parts: list[Any] = list(items.items())
+        costs = [1 + msgcount.count(_packb(v), max_objects) for v in items.values()]
+    elif kind == "log":
+        parts = list(items)
+        costs = [msgcount.count(_packb(item), max_objects) for item in items]
+    else:  # ids or keys: strings
+        parts = list(items)
+        costs = [1] * len(parts)
+    row = len(record["vec"]) // max(len(parts), 1) if "vec" in record else 0
+    out: list[tuple[bytes, int]] = []
+    start, used = 0, 0
+    for i, cost in enumerate([*costs, None]):
+        if cost is not None and cost > room:
+            raise CodecError(
+                f"container {name!r}: one item of more than {room:,} MessagePack objects"
+            )
+        if cost is None or (used + cost > room and i > start):
+            later = _AFTER_FULL[kind] if op == "full" else op
+            piece = {**base, "o": later if out else op}
+            chunk = parts[start:i]
+            piece[field] = dict(chunk) if kind == "kv" and field == "items" else chunk
+            if "vec" in record:
+                piece["vec"] = record["vec"][start * row : i * row]
+            packed = _packb(piece)
+            out.append((packed, msgcount.count(packed, max_objects)))
+            start, used = i, 0
+        if cost is not None:
+            used += cost
+    return out
+
+
+def _packb(value: Any) -> bytes:
+    data: bytes = msgpack.packb(value, use_bin_type=True)
+    return data
 
 
 def batches(

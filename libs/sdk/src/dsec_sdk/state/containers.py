@@ -148,6 +148,7 @@ class MessageLog(Container):
             raise TypeError(
                 f"log {self.name!r}: cannot store {type(value).__name__}: {exc}"
             ) from None
+        codec.check_item(body, f"log {self.name!r}")
         digest = blake3.blake3(body).hexdigest()
         with self._lock:
             item_id = ids.next()
@@ -259,6 +260,7 @@ class KVMap(Container, MutableMapping[str, Any]):
             raise TypeError(
                 f"kv {self.name!r}[{key!r}]: cannot store {type(value).__name__}: {exc}"
             ) from None
+        codec.check_item(packed, f"kv {self.name!r}[{key!r}]")
         with self._lock:
             self._data[key] = value
             self._packed[key] = packed

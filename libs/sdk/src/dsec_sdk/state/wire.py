@@ -172,6 +172,12 @@ def _read_exact(sock: socket.socket, size: int) -> bytes | None:
 async def read_frame(reader: Any, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
     """Async receive (an ``asyncio.StreamReader``); ``None`` at a clean end of stream.
     ``max_size``: the largest frame taken (a hello is small: :data:`MAX_HELLO`)."""
+    body = await read_body(reader, max_size)
+    return None if body is None else decode(body)
+
+
+async def read_body(reader: Any, max_size: int = MAX_FRAME) -> bytes | None:
+    """:func:`read_frame`'s body, not decoded (for a reader that checks it first)."""
     import asyncio
 
     try:
@@ -184,7 +190,7 @@ async def read_frame(reader: Any, max_size: int = MAX_FRAME) -> dict[str, Any] |
     if size > max_size:
         raise WireError(f"a frame of {size} bytes announced (max {max_size})")
     try:
-        body = await reader.readexactly(size)
+        body: bytes = await reader.readexactly(size)
     except asyncio.IncompleteReadError:
         raise WireError("the stream ended inside a frame") from None
-    return decode(body)
+    return body

@@ -36,7 +36,7 @@ from dsec_core.settings import Settings
 from dsec_core.spec.plan import StatePlan
 from dsec_core.subjects import STATE_ROOT, STATE_STREAM
 from dsec_sdk.ipc.control import check_name
-from dsec_sdk.state import wire
+from dsec_sdk.state import msgcount, wire
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Histogram
 
@@ -99,6 +99,15 @@ CLOSE_TIMEOUT_S: Final = 5.0  # an ended session's last frames, to an agent that
 # fetched in a loop held the loop 1.2-1.6 s a fetch).
 READ_SHARE: Final = 4.0
 READ_WAIT_MAX_S: Final = 30.0
+# A frame is decoded on the loop every sandbox shares, at a cost in its number of MessagePack
+# objects, not its bytes: counted first (off the loop when large), one of more than
+# msgcount.MAX_FRAME_OBJECTS is refused unread (64 MiB of one-byte empty arrays was 64 million
+# lists: ~4.6 GiB and ~20 s of the loop). A frame whose decoding held the loop T (from
+# DECODE_PACED_FROM_S) makes that sandbox's next frame wait FRAME_SHARE x T: one sandbox
+# decodes at most a third of the time.
+FRAME_SHARE: Final = 2.0
+DECODE_PACED_FROM_S: Final = 0.002
+COUNT_OFF_LOOP_BYTES: Final = 64 << 10
 CHUNK_HEADER: Final = "Dsec-Chunk"
 WARM_HEADER: Final = "Dsec-Warm"
 DIGEST_HEADER: Final = "Dsec-Digest"
@@ -445,7 +454,7 @@ class StateSession:
             return
         while True:
             try:
-                frame = await wire.read_frame(reader)
+                frame = await self._next_frame(reader)
             except wire.WireError as exc:
                 await self._error(StateError("bad-request", str(exc)))
                 return
@@ -455,6 +464,36 @@ class StateSession:
                 await self._frame(frame)
             except StateError as exc:
                 await self._error(exc)
+
+    async def _next_frame(self, reader: asyncio.StreamReader) -> dict[str, Any] | None:
+        """The next frame: read when this sandbox's pace allows, counted before it is decoded
+        (see FRAME_SHARE); ``None`` at the end of the stream."""
+        keeper = self.keeper
+        wait = keeper.frame_due.get(self.sandbox_id, 0.0) - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        body = await wire.read_body(reader)
+        if body is None:
+            return None
+        limit = msgcount.MAX_FRAME_OBJECTS
+        try:
+            if len(body) < COUNT_OFF_LOOP_BYTES:
+                objects = msgcount.count(body, limit)
+            else:  # (the C count lets the GIL go: the loop runs meanwhile)
+                objects = await asyncio.to_thread(msgcount.count, body, limit)
+        except ValueError as exc:
+            raise wire.WireError(f"not MessagePack: {exc}") from None
+        if objects > limit:
+            raise wire.WireError(
+                f"a frame of more than {limit:,} MessagePack objects (each number, string, "
+                "list, map and key is one), the most one frame may hold: refused unread"
+            )
+        started = time.thread_time()
+        frame = wire.decode(body)
+        held = time.thread_time() - started
+        if held >= DECODE_PACED_FROM_S:
+            keeper.pace_frames(self.sandbox_id, held)
+        return frame
 
     async def _hello(self, hello: dict[str, Any]) -> None:
         keeper = self.keeper
@@ -866,6 +905,8 @@ class StateKeeper:
         self._nc: Any = None
         self._js: Any = None
         self._store: Any = None
+        # sandbox -> when it may send its next frame (see FRAME_SHARE; bounded, stale ones go)
+        self.frame_due: dict[str, float] = {}
         self.incoming: dict[str, Callable[[StateSession], Awaitable[None]]] = {}
         """Migration path ``handover`` (docs/migration.md): sandboxes started here as the warm
         standby of their copy on another node; a ``hello{handover: true}`` of one is served by
@@ -873,6 +914,13 @@ class StateKeeper:
         session)."""
 
     # ------------------------------------------------------------------ the node agent's side
+
+    def pace_frames(self, sandbox_id: str, held_s: float) -> None:
+        """Decoding a frame of ``sandbox_id`` held the loop ``held_s``: its next frame waits."""
+        now = time.monotonic()
+        if len(self.frame_due) >= 4096:
+            self.frame_due = {s: due for s, due in self.frame_due.items() if due > now}
+        self.frame_due[sandbox_id] = now + min(FRAME_SHARE * held_s, READ_WAIT_MAX_S)
 
     def register_sandbox(self, info: SandboxState) -> None:
         """Called by the node agent before it launches a sandbox whose plan has ``state``
