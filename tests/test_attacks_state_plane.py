@@ -336,6 +336,47 @@ async def test_a_frame_of_too_many_objects_is_refused_unread_and_decoding_is_pac
             await a.close()
 
 
+async def test_a_frame_sent_slowly_cannot_hold_the_nodes_memory(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sandbox announced a large frame and sent its body a byte at a time: the keeper kept
+    what came for as long as it chose, and every sandbox of the node could do the same at once
+    (each session's reader also buffered up to 128 MiB ahead). Now a frame's bytes come from
+    the node's budget of frames in flight (here 16 MiB; 256 MiB by default, one largest frame a
+    sandbox) before its body is read, and the body must come within the deadline (here 1 s;
+    30 s by default): the neighbour's checkpoint waits its turn, then goes through."""
+    from dsec_nodeagent.state import keeper as keeper_module
+    from dsec_nodeagent.state.budget import FrameBudget
+
+    monkeypatch.setattr(keeper_module, "BODY_TIMEOUT_S", 1.0)
+    tenant = f"t{tag()}"
+    async with world.node("a") as node:
+        node.keeper.frames = FrameBudget(total=16 << 20, per_sandbox=16 << 20)
+        _, slow = await opened(node, tenant, f"s{tag()}")
+        _, other = await opened(node, tenant, f"o{tag()}")
+        await slow.raw(struct.pack(">I", 12 << 20) + b"\x00" * 1024)  # announced, barely sent
+        for _ in range(500):
+            if node.keeper.frames.used:
+                break
+            await asyncio.sleep(0.01)
+        assert node.keeper.frames.used == 12 << 20
+        started = time.monotonic()
+        checkpoint = asyncio.create_task(other.checkpoint(1, kv(blob=b"x" * (8 << 20))))
+        frame = await slow.recv()
+        assert (frame["op"], frame["code"]) == ("error", "bad-request"), frame
+        assert "12,582,912 bytes did not come within 1 s" in frame["message"]
+        ack = await checkpoint
+        assert (ack["op"], ack["seq"]) == ("ack", 1), ack
+        assert time.monotonic() - started >= 0.5  # it waited for the slow one's deadline
+        for _ in range(500):  # (given back once the checkpoint is served: just after its ack)
+            if not node.keeper.frames.used:
+                break
+            await asyncio.sleep(0.01)
+        assert node.keeper.frames.used == 0
+        for a in (slow, other):
+            await a.close()
+
+
 async def test_odd_frames_and_fields_are_refused_and_never_lock_the_state(world: World) -> None:
     """`seq: true` was acked as checkpoint 1 (True is an int to Python) and wrote a seq header
     no later hello could read: the agent was locked out of its state for good. A map key that

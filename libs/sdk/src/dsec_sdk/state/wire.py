@@ -178,6 +178,13 @@ async def read_frame(reader: Any, max_size: int = MAX_FRAME) -> dict[str, Any] |
 
 async def read_body(reader: Any, max_size: int = MAX_FRAME) -> bytes | None:
     """:func:`read_frame`'s body, not decoded (for a reader that checks it first)."""
+    size = await read_size(reader, max_size)
+    return None if size is None else await read_exactly(reader, size)
+
+
+async def read_size(reader: Any, max_size: int = MAX_FRAME) -> int | None:
+    """The next frame's length prefix (at most ``max_size``); ``None`` at a clean end of
+    stream. Its body follows: :func:`read_exactly`."""
     import asyncio
 
     try:
@@ -189,6 +196,13 @@ async def read_body(reader: Any, max_size: int = MAX_FRAME) -> bytes | None:
     (size,) = _LEN.unpack(head)
     if size > max_size:
         raise WireError(f"a frame of {size} bytes announced (max {max_size})")
+    return int(size)
+
+
+async def read_exactly(reader: Any, size: int) -> bytes:
+    """A frame's body of ``size`` bytes."""
+    import asyncio
+
     try:
         body: bytes = await reader.readexactly(size)
     except asyncio.IncompleteReadError:

@@ -21,6 +21,7 @@ import shutil
 import socket
 import struct
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,10 +39,11 @@ from dsec_core.subjects import STATE_ROOT, STATE_STREAM
 from dsec_sdk.ipc.control import check_name
 from dsec_sdk.state import msgcount, wire
 from nats.js.errors import NotFoundError
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from dsec_nodeagent import leftovers, privdir
 from dsec_nodeagent.state import merge
+from dsec_nodeagent.state.budget import FrameBudget
 from dsec_nodeagent.state.merge import split_large
 from dsec_nodeagent.state.sealing import (
     NONCE,
@@ -65,6 +67,10 @@ DURABLE = Histogram(
 )
 RECOVERIES = Counter(
     "dsec_state_recoveries_total", "States given back to agents, by source", ["source"]
+)
+IN_FLIGHT = Gauge(
+    "dsec_state_frame_bytes_in_flight",
+    "Bytes of agents' state frames read and not yet served (bounded node-wide and per sandbox)",
 )
 REFUSED = Counter(
     "dsec_state_errors_total", "Error frames sent to agents, by code (a fixed set)", ["code"]
@@ -108,6 +114,15 @@ READ_WAIT_MAX_S: Final = 30.0
 FRAME_SHARE: Final = 2.0
 DECODE_PACED_FROM_S: Final = 0.002
 COUNT_OFF_LOOP_BYTES: Final = 64 << 10
+# The bytes of frames in flight (read, not yet served) on the node, and of one sandbox (one
+# largest frame): see budget.py. A frame's body must come within BODY_TIMEOUT_S of its length
+# (a sandbox on the node writes 64 MiB in milliseconds), or the session ends.
+FRAMES_IN_FLIGHT_BYTES: Final = 4 * wire.MAX_FRAME
+BODY_TIMEOUT_S: Final = 30.0
+# What a session's reader buffers ahead of the frame being read (asyncio's StreamReader pauses
+# the socket at twice this; a read of a larger frame resumes it): it buffered up to 128 MiB a
+# session, whatever the budget.
+READ_AHEAD_BYTES: Final = 256 << 10
 CHUNK_HEADER: Final = "Dsec-Chunk"
 WARM_HEADER: Final = "Dsec-Warm"
 DIGEST_HEADER: Final = "Dsec-Digest"
@@ -452,29 +467,42 @@ class StateSession:
         except StateError as exc:
             await self._error(exc)
             return
+        keeper = self.keeper
         while True:
+            wait = keeper.frame_due.get(self.sandbox_id, 0.0) - time.monotonic()
+            if wait > 0:  # (this sandbox's decoding is paced: see FRAME_SHARE)
+                await asyncio.sleep(wait)
             try:
-                frame = await self._next_frame(reader)
+                size = await wire.read_size(reader)
             except wire.WireError as exc:
                 await self._error(StateError("bad-request", str(exc)))
                 return
-            if frame is None or frame["op"] == "bye":
+            if size is None:
                 return
-            try:
-                await self._frame(frame)
-            except StateError as exc:
-                await self._error(exc)
+            # (the frame's bytes are the node's, from its read until it is served: budget.py)
+            async with keeper.frames.hold(self.sandbox_id, size):
+                try:
+                    frame = await self._read(reader, size)
+                except wire.WireError as exc:
+                    await self._error(StateError("bad-request", str(exc)))
+                    return
+                if frame["op"] == "bye":
+                    return
+                try:
+                    await self._frame(frame)
+                except StateError as exc:
+                    await self._error(exc)
 
-    async def _next_frame(self, reader: asyncio.StreamReader) -> dict[str, Any] | None:
-        """The next frame: read when this sandbox's pace allows, counted before it is decoded
-        (see FRAME_SHARE); ``None`` at the end of the stream."""
+    async def _read(self, reader: asyncio.StreamReader, size: int) -> dict[str, Any]:
+        """A frame's body of ``size`` bytes, within BODY_TIMEOUT_S, counted before it is
+        decoded (see FRAME_SHARE)."""
         keeper = self.keeper
-        wait = keeper.frame_due.get(self.sandbox_id, 0.0) - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        body = await wire.read_body(reader)
-        if body is None:
-            return None
+        try:
+            body = await asyncio.wait_for(wire.read_exactly(reader, size), BODY_TIMEOUT_S)
+        except TimeoutError:
+            raise wire.WireError(
+                f"a frame's {size:,} bytes did not come within {BODY_TIMEOUT_S:g} s"
+            ) from None
         limit = msgcount.MAX_FRAME_OBJECTS
         try:
             if len(body) < COUNT_OFF_LOOP_BYTES:
@@ -905,6 +933,9 @@ class StateKeeper:
         self._nc: Any = None
         self._js: Any = None
         self._store: Any = None
+        self.frames = FrameBudget(FRAMES_IN_FLIGHT_BYTES, wire.MAX_FRAME)
+        frames = weakref.ref(self.frames)  # (the gauge does not keep a stopped keeper)
+        IN_FLIGHT.set_function(lambda: budget.used if (budget := frames()) is not None else 0)
         # sandbox -> when it may send its next frame (see FRAME_SHARE; bounded, stale ones go)
         self.frame_due: dict[str, float] = {}
         self.incoming: dict[str, Callable[[StateSession], Awaitable[None]]] = {}
@@ -1023,7 +1054,7 @@ class StateKeeper:
         """Serve one agent connection (the broker hands over its end of the socketpair,
         with the sandbox the connecting process belongs to) until it closes."""
         sock.setblocking(False)
-        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=wire.MAX_FRAME + 4)
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=READ_AHEAD_BYTES)
         session = StateSession(self, writer, sandbox_id)
         self._sessions.add(session)
         try:
