@@ -344,7 +344,7 @@ async def test_a_frame_sent_slowly_cannot_hold_the_nodes_memory(
     (each session's reader also buffered up to 128 MiB ahead). Now a frame's bytes come from
     the node's budget of frames in flight (here 16 MiB; 256 MiB by default, one largest frame a
     sandbox) before its body is read, and the body must come within the deadline (here 1 s;
-    30 s by default): the neighbour's checkpoint waits its turn, then goes through."""
+    10 s by default): the neighbour's checkpoint waits its turn, then goes through."""
     from dsec_nodeagent.state import keeper as keeper_module
     from dsec_nodeagent.state.budget import FrameBudget
 

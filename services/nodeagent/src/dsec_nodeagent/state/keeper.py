@@ -118,7 +118,7 @@ COUNT_OFF_LOOP_BYTES: Final = 64 << 10
 # largest frame): see budget.py. A frame's body must come within BODY_TIMEOUT_S of its length
 # (a sandbox on the node writes 64 MiB in milliseconds), or the session ends.
 FRAMES_IN_FLIGHT_BYTES: Final = 4 * wire.MAX_FRAME
-BODY_TIMEOUT_S: Final = 30.0
+BODY_TIMEOUT_S: Final = 10.0
 # What a session's reader buffers ahead of the frame being read (asyncio's StreamReader pauses
 # the socket at twice this; a read of a larger frame resumes it): it buffered up to 128 MiB a
 # session, whatever the budget.
