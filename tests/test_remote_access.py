@@ -330,6 +330,53 @@ def test_ctrl_c_ends_the_follow_on_the_node(
         proc.wait()
 
 
+def test_one_tenant_holds_a_quarter_of_the_nodes_sessions_at_most(
+    running: str, services_module: Any, user_env: dict[str, str]
+) -> None:
+    """One tenant's users could hold all 16 sessions of a node agent (a `logs -f` lives as long
+    as its client does): every other tenant's logs and execs on that node were `busy`. Now a
+    tenant has 4 at once at most; its fifth is refused `busy`, saying so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    dsec = str(Path(sys.executable).parent / "dsec")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSEC_")} | user_env
+    follows = [
+        subprocess.Popen(
+            [dsec, "sandbox", "logs", "-f", running],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
+        for _ in range(remote.MAX_SESSIONS_PER_TENANT)
+    ]
+    try:
+        for proc in follows:
+            assert proc.stdout is not None
+            assert SECRET_LINE in proc.stdout.readline().decode()  # each one's session runs
+        assert _sessions(services_module) == remote.MAX_SESSIONS_PER_TENANT
+        code, out, err = _dsec(user_env, "sandbox", "logs", running)
+        assert code == 1, out + err
+        assert "busy" in err and "the most one tenant may" in err, err
+        assert _sessions(services_module) < remote.MAX_SESSIONS  # the node had room for others
+    finally:
+        for proc in follows:
+            proc.send_signal(signal.SIGINT)
+        for proc in follows:
+            try:
+                proc.wait(10)
+            finally:
+                proc.kill()
+    deadline = time.monotonic() + 5  # (ended by the clients, not by the keep-alive timeout)
+    while _sessions(services_module) > 0:
+        assert time.monotonic() < deadline, "the node still serves the follows"
+        time.sleep(0.1)
+
+
 async def test_forged_and_replayed_frames_on_the_bus_do_not_break_a_session(
     running: str, user_env: dict[str, str], nats_url: str, dsec_stack: Any
 ) -> None:

@@ -63,6 +63,10 @@ WINDOW_S = 30.0
 remembered for twice this long, so a replay inside the window is refused (``replayed``)."""
 MAX_SESSIONS = 16
 """Sessions one node agent serves at once; more are refused (``busy``)."""
+MAX_SESSIONS_PER_TENANT = 4
+"""Sessions of one tenant's users one node agent serves at once (a quarter of them: one tenant
+holding every session kept every other tenant's logs and execs off the node); more are refused
+(``busy``)."""
 MAX_ARGV_BYTES = 64 * 1024
 MAX_STDIN_BUFFER = 1024 * 1024
 """Input the node holds for a command that does not read it; more ends the session."""

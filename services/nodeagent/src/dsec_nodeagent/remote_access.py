@@ -272,6 +272,14 @@ class RemoteAccess:
             return "not-found", f"no logs of {sid} on node {self.node_id}"
         if len(self.sessions) >= remote.MAX_SESSIONS:
             return "busy", f"node {self.node_id} serves {remote.MAX_SESSIONS} sessions already"
+        held = sum(1 for s in self.sessions.values() if s.request.tenant == request.tenant)
+        if held >= remote.MAX_SESSIONS_PER_TENANT:
+            return (
+                "busy",
+                f"tenant {request.tenant!r} has {held} sessions on node {self.node_id}, the most "
+                f"one tenant may (of the node's {remote.MAX_SESSIONS}); end one (a `logs -f`, "
+                "an exec) and ask again",
+            )
         return None
 
     def _copy_refusal(self, request: Request) -> tuple[str, str] | None:
