@@ -336,6 +336,29 @@ async def test_a_frame_of_too_many_objects_is_refused_unread_and_decoding_is_pac
             await a.close()
 
 
+async def test_a_frame_whose_map_keys_are_not_strings_is_refused_unread(world: World) -> None:
+    """A map keyed by MessagePack timestamps decodes to msgpack.Timestamp keys, whose hash is
+    a tuple's (not salted, and invertible): keys made to collide cost the square of their number
+    to put in the dict, on the loop every sandbox shares (a 200 KB frame: seconds). A frame's
+    map keys must be strings now, checked before it is decoded."""
+    tenant, agent = f"t{tag()}", f"a{tag()}"
+    async with world.node("a") as node:
+        sid, owner = await opened(node, tenant, agent)
+        stamps = b"".join(b"\xd6\xff" + struct.pack(">I", i) + b"\xc0" for i in range(2000))
+        value = b"\xde" + struct.pack(">H", 2000) + stamps  # {Timestamp(i): None, ...}
+        record = b"\x85\xa1c\xa4memo\xa1k\xa2kv\xa1t\xa3hot\xa1o\xa3set\xa5items\x81\xa1x" + value
+        body = b"\x84\xa2op\xaacheckpoint\xa3seq\x01\xa8pause_ms\x00\xa7records\x91" + record
+        await owner.raw(struct.pack(">I", len(body)) + body)
+        frame = await owner.recv()
+        assert (frame["op"], frame["code"]) == ("error", "bad-request"), frame
+        assert "refused unread: a map key that is not a string" in frame["message"]
+        again = await node.connect(sid)
+        assert (await again.hello(agent))["op"] == "welcome"
+        assert (await again.fetch())[1]["seq"] == 0  # nothing of it was taken
+        for a in (owner, again):
+            await a.close()
+
+
 async def test_a_frame_sent_slowly_cannot_hold_the_nodes_memory(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:

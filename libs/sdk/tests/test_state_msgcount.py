@@ -82,6 +82,45 @@ def test_a_cut_value_is_refused_and_a_limit_stops_the_count(count: Any, value: A
     assert count(body, total - 1) == total  # (limit + 1: stopped past it)
 
 
+def _keys_all_strings(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, bytes)) and _keys_all_strings(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_keys_all_strings(v) for v in value)
+    return True
+
+
+@pytest.mark.parametrize("count", COUNTERS)
+@settings(max_examples=150, deadline=None)
+@given(value=values)
+def test_strict_keys_refuses_what_a_strict_decode_refuses(count: Any, value: Any) -> None:
+    """With strict_keys, a map key must be a str or bin (salted hashes), as msgpack's
+    strict_map_key decode has it."""
+    body = msgpack.packb(value, use_bin_type=True)
+    if _keys_all_strings(value):
+        assert count(body, 1 << 40, strict_keys=True) == objects(value)
+        msgpack.unpackb(body, strict_map_key=True)
+    else:
+        with pytest.raises(ValueError, match="a map key that is not a string"):
+            count(body, 1 << 40, strict_keys=True)
+        with pytest.raises(ValueError):
+            msgpack.unpackb(body, strict_map_key=True)
+
+
+@pytest.mark.parametrize("count", COUNTERS)
+def test_nesting_is_refused_where_msgpack_refuses_it(count: Any) -> None:
+    for depth in (1022, 1023, 1024, 1025):
+        for inner in (b"\x90", b"\x80", b"\xc0", b"\x81\xa1k\xc0", b"\x91\xc0"):
+            body = b"\x91" * depth + inner
+            try:
+                msgpack.unpackb(body)
+            except msgpack.StackError:
+                with pytest.raises(ValueError, match="nested deeper than 1024"):
+                    count(body, 1 << 40)
+            else:
+                assert count(body, 1 << 40) == depth + objects(msgpack.unpackb(inner))
+
+
 @pytest.mark.parametrize("count", COUNTERS)
 def test_ext_types_and_lengths_of_every_width(count: Any) -> None:
     cases: list[tuple[bytes, int]] = [
@@ -135,6 +174,8 @@ def test_a_value_too_many_objects_for_a_frame_is_refused_where_it_is_stored(
     too_many = [0] * (codec.MAX_ITEM_OBJECTS + 1)
     with pytest.raises(ValueError, match=r"kv 'memo'\['big'\]: the value holds more than"):
         state.kv("memo")["big"] = too_many
+    with pytest.raises(ValueError, match=r"kv 'memo'\['ints'\]: a map key that is not a string"):
+        state.kv("memo")["ints"] = {"counts": {1: 5}}
     with pytest.raises(ValueError, match="log 'history': the value holds more than"):
         state.log("history").append({"rows": too_many})
     state.kv("memo")["fine"] = too_many[:-2]  # (the list itself is one object)

@@ -10,7 +10,8 @@
  * count(buffer, limit) walks the objects of the first value in `buffer` (an array or a map
  * counts itself and each element; a str, bin or ext is one object, its bytes skipped) and
  * returns their number, or limit + 1 as soon as it passes `limit`. Bytes after the first value
- * are not read. ValueError: the value is cut short, or holds the unused type byte 0xc1.
+ * are not read. ValueError: the value is cut short, holds the unused type byte 0xc1, or is
+ * nested deeper than msgpack decodes (1024); with strict_keys, a map key is not a str or bin.
  * dsec_sdk.state.msgcount holds the pure-Python twin; libs/sdk/tests/test_state_msgcount.py
  * holds the two equal.
  */
@@ -23,7 +24,10 @@
  * more than the scan). */
 #define NOGIL_BYTES (64 * 1024)
 
-enum { OK = 0, CUT_SHORT = 1, BAD_TYPE = 2 };
+enum { OK = 0, CUT_SHORT = 1, BAD_TYPE = 2, BAD_KEY = 3, TOO_DEEP = 4 };
+
+/* msgpack's decoder refuses a value nested deeper than this (StackError): so does the scan. */
+#define MAX_DEPTH 1024
 
 static uint64_t be(const unsigned char *p, int n) {
     uint64_t v = 0;
@@ -33,11 +37,23 @@ static uint64_t be(const unsigned char *p, int n) {
     return v;
 }
 
+/* One open container: the elements still to read, and whether it is a map (whose elements
+ * alternate key, value: a key when an even number is left). */
+typedef struct {
+    uint64_t left;
+    int map;
+} level;
+
 /* The scan: `*found` objects (limit + 1 once past it); the status. `pending` counts the
  * objects still to read (the containers' elements); each is at least one byte, so more of them
- * than bytes left means the value is cut short (and keeps `pending` within the buffer's size). */
-static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, uint64_t *found) {
+ * than bytes left means the value is cut short (and keeps `pending` within the buffer's size).
+ * With `strict_keys`, a map key must be a str or a bin (whose Python hashes are salted: an int
+ * or a timestamp key's are not, and a map of colliding keys costs its square to build). */
+static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, int strict_keys,
+                uint64_t *found) {
     const unsigned char *end = p + size;
+    level stack[MAX_DEPTH];
+    int depth = 0;
     uint64_t pending = 1;
     uint64_t count = 0;
     while (pending > 0) {
@@ -45,21 +61,38 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, uint64_
             *found = count;
             return CUT_SHORT;
         }
+        while (depth > 0 && stack[depth - 1].left == 0) {
+            depth--;
+        }
+        int is_key = 0;
+        if (depth > 0) {
+            is_key = stack[depth - 1].map && (stack[depth - 1].left % 2 == 0);
+            stack[depth - 1].left--;
+        }
         unsigned char b = *p++;
         pending--;
         if (++count > limit) {
             *found = count;
             return OK;
         }
+        if (is_key && strict_keys && !((b >= 0xa0 && b <= 0xbf) || (b >= 0xd9 && b <= 0xdb) ||
+                                       (b >= 0xc4 && b <= 0xc6))) {
+            *found = count;
+            return BAD_KEY;
+        }
         uint64_t skip = 0;  /* payload bytes after the header */
         uint64_t items = 0; /* elements that follow */
-        int width = 0;      /* bytes of a length field */
+        int container = 0;
+        int map = 0;
+        int width = 0; /* bytes of a length field */
         if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
             /* fixint, nil, false, true */
         } else if (b <= 0x8f) {
             items = 2u * (b & 0x0f);
+            container = map = 1;
         } else if (b <= 0x9f) {
             items = b & 0x0f;
+            container = 1;
         } else if (b <= 0xbf) {
             skip = b & 0x1f;
         } else if (b == 0xc1) {
@@ -78,20 +111,19 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, uint64_
             skip = 1 + ((uint64_t)1 << (b - 0xd4));
         } else if (b <= 0xdb) { /* str 8/16/32 */
             width = 1 << (b - 0xd9);
-        } else if (b <= 0xdd) { /* array 16/32 */
-            if (end - p < (b == 0xdc ? 2 : 4)) {
+        } else { /* array 16/32, map 16/32 */
+            int n = (b == 0xdc || b == 0xde) ? 2 : 4;
+            if (end - p < n) {
                 *found = count;
                 return CUT_SHORT;
             }
-            items = be(p, b == 0xdc ? 2 : 4);
-            p += b == 0xdc ? 2 : 4;
-        } else { /* map 16/32 */
-            if (end - p < (b == 0xde ? 2 : 4)) {
-                *found = count;
-                return CUT_SHORT;
+            items = be(p, n);
+            p += n;
+            container = 1;
+            if (b >= 0xde) {
+                items *= 2;
+                map = 1;
             }
-            items = 2 * be(p, b == 0xde ? 2 : 4);
-            p += b == 0xde ? 2 : 4;
         }
         if (width) {
             if (end - p < width) {
@@ -106,6 +138,17 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, uint64_
             return CUT_SHORT;
         }
         p += skip;
+        if (container) {
+            if (depth + 1 > MAX_DEPTH) { /* (an empty one counts too, as msgpack's stack does) */
+                *found = count;
+                return TOO_DEEP;
+            }
+            if (items > 0) {
+                stack[depth].left = items;
+                stack[depth].map = map;
+                depth++;
+            }
+        }
         pending += items;
         if (pending > (uint64_t)(end - p)) {
             *found = count;
@@ -116,42 +159,52 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, uint64_
     return OK;
 }
 
-static PyObject *count(PyObject *self, PyObject *args) {
+static PyObject *count(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"", "", "strict_keys", NULL};
     Py_buffer view;
     unsigned long long limit;
+    int strict_keys = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*K", &view, &limit)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*K|$p", keywords, &view, &limit,
+                                     &strict_keys)) {
         return NULL;
     }
     uint64_t found = 0;
     int status;
     if (view.len >= NOGIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        status = scan(view.buf, view.len, limit, &found);
+        status = scan(view.buf, view.len, limit, strict_keys, &found);
         Py_END_ALLOW_THREADS
     } else {
-        status = scan(view.buf, view.len, limit, &found);
+        status = scan(view.buf, view.len, limit, strict_keys, &found);
     }
     PyBuffer_Release(&view);
-    if (status == CUT_SHORT) {
-        PyErr_Format(PyExc_ValueError, "MessagePack cut short after %llu objects",
-                     (unsigned long long)found);
+    unsigned long long at = (unsigned long long)found;
+    switch (status) {
+    case CUT_SHORT:
+        PyErr_Format(PyExc_ValueError, "MessagePack cut short after %llu objects", at);
         return NULL;
-    }
-    if (status == BAD_TYPE) {
-        PyErr_Format(PyExc_ValueError, "MessagePack type byte 0xc1 (unused) at object %llu",
-                     (unsigned long long)found);
+    case BAD_TYPE:
+        PyErr_Format(PyExc_ValueError, "MessagePack type byte 0xc1 (unused) at object %llu", at);
         return NULL;
+    case BAD_KEY:
+        PyErr_Format(PyExc_ValueError, "a map key that is not a string at object %llu", at);
+        return NULL;
+    case TOO_DEEP:
+        PyErr_Format(PyExc_ValueError, "nested deeper than %d at object %llu", MAX_DEPTH, at);
+        return NULL;
+    default:
+        return PyLong_FromUnsignedLongLong(found);
     }
-    return PyLong_FromUnsignedLongLong(found);
 }
 
 static PyMethodDef methods[] = {
-    {"count", count, METH_VARARGS,
-     "count(buffer, limit) -> int\n\n"
+    {"count", (PyCFunction)(void (*)(void))count, METH_VARARGS | METH_KEYWORDS,
+     "count(buffer, limit, *, strict_keys=False) -> int\n\n"
      "The MessagePack objects of the first value in buffer, or limit + 1 once past limit.\n"
-     "ValueError: cut short, or the unused type byte 0xc1. Large buffers are scanned\n"
-     "without the GIL."},
+     "ValueError: cut short, the unused type byte 0xc1, nested deeper than 1024, or (with\n"
+     "strict_keys) a map key that is not a str or bin. Large buffers are scanned without\n"
+     "the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

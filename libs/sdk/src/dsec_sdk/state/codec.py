@@ -73,11 +73,14 @@ def pack_canonical(value: Any) -> bytes:
 
 
 def check_item(body: bytes, what: str) -> None:
-    """Refuse (``ValueError``, naming ``what``) a packed log item or kv value of more than
-    :data:`MAX_ITEM_OBJECTS` objects: a checkpoint frame could not carry it (the keeper
-    refuses frames of more than ``msgcount.MAX_FRAME_OBJECTS``)."""
-    # (a value of n objects packs to n bytes at least: a short one is counted not at all)
-    if len(body) > MAX_ITEM_OBJECTS and msgcount.count(body, MAX_ITEM_OBJECTS) > MAX_ITEM_OBJECTS:
+    """Refuse (``ValueError``, naming ``what``) a packed log item or kv value the keeper would
+    refuse in a checkpoint frame: a dict key that is not a str (or bytes), or more than
+    :data:`MAX_ITEM_OBJECTS` objects."""
+    try:
+        objects = msgcount.count(body, MAX_ITEM_OBJECTS, strict_keys=True)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc} (a stored value's dict keys are str or bytes)") from None
+    if objects > MAX_ITEM_OBJECTS:
         raise ValueError(
             f"{what}: the value holds more than {MAX_ITEM_OBJECTS:,} MessagePack objects (each "
             "number, string, list, map and key is one), more than a checkpoint frame may carry "

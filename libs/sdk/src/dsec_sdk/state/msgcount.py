@@ -32,39 +32,61 @@ ACCELERATED: Final = _count_c is not None
 _BE: Final = {1: struct.Struct(">B"), 2: struct.Struct(">H"), 4: struct.Struct(">I")}
 
 
-def count(buf: bytes | bytearray | memoryview, limit: int) -> int:
+MAX_DEPTH: Final = 1024
+"""The deepest nesting msgpack decodes (deeper is its ``StackError``): the count refuses it too."""
+
+
+def count(buf: bytes | bytearray | memoryview, limit: int, *, strict_keys: bool = False) -> int:
     """The objects of the first MessagePack value in ``buf``, or ``limit + 1`` as soon as there
-    are more than ``limit``. ValueError: the value is cut short, or holds the unused type byte
-    0xc1. Bytes after the first value are not read."""
+    are more than ``limit``. ValueError: the value is cut short, holds the unused type byte
+    0xc1, or is nested deeper than :data:`MAX_DEPTH`; with ``strict_keys``, a map key is not a
+    str or bin (their Python hashes are salted; an int's or a timestamp's are not, and a map of
+    keys made to collide costs the square of its size to build). Bytes after the first value
+    are not read."""
     if _count_c is not None:
-        result: int = _count_c(buf, limit)
+        result: int = _count_c(buf, limit, strict_keys=strict_keys)
         return result
-    return count_py(buf, limit)
+    return count_py(buf, limit, strict_keys=strict_keys)
 
 
-def count_py(buf: bytes | bytearray | memoryview, limit: int) -> int:
+def _is_str_or_bin(b: int) -> bool:
+    return 0xA0 <= b <= 0xBF or 0xD9 <= b <= 0xDB or 0xC4 <= b <= 0xC6
+
+
+def count_py(buf: bytes | bytearray | memoryview, limit: int, *, strict_keys: bool = False) -> int:
     """:func:`count` in Python (where the C extension is missing)."""
     data = bytes(buf)
     end = len(data)
     pos = 0
     pending = 1
     found = 0
+    stack: list[list[int]] = []  # open containers: [elements left, is a map]
     while pending:
         if pos >= end:
             raise ValueError(f"MessagePack cut short after {found} objects")
+        while stack and stack[-1][0] == 0:
+            stack.pop()
+        is_key = False
+        if stack:
+            top = stack[-1]
+            is_key = bool(top[1]) and top[0] % 2 == 0
+            top[0] -= 1
         b = data[pos]
         pos += 1
         pending -= 1
         found += 1
         if found > limit:
             return found
+        if is_key and strict_keys and not _is_str_or_bin(b):
+            raise ValueError(f"a map key that is not a string at object {found}")
         skip = items = width = 0
+        container = is_map = False
         if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
             pass
         elif b <= 0x8F:
-            items = 2 * (b & 0x0F)
+            items, container, is_map = 2 * (b & 0x0F), True, True
         elif b <= 0x9F:
-            items = b & 0x0F
+            items, container = b & 0x0F, True
         elif b <= 0xBF:
             skip = b & 0x1F
         elif b == 0xC1:
@@ -87,8 +109,9 @@ def count_py(buf: bytes | bytearray | memoryview, limit: int) -> int:
                 raise ValueError(f"MessagePack cut short after {found} objects")
             (items,) = _BE[size].unpack_from(data, pos)
             pos += size
+            container = True
             if b >= 0xDE:
-                items *= 2
+                items, is_map = items * 2, True
         if width:
             if end - pos < width:
                 raise ValueError(f"MessagePack cut short after {found} objects")
@@ -98,6 +121,11 @@ def count_py(buf: bytes | bytearray | memoryview, limit: int) -> int:
         if skip > end - pos:
             raise ValueError(f"MessagePack cut short after {found} objects")
         pos += skip
+        if container:
+            if len(stack) + 1 > MAX_DEPTH:  # (an empty one counts too, as msgpack's stack does)
+                raise ValueError(f"nested deeper than {MAX_DEPTH} at object {found}")
+            if items:
+                stack.append([items, int(is_map)])
         pending += items
         if pending > end - pos:  # (each object still to read takes a byte at least)
             raise ValueError(f"MessagePack cut short after {found} objects")

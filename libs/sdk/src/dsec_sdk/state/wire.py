@@ -125,10 +125,12 @@ def encode(frame: dict[str, Any]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def decode(body: bytes) -> dict[str, Any]:
-    """A frame's body (without the length prefix)."""
+def decode(body: bytes, *, strict_keys: bool = False) -> dict[str, Any]:
+    """A frame's body (without the length prefix). ``strict_keys``: every map key a str or
+    bytes (the keeper's, for frames from agents: an int's or a timestamp's hash is not salted,
+    and a map of keys made to collide costs the square of its size to build)."""
     try:
-        frame = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        frame = msgpack.unpackb(body, raw=False, strict_map_key=strict_keys)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise WireError(f"not MessagePack: {exc}") from None
     except TypeError as exc:  # a map key that cannot be one in Python (a list, a map)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -504,20 +505,23 @@ class StateSession:
                 f"a frame's {size:,} bytes did not come within {BODY_TIMEOUT_S:g} s"
             ) from None
         limit = msgcount.MAX_FRAME_OBJECTS
+        # (map keys are strings: an int's or a timestamp's hash is not salted, and a map of
+        # keys made to collide cost the square of its size to build, on the loop)
+        count = functools.partial(msgcount.count, body, limit, strict_keys=True)
         try:
             if len(body) < COUNT_OFF_LOOP_BYTES:
-                objects = msgcount.count(body, limit)
+                objects = count()
             else:  # (the C count lets the GIL go: the loop runs meanwhile)
-                objects = await asyncio.to_thread(msgcount.count, body, limit)
+                objects = await asyncio.to_thread(count)
         except ValueError as exc:
-            raise wire.WireError(f"not MessagePack: {exc}") from None
+            raise wire.WireError(f"refused unread: {exc}") from None
         if objects > limit:
             raise wire.WireError(
                 f"a frame of more than {limit:,} MessagePack objects (each number, string, "
                 "list, map and key is one), the most one frame may hold: refused unread"
             )
         started = time.thread_time()
-        frame = wire.decode(body)
+        frame = wire.decode(body, strict_keys=True)
         held = time.thread_time() - started
         if held >= DECODE_PACED_FROM_S:
             keeper.pace_frames(self.sandbox_id, held)
