@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import nats
 import pytest
 from dsec_core import events, natsperms
@@ -355,7 +356,31 @@ async def test_a_frame_whose_map_keys_are_not_strings_is_refused_unread(world: W
         again = await node.connect(sid)
         assert (await again.hello(agent))["op"] == "welcome"
         assert (await again.fetch())[1]["seq"] == 0  # nothing of it was taken
-        for a in (owner, again):
+        # timestamps as vectors ids (a list, not a map) met a dict in the warm merge; int ids
+        upsert = {"c": "v", "k": "vectors", "t": "warm", "o": "upsert", "dim": 1, "dtype": "<f4"}
+        stamped = {
+            **upsert,
+            "ids": [msgpack.Timestamp(i, 0) for i in range(50)],
+            "vec": b"\0" * 200,
+        }
+        await again.send({"op": "checkpoint", "seq": 1, "records": [stamped], "pause_ms": 0.0})
+        frame = await again.recv()
+        assert "refused unread: an extension type" in frame["message"], frame
+        again = await node.connect(sid)
+        assert (await again.hello(agent))["op"] == "welcome"
+        await again.fetch()
+        ack = await again.checkpoint(1, [{**upsert, "ids": list(range(50)), "vec": b"\0" * 200}])
+        assert (ack["op"], ack["code"]) == ("error", "bad-record"), ack
+        assert "ids must be a list of strings" in ack["message"]
+        # and the hello, read before anything else: the same rules
+        late = await node.connect(sid)
+        hello = b"\x85\xa2op\xa5hello\xa1v\x01\xa5agent" + msgpack.packb(agent)
+        hello += b"\xa5group" + msgpack.packb(GROUP) + b"\xa3pad" + value
+        await late.raw(struct.pack(">I", len(hello)) + hello)
+        frame = await late.recv()
+        assert (frame["op"], frame["code"]) == ("error", "bad-request"), frame
+        assert "refused unread: a map key that is not a string" in frame["message"]
+        for a in (owner, again, late):
             await a.close()
 
 

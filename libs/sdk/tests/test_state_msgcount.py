@@ -93,18 +93,29 @@ def _keys_all_strings(value: Any) -> bool:
 @pytest.mark.parametrize("count", COUNTERS)
 @settings(max_examples=150, deadline=None)
 @given(value=values)
-def test_strict_keys_refuses_what_a_strict_decode_refuses(count: Any, value: Any) -> None:
-    """With strict_keys, a map key must be a str or bin (salted hashes), as msgpack's
+def test_strict_refuses_what_a_strict_decode_refuses(count: Any, value: Any) -> None:
+    """With strict, a map key must be a str or bin (salted hashes), as msgpack's
     strict_map_key decode has it."""
     body = msgpack.packb(value, use_bin_type=True)
     if _keys_all_strings(value):
-        assert count(body, 1 << 40, strict_keys=True) == objects(value)
+        assert count(body, 1 << 40, strict=True) == objects(value)
         msgpack.unpackb(body, strict_map_key=True)
     else:
         with pytest.raises(ValueError, match="a map key that is not a string"):
-            count(body, 1 << 40, strict_keys=True)
+            count(body, 1 << 40, strict=True)
         with pytest.raises(ValueError):
             msgpack.unpackb(body, strict_map_key=True)
+
+
+@pytest.mark.parametrize("count", COUNTERS)
+def test_strict_refuses_extension_types_anywhere(count: Any) -> None:
+    """A timestamp hashes as a tuple wherever it lands in a dict (a vectors id, a key), and an
+    ext decodes to two or three objects: a frame from an agent carries none."""
+    for ext in (msgpack.Timestamp(1, 5), msgpack.ExtType(5, b"x"), msgpack.ExtType(7, b"y" * 300)):
+        body = msgpack.packb({"ids": ["a", ext]}, use_bin_type=True)
+        assert count(body, 100) == 5
+        with pytest.raises(ValueError, match="an extension type"):
+            count(body, 100, strict=True)
 
 
 @pytest.mark.parametrize("count", COUNTERS)
@@ -176,6 +187,8 @@ def test_a_value_too_many_objects_for_a_frame_is_refused_where_it_is_stored(
         state.kv("memo")["big"] = too_many
     with pytest.raises(ValueError, match=r"kv 'memo'\['ints'\]: a map key that is not a string"):
         state.kv("memo")["ints"] = {"counts": {1: 5}}
+    with pytest.raises(ValueError, match="log 'history': an extension type"):
+        state.log("history").append([msgpack.Timestamp(1, 0)])
     with pytest.raises(ValueError, match="log 'history': the value holds more than"):
         state.log("history").append({"rows": too_many})
     state.kv("memo")["fine"] = too_many[:-2]  # (the list itself is one object)

@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -373,6 +374,7 @@ def test_a_busy_agent_on_another_node_is_retried_then_said_busy(
         for call in (
             lambda: client.call_tool("busy", "ping"),
             lambda: asyncio.run(client.acall_tool("busy", "ping")),
+            lambda: client.call_tool("busy", "ping", timeout=Decimal("1")),  # (any real number)
         ):
             started = time.monotonic()
             with pytest.raises(AgentBusy) as busy:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import os
 import threading
 import time
@@ -902,6 +903,7 @@ class DSecClient:
             return await self._acall_once(agent, tool, merged, seconds, trace)
         except AgentBusy as first:  # (as _again_while_busy, without blocking the loop)
             last = first
+            seconds = _as_seconds(seconds)
             started = time.monotonic()
             budget = _busy_budget(seconds)
             pause = _BUSY_FIRST_PAUSE_S
@@ -1106,6 +1108,17 @@ def _busy_budget(seconds: float | None) -> float:
     return BUSY_RETRY_S if seconds is None else min(seconds, BUSY_RETRY_S)
 
 
+def _as_seconds(timeout: Any) -> float | None:
+    """A timeout the call took (any real number, ``Decimal`` and huge ints included) as the
+    float a retry's arithmetic can use: ``None`` stays, too large for a float is ``inf``."""
+    if timeout is None:
+        return None
+    try:
+        return float(timeout)
+    except OverflowError:
+        return math.inf
+
+
 _Busy = TypeVar("_Busy", AgentBusy, BrokerRefused)
 _T = TypeVar("_T")
 
@@ -1114,6 +1127,7 @@ def _again_while_busy(exc: _Busy, seconds: float | None, again: Callable[[float 
     """After the `busy` answer ``exc``: ``again(time left of seconds)``, with backoff, while
     it answers busy, for up to ``seconds`` (:data:`BUSY_RETRY_S` at most); then the last
     answer, saying how long it was retried (or ``exc`` as it came, when no time was left)."""
+    seconds = _as_seconds(seconds)
     started = time.monotonic()
     budget = _busy_budget(seconds)
     pause = _BUSY_FIRST_PAUSE_S

@@ -11,7 +11,8 @@
  * counts itself and each element; a str, bin or ext is one object, its bytes skipped) and
  * returns their number, or limit + 1 as soon as it passes `limit`. Bytes after the first value
  * are not read. ValueError: the value is cut short, holds the unused type byte 0xc1, or is
- * nested deeper than msgpack decodes (1024); with strict_keys, a map key is not a str or bin.
+ * nested deeper than msgpack decodes (1024); with strict, a map key is not a str or bin, or
+ * a value is an extension type.
  * dsec_sdk.state.msgcount holds the pure-Python twin; libs/sdk/tests/test_state_msgcount.py
  * holds the two equal.
  */
@@ -24,7 +25,7 @@
  * more than the scan). */
 #define NOGIL_BYTES (64 * 1024)
 
-enum { OK = 0, CUT_SHORT = 1, BAD_TYPE = 2, BAD_KEY = 3, TOO_DEEP = 4 };
+enum { OK = 0, CUT_SHORT = 1, BAD_TYPE = 2, BAD_KEY = 3, TOO_DEEP = 4, EXT = 5 };
 
 /* msgpack's decoder refuses a value nested deeper than this (StackError): so does the scan. */
 #define MAX_DEPTH 1024
@@ -47,9 +48,11 @@ typedef struct {
 /* The scan: `*found` objects (limit + 1 once past it); the status. `pending` counts the
  * objects still to read (the containers' elements); each is at least one byte, so more of them
  * than bytes left means the value is cut short (and keeps `pending` within the buffer's size).
- * With `strict_keys`, a map key must be a str or a bin (whose Python hashes are salted: an int
- * or a timestamp key's are not, and a map of colliding keys costs its square to build). */
-static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, int strict_keys,
+ * With `strict`, a map key must be a str or a bin (whose Python hashes are salted: an int
+ * or a timestamp key's are not, and a map of colliding keys costs its square to build), and
+ * no value may be an extension type (a timestamp hashes as a tuple wherever it ends up in a
+ * dict or set, and an ext decodes to two or three Python objects, not one). */
+static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, int strict,
                 uint64_t *found) {
     const unsigned char *end = p + size;
     level stack[MAX_DEPTH];
@@ -75,10 +78,14 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, int str
             *found = count;
             return OK;
         }
-        if (is_key && strict_keys && !((b >= 0xa0 && b <= 0xbf) || (b >= 0xd9 && b <= 0xdb) ||
+        if (is_key && strict && !((b >= 0xa0 && b <= 0xbf) || (b >= 0xd9 && b <= 0xdb) ||
                                        (b >= 0xc4 && b <= 0xc6))) {
             *found = count;
             return BAD_KEY;
+        }
+        if (strict && ((b >= 0xc7 && b <= 0xc9) || (b >= 0xd4 && b <= 0xd8))) {
+            *found = count;
+            return EXT;
         }
         uint64_t skip = 0;  /* payload bytes after the header */
         uint64_t items = 0; /* elements that follow */
@@ -160,23 +167,25 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, int str
 }
 
 static PyObject *count(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"", "", "strict_keys", NULL};
+    static char *keywords[] = {"", "", "strict", NULL};
     Py_buffer view;
-    unsigned long long limit;
-    int strict_keys = 0;
+    long long signed_limit;
+    int strict = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*K|$p", keywords, &view, &limit,
-                                     &strict_keys)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*L|$p", keywords, &view, &signed_limit,
+                                     &strict)) {
         return NULL;
     }
+    /* (a negative limit is passed at the first object, as in the Python twin) */
+    uint64_t limit = signed_limit < 0 ? 0 : (uint64_t)signed_limit;
     uint64_t found = 0;
     int status;
     if (view.len >= NOGIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        status = scan(view.buf, view.len, limit, strict_keys, &found);
+        status = scan(view.buf, view.len, limit, strict, &found);
         Py_END_ALLOW_THREADS
     } else {
-        status = scan(view.buf, view.len, limit, strict_keys, &found);
+        status = scan(view.buf, view.len, limit, strict, &found);
     }
     PyBuffer_Release(&view);
     unsigned long long at = (unsigned long long)found;
@@ -190,6 +199,9 @@ static PyObject *count(PyObject *self, PyObject *args, PyObject *kwargs) {
     case BAD_KEY:
         PyErr_Format(PyExc_ValueError, "a map key that is not a string at object %llu", at);
         return NULL;
+    case EXT:
+        PyErr_Format(PyExc_ValueError, "an extension type (a timestamp...) at object %llu", at);
+        return NULL;
     case TOO_DEEP:
         PyErr_Format(PyExc_ValueError, "nested deeper than %d at object %llu", MAX_DEPTH, at);
         return NULL;
@@ -200,11 +212,11 @@ static PyObject *count(PyObject *self, PyObject *args, PyObject *kwargs) {
 
 static PyMethodDef methods[] = {
     {"count", (PyCFunction)(void (*)(void))count, METH_VARARGS | METH_KEYWORDS,
-     "count(buffer, limit, *, strict_keys=False) -> int\n\n"
+     "count(buffer, limit, *, strict=False) -> int\n\n"
      "The MessagePack objects of the first value in buffer, or limit + 1 once past limit.\n"
      "ValueError: cut short, the unused type byte 0xc1, nested deeper than 1024, or (with\n"
-     "strict_keys) a map key that is not a str or bin. Large buffers are scanned without\n"
-     "the GIL."},
+     "strict) a map key that is not a str or bin, or an extension type. Large buffers are\n"
+     "scanned without the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

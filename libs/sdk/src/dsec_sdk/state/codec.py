@@ -77,7 +77,7 @@ def check_item(body: bytes, what: str) -> None:
     refuse in a checkpoint frame: a dict key that is not a str (or bytes), or more than
     :data:`MAX_ITEM_OBJECTS` objects."""
     try:
-        objects = msgcount.count(body, MAX_ITEM_OBJECTS, strict_keys=True)
+        objects = msgcount.count(body, MAX_ITEM_OBJECTS, strict=True)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc} (a stored value's dict keys are str or bytes)") from None
     if objects > MAX_ITEM_OBJECTS:

@@ -36,24 +36,26 @@ MAX_DEPTH: Final = 1024
 """The deepest nesting msgpack decodes (deeper is its ``StackError``): the count refuses it too."""
 
 
-def count(buf: bytes | bytearray | memoryview, limit: int, *, strict_keys: bool = False) -> int:
+def count(buf: bytes | bytearray | memoryview, limit: int, *, strict: bool = False) -> int:
     """The objects of the first MessagePack value in ``buf``, or ``limit + 1`` as soon as there
     are more than ``limit``. ValueError: the value is cut short, holds the unused type byte
-    0xc1, or is nested deeper than :data:`MAX_DEPTH`; with ``strict_keys``, a map key is not a
-    str or bin (their Python hashes are salted; an int's or a timestamp's are not, and a map of
-    keys made to collide costs the square of its size to build). Bytes after the first value
+    0xc1, or is nested deeper than :data:`MAX_DEPTH`; with ``strict`` (what the keeper takes
+    from an agent), a map key is not a str or bin (their Python hashes are salted; an int's or a
+    timestamp's are not, and a map of keys made to collide costs the square of its size to
+    build), or a value is an extension type (a timestamp hashes as a tuple wherever it ends up
+    in a dict, and an ext decodes to two or three Python objects). Bytes after the first value
     are not read."""
     if _count_c is not None:
-        result: int = _count_c(buf, limit, strict_keys=strict_keys)
+        result: int = _count_c(buf, limit, strict=strict)
         return result
-    return count_py(buf, limit, strict_keys=strict_keys)
+    return count_py(buf, limit, strict=strict)
 
 
 def _is_str_or_bin(b: int) -> bool:
     return 0xA0 <= b <= 0xBF or 0xD9 <= b <= 0xDB or 0xC4 <= b <= 0xC6
 
 
-def count_py(buf: bytes | bytearray | memoryview, limit: int, *, strict_keys: bool = False) -> int:
+def count_py(buf: bytes | bytearray | memoryview, limit: int, *, strict: bool = False) -> int:
     """:func:`count` in Python (where the C extension is missing)."""
     data = bytes(buf)
     end = len(data)
@@ -77,8 +79,10 @@ def count_py(buf: bytes | bytearray | memoryview, limit: int, *, strict_keys: bo
         found += 1
         if found > limit:
             return found
-        if is_key and strict_keys and not _is_str_or_bin(b):
+        if is_key and strict and not _is_str_or_bin(b):
             raise ValueError(f"a map key that is not a string at object {found}")
+        if strict and (0xC7 <= b <= 0xC9 or 0xD4 <= b <= 0xD8):
+            raise ValueError(f"an extension type (a timestamp...) at object {found}")
         skip = items = width = 0
         container = is_map = False
         if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):

@@ -95,6 +95,8 @@ from typing import Any, Final, Literal
 
 import msgpack
 
+from dsec_sdk.state import msgcount
+
 VERSION: Final = 1
 MAX_FRAME: Final = 64 << 20
 MAX_HELLO: Final = 64 << 10
@@ -125,12 +127,18 @@ def encode(frame: dict[str, Any]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def decode(body: bytes, *, strict_keys: bool = False) -> dict[str, Any]:
-    """A frame's body (without the length prefix). ``strict_keys``: every map key a str or
-    bytes (the keeper's, for frames from agents: an int's or a timestamp's hash is not salted,
-    and a map of keys made to collide costs the square of its size to build)."""
+def decode(body: bytes, *, strict: bool = False) -> dict[str, Any]:
+    """A frame's body (without the length prefix). ``strict`` (the keeper's, for frames from
+    agents): every map key a str or bytes, and no extension type (an int's or a timestamp's
+    hash is not salted, and a dict of keys made to collide costs the square of its size to
+    build); checked by ``msgcount.count(strict=True)`` before a byte is decoded."""
+    if strict:
+        try:
+            msgcount.count(body, len(body), strict=True)
+        except ValueError as exc:
+            raise WireError(f"refused unread: {exc}") from None
     try:
-        frame = msgpack.unpackb(body, raw=False, strict_map_key=strict_keys)
+        frame = msgpack.unpackb(body, raw=False, strict_map_key=strict)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise WireError(f"not MessagePack: {exc}") from None
     except TypeError as exc:  # a map key that cannot be one in Python (a list, a map)
@@ -171,11 +179,14 @@ def _read_exact(sock: socket.socket, size: int) -> bytes | None:
     return bytes(buf)
 
 
-async def read_frame(reader: Any, max_size: int = MAX_FRAME) -> dict[str, Any] | None:
+async def read_frame(
+    reader: Any, max_size: int = MAX_FRAME, *, strict: bool = False
+) -> dict[str, Any] | None:
     """Async receive (an ``asyncio.StreamReader``); ``None`` at a clean end of stream.
-    ``max_size``: the largest frame taken (a hello is small: :data:`MAX_HELLO`)."""
+    ``max_size``: the largest frame taken (a hello is small: :data:`MAX_HELLO`); ``strict``:
+    as :func:`decode`'s."""
     body = await read_body(reader, max_size)
-    return None if body is None else decode(body)
+    return None if body is None else decode(body, strict=strict)
 
 
 async def read_body(reader: Any, max_size: int = MAX_FRAME) -> bytes | None:

@@ -456,7 +456,7 @@ class StateSession:
             return
         try:
             hello = await asyncio.wait_for(
-                wire.read_frame(reader, max_size=wire.MAX_HELLO), HELLO_TIMEOUT_S
+                wire.read_frame(reader, max_size=wire.MAX_HELLO, strict=True), HELLO_TIMEOUT_S
             )
         except (TimeoutError, wire.WireError) as exc:
             await self._error(StateError("bad-request", f"no valid hello: {exc}"))
@@ -507,7 +507,8 @@ class StateSession:
         limit = msgcount.MAX_FRAME_OBJECTS
         # (map keys are strings: an int's or a timestamp's hash is not salted, and a map of
         # keys made to collide cost the square of its size to build, on the loop)
-        count = functools.partial(msgcount.count, body, limit, strict_keys=True)
+        count = functools.partial(msgcount.count, body, limit, strict=True)
+        counting = time.perf_counter()
         try:
             if len(body) < COUNT_OFF_LOOP_BYTES:
                 objects = count()
@@ -515,13 +516,19 @@ class StateSession:
                 objects = await asyncio.to_thread(count)
         except ValueError as exc:
             raise wire.WireError(f"refused unread: {exc}") from None
+        finally:
+            # (the Python twin, where the C count was not built, holds the GIL as it counts:
+            # that time is the loop's too, refused frames' included)
+            counted = time.perf_counter() - counting
+            if not msgcount.ACCELERATED and counted >= DECODE_PACED_FROM_S:
+                keeper.pace_frames(self.sandbox_id, counted)
         if objects > limit:
             raise wire.WireError(
                 f"a frame of more than {limit:,} MessagePack objects (each number, string, "
                 "list, map and key is one), the most one frame may hold: refused unread"
             )
         started = time.thread_time()
-        frame = wire.decode(body, strict_keys=True)
+        frame = wire.decode(body)  # (its keys and types were checked by the count above)
         held = time.thread_time() - started
         if held >= DECODE_PACED_FROM_S:
             keeper.pace_frames(self.sandbox_id, held)
@@ -938,6 +945,12 @@ class StateKeeper:
         self._js: Any = None
         self._store: Any = None
         self.frames = FrameBudget(FRAMES_IN_FLIGHT_BYTES, wire.MAX_FRAME)
+        if not msgcount.ACCELERATED:
+            log.warning(
+                "state keeper: the SDK's C object count (dsec_sdk.state._msgcount) is not "
+                "built (no C compiler at install): agents' frames are counted in Python, ~100x "
+                "slower, holding the loop while they are"
+            )
         frames = weakref.ref(self.frames)  # (the gauge does not keep a stopped keeper)
         IN_FLIGHT.set_function(lambda: budget.used if (budget := frames()) is not None else 0)
         # sandbox -> when it may send its next frame (see FRAME_SHARE; bounded, stale ones go)

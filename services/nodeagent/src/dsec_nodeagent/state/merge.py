@@ -81,7 +81,8 @@ def itemsize(dtype: str) -> int:
 def check_bounded(record: Any, max_bytes: int) -> dict[str, Any]:
     """:func:`check`, and the fields a merge sizes memory by, before anything is kept: an
     array's dtype is numeric and its shape holds at most ``max_bytes`` (the agent's
-    ``state.max_size``); a log's items are ``[id, ...]`` with a string id. A 305-byte
+    ``state.max_size``); a log's items are ``[id, ...]`` with a string id; vectors ids and kv
+    keys deleted are strings. A 305-byte
     checkpoint of sparse records made the warm merge allocate GiBs (its compressed snapshot,
     all the quota counted, was 33 KB)."""
     checked = record = check(record)
@@ -104,7 +105,16 @@ def check_bounded(record: Any, max_bytes: int) -> dict[str, Any]:
         for item in _need(record, "items", (list, tuple)):
             if not isinstance(item, (list, tuple)) or not item or type(item[0]) is not str:
                 raise RecordError(f"log {record['c']!r}: an item must be [id, ...] with a str id")
+    # (vectors ids and deleted kv keys end up in dicts: str, whose hashes are salted, as the
+    # SDK sends them)
+    field = _NAMED_BY.get(record["k"], "")
+    named = record.get(field, ())
+    if not isinstance(named, (list, tuple)) or not all(type(x) is str for x in named):
+        raise RecordError(f"{record['k']} {record['c']!r}: {field} must be a list of strings")
     return checked
+
+
+_NAMED_BY: Final = {"vectors": "ids", "kv": "keys"}
 
 
 def _array(record: dict[str, Any]) -> np.ndarray:
