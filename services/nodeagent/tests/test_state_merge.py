@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import time
+from typing import Any
+
 import numpy as np
 import pytest
+from dsec_sdk.state import codec
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsec_nodeagent.state.keeper import chunk_aad
 from dsec_nodeagent.state.merge import Merged, RecordError, merge, split_large
@@ -129,3 +136,81 @@ def test_a_sealed_chunk_opens_only_in_its_place() -> None:
             open_sealed(key, sealed, other, "chunk")
     with pytest.raises(SealError):
         open_sealed(bytes(32), sealed, aad, "chunk")
+
+
+_HEAD = {"t": "warm"}
+
+
+def _record(kind: str, op: str, n: int, step: int) -> dict[str, Any]:
+    if kind == "kv":
+        if op == "del":
+            return {
+                **_HEAD,
+                "c": "m",
+                "k": "kv",
+                "o": "del",
+                "keys": [f"k{(step + i) % 7}" for i in range(n)],
+            }
+        items = {f"k{(step + i) % 7}": [step, i] for i in range(n)}
+        return {**_HEAD, "c": "m", "k": "kv", "o": op, "items": items}
+    if kind == "log":
+        items = [[f"{(step * 5 + i) % 40:04d}", "h", step] for i in range(n)]
+        return {**_HEAD, "c": "l", "k": "log", "o": op, "items": items}
+    ids = [f"v{(step + i) % 9}" for i in range(n)]
+    if op == "remove":
+        return {**_HEAD, "c": "v", "k": "vectors", "o": "remove", "ids": ids}
+    vec = np.arange(n * 2, dtype="<f4").tobytes() if n else b""
+    return {
+        **_HEAD,
+        "c": "v",
+        "k": "vectors",
+        "o": op,
+        "dim": 2,
+        "dtype": "<f4",
+        "ids": ids,
+        "vec": vec,
+    }
+
+
+OPS = {
+    "kv": ["full", "set", "del"],
+    "log": ["full", "append"],
+    "vectors": ["full", "upsert", "remove"],
+}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(sorted(OPS)), st.integers(0, 2), st.integers(0, 4)),
+        max_size=40,
+    )
+)
+def test_the_warm_merge_folds_as_the_sdk_restores(steps: list[tuple[str, int, int]]) -> None:
+    """Values are changed in place across records now (they were copied whole for each): the
+    result is still what the SDK's own codec folds."""
+    records = [
+        _record(kind, OPS[kind][op % len(OPS[kind])], n, step)
+        for step, (kind, op, n) in enumerate(steps)
+    ]
+    if any(r["k"] == "vectors" for r in records):  # (a vectors container starts full)
+        records.insert(0, _record("vectors", "full", 0, 0))
+    merged = codec.fold(merge(copy.deepcopy(records)))
+    assert {k: (e.kind, e.value) for k, e in merged.items()} == {
+        k: (e.kind, e.value) for k, e in codec.fold(records).items()
+    }
+
+
+def test_many_small_records_to_one_container_merge_in_linear_time() -> None:
+    """10,000 one-row vectors upserts (a 0.65 MB checkpoint) merged in 47.5 s: each record
+    copied the container's whole value. The same for kv and log records."""
+    vectors = [_record("vectors", "full", 0, 0)]
+    vectors += [{**_record("vectors", "upsert", 1, 0), "ids": [f"v{i}"]} for i in range(10_000)]
+    kv = [{**_record("kv", "set", 1, 0), "items": {f"k{i}": i}} for i in range(10_000)]
+    log = [
+        {**_record("log", "append", 1, 0), "items": [[f"{i:08d}", "h", i]]} for i in range(10_000)
+    ]
+    started = time.monotonic()
+    out = {r["c"]: r for r in merge([*vectors, *kv, *log])}
+    assert time.monotonic() - started < 10  # (linear: ~0.1 s here; it was minutes)
+    assert len(out["v"]["ids"]) == len(out["m"]["items"]) == len(out["l"]["items"]) == 10_000

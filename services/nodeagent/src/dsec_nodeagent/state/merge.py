@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from dsec_sdk.state import codec
@@ -151,6 +152,11 @@ class Merged:
         self.records: dict[str, dict[str, Any]] = {}
         self._arrays: dict[str, tuple[np.ndarray, list[int], str]] = {}
         self._parts: dict[str, bytearray] = {}  # blobs whose parts are still arriving
+        # Changes are folded into values held here, changed in place: a container's value was
+        # copied whole for every record, so K small records cost K x its size (an adversarial
+        # review: 10,000 one-row vectors upserts, a 0.65 MB checkpoint, merged in 47.5 s).
+        self._owned: set[str] = set()  # log and kv records made here (theirs are not changed)
+        self._vectors: dict[str, _Vectors] = {}
 
     def _apply_blob_part(self, record: dict[str, Any]) -> None:
         name = record["c"]
@@ -178,39 +184,50 @@ class Merged:
         """Fold one record (full or delta) into its container."""
         record = check(record)
         name, kind, op = record["c"], record["k"], record["o"]
+        if kind != "vectors":
+            self._vectors.pop(name, None)
         if kind == "array":
+            self._owned.discard(name)
             self._apply_array(record)
             return
         self._arrays.pop(name, None)
-        prev = self.records.get(name)
         if op == "full" or kind == "ref" or (kind == "blob" and op != "part"):
             self.records[name] = record
+            self._owned.discard(name)
+            self._vectors.pop(name, None)
             return
         if kind == "blob" and op == "part":
+            self._owned.discard(name)
             self._apply_blob_part(record)
             return
         if kind == "log" and op == "append":
-            items = list(prev["items"]) if prev and prev.get("k") == "log" else []
-            codec.log_append(items, _need(record, "items", (list, tuple)))
-            self.records[name] = {**record, "o": "full", "items": items}
+            held = self._held(name, "log", list)
+            codec.log_append(held["items"], _need(record, "items", (list, tuple)))
+            held["t"] = record["t"]
         elif kind == "kv" and op in ("set", "del"):
-            base = dict(prev["items"]) if prev and prev.get("k") == "kv" else {}
+            held = self._held(name, "kv", dict)
             if op == "set":
-                base.update(_need(record, "items", dict))
+                held["items"].update(_need(record, "items", dict))
             else:
                 for key in _need(record, "keys", (list, tuple)):
-                    base.pop(key, None)
-            self.records[name] = {
-                "c": name,
-                "k": "kv",
-                "t": record["t"],
-                "o": "full",
-                "items": base,
-            }
+                    held["items"].pop(key, None)
+            held["t"] = record["t"]
         elif kind == "vectors" and op in ("upsert", "remove"):
-            self._apply_vectors(record, prev)
+            self._apply_vectors(record)
         else:
             raise RecordError(f"record {name!r}: unknown kind/op {kind}/{op}")
+
+    def _held(self, name: str, kind: str, empty: type) -> dict[str, Any]:
+        """``name``'s full record of ``kind``, made here (its items copied once from the one
+        folded before, or empty), to change in place."""
+        prev = self.records.get(name)
+        if name in self._owned and prev is not None:
+            return prev
+        items = empty(prev["items"]) if prev is not None and prev.get("k") == kind else empty()
+        held = {"c": name, "k": kind, "t": "hot", "o": "full", "items": items}
+        self.records[name] = held
+        self._owned.add(name)
+        return held
 
     def _apply_array(self, record: dict[str, Any]) -> None:
         name, op = record["c"], record["o"]
@@ -253,45 +270,65 @@ class Merged:
         self.records.pop(name, None)
         self._arrays[name] = (arr, shape, tier)
 
-    def _apply_vectors(self, record: dict[str, Any], prev: dict[str, Any] | None) -> None:
+    def _apply_vectors(self, record: dict[str, Any]) -> None:
         name = record["c"]
-        if prev is not None and prev.get("k") == "vectors":
-            dim, dtype = int(prev["dim"]), np.dtype(prev["dtype"])
-            ids = list(prev["ids"])
-            vec = np.frombuffer(prev["vec"], dtype=dtype).reshape(len(ids), dim)
-        else:
-            dim = int(_need(record, "dim", int))
-            dtype = np.dtype(_need(record, "dtype", str))
-            ids, vec = [], np.zeros((0, dim), dtype=dtype)
-        rows = dict(zip(ids, vec, strict=True))
+        held = self._vectors.get(name)
+        if held is None:
+            prev = self.records.pop(name, None)
+            if prev is not None and prev.get("k") == "vectors":
+                held = _Vectors(int(prev["dim"]), np.dtype(prev["dtype"]), {}, prev["t"])
+                held.upsert(name, _need(prev, "ids", (list, tuple)), _need(prev, "vec", bytes))
+            else:
+                dim = int(_need(record, "dim", int))
+                held = _Vectors(dim, np.dtype(_need(record, "dtype", str)), {}, record["t"])
+            self._vectors[name] = held
+        self._owned.discard(name)
+        held.tier = record["t"]
         if record["o"] == "upsert":
-            new_ids = list(_need(record, "ids", (list, tuple)))
-            new = np.frombuffer(_need(record, "vec", bytes), dtype=dtype).reshape(-1, dim)
-            if len(new) != len(new_ids):
-                raise RecordError(f"vectors {name!r}: {len(new_ids)} ids, {len(new)} rows")
-            rows.update(zip(new_ids, new, strict=True))
+            held.upsert(name, _need(record, "ids", (list, tuple)), _need(record, "vec", bytes))
         else:
             for key in _need(record, "ids", (list, tuple)):
-                rows.pop(key, None)
-        out_ids = list(rows)
-        out = np.stack(list(rows.values())) if rows else np.zeros((0, dim), dtype=dtype)
-        self.records[name] = {
-            "c": name,
-            "k": "vectors",
-            "t": record["t"],
-            "o": "full",
-            "dim": dim,
-            "dtype": dtype.str,
-            "ids": out_ids,
-            "vec": out.astype(dtype, copy=False).tobytes(),
-        }
+                held.rows.pop(key, None)
 
     def full_records(self) -> list[dict[str, Any]]:
         """Every container's full record (arrays whole)."""
         out = list(self.records.values())
         for name, (arr, shape, tier) in self._arrays.items():
             out.append(_array_record(name, tier, arr, shape))
+        for name, vectors in self._vectors.items():
+            out.append(vectors.record(name))
         return out
+
+
+@dataclass
+class _Vectors:
+    """A vectors container's value as a merge changes it: its rows by id, in order."""
+
+    dim: int
+    dtype: np.dtype[Any]
+    rows: dict[str, bytes]
+    tier: str
+
+    def upsert(self, name: str, ids: Sequence[Any], vec: bytes) -> None:
+        row = self.dim * self.dtype.itemsize
+        if len(vec) != len(ids) * row:
+            raise RecordError(
+                f"vectors {name!r}: {len(ids)} ids, {len(vec)} bytes of rows of {row}"
+            )
+        for i, key in enumerate(ids):
+            self.rows[key] = vec[i * row : (i + 1) * row]
+
+    def record(self, name: str) -> dict[str, Any]:
+        return {
+            "c": name,
+            "k": "vectors",
+            "t": self.tier,
+            "o": "full",
+            "dim": self.dim,
+            "dtype": self.dtype.str,
+            "ids": list(self.rows),
+            "vec": b"".join(self.rows.values()),
+        }
 
 
 def merge(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
