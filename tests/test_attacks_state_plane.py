@@ -399,7 +399,7 @@ async def test_a_frame_sent_slowly_cannot_hold_the_nodes_memory(
     monkeypatch.setattr(keeper_module, "BODY_TIMEOUT_S", 1.0)
     tenant = f"t{tag()}"
     async with world.node("a") as node:
-        node.keeper.frames = FrameBudget(total=16 << 20, per_sandbox=16 << 20)
+        node.keeper.frames = FrameBudget(16 << 20, per_sandbox=16 << 20, per_tenant=16 << 20)
         _, slow = await opened(node, tenant, f"s{tag()}")
         _, other = await opened(node, tenant, f"o{tag()}")
         await slow.raw(struct.pack(">I", 12 << 20) + b"\x00" * 1024)  # announced, barely sent

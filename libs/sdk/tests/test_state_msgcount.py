@@ -91,7 +91,7 @@ def _keys_all_strings(value: Any) -> bool:
 
 
 @pytest.mark.parametrize("count", COUNTERS)
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(value=values)
 def test_strict_refuses_what_a_strict_decode_refuses(count: Any, value: Any) -> None:
     """With strict, a map key must be a str or bin (salted hashes), as msgpack's

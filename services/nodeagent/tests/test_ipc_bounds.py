@@ -666,6 +666,10 @@ def test_the_sdk_retries_a_busy_server_and_keeps_its_connection(sock_dir: Path) 
         assert refused.value.code == "busy"
         assert time.monotonic() - started >= 0.9  # retried for its timeout
         assert client._link is link  # the connection kept
+        started = time.monotonic()
+        with pytest.raises(BrokerRefused):  # the call's own timeout bounds the retries
+            client.call_tool("busy", "ping", timeout=0.2)
+        assert 0.15 <= time.monotonic() - started < 0.9
 
         drain_soon(server, 0.3)
         with pytest.raises(CallTimeout):  # the channel opened; the raw server never answers

@@ -9,14 +9,16 @@ import pytest
 from dsec_nodeagent.state.budget import FrameBudget
 
 
-async def _held(budget: FrameBudget, sandbox: str, size: int, go: asyncio.Event) -> str:
-    async with budget.hold(sandbox, size):
+async def _held(
+    budget: FrameBudget, sandbox: str, size: int, go: asyncio.Event, tenant: str = ""
+) -> str:
+    async with budget.hold(sandbox, tenant or f"t-{sandbox}", size):
         await go.wait()
     return sandbox
 
 
 async def test_frames_wait_their_turn_node_wide_and_per_sandbox() -> None:
-    budget = FrameBudget(total=100, per_sandbox=60)
+    budget = FrameBudget(total=100, per_sandbox=60, per_tenant=100)
     go = asyncio.Event()
     first = asyncio.create_task(_held(budget, "a", 60, go))
     await asyncio.sleep(0)
@@ -40,7 +42,7 @@ async def test_frames_wait_their_turn_node_wide_and_per_sandbox() -> None:
 
 
 async def test_a_cancelled_or_failed_holder_gives_its_bytes_back() -> None:
-    budget = FrameBudget(total=10, per_sandbox=10)
+    budget = FrameBudget(total=10, per_sandbox=10, per_tenant=10)
     go = asyncio.Event()
     holder = asyncio.create_task(_held(budget, "a", 10, go))
     await asyncio.sleep(0)
@@ -58,9 +60,30 @@ async def test_a_cancelled_or_failed_holder_gives_its_bytes_back() -> None:
     go.set()
     assert await behind == "c"
     with pytest.raises(RuntimeError):
-        async with budget.hold("d", 4):
+        async with budget.hold("d", "t", 4):
             raise RuntimeError("a frame that failed")
     assert budget.used == 0
     with pytest.raises(ValueError, match="over a sandbox's"):
-        async with budget.hold("d", 11):
+        async with budget.hold("d", "t", 11):
             pass
+
+
+async def test_one_tenants_sandboxes_hold_half_the_budget_at_most() -> None:
+    """Eight sandboxes of one tenant announcing largest frames they never send made every other
+    tenant's frames wait for their deadlines: a tenant holds half the budget at most, and the
+    others' frames pass its waiters."""
+    budget = FrameBudget(total=256, per_sandbox=64)
+    assert budget.per_tenant == 128
+    go = asyncio.Event()
+    hostile = [
+        asyncio.create_task(_held(budget, f"h{i}", 64, go, tenant="hostile")) for i in range(8)
+    ]
+    await asyncio.sleep(0)
+    assert budget.held_by_tenant("hostile") == 128 and budget.used == 128
+    victims = [asyncio.create_task(_held(budget, f"v{i}", 64, go)) for i in range(2)]
+    await asyncio.sleep(0)
+    assert budget.used == 256  # both victims hold theirs, ahead of six hostile waiters
+    assert all(budget.held(f"v{i}") == 64 for i in range(2))
+    go.set()
+    await asyncio.gather(*hostile, *victims)
+    assert budget.used == 0 and budget.held_by_tenant("hostile") == 0

@@ -669,11 +669,11 @@ class DSecClient:
             return self._observed_call(agent, tool, _merge(arguments, kwargs), timeout)
         if self._recording is not None:
             return self._call_recorded(agent, tool, _merge(arguments, kwargs), timeout, None)
-        channel = self._channels.get(agent)
-        if channel is None or channel.end.is_closed:
-            channel = self._channel(agent)
         merged = kwargs if arguments is None else _merge(arguments, kwargs)
         seconds = self.timeout if timeout is ... else timeout
+        channel = self._channels.get(agent)
+        if channel is None or channel.end.is_closed:
+            channel = self._channel(agent, seconds)
         try:
             try:
                 return channel.invoke(tool, merged, seconds, self.group)
@@ -700,11 +700,11 @@ class DSecClient:
             timeout: float | EllipsisType | None = ...,
             **kwargs: Any,
         ) -> Any:
-            channel = channels_get(agent)
-            if channel is None or channel.end.is_closed:
-                channel = open_channel(agent)
             merged = kwargs if arguments is None else merge(arguments, kwargs)
             seconds = self.timeout if timeout is ... else timeout
+            channel = channels_get(agent)
+            if channel is None or channel.end.is_closed:
+                channel = open_channel(agent, seconds)
             try:  # channel.invoke(), inlined: a method call is ~0.05 µs of a ~2 µs call
                 fast = channel.fast
                 if fast is None:
@@ -745,7 +745,7 @@ class DSecClient:
         self._drop(agent, channel)
         if isinstance(exc, ProtocolError) or not (exc.untaken and self._moved(agent)):
             raise exc
-        channel = self._channel(agent)
+        channel = self._channel(agent, seconds)
         try:
             return channel.invoke(tool, merged, seconds, self.group)
         except (PeerGone, ProtocolError):
@@ -777,7 +777,7 @@ class DSecClient:
     ) -> Any:
         channel = self._channels.get(agent)
         if channel is None or channel.end.is_closed:
-            channel = self._channel(agent)
+            channel = self._channel(agent, seconds)
         try:
             return channel.invoke(tool, merged, seconds, self.group, trace)
         except (PeerGone, ProtocolError) as exc:
@@ -968,9 +968,13 @@ class DSecClient:
     def _open(self, agent: str) -> CallerEnd:
         return self._open_on(agent)[0]
 
-    def _open_on(self, agent: str) -> tuple[CallerEnd, BrokerLink]:
+    def _open_on(
+        self, agent: str, timeout: float | EllipsisType | None = ...
+    ) -> tuple[CallerEnd, BrokerLink]:
         """A new channel to ``agent``, and the broker connection that opened it (whose notices
-        name it: channel ids are the broker's, a restarted broker counts from 1 again)."""
+        name it: channel ids are the broker's, a restarted broker counts from 1 again);
+        ``timeout``: the call's that needs it (``...``: the client's), which bounds how long a
+        busy answer is retried."""
         # (here, not from the broker: a bad name is the caller's mistake, not the broker's)
         control.check_name("agent name", agent)
         # A busy answer (the agent has not read the channels offered to it yet, or this
@@ -980,7 +984,8 @@ class DSecClient:
         except BrokerRefused as exc:
             if exc.code != "busy":
                 raise
-            return _again_while_busy(exc, self.timeout, lambda _left: self._open_once(agent))
+            seconds = self.timeout if timeout is ... else timeout
+            return _again_while_busy(exc, seconds, lambda _left: self._open_once(agent))
 
     def _open_once(self, agent: str) -> tuple[CallerEnd, BrokerLink]:
         with self._link_lock:
@@ -1020,11 +1025,11 @@ class DSecClient:
             self._link.close()
             self._link = None
 
-    def _channel(self, agent: str) -> _SyncChannel:
+    def _channel(self, agent: str, timeout: float | EllipsisType | None = ...) -> _SyncChannel:
         channel = self._channels.get(agent)
         if channel is not None and not channel.end.is_closed:
             return channel
-        end, link = self._open_on(agent)
+        end, link = self._open_on(agent, timeout)
         # A final hand-over's notice, on the connection that opened it, wakes a call waiting here.
         fd = link.sock.fileno()
         if fd >= 0:  # (closed by another thread meanwhile: the old process's death tells it)

@@ -481,7 +481,7 @@ class StateSession:
             if size is None:
                 return
             # (the frame's bytes are the node's, from its read until it is served: budget.py)
-            async with keeper.frames.hold(self.sandbox_id, size):
+            async with keeper.frames.hold(self.sandbox_id, self.key.tenant, size):
                 try:
                     frame = await self._read(reader, size)
                 except wire.WireError as exc:
