@@ -12,7 +12,11 @@ a broker without a keeper answers ``error`` ``unavailable``. Outside a sandbox (
 Python) ``dsec_sdk.state`` uses a local store and no socket at all.
 
 Frames: a 4-byte big-endian length, then one MessagePack map (``use_bin_type``; binary fields
-are ``bytes``). Every frame has ``op``. At most :data:`MAX_FRAME` bytes.
+are ``bytes``). Every frame has ``op``. At most :data:`MAX_FRAME` bytes. A frame to the keeper
+also holds at most ``msgcount.MAX_FRAME_OBJECTS`` MessagePack objects, its map keys are str (or
+bytes), it carries no extension type, and its body follows its length within 10 s; the keeper
+refuses any other unread (``bad-request``). The SDK keeps to this: it refuses such a value
+where it is stored, and cuts a checkpoint into frames within the bound.
 
 Agent -> keeper::
 
