@@ -902,22 +902,14 @@ class DSecClient:
         try:
             return await self._acall_once(agent, tool, merged, seconds, trace)
         except AgentBusy as first:  # (as _again_while_busy, without blocking the loop)
-            last = first
-            seconds = _as_seconds(seconds)
-            started = time.monotonic()
-            budget = _busy_budget(seconds)
-            pause = _BUSY_FIRST_PAUSE_S
-            if pause > budget:
-                raise
-            while time.monotonic() - started + pause <= budget:
+            last, retries = first, _BusyRetries(seconds)
+            while (pause := retries.next_pause()) is not None:
                 await asyncio.sleep(pause)
-                pause = min(pause * 2, _BUSY_MAX_PAUSE_S)
-                left = None if seconds is None else seconds - (time.monotonic() - started)
                 try:
-                    return await self._acall_once(agent, tool, merged, left, trace)
+                    return await self._acall_once(agent, tool, merged, retries.left(), trace)
                 except AgentBusy as again:
                     last = again
-            raise last.retried(time.monotonic() - started) from None
+            raise retries.gave_up(last) from None
 
     async def _acall_once(
         self,
@@ -964,9 +956,6 @@ class DSecClient:
                 self.socket_path, self.agent, self.group, "caller", connect_to=connect_to
             )
         return self._link
-
-    def _open(self, agent: str) -> CallerEnd:
-        return self._open_on(agent)[0]
 
     def _open_on(
         self, agent: str, timeout: float | EllipsisType | None = ...
@@ -1108,11 +1097,6 @@ class DSecClient:
         self.close()
 
 
-def _busy_budget(seconds: float | None) -> float:
-    """How long a `busy` answer is retried under a call's (or the client's) timeout."""
-    return BUSY_RETRY_S if seconds is None else min(seconds, BUSY_RETRY_S)
-
-
 def _as_seconds(timeout: Any) -> float | None:
     """A timeout the call took (any real number, ``Decimal`` and huge ints included) as the
     float a retry's arithmetic can use: ``None`` stays, too large for a float is ``inf``."""
@@ -1128,27 +1112,51 @@ _Busy = TypeVar("_Busy", AgentBusy, BrokerRefused)
 _T = TypeVar("_T")
 
 
+class _BusyRetries:
+    """When to try again after a `busy` answer: pauses doubling from 5 ms to 0.2 s, for up to
+    the call's timeout (:data:`BUSY_RETRY_S` at most), each try given the time left."""
+
+    def __init__(self, seconds: Any) -> None:
+        self.seconds = _as_seconds(seconds)
+        self.budget = BUSY_RETRY_S if self.seconds is None else min(self.seconds, BUSY_RETRY_S)
+        self.started = time.monotonic()
+        self.pause = _BUSY_FIRST_PAUSE_S
+        self.tried = False
+
+    def next_pause(self) -> float | None:
+        """The pause before the next try; ``None``: no time left for one."""
+        pause = self.pause
+        if time.monotonic() - self.started + pause > self.budget:
+            return None
+        self.pause = min(pause * 2, _BUSY_MAX_PAUSE_S)
+        self.tried = True
+        return pause
+
+    def left(self) -> float | None:
+        """The call's time left (``None``: no timeout)."""
+        if self.seconds is None:
+            return None
+        return self.seconds - (time.monotonic() - self.started)
+
+    def gave_up(self, last: _Busy) -> _Busy:
+        """The last answer to raise: saying how long it was retried (as it came when it was
+        not)."""
+        return last.retried(time.monotonic() - self.started) if self.tried else last
+
+
 def _again_while_busy(exc: _Busy, seconds: float | None, again: Callable[[float | None], _T]) -> _T:
-    """After the `busy` answer ``exc``: ``again(time left of seconds)``, with backoff, while
-    it answers busy, for up to ``seconds`` (:data:`BUSY_RETRY_S` at most); then the last
-    answer, saying how long it was retried (or ``exc`` as it came, when no time was left)."""
-    seconds = _as_seconds(seconds)
-    started = time.monotonic()
-    budget = _busy_budget(seconds)
-    pause = _BUSY_FIRST_PAUSE_S
-    if pause > budget:
-        raise exc
-    while time.monotonic() - started + pause <= budget:
+    """After the `busy` answer ``exc``: ``again(time left)`` on :class:`_BusyRetries`' schedule
+    while it answers busy; then the last answer."""
+    retries = _BusyRetries(seconds)
+    while (pause := retries.next_pause()) is not None:
         time.sleep(pause)
-        pause = min(pause * 2, _BUSY_MAX_PAUSE_S)
-        left = None if seconds is None else seconds - (time.monotonic() - started)
         try:
-            return again(left)
+            return again(retries.left())
         except (AgentBusy, BrokerRefused) as answer:
             if type(answer) is not type(exc) or answer.code != "busy":
                 raise
             exc = answer
-    raise exc.retried(time.monotonic() - started) from None
+    raise retries.gave_up(exc) from None
 
 
 def _merge(arguments: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:

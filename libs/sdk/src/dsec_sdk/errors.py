@@ -7,10 +7,11 @@ the whole family or exactly the case it handles (retry a timeout, fall back when
 from __future__ import annotations
 
 
-def _without_retry(text: str) -> str:
-    """A refusal's text without its closing "; retry ..." (said after the client retried)."""
+def _still_busy(text: str, seconds: float) -> str:
+    """A busy answer's text as said after the client retried it for ``seconds`` (without the
+    answer's closing "; retry ...")."""
     head, sep, _ = text.rpartition("; retry")
-    return head if sep else text
+    return f"{head if sep else text}; still busy after {seconds:.1f} s of retries"
 
 
 class IpcError(Exception):
@@ -32,8 +33,7 @@ class BrokerRefused(BrokerUnavailable):
 
     def retried(self, seconds: float) -> BrokerRefused:
         """This refusal as raised after the client retried it for ``seconds``."""
-        text = f"{_without_retry(str(self))}; still busy after {seconds:.1f} s of retries"
-        return BrokerRefused(self.code, text)
+        return BrokerRefused(self.code, _still_busy(str(self), seconds))
 
 
 class AgentNotFound(IpcError):
@@ -147,14 +147,9 @@ class AgentBusy(RemoteError):
 
     def retried(self, seconds: float) -> AgentBusy:
         """This answer as raised after the client retried it for ``seconds``."""
-        message = _without_retry(self.remote_message)
+        message = _still_busy(self.remote_message, seconds)
         return AgentBusy(
-            self.agent,
-            self.tool,
-            self.code,
-            self.error_type,
-            f"{message}; still busy after {seconds:.1f} s of retries",
-            self.traceback_summary,
+            self.agent, self.tool, self.code, self.error_type, message, self.traceback_summary
         )
 
 

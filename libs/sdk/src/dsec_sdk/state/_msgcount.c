@@ -29,6 +29,17 @@ enum { OK = 0, CUT_SHORT = 1, BAD_TYPE = 2, BAD_KEY = 3, TOO_DEEP = 4, EXT = 5 }
 
 /* msgpack's decoder refuses a value nested deeper than this (StackError): so does the scan. */
 #define MAX_DEPTH 1024
+#define STR(x) #x
+#define XSTR(x) STR(x)
+
+/* ValueError's text for each status but OK (the object it stopped at follows). */
+static const char *const messages[] = {
+    [CUT_SHORT] = "MessagePack cut short after %llu objects",
+    [BAD_TYPE] = "MessagePack type byte 0xc1 (unused) at object %llu",
+    [BAD_KEY] = "a map key that is not a string at object %llu",
+    [TOO_DEEP] = "nested deeper than " XSTR(MAX_DEPTH) " at object %llu",
+    [EXT] = "an extension type (a timestamp...) at object %llu",
+};
 
 static uint64_t be(const unsigned char *p, int n) {
     uint64_t v = 0;
@@ -36,6 +47,12 @@ static uint64_t be(const unsigned char *p, int n) {
         v = (v << 8) | p[i];
     }
     return v;
+}
+
+/* The scan ends: `count` objects found, with `status`. */
+static int stop(uint64_t *found, uint64_t count, int status) {
+    *found = count;
+    return status;
 }
 
 /* One open container: the elements still to read, and whether it is a map (whose elements
@@ -61,8 +78,7 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, int str
     uint64_t count = 0;
     while (pending > 0) {
         if (p >= end) {
-            *found = count;
-            return CUT_SHORT;
+            return stop(found, count, CUT_SHORT);
         }
         while (depth > 0 && stack[depth - 1].left == 0) {
             depth--;
@@ -75,17 +91,14 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, int str
         unsigned char b = *p++;
         pending--;
         if (++count > limit) {
-            *found = count;
-            return OK;
+            return stop(found, count, OK);
         }
         if (is_key && strict && !((b >= 0xa0 && b <= 0xbf) || (b >= 0xd9 && b <= 0xdb) ||
                                        (b >= 0xc4 && b <= 0xc6))) {
-            *found = count;
-            return BAD_KEY;
+            return stop(found, count, BAD_KEY);
         }
         if (strict && ((b >= 0xc7 && b <= 0xc9) || (b >= 0xd4 && b <= 0xd8))) {
-            *found = count;
-            return EXT;
+            return stop(found, count, EXT);
         }
         uint64_t skip = 0;  /* payload bytes after the header */
         uint64_t items = 0; /* elements that follow */
@@ -103,8 +116,7 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, int str
         } else if (b <= 0xbf) {
             skip = b & 0x1f;
         } else if (b == 0xc1) {
-            *found = count;
-            return BAD_TYPE;
+            return stop(found, count, BAD_TYPE);
         } else if (b <= 0xc6) { /* bin 8/16/32 */
             width = 1 << (b - 0xc4);
         } else if (b <= 0xc9) { /* ext 8/16/32: length, then a type byte */
@@ -121,8 +133,7 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, int str
         } else { /* array 16/32, map 16/32 */
             int n = (b == 0xdc || b == 0xde) ? 2 : 4;
             if (end - p < n) {
-                *found = count;
-                return CUT_SHORT;
+                return stop(found, count, CUT_SHORT);
             }
             items = be(p, n);
             p += n;
@@ -134,21 +145,18 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, int str
         }
         if (width) {
             if (end - p < width) {
-                *found = count;
-                return CUT_SHORT;
+                return stop(found, count, CUT_SHORT);
             }
             skip += be(p, width);
             p += width;
         }
         if (skip > (uint64_t)(end - p)) {
-            *found = count;
-            return CUT_SHORT;
+            return stop(found, count, CUT_SHORT);
         }
         p += skip;
         if (container) {
             if (depth + 1 > MAX_DEPTH) { /* (an empty one counts too, as msgpack's stack does) */
-                *found = count;
-                return TOO_DEEP;
+                return stop(found, count, TOO_DEEP);
             }
             if (items > 0) {
                 stack[depth].left = items;
@@ -158,12 +166,10 @@ static int scan(const unsigned char *p, Py_ssize_t size, uint64_t limit, int str
         }
         pending += items;
         if (pending > (uint64_t)(end - p)) {
-            *found = count;
-            return CUT_SHORT;
+            return stop(found, count, CUT_SHORT);
         }
     }
-    *found = count;
-    return OK;
+    return stop(found, count, OK);
 }
 
 static PyObject *count(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -188,26 +194,11 @@ static PyObject *count(PyObject *self, PyObject *args, PyObject *kwargs) {
         status = scan(view.buf, view.len, limit, strict, &found);
     }
     PyBuffer_Release(&view);
-    unsigned long long at = (unsigned long long)found;
-    switch (status) {
-    case CUT_SHORT:
-        PyErr_Format(PyExc_ValueError, "MessagePack cut short after %llu objects", at);
+    if (status != OK) {
+        PyErr_Format(PyExc_ValueError, messages[status], (unsigned long long)found);
         return NULL;
-    case BAD_TYPE:
-        PyErr_Format(PyExc_ValueError, "MessagePack type byte 0xc1 (unused) at object %llu", at);
-        return NULL;
-    case BAD_KEY:
-        PyErr_Format(PyExc_ValueError, "a map key that is not a string at object %llu", at);
-        return NULL;
-    case EXT:
-        PyErr_Format(PyExc_ValueError, "an extension type (a timestamp...) at object %llu", at);
-        return NULL;
-    case TOO_DEEP:
-        PyErr_Format(PyExc_ValueError, "nested deeper than %d at object %llu", MAX_DEPTH, at);
-        return NULL;
-    default:
-        return PyLong_FromUnsignedLongLong(found);
     }
+    return PyLong_FromUnsignedLongLong(found);
 }
 
 static PyMethodDef methods[] = {
@@ -221,8 +212,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_msgcount", "MessagePack objects counted without making them.", -1,
-    methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_msgcount",
+    .m_doc = "MessagePack objects counted without making them.",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__msgcount(void) { return PyModule_Create(&module); }

@@ -72,6 +72,11 @@ def pack_canonical(value: Any) -> bytes:
     return data
 
 
+_STORABLE: Final = (
+    "a stored value is made of str, int, float, bool, None, bytes, lists and dicts with str keys"
+)
+
+
 def check_item(body: bytes, what: str) -> None:
     """Refuse (``ValueError``, naming ``what``) a packed log item or kv value the keeper would
     refuse in a checkpoint frame: a dict key that is not a str (or bytes), or more than
@@ -79,7 +84,9 @@ def check_item(body: bytes, what: str) -> None:
     try:
         objects = msgcount.count(body, MAX_ITEM_OBJECTS, strict=True)
     except ValueError as exc:
-        raise ValueError(f"{what}: {exc} (a stored value's dict keys are str or bytes)") from None
+        # (the count's place, "at object N", means nothing to whoever stored the value)
+        problem = str(exc).split(" at object ")[0]
+        raise ValueError(f"{what}: {problem}; {_STORABLE}") from None
     if objects > MAX_ITEM_OBJECTS:
         raise ValueError(
             f"{what}: the value holds more than {MAX_ITEM_OBJECTS:,} MessagePack objects (each "

@@ -72,17 +72,12 @@ class FrameBudget:
             self._give(sandbox, tenant, size)
 
     async def _take(self, sandbox: str, tenant: str, size: int) -> None:
-        if (
-            not self._waiters
-            and self._shares_allow(sandbox, tenant, size)
-            and self.used + size <= self.total
-        ):
-            self._grant(sandbox, tenant, size)
-            return
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(sandbox, tenant, size, future)
         self._waiters.append(waiter)
-        self._wake()  # (those ahead may wait on their own shares only)
+        self._wake()  # (granted at once when nothing holds it back)
+        if future.done():
+            return
         try:
             await future
         except BaseException:
