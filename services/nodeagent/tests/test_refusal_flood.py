@@ -132,12 +132,16 @@ async def test_connect_flood_is_summarized_and_the_victim_starts_on_time(
         assert summaries[0].payload["sample_target"].startswith("10.77.0.1:80")
         assert len(rec.events) < 60, len(rec.events)  # not one event per refusal
         assert rss_peak - rss_before < 60, (rss_before, rss_peak)
-        # Under the flood, the victim's sandbox.ready arrives promptly: what the node agent adds
-        # to the sandbox's own start (consume, publish, queueing behind refusals) stays within
-        # 2x of idle (plus 50 ms of scheduling noise on a shared 2-core host); the start itself
-        # competes for CPU with the flooding workload, so it is only bounded loosely.
+        # Under the flood, the victim's sandbox.ready still arrives: what the node agent adds to
+        # the sandbox's own start (consume, publish, queueing behind refusals) stays far below the
+        # flood's 4 s, so its loop was never held by the attacker's refusals. The bound is loose on
+        # purpose: on a shared 2-core host the attacker's connects, the kernel's refusals and
+        # nats-server all compete with the agent for CPU, and CI saw 29 ms idle against 160 ms
+        # under the flood with nothing wrong. Publishing every refusal is caught by the counts
+        # above, not here (with one event per refusal the victim's overhead stayed under 60 ms:
+        # the kernel's ring buffer, not the agent's loop, absorbs the flood).
         idle_overhead, flood_overhead = h.overhead_ms(idle), h.overhead_ms(victim)
-        assert flood_overhead < 2 * idle_overhead + 50, (idle_overhead, flood_overhead)
+        assert flood_overhead < idle_overhead + 500, (idle_overhead, flood_overhead)
         assert flood_ms < 2000, (idle_ms, flood_ms)
 
 
