@@ -39,6 +39,16 @@ EVENTS_REJECTED = Counter(
     "Events a consumer refused to act on (unsigned, forged, unauthorized, replayed, ...)",
     ["service", "type", "reason"],
 )
+HANDLER_WAITING = Gauge(
+    "dsec_handler_waiting",
+    "Verified events a fair handler holds for its workers (the tenants take turns)",
+    ["service", "type"],
+)
+TENANT_FULL = Counter(
+    "dsec_handler_tenant_full_total",
+    "Requests ended at once because their tenant already had DSEC_TENANT_QUEUE held",
+    ["service", "type"],
+)
 # ``reason`` is one of the gate's fixed refusal names (dsec_core.trust: unknown-key,
 # revoked-key, uncertified-key, bad-signature, unauthorized, replayed, malformed, ...).
 

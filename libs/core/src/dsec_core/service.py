@@ -29,7 +29,7 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal, TypeVar, overload
 
@@ -45,6 +45,7 @@ from dsec_core import identity, keysource, metrics, natsclient, quickexit
 from dsec_core.bus import EventPublisher, StreamWeakened, connect, require_stream
 from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
+from dsec_core.fairness import FairQueue, TenantFull
 from dsec_core.ids import derive_event_id, output_event_id
 from dsec_core.natsperms import durable_name
 from dsec_core.settings import Settings
@@ -98,6 +99,54 @@ Answer = type[Payload] | tuple[type[Payload], str]
 """An event class that answers a request, published by the runtime (its id the runtime's,
 ``output_event_id``), or ``(class, label)`` for one a handler publishes itself with the id
 ``derive_event_id(request id, label)`` (the scheduler's placement)."""
+FAIR_HELD = 1024
+"""Events a durable consumer may have delivered and not acknowledged (JetStream's
+``max_ack_pending``), and so what a fair handler may hold for all tenants together."""
+FAIR_HELD_BYTES = 64 << 20
+"""Bytes (as received) a fair handler holds for all tenants together: past them it takes
+nothing more from the bus until one ends (a spec is a few KB; one may be up to NATS's 1 MiB)."""
+FAIR_TENANT_BYTES = FAIR_HELD_BYTES // 4
+"""Bytes one tenant's held events may take at a fair handler; the next is ended at once."""
+
+
+@dataclass(frozen=True)
+class _Handling:
+    """What the runtime needs to run one registered handler."""
+
+    event_type: str
+    durable: str
+    fn: Handler
+    policy: RetryPolicy
+    failure: FailureEvents
+    answers: Sequence[Answer]
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A verified delivery waiting in a fair handler's queue, kept alive meanwhile."""
+
+    msg: NatsMessage
+    envelope: Envelope
+    attempt: int
+    heartbeat: asyncio.Task[None]
+
+
+@dataclass
+class _FairHandling:
+    handling: _Handling
+    queue: FairQueue[_Held]
+    workers: int
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+async def _give_back(held: _Held) -> None:
+    """NAK a held delivery without delay (best effort: a stopping connection may refuse; then
+    JetStream redelivers it after ``ack_wait``)."""
+    held.heartbeat.cancel()
+    with contextlib.suppress(Exception):
+        await held.msg.nack()
+
+
 ANSWER_SCAN = 256
 """Messages of one subject a spare delivery reads looking for a request's answer (see
 ``Service._answered``): an answer behind more forgeries than this is not found, and the request
@@ -179,6 +228,7 @@ class Service:
         self.keys: KeyRing | None = None
         self.gate: Gate | None = None
         self.durables: list[str] = []  # its durable consumers (NATS permissions allow only these)
+        self._fair: list[_FairHandling] = []  # handlers registered with workers
         self.stream_problem: str | None = None  # set while DSEC_EVENTS is weakened
         self._watch: asyncio.Task[None] | None = None
         self._key_watch: asyncio.Task[None] | None = None
@@ -242,6 +292,7 @@ class Service:
         on_exhausted: FailureEvents | None = None,
         scope: Literal["service", "node"] = "service",
         answers: Sequence[Answer] = (),
+        workers: int = 0,
     ) -> Callable[[TypedHandler[P]], TypedHandler[P]]: ...
 
     @overload
@@ -254,6 +305,7 @@ class Service:
         on_exhausted: FailureEvents | None = None,
         scope: Literal["service", "node"] = "service",
         answers: Sequence[Answer] = (),
+        workers: int = 0,
     ) -> Callable[[Handler], Handler]: ...
 
     def handles(
@@ -265,6 +317,7 @@ class Service:
         on_exhausted: FailureEvents | None = None,
         scope: Literal["service", "node"] = "service",
         answers: Sequence[Answer] = (),
+        workers: int = 0,
     ) -> Callable[[Any], Any]:
         """Register ``fn`` as the durable handler of the event class ``event`` for this
         service; ``fn(envelope, payload)`` receives the payload as an instance of that class.
@@ -278,6 +331,11 @@ class Service:
         classes that answer a request (``spec.validated``, ``spec.rejected``): when every attempt
         crashed, the spare delivery publishes the failure only if none of them is in the log
         (an attempt may have answered before its process died); without them, it always does.
+        ``workers``: 0 (the default) handles one event at a time in stream order; N > 0 holds
+        verified events per tenant and runs N at once, the tenants taking turns
+        (:mod:`dsec_core.fairness`): for independent requests (a spec, a build), so that one
+        tenant's backlog does not hold another's request. A tenant with
+        ``DSEC_TENANT_QUEUE`` held has its next request ended at once with the failure event.
         """
         model = model_for(event) if isinstance(event, str) else event  # fails fast on a typo
         if model_for(model.TYPE) is not model:
@@ -296,11 +354,30 @@ class Service:
                 deliver_policy=DeliverPolicy.ALL,
                 ack_wait=policy.ack_wait_s,
                 max_deliver=policy.max_attempts + 1,
-                max_ack_pending=1024,
+                max_ack_pending=FAIR_HELD,
             )
 
-            async def consume(msg: NatsMessage) -> None:
-                await self._dispatch(event_type, durable, fn, policy, failure, msg, answered_by)
+            handling = _Handling(event_type, durable, fn, policy, failure, answered_by)
+            if workers > 0:
+                fair = _FairHandling(
+                    handling,
+                    FairQueue(
+                        per_tenant=self.settings.tenant_queue,
+                        total=FAIR_HELD,
+                        per_tenant_bytes=FAIR_TENANT_BYTES,
+                        total_bytes=FAIR_HELD_BYTES,
+                    ),
+                    workers,
+                )
+                self._fair.append(fair)
+
+                async def consume(msg: NatsMessage) -> None:
+                    await self._hold(fair, msg)
+
+            else:
+
+                async def consume(msg: NatsMessage) -> None:
+                    await self._dispatch(handling, msg)
 
             self.broker.subscriber(
                 filter_for(event_type),
@@ -323,53 +400,136 @@ class Service:
         prefix = natsclient.inbox_options(self.settings).get("inbox_prefix", "_INBOX")
         return f"{prefix}.".encode()
 
-    async def _dispatch(
-        self,
-        event_type: str,
-        durable: str,
-        fn: Handler,
-        policy: RetryPolicy,
-        failure: FailureEvents,
-        msg: NatsMessage,
-        answers: Sequence[Answer] = (),
-    ) -> None:
+    async def _dispatch(self, h: _Handling, msg: NatsMessage) -> None:
+        admitted = await self._admit(h, msg)
+        if admitted is not None:
+            await self._handle(h, msg, *admitted)
+
+    async def _admit(self, h: _Handling, msg: NatsMessage) -> tuple[Envelope, int] | None:
+        """The verified envelope and its attempt, or ``None`` when the message was refused or
+        was a spare delivery that only ended its request (acked either way)."""
         attempt, stream_seq = self.delivery(msg)
-        labels = (self.name, event_type)
+        labels = (self.name, h.event_type)
         if attempt > 1:
             metrics.REDELIVERIES.labels(*labels).inc()
         assert self.gate is not None
         admitted = await self.gate.admit(
             msg.raw_message.data,
             stream_seq=stream_seq,
-            consumer=durable,
+            consumer=h.durable,
             subject=msg.raw_message.subject,
-            event_type=event_type,
+            event_type=h.event_type,
         )
         if isinstance(admitted, Refusal):
-            await self._refuse(durable, event_type, stream_seq, msg, admitted)
-            return
+            await self._refuse(h.durable, h.event_type, stream_seq, msg, admitted)
+            return None
         envelope = admitted
         metrics.EVENTS_CONSUMED.labels(*labels).inc()
-        if attempt > policy.max_attempts:
+        if attempt > h.policy.max_attempts:
             # The handler crashed the process (or outran ack_wait) on every attempt: this spare
             # delivery only ends the request, it does not run the handler again.
-            await self._end_unfinished(envelope, stream_seq, attempt - 1, failure, answers)
+            await self._end_unfinished(envelope, stream_seq, attempt - 1, h.failure, h.answers)
             await msg.ack_sync()
-            return
+            return None
+        return envelope, attempt
+
+    async def _handle(
+        self,
+        h: _Handling,
+        msg: NatsMessage,
+        envelope: Envelope,
+        attempt: int,
+        heartbeat: asyncio.Task[None] | None = None,
+    ) -> None:
+        """Run the handler, publish its outputs, ack; on an error retry or end the request."""
+        _, stream_seq = self.delivery(msg)
         started = time.perf_counter()
-        heartbeat = asyncio.create_task(self._keep_alive(msg, policy.ack_wait_s / 3))
+        if heartbeat is None:
+            heartbeat = asyncio.create_task(self._keep_alive(msg, h.policy.ack_wait_s / 3))
         token = HANDLING_SEQ.set(stream_seq)
         try:
-            outputs = await fn(envelope, envelope.decoded())  # an instance of the handled class
+            outputs = await h.fn(envelope, envelope.decoded())  # an instance of the handled class
             await self._publish_outputs(envelope, outputs)
         except Exception as exc:  # any handler error: retry, then a failure event
-            await self._on_failure(envelope, exc, attempt, policy, failure, msg)
+            await self._on_failure(envelope, exc, attempt, h.policy, h.failure, msg)
             return
         finally:
             heartbeat.cancel()
             HANDLING_SEQ.reset(token)
-        metrics.HANDLER_SECONDS.labels(*labels).observe(time.perf_counter() - started)
+        metrics.HANDLER_SECONDS.labels(self.name, h.event_type).observe(
+            time.perf_counter() - started
+        )
         await msg.ack_sync()
+
+    async def _hold(self, fair: _FairHandling, msg: NatsMessage) -> None:
+        """A fair handler's delivery: verify it now, then hold it in its tenant's queue (kept
+        alive meanwhile) for a worker; a tenant already holding ``DSEC_TENANT_QUEUE`` has it
+        ended at once. Waits (so FastStream fetches nothing more) while the queue is full."""
+        h = fair.handling
+        admitted = await self._admit(h, msg)
+        if admitted is None:
+            return
+        envelope, attempt = admitted
+        if attempt > 1 and await self._ended(h, msg, envelope, attempt):
+            await msg.ack_sync()
+            return
+        heartbeat = asyncio.create_task(self._keep_alive(msg, h.policy.ack_wait_s / 3))
+        size = len(msg.raw_message.data)
+        try:
+            await fair.queue.put(envelope.tenant, _Held(msg, envelope, attempt, heartbeat), size)
+        except TenantFull as full:
+            heartbeat.cancel()
+            await self._tenant_full(h, msg, envelope, attempt, full)
+        except BaseException:
+            heartbeat.cancel()
+            raise
+        metrics.HANDLER_WAITING.labels(self.name, h.event_type).set(fair.queue.waiting)
+
+    async def _ended(
+        self, h: _Handling, msg: NatsMessage, envelope: Envelope, attempt: int
+    ) -> bool:
+        """Whether a redelivered request already ended in its failure event (ended at once
+        for its tenant, or after its last attempt, and the ack was lost): then it must not be
+        handled again, or it would end twice."""
+        _, stream_seq = self.delivery(msg)
+        kinds = {type(p) for p in h.failure(envelope, "", attempt)}
+        try:
+            return bool(kinds) and await self._answered(envelope, stream_seq, list(kinds))
+        except Exception as exc:  # not known: handle it (its outputs' ids are the same)
+            log.warning("%s: end of %s not looked up (%s)", self.name, envelope.id, exc)
+            return False
+
+    async def _tenant_full(
+        self, h: _Handling, msg: NatsMessage, envelope: Envelope, attempt: int, full: TenantFull
+    ) -> None:
+        metrics.TENANT_FULL.labels(self.name, h.event_type).inc()
+        reason = (
+            f"{self.name} already holds {full.held} requests of tenant {full.tenant!r} "
+            f"({full.held_bytes:,} bytes; DSEC_TENANT_QUEUE = {full.limit} requests or "
+            f"{FAIR_TENANT_BYTES >> 20} MiB, the most one tenant may have waiting or running "
+            "here); this one was not started: submit it again when some of them have ended"
+        )
+        log.warning("%s: %s: %s", self.name, envelope.id, reason)
+        await self._publish_outputs(envelope, h.failure(envelope, reason, attempt))
+        await msg.ack_sync()
+
+    async def _work(self, fair: _FairHandling) -> None:
+        """One worker of a fair handler: the tenants' queues in turn, one event at a time."""
+        h, queue = fair.handling, fair.queue
+        while True:
+            ticket = await queue.take()
+            held = ticket.item
+            metrics.HANDLER_WAITING.labels(self.name, h.event_type).set(queue.waiting)
+            try:
+                await self._handle(h, held.msg, held.envelope, held.attempt, held.heartbeat)
+            except asyncio.CancelledError:
+                await _give_back(held)  # stopping: another instance takes it now
+                raise
+            except Exception as exc:  # publishing or acking failed: redelivered after ack_wait
+                log.warning("%s: %s not handled: %s", self.name, held.envelope.id, exc)
+            finally:
+                held.heartbeat.cancel()
+                await queue.done(ticket)
 
     async def _end_unfinished(
         self,
@@ -546,6 +706,7 @@ class Service:
         self.gate = Gate(self.keys, js, handled)
         for hook in self.on_start:
             await hook()
+        self.start_workers()
         await self.broker.start()
         self.loop_watch.start()
         self._watch = asyncio.create_task(self._watch_stream(js), name="stream-check")
@@ -635,6 +796,7 @@ class Service:
         if self._consumer_watch is not None:
             self._consumer_watch.cancel()
         await self.broker.stop()
+        await self.stop_workers()
         for hook in self.on_stop:
             await hook()
         if self.keys is not None:
@@ -643,6 +805,32 @@ class Service:
         self.loop_watch.stop()
         if self.nc is not None:
             await self.nc.drain()
+
+    def start_workers(self) -> None:
+        """Start the workers of the handlers registered with ``workers`` (:meth:`start` does)."""
+        for fair in self._fair:
+            if not fair.tasks:
+                fair.tasks = [
+                    asyncio.create_task(self._work(fair), name=f"{fair.handling.durable}-{n}")
+                    for n in range(fair.workers)
+                ]
+
+    async def settled(self) -> None:
+        """Wait until no fair handler holds an event (each was handled or ended)."""
+        for fair in self._fair:
+            await fair.queue.empty()
+
+    async def stop_workers(self) -> None:
+        """Fair handlers: what waits goes back to JetStream now (another instance takes it);
+        a running handler is cancelled, its event given back the same way (handlers are
+        idempotent)."""
+        for fair in self._fair:
+            for held in fair.queue.drain():
+                await _give_back(held)
+            for task in fair.tasks:
+                task.cancel()
+            await asyncio.gather(*fair.tasks, return_exceptions=True)
+            fair.tasks = []
 
     async def run(self) -> None:
         """Run until SIGTERM/SIGINT."""

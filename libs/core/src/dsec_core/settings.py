@@ -182,6 +182,13 @@ class Settings(BaseSettings):
         default=200, ge=0, description="At most this many ended sandboxes' directories are kept"
     )
 
+    tenant_queue: int = Field(
+        default=256,
+        ge=1,
+        description="Requests one tenant may have waiting or running at once in a service's "
+        "request handlers (policy, builder); the next is ended with its failure event",
+    )
+
     policy_event_burst: int = Field(
         default=5, ge=0, description="Refusals per sandbox, rule and minute sent as events"
     )

@@ -259,6 +259,7 @@ class MemoryBus:
         if again or not self.log.seq_of(data):
             self.log.records.append((len(self.log.records) + 1, subject, data))
         await self.broker.publish(data, subject, stream=STREAM)
+        await self.service.settled()  # a handler with workers runs it in a task: wait for it
 
     def caused_by(self, cause: Envelope) -> list[Envelope]:
         """The events the service published in answer to ``cause``."""
@@ -293,10 +294,12 @@ async def in_memory(service: Service, *, run_hooks: bool = True) -> AsyncIterato
     if run_hooks:
         for hook in service.on_start:
             await hook()
+    service.start_workers()
     try:
         async with TestNatsBroker(service.broker) as broker:
             yield MemoryBus(service, log, root, broker)
     finally:
+        await service.stop_workers()
         if run_hooks:
             for hook in service.on_stop:
                 await hook()

@@ -21,5 +21,8 @@ def create_service(settings: Settings | None = None) -> Service:
     handlers = PolicyHandlers(
         service.settings, load_org_policy(service.settings.org_policy), tenant_of=tenant_of
     )
-    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected))(handlers.on_submitted)
+    # Specs are independent requests: two validations at once, the tenants taking turns.
+    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=2)(
+        handlers.on_submitted
+    )
     return service
