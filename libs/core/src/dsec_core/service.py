@@ -488,13 +488,15 @@ class Service:
     async def _ended(
         self, h: _Handling, msg: NatsMessage, envelope: Envelope, attempt: int
     ) -> bool:
-        """Whether a redelivered request already ended in its failure event (ended at once
-        for its tenant, or after its last attempt, and the ack was lost): then it must not be
-        handled again, or it would end twice."""
+        """Whether a redelivered request already ended: in one of its answers (``answers``)
+        or its failure event (ended at once for its tenant, or after its last attempt), and
+        the ack was lost. Then it is neither held nor refused again: a refusal after an answer
+        would end it twice."""
         _, stream_seq = self.delivery(msg)
-        kinds = {type(p) for p in h.failure(envelope, "", attempt)}
+        kinds: list[Answer] = list(h.answers)
+        kinds += [k for k in dict.fromkeys(type(p) for p in h.failure(envelope, "", attempt))]
         try:
-            return bool(kinds) and await self._answered(envelope, stream_seq, list(kinds))
+            return bool(kinds) and await self._answered(envelope, stream_seq, kinds)
         except Exception as exc:  # not known: handle it (its outputs' ids are the same)
             log.warning("%s: end of %s not looked up (%s)", self.name, envelope.id, exc)
             return False
