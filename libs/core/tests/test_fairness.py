@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from dsec_core.fairness import FairQueue, TenantFull
+from dsec_core.fairness import FairQueue, QueueClosed, TenantFull
 
 
 async def _take_all(queue: FairQueue[str], n: int) -> list[str]:
@@ -86,20 +86,27 @@ async def test_a_tenant_full_while_waiting_for_room_is_refused_not_held() -> Non
     assert queue.held == 1
 
 
-async def test_drain_gives_back_what_waits_and_keeps_counting_what_runs() -> None:
-    queue: FairQueue[str] = FairQueue(per_tenant=10, total=100)
+async def test_close_gives_back_what_waits_refuses_more_and_keeps_counting_what_runs() -> None:
+    queue: FairQueue[str] = FairQueue(per_tenant=10, total=3)
     for item in ("a0", "a1", "b0"):
         await queue.put(item[0], item)
+    blocked = asyncio.create_task(queue.put("c", "c0"))  # waits for room
     running = await queue.take()
     assert running.item == "a0"
-    assert sorted(queue.drain()) == ["a1", "b0"]
-    assert queue.held == 1 and queue.waiting == 0
     emptied = asyncio.create_task(queue.empty())
-    await asyncio.sleep(0)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not blocked.done()
+    assert sorted(await queue.close()) == ["a1", "b0"]
+    with pytest.raises(QueueClosed):  # the waiting put is told, not held after the close
+        await asyncio.wait_for(blocked, 1.0)
+    with pytest.raises(QueueClosed):
+        await queue.put("d", "d0")
+    assert queue.held == 1 and queue.waiting == 0
     assert not emptied.done()
     await queue.done(running)
     await asyncio.wait_for(emptied, 1.0)
-    assert queue.held == 0
+    assert queue.held == 0 and queue.held_bytes == 0
 
 
 async def test_bytes_are_bounded_like_counts() -> None:

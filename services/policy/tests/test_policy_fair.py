@@ -3,6 +3,7 @@ ends a request may have when its tenant is full (``dsec_core.fairness``)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,13 @@ async def test_a_redelivered_answered_request_is_not_refused_when_its_tenant_is_
         assert [e.type for e in bus.caused_by(sent)] == ["spec.validated"]
 
         (fair,) = service._fair
-        await fair.queue.put("acme", None)  # the tenant's one request held elsewhere
+        for task in fair.tasks:  # the workers paused, so that what is held stays held
+            task.cancel()
+        await asyncio.gather(*fair.tasks, return_exceptions=True)
+        await fair.queue.put("acme", None)  # type: ignore[arg-type]  # the tenant's one request
         first = service.delivery
         service.delivery = lambda msg: (2, first(msg)[1])  # JetStream delivering it again
         wire = next(d for _, s, d in bus.log.records if s == sent.subject)
         await bus.broker.publish(wire, sent.subject, stream="DSEC_EVENTS")
-        fair.queue.drain()
+        await fair.queue.done(await fair.queue.take())
         assert [e.type for e in bus.caused_by(sent)] == ["spec.validated"]

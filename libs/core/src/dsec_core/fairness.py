@@ -30,6 +30,10 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
+class QueueClosed(Exception):
+    """The queue was closed (its service is stopping): the item was not held."""
+
+
 class TenantFull(Exception):
     """The tenant already holds its share: ``per_tenant`` events or ``per_tenant_bytes``."""
 
@@ -83,6 +87,7 @@ class FairQueue(Generic[T]):
         self._turns: OrderedDict[str, None] = OrderedDict()  # tenants with something waiting
         self._held = 0
         self._bytes = 0
+        self._closed = False
         self._changed = asyncio.Condition()
 
     @property
@@ -115,10 +120,17 @@ class FairQueue(Generic[T]):
         Raises:
             TenantFull: the tenant holds its share, before or while it waits for room (the
                 item is never held beyond a bound).
+            QueueClosed: :meth:`close` was called, before or while it waited.
         """
+        if self._closed:
+            raise QueueClosed
         self._check(tenant, size)
         async with self._changed:
-            await self._changed.wait_for(lambda: self._room(size) or self._full(tenant, size))
+            await self._changed.wait_for(
+                lambda: self._closed or self._room(size) or self._full(tenant, size)
+            )
+            if self._closed:
+                raise QueueClosed
             self._check(tenant, size)
             entry = self._tenants.setdefault(tenant, _Tenant())
             entry.waiting.append(Ticket(tenant, item, size))
@@ -169,18 +181,22 @@ class FairQueue(Generic[T]):
                 del self._tenants[ticket.tenant]
             self._changed.notify_all()
 
-    def drain(self) -> list[T]:
-        """Everything still waiting (for a stopping service to give back), oldest first per
-        tenant; the queue holds only the running items after it."""
-        items: list[T] = []
-        for tenant, entry in list(self._tenants.items()):
-            for ticket in entry.waiting:
-                items.append(ticket.item)
-                entry.bytes -= ticket.size
-                self._bytes -= ticket.size
-            self._held -= len(entry.waiting)
-            entry.waiting.clear()
-            if not entry.running:
-                del self._tenants[tenant]
-        self._turns.clear()
-        return items
+    async def close(self) -> list[T]:
+        """Hold nothing more (a waiting :meth:`put` raises :class:`QueueClosed`) and return
+        everything still waiting, oldest first per tenant, for a stopping service to give
+        back; only the running items stay held, until their :meth:`done`."""
+        async with self._changed:
+            self._closed = True
+            items: list[T] = []
+            for tenant, entry in list(self._tenants.items()):
+                for ticket in entry.waiting:
+                    items.append(ticket.item)
+                    entry.bytes -= ticket.size
+                    self._bytes -= ticket.size
+                self._held -= len(entry.waiting)
+                entry.waiting.clear()
+                if not entry.running:
+                    del self._tenants[tenant]
+            self._turns.clear()
+            self._changed.notify_all()
+            return items

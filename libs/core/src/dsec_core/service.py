@@ -18,6 +18,11 @@ On a handler error the input is NAKed with exponential backoff and redelivered, 
 ``max_attempts``; then a ``sandbox.failed`` event (stage = service, the error as reason) is
 published and the input acknowledged, so every request ends in a terminal event. FastStream's
 default REJECT_ON_ERROR (which silently terminates a failing message) is never used.
+
+A handler registered with ``workers=N`` (independent requests: the policy service's specs, the
+builder's resolutions and builds) does not run its events in stream order: each is verified as
+it arrives, held in its tenant's queue and run by one of N workers, the tenants taking turns
+(:mod:`dsec_core.fairness`; bounds ``FAIR_*`` and ``DSEC_TENANT_QUEUE``).
 """
 
 from __future__ import annotations
@@ -40,12 +45,13 @@ from nats import errors as nats_errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyWrongLastSequenceError
 
 from dsec_core import identity, keysource, metrics, natsclient, quickexit
 from dsec_core.bus import EventPublisher, StreamWeakened, connect, require_stream
 from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
-from dsec_core.fairness import FairQueue, TenantFull
+from dsec_core.fairness import FairQueue, QueueClosed, TenantFull
 from dsec_core.ids import derive_event_id, output_event_id
 from dsec_core.natsperms import durable_name
 from dsec_core.settings import Settings
@@ -101,12 +107,24 @@ Answer = type[Payload] | tuple[type[Payload], str]
 ``derive_event_id(request id, label)`` (the scheduler's placement)."""
 FAIR_HELD = 1024
 """Events a durable consumer may have delivered and not acknowledged (JetStream's
-``max_ack_pending``), and so what a fair handler may hold for all tenants together."""
+``max_ack_pending``, for all the service's instances together)."""
+FAIR_INSTANCE_HELD = 512
+"""Events one instance's fair handler holds for all tenants: past them it takes nothing more
+from the bus until one ends (so two instances share the consumer's window, and a wedged one
+cannot hold all of it). ``DSEC_TENANT_QUEUE`` is capped at it."""
 FAIR_HELD_BYTES = 64 << 20
-"""Bytes (as received) a fair handler holds for all tenants together: past them it takes
-nothing more from the bus until one ends (a spec is a few KB; one may be up to NATS's 1 MiB)."""
+"""Memory one instance's fair handler holds for all tenants, counted as twice each event's
+bytes as received (the message and its decoded envelope): then it takes nothing more from the
+bus until one ends. A spec is a few KB; one may be up to NATS's 1 MiB."""
 FAIR_TENANT_BYTES = FAIR_HELD_BYTES // 4
-"""Bytes one tenant's held events may take at a fair handler; the next is ended at once."""
+"""Memory one tenant's held events may take at a fair handler; the next is ended at once."""
+FAIR_REDELIVERIES = 16
+"""Deliveries a fair handler's event may have beyond its attempts: an event waiting its turn
+is delivered again when its instance stops or dies, without having been tried. Attempts are
+counted when a worker starts one (in the handled-ids bucket), not by JetStream's deliveries."""
+FAIR_STOP_GRACE_S = 5.0
+"""How long a stopping service lets its fair handlers' running events finish before it
+cancels them and gives them back."""
 
 
 @dataclass(frozen=True)
@@ -119,15 +137,19 @@ class _Handling:
     policy: RetryPolicy
     failure: FailureEvents
     answers: Sequence[Answer]
+    deliveries: int
+    """Deliveries after which a delivery only ends the request (``max_deliver`` - 1)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Held:
-    """A verified delivery waiting in a fair handler's queue, kept alive meanwhile."""
+    """A verified delivery held by a fair handler, kept alive meanwhile. ``msg`` is its latest
+    delivery: JetStream may deliver it again while it is held (a late heartbeat), and then that
+    one is acked for it."""
 
     msg: NatsMessage
     envelope: Envelope
-    attempt: int
+    seq: int
     heartbeat: asyncio.Task[None]
 
 
@@ -137,11 +159,13 @@ class _FairHandling:
     queue: FairQueue[_Held]
     workers: int
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    held: dict[int, _Held] = field(default_factory=dict)  # by stream sequence
+    stopping: bool = False
 
 
 async def _give_back(held: _Held) -> None:
-    """NAK a held delivery without delay (best effort: a stopping connection may refuse; then
-    JetStream redelivers it after ``ack_wait``)."""
+    """NAK a held delivery without delay, so another instance takes it now (best effort: if
+    NATS refuses, JetStream redelivers it after ``ack_wait``)."""
     held.heartbeat.cancel()
     with contextlib.suppress(Exception):
         await held.msg.nack()
@@ -220,6 +244,7 @@ class Service:
             self._nats_problem,
             metrics.fd_budget_problem,
             self.loop_watch.problem,
+            self._workers_problem,
         ]
         """Each returns why the service cannot serve, or ``None``; ``/healthz`` shows them."""
         self._stopping = asyncio.Event()
@@ -349,21 +374,22 @@ class Service:
         self.durables.append(durable)
 
         def register(fn: Handler) -> Handler:
+            deliveries = policy.max_attempts + (FAIR_REDELIVERIES if workers > 0 else 0)
             config = ConsumerConfig(
                 durable_name=durable,
                 deliver_policy=DeliverPolicy.ALL,
                 ack_wait=policy.ack_wait_s,
-                max_deliver=policy.max_attempts + 1,
+                max_deliver=deliveries + 1,
                 max_ack_pending=FAIR_HELD,
             )
 
-            handling = _Handling(event_type, durable, fn, policy, failure, answered_by)
+            handling = _Handling(event_type, durable, fn, policy, failure, answered_by, deliveries)
             if workers > 0:
                 fair = _FairHandling(
                     handling,
                     FairQueue(
-                        per_tenant=self.settings.tenant_queue,
-                        total=FAIR_HELD,
+                        per_tenant=min(self.settings.tenant_queue, FAIR_INSTANCE_HELD),
+                        total=FAIR_INSTANCE_HELD,
                         per_tenant_bytes=FAIR_TENANT_BYTES,
                         total_bytes=FAIR_HELD_BYTES,
                     ),
@@ -425,7 +451,7 @@ class Service:
             return None
         envelope = admitted
         metrics.EVENTS_CONSUMED.labels(*labels).inc()
-        if attempt > h.policy.max_attempts:
+        if attempt > h.deliveries:
             # The handler crashed the process (or outran ack_wait) on every attempt: this spare
             # delivery only ends the request, it does not run the handler again.
             await self._end_unfinished(envelope, stream_seq, attempt - 1, h.failure, h.answers)
@@ -440,8 +466,9 @@ class Service:
         envelope: Envelope,
         attempt: int,
         heartbeat: asyncio.Task[None] | None = None,
-    ) -> None:
-        """Run the handler, publish its outputs, ack; on an error retry or end the request."""
+    ) -> float | None:
+        """Run the handler, publish its outputs, ack; on an error retry or end the request.
+        Returns the NAK's delay when it is to be retried, ``None`` when it was acked."""
         _, stream_seq = self.delivery(msg)
         started = time.perf_counter()
         if heartbeat is None:
@@ -451,8 +478,7 @@ class Service:
             outputs = await h.fn(envelope, envelope.decoded())  # an instance of the handled class
             await self._publish_outputs(envelope, outputs)
         except Exception as exc:  # any handler error: retry, then a failure event
-            await self._on_failure(envelope, exc, attempt, h.policy, h.failure, msg)
-            return
+            return await self._on_failure(envelope, exc, attempt, h.policy, h.failure, msg)
         finally:
             heartbeat.cancel()
             HANDLING_SEQ.reset(token)
@@ -460,30 +486,68 @@ class Service:
             time.perf_counter() - started
         )
         await msg.ack_sync()
+        return None
 
     async def _hold(self, fair: _FairHandling, msg: NatsMessage) -> None:
         """A fair handler's delivery: verify it now, then hold it in its tenant's queue (kept
-        alive meanwhile) for a worker; a tenant already holding ``DSEC_TENANT_QUEUE`` has it
-        ended at once. Waits (so FastStream fetches nothing more) while the queue is full."""
+        alive meanwhile) for a worker; a tenant already holding its share has it ended at
+        once. Waits (so FastStream fetches nothing more) while the instance holds its most."""
         h = fair.handling
         admitted = await self._admit(h, msg)
         if admitted is None:
             return
         envelope, attempt = admitted
+        _, seq = self.delivery(msg)
+        held = fair.held.get(seq)
+        if held is not None:  # delivered again while held here: not a second request
+            held.heartbeat.cancel()
+            held.msg = msg
+            held.heartbeat = self._heartbeat(msg, h)
+            return
         if attempt > 1 and await self._ended(h, msg, envelope, attempt):
             await msg.ack_sync()
             return
-        heartbeat = asyncio.create_task(self._keep_alive(msg, h.policy.ack_wait_s / 3))
-        size = len(msg.raw_message.data)
+        held = fair.held[seq] = _Held(msg, envelope, seq, self._heartbeat(msg, h))
         try:
-            await fair.queue.put(envelope.tenant, _Held(msg, envelope, attempt, heartbeat), size)
+            # Twice the bytes received: the message and its decoded envelope are both held.
+            await fair.queue.put(envelope.tenant, held, 2 * len(msg.raw_message.data))
         except TenantFull as full:
-            heartbeat.cancel()
-            await self._tenant_full(h, msg, envelope, attempt, full)
+            fair.held.pop(seq, None)
+            held.heartbeat.cancel()
+            await self._tenant_full(h, held.msg, envelope, attempt, full)
+        except QueueClosed:  # stopping
+            fair.held.pop(seq, None)
+            await _give_back(held)
         except BaseException:
-            heartbeat.cancel()
+            fair.held.pop(seq, None)
+            held.heartbeat.cancel()
             raise
         metrics.HANDLER_WAITING.labels(self.name, h.event_type).set(fair.queue.waiting)
+
+    def _heartbeat(self, msg: NatsMessage, h: _Handling) -> asyncio.Task[None]:
+        return asyncio.create_task(self._keep_alive(msg, h.policy.ack_wait_s / 3))
+
+    async def _attempt(self, h: _Handling, held: _Held) -> int:
+        """This start's attempt number: counted in the handled-ids bucket when a worker starts
+        the event (a delivery that waited its turn and was given back is no attempt). Without
+        the bucket, or when NATS does not answer, JetStream's delivery count stands in."""
+        fallback, _ = self.delivery(held.msg)
+        kv = None if self.gate is None else self.gate.handled
+        if kv is None:
+            return fallback
+        key = f"{h.durable}.{held.envelope.id}.starts"
+        try:
+            try:
+                await kv.create(key, b"1")
+                return 1
+            except KeyWrongLastSequenceError:
+                entry = await kv.get(key)
+            count = int((entry.value or b"0").decode()) + 1
+            await kv.put(key, str(count).encode())
+            return count
+        except Exception as exc:
+            log.warning("%s: attempts of %s not counted (%s)", self.name, held.envelope.id, exc)
+            return fallback
 
     async def _ended(
         self, h: _Handling, msg: NatsMessage, envelope: Envelope, attempt: int
@@ -523,15 +587,32 @@ class Service:
             held = ticket.item
             metrics.HANDLER_WAITING.labels(self.name, h.event_type).set(queue.waiting)
             try:
-                await self._handle(h, held.msg, held.envelope, held.attempt, held.heartbeat)
+                await self._run_held(h, held)
             except asyncio.CancelledError:
-                await _give_back(held)  # stopping: another instance takes it now
-                raise
+                await _give_back(held)
+                task = asyncio.current_task()
+                if fair.stopping or (task is not None and task.cancelling()):
+                    raise
+                # The handler itself raised it: a failed attempt, not the worker's end.
+                log.error("%s: %s: the handler was cancelled", self.name, held.envelope.id)
             except Exception as exc:  # publishing or acking failed: redelivered after ack_wait
                 log.warning("%s: %s not handled: %s", self.name, held.envelope.id, exc)
             finally:
                 held.heartbeat.cancel()
+                fair.held.pop(held.seq, None)
                 await queue.done(ticket)
+
+    async def _run_held(self, h: _Handling, held: _Held) -> None:
+        attempt = await self._attempt(h, held)
+        if attempt > h.policy.max_attempts:  # started that often; each time it died
+            await self._end_unfinished(held.envelope, held.seq, attempt - 1, h.failure, h.answers)
+            await held.msg.ack_sync()
+            return
+        used = held.msg
+        delay = await self._handle(h, used, held.envelope, attempt, held.heartbeat)
+        if held.msg is not used:  # delivered again meanwhile: answer that delivery too
+            with contextlib.suppress(Exception):
+                await (held.msg.ack() if delay is None else held.msg.nack(delay=delay))
 
     async def _end_unfinished(
         self,
@@ -633,7 +714,10 @@ class Service:
         (a crashed handler's message is redelivered after ``ack_wait``, not after a build)."""
         while True:
             await asyncio.sleep(every_s)
-            await msg.in_progress()
+            try:
+                await msg.in_progress()
+            except Exception as exc:  # NATS away a moment: the next beat tries again
+                log.debug("in_progress not sent: %s", exc)
 
     async def _publish_outputs(
         self, envelope: Envelope, outputs: Sequence[Output | Payload]
@@ -661,18 +745,20 @@ class Service:
         policy: RetryPolicy,
         failure: FailureEvents,
         msg: NatsMessage,
-    ) -> None:
+    ) -> float | None:
         labels = (self.name, envelope.type)
         reason = f"{type(exc).__name__}: {exc}"[:1000]
         if attempt < policy.max_attempts:
             metrics.HANDLER_FAILURES.labels(*labels, "false").inc()
             log.warning("%s: %s attempt %d failed: %s", self.name, envelope.id, attempt, reason)
-            await msg.nack(delay=policy.delay(attempt))
-            return
+            delay = policy.delay(attempt)
+            await msg.nack(delay=delay)
+            return delay
         metrics.HANDLER_FAILURES.labels(*labels, "true").inc()
         log.error("%s: %s failed after %d attempts: %s", self.name, envelope.id, attempt, reason)
         await self._publish_outputs(envelope, failure(envelope, reason, attempt))
         await msg.ack_sync()
+        return None
 
     async def start(self) -> None:
         """Connect, declare the stream, register the key, start consuming and serving metrics."""
@@ -797,8 +883,14 @@ class Service:
             self._key_watch.cancel()
         if self._consumer_watch is not None:
             self._consumer_watch.cancel()
+        if self._fair:
+            # Fetch nothing more, give back what waits and let what runs finish while the
+            # consumers' connection still acks and NAKs; then close it.
+            for sub in self.broker.subscribers:
+                with contextlib.suppress(Exception):
+                    await sub.stop()
+            await self.stop_workers()
         await self.broker.stop()
-        await self.stop_workers()
         for hook in self.on_stop:
             await hook()
         if self.keys is not None:
@@ -822,17 +914,31 @@ class Service:
         for fair in self._fair:
             await fair.queue.empty()
 
-    async def stop_workers(self) -> None:
+    async def stop_workers(self, grace_s: float = FAIR_STOP_GRACE_S) -> None:
         """Fair handlers: what waits goes back to JetStream now (another instance takes it);
-        a running handler is cancelled, its event given back the same way (handlers are
-        idempotent)."""
+        a running handler may finish within ``grace_s``, then it is cancelled and its event
+        given back the same way (handlers are idempotent)."""
         for fair in self._fair:
-            for held in fair.queue.drain():
+            fair.stopping = True
+            for held in await fair.queue.close():
+                fair.held.pop(held.seq, None)
                 await _give_back(held)
+        deadline = time.monotonic() + grace_s
+        for fair in self._fair:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fair.queue.empty(), max(0.0, deadline - time.monotonic()))
             for task in fair.tasks:
                 task.cancel()
             await asyncio.gather(*fair.tasks, return_exceptions=True)
             fair.tasks = []
+
+    def _workers_problem(self) -> str | None:
+        for fair in self._fair:
+            for task in fair.tasks:
+                if task.done() and not fair.stopping:
+                    error = None if task.cancelled() else task.exception()
+                    return f"a worker of {fair.handling.durable} ended ({error!r})"
+        return None
 
     async def run(self) -> None:
         """Run until SIGTERM/SIGINT."""

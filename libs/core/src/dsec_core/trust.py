@@ -269,6 +269,9 @@ class Gate:
         self.keys = keys
         self._js = js
         self._handled = handled
+        self.handled = handled
+        """The handled-ids bucket (``None`` without replay protection): the service runtime
+        also counts its fair handlers' attempts there, under the consumer's own keys."""
         self._tenants: OrderedDict[str, tuple[str, str]] = OrderedDict()
         # sandbox -> (stream position read up to, node and attempt of its latest placement)
         self._nodes: OrderedDict[str, tuple[int, str | None, int, int]] = OrderedDict()

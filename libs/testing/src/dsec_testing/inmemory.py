@@ -89,6 +89,11 @@ class MemoryKV:
             raise NotFoundError()
         return self._items[key]
 
+    async def put(self, key: str, value: bytes) -> int:
+        revision = len(self._items) + 1
+        self._items[key] = _Entry(key, value, revision)
+        return revision
+
 
 class _OrderedSub:
     """An ordered pull consumer over the log from a start sequence (``bus.follow``)."""
