@@ -478,6 +478,7 @@ class Service:
             outputs = await h.fn(envelope, envelope.decoded())  # an instance of the handled class
             await self._publish_outputs(envelope, outputs)
         except Exception as exc:  # any handler error: retry, then a failure event
+            heartbeat.cancel()  # (a beat after the NAK would hold it for ack_wait, not its delay)
             return await self._on_failure(envelope, exc, attempt, h.policy, h.failure, msg)
         finally:
             heartbeat.cancel()
