@@ -90,6 +90,15 @@ class FairQueue(Generic[T]):
         self._closed = False
         self._changed = asyncio.Condition()
 
+    def fresh(self) -> FairQueue[T]:
+        """An empty, open queue with the same bounds."""
+        return FairQueue(
+            per_tenant=self.per_tenant,
+            total=self.total,
+            per_tenant_bytes=self.per_tenant_bytes,
+            total_bytes=self.total_bytes,
+        )
+
     @property
     def held(self) -> int:
         """Events held for all tenants (waiting + running)."""

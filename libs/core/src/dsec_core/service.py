@@ -431,9 +431,12 @@ class Service:
         if admitted is not None:
             await self._handle(h, msg, *admitted)
 
-    async def _admit(self, h: _Handling, msg: NatsMessage) -> tuple[Envelope, int] | None:
+    async def _admit(
+        self, h: _Handling, msg: NatsMessage, *, spare: bool = True
+    ) -> tuple[Envelope, int] | None:
         """The verified envelope and its attempt, or ``None`` when the message was refused or
-        was a spare delivery that only ended its request (acked either way)."""
+        was a spare delivery that only ended its request (acked either way; ``spare=False``:
+        the caller ends spare deliveries itself)."""
         attempt, stream_seq = self.delivery(msg)
         labels = (self.name, h.event_type)
         if attempt > 1:
@@ -451,13 +454,19 @@ class Service:
             return None
         envelope = admitted
         metrics.EVENTS_CONSUMED.labels(*labels).inc()
-        if attempt > h.deliveries:
-            # The handler crashed the process (or outran ack_wait) on every attempt: this spare
-            # delivery only ends the request, it does not run the handler again.
-            await self._end_unfinished(envelope, stream_seq, attempt - 1, h.failure, h.answers)
-            await msg.ack_sync()
+        if spare and attempt > h.deliveries:
+            await self._spare(h, msg, envelope, attempt)
             return None
         return envelope, attempt
+
+    async def _spare(
+        self, h: _Handling, msg: NatsMessage, envelope: Envelope, attempt: int
+    ) -> None:
+        """The handler crashed the process (or outran ack_wait) on every attempt: this spare
+        delivery only ends the request, it does not run the handler again."""
+        _, stream_seq = self.delivery(msg)
+        await self._end_unfinished(envelope, stream_seq, attempt - 1, h.failure, h.answers)
+        await msg.ack_sync()
 
     async def _handle(
         self,
@@ -494,7 +503,7 @@ class Service:
         alive meanwhile) for a worker; a tenant already holding its share has it ended at
         once. Waits (so FastStream fetches nothing more) while the instance holds its most."""
         h = fair.handling
-        admitted = await self._admit(h, msg)
+        admitted = await self._admit(h, msg, spare=False)
         if admitted is None:
             return
         envelope, attempt = admitted
@@ -505,9 +514,17 @@ class Service:
             held.msg = msg
             held.heartbeat = self._heartbeat(msg, h)
             return
-        if attempt > 1 and await self._ended(h, msg, envelope, attempt):
-            await msg.ack_sync()
+        if attempt > h.deliveries:
+            await self._spare(h, msg, envelope, attempt)
             return
+        if attempt > 1:
+            ended = await self._ended(h, msg, envelope, attempt)
+            if ended is None:  # not known now: ask again later rather than risk two ends
+                await msg.nack(delay=h.policy.delay(1))
+                return
+            if ended:
+                await msg.ack_sync()
+                return
         held = fair.held[seq] = _Held(msg, envelope, seq, self._heartbeat(msg, h))
         try:
             # Twice the bytes received: the message and its decoded envelope are both held.
@@ -519,9 +536,10 @@ class Service:
         except QueueClosed:  # stopping
             fair.held.pop(seq, None)
             await _give_back(held)
-        except BaseException:
+        except BaseException:  # cancelled while it waited for room: give it back, then go
             fair.held.pop(seq, None)
-            held.heartbeat.cancel()
+            with contextlib.suppress(BaseException):
+                await _give_back(held)
             raise
         metrics.HANDLER_WAITING.labels(self.name, h.event_type).set(fair.queue.waiting)
 
@@ -532,7 +550,8 @@ class Service:
         """This start's attempt number: counted in the handled-ids bucket when a worker starts
         the event (a delivery that waited its turn and was given back is no attempt). Without
         the bucket, or when NATS does not answer, JetStream's delivery count stands in."""
-        fallback, _ = self.delivery(held.msg)
+        deliveries, _ = self.delivery(held.msg)
+        fallback = min(deliveries, h.policy.max_attempts)  # (deliveries include waiting)
         kv = None if self.gate is None else self.gate.handled
         if kv is None:
             return fallback
@@ -542,17 +561,23 @@ class Service:
                 await kv.create(key, b"1")
                 return 1
             except KeyWrongLastSequenceError:
+                pass
+            for _ in range(8):  # another replica starting it at the same moment: read again
                 entry = await kv.get(key)
-            count = int((entry.value or b"0").decode()) + 1
-            await kv.put(key, str(count).encode())
-            return count
+                count = int((entry.value or b"0").decode()) + 1
+                try:
+                    await kv.update(key, str(count).encode(), last=entry.revision)
+                    return count
+                except KeyWrongLastSequenceError:
+                    continue
+            return fallback
         except Exception as exc:
             log.warning("%s: attempts of %s not counted (%s)", self.name, held.envelope.id, exc)
             return fallback
 
     async def _ended(
         self, h: _Handling, msg: NatsMessage, envelope: Envelope, attempt: int
-    ) -> bool:
+    ) -> bool | None:
         """Whether a redelivered request already ended: in one of its answers (``answers``)
         or its failure event (ended at once for its tenant, or after its last attempt), and
         the ack was lost. Then it is neither held nor refused again: a refusal after an answer
@@ -562,9 +587,9 @@ class Service:
         kinds += [k for k in dict.fromkeys(type(p) for p in h.failure(envelope, "", attempt))]
         try:
             return bool(kinds) and await self._answered(envelope, stream_seq, kinds)
-        except Exception as exc:  # not known: handle it (its outputs' ids are the same)
+        except Exception as exc:  # not known (``None``): the caller asks again later
             log.warning("%s: end of %s not looked up (%s)", self.name, envelope.id, exc)
-            return False
+            return None
 
     async def _tenant_full(
         self, h: _Handling, msg: NatsMessage, envelope: Envelope, attempt: int, full: TenantFull
@@ -885,11 +910,13 @@ class Service:
         if self._consumer_watch is not None:
             self._consumer_watch.cancel()
         if self._fair:
-            # Fetch nothing more, give back what waits and let what runs finish while the
-            # consumers' connection still acks and NAKs; then close it.
-            for sub in self.broker.subscribers:
-                with contextlib.suppress(Exception):
-                    await sub.stop()
+            # Give back what waits (a delivery waiting for room is told, and gives itself
+            # back), fetch nothing more, let what runs finish, all while the consumers'
+            # connection still acks and NAKs; then close it.
+            await self._close_queues()
+            await asyncio.gather(
+                *(sub.stop() for sub in self.broker.subscribers), return_exceptions=True
+            )
             await self.stop_workers()
         await self.broker.stop()
         for hook in self.on_stop:
@@ -902,8 +929,12 @@ class Service:
             await self.nc.drain()
 
     def start_workers(self) -> None:
-        """Start the workers of the handlers registered with ``workers`` (:meth:`start` does)."""
+        """Start the workers of the handlers registered with ``workers`` (:meth:`start` does);
+        after :meth:`stop_workers`, with fresh queues."""
         for fair in self._fair:
+            if fair.stopping:
+                fair.queue, fair.stopping = fair.queue.fresh(), False
+                fair.held.clear()
             if not fair.tasks:
                 fair.tasks = [
                     asyncio.create_task(self._work(fair), name=f"{fair.handling.durable}-{n}")
@@ -919,11 +950,7 @@ class Service:
         """Fair handlers: what waits goes back to JetStream now (another instance takes it);
         a running handler may finish within ``grace_s``, then it is cancelled and its event
         given back the same way (handlers are idempotent)."""
-        for fair in self._fair:
-            fair.stopping = True
-            for held in await fair.queue.close():
-                fair.held.pop(held.seq, None)
-                await _give_back(held)
+        await self._close_queues()
         deadline = time.monotonic() + grace_s
         for fair in self._fair:
             with contextlib.suppress(TimeoutError):
@@ -932,6 +959,13 @@ class Service:
                 task.cancel()
             await asyncio.gather(*fair.tasks, return_exceptions=True)
             fair.tasks = []
+
+    async def _close_queues(self) -> None:
+        for fair in self._fair:
+            fair.stopping = True
+            for held in await fair.queue.close():
+                fair.held.pop(held.seq, None)
+                await _give_back(held)
 
     def _workers_problem(self) -> str | None:
         for fair in self._fair:

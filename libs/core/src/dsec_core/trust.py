@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -260,6 +261,17 @@ async def handled_bucket(js: JetStreamContext, *, replicas: int | None = None) -
             info.config.num_replicas = replicas
             await js.update_stream(info.config)
     return kv
+
+
+def canonical_uuid(text: str) -> bool:
+    """Whether ``text`` is a UUID in its canonical form (36 lowercase hex and hyphens), as
+    every DSec producer writes event ids."""
+    if len(text) != 36:
+        return False
+    try:
+        return str(uuid.UUID(text)) == text
+    except ValueError:
+        return False
 
 
 class Gate:
@@ -560,6 +572,10 @@ class Gate:
                 "stale",
                 f"event from {envelope.time.isoformat()} is older than the replay window",
             )
+        if not canonical_uuid(envelope.id):
+            # Ids key what a consumer handled (``<consumer>.<id>``, and its runtime's attempts
+            # beside it): an id with dots could land on another request's keys.
+            return "malformed", f"event id {envelope.id[:80]!r} is not a UUID"
         key = f"{consumer}.{envelope.id}"
         try:
             await self._handled.create(key, str(stream_seq).encode())

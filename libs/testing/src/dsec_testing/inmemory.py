@@ -77,22 +77,26 @@ class MemoryKV:
 
     def __init__(self) -> None:
         self._items: dict[str, _Entry] = {}
+        self._revision = 0
 
     async def create(self, key: str, value: bytes) -> int:
         if key in self._items:
             raise KeyWrongLastSequenceError()
-        self._items[key] = _Entry(key, value, len(self._items) + 1)
-        return self._items[key].revision
+        self._revision += 1
+        self._items[key] = _Entry(key, value, self._revision)
+        return self._revision
 
     async def get(self, key: str) -> _Entry:
         if key not in self._items:
             raise NotFoundError()
         return self._items[key]
 
-    async def put(self, key: str, value: bytes) -> int:
-        revision = len(self._items) + 1
-        self._items[key] = _Entry(key, value, revision)
-        return revision
+    async def update(self, key: str, value: bytes, last: int | None = None) -> int:
+        if key not in self._items or self._items[key].revision != last:
+            raise KeyWrongLastSequenceError()
+        self._revision += 1
+        self._items[key] = _Entry(key, value, self._revision)
+        return self._revision
 
 
 class _OrderedSub:
@@ -299,8 +303,8 @@ async def in_memory(service: Service, *, run_hooks: bool = True) -> AsyncIterato
     if run_hooks:
         for hook in service.on_start:
             await hook()
-    service.start_workers()
     try:
+        service.start_workers()
         async with TestNatsBroker(service.broker) as broker:
             yield MemoryBus(service, log, root, broker)
     finally:
