@@ -122,6 +122,11 @@ FAIR_REDELIVERIES = 16
 """Deliveries a fair handler's event may have beyond its attempts: an event waiting its turn
 is delivered again when its instance stops or dies, without having been tried. Attempts are
 counted when a worker starts one (in the handled-ids bucket), not by JetStream's deliveries."""
+PULL_EXPIRES_S = 1.0
+"""How long a consumer's pull request waits for messages (FastStream's fetch timeout)."""
+FAIR_GIVE_BACK_S = 2 * PULL_EXPIRES_S
+"""When an event a stopping instance gives back is delivered again: after its own pull
+requests have expired."""
 FAIR_STOP_GRACE_S = 5.0
 """How long a stopping service lets its fair handlers' running events finish before it
 cancels them and gives them back."""
@@ -164,11 +169,13 @@ class _FairHandling:
 
 
 async def _give_back(held: _Held) -> None:
-    """NAK a held delivery without delay, so another instance takes it now (best effort: if
-    NATS refuses, JetStream redelivers it after ``ack_wait``)."""
+    """NAK a held delivery so another instance takes it (best effort: if NATS refuses,
+    JetStream redelivers it after ``ack_wait``). Redelivered after :data:`FAIR_GIVE_BACK_S`,
+    not at once: a pull request this stopping instance still has open would take it and
+    drop it, and then it would wait the whole ``ack_wait``."""
     held.heartbeat.cancel()
     with contextlib.suppress(Exception):
-        await held.msg.nack()
+        await held.msg.nack(delay=FAIR_GIVE_BACK_S)
 
 
 ANSWER_SCAN = 256
@@ -410,7 +417,7 @@ class Service:
                 stream=self._stream,
                 durable=durable,
                 config=config,
-                pull_sub=PullSub(batch_size=batch, timeout=1.0),
+                pull_sub=PullSub(batch_size=batch, timeout=PULL_EXPIRES_S),
                 ack_policy=AckPolicy.MANUAL,
                 # the pull requests' replies come to this identity's own inboxes
                 inbox_prefix=self._inbox_prefix(),
