@@ -39,3 +39,23 @@ async def test_a_redelivered_answered_request_is_not_refused_when_its_tenant_is_
         await bus.broker.publish(wire, sent.subject, stream="DSEC_EVENTS")
         await fair.queue.done(await fair.queue.take())
         assert [e.type for e in bus.caused_by(sent)] == ["spec.validated"]
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [("1000", "less than or equal to 512"), ("0", "greater than or equal to 1"), ("x", "integer")],
+)
+def test_a_bad_tenant_queue_setting_stops_the_service_with_one_line(
+    tmp_path: Path, value: str, says: str
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DSEC_HOME": str(tmp_path), "DSEC_TENANT_QUEUE": value}
+    done = subprocess.run(
+        [sys.executable, "-m", "dsec_policy"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()  # one line, no traceback
+    assert line.startswith("error: DSEC_TENANT_QUEUE: ") and says in line, line

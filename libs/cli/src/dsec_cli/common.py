@@ -84,16 +84,6 @@ def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     raise typer.Exit(code)
 
 
-def settings_problem(exc: BaseException) -> str | None:
-    """A bad ``DSEC_*`` setting, as one line naming the variable (``None``: ``exc`` is not
-    the settings' validation error). Pydantic is not imported to tell."""
-    if type(exc).__name__ != "ValidationError" or getattr(exc, "title", None) != "Settings":
-        return None
-    first = exc.errors()[0]  # type: ignore[attr-defined]
-    field = "DSEC_" + ".".join(str(p) for p in first["loc"]).upper()
-    return f"{field}: {first['msg']}"
-
-
 @contextmanager
 def spinner(text: str) -> Iterator[Callable[[str], None]]:
     """A spinner with ``text`` on stderr while a long wait lasts (a build, a snapshot), only

@@ -351,9 +351,11 @@ def _settings_failed(exc: Exception) -> None:
     would print a traceback); else return."""
     if type(exc).__name__ != "ValidationError":
         return
+    from dsec_core.settings import settings_problem  # (loaded: it raised the error)
+
     from dsec_cli import common
 
-    problem = common.settings_problem(exc)
+    problem = settings_problem(exc)
     if problem is None:
         return
     try:

@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 import logging
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
 from dsec_core.fairness import FairQueue, QueueClosed, TenantFull
 from dsec_core.ids import derive_event_id, output_event_id
 from dsec_core.natsperms import durable_name
-from dsec_core.settings import Settings
+from dsec_core.settings import Settings, settings_problem
 from dsec_core.signing import Signer
 from dsec_core.subjects import STREAM, filter_for, subject_for
 from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket, scan_seq, unpack_fields
@@ -105,13 +106,13 @@ Answer = type[Payload] | tuple[type[Payload], str]
 """An event class that answers a request, published by the runtime (its id the runtime's,
 ``output_event_id``), or ``(class, label)`` for one a handler publishes itself with the id
 ``derive_event_id(request id, label)`` (the scheduler's placement)."""
-FAIR_HELD = 1024
+MAX_ACK_PENDING = 1024
 """Events a durable consumer may have delivered and not acknowledged (JetStream's
 ``max_ack_pending``, for all the service's instances together)."""
 FAIR_INSTANCE_HELD = 512
 """Events one instance's fair handler holds for all tenants: past them it takes nothing more
 from the bus until one ends (so two instances share the consumer's window, and a wedged one
-cannot hold all of it). ``DSEC_TENANT_QUEUE`` is capped at it."""
+cannot hold all of it). ``DSEC_TENANT_QUEUE`` may be at most this (its setting's bound)."""
 FAIR_HELD_BYTES = 64 << 20
 """Memory one instance's fair handler holds for all tenants, counted as twice each event's
 bytes as received (the message and its decoded envelope): then it takes nothing more from the
@@ -387,7 +388,7 @@ class Service:
                 deliver_policy=DeliverPolicy.ALL,
                 ack_wait=policy.ack_wait_s,
                 max_deliver=deliveries + 1,
-                max_ack_pending=FAIR_HELD,
+                max_ack_pending=MAX_ACK_PENDING,
             )
 
             handling = _Handling(event_type, durable, fn, policy, failure, answered_by, deliveries)
@@ -395,7 +396,7 @@ class Service:
                 fair = _FairHandling(
                     handling,
                     FairQueue(
-                        per_tenant=min(self.settings.tenant_queue, FAIR_INSTANCE_HELD),
+                        per_tenant=self.settings.tenant_queue,  # (at most FAIR_INSTANCE_HELD)
                         total=FAIR_INSTANCE_HELD,
                         per_tenant_bytes=FAIR_TENANT_BYTES,
                         total_bytes=FAIR_HELD_BYTES,
@@ -488,7 +489,7 @@ class Service:
         _, stream_seq = self.delivery(msg)
         started = time.perf_counter()
         if heartbeat is None:
-            heartbeat = asyncio.create_task(self._keep_alive(msg, h.policy.ack_wait_s / 3))
+            heartbeat = self._heartbeat(msg, h)
         token = HANDLING_SEQ.set(stream_seq)
         try:
             outputs = await h.fn(envelope, envelope.decoded())  # an instance of the handled class
@@ -638,8 +639,7 @@ class Service:
     async def _run_held(self, h: _Handling, held: _Held) -> None:
         attempt = await self._attempt(h, held)
         if attempt > h.policy.max_attempts:  # started that often; each time it died
-            await self._end_unfinished(held.envelope, held.seq, attempt - 1, h.failure, h.answers)
-            await held.msg.ack_sync()
+            await self._spare(h, held.msg, held.envelope, attempt)
             return
         used = held.msg
         delay = await self._handle(h, used, held.envelope, attempt, held.heartbeat)
@@ -994,8 +994,17 @@ class Service:
         log.info("%s %s stopped", self.name, self.version)
 
 
-def main(service: Service) -> None:
-    """Entry point used by each service's ``__main__``."""
+def main(create: Callable[[], Service]) -> None:
+    """Entry point used by each service's ``__main__``: ``create`` builds the service (and
+    reads its settings); a bad ``DSEC_*`` setting exits 2 with one line naming it."""
+    try:
+        service = create()
+    except Exception as exc:
+        problem = settings_problem(exc)
+        if problem is None:
+            raise
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(
         level=service.settings.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

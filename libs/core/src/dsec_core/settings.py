@@ -185,8 +185,10 @@ class Settings(BaseSettings):
     tenant_queue: int = Field(
         default=256,
         ge=1,
-        description="Requests one tenant may have waiting or running at once in a service's "
-        "request handlers (policy, builder); the next is ended with its failure event",
+        le=512,
+        description="Requests one tenant may have waiting or running at once at an instance of "
+        "a service's request handlers (policy, builder); the next is ended with its failure "
+        "event. At most 512, what an instance holds for all tenants",
     )
 
     policy_event_burst: int = Field(
@@ -294,3 +296,13 @@ class Settings(BaseSettings):
             return {}
         data: dict[str, Any] = json.loads(path.read_text())
         return data
+
+
+def settings_problem(exc: BaseException) -> str | None:
+    """A bad ``DSEC_*`` setting, as one line naming the variable (``None``: ``exc`` is not
+    the settings' validation error). Pydantic is not imported to tell."""
+    if type(exc).__name__ != "ValidationError" or getattr(exc, "title", None) != "Settings":
+        return None
+    first = exc.errors()[0]  # type: ignore[attr-defined]
+    field = "DSEC_" + ".".join(str(p) for p in first["loc"]).upper()
+    return f"{field}: {first['msg']}"

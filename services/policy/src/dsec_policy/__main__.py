@@ -5,4 +5,4 @@ from dsec_core.service import main
 from dsec_policy.app import create_service
 
 if __name__ == "__main__":
-    main(create_service())
+    main(create_service)

@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dsec_cli.common import fail, settings_problem
+from dsec_cli.common import fail
 from dsec_cli.stack import (
     NeverStarted,
     Stack,
@@ -40,7 +40,7 @@ err = Console(stderr=True, soft_wrap=True)
 
 def _stack(**kwargs: Any) -> Stack:
     """Build the stack from Settings (env ``DSEC_*``); exit 2 on bad input."""
-    from dsec_core.settings import Settings
+    from dsec_core.settings import Settings, settings_problem
     from pydantic import ValidationError
 
     try:
