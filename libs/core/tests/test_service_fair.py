@@ -5,6 +5,7 @@ attempt, not the end of a worker (``dsec_core.service``, ``dsec_core.fairness``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,208 @@ async def test_a_stop_under_backpressure_gives_back_at_once(
         await asyncio.wait_for(deliveries[2], 1.0)
         assert len(nacked) == 2  # r1 (waiting) and r2 (waiting for room), at once
         gate.set()
+
+
+async def test_one_tenants_slow_requests_leave_a_worker_to_the_others(tmp_path: Path) -> None:
+    """A tenant's requests that never end (its builds hang) occupy at most workers - 1: the
+    neighbour's request, sent after them, runs at once on the worker left."""
+    service = _service(tmp_path)
+    hang = asyncio.Event()
+    running: list[str] = []
+
+    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+        running.append(event.spec_yaml)
+        if event.spec_yaml.startswith("slow"):
+            await hang.wait()
+        return [SpecRejected(errors=[])]
+
+    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=4)(on_submitted)
+    async with in_memory(service) as bus:
+        pub = await bus.producer("user", tenant="evil")
+        for n in range(6):
+            sent = await pub.publish(SpecSubmitted(spec_yaml=f"slow {n}"), aggregate_id=f"sbx_{n}")
+            await bus.broker.publish(sent.sealed.wire, sent.sealed.subject, stream="DSEC_EVENTS")
+        while len(running) < 3:
+            await asyncio.sleep(0)
+        victim = await _publish(bus, 9, tenant="victim")
+        ended = asyncio.create_task(_until_ended(bus, victim))
+        await asyncio.wait_for(ended, 10)
+        assert running[:3] == ["slow 0", "slow 1", "slow 2"] and "r9" in running
+        assert "slow 3" not in running  # the tenant's fourth waits for one of its three
+        hang.set()
+        await service.settled()
+        assert sorted(running) == sorted([f"slow {n}" for n in range(6)] + ["r9"])
+
+
+async def _until_ended(bus: MemoryBus, request: Envelope) -> None:
+    while not _ends(bus, request):
+        await asyncio.sleep(0.005)
+
+
+async def test_an_attempt_past_its_timeout_is_cancelled_and_the_request_ends_saying_so(
+    tmp_path: Path,
+) -> None:
+    """A handler that hangs is cancelled at ``attempt_timeout_s``: its worker is free again and
+    the request ends in ``sandbox.failed`` naming the limit (here its only attempt); a handler
+    raising its own TimeoutError is not reported as the runtime's."""
+    from dsec_core import metrics
+    from dsec_core.service import RetryPolicy
+
+    service = _service(tmp_path)
+    cancelled: list[str] = []
+
+    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+        if event.spec_yaml == "own":
+            raise TimeoutError("the index did not answer in 3 s")
+        try:
+            await asyncio.Event().wait()  # never set
+        except asyncio.CancelledError:
+            cancelled.append(event.spec_yaml)
+            raise
+        return []
+
+    service.handles(
+        SpecSubmitted,
+        answers=(SpecValidated, SpecRejected),
+        workers=1,
+        retry=RetryPolicy(max_attempts=1, attempt_timeout_s=0.2),
+    )(on_submitted)
+    timeouts = metrics.HANDLER_TIMEOUTS.labels("policy", "spec.submitted")
+    before = timeouts._value.get()
+    async with in_memory(service) as bus:
+        hung = await asyncio.wait_for(
+            bus.send("user", SpecSubmitted(spec_yaml="hang"), "sbx_h", tenant="a"), 10
+        )
+        (failed,) = bus.caused_by(hung)
+        assert failed.type == "sandbox.failed" and cancelled == ["hang"]
+        reason = failed.payload["reason"]
+        assert reason.startswith("AttemptTimedOut: policy did not finish spec.submitted"), reason
+        assert "within 0.2 s (attempt 1 of 1); it was cancelled" in reason
+        own = await bus.send("user", SpecSubmitted(spec_yaml="own"), "sbx_o", tenant="a")
+        (failed,) = bus.caused_by(own)
+        assert failed.payload["reason"] == "TimeoutError: the index did not answer in 3 s"
+    assert timeouts._value.get() == before + 1
+
+
+async def test_a_tenants_burst_past_its_bound_is_a_few_log_lines_and_one_end_each(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dsec_core.service as runtime
+
+    service = _service(tmp_path, tenant_queue=1)
+    gate = asyncio.Event()
+
+    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+        await gate.wait()
+        return [SpecRejected(errors=[])]
+
+    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=2)(on_submitted)
+    async with in_memory(service) as bus:
+        held = await _publish(bus, 0)
+        caplog.set_level("WARNING", logger="dsec_core.service")
+        refused = [await _publish(bus, n) for n in range(1, 6)]
+        assert all(_ends(bus, r) == ["sandbox.failed"] for r in refused)
+        lines = [r.getMessage() for r in caplog.records if "already holds" in r.getMessage()]
+        assert len(lines) == 1 and "tenant 'acme'" in lines[0], lines
+        monkeypatch.setattr(runtime, "FULL_LOG_EVERY_S", 0.0)
+        await _publish(bus, 6)
+        lines = [r.getMessage() for r in caplog.records if "already holds" in r.getMessage()]
+        assert len(lines) == 2 and lines[1].endswith("(4 more since the last)"), lines
+        gate.set()
+        await service.settled()
+        assert _ends(bus, held) == ["spec.rejected"]
+
+
+async def test_a_handler_that_swallows_its_cancellation_does_not_keep_its_worker(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncio cancels once: a handler that catches it and goes on would hold its worker and
+    its request for ever. The runtime waits its grace, leaves it running (logged), ends the
+    request, and the worker takes the next one."""
+    import dsec_core.service as runtime
+    from dsec_core.service import RetryPolicy
+
+    monkeypatch.setattr(runtime, "CANCEL_GRACE_S", 0.1)
+    service = _service(tmp_path)
+    release = asyncio.Event()
+
+    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+        if event.spec_yaml == "stubborn":
+            while not release.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await release.wait()
+        return [SpecRejected(errors=[])]
+
+    service.handles(
+        SpecSubmitted,
+        answers=(SpecValidated, SpecRejected),
+        workers=1,
+        retry=RetryPolicy(max_attempts=1, attempt_timeout_s=0.1),
+    )(on_submitted)
+    async with in_memory(service) as bus:
+        stubborn = await asyncio.wait_for(
+            bus.send("user", SpecSubmitted(spec_yaml="stubborn"), "sbx_s", tenant="a"), 10
+        )
+        (failed,) = bus.caused_by(stubborn)
+        assert failed.payload["reason"].startswith("AttemptTimedOut: "), failed.payload
+        assert any("ignored its cancellation" in r.getMessage() for r in caplog.records)
+        after = await asyncio.wait_for(  # the one worker is free
+            bus.send("user", SpecSubmitted(spec_yaml="ok"), "sbx_ok", tenant="a"), 10
+        )
+        assert _ends(bus, after) == ["spec.rejected"]
+        release.set()
+
+
+def test_bad_fair_settings_are_refused_where_they_are_written(tmp_path: Path) -> None:
+    from dsec_core.service import RetryPolicy
+
+    with pytest.raises(ValueError, match="attempt_timeout_s must be > 0 s, not 0"):
+        RetryPolicy(attempt_timeout_s=0)
+    service = _service(tmp_path)
+    with pytest.raises(ValueError, match=r"tenant_workers must be 1..workers \(0\), not 2"):
+        service.handles(SpecSubmitted, tenant_workers=2)
+    with pytest.raises(ValueError, match=r"tenant_workers must be 1..workers \(4\), not 5"):
+        service.handles(SpecSubmitted, workers=4, tenant_workers=5)
+
+
+async def test_a_batch_verified_at_once_is_held_in_the_order_it_was_fetched(
+    tmp_path: Path,
+) -> None:
+    """FastStream hands a fetched batch over at once and the verifications end in any order:
+    a tenant's requests are still held, and run, in the order they came."""
+    service = _service(tmp_path)
+    gate = asyncio.Event()
+    runs: list[str] = []
+
+    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+        runs.append(event.spec_yaml)
+        await gate.wait()
+        return [SpecRejected(errors=[])]
+
+    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=1)(on_submitted)
+    async with in_memory(service) as bus:
+        await _publish(bus, 0, tenant="z")  # takes the one worker
+        admit = service._admit
+        slow = {"r1": 0.05, "r2": 0.0}
+
+        async def uneven(h: object, msg: object, *, spare: bool = True) -> object:
+            admitted = await admit(h, msg, spare=spare)  # type: ignore[arg-type]
+            if admitted is not None:
+                await asyncio.sleep(slow.get(admitted[0].decoded().spec_yaml, 0.0))
+            return admitted
+
+        service._admit = uneven  # type: ignore[method-assign]
+        pub = await bus.producer("user", tenant="a")
+        sent = [
+            await pub.publish(SpecSubmitted(spec_yaml=f"r{n}"), aggregate_id=f"sbx_r{n}")
+            for n in (1, 2)
+        ]
+        await asyncio.gather(
+            *(
+                bus.broker.publish(s.sealed.wire, s.sealed.subject, stream="DSEC_EVENTS")
+                for s in sent
+            )
+        )
+        gate.set()
+        await service.settled()
+        assert runs == ["r0", "r1", "r2"]

@@ -83,3 +83,25 @@ def test_a_conflict_is_never_remembered(monkeypatch: pytest.MonkeyPatch) -> None
     outcome = _resolve(resolver, "six")
     assert not isinstance(outcome, Resolved)
     assert resolver.asked == 2
+
+
+async def test_a_cancelled_resolution_cancels_its_alternative_probes() -> None:
+    """The attempt's timeout cancels it while alternatives are probed: no probe runs on, and
+    every slot of the resolver's shared limit is free again for the next resolution."""
+    resolver = Counting(ttl=0.0)
+    finished: list[int] = []
+
+    def probe(n: int) -> object:
+        async def run() -> None:
+            await asyncio.sleep(0.4)  # a uv resolution
+            finished.append(n)
+
+        return run
+
+    slots = resolver._parallel._value
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.1):
+            await resolver._bounded([probe(n) for n in range(slots + 2)])  # type: ignore[list-item]
+    assert resolver._parallel._value == slots
+    await asyncio.sleep(0.5)  # past the probes' end: none ran on
+    assert finished == []

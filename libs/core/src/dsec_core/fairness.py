@@ -14,7 +14,16 @@ Bounds, so that holding events costs bounded memory and nothing waits forever:
   429). Nothing is dropped silently. A tenant's first event is always held.
 * ``total`` / ``total_bytes``: events, and their bytes, held for all tenants together. When one
   is reached the runtime stops taking new events from the bus until one ends (JetStream keeps
-  them), so that bound is backpressure, not a refusal.
+  them), so that bound is backpressure, not a refusal. A tenant holding nothing may go past
+  them by an eighth: a neighbour's request already taken from the bus is not held behind the
+  backlogs that filled the instance.
+* ``workers`` / ``per_tenant_running``: the workers that take from the queue are shared out
+  max-min fairly among the tenants holding something: a tenant runs at most its share (the
+  level at which the tenants' demands, capped there, fill the workers), and never more than
+  ``per_tenant_running``. A tenant at its share waits for one of its requests to end, even
+  with a worker free, so one tenant's slow requests (builds of several minutes) never take
+  every worker. The runtime sets ``per_tenant_running`` to one less than its workers: while a
+  single tenant is busy, another tenant's request starts at once.
 
 Pure asyncio, no I/O: the runtime (``dsec_core.service``) does the verifying, acking and
 keep-alives around it.
@@ -78,11 +87,15 @@ class FairQueue(Generic[T]):
         total: int,
         per_tenant_bytes: int = 1 << 62,
         total_bytes: int = 1 << 62,
+        per_tenant_running: int = 1 << 62,
+        workers: int | None = None,
     ) -> None:
-        if min(per_tenant, total, per_tenant_bytes, total_bytes) < 1:
-            raise ValueError("per_tenant, total and their bytes must be at least 1")
+        bounds = (per_tenant, total, per_tenant_bytes, total_bytes, per_tenant_running)
+        if min(bounds) < 1 or (workers is not None and workers < 1):
+            raise ValueError("per_tenant, total, their bytes and per_tenant_running must be >= 1")
         self.per_tenant, self.total = per_tenant, total
         self.per_tenant_bytes, self.total_bytes = per_tenant_bytes, total_bytes
+        self.per_tenant_running, self.workers = per_tenant_running, workers
         self._tenants: dict[str, _Tenant[T]] = {}
         self._turns: OrderedDict[str, None] = OrderedDict()  # tenants with something waiting
         self._held = 0
@@ -97,6 +110,8 @@ class FairQueue(Generic[T]):
             total=self.total,
             per_tenant_bytes=self.per_tenant_bytes,
             total_bytes=self.total_bytes,
+            per_tenant_running=self.per_tenant_running,
+            workers=self.workers,
         )
 
     @property
@@ -136,7 +151,7 @@ class FairQueue(Generic[T]):
         self._check(tenant, size)
         async with self._changed:
             await self._changed.wait_for(
-                lambda: self._closed or self._room(size) or self._full(tenant, size)
+                lambda: self._closed or self._room(tenant, size) or self._full(tenant, size)
             )
             if self._closed:
                 raise QueueClosed
@@ -149,10 +164,18 @@ class FairQueue(Generic[T]):
             self._turns.setdefault(tenant)
             self._changed.notify_all()
 
-    def _room(self, size: int) -> bool:
+    def _room(self, tenant: str, size: int) -> bool:
         if self._held == 0:
             return True
-        return self._held < self.total and self._bytes + size <= self.total_bytes
+        if self._held < self.total and self._bytes + size <= self.total_bytes:
+            return True
+        if self.held_by(tenant):
+            return False
+        # A tenant holding nothing: up to an eighth past the bounds (see the module's doc).
+        return (
+            self._held < self.total + max(1, self.total // 8)
+            and self._bytes + size <= self.total_bytes + self.total_bytes // 8
+        )
 
     def _full(self, tenant: str, size: int) -> bool:
         entry = self._tenants.get(tenant)
@@ -167,16 +190,43 @@ class FairQueue(Generic[T]):
 
     async def take(self) -> Ticket[T]:
         """The next item: the oldest of the tenant whose turn it is; that tenant's next turn
-        comes after every other tenant with something waiting. Give it to :meth:`done` after."""
+        comes after every other tenant with something waiting. A tenant running its share of
+        the workers (see the module's doc) is passed over, keeping its place, until one of its
+        items is done. Give the item to :meth:`done` after."""
         async with self._changed:
-            await self._changed.wait_for(lambda: bool(self._turns))
-            tenant, _ = self._turns.popitem(last=False)
+            await self._changed.wait_for(lambda: self._next_turn() is not None)
+            tenant = self._next_turn()
+            assert tenant is not None
             entry = self._tenants[tenant]
+            del self._turns[tenant]
             ticket = entry.waiting.popleft()
             entry.running += 1
             if entry.waiting:
                 self._turns[tenant] = None  # to the back of the turns
             return ticket
+
+    def _next_turn(self) -> str | None:
+        """The first tenant in turn order that may start one more item (``None``: none)."""
+        if not self._turns:
+            return None
+        share = self.share()
+        for tenant in self._turns:
+            if self._tenants[tenant].running < share:
+                return tenant
+        return None
+
+    def share(self) -> int:
+        """The most items one tenant may run now: the max-min fair level of the workers over
+        the tenants' held items, at most ``per_tenant_running``."""
+        if self.workers is None:
+            return self.per_tenant_running
+        demands = sorted(entry.held for entry in self._tenants.values())
+        left, count = self.workers, len(demands)
+        for n, demand in enumerate(demands):
+            if demand * (count - n) >= left:  # the rest all want at least the level
+                return min(self.per_tenant_running, max(1, -(-left // (count - n))))
+            left -= demand
+        return self.per_tenant_running  # every demand fits
 
     async def done(self, ticket: Ticket[T]) -> None:
         """A taken item has ended (acked, failed or given back): its room is free."""

@@ -49,6 +49,11 @@ TENANT_FULL = Counter(
     "Requests ended at once because their tenant already had DSEC_TENANT_QUEUE held",
     ["service", "type"],
 )
+HANDLER_TIMEOUTS = Counter(
+    "dsec_handler_timeouts_total",
+    "Handler attempts cancelled because they ran past their attempt timeout",
+    ["service", "type"],
+)
 # ``reason`` is one of the gate's fixed refusal names (dsec_core.trust: unknown-key,
 # revoked-key, uncertified-key, bad-signature, unauthorized, replayed, malformed, ...).
 

@@ -131,6 +131,12 @@ requests have expired."""
 FAIR_STOP_GRACE_S = 5.0
 """How long a stopping service lets its fair handlers' running events finish before it
 cancels them and gives them back."""
+FULL_LOG_EVERY_S = 10.0
+CANCEL_GRACE_S = 5.0
+"""How long a cancelled handler (its attempt timed out, or its service stops) may take to
+unwind before the runtime goes on without it: one that ignores its cancellation is left
+running, logged, and its worker is free."""
+"""A tenant's requests ended because it was full are logged once this often, with a count."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,8 @@ class _FairHandling:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     held: dict[int, _Held] = field(default_factory=dict)  # by stream sequence
     stopping: bool = False
+    placed: asyncio.Future[None] | None = None
+    """Set when the latest delivery taken from the bus was placed (see ``Service._hold``)."""
 
 
 async def _give_back(held: _Held) -> None:
@@ -211,10 +219,23 @@ class RetryPolicy:
     base_delay_s: float = 0.2
     max_delay_s: float = 5.0
     ack_wait_s: float = 30.0
+    attempt_timeout_s: float | None = None
+    """The longest one attempt of the handler may run (``None``: no limit). Past it the
+    handler is cancelled and the attempt fails like an error (:class:`AttemptTimedOut`),
+    retried with backoff and then ended with the failure event: a hung handler does not keep
+    its worker, and its request, for ever."""
+
+    def __post_init__(self) -> None:
+        if self.attempt_timeout_s is not None and not self.attempt_timeout_s > 0:
+            raise ValueError(f"attempt_timeout_s must be > 0 s, not {self.attempt_timeout_s}")
 
     def delay(self, attempt: int) -> float:
         """Backoff before redelivery after ``attempt`` (1-based) failed."""
         return float(min(self.base_delay_s * 2 ** (attempt - 1), self.max_delay_s))
+
+
+class AttemptTimedOut(TimeoutError):
+    """An attempt of a handler ran past its policy's ``attempt_timeout_s`` and was cancelled."""
 
 
 def jetstream_delivery(msg: NatsMessage) -> tuple[int, int]:
@@ -241,7 +262,11 @@ class Service:
         self.broker = NatsBroker(
             **natsclient.broker_options(
                 self.settings, name=f"dsec-{name}-consumers", max_reconnect_attempts=-1
-            )
+            ),
+            # FastStream's "Received"/"Processed" lines for every event at DEBUG, not INFO: two
+            # log lines an event was most of a service's log (and ~5 % of its CPU under a
+            # burst); a handler's error is still logged at ERROR.
+            log_level=logging.DEBUG,
         )
         self._stream = JStream(name=STREAM, declare=False)
         self.nc: NATS | None = None
@@ -262,6 +287,7 @@ class Service:
         self.gate: Gate | None = None
         self.durables: list[str] = []  # its durable consumers (NATS permissions allow only these)
         self._fair: list[_FairHandling] = []  # handlers registered with workers
+        self._full_logged: dict[tuple[str, str], list[float]] = {}  # see _log_full
         self.stream_problem: str | None = None  # set while DSEC_EVENTS is weakened
         self._watch: asyncio.Task[None] | None = None
         self._key_watch: asyncio.Task[None] | None = None
@@ -326,6 +352,7 @@ class Service:
         scope: Literal["service", "node"] = "service",
         answers: Sequence[Answer] = (),
         workers: int = 0,
+        tenant_workers: int | None = None,
     ) -> Callable[[TypedHandler[P]], TypedHandler[P]]: ...
 
     @overload
@@ -339,6 +366,7 @@ class Service:
         scope: Literal["service", "node"] = "service",
         answers: Sequence[Answer] = (),
         workers: int = 0,
+        tenant_workers: int | None = None,
     ) -> Callable[[Handler], Handler]: ...
 
     def handles(
@@ -351,6 +379,7 @@ class Service:
         scope: Literal["service", "node"] = "service",
         answers: Sequence[Answer] = (),
         workers: int = 0,
+        tenant_workers: int | None = None,
     ) -> Callable[[Any], Any]:
         """Register ``fn`` as the durable handler of the event class ``event`` for this
         service; ``fn(envelope, payload)`` receives the payload as an instance of that class.
@@ -369,8 +398,13 @@ class Service:
         (:mod:`dsec_core.fairness`): for independent requests (a spec, a build), so that one
         tenant's backlog does not hold another's request. A tenant with
         ``DSEC_TENANT_QUEUE`` held has its next request ended at once with the failure event.
+        ``tenant_workers``: the most of those N one tenant runs at once (default N - 1, at
+        least 1), so one tenant's slow requests leave a worker to the others.
         """
         model = model_for(event) if isinstance(event, str) else event  # fails fast on a typo
+        running = tenant_workers if tenant_workers is not None else max(1, workers - 1)
+        if tenant_workers is not None and not 1 <= tenant_workers <= workers:
+            raise ValueError(f"tenant_workers must be 1..workers ({workers}), not {running}")
         if model_for(model.TYPE) is not model:
             raise ValueError(f"{model.__name__} is not the registered model of {model.TYPE}")
         event_type = model.TYPE
@@ -400,6 +434,8 @@ class Service:
                         total=FAIR_INSTANCE_HELD,
                         per_tenant_bytes=FAIR_TENANT_BYTES,
                         total_bytes=FAIR_HELD_BYTES,
+                        per_tenant_running=running,
+                        workers=workers,
                     ),
                     workers,
                 )
@@ -492,7 +528,7 @@ class Service:
             heartbeat = self._heartbeat(msg, h)
         token = HANDLING_SEQ.set(stream_seq)
         try:
-            outputs = await h.fn(envelope, envelope.decoded())  # an instance of the handled class
+            outputs = await self._call(h, envelope, attempt)
             await self._publish_outputs(envelope, outputs)
         except Exception as exc:  # any handler error: retry, then a failure event
             heartbeat.cancel()  # (a beat after the NAK would hold it for ack_wait, not its delay)
@@ -506,12 +542,81 @@ class Service:
         await msg.ack_sync()
         return None
 
+    async def _call(
+        self, h: _Handling, envelope: Envelope, attempt: int
+    ) -> Sequence[Output | Payload]:
+        """The handler's outputs, within the policy's ``attempt_timeout_s``: past it the
+        handler is cancelled and given :data:`CANCEL_GRACE_S` to unwind (one that ignores the
+        cancellation is left running without its worker), and the attempt fails."""
+        limit = h.policy.attempt_timeout_s
+        payload = envelope.decoded()  # an instance of the handled class
+        if limit is None:
+            return await h.fn(envelope, payload)
+        # Its own task: a cancellation it swallows cannot keep the worker (asyncio.timeout
+        # cancels once, and wait_for may drop a cancel that meets a result).
+        task = asyncio.ensure_future(h.fn(envelope, payload))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=limit)
+            if not done:
+                task.cancel()
+                await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+        except asyncio.CancelledError:  # the worker stops: the handler stops with it
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+            self._left_running(h, envelope, task)
+            raise
+        if done or (task.done() and not task.cancelled() and task.exception() is None):
+            return task.result()  # (raises the handler's own error)
+        metrics.HANDLER_TIMEOUTS.labels(self.name, h.event_type).inc()
+        self._left_running(h, envelope, task)
+        raise AttemptTimedOut(
+            f"{self.name} did not finish {h.event_type} {envelope.id} within {limit:g} s "
+            f"(attempt {attempt} of {h.policy.max_attempts}); it was cancelled"
+        )
+
+    def _left_running(self, h: _Handling, envelope: Envelope, task: asyncio.Future[Any]) -> None:
+        """A cancelled handler still running after its grace: logged, its end collected."""
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # (collected: it was past its time)
+            return
+        log.error(
+            "%s: the handler of %s %s ignored its cancellation for %g s: left running",
+            self.name,
+            h.event_type,
+            envelope.id,
+            CANCEL_GRACE_S,
+        )
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
     async def _hold(self, fair: _FairHandling, msg: NatsMessage) -> None:
         """A fair handler's delivery: verify it now, then hold it in its tenant's queue (kept
         alive meanwhile) for a worker; a tenant already holding its share has it ended at
-        once. Waits (so FastStream fetches nothing more) while the instance holds its most."""
+        once. Waits (so FastStream fetches nothing more) while the instance holds its most.
+
+        FastStream runs a fetched batch's deliveries at once: each is verified concurrently,
+        then placed (held, or found over its tenant's bound) in the order they were fetched,
+        so a tenant's requests keep their order."""
+        prev, mine = fair.placed, asyncio.get_running_loop().create_future()
+        fair.placed = mine
+        try:
+            await self._hold_in_turn(fair, msg, prev, mine)
+        finally:
+            if not mine.done():
+                mine.set_result(None)
+
+    async def _hold_in_turn(
+        self,
+        fair: _FairHandling,
+        msg: NatsMessage,
+        prev: asyncio.Future[None] | None,
+        mine: asyncio.Future[None],
+    ) -> None:
         h = fair.handling
         admitted = await self._admit(h, msg, spare=False)
+        if prev is not None and not prev.done():
+            await asyncio.wait({prev})  # (not cancelling it if this one is cancelled)
         if admitted is None:
             return
         envelope, attempt = admitted
@@ -523,6 +628,7 @@ class Service:
             held.heartbeat = self._heartbeat(msg, h)
             return
         if attempt > h.deliveries:
+            mine.set_result(None)
             await self._spare(h, msg, envelope, attempt)
             return
         if attempt > 1:
@@ -538,6 +644,7 @@ class Service:
             # Twice the bytes received: the message and its decoded envelope are both held.
             await fair.queue.put(envelope.tenant, held, 2 * len(msg.raw_message.data))
         except TenantFull as full:
+            mine.set_result(None)
             fair.held.pop(seq, None)
             held.heartbeat.cancel()
             await self._tenant_full(h, held.msg, envelope, attempt, full)
@@ -609,9 +716,28 @@ class Service:
             f"{FAIR_TENANT_BYTES >> 20} MiB, the most one tenant may have waiting or running "
             "here); this one was not started: submit it again when some of them have ended"
         )
-        log.warning("%s: %s: %s", self.name, envelope.id, reason)
+        self._log_full(h, envelope, reason)
         await self._publish_outputs(envelope, h.failure(envelope, reason, attempt))
         await msg.ack_sync()
+
+    def _log_full(self, h: _Handling, envelope: Envelope, reason: str) -> None:
+        """Log a tenant-full ending: the first of a tenant's, then at most one line each
+        :data:`FULL_LOG_EVERY_S` with how many more there were (a burst of 100,000 specs is a
+        few lines, not 100,000; every one is counted in ``dsec_handler_tenant_full_total`` and
+        ends in its own failure event)."""
+        now = time.monotonic()
+        key = (h.event_type, envelope.tenant)
+        entry = self._full_logged.get(key)
+        if entry is not None and now - entry[0] < FULL_LOG_EVERY_S:
+            entry[1] += 1
+            return
+        more = "" if entry is None or not entry[1] else f" ({entry[1]:,} more since the last)"
+        log.warning("%s: %s: %s%s", self.name, envelope.id, reason, more)
+        if len(self._full_logged) >= 4096:  # tenants seen: forget those quiet for a while
+            self._full_logged = {
+                k: v for k, v in self._full_logged.items() if now - v[0] < FULL_LOG_EVERY_S
+            }
+        self._full_logged[key] = [now, 0]
 
     async def _work(self, fair: _FairHandling) -> None:
         """One worker of a fair handler: the tenants' queues in turn, one event at a time."""
@@ -942,6 +1068,7 @@ class Service:
             if fair.stopping:
                 fair.queue, fair.stopping = fair.queue.fresh(), False
                 fair.held.clear()
+            fair.placed = None
             if not fair.tasks:
                 fair.tasks = [
                     asyncio.create_task(self._work(fair), name=f"{fair.handling.durable}-{n}")

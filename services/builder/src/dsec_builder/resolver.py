@@ -291,10 +291,13 @@ class Resolver:
         tasks = [asyncio.ensure_future(limited(probe)) for probe in probes]
         if not tasks:
             return []
-        done, pending = await asyncio.wait(tasks, timeout=self.alternatives_budget_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        try:
+            done, _ = await asyncio.wait(tasks, timeout=self.alternatives_budget_s)
+        finally:  # past the budget, and when the attempt itself is cancelled (its timeout)
+            unfinished = [t for t in tasks if not t.done()]
+            for task in unfinished:
+                task.cancel()
+            await asyncio.gather(*unfinished, return_exceptions=True)
         return [r for t in tasks if t in done and (r := t.result()) is not None]
 
 

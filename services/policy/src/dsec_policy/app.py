@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dsec_core.events import SpecRejected, SpecSubmitted, SpecValidated
-from dsec_core.service import Service
+from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 from dsec_rules.adapters.org_policy_file import load_org_policy
 
 from dsec_policy.handlers import PolicyHandlers
+
+VALIDATE_TIMEOUT_S = 120.0
+"""The longest one validation may run: it reads the spec, the org policy and the bus (a
+validation takes milliseconds; the rest is a margin for a loaded machine)."""
 
 
 def create_service(settings: Settings | None = None) -> Service:
@@ -22,8 +26,15 @@ def create_service(settings: Settings | None = None) -> Service:
         service.settings, load_org_policy(service.settings.org_policy), tenant_of=tenant_of
     )
     # Specs are independent requests: eight validations at once (FastStream ran a fetched batch
-    # of 16 at once before, in stream order), the tenants taking turns.
-    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=8)(
-        handlers.on_submitted
-    )
+    # of 16 at once before, in stream order), the tenants taking turns, one tenant at most
+    # seven; an attempt still running after VALIDATE_TIMEOUT_S is cancelled and retried.
+    # Deliveries are verified and held (or ended, past their tenant's bound) 64 at a time, so
+    # a neighbour's spec behind a tenant's burst is reached sooner.
+    service.handles(
+        SpecSubmitted,
+        answers=(SpecValidated, SpecRejected),
+        workers=8,
+        batch=64,
+        retry=RetryPolicy(attempt_timeout_s=VALIDATE_TIMEOUT_S),
+    )(handlers.on_submitted)
     return service
