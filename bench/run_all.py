@@ -31,6 +31,7 @@ BENCHES = {
     "migration": [],
     "e2e": [],
     "service_stop": [],
+    "tenant_burst": [],
 }
 QUICK = {
     "bus": ["--quick"],
@@ -45,6 +46,7 @@ QUICK = {
     "migration": ["--quick"],
     "e2e": ["--quick"],
     "service_stop": ["--rounds", "2"],
+    "tenant_burst": ["--burst", "1000", "--rounds", "1"],
 }
 
 
