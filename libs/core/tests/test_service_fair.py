@@ -225,10 +225,14 @@ async def test_a_stop_under_backpressure_gives_back_at_once(
                     bus.broker.publish(sent.sealed.wire, sent.sealed.subject, stream="DSEC_EVENTS")
                 )
             )
-            for _ in range(20):
-                await asyncio.sleep(0)
+            if n < 2:  # r0 runs, r1 waits
+                await deliveries[n]
         (fair,) = service._fair
-        assert fair.queue.held == 2 and not deliveries[2].done()  # r0 runs, r1 waits, r2 blocked
+        for _ in range(1000):  # r2 is verified, then waits in the queue for room
+            if len(fair.held) == 3:
+                break
+            await asyncio.sleep(0)
+        assert fair.queue.held == 2 and not deliveries[2].done()
         started = asyncio.get_running_loop().time()
         await service._close_queues()  # Service.stop()'s order: the queues, then the consumers
         await asyncio.gather(*(sub.stop() for sub in subscribers))
@@ -418,12 +422,13 @@ async def test_a_batch_verified_at_once_is_held_in_the_order_it_was_fetched(
     async with in_memory(service) as bus:
         await _publish(bus, 0, tenant="z")  # takes the one worker
         admit = service._admit
-        slow = {"r1": 0.05, "r2": 0.0}
+        fetched: list[str] = []  # the order the deliveries reached the runtime
 
         async def uneven(h: object, msg: object, *, spare: bool = True) -> object:
             admitted = await admit(h, msg, spare=spare)  # type: ignore[arg-type]
-            if admitted is not None:
-                await asyncio.sleep(slow.get(admitted[0].decoded().spec_yaml, 0.0))
+            assert admitted is not None
+            fetched.append(admitted[0].decoded().spec_yaml)
+            await asyncio.sleep(0.05 if len(fetched) == 1 else 0.0)  # the first ends last
             return admitted
 
         service._admit = uneven  # type: ignore[method-assign]
@@ -440,4 +445,100 @@ async def test_a_batch_verified_at_once_is_held_in_the_order_it_was_fetched(
         )
         gate.set()
         await service.settled()
-        assert runs == ["r0", "r1", "r2"]
+        assert sorted(fetched) == ["r1", "r2"] and runs == ["r0", *fetched]
+
+
+async def test_a_tenant_waiting_for_room_holds_no_other_tenant_and_all_are_kept_alive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The instance is full; a batch [a, b, a] arrives. a's first waits for room and its
+    second waits behind it (both kept alive: no heartbeat, and JetStream would deliver them
+    again after ack_wait); b, a tenant holding nothing, is held at once."""
+    import dsec_core.service as runtime
+
+    monkeypatch.setattr(runtime, "FAIR_INSTANCE_HELD", 4)
+    service = _service(tmp_path)
+    gate = asyncio.Event()
+    runs: list[str] = []
+
+    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+        runs.append(event.spec_yaml)
+        await gate.wait()
+        return [SpecRejected(errors=[])]
+
+    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=1)(on_submitted)
+    async with in_memory(service) as bus:
+        (fair,) = service._fair
+        for n, tenant in enumerate("aacc"):
+            await _publish(bus, n, tenant=tenant)
+        assert fair.queue.held == 4
+        sent = []
+        for n, tenant in ((4, "a"), (5, "b"), (6, "a")):
+            pub = await bus.producer("user", tenant=tenant)
+            sent.append(
+                await pub.publish(SpecSubmitted(spec_yaml=f"r{n}"), aggregate_id=f"sbx_r{n}")
+            )
+        batch = asyncio.gather(
+            *(
+                bus.broker.publish(s.sealed.wire, s.sealed.subject, stream="DSEC_EVENTS")
+                for s in sent
+            )
+        )
+        for _ in range(1000):  # all three verified
+            if fair.queue.held_by("b") and len(fair.held) == 7:
+                break
+            await asyncio.sleep(0)
+        assert fair.queue.held_by("b") == 1 and fair.queue.held == 5
+        assert len(fair.held) == 7 and not any(h.heartbeat.done() for h in fair.held.values())
+        gate.set()
+        await batch
+        await service.settled()
+        assert runs.index("r4") < runs.index("r6") and len(runs) == 7
+
+
+async def test_a_tenants_order_holds_when_a_delivery_between_fails_to_be_verified(
+    tmp_path: Path,
+) -> None:
+    service = _service(tmp_path)
+    gate = asyncio.Event()
+    runs: list[str] = []
+
+    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+        runs.append(event.spec_yaml)
+        await gate.wait()
+        return [SpecRejected(errors=[])]
+
+    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=1)(on_submitted)
+    async with in_memory(service) as bus:
+        await _publish(bus, 0, tenant="z")  # takes the one worker
+        admit = service._admit
+
+        fetched: list[str] = []  # the order the deliveries reached the runtime
+
+        async def uneven(h: object, msg: object, *, spare: bool = True) -> object:
+            admitted = await admit(h, msg, spare=spare)  # type: ignore[arg-type]
+            assert admitted is not None
+            fetched.append(admitted[0].decoded().spec_yaml)
+            if len(fetched) == 1:
+                await asyncio.sleep(0.05)  # the first is verified last
+            if len(fetched) == 2:
+                raise RuntimeError("NATS went away during the replay check")
+            return admitted
+
+        service._admit = uneven  # type: ignore[method-assign]
+        pub = await bus.producer("user", tenant="a")
+        sent = [
+            await pub.publish(SpecSubmitted(spec_yaml=name), aggregate_id=f"sbx_{name}")
+            for name in ("r1", "r2", "r3")
+        ]
+        await asyncio.gather(
+            *(
+                bus.broker.publish(s.sealed.wire, s.sealed.subject, stream="DSEC_EVENTS")
+                for s in sent
+            ),
+            return_exceptions=True,
+        )
+        gate.set()
+        await service.settled()
+        assert sorted(fetched) == ["r1", "r2", "r3"]
+        assert runs == ["r0", fetched[0], fetched[2]]  # the second was never verified

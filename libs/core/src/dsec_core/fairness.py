@@ -102,6 +102,7 @@ class FairQueue(Generic[T]):
         self._bytes = 0
         self._closed = False
         self._changed = asyncio.Condition()
+        self._share: int | None = None  # share()'s value until the held counts change
 
     def fresh(self) -> FairQueue[T]:
         """An empty, open queue with the same bounds."""
@@ -160,6 +161,7 @@ class FairQueue(Generic[T]):
             entry.waiting.append(Ticket(tenant, item, size))
             entry.bytes += size
             self._held += 1
+            self._share = None
             self._bytes += size
             self._turns.setdefault(tenant)
             self._changed.notify_all()
@@ -220,8 +222,13 @@ class FairQueue(Generic[T]):
         the tenants' held items, at most ``per_tenant_running``."""
         if self.workers is None:
             return self.per_tenant_running
+        if self._share is None:
+            self._share = self._level(self.workers)
+        return self._share
+
+    def _level(self, workers: int) -> int:
         demands = sorted(entry.held for entry in self._tenants.values())
-        left, count = self.workers, len(demands)
+        left, count = workers, len(demands)
         for n, demand in enumerate(demands):
             if demand * (count - n) >= left:  # the rest all want at least the level
                 return min(self.per_tenant_running, max(1, -(-left // (count - n))))
@@ -235,6 +242,7 @@ class FairQueue(Generic[T]):
             entry.running -= 1
             entry.bytes -= ticket.size
             self._held -= 1
+            self._share = None
             self._bytes -= ticket.size
             if not entry.held:
                 del self._tenants[ticket.tenant]
@@ -253,6 +261,7 @@ class FairQueue(Generic[T]):
                     entry.bytes -= ticket.size
                     self._bytes -= ticket.size
                 self._held -= len(entry.waiting)
+                self._share = None
                 entry.waiting.clear()
                 if not entry.running:
                     del self._tenants[tenant]

@@ -18,10 +18,12 @@ import threading
 from typing import Any
 
 
-def leave(code: Any) -> None:
+def leave(code: Any, *, force: bool = False) -> None:
     """End the process with ``code`` as ``SystemExit(code)`` would, skipping the interpreter's
-    teardown, when only this thread runs; else return (the caller raises or returns)."""
-    if threading.active_count() > 1:
+    teardown, when only this thread runs; else return (the caller raises or returns).
+    ``force``: end it even while other threads run (a stopped service whose abandoned work
+    would keep it alive)."""
+    if threading.active_count() > 1 and not force:
         return
     if code is None:
         status = 0

@@ -111,8 +111,9 @@ MAX_ACK_PENDING = 1024
 ``max_ack_pending``, for all the service's instances together)."""
 FAIR_INSTANCE_HELD = 512
 """Events one instance's fair handler holds for all tenants: past them it takes nothing more
-from the bus until one ends (so two instances share the consumer's window, and a wedged one
-cannot hold all of it). ``DSEC_TENANT_QUEUE`` may be at most this (its setting's bound)."""
+from the bus until one ends (so a wedged instance cannot hold the consumer's whole window;
+tenants holding nothing may go an eighth past it, see :mod:`dsec_core.fairness`).
+``DSEC_TENANT_QUEUE`` may be at most this (its setting's bound)."""
 FAIR_HELD_BYTES = 64 << 20
 """Memory one instance's fair handler holds for all tenants, counted as twice each event's
 bytes as received (the message and its decoded envelope): then it takes nothing more from the
@@ -130,13 +131,13 @@ FAIR_GIVE_BACK_S = 2 * PULL_EXPIRES_S
 requests have expired."""
 FAIR_STOP_GRACE_S = 5.0
 """How long a stopping service lets its fair handlers' running events finish before it
-cancels them and gives them back."""
+cancels them (each then has :data:`CANCEL_GRACE_S` to unwind) and gives them back."""
 FULL_LOG_EVERY_S = 10.0
+"""A tenant's requests ended because it was full are logged once this often, with a count."""
 CANCEL_GRACE_S = 5.0
 """How long a cancelled handler (its attempt timed out, or its service stops) may take to
 unwind before the runtime goes on without it: one that ignores its cancellation is left
-running, logged, and its worker is free."""
-"""A tenant's requests ended because it was full are logged once this often, with a count."""
+running, logged, and its worker is free (a stopping service then exits without it)."""
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,27 @@ class _FairHandling:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     held: dict[int, _Held] = field(default_factory=dict)  # by stream sequence
     stopping: bool = False
-    placed: asyncio.Future[None] | None = None
-    """Set when the latest delivery taken from the bus was placed (see ``Service._hold``)."""
+    fetched: asyncio.Future[None] | None = None
+    """Set when the latest delivery taken from the bus has its place in its tenant's order
+    (see ``Service._hold``)."""
+    tenant_tail: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    """Per tenant: set when its latest delivery was placed (held or ended at once)."""
+
+
+def _resolve_after(prev: asyncio.Future[None] | None, mine: asyncio.Future[None]) -> None:
+    """Resolve ``mine`` once ``prev`` is (a delivery that leaves early keeps the order of
+    those after it)."""
+    if mine.done():
+        return
+    if prev is None or prev.done():
+        mine.set_result(None)
+        return
+
+    def then(_: asyncio.Future[None]) -> None:
+        if not mine.done():
+            mine.set_result(None)
+
+    prev.add_done_callback(then)
 
 
 async def _give_back(held: _Held) -> None:
@@ -288,6 +308,7 @@ class Service:
         self.durables: list[str] = []  # its durable consumers (NATS permissions allow only these)
         self._fair: list[_FairHandling] = []  # handlers registered with workers
         self._full_logged: dict[tuple[str, str], list[float]] = {}  # see _log_full
+        self._abandoned: set[asyncio.Future[Any]] = set()  # see _left_running
         self.stream_problem: str | None = None  # set while DSEC_EVENTS is weakened
         self._watch: asyncio.Task[None] | None = None
         self._key_watch: asyncio.Task[None] | None = None
@@ -588,6 +609,8 @@ class Service:
             envelope.id,
             CANCEL_GRACE_S,
         )
+        self._abandoned.add(task)  # (asyncio keeps only a weak reference to a task)
+        task.add_done_callback(self._abandoned.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _hold(self, fair: _FairHandling, msg: NatsMessage) -> None:
@@ -595,18 +618,19 @@ class Service:
         alive meanwhile) for a worker; a tenant already holding its share has it ended at
         once. Waits (so FastStream fetches nothing more) while the instance holds its most.
 
-        FastStream runs a fetched batch's deliveries at once: each is verified concurrently,
-        then placed (held, or found over its tenant's bound) in the order they were fetched,
-        so a tenant's requests keep their order."""
-        prev, mine = fair.placed, asyncio.get_running_loop().create_future()
-        fair.placed = mine
+        FastStream runs a fetched batch's deliveries at once: each is verified (and, delivered
+        again, looked up) concurrently and kept alive from then on; then each takes its place
+        in its tenant's order in the order they were fetched, and is placed (held, or found
+        over its tenant's bound) after the tenant's delivery before it. A tenant waiting for
+        room does not hold another tenant's delivery."""
+        prev, mine = fair.fetched, asyncio.get_running_loop().create_future()
+        fair.fetched = mine
         try:
-            await self._hold_in_turn(fair, msg, prev, mine)
+            await self._hold_in_order(fair, msg, prev, mine)
         finally:
-            if not mine.done():
-                mine.set_result(None)
+            _resolve_after(prev, mine)
 
-    async def _hold_in_turn(
+    async def _hold_in_order(
         self,
         fair: _FairHandling,
         msg: NatsMessage,
@@ -615,8 +639,6 @@ class Service:
     ) -> None:
         h = fair.handling
         admitted = await self._admit(h, msg, spare=False)
-        if prev is not None and not prev.done():
-            await asyncio.wait({prev})  # (not cancelling it if this one is cancelled)
         if admitted is None:
             return
         envelope, attempt = admitted
@@ -628,34 +650,49 @@ class Service:
             held.heartbeat = self._heartbeat(msg, h)
             return
         if attempt > h.deliveries:
-            mine.set_result(None)
             await self._spare(h, msg, envelope, attempt)
             return
-        if attempt > 1:
-            ended = await self._ended(h, msg, envelope, attempt)
-            if ended is None:  # not known now: ask again later rather than risk two ends
-                await msg.nack(delay=h.policy.delay(1))
-                return
-            if ended:
-                await msg.ack_sync()
-                return
         held = fair.held[seq] = _Held(msg, envelope, seq, self._heartbeat(msg, h))
+        placed = False
         try:
-            # Twice the bytes received: the message and its decoded envelope are both held.
-            await fair.queue.put(envelope.tenant, held, 2 * len(msg.raw_message.data))
-        except TenantFull as full:
-            mine.set_result(None)
-            fair.held.pop(seq, None)
-            held.heartbeat.cancel()
-            await self._tenant_full(h, held.msg, envelope, attempt, full)
-        except QueueClosed:  # stopping
-            fair.held.pop(seq, None)
-            await _give_back(held)
-        except BaseException:  # cancelled while it waited for room: give it back, then go
-            fair.held.pop(seq, None)
-            with contextlib.suppress(BaseException):
-                await _give_back(held)
-            raise
+            if attempt > 1:
+                ended = await self._ended(h, msg, envelope, attempt)
+                if ended is not False:
+                    fair.held.pop(seq, None)
+                    held.heartbeat.cancel()
+                    if ended is None:  # not known now: ask again later, not risk two ends
+                        await held.msg.nack(delay=h.policy.delay(1))
+                    else:
+                        await held.msg.ack_sync()
+                    return
+            if prev is not None and not prev.done():
+                await asyncio.wait({prev})  # (not cancelling it if this one is cancelled)
+            tenant = envelope.tenant
+            before = fair.tenant_tail.get(tenant)
+            turn = fair.tenant_tail[tenant] = asyncio.get_running_loop().create_future()
+            mine.set_result(None)  # the next delivery may take its place
+            try:
+                if before is not None and not before.done():
+                    await asyncio.wait({before})
+                # Twice the bytes received: the message and its decoded envelope are held.
+                await fair.queue.put(tenant, held, 2 * len(msg.raw_message.data))
+                placed = True
+            except TenantFull as full:
+                _resolve_after(before, turn)
+                held.heartbeat.cancel()
+                fair.held.pop(seq, None)
+                await self._tenant_full(h, held.msg, envelope, attempt, full)
+            except QueueClosed:  # stopping
+                pass
+            finally:
+                _resolve_after(before, turn)
+                if fair.tenant_tail.get(tenant) is turn:
+                    del fair.tenant_tail[tenant]
+        finally:
+            if not placed and fair.held.get(seq) is held:  # not held: ended, or given back
+                fair.held.pop(seq, None)
+                with contextlib.suppress(BaseException):
+                    await _give_back(held)
         metrics.HANDLER_WAITING.labels(self.name, h.event_type).set(fair.queue.waiting)
 
     def _heartbeat(self, msg: NatsMessage, h: _Handling) -> asyncio.Task[None]:
@@ -734,9 +771,17 @@ class Service:
         more = "" if entry is None or not entry[1] else f" ({entry[1]:,} more since the last)"
         log.warning("%s: %s: %s%s", self.name, envelope.id, reason, more)
         if len(self._full_logged) >= 4096:  # tenants seen: forget those quiet for a while
-            self._full_logged = {
-                k: v for k, v in self._full_logged.items() if now - v[0] < FULL_LOG_EVERY_S
-            }
+            quiet = [k for k, v in self._full_logged.items() if now - v[0] >= FULL_LOG_EVERY_S]
+            for event_type, tenant in quiet:
+                count = self._full_logged.pop((event_type, tenant))[1]
+                if count:
+                    log.warning(
+                        "%s: %s: %d more requests of tenant %r ended: it was full",
+                        self.name,
+                        event_type,
+                        count,
+                        tenant,
+                    )
         self._full_logged[key] = [now, 0]
 
     async def _work(self, fair: _FairHandling) -> None:
@@ -1068,7 +1113,8 @@ class Service:
             if fair.stopping:
                 fair.queue, fair.stopping = fair.queue.fresh(), False
                 fair.held.clear()
-            fair.placed = None
+            fair.fetched = None
+            fair.tenant_tail.clear()
             if not fair.tasks:
                 fair.tasks = [
                     asyncio.create_task(self._work(fair), name=f"{fair.handling.durable}-{n}")
@@ -1119,6 +1165,13 @@ class Service:
         await self._stopping.wait()
         await self.stop()
         log.info("%s %s stopped", self.name, self.version)
+        if self._abandoned:  # asyncio.run would wait for them for ever
+            log.warning(
+                "%s: %d handler(s) ignored their cancellation: leaving without them",
+                self.name,
+                len(self._abandoned),
+            )
+            quickexit.leave(0, force=True)
 
 
 def main(create: Callable[[], Service]) -> None:
