@@ -335,3 +335,43 @@ async def test_gc_removes_least_recently_used_environments_and_crashed_builds(
     assert _imports(recent) == ["value-0", "value-1", "value-2"]
     rebuilt = await node.build(small)
     assert not rebuilt.reused and rebuilt.bytes_from.local == lock.packages[0].size
+
+
+async def test_a_build_cancelled_while_committing_cleans_up_only_after_the_commit(
+    tmp_path: Path, lock: Lock, index: WheelIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attempt's timeout (or a stop) cancels a build while its environment is renamed into
+    place in a thread: its cleanup (removing the staging tree) waits for that thread, never
+    removing a tree that is being committed; the environment ends complete."""
+    import threading
+
+    import dsec_builder.builder as building
+
+    builder = EnvironmentBuilder(tmp_path / "home", uv=Uv(cache_dir=tmp_path / "uv"))
+    times: dict[str, float] = {}
+    committing = threading.Event()
+    commit, remove = builder.store.commit, building.remove_tree
+
+    def slow_commit(*args: Any) -> Path:
+        committing.set()
+        time.sleep(0.3)
+        try:
+            return commit(*args)
+        finally:
+            times["commit ended"] = time.monotonic()
+
+    def timed_remove(root: Path) -> None:
+        times.setdefault("cleanup started", time.monotonic())
+        remove(root)
+
+    monkeypatch.setattr(builder.store, "commit", slow_commit)
+    monkeypatch.setattr(building, "remove_tree", timed_remove)
+    build = asyncio.create_task(builder.build(lock))
+    await asyncio.to_thread(committing.wait, 60)
+    build.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await build
+    await builder.close()
+    assert times["cleanup started"] >= times["commit ended"], times
+    (env,) = builder.store.environments()
+    assert builder.store.exists(env.lock_hash)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dsec_core.layout import NodeLayout
 from dsec_core.settings import Settings
+from dsec_core.threads import to_thread_to_the_end
 from minio import Minio
 
 from dsec_builder.adapters.artifacts import (
@@ -214,7 +215,8 @@ class EnvironmentBuilder:
         if self.cluster_cache is None:
             return None
         try:
-            digest = await asyncio.to_thread(self.cluster_cache.download, package.sha256, staged)
+            # (a cancelled build removes the staged file only once the download stopped writing)
+            digest = await to_thread_to_the_end(self.cluster_cache.download, package.sha256, staged)
         except ClusterCacheError as exc:
             reasons.append(str(exc))
             return None
@@ -277,7 +279,7 @@ class EnvironmentBuilder:
     async def _install(self, key: str, print_: str, lock: Lock, artifacts: list[Path]) -> None:
         # Staging, committing (a read-only walk of every file) and cleaning up are filesystem
         # work: off the event loop, so other handlers and the in-progress heartbeats keep going.
-        staging = await asyncio.to_thread(self.store.new_staging, key)
+        staging = await to_thread_to_the_end(self.store.new_staging, key)
         try:
             site = staging / SITE_PACKAGES
             site.mkdir()
@@ -285,7 +287,9 @@ class EnvironmentBuilder:
                 await self._run_installer(key, lock, artifacts, site)
             (site / ".lock").unlink(missing_ok=True)  # uv's lock of the target dir, not ours
             manifest = self._manifest(key, print_, lock)
-            await asyncio.to_thread(self.store.commit, staging, key, manifest)
+            # A cancelled attempt (its timeout, a stop) lets the commit end before its staging
+            # tree is removed: never a tree removed while it is walked and renamed into place.
+            await to_thread_to_the_end(self.store.commit, staging, key, manifest)
         except BaseException:
             await asyncio.shield(asyncio.to_thread(remove_tree, staging))
             raise

@@ -21,6 +21,7 @@ from dsec_core.layout import NodeLayout
 from dsec_core.objectstore import client as s3_client
 from dsec_core.settings import Settings
 from dsec_core.spec.plan import EnforcementPlan
+from dsec_core.threads import to_thread_to_the_end
 
 from dsec_builder import metrics
 from dsec_builder.adapters.archives import EnvArchives, StoredArchive
@@ -141,7 +142,9 @@ class BuilderHandlers:
             stored = await asyncio.to_thread(self.archives.existing, key)
             if stored is None:
                 env_root = self.builder.store.env_dir(key)
-                stored = await asyncio.to_thread(self.archives.store, key, env_root)
+                # Under the lock to its end: a cancelled attempt's upload is not raced by the
+                # retry's, which takes the lock only once it has ended.
+                stored = await to_thread_to_the_end(self.archives.store, key, env_root)
         timings = {k: round(v * 1000, 2) for k, v in built.timings.model_dump().items()}
         timings["pack_store"] = round((time.monotonic() - packing) * 1000, 2)
         timings["total"] = round((time.monotonic() - started) * 1000, 2)

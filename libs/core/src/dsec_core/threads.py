@@ -1,0 +1,30 @@
+"""Work in a thread that a cancellation waits for.
+
+``asyncio.to_thread`` returns at once when its caller is cancelled, but the thread cannot be
+stopped: it goes on, while the caller's cleanup (``finally``, a lock's release) runs beside
+it. For work whose end the cleanup depends on (committing a tree that a failed attempt's
+cleanup removes, an upload under a lock that a retry then takes), :func:`to_thread_to_the_end`
+lets the thread finish first, then raises the cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+async def to_thread_to_the_end(fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+    """``fn(*args, **kwargs)`` in a thread; if the caller is cancelled meanwhile, the thread's
+    work ends first (its result or error dropped), then :class:`asyncio.CancelledError`."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait({work})  # (a second cancellation stops this wait, not the thread)
+        if not work.cancelled():
+            work.exception()  # collected: the caller is cancelled, its result is not wanted
+        raise
