@@ -14,6 +14,7 @@ from dsec_core.events import SpecRejected, SpecSubmitted, SpecValidated
 from dsec_core.service import Service
 from dsec_core.settings import Settings
 from dsec_testing.inmemory import MemoryBus, in_memory
+from faststream.nats.annotations import NatsMessage
 
 pytestmark = pytest.mark.unit
 
@@ -488,3 +489,67 @@ async def test_a_tenant_waiting_for_room_holds_no_other_tenant_and_all_are_kept_
         await batch
         await service.settled()
         assert runs.index("r4") < runs.index("r6") and len(runs) == 7
+
+
+async def test_a_stopped_service_waits_for_its_abandoned_handlers_then_leaves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler still running after its cancellation (thread work that cannot be stopped)
+    is waited for after the stop: one that ends in time ends cleanly (its thread's cleanup
+    runs), one that does not makes the process leave without it, with the stop's status."""
+    import dsec_core.service as runtime
+
+    left: list[object] = []
+    monkeypatch.setattr(runtime.quickexit, "leave", lambda code, force=False: left.append(code))
+    service = _service(tmp_path)
+    soon = asyncio.ensure_future(asyncio.sleep(0.1))
+    service._abandoned.add(soon)
+    soon.add_done_callback(service._abandoned.discard)
+    await service._leave_abandoned(0)
+    assert soon.done() and left == []
+    monkeypatch.setattr(runtime, "ABANDONED_WAIT_S", 0.1)
+    never = asyncio.ensure_future(asyncio.Event().wait())
+    service._abandoned.add(never)
+    await service._leave_abandoned(1)
+    assert left == [1]
+    never.cancel()
+
+
+async def test_a_slow_lookup_of_a_redelivery_holds_no_other_tenant(tmp_path: Path) -> None:
+    """A redelivered request's end is looked up in the log (a round trip or more): a later
+    delivery of another tenant in the same batch is placed meanwhile."""
+    service, gate, runs = _gated(tmp_path)
+    async with in_memory(service) as bus:
+        (fair,) = service._fair
+        await _publish(bus, 0, tenant="z")  # takes the one worker
+        while runs != ["r0"]:
+            await asyncio.sleep(0)
+        lookups: list[tuple[str, str]] = []
+
+        async def slow_ended(h: object, msg: object, envelope: Envelope, attempt: int) -> bool:
+            lookups.append(("started", envelope.tenant))
+            await asyncio.sleep(0.3)
+            lookups.append(("ended", envelope.tenant))
+            return False
+
+        service._ended = slow_ended  # type: ignore[method-assign,assignment]
+        delivery = service.delivery
+        first = {"seq": 0}
+
+        def again(msg: NatsMessage) -> tuple[int, int]:
+            _, seq = delivery(msg)
+            first["seq"] = first["seq"] or seq  # the first verified: delivered again
+            return (2 if seq == first["seq"] else 1), seq
+
+        service.delivery = again  # type: ignore[method-assign]
+        batch = asyncio.create_task(_batch(bus, [("r1", "a"), ("r2", "b")]))
+        for _ in range(1000):
+            if lookups and fair.queue.held_by("b" if lookups[0][1] == "a" else "a"):
+                break
+            await asyncio.sleep(0.001)
+        other = "b" if lookups[0][1] == "a" else "a"
+        assert fair.queue.held_by(other) == 1 and [k for k, _ in lookups] == ["started"]
+        gate.set()
+        await batch
+        await service.settled()
+        assert sorted(runs) == ["r0", "r1", "r2"]

@@ -42,3 +42,30 @@ async def test_the_result_and_the_error_come_back_as_from_the_function() -> None
 
     with pytest.raises(ValueError, match="disk full"):
         await to_thread_to_the_end(fails)
+
+
+async def test_a_second_cancellation_waits_for_the_thread_too() -> None:
+    """A handler cancelled by its timeout, then again by a stop, while it waits for its
+    commit: the cleanup still comes after the commit."""
+    events: list[str] = []
+    started = threading.Event()
+
+    def commit() -> None:
+        started.set()
+        time.sleep(0.3)
+        events.append("committed")
+
+    async def attempt() -> None:
+        try:
+            await to_thread_to_the_end(commit)
+        finally:
+            events.append("cleanup")
+
+    task = asyncio.create_task(attempt())
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert events == ["committed", "cleanup"]

@@ -134,10 +134,14 @@ FAIR_STOP_GRACE_S = 5.0
 cancels them (each then has :data:`CANCEL_GRACE_S` to unwind) and gives them back."""
 FULL_LOG_EVERY_S = 10.0
 """A tenant's requests ended because it was full are logged once this often, with a count."""
+ABANDONED_WAIT_S = 30.0
+"""How long a stopped service waits for handlers left running (see :data:`CANCEL_GRACE_S`)
+before it leaves without them."""
 CANCEL_GRACE_S = 5.0
 """How long a cancelled handler (its attempt timed out, or its service stops) may take to
 unwind before the runtime goes on without it: one that ignores its cancellation is left
-running, logged, and its worker is free (a stopping service then exits without it)."""
+running, logged, and its worker is free (a stopped service waits :data:`ABANDONED_WAIT_S`
+for it, then exits without it)."""
 
 
 @dataclass(frozen=True)
@@ -655,16 +659,6 @@ class Service:
         held = fair.held[seq] = _Held(msg, envelope, seq, self._heartbeat(msg, h))
         placed = False
         try:
-            if attempt > 1:
-                ended = await self._ended(h, msg, envelope, attempt)
-                if ended is not False:
-                    fair.held.pop(seq, None)
-                    held.heartbeat.cancel()
-                    if ended is None:  # not known now: ask again later, not risk two ends
-                        await held.msg.nack(delay=h.policy.delay(1))
-                    else:
-                        await held.msg.ack_sync()
-                    return
             if prev is not None and not prev.done():
                 await asyncio.wait({prev})  # (not cancelling it if this one is cancelled)
             tenant = envelope.tenant
@@ -672,6 +666,16 @@ class Service:
             turn = fair.tenant_tail[tenant] = asyncio.get_running_loop().create_future()
             mine.set_result(None)  # the next delivery may take its place
             try:
+                if attempt > 1:  # (a slow lookup holds only this tenant's later deliveries)
+                    ended = await self._ended(h, msg, envelope, attempt)
+                    if ended is not False:
+                        fair.held.pop(seq, None)
+                        held.heartbeat.cancel()
+                        if ended is None:  # not known now: ask again later, not end it twice
+                            await held.msg.nack(delay=h.policy.delay(1))
+                        else:
+                            await held.msg.ack_sync()
+                        return
                 if before is not None and not before.done():
                     await asyncio.wait({before})
                 # Twice the bytes received: the message and its decoded envelope are held.
@@ -681,7 +685,12 @@ class Service:
                 _resolve_after(before, turn)
                 held.heartbeat.cancel()
                 fair.held.pop(seq, None)
-                await self._tenant_full(h, held.msg, envelope, attempt, full)
+                try:
+                    await self._tenant_full(h, held.msg, envelope, attempt, full)
+                except Exception as exc:  # its end not published: delivered again soon
+                    log.warning("%s: %s not ended at once: %s", self.name, envelope.id, exc)
+                    with contextlib.suppress(Exception):
+                        await held.msg.nack(delay=h.policy.delay(1))
             except QueueClosed:  # stopping
                 pass
             finally:
@@ -1163,15 +1172,30 @@ class Service:
         loop.add_signal_handler(signal.SIGHUP, self.recheck_key.set)
         await self.start()
         await self._stopping.wait()
-        await self.stop()
+        try:
+            await self.stop()
+        except BaseException:
+            log.exception("%s: the stop failed", self.name)
+            await self._leave_abandoned(1)
+            raise
         log.info("%s %s stopped", self.name, self.version)
-        if self._abandoned:  # asyncio.run would wait for them for ever
+        await self._leave_abandoned(0)
+
+    async def _leave_abandoned(self, code: int) -> None:
+        """Handlers left running (they ignored their cancellation, or wait for thread work
+        that cannot be stopped) get :data:`ABANDONED_WAIT_S` to end; then the process leaves
+        without them: asyncio.run would wait for them for ever."""
+        if not self._abandoned:
+            return
+        _, pending = await asyncio.wait(set(self._abandoned), timeout=ABANDONED_WAIT_S)
+        if pending:
             log.warning(
-                "%s: %d handler(s) ignored their cancellation: leaving without them",
+                "%s: %d handler(s) still running %g s after the stop: leaving without them",
                 self.name,
-                len(self._abandoned),
+                len(pending),
+                ABANDONED_WAIT_S,
             )
-            quickexit.leave(0, force=True)
+            quickexit.leave(code, force=True)
 
 
 def main(create: Callable[[], Service]) -> None:

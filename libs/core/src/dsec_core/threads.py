@@ -10,6 +10,7 @@ lets the thread finish first, then raises the cancellation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -18,13 +19,16 @@ R = TypeVar("R")
 
 
 async def to_thread_to_the_end(fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
-    """``fn(*args, **kwargs)`` in a thread; if the caller is cancelled meanwhile, the thread's
-    work ends first (its result or error dropped), then :class:`asyncio.CancelledError`."""
+    """``fn(*args, **kwargs)`` in a thread; if the caller is cancelled meanwhile (once or more),
+    the thread's work ends first (its result or error dropped), then
+    :class:`asyncio.CancelledError`."""
     work = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
-        await asyncio.wait({work})  # (a second cancellation stops this wait, not the thread)
+        while not work.done():  # every further cancellation too waits for the thread
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({work})
         if not work.cancelled():
             work.exception()  # collected: the caller is cancelled, its result is not wanted
         raise
