@@ -42,3 +42,32 @@ async def test_a_plan_not_from_the_policy_service_is_never_built(tmp_path: Path)
     assert rejected.payload["reason"] == "unauthorized"
     assert rejected.payload["consumer"] == "builder-spec-validated"
     assert "only policy" in rejected.payload["detail"]
+
+
+async def test_the_builder_removes_what_a_killed_build_left_half_written_at_start(
+    tmp_path: Path,
+) -> None:
+    """A builder killed mid-download or mid-upload leaves a staged file; the next start
+    removes those older than an hour, and leaves younger ones (another builder's, at work)."""
+    import os
+    import time
+
+    from dsec_builder.adapters.archives import EnvArchives
+    from dsec_builder.handlers import LEFTOVER_AGE_S, BuilderHandlers
+
+    handlers = BuilderHandlers(Settings(home=tmp_path / "home"))
+    incoming = handlers.builder.cache.staging_file()  # (makes .incoming)
+    handlers.archives = EnvArchives(None, "b", tmp_path / "archives")  # type: ignore[arg-type]
+    (tmp_path / "archives").mkdir()
+    old = [incoming, tmp_path / "archives" / ".abc.1234.tar.zst"]
+    young = [handlers.builder.cache.staging_file(), tmp_path / "archives" / ".def.5678.tar.zst"]
+    kept = tmp_path / "archives" / "abc.json"  # a record, not a leftover
+    for path in [*old, *young, kept]:
+        path.write_bytes(b"x")
+    long_ago = time.time() - LEFTOVER_AGE_S - 60
+    for path in [*old, kept]:
+        os.utime(path, (long_ago, long_ago))
+    await handlers.sweep()
+    assert [p.exists() for p in old] == [False, False]
+    assert all(p.exists() for p in [*young, kept])
+    await handlers.close()

@@ -47,5 +47,6 @@ def create_service(settings: Settings | None = None) -> Service:
         workers=4,
         answers=(events.EnvBuilt, events.SandboxFailed),
     )(handlers.on_resolved)
+    service.on_start.append(handlers.sweep)
     service.on_stop.append(handlers.close)
     return service

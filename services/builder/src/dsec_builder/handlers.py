@@ -12,6 +12,7 @@ reason (for a missing artifact: which ones).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 
@@ -71,6 +72,12 @@ def lock_of(event: events.DepsResolved) -> Lock:
     )
 
 
+log = logging.getLogger(__name__)
+LEFTOVER_AGE_S = 3600.0
+"""A download or archive in the builder's work directories untouched this long is a killed
+build's leftover (a download is limited to 600 s)."""
+
+
 class BuilderHandlers:
     """Resolution and environment builds for one node."""
 
@@ -84,6 +91,18 @@ class BuilderHandlers:
             if s3 is not None
             else None
         )
+
+    async def sweep(self) -> None:
+        """At start: remove the downloads and archives a killed builder left half written
+        (older than :data:`LEFTOVER_AGE_S`: a younger one may be another builder's, at work)."""
+
+        def sweep() -> int:
+            removed = self.builder.cache.sweep(LEFTOVER_AGE_S)
+            return removed + (self.archives.sweep(LEFTOVER_AGE_S) if self.archives else 0)
+
+        removed = await asyncio.to_thread(sweep)
+        if removed:
+            log.info("removed %d half-written downloads or archives of killed builds", removed)
 
     async def close(self) -> None:
         """Release the builder's connections."""

@@ -21,6 +21,8 @@ from dsec_core.envarchive import pack
 from dsec_core.objectstore import env_archive_key, stat_object
 from minio import Minio
 
+from dsec_builder.adapters.artifacts import sweep_files
+
 _META_DIGEST = "blake3"
 _META_UNPACKED = "unpacked-bytes"
 
@@ -64,6 +66,11 @@ class EnvArchives:
             if mine != found:
                 return None  # replaced since this builder stored it: never vouch for it
         return found
+
+    def sweep(self, older_than_s: float) -> int:
+        """Remove archives left half packed or uploaded longer than ``older_than_s`` (a builder
+        killed meanwhile); returns how many."""
+        return sweep_files(self.work, ".*.tar.zst", older_than_s)
 
     def store(self, lock_hash: str, env_root: Path) -> StoredArchive:
         """Pack the environment at ``env_root`` and store it under its lock hash."""

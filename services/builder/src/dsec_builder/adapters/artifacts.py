@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,11 @@ class LocalCache:
         """A fresh file path on the cache's filesystem, for a download in progress."""
         self._incoming.mkdir(parents=True, exist_ok=True)
         return self._incoming / uuid.uuid4().hex
+
+    def sweep(self, older_than_s: float) -> int:
+        """Remove downloads left in progress longer than ``older_than_s`` (a builder killed
+        mid-download); returns how many. Younger ones may be another builder's, at work."""
+        return sweep_files(self._incoming, "*", older_than_s)
 
     def admit(self, staged: Path, package: LockedPackage) -> Path:
         """Move a verified staging file into place (atomic; concurrent admits are harmless)."""
@@ -171,3 +177,20 @@ class IndexFetcher:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def sweep_files(directory: Path, pattern: str, older_than_s: float) -> int:
+    """Remove the files matching ``pattern`` in ``directory`` not modified for
+    ``older_than_s``; returns how many (a file gone meanwhile is not counted)."""
+    if not directory.is_dir():
+        return 0
+    limit = time.time() - older_than_s
+    removed = 0
+    for path in directory.glob(pattern):
+        try:
+            if path.is_file() and path.stat().st_mtime < limit:
+                path.unlink()
+                removed += 1
+        except FileNotFoundError:
+            continue
+    return removed
