@@ -182,6 +182,20 @@ def test_a_user_of_another_tenant_cannot_delete_a_snapshot(
     assert owned.exit_code == 0 and owned.last_json()["names"] == [name]
 
 
+async def settled(js: Any, durable: str, timeout: float = 80.0) -> None:
+    """Wait until ``durable`` has nothing undelivered or unacknowledged. A request that an
+    earlier test's instance fetched just as it stopped is delivered again only after the
+    consumer's ack_wait (60 s for snapshot requests), and holds the ack floor until then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = await js.consumer_info(STREAM, durable)
+        if not info.num_pending and not info.num_ack_pending:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"{durable} still has {info.num_ack_pending} unacknowledged")
+        await asyncio.sleep(0.1)
+
+
 async def consumed(js: Any, durable: str, seq: int, timeout: float = 20.0) -> None:
     """Wait until ``durable`` acknowledged the message at stream ``seq`` (and all before)."""
     deadline = time.monotonic() + timeout
@@ -205,6 +219,9 @@ async def test_a_snapshot_request_for_a_sandbox_of_another_node_is_left_to_that_
     nc = await nats.connect(nats_url)
     try:
         js = nc.jetstream()
+        node_durable = durable_name("nodeagent", "snapshot.requested", "node-1")
+        for durable in (node_durable, "snapshot-snapshot-requested"):
+            await settled(js, durable)  # (what earlier tests left is not this test's)
         user = await make_publisher(js)
         policy = await make_publisher(js, role="policy")
         scheduler = await make_publisher(js, role="scheduler")
@@ -220,7 +237,7 @@ async def test_a_snapshot_request_for_a_sandbox_of_another_node_is_left_to_that_
         request = await user.publish(SnapshotRequested(name=f"n2-{sid}"), aggregate_id=sid)
         seq = request.stream_seq
 
-        await consumed(js, durable_name("nodeagent", "snapshot.requested", "node-1"), seq)
+        await consumed(js, node_durable, seq)
         await consumed(js, "snapshot-snapshot-requested", seq)
         seen = [
             decode(data)
