@@ -95,16 +95,22 @@ async def _kill_leader_mid_flow(
     run = uuid.uuid4().hex[:8]
     subject = f"dsec.sandbox.sbx_{run}.spec.submitted"
     durable = f"cluster-kill-{run}"
-    await sub_js.add_consumer(
-        STREAM,
-        ConsumerConfig(
-            durable_name=durable,
-            filter_subject=subject,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=2.0,
-        ),
+    config = ConsumerConfig(
+        durable_name=durable,
+        filter_subject=subject,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=2.0,
     )
+    deadline = time.monotonic() + 30
+    while True:  # (the cluster's JetStream API can take over 2 s on a loaded 2-core VM)
+        try:
+            await sub_js.add_consumer(STREAM, config)
+            break
+        except (nats.errors.TimeoutError, nats.js.errors.APIError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
     publisher = await trust.publisher(js, dsec_cluster.home, "user", subject=f"load-{run}")
     acked: list[str] = []
     # event id -> the stream sequences it was delivered from, one entry per delivery
