@@ -25,9 +25,9 @@ from pathlib import Path
 
 import nats
 from _common import at_least_one, emit
-from dsec_core import canonical
 from dsec_core.events import SpecSubmitted
 from dsec_core.ids import new_sandbox_id
+from dsec_core.settings import TENANT_QUEUE_MAX
 from dsec_core.subjects import STREAM, subject_for
 from dsec_testing import trust
 from dsec_testing.stack import ServiceRunner, StackFixture
@@ -43,12 +43,12 @@ ENDS = ("spec.validated", "spec.rejected", "sandbox.failed")
 
 
 async def _end(js: JetStreamContext, sid: str) -> str | None:
+    """The type of ``sid``'s terminal event, once one is in the log."""
     for event_type in ENDS:
         try:
-            msg = await js.get_msg(STREAM, subject=subject_for(event_type, sid), next=True, seq=1)
+            await js.get_msg(STREAM, subject=subject_for(event_type, sid), next=True, seq=1)
         except Exception:  # nothing on that subject yet
             continue
-        canonical.unpack(msg.data)
         return event_type
     return None
 
@@ -144,4 +144,6 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=at_least_one, default=2, help="bursts, one by one")
     parser.add_argument("--json", action="store_true", help="(the JSON line is printed last)")
     args = parser.parse_args()
+    if args.per_tenant > TENANT_QUEUE_MAX:  # the service would refuse to start
+        parser.error(f"argument --per-tenant: at most {TENANT_QUEUE_MAX} (DSEC_TENANT_QUEUE)")
     main(args.burst, args.per_tenant, args.rounds)

@@ -23,6 +23,25 @@ def _service(tmp_path: Path, **settings: object) -> Service:
     return Service("policy", Settings(home=tmp_path, **settings))  # type: ignore[arg-type]
 
 
+def _gated(
+    tmp_path: Path, workers: int = 1, **settings: object
+) -> tuple[Service, asyncio.Event, list[str]]:
+    """A service whose handler records each spec and waits for the gate."""
+    service = _service(tmp_path, **settings)
+    gate = asyncio.Event()
+    runs: list[str] = []
+
+    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+        runs.append(event.spec_yaml)
+        await gate.wait()
+        return [SpecRejected(errors=[])]
+
+    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=workers)(
+        on_submitted
+    )
+    return service, gate, runs
+
+
 async def _publish(bus: MemoryBus, n: int, tenant: str = "acme") -> Envelope:
     pub = await bus.producer("user", tenant=tenant)
     sent = await pub.publish(SpecSubmitted(spec_yaml=f"r{n}"), aggregate_id=f"sbx_r{n}")
@@ -39,16 +58,7 @@ async def test_a_request_delivered_again_while_held_is_held_once_and_ends_once(
 ) -> None:
     """JetStream delivers a held request again (its heartbeat came late): with its tenant at
     its bound, the copy is neither refused nor held a second time; the request ends once."""
-    service = _service(tmp_path, tenant_queue=2)
-    gate = asyncio.Event()
-    runs: list[str] = []
-
-    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
-        runs.append(event.spec_yaml)
-        await gate.wait()
-        return [SpecRejected(errors=[])]
-
-    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=1)(on_submitted)
+    service, gate, runs = _gated(tmp_path, tenant_queue=2)
     async with in_memory(service) as bus:
         (fair,) = service._fair
         first, second = await _publish(bus, 0), await _publish(bus, 1)  # r0 runs, r1 waits
@@ -205,14 +215,7 @@ async def test_a_stop_under_backpressure_gives_back_at_once(
         await nack(self, delay=delay)  # type: ignore[arg-type]
 
     monkeypatch.setattr(messages.NatsMessage, "nack", counted)
-    service = _service(tmp_path)
-    gate = asyncio.Event()
-
-    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
-        await gate.wait()
-        return [SpecRejected(errors=[])]
-
-    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=1)(on_submitted)
+    service, gate, _ = _gated(tmp_path)
     async with in_memory(service) as bus:
         subscribers = list(service.broker.subscribers)
         for sub in subscribers:
@@ -329,14 +332,7 @@ async def test_a_tenants_burst_past_its_bound_is_a_few_log_lines_and_one_end_eac
 ) -> None:
     import dsec_core.service as runtime
 
-    service = _service(tmp_path, tenant_queue=1)
-    gate = asyncio.Event()
-
-    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
-        await gate.wait()
-        return [SpecRejected(errors=[])]
-
-    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=2)(on_submitted)
+    service, gate, _ = _gated(tmp_path, workers=2, tenant_queue=1)
     async with in_memory(service) as bus:
         held = await _publish(bus, 0)
         caplog.set_level("WARNING", logger="dsec_core.service")
@@ -403,21 +399,6 @@ def test_bad_fair_settings_are_refused_where_they_are_written(tmp_path: Path) ->
         service.handles(SpecSubmitted, tenant_workers=2)
     with pytest.raises(ValueError, match=r"tenant_workers must be 1..workers \(4\), not 5"):
         service.handles(SpecSubmitted, workers=4, tenant_workers=5)
-
-
-def _gated(tmp_path: Path) -> tuple[Service, asyncio.Event, list[str]]:
-    """A service with one worker whose handler records each spec and waits for the gate."""
-    service = _service(tmp_path)
-    gate = asyncio.Event()
-    runs: list[str] = []
-
-    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
-        runs.append(event.spec_yaml)
-        await gate.wait()
-        return [SpecRejected(errors=[])]
-
-    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=1)(on_submitted)
-    return service, gate, runs
 
 
 async def _batch(bus: MemoryBus, specs: list[tuple[str, str]]) -> list[object]:

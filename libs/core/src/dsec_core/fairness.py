@@ -227,6 +227,7 @@ class FairQueue(Generic[T]):
         return self._share
 
     def _level(self, workers: int) -> int:
+        """The max-min level: the tenants' held counts, capped at it, fill ``workers``."""
         demands = sorted(entry.held for entry in self._tenants.values())
         left, count = workers, len(demands)
         for n, demand in enumerate(demands):

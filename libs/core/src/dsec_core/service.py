@@ -55,7 +55,7 @@ from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
 from dsec_core.fairness import FairQueue, QueueClosed, TenantFull
 from dsec_core.ids import derive_event_id, output_event_id
 from dsec_core.natsperms import durable_name
-from dsec_core.settings import Settings, settings_problem
+from dsec_core.settings import TENANT_QUEUE_MAX, Settings, settings_problem
 from dsec_core.signing import Signer
 from dsec_core.subjects import STREAM, filter_for, subject_for
 from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket, scan_seq, unpack_fields
@@ -109,7 +109,7 @@ Answer = type[Payload] | tuple[type[Payload], str]
 MAX_ACK_PENDING = 1024
 """Events a durable consumer may have delivered and not acknowledged (JetStream's
 ``max_ack_pending``, for all the service's instances together)."""
-FAIR_INSTANCE_HELD = 512
+FAIR_INSTANCE_HELD = TENANT_QUEUE_MAX  # 512
 """Events one instance's fair handler holds for all tenants: past them it takes nothing more
 from the bus until one ends (so a wedged instance cannot hold the consumer's whole window;
 tenants holding nothing may go an eighth past it, see :mod:`dsec_core.fairness`).
@@ -682,7 +682,7 @@ class Service:
                 await fair.queue.put(tenant, held, 2 * len(msg.raw_message.data))
                 placed = True
             except TenantFull as full:
-                _resolve_after(before, turn)
+                _resolve_after(before, turn)  # (now: the tenant's next need not wait the end)
                 held.heartbeat.cancel()
                 fair.held.pop(seq, None)
                 try:

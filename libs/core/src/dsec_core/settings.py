@@ -17,6 +17,10 @@ import blake3
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+TENANT_QUEUE_MAX = 512
+"""The most ``DSEC_TENANT_QUEUE`` may be: what an instance of a service's request handlers
+holds for all tenants (``dsec_core.service.FAIR_INSTANCE_HELD``)."""
+
 
 class Settings(BaseSettings):
     """All DSec settings. See the README's settings table."""
@@ -185,7 +189,7 @@ class Settings(BaseSettings):
     tenant_queue: int = Field(
         default=256,
         ge=1,
-        le=512,
+        le=TENANT_QUEUE_MAX,
         description="Requests one tenant may have waiting or running at once at an instance of "
         "a service's request handlers (policy, builder); the next is ended with its failure "
         "event. At most 512, what an instance holds for all tenants",
