@@ -98,11 +98,11 @@ async def _settled(js: JetStreamContext, service: Service) -> None:
     raise AssertionError(f"consumer {durable} never settled: {info}")
 
 
-def _service(nats_url: str, home: Path, stack_home: Path) -> Service:
+def _service(nats_url: str, home: Path, stack_home: Path, name: str | None = None) -> Service:
     """An in-process service acting as the policy service would: its key certified by the test
-    stack's root, its own durable consumers (a fresh name)."""
+    stack's root, its own durable consumers (a fresh name unless ``name``)."""
     root = trust.stack_root(stack_home)
-    name = f"t{uuid.uuid4().hex[:8]}"
+    name = name or f"t{uuid.uuid4().hex[:8]}"
     identity.ensure_service_identity(identity.TrustPaths(home), root, "policy", name=name)
     anchor = bytes(root.verify_key).hex()
     return Service(name, Settings(nats_url=nats_url, home=home, trust_root=anchor))
@@ -135,6 +135,53 @@ async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
     assert failures[0]["attempts"] == 3
     assert "RuntimeError: resolver exploded" in failures[0]["reason"]
     assert len(attempts) == 3
+
+
+async def test_a_request_running_when_its_service_stops_is_handled_again_in_seconds(
+    publisher: EventPublisher,
+    js: JetStreamContext,
+    nats_url: str,
+    tmp_path: Path,
+    dsec_stack,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handler still runs when its service stops, past the stop grace: it is cancelled and
+    its request given back, so the instance started next answers it within seconds. Before,
+    the request waited out the consumer's ack_wait (60 s here) unanswered."""
+    import dsec_core.service as runtime
+
+    monkeypatch.setattr(runtime, "STOP_GRACE_S", 0.5)
+    name = f"t{uuid.uuid4().hex[:8]}"
+    retry = RetryPolicy(max_attempts=3, base_delay_s=0.05, ack_wait_s=60.0)
+    sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
+    first = _service(nats_url, tmp_path, dsec_stack.home, name)
+    started = asyncio.Event()
+
+    @first.handles(SpecSubmitted, retry=retry)
+    async def hangs(envelope, payload):  # type: ignore[no-untyped-def]
+        if envelope.aggregate_id == sandbox:
+            started.set()
+            await asyncio.Event().wait()  # (a build that outlives the stop)
+        return []
+
+    await first.start()
+    try:
+        await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
+        await asyncio.wait_for(started.wait(), 20)
+    finally:
+        await first.stop()
+    second = _service(nats_url, tmp_path, dsec_stack.home, name)
+
+    @second.handles(SpecSubmitted, retry=retry)
+    async def answers(envelope, payload):  # type: ignore[no-untyped-def]
+        return [SpecRejected(errors=[])] if envelope.aggregate_id == sandbox else []
+
+    await second.start()
+    try:  # within 20 s: a third of the ack_wait it waited out before
+        events = await _wait_for(js, sandbox, lambda ev: "spec.rejected" in {t for _, t, _ in ev})
+    finally:
+        await second.stop()
+    assert [t for _, t, _ in events] == ["spec.submitted", "spec.rejected"]
 
 
 async def test_a_services_consumer_lag_is_exported_per_durable(

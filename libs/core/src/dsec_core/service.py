@@ -129,6 +129,10 @@ PULL_EXPIRES_S = 1.0
 FAIR_GIVE_BACK_S = 2 * PULL_EXPIRES_S
 """When an event a stopping instance gives back is delivered again: after its own pull
 requests have expired."""
+STOP_GRACE_S = 15.0
+"""How long a stopping service lets the events its handlers without ``workers`` are running
+finish (FastStream's ``graceful_timeout``); then they are cancelled, and each is given back
+like a fair handler's (:func:`_give_back_cancelled`)."""
 FAIR_STOP_GRACE_S = 5.0
 """How long a stopping service lets its fair handlers' running events finish before it
 cancels them (each then has :data:`CANCEL_GRACE_S` to unwind) and gives them back."""
@@ -199,6 +203,20 @@ def _resolve_after(prev: asyncio.Future[None] | None, mine: asyncio.Future[None]
             mine.set_result(None)
 
     prev.add_done_callback(then)
+
+
+async def _give_back_cancelled(msg: NatsMessage) -> None:
+    """NAK a delivery whose consume was cancelled before it was acked or given back: its
+    service stops (FastStream cancels what still runs after :data:`STOP_GRACE_S`, and what it
+    fetched as it stopped), or a handler raised ``CancelledError``. It is delivered again after
+    :data:`FAIR_GIVE_BACK_S`, not after the consumer's whole ``ack_wait`` (30–60 s; a request
+    of a node-scoped consumer held that consumer's ack floor meanwhile). Best effort: the
+    NAK is queued on the connection before the first suspension point, and a NATS failure
+    leaves the delivery to ``ack_wait`` as before."""
+    if msg.committed is not None or msg.raw_message._ackd:  # acked, or given back already
+        return
+    with contextlib.suppress(BaseException):
+        await msg.nack(delay=FAIR_GIVE_BACK_S)
 
 
 async def _give_back(held: _Held) -> None:
@@ -291,6 +309,7 @@ class Service:
             # log lines an event was most of a service's log (and ~5 % of its CPU under a
             # burst); a handler's error is still logged at ERROR.
             log_level=logging.DEBUG,
+            graceful_timeout=STOP_GRACE_S,
         )
         self._stream = JStream(name=STREAM, declare=False)
         self.nc: NATS | None = None
@@ -313,6 +332,7 @@ class Service:
         self._fair: list[_FairHandling] = []  # handlers registered with workers
         self._full_logged: dict[tuple[str, str], list[float]] = {}  # see _log_full
         self._abandoned: set[asyncio.Future[Any]] = set()  # see _left_running
+        self._in_stop = False  # (a cancelled delivery is then given back and logged once)
         self.stream_problem: str | None = None  # set while DSEC_EVENTS is weakened
         self._watch: asyncio.Task[None] | None = None
         self._key_watch: asyncio.Task[None] | None = None
@@ -467,12 +487,23 @@ class Service:
                 self._fair.append(fair)
 
                 async def consume(msg: NatsMessage) -> None:
-                    await self._hold(fair, msg)
+                    try:
+                        await self._hold(fair, msg)
+                    except asyncio.CancelledError:
+                        if self.delivery(msg)[1] not in fair.held:  # (held: its queue's)
+                            await _give_back_cancelled(msg)
+                        if not self._stopped_while(handling, msg):
+                            raise
 
             else:
 
                 async def consume(msg: NatsMessage) -> None:
-                    await self._dispatch(handling, msg)
+                    try:
+                        await self._dispatch(handling, msg)
+                    except asyncio.CancelledError:
+                        await _give_back_cancelled(msg)
+                        if not self._stopped_while(handling, msg):
+                            raise
 
             self.broker.subscriber(
                 filter_for(event_type),
@@ -488,6 +519,23 @@ class Service:
             return fn
 
         return register
+
+    def _stopped_while(self, h: _Handling, msg: NatsMessage) -> bool:
+        """A delivery's consume was cancelled (and the delivery given back): true when the
+        service stops, logged as one warning line, not FastStream's ERROR with a traceback
+        for what a stop does; false when a handler raised ``CancelledError`` itself (it goes
+        on)."""
+        if not self._in_stop:
+            return False
+        log.warning(
+            "%s: stopped while handling %s (stream sequence %d): given back, delivered again "
+            "in %g s",
+            self.name,
+            h.event_type,
+            self.delivery(msg)[1],
+            FAIR_GIVE_BACK_S,
+        )
+        return True
 
     def _inbox_prefix(self) -> bytes:
         """The pull requests' reply prefix: this identity's inboxes (nats-py's default when
@@ -975,6 +1023,7 @@ class Service:
 
     async def start(self) -> None:
         """Connect, declare the stream, register the key, start consuming and serving metrics."""
+        self._in_stop = False
         settings = self.settings
         paths = identity.TrustPaths(settings.home)
         # A service signs only with a key the operator root certified (``dsec up``,
@@ -1090,6 +1139,7 @@ class Service:
 
     async def stop(self) -> None:
         """Stop consuming, run stop hooks, close connections."""
+        self._in_stop = True
         if self._watch is not None:
             self._watch.cancel()
         if self._key_watch is not None:
