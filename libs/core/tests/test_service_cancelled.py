@@ -159,3 +159,37 @@ async def test_a_stop_that_cancels_a_handler_is_one_warning_not_an_error(
         assert line.levelname == "WARNING"
         assert "spec.submitted" in line.getMessage()
         assert "delivered again in 2 s" in line.getMessage()
+
+
+async def test_the_stop_warning_says_when_nothing_was_given_back(
+    tmp_path: Path,
+    nacked: list[tuple[bytes, float | None]],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cancelled by the stop just after its ack: the warning says it was acked, not "given
+    back" (which would send someone looking for a redelivery that never comes)."""
+    service = Service("policy", Settings(home=tmp_path))
+    acked = asyncio.Event()
+
+    async def answers(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+        return [SpecRejected(errors=[])]
+
+    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected))(answers)
+    ack_sync = messages.NatsMessage.ack_sync
+
+    async def then_wait(self: messages.NatsMessage) -> None:
+        await ack_sync(self)
+        acked.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(messages.NatsMessage, "ack_sync", then_wait)
+    async with in_memory(service) as bus:
+        task, _ = await _delivering(bus)
+        await acked.wait()
+        service._in_stop = True
+        task.cancel()
+        await task
+        assert nacked == []
+        (line,) = [r for r in caplog.records if "stopped while handling" in r.getMessage()]
+        assert "acked" in line.getMessage() and "given back," not in line.getMessage()

@@ -205,18 +205,25 @@ def _resolve_after(prev: asyncio.Future[None] | None, mine: asyncio.Future[None]
     prev.add_done_callback(then)
 
 
-async def _give_back_cancelled(msg: NatsMessage) -> None:
+async def _give_back_cancelled(msg: NatsMessage) -> str:
     """NAK a delivery whose consume was cancelled before it was acked or given back: its
     service stops (FastStream cancels what still runs after :data:`STOP_GRACE_S`, and what it
-    fetched as it stopped), or a handler raised ``CancelledError``. It is delivered again after
-    :data:`FAIR_GIVE_BACK_S`, not after the consumer's whole ``ack_wait`` (30–60 s; a request
-    of a node-scoped consumer held that consumer's ack floor meanwhile). Best effort: the
-    NAK is queued on the connection before the first suspension point, and a NATS failure
-    leaves the delivery to ``ack_wait`` as before."""
-    if msg.committed is not None or msg.raw_message._ackd:  # acked, or given back already
-        return
-    with contextlib.suppress(BaseException):
+    fetched as it stopped), or a handler raised ``CancelledError`` (anyio then cancels the
+    rest of its fetched batch too, and each of those is given back the same way). It is
+    delivered again after :data:`FAIR_GIVE_BACK_S`, not after the consumer's whole
+    ``ack_wait`` (30–60 s; a request of a node-scoped consumer held that consumer's ack floor
+    meanwhile). Best effort: the NAK is queued on the connection before the first suspension
+    point, and a NATS failure leaves the delivery to ``ack_wait`` as before. Returns what
+    became of it, for the log."""
+    if msg.committed is not None or msg.raw_message._ackd:
+        return "it was acked (or given back) already"
+    try:
         await msg.nack(delay=FAIR_GIVE_BACK_S)
+    except Exception as exc:
+        return f"not given back ({type(exc).__name__}): delivered again after its ack_wait"
+    except BaseException:  # cancelled again: the NAK was queued before (see above)
+        pass
+    return f"given back, delivered again in {FAIR_GIVE_BACK_S:g} s"
 
 
 async def _give_back(held: _Held) -> None:
@@ -490,9 +497,11 @@ class Service:
                     try:
                         await self._hold(fair, msg)
                     except asyncio.CancelledError:
-                        if self.delivery(msg)[1] not in fair.held:  # (held: its queue's)
-                            await _give_back_cancelled(msg)
-                        if not self._stopped_while(handling, msg):
+                        if self.delivery(msg)[1] in fair.held:  # (held: its queue's)
+                            outcome = "held: given back with the queue"
+                        else:
+                            outcome = await _give_back_cancelled(msg)
+                        if not self._stopped_while(handling, msg, outcome):
                             raise
 
             else:
@@ -501,8 +510,8 @@ class Service:
                     try:
                         await self._dispatch(handling, msg)
                     except asyncio.CancelledError:
-                        await _give_back_cancelled(msg)
-                        if not self._stopped_while(handling, msg):
+                        outcome = await _give_back_cancelled(msg)
+                        if not self._stopped_while(handling, msg, outcome):
                             raise
 
             self.broker.subscriber(
@@ -520,20 +529,19 @@ class Service:
 
         return register
 
-    def _stopped_while(self, h: _Handling, msg: NatsMessage) -> bool:
-        """A delivery's consume was cancelled (and the delivery given back): true when the
-        service stops, logged as one warning line, not FastStream's ERROR with a traceback
-        for what a stop does; false when a handler raised ``CancelledError`` itself (it goes
-        on)."""
+    def _stopped_while(self, h: _Handling, msg: NatsMessage, outcome: str) -> bool:
+        """A delivery's consume was cancelled (``outcome``: what became of the delivery): true
+        when the service stops, logged as one warning line, not FastStream's ERROR with a
+        traceback for what a stop does; false when a handler raised ``CancelledError`` itself
+        (the cancellation goes on)."""
         if not self._in_stop:
             return False
         log.warning(
-            "%s: stopped while handling %s (stream sequence %d): given back, delivered again "
-            "in %g s",
+            "%s: stopped while handling %s (stream sequence %d): %s",
             self.name,
             h.event_type,
             self.delivery(msg)[1],
-            FAIR_GIVE_BACK_S,
+            outcome,
         )
         return True
 
