@@ -184,6 +184,63 @@ async def test_a_request_running_when_its_service_stops_is_handled_again_in_seco
     assert [t for _, t, _ in events] == ["spec.submitted", "spec.rejected"]
 
 
+async def test_what_a_stopping_service_fetched_and_never_handled_is_handled_again_in_seconds(
+    publisher: EventPublisher,
+    js: JetStreamContext,
+    nats_url: str,
+    tmp_path: Path,
+    dsec_stack,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A delivery the consumer's pull subscription received while FastStream was busy (here
+    by a pull request of its own on the same inbox, as a fetch cut short by the stop leaves
+    one) is given back when the service stops: the next instance answers it within seconds,
+    not after the consumer's ack_wait (60 s)."""
+    import dsec_core.service as runtime
+
+    monkeypatch.setattr(runtime, "STOP_GRACE_S", 0.5)
+    name = f"t{uuid.uuid4().hex[:8]}"
+    retry = RetryPolicy(max_attempts=3, base_delay_s=0.05, ack_wait_s=60.0)
+    busy, waiting = f"sbx_{uuid.uuid4().hex[:10]}", f"sbx_{uuid.uuid4().hex[:10]}"
+    first = _service(nats_url, tmp_path, dsec_stack.home, name)
+    started = asyncio.Event()
+
+    @first.handles(SpecSubmitted, retry=retry)
+    async def hangs(envelope, payload):  # type: ignore[no-untyped-def]
+        if envelope.aggregate_id in (busy, waiting):
+            started.set()
+            await asyncio.Event().wait()
+        return []
+
+    await first.start()
+    try:
+        await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=busy)
+        await asyncio.wait_for(started.wait(), 20)  # FastStream waits for it: no fetch now
+        await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=waiting)
+        (sub,) = first.broker.subscribers
+        pull = sub.subscription  # type: ignore[attr-defined]
+        await js._nc.publish(pull._nms, b'{"batch": 1}', reply=pull._deliver)
+        for _ in range(400):  # received by the subscription, not taken by FastStream
+            if pull._sub._pending_queue.qsize():
+                break
+            await asyncio.sleep(0.02)
+        assert pull._sub._pending_queue.qsize() == 1
+    finally:
+        await first.stop()
+    second = _service(nats_url, tmp_path, dsec_stack.home, name)
+
+    @second.handles(SpecSubmitted, retry=retry)
+    async def answers(envelope, payload):  # type: ignore[no-untyped-def]
+        return [SpecRejected(errors=[])] if envelope.aggregate_id in (busy, waiting) else []
+
+    await second.start()
+    try:  # within 20 s each: a third of the ack_wait they waited out before
+        for sandbox in (busy, waiting):
+            await _wait_for(js, sandbox, lambda ev: "spec.rejected" in {t for _, t, _ in ev})
+    finally:
+        await second.stop()
+
+
 async def test_a_services_consumer_lag_is_exported_per_durable(
     publisher: EventPublisher, js: JetStreamContext, nats_url: str, tmp_path: Path, dsec_stack
 ) -> None:

@@ -34,7 +34,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Literal, TypeVar, overload
@@ -44,6 +44,7 @@ from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
 from nats import errors as nats_errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyWrongLastSequenceError
@@ -224,6 +225,19 @@ async def _give_back_cancelled(msg: NatsMessage) -> str:
     except BaseException:  # cancelled again: the NAK was queued before (see above)
         pass
     return f"given back, delivered again in {FAIR_GIVE_BACK_S:g} s"
+
+
+def _fetched_queues(subscribers: Iterable[object]) -> list[asyncio.Queue[Msg]]:
+    """nats-py's queue of what each pull subscription received and FastStream has not taken
+    yet (``PullSubscription._sub._pending_queue``: private to nats-py, which keeps it after
+    an unsubscribe; ``libs/core/tests`` and ``tests/test_backbone.py`` hold it to that)."""
+    queues: list[asyncio.Queue[Msg]] = []
+    for sub in subscribers:
+        inner = getattr(getattr(sub, "subscription", None), "_sub", None)
+        queue = getattr(inner, "_pending_queue", None)
+        if isinstance(queue, asyncio.Queue):
+            queues.append(queue)
+    return queues
 
 
 async def _give_back(held: _Held) -> None:
@@ -1154,15 +1168,17 @@ class Service:
             self._key_watch.cancel()
         if self._consumer_watch is not None:
             self._consumer_watch.cancel()
-        if self._fair:
-            # Give back what waits (a delivery waiting for room is told, and gives itself
-            # back), fetch nothing more, let what runs finish, all while the consumers'
-            # connection still acks and NAKs; then close it.
-            await self._close_queues()
-            await asyncio.gather(
-                *(sub.stop() for sub in self.broker.subscribers), return_exceptions=True
-            )
-            await self.stop_workers()
+        # Give back what waits (a delivery waiting for room is told, and gives itself back),
+        # fetch nothing more, let what runs finish, and give back what the pull subscriptions
+        # received and FastStream had not taken yet, all while the consumers' connection
+        # still acks and NAKs; then close it.
+        fetched = _fetched_queues(self.broker.subscribers)
+        await self._close_queues()
+        await asyncio.gather(
+            *(sub.stop() for sub in self.broker.subscribers), return_exceptions=True
+        )
+        await self._give_back_fetched(fetched)
+        await self.stop_workers()
         await self.broker.stop()
         for hook in self.on_stop:
             await hook()
@@ -1172,6 +1188,31 @@ class Service:
         self.loop_watch.stop()
         if self.nc is not None:
             await self.nc.drain()
+
+    async def _give_back_fetched(self, queues: list[asyncio.Queue[Msg]]) -> None:
+        """NAK what the pull subscriptions received and FastStream never took (a stop cancels
+        a fetch that was still collecting a batch): delivered again in
+        :data:`FAIR_GIVE_BACK_S` instead of after the consumer's whole ``ack_wait``. Called
+        once they are unsubscribed: the server delivers nothing more to a pull request whose
+        inbox has no interest, so what is in these queues is all there is (bar what was on
+        the wire at that instant)."""
+        given = 0
+        for queue in queues:
+            while not queue.empty():
+                msg = queue.get_nowait()
+                if JetStreamContext.is_status_msg(msg) or not msg.reply or msg._ackd:
+                    continue  # (a pull request's status, not a delivery)
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=FAIR_GIVE_BACK_S)
+                    given += 1
+        if given:
+            log.warning(
+                "%s: stopped with %d fetched event(s) not yet handled: given back, delivered "
+                "again in %g s",
+                self.name,
+                given,
+                FAIR_GIVE_BACK_S,
+            )
 
     def start_workers(self) -> None:
         """Start the workers of the handlers registered with ``workers`` (:meth:`start` does);
