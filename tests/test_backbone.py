@@ -137,7 +137,7 @@ async def test_failing_handler_is_retried_then_ends_in_one_failure_event(
     assert len(attempts) == 3
 
 
-async def test_a_request_running_when_its_service_stops_is_handled_again_in_seconds(
+async def test_what_a_stopping_service_ran_or_fetched_and_never_ended_is_handled_in_seconds(
     publisher: EventPublisher,
     js: JetStreamContext,
     nats_url: str,
@@ -145,57 +145,11 @@ async def test_a_request_running_when_its_service_stops_is_handled_again_in_seco
     dsec_stack,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The handler still runs when its service stops, past the stop grace: it is cancelled and
-    its request given back, so the instance started next answers it within seconds. Before,
-    the request waited out the consumer's ack_wait (60 s here) unanswered."""
-    import dsec_core.service as runtime
-
-    monkeypatch.setattr(runtime, "STOP_GRACE_S", 0.5)
-    name = f"t{uuid.uuid4().hex[:8]}"
-    retry = RetryPolicy(max_attempts=3, base_delay_s=0.05, ack_wait_s=60.0)
-    sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
-    first = _service(nats_url, tmp_path, dsec_stack.home, name)
-    started = asyncio.Event()
-
-    @first.handles(SpecSubmitted, retry=retry)
-    async def hangs(envelope, payload):  # type: ignore[no-untyped-def]
-        if envelope.aggregate_id == sandbox:
-            started.set()
-            await asyncio.Event().wait()  # (a build that outlives the stop)
-        return []
-
-    await first.start()
-    try:
-        await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
-        await asyncio.wait_for(started.wait(), 20)
-    finally:
-        await first.stop()
-    second = _service(nats_url, tmp_path, dsec_stack.home, name)
-
-    @second.handles(SpecSubmitted, retry=retry)
-    async def answers(envelope, payload):  # type: ignore[no-untyped-def]
-        return [SpecRejected(errors=[])] if envelope.aggregate_id == sandbox else []
-
-    await second.start()
-    try:  # within 20 s: a third of the ack_wait it waited out before
-        events = await _wait_for(js, sandbox, lambda ev: "spec.rejected" in {t for _, t, _ in ev})
-    finally:
-        await second.stop()
-    assert [t for _, t, _ in events] == ["spec.submitted", "spec.rejected"]
-
-
-async def test_what_a_stopping_service_fetched_and_never_handled_is_handled_again_in_seconds(
-    publisher: EventPublisher,
-    js: JetStreamContext,
-    nats_url: str,
-    tmp_path: Path,
-    dsec_stack,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A delivery the consumer's pull subscription received while FastStream was busy (here
+    """When the service stops, its handler still runs past the stop grace (``busy``), and the
+    consumer's pull subscription holds a delivery FastStream had not taken (``waiting``: here
     by a pull request of its own on the same inbox, as a fetch cut short by the stop leaves
-    one) is given back when the service stops: the next instance answers it within seconds,
-    not after the consumer's ack_wait (60 s)."""
+    one). Both are given back: the next instance answers each within seconds, once. Before,
+    each waited out the consumer's ack_wait (60 s here) unanswered."""
     import dsec_core.service as runtime
 
     monkeypatch.setattr(runtime, "STOP_GRACE_S", 0.5)
@@ -236,7 +190,10 @@ async def test_what_a_stopping_service_fetched_and_never_handled_is_handled_agai
     await second.start()
     try:  # within 20 s each: a third of the ack_wait they waited out before
         for sandbox in (busy, waiting):
-            await _wait_for(js, sandbox, lambda ev: "spec.rejected" in {t for _, t, _ in ev})
+            events = await _wait_for(
+                js, sandbox, lambda ev: "spec.rejected" in {t for _, t, _ in ev}
+            )
+            assert [t for _, t, _ in events] == ["spec.submitted", "spec.rejected"]
     finally:
         await second.stop()
 
