@@ -146,10 +146,10 @@ async def test_what_a_stopping_service_ran_or_fetched_and_never_ended_is_handled
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """When the service stops, its handler still runs past the stop grace (``busy``), and the
-    consumer's pull subscription holds a delivery FastStream had not taken (``waiting``: here
-    by a pull request of its own on the same inbox, as a fetch cut short by the stop leaves
-    one). Both are given back: the next instance answers each within seconds, once. Before,
-    each waited out the consumer's ack_wait (60 s here) unanswered."""
+    consumer's pull subscription holds a delivery nobody took from its queue (``waiting``: put
+    there by a pull request of the test's own on the same inbox). Both are given back: the
+    next instance answers each within seconds, once. Before, each waited out the consumer's
+    ack_wait (60 s here) unanswered."""
     import dsec_core.service as runtime
 
     monkeypatch.setattr(runtime, "STOP_GRACE_S", 0.5)
