@@ -1,6 +1,6 @@
 """A delivery whose consume is cancelled before it was acked is given back (NAK with a short
 delay), so JetStream delivers it again in seconds, not after the consumer's whole ack_wait
-(``dsec_core.service._give_back_cancelled``). FastStream cancels what still runs when a
+(``dsec_core.service._give_back_msg``). FastStream cancels what still runs when a
 service stops past its grace, and what it fetched as it stopped. In memory, behind the real
 trust gate; ``tests/test_backbone.py`` shows the same against a real NATS server."""
 
@@ -19,20 +19,6 @@ from dsec_core.settings import Settings
 from dsec_testing.inmemory import MemoryBus, in_memory
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture
-def nacked(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bytes, float | None]]:
-    """Every NAK a service sends: the message's bytes and the delay asked for."""
-    seen: list[tuple[bytes, float | None]] = []
-    nack = messages.NatsMessage.nack
-
-    async def counted(self: messages.NatsMessage, delay: float | None = None) -> None:
-        seen.append((self.raw_message.data, delay))
-        await nack(self, delay=delay)
-
-    monkeypatch.setattr(messages.NatsMessage, "nack", counted)
-    return seen
 
 
 async def _delivering(bus: MemoryBus, tenant: str = "acme") -> tuple[asyncio.Task[None], bytes]:

@@ -197,24 +197,15 @@ async def test_a_service_started_again_after_a_stop_handles_again(tmp_path: Path
 
 
 async def test_a_stop_under_backpressure_gives_back_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nacked: list[tuple[bytes, float | None]]
 ) -> None:
     """The instance holds its most and one more delivery waits for room inside FastStream's
     consume when the service stops: it is given back (NAK) with what waits, and stopping the
     consumers does not wait FastStream's 15 s for it (then to drop it unanswered)."""
     import dsec_core.service as runtime
-    import faststream.nats.message as messages
     from faststream._internal.endpoint.subscriber.utils import MultiLock
 
     monkeypatch.setattr(runtime, "FAIR_INSTANCE_HELD", 2)
-    nacked: list[bytes] = []
-    nack = messages.NatsMessage.nack
-
-    async def counted(self: object, delay: float | None = None) -> None:
-        nacked.append(self.raw_message.data)  # type: ignore[attr-defined]
-        await nack(self, delay=delay)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(messages.NatsMessage, "nack", counted)
     service, gate, _ = _gated(tmp_path)
     async with in_memory(service) as bus:
         subscribers = list(service.broker.subscribers)

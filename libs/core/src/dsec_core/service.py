@@ -133,7 +133,7 @@ requests have expired."""
 STOP_GRACE_S = 15.0
 """How long a stopping service lets the events its handlers without ``workers`` are running
 finish (FastStream's ``graceful_timeout``); then they are cancelled, and each is given back
-like a fair handler's (:func:`_give_back_cancelled`)."""
+like a fair handler's (:func:`_give_back_msg`)."""
 FAIR_STOP_GRACE_S = 5.0
 """How long a stopping service lets its fair handlers' running events finish before it
 cancels them (each then has :data:`CANCEL_GRACE_S` to unwind) and gives them back."""
@@ -206,11 +206,13 @@ def _resolve_after(prev: asyncio.Future[None] | None, mine: asyncio.Future[None]
     prev.add_done_callback(then)
 
 
-async def _give_back_cancelled(msg: NatsMessage) -> str:
-    """NAK a delivery whose consume was cancelled before it was acked or given back: its
-    service stops (FastStream cancels what still runs after :data:`STOP_GRACE_S`, and what it
-    fetched as it stopped), or a handler raised ``CancelledError`` (anyio then cancels the
-    rest of its fetched batch too, and each of those is given back the same way). It is
+async def _give_back_msg(msg: NatsMessage) -> str:
+    """NAK a delivery not acked or given back yet (the one way this module gives one back):
+    a held one a stopping instance lets go (:func:`_give_back`), or one whose consume was
+    cancelled: its service stops (FastStream cancels what still runs after
+    :data:`STOP_GRACE_S`, and what it fetched as it stopped), or a handler raised
+    ``CancelledError`` (anyio then cancels the rest of its fetched batch too, and each of
+    those is given back the same way). It is
     delivered again after :data:`FAIR_GIVE_BACK_S`, not after the consumer's whole
     ``ack_wait`` (30–60 s; a request of a node-scoped consumer held that consumer's ack floor
     meanwhile). Best effort: the NAK is queued on the connection before the first suspension
@@ -241,13 +243,12 @@ def _fetched_queues(subscribers: Iterable[object]) -> list[asyncio.Queue[Msg]]:
 
 
 async def _give_back(held: _Held) -> None:
-    """NAK a held delivery so another instance takes it (best effort: if NATS refuses,
-    JetStream redelivers it after ``ack_wait``). Redelivered after :data:`FAIR_GIVE_BACK_S`,
-    not at once: a pull request this stopping instance still has open would take it and
-    drop it, and then it would wait the whole ``ack_wait``."""
+    """Give a held delivery back so another instance takes it (its heartbeat stopped first).
+    Redelivered after :data:`FAIR_GIVE_BACK_S`, not at once: a pull request this stopping
+    instance still has open would take it and drop it, and then it would wait the whole
+    ``ack_wait``."""
     held.heartbeat.cancel()
-    with contextlib.suppress(Exception):
-        await held.msg.nack(delay=FAIR_GIVE_BACK_S)
+    await _give_back_msg(held.msg)
 
 
 ANSWER_SCAN = 256
@@ -514,7 +515,7 @@ class Service:
                         if self.delivery(msg)[1] in fair.held:  # (held: its queue's)
                             outcome = "held: given back with the queue"
                         else:
-                            outcome = await _give_back_cancelled(msg)
+                            outcome = await _give_back_msg(msg)
                         if not self._stopped_while(handling, msg, outcome):
                             raise
 
@@ -524,7 +525,7 @@ class Service:
                     try:
                         await self._dispatch(handling, msg)
                     except asyncio.CancelledError:
-                        outcome = await _give_back_cancelled(msg)
+                        outcome = await _give_back_msg(msg)
                         if not self._stopped_while(handling, msg, outcome):
                             raise
 
