@@ -223,27 +223,54 @@ async def test_a_stop_of_a_sandbox_scheduled_here_that_has_not_started_ends_it_s
     home: Path, nats_url: str
 ) -> None:
     async with NodeAgentHarness(home, nats_url) as h:
-        # hold this node's staging of the harness environment: the first sandbox's start waits
-        # in it, and the scheduled consumer takes nothing else meanwhile
+        # hold this node's staging of the harness environment: the tenant's first three
+        # launches (all its share of the launch workers) wait in it, and its fourth waits for
+        # one of them, taken from the bus but not started
         lock = h.agent.envs._locks.setdefault(h.lock_hash, asyncio.Lock())
         async with lock:
-            first = await h.submit("held", "print(1)", QUIET)
-            await _until(lambda: _starting(h, first), "the first start waits in staging")
+            first = [await h.submit(f"held{n}", "print(1)", QUIET) for n in range(3)]
+            for sid in first:
+                await _until(lambda sid=sid: _starting(h, sid), "a start waits in staging")
             waiting = await h.submit("waiting", "print(2)", QUIET)
+            scheduled = h.scheduled[waiting].envelope.id
+            await _until(lambda: _handled(h, "sandbox.scheduled", scheduled), "taken, held")
+            assert not await _starting(h, waiting)
             stop = await h.upstream.user.publish(
                 events.SandboxStopRequested(requested_by="test"), aggregate_id=waiting
             )
             exited = await h.wait_for(waiting, "sandbox.exited")
-            assert not await _handled(h, "sandbox.scheduled", h.scheduled[waiting].envelope.id)
+            assert not await _starting(h, waiting)
         assert exited.payload["reason"] == "stopped"
         assert "before it started" in exited.payload["detail"]
         assert exited.causation_id == stop.envelope.id
-        await h.wait_for(first, "sandbox.exited")
-        # its scheduled event, taken after the stop, starts nothing
-        scheduled = h.scheduled[waiting].envelope.id
-        await _until(lambda: _handled(h, "sandbox.scheduled", scheduled), "scheduled acked")
+        for sid in first:
+            await h.wait_for(sid, "sandbox.exited")
+        # its scheduled event, started after the stop, starts nothing
+        await h.service.settled()
         assert _events_of(h, waiting).count("sandbox.ready") == 0
         assert h.agent.manager.get(waiting) is None
+
+
+async def test_a_launch_still_staging_holds_no_other_launch_of_its_node(
+    home: Path, nats_url: str, s3: Any, tmp_path: Path
+) -> None:
+    """A cold environment still staging (a multi-GB download; here its staging is held)
+    holds only its own launch: the launches scheduled after it start and end meanwhile. Before,
+    the node agent took launches in fetched batches, the next batch only once the whole batch
+    had ended, so they waited for it."""
+    built = _stored_env(tmp_path, s3, "slow")
+    async with NodeAgentHarness(home, nats_url, **s3.settings()) as h:
+        lock = h.agent.envs._locks.setdefault(built.lock_hash, asyncio.Lock())
+        async with lock:
+            code = "import stagedmod, sys; sys.exit(0 if stagedmod.VALUE == 'slow' else 3)"
+            slow = await h.submit("slow", code, QUIET, built=built)
+            await _until(lambda: _starting(h, slow), "the slow start waits in staging")
+            after = [await h.submit(f"after{n}", "print(2)", QUIET) for n in range(2)]
+            for sid in after:
+                exited = await h.wait_for(sid, "sandbox.exited", timeout_s=30)
+                assert exited.payload["exit_code"] == 0
+            assert h.recorded[slow].of("sandbox.ready") == []
+        assert (await h.wait_for(slow, "sandbox.exited")).payload["exit_code"] == 0
 
 
 async def _starting(h: NodeAgentHarness, sid: str) -> bool:

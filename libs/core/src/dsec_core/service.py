@@ -20,9 +20,11 @@ published and the input acknowledged, so every request ends in a terminal event.
 default REJECT_ON_ERROR (which silently terminates a failing message) is never used.
 
 A handler registered with ``workers=N`` (independent requests: the policy service's specs, the
-builder's resolutions and builds) does not run its events in stream order: each is verified as
-it arrives, held in its tenant's queue and run by one of N workers, the tenants taking turns
-(:mod:`dsec_core.fairness`; bounds ``FAIR_*`` and ``DSEC_TENANT_QUEUE``).
+builder's resolutions and builds, a node agent's launches) does not run its events in stream
+order: each is verified as it arrives, held in its tenant's queue and run by one of N workers,
+the tenants taking turns (:mod:`dsec_core.fairness`; bounds ``FAIR_*`` and
+``DSEC_TENANT_QUEUE``). With ``select`` (a node-scoped handler: is it this node's?), an event
+not selected is acked once verified and never held.
 """
 
 from __future__ import annotations
@@ -161,6 +163,8 @@ class _Handling:
     answers: Sequence[Answer]
     deliveries: int
     """Deliveries after which a delivery only ends the request (``max_deliver`` - 1)."""
+    select: Callable[[Envelope, Any], bool] | None = None
+    """Which verified events this instance acts on (``Service.handles``): the rest are acked."""
 
 
 @dataclass
@@ -420,6 +424,7 @@ class Service:
         answers: Sequence[Answer] = (),
         workers: int = 0,
         tenant_workers: int | None = None,
+        select: Callable[[Envelope, P], bool] | None = None,
     ) -> Callable[[TypedHandler[P]], TypedHandler[P]]: ...
 
     @overload
@@ -434,6 +439,7 @@ class Service:
         answers: Sequence[Answer] = (),
         workers: int = 0,
         tenant_workers: int | None = None,
+        select: Callable[[Envelope, Any], bool] | None = None,
     ) -> Callable[[Handler], Handler]: ...
 
     def handles(
@@ -447,6 +453,7 @@ class Service:
         answers: Sequence[Answer] = (),
         workers: int = 0,
         tenant_workers: int | None = None,
+        select: Callable[[Envelope, Any], bool] | None = None,
     ) -> Callable[[Any], Any]:
         """Register ``fn`` as the durable handler of the event class ``event`` for this
         service; ``fn(envelope, payload)`` receives the payload as an instance of that class.
@@ -467,6 +474,12 @@ class Service:
         ``DSEC_TENANT_QUEUE`` held has its next request ended at once with the failure event.
         ``tenant_workers``: the most of those N one tenant runs at once (default N - 1, at
         least 1), so one tenant's slow requests leave a worker to the others.
+        ``select``: which verified events this instance acts on, from the envelope and the
+        payload (a node-scoped handler: those placed on its node); any other is acked at once,
+        the handler never called, and (with ``workers``) it is never held, so it counts
+        against no tenant's bound and no other node ends it. It must be cheap and must not
+        block (it runs for every event of the type); one that raises selects the event, and
+        the handler decides.
         """
         model = model_for(event) if isinstance(event, str) else event  # fails fast on a typo
         running = tenant_workers if tenant_workers is not None else max(1, workers - 1)
@@ -492,7 +505,9 @@ class Service:
                 max_ack_pending=MAX_ACK_PENDING,
             )
 
-            handling = _Handling(event_type, durable, fn, policy, failure, answered_by, deliveries)
+            handling = _Handling(
+                event_type, durable, fn, policy, failure, answered_by, deliveries, select
+            )
             if workers > 0:
                 fair = _FairHandling(
                     handling,
@@ -594,10 +609,30 @@ class Service:
             return None
         envelope = admitted
         metrics.EVENTS_CONSUMED.labels(*labels).inc()
+        if h.select is not None and not self._selected(h, envelope):
+            await msg.ack_sync()  # another node's (for one): nothing to do here, nothing held
+            return None
         if spare and attempt > h.deliveries:
             await self._spare(h, msg, envelope, attempt)
             return None
         return envelope, attempt
+
+    def _selected(self, h: _Handling, envelope: Envelope) -> bool:
+        """Whether this instance acts on ``envelope`` (``select``); one that raises selects
+        it (the handler decides), logged."""
+        assert h.select is not None
+        try:
+            return bool(h.select(envelope, envelope.decoded()))
+        except Exception as exc:
+            log.warning(
+                "%s: selecting %s %s failed (%s: %s): handled",
+                self.name,
+                h.event_type,
+                envelope.id,
+                type(exc).__name__,
+                exc,
+            )
+            return True
 
     async def _spare(
         self, h: _Handling, msg: NatsMessage, envelope: Envelope, attempt: int

@@ -30,6 +30,10 @@ from dsec_nodeagent.state import wiring as state_wiring
 from dsec_nodeagent.state.keeper import StateKeeper
 from dsec_nodeagent.toolwatch import ToolWatch
 
+LAUNCH_WORKERS = 4
+"""Launches one node agent runs at once (one tenant at most three of them): what a fetched
+batch of four ran before, without its barrier."""
+
 
 def outlet_for(settings: Settings, service: Service) -> EventOutlet:
     """Lifecycle events first; refusals through the per-sandbox gate (the settings' bounds)."""
@@ -142,11 +146,18 @@ def wire(
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
     # Per-node durables (nodeagent-<node>-<type>): every node sees each event, and acts only on
     # those of sandboxes placed on it.
+    node_id = service.settings.node_id
+    # Launches run on workers, the tenants taking turns (a fair handler): one slow launch (a
+    # cold multi-GB environment, a large mount) holds no other launch of this node, as a
+    # fetched batch did until it all ended. Another node's launch is acked before it is held,
+    # so it counts against no tenant's bound here and only its own node ever ends it.
     service.handles(
         events.SandboxScheduled,
         retry=retry,
-        batch=4,
+        batch=16,
+        workers=LAUNCH_WORKERS,
         scope="node",
+        select=lambda _envelope, event: event.node_id == node_id,
         answers=(events.SandboxReady, events.SandboxFailed),
     )(agent.on_scheduled)
     service.handles(events.SandboxStopRequested, scope="node")(agent.on_stop_requested)
