@@ -525,3 +525,60 @@ async def test_a_slow_lookup_of_a_redelivery_holds_no_other_tenant(tmp_path: Pat
         await batch
         await service.settled()
         assert sorted(runs) == ["r0", "r1", "r2"]
+
+
+async def test_a_stop_waits_for_a_handler_unwinding_at_most_its_cancel_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler without an attempt timeout (the node agent's launches) whose unwinding takes
+    long (its cleanup awaits a download): the stop cancels it, waits CANCEL_GRACE_S, then goes
+    on and leaves it running, kept for the stopped service's last wait."""
+    import dsec_core.service as runtime
+
+    monkeypatch.setattr(runtime, "CANCEL_GRACE_S", 0.2)
+    service = _service(tmp_path)
+    unwound = asyncio.Event()
+    running = asyncio.Event()
+
+    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+        running.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(2.0)  # a slow unwind
+            unwound.set()
+        return []
+
+    service.handles(SpecSubmitted, answers=(SpecValidated, SpecRejected), workers=2)(on_submitted)
+    async with in_memory(service) as bus:
+        await _publish(bus, 0)
+        await asyncio.wait_for(running.wait(), 5)
+        started = asyncio.get_running_loop().time()
+        await service.stop_workers(grace_s=0.1)
+        took = asyncio.get_running_loop().time() - started
+        assert took < 1.5, took  # not the 2 s unwind
+        assert not unwound.is_set() and len(service._abandoned) == 1
+        await asyncio.wait_for(unwound.wait(), 5)  # it goes on, and ends
+        await asyncio.sleep(0)
+        assert not service._abandoned
+        service.start_workers()
+
+
+async def test_a_start_its_services_stop_cut_short_is_no_attempt(tmp_path: Path) -> None:
+    """Stopped while it ran (a node agent restarted during a cold launch): its start is
+    taken back, so restarts during one long start do not end the request as if it had failed
+    that often. A start that fails on its own stays counted."""
+    service, gate, runs = _gated(tmp_path)
+    async with in_memory(service) as bus:
+        assert service.gate is not None and service.gate.handled is not None
+        kv = service.gate.handled
+        request = await _publish(bus, 0)
+        while not runs:
+            await asyncio.sleep(0)
+        (fair,) = service._fair
+        key = f"{fair.handling.durable}.{request.id}.starts"
+        assert (await kv.get(key)).value == b"1"
+        await service.stop_workers(grace_s=0.05)
+        assert (await kv.get(key)).value == b"0"
+        service.start_workers()
+        gate.set()

@@ -114,3 +114,84 @@ async def test_a_select_that_raises_leaves_the_event_to_the_handler(
     assert runs == ["any"]
     assert [e.type for e in bus.caused_by(sent)] == ["spec.rejected"]
     assert any("selecting spec.submitted" in r.getMessage() for r in caplog.records)
+
+
+def _confirmed_service(
+    tmp_path: Path, answer: bool | None, asked: list[str]
+) -> tuple[Service, asyncio.Event]:
+    """A bound of one; ``confirm`` answers ``answer`` (``None``: it raises)."""
+    service = Service("policy", Settings(home=tmp_path, tenant_queue=1))
+    release = asyncio.Event()
+
+    async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+        await release.wait()
+        return [SpecRejected(errors=[])]
+
+    async def confirm(envelope: Envelope, event: SpecSubmitted) -> bool:
+        asked.append(event.spec_yaml)
+        if answer is None:
+            raise ConnectionError("NATS away")
+        return answer
+
+    service.handles(
+        SpecSubmitted,
+        answers=(SpecValidated, SpecRejected),
+        workers=2,
+        select=_mine,
+        confirm=confirm,
+    )(on_submitted)
+    return service, release
+
+
+async def test_a_full_tenants_event_no_longer_this_instances_is_acked_without_an_end(
+    tmp_path: Path,
+) -> None:
+    """The node agent's case: a late copy of an old placement of a sandbox now running on
+    another node, met with its tenant full here, must not end the sandbox there."""
+    asked: list[str] = []
+    service, release = _confirmed_service(tmp_path, False, asked)
+    async with in_memory(service) as bus:
+        await _send(bus, "mine 0", 0)
+        late = await _send(bus, "mine late", 1)
+        assert asked == ["mine late"]
+        assert bus.caused_by(late) == []
+        release.set()
+        await service.settled()
+    confirmed: list[str] = []
+    service, release = _confirmed_service(tmp_path / "b", True, confirmed)
+    async with in_memory(service) as bus:  # still this instance's: ended as before
+        await _send(bus, "mine 0", 0)
+        full = await _send(bus, "mine 1", 1)
+        assert [e.type for e in bus.caused_by(full)] == ["sandbox.failed"]
+        release.set()
+        await service.settled()
+
+
+async def test_a_full_tenants_event_whose_placement_is_not_known_comes_back_later(
+    tmp_path: Path, nacked: list[tuple[bytes, float | None]]
+) -> None:
+    asked: list[str] = []
+    service, release = _confirmed_service(tmp_path, None, asked)
+    async with in_memory(service) as bus:
+        await _send(bus, "mine 0", 0)
+        unknown = await _send(bus, "mine 1", 1)
+        assert bus.caused_by(unknown) == []  # not ended on a guess
+        assert [delay for _, delay in nacked] == [0.2]  # given back, asked again then
+        release.set()
+        await service.settled()
+
+
+async def test_a_spare_delivery_no_longer_this_instances_ends_nothing(tmp_path: Path) -> None:
+    """Every attempt crashed (the spare delivery): the failure is published only when the
+    event is still this instance's to end."""
+    for answer, ends in ((False, []), (True, ["sandbox.failed"])):
+        asked: list[str] = []
+        service, release = _confirmed_service(tmp_path / str(answer), answer, asked)
+        release.set()
+        async with in_memory(service) as bus:
+            delivery = service.delivery
+            service.delivery = lambda msg, d=delivery: (22, d(msg)[1])  # past its 5 + 16 + 1
+            request = await _send(bus, "mine 0", 0)
+            await service.settled()
+            assert asked == ["mine 0"]
+            assert [e.type for e in bus.caused_by(request)] == ends

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import sys
@@ -290,6 +291,29 @@ async def test_s3_prefix_is_materialized_and_the_cache_ttl_is_honoured(
     for ctx in (first, second, fresh):
         await injector.release(ctx)
     assert not data_dir.exists()
+
+
+@pytest.mark.unit
+async def test_sandboxes_starting_at_once_share_one_cached_prefix_intact(
+    injector: ContextInjector, s3: Any
+) -> None:
+    """A node's launches run at once: sandboxes mounting one cached prefix as it is first
+    fetched (or refreshed) each get every object whole. Before, their fetches shared the
+    entry's temporary files and one's rename could take another's half-written file away."""
+    prefix = f"datasets/{uuid.uuid4().hex}/"
+    blobs = {f"part-{n}.bin": bytes([n]) * (256 << 10) for n in range(8)}
+    for name, data in blobs.items():
+        _put(s3, prefix + name, data)
+    mount = _s3_mount("/workspace/data", s3.bucket, prefix, cache_ttl_s=300)
+    contexts = await asyncio.gather(
+        *(injector.prepare(f"sbx-s3-many-{n}", [], [mount]) for n in range(6))
+    )
+    for ctx in contexts:
+        source = ctx.mounts[0].source
+        assert {p.name: p.read_bytes() for p in source.iterdir()} == blobs
+    assert len({ctx.records[0].digest for ctx in contexts}) == 1
+    for ctx in contexts:
+        await injector.release(ctx)
 
 
 @pytest.mark.integration

@@ -251,6 +251,42 @@ async def test_a_stop_of_a_sandbox_scheduled_here_that_has_not_started_ends_it_s
         assert h.agent.manager.get(waiting) is None
 
 
+async def test_a_stop_of_a_sandbox_still_starting_cancels_its_start_at_once(
+    home: Path, nats_url: str, s3: Any, tmp_path: Path
+) -> None:
+    """A sandbox whose environment is still staging (minutes on a cold node; here its staging
+    is held) is stopped by its stop request at once: the start is cancelled and cleaned up,
+    the sandbox ends in `sandbox.exited` (stopped, before it started) and never becomes ready.
+    Before, the stop waited for the start to finish, and every stop on the node after it
+    waited too (stops are taken in order)."""
+    built = _stored_env(tmp_path, s3, "stopped")
+    async with NodeAgentHarness(home, nats_url, **s3.settings()) as h:
+        lock = h.agent.envs._locks.setdefault(built.lock_hash, asyncio.Lock())
+        async with lock:
+            sid = await h.submit("cold", "print(1)", QUIET, built=built)
+            await _until(lambda: _starting(h, sid), "its start waits in staging")
+            stop = await h.upstream.user.publish(
+                events.SandboxStopRequested(requested_by="test"), aggregate_id=sid
+            )
+            exited = await h.wait_for(sid, "sandbox.exited", timeout_s=20)
+            assert not await _starting(h, sid)
+        assert exited.payload["reason"] == "stopped"
+        assert "before it started" in exited.payload["detail"]
+        assert exited.causation_id == stop.envelope.id
+        await h.service.settled()
+        assert _events_of(h, sid).count("sandbox.ready") == 0
+        assert _events_of(h, sid).count("sandbox.failed") == 0
+        assert h.agent.manager.get(sid) is None
+        assert sid not in h.agent._rules and sid not in h.agent._attempts
+        # the staging it had begun goes on, for the next sandbox of its lock
+        site = NodeLayout.of(home).env_site_packages(built.lock_hash)
+
+        async def staged() -> bool:
+            return (site / "stagedmod.py").is_file()
+
+        await _until(staged, "the environment staged")
+
+
 async def test_a_launch_still_staging_holds_no_other_launch_of_its_node(
     home: Path, nats_url: str, s3: Any, tmp_path: Path
 ) -> None:

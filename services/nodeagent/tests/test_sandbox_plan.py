@@ -566,3 +566,22 @@ def test_a_host_path_shown_at_its_own_path_may_not_cover_a_node_directory_shown_
     )
     with pytest.raises(plan.PlanError, match="which the node provides"):
         plan.build(config, VIEW, _host(tmp_path), FACTS, uid=200001)
+
+
+def test_launches_discovering_one_runtime_at_once_all_get_its_view(tmp_path: Path) -> None:
+    """A node's launches run at once, each discovering its runtime in a thread: on a cold
+    cache they all write its entry, each through a temporary file of its own (before, they
+    shared one, and a launch's rename failed: 'No such file or directory')."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dsec_nodeagent.sandbox.discovery import discover_cached
+
+    for n in range(8):  # (the rename race needs the writes to meet)
+        cache = tmp_path / f"runtimes-{n}"
+        with ThreadPoolExecutor(6) as pool:
+            views = list(
+                pool.map(lambda _, c=cache: discover_cached(Path(sys.executable), [], c), range(6))
+            )
+        assert len({view.executable for view in views}) == 1
+        assert [p.suffix for p in cache.iterdir()] == [".json"]  # no temporary file left

@@ -165,6 +165,8 @@ class _Handling:
     """Deliveries after which a delivery only ends the request (``max_deliver`` - 1)."""
     select: Callable[[Envelope, Any], bool] | None = None
     """Which verified events this instance acts on (``Service.handles``): the rest are acked."""
+    confirm: Callable[[Envelope, Any], Awaitable[bool]] | None = None
+    """Whether a selected event is still this instance's to end (``Service.handles``)."""
 
 
 @dataclass
@@ -177,6 +179,8 @@ class _Held:
     envelope: Envelope
     seq: int
     heartbeat: asyncio.Task[None]
+    counted: bool = False
+    """Its start was counted as an attempt (``Service._attempt``)."""
 
 
 @dataclass
@@ -425,6 +429,7 @@ class Service:
         workers: int = 0,
         tenant_workers: int | None = None,
         select: Callable[[Envelope, P], bool] | None = None,
+        confirm: Callable[[Envelope, P], Awaitable[bool]] | None = None,
     ) -> Callable[[TypedHandler[P]], TypedHandler[P]]: ...
 
     @overload
@@ -440,6 +445,7 @@ class Service:
         workers: int = 0,
         tenant_workers: int | None = None,
         select: Callable[[Envelope, Any], bool] | None = None,
+        confirm: Callable[[Envelope, Any], Awaitable[bool]] | None = None,
     ) -> Callable[[Handler], Handler]: ...
 
     def handles(
@@ -454,6 +460,7 @@ class Service:
         workers: int = 0,
         tenant_workers: int | None = None,
         select: Callable[[Envelope, Any], bool] | None = None,
+        confirm: Callable[[Envelope, Any], Awaitable[bool]] | None = None,
     ) -> Callable[[Any], Any]:
         """Register ``fn`` as the durable handler of the event class ``event`` for this
         service; ``fn(envelope, payload)`` receives the payload as an instance of that class.
@@ -479,7 +486,12 @@ class Service:
         the handler never called, and (with ``workers``) it is never held, so it counts
         against no tenant's bound and no other node ends it. It must be cheap and must not
         block (it runs for every event of the type); one that raises selects the event, and
-        the handler decides.
+        the handler decides. ``confirm``: asked before the runtime itself ends a selected
+        event with the failure event, which the handler never saw (its tenant was full, or
+        every attempt crashed): whether it is still this instance's to end (a node agent:
+        the launch is still the sandbox's latest placement on this node, not a late copy of an
+        old one). False: acked without an end (the request it stood for ended, or another
+        node has it).
         """
         model = model_for(event) if isinstance(event, str) else event  # fails fast on a typo
         running = tenant_workers if tenant_workers is not None else max(1, workers - 1)
@@ -506,7 +518,7 @@ class Service:
             )
 
             handling = _Handling(
-                event_type, durable, fn, policy, failure, answered_by, deliveries, select
+                event_type, durable, fn, policy, failure, answered_by, deliveries, select, confirm
             )
             if workers > 0:
                 fair = _FairHandling(
@@ -640,8 +652,26 @@ class Service:
         """The handler crashed the process (or outran ack_wait) on every attempt: this spare
         delivery only ends the request, it does not run the handler again."""
         _, stream_seq = self.delivery(msg)
-        await self._end_unfinished(envelope, stream_seq, attempt - 1, h.failure, h.answers)
+        if await self._confirmed(h, envelope) is not False:  # (not known: ended, as before)
+            await self._end_unfinished(envelope, stream_seq, attempt - 1, h.failure, h.answers)
         await msg.ack_sync()
+
+    async def _confirmed(self, h: _Handling, envelope: Envelope) -> bool | None:
+        """``confirm``'s answer (True without one); ``None`` when it failed (logged)."""
+        if h.confirm is None:
+            return True
+        try:
+            return bool(await h.confirm(envelope, envelope.decoded()))
+        except Exception as exc:
+            log.warning(
+                "%s: whether %s %s is still to be ended here is not known (%s: %s)",
+                self.name,
+                h.event_type,
+                envelope.id,
+                type(exc).__name__,
+                exc,
+            )
+            return None
 
     async def _handle(
         self,
@@ -719,7 +749,13 @@ class Service:
             envelope.id,
             CANCEL_GRACE_S,
         )
-        self._abandoned.add(task)  # (asyncio keeps only a weak reference to a task)
+        self._abandon(task)
+
+    def _abandon(self, task: asyncio.Future[Any]) -> None:
+        """Keep a task left running after its cancellation until it ends (asyncio keeps only a
+        weak reference to a task; a stopped service waits for it, see ``_leave_abandoned``),
+        and collect its end."""
+        self._abandoned.add(task)
         task.add_done_callback(self._abandoned.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
@@ -792,7 +828,13 @@ class Service:
                 held.heartbeat.cancel()
                 fair.held.pop(seq, None)
                 try:
-                    await self._tenant_full(h, held.msg, envelope, attempt, full)
+                    still = await self._confirmed(h, envelope)
+                    if still is None:  # not known now: asked again when it comes back
+                        await held.msg.nack(delay=h.policy.delay(1))
+                    elif not still:  # a late copy of what is no longer this instance's
+                        await held.msg.ack_sync()
+                    else:
+                        await self._tenant_full(h, held.msg, envelope, attempt, full)
                 except Exception as exc:  # its end not published: delivered again soon
                     log.warning("%s: %s not ended at once: %s", self.name, envelope.id, exc)
                     with contextlib.suppress(Exception):
@@ -841,6 +883,22 @@ class Service:
         except Exception as exc:
             log.warning("%s: attempts of %s not counted (%s)", self.name, held.envelope.id, exc)
             return fallback
+
+    async def _uncount(self, h: _Handling, held: _Held) -> None:
+        """A start its service's stop cut short is no attempt: its count is taken back, so
+        restarts during one long start (a cold launch, a build) do not end the request as if
+        it had failed that often (bounded still: JetStream delivers it at most
+        ``FAIR_REDELIVERIES`` more times). Best effort, within a second."""
+        kv = None if self.gate is None else self.gate.handled
+        if kv is None:
+            return
+        key = f"{h.durable}.{held.envelope.id}.starts"
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                entry = await kv.get(key)
+                count = int((entry.value or b"1").decode())
+                if count > 0:
+                    await kv.update(key, str(count - 1).encode(), last=entry.revision)
 
     async def _ended(
         self, h: _Handling, msg: NatsMessage, envelope: Envelope, attempt: int
@@ -912,6 +970,8 @@ class Service:
                 await _give_back(held)
                 task = asyncio.current_task()
                 if fair.stopping or (task is not None and task.cancelling()):
+                    if fair.stopping and held.counted:
+                        await self._uncount(h, held)
                     raise
                 # The handler itself raised it: a failed attempt, not the worker's end.
                 log.error("%s: %s: the handler was cancelled", self.name, held.envelope.id)
@@ -924,6 +984,7 @@ class Service:
 
     async def _run_held(self, h: _Handling, held: _Held) -> None:
         attempt = await self._attempt(h, held)
+        held.counted = True
         if attempt > h.policy.max_attempts:  # started that often; each time it died
             await self._spare(h, held.msg, held.envelope, attempt)
             return
@@ -1285,7 +1346,21 @@ class Service:
                 await asyncio.wait_for(fair.queue.empty(), max(0.0, deadline - time.monotonic()))
             for task in fair.tasks:
                 task.cancel()
-            await asyncio.gather(*fair.tasks, return_exceptions=True)
+            # A handler's unwind may take its CANCEL_GRACE_S, no more: one still unwinding
+            # after it is left running (the stopped service waits ABANDONED_WAIT_S for it).
+            if fair.tasks:
+                _, unwinding = await asyncio.wait(fair.tasks, timeout=CANCEL_GRACE_S)
+                for task in unwinding:
+                    log.error(
+                        "%s: a handler of %s ignored its cancellation for %g s: left running",
+                        self.name,
+                        fair.handling.event_type,
+                        CANCEL_GRACE_S,
+                    )
+                    self._abandon(task)
+            for task in fair.tasks:
+                if task.done() and not task.cancelled():
+                    task.exception()  # (collected: the worker ended with the stop)
             fair.tasks = []
 
     async def _close_queues(self) -> None:

@@ -28,7 +28,7 @@ import sys
 import time
 import urllib.parse
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,6 +229,9 @@ class NodeAgent:
         )
         self._attempts: dict[str, int] = {}  # sandbox -> placement attempt it runs here as
         self._starting: dict[str, asyncio.Event] = {}  # sandboxes being started right now
+        # a placement's start under way, and those a stop request cancelled (on_stop_requested)
+        self._start_tasks: dict[str, asyncio.Task[Sequence[events.Payload]]] = {}
+        self._start_stopped: set[str] = set()
         self._fenced: set[str] = set()  # stale copies being stopped without any event
         self.state_keeper = state_keeper
         """Told about each stateful sandbox before it runs and when it ended for good."""
@@ -432,22 +435,62 @@ class NodeAgent:
         sid = envelope.aggregate_id
         if event.node_id != self.node_id:
             return []
-        running = self.manager.get(sid)
-        if running is not None:  # redelivered after a crash between launch and ack
-            self._attempts[sid] = event.attempt
-            code_dir = self._code_path(sid)
-            return [self._ready_event(running.ready, code_dir if code_dir.is_dir() else None)]
-        state = await self.lifecycle(sid)
-        why_not = placement.why_not_start(state, self.node_id, event.attempt)
-        if why_not is not None:
-            log.info("%s: not starting it: %s", sid, why_not)
-            return []
-        started = self._starting.setdefault(sid, asyncio.Event())
+        async with self._one_start(sid):
+            running = self.manager.get(sid)
+            if running is not None:  # redelivered after a crash between launch and ack
+                # (a late copy of an older placement does not make the copy an older one)
+                self._attempts[sid] = max(event.attempt, self._attempts.get(sid, 0))
+                code_dir = self._code_path(sid)
+                return [self._ready_event(running.ready, code_dir if code_dir.is_dir() else None)]
+            state = await self.lifecycle(sid)
+            why_not = placement.why_not_start(state, self.node_id, event.attempt)
+            if why_not is not None:
+                log.info("%s: not starting it: %s", sid, why_not)
+                return []
+            if sid in self._start_stopped:  # a stop came while this was being decided
+                log.info("%s: not starting it: a stop was requested", sid)
+                return []
+            # its own task: a stop request cancels it (on_stop_requested); a cancelled worker
+            # (the node agent stopping) cancels it too
+            start = asyncio.ensure_future(self._start(sid, envelope, event))
+            self._start_tasks[sid] = start
+            try:
+                return await start
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if sid not in self._start_stopped or (me is not None and me.cancelling()):
+                    raise
+                log.info("%s: its start was cancelled: a stop was requested", sid)
+                return []  # (the stop ends it: sandbox.exited, stopped before it started)
+            finally:
+                self._start_tasks.pop(sid, None)
+
+    async def still_placed_here(self, envelope: Envelope, event: events.SandboxScheduled) -> bool:
+        """Whether this launch is still the sandbox's latest placement on this node and not
+        started (the runtime asks before it ends one itself: its tenant full, or every attempt
+        crashed): a late copy of an older placement is not ended, it would end the sandbox
+        where it runs now."""
+        if event.node_id != self.node_id:
+            return False
+        state = await self.lifecycle(envelope.aggregate_id)
+        return placement.why_not_start(state, self.node_id, event.attempt) is None
+
+    @contextlib.asynccontextmanager
+    async def _one_start(self, sid: str) -> AsyncIterator[None]:
+        """One start of a sandbox at a time on this node (launches run on several workers: a
+        placement's launch, a later placement's back on this node, a restart): one under way
+        ends first, then the next decides from what it left. Stops, fences and hand-overs wait
+        for the one registered."""
+        while (other := self._starting.get(sid)) is not None:
+            await other.wait()
+        started = self._starting[sid] = asyncio.Event()
         try:
-            return await self._start(sid, envelope, event)
+            yield
         finally:
             started.set()
-            self._starting.pop(sid, None)
+            if self._starting.get(sid) is started:
+                del self._starting[sid]
+                self._start_stopped.discard(sid)
 
     async def _start(
         self, sid: str, envelope: Envelope, event: events.SandboxScheduled
@@ -478,12 +521,25 @@ class NodeAgent:
         except EnvStageUnavailable:
             self._attempts.pop(sid, None)
             raise  # the object store is unreachable: retried with backoff
+        except asyncio.CancelledError:  # the node agent stops: the start is given back
+            self._attempts.pop(sid, None)
+            self._rules.pop(sid, None)
+            if self._on_stopped is not None and self.manager.get(sid) is None:
+                with contextlib.suppress(Exception):  # egress attached before the cancel
+                    await self._on_stopped(sid)
+            raise
         finally:
             if staging is not None and not staging.done():
-                # the start failed before it needed the environment: let the staging finish
-                # (a staged environment is reused by the next sandbox of its lock)
-                with contextlib.suppress(Exception):
-                    await staging
+                _task = asyncio.current_task()
+                if _task is not None and _task.cancelling():
+                    # stopping: the staging runs on without this start (a download of
+                    # minutes would hold the stop); a half-staged lock is swept by its next
+                    staging.add_done_callback(lambda t: t.cancelled() or t.exception())
+                else:
+                    # the start failed before it needed the environment: let the staging
+                    # finish (a staged environment is reused by the next sandbox of its lock)
+                    with contextlib.suppress(Exception):
+                        await staging
 
     async def _stage(self, built: events.EnvBuilt) -> Staged:
         try:
@@ -522,6 +578,8 @@ class NodeAgent:
         if code_dir is not None:
             _mountpoints(code_dir, plan)
         handover_from = submitted.handover_from
+        if handover_from is not None and (old := self._starting.get(handover_from)) is not None:
+            await old.wait()  # its old version still starting here: hand over from it
         if handover_from is not None and self.manager.get(handover_from) is None:
             # Placed here though its old version runs elsewhere (or no more): a plain start
             # that recovers the state (docs/state.md "Hand-over").
@@ -539,7 +597,7 @@ class NodeAgent:
             *(events.ContextInjected(**record.model_dump()) for record in ctx.records),
         ]
         try:
-            staged = await staging
+            staged = await asyncio.shield(staging)  # (a cancelled start leaves it to go on)
             config = self._config(sid, plan, staged.site_packages, code_dir, ctx)
             config = await self._gpu_slice(sid, plan, config)
             if handover_from is not None:
@@ -741,8 +799,15 @@ class NodeAgent:
             restarting.set()  # sandbox.exited (reason stopped) follows from the exit handler
             return []
         starting = self._starting.get(sid)
-        if starting is not None:  # let the start finish, then stop what it started
-            await starting.wait()
+        if starting is not None:
+            # Still starting (a cold environment staging, a large mount): the start is
+            # cancelled and cleaned up now (or not begun), rather than finished and then
+            # stopped; the stops of other sandboxes on this node do not wait minutes behind it.
+            self._start_stopped.add(sid)
+            start = self._start_tasks.get(sid)
+            if start is not None and not start.done():
+                start.cancel()
+            await starting.wait()  # (a start that already launched is stopped below)
         if self.manager.get(sid) is not None:
             with contextlib.suppress(KeyError):  # it ended meanwhile
                 await self.manager.stop(sid, reason=ExitReason.STOPPED, grace_s=event.grace_s)
@@ -993,18 +1058,15 @@ class NodeAgent:
         if self._closing:
             detail = f"{result.detail}; not restarted: its node agent stopped"
             return result.model_copy(update={"detail": detail})
-        started = self._starting.setdefault(sid, asyncio.Event())
         try:
-            ready = await self.manager.launch(
-                config, before_start=self._attach(launched.egress_plan, launched.plan)
-            )
+            async with self._one_start(sid):
+                ready = await self.manager.launch(
+                    config, before_start=self._attach(launched.egress_plan, launched.plan)
+                )
         except SandboxStartError as exc:
             log.warning("%s: restart failed: %s", sid, exc)
             detail = f"{result.detail}; restart {launched.restarts + 1} failed: {_reason(exc)}"
             return result.model_copy(update={"detail": detail})
-        finally:
-            started.set()
-            self._starting.pop(sid, None)
         launched.restarts += 1
         RESTARTS.labels(result.reason.value).inc()
         log.info(

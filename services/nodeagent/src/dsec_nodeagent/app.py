@@ -56,6 +56,28 @@ def outlet_for(settings: Settings, service: Service) -> EventOutlet:
     return EventOutlet(publish, gate, interval_s=settings.policy_summary_interval_s)
 
 
+def handle_launches(service: Service, agent: NodeAgent, retry: RetryPolicy) -> None:
+    """Register the node agent's launches (``sandbox.scheduled``, its node's durable).
+
+    They run on workers, the tenants taking turns (a fair handler): one slow launch (a cold
+    multi-GB environment, a large mount) holds no other launch of this node, as a fetched
+    batch did until it all ended. Another node's launch is acked before it is held, so it
+    counts against no tenant's bound here; a launch the runtime would end itself (its tenant
+    full, every attempt crashed) is first checked to be the sandbox's latest placement here,
+    so a late copy of an old placement never ends the sandbox where it runs now."""
+    node_id = service.settings.node_id
+    service.handles(
+        events.SandboxScheduled,
+        retry=retry,
+        batch=16,
+        workers=LAUNCH_WORKERS,
+        scope="node",
+        select=lambda _envelope, event: event.node_id == node_id,
+        confirm=agent.still_placed_here,
+        answers=(events.SandboxReady, events.SandboxFailed),
+    )(agent.on_scheduled)
+
+
 @dataclass(frozen=True)
 class Wired:
     """The node agent's service and the parts tests and benchmarks look at."""
@@ -146,20 +168,7 @@ def wire(
     retry = RetryPolicy(max_attempts=3, base_delay_s=1.0)
     # Per-node durables (nodeagent-<node>-<type>): every node sees each event, and acts only on
     # those of sandboxes placed on it.
-    node_id = service.settings.node_id
-    # Launches run on workers, the tenants taking turns (a fair handler): one slow launch (a
-    # cold multi-GB environment, a large mount) holds no other launch of this node, as a
-    # fetched batch did until it all ended. Another node's launch is acked before it is held,
-    # so it counts against no tenant's bound here and only its own node ever ends it.
-    service.handles(
-        events.SandboxScheduled,
-        retry=retry,
-        batch=16,
-        workers=LAUNCH_WORKERS,
-        scope="node",
-        select=lambda _envelope, event: event.node_id == node_id,
-        answers=(events.SandboxReady, events.SandboxFailed),
-    )(agent.on_scheduled)
+    handle_launches(service, agent, retry)
     service.handles(events.SandboxStopRequested, scope="node")(agent.on_stop_requested)
     # fencing is this node's own cleanup: a failure is logged, never a sandbox.failed for a
     # sandbox that now belongs to another node

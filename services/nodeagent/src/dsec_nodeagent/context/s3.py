@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -70,6 +71,10 @@ class S3Materializer:
         self.client = client
         self.cache_dir = cache_dir
         self.unwrap = unwrap
+        # one refresh of a cache entry at a time: launches run at once (each in a thread),
+        # and two sandboxes may mount the same prefix
+        self._entries: dict[Path, threading.Lock] = {}
+        self._entries_lock = threading.Lock()
 
     async def materialize(
         self,
@@ -104,8 +109,11 @@ class S3Materializer:
             self.cache_dir
             / blake3.blake3(f"{bucket}\0{prefix}\0{encrypted}".encode()).hexdigest()[:32]
         )
-        hit = self._refresh(uri, bucket, prefix, entry, encrypted, cache_ttl_s)
-        _link_tree(entry / "files", dest)
+        with self._entries_lock:
+            lock = self._entries.setdefault(entry, threading.Lock())
+        with lock:
+            hit = self._refresh(uri, bucket, prefix, entry, encrypted, cache_ttl_s)
+            _link_tree(entry / "files", dest)
         return _summarize(dest, cache_hit=hit)
 
     def _list(self, uri: str, bucket: str, prefix: str) -> dict[str, str]:

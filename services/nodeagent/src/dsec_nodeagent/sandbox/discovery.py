@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -351,7 +352,8 @@ def discover_cached(interpreter: Path, extra: list[Path], cache_dir: Path) -> Ru
         )
     view = discover(interpreter, extra)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_suffix(".tmp")
+    # a name of its own: launches run at once, and two may discover the same runtime
+    tmp = cache_file.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(asdict(view)))
     tmp.replace(cache_file)
     return view
