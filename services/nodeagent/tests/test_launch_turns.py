@@ -18,8 +18,9 @@ from dsec_core.envelope import Envelope
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 from dsec_testing.inmemory import MemoryBus, in_memory
+from dsec_testing.trust import ENV_BUILT
 
-from dsec_nodeagent.agent import NodeAgent
+from dsec_nodeagent.agent import NodeAgent, StartRefused
 from dsec_nodeagent.app import handle_launches
 
 pytestmark = pytest.mark.unit
@@ -37,7 +38,8 @@ def _agent(placements: dict[str, tuple[str, int, str]]) -> tuple[NodeAgent, list
     agent = NodeAgent.__new__(NodeAgent)
     agent.node_id = "a"
     agent._attempts, agent._starting = {}, {}
-    agent._start_tasks, agent._start_stopped = {}, set()
+    agent._ended_here, agent._start_stops = {}, {}
+    agent._launched, agent._restarting, agent._stop_wanted = {}, {}, set()
     agent.manager = _NothingRuns()  # type: ignore[assignment]
     inside: list[int] = []
     release: dict[int, asyncio.Event] = {}
@@ -152,3 +154,76 @@ async def test_another_nodes_launch_is_neither_held_nor_ended_here(tmp_path: Pat
         assert all(bus.caused_by(e) == [] for e in others)
         agent.release[1].set()  # type: ignore[attr-defined]
         await service.settled()
+
+
+def _staging_agent(
+    placements: dict[str, tuple[str, int, str]], refuse: bool = False
+) -> tuple[NodeAgent, list[int]]:
+    """:func:`_agent` whose starts are the real ``_start``: each stages an environment that
+    never arrives (a cold multi-GB download) and waits for it as a launch does; ``refuse``:
+    the launch fails at once instead (a missing secret)."""
+    agent, launches = _agent(placements)
+    del agent._start  # type: ignore[attr-defined]
+    agent._rules, agent._on_stopped = {}, None
+    never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    async def last(event_type: str, sid: str, event_id: str) -> Any:
+        return type("Env", (), {"decoded": lambda self: ENV_BUILT})()
+
+    async def stage(built: Any) -> Any:
+        return await never
+
+    async def launch(sid: str, staging: asyncio.Task[Any], built: Any) -> list[Any]:
+        launches.append(agent._attempts[sid])
+        if refuse:
+            raise StartRefused("secret missing")
+        await agent._staged(sid, staging)
+        return []
+
+    agent._last, agent._stage, agent._launch = last, stage, launch  # type: ignore[method-assign]
+    return agent, launches
+
+
+async def _stop(agent: NodeAgent, sid: str) -> list[Any]:
+    envelope = type("Envelope", (), {"aggregate_id": sid})()
+    return list(
+        await agent.on_stop_requested(envelope, events.SandboxStopRequested(requested_by="t"))  # type: ignore[arg-type]
+    )
+
+
+async def test_a_stop_ends_a_start_waiting_for_its_environment_and_the_one_behind_it(
+    tmp_path: Path,
+) -> None:
+    """A stop of a sandbox whose start waits for a cold environment: the start ends at once
+    (no `sandbox.failed`), the sandbox ends in `sandbox.exited` stopped before it started, and
+    a start of it queued behind (placed back here) does not begin: before, it woke, read the
+    log before the stop's end was in it, and launched a sandbox its user had stopped."""
+    placements = {"sbx_x": ("a", 1, "scheduled")}
+    agent, launches = _staging_agent(placements)
+    service = _service(tmp_path, agent)
+    async with in_memory(service, run_hooks=False) as bus:
+        first = await _schedule(bus, "sbx_x", "a", 1)
+        await _until(lambda: launches == [1], "attempt 1 waits for its environment")
+        placements["sbx_x"] = ("a", 2, "scheduled")
+        second = await _schedule(bus, "sbx_x", "a", 2)  # waits for attempt 1's start
+        async with asyncio.timeout(5):
+            (exited,) = await _stop(agent, "sbx_x")
+        assert isinstance(exited, events.SandboxExited) and exited.reason == "stopped"
+        await service.settled()
+        assert launches == [1]  # attempt 2 never launched
+        assert bus.caused_by(first) == [] and bus.caused_by(second) == []
+    assert agent._starting == {} and agent._start_stops == {}
+
+
+async def test_a_stop_after_a_start_failed_here_is_not_a_second_end(tmp_path: Path) -> None:
+    placements = {"sbx_f": ("a", 1, "scheduled")}
+    agent, launches = _staging_agent(placements, refuse=True)
+    assert launches == []
+    service = _service(tmp_path, agent)
+    async with in_memory(service, run_hooks=False) as bus:
+        request = await _schedule(bus, "sbx_f", "a", 1)
+        await service.settled()
+        assert [e.type for e in bus.caused_by(request)] == ["sandbox.failed"]
+        assert launches == [1]
+        # the log does not show the failure to the stop yet: the lifecycle still says scheduled
+        assert await _stop(agent, "sbx_f") == []

@@ -180,7 +180,8 @@ class _Held:
     seq: int
     heartbeat: asyncio.Task[None]
     counted: bool = False
-    """Its start was counted as an attempt (``Service._attempt``)."""
+    """Its latest start was counted as an attempt in the bucket (``Service._attempt``; not
+    when it fell back to JetStream's count): only then may a stop take it back."""
 
 
 @dataclass
@@ -868,6 +869,7 @@ class Service:
         try:
             try:
                 await kv.create(key, b"1")
+                held.counted = True
                 return 1
             except KeyWrongLastSequenceError:
                 pass
@@ -876,6 +878,7 @@ class Service:
                 count = int((entry.value or b"0").decode()) + 1
                 try:
                     await kv.update(key, str(count).encode(), last=entry.revision)
+                    held.counted = True
                     return count
                 except KeyWrongLastSequenceError:
                     continue
@@ -984,7 +987,6 @@ class Service:
 
     async def _run_held(self, h: _Handling, held: _Held) -> None:
         attempt = await self._attempt(h, held)
-        held.counted = True
         if attempt > h.policy.max_attempts:  # started that often; each time it died
             await self._spare(h, held.msg, held.envelope, attempt)
             return

@@ -179,6 +179,17 @@ class StartRefused(Exception):
     ``sandbox.failed`` at once."""
 
 
+class StartStopped(Exception):
+    """A stop was requested while the sandbox was starting: the start ends where it is, its
+    steps undone, without an event of its own (the stop's ``sandbox.exited`` ends it)."""
+
+
+ENDED_HERE_KEEP_S = 3600.0
+"""How long a node agent remembers a sandbox it ended before it ran (stopped while starting,
+or its start failed): a start or a stop that comes after that end, before the log shows it,
+must not start it or end it twice."""
+
+
 class NodeAgent:
     """Launches and watches the sandboxes of this node."""
 
@@ -230,8 +241,10 @@ class NodeAgent:
         self._attempts: dict[str, int] = {}  # sandbox -> placement attempt it runs here as
         self._starting: dict[str, asyncio.Event] = {}  # sandboxes being started right now
         # a placement's start under way, and those a stop request cancelled (on_stop_requested)
-        self._start_tasks: dict[str, asyncio.Task[Sequence[events.Payload]]] = {}
-        self._start_stopped: set[str] = set()
+        # Sandboxes ended here before they ran: "stopped" (a stop came while it was starting,
+        # or before) or "failed" (its start failed), with when; see ENDED_HERE_KEEP_S
+        self._ended_here: dict[str, tuple[str, float]] = {}
+        self._start_stops: dict[str, asyncio.Event] = {}  # set: a stop wants the start to end
         self._fenced: set[str] = set()  # stale copies being stopped without any event
         self.state_keeper = state_keeper
         """Told about each stateful sandbox before it runs and when it ended for good."""
@@ -447,23 +460,15 @@ class NodeAgent:
             if why_not is not None:
                 log.info("%s: not starting it: %s", sid, why_not)
                 return []
-            if sid in self._start_stopped:  # a stop came while this was being decided
-                log.info("%s: not starting it: a stop was requested", sid)
+            ended = self._ended_here.get(sid)
+            if ended is not None:  # ended here already; the log does not show it yet
+                log.info("%s: not starting it: it %s here before it ran", sid, ended[0])
                 return []
-            # its own task: a stop request cancels it (on_stop_requested); a cancelled worker
-            # (the node agent stopping) cancels it too
-            start = asyncio.ensure_future(self._start(sid, envelope, event))
-            self._start_tasks[sid] = start
+            self._start_stops[sid] = asyncio.Event()
             try:
-                return await start
-            except asyncio.CancelledError:
-                me = asyncio.current_task()
-                if sid not in self._start_stopped or (me is not None and me.cancelling()):
-                    raise
-                log.info("%s: its start was cancelled: a stop was requested", sid)
-                return []  # (the stop ends it: sandbox.exited, stopped before it started)
+                return await self._start(sid, envelope, event)
             finally:
-                self._start_tasks.pop(sid, None)
+                self._start_stops.pop(sid, None)
 
     async def still_placed_here(self, envelope: Envelope, event: events.SandboxScheduled) -> bool:
         """Whether this launch is still the sandbox's latest placement on this node and not
@@ -490,7 +495,6 @@ class NodeAgent:
             started.set()
             if self._starting.get(sid) is started:
                 del self._starting[sid]
-                self._start_stopped.discard(sid)
 
     async def _start(
         self, sid: str, envelope: Envelope, event: events.SandboxScheduled
@@ -505,14 +509,18 @@ class NodeAgent:
             staging = asyncio.create_task(self._stage(built))
             self._attempts[sid] = event.attempt
             return await self._launch(sid, staging, built_env)
-        except (StartRefused, ContextError, SandboxStartError) as exc:
+        except (StartRefused, ContextError, SandboxStartError, StartStopped) as exc:
             self._attempts.pop(sid, None)
             self._rules.pop(sid, None)
             if self._on_stopped is not None:  # egress attached before a failed start
                 await self._on_stopped(sid)
             if isinstance(exc, ContextError) and exc.transient:
                 raise  # Vault/S3/NATS unreachable: the runtime retries with backoff
+            if isinstance(exc, StartStopped):
+                log.info("%s: its start ended before the launch: a stop was requested", sid)
+                return []  # (the stop ends it: sandbox.exited, stopped before it started)
             STARTS.labels("failed").inc()
+            self._ended(sid, "failed")
             return [
                 events.SandboxFailed(
                     stage="nodeagent", reason=_reason(exc), failed_event_id=envelope.id
@@ -530,16 +538,46 @@ class NodeAgent:
             raise
         finally:
             if staging is not None and not staging.done():
-                _task = asyncio.current_task()
-                if _task is not None and _task.cancelling():
-                    # stopping: the staging runs on without this start (a download of
-                    # minutes would hold the stop); a half-staged lock is swept by its next
+                # The start ended before it needed the environment. The staging is never
+                # cancelled (a staged environment is reused by the next sandbox of its lock):
+                # a failed start lets it finish; a stopped or cancelled one leaves it to go on
+                # alone (a download of minutes must not hold a stop).
+                me = asyncio.current_task()
+                if sid in self._ended_here or (me is not None and me.cancelling()):
                     staging.add_done_callback(lambda t: t.cancelled() or t.exception())
                 else:
-                    # the start failed before it needed the environment: let the staging
-                    # finish (a staged environment is reused by the next sandbox of its lock)
                     with contextlib.suppress(Exception):
-                        await staging
+                        await asyncio.shield(staging)
+
+    async def _staged(self, sid: str, staging: asyncio.Task[Staged]) -> Staged:
+        """The staged environment, or :class:`StartStopped` as soon as a stop wants this start
+        to end (the staging goes on: see ``_start``). A cancelled caller leaves it too."""
+        self._stop_point(sid)
+        stop = self._start_stops.get(sid)
+        if stop is not None and not staging.done():
+            stopped = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({staging, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopped.cancel()
+            self._stop_point(sid)
+        return await asyncio.shield(staging)
+
+    def _stop_point(self, sid: str) -> None:
+        """Where a start may end for a stop (between its steps, never inside one: each step
+        cleans up after itself only on its own errors)."""
+        if self._ended_here.get(sid, ("",))[0] == "stopped":
+            raise StartStopped(sid)
+
+    def _ended(self, sid: str, how: str) -> None:
+        """Remember that ``sid`` ended here before it ran (see :data:`ENDED_HERE_KEEP_S`)."""
+        now = time.monotonic()
+        if len(self._ended_here) >= 1024:
+            for old in [
+                k for k, (_, at) in self._ended_here.items() if now - at > ENDED_HERE_KEEP_S
+            ]:
+                del self._ended_here[old]
+        self._ended_here[sid] = (how, now)
 
     async def _stage(self, built: events.EnvBuilt) -> Staged:
         try:
@@ -589,6 +627,7 @@ class NodeAgent:
             handover_from = None
         if standby:  # migration path handover: the warm standby of its copy on another node
             handover_from = sid
+        self._stop_point(sid)
         ctx = await self.injector.prepare(
             sid, plan.secrets, plan.mounts, tenant=plan.tenant, tenant_vault=plan.tenant_vault
         )
@@ -597,7 +636,7 @@ class NodeAgent:
             *(events.ContextInjected(**record.model_dump()) for record in ctx.records),
         ]
         try:
-            staged = await asyncio.shield(staging)  # (a cancelled start leaves it to go on)
+            staged = await self._staged(sid, staging)
             config = self._config(sid, plan, staged.site_packages, code_dir, ctx)
             config = await self._gpu_slice(sid, plan, config)
             if handover_from is not None:
@@ -618,6 +657,7 @@ class NodeAgent:
                 if recorded is not None and recorded.http is not None:
                     self.proxies.record(sid, recorded.http)
             egress_plan = grant.egress_plan if grant else plan
+            self._stop_point(sid)
             ready = await self.manager.launch(
                 config, before_start=self._attach(egress_plan, plan, handover_from)
             )
@@ -800,13 +840,16 @@ class NodeAgent:
             return []
         starting = self._starting.get(sid)
         if starting is not None:
-            # Still starting (a cold environment staging, a large mount): the start is
-            # cancelled and cleaned up now (or not begun), rather than finished and then
-            # stopped; the stops of other sandboxes on this node do not wait minutes behind it.
-            self._start_stopped.add(sid)
-            start = self._start_tasks.get(sid)
-            if start is not None and not start.done():
-                start.cancel()
+            if sid not in self._launched:
+                # Still starting (a cold environment staging, a large mount): the start
+                # ends at its next step (while staging: at once), its steps undone, rather
+                # than finishing and then being stopped; nor does a start of the sandbox
+                # waiting behind it begin. The stops of other sandboxes on this node do not
+                # wait minutes behind it.
+                self._ended(sid, "stopped")
+                stop = self._start_stops.get(sid)
+                if stop is not None:
+                    stop.set()
             await starting.wait()  # (a start that already launched is stopped below)
         if self.manager.get(sid) is not None:
             with contextlib.suppress(KeyError):  # it ended meanwhile
@@ -814,8 +857,11 @@ class NodeAgent:
             return []
         if sid in self._launched:  # between two attempts: _restart sees _stop_wanted
             return []
+        if self._ended_here.get(sid, ("",))[0] == "failed":
+            return []  # its start failed here: that sandbox.failed ends it, not a second end
         state = await self.lifecycle(sid)
         if placement.stop_without_run(state, self.node_id) == "exit-now":
+            self._ended(sid, "stopped")  # (a start of it taken meanwhile does not begin)
             return [
                 events.SandboxExited(
                     exit_code=-1,

@@ -96,13 +96,34 @@ class EnvStager:
         lock_hash = built.lock_hash
         dest = self.layout.env(lock_hash)
         lock = self._locks.setdefault(lock_hash, asyncio.Lock())
-        async with lock:  # one staging per lock on this node; the next sandbox reuses it
-            reused = dest.is_dir()
-            if not reused:
-                await self._fetch_and_unpack(key, digest, size, built.unpacked_bytes, dest)
+        await lock.acquire()  # one staging per lock on this node; the next sandbox reuses it
+        # The work holds the lock until it ends, even when this caller is cancelled (its
+        # download and unpack threads cannot be stopped): the next staging of the lock must
+        # not sweep a directory an unpack still writes and then renames into place.
+        work = asyncio.ensure_future(self._stage_locked(lock, key, digest, size, built, dest))
+        work.add_done_callback(lambda t: t.cancelled() or t.exception())  # (collected)
+        reused = await asyncio.shield(work)
         ms = (time.monotonic() - started) * 1000
         log.info("environment %s %s in %.1f ms", lock_hash, "reused" if reused else "staged", ms)
         return Staged(self.layout.env_site_packages(lock_hash), reused, ms)
+
+    async def _stage_locked(
+        self,
+        lock: asyncio.Lock,
+        key: str,
+        digest: str,
+        size: int,
+        built: events.EnvBuilt,
+        dest: Path,
+    ) -> bool:
+        """Whether ``dest`` was staged already; else fetch and unpack it. Releases ``lock``."""
+        try:
+            if dest.is_dir():
+                return True
+            await self._fetch_and_unpack(key, digest, size, built.unpacked_bytes, dest)
+            return False
+        finally:
+            lock.release()
 
     async def _fetch_and_unpack(
         self, key: str, digest: str, size: int, unpacked: int, dest: Path

@@ -314,7 +314,9 @@ class SandboxManager:
             built.plan["cgroup_procs"] = planned.procs_files()
             built.plan["reap"] = planned.reaper_plan(self.unwatched_marker)
             if disk is not None:
-                await disk
+                # (shielded: a cancelled launch must not cancel the mount's task while its
+                # thread still mounts; the clean-up below waits for it, then undoes it)
+                await asyncio.shield(disk)
             if early is None and self.zygote is not None:
                 early = self._take_shell()
                 early.mount_now(shared)  # after the quota's mount, which init must see
@@ -1399,7 +1401,7 @@ def _identity(path: Path) -> tuple[int, int, int]:
 async def _settled(task: asyncio.Future[None] | None) -> None:
     """Wait for ``task`` to end (its outcome is the caller's no more): a start that failed
     elsewhere must not release its disk quota while the mount is still being made."""
-    if task is None:
+    if task is None or task.cancelled():
         return
     with contextlib.suppress(Exception):
         await asyncio.shield(task)  # a worker thread's mount cannot be cancelled midway
