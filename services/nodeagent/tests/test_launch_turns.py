@@ -227,3 +227,25 @@ async def test_a_stop_after_a_start_failed_here_is_not_a_second_end(tmp_path: Pa
         assert launches == [1]
         # the log does not show the failure to the stop yet: the lifecycle still says scheduled
         assert await _stop(agent, "sbx_f") == []
+
+
+async def test_a_failed_launch_delivered_again_gives_the_same_end_once_more(
+    tmp_path: Path,
+) -> None:
+    """Its `sandbox.failed` may not have reached the log (a NATS hiccup: the launch is
+    delivered again, the log still says scheduled): the same end is given again (its id is
+    derived from the launch: published once), not nothing, which would leave the sandbox
+    scheduled here for good. Another launch of it starts nothing."""
+    placements = {"sbx_f": ("a", 1, "scheduled")}
+    agent, launches = _staging_agent(placements, refuse=True)
+    service = _service(tmp_path, agent)
+    async with in_memory(service, run_hooks=False) as bus:
+        request = await _schedule(bus, "sbx_f", "a", 1)
+        await service.settled()
+        (failed,) = bus.caused_by(request)
+        again = await agent.on_scheduled(request, request.decoded())  # type: ignore[arg-type]
+        assert [p.model_dump() for p in again] == [failed.decoded().model_dump()]
+        other = await _schedule(bus, "sbx_f", "a", 1)
+        await service.settled()
+        assert bus.caused_by(other) == []
+        assert launches == [1]

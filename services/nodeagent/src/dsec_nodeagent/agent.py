@@ -243,7 +243,7 @@ class NodeAgent:
         # a placement's start under way, and those a stop request cancelled (on_stop_requested)
         # Sandboxes ended here before they ran: "stopped" (a stop came while it was starting,
         # or before) or "failed" (its start failed), with when; see ENDED_HERE_KEEP_S
-        self._ended_here: dict[str, tuple[str, float]] = {}
+        self._ended_here: dict[str, tuple[str, float, list[events.Payload]]] = {}
         self._start_stops: dict[str, asyncio.Event] = {}  # set: a stop wants the start to end
         self._fenced: set[str] = set()  # stale copies being stopped without any event
         self.state_keeper = state_keeper
@@ -463,7 +463,14 @@ class NodeAgent:
             ended = self._ended_here.get(sid)
             if ended is not None:  # ended here already; the log does not show it yet
                 log.info("%s: not starting it: it %s here before it ran", sid, ended[0])
-                return []
+                # this very launch failed and its end may not have been published (a NATS
+                # hiccup: delivered again): the same end again (its id is derived: published
+                # once); any other launch of it starts nothing
+                return [
+                    p
+                    for p in ended[2]
+                    if isinstance(p, events.SandboxFailed) and p.failed_event_id == envelope.id
+                ]
             self._start_stops[sid] = asyncio.Event()
             try:
                 return await self._start(sid, envelope, event)
@@ -520,12 +527,13 @@ class NodeAgent:
                 log.info("%s: its start ended before the launch: a stop was requested", sid)
                 return []  # (the stop ends it: sandbox.exited, stopped before it started)
             STARTS.labels("failed").inc()
-            self._ended(sid, "failed")
-            return [
+            failed: list[events.Payload] = [
                 events.SandboxFailed(
                     stage="nodeagent", reason=_reason(exc), failed_event_id=envelope.id
                 )
             ]
+            self._ended(sid, "failed", failed)
+            return failed
         except EnvStageUnavailable:
             self._attempts.pop(sid, None)
             raise  # the object store is unreachable: retried with backoff
@@ -538,16 +546,12 @@ class NodeAgent:
             raise
         finally:
             if staging is not None and not staging.done():
-                # The start ended before it needed the environment. The staging is never
-                # cancelled (a staged environment is reused by the next sandbox of its lock):
-                # a failed start lets it finish; a stopped or cancelled one leaves it to go on
-                # alone (a download of minutes must not hold a stop).
-                me = asyncio.current_task()
-                if sid in self._ended_here or (me is not None and me.cancelling()):
-                    staging.add_done_callback(lambda t: t.cancelled() or t.exception())
-                else:
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(staging)
+                # The start ended before it needed the environment: the staging goes on alone
+                # (never cancelled: a staged environment is reused by the next sandbox of its
+                # lock, and EnvStager holds the lock until its threads end); waiting for a
+                # download of minutes here would hold a stop of this sandbox, and every stop
+                # on the node behind it.
+                staging.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _staged(self, sid: str, staging: asyncio.Task[Staged]) -> Staged:
         """The staged environment, or :class:`StartStopped` as soon as a stop wants this start
@@ -569,15 +573,17 @@ class NodeAgent:
         if self._ended_here.get(sid, ("",))[0] == "stopped":
             raise StartStopped(sid)
 
-    def _ended(self, sid: str, how: str) -> None:
-        """Remember that ``sid`` ended here before it ran (see :data:`ENDED_HERE_KEEP_S`)."""
+    def _ended(self, sid: str, how: str, outputs: list[events.Payload] | None = None) -> None:
+        """Remember that ``sid`` ended here before it ran, and the end it was given (see
+        :data:`ENDED_HERE_KEEP_S`). Oldest first: those past it are dropped from the front."""
         now = time.monotonic()
-        if len(self._ended_here) >= 1024:
-            for old in [
-                k for k, (_, at) in self._ended_here.items() if now - at > ENDED_HERE_KEEP_S
-            ]:
-                del self._ended_here[old]
-        self._ended_here[sid] = (how, now)
+        self._ended_here.pop(sid, None)
+        self._ended_here[sid] = (how, now, outputs or [])
+        while self._ended_here:
+            oldest = next(iter(self._ended_here))
+            if now - self._ended_here[oldest][1] <= ENDED_HERE_KEEP_S:
+                break
+            del self._ended_here[oldest]
 
     async def _stage(self, built: events.EnvBuilt) -> Staged:
         try:
