@@ -251,11 +251,11 @@ async def test_a_stop_of_a_sandbox_scheduled_here_that_has_not_started_ends_it_s
         assert h.agent.manager.get(waiting) is None
 
 
-async def test_a_stop_of_a_sandbox_still_starting_cancels_its_start_at_once(
+async def test_a_stop_of_a_sandbox_still_starting_ends_its_start_at_once(
     home: Path, nats_url: str, s3: Any, tmp_path: Path
 ) -> None:
     """A sandbox whose environment is still staging (minutes on a cold node; here its staging
-    is held) is stopped by its stop request at once: the start is cancelled and cleaned up,
+    is held) is stopped by its stop request at once: the start ends there, its steps undone,
     the sandbox ends in `sandbox.exited` (stopped, before it started) and never becomes ready.
     Before, the stop waited for the start to finish, and every stop on the node after it
     waited too (stops are taken in order)."""
