@@ -195,3 +195,12 @@ async def test_a_spare_delivery_no_longer_this_instances_ends_nothing(tmp_path: 
             await service.settled()
             assert asked == ["mine 0"]
             assert [e.type for e in bus.caused_by(request)] == ends
+
+
+def test_a_select_or_confirm_that_is_not_a_function_is_refused_where_it_is_written(
+    tmp_path: Path,
+) -> None:
+    service = Service("policy", Settings(home=tmp_path))
+    for name in ("select", "confirm"):
+        with pytest.raises(TypeError, match=f"{name} must be a function of"):
+            service.handles(SpecSubmitted, workers=2, **{name: "node-1"})  # type: ignore[call-overload]

@@ -495,6 +495,11 @@ class Service:
         node has it).
         """
         model = model_for(event) if isinstance(event, str) else event  # fails fast on a typo
+        for name, given in (("select", select), ("confirm", confirm)):
+            if given is not None and not callable(given):
+                raise TypeError(
+                    f"{name} must be a function of (envelope, payload), not {type(given).__name__}"
+                )
         running = tenant_workers if tenant_workers is not None else max(1, workers - 1)
         if tenant_workers is not None and not 1 <= tenant_workers <= workers:
             raise ValueError(f"tenant_workers must be 1..workers ({workers}), not {running}")

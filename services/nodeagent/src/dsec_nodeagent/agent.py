@@ -240,7 +240,6 @@ class NodeAgent:
         )
         self._attempts: dict[str, int] = {}  # sandbox -> placement attempt it runs here as
         self._starting: dict[str, asyncio.Event] = {}  # sandboxes being started right now
-        # a placement's start under way, and those a stop request cancelled (on_stop_requested)
         # Sandboxes ended here before they ran: "stopped" (a stop came while it was starting,
         # or before) or "failed" (its start failed), with when; see ENDED_HERE_KEEP_S
         self._ended_here: dict[str, tuple[str, float, list[events.Payload]]] = {}
@@ -517,10 +516,7 @@ class NodeAgent:
             self._attempts[sid] = event.attempt
             return await self._launch(sid, staging, built_env)
         except (StartRefused, ContextError, SandboxStartError, StartStopped) as exc:
-            self._attempts.pop(sid, None)
-            self._rules.pop(sid, None)
-            if self._on_stopped is not None:  # egress attached before a failed start
-                await self._on_stopped(sid)
+            await self._undo_start(sid)
             if isinstance(exc, ContextError) and exc.transient:
                 raise  # Vault/S3/NATS unreachable: the runtime retries with backoff
             if isinstance(exc, StartStopped):
@@ -538,11 +534,9 @@ class NodeAgent:
             self._attempts.pop(sid, None)
             raise  # the object store is unreachable: retried with backoff
         except asyncio.CancelledError:  # the node agent stops: the start is given back
-            self._attempts.pop(sid, None)
-            self._rules.pop(sid, None)
-            if self._on_stopped is not None and self.manager.get(sid) is None:
-                with contextlib.suppress(Exception):  # egress attached before the cancel
-                    await self._on_stopped(sid)
+            if self.manager.get(sid) is None:
+                with contextlib.suppress(Exception):
+                    await self._undo_start(sid)
             raise
         finally:
             if staging is not None and not staging.done():
@@ -552,6 +546,18 @@ class NodeAgent:
                 # download of minutes here would hold a stop of this sandbox, and every stop
                 # on the node behind it.
                 staging.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _undo_start(self, sid: str) -> None:
+        """Forget a start that ended before it launched, and detach the egress it attached."""
+        self._attempts.pop(sid, None)
+        self._rules.pop(sid, None)
+        if self._on_stopped is not None:
+            await self._on_stopped(sid)
+
+    def _ended_how(self, sid: str) -> str | None:
+        """How ``sid`` ended here before it ran ("stopped", "failed"), if it did."""
+        ended = self._ended_here.get(sid)
+        return None if ended is None else ended[0]
 
     async def _staged(self, sid: str, staging: asyncio.Task[Staged]) -> Staged:
         """The staged environment, or :class:`StartStopped` as soon as a stop wants this start
@@ -570,7 +576,7 @@ class NodeAgent:
     def _stop_point(self, sid: str) -> None:
         """Where a start may end for a stop (between its steps, never inside one: each step
         cleans up after itself only on its own errors)."""
-        if self._ended_here.get(sid, ("",))[0] == "stopped":
+        if self._ended_how(sid) == "stopped":
             raise StartStopped(sid)
 
     def _ended(self, sid: str, how: str, outputs: list[events.Payload] | None = None) -> None:
@@ -863,7 +869,7 @@ class NodeAgent:
             return []
         if sid in self._launched:  # between two attempts: _restart sees _stop_wanted
             return []
-        if self._ended_here.get(sid, ("",))[0] == "failed":
+        if self._ended_how(sid) == "failed":
             return []  # its start failed here: that sandbox.failed ends it, not a second end
         state = await self.lifecycle(sid)
         if placement.stop_without_run(state, self.node_id) == "exit-now":
