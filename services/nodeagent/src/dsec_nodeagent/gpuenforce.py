@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec_core.gpuhealth import GpuReading, LinkReading, throttle_names
+from dsec_core.threads import to_the_end
 
 from dsec_nodeagent.gpuslice import DeviceInfo, DeviceRule, MigProfile, ProcessUsage
 
@@ -242,11 +243,22 @@ def mig_caps(minor: int, gi_id: int, ci_id: int, proc: Path = Path("/proc")) -> 
 
 @dataclass
 class MpsServers:
-    """One MPS control daemon per GPU uuid, counted by the units that use it."""
+    """One MPS control daemon per GPU uuid, counted by the units that use it.
+
+    A GPU's acquires and releases take turns (one lock per uuid): two first units at once start
+    one daemon, not two, and a release of the last unit beside an acquire of a new one ends with
+    the daemon running for the new one (before, the quit could land after the new unit's start
+    and leave it on no daemon). Whether a daemon runs is kept apart from who holds it, and each
+    start and quit runs to its end even when its caller is cancelled, so the two never disagree:
+    a daemon started for an acquire cancelled meanwhile is used by the next acquire, or told
+    ``quit`` by the next release that leaves it no holder (:meth:`close` at the node's stop).
+    """
 
     root: Path
     binary: str | None = field(default_factory=lambda: shutil.which(MPS_CONTROL))
     users: dict[str, set[str]] = field(default_factory=dict)
+    running: set[str] = field(default_factory=set)
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
 
     @property
     def available(self) -> bool:
@@ -263,36 +275,59 @@ class MpsServers:
             "CUDA_MPS_LOG_DIRECTORY": str(self.root / uuid / "log"),
         }
 
-    async def acquire(self, uuid: str, unit: str) -> Path:
-        """The pipe directory of ``uuid``'s daemon (started when it is the first unit)."""
-        if self.binary is None:
-            raise RuntimeError(f"{MPS_CONTROL} is not installed")
-        holders = self.users.setdefault(uuid, set())
-        if not holders:
-            for d in (self.pipe_dir(uuid), self.root / uuid / "log"):
-                d.mkdir(parents=True, exist_ok=True)
-                d.chmod(0o755)
-            proc = await asyncio.create_subprocess_exec(
-                self.binary, "-d", env=self._env(uuid), stdout=asyncio.subprocess.DEVNULL
-            )
-            if await proc.wait() != 0:
-                raise RuntimeError(f"{MPS_CONTROL} -d for {uuid} exited {proc.returncode}")
-        holders.add(unit)
-        return self.pipe_dir(uuid)
+    def _lock(self, uuid: str) -> asyncio.Lock:
+        return self._locks.setdefault(uuid, asyncio.Lock())
 
-    async def release(self, uuid: str, unit: str) -> None:
-        holders = self.users.get(uuid)
-        if holders is None or unit not in holders:
-            return
-        holders.discard(unit)
-        if holders or self.binary is None:
-            return
-        del self.users[uuid]
+    async def _start(self, uuid: str) -> None:
+        assert self.binary is not None
+        for d in (self.pipe_dir(uuid), self.root / uuid / "log"):
+            d.mkdir(parents=True, exist_ok=True)
+            d.chmod(0o755)
+        proc = await asyncio.create_subprocess_exec(
+            self.binary, "-d", env=self._env(uuid), stdout=asyncio.subprocess.DEVNULL
+        )
+        if await proc.wait() != 0:
+            raise RuntimeError(f"{MPS_CONTROL} -d for {uuid} exited {proc.returncode}")
+        self.running.add(uuid)
+
+    async def _quit(self, uuid: str) -> None:
+        assert self.binary is not None
+        self.running.discard(uuid)
         proc = await asyncio.create_subprocess_exec(
             self.binary, env=self._env(uuid), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         await proc.communicate(b"quit\n")
+
+    async def acquire(self, uuid: str, unit: str) -> Path:
+        """The pipe directory of ``uuid``'s daemon (started when none runs for it)."""
+        if self.binary is None:
+            raise RuntimeError(f"{MPS_CONTROL} is not installed")
+        async with self._lock(uuid):
+            if uuid not in self.running:
+                await to_the_end(self._start(uuid))
+            self.users.setdefault(uuid, set()).add(unit)
+        return self.pipe_dir(uuid)
+
+    async def release(self, uuid: str, unit: str) -> None:
+        """``unit`` no longer uses ``uuid``'s daemon; the last unit's release quits it."""
+        async with self._lock(uuid):
+            holders = self.users.get(uuid)
+            if holders is None or unit not in holders:
+                return
+            holders.discard(unit)
+            if holders:
+                return
+            del self.users[uuid]
+            if self.binary is not None and uuid in self.running:
+                await to_the_end(self._quit(uuid))
+
+    async def close(self) -> None:
+        """Quit every daemon no unit holds (one an acquire cancelled mid-start left running)."""
+        for uuid in sorted(self.running):
+            async with self._lock(uuid):
+                if not self.users.get(uuid) and uuid in self.running:
+                    await to_the_end(self._quit(uuid))
 
 
 # --------------------------------------------------------------------------- device cgroup

@@ -36,6 +36,7 @@ from dsec_core.events import GpuInfo, Payload
 from dsec_core.gpuhealth import CONFIG_ID, ClusterConfig, HealthTracker, readings_of
 from dsec_core.settings import Settings
 from dsec_core.subjects import subject_for
+from dsec_core.threads import to_the_end
 from dsec_core.trust import Gate
 
 from dsec_nodeagent.gpu import InventoryError, declared_gpus, load_declared
@@ -49,6 +50,7 @@ from dsec_nodeagent.gpuenforce import (
 from dsec_nodeagent.gpuquota import QuotaWatch, Verdict, usage_of
 from dsec_nodeagent.gpuslice import (
     DeviceInfo,
+    MigProfile,
     SlicePlan,
     SliceSettings,
     device_rules,
@@ -143,6 +145,7 @@ class GpuNode:
             self._task = None
         for sid in list(self.units):
             await self.release(sid)
+        await self.mps.close()
         if self.backend is not None:
             await asyncio.to_thread(self.backend.close)
 
@@ -203,10 +206,11 @@ class GpuNode:
                 if grant.mode == "mps":
                     await self.mps.acquire(grant.uuid, sid)
                 elif grant.mode == "mig" and grant.mig_profile is not None:
-                    mig_uuid, gi, ci = await asyncio.to_thread(
-                        self.backend.create_mig, grant.index, grant.mig_profile
+                    # Kept in ``unit.mig`` even when a cancel lands while NVML creates it, so the
+                    # release below destroys it (before, it was left on the GPU for good).
+                    mig_uuid, gi, ci = await to_the_end(
+                        self._create_mig(unit, grant.index, grant.mig_profile)
                     )
-                    unit.mig.append((gi, ci))
                     gid, cid = await asyncio.to_thread(self.backend.mig_ids, gi, ci)
                     caps = await asyncio.to_thread(mig_caps, grant.minor, gid, cid)
                     unit.plan = with_mig_instance(unit.plan, grant.index, mig_uuid, caps)
@@ -225,6 +229,13 @@ class GpuNode:
             "; ".join(g.why for g in plan.grants),
         )  # fmt: skip
         return unit.plan
+
+    async def _create_mig(
+        self, unit: UnitGpu, index: int, profile: MigProfile
+    ) -> tuple[str, Any, Any]:
+        mig_uuid, gi, ci = await asyncio.to_thread(self.backend.create_mig, index, profile)
+        unit.mig.append((gi, ci))
+        return str(mig_uuid), gi, ci
 
     def apply(self, config: SandboxConfig, plan: SlicePlan) -> SandboxConfig:
         """``config`` with the slice's environment, device nodes and MPS pipe directory."""

@@ -1,0 +1,179 @@
+"""A GPU's MPS daemon and MIG instances stay in step with the units that use them when units
+start and end at once, and when a start is cancelled mid-step (pure unit tests: the MPS control
+program is a small script with the real one's one-daemon-per-pipe-directory rule, NVML a fake).
+
+Before: two first units of a GPU at once both ran ``nvidia-cuda-mps-control -d`` (the second
+failed, and its unit with it); a last unit's release beside a new unit's start let the quit land
+after the start; a start cancelled while the daemon started left it running unknown to the node
+(the next unit's start then failed); a MIG instance created while a cancel landed was never
+destroyed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dsec_core import events
+from dsec_core.gpuhealth import ClusterConfig
+from dsec_core.settings import Settings
+
+from dsec_nodeagent.gpuenforce import MpsServers
+from dsec_nodeagent.gpunode import GpuNode
+from dsec_nodeagent.gpuslice import DeviceInfo, MigProfile, ProcessUsage
+
+pytestmark = pytest.mark.unit
+GIB = 2**30
+
+# The real control program refuses a second daemon on one pipe directory; ``quit`` ends it a
+# while after it is read (longer than a start takes). ``mkdir`` makes "is one running" atomic,
+# as the real pipe's lock is.
+FAKE_CONTROL = """#!/bin/sh
+dir="$CUDA_MPS_PIPE_DIRECTORY/.."
+if [ "$1" = "-d" ]; then
+  echo starting >> "$dir/calls"
+  sleep 0.1
+  mkdir "$dir/daemon" 2>/dev/null || exit 1
+  echo started >> "$dir/calls"
+  exit 0
+fi
+read cmd
+echo "$cmd" >> "$dir/calls"
+sleep 0.3
+[ "$cmd" = quit ] && rmdir "$dir/daemon"
+exit 0
+"""
+
+
+async def wait_until_async(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def _servers(tmp_path: Path) -> MpsServers:
+    control = tmp_path / "mps-control"
+    control.write_text(FAKE_CONTROL)
+    control.chmod(0o755)
+    return MpsServers(tmp_path / "mps", binary=str(control))
+
+
+def _calls(servers: MpsServers, uuid: str) -> list[str]:
+    path = servers.root / uuid / "calls"
+    return path.read_text().split() if path.exists() else []
+
+
+def _daemon_runs(servers: MpsServers, uuid: str) -> bool:
+    return (servers.root / uuid / "daemon").is_dir()
+
+
+async def test_two_first_units_of_a_gpu_at_once_share_one_daemon(tmp_path: Path) -> None:
+    servers = _servers(tmp_path)
+    await asyncio.gather(servers.acquire("GPU-0", "sbx_a"), servers.acquire("GPU-0", "sbx_b"))
+    assert _calls(servers, "GPU-0") == ["starting", "started"]
+    assert servers.users == {"GPU-0": {"sbx_a", "sbx_b"}} and _daemon_runs(servers, "GPU-0")
+    await servers.release("GPU-0", "sbx_a")
+    assert _daemon_runs(servers, "GPU-0")  # sbx_b still uses it
+    await servers.release("GPU-0", "sbx_b")
+    assert not _daemon_runs(servers, "GPU-0") and servers.users == {}
+
+
+async def test_the_last_units_release_beside_a_new_units_start_leaves_the_daemon_running(
+    tmp_path: Path,
+) -> None:
+    servers = _servers(tmp_path)
+    await servers.acquire("GPU-0", "sbx_a")
+    await asyncio.gather(servers.release("GPU-0", "sbx_a"), servers.acquire("GPU-0", "sbx_b"))
+    assert _calls(servers, "GPU-0") == ["starting", "started", "quit", "starting", "started"]
+    assert servers.users == {"GPU-0": {"sbx_b"}} and _daemon_runs(servers, "GPU-0")
+
+
+async def test_a_start_cancelled_while_its_daemon_starts_leaves_it_known(tmp_path: Path) -> None:
+    servers = _servers(tmp_path)
+    first = asyncio.create_task(servers.acquire("GPU-0", "sbx_a"))
+    await wait_until_async(lambda: _calls(servers, "GPU-0") == ["starting"], what="-d running")
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    # The daemon did start; the node knows it, and no unit holds it.
+    assert _daemon_runs(servers, "GPU-0") and servers.running == {"GPU-0"}
+    assert servers.users == {}
+    await servers.acquire("GPU-0", "sbx_b")  # uses it: no second -d
+    assert _calls(servers, "GPU-0") == ["starting", "started"]
+    await servers.release("GPU-0", "sbx_b")
+    assert not _daemon_runs(servers, "GPU-0")
+
+    again = asyncio.create_task(servers.acquire("GPU-1", "sbx_c"))
+    await wait_until_async(lambda: _calls(servers, "GPU-1") == ["starting"], what="-d running")
+    again.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await again
+    await servers.close()  # the node's stop quits a daemon no unit holds
+    assert not _daemon_runs(servers, "GPU-1") and servers.running == set()
+
+
+@dataclass
+class MigNvml:
+    """One MIG-enabled GPU; creating an instance waits for the test."""
+
+    go: threading.Event = field(default_factory=threading.Event)
+    creating: threading.Event = field(default_factory=threading.Event)
+    created: list[tuple[int, int]] = field(default_factory=list)
+    destroyed: list[tuple[int, int]] = field(default_factory=list)
+
+    def devices(self) -> list[DeviceInfo]:
+        profile = MigProfile(profile_id=19, name="1g.10gb", slices=1, memory_bytes=10 * GIB, free=7)
+        return [DeviceInfo(0, "GPU-0", 0, 80 * GIB, True, True, (profile,))]
+
+    def processes(self) -> list[ProcessUsage]:
+        return []
+
+    def create_mig(self, index: int, profile: MigProfile) -> tuple[str, Any, Any]:
+        self.creating.set()
+        assert self.go.wait(10)
+        self.created.append((7, 0))
+        return "MIG-7", 7, 0
+
+    def mig_ids(self, gi: Any, ci: Any) -> tuple[int, int]:
+        return gi, ci
+
+    def destroy_mig(self, gi: Any, ci: Any) -> None:
+        self.destroyed.append((gi, ci))
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_mig_instance_created_while_its_start_is_cancelled_is_destroyed(
+    tmp_path: Path,
+) -> None:
+    nvml = MigNvml()
+    node = GpuNode(
+        Settings(home=tmp_path, node_id="gpu-1"), _no_publish, lambda: None,  # type: ignore[arg-type, return-value]
+        backend=nvml, mps=MpsServers(tmp_path / "mps", binary=None),
+    )  # fmt: skip
+    node.config = ClusterConfig.of({"gpu.mig": "on"})
+    placed = events.UnitPlaced(
+        sandbox_id="sbx_1", unit="main", node_id="gpu-1", gpu_indices=[0], gpu_milli=100,
+        policy="dsec",
+    )  # fmt: skip
+    start = asyncio.create_task(node.prepare("sbx_1", placed))
+    await wait_until_async(nvml.creating.is_set, what="NVML creating the instance")
+    start.cancel()
+    await asyncio.sleep(0)  # the cancel is delivered while NVML still works
+    nvml.go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert nvml.created == [(7, 0)] and nvml.destroyed == [(7, 0)]
+    assert node.units == {}
+
+
+async def _no_publish(*_: Any) -> None:
+    raise AssertionError("nothing is published")
