@@ -6,6 +6,7 @@ import asyncio
 import io
 import os
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -353,6 +354,76 @@ async def test_missing_prefix_fails_and_undoes_earlier_steps(
         f"s3://{s3.bucket}/no/such/prefix/: no objects under this prefix (missing or empty)"
     )
     assert not (tmp_path / "sandboxes" / "sbx-undo" / "context").exists()
+
+
+class _Held:
+    """Holds a step's thread at its start until the test lets it go (where a cancel lands)."""
+
+    def __init__(self, step: Any) -> None:
+        self.step = step
+        self.entered, self.go, self.left = threading.Event(), threading.Event(), threading.Event()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        try:
+            assert self.go.wait(30)
+            return self.step(*args, **kwargs)
+        finally:
+            self.left.set()
+
+
+async def _cancel_while_held(held: _Held, start: asyncio.Task[Any], unwind_s: float = 0) -> None:
+    """Cancel ``start`` while its thread is held, then let the thread finish its step.
+
+    ``unwind_s``: how long a start that does not wait for its thread is given to unwind (its
+    clean-up done) before the thread goes on; one that waits stays pending that long."""
+    await asyncio.to_thread(held.entered.wait, 30)
+    start.cancel()  # lands at once: the await it is in is cancelled now, the thread held
+    await asyncio.wait({start}, timeout=unwind_s)
+    held.go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert await asyncio.to_thread(held.left.wait, 30)
+
+
+@pytest.mark.integration
+async def test_a_start_cancelled_while_vault_makes_its_token_leaves_no_token(
+    injector: ContextInjector, vault: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node agent's stop cancels a start whose secret read is under way in a thread: the
+    child token that read creates is revoked. Before, the cancel returned at once, the release
+    found no lease yet, and the token the thread then made lived on (renewable for 24x its TTL)."""
+    path = f"default/cancel/{uuid.uuid4().hex}"
+    vault.client().secrets.kv.v2.create_or_update_secret(
+        path=path, secret={"value": "v"}, mount_point="secret"
+    )
+    assert injector.vault is not None
+    held = _Held(injector.vault._create_lease)
+    monkeypatch.setattr(injector.vault, "_create_lease", held)
+    before = set(vault.client().auth.token.list_accessors()["data"]["keys"])
+    start = asyncio.create_task(injector.prepare("sbx-cancel-v", [_secret("K", path)], []))
+    await _cancel_while_held(held, start)
+    after = set(vault.client().auth.token.list_accessors()["data"]["keys"])
+    assert after <= before
+
+
+@pytest.mark.integration
+async def test_a_start_cancelled_while_its_data_downloads_leaves_no_directory(
+    injector: ContextInjector, s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the release removed the context directory at the cancel while the download's
+    thread went on, and recreated it writing the prefix's files: left on the node for good."""
+    prefix = f"cancel/{uuid.uuid4().hex}/"
+    _put(s3, prefix + "sub/b.txt", b"beta")
+    assert injector.s3 is not None
+    held = _Held(injector.s3._fetch_all)
+    monkeypatch.setattr(injector.s3, "_fetch_all", held)
+    mount = _s3_mount("/workspace/data", s3.bucket, prefix)
+    start = asyncio.create_task(injector.prepare("sbx-cancel-s3", [], [mount]))
+    await _cancel_while_held(held, start, unwind_s=1.0)
+    assert not (tmp_path / "sandboxes" / "sbx-cancel-s3").exists() or not any(
+        (tmp_path / "sandboxes" / "sbx-cancel-s3").rglob("*")
+    )
 
 
 # ---------------------------------------------------------------- config maps

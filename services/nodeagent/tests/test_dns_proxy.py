@@ -8,6 +8,7 @@ Every address of the test zone is on loopback, so rules that must open them set
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -286,6 +287,42 @@ async def test_each_sandbox_has_its_own_port_and_plan(zone: ZoneServer) -> None:
         assert p.port_of(1) is None
     finally:
         await p.close()
+
+
+async def test_a_serve_cancelled_while_it_binds_leaves_no_listener(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The node agent's stop cancels a start while its DNS listeners bind: those bound already
+    are closed (before, its UDP sockets stayed bound on the node, holding the port, until the
+    node agent's process ended)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+
+    async def cancelled_here(*_: Any, **__: Any) -> None:
+        raise asyncio.CancelledError  # where the cancel lands: UDP bound, TCP not yet
+
+    p = DnsProxy(UpstreamClient("127.0.0.1", 9, timeout=0.2, attempts=1), RecordingSink())
+    monkeypatch.setattr(asyncio, "start_server", cancelled_here)
+    with pytest.raises(asyncio.CancelledError):
+        await p.serve(7, PLAN, port=port)
+    assert p.port_of(7) is None
+
+    def port_free() -> bool:
+        again = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            again.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        finally:
+            again.close()
+        return True
+
+    deadline = time.monotonic() + 5  # a closed transport lets its socket go on the loop's turn
+    while not port_free():
+        assert time.monotonic() < deadline, "the cancelled serve's UDP listener still holds it"
+        await asyncio.sleep(0.01)
 
 
 async def test_garbage_is_dropped_and_the_proxy_keeps_serving(

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import http.server
 import json
+import os
 import shutil
 import socket
 import ssl
@@ -168,6 +169,42 @@ async def test_pipelined_requests_over_one_connection_are_counted_one_by_one(
     assert b"rate limit of egress[0]" in answers[10][2]
     assert len(refused) == 20
     assert refused[0] == ("egress[0]", f"GET https://{HOST}/10")
+
+
+def _listening_here() -> set[int]:
+    """Socket inodes of this process that listen on TCP (IPv4)."""
+    ours = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                ours.add(int(target[8:-1]))
+    listening = set()
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A":  # LISTEN
+            listening.add(int(fields[9]))
+    return ours & listening
+
+
+async def test_a_proxy_cancelled_at_any_step_of_its_start_leaves_no_listener(
+    tmp_path: Path,
+) -> None:
+    """The node agent's stop may cancel a start anywhere: wherever it lands in the proxy's
+    start, closing the proxy leaves nothing listening (before, a cancel at asyncio's last step
+    of binding left a listening socket nobody could close)."""
+    before = _listening_here()
+    ca = CertAuthority("sbx-c", tmp_path)
+    for turns in range(8):
+        proxy = SandboxProxy("sbx-c", [_rule(1)], ca, lambda r, t: None)
+        start = asyncio.create_task(proxy.start())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await start
+        await proxy.close()
+        assert _listening_here() == before, f"cancelled after {turns} turns"
 
 
 async def test_a_header_the_proxy_will_not_forward_is_a_400(

@@ -45,6 +45,7 @@ from dsec_core.spec import EnforcementPlan
 from dsec_core.spec.plan import ResourceLimits
 from dsec_core.subjects import subject_for
 from dsec_core.text import bound
+from dsec_core.threads import to_thread_to_the_end
 from dsec_core.trust import Gate
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -258,6 +259,7 @@ class NodeAgent:
         self.start_from_snapshot: StartFromSnapshot | None = None
         """Puts a snapshot's code in a new sandbox's code dir (``dsec_nodeagent.snapshots``)."""
         self.expect_handover: Callable[[str, str], None] | None = None
+        self.forget_handover: Callable[[str], None] | None = None
         # Tool-call reports -> dsec_tool_* metrics, tool.degraded/recovered (docs/tools.md).
         self.toolwatch: ToolWatch | None = None
         """Tells the IPC broker that a new sandbox takes over an old one's tool name."""
@@ -432,8 +434,9 @@ class NodeAgent:
         dest = self._code_path(sandbox_id)
         if dest.exists():  # a redelivery after a crash: the bundle is immutable, reuse it
             return dest
-        try:
-            await asyncio.to_thread(extract_bundle, data, dest, max_size=max_size)
+        try:  # to its end even for a cancelled start: its clean-up then removes the sandbox's
+            # directory with nothing still writing into it
+            await to_thread_to_the_end(extract_bundle, data, dest, max_size=max_size)
         except BundleError as exc:
             raise StartRefused(f"code bundle unusable: {exc}") from None
         return dest
@@ -674,6 +677,8 @@ class NodeAgent:
                 config, before_start=self._attach(egress_plan, plan, handover_from)
             )
         except BaseException:
+            if handover_from is not None and self.forget_handover is not None:
+                self.forget_handover(sid)  # its servers may no longer stand by for the old names
             await self.proxies.close(sid)
             self.recordings.forget(sid)
             await self.injector.release(ctx)

@@ -186,7 +186,12 @@ def wire(
         if comms.broker is not None:  # a standby for the old one's tool name (hand-over)
             comms.broker.expect_handover(new_sandbox, old_sandbox)
 
+    def forget_handover(new_sandbox: str) -> None:
+        if comms.broker is not None:
+            comms.broker.forget_handover(new_sandbox)
+
     agent.expect_handover = expect_handover
+    agent.forget_handover = forget_handover
     # Hand-overs (`dsec sandbox upgrade`): the keeper streams, freezes, switches the broker.
     state_wiring.install(keeper, agent, lambda: comms.broker)
     # The broker listens before sandboxes are re-adopted (they are shown its new socket then)

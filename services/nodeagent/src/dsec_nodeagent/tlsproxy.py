@@ -40,6 +40,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from dsec_core.spec.plan import EnforcementPlan, PlanEgressRule
+from dsec_core.threads import to_the_end
 from dsec_sdk.recording import Recorder, Replayer, ReplayMiss, http_key
 
 HEAD_LIMIT = 64 * 1024  # request line + headers
@@ -250,10 +251,16 @@ class SandboxProxy:
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Listen; returns the port."""
-        self._server = await asyncio.start_server(self._client, host, port, limit=HEAD_LIMIT)
+        """Listen; returns the port. A cancel that lands while the listener starts waits for
+        it, so :meth:`close` finds it (asyncio's ``start_server`` drops a server it has bound
+        when cancelled at its last step, leaving the socket listening)."""
+        await to_the_end(self._listen(host, port))
+        assert self._server is not None
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
+
+    async def _listen(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._client, host, port, limit=HEAD_LIMIT)
 
     async def close(self) -> None:
         """Stop listening and drop the open connections."""
@@ -730,8 +737,8 @@ class TlsProxies:
 
         proxy = SandboxProxy(sid, rules, authority, refused, upstream=self.upstream)
         proxy.forbidden = self.forbidden
+        self._proxies[sid] = proxy  # known before it listens: close(sid) ends it whatever happens
         port = await proxy.start(PROXY_HOST)
-        self._proxies[sid] = proxy
         url = f"http://{PROXY_HOST}:{port}"
         env = dict.fromkeys(PROXY_ENV, url) | dict.fromkeys(CA_ENV, CA_BUNDLE_PATH)
         return ProxyGrant(port, env, bundle, egress_through_proxy(plan, port))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsec_core.spec.plan import MountPlan, SecretInjection
+from dsec_core.threads import to_the_end
 from pydantic import SecretStr
 
 from dsec_nodeagent.context.configmap import ConfigMaps
@@ -115,16 +116,9 @@ class ContextInjector:
         uri = vault_uri(secret.vault_mount, secret.vault_path, secret.key)
         if self.vault is None:
             raise ContextError(uri, "no Vault configured on this node (DSEC_VAULT_ADDR)")
-        value, lease = await self.vault.read(
-            secret.vault_mount,
-            secret.vault_path,
-            secret.key,
-            secret.ttl_s,
-            ctx.sandbox_id,
-            tenant=tenant,
-            prefixes=tenant_vault,
-        )
-        ctx.leases.append(lease)
+        value, lease = await to_the_end(
+            self._leased(ctx, secret, tenant, tenant_vault)
+        )  # a cancel waits for the read: its child token is in ctx.leases, revoked by release
         ctx.secret_env[secret.env_var] = SecretStr(value)
         ctx.records.append(
             InjectionRecord(
@@ -137,6 +131,26 @@ class ContextInjector:
             )
         )
 
+    async def _leased(
+        self,
+        ctx: PreparedContext,
+        secret: SecretInjection,
+        tenant: str,
+        tenant_vault: Sequence[str],
+    ) -> tuple[str, Lease]:
+        assert self.vault is not None
+        value, lease = await self.vault.read(
+            secret.vault_mount,
+            secret.vault_path,
+            secret.key,
+            secret.ttl_s,
+            ctx.sandbox_id,
+            tenant=tenant,
+            prefixes=tenant_vault,
+        )
+        ctx.leases.append(lease)
+        return value, lease
+
     async def _mount(self, ctx: PreparedContext, index: int, mount: MountPlan) -> None:
         assert ctx.directory is not None
         dest = ctx.directory / f"{index:02d}"
@@ -146,12 +160,16 @@ class ContextInjector:
                 raise ContextError(uri, "mode rw is not supported for s3 mounts; use ro")
             if self.s3 is None:
                 raise ContextError(uri, "no object store configured on this node")
-            done = await self.s3.materialize(
-                mount.bucket or "",
-                mount.prefix or "",
-                dest,
-                encrypted=mount.encrypted,
-                cache_ttl_s=mount.cache_ttl_s,
+            # To its end even for a cancelled start: release then removes what it wrote (before,
+            # its threads went on writing into the directory release had just removed).
+            done = await to_the_end(
+                self.s3.materialize(
+                    mount.bucket or "",
+                    mount.prefix or "",
+                    dest,
+                    encrypted=mount.encrypted,
+                    cache_ttl_s=mount.cache_ttl_s,
+                )
             )
             ctx.records.append(
                 InjectionRecord(
@@ -162,8 +180,8 @@ class ContextInjector:
             uri = f"configmap://{mount.configmap}/{mount.key}"
             if self.configmaps is None:
                 raise ContextError(uri, "no NATS configured on this node for config maps")
-            digest, size, _ = await self.configmaps.materialize(
-                mount.configmap or "", mount.key or "", dest
+            digest, size, _ = await to_the_end(
+                self.configmaps.materialize(mount.configmap or "", mount.key or "", dest)
             )
             ctx.records.append(
                 InjectionRecord(

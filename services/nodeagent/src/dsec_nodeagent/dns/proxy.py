@@ -247,9 +247,9 @@ class DnsProxy:
             want = port if attempt == 0 else 0
             try:
                 await self._bind(sandbox, want)
-            except OSError as exc:
+            except BaseException as exc:  # a cancel too: the listeners bound so far are closed
                 await self._unbind(sandbox)
-                if exc.errno != errno.EADDRINUSE:
+                if not isinstance(exc, OSError) or exc.errno != errno.EADDRINUSE:
                     raise
                 continue
             self._sandboxes[cgroup_id] = sandbox
