@@ -840,7 +840,7 @@ class Service:
                     elif not still:  # a late copy of what is no longer this instance's
                         await held.msg.ack_sync()
                     else:
-                        await self._tenant_full(h, held.msg, envelope, attempt, full)
+                        await self._tenant_full(h, held.msg, envelope, full)
                 except Exception as exc:  # its end not published: delivered again soon
                     log.warning("%s: %s not ended at once: %s", self.name, envelope.id, exc)
                     with contextlib.suppress(Exception):
@@ -925,7 +925,7 @@ class Service:
             return None
 
     async def _tenant_full(
-        self, h: _Handling, msg: NatsMessage, envelope: Envelope, attempt: int, full: TenantFull
+        self, h: _Handling, msg: NatsMessage, envelope: Envelope, full: TenantFull
     ) -> None:
         metrics.TENANT_FULL.labels(self.name, h.event_type).inc()
         reason = (
@@ -935,7 +935,8 @@ class Service:
             "here); this one was not started: submit it again when some of them have ended"
         )
         self._log_full(h, envelope, reason)
-        await self._publish_outputs(envelope, h.failure(envelope, reason, attempt))
+        # attempts 0: never started here (an attempt is a worker's start, not a delivery)
+        await self._publish_outputs(envelope, h.failure(envelope, reason, 0))
         await msg.ack_sync()
 
     def _log_full(self, h: _Handling, envelope: Envelope, reason: str) -> None:

@@ -491,15 +491,16 @@ _OPERATION = {"snapshot.requested": "create", "snapshot.restore_requested": "res
 
 
 def snapshot_failed(envelope: Envelope, reason: str, attempts: int) -> Sequence[events.Payload]:
-    """A snapshot request whose retries are exhausted ends in ``snapshot.failed``: a snapshot
-    that could not be taken says nothing about the sandbox, which ``sandbox.failed`` (terminal)
-    would mark as failed."""
+    """A snapshot request whose retries are exhausted (or that was never started: its tenant
+    full at the instance) ends in ``snapshot.failed``: a snapshot that could not be taken says
+    nothing about the sandbox, which ``sandbox.failed`` (terminal) would mark as failed."""
     request = envelope.payload
     return [
         events.SnapshotFailed(
             snapshot=str(request.get("name") or request.get("snapshot") or ""),
             operation="create" if _OPERATION.get(envelope.type) == "create" else "restore",
-            reason=f"gave up after {attempts} attempts: {reason}",
+            # 0 attempts: ended before it started (its tenant holds its most at the node)
+            reason=f"gave up after {attempts} attempts: {reason}" if attempts else reason,
         )
     ]
 

@@ -15,11 +15,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from dsec_core import events
+from dsec_core.envelope import Envelope
 from dsec_core.layout import NodeLayout
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.trust import Gate
 from dsec_snapstore.requests import Refused, SnapshotRequests, snapshot_failed
 from nats.js import JetStreamContext
+
+SNAPSHOT_WORKERS = 4
+"""Snapshots (and, apart, rollbacks) a node agent runs at once; one tenant at most three."""
 
 
 class SnapshotStartRefused(Exception):
@@ -53,6 +57,13 @@ class NodeSnapshots:
         )
         # S3 or Vault hiccups: a few quick retries (a rollback is wanted within seconds).
         retry = RetryPolicy(max_attempts=4, base_delay_s=0.5, max_delay_s=4.0, ack_wait_s=60.0)
+        # On workers, the tenants taking turns (a fair handler): one tenant's large snapshot or
+        # rollback holds no other request of this node but its own tenant's beyond its share,
+        # as a fetched batch of four did until it all ended. Whose a request is (the node its
+        # sandbox runs on) is known only from the sandbox's lifecycle, so every node holds
+        # every request until its handler has read it; a request the runtime would end itself
+        # (its tenant full here, every attempt crashed) is first checked to be this node's,
+        # so no node ends a request of a sandbox that runs on another.
         for event_type, handler, answer in (
             ("snapshot.requested", self.requests.on_requested, events.SnapshotTaken),
             ("snapshot.restore_requested", self.requests.on_restore_requested,
@@ -61,13 +72,21 @@ class NodeSnapshots:
             service.handles(
                 event_type,
                 retry=retry,
-                batch=4,
+                batch=16,
+                workers=SNAPSHOT_WORKERS,
                 on_exhausted=snapshot_failed,
                 scope="node",
+                confirm=self.acts_for,
                 answers=(answer, events.SnapshotFailed),
             )(handler)
         service.on_start.append(self.requests.start)
         service.on_stop.append(self.requests.close)
+
+    async def acts_for(self, envelope: Envelope, _request: object) -> bool:
+        """Whether this node acts for the request's sandbox now (its lifecycle says it runs
+        here); asked before the runtime ends a request the handler never saw."""
+        _, owner, _ = await self.requests.facts(envelope.aggregate_id)
+        return self.requests.mine(owner)
 
     def code_dir(self, sandbox_id: str) -> Path:
         """Where this node keeps a sandbox's code copy."""

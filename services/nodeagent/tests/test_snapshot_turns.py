@@ -1,0 +1,138 @@
+"""A node's snapshots and rollbacks take turns by tenant (in memory: the real service runtime,
+trust gate and ``NodeSnapshots`` wiring; the snapshot work itself a stand-in that waits for
+the test).
+
+Before, the node agent took ``snapshot.requested`` in fetched batches of four and fetched the
+next batch only once the whole batch had ended: one tenant's large snapshots held every other
+tenant's request on that node until they had all ended."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dsec_core import events
+from dsec_core.envelope import Envelope
+from dsec_core.service import Service
+from dsec_core.settings import Settings
+from dsec_snapstore.requests import SnapshotRequests
+from dsec_testing.inmemory import MemoryBus, in_memory
+
+from dsec_nodeagent.snapshots import NodeSnapshots
+
+pytestmark = pytest.mark.unit
+
+
+class _Work:
+    """Stand-in snapshot work: each request waits for ``release[name]``; ``owner`` says which
+    node each sandbox runs on (what its lifecycle would)."""
+
+    def __init__(self, owner: dict[str, str]) -> None:
+        self.owner = owner
+        self.inside: list[str] = []
+        self.release: dict[str, asyncio.Event] = {}
+        self.released = False
+
+    def release_all(self) -> None:
+        """Let every request end (a failed assertion must not leave the service's stop
+        waiting on them)."""
+        for name in list(self.inside):
+            self.release.setdefault(name, asyncio.Event()).set()
+        for event in self.release.values():
+            event.set()
+        self.released = True
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        work = self
+
+        async def on_requested(
+            self: SnapshotRequests, envelope: Envelope, event: events.SnapshotRequested
+        ) -> list[events.Payload]:
+            if work.owner[envelope.aggregate_id] != self.node_id:
+                return []
+            work.inside.append(event.name)
+            try:
+                if not work.released:
+                    await work.release.setdefault(event.name, asyncio.Event()).wait()
+            finally:
+                work.inside.remove(event.name)
+            return []
+
+        async def facts(self: SnapshotRequests, sandbox_id: str) -> tuple[None, str, list[Any]]:
+            return None, work.owner[sandbox_id], []
+
+        monkeypatch.setattr(SnapshotRequests, "on_requested", on_requested)
+        monkeypatch.setattr(SnapshotRequests, "facts", facts)
+
+
+def _service(tmp_path: Path, **settings: object) -> Service:
+    service = Service("nodeagent", Settings(home=tmp_path, node_id="a", **settings))  # type: ignore[arg-type]
+    NodeSnapshots(service)
+    return service
+
+
+async def _request(bus: MemoryBus, tenant: str, sid: str, name: str) -> Envelope:
+    user = await bus.producer("user", tenant=tenant)
+    sent = await user.publish(events.SnapshotRequested(name=name), aggregate_id=sid, tenant=tenant)
+    # (the in-memory broker delivers as it publishes: a handler taking one event at a time,
+    # as the node's snapshots were, would keep this waiting while one runs)
+    async with asyncio.timeout(5):
+        await bus.broker.publish(sent.sealed.wire, sent.sealed.subject, stream="DSEC_EVENTS")
+    return sent.sealed.envelope
+
+
+async def _until(check: Any, what: str) -> None:
+    async with asyncio.timeout(5):
+        while not check():
+            await asyncio.sleep(0.001)
+
+
+async def test_a_tenants_slow_snapshots_hold_no_other_tenants_snapshot_on_the_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    owner = {f"sbx_a{i}": "a" for i in range(6)} | {"sbx_b": "a"}
+    work = _Work(owner)
+    work.install(monkeypatch)
+    service = _service(tmp_path)
+    async with in_memory(service, run_hooks=False) as bus:
+        try:
+            for i in range(6):
+                await _request(bus, "acme", f"sbx_a{i}", f"acme-{i}")
+            await _request(bus, "beta", "sbx_b", "beta-0")
+            await _until(lambda: "beta-0" in work.inside, "beta's snapshot started")
+            acme = [n for n in work.inside if n.startswith("acme")]
+            assert len(acme) == 3  # acme runs its share, and leaves a worker to the others
+        finally:
+            work.release_all()
+        await service.settled()
+    assert work.inside == []
+
+
+async def test_another_nodes_request_over_its_tenants_bound_is_not_ended_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every node holds every request until it has read whose it is. With its tenant full
+    here, a request of a sandbox that runs on node b is acked without an end (b answers it);
+    one of a sandbox that runs here is ended at once, saying why and that it never started."""
+    work = _Work({"sbx_here": "a", "sbx_there": "b", "sbx_next": "a"})
+    work.install(monkeypatch)
+    service = _service(tmp_path, tenant_queue=1)
+    async with in_memory(service, run_hooks=False) as bus:
+        try:
+            await _request(bus, "acme", "sbx_here", "held")
+            await _until(lambda: work.inside == ["held"], "the held snapshot running")
+            there = await _request(bus, "acme", "sbx_there", "there")
+            full = await _request(bus, "acme", "sbx_next", "next")
+            await _until(lambda: bus.caused_by(full), "the full tenant's request ended")
+            assert bus.caused_by(there) == []
+            (failed,) = bus.caused_by(full)
+            assert failed.type == "snapshot.failed"
+            reason = failed.payload["reason"]
+            assert reason.startswith("nodeagent already holds 1 requests of tenant 'acme'"), reason
+            assert "this one was not started" in reason
+        finally:
+            work.release_all()
+        await service.settled()
+    assert bus.caused_by(there) == []
