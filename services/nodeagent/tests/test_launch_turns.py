@@ -17,7 +17,7 @@ from dsec_core import events, lifecycle
 from dsec_core.envelope import Envelope
 from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
-from dsec_testing.inmemory import MemoryBus, in_memory
+from dsec_testing.inmemory import MemoryBus, in_memory, until
 from dsec_testing.trust import ENV_BUILT
 
 from dsec_nodeagent.agent import NodeAgent, StartRefused
@@ -82,12 +82,6 @@ async def _schedule(bus: MemoryBus, sid: str, node: str, attempt: int) -> Envelo
     return sent.sealed.envelope
 
 
-async def _until(check: Any, what: str) -> None:
-    async with asyncio.timeout(5):
-        while not check():
-            await asyncio.sleep(0.001)
-
-
 async def test_two_placements_of_one_sandbox_on_a_node_start_one_at_a_time(
     tmp_path: Path,
 ) -> None:
@@ -100,14 +94,14 @@ async def test_two_placements_of_one_sandbox_on_a_node_start_one_at_a_time(
     service = _service(tmp_path, agent)
     async with in_memory(service, run_hooks=False) as bus:
         await _schedule(bus, "sbx_x", "a", 1)
-        await _until(lambda: inside == [1], "attempt 1 starting")
+        await until(lambda: inside == [1], "attempt 1 starting")
         placements["sbx_x"] = ("a", 2, "scheduled")  # lost, then placed here again
         await _schedule(bus, "sbx_x", "a", 2)
         for _ in range(50):
             await asyncio.sleep(0.001)
         assert inside == [1]  # not both
         agent.release[1].set()  # type: ignore[attr-defined]
-        await _until(lambda: inside == [2], "attempt 2 starts after attempt 1 ended")
+        await until(lambda: inside == [2], "attempt 2 starts after attempt 1 ended")
         assert "sbx_x" in agent._starting
         agent.release[2].set()  # type: ignore[attr-defined]
         await service.settled()
@@ -203,7 +197,7 @@ async def test_a_stop_ends_a_start_waiting_for_its_environment_and_the_one_behin
     service = _service(tmp_path, agent)
     async with in_memory(service, run_hooks=False) as bus:
         first = await _schedule(bus, "sbx_x", "a", 1)
-        await _until(lambda: launches == [1], "attempt 1 waits for its environment")
+        await until(lambda: launches == [1], "attempt 1 waits for its environment")
         placements["sbx_x"] = ("a", 2, "scheduled")
         second = await _schedule(bus, "sbx_x", "a", 2)  # waits for attempt 1's start
         async with asyncio.timeout(5):

@@ -18,7 +18,7 @@ from dsec_core.envelope import Envelope
 from dsec_core.service import Service
 from dsec_core.settings import Settings
 from dsec_snapstore.requests import SnapshotRequests
-from dsec_testing.inmemory import MemoryBus, in_memory
+from dsec_testing.inmemory import MemoryBus, in_memory, until
 
 from dsec_nodeagent.snapshots import NodeSnapshots
 
@@ -83,12 +83,6 @@ async def _request(bus: MemoryBus, tenant: str, sid: str, name: str) -> Envelope
     return sent.sealed.envelope
 
 
-async def _until(check: Any, what: str) -> None:
-    async with asyncio.timeout(5):
-        while not check():
-            await asyncio.sleep(0.001)
-
-
 async def test_a_tenants_slow_snapshots_hold_no_other_tenants_snapshot_on_the_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -101,7 +95,7 @@ async def test_a_tenants_slow_snapshots_hold_no_other_tenants_snapshot_on_the_no
             for i in range(6):
                 await _request(bus, "acme", f"sbx_a{i}", f"acme-{i}")
             await _request(bus, "beta", "sbx_b", "beta-0")
-            await _until(lambda: "beta-0" in work.inside, "beta's snapshot started")
+            await until(lambda: "beta-0" in work.inside, "beta's snapshot started")
             acme = [n for n in work.inside if n.startswith("acme")]
             assert len(acme) == 3  # acme runs its share, and leaves a worker to the others
         finally:
@@ -122,10 +116,10 @@ async def test_another_nodes_request_over_its_tenants_bound_is_not_ended_here(
     async with in_memory(service, run_hooks=False) as bus:
         try:
             await _request(bus, "acme", "sbx_here", "held")
-            await _until(lambda: work.inside == ["held"], "the held snapshot running")
+            await until(lambda: work.inside == ["held"], "the held snapshot running")
             there = await _request(bus, "acme", "sbx_there", "there")
             full = await _request(bus, "acme", "sbx_next", "next")
-            await _until(lambda: bus.caused_by(full), "the full tenant's request ended")
+            await until(lambda: bus.caused_by(full), "the full tenant's request ended")
             assert bus.caused_by(there) == []
             (failed,) = bus.caused_by(full)
             assert failed.type == "snapshot.failed"

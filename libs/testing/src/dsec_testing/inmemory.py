@@ -33,8 +33,9 @@ Use::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, cast
@@ -284,6 +285,16 @@ def _delivery(log: MemoryLog) -> Any:
         return 1, log.seq_of(msg.raw_message.data)
 
     return delivery
+
+
+async def until(check: Callable[[], object], what: str, timeout_s: float = 5.0) -> None:
+    """Wait for ``check()`` to be true (a loop turn at a time), or fail naming ``what``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not check():
+                await asyncio.sleep(0.001)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout_s} s: {what}") from None
 
 
 @contextlib.asynccontextmanager
