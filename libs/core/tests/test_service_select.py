@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from dsec_core.envelope import Envelope
 from dsec_core.events import SpecRejected, SpecSubmitted, SpecValidated
-from dsec_core.service import Service
+from dsec_core.service import RetryPolicy, Service
 from dsec_core.settings import Settings
 from dsec_testing.inmemory import MemoryBus, in_memory
 
@@ -191,6 +191,40 @@ async def test_a_spare_delivery_no_longer_this_instances_ends_nothing(tmp_path: 
         async with in_memory(service) as bus:
             delivery = service.delivery
             service.delivery = lambda msg, d=delivery: (22, d(msg)[1])  # past its 5 + 16 + 1
+            request = await _send(bus, "mine 0", 0)
+            await service.settled()
+            assert asked == ["mine 0"]
+            assert [e.type for e in bus.caused_by(request)] == ends
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+async def test_a_last_attempt_that_raised_ends_only_a_request_still_this_instances(
+    tmp_path: Path, workers: int
+) -> None:
+    """A node's handler failing on a request of a sandbox another node now runs (its lookup
+    failed every attempt) leaves it to that node; still this instance's, it is ended as
+    before."""
+    for answer, ends in ((False, []), (True, ["sandbox.failed"])):
+        service = Service("policy", Settings(home=tmp_path / str(answer)))
+        asked: list[str] = []
+
+        async def on_submitted(envelope: Envelope, event: SpecSubmitted) -> list[SpecRejected]:
+            raise ConnectionError("the sandbox's history could not be read")
+
+        async def confirm(
+            envelope: Envelope, event: SpecSubmitted, a: bool = answer, seen: list[str] = asked
+        ) -> bool:
+            seen.append(event.spec_yaml)
+            return a
+
+        service.handles(
+            SpecSubmitted,
+            answers=(SpecValidated, SpecRejected),
+            workers=workers,
+            retry=RetryPolicy(max_attempts=1),
+            confirm=confirm,
+        )(on_submitted)
+        async with in_memory(service) as bus:
             request = await _send(bus, "mine 0", 0)
             await service.settled()
             assert asked == ["mine 0"]

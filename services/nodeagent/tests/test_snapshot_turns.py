@@ -130,3 +130,53 @@ async def test_another_nodes_request_over_its_tenants_bound_is_not_ended_here(
             work.release_all()
         await service.settled()
     assert bus.caused_by(there) == []
+
+
+async def test_requests_of_one_sandbox_take_turns_and_other_sandboxes_run_beside_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two rollbacks of one sandbox on two workers each listed the tree, then both wrote it:
+    a tree that matched neither snapshot. One sandbox's snapshots and rollbacks now run one at
+    a time, in the order they came; another sandbox's beside them."""
+    inside: list[str] = []
+    seen: list[list[str]] = []
+    release: dict[str, asyncio.Event] = {}
+
+    async def restore(
+        self: SnapshotRequests, envelope: Envelope, name: str, facts: object
+    ) -> list[events.Payload]:
+        inside.append(name)
+        seen.append(sorted(inside))
+        try:
+            await release.setdefault(name, asyncio.Event()).wait()
+        finally:
+            inside.remove(name)
+        return []
+
+    async def facts(self: SnapshotRequests, sandbox_id: str) -> tuple[None, str, list[Any]]:
+        return None, "a", []  # both sandboxes run here
+
+    monkeypatch.setattr(SnapshotRequests, "facts", facts)
+    monkeypatch.setattr(SnapshotRequests, "_restore_requested", restore)
+    service = _service(tmp_path)
+    async with in_memory(service, run_hooks=False) as bus:
+        user = await bus.producer("user", tenant="acme")
+        try:
+            for sid, name in (("sbx_1", "first"), ("sbx_1", "second"), ("sbx_2", "other")):
+                sent = await user.publish(
+                    events.SnapshotRestoreRequested(snapshot=name), aggregate_id=sid, tenant="acme"
+                )
+                await bus.broker.publish(
+                    sent.sealed.wire, sent.sealed.subject, stream="DSEC_EVENTS"
+                )
+            await until(lambda: sorted(inside) == ["first", "other"], "sbx_1's first and sbx_2's")
+            for _ in range(20):
+                await asyncio.sleep(0.001)
+            assert "second" not in inside  # waits for sbx_1's first
+            release.setdefault("first", asyncio.Event()).set()
+            await until(lambda: "second" in inside, "sbx_1's second after its first")
+        finally:
+            for name in ("first", "second", "other"):
+                release.setdefault(name, asyncio.Event()).set()
+        await service.settled()
+    assert all(not {"first", "second"} <= set(at) for at in seen)

@@ -488,11 +488,11 @@ class Service:
         against no tenant's bound and no other node ends it. It must be cheap and must not
         block (it runs for every event of the type); one that raises selects the event, and
         the handler decides. ``confirm``: asked before the runtime itself ends a selected
-        event with the failure event, which the handler never saw (its tenant was full, or
-        every attempt crashed): whether it is still this instance's to end (a node agent:
-        the launch is still the sandbox's latest placement on this node, not a late copy of an
-        old one). False: acked without an end (the request it stood for ended, or another
-        node has it).
+        event with the failure event (its tenant was full, every attempt crashed, or the last
+        attempt raised): whether it is still this instance's to end (a node agent: the launch
+        is still the sandbox's latest placement on this node, not a late copy of an old one;
+        the snapshot's sandbox runs here). False: acked without an end (the request it stood
+        for ended, or another node has it).
         """
         model = model_for(event) if isinstance(event, str) else event  # fails fast on a typo
         for name, given in (("select", select), ("confirm", confirm)):
@@ -699,7 +699,7 @@ class Service:
             await self._publish_outputs(envelope, outputs)
         except Exception as exc:  # any handler error: retry, then a failure event
             heartbeat.cancel()  # (a beat after the NAK would hold it for ack_wait, not its delay)
-            return await self._on_failure(envelope, exc, attempt, h.policy, h.failure, msg)
+            return await self._on_failure(h, envelope, exc, attempt, msg)
         finally:
             heartbeat.cancel()
             HANDLING_SEQ.reset(token)
@@ -1126,16 +1126,11 @@ class Service:
             metrics.EVENTS_PUBLISHED.labels(self.name, out.payload.TYPE).inc()
 
     async def _on_failure(
-        self,
-        envelope: Envelope,
-        exc: Exception,
-        attempt: int,
-        policy: RetryPolicy,
-        failure: FailureEvents,
-        msg: NatsMessage,
+        self, h: _Handling, envelope: Envelope, exc: Exception, attempt: int, msg: NatsMessage
     ) -> float | None:
         labels = (self.name, envelope.type)
         reason = f"{type(exc).__name__}: {exc}"[:1000]
+        policy = h.policy
         if attempt < policy.max_attempts:
             metrics.HANDLER_FAILURES.labels(*labels, "false").inc()
             log.warning("%s: %s attempt %d failed: %s", self.name, envelope.id, attempt, reason)
@@ -1144,7 +1139,10 @@ class Service:
             return delay
         metrics.HANDLER_FAILURES.labels(*labels, "true").inc()
         log.error("%s: %s failed after %d attempts: %s", self.name, envelope.id, attempt, reason)
-        await self._publish_outputs(envelope, failure(envelope, reason, attempt))
+        # (a node's handler that failed on another node's request: that node ends it; not
+        # known: ended here, as a request must end)
+        if await self._confirmed(h, envelope) is not False:
+            await self._publish_outputs(envelope, h.failure(envelope, reason, attempt))
         await msg.ack_sync()
         return None
 

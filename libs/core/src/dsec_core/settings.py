@@ -191,8 +191,9 @@ class Settings(BaseSettings):
         ge=1,
         le=TENANT_QUEUE_MAX,
         description="Requests one tenant may have waiting or running at once at an instance of "
-        "a service's request handlers (policy, builder); the next is ended with its failure "
-        "event. At most 512, what an instance holds for all tenants",
+        "a service's request handlers (policy, builder, a node agent's launches, snapshots and "
+        "rollbacks); the next is ended with its failure event. At most 512, what an instance "
+        "holds for all tenants",
     )
 
     policy_event_burst: int = Field(

@@ -23,7 +23,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -128,6 +128,7 @@ class SnapshotRequests:
         # One snapshot at a time: a directory's stat cache is one file that concurrent creates
         # of the same tree (a request during a periodic snapshot) would both rewrite.
         self._create_lock = threading.Lock()
+        self._per_sandbox: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._pruner: asyncio.Task[None] | None = None
 
     @property
@@ -218,10 +219,32 @@ class SnapshotRequests:
 
     # --------------------------------------------------------------- create
 
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, sandbox_id: str) -> AsyncIterator[None]:
+        """One request of a sandbox at a time, in the order they came (snapshots and rollbacks
+        of one sandbox run on several workers: two rollbacks at once each listed the tree,
+        then both wrote it, leaving a tree that matched neither snapshot)."""
+        entry = self._per_sandbox.setdefault(sandbox_id, (asyncio.Lock(), [0]))
+        lock, users = entry
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._per_sandbox[sandbox_id]
+
     async def on_requested(
         self, envelope: Envelope, event: events.SnapshotRequested
     ) -> Sequence[events.Payload]:
         """Take the snapshot asked for, if this holder is the one to act."""
+        async with self._one_at_a_time(envelope.aggregate_id):
+            return await self._on_requested(envelope, event)
+
+    async def _on_requested(
+        self, envelope: Envelope, event: events.SnapshotRequested
+    ) -> Sequence[events.Payload]:
         sid = envelope.aggregate_id
         records = await self.history(sid)
         envelopes = [decode(data) for _, data in records]
@@ -362,6 +385,12 @@ class SnapshotRequests:
     ) -> Sequence[events.Payload]:
         """Roll a running sandbox's code back to a snapshot (the owning node), or say why
         not (the snapshot service, for a sandbox that runs nowhere)."""
+        async with self._one_at_a_time(envelope.aggregate_id):
+            return await self._on_restore_requested(envelope, event)
+
+    async def _on_restore_requested(
+        self, envelope: Envelope, event: events.SnapshotRestoreRequested
+    ) -> Sequence[events.Payload]:
         name = event.snapshot
         facts, owner, history = await self.facts(envelope.aggregate_id)
         if not self.mine(owner):

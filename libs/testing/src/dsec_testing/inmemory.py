@@ -325,4 +325,4 @@ async def in_memory(service: Service, *, run_hooks: bool = True) -> AsyncIterato
                 await hook()
 
 
-__all__ = ["MemoryBus", "MemoryKV", "MemoryLog", "in_memory", "subject_matches"]
+__all__ = ["MemoryBus", "MemoryKV", "MemoryLog", "in_memory", "subject_matches", "until"]

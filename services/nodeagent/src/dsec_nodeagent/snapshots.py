@@ -44,6 +44,7 @@ class NodeSnapshots:
             assert service.gate is not None
             return service.gate
 
+        self.gate = gate
         self.node_id = service.settings.node_id
         self.requests = SnapshotRequests(
             service.settings,
@@ -83,9 +84,14 @@ class NodeSnapshots:
         service.on_stop.append(self.requests.close)
 
     async def acts_for(self, envelope: Envelope, _request: object) -> bool:
-        """Whether this node acts for the request's sandbox now (its lifecycle says it runs
-        here); asked before the runtime ends a request the handler never saw."""
-        _, owner, _ = await self.requests.facts(envelope.aggregate_id)
+        """Whether this node acts for the request's sandbox now; asked before the runtime ends
+        a request the handler never saw. Read from the sandbox's lifecycle events alone (a few
+        per sandbox, each type bounded), not its whole history: a tenant's own requests and
+        their answers, which it can multiply, cost nothing here."""
+        state = await self.gate().lifecycle(envelope.aggregate_id)
+        if state.node_id is not None:  # placed by the scheduler: the fold says (acting_node)
+            return state.node_id == self.node_id and state.owned_by(self.node_id)
+        _, owner, _ = await self.requests.facts(envelope.aggregate_id)  # started without one
         return self.requests.mine(owner)
 
     def code_dir(self, sandbox_id: str) -> Path:
