@@ -7,6 +7,7 @@ import io
 import os
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -372,18 +373,24 @@ class _Held:
             self.left.set()
 
 
-async def _cancel_while_held(held: _Held, start: asyncio.Task[Any], unwind_s: float = 0) -> None:
-    """Cancel ``start`` while its thread is held, then let the thread finish its step.
-
-    ``unwind_s``: how long a start that does not wait for its thread is given to unwind (its
-    clean-up done) before the thread goes on; one that waits stays pending that long."""
+async def _cancel_while_held(held: _Held, start: asyncio.Task[Any]) -> None:
+    """Cancel ``start`` while its step's thread is held: the start ends at once (it does not
+    wait for a step it cannot stop); then let the thread finish its step."""
     await asyncio.to_thread(held.entered.wait, 30)
-    start.cancel()  # lands at once: the await it is in is cancelled now, the thread held
-    await asyncio.wait({start}, timeout=unwind_s)
-    held.go.set()
+    start.cancel()
+    done, _ = await asyncio.wait({start}, timeout=10)
+    assert start in done, "the cancelled start waited for its step's thread"
     with pytest.raises(asyncio.CancelledError):
         await start
+    held.go.set()
     assert await asyncio.to_thread(held.left.wait, 30)
+
+
+async def _eventually(check: Any, what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(check):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.integration
@@ -391,8 +398,9 @@ async def test_a_start_cancelled_while_vault_makes_its_token_leaves_no_token(
     injector: ContextInjector, vault: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The node agent's stop cancels a start whose secret read is under way in a thread: the
-    child token that read creates is revoked. Before, the cancel returned at once, the release
-    found no lease yet, and the token the thread then made lived on (renewable for 24x its TTL)."""
+    start ends at once, and the child token that read creates is revoked once it exists.
+    Before, the release ran at once and found no lease yet, and the token the thread then made
+    lived on (renewable for 24x its TTL)."""
     path = f"default/cancel/{uuid.uuid4().hex}"
     vault.client().secrets.kv.v2.create_or_update_secret(
         path=path, secret={"value": "v"}, mount_point="secret"
@@ -403,16 +411,20 @@ async def test_a_start_cancelled_while_vault_makes_its_token_leaves_no_token(
     before = set(vault.client().auth.token.list_accessors()["data"]["keys"])
     start = asyncio.create_task(injector.prepare("sbx-cancel-v", [_secret("K", path)], []))
     await _cancel_while_held(held, start)
-    after = set(vault.client().auth.token.list_accessors()["data"]["keys"])
-    assert after <= before
+
+    def no_new_token() -> bool:
+        return set(vault.client().auth.token.list_accessors()["data"]["keys"]) <= before
+
+    await _eventually(no_new_token, "the token the cancelled read made is revoked")
 
 
 @pytest.mark.integration
 async def test_a_start_cancelled_while_its_data_downloads_leaves_no_directory(
     injector: ContextInjector, s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Before, the release removed the context directory at the cancel while the download's
-    thread went on, and recreated it writing the prefix's files: left on the node for good."""
+    """The start ends at once; what the download writes is removed once it has ended. Before,
+    the release removed the context directory at the cancel while the download's thread went
+    on, and recreated it writing the prefix's files: left on the node for good."""
     prefix = f"cancel/{uuid.uuid4().hex}/"
     _put(s3, prefix + "sub/b.txt", b"beta")
     assert injector.s3 is not None
@@ -420,10 +432,13 @@ async def test_a_start_cancelled_while_its_data_downloads_leaves_no_directory(
     monkeypatch.setattr(injector.s3, "_fetch_all", held)
     mount = _s3_mount("/workspace/data", s3.bucket, prefix)
     start = asyncio.create_task(injector.prepare("sbx-cancel-s3", [], [mount]))
-    await _cancel_while_held(held, start, unwind_s=1.0)
-    assert not (tmp_path / "sandboxes" / "sbx-cancel-s3").exists() or not any(
-        (tmp_path / "sandboxes" / "sbx-cancel-s3").rglob("*")
-    )
+    await _cancel_while_held(held, start)
+    home = tmp_path / "sandboxes" / "sbx-cancel-s3"
+
+    def nothing_left() -> bool:
+        return not home.exists() or not any(home.rglob("*"))
+
+    await _eventually(nothing_left, "what the cancelled download wrote is removed")
 
 
 # ---------------------------------------------------------------- config maps

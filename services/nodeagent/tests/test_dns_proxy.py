@@ -8,6 +8,7 @@ Every address of the test zone is on loopback, so rules that must open them set
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import sys
 import time
@@ -27,6 +28,7 @@ import dns.rrset
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the fixture
+from _socket_testkit import listening_here
 from dns_zone_server import ZoneServer, start_test_dns
 
 from dsec_nodeagent.dns.policy import DnsBounds
@@ -323,6 +325,22 @@ async def test_a_serve_cancelled_while_it_binds_leaves_no_listener(
     while not port_free():
         assert time.monotonic() < deadline, "the cancelled serve's UDP listener still holds it"
         await asyncio.sleep(0.01)
+
+
+async def test_a_serve_cancelled_at_any_step_leaves_no_tcp_listener() -> None:
+    """asyncio drops a TCP server cancelled at its last step of starting, still listening: the
+    binding runs to its end, then every listener it made is closed."""
+    before = listening_here()
+    for turns in range(12):
+        p = DnsProxy(UpstreamClient("127.0.0.1", 9, timeout=0.2, attempts=1), RecordingSink())
+        serve = asyncio.create_task(p.serve(11, PLAN))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        serve.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serve
+        await p.close()
+        assert listening_here() == before, f"cancelled after {turns} turns"
 
 
 async def test_garbage_is_dropped_and_the_proxy_keeps_serving(

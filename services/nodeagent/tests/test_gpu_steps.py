@@ -24,9 +24,10 @@ from dsec_core import events
 from dsec_core.gpuhealth import ClusterConfig
 from dsec_core.settings import Settings
 
+from dsec_nodeagent import gpuenforce
 from dsec_nodeagent.gpuenforce import MpsServers
-from dsec_nodeagent.gpunode import GpuNode
-from dsec_nodeagent.gpuslice import DeviceInfo, MigProfile, ProcessUsage
+from dsec_nodeagent.gpunode import GpuNode, UnitGpu
+from dsec_nodeagent.gpuslice import DeviceInfo, GpuGrant, MigProfile, ProcessUsage, SlicePlan
 
 pytestmark = pytest.mark.unit
 GIB = 2**30
@@ -36,8 +37,10 @@ GIB = 2**30
 # as the real pipe's lock is.
 FAKE_CONTROL = """#!/bin/sh
 dir="$CUDA_MPS_PIPE_DIRECTORY/.."
+mode=$(cat "$dir/mode" 2>/dev/null)
 if [ "$1" = "-d" ]; then
   echo starting >> "$dir/calls"
+  [ "$mode" = hang ] && exec sleep 60
   sleep 0.1
   mkdir "$dir/daemon" 2>/dev/null || exit 1
   echo started >> "$dir/calls"
@@ -45,6 +48,7 @@ if [ "$1" = "-d" ]; then
 fi
 read cmd
 echo "$cmd" >> "$dir/calls"
+[ "$mode" = fail-quit ] && exit 1
 sleep 0.3
 [ "$cmd" = quit ] && rmdir "$dir/daemon"
 exit 0
@@ -119,6 +123,64 @@ async def test_a_start_cancelled_while_its_daemon_starts_leaves_it_known(tmp_pat
     assert not _daemon_runs(servers, "GPU-1") and servers.running == set()
 
 
+def _mode(servers: MpsServers, uuid: str, mode: str) -> None:
+    (servers.root / uuid).mkdir(parents=True, exist_ok=True)
+    (servers.root / uuid / "mode").write_text(mode)
+
+
+async def test_a_hung_control_program_is_killed_and_holds_the_gpu_no_longer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start or quit runs to its end even for a cancelled caller, and holds its GPU's lock:
+    one that hangs (a wedged driver) is killed after MPS_CONTROL_TIMEOUT_S, so the GPU's next
+    unit, and the node agent's stop, are not held for good."""
+    monkeypatch.setattr(gpuenforce, "MPS_CONTROL_TIMEOUT_S", 0.5)
+    servers = _servers(tmp_path)
+    _mode(servers, "GPU-0", "hang")
+    with pytest.raises(RuntimeError, match=r"did not end within 0\.5 s; killed"):
+        await servers.acquire("GPU-0", "sbx_a")
+    assert servers.users == {} and servers.running == set()
+    _mode(servers, "GPU-0", "")
+    async with asyncio.timeout(5):
+        await servers.acquire("GPU-0", "sbx_b")  # the lock is free again
+    assert _daemon_runs(servers, "GPU-0")
+    await servers.release("GPU-0", "sbx_b")
+
+
+async def test_a_quit_that_failed_leaves_the_daemon_known_and_used_again(tmp_path: Path) -> None:
+    servers = _servers(tmp_path)
+    await servers.acquire("GPU-0", "sbx_a")
+    _mode(servers, "GPU-0", "fail-quit")
+    with pytest.raises(RuntimeError, match="quit for GPU-0 exited 1"):
+        await servers.release("GPU-0", "sbx_a")
+    assert _daemon_runs(servers, "GPU-0") and servers.running == {"GPU-0"}
+    _mode(servers, "GPU-0", "")
+    await servers.acquire("GPU-0", "sbx_b")  # the daemon still running: no second -d
+    assert _calls(servers, "GPU-0").count("starting") == 1
+    await servers.release("GPU-0", "sbx_b")
+    assert not _daemon_runs(servers, "GPU-0") and servers.running == set()
+
+
+async def test_a_release_cancelled_while_it_waits_leaves_no_holder(tmp_path: Path) -> None:
+    """The node agent's stop may cancel a unit's release while another unit of its GPU holds
+    the GPU's lock: the release still ends, and the last unit's release quits the daemon."""
+    node = _gpu_node(tmp_path, MigNvml(), _servers(tmp_path))
+    servers = node.mps
+    await servers.acquire("GPU-0", "sbx_1")
+    node.units["sbx_1"] = UnitGpu("sbx_1", _mps_plan("GPU-0"))
+    waiting = asyncio.create_task(servers.acquire("GPU-0", "sbx_2"))  # holds nothing yet
+    async with servers._lock("GPU-0"):  # another unit's step holds the GPU
+        release = asyncio.create_task(node.release("sbx_1"))
+        await asyncio.sleep(0.01)
+        release.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await release
+    await waiting
+    assert servers.users == {"GPU-0": {"sbx_2"}}
+    await servers.release("GPU-0", "sbx_2")
+    assert servers.users == {} and not _daemon_runs(servers, "GPU-0")
+
+
 @dataclass
 class MigNvml:
     """One MIG-enabled GPU; creating an instance waits for the test."""
@@ -151,14 +213,15 @@ class MigNvml:
         pass
 
 
+@pytest.mark.parametrize("stop_first", [False, True])
 async def test_a_mig_instance_created_while_its_start_is_cancelled_is_destroyed(
-    tmp_path: Path,
+    tmp_path: Path, stop_first: bool
 ) -> None:
+    """NVML creates the instance while the cancel lands; ``stop_first``: the node agent's stop
+    has released every unit it knows meanwhile (what ``GpuNode.stop`` does), the start being
+    one it abandoned. Either way the start's unwind destroys the instance."""
     nvml = MigNvml()
-    node = GpuNode(
-        Settings(home=tmp_path, node_id="gpu-1"), _no_publish, lambda: None,  # type: ignore[arg-type, return-value]
-        backend=nvml, mps=MpsServers(tmp_path / "mps", binary=None),
-    )  # fmt: skip
+    node = _gpu_node(tmp_path, nvml, MpsServers(tmp_path / "mps", binary=None))
     node.config = ClusterConfig.of({"gpu.mig": "on"})
     placed = events.UnitPlaced(
         sandbox_id="sbx_1", unit="main", node_id="gpu-1", gpu_indices=[0], gpu_milli=100,
@@ -166,6 +229,9 @@ async def test_a_mig_instance_created_while_its_start_is_cancelled_is_destroyed(
     )  # fmt: skip
     start = asyncio.create_task(node.prepare("sbx_1", placed))
     await wait_until_async(nvml.creating.is_set, what="NVML creating the instance")
+    if stop_first:
+        for sid in list(node.units):
+            await node.release(sid)
     start.cancel()
     await asyncio.sleep(0)  # the cancel is delivered while NVML still works
     nvml.go.set()
@@ -177,3 +243,15 @@ async def test_a_mig_instance_created_while_its_start_is_cancelled_is_destroyed(
 
 async def _no_publish(*_: Any) -> None:
     raise AssertionError("nothing is published")
+
+
+def _gpu_node(tmp_path: Path, nvml: Any, servers: MpsServers) -> GpuNode:
+    return GpuNode(
+        Settings(home=tmp_path, node_id="gpu-1"), _no_publish, lambda: None,  # type: ignore[arg-type, return-value]
+        backend=nvml, mps=servers,
+    )  # fmt: skip
+
+
+def _mps_plan(uuid: str) -> SlicePlan:
+    grant = GpuGrant(index=0, uuid=uuid, minor=0, mode="mps", memory_quota_bytes=GIB)
+    return SlicePlan((grant,), 250)

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import http.server
 import json
-import os
 import shutil
 import socket
 import ssl
@@ -38,6 +37,7 @@ from dsec_nodeagent.tlsproxy import (
 
 sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach the harness
 from _nodeagent_harness import NodeAgentHarness
+from _socket_testkit import listening_here
 
 pytestmark = pytest.mark.integration
 
@@ -171,40 +171,29 @@ async def test_pipelined_requests_over_one_connection_are_counted_one_by_one(
     assert refused[0] == ("egress[0]", f"GET https://{HOST}/10")
 
 
-def _listening_here() -> set[int]:
-    """Socket inodes of this process that listen on TCP (IPv4)."""
-    ours = set()
-    for fd in Path("/proc/self/fd").iterdir():
-        with contextlib.suppress(OSError):
-            target = os.readlink(fd)
-            if target.startswith("socket:["):
-                ours.add(int(target[8:-1]))
-    listening = set()
-    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[3] == "0A":  # LISTEN
-            listening.add(int(fields[9]))
-    return ours & listening
-
-
-async def test_a_proxy_cancelled_at_any_step_of_its_start_leaves_no_listener(
-    tmp_path: Path,
+@pytest.mark.parametrize("how", ["cancelled", "closed"])
+async def test_a_proxy_cancelled_or_closed_at_any_step_of_its_start_leaves_no_listener(
+    tmp_path: Path, how: str
 ) -> None:
-    """The node agent's stop may cancel a start anywhere: wherever it lands in the proxy's
-    start, closing the proxy leaves nothing listening (before, a cancel at asyncio's last step
-    of binding left a listening socket nobody could close)."""
-    before = _listening_here()
+    """The node agent's stop may cancel a proxy's start, or close the proxy, anywhere in that
+    start: nothing is left listening (before, a cancel at asyncio's last step of binding left
+    a listening socket nobody could close, and a close during the start left the server the
+    start then made held by nobody)."""
+    before = listening_here()
     ca = CertAuthority("sbx-c", tmp_path)
     for turns in range(8):
         proxy = SandboxProxy("sbx-c", [_rule(1)], ca, lambda r, t: None)
         start = asyncio.create_task(proxy.start())
         for _ in range(turns):
             await asyncio.sleep(0)
-        start.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        if how == "cancelled":
+            start.cancel()
+        else:
+            await proxy.close()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
             await start
         await proxy.close()
-        assert _listening_here() == before, f"cancelled after {turns} turns"
+        assert listening_here() == before, f"{how} after {turns} turns"
 
 
 async def test_a_header_the_proxy_will_not_forward_is_a_400(

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
+
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -30,8 +33,9 @@ async def to_the_end(step: Awaitable[R]) -> R:
         while not work.done():  # every further cancellation too waits for the step
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait({work})
-        if not work.cancelled():
-            work.exception()  # collected: the caller is cancelled, its result is not wanted
+        if not work.cancelled() and (error := work.exception()) is not None:
+            # the caller is cancelled and its result is not wanted; its error is still told
+            log.warning("a step a cancel waited for failed: %s: %s", type(error).__name__, error)
         raise
 
 

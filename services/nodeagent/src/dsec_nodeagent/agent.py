@@ -45,7 +45,6 @@ from dsec_core.spec import EnforcementPlan
 from dsec_core.spec.plan import ResourceLimits
 from dsec_core.subjects import subject_for
 from dsec_core.text import bound
-from dsec_core.threads import to_thread_to_the_end
 from dsec_core.trust import Gate
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -434,9 +433,8 @@ class NodeAgent:
         dest = self._code_path(sandbox_id)
         if dest.exists():  # a redelivery after a crash: the bundle is immutable, reuse it
             return dest
-        try:  # to its end even for a cancelled start: its clean-up then removes the sandbox's
-            # directory with nothing still writing into it
-            await to_thread_to_the_end(extract_bundle, data, dest, max_size=max_size)
+        try:
+            await asyncio.to_thread(extract_bundle, data, dest, max_size=max_size)
         except BundleError as exc:
             raise StartRefused(f"code bundle unusable: {exc}") from None
         return dest

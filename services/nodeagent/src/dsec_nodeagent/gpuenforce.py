@@ -20,6 +20,7 @@ driver: the node agent calls them from a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import importlib
@@ -241,6 +242,10 @@ def mig_caps(minor: int, gi_id: int, ci_id: int, proc: Path = Path("/proc")) -> 
 # --------------------------------------------------------------------------- MPS
 
 
+MPS_CONTROL_TIMEOUT_S = 30.0
+"""The longest one run of the MPS control program (start or quit of a GPU's daemon) may take."""
+
+
 @dataclass
 class MpsServers:
     """One MPS control daemon per GPU uuid, counted by the units that use it.
@@ -278,26 +283,46 @@ class MpsServers:
     def _lock(self, uuid: str) -> asyncio.Lock:
         return self._locks.setdefault(uuid, asyncio.Lock())
 
-    async def _start(self, uuid: str) -> None:
+    async def _control(self, uuid: str, *args: str, say: bytes | None = None) -> int:
+        """Run the control program for ``uuid``'s daemon; its exit status. Bounded: one that
+        has not ended after :data:`MPS_CONTROL_TIMEOUT_S` is killed (RuntimeError), so a hung
+        driver never holds the GPU's lock, or a node agent's stop, for good."""
         assert self.binary is not None
+        proc = await asyncio.create_subprocess_exec(
+            self.binary, *args, env=self._env(uuid),
+            stdin=asyncio.subprocess.PIPE if say is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(MPS_CONTROL_TIMEOUT_S):
+                await proc.communicate(say)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            what = " ".join((MPS_CONTROL, *args)) + (f" ({say.decode().strip()})" if say else "")
+            raise RuntimeError(
+                f"{what} for {uuid} did not end within {MPS_CONTROL_TIMEOUT_S:g} s; killed"
+            ) from None
+        assert proc.returncode is not None
+        return proc.returncode
+
+    async def _start(self, uuid: str) -> None:
         for d in (self.pipe_dir(uuid), self.root / uuid / "log"):
             d.mkdir(parents=True, exist_ok=True)
             d.chmod(0o755)
-        proc = await asyncio.create_subprocess_exec(
-            self.binary, "-d", env=self._env(uuid), stdout=asyncio.subprocess.DEVNULL
-        )
-        if await proc.wait() != 0:
-            raise RuntimeError(f"{MPS_CONTROL} -d for {uuid} exited {proc.returncode}")
+        code = await self._control(uuid, "-d")
+        if code != 0:
+            raise RuntimeError(f"{MPS_CONTROL} -d for {uuid} exited {code}")
         self.running.add(uuid)
 
     async def _quit(self, uuid: str) -> None:
-        assert self.binary is not None
+        """Tell ``uuid``'s daemon to quit; it stays known as running unless that worked (the
+        next unit of the GPU then uses it instead of failing to start a second)."""
+        code = await self._control(uuid, say=b"quit\n")
+        if code != 0:
+            raise RuntimeError(f"{MPS_CONTROL} quit for {uuid} exited {code}")
         self.running.discard(uuid)
-        proc = await asyncio.create_subprocess_exec(
-            self.binary, env=self._env(uuid), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        await proc.communicate(b"quit\n")
 
     async def acquire(self, uuid: str, unit: str) -> Path:
         """The pipe directory of ``uuid``'s daemon (started when none runs for it)."""

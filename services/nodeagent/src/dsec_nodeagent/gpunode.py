@@ -215,7 +215,11 @@ class GpuNode:
                     caps = await asyncio.to_thread(mig_caps, grant.minor, gid, cid)
                     unit.plan = with_mig_instance(unit.plan, grant.index, mig_uuid, caps)
         except BaseException:
-            await self.release(sid)
+            # this unit's own record: the node agent's stop may have dropped it from ``units``
+            # meanwhile (a MIG instance NVML created after that would be kept by nobody)
+            if self.units.get(sid) is unit:
+                del self.units[sid]
+            await to_the_end(self._release_unit(sid, unit))
             raise
         shared = [g for g in plan.grants if g.mode != "whole"]
         if real and shared:  # a whole GPU has no neighbour to protect
@@ -266,18 +270,22 @@ class GpuNode:
         unit = self.units.pop(sid, None)
         if unit is None:
             return None
+        await to_the_end(self._release_unit(sid, unit))  # a cancel leaves no holder behind
+        return unit.stop_detail
+
+    async def _release_unit(self, sid: str, unit: UnitGpu) -> None:
         for grant in unit.plan.grants:
             if grant.mode == "mps":
                 try:
                     await self.mps.release(grant.uuid, sid)
                 except Exception:
                     log.exception("%s: MPS daemon of %s not stopped", sid, grant.uuid)
-        for gi, ci in unit.mig:
+        while unit.mig:  # each instance destroyed once, even if released twice
+            gi, ci = unit.mig.pop(0)
             try:
                 await asyncio.to_thread(self.backend.destroy_mig, gi, ci)
             except Exception:
                 log.exception("%s: MIG instance not destroyed", sid)
-        return unit.stop_detail
 
     # ------------------------------------------------------------------ the quota watch
 

@@ -256,11 +256,15 @@ class SandboxProxy:
         when cancelled at its last step, leaving the socket listening)."""
         await to_the_end(self._listen(host, port))
         assert self._server is not None
+        if self._closed:  # closed while it started (``_listen`` closed its server)
+            raise ConnectionError("the proxy was closed while it started")
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
     async def _listen(self, host: str, port: int) -> None:
         self._server = await asyncio.start_server(self._client, host, port, limit=HEAD_LIMIT)
+        if self._closed:  # close() ran while it started (it found no server to close)
+            self._server.close()
 
     async def close(self) -> None:
         """Stop listening and drop the open connections."""

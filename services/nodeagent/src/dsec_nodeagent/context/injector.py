@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsec_core.spec.plan import MountPlan, SecretInjection
-from dsec_core.threads import to_the_end
 from pydantic import SecretStr
 
 from dsec_nodeagent.context.configmap import ConfigMaps
@@ -77,6 +76,7 @@ class ContextInjector:
         self.vault = vault
         self.s3 = s3
         self.configmaps = configmaps
+        self._releasing: set[asyncio.Task[None]] = set()  # see _release_after
 
     async def prepare(
         self,
@@ -96,15 +96,41 @@ class ContextInjector:
             ContextError: naming the source that failed.
         """
         ctx = PreparedContext(sandbox_id, directory=self.root / sandbox_id / "context")
+        step: asyncio.Future[None] | None = None
         try:
             for secret in secrets:
-                await self._secret(ctx, secret, tenant, tenant_vault)
+                step = asyncio.ensure_future(self._secret(ctx, secret, tenant, tenant_vault))
+                await asyncio.shield(step)
             for index, mount in enumerate(mounts):
-                await self._mount(ctx, index, mount)
+                step = asyncio.ensure_future(self._mount(ctx, index, mount))
+                await asyncio.shield(step)
         except BaseException:
-            await self.release(ctx)
+            if step is not None and not step.done():
+                # Cancelled mid-step: the step's thread (a Vault read making a child token, a
+                # download writing into the context directory) cannot be stopped. The start
+                # ends now; what the step made is undone once it has ended (before, the release
+                # ran at once: the token was made after it, the directory written again).
+                self._release_after(step, ctx)
+            else:
+                await self.release(ctx)
             raise
         return ctx
+
+    def _release_after(self, step: asyncio.Future[None], ctx: PreparedContext) -> None:
+        async def release() -> None:
+            with contextlib.suppress(BaseException):
+                await step
+            try:
+                failed = await self.release(ctx)
+            except Exception:
+                log.exception("%s: context not released after a cancelled start", ctx.sandbox_id)
+                return
+            if failed:
+                log.warning("%s: leases not revoked (they expire): %s", ctx.sandbox_id, failed)
+
+        task = asyncio.create_task(release(), name=f"release-{ctx.sandbox_id}")
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _secret(
         self,
@@ -116,9 +142,8 @@ class ContextInjector:
         uri = vault_uri(secret.vault_mount, secret.vault_path, secret.key)
         if self.vault is None:
             raise ContextError(uri, "no Vault configured on this node (DSEC_VAULT_ADDR)")
-        value, lease = await to_the_end(
-            self._leased(ctx, secret, tenant, tenant_vault)
-        )  # a cancel waits for the read: its child token is in ctx.leases, revoked by release
+        # its child token is in ctx.leases as soon as it exists (revoked by any release)
+        value, lease = await self._leased(ctx, secret, tenant, tenant_vault)
         ctx.secret_env[secret.env_var] = SecretStr(value)
         ctx.records.append(
             InjectionRecord(
@@ -160,16 +185,12 @@ class ContextInjector:
                 raise ContextError(uri, "mode rw is not supported for s3 mounts; use ro")
             if self.s3 is None:
                 raise ContextError(uri, "no object store configured on this node")
-            # To its end even for a cancelled start: release then removes what it wrote (before,
-            # its threads went on writing into the directory release had just removed).
-            done = await to_the_end(
-                self.s3.materialize(
-                    mount.bucket or "",
-                    mount.prefix or "",
-                    dest,
-                    encrypted=mount.encrypted,
-                    cache_ttl_s=mount.cache_ttl_s,
-                )
+            done = await self.s3.materialize(
+                mount.bucket or "",
+                mount.prefix or "",
+                dest,
+                encrypted=mount.encrypted,
+                cache_ttl_s=mount.cache_ttl_s,
             )
             ctx.records.append(
                 InjectionRecord(
@@ -180,8 +201,8 @@ class ContextInjector:
             uri = f"configmap://{mount.configmap}/{mount.key}"
             if self.configmaps is None:
                 raise ContextError(uri, "no NATS configured on this node for config maps")
-            digest, size, _ = await to_the_end(
-                self.configmaps.materialize(mount.configmap or "", mount.key or "", dest)
+            digest, size, _ = await self.configmaps.materialize(
+                mount.configmap or "", mount.key or "", dest
             )
             ctx.records.append(
                 InjectionRecord(

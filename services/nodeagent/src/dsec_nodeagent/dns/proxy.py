@@ -33,6 +33,7 @@ import dns.rcode
 import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
+from dsec_core.threads import to_the_end
 from prometheus_client import Counter
 
 from dsec_nodeagent.dns.policy import (
@@ -245,8 +246,8 @@ class DnsProxy:
         )
         for attempt in range(20):
             want = port if attempt == 0 else 0
-            try:
-                await self._bind(sandbox, want)
+            try:  # (to its end: asyncio drops a server cancelled at its last step, bound)
+                await to_the_end(self._bind(sandbox, want))
             except BaseException as exc:  # a cancel too: the listeners bound so far are closed
                 await self._unbind(sandbox)
                 if not isinstance(exc, OSError) or exc.errno != errno.EADDRINUSE:
