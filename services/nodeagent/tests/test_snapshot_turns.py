@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from dsec_core import events
 from dsec_core.envelope import Envelope
-from dsec_core.service import Service
+from dsec_core.service import HANDLING_SEQ, Service
 from dsec_core.settings import Settings
 from dsec_snapstore.requests import SnapshotRequests
 from dsec_testing.inmemory import MemoryBus, in_memory, until
@@ -180,3 +180,40 @@ async def test_requests_of_one_sandbox_take_turns_and_other_sandboxes_run_beside
                 release.setdefault(name, asyncio.Event()).set()
         await service.settled()
     assert all(not {"first", "second"} <= set(at) for at in seen)
+
+
+async def test_whose_request_it_is_is_decided_where_it_is_in_the_log(tmp_path: Path) -> None:
+    """A request held in its tenant's queue while its sandbox exits: the snapshot service read
+    at once that node a had it, node a (reading later) found the sandbox running nowhere, and
+    neither answered. Both now decide from the log up to the request: node a acts, the snapshot
+    service does not (the real SnapshotRequests, gate and log)."""
+    service = _service(tmp_path)
+    async with in_memory(service, run_hooks=False) as bus:
+        sid = "sbx_x"
+        user = await bus.producer("user", tenant="acme")
+        await user.publish(events.SpecSubmitted(spec_yaml="x"), aggregate_id=sid, tenant="acme")
+        scheduler = await bus.producer("scheduler")
+        placed = events.SandboxScheduled(node_id="a", reason="test")
+        await scheduler.publish(placed, aggregate_id=sid, tenant="acme")
+        agent = await bus.producer("nodeagent", node_id="a")
+        ready = events.SandboxReady(node_id="a", pid=1, cgroup="x")
+        await agent.publish(ready, aggregate_id=sid, tenant="acme")
+        request = await user.publish(
+            events.SnapshotRequested(name="n1"), aggregate_id=sid, tenant="acme"
+        )
+        exited = events.SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+        await agent.publish(exited, aggregate_id=sid, tenant="acme")
+        assert service.gate is not None and service.nc is not None
+        nc, gate = service.nc, service.gate
+        on_node = SnapshotRequests(service.settings, nc.jetstream, lambda: gate, node_id="a")
+        central = SnapshotRequests(service.settings, nc.jetstream, lambda: gate, node_id=None)
+        _, now, _ = await on_node.facts(sid)
+        assert now is None  # as the log is now: it runs nowhere
+        token = HANDLING_SEQ.set(request.stream_seq)  # what the runtime sets while handling it
+        try:
+            _, then, _ = await on_node.facts(sid)
+            assert then == "a"  # node a acts for it (both read the same log prefix)
+            envelope = request.sealed.envelope
+            assert await central.on_requested(envelope, envelope.decoded()) == []
+        finally:
+            HANDLING_SEQ.reset(token)

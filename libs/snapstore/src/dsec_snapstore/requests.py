@@ -35,6 +35,7 @@ from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from dsec_core.ids import output_event_id
 from dsec_core.lifecycle import fold_envelopes
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
+from dsec_core.service import HANDLING_SEQ
 from dsec_core.settings import Settings
 from dsec_core.subjects import aggregate_filter
 from dsec_core.trust import Gate, unpack_fields
@@ -206,12 +207,12 @@ class SnapshotRequests:
         return kept
 
     async def facts(self, sandbox_id: str) -> tuple[SandboxFacts, str | None, list[Envelope]]:
-        """The sandbox's facts, the node acting for it now (``None``: none) and its history."""
+        """The sandbox's facts, the node acting for its request (``None``: none; see
+        :func:`_acting_for_request`) and its history."""
         records = await self.history(sandbox_id)
         envelopes = [decode(data) for _, data in records]
         facts = SandboxFacts.from_events(sandbox_id, envelopes)
-        owner = sandboxes.acting_node(fold_envelopes(envelopes), facts)
-        return facts, owner, envelopes
+        return facts, _acting_for_request(sandbox_id, records, envelopes, facts), envelopes
 
     def mine(self, owner: str | None) -> bool:
         """Whether this holder acts for a sandbox acted for by ``owner``."""
@@ -249,7 +250,7 @@ class SnapshotRequests:
         records = await self.history(sid)
         envelopes = [decode(data) for _, data in records]
         facts = SandboxFacts.from_events(sid, envelopes)
-        owner = sandboxes.acting_node(fold_envelopes(envelopes), facts)
+        owner = _acting_for_request(sid, records, envelopes, facts)
         if not self.mine(owner):
             log.debug("snapshot %s of %s: acted on by %s, skipped here", event.name, sid, owner)
             return []
@@ -517,6 +518,25 @@ class SnapshotRequests:
 
 
 _OPERATION = {"snapshot.requested": "create", "snapshot.restore_requested": "restore"}
+
+
+def _acting_for_request(
+    sandbox_id: str,
+    records: Sequence[tuple[int, bytes]],
+    envelopes: Sequence[Envelope],
+    facts: SandboxFacts,
+) -> str | None:
+    """The node that acts for the request being handled: the one acting for the sandbox where
+    the request is in the log (its stream position, ``HANDLING_SEQ``), so every holder of it
+    (each node agent, the snapshot service), whenever it reads, names the same one. Decided
+    from the log as it is now, a request held while its sandbox exited was skipped by the
+    snapshot service (it ran on a node then) and by that node (it ran nowhere by then): no
+    answer at all; the other way round, two. Outside a handler: the node acting now."""
+    upto = HANDLING_SEQ.get()
+    if upto is None or not records or records[-1][0] <= upto:
+        return sandboxes.acting_node(fold_envelopes(envelopes), facts)
+    then = [e for (seq, _), e in zip(records, envelopes, strict=True) if seq <= upto]
+    return sandboxes.acting_node(fold_envelopes(then), SandboxFacts.from_events(sandbox_id, then))
 
 
 def snapshot_failed(envelope: Envelope, reason: str, attempts: int) -> Sequence[events.Payload]:
