@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from dsec_core.envelope import Envelope
 from dsec_core.events import SpecRejected, SpecSubmitted, SpecValidated
-from dsec_core.service import RetryPolicy, Service
+from dsec_core.service import HANDLING_SEQ, RetryPolicy, Service
 from dsec_core.settings import Settings
 from dsec_testing.inmemory import MemoryBus, in_memory
 
@@ -129,6 +129,7 @@ def _confirmed_service(
 
     async def confirm(envelope: Envelope, event: SpecSubmitted) -> bool:
         asked.append(event.spec_yaml)
+        assert HANDLING_SEQ.get() is not None  # at the event's place in the log
         if answer is None:
             raise ConnectionError("NATS away")
         return answer
@@ -214,7 +215,7 @@ async def test_a_last_attempt_that_raised_ends_only_a_request_still_this_instanc
         async def confirm(
             envelope: Envelope, event: SpecSubmitted, a: bool = answer, seen: list[str] = asked
         ) -> bool:
-            seen.append(event.spec_yaml)
+            seen.append(f"{event.spec_yaml} at {HANDLING_SEQ.get()}")  # as its handler saw it
             return a
 
         service.handles(
@@ -227,7 +228,8 @@ async def test_a_last_attempt_that_raised_ends_only_a_request_still_this_instanc
         async with in_memory(service) as bus:
             request = await _send(bus, "mine 0", 0)
             await service.settled()
-            assert asked == ["mine 0"]
+            seq = next(n for n, subject, _ in bus.log.records if subject == request.subject)
+            assert asked == [f"mine 0 at {seq}"]
             assert [e.type for e in bus.caused_by(request)] == ends
 
 

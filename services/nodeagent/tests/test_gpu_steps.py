@@ -41,6 +41,7 @@ mode=$(cat "$dir/mode" 2>/dev/null)
 if [ "$1" = "-d" ]; then
   echo starting >> "$dir/calls"
   [ "$mode" = hang ] && exec sleep 60
+  [ "$mode" = started-then-hang ] && mkdir "$dir/daemon" && exec sleep 60
   sleep 0.1
   mkdir "$dir/daemon" 2>/dev/null || exit 1
   echo started >> "$dir/calls"
@@ -128,37 +129,58 @@ def _mode(servers: MpsServers, uuid: str, mode: str) -> None:
     (servers.root / uuid / "mode").write_text(mode)
 
 
+@pytest.mark.parametrize("mode", ["hang", "started-then-hang"])
 async def test_a_hung_control_program_is_killed_and_holds_the_gpu_no_longer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     """A start or quit runs to its end even for a cancelled caller, and holds its GPU's lock:
     one that hangs (a wedged driver) is killed after MPS_CONTROL_TIMEOUT_S, so the GPU's next
-    unit, and the node agent's stop, are not held for good."""
+    unit, and the node agent's stop, are not held for good. One killed after its daemon had
+    started leaves a daemon the node does not know: the next start quits it and starts anew."""
     monkeypatch.setattr(gpuenforce, "MPS_CONTROL_TIMEOUT_S", 0.5)
     servers = _servers(tmp_path)
-    _mode(servers, "GPU-0", "hang")
+    _mode(servers, "GPU-0", mode)
     with pytest.raises(RuntimeError, match=r"did not end within 0\.5 s; killed"):
         await servers.acquire("GPU-0", "sbx_a")
     assert servers.users == {} and servers.running == set()
     _mode(servers, "GPU-0", "")
     async with asyncio.timeout(5):
         await servers.acquire("GPU-0", "sbx_b")  # the lock is free again
-    assert _daemon_runs(servers, "GPU-0")
+    assert _daemon_runs(servers, "GPU-0") and servers.users == {"GPU-0": {"sbx_b"}}
     await servers.release("GPU-0", "sbx_b")
+    assert not _daemon_runs(servers, "GPU-0")
 
 
-async def test_a_quit_that_failed_leaves_the_daemon_known_and_used_again(tmp_path: Path) -> None:
+async def test_a_daemon_left_by_a_failed_quit_is_replaced_by_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """A quit that fails most often means the daemon died (a unit would get a dead pipe if it
+    were still counted as running); one that is in fact still there makes the next ``-d``
+    fail, so the next start quits it and starts a fresh one. The node agent's stop logs a
+    failing quit and goes on (``GpuNode.stop`` closes NVML whatever happens)."""
     servers = _servers(tmp_path)
     await servers.acquire("GPU-0", "sbx_a")
     _mode(servers, "GPU-0", "fail-quit")
     with pytest.raises(RuntimeError, match="quit for GPU-0 exited 1"):
         await servers.release("GPU-0", "sbx_a")
-    assert _daemon_runs(servers, "GPU-0") and servers.running == {"GPU-0"}
+    assert _daemon_runs(servers, "GPU-0") and servers.running == set()
     _mode(servers, "GPU-0", "")
-    await servers.acquire("GPU-0", "sbx_b")  # the daemon still running: no second -d
-    assert _calls(servers, "GPU-0").count("starting") == 1
+    await servers.acquire("GPU-0", "sbx_b")
+    assert _calls(servers, "GPU-0") == [
+        "starting", "started", "quit", "starting", "quit", "starting", "started",
+    ]  # fmt: skip
+    assert servers.users == {"GPU-0": {"sbx_b"}} and _daemon_runs(servers, "GPU-0")
+
+    closed: list[bool] = []
+    node = _gpu_node(tmp_path, MigNvml(), servers)
+    node.backend.close = lambda: closed.append(True)  # type: ignore[method-assign]
     await servers.release("GPU-0", "sbx_b")
-    assert not _daemon_runs(servers, "GPU-0") and servers.running == set()
+    await servers.acquire("GPU-1", "sbx_c")
+    await servers.acquire("GPU-0", "sbx_d")
+    servers.users.clear()  # both unheld at the stop: close() quits them
+    _mode(servers, "GPU-0", "fail-quit")
+    await node.stop()
+    assert closed == [True] and not _daemon_runs(servers, "GPU-1")
 
 
 async def test_a_release_cancelled_while_it_waits_leaves_no_holder(tmp_path: Path) -> None:

@@ -68,9 +68,12 @@ class _Work:
 
 
 def _service(tmp_path: Path, **settings: object) -> Service:
+    return _wired(tmp_path, **settings)[0]
+
+
+def _wired(tmp_path: Path, **settings: object) -> tuple[Service, NodeSnapshots]:
     service = Service("nodeagent", Settings(home=tmp_path, node_id="a", **settings))  # type: ignore[arg-type]
-    NodeSnapshots(service)
-    return service
+    return service, NodeSnapshots(service)
 
 
 async def _request(bus: MemoryBus, tenant: str, sid: str, name: str) -> Envelope:
@@ -186,8 +189,9 @@ async def test_whose_request_it_is_is_decided_where_it_is_in_the_log(tmp_path: P
     """A request held in its tenant's queue while its sandbox exits: the snapshot service read
     at once that node a had it, node a (reading later) found the sandbox running nowhere, and
     neither answered. Both now decide from the log up to the request: node a acts, the snapshot
-    service does not (the real SnapshotRequests, gate and log)."""
-    service = _service(tmp_path)
+    service does not, and node a's check before the runtime ends the request itself agrees
+    (the real SnapshotRequests, NodeSnapshots, gate and log)."""
+    service, snapshots = _wired(tmp_path)
     async with in_memory(service, run_hooks=False) as bus:
         sid = "sbx_x"
         user = await bus.producer("user", tenant="acme")
@@ -215,5 +219,6 @@ async def test_whose_request_it_is_is_decided_where_it_is_in_the_log(tmp_path: P
             assert then == "a"  # node a acts for it (both read the same log prefix)
             envelope = request.sealed.envelope
             assert await central.on_requested(envelope, envelope.decoded()) == []
+            assert await snapshots.acts_for(envelope, envelope.decoded())
         finally:
             HANDLING_SEQ.reset(token)

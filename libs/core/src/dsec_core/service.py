@@ -658,14 +658,18 @@ class Service:
         """The handler crashed the process (or outran ack_wait) on every attempt: this spare
         delivery only ends the request, it does not run the handler again."""
         _, stream_seq = self.delivery(msg)
-        if await self._confirmed(h, envelope) is not False:  # (not known: ended, as before)
+        if await self._confirmed(h, envelope, stream_seq) is not False:  # (not known: ended)
             await self._end_unfinished(envelope, stream_seq, attempt - 1, h.failure, h.answers)
         await msg.ack_sync()
 
-    async def _confirmed(self, h: _Handling, envelope: Envelope) -> bool | None:
-        """``confirm``'s answer (True without one); ``None`` when it failed (logged)."""
+    async def _confirmed(self, h: _Handling, envelope: Envelope, stream_seq: int) -> bool | None:
+        """``confirm``'s answer (True without one); ``None`` when it failed (logged). It is
+        asked with ``HANDLING_SEQ`` at the event's stream position, as its handler would be:
+        both decide from the same log (a handler deciding whose a request is where it is in
+        the log, and ``confirm`` from the log as it is now, could both say "not mine")."""
         if h.confirm is None:
             return True
+        token = HANDLING_SEQ.set(stream_seq)
         try:
             return bool(await h.confirm(envelope, envelope.decoded()))
         except Exception as exc:
@@ -678,6 +682,8 @@ class Service:
                 exc,
             )
             return None
+        finally:
+            HANDLING_SEQ.reset(token)
 
     async def _handle(
         self,
@@ -834,7 +840,7 @@ class Service:
                 held.heartbeat.cancel()
                 fair.held.pop(seq, None)
                 try:
-                    still = await self._confirmed(h, envelope)
+                    still = await self._confirmed(h, envelope, seq)
                     if still is None:  # not known now: asked again when it comes back
                         await held.msg.nack(delay=h.policy.delay(1))
                     elif not still:  # a late copy of what is no longer this instance's
@@ -1141,7 +1147,7 @@ class Service:
         log.error("%s: %s failed after %d attempts: %s", self.name, envelope.id, attempt, reason)
         # (a node's handler that failed on another node's request: that node ends it; not
         # known: ended here, as a request must end)
-        if await self._confirmed(h, envelope) is not False:
+        if await self._confirmed(h, envelope, self.delivery(msg)[1]) is not False:
             await self._publish_outputs(envelope, h.failure(envelope, reason, attempt))
         await msg.ack_sync()
         return None

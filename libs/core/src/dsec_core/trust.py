@@ -453,13 +453,18 @@ class Gate:
         _remember(self._moves, sandbox_id, (read, found, ids))
         return found
 
-    async def lifecycle(self, sandbox_id: str, limit: int = 256) -> Lifecycle:
+    async def lifecycle(
+        self, sandbox_id: str, limit: int = 256, *, upto: int | None = None
+    ) -> Lifecycle:
         """The sandbox's state: the fold of its authentic lifecycle events in log order (each
-        lifecycle type's subject read directly; forged or unauthorized ones are skipped)."""
+        lifecycle type's subject read directly; forged or unauthorized ones are skipped).
+        ``upto``: its state as of that stream position (the events logged after it left out)."""
         found: list[tuple[int, Envelope]] = []
         for event_type in sorted(LIFECYCLE_TYPES):
             subject = subject_for(event_type, sandbox_id)
             async for seq, data in scan_seq(self._js, subject, limit):
+                if upto is not None and seq > upto:
+                    break  # (oldest first: the rest are later too)
                 envelope = await self.authentic(data, stream_seq=seq)
                 if envelope is not None and envelope.subject == subject:
                     found.append((seq, envelope))

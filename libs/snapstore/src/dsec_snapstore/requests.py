@@ -222,9 +222,11 @@ class SnapshotRequests:
 
     @contextlib.asynccontextmanager
     async def _one_at_a_time(self, sandbox_id: str) -> AsyncIterator[None]:
-        """One request of a sandbox at a time, in the order they came (snapshots and rollbacks
-        of one sandbox run on several workers: two rollbacks at once each listed the tree,
-        then both wrote it, leaving a tree that matched neither snapshot)."""
+        """One request of a sandbox acted on here at a time (snapshots, rollbacks and a start
+        from a snapshot read or write one code dir, on several workers: two rollbacks at once
+        each listed the tree, then both wrote it, leaving a tree that matched neither
+        snapshot). First come, first served among those waiting; that is the order workers
+        reach it, close to but not always the log's (a retried request comes back later)."""
         entry = self._per_sandbox.setdefault(sandbox_id, (asyncio.Lock(), [0]))
         lock, users = entry
         users[0] += 1
@@ -240,12 +242,6 @@ class SnapshotRequests:
         self, envelope: Envelope, event: events.SnapshotRequested
     ) -> Sequence[events.Payload]:
         """Take the snapshot asked for, if this holder is the one to act."""
-        async with self._one_at_a_time(envelope.aggregate_id):
-            return await self._on_requested(envelope, event)
-
-    async def _on_requested(
-        self, envelope: Envelope, event: events.SnapshotRequested
-    ) -> Sequence[events.Payload]:
         sid = envelope.aggregate_id
         records = await self.history(sid)
         envelopes = [decode(data) for _, data in records]
@@ -254,6 +250,18 @@ class SnapshotRequests:
         if not self.mine(owner):
             log.debug("snapshot %s of %s: acted on by %s, skipped here", event.name, sid, owner)
             return []
+        async with self._one_at_a_time(sid):
+            return await self._take(envelope, event, records, envelopes, facts)
+
+    async def _take(
+        self,
+        envelope: Envelope,
+        event: events.SnapshotRequested,
+        records: list[tuple[int, bytes]],
+        envelopes: list[Envelope],
+        facts: SandboxFacts,
+    ) -> Sequence[events.Payload]:
+        sid = envelope.aggregate_id
         if _answered(envelope, envelopes, events.SnapshotTaken, events.SnapshotFailed):
             return []  # delivered again after its answer (the snapshot may be deleted since)
         started = time.perf_counter()
@@ -386,22 +394,17 @@ class SnapshotRequests:
     ) -> Sequence[events.Payload]:
         """Roll a running sandbox's code back to a snapshot (the owning node), or say why
         not (the snapshot service, for a sandbox that runs nowhere)."""
-        async with self._one_at_a_time(envelope.aggregate_id):
-            return await self._on_restore_requested(envelope, event)
-
-    async def _on_restore_requested(
-        self, envelope: Envelope, event: events.SnapshotRestoreRequested
-    ) -> Sequence[events.Payload]:
         name = event.snapshot
         facts, owner, history = await self.facts(envelope.aggregate_id)
         if not self.mine(owner):
             return []
-        if _answered(envelope, history, events.SnapshotRestored, events.SnapshotFailed):
-            return []  # delivered again after its answer: the rollback is not done twice
-        started = time.perf_counter()
-        return metrics.answered(
-            "restore", started, await self._restore_requested(envelope, name, facts)
-        )
+        async with self._one_at_a_time(envelope.aggregate_id):
+            if _answered(envelope, history, events.SnapshotRestored, events.SnapshotFailed):
+                return []  # delivered again after its answer: the rollback is not done twice
+            started = time.perf_counter()
+            return metrics.answered(
+                "restore", started, await self._restore_requested(envelope, name, facts)
+            )
 
     async def _restore_requested(
         self, envelope: Envelope, name: str, facts: SandboxFacts
@@ -483,7 +486,10 @@ class SnapshotRequests:
         checked against the snapshot). Raises :class:`Refused` with the reason."""
         started = time.perf_counter()
         try:
-            restored = await self._restore_for_start(sandbox_id, name, tenant, code_dir, max_size)
+            async with self._one_at_a_time(sandbox_id):  # (a rollback of an older placement)
+                restored = await self._restore_for_start(
+                    sandbox_id, name, tenant, code_dir, max_size
+                )
         except Refused:
             metrics.observe("start", started, "failed")
             raise

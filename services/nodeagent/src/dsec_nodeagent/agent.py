@@ -325,6 +325,7 @@ class NodeAgent:
         ``sandbox.exited`` published, before the node agent exits."""
         if self._retention is not None:
             self._retention.cancel()
+        await self.injector.close()  # what starts cancelled mid-step made: released first
         stop = retention.down_marker(self.home).exists()
         await self._end_restarts(stopping=stop)
         if stop:

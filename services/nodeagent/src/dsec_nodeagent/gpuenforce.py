@@ -257,6 +257,8 @@ class MpsServers:
     start and quit runs to its end even when its caller is cancelled, so the two never disagree:
     a daemon started for an acquire cancelled meanwhile is used by the next acquire, or told
     ``quit`` by the next release that leaves it no holder (:meth:`close` at the node's stop).
+    One it does not know of (a failed quit, a start killed past its timeout) is quit by the
+    GPU's next start.
     """
 
     root: Path
@@ -313,16 +315,25 @@ class MpsServers:
             d.chmod(0o755)
         code = await self._control(uuid, "-d")
         if code != 0:
-            raise RuntimeError(f"{MPS_CONTROL} -d for {uuid} exited {code}")
+            # A daemon this node agent does not know may hold the pipe directory (one whose
+            # quit failed, one started by a start killed past its timeout, one left by an
+            # earlier node agent): told to quit, then started once more.
+            log.warning("%s -d for %s exited %d: quitting one left there", MPS_CONTROL, uuid, code)
+            with contextlib.suppress(RuntimeError):
+                await self._control(uuid, say=b"quit\n")
+            code = await self._control(uuid, "-d")
+            if code != 0:
+                raise RuntimeError(f"{MPS_CONTROL} -d for {uuid} exited {code}")
         self.running.add(uuid)
 
     async def _quit(self, uuid: str) -> None:
-        """Tell ``uuid``'s daemon to quit; it stays known as running unless that worked (the
-        next unit of the GPU then uses it instead of failing to start a second)."""
+        """Tell ``uuid``'s daemon to quit. It is no longer counted as running either way: a
+        quit that failed most often means the daemon had died; one still there is quit by the
+        next start of the GPU's daemon (see :meth:`_start`)."""
+        self.running.discard(uuid)
         code = await self._control(uuid, say=b"quit\n")
         if code != 0:
             raise RuntimeError(f"{MPS_CONTROL} quit for {uuid} exited {code}")
-        self.running.discard(uuid)
 
     async def acquire(self, uuid: str, unit: str) -> Path:
         """The pipe directory of ``uuid``'s daemon (started when none runs for it)."""
@@ -348,11 +359,15 @@ class MpsServers:
                 await to_the_end(self._quit(uuid))
 
     async def close(self) -> None:
-        """Quit every daemon no unit holds (one an acquire cancelled mid-start left running)."""
+        """Quit every daemon no unit holds (one an acquire cancelled mid-start left running);
+        a quit that fails is logged and the others still go."""
         for uuid in sorted(self.running):
             async with self._lock(uuid):
                 if not self.users.get(uuid) and uuid in self.running:
-                    await to_the_end(self._quit(uuid))
+                    try:
+                        await to_the_end(self._quit(uuid))
+                    except RuntimeError as exc:
+                        log.warning("mps: %s", exc)
 
 
 # --------------------------------------------------------------------------- device cgroup

@@ -143,11 +143,13 @@ class GpuNode:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for sid in list(self.units):
-            await self.release(sid)
-        await self.mps.close()
-        if self.backend is not None:
-            await asyncio.to_thread(self.backend.close)
+        try:
+            for sid in list(self.units):
+                await self.release(sid)
+            await self.mps.close()
+        finally:  # (the node agent's other stop hooks run after this one)
+            if self.backend is not None:
+                await asyncio.to_thread(self.backend.close)
 
     async def refresh_config(self) -> ClusterConfig:
         """The latest authentic ``cluster.config_set`` (kept when the bus is away)."""

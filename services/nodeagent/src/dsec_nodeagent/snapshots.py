@@ -17,7 +17,7 @@ from pathlib import Path
 from dsec_core import events
 from dsec_core.envelope import Envelope
 from dsec_core.layout import NodeLayout
-from dsec_core.service import RetryPolicy, Service
+from dsec_core.service import HANDLING_SEQ, RetryPolicy, Service
 from dsec_core.trust import Gate
 from dsec_snapstore.requests import Refused, SnapshotRequests, snapshot_failed
 from nats.js import JetStreamContext
@@ -88,7 +88,9 @@ class NodeSnapshots:
         a request the handler never saw. Read from the sandbox's lifecycle events alone (a few
         per sandbox, each type bounded), not its whole history: a tenant's own requests and
         their answers, which it can multiply, cost nothing here."""
-        state = await self.gate().lifecycle(envelope.aggregate_id)
+        # as of the request's place in the log, as the handlers decide (HANDLING_SEQ: set by
+        # the runtime while it asks)
+        state = await self.gate().lifecycle(envelope.aggregate_id, upto=HANDLING_SEQ.get())
         if state.node_id is not None:  # placed by the scheduler: the fold says (acting_node)
             return state.node_id == self.node_id and state.owned_by(self.node_id)
         _, owner, _ = await self.requests.facts(envelope.aggregate_id)  # started without one

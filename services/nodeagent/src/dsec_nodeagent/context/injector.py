@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 RENEW_FRACTION = 0.5
 """Renew a lease when this fraction of its TTL has passed."""
 
+RELEASE_WAIT_S = 10.0
+"""How long a stopping node agent waits for the releases of starts it cancelled mid-step."""
+
 
 @dataclass
 class PreparedContext:
@@ -76,7 +79,7 @@ class ContextInjector:
         self.vault = vault
         self.s3 = s3
         self.configmaps = configmaps
-        self._releasing: set[asyncio.Task[None]] = set()  # see _release_after
+        self._releasing: dict[str, asyncio.Task[None]] = {}  # sandbox -> _release_after's
 
     async def prepare(
         self,
@@ -95,6 +98,9 @@ class ContextInjector:
         Raises:
             ContextError: naming the source that failed.
         """
+        pending = self._releasing.get(sandbox_id)
+        if pending is not None:  # an earlier start's release: it removes this very directory
+            await asyncio.shield(pending)
         ctx = PreparedContext(sandbox_id, directory=self.root / sandbox_id / "context")
         step: asyncio.Future[None] | None = None
         try:
@@ -128,9 +134,30 @@ class ContextInjector:
             if failed:
                 log.warning("%s: leases not revoked (they expire): %s", ctx.sandbox_id, failed)
 
-        task = asyncio.create_task(release(), name=f"release-{ctx.sandbox_id}")
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
+        sid = ctx.sandbox_id
+        task = asyncio.create_task(release(), name=f"release-{sid}")
+        self._releasing[sid] = task
+        task.add_done_callback(lambda t: self._forget_release(sid, t))
+
+    def _forget_release(self, sid: str, task: asyncio.Task[None]) -> None:
+        if self._releasing.get(sid) is task:
+            del self._releasing[sid]
+
+    async def close(self, timeout_s: float = RELEASE_WAIT_S) -> None:
+        """The node agent stops: wait (at most ``timeout_s``) for the releases of starts its
+        stop cancelled mid-step, so their tokens are revoked and their files removed before the
+        process ends (the tasks would be cancelled at its end, the threads' work left)."""
+        pending = list(self._releasing.values())
+        if not pending:
+            return
+        _, late = await asyncio.wait(pending, timeout=timeout_s)
+        for task in late:
+            log.warning(
+                "%s: its cancelled start's step still runs after %.0f s: its lease, if any, "
+                "expires at its TTL; its files go with the sandbox's directory (retention)",
+                task.get_name().removeprefix("release-"),
+                timeout_s,
+            )
 
     async def _secret(
         self,
