@@ -32,18 +32,20 @@ from dsec_nodeagent.gpuslice import DeviceInfo, GpuGrant, MigProfile, ProcessUsa
 pytestmark = pytest.mark.unit
 GIB = 2**30
 
-# The real control program refuses a second daemon on one pipe directory; ``quit`` ends it a
-# while after it is read (longer than a start takes). ``mkdir`` makes "is one running" atomic,
-# as the real pipe's lock is.
+# The real control program refuses a second daemon on one pipe directory, where it creates its
+# ``control`` pipe; ``quit`` ends it a while after it is read (longer than a start takes).
+# ``mkdir`` makes "is one running" atomic, as the real pipe's lock is.
 FAKE_CONTROL = """#!/bin/sh
 dir="$CUDA_MPS_PIPE_DIRECTORY/.."
 mode=$(cat "$dir/mode" 2>/dev/null)
 if [ "$1" = "-d" ]; then
   echo starting >> "$dir/calls"
   [ "$mode" = hang ] && exec sleep 60
-  [ "$mode" = started-then-hang ] && mkdir "$dir/daemon" && exec sleep 60
+  pipe="$CUDA_MPS_PIPE_DIRECTORY/control"
+  [ "$mode" = started-then-hang ] && mkdir "$dir/daemon" && touch "$pipe" && exec sleep 60
   sleep 0.1
   mkdir "$dir/daemon" 2>/dev/null || exit 1
+  touch "$pipe"
   echo started >> "$dir/calls"
   exit 0
 fi
@@ -51,7 +53,7 @@ read cmd
 echo "$cmd" >> "$dir/calls"
 [ "$mode" = fail-quit ] && exit 1
 sleep 0.3
-[ "$cmd" = quit ] && rmdir "$dir/daemon"
+[ "$cmd" = quit ] && rmdir "$dir/daemon" && rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
 exit 0
 """
 
@@ -136,7 +138,7 @@ async def test_a_hung_control_program_is_killed_and_holds_the_gpu_no_longer(
     """A start or quit runs to its end even for a cancelled caller, and holds its GPU's lock:
     one that hangs (a wedged driver) is killed after MPS_CONTROL_TIMEOUT_S, so the GPU's next
     unit, and the node agent's stop, are not held for good. One killed after its daemon had
-    started leaves a daemon the node does not know: the next start quits it and starts anew."""
+    started leaves a daemon the node does not know: the next unit uses it."""
     monkeypatch.setattr(gpuenforce, "MPS_CONTROL_TIMEOUT_S", 0.5)
     servers = _servers(tmp_path)
     _mode(servers, "GPU-0", mode)
@@ -151,12 +153,11 @@ async def test_a_hung_control_program_is_killed_and_holds_the_gpu_no_longer(
     assert not _daemon_runs(servers, "GPU-0")
 
 
-async def test_a_daemon_left_by_a_failed_quit_is_replaced_by_the_next_start(
-    tmp_path: Path,
-) -> None:
+async def test_a_daemon_the_node_did_not_start_is_used_never_quit(tmp_path: Path) -> None:
     """A quit that fails most often means the daemon died (a unit would get a dead pipe if it
-    were still counted as running); one that is in fact still there makes the next ``-d``
-    fail, so the next start quits it and starts a fresh one. The node agent's stop logs a
+    were still counted as running); one that is in fact still there, or one an earlier node
+    agent left serving the sandboxes it re-adopted, makes the next ``-d`` fail: the next unit
+    uses it, and nothing tells it to quit under its clients. The node agent's stop logs a
     failing quit and goes on (``GpuNode.stop`` closes NVML whatever happens)."""
     servers = _servers(tmp_path)
     await servers.acquire("GPU-0", "sbx_a")
@@ -166,10 +167,14 @@ async def test_a_daemon_left_by_a_failed_quit_is_replaced_by_the_next_start(
     assert _daemon_runs(servers, "GPU-0") and servers.running == set()
     _mode(servers, "GPU-0", "")
     await servers.acquire("GPU-0", "sbx_b")
-    assert _calls(servers, "GPU-0") == [
-        "starting", "started", "quit", "starting", "quit", "starting", "started",
-    ]  # fmt: skip
+    assert _calls(servers, "GPU-0") == ["starting", "started", "quit", "starting"]
     assert servers.users == {"GPU-0": {"sbx_b"}} and _daemon_runs(servers, "GPU-0")
+
+    earlier = _servers(tmp_path)  # a node agent restarted: it knows of no daemon
+    await earlier.acquire("GPU-0", "sbx_readopted")
+    # its -d failed, and the daemon serving the GPU was used, not told to quit
+    assert _calls(earlier, "GPU-0") == ["starting", "started", "quit", "starting", "starting"]
+    assert _daemon_runs(earlier, "GPU-0")
 
     closed: list[bool] = []
     node = _gpu_node(tmp_path, MigNvml(), servers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from dsec_core import events
@@ -140,14 +140,18 @@ async def test_requests_of_one_sandbox_take_turns_and_other_sandboxes_run_beside
 ) -> None:
     """Two rollbacks of one sandbox on two workers each listed the tree, then both wrote it:
     a tree that matched neither snapshot. One sandbox's snapshots and rollbacks now run one at
-    a time, in the order they came; another sandbox's beside them."""
+    a time, in the order they came; another sandbox's beside them. The one that waited acts on
+    the sandbox's facts as they are once its turn came, not as they were before it waited."""
     inside: list[str] = []
     seen: list[list[str]] = []
     release: dict[str, asyncio.Event] = {}
+    reads = [0]
+    acted_on: dict[str, int] = {}
 
     async def restore(
         self: SnapshotRequests, envelope: Envelope, name: str, facts: object
     ) -> list[events.Payload]:
+        acted_on[name] = cast(int, facts)
         inside.append(name)
         seen.append(sorted(inside))
         try:
@@ -156,8 +160,9 @@ async def test_requests_of_one_sandbox_take_turns_and_other_sandboxes_run_beside
             inside.remove(name)
         return []
 
-    async def facts(self: SnapshotRequests, sandbox_id: str) -> tuple[None, str, list[Any]]:
-        return None, "a", []  # both sandboxes run here
+    async def facts(self: SnapshotRequests, sandbox_id: str) -> tuple[int, str, list[Any]]:
+        reads[0] += 1
+        return reads[0], "a", []  # both sandboxes run here; which read it was
 
     monkeypatch.setattr(SnapshotRequests, "facts", facts)
     monkeypatch.setattr(SnapshotRequests, "_restore_requested", restore)
@@ -176,8 +181,10 @@ async def test_requests_of_one_sandbox_take_turns_and_other_sandboxes_run_beside
             for _ in range(20):
                 await asyncio.sleep(0.001)
             assert "second" not in inside  # waits for sbx_1's first
+            before_its_turn = reads[0]
             release.setdefault("first", asyncio.Event()).set()
             await until(lambda: "second" in inside, "sbx_1's second after its first")
+            assert acted_on["second"] > before_its_turn  # read again once its turn came
         finally:
             for name in ("first", "second", "other"):
                 release.setdefault(name, asyncio.Event()).set()

@@ -202,7 +202,9 @@ class SnapshotRequests:
                 continue
             if envelope.aggregate_id != sandbox_id:  # another sandbox's event copied here
                 continue
-            if await self.gate().check(fields, envelope) is None:
+            # (at its position: an event signed before its key was revoked still counts, as
+            # Gate.lifecycle counts it)
+            if await self.gate().check(fields, envelope, stream_seq=seq) is None:
                 kept.append((seq, data))
         return kept
 
@@ -251,17 +253,16 @@ class SnapshotRequests:
             log.debug("snapshot %s of %s: acted on by %s, skipped here", event.name, sid, owner)
             return []
         async with self._one_at_a_time(sid):
-            return await self._take(envelope, event, records, envelopes, facts)
+            return await self._take(envelope, event)
 
     async def _take(
-        self,
-        envelope: Envelope,
-        event: events.SnapshotRequested,
-        records: list[tuple[int, bytes]],
-        envelopes: list[Envelope],
-        facts: SandboxFacts,
+        self, envelope: Envelope, event: events.SnapshotRequested
     ) -> Sequence[events.Payload]:
+        # read again once its turn came: what it waited behind may have taken minutes
         sid = envelope.aggregate_id
+        records = await self.history(sid)
+        envelopes = [decode(data) for _, data in records]
+        facts = SandboxFacts.from_events(sid, envelopes)
         if _answered(envelope, envelopes, events.SnapshotTaken, events.SnapshotFailed):
             return []  # delivered again after its answer (the snapshot may be deleted since)
         started = time.perf_counter()
@@ -395,10 +396,11 @@ class SnapshotRequests:
         """Roll a running sandbox's code back to a snapshot (the owning node), or say why
         not (the snapshot service, for a sandbox that runs nowhere)."""
         name = event.snapshot
-        facts, owner, history = await self.facts(envelope.aggregate_id)
+        _, owner, _ = await self.facts(envelope.aggregate_id)
         if not self.mine(owner):
             return []
         async with self._one_at_a_time(envelope.aggregate_id):
+            facts, _, history = await self.facts(envelope.aggregate_id)  # once its turn came
             if _answered(envelope, history, events.SnapshotRestored, events.SnapshotFailed):
                 return []  # delivered again after its answer: the rollback is not done twice
             started = time.perf_counter()

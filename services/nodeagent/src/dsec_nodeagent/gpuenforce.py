@@ -257,8 +257,8 @@ class MpsServers:
     start and quit runs to its end even when its caller is cancelled, so the two never disagree:
     a daemon started for an acquire cancelled meanwhile is used by the next acquire, or told
     ``quit`` by the next release that leaves it no holder (:meth:`close` at the node's stop).
-    One it does not know of (a failed quit, a start killed past its timeout) is quit by the
-    GPU's next start.
+    One it does not know of (left by an earlier node agent, a failed quit, a start killed past
+    its timeout) is used by the GPU's next unit, never quit by it.
     """
 
     root: Path
@@ -315,21 +315,31 @@ class MpsServers:
             d.chmod(0o755)
         code = await self._control(uuid, "-d")
         if code != 0:
-            # A daemon this node agent does not know may hold the pipe directory (one whose
-            # quit failed, one started by a start killed past its timeout, one left by an
-            # earlier node agent): told to quit, then started once more.
-            log.warning("%s -d for %s exited %d: quitting one left there", MPS_CONTROL, uuid, code)
-            with contextlib.suppress(RuntimeError):
-                await self._control(uuid, say=b"quit\n")
-            code = await self._control(uuid, "-d")
-            if code != 0:
+            if not self._serving(uuid):
                 raise RuntimeError(f"{MPS_CONTROL} -d for {uuid} exited {code}")
+            # A daemon this node agent did not start serves the GPU already: one an earlier
+            # node agent left to the sandboxes it re-adopted, one whose quit failed, one a
+            # start killed past its timeout had started. It is used, never told to quit here
+            # (re-adopted sandboxes may be its clients).
+            log.warning("mps: a daemon already serves %s (-d exited %d): using it", uuid, code)
         self.running.add(uuid)
+
+    def _serving(self, uuid: str) -> bool:
+        """Whether a control daemon listens on ``uuid``'s pipe directory (its ``control``
+        pipe, which it creates, and its pid file naming a live process when there is one)."""
+        pipes = self.pipe_dir(uuid)
+        if not (pipes / "control").exists():
+            return False
+        try:
+            pid = int((pipes / "nvidia-cuda-mps-control.pid").read_text().strip())
+        except (OSError, ValueError):
+            return True  # no pid file to check: the pipe says
+        return Path(f"/proc/{pid}").exists()
 
     async def _quit(self, uuid: str) -> None:
         """Tell ``uuid``'s daemon to quit. It is no longer counted as running either way: a
-        quit that failed most often means the daemon had died; one still there is quit by the
-        next start of the GPU's daemon (see :meth:`_start`)."""
+        quit that failed most often means the daemon had died; one still there is used by the
+        GPU's next unit (see :meth:`_start`)."""
         self.running.discard(uuid)
         code = await self._control(uuid, say=b"quit\n")
         if code != 0:

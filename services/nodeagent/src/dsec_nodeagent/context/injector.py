@@ -100,6 +100,7 @@ class ContextInjector:
         """
         pending = self._releasing.get(sandbox_id)
         if pending is not None:  # an earlier start's release: it removes this very directory
+            log.info("%s: waiting for an earlier start's context to be released", sandbox_id)
             await asyncio.shield(pending)
         ctx = PreparedContext(sandbox_id, directory=self.root / sandbox_id / "context")
         step: asyncio.Future[None] | None = None
@@ -123,7 +124,12 @@ class ContextInjector:
         return ctx
 
     def _release_after(self, step: asyncio.Future[None], ctx: PreparedContext) -> None:
+        earlier = self._releasing.get(ctx.sandbox_id)  # (two starts of it cancelled: chained)
+
         async def release() -> None:
+            if earlier is not None:
+                with contextlib.suppress(BaseException):
+                    await earlier
             with contextlib.suppress(BaseException):
                 await step
             try:
