@@ -91,9 +91,10 @@ def test_an_answer_already_there_wins_over_the_notice(pair: Pair, notices: Any) 
     pair.caller.watch_moves(ours.fileno(), Script(lk.MOVED), _never)
     # Written while the caller sleeps, just before the notice: the old server answered the call
     # before its final checkpoint.
-    _later(0.05, lambda: (pair.server.respond(2, 1, b"answer"), broker.send(b"notice")))
+    sender = _later(0.05, lambda: (pair.server.respond(2, 1, b"answer"), broker.send(b"notice")))
     assert pair.caller.wait_response(time.perf_counter_ns() + 30 * SECOND)
     assert pair.caller.responses.try_read(bytes) == (2, 1, b"answer")
+    sender.join()  # (the wait ends at the answer: the notice is sent before the sockets close)
 
 
 def test_another_thread_reading_the_connection_pauses_the_watch_not_the_wait(
