@@ -208,12 +208,18 @@ class SnapshotRequests:
                 kept.append((seq, data))
         return kept
 
+    async def _read(
+        self, sandbox_id: str
+    ) -> tuple[list[tuple[int, bytes]], list[Envelope], SandboxFacts]:
+        """The sandbox's authentic history (stream positions and bytes, decoded) and its facts."""
+        records = await self.history(sandbox_id)
+        envelopes = [decode(data) for _, data in records]
+        return records, envelopes, SandboxFacts.from_events(sandbox_id, envelopes)
+
     async def facts(self, sandbox_id: str) -> tuple[SandboxFacts, str | None, list[Envelope]]:
         """The sandbox's facts, the node acting for its request (``None``: none; see
         :func:`_acting_for_request`) and its history."""
-        records = await self.history(sandbox_id)
-        envelopes = [decode(data) for _, data in records]
-        facts = SandboxFacts.from_events(sandbox_id, envelopes)
+        records, envelopes, facts = await self._read(sandbox_id)
         return facts, _acting_for_request(sandbox_id, records, envelopes, facts), envelopes
 
     def mine(self, owner: str | None) -> bool:
@@ -245,10 +251,7 @@ class SnapshotRequests:
     ) -> Sequence[events.Payload]:
         """Take the snapshot asked for, if this holder is the one to act."""
         sid = envelope.aggregate_id
-        records = await self.history(sid)
-        envelopes = [decode(data) for _, data in records]
-        facts = SandboxFacts.from_events(sid, envelopes)
-        owner = _acting_for_request(sid, records, envelopes, facts)
+        _, owner, _ = await self.facts(sid)
         if not self.mine(owner):
             log.debug("snapshot %s of %s: acted on by %s, skipped here", event.name, sid, owner)
             return []
@@ -260,9 +263,7 @@ class SnapshotRequests:
     ) -> Sequence[events.Payload]:
         # read again once its turn came: what it waited behind may have taken minutes
         sid = envelope.aggregate_id
-        records = await self.history(sid)
-        envelopes = [decode(data) for _, data in records]
-        facts = SandboxFacts.from_events(sid, envelopes)
+        records, envelopes, facts = await self._read(sid)
         if _answered(envelope, envelopes, events.SnapshotTaken, events.SnapshotFailed):
             return []  # delivered again after its answer (the snapshot may be deleted since)
         started = time.perf_counter()

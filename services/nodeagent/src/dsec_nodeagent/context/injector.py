@@ -175,8 +175,16 @@ class ContextInjector:
         uri = vault_uri(secret.vault_mount, secret.vault_path, secret.key)
         if self.vault is None:
             raise ContextError(uri, "no Vault configured on this node (DSEC_VAULT_ADDR)")
-        # its child token is in ctx.leases as soon as it exists (revoked by any release)
-        value, lease = await self._leased(ctx, secret, tenant, tenant_vault)
+        value, lease = await self.vault.read(
+            secret.vault_mount,
+            secret.vault_path,
+            secret.key,
+            secret.ttl_s,
+            ctx.sandbox_id,
+            tenant=tenant,
+            prefixes=tenant_vault,
+        )
+        ctx.leases.append(lease)
         ctx.secret_env[secret.env_var] = SecretStr(value)
         ctx.records.append(
             InjectionRecord(
@@ -188,26 +196,6 @@ class ContextInjector:
                 ttl_s=float(lease.ttl_s),
             )
         )
-
-    async def _leased(
-        self,
-        ctx: PreparedContext,
-        secret: SecretInjection,
-        tenant: str,
-        tenant_vault: Sequence[str],
-    ) -> tuple[str, Lease]:
-        assert self.vault is not None
-        value, lease = await self.vault.read(
-            secret.vault_mount,
-            secret.vault_path,
-            secret.key,
-            secret.ttl_s,
-            ctx.sandbox_id,
-            tenant=tenant,
-            prefixes=tenant_vault,
-        )
-        ctx.leases.append(lease)
-        return value, lease
 
     async def _mount(self, ctx: PreparedContext, index: int, mount: MountPlan) -> None:
         assert ctx.directory is not None
