@@ -9,6 +9,7 @@ zygote leaking into a sandbox.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import marshal
 import mmap
@@ -757,6 +758,52 @@ async def test_a_launch_cancelled_midway_leaves_nothing_and_its_uid_was_reserved
         assert not (shared / "ran").exists()
         result = await run_to_end(manager, snippet_config("zyg-next", "print('ok')\n", tmp_path))
         assert Path(result.stdout_path).read_text() == "ok\n"
+
+
+def _pidfds() -> int:
+    """How many pidfds this process holds."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own fd)
+            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+    return count
+
+
+async def test_a_launch_cancelled_while_it_waits_for_its_ready_signal_keeps_no_pidfd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled after the zygote handed the sandbox's supervisor over (the node agent holds its
+    pidfd) and before the workload's execve: the launch cleans up as a failed one, and the node
+    agent keeps no pidfd of the killed supervisor (one leaked fd per cancelled launch)."""
+    from dsec_nodeagent.sandbox import manager as manager_module
+
+    reading = asyncio.Event()
+
+    async def no_ready_signal(fd: int, timeout_s: float) -> object:
+        reading.set()
+        try:
+            await asyncio.Event().wait()  # until cancelled
+        finally:
+            os.close(fd)
+        raise AssertionError("not reached")
+
+    config = snippet_config("zyg-cancel-reports", "print('never')\n", tmp_path)
+    async with managed(tmp_path / "home") as manager:
+        assert manager.zygote is not None
+        # a launch first: the node at its steady state (a shell forked ahead holds a pidfd)
+        await run_to_end(manager, snippet_config("zyg-steady", "print('ok')\n", tmp_path))
+        await manager.settle()
+        before = _pidfds()
+        monkeypatch.setattr(manager_module, "_read_reports", no_ready_signal)
+        launch = asyncio.ensure_future(manager.launch(config))
+        await asyncio.wait_for(reading.wait(), 60)
+        launch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await launch
+        await manager.settle()
+        assert manager.states.read("zyg-cancel-reports") is None
+        assert not manager._planned_cgroup(config).v2_dir.exists()
+        assert _pidfds() == before
 
 
 async def test_purging_a_sandbox_whose_launch_is_under_way_is_refused(

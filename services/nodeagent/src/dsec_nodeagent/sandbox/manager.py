@@ -830,7 +830,12 @@ class SandboxManager:
         finally:
             if go_w >= 0:
                 os.close(go_w)
-        records, ready_ns = await _read_reports(report_r, START_TIMEOUT_S)
+        try:
+            records, ready_ns = await _read_reports(report_r, START_TIMEOUT_S)
+        except BaseException:  # no ready signal in time, or cancelled: the launch's clean-up
+            if pidfd is not None:  # kills the cgroup; no one waits on the supervisor's pidfd
+                os.close(pidfd)
+            raise
         errors = [r for r in records if "error" in r]
         init_pid = next((r["init_pid"] for r in records if "init_pid" in r), None)
         if errors or init_pid is None or not any(r.get("stage") == "exec" for r in records):
