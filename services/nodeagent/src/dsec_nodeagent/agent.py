@@ -45,6 +45,7 @@ from dsec_core.spec import EnforcementPlan
 from dsec_core.spec.plan import ResourceLimits
 from dsec_core.subjects import subject_for
 from dsec_core.text import bound
+from dsec_core.threads import to_the_end
 from dsec_core.trust import Gate
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -552,6 +553,11 @@ class NodeAgent:
     async def _undo_start(self, sid: str) -> None:
         """Forget a start that ended before it launched, and detach the egress it attached."""
         self._attempts.pop(sid, None)
+        await self._detach_unstarted(sid)
+
+    async def _detach_unstarted(self, sid: str) -> None:
+        """The rules and egress programs a start that did not launch attached (its launch's
+        hook ran before the launch failed, or was cancelled)."""
         self._rules.pop(sid, None)
         if self._on_stopped is not None:
             await self._on_stopped(sid)
@@ -926,7 +932,9 @@ class NodeAgent:
         """The sandbox now runs on another node: its copy here ends without any event (as a
         fenced copy does) and is not restarted."""
         self._fenced.add(sid)
-        self._launched.pop(sid, None)
+        launched = self._launched.pop(sid, None)
+        if launched is not None:  # not restarted; the keeper forgets it at its exit
+            self._adopted_plans[sid] = launched.plan
 
     async def stage_migrated(self, sid: str) -> tuple[Envelope, asyncio.Task[Staged]]:
         """Path ``handover``, on the target, while the source still serves: the sandbox's
@@ -948,7 +956,15 @@ class NodeAgent:
         the switch; its tool servers register as standbys). Its events (``sandbox.ready``,
         ``context.injected``) are not published: the sandbox is not starting, it moves
         (``unit.migrated`` says so)."""
-        outputs = await self._launch(sid, staging, built_env, standby=True)
+        try:
+            outputs = await self._launch(sid, staging, built_env, standby=True)
+        except BaseException:
+            if not self.manager.busy(sid):  # nothing of it runs here: its egress goes too
+                try:
+                    await to_the_end(self._detach_unstarted(sid))
+                except Exception:
+                    log.exception("%s: detaching the failed standby's egress failed", sid)
+            raise
         log.info("%s: started here for a migration (%d start events kept back)", sid, len(outputs))
 
     async def attach_restored(self, sid: str, cgroup_dir: Path, cgroup_id: int) -> None:
