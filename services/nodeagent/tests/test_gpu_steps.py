@@ -282,3 +282,166 @@ def _gpu_node(tmp_path: Path, nvml: Any, servers: MpsServers) -> GpuNode:
 def _mps_plan(uuid: str) -> SlicePlan:
     grant = GpuGrant(index=0, uuid=uuid, minor=0, mode="mps", memory_quota_bytes=GIB)
     return SlicePlan((grant,), 250)
+
+
+# --------------------------------------------------------------------------- a restart
+
+
+@dataclass
+class TwoGpus:
+    """GPU 0 MIG-enabled, GPU 1 shared by MPS; NVML finds an instance again by its ids."""
+
+    created: list[tuple[int, int]] = field(default_factory=list)
+    destroyed: list[tuple[int, int]] = field(default_factory=list)
+    found: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def devices(self) -> list[DeviceInfo]:
+        profile = MigProfile(profile_id=19, name="1g.10gb", slices=1, memory_bytes=10 * GIB, free=7)
+        return [
+            DeviceInfo(0, "GPU-0", 0, 80 * GIB, True, True, (profile,)),
+            DeviceInfo(1, "GPU-1", 1, 80 * GIB),
+        ]
+
+    def processes(self) -> list[ProcessUsage]:
+        return []
+
+    def create_mig(self, index: int, profile: MigProfile) -> tuple[str, Any, Any]:
+        gi = 7 + len(self.created)
+        self.created.append((gi, 0))
+        return f"MIG-{gi}", ("gi", gi), ("ci", gi, 0)
+
+    def mig_ids(self, gi: Any, ci: Any) -> tuple[int, int]:
+        return gi[1], ci[2]
+
+    def mig_by_ids(self, index: int, gi_id: int, ci_id: int) -> tuple[Any, Any]:
+        self.found.append((index, gi_id, ci_id))
+        return ("gi", gi_id), ("ci", gi_id, ci_id)
+
+    def destroy_mig(self, gi: Any, ci: Any) -> None:
+        self.destroyed.append((gi[1], ci[2]))
+
+    def close(self) -> None:
+        pass
+
+
+def _placed(sid: str, index: int, milli: int) -> events.UnitPlaced:
+    return events.UnitPlaced(
+        sandbox_id=sid, unit="main", node_id="gpu-1", gpu_indices=[index], gpu_milli=milli,
+        policy="dsec",
+    )  # fmt: skip
+
+
+def _cgroup(tmp_path: Path, sid: str, running: bool) -> Path:
+    """A unit's cgroup as ``GpuNode`` reads it (its ``cgroup.procs``)."""
+    cgroup = tmp_path / "cgroup" / sid
+    cgroup.mkdir(parents=True, exist_ok=True)
+    (cgroup / "cgroup.procs").write_text("4242\n" if running else "")
+    return cgroup
+
+
+async def _node_with_units(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nvml: TwoGpus
+) -> GpuNode:
+    """A node agent's GPU side with two running units (one MIG, one MPS) and one whose start
+    prepared its slice and never launched."""
+    monkeypatch.setattr("dsec_nodeagent.gpunode.attach_device_guard", lambda *_: None)
+    node = _gpu_node(tmp_path, nvml, _servers(tmp_path))
+    node.config = ClusterConfig.of({"gpu.mig": "on", "gpu.mps": "on"})
+    await node.prepare("sbx_mig", _placed("sbx_mig", 0, 100))
+    await node.prepare("sbx_mps", _placed("sbx_mps", 1, 250))
+    await node.prepare("sbx_unlaunched", _placed("sbx_unlaunched", 1, 250))
+    for sid in ("sbx_mig", "sbx_mps"):
+        await node.attach(sid, _cgroup(tmp_path, sid, running=True))
+    return node
+
+
+def _restarted(tmp_path: Path, nvml: TwoGpus) -> GpuNode:
+    """The next node agent's GPU side: same home, nothing in memory."""
+    node = _gpu_node(tmp_path, nvml, _servers(tmp_path))
+    node.config = ClusterConfig.of({"gpu.mig": "on", "gpu.mps": "on"})
+    return node
+
+
+async def test_a_unit_that_outlives_its_node_agent_keeps_its_slice_and_the_next_takes_it_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plain restart (the node agent stops, its sandboxes run on): before, its stop released
+    every unit, telling the MPS daemon to quit and destroying the MIG instance under units that
+    went on running, and the next node agent knew of neither. Now the running units keep them,
+    and the next node agent watches their memory and undoes their slices at their exit."""
+    nvml = TwoGpus()
+    node = await _node_with_units(tmp_path, monkeypatch, nvml)
+    servers = node.mps
+    await node.stop()
+    # the start that never launched is undone; the running units keep their slices
+    assert nvml.destroyed == [] and _daemon_runs(servers, "GPU-1")
+    assert "quit" not in _calls(servers, "GPU-1")
+    assert sorted(p.name for p in node.records.iterdir()) == ["sbx_mig.json", "sbx_mps.json"]
+
+    after = _restarted(tmp_path, nvml)
+    assert sorted(await after.readopt()) == ["sbx_mig", "sbx_mps"]
+    assert nvml.found == [(0, 7, 0)]
+    assert after.mps.users == {"GPU-1": {"sbx_mps"}} and after.mps.running == {"GPU-1"}
+    mig = after.units["sbx_mig"]
+    assert mig.plan.env["CUDA_VISIBLE_DEVICES"] == "MIG-7" and mig.watch is not None
+    assert after.units["sbx_mps"].cgroup_dir == tmp_path / "cgroup" / "sbx_mps"
+
+    await after.release("sbx_mps")  # its exit: the daemon's last unit
+    assert _calls(after.mps, "GPU-1")[-1] == "quit" and not _daemon_runs(after.mps, "GPU-1")
+    await after.release("sbx_mig")
+    assert nvml.destroyed == [(7, 0)]
+    assert list(after.records.iterdir()) == []
+
+
+async def test_a_unit_that_ended_while_no_node_agent_ran_has_its_slice_undone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml = TwoGpus()
+    node = await _node_with_units(tmp_path, monkeypatch, nvml)
+    await node.stop()
+    for sid in ("sbx_mig", "sbx_mps"):
+        _cgroup(tmp_path, sid, running=False)  # ended meanwhile
+    (node.records / "sbx_garbled.json").write_text("{not json")
+
+    after = _restarted(tmp_path, nvml)
+    assert await after.readopt() == []
+    assert after.units == {} and after.mps.users == {}
+    assert nvml.destroyed == [(7, 0)]
+    assert _calls(after.mps, "GPU-1")[-1] == "quit" and not _daemon_runs(after.mps, "GPU-1")
+    assert list(after.records.iterdir()) == []  # the unreadable record is dropped too
+
+
+async def test_a_mig_instance_nvml_would_not_destroy_stays_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its record is what finds it again: a destroy that failed keeps it, and the next node
+    agent's start tries again."""
+    nvml = TwoGpus()
+    node = await _node_with_units(tmp_path, monkeypatch, nvml)
+
+    def busy(gi: Any, ci: Any) -> None:
+        raise RuntimeError("NVML_ERROR_IN_USE")
+
+    monkeypatch.setattr(nvml, "destroy_mig", busy)
+    await node.release("sbx_mig")
+    assert (node.records / "sbx_mig.json").exists()
+    monkeypatch.undo()
+    _cgroup(tmp_path, "sbx_mig", running=False)
+    monkeypatch.setattr("dsec_nodeagent.gpunode.attach_device_guard", lambda *_: None)
+    await _restarted(tmp_path, nvml).readopt()
+    assert nvml.destroyed == [(7, 0)] and not (node.records / "sbx_mig.json").exists()
+
+
+async def test_a_unit_the_node_agent_did_not_readopt_has_its_slice_undone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its cgroup still had a process when the GPU side started, and the node agent's
+    reconcile cleaned it up instead of adopting it (a half-started sandbox)."""
+    nvml = TwoGpus()
+    node = await _node_with_units(tmp_path, monkeypatch, nvml)
+    await node.stop()
+    after = _restarted(tmp_path, nvml)
+    await after.readopt()
+    await after.keep_only(["sbx_mps"])
+    assert list(after.units) == ["sbx_mps"] and nvml.destroyed == [(7, 0)]
+    assert sorted(p.name for p in after.records.iterdir()) == ["sbx_mps.json"]

@@ -288,6 +288,8 @@ class NodeAgent:
     async def start(self) -> None:
         """Re-adopt sandboxes that survived a restart; clean up the ones that ended."""
         report = await self.manager.reconcile()
+        if self.gpus is not None:  # (their slices were taken over at the GPU side's start)
+            await self.gpus.keep_only(report.adopted)
         if self.manager.zygote is not None:  # the first launch need not start the launcher
             await self.manager.zygote.prestart()
         self.proxies.forget_all()  # a re-adopted sandbox's proxy is gone: it fails closed

@@ -219,6 +219,13 @@ class PynvmlBackend:
         nvml = self.nvml
         return int(nvml.nvmlGpuInstanceGetInfo(gi).id), int(nvml.nvmlComputeInstanceGetInfo(ci).id)
 
+    def mig_by_ids(self, index: int, gi_id: int, ci_id: int) -> tuple[Any, Any]:
+        """The handles of GPU ``index``'s MIG instance ``gi_id`` and its compute instance
+        ``ci_id`` (one made before this process opened NVML)."""
+        nvml = self.nvml
+        gi = nvml.nvmlDeviceGetGpuInstanceById(self._handles[index], gi_id)
+        return gi, nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
+
     def destroy_mig(self, gi: Any, ci: Any) -> None:
         self.nvml.nvmlComputeInstanceDestroy(ci)
         self.nvml.nvmlGpuInstanceDestroy(gi)
@@ -354,6 +361,14 @@ class MpsServers:
                 await to_the_end(self._start(uuid))
             self.users.setdefault(uuid, set()).add(unit)
         return self.pipe_dir(uuid)
+
+    async def adopt(self, uuid: str, unit: str) -> None:
+        """``unit``, started by an earlier node agent, uses ``uuid``'s daemon: it is counted
+        as this node's (told to quit at its last unit's release) when it still serves."""
+        async with self._lock(uuid):
+            if uuid not in self.running and self._serving(uuid):
+                self.running.add(uuid)
+            self.users.setdefault(uuid, set()).add(unit)
 
     async def release(self, uuid: str, unit: str) -> None:
         """``unit`` no longer uses ``uuid``'s daemon; the last unit's release quits it."""

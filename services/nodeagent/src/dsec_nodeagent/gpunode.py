@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +53,7 @@ from dsec_nodeagent.gpuenforce import (
 from dsec_nodeagent.gpuquota import QuotaWatch, Verdict, usage_of
 from dsec_nodeagent.gpuslice import (
     DeviceInfo,
+    GpuGrant,
     MigProfile,
     SlicePlan,
     SliceSettings,
@@ -70,6 +74,18 @@ RULE_ID = "gpu-memory"
 
 
 @dataclass
+class MigInstance:
+    """A MIG instance made for a unit: NVML's handles, and the ids that find them again."""
+
+    index: int
+    """The GPU's index."""
+    gi: Any
+    ci: Any
+    gi_id: int
+    ci_id: int
+
+
+@dataclass
 class UnitGpu:
     """One running unit's GPU slice."""
 
@@ -77,8 +93,32 @@ class UnitGpu:
     plan: SlicePlan
     watch: QuotaWatch | None = None
     cgroup_dir: Path | None = None
-    mig: list[tuple[Any, Any]] = field(default_factory=list)
+    mig: list[MigInstance] = field(default_factory=list)
     stop_detail: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        """What a later node agent needs to take the slice over, or to undo it (JSON)."""
+        return {
+            "sandbox_id": self.sandbox_id,
+            "plan": dataclasses.asdict(self.plan),
+            "cgroup_dir": str(self.cgroup_dir) if self.cgroup_dir is not None else None,
+            "mig": [[m.index, m.gi_id, m.ci_id] for m in self.mig],
+        }
+
+
+def _plan_of(data: dict[str, Any]) -> SlicePlan:
+    """A :class:`SlicePlan` from its :meth:`UnitGpu.record` form."""
+    grants = []
+    for g in data["grants"]:
+        profile = g.get("mig_profile")
+        grants.append(GpuGrant(**{**g, "mig_profile": MigProfile(**profile) if profile else None}))
+    return SlicePlan(
+        tuple(grants),
+        int(data["milli"]),
+        dict(data.get("env") or {}),
+        tuple(data.get("devices") or ()),
+        tuple(data.get("mps_pipes") or ()),
+    )
 
 
 Publish = Callable[[Payload, str], Awaitable[None]]
@@ -102,6 +142,9 @@ class GpuNode:
         self._gate = gate
         self.backend: Any = backend
         self.mps = mps or MpsServers(settings.home.resolve() / "gpu" / "mps")
+        self.records = settings.home.resolve() / "gpu" / "units"
+        """One file per unit with a slice (``<sandbox id>.json``): a unit outlives a node agent
+        that stops without stopping it, and the next one takes its slice over at its start."""
         self.config = ClusterConfig()
         self._config_seq = 0  # the stream seq of cluster.config_set read up to
         self.units: dict[str, UnitGpu] = {}
@@ -135,21 +178,101 @@ class GpuNode:
                 text = await asyncio.to_thread(Path("/proc/devices").read_text)
                 self._majors = nvidia_majors(text)
         await self.refresh_config()
+        await self.readopt()
         self._task = asyncio.create_task(self._watch_forever(), name="gpu-quota")
 
     async def stop(self) -> None:
+        """Stop watching. A unit that still runs (the node agent stops, its sandboxes stay:
+        a plain restart) keeps its slice, MPS daemon and MIG instance, and its record for the
+        next node agent; every other unit's slice is undone, and every daemon no unit holds
+        is told to quit."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
         try:
-            for sid in list(self.units):
+            for sid, unit in list(self.units.items()):
+                if await asyncio.to_thread(_runs, unit.cgroup_dir):
+                    log.info("%s keeps its GPU slice: it outlives this node agent", sid)
+                    continue
                 await self.release(sid)
             await self.mps.close()
         finally:  # (the node agent's other stop hooks run after this one)
             if self.backend is not None:
                 await asyncio.to_thread(self.backend.close)
+
+    async def readopt(self) -> list[str]:
+        """Take over the slices of units that outlived the previous node agent (their
+        records); undo those of units that ended meanwhile (their MPS daemon told to quit when
+        no unit holds it any more, their MIG instances destroyed). The units taken over."""
+        try:
+            names = await asyncio.to_thread(sorted, self.records.glob("*.json"))
+        except OSError:
+            return []
+        live: list[UnitGpu] = []
+        ended: list[UnitGpu] = []
+        for path in names:
+            try:
+                data = json.loads(await asyncio.to_thread(path.read_text))
+                unit = await self._unit_of(data)
+            except Exception as exc:  # unreadable: nothing to take over; it is dropped
+                log.warning("GPU slice record %s not read (%s); dropped", path.name, exc)
+                await asyncio.to_thread(path.unlink, True)
+                continue
+            runs = await asyncio.to_thread(_runs, unit.cgroup_dir)
+            (live if runs else ended).append(unit)
+        for unit in live:  # first: a daemon a live unit holds is not told to quit below
+            self.units[unit.sandbox_id] = unit
+            for grant in unit.plan.grants:
+                if grant.mode == "mps":
+                    await self.mps.adopt(grant.uuid, unit.sandbox_id)
+            unit.watch = self._watch_for(unit.plan)
+            log.info("%s: its GPU slice taken over (%s)", unit.sandbox_id, unit.plan.mode)
+        for unit in ended:
+            log.info("%s ended while no node agent ran: its GPU slice is undone", unit.sandbox_id)
+            for grant in unit.plan.grants:
+                if grant.mode == "mps":
+                    await self.mps.adopt(grant.uuid, unit.sandbox_id)
+            await self.release_unit(unit)
+        return [unit.sandbox_id for unit in live]
+
+    async def keep_only(self, adopted: Sequence[str]) -> None:
+        """Once the node agent re-adopted the sandboxes that outlived its predecessor: a slice
+        taken over for one it did not adopt (it cleaned it up as ended or half-started) is
+        undone."""
+        for sid in [s for s in self.units if s not in adopted]:
+            log.info("%s was not re-adopted: its GPU slice is undone", sid)
+            await self.release(sid)
+
+    async def _unit_of(self, data: dict[str, Any]) -> UnitGpu:
+        sid = str(data["sandbox_id"])
+        cgroup = data.get("cgroup_dir")
+        unit = UnitGpu(sid, _plan_of(data["plan"]), cgroup_dir=Path(cgroup) if cgroup else None)
+        for index, gi_id, ci_id in data.get("mig") or []:
+            if self.backend is None:
+                raise RuntimeError("a MIG instance is recorded and NVML is not open")
+            gi, ci = await asyncio.to_thread(self.backend.mig_by_ids, index, gi_id, ci_id)
+            unit.mig.append(MigInstance(int(index), gi, ci, int(gi_id), int(ci_id)))
+        return unit
+
+    def _record_path(self, sid: str) -> Path:
+        if not sid or "/" in sid or sid.startswith("."):
+            raise ValueError(f"not a sandbox id: {sid!r}")
+        return self.records / f"{sid}.json"
+
+    async def _save(self, unit: UnitGpu) -> None:
+        """The unit's record, replaced whole (a crash leaves the old one or the new one)."""
+        path = self._record_path(unit.sandbox_id)
+        data = json.dumps(unit.record()).encode()
+
+        def write() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+
+        await asyncio.to_thread(write)
 
     async def refresh_config(self) -> ClusterConfig:
         """The latest authentic ``cluster.config_set`` (kept when the bus is away)."""
@@ -208,40 +331,59 @@ class GpuNode:
                 if grant.mode == "mps":
                     await self.mps.acquire(grant.uuid, sid)
                 elif grant.mode == "mig" and grant.mig_profile is not None:
-                    # Kept in ``unit.mig`` even when a cancel lands while NVML creates it, so the
-                    # release below destroys it (before, it was left on the GPU for good).
-                    mig_uuid, gi, ci = await to_the_end(
+                    # Kept in ``unit.mig`` (and its record) even when a cancel lands while NVML
+                    # creates it, so the release below destroys it (before, it was left on the
+                    # GPU for good).
+                    mig_uuid, made = await to_the_end(
                         self._create_mig(unit, grant.index, grant.mig_profile)
                     )
-                    gid, cid = await asyncio.to_thread(self.backend.mig_ids, gi, ci)
-                    caps = await asyncio.to_thread(mig_caps, grant.minor, gid, cid)
+                    caps = await asyncio.to_thread(mig_caps, grant.minor, made.gi_id, made.ci_id)
                     unit.plan = with_mig_instance(unit.plan, grant.index, mig_uuid, caps)
+            if real:
+                await self._save(unit)
         except BaseException:
             # this unit's own record: the node agent's stop may have dropped it from ``units``
             # meanwhile (a MIG instance NVML created after that would be kept by nobody)
             if self.units.get(sid) is unit:
                 del self.units[sid]
-            await to_the_end(self._release_unit(sid, unit))
+            await to_the_end(self.release_unit(unit))
             raise
-        shared = [g for g in plan.grants if g.mode != "whole"]
-        if real and shared:  # a whole GPU has no neighbour to protect
-            unit.watch = QuotaWatch(
-                {g.index: g.memory_quota_bytes for g in shared},
-                warn_pct=float(self.config.get("gpu.memory_warn_pct")),
-                grace_s=float(self.config.get("gpu.memory_grace_s")),
-            )
+        if real:
+            unit.watch = self._watch_for(plan)
         log.info(
             "%s: GPUs %s, %s", sid, ",".join(str(g.index) for g in plan.grants),
             "; ".join(g.why for g in plan.grants),
         )  # fmt: skip
         return unit.plan
 
+    def _watch_for(self, plan: SlicePlan) -> QuotaWatch | None:
+        """The memory quota watch of a unit's shared GPUs (a whole GPU has no neighbour to
+        protect: none)."""
+        shared = [g for g in plan.grants if g.mode != "whole"]
+        if not shared:
+            return None
+        return QuotaWatch(
+            {g.index: g.memory_quota_bytes for g in shared},
+            warn_pct=float(self.config.get("gpu.memory_warn_pct")),
+            grace_s=float(self.config.get("gpu.memory_grace_s")),
+        )
+
     async def _create_mig(
         self, unit: UnitGpu, index: int, profile: MigProfile
-    ) -> tuple[str, Any, Any]:
-        mig_uuid, gi, ci = await asyncio.to_thread(self.backend.create_mig, index, profile)
-        unit.mig.append((gi, ci))
-        return str(mig_uuid), gi, ci
+    ) -> tuple[str, MigInstance]:
+        def create() -> tuple[str, MigInstance]:
+            mig_uuid, gi, ci = self.backend.create_mig(index, profile)
+            try:
+                gi_id, ci_id = self.backend.mig_ids(gi, ci)
+            except BaseException:
+                self.backend.destroy_mig(gi, ci)
+                raise
+            return str(mig_uuid), MigInstance(index, gi, ci, gi_id, ci_id)
+
+        mig_uuid, made = await asyncio.to_thread(create)
+        unit.mig.append(made)
+        await self._save(unit)  # before anything else can fail: a crash leaves it known
+        return mig_uuid, made
 
     def apply(self, config: SandboxConfig, plan: SlicePlan) -> SandboxConfig:
         """``config`` with the slice's environment, device nodes and MPS pipe directory."""
@@ -260,7 +402,10 @@ class GpuNode:
         if unit is None:
             return
         unit.cgroup_dir = cgroup_dir
-        if self.backend is None or not unit.plan.devices:
+        if self.backend is None:
+            return
+        await self._save(unit)  # a unit that runs: taken over by the next node agent
+        if not unit.plan.devices:
             return
         caps = [int(d.rsplit("nvidia-cap", 1)[1]) for d in unit.plan.devices if "nvidia-cap" in d]
         guarded, allowed = device_rules(unit.plan, self._majors, caps)
@@ -272,22 +417,30 @@ class GpuNode:
         unit = self.units.pop(sid, None)
         if unit is None:
             return None
-        await to_the_end(self._release_unit(sid, unit))  # a cancel leaves no holder behind
+        await to_the_end(self.release_unit(unit))  # a cancel leaves no holder behind
         return unit.stop_detail
 
-    async def _release_unit(self, sid: str, unit: UnitGpu) -> None:
+    async def release_unit(self, unit: UnitGpu) -> None:
+        """Undo ``unit``'s slice: its hold on its MPS daemons (the last one's quits it), its
+        MIG instances, then its record."""
+        sid = unit.sandbox_id
         for grant in unit.plan.grants:
             if grant.mode == "mps":
                 try:
                     await self.mps.release(grant.uuid, sid)
                 except Exception:
                     log.exception("%s: MPS daemon of %s not stopped", sid, grant.uuid)
+        kept = False
         while unit.mig:  # each instance destroyed once, even if released twice
-            gi, ci = unit.mig.pop(0)
+            made = unit.mig.pop(0)
             try:
-                await asyncio.to_thread(self.backend.destroy_mig, gi, ci)
+                await asyncio.to_thread(self.backend.destroy_mig, made.gi, made.ci)
             except Exception:
+                kept = True  # its record stays: the next node agent's start tries again
                 log.exception("%s: MIG instance not destroyed", sid)
+        if not kept and self.units.get(sid) is None:  # (not a newer unit of the sandbox's)
+            with contextlib.suppress(OSError, ValueError):
+                await asyncio.to_thread(self._record_path(sid).unlink, True)
 
     # ------------------------------------------------------------------ the quota watch
 
@@ -348,3 +501,8 @@ class GpuNode:
         else:
             readings = readings_of(gpus)
         return self.tracker.observe(time.time() if now is None else now, readings)
+
+
+def _runs(cgroup_dir: Path | None) -> bool:
+    """Whether a unit's cgroup still has a process (blocking)."""
+    return cgroup_dir is not None and bool(cgroup_pids(cgroup_dir))
