@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -86,6 +88,19 @@ def emit(
     (RESULTS / f"{bench}.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(ratio_line)
     print(json.dumps(doc if summary is None else summary))
+
+
+def emit_or_json(
+    bench: str, results: dict[str, Any], ratio_line: str, json_only: bool, **extra: Any
+) -> None:
+    """:func:`emit`; with ``json_only`` the file is written the same and only the JSON
+    document (with ``extra``) is printed."""
+    if not json_only:
+        emit(bench, results, ratio_line, **extra)
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        emit(bench, results, ratio_line, **extra)
+    print(json.dumps({"bench": bench, "results": results, **extra}))
 
 
 def at_least(least: int) -> Callable[[str], int]:

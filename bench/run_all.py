@@ -24,6 +24,7 @@ BENCHES = {
     "launch_first_instruction": ["--n", "40"],
     "egress": [],
     "snapshot": [],
+    "snapshot_turns": [],
     "ipc": [],
     "noisy_neighbour": [],
     "placement": [],
@@ -47,6 +48,7 @@ QUICK = {
     "e2e": ["--quick"],
     "service_stop": ["--rounds", "2"],
     "tenant_burst": ["--burst", "1000", "--rounds", "1"],
+    "snapshot_turns": ["--rounds", "1"],
 }
 
 

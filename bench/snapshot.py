@@ -43,9 +43,6 @@ a 1 s one for whichever tool meets it (both tools write the same files).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
 import os
 import random
 import shutil
@@ -60,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from _common import at_least_one, emit
+from _common import at_least_one, emit_or_json
 from dsec_snapstore import SnapshotInputs, SnapshotStore
 from dsec_snapstore.adapters.objectstore import S3ObjectStore
 from dsec_snapstore.manifest import SignedManifest, manifest_key, parse_manifest
@@ -318,12 +315,7 @@ def main(rounds: int, with_git: bool, json_only: bool, where: Path | None = None
         f"the signed manifest: parsed in {results['dsec_manifest_parse_ms']:.2f} ms, "
         f"serialized for signing in {results['dsec_manifest_sign_ms']:.2f} ms"
     )
-    if json_only:
-        with contextlib.redirect_stdout(io.StringIO()):
-            emit("snapshot", results, ratio, argv=sys.argv[1:], rounds=per_round)
-        print(json.dumps({"bench": "snapshot", "results": results, "rounds": per_round}))
-    else:
-        emit("snapshot", results, ratio, argv=sys.argv[1:], rounds=per_round)
+    emit_or_json("snapshot", results, ratio, json_only, argv=sys.argv[1:], rounds=per_round)
 
 
 if __name__ == "__main__":

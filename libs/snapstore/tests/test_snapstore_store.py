@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -891,3 +892,70 @@ def test_an_index_that_misplaces_a_chunk_in_a_pack_this_node_made_is_refused(
     store.index.lookup = lookup  # type: ignore[method-assign]
     store.restore("s", tmp_path / "out")
     assert (tmp_path / "out" / "m001.py").read_bytes() == (code / "m001.py").read_bytes()
+
+
+def test_snapshots_of_two_trees_are_taken_at_once_and_of_one_tree_in_turn(
+    store: SnapshotStore, code: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's creates (``SnapshotRequests.create``): before, one at a time for the whole node,
+    so a neighbour's snapshot waited for every create already under way. Now two sandboxes'
+    trees are snapshotted at once (both stored whole and correct, their shared chunks included),
+    while two creates of one tree still take turns (its stat cache is one file)."""
+    import shutil
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dsec_core.settings import Settings
+
+    from dsec_snapstore.requests import SnapshotRequests
+
+    def no_bus() -> Any:
+        raise AssertionError("the bus is not used here")
+
+    requests = SnapshotRequests(Settings(home=tmp_path / "home"), no_bus, no_bus, node_id="n")
+    requests._store = store
+    other = tmp_path / "other"
+    shutil.copytree(code, other, symlinks=True)
+    (other / "agent.py").write_text("def score():\n    return 0.5\n")
+
+    inside: list[Path] = []
+    overlapped: list[bool] = []
+    guard = threading.Lock()
+    barrier = [threading.Barrier(2, timeout=10)]
+    real_create = store.create
+
+    def create(name: str, given: SnapshotInputs, **kw: Any) -> CreateResult:
+        with guard:
+            inside.append(Path(given.code_dir))
+            overlapped.append(len(inside) > 1)
+        try:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier[0].wait()  # (the same tree's second create never meets the first)
+            return real_create(name, given, **kw)
+        finally:
+            with guard:
+                inside.remove(Path(given.code_dir))
+
+    monkeypatch.setattr(store, "create", create)
+    with ThreadPoolExecutor(2) as pool:
+        results = list(
+            pool.map(
+                lambda job: requests.create(job[0], inputs(job[1]), job[1]),
+                [("a", code), ("b", other)],
+            )
+        )
+    assert overlapped == [False, True]  # the second tree's create began inside the first's
+    for name, tree, result in zip(("a", "b"), (code, other), results, strict=True):
+        assert result.manifest.name == name and store.verify(name).ok
+        out = tmp_path / f"out-{name}"
+        store.restore(name, out)
+        assert (out / "data.bin").read_bytes() == (tree / "data.bin").read_bytes()
+        assert (out / "agent.py").read_text() == (tree / "agent.py").read_text()
+
+    overlapped.clear()
+    barrier[0] = threading.Barrier(2, timeout=1)
+    (code / "pkg" / "tools.py").write_text("TOOLS = []\n")
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda name: requests.create(name, inputs(code), code), ["a-2", "a-3"]))
+    assert overlapped == [False, False]  # one tree: in turn
+    assert len(requests._trees) == 0  # no lock kept for a tree no one snapshots

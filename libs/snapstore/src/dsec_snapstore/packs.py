@@ -32,7 +32,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -42,6 +42,7 @@ import msgpack
 import msgspec
 
 from dsec_snapstore.adapters.objectstore import ObjectMissing, ObjectStore
+from dsec_snapstore.fairpool import FairExecutor
 
 log = logging.getLogger(__name__)
 
@@ -599,6 +600,8 @@ def plan_reads(
     return spans
 
 
-def default_uploader() -> ThreadPoolExecutor:
-    """The executor packs are uploaded on (separate from the hashing workers: no deadlock)."""
-    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="snap-pack")
+def default_uploader() -> FairExecutor:
+    """The executor packs are uploaded on (separate from the hashing workers: no deadlock).
+    Each snapshot's uploads take turns with the others' (:meth:`FairExecutor.queue`): a small
+    snapshot's one pack does not wait behind every pack large ones queued before it."""
+    return FairExecutor(4, name="snap-pack")

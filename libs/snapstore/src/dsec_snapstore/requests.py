@@ -23,7 +23,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -94,6 +94,36 @@ def failed(
     return events.SnapshotFailed(snapshot=snapshot, operation=operation, reason=reason[:2000])
 
 
+class TreeLocks:
+    """A lock per directory tree, held while a snapshot of it is taken (threads): creates of
+    one tree take turns, those of different trees run at once. A tree's lock goes once no one
+    holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[Path, tuple[threading.Lock, list[int]]] = {}
+
+    @contextlib.contextmanager
+    def held(self, tree: Path) -> Iterator[None]:
+        key = Path(tree).absolute()
+        with self._guard:
+            lock, users = self._locks.setdefault(key, (threading.Lock(), [0]))
+            users[0] += 1
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                users[0] -= 1
+                if not users[0]:
+                    del self._locks[key]
+
+    def __len__(self) -> int:
+        """Trees held or waited for now."""
+        with self._guard:
+            return len(self._locks)
+
+
 class SnapshotRequests:
     """Snapshots and rollbacks of the sandboxes in the log.
 
@@ -126,9 +156,11 @@ class SnapshotRequests:
         self.store_required = store_required
         self._store: SnapshotStore | None = None
         self._unavailable: str | None = None
-        # One snapshot at a time: a directory's stat cache is one file that concurrent creates
-        # of the same tree (a request during a periodic snapshot) would both rewrite.
-        self._create_lock = threading.Lock()
+        # One snapshot of a tree at a time: a directory's stat cache is one file that
+        # concurrent creates of the same tree would both rewrite. Different trees (different
+        # sandboxes) are snapshotted at once: a neighbour's snapshot no longer waits for a
+        # tenant's creates already under way.
+        self._trees = TreeLocks()
         self._per_sandbox: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._pruner: asyncio.Task[None] | None = None
 
@@ -350,12 +382,12 @@ class SnapshotRequests:
     def create(self, name: str, inputs: SnapshotInputs, code: CodeSource) -> CreateResult:
         """Store the snapshot (blocking); a bundle is unpacked for it and always removed."""
         if isinstance(code, Path):
-            with self._create_lock:
+            with self._trees.held(code):
                 return self.store.create(name, replace(inputs, code_dir=code))
         # Unpacked under one scratch dir per sandbox, so the stat cache and the snapshot's
         # parent follow the sandbox (a fresh temp name each time would not).
         scratch = self.scratch / (inputs.sandbox_id or "unknown")
-        with self._create_lock:
+        with self._trees.held(scratch):
             shutil.rmtree(scratch, ignore_errors=True)
             try:
                 if code is None:
@@ -368,8 +400,8 @@ class SnapshotRequests:
                 shutil.rmtree(scratch, ignore_errors=True)
 
     def run_periodic(self, policy: PeriodicPolicy, inputs: SnapshotInputs) -> CreateResult | None:
-        """:meth:`SnapshotStore.run_periodic`, one snapshot at a time (blocking)."""
-        with self._create_lock:
+        """:meth:`SnapshotStore.run_periodic`, one snapshot of a tree at a time (blocking)."""
+        with self._trees.held(Path(inputs.code_dir)):
             return self.store.run_periodic(policy, inputs)
 
     def _taken_before(self, name: str, request_id: str) -> events.Payload:

@@ -79,6 +79,7 @@ from dsec_snapstore.errors import (
     StoreUnavailable,
     VerificationFailed,
 )
+from dsec_snapstore.fairpool import FairExecutor
 from dsec_snapstore.locks import Held, StoreLocks
 from dsec_snapstore.manifest import (
     AUDIT_PREFIX,
@@ -211,16 +212,17 @@ class SnapshotStore:
         self._cache_dir = cache_dir
         self._workers = workers
         self._pool: Executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snap")
-        self._uploader: Executor = default_uploader()
+        self._uploader = default_uploader()
         # Hashing, compressing, decompressing and checking is CPU work: one thread per core.
         # Each of those calls releases the GIL, and with more threads than cores every release
         # hands it to a thread that was waiting (measured on 2 cores, 4 threads against 2: a
         # restore into tmpfs 0.238-0.248 s against 0.202-0.221 s, a cold create 0.39 s
         # against 0.37 s).
         self._cpu_threads = max(1, min(workers, os.cpu_count() or 1))
-        self._cpu: Executor = ThreadPoolExecutor(
-            max_workers=self._cpu_threads, thread_name_prefix="snap-cpu"
-        )
+        # Taking turns between the creates and restores that submit to it (one per worker
+        # thread of the caller): a small snapshot's runs do not wait behind every run of the
+        # large ones queued before it (dsec_snapstore.fairpool).
+        self._cpu: Executor = FairExecutor(self._cpu_threads, name="snap-cpu")
         index_cache = None
         # The node's copies of packs it stored or read (see dsec_snapstore.packcache).
         self.pack_cache: PackCache | None = None
@@ -447,7 +449,7 @@ class SnapshotStore:
             raise
         packer = Packer(
             self.objects,
-            self._uploader,
+            self._uploader.queue(),  # this snapshot's uploads take turns with the others'
             target=self._pack_target,
             on_stored=self._keep_own if self.pack_cache is not None else None,
         )
@@ -1790,7 +1792,7 @@ class SnapshotStore:
             for row in entries[pack]
             if home.get(row[0]) == pack
         ]
-        packer = Packer(self.objects, self._uploader, target=self._pack_target)
+        packer = Packer(self.objects, self._uploader.queue(), target=self._pack_target)
         bad: dict[str, str] = {}
 
         def copy(span: Span) -> None:
@@ -2069,6 +2071,10 @@ def _umask() -> int | None:
 
 _FILE_COST = 16 << 10
 """What opening and closing a file costs, in bytes of reading, hashing and compressing."""
+_RUN_LEAST = 2 << 20
+"""The least work of one run (bytes plus per-file costs): a small tree, or the few files an
+incremental snapshot reads, is one or a few tasks, not eight tiny ones each waiting its turn
+behind the runs of the node's large snapshots (``dsec_snapstore.fairpool``)."""
 
 
 def _weighed_runs(entries: Sequence[TreeEntry], workers: int) -> list[Sequence[TreeEntry]]:
@@ -2076,7 +2082,7 @@ def _weighed_runs(entries: Sequence[TreeEntry], workers: int) -> list[Sequence[T
     a few per worker, heaviest first: big files start at once, so the packs they fill upload
     while the many small files are still being compressed (not all at the end)."""
     weights = [e.size + _FILE_COST for e in entries]
-    target = max(1, sum(weights) // (workers * 4))
+    target = max(_RUN_LEAST, sum(weights) // (workers * 4))
     runs: list[Sequence[TreeEntry]] = []
     start = acc = 0
     for i, weight in enumerate(weights):

@@ -1,0 +1,93 @@
+"""The snapshot store's thread pools take turns between snapshots (dsec_snapstore.fairpool):
+a small snapshot's tasks do not wait behind every task large ones queued before it."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import pytest
+
+from dsec_snapstore.fairpool import FairExecutor
+
+pytestmark = pytest.mark.unit
+
+
+def _hold(pool: FairExecutor) -> tuple[threading.Event, Future[bool]]:
+    """Occupy one of the pool's threads until the event is set (running when this returns)."""
+    started, gate = threading.Event(), threading.Event()
+
+    def held() -> bool:
+        started.set()
+        return gate.wait(10)
+
+    future = pool.submit(held)
+    assert started.wait(10)
+    return gate, future
+
+
+def _in_thread(fn: object) -> None:
+    worker = threading.Thread(target=fn)  # type: ignore[arg-type]
+    worker.start()
+    worker.join()
+
+
+def test_each_submitting_thread_gets_its_turn() -> None:
+    pool = FairExecutor(1)
+    order: list[str] = []
+    gate, first = _hold(pool)  # the pool's one thread
+    big = [pool.submit(order.append, f"big{i}") for i in range(5)]
+    small: list[Future[None]] = []
+    _in_thread(lambda: small.append(pool.submit(order.append, "small")))
+    gate.set()
+    for future in (first, *big, *small):
+        future.result(10)
+    # FIFO would put the small one last; it runs right after the big one's first task
+    assert order == ["big0", "small", "big1", "big2", "big3", "big4"]
+    pool.shutdown()
+
+
+def test_a_queue_is_one_whichever_thread_submits() -> None:
+    pool = FairExecutor(1)
+    order: list[str] = []
+    gate, _ = _hold(pool)
+    uploads = pool.queue()
+    for i in range(3):
+        _in_thread(lambda i=i: uploads.submit(order.append, f"upload{i}"))
+    done = [pool.submit(order.append, f"mine{i}") for i in range(2)]
+    gate.set()
+    for future in done:
+        future.result(10)
+    pool.shutdown()
+    assert order == ["upload0", "mine0", "upload1", "mine1", "upload2"]
+
+
+def test_errors_reach_the_caller_and_the_threads_go_on() -> None:
+    pool = FairExecutor(2)
+    failing = pool.submit(int, "not a number")
+    with pytest.raises(ValueError, match="not a number"):
+        failing.result(10)
+    assert list(pool.map(lambda x: x * 2, range(20))) == [x * 2 for x in range(20)]
+    pool.shutdown()
+
+
+def test_shutdown_waits_for_the_queued_or_cancels_them() -> None:
+    pool = FairExecutor(1)
+    gate, _ = _hold(pool)
+    queued = [pool.submit(lambda: "ran") for _ in range(3)]
+    gate.set()
+    pool.shutdown(wait=True)
+    assert [f.result(0) for f in queued] == ["ran"] * 3
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(print)
+
+    pool = FairExecutor(1)
+    gate, running = _hold(pool)
+    dropped = pool.submit(lambda: "ran")
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert dropped.cancelled()
+    gate.set()
+    assert running.result(10) is True
+    for worker in pool._threads:
+        worker.join(10)
+        assert not worker.is_alive()
