@@ -82,7 +82,9 @@ async def test_a_shared_unit_gets_mps_its_gpu_only_and_is_stopped_over_quota(
     node = _node(tmp_path, nvml, rec)
     plan = await node.prepare("sbx_1", _placed([1], 250))
     assert plan is not None and plan.mode == "mps"
-    assert node.mps.users == {"GPU-1": {"sbx_1"}}  # its GPU's MPS daemon, started
+    assert node.mps.users == {
+        "GPU-1": {node.units["sbx_1"].holder}
+    }  # its GPU's MPS daemon, started
     config = node.apply(
         SandboxConfig(sandbox_id="sbx_1", argv=["python"], runtime=Path("/x")), plan
     )

@@ -27,7 +27,14 @@ from dsec_core.settings import Settings
 from dsec_nodeagent import gpuenforce
 from dsec_nodeagent.gpuenforce import MpsServers
 from dsec_nodeagent.gpunode import GpuNode, UnitGpu
-from dsec_nodeagent.gpuslice import DeviceInfo, GpuGrant, MigProfile, ProcessUsage, SlicePlan
+from dsec_nodeagent.gpuslice import (
+    DeviceInfo,
+    GpuGrant,
+    MigProfile,
+    ProcessUsage,
+    SliceError,
+    SlicePlan,
+)
 
 pytestmark = pytest.mark.unit
 GIB = 2**30
@@ -194,7 +201,7 @@ async def test_a_release_cancelled_while_it_waits_leaves_no_holder(tmp_path: Pat
     node = _gpu_node(tmp_path, MigNvml(), _servers(tmp_path))
     servers = node.mps
     await servers.acquire("GPU-0", "sbx_1")
-    node.units["sbx_1"] = UnitGpu("sbx_1", _mps_plan("GPU-0"))
+    node.units["sbx_1"] = UnitGpu("sbx_1", _mps_plan("GPU-0"), holder="sbx_1")
     waiting = asyncio.create_task(servers.acquire("GPU-0", "sbx_2"))  # holds nothing yet
     async with servers._lock("GPU-0"):  # another unit's step holds the GPU
         release = asyncio.create_task(node.release("sbx_1"))
@@ -294,6 +301,8 @@ class TwoGpus:
     created: list[tuple[int, int]] = field(default_factory=list)
     destroyed: list[tuple[int, int]] = field(default_factory=list)
     found: list[tuple[int, int, int]] = field(default_factory=list)
+    reused: dict[tuple[int, int], str] = field(default_factory=dict)
+    """Ids NVML gave to a new instance (its uuid) after the recorded one was destroyed."""
 
     def devices(self) -> list[DeviceInfo]:
         profile = MigProfile(profile_id=19, name="1g.10gb", slices=1, memory_bytes=10 * GIB, free=7)
@@ -313,9 +322,11 @@ class TwoGpus:
     def mig_ids(self, gi: Any, ci: Any) -> tuple[int, int]:
         return gi[1], ci[2]
 
-    def mig_by_ids(self, index: int, gi_id: int, ci_id: int) -> tuple[Any, Any]:
+    def mig_by_ids(self, index: int, gi_id: int, ci_id: int) -> tuple[Any, Any, str] | None:
         self.found.append((index, gi_id, ci_id))
-        return ("gi", gi_id), ("ci", gi_id, ci_id)
+        if (gi_id, ci_id) in self.destroyed and (gi_id, ci_id) not in self.reused:
+            return None
+        return ("gi", gi_id), ("ci", gi_id, ci_id), self.reused.get((gi_id, ci_id), f"MIG-{gi_id}")
 
     def destroy_mig(self, gi: Any, ci: Any) -> None:
         self.destroyed.append((gi[1], ci[2]))
@@ -372,6 +383,7 @@ async def test_a_unit_that_outlives_its_node_agent_keeps_its_slice_and_the_next_
     nvml = TwoGpus()
     node = await _node_with_units(tmp_path, monkeypatch, nvml)
     servers = node.mps
+    node_holder = node.units["sbx_mps"].holder
     await node.stop()
     # the start that never launched is undone; the running units keep their slices
     assert nvml.destroyed == [] and _daemon_runs(servers, "GPU-1")
@@ -381,7 +393,9 @@ async def test_a_unit_that_outlives_its_node_agent_keeps_its_slice_and_the_next_
     after = _restarted(tmp_path, nvml)
     assert sorted(await after.readopt()) == ["sbx_mig", "sbx_mps"]
     assert nvml.found == [(0, 7, 0)]
-    assert after.mps.users == {"GPU-1": {"sbx_mps"}} and after.mps.running == {"GPU-1"}
+    holder = after.units["sbx_mps"].holder
+    assert holder == node_holder and after.mps.users == {"GPU-1": {holder}}
+    assert after.mps.running == {"GPU-1"}
     mig = after.units["sbx_mig"]
     assert mig.plan.env["CUDA_VISIBLE_DEVICES"] == "MIG-7" and mig.watch is not None
     assert after.units["sbx_mps"].cgroup_dir == tmp_path / "cgroup" / "sbx_mps"
@@ -445,3 +459,50 @@ async def test_a_unit_the_node_agent_did_not_readopt_has_its_slice_undone(
     await after.keep_only(["sbx_mps"])
     assert list(after.units) == ["sbx_mps"] and nvml.destroyed == [(7, 0)]
     assert sorted(p.name for p in after.records.iterdir()) == ["sbx_mps.json"]
+
+
+async def test_a_record_nvml_cannot_resolve_now_is_kept_for_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml = TwoGpus()
+    node = await _node_with_units(tmp_path, monkeypatch, nvml)
+    await node.stop()
+
+    def flaky(index: int, gi_id: int, ci_id: int) -> Any:
+        raise RuntimeError("NVML_ERROR_UNKNOWN")
+
+    monkeypatch.setattr(nvml, "mig_by_ids", flaky)
+    after = _restarted(tmp_path, nvml)
+    assert await after.readopt() == ["sbx_mps"]
+    assert (after.records / "sbx_mig.json").exists() and nvml.destroyed == []
+    monkeypatch.undo()
+    monkeypatch.setattr("dsec_nodeagent.gpunode.attach_device_guard", lambda *_: None)
+    assert "sbx_mig" in await _restarted(tmp_path, nvml).readopt()
+
+
+async def test_a_record_whose_instance_ids_now_name_another_is_not_destroyed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node agent died after destroying a unit's instance and before removing its record,
+    and NVML gave the ids to a new unit's instance meanwhile: that one is not destroyed."""
+    nvml = TwoGpus()
+    node = await _node_with_units(tmp_path, monkeypatch, nvml)
+    await node.stop()
+    _cgroup(tmp_path, "sbx_mig", running=False)
+    nvml.reused[(7, 0)] = "MIG-of-another-unit"
+    after = _restarted(tmp_path, nvml)
+    await after.readopt()
+    assert nvml.destroyed == [] and "sbx_mig" not in after.units
+    assert not (after.records / "sbx_mig.json").exists()
+
+
+async def test_a_second_slice_of_a_sandbox_still_holding_one_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nvml = TwoGpus()
+    node = await _node_with_units(tmp_path, monkeypatch, nvml)
+    with pytest.raises(SliceError, match="still holds a GPU slice"):
+        await node.prepare("sbx_mig", _placed("sbx_mig", 0, 100))
+    assert nvml.created == [(7, 0)]  # nothing made for it
+    await node.release("sbx_mig")
+    assert nvml.destroyed == [(7, 0)]

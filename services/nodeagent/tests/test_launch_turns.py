@@ -38,7 +38,7 @@ def _agent(placements: dict[str, tuple[str, int, str]]) -> tuple[NodeAgent, list
     agent = NodeAgent.__new__(NodeAgent)
     agent.node_id = "a"
     agent._attempts, agent._starting = {}, {}
-    agent._ended_here, agent._start_stops = {}, {}
+    agent._ended_here, agent._start_stops, agent._exiting = {}, {}, {}
     agent._launched, agent._restarting, agent._stop_wanted = {}, {}, set()
     agent.manager = _NothingRuns()  # type: ignore[assignment]
     inside: list[int] = []
@@ -167,7 +167,7 @@ def _staging_agent(
     async def stage(built: Any) -> Any:
         return await never
 
-    async def launch(sid: str, staging: asyncio.Task[Any], built: Any) -> list[Any]:
+    async def launch(sid: str, staging: asyncio.Task[Any], built: Any, **_: Any) -> list[Any]:
         launches.append(agent._attempts[sid])
         if refuse:
             raise StartRefused("secret missing")

@@ -16,7 +16,7 @@ import pytest
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan, compile_plan, load_spec
 
-from dsec_nodeagent.agent import Launched, NodeAgent
+from dsec_nodeagent.agent import Launched, NodeAgent, StartRefused
 from dsec_nodeagent.sandbox.models import ExitReason, SandboxExited, SandboxStartError
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper
 
@@ -72,10 +72,12 @@ def _launching(agent: NodeAgent, plan: EnforcementPlan, fail: BaseException | No
     """``_launch`` as far as the manager's hook on the new cgroup: the hook runs (egress on,
     rules kept, state registered), then the launch fails with ``fail`` (None: it waits)."""
 
-    async def launch(sid: str, staging: Any, built: Any, *, standby: bool = False) -> list[Any]:
+    async def launch(
+        sid: str, staging: Any, built: Any, *, standby: bool = False, hooked: Any = None
+    ) -> list[Any]:
         assert standby
         agent._rules[sid] = object()  # type: ignore[assignment]
-        await agent._attach(plan, plan, sid)(sid, Path("/sys/fs/cgroup/dsec") / sid, 7)
+        await agent._attach(plan, plan, sid, hooked)(sid, Path("/sys/fs/cgroup/dsec") / sid, 7)
         if fail is not None:
             raise fail
         await asyncio.Event().wait()
@@ -116,14 +118,41 @@ async def test_a_failed_standby_leaves_a_running_copy_of_the_id_its_egress(
     agent = _agent(tmp_path, egress)
     egress.attached["sbx"] = Path("/sys/fs/cgroup/dsec/sbx")  # a copy of it runs here
 
-    async def refused(sid: str, staging: Any, built: Any, *, standby: bool = False) -> list[Any]:
-        raise SandboxStartError(sid, "plan", "a sandbox with this id already exists")
+    async def refused(sid: str, *_: Any, **__: Any) -> list[Any]:
+        raise SandboxStartError(sid, "plan", "its run directory exists")  # before the hook
 
     agent._launch = refused  # type: ignore[method-assign]
-    monkeypatch.setattr(agent.manager, "busy", lambda sid: sid == "sbx")
     with pytest.raises(SandboxStartError):
         await agent.launch_migrated("sbx", None, None)  # type: ignore[arg-type]
     assert egress.attached == {"sbx": Path("/sys/fs/cgroup/dsec/sbx")}
+
+    # a start (scheduled or standby) of an id that runs or starts here touches nothing of it
+    monkeypatch.setattr(agent.manager, "busy", lambda sid: sid == "sbx")
+    del agent._launch
+    with pytest.raises(StartRefused, match="already runs or starts"):
+        await agent._launch("sbx", None, None, standby=True)  # type: ignore[arg-type]
+    assert egress.attached == {"sbx": Path("/sys/fs/cgroup/dsec/sbx")}
+
+
+async def test_a_start_of_an_id_waits_for_the_exit_of_its_earlier_copy(tmp_path: Path) -> None:
+    """Its GPU slice, egress and context are released by the exit handler, by the id: a start
+    beside it had its own released instead."""
+    agent = _agent(tmp_path, Egress())
+    exiting = asyncio.Event()
+    agent._exiting["sbx"] = exiting
+    entered = asyncio.Event()
+
+    async def start() -> None:
+        async with agent._one_start_after_exit("sbx"):
+            entered.set()
+
+    task = asyncio.create_task(start())
+    await asyncio.sleep(0.05)
+    assert not entered.is_set()
+    del agent._exiting["sbx"]
+    exiting.set()
+    await asyncio.wait_for(task, 5)
+    assert entered.is_set()
 
 
 async def test_a_released_copy_lets_its_state_go_at_its_exit(tmp_path: Path) -> None:

@@ -254,6 +254,7 @@ class NodeAgent:
         self._stop_wanted: set[str] = set()
         self._restart_tasks: dict[str, asyncio.Task[object]] = {}  # exit handlers in a restart
         self._closing = False  # shutting down: nothing is restarted any more
+        self._exiting: dict[str, asyncio.Event] = {}  # exits being handled, set when done
         # stateful sandboxes re-adopted at start (not restartable): forgotten at their exit
         self._adopted_plans: dict[str, EnforcementPlan] = {}
         self.start_from_snapshot: StartFromSnapshot | None = None
@@ -452,7 +453,7 @@ class NodeAgent:
         sid = envelope.aggregate_id
         if event.node_id != self.node_id:
             return []
-        async with self._one_start(sid):
+        async with self._one_start_after_exit(sid):
             running = self.manager.get(sid)
             if running is not None:  # redelivered after a crash between launch and ack
                 # (a late copy of an older placement does not make the copy an older one)
@@ -507,10 +508,25 @@ class NodeAgent:
             if self._starting.get(sid) is started:
                 del self._starting[sid]
 
+    @contextlib.asynccontextmanager
+    async def _one_start_after_exit(self, sid: str) -> AsyncIterator[None]:
+        """:meth:`_one_start`, once no exit of a copy of ``sid`` is being handled here (its
+        GPU slice, egress and context released by ``_exited``, all keyed by the id: a start
+        beside it had its new slice or egress released instead). A restart in place, which
+        runs inside ``_exited``, takes :meth:`_one_start` alone."""
+        while True:
+            while (exiting := self._exiting.get(sid)) is not None:
+                await exiting.wait()
+            async with self._one_start(sid):
+                if sid not in self._exiting:
+                    yield
+                    return
+
     async def _start(
         self, sid: str, envelope: Envelope, event: events.SandboxScheduled
     ) -> Sequence[events.Payload]:
         staging: asyncio.Task[Staged] | None = None
+        hooked: list[bool] = [False]  # whether its launch's hook ran (egress attached)
         try:
             built_env = await self._last("env.built", sid, event.env_built_id)
             built = built_env.decoded()
@@ -519,9 +535,9 @@ class NodeAgent:
             # cold node both are downloads, and neither needs the other.
             staging = asyncio.create_task(self._stage(built))
             self._attempts[sid] = event.attempt
-            return await self._launch(sid, staging, built_env)
+            return await self._launch(sid, staging, built_env, hooked=hooked)
         except (StartRefused, ContextError, SandboxStartError, StartStopped) as exc:
-            await self._undo_start(sid)
+            await self._undo_start(sid, detach=hooked[0])
             if isinstance(exc, ContextError) and exc.transient:
                 raise  # Vault/S3/NATS unreachable: the runtime retries with backoff
             if isinstance(exc, StartStopped):
@@ -541,7 +557,7 @@ class NodeAgent:
         except asyncio.CancelledError:  # the node agent stops: the start is given back
             if self.manager.get(sid) is None:
                 with contextlib.suppress(Exception):
-                    await self._undo_start(sid)
+                    await self._undo_start(sid, detach=hooked[0])
             raise
         finally:
             if staging is not None and not staging.done():
@@ -552,16 +568,18 @@ class NodeAgent:
                 # on the node behind it.
                 staging.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def _undo_start(self, sid: str) -> None:
+    async def _undo_start(self, sid: str, *, detach: bool) -> None:
         """Forget a start that ended before it launched, and detach the egress it attached."""
         self._attempts.pop(sid, None)
-        await self._detach_unstarted(sid)
+        await self._detach_unstarted(sid, detach=detach)
 
-    async def _detach_unstarted(self, sid: str) -> None:
-        """The rules and egress programs a start that did not launch attached (its launch's
-        hook ran before the launch failed, or was cancelled)."""
+    async def _detach_unstarted(self, sid: str, *, detach: bool) -> None:
+        """The rules a start that did not launch kept, and (``detach``: its launch's hook ran
+        before the launch failed, or was cancelled) the egress programs it attached. Egress
+        its hook did not attach is never detached here: it may be another copy's of the same
+        id (fail-open)."""
         self._rules.pop(sid, None)
-        if self._on_stopped is not None:
+        if detach and self._on_stopped is not None:
             await self._on_stopped(sid)
 
     def _ended_how(self, sid: str) -> str | None:
@@ -608,8 +626,18 @@ class NodeAgent:
             raise StartRefused(str(exc)) from None
 
     async def _launch(
-        self, sid: str, staging: asyncio.Task[Staged], built: Envelope, *, standby: bool = False
+        self,
+        sid: str,
+        staging: asyncio.Task[Staged],
+        built: Envelope,
+        *,
+        standby: bool = False,
+        hooked: list[bool] | None = None,
     ) -> list[events.Payload]:
+        """Start ``sid`` here; ``hooked[0]`` is set once the launch's hook on its cgroup runs
+        (its egress attached from then on)."""
+        if self.manager.busy(sid):  # nothing keyed by its id (proxy, GPU slice) is touched
+            raise StartRefused(f"a sandbox {sid} already runs or starts on {self.node_id}")
         # Follow the causes back: env.built <- deps.resolved <- spec.validated <- spec.submitted,
         # each authentic; never simply the newest message on those subjects.
         resolved = await self._last("deps.resolved", sid, built.causation_id)
@@ -681,7 +709,7 @@ class NodeAgent:
             egress_plan = grant.egress_plan if grant else plan
             self._stop_point(sid)
             ready = await self.manager.launch(
-                config, before_start=self._attach(egress_plan, plan, handover_from)
+                config, before_start=self._attach(egress_plan, plan, handover_from, hooked)
             )
         except BaseException:
             if handover_from is not None and self.forget_handover is not None:
@@ -755,6 +783,7 @@ class NodeAgent:
         plan: EnforcementPlan,
         spec_plan: EnforcementPlan | None = None,
         handover_from: str | None = None,
+        hooked: list[bool] | None = None,
     ) -> Callable[[str, Path, int], Awaitable[None]]:
         """The hook run once the sandbox's cgroup exists, before its first instruction: the
         egress programs (``plan``: the one with the proxy's rules), the proxy bound to the
@@ -762,6 +791,8 @@ class NodeAgent:
         (with its cgroup, for the hand-over's freezer) before its agent can connect."""
 
         async def attach(sid: str, cgroup_dir: Path, cgroup_id: int) -> None:
+            if hooked is not None:
+                hooked[0] = True
             if self.gpus is not None:  # only its own NVIDIA device nodes
                 await self.gpus.attach(sid, cgroup_dir)
             self.proxies.bind(sid, cgroup_dir)
@@ -958,12 +989,14 @@ class NodeAgent:
         the switch; its tool servers register as standbys). Its events (``sandbox.ready``,
         ``context.injected``) are not published: the sandbox is not starting, it moves
         (``unit.migrated`` says so)."""
+        hooked: list[bool] = [False]
         try:
-            outputs = await self._launch(sid, staging, built_env, standby=True)
+            async with self._one_start_after_exit(sid):  # (not beside another copy's start)
+                outputs = await self._launch(sid, staging, built_env, standby=True, hooked=hooked)
         except BaseException:
-            if not self.manager.busy(sid):  # nothing of it runs here: its egress goes too
+            if hooked[0] and not self.manager.busy(sid):  # its egress, and nothing runs
                 try:
-                    await to_the_end(self._detach_unstarted(sid))
+                    await to_the_end(self._detach_unstarted(sid, detach=True))
                 except Exception:
                     log.exception("%s: detaching the failed standby's egress failed", sid)
             raise
@@ -1001,6 +1034,23 @@ class NodeAgent:
     # --------------------------------------------------------------- callbacks
 
     async def _exited(self, result: SandboxExited) -> None:
+        """A sandbox's exit (the manager's callback): restarted in place, or ended for good
+        and released. A new start of its id waits for this to end."""
+        sid = result.sandbox_id
+        handled = asyncio.Event()
+        earlier = self._exiting.get(sid)
+        self._exiting[sid] = handled
+        try:
+            await self._handle_exit(result)
+        finally:
+            handled.set()
+            if self._exiting.get(sid) is handled:
+                if earlier is not None and not earlier.is_set():
+                    self._exiting[sid] = earlier
+                else:
+                    del self._exiting[sid]
+
+    async def _handle_exit(self, result: SandboxExited) -> None:
         sid = result.sandbox_id
         launched = self._launched.get(sid)
         if launched is not None and sid not in self._fenced:

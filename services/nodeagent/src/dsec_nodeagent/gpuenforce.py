@@ -219,12 +219,22 @@ class PynvmlBackend:
         nvml = self.nvml
         return int(nvml.nvmlGpuInstanceGetInfo(gi).id), int(nvml.nvmlComputeInstanceGetInfo(ci).id)
 
-    def mig_by_ids(self, index: int, gi_id: int, ci_id: int) -> tuple[Any, Any]:
-        """The handles of GPU ``index``'s MIG instance ``gi_id`` and its compute instance
-        ``ci_id`` (one made before this process opened NVML)."""
-        nvml = self.nvml
-        gi = nvml.nvmlDeviceGetGpuInstanceById(self._handles[index], gi_id)
-        return gi, nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
+    def mig_by_ids(self, index: int, gi_id: int, ci_id: int) -> tuple[Any, Any, str] | None:
+        """GPU ``index``'s MIG instance ``gi_id`` and its compute instance ``ci_id`` (made
+        before this process opened NVML): their handles and the MIG device's uuid (None: no
+        such instance now). Other NVML errors are raised."""
+        nvml, h = self.nvml, self._handles[index]
+        try:
+            gi = nvml.nvmlDeviceGetGpuInstanceById(h, gi_id)
+            ci = nvml.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
+        except nvml.NVMLError_NotFound:
+            return None
+        for mig_index in range(nvml.nvmlDeviceGetMaxMigDeviceCount(h)):
+            mig = self._try(nvml.nvmlDeviceGetMigDeviceHandleByIndex, h, mig_index)
+            if mig is not None and nvml.nvmlDeviceGetGpuInstanceId(mig) == gi_id:
+                uuid = nvml.nvmlDeviceGetUUID(mig)
+                return gi, ci, (uuid.decode() if isinstance(uuid, bytes) else str(uuid))
+        return None
 
     def destroy_mig(self, gi: Any, ci: Any) -> None:
         self.nvml.nvmlComputeInstanceDestroy(ci)

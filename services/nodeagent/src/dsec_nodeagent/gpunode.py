@@ -28,6 +28,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from dsec_nodeagent.gpuslice import (
     DeviceInfo,
     GpuGrant,
     MigProfile,
+    SliceError,
     SlicePlan,
     SliceSettings,
     device_rules,
@@ -83,6 +85,8 @@ class MigInstance:
     ci: Any
     gi_id: int
     ci_id: int
+    uuid: str
+    """Its device's uuid (``MIG-…``): what tells it from a later instance given its ids."""
 
 
 @dataclass
@@ -95,6 +99,9 @@ class UnitGpu:
     cgroup_dir: Path | None = None
     mig: list[MigInstance] = field(default_factory=list)
     stop_detail: str | None = None
+    holder: str = field(default_factory=lambda: secrets.token_hex(8))
+    """Who holds its MPS daemons: this unit, not any unit of its sandbox (a release of an
+    earlier copy never takes a later copy's hold)."""
 
     def record(self) -> dict[str, Any]:
         """What a later node agent needs to take the slice over, or to undo it (JSON)."""
@@ -102,7 +109,8 @@ class UnitGpu:
             "sandbox_id": self.sandbox_id,
             "plan": dataclasses.asdict(self.plan),
             "cgroup_dir": str(self.cgroup_dir) if self.cgroup_dir is not None else None,
-            "mig": [[m.index, m.gi_id, m.ci_id] for m in self.mig],
+            "mig": [[m.index, m.gi_id, m.ci_id, m.uuid] for m in self.mig],
+            "holder": self.holder,
         }
 
 
@@ -143,6 +151,7 @@ class GpuNode:
         self.backend: Any = backend
         self.mps = mps or MpsServers(settings.home.resolve() / "gpu" / "mps")
         self.records = settings.home.resolve() / "gpu" / "units"
+        self._records_lock = asyncio.Lock()
         """One file per unit with a slice (``<sandbox id>.json``): a unit outlives a node agent
         that stops without stopping it, and the next one takes its slice over at its start."""
         self.config = ClusterConfig()
@@ -215,10 +224,21 @@ class GpuNode:
         for path in names:
             try:
                 data = json.loads(await asyncio.to_thread(path.read_text))
-                unit = await self._unit_of(data)
-            except Exception as exc:  # unreadable: nothing to take over; it is dropped
+                sid = str(data["sandbox_id"])
+                if path != self._record_path(sid):
+                    raise ValueError(f"it names {sid!r}")
+            except Exception as exc:  # unreadable: nothing to take over or undo; dropped
                 log.warning("GPU slice record %s not read (%s); dropped", path.name, exc)
-                await asyncio.to_thread(path.unlink, True)
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(path.unlink, True)
+                continue
+            try:
+                unit = await self._unit_of(data)
+            except Exception as exc:  # NVML away, a MIG instance not found: kept for later
+                log.warning(
+                    "%s: its GPU slice record was not taken over (%s: %s); kept for the next "
+                    "start", sid, type(exc).__name__, exc,
+                )  # fmt: skip
                 continue
             runs = await asyncio.to_thread(_runs, unit.cgroup_dir)
             (live if runs else ended).append(unit)
@@ -226,15 +246,15 @@ class GpuNode:
             self.units[unit.sandbox_id] = unit
             for grant in unit.plan.grants:
                 if grant.mode == "mps":
-                    await self.mps.adopt(grant.uuid, unit.sandbox_id)
+                    await self.mps.adopt(grant.uuid, unit.holder)
             unit.watch = self._watch_for(unit.plan)
             log.info("%s: its GPU slice taken over (%s)", unit.sandbox_id, unit.plan.mode)
         for unit in ended:
             log.info("%s ended while no node agent ran: its GPU slice is undone", unit.sandbox_id)
             for grant in unit.plan.grants:
                 if grant.mode == "mps":
-                    await self.mps.adopt(grant.uuid, unit.sandbox_id)
-            await self.release_unit(unit)
+                    await self.mps.adopt(grant.uuid, unit.holder)
+            await to_the_end(self.release_unit(unit))
         return [unit.sandbox_id for unit in live]
 
     async def keep_only(self, adopted: Sequence[str]) -> None:
@@ -246,14 +266,25 @@ class GpuNode:
             await self.release(sid)
 
     async def _unit_of(self, data: dict[str, Any]) -> UnitGpu:
+        """The unit a record describes, its MIG instances found again. An instance whose ids
+        now belong to another device (it was destroyed and its ids given to a new one) is
+        not this unit's: left out, never destroyed from here."""
         sid = str(data["sandbox_id"])
         cgroup = data.get("cgroup_dir")
-        unit = UnitGpu(sid, _plan_of(data["plan"]), cgroup_dir=Path(cgroup) if cgroup else None)
-        for index, gi_id, ci_id in data.get("mig") or []:
+        unit = UnitGpu(
+            sid,
+            _plan_of(data["plan"]),
+            cgroup_dir=Path(cgroup) if cgroup else None,
+            holder=str(data.get("holder") or sid),
+        )
+        for index, gi_id, ci_id, uuid in data.get("mig") or []:
             if self.backend is None:
                 raise RuntimeError("a MIG instance is recorded and NVML is not open")
-            gi, ci = await asyncio.to_thread(self.backend.mig_by_ids, index, gi_id, ci_id)
-            unit.mig.append(MigInstance(int(index), gi, ci, int(gi_id), int(ci_id)))
+            found = await asyncio.to_thread(self.backend.mig_by_ids, index, gi_id, ci_id)
+            if found is None or found[2] != uuid:
+                log.warning("%s: its MIG instance %s is gone; nothing to undo", sid, uuid)
+                continue
+            unit.mig.append(MigInstance(int(index), found[0], found[1], gi_id, ci_id, uuid))
         return unit
 
     def _record_path(self, sid: str) -> Path:
@@ -262,17 +293,28 @@ class GpuNode:
         return self.records / f"{sid}.json"
 
     async def _save(self, unit: UnitGpu) -> None:
-        """The unit's record, replaced whole (a crash leaves the old one or the new one)."""
+        """The unit's record, replaced whole (a crash leaves the old one or the new one);
+        records are written and removed one at a time, and a unit no longer held writes none."""
         path = self._record_path(unit.sandbox_id)
         data = json.dumps(unit.record()).encode()
 
         def write() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_bytes(data)
             os.replace(tmp, path)
 
-        await asyncio.to_thread(write)
+        async with self._records_lock:
+            if self.units.get(unit.sandbox_id) is unit:
+                await asyncio.to_thread(write)
+
+    async def _drop_record(self, unit: UnitGpu) -> None:
+        """Remove the record of a unit released whole, unless a newer unit of its sandbox
+        holds it now."""
+        async with self._records_lock:
+            if self.units.get(unit.sandbox_id) is None:
+                with contextlib.suppress(OSError, ValueError):
+                    await asyncio.to_thread(self._record_path(unit.sandbox_id).unlink, True)
 
     async def refresh_config(self) -> ClusterConfig:
         """The latest authentic ``cluster.config_set`` (kept when the bus is away)."""
@@ -324,12 +366,14 @@ class GpuNode:
         )  # fmt: skip
         if not real:  # a declared GPU: nothing on this machine to bind or fence
             plan = SlicePlan(plan.grants, plan.milli, plan.env, (), ())
+        if sid in self.units:  # (its earlier copy's release under way: keyed by the id)
+            raise SliceError(f"{sid} still holds a GPU slice on this node")
         unit = UnitGpu(sid, plan)
         self.units[sid] = unit
         try:
             for grant in plan.grants:
                 if grant.mode == "mps":
-                    await self.mps.acquire(grant.uuid, sid)
+                    await self.mps.acquire(grant.uuid, unit.holder)
                 elif grant.mode == "mig" and grant.mig_profile is not None:
                     # Kept in ``unit.mig`` (and its record) even when a cancel lands while NVML
                     # creates it, so the release below destroys it (before, it was left on the
@@ -378,7 +422,7 @@ class GpuNode:
             except BaseException:
                 self.backend.destroy_mig(gi, ci)
                 raise
-            return str(mig_uuid), MigInstance(index, gi, ci, gi_id, ci_id)
+            return str(mig_uuid), MigInstance(index, gi, ci, gi_id, ci_id, str(mig_uuid))
 
         mig_uuid, made = await asyncio.to_thread(create)
         unit.mig.append(made)
@@ -427,7 +471,7 @@ class GpuNode:
         for grant in unit.plan.grants:
             if grant.mode == "mps":
                 try:
-                    await self.mps.release(grant.uuid, sid)
+                    await self.mps.release(grant.uuid, unit.holder)
                 except Exception:
                     log.exception("%s: MPS daemon of %s not stopped", sid, grant.uuid)
         kept = False
@@ -438,9 +482,8 @@ class GpuNode:
             except Exception:
                 kept = True  # its record stays: the next node agent's start tries again
                 log.exception("%s: MIG instance not destroyed", sid)
-        if not kept and self.units.get(sid) is None:  # (not a newer unit of the sandbox's)
-            with contextlib.suppress(OSError, ValueError):
-                await asyncio.to_thread(self._record_path(sid).unlink, True)
+        if not kept:
+            await self._drop_record(unit)
 
     # ------------------------------------------------------------------ the quota watch
 

@@ -596,6 +596,10 @@ class Migrations:
             raise ValueError("the offer is not from the migration's source node")
         if self.agent.manager.busy(sid):
             raise ValueError(f"{sid} already runs on {self.node_id}")
+        if any(s.sandbox_id == sid for s in self._sessions.values()):
+            # (a retried migration while the first one's restore is still here: the two would
+            # share the sandbox's run directory, cgroup and egress)
+            raise ValueError(f"a migration of {sid} to {self.node_id} is already under way")
         key = PrivateKey.generate()
         box = Box(key, PublicKey(bytes(frame["key"])))
         work = Path("/dev/shm") / f"dsec-restore-{self.node_id}-{mid}"
