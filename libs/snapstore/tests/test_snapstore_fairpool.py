@@ -91,3 +91,76 @@ def test_shutdown_waits_for_the_queued_or_cancels_them() -> None:
     for worker in pool._threads:
         worker.join(10)
         assert not worker.is_alive()
+
+
+def test_a_pool_dropped_without_shutdown_lets_its_threads_end() -> None:
+    import gc
+
+    pool = FairExecutor(2)
+    assert pool.submit(lambda: 1).result(10) == 1
+    threads = list(pool._threads)
+    del pool
+    gc.collect()
+    for worker in threads:
+        worker.join(10)
+        assert not worker.is_alive()
+
+
+def test_a_thread_that_cannot_start_loses_no_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = FairExecutor(1)
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with pytest.raises(RuntimeError, match="can't start"):
+        pool.submit(lambda: 1)
+    monkeypatch.undo()
+    assert pool.submit(lambda: 2).result(10) == 2  # nothing queued behind a dead thread
+    pool.shutdown()
+
+
+def test_snapshots_interleaved_in_threads_leave_the_gc_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two creates at once, each pausing the GC (``dsec_snapstore.store._no_gc``): once both
+    ended it is on again. Before, the second could read "off" (the first inside), the first
+    then turned it back on, and the second turned it off and, having read "off", never on."""
+    import gc
+
+    from dsec_snapstore import store as store_module
+
+    assert gc.isenabled()
+    second_started, first_out = threading.Event(), threading.Event()
+
+    class Gc:  # the real GC; the second's read of it returns once the first is out
+        enable, disable = staticmethod(gc.enable), staticmethod(gc.disable)
+
+        @staticmethod
+        def isenabled() -> bool:
+            enabled = gc.isenabled()
+            if threading.current_thread().name == "second":
+                assert first_out.wait(10)
+            return enabled
+
+    monkeypatch.setattr(store_module, "gc", Gc)
+
+    def first() -> None:
+        with store_module._no_gc():
+            assert second_started.wait(10)
+        first_out.set()
+
+    def second() -> None:
+        second_started.set()
+        with store_module._no_gc():
+            assert first_out.wait(10)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second, name="second")]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert gc.isenabled()
+    finally:
+        gc.enable()

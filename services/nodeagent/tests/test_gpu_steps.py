@@ -366,6 +366,11 @@ async def _node_with_units(
     return node
 
 
+def _recorded(node: GpuNode) -> list[str]:
+    """The sandboxes with a GPU slice record (``<sandbox id>.<holder>.json``)."""
+    return sorted(p.name.split(".")[0] for p in node.records.glob("*.json"))
+
+
 def _restarted(tmp_path: Path, nvml: TwoGpus) -> GpuNode:
     """The next node agent's GPU side: same home, nothing in memory."""
     node = _gpu_node(tmp_path, nvml, _servers(tmp_path))
@@ -388,7 +393,7 @@ async def test_a_unit_that_outlives_its_node_agent_keeps_its_slice_and_the_next_
     # the start that never launched is undone; the running units keep their slices
     assert nvml.destroyed == [] and _daemon_runs(servers, "GPU-1")
     assert "quit" not in _calls(servers, "GPU-1")
-    assert sorted(p.name for p in node.records.iterdir()) == ["sbx_mig.json", "sbx_mps.json"]
+    assert _recorded(node) == ["sbx_mig", "sbx_mps"]
 
     after = _restarted(tmp_path, nvml)
     assert sorted(await after.readopt()) == ["sbx_mig", "sbx_mps"]
@@ -438,12 +443,12 @@ async def test_a_mig_instance_nvml_would_not_destroy_stays_recorded(
 
     monkeypatch.setattr(nvml, "destroy_mig", busy)
     await node.release("sbx_mig")
-    assert (node.records / "sbx_mig.json").exists()
+    assert "sbx_mig" in _recorded(node)
     monkeypatch.undo()
     _cgroup(tmp_path, "sbx_mig", running=False)
     monkeypatch.setattr("dsec_nodeagent.gpunode.attach_device_guard", lambda *_: None)
     await _restarted(tmp_path, nvml).readopt()
-    assert nvml.destroyed == [(7, 0)] and not (node.records / "sbx_mig.json").exists()
+    assert nvml.destroyed == [(7, 0)] and "sbx_mig" not in _recorded(node)
 
 
 async def test_a_unit_the_node_agent_did_not_readopt_has_its_slice_undone(
@@ -458,7 +463,7 @@ async def test_a_unit_the_node_agent_did_not_readopt_has_its_slice_undone(
     await after.readopt()
     await after.keep_only(["sbx_mps"])
     assert list(after.units) == ["sbx_mps"] and nvml.destroyed == [(7, 0)]
-    assert sorted(p.name for p in after.records.iterdir()) == ["sbx_mps.json"]
+    assert _recorded(after) == ["sbx_mps"]
 
 
 async def test_a_record_nvml_cannot_resolve_now_is_kept_for_the_next_start(
@@ -474,7 +479,7 @@ async def test_a_record_nvml_cannot_resolve_now_is_kept_for_the_next_start(
     monkeypatch.setattr(nvml, "mig_by_ids", flaky)
     after = _restarted(tmp_path, nvml)
     assert await after.readopt() == ["sbx_mps"]
-    assert (after.records / "sbx_mig.json").exists() and nvml.destroyed == []
+    assert "sbx_mig" in _recorded(after) and nvml.destroyed == []
     monkeypatch.undo()
     monkeypatch.setattr("dsec_nodeagent.gpunode.attach_device_guard", lambda *_: None)
     assert "sbx_mig" in await _restarted(tmp_path, nvml).readopt()
@@ -493,7 +498,7 @@ async def test_a_record_whose_instance_ids_now_name_another_is_not_destroyed(
     after = _restarted(tmp_path, nvml)
     await after.readopt()
     assert nvml.destroyed == [] and "sbx_mig" not in after.units
-    assert not (after.records / "sbx_mig.json").exists()
+    assert "sbx_mig" not in _recorded(after)
 
 
 async def test_a_second_slice_of_a_sandbox_still_holding_one_is_refused(
@@ -506,3 +511,24 @@ async def test_a_second_slice_of_a_sandbox_still_holding_one_is_refused(
     assert nvml.created == [(7, 0)]  # nothing made for it
     await node.release("sbx_mig")
     assert nvml.destroyed == [(7, 0)]
+
+
+async def test_a_record_written_before_uuids_and_holders_is_taken_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``<sandbox id>.json`` with ``[index, gi, ci]`` MIG entries and no holder."""
+    import json
+
+    nvml = TwoGpus()
+    node = await _node_with_units(tmp_path, monkeypatch, nvml)
+    await node.stop()
+    [path] = node.records.glob("sbx_mig.*.json")
+    data = json.loads(path.read_text())
+    del data["holder"]
+    data["mig"] = [entry[:3] for entry in data["mig"]]
+    path.unlink()
+    (node.records / "sbx_mig.json").write_text(json.dumps(data))
+    after = _restarted(tmp_path, nvml)
+    assert "sbx_mig" in await after.readopt()
+    await after.release("sbx_mig")
+    assert nvml.destroyed == [(7, 0)] and "sbx_mig" not in _recorded(after)

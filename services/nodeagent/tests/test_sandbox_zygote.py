@@ -806,6 +806,37 @@ async def test_a_launch_cancelled_while_it_waits_for_its_ready_signal_keeps_no_p
         assert _pidfds() == before
 
 
+async def test_a_launch_cancelled_twice_while_its_hook_runs_keeps_no_pidfd(
+    tmp_path: Path,
+) -> None:
+    """A second cancel that lands while the launch waits for its supervisor to go (after the
+    first cancel ended its hook on the cgroup): the wait is cut short and the supervisor's
+    pidfd is still closed. Before, the wait was a task of ``wait_for``, cancelled before it
+    ran, and its close never happened."""
+    held = asyncio.Event()
+    config = snippet_config("zyg-cancel-twice", "print('never')\n", tmp_path)
+    async with managed(tmp_path / "home") as manager:
+        assert manager.zygote is not None
+        await run_to_end(manager, snippet_config("zyg-steady-2", "print('ok')\n", tmp_path))
+        await manager.settle()
+        before = _pidfds()
+
+        async def hold(sandbox_id: str, cgroup_dir: Path, inode: int) -> None:
+            held.set()
+            await asyncio.Event().wait()  # until cancelled
+
+        launch = asyncio.ensure_future(manager.launch(config, before_start=hold))
+        await asyncio.wait_for(held.wait(), 60)
+        launch.cancel()
+        await asyncio.sleep(0)  # the launch takes the cancel, then waits for its supervisor
+        launch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await launch
+        await manager.settle()
+        assert manager.states.read("zyg-cancel-twice") is None
+        assert _pidfds() == before
+
+
 async def test_purging_a_sandbox_whose_launch_is_under_way_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -139,7 +139,8 @@ async def test_a_start_of_an_id_waits_for_the_exit_of_its_earlier_copy(tmp_path:
     beside it had its own released instead."""
     agent = _agent(tmp_path, Egress())
     exiting = asyncio.Event()
-    agent._exiting["sbx"] = exiting
+    agent._exiting["sbx"] = (exiting, [1])
+    assert agent.exiting("sbx")
     entered = asyncio.Event()
 
     async def start() -> None:

@@ -11,6 +11,7 @@ turn: the small snapshot's runs start after at most one task of each other snaps
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor, Future
@@ -22,19 +23,62 @@ T = TypeVar("T")
 _Task = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
+class _Queues:
+    """What the worker threads share (not the executor: one dropped without ``shutdown`` is
+    collected, and its threads then end once its queues are empty)."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.queues: OrderedDict[Hashable, deque[_Task]] = OrderedDict()
+        self.closed = False
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+
+    def next(self) -> _Task | None:
+        """The next task: the first queue's head, that queue moved to the back (None: closed
+        and nothing left)."""
+        with self.cv:
+            while not self.queues:
+                if self.closed:
+                    return None
+                self.cv.wait()
+            key, queue = next(iter(self.queues.items()))
+            task = queue.popleft()
+            if queue:
+                self.queues.move_to_end(key)
+            else:
+                del self.queues[key]
+            return task
+
+    def work(self) -> None:
+        while (task := self.next()) is not None:
+            future, fn, args, kwargs = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del task, future, fn, args, kwargs  # (no reference kept while it waits)
+
+
 class FairExecutor(Executor):
     """``threads`` worker threads; tasks are queued per submitting thread and taken round-robin
-    across those queues (FIFO within one). Threads start with the first task."""
+    across those queues (FIFO within one). Threads start with the first tasks."""
 
     def __init__(self, threads: int, name: str = "fair") -> None:
         if threads < 1:
             raise ValueError("threads must be at least 1")
         self._size = threads
         self._name = name
-        self._cv = threading.Condition()
-        self._queues: OrderedDict[Hashable, deque[_Task]] = OrderedDict()
+        self._shared = _Queues()
         self._threads: list[threading.Thread] = []
-        self._closed = False
+        weakref.finalize(self, self._shared.close)
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         """``fn(*args, **kwargs)`` in the queue of the calling thread."""
@@ -49,61 +93,33 @@ class FairExecutor(Executor):
         self, key: Hashable, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Future[T]:
         future: Future[T] = Future()
-        with self._cv:
-            if self._closed:
+        shared = self._shared
+        with shared.cv:
+            if shared.closed:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            queue = self._queues.get(key)
-            if queue is None:
-                queue = self._queues[key] = deque()
-            queue.append((future, fn, args, kwargs))
             if len(self._threads) < self._size:
                 worker = threading.Thread(
-                    target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True
+                    target=shared.work, name=f"{self._name}-{len(self._threads)}", daemon=True
                 )
+                worker.start()  # (before the task is queued: a failed start loses none)
                 self._threads.append(worker)
-                worker.start()
-            self._cv.notify()
+            queue = shared.queues.get(key)
+            if queue is None:
+                queue = shared.queues[key] = deque()
+            queue.append((future, fn, args, kwargs))
+            shared.cv.notify()
         return future
 
-    def _next(self) -> _Task | None:
-        """The next task: the first queue's head, that queue moved to the back (None: closed
-        and nothing left)."""
-        with self._cv:
-            while not self._queues:
-                if self._closed:
-                    return None
-                self._cv.wait()
-            key, queue = next(iter(self._queues.items()))
-            task = queue.popleft()
-            if queue:
-                self._queues.move_to_end(key)
-            else:
-                del self._queues[key]
-            return task
-
-    def _work(self) -> None:
-        while (task := self._next()) is not None:
-            future, fn, args, kwargs = task
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-            del task, future, fn, args, kwargs  # (no reference kept while it waits)
-
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._cv:
-            self._closed = True
+        shared = self._shared
+        with shared.cv:
             if cancel_futures:
-                for queue in self._queues.values():
+                for queue in shared.queues.values():
                     for future, *_ in queue:
                         future.cancel()
-                self._queues.clear()
-            self._cv.notify_all()
+                shared.queues.clear()
             threads = list(self._threads)
+        shared.close()
         if wait:
             for worker in threads:
                 if worker is not threading.current_thread():

@@ -1887,18 +1887,32 @@ class _Stored(msgspec.Struct, forbid_unknown_fields=True):
 _STORED = msgspec.json.Decoder(_Stored)
 
 
+_NO_GC_LOCK = threading.Lock()
+_no_gc_holders = 0
+_gc_was_enabled = False
+
+
 @contextlib.contextmanager
 def _no_gc() -> Iterator[None]:
     """Pause the cyclic GC while thousands of short-lived records are built (as Mercurial's
     ``util.nogc`` does): collections triggered by allocation alone cost a third of an
-    incremental snapshot. Reference counting still frees everything."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    incremental snapshot. Reference counting still frees everything. Counted across threads
+    (creates of different trees run at once): the GC is back on, if it was on, once the last
+    holder ends (each holder saving and restoring it left it off for good when two
+    interleaved)."""
+    global _no_gc_holders, _gc_was_enabled
+    with _NO_GC_LOCK:
+        if not _no_gc_holders:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _no_gc_holders += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _NO_GC_LOCK:
+            _no_gc_holders -= 1
+            if not _no_gc_holders and _gc_was_enabled:
+                gc.enable()
 
 
 class _PackingSink:

@@ -254,7 +254,8 @@ class NodeAgent:
         self._stop_wanted: set[str] = set()
         self._restart_tasks: dict[str, asyncio.Task[object]] = {}  # exit handlers in a restart
         self._closing = False  # shutting down: nothing is restarted any more
-        self._exiting: dict[str, asyncio.Event] = {}  # exits being handled, set when done
+        # exits being handled: (set once none is, how many are)
+        self._exiting: dict[str, tuple[asyncio.Event, list[int]]] = {}
         # stateful sandboxes re-adopted at start (not restartable): forgotten at their exit
         self._adopted_plans: dict[str, EnforcementPlan] = {}
         self.start_from_snapshot: StartFromSnapshot | None = None
@@ -516,7 +517,7 @@ class NodeAgent:
         runs inside ``_exited``, takes :meth:`_one_start` alone."""
         while True:
             while (exiting := self._exiting.get(sid)) is not None:
-                await exiting.wait()
+                await exiting[0].wait()
             async with self._one_start(sid):
                 if sid not in self._exiting:
                     yield
@@ -681,6 +682,7 @@ class NodeAgent:
         ctx = await self.injector.prepare(
             sid, plan.secrets, plan.mounts, tenant=plan.tenant, tenant_vault=plan.tenant_vault
         )
+        sliced = False
         outputs: list[events.Payload] = [
             *restored,
             *(events.ContextInjected(**record.model_dump()) for record in ctx.records),
@@ -689,6 +691,7 @@ class NodeAgent:
             staged = await self._staged(sid, staging)
             config = self._config(sid, plan, staged.site_packages, code_dir, ctx)
             config = await self._gpu_slice(sid, plan, config)
+            sliced = True  # (a slice refused here is another copy's: not released below)
             if handover_from is not None:
                 config = config.model_copy(
                     update={"env": {**config.env, ENV_HANDOVER_FROM: handover_from}}
@@ -718,7 +721,7 @@ class NodeAgent:
             self.recordings.forget(sid)
             await self.injector.release(ctx)
             self._forget_state(sid, plan)
-            if self.gpus is not None:
+            if self.gpus is not None and sliced:
                 await self.gpus.release(sid)
             raise
         self._launched[sid] = Launched(config, plan, egress_plan, ready.started_at)
@@ -1037,18 +1040,20 @@ class NodeAgent:
         """A sandbox's exit (the manager's callback): restarted in place, or ended for good
         and released. A new start of its id waits for this to end."""
         sid = result.sandbox_id
-        handled = asyncio.Event()
-        earlier = self._exiting.get(sid)
-        self._exiting[sid] = handled
+        entry = self._exiting.setdefault(sid, (asyncio.Event(), [0]))
+        entry[1][0] += 1
         try:
             await self._handle_exit(result)
         finally:
-            handled.set()
-            if self._exiting.get(sid) is handled:
-                if earlier is not None and not earlier.is_set():
-                    self._exiting[sid] = earlier
-                else:
-                    del self._exiting[sid]
+            entry[1][0] -= 1
+            if not entry[1][0]:
+                entry[0].set()
+                del self._exiting[sid]
+
+    def exiting(self, sid: str) -> bool:
+        """Whether the exit of a copy of ``sid`` is being handled here (its egress, GPU slice
+        and context released by the id)."""
+        return sid in self._exiting
 
     async def _handle_exit(self, result: SandboxExited) -> None:
         sid = result.sandbox_id

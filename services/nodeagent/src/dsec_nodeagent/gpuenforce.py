@@ -230,11 +230,14 @@ class PynvmlBackend:
         except nvml.NVMLError_NotFound:
             return None
         for mig_index in range(nvml.nvmlDeviceGetMaxMigDeviceCount(h)):
-            mig = self._try(nvml.nvmlDeviceGetMigDeviceHandleByIndex, h, mig_index)
-            if mig is not None and nvml.nvmlDeviceGetGpuInstanceId(mig) == gi_id:
+            try:
+                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, mig_index)
+            except nvml.NVMLError_NotFound:  # an empty slot
+                continue
+            if nvml.nvmlDeviceGetGpuInstanceId(mig) == gi_id:
                 uuid = nvml.nvmlDeviceGetUUID(mig)
                 return gi, ci, (uuid.decode() if isinstance(uuid, bytes) else str(uuid))
-        return None
+        raise RuntimeError(f"GPU {index}: MIG instance {gi_id} exists and has no device")
 
     def destroy_mig(self, gi: Any, ci: Any) -> None:
         self.nvml.nvmlComputeInstanceDestroy(ci)

@@ -101,7 +101,8 @@ class UnitGpu:
     stop_detail: str | None = None
     holder: str = field(default_factory=lambda: secrets.token_hex(8))
     """Who holds its MPS daemons: this unit, not any unit of its sandbox (a release of an
-    earlier copy never takes a later copy's hold)."""
+    earlier copy never takes a later copy's hold); also its record's name."""
+    released: bool = False
 
     def record(self) -> dict[str, Any]:
         """What a later node agent needs to take the slice over, or to undo it (JSON)."""
@@ -225,7 +226,7 @@ class GpuNode:
             try:
                 data = json.loads(await asyncio.to_thread(path.read_text))
                 sid = str(data["sandbox_id"])
-                if path != self._record_path(sid):
+                if path != self._record_path(sid, data.get("holder")):
                     raise ValueError(f"it names {sid!r}")
             except Exception as exc:  # unreadable: nothing to take over or undo; dropped
                 log.warning("GPU slice record %s not read (%s); dropped", path.name, exc)
@@ -240,6 +241,10 @@ class GpuNode:
                     "start", sid, type(exc).__name__, exc,
                 )  # fmt: skip
                 continue
+            if path != self._record_path(sid, unit.holder):  # an older record's name
+                await self._save(unit)
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(path.unlink, True)
             runs = await asyncio.to_thread(_runs, unit.cgroup_dir)
             (live if runs else ended).append(unit)
         for unit in live:  # first: a daemon a live unit holds is not told to quit below
@@ -277,25 +282,31 @@ class GpuNode:
             cgroup_dir=Path(cgroup) if cgroup else None,
             holder=str(data.get("holder") or sid),
         )
-        for index, gi_id, ci_id, uuid in data.get("mig") or []:
+        for index, gi_id, ci_id, *rest in data.get("mig") or []:
             if self.backend is None:
                 raise RuntimeError("a MIG instance is recorded and NVML is not open")
             found = await asyncio.to_thread(self.backend.mig_by_ids, index, gi_id, ci_id)
-            if found is None or found[2] != uuid:
+            uuid = str(rest[0]) if rest else None  # (a record without it: ids alone)
+            if found is None or (uuid is not None and found[2] != uuid):
                 log.warning("%s: its MIG instance %s is gone; nothing to undo", sid, uuid)
                 continue
-            unit.mig.append(MigInstance(int(index), found[0], found[1], gi_id, ci_id, uuid))
+            unit.mig.append(
+                MigInstance(int(index), found[0], found[1], gi_id, ci_id, uuid or found[2])
+            )
         return unit
 
-    def _record_path(self, sid: str) -> Path:
-        if not sid or "/" in sid or sid.startswith("."):
-            raise ValueError(f"not a sandbox id: {sid!r}")
-        return self.records / f"{sid}.json"
+    def _record_path(self, sid: str, holder: str | None) -> Path:
+        """``<sandbox id>.<holder>.json``: one file per unit, so a unit's record is never
+        another copy's of the same sandbox."""
+        for part in (sid, holder or ""):
+            if "/" in part or part.startswith(".") or (part is sid and not part):
+                raise ValueError(f"not a sandbox id or holder: {part!r}")
+        return self.records / (f"{sid}.{holder}.json" if holder else f"{sid}.json")
 
     async def _save(self, unit: UnitGpu) -> None:
         """The unit's record, replaced whole (a crash leaves the old one or the new one);
-        records are written and removed one at a time, and a unit no longer held writes none."""
-        path = self._record_path(unit.sandbox_id)
+        records are written and removed one at a time, and a unit released writes none."""
+        path = self._record_path(unit.sandbox_id, unit.holder)
         data = json.dumps(unit.record()).encode()
 
         def write() -> None:
@@ -305,16 +316,16 @@ class GpuNode:
             os.replace(tmp, path)
 
         async with self._records_lock:
-            if self.units.get(unit.sandbox_id) is unit:
+            if not unit.released:
                 await asyncio.to_thread(write)
 
     async def _drop_record(self, unit: UnitGpu) -> None:
-        """Remove the record of a unit released whole, unless a newer unit of its sandbox
-        holds it now."""
+        """Remove the record of a unit released whole."""
         async with self._records_lock:
-            if self.units.get(unit.sandbox_id) is None:
-                with contextlib.suppress(OSError, ValueError):
-                    await asyncio.to_thread(self._record_path(unit.sandbox_id).unlink, True)
+            with contextlib.suppress(OSError, ValueError):
+                await asyncio.to_thread(
+                    self._record_path(unit.sandbox_id, unit.holder).unlink, True
+                )
 
     async def refresh_config(self) -> ClusterConfig:
         """The latest authentic ``cluster.config_set`` (kept when the bus is away)."""
@@ -468,6 +479,7 @@ class GpuNode:
         """Undo ``unit``'s slice: its hold on its MPS daemons (the last one's quits it), its
         MIG instances, then its record."""
         sid = unit.sandbox_id
+        unit.released = True
         for grant in unit.plan.grants:
             if grant.mode == "mps":
                 try:

@@ -82,6 +82,9 @@ EXPECT_S = 15.0
 DELTAS_FRAME_BYTES = 512 * 1024
 """Path ``handover``: checkpoint records in one frame of the channel."""
 RECOVER_S = 90.0
+SESSION_IDLE_S = 300.0
+"""A migration session that has seen no frame for this long (its source crashed, or never got
+the hello) is given up when the next migration of its sandbox to this node arrives."""
 """Path ``handover``: how long the target's sandbox may take to start and open its state."""
 
 
@@ -126,6 +129,12 @@ class _Session:
     restored: dict[str, Any] = field(default_factory=dict)
     cgroup: Any = None
     meta: dict[str, Any] = field(default_factory=dict)
+    busy: int = 0  # frames being answered now
+    last_seen: float = field(default_factory=time.monotonic)
+
+    def idle(self) -> bool:
+        """Whether no frame is being answered and none came for :data:`SESSION_IDLE_S`."""
+        return not self.busy and time.monotonic() - self.last_seen > SESSION_IDLE_S
 
 
 @dataclass
@@ -569,7 +578,12 @@ class Migrations:
         if not isinstance(body, dict) or body.get("n") != session.counter:
             raise ValueError("a frame out of order")
         session.counter += 1
-        result = await self._serve(session, body)
+        session.busy += 1
+        try:
+            result = await self._serve(session, body)
+        finally:
+            session.busy -= 1
+            session.last_seen = time.monotonic()
         return canonical.canonical_bytes(
             {"k": "sealed", "sealed": session.box.encrypt(canonical.canonical_bytes(result))}
         )
@@ -596,10 +610,15 @@ class Migrations:
             raise ValueError("the offer is not from the migration's source node")
         if self.agent.manager.busy(sid):
             raise ValueError(f"{sid} already runs on {self.node_id}")
-        if any(s.sandbox_id == sid for s in self._sessions.values()):
+        for other in [s for s in self._sessions.values() if s.sandbox_id == sid]:
             # (a retried migration while the first one's restore is still here: the two would
             # share the sandbox's run directory, cgroup and egress)
-            raise ValueError(f"a migration of {sid} to {self.node_id} is already under way")
+            if not other.idle():
+                raise ValueError(f"a migration of {sid} to {self.node_id} is already under way")
+            log.warning("%s: migration %s left idle; given up", sid, other.migration_id)
+            await self._discard(other)
+        if self.agent.exiting(sid):  # an earlier copy's exit still releases its egress
+            raise ValueError(f"an earlier copy of {sid} is still ending on {self.node_id}")
         key = PrivateKey.generate()
         box = Box(key, PublicKey(bytes(frame["key"])))
         work = Path("/dev/shm") / f"dsec-restore-{self.node_id}-{mid}"

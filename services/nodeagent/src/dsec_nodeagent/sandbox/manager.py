@@ -818,8 +818,11 @@ class SandboxManager:
                 except BaseException:
                     os.close(go_w)  # no go: init exits, then its supervisor
                     go_w = -1
+                    # (awaited directly, not as wait_for's task: a task cancelled before it
+                    # ran never reached wait_pidfd's close of the pidfd)
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(zygote.wait_pidfd(pidfd), START_TIMEOUT_S)
+                        async with asyncio.timeout(START_TIMEOUT_S):
+                            await zygote.wait_pidfd(pidfd)
                     raise
                 marks["cgroup"] = time.monotonic_ns()
                 with contextlib.suppress(OSError):  # init died already: its report says why
