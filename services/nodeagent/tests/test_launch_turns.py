@@ -30,6 +30,9 @@ class _NothingRuns:
     def get(self, sid: str) -> None:
         return None
 
+    def busy(self, sid: str) -> bool:
+        return False
+
 
 def _agent(placements: dict[str, tuple[str, int, str]]) -> tuple[NodeAgent, list[int]]:
     """A node agent of node ``a`` whose lifecycle reads come from ``placements`` (sandbox ->

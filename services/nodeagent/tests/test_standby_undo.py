@@ -16,7 +16,7 @@ import pytest
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan, compile_plan, load_spec
 
-from dsec_nodeagent.agent import Launched, NodeAgent, StartRefused
+from dsec_nodeagent.agent import Launched, NodeAgent, StartBusy, StartRefused
 from dsec_nodeagent.sandbox.models import ExitReason, SandboxExited, SandboxStartError
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper
 
@@ -187,3 +187,22 @@ async def test_a_released_copy_lets_its_state_go_at_its_exit(tmp_path: Path) -> 
     )
     assert keeper.sandbox_of("sbx") is None
     assert egress.attached == {}
+
+
+async def test_a_scheduled_start_of_an_id_held_here_is_retried_touching_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held by another copy (a migration's restore of it, a start's leftovers): before, the
+    start went on, was refused by the manager, and its clean-up dropped the other copy's
+    placement attempt, rules and egress, and published ``sandbox.failed`` for it."""
+    egress = Egress()
+    agent = _agent(tmp_path, egress)
+    egress.attached["sbx"] = Path("/sys/fs/cgroup/dsec/sbx")
+    agent._attempts["sbx"] = 3
+    agent._rules["sbx"] = object()  # type: ignore[assignment]
+    monkeypatch.setattr(agent.manager, "busy", lambda sid: sid == "sbx")
+    with pytest.raises(StartBusy, match="another copy"):
+        await agent._start("sbx", None, SimpleNamespace(attempt=4))  # type: ignore[arg-type]
+    assert agent._attempts == {"sbx": 3} and "sbx" in agent._rules
+    assert egress.attached == {"sbx": Path("/sys/fs/cgroup/dsec/sbx")}
+    assert agent._ended_here == {}

@@ -180,6 +180,12 @@ class StartRefused(Exception):
     ``sandbox.failed`` at once."""
 
 
+class StartBusy(Exception):
+    """Another copy of the sandbox holds its id on this node (a migration's restore, a start's
+    leftovers not yet cleaned up): the start is retried later, with nothing of it made and
+    nothing of the other copy touched."""
+
+
 class StartStopped(Exception):
     """A stop was requested while the sandbox was starting: the start ends where it is, its
     steps undone, without an event of its own (the stop's ``sandbox.exited`` ends it)."""
@@ -526,6 +532,8 @@ class NodeAgent:
     async def _start(
         self, sid: str, envelope: Envelope, event: events.SandboxScheduled
     ) -> Sequence[events.Payload]:
+        if self.manager.busy(sid):
+            raise StartBusy(f"{sid} is held on {self.node_id} by another copy of it; retried")
         staging: asyncio.Task[Staged] | None = None
         hooked: list[bool] = [False]  # whether its launch's hook ran (egress attached)
         try:
