@@ -164,3 +164,31 @@ def test_snapshots_interleaved_in_threads_leave_the_gc_as_it_was(
         assert gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_gc_pause_kept_up_by_overlapping_snapshots_still_collects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dsec_snapstore import store as store_module
+
+    collected: list[int] = []
+    monkeypatch.setattr(store_module, "NO_GC_MAX_S", 0.0)
+    monkeypatch.setattr(store_module.gc, "collect", lambda *a: collected.append(1) or 0)
+    with store_module._no_gc(), store_module._no_gc():  # a second one in the first's pause
+        pass
+    assert collected == [1]
+
+
+def test_a_thread_that_cannot_start_beside_running_ones_is_no_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = FairExecutor(2)
+    assert pool.submit(lambda: 1).result(10) == 1
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    assert pool.submit(lambda: 2).result(10) == 2  # the running thread takes it
+    monkeypatch.undo()
+    pool.shutdown()

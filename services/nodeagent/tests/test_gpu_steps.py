@@ -532,3 +532,36 @@ async def test_a_record_written_before_uuids_and_holders_is_taken_over(
     assert "sbx_mig" in await after.readopt()
     await after.release("sbx_mig")
     assert nvml.destroyed == [(7, 0)] and "sbx_mig" not in _recorded(after)
+
+
+async def test_a_record_under_its_sandbox_name_with_a_holder_and_its_renamed_copy_count_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``<sandbox id>.json`` holding a holder is taken over and renamed; found beside the
+    renamed one (a crash between the two steps), it is dropped, not taken over twice."""
+    import json
+    import shutil
+
+    nvml = TwoGpus()
+    node = await _node_with_units(tmp_path, monkeypatch, nvml)
+    await node.stop()
+    _cgroup(tmp_path, "sbx_mig", running=False)
+    [path] = node.records.glob("sbx_mig.*.json")
+    holder = json.loads(path.read_text())["holder"]
+    shutil.copy(path, node.records / "sbx_mig.json")  # the rename's first step only
+    after = _restarted(tmp_path, nvml)
+    await after.readopt()
+    assert nvml.destroyed == [(7, 0)]  # once
+    assert "sbx_mig" not in _recorded(after)
+
+    after.config = node.config
+    await after.prepare("sbx_mig", _placed("sbx_mig", 0, 100))  # again, under its old name
+    await after.attach("sbx_mig", _cgroup(tmp_path, "sbx_mig", running=True))
+    [path] = node.records.glob("sbx_mig.*.json")
+    path.rename(node.records / "sbx_mig.json")
+    again = _restarted(tmp_path, nvml)
+    assert "sbx_mig" in await again.readopt()
+    assert again.units["sbx_mig"].holder != holder
+    assert sorted(p.name for p in again.records.glob("sbx_mig*")) == [
+        f"sbx_mig.{again.units['sbx_mig'].holder}.json"
+    ]

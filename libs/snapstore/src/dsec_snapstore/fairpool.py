@@ -101,8 +101,13 @@ class FairExecutor(Executor):
                 worker = threading.Thread(
                     target=shared.work, name=f"{self._name}-{len(self._threads)}", daemon=True
                 )
-                worker.start()  # (before the task is queued: a failed start loses none)
-                self._threads.append(worker)
+                try:
+                    worker.start()  # (before the task is queued: a failed start loses none)
+                except RuntimeError:
+                    if not self._threads:  # no thread would ever run it
+                        raise
+                else:
+                    self._threads.append(worker)
             queue = shared.queues.get(key)
             if queue is None:
                 queue = shared.queues[key] = deque()
@@ -112,14 +117,15 @@ class FairExecutor(Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         shared = self._shared
-        with shared.cv:
+        with shared.cv:  # (closed first: a submit meanwhile is refused, not left behind)
+            shared.closed = True
             if cancel_futures:
                 for queue in shared.queues.values():
                     for future, *_ in queue:
                         future.cancel()
                 shared.queues.clear()
+            shared.cv.notify_all()
             threads = list(self._threads)
-        shared.close()
         if wait:
             for worker in threads:
                 if worker is not threading.current_thread():

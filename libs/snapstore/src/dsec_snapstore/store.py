@@ -1890,6 +1890,10 @@ _STORED = msgspec.json.Decoder(_Stored)
 _NO_GC_LOCK = threading.Lock()
 _no_gc_holders = 0
 _gc_was_enabled = False
+_no_gc_since = 0.0
+NO_GC_MAX_S = 10.0
+"""The longest the GC stays paused while snapshots overlap back to back (then one collection
+runs, and the pause goes on)."""
 
 
 @contextlib.contextmanager
@@ -1900,12 +1904,18 @@ def _no_gc() -> Iterator[None]:
     (creates of different trees run at once): the GC is back on, if it was on, once the last
     holder ends (each holder saving and restoring it left it off for good when two
     interleaved)."""
-    global _no_gc_holders, _gc_was_enabled
+    global _no_gc_holders, _gc_was_enabled, _no_gc_since
+    collect = False
     with _NO_GC_LOCK:
         if not _no_gc_holders:
             _gc_was_enabled = gc.isenabled()
             gc.disable()
+            _no_gc_since = time.monotonic()
+        elif _gc_was_enabled and time.monotonic() - _no_gc_since > NO_GC_MAX_S:
+            collect, _no_gc_since = True, time.monotonic()
         _no_gc_holders += 1
+    if collect:  # (outside the lock: a collection can take a while)
+        gc.collect()
     try:
         yield
     finally:

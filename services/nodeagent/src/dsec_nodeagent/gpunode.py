@@ -226,7 +226,8 @@ class GpuNode:
             try:
                 data = json.loads(await asyncio.to_thread(path.read_text))
                 sid = str(data["sandbox_id"])
-                if path != self._record_path(sid, data.get("holder")):
+                holder = data.get("holder")
+                if path not in (self._record_path(sid, holder), self._record_path(sid, None)):
                     raise ValueError(f"it names {sid!r}")
             except Exception as exc:  # unreadable: nothing to take over or undo; dropped
                 log.warning("GPU slice record %s not read (%s); dropped", path.name, exc)
@@ -242,9 +243,15 @@ class GpuNode:
                 )  # fmt: skip
                 continue
             if path != self._record_path(sid, unit.holder):  # an older record's name
-                await self._save(unit)
-                with contextlib.suppress(OSError):
+                named = self._record_path(sid, unit.holder)
+                try:
+                    if await asyncio.to_thread(named.exists):  # renamed before: that one counts
+                        await asyncio.to_thread(path.unlink, True)
+                        continue
+                    await self._save(unit)
                     await asyncio.to_thread(path.unlink, True)
+                except OSError as exc:  # taken over under its old name this time
+                    log.warning("%s: its GPU slice record not renamed (%s)", sid, exc)
             runs = await asyncio.to_thread(_runs, unit.cgroup_dir)
             (live if runs else ended).append(unit)
         for unit in live:  # first: a daemon a live unit holds is not told to quit below

@@ -82,10 +82,10 @@ EXPECT_S = 15.0
 DELTAS_FRAME_BYTES = 512 * 1024
 """Path ``handover``: checkpoint records in one frame of the channel."""
 RECOVER_S = 90.0
+"""Path ``handover``: how long the target's sandbox may take to start and open its state."""
 SESSION_IDLE_S = 300.0
 """A migration session that has seen no frame for this long (its source crashed, or never got
 the hello) is given up when the next migration of its sandbox to this node arrives."""
-"""Path ``handover``: how long the target's sandbox may take to start and open its state."""
 
 
 RUN_FILES = (RULES_FILE,)
