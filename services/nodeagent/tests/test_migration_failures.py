@@ -183,3 +183,76 @@ async def test_a_second_migration_of_a_sandbox_on_the_move_is_refused(
     assert "already" in out[0].reason and out[0].still_running
     release.set()
     assert (await first)[0].migration_id == "m-1"
+
+
+# --------------------------------------------------------------------------- the target's hello
+
+
+def _target(tmp_path: Path, exiting: set[str]) -> tuple[Migrations, Any]:
+    """The target node ``node-2`` of migrations from ``node-1`` (its certificate known)."""
+    from nacl.signing import SigningKey
+
+    source = SigningKey.generate()
+    cert = SimpleNamespace(
+        public_key=bytes(source.verify_key).hex(), role="nodeagent", node_id="node-1"
+    )
+
+    async def certificate(key_id: str) -> Any:
+        return cert
+
+    signer = SimpleNamespace(key_id="node-2-key", endorse=lambda data: "00" * 64)
+    service = SimpleNamespace(
+        gate=SimpleNamespace(keys=SimpleNamespace(certificate=certificate)),
+        publisher=SimpleNamespace(signer=signer),
+    )
+    manager = SimpleNamespace(
+        busy=lambda sid: False, data_root=tmp_path / "sandboxes", run_dir=tmp_path / "run"
+    )
+    agent = SimpleNamespace(node_id="node-2", manager=manager, exiting=lambda sid: sid in exiting)
+    return Migrations(service, agent), source  # type: ignore[arg-type]
+
+
+def _offer(source: Any, mid: str, sid: str) -> dict[str, Any]:
+    from dsec_core import canonical
+    from nacl.public import PrivateKey
+
+    fields = {
+        "k": "offer", "mid": mid, "sid": sid, "key_id": "node-1-key",
+        "key": bytes(PrivateKey.generate().public_key),
+    }  # fmt: skip
+    signed = source.sign(node._offer_bytes(fields)).signature
+    return canonical.unpack(canonical.canonical_bytes({**fields, "sig": signed}))
+
+
+async def test_a_target_holds_one_migration_of_a_sandbox_and_gives_up_one_left_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second migration of a sandbox with one open here is refused (the two would share its
+    run directory, cgroup and egress); one left idle (its source crashed, or never got the
+    hello) is given up after SESSION_IDLE_S instead of refusing every later one for good."""
+    target, source = _target(tmp_path, set())
+    for mid in ("m-1", "m-2", "m-3"):
+        target._expected[mid] = ("sbx", STARTED.model_copy(update={"migration_id": mid}))
+    await target._hello(_offer(source, "m-1", "sbx"))
+    with pytest.raises(ValueError, match="already under way"):
+        await target._hello(_offer(source, "m-2", "sbx"))
+    first = target._sessions["m-1"]
+    first.busy = 1  # a frame being answered: not idle, however long ago the last came
+    first.last_seen -= node.SESSION_IDLE_S + 1
+    with pytest.raises(ValueError, match="already under way"):
+        await target._hello(_offer(source, "m-2", "sbx"))
+    first.busy = 0
+    await target._hello(_offer(source, "m-3", "sbx"))
+    assert list(target._sessions) == ["m-3"] and not first.work.exists()
+    for session in list(target._sessions.values()):
+        await target._discard(session)
+
+
+async def test_a_target_refuses_a_migration_while_an_earlier_copy_still_ends_there(
+    tmp_path: Path,
+) -> None:
+    target, source = _target(tmp_path, {"sbx"})
+    target._expected["m-1"] = ("sbx", STARTED)
+    with pytest.raises(ValueError, match="still ending"):
+        await target._hello(_offer(source, "m-1", "sbx"))
+    assert target._sessions == {}
