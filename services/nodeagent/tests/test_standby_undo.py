@@ -156,6 +156,20 @@ async def test_a_start_of_an_id_waits_for_the_exit_of_its_earlier_copy(tmp_path:
     assert entered.is_set()
 
 
+async def test_a_start_behind_an_exit_that_hangs_is_given_back_to_be_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsec_nodeagent import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "EXIT_WAIT_S", 0.05)
+    agent = _agent(tmp_path, Egress())
+    agent._exiting["sbx"] = (asyncio.Event(), [1])  # (its event never published)
+    with pytest.raises(StartBusy, match="still being handled"):
+        async with agent._one_start_after_exit("sbx"):
+            raise AssertionError("not reached")
+    assert agent._starting == {}
+
+
 async def test_a_released_copy_lets_its_state_go_at_its_exit(tmp_path: Path) -> None:
     egress = Egress()
     agent = _agent(tmp_path, egress)

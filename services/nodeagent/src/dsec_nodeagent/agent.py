@@ -180,6 +180,11 @@ class StartRefused(Exception):
     ``sandbox.failed`` at once."""
 
 
+EXIT_WAIT_S = 30.0
+"""How long a start waits for the exit handling of an earlier copy of its sandbox on the node
+(its releases: a NATS outage can hold its event) before it is given back to be retried."""
+
+
 class StartBusy(Exception):
     """Another copy of the sandbox holds its id on this node (a migration's restore, a start's
     leftovers not yet cleaned up): the start is retried later, with nothing of it made and
@@ -523,7 +528,14 @@ class NodeAgent:
         runs inside ``_exited``, takes :meth:`_one_start` alone."""
         while True:
             while (exiting := self._exiting.get(sid)) is not None:
-                await exiting[0].wait()
+                try:
+                    async with asyncio.timeout(EXIT_WAIT_S):
+                        await exiting[0].wait()
+                except TimeoutError:  # (a worker is not held for good: retried later)
+                    raise StartBusy(
+                        f"the exit of an earlier copy of {sid} on {self.node_id} is still "
+                        f"being handled after {EXIT_WAIT_S:g} s; retried"
+                    ) from None
             async with self._one_start(sid):
                 if sid not in self._exiting:
                     yield
