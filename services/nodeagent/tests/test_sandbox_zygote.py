@@ -769,6 +769,15 @@ def _pidfds() -> int:
     return count
 
 
+async def _steady_pidfds(manager: SandboxManager, sandbox_id: str, tmp_path: Path) -> int:
+    """The pidfds held once a first launch ran and the node settled (a shell forked ahead
+    holds one): the count a cancelled launch must leave."""
+    assert manager.zygote is not None
+    await run_to_end(manager, snippet_config(sandbox_id, "print('ok')\n", tmp_path))
+    await manager.settle()
+    return _pidfds()
+
+
 async def test_a_launch_cancelled_while_it_waits_for_its_ready_signal_keeps_no_pidfd(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -789,11 +798,7 @@ async def test_a_launch_cancelled_while_it_waits_for_its_ready_signal_keeps_no_p
 
     config = snippet_config("zyg-cancel-reports", "print('never')\n", tmp_path)
     async with managed(tmp_path / "home") as manager:
-        assert manager.zygote is not None
-        # a launch first: the node at its steady state (a shell forked ahead holds a pidfd)
-        await run_to_end(manager, snippet_config("zyg-steady", "print('ok')\n", tmp_path))
-        await manager.settle()
-        before = _pidfds()
+        before = await _steady_pidfds(manager, "zyg-steady", tmp_path)
         monkeypatch.setattr(manager_module, "_read_reports", no_ready_signal)
         launch = asyncio.ensure_future(manager.launch(config))
         await asyncio.wait_for(reading.wait(), 60)
@@ -816,10 +821,7 @@ async def test_a_launch_cancelled_twice_while_its_hook_runs_keeps_no_pidfd(
     held = asyncio.Event()
     config = snippet_config("zyg-cancel-twice", "print('never')\n", tmp_path)
     async with managed(tmp_path / "home") as manager:
-        assert manager.zygote is not None
-        await run_to_end(manager, snippet_config("zyg-steady-2", "print('ok')\n", tmp_path))
-        await manager.settle()
-        before = _pidfds()
+        before = await _steady_pidfds(manager, "zyg-steady-2", tmp_path)
 
         async def hold(sandbox_id: str, cgroup_dir: Path, inode: int) -> None:
             held.set()

@@ -16,7 +16,7 @@ import pytest
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan, compile_plan, load_spec
 
-from dsec_nodeagent.agent import Launched, NodeAgent, StartBusy, StartRefused
+from dsec_nodeagent.agent import Launched, NodeAgent, StartBusy, StartRefused, _Exits
 from dsec_nodeagent.sandbox.models import ExitReason, SandboxExited, SandboxStartError
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper
 
@@ -126,11 +126,11 @@ async def test_a_failed_standby_leaves_a_running_copy_of_the_id_its_egress(
         await agent.launch_migrated("sbx", None, None)  # type: ignore[arg-type]
     assert egress.attached == {"sbx": Path("/sys/fs/cgroup/dsec/sbx")}
 
-    # a start (scheduled or standby) of an id that runs or starts here touches nothing of it
+    # a standby of an id that runs or starts here touches nothing of it
     monkeypatch.setattr(agent.manager, "busy", lambda sid: sid == "sbx")
     del agent._launch
     with pytest.raises(StartRefused, match="already runs or starts"):
-        await agent._launch("sbx", None, None, standby=True)  # type: ignore[arg-type]
+        await agent.launch_migrated("sbx", None, None)  # type: ignore[arg-type]
     assert egress.attached == {"sbx": Path("/sys/fs/cgroup/dsec/sbx")}
 
 
@@ -139,7 +139,7 @@ async def test_a_start_of_an_id_waits_for_the_exit_of_its_earlier_copy(tmp_path:
     beside it had its own released instead."""
     agent = _agent(tmp_path, Egress())
     exiting = asyncio.Event()
-    agent._exiting["sbx"] = (exiting, [1])
+    agent._exiting["sbx"] = _Exits(count=1, done=exiting)
     assert agent.exiting("sbx")
     entered = asyncio.Event()
 
@@ -163,7 +163,7 @@ async def test_a_start_behind_an_exit_that_hangs_is_given_back_to_be_retried(
 
     monkeypatch.setattr(agent_module, "EXIT_WAIT_S", 0.05)
     agent = _agent(tmp_path, Egress())
-    agent._exiting["sbx"] = (asyncio.Event(), [1])  # (its event never published)
+    agent._exiting["sbx"] = _Exits(count=1)  # (its event never published)
     with pytest.raises(StartBusy, match="still being handled"):
         async with agent._one_start_after_exit("sbx"):
             raise AssertionError("not reached")

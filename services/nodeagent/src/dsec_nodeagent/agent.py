@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -185,6 +186,14 @@ EXIT_WAIT_S = 30.0
 (its releases: a NATS outage can hold its event) before it is given back to be retried."""
 
 
+@dataclass
+class _Exits:
+    """The exits of copies of one sandbox being handled now; ``done`` set once none is."""
+
+    count: int = 0
+    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
 class StartBusy(Exception):
     """Another copy of the sandbox holds its id on this node (a migration's restore, a start's
     leftovers not yet cleaned up): the start is retried later, with nothing of it made and
@@ -265,8 +274,7 @@ class NodeAgent:
         self._stop_wanted: set[str] = set()
         self._restart_tasks: dict[str, asyncio.Task[object]] = {}  # exit handlers in a restart
         self._closing = False  # shutting down: nothing is restarted any more
-        # exits being handled: (set once none is, how many are)
-        self._exiting: dict[str, tuple[asyncio.Event, list[int]]] = {}
+        self._exiting: dict[str, _Exits] = {}  # exits being handled, by sandbox
         # stateful sandboxes re-adopted at start (not restartable): forgotten at their exit
         self._adopted_plans: dict[str, EnforcementPlan] = {}
         self.start_from_snapshot: StartFromSnapshot | None = None
@@ -530,7 +538,7 @@ class NodeAgent:
             while (exiting := self._exiting.get(sid)) is not None:
                 try:
                     async with asyncio.timeout(EXIT_WAIT_S):
-                        await exiting[0].wait()
+                        await exiting.done.wait()
                 except TimeoutError:  # (a worker is not held for good: retried later)
                     raise StartBusy(
                         f"the exit of an earlier copy of {sid} on {self.node_id} is still "
@@ -655,10 +663,9 @@ class NodeAgent:
         standby: bool = False,
         hooked: list[bool] | None = None,
     ) -> list[events.Payload]:
-        """Start ``sid`` here; ``hooked[0]`` is set once the launch's hook on its cgroup runs
-        (its egress attached from then on)."""
-        if self.manager.busy(sid):  # nothing keyed by its id (proxy, GPU slice) is touched
-            raise StartRefused(f"a sandbox {sid} already runs or starts on {self.node_id}")
+        """Start ``sid`` here (its callers made sure no other copy holds its id here);
+        ``hooked[0]`` is set once the launch's hook on its cgroup runs (its egress attached
+        from then on)."""
         # Follow the causes back: env.built <- deps.resolved <- spec.validated <- spec.submitted,
         # each authentic; never simply the newest message on those subjects.
         resolved = await self._last("deps.resolved", sid, built.causation_id)
@@ -1015,6 +1022,8 @@ class NodeAgent:
         hooked: list[bool] = [False]
         try:
             async with self._one_start_after_exit(sid):  # (not beside another copy's start)
+                if self.manager.busy(sid):  # nothing keyed by its id (proxy, slice) is touched
+                    raise StartRefused(f"a sandbox {sid} already runs or starts on {self.node_id}")
                 outputs = await self._launch(sid, staging, built_env, standby=True, hooked=hooked)
         except BaseException:
             if hooked[0] and not self.manager.busy(sid):  # its egress, and nothing runs
@@ -1060,14 +1069,14 @@ class NodeAgent:
         """A sandbox's exit (the manager's callback): restarted in place, or ended for good
         and released. A new start of its id waits for this to end."""
         sid = result.sandbox_id
-        entry = self._exiting.setdefault(sid, (asyncio.Event(), [0]))
-        entry[1][0] += 1
+        exits = self._exiting.setdefault(sid, _Exits())
+        exits.count += 1
         try:
             await self._handle_exit(result)
         finally:
-            entry[1][0] -= 1
-            if not entry[1][0]:
-                entry[0].set()
+            exits.count -= 1
+            if not exits.count:
+                exits.done.set()
                 del self._exiting[sid]
 
     def exiting(self, sid: str) -> bool:

@@ -152,9 +152,10 @@ class GpuNode:
         self.backend: Any = backend
         self.mps = mps or MpsServers(settings.home.resolve() / "gpu" / "mps")
         self.records = settings.home.resolve() / "gpu" / "units"
+        """One file per unit with a slice (``<sandbox id>.<holder>.json``): a unit outlives a
+        node agent that stops without stopping it, and the next one takes its slice over at its
+        start."""
         self._records_lock = asyncio.Lock()
-        """One file per unit with a slice (``<sandbox id>.json``): a unit outlives a node agent
-        that stops without stopping it, and the next one takes its slice over at its start."""
         self.config = ClusterConfig()
         self._config_seq = 0  # the stream seq of cluster.config_set read up to
         self.units: dict[str, UnitGpu] = {}
@@ -226,8 +227,7 @@ class GpuNode:
             try:
                 data = json.loads(await asyncio.to_thread(path.read_text))
                 sid = str(data["sandbox_id"])
-                holder = data.get("holder")
-                if path not in (self._record_path(sid, holder), self._record_path(sid, None)):
+                if path != self._record_path(sid, str(data["holder"])):
                     raise ValueError(f"it names {sid!r}")
             except Exception as exc:  # unreadable: nothing to take over or undo; dropped
                 log.warning("GPU slice record %s not read (%s); dropped", path.name, exc)
@@ -242,30 +242,18 @@ class GpuNode:
                     "start", sid, type(exc).__name__, exc,
                 )  # fmt: skip
                 continue
-            if path != self._record_path(sid, unit.holder):  # an older record's name
-                named = self._record_path(sid, unit.holder)
-                try:
-                    if await asyncio.to_thread(named.exists):  # renamed before: that one counts
-                        await asyncio.to_thread(path.unlink, True)
-                        continue
-                    await self._save(unit)
-                    await asyncio.to_thread(path.unlink, True)
-                except OSError as exc:  # taken over under its old name this time
-                    log.warning("%s: its GPU slice record not renamed (%s)", sid, exc)
             runs = await asyncio.to_thread(_runs, unit.cgroup_dir)
             (live if runs else ended).append(unit)
-        for unit in live:  # first: a daemon a live unit holds is not told to quit below
-            self.units[unit.sandbox_id] = unit
+        for unit in (*live, *ended):  # all held first: no quit below hits a live unit's daemon
             for grant in unit.plan.grants:
                 if grant.mode == "mps":
                     await self.mps.adopt(grant.uuid, unit.holder)
+        for unit in live:
+            self.units[unit.sandbox_id] = unit
             unit.watch = self._watch_for(unit.plan)
             log.info("%s: its GPU slice taken over (%s)", unit.sandbox_id, unit.plan.mode)
         for unit in ended:
             log.info("%s ended while no node agent ran: its GPU slice is undone", unit.sandbox_id)
-            for grant in unit.plan.grants:
-                if grant.mode == "mps":
-                    await self.mps.adopt(grant.uuid, unit.holder)
             await to_the_end(self.release_unit(unit))
         return [unit.sandbox_id for unit in live]
 
@@ -287,28 +275,25 @@ class GpuNode:
             sid,
             _plan_of(data["plan"]),
             cgroup_dir=Path(cgroup) if cgroup else None,
-            holder=str(data.get("holder") or sid),
+            holder=str(data["holder"]),
         )
-        for index, gi_id, ci_id, *rest in data.get("mig") or []:
+        for index, gi_id, ci_id, uuid in data["mig"]:
             if self.backend is None:
                 raise RuntimeError("a MIG instance is recorded and NVML is not open")
             found = await asyncio.to_thread(self.backend.mig_by_ids, index, gi_id, ci_id)
-            uuid = str(rest[0]) if rest else None  # (a record without it: ids alone)
-            if found is None or (uuid is not None and found[2] != uuid):
+            if found is None or found[2] != uuid:
                 log.warning("%s: its MIG instance %s is gone; nothing to undo", sid, uuid)
                 continue
-            unit.mig.append(
-                MigInstance(int(index), found[0], found[1], gi_id, ci_id, uuid or found[2])
-            )
+            unit.mig.append(MigInstance(int(index), found[0], found[1], gi_id, ci_id, uuid))
         return unit
 
-    def _record_path(self, sid: str, holder: str | None) -> Path:
+    def _record_path(self, sid: str, holder: str) -> Path:
         """``<sandbox id>.<holder>.json``: one file per unit, so a unit's record is never
         another copy's of the same sandbox."""
-        for part in (sid, holder or ""):
-            if "/" in part or part.startswith(".") or (part is sid and not part):
+        for part in (sid, holder):
+            if not part or "/" in part or part.startswith("."):
                 raise ValueError(f"not a sandbox id or holder: {part!r}")
-        return self.records / (f"{sid}.{holder}.json" if holder else f"{sid}.json")
+        return self.records / f"{sid}.{holder}.json"
 
     async def _save(self, unit: UnitGpu) -> None:
         """The unit's record, replaced whole (a crash leaves the old one or the new one);
