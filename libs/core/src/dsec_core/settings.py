@@ -228,6 +228,13 @@ class Settings(BaseSettings):
         description="A declared inventory (YAML/JSON: GPUs, optionally cpus/memory) that "
         "replaces the GPU probe, for nodes without NVML (tests, simulations)",
     )
+    nvml_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="How long a node agent waits for one NVML call; past it NVML counts as not "
+        "answering until that call returns (docs/gpu.md)",
+    )
     cpu_allocation_ratio: float = Field(
         default=4.0,
         gt=0,

@@ -107,7 +107,7 @@ def heartbeat_for(service: Service, agent: NodeAgent, gpus: GpuNode | None = Non
         settings.node_id,
         service.version,
         settings.heartbeat_s,
-        Inventory(settings, running_groups),
+        Inventory(settings, running_groups, calls=gpus.nvml if gpus is not None else None),
         publish,
         sandboxes=manager.running,
         problems=service.problems,

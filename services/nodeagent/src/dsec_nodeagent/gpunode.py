@@ -18,6 +18,10 @@ health signals (docs/gpu.md).
 
 Without NVML (no driver, or a declared inventory) a unit still gets ``CUDA_VISIBLE_DEVICES``
 for its GPUs' uuids, and no device node, quota watch or MPS daemon (there is no GPU to fence).
+
+Every NVML call has a deadline (:mod:`dsec_nodeagent.nvmlcall`): while the driver hangs, a
+launch that needs it fails with the reason, the health check reads every GPU as lost, the quota
+watch skips its look, and a release keeps its record for the next start.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from dsec_nodeagent.gpuslice import (
     plan_slice,
     with_mig_instance,
 )
+from dsec_nodeagent.nvmlcall import NvmlCalls, NvmlHung
 from dsec_nodeagent.sandbox.models import SandboxConfig
 
 log = logging.getLogger(__name__)
@@ -145,11 +150,17 @@ class GpuNode:
         *,
         backend: Any = None,
         mps: MpsServers | None = None,
+        nvml: NvmlCalls | None = None,
     ) -> None:
         self.settings = settings
         self._publish = publish
         self._gate = gate
         self.backend: Any = backend
+        self.nvml = nvml or NvmlCalls(settings.nvml_timeout_s)
+        """NVML's calls, each with a deadline (shared with the heartbeat's GPU probe)."""
+        self.off_reason: str | None = None
+        """Why GPU slicing is off on a node with no declared inventory (NVML did not open)."""
+        self._quota_hung = False
         self.mps = mps or MpsServers(settings.home.resolve() / "gpu" / "mps")
         self.records = settings.home.resolve() / "gpu" / "units"
         """One file per unit with a slice (``<sandbox id>.<holder>.json``): a unit outlives a
@@ -180,10 +191,15 @@ class GpuNode:
                 log.warning("declared GPUs not read: %s", exc)
         if self.backend is None and self.settings.node_inventory is None:
             try:
-                self.backend = await asyncio.to_thread(PynvmlBackend)
+                self.backend = await self.nvml.call(
+                    "NVML's start", PynvmlBackend, undo=lambda late: late.close()
+                )
+            except NvmlHung as exc:  # a wedged driver: its GPUs get no unit from this process
+                log.warning("GPU slicing off: %s", exc)
+                self.backend, self.off_reason = None, str(exc)
             except Exception as exc:  # no library, no driver: no GPU to slice or watch
                 log.info("GPU slicing off: no NVML (%s)", exc)
-                self.backend = None
+                self.backend, self.off_reason = None, f"no NVML ({exc})"
         if self.backend is not None:
             with contextlib.suppress(OSError):
                 text = await asyncio.to_thread(Path("/proc/devices").read_text)
@@ -211,7 +227,10 @@ class GpuNode:
             await self.mps.close()
         finally:  # (the node agent's other stop hooks run after this one)
             if self.backend is not None:
-                await asyncio.to_thread(self.backend.close)
+                try:
+                    await self.nvml.call("NVML's shutdown", self.backend.close)
+                except NvmlHung as exc:  # a shutdown would hang too
+                    log.warning("NVML not shut down: %s", exc)
 
     async def readopt(self) -> list[str]:
         """Take over the slices of units that outlived the previous node agent (their
@@ -280,7 +299,10 @@ class GpuNode:
         for index, gi_id, ci_id, uuid in data["mig"]:
             if self.backend is None:
                 raise RuntimeError("a MIG instance is recorded and NVML is not open")
-            found = await asyncio.to_thread(self.backend.mig_by_ids, index, gi_id, ci_id)
+            found = await self.nvml.call(
+                f"finding MIG instance {gi_id} of GPU {index}",
+                self.backend.mig_by_ids, index, gi_id, ci_id,
+            )  # fmt: skip
             if found is None or found[2] != uuid:
                 log.warning("%s: its MIG instance %s is gone; nothing to undo", sid, uuid)
                 continue
@@ -339,7 +361,7 @@ class GpuNode:
 
     async def devices(self, declared: Sequence[GpuInfo] = ()) -> list[DeviceInfo]:
         if self.backend is not None:
-            return list(await asyncio.to_thread(self.backend.devices))
+            return list(await self.nvml.call("reading the GPUs", self.backend.devices))
         return [
             DeviceInfo(g.index, g.uuid, g.index, g.memory_total_bytes, False, g.mig_enabled)
             for g in declared
@@ -357,6 +379,8 @@ class GpuNode:
         if not placed.gpu_indices:
             return None
         real = self.backend is not None
+        if not real and not self.declared and self.off_reason is not None:
+            raise SliceError(f"GPU slicing is off on this node: {self.off_reason}")
         settings = SliceSettings(
             mig=real and bool(self.config.get("gpu.mig")),
             mps=bool(self.config.get("gpu.mps")),
@@ -427,7 +451,12 @@ class GpuNode:
                 raise
             return str(mig_uuid), MigInstance(index, gi, ci, gi_id, ci_id, str(mig_uuid))
 
-        mig_uuid, made = await asyncio.to_thread(create)
+        backend = self.backend
+        mig_uuid, made = await self.nvml.call(
+            f"creating a {profile.name} MIG instance on GPU {index}",
+            create,
+            undo=lambda late: backend.destroy_mig(late[1].gi, late[1].ci),
+        )
         unit.mig.append(made)
         await self._save(unit)  # before anything else can fail: a crash leaves it known
         return mig_uuid, made
@@ -482,9 +511,15 @@ class GpuNode:
         while unit.mig:  # each instance destroyed once, even if released twice
             made = unit.mig.pop(0)
             try:
-                await asyncio.to_thread(self.backend.destroy_mig, made.gi, made.ci)
-            except Exception:
+                await self.nvml.call(
+                    f"destroying MIG instance {made.gi_id} of GPU {made.index}",
+                    self.backend.destroy_mig, made.gi, made.ci,
+                )  # fmt: skip
+            except NvmlHung as exc:
                 kept = True  # its record stays: the next node agent's start tries again
+                log.warning("%s: MIG instance %s not destroyed: %s", sid, made.uuid, exc)
+            except Exception:
+                kept = True
                 log.exception("%s: MIG instance not destroyed", sid)
         if not kept:
             await self._drop_record(unit)
@@ -496,7 +531,7 @@ class GpuNode:
         watched = [u for u in self.units.values() if u.watch is not None and u.cgroup_dir]
         if not watched or self.backend is None:
             return []
-        processes = await asyncio.to_thread(self.backend.processes)
+        processes = await self.nvml.call("reading the GPUs' processes", self.backend.processes)
         now = time.monotonic() if now is None else now
         verdicts: list[tuple[str, Verdict]] = []
         for unit in watched:
@@ -531,6 +566,11 @@ class GpuNode:
             await asyncio.sleep(QUOTA_EVERY_S)
             try:
                 await self.check_quotas()
+                self._quota_hung = False
+            except NvmlHung as exc:  # said once a hang, not every second
+                if not self._quota_hung:
+                    log.warning("GPU memory quotas not checked while NVML hangs: %s", exc)
+                self._quota_hung = True
             except Exception:  # a driver surprise must not end the watch
                 log.exception("GPU memory check failed")
 
@@ -544,7 +584,14 @@ class GpuNode:
         await self.refresh_config()
         if self.backend is not None:
             xids = {g.uuid: g.xid_errors for g in gpus if g.xid_errors is not None}
-            readings = await asyncio.to_thread(self.backend.health, xids)
+            try:
+                readings = await self.nvml.call(
+                    "reading the GPUs' health", self.backend.health, xids,
+                    timeout_s=min(self.nvml.timeout_s, self.settings.heartbeat_s),
+                )  # fmt: skip
+            except NvmlHung as exc:  # every GPU it knows reads as lost: gpu.degraded{lost}
+                log.warning("GPU health: %s", exc)
+                readings = []
         else:
             readings = readings_of(gpus)
         return self.tracker.observe(time.time() if now is None else now, readings)

@@ -8,7 +8,9 @@
   the kernel holds them, so re-adopted sandboxes count too).
 * **Host now**: ``MemAvailable``, the 1-minute load, the free disk of ``DSEC_HOME``.
 * ``max_sandboxes`` (``DSEC_MAX_SANDBOXES``), ``labels`` (``DSEC_NODE_LABELS``: ``k=v,k=v``)
-  and the GPUs (:mod:`dsec_nodeagent.gpu`).
+  and the GPUs (:mod:`dsec_nodeagent.gpu`), read with a deadline of one heartbeat
+  (:mod:`dsec_nodeagent.nvmlcall`): a hung driver makes the heartbeat report no GPUs and the
+  problem, never makes it late (three late beats and the scheduler declares the node lost).
 
 Every file read happens in a thread (:func:`asyncio.to_thread`), never on the event loop.
 """
@@ -35,6 +37,7 @@ from dsec_nodeagent.gpu import (
     declared_gpus,
     load_declared,
 )
+from dsec_nodeagent.nvmlcall import NvmlCalls, NvmlHung
 
 log = logging.getLogger(__name__)
 
@@ -234,15 +237,21 @@ class Inventory:
     """The node's inventory, read for each heartbeat.
 
     ``running``: the running sandboxes' cgroup directories. ``probe``: the NVML probe (default:
-    the real one; a declared inventory replaces it).
+    the real one; a declared inventory replaces it). ``calls``: the process's NVML calls
+    (their deadline and whether NVML answers; shared with the GPU side).
     """
 
     def __init__(
-        self, settings: Settings, running: RunningGroups, probe: NvmlProbe | None = None
+        self,
+        settings: Settings,
+        running: RunningGroups,
+        probe: NvmlProbe | None = None,
+        calls: NvmlCalls | None = None,
     ) -> None:
         self.settings = settings
         self.running = running
         self.probe = probe or NvmlProbe()
+        self.calls = calls or NvmlCalls(settings.nvml_timeout_s)
         self.labels: dict[str, str] = {}
         self.declared: DeclaredInventory | None = None
 
@@ -254,14 +263,22 @@ class Inventory:
             self.declared = await asyncio.to_thread(load_declared, self.settings.node_inventory)
 
     async def close(self) -> None:
-        """Shut NVML down."""
-        await asyncio.to_thread(self.probe.close)
+        """Shut NVML down (not while NVML hangs: the shutdown would hang too)."""
+        try:
+            await self.calls.call("the GPU probe's shutdown", self.probe.close)
+        except NvmlHung as exc:
+            log.warning("NVML not shut down: %s", exc)
 
-    def _gpus(self) -> GpuReading:
+    async def _gpus(self) -> GpuReading:
         if self.declared is not None:
             return GpuReading(declared_gpus(self.declared, self.settings.node_id), "declared")
+        # at most one beat: the heartbeat goes out on time with the problem instead
+        limit = min(self.calls.timeout_s, self.settings.heartbeat_s)
         try:
-            return self.probe.read()
+            return await self.calls.call("the GPU probe's read", self.probe.read, timeout_s=limit)
+        except NvmlHung as exc:  # the node is unhealthy for placement, not lost
+            log.warning("GPU probe: %s", exc)
+            return GpuReading([], "nvml", [f"GPU probe: {exc}"])
         except Exception as exc:  # a driver surprise must not cost the node its heartbeat
             log.exception("GPU probe failed")
             return GpuReading([], "nvml", [f"GPU probe failed: {type(exc).__name__}: {exc}"])
@@ -269,10 +286,12 @@ class Inventory:
     async def read(self) -> tuple[NodeInventory, list[str]]:
         """The inventory now and what could not be read (GPU fields, as problems)."""
 
-        def collect() -> tuple[HostFacts, tuple[float, int], GpuReading]:
-            return read_host(self.settings.home), granted(self.running()), self._gpus()
+        def collect() -> tuple[HostFacts, tuple[float, int]]:
+            return read_host(self.settings.home), granted(self.running())
 
-        host, (cpus_granted, memory_granted), gpus = await asyncio.to_thread(collect)
+        (host, (cpus_granted, memory_granted)), gpus = await asyncio.gather(
+            asyncio.to_thread(collect), self._gpus()
+        )
         declared = self.declared
         inventory = NodeInventory(
             # CPU is compressible (each sandbox is capped by its own cpu.max): the node offers
