@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -17,6 +18,7 @@ from dsec_core import events
 from dsec_core.envelope import Envelope
 from dsec_core.service import HANDLING_SEQ, Service
 from dsec_core.settings import Settings
+from dsec_snapstore import requests as requests_module
 from dsec_snapstore.requests import SnapshotRequests
 from dsec_testing.inmemory import MemoryBus, in_memory, until
 
@@ -182,6 +184,7 @@ async def test_requests_of_one_sandbox_take_turns_and_other_sandboxes_run_beside
                 await asyncio.sleep(0.001)
             assert "second" not in inside  # waits for sbx_1's first
             before_its_turn = reads[0]
+            assert before_its_turn == 3  # one read each: the two that did not wait read once
             release.setdefault("first", asyncio.Event()).set()
             await until(lambda: "second" in inside, "sbx_1's second after its first")
             assert acted_on["second"] > before_its_turn  # read again once its turn came
@@ -229,3 +232,45 @@ async def test_whose_request_it_is_is_decided_where_it_is_in_the_log(tmp_path: P
             assert await snapshots.acts_for(envelope, envelope.decoded())
         finally:
             HANDLING_SEQ.reset(token)
+
+
+async def test_a_snapshot_that_did_not_wait_reads_its_sandbox_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whose the request is and what to snapshot come from one read of the sandbox's history
+    when no request of the sandbox went first (before, it was read twice: a few ms of each
+    snapshot); one that waited behind another reads it again once its turn comes."""
+    reads: list[int] = []
+    took: dict[str, int] = {}
+    release = asyncio.Event()
+
+    async def read(self: SnapshotRequests, sandbox_id: str) -> tuple[list[Any], list[Any], int]:
+        reads.append(len(reads) + 1)
+        return [], [], reads[-1]
+
+    async def take(
+        self: SnapshotRequests, envelope: Envelope, event: events.SnapshotRequested, read: Any
+    ) -> list[events.Payload]:
+        took[event.name] = read[2]
+        if event.name == "first":
+            await release.wait()
+        return []
+
+    monkeypatch.setattr(SnapshotRequests, "_read", read)
+    monkeypatch.setattr(SnapshotRequests, "_take", take)
+    monkeypatch.setattr(requests_module, "_acting_for_request", lambda *_: "a")
+    on_node = SnapshotRequests(Settings(home=tmp_path), lambda: None, lambda: None, node_id="a")  # type: ignore[arg-type, return-value]
+    request = cast(Envelope, SimpleNamespace(aggregate_id="sbx_1"))
+
+    def snapshot(name: str) -> asyncio.Task[Any]:
+        event = events.SnapshotRequested(name=name)
+        return asyncio.create_task(on_node.on_requested(request, event))
+
+    first = snapshot("first")
+    await until(lambda: "first" in took, "the first snapshot taken")
+    assert reads == [1] and took["first"] == 1  # its one read
+    second = snapshot("second")
+    await until(lambda: len(reads) == 2, "the second request read")
+    release.set()
+    await asyncio.gather(first, second)
+    assert reads == [1, 2, 3] and took["second"] == 3  # read again once its turn came

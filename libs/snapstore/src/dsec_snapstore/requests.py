@@ -24,7 +24,7 @@ import shutil
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -59,6 +59,21 @@ log = logging.getLogger(__name__)
 
 CodeSource = Path | bytes | None
 """The running sandbox's code copy, its bundle archive, or no code at all."""
+
+_Read = tuple[list[tuple[int, bytes]], list[Envelope], SandboxFacts]
+"""A sandbox's history as read once: stream positions and bytes, decoded, and its facts."""
+
+
+@dataclass
+class _Turns:
+    """One sandbox's requests taking turns on this holder."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+    """Requests holding or waiting for the turn (the entry goes with the last)."""
+    taken: int = 0
+    """Turns taken so far: one taken meanwhile means the sandbox may have changed."""
+
 
 PRUNE_EVERY_S = 300.0
 """How often a node agent removes its copies of packs no index names any more."""
@@ -161,7 +176,7 @@ class SnapshotRequests:
         # sandboxes) are snapshotted at once: a neighbour's snapshot no longer waits for a
         # tenant's creates already under way.
         self._trees = TreeLocks()
-        self._per_sandbox: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        self._per_sandbox: dict[str, _Turns] = {}
         self._pruner: asyncio.Task[None] | None = None
 
     @property
@@ -240,9 +255,7 @@ class SnapshotRequests:
                 kept.append((seq, data))
         return kept
 
-    async def _read(
-        self, sandbox_id: str
-    ) -> tuple[list[tuple[int, bytes]], list[Envelope], SandboxFacts]:
+    async def _read(self, sandbox_id: str) -> _Read:
         """The sandbox's authentic history (stream positions and bytes, decoded) and its facts."""
         records = await self.history(sandbox_id)
         envelopes = [decode(data) for _, data in records]
@@ -251,8 +264,13 @@ class SnapshotRequests:
     async def facts(self, sandbox_id: str) -> tuple[SandboxFacts, str | None, list[Envelope]]:
         """The sandbox's facts, the node acting for its request (``None``: none; see
         :func:`_acting_for_request`) and its history."""
-        records, envelopes, facts = await self._read(sandbox_id)
-        return facts, _acting_for_request(sandbox_id, records, envelopes, facts), envelopes
+        read, owner = await self._owned(sandbox_id)
+        return read[2], owner, read[1]
+
+    async def _owned(self, sandbox_id: str) -> tuple[_Read, str | None]:
+        """The sandbox's history as :meth:`_read` gives it, and the node acting for it."""
+        read = await self._read(sandbox_id)
+        return read, _acting_for_request(sandbox_id, *read)
 
     def mine(self, owner: str | None) -> bool:
         """Whether this holder acts for a sandbox acted for by ``owner``."""
@@ -261,21 +279,26 @@ class SnapshotRequests:
     # --------------------------------------------------------------- create
 
     @contextlib.asynccontextmanager
-    async def _one_at_a_time(self, sandbox_id: str) -> AsyncIterator[None]:
+    async def _one_at_a_time(self, sandbox_id: str) -> AsyncIterator[bool]:
         """One request of a sandbox acted on here at a time (snapshots, rollbacks and a start
         from a snapshot read or write one code dir, on several workers: two rollbacks at once
         each listed the tree, then both wrote it, leaving a tree that matched neither
         snapshot). First come, first served among those waiting; that is the order workers
-        reach it, close to but not always the log's (a retried request comes back later)."""
-        entry = self._per_sandbox.setdefault(sandbox_id, (asyncio.Lock(), [0]))
-        lock, users = entry
-        users[0] += 1
+        reach it, close to but not always the log's (a retried request comes back later).
+
+        Yields whether another request of the sandbox held or took its turn first (what was
+        read of the sandbox before is then stale: read it again)."""
+        turns = self._per_sandbox.setdefault(sandbox_id, _Turns())
+        behind = turns.lock.locked()
+        taken = turns.taken
+        turns.users += 1
         try:
-            async with lock:
-                yield
+            async with turns.lock:
+                turns.taken += 1
+                yield behind or turns.taken != taken + 1
         finally:
-            users[0] -= 1
-            if not users[0]:
+            turns.users -= 1
+            if not turns.users:
                 del self._per_sandbox[sandbox_id]
 
     async def on_requested(
@@ -283,19 +306,19 @@ class SnapshotRequests:
     ) -> Sequence[events.Payload]:
         """Take the snapshot asked for, if this holder is the one to act."""
         sid = envelope.aggregate_id
-        _, owner, _ = await self.facts(sid)
+        read, owner = await self._owned(sid)
         if not self.mine(owner):
             log.debug("snapshot %s of %s: acted on by %s, skipped here", event.name, sid, owner)
             return []
-        async with self._one_at_a_time(sid):
-            return await self._take(envelope, event)
+        async with self._one_at_a_time(sid) as waited:
+            # read again once its turn came: what it waited behind may have taken minutes
+            return await self._take(envelope, event, await self._read(sid) if waited else read)
 
     async def _take(
-        self, envelope: Envelope, event: events.SnapshotRequested
+        self, envelope: Envelope, event: events.SnapshotRequested, read: _Read
     ) -> Sequence[events.Payload]:
-        # read again once its turn came: what it waited behind may have taken minutes
         sid = envelope.aggregate_id
-        records, envelopes, facts = await self._read(sid)
+        records, envelopes, facts = read
         if _answered(envelope, envelopes, events.SnapshotTaken, events.SnapshotFailed):
             return []  # delivered again after its answer (the snapshot may be deleted since)
         started = time.perf_counter()
@@ -429,11 +452,12 @@ class SnapshotRequests:
         """Roll a running sandbox's code back to a snapshot (the owning node), or say why
         not (the snapshot service, for a sandbox that runs nowhere)."""
         name = event.snapshot
-        _, owner, _ = await self.facts(envelope.aggregate_id)
+        facts, owner, history = await self.facts(envelope.aggregate_id)
         if not self.mine(owner):
             return []
-        async with self._one_at_a_time(envelope.aggregate_id):
-            facts, _, history = await self.facts(envelope.aggregate_id)  # once its turn came
+        async with self._one_at_a_time(envelope.aggregate_id) as waited:
+            if waited:  # read again once its turn came
+                facts, _, history = await self.facts(envelope.aggregate_id)
             if _answered(envelope, history, events.SnapshotRestored, events.SnapshotFailed):
                 return []  # delivered again after its answer: the rollback is not done twice
             started = time.perf_counter()
