@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -11,8 +13,10 @@ import blake3
 import pytest
 from dsec_core.codebundle import CodeManifest, FileEntry, list_tree
 from dsec_core.events import LockedPackage
+from dsec_core.nvmlcall import NvmlCalls
 
 from dsec_snapstore import crypto, domain
+from dsec_snapstore.adapters import gpu as gpu_adapter
 from dsec_snapstore.adapters.files import MIN_CHUNK, StatCache, hash_and_chunk
 from dsec_snapstore.adapters.gpu import probe_gpus
 from dsec_snapstore.adapters.kernel import read_kernel_params
@@ -203,6 +207,28 @@ def test_probe_without_nvidia_driver_says_absent() -> None:
         assert record.dot and record.devices
     else:
         assert record.reason and record.devices == () and record.dot is None
+
+
+def test_a_hung_nvml_gives_a_record_saying_so_not_a_snapshot_that_never_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, the probe called NVML with no deadline: a wedged driver held every snapshot and
+    rollback of the node (their tree's lock and worker) for good."""
+    wedge = threading.Event()
+    monkeypatch.setattr(gpu_adapter, "_CALLS", NvmlCalls(0.2))
+    monkeypatch.setattr(gpu_adapter.pynvml, "nvmlInit", lambda: wedge.wait(30))
+    try:
+        started = time.monotonic()
+        record = probe_gpus()
+        again = probe_gpus()
+        assert time.monotonic() - started < 2.0
+    finally:
+        wedge.set()
+    assert not record.present and record.reason == (
+        "NVML did not answer the snapshot's GPU probe within 0.2 s"
+    )
+    assert not again.present and again.reason is not None
+    assert again.reason.startswith("NVML is not answering (the snapshot's GPU probe has not")
 
 
 def test_kernel_params_read_existing_and_skip_missing(tmp_path: Path) -> None:

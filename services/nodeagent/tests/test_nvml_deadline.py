@@ -12,6 +12,7 @@ the default pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,9 @@ import pytest
 from dsec_core import events
 from dsec_core.events import GpuInfo, Payload
 from dsec_core.gpuhealth import ClusterConfig, GpuReading
+from dsec_core.nvmlcall import NvmlCalls, NvmlHung
 from dsec_core.settings import Settings
+from dsec_testing.inmemory import until
 
 from dsec_nodeagent import gpunode
 from dsec_nodeagent.gpu import GpuReading as ProbeReading
@@ -31,7 +34,6 @@ from dsec_nodeagent.gpuenforce import MpsServers
 from dsec_nodeagent.gpunode import GpuNode
 from dsec_nodeagent.gpuslice import DeviceInfo, MigProfile, ProcessUsage, SliceError
 from dsec_nodeagent.inventory import Inventory
-from dsec_nodeagent.nvmlcall import NvmlCalls, NvmlHung
 
 pytestmark = pytest.mark.unit
 GIB = 2**30
@@ -40,93 +42,11 @@ DEADLINE_S = 0.2
 
 @pytest.fixture
 def wedge() -> Iterator[threading.Event]:
-    """Set: a hung NVML call returns (every test lets its threads end)."""
-    event = threading.Event()
-    yield event
-    event.set()
-
-
-async def _until(check: Any, what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-# --------------------------------------------------------------------------- the calls
-
-
-async def test_a_hung_call_ends_at_its_deadline_and_nvml_counts_as_not_answering_until_it_returns(
-    wedge: threading.Event,
-) -> None:
-    calls = NvmlCalls(DEADLINE_S)
-    tried: list[str] = []
-
-    def hangs() -> str:
-        tried.append("hangs")
-        wedge.wait(30)
-        return "late"
-
-    started = time.monotonic()
-    with pytest.raises(NvmlHung, match=r"NVML did not answer reading the GPUs within 0\.2 s"):
-        await calls.call("reading the GPUs", hangs)
-    assert time.monotonic() - started < 2.0
-    (thread,) = [t for t in threading.enumerate() if t.name == "nvml: reading the GPUs"]
-    assert thread.daemon  # never holds the process at its exit
-
-    # refused at once, naming the stuck call: no thread piles up behind it
-    started = time.monotonic()
-    with pytest.raises(NvmlHung, match=r"not answering \(reading the GPUs has not returned for"):
-        await calls.call("reading the health", tried.append, "health")
-    assert time.monotonic() - started < 0.1 and tried == ["hangs"]
-    assert calls.stuck() is not None
-
-    wedge.set()
-    await _until(lambda: calls.stuck() is None, "the hung call to return")
-    assert await calls.call("reading the health", lambda: "fine") == "fine"
-
-
-async def test_errors_pass_through_and_a_quick_call_answers() -> None:
-    calls = NvmlCalls(5.0)
-
-    def fails() -> None:
-        raise LookupError("GPU is lost")
-
-    with pytest.raises(LookupError, match="GPU is lost"):
-        await calls.call("reading the GPUs", fails)
-    assert calls.stuck() is None
-    assert await calls.call("adding", lambda a, b: a + b, 2, 3) == 5
-    with pytest.raises(ValueError, match="more than 0 s"):
-        NvmlCalls(0)
-
-
-async def test_what_a_call_made_after_its_caller_gave_up_is_undone(
-    wedge: threading.Event,
-) -> None:
-    """Past the deadline, and cancelled while it runs: the late result is undone, once."""
-    calls = NvmlCalls(DEADLINE_S)
-    undone: list[str] = []
-
-    def makes(name: str) -> str:
-        wedge.wait(30)
-        return name
-
-    with pytest.raises(NvmlHung):
-        await calls.call("creating a", makes, "a", undo=undone.append)
-    wedge.set()
-    await _until(lambda: undone == ["a"], "the late instance to be undone")
-
-    wedge.clear()
-    task = asyncio.create_task(calls.call("creating b", makes, "b", undo=undone.append))
-    await asyncio.sleep(0.05)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    wedge.set()
-    await _until(lambda: undone == ["a", "b"], "the cancelled call's instance to be undone")
-    assert await calls.call("creating c", makes, "c", undo=undone.append) == "c"
-    await asyncio.sleep(0.05)
-    assert undone == ["a", "b"]  # a result its caller took is its caller's
+    """While clear, the fake NVML's hung calls block; each test ends by setting it."""
+    with contextlib.ExitStack() as end:
+        event = threading.Event()
+        end.callback(event.set)
+        yield event
 
 
 # --------------------------------------------------------------------------- the heartbeat
@@ -168,11 +88,11 @@ async def test_a_hung_gpu_probe_costs_the_heartbeat_its_gpus_not_its_time(
     found, problems = await inventory.read()
     assert time.monotonic() - started < 0.5 and probe.reads == 1
     assert found.gpus == [] and problems[0].startswith(
-        "GPU probe: NVML is not answering (the GPU probe's read has not returned for"
+        "GPU probe: the GPU probe's read not tried again: NVML has not answered the previous one"
     )
 
     wedge.set()
-    await _until(lambda: inventory.calls.stuck() is None, "the probe's read to return")
+    await until(lambda: not inventory.calls.in_flight(), "the probe's read to return")
     found, problems = await inventory.read()
     assert [g.uuid for g in found.gpus] == ["GPU-0"] and problems == []
     await inventory.close()
@@ -271,7 +191,7 @@ async def test_a_hung_health_read_reports_every_gpu_lost_on_time(
     assert await node.health(gpus, now=2) == []  # said once, refused at once meanwhile
     nvml.hang.clear()
     wedge.set()
-    await _until(lambda: node.nvml.stuck() is None, "the health read to return")
+    await until(lambda: node.nvml.stuck() is None, "the health read to return")
     assert await node.health(gpus, now=3) == []  # answering again: quiet for a while first
     (back,) = await node.health(gpus, now=2 + node.tracker.thresholds.recover_after_s)
     assert isinstance(back, events.GpuRecovered) and back.gpu_uuid == "GPU-0"
@@ -290,7 +210,7 @@ async def test_a_launch_whose_mig_instance_nvml_never_makes_fails_and_a_late_one
     with pytest.raises(NvmlHung, match="not answering"):  # the next launch fails at once
         await node.prepare("sbx_2", _placed("sbx_2"))
     wedge.set()  # NVML makes the instance after all: nobody wants it
-    await _until(lambda: nvml.destroyed == [7], "the late MIG instance to be destroyed")
+    await until(lambda: nvml.destroyed == [7], "the late MIG instance to be destroyed")
     assert nvml.created == [7] and node.units == {}
 
 
@@ -344,11 +264,40 @@ async def test_nvml_that_hangs_at_the_start_turns_slicing_off_and_says_why(
     await node.start()
     assert time.monotonic() - started < 2.0
     assert node.backend is None
-    with pytest.raises(SliceError, match="GPU slicing is off on this node: NVML did not answer"):
+    with pytest.raises(SliceError, match="GPU slicing is off on this node: NVML is not answer"):
         await node.prepare("sbx_1", _placed("sbx_1"))
     wedge.set()  # NVML opens after all: the late handle is shut
-    await _until(lambda: closed == ["late"], "the late NVML to be shut")
+    await until(lambda: closed == ["late"], "the late NVML to be shut")
+    # the driver answers again: the next launch opens NVML and gets its slice (before, slicing
+    # stayed off until a restart while the heartbeat offered the GPUs again)
+    monkeypatch.setattr(gpunode, "PynvmlBackend", lambda: HungNvml(wedge))
+    plan = await node.prepare("sbx_1", _placed("sbx_1"))
+    assert plan is not None and plan.mode == "mig" and node.off_reason is None
+    await node.release("sbx_1")
     await node.stop()
+
+
+async def test_a_slow_heartbeat_read_costs_only_the_heartbeat_its_gpus(tmp_path: Path) -> None:
+    """The heartbeat's read waits one beat; one slower than that (a first open) must not make
+    a launch, whose NVML deadline is 30 s, fail."""
+
+    class SlowProbe:
+        def read(self) -> ProbeReading:
+            time.sleep(0.5)
+            return ProbeReading([], "nvml")
+
+        def close(self) -> None:
+            pass
+
+    settings = Settings(home=tmp_path, node_id="gpu-1", heartbeat_s=DEADLINE_S, nvml_timeout_s=30)
+    node = _node(tmp_path, HungNvml(threading.Event()))
+    node.nvml = NvmlCalls(settings.nvml_timeout_s)
+    inventory = Inventory(settings, list, SlowProbe(), calls=node.nvml)  # type: ignore[arg-type]
+    _, problems = await inventory.read()
+    assert problems == ["GPU probe: NVML did not answer the GPU probe's read within 0.2 s"]
+    plan = await node.prepare("sbx_1", _placed("sbx_1"))
+    assert plan is not None and plan.mode == "mig"
+    await until(lambda: node.nvml.stuck() is None and not node.nvml.in_flight(), "the slow read")
 
 
 async def _idle() -> None:

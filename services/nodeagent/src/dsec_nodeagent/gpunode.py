@@ -19,7 +19,7 @@ health signals (docs/gpu.md).
 Without NVML (no driver, or a declared inventory) a unit still gets ``CUDA_VISIBLE_DEVICES``
 for its GPUs' uuids, and no device node, quota watch or MPS daemon (there is no GPU to fence).
 
-Every NVML call has a deadline (:mod:`dsec_nodeagent.nvmlcall`): while the driver hangs, a
+Every NVML call has a deadline (:mod:`dsec_core.nvmlcall`): while the driver hangs, a
 launch that needs it fails with the reason, the health check reads every GPU as lost, the quota
 watch skips its look, and a release keeps its record for the next start.
 """
@@ -42,6 +42,7 @@ from typing import Any
 from dsec_core import events
 from dsec_core.events import GpuInfo, Payload
 from dsec_core.gpuhealth import CONFIG_ID, ClusterConfig, HealthTracker, readings_of
+from dsec_core.nvmlcall import NvmlCalls, NvmlHung
 from dsec_core.settings import Settings
 from dsec_core.subjects import subject_for
 from dsec_core.threads import to_the_end
@@ -68,7 +69,6 @@ from dsec_nodeagent.gpuslice import (
     plan_slice,
     with_mig_instance,
 )
-from dsec_nodeagent.nvmlcall import NvmlCalls, NvmlHung
 from dsec_nodeagent.sandbox.models import SandboxConfig
 
 log = logging.getLogger(__name__)
@@ -161,6 +161,7 @@ class GpuNode:
         self.off_reason: str | None = None
         """Why GPU slicing is off on a node with no declared inventory (NVML did not open)."""
         self._quota_hung = False
+        self._reopen_later = False
         self.mps = mps or MpsServers(settings.home.resolve() / "gpu" / "mps")
         self.records = settings.home.resolve() / "gpu" / "units"
         """One file per unit with a slice (``<sandbox id>.<holder>.json``): a unit outlives a
@@ -190,23 +191,43 @@ class GpuNode:
             except InventoryError as exc:  # the heartbeat's start reports it and stops
                 log.warning("declared GPUs not read: %s", exc)
         if self.backend is None and self.settings.node_inventory is None:
-            try:
-                self.backend = await self.nvml.call(
-                    "NVML's start", PynvmlBackend, undo=lambda late: late.close()
-                )
-            except NvmlHung as exc:  # a wedged driver: its GPUs get no unit from this process
-                log.warning("GPU slicing off: %s", exc)
-                self.backend, self.off_reason = None, str(exc)
-            except Exception as exc:  # no library, no driver: no GPU to slice or watch
-                log.info("GPU slicing off: no NVML (%s)", exc)
-                self.backend, self.off_reason = None, f"no NVML ({exc})"
-        if self.backend is not None:
-            with contextlib.suppress(OSError):
-                text = await asyncio.to_thread(Path("/proc/devices").read_text)
-                self._majors = nvidia_majors(text)
+            await self._open_backend()
+        elif self.backend is not None:
+            await self._read_majors()
         await self.refresh_config()
         await self.readopt()
         self._task = asyncio.create_task(self._watch_forever(), name="gpu-quota")
+
+    async def _open_backend(self, timeout_s: float | None = None) -> None:
+        """Open NVML for slicing. A driver that does not answer in time leaves slicing off
+        until a later try (:meth:`_reopen`) finds it answering."""
+        try:
+            backend = await self.nvml.call(
+                "NVML's start", PynvmlBackend, timeout_s=timeout_s, undo=lambda late: late.close()
+            )
+        except NvmlHung as exc:  # a wedged driver: tried again at each heartbeat and launch
+            log.warning("GPU slicing off for now: %s", exc)
+            self.off_reason, self._reopen_later = str(exc), True
+            return
+        except Exception as exc:  # no library, no driver: no GPU to slice or watch
+            log.info("GPU slicing off: no NVML (%s)", exc)
+            self.off_reason, self._reopen_later = f"no NVML ({exc})", False
+            return
+        self.backend, self.off_reason, self._reopen_later = backend, None, False
+        await self._read_majors()
+
+    async def _reopen(self, timeout_s: float | None = None) -> None:
+        """NVML again, when it did not answer at the start (before, slicing stayed off until
+        the node agent restarted, while the heartbeat offered the GPUs again)."""
+        if self.backend is None and self._reopen_later:
+            await self._open_backend(timeout_s)
+            if self.backend is not None:
+                log.info("GPU slicing on: NVML answers again")
+
+    async def _read_majors(self) -> None:
+        with contextlib.suppress(OSError):
+            text = await asyncio.to_thread(Path("/proc/devices").read_text)
+            self._majors = nvidia_majors(text)
 
     async def stop(self) -> None:
         """Stop watching. A unit that still runs (the node agent stops, its sandboxes stay:
@@ -228,7 +249,7 @@ class GpuNode:
         finally:  # (the node agent's other stop hooks run after this one)
             if self.backend is not None:
                 try:
-                    await self.nvml.call("NVML's shutdown", self.backend.close)
+                    await self.nvml.call("NVML's shutdown", self.backend.close, alone=True)
                 except NvmlHung as exc:  # a shutdown would hang too
                     log.warning("NVML not shut down: %s", exc)
 
@@ -378,6 +399,7 @@ class GpuNode:
         """
         if not placed.gpu_indices:
             return None
+        await self._reopen()
         real = self.backend is not None
         if not real and not self.declared and self.off_reason is not None:
             raise SliceError(f"GPU slicing is off on this node: {self.off_reason}")
@@ -579,6 +601,8 @@ class GpuNode:
     async def health(self, gpus: Sequence[GpuInfo], now: float | None = None) -> list[Payload]:
         """The health events this node's GPUs call for now (called at each heartbeat with the
         inventory's GPUs: their XIDs counted by the probe)."""
+        beat = min(self.nvml.timeout_s, self.settings.heartbeat_s)
+        await self._reopen(beat)  # (a heartbeat waits one beat at most)
         if self.backend is None and not gpus:
             return []  # no GPU to judge
         await self.refresh_config()
@@ -587,7 +611,7 @@ class GpuNode:
             try:
                 readings = await self.nvml.call(
                     "reading the GPUs' health", self.backend.health, xids,
-                    timeout_s=min(self.nvml.timeout_s, self.settings.heartbeat_s),
+                    timeout_s=beat,
                 )  # fmt: skip
             except NvmlHung as exc:  # every GPU it knows reads as lost: gpu.degraded{lost}
                 log.warning("GPU health: %s", exc)

@@ -9,7 +9,7 @@
 * **Host now**: ``MemAvailable``, the 1-minute load, the free disk of ``DSEC_HOME``.
 * ``max_sandboxes`` (``DSEC_MAX_SANDBOXES``), ``labels`` (``DSEC_NODE_LABELS``: ``k=v,k=v``)
   and the GPUs (:mod:`dsec_nodeagent.gpu`), read with a deadline of one heartbeat
-  (:mod:`dsec_nodeagent.nvmlcall`): a hung driver makes the heartbeat report no GPUs and the
+  (:mod:`dsec_core.nvmlcall`): a hung driver makes the heartbeat report no GPUs and the
   problem, never makes it late (three late beats and the scheduler declares the node lost).
 
 Every file read happens in a thread (:func:`asyncio.to_thread`), never on the event loop.
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec_core.events import NodeInventory
+from dsec_core.nvmlcall import NvmlCalls, NvmlHung
 from dsec_core.settings import Settings
 
 from dsec_nodeagent.gpu import (
@@ -37,7 +38,6 @@ from dsec_nodeagent.gpu import (
     declared_gpus,
     load_declared,
 )
-from dsec_nodeagent.nvmlcall import NvmlCalls, NvmlHung
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ class Inventory:
     async def close(self) -> None:
         """Shut NVML down (not while NVML hangs: the shutdown would hang too)."""
         try:
-            await self.calls.call("the GPU probe's shutdown", self.probe.close)
+            await self.calls.call("the GPU probe's shutdown", self.probe.close, alone=True)
         except NvmlHung as exc:
             log.warning("NVML not shut down: %s", exc)
 

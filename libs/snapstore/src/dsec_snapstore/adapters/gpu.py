@@ -1,12 +1,19 @@
-"""GPU inventory through NVML: models, memory, MIG slices and NVLink peers, or why none."""
+"""GPU inventory through NVML: models, memory, MIG slices and NVLink peers, or why none.
+
+Read with a deadline (:mod:`dsec_core.nvmlcall`): a hung driver gives a record that says so
+("NVML did not answer ... within 30 s") instead of holding the snapshot, its tree's lock and
+its worker for good.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
 import pynvml
+from dsec_core.nvmlcall import NVML_TIMEOUT_S, NvmlCalls, NvmlHung
 
 from dsec_snapstore.domain import gpu_dot
 from dsec_snapstore.manifest import GpuDevice, GpuRecord
@@ -77,8 +84,29 @@ def _cuda_version() -> str | None:
     return f"{raw // 1000}.{raw % 1000 // 10}" if raw else None
 
 
+def _deadline() -> float:
+    """``DSEC_NVML_TIMEOUT_S`` (the node agent's setting), else 30 s."""
+    try:
+        value = float(os.environ.get("DSEC_NVML_TIMEOUT_S") or NVML_TIMEOUT_S)
+    except ValueError:
+        return NVML_TIMEOUT_S
+    return value if 0 < value <= 3600 else NVML_TIMEOUT_S
+
+
+_CALLS = NvmlCalls(_deadline())
+"""This process's snapshot-side NVML reads: while one has not returned, the next says so."""
+
+
 def probe_gpus() -> GpuRecord:
-    """Return this node's GPUs and their memory layout as DOT, or say why there are none."""
+    """Return this node's GPUs and their memory layout as DOT, or say why there are none
+    (blocking, at most the NVML deadline: call it from a thread)."""
+    try:
+        return _CALLS.call_blocking("the snapshot's GPU probe", _probe)
+    except NvmlHung as exc:
+        return GpuRecord(present=False, reason=str(exc))
+
+
+def _probe() -> GpuRecord:
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
