@@ -102,6 +102,8 @@ def test_unparseable_code_is_a_warning_located_in_the_code() -> None:
         ("security_policy: {network: {egress: [{domain: '*'}]}}", "ORG-NET-001", 4),
         ("security_policy: {network: {egress: [{domain: '*.com'}]}}", "ORG-NET-001", 4),
         ("security_policy: {network: {egress: [{cidr: 0.0.0.0/0}]}}", "ORG-NET-001", 4),
+        # everywhere written as v4-mapped IPv6: the kernel opens 0.0.0.0/0 for it
+        ("security_policy: {network: {egress: [{cidr: '::ffff:0:0/96'}]}}", "ORG-NET-001", 4),
         ("security_policy: {filesystem: {write_allowed: [/]}}", "ORG-FS-001", 4),
         ("security_policy: {filesystem: {write_allowed: [/etc/app]}}", "ORG-FS-001", 4),
         (
@@ -217,3 +219,32 @@ def test_org_maximum_of_the_code_bundle_applies_to_the_default_too() -> None:
     assert "include_code.max_size 256MiB is above 100MiB" in error.message
     assert error.hint == "include_code: {max_size: 100MiB} or less"
     assert validate(BASE + "include_code: {max_size: 50MiB}\n", "s.yaml", None, policy).ok
+
+
+@pytest.mark.parametrize(
+    "cidr",
+    [
+        "169.254.169.254/32",
+        "169.254.0.0/16",
+        "fe80::1/128",
+        "::ffff:169.254.169.254/128",
+    ],
+)
+def test_a_rule_inside_the_link_local_range_is_refused_naming_the_field(cidr: str) -> None:
+    """The cloud metadata service answers at 169.254.169.254: its credentials are the node's."""
+    outcome = validate(
+        BASE + f"security_policy: {{network: {{egress: [{{cidr: '{cidr}', ports: [80]}}]}}}}\n",
+        "s.yaml",
+    )
+    assert not outcome.ok
+    (error,) = outcome.errors
+    assert error.path.endswith("egress[0].cidr") and "in the link-local range" in error.message
+
+
+def test_a_v4_mapped_rule_is_the_ipv4_range_it_opens() -> None:
+    outcome = validate(
+        BASE + "security_policy: {network: {egress: [{cidr: '::ffff:10.0.0.0/104'}]}}\n", "s.yaml"
+    )
+    assert outcome.ok and outcome.plan is not None
+    (rule,) = outcome.plan.egress
+    assert str(rule.cidr) == "10.0.0.0/8"

@@ -131,6 +131,32 @@ def test_v4_mapped_cidr_lands_in_the_ipv4_trie() -> None:
     assert canonical_network(net("2001:db8::/32")) == net("2001:db8::/32")
 
 
+def test_no_rule_opens_the_link_local_range() -> None:
+    """Before, ``*`` or a wide ``cidr`` (``169.0.0.0/8``; ``0.0.0.0/0`` where the org allows
+    it) opened 169.254.169.254, a cloud machine's metadata service and its credentials."""
+    p = plan(
+        EgressRule(id="any", domain="*", ports=(80,)),
+        EgressRule(id="wide", cidr=net("169.0.0.0/8"), ports=(80,)),
+        EgressRule(id="inside", cidr=net("169.254.169.254/32"), ports=(80,)),
+    )
+    entries = list(cidr_entries(p))
+    link_local = (net("169.254.0.0/16"), net("fe80::/10"))
+    assert entries and not any(
+        e.network.overlaps(ll)
+        for e in entries
+        for ll in link_local
+        if e.network.version == ll.version
+    )
+    assert [e for e in entries if e.slot == 3] == []
+    covered = [e.network for e in entries if e.slot == 2]
+    for address in ("169.0.0.1", "169.253.255.255", "169.255.0.1"):  # all around it stays
+        assert any(ip(address) in n for n in covered)
+    everywhere = {e.network for e in entries if e.slot == 1}
+    for address in ("8.8.8.8", "169.255.1.1", "2001:db8::1", "fe7f::1", "fec0::1"):
+        assert any(ip(address) in n for n in everywhere if n.version == ip(address).version)
+    assert not any(ip("169.254.169.254") in n for n in everywhere if n.version == 4)
+
+
 def test_link_local_metadata_is_not_internal() -> None:
     assert is_internal(ip("10.1.2.3")) and is_internal(ip("::ffff:192.168.0.1"))
     assert not is_internal(ip("169.254.169.254"))

@@ -35,6 +35,26 @@ def test_endpoints_come_from_settings_and_stack_json(tmp_path: Path) -> None:
     assert {("127.0.0.1", p) for p in (5544, 8444, 8299, 9191, 9444, 18444, 9555)} <= found
 
 
+def test_every_port_a_server_listens_on_is_an_endpoint(tmp_path: Path) -> None:
+    """SeaweedFS serves gRPC at each port + 10000 and OpenBao its cluster port at + 1; before,
+    only the base ports were denied, and a sandbox could be granted the filer's gRPC (every
+    object of the system bucket)."""
+    (tmp_path / "stack.json").write_text(
+        json.dumps(
+            {
+                "servers": {
+                    "s3": {"endpoint": "127.0.0.1:8444", "ports": [8444, 8888],
+                           "listening": [8444, 18444, 8888, 18888]},
+                    "vault": {"endpoint": "http://127.0.0.1:8200", "ports": [8200],
+                              "listening": [8200, 8201]},
+                },
+            }
+        )
+    )  # fmt: skip
+    found = {(h, p) for _, h, p in stack_endpoints(Settings(home=tmp_path))}
+    assert {("127.0.0.1", p) for p in (8444, 18444, 8888, 18888, 8200, 8201)} <= found
+
+
 def test_a_local_server_is_denied_on_every_local_address() -> None:
     entries = deny_entries(
         [("NATS", "127.0.0.1", 4222), ("S3", "localhost", 8333), ("db", "db.internal", 5432)],

@@ -56,7 +56,10 @@ def stack_endpoints(settings: Settings) -> tuple[Endpoint, ...]:
         if not isinstance(server, dict) or server.get("absent"):
             continue
         hosts = {h for h, _ in parse_endpoint(str(server.get("endpoint") or ""), 0)} or {_LOCAL}
-        found += [(name, h, int(p)) for h in sorted(hosts) for p in server.get("ports") or []]
+        # every port it listens on (before, SeaweedFS's gRPC ports at +10000 and OpenBao's
+        # cluster port were left out: a sandbox could be granted them)
+        ports = {int(p) for p in [*(server.get("ports") or []), *(server.get("listening") or [])]}
+        found += [(name, h, p) for h in sorted(hosts) for p in sorted(ports)]
     for name, service in (state.get("services") or {}).items():
         metrics = service.get("metrics_port") if isinstance(service, dict) else None
         if isinstance(metrics, int) and metrics > 0:

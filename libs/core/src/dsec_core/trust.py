@@ -185,10 +185,19 @@ class KeyRing:
         return problem
 
     async def _revoked_in_log(self, key_id: str) -> int | None:
-        """The stream seq of the first valid revocation of ``key_id`` in the log, if any."""
+        """The stream seq of the first valid revocation of ``key_id`` in the log, if any: one
+        that names ``key_id`` (its payload and aggregate) where it is stored. A genuine
+        revocation of another key copied onto this key's subject revokes nothing (before, it
+        revoked whichever key's subject it was copied to)."""
         async for seq, data in scan_seq(self._js, subject_for(KeyRevoked.TYPE, key_id)):
-            with contextlib.suppress(MalformedEnvelope, KeyError, ValueError):
-                if await self._valid_revocation(unpack_fields(data)):
+            with contextlib.suppress(MalformedEnvelope, KeyError, ValueError, TypeError):
+                fields = unpack_fields(data)
+                if (
+                    shape_problem(fields) is None
+                    and fields["aggregate_id"] == key_id
+                    and fields["payload"]["key_id"] == key_id
+                    and await self._valid_revocation(fields)
+                ):
                     return seq
         return None
 
@@ -457,17 +466,23 @@ class Gate:
         self, sandbox_id: str, limit: int = 256, *, upto: int | None = None
     ) -> Lifecycle:
         """The sandbox's state: the fold of its authentic lifecycle events in log order (each
-        lifecycle type's subject read directly; forged or unauthorized ones are skipped).
-        ``upto``: its state as of that stream position (the events logged after it left out)."""
+        lifecycle type's subject read directly; forged or unauthorized ones are skipped, and
+        only authentic ones count toward ``limit`` per type, so no number of forged messages
+        on a subject hides a genuine event after them). ``upto``: its state as of that stream
+        position (the events logged after it left out)."""
         found: list[tuple[int, Envelope]] = []
         for event_type in sorted(LIFECYCLE_TYPES):
             subject = subject_for(event_type, sandbox_id)
-            async for seq, data in scan_seq(self._js, subject, limit):
+            kept = 0
+            async for seq, data in scan_seq(self._js, subject, 1 << 62):
                 if upto is not None and seq > upto:
                     break  # (oldest first: the rest are later too)
                 envelope = await self.authentic(data, stream_seq=seq)
                 if envelope is not None and envelope.subject == subject:
                     found.append((seq, envelope))
+                    kept += 1
+                    if kept >= limit:
+                        break
         found.sort(key=lambda item: item[0])
         return fold_envelopes(envelope for _, envelope in found)
 
@@ -526,9 +541,14 @@ class Gate:
         self, subject: str, *, event_id: str | None = None, limit: int = 256
     ) -> Envelope | None:
         """An authentic, authorized event on ``subject``: the one with ``event_id``, else the
-        newest. Forged or unauthorized messages on the subject are skipped, never returned."""
+        newest of the first ``limit`` authentic ones. Forged or unauthorized messages on the
+        subject are skipped, never returned, and do not count toward ``limit`` (before, 256 of
+        them hid every genuine event after them)."""
         found: Envelope | None = None
-        async for seq, data in scan_seq(self._js, subject, limit):
+        kept = 0
+        async for seq, data in scan_seq(self._js, subject, 1 << 62):
+            if kept >= limit:
+                break
             try:
                 fields = unpack_fields(data)
                 envelope = Envelope.model_validate(fields)
@@ -542,6 +562,7 @@ class Gate:
                 if event_id is not None:
                     return envelope
                 found = envelope
+                kept += 1
         return found
 
     async def newest(self, subject: str, *, after: int = 0) -> tuple[Envelope | None, int]:

@@ -71,6 +71,11 @@ class ServerRecord(BaseModel):
     external: bool = False
     absent: bool = False
     ports: list[int] = Field(default_factory=list)
+    listening: list[int] = Field(
+        default_factory=list,
+        description="Every port it listens on: ``ports`` and the ones derived from them "
+        "(SeaweedFS's gRPC at +10000, OpenBao's cluster port at +1); sandboxes are denied all",
+    )
     credentials: dict[str, str] = Field(default_factory=dict, repr=False)
 
 

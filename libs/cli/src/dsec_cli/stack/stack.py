@@ -345,6 +345,7 @@ class Stack:
             version=version,
             external=False,
             ports=srv.ports,
+            listening=srv.all_ports(),
             credentials=srv.credentials,
         )
         for key, value in srv.client_settings().items():

@@ -479,6 +479,26 @@ def _port(value: int) -> int:
     return value
 
 
+_V4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+LINK_LOCAL = (ipaddress.IPv4Network("169.254.0.0/16"), ipaddress.IPv6Network("fe80::/10"))
+"""Never granted: a ``cidr`` rule inside them is refused, and the node agent leaves them out
+of every wider rule (cloud metadata services answer there)."""
+
+
+def canonical_network(
+    network: ipaddress.IPv4Network | ipaddress.IPv6Network,
+) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """An IPv6 range inside ``::ffff:0:0/96`` as the IPv4 range it denotes: the kernel judges
+    v4-mapped destinations by the IPv4 rules, so the spec (and every check of it: the org's
+    rules, the stack's endpoints) sees the rule as the IPv4 range it opens. Before,
+    ``::ffff:0:0/96`` passed the rule against egress to everywhere and opened 0.0.0.0/0."""
+    if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(_V4_MAPPED):
+        base = network.network_address.ipv4_mapped
+        assert base is not None  # guaranteed by subnet_of(::ffff:0:0/96)
+        return ipaddress.IPv4Network((base, network.prefixlen - 96))
+    return network
+
+
 Port = Annotated[int, AfterValidator(_port)]
 Transport = Literal["tcp", "udp"]
 
@@ -526,12 +546,21 @@ class EgressRule(SpecModel):
         if value is None:
             return None
         try:
-            return str(ipaddress.ip_network(value, strict=True))
+            network = canonical_network(ipaddress.ip_network(value, strict=True))
         except ValueError as exc:
             raise invalid(
                 f"{value!r} is not a network: {exc}",
                 "an address or network such as 10.0.0.0/8, 192.168.1.7 or fd00::/8",
             ) from None
+        for link_local in LINK_LOCAL:
+            if network.version == link_local.version and network.subnet_of(link_local):  # type: ignore[arg-type]
+                raise invalid(
+                    f"{value!r} is in the link-local range {link_local}, where a cloud "
+                    "machine's metadata service answers (169.254.169.254: its credentials); "
+                    "a sandbox is never granted it (a wider rule opens everything around it)",
+                    "a network outside 169.254.0.0/16 and fe80::/10",
+                )
+        return str(network)
 
     @classmethod
     def cross_checks(cls, fields: Mapping[str, Any]) -> list[PydanticCustomError]:

@@ -12,6 +12,9 @@ import ipaddress
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from dsec_core.spec.models import LINK_LOCAL
+from dsec_core.spec.models import canonical_network as canonical_network
+
 from dsec_nodeagent.ebpf.model import EgressPlan, EgressRule, IPAddress, IPNetwork
 
 # `allow_internal_only` keeps a rule inside loopback and private ranges. Link-local
@@ -24,8 +27,6 @@ INTERNAL_NETWORKS: tuple[IPNetwork, ...] = (
     ipaddress.ip_network("::1/128"),
     ipaddress.ip_network("fc00::/7"),
 )
-
-_V4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
 
 # Public DNS-over-HTTPS / DNS-over-TLS resolvers. A sandbox reaches them only through a rule that
 # names them exactly (an exact domain rule, or a host-length cidr), never through a wildcard or a
@@ -163,19 +164,6 @@ def internal_parts(network: IPNetwork) -> list[IPNetwork]:
     return parts
 
 
-def canonical_network(network: IPNetwork) -> IPNetwork:
-    """An IPv6 range inside ``::ffff:0:0/96`` as the IPv4 range it denotes.
-
-    Hooks judge v4-mapped destinations with the IPv4 rules, so a rule written as v4-mapped IPv6
-    must land in the IPv4 trie.
-    """
-    if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(_V4_MAPPED):
-        base = network.network_address.ipv4_mapped
-        assert base is not None  # guaranteed by subnet_of(::ffff:0:0/96)
-        return ipaddress.IPv4Network((base, network.prefixlen - 96))
-    return network
-
-
 AF_TCP = 2  # allow-entry flags (egress.bpf.c): the entry opens TCP sockets
 AF_UDP = 4  # ... UDP sockets: only when the rule declares udp
 
@@ -211,8 +199,22 @@ _EVERYWHERE: tuple[IPNetwork, ...] = (
 )
 
 
+def without_link_local(network: IPNetwork) -> list[IPNetwork]:
+    """``network`` less the link-local ranges (the pieces around them): a wide rule (``*``,
+    ``0.0.0.0/0`` where the org allows it, ``169.0.0.0/8``) never opens a cloud machine's
+    metadata service at 169.254.169.254. A rule inside them is refused by the spec."""
+    for link_local in LINK_LOCAL:
+        if network.version != link_local.version or not network.overlaps(link_local):
+            continue
+        if network.subnet_of(link_local):  # type: ignore[arg-type]
+            return []
+        return sorted(network.address_exclude(link_local))  # type: ignore[arg-type]
+    return [network]
+
+
 def cidr_entries(plan: EgressPlan) -> Iterator[CidrEntry]:
-    """Trie entries of ``cidr`` and ``*`` rules, narrowed by ``allow_internal_only``."""
+    """Trie entries of ``cidr`` and ``*`` rules, narrowed by ``allow_internal_only``; never
+    the link-local ranges."""
     for slot, rule in enumerate(plan.rules, start=1):
         if rule.cidr is not None:
             wanted = [canonical_network(rule.cidr)]
@@ -220,9 +222,9 @@ def cidr_entries(plan: EgressPlan) -> Iterator[CidrEntry]:
             wanted = list(_EVERYWHERE)
         else:
             continue
-        networks = wanted
+        networks = [part for net in wanted for part in without_link_local(net)]
         if rule.allow_internal_only:
-            networks = [part for net in wanted for part in internal_parts(net)]
+            networks = [part for net in networks for part in internal_parts(net)]
         for net in networks:
             for port in rule_ports(rule):
                 yield CidrEntry(network=net, port=port, slot=slot, transports=transport_flags(rule))

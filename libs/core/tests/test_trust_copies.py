@@ -1,0 +1,91 @@
+"""Genuine events copied, replayed or buried by an attacker who can publish to the bus (in
+memory: the real gate, key ring and log reads over an in-memory stream).
+
+Each test is an attack an adversarial review reproduced against the code before its fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dsec_core import events
+from dsec_core.events import KeyRevoked, SandboxScheduled
+from dsec_core.subjects import subject_for
+from dsec_core.trust import Gate, KeyRing, Refusal
+from dsec_testing.inmemory import MemoryLog
+from dsec_testing.trust import Producer, certified, pipeline, stack_root
+from nacl.signing import SigningKey
+
+pytestmark = pytest.mark.unit
+SPEC = 'version: "1.2"\nname: agent\nbase: python:3.11\nentrypoint: [python, a.py]\n'
+
+
+class _NoCoreNats:
+    async def subscribe(self, *_: Any, **__: Any) -> None:
+        return None
+
+
+def _gate(root: SigningKey, log: MemoryLog) -> Gate:
+    """A fresh consumer's gate (nothing remembered) over ``log``."""
+    ring = KeyRing(_NoCoreNats(), log, bytes(root.verify_key))  # type: ignore[arg-type]
+    return Gate(ring, log, log.handled)  # type: ignore[arg-type]
+
+
+async def _put(log: MemoryLog, subject: str, wire: bytes) -> int:
+    return (await log.publish(subject, wire)).seq
+
+
+async def _register(log: MemoryLog, *producers: Producer) -> None:
+    for producer in producers:
+        key_id = producer.signer.key_id
+        await _put(log, subject_for("audit.key_registered", key_id), producer.registration())
+
+
+async def test_a_revocation_copied_onto_another_keys_subject_revokes_nothing() -> None:
+    """The operator revoked an old user key (a rotation). Its genuine bytes, published again on
+    the scheduler key's revocation subject, made every consumer that looked the scheduler up
+    afterwards refuse all its events (the platform stopped placing anything)."""
+    root, log = SigningKey.generate(), MemoryLog()
+    operator = certified(root, "operator", subject="operator")
+    scheduler = certified(root, "scheduler")
+    old = certified(root, "user", tenant="acme")
+    await _register(log, operator, scheduler, old)
+    revoked = operator.signer.seal(
+        KeyRevoked(key_id=old.signer.key_id, producer=old.signer.producer),
+        aggregate_id=old.signer.key_id,
+    )
+    await _put(log, revoked.subject, revoked.wire)
+    await _put(log, subject_for(KeyRevoked.TYPE, scheduler.signer.key_id), revoked.wire)
+
+    gate = _gate(root, log)
+    placed = scheduler.signer.seal(SandboxScheduled(node_id="n1"), aggregate_id="sbx_a")
+    verdict = await gate.admit(placed.wire, stream_seq=await _put(log, placed.subject, placed.wire))
+    assert not isinstance(verdict, Refusal), verdict
+    # the genuine revocation still revokes the key it names
+    user_event = old.signer.seal(SandboxScheduled(node_id="n1"), aggregate_id="sbx_b")
+    seq = await _put(log, user_event.subject, user_event.wire)
+    refused = await gate.admit(user_event.wire, stream_seq=seq)
+    assert isinstance(refused, Refusal) and refused.reason == "revoked-key"
+
+
+async def test_forged_messages_on_a_lifecycle_subject_hide_no_genuine_event(
+    tmp_path: Path,
+) -> None:
+    """256 unsigned messages on a running sandbox's ``exited`` subject made its genuine exit
+    invisible to every lifecycle reader (the first 256 messages were read, forged or not)."""
+    log = MemoryLog()
+    world = await pipeline(log, tmp_path, node_id="n1")  # type: ignore[arg-type]
+    gate = _gate(stack_root(tmp_path), log)
+    sid = "sbx_victim"
+    await world.built(SPEC, sid)
+    await world.scheduler.publish(events.SandboxScheduled(node_id="n1"), aggregate_id=sid)
+    ready = events.SandboxReady(node_id="n1", pid=1, cgroup="/x")
+    await world.nodeagent.publish(ready, aggregate_id=sid)
+    for _ in range(300):
+        await log.publish(subject_for(events.SandboxExited.TYPE, sid), b"\x80")
+    exited = events.SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+    sent = await world.nodeagent.publish(exited, aggregate_id=sid)
+    assert (await gate.lifecycle(sid)).state == "exited"
+    found = await gate.find(subject_for(events.SandboxExited.TYPE, sid))
+    assert found is not None and found.id == sent.sealed.envelope.id
