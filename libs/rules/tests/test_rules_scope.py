@@ -145,6 +145,31 @@ def test_the_sandboxs_own_view_stays_readable() -> None:
     assert check(snippet).ok
 
 
+@pytest.mark.parametrize(
+    ("snippet", "rule_id", "path"),
+    [
+        # a workdir of / made every host path "the sandbox's own view" (no code: each
+        # read_allowed path was bound from the host): /etc, /root, DSEC_HOME
+        (
+            "workdir: /\nsecurity_policy: {filesystem: {read_allowed: [/etc, /srv/dsec-home]}}",
+            "invalid-value",
+            "workdir",
+        ),
+        # /tmp is the sandbox's own only when writable (a tmpfs); else the host's /tmp
+        (
+            "security_policy: {filesystem: {read_allowed: [/tmp], write_allowed: [/workspace/o]}}",
+            "ORG-FS-002",
+            "security_policy.filesystem.read_allowed[0]",
+        ),
+    ],
+)
+def test_no_spec_reads_the_hosts_protected_paths_as_its_own(
+    snippet: str, rule_id: str, path: str
+) -> None:
+    (error,) = check(snippet).errors
+    assert (error.rule_id, error.path) == (rule_id, path), error.message
+
+
 def test_writes_into_dsec_home_are_refused_and_the_operator_can_allow_a_path() -> None:
     outcome = check("security_policy: {filesystem: {write_allowed: [/srv/dsec-home/x]}}")
     assert "ORG-FS-002" in [e.rule_id for e in outcome.errors]

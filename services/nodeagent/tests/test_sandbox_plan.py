@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path, PurePosixPath
 
@@ -83,6 +84,49 @@ def test_a_mount_nobody_may_read_is_warned_about(tmp_path: Path) -> None:
         uid=1,
     )
     assert result.warnings == ["mount /data is not under read_allowed: the sandbox cannot read it"]
+
+
+def test_no_read_allowed_path_binds_the_nodes_home_or_shared_dirs_even_through_a_link(
+    tmp_path: Path,
+) -> None:
+    """The org's rules (the policy service) decide which host paths a spec may read; the node
+    holds its own line whatever they allow: its home (every sandbox's code, logs and keys)
+    and the host's shared directories are never bound, nor is a path whose symlinks lead
+    there, nor a parent of one, nor the host's whole file system."""
+    home = tmp_path / "home"
+    (home / "sandboxes" / "other" / "code").mkdir(parents=True)
+    link = tmp_path / "innocent"
+    link.symlink_to(home / "sandboxes")
+    public = tmp_path / "public"
+    public.mkdir()
+    denied = [home, Path("/run")]
+    for path, why in (
+        (str(home / "sandboxes" / "other"), f"host's {home}"),
+        (str(link), f"(resolved: {home / 'sandboxes'})"),
+        (str(tmp_path), f"host's {home}"),  # a parent of the home
+        ("/run", "host's /run"),
+        ("/", "the host's whole file system"),
+    ):
+        config = _config(tmp_path, read_allowed=[path], host_denied=denied, write_allowed=[])
+        with pytest.raises(plan.PlanError, match=re.escape(why)):
+            plan.build(config, VIEW, _host(tmp_path), FACTS, uid=1)
+    config = _config(tmp_path, read_allowed=[str(public)], host_denied=denied, write_allowed=[])
+    binds = plan.build(config, VIEW, _host(tmp_path), FACTS, uid=1).plan["layout"]
+    assert {"kind": "bind", "src": str(public), "path": str(public), "ro": True} in binds
+
+
+def test_nothing_under_a_workdir_without_code_comes_from_the_host(tmp_path: Path) -> None:
+    """Before, a workdir with no code was an empty directory, and a read_allowed path under
+    it was bound from the host (with workdir /, every one: the host's /etc)."""
+    (tmp_path / "w" / "etc").mkdir(parents=True)
+    config = _config(
+        tmp_path,
+        workdir=str(tmp_path / "w"),
+        read_allowed=[str(tmp_path / "w" / "etc")],
+        write_allowed=[],
+    )
+    layout = plan.build(config, VIEW, _host(tmp_path), FACTS, uid=1).plan["layout"]
+    assert not any(e.get("src") == str(tmp_path / "w" / "etc") for e in layout)
 
 
 def test_a_read_allowed_path_that_exists_nowhere_is_warned_about_the_workdir_is_not(

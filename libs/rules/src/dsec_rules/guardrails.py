@@ -504,8 +504,12 @@ def _no_dns_passthrough(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> It
 
 
 def _own_view(spec: SandboxSpec) -> tuple[str, ...]:
-    """Paths that exist only inside the sandbox: its workdir, its mounts, ``/tmp``."""
-    return (spec.workdir, "/tmp", *(m.path for m in spec.runtime_context.mounts))
+    """Paths that exist only inside the sandbox: its workdir, its mounts, and ``/tmp`` when it
+    is writable (a fresh tmpfs then: named in ``write_allowed``, or the default when that is
+    empty); a ``/tmp`` that is not would be the host's."""
+    write = spec.security_policy.filesystem.write_allowed
+    tmp = ("/tmp",) if "/tmp" in write or not write else ()
+    return (spec.workdir, *tmp, *(m.path for m in spec.runtime_context.mounts))
 
 
 def _forbid_host_paths(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:

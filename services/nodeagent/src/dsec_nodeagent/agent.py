@@ -44,6 +44,7 @@ from dsec_core.objectstore import client as s3_client
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan
 from dsec_core.spec.plan import ResourceLimits
+from dsec_core.stackinfo import stack_dirs
 from dsec_core.subjects import subject_for
 from dsec_core.text import bound
 from dsec_core.threads import to_the_end
@@ -886,6 +887,7 @@ class NodeAgent:
             secret_env=ctx.secret_env,
             mounts=ctx.mounts,
             read_allowed=list(plan.filesystem.read),
+            host_denied=host_denied(self.settings),
             write_allowed=list(plan.filesystem.write) or ["/tmp"],
             limits=node_limits(res, self.settings),
             timeout_s=res.timeout_s,
@@ -1357,6 +1359,17 @@ _SECCOMP_WHY = {
     "AF_NETLINK (NETLINK_ROUTE) sockets only",
     "seccomp.not-allowed": "not on the sandbox's system call allow-list",
 }
+
+
+HOST_SHARED_DIRS = ("/tmp", "/var/tmp", "/run", "/var/run", "/dev/shm")
+"""Host directories every process shares (the stack's servers keep sockets there): never
+bound into a sandbox, whatever the org's rules allow."""
+
+
+def host_denied(settings: Settings) -> list[Path]:
+    """The host directories no sandbox's ``read_allowed`` may bind on this node: its home (every
+    sandbox's code, logs, keys; the stack's data) and the host's shared directories."""
+    return [Path(d) for d in (*stack_dirs(settings), *HOST_SHARED_DIRS)]
 
 
 def node_limits(res: ResourceLimits, s: Settings) -> Limits:

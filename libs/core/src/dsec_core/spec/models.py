@@ -116,6 +116,20 @@ AbsPath = Annotated[str, AfterValidator(_absolute_path)]
 """An absolute POSIX path, normalized (no ``..``, no trailing slash)."""
 
 
+def _workdir(value: str) -> str:
+    if value == "/":
+        raise invalid(
+            "the workdir cannot be / (the sandbox's root is its runtime's, read-only; and every "
+            "path would lie inside the workdir)",
+            "a directory of its own, such as /workspace",
+        )
+    return value
+
+
+WorkDir = Annotated[str, AfterValidator(_absolute_path), AfterValidator(_workdir)]
+"""Where the code lands: an absolute path, never ``/``."""
+
+
 def _non_empty(value: str) -> str:
     if not value.strip():
         raise invalid("must not be empty")
@@ -1792,7 +1806,7 @@ class SandboxSpec(SpecModel):
     )
     base: str = Field(examples=["dsec/python311:latest"])
     entrypoint: Argv | None = Field(default=None, description="Command run in workdir")
-    workdir: AbsPath = Field(default="/workspace", description="Where the code bundle lands")
+    workdir: WorkDir = Field(default="/workspace", description="Where the code bundle lands")
     dependencies: tuple[Dependency, ...] = ()
     build_options: tuple[NonEmptyStr, ...] = ()
     resources: Resources = Resources()

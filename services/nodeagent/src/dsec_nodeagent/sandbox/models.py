@@ -151,6 +151,10 @@ class SandboxConfig(BaseModel):
         write_sources: optional host directory backing a ``write_allowed`` path.
         extra_ro_paths: host files or dirs (e.g. ``/bin/sh``) shown read-only at the same path;
             their shared libraries are discovered too.
+        host_denied: host directories no ``read_allowed`` path may bind, once its symlinks are
+            resolved (the node agent's: its home, with every sandbox's code, logs and keys; the
+            host's shared temporary and runtime directories). The org's rules decide the rest
+            before a spec is accepted; this holds whatever they allow.
         limits: memory / CPU / pids limits.
         timeout_s: wall-clock limit; the sandbox is stopped with reason ``timeout`` after it.
         network: keep the host network namespace (the eBPF egress layer then applies through the
@@ -189,6 +193,7 @@ class SandboxConfig(BaseModel):
     write_allowed: list[str] = Field(default_factory=lambda: ["/tmp"])
     write_sources: dict[str, Path] = Field(default_factory=dict)
     extra_ro_paths: list[Path] = Field(default_factory=list)
+    host_denied: list[Path] = Field(default_factory=list)
     limits: Limits = Field(default_factory=Limits)
     timeout_s: float | None = Field(default=None, gt=0)
     network: bool = True

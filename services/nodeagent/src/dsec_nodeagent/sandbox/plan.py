@@ -254,16 +254,35 @@ def _declared_entries(
         source = config.write_sources.get(path) or kept_dir(host.data_dir, path)
         result.writable_dirs.append(source)
         entries.append(_bind(source, path, ro=False))
-    targets = [e["path"] for e in entries if e["kind"] in ("bind", "tmpfs")]
-    made = {e["path"] for e in entries if e["kind"] == "dir"}  # (the workdir without code)
+    # the workdir without code is an empty directory of the sandbox's own: nothing under it
+    # comes from the host (before, with workdir /, every read_allowed path did)
+    own = [e["path"] for e in entries if e["kind"] in ("bind", "tmpfs", "dir")]
     for path in config.read_allowed:
-        if path in made or any(_under(path, t) for t in targets):
+        if any(_under(path, t) for t in own):
             continue
         if os.path.exists(path):
+            _check_host_read(config, path)
             entries.append(_bind(path, path))
         else:
             result.warnings.append(f"read_allowed {path} exists neither in a mount nor on the host")
     return entries
+
+
+def _check_host_read(config: SandboxConfig, path: str) -> None:
+    """Refuse a host bind of ``path`` that is, or resolves into, a denied host directory (the
+    bind follows symlinks: ``/usr/lib/x -> /home/dsec/...`` binds the target)."""
+    real = os.path.realpath(path)
+    if real == "/":
+        raise PlanError(f"read_allowed {path} would show the host's whole file system")
+    for denied in config.host_denied:
+        guarded = os.path.realpath(denied)
+        if _under(real, guarded) or _under(guarded, real):
+            shown = path if real == path else f"{path} (resolved: {real})"
+            raise PlanError(
+                f"read_allowed {shown} would show the host's {guarded} to the sandbox, which "
+                "this node never binds (other sandboxes' code, logs and keys, the host's shared "
+                "temporary and runtime files); read a mount or the sandbox's own paths instead"
+            )
 
 
 def needs_disk_quota(config: SandboxConfig) -> bool:
