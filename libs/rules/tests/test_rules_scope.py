@@ -48,7 +48,13 @@ def test_tenant_reads_its_own_secret_data_and_config_by_convention() -> None:
     ok = check(env("vault://secret/acme/tools/search#key"), tenant="acme")
     assert ok.ok and ok.plan is not None and ok.plan.tenant == "acme"
     assert check(mount("s3://lake/acme/set/"), tenant="acme").ok
-    assert check(mount("configmap://acme-retrieval/v3"), tenant="acme").ok
+    assert check(mount("configmap://acme.retrieval/v3"), tenant="acme").ok
+    # a tenant named with another's name and a dash is another tenant (before: acme-* held
+    # acme-corp's config maps)
+    assert only(check(mount("configmap://acme-corp.db/password"), tenant="acme"))[0] == (
+        "tenant.configmap"
+    )
+    assert check(mount("configmap://acme-corp.db/password"), tenant="acme-corp").ok
 
 
 def test_another_tenants_secret_is_refused_at_its_line_with_what_is_valid() -> None:
@@ -73,7 +79,8 @@ def test_system_bucket_and_other_tenants_data_are_refused() -> None:
     assert only(check(mount("s3://dsec/default/x/")))[0] == "system.bucket"
     assert only(check(mount("s3://lake/acme/x/")))[0] == "tenant.s3"
     assert only(check(mount("s3://lake/default/../acme/")))[0] == "tenant.s3"
-    assert only(check(mount("configmap://acme-cfg/k")))[0] == "tenant.configmap"
+    assert only(check(mount("configmap://acme.cfg/k")))[0] == "tenant.configmap"
+    assert only(check(mount("configmap://default-cfg/k")))[0] == "tenant.configmap"
 
 
 def test_org_policy_lists_a_tenants_prefixes() -> None:

@@ -213,9 +213,10 @@ class TenantScope(BaseModel):
 
 def conventional_scope(tenant: str) -> TenantScope:
     """The scope of a tenant the org policy does not list: ``secret/<t>/``, ``*/<t>/``,
-    ``<t>-*``."""
+    ``<t>.*``. Each is bounded by a character no tenant name holds (``/``, ``.``): before,
+    tenant ``acme``'s config maps were ``acme-*``, which held tenant ``acme-corp``'s."""
     return TenantScope(
-        vault=(f"secret/{tenant}/",), s3=(f"*/{tenant}/",), configmaps=(f"{tenant}-*",)
+        vault=(f"secret/{tenant}/",), s3=(f"*/{tenant}/",), configmaps=(f"{tenant}.*",)
     )
 
 

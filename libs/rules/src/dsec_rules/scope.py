@@ -77,7 +77,7 @@ def _mounts(
                 yield source.error(
                     where,
                     f"config map {name!r} is not one of the config maps of tenant {tenant!r}",
-                    hint=_valid("configmap://", scope.configmaps, "configmap://{t}-x/k", tenant),
+                    hint=_valid("configmap://", scope.configmaps, "configmap://{t}.x/k", tenant),
                     rule_id="tenant.configmap",
                 )
             continue
