@@ -181,3 +181,26 @@ def test_an_old_spec_gets_the_safe_defaults_and_a_node_maximum_refuses_more() ->
     with pytest.raises(StartRefused, match=r"resources.files = 100000 exceeds .* 65536"):
         node_limits(big, Settings())
     assert node_limits(big, Settings(sandbox_max_files=200_000)).files == 100_000
+    # a spec may ask up to 4,194,304 pids; a node gives at most DSEC_SANDBOX_MAX_PIDS (before,
+    # one sandbox could take the host's whole pid table: 32,768 here)
+    many = _plan_of(_OLD_SPEC.replace("memory: 512MiB}", "memory: 512MiB, pids: 100000}"))
+    with pytest.raises(StartRefused, match=r"resources.pids = 100000 exceeds .* 16384"):
+        node_limits(many, Settings())
+    assert node_limits(many, Settings(sandbox_max_pids=200_000)).pids == 100_000
+
+
+@pytest.mark.unit
+def test_the_hosts_sandboxes_together_hold_at_most_three_quarters_of_the_pid_table(
+    tmp_path: Path,
+) -> None:
+    from dsec_nodeagent.sandbox import cgroups
+
+    (tmp_path / "pid_max").write_text("32768\n")
+    assert cgroups.node_pids_max(tmp_path / "pid_max") == 24_576
+    assert cgroups.node_pids_max(tmp_path / "missing") is None
+    hierarchy = cgroups.Hierarchy(tmp_path / "unified", frozenset({"pids"}), {})
+    (tmp_path / "unified").mkdir()
+    group = cgroups.SandboxCgroup.create(hierarchy, "sb-1", Limits(pids=100), node="node-7")
+    every_sandbox = tmp_path / "unified" / "dsec"
+    assert (every_sandbox / "pids.max").read_text() == str(cgroups.node_pids_max())
+    assert (group.v2_dir / "pids.max").read_text() == "101"

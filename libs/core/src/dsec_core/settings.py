@@ -173,6 +173,12 @@ class Settings(BaseSettings):
     sandbox_max_files: int = Field(
         default=65_536, ge=64, description="Node maximum of a spec's resources.files"
     )
+    sandbox_max_pids: int = Field(
+        default=16_384,
+        ge=16,
+        description="Node maximum of a spec's resources.pids (the node's sandboxes together "
+        "also hold at most 3/4 of the host's pid_max)",
+    )
     sandbox_max_disk: int = Field(
         default=64 * 2**30, ge=16 * 2**20, description="Node maximum of resources.disk (bytes)"
     )

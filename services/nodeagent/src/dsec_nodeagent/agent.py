@@ -1376,6 +1376,7 @@ def node_limits(res: ResourceLimits, s: Settings) -> Limits:
     """The plan's limits, refused when they exceed this node's operator maxima."""
     for field, asked, most, setting in (
         ("resources.files", res.files, s.sandbox_max_files, "DSEC_SANDBOX_MAX_FILES"),
+        ("resources.pids", res.pids, s.sandbox_max_pids, "DSEC_SANDBOX_MAX_PIDS"),
         ("resources.disk", res.disk_bytes, s.sandbox_max_disk, "DSEC_SANDBOX_MAX_DISK"),
         (
             "resources.log_bytes",

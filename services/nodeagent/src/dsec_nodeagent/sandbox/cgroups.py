@@ -89,6 +89,18 @@ def favor_dynamic_modifications(hierarchy: Hierarchy) -> bool:
     return result.returncode == 0
 
 
+NODE_PID_SHARE = 0.75
+"""The share of the host's pid table (``kernel.pid_max``) the host's sandboxes hold together."""
+
+
+def node_pids_max(pid_max: Path = Path("/proc/sys/kernel/pid_max")) -> int | None:
+    """:data:`NODE_PID_SHARE` of the host's ``pid_max`` (None: unreadable)."""
+    try:
+        return max(64, int(int(pid_max.read_text()) * NODE_PID_SHARE))
+    except (OSError, ValueError):
+        return None
+
+
 def _write(path: Path, value: str) -> None:
     try:
         path.write_text(value)
@@ -153,11 +165,22 @@ class SandboxCgroup:
             for path in sorted(set(self.dirs.values()) - made):
                 path.mkdir(parents=True)
                 made.add(path)
+            self._bound_node()
             self._apply(limits)
         except BaseException:
             ours = {c: p for c, p in self.dirs.items() if p in made}
             SandboxCgroup(self.v2_dir, ours).remove(timeout_s=1.0)
             raise
+
+    def _bound_node(self) -> None:
+        """DSec's group (every sandbox of every node agent on this host) holds at most
+        :data:`NODE_PID_SHARE` of the host's pid table: before, sandboxes within their own
+        ``pids`` could together take every pid, and the host (the node agent, the stack's
+        servers) could fork no more."""
+        pids = self.dirs.get("pids")
+        most = node_pids_max()
+        if pids is not None and most is not None:
+            _write(pids.parent.parent / "pids.max", str(most))
 
     def _is_v2(self, controller: str) -> bool:
         return self.dirs.get(controller) == self.v2_dir
