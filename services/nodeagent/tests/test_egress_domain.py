@@ -116,14 +116,17 @@ def test_internal_only_narrows_a_range_to_its_private_parts() -> None:
 
 def test_internal_only_and_any_rule_entries() -> None:
     p = plan(EgressRule(id="any", domain="*", ports=(443,), allow_internal_only=True))
-    assert {e.network for e in cidr_entries(p)} == {
+    networks = {e.network for e in cidr_entries(p)}
+    assert {n for n in networks if n.version == 4} == {
         net("127.0.0.0/8"),
         net("10.0.0.0/8"),
         net("172.16.0.0/12"),
         net("192.168.0.0/16"),
-        net("::1/128"),
-        net("fc00::/7"),
     }
+    v6 = [n for n in networks if n.version == 6]
+    private = net("fc00::/7")
+    assert net("::1/128") in v6 and all(n == net("::1/128") or n.subnet_of(private) for n in v6)
+    assert sum(n.num_addresses for n in v6) == 1 + private.num_addresses - 1  # less IMDS
 
 
 def test_v4_mapped_cidr_lands_in_the_ipv4_trie() -> None:
@@ -155,6 +158,17 @@ def test_no_rule_opens_the_link_local_range() -> None:
     for address in ("8.8.8.8", "169.255.1.1", "2001:db8::1", "fe7f::1", "fec0::1"):
         assert any(ip(address) in n for n in everywhere if n.version == ip(address).version)
     assert not any(ip("169.254.169.254") in n for n in everywhere if n.version == 4)
+    # nor the node itself through a wide rule (the DNS path refuses loopback answers to such a
+    # rule too), nor AWS's IPv6 metadata address
+    for hidden in ("127.0.0.1", "127.9.9.9", "::1", "fd00:ec2::254"):
+        assert not any(ip(hidden) in n for n in everywhere if n.version == ip(hidden).version)
+    for shown in ("126.255.255.255", "128.0.0.1", "::2", "fd00:ec2::253", "fd00::1"):
+        assert any(ip(shown) in n for n in everywhere if n.version == ip(shown).version)
+    # a rule naming loopback opens it; with allow_internal_only a wide rule keeps loopback
+    named = plan(EgressRule(id="lo", cidr=net("127.0.0.0/8"), ports=(80,)))
+    assert [e.network for e in cidr_entries(named)] == [net("127.0.0.0/8")]
+    inner = plan(EgressRule(id="in", domain="*", ports=(80,), allow_internal_only=True))
+    assert net("127.0.0.0/8") in {e.network for e in cidr_entries(inner)}
 
 
 def test_link_local_metadata_is_not_internal() -> None:

@@ -112,6 +112,7 @@ probe("keyctl", lambda: syscall(250, 0, 0, 0, 0))
 probe("kexec", lambda: syscall(246, 0, 0, 0, 0))
 probe("process_vm_readv", lambda: syscall(310, 1, 0, 0, 0, 0, 0))
 probe("raw_socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP))
+probe("ping_socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP))
 probe("packet_socket", lambda: socket.socket(17, socket.SOCK_RAW, 0))
 probe("vsock_socket", lambda: socket.socket(40, socket.SOCK_STREAM))           # AF_VSOCK
 probe("netlink_audit", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 9))
@@ -293,6 +294,7 @@ def test_filesystem_escape_is_refused(
         "kexec",
         "process_vm_readv",
         "raw_socket",
+        "ping_socket",
         "sethostname",
         "setuid_root",
     ],
@@ -315,6 +317,7 @@ KERNEL_REFUSALS = {
     "kexec": ("kexec_load", 1),
     "process_vm_readv": ("process_vm_readv", 1),
     "raw_socket": ("socket(AF_INET, SOCK_RAW)", 1),
+    "ping_socket": ("socket(AF_INET, IPPROTO_ICMP)", 1),
     "packet_socket": ("socket(AF_PACKET)", 1),
     "vsock_socket": ("socket(AF_VSOCK)", 1),
     "netlink_audit": ("socket(AF_NETLINK, NETLINK_AUDIT)", 1),

@@ -98,6 +98,14 @@ SOCKETS = [
     ((15, 3, 2), errno.EAFNOSUPPORT),  # AF_KEY
     ((31, 1, 0), errno.EAFNOSUPPORT),  # AF_BLUETOOTH
     ((2, 3, 1), errno.EPERM),  # AF_INET, SOCK_RAW
+    ((2, SOCK_STREAM, 6), 0),  # IPPROTO_TCP
+    ((10, 2, 17), 0),  # AF_INET6, SOCK_DGRAM, IPPROTO_UDP
+    ((2, SOCK_STREAM, 262), 0),  # IPPROTO_MPTCP
+    # ICMP "ping" sockets send to any address past the egress hooks (where the host's
+    # net.ipv4.ping_group_range admits the sandbox's gid, as systemd's default does)
+    ((2, 2, 1), errno.EPERM),  # AF_INET, SOCK_DGRAM, IPPROTO_ICMP
+    ((10, 2 | 0o2000000, 58), errno.EPERM),  # AF_INET6, SOCK_DGRAM, IPPROTO_ICMPV6
+    ((2, SOCK_STREAM, 132), errno.EPERM),  # IPPROTO_SCTP
 ]
 
 
@@ -150,6 +158,9 @@ def test_refusals_are_named_and_given_a_rule() -> None:
     )
     assert seccomp.rule_id(sock, (AF_VSOCK, 1, 0), X86) == "seccomp.socket-family"
     assert seccomp.rule_id(sock, (2, 3, 1), X86) == "seccomp.denied"
+    assert seccomp.describe(sock, (2, 3, 1), X86) == "socket(AF_INET, SOCK_RAW)"
+    assert seccomp.describe(sock, (2, 2, 1), X86) == "socket(AF_INET, IPPROTO_ICMP)"
+    assert seccomp.rule_id(sock, (10, 2, 58), X86) == "seccomp.denied"
     assert seccomp.rule_id(101, (16, 1), X86) == "seccomp.denied"  # ptrace
     assert seccomp.describe(135, (0,), X86) == "personality"
     unlisted = 134  # uselib: denied by name; 212 lookup_dcookie likewise

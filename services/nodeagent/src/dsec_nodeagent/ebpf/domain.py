@@ -199,22 +199,40 @@ _EVERYWHERE: tuple[IPNetwork, ...] = (
 )
 
 
-def without_link_local(network: IPNetwork) -> list[IPNetwork]:
-    """``network`` less the link-local ranges (the pieces around them): a wide rule (``*``,
-    ``0.0.0.0/0`` where the org allows it, ``169.0.0.0/8``) never opens a cloud machine's
-    metadata service at 169.254.169.254. A rule inside them is refused by the spec."""
-    for link_local in LINK_LOCAL:
-        if network.version != link_local.version or not network.overlaps(link_local):
-            continue
-        if network.subnet_of(link_local):  # type: ignore[arg-type]
-            return []
-        return sorted(network.address_exclude(link_local))  # type: ignore[arg-type]
-    return [network]
+METADATA_V6 = ipaddress.ip_network("fd00:ec2::254/128")
+"""AWS's IPv6 instance metadata service (inside fc00::/7, not link-local)."""
+
+
+def _carve(networks: list[IPNetwork], hole: IPNetwork) -> list[IPNetwork]:
+    out: list[IPNetwork] = []
+    for network in networks:
+        if network.version != hole.version or not network.overlaps(hole):  # type: ignore[arg-type]
+            out.append(network)
+        elif not network.subnet_of(hole):  # type: ignore[arg-type]
+            out += sorted(network.address_exclude(hole))  # type: ignore[arg-type]
+    return out
+
+
+def never_opened(network: IPNetwork, *, internal: bool = False) -> list[IPNetwork]:
+    """``network`` less what no rule opens (the pieces around it): the link-local ranges and
+    AWS's IPv6 metadata address (a cloud machine's metadata service and its credentials), and,
+    for a rule wider than them that does not say ``allow_internal_only`` (``internal``), the
+    loopback ranges (the node itself; the DNS path refuses loopback answers to such a rule too).
+    A rule naming loopback itself opens it. A rule inside link-local is refused by the spec."""
+    parts = [network]
+    for hole in (*LINK_LOCAL, METADATA_V6):
+        parts = _carve(parts, hole)
+    if not internal:
+        for loopback in LOOPBACK_NETWORKS:
+            wider = network.version == loopback.version and network != loopback
+            if wider and loopback.subnet_of(network):  # type: ignore[arg-type]
+                parts = _carve(parts, loopback)
+    return parts
 
 
 def cidr_entries(plan: EgressPlan) -> Iterator[CidrEntry]:
     """Trie entries of ``cidr`` and ``*`` rules, narrowed by ``allow_internal_only``; never
-    the link-local ranges."""
+    what :func:`never_opened` leaves out."""
     for slot, rule in enumerate(plan.rules, start=1):
         if rule.cidr is not None:
             wanted = [canonical_network(rule.cidr)]
@@ -222,7 +240,8 @@ def cidr_entries(plan: EgressPlan) -> Iterator[CidrEntry]:
             wanted = list(_EVERYWHERE)
         else:
             continue
-        networks = [part for net in wanted for part in without_link_local(net)]
+        internal = rule.allow_internal_only
+        networks = [part for net in wanted for part in never_opened(net, internal=internal)]
         if rule.allow_internal_only:
             networks = [part for net in networks for part in internal_parts(net)]
         for net in networks:

@@ -3,7 +3,8 @@
 Everything a Python program and its children need is allowed (:data:`ALLOWED_SYSCALLS`); every
 other call is refused. Three calls are allowed only for some arguments, read from registers:
 
-* ``socket``: families ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` (not ``SOCK_RAW``), and
+* ``socket``: families ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` (not ``SOCK_RAW``; protocols TCP,
+  UDP and MPTCP only: an ICMP socket sends past the egress hooks), and
   ``AF_NETLINK`` with protocol ``NETLINK_ROUTE`` only (reading interfaces and routes). Every other
   family (``AF_VSOCK``, ``AF_PACKET``, ``AF_ALG``, ``AF_KEY``, ``AF_BLUETOOTH``, other netlink
   protocols, ...) is refused with ``EAFNOSUPPORT``; ``socketpair`` is ``AF_UNIX`` only.
@@ -133,6 +134,9 @@ AF_PACKET = 17
 NETLINK_ROUTE = 0
 SOCK_RAW = 3
 SOCK_TYPE_MASK = 0xF
+IP_PROTOCOLS = (0, 6, 17, 262)
+"""An IP socket's protocols: the default, TCP, UDP and MPTCP (what the egress hooks judge)."""
+_IP_PROTOCOL_NAMES = {1: "IPPROTO_ICMP", 58: "IPPROTO_ICMPV6", 132: "IPPROTO_SCTP"}
 #: Socket families a sandbox may open (``AF_NETLINK``: ``NETLINK_ROUTE`` only).
 ALLOWED_FAMILIES = (AF_UNIX, AF_INET, AF_INET6, AF_NETLINK)
 CLONE_NS_FLAGS = (
@@ -429,7 +433,13 @@ def _socket_blocks(asm: _Assembler) -> None:
     asm.label("ip")
     asm.op(_LD_W_ABS, _OFF_ARG1)
     asm.op(_AND_K, SOCK_TYPE_MASK)
-    asm.op(_JEQ_K, SOCK_RAW, 0, "allow_socket")
+    asm.op(_JEQ_K, SOCK_RAW, "eperm", 0)
+    # the transports the egress hooks judge; an ICMP "ping" socket (SOCK_DGRAM, IPPROTO_ICMP,
+    # open to unprivileged users where net.ipv4.ping_group_range allows) sends to any address
+    # past the cgroup sendmsg hooks
+    asm.op(_LD_W_ABS, _OFF_ARG2)
+    for protocol in IP_PROTOCOLS:
+        asm.op(_JEQ_K, protocol, "allow_socket", 0)
     asm.jump("eperm")
     asm.label("netlink")
     asm.op(_LD_W_ABS, _OFF_ARG2)
@@ -536,7 +546,10 @@ def describe(nr: int, args: tuple[int, ...], arch: int | None = None) -> str:
             protocol = args[2] & 0xFFFFFFFF
             return f"socket(AF_NETLINK, {_NETLINK.get(protocol, f'protocol {protocol}')})"
         if call == "socket" and family in (AF_INET, AF_INET6):
-            return f"socket({name}, SOCK_RAW)"
+            if args[1] & SOCK_TYPE_MASK == SOCK_RAW:
+                return f"socket({name}, SOCK_RAW)"
+            protocol = args[2] & 0xFFFFFFFF
+            return f"socket({name}, {_IP_PROTOCOL_NAMES.get(protocol, f'protocol {protocol}')})"
         return f"{call}({name})"
     if nr == t.nr("clone"):
         flags = [name for bit, name in _CLONE_FLAG_NAMES if args[0] & bit]
