@@ -206,7 +206,7 @@ METADATA_V6 = ipaddress.ip_network("fd00:ec2::254/128")
 def _carve(networks: list[IPNetwork], hole: IPNetwork) -> list[IPNetwork]:
     out: list[IPNetwork] = []
     for network in networks:
-        if network.version != hole.version or not network.overlaps(hole):  # type: ignore[arg-type]
+        if network.version != hole.version or not network.overlaps(hole):
             out.append(network)
         elif not network.subnet_of(hole):  # type: ignore[arg-type]
             out += sorted(network.address_exclude(hole))  # type: ignore[arg-type]
