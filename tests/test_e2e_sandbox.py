@@ -207,7 +207,7 @@ def _submit_raw_bundle(
     settings = Settings()
     client = s3_client(settings)
     ensure_bucket(client, settings.s3_bucket)
-    key = f"bundles/{digest}.tar.zst"
+    key = f"bundles/default/{digest}.tar.zst"  # (the test user's tenant)
     client.put_object(settings.s3_bucket, key, io.BytesIO(archive), len(archive))
     ref = BundleRef(
         digest=digest, object_key=key, size=len(archive), files=2, expanded_size=declared

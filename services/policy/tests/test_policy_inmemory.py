@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dsec_core.events import SpecSubmitted
+from dsec_core.events import BundleRef, SpecSubmitted
 from dsec_core.settings import Settings
 from dsec_testing.inmemory import in_memory
 
@@ -100,3 +100,27 @@ async def test_a_hand_over_only_from_a_sandbox_of_the_same_tenant(tmp_path: Path
     )
     assert missing.type == "spec.rejected"
     assert "no sandbox 'sbx_nobody' of tenant 'acme'" in missing.payload["errors"][0]["message"]
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "bundles/acme/" + "a" * 64 + ".tar.zst",  # another tenant's, copied off the bus
+        "bundles/" + "a" * 64 + ".tar.zst",  # stored before bundles were kept per tenant
+        "bundles/evil/../acme/" + "a" * 64 + ".tar.zst",
+        "snapshots/x",
+    ],
+)
+async def test_a_code_bundle_of_another_tenant_is_refused_before_it_is_read(
+    tmp_path: Path, key: str
+) -> None:
+    """A bundle reference is on the bus for anyone to copy; before, tenant evil submitting
+    acme's reference got acme's code validated and unpacked into evil's sandbox."""
+    ref = BundleRef(digest="a" * 64, object_key=key, size=10, files=1)
+    submitted = SpecSubmitted(spec_yaml=SPEC, filename="agent.yaml", code=ref)
+    async with in_memory(create_service(Settings(home=tmp_path))) as bus:
+        sent = await bus.send("user", submitted, "sbx_copy", tenant="evil")
+        (answer,) = bus.caused_by(sent)
+    assert answer.type == "spec.rejected"
+    (error,) = answer.payload["errors"]
+    assert error["rule_id"] == "code.tenant" and "evil" in error["message"], error

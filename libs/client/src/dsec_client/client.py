@@ -10,6 +10,7 @@ consumer of the bus.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -313,9 +314,11 @@ class DSec:
         code_ref = code if isinstance(code, BundleRef) else None
         if code is not None and code_ref is None:
             assert not isinstance(code, BundleRef)
+            _, cert = self.identity
             code_ref = await asyncio.to_thread(
-                upload_code, Path(code), text, self.settings, skipped
-            )
+                functools.partial(upload_code, tenant=cert.tenant),
+                Path(code), text, self.settings, skipped,
+            )  # fmt: skip
         sandbox_id = new_sandbox_id()
         start = (await self.js.stream_info(STREAM)).state.last_seq + 1
         publisher = await self.publisher()

@@ -71,12 +71,27 @@ def exclude_patterns(text: str) -> list[str]:
     return [str(p) for p in patterns] if isinstance(patterns, list) else []
 
 
+def bundle_key(tenant: str, digest: str) -> str:
+    """Where tenant ``tenant``'s bundle of BLAKE3 ``digest`` is stored: under the tenant, so a
+    reference to another tenant's bundle (copied off the bus) is refused by the policy
+    service."""
+    return f"{BUNDLE_PREFIX}{tenant}/{digest}.tar.zst"
+
+
+BUNDLE_PREFIX = "bundles/"
+
+
 def upload_code(
-    code: Path, text: str, settings: Settings, skipped: list[str] | None = None
+    code: Path,
+    text: str,
+    settings: Settings,
+    skipped: list[str] | None = None,
+    *,
+    tenant: str,
 ) -> BundleRef:
     """Bundle ``code`` (with the spec's exclude patterns and size bound) and store it
-    content-addressed; ``skipped`` receives the special files left out (not code).
-    Blocking (disk and S3): call it from a thread in async code.
+    content-addressed under ``tenant`` (the submitter's); ``skipped`` receives the special
+    files left out (not code). Blocking (disk and S3): call it from a thread in async code.
 
     Raises:
         InvalidInput: ``code`` is not a directory, or cannot be bundled (too big, unreadable).
@@ -98,7 +113,7 @@ def upload_code(
         client = objectstore.client(settings)
     except objectstore.ObjectStoreNotConfigured as exc:
         raise Unreachable(str(exc)) from None
-    key = f"bundles/{bundle.digest}.tar.zst"
+    key = bundle_key(tenant, bundle.digest)
     data = bundle.read()
     try:
         objectstore.ensure_bucket(client, settings.s3_bucket)

@@ -73,9 +73,21 @@ class PolicyHandlers:
             path="handover_from",
         )
 
-    async def _code_files(self, event: SpecSubmitted) -> dict[str, bytes] | SpecError:
+    async def _code_files(self, event: SpecSubmitted, tenant: str) -> dict[str, bytes] | SpecError:
         if event.code is None:
             return {}
+        own = f"bundles/{tenant}/"
+        key = event.code.object_key
+        if not key.startswith(own) or "/" in key[len(own) :] or ".." in key:
+            # a bundle reference is not a secret (it is on the bus): before, one copied from
+            # another tenant's spec ran that tenant's code in the copier's sandbox
+            return SpecError.whole_file(
+                event.filename,
+                f"code bundle {key!r} is not one of tenant {tenant!r}'s bundles",
+                "code.tenant",
+                f"submit with --code: the CLI stores the bundle under {own}",
+                path="code",
+            )
         try:
             archive = await get_bundle(self.settings, event.code.object_key, event.code.digest)
         except ObjectMissing as exc:
@@ -96,7 +108,7 @@ class PolicyHandlers:
         refused = await self._handover_error(event, tenant)
         if refused is not None:
             return [SpecRejected(errors=[refused.model_dump(mode="json")])]
-        code = await self._code_files(event)
+        code = await self._code_files(event, tenant)
         if isinstance(code, SpecError):
             return [SpecRejected(errors=[code.model_dump(mode="json")])]
         try:

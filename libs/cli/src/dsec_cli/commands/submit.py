@@ -23,6 +23,7 @@ from dsec_cli.common import (
     run,
     safe_text,
     spinner,
+    user_identity,
 )
 from dsec_cli.render import event_line, waiting_for
 
@@ -90,16 +91,22 @@ def warn_skipped(skipped: Sequence[str], code: Path) -> None:
 
 
 def upload_code(
-    code: Path, spec_text: str, settings: Settings, skipped: list[str] | None = None
+    code: Path,
+    spec_text: str,
+    settings: Settings,
+    skipped: list[str] | None = None,
+    tenant: str | None = None,
 ) -> BundleRef:
     """Bundle ``code`` (with the spec's exclude patterns and size bound) and store it
-    content-addressed (:func:`dsec_client.code.upload_code`); ``skipped`` receives the special
-    files left out."""
+    content-addressed under ``tenant`` (default: this user's;
+    :func:`dsec_client.code.upload_code`); ``skipped`` receives the special files left out."""
     from dsec_client.code import upload_code as upload
     from dsec_client.errors import DSecError, InvalidInput
 
+    if tenant is None:
+        tenant = str(user_identity(settings)[1].tenant)
     try:
-        return upload(code, spec_text, settings, skipped)
+        return upload(code, spec_text, settings, skipped, tenant=tenant)
     except InvalidInput as exc:
         fail(f"--code {exc}", EXIT_BAD_INPUT)
     except DSecError as exc:
