@@ -89,3 +89,30 @@ async def test_forged_messages_on_a_lifecycle_subject_hide_no_genuine_event(
     assert (await gate.lifecycle(sid)).state == "exited"
     found = await gate.find(subject_for(events.SandboxExited.TYPE, sid))
     assert found is not None and found.id == sent.sealed.envelope.id
+
+
+async def test_an_old_placements_ready_replayed_does_not_run_the_new_one(tmp_path: Path) -> None:
+    """The sandbox was lost on n1 and placed on n1 again (nothing else fit). The first
+    placement's genuine ``sandbox.ready``, published again, moved the new placement to
+    ``running`` for every lifecycle reader: the node agent then never started it."""
+    log = MemoryLog()
+    world = await pipeline(log, tmp_path, node_id="n1")  # type: ignore[arg-type]
+    gate = _gate(stack_root(tmp_path), log)
+    sid = "sbx_victim"
+    await world.built(SPEC, sid)
+    await world.scheduler.publish(
+        events.SandboxScheduled(node_id="n1", attempt=1), aggregate_id=sid
+    )
+    ready = events.SandboxReady(node_id="n1", pid=1, cgroup="/x")
+    first = await world.nodeagent.publish(ready, aggregate_id=sid)
+    lost = events.UnitLost(node_id="n1", reason="node lost", action="reschedule", attempt=1)
+    await world.scheduler.publish(lost, aggregate_id=sid)
+    await world.scheduler.publish(
+        events.SandboxScheduled(node_id="n1", attempt=2), aggregate_id=sid
+    )
+    await log.publish(subject_for(events.SandboxReady.TYPE, sid), first.sealed.wire)
+    state = await gate.lifecycle(sid)
+    assert (state.state, state.attempt) == ("scheduled", 2)
+    again = await world.nodeagent.publish(ready, aggregate_id=sid)  # the new placement's own
+    state = await gate.lifecycle(sid)
+    assert state.state == "running" and state.last_event_id == again.sealed.envelope.id

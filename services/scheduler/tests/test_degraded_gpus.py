@@ -70,3 +70,9 @@ def test_replays_foreign_subjects_and_restarts() -> None:
     assert state.degraded.is_degraded("n1", 0)
     state.apply(joined("n1", NOW + 8))  # a restarted node agent judges afresh
     assert not state.degraded.is_degraded("n1", 0)
+    # its predecessor's genuine gpu.degraded, published again after the join: a replay (before,
+    # the GPU was out of placement until the next join: the new agent never says recovered)
+    state.apply(degraded("n1", 0, NOW + 7))
+    assert not state.degraded.is_degraded("n1", 0)
+    state.apply(degraded("n1", 1, NOW + 9))  # the new agent's own
+    assert state.degraded.is_degraded("n1", 1)

@@ -247,9 +247,17 @@ def fold(events: Iterable[tuple[str, Mapping[str, Any]]]) -> Lifecycle:
 
 def fold_envelopes(envelopes: Iterable[Any]) -> Lifecycle:
     """The state after envelopes (anything with ``type``, ``payload``, ``id``, ``tenant``) in
-    log order; only pass authentic ones (:meth:`dsec_core.trust.Gate.check`)."""
+    log order; only pass authentic ones (:meth:`dsec_core.trust.Gate.check`). An event id
+    folded once is not folded again: a genuine event published anew (anyone may publish its
+    bytes) is a replay. Before, an old placement's ``sandbox.ready`` replayed after the
+    sandbox was placed on the same node again moved the new placement to ``running``, and
+    the node agent never started it."""
     state = Lifecycle()
+    seen: set[str] = set()
     for env in envelopes:
+        if env.id in seen:
+            continue
+        seen.add(env.id)
         state = step(
             state, env.type, env.payload, event_id=env.id, tenant=getattr(env, "tenant", None)
         )

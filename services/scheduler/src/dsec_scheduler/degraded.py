@@ -40,6 +40,9 @@ class DegradedGpus:
 
     nodes: dict[str, dict[int, dict[str, Degradation]]] = field(default_factory=dict)
     _signed: dict[tuple[str, int], float] = field(default_factory=dict)
+    _joined: dict[str, float] = field(default_factory=dict)
+    """node -> when its agent last joined: what it (or its predecessor) signed before counts
+    no more."""
 
     def is_degraded(self, node_id: str, gpu_index: int) -> bool:
         """Whether ``gpu_index`` of ``node_id`` is degraded now."""
@@ -57,11 +60,15 @@ class DegradedGpus:
         """Why a GPU is degraded (empty: it is not)."""
         return dict(self.nodes.get(node_id, {}).get(gpu_index, {}))
 
-    def forget_node(self, node_id: str) -> bool:
-        """A node that joined again: its GPUs are judged afresh. True when any was degraded."""
+    def forget_node(self, node_id: str, joined_at: float = float("-inf")) -> bool:
+        """A node that joined again (at ``joined_at``, its ``node.joined``'s signed time): its
+        GPUs are judged afresh, and an event signed before it is a replay (before, an old
+        ``gpu.degraded`` published again after the join kept the GPU out of placement until
+        the next join). True when any GPU was degraded."""
         gone = self.nodes.pop(node_id, None)
         for key in [k for k in self._signed if k[0] == node_id]:
             del self._signed[key]
+        self._joined[node_id] = max(joined_at, self._joined.get(node_id, float("-inf")))
         return bool(gone)
 
     def apply(
@@ -77,6 +84,8 @@ class DegradedGpus:
         key = (node, index)
         if signed_at < self._signed.get(key, float("-inf")):
             return False
+        if signed_at < self._joined.get(node, float("-inf")):
+            return False  # signed before the node's agent last joined
         self._signed[key] = signed_at
         gpus = self.nodes.setdefault(node, {})
         if event_type == "gpu.recovered":

@@ -697,7 +697,7 @@ class SchedulerState:
             return False  # sent before what is known already: a replay, never a sign of life
         inventory = event.inventory or NodeInventory.model_validate(p["inventory"])
         if event.type == "node.joined":  # a new node agent judges its GPUs afresh
-            self.degraded.forget_node(node_id)
+            self.degraded.forget_node(node_id, event.sent_at)
         node = Node(
             node_id=node_id,
             inventory=inventory,
