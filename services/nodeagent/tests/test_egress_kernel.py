@@ -35,6 +35,7 @@ from dsec_nodeagent.ebpf import (
     Verdict,
     VerdictEvent,
 )
+from dsec_nodeagent.ebpf.kernel import ATTACH_TYPES
 from dsec_nodeagent.ebpf.metrics import EgressCollector
 
 pytestmark = pytest.mark.kernel
@@ -130,6 +131,14 @@ def run(a):
             finally:
                 s.close()
             return "ok"
+        if op == "bind":
+            kind = socket.SOCK_DGRAM if a.get("udp") else socket.SOCK_STREAM
+            s = socket.socket(family(a["host"]), kind)
+            try:
+                s.bind((a["host"], a["port"]))
+                return list(s.getsockname()[:2])
+            finally:
+                s.close()
         if op == "resolve":
             return resolve(a)
         if op == "getaddrinfo":
@@ -491,7 +500,7 @@ async def test_bad_input_is_refused_and_leaves_nothing(
     try:
         with pytest.raises(ValueError, match=r"already attached \(sandbox sbx-bad\)"):
             await egress.attach(cgroup, plan.model_copy(update={"sandbox_id": "other"}))
-        assert egress.kernel.attached_count(cgroup) == 8
+        assert egress.kernel.attached_count(cgroup) == len(ATTACH_TYPES)
         assert [s.sandbox_id for s in egress.sandboxes()] == ["sbx-bad"]
     finally:
         await egress.detach(cgroup)
@@ -693,7 +702,7 @@ async def test_programs_stay_when_the_agent_dies_and_a_new_agent_adopts_them(
         )
         assert adopted[0]["addresses"] == ["127.0.0.10"]
         assert adopted[1] == "EPERM"
-        assert successor.kernel.attached_count(cgroup) == 8
+        assert successor.kernel.attached_count(cgroup) == len(ATTACH_TYPES)
         await successor.detach(cgroup)
         assert successor.kernel.attached_count(cgroup) == 0
     finally:
@@ -777,16 +786,19 @@ async def test_the_stacks_servers_are_denied_whatever_the_rules_say(
                     {"op": "libc_connect", "host": "127.0.0.1", "port": nats_port},
                     {"op": "libc_connect", "host": "127.0.0.7", "port": nats_port},
                     {"op": "connect", "host": "127.0.0.1", "port": other},
+                    # its port taken while a server restarts: refused (else EADDRINUSE)
+                    {"op": "bind", "host": "127.0.0.1", "port": nats_port},
                 ],
             )
             egress.drain_events()
     finally:
         await egress.set_stack_deny([])
-    assert results == ["EPERM", "EPERM", "ok"]
+    assert results == ["EPERM", "EPERM", "ok", "EPERM"]
     stack = [e for e in events if e.verdict is Verdict.DENY_STACK]
-    assert {(e.address, e.port) for e in stack} == {
-        ("127.0.0.1", nats_port),
-        ("127.0.0.7", nats_port),
+    assert {(e.address, e.port, e.hook.name) for e in stack} == {
+        ("127.0.0.1", nats_port, "CONNECT4"),
+        ("127.0.0.7", nats_port, "CONNECT4"),
+        ("127.0.0.1", nats_port, "BIND4"),
     }
     event = violation(stack[0])
     assert (event.layer, event.action, event.rule_id) == ("kernel", "deny", "system.egress")
@@ -881,6 +893,36 @@ async def test_a_rebinding_answer_opens_nothing(
         ("rebind.test", "dns.rebinding")
     ]
     assert "127.0.0.1 is loopback" in refused[0][3]
+
+
+async def test_a_sandbox_listens_on_loopback_only(egress: EgressController, cgroup: Path) -> None:
+    """A sandbox shares the host's network: before, it could listen on any of the host's
+    addresses (taking connections from anywhere, past its egress rules). A wildcard bind is
+    now a loopback one; a bind to another address is refused and reported."""
+    from dsec_nodeagent.egress import violation
+
+    plan = EgressPlan(sandbox_id="sbx-bind", rules=())
+    async with attached(egress, cgroup, plan) as events:
+        wildcard4, wildcard6, udp, elsewhere, mapped = await run_client(
+            cgroup,
+            [
+                {"op": "bind", "host": "0.0.0.0", "port": 0},
+                {"op": "bind", "host": "::", "port": 0},
+                {"op": "bind", "host": "0.0.0.0", "port": 0, "udp": True},
+                {"op": "bind", "host": "192.0.2.1", "port": 0},  # (else EADDRNOTAVAIL)
+                {"op": "bind", "host": "::ffff:192.0.2.1", "port": 0},
+            ],
+        )
+        egress.drain_events()
+    assert (wildcard4[0], wildcard6[0], udp[0]) == ("127.0.0.1", "::1", "127.0.0.1")
+    assert (elsewhere, mapped) == ("EPERM", "EPERM")
+    refused = [e for e in events if e.verdict is Verdict.DENY_BIND]
+    assert [(e.hook.name, e.address) for e in refused] == [
+        ("BIND4", "192.0.2.1"),
+        ("BIND6", "192.0.2.1"),
+    ]
+    assert violation(refused[0]).rule_id == "system.bind"
+    assert "listens on loopback only" in refused[0].message()
 
 
 async def test_a_tcp_grant_does_not_open_udp(

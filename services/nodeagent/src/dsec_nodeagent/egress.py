@@ -49,13 +49,26 @@ def stack_addresses(settings: Settings) -> list[str]:
     return found
 
 
+def rule_of(event: VerdictEvent) -> str:
+    """The rule a kernel verdict reports: the spec's, or the node's own."""
+    return rule_named(event.rule_id, event.verdict)
+
+
+def rule_named(rule_id: str | None, verdict: Verdict) -> str:
+    """The rule of a verdict (an event's or a counter's): the spec's, or the node's own."""
+    if rule_id:
+        return rule_id
+    if verdict is Verdict.DENY_STACK:
+        return "system.egress"
+    return "system.bind" if verdict is Verdict.DENY_BIND else "default-deny"
+
+
 def violation(event: VerdictEvent) -> events.PolicyViolation:
     """The ``policy.violation`` payload of one kernel verdict."""
     call = event.hook.name.lower().rstrip("46")
     return events.PolicyViolation(
         layer="kernel",
-        rule_id=event.rule_id
-        or ("system.egress" if event.verdict is Verdict.DENY_STACK else "default-deny"),
+        rule_id=rule_of(event),
         action="deny" if event.denied else "allow",
         operation=call,
         target=f"{event.address}:{event.port}/{event.protocol}",
@@ -191,7 +204,8 @@ class Egress:
             if missing > 0:
                 self._added[key] = self._added.get(key, 0) + missing
                 sample = self._sample.get(key, "")
-                self.outlet.unseen(key[0], Key("kernel", key[1], "connect"), missing, sample)
+                operation = "bind" if key[1] == "system.bind" else "connect"
+                self.outlet.unseen(key[0], Key("kernel", key[1], operation), missing, sample)
 
     def _denied_totals(self, only: str | None = None) -> dict[tuple[str, str], int]:
         """The kernel's deny counters per (sandbox, rule)."""
@@ -201,7 +215,7 @@ class Egress:
                 continue
             if only is not None and sample.sandbox_id != only:
                 continue
-            key = (sample.sandbox_id, sample.rule_id or "default-deny")
+            key = (sample.sandbox_id, rule_named(sample.rule_id, sample.verdict))
             totals[key] = totals.get(key, 0) + sample.count
         return totals
 
@@ -213,8 +227,7 @@ class Egress:
     def _on_verdict(self, event: VerdictEvent) -> None:
         if event.sandbox_id is None:
             return
-        stack = event.verdict is Verdict.DENY_STACK
-        rule = event.rule_id or ("system.egress" if stack else "default-deny")
+        rule = rule_of(event)
         operation = event.hook.name.lower().rstrip("46")
         target = f"{event.destination}/{event.protocol}"
         if event.denied:

@@ -35,6 +35,7 @@ FIXED_RULES = frozenset(
         "unknown",
         "report_refused",
         "system.egress",
+        "system.bind",
         "dns.qtype",
         "dns.malformed",
         "dns.opcode",

@@ -47,12 +47,15 @@
 #define V_DENY_DOH 7
 #define V_DENY_STACK 8
 #define V_DENY_PROTOCOL 9
+#define V_DENY_BIND 10
 
 // Hooks (model.Hook).
 #define H_CONNECT4 1
 #define H_CONNECT6 2
 #define H_SENDMSG4 3
 #define H_SENDMSG6 4
+#define H_BIND4 5
+#define H_BIND6 6
 
 // Sandbox flags (model.SandboxFlags).
 #define SF_LOG_ALLOWED 1
@@ -561,6 +564,67 @@ static __always_inline int restore6(struct bpf_sock_addr *ctx) {
     return 1;
 }
 
+// A sandbox shares the host's network, so it listens on loopback only: a wildcard bind
+// (0.0.0.0, ::) becomes a loopback bind (its server works for the node, is never exposed on
+// the host's interfaces, and takes no inbound connection past the egress rules); a bind to
+// another of the host's addresses is refused, as is one to a port of the stack's servers or of
+// the node's DNS proxy (held while it restarts, it would read other sandboxes' questions).
+static __always_inline int bind_refused(struct sbx_cfg *cfg, u64 cgid, u32 verdict, u32 hook,
+                                        u32 family, struct bpf_sock_addr *ctx, u32 *addr,
+                                        u16 port) {
+    return finish(cfg, cgid, 0, verdict, hook, family, ctx, addr, port);
+}
+
+static __always_inline int bind_hook4(struct bpf_sock_addr *ctx) {
+    u64 cgid = 0;
+    struct sbx_cfg *cfg = find_sandbox(&cgid);
+    u32 ip = ctx->user_ip4;
+    u16 port = bpf_ntohs((u16)ctx->user_port);
+    u32 ev_addr[4] = {ip, 0, 0, 0};
+    if (!cfg)
+        return bind_refused(0, cgid, V_DENY_UNKNOWN_SANDBOX, H_BIND4, 4, ctx, ev_addr, port);
+    if (ip == 0) {
+        ip = bpf_htonl(0x7f000001);
+        ctx->user_ip4 = ip;
+    }
+    if (((u8 *)&ip)[0] != 127)
+        return bind_refused(cfg, cgid, V_DENY_BIND, H_BIND4, 4, ctx, ev_addr, port);
+    if (port && (ctx->user_port == cfg->proxy_port || is_stack4(ip, port)))
+        return bind_refused(cfg, cgid, V_DENY_STACK, H_BIND4, 4, ctx, ev_addr, port);
+    return 1;
+}
+
+static __always_inline int bind_hook6(struct bpf_sock_addr *ctx) {
+    u64 cgid = 0;
+    struct sbx_cfg *cfg = find_sandbox(&cgid);
+    u32 ip[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
+    u16 port = bpf_ntohs((u16)ctx->user_port);
+    if (!cfg)
+        return bind_refused(0, cgid, V_DENY_UNKNOWN_SANDBOX, H_BIND6, 6, ctx, ip, port);
+    if (is_v4_mapped(ip)) {  // ::ffff:a.b.c.d is IPv4 (events carry family 4, as connect6's)
+        u32 v4 = ip[3];
+        u32 ev4[4] = {v4, 0, 0, 0};
+        if (v4 == 0) {
+            v4 = bpf_htonl(0x7f000001);
+            ctx->user_ip6[3] = v4;
+        }
+        if (((u8 *)&v4)[0] != 127)
+            return bind_refused(cfg, cgid, V_DENY_BIND, H_BIND6, 4, ctx, ev4, port);
+        if (port && (ctx->user_port == cfg->proxy_port || is_stack4(v4, port)))
+            return bind_refused(cfg, cgid, V_DENY_STACK, H_BIND6, 4, ctx, ev4, port);
+        return 1;
+    }
+    if (ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == 0) {
+        ctx->user_ip6[3] = bpf_htonl(1);
+        ip[3] = bpf_htonl(1);
+    }
+    if (!(ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == bpf_htonl(1)))
+        return bind_refused(cfg, cgid, V_DENY_BIND, H_BIND6, 6, ctx, ip, port);
+    if (port && (ctx->user_port == cfg->proxy_port || is_stack6(ip, port)))
+        return bind_refused(cfg, cgid, V_DENY_STACK, H_BIND6, 6, ctx, ip, port);
+    return 1;
+}
+
 int connect4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_CONNECT4); }
 int connect6(struct bpf_sock_addr *ctx) { return hook6(ctx, H_CONNECT6); }
 int sendmsg4(struct bpf_sock_addr *ctx) { return hook4(ctx, H_SENDMSG4); }
@@ -569,3 +633,5 @@ int recvmsg4(struct bpf_sock_addr *ctx) { return restore4(ctx); }
 int recvmsg6(struct bpf_sock_addr *ctx) { return restore6(ctx); }
 int getpeername4(struct bpf_sock_addr *ctx) { return restore4(ctx); }
 int getpeername6(struct bpf_sock_addr *ctx) { return restore6(ctx); }
+int bind4(struct bpf_sock_addr *ctx) { return bind_hook4(ctx); }
+int bind6(struct bpf_sock_addr *ctx) { return bind_hook6(ctx); }

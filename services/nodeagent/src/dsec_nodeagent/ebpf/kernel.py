@@ -32,6 +32,8 @@ BPFFS = Path("/sys/fs/bpf")
 
 # program name -> BPFAttachType (UAPI enum bpf_attach_type)
 ATTACH_TYPES: dict[str, int] = {
+    "bind4": 8,
+    "bind6": 9,
     "connect4": 10,
     "connect6": 11,
     "sendmsg4": 14,
@@ -268,7 +270,7 @@ class EgressKernel:
     # --- cgroups ---------------------------------------------------------------------------
 
     def attach(self, cgroup_dir: Path) -> None:
-        """Attach all eight programs (BPF_F_ALLOW_MULTI: a parent's programs still run too)."""
+        """Attach all ten programs (BPF_F_ALLOW_MULTI: a parent's programs still run too)."""
         fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
         done: list[str] = []
         try:

@@ -38,6 +38,7 @@ class Verdict(enum.IntEnum):
     DENY_DOH = 7
     DENY_STACK = 8
     DENY_PROTOCOL = 9
+    DENY_BIND = 10
 
     @property
     def denied(self) -> bool:
@@ -57,6 +58,8 @@ class Hook(enum.IntEnum):
     CONNECT6 = 2
     SENDMSG4 = 3
     SENDMSG6 = 4
+    BIND4 = 5
+    BIND6 = 6
 
 
 class RateLimit(BaseModel):
@@ -254,7 +257,7 @@ class VerdictEvent:
 
     def message(self) -> str:
         """A sentence for humans and ``policy.violation`` events."""
-        call = "connect" if self.hook in (Hook.CONNECT4, Hook.CONNECT6) else "sendmsg"
+        call = self.hook.name.lower().rstrip("46")
         what = f"{call} to {self.destination}/{self.protocol} by {self.comm} (pid {self.pid})"
         reasons = {
             Verdict.ALLOW: f"allowed by rule {self.rule_id}",
@@ -273,6 +276,13 @@ class VerdictEvent:
             Verdict.DENY_STACK: (
                 "denied: this is one of the DSec stack's own servers, which no sandbox may "
                 "reach whatever its rules say"
+                if call != "bind"
+                else "denied: this port belongs to the DSec stack's servers or the node's DNS "
+                "proxy, which no sandbox may take"
+            ),
+            Verdict.DENY_BIND: (
+                "denied: a sandbox shares the host's network and listens on loopback only "
+                "(bind 127.0.0.1 or ::1; a bind to 0.0.0.0 or :: is made a loopback one)"
             ),
         }
         return f"{what}: {reasons[self.verdict]}"
