@@ -51,6 +51,13 @@ def test_only_the_operator_issues_and_names_are_checked(tmp_path: Path) -> None:
         "admin", "issue-user", "Bob!", "--tenant", "t", "--out", str(tmp_path / "c"), home=tmp_path
     )
     assert bad.exit_code == 2 and "is not valid" in bad.stdout + bad.stderr
+    for reserved in ("dsec", "dsec-state", "system"):  # the stack's own secrets' paths
+        out = tmp_path / f"c-{reserved}"
+        taken = run_dsec_inproc(
+            "admin", "issue-user", "bob", "--tenant", reserved, "--out", str(out), home=tmp_path
+        )
+        assert taken.exit_code == 2 and "is reserved" in taken.stdout + taken.stderr
+        assert not out.exists()
 
 
 def test_issue_services_certifies_every_service_for_a_deployment(tmp_path: Path) -> None:

@@ -253,3 +253,13 @@ def test_public_host_files_are_allowed_by_default_but_not_their_neighbours() -> 
     assert only(check("security_policy: {filesystem: {read_allowed: [/etc/ssl]}}"))[0] == (
         "ORG-FS-002"
     )
+
+
+@pytest.mark.parametrize("tenant", ["dsec", "dsec-state", "dsec-recording", "system"])
+def test_a_tenant_named_like_the_stacks_own_paths_reads_nothing_by_convention(tenant: str) -> None:
+    """The stack keeps its secrets under secret/dsec/keys (the producers' keys),
+    secret/dsec-state/<t> and secret/dsec-recording/<t>: a tenant named dsec-state had every
+    tenant's state key in its conventional scope (secret/<tenant>/)."""
+    outcome = check(env("vault://secret/dsec-state/acme#key"), tenant=tenant)
+    assert [e.rule_id for e in outcome.errors] == ["tenant.vault"]
+    assert only(check(env(f"vault://secret/{tenant}/x#k"), tenant=tenant))[0] == "tenant.vault"

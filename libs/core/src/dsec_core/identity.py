@@ -42,6 +42,19 @@ SYSTEM_TENANT = "system"
 DEFAULT_TENANT = "default"
 
 
+def reserved_tenant(name: str) -> str | None:
+    """Why ``name`` cannot be a tenant (None: it can). The stack keeps its own secrets under
+    tenant-like paths of the tenants' Vault mount (``secret/dsec/keys``: the producers' keys,
+    ``secret/dsec-state/<t>``, ``secret/dsec-recording/<t>``), and a tenant's conventional
+    scope is ``secret/<tenant>/``: a tenant named ``dsec`` or ``dsec-state`` would read them."""
+    if name == SYSTEM_TENANT or name == "dsec" or name.startswith("dsec-"):
+        return (
+            f"tenant {name!r} is reserved ('system', 'dsec' and names starting 'dsec-' name "
+            "the stack's own secrets and events)"
+        )
+    return None
+
+
 class Certificate(BaseModel):
     """The operator root's statement: this public key speaks as ``subject`` in ``role``."""
 

@@ -31,6 +31,7 @@ from functools import cache
 from importlib import resources
 from typing import Annotated, Literal
 
+from dsec_core.identity import reserved_tenant
 from dsec_core.spec import (
     ByteSize,
     DocumentResult,
@@ -214,7 +215,10 @@ class TenantScope(BaseModel):
 def conventional_scope(tenant: str) -> TenantScope:
     """The scope of a tenant the org policy does not list: ``secret/<t>/``, ``*/<t>/``,
     ``<t>.*``. Each is bounded by a character no tenant name holds (``/``, ``.``): before,
-    tenant ``acme``'s config maps were ``acme-*``, which held tenant ``acme-corp``'s."""
+    tenant ``acme``'s config maps were ``acme-*``, which held tenant ``acme-corp``'s. A
+    reserved name (:func:`dsec_core.identity.reserved_tenant`) gets nothing."""
+    if reserved_tenant(tenant) is not None:  # the stack's own paths: nothing by convention
+        return TenantScope()
     return TenantScope(
         vault=(f"secret/{tenant}/",), s3=(f"*/{tenant}/",), configmaps=(f"{tenant}.*",)
     )

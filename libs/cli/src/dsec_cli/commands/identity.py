@@ -27,6 +27,11 @@ def _check_name(value: str, what: str) -> str:
 
     if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", value):
         fail(f"{what} {value!r} is not valid: {_NAME_HELP}", EXIT_BAD_INPUT)
+    if what == "tenant":
+        from dsec_core.identity import reserved_tenant
+
+        if (why := reserved_tenant(value)) is not None:
+            fail(f"{why}; choose another name", EXIT_BAD_INPUT)
     return value
 
 
