@@ -116,3 +116,26 @@ async def test_an_old_placements_ready_replayed_does_not_run_the_new_one(tmp_pat
     again = await world.nodeagent.publish(ready, aggregate_id=sid)  # the new placement's own
     state = await gate.lifecycle(sid)
     assert state.state == "running" and state.last_event_id == again.sealed.envelope.id
+
+
+async def test_an_event_is_stale_before_its_handled_id_is_forgotten(tmp_path: Path) -> None:
+    """A consumer remembers a handled id for HANDLED_TTL from handling; an event may be dated
+    up to CLOCK_SKEW ahead. Before, one dated ahead and handled at once could be taken again
+    in the CLOCK_SKEW after its id was forgotten (it was not stale yet)."""
+    from datetime import UTC, datetime
+
+    from dsec_core.envelope import Envelope, encode
+    from dsec_core.signing import signed_bytes
+    from dsec_core.trust import CLOCK_SKEW, HANDLED_TTL
+
+    log = MemoryLog()
+    world = await pipeline(log, tmp_path, node_id="n1")  # type: ignore[arg-type]
+    gate = _gate(stack_root(tmp_path), log)
+    sealed = world.scheduler.signer.seal(SandboxScheduled(node_id="n1"), aggregate_id="sbx_old")
+    fields = dict(sealed.fields)
+    fields["time"] = (datetime.now(UTC) - HANDLED_TTL + CLOCK_SKEW / 2).isoformat()
+    fields["sig"] = world.scheduler.signer._key.sign(signed_bytes(fields)).signature.hex()
+    wire = encode(Envelope.model_validate(fields))
+    seq = await _put(log, sealed.subject, wire)
+    refused = await gate.admit(wire, stream_seq=seq, consumer="t-stale")
+    assert isinstance(refused, Refusal) and refused.reason == "stale"

@@ -593,7 +593,9 @@ class Gate:
             return None
         if envelope.time - datetime.now(UTC) > CLOCK_SKEW:
             return "future", f"event dated {envelope.time.isoformat()}, in the future"
-        if datetime.now(UTC) - envelope.time > HANDLED_TTL:
+        # stale a little before the handled id is forgotten: an event dated up to CLOCK_SKEW
+        # ahead and handled at once would otherwise be taken again in that gap
+        if datetime.now(UTC) - envelope.time > HANDLED_TTL - CLOCK_SKEW:
             return (
                 "stale",
                 f"event from {envelope.time.isoformat()} is older than the replay window",
