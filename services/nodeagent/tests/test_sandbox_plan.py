@@ -129,6 +129,19 @@ def test_nothing_under_a_workdir_without_code_comes_from_the_host(tmp_path: Path
     assert not any(e.get("src") == str(tmp_path / "w" / "etc") for e in layout)
 
 
+def test_a_private_tmp_holds_at_most_the_sandboxs_memory(tmp_path: Path) -> None:
+    """Before, /tmp was a tmpfs of the host's default size (half its RAM, and an inode per page
+    of that): a sandbox filled it past its own memory limit with files the memory cgroup may
+    not account."""
+    from dsec_nodeagent.sandbox import Limits
+
+    config = _config(tmp_path, write_allowed=["/tmp"], limits=Limits(memory_bytes=512 * 2**20))
+    layout = plan.build(config, VIEW, _host(tmp_path), FACTS, uid=1).plan["layout"]
+    (tmp,) = [e for e in layout if e["kind"] == "tmpfs" and e["path"] == "/tmp"]
+    assert tmp["options"] == f"mode=1777,size={512 * 2**20},nr_inodes=32768"
+    assert plan.tmp_options(None) == "mode=1777"
+
+
 def test_a_read_allowed_path_that_exists_nowhere_is_warned_about_the_workdir_is_not(
     tmp_path: Path,
 ) -> None:

@@ -34,6 +34,19 @@ IPC_SOCKET_NAME = "ipc.sock"
 IPC_SOCKET_TARGET = f"{IPC_TARGET}/{IPC_SOCKET_NAME}"
 DEV_WRITABLE = ("/dev/null", "/dev/zero", "/dev/full", "/dev/shm", "/dev/tty")
 TMP_OPTIONS = "mode=1777"
+TMP_BYTES_PER_INODE = 16 * 1024
+"""A sandbox's ``/tmp`` holds at most its memory limit, in at most one file per 16 KiB of it
+(a tmpfs's own default is half the host's RAM and an inode per page of that)."""
+
+
+def tmp_options(memory_bytes: int | None) -> str:
+    """The mount options of a sandbox's private ``/tmp``: bounded by its memory limit, so a
+    sandbox filling it meets ENOSPC there, not the host's memory (where the memory cgroup does
+    not account the kernel's inodes)."""
+    if memory_bytes is None:
+        return TMP_OPTIONS
+    inodes = max(1024, memory_bytes // TMP_BYTES_PER_INODE)
+    return f"{TMP_OPTIONS},size={memory_bytes},nr_inodes={inodes}"
 
 
 class PlanError(ValueError):
@@ -249,7 +262,8 @@ def _declared_entries(
         if any(_under(path, t) for t in writable):
             continue  # a writable mount, or inside one (then the mount decides)
         if path == "/tmp":
-            entries.append({"kind": "tmpfs", "path": path, "options": TMP_OPTIONS})
+            options = tmp_options(config.limits.memory_bytes)
+            entries.append({"kind": "tmpfs", "path": path, "options": options})
             continue
         source = config.write_sources.get(path) or kept_dir(host.data_dir, path)
         result.writable_dirs.append(source)
