@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from dsec_core import events
+from dsec_core.envelope import Envelope
 from dsec_core.events import KeyRevoked, SandboxScheduled
 from dsec_core.subjects import subject_for
 from dsec_core.trust import Gate, KeyRing, Refusal
@@ -91,31 +92,41 @@ async def test_forged_messages_on_a_lifecycle_subject_hide_no_genuine_event(
     assert found is not None and found.id == sent.sealed.envelope.id
 
 
-async def test_an_old_placements_ready_replayed_does_not_run_the_new_one(tmp_path: Path) -> None:
-    """The sandbox was lost on n1 and placed on n1 again (nothing else fit). The first
-    placement's genuine ``sandbox.ready``, published again, moved the new placement to
-    ``running`` for every lifecycle reader: the node agent then never started it."""
+async def _placed_again_on_the_same_node(
+    tmp_path: Path, copies: int
+) -> tuple[Gate, str, Envelope, Any]:
+    """A sandbox lost on n1 and placed on n1 again (nothing else fit); the first placement's
+    genuine ``sandbox.ready`` published ``copies`` times more. Returns the gate, the sandbox,
+    the new placement's own ready (published last) and the first one."""
     log = MemoryLog()
     world = await pipeline(log, tmp_path, node_id="n1")  # type: ignore[arg-type]
-    gate = _gate(stack_root(tmp_path), log)
     sid = "sbx_victim"
     await world.built(SPEC, sid)
-    await world.scheduler.publish(
-        events.SandboxScheduled(node_id="n1", attempt=1), aggregate_id=sid
-    )
-    ready = events.SandboxReady(node_id="n1", pid=1, cgroup="/x")
-    first = await world.nodeagent.publish(ready, aggregate_id=sid)
-    lost = events.UnitLost(node_id="n1", reason="node lost", action="reschedule", attempt=1)
-    await world.scheduler.publish(lost, aggregate_id=sid)
-    await world.scheduler.publish(
-        events.SandboxScheduled(node_id="n1", attempt=2), aggregate_id=sid
-    )
-    await log.publish(subject_for(events.SandboxReady.TYPE, sid), first.sealed.wire)
+    for attempt in (1, 2):
+        if attempt == 2:
+            lost = events.UnitLost(node_id="n1", reason="lost", action="reschedule", attempt=1)
+            await world.scheduler.publish(lost, aggregate_id=sid)
+        placed = events.SandboxScheduled(node_id="n1", attempt=attempt)
+        await world.scheduler.publish(placed, aggregate_id=sid)
+        if attempt == 1:
+            ready = events.SandboxReady(node_id="n1", pid=1, cgroup="/x")
+            first = await world.nodeagent.publish(ready, aggregate_id=sid)
+    for _ in range(copies):
+        await log.publish(subject_for(events.SandboxReady.TYPE, sid), first.sealed.wire)
+    gate = _gate(stack_root(tmp_path), log)
     state = await gate.lifecycle(sid)
     assert (state.state, state.attempt) == ("scheduled", 2)
     again = await world.nodeagent.publish(ready, aggregate_id=sid)  # the new placement's own
+    return gate, sid, again.sealed.envelope, first
+
+
+async def test_an_old_placements_ready_replayed_does_not_run_the_new_one(tmp_path: Path) -> None:
+    """The first placement's genuine ``sandbox.ready``, published again after the sandbox was
+    placed on the same node again, moved the new placement to ``running`` for every lifecycle
+    reader: the node agent then never started it."""
+    gate, sid, again, _ = await _placed_again_on_the_same_node(tmp_path, copies=1)
     state = await gate.lifecycle(sid)
-    assert state.state == "running" and state.last_event_id == again.sealed.envelope.id
+    assert state.state == "running" and state.last_event_id == again.id
 
 
 async def test_an_event_is_stale_before_its_handled_id_is_forgotten(tmp_path: Path) -> None:
@@ -139,3 +150,34 @@ async def test_an_event_is_stale_before_its_handled_id_is_forgotten(tmp_path: Pa
     seq = await _put(log, sealed.subject, wire)
     refused = await gate.admit(wire, stream_seq=seq, consumer="t-stale")
     assert isinstance(refused, Refusal) and refused.reason == "stale"
+
+
+async def test_junk_ahead_of_a_revocation_hides_it_from_no_consumer() -> None:
+    """Revocations were read from the first 32 messages of the key's revocation subject,
+    junk included: 32 junk messages published first hid the operator's revocation from every
+    consumer started afterwards, and the revoked key was admitted."""
+    root, log = SigningKey.generate(), MemoryLog()
+    operator = certified(root, "operator", subject="operator")
+    stolen = certified(root, "scheduler")
+    await _register(log, operator, stolen)
+    for _ in range(40):
+        await _put(log, subject_for(KeyRevoked.TYPE, stolen.signer.key_id), b"\x80")
+    revoked = operator.signer.seal(
+        KeyRevoked(key_id=stolen.signer.key_id, producer=stolen.signer.producer),
+        aggregate_id=stolen.signer.key_id,
+    )
+    await _put(log, revoked.subject, revoked.wire)
+    placed = stolen.signer.seal(SandboxScheduled(node_id="n1"), aggregate_id="sbx_b")
+    seq = await _put(log, placed.subject, placed.wire)
+    verdict = await _gate(root, log).admit(placed.wire, stream_seq=seq)
+    assert isinstance(verdict, Refusal) and verdict.reason == "revoked-key"
+
+
+async def test_copies_of_a_genuine_event_hide_no_later_one(tmp_path: Path) -> None:
+    """300 copies of the first placement's genuine sandbox.ready (authentic, so they counted
+    toward the readers' limit) hid the new placement's own ready from lifecycle and find."""
+    gate, sid, again, _ = await _placed_again_on_the_same_node(tmp_path, copies=300)
+    state = await gate.lifecycle(sid)
+    assert state.state == "running" and state.last_event_id == again.id
+    found = await gate.find(subject_for(events.SandboxReady.TYPE, sid))
+    assert found is not None and found.id == again.id

@@ -168,6 +168,13 @@ def test_the_sandboxs_own_view_stays_readable() -> None:
             "ORG-FS-002",
             "security_policy.filesystem.read_allowed[0]",
         ),
+        # no write_allowed, but a writable mount: the plan writes there, /tmp is the host's
+        (
+            "runtime_context:\n  mounts:\n    - {path: /data, source: 's3://lake/default/x/',"
+            " mode: rw}\nsecurity_policy: {filesystem: {read_allowed: [/tmp]}}",
+            "ORG-FS-002",
+            "security_policy.filesystem.read_allowed[0]",
+        ),
     ],
 )
 def test_no_spec_reads_the_hosts_protected_paths_as_its_own(

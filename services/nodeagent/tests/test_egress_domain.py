@@ -160,7 +160,7 @@ def test_no_rule_opens_the_link_local_range() -> None:
     assert not any(ip("169.254.169.254") in n for n in everywhere if n.version == 4)
     # nor the node itself through a wide rule (the DNS path refuses loopback answers to such a
     # rule too), nor AWS's IPv6 metadata address
-    for hidden in ("127.0.0.1", "127.9.9.9", "::1", "fd00:ec2::254"):
+    for hidden in ("127.0.0.1", "127.9.9.9", "::1", "fd00:ec2::254", "0.0.0.0", "::"):
         assert not any(ip(hidden) in n for n in everywhere if n.version == ip(hidden).version)
     for shown in ("126.255.255.255", "128.0.0.1", "::2", "fd00:ec2::253", "fd00::1"):
         assert any(ip(shown) in n for n in everywhere if n.version == ip(shown).version)

@@ -115,6 +115,32 @@ def test_no_read_allowed_path_binds_the_nodes_home_or_shared_dirs_even_through_a
     assert {"kind": "bind", "src": str(public), "path": str(public), "ro": True} in binds
 
 
+def test_resolv_conf_kept_under_run_by_the_hosts_resolver_is_still_shown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a systemd-resolved host /etc/resolv.conf leads to /run/systemd/resolve/: that one
+    public file is shown though /run never is (its neighbours stay refused)."""
+    run = tmp_path / "run"
+    (run / "systemd" / "resolve").mkdir(parents=True)
+    stub = run / "systemd" / "resolve" / "stub-resolv.conf"
+    stub.write_text("nameserver 127.0.0.53\n")
+    (run / "secret.sock").write_text("x")
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "resolv.conf").symlink_to(stub)
+    monkeypatch.setattr(plan, "PUBLIC_RUNTIME_FILES", frozenset({str(stub)}))
+    config = _config(
+        tmp_path, read_allowed=[str(etc / "resolv.conf")], host_denied=[run], write_allowed=[]
+    )
+    layout = plan.build(config, VIEW, _host(tmp_path), FACTS, uid=1).plan["layout"]
+    assert any(e.get("path") == str(etc / "resolv.conf") for e in layout)
+    config = _config(
+        tmp_path, read_allowed=[str(run / "secret.sock")], host_denied=[run], write_allowed=[]
+    )
+    with pytest.raises(plan.PlanError, match="never binds"):
+        plan.build(config, VIEW, _host(tmp_path), FACTS, uid=1)
+
+
 def test_nothing_under_a_workdir_without_code_comes_from_the_host(tmp_path: Path) -> None:
     """Before, a workdir with no code was an empty directory, and a read_allowed path under
     it was bound from the host (with workdir /, every one: the host's /etc)."""

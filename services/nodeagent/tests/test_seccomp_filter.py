@@ -106,6 +106,8 @@ SOCKETS = [
     ((2, 2, 1), errno.EPERM),  # AF_INET, SOCK_DGRAM, IPPROTO_ICMP
     ((10, 2 | 0o2000000, 58), errno.EPERM),  # AF_INET6, SOCK_DGRAM, IPPROTO_ICMPV6
     ((2, SOCK_STREAM, 132), errno.EPERM),  # IPPROTO_SCTP
+    ((2, 5, 0), errno.EPERM),  # SOCK_SEQPACKET, protocol 0: SCTP where sctp.ko is loaded
+    ((10, 5 | 0o4000, 0), errno.EPERM),  # AF_INET6, SOCK_SEQPACKET | SOCK_NONBLOCK
 ]
 
 
@@ -161,6 +163,7 @@ def test_refusals_are_named_and_given_a_rule() -> None:
     assert seccomp.describe(sock, (2, 3, 1), X86) == "socket(AF_INET, SOCK_RAW)"
     assert seccomp.describe(sock, (2, 2, 1), X86) == "socket(AF_INET, IPPROTO_ICMP)"
     assert seccomp.rule_id(sock, (10, 2, 58), X86) == "seccomp.denied"
+    assert seccomp.describe(sock, (2, 5, 0), X86) == "socket(AF_INET, SOCK_SEQPACKET)"
     assert seccomp.rule_id(101, (16, 1), X86) == "seccomp.denied"  # ptrace
     assert seccomp.describe(135, (0,), X86) == "personality"
     unlisted = 134  # uselib: denied by name; 212 lookup_dcookie likewise

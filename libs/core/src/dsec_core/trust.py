@@ -189,7 +189,9 @@ class KeyRing:
         that names ``key_id`` (its payload and aggregate) where it is stored. A genuine
         revocation of another key copied onto this key's subject revokes nothing (before, it
         revoked whichever key's subject it was copied to)."""
-        async for seq, data in scan_seq(self._js, subject_for(KeyRevoked.TYPE, key_id)):
+        # every message of the subject: 32 junk ones first used to hide a genuine revocation
+        subject = subject_for(KeyRevoked.TYPE, key_id)
+        async for seq, data in scan_seq(self._js, subject, 1 << 62):
             with contextlib.suppress(MalformedEnvelope, KeyError, ValueError, TypeError):
                 fields = unpack_fields(data)
                 if (
@@ -474,11 +476,15 @@ class Gate:
         for event_type in sorted(LIFECYCLE_TYPES):
             subject = subject_for(event_type, sandbox_id)
             kept = 0
+            seen: set[str] = set()
             async for seq, data in scan_seq(self._js, subject, 1 << 62):
                 if upto is not None and seq > upto:
                     break  # (oldest first: the rest are later too)
                 envelope = await self.authentic(data, stream_seq=seq)
                 if envelope is not None and envelope.subject == subject:
+                    if envelope.id in seen:
+                        continue  # a genuine event published again counts once
+                    seen.add(envelope.id)
                     found.append((seq, envelope))
                     kept += 1
                     if kept >= limit:
@@ -546,6 +552,7 @@ class Gate:
         them hid every genuine event after them)."""
         found: Envelope | None = None
         kept = 0
+        seen: set[str] = set()
         async for seq, data in scan_seq(self._js, subject, 1 << 62):
             if kept >= limit:
                 break
@@ -558,9 +565,12 @@ class Gate:
                 continue
             if envelope.subject != subject:  # copied here from elsewhere
                 continue
+            if envelope.id in seen:
+                continue  # a genuine event published again counts once (and is no newer)
             if await self.check(fields, envelope, stream_seq=seq) is None:
                 if event_id is not None:
                     return envelope
+                seen.add(envelope.id)
                 found = envelope
                 kept += 1
         return found

@@ -512,9 +512,13 @@ def _own_view(spec: SandboxSpec) -> tuple[str, ...]:
     """Paths that exist only inside the sandbox: its workdir, its mounts, and ``/tmp`` when it
     is writable (a fresh tmpfs then: named in ``write_allowed``, or the default when that is
     empty); a ``/tmp`` that is not would be the host's."""
-    write = spec.security_policy.filesystem.write_allowed
+    mounts = spec.runtime_context.mounts
+    # what the plan makes writable (as dsec_core.spec.plan compiles it; the node agent gives
+    # /tmp as a tmpfs when that is empty)
+    write = {*spec.security_policy.filesystem.write_allowed}
+    write |= {m.path for m in mounts if m.mode == "rw"}
     tmp = ("/tmp",) if "/tmp" in write or not write else ()
-    return (spec.workdir, *tmp, *(m.path for m in spec.runtime_context.mounts))
+    return (spec.workdir, *tmp, *(m.path for m in mounts))
 
 
 def _forbid_host_paths(spec: SandboxSpec, rule: _Rule, facts: StackFacts) -> Iterator[Violation]:

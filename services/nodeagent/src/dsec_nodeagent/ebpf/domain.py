@@ -223,11 +223,21 @@ def never_opened(network: IPNetwork, *, internal: bool = False) -> list[IPNetwor
     for hole in (*LINK_LOCAL, METADATA_V6):
         parts = _carve(parts, hole)
     if not internal:
-        for loopback in LOOPBACK_NETWORKS:
+        for loopback, unspecified in zip(LOOPBACK_NETWORKS, UNSPECIFIED, strict=True):
             wider = network.version == loopback.version and network != loopback
             if wider and loopback.subnet_of(network):  # type: ignore[arg-type]
                 parts = _carve(parts, loopback)
+            # a connect to 0.0.0.0 or :: reaches the node itself over loopback
+            if network.version == unspecified.version and network.overlaps(unspecified):
+                parts = _carve(parts, unspecified)
     return parts
+
+
+UNSPECIFIED: tuple[IPNetwork, ...] = (
+    ipaddress.ip_network("0.0.0.0/8"),
+    ipaddress.ip_network("::/128"),
+)
+"""Addresses a connect turns into the node itself (paired with :data:`LOOPBACK_NETWORKS`)."""
 
 
 def cidr_entries(plan: EgressPlan) -> Iterator[CidrEntry]:

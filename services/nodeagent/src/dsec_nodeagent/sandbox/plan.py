@@ -282,12 +282,27 @@ def _declared_entries(
     return entries
 
 
+PUBLIC_RUNTIME_FILES = frozenset(
+    {
+        "/run/systemd/resolve/stub-resolv.conf",
+        "/run/systemd/resolve/resolv.conf",
+        "/run/resolvconf/resolv.conf",
+        "/run/NetworkManager/resolv.conf",
+        "/run/NetworkManager/no-stub-resolv.conf",
+    }
+)
+"""Where ``/etc/resolv.conf`` leads on hosts whose resolver manages it (systemd-resolved,
+resolvconf, NetworkManager): public files, shown even though ``/run`` is never bound."""
+
+
 def _check_host_read(config: SandboxConfig, path: str) -> None:
     """Refuse a host bind of ``path`` that is, or resolves into, a denied host directory (the
     bind follows symlinks: ``/usr/lib/x -> /home/dsec/...`` binds the target)."""
     real = os.path.realpath(path)
     if real == "/":
         raise PlanError(f"read_allowed {path} would show the host's whole file system")
+    if real in PUBLIC_RUNTIME_FILES and os.path.isfile(real):
+        return  # /etc/resolv.conf on a host whose resolver keeps it under /run
     for denied in config.host_denied:
         guarded = os.path.realpath(denied)
         if _under(real, guarded) or _under(guarded, real):

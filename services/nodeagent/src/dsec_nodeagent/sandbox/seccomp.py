@@ -3,8 +3,8 @@
 Everything a Python program and its children need is allowed (:data:`ALLOWED_SYSCALLS`); every
 other call is refused. Three calls are allowed only for some arguments, read from registers:
 
-* ``socket``: families ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` (not ``SOCK_RAW``; protocols TCP,
-  UDP and MPTCP only: an ICMP socket sends past the egress hooks), and
+* ``socket``: families ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` (streams and datagrams only;
+  protocols TCP, UDP and MPTCP only: an ICMP or SCTP socket sends past the egress hooks), and
   ``AF_NETLINK`` with protocol ``NETLINK_ROUTE`` only (reading interfaces and routes). Every other
   family (``AF_VSOCK``, ``AF_PACKET``, ``AF_ALG``, ``AF_KEY``, ``AF_BLUETOOTH``, other netlink
   protocols, ...) is refused with ``EAFNOSUPPORT``; ``socketpair`` is ``AF_UNIX`` only.
@@ -132,10 +132,13 @@ AF_INET6 = 10
 AF_NETLINK = 16
 AF_PACKET = 17
 NETLINK_ROUTE = 0
+SOCK_STREAM = 1
+SOCK_DGRAM = 2
 SOCK_RAW = 3
 SOCK_TYPE_MASK = 0xF
 IP_PROTOCOLS = (0, 6, 17, 262)
 """An IP socket's protocols: the default, TCP, UDP and MPTCP (what the egress hooks judge)."""
+_SOCK_TYPES = {4: "SOCK_RDM", 5: "SOCK_SEQPACKET", 6: "SOCK_DCCP", 10: "SOCK_PACKET"}
 _IP_PROTOCOL_NAMES = {1: "IPPROTO_ICMP", 58: "IPPROTO_ICMPV6", 132: "IPPROTO_SCTP"}
 #: Socket families a sandbox may open (``AF_NETLINK``: ``NETLINK_ROUTE`` only).
 ALLOWED_FAMILIES = (AF_UNIX, AF_INET, AF_INET6, AF_NETLINK)
@@ -433,10 +436,13 @@ def _socket_blocks(asm: _Assembler) -> None:
     asm.label("ip")
     asm.op(_LD_W_ABS, _OFF_ARG1)
     asm.op(_AND_K, SOCK_TYPE_MASK)
-    asm.op(_JEQ_K, SOCK_RAW, "eperm", 0)
-    # the transports the egress hooks judge; an ICMP "ping" socket (SOCK_DGRAM, IPPROTO_ICMP,
-    # open to unprivileged users where net.ipv4.ping_group_range allows) sends to any address
-    # past the cgroup sendmsg hooks
+    # streams and datagrams only (SOCK_SEQPACKET with protocol 0 is SCTP where it is loaded),
+    # and of those the transports the egress hooks judge: an ICMP "ping" socket (SOCK_DGRAM,
+    # IPPROTO_ICMP, open to unprivileged users where net.ipv4.ping_group_range allows) sends to
+    # any address past the cgroup sendmsg hooks
+    asm.op(_JEQ_K, SOCK_STREAM, "ip_protocol", 0)
+    asm.op(_JEQ_K, SOCK_DGRAM, "ip_protocol", "eperm")
+    asm.label("ip_protocol")
     asm.op(_LD_W_ABS, _OFF_ARG2)
     for protocol in IP_PROTOCOLS:
         asm.op(_JEQ_K, protocol, "allow_socket", 0)
@@ -546,8 +552,11 @@ def describe(nr: int, args: tuple[int, ...], arch: int | None = None) -> str:
             protocol = args[2] & 0xFFFFFFFF
             return f"socket(AF_NETLINK, {_NETLINK.get(protocol, f'protocol {protocol}')})"
         if call == "socket" and family in (AF_INET, AF_INET6):
-            if args[1] & SOCK_TYPE_MASK == SOCK_RAW:
+            kind = args[1] & SOCK_TYPE_MASK
+            if kind == SOCK_RAW:
                 return f"socket({name}, SOCK_RAW)"
+            if kind not in (SOCK_STREAM, SOCK_DGRAM):
+                return f"socket({name}, {_SOCK_TYPES.get(kind, f'type {kind}')})"
             protocol = args[2] & 0xFFFFFFFF
             return f"socket({name}, {_IP_PROTOCOL_NAMES.get(protocol, f'protocol {protocol}')})"
         return f"{call}({name})"
