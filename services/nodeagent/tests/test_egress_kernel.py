@@ -131,6 +131,21 @@ def run(a):
             finally:
                 s.close()
             return "ok"
+        if op == "listen_unbound":  # listen() with no bind(): the kernel binds every address
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.listen(4)
+                with open(a["port_file"] + ".tmp", "w") as f:
+                    f.write(str(s.getsockname()[1]))
+                os.rename(a["port_file"] + ".tmp", a["port_file"])
+                s.settimeout(a["wait"])
+                conn, peer = s.accept()
+                conn.close()
+                return [s.getsockname()[0], peer[0]]
+            except socket.timeout:
+                return "timeout"
+            finally:
+                s.close()
         if op == "bind":
             kind = socket.SOCK_DGRAM if a.get("udp") else socket.SOCK_STREAM
             s = socket.socket(family(a["host"]), kind)
@@ -903,7 +918,8 @@ async def test_a_sandbox_listens_on_loopback_only(egress: EgressController, cgro
 
     plan = EgressPlan(sandbox_id="sbx-bind", rules=())
     async with attached(egress, cgroup, plan) as events:
-        wildcard4, wildcard6, udp, elsewhere, mapped = await run_client(
+        (own,) = [s for s in egress.sandboxes() if s.sandbox_id == "sbx-bind"]
+        wildcard4, wildcard6, udp, elsewhere, mapped, proxy = await run_client(
             cgroup,
             [
                 {"op": "bind", "host": "0.0.0.0", "port": 0},
@@ -911,11 +927,14 @@ async def test_a_sandbox_listens_on_loopback_only(egress: EgressController, cgro
                 {"op": "bind", "host": "0.0.0.0", "port": 0, "udp": True},
                 {"op": "bind", "host": "192.0.2.1", "port": 0},  # (else EADDRNOTAVAIL)
                 {"op": "bind", "host": "::ffff:192.0.2.1", "port": 0},
+                # a DNS proxy listener's port (any sandbox's): free on 127.0.0.2, and on
+                # 127.0.0.1 while the node agent restarts
+                {"op": "bind", "host": "127.0.0.2", "port": own.dns_port, "udp": True},
             ],
         )
         egress.drain_events()
     assert (wildcard4[0], wildcard6[0], udp[0]) == ("127.0.0.1", "::1", "127.0.0.1")
-    assert (elsewhere, mapped) == ("EPERM", "EPERM")
+    assert (elsewhere, mapped, proxy) == ("EPERM", "EPERM", "EPERM")
     refused = [e for e in events if e.verdict is Verdict.DENY_BIND]
     assert [(e.hook.name, e.address) for e in refused] == [
         ("BIND4", "192.0.2.1"),
@@ -923,6 +942,34 @@ async def test_a_sandbox_listens_on_loopback_only(egress: EgressController, cgro
     ]
     assert violation(refused[0]).rule_id == "system.bind"
     assert "listens on loopback only" in refused[0].message()
+
+
+async def test_a_socket_listening_without_a_bind_takes_no_connection_from_outside(
+    egress: EgressController, cgroup: Path, tmp_path: Path
+) -> None:
+    """listen() on a socket never bound is bound by the kernel to every address, and no bind
+    hook runs: such a server took connections from anywhere. The ingress program drops a
+    connection request to a sandbox's socket from anything but loopback."""
+    from dsec_nodeagent.stackdeny import local_addresses
+
+    outside = sorted(a for a in local_addresses() if ":" not in a and not a.startswith("127."))
+    assert outside, "this test needs the host to have an IPv4 address besides loopback"
+    port_file = tmp_path / "port"
+    plan = EgressPlan(sandbox_id="sbx-listen", rules=())
+    async with attached(egress, cgroup, plan):
+        action = {"op": "listen_unbound", "port_file": str(port_file), "wait": 20}
+        served = asyncio.create_task(run_client(cgroup, [action]))
+        deadline = time.monotonic() + 20
+        while not port_file.exists():
+            assert time.monotonic() < deadline and not served.done(), "the server never listened"
+            await asyncio.sleep(0.02)
+        port = int(port_file.read_text())
+        with pytest.raises(TimeoutError):  # the SYN is dropped: no answer, no RST
+            await asyncio.wait_for(asyncio.open_connection(outside[0], port), 1.5)
+        _, writer = await asyncio.open_connection("127.0.0.1", port)  # the node itself: taken
+        writer.close()
+        (taken,) = await served
+    assert taken == ["0.0.0.0", "127.0.0.1"]
 
 
 async def test_a_tcp_grant_does_not_open_udp(

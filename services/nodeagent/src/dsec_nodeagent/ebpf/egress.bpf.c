@@ -183,6 +183,9 @@ struct stack_key {
     u32 port;  // host order
 };
 BPF_TABLE_PINNED("hash", struct stack_key, u32, stack_deny, 4096, PIN_DIR "/stack_deny");
+// The ports of the node's DNS proxy listeners (one per sandbox, on loopback; host order):
+// no sandbox binds one, also while the node agent restarts and its listener is gone (pinned).
+BPF_TABLE_PINNED("hash", u32, u32, dns_ports, MAX_SANDBOXES, PIN_DIR "/dns_ports");
 
 // BPF_RINGBUF_OUTPUT, but pinned, so a restarted agent reads the same buffer.
 struct events_table_t {
@@ -568,7 +571,13 @@ static __always_inline int restore6(struct bpf_sock_addr *ctx) {
 // (0.0.0.0, ::) becomes a loopback bind (its server works for the node, is never exposed on
 // the host's interfaces, and takes no inbound connection past the egress rules); a bind to
 // another of the host's addresses is refused, as is one to a port of the stack's servers or of
-// the node's DNS proxy (held while it restarts, it would read other sandboxes' questions).
+// any sandbox's DNS proxy listener (held while the node agent restarts, it would read and
+// answer other sandboxes' questions).
+static __always_inline int proxy_port(u16 port) {
+    u32 k = port;
+    return dns_ports.lookup(&k) != 0;
+}
+
 static __always_inline int bind_refused(struct sbx_cfg *cfg, u64 cgid, u32 verdict, u32 hook,
                                         u32 family, struct bpf_sock_addr *ctx, u32 *addr,
                                         u16 port) {
@@ -589,7 +598,7 @@ static __always_inline int bind_hook4(struct bpf_sock_addr *ctx) {
     }
     if (((u8 *)&ip)[0] != 127)
         return bind_refused(cfg, cgid, V_DENY_BIND, H_BIND4, 4, ctx, ev_addr, port);
-    if (port && (ctx->user_port == cfg->proxy_port || is_stack4(ip, port)))
+    if (port && (proxy_port(port) || is_stack4(ip, port)))
         return bind_refused(cfg, cgid, V_DENY_STACK, H_BIND4, 4, ctx, ev_addr, port);
     return 1;
 }
@@ -610,7 +619,7 @@ static __always_inline int bind_hook6(struct bpf_sock_addr *ctx) {
         }
         if (((u8 *)&v4)[0] != 127)
             return bind_refused(cfg, cgid, V_DENY_BIND, H_BIND6, 4, ctx, ev4, port);
-        if (port && (ctx->user_port == cfg->proxy_port || is_stack4(v4, port)))
+        if (port && (proxy_port(port) || is_stack4(v4, port)))
             return bind_refused(cfg, cgid, V_DENY_STACK, H_BIND6, 4, ctx, ev4, port);
         return 1;
     }
@@ -620,7 +629,7 @@ static __always_inline int bind_hook6(struct bpf_sock_addr *ctx) {
     }
     if (!(ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == bpf_htonl(1)))
         return bind_refused(cfg, cgid, V_DENY_BIND, H_BIND6, 6, ctx, ip, port);
-    if (port && (ctx->user_port == cfg->proxy_port || is_stack6(ip, port)))
+    if (port && (proxy_port(port) || is_stack6(ip, port)))
         return bind_refused(cfg, cgid, V_DENY_STACK, H_BIND6, 6, ctx, ip, port);
     return 1;
 }
@@ -635,3 +644,50 @@ int getpeername4(struct bpf_sock_addr *ctx) { return restore4(ctx); }
 int getpeername6(struct bpf_sock_addr *ctx) { return restore6(ctx); }
 int bind4(struct bpf_sock_addr *ctx) { return bind_hook4(ctx); }
 int bind6(struct bpf_sock_addr *ctx) { return bind_hook6(ctx); }
+
+// cgroup_skb/ingress: what reaches the sandbox's sockets. A socket that listens without a
+// bind() of its own is bound by the kernel to every address (no bind hook runs), so the bind
+// hooks alone leave it reachable from anywhere: a connection request (TCP SYN without ACK)
+// from an address that is not loopback is dropped here. Replies to the sandbox's own
+// connections carry ACK; UDP passes (replies cannot be told from requests without state).
+#define ETH_P_IP_BE 0x0008    // htons(0x0800), as skb->protocol holds it
+#define ETH_P_IPV6_BE 0xDD86  // htons(0x86DD)
+#define TCP_SYN 0x02
+#define TCP_ACK 0x10
+
+static __always_inline int syn_only(struct __sk_buff *skb, u32 tcp_offset) {
+    u8 flags = 0;
+    if (bpf_skb_load_bytes(skb, tcp_offset + 13, &flags, 1) < 0)
+        return 0;
+    return (flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
+}
+
+int ingress(struct __sk_buff *skb) {
+    // (a lookup in the sandboxes map, whatever its answer: an agent knows its own programs by
+    // the maps they use, to detach and adopt them)
+    u64 socket_cgroup = bpf_skb_cgroup_id(skb);
+    if (sandboxes.lookup(&socket_cgroup) == 0 && socket_cgroup == 0)
+        return 1;
+    if (skb->protocol == ETH_P_IP_BE) {
+        u8 head[20];
+        if (bpf_skb_load_bytes(skb, 0, head, sizeof(head)) < 0)
+            return 1;
+        if (head[9] != PROTO_TCP || head[12] == 127)  // not TCP, or from loopback
+            return 1;
+        return syn_only(skb, (u32)(head[0] & 0x0f) * 4) ? 0 : 1;
+    }
+    if (skb->protocol == ETH_P_IPV6_BE) {
+        u32 src[4];
+        u8 next = 0;
+        if (bpf_skb_load_bytes(skb, 6, &next, 1) < 0 || next != PROTO_TCP)
+            return 1;
+        if (bpf_skb_load_bytes(skb, 8, src, sizeof(src)) < 0)
+            return 1;
+        if (src[0] == 0 && src[1] == 0 && src[2] == 0 && src[3] == bpf_htonl(1))
+            return 1;  // ::1
+        if (is_v4_mapped(src) && ((u8 *)&src[3])[0] == 127)
+            return 1;
+        return syn_only(skb, 40) ? 0 : 1;
+    }
+    return 1;
+}

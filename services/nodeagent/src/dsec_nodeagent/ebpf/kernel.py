@@ -32,6 +32,7 @@ BPFFS = Path("/sys/fs/bpf")
 
 # program name -> BPFAttachType (UAPI enum bpf_attach_type)
 ATTACH_TYPES: dict[str, int] = {
+    "ingress": 0,  # BPF_CGROUP_INET_INGRESS (a cgroup_skb program, PROGRAM_TYPES)
     "bind4": 8,
     "bind6": 9,
     "connect4": 10,
@@ -54,10 +55,14 @@ MAP_NAMES = (
     "dns_dst",
     "doh",
     "stack_deny",
+    "dns_ports",
     "events",
 )
 _PER_CGROUP_MAPS = ("cidr4", "cidr6", "host4", "host6", "buckets", "counters")
 BPF_PROG_TYPE_CGROUP_SOCK_ADDR = 18
+BPF_PROG_TYPE_CGROUP_SKB = 8
+PROGRAM_TYPES: dict[str, int] = {"ingress": BPF_PROG_TYPE_CGROUP_SKB}
+"""A program's type where it is not a sock_addr hook."""
 AF_HOST_EXACT = 1
 _TRANSPORTS = 2 | 4  # AF_TCP | AF_UDP
 SF_LOG_ALLOWED = 1
@@ -194,9 +199,8 @@ class EgressKernel:
         try:
             self._bpf = bcc.BPF(src_file=str(SOURCE).encode(), cflags=cflags)
             for name in ATTACH_TYPES:
-                self._fns[name] = self._bpf.load_func(
-                    name.encode(), BPF_PROG_TYPE_CGROUP_SOCK_ADDR, None, ATTACH_TYPES[name]
-                )
+                kind = PROGRAM_TYPES.get(name, BPF_PROG_TYPE_CGROUP_SOCK_ADDR)
+                self._fns[name] = self._bpf.load_func(name.encode(), kind, None, ATTACH_TYPES[name])
         except Exception as exc:
             self.close()
             raise EgressUnavailable(
@@ -270,7 +274,7 @@ class EgressKernel:
     # --- cgroups ---------------------------------------------------------------------------
 
     def attach(self, cgroup_dir: Path) -> None:
-        """Attach all ten programs (BPF_F_ALLOW_MULTI: a parent's programs still run too)."""
+        """Attach every program (BPF_F_ALLOW_MULTI: a parent's programs still run too)."""
         fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
         done: list[str] = []
         try:
@@ -327,6 +331,8 @@ class EgressKernel:
         leaf.proxy_port = _htons(port)
         leaf.flags = SF_LOG_ALLOWED if log_allowed else 0
         table[ctypes.c_uint64(cgroup_id)] = leaf
+        # no sandbox may bind its DNS proxy's port, also while this agent is down (pinned)
+        self._table("dns_ports")[ctypes.c_uint32(port)] = ctypes.c_uint32(1)
 
     def sandbox_ids(self) -> list[int]:
         """Cgroup ids registered in the pinned map (those a restarted agent must adopt)."""
@@ -406,8 +412,12 @@ class EgressKernel:
         """Remove every entry of a cgroup from every map."""
         sandboxes = self._table("sandboxes")
         key = ctypes.c_uint64(cgroup_id)
-        if sandboxes.get(key) is not None:
+        leaf = sandboxes.get(key)
+        if leaf is not None:
+            port = _htons(int(leaf.proxy_port))  # (a swap: its own inverse)
             del sandboxes[key]
+            if not any(_htons(int(v.proxy_port)) == port for v in sandboxes.values()):
+                self._table("dns_ports").pop(ctypes.c_uint32(port), None)
         for name in _PER_CGROUP_MAPS:
             table = self._table(name)
             for k in [k for k in table if int(k.cgid) == cgroup_id]:
