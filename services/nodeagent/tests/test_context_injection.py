@@ -533,6 +533,8 @@ def test_tenant_policy_reads_only_the_tenants_prefixes() -> None:
     from dsec_nodeagent.context.vault import tenant_policy_hcl, tenant_prefixes
 
     assert tenant_prefixes("acme") == ("secret/acme/",)
+    # a reserved name reads nothing by convention (secret/dsec-state/: every tenant's state key)
+    assert tenant_prefixes("dsec-state") == () and tenant_prefixes("dsec") == ()
     assert tenant_prefixes("acme", ["kv/acme-shared/", "secret/../x/", 'a/"b', "kv/*"]) == (
         "kv/acme-shared/",
     )

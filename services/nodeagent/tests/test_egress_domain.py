@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 
 import pytest
 from dsec_core.spec.plan import EnforcementPlan, FilesystemPlan, PlanEgressRule, ResourceLimits
@@ -304,3 +305,16 @@ def test_verdict_event_message_names_the_rule_and_destination() -> None:
     )
     assert event.as_dict()["verdict"] == "deny_rate_limit"
     assert not Verdict.REDIRECT_DNS.denied
+
+
+def test_the_dns_proxys_ports_lie_above_the_kernels_ephemeral_range(tmp_path: Path) -> None:
+    """No autobind (bind to port 0, listen() or sendto() on an unbound socket) lands there,
+    so no sandbox can take a proxy's port while the node agent restarts."""
+    from dsec_nodeagent.dns.proxy import proxy_port_range
+
+    ephemeral = tmp_path / "ip_local_port_range"
+    ephemeral.write_text("32768\t60999\n")
+    assert proxy_port_range(ephemeral) == (61000, 65535)
+    ephemeral.write_text("1024\t65500\n")
+    assert proxy_port_range(ephemeral) is None  # no room above: any free port, the map decides
+    assert proxy_port_range(tmp_path / "missing") is None

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # --import-mode=importlib: reach
 from dns_zone_server import ZoneServer, start_test_dns
 
 from dsec_nodeagent.dns.policy import DnsBounds
+from dsec_nodeagent.dns.proxy import proxy_port_range
 from dsec_nodeagent.ebpf import (
     EgressController,
     EgressPlan,
@@ -34,6 +35,7 @@ from dsec_nodeagent.ebpf import (
     RateLimit,
     Verdict,
     VerdictEvent,
+    libbpf,
 )
 from dsec_nodeagent.ebpf.kernel import ATTACH_TYPES
 from dsec_nodeagent.ebpf.metrics import EgressCollector
@@ -132,7 +134,7 @@ def run(a):
                 s.close()
             return "ok"
         if op == "listen_unbound":  # listen() with no bind(): the kernel binds every address
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s = socket.socket(socket.AF_INET6 if a.get("v6") else socket.AF_INET)
             try:
                 s.listen(4)
                 with open(a["port_file"] + ".tmp", "w") as f:
@@ -690,6 +692,14 @@ async def test_programs_stay_when_the_agent_dies_and_a_new_agent_adopts_them(
         agent.kill()  # SIGKILL: no cleanup
         await agent.wait()
         doomed.rmdir()  # this sandbox ends while no agent runs
+        # as an agent from before the bind and ingress programs left it: the successor adds them
+        fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for name in ("ingress", "bind4"):
+                for prog_id in libbpf.attached_prog_ids(fd, ATTACH_TYPES[name]):
+                    libbpf.detach_prog_id(fd, ATTACH_TYPES[name], prog_id)
+        finally:
+            os.close(fd)
 
         orphaned = await run_client(
             cgroup,
@@ -919,7 +929,9 @@ async def test_a_sandbox_listens_on_loopback_only(egress: EgressController, cgro
     plan = EgressPlan(sandbox_id="sbx-bind", rules=())
     async with attached(egress, cgroup, plan) as events:
         (own,) = [s for s in egress.sandboxes() if s.sandbox_id == "sbx-bind"]
-        wildcard4, wildcard6, udp, elsewhere, mapped, proxy = await run_client(
+        ports = proxy_port_range()
+        assert ports is not None and ports[0] <= own.dns_port <= ports[1]  # above the ephemeral
+        wildcard4, wildcard6, udp, elsewhere, mapped, proxy, unused = await run_client(
             cgroup,
             [
                 {"op": "bind", "host": "0.0.0.0", "port": 0},
@@ -930,11 +942,15 @@ async def test_a_sandbox_listens_on_loopback_only(egress: EgressController, cgro
                 # a DNS proxy listener's port (any sandbox's): free on 127.0.0.2, and on
                 # 127.0.0.1 while the node agent restarts
                 {"op": "bind", "host": "127.0.0.2", "port": own.dns_port, "udp": True},
+                # any port of the proxies' range, used or not: no bind tells which are used
+                {"op": "bind", "host": "127.0.0.1", "port": ports[1], "udp": True},
             ],
         )
         egress.drain_events()
     assert (wildcard4[0], wildcard6[0], udp[0]) == ("127.0.0.1", "::1", "127.0.0.1")
-    assert (elsewhere, mapped, proxy) == ("EPERM", "EPERM", "EPERM")
+    assert (elsewhere, mapped, proxy, unused) == ("EPERM", "EPERM", "EPERM", "EPERM")
+    # a bind to port 0 never lands in the proxies' range (above the kernel's ephemeral ports)
+    assert not ports[0] <= wildcard4[1] <= ports[1]
     refused = [e for e in events if e.verdict is Verdict.DENY_BIND]
     assert [(e.hook.name, e.address) for e in refused] == [
         ("BIND4", "192.0.2.1"),
@@ -952,24 +968,30 @@ async def test_a_socket_listening_without_a_bind_takes_no_connection_from_outsid
     connection request to a sandbox's socket from anything but loopback."""
     from dsec_nodeagent.stackdeny import local_addresses
 
-    outside = sorted(a for a in local_addresses() if ":" not in a and not a.startswith("127."))
-    assert outside, "this test needs the host to have an IPv4 address besides loopback"
-    port_file = tmp_path / "port"
+    found = local_addresses()
+    outside4 = sorted(a for a in found if ":" not in a and not a.startswith("127."))
+    outside6 = sorted(a for a in found if ":" in a and a != "::1" and not a.startswith("fe80"))
+    assert outside4 and outside6, "this test needs the host to have IPv4 and IPv6 addresses"
     plan = EgressPlan(sandbox_id="sbx-listen", rules=())
     async with attached(egress, cgroup, plan):
-        action = {"op": "listen_unbound", "port_file": str(port_file), "wait": 20}
-        served = asyncio.create_task(run_client(cgroup, [action]))
-        deadline = time.monotonic() + 20
-        while not port_file.exists():
-            assert time.monotonic() < deadline and not served.done(), "the server never listened"
-            await asyncio.sleep(0.02)
-        port = int(port_file.read_text())
-        with pytest.raises(TimeoutError):  # the SYN is dropped: no answer, no RST
-            await asyncio.wait_for(asyncio.open_connection(outside[0], port), 1.5)
-        _, writer = await asyncio.open_connection("127.0.0.1", port)  # the node itself: taken
-        writer.close()
-        (taken,) = await served
-    assert taken == ["0.0.0.0", "127.0.0.1"]
+        for v6, outside, wildcard, local in (
+            (False, outside4[0], "0.0.0.0", "127.0.0.1"),
+            (True, outside6[0], "::", "::1"),  # a dual-stack socket
+        ):
+            port_file = tmp_path / f"port-{v6}"
+            action = {"op": "listen_unbound", "port_file": str(port_file), "wait": 20, "v6": v6}
+            served = asyncio.create_task(run_client(cgroup, [action]))
+            deadline = time.monotonic() + 20
+            while not port_file.exists():
+                assert time.monotonic() < deadline and not served.done(), "it never listened"
+                await asyncio.sleep(0.02)
+            port = int(port_file.read_text())
+            with pytest.raises(TimeoutError):  # the SYN is dropped: no answer, no RST
+                await asyncio.wait_for(asyncio.open_connection(outside, port), 1.5)
+            _, writer = await asyncio.open_connection(local, port)  # the node itself: taken
+            writer.close()
+            (taken,) = await served
+            assert taken == [wildcard, local]
 
 
 async def test_a_tcp_grant_does_not_open_udp(

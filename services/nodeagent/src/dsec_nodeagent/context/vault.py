@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dsec_core.identity import reserved_tenant
 from dsec_core.lazyimports import DeferredModule
 
 if TYPE_CHECKING:
@@ -39,12 +40,14 @@ _PREFIX = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_./-]*")
 
 
 def tenant_prefixes(tenant: str, prefixes: Sequence[str] = ()) -> tuple[str, ...]:
-    """The tenant's Vault prefixes (``MOUNT/PATH-PREFIX/``): given, else ``secret/<tenant>/``.
+    """The tenant's Vault prefixes (``MOUNT/PATH-PREFIX/``): given, else ``secret/<tenant>/``
+    (none for a reserved tenant name: ``secret/dsec-state/`` holds every tenant's state key).
 
     Prefixes that could not be expressed safely in an ACL path (``..``, ``*``, quotes) are
     dropped: the tenant then reads less, never more.
     """
-    chosen = tuple(prefixes) or (f"secret/{tenant}/",)
+    conventional = () if reserved_tenant(tenant) is not None else (f"secret/{tenant}/",)
+    chosen = tuple(prefixes) or conventional
     return tuple(
         p
         for p in chosen

@@ -17,11 +17,13 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import random
 import re
 import struct
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, cast
 
 import dns.exception
@@ -174,6 +176,19 @@ class _UdpServer(asyncio.DatagramProtocol):
             self.transport.sendto(wire, addr)
 
 
+def proxy_port_range(
+    ephemeral: Path = Path("/proc/sys/net/ipv4/ip_local_port_range"),
+) -> tuple[int, int] | None:
+    """The ports above the kernel's ephemeral range (where no autobind, ``bind(port 0)`` or
+    ``listen()`` without a bind ever lands), for the DNS proxy's listeners; the egress hooks
+    refuse every sandbox a bind there. None when fewer than 256 are left above it."""
+    try:
+        high = int(ephemeral.read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (high + 1, 65535) if 65535 - high >= 256 else None
+
+
 class DnsProxy:
     """Per-sandbox DNS listeners that answer by policy and fill the kernel allow map."""
 
@@ -190,6 +205,7 @@ class DnsProxy:
         bounds: DnsBounds | None = None,
         protected: Iterable[IPAddress] = (),
         trusted: tuple[IPNetwork, ...] = (),
+        ports: tuple[int, int] | None = None,
     ) -> None:
         """Create the proxy (listens nothing until `serve`).
 
@@ -207,6 +223,8 @@ class DnsProxy:
                 are refused unless the rule sets ``allow_internal_only``.
             trusted: networks the operator lets DNS answers open although they are loopback or
                 the node's (``DSEC_DNS_TRUSTED_TARGETS``); never link-local or multicast.
+            ports: the range the listeners' ports come from (:func:`proxy_port_range`: above
+                the kernel's ephemeral ports, which no sandbox may bind); None: any free port.
         """
         if deny_rcode not in (dns.rcode.NXDOMAIN, dns.rcode.REFUSED):
             raise ValueError(f"deny_rcode: expected NXDOMAIN or REFUSED, got {deny_rcode!r}")
@@ -220,6 +238,7 @@ class DnsProxy:
         self.bounds = bounds or DnsBounds()
         self.protected: frozenset[IPAddress] = frozenset(unmap(a) for a in protected)
         self.trusted = trusted
+        self.ports = ports
         self._types = frozenset(_ADDRESS_TYPES) | {
             dns.rdatatype.from_text(t) for t in self.bounds.extra_qtypes
         }
@@ -229,6 +248,12 @@ class DnsProxy:
         self.on_denied: RefusalCallback | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
+
+    def _free_port_guess(self) -> int:
+        """A port of :attr:`ports` to try (0: the kernel's choice, when there is no range)."""
+        if self.ports is None:
+            return 0
+        return random.randint(*self.ports)
 
     async def serve(self, cgroup_id: int, plan: EgressPlan, port: int = 0) -> int:
         """Start the listeners of one sandbox and return their port.
@@ -244,8 +269,8 @@ class DnsProxy:
             tokens=float(self.bounds.query_burst),
             refilled_ns=self.clock(),
         )
-        for attempt in range(20):
-            want = port if attempt == 0 else 0
+        for attempt in range(64):
+            want = port if attempt == 0 and port else self._free_port_guess()
             try:  # (to its end: asyncio drops a server cancelled at its last step, bound)
                 await to_the_end(self._bind(sandbox, want))
             except BaseException as exc:  # a cancel too: the listeners bound so far are closed

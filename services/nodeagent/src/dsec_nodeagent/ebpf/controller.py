@@ -30,7 +30,7 @@ import dns.rcode
 from prometheus_client import Counter
 
 from dsec_nodeagent.dns.policy import DnsBounds
-from dsec_nodeagent.dns.proxy import DnsProxy
+from dsec_nodeagent.dns.proxy import DnsProxy, proxy_port_range
 from dsec_nodeagent.dns.upstream import UPSTREAM_ENV, UpstreamClient, parse_upstream
 from dsec_nodeagent.ebpf.domain import (
     DOH_ADDRESSES,
@@ -192,7 +192,10 @@ class EgressController:
         self.upstream = _resolve_upstream(dns_upstream)
         doh = DOH_ADDRESSES | {ipaddress.ip_address(a) for a in extra_doh_addresses}
         bounds = dns_bounds or DnsBounds()
-        self.kernel = EgressKernel(pin_dir, doh_addresses=doh, max_hosts=bounds.node_capacity)
+        ports = proxy_port_range()
+        self.kernel = EgressKernel(
+            pin_dir, doh_addresses=doh, max_hosts=bounds.node_capacity, proxy_ports=ports
+        )
         protected = (
             sorted(local_addresses()) if protected_addresses is None else protected_addresses
         )
@@ -210,6 +213,7 @@ class EgressController:
             bounds=bounds,
             protected=(ipaddress.ip_address(a) for a in protected),
             trusted=parse_networks(trusted_targets, "DSEC_DNS_TRUSTED_TARGETS"),
+            ports=ports,
         )
         self._queue_size = event_queue_size
         self._sandboxes: dict[int, AttachedSandbox] = {}
@@ -352,6 +356,9 @@ class EgressController:
                 state_file.unlink(missing_ok=True)
                 removed.add(cgid)
                 continue
+            added = self.kernel.attach_missing(path)  # hooks added since it started
+            if added:
+                log.info("egress: %s gained %s on adoption", plan.sandbox_id, ", ".join(added))
             port = await self.proxy.serve(cgid, plan, int(record["dns_port"]))
             self.proxy.adopt(cgid, ((a, p, e) for a, p, _, e in self.kernel.host_entries(cgid)))
             self.kernel.add_cidrs(cgid, cidr_entries(plan))  # entries of an older agent gain flags

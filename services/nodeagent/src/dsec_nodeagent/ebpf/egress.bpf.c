@@ -29,6 +29,12 @@
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 64
 #endif
+// The ports the node's DNS proxy listeners take (above the kernel's ephemeral range, so no
+// autobind lands there); 0: no such range, the dns_ports map alone says which.
+#ifndef PROXY_PORT_LO
+#define PROXY_PORT_LO 0
+#define PROXY_PORT_HI 0
+#endif
 // A cgroup nested inside a sandbox's cgroup (e.g. one made for `sandbox exec`) inherits the
 // programs; we find its sandbox by walking ancestor ids up to this depth.
 #define MAX_CGROUP_DEPTH 16
@@ -574,6 +580,8 @@ static __always_inline int restore6(struct bpf_sock_addr *ctx) {
 // any sandbox's DNS proxy listener (held while the node agent restarts, it would read and
 // answer other sandboxes' questions).
 static __always_inline int proxy_port(u16 port) {
+    if (PROXY_PORT_LO && port >= PROXY_PORT_LO && port <= PROXY_PORT_HI)
+        return 1;  // the whole range: no bind tells a sandbox which are in use
     u32 k = port;
     return dns_ports.lookup(&k) != 0;
 }
@@ -647,20 +655,12 @@ int bind6(struct bpf_sock_addr *ctx) { return bind_hook6(ctx); }
 
 // cgroup_skb/ingress: what reaches the sandbox's sockets. A socket that listens without a
 // bind() of its own is bound by the kernel to every address (no bind hook runs), so the bind
-// hooks alone leave it reachable from anywhere: a connection request (TCP SYN without ACK)
-// from an address that is not loopback is dropped here. Replies to the sandbox's own
-// connections carry ACK; UDP passes (replies cannot be told from requests without state).
+// hooks alone leave it reachable from anywhere: every packet to a listening socket (a
+// connection request, or the handshake's last ACK) from an address that is not loopback is
+// dropped here. The socket's state decides, not the packet's TCP header, so no IPv6 extension
+// header hides a SYN. UDP passes (replies cannot be told from requests without state).
 #define ETH_P_IP_BE 0x0008    // htons(0x0800), as skb->protocol holds it
 #define ETH_P_IPV6_BE 0xDD86  // htons(0x86DD)
-#define TCP_SYN 0x02
-#define TCP_ACK 0x10
-
-static __always_inline int syn_only(struct __sk_buff *skb, u32 tcp_offset) {
-    u8 flags = 0;
-    if (bpf_skb_load_bytes(skb, tcp_offset + 13, &flags, 1) < 0)
-        return 0;
-    return (flags & (TCP_SYN | TCP_ACK)) == TCP_SYN;
-}
 
 int ingress(struct __sk_buff *skb) {
     // (a lookup in the sandboxes map, whatever its answer: an agent knows its own programs by
@@ -668,26 +668,25 @@ int ingress(struct __sk_buff *skb) {
     u64 socket_cgroup = bpf_skb_cgroup_id(skb);
     if (sandboxes.lookup(&socket_cgroup) == 0 && socket_cgroup == 0)
         return 1;
-    if (skb->protocol == ETH_P_IP_BE) {
-        u8 head[20];
-        if (bpf_skb_load_bytes(skb, 0, head, sizeof(head)) < 0)
-            return 1;
-        if (head[9] != PROTO_TCP || head[12] == 127)  // not TCP, or from loopback
-            return 1;
-        return syn_only(skb, (u32)(head[0] & 0x0f) * 4) ? 0 : 1;
+    struct bpf_sock *sk = skb->sk;
+    if (!sk)
+        return 1;
+    sk = bpf_sk_fullsock(sk);
+    if (!sk || sk->state != BPF_TCP_LISTEN)
+        return 1;
+    if (skb->protocol == ETH_P_IP_BE) {  // the source, from the fixed header
+        u8 first = 0;
+        if (bpf_skb_load_bytes(skb, 12, &first, 1) < 0)
+            return 0;
+        return first == 127;
     }
     if (skb->protocol == ETH_P_IPV6_BE) {
         u32 src[4];
-        u8 next = 0;
-        if (bpf_skb_load_bytes(skb, 6, &next, 1) < 0 || next != PROTO_TCP)
-            return 1;
         if (bpf_skb_load_bytes(skb, 8, src, sizeof(src)) < 0)
-            return 1;
+            return 0;
         if (src[0] == 0 && src[1] == 0 && src[2] == 0 && src[3] == bpf_htonl(1))
             return 1;  // ::1
-        if (is_v4_mapped(src) && ((u8 *)&src[3])[0] == 127)
-            return 1;
-        return syn_only(skb, 40) ? 0 : 1;
+        return is_v4_mapped(src) && ((u8 *)&src[3])[0] == 127;
     }
-    return 1;
+    return 0;
 }

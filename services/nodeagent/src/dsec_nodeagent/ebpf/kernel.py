@@ -170,14 +170,18 @@ class EgressKernel:
         max_hosts: int = 65536,
         ringbuf_pages: int = 64,
         doh_addresses: Iterable[IPAddress] = DOH_ADDRESSES,
+        proxy_ports: tuple[int, int] | None = None,
     ) -> None:
         if not _SAFE_PATH.match(str(pin_dir)) or not str(pin_dir).startswith(str(BPFFS) + "/"):
             raise ValueError(f"pin_dir {pin_dir}: expected a plain path under {BPFFS}/")
         self.pin_dir = pin_dir
+        lo, hi = proxy_ports or (0, 0)
         self._defines = {
             "MAX_CIDRS": max_cidrs,
             "MAX_HOSTS": max_hosts,
             "RINGBUF_PAGES": ringbuf_pages,
+            "PROXY_PORT_LO": lo,  # the DNS proxy's ports: no sandbox binds one (0: none)
+            "PROXY_PORT_HI": hi,
         }
         self._doh = frozenset(doh_addresses)
         self._bpf: Any = None
@@ -287,6 +291,22 @@ class EgressKernel:
             raise OSError(f"attaching egress programs to {cgroup_dir}: {exc}") from exc
         finally:
             os.close(fd)
+
+    def attach_missing(self, cgroup_dir: Path) -> list[str]:
+        """Attach each program none of whose versions is attached to ``cgroup_dir`` (a sandbox
+        adopted from an older agent, started before that program existed); the names added."""
+        fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+        added: list[str] = []
+        try:
+            for name, attach_type in ATTACH_TYPES.items():
+                attached = libbpf.attached_prog_ids(fd, attach_type)
+                if any(self._sandboxes_map_id in libbpf.prog_map_ids(p)[1] for p in attached):
+                    continue
+                self._bpf.attach_func(self._fns[name], fd, attach_type, libbpf.BPF_F_ALLOW_MULTI)
+                added.append(name)
+        finally:
+            os.close(fd)
+        return added
 
     def detach(self, cgroup_dir: Path) -> int:
         """Detach our programs — also those a previous agent attached — and return how many.
