@@ -318,3 +318,18 @@ def test_the_dns_proxys_ports_lie_above_the_kernels_ephemeral_range(tmp_path: Pa
     ephemeral.write_text("1024\t65500\n")
     assert proxy_port_range(ephemeral) is None  # no room above: any free port, the map decides
     assert proxy_port_range(tmp_path / "missing") is None
+
+
+def test_the_proxy_tries_every_port_of_its_range_and_moves_an_old_one_into_it() -> None:
+    """A re-adopted listener's port outside the range (an older agent's, among the ephemeral
+    ports an autobind may take) is not kept; every port of the range is tried, once, before
+    the proxy gives up (64 random guesses failed while a port was free)."""
+    from dsec_nodeagent.dns.proxy import DnsProxy
+
+    proxy = DnsProxy(None, None, ports=(61000, 61009))  # type: ignore[arg-type]
+    assert next(iter(proxy._candidates(61003))) == 61003
+    moved = list(proxy._candidates(45123))
+    assert 45123 not in moved and sorted(moved) == list(range(61000, 61010))
+    assert proxy.in_range(61009) and not proxy.in_range(45123)
+    anywhere = DnsProxy(None, None, ports=None)  # type: ignore[arg-type]
+    assert list(anywhere._candidates(45123))[:2] == [45123, 0]

@@ -267,7 +267,7 @@ async def test_nvml_that_hangs_at_the_start_turns_slicing_off_and_says_why(
     with pytest.raises(SliceError, match="GPU slicing is off on this node: NVML is not answer"):
         await node.prepare("sbx_1", _placed("sbx_1"))
     wedge.set()  # NVML opens after all: the late handle is shut
-    await until(lambda: closed == ["late"], "the late NVML to be shut")
+    await until(lambda: closed == ["late"] and not node.nvml.in_flight(), "the late NVML shut")
     # the driver answers again: the next launch opens NVML and gets its slice (before, slicing
     # stayed off until a restart while the heartbeat offered the GPUs again)
     monkeypatch.setattr(gpunode, "PynvmlBackend", lambda: HungNvml(wedge))

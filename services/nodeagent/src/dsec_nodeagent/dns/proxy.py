@@ -21,7 +21,7 @@ import random
 import re
 import struct
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, cast
@@ -186,7 +186,15 @@ def proxy_port_range(
         high = int(ephemeral.read_text().split()[1])
     except (OSError, ValueError, IndexError):
         return None
-    return (high + 1, 65535) if 65535 - high >= 256 else None
+    if 65535 - high < 256:
+        log.warning(
+            "DNS proxy: net.ipv4.ip_local_port_range ends at %d, leaving no range above it; "
+            "the proxy's listeners take ephemeral ports, which a sandbox's autobind may take "
+            "while the node agent restarts (end the range at 65279 or lower to close this)",
+            high,
+        )
+        return None
+    return high + 1, 65535
 
 
 class DnsProxy:
@@ -249,17 +257,30 @@ class DnsProxy:
 
     # --- lifecycle -------------------------------------------------------------------------
 
-    def _free_port_guess(self) -> int:
-        """A port of :attr:`ports` to try (0: the kernel's choice, when there is no range)."""
+    def _candidates(self, port: int) -> Iterator[int]:
+        """Ports to try: ``port`` (a re-adoption's) when it is in :attr:`ports`, then every
+        port of the range from a random one on (0, the kernel's choice, when there is none)."""
         if self.ports is None:
-            return 0
-        return random.randint(*self.ports)
+            yield from ([port] if port else []) + [0] * 20
+            return
+        low, high = self.ports
+        if low <= port <= high:
+            yield port
+        size = high - low + 1
+        start = random.randrange(size)
+        for i in range(size):
+            yield low + (start + i) % size
+
+    def in_range(self, port: int) -> bool:
+        """Whether ``port`` is one the bind hooks keep every sandbox from (see :attr:`ports`)."""
+        return self.ports is None or self.ports[0] <= port <= self.ports[1]
 
     async def serve(self, cgroup_id: int, plan: EgressPlan, port: int = 0) -> int:
         """Start the listeners of one sandbox and return their port.
 
-        ``port`` asks for a specific port (re-adoption after a restart); when it is taken a free
-        one is chosen and returned instead.
+        ``port`` asks for a specific port (re-adoption after a restart); when it is taken, or
+        lies outside :attr:`ports` (a listener of an older agent, among the ephemeral ports an
+        autobind may take), a free one of the range is chosen and returned instead.
         """
         if cgroup_id in self._sandboxes:
             raise ValueError(f"cgroup {cgroup_id}: DNS listeners already running")
@@ -269,8 +290,7 @@ class DnsProxy:
             tokens=float(self.bounds.query_burst),
             refilled_ns=self.clock(),
         )
-        for attempt in range(64):
-            want = port if attempt == 0 and port else self._free_port_guess()
+        for want in self._candidates(port):
             try:  # (to its end: asyncio drops a server cancelled at its last step, bound)
                 await to_the_end(self._bind(sandbox, want))
             except BaseException as exc:  # a cancel too: the listeners bound so far are closed

@@ -356,7 +356,11 @@ class EgressController:
                 state_file.unlink(missing_ok=True)
                 removed.add(cgid)
                 continue
-            added = self.kernel.attach_missing(path)  # hooks added since it started
+            try:
+                added = self.kernel.attach_missing(path)  # hooks added since it started
+            except OSError as exc:  # its cgroup went meanwhile: adopted as it is
+                log.warning("egress: %s: programs not brought up to date: %s", plan.sandbox_id, exc)
+                added = []
             if added:
                 log.info("egress: %s gained %s on adoption", plan.sandbox_id, ", ".join(added))
             port = await self.proxy.serve(cgid, plan, int(record["dns_port"]))

@@ -684,9 +684,7 @@ int ingress(struct __sk_buff *skb) {
         u32 src[4];
         if (bpf_skb_load_bytes(skb, 8, src, sizeof(src)) < 0)
             return 0;
-        if (src[0] == 0 && src[1] == 0 && src[2] == 0 && src[3] == bpf_htonl(1))
-            return 1;  // ::1
-        return is_v4_mapped(src) && ((u8 *)&src[3])[0] == 127;
+        return src[0] == 0 && src[1] == 0 && src[2] == 0 && src[3] == bpf_htonl(1);  // ::1
     }
     return 0;
 }

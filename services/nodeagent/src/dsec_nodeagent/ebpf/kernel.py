@@ -300,13 +300,20 @@ class EgressKernel:
         try:
             for name, attach_type in ATTACH_TYPES.items():
                 attached = libbpf.attached_prog_ids(fd, attach_type)
-                if any(self._sandboxes_map_id in libbpf.prog_map_ids(p)[1] for p in attached):
+                if any(self._ours(p) for p in attached):
                     continue
                 self._bpf.attach_func(self._fns[name], fd, attach_type, libbpf.BPF_F_ALLOW_MULTI)
                 added.append(name)
         finally:
             os.close(fd)
         return added
+
+    def _ours(self, prog_id: int) -> bool:
+        """Whether a program uses this instance's pinned ``sandboxes`` map (False: gone)."""
+        try:
+            return self._sandboxes_map_id in libbpf.prog_map_ids(prog_id)[1]
+        except OSError:  # detached and freed meanwhile
+            return False
 
     def detach(self, cgroup_dir: Path) -> int:
         """Detach our programs — also those a previous agent attached — and return how many.
