@@ -663,16 +663,16 @@ int bind6(struct bpf_sock_addr *ctx) { return bind_hook6(ctx); }
 #define ETH_P_IPV6_BE 0xDD86  // htons(0x86DD)
 
 int ingress(struct __sk_buff *skb) {
-    // (a lookup in the sandboxes map, whatever its answer: an agent knows its own programs by
-    // the maps they use, to detach and adopt them)
-    u64 socket_cgroup = bpf_skb_cgroup_id(skb);
-    if (sandboxes.lookup(&socket_cgroup) == 0 && socket_cgroup == 0)
-        return 1;
     struct bpf_sock *sk = skb->sk;
     if (!sk)
         return 1;
     sk = bpf_sk_fullsock(sk);
     if (!sk || sk->state != BPF_TCP_LISTEN)
+        return 1;  // (every packet of the sandbox's own connections: a few loads, no lookup)
+    // (a lookup in the sandboxes map, whatever its answer: an agent knows its own programs by
+    // the maps they use, to detach and adopt them)
+    u64 socket_cgroup = bpf_skb_cgroup_id(skb);
+    if (sandboxes.lookup(&socket_cgroup) == 0 && socket_cgroup == 0)
         return 1;
     if (skb->protocol == ETH_P_IP_BE) {  // the source, from the fixed header
         u8 first = 0;
