@@ -474,21 +474,12 @@ class Gate:
         position (the events logged after it left out)."""
         found: list[tuple[int, Envelope]] = []
         for event_type in sorted(LIFECYCLE_TYPES):
-            subject = subject_for(event_type, sandbox_id)
             kept = 0
-            seen: set[str] = set()
-            async for seq, data in scan_seq(self._js, subject, 1 << 62):
-                if upto is not None and seq > upto:
-                    break  # (oldest first: the rest are later too)
-                envelope = await self.authentic(data, stream_seq=seq)
-                if envelope is not None and envelope.subject == subject:
-                    if envelope.id in seen:
-                        continue  # a genuine event published again counts once
-                    seen.add(envelope.id)
-                    found.append((seq, envelope))
-                    kept += 1
-                    if kept >= limit:
-                        break
+            async for seq, envelope in self._genuine(subject_for(event_type, sandbox_id), upto):
+                found.append((seq, envelope))
+                kept += 1
+                if kept >= limit:
+                    break
         found.sort(key=lambda item: item[0])
         return fold_envelopes(envelope for _, envelope in found)
 
@@ -552,10 +543,26 @@ class Gate:
         them hid every genuine event after them)."""
         found: Envelope | None = None
         kept = 0
-        seen: set[str] = set()
-        async for seq, data in scan_seq(self._js, subject, 1 << 62):
+        async for _, envelope in self._genuine(subject, event_id=event_id):
+            if event_id is not None:
+                return envelope
+            found = envelope
+            kept += 1
             if kept >= limit:
                 break
+        return found
+
+    async def _genuine(
+        self, subject: str, upto: int | None = None, *, event_id: str | None = None
+    ) -> AsyncIterator[tuple[int, Envelope]]:
+        """The authentic, authorized events filed on ``subject`` (up to stream seq ``upto``;
+        only the one with ``event_id``), oldest first, with their stream seqs; each event id
+        once (a genuine event published again is a copy). Every message is read: no number
+        of forged or copied ones hides a genuine event after them."""
+        seen: set[str] = set()
+        async for seq, data in scan_seq(self._js, subject, 1 << 62):
+            if upto is not None and seq > upto:
+                return  # (oldest first: the rest are later too)
             try:
                 fields = unpack_fields(data)
                 envelope = Envelope.model_validate(fields)
@@ -563,17 +570,11 @@ class Gate:
                 continue
             if event_id is not None and envelope.id != event_id:
                 continue
-            if envelope.subject != subject:  # copied here from elsewhere
+            if envelope.subject != subject or envelope.id in seen:  # copied from elsewhere, again
                 continue
-            if envelope.id in seen:
-                continue  # a genuine event published again counts once (and is no newer)
             if await self.check(fields, envelope, stream_seq=seq) is None:
-                if event_id is not None:
-                    return envelope
                 seen.add(envelope.id)
-                found = envelope
-                kept += 1
-        return found
+                yield seq, envelope
 
     async def newest(self, subject: str, *, after: int = 0) -> tuple[Envelope | None, int]:
         """The newest authentic, authorized event on ``subject`` stored after stream seq

@@ -264,7 +264,7 @@ class DnsProxy:
             yield from ([port] if port else []) + [0] * 20
             return
         low, high = self.ports
-        if low <= port <= high:
+        if port and self.in_range(port):
             yield port
         size = high - low + 1
         start = random.randrange(size)

@@ -233,13 +233,6 @@ def never_opened(network: IPNetwork, *, internal: bool = False) -> list[IPNetwor
     return parts
 
 
-UNSPECIFIED: tuple[IPNetwork, ...] = (
-    ipaddress.ip_network("0.0.0.0/8"),
-    ipaddress.ip_network("::/128"),
-)
-"""Addresses a connect turns into the node itself (paired with :data:`LOOPBACK_NETWORKS`)."""
-
-
 def cidr_entries(plan: EgressPlan) -> Iterator[CidrEntry]:
     """Trie entries of ``cidr`` and ``*`` rules, narrowed by ``allow_internal_only``; never
     what :func:`never_opened` leaves out."""
@@ -294,6 +287,11 @@ LOOPBACK_NETWORKS: tuple[IPNetwork, ...] = (
     ipaddress.ip_network("127.0.0.0/8"),
     ipaddress.ip_network("::1/128"),
 )
+UNSPECIFIED: tuple[IPNetwork, ...] = (
+    ipaddress.ip_network("0.0.0.0/8"),
+    ipaddress.ip_network("::/128"),
+)
+"""Addresses a connect turns into the node itself (paired with :data:`LOOPBACK_NETWORKS`)."""
 
 
 @functools.lru_cache(maxsize=4096)

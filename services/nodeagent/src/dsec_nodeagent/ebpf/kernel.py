@@ -325,8 +325,7 @@ class EgressKernel:
         try:
             for attach_type in ATTACH_TYPES.values():
                 for prog_id in libbpf.attached_prog_ids(fd, attach_type):
-                    _, maps = libbpf.prog_map_ids(prog_id)
-                    if self._sandboxes_map_id in maps:
+                    if self._ours(prog_id):
                         libbpf.detach_prog_id(fd, attach_type, prog_id)
                         count += 1
         finally:
@@ -338,7 +337,7 @@ class EgressKernel:
         fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
             return sum(
-                self._sandboxes_map_id in libbpf.prog_map_ids(prog_id)[1]
+                self._ours(prog_id)
                 for attach_type in ATTACH_TYPES.values()
                 for prog_id in libbpf.attached_prog_ids(fd, attach_type)
             )
