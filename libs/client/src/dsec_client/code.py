@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from dsec_core.codebundle import BundleError, build_bundle, declared_max_size
+from dsec_core.codebundle import BundleError, build_bundle, bundle_key, declared_max_size
 from dsec_core.events import BundleRef
 from dsec_core.settings import Settings
 
@@ -69,16 +69,6 @@ def exclude_patterns(text: str) -> list[str]:
     """The spec's ``include_code.exclude_patterns`` if readable (validation is the service's)."""
     patterns = _include_code(text).get("exclude_patterns", [])
     return [str(p) for p in patterns] if isinstance(patterns, list) else []
-
-
-def bundle_key(tenant: str, digest: str) -> str:
-    """Where tenant ``tenant``'s bundle of BLAKE3 ``digest`` is stored: under the tenant, so a
-    reference to another tenant's bundle (copied off the bus) is refused by the policy
-    service."""
-    return f"{BUNDLE_PREFIX}{tenant}/{digest}.tar.zst"
-
-
-BUNDLE_PREFIX = "bundles/"
 
 
 def upload_code(

@@ -106,6 +106,23 @@ DEFAULT_MAX_SIZE = 256 * 2**20
 MAX_SIZE_LIMIT = 4 * 2**30
 #: Files, links and directories an archive may create when extracted (an inode bound).
 MAX_MEMBERS = 100_000
+BUNDLE_PREFIX = "bundles/"
+"""Where code bundles are stored in the DSec bucket: ``bundles/<tenant>/<BLAKE3>.tar.zst``."""
+
+
+def bundle_key(tenant: str, digest: str) -> str:
+    """Where tenant ``tenant``'s bundle of BLAKE3 ``digest`` is stored: under the tenant, so a
+    reference to another tenant's bundle (copied off the bus) is refused by the policy
+    service (:func:`bundle_of_tenant`)."""
+    return f"{BUNDLE_PREFIX}{tenant}/{digest}.tar.zst"
+
+
+def bundle_of_tenant(key: str, tenant: str) -> bool:
+    """Whether object ``key`` is one of tenant ``tenant``'s bundles (:func:`bundle_key`)."""
+    own = f"{BUNDLE_PREFIX}{tenant}/"
+    return key.startswith(own) and "/" not in key[len(own) :] and ".." not in key
+
+
 _LARGEST_SHOWN = 5
 
 _GIT_TIMEOUT_S = 60

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
 import blake3
-from dsec_core.codebundle import declared_max_size
+from dsec_core.codebundle import BUNDLE_PREFIX, bundle_of_tenant, declared_max_size
 from dsec_core.envelope import Envelope
 from dsec_core.events import Payload, SpecRejected, SpecSubmitted, SpecValidated
 from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
@@ -76,16 +76,15 @@ class PolicyHandlers:
     async def _code_files(self, event: SpecSubmitted, tenant: str) -> dict[str, bytes] | SpecError:
         if event.code is None:
             return {}
-        own = f"bundles/{tenant}/"
         key = event.code.object_key
-        if not key.startswith(own) or "/" in key[len(own) :] or ".." in key:
+        if not bundle_of_tenant(key, tenant):
             # a bundle reference is not a secret (it is on the bus): before, one copied from
             # another tenant's spec ran that tenant's code in the copier's sandbox
             return SpecError.whole_file(
                 event.filename,
                 f"code bundle {key!r} is not one of tenant {tenant!r}'s bundles",
                 "code.tenant",
-                f"submit with --code: the CLI stores the bundle under {own}",
+                f"submit with --code: the CLI stores the bundle under {BUNDLE_PREFIX}{tenant}/",
                 path="code",
             )
         try:
