@@ -1,4 +1,5 @@
-"""`dsec sandbox upgrade` against a real event log (no services running): what it submits for
+"""`dsec sandbox upgrade` against a real event log (only the policy service running, which
+grants code uploads): what it submits for
 the new version — the old one's authentic spec (or --spec), the new code, ``handover_from`` —
 and how it ends when there is nothing to hand over from."""
 
@@ -38,14 +39,15 @@ async def _submitted(nats_url: str, sandbox_id: str) -> SpecSubmitted:
 
 
 async def test_upgrade_submits_the_old_spec_with_new_code_and_handover_from(
-    dsec_cli: Any, stack_env: dict[str, str], nats_url: str, tmp_path: Path
+    dsec_cli: Any, stack_env: dict[str, str], nats_url: str, tmp_path: Path, services: Any
 ) -> None:
+    services.start("policy")  # it grants the new code's upload
     spec = tmp_path / "agent.yaml"
     spec.write_text(SPEC)
     code = tmp_path / "v2"
     code.mkdir()
     (code / "agent.py").write_text("print('v2')\n")
-    # The old version (no services run here: it stays submitted)
+    # The old version (no builder runs here: it stays validated)
     old = dsec_cli("submit", str(spec), "--stall", "1", "--json", env=stack_env)
     old_id = _last_json(old.output)["sandbox_id"]
 

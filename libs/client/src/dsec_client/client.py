@@ -9,8 +9,6 @@ consumer of the bus.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import os
 import time
@@ -305,7 +303,8 @@ class DSec:
         Raises:
             InvalidInput: unreadable spec, code that is no directory or cannot be bundled, an
                 event over the bus' size limit.
-            Unreachable: the object store cannot be written.
+            Refused: the policy service refused to store the code (an unknown or revoked key).
+            Unreachable: no policy service answered, or the object store cannot be written.
         """
         text, default_name = spec_text(spec)
         if handover_from is not None:
@@ -314,11 +313,7 @@ class DSec:
         code_ref = code if isinstance(code, BundleRef) else None
         if code is not None and code_ref is None:
             assert not isinstance(code, BundleRef)
-            _, cert = self.identity
-            code_ref = await asyncio.to_thread(
-                functools.partial(upload_code, tenant=cert.tenant),
-                Path(code), text, self.settings, skipped,
-            )  # fmt: skip
+            code_ref = await self.upload_code(Path(code), text, skipped)
         sandbox_id = new_sandbox_id()
         start = (await self.js.stream_info(STREAM)).state.last_seq + 1
         publisher = await self.publisher()
@@ -338,6 +333,31 @@ class DSec:
         for payload in also:
             await _published(publisher.publish(payload, aggregate_id=sandbox_id))
         return Sandbox(self, sandbox_id, start_seq=start, skipped=skipped)
+
+    async def upload_code(
+        self, code: Path, spec: SpecLike, skipped: list[str] | None = None
+    ) -> BundleRef:
+        """Bundle the directory ``code`` (the spec's ``include_code`` patterns and size bound
+        apply) and store it under this user's tenant with a one-time grant of the policy
+        service (no object-store credentials needed); ``skipped`` receives the special files
+        left out. :meth:`submit` does this for a ``code`` directory.
+
+        Raises:
+            InvalidInput: code that is no directory or cannot be bundled.
+            Refused: the policy service refused (an unknown or revoked key, ...).
+            Unreachable: no policy service answered, or the object store refused or failed.
+        """
+        text, _ = spec_text(spec)
+        gate = self.gate()
+        if gate is None:
+            raise ConfigError(
+                "no trust root known here (DSEC_TRUST_ROOT, or `dsec login --credential FILE`): "
+                "the policy service's upload grant cannot be checked"
+            )
+        await self.publisher()  # the service finds this user's key in the log
+        return await upload_code(
+            code, text, nc=self.nc, gate=gate, identity=self.identity, skipped=skipped
+        )
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
         """An existing sandbox by id (``sbx_...``), to follow or act on; nothing is read yet.

@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
-import io
+import asyncio
+import contextlib
 import os
+import re
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
-from dsec_core.codebundle import BundleError, build_bundle, bundle_key, declared_max_size
+from dsec_core import codeupload
+from dsec_core.codebundle import BundleError, build_bundle, declared_max_size
 from dsec_core.events import BundleRef
-from dsec_core.settings import Settings
+from nacl.public import PrivateKey
 
-from dsec_client.errors import InvalidInput, Unreachable
+from dsec_client.errors import InvalidInput, Refused, Unreachable
 
 SpecLike = str | os.PathLike[str] | dict[str, Any]
 """A spec: a path to its YAML file, the YAML text itself, or the spec as a dict."""
@@ -71,52 +75,130 @@ def exclude_patterns(text: str) -> list[str]:
     return [str(p) for p in patterns] if isinstance(patterns, list) else []
 
 
-def upload_code(
+async def upload_code(
     code: Path,
     text: str,
-    settings: Settings,
-    skipped: list[str] | None = None,
     *,
-    tenant: str,
+    nc: Any,
+    gate: Any,
+    identity: tuple[Any, Any],
+    skipped: list[str] | None = None,
 ) -> BundleRef:
     """Bundle ``code`` (with the spec's exclude patterns and size bound) and store it
-    content-addressed under ``tenant`` (the submitter's); ``skipped`` receives the special
-    files left out (not code). Blocking (disk and S3): call it from a thread in async code.
+    content-addressed under the tenant of ``identity`` (key and certificate): the policy
+    service grants the upload of exactly this bundle (:mod:`dsec_core.codeupload`), so the
+    client needs no object-store credentials. ``skipped`` receives the special files left out
+    (not code).
 
     Raises:
         InvalidInput: ``code`` is not a directory, or cannot be bundled (too big, unreadable).
-        Unreachable: no object store configured, or it cannot be written.
+        Refused: the policy service refused the upload (an unknown or revoked key, ...).
+        Unreachable: no policy service answered, or the object store refused or failed.
     """
-    import urllib3
-    from dsec_core import objectstore
-    from minio.error import S3Error
-
     if not code.is_dir():
         raise InvalidInput(f"{code} is not a directory")
     try:
-        bundle = build_bundle(code, exclude_patterns(text), max_size=declared_max_size(text))
+        bundle = await asyncio.to_thread(
+            build_bundle, code, exclude_patterns(text), max_size=declared_max_size(text)
+        )
+        data = await asyncio.to_thread(bundle.read)
     except (BundleError, OSError) as exc:
         raise InvalidInput(f"{code}: {exc}") from None
     if skipped is not None:
         skipped.extend(bundle.skipped)
-    try:
-        client = objectstore.client(settings)
-    except objectstore.ObjectStoreNotConfigured as exc:
-        raise Unreachable(str(exc)) from None
-    key = bundle_key(tenant, bundle.digest)
-    data = bundle.read()
-    try:
-        objectstore.ensure_bucket(client, settings.s3_bucket)
-        client.put_object(settings.s3_bucket, key, io.BytesIO(data), len(data))
-    except (S3Error, urllib3.exceptions.HTTPError, OSError) as exc:
-        raise Unreachable(
-            f"cannot store the code bundle in the object store "
-            f"({type(exc).__name__}); is the stack up? (`dsec status`)"
-        ) from None
+    granted = await _grant(nc, gate, identity, bundle.digest, len(data))
+    await asyncio.to_thread(_post, granted, data)
     return BundleRef(
         digest=bundle.digest,
-        object_key=key,
+        object_key=granted.object_key,
         size=len(data),
         files=len(bundle.manifest.files),
         expanded_size=bundle.manifest.total_size,
     )
+
+
+async def _grant(
+    nc: Any, gate: Any, identity: tuple[Any, Any], digest: str, size: int
+) -> codeupload.Grant:
+    """Ask the policy service for a grant to store ``size`` bytes of bundle ``digest``. Anything
+    on the inbox not signed by a certified policy key for this request (anyone who read the
+    request may publish there) is skipped, not believed."""
+    import nats.errors
+
+    key, cert = identity
+    if size > codeupload.MAX_BYTES:
+        raise InvalidInput(f"the code bundle is {size} bytes, over {codeupload.MAX_BYTES}")
+    client = PrivateKey.generate()
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        request = codeupload.sign_request(
+            key,
+            tenant=cert.tenant,
+            producer=cert.subject,
+            key_id=cert.key_id,
+            reply_to=inbox,
+            client_key=bytes(client.public_key),
+            digest=digest,
+            size=size,
+        )
+        rid = codeupload.parse_request(request).id
+        await nc.publish(codeupload.SUBJECT, request, reply=inbox)
+        deadline = time.monotonic() + codeupload.ANSWER_S
+        ignored = ""
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=max(deadline - time.monotonic(), 0.01))
+            except nats.errors.TimeoutError:
+                raise Unreachable(
+                    f"no policy service answered the code-upload request within "
+                    f"{codeupload.ANSWER_S:.0f} s{ignored}; is the stack up? (`dsec status`)"
+                ) from None
+            if not msg.data and (msg.headers or {}).get("Status") == "503":
+                # NATS says no one subscribes to the subject: wait a moment for a genuine answer
+                # (anyone may publish a status on the inbox), then say so
+                deadline = min(deadline, time.monotonic() + NO_RESPONDERS_GRACE_S)
+                ignored = " (NATS: no policy service subscribes to code uploads)"
+                continue
+            try:
+                answer = codeupload.parse_answer(bytes(msg.data))
+                signer = await gate.keys.certificate(answer.key_id)
+                if isinstance(signer, str) or signer.role != "policy":
+                    raise codeupload.UploadError("an answer not signed by the policy service")
+                outcome = answer.check(bytes.fromhex(signer.public_key), rid, client)
+                break
+            except codeupload.UploadError as exc:
+                ignored = f" (ignored: {exc})"
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    if isinstance(outcome, tuple):
+        reason, detail = outcome
+        raise Refused(f"the policy service refused to store the code: {reason}: {detail}", reason)
+    return outcome
+
+
+NO_RESPONDERS_GRACE_S = 1.0
+"""How long a client still waits for an answer after NATS said no one subscribes."""
+
+
+def _post(granted: codeupload.Grant, data: bytes) -> None:
+    """Upload ``data`` with the grant's POST policy (blocking: call it from a thread)."""
+    import urllib3
+
+    fields: dict[str, Any] = {**granted.fields, "file": ("bundle.tar.zst", data)}
+    try:
+        response = urllib3.request(
+            "POST", granted.url, fields=fields, timeout=urllib3.Timeout(connect=10, read=300),
+            retries=False,
+        )  # fmt: skip
+    except urllib3.exceptions.HTTPError as exc:
+        raise Unreachable(
+            f"cannot store the code bundle at {granted.url} ({type(exc).__name__}); is the "
+            "object store up, and DSEC_S3_PUBLIC_URL the address users reach it at? "
+            "(`dsec status`)"
+        ) from None
+    if response.status not in (200, 201, 204):
+        found = re.search(rb"<Code>([A-Za-z]{1,64})</Code>", response.data[:4096])
+        code = found.group(1).decode() if found else f"HTTP {response.status}"
+        raise Unreachable(f"the object store refused the code bundle: {code}")

@@ -76,6 +76,9 @@ def inbox_prefix(identity: str) -> str:
 
 RPC_REQUESTS = "dsec_rpc.node.*.*"
 """Remote logs/exec requests to node agents (:mod:`dsec_core.remote`), outside the stream."""
+CODE_UPLOADS = "dsec_rpc.upload.code"
+"""Code-upload requests to the policy service (:mod:`dsec_core.codeupload`), outside the
+stream."""
 DEFAULT_NODE = "node-1"
 """The node of the plain ``nodeagent`` identity (a single-node stack); the node agent of any
 other node connects as ``nodeagent-<node id>``."""
@@ -128,6 +131,10 @@ TABLE: Mapping[str, Role] = {
         "policy",
         publishes=("spec.validated", "spec.rejected"),
         consumes=("spec.submitted",),
+        # code-upload grants: answers go to the requester's inbox (signed, encrypted)
+        extra_publish=("_INBOX.>",),
+        extra_subscribe=(CODE_UPLOADS,),
+        allow_responses=True,
     ),
     "builder": Role(
         "builder",
@@ -249,7 +256,8 @@ TABLE: Mapping[str, Role] = {
             # gpu: `dsec cluster config set` (signed by the operator's key: authz)
             "cluster.config_set",
         ),
-        extra_publish=(RPC_REQUESTS,),  # `dsec sandbox logs|exec` requests (signed)
+        # `dsec sandbox logs|exec` requests and code-upload requests (signed)
+        extra_publish=(RPC_REQUESTS, CODE_UPLOADS),
     ),
     # `dsec fleet simulate`: node events of many simulated nodes over one connection; each
     # event is signed by its node's certified node-agent key (authz binds it to the node)

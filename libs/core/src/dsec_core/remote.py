@@ -40,7 +40,7 @@ from nacl.exceptions import BadSignatureError, CryptoError
 from nacl.public import Box, PrivateKey, PublicKey
 from nacl.signing import SigningKey, VerifyKey
 
-from dsec_core import canonical
+from dsec_core import canonical, rpc
 from dsec_core.ids import new_event_id
 
 SUBJECT_ROOT = "dsec_rpc.node"
@@ -85,7 +85,7 @@ _NODE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 _SANDBOX = re.compile(r"^sbx_[A-Za-z0-9_-]{1,64}\Z")
 
 
-class RemoteError(ValueError):
+class RemoteError(rpc.RpcError):
     """A message that is not what the protocol allows (malformed, forged, out of order)."""
 
 
@@ -157,7 +157,9 @@ def sign_request(
     now: datetime | None = None,
 ) -> bytes:
     """The wire bytes of a signed request."""
-    fields = canonical.canonicalize(
+    return rpc.sign_fields(
+        key,
+        REQUEST_DOMAIN,
         {
             "v": 1,
             "id": new_event_id(),
@@ -171,20 +173,12 @@ def sign_request(
             "reply_to": reply_to,
             "client_key": client_key,
             "args": args,
-        }
+        },
     )
-    sig = key.sign(REQUEST_DOMAIN + canonical.pack(fields)).signature
-    return canonical.pack({**fields, "sig": sig})
 
 
 def _unpack_map(data: bytes, what: str) -> dict[str, Any]:
-    try:
-        value = canonical.unpack(data)
-    except Exception:  # msgpack raises several unrelated exception types
-        raise RemoteError(f"{what} is not MessagePack") from None
-    if not isinstance(value, dict):
-        raise RemoteError(f"{what} must be a map")
-    return value
+    return rpc.unpack_map(data, what, RemoteError)
 
 
 def parse_request(data: bytes, kind: str) -> Request:
@@ -296,14 +290,7 @@ def _valid_argv(argv: Any) -> bool:
 
 def verify_request(request: Request, public_raw: bytes) -> bool:
     """Whether the request's signature holds for ``public_raw``."""
-    fields = {k: v for k, v in request.fields.items() if k != "sig"}
-    try:
-        VerifyKey(public_raw).verify(
-            REQUEST_DOMAIN + canonical.pack(fields), bytes(request.fields["sig"])
-        )
-    except (BadSignatureError, ValueError, TypeError):
-        return False
-    return True
+    return rpc.verify_fields(request.fields, REQUEST_DOMAIN, public_raw)
 
 
 class ReplayWindow:

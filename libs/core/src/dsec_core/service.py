@@ -377,6 +377,18 @@ class Service:
         one seam for FastStream's in-memory broker (``dsec_testing.inmemory``), whose messages
         carry none; everything after it (the gate, the handler, publishing) is unchanged."""
 
+    def endorse(self, data: bytes) -> str:
+        """``data`` signed by this service's certified key (hex): answers it sends outside the
+        stream (remote sessions, code-upload grants). Only once the service runs."""
+        assert self.publisher is not None, "the service signs once it runs"
+        return self.publisher.signer.endorse(data)
+
+    @property
+    def key_id(self) -> str:
+        """The id of the key :meth:`endorse` signs with (once the service runs)."""
+        assert self.publisher is not None, "the service signs once it runs"
+        return self.publisher.signer.key_id
+
     def _healthy(self) -> bool:
         connected = self.nc is not None and self.nc.is_connected
         return connected and self.stream_problem is None

@@ -44,6 +44,14 @@ class Settings(BaseSettings):
     s3_secret_key: str | None = Field(default=None, repr=False, description="S3 secret key")
     s3_secure: bool = Field(default=False, description="Use TLS for S3")
     s3_bucket: str = Field(default="dsec", description="Bucket for bundles, caches, snapshots")
+    s3_public_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://[A-Za-z0-9.\[\]:_-]+$",
+        description=(
+            "The object store as users reach it (http[s]://host:port), where `dsec submit "
+            "--code` uploads with the policy service's grant; default: DSEC_S3_ENDPOINT"
+        ),
+    )
     vault_addr: str | None = Field(default=None, description="Vault/OpenBao address (external)")
     vault_token: str | None = Field(default=None, repr=False, description="Vault/OpenBao token")
     key_source: Literal["file", "vault"] = Field(

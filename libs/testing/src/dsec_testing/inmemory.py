@@ -216,8 +216,17 @@ class _Connection:
     def jetstream(self) -> MemoryLog:
         return self._log
 
+    async def subscribe(self, subject: str, **_: Any) -> _Subscription:
+        """Core NATS (requests outside the stream): nothing is published there in memory."""
+        return _Subscription()
+
     async def drain(self) -> None:
         self.is_connected = False
+
+
+class _Subscription:
+    async def unsubscribe(self) -> None:
+        pass
 
 
 @dataclass

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from dsec_core import remote
+from dsec_core import remote, rpc
 from dsec_core.remote import FrameCodec, RemoteError, Request
 from dsec_core.service import Service
 from nacl.public import PrivateKey
@@ -41,7 +41,6 @@ REFUSALS = Counter(
     "dsec_remote_refusals_total", "Remote logs/exec requests refused", ["kind", "reason"]
 )
 SESSIONS = Gauge("dsec_remote_sessions", "Remote logs/exec sessions being served")
-LOG_EVERY_S = 10.0
 
 
 class _Gone(Exception):
@@ -165,8 +164,7 @@ class RemoteAccess:
         self.sessions: dict[str, Session] = {}
         self._subs: list[Any] = []
         self._watchdog: asyncio.Task[None] | None = None
-        self._last_refusal_log = -LOG_EVERY_S
-        self._refusals_unlogged = 0
+        self._refusals = rpc.RefusalLog(log, "remote request")
 
     def attach(self) -> RemoteAccess:
         """Start and stop with the service."""
@@ -232,21 +230,12 @@ class RemoteAccess:
             return "misrouted", f"a request for node {request.node_id!r} on {self.node_id!r}"
         if reply != request.reply_to:
             return "malformed", "the reply subject is not the one the request signed"
-        cert = await gate.keys.certificate(request.key_id)
-        if isinstance(cert, str):
-            return ("revoked-key" if "revoked" in cert else "unknown-key"), cert
-        if not remote.verify_request(request, bytes.fromhex(cert.public_key)):
-            return "bad-signature", f"signature invalid for key {request.key_id}"
-        if cert.role != "user" or cert.subject != request.producer:
-            return (
-                "unauthorized",
-                f"only a user may ask this; key of {cert.subject!r} ({cert.role})",
-            )
-        if cert.tenant != request.tenant:
-            return (
-                "unauthorized",
-                f"user of tenant {cert.tenant!r} may not act for {request.tenant!r}",
-            )
+        refused = await rpc.user_refusal(
+            gate.keys, request.key_id, request.producer, request.tenant, request.fields,
+            remote.REQUEST_DOMAIN, action="act",
+        )  # fmt: skip
+        if refused is not None:
+            return refused
         replayed = self.replay.refusal(request.id, request.time)
         if replayed is not None:
             return replayed
@@ -301,37 +290,14 @@ class RemoteAccess:
     def _log_path(self, request: Request) -> Path:
         return self.manager.log_paths(request.sandbox_id)[1 if request.stream == "stderr" else 0]
 
-    def _log_refusal(self, kind: str, rid: str, reason: str, detail: str) -> None:
-        """One log line per 10 s at most (a flood of forged requests must not fill the log);
-        every refusal is counted in ``dsec_remote_refusals_total``."""
-        now = time.monotonic()
-        if now - self._last_refusal_log < LOG_EVERY_S:
-            self._refusals_unlogged += 1
-            return
-        more = self._refusals_unlogged
-        self._last_refusal_log, self._refusals_unlogged = now, 0
-        log.warning(
-            "remote %s request %s refused: %s (%s)%s",
-            kind, rid, reason, detail[:200], f"; {more} more refused before" if more else "",
-        )  # fmt: skip
-
-    def _sign(self, data: bytes) -> str:
-        publisher = self.service.publisher
-        assert publisher is not None
-        return publisher.signer.endorse(data)
-
-    def _key_id(self) -> str:
-        assert self.service.publisher is not None
-        return self.service.publisher.signer.key_id
-
     async def _refuse(
         self, kind: str, reply: str | None, rid: str, reason: str, detail: str
     ) -> None:
         REFUSALS.labels(kind, reason).inc()
-        self._log_refusal(kind, rid, reason, detail)
+        self._refusals.refused(f"{kind} {rid}", reason, detail)
         nc = self.service.nc
         if reply and reply.startswith("_INBOX.") and nc is not None:
-            answer = remote.refusal(self._sign, self._key_id(), rid, reason, detail)
+            answer = remote.refusal(self.service.endorse, self.service.key_id, rid, reason, detail)
             with contextlib.suppress(Exception):
                 await nc.publish(reply, answer)
 
@@ -340,7 +306,9 @@ class RemoteAccess:
     async def _serve(self, request: Request) -> None:
         nc = self.service.nc
         assert nc is not None
-        hello, box = remote.hello(self._sign, self._key_id(), request, PrivateKey.generate())
+        hello, box = remote.hello(
+            self.service.endorse, self.service.key_id, request, PrivateKey.generate()
+        )
 
         async def send(data: bytes) -> None:
             await nc.publish(request.reply_to, data)

@@ -8,6 +8,7 @@ from dsec_core.settings import Settings
 from dsec_rules.adapters.org_policy_file import load_org_policy
 
 from dsec_policy.handlers import PolicyHandlers
+from dsec_policy.uploads import CodeUploads
 
 VALIDATE_TIMEOUT_S = 120.0
 """The longest one validation may run: it reads the spec, the org policy and the bus (a
@@ -15,8 +16,10 @@ validation takes milliseconds; the rest is a margin for a loaded machine)."""
 
 
 def create_service(settings: Settings | None = None) -> Service:
-    """Build the policy service: ``spec.submitted`` → ``spec.validated | spec.rejected``."""
+    """Build the policy service: ``spec.submitted`` → ``spec.validated | spec.rejected``, and
+    the grants with which users store their code bundles (``dsec_rpc.upload.code``)."""
     service = Service("policy", settings)
+    CodeUploads(service).attach()
 
     async def tenant_of(sandbox_id: str) -> str | None:
         # The gate exists once the service runs (before any handler is called).

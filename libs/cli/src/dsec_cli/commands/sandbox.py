@@ -478,28 +478,25 @@ def run_from_snapshot(
 
     Exit codes as `dsec submit`; 1 also when the snapshot is altered or --code differs.
     """
-    from dsec_cli.commands.submit import WAIT_FOR, finish, submit_and_follow, upload_code
+    from dsec_cli.commands.submit import WAIT_FOR, finish, submit_and_follow
 
     if wait not in WAIT_FOR:
         fail(f"--wait {wait!r} is not valid; use one of {', '.join(WAIT_FOR)}", EXIT_BAD_INPUT)
     if code is not None and not code.is_dir():
         fail(f"--code {code} is not a directory", EXIT_BAD_INPUT)
-    from dsec_core.settings import Settings
-
-    settings = Settings()
     start = _prepare_run(snapshot, code, spec)
-    code_ref = upload_code(code, start.spec_text, settings) if code is not None else None
     try:
         outcome = run(
             submit_and_follow(
                 start.spec_text,
                 start.filename,
-                code_ref,
+                None,
                 wait,
                 timeout,
                 stall,
                 as_json,
                 start_from_snapshot=snapshot,
+                code=code,
             )
         )
     except KeyboardInterrupt:
@@ -589,8 +586,6 @@ def upgrade(
     """
     from dsec_core.subjects import InvalidSubjectToken, subject_for
 
-    from dsec_cli.commands.submit import upload_code
-
     try:
         subject_for("spec.submitted", sandbox_id)
     except InvalidSubjectToken as exc:
@@ -609,7 +604,7 @@ def upgrade(
         except (OSError, UnicodeDecodeError) as exc:
             fail(f"cannot read spec {spec}: {exc}", EXIT_BAD_INPUT)
     try:
-        outcome = run(_upgrade(sandbox_id, code, spec_given, timeout, stall, as_json, upload_code))
+        outcome = run(_upgrade(sandbox_id, code, spec_given, timeout, stall, as_json))
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     if as_json:
@@ -643,12 +638,12 @@ async def _upgrade(
     timeout: float,
     stall: float,
     as_json: bool,
-    upload_code: Any,
 ) -> dict[str, Any]:
     """Submit the new version with ``handover_from`` and follow it (see :func:`upgrade`)."""
     from dsec_client import SandboxEnded, Stalled, Timeout
     from dsec_core.events import SpecSubmitted
 
+    from dsec_cli.commands.submit import upload_code
     from dsec_cli.render import event_line
 
     async with client() as d:
@@ -664,7 +659,7 @@ async def _upgrade(
                 f"sandbox {old_id} has ended ({ended.type}): nothing to hand over from", EXIT_FAILED
             )
         spec_text, filename = spec_given or (submitted.spec_yaml, submitted.filename)
-        code_ref = upload_code(code, spec_text, d.settings) if code is not None else submitted.code
+        code_ref = await upload_code(d, code, spec_text) if code is not None else submitted.code
         new = await d.submit(spec_text, code_ref, filename=filename, handover_from=old.id)
         result: dict[str, Any] = {
             "sandbox_id": new.id,

@@ -23,14 +23,12 @@ from dsec_cli.common import (
     run,
     safe_text,
     spinner,
-    user_identity,
 )
 from dsec_cli.render import event_line, waiting_for
 
 if TYPE_CHECKING:  # (loaded when the command runs: `dsec submit --help` needs no event model)
     from dsec_core.envelope import Envelope
     from dsec_core.events import BundleRef, Payload
-    from dsec_core.settings import Settings
 
 WAIT_FOR = {
     "validated": "spec.validated",
@@ -90,23 +88,18 @@ def warn_skipped(skipped: Sequence[str], code: Path) -> None:
         )
 
 
-def upload_code(
-    code: Path,
-    spec_text: str,
-    settings: Settings,
-    skipped: list[str] | None = None,
-    tenant: str | None = None,
+async def upload_code(
+    d: Any, code: Path, spec_text: str, skipped: list[str] | None = None
 ) -> BundleRef:
-    """Bundle ``code`` (with the spec's exclude patterns and size bound) and store it
-    content-addressed under ``tenant`` (default: this user's;
-    :func:`dsec_client.code.upload_code`); ``skipped`` receives the special files left out."""
-    from dsec_client.code import upload_code as upload
+    """Bundle ``code`` (with the spec's exclude patterns and size bound) and store it under
+    this user's tenant with the policy service's grant, through the open client ``d``
+    (:meth:`dsec_client.Client.upload_code`); ``skipped`` receives the special files left out.
+    Exits 2 for code that cannot be bundled, 3 when no policy service or object store answers."""
     from dsec_client.errors import DSecError, InvalidInput
 
-    if tenant is None:
-        tenant = str(user_identity(settings)[1].tenant)
     try:
-        return upload(code, spec_text, settings, skipped, tenant=tenant)
+        ref: BundleRef = await d.upload_code(code, spec_text, skipped)
+        return ref
     except InvalidInput as exc:
         fail(f"--code {exc}", EXIT_BAD_INPUT)
     except DSecError as exc:
@@ -179,13 +172,20 @@ async def submit_and_follow(
     *,
     also: Sequence[Payload] = (),
     start_from_snapshot: str | None = None,
+    code: Path | None = None,
 ) -> Outcome:
     """Publish ``spec.submitted`` for a new sandbox (with the snapshot it starts from, if any;
     then ``also``) and follow the sandbox's events until ``wait`` is reached, a terminal
-    event, a stall or the timeout (:meth:`dsec_client.Sandbox.wait`)."""
+    event, a stall or the timeout (:meth:`dsec_client.Sandbox.wait`). ``code``: a directory
+    to bundle and store first (its left-out special files are warned about and reported in
+    the outcome's ``skipped``), instead of a stored ``code_ref``."""
     from dsec_client import SandboxEnded, Timeout
 
+    skipped: list[str] = []
     async with client() as d:
+        if code is not None:
+            code_ref = await upload_code(d, code, spec_text, skipped)
+            warn_skipped(skipped, code)
         sandbox = await d.submit(
             spec_text,
             code_ref,
@@ -193,7 +193,7 @@ async def submit_and_follow(
             start_from_snapshot=start_from_snapshot,
             also=also,
         )
-        outcome = Outcome(sandbox.id)
+        outcome = Outcome(sandbox.id, skipped=skipped)
 
         def on_event(event: Any) -> None:
             _record(outcome, event.seq, event.envelope, as_json)
@@ -247,23 +247,15 @@ def submit(
         fail(f"cannot read spec {spec}: {exc}", EXIT_BAD_INPUT)
     if code is not None and not code.is_dir():
         fail(f"--code {code} is not a directory", EXIT_BAD_INPUT)
-    from dsec_core.settings import Settings
 
-    settings = Settings()
-    skipped: list[str] = []
-    code_ref = None
-    if code is not None:
-        code_ref = upload_code(code, spec_text, settings, skipped)
-        warn_skipped(skipped, code)
     try:
         outcome = run(
             submit_and_follow(
-                spec_text, _submitted_name(spec), code_ref, wait, timeout, stall, as_json
+                spec_text, _submitted_name(spec), None, wait, timeout, stall, as_json, code=code
             )
         )
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-    outcome.skipped = skipped
     finish(outcome, wait, stall, as_json)
 
 

@@ -1,0 +1,278 @@
+"""Code uploads without object-store credentials: the wire protocol between the client (``dsec
+submit --code``, :meth:`dsec_client.Client.submit`) and the policy service, over core NATS
+(outside the audited ``dsec.>`` stream).
+
+Users hold no credentials of the object store: with the stack's, any tenant could read (or
+copy to its own prefix) every other tenant's bundles, snapshots and caches in the system
+bucket. Instead, for each bundle:
+
+1. The client signs an **upload request** with its certified user key: ``{v, id, tenant,
+   producer, key_id, time, reply_to, client_key, digest, size}``, Ed25519 over
+   ``REQUEST_DOMAIN + canonical MessagePack`` (a domain of its own: a request signature is
+   never valid as an event's or a remote session's). ``client_key`` is a fresh X25519 public
+   key, ``reply_to`` the request's inbox, ``digest`` the bundle's BLAKE3 and ``size`` its exact
+   length. Published to :data:`SUBJECT`.
+2. A policy service instance (one of a queue group) checks it like an event: the key's
+   certificate from the operator root, not revoked, a ``user`` of the request's tenant (not a
+   reserved one), the signature, the replay window. It answers on ``reply_to`` with a **grant**
+   signed by its own certified key: an S3 POST policy (SigV4) for exactly
+   ``bundles/<tenant>/<digest>.tar.zst`` and exactly ``size`` bytes, valid :data:`GRANT_S`,
+   encrypted (NaCl ``Box``, X25519 + XSalsa20-Poly1305) to ``client_key``; or a signed
+   **refusal** saying why.
+3. The client checks the answer is signed by a certified ``policy`` key, decrypts the grant and
+   POSTs the bundle to the object store with it. The store refuses any other key or length.
+
+What a grant cannot do: write another tenant's prefix, another key, another length, or anything
+after it expires. Its bytes are not bound by it (S3 has no such condition); every reader checks
+a bundle against its BLAKE3 (``objectstore.get_bundle``), so an object written under a digest
+it does not match is refused, never run.
+
+Everything here is pure (no I/O); the service's side is ``dsec_policy.uploads``, the client's
+``dsec_client.code``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from nacl.exceptions import BadSignatureError, CryptoError
+from nacl.public import Box, PrivateKey, PublicKey
+from nacl.signing import SigningKey, VerifyKey
+
+from dsec_core import canonical, rpc
+from dsec_core.codebundle import MAX_SIZE_LIMIT
+from dsec_core.ids import new_event_id
+from dsec_core.natsperms import CODE_UPLOADS
+
+SUBJECT = CODE_UPLOADS
+"""Where clients publish upload requests (the policy service's instances share them)."""
+QUEUE = "policy-code-upload"
+"""The policy service's queue group on :data:`SUBJECT`: one instance answers each request."""
+REQUEST_DOMAIN = b"dsec-rpc/1 code upload request\n"
+ANSWER_DOMAIN = b"dsec-rpc/1 code upload answer\n"
+WINDOW_S = 30.0
+"""A request dated further from the service's clock is refused (``stale`` / ``future``)."""
+ANSWER_S = 10.0
+"""How long a client waits for an answer."""
+GRANT_S = 600
+"""How long a grant lets its holder upload (seconds)."""
+MAX_BYTES = MAX_SIZE_LIMIT
+"""The largest bundle a grant is given for (the largest ``include_code.max_size``)."""
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}\Z")
+
+
+class UploadError(rpc.RpcError):
+    """A message that is not what the protocol allows (malformed or forged)."""
+
+
+@dataclass(frozen=True)
+class UploadRequest:
+    """A request of the right shape (its signature is checked by :func:`verify_request`)."""
+
+    id: str
+    tenant: str
+    producer: str
+    key_id: str
+    time: datetime
+    reply_to: str
+    client_key: bytes
+    digest: str
+    size: int
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What the client POSTs with: ``fields`` (the signed POST policy's form fields, ``key``
+    included) to ``url`` (the bucket's address), the bundle as the form's ``file``."""
+
+    url: str
+    fields: dict[str, str]
+    object_key: str
+    expires: datetime
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "fields": dict(self.fields),
+            "object_key": self.object_key,
+            "expires": self.expires.isoformat(),
+        }
+
+
+def sign_request(
+    key: SigningKey,
+    *,
+    tenant: str,
+    producer: str,
+    key_id: str,
+    reply_to: str,
+    client_key: bytes,
+    digest: str,
+    size: int,
+    now: datetime | None = None,
+) -> bytes:
+    """The wire bytes of a signed upload request."""
+    return rpc.sign_fields(
+        key,
+        REQUEST_DOMAIN,
+        {
+            "v": 1,
+            "id": new_event_id(),
+            "tenant": tenant,
+            "producer": producer,
+            "key_id": key_id,
+            "time": (now or datetime.now(UTC)).isoformat(),
+            "reply_to": reply_to,
+            "client_key": client_key,
+            "digest": digest,
+            "size": size,
+        },
+    )
+
+
+def _unpack_map(data: bytes, what: str) -> dict[str, Any]:
+    return rpc.unpack_map(data, what, UploadError)
+
+
+def parse_request(data: bytes) -> UploadRequest:
+    """The request in ``data`` (shape only), or :class:`UploadError` naming what is wrong."""
+    raw = _unpack_map(data, "request")
+    try:
+        request = UploadRequest(
+            id=str(raw["id"]),
+            tenant=str(raw["tenant"]),
+            producer=str(raw["producer"]),
+            key_id=str(raw["key_id"]),
+            time=datetime.fromisoformat(str(raw["time"])),
+            reply_to=str(raw["reply_to"]),
+            client_key=bytes(raw["client_key"]),
+            digest=str(raw["digest"]),
+            size=raw["size"],
+            fields=raw,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UploadError(
+            f"request lacks or mangles a field: {type(exc).__name__}: {exc}"
+        ) from None
+    if raw.get("v") != 1:
+        raise UploadError(f"an upload request of version {raw.get('v')!r}; this service reads 1")
+    if request.time.tzinfo is None or len(request.client_key) != 32:
+        raise UploadError("time without zone, or a client key that is not 32 bytes")
+    if not isinstance(raw.get("sig"), bytes) or not request.reply_to.startswith("_INBOX."):
+        raise UploadError("no signature, or a reply subject that is not an inbox")
+    if not _DIGEST.match(request.digest):
+        raise UploadError("digest must be a BLAKE3 digest: 64 lowercase hex digits")
+    size = request.size
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_BYTES:
+        raise UploadError(f"size must be a whole number of bytes from 1 to {MAX_BYTES}")
+    return request
+
+
+def verify_request(request: UploadRequest, public_raw: bytes) -> bool:
+    """Whether the request's signature holds for ``public_raw``."""
+    return rpc.verify_fields(request.fields, REQUEST_DOMAIN, public_raw)
+
+
+def _signed(sign: Any, body: dict[str, Any]) -> bytes:
+    sig = bytes.fromhex(sign(ANSWER_DOMAIN + canonical.canonical_bytes(body)))
+    return canonical.canonical_bytes({**body, "sig": sig})
+
+
+def grant(sign: Any, key_id: str, request: UploadRequest, granted: Grant) -> bytes:
+    """The signed answer carrying ``granted``, encrypted to the request's client key.
+    ``sign(bytes) -> hex signature`` is the policy service's certified key."""
+    service_key = PrivateKey.generate()
+    box = Box(service_key, PublicKey(request.client_key))
+    sealed = bytes(box.encrypt(canonical.canonical_bytes(granted.as_dict())))
+    body = {
+        "k": "grant",
+        "rid": request.id,
+        "key_id": key_id,
+        "client_key": request.client_key,
+        "service_key": bytes(service_key.public_key),
+        "box": sealed,
+    }
+    return _signed(sign, body)
+
+
+def refusal(sign: Any, key_id: str, rid: str, reason: str, detail: str) -> bytes:
+    """A signed refusal (plaintext: it says only why)."""
+    return _signed(
+        sign,
+        {"k": "refused", "rid": rid, "reason": reason, "detail": detail[:500], "key_id": key_id},
+    )
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An answer as the client reads it (signature not yet checked)."""
+
+    kind: Literal["grant", "refused"]
+    key_id: str
+    fields: dict[str, Any]
+
+    def check(self, public_raw: bytes, rid: str, client: PrivateKey) -> Grant | tuple[str, str]:
+        """The grant, or ``(reason, detail)`` for a refusal, once the signature holds for
+        ``public_raw`` and the answer is to request ``rid``; :class:`UploadError` otherwise."""
+        body = {k: v for k, v in self.fields.items() if k != "sig"}
+        try:
+            VerifyKey(public_raw).verify(
+                ANSWER_DOMAIN + canonical.canonical_bytes(body), bytes(self.fields.get("sig", b""))
+            )
+        except (BadSignatureError, ValueError, TypeError):
+            raise UploadError("the answer is not signed by the key it names") from None
+        if body.get("rid") != rid:
+            raise UploadError("an answer to another request")
+        if self.kind == "refused":
+            return str(body.get("reason")), str(body.get("detail"))
+        if body.get("client_key") != bytes(client.public_key):
+            raise UploadError("a grant for another client key")
+        try:
+            plain = Box(client, PublicKey(bytes(body["service_key"]))).decrypt(bytes(body["box"]))
+            raw = _unpack_map(plain, "grant")
+            fields = raw["fields"]
+            granted = Grant(
+                url=str(raw["url"]),
+                fields={str(k): str(v) for k, v in fields.items()},
+                object_key=str(raw["object_key"]),
+                expires=datetime.fromisoformat(str(raw["expires"])),
+            )
+        except (CryptoError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise UploadError(f"a grant that does not open: {type(exc).__name__}") from None
+        if granted.fields.get("key") != granted.object_key:
+            raise UploadError("a grant whose form does not name its object")
+        return granted
+
+
+def parse_answer(data: bytes) -> Answer:
+    """The service's answer (grant or refusal), shape only."""
+    raw = _unpack_map(data, "answer")
+    kind = raw.get("k")
+    if kind not in ("grant", "refused") or not isinstance(raw.get("key_id"), str):
+        raise UploadError("an answer must be a grant or a refusal")
+    return Answer(kind, raw["key_id"], raw)
+
+
+__all__ = [
+    "ANSWER_S",
+    "GRANT_S",
+    "MAX_BYTES",
+    "QUEUE",
+    "SUBJECT",
+    "WINDOW_S",
+    "Answer",
+    "Grant",
+    "UploadError",
+    "UploadRequest",
+    "grant",
+    "parse_answer",
+    "parse_request",
+    "refusal",
+    "sign_request",
+    "verify_request",
+]
