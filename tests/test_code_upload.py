@@ -17,7 +17,7 @@ import blake3
 import nats
 import pytest
 import urllib3
-from dsec_core import canonical, codeupload, identity
+from dsec_core import canonical, codeupload, identity, rpc
 from dsec_core.bus import EventPublisher
 from dsec_core.signing import Signer
 from dsec_testing import trust
@@ -147,8 +147,9 @@ async def test_a_grant_writes_one_object_of_one_length_of_its_own_tenant(
         request = _request(key, cert, inbox, client, digest=digest, size=len(data))
         answer = await _ask(nc, request, inbox)
         assert answer.kind == "grant", answer.fields
-        rid = codeupload.parse_request(request).id
-        granted = answer.check(await _policy_key(js, dsec_stack.home, answer), rid, client)
+        parsed = codeupload.parse_request(request)
+        key_raw = await _policy_key(js, dsec_stack.home, answer)
+        granted = answer.check(key_raw, parsed.id, parsed.hash, client)
         assert isinstance(granted, codeupload.Grant)
         own = f"bundles/team-a/{digest}.tar.zst"
         assert granted.object_key == own
@@ -185,7 +186,8 @@ async def test_forged_foreign_and_replayed_upload_requests_are_refused(
             assert answer.kind == "refused", answer.fields
             # the refusal is the policy service's too: a forged one would not be believed
             key_raw = await _policy_key(js, dsec_stack.home, answer)
-            outcome = answer.check(key_raw, str(canonical.unpack(request)["id"]), client)
+            parsed = codeupload.parse_request(request)
+            outcome = answer.check(key_raw, parsed.id, parsed.hash, client)
             assert isinstance(outcome, tuple)
             return outcome[0]
 
@@ -233,17 +235,35 @@ async def test_forged_foreign_and_replayed_upload_requests_are_refused(
         genuine = _request(key, cert, inbox, client)
         assert (await _ask(nc, genuine, inbox)).kind == "grant"
         assert await reason(genuine, inbox) == "replayed"
-        # a reply subject other than the one signed: refused, the refusal sent where signed
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
+        # a copy of a user's request sent with another reply subject, or altered: refused to
+        # whoever sent it, never to the user's inbox (the genuine policy service's refusal
+        # there, with the user's request id, ended the user's upload)
+        signed_inbox, other = nc.new_inbox(), nc.new_inbox()
+        victim = await nc.subscribe(signed_inbox)
+        sender = await nc.subscribe(other)
         try:
-            await nc.publish(
-                codeupload.SUBJECT, _request(key, cert, inbox, client), reply=nc.new_inbox()
-            )
-            msg = await sub.next_msg(timeout=10)
-            assert codeupload.parse_answer(bytes(msg.data)).fields["reason"] == "malformed"
+            genuine = _request(key, cert, signed_inbox, client)
+            parsed = codeupload.parse_request(genuine)
+            await nc.publish(codeupload.SUBJECT, genuine, reply=other)
+            first = codeupload.parse_answer(bytes((await sender.next_msg(timeout=10)).data))
+            assert first.fields["reason"] == "malformed", first.fields
+            altered = canonical.unpack(genuine)
+            altered["size"] += 1
+            await nc.publish(codeupload.SUBJECT, canonical.pack(altered), reply=signed_inbox)
+            refusal = codeupload.parse_answer(bytes((await victim.next_msg(timeout=10)).data))
+            assert refusal.fields["reason"] == "bad-signature", refusal.fields
+            key_raw = await _policy_key(js, dsec_stack.home, refusal)
+            with pytest.raises(codeupload.UploadError, match="another request"):
+                refusal.check(key_raw, parsed.id, parsed.hash, client)  # the client skips it
+            # the user's own request still gets its grant
+            await nc.publish(codeupload.SUBJECT, genuine, reply=signed_inbox)
+            answer = codeupload.parse_answer(bytes((await victim.next_msg(timeout=10)).data))
+            assert answer.kind == "grant", answer.fields
+            # a request naming a service's inbox gets no answer there
+            assert not rpc.answerable("_INBOX.scheduler.abc.1")
         finally:
-            await sub.unsubscribe()
+            await victim.unsubscribe()
+            await sender.unsubscribe()
         # revoked: the operator revokes the user's key; its next request is refused
         from dsec_core.events import KeyRevoked
 

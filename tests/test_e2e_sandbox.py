@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -179,10 +180,16 @@ BOMB_SPEC = (
 
 
 def _submit_raw_bundle(
-    env: dict[str, str], monkeypatch: pytest.MonkeyPatch, zeros: int, declared: int
+    env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    zeros: int,
+    declared: int,
+    *,
+    noise: int = 0,
 ) -> Outcome:
-    """Store a hand-made bundle (agent.py + ``zeros`` bytes of zeros) declaring ``declared``
-    bytes, submit BOMB_SPEC with it as a client other than `dsec submit` could, follow it."""
+    """Store a hand-made bundle (agent.py + ``zeros`` bytes of zeros + ``noise`` random bytes)
+    declaring ``declared`` bytes, submit BOMB_SPEC with it as a client other than `dsec submit`
+    could (the stack's own object-store keys), follow it."""
     import io
     import tarfile
 
@@ -198,7 +205,8 @@ def _submit_raw_bundle(
         monkeypatch.setenv(name, value)
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in (("agent.py", b"print('never runs')\n"), ("zeros.bin", bytes(zeros))):
+        members = [("agent.py", b"print('never runs')\n"), ("zeros.bin", bytes(zeros))]
+        for name, data in members + [("noise.bin", os.urandom(noise))] * bool(noise):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -235,6 +243,22 @@ def test_a_bundle_is_bounded_by_what_it_expands_to_not_by_what_it_declares(
     )
     sandbox_dir = Path(env["DSEC_HOME"]) / "sandboxes" / outcome.sandbox_id
     assert not sandbox_dir.exists()
+
+
+def test_a_stored_bundle_larger_than_its_spec_allows_is_never_read(
+    services, env, monkeypatch
+) -> None:
+    """A tenant stores 24 MiB that no build of a 1 MiB tree makes (its own prefix, its real
+    digest) and submits it: the shared policy service reads the object's size and refuses it,
+    instead of loading it whole into memory (any size a tenant stores, at 8 validations at
+    once)."""
+    services.start("policy")
+    outcome = _submit_raw_bundle(env, monkeypatch, zeros=0, declared=100, noise=24 << 20)
+    assert outcome.state == "rejected", outcome.events
+    rejected = next(e["payload"] for e in outcome.events if e["type"] == "spec.rejected")
+    [error] = rejected["errors"]
+    assert error["rule_id"] == "code-bundle"
+    assert "is larger than 17842176 bytes, the most a bundle of its spec's" in error["message"]
 
 
 def test_node_agent_refuses_a_bundle_declared_over_the_bound_before_fetching_it(

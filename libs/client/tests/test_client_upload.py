@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from dsec_core import codeupload
+from dsec_core import canonical, codeupload
 from dsec_core.codeupload import Grant
 from nacl.signing import SigningKey
 
@@ -84,7 +84,18 @@ def test_the_client_believes_only_the_policy_services_grant() -> None:
     forgers = [
         lambda r: codeupload.grant(_signer(node), "node-key", r, evil),
         lambda r: codeupload.grant(_signer(user), "ghost", r, evil),
-        lambda r: codeupload.refusal(_signer(user), "user-key", r.id, "unauthorized", "go away"),
+        lambda r: codeupload.refusal(
+            _signer(user), "user-key", r.id, r.hash, "unauthorized", "go away"
+        ),
+        # the genuine policy service refusing an altered copy of the request
+        lambda r: codeupload.refusal(
+            _signer(policy), "policy-key", r.id, b"x" * 32, "bad-signature", "altered"
+        ),
+        # a message shaped to crash the client (bytes(10**12)) instead of being skipped
+        lambda r: canonical.canonical_bytes(
+            {"k": "refused", "rid": r.id, "key_id": "policy-key", "sig": 10**12}
+        ),
+        lambda r: b"",  # a NATS "no responders" status: no body (headers unset here)
         lambda r: b"junk",
     ]
     gate = _gate(

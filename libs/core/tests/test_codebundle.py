@@ -397,6 +397,25 @@ def test_sparse_file_over_max_size_is_refused_naming_the_largest_files(tmp_path:
         build_bundle(root, max_size=DEFAULT_MAX_SIZE)
 
 
+def test_an_archive_over_the_bound_readers_fetch_is_not_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Readers fetch at most ``archive_bound(max_size)`` bytes; an archive the client would
+    build past it (many files' headers, incompressible data) is refused where it is built, with
+    what to do, and no file is left."""
+    from dsec_core import codebundle
+
+    root = tmp_path / "proj"
+    write(root, "agent.py")
+    (root / "noise.bin").write_bytes(os.urandom(64 * 1024))
+    assert codebundle.archive_bound(2**20) == 2**20 + 2**20 // 64 + 16 * 2**20
+    monkeypatch.setattr(codebundle, "archive_bound", lambda max_size: max_size // 64)
+    out = tmp_path / "out" / "b.tar.zst"
+    with pytest.raises(BundleError, match=r"raise max_size or exclude files"):
+        build_bundle(root, max_size=2**20, out=out)
+    assert not out.exists() and list(out.parent.iterdir()) == []
+
+
 def test_extraction_counts_bytes_written_not_the_manifest(tmp_path: Path) -> None:
     # 8 MiB of zeros compress to a few hundred bytes; a bound of 1 MiB stops the extraction.
     archive = make_archive(reg("ok.py", b"x"), reg("zeros.bin", bytes(8 * 2**20)))

@@ -79,7 +79,7 @@ def test_garbage_and_unsigned_requests_are_malformed() -> None:
             codeupload.parse_request(data)
     raw = canonical.unpack(_request(SigningKey.generate(), PrivateKey.generate()))
     del raw["sig"]
-    with pytest.raises(UploadError, match="signature"):
+    with pytest.raises(UploadError, match="sig must be 64 bytes"):
         codeupload.parse_request(canonical.pack(raw))
     raw = canonical.unpack(_request(SigningKey.generate(), PrivateKey.generate()))
     raw["v"] = 2
@@ -92,32 +92,73 @@ def test_only_the_requesting_client_opens_its_grant() -> None:
     client = PrivateKey.generate()
     request = codeupload.parse_request(_request(user, client))
     answer = codeupload.parse_answer(codeupload.grant(_signer(service), "svc", request, GRANT))
-    granted = answer.check(bytes(service.verify_key), request.id, client)
+    granted = answer.check(bytes(service.verify_key), request.id, request.hash, client)
     assert granted == GRANT
     # the form is sealed: its fields are not in the answer's bytes
     assert b"cG9saWN5" not in canonical.canonical_bytes(answer.fields)
     # another client (an eavesdropper with a key of its own) cannot open it
     with pytest.raises(UploadError):
-        answer.check(bytes(service.verify_key), request.id, PrivateKey.generate())
+        answer.check(bytes(service.verify_key), request.id, request.hash, PrivateKey.generate())
     # an answer to another request, or checked against another key, is not believed
     with pytest.raises(UploadError, match="another request"):
-        answer.check(bytes(service.verify_key), "other-id", client)
+        answer.check(bytes(service.verify_key), "other-id", request.hash, client)
     with pytest.raises(UploadError, match="not signed"):
-        answer.check(bytes(user.verify_key), request.id, client)
+        answer.check(bytes(user.verify_key), request.id, request.hash, client)
 
 
 def test_a_refusal_is_signed_and_says_why() -> None:
     service = SigningKey.generate()
-    data = codeupload.refusal(_signer(service), "svc", "r1", "unauthorized", "not yours" * 200)
+    rh = b"h" * 32
+    data = codeupload.refusal(_signer(service), "svc", "r1", rh, "unauthorized", "not yours" * 200)
     answer = codeupload.parse_answer(data)
-    reason, detail = answer.check(bytes(service.verify_key), "r1", PrivateKey.generate())
+    reason, detail = answer.check(bytes(service.verify_key), "r1", rh, PrivateKey.generate())
     assert reason == "unauthorized" and len(detail) == 500
     raw = canonical.unpack(data)
     raw["reason"] = "granted"
     with pytest.raises(UploadError, match="not signed"):
         codeupload.parse_answer(canonical.pack(raw)).check(
-            bytes(service.verify_key), "r1", PrivateKey.generate()
+            bytes(service.verify_key), "r1", rh, PrivateKey.generate()
         )
+    # the genuine service's refusal of an altered copy of the request (anyone may publish
+    # one, with the request's id, and have it refused) does not end the genuine request
+    with pytest.raises(UploadError, match="another request"):
+        answer.check(bytes(service.verify_key), "r1", b"x" * 32, PrivateKey.generate())
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("client_key", 2**64 - 1, "client_key must be 32 bytes"),
+        ("client_key", 10**12, "client_key must be 32 bytes"),
+        ("id", "x" * 200_000 + "\n", "id must be a UUID"),
+        ("sig", 2**63, "sig must be 64 bytes"),
+        ("tenant", "a\nb", "tenant must be a printable string"),
+        ("time", 12, "time must be a printable string"),
+    ],
+)
+def test_request_fields_of_the_wrong_type_are_refused_without_converting_them(
+    field: str, value: Any, message: str
+) -> None:
+    fields = canonical.unpack(_request(SigningKey.generate(), PrivateKey.generate()))
+    fields[field] = value
+    with pytest.raises(UploadError, match=message):
+        codeupload.parse_request(canonical.pack(fields))
+
+
+def test_answers_with_fields_of_the_wrong_type_are_refused_before_they_are_checked() -> None:
+    """Anyone may publish on the client's inbox, naming the policy service's key id: a field of
+    another type is refused at once (``bytes(2**64-1)`` raised and ``bytes(10**12)`` ran out of
+    memory in the client, which stopped instead of skipping the message)."""
+    body = {"k": "refused", "rid": "r", "rh": b"h" * 32, "reason": "no", "detail": "-"}
+    for sig in (2**64 - 1, 10**12, "s" * 64):
+        with pytest.raises(UploadError, match="sig must be 64 bytes"):
+            codeupload.parse_answer(canonical.canonical_bytes({**body, "key_id": "k", "sig": sig}))
+    grant = {**body, "k": "grant", "key_id": "k", "sig": b"s" * 64, "client_key": b"c" * 32}
+    for service_key in (10**12, b"short"):
+        with pytest.raises(UploadError, match="service_key must be 32 bytes"):
+            codeupload.parse_answer(
+                canonical.canonical_bytes({**grant, "service_key": service_key, "box": b""})
+            )
 
 
 def test_a_grant_whose_form_names_another_object_is_not_used() -> None:
@@ -128,4 +169,4 @@ def test_a_grant_whose_form_names_another_object_is_not_used() -> None:
     )
     answer = codeupload.parse_answer(codeupload.grant(_signer(service), "svc", request, odd))
     with pytest.raises(UploadError, match="does not name"):
-        answer.check(bytes(service.verify_key), request.id, client)
+        answer.check(bytes(service.verify_key), request.id, request.hash, client)

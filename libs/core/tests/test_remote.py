@@ -49,7 +49,7 @@ def test_a_signed_request_verifies_and_an_altered_one_does_not() -> None:
         ({"sandbox_id": "sbx_../../etc"}, "exec", "is not a sandbox id"),
         ({"args": {"argv": []}}, "exec", "argv must be"),
         ({"args": {"argv": ["a\0b"]}}, "exec", "argv must be"),
-        ({"reply_to": "dsec.sandbox.x.ready"}, "exec", "not an inbox"),
+        ({"reply_to": "dsec.sandbox.x.ready"}, "exec", "must be an inbox"),
         ({"client_key": b"short"}, "exec", "32 bytes"),
     ],
 )
@@ -63,7 +63,31 @@ def test_garbage_and_unsigned_requests_are_malformed() -> None:
         remote.parse_request(b"\xc1", "logs")
     fields = canonical.unpack(_signed(SigningKey.generate(), kind="logs", args={}))
     del fields["sig"]
-    with pytest.raises(RemoteError, match="no signature"):
+    with pytest.raises(RemoteError, match="sig must be 64 bytes"):
+        remote.parse_request(canonical.pack(fields), "logs")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("client_key", 2**64 - 1, "client_key must be 32 bytes"),  # bytes(2**64-1): no memory
+        ("client_key", 10**12, "client_key must be 32 bytes"),
+        ("id", "x" * 200_000 + "\n", "id must be a UUID"),  # echoed in answers, logged
+        ("id", 7, "id must be a UUID"),
+        ("sig", 2**63, "sig must be 64 bytes"),
+        ("producer", "a\nforged log line", "producer must be a printable string"),
+        ("time", 12, "time must be a printable string"),
+        ("args", [1], "args must be a map"),
+    ],
+)
+def test_fields_of_the_wrong_type_are_refused_without_converting_them(
+    field: str, value: Any, message: str
+) -> None:
+    """A request field of another type is refused as it is: converting it (``bytes(n)`` of a
+    huge integer) cost what its sender chose, and an id with newlines wrote fake log lines."""
+    fields = canonical.unpack(_signed(SigningKey.generate(), kind="logs", args={}))
+    fields[field] = value
+    with pytest.raises(RemoteError, match=message):
         remote.parse_request(canonical.pack(fields), "logs")
 
 
@@ -106,19 +130,41 @@ def test_the_client_trusts_a_hello_only_from_the_node_key_for_its_request() -> N
     )
     message, node_box = remote.hello(sign, "nodekey", request, PrivateKey.generate())
     answer = remote.parse_answer(message)
-    box = answer.check(bytes(node_signing.verify_key), request.id, "node-1", client)
+    box = answer.check(bytes(node_signing.verify_key), request.id, "node-1", client, b"")
     assert isinstance(box, Box)
     assert FrameCodec(box).open(FrameCodec(node_box).seal({"k": "alive"}))["k"] == "alive"
     with pytest.raises(RemoteError, match="not signed"):
-        answer.check(bytes(SigningKey.generate().verify_key), request.id, "node-1", client)
+        answer.check(bytes(SigningKey.generate().verify_key), request.id, "node-1", client, b"")
     with pytest.raises(RemoteError, match="not signed"):  # another node's hello
-        answer.check(bytes(node_signing.verify_key), request.id, "node-2", client)
+        answer.check(bytes(node_signing.verify_key), request.id, "node-2", client, b"")
 
-    refused = remote.parse_answer(remote.refusal(sign, "nodekey", request.id, "busy", "16"))
-    assert refused.check(bytes(node_signing.verify_key), request.id, "node-1", client) == (
+    box = answer.check(bytes(node_signing.verify_key), request.id, "node-1", client, b"")
+    assert isinstance(box, Box)  # a hello names the request's one-time key: no hash needed
+
+    rh = request.hash
+    refused = remote.parse_answer(remote.refusal(sign, "nodekey", request.id, rh, "busy", "16"))
+    assert refused.check(bytes(node_signing.verify_key), request.id, "node-1", client, rh) == (
         "busy",
         "16",
     )
+    # the genuine node's refusal of an altered copy of the request (anyone may publish one,
+    # with the request's id) does not end the genuine request
+    copy = remote.parse_answer(remote.refusal(sign, "nodekey", request.id, b"x" * 32, "no", "-"))
+    with pytest.raises(RemoteError, match="another copy"):
+        copy.check(bytes(node_signing.verify_key), request.id, "node-1", client, rh)
+
+
+def test_an_answer_with_fields_of_the_wrong_type_is_refused_before_it_is_checked() -> None:
+    """Anyone may publish on a request's inbox: a signature field of another type (a huge
+    integer) is refused at once, not converted (``bytes(2**64-1)`` raised, ``bytes(10**12)``
+    ran out of memory, and the client stopped instead of skipping it)."""
+    body = {"k": "refused", "rid": "r", "rh": b"h" * 32, "reason": "no", "detail": "-"}
+    for sig in (2**64 - 1, 10**12, "s" * 64, b"short"):
+        with pytest.raises(RemoteError, match="sig must be 64 bytes"):
+            remote.parse_answer(canonical.canonical_bytes({**body, "key_id": "k", "sig": sig}))
+    hello = {"k": "hello", "rid": "r", "node": "n", "key_id": "k", "sig": b"s" * 64}
+    with pytest.raises(RemoteError, match="node_key must be 32 bytes"):
+        remote.parse_answer(canonical.canonical_bytes({**hello, "node_key": 10**12}))
 
 
 def test_users_may_ask_and_a_node_agent_listens_to_its_own_node_only() -> None:

@@ -142,7 +142,8 @@ async def _grant(
             digest=digest,
             size=size,
         )
-        rid = codeupload.parse_request(request).id
+        parsed = codeupload.parse_request(request)
+        rid, rh = parsed.id, parsed.hash
         await nc.publish(codeupload.SUBJECT, request, reply=inbox)
         deadline = time.monotonic() + codeupload.ANSWER_S
         ignored = ""
@@ -154,10 +155,9 @@ async def _grant(
                     f"no policy service answered the code-upload request within "
                     f"{codeupload.ANSWER_S:.0f} s{ignored}; is the stack up? (`dsec status`)"
                 ) from None
-            if not msg.data and (msg.headers or {}).get("Status") == "503":
-                # NATS says no one subscribes to the subject: wait a moment for a genuine answer
-                # (anyone may publish a status on the inbox), then say so
-                deadline = min(deadline, time.monotonic() + NO_RESPONDERS_GRACE_S)
+            if not msg.data and (getattr(msg, "headers", None) or {}).get("Status") == "503":
+                # NATS says no one subscribes: said when no answer comes, not believed at once
+                # (anyone may publish a status on the inbox and cut the wait short)
                 ignored = " (NATS: no policy service subscribes to code uploads)"
                 continue
             try:
@@ -165,7 +165,7 @@ async def _grant(
                 signer = await gate.keys.certificate(answer.key_id)
                 if isinstance(signer, str) or signer.role != "policy":
                     raise codeupload.UploadError("an answer not signed by the policy service")
-                outcome = answer.check(bytes.fromhex(signer.public_key), rid, client)
+                outcome = answer.check(bytes.fromhex(signer.public_key), rid, rh, client)
                 break
             except codeupload.UploadError as exc:
                 ignored = f" (ignored: {exc})"
@@ -176,10 +176,6 @@ async def _grant(
         reason, detail = outcome
         raise Refused(f"the policy service refused to store the code: {reason}: {detail}", reason)
     return outcome
-
-
-NO_RESPONDERS_GRACE_S = 1.0
-"""How long a client still waits for an answer after NATS said no one subscribes."""
 
 
 def _post(granted: codeupload.Grant, data: bytes) -> None:

@@ -107,9 +107,10 @@ async def session(
             client_key=bytes(client.public_key),
             args=args,
         )
-        rid = str(remote.parse_request(request, kind).id)
+        parsed = remote.parse_request(request, kind)
+        rid, rh = parsed.id, parsed.hash
         await nc.publish(remote.request_subject(node, kind), request, reply=inbox)
-        box = await _answer(gate, sub, rid, node, client)
+        box = await _answer(gate, sub, rid, rh, node, client)
         return await _stream(
             nc, sub, rid, node, box, on_output, stdin, driver=driver, on_frame=on_frame
         )
@@ -131,7 +132,7 @@ async def _next(sub: Any, node: str, what: str, timeout: float = remote.GONE_S) 
     return bytes(msg.data)
 
 
-async def _answer(gate: Any, sub: Any, rid: str, node: str, client: PrivateKey) -> Any:
+async def _answer(gate: Any, sub: Any, rid: str, rh: bytes, node: str, client: PrivateKey) -> Any:
     """The session's box from the node's signed hello; a signed refusal raises. Anything else
     on the inbox (anyone who read the request may publish there) is skipped, not believed;
     with nothing genuine within GONE_S, the node did not answer."""
@@ -144,7 +145,7 @@ async def _answer(gate: Any, sub: Any, rid: str, node: str, client: PrivateKey) 
             cert = await gate.keys.certificate(answer.key_id)
             if isinstance(cert, str) or cert.role != "nodeagent" or cert.node_id != node:
                 raise RemoteError(f"an answer not signed by the node agent of {node}")
-            outcome = answer.check(bytes.fromhex(cert.public_key), rid, node, client)
+            outcome = answer.check(bytes.fromhex(cert.public_key), rid, node, client, rh)
             break
         except RemoteError as exc:
             problem = f" (ignored: {exc})"

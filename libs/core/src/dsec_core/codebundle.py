@@ -30,7 +30,7 @@ import stat
 import subprocess
 import tarfile
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Annotated, BinaryIO, Literal, cast
@@ -64,6 +64,7 @@ __all__ = [
     "FileList",
     "GitInfo",
     "TreeEntry",
+    "archive_bound",
     "build_bundle",
     "check_names",
     "declared_max_size",
@@ -73,6 +74,7 @@ __all__ = [
     "hash_file",
     "list_tree",
     "open_real_dir",
+    "read_members",
     "scan_tree",
 ]
 
@@ -106,6 +108,17 @@ DEFAULT_MAX_SIZE = 256 * 2**20
 MAX_SIZE_LIMIT = 4 * 2**30
 #: Files, links and directories an archive may create when extracted (an inode bound).
 MAX_MEMBERS = 100_000
+
+
+def archive_bound(max_size: int) -> int:
+    """The most bytes a bundle's archive may take when its files may add up to ``max_size``
+    (``include_code.max_size``): the files, zstd's framing of incompressible data, and tar's
+    headers. The client refuses to build a larger archive, and every reader refuses to fetch
+    one (a tenant that stores a huge object under its own key cannot make a shared service
+    read it)."""
+    return max_size + max_size // 64 + 16 * 2**20
+
+
 BUNDLE_PREFIX = "bundles/"
 """Where code bundles are stored in the DSec bucket: ``bundles/<tenant>/<BLAKE3>.tar.zst``."""
 
@@ -836,6 +849,14 @@ def build_bundle(
                 raise
         os.replace(tmp.name, out)
         data = None
+    if max_size is not None and size > archive_bound(max_size):
+        if out is not None:
+            out.unlink(missing_ok=True)
+        raise BundleError(
+            f"its archive is {_human(size)}, more than the {_human(archive_bound(max_size))} a "
+            f"bundle under include_code.max_size {_human(max_size)} may take; raise max_size or "
+            "exclude files (include_code.exclude_patterns)"
+        )
     manifest = CodeManifest(files=files, git=git, exclude_patterns=tuple(exclude_patterns))
     return Bundle(
         manifest=manifest, digest=digest, size=size, data=data, path=out, skipped=tuple(skipped)
@@ -915,15 +936,104 @@ def open_child_dir(
         raise
 
 
-class _Extraction:
-    """Writes an archive's members below one directory fd, counting what it creates."""
+class _Budget:
+    """What an archive may create: ``max_members`` entries, ``max_size`` bytes of files
+    (counted as they are read, whatever the headers claim)."""
 
-    def __init__(self, root_fd: int, max_size: int, max_members: int) -> None:
-        self.root_fd = root_fd
+    def __init__(self, max_size: int, max_members: int) -> None:
         self.max_size = max_size
         self.max_members = max_members
         self.size = 0
         self.members = 0
+
+    def count_member(self, name: str) -> None:
+        self.members += 1
+        if self.members > self.max_members:
+            raise BundleError(
+                f"archive member {name!r}: more than {self.max_members} entries; refused"
+            )
+
+    def charge(self, name: str, size: int, *, claimed: bool = False) -> None:
+        """Count ``size`` bytes (only check them when ``claimed``: a header's promise)."""
+        if self.size + size > self.max_size:
+            raise BundleError(
+                f"archive member {name!r}: the bundle expands past include_code.max_size "
+                f"{_human(self.max_size)}; extraction stopped"
+            )
+        if not claimed:
+            self.size += size
+
+
+class _Scan(_Budget):
+    """Reads an archive's members without writing any, refusing what an extraction refuses
+    (escaping or duplicate paths, a member below a file or symlink, special files, the
+    bounds)."""
+
+    def __init__(self, max_size: int, max_members: int) -> None:
+        super().__init__(max_size, max_members)
+        self.kinds: dict[PurePosixPath, str] = {}
+
+    def place(self, member: tarfile.TarInfo) -> PurePosixPath:
+        rel = _safe_member_path(member.name)
+        self.count_member(member.name)
+        for parent in reversed(rel.parents[:-1]):
+            if self.kinds.setdefault(parent, "dir") != "dir":
+                raise BundleError(
+                    f"archive member {rel}: parent {parent} is a symlink or not a directory; "
+                    "refusing to follow it"
+                )
+        if not (member.isdir() or member.isreg() or member.issym()):
+            raise BundleError(
+                f"archive member {member.name!r}: only files and symlinks are allowed"
+            )
+        kind = "dir" if member.isdir() else "link" if member.issym() else "file"
+        before = self.kinds.get(rel)
+        if before is not None and (before != "dir" or kind != "dir"):
+            raise BundleError(f"archive member {member.name!r}: duplicate path")
+        self.kinds[rel] = kind
+        return rel
+
+
+def read_members(
+    data: bytes | Path | BinaryIO,
+    want: Callable[[PurePosixPath, tarfile.TarInfo], bool],
+    *,
+    max_size: int = DEFAULT_MAX_SIZE,
+    max_members: int = MAX_MEMBERS,
+) -> Iterator[tuple[PurePosixPath, bytes]]:
+    """The regular files of a bundle archive that ``want(path, member)`` selects, with their
+    bytes, read as the archive streams by: nothing is written, memory holds one selected file
+    at a time. Every member is checked as :func:`extract_bundle` checks it, and every file's
+    bytes are counted against ``max_size``, selected or not.
+
+    Raises:
+        BundleError: as :func:`extract_bundle`.
+    """
+    scan = _Scan(max_size, max_members)
+    with _tar_stream(data) as tar:
+        for member in tar:
+            rel = scan.place(member)
+            if not member.isreg():
+                continue
+            scan.charge(member.name, member.size, claimed=True)
+            source = tar.extractfile(member)
+            assert source is not None
+            chosen = want(rel, member)
+            parts: list[bytes] = []
+            while block := source.read(_READ_BLOCK):
+                scan.charge(member.name, len(block))
+                if chosen:
+                    parts.append(block)
+            if chosen:
+                yield rel, b"".join(parts)
+
+
+class _Extraction(_Budget):
+    """Writes an archive's members below one directory fd, counting what it creates."""
+
+    def __init__(self, root_fd: int, max_size: int, max_members: int) -> None:
+        super().__init__(max_size, max_members)
+        self.root_fd = root_fd
         self._parent: tuple[PurePosixPath, int] | None = None
 
     def close(self) -> None:
@@ -943,23 +1053,6 @@ class _Extraction:
         self.close()
         self._parent = (parent, fd)
         return fd
-
-    def count_member(self, name: str) -> None:
-        self.members += 1
-        if self.members > self.max_members:
-            raise BundleError(
-                f"archive member {name!r}: more than {self.max_members} entries; refused"
-            )
-
-    def charge(self, name: str, size: int, *, claimed: bool = False) -> None:
-        """Count ``size`` bytes (only check them when ``claimed``: a header's promise)."""
-        if self.size + size > self.max_size:
-            raise BundleError(
-                f"archive member {name!r}: the bundle expands past include_code.max_size "
-                f"{_human(self.max_size)}; extraction stopped"
-            )
-        if not claimed:
-            self.size += size
 
     def extract(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> str | None:
         rel = _safe_member_path(member.name)
@@ -1003,6 +1096,21 @@ def _open_archive(data: bytes | Path | BinaryIO) -> Iterator[BinaryIO]:
             yield fh
     else:
         yield data
+
+
+@contextlib.contextmanager
+def _tar_stream(data: bytes | Path | BinaryIO) -> Iterator[tarfile.TarFile]:
+    """The archive's tar stream, decompressed as it is read (members in order, once); a
+    broken archive is a :class:`BundleError`."""
+    try:
+        with (
+            _open_archive(data) as raw,
+            zstandard.ZstdDecompressor().stream_reader(raw) as plain,
+            tarfile.open(fileobj=plain, mode="r|") as tar,
+        ):
+            yield tar
+    except (tarfile.TarError, zstandard.ZstdError) as exc:
+        raise BundleError(f"not a valid bundle archive: {exc}") from exc
 
 
 def extract_bundle(
@@ -1052,21 +1160,14 @@ def _extract_all(
     data: bytes | Path | BinaryIO, staging: Path, max_size: int, max_members: int
 ) -> list[str]:
     written: list[str] = []
-    decompressor = zstandard.ZstdDecompressor()
     root_fd = os.open(staging, DIR_FLAGS)
     extraction = _Extraction(root_fd, max_size, max_members)
     try:
-        with (
-            _open_archive(data) as raw,
-            decompressor.stream_reader(raw) as plain,
-            tarfile.open(fileobj=plain, mode="r|") as tar,
-        ):
+        with _tar_stream(data) as tar:
             for member in tar:
                 rel = extraction.extract(tar, member)
                 if rel is not None:
                     written.append(rel)
-    except (tarfile.TarError, zstandard.ZstdError) as exc:
-        raise BundleError(f"not a valid bundle archive: {exc}") from exc
     finally:
         extraction.close()
         os.close(root_fd)

@@ -83,6 +83,8 @@ class UploadRequest:
     digest: str
     size: int
     fields: dict[str, Any]
+    hash: bytes
+    """BLAKE3 of the request's bytes: every answer names it (:func:`dsec_core.rpc.request_hash`)."""
 
 
 @dataclass(frozen=True)
@@ -140,31 +142,35 @@ def _unpack_map(data: bytes, what: str) -> dict[str, Any]:
 
 
 def parse_request(data: bytes) -> UploadRequest:
-    """The request in ``data`` (shape only), or :class:`UploadError` naming what is wrong."""
+    """The request in ``data`` (shape only), or :class:`UploadError` naming what is wrong. Each
+    field must already be of its type (nothing is converted: a huge integer where bytes belong
+    costs what its sender chooses)."""
     raw = _unpack_map(data, "request")
-    try:
-        request = UploadRequest(
-            id=str(raw["id"]),
-            tenant=str(raw["tenant"]),
-            producer=str(raw["producer"]),
-            key_id=str(raw["key_id"]),
-            time=datetime.fromisoformat(str(raw["time"])),
-            reply_to=str(raw["reply_to"]),
-            client_key=bytes(raw["client_key"]),
-            digest=str(raw["digest"]),
-            size=raw["size"],
-            fields=raw,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UploadError(
-            f"request lacks or mangles a field: {type(exc).__name__}: {exc}"
-        ) from None
     if raw.get("v") != 1:
-        raise UploadError(f"an upload request of version {raw.get('v')!r}; this service reads 1")
-    if request.time.tzinfo is None or len(request.client_key) != 32:
-        raise UploadError("time without zone, or a client key that is not 32 bytes")
-    if not isinstance(raw.get("sig"), bytes) or not request.reply_to.startswith("_INBOX."):
-        raise UploadError("no signature, or a reply subject that is not an inbox")
+        raise UploadError(f"an upload request of version {str(raw.get('v'))[:20]!r}; 1 is read")
+    when = rpc.text(raw, "time", UploadError, limit=64)
+    try:
+        stamp = datetime.fromisoformat(when)
+    except ValueError:
+        raise UploadError("time must be an ISO 8601 time") from None
+    request = UploadRequest(
+        id=rpc.request_id(raw, UploadError),
+        tenant=rpc.text(raw, "tenant", UploadError, limit=64),
+        producer=rpc.text(raw, "producer", UploadError, limit=128),
+        key_id=rpc.text(raw, "key_id", UploadError, limit=64),
+        time=stamp,
+        reply_to=rpc.text(raw, "reply_to", UploadError),
+        client_key=rpc.blob(raw, "client_key", UploadError, size=32),
+        digest=rpc.text(raw, "digest", UploadError, limit=64),
+        size=raw.get("size", 0),  # checked below
+        fields=raw,
+        hash=rpc.request_hash(data),
+    )
+    if stamp.tzinfo is None:
+        raise UploadError("time must carry its zone")
+    rpc.blob(raw, "sig", UploadError, size=64)
+    if not request.reply_to.startswith("_INBOX."):
+        raise UploadError("the reply subject must be an inbox")
     if not _DIGEST.match(request.digest):
         raise UploadError("digest must be a BLAKE3 digest: 64 lowercase hex digits")
     size = request.size
@@ -192,6 +198,7 @@ def grant(sign: Any, key_id: str, request: UploadRequest, granted: Grant) -> byt
     body = {
         "k": "grant",
         "rid": request.id,
+        "rh": request.hash,
         "key_id": key_id,
         "client_key": request.client_key,
         "service_key": bytes(service_key.public_key),
@@ -200,12 +207,11 @@ def grant(sign: Any, key_id: str, request: UploadRequest, granted: Grant) -> byt
     return _signed(sign, body)
 
 
-def refusal(sign: Any, key_id: str, rid: str, reason: str, detail: str) -> bytes:
-    """A signed refusal (plaintext: it says only why)."""
-    return _signed(
-        sign,
-        {"k": "refused", "rid": rid, "reason": reason, "detail": detail[:500], "key_id": key_id},
-    )
+def refusal(sign: Any, key_id: str, rid: str, rh: bytes, reason: str, detail: str) -> bytes:
+    """A signed refusal of the request of id ``rid`` whose bytes hash to ``rh`` (plaintext: it
+    says only why)."""
+    body = {"k": "refused", "rid": rid, "rh": rh, "reason": reason, "detail": detail[:500]}
+    return _signed(sign, {**body, "key_id": key_id})
 
 
 @dataclass(frozen=True)
@@ -216,31 +222,35 @@ class Answer:
     key_id: str
     fields: dict[str, Any]
 
-    def check(self, public_raw: bytes, rid: str, client: PrivateKey) -> Grant | tuple[str, str]:
+    def check(
+        self, public_raw: bytes, rid: str, rh: bytes, client: PrivateKey
+    ) -> Grant | tuple[str, str]:
         """The grant, or ``(reason, detail)`` for a refusal, once the signature holds for
-        ``public_raw`` and the answer is to request ``rid``; :class:`UploadError` otherwise."""
+        ``public_raw`` and the answer is to the request of id ``rid`` whose bytes hash to ``rh``
+        (:class:`UploadError` otherwise): an answer to an altered copy of the request is not
+        one to it."""
         body = {k: v for k, v in self.fields.items() if k != "sig"}
         try:
             VerifyKey(public_raw).verify(
-                ANSWER_DOMAIN + canonical.canonical_bytes(body), bytes(self.fields.get("sig", b""))
+                ANSWER_DOMAIN + canonical.canonical_bytes(body), self.fields["sig"]
             )
         except (BadSignatureError, ValueError, TypeError):
             raise UploadError("the answer is not signed by the key it names") from None
-        if body.get("rid") != rid:
+        if body.get("rid") != rid or body.get("rh") != rh:
             raise UploadError("an answer to another request")
         if self.kind == "refused":
-            return str(body.get("reason")), str(body.get("detail"))
+            return str(body.get("reason"))[:64], str(body.get("detail"))[:500]
         if body.get("client_key") != bytes(client.public_key):
             raise UploadError("a grant for another client key")
         try:
-            plain = Box(client, PublicKey(bytes(body["service_key"]))).decrypt(bytes(body["box"]))
+            plain = Box(client, PublicKey(body["service_key"])).decrypt(body["box"])
             raw = _unpack_map(plain, "grant")
             fields = raw["fields"]
             granted = Grant(
-                url=str(raw["url"]),
+                url=rpc.text(raw, "url", UploadError),
                 fields={str(k): str(v) for k, v in fields.items()},
-                object_key=str(raw["object_key"]),
-                expires=datetime.fromisoformat(str(raw["expires"])),
+                object_key=rpc.text(raw, "object_key", UploadError),
+                expires=datetime.fromisoformat(rpc.text(raw, "expires", UploadError, limit=64)),
             )
         except (CryptoError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise UploadError(f"a grant that does not open: {type(exc).__name__}") from None
@@ -250,12 +260,21 @@ class Answer:
 
 
 def parse_answer(data: bytes) -> Answer:
-    """The service's answer (grant or refusal), shape only."""
+    """The service's answer (grant or refusal), shape only: each field of its type, so checking
+    it converts nothing an attacker sized."""
     raw = _unpack_map(data, "answer")
     kind = raw.get("k")
-    if kind not in ("grant", "refused") or not isinstance(raw.get("key_id"), str):
+    if kind not in ("grant", "refused"):
         raise UploadError("an answer must be a grant or a refusal")
-    return Answer(kind, raw["key_id"], raw)
+    key_id = rpc.text(raw, "key_id", UploadError, limit=64)
+    rpc.blob(raw, "sig", UploadError, size=64)
+    rpc.blob(raw, "rh", UploadError, size=32)
+    if kind == "grant":
+        rpc.blob(raw, "client_key", UploadError, size=32)
+        rpc.blob(raw, "service_key", UploadError, size=32)
+        if not isinstance(raw.get("box"), bytes) or len(raw["box"]) > 64 * 1024:
+            raise UploadError("box must be at most 64 KiB of bytes")
+    return Answer(kind, key_id, raw)
 
 
 __all__ = [

@@ -57,3 +57,14 @@ def output_event_id(input_id: str, event_type: str, n: int = 0) -> str:
 def new_sandbox_id() -> str:
     """Return a new sandbox id (``sbx_`` + 26 chars of a UUIDv7, sortable by creation)."""
     return "sbx_" + uuid6.uuid7().hex[:26]
+
+
+def canonical_uuid(text: str) -> bool:
+    """Whether ``text`` is a UUID in its canonical form (36 lowercase hex and hyphens), as
+    every DSec producer writes event and request ids."""
+    if len(text) != 36:
+        return False
+    try:
+        return str(uuid.UUID(text)) == text
+    except ValueError:
+        return False

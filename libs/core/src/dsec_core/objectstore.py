@@ -12,6 +12,7 @@ import io
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 from minio import Minio
@@ -52,15 +53,20 @@ def ensure_bucket(store: Minio, bucket: str) -> None:
             raise
 
 
-def _get(store: Minio, bucket: str, key: str) -> bytes:
+def _open(store: Minio, bucket: str, key: str) -> Any:
+    """The object's response (close and release it), or :class:`ObjectMissing`."""
     try:
-        response = store.get_object(bucket, key)
+        return store.get_object(bucket, key)
     except S3Error as exc:
         if exc.code in ("NoSuchKey", "NoSuchBucket"):
             raise ObjectMissing(f"s3://{bucket}/{key} does not exist") from None
         raise
+
+
+def _get(store: Minio, bucket: str, key: str) -> bytes:
+    response = _open(store, bucket, key)
     try:
-        return response.read()
+        return bytes(response.read())
     finally:
         response.close()
         response.release_conn()
@@ -123,12 +129,7 @@ def download_file(store: Minio, bucket: str, key: str, dest: Path, max_bytes: in
         ObjectMissing: the object does not exist.
         ValueError: the object is larger than ``max_bytes``.
     """
-    try:
-        response = store.get_object(bucket, key)
-    except S3Error as exc:
-        if exc.code in ("NoSuchKey", "NoSuchBucket"):
-            raise ObjectMissing(f"s3://{bucket}/{key} does not exist") from None
-        raise
+    response = _open(store, bucket, key)
     size = 0
     try:
         with dest.open("wb") as fh:
@@ -147,17 +148,79 @@ class BundleAltered(ValueError):
     """A code bundle's bytes do not match the digest its event recorded."""
 
 
-async def get_bundle(settings: Settings, object_key: str, digest: str) -> bytes:
-    """Read a content-addressed code bundle and check it against its BLAKE3 ``digest``.
+class BundleTooLarge(BundleAltered):
+    """A stored code bundle larger than its spec lets a bundle be
+    (:func:`dsec_core.codebundle.archive_bound`): never read past that bound."""
+
+
+def _stream_bundle(
+    store: Minio, bucket: str, key: str, digest: str, max_bytes: int, sink: Any
+) -> None:
+    """Write object ``key`` to ``sink`` (blocking), hashing it as it comes: at most
+    ``max_bytes``, and only if its BLAKE3 is ``digest``. The store's own size is checked first,
+    so a huge object costs one request, not its bytes."""
+    info = stat_object(store, bucket, key)
+    if info is None:
+        raise ObjectMissing(f"s3://{bucket}/{key} does not exist")
+    too_large = (
+        f"code bundle {key} is larger than {max_bytes} bytes, the most a bundle of its spec's "
+        "include_code.max_size may take"
+    )
+    if info.size > max_bytes:
+        raise BundleTooLarge(too_large)
+    response = _open(store, bucket, key)
+    hasher = blake3.blake3()
+    size = 0
+    try:
+        for chunk in response.stream(1 << 20):
+            size += len(chunk)
+            if size > max_bytes:  # replaced since the stat
+                raise BundleTooLarge(too_large)
+            hasher.update(chunk)
+            sink.write(chunk)
+    finally:
+        response.close()
+        response.release_conn()
+    if hasher.hexdigest() != digest:
+        raise BundleAltered(
+            f"code bundle {key} does not match its digest {digest[:16]}… "
+            "(altered in the object store?)"
+        )
+
+
+async def get_bundle(settings: Settings, object_key: str, digest: str, *, max_bytes: int) -> bytes:
+    """Read a content-addressed code bundle of at most ``max_bytes`` and check it against its
+    BLAKE3 ``digest`` (in memory: :func:`fetch_bundle` streams it to a file instead).
 
     Raises:
         ObjectMissing: the bundle is not in the store.
+        BundleTooLarge: it is larger than ``max_bytes`` (nothing past the bound is read).
         BundleAltered: its bytes are not the ones that were submitted.
     """
-    data = await get_bytes(client(settings), settings.s3_bucket, object_key)
-    if blake3.blake3(data).hexdigest() != digest:
-        raise BundleAltered(
-            f"code bundle {object_key} does not match its digest {digest[:16]}… "
-            "(altered in the object store?)"
-        )
-    return data
+    sink = io.BytesIO()
+    await asyncio.to_thread(
+        _stream_bundle, client(settings), settings.s3_bucket, object_key, digest, max_bytes, sink
+    )
+    return sink.getvalue()
+
+
+async def fetch_bundle(
+    settings: Settings, object_key: str, digest: str, dest: Path, *, max_bytes: int
+) -> None:
+    """Stream a code bundle of at most ``max_bytes`` into the file ``dest``, checked against its
+    BLAKE3 ``digest`` as it comes (memory stays a chunk); ``dest`` is removed when it fails.
+
+    Raises: as :func:`get_bundle`.
+    """
+
+    def fetch() -> None:
+        try:
+            with dest.open("wb") as fh:
+                _stream_bundle(
+                    client(settings), settings.s3_bucket, object_key, digest, max_bytes, fh
+                )
+        except BaseException:
+            dest.unlink(missing_ok=True)
+            raise
+
+    await asyncio.to_thread(fetch)

@@ -123,6 +123,8 @@ class Request:
     client_key: bytes
     args: dict[str, Any]
     fields: dict[str, Any]
+    hash: bytes
+    """BLAKE3 of the request's bytes: a refusal names it (:func:`dsec_core.rpc.request_hash`)."""
 
     @property
     def follow(self) -> bool:
@@ -182,37 +184,45 @@ def _unpack_map(data: bytes, what: str) -> dict[str, Any]:
 
 
 def parse_request(data: bytes, kind: str) -> Request:
-    """The request in ``data`` (shape only), or :class:`RemoteError` naming what is wrong."""
+    """The request in ``data`` (shape only), or :class:`RemoteError` naming what is wrong. Each
+    field must already be of its type (nothing is converted: a huge integer where bytes belong
+    costs what its sender chooses)."""
     raw = _unpack_map(data, "request")
-    try:
-        args = raw["args"]
-        stamp = datetime.fromisoformat(str(raw["time"]))
-        request = Request(
-            id=str(raw["id"]),
-            kind=raw["kind"],
-            sandbox_id=str(raw["sandbox_id"]),
-            node_id=str(raw["node_id"]),
-            tenant=str(raw["tenant"]),
-            producer=str(raw["producer"]),
-            key_id=str(raw["key_id"]),
-            time=stamp,
-            reply_to=str(raw["reply_to"]),
-            client_key=bytes(raw["client_key"]),
-            args=dict(args),
-            fields=raw,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
+    if raw.get("v") != 1 or raw.get("kind") != kind or kind not in KINDS:
         raise RemoteError(
-            f"request lacks or mangles a field: {type(exc).__name__}: {exc}"
-        ) from None
-    if raw.get("v") != 1 or request.kind != kind or kind not in KINDS:
-        raise RemoteError(f"a {raw.get('kind')!r} request (v{raw.get('v')}) on the {kind} subject")
+            f"a {str(raw.get('kind'))[:20]!r} request (v{str(raw.get('v'))[:8]}) on the {kind} "
+            "subject"
+        )
+    when = rpc.text(raw, "time", RemoteError, limit=64)
+    try:
+        stamp = datetime.fromisoformat(when)
+    except ValueError:
+        raise RemoteError("time must be an ISO 8601 time") from None
+    args = raw.get("args")
+    if not isinstance(args, dict):
+        raise RemoteError("args must be a map")
+    request = Request(
+        id=rpc.request_id(raw, RemoteError),
+        kind=kind,  # type: ignore[arg-type]  # one of KINDS, checked above
+        sandbox_id=rpc.text(raw, "sandbox_id", RemoteError, limit=80),
+        node_id=rpc.text(raw, "node_id", RemoteError, limit=64),
+        tenant=rpc.text(raw, "tenant", RemoteError, limit=64),
+        producer=rpc.text(raw, "producer", RemoteError, limit=128),
+        key_id=rpc.text(raw, "key_id", RemoteError, limit=64),
+        time=stamp,
+        reply_to=rpc.text(raw, "reply_to", RemoteError),
+        client_key=rpc.blob(raw, "client_key", RemoteError, size=32),
+        args=args,
+        fields=raw,
+        hash=rpc.request_hash(data),
+    )
     if not _SANDBOX.match(request.sandbox_id):
         raise RemoteError(f"sandbox id {request.sandbox_id[:80]!r} is not a sandbox id")
-    if stamp.tzinfo is None or len(request.client_key) != 32:
-        raise RemoteError("time without zone, or a client key that is not 32 bytes")
-    if not isinstance(raw.get("sig"), bytes) or not request.reply_to.startswith("_INBOX."):
-        raise RemoteError("no signature, or a reply subject that is not an inbox")
+    if stamp.tzinfo is None:
+        raise RemoteError("time must carry its zone")
+    rpc.blob(raw, "sig", RemoteError, size=64)
+    if not request.reply_to.startswith("_INBOX."):
+        raise RemoteError("the reply subject must be an inbox")
     if kind == "exec" and not _valid_argv(args.get("argv")):
         raise RemoteError(f"argv must be 1 to 256 strings, {MAX_ARGV_BYTES} bytes at most")
     if kind == "exec" and args.get("tty") is True:
@@ -306,15 +316,22 @@ class ReplayWindow:
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._limit = limit
 
-    def refusal(self, request_id: str, stamp: datetime) -> tuple[str, str] | None:
-        """``(reason, detail)`` when the request must be refused, else None (and it is
-        remembered)."""
-        now = datetime.now(UTC)
-        age = (now - stamp).total_seconds()
+    def outside(self, stamp: datetime) -> tuple[str, str] | None:
+        """``(reason, detail)`` when a request dated ``stamp`` is outside the window (``stale``
+        or ``future``): checked before anything costly, and again by :meth:`refusal`."""
+        age = (datetime.now(UTC) - stamp).total_seconds()
         if age > self.window_s or stamp < self.started.replace(microsecond=0):
             return "stale", f"request dated {stamp.isoformat()}, outside the replay window"
         if -age > self.window_s:
             return "future", f"request dated {stamp.isoformat()}, in the future"
+        return None
+
+    def refusal(self, request_id: str, stamp: datetime) -> tuple[str, str] | None:
+        """``(reason, detail)`` when the request must be refused, else None (and it is
+        remembered)."""
+        outside = self.outside(stamp)
+        if outside is not None:
+            return outside
         mono = time.monotonic()
         while self._seen and (
             len(self._seen) >= self._limit
@@ -345,9 +362,13 @@ def hello(sign: Any, key_id: str, request: Request, node_key: PrivateKey) -> tup
     return message, Box(node_key, PublicKey(request.client_key))
 
 
-def refusal(sign: Any, key_id: str, rid: str, reason: str, detail: str) -> bytes:
-    """A signed refusal (plaintext: it says only why, never anything of the sandbox)."""
-    body = {"k": "refused", "rid": rid, "reason": reason, "detail": detail[:500], "key_id": key_id}
+def refusal(sign: Any, key_id: str, rid: str, rh: bytes, reason: str, detail: str) -> bytes:
+    """A signed refusal of the request of id ``rid`` whose bytes hash to ``rh`` (plaintext: it
+    says only why, never anything of the sandbox)."""
+    body = {
+        "k": "refused", "rid": rid, "rh": rh, "reason": reason, "detail": detail[:500],
+        "key_id": key_id,
+    }  # fmt: skip
     sig = bytes.fromhex(sign(REFUSAL_DOMAIN + canonical.canonical_bytes(body)))
     return canonical.canonical_bytes({**body, "sig": sig})
 
@@ -361,34 +382,43 @@ class NodeAnswer:
     fields: dict[str, Any]
 
     def check(
-        self, public_raw: bytes, rid: str, node_id: str, client: PrivateKey
+        self, public_raw: bytes, rid: str, node_id: str, client: PrivateKey, rh: bytes
     ) -> Box | tuple[str, str]:
         """The session's box (hello) or ``(reason, detail)`` (refusal), once the node's
-        signature holds; :class:`RemoteError` when it does not."""
+        signature holds; :class:`RemoteError` when it does not. A refusal must name ``rh``,
+        the hash of the request's bytes: one of an altered copy of the request (anyone may
+        publish one) is not one of the request. A hello needs no hash: it names the request's
+        one-time client key, which only the request's signer chose."""
         body = {k: v for k, v in self.fields.items() if k != "sig"}
         if self.kind == "hello":
-            node_key = bytes(body.get("node_key", b""))
+            node_key = body["node_key"]
             signed = _hello_bytes(rid, node_id, node_key, bytes(client.public_key))
         else:
             signed = REFUSAL_DOMAIN + canonical.canonical_bytes(body)
         try:
-            VerifyKey(public_raw).verify(signed, bytes(self.fields.get("sig", b"")))
+            VerifyKey(public_raw).verify(signed, self.fields["sig"])
         except (BadSignatureError, ValueError, TypeError):
             raise RemoteError("the answer is not signed by the node agent's key") from None
         if body.get("rid") != rid:
             raise RemoteError("an answer to another request")
         if self.kind == "refused":
-            return str(body.get("reason")), str(body.get("detail"))
+            if body.get("rh") != rh:
+                raise RemoteError("a refusal of another copy of the request")
+            return str(body.get("reason"))[:64], str(body.get("detail"))[:500]
         return Box(client, PublicKey(node_key))
 
 
 def parse_answer(data: bytes) -> NodeAnswer:
-    """The node's first answer (hello or refusal)."""
+    """The node's first answer (hello or refusal), shape only: each field of its type."""
     raw = _unpack_map(data, "answer")
     kind = raw.get("k")
-    if kind not in ("hello", "refused") or not isinstance(raw.get("key_id"), str):
+    if kind not in ("hello", "refused"):
         raise RemoteError("the first answer must be a hello or a refusal")
-    return NodeAnswer(kind, raw["key_id"], raw)
+    key_id = rpc.text(raw, "key_id", RemoteError, limit=64)
+    rpc.blob(raw, "sig", RemoteError, size=64)
+    if kind == "hello":
+        rpc.blob(raw, "node_key", RemoteError, size=32)
+    return NodeAnswer(kind, key_id, raw)
 
 
 class FrameCodec:

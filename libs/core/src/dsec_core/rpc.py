@@ -10,10 +10,13 @@ import logging
 import time
 from typing import Any
 
+import blake3
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
 from dsec_core import canonical
+from dsec_core.ids import canonical_uuid
+from dsec_core.natsperms import INBOX, TABLE, USER
 
 
 class RpcError(ValueError):
@@ -29,6 +32,51 @@ def unpack_map(data: bytes, what: str, error: type[RpcError] = RpcError) -> dict
     if not isinstance(value, dict):
         raise error(f"{what} must be a map")
     return value
+
+
+def text(raw: dict[str, Any], name: str, error: type[RpcError], *, limit: int = 256) -> str:
+    """Field ``name`` of a message: a string of at most ``limit`` characters and no control
+    character (it may reach a log line), else ``error``. Never converted from another type:
+    ``bytes(2**64)`` or ``str()`` of a huge value costs what an attacker chooses."""
+    value = raw.get(name)
+    if not isinstance(value, str) or len(value) > limit or not value.isprintable():
+        raise error(f"{name} must be a printable string of at most {limit} characters")
+    return value
+
+
+def blob(raw: dict[str, Any], name: str, error: type[RpcError], *, size: int) -> bytes:
+    """Field ``name`` of a message: exactly ``size`` bytes, else ``error``."""
+    value = raw.get(name)
+    if not isinstance(value, bytes) or len(value) != size:
+        raise error(f"{name} must be {size} bytes")
+    return value
+
+
+def request_id(raw: dict[str, Any], error: type[RpcError]) -> str:
+    """The ``id`` field: a canonical UUID (it is echoed in answers and logged)."""
+    value = raw.get("id")
+    if not isinstance(value, str) or not canonical_uuid(value):
+        raise error("id must be a UUID")
+    return value
+
+
+def request_hash(data: bytes) -> bytes:
+    """What an answer names its request by: the BLAKE3 of the request's exact bytes. A client
+    believes only answers to the bytes it sent, so a copy of its request altered by someone else
+    (answered ``bad-signature``, signed by the genuine service, on the client's inbox) cannot
+    end it."""
+    return blake3.blake3(data).digest()
+
+
+def answerable(reply: str | None) -> bool:
+    """Whether a service may answer on ``reply``: an inbox, and none of a service's own
+    (``_INBOX.<identity>.…``): a request names the subject, and an answer must not land among a
+    service's own replies."""
+    if not reply or not reply.startswith(f"{INBOX}."):
+        return False
+    identity = reply.split(".", 2)[1]
+    service = identity in TABLE and identity != USER  # a person's CLI: users and the operator
+    return not (service or identity.startswith("nodeagent-"))
 
 
 def sign_fields(key: SigningKey, domain: bytes, fields: dict[str, Any]) -> bytes:
@@ -86,6 +134,7 @@ class RefusalLog:
             return
         more, self._last, self._held = self._held, now, 0
         self.logger.warning(
-            "%s %s refused: %s (%s)%s",
-            self.what, rid, reason, detail[:200], f"; {more} more refused before" if more else "",
+            "%s %r refused: %s (%r)%s",
+            self.what, rid[:80], reason[:64], detail[:200],
+            f"; {more} more refused before" if more else "",
         )  # fmt: skip

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import KeyRegistered, KeyRevoked, SpecSubmitted
 from dsec_core.eventtypes import unpack_fields as unpack_fields
 from dsec_core.identity import Certificate
+from dsec_core.ids import canonical_uuid as canonical_uuid
 from dsec_core.lifecycle import LIFECYCLE_TYPES, Lifecycle, fold_envelopes
 from dsec_core.signing import verify_raw
 from dsec_core.subjects import STREAM, filter_for, subject_for
@@ -272,17 +272,6 @@ async def handled_bucket(js: JetStreamContext, *, replicas: int | None = None) -
             info.config.num_replicas = replicas
             await js.update_stream(info.config)
     return kv
-
-
-def canonical_uuid(text: str) -> bool:
-    """Whether ``text`` is a UUID in its canonical form (36 lowercase hex and hyphens), as
-    every DSec producer writes event ids."""
-    if len(text) != 36:
-        return False
-    try:
-        return str(uuid.UUID(text)) == text
-    except ValueError:
-        return False
 
 
 class Gate:

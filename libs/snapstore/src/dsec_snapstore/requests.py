@@ -30,7 +30,7 @@ from typing import Literal
 
 from dsec_core import events
 from dsec_core.bus import replay
-from dsec_core.codebundle import MAX_SIZE_LIMIT, BundleError, extract_bundle
+from dsec_core.codebundle import MAX_SIZE_LIMIT, BundleError, archive_bound, extract_bundle
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from dsec_core.ids import output_event_id
 from dsec_core.lifecycle import fold_envelopes
@@ -355,7 +355,10 @@ class SnapshotRequests:
         if ref is None:
             return None
         try:
-            data = await get_bundle(self.settings, ref.object_key, ref.digest)
+            data = await get_bundle(
+                self.settings, ref.object_key, ref.digest,
+                max_bytes=archive_bound(facts.validated.plan.code_max_size),
+            )  # fmt: skip
         except ObjectMissing:
             raise Refused(
                 f"code bundle {ref.object_key} of sandbox {facts.sandbox_id} is missing from "

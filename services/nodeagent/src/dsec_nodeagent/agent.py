@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec_core import events, lifecycle, retention
-from dsec_core.codebundle import BundleError, extract_bundle, open_real_dir
+from dsec_core.codebundle import BundleError, archive_bound, extract_bundle, open_real_dir
 from dsec_core.envelope import Envelope
 from dsec_core.ids import derive_event_id
 from dsec_core.layout import NodeLayout
 from dsec_core.natsclient import auth_options
-from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
+from dsec_core.objectstore import BundleAltered, ObjectMissing, fetch_bundle
 from dsec_core.objectstore import client as s3_client
 from dsec_core.settings import Settings
 from dsec_core.spec import EnforcementPlan
@@ -452,17 +452,26 @@ class NodeAgent:
                 f"code bundle unusable: it expands to {code.expanded_size} bytes, over "
                 f"include_code.max_size ({max_size} bytes)"
             )
-        try:
-            data = await get_bundle(self.settings, code.object_key, code.digest)
-        except (ObjectMissing, BundleAltered) as exc:
-            raise StartRefused(str(exc)) from None
         dest = self._code_path(sandbox_id)
         if dest.exists():  # a redelivery after a crash: the bundle is immutable, reuse it
             return dest
+        # streamed to a file beside the copy, never held whole in the node agent's memory
+        archive = dest.with_name(f".{dest.name}.tar.zst")
+        await asyncio.to_thread(archive.parent.mkdir, parents=True, exist_ok=True)
         try:
-            await asyncio.to_thread(extract_bundle, data, dest, max_size=max_size)
-        except BundleError as exc:
-            raise StartRefused(f"code bundle unusable: {exc}") from None
+            try:
+                await fetch_bundle(
+                    self.settings, code.object_key, code.digest, archive,
+                    max_bytes=archive_bound(max_size),
+                )  # fmt: skip
+            except (ObjectMissing, BundleAltered) as exc:
+                raise StartRefused(str(exc)) from None
+            try:
+                await asyncio.to_thread(extract_bundle, archive, dest, max_size=max_size)
+            except BundleError as exc:
+                raise StartRefused(f"code bundle unusable: {exc}") from None
+        finally:
+            await asyncio.to_thread(archive.unlink, missing_ok=True)
         return dest
 
     # --------------------------------------------------------------- handlers

@@ -211,14 +211,18 @@ class RemoteAccess:
         return on_request
 
     async def _on_request(self, kind: str, msg: Msg) -> None:
+        # A refusal goes to the subject the message came with and names the hash of its exact
+        # bytes: an altered copy of someone's request is refused to whoever sent it, and that
+        # refusal is not one of the genuine request (the client checks the hash).
+        rh = rpc.request_hash(msg.data)
         try:
             request = remote.parse_request(msg.data, kind)
         except RemoteError as exc:
-            await self._refuse(kind, msg.reply, "-", "malformed", str(exc))
+            await self._refuse(kind, msg.reply, "-", rh, "malformed", str(exc))
             return
         problem = await self._verify(request, msg.reply)
         if problem is not None:
-            await self._refuse(kind, request.reply_to, request.id, *problem)
+            await self._refuse(kind, msg.reply, request.id, rh, *problem)
             return
         await self._serve(request)
 
@@ -230,6 +234,11 @@ class RemoteAccess:
             return "misrouted", f"a request for node {request.node_id!r} on {self.node_id!r}"
         if reply != request.reply_to:
             return "malformed", "the reply subject is not the one the request signed"
+        if not rpc.answerable(reply):
+            return "malformed", "the reply subject is a service's inbox"
+        outside = self.replay.outside(request.time)  # before the key is looked up in the log
+        if outside is not None:
+            return outside
         refused = await rpc.user_refusal(
             gate.keys, request.key_id, request.producer, request.tenant, request.fields,
             remote.REQUEST_DOMAIN, action="act",
@@ -291,13 +300,15 @@ class RemoteAccess:
         return self.manager.log_paths(request.sandbox_id)[1 if request.stream == "stderr" else 0]
 
     async def _refuse(
-        self, kind: str, reply: str | None, rid: str, reason: str, detail: str
+        self, kind: str, reply: str | None, rid: str, rh: bytes, reason: str, detail: str
     ) -> None:
         REFUSALS.labels(kind, reason).inc()
         self._refusals.refused(f"{kind} {rid}", reason, detail)
         nc = self.service.nc
-        if reply and reply.startswith("_INBOX.") and nc is not None:
-            answer = remote.refusal(self.service.endorse, self.service.key_id, rid, reason, detail)
+        if reply is not None and rpc.answerable(reply) and nc is not None:
+            answer = remote.refusal(
+                self.service.endorse, self.service.key_id, rid, rh, reason, detail
+            )
             with contextlib.suppress(Exception):
                 await nc.publish(reply, answer)
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 import blake3
-from dsec_core.codebundle import BUNDLE_PREFIX, bundle_of_tenant, declared_max_size
+from dsec_core.codebundle import BUNDLE_PREFIX, archive_bound, bundle_of_tenant, declared_max_size
 from dsec_core.envelope import Envelope
 from dsec_core.events import Payload, SpecRejected, SpecSubmitted, SpecValidated
-from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
+from dsec_core.objectstore import BundleAltered, ObjectMissing, fetch_bundle
 from dsec_core.settings import Settings
 from dsec_core.spec import SpecError
 from dsec_rules.adapters.code_files import CodeDirError, read_bundle_sources
@@ -87,18 +89,24 @@ class PolicyHandlers:
                 f"submit with --code: the CLI stores the bundle under {BUNDLE_PREFIX}{tenant}/",
                 path="code",
             )
-        try:
-            archive = await get_bundle(self.settings, event.code.object_key, event.code.digest)
-        except ObjectMissing as exc:
-            return _bundle_error(event.filename, f"code bundle missing: {exc}")
-        except BundleAltered as exc:
-            return _bundle_error(event.filename, str(exc))
-        try:
-            return await asyncio.to_thread(
-                read_bundle_sources, archive, declared_max_size(event.spec_yaml)
-            )
-        except CodeDirError as exc:
-            return _bundle_error(event.filename, str(exc))
+        max_size = declared_max_size(event.spec_yaml)
+        # streamed to a file, never held whole: a tenant's big bundles must not fill this
+        # shared service's memory (its workers validate several at once)
+        with tempfile.TemporaryDirectory(prefix="dsec-policy-bundle-") as tmp:
+            archive = Path(tmp) / "bundle.tar.zst"
+            try:
+                await fetch_bundle(
+                    self.settings, key, event.code.digest, archive,
+                    max_bytes=archive_bound(max_size),
+                )  # fmt: skip
+            except ObjectMissing as exc:
+                return _bundle_error(event.filename, f"code bundle missing: {exc}")
+            except BundleAltered as exc:
+                return _bundle_error(event.filename, str(exc))
+            try:
+                return await asyncio.to_thread(read_bundle_sources, archive, max_size)
+            except CodeDirError as exc:
+                return _bundle_error(event.filename, str(exc))
 
     async def on_submitted(self, envelope: Envelope, event: SpecSubmitted) -> Sequence[Payload]:
         """Validate one submitted spec (pure decision; bundle fetched first)."""

@@ -30,6 +30,9 @@ ANSWERS = Counter(
     "Code-upload requests answered, by outcome (granted or the refusal's reason)",
     ["outcome"],
 )
+UNKNOWN_KEY_S = 2.0
+"""A key id the log did not hold is not looked up again for this long: each lookup reads the
+stream, and forged requests with fresh key ids cost their sender nothing."""
 TENANT_GRANTS_PER_MIN = 60
 """Grants one tenant's users get from one instance a minute (a burst of as many): each lets
 them store a bundle in the shared bucket."""
@@ -71,6 +74,7 @@ class CodeUploads:
         self._bucket_ready = False
         self._refusals = rpc.RefusalLog(log, "code-upload request")
         self._allowances: dict[str, _Allowance] = {}
+        self._unknown: dict[str, float] = {}  # key id -> until when it counts as unregistered
 
     def attach(self) -> CodeUploads:
         """Start and stop with the service."""
@@ -99,22 +103,27 @@ class CodeUploads:
             log.exception("code-upload request failed")
 
     async def _answer(self, msg: Any) -> None:
+        # Every answer goes to the subject the message came with and names the hash of its
+        # exact bytes: an altered copy of someone's request is refused to whoever sent it, and
+        # its refusal is not one of the genuine request (the client checks the hash).
+        reply, rh = msg.reply, rpc.request_hash(msg.data)
         try:
             request = codeupload.parse_request(msg.data)
         except UploadError as exc:
-            await self._refuse(msg.reply, "-", "malformed", str(exc))
+            await self._refuse(reply, "-", rh, "malformed", str(exc))
             return
-        problem = await self._verify(request, msg.reply)
+        problem = await self._verify(request, reply)
         if problem is not None:
-            await self._refuse(request.reply_to, request.id, *problem)
+            await self._refuse(reply, request.id, rh, *problem)
             return
         try:
             granted = await self._grant(request)
         except Exception as exc:  # the object store or its configuration
             log.warning("cannot sign an upload grant: %s", type(exc).__name__)
             await self._refuse(
-                request.reply_to,
+                reply,
                 request.id,
+                rh,
                 "unavailable",
                 f"the policy service cannot sign for the object store ({type(exc).__name__}); "
                 "ask the operator to check DSEC_S3_* (`dsec status`)",
@@ -124,19 +133,30 @@ class CodeUploads:
         ANSWERS.labels("granted").inc()
         nc = self.service.nc
         assert nc is not None
-        await nc.publish(request.reply_to, answer)
+        await nc.publish(reply, answer)
 
     async def _verify(self, request: UploadRequest, reply: str | None) -> tuple[str, str] | None:
-        """Why the request must be refused, checked like an event; None when it may be granted."""
+        """Why the request must be refused, checked like an event, the cheap checks first;
+        None when it may be granted."""
         gate = self.service.gate
         assert gate is not None
         if reply != request.reply_to:
             return "malformed", "the reply subject is not the one the request signed"
+        if not rpc.answerable(reply):
+            return "malformed", "the reply subject is a service's inbox"
+        outside = self.replay.outside(request.time)
+        if outside is not None:
+            return outside
+        if self._unknown.get(request.key_id, 0.0) > time.monotonic():
+            return "unknown-key", f"key {request.key_id} is not registered"
         refused = await rpc.user_refusal(
             gate.keys, request.key_id, request.producer, request.tenant, request.fields,
             codeupload.REQUEST_DOMAIN, action="store code",
         )  # fmt: skip
         if refused is not None:
+            if refused[0] == "unknown-key":  # not read from the log again for a while
+                self._forget_unknown()
+                self._unknown[request.key_id] = time.monotonic() + UNKNOWN_KEY_S
             return refused
         reserved = reserved_tenant(request.tenant)
         if reserved is not None:
@@ -149,6 +169,13 @@ class CodeUploads:
         if busy is not None:
             return "busy", f"tenant {request.tenant!r} asked for {busy}; try again later"
         return None
+
+    def _forget_unknown(self) -> None:
+        now = time.monotonic()
+        if len(self._unknown) >= 10_000:
+            self._unknown = {k: t for k, t in self._unknown.items() if t > now}
+            while len(self._unknown) >= 10_000:
+                self._unknown.pop(next(iter(self._unknown)))
 
     async def _grant(self, request: UploadRequest) -> Grant:
         settings = self.service.settings
@@ -180,13 +207,15 @@ class CodeUploads:
         policy.add_content_length_range_condition(size, size)
         return {str(k): str(v) for k, v in self._store.presigned_post_policy(policy).items()}
 
-    async def _refuse(self, reply: str | None, rid: str, reason: str, detail: str) -> None:
+    async def _refuse(
+        self, reply: str | None, rid: str, rh: bytes, reason: str, detail: str
+    ) -> None:
         ANSWERS.labels(reason).inc()
         self._refusals.refused(rid, reason, detail)
         nc = self.service.nc
-        if reply and reply.startswith("_INBOX.") and nc is not None:
+        if reply is not None and rpc.answerable(reply) and nc is not None:
             answer = codeupload.refusal(
-                self.service.endorse, self.service.key_id, rid, reason, detail
+                self.service.endorse, self.service.key_id, rid, rh, reason, detail
             )
             with contextlib.suppress(Exception):
                 await nc.publish(reply, answer)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import tarfile
 from fnmatch import fnmatch
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from dsec_core.codebundle import DEFAULT_MAX_SIZE, BundleError, extract_bundle
+from dsec_core.codebundle import DEFAULT_MAX_SIZE, BundleError, read_members
 
 SKIPPED_DIRS = frozenset(
     {
@@ -26,7 +26,11 @@ SKIPPED_DIRS = frozenset(
     }
 )
 MAX_FILE_BYTES = 2 * 2**20
+"""A Python file larger than this is not analyzed (generated code, data in a ``.py``)."""
 MAX_FILES = 10_000
+MAX_TOTAL_BYTES = 64 * 2**20
+"""The Python sources analyzed at most, all files together: held in memory by the shared
+policy service (several validations at once), whatever ``include_code.max_size`` a spec asks."""
 
 
 class CodeDirError(ValueError):
@@ -41,11 +45,13 @@ def read_python_sources(root: Path, exclude_patterns: tuple[str, ...] = ()) -> d
     Symlinks are not followed, so nothing outside ``root`` is read.
 
     Raises:
-        CodeDirError: ``root`` is not a directory or holds more than 10,000 Python files.
+        CodeDirError: ``root`` is not a directory or holds more than 10,000 Python files or
+            64 MiB of them.
     """
     if not root.is_dir():
         raise CodeDirError(f"{root}: not a directory")
     out: dict[str, bytes] = {}
+    total = 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_DIRS)
         for name in sorted(filenames):
@@ -58,25 +64,50 @@ def read_python_sources(root: Path, exclude_patterns: tuple[str, ...] = ()) -> d
             if path.stat().st_size > MAX_FILE_BYTES:
                 continue
             out[rel] = path.read_bytes()
-            if len(out) > MAX_FILES:
-                raise CodeDirError(f"{root}: more than {MAX_FILES} Python files")
+            total += len(out[rel])
+            _check_bounds(len(out), total, str(root))
     return out
+
+
+def _check_bounds(files: int, total: int, where: str) -> None:
+    """Refuse more Python files, or more bytes of them, than one analysis takes."""
+    if files > MAX_FILES:
+        raise CodeDirError(f"{where}: more than {MAX_FILES} Python files")
+    if total > MAX_TOTAL_BYTES:
+        raise CodeDirError(
+            f"{where}: more than {MAX_TOTAL_BYTES // 2**20} MiB of Python sources to analyze; "
+            "exclude generated or vendored code (include_code.exclude_patterns)"
+        )
 
 
 def read_bundle_sources(
     archive: bytes | Path | BinaryIO, max_size: int = DEFAULT_MAX_SIZE
 ) -> dict[str, bytes]:
-    """The ``*.py`` files of a code bundle archive (``dsec_core.codebundle``).
-
-    The archive is extracted into a temporary directory that is always removed; it may expand
-    to ``max_size`` bytes (the spec's ``include_code.max_size``).
+    """The ``*.py`` files of a code bundle archive (``dsec_core.codebundle``), chosen as
+    :func:`read_python_sources` chooses them, read as the archive streams by: nothing is
+    written to disk, and memory holds the sources (at most ``MAX_TOTAL_BYTES``), not the
+    bundle. Every member is checked as an extraction checks it, within ``max_size`` (the
+    spec's ``include_code.max_size``).
 
     Raises:
-        CodeDirError: the archive is not a valid bundle.
+        CodeDirError: the archive is not a valid bundle, or holds more Python than one
+            analysis takes.
     """
-    with tempfile.TemporaryDirectory(prefix="dsec-policy-") as tmp:
-        try:
-            extract_bundle(archive, Path(tmp) / "code", max_size=max_size)
-        except BundleError as exc:
-            raise CodeDirError(f"invalid code bundle: {exc}") from None
-        return read_python_sources(Path(tmp) / "code")
+    out: dict[str, bytes] = {}
+    total = 0
+
+    def wanted(rel: PurePosixPath, member: tarfile.TarInfo) -> bool:
+        return (
+            rel.name.endswith(".py")
+            and not any(part in SKIPPED_DIRS for part in rel.parts[:-1])
+            and member.size <= MAX_FILE_BYTES
+        )
+
+    try:
+        for rel, data in read_members(archive, wanted, max_size=max_size):
+            out[rel.as_posix()] = data
+            total += len(data)
+            _check_bounds(len(out), total, "code bundle")
+    except BundleError as exc:
+        raise CodeDirError(f"invalid code bundle: {exc}") from None
+    return dict(sorted(out.items()))

@@ -1,0 +1,74 @@
+"""Reading a code bundle from a real object store: bounded by its spec, checked as it streams."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+from dsec_core.objectstore import (
+    BundleAltered,
+    BundleTooLarge,
+    ObjectMissing,
+    fetch_bundle,
+    get_bundle,
+)
+from dsec_core.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+def _settings(s3: Any) -> Settings:
+    return Settings(
+        s3_endpoint=s3.endpoint,
+        s3_access_key=s3.access_key,
+        s3_secret_key=s3.secret_key,
+        s3_bucket=s3.bucket,
+    )
+
+
+def _store(s3: Any, data: bytes) -> tuple[str, str]:
+    digest = blake3.blake3(data).hexdigest()
+    key = f"bundles/test-objectstore/{digest}.tar.zst"
+    s3.client().put_object(s3.bucket, key, io.BytesIO(data), len(data))
+    return key, digest
+
+
+async def test_a_bundle_streams_to_a_file_checked_against_its_digest(
+    s3: Any, tmp_path: Path
+) -> None:
+    data = os.urandom(3 << 20)
+    key, digest = _store(s3, data)
+    dest = tmp_path / "b.tar.zst"
+    await fetch_bundle(_settings(s3), key, digest, dest, max_bytes=len(data))
+    assert dest.read_bytes() == data
+    assert await get_bundle(_settings(s3), key, digest, max_bytes=len(data)) == data
+
+
+async def test_a_bundle_over_its_bound_is_refused_and_nothing_is_left(
+    s3: Any, tmp_path: Path
+) -> None:
+    data = os.urandom(2 << 20)
+    key, digest = _store(s3, data)
+    dest = tmp_path / "b.tar.zst"
+    with pytest.raises(BundleTooLarge, match=f"larger than {len(data) - 1} bytes"):
+        await fetch_bundle(_settings(s3), key, digest, dest, max_bytes=len(data) - 1)
+    assert not dest.exists()
+    with pytest.raises(BundleTooLarge):
+        await get_bundle(_settings(s3), key, digest, max_bytes=1024)
+
+
+async def test_a_bundle_that_is_not_its_digest_or_missing_is_refused(
+    s3: Any, tmp_path: Path
+) -> None:
+    key, _ = _store(s3, b"the real bytes")
+    dest = tmp_path / "b.tar.zst"
+    with pytest.raises(BundleAltered, match="does not match its digest"):
+        await fetch_bundle(_settings(s3), key, "0" * 64, dest, max_bytes=1 << 20)
+    assert not dest.exists()
+    with pytest.raises(ObjectMissing):
+        await fetch_bundle(_settings(s3), key + ".nope", "0" * 64, dest, max_bytes=1 << 20)
+    assert not dest.exists()
