@@ -392,7 +392,7 @@ async def test_forged_and_replayed_frames_on_the_bus_do_not_break_a_session(
     sent: list[str] = []
     tasks: list[asyncio.Task[None]] = []
 
-    async def flood(rid: str, inbox: str) -> None:
+    async def flood(rh: bytes, inbox: str) -> None:
         seen_in: list[bytes] = []
         seen_out: list[bytes] = []
 
@@ -409,12 +409,12 @@ async def test_forged_and_replayed_frames_on_the_bus_do_not_break_a_session(
         try:
             for _ in range(30):
                 await nc.publish(inbox, b"\x93garbage")
-                await nc.publish(input_subject, remote.input_message(rid, b"x" * 64))
+                await nc.publish(input_subject, remote.input_message(rh, b"x" * 64))
                 for data in seen_in[-3:]:
                     await nc.publish(input_subject, data)
                 for data in seen_out[-3:]:
                     await nc.publish(inbox, data)
-                sent.append(rid)
+                sent.append(rh.hex())
                 await asyncio.sleep(0.1)
         finally:
             for sub in subs:
@@ -427,7 +427,7 @@ async def test_forged_and_replayed_frames_on_the_bus_do_not_break_a_session(
             node2.signer.endorse, node2.signer.key_id, request, PrivateKey.generate()
         )
         await nc.publish(request.reply_to, hello)
-        tasks.append(asyncio.create_task(flood(request.id, request.reply_to)))
+        tasks.append(asyncio.create_task(flood(request.hash, request.reply_to)))
 
     await nc.subscribe(remote.request_subject("node-1", "exec"), cb=on_request)
     await nc.flush()

@@ -22,6 +22,7 @@ from dsec_core.codebundle import (
     git_info,
     list_tree,
     open_real_dir,
+    read_members,
     scan_tree,
 )
 
@@ -414,6 +415,86 @@ def test_an_archive_over_the_bound_readers_fetch_is_not_built(
     with pytest.raises(BundleError, match=r"raise max_size or exclude files"):
         build_bundle(root, max_size=2**20, out=out)
     assert not out.exists() and list(out.parent.iterdir()) == []
+
+
+def _raw_archive(raw: bytes) -> bytes:
+    return zstandard.ZstdCompressor().compress(raw)
+
+
+def _header(name: str, size: int, kind: bytes) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.type = size, kind
+    return info.tobuf(format=tarfile.GNU_FORMAT)
+
+
+def _padded(data: bytes) -> bytes:
+    return data + b"\0" * (-len(data) % 512)
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("a 1 MiB PAX header", "an extended header of"),
+        ("a 1 MiB GNU long name", "an extended header of"),
+        ("400 PAX headers in a row", "not a valid bundle archive"),
+        ("a sparse member", "sparse"),
+        ("a PAX sparse map that is no number", "not a valid bundle archive"),
+        ("a path 200 levels deep", "deeper than 128 levels"),
+        ("a path of 5,000 bytes", "a path over 4096 bytes"),
+    ],
+)
+def test_what_tarfile_reads_before_a_member_is_bounded_and_refused(
+    tmp_path: Path, case: str, needle: str
+) -> None:
+    """A few KB of archive made tarfile read gigabytes before any check of ours (an extended
+    header is read whole, a sparse map expanded), or raised something else than a BundleError
+    (a ValueError, a RecursionError): both the policy's scan and the node's extraction refuse
+    these now, at once, with a BundleError."""
+    end = _header("a.py", 1, tarfile.REGTYPE) + _padded(b"x") + b"\0" * 1024
+    if case == "a 1 MiB PAX header":
+        record = b"%d comment=%s\n" % (2**20 + 18, b"x" * 2**20)
+        raw = _header("p", len(record), tarfile.XHDTYPE) + _padded(record) + end
+    elif case == "a 1 MiB GNU long name":
+        raw = _header("././@LongLink", 2**20, tarfile.GNUTYPE_LONGNAME) + b"a" * 2**20 + end
+    elif case == "400 PAX headers in a row":
+        record = b"13 path=a.py\n"
+        one = _header("p", len(record), tarfile.XHDTYPE) + _padded(record)
+        raw = one * 400 + end
+    elif case == "a sparse member":
+        raw = _header("s", 0, tarfile.GNUTYPE_SPARSE) + end
+    elif case == "a PAX sparse map that is no number":
+        record = b"21 GNU.sparse.map=x\n"
+        raw = _header("p", len(record), tarfile.XHDTYPE) + _padded(record) + end
+    elif case == "a path 200 levels deep":
+        info = tarfile.TarInfo("/".join(["d"] * 200) + ".py")
+        raw = info.tobuf(format=tarfile.PAX_FORMAT) + b"\0" * 1024
+    else:
+        info = tarfile.TarInfo("a" * 5000)
+        raw = info.tobuf(format=tarfile.PAX_FORMAT) + b"\0" * 1024
+    archive = _raw_archive(raw)
+    assert len(archive) < 8192
+    with pytest.raises(BundleError, match=needle):
+        extract_bundle(archive, tmp_path / "out", max_size=2**30)
+    with pytest.raises(BundleError, match=needle):
+        list(read_members(archive, lambda rel, m: True, max_size=2**30))
+    assert not (tmp_path / "out").exists()
+
+
+def test_directories_a_path_implies_count_as_entries(tmp_path: Path) -> None:
+    """2,000 members 50 levels deep made 100,000 directories on the node while the bound on
+    entries (an inode bound) counted 2,000: each directory a path implies counts now."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for i in range(30):
+            info = tarfile.TarInfo(f"m{i}/" + "/".join(["d"] * 9) + "/x.py")
+            tar.addfile(info, io.BytesIO(b""))
+    archive = _raw_archive(raw.getvalue())
+    with pytest.raises(BundleError, match="more than 200 entries"):
+        extract_bundle(archive, tmp_path / "out", max_members=200)
+    with pytest.raises(BundleError, match="more than 200 entries"):
+        list(read_members(archive, lambda rel, m: True, max_members=200))
+    # 30 members and their 300 directories fit a bound of 330, named directories once
+    assert len(extract_bundle(archive, tmp_path / "ok", max_members=330)) == 30
 
 
 def test_extraction_counts_bytes_written_not_the_manifest(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from dsec_core import canonical, natsperms, remote
+from dsec_core import canonical, natsperms, remote, rpc
 from dsec_core.remote import FrameCodec, RemoteError
 from nacl.public import Box, PrivateKey
 from nacl.signing import SigningKey
@@ -91,6 +91,16 @@ def test_fields_of_the_wrong_type_are_refused_without_converting_them(
         remote.parse_request(canonical.pack(fields), "logs")
 
 
+def test_the_replay_window_never_forgets_an_id_inside_it_to_make_room() -> None:
+    """After 100,000 other requests the oldest id was dropped while still inside the window,
+    so a captured request ran again: a full window refuses (``busy``) until ids age out."""
+    window = remote.ReplayWindow(window_s=30, limit=3)
+    now = datetime.now(UTC)
+    assert [window.refusal(r, now) for r in ("v", "a", "b")] == [None, None, None]
+    assert window.refusal("c", now) == ("busy", "3 requests in the last 60 s")
+    assert window.refusal("v", now) == ("replayed", "request v was already served")
+
+
 def test_the_replay_window_refuses_repeats_old_and_future_requests() -> None:
     window = remote.ReplayWindow(window_s=30)
     now = datetime.now(UTC)
@@ -130,16 +140,29 @@ def test_the_client_trusts_a_hello_only_from_the_node_key_for_its_request() -> N
     )
     message, node_box = remote.hello(sign, "nodekey", request, PrivateKey.generate())
     answer = remote.parse_answer(message)
-    box = answer.check(bytes(node_signing.verify_key), request.id, "node-1", client, b"")
+    box = answer.check(bytes(node_signing.verify_key), request.id, "node-1", client, request.hash)
     assert isinstance(box, Box)
     assert FrameCodec(box).open(FrameCodec(node_box).seal({"k": "alive"}))["k"] == "alive"
     with pytest.raises(RemoteError, match="not signed"):
-        answer.check(bytes(SigningKey.generate().verify_key), request.id, "node-1", client, b"")
+        answer.check(
+            bytes(SigningKey.generate().verify_key), request.id, "node-1", client, request.hash
+        )
     with pytest.raises(RemoteError, match="not signed"):  # another node's hello
-        answer.check(bytes(node_signing.verify_key), request.id, "node-2", client, b"")
+        answer.check(bytes(node_signing.verify_key), request.id, "node-2", client, request.hash)
 
-    box = answer.check(bytes(node_signing.verify_key), request.id, "node-1", client, b"")
-    assert isinstance(box, Box)  # a hello names the request's one-time key: no hash needed
+    # another user's request that copied this one's id, client key and inbox off the bus
+    # (another tenant's sandbox, its own key): the node's hello to it is not taken for this one
+    fields = {k: v for k, v in request.fields.items() if k != "sig"}
+    fields.update(tenant="evil", producer="user-evil", key_id="k-evil", sandbox_id="sbx_evil")
+    copied = remote.parse_request(
+        rpc.sign_fields(SigningKey.generate(), remote.REQUEST_DOMAIN, fields), "exec"
+    )
+    assert copied.id == request.id and copied.hash != request.hash
+    foreign, _ = remote.hello(sign, "nodekey", copied, PrivateKey.generate())
+    with pytest.raises(RemoteError, match="not signed"):  # it signs the other request's hash
+        remote.parse_answer(foreign).check(
+            bytes(node_signing.verify_key), request.id, "node-1", client, request.hash
+        )
 
     rh = request.hash
     refused = remote.parse_answer(remote.refusal(sign, "nodekey", request.id, rh, "busy", "16"))
@@ -162,7 +185,14 @@ def test_an_answer_with_fields_of_the_wrong_type_is_refused_before_it_is_checked
     for sig in (2**64 - 1, 10**12, "s" * 64, b"short"):
         with pytest.raises(RemoteError, match="sig must be 64 bytes"):
             remote.parse_answer(canonical.canonical_bytes({**body, "key_id": "k", "sig": sig}))
-    hello = {"k": "hello", "rid": "r", "node": "n", "key_id": "k", "sig": b"s" * 64}
+    hello = {
+        "k": "hello",
+        "rid": "r",
+        "rh": b"h" * 32,
+        "node": "n",
+        "key_id": "k",
+        "sig": b"s" * 64,
+    }
     with pytest.raises(RemoteError, match="node_key must be 32 bytes"):
         remote.parse_answer(canonical.canonical_bytes({**hello, "node_key": 10**12}))
 

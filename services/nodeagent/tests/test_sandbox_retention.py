@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,6 +50,36 @@ def test_an_unmarked_directory_counts_as_ended_only_when_untouched_for_an_hour(
     found = {d.sandbox_id: d.ended_at for d in retention.scan(tmp_path, time.time())}
     assert found["starting"] is None
     assert found["legacy"] == pytest.approx(hours_ago)
+
+
+@pytest.mark.unit
+def test_a_tree_deeper_than_pythons_recursion_is_scanned_and_removed(tmp_path: Path) -> None:
+    """A sandbox can leave a tree 2,000 levels deep in its directory: ``os.walk`` and
+    ``shutil.rmtree`` recursed once per level, raised RecursionError, and the sweep stopped for
+    every sandbox of the node. Walked without recursion, removed with ``rm``."""
+    root = tmp_path / "sandboxes" / "deep"
+    root.mkdir(parents=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(2000):  # relative to a dir fd: no path grows past PATH_MAX
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "wb") as fh:
+            fh.write(b"x" * 8192)
+    finally:
+        os.close(fd)
+    try:
+        old = time.time() - 2 * 3600
+        os.utime(root, (old, old))
+        [entry] = retention.scan(tmp_path, time.time())
+        assert entry.ended_at is None  # walked to the bottom: the file there is new, in use
+        removal = retention.Removal(retention.SandboxDir("deep", root, old), "test")
+        assert retention.remove(tmp_path, removal) == 8192
+        assert not root.exists()
+    finally:  # pytest's own clean-up of old tmp dirs recurses too
+        subprocess.run(["rm", "-rf", "--", str(root)], check=False)
 
 
 @pytest.mark.kernel

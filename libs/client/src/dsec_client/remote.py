@@ -112,7 +112,7 @@ async def session(
         await nc.publish(remote.request_subject(node, kind), request, reply=inbox)
         box = await _answer(gate, sub, rid, rh, node, client)
         return await _stream(
-            nc, sub, rid, node, box, on_output, stdin, driver=driver, on_frame=on_frame
+            nc, sub, rh, node, box, on_output, stdin, driver=driver, on_frame=on_frame
         )
     finally:
         with contextlib.suppress(Exception):
@@ -158,7 +158,7 @@ async def _answer(gate: Any, sub: Any, rid: str, rh: bytes, node: str, client: P
 async def _stream(
     nc: Any,
     sub: Any,
-    rid: str,
+    rh: bytes,
     node: str,
     box: Any,
     on_output: Callable[[str, bytes], None],
@@ -171,7 +171,7 @@ async def _stream(
     input_subject = remote.request_subject(node, "input")
 
     async def send(frame: dict[str, Any]) -> None:
-        await nc.publish(input_subject, remote.input_message(rid, outgoing.seal(frame)))
+        await nc.publish(input_subject, remote.input_message(rh, outgoing.seal(frame)))
 
     async def keep_alive() -> None:
         while True:

@@ -866,8 +866,24 @@ def build_bundle(
 # --- extraction -----------------------------------------------------------------------------
 
 
+MAX_PATH_BYTES = 4096
+"""The longest member path (or symlink target) an archive may hold: Linux's PATH_MAX."""
+MAX_DEPTH = 128
+"""The deepest member path: removing a tree deeper than Python's recursion allows failed, and
+every parent of a member is held while it is checked."""
+MAX_HEADER_BYTES = 64 * 1024
+"""The largest extended (PAX or GNU long-name) header: tarfile reads one whole before the
+member it describes, outside any other bound (a 33 KB archive held 4 GB)."""
+MAX_HEADERS_IN_A_ROW = 8
+"""Extended headers before one member: tarfile recurses once for each."""
+
+
 def _safe_member_path(name: str) -> PurePosixPath:
+    if len(name.encode(errors="surrogateescape")) > MAX_PATH_BYTES:
+        raise BundleError(f"archive member {name[:80]!r}…: a path over {MAX_PATH_BYTES} bytes")
     path = PurePosixPath(name)
+    if len(path.parts) > MAX_DEPTH:
+        raise BundleError(f"archive member {name[:80]!r}…: deeper than {MAX_DEPTH} levels")
     if not name or "\0" in name or path.is_absolute() or ".." in path.parts:
         raise BundleError(f"archive member {name!r}: absolute or escaping path refused")
     if path.parts in ((), (".",)):
@@ -945,6 +961,29 @@ class _Budget:
         self.max_members = max_members
         self.size = 0
         self.members = 0
+        self.dirs: set[str] = set()
+        """Directories the archive made so far, named or implied by a deeper member's path."""
+
+    def enter(self, member: tarfile.TarInfo) -> PurePosixPath:
+        """The member's checked path, counted as an entry with each directory it implies: an
+        archive of 2,000 members 50 levels deep made 100,000 directories while the count said
+        2,000. A directory named again is not counted again."""
+        rel = _safe_member_path(member.name)
+        if member.issym() and len(member.linkname.encode(errors="surrogateescape")) > (
+            MAX_PATH_BYTES
+        ):
+            raise BundleError(f"archive member {member.name!r}: a link over {MAX_PATH_BYTES} bytes")
+        for parent in reversed(rel.parents[:-1]):
+            key = str(parent)
+            if key not in self.dirs:
+                self.dirs.add(key)
+                self.count_member(key)
+        if member.isdir():
+            if str(rel) in self.dirs:
+                return rel
+            self.dirs.add(str(rel))
+        self.count_member(member.name)
+        return rel
 
     def count_member(self, name: str) -> None:
         self.members += 1
@@ -974,8 +1013,7 @@ class _Scan(_Budget):
         self.kinds: dict[PurePosixPath, str] = {}
 
     def place(self, member: tarfile.TarInfo) -> PurePosixPath:
-        rel = _safe_member_path(member.name)
-        self.count_member(member.name)
+        rel = self.enter(member)
         for parent in reversed(rel.parents[:-1]):
             if self.kinds.setdefault(parent, "dir") != "dir":
                 raise BundleError(
@@ -1055,8 +1093,7 @@ class _Extraction(_Budget):
         return fd
 
     def extract(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> str | None:
-        rel = _safe_member_path(member.name)
-        self.count_member(member.name)
+        rel = self.enter(member)
         if member.isdir():
             try:
                 os.close(open_real_dir(self.root_fd, rel, create=True))
@@ -1098,19 +1135,56 @@ def _open_archive(data: bytes | Path | BinaryIO) -> Iterator[BinaryIO]:
         yield data
 
 
+class _BoundedTarInfo(tarfile.TarInfo):
+    """Members as tarfile reads them, with what it reads before any caller's check bounded:
+    extended headers at most :data:`MAX_HEADER_BYTES` each and :data:`MAX_HEADERS_IN_A_ROW`
+    before a member; no sparse members (their maps expanded a 5.8 KB archive to 3 GB) and no
+    global headers. A bundle built by :func:`build_bundle` never holds any of these."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in (tarfile.GNUTYPE_SPARSE, tarfile.XGLTYPE):
+            raise tarfile.HeaderError("sparse members and global headers are refused")
+        if self.type not in (*tarfile.GNU_TYPES, tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE):
+            return super()._proc_member(tarfile_)  # type: ignore[misc, no-any-return]
+        if self.size > MAX_HEADER_BYTES:
+            raise tarfile.HeaderError(
+                f"an extended header of {self.size} bytes, over {MAX_HEADER_BYTES}"
+            )
+        depth = getattr(tarfile_, "_dsec_headers", 0) + 1
+        if depth > MAX_HEADERS_IN_A_ROW:
+            raise tarfile.HeaderError(f"more than {MAX_HEADERS_IN_A_ROW} extended headers in a row")
+        tarfile_._dsec_headers = depth  # type: ignore[attr-defined]
+        try:
+            return super()._proc_member(tarfile_)  # type: ignore[misc, no-any-return]
+        finally:
+            tarfile_._dsec_headers = depth - 1  # type: ignore[attr-defined]
+
+    def _refuse_sparse(self, *_: object) -> None:
+        raise tarfile.HeaderError("sparse members are refused")
+
+    _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _refuse_sparse
+
+
 @contextlib.contextmanager
 def _tar_stream(data: bytes | Path | BinaryIO) -> Iterator[tarfile.TarFile]:
-    """The archive's tar stream, decompressed as it is read (members in order, once); a
-    broken archive is a :class:`BundleError`."""
+    """The archive's tar stream, decompressed as it is read (members in order, once), its
+    headers bounded (:class:`_BoundedTarInfo`); a broken archive is a :class:`BundleError`,
+    whatever tarfile raised for it (some broken headers raise ``ValueError`` or
+    ``RecursionError``). A :class:`BundleError` of the caller's passes unchanged."""
     try:
         with (
             _open_archive(data) as raw,
             zstandard.ZstdDecompressor().stream_reader(raw) as plain,
-            tarfile.open(fileobj=plain, mode="r|") as tar,
+            tarfile.open(fileobj=plain, mode="r|", tarinfo=_BoundedTarInfo) as tar,
         ):
             yield tar
-    except (tarfile.TarError, zstandard.ZstdError) as exc:
-        raise BundleError(f"not a valid bundle archive: {exc}") from exc
+    except BundleError:
+        raise
+    except (
+        tarfile.TarError, zstandard.ZstdError, ValueError, RecursionError, EOFError,
+        UnicodeError, OverflowError,
+    ) as exc:  # fmt: skip
+        raise BundleError(f"not a valid bundle archive: {type(exc).__name__}: {exc}") from exc
 
 
 def extract_bundle(

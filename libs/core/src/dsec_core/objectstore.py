@@ -10,15 +10,19 @@ from __future__ import annotations
 import asyncio
 import io
 import re
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TypeVar, cast
 
 import blake3
 from minio import Minio
 from minio.error import S3Error
 
 from dsec_core.settings import Settings
+
+T = TypeVar("T")
 
 
 class ObjectStoreNotConfigured(RuntimeError):
@@ -153,39 +157,70 @@ class BundleTooLarge(BundleAltered):
     (:func:`dsec_core.codebundle.archive_bound`): never read past that bound."""
 
 
-def _stream_bundle(
-    store: Minio, bucket: str, key: str, digest: str, max_bytes: int, sink: Any
-) -> None:
-    """Write object ``key`` to ``sink`` (blocking), hashing it as it comes: at most
-    ``max_bytes``, and only if its BLAKE3 is ``digest``. The store's own size is checked first,
-    so a huge object costs one request, not its bytes."""
-    info = stat_object(store, bucket, key)
+class _CheckedReader(io.RawIOBase):
+    """An object's bytes as they arrive, hashed and counted: never more than ``max_bytes``."""
+
+    def __init__(self, response: Any, key: str, max_bytes: int) -> None:
+        self._response = response
+        self._key = key
+        self._max_bytes = max_bytes
+        self.hasher = blake3.blake3()
+        self.size = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._response.read(min(len(buffer), 1 << 20))
+        self.size += len(data)
+        if self.size > self._max_bytes:  # replaced since the stat
+            raise BundleTooLarge(f"code bundle {self._key} is larger than {self._max_bytes} bytes")
+        self.hasher.update(data)
+        buffer[: len(data)] = data
+        return len(data)
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+def scan_bundle(
+    settings: Settings, object_key: str, digest: str, consume: Callable[[BinaryIO], T],
+    *, max_bytes: int,
+) -> T:  # fmt: skip
+    """``consume(stream)`` over a code bundle's bytes as they come from the store (blocking:
+    nothing is written to disk and memory holds a chunk), then the rest of the object read and
+    the whole checked against its BLAKE3 ``digest``: ``consume``'s result is returned only if
+    the bytes were the bundle's. At most ``max_bytes`` are read, the store's size checked
+    first, so a huge object costs one request, not its bytes.
+
+    Raises: as :func:`get_bundle`, and whatever ``consume`` raises (for bytes that may not be
+    the bundle's: a caller refuses either way).
+    """
+    store = client(settings)
+    bucket = settings.s3_bucket
+    info = stat_object(store, bucket, object_key)
     if info is None:
-        raise ObjectMissing(f"s3://{bucket}/{key} does not exist")
-    too_large = (
-        f"code bundle {key} is larger than {max_bytes} bytes, the most a bundle of its spec's "
-        "include_code.max_size may take"
-    )
+        raise ObjectMissing(f"s3://{bucket}/{object_key} does not exist")
     if info.size > max_bytes:
-        raise BundleTooLarge(too_large)
-    response = _open(store, bucket, key)
-    hasher = blake3.blake3()
-    size = 0
+        raise BundleTooLarge(
+            f"code bundle {object_key} is larger than {max_bytes} bytes, the most a bundle of "
+            "its spec's include_code.max_size may take"
+        )
+    response = _open(store, bucket, object_key)
     try:
-        for chunk in response.stream(1 << 20):
-            size += len(chunk)
-            if size > max_bytes:  # replaced since the stat
-                raise BundleTooLarge(too_large)
-            hasher.update(chunk)
-            sink.write(chunk)
+        reader = _CheckedReader(response, object_key, max_bytes)
+        result = consume(cast(BinaryIO, io.BufferedReader(reader, 1 << 20)))
+        reader.drain()
     finally:
         response.close()
         response.release_conn()
-    if hasher.hexdigest() != digest:
+    if reader.hasher.hexdigest() != digest:
         raise BundleAltered(
-            f"code bundle {key} does not match its digest {digest[:16]}… "
+            f"code bundle {object_key} does not match its digest {digest[:16]}… "
             "(altered in the object store?)"
         )
+    return result
 
 
 async def get_bundle(settings: Settings, object_key: str, digest: str, *, max_bytes: int) -> bytes:
@@ -197,11 +232,11 @@ async def get_bundle(settings: Settings, object_key: str, digest: str, *, max_by
         BundleTooLarge: it is larger than ``max_bytes`` (nothing past the bound is read).
         BundleAltered: its bytes are not the ones that were submitted.
     """
-    sink = io.BytesIO()
-    await asyncio.to_thread(
-        _stream_bundle, client(settings), settings.s3_bucket, object_key, digest, max_bytes, sink
-    )
-    return sink.getvalue()
+    data = await asyncio.to_thread(
+        scan_bundle, settings, object_key, digest, lambda stream: stream.read(),
+        max_bytes=max_bytes,
+    )  # fmt: skip
+    return bytes(data)
 
 
 async def fetch_bundle(
@@ -216,9 +251,10 @@ async def fetch_bundle(
     def fetch() -> None:
         try:
             with dest.open("wb") as fh:
-                _stream_bundle(
-                    client(settings), settings.s3_bucket, object_key, digest, max_bytes, fh
-                )
+                scan_bundle(
+                    settings, object_key, digest, lambda stream: shutil.copyfileobj(stream, fh),
+                    max_bytes=max_bytes,
+                )  # fmt: skip
         except BaseException:
             dest.unlink(missing_ok=True)
             raise

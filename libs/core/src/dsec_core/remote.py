@@ -333,31 +333,34 @@ class ReplayWindow:
         if outside is not None:
             return outside
         mono = time.monotonic()
-        while self._seen and (
-            len(self._seen) >= self._limit
-            or mono - next(iter(self._seen.values())) > 2 * self.window_s
-        ):
+        while self._seen and mono - next(iter(self._seen.values())) > 2 * self.window_s:
             self._seen.popitem(last=False)
         if request_id in self._seen:
             return "replayed", f"request {request_id} was already served"
+        if len(self._seen) >= self._limit:
+            # never forget an id inside the window to make room (100,000 other requests then
+            # let a captured one run again): refuse until the oldest ages out
+            return "busy", f"{self._limit} requests in the last {2 * self.window_s:.0f} s"
         self._seen[request_id] = mono
         return None
 
 
-def _hello_bytes(rid: str, node_id: str, node_key: bytes, client_key: bytes) -> bytes:
+def _hello_bytes(rid: str, rh: bytes, node_id: str, node_key: bytes, client_key: bytes) -> bytes:
     return HELLO_DOMAIN + canonical.canonical_bytes(
-        {"rid": rid, "node": node_id, "node_key": node_key, "client_key": client_key}
+        {"rid": rid, "rh": rh, "node": node_id, "node_key": node_key, "client_key": client_key}
     )
 
 
 def hello(sign: Any, key_id: str, request: Request, node_key: PrivateKey) -> tuple[bytes, Box]:
     """The node's signed hello and the session's box. ``sign(bytes) -> hex signature`` is the
-    node agent's certified key."""
+    node agent's certified key. The hello names the hash of the request's exact bytes: another
+    user's request that copied this one's id, client key and inbox (all readable on the bus)
+    gets a hello the client does not take."""
     public = bytes(node_key.public_key)
-    sig = bytes.fromhex(sign(_hello_bytes(request.id, request.node_id, public, request.client_key)))
+    signed = _hello_bytes(request.id, request.hash, request.node_id, public, request.client_key)
     message = canonical.canonical_bytes(
-        {"k": "hello", "rid": request.id, "node": request.node_id, "key_id": key_id,
-         "node_key": public, "sig": sig}
+        {"k": "hello", "rid": request.id, "rh": request.hash, "node": request.node_id,
+         "key_id": key_id, "node_key": public, "sig": bytes.fromhex(sign(signed))}
     )  # fmt: skip
     return message, Box(node_key, PublicKey(request.client_key))
 
@@ -385,14 +388,14 @@ class NodeAnswer:
         self, public_raw: bytes, rid: str, node_id: str, client: PrivateKey, rh: bytes
     ) -> Box | tuple[str, str]:
         """The session's box (hello) or ``(reason, detail)`` (refusal), once the node's
-        signature holds; :class:`RemoteError` when it does not. A refusal must name ``rh``,
-        the hash of the request's bytes: one of an altered copy of the request (anyone may
-        publish one) is not one of the request. A hello needs no hash: it names the request's
-        one-time client key, which only the request's signer chose."""
+        signature holds; :class:`RemoteError` when it does not. Both must name ``rh``, the
+        hash of the request's bytes: an answer to a copy of the request someone altered, or to
+        another user's request that took its id, client key and inbox (readable on the bus),
+        is not one to it."""
         body = {k: v for k, v in self.fields.items() if k != "sig"}
         if self.kind == "hello":
             node_key = body["node_key"]
-            signed = _hello_bytes(rid, node_id, node_key, bytes(client.public_key))
+            signed = _hello_bytes(rid, rh, node_id, node_key, bytes(client.public_key))
         else:
             signed = REFUSAL_DOMAIN + canonical.canonical_bytes(body)
         try:
@@ -401,9 +404,9 @@ class NodeAnswer:
             raise RemoteError("the answer is not signed by the node agent's key") from None
         if body.get("rid") != rid:
             raise RemoteError("an answer to another request")
+        if body.get("rh") != rh:
+            raise RemoteError("an answer to another copy of the request")
         if self.kind == "refused":
-            if body.get("rh") != rh:
-                raise RemoteError("a refusal of another copy of the request")
             return str(body.get("reason"))[:64], str(body.get("detail"))[:500]
         return Box(client, PublicKey(node_key))
 
@@ -416,6 +419,7 @@ def parse_answer(data: bytes) -> NodeAnswer:
         raise RemoteError("the first answer must be a hello or a refusal")
     key_id = rpc.text(raw, "key_id", RemoteError, limit=64)
     rpc.blob(raw, "sig", RemoteError, size=64)
+    rpc.blob(raw, "rh", RemoteError, size=32)
     if kind == "hello":
         rpc.blob(raw, "node_key", RemoteError, size=32)
     return NodeAnswer(kind, key_id, raw)
@@ -450,17 +454,19 @@ class FrameCodec:
         return frame
 
 
-def input_message(rid: str, sealed: bytes) -> bytes:
-    """A client frame as published on the input subject: the request id and the sealed frame."""
-    return canonical.canonical_bytes({"rid": rid, "box": sealed})
+def input_message(rh: bytes, sealed: bytes) -> bytes:
+    """A client frame as published on the input subject: its session (the hash of the
+    request's bytes: two requests with one id are two sessions) and the sealed frame."""
+    return canonical.canonical_bytes({"rh": rh, "box": sealed})
 
 
-def parse_input(data: bytes) -> tuple[str, bytes]:
+def parse_input(data: bytes) -> tuple[bytes, bytes]:
+    """``(rh, box)`` of a client frame (:func:`input_message`)."""
     raw = _unpack_map(data, "input")
-    rid, box = raw.get("rid"), raw.get("box")
-    if not isinstance(rid, str) or not isinstance(box, bytes):
-        raise RemoteError("input needs rid (str) and box (bytes)")
-    return rid, box
+    box = raw.get("box")
+    if not isinstance(box, bytes):
+        raise RemoteError("input needs box (bytes)")
+    return rpc.blob(raw, "rh", RemoteError, size=32), box
 
 
 class TokenBucket:

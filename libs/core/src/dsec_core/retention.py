@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Iterable
+import stat
+import subprocess
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,27 +72,36 @@ def _ended_at(path: Path) -> float | None:
         return None
 
 
+def _entries(path: Path) -> Iterator[os.stat_result]:
+    """``lstat`` of everything below ``path``, walked without recursion (a sandbox can make a
+    tree deeper than Python's recursion limit: ``os.walk`` raised there in 3.11 and stopped
+    the whole sweep, for every tenant)."""
+    stack = [str(path)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    yield info
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+        except OSError:
+            continue
+
+
 def _newest_mtime(path: Path) -> float:
     newest = path.stat().st_mtime
-    for root, dirs, files in os.walk(path):
-        for name in dirs + files:
-            try:
-                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
-            except OSError:
-                continue
+    for info in _entries(path):
+        newest = max(newest, info.st_mtime)
     return newest
 
 
 def size_of(path: Path) -> int:
     """Bytes the files under ``path`` take on disk (walked only for what is removed)."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                continue
-    return total
+    return sum(info.st_blocks * 512 for info in _entries(path) if not stat.S_ISDIR(info.st_mode))
 
 
 def scan(home: Path, now: float) -> list[SandboxDir]:
@@ -144,7 +154,14 @@ def remove(home: Path, removal: Removal) -> int | None:
     if _running(home, removal.entry.sandbox_id):
         return None
     size = size_of(removal.entry.path)
-    shutil.rmtree(removal.entry.path)
+    # rm walks any depth (shutil.rmtree recursed once per level) and stays on this file
+    # system; it never follows a link the sandbox left
+    done = subprocess.run(
+        ["rm", "-rf", "--one-file-system", "--", str(removal.entry.path)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0 or removal.entry.path.exists():
+        raise OSError(f"rm -rf {removal.entry.path}: {done.stderr.strip()[:300]}")
     return size
 
 

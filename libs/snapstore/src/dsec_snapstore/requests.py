@@ -23,6 +23,7 @@ import logging
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,11 +31,11 @@ from typing import Literal
 
 from dsec_core import events
 from dsec_core.bus import replay
-from dsec_core.codebundle import MAX_SIZE_LIMIT, BundleError, archive_bound, extract_bundle
+from dsec_core.codebundle import BundleError, archive_bound, extract_bundle
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
 from dsec_core.ids import output_event_id
 from dsec_core.lifecycle import fold_envelopes
-from dsec_core.objectstore import BundleAltered, ObjectMissing, get_bundle
+from dsec_core.objectstore import BundleAltered, ObjectMissing, fetch_bundle
 from dsec_core.service import HANDLING_SEQ
 from dsec_core.settings import Settings
 from dsec_core.subjects import aggregate_filter
@@ -57,7 +58,17 @@ from dsec_snapstore.store import SnapshotStore
 
 log = logging.getLogger(__name__)
 
-CodeSource = Path | bytes | None
+
+@dataclass(frozen=True)
+class BundleFile:
+    """A sandbox's submitted bundle, streamed to a file (digest-checked, bounded by its spec),
+    unpacked for one snapshot and then removed: never held whole in memory."""
+
+    path: Path
+    max_size: int
+
+
+CodeSource = Path | BundleFile | None
 """The running sandbox's code copy, its bundle archive, or no code at all."""
 
 _Read = tuple[list[tuple[int, bytes]], list[Envelope], SandboxFacts]
@@ -328,6 +339,7 @@ class SnapshotRequests:
         labels = {"request": envelope.id, "tenant": envelope.tenant}
         if envelope.producer == "snapshot" and event.requested_by == PERIODIC_REQUESTER:
             labels["periodic"] = sandboxes.periodic_prefix(sid)
+        code: CodeSource = None
         try:
             code = await self._code_source(facts, event.include_code)
             labels["code"] = code_label(code)
@@ -341,6 +353,9 @@ class SnapshotRequests:
             )
         except (Refused, InvalidInput, BundleError) as exc:
             return metrics.answered("create", started, [failed(event.name, "create", str(exc))])
+        finally:
+            if isinstance(code, BundleFile):
+                await asyncio.to_thread(code.path.unlink, missing_ok=True)
         return metrics.answered("create", started, [taken_event(result)])
 
     async def _code_source(self, facts: SandboxFacts, include_code: bool) -> CodeSource:
@@ -354,10 +369,13 @@ class SnapshotRequests:
         ref = facts.validated.code
         if ref is None:
             return None
+        max_size = facts.validated.plan.code_max_size
+        await asyncio.to_thread(self.scratch.mkdir, parents=True, exist_ok=True)
+        path = self.scratch / f".bundle-{facts.sandbox_id}-{uuid.uuid4().hex[:8]}.tar.zst"
         try:
-            data = await get_bundle(
-                self.settings, ref.object_key, ref.digest,
-                max_bytes=archive_bound(facts.validated.plan.code_max_size),
+            await fetch_bundle(
+                self.settings, ref.object_key, ref.digest, path,
+                max_bytes=archive_bound(max_size),
             )  # fmt: skip
         except ObjectMissing:
             raise Refused(
@@ -366,7 +384,7 @@ class SnapshotRequests:
             ) from None
         except BundleAltered as exc:
             raise Refused(str(exc)) from None
-        return data
+        return BundleFile(path, max_size)
 
     def _running_code_dir(self, facts: SandboxFacts) -> Path | None:
         """The code copy of a sandbox this node runs (``None``: it runs without code)."""
@@ -419,8 +437,7 @@ class SnapshotRequests:
                 if code is None:
                     scratch.mkdir(parents=True)
                 else:
-                    # the sandbox's own bundle, already bounded by its node: only the ceiling
-                    extract_bundle(code, scratch, max_size=MAX_SIZE_LIMIT)
+                    extract_bundle(code.path, scratch, max_size=code.max_size)
                 return self.store.create(name, replace(inputs, code_dir=scratch))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)

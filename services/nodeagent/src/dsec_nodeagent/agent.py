@@ -390,7 +390,7 @@ class NodeAgent:
             for removal in chosen:
                 try:
                     freed = retention.remove(self.home, removal)
-                except OSError as exc:
+                except Exception as exc:  # one sandbox's leftovers never stop the sweep
                     log.warning("retention: cannot remove %s: %s", removal.entry.path, exc)
                     continue
                 if freed is not None:

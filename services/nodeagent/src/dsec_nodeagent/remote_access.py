@@ -161,7 +161,8 @@ class RemoteAccess:
         self.manager = manager
         self.node_id = service.settings.node_id
         self.replay = remote.ReplayWindow()
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[bytes, Session] = {}
+        """By the hash of the request's bytes (another user's request may carry the same id)."""
         self._subs: list[Any] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._refusals = rpc.RefusalLog(log, "remote request")
@@ -245,7 +246,8 @@ class RemoteAccess:
         )  # fmt: skip
         if refused is not None:
             return refused
-        replayed = self.replay.refusal(request.id, request.time)
+        # by key and id: another user's request that took this one's id must not use it up
+        replayed = self.replay.refusal(f"{request.key_id}/{request.id}", request.time)
         if replayed is not None:
             return replayed
         owner = await gate.tenant_of(request.sandbox_id)
@@ -325,7 +327,7 @@ class RemoteAccess:
             await nc.publish(request.reply_to, data)
 
         session = Session(request, FrameCodec(box), send)
-        self.sessions[request.id] = session
+        self.sessions[request.hash] = session
         SESSIONS.set(len(self.sessions))
         await nc.publish(request.reply_to, hello)
         log.info(
@@ -353,7 +355,7 @@ class RemoteAccess:
             log.exception("remote %s %s failed", session.request.kind, session.request.id)
             end["reason"] = f"failed: {type(exc).__name__}"
         finally:
-            self.sessions.pop(session.request.id, None)
+            self.sessions.pop(session.request.hash, None)
             SESSIONS.set(len(self.sessions))
         with contextlib.suppress(Exception):
             await session.send(end)
@@ -599,16 +601,18 @@ class RemoteAccess:
 
     async def _on_input(self, msg: Msg) -> None:
         try:
-            rid, sealed = remote.parse_input(msg.data)
+            rh, sealed = remote.parse_input(msg.data)
         except RemoteError:
             REFUSALS.labels("input", "malformed").inc()
             return
-        session = self.sessions.get(rid)
+        session = self.sessions.get(rh)
         if session is None:
             return  # ended, or never ours: nothing to tell anyone
         session.received(sealed)
         if session.stdin_bytes > remote.MAX_STDIN_BUFFER:
-            log.warning("remote exec %s: input not read by the command; ending it", rid)
+            log.warning(
+                "remote exec %s: input not read by the command; ending it", session.request.id
+            )
             session.cancel()
 
     async def _watch(self) -> None:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import tempfile
+import functools
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import blake3
 from dsec_core.codebundle import BUNDLE_PREFIX, archive_bound, bundle_of_tenant, declared_max_size
 from dsec_core.envelope import Envelope
 from dsec_core.events import Payload, SpecRejected, SpecSubmitted, SpecValidated
-from dsec_core.objectstore import BundleAltered, ObjectMissing, fetch_bundle
+from dsec_core.objectstore import BundleAltered, ObjectMissing, scan_bundle
 from dsec_core.settings import Settings
 from dsec_core.spec import SpecError
 from dsec_rules.adapters.code_files import CodeDirError, read_bundle_sources
@@ -20,6 +20,10 @@ from dsec_rules.domain import ValidationOutcome, validate
 from dsec_rules.guardrails import OrgPolicy
 
 from dsec_policy.budget import Budget, BudgetExceeded, run_budgeted
+
+BUNDLE_SCANS = 2
+"""Code bundles read at once by one instance (each holds at most 16 MiB of sources)."""
+_SCANS = ThreadPoolExecutor(BUNDLE_SCANS, thread_name_prefix="dsec-bundle-scan")
 
 
 def _bundle_error(filename: str, message: str) -> SpecError:
@@ -90,23 +94,20 @@ class PolicyHandlers:
                 path="code",
             )
         max_size = declared_max_size(event.spec_yaml)
-        # streamed to a file, never held whole: a tenant's big bundles must not fill this
-        # shared service's memory (its workers validate several at once)
-        with tempfile.TemporaryDirectory(prefix="dsec-policy-bundle-") as tmp:
-            archive = Path(tmp) / "bundle.tar.zst"
-            try:
-                await fetch_bundle(
-                    self.settings, key, event.code.digest, archive,
-                    max_bytes=archive_bound(max_size),
-                )  # fmt: skip
-            except ObjectMissing as exc:
-                return _bundle_error(event.filename, f"code bundle missing: {exc}")
-            except BundleAltered as exc:
-                return _bundle_error(event.filename, str(exc))
-            try:
-                return await asyncio.to_thread(read_bundle_sources, archive, max_size)
-            except CodeDirError as exc:
-                return _bundle_error(event.filename, str(exc))
+        # read as it streams from the store, never written or held whole: the Python sources
+        # only, bounded, by at most BUNDLE_SCANS scans at once (a cancelled attempt's scan keeps
+        # its thread until it ends, so it is this pool's, not the default one's)
+        scan = functools.partial(
+            scan_bundle, self.settings, key, event.code.digest,
+            functools.partial(read_bundle_sources, max_size=max_size),
+            max_bytes=archive_bound(max_size),
+        )  # fmt: skip
+        try:
+            return await asyncio.get_running_loop().run_in_executor(_SCANS, scan)
+        except ObjectMissing as exc:
+            return _bundle_error(event.filename, f"code bundle missing: {exc}")
+        except (BundleAltered, CodeDirError) as exc:
+            return _bundle_error(event.filename, str(exc))
 
     async def on_submitted(self, envelope: Envelope, event: SpecSubmitted) -> Sequence[Payload]:
         """Validate one submitted spec (pure decision; bundle fetched first)."""

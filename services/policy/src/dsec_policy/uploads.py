@@ -161,7 +161,8 @@ class CodeUploads:
         reserved = reserved_tenant(request.tenant)
         if reserved is not None:
             return "unauthorized", reserved
-        replayed = self.replay.refusal(request.id, request.time)
+        # by key and id: another user's request that took this one's id must not use it up
+        replayed = self.replay.refusal(f"{request.key_id}/{request.id}", request.time)
         if replayed is not None:
             return replayed
         allowance = self._allowances.setdefault(request.tenant, _Allowance())

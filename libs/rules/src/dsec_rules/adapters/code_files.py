@@ -28,7 +28,7 @@ SKIPPED_DIRS = frozenset(
 MAX_FILE_BYTES = 2 * 2**20
 """A Python file larger than this is not analyzed (generated code, data in a ``.py``)."""
 MAX_FILES = 10_000
-MAX_TOTAL_BYTES = 64 * 2**20
+MAX_TOTAL_BYTES = 16 * 2**20
 """The Python sources analyzed at most, all files together: held in memory by the shared
 policy service (several validations at once), whatever ``include_code.max_size`` a spec asks."""
 
@@ -46,7 +46,7 @@ def read_python_sources(root: Path, exclude_patterns: tuple[str, ...] = ()) -> d
 
     Raises:
         CodeDirError: ``root`` is not a directory or holds more than 10,000 Python files or
-            64 MiB of them.
+            16 MiB of them.
     """
     if not root.is_dir():
         raise CodeDirError(f"{root}: not a directory")
