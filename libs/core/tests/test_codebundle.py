@@ -480,6 +480,77 @@ def test_what_tarfile_reads_before_a_member_is_bounded_and_refused(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("an unknown PAX field", "extended header field 'comment' refused"),
+        ("a PAX field twice", "extended header field 'path' refused"),
+        ("a link name on a regular file", "a link name on a non-link"),
+        ("a name part over 255 bytes", "a name over 255 bytes"),
+        ("a 128 MiB zstd window", "not a valid bundle archive"),
+    ],
+)
+def test_what_no_bundle_holds_is_refused_by_the_scan_and_the_extraction(
+    tmp_path: Path, case: str, needle: str
+) -> None:
+    """A third review: tarfile kept every member it read with all its PAX fields (2,000
+    members of 9,000 three-letter fields: 1.5 GB, 34 s), read a GNU long link on a regular
+    file, and a zstd frame could ask for a 128 MiB window. Fields are a bundle's own few, each
+    once; nothing read is kept; the window is 8 MiB at most."""
+    raw = io.BytesIO()
+    level = 3
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("a.py")
+        if case == "an unknown PAX field":
+            info.pax_headers = {"comment": "x"}
+        elif case == "a link name on a regular file":
+            info.linkname = "elsewhere"
+        elif case == "a name part over 255 bytes":
+            info.name = "n" * 300 + ".py"
+        tar.addfile(info, io.BytesIO(b""))
+    data = raw.getvalue()
+    if case == "a PAX field twice":
+        record = b"13 path=a.py\n"
+        data = (_header("p", 2 * len(record), tarfile.XHDTYPE) + _padded(record * 2)) + data
+    if case == "a 128 MiB zstd window":  # a stream: no content size lets it shrink the window
+        params = zstandard.ZstdCompressionParameters.from_level(level, window_log=27)
+        out = io.BytesIO()
+        compressor = zstandard.ZstdCompressor(compression_params=params)
+        with compressor.stream_writer(out, closefd=False) as writer:
+            writer.write(data)
+        archive = out.getvalue()
+        assert zstandard.get_frame_parameters(archive).window_size == 2**27
+    else:
+        archive = _raw_archive(data)
+    with pytest.raises(BundleError, match=needle):
+        extract_bundle(archive, tmp_path / "out", max_size=2**30)
+    with pytest.raises(BundleError, match=needle):
+        list(read_members(archive, lambda rel, m: True, max_size=2**30))
+
+
+def test_a_tree_of_more_entries_than_readers_take_is_refused_before_upload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Directories count as entries where a bundle is read: the client counts them too, so a
+    tree too large is refused before it is uploaded, not after."""
+    from dsec_core import codebundle
+
+    root = tmp_path / "proj"
+    for rel in ("a/x.py", "a/b/y.py", "z.py"):
+        write(root, rel)
+    monkeypatch.setattr(codebundle, "MAX_MEMBERS", 4)
+    with pytest.raises(BundleError, match="3 files and 2 directories, more than the 4 entries"):
+        build_bundle(root)
+
+
+def test_a_scan_past_its_deadline_ends() -> None:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(tarfile.TarInfo("a.py"), io.BytesIO(b""))
+    with pytest.raises(BundleError, match="took more than"):
+        list(read_members(_raw_archive(raw.getvalue()), lambda r, m: True, deadline_s=-1))
+
+
 def test_directories_a_path_implies_count_as_entries(tmp_path: Path) -> None:
     """2,000 members 50 levels deep made 100,000 directories on the node while the bound on
     entries (an inode bound) counted 2,000: each directory a path implies counts now."""

@@ -72,3 +72,39 @@ async def test_a_bundle_that_is_not_its_digest_or_missing_is_refused(
     with pytest.raises(ObjectMissing):
         await fetch_bundle(_settings(s3), key + ".nope", "0" * 64, dest, max_bytes=1 << 20)
     assert not dest.exists()
+
+
+@pytest.mark.unit
+async def test_a_cancelled_fetch_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fetch's thread runs on after its caller is cancelled (a stopping service) and used
+    to finish the file, which nothing removed (up to 4 GiB a bundle)."""
+    import asyncio
+    import threading
+
+    from dsec_core import objectstore
+
+    release, finished = threading.Event(), threading.Event()
+
+    def slow_scan(settings: Any, key: str, digest: str, consume: Any, *, max_bytes: int) -> Any:
+        release.wait(10)  # the store answers after the caller has gone
+        try:
+            return consume(io.BytesIO(b"x" * 1000))
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(objectstore, "scan_bundle", slow_scan)
+    dest = tmp_path / ".bundle.tar.zst"
+    task = asyncio.create_task(objectstore.fetch_bundle(None, "k", "d", dest, max_bytes=10**6))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    await asyncio.to_thread(finished.wait, 10)
+    for _ in range(100):  # the removal runs on the loop once the thread's future is done
+        if not dest.exists():
+            break
+        await asyncio.sleep(0.01)
+    assert not dest.exists()

@@ -101,6 +101,24 @@ def test_the_replay_window_never_forgets_an_id_inside_it_to_make_room() -> None:
     assert window.refusal("v", now) == ("replayed", "request v was already served")
 
 
+def test_one_tenant_fills_only_its_own_replay_window() -> None:
+    """One tenant's users filling the window (1,700 signed requests a second) made every
+    tenant's next request ``busy``; each tenant has its own window now, ids by key and id."""
+    windows = remote.TenantReplayWindows(window_s=30, limit=2)
+    now = datetime.now(UTC)
+    assert windows.refusal("evil", "kE", "1", now) is None
+    assert windows.refusal("evil", "kE", "2", now) is None
+    assert windows.refusal("evil", "kE", "3", now)[0] == "busy"  # type: ignore[index]
+    assert windows.refusal("acme", "kA", "1", now) is None  # its neighbour is not
+    assert windows.refusal("acme", "kB", "1", now) is None  # another key, the same id
+    assert windows.refusal("acme", "kA", "1", now)[0] == "replayed"  # type: ignore[index]
+    # checked without being recorded, then recorded: a refusal in between takes no id
+    assert windows.refusal("acme2", "k", "9", now, record=False) is None
+    assert windows.refusal("acme2", "k", "9", now, record=False) is None
+    windows.record("acme2", "k", "9")
+    assert windows.refusal("acme2", "k", "9", now)[0] == "replayed"  # type: ignore[index]
+
+
 def test_the_replay_window_refuses_repeats_old_and_future_requests() -> None:
     window = remote.ReplayWindow(window_s=30)
     now = datetime.now(UTC)

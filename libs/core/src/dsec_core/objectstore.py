@@ -259,4 +259,15 @@ async def fetch_bundle(
             dest.unlink(missing_ok=True)
             raise
 
-    await asyncio.to_thread(fetch)
+    running = asyncio.ensure_future(asyncio.to_thread(fetch))
+    try:
+        await asyncio.shield(running)
+    except asyncio.CancelledError:
+        # the thread runs on and may finish the file: it is removed once the thread ends
+        def remove(done: asyncio.Future[None]) -> None:
+            if not done.cancelled():
+                done.exception()  # retrieved: the caller that wanted it has gone
+            dest.unlink(missing_ok=True)
+
+        running.add_done_callback(remove)
+        raise

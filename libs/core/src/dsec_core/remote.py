@@ -326,9 +326,11 @@ class ReplayWindow:
             return "future", f"request dated {stamp.isoformat()}, in the future"
         return None
 
-    def refusal(self, request_id: str, stamp: datetime) -> tuple[str, str] | None:
+    def refusal(
+        self, request_id: str, stamp: datetime, *, record: bool = True
+    ) -> tuple[str, str] | None:
         """``(reason, detail)`` when the request must be refused, else None (and it is
-        remembered)."""
+        remembered, unless not ``record``: :meth:`record` it once what else it needs held)."""
         outside = self.outside(stamp)
         if outside is not None:
             return outside
@@ -341,8 +343,42 @@ class ReplayWindow:
             # never forget an id inside the window to make room (100,000 other requests then
             # let a captured one run again): refuse until the oldest ages out
             return "busy", f"{self._limit} requests in the last {2 * self.window_s:.0f} s"
-        self._seen[request_id] = mono
+        if record:
+            self._seen[request_id] = mono
         return None
+
+    def record(self, request_id: str) -> None:
+        """Remember an id :meth:`refusal` passed without recording."""
+        self._seen[request_id] = time.monotonic()
+
+
+class TenantReplayWindows:
+    """A :class:`ReplayWindow` per tenant, all started together: one tenant's requests (any
+    number of its users' certified keys can sign) fill its own window only, never another
+    tenant's. Ids are by key and id, so another user's request taking an id uses none up."""
+
+    def __init__(self, window_s: float = WINDOW_S, limit: int = 100_000) -> None:
+        self._first = ReplayWindow(window_s, limit)
+        self._limit = limit
+        self._windows: dict[str, ReplayWindow] = {}
+
+    def outside(self, stamp: datetime) -> tuple[str, str] | None:
+        return self._first.outside(stamp)
+
+    def window(self, tenant: str) -> ReplayWindow:
+        found = self._windows.get(tenant)
+        if found is None:
+            found = self._windows[tenant] = ReplayWindow(self._first.window_s, self._limit)
+            found.started = self._first.started
+        return found
+
+    def refusal(
+        self, tenant: str, key_id: str, request_id: str, stamp: datetime, *, record: bool = True
+    ) -> tuple[str, str] | None:
+        return self.window(tenant).refusal(f"{key_id}/{request_id}", stamp, record=record)
+
+    def record(self, tenant: str, key_id: str, request_id: str) -> None:
+        self.window(tenant).record(f"{key_id}/{request_id}")
 
 
 def _hello_bytes(rid: str, rh: bytes, node_id: str, node_key: bytes, client_key: bytes) -> bytes:

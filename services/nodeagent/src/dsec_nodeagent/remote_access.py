@@ -37,6 +37,9 @@ from dsec_nodeagent.sandbox.manager import SandboxManager
 
 log = logging.getLogger(__name__)
 
+_FORGED_INPUT = rpc.RefusalLog(log, "remote input of")
+"""Forged frames on the input subject, one log line per 10 s at most (anyone who read a
+session's hash may publish there)."""
 REFUSALS = Counter(
     "dsec_remote_refusals_total", "Remote logs/exec requests refused", ["kind", "reason"]
 )
@@ -86,9 +89,9 @@ class Session:
         """A client frame (already routed by request id)."""
         try:
             frame = self.codec.open(data)
-        except remote.ForgedFrame as exc:
+        except remote.ForgedFrame as exc:  # anyone may publish there: logged sparingly
             REFUSALS.labels("input", "forged").inc()
-            log.warning("remote %s of %s: dropped %s", self.request.kind, self.request.id, exc)
+            _FORGED_INPUT.refused(f"{self.request.kind} {self.request.id}", "forged", str(exc))
             return
         except RemoteError as exc:
             log.warning("remote %s of %s: %s; ending it", self.request.kind, self.request.id, exc)
@@ -160,7 +163,7 @@ class RemoteAccess:
         self.service = service
         self.manager = manager
         self.node_id = service.settings.node_id
-        self.replay = remote.ReplayWindow()
+        self.replay = remote.TenantReplayWindows()
         self.sessions: dict[bytes, Session] = {}
         """By the hash of the request's bytes (another user's request may carry the same id)."""
         self._subs: list[Any] = []
@@ -176,7 +179,7 @@ class RemoteAccess:
     async def start(self) -> None:
         nc = self.service.nc
         assert nc is not None
-        self.replay = remote.ReplayWindow()
+        self.replay = remote.TenantReplayWindows()
         for kind in remote.KINDS:
             handler = self._handler(kind)
             self._subs.append(
@@ -246,8 +249,7 @@ class RemoteAccess:
         )  # fmt: skip
         if refused is not None:
             return refused
-        # by key and id: another user's request that took this one's id must not use it up
-        replayed = self.replay.refusal(f"{request.key_id}/{request.id}", request.time)
+        replayed = self.replay.refusal(request.tenant, request.key_id, request.id, request.time)
         if replayed is not None:
             return replayed
         owner = await gate.tenant_of(request.sandbox_id)

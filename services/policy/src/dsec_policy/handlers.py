@@ -60,6 +60,25 @@ class PolicyHandlers:
         self.facts = stack_facts(settings)
         # The tenant of a sandbox (its first authentic spec.submitted): the service's Gate.
         self.tenant_of = tenant_of
+        self._scanning: dict[str, asyncio.Semaphore] = {}
+
+    async def _scan_in_turn(
+        self, tenant: str, scan: Callable[[], dict[str, bytes]]
+    ) -> dict[str, bytes]:
+        """Run ``scan`` in the scan pool, one scan of a tenant at a time: one tenant's
+        bundles never hold both of the pool's threads. The tenant's turn ends when its scan's
+        thread does, not when the attempt waiting for it is cancelled (the thread runs on)."""
+        turn = self._scanning.setdefault(tenant, asyncio.Semaphore(1))
+        await turn.acquire()
+        loop = asyncio.get_running_loop()
+        try:
+            running = _SCANS.submit(scan)
+        except BaseException:
+            turn.release()
+            raise
+        running.add_done_callback(lambda _: loop.call_soon_threadsafe(turn.release))
+        sources: dict[str, bytes] = await asyncio.wrap_future(running)
+        return sources
 
     async def _handover_error(self, event: SpecSubmitted, tenant: str) -> SpecError | None:
         """``handover_from`` must name a sandbox of the submitter's own tenant (another
@@ -103,7 +122,7 @@ class PolicyHandlers:
             max_bytes=archive_bound(max_size),
         )  # fmt: skip
         try:
-            return await asyncio.get_running_loop().run_in_executor(_SCANS, scan)
+            return await self._scan_in_turn(tenant, scan)
         except ObjectMissing as exc:
             return _bundle_error(event.filename, f"code bundle missing: {exc}")
         except (BundleAltered, CodeDirError) as exc:

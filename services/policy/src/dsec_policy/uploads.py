@@ -68,7 +68,7 @@ class CodeUploads:
 
     def __init__(self, service: Service) -> None:
         self.service = service
-        self.replay = remote.ReplayWindow(codeupload.WINDOW_S)
+        self.replay = remote.TenantReplayWindows(codeupload.WINDOW_S)
         self._sub: Any = None
         self._store: Any = None
         self._bucket_ready = False
@@ -85,7 +85,7 @@ class CodeUploads:
     async def start(self) -> None:
         nc = self.service.nc
         assert nc is not None
-        self.replay = remote.ReplayWindow(codeupload.WINDOW_S)
+        self.replay = remote.TenantReplayWindows(codeupload.WINDOW_S)
         self._sub = await nc.subscribe(
             codeupload.SUBJECT, queue=codeupload.QUEUE, cb=self._on_request
         )
@@ -161,14 +161,17 @@ class CodeUploads:
         reserved = reserved_tenant(request.tenant)
         if reserved is not None:
             return "unauthorized", reserved
-        # by key and id: another user's request that took this one's id must not use it up
-        replayed = self.replay.refusal(f"{request.key_id}/{request.id}", request.time)
+        # checked, then the allowance taken, then recorded: a replay neither uses the
+        # allowance up nor, refused for it, takes the id
+        ids = (request.tenant, request.key_id, request.id)
+        replayed = self.replay.refusal(*ids, request.time, record=False)
         if replayed is not None:
             return replayed
         allowance = self._allowances.setdefault(request.tenant, _Allowance())
         busy = allowance.take(request.size)
         if busy is not None:
             return "busy", f"tenant {request.tenant!r} asked for {busy}; try again later"
+        self.replay.record(*ids)
         return None
 
     def _forget_unknown(self) -> None:

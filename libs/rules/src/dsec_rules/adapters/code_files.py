@@ -80,8 +80,15 @@ def _check_bounds(files: int, total: int, where: str) -> None:
         )
 
 
+SCAN_DEADLINE_S = 60.0
+"""How long reading one bundle's sources may take (the policy service's scan threads are
+shared by every tenant)."""
+
+
 def read_bundle_sources(
-    archive: bytes | Path | BinaryIO, max_size: int = DEFAULT_MAX_SIZE
+    archive: bytes | Path | BinaryIO,
+    max_size: int = DEFAULT_MAX_SIZE,
+    deadline_s: float | None = SCAN_DEADLINE_S,
 ) -> dict[str, bytes]:
     """The ``*.py`` files of a code bundle archive (``dsec_core.codebundle``), chosen as
     :func:`read_python_sources` chooses them, read as the archive streams by: nothing is
@@ -104,7 +111,7 @@ def read_bundle_sources(
         )
 
     try:
-        for rel, data in read_members(archive, wanted, max_size=max_size):
+        for rel, data in read_members(archive, wanted, max_size=max_size, deadline_s=deadline_s):
             out[rel.as_posix()] = data
             total += len(data)
             _check_bounds(len(out), total, "code bundle")
