@@ -75,36 +75,42 @@ async def test_a_bundle_that_is_not_its_digest_or_missing_is_refused(
 
 
 @pytest.mark.unit
-async def test_a_cancelled_fetch_leaves_no_file(
+async def test_a_cancelled_fetch_leaves_no_file_and_spares_a_retrys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fetch's thread runs on after its caller is cancelled (a stopping service) and used
-    to finish the file, which nothing removed (up to 4 GiB a bundle)."""
+    to finish the file, which nothing removed (up to 4 GiB a bundle); a first fix removed
+    whatever was at the path when that thread ended, a retry's finished file included."""
     import asyncio
     import threading
 
     from dsec_core import objectstore
 
     release, finished = threading.Event(), threading.Event()
+    calls: list[int] = []
 
-    def slow_scan(settings: Any, key: str, digest: str, consume: Any, *, max_bytes: int) -> Any:
-        release.wait(10)  # the store answers after the caller has gone
+    def scan(settings: Any, key: str, digest: str, consume: Any, *, max_bytes: int) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            release.wait(10)  # the store answers the first attempt after its caller has gone
         try:
             return consume(io.BytesIO(b"x" * 1000))
         finally:
-            finished.set()
+            if len(calls) == 1 or release.is_set():
+                finished.set()
 
-    monkeypatch.setattr(objectstore, "scan_bundle", slow_scan)
+    monkeypatch.setattr(objectstore, "scan_bundle", scan)
     dest = tmp_path / ".bundle.tar.zst"
-    task = asyncio.create_task(objectstore.fetch_bundle(None, "k", "d", dest, max_bytes=10**6))  # type: ignore[arg-type]
-    await asyncio.sleep(0)
-    task.cancel()
+    first = asyncio.create_task(objectstore.fetch_bundle(None, "k", "d", dest, max_bytes=10**6))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    first.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await task
+        await first
+    await objectstore.fetch_bundle(None, "k", "d", dest, max_bytes=10**6)  # type: ignore[arg-type]
+    assert dest.read_bytes() == b"x" * 1000  # the retry's file
     release.set()
     await asyncio.to_thread(finished.wait, 10)
-    for _ in range(100):  # the removal runs on the loop once the thread's future is done
-        if not dest.exists():
-            break
-        await asyncio.sleep(0.01)
-    assert not dest.exists()
+    await asyncio.sleep(0.05)  # the first thread's own clean-up, after its scan returned
+    assert dest.read_bytes() == b"x" * 1000  # still there
+    dest.unlink()
+    assert list(tmp_path.iterdir()) == []  # no part file of either attempt

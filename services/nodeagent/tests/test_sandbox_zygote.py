@@ -1126,6 +1126,28 @@ async def test_stopping_a_checkpointable_sandbox_sends_its_workload_sigterm(tmp_
     assert result.signal == signal.SIGTERM, result
 
 
+@pytest.mark.parametrize("checkpointable", [True, False])
+async def test_a_stop_right_after_the_launch_is_not_lost(
+    tmp_path: Path, checkpointable: bool
+) -> None:
+    """A stop sent before the sandbox's pid 1 had its forwarding handler was dropped (pid 1
+    ignores a signal it has no handler for; a checkpointable sandbox's reaper installs its own
+    only after it exec'd a new interpreter), and the stop waited out its grace for a SIGKILL:
+    a CI run under load saw exactly this. Held blocked until the handler is in place, it is
+    delivered."""
+    async with managed(tmp_path / "home") as manager:
+        await manager.launch(
+            snippet_config(
+                "stop-early", "import time\ntime.sleep(120)\n", tmp_path,
+                checkpointable=checkpointable,
+            )
+        )  # fmt: skip
+        started = time.monotonic()
+        result = await manager.stop("stop-early", grace_s=30.0)
+    assert result.signal == signal.SIGTERM, result
+    assert time.monotonic() - started < 15  # not the grace's SIGKILL
+
+
 # Modules a stage running as root could import lazily, planted where the node agent's own
 # interpreter looks for them: once inside a sandbox whose runtime is another interpreter, those
 # paths name the sandbox's files.

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import re
 import shutil
+import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,31 +246,37 @@ async def fetch_bundle(
     settings: Settings, object_key: str, digest: str, dest: Path, *, max_bytes: int
 ) -> None:
     """Stream a code bundle of at most ``max_bytes`` into the file ``dest``, checked against its
-    BLAKE3 ``digest`` as it comes (memory stays a chunk); ``dest`` is removed when it fails.
+    BLAKE3 ``digest`` as it comes (memory stays a chunk). It is written under a name of this
+    attempt's own and renamed to ``dest`` only when whole and wanted: a failed or cancelled
+    fetch leaves nothing, and never touches another attempt's ``dest``.
 
     Raises: as :func:`get_bundle`.
     """
 
+    part = dest.with_name(f"{dest.name}.{uuid.uuid4().hex[:12]}.part")  # this attempt's own
+    gone = threading.Event()
+
     def fetch() -> None:
         try:
-            with dest.open("wb") as fh:
+            with part.open("wb") as fh:
                 scan_bundle(
                     settings, object_key, digest, lambda stream: shutil.copyfileobj(stream, fh),
                     max_bytes=max_bytes,
                 )  # fmt: skip
-        except BaseException:
-            dest.unlink(missing_ok=True)
-            raise
+            if not gone.is_set():  # a caller that gave up must not replace a retry's file
+                os.replace(part, dest)
+        finally:
+            part.unlink(missing_ok=True)
 
     running = asyncio.ensure_future(asyncio.to_thread(fetch))
     try:
         await asyncio.shield(running)
     except asyncio.CancelledError:
-        # the thread runs on and may finish the file: it is removed once the thread ends
-        def remove(done: asyncio.Future[None]) -> None:
-            if not done.cancelled():
-                done.exception()  # retrieved: the caller that wanted it has gone
-            dest.unlink(missing_ok=True)
+        gone.set()  # the thread runs on: it removes its own part and leaves dest alone
 
-        running.add_done_callback(remove)
+        def retrieved(done: asyncio.Future[None]) -> None:
+            if not done.cancelled():
+                done.exception()  # the caller that wanted it has gone
+
+        running.add_done_callback(retrieved)
         raise

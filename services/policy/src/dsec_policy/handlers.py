@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -76,7 +77,12 @@ class PolicyHandlers:
         except BaseException:
             turn.release()
             raise
-        running.add_done_callback(lambda _: loop.call_soon_threadsafe(turn.release))
+
+        def give_back(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed while the scan ran
+                loop.call_soon_threadsafe(turn.release)
+
+        running.add_done_callback(give_back)
         sources: dict[str, bytes] = await asyncio.wrap_future(running)
         return sources
 

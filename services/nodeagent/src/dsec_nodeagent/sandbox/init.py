@@ -619,6 +619,11 @@ def _init_main(
             _sandbox_null_stdin()
         report.hold(stage="mounts", start_ns=start - mounts_ns, end_ns=time.monotonic_ns())
         syscalls.prctl(syscalls.PR_SET_DUMPABLE, 0)
+        # A stop that came before pid 1 has its forwarding handler (it is installed below, or
+        # by the reaper's new interpreter after its exec) was dropped: pid 1 ignores a signal
+        # it has no handler for, and the stop waited out its grace for a SIGKILL. Blocked, it
+        # stays pending (across the exec too) until the handler is in place.
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
         os.write(begin_w, BEGIN)
     except BaseException as exc:  # report every failure, then die: nothing else can
         report.send(error=_describe(exc) if error is None else error, stage="init")
@@ -982,6 +987,7 @@ REAPER = (
     "    except ProcessLookupError: pass\n"
     "signal.signal(signal.SIGTERM, fwd)\n"
     "signal.signal(signal.SIGINT, fwd)\n"
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))\n"
     "while True:\n"
     "    try: pid, st = os.waitpid(-1, 0)\n"
     "    except ChildProcessError: os._exit(1)\n"
@@ -1037,6 +1043,7 @@ def _reap_until(workload: int, status_w: int) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))  # held till now
     while True:
         try:
             pid, status = os.waitpid(-1, 0)
