@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from dsec_core.events import BundleRef
 from nacl.public import PrivateKey
 
 from dsec_client.errors import InvalidInput, Refused, Unreachable
+from dsec_client.remote import first_genuine
 
 SpecLike = str | os.PathLike[str] | dict[str, Any]
 """A spec: a path to its YAML file, the YAML text itself, or the spec as a dict."""
@@ -123,8 +123,6 @@ async def _grant(
     """Ask the policy service for a grant to store ``size`` bytes of bundle ``digest``. Anything
     on the inbox not signed by a certified policy key for this request (anyone who read the
     request may publish there) is skipped, not believed."""
-    import nats.errors
-
     key, cert = identity
     if size > codeupload.MAX_BYTES:
         raise InvalidInput(f"the code bundle is {size} bytes, over {codeupload.MAX_BYTES}")
@@ -143,32 +141,24 @@ async def _grant(
             size=size,
         )
         parsed = codeupload.parse_request(request)
-        rid, rh = parsed.id, parsed.hash
         await nc.publish(codeupload.SUBJECT, request, reply=inbox)
-        deadline = time.monotonic() + codeupload.ANSWER_S
-        ignored = ""
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=max(deadline - time.monotonic(), 0.01))
-            except nats.errors.TimeoutError:
-                raise Unreachable(
-                    f"no policy service answered the code-upload request within "
-                    f"{codeupload.ANSWER_S:.0f} s{ignored}; is the stack up? (`dsec status`)"
-                ) from None
-            if not msg.data and (getattr(msg, "headers", None) or {}).get("Status") == "503":
-                # NATS says no one subscribes: said when no answer comes, not believed at once
-                # (anyone may publish a status on the inbox and cut the wait short)
-                ignored = " (NATS: no policy service subscribes to code uploads)"
-                continue
-            try:
-                answer = codeupload.parse_answer(bytes(msg.data))
-                signer = await gate.keys.certificate(answer.key_id)
-                if isinstance(signer, str) or signer.role != "policy":
-                    raise codeupload.UploadError("an answer not signed by the policy service")
-                outcome = answer.check(bytes.fromhex(signer.public_key), rid, rh, client)
-                break
-            except codeupload.UploadError as exc:
-                ignored = f" (ignored: {exc})"
+
+        async def believe(data: bytes) -> codeupload.Grant | tuple[str, str]:
+            answer = codeupload.parse_answer(data)
+            signer = await gate.keys.certificate(answer.key_id)
+            if isinstance(signer, str) or signer.role != "policy":
+                raise codeupload.UploadError("an answer not signed by the policy service")
+            return answer.check(bytes.fromhex(signer.public_key), parsed.id, parsed.hash, client)
+
+        def unanswered(why: str) -> Exception:
+            return Unreachable(
+                f"no policy service answered the code-upload request within "
+                f"{codeupload.ANSWER_S:.0f} s{why}; is the stack up? (`dsec status`)"
+            )
+
+        outcome = await first_genuine(
+            sub, codeupload.ANSWER_S, believe, codeupload.UploadError, unanswered
+        )
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

@@ -12,9 +12,9 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from dsec_core import remote
 from dsec_core.remote import FrameCodec, Kind, RemoteError
@@ -29,6 +29,8 @@ from dsec_client.errors import (
     RequestFailed,
     Unreachable,
 )
+
+T = TypeVar("T")
 
 StdinFeeder = Callable[["asyncio.Queue[bytes | None]"], None]
 """Starts feeding a command's input into the queue (chunks, then ``None`` at the end)."""
@@ -132,23 +134,54 @@ async def _next(sub: Any, node: str, what: str, timeout: float = remote.GONE_S) 
     return bytes(msg.data)
 
 
-async def _answer(gate: Any, sub: Any, rid: str, rh: bytes, node: str, client: PrivateKey) -> Any:
-    """The session's box from the node's signed hello; a signed refusal raises. Anything else
-    on the inbox (anyone who read the request may publish there) is skipped, not believed;
-    with nothing genuine within GONE_S, the node did not answer."""
-    deadline = time.monotonic() + remote.GONE_S
-    problem = ""
+async def first_genuine(
+    sub: Any,
+    timeout_s: float,
+    believe: Callable[[bytes], Awaitable[T]],
+    skip: type[Exception],
+    unanswered: Callable[[str], Exception],
+) -> T:
+    """The first message on a request's inbox that ``believe`` takes (it raises ``skip`` for one
+    it does not: anyone who read the request may publish there); ``unanswered(why)`` is raised
+    when none came within ``timeout_s``, ``why`` saying what was skipped. A NATS "no
+    responders" status is said then, not believed at once (anyone may publish one too)."""
+    import nats.errors
+
+    deadline = time.monotonic() + timeout_s
+    ignored = ""
     while True:
         try:
-            data = await _next(sub, node, f"did not answer{problem}", deadline - time.monotonic())
-            answer = remote.parse_answer(data)
-            cert = await gate.keys.certificate(answer.key_id)
-            if isinstance(cert, str) or cert.role != "nodeagent" or cert.node_id != node:
-                raise RemoteError(f"an answer not signed by the node agent of {node}")
-            outcome = answer.check(bytes.fromhex(cert.public_key), rid, node, client, rh)
-            break
-        except RemoteError as exc:
-            problem = f" (ignored: {exc})"
+            msg = await sub.next_msg(timeout=max(deadline - time.monotonic(), 0.01))
+        except nats.errors.TimeoutError:
+            raise unanswered(ignored) from None
+        if not msg.data and (getattr(msg, "headers", None) or {}).get("Status") == "503":
+            ignored = " (NATS: nothing subscribes to the request's subject)"
+            continue
+        try:
+            return await believe(bytes(msg.data))
+        except skip as exc:
+            ignored = f" (ignored: {exc})"
+
+
+async def _answer(gate: Any, sub: Any, rid: str, rh: bytes, node: str, client: PrivateKey) -> Any:
+    """The session's box from the node's signed hello; a signed refusal raises. Anything else
+    on the inbox is skipped, not believed; with nothing genuine within GONE_S, the node did
+    not answer."""
+
+    async def believe(data: bytes) -> Any:
+        answer = remote.parse_answer(data)
+        cert = await gate.keys.certificate(answer.key_id)
+        if isinstance(cert, str) or cert.role != "nodeagent" or cert.node_id != node:
+            raise RemoteError(f"an answer not signed by the node agent of {node}")
+        return answer.check(bytes.fromhex(cert.public_key), rid, node, client, rh)
+
+    def unanswered(why: str) -> Exception:
+        return Unreachable(
+            f"the node agent of {node} did not answer{why} within {remote.GONE_S:.0f} s; is it "
+            "running? (`dsec status`)"
+        )
+
+    outcome = await first_genuine(sub, remote.GONE_S, believe, RemoteError, unanswered)
     if isinstance(outcome, tuple):
         reason, detail = outcome
         raise Refused(f"node {node} refused: {reason}: {detail}", reason)

@@ -35,16 +35,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Literal
 
-from nacl.exceptions import BadSignatureError, CryptoError
+from nacl.exceptions import CryptoError
 from nacl.public import Box, PrivateKey, PublicKey
-from nacl.signing import SigningKey, VerifyKey
+from nacl.signing import SigningKey
 
 from dsec_core import canonical, rpc
 from dsec_core.codebundle import MAX_SIZE_LIMIT
-from dsec_core.ids import new_event_id
 from dsec_core.natsperms import CODE_UPLOADS
 
 SUBJECT = CODE_UPLOADS
@@ -70,21 +69,11 @@ class UploadError(rpc.RpcError):
 
 
 @dataclass(frozen=True)
-class UploadRequest:
+class UploadRequest(rpc.Header):
     """A request of the right shape (its signature is checked by :func:`verify_request`)."""
 
-    id: str
-    tenant: str
-    producer: str
-    key_id: str
-    time: datetime
-    reply_to: str
-    client_key: bytes
     digest: str
     size: int
-    fields: dict[str, Any]
-    hash: bytes
-    """BLAKE3 of the request's bytes: every answer names it (:func:`dsec_core.rpc.request_hash`)."""
 
 
 @dataclass(frozen=True)
@@ -119,22 +108,10 @@ def sign_request(
     now: datetime | None = None,
 ) -> bytes:
     """The wire bytes of a signed upload request."""
-    return rpc.sign_fields(
-        key,
-        REQUEST_DOMAIN,
-        {
-            "v": 1,
-            "id": new_event_id(),
-            "tenant": tenant,
-            "producer": producer,
-            "key_id": key_id,
-            "time": (now or datetime.now(UTC)).isoformat(),
-            "reply_to": reply_to,
-            "client_key": client_key,
-            "digest": digest,
-            "size": size,
-        },
-    )
+    return rpc.sign_request(
+        key, REQUEST_DOMAIN, tenant=tenant, producer=producer, key_id=key_id,
+        reply_to=reply_to, client_key=client_key, now=now, digest=digest, size=size,
+    )  # fmt: skip
 
 
 def _unpack_map(data: bytes, what: str) -> dict[str, Any]:
@@ -146,47 +123,19 @@ def parse_request(data: bytes) -> UploadRequest:
     field must already be of its type (nothing is converted: a huge integer where bytes belong
     costs what its sender chooses)."""
     raw = _unpack_map(data, "request")
-    if raw.get("v") != 1:
-        raise UploadError(f"an upload request of version {str(raw.get('v'))[:20]!r}; 1 is read")
-    when = rpc.text(raw, "time", UploadError, limit=64)
-    try:
-        stamp = datetime.fromisoformat(when)
-    except ValueError:
-        raise UploadError("time must be an ISO 8601 time") from None
-    request = UploadRequest(
-        id=rpc.request_id(raw, UploadError),
-        tenant=rpc.text(raw, "tenant", UploadError, limit=64),
-        producer=rpc.text(raw, "producer", UploadError, limit=128),
-        key_id=rpc.text(raw, "key_id", UploadError, limit=64),
-        time=stamp,
-        reply_to=rpc.text(raw, "reply_to", UploadError),
-        client_key=rpc.blob(raw, "client_key", UploadError, size=32),
-        digest=rpc.text(raw, "digest", UploadError, limit=64),
-        size=raw.get("size", 0),  # checked below
-        fields=raw,
-        hash=rpc.request_hash(data),
-    )
-    if stamp.tzinfo is None:
-        raise UploadError("time must carry its zone")
-    rpc.blob(raw, "sig", UploadError, size=64)
-    if not request.reply_to.startswith("_INBOX."):
-        raise UploadError("the reply subject must be an inbox")
-    if not _DIGEST.match(request.digest):
+    header = rpc.read_header(raw, data, UploadError)
+    digest = rpc.text(raw, "digest", UploadError, limit=64)
+    if not _DIGEST.match(digest):
         raise UploadError("digest must be a BLAKE3 digest: 64 lowercase hex digits")
-    size = request.size
+    size = raw.get("size")
     if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_BYTES:
         raise UploadError(f"size must be a whole number of bytes from 1 to {MAX_BYTES}")
-    return request
+    return UploadRequest(**vars(header), digest=digest, size=size)
 
 
 def verify_request(request: UploadRequest, public_raw: bytes) -> bool:
     """Whether the request's signature holds for ``public_raw``."""
     return rpc.verify_fields(request.fields, REQUEST_DOMAIN, public_raw)
-
-
-def _signed(sign: Any, body: dict[str, Any]) -> bytes:
-    sig = bytes.fromhex(sign(ANSWER_DOMAIN + canonical.canonical_bytes(body)))
-    return canonical.canonical_bytes({**body, "sig": sig})
 
 
 def grant(sign: Any, key_id: str, request: UploadRequest, granted: Grant) -> bytes:
@@ -204,14 +153,14 @@ def grant(sign: Any, key_id: str, request: UploadRequest, granted: Grant) -> byt
         "service_key": bytes(service_key.public_key),
         "box": sealed,
     }
-    return _signed(sign, body)
+    return rpc.sign_answer(sign, ANSWER_DOMAIN, body)
 
 
 def refusal(sign: Any, key_id: str, rid: str, rh: bytes, reason: str, detail: str) -> bytes:
     """A signed refusal of the request of id ``rid`` whose bytes hash to ``rh`` (plaintext: it
     says only why)."""
     body = {"k": "refused", "rid": rid, "rh": rh, "reason": reason, "detail": detail[:500]}
-    return _signed(sign, {**body, "key_id": key_id})
+    return rpc.sign_answer(sign, ANSWER_DOMAIN, {**body, "key_id": key_id})
 
 
 @dataclass(frozen=True)
@@ -230,12 +179,8 @@ class Answer:
         (:class:`UploadError` otherwise): an answer to an altered copy of the request is not
         one to it."""
         body = {k: v for k, v in self.fields.items() if k != "sig"}
-        try:
-            VerifyKey(public_raw).verify(
-                ANSWER_DOMAIN + canonical.canonical_bytes(body), self.fields["sig"]
-            )
-        except (BadSignatureError, ValueError, TypeError):
-            raise UploadError("the answer is not signed by the key it names") from None
+        if not rpc.answer_signed(self.fields, ANSWER_DOMAIN, public_raw):
+            raise UploadError("the answer is not signed by the key it names")
         if body.get("rid") != rid or body.get("rh") != rh:
             raise UploadError("an answer to another request")
         if self.kind == "refused":

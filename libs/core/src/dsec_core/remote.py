@@ -41,7 +41,6 @@ from nacl.public import Box, PrivateKey, PublicKey
 from nacl.signing import SigningKey, VerifyKey
 
 from dsec_core import canonical, rpc
-from dsec_core.ids import new_event_id
 
 SUBJECT_ROOT = "dsec_rpc.node"
 KINDS: tuple[str, ...] = ("logs", "exec", "cp")
@@ -108,23 +107,13 @@ def node_filter(node_id: str) -> str:
 
 
 @dataclass(frozen=True)
-class Request:
+class Request(rpc.Header):
     """A verified-shape request (its signature is checked by :func:`verify_request`)."""
 
-    id: str
     kind: Kind
     sandbox_id: str
     node_id: str
-    tenant: str
-    producer: str
-    key_id: str
-    time: datetime
-    reply_to: str
-    client_key: bytes
     args: dict[str, Any]
-    fields: dict[str, Any]
-    hash: bytes
-    """BLAKE3 of the request's bytes: a refusal names it (:func:`dsec_core.rpc.request_hash`)."""
 
     @property
     def follow(self) -> bool:
@@ -159,24 +148,11 @@ def sign_request(
     now: datetime | None = None,
 ) -> bytes:
     """The wire bytes of a signed request."""
-    return rpc.sign_fields(
-        key,
-        REQUEST_DOMAIN,
-        {
-            "v": 1,
-            "id": new_event_id(),
-            "kind": kind,
-            "sandbox_id": sandbox_id,
-            "node_id": node_id,
-            "tenant": tenant,
-            "producer": producer,
-            "key_id": key_id,
-            "time": (now or datetime.now(UTC)).isoformat(),
-            "reply_to": reply_to,
-            "client_key": client_key,
-            "args": args,
-        },
-    )
+    return rpc.sign_request(
+        key, REQUEST_DOMAIN, tenant=tenant, producer=producer, key_id=key_id,
+        reply_to=reply_to, client_key=client_key, now=now,
+        kind=kind, sandbox_id=sandbox_id, node_id=node_id, args=args,
+    )  # fmt: skip
 
 
 def _unpack_map(data: bytes, what: str) -> dict[str, Any]:
@@ -193,36 +169,19 @@ def parse_request(data: bytes, kind: str) -> Request:
             f"a {str(raw.get('kind'))[:20]!r} request (v{str(raw.get('v'))[:8]}) on the {kind} "
             "subject"
         )
-    when = rpc.text(raw, "time", RemoteError, limit=64)
-    try:
-        stamp = datetime.fromisoformat(when)
-    except ValueError:
-        raise RemoteError("time must be an ISO 8601 time") from None
+    header = rpc.read_header(raw, data, RemoteError)
     args = raw.get("args")
     if not isinstance(args, dict):
         raise RemoteError("args must be a map")
     request = Request(
-        id=rpc.request_id(raw, RemoteError),
+        **vars(header),
         kind=kind,  # type: ignore[arg-type]  # one of KINDS, checked above
         sandbox_id=rpc.text(raw, "sandbox_id", RemoteError, limit=80),
         node_id=rpc.text(raw, "node_id", RemoteError, limit=64),
-        tenant=rpc.text(raw, "tenant", RemoteError, limit=64),
-        producer=rpc.text(raw, "producer", RemoteError, limit=128),
-        key_id=rpc.text(raw, "key_id", RemoteError, limit=64),
-        time=stamp,
-        reply_to=rpc.text(raw, "reply_to", RemoteError),
-        client_key=rpc.blob(raw, "client_key", RemoteError, size=32),
         args=args,
-        fields=raw,
-        hash=rpc.request_hash(data),
     )
     if not _SANDBOX.match(request.sandbox_id):
         raise RemoteError(f"sandbox id {request.sandbox_id[:80]!r} is not a sandbox id")
-    if stamp.tzinfo is None:
-        raise RemoteError("time must carry its zone")
-    rpc.blob(raw, "sig", RemoteError, size=64)
-    if not request.reply_to.startswith("_INBOX."):
-        raise RemoteError("the reply subject must be an inbox")
     if kind == "exec" and not _valid_argv(args.get("argv")):
         raise RemoteError(f"argv must be 1 to 256 strings, {MAX_ARGV_BYTES} bytes at most")
     if kind == "exec" and args.get("tty") is True:
@@ -408,8 +367,7 @@ def refusal(sign: Any, key_id: str, rid: str, rh: bytes, reason: str, detail: st
         "k": "refused", "rid": rid, "rh": rh, "reason": reason, "detail": detail[:500],
         "key_id": key_id,
     }  # fmt: skip
-    sig = bytes.fromhex(sign(REFUSAL_DOMAIN + canonical.canonical_bytes(body)))
-    return canonical.canonical_bytes({**body, "sig": sig})
+    return rpc.sign_answer(sign, REFUSAL_DOMAIN, body)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import blake3
@@ -15,7 +17,7 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
 from dsec_core import canonical
-from dsec_core.ids import canonical_uuid
+from dsec_core.ids import canonical_uuid, new_event_id
 from dsec_core.natsperms import INBOX, TABLE, USER
 
 
@@ -77,6 +79,92 @@ def answerable(reply: str | None) -> bool:
     identity = reply.split(".", 2)[1]
     service = identity in TABLE and identity != USER  # a person's CLI: users and the operator
     return not (service or identity.startswith("nodeagent-"))
+
+
+@dataclass(frozen=True)
+class Header:
+    """What every signed request carries, read strictly (:func:`read_header`)."""
+
+    id: str
+    tenant: str
+    producer: str
+    key_id: str
+    time: datetime
+    reply_to: str
+    client_key: bytes
+    fields: dict[str, Any]
+    hash: bytes
+    """BLAKE3 of the request's bytes: every answer names it (:func:`request_hash`)."""
+
+
+def sign_request(
+    key: SigningKey,
+    domain: bytes,
+    *,
+    tenant: str,
+    producer: str,
+    key_id: str,
+    reply_to: str,
+    client_key: bytes,
+    now: datetime | None = None,
+    **rest: Any,
+) -> bytes:
+    """A request's wire bytes: :class:`Header`'s fields (a fresh id, the time) and ``rest``,
+    version 1, signed by ``key`` under ``domain``."""
+    fields = {
+        "v": 1, "id": new_event_id(), "tenant": tenant, "producer": producer,
+        "key_id": key_id, "time": (now or datetime.now(UTC)).isoformat(),
+        "reply_to": reply_to, "client_key": client_key, **rest,
+    }  # fmt: skip
+    return sign_fields(key, domain, fields)
+
+
+def read_header(raw: dict[str, Any], data: bytes, error: type[RpcError]) -> Header:
+    """The :class:`Header` of the request ``raw`` (unpacked from ``data``), each field of its
+    type and bounded, the time with its zone, a 64-byte signature, an inbox to answer on;
+    else ``error`` naming what is wrong."""
+    if raw.get("v") != 1:
+        raise error(f"a request of version {str(raw.get('v'))[:20]!r}; 1 is read")
+    when = text(raw, "time", error, limit=64)
+    try:
+        stamp = datetime.fromisoformat(when)
+    except ValueError:
+        raise error("time must be an ISO 8601 time") from None
+    if stamp.tzinfo is None:
+        raise error("time must carry its zone")
+    header = Header(
+        id=request_id(raw, error),
+        tenant=text(raw, "tenant", error, limit=64),
+        producer=text(raw, "producer", error, limit=128),
+        key_id=text(raw, "key_id", error, limit=64),
+        time=stamp,
+        reply_to=text(raw, "reply_to", error),
+        client_key=blob(raw, "client_key", error, size=32),
+        fields=raw,
+        hash=request_hash(data),
+    )
+    blob(raw, "sig", error, size=64)
+    if not header.reply_to.startswith(f"{INBOX}."):
+        raise error("the reply subject must be an inbox")
+    return header
+
+
+def sign_answer(sign: Any, domain: bytes, body: dict[str, Any]) -> bytes:
+    """An answer's wire bytes: ``body`` and its signature under ``domain`` (``sign(bytes) ->
+    hex`` is the answering service's certified key)."""
+    sig = bytes.fromhex(sign(domain + canonical.canonical_bytes(body)))
+    return canonical.canonical_bytes({**body, "sig": sig})
+
+
+def answer_signed(fields: dict[str, Any], domain: bytes, public_raw: bytes) -> bool:
+    """Whether an answer's ``sig`` signs its other fields under ``domain`` for ``public_raw``
+    (the signature's type was checked when it was read)."""
+    body = {k: v for k, v in fields.items() if k != "sig"}
+    try:
+        VerifyKey(public_raw).verify(domain + canonical.canonical_bytes(body), fields["sig"])
+    except (BadSignatureError, KeyError, ValueError, TypeError):
+        return False
+    return True
 
 
 def sign_fields(key: SigningKey, domain: bytes, fields: dict[str, Any]) -> bytes:

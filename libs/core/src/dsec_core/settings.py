@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import blake3
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 TENANT_QUEUE_MAX = 512
@@ -46,7 +46,6 @@ class Settings(BaseSettings):
     s3_bucket: str = Field(default="dsec", description="Bucket for bundles, caches, snapshots")
     s3_public_url: str | None = Field(
         default=None,
-        pattern=r"^https?://[A-Za-z0-9.\[\]:_-]+$",
         description=(
             "The object store as users reach it (http[s]://host:port), where `dsec submit "
             "--code` uploads with the policy service's grant; default: DSEC_S3_ENDPOINT"
@@ -274,6 +273,16 @@ class Settings(BaseSettings):
         description="Path of a YAML/JSON file {tenant: {gpus, gpu_milli, cpus, units}}: what each "
         "team may hold at once (validated at start)",
     )
+
+    @field_validator("s3_public_url")
+    @classmethod
+    def _public_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"https?://[A-Za-z0-9.\[\]:_-]+", value):
+            raise ValueError(
+                f"{value[:80]!r} is not an address users reach the object store at: expected "
+                "http://HOST:PORT or https://HOST:PORT, without a path"
+            )
+        return value
 
     def endpoint(self, name: str) -> Any:
         """Return setting ``name`` if set, else the value ``dsec up`` recorded in stack.json."""
