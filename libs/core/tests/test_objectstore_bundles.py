@@ -114,3 +114,25 @@ async def test_a_cancelled_fetch_leaves_no_file_and_spares_a_retrys(
     assert dest.read_bytes() == b"x" * 1000  # still there
     dest.unlink()
     assert list(tmp_path.iterdir()) == []  # no part file of either attempt
+
+
+async def test_repeated_bundle_reads_reuse_one_connection(s3: Any) -> None:
+    from urllib.parse import urlsplit
+
+    from dsec_core.objectstore import shared_client
+
+    data = os.urandom(64 << 10)
+    key, digest = _store(s3, data)
+    settings = _settings(s3)
+    for _ in range(10):
+        assert await get_bundle(settings, key, digest, max_bytes=len(data)) == data
+    store = shared_client(settings)
+    assert shared_client(_settings(s3)) is store  # equal settings, one client
+    host = urlsplit(f"http://{s3.endpoint}")
+    pool = store._http.connection_from_host(host.hostname, host.port, scheme="http")
+    assert pool.num_connections == 1  # ten reads (a stat and a get each) over one connection
+    other = Settings(
+        s3_endpoint=s3.endpoint, s3_access_key=s3.access_key, s3_secret_key="another",
+        s3_bucket=s3.bucket,
+    )  # fmt: skip
+    assert shared_client(other) is not store  # another key pair, another client

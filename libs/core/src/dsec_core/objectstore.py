@@ -49,6 +49,32 @@ def client(settings: Settings) -> Minio:
     )
 
 
+_SHARED: dict[tuple[str, str | None, bytes, bool], Minio] = {}
+_SHARED_LOCK = threading.Lock()
+_SHARED_MAX = 8  # endpoints (or key pairs) one process reaches: a stack moved by `dsec up` adds one
+
+
+def shared_client(settings: Settings) -> Minio:
+    """One client per store and key pair for the whole process, so repeated reads reuse its
+    connection pool (a :func:`client` per call opened new connections each time). The minio
+    client is thread-safe; the key is held only as its BLAKE3, never as text in the cache."""
+    endpoint = settings.endpoint("s3_endpoint")
+    if not endpoint:
+        raise ObjectStoreNotConfigured("no object store: run `dsec up` or set DSEC_S3_ENDPOINT")
+    secret = settings.endpoint("s3_secret_key") or ""
+    key = (
+        str(endpoint), settings.endpoint("s3_access_key"),
+        blake3.blake3(secret.encode()).digest(), bool(settings.s3_secure),
+    )  # fmt: skip
+    with _SHARED_LOCK:
+        store = _SHARED.get(key)
+        if store is None:
+            if len(_SHARED) >= _SHARED_MAX:
+                _SHARED.pop(next(iter(_SHARED)))  # the oldest: its pool closes when unreferenced
+            store = _SHARED[key] = client(settings)
+        return store
+
+
 def ensure_bucket(store: Minio, bucket: str) -> None:
     """Create ``bucket`` when missing (tolerates a concurrent creator)."""
     if store.bucket_exists(bucket):
@@ -200,7 +226,7 @@ def scan_bundle(
     Raises: as :func:`get_bundle`, and whatever ``consume`` raises (for bytes that may not be
     the bundle's: a caller refuses either way).
     """
-    store = client(settings)
+    store = shared_client(settings)
     bucket = settings.s3_bucket
     info = stat_object(store, bucket, object_key)
     if info is None:
