@@ -133,6 +133,23 @@ def run(a):
             finally:
                 s.close()
             return "ok"
+        if op == "udp_replies":  # one datagram to a peer, then what comes back until "end"
+            s = socket.socket(family(a["host"]), socket.SOCK_DGRAM)
+            try:
+                s.settimeout(a["wait"])
+                s.sendto(b"ping", (a["host"], a["port"]))
+                with open(a["port_file"] + ".tmp", "w") as f:
+                    f.write(str(s.getsockname()[1]))
+                os.rename(a["port_file"] + ".tmp", a["port_file"])
+                got = []
+                while not got or got[-1][0] != "end":
+                    data, source = s.recvfrom(64)
+                    got.append([data.decode(), source[0], source[1]])
+                return got
+            except socket.timeout:
+                return "timeout"
+            finally:
+                s.close()
         if op == "listen_unbound":  # listen() with no bind(): the kernel binds every address
             s = socket.socket(socket.AF_INET6 if a.get("v6") else socket.AF_INET)
             try:
@@ -1034,3 +1051,62 @@ async def test_a_tcp_grant_does_not_open_udp(
     refused = next(e for e in events if e.verdict is Verdict.DENY_PROTOCOL)
     assert refused.protocol == "udp"
     assert "does not open udp" in refused.message()
+
+
+async def test_an_unconnected_udp_socket_takes_datagrams_only_from_its_peers(
+    egress: EgressController, cgroup: Path, tmp_path: Path
+) -> None:
+    """A UDP socket never bound is bound by the kernel to every address at its first sendto (no
+    bind hook runs), so it took datagrams from any host and port: an inbound channel past every
+    egress rule. From outside loopback only its allowed peers' datagrams reach it now."""
+    import socket
+
+    from dsec_nodeagent.stackdeny import local_addresses
+
+    found = local_addresses()
+    outside4 = sorted(a for a in found if ":" not in a and not a.startswith("127."))
+    outside6 = sorted(a for a in found if ":" in a and a != "::1" and not a.startswith("fe80"))
+    assert outside4 and outside6, "this test needs the host to have IPv4 and IPv6 addresses"
+    for outside, kind, local in (
+        (outside4[0], socket.AF_INET, "127.0.0.1"),
+        (outside6[0], socket.AF_INET6, "::1"),
+    ):
+        peer = socket.socket(kind, socket.SOCK_DGRAM)
+        stranger = socket.socket(kind, socket.SOCK_DGRAM)  # same host, another port
+        neighbour = socket.socket(kind, socket.SOCK_DGRAM)  # loopback: the node itself
+        try:
+            peer.bind((outside, 0))
+            stranger.bind((outside, 0))
+            neighbour.bind((local, 0))
+            peer.settimeout(20)
+            port = peer.getsockname()[1]
+            width = "/32" if kind == socket.AF_INET else "/128"
+            plan = EgressPlan(
+                sandbox_id="sbx-udp-in",
+                rules=(rule("egress[0]", cidr=outside + width, ports=(port,), protocols=("udp",)),),
+            )
+            port_file = tmp_path / f"udp-{kind}"
+            action = {
+                "op": "udp_replies", "host": outside, "port": port,
+                "port_file": str(port_file), "wait": 20,
+            }  # fmt: skip
+            async with attached(egress, cgroup, plan):
+                received = asyncio.create_task(run_client(cgroup, [action]))
+                data, client = await asyncio.to_thread(peer.recvfrom, 64)
+                assert data == b"ping"
+                deadline = time.monotonic() + 20
+                while not port_file.exists():  # (written right after the sendto)
+                    assert time.monotonic() < deadline and not received.done()
+                    await asyncio.sleep(0.02)
+                sandbox_port = int(port_file.read_text())
+                stranger.sendto(b"stranger", (outside, sandbox_port))
+                neighbour.sendto(b"loopback", (local, sandbox_port))
+                peer.sendto(b"reply", client)
+                peer.sendto(b"end", client)
+                (got,) = await received
+            # datagrams queue in the order they came: a stranger's would show before "reply"
+            assert [g[0] for g in got] == ["loopback", "reply", "end"], got
+            assert {(g[1], g[2]) for g in got if g[0] != "loopback"} == {(outside, port)}
+        finally:
+            for s in (peer, stranger, neighbour):
+                s.close()

@@ -175,6 +175,25 @@ BPF_TABLE_PINNED("percpu_hash", struct counter_key, u64, counters, MAX_COUNTERS,
 // then dropped replies that seemed to come from the proxy.)
 BPF_TABLE_PINNED7("sk_storage", int, struct orig_dst, dns_dst, 0, PIN_DIR "/dns_dst",
                   BPF_F_NO_PREALLOC);
+// The peers each datagram socket was allowed to send to (connect or sendto), so the ingress
+// program lets in only their replies: a socket the kernel bound by itself (the first sendto
+// of a socket never bound) listens on every address, and took datagrams from anywhere. Storage
+// of the socket itself (no sandbox evicts a neighbour's peers); the oldest of UDP_PEERS is
+// replaced, and a peer unheard-of for UDP_PEER_IDLE_NS is forgotten (as conntrack does).
+#define UDP_PEERS 8
+#define UDP_PEER_IDLE_NS (300ULL * 1000000000ULL)
+struct udp_peer {
+    u32 addr[4];     // network order; IPv4 (also ::ffff:a.b.c.d) in addr[3], family 4
+    u16 port;        // network order
+    u16 family;      // 4 or 6; 0: an empty slot
+    u32 pad;
+    u64 seen_ns;     // the last datagram sent to it (CLOCK_MONOTONIC)
+};
+struct udp_peers {
+    struct udp_peer peer[UDP_PEERS];
+};
+BPF_TABLE_PINNED7("sk_storage", int, struct udp_peers, udp_peers, 0, PIN_DIR "/udp_peers",
+                  BPF_F_NO_PREALLOC);
 // Well-known DoH/DoT resolver addresses; IPv4 as ::a.b.c.d (addr[3]).
 struct doh_key {
     u32 addr[4];
@@ -419,6 +438,45 @@ static __always_inline int refuse(struct sbx_cfg *cfg, u64 cgid, struct match *m
     return finish(cfg, cgid, m->expired_rule, v, hook, family, ctx, addr, port);
 }
 
+// A datagram socket's allowed destination: its replies may come in (see ingress).
+static __always_inline void remember_peer(struct bpf_sock_addr *ctx, struct match *m,
+                                          u32 family, u32 *addr) {
+    struct bpf_sock *sk = ctx->sk;
+    if (m->want != AF_UDP || !sk)
+        return;
+    struct udp_peers *peers = udp_peers.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+    if (!peers)
+        return;  // no memory: its replies are dropped (fails closed)
+    u64 now = bpf_ktime_get_ns();
+    u16 port = (u16)ctx->user_port;
+    u32 slot = 0;
+    u64 oldest = ~0ULL;
+#pragma unroll
+    for (u32 i = 0; i < UDP_PEERS; i++) {
+        struct udp_peer *p = &peers->peer[i];
+        if (p->family == family && p->port == port && p->addr[0] == addr[0] &&
+            p->addr[1] == addr[1] && p->addr[2] == addr[2] && p->addr[3] == addr[3]) {
+            p->seen_ns = now;
+            return;
+        }
+        u64 seen = p->family ? p->seen_ns : 0;
+        if (seen < oldest) {
+            oldest = seen;
+            slot = i;
+        }
+    }
+    if (slot >= UDP_PEERS)
+        return;
+    struct udp_peer *p = &peers->peer[slot];
+    p->addr[0] = addr[0];
+    p->addr[1] = addr[1];
+    p->addr[2] = addr[2];
+    p->addr[3] = addr[3];
+    p->port = port;
+    p->seen_ns = now;
+    p->family = family;
+}
+
 static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
                                    u32 ip, u16 port, u32 hook) {
     u32 family = 4;
@@ -435,6 +493,8 @@ static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cf
     }
     if (!rate_ok(cgid, m.rule))  // connects, and UDP datagrams sent with an address
         return finish(cfg, cgid, m.rule, V_DENY_RATE_LIMIT, hook, family, ctx, ev_addr, port);
+    u32 peer[4] = {0, 0, 0, ip};
+    remember_peer(ctx, &m, 4, peer);
     return finish(cfg, cgid, m.rule, V_ALLOW, hook, family, ctx, ev_addr, port);
 }
 
@@ -449,6 +509,7 @@ static __always_inline int decide6(struct bpf_sock_addr *ctx, struct sbx_cfg *cf
         return finish(cfg, cgid, m.rule, V_DENY_DOH, hook, 6, ctx, ip, port);
     if (!rate_ok(cgid, m.rule))  // connects, and UDP datagrams sent with an address
         return finish(cfg, cgid, m.rule, V_DENY_RATE_LIMIT, hook, 6, ctx, ip, port);
+    remember_peer(ctx, &m, 6, ip);
     return finish(cfg, cgid, m.rule, V_ALLOW, hook, 6, ctx, ip, port);
 }
 
@@ -653,38 +714,91 @@ int getpeername6(struct bpf_sock_addr *ctx) { return restore6(ctx); }
 int bind4(struct bpf_sock_addr *ctx) { return bind_hook4(ctx); }
 int bind6(struct bpf_sock_addr *ctx) { return bind_hook6(ctx); }
 
-// cgroup_skb/ingress: what reaches the sandbox's sockets. A socket that listens without a
-// bind() of its own is bound by the kernel to every address (no bind hook runs), so the bind
-// hooks alone leave it reachable from anywhere: every packet to a listening socket (a
-// connection request, or the handshake's last ACK) from an address that is not loopback is
-// dropped here. The socket's state decides, not the packet's TCP header, so no IPv6 extension
-// header hides a SYN. UDP passes (replies cannot be told from requests without state).
+// cgroup_skb/ingress: what reaches the sandbox's sockets. It runs at delivery to a socket,
+// after reassembly, with the packet's IP header first.
+// - A socket that listens without a bind() of its own is bound by the kernel to every address
+//   (no bind hook runs), so the bind hooks alone leave it reachable from anywhere: every packet
+//   to a listening socket (a connection request, or the handshake's last ACK) from an address
+//   that is not loopback is dropped. The socket's state decides, not the packet's TCP header,
+//   so no IPv6 extension header hides a SYN.
+// - A datagram socket that is not connected (the kernel binds it to every address at its first
+//   sendto) takes, from outside loopback, only datagrams from a peer it was allowed to send to
+//   (udp_peers: address and port). A connected one the kernel already filters to its peer.
+//   (seccomp refuses every other datagram socket; one would take nothing from outside.)
 #define ETH_P_IP_BE 0x0008    // htons(0x0800), as skb->protocol holds it
 #define ETH_P_IPV6_BE 0xDD86  // htons(0x86DD)
+#define SOCK_DGRAM_TYPE 2
+#define IPPROTO_UDP_NR 17
+#define IPPROTO_UDPLITE_NR 136
+
+static __always_inline int from_peer(struct bpf_sock *sk, u32 family, u32 *src, u16 port) {
+    struct udp_peers *peers = udp_peers.sk_storage_get(sk, 0, 0);
+    if (!peers)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+#pragma unroll
+    for (u32 i = 0; i < UDP_PEERS; i++) {
+        struct udp_peer *p = &peers->peer[i];
+        if (p->family == family && p->port == port && p->addr[0] == src[0] &&
+            p->addr[1] == src[1] && p->addr[2] == src[2] && p->addr[3] == src[3] &&
+            now - p->seen_ns <= UDP_PEER_IDLE_NS)
+            return 1;
+    }
+    return 0;
+}
 
 int ingress(struct __sk_buff *skb) {
     struct bpf_sock *sk = skb->sk;
     if (!sk)
         return 1;
     sk = bpf_sk_fullsock(sk);
-    if (!sk || sk->state != BPF_TCP_LISTEN)
+    if (!sk)
+        return 1;
+    int listening = sk->state == BPF_TCP_LISTEN;
+    int datagram = sk->type == SOCK_DGRAM_TYPE && sk->state != BPF_TCP_ESTABLISHED;
+    if (!listening && !datagram)
         return 1;  // (every packet of the sandbox's own connections: a few loads, no lookup)
     // (a lookup in the sandboxes map, whatever its answer: an agent knows its own programs by
     // the maps they use, to detach and adopt them)
     u64 socket_cgroup = bpf_skb_cgroup_id(skb);
     if (sandboxes.lookup(&socket_cgroup) == 0 && socket_cgroup == 0)
         return 1;
+    u16 port = 0;  // the datagram's source port, network order
     if (skb->protocol == ETH_P_IP_BE) {  // the source, from the fixed header
-        u8 first = 0;
-        if (bpf_skb_load_bytes(skb, 12, &first, 1) < 0)
+        u32 src[4] = {0, 0, 0, 0};
+        if (bpf_skb_load_bytes(skb, 12, &src[3], 4) < 0)
             return 0;
-        return first == 127;
+        if (((u8 *)&src[3])[0] == 127)
+            return 1;
+        if (listening)
+            return 0;
+        u8 head[10];
+        if (bpf_skb_load_bytes(skb, 0, head, sizeof(head)) < 0)
+            return 0;
+        if (head[9] != IPPROTO_UDP_NR && head[9] != IPPROTO_UDPLITE_NR)
+            return 0;
+        u32 ihl = (head[0] & 0x0f) * 4;
+        if (ihl < 20 || bpf_skb_load_bytes(skb, ihl, &port, 2) < 0)
+            return 0;
+        return from_peer(sk, 4, src, port);
     }
     if (skb->protocol == ETH_P_IPV6_BE) {
         u32 src[4];
         if (bpf_skb_load_bytes(skb, 8, src, sizeof(src)) < 0)
             return 0;
-        return src[0] == 0 && src[1] == 0 && src[2] == 0 && src[3] == bpf_htonl(1);  // ::1
+        if (src[0] == 0 && src[1] == 0 && src[2] == 0 && src[3] == bpf_htonl(1))
+            return 1;  // ::1
+        if (listening)
+            return 0;
+        u8 next = 0;
+        if (bpf_skb_load_bytes(skb, 6, &next, 1) < 0)
+            return 0;
+        // (an extension header before the datagram's own: dropped, fails closed)
+        if (next != IPPROTO_UDP_NR && next != IPPROTO_UDPLITE_NR)
+            return 0;
+        if (bpf_skb_load_bytes(skb, 40, &port, 2) < 0)
+            return 0;
+        return from_peer(sk, 6, src, port);
     }
     return 0;
 }

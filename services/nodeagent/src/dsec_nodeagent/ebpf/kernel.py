@@ -53,6 +53,7 @@ MAP_NAMES = (
     "buckets",
     "counters",
     "dns_dst",
+    "udp_peers",
     "doh",
     "stack_deny",
     "dns_ports",
