@@ -708,6 +708,11 @@ async def test_programs_stay_when_the_agent_dies_and_a_new_agent_adopts_them(
         assert line.strip() == b"ready"
         agent.kill()  # SIGKILL: no cleanup
         await agent.wait()
+        fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
+        try:  # the dead agent's programs, still attached
+            before = [p for t in ATTACH_TYPES.values() for p in libbpf.attached_prog_ids(fd, t)]
+        finally:
+            os.close(fd)
         doomed.rmdir()  # this sandbox ends while no agent runs
         # as an agent from before the bind and ingress programs left it: the successor adds them
         fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY)
@@ -745,6 +750,11 @@ async def test_programs_stay_when_the_agent_dies_and_a_new_agent_adopts_them(
         assert adopted[0]["addresses"] == ["127.0.0.10"]
         assert adopted[1] == "EPERM"
         assert successor.kernel.attached_count(cgroup) == len(ATTACH_TYPES)
+        # every program is now the successor's own version, replaced in place (an upgraded
+        # agent's fixes reach the sandboxes already running), and its predecessor's are gone
+        own = successor.kernel.own_program_ids()
+        assert successor.kernel.attached_ids(cgroup) == own and len(own) == len(ATTACH_TYPES)
+        assert not own & set(before)
         await successor.detach(cgroup)
         assert successor.kernel.attached_count(cgroup) == 0
     finally:

@@ -357,10 +357,11 @@ class EgressController:
                 removed.add(cgid)
                 continue
             try:
-                added = self.kernel.attach_missing(path)  # hooks added since it started
+                changed = self.kernel.renew(path)  # this agent's versions, hooks added since
             except OSError as exc:  # its cgroup went meanwhile: adopted as it is
                 log.warning("egress: %s: programs not brought up to date: %s", plan.sandbox_id, exc)
-                added = []
+                changed = {}
+            added = sorted(n for n, how in changed.items() if how == "added")
             if added:
                 log.info("egress: %s gained %s on adoption", plan.sandbox_id, ", ".join(added))
             port = await self.proxy.serve(cgid, plan, int(record["dns_port"]))

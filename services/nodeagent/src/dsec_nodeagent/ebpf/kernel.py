@@ -293,21 +293,34 @@ class EgressKernel:
         finally:
             os.close(fd)
 
-    def attach_missing(self, cgroup_dir: Path) -> list[str]:
-        """Attach each program none of whose versions is attached to ``cgroup_dir`` (a sandbox
-        adopted from an older agent, started before that program existed); the names added."""
+    def renew(self, cgroup_dir: Path) -> dict[str, str]:
+        """Bring the programs of a sandbox adopted from an earlier agent to this agent's own
+        versions: a program none of whose versions is attached (the sandbox started before it
+        existed) is attached; a version another agent loaded is replaced in place, atomically
+        (its fixes reach sandboxes already running, with no moment under neither or both).
+        Returns ``{program name: "added" | "replaced"}`` for what changed."""
         fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
-        added: list[str] = []
+        changed: dict[str, str] = {}
         try:
-            for name, attach_type in ATTACH_TYPES.items():
+            # the ingress program last: it reads what the new sock_addr hooks remember
+            for name, attach_type in sorted(ATTACH_TYPES.items(), key=lambda t: t[0] == "ingress"):
+                fn = self._fns[name]
+                own = libbpf.prog_id(fn.fd)
                 attached = libbpf.attached_prog_ids(fd, attach_type)
-                if any(self._ours(p) for p in attached):
+                if own in attached:
                     continue
-                self._bpf.attach_func(self._fns[name], fd, attach_type, libbpf.BPF_F_ALLOW_MULTI)
-                added.append(name)
+                older = [p for p in attached if self._ours(p)]
+                if not older:
+                    self._bpf.attach_func(fn, fd, attach_type, libbpf.BPF_F_ALLOW_MULTI)
+                    changed[name] = "added"
+                    continue
+                libbpf.replace_prog(fd, attach_type, fn.fd, older[0])
+                for extra in older[1:]:  # (never more than one; a copy would run twice)
+                    libbpf.detach_prog_id(fd, attach_type, extra)
+                changed[name] = "replaced"
         finally:
             os.close(fd)
-        return added
+        return changed
 
     def _ours(self, prog_id: int) -> bool:
         """Whether a program uses this instance's pinned ``sandboxes`` map (False: gone)."""
@@ -332,6 +345,18 @@ class EgressKernel:
         finally:
             os.close(fd)
         return count
+
+    def own_program_ids(self) -> set[int]:
+        """The kernel ids of this instance's programs."""
+        return {libbpf.prog_id(fn.fd) for fn in self._fns.values()}
+
+    def attached_ids(self, cgroup_dir: Path) -> set[int]:
+        """The ids of every program attached to a cgroup for the attach types we use."""
+        fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return {p for t in ATTACH_TYPES.values() for p in libbpf.attached_prog_ids(fd, t)}
+        finally:
+            os.close(fd)
 
     def attached_count(self, cgroup_dir: Path) -> int:
         """How many of our programs are attached to a cgroup."""

@@ -1,5 +1,7 @@
-"""The few libbpf calls BCC 0.26 does not expose: who is attached to a cgroup, and detaching
-programs another process loaded (a restarted agent detaching what its predecessor attached).
+"""The few libbpf calls BCC 0.26 does not expose: who is attached to a cgroup, detaching
+programs another process loaded (a restarted agent detaching what its predecessor attached),
+and replacing one in place (a restarted agent putting its own version where its predecessor's
+ran).
 
 libbpf.so.1 is always present where BCC is (libbcc links it).
 """
@@ -13,6 +15,17 @@ import os
 from functools import cache
 
 BPF_F_ALLOW_MULTI = 2
+BPF_F_REPLACE = 4
+
+
+class _AttachOpts(ctypes.Structure):
+    # struct bpf_prog_attach_opts as libbpf 1.1 declares it (later versions append fields and
+    # take a shorter ``sz`` as "the rest is zero").
+    _fields_ = (
+        ("sz", ctypes.c_size_t),
+        ("flags", ctypes.c_uint32),
+        ("replace_prog_fd", ctypes.c_int),
+    )
 
 
 class _ProgInfo(ctypes.Structure):
@@ -55,6 +68,12 @@ def _lib() -> ctypes.CDLL:
         ctypes.POINTER(ctypes.c_uint32),
     ]
     lib.bpf_prog_detach2.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.bpf_prog_attach_opts.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.POINTER(_AttachOpts),
+    ]
     lib.ring_buffer__epoll_fd.argtypes = [ctypes.c_void_p]
     lib.bpf_obj_get.argtypes = [ctypes.c_char_p]
     lib.bpf_prog_get_next_id.argtypes = [ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32)]
@@ -103,6 +122,33 @@ def prog_map_ids(prog_id: int) -> tuple[str, list[int]]:
         return info.name.decode(errors="replace"), list(ids[: min(info.nr_map_ids, len(ids))])
     finally:
         os.close(fd)
+
+
+def prog_id(prog_fd: int) -> int:
+    """The kernel id of a loaded program."""
+    info = _ProgInfo()
+    size = ctypes.c_uint32(ctypes.sizeof(info))
+    _check(
+        _lib().bpf_obj_get_info_by_fd(prog_fd, ctypes.byref(info), ctypes.byref(size)),
+        "prog info",
+    )
+    return int(info.id)
+
+
+def replace_prog(cgroup_fd: int, attach_type: int, prog_fd: int, old_prog_id: int) -> None:
+    """Put the program ``prog_fd`` in the place of ``old_prog_id`` on a cgroup, atomically
+    (BPF_F_REPLACE): no packet or connect runs with neither, or with both."""
+    old = _check(_lib().bpf_prog_get_fd_by_id(old_prog_id), f"bpf prog {old_prog_id}")
+    try:
+        opts = _AttachOpts(
+            sz=ctypes.sizeof(_AttachOpts),
+            flags=BPF_F_ALLOW_MULTI | BPF_F_REPLACE,
+            replace_prog_fd=old,
+        )
+        rc = _lib().bpf_prog_attach_opts(prog_fd, cgroup_fd, attach_type, ctypes.byref(opts))
+        _check(rc, "bpf_prog_attach_opts(BPF_F_REPLACE)")
+    finally:
+        os.close(old)
 
 
 def detach_prog_id(cgroup_fd: int, attach_type: int, prog_id: int) -> None:
