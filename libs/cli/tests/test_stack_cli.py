@@ -109,9 +109,11 @@ async def _read_data(st: dict[str, Any]) -> tuple[bytes, str, bytes]:
 
 
 def _secrets(st: dict[str, object]) -> list[str]:
-    dsn = str(st["postgres_dsn"])
-    password = dsn.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
-    return [password, str(st["s3_secret_key"]), str(st["vault_token"])]
+    passwords = [
+        str(st[key]).split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]
+        for key in ("postgres_dsn", "postgres_read_dsn")
+    ]
+    return [*passwords, str(st["s3_secret_key"]), str(st["vault_token"])]
 
 
 async def test_up_status_down_keeps_data_and_leaves_nothing_running(home: Path) -> None:
@@ -131,10 +133,12 @@ async def test_up_status_down_keeps_data_and_leaves_nothing_running(home: Path) 
     st = state(home)
     assert stat.S_IMODE(os.stat(home / "stack.json").st_mode) == 0o600
     assert set(st) == {
-        "nats_url", "postgres_dsn", "s3_endpoint", "s3_access_key", "s3_secret_key",
-        "vault_addr", "vault_token", "prometheus_url", "nodes", "servers", "services",
+        "nats_url", "postgres_dsn", "postgres_read_dsn", "s3_endpoint", "s3_access_key",
+        "s3_secret_key", "vault_addr", "vault_token", "prometheus_url", "nodes", "servers",
+        "services",
     }  # fmt: skip
     assert st["postgres_dsn"].startswith("postgresql://dsec:")
+    assert st["postgres_read_dsn"].startswith("postgresql://dsec_reader:")
     for name in ("nats", "postgres", "s3", "vault", "prometheus"):
         assert (home / "logs" / f"{name}.log").exists()
 

@@ -35,8 +35,9 @@ def test_state_round_trips_and_keeps_the_documented_top_level_keys() -> None:
     parsed = domain.parse_state(st.to_json(), "stack.json")
     assert parsed == st
     assert list(domain.StackState.model_fields) == [
-        "nats_url", "postgres_dsn", "s3_endpoint", "s3_access_key", "s3_secret_key",
-        "vault_addr", "vault_token", "prometheus_url", "nodes", "servers", "services",
+        "nats_url", "postgres_dsn", "postgres_read_dsn", "s3_endpoint", "s3_access_key",
+        "s3_secret_key", "vault_addr", "vault_token", "prometheus_url", "nodes", "servers",
+        "services",
     ]  # fmt: skip
 
 

@@ -342,16 +342,24 @@ def s3_client(settings: Settings | None = None) -> Any:
 
 
 async def pg_connect(settings: Settings | None = None) -> Any:
-    """An asyncpg connection to the read models, or exit 3 with what to do."""
+    """A read-only asyncpg connection to the read models, or exit 3 with what to do: as the
+    read-only role (``DSEC_POSTGRES_READ_DSN``, which `dsec up` records) where one is set, else
+    with the stack's own DSN, and in both cases every transaction read-only."""
     import asyncpg
     from dsec_core.settings import Settings
 
     settings = settings or Settings()
-    dsn = settings.endpoint("postgres_dsn")
+    dsn = settings.endpoint("postgres_read_dsn") or settings.endpoint("postgres_dsn")
     if not dsn:
-        fail("no PostgreSQL configured: run `dsec up` or set DSEC_POSTGRES_DSN", EXIT_UNREACHABLE)
+        fail(
+            "no PostgreSQL configured: run `dsec up`, or set DSEC_POSTGRES_READ_DSN (the "
+            "read-only role's DSN your operator gives you)",
+            EXIT_UNREACHABLE,
+        )
     try:
-        return await asyncpg.connect(str(dsn), timeout=5)
+        return await asyncpg.connect(
+            str(dsn), timeout=5, server_settings={"default_transaction_read_only": "on"}
+        )
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         fail(
             f"cannot reach PostgreSQL ({type(exc).__name__}); is the stack up? (`dsec status`)",

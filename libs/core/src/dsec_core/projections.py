@@ -43,6 +43,20 @@ def _json(value: Any) -> str:
 
 NAME = "sandboxes"
 
+READ_ROLE = "dsec_reader"
+"""The role users read the read models as: SELECT on their tables, nothing else. `dsec up`
+creates it; in a deployment the operator does (README, *Read models*). Each projector grants it
+its tables whenever it creates them (also after a rebuild), if the role exists."""
+
+
+def grant_readers(*tables: str) -> str:
+    """SQL that grants :data:`READ_ROLE` SELECT on ``tables`` when that role exists."""
+    return (
+        "DO $$ BEGIN IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '" + READ_ROLE + "') "
+        f"THEN GRANT SELECT ON {', '.join(tables)} TO {READ_ROLE}; END IF; END $$;"
+    )
+
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS projection_state (
     name text PRIMARY KEY,
@@ -127,6 +141,9 @@ async def ensure_schema(conn: asyncpg.Connection) -> None:
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(7271)")
         await conn.execute(SCHEMA)
+        await conn.execute(
+            grant_readers("projection_state", "specs", "sandboxes", "sandbox_events")
+        )
 
 
 @dataclass(frozen=True)
@@ -522,6 +539,7 @@ async def ensure_node_schema(conn: asyncpg.Connection) -> None:
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(7271)")
         await conn.execute(NODES_SCHEMA)
+        await conn.execute(grant_readers("projection_state", "nodes"))
 
 
 async def apply_node_event(conn: asyncpg.Connection, seq: int, env: Envelope) -> None:

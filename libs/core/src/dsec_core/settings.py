@@ -39,6 +39,12 @@ class Settings(BaseSettings):
     postgres_dsn: str | None = Field(
         default=None, repr=False, description="PostgreSQL DSN (external)"
     )
+    postgres_read_dsn: str | None = Field(
+        default=None,
+        repr=False,
+        description="PostgreSQL DSN of the read-only role (dsec_reader) the CLI's read commands "
+        "use; give users this one, never postgres_dsn",
+    )
     s3_endpoint: str | None = Field(default=None, description="S3 endpoint host:port (external)")
     s3_access_key: str | None = Field(default=None, description="S3 access key")
     s3_secret_key: str | None = Field(default=None, repr=False, description="S3 secret key")

@@ -58,17 +58,18 @@ Action = Literal["cordon", "uncordon", "drain"]
 
 
 async def _rows(node_id: str | None = None) -> list[dict[str, Any]]:
-    from dsec_core.projections import ensure_node_schema
+    import asyncpg
 
     conn = await pg_connect()
     try:
-        await ensure_node_schema(conn)
         rows = await conn.fetch(
             "SELECT *, EXTRACT(EPOCH FROM now() - last_seen)::float8 AS silent_s FROM nodes"
             " WHERE ($1::text IS NULL OR node_id = $1) ORDER BY node_id",
             node_id,
         )
         return [_node(dict(r)) for r in rows]
+    except asyncpg.UndefinedTableError:  # no scheduler has run yet: no node projected
+        return []
     finally:
         await conn.close()
 

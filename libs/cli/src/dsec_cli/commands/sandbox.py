@@ -57,12 +57,13 @@ def state_cell(row: dict[str, Any]) -> str:
 
 
 async def _rows(query: str, *args: Any) -> list[dict[str, Any]]:
-    from dsec_core.projections import ensure_schema
+    import asyncpg
 
     conn = await pg_connect()
     try:
-        await ensure_schema(conn)
         return [dict(r) for r in await conn.fetch(query, *args)]
+    except asyncpg.UndefinedTableError:  # no projector has run yet: nothing projected
+        return []
     finally:
         await conn.close()
 
@@ -113,12 +114,16 @@ def show(
     """Show one sandbox: state, spec status and its event timeline."""
 
     async def load() -> dict[str, Any] | None:
-        from dsec_core.projections import ensure_schema
+        import asyncpg
 
         conn = await pg_connect()
         try:
-            await ensure_schema(conn)
-            row = await conn.fetchrow("SELECT * FROM sandboxes WHERE sandbox_id = $1", sandbox_id)
+            try:
+                row = await conn.fetchrow(
+                    "SELECT * FROM sandboxes WHERE sandbox_id = $1", sandbox_id
+                )
+            except asyncpg.UndefinedTableError:  # no projector has run yet
+                return None
             if row is None:
                 return None
             spec = await conn.fetchrow(

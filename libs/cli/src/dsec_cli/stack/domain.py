@@ -40,6 +40,7 @@ no two sandboxes of one machine share a uid (file permissions, signals, audit at
 
 POSTGRES_USER = "dsec"
 POSTGRES_DB = "dsec"
+POSTGRES_READ_ROLE = "dsec_reader"  # = dsec_core.projections.READ_ROLE (SELECT on read models)
 
 
 class State(StrEnum):
@@ -100,6 +101,7 @@ class StackState(BaseModel):
 
     nats_url: str | None = None
     postgres_dsn: str | None = Field(default=None, repr=False)
+    postgres_read_dsn: str | None = Field(default=None, repr=False)
     s3_endpoint: str | None = None
     s3_access_key: str | None = Field(default=None, repr=False)
     s3_secret_key: str | None = Field(default=None, repr=False)
@@ -138,9 +140,12 @@ def parse_state(text: str, source: str) -> StackState:
         raise StackStateError(f"{source}: field {where!r}: {first['msg']}") from None
 
 
-def postgres_dsn(password: str, port: int, host: str = "127.0.0.1") -> str:
-    """DSN of the embedded Postgres (TCP, password auth, user and database ``dsec``)."""
-    return f"postgresql://{POSTGRES_USER}:{password}@{host}:{port}/{POSTGRES_DB}"
+def postgres_dsn(
+    password: str, port: int, host: str = "127.0.0.1", *, user: str = POSTGRES_USER
+) -> str:
+    """DSN of the embedded Postgres (TCP, password auth, database ``dsec``; user ``dsec``, or
+    the read-only :data:`POSTGRES_READ_ROLE`)."""
+    return f"postgresql://{user}:{password}@{host}:{port}/{POSTGRES_DB}"
 
 
 def redact_url(url: str, *, user_is_secret: bool = False) -> str:

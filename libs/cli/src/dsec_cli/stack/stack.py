@@ -540,6 +540,7 @@ class Stack:
         self.state.nats_url = ext.nats_url or self.state.nats_url
         if ext.postgres_dsn:
             self.state.postgres_dsn = ext.postgres_dsn
+            self.state.postgres_read_dsn = None  # the operator's: DSEC_POSTGRES_READ_DSN
         if ext.s3_endpoint:
             self.state.s3_endpoint = ext.s3_endpoint
             self.state.s3_access_key = ext.s3_access_key
@@ -849,6 +850,8 @@ class Stack:
                 # NATS was already running: as the operator, repair a stream weakened meanwhile
                 # (a fresh start did this already), before services check it.
                 self.server("nats").after_ready()
+            if "postgres" not in started and "postgres" not in self.external.names():
+                self.server("postgres").after_ready()  # (the read-only role of a newer dsec)
             started += self.ensure_services([*self.service_specs, *self.node_specs()], progress)
             elapsed = time.monotonic() - t0
         return UpResult(status=self.status(), started=started, elapsed_s=elapsed)

