@@ -137,17 +137,28 @@ def run(a):
             s = socket.socket(family(a["host"]), socket.SOCK_DGRAM)
             try:
                 s.settimeout(a["wait"])
+                if s.family == socket.AF_INET6:  # ICMP errors onto the error queue, if it may
+                    s.setsockopt(socket.IPPROTO_IPV6, 25, 1)  # IPV6_RECVERR
+                else:
+                    s.setsockopt(socket.IPPROTO_IP, 11, 1)  # IP_RECVERR
                 s.sendto(b"ping", (a["host"], a["port"]))
                 with open(a["port_file"] + ".tmp", "w") as f:
                     f.write(str(s.getsockname()[1]))
                 os.rename(a["port_file"] + ".tmp", a["port_file"])
                 got = []
+                a["got"] = got
                 while not got or got[-1][0] != "end":
                     data, source = s.recvfrom(64)
                     got.append([data.decode(), source[0], source[1]])
+                s.setblocking(False)  # (a timeout would wait for POLLIN first)
+                try:
+                    queued = s.recvmsg(2048, 1024, socket.MSG_ERRQUEUE)
+                    got.append(["errqueue", queued[0].decode(errors="replace"), 0])
+                except BlockingIOError:
+                    pass
                 return got
             except socket.timeout:
-                return "timeout"
+                return ["timeout", a.get("got")]
             finally:
                 s.close()
         if op == "listen_unbound":  # listen() with no bind(): the kernel binds every address
@@ -1063,6 +1074,42 @@ async def test_a_tcp_grant_does_not_open_udp(
     assert "does not open udp" in refused.message()
 
 
+def _checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(int.from_bytes(data[i : i + 2], "big") for i in range(0, len(data), 2))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def _icmp_port_unreachable(address: str, port: int, payload: bytes) -> None:
+    """An ICMP port-unreachable, from the host's own address, quoting a datagram the socket at
+    ``address``:``port`` seemingly sent to 192.0.2.1/2001:db8::1:9 with ``payload``."""
+    import socket
+    import struct
+
+    udp = struct.pack("!HHHH", port, 9, 8 + len(payload), 0) + payload
+    if ":" not in address:
+        inner = struct.pack(
+            "!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 0, 0, 64, 17, 0,
+            socket.inet_aton(address), socket.inet_aton("192.0.2.1"),
+        ) + udp  # fmt: skip
+        body = b"\0\0\0\0" + inner
+        icmp = struct.pack("!BBH", 3, 3, _checksum(struct.pack("!BBH", 3, 3, 0) + body)) + body
+        with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP) as raw:
+            raw.sendto(icmp, (address, 0))
+        return
+    inner = struct.pack(
+        "!IHBB16s16s", 6 << 28, len(udp), 17, 64,
+        socket.inet_pton(socket.AF_INET6, address),
+        socket.inet_pton(socket.AF_INET6, "2001:db8::1"),
+    ) + udp  # fmt: skip
+    icmp = struct.pack("!BBHI", 1, 4, 0, 0) + inner  # (the kernel sums ICMPv6 itself)
+    with socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6) as raw:
+        raw.sendto(icmp, (address, 0))
+
+
 async def test_an_unconnected_udp_socket_takes_datagrams_only_from_its_peers(
     egress: EgressController, cgroup: Path, tmp_path: Path
 ) -> None:
@@ -1109,12 +1156,14 @@ async def test_an_unconnected_udp_socket_takes_datagrams_only_from_its_peers(
                     assert time.monotonic() < deadline and not received.done()
                     await asyncio.sleep(0.02)
                 sandbox_port = int(port_file.read_text())
+                _icmp_port_unreachable(outside, sandbox_port, b"COVERT")
                 stranger.sendto(b"stranger", (outside, sandbox_port))
                 neighbour.sendto(b"loopback", (local, sandbox_port))
                 peer.sendto(b"reply", client)
                 peer.sendto(b"end", client)
                 (got,) = await received
-            # datagrams queue in the order they came: a stranger's would show before "reply"
+            # datagrams queue in the order they came: a stranger's would show before "reply";
+            # and the ICMP error quoting the socket, from a stranger, queued nothing
             assert [g[0] for g in got] == ["loopback", "reply", "end"], got
             assert {(g[1], g[2]) for g in got if g[0] != "loopback"} == {(outside, port)}
         finally:

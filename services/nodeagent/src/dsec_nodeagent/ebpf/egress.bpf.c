@@ -179,7 +179,8 @@ BPF_TABLE_PINNED7("sk_storage", int, struct orig_dst, dns_dst, 0, PIN_DIR "/dns_
 // program lets in only their replies: a socket the kernel bound by itself (the first sendto
 // of a socket never bound) listens on every address, and took datagrams from anywhere. Storage
 // of the socket itself (no sandbox evicts a neighbour's peers); the oldest of UDP_PEERS is
-// replaced, and a peer unheard-of for UDP_PEER_IDLE_NS is forgotten (as conntrack does).
+// replaced, and a peer with no datagram either way for UDP_PEER_IDLE_NS is forgotten (as
+// conntrack forgets a UDP flow).
 #define UDP_PEERS 8
 #define UDP_PEER_IDLE_NS (300ULL * 1000000000ULL)
 struct udp_peer {
@@ -187,7 +188,7 @@ struct udp_peer {
     u16 port;        // network order
     u16 family;      // 4 or 6; 0: an empty slot
     u32 pad;
-    u64 seen_ns;     // the last datagram sent to it (CLOCK_MONOTONIC)
+    u64 seen_ns;     // the last datagram sent to it or taken from it (CLOCK_MONOTONIC)
 };
 struct udp_peers {
     struct udp_peer peer[UDP_PEERS];
@@ -723,15 +724,28 @@ int bind6(struct bpf_sock_addr *ctx) { return bind_hook6(ctx); }
 //   so no IPv6 extension header hides a SYN.
 // - A datagram socket that is not connected (the kernel binds it to every address at its first
 //   sendto) takes, from outside loopback, only datagrams from a peer it was allowed to send to
-//   (udp_peers: address and port). A connected one the kernel already filters to its peer.
+//   (udp_peers: address and port). A connected one takes only its peer's (the kernel's lookup
+//   found the socket before a connect() finished, so its state alone is not enough).
 //   (seccomp refuses every other datagram socket; one would take nothing from outside.)
+// - "Loopback" is a loopback source that came in on the loopback device: with route_localnet
+//   set (kube-proxy sets it) a host on the link could send from 127.0.0.1.
 #define ETH_P_IP_BE 0x0008    // htons(0x0800), as skb->protocol holds it
 #define ETH_P_IPV6_BE 0xDD86  // htons(0x86DD)
 #define SOCK_DGRAM_TYPE 2
 #define IPPROTO_UDP_NR 17
 #define IPPROTO_UDPLITE_NR 136
+#define LOOPBACK_IFINDEX 1  // the loopback device, in every network namespace
 
 static __always_inline int from_peer(struct bpf_sock *sk, u32 family, u32 *src, u16 port) {
+    if (sk->state == BPF_TCP_ESTABLISHED) {  // connected: its peer only (port 0: any port)
+        u16 peer_port = (u16)sk->dst_port;
+        if (peer_port && peer_port != port)
+            return 0;
+        if (family == 4)
+            return sk->dst_ip4 == src[3];
+        return sk->dst_ip6[0] == src[0] && sk->dst_ip6[1] == src[1] &&
+               sk->dst_ip6[2] == src[2] && sk->dst_ip6[3] == src[3];
+    }
     struct udp_peers *peers = udp_peers.sk_storage_get(sk, 0, 0);
     if (!peers)
         return 0;
@@ -739,10 +753,13 @@ static __always_inline int from_peer(struct bpf_sock *sk, u32 family, u32 *src, 
 #pragma unroll
     for (u32 i = 0; i < UDP_PEERS; i++) {
         struct udp_peer *p = &peers->peer[i];
+        // (signed: a send on another CPU may have stamped it after `now` was read)
         if (p->family == family && p->port == port && p->addr[0] == src[0] &&
             p->addr[1] == src[1] && p->addr[2] == src[2] && p->addr[3] == src[3] &&
-            now - p->seen_ns <= UDP_PEER_IDLE_NS)
+            (s64)(now - p->seen_ns) <= (s64)UDP_PEER_IDLE_NS) {
+            p->seen_ns = now;  // a reply keeps the flow, as a send does
             return 1;
+        }
     }
     return 0;
 }
@@ -755,7 +772,7 @@ int ingress(struct __sk_buff *skb) {
     if (!sk)
         return 1;
     int listening = sk->state == BPF_TCP_LISTEN;
-    int datagram = sk->type == SOCK_DGRAM_TYPE && sk->state != BPF_TCP_ESTABLISHED;
+    int datagram = sk->type == SOCK_DGRAM_TYPE;
     if (!listening && !datagram)
         return 1;  // (every packet of the sandbox's own connections: a few loads, no lookup)
     // (a lookup in the sandboxes map, whatever its answer: an agent knows its own programs by
@@ -768,7 +785,7 @@ int ingress(struct __sk_buff *skb) {
         u32 src[4] = {0, 0, 0, 0};
         if (bpf_skb_load_bytes(skb, 12, &src[3], 4) < 0)
             return 0;
-        if (((u8 *)&src[3])[0] == 127)
+        if (((u8 *)&src[3])[0] == 127 && skb->ingress_ifindex == LOOPBACK_IFINDEX)
             return 1;
         if (listening)
             return 0;
@@ -786,7 +803,8 @@ int ingress(struct __sk_buff *skb) {
         u32 src[4];
         if (bpf_skb_load_bytes(skb, 8, src, sizeof(src)) < 0)
             return 0;
-        if (src[0] == 0 && src[1] == 0 && src[2] == 0 && src[3] == bpf_htonl(1))
+        if (src[0] == 0 && src[1] == 0 && src[2] == 0 && src[3] == bpf_htonl(1) &&
+            skb->ingress_ifindex == LOOPBACK_IFINDEX)
             return 1;  // ::1
         if (listening)
             return 0;
@@ -801,4 +819,29 @@ int ingress(struct __sk_buff *skb) {
         return from_peer(sk, 6, src, port);
     }
     return 0;
+}
+
+// cgroup/setsockopt: IP_RECVERR and IPV6_RECVERR (and their RFC 4884 forms) are set as a
+// no-op for a sandbox's sockets. With them, an ICMP error from any host, naming the socket's
+// address and port in its quoted header, put its payload on the socket's error queue: an
+// inbound channel no ingress program sees, to any socket, a loopback-bound one too. The
+// option "succeeds" (optlen -1: the kernel skips it), so code that sets it keeps working,
+// without the queue of remote errors.
+#define SOL_IP_NR 0
+#define SOL_IPV6_NR 41
+#define IP_RECVERR_NR 11
+#define IP_RECVERR_RFC4884_NR 26
+#define IPV6_RECVERR_NR 25
+#define IPV6_RECVERR_RFC4884_NR 31
+
+int sockopt(struct bpf_sockopt *ctx) {
+    // (a lookup in the sandboxes map, whatever its answer: see ingress)
+    u64 id = bpf_get_current_cgroup_id();
+    if (sandboxes.lookup(&id) == 0 && id == 0)
+        return 1;
+    int level = ctx->level, name = ctx->optname;
+    if ((level == SOL_IP_NR && (name == IP_RECVERR_NR || name == IP_RECVERR_RFC4884_NR)) ||
+        (level == SOL_IPV6_NR && (name == IPV6_RECVERR_NR || name == IPV6_RECVERR_RFC4884_NR)))
+        ctx->optlen = -1;
+    return 1;
 }

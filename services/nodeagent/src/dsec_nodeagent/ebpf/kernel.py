@@ -43,6 +43,7 @@ ATTACH_TYPES: dict[str, int] = {
     "recvmsg6": 20,
     "getpeername4": 29,
     "getpeername6": 30,
+    "sockopt": 22,  # BPF_CGROUP_SETSOCKOPT (a cgroup_sockopt program, PROGRAM_TYPES)
 }
 MAP_NAMES = (
     "sandboxes",
@@ -62,7 +63,11 @@ MAP_NAMES = (
 _PER_CGROUP_MAPS = ("cidr4", "cidr6", "host4", "host6", "buckets", "counters")
 BPF_PROG_TYPE_CGROUP_SOCK_ADDR = 18
 BPF_PROG_TYPE_CGROUP_SKB = 8
-PROGRAM_TYPES: dict[str, int] = {"ingress": BPF_PROG_TYPE_CGROUP_SKB}
+BPF_PROG_TYPE_CGROUP_SOCKOPT = 25
+PROGRAM_TYPES: dict[str, int] = {
+    "ingress": BPF_PROG_TYPE_CGROUP_SKB,
+    "sockopt": BPF_PROG_TYPE_CGROUP_SOCKOPT,
+}
 """A program's type where it is not a sock_addr hook."""
 AF_HOST_EXACT = 1
 _TRANSPORTS = 2 | 4  # AF_TCP | AF_UDP
