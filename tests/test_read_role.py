@@ -10,7 +10,7 @@ from typing import Any
 
 import asyncpg
 import pytest
-from dsec_core.projections import ensure_node_schema, ensure_schema
+from dsec_core.projections import end_stale_readers, ensure_node_schema, ensure_schema
 
 pytestmark = pytest.mark.integration
 
@@ -49,6 +49,13 @@ async def test_the_read_role_reads_the_read_models_and_writes_nothing(dsec_stack
             "SELECT rolpassword FROM pg_authid",
             "CREATE ROLE other LOGIN",
             "CREATE FUNCTION f() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+            # the projectors' and `dsec up`'s advisory locks, held to stall them
+            "SELECT pg_advisory_lock(7271)",
+            "SELECT pg_try_advisory_xact_lock(7272)",
+            "SELECT pg_advisory_lock_shared(1, 2)",
+            # writes that need no table: a large object, a WAL message
+            "SELECT lo_from_bytea(0, 'x'::bytea)",
+            "SELECT pg_logical_emit_message(false, 'p', 'x')",
         ]
         done = []
         for sql in refused:
@@ -110,3 +117,72 @@ async def test_the_cli_reads_as_the_read_role(
     missing = f"sbx_{uuid.uuid4().hex[:12]}"
     out = await asyncio.to_thread(dsec_cli, "sandbox", "show", missing, env=env)
     assert out.exit_code != 0 and missing in out.output
+    # a DSN the environment names is never traded for stack.json's: it fails, and says so
+    del env["DSEC_POSTGRES_READ_DSN"]
+    out = await asyncio.to_thread(dsec_cli, "sandbox", "list", env=env)
+    assert out.exit_code == 3 and "cannot reach PostgreSQL" in out.output
+
+
+async def test_no_other_database_takes_the_reader(dsec_stack: Any) -> None:
+    """`postgres` and `template1` took any role's connections (and its temporary tables)."""
+    read_dsn = await _prepared(dsec_stack)
+    for database in ("postgres", "template1"):
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await asyncpg.connect(read_dsn, database=database)
+
+
+async def test_a_readers_open_transaction_holds_no_projector(dsec_stack: Any) -> None:
+    """A reader's transaction left open (it holds a lock on the tables, and vacuum's horizon):
+    the projectors' schema check still goes through, and their watch ends it."""
+    read_dsn = await _prepared(dsec_stack)
+    reader = await asyncpg.connect(read_dsn)
+    owner = await asyncpg.connect(dsec_stack.postgres_dsn)
+    try:
+        await reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        await reader.fetchval("SELECT count(*) FROM sandboxes")
+        await reader.fetchval("SELECT count(*) FROM nodes")
+        await asyncio.wait_for(ensure_schema(owner), 10)  # (an ALTER waited here for ever)
+        await asyncio.wait_for(ensure_node_schema(owner), 10)
+        pid = reader.get_server_pid()
+        assert await end_stale_readers(owner, 0) >= 1
+        gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = $1"
+        assert await owner.fetchval(gone, pid) == 0  # its session was ended
+    finally:
+        await owner.close()
+        reader.terminate()
+
+
+async def test_dsec_up_takes_back_what_the_role_was_given(dsec_stack: Any) -> None:
+    """Whoever held the stack's own DSN (every CLI user, before the read role) could have
+    given the role more: the next `dsec up` brings it back to reading only."""
+    from dsec_cli.stack import domain
+    from dsec_cli.stack.adapters import probes
+
+    read_dsn = await _prepared(dsec_stack)
+    owner = await asyncpg.connect(dsec_stack.postgres_dsn)
+    try:
+        await owner.execute("GRANT dsec TO dsec_reader")
+        await owner.execute("GRANT INSERT ON sandboxes TO dsec_reader")
+        await owner.execute("GRANT CREATE ON SCHEMA public TO dsec_reader")
+        await owner.execute("ALTER ROLE dsec_reader SET default_transaction_read_only = off")
+    finally:
+        await owner.close()
+    password = dsec_stack.stack.state.servers["postgres"].credentials["reader_password"]
+    await asyncio.to_thread(
+        probes.postgres_ensure_reader,
+        dsec_stack.postgres_dsn, domain.POSTGRES_READ_ROLE, password,
+    )  # fmt: skip
+    conn = await asyncpg.connect(read_dsn)
+    try:
+        assert await conn.fetchval("SHOW default_transaction_read_only") == "on"
+        assert await conn.fetchval("SELECT count(*) FROM sandboxes") >= 0  # still reads
+        await conn.execute("SET default_transaction_read_only = off")
+        for sql in (
+            "SET ROLE dsec",
+            "INSERT INTO projection_state VALUES ('forged', 1)",
+            "CREATE TABLE mine (x int)",
+        ):
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.execute(sql)
+    finally:
+        await conn.close()

@@ -330,6 +330,15 @@ def parse_since(value: str) -> datetime:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
+def read_refused() -> NoReturn:
+    """Exit 3: the read role may not read a read model (its grant comes with the projector)."""
+    fail(
+        "the read-only role may not read the read models yet (the scheduler grants them as it "
+        "creates them): run `dsec up` again, or ask your operator to grant SELECT to dsec_reader",
+        EXIT_UNREACHABLE,
+    )
+
+
 def s3_client(settings: Settings | None = None) -> Any:
     """A ``minio.Minio`` client for the configured object store, or exit 3 when unset."""
     from dsec_core import objectstore  # imported lazily: most commands never touch S3
@@ -349,7 +358,14 @@ async def pg_connect(settings: Settings | None = None) -> Any:
     from dsec_core.settings import Settings
 
     settings = settings or Settings()
-    dsn = settings.endpoint("postgres_read_dsn") or settings.endpoint("postgres_dsn")
+    # what the environment names comes first (a DSN set there is never traded for stack.json's)
+    stack = settings.stack_state
+    dsn = (
+        settings.postgres_read_dsn
+        or settings.postgres_dsn
+        or stack.get("postgres_read_dsn")
+        or stack.get("postgres_dsn")
+    )
     if not dsn:
         fail(
             "no PostgreSQL configured: run `dsec up`, or set DSEC_POSTGRES_READ_DSN (the "
@@ -358,7 +374,9 @@ async def pg_connect(settings: Settings | None = None) -> Any:
         )
     try:
         return await asyncpg.connect(
-            str(dsn), timeout=5, server_settings={"default_transaction_read_only": "on"}
+            str(dsn),
+            timeout=5,
+            server_settings={"default_transaction_read_only": "on", "statement_timeout": "30s"},
         )
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         fail(

@@ -48,6 +48,34 @@ READ_ROLE = "dsec_reader"
 creates it; in a deployment the operator does (README, *Read models*). Each projector grants it
 its tables whenever it creates them (also after a rebuild), if the role exists."""
 
+READ_TABLES = ("projection_state", "specs", "sandboxes", "sandbox_events", "nodes")
+"""Every table :data:`READ_ROLE` may read."""
+
+READER_MAX_TRANSACTION_S = 60.0
+"""A reader's transaction open longer is ended by the projectors (:func:`end_stale_readers`):
+users cannot hold the read models' locks, nor vacuum's horizon, for longer."""
+
+
+async def end_stale_readers(conn: asyncpg.Connection, older_than_s: float) -> int:
+    """End the sessions of :data:`READ_ROLE` whose transaction has been open ``older_than_s``
+    or more (0: every open one), waiting up to 5 s for each to be gone; return how many.
+    Needs the right to signal them (a superuser, or a member of ``pg_signal_backend``);
+    without it, nothing is ended and 0 is returned."""
+    try:
+        ended = await conn.fetchval(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000))"
+            " FROM pg_stat_activity"
+            " WHERE usename = $1 AND xact_start IS NOT NULL"
+            " AND xact_start <= now() - make_interval(secs => $2)",
+            READ_ROLE,
+            float(older_than_s),
+        )
+    except asyncpg.InsufficientPrivilegeError:
+        return 0
+    if ended:
+        log.warning("read models: ended %d reader session(s) holding a transaction", ended)
+    return int(ended or 0)
+
 
 def grant_readers(*tables: str) -> str:
     """SQL that grants :data:`READ_ROLE` SELECT on ``tables`` when that role exists."""
@@ -90,12 +118,28 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 );
 -- Refusals the node agent recorded (each policy.violation, plus each summary's count) and
 -- reports of the sandbox's own semantic layer (policy.reported, the sandbox's claims).
-ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS refusals bigint NOT NULL DEFAULT 0;
-ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS reports bigint NOT NULL DEFAULT 0;
 -- The placement attempt of node_id (sandbox.scheduled; 2+ after a node was lost).
-ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS attempt integer NOT NULL DEFAULT 0;
 -- Times a stateful sandbox was started again in place after dying (sandbox.restarted).
-ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS restarts integer NOT NULL DEFAULT 0;
+-- (Each ALTER only when its column is missing: even IF NOT EXISTS takes the table's exclusive
+-- lock, which any reader's open transaction would hold off, and the writes queue behind it.)
+DO $$ BEGIN
+  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'sandboxes'::regclass
+                 AND attname = 'refusals' AND NOT attisdropped) THEN
+    ALTER TABLE sandboxes ADD COLUMN refusals bigint NOT NULL DEFAULT 0;
+  END IF;
+  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'sandboxes'::regclass
+                 AND attname = 'reports' AND NOT attisdropped) THEN
+    ALTER TABLE sandboxes ADD COLUMN reports bigint NOT NULL DEFAULT 0;
+  END IF;
+  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'sandboxes'::regclass
+                 AND attname = 'attempt' AND NOT attisdropped) THEN
+    ALTER TABLE sandboxes ADD COLUMN attempt integer NOT NULL DEFAULT 0;
+  END IF;
+  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'sandboxes'::regclass
+                 AND attname = 'restarts' AND NOT attisdropped) THEN
+    ALTER TABLE sandboxes ADD COLUMN restarts integer NOT NULL DEFAULT 0;
+  END IF;
+END $$;
 -- The live sandboxes by state, for the stuck-request gauges (live_states).
 CREATE INDEX IF NOT EXISTS sandboxes_live ON sandboxes (state) WHERE NOT terminal;
 CREATE TABLE IF NOT EXISTS sandbox_events (
@@ -138,6 +182,7 @@ def summarize(env: Envelope) -> dict[str, Any]:
 
 async def ensure_schema(conn: asyncpg.Connection) -> None:
     """Create the read-model tables when missing (serialized: concurrent DDL races)."""
+    await end_stale_readers(conn, READER_MAX_TRANSACTION_S)
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(7271)")
         await conn.execute(SCHEMA)
@@ -384,9 +429,11 @@ class Projector:
         a rebuild in progress) from the stored position, with backoff. The nodes table is
         followed beside it (:class:`NodeProjector`)."""
         nodes = asyncio.create_task(NodeProjector(self.js, self.dsn, self.gate).run(stop))
+        watch = asyncio.create_task(self._watch_readers(stop))
         try:
             await self._run_sandboxes(stop)
         finally:
+            watch.cancel()
             if stop.is_set():
                 try:
                     await nodes
@@ -394,6 +441,21 @@ class Projector:
                     nodes.cancel()  # no-op when it ended; stops it when we are cancelled
             else:
                 nodes.cancel()
+
+    async def _watch_readers(self, stop: asyncio.Event) -> None:
+        """Every half of :data:`READER_MAX_TRANSACTION_S`, end readers' transactions older."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), READER_MAX_TRANSACTION_S / 2)
+                return
+            try:
+                conn = await asyncpg.connect(self.dsn)
+                try:
+                    await end_stale_readers(conn, READER_MAX_TRANSACTION_S)
+                finally:
+                    await conn.close()
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                log.warning("projector: watching readers: %s", exc)
 
     async def _run_sandboxes(self, stop: asyncio.Event) -> None:
         delay = 0.5
@@ -458,6 +520,7 @@ async def rebuild(js: JetStreamContext, dsn: str, gate: Gate | None = None) -> i
     await rebuild_nodes(js, dsn, gate)
     conn = await asyncpg.connect(dsn)
     try:
+        await end_stale_readers(conn, 0)  # a reader's open transaction would hold the DROP
         async with conn.transaction():
             await conn.execute(DROP)
             await ensure_schema(conn)
@@ -536,6 +599,7 @@ WHERE n.last_seen IS NULL OR EXCLUDED.last_seen > n.last_seen
 async def ensure_node_schema(conn: asyncpg.Connection) -> None:
     """Create the nodes table when missing (under :func:`ensure_schema`'s lock: both create
     ``projection_state``, and concurrent DDL of one table races)."""
+    await end_stale_readers(conn, READER_MAX_TRANSACTION_S)
     async with conn.transaction():
         await conn.execute("SELECT pg_advisory_xact_lock(7271)")
         await conn.execute(NODES_SCHEMA)
@@ -672,6 +736,7 @@ async def rebuild_nodes(js: JetStreamContext, dsn: str, gate: Gate | None = None
     """Drop the nodes table and replay the node events into it; return the position."""
     conn = await asyncpg.connect(dsn)
     try:
+        await end_stale_readers(conn, 0)  # a reader's open transaction would hold the DROP
         async with conn.transaction():
             await ensure_node_schema(conn)
             await conn.execute(NODES_DROP)

@@ -29,6 +29,7 @@ from dsec_cli.common import (
     operator_identity,
     pg_connect,
     print_json,
+    read_refused,
     run,
     safe_text,
     submitter,
@@ -70,6 +71,8 @@ async def _rows(node_id: str | None = None) -> list[dict[str, Any]]:
         return [_node(dict(r)) for r in rows]
     except asyncpg.UndefinedTableError:  # no scheduler has run yet: no node projected
         return []
+    except asyncpg.InsufficientPrivilegeError:
+        read_refused()
     finally:
         await conn.close()
 

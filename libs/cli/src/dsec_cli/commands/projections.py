@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from dsec_cli.common import bus, console, pg_connect, print_json, run
+from dsec_cli.common import EXIT_UNREACHABLE, bus, console, fail, print_json, run
 
 projections_app = typer.Typer(help="Manage the read models.", no_args_is_help=True)
 
@@ -27,13 +27,24 @@ def rebuild_cmd(
 
         anchor = trust_anchor()
 
-        conn = await pg_connect()  # fail fast with a clear message when Postgres is down
+        import asyncpg
+
+        dsn = Settings().endpoint("postgres_dsn")
+        if not dsn:  # (the read-only DSN users hold cannot rebuild)
+            fail(
+                "rebuilding the read models needs the stack's own DSN: run it where `dsec up` "
+                "ran, or set DSEC_POSTGRES_DSN",
+                EXIT_UNREACHABLE,
+            )
+        try:  # fail fast with a clear message when Postgres is down
+            conn = await asyncpg.connect(str(dsn), timeout=5)
+        except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+            fail(f"cannot reach PostgreSQL ({type(exc).__name__})", EXIT_UNREACHABLE)
         await conn.close()
         started = time.perf_counter()
         async with bus() as (nc, js):
-            dsn = str(Settings().endpoint("postgres_dsn"))
             gate = Gate(KeyRing(nc, js, anchor), js, None)  # only authentic events are projected
-            position = await rebuild(js, dsn, gate)
+            position = await rebuild(js, str(dsn), gate)
         return position, time.perf_counter() - started
 
     position, seconds = run(go())

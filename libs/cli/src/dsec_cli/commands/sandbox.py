@@ -22,6 +22,7 @@ from dsec_cli.common import (
     fail,
     pg_connect,
     print_json,
+    read_refused,
     run,
     safe_text,
     submitter,
@@ -64,6 +65,8 @@ async def _rows(query: str, *args: Any) -> list[dict[str, Any]]:
         return [dict(r) for r in await conn.fetch(query, *args)]
     except asyncpg.UndefinedTableError:  # no projector has run yet: nothing projected
         return []
+    except asyncpg.InsufficientPrivilegeError:
+        read_refused()
     finally:
         await conn.close()
 
@@ -124,6 +127,8 @@ def show(
                 )
             except asyncpg.UndefinedTableError:  # no projector has run yet
                 return None
+            except asyncpg.InsufficientPrivilegeError:
+                read_refused()
             if row is None:
                 return None
             spec = await conn.fetchrow(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import ipaddress
 import os
 import re
@@ -302,30 +303,53 @@ class EgressKernel:
         """Bring the programs of a sandbox adopted from an earlier agent to this agent's own
         versions: a program none of whose versions is attached (the sandbox started before it
         existed) is attached; a version another agent loaded is replaced in place, atomically
-        (its fixes reach sandboxes already running, with no moment under neither or both).
-        Returns ``{program name: "added" | "replaced"}`` for what changed."""
+        (its fixes reach sandboxes already running, with no moment under neither or both); a
+        second copy of ours is detached. Each kind is tried whatever another's outcome.
+
+        Returns ``{program name: "added" | "replaced"}`` for what changed.
+
+        Raises:
+            OSError: some kind could not be brought up to date (each named; the others were).
+        """
         fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
         changed: dict[str, str] = {}
+        failed: list[str] = []
         try:
             # the ingress program last: it reads what the new sock_addr hooks remember
             for name, attach_type in sorted(ATTACH_TYPES.items(), key=lambda t: t[0] == "ingress"):
-                fn = self._fns[name]
-                own = libbpf.prog_id(fn.fd)
-                attached = libbpf.attached_prog_ids(fd, attach_type)
-                if own in attached:
+                try:
+                    how = self._renew_one(fd, name, attach_type)
+                except Exception as exc:  # (BCC's attach raises Exception)
+                    failed.append(f"{name}: {exc}")
                     continue
-                older = [p for p in attached if self._ours(p)]
-                if not older:
-                    self._bpf.attach_func(fn, fd, attach_type, libbpf.BPF_F_ALLOW_MULTI)
-                    changed[name] = "added"
-                    continue
-                libbpf.replace_prog(fd, attach_type, fn.fd, older[0])
-                for extra in older[1:]:  # (never more than one; a copy would run twice)
-                    libbpf.detach_prog_id(fd, attach_type, extra)
-                changed[name] = "replaced"
+                if how:
+                    changed[name] = how
         finally:
             os.close(fd)
+        if failed:
+            raise OSError(f"renewing programs of {cgroup_dir}: {'; '.join(failed)}")
         return changed
+
+    def _renew_one(self, fd: int, name: str, attach_type: int) -> str | None:
+        fn = self._fns[name]
+        own = libbpf.prog_id(fn.fd)
+        attached = libbpf.attached_prog_ids(fd, attach_type)
+        older = [p for p in attached if p != own and self._ours(p)]
+        how = None
+        if own not in attached:
+            if older:
+                libbpf.replace_prog(fd, attach_type, fn.fd, older.pop(0))
+                how = "replaced"
+            else:
+                self._bpf.attach_func(fn, fd, attach_type, libbpf.BPF_F_ALLOW_MULTI)
+                how = "added"
+        for extra in older:  # a copy beside ours would run twice
+            try:
+                libbpf.detach_prog_id(fd, attach_type, extra)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:  # (another agent detached it first)
+                    raise
+        return how
 
     def _ours(self, prog_id: int) -> bool:
         """Whether a program uses this instance's pinned ``sandboxes`` map (False: gone)."""

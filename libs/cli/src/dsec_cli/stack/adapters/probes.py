@@ -164,38 +164,107 @@ def postgres_ensure_database(dsn: str, database: str, timeout: float = 5.0) -> N
     _run_coro_in_thread(run, timeout)
 
 
-def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 5.0) -> None:
-    """Create (or bring up to date) the read-only login ``role`` in the DSN's database: it may
-    connect and read what it is granted (each projector grants it its tables), every
-    transaction it opens is read-only, a statement of it ends within 30 s, it holds at most 16
-    connections, and it may create nothing (no temporary tables either)."""
+_PUBLIC_FUNCTIONS_REVOKED = (
+    # a reader could hold the projectors' and `dsec up`'s advisory locks with them (every
+    # signature of each name is revoked)
+    "pg_advisory_lock", "pg_advisory_lock_shared", "pg_try_advisory_lock",
+    "pg_try_advisory_lock_shared", "pg_advisory_xact_lock", "pg_advisory_xact_lock_shared",
+    "pg_try_advisory_xact_lock", "pg_try_advisory_xact_lock_shared",
+    # ... or write: large objects persist, a logical message goes to the WAL
+    "lo_create", "lo_creat", "lo_from_bytea", "lo_put", "lo_import", "lo_open", "lo_unlink",
+    "pg_logical_emit_message",
+)  # fmt: skip
+
+
+def scram_verifier(password: str, *, iterations: int = 4096) -> str:
+    """The SCRAM-SHA-256 verifier Postgres stores for ``password`` (RFC 5802/7677), so the
+    password itself never reaches the server, nor its log when a statement fails."""
+    import base64
+    import hashlib
+    import hmac
+    import os
+
+    salt = os.urandom(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    client_key = hmac.new(salted, b"Client Key", "sha256").digest()
+    server_key = hmac.new(salted, b"Server Key", "sha256").digest()
+    b64 = base64.b64encode
+    stored = b64(hashlib.sha256(client_key).digest()).decode()
+    return f"SCRAM-SHA-256${iterations}:{b64(salt).decode()}${stored}:{b64(server_key).decode()}"
+
+
+def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 10.0) -> None:
+    """Create the read-only login ``role`` in the DSN's database, or bring an existing one back
+    to exactly that, whatever it was given meanwhile (the DSN's user must be a superuser):
+    - it may connect to this database only, and SELECT the read-model tables (granted here for
+      those that exist, and by each projector as it creates them); nothing else: no role
+      membership, nothing owned, no temporary table, none of the functions that take advisory
+      locks or write large objects or the WAL;
+    - its sessions start read-only, with a 30 s statement timeout, transactions idle for 60 s
+      ended, at most 256 MB of temporary files (a setting it cannot change), 16 connections;
+    - its sessions open now are ended (a password it changed, locks it held).
+    """
     import asyncpg
+    from dsec_core.projections import READ_TABLES
 
     if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", role) or not re.fullmatch(
         r"[\w-]{16,}", password
     ):
         raise ValueError("postgres_ensure_reader: an unsafe role name or password")
+    verifier = scram_verifier(password)
 
     async def run() -> None:
         conn = await asyncpg.connect(dsn, timeout=timeout)
         try:
             database = await conn.fetchval("SELECT current_database()")
             quoted_db = '"' + str(database).replace('"', '""') + '"'
+            await conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", role
+            )
             async with conn.transaction():
+                await conn.execute("SET LOCAL lock_timeout = '5s'")
                 await conn.execute("SELECT pg_advisory_xact_lock(7272)")  # two `dsec up` at once
                 if not await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role):
                     await conn.execute(f"CREATE ROLE {role}")
-                # (identifiers and passwords cannot be bound; both were checked above)
+                # (identifiers cannot be bound; the role name was checked above)
                 await conn.execute(
                     f"ALTER ROLE {role} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE "
-                    f"NOREPLICATION NOBYPASSRLS CONNECTION LIMIT 16 PASSWORD '{password}'"
+                    f"NOREPLICATION NOBYPASSRLS NOINHERIT CONNECTION LIMIT 16 "
+                    f"PASSWORD '{verifier}'"
                 )
-                await conn.execute(f"ALTER ROLE {role} SET default_transaction_read_only = on")
-                await conn.execute(f"ALTER ROLE {role} SET statement_timeout = '30s'")
+                for group in await conn.fetch(
+                    "SELECT r.rolname FROM pg_auth_members m JOIN pg_roles r ON r.oid = m.roleid"
+                    " WHERE m.member = (SELECT oid FROM pg_roles WHERE rolname = $1)",
+                    role,
+                ):
+                    quoted = '"' + str(group["rolname"]).replace('"', '""') + '"'
+                    await conn.execute(f"REVOKE {quoted} FROM {role}")
+                await conn.execute(f"ALTER ROLE {role} RESET ALL")
+                for setting in (
+                    "default_transaction_read_only = on", "statement_timeout = '30s'",
+                    "idle_in_transaction_session_timeout = '60s'", "temp_file_limit = '256MB'",
+                ):  # fmt: skip
+                    await conn.execute(f"ALTER ROLE {role} SET {setting}")
+                await conn.execute(f"REASSIGN OWNED BY {role} TO CURRENT_USER")
+                await conn.execute(f"DROP OWNED BY {role}")  # and every privilege granted it
                 await conn.execute(f"REVOKE ALL ON DATABASE {quoted_db} FROM PUBLIC")
                 await conn.execute(f"GRANT CONNECT ON DATABASE {quoted_db} TO {role}")
+                for other in await conn.fetch(
+                    "SELECT datname FROM pg_database WHERE datname <> $1", database
+                ):  # (template0 takes no connection; postgres and template1 took any role's)
+                    quoted = '"' + str(other["datname"]).replace('"', '""') + '"'
+                    await conn.execute(f"REVOKE CONNECT, TEMP ON DATABASE {quoted} FROM PUBLIC")
                 await conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
                 await conn.execute(f"GRANT USAGE ON SCHEMA public TO {role}")
+                for function in await conn.fetch(
+                    "SELECT oid::regprocedure::text AS sig FROM pg_proc WHERE proname = ANY($1)"
+                    " AND pronamespace = 'pg_catalog'::regnamespace",
+                    list(_PUBLIC_FUNCTIONS_REVOKED),
+                ):  # (regprocedure's text is a quoted, qualified signature)
+                    await conn.execute(f"REVOKE EXECUTE ON FUNCTION {function['sig']} FROM PUBLIC")
+                for table in READ_TABLES:
+                    if await conn.fetchval("SELECT to_regclass($1)", f"public.{table}"):
+                        await conn.execute(f"GRANT SELECT ON {table} TO {role}")
         finally:
             await conn.close(timeout=timeout)
 
