@@ -167,6 +167,11 @@ async def test_dsec_up_takes_back_what_the_role_was_given(dsec_stack: Any) -> No
         await owner.execute("ALTER ROLE dsec_reader SET default_transaction_read_only = off")
     finally:
         await owner.close()
+    reader = await asyncpg.connect(read_dsn)
+    try:  # what a holder of the role may set for every user of it, per database too
+        await reader.execute("ALTER ROLE dsec_reader IN DATABASE dsec SET lock_timeout = '1ms'")
+    finally:
+        await reader.close()
     password = dsec_stack.stack.state.servers["postgres"].credentials["reader_password"]
     await asyncio.to_thread(
         probes.postgres_ensure_reader,
@@ -175,6 +180,7 @@ async def test_dsec_up_takes_back_what_the_role_was_given(dsec_stack: Any) -> No
     conn = await asyncpg.connect(read_dsn)
     try:
         assert await conn.fetchval("SHOW default_transaction_read_only") == "on"
+        assert await conn.fetchval("SHOW lock_timeout") == "0"
         assert await conn.fetchval("SELECT count(*) FROM sandboxes") >= 0  # still reads
         await conn.execute("SET default_transaction_read_only = off")
         for sql in (
@@ -186,3 +192,30 @@ async def test_dsec_up_takes_back_what_the_role_was_given(dsec_stack: Any) -> No
                 await conn.execute(sql)
     finally:
         await conn.close()
+
+
+async def test_a_rebuild_is_not_held_by_readers(
+    dsec_stack: Any, dsec_cli: Any, stack_env: dict[str, str]
+) -> None:
+    """`dsec projections rebuild` drops the tables: a reader's open transaction (it held the
+    DROP, and every write and read queued behind it) is ended, and the rebuild goes through."""
+    read_dsn = await _prepared(dsec_stack)
+    reader = await asyncpg.connect(read_dsn)
+    try:
+        await reader.execute("BEGIN")
+        await reader.fetchval("SELECT count(*) FROM sandboxes")
+        await reader.fetchval("SELECT count(*) FROM nodes")
+        pid = reader.get_server_pid()
+        out = await asyncio.wait_for(
+            asyncio.to_thread(dsec_cli, "projections", "rebuild", "--json", env=stack_env), 120
+        )
+        assert out.exit_code == 0, out.output
+    finally:
+        reader.terminate()
+    owner = await asyncpg.connect(dsec_stack.postgres_dsn)
+    try:
+        assert (
+            await owner.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1", pid) == 0
+        )
+    finally:
+        await owner.close()

@@ -66,7 +66,10 @@ async def end_stale_readers(conn: asyncpg.Connection, older_than_s: float) -> in
             "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000))"
             " FROM pg_stat_activity"
             " WHERE usename = $1 AND xact_start IS NOT NULL"
-            " AND xact_start <= now() - make_interval(secs => $2)",
+            " AND xact_start <= now() - make_interval(secs => $2)"
+            # (never an error inside the caller's transaction: only when it may signal them)
+            " AND (pg_has_role(current_user, 'pg_signal_backend', 'MEMBER')"
+            " OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user))",
             READ_ROLE,
             float(older_than_s),
         )
@@ -181,9 +184,12 @@ def summarize(env: Envelope) -> dict[str, Any]:
 
 
 async def ensure_schema(conn: asyncpg.Connection) -> None:
-    """Create the read-model tables when missing (serialized: concurrent DDL races)."""
+    """Create the read-model tables when missing (serialized: concurrent DDL races). A lock a
+    reader holds is waited for 10 s at most (the caller retries; readers' transactions older
+    than :data:`READER_MAX_TRANSACTION_S` are ended first)."""
     await end_stale_readers(conn, READER_MAX_TRANSACTION_S)
     async with conn.transaction():
+        await conn.execute("SET LOCAL lock_timeout = '10s'")
         await conn.execute("SELECT pg_advisory_xact_lock(7271)")
         await conn.execute(SCHEMA)
         await conn.execute(
@@ -515,15 +521,32 @@ async def until_set(stop: asyncio.Event, batches: AsyncIterator[T]) -> AsyncIter
             await aclose()
 
 
+async def _drop_while_readers_wait(
+    conn: asyncpg.Connection, drop: str, create: Callable[[asyncpg.Connection], Any]
+) -> None:
+    """``drop`` then ``create`` in one transaction, ending every reader's open transaction
+    first and again each time a lock is not had within 2 s (a reader that opens another
+    meanwhile cannot hold the DROP, and everything queued behind it, for long)."""
+    for attempt in range(30):
+        await end_stale_readers(conn, 0)
+        try:
+            async with conn.transaction():
+                await conn.execute("SET LOCAL lock_timeout = '2s'")
+                await conn.execute(drop)
+                await create(conn)
+            return
+        except asyncpg.LockNotAvailableError:
+            if attempt == 29:
+                raise
+            log.warning("read models: a lock is held; ending readers and trying again")
+
+
 async def rebuild(js: JetStreamContext, dsn: str, gate: Gate | None = None) -> int:
     """Drop the read models and replay the whole stream into them; return the position."""
     await rebuild_nodes(js, dsn, gate)
     conn = await asyncpg.connect(dsn)
     try:
-        await end_stale_readers(conn, 0)  # a reader's open transaction would hold the DROP
-        async with conn.transaction():
-            await conn.execute(DROP)
-            await ensure_schema(conn)
+        await _drop_while_readers_wait(conn, DROP, ensure_schema)
         batch: list[tuple[int, bytes]] = []
         position = 0
         async for item in replay(js, filter_subject=f"{ROOT}.sandbox.>"):
@@ -601,6 +624,7 @@ async def ensure_node_schema(conn: asyncpg.Connection) -> None:
     ``projection_state``, and concurrent DDL of one table races)."""
     await end_stale_readers(conn, READER_MAX_TRANSACTION_S)
     async with conn.transaction():
+        await conn.execute("SET LOCAL lock_timeout = '10s'")
         await conn.execute("SELECT pg_advisory_xact_lock(7271)")
         await conn.execute(NODES_SCHEMA)
         await conn.execute(grant_readers("projection_state", "nodes"))
@@ -736,11 +760,8 @@ async def rebuild_nodes(js: JetStreamContext, dsn: str, gate: Gate | None = None
     """Drop the nodes table and replay the node events into it; return the position."""
     conn = await asyncpg.connect(dsn)
     try:
-        await end_stale_readers(conn, 0)  # a reader's open transaction would hold the DROP
-        async with conn.transaction():
-            await ensure_node_schema(conn)
-            await conn.execute(NODES_DROP)
-            await ensure_node_schema(conn)
+        await ensure_node_schema(conn)
+        await _drop_while_readers_wait(conn, NODES_DROP, ensure_node_schema)
         batch: list[tuple[int, bytes]] = []
         position = 0
         async for item in replay(js, filter_subject=f"{ROOT}.node.>"):

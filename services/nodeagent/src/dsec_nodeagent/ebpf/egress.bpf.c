@@ -179,8 +179,7 @@ BPF_TABLE_PINNED7("sk_storage", int, struct orig_dst, dns_dst, 0, PIN_DIR "/dns_
 // program lets in only their replies: a socket the kernel bound by itself (the first sendto
 // of a socket never bound) listens on every address, and took datagrams from anywhere. Storage
 // of the socket itself (no sandbox evicts a neighbour's peers); the oldest of UDP_PEERS is
-// replaced, and a peer with no datagram either way for UDP_PEER_IDLE_NS is forgotten (as
-// conntrack forgets a UDP flow).
+// replaced, and a peer not sent to for UDP_PEER_IDLE_NS is forgotten.
 #define UDP_PEERS 8
 #define UDP_PEER_IDLE_NS (300ULL * 1000000000ULL)
 struct udp_peer {
@@ -188,7 +187,7 @@ struct udp_peer {
     u16 port;        // network order
     u16 family;      // 4 or 6; 0: an empty slot
     u32 pad;
-    u64 seen_ns;     // the last datagram sent to it or taken from it (CLOCK_MONOTONIC)
+    u64 seen_ns;     // the last datagram sent to it (CLOCK_MONOTONIC)
 };
 struct udp_peers {
     struct udp_peer peer[UDP_PEERS];
@@ -756,10 +755,9 @@ static __always_inline int from_peer(struct bpf_sock *sk, u32 family, u32 *src, 
         // (signed: a send on another CPU may have stamped it after `now` was read)
         if (p->family == family && p->port == port && p->addr[0] == src[0] &&
             p->addr[1] == src[1] && p->addr[2] == src[2] && p->addr[3] == src[3] &&
-            (s64)(now - p->seen_ns) <= (s64)UDP_PEER_IDLE_NS) {
-            p->seen_ns = now;  // a reply keeps the flow, as a send does
-            return 1;
-        }
+            (s64)(now - p->seen_ns) <= (s64)UDP_PEER_IDLE_NS)
+            return 1;  // (only a send, which the rules judge again, keeps a peer: a reply
+                       // does not, so a rule that expired bounds what comes in too)
     }
     return 0;
 }
@@ -843,5 +841,7 @@ int sockopt(struct bpf_sockopt *ctx) {
     if ((level == SOL_IP_NR && (name == IP_RECVERR_NR || name == IP_RECVERR_RFC4884_NR)) ||
         (level == SOL_IPV6_NR && (name == IPV6_RECVERR_NR || name == IPV6_RECVERR_RFC4884_NR)))
         ctx->optlen = -1;
+    else if (ctx->optlen > PAGE_SIZE)
+        ctx->optlen = 0;  // (the kernel's own value: before 6.5 a larger one failed EFAULT)
     return 1;
 }

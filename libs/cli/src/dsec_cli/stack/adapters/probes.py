@@ -240,13 +240,20 @@ def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 
                     quoted = '"' + str(group["rolname"]).replace('"', '""') + '"'
                     await conn.execute(f"REVOKE {quoted} FROM {role}")
                 await conn.execute(f"ALTER ROLE {role} RESET ALL")
+                for setting in await conn.fetch(  # a role may set its own, per database too
+                    "SELECT d.datname FROM pg_db_role_setting s JOIN pg_database d"
+                    " ON d.oid = s.setdatabase WHERE s.setrole = $1::regrole",
+                    role,
+                ):
+                    quoted = '"' + str(setting["datname"]).replace('"', '""') + '"'
+                    await conn.execute(f"ALTER ROLE {role} IN DATABASE {quoted} RESET ALL")
                 for setting in (
                     "default_transaction_read_only = on", "statement_timeout = '30s'",
                     "idle_in_transaction_session_timeout = '60s'", "temp_file_limit = '256MB'",
                 ):  # fmt: skip
                     await conn.execute(f"ALTER ROLE {role} SET {setting}")
-                await conn.execute(f"REASSIGN OWNED BY {role} TO CURRENT_USER")
-                await conn.execute(f"DROP OWNED BY {role}")  # and every privilege granted it
+                # what it owns is dropped, never handed on; every privilege granted it too
+                await conn.execute(f"DROP OWNED BY {role}")
                 await conn.execute(f"REVOKE ALL ON DATABASE {quoted_db} FROM PUBLIC")
                 await conn.execute(f"GRANT CONNECT ON DATABASE {quoted_db} TO {role}")
                 for other in await conn.fetch(
