@@ -133,7 +133,7 @@ async def test_a_simulated_fleet_is_a_fleet_to_the_real_scheduler(
     script.write_text(
         "steps:\n"
         f"  - {{at: 3, node: {crashed}, crash: true}}\n"
-        f"  - {{at: 25, node: {crashed}, recover: true}}\n"
+        f"  - {{at: 17, node: {crashed}, recover: true}}\n"
         f"  - {{at: 1, node: {hot}, gpu: 0, temperature: 92, over: 2}}\n"
         f"  - {{at: 1, node: {broken}, gpu: 3, xid: 79}}\n"
     )

@@ -56,7 +56,7 @@ async def test_a_degraded_gpu_moves_its_unit_and_the_operator_moves_it_again(
     await asyncio.to_thread(services.start, "scheduler")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dsec_fleetsim", "--inventory", str(inventory),
-        "--prefix", prefix, "--heartbeat-s", "1.5", "--run-for", "600", "--status-every", "0.5",
+        "--prefix", prefix, "--heartbeat-s", "0.75", "--run-for", "600", "--status-every", "0.5",
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     sim = Sim(proc)
