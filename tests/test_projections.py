@@ -190,6 +190,54 @@ async def test_lifecycle_is_projected_and_listed(
     } == before
 
 
+async def test_a_rebuild_beside_a_running_projector_keeps_the_whole_history(
+    js, postgres_dsn, nats_url, dsec_cli, tmp_path, dsec_stack
+) -> None:
+    """The scheduler's projector keeps running, and events keep coming, while an operator
+    rebuilds: the live projector once wrote its position into the fresh tables, and the replay
+    then skipped everything before it."""
+    ok, _, _ = await _lifecycle(js, dsec_stack.home)
+    env = {"DSEC_NATS_URL": nats_url, "DSEC_POSTGRES_DSN": postgres_dsn, "DSEC_HOME": str(tmp_path)}
+    stop, quiet = asyncio.Event(), asyncio.Event()
+    live = asyncio.create_task(Projector(js, postgres_dsn).run(stop))
+    pipe = await trust.pipeline(js, dsec_stack.home)
+    later: list[str] = []
+
+    async def traffic() -> None:
+        while not quiet.is_set():
+            later.append(_sid())
+            await _built(pipe, later[-1])
+            await asyncio.sleep(0.02)
+
+    flowing = asyncio.create_task(traffic())
+    try:
+        await _project_until(js, postgres_dsn, ok)
+        rebuilt = await asyncio.to_thread(dsec_cli, "projections", "rebuild", "--json", env=env)
+        assert rebuilt.exit_code == 0, rebuilt.output
+    finally:
+        quiet.set()
+        await flowing
+    try:
+        shown = dsec_cli("sandbox", "show", ok, "--json", env=env)
+        assert shown.exit_code == 0, shown.output
+        assert len(shown.last_json()["events"]) == 7  # its whole timeline, from the replay
+        conn = await asyncpg.connect(postgres_dsn)
+        try:  # and what came during and after the rebuild, from the live projector
+            for _ in range(200):
+                if await conn.fetchval(
+                    "SELECT count(*) FROM sandboxes WHERE sandbox_id = ANY($1)", later
+                ) == len(later):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the live projector did not go on after the rebuild")
+        finally:
+            await conn.close()
+    finally:
+        stop.set()
+        await asyncio.wait_for(live, 15)
+
+
 async def test_applying_a_batch_twice_changes_nothing(js, postgres_dsn, dsec_stack) -> None:
     ok, _, _ = await _lifecycle(js, dsec_stack.home)
     batch = [item async for item in replay(js, filter_subject=f"dsec.sandbox.{ok}.>")]

@@ -59,8 +59,9 @@ users cannot hold the read models' locks, nor vacuum's horizon, for longer."""
 async def end_stale_readers(conn: asyncpg.Connection, older_than_s: float) -> int:
     """End the sessions of :data:`READ_ROLE` whose transaction has been open ``older_than_s``
     or more (0: every open one), waiting up to 5 s for each to be gone; return how many.
-    Needs the right to signal them (a superuser, or a member of ``pg_signal_backend``);
-    without it, nothing is ended and 0 is returned."""
+    Needs to see and signal them: a superuser, or a role granted :data:`READ_ROLE` (the
+    README's deployment SQL); without it nothing is ended, 0 is returned, and no error is
+    raised (the caller's transaction goes on)."""
     try:
         ended = await conn.fetchval(
             "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 5000))"
@@ -68,8 +69,9 @@ async def end_stale_readers(conn: asyncpg.Connection, older_than_s: float) -> in
             " WHERE usename = $1 AND xact_start IS NOT NULL"
             " AND xact_start <= now() - make_interval(secs => $2)"
             # (never an error inside the caller's transaction: only when it may signal them)
-            " AND (pg_has_role(current_user, 'pg_signal_backend', 'MEMBER')"
-            " OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user))",
+            " AND ((SELECT rolsuper FROM pg_roles WHERE rolname = current_user)"
+            " OR pg_has_role(current_user, $1, 'USAGE')"
+            " OR pg_has_role(current_user, 'pg_signal_backend', 'USAGE'))",
             READ_ROLE,
             float(older_than_s),
         )
@@ -440,6 +442,8 @@ class Projector:
             await self._run_sandboxes(stop)
         finally:
             watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
             if stop.is_set():
                 try:
                     await nodes
@@ -521,32 +525,45 @@ async def until_set(stop: asyncio.Event, batches: AsyncIterator[T]) -> AsyncIter
             await aclose()
 
 
-async def _drop_while_readers_wait(
-    conn: asyncpg.Connection, drop: str, create: Callable[[asyncpg.Connection], Any]
-) -> None:
-    """``drop`` then ``create`` in one transaction, ending every reader's open transaction
-    first and again each time a lock is not had within 2 s (a reader that opens another
-    meanwhile cannot hold the DROP, and everything queued behind it, for long)."""
+async def _rebuild(
+    conn: asyncpg.Connection,
+    drop: str,
+    create: Callable[[asyncpg.Connection], Any],
+    fill: Callable[[asyncpg.Connection], Any],
+) -> int:
+    """``drop``, ``create`` and ``fill`` (the replay) in one transaction, so the live projector
+    cannot write into the new tables meanwhile (its position there would make the replay skip
+    what came before it; it waits, then resumes from the rebuilt position). Every reader's
+    open transaction is ended first, and again each time a lock is not had within 2 s or a
+    deadlock ends the attempt (a reader that opens another meanwhile cannot hold the DROP, and
+    everything queued behind it, for long). The projectors' lock and ``projection_state`` are
+    taken first, as the projectors take them, so the DROP deadlocks no batch."""
     for attempt in range(30):
         await end_stale_readers(conn, 0)
         try:
             async with conn.transaction():
                 await conn.execute("SET LOCAL lock_timeout = '2s'")
+                await conn.execute("SELECT pg_advisory_xact_lock(7271)")
+                await conn.execute(
+                    "DO $$ BEGIN IF to_regclass('projection_state') IS NOT NULL THEN"
+                    " LOCK TABLE projection_state IN ACCESS EXCLUSIVE MODE; END IF; END $$;"
+                )
                 await conn.execute(drop)
                 await create(conn)
-            return
-        except asyncpg.LockNotAvailableError:
+                return int(await fill(conn))
+        except (asyncpg.LockNotAvailableError, asyncpg.DeadlockDetectedError):
             if attempt == 29:
                 raise
             log.warning("read models: a lock is held; ending readers and trying again")
+    raise AssertionError("unreachable")
 
 
 async def rebuild(js: JetStreamContext, dsn: str, gate: Gate | None = None) -> int:
     """Drop the read models and replay the whole stream into them; return the position."""
     await rebuild_nodes(js, dsn, gate)
     conn = await asyncpg.connect(dsn)
-    try:
-        await _drop_while_readers_wait(conn, DROP, ensure_schema)
+
+    async def fill(conn: asyncpg.Connection) -> int:
         batch: list[tuple[int, bytes]] = []
         position = 0
         async for item in replay(js, filter_subject=f"{ROOT}.sandbox.>"):
@@ -557,6 +574,9 @@ async def rebuild(js: JetStreamContext, dsn: str, gate: Gate | None = None) -> i
         if batch:
             position = await apply_batch(conn, batch, gate)
         return position
+
+    try:
+        return await _rebuild(conn, DROP, ensure_schema, fill)
     finally:
         await conn.close()
 
@@ -759,9 +779,8 @@ class NodeProjector:
 async def rebuild_nodes(js: JetStreamContext, dsn: str, gate: Gate | None = None) -> int:
     """Drop the nodes table and replay the node events into it; return the position."""
     conn = await asyncpg.connect(dsn)
-    try:
-        await ensure_node_schema(conn)
-        await _drop_while_readers_wait(conn, NODES_DROP, ensure_node_schema)
+
+    async def fill(conn: asyncpg.Connection) -> int:
         batch: list[tuple[int, bytes]] = []
         position = 0
         async for item in replay(js, filter_subject=f"{ROOT}.node.>"):
@@ -772,5 +791,9 @@ async def rebuild_nodes(js: JetStreamContext, dsn: str, gate: Gate | None = None
         if batch:
             position = await apply_node_batch(conn, batch, gate)
         return position
+
+    try:
+        await ensure_node_schema(conn)  # (NODES_DROP clears its row of projection_state)
+        return await _rebuild(conn, NODES_DROP, ensure_node_schema, fill)
     finally:
         await conn.close()

@@ -841,7 +841,7 @@ int sockopt(struct bpf_sockopt *ctx) {
     if ((level == SOL_IP_NR && (name == IP_RECVERR_NR || name == IP_RECVERR_RFC4884_NR)) ||
         (level == SOL_IPV6_NR && (name == IPV6_RECVERR_NR || name == IPV6_RECVERR_RFC4884_NR)))
         ctx->optlen = -1;
-    else if (ctx->optlen > PAGE_SIZE)
+    else if (ctx->optlen > (int)PAGE_SIZE)
         ctx->optlen = 0;  // (the kernel's own value: before 6.5 a larger one failed EFAULT)
     return 1;
 }

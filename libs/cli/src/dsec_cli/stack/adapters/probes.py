@@ -193,7 +193,7 @@ def scram_verifier(password: str, *, iterations: int = 4096) -> str:
     return f"SCRAM-SHA-256${iterations}:{b64(salt).decode()}${stored}:{b64(server_key).decode()}"
 
 
-def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 10.0) -> None:
+def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 30.0) -> None:
     """Create the read-only login ``role`` in the DSN's database, or bring an existing one back
     to exactly that, whatever it was given meanwhile (the DSN's user must be a superuser):
     - it may connect to this database only, and SELECT the read-model tables (granted here for
@@ -224,6 +224,7 @@ def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 
             async with conn.transaction():
                 await conn.execute("SET LOCAL lock_timeout = '5s'")
                 await conn.execute("SELECT pg_advisory_xact_lock(7272)")  # two `dsec up` at once
+                await conn.execute("SELECT pg_advisory_xact_lock(7271)")  # and the projectors
                 if not await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role):
                     await conn.execute(f"CREATE ROLE {role}")
                 # (identifiers cannot be bound; the role name was checked above)
@@ -272,6 +273,9 @@ def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 
                 for table in READ_TABLES:
                     if await conn.fetchval("SELECT to_regclass($1)", f"public.{table}"):
                         await conn.execute(f"GRANT SELECT ON {table} TO {role}")
+            await conn.execute(  # again: one may have connected with a password it had set
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", role
+            )
         finally:
             await conn.close(timeout=timeout)
 
