@@ -219,3 +219,11 @@ async def test_a_rebuild_is_not_held_by_readers(
         )
     finally:
         await owner.close()
+
+
+def test_a_dsn_that_is_not_one_is_named_not_shown(dsec_cli: Any, tmp_path: Any) -> None:
+    env = {"DSEC_HOME": str(tmp_path), "DSEC_POSTGRES_READ_DSN": "dsec_reader:s3cret@db:5432"}
+    out = dsec_cli("sandbox", "list", env=env)
+    assert out.exit_code == 2, out.output
+    assert "DSEC_POSTGRES_READ_DSN is not a PostgreSQL DSN: expected postgresql://" in out.output
+    assert "s3cret" not in out.output

@@ -360,11 +360,18 @@ async def pg_connect(settings: Settings | None = None) -> Any:
     settings = settings or Settings()
     # what the environment names comes first (a DSN set there is never traded for stack.json's)
     stack = settings.stack_state
-    dsn = (
-        settings.postgres_read_dsn
-        or settings.postgres_dsn
-        or stack.get("postgres_read_dsn")
-        or stack.get("postgres_dsn")
+    source, dsn = next(
+        (
+            (name, value)
+            for name, value in (
+                ("DSEC_POSTGRES_READ_DSN", settings.postgres_read_dsn),
+                ("DSEC_POSTGRES_DSN", settings.postgres_dsn),
+                ("stack.json's postgres_read_dsn", stack.get("postgres_read_dsn")),
+                ("stack.json's postgres_dsn", stack.get("postgres_dsn")),
+            )
+            if value
+        ),
+        ("", None),
     )
     if not dsn:
         fail(
@@ -377,6 +384,17 @@ async def pg_connect(settings: Settings | None = None) -> Any:
             str(dsn),
             timeout=5,
             server_settings={"default_transaction_read_only": "on", "statement_timeout": "30s"},
+        )
+    except ValueError:  # (asyncpg's ClientConfigurationError is one; the DSN is never shown)
+        fail(
+            f"{source} is not a PostgreSQL DSN: expected postgresql://USER:PASSWORD@HOST:PORT/DB",
+            EXIT_BAD_INPUT,
+        )
+    except asyncpg.InvalidAuthorizationSpecificationError:
+        fail(
+            f"PostgreSQL refused the login of {source}: a wrong user or password? (`dsec up` "
+            "sets the read-only role's password again)",
+            EXIT_UNREACHABLE,
         )
     except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
         fail(

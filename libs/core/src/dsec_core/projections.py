@@ -127,23 +127,15 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 -- Times a stateful sandbox was started again in place after dying (sandbox.restarted).
 -- (Each ALTER only when its column is missing: even IF NOT EXISTS takes the table's exclusive
 -- lock, which any reader's open transaction would hold off, and the writes queue behind it.)
-DO $$ BEGIN
-  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'sandboxes'::regclass
-                 AND attname = 'refusals' AND NOT attisdropped) THEN
-    ALTER TABLE sandboxes ADD COLUMN refusals bigint NOT NULL DEFAULT 0;
-  END IF;
-  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'sandboxes'::regclass
-                 AND attname = 'reports' AND NOT attisdropped) THEN
-    ALTER TABLE sandboxes ADD COLUMN reports bigint NOT NULL DEFAULT 0;
-  END IF;
-  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'sandboxes'::regclass
-                 AND attname = 'attempt' AND NOT attisdropped) THEN
-    ALTER TABLE sandboxes ADD COLUMN attempt integer NOT NULL DEFAULT 0;
-  END IF;
-  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'sandboxes'::regclass
-                 AND attname = 'restarts' AND NOT attisdropped) THEN
-    ALTER TABLE sandboxes ADD COLUMN restarts integer NOT NULL DEFAULT 0;
-  END IF;
+DO $$ DECLARE c record; BEGIN
+  FOR c IN SELECT * FROM (VALUES ('refusals', 'bigint'), ('reports', 'bigint'),
+                                 ('attempt', 'integer'), ('restarts', 'integer')) AS v(name, type)
+  LOOP
+    IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'sandboxes'::regclass
+                   AND attname = c.name AND NOT attisdropped) THEN
+      EXECUTE format('ALTER TABLE sandboxes ADD COLUMN %I %s NOT NULL DEFAULT 0', c.name, c.type);
+    END IF;
+  END LOOP;
 END $$;
 -- The live sandboxes by state, for the stuck-request gauges (live_states).
 CREATE INDEX IF NOT EXISTS sandboxes_live ON sandboxes (state) WHERE NOT terminal;
@@ -555,7 +547,7 @@ async def _rebuild(
             if attempt == 29:
                 raise
             log.warning("read models: a lock is held; ending readers and trying again")
-    raise AssertionError("unreachable")
+    raise AssertionError("the last attempt returns or raises")
 
 
 async def rebuild(js: JetStreamContext, dsn: str, gate: Gate | None = None) -> int:

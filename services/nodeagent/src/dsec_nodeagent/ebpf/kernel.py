@@ -194,6 +194,7 @@ class EgressKernel:
         self._bpf: Any = None
         self._budget = 0
         self._fns: dict[str, Any] = {}
+        self._ids: dict[str, int] = {}  # each loaded program's kernel id (renew compares them)
         self._sandboxes_map_id = 0
 
     # --- loading ---------------------------------------------------------------------------
@@ -212,6 +213,7 @@ class EgressKernel:
             for name in ATTACH_TYPES:
                 kind = PROGRAM_TYPES.get(name, BPF_PROG_TYPE_CGROUP_SOCK_ADDR)
                 self._fns[name] = self._bpf.load_func(name.encode(), kind, None, ATTACH_TYPES[name])
+                self._ids[name] = libbpf.prog_id(self._fns[name].fd)
         except Exception as exc:
             self.close()
             raise EgressUnavailable(
@@ -228,6 +230,7 @@ class EgressKernel:
             self._bpf.cleanup()
             self._bpf = None
         self._fns.clear()
+        self._ids.clear()
 
     def unpin(self) -> None:
         """Remove every pin (maps die once no attached program uses them)."""
@@ -332,7 +335,7 @@ class EgressKernel:
 
     def _renew_one(self, fd: int, name: str, attach_type: int) -> str | None:
         fn = self._fns[name]
-        own = libbpf.prog_id(fn.fd)
+        own = self._ids[name]
         attached = libbpf.attached_prog_ids(fd, attach_type)
         older = [p for p in attached if p != own and self._ours(p)]
         how = None
@@ -377,7 +380,7 @@ class EgressKernel:
 
     def own_program_ids(self) -> set[int]:
         """The kernel ids of this instance's programs."""
-        return {libbpf.prog_id(fn.fd) for fn in self._fns.values()}
+        return set(self._ids.values())
 
     def attached_ids(self, cgroup_dir: Path) -> set[int]:
         """The ids of every program attached to a cgroup for the attach types we use."""

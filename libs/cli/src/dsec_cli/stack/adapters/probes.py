@@ -146,6 +146,11 @@ def probe_postgres(dsn: str, timeout: float = 2.0, *, database: str | None = Non
     return result
 
 
+def _quoted(identifier: object) -> str:
+    """A Postgres identifier, double-quoted (identifiers cannot be bound as parameters)."""
+    return '"' + str(identifier).replace('"', '""') + '"'
+
+
 def postgres_ensure_database(dsn: str, database: str, timeout: float = 5.0) -> None:
     """Create ``database`` (owned by the DSN's user) unless it exists; connects to ``postgres``."""
     import asyncpg
@@ -155,9 +160,7 @@ def postgres_ensure_database(dsn: str, database: str, timeout: float = 5.0) -> N
         try:
             exists = await conn.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", database)
             if not exists:
-                # Identifiers cannot be bound as parameters; quote it.
-                quoted = '"' + database.replace('"', '""') + '"'
-                await conn.execute(f"CREATE DATABASE {quoted}")
+                await conn.execute(f"CREATE DATABASE {_quoted(database)}")
         finally:
             await conn.close(timeout=timeout)
 
@@ -212,15 +215,14 @@ def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 
     ):
         raise ValueError("postgres_ensure_reader: an unsafe role name or password")
     verifier = scram_verifier(password)
+    end_sessions = "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1"
 
     async def run() -> None:
         conn = await asyncpg.connect(dsn, timeout=timeout)
         try:
             database = await conn.fetchval("SELECT current_database()")
-            quoted_db = '"' + str(database).replace('"', '""') + '"'
-            await conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", role
-            )
+            quoted_db = _quoted(database)
+            await conn.execute(end_sessions, role)
             async with conn.transaction():
                 await conn.execute("SET LOCAL lock_timeout = '5s'")
                 await conn.execute("SELECT pg_advisory_xact_lock(7272)")  # two `dsec up` at once
@@ -238,16 +240,15 @@ def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 
                     " WHERE m.member = (SELECT oid FROM pg_roles WHERE rolname = $1)",
                     role,
                 ):
-                    quoted = '"' + str(group["rolname"]).replace('"', '""') + '"'
-                    await conn.execute(f"REVOKE {quoted} FROM {role}")
+                    await conn.execute(f"REVOKE {_quoted(group['rolname'])} FROM {role}")
                 await conn.execute(f"ALTER ROLE {role} RESET ALL")
                 for setting in await conn.fetch(  # a role may set its own, per database too
                     "SELECT d.datname FROM pg_db_role_setting s JOIN pg_database d"
                     " ON d.oid = s.setdatabase WHERE s.setrole = $1::regrole",
                     role,
                 ):
-                    quoted = '"' + str(setting["datname"]).replace('"', '""') + '"'
-                    await conn.execute(f"ALTER ROLE {role} IN DATABASE {quoted} RESET ALL")
+                    database_of = _quoted(setting["datname"])
+                    await conn.execute(f"ALTER ROLE {role} IN DATABASE {database_of} RESET ALL")
                 for setting in (
                     "default_transaction_read_only = on", "statement_timeout = '30s'",
                     "idle_in_transaction_session_timeout = '60s'", "temp_file_limit = '256MB'",
@@ -260,8 +261,8 @@ def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 
                 for other in await conn.fetch(
                     "SELECT datname FROM pg_database WHERE datname <> $1", database
                 ):  # (template0 takes no connection; postgres and template1 took any role's)
-                    quoted = '"' + str(other["datname"]).replace('"', '""') + '"'
-                    await conn.execute(f"REVOKE CONNECT, TEMP ON DATABASE {quoted} FROM PUBLIC")
+                    other_db = _quoted(other["datname"])
+                    await conn.execute(f"REVOKE CONNECT, TEMP ON DATABASE {other_db} FROM PUBLIC")
                 await conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
                 await conn.execute(f"GRANT USAGE ON SCHEMA public TO {role}")
                 for function in await conn.fetch(
@@ -273,9 +274,7 @@ def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 
                 for table in READ_TABLES:
                     if await conn.fetchval("SELECT to_regclass($1)", f"public.{table}"):
                         await conn.execute(f"GRANT SELECT ON {table} TO {role}")
-            await conn.execute(  # again: one may have connected with a password it had set
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", role
-            )
+            await conn.execute(end_sessions, role)  # again: one may have come back meanwhile
         finally:
             await conn.close(timeout=timeout)
 
