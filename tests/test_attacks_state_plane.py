@@ -793,7 +793,7 @@ def private_stack(tmp_path: Path) -> Iterator[Any]:
     try:
         yield fixture
     finally:
-        fixture.close()
+        fixture.discard()
 
 
 @pytest.mark.parametrize("attack", ["drop-and-renumber", "drop-tail"])

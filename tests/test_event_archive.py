@@ -37,7 +37,7 @@ def private(tmp_path: Path) -> Iterator[StackFixture]:
     try:
         yield fixture
     finally:
-        fixture.close()
+        fixture.discard()
 
 
 @pytest.fixture

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import glob
 import io
 import json
 import urllib.request
+from pathlib import Path
 
 import asyncpg
 import hvac.exceptions
@@ -151,3 +153,22 @@ def test_service_that_crashes_is_reported_with_its_log(services: ServiceRunner) 
     reason, log_tail = info.value.failures["crashy"]
     assert reason == "exited with status 3"
     assert "crashing on purpose" in log_tail
+
+
+def test_a_discarded_stack_leaves_no_process_port_or_socket(tmp_path: Path) -> None:
+    """``discard`` kills the object store instead of waiting for its shutdown, and still leaves
+    nothing behind: no process, no listening port, none of the sockets weed makes in /tmp."""
+    from dsec_testing.stack import StackFixture
+
+    fixture = StackFixture(tmp_path / "home")
+    try:
+        fixture.ensure("nats", "s3")
+        s3 = fixture.stack.server("s3")
+        pids = [p for p in (s3.pid, fixture.stack.server("nats").pid) if p is not None]
+        ports = [*s3.all_ports(), *fixture.stack.server("nats").all_ports()]
+    finally:
+        fixture.discard()
+    assert pids and not any(psutil.pid_exists(p) for p in pids)
+    listening = {c.laddr.port for c in psutil.net_connections() if c.status == psutil.CONN_LISTEN}
+    assert not listening & set(ports)
+    assert not [p for port in ports for p in glob.glob(f"/tmp/seaweedfs-*-{port}.sock")]

@@ -131,7 +131,7 @@ def dsec_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFixtur
     try:
         yield fixture
     finally:
-        fixture.close()
+        fixture.discard()
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +144,7 @@ def dsec_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterFi
     try:
         yield fixture
     finally:
-        fixture.close()
+        fixture.discard()
 
 
 @pytest.fixture(scope="session")
