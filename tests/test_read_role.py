@@ -10,7 +10,13 @@ from typing import Any
 
 import asyncpg
 import pytest
-from dsec_core.projections import end_stale_readers, ensure_node_schema, ensure_schema
+from dsec_core.projections import (
+    READER_CHECK_S,
+    end_stale_readers,
+    ensure_node_schema,
+    ensure_schema,
+    restore_reader,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -192,6 +198,52 @@ async def test_dsec_up_takes_back_what_the_role_was_given(dsec_stack: Any) -> No
                 await conn.execute(sql)
     finally:
         await conn.close()
+
+
+async def test_a_reader_that_changes_its_password_or_defaults_has_them_set_back(
+    dsec_stack: Any, services: Any
+) -> None:
+    """Any role may change its own password and session defaults: one user holding the shared
+    read DSN locked every other user out (or gave their sessions a 1 ms lock timeout) until
+    the next `dsec up`. The projectors set both back within seconds."""
+    read_dsn = await _prepared(dsec_stack)
+    owner = await asyncpg.connect(dsec_stack.postgres_dsn)
+    try:
+        assert await restore_reader(owner) == []  # as `dsec up` left it: nothing to set back
+        await asyncio.to_thread(services.start, "scheduler")  # its projectors watch the role
+        reader = await asyncpg.connect(read_dsn)
+        try:
+            await reader.execute("SET default_transaction_read_only = off")
+            await reader.execute("ALTER ROLE dsec_reader PASSWORD 'only-mine-now'")
+            await reader.execute("ALTER ROLE dsec_reader SET lock_timeout = '1ms'")
+            await reader.execute(
+                "ALTER ROLE dsec_reader IN DATABASE dsec SET statement_timeout = '1ms'"
+            )
+        finally:
+            await reader.close()
+        with pytest.raises(asyncpg.InvalidPasswordError):
+            await (await asyncpg.connect(read_dsn)).close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 4 * READER_CHECK_S + 10
+        while True:
+            try:
+                conn = await asyncpg.connect(read_dsn)
+                break
+            except asyncpg.InvalidPasswordError:
+                assert loop.time() < deadline, "the read role's password was never set back"
+                await asyncio.sleep(0.2)
+        try:  # password and defaults are set back in one transaction
+            assert await conn.fetchval("SHOW lock_timeout") == "0"
+            assert await conn.fetchval("SHOW statement_timeout") == "30s"
+            assert await conn.fetchval("SHOW default_transaction_read_only") == "on"
+        finally:
+            await conn.close()
+        assert "dsec_reader's ['password', 'settings'] had been changed" in services.log(
+            "scheduler"
+        )
+    finally:
+        await restore_reader(owner)  # whatever happened above, the next tests read as before
+        await owner.close()
 
 
 async def test_a_rebuild_is_not_held_by_readers(

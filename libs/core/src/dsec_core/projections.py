@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -54,6 +55,73 @@ READ_TABLES = ("projection_state", "specs", "sandboxes", "sandbox_events", "node
 READER_MAX_TRANSACTION_S = 60.0
 """A reader's transaction open longer is ended by the projectors (:func:`end_stale_readers`):
 users cannot hold the read models' locks, nor vacuum's horizon, for longer."""
+
+READER_SETTINGS = (
+    ("default_transaction_read_only", "on"),
+    ("statement_timeout", "30s"),
+    ("idle_in_transaction_session_timeout", "60s"),
+    ("temp_file_limit", "256MB"),
+)
+"""The defaults of :data:`READ_ROLE`'s sessions (``ALTER ROLE ... SET``), in this order."""
+
+READER_GUARD = "reader_role_guard"
+"""The table where `dsec up` records the password verifier it gave :data:`READ_ROLE` (no role
+but the stack's own may read it), so the projectors can set it back (:func:`restore_reader`)."""
+
+READER_CHECK_S = 5.0
+"""How often the projectors set :data:`READ_ROLE` back to what `dsec up` made it."""
+
+_VERIFIER = re.compile(r"SCRAM-SHA-256\$[0-9]+:[A-Za-z0-9+/=]+\$[A-Za-z0-9+/=]+:[A-Za-z0-9+/=]+")
+
+
+async def restore_reader(conn: asyncpg.Connection) -> list[str]:
+    """Set :data:`READ_ROLE`'s password and session defaults back to what `dsec up` recorded,
+    and return what was set back (``password``, ``settings``).
+
+    Any role may change its own password and defaults: a user holding the shared read DSN could
+    lock every other user out (a new password) or set their sessions' defaults (a 1 ms lock
+    timeout). Needs a superuser (the password is read from ``pg_authid``) and the verifier `dsec
+    up` recorded in :data:`READER_GUARD`; without either, nothing is done (a deployment's own
+    roles are the operator's, README *Read models*)."""
+    try:
+        row = await conn.fetchrow(
+            "SELECT a.rolpassword, g.verifier, ARRAY(SELECT s.setdatabase::text || ':' ||"
+            " array_to_string(s.setconfig, ',') FROM pg_db_role_setting s"
+            " WHERE s.setrole = a.oid ORDER BY 1) AS settings"
+            f" FROM pg_authid a JOIN {READER_GUARD} g ON g.role = a.rolname"
+            " WHERE a.rolname = $1",
+            READ_ROLE,
+        )
+    except (asyncpg.InsufficientPrivilegeError, asyncpg.UndefinedTableError):
+        return []
+    if row is None or not _VERIFIER.fullmatch(row["verifier"]):
+        return []
+    restored = []
+    expected = ["0:" + ",".join(f"{name}={value}" for name, value in READER_SETTINGS)]
+    async with conn.transaction():
+        if row["rolpassword"] != row["verifier"]:
+            await conn.execute(f"ALTER ROLE {READ_ROLE} PASSWORD '{row['verifier']}'")
+            restored.append("password")
+        if list(row["settings"]) != expected:
+            await conn.execute(reader_settings_sql())
+            restored.append("settings")
+    if restored:
+        log.warning("read models: %s's %s had been changed; set back", READ_ROLE, restored)
+    return restored
+
+
+def reader_settings_sql(role: str = READ_ROLE) -> str:
+    """SQL that takes back every default ``role`` has (in any database) and sets
+    :data:`READER_SETTINGS` (the role name is the caller's, checked)."""
+    sets = "; ".join(f"ALTER ROLE {role} SET {name} = '{value}'" for name, value in READER_SETTINGS)
+    return (
+        f"ALTER ROLE {role} RESET ALL; "
+        "DO $$ DECLARE d text; BEGIN FOR d IN SELECT datname FROM pg_db_role_setting s"
+        " JOIN pg_database db ON db.oid = s.setdatabase"
+        f" WHERE s.setrole = '{role}'::regrole LOOP"
+        f" EXECUTE format('ALTER ROLE {role} IN DATABASE %I RESET ALL', d); END LOOP; END $$; "
+        f"{sets}"
+    )
 
 
 async def end_stale_readers(conn: asyncpg.Connection, older_than_s: float) -> int:
@@ -445,19 +513,32 @@ class Projector:
                 nodes.cancel()
 
     async def _watch_readers(self, stop: asyncio.Event) -> None:
-        """Every half of :data:`READER_MAX_TRANSACTION_S`, end readers' transactions older."""
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), READER_MAX_TRANSACTION_S / 2)
-                return
-            try:
-                conn = await asyncpg.connect(self.dsn)
+        """Every :data:`READER_CHECK_S`, set the read role back to what `dsec up` made it
+        (:func:`restore_reader`); every half of :data:`READER_MAX_TRANSACTION_S`, end readers'
+        transactions older than that. One connection, opened again after a failure."""
+        conn: asyncpg.Connection | None = None
+        ended_at = asyncio.get_running_loop().time()
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), READER_CHECK_S)
+                    return
                 try:
-                    await end_stale_readers(conn, READER_MAX_TRANSACTION_S)
-                finally:
-                    await conn.close()
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                log.warning("projector: watching readers: %s", exc)
+                    if conn is None or conn.is_closed():
+                        conn = await asyncpg.connect(self.dsn)
+                    await restore_reader(conn)
+                    now = asyncio.get_running_loop().time()
+                    if now - ended_at >= READER_MAX_TRANSACTION_S / 2:
+                        ended_at = now
+                        await end_stale_readers(conn, READER_MAX_TRANSACTION_S)
+                except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                    log.warning("projector: watching readers: %s", exc)
+                    if conn is not None:
+                        conn.terminate()
+                        conn = None
+        finally:
+            if conn is not None:
+                conn.terminate()
 
     async def _run_sandboxes(self, stop: asyncio.Event) -> None:
         delay = 0.5

@@ -208,7 +208,7 @@ def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 
     - its sessions open now are ended (a password it changed, locks it held).
     """
     import asyncpg
-    from dsec_core.projections import READ_TABLES
+    from dsec_core.projections import READ_TABLES, READER_GUARD, reader_settings_sql
 
     if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", role) or not re.fullmatch(
         r"[\w-]{16,}", password
@@ -241,19 +241,20 @@ def postgres_ensure_reader(dsn: str, role: str, password: str, timeout: float = 
                     role,
                 ):
                     await conn.execute(f"REVOKE {_quoted(group['rolname'])} FROM {role}")
-                await conn.execute(f"ALTER ROLE {role} RESET ALL")
-                for setting in await conn.fetch(  # a role may set its own, per database too
-                    "SELECT d.datname FROM pg_db_role_setting s JOIN pg_database d"
-                    " ON d.oid = s.setdatabase WHERE s.setrole = $1::regrole",
+                # a role may set its own defaults, per database too, and its own password: the
+                # projectors set both back to these (restore_reader)
+                await conn.execute(reader_settings_sql(role))
+                await conn.execute(
+                    f"CREATE TABLE IF NOT EXISTS {READER_GUARD}"
+                    " (role text PRIMARY KEY, verifier text NOT NULL)"
+                )
+                await conn.execute(f"REVOKE ALL ON {READER_GUARD} FROM PUBLIC")
+                await conn.execute(
+                    f"INSERT INTO {READER_GUARD} VALUES ($1, $2)"
+                    " ON CONFLICT (role) DO UPDATE SET verifier = EXCLUDED.verifier",
                     role,
-                ):
-                    database_of = _quoted(setting["datname"])
-                    await conn.execute(f"ALTER ROLE {role} IN DATABASE {database_of} RESET ALL")
-                for setting in (
-                    "default_transaction_read_only = on", "statement_timeout = '30s'",
-                    "idle_in_transaction_session_timeout = '60s'", "temp_file_limit = '256MB'",
-                ):  # fmt: skip
-                    await conn.execute(f"ALTER ROLE {role} SET {setting}")
+                    verifier,
+                )
                 # what it owns is dropped, never handed on; every privilege granted it too
                 await conn.execute(f"DROP OWNED BY {role}")
                 await conn.execute(f"REVOKE ALL ON DATABASE {quoted_db} FROM PUBLIC")
