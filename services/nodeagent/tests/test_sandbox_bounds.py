@@ -204,3 +204,23 @@ def test_the_hosts_sandboxes_together_hold_at_most_three_quarters_of_the_pid_tab
     every_sandbox = tmp_path / "unified" / "dsec"
     assert (every_sandbox / "pids.max").read_text() == str(cgroups.node_pids_max())
     assert (group.v2_dir / "pids.max").read_text() == "101"
+
+
+async def test_a_sandbox_takes_no_aio_context_from_the_host(tmp_path: Path) -> None:
+    """``fs.aio-max-nr`` is one budget for the whole host: one ``io_setup(65536)`` from a sandbox
+    left the node and every neighbour none (EAGAIN) until it ended. Linux AIO is not there for
+    a sandbox (ENOSYS, as on a kernel without it), and the host's count does not move."""
+    code = (
+        "import ctypes, errno, json, platform\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "nr = {'x86_64': 206, 'aarch64': 0}[platform.machine()]\n"
+        "ctx = ctypes.c_ulong(0)\n"
+        "rc = libc.syscall(nr, ctypes.c_uint(65536), ctypes.byref(ctx))\n"
+        "print(json.dumps({'rc': rc, 'err': errno.errorcode.get(ctypes.get_errno(), '')}))\n"
+    )
+    before = int(Path("/proc/sys/fs/aio-nr").read_text())
+    async with managed(tmp_path / "home") as manager:
+        result = await run_to_end(manager, snippet_config("aio", code, tmp_path))
+    seen = read_json_output(result)
+    assert seen == {"rc": -1, "err": "ENOSYS"}
+    assert int(Path("/proc/sys/fs/aio-nr").read_text()) <= before

@@ -114,8 +114,9 @@ ALLOWED_SYSCALLS: tuple[str, ...] = (
     "timer_getoverrun", "timer_delete", "timerfd_create", "timerfd_settime", "timerfd_gettime",
     "poll", "ppoll", "select", "pselect6", "epoll_create", "epoll_create1", "epoll_ctl",
     "epoll_wait", "epoll_pwait", "epoll_pwait2", "eventfd", "eventfd2", "getrandom",
-    # async I/O (not io_uring)
-    "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
+    # (no Linux AIO, io_setup and the other io_* calls: fs.aio-max-nr is one budget for the
+    # whole host, and one io_setup(65536) took every context from the node and its neighbours;
+    # ENOSYS, from which libraries fall back to threads, as they do for io_uring)
     # networking (socket itself: by family)
     "connect", "accept", "accept4", "bind", "listen", "getsockname", "getpeername",
     "sendto", "recvfrom", "sendmsg", "recvmsg", "sendmmsg", "recvmmsg", "shutdown",
