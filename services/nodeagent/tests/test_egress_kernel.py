@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -43,6 +44,7 @@ from dsec_nodeagent.ebpf.metrics import EgressCollector
 pytestmark = pytest.mark.kernel
 
 CGROUP2 = Path("/sys/fs/cgroup/unified")
+SANDBOX_SOCKETS = 256  # each test's cgroup: IP sockets it may hold (small, to reach it quickly)
 FAKE_RESOLVER = "127.0.0.99"  # nothing listens here: answers prove the redirect
 
 # The sandboxed client: joins the cgroup, then runs JSON actions and prints JSON results.
@@ -184,6 +186,36 @@ def run(a):
                 return list(s.getsockname()[:2])
             finally:
                 s.close()
+        if op == "socket_budget":  # IP sockets until refused; then 16 closed and 16 again
+            socks, refused = [], None
+            while refused is None and len(socks) < a["most"]:
+                kind = socket.SOCK_DGRAM if len(socks) % 2 else socket.SOCK_STREAM
+                try:
+                    s = socket.socket(socket.AF_INET6 if len(socks) % 3 == 0 else
+                                      socket.AF_INET, kind)
+                    s.bind(("::1" if s.family == socket.AF_INET6 else "127.0.0.1", 0))
+                    socks.append(s)
+                except OSError as e:
+                    refused = errno.errorcode.get(e.errno, str(e))
+            for s in socks[:16]:
+                s.close()
+            again = 0
+            for _ in range(16):
+                try:
+                    socks.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM)); again += 1
+                except OSError:
+                    pass
+            try:
+                socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                after = "ok"
+            except OSError as e:
+                after = errno.errorcode.get(e.errno, str(e))
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not an IP socket
+            unix.close()
+            for s in socks:
+                s.close()
+            return {"held": len(socks) - again, "refused": refused, "again": again,
+                    "after": after}
         if op == "resolve":
             return resolve(a)
         if op == "getaddrinfo":
@@ -314,6 +346,7 @@ async def egress(zone: ZoneServer) -> AsyncIterator[EgressController]:
         ttl_grace_s=0.0,
         extra_doh_addresses=("127.0.0.40",),
         dns_bounds=DnsBounds(sandbox_quota=64),  # small, so a flood test fills it quickly
+        max_sandbox_sockets=SANDBOX_SOCKETS,
     )
     await ctl.start()
     yield ctl
@@ -1169,3 +1202,30 @@ async def test_an_unconnected_udp_socket_takes_datagrams_only_from_its_peers(
         finally:
             for s in (peer, stranger, neighbour):
                 s.close()
+
+
+async def test_a_sandbox_holds_at_most_its_share_of_the_hosts_ports(
+    egress: EgressController, cgroup: Path
+) -> None:
+    """A sandbox shares the host's network: each socket it binds takes one of the host's ports,
+    and one sandbox binding every ephemeral port left the node (root included) none to connect
+    or send from. Its IP sockets are counted: past its bound socket() fails EPERM, and each
+    closed one gives its place back; the node's own sockets are not counted."""
+    from dsec_nodeagent.egress import violation
+
+    plan = EgressPlan(sandbox_id="sbx-sockets", rules=())
+    async with attached(egress, cgroup, plan) as events:
+        (budget,) = await run_client(cgroup, [{"op": "socket_budget", "most": 4 * SANDBOX_SOCKETS}])
+        # the node meanwhile: no bound of its own (the cgroup's client has ended by now, and
+        # every socket it held was given back: a second client gets the whole bound again)
+        node = [socket.socket() for _ in range(2 * SANDBOX_SOCKETS)]
+        for s in node:
+            s.close()
+        (again,) = await run_client(cgroup, [{"op": "socket_budget", "most": 4 * SANDBOX_SOCKETS}])
+        egress.drain_events()
+    assert budget == {"held": SANDBOX_SOCKETS, "refused": "EPERM", "again": 16, "after": "EPERM"}
+    assert again == budget
+    refused = [e for e in events if e.verdict is Verdict.DENY_SOCKETS]
+    assert refused and {e.hook.name for e in refused} == {"SOCKET"}
+    assert violation(refused[0]).rule_id == "system.sockets"
+    assert "holds as many IP sockets as it may" in refused[0].message()

@@ -192,6 +192,12 @@ class Settings(BaseSettings):
         description="Node maximum of a spec's resources.pids (the node's sandboxes together "
         "also hold at most 3/4 of the host's pid_max)",
     )
+    sandbox_max_sockets: int = Field(
+        default=4096,
+        ge=16,
+        description="IP sockets one sandbox may hold at once (the node's sandboxes together "
+        "at most half of its ephemeral port range: sandboxes share the host's ports)",
+    )
     sandbox_max_disk: int = Field(
         default=64 * 2**30, ge=16 * 2**20, description="Node maximum of resources.disk (bytes)"
     )

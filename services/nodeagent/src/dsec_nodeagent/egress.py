@@ -60,6 +60,8 @@ def rule_named(rule_id: str | None, verdict: Verdict) -> str:
         return rule_id
     if verdict is Verdict.DENY_STACK:
         return "system.egress"
+    if verdict is Verdict.DENY_SOCKETS:
+        return "system.sockets"
     return "system.bind" if verdict is Verdict.DENY_BIND else "default-deny"
 
 
@@ -103,6 +105,7 @@ class Egress:
                 max_wildcard_prefix=settings.dns_max_wildcard_prefix,
             ),
             protected_addresses=[*local_addresses(), *stack_addresses(settings)],
+            max_sandbox_sockets=settings.sandbox_max_sockets,
             trusted_targets=settings.dns_trusted_targets,
         )
         self.settings = settings

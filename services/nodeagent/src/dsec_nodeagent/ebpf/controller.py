@@ -38,7 +38,7 @@ from dsec_nodeagent.ebpf.domain import (
     cidr_entries,
     parse_networks,
 )
-from dsec_nodeagent.ebpf.kernel import EgressKernel, RawEvent
+from dsec_nodeagent.ebpf.kernel import DEFAULT_SANDBOX_SOCKETS, EgressKernel, RawEvent
 from dsec_nodeagent.ebpf.model import EgressPlan, Hook, Verdict, VerdictEvent
 from dsec_nodeagent.stackdeny import local_addresses
 
@@ -164,6 +164,7 @@ class EgressController:
         dns_bounds: DnsBounds | None = None,
         protected_addresses: Iterable[str] | None = None,
         trusted_targets: str = "",
+        max_sandbox_sockets: int = DEFAULT_SANDBOX_SOCKETS,
     ) -> None:
         """Configure (nothing touches the kernel until `start`).
 
@@ -186,6 +187,8 @@ class EgressController:
                 caller adds the stack's servers).
             trusted_targets: ``DSEC_DNS_TRUSTED_TARGETS``: comma-separated addresses/networks
                 DNS answers may open although they are loopback or this node's.
+            max_sandbox_sockets: ``DSEC_SANDBOX_MAX_SOCKETS``: IP sockets one sandbox may hold
+                (the node's sandboxes together: half of the ephemeral port range).
         """
         if deny_rcode.upper() not in ("NXDOMAIN", "REFUSED"):
             raise ValueError(f"deny_rcode: expected NXDOMAIN or REFUSED, got {deny_rcode!r}")
@@ -194,7 +197,11 @@ class EgressController:
         bounds = dns_bounds or DnsBounds()
         ports = proxy_port_range()
         self.kernel = EgressKernel(
-            pin_dir, doh_addresses=doh, max_hosts=bounds.node_capacity, proxy_ports=ports
+            pin_dir,
+            doh_addresses=doh,
+            max_hosts=bounds.node_capacity,
+            proxy_ports=ports,
+            max_sandbox_sockets=max_sandbox_sockets,
         )
         protected = (
             sorted(local_addresses()) if protected_addresses is None else protected_addresses

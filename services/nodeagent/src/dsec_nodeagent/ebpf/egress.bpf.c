@@ -29,6 +29,14 @@
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 64
 #endif
+// IP sockets one sandbox may hold, and all the node's sandboxes together (kernel.py derives the
+// node's from the ephemeral port range: half of it, so the host always keeps the other half).
+#ifndef MAX_SANDBOX_SOCKETS
+#define MAX_SANDBOX_SOCKETS 4096
+#endif
+#ifndef MAX_NODE_SOCKETS
+#define MAX_NODE_SOCKETS 14116
+#endif
 // The ports the node's DNS proxy listeners take (above the kernel's ephemeral range, so no
 // autobind lands there); 0: no such range, the dns_ports map alone says which.
 #ifndef PROXY_PORT_LO
@@ -54,6 +62,7 @@
 #define V_DENY_STACK 8
 #define V_DENY_PROTOCOL 9
 #define V_DENY_BIND 10
+#define V_DENY_SOCKETS 11
 
 // Hooks (model.Hook).
 #define H_CONNECT4 1
@@ -62,6 +71,7 @@
 #define H_SENDMSG6 4
 #define H_BIND4 5
 #define H_BIND6 6
+#define H_SOCKET 7
 
 // Sandbox flags (model.SandboxFlags).
 #define SF_LOG_ALLOWED 1
@@ -211,6 +221,18 @@ BPF_TABLE_PINNED("hash", struct stack_key, u32, stack_deny, 4096, PIN_DIR "/stac
 // The ports of the node's DNS proxy listeners (one per sandbox, on loopback; host order):
 // no sandbox binds one, also while the node agent restarts and its listener is gone (pinned).
 BPF_TABLE_PINNED("hash", u32, u32, dns_ports, MAX_SANDBOXES, PIN_DIR "/dns_ports");
+// IP sockets each sandbox holds (created and not yet released), by cgroup id; key 0: all the
+// node's sandboxes together. A sandbox shares the host's network namespace, so each socket it
+// binds takes one of the host's ports: one sandbox binding every ephemeral port (57 processes
+// of 1,000 sockets) left the node and its neighbours none to connect or send from.
+BPF_TABLE_PINNED("hash", u64, u64, sock_count, MAX_SANDBOXES + 1, PIN_DIR "/sock_count");
+// Which count a socket was counted in (storage of the socket itself): its release gives it back
+// there, whoever closes it.
+struct sock_owner {
+    u64 cgid;
+};
+BPF_TABLE_PINNED7("sk_storage", int, struct sock_owner, sock_owner, 0, PIN_DIR "/sock_owner",
+                  BPF_F_NO_PREALLOC);
 
 // BPF_RINGBUF_OUTPUT, but pinned, so a restarted agent reads the same buffer.
 struct events_table_t {
@@ -713,6 +735,65 @@ int getpeername4(struct bpf_sock_addr *ctx) { return restore4(ctx); }
 int getpeername6(struct bpf_sock_addr *ctx) { return restore6(ctx); }
 int bind4(struct bpf_sock_addr *ctx) { return bind_hook4(ctx); }
 int bind6(struct bpf_sock_addr *ctx) { return bind_hook6(ctx); }
+
+// cgroup/sock_create and cgroup/sock_release: a sandbox's IP sockets are counted, and socket()
+// fails EPERM past MAX_SANDBOX_SOCKETS for the sandbox or MAX_NODE_SOCKETS for the node's
+// sandboxes together. (Bounding binds would not do: bind(port 0), listen() without a bind and
+// a datagram socket's first sendto take a port too; a socket holds one port at most.)
+static __always_inline void emit_socket(u64 cgid, u32 verdict, struct bpf_sock *sk) {
+    struct verdict_event *e = events.ringbuf_reserve(sizeof(struct verdict_event));
+    if (!e)
+        return;
+    __builtin_memset(e, 0, sizeof(*e));
+    e->ts_ns = bpf_ktime_get_ns();
+    e->cgid = cgid;
+    e->pid = bpf_get_current_pid_tgid() >> 32;
+    e->verdict = verdict;
+    e->hook = H_SOCKET;
+    e->family = sk->family == 10 ? 6 : 4;
+    e->proto = sk->protocol;
+    bpf_get_current_comm(&e->comm, sizeof(e->comm));
+    events.ringbuf_submit(e, 0);
+}
+
+int sock_create(struct bpf_sock *sk) {
+    u64 cgid = 0;
+    struct sbx_cfg *cfg = find_sandbox(&cgid);
+    if (!cfg)
+        return 1;  // not a sandbox of ours: its connects and binds are refused anyway
+    u64 zero = 0, node_key = 0;
+    u64 *mine = sock_count.lookup_or_try_init(&cgid, &zero);
+    u64 *node = sock_count.lookup_or_try_init(&node_key, &zero);
+    if (!mine || !node || *mine >= MAX_SANDBOX_SOCKETS || *node >= MAX_NODE_SOCKETS) {
+        count(cgid, 0, V_DENY_SOCKETS);
+        emit_socket(cgid, V_DENY_SOCKETS, sk);
+        return 0;
+    }
+    struct sock_owner *owner = sock_owner.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+    if (!owner)
+        return 0;  // no memory for the mark: refused, never uncounted
+    owner->cgid = cgid;
+    __sync_fetch_and_add(mine, 1);
+    __sync_fetch_and_add(node, 1);
+    return 1;
+}
+
+int sock_release(struct bpf_sock *sk) {
+    struct sock_owner *owner = sock_owner.sk_storage_get(sk, 0, 0);
+    if (!owner || !owner->cgid)
+        return 1;  // created before the count (an adopted sandbox's older sockets)
+    u64 cgid = owner->cgid, node_key = 0;
+    owner->cgid = 0;
+    // (a sandbox ended and purged has no count left; every program of ours reads the
+    // sandboxes map: that is how an agent tells its programs from others', kernel.py _ours)
+    u64 *mine = sandboxes.lookup(&cgid) ? sock_count.lookup(&cgid) : 0;
+    if (mine && *mine > 0)
+        __sync_fetch_and_sub(mine, 1);
+    u64 *node = sock_count.lookup(&node_key);
+    if (node && *node > 0)
+        __sync_fetch_and_sub(node, 1);
+    return 1;
+}
 
 // cgroup_skb/ingress: what reaches the sandbox's sockets. It runs at delivery to a socket,
 // after reassembly, with the packet's IP header first.

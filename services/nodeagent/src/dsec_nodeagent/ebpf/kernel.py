@@ -45,6 +45,9 @@ ATTACH_TYPES: dict[str, int] = {
     "getpeername4": 29,
     "getpeername6": 30,
     "sockopt": 22,  # BPF_CGROUP_SETSOCKOPT (a cgroup_sockopt program, PROGRAM_TYPES)
+    # (release before create: a socket counted is never released uncounted)
+    "sock_release": 34,  # BPF_CGROUP_INET_SOCK_RELEASE (cgroup_sock, PROGRAM_TYPES)
+    "sock_create": 2,  # BPF_CGROUP_INET_SOCK_CREATE (cgroup_sock, PROGRAM_TYPES)
 }
 MAP_NAMES = (
     "sandboxes",
@@ -59,17 +62,39 @@ MAP_NAMES = (
     "doh",
     "stack_deny",
     "dns_ports",
+    "sock_count",
+    "sock_owner",
     "events",
 )
 _PER_CGROUP_MAPS = ("cidr4", "cidr6", "host4", "host6", "buckets", "counters")
 BPF_PROG_TYPE_CGROUP_SOCK_ADDR = 18
 BPF_PROG_TYPE_CGROUP_SKB = 8
 BPF_PROG_TYPE_CGROUP_SOCKOPT = 25
+BPF_PROG_TYPE_CGROUP_SOCK = 9
 PROGRAM_TYPES: dict[str, int] = {
     "ingress": BPF_PROG_TYPE_CGROUP_SKB,
     "sockopt": BPF_PROG_TYPE_CGROUP_SOCKOPT,
+    "sock_release": BPF_PROG_TYPE_CGROUP_SOCK,
+    "sock_create": BPF_PROG_TYPE_CGROUP_SOCK,
 }
 """A program's type where it is not a sock_addr hook."""
+DEFAULT_SANDBOX_SOCKETS = 4096
+"""IP sockets one sandbox may hold (``DSEC_SANDBOX_MAX_SOCKETS``)."""
+
+
+def node_socket_bound(
+    ephemeral: Path = Path("/proc/sys/net/ipv4/ip_local_port_range"),
+) -> int:
+    """IP sockets the node's sandboxes may hold together: half of the kernel's ephemeral port
+    range (each socket takes at most one port of the host's network, which sandboxes share), so
+    the host always keeps the other half to connect and send from."""
+    try:
+        low, high = (int(v) for v in ephemeral.read_text().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # the kernel's default range
+    return max(64, (high - low + 1) // 2)
+
+
 AF_HOST_EXACT = 1
 _TRANSPORTS = 2 | 4  # AF_TCP | AF_UDP
 SF_LOG_ALLOWED = 1
@@ -178,6 +203,7 @@ class EgressKernel:
         ringbuf_pages: int = 64,
         doh_addresses: Iterable[IPAddress] = DOH_ADDRESSES,
         proxy_ports: tuple[int, int] | None = None,
+        max_sandbox_sockets: int = DEFAULT_SANDBOX_SOCKETS,
     ) -> None:
         if not _SAFE_PATH.match(str(pin_dir)) or not str(pin_dir).startswith(str(BPFFS) + "/"):
             raise ValueError(f"pin_dir {pin_dir}: expected a plain path under {BPFFS}/")
@@ -189,6 +215,8 @@ class EgressKernel:
             "RINGBUF_PAGES": ringbuf_pages,
             "PROXY_PORT_LO": lo,  # the DNS proxy's ports: no sandbox binds one (0: none)
             "PROXY_PORT_HI": hi,
+            "MAX_NODE_SOCKETS": (node := node_socket_bound()),
+            "MAX_SANDBOX_SOCKETS": min(max_sandbox_sockets, node),
         }
         self._doh = frozenset(doh_addresses)
         self._bpf: Any = None
@@ -496,6 +524,7 @@ class EgressKernel:
         """Remove every entry of a cgroup from every map."""
         sandboxes = self._table("sandboxes")
         key = ctypes.c_uint64(cgroup_id)
+        self._table("sock_count").pop(key, None)
         leaf = sandboxes.get(key)
         if leaf is not None:
             port = _htons(int(leaf.proxy_port))  # (a swap: its own inverse)

@@ -39,6 +39,7 @@ class Verdict(enum.IntEnum):
     DENY_STACK = 8
     DENY_PROTOCOL = 9
     DENY_BIND = 10
+    DENY_SOCKETS = 11
 
     @property
     def denied(self) -> bool:
@@ -60,6 +61,7 @@ class Hook(enum.IntEnum):
     SENDMSG6 = 4
     BIND4 = 5
     BIND6 = 6
+    SOCKET = 7
 
 
 class RateLimit(BaseModel):
@@ -259,6 +261,8 @@ class VerdictEvent:
         """A sentence for humans and ``policy.violation`` events."""
         call = self.hook.name.lower().rstrip("46")
         what = f"{call} to {self.destination}/{self.protocol} by {self.comm} (pid {self.pid})"
+        if self.hook is Hook.SOCKET:
+            what = f"socket (IPv{self.family} {self.protocol}) by {self.comm} (pid {self.pid})"
         reasons = {
             Verdict.ALLOW: f"allowed by rule {self.rule_id}",
             Verdict.REDIRECT_DNS: "DNS redirected to the node agent's DNS proxy",
@@ -283,6 +287,11 @@ class VerdictEvent:
             Verdict.DENY_BIND: (
                 "denied: a sandbox shares the host's network and listens on loopback only "
                 "(bind 127.0.0.1 or ::1; a bind to 0.0.0.0 or :: is made a loopback one)"
+            ),
+            Verdict.DENY_SOCKETS: (
+                "denied: the sandbox holds as many IP sockets as it may "
+                "(DSEC_SANDBOX_MAX_SOCKETS), or the node's sandboxes together do (half of the "
+                "node's ephemeral ports): each takes a port of the host's, which it shares"
             ),
         }
         return f"{what}: {reasons[self.verdict]}"
