@@ -317,3 +317,36 @@ async def test_a_flood_of_forged_settings_hides_no_newer_genuine_one(stream, dse
     await user.publish(setting("110"), aggregate_id=CONFIG_ID)
     newer, _ = await gate.newest(subject, after=read)
     assert newer is not None and newer.payload["value"] == "85"
+
+
+async def test_a_copy_of_an_older_setting_published_again_is_not_the_newest(
+    stream, dsec_stack
+) -> None:  # type: ignore[no-untyped-def]
+    """Anyone may publish an authentic event's bytes again: a user republished the operator's
+    older setting, and every reader of "the newest" took it as the one in force (node agents
+    and the simulated fleet, reading only what came since, and `dsec cluster config show`,
+    reading it all). Newest means signed last."""
+    from dsec_core.events import ClusterConfigSet
+    from dsec_core.gpuhealth import CONFIG_ID
+    from dsec_core.subjects import subject_for
+
+    _, js = stream
+    operator = await trust.publisher(js, dsec_stack.home, "operator", subject="operator")
+    gate = await _gate(stream, dsec_stack)
+    subject = subject_for("cluster.config_set", CONFIG_ID)
+    _, start = await gate.newest(subject)
+
+    def setting(value: str) -> ClusterConfigSet:
+        return ClusterConfigSet(
+            key="gpu.temperature_c", value=value, config={"gpu.temperature_c": value}
+        )
+
+    old = await operator.publish(setting("84"), aggregate_id=CONFIG_ID)
+    await operator.publish(setting("85"), aggregate_id=CONFIG_ID)  # (the default: shared stack)
+    in_force, read = await gate.newest(subject, after=start)
+    assert in_force is not None and in_force.payload["value"] == "85"
+    await _raw(js, subject, old.sealed.wire)  # the older one's bytes, stored again
+    again, _ = await gate.newest(subject, after=read, than=in_force)
+    assert again is None
+    everything, _ = await gate.newest(subject)
+    assert everything is not None and everything.id == in_force.id

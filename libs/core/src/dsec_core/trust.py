@@ -565,13 +565,20 @@ class Gate:
                 seen.add(envelope.id)
                 yield seq, envelope
 
-    async def newest(self, subject: str, *, after: int = 0) -> tuple[Envelope | None, int]:
+    async def newest(
+        self, subject: str, *, after: int = 0, than: Envelope | None = None
+    ) -> tuple[Envelope | None, int]:
         """The newest authentic, authorized event on ``subject`` stored after stream seq
-        ``after`` (``None`` when there is none), and the last stream seq read. Every message
-        after ``after`` is read, so no number of forged messages on the subject hides a genuine
-        newer one (:meth:`find` reads the first ``limit``); callers pass the seq back in to read
-        only what came since."""
+        ``after`` and signed later than ``than`` (the one in force; ``None`` when there is no
+        such event), and the last stream seq read. Every message after ``after`` is read, so no
+        number of forged messages on the subject hides a genuine newer one (:meth:`find` reads
+        the first ``limit``); callers pass the seq back in to read only what came since.
+
+        Newest means signed last, not stored last: anyone may publish an authentic event's
+        bytes again (a user republished an old operator setting, and every node took it as the
+        one in force), and a copy keeps its signing time."""
         found: Envelope | None = None
+        newest = than
         last = after
         async for seq, data in scan_seq(self._js, subject, 1 << 62, after=after):
             last = seq
@@ -582,8 +589,10 @@ class Gate:
                 continue
             if envelope.subject != subject:  # copied here from elsewhere
                 continue
+            if newest is not None and envelope.time <= newest.time:
+                continue  # an older one, or a copy of the one in force
             if await self.check(fields, envelope, stream_seq=seq) is None:
-                found = envelope
+                found = newest = envelope
         return found, last
 
     async def _replay(

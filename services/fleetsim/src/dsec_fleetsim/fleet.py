@@ -151,6 +151,7 @@ class Fleet:
         self.config = ClusterConfig()
         """The operator's settings (``cluster.config_set``): the GPU health thresholds."""
         self._config_seq = 0  # the stream seq of cluster.config_set read up to
+        self._config_event: Envelope | None = None  # the cluster.config_set in force
         self.thresholds = self.config.thresholds()
 
     def _publisher(self, node_id: str) -> EventPublisher:
@@ -200,7 +201,9 @@ class Fleet:
         """The latest authentic ``cluster.config_set`` (none: the defaults)."""
         try:
             found, self._config_seq = await self.gate.newest(
-                subject_for(events.ClusterConfigSet.TYPE, CONFIG_ID), after=self._config_seq
+                subject_for(events.ClusterConfigSet.TYPE, CONFIG_ID),
+                after=self._config_seq,
+                than=self._config_event,
             )
         except Exception as exc:  # the bus is away: keep what is known
             log.warning("cluster config not read: %s", exc)
@@ -208,6 +211,7 @@ class Fleet:
         if found is not None:
             payload = found.decoded()
             assert isinstance(payload, events.ClusterConfigSet)
+            self._config_event = found
             config = ClusterConfig.of(payload.config)
             if config != self.config:
                 self.config, self.thresholds = config, config.thresholds()

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec_core import events
+from dsec_core.envelope import Envelope
 from dsec_core.events import GpuInfo, Payload
 from dsec_core.gpuhealth import CONFIG_ID, ClusterConfig, HealthTracker, readings_of
 from dsec_core.nvmlcall import NvmlCalls, NvmlHung
@@ -170,6 +171,7 @@ class GpuNode:
         self._records_lock = asyncio.Lock()
         self.config = ClusterConfig()
         self._config_seq = 0  # the stream seq of cluster.config_set read up to
+        self._config_event: Envelope | None = None  # the cluster.config_set in force
         self.units: dict[str, UnitGpu] = {}
         source = "declared" if settings.node_inventory is not None else "nvml"
         self.tracker = HealthTracker(settings.node_id, source)  # type: ignore[arg-type]
@@ -366,7 +368,9 @@ class GpuNode:
         """The latest authentic ``cluster.config_set`` (kept when the bus is away)."""
         try:
             found, self._config_seq = await self._gate().newest(
-                subject_for(events.ClusterConfigSet.TYPE, CONFIG_ID), after=self._config_seq
+                subject_for(events.ClusterConfigSet.TYPE, CONFIG_ID),
+                after=self._config_seq,
+                than=self._config_event,
             )
         except Exception as exc:
             log.debug("cluster config not read: %s", exc)
@@ -375,6 +379,7 @@ class GpuNode:
             payload = found.decoded()
             if isinstance(payload, events.ClusterConfigSet):
                 self.config = ClusterConfig.of(payload.config)
+                self._config_event = found
         self.tracker.thresholds = self.config.thresholds()
         return self.config
 

@@ -8,6 +8,7 @@ the default. Keys, defaults and valid values: ``dsec_core.gpuhealth.CONFIG_KEYS`
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
@@ -35,26 +36,27 @@ cluster_app.add_typer(config_app, name="config")
 _Json = Annotated[bool, typer.Option("--json", help="Machine-readable result")]
 
 
-async def _latest(nc: Any, js: Any) -> dict[str, str]:
-    """The settings of the latest authentic ``cluster.config_set`` (none: empty)."""
+async def _latest(nc: Any, js: Any) -> tuple[dict[str, str], Any]:
+    """The settings of the latest authentic ``cluster.config_set`` (none: empty), and that
+    event's envelope (``None``)."""
     from dsec_core.events import ClusterConfigSet
     from dsec_core.gpuhealth import CONFIG_ID
     from dsec_core.subjects import subject_for
 
     gate = cli_gate(nc, js)
     if gate is None:
-        return {}
+        return {}, None
     found, _ = await gate.newest(subject_for(ClusterConfigSet.TYPE, CONFIG_ID))
     if found is None:
-        return {}
+        return {}, None
     payload = found.decoded()
     assert isinstance(payload, ClusterConfigSet)
-    return dict(payload.config)
+    return dict(payload.config), found
 
 
 async def _show() -> dict[str, str]:
     async with bus() as (nc, js):
-        return await _latest(nc, js)
+        return (await _latest(nc, js))[0]
 
 
 async def _set(key: str, value: str) -> dict[str, Any]:
@@ -65,7 +67,18 @@ async def _set(key: str, value: str) -> dict[str, Any]:
 
     key_pair, cert = operator_identity()
     async with bus() as (nc, js):
-        current = ClusterConfig.of(await _latest(nc, js))
+        values, in_force = await _latest(nc, js)
+        # The settings in force are the ones signed last (a copy of an older one, published
+        # again, never wins): a clock behind theirs would make this change one nobody takes.
+        now = datetime.now(UTC)
+        if in_force is not None and now <= in_force.time:
+            fail(
+                f"the settings in force were signed at {in_force.time.isoformat()}, later than "
+                f"this machine's clock ({now.isoformat()}): nodes take the setting signed last, "
+                "so this one would be ignored; set the clock right and try again",
+                EXIT_BAD_INPUT,
+            )
+        current = ClusterConfig.of(values)
         updated = current.with_value(key, value)
         publisher = EventPublisher(js, Signer(cert.subject, key_pair), certificate=cert)
         await publisher.register_key()
