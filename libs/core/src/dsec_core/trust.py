@@ -175,7 +175,8 @@ class KeyRing:
         except ValueError:
             return f"key id {key_id!r} is not a key id"
         problem = f"key {key_id} is not registered in the log"
-        async for data in scan(self._js, subject):
+        # every message of the subject: 32 junk ones stored first would hide the registration
+        async for data in scan(self._js, subject, 1 << 62):
             with contextlib.suppress(MalformedEnvelope):
                 found = registration_problem(unpack_fields(data), anchor)
                 if isinstance(found, Certificate) and found.key_id == key_id:
@@ -493,15 +494,20 @@ class Gate:
         return first[1] if first is not None else None
 
     async def _first_submission(self, sandbox_id: str) -> tuple[str, str] | None:
-        """(id, tenant) of the first *authentic* spec.submitted of a sandbox, cached."""
+        """(id, tenant) of the first *authentic* spec.submitted of a sandbox, cached. Every
+        message is read until it: 32 junk messages stored first on the subject (any user may
+        store them) unbound the sandbox from its tenant, and the tenant checks with it."""
         cached = self._tenants.get(sandbox_id)
         if cached is not None:
             return cached[0], cached[1]
-        async for seq, data in scan_seq(self._js, subject_for(SpecSubmitted.TYPE, sandbox_id)):
+        subject = subject_for(SpecSubmitted.TYPE, sandbox_id)
+        async for seq, data in scan_seq(self._js, subject, 1 << 62):
             try:
                 fields = unpack_fields(data)
                 env = Envelope.model_validate(fields)
             except (MalformedEnvelope, ValueError):
+                continue
+            if env.subject != subject:  # another sandbox's submission, copied here
                 continue
             cert = await self.keys.certificate(env.key_id, at_seq=seq)
             if isinstance(cert, str) or not verify_raw(fields, bytes.fromhex(cert.public_key)):

@@ -1,0 +1,105 @@
+"""Junk stored ahead of a sandbox's submission (any user may store messages on its subject)
+hides neither the submission nor the tenant it binds the sandbox to."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from dsec_core import events
+from dsec_core.audit import Verifier
+from dsec_core.envelope import Envelope
+from dsec_core.ids import new_sandbox_id
+from dsec_core.settings import Settings
+from dsec_core.subjects import subject_for
+from dsec_core.trust import Gate, KeyRing, Refusal, unpack_fields
+from dsec_testing import trust
+from dsec_testing.inmemory import MemoryLog
+from dsec_testing.trust import Producer, certified, pipeline, stack_root
+from nacl.signing import SigningKey
+
+pytestmark = pytest.mark.unit
+SPEC = 'version: "1.2"\nname: agent\nbase: python:3.11\nentrypoint: [python, a.py]\n'
+
+
+class _NoCoreNats:
+    async def subscribe(self, *_: Any, **__: Any) -> None:
+        return None
+
+
+def _gate(root: SigningKey, log: MemoryLog) -> Gate:
+    ring = KeyRing(_NoCoreNats(), log, bytes(root.verify_key))  # type: ignore[arg-type]
+    return Gate(ring, log, log.handled)  # type: ignore[arg-type]
+
+
+async def _register(log: MemoryLog, *producers: Producer) -> None:
+    for producer in producers:
+        key_id = producer.signer.key_id
+        await log.publish(subject_for("audit.key_registered", key_id), producer.registration())
+
+
+async def test_junk_ahead_of_a_submission_does_not_unbind_the_sandbox_from_its_tenant(
+    tmp_path: Path,
+) -> None:
+    """``Gate._first_submission`` reads only the first 32 messages of a sandbox's
+    ``spec.submitted`` subject, junk included (``scan_seq``'s default limit). A user publishes
+    32 non-envelopes there (its role may publish that subject), then its genuine submission:
+    every consumer's gate says the sandbox has *no* tenant. The node agent then stamps its own
+    events about the sandbox ``system`` (``outlet_for``: ``tenant_of`` -> None -> the signer's
+    tenant), while ``dsec audit verify`` (which reads the whole subject) knows the sandbox's
+    tenant and reports the node agent's event as tampering: "a service acted across tenants",
+    exit 1, for ever. Also: the cross-tenant and aggregate-exists checks are off for it."""
+    from dsec_nodeagent.app import outlet_for
+
+    root, log = stack_root(tmp_path), MemoryLog()
+    world = await pipeline(log, tmp_path, node_id="n1")  # type: ignore[arg-type]
+    user = certified(root, "user", tenant="evil")
+    other = certified(root, "user", tenant="acme")
+    await _register(log, user, other)
+    sid = new_sandbox_id()
+    for _ in range(32):  # not envelopes: refused by every reader, but counted
+        await log.publish(subject_for("spec.submitted", sid), b"\xc1junk")
+    submitted = user.signer.seal(events.SpecSubmitted(spec_yaml=SPEC), aggregate_id=sid)
+    await log.publish(submitted.subject, submitted.wire)
+    # the sandbox runs on n1 (its genuine placement)
+    await world.scheduler.publish(
+        events.SandboxScheduled(node_id="n1"), aggregate_id=sid, tenant="evil"
+    )
+
+    gate = _gate(root, log)
+    tenant = await gate.tenant_of(sid)
+
+    # the node agent publishes an event of the sandbox outside a handler (a violation, a
+    # checkpoint, its own exit): the real outlet of the node agent
+    # (a node agent's own key: its signer's tenant is "system", as the service runtime's)
+    nodeagent = await trust.publisher(log, tmp_path, "nodeagent", node_id="n1")  # type: ignore[arg-type]
+    service = SimpleNamespace(gate=gate, publisher=nodeagent)
+    outlet = outlet_for(Settings(home=tmp_path), service)  # type: ignore[arg-type]
+    exited = events.SandboxExited(exit_code=0, reason="ok", duration_s=1.0)
+    await outlet.lifecycle(exited, sid, None)
+    stamped = Envelope.model_validate(unpack_fields(log.records[-1][2]))
+    assert stamped.type == "sandbox.exited"
+
+    verifier = Verifier(bytes(root.verify_key), signature_every=1)
+    for seq, _, data in log.records:
+        verifier.feed(seq, data)
+    report = verifier.finish()
+
+    # another tenant's request about it passes the gate
+    stop = other.signer.seal(events.SandboxStopRequested(requested_by="x"), aggregate_id=sid)
+    stop_seq = (await log.publish(stop.subject, stop.wire)).seq
+    cross = await gate.admit(stop.wire, stream_seq=stop_seq)
+
+    # secure behaviour: junk never hides the sandbox's tenant
+    problems = []
+    if tenant != "evil":
+        problems.append(f"tenant_of({sid}) = {tenant!r}")
+    if stamped.tenant != "evil":
+        problems.append(f"the node agent stamped its sandbox.exited {stamped.tenant!r}")
+    if not (isinstance(cross, Refusal) and cross.reason == "cross-tenant"):
+        problems.append(f"tenant acme's stop of it admitted: {cross!r:.120}")
+    if report.finding is not None:
+        problems.append(f"audit verify: TAMPERING: {report.finding}")
+    assert not problems, "\n".join(problems)
