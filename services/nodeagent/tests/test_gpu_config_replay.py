@@ -5,25 +5,18 @@ older genuine setting, stored again, must change nothing."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 from dsec_core.events import ClusterConfigSet
 from dsec_core.gpuhealth import CONFIG_ID
 from dsec_core.settings import Settings
 from dsec_core.subjects import subject_for
-from dsec_core.trust import Gate, KeyRing
-from dsec_testing.inmemory import MemoryLog
+from dsec_testing.inmemory import MemoryLog, memory_gate, register_keys
 from dsec_testing.trust import certified, stack_root
 
 from dsec_nodeagent.gpunode import GpuNode
 
 pytestmark = pytest.mark.unit
-
-
-class _NoCoreNats:
-    async def subscribe(self, *_: Any, **__: Any) -> None:
-        return None
 
 
 async def test_a_copy_of_an_older_setting_does_not_turn_mig_off(tmp_path: Path) -> None:
@@ -32,9 +25,7 @@ async def test_a_copy_of_an_older_setting_does_not_turn_mig_off(tmp_path: Path) 
     and every node agent went back to it (MIG off, the old threshold)."""
     root, log = stack_root(tmp_path), MemoryLog()
     operator = certified(root, "operator", subject="operator")
-    await log.publish(
-        subject_for("audit.key_registered", operator.signer.key_id), operator.registration()
-    )
+    await register_keys(log, operator)
     subject = subject_for(ClusterConfigSet.TYPE, CONFIG_ID)
     old = operator.signer.seal(
         ClusterConfigSet(key="gpu.temperature_c", value="40", config={"gpu.temperature_c": "40"}),
@@ -51,7 +42,7 @@ async def test_a_copy_of_an_older_setting_does_not_turn_mig_off(tmp_path: Path) 
         aggregate_id=CONFIG_ID,
     )
     await log.publish(subject, new.wire)
-    gate = Gate(KeyRing(_NoCoreNats(), log, bytes(root.verify_key)), log, log.handled)  # type: ignore[arg-type]
+    gate = memory_gate(root, log)
     node = GpuNode(Settings(home=tmp_path), lambda *_: None, lambda: gate)  # type: ignore[arg-type]
     config = await node.refresh_config()
     assert config.get("gpu.mig") is True and config.get("gpu.temperature_c") == 90

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 from dsec_core import events
@@ -14,30 +13,13 @@ from dsec_core.envelope import Envelope
 from dsec_core.ids import new_sandbox_id
 from dsec_core.settings import Settings
 from dsec_core.subjects import subject_for
-from dsec_core.trust import Gate, KeyRing, Refusal, unpack_fields
+from dsec_core.trust import Refusal, unpack_fields
 from dsec_testing import trust
-from dsec_testing.inmemory import MemoryLog
-from dsec_testing.trust import Producer, certified, pipeline, stack_root
-from nacl.signing import SigningKey
+from dsec_testing.inmemory import MemoryLog, memory_gate, register_keys
+from dsec_testing.trust import certified, pipeline, stack_root
 
 pytestmark = pytest.mark.unit
 SPEC = 'version: "1.2"\nname: agent\nbase: python:3.11\nentrypoint: [python, a.py]\n'
-
-
-class _NoCoreNats:
-    async def subscribe(self, *_: Any, **__: Any) -> None:
-        return None
-
-
-def _gate(root: SigningKey, log: MemoryLog) -> Gate:
-    ring = KeyRing(_NoCoreNats(), log, bytes(root.verify_key))  # type: ignore[arg-type]
-    return Gate(ring, log, log.handled)  # type: ignore[arg-type]
-
-
-async def _register(log: MemoryLog, *producers: Producer) -> None:
-    for producer in producers:
-        key_id = producer.signer.key_id
-        await log.publish(subject_for("audit.key_registered", key_id), producer.registration())
 
 
 async def test_junk_ahead_of_a_submission_does_not_unbind_the_sandbox_from_its_tenant(
@@ -57,7 +39,7 @@ async def test_junk_ahead_of_a_submission_does_not_unbind_the_sandbox_from_its_t
     world = await pipeline(log, tmp_path, node_id="n1")  # type: ignore[arg-type]
     user = certified(root, "user", tenant="evil")
     other = certified(root, "user", tenant="acme")
-    await _register(log, user, other)
+    await register_keys(log, user, other)
     sid = new_sandbox_id()
     for _ in range(32):  # not envelopes: refused by every reader, but counted
         await log.publish(subject_for("spec.submitted", sid), b"\xc1junk")
@@ -68,7 +50,7 @@ async def test_junk_ahead_of_a_submission_does_not_unbind_the_sandbox_from_its_t
         events.SandboxScheduled(node_id="n1"), aggregate_id=sid, tenant="evil"
     )
 
-    gate = _gate(root, log)
+    gate = memory_gate(root, log)
     tenant = await gate.tenant_of(sid)
 
     # the node agent publishes an event of the sandbox outside a handler (a violation, a

@@ -45,7 +45,7 @@ from dsec_core.envelope import Envelope, decode
 from dsec_core.events import Payload
 from dsec_core.identity import Role
 from dsec_core.service import Service
-from dsec_core.subjects import STREAM
+from dsec_core.subjects import STREAM, subject_for
 from dsec_core.trust import Gate, KeyRing
 from faststream.nats import TestNatsBroker
 from faststream.nats.annotations import NatsMessage
@@ -335,3 +335,23 @@ async def in_memory(service: Service, *, run_hooks: bool = True) -> AsyncIterato
 
 
 __all__ = ["MemoryBus", "MemoryKV", "MemoryLog", "in_memory", "subject_matches", "until"]
+
+
+class _NoCoreNats:
+    """Core NATS for a key ring over a :class:`MemoryLog` (its revocation feed: none)."""
+
+    async def subscribe(self, *_: Any, **__: Any) -> None:
+        return None
+
+
+def memory_gate(root: SigningKey, log: MemoryLog) -> Gate:
+    """A fresh consumer's gate (nothing remembered) over ``log``, trusting ``root``."""
+    ring = KeyRing(cast(Any, _NoCoreNats()), cast(Any, log), bytes(root.verify_key))
+    return Gate(ring, cast(Any, log), cast(Any, log.handled))
+
+
+async def register_keys(log: MemoryLog, *producers: Producer) -> None:
+    """Store each producer's key registration in ``log``."""
+    for producer in producers:
+        subject = subject_for("audit.key_registered", producer.signer.key_id)
+        await log.publish(subject, producer.registration())
