@@ -1,0 +1,151 @@
+"""Request ids a user cannot choose: a user's event id is a fresh UUIDv7 dated with its signing
+time, so no user takes a service's predictable id first (another tenant's periodic snapshot,
+refused as a replay) nor uses one of its own again on another kind of request (two answers under
+one id, which `dsec audit verify` reports as tampering)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dsec_core import events
+from dsec_core.audit import Verifier
+from dsec_core.bus import EventPublisher
+from dsec_core.events import SnapshotRequested
+from dsec_core.ids import new_sandbox_id
+from dsec_core.settings import Settings
+from dsec_core.trust import Refusal
+from dsec_testing import trust
+from dsec_testing.inmemory import MemoryLog, memory_gate, register_keys
+from dsec_testing.trust import certified, pipeline, stack_root
+
+pytestmark = pytest.mark.unit
+SPEC = 'version: "1.2"\nname: agent\nbase: python:3.11\nentrypoint: [python, a.py]\n'
+
+
+async def _running_victim(log: MemoryLog, tmp_path: Path) -> tuple[str, Any]:
+    """Tenant ``default``'s sandbox, running on node n1 (its genuine lifecycle)."""
+    world = await pipeline(log, tmp_path, node_id="n1")  # type: ignore[arg-type]
+    sid = new_sandbox_id()
+    await world.built(SPEC, sid)
+    await world.scheduler.publish(events.SandboxScheduled(node_id="n1"), aggregate_id=sid)
+    ready = events.SandboxReady(node_id="n1", pid=1, cgroup="/x")
+    await world.nodeagent.publish(ready, aggregate_id=sid)
+    return sid, world
+
+
+async def test_another_tenant_cannot_pre_claim_the_id_of_a_periodic_snapshot_request(
+    tmp_path: Path,
+) -> None:
+    """The snapshot service asks for a running sandbox's periodic snapshot under a derived,
+    predictable event id: ``derive_event_id(sid, "snapshot.requested#auto-<sid>-<second>")``
+    (the sandbox id and the cadence are on the bus). Replay protection remembers
+    ``<consumer>.<event id>`` whoever signed the event, so a user of another tenant publishes,
+    ahead of time, its own ``snapshot.requested`` (about a sandbox of nobody) under each id of
+    the next minutes; the genuine periodic requests are then refused as ``replayed`` by the
+    owning node agent and by the snapshot service: the victim's sandbox gets no periodic
+    snapshot at all."""
+    from dsec_snapshot.periodic import PeriodicSnapshots
+
+    root, log = stack_root(tmp_path), MemoryLog()
+    sid, _ = await _running_victim(log, tmp_path)
+    snapshot_service = certified(root, "snapshot")
+    attacker = certified(root, "user", tenant="evil")
+    await register_keys(log, snapshot_service, attacker)
+
+    # what the periodic service will ask at `now` (its own code computes the id)
+    asked: list[tuple[Any, str, str | None]] = []
+
+    async def capture(payload: Any, aggregate_id: str, event_id: str | None) -> None:
+        asked.append((payload, aggregate_id, event_id))
+
+    periodic = PeriodicSnapshots(None, capture, interval_s=60.0, keep=3)  # type: ignore[arg-type]
+    now = datetime(2026, 12, 7, 18, 30, 0, tzinfo=UTC)
+    await periodic._ask_if_due(sid, [], now)
+    (request, _, periodic_id) = asked[0]
+    assert periodic_id is not None
+
+    # the attacker, before: a request of its own tenant, about a sandbox that does not exist,
+    # under the id the service will use (it would compute one per second of a window)
+    squat = attacker.signer.seal(
+        SnapshotRequested(name="x", requested_by="evil"),
+        aggregate_id=new_sandbox_id(),
+        event_id=periodic_id,
+    )
+    consumers = ("nodeagent-n1-snapshot-requested", "snapshot-snapshot-requested")
+    gate = memory_gate(root, log)
+    seq = (await log.publish(squat.subject, squat.wire, headers={"Nats-Msg-Id": "squat"})).seq
+    for consumer in consumers:
+        squatted = await gate.admit(squat.wire, stream_seq=seq, consumer=consumer)
+        # a user's event ids are fresh UUIDv7s: a service's derived id is none of them
+        assert isinstance(squatted, Refusal) and squatted.reason == "id-not-fresh", squatted
+
+    # the genuine periodic request, later, as the snapshot service publishes it
+    genuine = snapshot_service.signer.seal(
+        request, aggregate_id=sid, event_id=periodic_id, tenant="default"
+    )
+    seq = (await log.publish(genuine.subject, genuine.wire)).seq
+    for consumer in consumers:
+        verdict = await gate.admit(genuine.wire, stream_seq=seq, consumer=consumer)
+        # secure behaviour: another tenant's event cannot use up this request's id
+        assert not isinstance(verdict, Refusal), f"{consumer}: {verdict}"
+
+
+async def test_a_user_reusing_its_own_request_id_does_not_make_audit_verify_report_tampering(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replay protection remembers ``<consumer>.<id>``: an id already handled by one consumer
+    is new to every other. A service derives its answer's id from the request's id and the
+    answer's type only (``output_event_id``). A user asks the snapshot service for a snapshot
+    of a sandbox that runs nowhere (``snapshot.requested``, id V: answered ``snapshot.failed``
+    under ``f(V)``), waits out JetStream's 2-minute duplicate window, then asks a rollback
+    (``snapshot.restore_requested``) under the same id V: another consumer, so it is admitted,
+    and answered ``snapshot.failed`` under the same ``f(V)``. ``dsec audit verify`` sees the
+    snapshot service emit one event id twice and reports TAMPERING ("its producer acted on a
+    replay", exit 1). The first finding sticks: nothing after it is verified any more."""
+    from dsec_core.service import Service
+    from dsec_snapstore.requests import failed
+
+    root, log = stack_root(tmp_path), MemoryLog()
+    snap = certified(root, "snapshot")
+    service = Service("snapshot", Settings(home=tmp_path))
+    service.publisher = EventPublisher(log, snap.signer, certificate=snap.cert)  # type: ignore[arg-type]
+    await service.publisher.register_key()
+    user = await trust.publisher(log, tmp_path, "user", tenant="evil")  # type: ignore[arg-type]
+    gate = memory_gate(root, log)
+    sid = new_sandbox_id()  # no such sandbox: the snapshot service answers
+
+    first = await user.publish(SnapshotRequested(name="a"), aggregate_id=sid)
+    verdict = await gate.admit(
+        first.sealed.wire, stream_seq=first.stream_seq, consumer="snapshot-snapshot-requested"
+    )
+    assert not isinstance(verdict, Refusal), verdict
+    await service._publish_outputs(verdict, [failed("a", "create", "no sandbox")])
+
+    log._ids.clear()  # JetStream's duplicate window (120 s) passes
+    later = datetime.now(UTC) + timedelta(seconds=130)
+    monkeypatch.setattr("dsec_core.signing.utcnow", lambda: later)
+
+    # (about another sandbox of nobody: the handler's own `_answered` reads that sandbox's
+    # history, where no answer to the id is)
+    second = await user.publish(
+        events.SnapshotRestoreRequested(snapshot="a"),
+        aggregate_id=new_sandbox_id(),
+        event_id=first.sealed.id,
+    )
+    verdict2 = await gate.admit(
+        second.sealed.wire,
+        stream_seq=second.stream_seq,
+        consumer="snapshot-snapshot-restore_requested",
+    )
+    # a user's event id is dated when it is made: used again on another request after the
+    # duplicate window, it is refused by every consumer, so no service answers it twice
+    assert isinstance(verdict2, Refusal) and verdict2.reason == "id-not-fresh", verdict2
+
+    verifier = Verifier(bytes(root.verify_key), signature_every=1)
+    for seq, _, data in log.records:
+        verifier.feed(seq, data)
+    report = verifier.finish()
+    assert report.finding is None, f"audit verify: TAMPERING: {report.finding}"
