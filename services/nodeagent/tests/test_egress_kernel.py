@@ -1229,3 +1229,47 @@ async def test_a_sandbox_holds_at_most_its_share_of_the_hosts_ports(
     assert refused and {e.hook.name for e in refused} == {"SOCKET"}
     assert violation(refused[0]).rule_id == "system.sockets"
     assert "holds as many IP sockets as it may" in refused[0].message()
+
+
+async def test_a_sandbox_reaches_no_neighbours_dns_proxy_whatever_its_rules(
+    egress: EgressController, cgroup: Path
+) -> None:
+    """Each sandbox's DNS proxy listener charges the questions it gets to its sandbox: a
+    neighbour whose rules open loopback (every port, UDP and TCP) sent to it directly, spent its
+    query budget (its own lookups then REFUSED) and could probe which names it may resolve.
+    Another sandbox's proxy port is refused whatever the rules say; its own is reached through
+    the port-53 redirect, as before."""
+    victim_cgroup = CGROUP2 / f"dsec-egress-test-{uuid.uuid4().hex[:10]}"
+    victim_cgroup.mkdir()
+    wide = EgressPlan(
+        sandbox_id="sbx-wide",
+        rules=(
+            rule("egress[0]", cidr="127.0.0.0/8", protocols=("tcp", "udp")),
+            rule("egress[1]", domain="allowed.test"),
+        ),
+    )
+    try:
+        async with (
+            attached(egress, victim_cgroup, EgressPlan(sandbox_id="sbx-victim", rules=())),
+            attached(egress, cgroup, wide) as events,
+        ):
+            (victim,) = [s for s in egress.sandboxes() if s.sandbox_id == "sbx-victim"]
+            (own,) = [s for s in egress.sandboxes() if s.sandbox_id == "sbx-wide"]
+            results = await run_client(
+                cgroup,
+                [
+                    {"op": "udp_sendto", "host": "127.0.0.1", "port": victim.dns_port},
+                    {"op": "udp_sendto", "host": "::1", "port": victim.dns_port},
+                    {"op": "connect", "host": "127.0.0.1", "port": victim.dns_port},
+                    {"op": "resolve", "name": "allowed.test"},  # its own, by the redirect
+                ],
+            )
+            egress.drain_events()
+    finally:
+        _kill_members(victim_cgroup)
+        victim_cgroup.rmdir()
+    assert results[:3] == ["EPERM", "EPERM", "EPERM"], results
+    assert results[3]["rcode"] == "NOERROR", results
+    assert own.dns_port != victim.dns_port
+    refused = {(e.verdict.name, e.port) for e in events if e.denied}
+    assert refused == {("DENY_STACK", victim.dns_port)}

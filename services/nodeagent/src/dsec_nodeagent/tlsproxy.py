@@ -238,6 +238,7 @@ class SandboxProxy:
         self.recording: tuple[Recorder | Replayer, frozenset[str]] | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._tunnels: set[asyncio.Task[None]] = set()  # the sandbox's own connections
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
 
@@ -305,10 +306,19 @@ class SandboxProxy:
         assert task is not None
         self._tasks.add(task)
         try:
-            if self._closed or len(self._tasks) > MAX_CONNECTIONS:
+            if self._closed or len(self._tasks) > 4 * MAX_CONNECTIONS:
+                return  # (connections not yet known to be the sandbox's: a bound too)
+            # whose connection it is first: a neighbour whose rules reach loopback must not
+            # use up this sandbox's bound (its connections are closed once known)
+            if not await self._blocking(self._from_sandbox, writer):
+                return
+            if len(self._tunnels) >= MAX_CONNECTIONS:
                 return  # a bound on what one sandbox's connections may hold in the node agent
-            if await self._blocking(self._from_sandbox, writer):
+            self._tunnels.add(task)
+            try:
                 await self._tunnel(reader, writer)
+            finally:
+                self._tunnels.discard(task)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, TimeoutError):
             pass
         except asyncio.CancelledError:

@@ -499,12 +499,24 @@ static __always_inline void remember_peer(struct bpf_sock_addr *ctx, struct matc
     p->family = family;
 }
 
+static __always_inline int proxy_port(u16 port);
+
+// Another sandbox's DNS proxy listener (any port of the proxies' range on loopback but the
+// sandbox's own): a rule that opens loopback would let a sandbox spend a neighbour's DNS query
+// budget (each question is charged to the listener's sandbox) and probe which names it may
+// resolve. A sandbox reaches its own proxy through the port-53 redirect.
+static __always_inline int neighbours_proxy(struct sbx_cfg *cfg, u16 port) {
+    return proxy_port(port) && port != bpf_ntohs((u16)cfg->proxy_port);
+}
+
 static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
                                    u32 ip, u16 port, u32 hook) {
     u32 family = 4;
     u32 ev_addr[4] = {ip, 0, 0, 0};
     struct match m = {.want = transport_of(ctx)};
     if (is_stack4(ip, port))  // before any allow rule: the stack is never a destination
+        return finish(cfg, cgid, 0, V_DENY_STACK, hook, family, ctx, ev_addr, port);
+    if (((u8 *)&ip)[0] == 127 && neighbours_proxy(cfg, port))
         return finish(cfg, cgid, 0, V_DENY_STACK, hook, family, ctx, ev_addr, port);
     if (!match4(cgid, ip, port, &m))
         return refuse(cfg, cgid, &m, hook, family, ctx, ev_addr, port);
@@ -524,6 +536,9 @@ static __always_inline int decide6(struct bpf_sock_addr *ctx, struct sbx_cfg *cf
                                    u32 *ip, u16 port, u32 hook) {
     struct match m = {.want = transport_of(ctx)};
     if (is_stack6(ip, port))
+        return finish(cfg, cgid, 0, V_DENY_STACK, hook, 6, ctx, ip, port);
+    if (ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == bpf_htonl(1) &&
+        neighbours_proxy(cfg, port))
         return finish(cfg, cgid, 0, V_DENY_STACK, hook, 6, ctx, ip, port);
     if (!match6(cgid, ip, port, &m))
         return refuse(cfg, cgid, &m, hook, 6, ctx, ip, port);
