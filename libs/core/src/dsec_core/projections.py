@@ -360,7 +360,8 @@ async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> s
     if env.type not in lifecycle.LIFECYCLE_TYPES:  # a fact: violation, context, snapshot...
         refusals, reports = _tallies(env)
         await conn.execute(
-            "UPDATE sandboxes SET updated_at = $2, refusals = refusals + $3,"
+            "UPDATE sandboxes SET updated_at = GREATEST(updated_at, $2),"
+            " refusals = refusals + $3,"
             " reports = reports + $4 WHERE sandbox_id = $1",
             env.aggregate_id,
             env.time,
@@ -397,7 +398,7 @@ async def _apply_sandbox(conn: asyncpg.Connection, seq: int, env: Envelope) -> s
             lock_hash = COALESCE(EXCLUDED.lock_hash, s.lock_hash),
             exit_code = EXCLUDED.exit_code,
             reason = EXCLUDED.reason,
-            updated_at = EXCLUDED.updated_at,
+            updated_at = GREATEST(s.updated_at, EXCLUDED.updated_at),
             last_event = EXCLUDED.last_event,
             last_seq = EXCLUDED.last_seq,
             restarts = EXCLUDED.restarts
