@@ -91,6 +91,15 @@ async def test_another_tenant_cannot_pre_claim_the_id_of_a_periodic_snapshot_req
         verdict = await gate.admit(genuine.wire, stream_seq=seq, consumer=consumer)
         # secure behaviour: another tenant's event cannot use up this request's id
         assert not isinstance(verdict, Refusal), f"{consumer}: {verdict}"
+    # and `dsec audit verify` refuses the squat as every gate did: the service's own request
+    # under that id is no replay it acted on (the C path and the Python path alike)
+    for signature_every in (1, 256):
+        verifier = Verifier(bytes(root.verify_key), signature_every=signature_every)
+        for record_seq, _, data in log.records:
+            verifier.feed(record_seq, data)
+        report = verifier.finish()
+        assert report.finding is None, report.finding
+        assert [i.event_id for i in report.injected if "id-not-fresh" in i.reason] == [periodic_id]
 
 
 async def test_a_user_reusing_its_own_request_id_does_not_make_audit_verify_report_tampering(

@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, NamedTuple
 
 import msgspec
@@ -58,7 +59,7 @@ from dsec_core.eventbase import KeyRegistered, KeyRevoked
 from dsec_core.eventtypes import AGGREGATES, MalformedEnvelope, unpack_fields
 from dsec_core.identity import Certificate
 from dsec_core.sigkeys import verify_raw
-from dsec_core.trustcheck import registration_problem, shape_problem
+from dsec_core.trustcheck import registration_problem, shape_problem, user_id_problem
 
 try:  # the C path of the common case (dsec_core/_auditfast.c), where it was built
     from dsec_core import _auditfast
@@ -68,6 +69,7 @@ except ImportError:  # (no C compiler where it was installed: the Python path al
 # The other types the verifier names (literals: their models, in dsec_core.events, are not loaded
 # here; libs/core/tests/test_audit_verify.py holds them equal to the models' TYPE and AGGREGATE)
 _EVENT_REJECTED = "security.event_rejected"
+_USER_FULL_PATH = "a user's event: the full path checks its id"
 _SPEC_SUBMITTED = "spec.submitted"
 _SANDBOX = AGGREGATES[_SPEC_SUBMITTED]
 _UNIT_MIGRATED = "unit.migrated"
@@ -417,6 +419,8 @@ class Verifier:
                 {"type": event_type, "producer": producer, "tenant": e.tenant, "payload": payload},
                 cert,
             )
+            if problem is None and cert.role == "user":
+                problem = _USER_FULL_PATH  # (its id's freshness: the full path, in C too)
             if len(refusals) >= _REFUSALS_LIMIT:
                 refusals.clear()
             refusals[asked] = problem
@@ -505,6 +509,12 @@ class Verifier:
     ) -> None:
         """A message in its chain's next position: authentic unless its signature fails later."""
         problem = authz.refusal(f, cert) or self._wrong_node(f, cert)
+        if problem is None and cert.role == "user":
+            # as every consumer's gate: a user's event id is a fresh UUIDv7 (a user's event
+            # under a service's predictable id was refused there; taken here, the service's own
+            # event under that id then read as a replay it acted on: tampering, for ever)
+            fresh = user_id_problem(f["id"], datetime.fromisoformat(f["time"]))
+            problem = None if fresh is None else f"id-not-fresh: {fresh}"
         if f["id"] in self._seen:
             if verify_raw(f, key) and cert.role == "user":
                 chain.advance(data)

@@ -48,6 +48,7 @@ from dsec_core.signing import verify_raw
 from dsec_core.subjects import STREAM, filter_for, subject_for
 from dsec_core.trustcheck import registration_problem as registration_problem  # (defined there)
 from dsec_core.trustcheck import shape_problem as shape_problem
+from dsec_core.trustcheck import user_id_problem as user_id_problem
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,6 @@ HANDLED_TTL = timedelta(days=7)
 """How long a consumer remembers the ids it handled; older events are refused as stale."""
 _SCAN_LIMIT = 32  # messages read on one registration subject before giving up
 CLOCK_SKEW = timedelta(minutes=5)
-USER_ID_SKEW_MS = 60_000
-"""A user's event id is a UUIDv7 dated within this of the event's signing time (ms)."""
 RECHECK_S = 60.0
 """A cached key's revocation status is read from the log again after this long."""
 """Events dated further in the future are refused (they would outlive the replay window)."""
@@ -205,33 +204,6 @@ class KeyRing:
                 ):
                     return seq
         return None
-
-
-def user_id_problem(envelope: Envelope) -> str | None:
-    """Why a user's event id is not one it may use, or None. A user's event id must be a fresh
-    UUIDv7, dated within :data:`USER_ID_SKEW_MS` of the event's signing time (what every DSec
-    client makes): replay protection is per consumer, and answers take ids derived from their
-    request's, so a user choosing ids could take a service's predictable one first (another
-    tenant's periodic snapshot, refused as a replay) or use one of its own again on another
-    kind of request once JetStream's duplicate window had passed (two answers under one id:
-    `dsec audit verify` reported tampering). Within the window a second use is not stored."""
-    value = envelope.id
-    if not canonical_uuid(value):
-        return None  # refused as malformed where an id keys anything (replay checks)
-    if value[14] != "7" or value[19] not in "89ab":
-        return f"event id {value[:80]!r} is not a UUIDv7, as a user's event ids are"
-    try:
-        dated_ms = int(value[:8] + value[9:13], 16)
-    except ValueError:
-        return f"event id {value[:80]!r} is not a UUIDv7, as a user's event ids are"
-    signed_ms = envelope.time.timestamp() * 1000
-    if abs(dated_ms - signed_ms) > USER_ID_SKEW_MS:
-        return (
-            f"event id {value} is dated {abs(dated_ms - signed_ms) / 1000:.0f} s from the event's "
-            f"signing time (at most {USER_ID_SKEW_MS // 1000} s: a user's event id is new for "
-            "each event)"
-        )
-    return None
 
 
 async def scan_seq(
@@ -388,7 +360,7 @@ class Gate:
         if problem is not None:
             return "unauthorized", problem
         if cert.role == "user":
-            problem = user_id_problem(envelope)
+            problem = user_id_problem(envelope.id, envelope.time)
             if problem is not None:
                 return "id-not-fresh", problem
         return await self._tenant(envelope) or await self._node(envelope, cert, stream_seq)

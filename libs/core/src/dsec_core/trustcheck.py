@@ -9,12 +9,14 @@ models (only the two key events, :mod:`dsec_core.eventbase`).
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from dsec_core import identity
 from dsec_core.eventbase import KeyRegistered
 from dsec_core.eventtypes import aggregate_of
 from dsec_core.identity import Certificate, CertificateError
+from dsec_core.ids import canonical_uuid
 from dsec_core.sigkeys import verify_raw
 from dsec_core.subjects import subject_for
 
@@ -61,3 +63,34 @@ def registration_problem(fields: dict[str, Any], anchor: bytes) -> str | Certifi
     if cert.subject != reg.producer or fields.get("producer") != reg.producer:
         return f"certificate for {cert.subject!r} registered as {reg.producer!r}"
     return cert
+
+
+USER_ID_SKEW_MS = 60_000
+"""A user's event id is a UUIDv7 dated within this of the event's signing time (ms)."""
+
+
+def user_id_problem(event_id: str, signed: datetime) -> str | None:
+    """Why a user's event id is not one it may use, or None. A user's event id must be a fresh
+    UUIDv7, dated within :data:`USER_ID_SKEW_MS` of the event's signing time (what every DSec
+    client makes): replay protection is per consumer, and answers take ids derived from their
+    request's, so a user choosing ids could take a service's predictable one first (another
+    tenant's periodic snapshot, refused as a replay) or use one of its own again on another
+    kind of request once JetStream's duplicate window had passed (two answers under one id:
+    `dsec audit verify` reported tampering). Within the window a second use is not stored."""
+    value = event_id
+    if not canonical_uuid(value):
+        return None  # refused as malformed where an id keys anything (replay checks)
+    if value[14] != "7" or value[19] not in "89ab":
+        return f"event id {value[:80]!r} is not a UUIDv7, as a user's event ids are"
+    try:
+        dated_ms = int(value[:8] + value[9:13], 16)
+    except ValueError:
+        return f"event id {value[:80]!r} is not a UUIDv7, as a user's event ids are"
+    signed_ms = signed.timestamp() * 1000
+    if abs(dated_ms - signed_ms) > USER_ID_SKEW_MS:
+        return (
+            f"event id {value} is dated {abs(dated_ms - signed_ms) / 1000:.0f} s from the event's "
+            f"signing time (at most {USER_ID_SKEW_MS // 1000} s: a user's event id is new for "
+            "each event)"
+        )
+    return None
