@@ -186,6 +186,22 @@ def run(a):
                 return list(s.getsockname()[:2])
             finally:
                 s.close()
+        if op == "churn":  # connect and close, its own side first (TIME_WAIT), until refused
+            made, refused = 0, None
+            while refused is None and made < a["most"]:
+                try:
+                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                except OSError as e:
+                    refused = errno.errorcode.get(e.errno, str(e))
+                    break
+                try:
+                    s.connect((a["host"], a["port"]))
+                    made += 1
+                except OSError as e:
+                    refused = "connect " + errno.errorcode.get(e.errno, str(e))
+                finally:
+                    s.close()
+            return {"made": made, "refused": refused}
         if op == "socket_budget":  # IP sockets until refused; then 16 closed and 16 again
             socks, refused = [], None
             while refused is None and len(socks) < a["most"]:
@@ -1273,3 +1289,24 @@ async def test_a_sandbox_reaches_no_neighbours_dns_proxy_whatever_its_rules(
     assert own.dns_port != victim.dns_port
     refused = {(e.verdict.name, e.port) for e in events if e.denied}
     assert refused == {("DENY_STACK", victim.dns_port)}
+
+
+async def test_sockets_closed_into_time_wait_count_until_their_ports_are_free(
+    egress: EgressController, cgroup: Path, echo: Echo
+) -> None:
+    """A TCP socket its own side closes keeps its port for a minute (TIME_WAIT) after its
+    release: connecting and closing in a loop, a sandbox held every ephemeral port toward one
+    destination with one live socket. Those count as lingering until the kernel frees them."""
+    port = await echo.serve("127.0.0.30")
+    plan = EgressPlan(
+        sandbox_id="sbx-churn", rules=(rule("egress[0]", cidr="127.0.0.30/32", ports=(port,)),)
+    )
+    async with attached(egress, cgroup, plan):
+        (churn,) = await run_client(
+            cgroup,
+            [{"op": "churn", "host": "127.0.0.30", "port": port, "most": 8 * SANDBOX_SOCKETS}],
+        )
+        egress.drain_events()
+    # never more than one live socket: the lingering ones are what it is refused for
+    assert churn["refused"] == "EPERM", churn
+    assert SANDBOX_SOCKETS - 16 <= churn["made"] <= SANDBOX_SOCKETS + 4, churn

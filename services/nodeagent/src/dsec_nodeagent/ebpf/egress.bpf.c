@@ -225,7 +225,22 @@ BPF_TABLE_PINNED("hash", u32, u32, dns_ports, MAX_SANDBOXES, PIN_DIR "/dns_ports
 // node's sandboxes together. A sandbox shares the host's network namespace, so each socket it
 // binds takes one of the host's ports: one sandbox binding every ephemeral port (57 processes
 // of 1,000 sockets) left the node and its neighbours none to connect or send from.
-BPF_TABLE_PINNED("hash", u64, u64, sock_count, MAX_SANDBOXES + 1, PIN_DIR "/sock_count");
+// A TCP socket closed first by its own side keeps its port in TIME_WAIT for a minute after its
+// release: a sandbox connecting and closing in a loop held every ephemeral port toward one
+// destination with a handful of live sockets. Those are counted too, as "lingering": a pile
+// that drains linearly over TIME_WAIT_NS from its last change (at a steady rate of R such
+// closes a second it holds 60 R, as the kernel does).
+#define TIME_WAIT_MS 60000ULL
+struct sock_use {
+    u64 live;      // sockets created and not yet released
+    u64 linger;    // closed sockets whose port may still be held (as of stamp_ns)
+    u64 stamp_ns;  // the last change of linger
+};
+BPF_TABLE_PINNED("hash", u64, struct sock_use, sock_count, MAX_SANDBOXES + 1,
+                 PIN_DIR "/sock_count");
+// The last quarter of the node's budget is kept for sandboxes holding fewer than this: a few
+// sandboxes with many sockets cannot leave their neighbours none.
+#define SMALL_SHARE 256
 // Which count a socket was counted in (storage of the socket itself): its release gives it back
 // there, whoever closes it.
 struct sock_owner {
@@ -771,15 +786,41 @@ static __always_inline void emit_socket(u64 cgid, u32 verdict, struct bpf_sock *
     events.ringbuf_submit(e, 0);
 }
 
+static __always_inline u64 lingering(struct sock_use *u, u64 now) {
+    u64 linger = u->linger, stamp = u->stamp_ns;
+    u64 elapsed_ms = now > stamp ? (now - stamp) / 1000000 : 0;
+    if (!linger || elapsed_ms >= TIME_WAIT_MS)
+        return 0;
+    return linger - linger * elapsed_ms / TIME_WAIT_MS;
+}
+
+// (a release racing another can take a count below zero for a moment: read as none)
+static __always_inline u64 live_of(struct sock_use *u) {
+    u64 live = u->live;
+    return (s64)live < 0 ? 0 : live;
+}
+
+static __always_inline void linger_one(struct sock_use *u, u64 now) {
+    u->linger = lingering(u, now) + 1;  // (racing CPUs may lose one: a count, not a bound)
+    u->stamp_ns = now;
+}
+
 int sock_create(struct bpf_sock *sk) {
     u64 cgid = 0;
     struct sbx_cfg *cfg = find_sandbox(&cgid);
-    if (!cfg)
-        return 1;  // not a sandbox of ours: its connects and binds are refused anyway
-    u64 zero = 0, node_key = 0;
-    u64 *mine = sock_count.lookup_or_try_init(&cgid, &zero);
-    u64 *node = sock_count.lookup_or_try_init(&node_key, &zero);
-    if (!mine || !node || *mine >= MAX_SANDBOX_SOCKETS || *node >= MAX_NODE_SOCKETS) {
+    if (!cfg) {  // programs attached, sandbox not (or no longer) registered: fails closed
+        count(cgid, 0, V_DENY_UNKNOWN_SANDBOX);
+        return 0;
+    }
+    struct sock_use zero = {};
+    u64 node_key = 0;
+    struct sock_use *mine = sock_count.lookup_or_try_init(&cgid, &zero);
+    struct sock_use *node = sock_count.lookup_or_try_init(&node_key, &zero);
+    u64 now = bpf_ktime_get_ns();
+    u64 mine_use = mine ? live_of(mine) + lingering(mine, now) : 0;
+    u64 node_use = node ? live_of(node) + lingering(node, now) : 0;
+    if (!mine || !node || mine_use >= MAX_SANDBOX_SOCKETS || node_use >= MAX_NODE_SOCKETS ||
+        (node_use >= MAX_NODE_SOCKETS / 4 * 3 && mine_use >= SMALL_SHARE)) {
         count(cgid, 0, V_DENY_SOCKETS);
         emit_socket(cgid, V_DENY_SOCKETS, sk);
         return 0;
@@ -788,25 +829,42 @@ int sock_create(struct bpf_sock *sk) {
     if (!owner)
         return 0;  // no memory for the mark: refused, never uncounted
     owner->cgid = cgid;
-    __sync_fetch_and_add(mine, 1);
-    __sync_fetch_and_add(node, 1);
+    __sync_fetch_and_add(&mine->live, 1);
+    __sync_fetch_and_add(&node->live, 1);
     return 1;
+}
+
+// A TCP socket released in a state its own side closes from goes to TIME_WAIT.
+static __always_inline int lingers(struct bpf_sock *sk) {
+    if (sk->type != 1 /* SOCK_STREAM */)
+        return 0;
+    u32 state = sk->state;
+    return state == BPF_TCP_ESTABLISHED || state == BPF_TCP_SYN_RECV ||
+           state == BPF_TCP_FIN_WAIT1 || state == BPF_TCP_FIN_WAIT2 || state == BPF_TCP_CLOSING;
 }
 
 int sock_release(struct bpf_sock *sk) {
     struct sock_owner *owner = sock_owner.sk_storage_get(sk, 0, 0);
     if (!owner || !owner->cgid)
         return 1;  // created before the count (an adopted sandbox's older sockets)
-    u64 cgid = owner->cgid, node_key = 0;
+    u64 cgid = owner->cgid, node_key = 0, now = bpf_ktime_get_ns();
+    int linger = lingers(sk);
     owner->cgid = 0;
     // (a sandbox ended and purged has no count left; every program of ours reads the
     // sandboxes map: that is how an agent tells its programs from others', kernel.py _ours)
-    u64 *mine = sandboxes.lookup(&cgid) ? sock_count.lookup(&cgid) : 0;
-    if (mine && *mine > 0)
-        __sync_fetch_and_sub(mine, 1);
-    u64 *node = sock_count.lookup(&node_key);
-    if (node && *node > 0)
-        __sync_fetch_and_sub(node, 1);
+    // the node's count too: a purged sandbox's live sockets left it at the purge (kernel.py)
+    struct sock_use *mine = sandboxes.lookup(&cgid) ? sock_count.lookup(&cgid) : 0;
+    if (!mine)
+        return 1;
+    __sync_fetch_and_sub(&mine->live, 1);
+    if (linger)
+        linger_one(mine, now);
+    struct sock_use *node = sock_count.lookup(&node_key);
+    if (node) {
+        __sync_fetch_and_sub(&node->live, 1);
+        if (linger)
+            linger_one(node, now);
+    }
     return 1;
 }
 

@@ -524,7 +524,6 @@ class EgressKernel:
         """Remove every entry of a cgroup from every map."""
         sandboxes = self._table("sandboxes")
         key = ctypes.c_uint64(cgroup_id)
-        self._table("sock_count").pop(key, None)
         leaf = sandboxes.get(key)
         if leaf is not None:
             port = _htons(int(leaf.proxy_port))  # (a swap: its own inverse)
@@ -535,6 +534,15 @@ class EgressKernel:
             table = self._table(name)
             for k in [k for k in table if int(k.cgid) == cgroup_id]:
                 table.pop(k, None)
+        # after the sandbox's entry (a socket made meanwhile would count again): its sockets
+        # still alive leave the node's count with it (their release counts nothing more)
+        counts = self._table("sock_count")
+        used = counts.pop(key, None)
+        node = counts.get(ctypes.c_uint64(0))
+        if used is not None and node is not None:
+            live = min(int(used.live), 1 << 62)
+            node.live = max(0, int(node.live) - live) if int(node.live) < 1 << 63 else 0
+            counts[ctypes.c_uint64(0)] = node
 
     def sweep(self, now_ns: int) -> int:
         """Delete expired DNS grants (the hooks already ignore them); return how many."""
