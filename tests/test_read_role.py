@@ -200,6 +200,14 @@ async def test_dsec_up_takes_back_what_the_role_was_given(dsec_stack: Any) -> No
         await conn.close()
 
 
+async def _alive(conn: asyncpg.Connection) -> bool:
+    try:
+        await conn.fetchval("SELECT 1", timeout=5)
+        return True
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+        return False
+
+
 async def test_a_reader_that_changes_its_password_or_defaults_has_them_set_back(
     dsec_stack: Any, services: Any
 ) -> None:
@@ -219,8 +227,14 @@ async def test_a_reader_that_changes_its_password_or_defaults_has_them_set_back(
             await reader.execute(
                 "ALTER ROLE dsec_reader IN DATABASE dsec SET statement_timeout = '1ms'"
             )
-        finally:
+            # and holds the role's catalog row: an ALTER ROLE in a transaction left open (the
+            # restore waited on it for ever, and nothing ended the transaction)
+            await reader.execute("SET idle_in_transaction_session_timeout = 0")
+            await reader.execute("BEGIN")
+            await reader.execute("ALTER ROLE dsec_reader SET work_mem = '8MB'")
+        except BaseException:
             await reader.close()
+            raise
         with pytest.raises(asyncpg.InvalidPasswordError):
             await (await asyncpg.connect(read_dsn)).close()
         loop = asyncio.get_running_loop()
@@ -241,6 +255,8 @@ async def test_a_reader_that_changes_its_password_or_defaults_has_them_set_back(
         assert "dsec_reader's ['password', 'settings'] had been changed" in services.log(
             "scheduler"
         )
+        assert reader.is_closed() or not await _alive(reader)  # its session was ended
+        reader.terminate()
     finally:
         await restore_reader(owner)  # whatever happened above, the next tests read as before
         await owner.close()

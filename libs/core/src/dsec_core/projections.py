@@ -98,6 +98,14 @@ async def restore_reader(conn: asyncpg.Connection) -> list[str]:
         return []
     restored = []
     expected = ["0:" + ",".join(f"{name}={value}" for name, value in READER_SETTINGS)]
+    if row["rolpassword"] == row["verifier"] and list(row["settings"]) == expected:
+        return []
+    # Its sessions end first: one holding the role's catalog rows (an ALTER ROLE in a
+    # transaction left open) would hold the restore off for ever.
+    await conn.execute(
+        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE usename = $1",
+        READ_ROLE,
+    )
     async with conn.transaction():
         if row["rolpassword"] != row["verifier"]:
             await conn.execute(f"ALTER ROLE {READ_ROLE} PASSWORD '{row['verifier']}'")
@@ -526,12 +534,16 @@ class Projector:
                     return
                 try:
                     if conn is None or conn.is_closed():
-                        conn = await asyncpg.connect(self.dsn)
-                    await restore_reader(conn)
+                        # (bounded waits: a reader holding a lock never stalls the watch)
+                        conn = await asyncpg.connect(
+                            self.dsn,
+                            server_settings={"lock_timeout": "2s", "statement_timeout": "15s"},
+                        )
                     now = asyncio.get_running_loop().time()
                     if now - ended_at >= READER_MAX_TRANSACTION_S / 2:
                         ended_at = now
                         await end_stale_readers(conn, READER_MAX_TRANSACTION_S)
+                    await restore_reader(conn)
                 except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                     log.warning("projector: watching readers: %s", exc)
                     if conn is not None:
