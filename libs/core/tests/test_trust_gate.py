@@ -354,3 +354,32 @@ async def test_a_copy_of_an_older_setting_published_again_is_not_the_newest(
     assert again is None
     everything, _ = await gate.newest(subject)
     assert everything is not None and everything.id == in_force.id
+
+
+async def test_a_setting_dated_ahead_is_not_the_newest_until_its_date(stream, dsec_stack) -> None:  # type: ignore[no-untyped-def]
+    """The setting in force is the one signed last: one signed on a clock a year ahead would
+    have stayed in force for a year, every correct-clock change after it ignored."""
+    from dsec_core.events import ClusterConfigSet
+    from dsec_core.gpuhealth import CONFIG_ID
+    from dsec_core.signing import signed_bytes
+    from dsec_core.subjects import subject_for
+
+    _, js = stream
+    operator = await trust.publisher(js, dsec_stack.home, "operator", subject="operator")
+    gate = await _gate(stream, dsec_stack)
+    subject = subject_for("cluster.config_set", CONFIG_ID)
+    _, start = await gate.newest(subject)
+
+    def setting(value: str) -> ClusterConfigSet:
+        return ClusterConfigSet(
+            key="gpu.temperature_c", value=value, config={"gpu.temperature_c": value}
+        )
+
+    sealed = operator.signer.seal(setting("70"), aggregate_id=CONFIG_ID)
+    fields = dict(sealed.fields)
+    fields["time"] = (datetime.now(UTC) + timedelta(days=365)).isoformat()
+    fields["sig"] = operator.signer._key.sign(signed_bytes(fields)).signature.hex()
+    await _raw(js, subject, encode(Envelope.model_validate(fields)))
+    await operator.publish(setting("85"), aggregate_id=CONFIG_ID)  # (the default: shared stack)
+    found, _ = await gate.newest(subject, after=start)
+    assert found is not None and found.payload["value"] == "85"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from dsec_core import events
@@ -85,3 +86,41 @@ async def test_junk_ahead_of_a_submission_does_not_unbind_the_sandbox_from_its_t
     if report.finding is not None:
         problems.append(f"audit verify: TAMPERING: {report.finding}")
     assert not problems, "\n".join(problems)
+
+
+async def test_junk_on_a_subject_is_read_once_not_for_every_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every message of a submission's (or a key registration's) subject is read, so junk never
+    hides one; each only once per consumer: 300 junk messages stored on the subject of a
+    sandbox never submitted were read again for every cheap event about it. The sandbox's
+    submission, stored after the junk and after the reads, is still found."""
+    root, log = stack_root(tmp_path), MemoryLog()
+    user = certified(root, "user", tenant="evil")
+    await register_keys(log, user)
+    sid = new_sandbox_id()
+    for _ in range(300):
+        await log.publish(subject_for("spec.submitted", sid), b"\xc1junk")
+    for _ in range(300):  # and on the registration subject of a key never registered
+        await log.publish(subject_for("audit.key_registered", "00112233aabbccdd"), b"\xc1junk")
+    gate = memory_gate(root, log)
+    reads = 0
+    get_msg = log.get_msg
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return await get_msg(*args, **kwargs)
+
+    monkeypatch.setattr(log, "get_msg", counted)
+    assert await gate.tenant_of(sid) is None
+    assert isinstance(await gate.keys.certificate("00112233aabbccdd"), str)
+    first = reads
+    assert first >= 600
+    for _ in range(20):
+        assert await gate.tenant_of(sid) is None
+        assert isinstance(await gate.keys.certificate("00112233aabbccdd"), str)
+    assert reads - first <= 2 * 20  # one read each: nothing new after the last one read
+    submitted = user.signer.seal(events.SpecSubmitted(spec_yaml=SPEC), aggregate_id=sid)
+    await log.publish(submitted.subject, submitted.wire)
+    assert await gate.tenant_of(sid) == "evil"

@@ -28,13 +28,17 @@ def new_event_id() -> str:
     """Return a new UUIDv7 (time-ordered) as a string.
 
     The same ids as ``uuid6.uuid7()`` (48-bit Unix milliseconds, never going back or repeating
-    in a process, then 74 random bits around the version and variant), without building a
-    ``uuid.UUID``: about half the cost, on every event's hot path.
+    in a process unless the clock steps back, or ids are made faster than one a millisecond,
+    by more than a second; then 74 random bits around the version and variant), without
+    building a ``uuid.UUID``: about half the cost, on every event's hot path.
     """
     global _last_ms
     ms = time.time_ns() // 1_000_000
     with _ms_lock:
-        if ms <= _last_ms:
+        # At most a second ahead of the clock: ids made faster than one a millisecond, or a
+        # clock stepped back, would otherwise run ahead of the time they are signed at (a
+        # user's event id is refused 60 s from it; uniqueness is the 74 random bits').
+        if _last_ms - 1000 < ms <= _last_ms:
             ms = _last_ms + 1
         _last_ms = ms
     value = ((ms & 0xFFFFFFFFFFFF) << 80 | secrets.randbits(76)) & _CLEAR | _VERSION_7 | _VARIANT

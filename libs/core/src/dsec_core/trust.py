@@ -87,6 +87,9 @@ class KeyRing:
         self._certs: OrderedDict[str, Certificate] = OrderedDict()
         self._checked: dict[str, float] = {}  # key id -> when the log was last read for it
         self._bad: OrderedDict[str, str] = OrderedDict()
+        # key id -> the registration subject's last stream seq read without finding it (junk
+        # stored there is read once, not again for every event signed by that key id)
+        self._unregistered: OrderedDict[str, int] = OrderedDict()
         self._revoked: dict[str, int] = {}  # key id -> stream seq of its revocation (0: unknown)
         self._sub: Any = None
 
@@ -176,14 +179,18 @@ class KeyRing:
         except ValueError:
             return f"key id {key_id!r} is not a key id"
         problem = f"key {key_id} is not registered in the log"
-        # every message of the subject: 32 junk ones stored first would hide the registration
-        async for data in scan(self._js, subject, 1 << 62):
+        # every message of the subject (32 junk ones stored first would hide the registration),
+        # each once: a later lookup goes on from where this one stopped
+        read = self._unregistered.pop(key_id, 0)
+        async for seq, data in scan_seq(self._js, subject, 1 << 62, after=read):
+            read = seq
             with contextlib.suppress(MalformedEnvelope):
                 found = registration_problem(unpack_fields(data), anchor)
                 if isinstance(found, Certificate) and found.key_id == key_id:
                     return found
                 if isinstance(found, str):
                     problem = found
+        _remember(self._unregistered, key_id, read)
         return problem
 
     async def _revoked_in_log(self, key_id: str) -> int | None:
@@ -287,6 +294,8 @@ class Gate:
         """The handled-ids bucket (``None`` without replay protection): the service runtime
         also counts its fair handlers' attempts there, under the consumer's own keys."""
         self._tenants: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        # sandbox id -> its spec.submitted subject's last stream seq read without a submission
+        self._unsubmitted: OrderedDict[str, int] = OrderedDict()
         # sandbox -> (stream position read up to, node and attempt of its latest placement)
         self._nodes: OrderedDict[str, tuple[int, str | None, int, int]] = OrderedDict()
         self._moves: OrderedDict[str, tuple[int, list[tuple[int, str, str]], frozenset[str]]] = (
@@ -506,7 +515,12 @@ class Gate:
         if cached is not None:
             return cached[0], cached[1]
         subject = subject_for(SpecSubmitted.TYPE, sandbox_id)
-        async for seq, data in scan_seq(self._js, subject, 1 << 62):
+        # each message once: a later lookup goes on from where this one stopped (junk stored on
+        # a sandbox never submitted is not read again for every event about it)
+        read = self._unsubmitted.pop(sandbox_id, 0)
+        undecided = 0  # the first one signed by a key not registered (yet): read it again
+        async for seq, data in scan_seq(self._js, subject, 1 << 62, after=read):
+            read = seq
             try:
                 fields = unpack_fields(data)
                 env = Envelope.model_validate(fields)
@@ -515,12 +529,16 @@ class Gate:
             if env.subject != subject:  # another sandbox's submission, copied here
                 continue
             cert = await self.keys.certificate(env.key_id, at_seq=seq)
-            if isinstance(cert, str) or not verify_raw(fields, bytes.fromhex(cert.public_key)):
+            if isinstance(cert, str):
+                undecided = undecided or (seq if "not registered" in cert else 0)
+                continue
+            if not verify_raw(fields, bytes.fromhex(cert.public_key)):
                 continue
             if authz.refusal(fields, cert) is None:
                 found = (env.id, env.tenant)
                 _remember(self._tenants, sandbox_id, found)
                 return found
+        _remember(self._unsubmitted, sandbox_id, undecided - 1 if undecided else read)
         return None
 
     async def authentic(self, data: bytes, *, stream_seq: int | None = None) -> Envelope | None:
@@ -602,6 +620,8 @@ class Gate:
                 continue
             if newest is not None and envelope.time <= newest.time:
                 continue  # an older one, or a copy of the one in force
+            if envelope.time - datetime.now(UTC) > CLOCK_SKEW:
+                continue  # dated ahead: it would stay "newest" until that date
             if await self.check(fields, envelope, stream_seq=seq) is None:
                 found = newest = envelope
         return found, last
