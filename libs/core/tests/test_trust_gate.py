@@ -34,6 +34,15 @@ async def _gate(stream, dsec_stack) -> Gate:  # type: ignore[no-untyped-def]
     return Gate(KeyRing(nc, js, anchor), js, await handled_bucket(js))
 
 
+def _setting(value: str):  # type: ignore[no-untyped-def]
+    """The operator's ``cluster.config_set`` of one GPU temperature threshold."""
+    from dsec_core.events import ClusterConfigSet
+
+    return ClusterConfigSet(
+        key="gpu.temperature_c", value=value, config={"gpu.temperature_c": value}
+    )
+
+
 async def _raw(js: JetStreamContext, subject: str, data: bytes) -> int:
     ack = await js.publish(subject, data, headers={"Nats-Msg-Id": uuid.uuid4().hex})
     return ack.seq
@@ -292,7 +301,6 @@ async def test_a_flood_of_forged_settings_hides_no_newer_genuine_one(stream, dse
     connects as a user); 300 user-signed settings around the operator's must not hide it, nor
     a newer one of the operator's, from the readers that take the newest (node agents, the
     simulated fleet), which read only what came since the last time."""
-    from dsec_core.events import ClusterConfigSet
     from dsec_core.gpuhealth import CONFIG_ID
     from dsec_core.subjects import subject_for
 
@@ -304,21 +312,16 @@ async def test_a_flood_of_forged_settings_hides_no_newer_genuine_one(stream, dse
     subject = subject_for("cluster.config_set", CONFIG_ID)
     _, start = await gate.newest(subject)  # what earlier tests stored on it
 
-    def setting(value: str) -> ClusterConfigSet:
-        return ClusterConfigSet(
-            key="gpu.temperature_c", value=value, config={"gpu.temperature_c": value}
-        )
-
-    await operator.publish(setting("84"), aggregate_id=CONFIG_ID)
+    await operator.publish(_setting("84"), aggregate_id=CONFIG_ID)
     for _ in range(300):
-        await user.publish(setting("110"), aggregate_id=CONFIG_ID)
+        await user.publish(_setting("110"), aggregate_id=CONFIG_ID)
     found, read = await gate.newest(subject, after=start)
     assert found is not None and found.payload["value"] == "84"
     again, same = await gate.newest(subject, after=read)  # nothing new since
     assert (again, same) == (None, read)
     # the newest genuine setting is the default again: the session stack is shared
-    await operator.publish(setting("85"), aggregate_id=CONFIG_ID)
-    await user.publish(setting("110"), aggregate_id=CONFIG_ID)
+    await operator.publish(_setting("85"), aggregate_id=CONFIG_ID)
+    await user.publish(_setting("110"), aggregate_id=CONFIG_ID)
     newer, _ = await gate.newest(subject, after=read)
     assert newer is not None and newer.payload["value"] == "85"
 
@@ -330,7 +333,6 @@ async def test_a_copy_of_an_older_setting_published_again_is_not_the_newest(
     older setting, and every reader of "the newest" took it as the one in force (node agents
     and the simulated fleet, reading only what came since, and `dsec cluster config show`,
     reading it all). Newest means signed last."""
-    from dsec_core.events import ClusterConfigSet
     from dsec_core.gpuhealth import CONFIG_ID
     from dsec_core.subjects import subject_for
 
@@ -340,13 +342,8 @@ async def test_a_copy_of_an_older_setting_published_again_is_not_the_newest(
     subject = subject_for("cluster.config_set", CONFIG_ID)
     _, start = await gate.newest(subject)
 
-    def setting(value: str) -> ClusterConfigSet:
-        return ClusterConfigSet(
-            key="gpu.temperature_c", value=value, config={"gpu.temperature_c": value}
-        )
-
-    old = await operator.publish(setting("84"), aggregate_id=CONFIG_ID)
-    await operator.publish(setting("85"), aggregate_id=CONFIG_ID)  # (the default: shared stack)
+    old = await operator.publish(_setting("84"), aggregate_id=CONFIG_ID)
+    await operator.publish(_setting("85"), aggregate_id=CONFIG_ID)  # (the default: shared stack)
     in_force, read = await gate.newest(subject, after=start)
     assert in_force is not None and in_force.payload["value"] == "85"
     await _raw(js, subject, old.sealed.wire)  # the older one's bytes, stored again
@@ -359,7 +356,6 @@ async def test_a_copy_of_an_older_setting_published_again_is_not_the_newest(
 async def test_a_setting_dated_ahead_is_not_the_newest_until_its_date(stream, dsec_stack) -> None:  # type: ignore[no-untyped-def]
     """The setting in force is the one signed last: one signed on a clock a year ahead would
     have stayed in force for a year, every correct-clock change after it ignored."""
-    from dsec_core.events import ClusterConfigSet
     from dsec_core.gpuhealth import CONFIG_ID
     from dsec_core.signing import signed_bytes
     from dsec_core.subjects import subject_for
@@ -370,16 +366,11 @@ async def test_a_setting_dated_ahead_is_not_the_newest_until_its_date(stream, ds
     subject = subject_for("cluster.config_set", CONFIG_ID)
     _, start = await gate.newest(subject)
 
-    def setting(value: str) -> ClusterConfigSet:
-        return ClusterConfigSet(
-            key="gpu.temperature_c", value=value, config={"gpu.temperature_c": value}
-        )
-
-    sealed = operator.signer.seal(setting("70"), aggregate_id=CONFIG_ID)
+    sealed = operator.signer.seal(_setting("70"), aggregate_id=CONFIG_ID)
     fields = dict(sealed.fields)
     fields["time"] = (datetime.now(UTC) + timedelta(days=365)).isoformat()
     fields["sig"] = operator.signer._key.sign(signed_bytes(fields)).signature.hex()
     await _raw(js, subject, encode(Envelope.model_validate(fields)))
-    await operator.publish(setting("85"), aggregate_id=CONFIG_ID)  # (the default: shared stack)
+    await operator.publish(_setting("85"), aggregate_id=CONFIG_ID)  # (the default: shared stack)
     found, _ = await gate.newest(subject, after=start)
     assert found is not None and found.payload["value"] == "85"
