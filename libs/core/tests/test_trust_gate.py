@@ -366,10 +366,13 @@ async def test_a_setting_dated_ahead_is_not_the_newest_until_its_date(stream, ds
     subject = subject_for("cluster.config_set", CONFIG_ID)
     _, start = await gate.newest(subject)
 
-    sealed = operator.signer.seal(_setting("70"), aggregate_id=CONFIG_ID)
+    # (a publisher of its own, which publishes nothing after it: the session's log stays a
+    # log whose every chain verifies)
+    ahead = await trust.publisher(js, dsec_stack.home, "operator", subject="operator")
+    sealed = ahead.signer.seal(_setting("70"), aggregate_id=CONFIG_ID)
     fields = dict(sealed.fields)
     fields["time"] = (datetime.now(UTC) + timedelta(days=365)).isoformat()
-    fields["sig"] = operator.signer._key.sign(signed_bytes(fields)).signature.hex()
+    fields["sig"] = ahead.signer._key.sign(signed_bytes(fields)).signature.hex()
     await _raw(js, subject, encode(Envelope.model_validate(fields)))
     await operator.publish(_setting("85"), aggregate_id=CONFIG_ID)  # (the default: shared stack)
     found, _ = await gate.newest(subject, after=start)

@@ -158,3 +158,34 @@ async def test_a_user_reusing_its_own_request_id_does_not_make_audit_verify_repo
         verifier.feed(seq, data)
     report = verifier.finish()
     assert report.finding is None, f"audit verify: TAMPERING: {report.finding}"
+
+
+async def test_a_user_event_whose_time_is_not_a_time_is_refused_alike_and_stops_no_verify(
+    tmp_path: Path,
+) -> None:
+    """A user's event signed with ``time`` a number (or no zone, or junk): the verifier parsed
+    it to check the id's date and raised, so `dsec audit verify` never finished again. The
+    gate and the verifier refuse it alike (malformed), and verify goes on."""
+    from dsec_core import canonical
+    from dsec_core.sigkeys import signed_bytes
+
+    root, log = stack_root(tmp_path), MemoryLog()
+    user = certified(root, "user", tenant="evil")
+    await register_keys(log, user)
+    gate = memory_gate(root, log)
+    for bad in (1796667229, "2026-12-07T18:30:00", "not a time"):
+        sealed = user.signer.seal(SnapshotRequested(name="a"), aggregate_id=new_sandbox_id())
+        fields = dict(sealed.fields)
+        fields["time"] = bad
+        fields["sig"] = user.signer._key.sign(signed_bytes(fields)).signature.hex()
+        wire = canonical.pack(canonical.canonicalize(fields))
+        seq = (await log.publish(sealed.subject, wire)).seq
+        refused = await gate.admit(wire, stream_seq=seq, consumer="snapshot-snapshot-requested")
+        assert isinstance(refused, Refusal) and refused.reason == "malformed", (bad, refused)
+    verifier = Verifier(bytes(root.verify_key), signature_every=1)
+    for record_seq, _, data in log.records:
+        verifier.feed(record_seq, data)
+    report = verifier.finish()
+    assert report.finding is None, report.finding
+    # (the first breaks the user's chain: the next two are refused as out of its order too)
+    assert len(report.injected) == 3 and "malformed: time" in report.injected[0].reason

@@ -40,7 +40,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, NamedTuple
 
 import msgspec
@@ -59,7 +58,12 @@ from dsec_core.eventbase import KeyRegistered, KeyRevoked
 from dsec_core.eventtypes import AGGREGATES, MalformedEnvelope, unpack_fields
 from dsec_core.identity import Certificate
 from dsec_core.sigkeys import verify_raw
-from dsec_core.trustcheck import registration_problem, shape_problem, user_id_problem
+from dsec_core.trustcheck import (
+    registration_problem,
+    shape_problem,
+    signed_time,
+    user_id_problem,
+)
 
 try:  # the C path of the common case (dsec_core/_auditfast.c), where it was built
     from dsec_core import _auditfast
@@ -513,8 +517,12 @@ class Verifier:
             # as every consumer's gate: a user's event id is a fresh UUIDv7 (a user's event
             # under a service's predictable id was refused there; taken here, the service's own
             # event under that id then read as a replay it acted on: tampering, for ever)
-            fresh = user_id_problem(f["id"], datetime.fromisoformat(f["time"]))
-            problem = None if fresh is None else f"id-not-fresh: {fresh}"
+            signed = signed_time(f)
+            if isinstance(signed, str):
+                problem = f"malformed: {signed}"
+            else:
+                fresh = user_id_problem(f["id"], signed)
+                problem = None if fresh is None else f"id-not-fresh: {fresh}"
         if f["id"] in self._seen:
             if verify_raw(f, key) and cert.role == "user":
                 chain.advance(data)

@@ -96,23 +96,28 @@ async def restore_reader(conn: asyncpg.Connection) -> list[str]:
         return []
     if row is None or not _VERIFIER.fullmatch(row["verifier"]):
         return []
-    restored = []
+    restored: list[str] = []
     expected = ["0:" + ",".join(f"{name}={value}" for name, value in READER_SETTINGS)]
     if row["rolpassword"] == row["verifier"] and list(row["settings"]) == expected:
         return []
-    # Its sessions end first: one holding the role's catalog rows (an ALTER ROLE in a
-    # transaction left open) would hold the restore off for ever.
-    await conn.execute(
-        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE usename = $1",
-        READ_ROLE,
-    )
-    async with conn.transaction():
-        if row["rolpassword"] != row["verifier"]:
-            await conn.execute(f"ALTER ROLE {READ_ROLE} PASSWORD '{row['verifier']}'")
-            restored.append("password")
-        if list(row["settings"]) != expected:
-            await conn.execute(reader_settings_sql())
-            restored.append("settings")
+    for attempt in range(2):
+        restored = []
+        try:
+            async with conn.transaction():
+                # (the caller's connection waits at most its lock_timeout for the role's rows)
+                if row["rolpassword"] != row["verifier"]:
+                    await conn.execute(f"ALTER ROLE {READ_ROLE} PASSWORD '{row['verifier']}'")
+                    restored.append("password")
+                if list(row["settings"]) != expected:
+                    await conn.execute(reader_settings_sql())
+                    restored.append("settings")
+            break
+        except asyncpg.LockNotAvailableError:
+            if attempt:
+                raise
+            # a reader holds the role's catalog row (an ALTER ROLE in a transaction left
+            # open): the readers with a transaction open end, then once more
+            await end_stale_readers(conn, 0)
     if restored:
         log.warning("read models: %s's %s had been changed; set back", READ_ROLE, restored)
     return restored

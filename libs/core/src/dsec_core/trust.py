@@ -48,6 +48,7 @@ from dsec_core.signing import verify_raw
 from dsec_core.subjects import STREAM, filter_for, subject_for
 from dsec_core.trustcheck import registration_problem as registration_problem  # (defined there)
 from dsec_core.trustcheck import shape_problem as shape_problem
+from dsec_core.trustcheck import signed_time
 from dsec_core.trustcheck import user_id_problem as user_id_problem
 
 log = logging.getLogger(__name__)
@@ -353,8 +354,8 @@ class Gate:
         self, fields: dict[str, Any], envelope: Envelope, stream_seq: int | None
     ) -> tuple[str, str] | None:
         problem = shape_problem(fields)
-        if problem is None and envelope.time.tzinfo is None:
-            problem = "time has no zone"
+        if problem is None and isinstance(signed := signed_time(fields), str):
+            problem = signed
         if problem is not None:
             return "malformed", problem
         cert = await self.keys.certificate(envelope.key_id, at_seq=stream_seq)
@@ -518,7 +519,7 @@ class Gate:
         # each message once: a later lookup goes on from where this one stopped (junk stored on
         # a sandbox never submitted is not read again for every event about it)
         read = self._unsubmitted.pop(sandbox_id, 0)
-        undecided = 0  # the first one signed by a key not registered (yet): read it again
+        undecided = 0  # the first one whose key the log may yet show otherwise: read it again
         async for seq, data in scan_seq(self._js, subject, 1 << 62, after=read):
             read = seq
             try:
@@ -529,8 +530,9 @@ class Gate:
             if env.subject != subject:  # another sandbox's submission, copied here
                 continue
             cert = await self.keys.certificate(env.key_id, at_seq=seq)
-            if isinstance(cert, str):
-                undecided = undecided or (seq if "not registered" in cert else 0)
+            if isinstance(cert, str):  # a registration or revocation the log may show later
+                later = "not registered" in cert or "revoked" in cert
+                undecided = undecided or (seq if later else 0)
                 continue
             if not verify_raw(fields, bytes.fromhex(cert.public_key)):
                 continue

@@ -94,3 +94,19 @@ def user_id_problem(event_id: str, signed: datetime) -> str | None:
             "each event)"
         )
     return None
+
+
+def signed_time(fields: dict[str, Any]) -> datetime | str:
+    """An envelope's signing time, or what is wrong with it: an ISO 8601 string with its zone
+    (what every producer writes). The gate and the verifier read it alike: a time one took and
+    the other could not read made the verifier stop (any user could send one)."""
+    value = fields.get("time")
+    if not isinstance(value, str) or len(value) > 64:
+        return "time must be an ISO 8601 string"
+    try:
+        signed = datetime.fromisoformat(value)
+    except ValueError:
+        return f"time {value!r} is not ISO 8601"
+    if signed.tzinfo is None:
+        return "time has no zone"
+    return signed
