@@ -294,8 +294,8 @@ class SandboxProxy:
 
     @property
     def connections(self) -> int:
-        """Connections open now."""
-        return len(self._tasks)
+        """The sandbox's own connections open now (what :data:`MAX_CONNECTIONS` bounds)."""
+        return len(self._tunnels)
 
     def rule_for(self, host: str, port: int) -> ProxyRule | None:
         """The first tls_proxy rule that grants ``host:port``."""
