@@ -96,21 +96,17 @@ async def restore_reader(conn: asyncpg.Connection) -> list[str]:
         return []
     if row is None or not _VERIFIER.fullmatch(row["verifier"]):
         return []
-    restored: list[str] = []
     expected = ["0:" + ",".join(f"{name}={value}" for name, value in READER_SETTINGS)]
-    if row["rolpassword"] == row["verifier"] and list(row["settings"]) == expected:
-        return []
-    for attempt in range(2):
-        restored = []
+    changes = [
+        *([("password", f"ALTER ROLE {READ_ROLE} PASSWORD '{row['verifier']}'")]
+          if row["rolpassword"] != row["verifier"] else []),
+        *([("settings", reader_settings_sql())] if list(row["settings"]) != expected else []),
+    ]  # fmt: skip
+    for attempt in range(2 if changes else 0):
         try:
-            async with conn.transaction():
-                # (the caller's connection waits at most its lock_timeout for the role's rows)
-                if row["rolpassword"] != row["verifier"]:
-                    await conn.execute(f"ALTER ROLE {READ_ROLE} PASSWORD '{row['verifier']}'")
-                    restored.append("password")
-                if list(row["settings"]) != expected:
-                    await conn.execute(reader_settings_sql())
-                    restored.append("settings")
+            async with conn.transaction():  # (waits at most the connection's lock_timeout)
+                for _, sql in changes:
+                    await conn.execute(sql)
             break
         except asyncpg.LockNotAvailableError:
             if attempt:
@@ -118,6 +114,7 @@ async def restore_reader(conn: asyncpg.Connection) -> list[str]:
             # a reader holds the role's catalog row (an ALTER ROLE in a transaction left
             # open): the readers with a transaction open end, then once more
             await end_stale_readers(conn, 0)
+    restored = [name for name, _ in changes]
     if restored:
         log.warning("read models: %s's %s had been changed; set back", READ_ROLE, restored)
     return restored

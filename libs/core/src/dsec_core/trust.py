@@ -232,14 +232,6 @@ async def scan_seq(
         yield msg.seq, msg.data
 
 
-async def scan(
-    js: JetStreamContext, subject: str, limit: int = _SCAN_LIMIT
-) -> AsyncIterator[bytes]:
-    """The first ``limit`` messages stored on ``subject``, oldest first."""
-    async for _, data in scan_seq(js, subject, limit):
-        yield data
-
-
 _MIGRATION_ENDS = frozenset({"unit.migrated", "unit.migration_failed"})
 
 
@@ -354,10 +346,11 @@ class Gate:
         self, fields: dict[str, Any], envelope: Envelope, stream_seq: int | None
     ) -> tuple[str, str] | None:
         problem = shape_problem(fields)
-        if problem is None and isinstance(signed := signed_time(fields), str):
-            problem = signed
         if problem is not None:
             return "malformed", problem
+        signed = signed_time(fields)
+        if isinstance(signed, str):
+            return "malformed", signed
         cert = await self.keys.certificate(envelope.key_id, at_seq=stream_seq)
         if isinstance(cert, str):
             reason = "revoked-key" if "revoked" in cert else "unknown-key"
@@ -369,8 +362,8 @@ class Gate:
         problem = authz.refusal(fields, cert)
         if problem is not None:
             return "unauthorized", problem
-        if cert.role == "user":
-            problem = user_id_problem(envelope.id, envelope.time)
+        if cert.role == "user":  # (its time as the verifier reads it: signed_time above)
+            problem = user_id_problem(envelope.id, signed)
             if problem is not None:
                 return "id-not-fresh", problem
         return await self._tenant(envelope) or await self._node(envelope, cert, stream_seq)
