@@ -190,17 +190,40 @@ def run(a):
             made, refused = 0, None
             while refused is None and made < a["most"]:
                 try:
-                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM, a.get("proto", 0))
                 except OSError as e:
                     refused = errno.errorcode.get(e.errno, str(e))
                     break
                 try:
                     s.connect((a["host"], a["port"]))
+                    if a.get("half"):  # shutdown, then the peer's FIN: TIME_WAIT before close
+                        s.shutdown(socket.SHUT_WR)
+                        while s.recv(64):
+                            pass
                     made += 1
                 except OSError as e:
                     refused = "connect " + errno.errorcode.get(e.errno, str(e))
                 finally:
                     s.close()
+            return {"made": made, "refused": refused}
+        if op == "reconnect":  # one socket: connect, TIME_WAIT, connect(AF_UNSPEC), again
+            libc = ctypes.CDLL(None, use_errno=True)
+            unspec = (ctypes.c_ubyte * 16)()  # sa_family 0: AF_UNSPEC
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            made, refused = 0, None
+            while refused is None and made < a["most"]:
+                try:
+                    s.connect((a["host"], a["port"]))
+                except OSError as e:
+                    refused = errno.errorcode.get(e.errno, str(e))
+                    break
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(64):
+                    pass
+                made += 1
+                if libc.connect(s.fileno(), unspec, 16) != 0:
+                    refused = "unspec " + errno.errorcode.get(ctypes.get_errno(), "?")
+            s.close()
             return {"made": made, "refused": refused}
         if op == "socket_budget":  # IP sockets until refused; then 16 closed and 16 again
             socks, refused = [], None
@@ -1291,22 +1314,89 @@ async def test_a_sandbox_reaches_no_neighbours_dns_proxy_whatever_its_rules(
     assert refused == {("DENY_STACK", victim.dns_port)}
 
 
+def _time_wait_toward(host: str, port: int) -> int:
+    """How many of the host's TCP connections toward ``host:port`` are in TIME_WAIT."""
+    want = f"{socket.htonl(int(ip_address(host))):08X}:{port:04X}"
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for r in rows if r.split()[2] == want and r.split()[3] == "06")
+
+
 async def test_sockets_closed_into_time_wait_count_until_their_ports_are_free(
     egress: EgressController, cgroup: Path, echo: Echo
 ) -> None:
-    """A TCP socket its own side closes keeps its port for a minute (TIME_WAIT) after its
+    """A TCP connection its own side closes keeps its port for a minute (TIME_WAIT) after its
     release: connecting and closing in a loop, a sandbox held every ephemeral port toward one
-    destination with one live socket. Those count as lingering until the kernel frees them."""
+    destination with one live socket. Those count until the kernel frees them: a burst too,
+    for the whole minute (a pile that drained linearly let about a twelfth of the bound back
+    every 5 s while every port was still held)."""
     port = await echo.serve("127.0.0.30")
     plan = EgressPlan(
         sandbox_id="sbx-churn", rules=(rule("egress[0]", cidr="127.0.0.30/32", ports=(port,)),)
     )
+    churn_once = {"op": "churn", "host": "127.0.0.30", "port": port, "most": 8 * SANDBOX_SOCKETS}
     async with attached(egress, cgroup, plan):
-        (churn,) = await run_client(
-            cgroup,
-            [{"op": "churn", "host": "127.0.0.30", "port": port, "most": 8 * SANDBOX_SOCKETS}],
-        )
+        (churn,) = await run_client(cgroup, [churn_once])
+        await asyncio.sleep(5)  # (the time a linear drain gives back a twelfth of the bound)
+        (later,) = await run_client(cgroup, [churn_once])
+        held = _time_wait_toward("127.0.0.30", port)
         egress.drain_events()
     # never more than one live socket: the lingering ones are what it is refused for
     assert churn["refused"] == "EPERM", churn
     assert SANDBOX_SOCKETS - 16 <= churn["made"] <= SANDBOX_SOCKETS + 4, churn
+    assert later == {"made": 0, "refused": "EPERM"}, later
+    assert held >= churn["made"] - 4, held  # (what the kernel still holds: the bound's worth)
+
+
+async def _until_refused(
+    egress: EgressController, cgroup: Path, echo: Echo, host: str, op: str, **extra: Any
+) -> tuple[dict[str, Any], int, list[VerdictEvent]]:
+    """Run ``op`` toward an echo server on ``host`` (a rule opens it) until a refusal; return
+    its result, the server's port and the sandbox's verdict events."""
+    port = await echo.serve(host)
+    plan = EgressPlan(
+        sandbox_id=f"sbx-{op}-{host}", rules=(rule("egress[0]", cidr=f"{host}/32", ports=(port,)),)
+    )
+    action = {"op": op, "host": host, "port": port, "most": 4 * SANDBOX_SOCKETS, **extra}
+    async with attached(egress, cgroup, plan) as events:
+        (result,) = await run_client(cgroup, [action])
+        egress.drain_events()
+    assert result["refused"] == "EPERM", result
+    assert SANDBOX_SOCKETS - 16 <= result["made"] <= SANDBOX_SOCKETS + 4, result
+    return result, port, events
+
+
+async def test_mptcp_connections_count_like_tcp_ones(
+    egress: EgressController, cgroup: Path, echo: Echo
+) -> None:
+    """An MPTCP socket's connection is made by a kernel socket under it (a subflow, which
+    ``socket()`` never created): connecting and closing MPTCP sockets in a loop leaves the
+    subflows in TIME_WAIT, counted like a TCP socket's."""
+    if Path("/proc/sys/net/mptcp/enabled").read_text().strip() != "1":
+        pytest.skip("MPTCP is off on this kernel (net.mptcp.enabled): nothing to bound")
+    churn, port, _ = await _until_refused(egress, cgroup, echo, "127.0.0.33", "churn", proto=262)
+    assert _time_wait_toward("127.0.0.33", port) >= churn["made"] - 4
+
+
+async def test_a_connection_in_time_wait_before_its_close_counts_too(
+    egress: EgressController, cgroup: Path, echo: Echo
+) -> None:
+    """A connection reaches TIME_WAIT before its socket is closed when the sandbox shuts its
+    side first and the peer answers with its FIN: counted at the release's state, it was not
+    counted at all (the socket's state is CLOSE by then), so shutdown-then-close took every
+    port. Each connection is followed to its end instead, whatever order things happen in."""
+    churn, port, _ = await _until_refused(egress, cgroup, echo, "127.0.0.31", "churn", half=True)
+    assert _time_wait_toward("127.0.0.31", port) >= churn["made"] - 4
+
+
+async def test_one_socket_connected_again_and_again_counts_each_connection(
+    egress: EgressController, cgroup: Path, echo: Echo
+) -> None:
+    """``connect(AF_UNSPEC)`` frees a TCP socket to connect again, to a new port each time while
+    the last connection's stays in TIME_WAIT: one socket, created once (past the only check a
+    bound on socket() makes), took a port per cycle. A connect() again is refused like a new
+    socket once the sandbox's bound is reached; the refusal is a violation of its own."""
+    _, port, events = await _until_refused(egress, cgroup, echo, "127.0.0.32", "reconnect")
+    refused = [e for e in events if e.verdict is Verdict.DENY_SOCKETS]
+    assert refused and {e.hook.name for e in refused} == {"CONNECT4"}, refused
+    assert refused[0].port == port
+    assert "TIME_WAIT" in refused[0].message()

@@ -225,29 +225,99 @@ BPF_TABLE_PINNED("hash", u32, u32, dns_ports, MAX_SANDBOXES, PIN_DIR "/dns_ports
 // node's sandboxes together. A sandbox shares the host's network namespace, so each socket it
 // binds takes one of the host's ports: one sandbox binding every ephemeral port (57 processes
 // of 1,000 sockets) left the node and its neighbours none to connect or send from.
-// A TCP socket closed first by its own side keeps its port in TIME_WAIT for a minute after its
-// release: a sandbox connecting and closing in a loop held every ephemeral port toward one
-// destination with a handful of live sockets. Those are counted too, as "lingering": a pile
-// that drains linearly over TIME_WAIT_NS from its last change (at a steady rate of R such
-// closes a second it holds 60 R, as the kernel does).
-#define TIME_WAIT_MS 60000ULL
+// A TCP connection closed first by its own side keeps its port in TIME_WAIT for a minute
+// (TCP_TIMEWAIT_LEN), released or not: a sandbox connecting and closing in a loop held every
+// ephemeral port toward one destination with a handful of live sockets. Each connection that
+// enters TIME_WAIT (seen by the sock_state program, whatever got it there: close(),
+// shutdown() and the peer's FIN, one socket connected again after connect(AF_UNSPEC)) counts,
+// in the 4-second slot it entered, for TW_SLOTS slots (64 s >= the kernel's 60 s): what the
+// kernel still holds, a burst included.
+#define TW_SLOTS 16
+#define TW_SLOT_NS 4000000000ULL
 struct sock_use {
-    u64 live;      // sockets created and not yet released
-    u64 linger;    // closed sockets whose port may still be held (as of stamp_ns)
-    u64 stamp_ns;  // the last change of linger
+    u64 live;                // sockets created and not yet released
+    u32 closed[TW_SLOTS];    // connections that entered TIME_WAIT in the slot...
+    u32 slot[TW_SLOTS];      // ...numbered now / TW_SLOT_NS
 };
-BPF_TABLE_PINNED("hash", u64, struct sock_use, sock_count, MAX_SANDBOXES + 1,
-                 PIN_DIR "/sock_count");
+BPF_TABLE_PINNED("hash", u64, struct sock_use, sock_use, MAX_SANDBOXES + 1,
+                 PIN_DIR "/sock_use");
 // The last quarter of the node's budget is kept for sandboxes holding fewer than this: a few
 // sandboxes with many sockets cannot leave their neighbours none.
 #define SMALL_SHARE 256
-// Which count a socket was counted in (storage of the socket itself): its release gives it back
-// there, whoever closes it.
-struct sock_owner {
-    u64 cgid;
+// A socket's mark (storage of the socket itself), so whoever closes it gives its place back to
+// the count it was taken from. A TCP connection holds its port past its release until the
+// kernel is done with it (FIN_WAIT, LAST_ACK, then TIME_WAIT): its place is given back at the
+// later of its release and its connection's end (whichever comes last takes the last ref).
+struct sock_mark {
+    u64 origin;     // the sandbox's cgroup id (0: none)
+    s64 refs;       // 1 for the release (where live), +1 while a connection of it is open
+    u32 live;       // counted in the live counts (sock_create, or sock_state for an MPTCP
+                    // subflow: the kernel's socket under the sandbox's)
+    u32 conn;       // a connection of it is open (sock_state)
+    u32 connected;  // connect() was called on it: one again (after connect(AF_UNSPEC)) takes
+                    // another port while the last may still be in TIME_WAIT (bounded alike)
+    u32 pad;
 };
-BPF_TABLE_PINNED7("sk_storage", int, struct sock_owner, sock_owner, 0, PIN_DIR "/sock_owner",
+BPF_TABLE_PINNED7("sk_storage", int, struct sock_mark, sock_mark, 0, PIN_DIR "/sock_mark",
                   BPF_F_NO_PREALLOC);
+
+// Connections of a count still in TIME_WAIT (entered within the last TW_SLOTS slots).
+static __always_inline u64 lingering(struct sock_use *u, u64 now) {
+    u32 current = now / TW_SLOT_NS;
+    u64 sum = 0;
+#pragma unroll
+    for (int i = 0; i < TW_SLOTS; i++)
+        if (current - u->slot[i] < TW_SLOTS)
+            sum += u->closed[i];
+    return sum;
+}
+
+// (a release racing another can take a count below zero for a moment: read as none)
+static __always_inline u64 live_of(struct sock_use *u) {
+    u64 live = u->live;
+    return (s64)live < 0 ? 0 : live;
+}
+
+static __always_inline void linger_one(struct sock_use *u, u64 now) {
+    u32 current = now / TW_SLOT_NS;
+    u32 i = current & (TW_SLOTS - 1);
+    if (u->slot[i] != current) {  // (CPUs racing at a slot's turn may lose one: a count)
+        u->closed[i] = 0;
+        u->slot[i] = current;
+    }
+    __sync_fetch_and_add(&u->closed[i], 1);
+}
+
+// Whether one more port-holding socket (or connection) would pass a sandbox's bound or the
+// node's, or take the node's last quarter from a sandbox that holds many already.
+static __always_inline int over_budget(struct sock_use *mine, struct sock_use *node) {
+    u64 now = bpf_ktime_get_ns();
+    u64 mine_use = live_of(mine) + lingering(mine, now);
+    u64 node_use = live_of(node) + lingering(node, now);
+    return mine_use >= MAX_SANDBOX_SOCKETS || node_use >= MAX_NODE_SOCKETS ||
+           (node_use >= MAX_NODE_SOCKETS / 4 * 3 && mine_use >= SMALL_SHARE);
+}
+
+// connect() of a stream socket (TCP, MPTCP) that connected before (connect(AF_UNSPEC) in
+// between): its last connection may still hold its port in TIME_WAIT, so another is taken only
+// within the bound. Runs under the socket's lock.
+static __always_inline int reconnect_over(struct bpf_sock_addr *ctx, u64 cgid) {
+    struct bpf_sock *sk = ctx->sk;
+    if (ctx->type != 1 /* SOCK_STREAM */ || !sk)
+        return 0;
+    struct sock_mark *mark = sock_mark.sk_storage_get(sk, 0, 0);
+    if (!mark || !mark->live)
+        return 0;
+    if (!mark->connected) {
+        mark->connected = 1;
+        return 0;
+    }
+    u64 node_key = 0;
+    struct sock_use *mine = sock_use.lookup(&cgid);
+    struct sock_use *node = sock_use.lookup(&node_key);
+    return !mine || !node || over_budget(mine, node);
+}
+
 
 // BPF_RINGBUF_OUTPUT, but pinned, so a restarted agent reads the same buffer.
 struct events_table_t {
@@ -590,6 +660,10 @@ static __always_inline int hook4(struct bpf_sock_addr *ctx, u32 hook) {
         u32 ev_addr[4] = {ip, 0, 0, 0};
         return finish(0, cgid, 0, V_DENY_UNKNOWN_SANDBOX, hook, 4, ctx, ev_addr, port);
     }
+    if (hook == H_CONNECT4 && reconnect_over(ctx, cgid)) {
+        u32 ev_addr[4] = {ip, 0, 0, 0};
+        return finish(cfg, cgid, 0, V_DENY_SOCKETS, hook, 4, ctx, ev_addr, port);
+    }
     if (port == DNS_PORT) {
         struct orig_dst o = {.port = ctx->user_port, .family = 4};
         o.ip6[3] = ip;
@@ -613,6 +687,8 @@ static __always_inline int hook6(struct bpf_sock_addr *ctx, u32 hook) {
     u16 port = bpf_ntohs((u16)ctx->user_port);
     if (!cfg)
         return finish(0, cgid, 0, V_DENY_UNKNOWN_SANDBOX, hook, 6, ctx, ip, port);
+    if (hook == H_CONNECT6 && reconnect_over(ctx, cgid))
+        return finish(cfg, cgid, 0, V_DENY_SOCKETS, hook, 6, ctx, ip, port);
     int mapped = is_v4_mapped(ip);
     if (port == DNS_PORT) {
         struct orig_dst o = {.port = ctx->user_port, .family = 6};
@@ -786,25 +862,6 @@ static __always_inline void emit_socket(u64 cgid, u32 verdict, struct bpf_sock *
     events.ringbuf_submit(e, 0);
 }
 
-static __always_inline u64 lingering(struct sock_use *u, u64 now) {
-    u64 linger = u->linger, stamp = u->stamp_ns;
-    u64 elapsed_ms = now > stamp ? (now - stamp) / 1000000 : 0;
-    if (!linger || elapsed_ms >= TIME_WAIT_MS)
-        return 0;
-    return linger - linger * elapsed_ms / TIME_WAIT_MS;
-}
-
-// (a release racing another can take a count below zero for a moment: read as none)
-static __always_inline u64 live_of(struct sock_use *u) {
-    u64 live = u->live;
-    return (s64)live < 0 ? 0 : live;
-}
-
-static __always_inline void linger_one(struct sock_use *u, u64 now) {
-    u->linger = lingering(u, now) + 1;  // (racing CPUs may lose one: a count, not a bound)
-    u->stamp_ns = now;
-}
-
 int sock_create(struct bpf_sock *sk) {
     u64 cgid = 0;
     struct sbx_cfg *cfg = find_sandbox(&cgid);
@@ -814,57 +871,110 @@ int sock_create(struct bpf_sock *sk) {
     }
     struct sock_use zero = {};
     u64 node_key = 0;
-    struct sock_use *mine = sock_count.lookup_or_try_init(&cgid, &zero);
-    struct sock_use *node = sock_count.lookup_or_try_init(&node_key, &zero);
-    u64 now = bpf_ktime_get_ns();
-    u64 mine_use = mine ? live_of(mine) + lingering(mine, now) : 0;
-    u64 node_use = node ? live_of(node) + lingering(node, now) : 0;
-    if (!mine || !node || mine_use >= MAX_SANDBOX_SOCKETS || node_use >= MAX_NODE_SOCKETS ||
-        (node_use >= MAX_NODE_SOCKETS / 4 * 3 && mine_use >= SMALL_SHARE)) {
+    struct sock_use *mine = sock_use.lookup_or_try_init(&cgid, &zero);
+    struct sock_use *node = sock_use.lookup_or_try_init(&node_key, &zero);
+    if (!mine || !node || over_budget(mine, node)) {
         count(cgid, 0, V_DENY_SOCKETS);
         emit_socket(cgid, V_DENY_SOCKETS, sk);
         return 0;
     }
-    struct sock_owner *owner = sock_owner.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-    if (!owner)
+    struct sock_mark *mark = sock_mark.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+    if (!mark)
         return 0;  // no memory for the mark: refused, never uncounted
-    owner->cgid = cgid;
+    mark->origin = cgid;
+    mark->refs = 1;
+    mark->live = 1;
+    mark->conn = 0;
+    mark->connected = 0;
     __sync_fetch_and_add(&mine->live, 1);
     __sync_fetch_and_add(&node->live, 1);
     return 1;
 }
 
-// A TCP socket released in a state its own side closes from goes to TIME_WAIT.
-static __always_inline int lingers(struct bpf_sock *sk) {
-    if (sk->type != 1 /* SOCK_STREAM */)
-        return 0;
-    u32 state = sk->state;
-    return state == BPF_TCP_ESTABLISHED || state == BPF_TCP_SYN_RECV ||
-           state == BPF_TCP_FIN_WAIT1 || state == BPF_TCP_FIN_WAIT2 || state == BPF_TCP_CLOSING;
+// A counted socket gives its place back: the node's count always (a purged sandbox's sockets
+// still hold the host's ports), the sandbox's while it is registered (a purged one has no
+// count left; and every program of ours reads the sandboxes map: that is how an agent tells
+// its programs from others', kernel.py _ours).
+static __always_inline void uncount(struct sock_mark *mark) {
+    if (__sync_fetch_and_sub(&mark->refs, 1) != 1 || !mark->live)
+        return;  // the release or the connection's end is still to come
+    u64 cgid = mark->origin, node_key = 0;
+    struct sock_use *node = sock_use.lookup(&node_key);
+    if (node)
+        __sync_fetch_and_sub(&node->live, 1);
+    struct sock_use *mine = sandboxes.lookup(&cgid) ? sock_use.lookup(&cgid) : 0;
+    if (mine)
+        __sync_fetch_and_sub(&mine->live, 1);
 }
 
 int sock_release(struct bpf_sock *sk) {
-    struct sock_owner *owner = sock_owner.sk_storage_get(sk, 0, 0);
-    if (!owner || !owner->cgid)
-        return 1;  // created before the count (an adopted sandbox's older sockets)
-    u64 cgid = owner->cgid, node_key = 0, now = bpf_ktime_get_ns();
-    int linger = lingers(sk);
-    owner->cgid = 0;
-    // (a sandbox ended and purged has no count left; every program of ours reads the
-    // sandboxes map: that is how an agent tells its programs from others', kernel.py _ours)
-    // the node's count too: a purged sandbox's live sockets left it at the purge (kernel.py)
-    struct sock_use *mine = sandboxes.lookup(&cgid) ? sock_count.lookup(&cgid) : 0;
-    if (!mine)
+    struct sock_mark *mark = sock_mark.sk_storage_get(sk, 0, 0);
+    if (mark && mark->live)  // (none: created before the count, an adopted sandbox's)
+        uncount(mark);
+    return 1;
+}
+
+// sockops: follows the TCP connections a sandbox's sockets make (not those it accepts: they
+// hold no ephemeral port). At connect() it asks for state changes. A change to CLOSE ends the
+// connection (its port is free, or in TIME_WAIT); from FIN_WAIT1, FIN_WAIT2 or CLOSING it is
+// the connection entering TIME_WAIT (tcp_time_wait, then tcp_done; also a rare reset there,
+// counted alike), released or not. Runs under the socket's lock, often in softirq: the
+// sandbox is the socket's mark, not the current task, except at connect() (the sandbox's own
+// call): a socket with no mark there is the kernel's under one of the sandbox's (an MPTCP
+// subflow), marked and counted then, until its connection ends.
+int sock_state(struct bpf_sock_ops *skops) {
+    u32 op = skops->op;
+    if (op != BPF_SOCK_OPS_TCP_CONNECT_CB &&
+        (op != BPF_SOCK_OPS_STATE_CB || skops->args[1] != BPF_TCP_CLOSE))
         return 1;
-    __sync_fetch_and_sub(&mine->live, 1);
-    if (linger)
-        linger_one(mine, now);
-    struct sock_use *node = sock_count.lookup(&node_key);
-    if (node) {
-        __sync_fetch_and_sub(&node->live, 1);
-        if (linger)
-            linger_one(node, now);
+    struct bpf_sock *sk = skops->sk;
+    if (!sk)
+        return 1;
+    struct sock_mark *mark = sock_mark.sk_storage_get(sk, 0, 0);
+    if (!mark && op == BPF_SOCK_OPS_TCP_CONNECT_CB) {
+        u64 cgid = 0;
+        if (!find_sandbox(&cgid))
+            return 1;  // (a kernel worker's: not the sandbox's own call)
+        mark = sock_mark.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+        if (!mark)
+            return 1;
+        // it holds the port, counted until its connection ends (its MPTCP socket counts
+        // too: an MPTCP connection counts twice, on the safe side)
+        u64 node_key = 0;
+        struct sock_use *mine = sock_use.lookup(&cgid);
+        struct sock_use *node = sock_use.lookup(&node_key);
+        mark->origin = cgid;
+        if (mine && node) {
+            mark->live = 1;
+            __sync_fetch_and_add(&mine->live, 1);
+            __sync_fetch_and_add(&node->live, 1);
+        }
     }
+    if (!mark || !mark->origin)
+        return 1;
+    if (op == BPF_SOCK_OPS_TCP_CONNECT_CB) {
+        bpf_sock_ops_cb_flags_set(skops,
+                                  skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+        if (!mark->conn) {
+            mark->conn = 1;
+            __sync_fetch_and_add(&mark->refs, 1);
+        }
+        return 1;
+    }
+    if (!mark->conn)
+        return 1;
+    mark->conn = 0;
+    u32 old = skops->args[0];
+    if (old == BPF_TCP_FIN_WAIT1 || old == BPF_TCP_FIN_WAIT2 || old == BPF_TCP_CLOSING) {
+        u64 cgid = mark->origin, node_key = 0, now = bpf_ktime_get_ns();
+        struct sock_use *node = sock_use.lookup(&node_key);
+        if (node)
+            linger_one(node, now);
+        struct sock_use *mine = sandboxes.lookup(&cgid) ? sock_use.lookup(&cgid) : 0;
+        if (mine)
+            linger_one(mine, now);
+    }
+    uncount(mark);
     return 1;
 }
 

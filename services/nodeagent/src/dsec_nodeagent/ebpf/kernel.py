@@ -45,8 +45,10 @@ ATTACH_TYPES: dict[str, int] = {
     "getpeername4": 29,
     "getpeername6": 30,
     "sockopt": 22,  # BPF_CGROUP_SETSOCKOPT (a cgroup_sockopt program, PROGRAM_TYPES)
-    # (release before create: a socket counted is never released uncounted)
+    # (release and state before create: a socket counted is never released, nor put in
+    # TIME_WAIT, uncounted)
     "sock_release": 34,  # BPF_CGROUP_INET_SOCK_RELEASE (cgroup_sock, PROGRAM_TYPES)
+    "sock_state": 3,  # BPF_CGROUP_SOCK_OPS (a sock_ops program, PROGRAM_TYPES)
     "sock_create": 2,  # BPF_CGROUP_INET_SOCK_CREATE (cgroup_sock, PROGRAM_TYPES)
 }
 MAP_NAMES = (
@@ -62,8 +64,8 @@ MAP_NAMES = (
     "doh",
     "stack_deny",
     "dns_ports",
-    "sock_count",
-    "sock_owner",
+    "sock_use",
+    "sock_mark",
     "events",
 )
 _PER_CGROUP_MAPS = ("cidr4", "cidr6", "host4", "host6", "buckets", "counters")
@@ -71,11 +73,13 @@ BPF_PROG_TYPE_CGROUP_SOCK_ADDR = 18
 BPF_PROG_TYPE_CGROUP_SKB = 8
 BPF_PROG_TYPE_CGROUP_SOCKOPT = 25
 BPF_PROG_TYPE_CGROUP_SOCK = 9
+BPF_PROG_TYPE_SOCK_OPS = 13
 PROGRAM_TYPES: dict[str, int] = {
     "ingress": BPF_PROG_TYPE_CGROUP_SKB,
     "sockopt": BPF_PROG_TYPE_CGROUP_SOCKOPT,
     "sock_release": BPF_PROG_TYPE_CGROUP_SOCK,
     "sock_create": BPF_PROG_TYPE_CGROUP_SOCK,
+    "sock_state": BPF_PROG_TYPE_SOCK_OPS,
 }
 """A program's type where it is not a sock_addr hook."""
 DEFAULT_SANDBOX_SOCKETS = 4096
@@ -534,15 +538,9 @@ class EgressKernel:
             table = self._table(name)
             for k in [k for k in table if int(k.cgid) == cgroup_id]:
                 table.pop(k, None)
-        # after the sandbox's entry (a socket made meanwhile would count again): its sockets
-        # still alive leave the node's count with it (their release counts nothing more)
-        counts = self._table("sock_count")
-        used = counts.pop(key, None)
-        node = counts.get(ctypes.c_uint64(0))
-        if used is not None and node is not None:
-            live = min(int(used.live), 1 << 62)
-            node.live = max(0, int(node.live) - live) if int(node.live) < 1 << 63 else 0
-            counts[ctypes.c_uint64(0)] = node
+        # after the sandbox's entry (a socket made meanwhile would count again). Its sockets
+        # still alive stay in the node's count (they hold the host's ports) until released.
+        self._table("sock_use").pop(key, None)
 
     def sweep(self, now_ns: int) -> int:
         """Delete expired DNS grants (the hooks already ignore them); return how many."""

@@ -291,7 +291,8 @@ class VerdictEvent:
             Verdict.DENY_SOCKETS: (
                 "denied: the sandbox holds as many IP sockets as it may "
                 "(DSEC_SANDBOX_MAX_SOCKETS), or the node's sandboxes together do (half of the "
-                "node's ephemeral ports): each takes a port of the host's, which it shares"
+                "node's ephemeral ports): each takes a port of the host's, which it shares, "
+                "and a TCP connection it closed first keeps its port for a minute (TIME_WAIT)"
             ),
         }
         return f"{what}: {reasons[self.verdict]}"
