@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -38,7 +39,7 @@ from dsec_nodeagent.ebpf import (
     VerdictEvent,
     libbpf,
 )
-from dsec_nodeagent.ebpf.kernel import ATTACH_TYPES
+from dsec_nodeagent.ebpf.kernel import ATTACH_TYPES, FOLLOWERS
 from dsec_nodeagent.ebpf.metrics import EgressCollector
 
 pytestmark = pytest.mark.kernel
@@ -206,6 +207,62 @@ def run(a):
                 finally:
                     s.close()
             return {"made": made, "refused": refused}
+        if op == "listen_churn":  # a listener, an accepted socket closed first (TIME_WAIT)
+            made, refused = 0, None
+            while refused is None and made < a["most"]:
+                try:
+                    lsn = socket.socket()
+                    lsn.bind(("127.0.0.1", 0))
+                    lsn.listen(4)
+                    c = socket.socket()
+                except OSError as e:
+                    refused = errno.errorcode.get(e.errno, str(e))
+                    break
+                c.connect(lsn.getsockname())
+                x, _ = lsn.accept()
+                x.close()  # its connection (on the listener's port) holds it a minute
+                while c.recv(64):
+                    pass
+                c.close()
+                lsn.close()
+                made += 1
+            return {"made": made, "refused": refused}
+        if op == "cycles":  # connect(AF_UNSPEC) and again: an MPTCP socket, an accepted one
+            libc = ctypes.CDLL(None, use_errno=True)
+            unspec = (ctypes.c_ubyte * 16)()
+            lsn = socket.socket()
+            lsn.bind(("127.0.0.1", 0))
+            lsn.listen(4)
+            c = socket.socket()
+            c.connect(lsn.getsockname())
+            accepted, _ = lsn.accept()
+            done = []
+            for s in (socket.socket(socket.AF_INET, socket.SOCK_STREAM, 262), accepted):
+                n = 0
+                for _ in range(a["n"]):
+                    if libc.connect(s.fileno(), unspec, 16) != 0:
+                        break
+                    try:
+                        s.connect((a["host"], a["port"]))
+                    except OSError:
+                        break
+                    n += 1
+                libc.connect(s.fileno(), unspec, 16)
+                done.append(n)
+            for s in (accepted, c, lsn):
+                s.close()
+            return done
+        if op == "stuck":  # connections whose FIN waits behind unsent data; then it exits
+            for _ in range(a["n"]):
+                s = socket.socket()
+                s.connect((a["host"], a["port"]))
+                s.setblocking(False)
+                try:
+                    while True:
+                        s.send(b"x" * 65536)
+                except BlockingIOError:
+                    held[len(held)] = s
+            return len(held)
         if op == "reconnect":  # one socket: connect, TIME_WAIT, connect(AF_UNSPEC), again
             libc = ctypes.CDLL(None, use_errno=True)
             unspec = (ctypes.c_ubyte * 16)()  # sa_family 0: AF_UNSPEC
@@ -443,7 +500,8 @@ async def attached(
         egress.drain_events()
         egress.remove_listener(collect)
         await egress.detach(cgroup)
-        assert egress.kernel.attached_count(cgroup) == 0
+        # (the socket followers stay until the cgroup goes: its sockets still closing)
+        assert egress.kernel.attached_count(cgroup) == len(FOLLOWERS)
         assert not list(egress.kernel.host_entries(sandbox.cgroup_id))
         assert sandbox.cgroup_id not in egress.kernel.sandbox_ids()
         assert not [c for c in egress.counters() if c.cgroup_id == sandbox.cgroup_id]
@@ -621,7 +679,7 @@ async def test_bad_input_is_refused_and_leaves_nothing(
         assert [s.sandbox_id for s in egress.sandboxes()] == ["sbx-bad"]
     finally:
         await egress.detach(cgroup)
-    assert egress.kernel.attached_count(cgroup) == 0
+    assert egress.kernel.attached_count(cgroup) == len(FOLLOWERS)  # (they go with the cgroup)
     assert egress.proxy.port_of(sandbox.cgroup_id) is None
     assert not (egress.state_dir / f"{sandbox.cgroup_id}.json").exists()
 
@@ -839,7 +897,7 @@ async def test_programs_stay_when_the_agent_dies_and_a_new_agent_adopts_them(
         assert successor.kernel.attached_ids(cgroup) == own and len(own) == len(ATTACH_TYPES)
         assert not own & set(before)
         await successor.detach(cgroup)
-        assert successor.kernel.attached_count(cgroup) == 0
+        assert successor.kernel.attached_count(cgroup) == len(FOLLOWERS)
     finally:
         if agent.returncode is None:
             agent.kill()
@@ -1314,11 +1372,61 @@ async def test_a_sandbox_reaches_no_neighbours_dns_proxy_whatever_its_rules(
     assert refused == {("DENY_STACK", victim.dns_port)}
 
 
-def _time_wait_toward(host: str, port: int) -> int:
-    """How many of the host's TCP connections toward ``host:port`` are in TIME_WAIT."""
+async def test_a_sandbox_reaches_no_neighbours_private_listener_whatever_its_rules(
+    egress: EgressController, cgroup: Path, echo: Echo
+) -> None:
+    """A sandbox's HTTPS proxy listens on a loopback port of the node agent's: a neighbour whose
+    rules open loopback connected to it, and the proxy spent its time telling those
+    connections from its sandbox's (its bound on connections not yet told apart refused the
+    sandbox's own in a flood). Such a port is private to its sandbox in the kernel: refused to
+    every other, whatever its rules; its own sandbox reaches it through its rule."""
+    port = await echo.serve("127.0.0.1")
+    owner_cgroup = CGROUP2 / f"dsec-egress-test-{uuid.uuid4().hex[:10]}"
+    owner_cgroup.mkdir()
+    own = EgressPlan(
+        sandbox_id="sbx-owner",
+        rules=(rule("egress[0]", cidr="127.0.0.1/32", ports=(port,)),),
+        private_ports=(port,),
+    )
+    wide = EgressPlan(
+        sandbox_id="sbx-wide-loopback", rules=(rule("egress[0]", cidr="127.0.0.0/8"),)
+    )
+    try:
+        async with (
+            attached(egress, owner_cgroup, own),
+            attached(egress, cgroup, wide) as events,
+        ):
+            neighbour = await run_client(
+                cgroup,
+                [
+                    {"op": "connect", "host": "127.0.0.1", "port": port},
+                    {"op": "connect", "host": "::ffff:127.0.0.1", "port": port},
+                ],
+            )
+            owner = await run_client(
+                owner_cgroup, [{"op": "connect", "host": "127.0.0.1", "port": port}]
+            )
+            egress.drain_events()
+        after = await _reserved_ports(egress)
+    finally:
+        _kill_members(owner_cgroup)
+        owner_cgroup.rmdir()
+    assert neighbour == ["EPERM", "EPERM"], neighbour
+    assert owner == ["ok"], owner
+    assert {(e.verdict.name, e.port) for e in events if e.denied} == {("DENY_STACK", port)}
+    assert port not in after  # (its sandbox detached: the port is anyone's again)
+
+
+async def _reserved_ports(egress: EgressController) -> set[int]:
+    return {int(k.value) for k in egress.kernel._table("private_ports")}
+
+
+def _ports_toward(host: str, port: int) -> int:
+    """How many of the host's TCP sockets toward ``host:port`` hold a port: connected,
+    closing (FIN_WAIT1/2, CLOSING, LAST_ACK) or in TIME_WAIT."""
     want = f"{socket.htonl(int(ip_address(host))):08X}:{port:04X}"
     rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
-    return sum(1 for r in rows if r.split()[2] == want and r.split()[3] == "06")
+    return sum(1 for r in rows if r.split()[2] == want and r.split()[3] != "07")
 
 
 async def test_sockets_closed_into_time_wait_count_until_their_ports_are_free(
@@ -1338,7 +1446,7 @@ async def test_sockets_closed_into_time_wait_count_until_their_ports_are_free(
         (churn,) = await run_client(cgroup, [churn_once])
         await asyncio.sleep(5)  # (the time a linear drain gives back a twelfth of the bound)
         (later,) = await run_client(cgroup, [churn_once])
-        held = _time_wait_toward("127.0.0.30", port)
+        held = _ports_toward("127.0.0.30", port)
         egress.drain_events()
     # never more than one live socket: the lingering ones are what it is refused for
     assert churn["refused"] == "EPERM", churn
@@ -1365,6 +1473,109 @@ async def _until_refused(
     return result, port, events
 
 
+def _live(egress: EgressController, key: int) -> int | None:
+    """The live count of a sandbox (its cgroup id) or of the node (0), read as signed."""
+    leaf = egress.kernel._table("sock_use").get(ctypes.c_uint64(key))
+    return None if leaf is None else ctypes.c_int64(leaf.live).value
+
+
+async def _until(check: Any, timeout: float = 20.0) -> None:
+    """Wait until ``check()`` holds (the kernel ends connections on its own time)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_accepted_connection_closed_first_counts_for_its_listeners_port(
+    egress: EgressController, cgroup: Path
+) -> None:
+    """An accepted connection holds its listener's port, after the listener's close too, and a
+    minute more in TIME_WAIT when its side closes first: a listener per cycle (bind port 0,
+    accept, close the accepted socket first) took a fresh ephemeral port of the host's each
+    time, uncounted (accepted sockets were not followed), 1,024 in 0.03 s. They count now."""
+    plan = EgressPlan(sandbox_id="sbx-listeners", rules=(rule("egress[0]", cidr="127.0.0.1/32"),))
+    async with attached(egress, cgroup, plan):
+        (churn,) = await run_client(cgroup, [{"op": "listen_churn", "most": 4 * SANDBOX_SOCKETS}])
+        egress.drain_events()
+    assert churn["refused"] == "EPERM", churn
+    assert SANDBOX_SOCKETS // 2 - 16 <= churn["made"] <= SANDBOX_SOCKETS + 4, churn
+
+
+async def test_connections_made_again_on_one_socket_leave_its_count_where_it_was(
+    egress: EgressController, cgroup: Path, echo: Echo
+) -> None:
+    """Connecting one socket again and again (``connect(AF_UNSPEC)`` between): an MPTCP
+    socket's subflow, or an accepted socket, gave its place back at each connection's end but
+    took it only once, so the sandbox's count and the node's went below zero (read as none:
+    no bound held any more, for every sandbox of the node). Each connection takes its place
+    and gives it back once."""
+    port = await echo.serve("127.0.0.34")
+    plan = EgressPlan(
+        sandbox_id="sbx-cycles",
+        rules=(
+            rule("egress[0]", cidr="127.0.0.34/32", ports=(port,)),
+            rule("egress[1]", cidr="127.0.0.1/32"),
+        ),
+    )
+    async with attached(egress, cgroup, plan) as _:
+        sandbox = next(s for s in egress.sandboxes() if s.sandbox_id == "sbx-cycles")
+        (cycles,) = await run_client(
+            cgroup, [{"op": "cycles", "host": "127.0.0.34", "port": port, "n": 60}]
+        )
+        await _until(
+            lambda: (
+                _live(egress, sandbox.cgroup_id) == 0 or (_live(egress, sandbox.cgroup_id) or 0) < 0
+            )
+        )
+        live = _live(egress, sandbox.cgroup_id)
+        egress.drain_events()
+    assert cycles == [60, 60], cycles
+    assert live == 0, live
+
+
+async def test_a_detached_sandboxs_closing_connections_give_the_node_its_places_back() -> None:
+    """A sandbox exits with connections still closing (their FIN behind unsent data, the peer
+    not reading), and is detached. Those connections end later: detached, the programs that
+    follow them were gone, so the node's count kept their places for good (a few sandbox
+    lifetimes would fill the node's budget: every sandbox refused). They stay on the cgroup
+    until it goes."""
+    pin = Path(f"/sys/fs/bpf/dsec-test-{os.getpid()}-{uuid.uuid4().hex[:6]}/egress")
+    ctl = EgressController(
+        dns_upstream="127.0.0.1", pin_dir=pin, max_sandbox_sockets=SANDBOX_SOCKETS
+    )
+    await ctl.start()
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    server.bind(("127.0.0.36", 0))
+    server.listen(64)
+    port = server.getsockname()[1]
+    path = CGROUP2 / f"dsec-egress-test-{uuid.uuid4().hex[:10]}"
+    path.mkdir()
+    try:
+        plan = EgressPlan(
+            sandbox_id="sbx-stuck", rules=(rule("egress[0]", cidr="127.0.0.36/32", ports=(port,)),)
+        )
+        await ctl.attach(path, plan)
+        (stuck,) = await run_client(
+            path, [{"op": "stuck", "host": "127.0.0.36", "port": port, "n": 20}]
+        )
+        assert stuck == 20
+        assert _live(ctl, 0) == 20  # (the client has exited: its connections still closing)
+        await ctl.detach(path)
+        _kill_members(path)
+        path.rmdir()
+        server.close()  # the peer resets them: each connection ends now
+        await _until(lambda: _ports_toward("127.0.0.36", port) == 0)
+        assert _live(ctl, 0) == 0
+    finally:
+        server.close()
+        if path.exists():
+            _kill_members(path)
+            path.rmdir()
+        await ctl.uninstall()
+
+
 async def test_mptcp_connections_count_like_tcp_ones(
     egress: EgressController, cgroup: Path, echo: Echo
 ) -> None:
@@ -1374,7 +1585,7 @@ async def test_mptcp_connections_count_like_tcp_ones(
     if Path("/proc/sys/net/mptcp/enabled").read_text().strip() != "1":
         pytest.skip("MPTCP is off on this kernel (net.mptcp.enabled): nothing to bound")
     churn, port, _ = await _until_refused(egress, cgroup, echo, "127.0.0.33", "churn", proto=262)
-    assert _time_wait_toward("127.0.0.33", port) >= churn["made"] - 4
+    assert _ports_toward("127.0.0.33", port) >= churn["made"] - 4
 
 
 async def test_a_connection_in_time_wait_before_its_close_counts_too(
@@ -1385,7 +1596,7 @@ async def test_a_connection_in_time_wait_before_its_close_counts_too(
     counted at all (the socket's state is CLOSE by then), so shutdown-then-close took every
     port. Each connection is followed to its end instead, whatever order things happen in."""
     churn, port, _ = await _until_refused(egress, cgroup, echo, "127.0.0.31", "churn", half=True)
-    assert _time_wait_toward("127.0.0.31", port) >= churn["made"] - 4
+    assert _ports_toward("127.0.0.31", port) >= churn["made"] - 4
 
 
 async def test_one_socket_connected_again_and_again_counts_each_connection(

@@ -40,7 +40,7 @@ class Egress:
         self.entered = asyncio.Event()
         self.hold: asyncio.Event | None = None
 
-    async def attach(self, sid: str, cgroup: Path, cgroup_id: int, plan: EnforcementPlan) -> None:
+    async def attach(self, sid: str, cgroup: Path, *_: object) -> None:
         self.attached[sid] = cgroup
         self.entered.set()
         if self.hold is not None:

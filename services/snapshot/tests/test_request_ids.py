@@ -102,6 +102,20 @@ async def test_another_tenant_cannot_pre_claim_the_id_of_a_periodic_snapshot_req
         assert [i.event_id for i in report.injected if "id-not-fresh" in i.reason] == [periodic_id]
 
 
+async def _snapshot_service_and_a_user(tmp_path: Path) -> tuple[Any, MemoryLog, Any, Any, Any]:
+    """A stack root, its log, the snapshot service's runtime (publishing as itself), a user of
+    tenant ``evil`` and a gate reading the log."""
+    from dsec_core.service import Service
+
+    root, log = stack_root(tmp_path), MemoryLog()
+    snap = certified(root, "snapshot")
+    service = Service("snapshot", Settings(home=tmp_path))
+    service.publisher = EventPublisher(log, snap.signer, certificate=snap.cert)  # type: ignore[arg-type]
+    await service.publisher.register_key()
+    user = await trust.publisher(log, tmp_path, "user", tenant="evil")  # type: ignore[arg-type]
+    return root, log, service, user, memory_gate(root, log)
+
+
 async def test_a_user_reusing_its_own_request_id_does_not_make_audit_verify_report_tampering(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,16 +128,9 @@ async def test_a_user_reusing_its_own_request_id_does_not_make_audit_verify_repo
     and answered ``snapshot.failed`` under the same ``f(V)``. ``dsec audit verify`` sees the
     snapshot service emit one event id twice and reports TAMPERING ("its producer acted on a
     replay", exit 1). The first finding sticks: nothing after it is verified any more."""
-    from dsec_core.service import Service
     from dsec_snapstore.requests import failed
 
-    root, log = stack_root(tmp_path), MemoryLog()
-    snap = certified(root, "snapshot")
-    service = Service("snapshot", Settings(home=tmp_path))
-    service.publisher = EventPublisher(log, snap.signer, certificate=snap.cert)  # type: ignore[arg-type]
-    await service.publisher.register_key()
-    user = await trust.publisher(log, tmp_path, "user", tenant="evil")  # type: ignore[arg-type]
-    gate = memory_gate(root, log)
+    root, log, service, user, gate = await _snapshot_service_and_a_user(tmp_path)
     sid = new_sandbox_id()  # no such sandbox: the snapshot service answers
 
     first = await user.publish(SnapshotRequested(name="a"), aggregate_id=sid)
@@ -153,6 +160,47 @@ async def test_a_user_reusing_its_own_request_id_does_not_make_audit_verify_repo
     # duplicate window, it is refused by every consumer, so no service answers it twice
     assert isinstance(verdict2, Refusal) and verdict2.reason == "id-not-fresh", verdict2
 
+    verifier = Verifier(bytes(root.verify_key), signature_every=1)
+    for seq, _, data in log.records:
+        verifier.feed(seq, data)
+    report = verifier.finish()
+    assert report.finding is None, f"audit verify: TAMPERING: {report.finding}"
+
+
+async def test_one_fresh_id_on_two_kinds_of_request_gets_two_answers_under_two_ids(
+    tmp_path: Path,
+) -> None:
+    """The same attack within the id's freshness: a user publishes two requests of different
+    kinds under one fresh id at once, with a ``Nats-Msg-Id`` of its own on the second (so
+    JetStream stores both), and the answers land more than the 2-minute duplicate window
+    apart (a slow handler). Derived from the id and the answer's type alone, both answers took
+    one id: ``dsec audit verify`` reported TAMPERING, for ever. The request's type is part of
+    an answer's id now."""
+    from dsec_snapstore.requests import failed
+
+    root, log, service, user, gate = await _snapshot_service_and_a_user(tmp_path)
+
+    first = await user.publish(SnapshotRequested(name="a"), aggregate_id=new_sandbox_id())
+    log._ids.clear()  # (the second's own Nats-Msg-Id: JetStream stores it too)
+    second = await user.publish(
+        events.SnapshotRestoreRequested(snapshot="a"),
+        aggregate_id=new_sandbox_id(),
+        event_id=first.sealed.id,
+    )
+    admitted = []
+    for sent, consumer in (
+        (first, "snapshot-snapshot-requested"),
+        (second, "snapshot-snapshot-restore_requested"),
+    ):
+        verdict = await gate.admit(sent.sealed.wire, stream_seq=sent.stream_seq, consumer=consumer)
+        assert not isinstance(verdict, Refusal), verdict  # (a fresh id, another consumer)
+        admitted.append(verdict)
+    await service._publish_outputs(admitted[0], [failed("a", "create", "no sandbox")])
+    log._ids.clear()  # the second answer comes more than 120 s later
+    await service._publish_outputs(admitted[1], [failed("a", "restore", "no sandbox")])
+
+    answers = [e for e in log.envelopes() if e.type == events.SnapshotFailed.TYPE]
+    assert len(answers) == 2 and answers[0].id != answers[1].id, answers
     verifier = Verifier(bytes(root.verify_key), signature_every=1)
     for seq, _, data in log.records:
         verifier.feed(seq, data)

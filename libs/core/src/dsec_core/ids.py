@@ -51,11 +51,22 @@ def derive_event_id(input_id: str, label: str) -> str:
     return str(uuid.uuid5(_DERIVE_NS, f"{input_id}/{label}"))
 
 
-def output_event_id(input_id: str, event_type: str, n: int = 0) -> str:
+def answer_event_id(input_type: str, input_id: str, label: str) -> str:
+    """The id of the answer ``label`` to the event ``input_id`` of type ``input_type``.
+
+    The type is part of it: a user chooses its request ids (fresh UUIDv7s, but its own), and
+    replay protection is per consumer, so one id sent on two kinds of request (a raw publish
+    with another ``Nats-Msg-Id``) reaches two handlers. Answers derived from the id alone
+    then collided: two answers stored under one id, which ``dsec audit verify`` reports as
+    tampering once they land more than JetStream's duplicate window apart."""
+    return derive_event_id(f"{input_type}/{input_id}", label)
+
+
+def output_event_id(input_id: str, event_type: str, n: int = 0, *, input_type: str) -> str:
     """The id a service runtime gives the ``n``-th output of type ``event_type`` it publishes
-    in answer to the event ``input_id`` (so a redelivery publishes the same ids, and a
-    handler can find its earlier answer)."""
-    return derive_event_id(input_id, f"{event_type}#{n}")
+    in answer to the event ``input_id`` of type ``input_type`` (so a redelivery publishes the
+    same ids, and a handler can find its earlier answer)."""
+    return answer_event_id(input_type, input_id, f"{event_type}#{n}")
 
 
 def new_sandbox_id() -> str:

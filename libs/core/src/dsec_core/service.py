@@ -10,8 +10,9 @@ and its typed payload (an instance of that class) returning the output payloads;
    from another stream position. A message that fails is never handed to the handler: it is
    counted (``dsec_events_rejected_total``), answered by ``security.event_rejected`` and acked;
 2. calls the handler;
-3. publishes each output with an id derived from the input id (``uuid5(input, type#n)``) and
-   ``Nats-Msg-Id`` = that id, so a redelivery after a crash publishes nothing new;
+3. publishes each output with an id derived from the input's type and id
+   (``uuid5("<input type>/<input id>", "<output type>#<n>")``) and ``Nats-Msg-Id`` = that id,
+   so a redelivery after a crash publishes nothing new;
 4. acknowledges the input only after every output was acknowledged by JetStream.
 
 On a handler error the input is NAKed with exponential backoff and redelivered, up to
@@ -1062,7 +1063,10 @@ class Service:
             if isinstance(answer, tuple):
                 model, wanted = answer[0], derive_event_id(envelope.id, answer[1])
             else:
-                model, wanted = answer, output_event_id(envelope.id, answer.TYPE, 0)
+                model, wanted = (
+                    answer,
+                    output_event_id(envelope.id, answer.TYPE, 0, input_type=envelope.type),
+                )
             subject = subject_for(model.TYPE, envelope.aggregate_id)
             async for seq, data in scan_seq(
                 self.publisher.js, subject, ANSWER_SCAN, after=stream_seq
@@ -1138,7 +1142,9 @@ class Service:
             await self.publisher.publish(
                 out.payload,
                 aggregate_id=out.aggregate_id or envelope.aggregate_id,
-                event_id=output_event_id(envelope.id, out.payload.TYPE, n),
+                event_id=output_event_id(
+                    envelope.id, out.payload.TYPE, n, input_type=envelope.type
+                ),
                 causation=envelope,
             )
             metrics.EVENTS_PUBLISHED.labels(self.name, out.payload.TYPE).inc()

@@ -109,7 +109,7 @@ def _answered(
     """Whether ``history`` holds an answer to ``request`` (the service runtime derives its id
     from the request's): a request delivered again after it was answered (an ack lost, its
     wait exceeded) must not act twice."""
-    ids = {output_event_id(request.id, a.TYPE) for a in answers}
+    ids = {output_event_id(request.id, a.TYPE, input_type=request.type) for a in answers}
     return any(e.id in ids for e in history)
 
 

@@ -138,7 +138,9 @@ def observe_start(latency_ms: dict[str, float]) -> None:
             START_SECONDS.labels(stage).observe(ms / 1000)
 
 
-BeforeStart = Callable[[str, Path, int, EnforcementPlan], Awaitable[None]]
+BeforeStart = Callable[[str, Path, int, EnforcementPlan, tuple[int, ...]], Awaitable[None]]
+"""Egress before a sandbox's first instruction: its id, cgroup, cgroup id, plan and the node
+agent's listeners that serve it alone (its HTTPS proxy's port, which no neighbour reaches)."""
 
 
 StartFromSnapshot = Callable[[str, str, str, int], Awaitable[tuple[Path, events.SnapshotRestored]]]
@@ -837,7 +839,9 @@ class NodeAgent:
                 await self.gpus.attach(sid, cgroup_dir)
             self.proxies.bind(sid, cgroup_dir)
             if self._before_start is not None:
-                await self._before_start(sid, cgroup_dir, cgroup_id, plan)
+                port = self.proxies.port(sid)
+                private = (port,) if port is not None else ()
+                await self._before_start(sid, cgroup_dir, cgroup_id, plan, private)
             if spec_plan is not None:
                 self._register_state(sid, spec_plan, cgroup_dir, handover_from)
 
@@ -1054,7 +1058,7 @@ class NodeAgent:
             raise ValueError(f"no authentic spec.validated for {sid}")
         self._rules[sid] = rules_from_plan(validated.plan, validated.plan.spec_file)
         if self._before_start is not None:
-            await self._before_start(sid, cgroup_dir, cgroup_id, validated.plan)
+            await self._before_start(sid, cgroup_dir, cgroup_id, validated.plan, ())
 
     async def detach_restored(self, sid: str) -> None:
         """A restore that was not committed: its egress programs go."""

@@ -177,9 +177,19 @@ class Egress:
             REGISTRY.unregister(self._collector)
             self._collector = None
 
-    async def attach(self, sid: str, cgroup: Path, cgroup_id: int, plan: EnforcementPlan) -> None:
-        """Put a new sandbox's cgroup under its egress plan (before its first instruction)."""
-        await self.controller.attach(cgroup, EgressPlan.from_enforcement_plan(sid, plan))
+    async def attach(
+        self,
+        sid: str,
+        cgroup: Path,
+        cgroup_id: int,
+        plan: EnforcementPlan,
+        private_ports: tuple[int, ...] = (),
+    ) -> None:
+        """Put a new sandbox's cgroup under its egress plan (before its first instruction);
+        ``private_ports``: the node agent's listeners that serve it alone (its HTTPS proxy)."""
+        await self.controller.attach(
+            cgroup, EgressPlan.from_enforcement_plan(sid, plan, private_ports=private_ports)
+        )
         self._cgroups[sid] = cgroup
 
     async def detach(self, sid: str) -> None:

@@ -43,7 +43,7 @@ from dsec_core.events import (
     UnitPlaced,
 )
 from dsec_core.identity import SYSTEM_TENANT
-from dsec_core.ids import derive_event_id
+from dsec_core.ids import answer_event_id, derive_event_id
 from dsec_core.projections import LiveState, Projector, watch_live_states
 from dsec_core.service import HANDLING_SEQ, Output, Service
 from dsec_core.settings import Settings
@@ -955,7 +955,7 @@ class Scheduler:
         await self._decide(
             answer,
             aggregate_id=node.node_id,
-            event_id=derive_event_id(envelope.id, "node.cordoned"),
+            event_id=answer_event_id(envelope.type, envelope.id, "node.cordoned"),
             tenant=envelope.tenant,
             causation=envelope,
         )
@@ -979,7 +979,7 @@ class Scheduler:
         await self._decide(
             end,
             aggregate_id=sbx.sandbox_id,
-            event_id=derive_event_id(envelope.id, f"{end.TYPE}#0"),
+            event_id=answer_event_id(envelope.type, envelope.id, f"{end.TYPE}#0"),
             tenant=sbx.tenant,
             causation=envelope,
         )

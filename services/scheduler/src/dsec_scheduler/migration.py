@@ -43,7 +43,7 @@ from dsec_core.events import (
     UnitMigrationRequested,
     UnitMigrationStarted,
 )
-from dsec_core.ids import derive_event_id
+from dsec_core.ids import answer_event_id, derive_event_id
 from dsec_core.service import HANDLING_SEQ
 from dsec_core.subjects import subject_for
 
@@ -266,7 +266,7 @@ class Migrator:
         """An operator's request: start the migration, or refuse it (always a terminal event
         in the end)."""
         await self.s.barrier(upto=HANDLING_SEQ.get())
-        mid = derive_event_id(envelope.id, "migration")
+        mid = answer_event_id(envelope.type, envelope.id, "migration")
         if self.book.known(mid):
             return []  # handled before (a redelivery, a restart, another replica)
         async with self.s._deciding:

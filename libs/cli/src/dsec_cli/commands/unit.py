@@ -108,7 +108,7 @@ async def _migrate(
 ) -> tuple[dict[str, Any] | None, str]:
     from dsec_core.bus import EventPublisher, follow
     from dsec_core.events import UnitMigrationRequested
-    from dsec_core.ids import derive_event_id
+    from dsec_core.ids import answer_event_id
     from dsec_core.signing import Signer
     from dsec_core.subjects import STREAM, aggregate_filter
 
@@ -123,7 +123,7 @@ async def _migrate(
         await publisher.register_key()
         request = UnitMigrationRequested(unit=unit, to_node=to_node, requested_by=submitter())
         published = await publisher.publish(request, aggregate_id=sandbox_id, tenant=tenant)
-        mid = derive_event_id(published.envelope.id, "migration")
+        mid = answer_event_id(published.envelope.type, published.envelope.id, "migration")
         if not quiet:
             target = f" to {to_node}" if to_node else ""
             err_console.print(

@@ -239,6 +239,8 @@ class EgressController:
     async def start(self) -> None:
         """Load the programs (about a second of compiling), open the maps, read verdicts."""
         await asyncio.to_thread(self.kernel.load)
+        # no listener of an earlier agent outlives it (an adopted sandbox's proxy is gone)
+        self.kernel.clear_private_ports()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._events_fd = self.kernel.open_events(self._on_raw_event)
         asyncio.get_running_loop().add_reader(self._events_fd, self._read_events)
@@ -305,6 +307,7 @@ class EgressController:
         port = await self.proxy.serve(cgid, plan)
         try:
             self._program(cgid, plan, port)
+            self.kernel.set_private_ports(cgid, plan.private_ports)
             self.kernel.attach(path)
         except BaseException:
             self.kernel.purge(cgid)

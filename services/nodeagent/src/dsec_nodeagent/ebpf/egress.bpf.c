@@ -221,6 +221,10 @@ BPF_TABLE_PINNED("hash", struct stack_key, u32, stack_deny, 4096, PIN_DIR "/stac
 // The ports of the node's DNS proxy listeners (one per sandbox, on loopback; host order):
 // no sandbox binds one, also while the node agent restarts and its listener is gone (pinned).
 BPF_TABLE_PINNED("hash", u32, u32, dns_ports, MAX_SANDBOXES, PIN_DIR "/dns_ports");
+// The node agent's loopback listeners that serve one sandbox alone (its HTTPS proxy), by port
+// (host order) -> that sandbox's cgroup id: no other sandbox reaches one, whatever its rules
+// (a neighbour whose rules open loopback kept the proxy busy telling its connections apart).
+BPF_TABLE_PINNED("hash", u32, u64, private_ports, MAX_SANDBOXES, PIN_DIR "/private_ports");
 // IP sockets each sandbox holds (created and not yet released), by cgroup id; key 0: all the
 // node's sandboxes together. A sandbox shares the host's network namespace, so each socket it
 // binds takes one of the host's ports: one sandbox binding every ephemeral port (57 processes
@@ -245,21 +249,24 @@ BPF_TABLE_PINNED("hash", u64, struct sock_use, sock_use, MAX_SANDBOXES + 1,
 // sandboxes with many sockets cannot leave their neighbours none.
 #define SMALL_SHARE 256
 // A socket's mark (storage of the socket itself), so whoever closes it gives its place back to
-// the count it was taken from. A TCP connection holds its port past its release until the
-// kernel is done with it (FIN_WAIT, LAST_ACK, then TIME_WAIT): its place is given back at the
-// later of its release and its connection's end (whichever comes last takes the last ref).
+// the count it was taken from. A socket holds a place while the sandbox has not released it
+// or while a TCP connection of it is open: a connection holds its port past the release until
+// the kernel is done with it (FIN_WAIT, LAST_ACK; then TIME_WAIT, counted apart). An accepted
+// socket (a clone of its listener, BPF_F_CLONE copies the listener's mark) holds the
+// listener's port while its connection is open, after the listener's close too, so it counts
+// as a connection of its own. A copy is told from a socket's own mark by the socket cookie.
 struct sock_mark {
-    u64 origin;     // the sandbox's cgroup id (0: none)
-    s64 refs;       // 1 for the release (where live), +1 while a connection of it is open
-    u32 live;       // counted in the live counts (sock_create, or sock_state for an MPTCP
-                    // subflow: the kernel's socket under the sandbox's)
-    u32 conn;       // a connection of it is open (sock_state)
-    u32 connected;  // connect() was called on it: one again (after connect(AF_UNSPEC)) takes
-                    // another port while the last may still be in TIME_WAIT (bounded alike)
-    u32 pad;
+    u64 origin;      // the sandbox's cgroup id
+    u64 cookie;      // the socket's cookie (another: a copy on an accepted socket)
+    // (64-bit: the BPF atomic exchange is 64-bit only here)
+    u64 counted;     // holds a place in the counts now (exchanged: given back once)
+    u64 unreleased;  // made by the sandbox's socket() and not yet released
+    u64 conn;        // a connection of it is open (sock_state, under the socket's lock)
+    u64 connected;   // connect() was called on it: one again (after connect(AF_UNSPEC)) takes
+                     // another port while the last may still be in TIME_WAIT (bounded alike)
 };
 BPF_TABLE_PINNED7("sk_storage", int, struct sock_mark, sock_mark, 0, PIN_DIR "/sock_mark",
-                  BPF_F_NO_PREALLOC);
+                  BPF_F_NO_PREALLOC | BPF_F_CLONE);
 
 // Connections of a count still in TIME_WAIT (entered within the last TW_SLOTS slots).
 static __always_inline u64 lingering(struct sock_use *u, u64 now) {
@@ -298,20 +305,41 @@ static __always_inline int over_budget(struct sock_use *mine, struct sock_use *n
            (node_use >= MAX_NODE_SOCKETS / 4 * 3 && mine_use >= SMALL_SHARE);
 }
 
-// connect() of a stream socket (TCP, MPTCP) that connected before (connect(AF_UNSPEC) in
-// between): its last connection may still hold its port in TIME_WAIT, so another is taken only
-// within the bound. Runs under the socket's lock.
+// Take a socket's place in the counts (take: 1) or give it back (0), once each way (the
+// exchange on `counted` decides: whoever comes last of a release and a connection's end gives
+// it back). The node's count always (a purged sandbox's sockets still hold the host's ports),
+// the sandbox's while it is registered (a purged one has no count left; and every program of
+// ours reads the sandboxes map: that is how an agent tells its programs from others', _ours).
+// A place taken here is for a connection already open (an accepted socket's, an MPTCP
+// subflow's): counted whatever the budget.
+static __always_inline void move_place(struct sock_mark *mark, u64 take) {
+    if (__sync_lock_test_and_set(&mark->counted, take) == take)
+        return;
+    u64 cgid = mark->origin, node_key = 0;
+    s64 delta = take ? 1 : -1;
+    struct sock_use *node = sock_use.lookup(&node_key);
+    if (node)
+        __sync_fetch_and_add(&node->live, delta);
+    struct sock_use *mine = sandboxes.lookup(&cgid) ? sock_use.lookup(&cgid) : 0;
+    if (mine)
+        __sync_fetch_and_add(&mine->live, delta);
+}
+
+// connect() of a stream socket (TCP, MPTCP) that takes a place it does not hold yet: one
+// connected before (connect(AF_UNSPEC) in between: its last connection may still hold its
+// port in TIME_WAIT), or one holding no place (an accepted socket whose connection ended).
+// Runs under the socket's lock.
 static __always_inline int reconnect_over(struct bpf_sock_addr *ctx, u64 cgid) {
     struct bpf_sock *sk = ctx->sk;
     if (ctx->type != 1 /* SOCK_STREAM */ || !sk)
         return 0;
     struct sock_mark *mark = sock_mark.sk_storage_get(sk, 0, 0);
-    if (!mark || !mark->live)
+    if (!mark || !mark->origin)
         return 0;
-    if (!mark->connected) {
-        mark->connected = 1;
+    int first = !mark->connected && mark->counted && mark->cookie == bpf_get_socket_cookie(ctx);
+    mark->connected = 1;
+    if (first)
         return 0;
-    }
     u64 node_key = 0;
     struct sock_use *mine = sock_use.lookup(&cgid);
     struct sock_use *node = sock_use.lookup(&node_key);
@@ -589,8 +617,13 @@ static __always_inline int proxy_port(u16 port);
 // Another sandbox's DNS proxy listener (any port of the proxies' range on loopback but the
 // sandbox's own): a rule that opens loopback would let a sandbox spend a neighbour's DNS query
 // budget (each question is charged to the listener's sandbox) and probe which names it may
-// resolve. A sandbox reaches its own proxy through the port-53 redirect.
-static __always_inline int neighbours_proxy(struct sbx_cfg *cfg, u16 port) {
+// resolve. A sandbox reaches its own proxy through the port-53 redirect. Or another sandbox's
+// private listener (private_ports: its HTTPS proxy).
+static __always_inline int neighbours_proxy(struct sbx_cfg *cfg, u64 cgid, u16 port) {
+    u32 k = port;
+    u64 *owner = private_ports.lookup(&k);
+    if (owner && *owner != cgid)
+        return 1;
     return proxy_port(port) && port != bpf_ntohs((u16)cfg->proxy_port);
 }
 
@@ -601,7 +634,7 @@ static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cf
     struct match m = {.want = transport_of(ctx)};
     if (is_stack4(ip, port))  // before any allow rule: the stack is never a destination
         return finish(cfg, cgid, 0, V_DENY_STACK, hook, family, ctx, ev_addr, port);
-    if (((u8 *)&ip)[0] == 127 && neighbours_proxy(cfg, port))
+    if (((u8 *)&ip)[0] == 127 && neighbours_proxy(cfg, cgid, port))
         return finish(cfg, cgid, 0, V_DENY_STACK, hook, family, ctx, ev_addr, port);
     if (!match4(cgid, ip, port, &m))
         return refuse(cfg, cgid, &m, hook, family, ctx, ev_addr, port);
@@ -623,7 +656,7 @@ static __always_inline int decide6(struct bpf_sock_addr *ctx, struct sbx_cfg *cf
     if (is_stack6(ip, port))
         return finish(cfg, cgid, 0, V_DENY_STACK, hook, 6, ctx, ip, port);
     if (ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == bpf_htonl(1) &&
-        neighbours_proxy(cfg, port))
+        neighbours_proxy(cfg, cgid, port))
         return finish(cfg, cgid, 0, V_DENY_STACK, hook, 6, ctx, ip, port);
     if (!match6(cgid, ip, port, &m))
         return refuse(cfg, cgid, &m, hook, 6, ctx, ip, port);
@@ -882,54 +915,45 @@ int sock_create(struct bpf_sock *sk) {
     if (!mark)
         return 0;  // no memory for the mark: refused, never uncounted
     mark->origin = cgid;
-    mark->refs = 1;
-    mark->live = 1;
+    mark->cookie = bpf_get_socket_cookie(sk);
+    mark->unreleased = 1;
     mark->conn = 0;
     mark->connected = 0;
+    mark->counted = 1;
     __sync_fetch_and_add(&mine->live, 1);
     __sync_fetch_and_add(&node->live, 1);
     return 1;
 }
 
-// A counted socket gives its place back: the node's count always (a purged sandbox's sockets
-// still hold the host's ports), the sandbox's while it is registered (a purged one has no
-// count left; and every program of ours reads the sandboxes map: that is how an agent tells
-// its programs from others', kernel.py _ours).
-static __always_inline void uncount(struct sock_mark *mark) {
-    if (__sync_fetch_and_sub(&mark->refs, 1) != 1 || !mark->live)
-        return;  // the release or the connection's end is still to come
-    u64 cgid = mark->origin, node_key = 0;
-    struct sock_use *node = sock_use.lookup(&node_key);
-    if (node)
-        __sync_fetch_and_sub(&node->live, 1);
-    struct sock_use *mine = sandboxes.lookup(&cgid) ? sock_use.lookup(&cgid) : 0;
-    if (mine)
-        __sync_fetch_and_sub(&mine->live, 1);
-}
-
 int sock_release(struct bpf_sock *sk) {
     struct sock_mark *mark = sock_mark.sk_storage_get(sk, 0, 0);
-    if (mark && mark->live)  // (none: created before the count, an adopted sandbox's)
-        uncount(mark);
+    // (none: created before the count; a copy: an accepted socket's, counted by its connection)
+    if (!mark || mark->cookie != bpf_get_socket_cookie(sk))
+        return 1;
+    if (__sync_lock_test_and_set(&mark->unreleased, 0) != 1)
+        return 1;
+    if (!mark->conn)  // (after the exchange: the connection's end, racing, reads it as done)
+        move_place(mark, 0);
     return 1;
 }
 
-// sockops: follows the TCP connections a sandbox's sockets make (not those it accepts: they
-// hold no ephemeral port). At connect() it asks for state changes. A change to CLOSE ends the
-// connection (its port is free, or in TIME_WAIT); from FIN_WAIT1, FIN_WAIT2 or CLOSING it is
-// the connection entering TIME_WAIT (tcp_time_wait, then tcp_done; also a rare reset there,
-// counted alike), released or not. Runs under the socket's lock, often in softirq: the
+// sockops: follows each TCP connection of a sandbox's sockets, made or accepted. At its start
+// (TCP_CONNECT_CB, PASSIVE_ESTABLISHED_CB) it asks for state changes. A change to CLOSE ends
+// the connection (its port is free, or in TIME_WAIT); from FIN_WAIT1, FIN_WAIT2 or CLOSING it
+// is the connection entering TIME_WAIT (tcp_time_wait, then tcp_done; also a rare reset
+// there, counted alike), released or not. Runs under the socket's lock, often in softirq: the
 // sandbox is the socket's mark, not the current task, except at connect() (the sandbox's own
 // call): a socket with no mark there is the kernel's under one of the sandbox's (an MPTCP
-// subflow), marked and counted then, until its connection ends.
+// subflow), marked then.
 int sock_state(struct bpf_sock_ops *skops) {
     u32 op = skops->op;
-    if (op != BPF_SOCK_OPS_TCP_CONNECT_CB &&
+    if (op != BPF_SOCK_OPS_TCP_CONNECT_CB && op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB &&
         (op != BPF_SOCK_OPS_STATE_CB || skops->args[1] != BPF_TCP_CLOSE))
         return 1;
     struct bpf_sock *sk = skops->sk;
     if (!sk)
         return 1;
+    u64 cookie = bpf_get_socket_cookie(skops);
     struct sock_mark *mark = sock_mark.sk_storage_get(sk, 0, 0);
     if (!mark && op == BPF_SOCK_OPS_TCP_CONNECT_CB) {
         u64 cgid = 0;
@@ -938,32 +962,31 @@ int sock_state(struct bpf_sock_ops *skops) {
         mark = sock_mark.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
         if (!mark)
             return 1;
-        // it holds the port, counted until its connection ends (its MPTCP socket counts
-        // too: an MPTCP connection counts twice, on the safe side)
-        u64 node_key = 0;
-        struct sock_use *mine = sock_use.lookup(&cgid);
-        struct sock_use *node = sock_use.lookup(&node_key);
         mark->origin = cgid;
-        if (mine && node) {
-            mark->live = 1;
-            __sync_fetch_and_add(&mine->live, 1);
-            __sync_fetch_and_add(&node->live, 1);
-        }
+        mark->cookie = cookie;
     }
     if (!mark || !mark->origin)
         return 1;
-    if (op == BPF_SOCK_OPS_TCP_CONNECT_CB) {
+    if (mark->cookie != cookie) {  // a copy of its listener's mark: an accepted socket
+        if (op == BPF_SOCK_OPS_STATE_CB)
+            return 1;  // (ended before it was established: it held nothing of its own)
+        mark->cookie = cookie;  // its own from now on
+        mark->counted = 0;
+        mark->unreleased = 0;
+        mark->conn = 0;
+        mark->connected = 0;
+    }
+    if (op != BPF_SOCK_OPS_STATE_CB) {
         bpf_sock_ops_cb_flags_set(skops,
                                   skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
         if (!mark->conn) {
-            mark->conn = 1;
-            __sync_fetch_and_add(&mark->refs, 1);
+            __sync_lock_test_and_set(&mark->conn, 1);
+            move_place(mark, 1);  // (a socket of the sandbox's socket() holds one already)
         }
         return 1;
     }
-    if (!mark->conn)
+    if (__sync_lock_test_and_set(&mark->conn, 0) != 1)
         return 1;
-    mark->conn = 0;
     u32 old = skops->args[0];
     if (old == BPF_TCP_FIN_WAIT1 || old == BPF_TCP_FIN_WAIT2 || old == BPF_TCP_CLOSING) {
         u64 cgid = mark->origin, node_key = 0, now = bpf_ktime_get_ns();
@@ -974,7 +997,8 @@ int sock_state(struct bpf_sock_ops *skops) {
         if (mine)
             linger_one(mine, now);
     }
-    uncount(mark);
+    if (!mark->unreleased)  // (after the exchange: a release racing it reads it as ended)
+        move_place(mark, 0);
     return 1;
 }
 

@@ -64,6 +64,7 @@ MAP_NAMES = (
     "doh",
     "stack_deny",
     "dns_ports",
+    "private_ports",
     "sock_use",
     "sock_mark",
     "events",
@@ -82,6 +83,10 @@ PROGRAM_TYPES: dict[str, int] = {
     "sock_state": BPF_PROG_TYPE_SOCK_OPS,
 }
 """A program's type where it is not a sock_addr hook."""
+FOLLOWERS = ("sock_release", "sock_state")
+"""Programs that stay on a sandbox's cgroup when it is detached, until the cgroup goes: its
+sockets still closing (an orphaned FIN_WAIT, a connection in TIME_WAIT) give their places
+back to the node's count only through them (detached, the node's count kept them for ever)."""
 DEFAULT_SANDBOX_SOCKETS = 4096
 """IP sockets one sandbox may hold (``DSEC_SANDBOX_MAX_SOCKETS``)."""
 
@@ -325,6 +330,10 @@ class EgressKernel:
         done: list[str] = []
         try:
             for name, attach_type in ATTACH_TYPES.items():
+                if name in FOLLOWERS:  # (one left by a detach here: kept, or replaced by ours)
+                    if self._renew_one(fd, name, attach_type) == "added":
+                        done.append(name)
+                    continue
                 self._bpf.attach_func(self._fns[name], fd, attach_type, libbpf.BPF_F_ALLOW_MULTI)
                 done.append(name)
         except Exception as exc:
@@ -393,15 +402,18 @@ class EgressKernel:
         except OSError:  # detached and freed meanwhile
             return False
 
-    def detach(self, cgroup_dir: Path) -> int:
+    def detach(self, cgroup_dir: Path, *, followers: bool = False) -> int:
         """Detach our programs — also those a previous agent attached — and return how many.
+        The :data:`FOLLOWERS` stay (they go with the cgroup) unless ``followers``.
 
         "Ours" means: the program uses this instance's pinned ``sandboxes`` map.
         """
         fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
         count = 0
         try:
-            for attach_type in ATTACH_TYPES.values():
+            for name, attach_type in ATTACH_TYPES.items():
+                if name in FOLLOWERS and not followers:
+                    continue
                 for prog_id in libbpf.attached_prog_ids(fd, attach_type):
                     if self._ours(prog_id):
                         libbpf.detach_prog_id(fd, attach_type, prog_id)
@@ -524,8 +536,22 @@ class EgressKernel:
                 key.addr[:] = words
             table.pop(key, None)
 
+    def set_private_ports(self, cgroup_id: int, ports: Iterable[int]) -> None:
+        """Reserve loopback ports of the node agent's listeners to one sandbox (no other sandbox
+        reaches them whatever its rules)."""
+        table = self._table("private_ports")
+        for port in ports:
+            table[ctypes.c_uint32(port)] = ctypes.c_uint64(cgroup_id)
+
+    def clear_private_ports(self) -> None:
+        """Forget every reservation (the listeners of an earlier agent are gone with it)."""
+        self._table("private_ports").clear()
+
     def purge(self, cgroup_id: int) -> None:
         """Remove every entry of a cgroup from every map."""
+        private = self._table("private_ports")
+        for k in [k for k, v in private.items() if int(v.value) == cgroup_id]:
+            private.pop(k, None)
         sandboxes = self._table("sandboxes")
         key = ctypes.c_uint64(cgroup_id)
         leaf = sandboxes.get(key)

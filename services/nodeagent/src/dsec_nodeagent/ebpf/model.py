@@ -163,6 +163,12 @@ class EgressPlan(BaseModel):
         description="Resolve every name (visibility); only rule-matched names open connects",
     )
     log_allowed: bool = Field(default=False, description="Emit verdict events for allows too")
+    private_ports: tuple[Port, ...] = Field(
+        default=(),
+        max_length=8,
+        description="Loopback ports of the node agent's listeners that serve this sandbox "
+        "alone (its HTTPS proxy): no other sandbox reaches them, whatever its rules",
+    )
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Self:
@@ -192,7 +198,12 @@ class EgressPlan(BaseModel):
 
     @classmethod
     def from_enforcement_plan(
-        cls, sandbox_id: str, plan: EnforcementPlan, *, log_allowed: bool = False
+        cls,
+        sandbox_id: str,
+        plan: EnforcementPlan,
+        *,
+        log_allowed: bool = False,
+        private_ports: tuple[int, ...] = (),
     ) -> EgressPlan:
         """The egress half of the policy service's compiled plan.
 
@@ -203,6 +214,7 @@ class EgressPlan(BaseModel):
             sandbox_id=sandbox_id,
             dns_passthrough=plan.dns_passthrough,
             log_allowed=log_allowed,
+            private_ports=private_ports,
             # A tls_proxy rule is reached through the node agent's proxy only: the agent
             # replaces it by a grant of the proxy's port; left as is, it opens nothing.
             rules=tuple(
