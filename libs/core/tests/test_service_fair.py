@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,14 @@ from dsec_testing.inmemory import MemoryBus, in_memory
 from faststream.nats.annotations import NatsMessage
 
 pytestmark = pytest.mark.unit
+
+
+async def _until(check: Callable[[], object], timeout: float = 10.0) -> None:
+    """Let the loop run until ``check()`` holds (each verification is a few awaits), at most
+    ``timeout`` seconds; what is asserted next says what it waited for."""
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
 
 
 def _service(tmp_path: Path, **settings: object) -> Service:
@@ -223,10 +233,7 @@ async def test_a_stop_under_backpressure_gives_back_at_once(
             if n < 2:  # r0 runs, r1 waits
                 await deliveries[n]
         (fair,) = service._fair
-        for _ in range(1000):  # r2 is verified, then waits in the queue for room
-            if len(fair.held) == 3:
-                break
-            await asyncio.sleep(0)
+        await _until(lambda: len(fair.held) == 3)  # r2 verified, waits in the queue for room
         assert fair.queue.held == 2 and not deliveries[2].done()
         started = asyncio.get_running_loop().time()
         await service._close_queues()  # Service.stop()'s order: the queues, then the consumers
@@ -451,10 +458,7 @@ async def test_a_tenant_waiting_for_room_holds_no_other_tenant_and_all_are_kept_
             await _publish(bus, n, tenant=tenant)
         assert fair.queue.held == 4
         batch = asyncio.create_task(_batch(bus, [("r4", "a"), ("r5", "b"), ("r6", "a")]))
-        for _ in range(1000):  # all three verified
-            if fair.queue.held_by("b") and len(fair.held) == 7:
-                break
-            await asyncio.sleep(0)
+        await _until(lambda: fair.queue.held_by("b") and len(fair.held) == 7)  # all verified
         assert fair.queue.held_by("b") == 1 and fair.queue.held == 5
         assert len(fair.held) == 7 and not any(h.heartbeat.done() for h in fair.held.values())
         gate.set()
@@ -515,10 +519,7 @@ async def test_a_slow_lookup_of_a_redelivery_holds_no_other_tenant(tmp_path: Pat
 
         service.delivery = again  # type: ignore[method-assign]
         batch = asyncio.create_task(_batch(bus, [("r1", "a"), ("r2", "b")]))
-        for _ in range(1000):
-            if lookups and fair.queue.held_by("b" if lookups[0][1] == "a" else "a"):
-                break
-            await asyncio.sleep(0.001)
+        await _until(lambda: lookups and fair.queue.held_by("b" if lookups[0][1] == "a" else "a"))
         other = "b" if lookups[0][1] == "a" else "a"
         assert fair.queue.held_by(other) == 1 and [k for k, _ in lookups] == ["started"]
         gate.set()

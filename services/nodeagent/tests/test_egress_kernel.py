@@ -58,6 +58,14 @@ FAKE = "127.0.0.99"
 with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
     f.write(str(os.getpid()))
 held = {}
+libc = ctypes.CDLL(None, use_errno=True)
+UNSPEC = (ctypes.c_ubyte * 16)()  # sa_family 0: AF_UNSPEC (connect() with it disconnects)
+
+def listener():
+    lsn = socket.socket()
+    lsn.bind(("127.0.0.1", 0))
+    lsn.listen(4)
+    return lsn
 
 def family(host):
     return socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -77,7 +85,6 @@ def echo(s):
     return "ok" if s.recv(16) == b"ping" else "bad echo"
 
 def libc_connect(host, port):
-    libc = ctypes.CDLL(None, use_errno=True)
     class sockaddr_in(ctypes.Structure):
         _fields_ = [("family", ctypes.c_ushort), ("port", ctypes.c_uint16),
                     ("addr", ctypes.c_uint8 * 4), ("zero", ctypes.c_uint8 * 8)]
@@ -199,6 +206,7 @@ def run(a):
                     s.connect((a["host"], a["port"]))
                     if a.get("half"):  # shutdown, then the peer's FIN: TIME_WAIT before close
                         s.shutdown(socket.SHUT_WR)
+                    if a.get("half") or a.get("eof"):  # (eof: the peer closes first)
                         while s.recv(64):
                             pass
                     made += 1
@@ -211,9 +219,7 @@ def run(a):
             made, refused = 0, None
             while refused is None and made < a["most"]:
                 try:
-                    lsn = socket.socket()
-                    lsn.bind(("127.0.0.1", 0))
-                    lsn.listen(4)
+                    lsn = listener()
                     c = socket.socket()
                 except OSError as e:
                     refused = errno.errorcode.get(e.errno, str(e))
@@ -227,31 +233,68 @@ def run(a):
                 lsn.close()
                 made += 1
             return {"made": made, "refused": refused}
-        if op == "cycles":  # connect(AF_UNSPEC) and again: an MPTCP socket, an accepted one
-            libc = ctypes.CDLL(None, use_errno=True)
-            unspec = (ctypes.c_ubyte * 16)()
-            lsn = socket.socket()
-            lsn.bind(("127.0.0.1", 0))
-            lsn.listen(4)
+        if op == "cycles":  # connect(AF_UNSPEC) and again: a socket, an accepted one
+            lsn = listener()
             c = socket.socket()
             c.connect(lsn.getsockname())
             accepted, _ = lsn.accept()
             done = []
-            for s in (socket.socket(socket.AF_INET, socket.SOCK_STREAM, 262), accepted):
+            for s in (socket.socket(), accepted):
                 n = 0
                 for _ in range(a["n"]):
-                    if libc.connect(s.fileno(), unspec, 16) != 0:
+                    if libc.connect(s.fileno(), UNSPEC, 16) != 0:
                         break
                     try:
                         s.connect((a["host"], a["port"]))
                     except OSError:
                         break
                     n += 1
-                libc.connect(s.fileno(), unspec, 16)
+                libc.connect(s.fileno(), UNSPEC, 16)
                 done.append(n)
             for s in (accepted, c, lsn):
                 s.close()
             return done
+        if op == "rebind_accepted":  # accept, connect(AF_UNSPEC), bind the accepted socket
+            lsn = listener()
+            c = socket.socket()
+            kept, refused = [], None
+            while refused is None and len(kept) < a["most"]:
+                try:
+                    c.connect(lsn.getsockname())
+                except OSError as e:  # (the bound reached: no connect again either)
+                    refused = errno.errorcode.get(e.errno, str(e))
+                    break
+                x, _ = lsn.accept()
+                libc.connect(x.fileno(), UNSPEC, 16)  # a reset: no TIME_WAIT on either side
+                libc.connect(c.fileno(), UNSPEC, 16)
+                try:
+                    x.bind(("127.0.0.1", 0))
+                    kept.append(x)
+                except OSError as e:
+                    refused = errno.errorcode.get(e.errno, str(e))
+                    x.close()
+            for s in (*kept, c, lsn):
+                s.close()
+            return {"made": len(kept), "refused": refused}
+        if op == "serve_close_first":  # accept n connections, close each first
+            lsn = socket.socket()
+            lsn.bind(("127.0.0.1", 0))
+            lsn.listen(128)
+            with open(a["port_file"] + ".tmp", "w") as f:
+                f.write(str(lsn.getsockname()[1]))
+            os.rename(a["port_file"] + ".tmp", a["port_file"])
+            lsn.settimeout(a["wait"])
+            for _ in range(a["n"]):
+                x, _ = lsn.accept()
+                x.close()
+            lsn.close()
+            return a["n"]
+        if op == "socket":
+            try:
+                socket.socket(socket.AF_INET, socket.SOCK_STREAM, a.get("proto", 0)).close()
+                return "ok"
+            except OSError as e:
+                return errno.errorcode.get(e.errno, str(e))
         if op == "stuck":  # connections whose FIN waits behind unsent data; then it exits
             for _ in range(a["n"]):
                 s = socket.socket()
@@ -264,8 +307,6 @@ def run(a):
                     held[len(held)] = s
             return len(held)
         if op == "reconnect":  # one socket: connect, TIME_WAIT, connect(AF_UNSPEC), again
-            libc = ctypes.CDLL(None, use_errno=True)
-            unspec = (ctypes.c_ubyte * 16)()  # sa_family 0: AF_UNSPEC
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             made, refused = 0, None
             while refused is None and made < a["most"]:
@@ -278,7 +319,7 @@ def run(a):
                 while s.recv(64):
                     pass
                 made += 1
-                if libc.connect(s.fileno(), unspec, 16) != 0:
+                if libc.connect(s.fileno(), UNSPEC, 16) != 0:
                     refused = "unspec " + errno.errorcode.get(ctypes.get_errno(), "?")
             s.close()
             return {"made": made, "refused": refused}
@@ -1406,6 +1447,8 @@ async def test_a_sandbox_reaches_no_neighbours_private_listener_whatever_its_rul
             owner = await run_client(
                 owner_cgroup, [{"op": "connect", "host": "127.0.0.1", "port": port}]
             )
+            echo.servers.pop(("127.0.0.1", port)).close()  # the listener goes (an agent restart)
+            bound = await run_client(cgroup, [{"op": "bind", "host": "127.0.0.1", "port": port}])
             egress.drain_events()
         after = await _reserved_ports(egress)
     finally:
@@ -1413,8 +1456,55 @@ async def test_a_sandbox_reaches_no_neighbours_private_listener_whatever_its_rul
         owner_cgroup.rmdir()
     assert neighbour == ["EPERM", "EPERM"], neighbour
     assert owner == ["ok"], owner
+    assert bound == ["EPERM"], bound  # (bound, it would take the owner's connections)
     assert {(e.verdict.name, e.port) for e in events if e.denied} == {("DENY_STACK", port)}
     assert port not in after  # (its sandbox detached: the port is anyone's again)
+
+
+async def test_a_sandbox_adopted_after_a_restart_loses_the_way_to_its_gone_proxy(
+    zone: ZoneServer, echo: Echo
+) -> None:
+    """The HTTPS proxy goes with the node agent that ran it. Its sandbox, adopted by the next
+    agent, kept its grant to the proxy's port, whose reservation was gone: a neighbour that
+    bound that port took the sandbox's proxy traffic (its requests, headers and all). The
+    adopted sandbox loses the grant (it fails closed), and no sandbox binds another's
+    private port while it is reserved."""
+    tag = f"test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    pin, state = Path(f"/sys/fs/bpf/dsec-{tag}/egress"), Path(f"/run/dsec-{tag}/egress")
+    port = await echo.serve("127.0.0.1")
+    owner_cgroup = CGROUP2 / f"dsec-egress-test-{uuid.uuid4().hex[:10]}"
+    owner_cgroup.mkdir()
+    first = EgressController(dns_upstream=zone.address, pin_dir=pin, state_dir=state)
+    successor: EgressController | None = None
+    try:
+        await first.start()
+        plan = EgressPlan(
+            sandbox_id="sbx-owner",
+            rules=(rule("egress[0]", cidr="127.0.0.1/32", ports=(port,)),),
+            private_ports=(port,),
+        )
+        await first.attach(owner_cgroup, plan)
+        before = await run_client(
+            owner_cgroup, [{"op": "connect", "host": "127.0.0.1", "port": port}]
+        )
+        await first.close()  # the agent dies: programs and pins stay
+        successor = EgressController(dns_upstream=zone.address, pin_dir=pin, state_dir=state)
+        await successor.start()
+        report = await successor.reconcile()
+        after = await run_client(
+            owner_cgroup, [{"op": "connect", "host": "127.0.0.1", "port": port}]
+        )
+        (adopted,) = successor.sandboxes()
+    finally:
+        _kill_members(owner_cgroup)
+        if successor is not None:
+            await successor.uninstall()
+        else:
+            await first.uninstall()
+        owner_cgroup.rmdir()
+    assert before == ["ok"] and report.adopted == ("sbx-owner",)
+    assert after == ["EPERM"], after  # fails closed: no grant to a port that is anyone's
+    assert adopted.plan.private_ports == () and adopted.plan.rules == ()
 
 
 async def _reserved_ports(egress: EgressController) -> set[int]:
@@ -1576,16 +1666,73 @@ async def test_a_detached_sandboxs_closing_connections_give_the_node_its_places_
         await ctl.uninstall()
 
 
-async def test_mptcp_connections_count_like_tcp_ones(
-    egress: EgressController, cgroup: Path, echo: Echo
+async def test_an_mptcp_socket_is_refused_in_the_kernel_too(
+    egress: EgressController, cgroup: Path
 ) -> None:
-    """An MPTCP socket's connection is made by a kernel socket under it (a subflow, which
-    ``socket()`` never created): connecting and closing MPTCP sockets in a loop leaves the
-    subflows in TIME_WAIT, counted like a TCP socket's."""
-    if Path("/proc/sys/net/mptcp/enabled").read_text().strip() != "1":
-        pytest.skip("MPTCP is off on this kernel (net.mptcp.enabled): nothing to bound")
-    churn, port, _ = await _until_refused(egress, cgroup, echo, "127.0.0.33", "churn", proto=262)
-    assert _ports_toward("127.0.0.33", port) >= churn["made"] - 4
+    """An MPTCP connection is made by the kernel's own sockets under the sandbox's (subflows:
+    shared cookies, accepted ones no hook sees), past the count of the host's ports a sandbox
+    holds. seccomp refuses the protocol; the socket program refuses it behind that."""
+    plan = EgressPlan(sandbox_id="sbx-mptcp", rules=())
+    async with attached(egress, cgroup, plan):
+        got = await run_client(cgroup, [{"op": "socket", "proto": 262}, {"op": "socket"}])
+        egress.drain_events()
+    assert got == ["EPERM", "ok"], got
+
+
+async def test_an_accepted_socket_taking_a_port_of_its_own_is_counted(
+    egress: EgressController, cgroup: Path
+) -> None:
+    """An accepted socket disconnected (``connect(AF_UNSPEC)``) and bound again takes a port of
+    its own, though no ``socket()`` made it: 2,048 such were held against a bound of 256, none
+    counted. It takes a place, within the bound, before it binds (or connects, or listens)."""
+    plan = EgressPlan(sandbox_id="sbx-rebind", rules=(rule("egress[0]", cidr="127.0.0.1/32"),))
+    async with attached(egress, cgroup, plan):
+        (got,) = await run_client(cgroup, [{"op": "rebind_accepted", "most": 4 * SANDBOX_SOCKETS}])
+        egress.drain_events()
+    assert got["refused"] == "EPERM", got
+    assert SANDBOX_SOCKETS - 16 <= got["made"] <= SANDBOX_SOCKETS, got
+
+
+async def test_connections_a_neighbour_makes_to_a_sandboxs_server_count_as_one_port(
+    egress: EgressController, cgroup: Path, tmp_path: Path
+) -> None:
+    """A sandbox's server that closes first (as HTTP servers do) leaves each accepted
+    connection in TIME_WAIT, all on its one listening port. Counted per connection, a
+    neighbour connecting in a loop put the server's sandbox, then the node, past their bounds
+    in about a second (every sandbox of the node refused): a listener and its connections are
+    one port, held a minute more after the last."""
+    server_cgroup = CGROUP2 / f"dsec-egress-test-{uuid.uuid4().hex[:10]}"
+    server_cgroup.mkdir()
+    n, port_file = 3 * SANDBOX_SOCKETS, tmp_path / "port"
+    try:
+        async with attached(egress, server_cgroup, EgressPlan(sandbox_id="sbx-server", rules=())):
+            (server,) = [s for s in egress.sandboxes() if s.sandbox_id == "sbx-server"]
+            action = {"op": "serve_close_first", "port_file": str(port_file), "n": n, "wait": 60}
+            served = asyncio.create_task(run_client(server_cgroup, [action]))
+            await _until(lambda: port_file.exists() or served.done())
+            port = int(port_file.read_text())
+            client = EgressPlan(
+                sandbox_id="sbx-caller", rules=(rule("egress[0]", cidr="127.0.0.1/32"),)
+            )
+            async with attached(egress, cgroup, client):
+                (churn,) = await run_client(
+                    cgroup,
+                    [{"op": "churn", "host": "127.0.0.1", "port": port, "most": n, "eof": True}],
+                )
+            assert await served == [n]
+            leaf = egress.kernel._table("sock_use").get(ctypes.c_uint64(server.cgroup_id))
+            now = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 4_000_000_000
+            lingering = sum(
+                int(leaf.closed[i]) for i in range(16) if (now - int(leaf.slot[i])) % 2**32 < 16
+            )
+            after = await run_client(server_cgroup, [{"op": "socket"}])
+            egress.drain_events()
+    finally:
+        _kill_members(server_cgroup)
+        server_cgroup.rmdir()
+    assert churn == {"made": n, "refused": None}, churn
+    assert ctypes.c_int64(leaf.live).value == 0 and lingering == 1, (leaf.live, lingering)
+    assert after == ["ok"]
 
 
 async def test_a_connection_in_time_wait_before_its_close_counts_too(

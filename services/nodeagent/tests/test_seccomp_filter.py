@@ -100,7 +100,8 @@ SOCKETS = [
     ((2, 3, 1), errno.EPERM),  # AF_INET, SOCK_RAW
     ((2, SOCK_STREAM, 6), 0),  # IPPROTO_TCP
     ((10, 2, 17), 0),  # AF_INET6, SOCK_DGRAM, IPPROTO_UDP
-    ((2, SOCK_STREAM, 262), 0),  # IPPROTO_MPTCP
+    # MPTCP connects through the kernel's own sockets (subflows), past the count of ports
+    ((2, SOCK_STREAM, 262), errno.EPERM),  # IPPROTO_MPTCP
     # ICMP "ping" sockets send to any address past the egress hooks (where the host's
     # net.ipv4.ping_group_range admits the sandbox's gid, as systemd's default does)
     ((2, 2, 1), errno.EPERM),  # AF_INET, SOCK_DGRAM, IPPROTO_ICMP

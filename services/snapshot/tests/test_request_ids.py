@@ -167,45 +167,100 @@ async def test_a_user_reusing_its_own_request_id_does_not_make_audit_verify_repo
     assert report.finding is None, f"audit verify: TAMPERING: {report.finding}"
 
 
-async def test_one_fresh_id_on_two_kinds_of_request_gets_two_answers_under_two_ids(
-    tmp_path: Path,
-) -> None:
-    """The same attack within the id's freshness: a user publishes two requests of different
-    kinds under one fresh id at once, with a ``Nats-Msg-Id`` of its own on the second (so
-    JetStream stores both), and the answers land more than the 2-minute duplicate window
-    apart (a slow handler). Derived from the id and the answer's type alone, both answers took
-    one id: ``dsec audit verify`` reported TAMPERING, for ever. The request's type is part of
-    an answer's id now."""
+async def test_one_fresh_id_admits_one_message_for_every_consumer(tmp_path: Path) -> None:
+    """The same attack within the id's freshness: a user stores two requests under one fresh
+    id at once, with a ``Nats-Msg-Id`` of its own on the second (so JetStream stores both):
+    of two kinds (two consumers), or of one kind about two sandboxes, taken by two services
+    (the node agent and the snapshot service each consume ``snapshot.requested``). Replay
+    protection per consumer let each take one: two answers under one id (``dsec audit
+    verify``: TAMPERING, for ever, once they land 2 minutes apart), or one request's answer
+    taken for the other's. The first consumer to admit one claims the id: every consumer
+    admits that message alone. Answer ids are derived from the request's type as well."""
+    from dsec_core.ids import output_event_id
     from dsec_snapstore.requests import failed
 
     root, log, service, user, gate = await _snapshot_service_and_a_user(tmp_path)
-
     first = await user.publish(SnapshotRequested(name="a"), aggregate_id=new_sandbox_id())
-    log._ids.clear()  # (the second's own Nats-Msg-Id: JetStream stores it too)
-    second = await user.publish(
+    log._ids.clear()  # (each with a Nats-Msg-Id of its own: JetStream stores them all)
+    other_kind = await user.publish(
         events.SnapshotRestoreRequested(snapshot="a"),
         aggregate_id=new_sandbox_id(),
         event_id=first.sealed.id,
     )
-    admitted = []
-    for sent, consumer in (
-        (first, "snapshot-snapshot-requested"),
-        (second, "snapshot-snapshot-restore_requested"),
-    ):
-        verdict = await gate.admit(sent.sealed.wire, stream_seq=sent.stream_seq, consumer=consumer)
-        assert not isinstance(verdict, Refusal), verdict  # (a fresh id, another consumer)
-        admitted.append(verdict)
-    await service._publish_outputs(admitted[0], [failed("a", "create", "no sandbox")])
-    log._ids.clear()  # the second answer comes more than 120 s later
-    await service._publish_outputs(admitted[1], [failed("a", "restore", "no sandbox")])
+    log._ids.clear()
+    same_kind = await user.publish(
+        SnapshotRequested(name="b"), aggregate_id=new_sandbox_id(), event_id=first.sealed.id
+    )
 
-    answers = [e for e in log.envelopes() if e.type == events.SnapshotFailed.TYPE]
-    assert len(answers) == 2 and answers[0].id != answers[1].id, answers
+    async def admit(sent: Any, consumer: str) -> Any:
+        return await gate.admit(sent.sealed.wire, stream_seq=sent.stream_seq, consumer=consumer)
+
+    # the snapshot service's consumer takes the third first; the node agent's, the first
+    taken = await admit(same_kind, "snapshot-snapshot-requested")
+    assert not isinstance(taken, Refusal), taken
+    for sent, consumer in (
+        (first, "nodeagent-n1-snapshot-requested"),
+        (first, "snapshot-snapshot-requested"),
+        (other_kind, "snapshot-snapshot-restore_requested"),
+    ):
+        refused = await admit(sent, consumer)
+        assert isinstance(refused, Refusal) and refused.reason == "replayed", (consumer, refused)
+        assert f"stream sequence {same_kind.stream_seq}" in refused.detail
+    assert not isinstance(await admit(same_kind, "nodeagent-n1-snapshot-requested"), Refusal)
+    await service._publish_outputs(taken, [failed("b", "create", "no sandbox")])
+
     verifier = Verifier(bytes(root.verify_key), signature_every=1)
     for seq, _, data in log.records:
         verifier.feed(seq, data)
     report = verifier.finish()
     assert report.finding is None, f"audit verify: TAMPERING: {report.finding}"
+    answer = output_event_id(first.sealed.id, "snapshot.failed", input_type="snapshot.requested")
+    assert answer != output_event_id(
+        first.sealed.id, "snapshot.failed", input_type="snapshot.restore_requested"
+    )
+
+
+async def test_a_claim_no_authentic_message_backs_refuses_nothing(tmp_path: Path) -> None:
+    """Every consumer may write the id claims: one written by a compromised consumer, naming
+    a stream position where no authentic event of that id is, refuses nothing."""
+    _, log, _, user, gate = await _snapshot_service_and_a_user(tmp_path)
+    decoy = await user.publish(SnapshotRequested(name="x"), aggregate_id=new_sandbox_id())
+    asked = await user.publish(SnapshotRequested(name="a"), aggregate_id=new_sandbox_id())
+    await log.handled.create(f"id.{asked.sealed.id}", str(decoy.stream_seq).encode())
+    verdict = await gate.admit(
+        asked.sealed.wire, stream_seq=asked.stream_seq, consumer="snapshot-snapshot-requested"
+    )
+    assert not isinstance(verdict, Refusal), verdict
+
+
+async def test_a_message_stored_under_an_answered_requests_id_makes_verify_report_nothing(
+    tmp_path: Path,
+) -> None:
+    """Anyone may store a message under an id read on the bus. Signed by a key never
+    registered (or out of its chain), the verifier sets it aside, and it matched it to the
+    answers by id alone: the genuine request's answer read as "an authentic event acted on the
+    injected message", TAMPERING for ever, from one message of any tenant."""
+    from dsec_snapstore.requests import failed
+
+    root, log, service, user, gate = await _snapshot_service_and_a_user(tmp_path)
+    asked = await user.publish(SnapshotRequested(name="a"), aggregate_id=new_sandbox_id())
+    verdict = await gate.admit(
+        asked.sealed.wire, stream_seq=asked.stream_seq, consumer="snapshot-snapshot-requested"
+    )
+    assert not isinstance(verdict, Refusal), verdict
+    await service._publish_outputs(verdict, [failed("a", "create", "no sandbox")])
+    stranger = certified(root, "user", tenant="other")  # its key never registered
+    copy = stranger.signer.seal(
+        SnapshotRequested(name="b"), aggregate_id=new_sandbox_id(), event_id=asked.sealed.id
+    )
+    await log.publish(copy.subject, copy.wire)
+
+    verifier = Verifier(bytes(root.verify_key), signature_every=1)
+    for seq, _, data in log.records:
+        verifier.feed(seq, data)
+    report = verifier.finish()
+    assert report.finding is None, f"audit verify: TAMPERING: {report.finding}"
+    assert [i.event_id for i in report.injected] == [asked.sealed.id]
 
 
 async def test_a_user_event_whose_time_is_not_a_time_is_refused_alike_and_stops_no_verify(
@@ -237,3 +292,28 @@ async def test_a_user_event_whose_time_is_not_a_time_is_refused_alike_and_stops_
     assert report.finding is None, report.finding
     # (the first breaks the user's chain: the next two are refused as out of its order too)
     assert len(report.injected) == 3 and "malformed: time" in report.injected[0].reason
+
+
+async def test_an_answer_under_the_id_an_earlier_release_derived_is_still_found(
+    tmp_path: Path,
+) -> None:
+    """Answer ids now include the request's type: a request redelivered across an upgrade,
+    answered by the release before (its id from the request's id alone), is still answered,
+    for the runtime and for the snapshot handlers alike, so it is not acted on twice."""
+    from dsec_core.ids import derive_event_id
+    from dsec_snapstore.requests import _answered, failed
+
+    _, log, service, user, gate = await _snapshot_service_and_a_user(tmp_path)
+    asked = await user.publish(SnapshotRequested(name="a"), aggregate_id=new_sandbox_id())
+    request = await gate.admit(asked.sealed.wire, stream_seq=asked.stream_seq)
+    assert not isinstance(request, Refusal), request
+    assert service.publisher is not None
+    await service.publisher.publish(
+        failed("a", "create", "no sandbox"),
+        aggregate_id=request.aggregate_id,
+        event_id=derive_event_id(request.id, "snapshot.failed#0"),
+        causation=request,
+    )
+    service.gate = gate
+    assert await service._answered(request, asked.stream_seq, [events.SnapshotFailed])
+    assert _answered(request, log.envelopes(), events.SnapshotFailed)

@@ -731,7 +731,13 @@ class Verifier:
         if self.report.finding is None:
             for item in sorted(self._injected_at.values(), key=lambda i: i.stream_seq):
                 acted = self._causes.get(item.event_id or "")
-                if acted is not None and not item.reason.startswith("replayed"):
+                # (an authentic event of that id is what it acted on: anyone may store a
+                # message under an id read on the bus, and the verifier sets it aside)
+                if (
+                    acted is not None
+                    and item.event_id not in self._seen
+                    and not item.reason.startswith("replayed")
+                ):
                     self.report.finding = Finding(
                         acted,
                         None,

@@ -69,6 +69,18 @@ def output_event_id(input_id: str, event_type: str, n: int = 0, *, input_type: s
     return answer_event_id(input_type, input_id, f"{event_type}#{n}")
 
 
+def answer_ids(input_type: str, input_id: str, event_type: str) -> frozenset[str]:
+    """The ids the first answer of type ``event_type`` to an event may have: the one derived
+    now, and the one an earlier release derived from the input's id alone (its answers to
+    requests still being redelivered across an upgrade must still be found)."""
+    return frozenset(
+        {
+            output_event_id(input_id, event_type, input_type=input_type),
+            derive_event_id(input_id, f"{event_type}#0"),
+        }
+    )
+
+
 def new_sandbox_id() -> str:
     """Return a new sandbox id (``sbx_`` + 26 chars of a UUIDv7, sortable by creation)."""
     return "sbx_" + uuid6.uuid7().hex[:26]

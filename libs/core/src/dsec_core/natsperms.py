@@ -58,6 +58,9 @@ KEY_REVOKED = "audit.key_revoked"
 CONFIGMAP_BUCKET = "dsec-configmaps"
 HANDLED_BUCKET = "dsec-handled"
 """Event ids each consumer handled (replay protection, :mod:`dsec_core.trust`)."""
+ID_CLAIMS = "id"
+"""Keys ``id.<event id>`` of that bucket: the one message each user event id admits, claimed
+by the first consumer to admit it (``dsec_core.trust.Gate._claim``); every consumer writes."""
 _API = "$JS.API"
 
 
@@ -356,6 +359,7 @@ def publish_allow(role: str, node_id: str | None = None) -> list[str]:
         subjects.append(f"$KV.{HANDLED_BUCKET}.{durable}.>")  # the ids this durable handled
     if durables:
         subjects += _read_stream(f"KV_{HANDLED_BUCKET}")
+        subjects.append(f"$KV.{HANDLED_BUCKET}.{ID_CLAIMS}.>")  # user ids' claims
     for bucket in r.kv_read:
         subjects += _read_stream(f"KV_{bucket}")
     subjects += r.extra_publish

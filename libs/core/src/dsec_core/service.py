@@ -57,7 +57,7 @@ from dsec_core.bus import EventPublisher, StreamWeakened, connect, require_strea
 from dsec_core.envelope import Envelope, MalformedEnvelope
 from dsec_core.events import EventRejected, Payload, SandboxFailed, model_for
 from dsec_core.fairness import FairQueue, QueueClosed, TenantFull
-from dsec_core.ids import derive_event_id, output_event_id
+from dsec_core.ids import answer_ids, derive_event_id, output_event_id
 from dsec_core.natsperms import durable_name
 from dsec_core.settings import TENANT_QUEUE_MAX, Settings, settings_problem
 from dsec_core.signing import Signer
@@ -1061,19 +1061,16 @@ class Service:
         assert self.publisher is not None and self.gate is not None
         for answer in answers:
             if isinstance(answer, tuple):
-                model, wanted = answer[0], derive_event_id(envelope.id, answer[1])
+                model, wanted = answer[0], frozenset({derive_event_id(envelope.id, answer[1])})
             else:
-                model, wanted = (
-                    answer,
-                    output_event_id(envelope.id, answer.TYPE, 0, input_type=envelope.type),
-                )
+                model, wanted = answer, answer_ids(envelope.type, envelope.id, answer.TYPE)
             subject = subject_for(model.TYPE, envelope.aggregate_id)
             async for seq, data in scan_seq(
                 self.publisher.js, subject, ANSWER_SCAN, after=stream_seq
             ):
                 try:
                     fields = unpack_fields(data)
-                    if fields.get("id") != wanted or fields.get("subject") != subject:
+                    if fields.get("id") not in wanted or fields.get("subject") != subject:
                         continue
                     found = Envelope.model_validate(fields)
                 except (MalformedEnvelope, ValueError):

@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 
 HANDLED_BUCKET = "dsec-handled"
 HANDLED_TTL = timedelta(days=7)
+ID_CLAIMS = "id"
+"""Keys ``id.<event id>`` of the handled-ids bucket: the stream position of the one message
+each user event id admits (:meth:`Gate._claim`); every consumer may write them (the same name
+as ``natsperms.ID_CLAIMS``, which grants it)."""
 """How long a consumer remembers the ids it handled; older events are refused as stale."""
 _SCAN_LIMIT = 32  # messages read on one registration subject before giving up
 CLOCK_SKEW = timedelta(minutes=5)
@@ -639,13 +643,57 @@ class Gate:
             # Ids key what a consumer handled (``<consumer>.<id>``, and its runtime's attempts
             # beside it): an id with dots could land on another request's keys.
             return "malformed", f"event id {envelope.id[:80]!r} is not a UUID"
-        key = f"{consumer}.{envelope.id}"
+        taken = await self._claim(envelope, stream_seq)
+        if taken is not None:
+            return "replayed", taken
+        seen = await self._first(f"{consumer}.{envelope.id}", stream_seq)
+        if seen is None or seen == str(stream_seq):
+            return None  # (the same message again: a redelivery, the handler is idempotent)
+        return "replayed", f"event {envelope.id} was handled at stream sequence {seen}"
+
+    async def _first(self, key: str, stream_seq: int) -> str | None:
+        """Record ``stream_seq`` under ``key`` unless a value is there: None when recorded
+        now, else the value found."""
+        assert self._handled is not None
         try:
             await self._handled.create(key, str(stream_seq).encode())
             return None
         except KeyWrongLastSequenceError:
             entry = await self._handled.get(key)
-        seen = (entry.value or b"").decode()
-        if seen == str(stream_seq):
-            return None  # a redelivery of the same message: the handler is idempotent
-        return "replayed", f"event {envelope.id} was handled at stream sequence {seen}"
+        return (entry.value or b"").decode()
+
+    async def _claim(self, envelope: Envelope, stream_seq: int) -> str | None:
+        """One message per user event id, for every consumer alike: why this one is not it.
+
+        A user chooses its ids (fresh, but its own) and may store two requests under one (a
+        raw publish with a ``Nats-Msg-Id`` of its own). Replay protection per consumer let
+        each consumer take one of them: two services answered two requests under one answer
+        id, or one request's answer passed for the other's. The first consumer to admit one
+        claims the id for its stream position (``id.<event id>``, in the handled-ids
+        bucket); every consumer then admits that message alone. A claim is read back from
+        the log before it refuses anything, so a claim no authentic message of that id backs
+        (written by a compromised consumer) refuses nothing."""
+        assert self._handled is not None
+        cert = await self.keys.certificate(envelope.key_id, at_seq=stream_seq)
+        if isinstance(cert, str) or cert.role != "user":
+            return None  # (a service's ids are derived from its input: its own to keep)
+        found = await self._first(f"{ID_CLAIMS}.{envelope.id}", stream_seq)
+        try:
+            claimed = int(found) if found is not None else stream_seq
+        except ValueError:
+            return None
+        if claimed == stream_seq or not await self._authentic_at(claimed, envelope.id):
+            return None
+        return f"event id {envelope.id} is the id of the event at stream sequence {claimed}"
+
+    async def _authentic_at(self, stream_seq: int, event_id: str) -> bool:
+        """Whether the log holds, at ``stream_seq``, an authentic event of id ``event_id``."""
+        try:
+            msg = await self._js.get_msg(STREAM, seq=stream_seq)
+            fields = unpack_fields(msg.data or b"")
+            envelope = Envelope.model_validate(fields)
+        except Exception:  # (gone, or not an event: no claim to honour)
+            return False
+        return envelope.id == event_id and (
+            await self.check(fields, envelope, stream_seq=stream_seq) is None
+        )

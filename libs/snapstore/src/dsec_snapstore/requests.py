@@ -33,7 +33,7 @@ from dsec_core import events
 from dsec_core.bus import replay
 from dsec_core.codebundle import BundleError, archive_bound, extract_bundle
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
-from dsec_core.ids import output_event_id
+from dsec_core.ids import answer_ids
 from dsec_core.lifecycle import fold_envelopes
 from dsec_core.objectstore import BundleAltered, ObjectMissing, fetch_bundle
 from dsec_core.service import HANDLING_SEQ
@@ -109,7 +109,7 @@ def _answered(
     """Whether ``history`` holds an answer to ``request`` (the service runtime derives its id
     from the request's): a request delivered again after it was answered (an ack lost, its
     wait exceeded) must not act twice."""
-    ids = {output_event_id(request.id, a.TYPE, input_type=request.type) for a in answers}
+    ids = set().union(*(answer_ids(request.type, request.id, a.TYPE) for a in answers))
     return any(e.id in ids for e in history)
 
 

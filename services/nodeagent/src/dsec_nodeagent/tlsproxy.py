@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import errno
 import functools
 import http.client
 import ipaddress
 import math
 import os
+import random
 import shutil
 import socket
 import ssl
@@ -42,6 +44,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from dsec_core.spec.plan import EnforcementPlan, PlanEgressRule
 from dsec_core.threads import to_the_end
 from dsec_sdk.recording import Recorder, Replayer, ReplayMiss, http_key
+
+from dsec_nodeagent.dns.proxy import proxy_port_range
 
 HEAD_LIMIT = 64 * 1024  # request line + headers
 BODY_LIMIT = 8 * 1024 * 1024  # a request body, and a response body (buffered)
@@ -732,6 +736,10 @@ class TlsProxies:
         )
         self._proxies: dict[str, SandboxProxy] = {}
         self.forbidden: Callable[[str, int], bool] = lambda address, port: False
+        # Listen above the kernel's ephemeral range, as the DNS proxy does: no sandbox binds
+        # there (the bind hooks refuse it) and no autobind lands there, also while the node
+        # agent restarts and the listener is gone (a neighbour would take its connections).
+        self.ports = proxy_port_range()
 
     async def open(self, sid: str, plan: EnforcementPlan) -> ProxyGrant | None:
         """Start ``sid``'s proxy (None when its plan has no ``tls_proxy`` rule)."""
@@ -752,10 +760,25 @@ class TlsProxies:
         proxy = SandboxProxy(sid, rules, authority, refused, upstream=self.upstream)
         proxy.forbidden = self.forbidden
         self._proxies[sid] = proxy  # known before it listens: close(sid) ends it whatever happens
-        port = await proxy.start(PROXY_HOST)
+        port = await self._listen(proxy)
         url = f"http://{PROXY_HOST}:{port}"
         env = dict.fromkeys(PROXY_ENV, url) | dict.fromkeys(CA_ENV, CA_BUNDLE_PATH)
         return ProxyGrant(port, env, bundle, egress_through_proxy(plan, port))
+
+    async def _listen(self, proxy: SandboxProxy) -> int:
+        """Start ``proxy`` on a free port of :attr:`ports` (the kernel's choice without one)."""
+        if self.ports is None:
+            return await proxy.start(PROXY_HOST)
+        low, high = self.ports
+        size = high - low + 1
+        start = random.randrange(size)
+        for i in range(size):
+            try:
+                return await proxy.start(PROXY_HOST, low + (start + i) % size)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+        raise OSError(errno.EADDRINUSE, f"no free port for the HTTPS proxy in {low}-{high}")
 
     def port(self, sid: str) -> int | None:
         """The loopback port of ``sid``'s proxy, if it has one."""

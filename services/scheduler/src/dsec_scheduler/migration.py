@@ -267,7 +267,8 @@ class Migrator:
         in the end)."""
         await self.s.barrier(upto=HANDLING_SEQ.get())
         mid = answer_event_id(envelope.type, envelope.id, "migration")
-        if self.book.known(mid):
+        # (or under the id an earlier release derived from the request's id alone)
+        if self.book.known(mid) or self.book.known(derive_event_id(envelope.id, "migration")):
             return []  # handled before (a redelivery, a restart, another replica)
         async with self.s._deciding:
             await self._start(

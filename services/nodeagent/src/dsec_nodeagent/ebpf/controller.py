@@ -58,6 +58,23 @@ RING_PAUSES = Counter(
 )
 
 
+def without_private(plan: EgressPlan) -> EgressPlan:
+    """``plan`` without its private listeners and the loopback grants that reach them."""
+    private = set(plan.private_ports)
+    rules = tuple(
+        r
+        for r in plan.rules
+        if not (
+            r.cidr is not None
+            and r.cidr.prefixlen == r.cidr.max_prefixlen
+            and r.cidr.network_address.is_loopback
+            and r.ports
+            and set(r.ports) <= private
+        )
+    )
+    return plan.model_copy(update={"rules": rules, "private_ports": ()})
+
+
 @dataclass(frozen=True, slots=True)
 class AttachedSandbox:
     """A sandbox cgroup under enforcement."""
@@ -374,6 +391,11 @@ class EgressController:
             added = sorted(n for n, how in changed.items() if how == "added")
             if added:
                 log.info("egress: %s gained %s on adoption", plan.sandbox_id, ", ".join(added))
+            if plan.private_ports:
+                # Its HTTPS proxy went with the agent that ran it, and so does the way there:
+                # that port is anyone's now (the sandbox fails closed, never reaches another's).
+                plan = without_private(plan)
+                self.kernel.drop_cidrs(cgid)
             port = await self.proxy.serve(cgid, plan, int(record["dns_port"]))
             self.proxy.adopt(cgid, ((a, p, e) for a, p, _, e in self.kernel.host_entries(cgid)))
             self.kernel.add_cidrs(cgid, cidr_entries(plan))  # entries of an older agent gain flags

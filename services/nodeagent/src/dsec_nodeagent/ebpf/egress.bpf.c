@@ -248,25 +248,41 @@ BPF_TABLE_PINNED("hash", u64, struct sock_use, sock_use, MAX_SANDBOXES + 1,
 // The last quarter of the node's budget is kept for sandboxes holding fewer than this: a few
 // sandboxes with many sockets cannot leave their neighbours none.
 #define SMALL_SHARE 256
-// A socket's mark (storage of the socket itself), so whoever closes it gives its place back to
-// the count it was taken from. A socket holds a place while the sandbox has not released it
-// or while a TCP connection of it is open: a connection holds its port past the release until
-// the kernel is done with it (FIN_WAIT, LAST_ACK; then TIME_WAIT, counted apart). An accepted
-// socket (a clone of its listener, BPF_F_CLONE copies the listener's mark) holds the
-// listener's port while its connection is open, after the listener's close too, so it counts
-// as a connection of its own. A copy is told from a socket's own mark by the socket cookie.
-struct sock_mark {
+// A socket's place (storage of the socket itself, not copied to accepted sockets), so whoever
+// closes it gives the place back to the count it was taken from. A socket holds a place while
+// the sandbox has not released it or while a connection it made is open: a connection holds
+// its port past the release until the kernel is done with it (FIN_WAIT, LAST_ACK; then
+// TIME_WAIT, counted apart). (64-bit fields: the BPF atomic exchange is 64-bit only here.)
+struct sock_hold {
     u64 origin;      // the sandbox's cgroup id
-    u64 cookie;      // the socket's cookie (another: a copy on an accepted socket)
-    // (64-bit: the BPF atomic exchange is 64-bit only here)
     u64 counted;     // holds a place in the counts now (exchanged: given back once)
-    u64 unreleased;  // made by the sandbox's socket() and not yet released
+    u64 unreleased;  // made, or taken a port of its own, in the sandbox and not yet released
     u64 conn;        // a connection of it is open (sock_state, under the socket's lock)
     u64 connected;   // connect() was called on it: one again (after connect(AF_UNSPEC)) takes
                      // another port while the last may still be in TIME_WAIT (bounded alike)
+    u64 listener;    // an accepted socket's connection: its listener's cookie (listen_use)
 };
-BPF_TABLE_PINNED7("sk_storage", int, struct sock_mark, sock_mark, 0, PIN_DIR "/sock_mark",
+BPF_TABLE_PINNED7("sk_storage", int, struct sock_hold, sock_hold, 0, PIN_DIR "/sock_hold",
+                  BPF_F_NO_PREALLOC);
+// The sandbox and the listener of a socket, copied to the sockets it accepts (BPF_F_CLONE): an
+// accepted connection shares its listener's port and takes no place of its own; the listener
+// keeps its place while any of them is open (after its own release too), and a minute more
+// when the last one ended in TIME_WAIT. However many connect to it, a listener is one port.
+struct sock_link {
+    u64 origin;
+    u64 cookie;  // the listener's socket cookie (on the listener itself: its own)
+};
+BPF_TABLE_PINNED7("sk_storage", int, struct sock_link, sock_link, 0, PIN_DIR "/sock_link",
                   BPF_F_NO_PREALLOC | BPF_F_CLONE);
+struct listen_use {
+    u64 origin;
+    s64 children;    // accepted connections open
+    u64 holds;       // the released listener's place is held here (exchanged: once)
+    u64 released;    // the listener was released
+    u64 last_tw_ns;  // when one of its connections last entered TIME_WAIT
+};
+BPF_TABLE_PINNED("hash", u64, struct listen_use, listen_use, MAX_NODE_SOCKETS,
+                 PIN_DIR "/listen_use");
 
 // Connections of a count still in TIME_WAIT (entered within the last TW_SLOTS slots).
 static __always_inline u64 lingering(struct sock_use *u, u64 now) {
@@ -305,18 +321,12 @@ static __always_inline int over_budget(struct sock_use *mine, struct sock_use *n
            (node_use >= MAX_NODE_SOCKETS / 4 * 3 && mine_use >= SMALL_SHARE);
 }
 
-// Take a socket's place in the counts (take: 1) or give it back (0), once each way (the
-// exchange on `counted` decides: whoever comes last of a release and a connection's end gives
-// it back). The node's count always (a purged sandbox's sockets still hold the host's ports),
-// the sandbox's while it is registered (a purged one has no count left; and every program of
-// ours reads the sandboxes map: that is how an agent tells its programs from others', _ours).
-// A place taken here is for a connection already open (an accepted socket's, an MPTCP
-// subflow's): counted whatever the budget.
-static __always_inline void move_place(struct sock_mark *mark, u64 take) {
-    if (__sync_lock_test_and_set(&mark->counted, take) == take)
-        return;
-    u64 cgid = mark->origin, node_key = 0;
-    s64 delta = take ? 1 : -1;
+// Move one place of sandbox `cgid` in the counts (+1 or -1): the node's count always (a purged
+// sandbox's sockets still hold the host's ports), the sandbox's while it is registered (a
+// purged one has no count left; and every program of ours reads the sandboxes map: that is how
+// an agent tells its programs from others', kernel.py _ours).
+static __always_inline void count_place(u64 cgid, s64 delta) {
+    u64 node_key = 0;
     struct sock_use *node = sock_use.lookup(&node_key);
     if (node)
         __sync_fetch_and_add(&node->live, delta);
@@ -325,25 +335,64 @@ static __always_inline void move_place(struct sock_mark *mark, u64 take) {
         __sync_fetch_and_add(&mine->live, delta);
 }
 
-// connect() of a stream socket (TCP, MPTCP) that takes a place it does not hold yet: one
-// connected before (connect(AF_UNSPEC) in between: its last connection may still hold its
-// port in TIME_WAIT), or one holding no place (an accepted socket whose connection ended).
-// Runs under the socket's lock.
-static __always_inline int reconnect_over(struct bpf_sock_addr *ctx, u64 cgid) {
-    struct bpf_sock *sk = ctx->sk;
-    if (ctx->type != 1 /* SOCK_STREAM */ || !sk)
+// A port kept a minute more by a connection in TIME_WAIT, in the counts of sandbox `cgid`.
+static __always_inline void count_linger(u64 cgid) {
+    u64 node_key = 0, now = bpf_ktime_get_ns();
+    struct sock_use *node = sock_use.lookup(&node_key);
+    if (node)
+        linger_one(node, now);
+    struct sock_use *mine = sandboxes.lookup(&cgid) ? sock_use.lookup(&cgid) : 0;
+    if (mine)
+        linger_one(mine, now);
+}
+
+// Take a socket's place (take: 1) or give it back (0), once each way (the exchange on
+// `counted` decides: whoever comes last of a release and a connection's end gives it back).
+static __always_inline void move_place(struct sock_hold *hold, u64 take) {
+    if (__sync_lock_test_and_set(&hold->counted, take) != take)
+        count_place(hold->origin, take ? 1 : -1);
+}
+
+// A released listener whose last accepted connection has ended gives its place back, with a
+// minute more when a connection of it entered TIME_WAIT within the last (its port is kept).
+static __always_inline void settle_listener(u64 key, struct listen_use *l) {
+    if (__sync_lock_test_and_set(&l->holds, 0) != 1)
+        return;
+    count_place(l->origin, -1);
+    if (l->last_tw_ns && bpf_ktime_get_ns() - l->last_tw_ns < TW_SLOTS * TW_SLOT_NS)
+        count_linger(l->origin);
+    listen_use.delete(&key);
+}
+
+// A socket of the sandbox that holds no place takes one, within the budget, before it takes a
+// port of its own (an accepted socket bound or connected again after connect(AF_UNSPEC)); a
+// stream socket's connect() again takes another port while its last may be in TIME_WAIT.
+// 1: over the budget (refused). Runs under the socket's lock.
+static __always_inline int port_over(struct bpf_sock *sk, u64 cgid, int connecting) {
+    if (!sk)
         return 0;
-    struct sock_mark *mark = sock_mark.sk_storage_get(sk, 0, 0);
-    if (!mark || !mark->origin)
-        return 0;
-    int first = !mark->connected && mark->counted && mark->cookie == bpf_get_socket_cookie(ctx);
-    mark->connected = 1;
+    struct sock_hold *hold = sock_hold.sk_storage_get(sk, 0, 0);
+    if (!hold || !hold->origin || hold->conn)
+        return 0;  // (created before the count; or connected: the kernel refuses it anyway)
+    int first = hold->counted && !(connecting && hold->connected);
+    if (connecting)
+        hold->connected = 1;
     if (first)
         return 0;
     u64 node_key = 0;
     struct sock_use *mine = sock_use.lookup(&cgid);
     struct sock_use *node = sock_use.lookup(&node_key);
-    return !mine || !node || over_budget(mine, node);
+    if (!mine || !node || over_budget(mine, node))
+        return 1;
+    if (!hold->counted) {
+        __sync_lock_test_and_set(&hold->unreleased, 1);  // its release gives it back
+        move_place(hold, 1);
+    }
+    return 0;
+}
+
+static __always_inline int reconnect_over(struct bpf_sock_addr *ctx, u64 cgid) {
+    return ctx->type == 1 /* SOCK_STREAM */ && port_over(ctx->sk, cgid, 1);
 }
 
 
@@ -622,9 +671,17 @@ static __always_inline int proxy_port(u16 port);
 static __always_inline int neighbours_proxy(struct sbx_cfg *cfg, u64 cgid, u16 port) {
     u32 k = port;
     u64 *owner = private_ports.lookup(&k);
-    if (owner && *owner != cgid)
-        return 1;
+    if (owner)  // (its own HTTPS proxy listens in the proxies' range too)
+        return *owner != cgid;
     return proxy_port(port) && port != bpf_ntohs((u16)cfg->proxy_port);
+}
+
+// Another sandbox's private listener port: no sandbox binds it (its owner would connect to the
+// binder's listener), also once the listener is gone (its agent restarting).
+static __always_inline int others_private(u64 cgid, u16 port) {
+    u32 k = port;
+    u64 *owner = private_ports.lookup(&k);
+    return owner && *owner != cgid;
 }
 
 static __always_inline int decide4(struct bpf_sock_addr *ctx, struct sbx_cfg *cfg, u64 cgid,
@@ -822,13 +879,15 @@ static __always_inline int bind_hook4(struct bpf_sock_addr *ctx) {
     u32 ev_addr[4] = {ip, 0, 0, 0};
     if (!cfg)
         return bind_refused(0, cgid, V_DENY_UNKNOWN_SANDBOX, H_BIND4, 4, ctx, ev_addr, port);
+    if (port_over(ctx->sk, cgid, 0))
+        return bind_refused(cfg, cgid, V_DENY_SOCKETS, H_BIND4, 4, ctx, ev_addr, port);
     if (ip == 0) {
         ip = bpf_htonl(0x7f000001);
         ctx->user_ip4 = ip;
     }
     if (((u8 *)&ip)[0] != 127)
         return bind_refused(cfg, cgid, V_DENY_BIND, H_BIND4, 4, ctx, ev_addr, port);
-    if (port && (proxy_port(port) || is_stack4(ip, port)))
+    if (port && (proxy_port(port) || others_private(cgid, port) || is_stack4(ip, port)))
         return bind_refused(cfg, cgid, V_DENY_STACK, H_BIND4, 4, ctx, ev_addr, port);
     return 1;
 }
@@ -840,6 +899,8 @@ static __always_inline int bind_hook6(struct bpf_sock_addr *ctx) {
     u16 port = bpf_ntohs((u16)ctx->user_port);
     if (!cfg)
         return bind_refused(0, cgid, V_DENY_UNKNOWN_SANDBOX, H_BIND6, 6, ctx, ip, port);
+    if (port_over(ctx->sk, cgid, 0))
+        return bind_refused(cfg, cgid, V_DENY_SOCKETS, H_BIND6, 6, ctx, ip, port);
     if (is_v4_mapped(ip)) {  // ::ffff:a.b.c.d is IPv4 (events carry family 4, as connect6's)
         u32 v4 = ip[3];
         u32 ev4[4] = {v4, 0, 0, 0};
@@ -849,7 +910,7 @@ static __always_inline int bind_hook6(struct bpf_sock_addr *ctx) {
         }
         if (((u8 *)&v4)[0] != 127)
             return bind_refused(cfg, cgid, V_DENY_BIND, H_BIND6, 4, ctx, ev4, port);
-        if (port && (proxy_port(port) || is_stack4(v4, port)))
+        if (port && (proxy_port(port) || others_private(cgid, port) || is_stack4(v4, port)))
             return bind_refused(cfg, cgid, V_DENY_STACK, H_BIND6, 4, ctx, ev4, port);
         return 1;
     }
@@ -859,7 +920,7 @@ static __always_inline int bind_hook6(struct bpf_sock_addr *ctx) {
     }
     if (!(ip[0] == 0 && ip[1] == 0 && ip[2] == 0 && ip[3] == bpf_htonl(1)))
         return bind_refused(cfg, cgid, V_DENY_BIND, H_BIND6, 6, ctx, ip, port);
-    if (port && (proxy_port(port) || is_stack6(ip, port)))
+    if (port && (proxy_port(port) || others_private(cgid, port) || is_stack6(ip, port)))
         return bind_refused(cfg, cgid, V_DENY_STACK, H_BIND6, 6, ctx, ip, port);
     return 1;
 }
@@ -902,6 +963,10 @@ int sock_create(struct bpf_sock *sk) {
         count(cgid, 0, V_DENY_UNKNOWN_SANDBOX);
         return 0;
     }
+    if (sk->protocol == PROTO_MPTCP) {  // (seccomp refuses it first: its subflows are the
+        count(cgid, 0, V_DENY_PROTOCOL);  // kernel's sockets, beyond these counts)
+        return 0;
+    }
     struct sock_use zero = {};
     u64 node_key = 0;
     struct sock_use *mine = sock_use.lookup_or_try_init(&cgid, &zero);
@@ -911,94 +976,117 @@ int sock_create(struct bpf_sock *sk) {
         emit_socket(cgid, V_DENY_SOCKETS, sk);
         return 0;
     }
-    struct sock_mark *mark = sock_mark.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-    if (!mark)
-        return 0;  // no memory for the mark: refused, never uncounted
-    mark->origin = cgid;
-    mark->cookie = bpf_get_socket_cookie(sk);
-    mark->unreleased = 1;
-    mark->conn = 0;
-    mark->connected = 0;
-    mark->counted = 1;
+    struct sock_hold *hold = sock_hold.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+    struct sock_link *link = sock_link.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+    if (!hold || !link)
+        return 0;  // no memory for the marks: refused, never uncounted
+    hold->origin = cgid;
+    hold->unreleased = 1;
+    hold->conn = 0;
+    hold->connected = 0;
+    hold->listener = 0;
+    hold->counted = 1;
+    link->origin = cgid;
+    link->cookie = bpf_get_socket_cookie(sk);
     __sync_fetch_and_add(&mine->live, 1);
     __sync_fetch_and_add(&node->live, 1);
     return 1;
 }
 
 int sock_release(struct bpf_sock *sk) {
-    struct sock_mark *mark = sock_mark.sk_storage_get(sk, 0, 0);
-    // (none: created before the count; a copy: an accepted socket's, counted by its connection)
-    if (!mark || mark->cookie != bpf_get_socket_cookie(sk))
+    struct sock_hold *hold = sock_hold.sk_storage_get(sk, 0, 0);
+    // (none: created before the count; or an accepted socket that took no port of its own)
+    if (!hold || __sync_lock_test_and_set(&hold->unreleased, 0) != 1)
         return 1;
-    if (__sync_lock_test_and_set(&mark->unreleased, 0) != 1)
+    u64 key = bpf_get_socket_cookie(sk);
+    struct listen_use *l = listen_use.lookup(&key);
+    if (l) {  // a listener that accepted: its open connections keep its port
+        if (__sync_lock_test_and_set(&hold->counted, 0) == 1)
+            __sync_lock_test_and_set(&l->holds, 1);  // its place moves there
+        __sync_lock_test_and_set(&l->released, 1);
+        if (l->children <= 0)  // (after the exchanges: the last connection's end, racing,
+            settle_listener(key, l);  // reads it as released, and one of them settles)
         return 1;
-    if (!mark->conn)  // (after the exchange: the connection's end, racing, reads it as done)
-        move_place(mark, 0);
+    }
+    if (!hold->conn)  // (after the exchange: the connection's end, racing, reads it as done)
+        move_place(hold, 0);
     return 1;
 }
 
-// sockops: follows each TCP connection of a sandbox's sockets, made or accepted. At its start
-// (TCP_CONNECT_CB, PASSIVE_ESTABLISHED_CB) it asks for state changes. A change to CLOSE ends
-// the connection (its port is free, or in TIME_WAIT); from FIN_WAIT1, FIN_WAIT2 or CLOSING it
-// is the connection entering TIME_WAIT (tcp_time_wait, then tcp_done; also a rare reset
-// there, counted alike), released or not. Runs under the socket's lock, often in softirq: the
-// sandbox is the socket's mark, not the current task, except at connect() (the sandbox's own
-// call): a socket with no mark there is the kernel's under one of the sandbox's (an MPTCP
-// subflow), marked then.
+// sockops: follows each TCP connection of a sandbox's sockets, made (TCP_CONNECT_CB) or
+// accepted (PASSIVE_ESTABLISHED_CB), asking for its state changes. A change to CLOSE ends the
+// connection (its port is free, or in TIME_WAIT); from FIN_WAIT1, FIN_WAIT2 or CLOSING it is
+// the connection entering TIME_WAIT (tcp_time_wait, then tcp_done; also a rare reset there,
+// counted alike), released or not. TCP_LISTEN_CB: a socket of the sandbox holding no place
+// (an accepted one, connect(AF_UNSPEC) and listen()) takes a port by listening: counted.
+// Runs under the socket's lock, often in softirq: the sandbox is the socket's marks.
 int sock_state(struct bpf_sock_ops *skops) {
     u32 op = skops->op;
-    if (op != BPF_SOCK_OPS_TCP_CONNECT_CB && op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB &&
-        (op != BPF_SOCK_OPS_STATE_CB || skops->args[1] != BPF_TCP_CLOSE))
-        return 1;
     struct bpf_sock *sk = skops->sk;
     if (!sk)
         return 1;
-    u64 cookie = bpf_get_socket_cookie(skops);
-    struct sock_mark *mark = sock_mark.sk_storage_get(sk, 0, 0);
-    if (!mark && op == BPF_SOCK_OPS_TCP_CONNECT_CB) {
-        u64 cgid = 0;
-        if (!find_sandbox(&cgid))
-            return 1;  // (a kernel worker's: not the sandbox's own call)
-        mark = sock_mark.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-        if (!mark)
+    if (op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB) {
+        struct sock_link *link = sock_link.sk_storage_get(sk, 0, 0);  // (its listener's copy)
+        if (!link || !link->origin)
             return 1;
-        mark->origin = cgid;
-        mark->cookie = cookie;
-    }
-    if (!mark || !mark->origin)
-        return 1;
-    if (mark->cookie != cookie) {  // a copy of its listener's mark: an accepted socket
-        if (op == BPF_SOCK_OPS_STATE_CB)
-            return 1;  // (ended before it was established: it held nothing of its own)
-        mark->cookie = cookie;  // its own from now on
-        mark->counted = 0;
-        mark->unreleased = 0;
-        mark->conn = 0;
-        mark->connected = 0;
-    }
-    if (op != BPF_SOCK_OPS_STATE_CB) {
+        struct sock_hold *hold = sock_hold.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+        if (!hold)
+            return 1;
+        struct listen_use fresh = {.origin = link->origin};
+        u64 key = link->cookie;
+        struct listen_use *l = listen_use.lookup_or_try_init(&key, &fresh);
+        hold->origin = link->origin;
+        hold->listener = l ? key : 0;
+        link->cookie = bpf_get_socket_cookie(skops);  // (a listener of its own one day)
+        if (l) {
+            __sync_fetch_and_add(&l->children, 1);
+            __sync_lock_test_and_set(&hold->conn, 1);
+        }
         bpf_sock_ops_cb_flags_set(skops,
                                   skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
-        if (!mark->conn) {
-            __sync_lock_test_and_set(&mark->conn, 1);
-            move_place(mark, 1);  // (a socket of the sandbox's socket() holds one already)
+        return 1;
+    }
+    struct sock_hold *hold = sock_hold.sk_storage_get(sk, 0, 0);
+    if (!hold || !hold->origin)
+        return 1;
+    if (op == BPF_SOCK_OPS_TCP_LISTEN_CB) {
+        if (!hold->counted) {
+            __sync_lock_test_and_set(&hold->unreleased, 1);
+            move_place(hold, 1);
         }
         return 1;
     }
-    if (__sync_lock_test_and_set(&mark->conn, 0) != 1)
+    if (op == BPF_SOCK_OPS_TCP_CONNECT_CB) {
+        bpf_sock_ops_cb_flags_set(skops,
+                                  skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+        if (!hold->conn) {
+            __sync_lock_test_and_set(&hold->conn, 1);
+            move_place(hold, 1);  // (a socket of the sandbox holds one already: no change)
+        }
+        return 1;
+    }
+    if (op != BPF_SOCK_OPS_STATE_CB || skops->args[1] != BPF_TCP_CLOSE)
+        return 1;
+    if (__sync_lock_test_and_set(&hold->conn, 0) != 1)
         return 1;
     u32 old = skops->args[0];
-    if (old == BPF_TCP_FIN_WAIT1 || old == BPF_TCP_FIN_WAIT2 || old == BPF_TCP_CLOSING) {
-        u64 cgid = mark->origin, node_key = 0, now = bpf_ktime_get_ns();
-        struct sock_use *node = sock_use.lookup(&node_key);
-        if (node)
-            linger_one(node, now);
-        struct sock_use *mine = sandboxes.lookup(&cgid) ? sock_use.lookup(&cgid) : 0;
-        if (mine)
-            linger_one(mine, now);
+    int tw = old == BPF_TCP_FIN_WAIT1 || old == BPF_TCP_FIN_WAIT2 || old == BPF_TCP_CLOSING;
+    u64 key = hold->listener;
+    if (key) {  // an accepted connection: its listener's port
+        hold->listener = 0;
+        struct listen_use *l = listen_use.lookup(&key);
+        if (!l)
+            return 1;
+        if (tw)
+            l->last_tw_ns = bpf_ktime_get_ns();
+        if (__sync_fetch_and_add(&l->children, -1) == 1 && l->released)
+            settle_listener(key, l);
+        return 1;
     }
-    if (!mark->unreleased)  // (after the exchange: a release racing it reads it as ended)
-        move_place(mark, 0);
+    if (tw)
+        count_linger(hold->origin);
+    if (!hold->unreleased)  // (after the exchange: a release racing it reads it as ended)
+        move_place(hold, 0);
     return 1;
 }
 

@@ -66,7 +66,9 @@ MAP_NAMES = (
     "dns_ports",
     "private_ports",
     "sock_use",
-    "sock_mark",
+    "sock_hold",
+    "sock_link",
+    "listen_use",
     "events",
 )
 _PER_CGROUP_MAPS = ("cidr4", "cidr6", "host4", "host6", "buckets", "counters")
@@ -542,6 +544,13 @@ class EgressKernel:
         table = self._table("private_ports")
         for port in ports:
             table[ctypes.c_uint32(port)] = ctypes.c_uint64(cgroup_id)
+
+    def drop_cidrs(self, cgroup_id: int) -> None:
+        """Remove a cgroup's address-range grants (before they are set again)."""
+        for name in ("cidr4", "cidr6"):
+            table = self._table(name)
+            for k in [k for k in table if int(k.cgid) == cgroup_id]:
+                table.pop(k, None)
 
     def clear_private_ports(self) -> None:
         """Forget every reservation (the listeners of an earlier agent are gone with it)."""

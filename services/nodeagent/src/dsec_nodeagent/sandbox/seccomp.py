@@ -4,7 +4,8 @@ Everything a Python program and its children need is allowed (:data:`ALLOWED_SYS
 other call is refused. Three calls are allowed only for some arguments, read from registers:
 
 * ``socket``: families ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` (streams and datagrams only;
-  protocols TCP, UDP and MPTCP only: an ICMP or SCTP socket sends past the egress hooks), and
+  protocols TCP and UDP only: an ICMP or SCTP socket sends past the egress hooks, an MPTCP one
+  connects through the kernel's own sockets, past the count of ports), and
   ``AF_NETLINK`` with protocol ``NETLINK_ROUTE`` only (reading interfaces and routes). Every other
   family (``AF_VSOCK``, ``AF_PACKET``, ``AF_ALG``, ``AF_KEY``, ``AF_BLUETOOTH``, other netlink
   protocols, ...) is refused with ``EAFNOSUPPORT``; ``socketpair`` is ``AF_UNIX`` only.
@@ -137,8 +138,10 @@ SOCK_STREAM = 1
 SOCK_DGRAM = 2
 SOCK_RAW = 3
 SOCK_TYPE_MASK = 0xF
-IP_PROTOCOLS = (0, 6, 17, 262)
-"""An IP socket's protocols: the default, TCP, UDP and MPTCP (what the egress hooks judge)."""
+IP_PROTOCOLS = (0, 6, 17)
+"""An IP socket's protocols: the default, TCP and UDP (what the egress hooks judge and count).
+Not MPTCP: its connections are made by the kernel's own sockets under the sandbox's (subflows),
+beyond the count of the host's ports a sandbox holds (Go, curl and others fall back to TCP)."""
 _SOCK_TYPES = {4: "SOCK_RDM", 5: "SOCK_SEQPACKET", 6: "SOCK_DCCP", 10: "SOCK_PACKET"}
 _IP_PROTOCOL_NAMES = {1: "IPPROTO_ICMP", 58: "IPPROTO_ICMPV6", 132: "IPPROTO_SCTP"}
 #: Socket families a sandbox may open (``AF_NETLINK``: ``NETLINK_ROUTE`` only).
