@@ -116,6 +116,19 @@ async def _snapshot_service_and_a_user(tmp_path: Path) -> tuple[Any, MemoryLog, 
     return root, log, service, user, memory_gate(root, log)
 
 
+async def _rollback_under(user: Any, gate: Any, event_id: str) -> Any:
+    """``user`` asks a rollback of a sandbox of nobody under ``event_id``; the rollback
+    consumer's verdict."""
+    sent = await user.publish(
+        events.SnapshotRestoreRequested(snapshot="a"),
+        aggregate_id=new_sandbox_id(),
+        event_id=event_id,
+    )
+    return await gate.admit(
+        sent.sealed.wire, stream_seq=sent.stream_seq, consumer="snapshot-snapshot-restore_requested"
+    )
+
+
 async def test_a_user_reusing_its_own_request_id_does_not_make_audit_verify_report_tampering(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -146,16 +159,7 @@ async def test_a_user_reusing_its_own_request_id_does_not_make_audit_verify_repo
 
     # (about another sandbox of nobody: the handler's own `_answered` reads that sandbox's
     # history, where no answer to the id is)
-    second = await user.publish(
-        events.SnapshotRestoreRequested(snapshot="a"),
-        aggregate_id=new_sandbox_id(),
-        event_id=first.sealed.id,
-    )
-    verdict2 = await gate.admit(
-        second.sealed.wire,
-        stream_seq=second.stream_seq,
-        consumer="snapshot-snapshot-restore_requested",
-    )
+    verdict2 = await _rollback_under(user, gate, first.sealed.id)
     # a user's event id is dated when it is made: used again on another request after the
     # duplicate window, it is refused by every consumer, so no service answers it twice
     assert isinstance(verdict2, Refusal) and verdict2.reason == "id-not-fresh", verdict2
@@ -220,17 +224,47 @@ async def test_one_fresh_id_admits_one_message_for_every_consumer(tmp_path: Path
     )
 
 
-async def test_a_claim_no_authentic_message_backs_refuses_nothing(tmp_path: Path) -> None:
-    """Every consumer may write the id claims: one written by a compromised consumer, naming
-    a stream position where no authentic event of that id is, refuses nothing."""
+async def test_another_users_message_under_a_copied_id_gets_no_request_refused(
+    tmp_path: Path,
+) -> None:
+    """Users read every subject: a user of another tenant copies a request's fresh id onto a
+    request of its own of another kind, taken first by an idle consumer. A claim on the id
+    alone then had every consumer refuse the victim's request as a replay. Claims are per
+    signing key."""
     _, log, _, user, gate = await _snapshot_service_and_a_user(tmp_path)
+    victim = await trust.publisher(log, tmp_path, "user", tenant="default")  # type: ignore[arg-type]
+    asked = await victim.publish(SnapshotRequested(name="a"), aggregate_id=new_sandbox_id())
+    log._ids.clear()
+    first = await _rollback_under(user, gate, asked.sealed.id)
+    assert not isinstance(first, Refusal), first
+    for consumer in ("snapshot-snapshot-requested", "nodeagent-n1-snapshot-requested"):
+        verdict = await gate.admit(
+            asked.sealed.wire, stream_seq=asked.stream_seq, consumer=consumer
+        )
+        assert not isinstance(verdict, Refusal), (consumer, verdict)
+
+
+async def test_a_claim_no_such_message_backs_refuses_nothing(tmp_path: Path) -> None:
+    """Every consumer may write the id claims. One written by a compromised consumer refuses
+    nothing unless it names where the log holds an authentic event of the same key and id on
+    its own subject: not an unrelated event, not the request's own bytes stored on another
+    subject, not another key's event under that id."""
+    _, log, _, user, gate = await _snapshot_service_and_a_user(tmp_path)
+    other = await trust.publisher(log, tmp_path, "user", tenant="evil")  # type: ignore[arg-type]
     decoy = await user.publish(SnapshotRequested(name="x"), aggregate_id=new_sandbox_id())
     asked = await user.publish(SnapshotRequested(name="a"), aggregate_id=new_sandbox_id())
-    await log.handled.create(f"id.{asked.sealed.id}", str(decoy.stream_seq).encode())
-    verdict = await gate.admit(
-        asked.sealed.wire, stream_seq=asked.stream_seq, consumer="snapshot-snapshot-requested"
+    copy = await log.publish("dsec.node.joined.n9", asked.sealed.wire)
+    log._ids.clear()
+    theirs = await other.publish(
+        SnapshotRequested(name="b"), aggregate_id=new_sandbox_id(), event_id=asked.sealed.id
     )
-    assert not isinstance(verdict, Refusal), verdict
+    claim = f"id.{asked.sealed.envelope.key_id}.{asked.sealed.id}"
+    for n, pointed in enumerate((decoy.stream_seq, copy.seq, theirs.stream_seq)):
+        await log.handled.put(claim, str(pointed).encode())
+        verdict = await gate.admit(
+            asked.sealed.wire, stream_seq=asked.stream_seq, consumer=f"snapshot-{n}"
+        )
+        assert not isinstance(verdict, Refusal), (pointed, verdict)
 
 
 async def test_a_message_stored_under_an_answered_requests_id_makes_verify_report_nothing(

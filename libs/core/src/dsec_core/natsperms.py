@@ -59,8 +59,9 @@ CONFIGMAP_BUCKET = "dsec-configmaps"
 HANDLED_BUCKET = "dsec-handled"
 """Event ids each consumer handled (replay protection, :mod:`dsec_core.trust`)."""
 ID_CLAIMS = "id"
-"""Keys ``id.<event id>`` of that bucket: the one message each user event id admits, claimed
-by the first consumer to admit it (``dsec_core.trust.Gate._claim``); every consumer writes."""
+"""Keys ``id.<key id>.<event id>`` of that bucket: the one message each user key's event id
+admits, claimed by the first consumer to admit it (``dsec_core.trust.Gate._claim``); every
+consumer writes."""
 _API = "$JS.API"
 
 

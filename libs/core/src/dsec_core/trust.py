@@ -56,9 +56,9 @@ log = logging.getLogger(__name__)
 HANDLED_BUCKET = "dsec-handled"
 HANDLED_TTL = timedelta(days=7)
 ID_CLAIMS = "id"
-"""Keys ``id.<event id>`` of the handled-ids bucket: the stream position of the one message
-each user event id admits (:meth:`Gate._claim`); every consumer may write them (the same name
-as ``natsperms.ID_CLAIMS``, which grants it)."""
+"""Keys ``id.<key id>.<event id>`` of the handled-ids bucket: the stream position of the one
+message each user key's event id admits (:meth:`Gate._claim`); every consumer may write them
+(the same name as ``natsperms.ID_CLAIMS``, which grants it)."""
 """How long a consumer remembers the ids it handled; older events are refused as stale."""
 _SCAN_LIMIT = 32  # messages read on one registration subject before giving up
 CLOCK_SKEW = timedelta(minutes=5)
@@ -663,37 +663,43 @@ class Gate:
         return (entry.value or b"").decode()
 
     async def _claim(self, envelope: Envelope, stream_seq: int) -> str | None:
-        """One message per user event id, for every consumer alike: why this one is not it.
+        """One message per user key and event id, for every consumer alike: why this one is
+        not it.
 
         A user chooses its ids (fresh, but its own) and may store two requests under one (a
         raw publish with a ``Nats-Msg-Id`` of its own). Replay protection per consumer let
         each consumer take one of them: two services answered two requests under one answer
         id, or one request's answer passed for the other's. The first consumer to admit one
-        claims the id for its stream position (``id.<event id>``, in the handled-ids
-        bucket); every consumer then admits that message alone. A claim is read back from
-        the log before it refuses anything, so a claim no authentic message of that id backs
-        (written by a compromised consumer) refuses nothing."""
+        claims the id for its stream position (``id.<key id>.<event id>``, in the handled-ids
+        bucket); every consumer then admits that message alone. Claims are per signing key:
+        another user's message under a copied id claims nothing of this one's. A claim is read
+        back from the log before it refuses anything (the same key, id and subject, stored
+        where it says), so a claim no such message backs (written by a compromised consumer,
+        pointed at a copy elsewhere) refuses nothing."""
         assert self._handled is not None
         cert = await self.keys.certificate(envelope.key_id, at_seq=stream_seq)
         if isinstance(cert, str) or cert.role != "user":
             return None  # (a service's ids are derived from its input: its own to keep)
-        found = await self._first(f"{ID_CLAIMS}.{envelope.id}", stream_seq)
         try:
+            found = await self._first(f"{ID_CLAIMS}.{envelope.key_id}.{envelope.id}", stream_seq)
             claimed = int(found) if found is not None else stream_seq
-        except ValueError:
-            return None
-        if claimed == stream_seq or not await self._authentic_at(claimed, envelope.id):
+        except (ValueError, NotFoundError):
+            return None  # (a claim junk or gone meanwhile: the consumer's own check stands)
+        if claimed == stream_seq or not await self._same_at(claimed, envelope):
             return None
         return f"event id {envelope.id} is the id of the event at stream sequence {claimed}"
 
-    async def _authentic_at(self, stream_seq: int, event_id: str) -> bool:
-        """Whether the log holds, at ``stream_seq``, an authentic event of id ``event_id``."""
+    async def _same_at(self, stream_seq: int, envelope: Envelope) -> bool:
+        """Whether the log holds, at ``stream_seq``, an authentic event of ``envelope``'s id and
+        signing key, stored on its own subject (not a copy elsewhere)."""
         try:
             msg = await self._js.get_msg(STREAM, seq=stream_seq)
             fields = unpack_fields(msg.data or b"")
-            envelope = Envelope.model_validate(fields)
+            found = Envelope.model_validate(fields)
         except Exception:  # (gone, or not an event: no claim to honour)
             return False
-        return envelope.id == event_id and (
-            await self.check(fields, envelope, stream_seq=stream_seq) is None
-        )
+        if (found.id, found.key_id) != (envelope.id, envelope.key_id):
+            return False
+        if msg.subject != found.subject:
+            return False
+        return await self.check(fields, found, stream_seq=stream_seq) is None

@@ -92,6 +92,11 @@ class MemoryKV:
             raise NotFoundError()
         return self._items[key]
 
+    async def put(self, key: str, value: bytes) -> int:
+        self._revision += 1
+        self._items[key] = _Entry(key, value, self._revision)
+        return self._revision
+
     async def update(self, key: str, value: bytes, last: int | None = None) -> int:
         if key not in self._items or self._items[key].revision != last:
             raise KeyWrongLastSequenceError()

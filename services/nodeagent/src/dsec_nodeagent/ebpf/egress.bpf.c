@@ -999,7 +999,7 @@ int sock_release(struct bpf_sock *sk) {
     if (!hold || __sync_lock_test_and_set(&hold->unreleased, 0) != 1)
         return 1;
     u64 key = bpf_get_socket_cookie(sk);
-    struct listen_use *l = listen_use.lookup(&key);
+    struct listen_use *l = hold->conn ? 0 : listen_use.lookup(&key);
     if (l) {  // a listener that accepted: its open connections keep its port
         if (__sync_lock_test_and_set(&hold->counted, 0) == 1)
             __sync_lock_test_and_set(&l->holds, 1);  // its place moves there
@@ -1038,10 +1038,11 @@ int sock_state(struct bpf_sock_ops *skops) {
         hold->origin = link->origin;
         hold->listener = l ? key : 0;
         link->cookie = bpf_get_socket_cookie(skops);  // (a listener of its own one day)
-        if (l) {
+        __sync_lock_test_and_set(&hold->conn, 1);
+        if (l)
             __sync_fetch_and_add(&l->children, 1);
-            __sync_lock_test_and_set(&hold->conn, 1);
-        }
+        else  // (no room to follow its listener: it counts as a place of its own, the safe side)
+            move_place(hold, 1);
         bpf_sock_ops_cb_flags_set(skops,
                                   skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
         return 1;
