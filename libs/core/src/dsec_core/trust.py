@@ -44,6 +44,7 @@ from dsec_core.eventtypes import unpack_fields as unpack_fields
 from dsec_core.identity import Certificate
 from dsec_core.ids import canonical_uuid as canonical_uuid
 from dsec_core.lifecycle import LIFECYCLE_TYPES, Lifecycle, fold_envelopes
+from dsec_core.natsperms import ID_CLAIMS
 from dsec_core.signing import verify_raw
 from dsec_core.subjects import STREAM, filter_for, subject_for
 from dsec_core.trustcheck import registration_problem as registration_problem  # (defined there)
@@ -55,10 +56,6 @@ log = logging.getLogger(__name__)
 
 HANDLED_BUCKET = "dsec-handled"
 HANDLED_TTL = timedelta(days=7)
-ID_CLAIMS = "id"
-"""Keys ``id.<key id>.<event id>`` of the handled-ids bucket: the stream position of the one
-message each user key's event id admits (:meth:`Gate._claim`); every consumer may write them
-(the same name as ``natsperms.ID_CLAIMS``, which grants it)."""
 """How long a consumer remembers the ids it handled; older events are refused as stale."""
 _SCAN_LIMIT = 32  # messages read on one registration subject before giving up
 CLOCK_SKEW = timedelta(minutes=5)
@@ -322,10 +319,13 @@ class Gate:
             refusal = ("misrouted", f"an envelope for {envelope.subject!r} stored on {subject!r}")
         elif event_type is not None and envelope.type != event_type:
             refusal = ("misrouted", f"a {envelope.type} where {event_type} was expected")
-        refusal = refusal or await self.check(fields, envelope, stream_seq=stream_seq)
-        if refusal is None and consumer is not None:
+        checked = refusal or await self._verified(fields, envelope, stream_seq)
+        refusal = None if isinstance(checked, Certificate) else checked
+        if isinstance(checked, Certificate) and consumer is not None:
             try:
-                refusal = await self._replay(envelope, stream_seq, consumer)
+                refusal = await self._replay(
+                    envelope, stream_seq, consumer, user=checked.role == "user"
+                )
             except (TypeError, ValueError) as exc:
                 refusal = ("malformed", f"{type(exc).__name__}: {exc}")
         if refusal is None:
@@ -341,6 +341,13 @@ class Gate:
 
         Never raises: whatever a hostile message makes go wrong is a refusal (``malformed``).
         """
+        checked = await self._verified(fields, envelope, stream_seq)
+        return None if isinstance(checked, Certificate) else checked
+
+    async def _verified(
+        self, fields: dict[str, Any], envelope: Envelope, stream_seq: int | None
+    ) -> tuple[str, str] | Certificate:
+        """:meth:`check`, with the certificate that signed the event where it passes."""
         try:
             return await self._check(fields, envelope, stream_seq)
         except Exception as exc:  # a hostile message must never stop a consumer
@@ -348,7 +355,7 @@ class Gate:
 
     async def _check(
         self, fields: dict[str, Any], envelope: Envelope, stream_seq: int | None
-    ) -> tuple[str, str] | None:
+    ) -> tuple[str, str] | Certificate:
         problem = shape_problem(fields)
         if problem is not None:
             return "malformed", problem
@@ -370,7 +377,7 @@ class Gate:
             problem = user_id_problem(envelope.id, signed)
             if problem is not None:
                 return "id-not-fresh", problem
-        return await self._tenant(envelope) or await self._node(envelope, cert, stream_seq)
+        return await self._tenant(envelope) or await self._node(envelope, cert, stream_seq) or cert
 
     async def _node(
         self, envelope: Envelope, cert: Certificate, stream_seq: int | None = None
@@ -626,7 +633,7 @@ class Gate:
         return found, last
 
     async def _replay(
-        self, envelope: Envelope, stream_seq: int, consumer: str
+        self, envelope: Envelope, stream_seq: int, consumer: str, *, user: bool
     ) -> tuple[str, str] | None:
         if self._handled is None:
             return None
@@ -643,7 +650,7 @@ class Gate:
             # Ids key what a consumer handled (``<consumer>.<id>``, and its runtime's attempts
             # beside it): an id with dots could land on another request's keys.
             return "malformed", f"event id {envelope.id[:80]!r} is not a UUID"
-        taken = await self._claim(envelope, stream_seq)
+        taken = await self._claim(envelope, stream_seq) if user else None
         if taken is not None:
             return "replayed", taken
         seen = await self._first(f"{consumer}.{envelope.id}", stream_seq)
@@ -663,8 +670,8 @@ class Gate:
         return (entry.value or b"").decode()
 
     async def _claim(self, envelope: Envelope, stream_seq: int) -> str | None:
-        """One message per user key and event id, for every consumer alike: why this one is
-        not it.
+        """One message per user key and event id, for every consumer alike: why this one (a
+        user's event) is not it. (Not a service's: its ids are derived from its input.)
 
         A user chooses its ids (fresh, but its own) and may store two requests under one (a
         raw publish with a ``Nats-Msg-Id`` of its own). Replay protection per consumer let
@@ -676,10 +683,6 @@ class Gate:
         back from the log before it refuses anything (the same key, id and subject, stored
         where it says), so a claim no such message backs (written by a compromised consumer,
         pointed at a copy elsewhere) refuses nothing."""
-        assert self._handled is not None
-        cert = await self.keys.certificate(envelope.key_id, at_seq=stream_seq)
-        if isinstance(cert, str) or cert.role != "user":
-            return None  # (a service's ids are derived from its input: its own to keep)
         try:
             found = await self._first(f"{ID_CLAIMS}.{envelope.key_id}.{envelope.id}", stream_seq)
             claimed = int(found) if found is not None else stream_seq
@@ -687,7 +690,10 @@ class Gate:
             return None  # (a claim junk or gone meanwhile: the consumer's own check stands)
         if claimed == stream_seq or not await self._same_at(claimed, envelope):
             return None
-        return f"event id {envelope.id} is the id of the event at stream sequence {claimed}"
+        return (
+            f"event id {envelope.id} was already used by this key's event at stream sequence "
+            f"{claimed}: one id admits one message (publish each request under a new id)"
+        )
 
     async def _same_at(self, stream_seq: int, envelope: Envelope) -> bool:
         """Whether the log holds, at ``stream_seq``, an authentic event of ``envelope``'s id and

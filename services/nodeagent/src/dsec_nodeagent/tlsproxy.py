@@ -24,7 +24,6 @@ import http.client
 import ipaddress
 import math
 import os
-import random
 import shutil
 import socket
 import ssl
@@ -45,7 +44,7 @@ from dsec_core.spec.plan import EnforcementPlan, PlanEgressRule
 from dsec_core.threads import to_the_end
 from dsec_sdk.recording import Recorder, Replayer, ReplayMiss, http_key
 
-from dsec_nodeagent.dns.proxy import proxy_port_range
+from dsec_nodeagent.dns.proxy import ports_to_try, proxy_port_range
 
 HEAD_LIMIT = 64 * 1024  # request line + headers
 BODY_LIMIT = 8 * 1024 * 1024  # a request body, and a response body (buffered)
@@ -769,15 +768,13 @@ class TlsProxies:
         """Start ``proxy`` on a free port of :attr:`ports` (the kernel's choice without one)."""
         if self.ports is None:
             return await proxy.start(PROXY_HOST)
-        low, high = self.ports
-        size = high - low + 1
-        start = random.randrange(size)
-        for i in range(size):
+        for port in ports_to_try(self.ports):
             try:
-                return await proxy.start(PROXY_HOST, low + (start + i) % size)
+                return await proxy.start(PROXY_HOST, port)
             except OSError as exc:
                 if exc.errno != errno.EADDRINUSE:
                     raise
+        low, high = self.ports
         raise OSError(errno.EADDRINUSE, f"no free port for the HTTPS proxy in {low}-{high}")
 
     def port(self, sid: str) -> int | None:

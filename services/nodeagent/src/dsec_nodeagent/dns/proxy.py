@@ -197,6 +197,16 @@ def proxy_port_range(
     return high + 1, 65535
 
 
+def ports_to_try(ports: tuple[int, int]) -> Iterator[int]:
+    """Every port of ``ports`` (low, high), from a random one on: where a node agent's
+    loopback listener may take one (its DNS listeners, a sandbox's HTTPS proxy)."""
+    low, high = ports
+    size = high - low + 1
+    start = random.randrange(size)
+    for i in range(size):
+        yield low + (start + i) % size
+
+
 class DnsProxy:
     """Per-sandbox DNS listeners that answer by policy and fill the kernel allow map."""
 
@@ -258,18 +268,14 @@ class DnsProxy:
     # --- lifecycle -------------------------------------------------------------------------
 
     def _candidates(self, port: int) -> Iterator[int]:
-        """Ports to try: ``port`` (a re-adoption's) when it is in :attr:`ports`, then every
-        port of the range from a random one on (0, the kernel's choice, when there is none)."""
+        """Ports to try: ``port`` (a re-adoption's) when it is in :attr:`ports`, then
+        :func:`ports_to_try` (0, the kernel's choice, when there is no range)."""
         if self.ports is None:
             yield from ([port] if port else []) + [0] * 20
             return
-        low, high = self.ports
         if port and self.in_range(port):
             yield port
-        size = high - low + 1
-        start = random.randrange(size)
-        for i in range(size):
-            yield low + (start + i) % size
+        yield from ports_to_try(self.ports)
 
     def in_range(self, port: int) -> bool:
         """Whether ``port`` is one the bind hooks keep every sandbox from (see :attr:`ports`)."""

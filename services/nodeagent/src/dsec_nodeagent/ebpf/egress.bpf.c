@@ -321,27 +321,33 @@ static __always_inline int over_budget(struct sock_use *mine, struct sock_use *n
            (node_use >= MAX_NODE_SOCKETS / 4 * 3 && mine_use >= SMALL_SHARE);
 }
 
-// Move one place of sandbox `cgid` in the counts (+1 or -1): the node's count always (a purged
-// sandbox's sockets still hold the host's ports), the sandbox's while it is registered (a
-// purged one has no count left; and every program of ours reads the sandboxes map: that is how
-// an agent tells its programs from others', kernel.py _ours).
-static __always_inline void count_place(u64 cgid, s64 delta) {
+// The counts a socket of sandbox `cgid` moves: the node's always (a purged sandbox's sockets
+// still hold the host's ports), the sandbox's while it is registered (a purged one has no count
+// left; and every program of ours reads the sandboxes map: that is how an agent tells its
+// programs from others', kernel.py _ours). Either may be 0 (none).
+static __always_inline struct sock_use *node_count(void) {
     u64 node_key = 0;
-    struct sock_use *node = sock_use.lookup(&node_key);
+    return sock_use.lookup(&node_key);
+}
+static __always_inline struct sock_use *own_count(u64 cgid) {
+    return sandboxes.lookup(&cgid) ? sock_use.lookup(&cgid) : 0;
+}
+
+// Move one place of sandbox `cgid` in the counts (+1 or -1).
+static __always_inline void count_place(u64 cgid, s64 delta) {
+    struct sock_use *node = node_count(), *mine = own_count(cgid);
     if (node)
         __sync_fetch_and_add(&node->live, delta);
-    struct sock_use *mine = sandboxes.lookup(&cgid) ? sock_use.lookup(&cgid) : 0;
     if (mine)
         __sync_fetch_and_add(&mine->live, delta);
 }
 
 // A port kept a minute more by a connection in TIME_WAIT, in the counts of sandbox `cgid`.
 static __always_inline void count_linger(u64 cgid) {
-    u64 node_key = 0, now = bpf_ktime_get_ns();
-    struct sock_use *node = sock_use.lookup(&node_key);
+    struct sock_use *node = node_count(), *mine = own_count(cgid);
+    u64 now = bpf_ktime_get_ns();
     if (node)
         linger_one(node, now);
-    struct sock_use *mine = sandboxes.lookup(&cgid) ? sock_use.lookup(&cgid) : 0;
     if (mine)
         linger_one(mine, now);
 }
@@ -379,9 +385,7 @@ static __always_inline int port_over(struct bpf_sock *sk, u64 cgid, int connecti
         hold->connected = 1;
     if (first)
         return 0;
-    u64 node_key = 0;
-    struct sock_use *mine = sock_use.lookup(&cgid);
-    struct sock_use *node = sock_use.lookup(&node_key);
+    struct sock_use *mine = sock_use.lookup(&cgid), *node = node_count();
     if (!mine || !node || over_budget(mine, node))
         return 1;
     if (!hold->counted) {
@@ -980,11 +984,8 @@ int sock_create(struct bpf_sock *sk) {
     struct sock_link *link = sock_link.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
     if (!hold || !link)
         return 0;  // no memory for the marks: refused, never uncounted
-    hold->origin = cgid;
+    hold->origin = cgid;  // (a new socket's storage starts zeroed: no connection, no listener)
     hold->unreleased = 1;
-    hold->conn = 0;
-    hold->connected = 0;
-    hold->listener = 0;
     hold->counted = 1;
     link->origin = cgid;
     link->cookie = bpf_get_socket_cookie(sk);

@@ -143,7 +143,12 @@ IP_PROTOCOLS = (0, 6, 17)
 Not MPTCP: its connections are made by the kernel's own sockets under the sandbox's (subflows),
 beyond the count of the host's ports a sandbox holds (Go, curl and others fall back to TCP)."""
 _SOCK_TYPES = {4: "SOCK_RDM", 5: "SOCK_SEQPACKET", 6: "SOCK_DCCP", 10: "SOCK_PACKET"}
-_IP_PROTOCOL_NAMES = {1: "IPPROTO_ICMP", 58: "IPPROTO_ICMPV6", 132: "IPPROTO_SCTP"}
+_IP_PROTOCOL_NAMES = {
+    1: "IPPROTO_ICMP",
+    58: "IPPROTO_ICMPV6",
+    132: "IPPROTO_SCTP",
+    262: "IPPROTO_MPTCP",
+}
 #: Socket families a sandbox may open (``AF_NETLINK``: ``NETLINK_ROUTE`` only).
 ALLOWED_FAMILIES = (AF_UNIX, AF_INET, AF_INET6, AF_NETLINK)
 CLONE_NS_FLAGS = (
