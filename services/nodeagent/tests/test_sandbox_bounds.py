@@ -224,3 +224,152 @@ async def test_a_sandbox_takes_no_aio_context_from_the_host(tmp_path: Path) -> N
     seen = read_json_output(result)
     assert seen == {"rc": -1, "err": "ENOSYS"}
     assert int(Path("/proc/sys/fs/aio-nr").read_text()) <= before
+
+
+@pytest.mark.unit
+def test_a_spec_bounds_block_io_by_default_and_a_node_maximum_refuses_more() -> None:
+    """Disk bandwidth is one of the node's shared resources: a spec without ``disk_*`` fields
+    gets bounds (256 MiB/s read, 128 MiB/s written, 4,096 operations/s each way); a spec may
+    write them as ``128MiB/s`` or ``128MiB``; more than a node's maximum is refused at start."""
+    from dsec_core.settings import Settings
+    from dsec_core.spec import load_spec
+
+    from dsec_nodeagent.agent import StartRefused, node_limits
+
+    limits = node_limits(_plan_of(_OLD_SPEC), Settings())
+    assert (limits.disk_read_bps, limits.disk_write_bps, limits.disk_iops) == (
+        256 * MiB,
+        128 * MiB,
+        4096,
+    )
+    asked = _OLD_SPEC.replace(
+        "memory: 512MiB}",
+        "memory: 512MiB, disk_read_rate: 64MiB/s, disk_write_rate: 32MiB, disk_iops: 500}",
+    )
+    limits = node_limits(_plan_of(asked), Settings())
+    assert (limits.disk_read_bps, limits.disk_write_bps, limits.disk_iops) == (
+        64 * MiB,
+        32 * MiB,
+        500,
+    )
+    fast = _plan_of(_OLD_SPEC.replace("memory: 512MiB}", "memory: 512MiB, disk_iops: 2000000}"))
+    with pytest.raises(StartRefused, match=r"resources.disk_iops = 2000000 exceeds .* 1000000"):
+        node_limits(fast, Settings())
+    bad = load_spec(_OLD_SPEC.replace("memory: 512MiB}", "memory: 512MiB, disk_read_rate: 1GiB/h}"))
+    assert bad.spec is None
+    assert "resources.disk_read_rate" in str(bad.errors) and "per second" in str(bad.errors)
+
+
+def _root_blkio() -> Path | None:
+    from dsec_nodeagent.sandbox import cgroups
+
+    hierarchy = cgroups.detect()
+    return None if hierarchy.backend("io") != "v1" else hierarchy.v1["io"]
+
+
+async def test_a_sandbox_reads_and_writes_its_disk_no_faster_than_its_bounds(
+    tmp_path: Path,
+) -> None:
+    """Before, a sandbox had no block I/O bound: one could take the whole disk's bandwidth
+    (here 1.6 GB/s written, 1.1 GB/s read) from its neighbours and the node. Now its reads
+    (direct or through the page cache), its writes (write-back too: fsync waits for it) and
+    its operations per second are bounded on its disk; the bounds on the loop device are
+    gone when it ends."""
+    code = (
+        "import json, mmap, os, time\n"
+        "out = '/workspace/output/blob'\n"
+        "data = os.urandom(4 << 20)\n"
+        "t = time.monotonic()\n"
+        "with open(out, 'wb') as f:\n"
+        "    f.write(data); f.flush(); os.fsync(f.fileno())\n"
+        "write_s = time.monotonic() - t\n"
+        "buf = mmap.mmap(-1, 1 << 20)\n"
+        "fd = os.open(out, os.O_RDONLY | os.O_DIRECT)\n"
+        "t = time.monotonic()\n"
+        "for i in range(4):\n"
+        "    os.preadv(fd, [buf], i << 20)\n"
+        "read_s = time.monotonic() - t\n"
+        "small = mmap.mmap(-1, 4096)\n"
+        "t = time.monotonic()\n"
+        "for i in range(150):\n"
+        "    os.preadv(fd, [small], (i * 7 % 1024) * 4096)\n"
+        "ops_s = time.monotonic() - t\n"
+        "dev = os.stat('/workspace/output').st_dev\n"
+        "print(json.dumps({'write_s': write_s, 'read_s': read_s, 'ops_s': ops_s,\n"
+        "                  'disk': f'{os.major(dev)}:{os.minor(dev)}'}))\n"
+    )
+    limits = Limits(disk_read_bps=4 * MiB, disk_write_bps=4 * MiB, disk_iops=100)
+    async with managed(tmp_path / "home") as manager:
+        result = await run_to_end(manager, snippet_config("io", code, tmp_path, limits=limits))
+    seen = read_json_output(result)
+    # 4 MiB at 4 MiB/s, each way; 150 small reads at 100 a second (the bound's first slice
+    # may let a little through at once: at least 3/4 of the time each takes)
+    assert seen["write_s"] >= 0.75, seen
+    assert seen["read_s"] >= 0.75, seen
+    assert seen["ops_s"] >= 1.1, seen
+    root = _root_blkio()
+    if root is not None:  # (v1: write-back is the root group's, bounded there while it runs)
+        for name in ("blkio.throttle.write_bps_device", "blkio.throttle.write_iops_device"):
+            rules = (root / name).read_text().split("\n")
+            assert not any(rule.startswith(seen["disk"] + " ") for rule in rules), rules
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("backend", ["v1", "v2"])
+def test_the_io_bounds_go_to_the_sandboxs_disk_and_the_v1_root_loses_them_at_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """Where the io controller lives decides the files: v2's ``io.max`` (write-back is the
+    sandbox's own there), or v1's ``blkio.throttle.*`` in the sandbox's group and, for writes
+    on its disk, in the root group (v1 has no cgroup write-back), taken back at removal."""
+    from dsec_nodeagent.sandbox import cgroups
+
+    monkeypatch.setattr(cgroups, "host_disks", lambda: ["254:0"])
+    (tmp_path / "unified").mkdir()
+    blkio = tmp_path / "blkio"
+    if backend == "v2":
+        hierarchy = cgroups.Hierarchy(tmp_path / "unified", frozenset({"pids", "io"}), {})
+    else:
+        hierarchy = cgroups.Hierarchy(tmp_path / "unified", frozenset({"pids"}), {"io": blkio})
+    group = cgroups.SandboxCgroup.planned(hierarchy, "sb-1", node="node-7")
+    group.disk = "7:3"
+    limits = Limits(pids=10, disk_read_bps=8 * MiB, disk_write_bps=4 * MiB, disk_iops=300)
+    written: list[tuple[str, str]] = []
+    real_write = Path.write_text
+
+    def record(path: Path, text: str, *args: Any, **kwargs: Any) -> int:
+        written.append((str(path.relative_to(tmp_path)), text))
+        return real_write(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", record)
+    group.make(hierarchy, limits)
+    io = [(path.rsplit("/", 1)[-1], text) for path, text in written if "io" in path]
+    if backend == "v2":
+        assert io == [
+            ("io.max", "254:0 rbps=8388608 riops=300"),
+            ("io.max", "7:3 rbps=8388608 riops=300 wbps=4194304 wiops=300"),
+        ]
+    else:
+        mine = [w for w in written if w[0].startswith("blkio/dsec/node-7/sb-1/blkio")]
+        root = [w for w in written if w[0].startswith("blkio/blkio")]
+        assert sorted(text for _, text in mine) == sorted(
+            ["254:0 8388608", "7:3 8388608", "254:0 300", "7:3 300", "7:3 4194304", "7:3 300"]
+        )
+        assert root == [
+            ("blkio/blkio.throttle.write_bps_device", "7:3 4194304"),
+            ("blkio/blkio.throttle.write_iops_device", "7:3 300"),
+        ]
+    assert cgroups.SandboxCgroup.from_state(group.to_state()).disk == "7:3"
+    written.clear()
+    with pytest.raises(cgroups.CgroupError):  # (a plain tree: its files keep its directories)
+        group.remove(timeout_s=0)
+    cleared = [w for w in written if w[0].startswith("blkio/blkio")]
+    assert cleared == (
+        []
+        if backend == "v2"
+        else [
+            ("blkio/blkio.throttle.write_bps_device", "7:3 0"),
+            ("blkio/blkio.throttle.write_iops_device", "7:3 0"),
+        ]
+    )
+

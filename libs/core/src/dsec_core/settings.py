@@ -204,6 +204,19 @@ class Settings(BaseSettings):
     sandbox_max_log_bytes: int = Field(
         default=2**30, ge=64 * 2**10, description="Node maximum of resources.log_bytes (bytes)"
     )
+    sandbox_max_disk_read_rate: int = Field(
+        default=4 * 2**30,
+        ge=2**20,
+        description="Node maximum of resources.disk_read_rate (bytes per second)",
+    )
+    sandbox_max_disk_write_rate: int = Field(
+        default=4 * 2**30,
+        ge=2**20,
+        description="Node maximum of resources.disk_write_rate (bytes per second)",
+    )
+    sandbox_max_disk_iops: int = Field(
+        default=1_000_000, ge=64, description="Node maximum of resources.disk_iops"
+    )
     sandbox_keep_hours: float = Field(
         default=24.0, ge=0, description="Ended sandboxes' directories are removed after this"
     )

@@ -1397,6 +1397,24 @@ def node_limits(res: ResourceLimits, s: Settings) -> Limits:
             s.sandbox_max_log_bytes,
             "DSEC_SANDBOX_MAX_LOG_BYTES",
         ),
+        (
+            "resources.disk_read_rate",
+            res.disk_read_bps,
+            s.sandbox_max_disk_read_rate,
+            "DSEC_SANDBOX_MAX_DISK_READ_RATE",
+        ),
+        (
+            "resources.disk_write_rate",
+            res.disk_write_bps,
+            s.sandbox_max_disk_write_rate,
+            "DSEC_SANDBOX_MAX_DISK_WRITE_RATE",
+        ),
+        (
+            "resources.disk_iops",
+            res.disk_iops,
+            s.sandbox_max_disk_iops,
+            "DSEC_SANDBOX_MAX_DISK_IOPS",
+        ),
     ):
         if asked > most:
             raise StartRefused(
@@ -1410,6 +1428,9 @@ def node_limits(res: ResourceLimits, s: Settings) -> Limits:
         files=res.files,
         disk_bytes=res.disk_bytes,
         log_bytes=res.log_bytes,
+        disk_read_bps=res.disk_read_bps,
+        disk_write_bps=res.disk_write_bps,
+        disk_iops=res.disk_iops,
     )
 
 

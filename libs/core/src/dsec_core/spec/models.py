@@ -38,6 +38,7 @@ from dsec_core import gpumodels
 from dsec_core.spec.errors import invalid
 from dsec_core.spec.units import (
     Bandwidth,
+    ByteRate,
     ByteSize,
     Cores,
     Duration,
@@ -244,7 +245,8 @@ class Gpu(SpecModel):
 class Resources(SpecModel):
     """Limits enforced by cgroups and the node agent. Defaults: 1 CPU, 2 GiB memory, 1024
     processes, no GPU, 1024 open files, 256 MiB of disk for the writable directories, 64 MiB of
-    each output log. The node's operator maxima (``DSEC_SANDBOX_MAX_*``) cap what a spec asks."""
+    each output log, block I/O of 256 MiB/s read, 128 MiB/s written and 4096 operations/s each
+    way. The node's operator maxima (``DSEC_SANDBOX_MAX_*``) cap what a spec asks."""
 
     cpu: Cores = Field(default=1.0, description="CPU cores (2, 0.5 or 500m)")
     memory: ByteSize = Field(default=2 * 2**30, description="Memory limit, e.g. 512MiB")
@@ -262,6 +264,23 @@ class Resources(SpecModel):
         default=64 * 2**20,
         ge=64 * 2**10,
         description="Bytes kept of stdout and of stderr each (head and tail), e.g. 64MiB",
+    )
+    disk_read_rate: ByteRate = Field(
+        default=256 * 2**20,
+        ge=2**20,
+        description="Bytes per second the sandbox may read from block devices (its disk, the "
+        "host's disks under its read-only views), e.g. 256MiB/s",
+    )
+    disk_write_rate: ByteRate = Field(
+        default=128 * 2**20,
+        ge=2**20,
+        description="Bytes per second written to its disk (resources.disk), e.g. 128MiB/s",
+    )
+    disk_iops: int = Field(
+        default=4096,
+        ge=64,
+        le=10_000_000,
+        description="Block I/O operations per second, reads and writes each",
     )
 
 

@@ -126,6 +126,9 @@ class ResourceLimits(PlanModel):
     files: int = 1024
     disk_bytes: int = 256 * 2**20
     log_bytes: int = 64 * 2**20
+    disk_read_bps: int = 256 * 2**20
+    disk_write_bps: int = 128 * 2**20
+    disk_iops: int = 4096
 
 
 class SecretInjection(PlanModel):
@@ -476,6 +479,9 @@ def _resources(spec: SandboxSpec) -> ResourceLimits:
         files=res.files,
         disk_bytes=res.disk,
         log_bytes=res.log_bytes,
+        disk_read_bps=res.disk_read_rate,
+        disk_write_bps=res.disk_write_rate,
+        disk_iops=res.disk_iops,
     )
 
 

@@ -151,27 +151,35 @@ def parse_size(value: object) -> int:
     Raises:
         PydanticCustomError: the value is not a positive size.
     """
-    _reject_bool(value, SIZE_HINT)
+    return _bytes(value, SIZE_HINT, "size", "")
+
+
+def _bytes(value: object, hint: str, noun: str, per: str) -> int:
+    """A positive number of bytes (``per``: a unit's suffix a text may end with, e.g. ``/s``)."""
+    _reject_bool(value, hint)
     if isinstance(value, int):
         size = value
     elif isinstance(value, str):
-        size = _size_bytes(value.strip())
+        text = value.strip()
+        if per and text.endswith(per):
+            text = text[: -len(per)].strip()
+        size = _size_bytes(text, hint, f"a {noun}")
     else:
-        raise invalid(f"expected a size, got {type_name(value)}", SIZE_HINT)
+        raise invalid(f"expected a {noun}, got {type_name(value)}", hint)
     if size <= 0:
-        raise invalid(f"size must be positive, got {value!r}", SIZE_HINT)
+        raise invalid(f"{noun} must be positive, got {value!r}", hint)
     if size > MAX_SIZE:
-        raise invalid(f"size {value!r} is larger than 1 EiB", SIZE_HINT)
+        raise invalid(f"{noun} {value!r} is larger than 1 EiB{per}", hint)
     return size
 
 
-def _size_bytes(text: str) -> int:
+def _size_bytes(text: str, hint: str = SIZE_HINT, what: str = "a size") -> int:
     match = _SIZE.fullmatch(text)
     if match is None:
-        raise invalid(f"{text!r} is not a size", SIZE_HINT)
+        raise invalid(f"{text!r} is not {what}", hint)
     number, unit = match.groups()
     if unit and unit not in _SIZE_UNITS:
-        raise invalid(f"unknown size unit {unit!r} in {text!r}", SIZE_HINT)
+        raise invalid(f"unknown size unit {unit!r} in {text!r}", hint)
     size = float(number) * _SIZE_UNITS.get(unit, 1)
     return int(size) if math.isfinite(size) else MAX_SIZE + 1
 
@@ -284,6 +292,21 @@ Duration = Annotated[
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
 """A positive number of bytes; YAML ``512MiB``."""
+
+BYTE_RATE_HINT = "bytes per second such as 128MiB, 128MiB/s or 134217728"
+
+
+def parse_byte_rate(value: object) -> int:
+    """Parse a byte rate (``128MiB/s``, ``128MiB`` or a number of bytes) into bytes per second.
+
+    Raises:
+        PydanticCustomError: the value is not a positive size per second.
+    """
+    return _bytes(value, BYTE_RATE_HINT, "rate", "/s")
+
+
+ByteRate = Annotated[int, BeforeValidator(parse_byte_rate)]
+"""A positive number of bytes per second; YAML ``128MiB/s`` or ``128MiB``."""
 
 Cores = Annotated[float, BeforeValidator(parse_cpu)]
 """A positive number of CPU cores; YAML ``2`` or ``500m``."""

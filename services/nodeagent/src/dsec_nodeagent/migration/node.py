@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -915,7 +916,11 @@ class Migrations:
                 ipc="ipc" in binds,
                 semantic="events.sock" in binds,
             )
-            cgroup = await asyncio.to_thread(manager.create_cgroup, sid, limits)
+            cgroup = await asyncio.to_thread(
+                functools.partial(
+                    manager.create_cgroup, sid, limits, disk=bool(meta.get("quota_bytes"))
+                )
+            )
             session.cgroup = cgroup
         except (OSError, quota.QuotaError, ValueError, KeyError) as exc:
             raise MigrationError("restore", f"preparing the target failed: {exc}") from None

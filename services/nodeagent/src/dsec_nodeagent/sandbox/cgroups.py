@@ -4,6 +4,7 @@ where the host offers them and on v1 hierarchies otherwise (hybrid hosts)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -14,7 +15,9 @@ from typing import Any
 
 from dsec_nodeagent.sandbox.models import Limits
 
-CONTROLLERS = ("memory", "cpu", "pids")
+CONTROLLERS = ("memory", "cpu", "pids", "io")
+V1_NAMES = {"blkio": "io"}
+"""A controller's name in v1 mount options, where it is not its v2 name."""
 GROUP = "dsec"
 CPU_PERIOD_US = 100_000
 
@@ -59,8 +62,9 @@ def detect(mounts_file: str = "/proc/self/mounts") -> Hierarchy:
                 unified = Path(mountpoint)
             elif fstype == "cgroup":
                 for opt in options.split(","):
-                    if opt in CONTROLLERS:
-                        v1[opt] = Path(mountpoint)
+                    name = V1_NAMES.get(opt, opt)
+                    if name in CONTROLLERS:
+                        v1[name] = Path(mountpoint)
     if unified is None:
         raise CgroupError("no cgroup2 filesystem mounted; the sandbox needs one for eBPF hooks")
     controllers = frozenset((unified / "cgroup.controllers").read_text().split())
@@ -117,10 +121,13 @@ class SandboxCgroup:
             sandbox rescheduled to another node agent of the same machine while its stale copy
             still runs gets a cgroup of its own).
         dirs: controller -> directory holding its limit files (v2_dir or a v1 directory).
+        disk: ``MAJ:MIN`` of the sandbox's own disk (its ``resources.disk`` image's loop
+            device), "" without one: set before :meth:`make`, which bounds its I/O.
     """
 
     v2_dir: Path
     dirs: dict[str, Path]
+    disk: str = ""
 
     @classmethod
     def planned(cls, hierarchy: Hierarchy, sandbox_id: str, node: str = "node-1") -> SandboxCgroup:
@@ -138,10 +145,17 @@ class SandboxCgroup:
 
     @classmethod
     def create(
-        cls, hierarchy: Hierarchy, sandbox_id: str, limits: Limits, node: str = "node-1"
+        cls,
+        hierarchy: Hierarchy,
+        sandbox_id: str,
+        limits: Limits,
+        node: str = "node-1",
+        disk: str = "",
     ) -> SandboxCgroup:
-        """Create the directories and write ``limits``; on failure remove what was made."""
+        """Create the directories and write ``limits`` (``disk``: see the attribute); on
+        failure remove what was made."""
         group = cls.planned(hierarchy, sandbox_id, node)
+        group.disk = disk
         group.make(hierarchy, limits)
         return group
 
@@ -169,7 +183,7 @@ class SandboxCgroup:
             self._apply(limits)
         except BaseException:
             ours = {c: p for c, p in self.dirs.items() if p in made}
-            SandboxCgroup(self.v2_dir, ours).remove(timeout_s=1.0)
+            SandboxCgroup(self.v2_dir, ours, self.disk).remove(timeout_s=1.0)
             raise
 
     def _bound_node(self) -> None:
@@ -195,6 +209,10 @@ class SandboxCgroup:
             else:
                 _write(self._need("cpu") / "cpu.cfs_period_us", str(CPU_PERIOD_US))
                 _write(self._need("cpu") / "cpu.cfs_quota_us", str(quota))
+        if any(
+            v is not None for v in (limits.disk_read_bps, limits.disk_write_bps, limits.disk_iops)
+        ):
+            self._set_io(limits)
         if limits.pids is not None:
             # One more than asked: the process that starts the workload (init's child, see
             # init._spawn_workload) is still there for the workload's first milliseconds, so a
@@ -212,6 +230,49 @@ class SandboxCgroup:
         _write(path / "memory.limit_in_bytes", str(limit))
         if (path / "memory.memsw.limit_in_bytes").exists():  # no swapping past the limit
             _write(path / "memory.memsw.limit_in_bytes", str(limit))
+
+    def _set_io(self, limits: Limits) -> None:
+        """Bound the sandbox's block I/O (blk-throttle): reads on its disk and on the host's
+        disks, writes on its disk. With the io controller on v1 (``blkio``), write-back is the
+        root group's I/O (v1 has no cgroup write-back), so the root group's write bounds on the
+        sandbox's disk, which no one else writes, bound its buffered writes too."""
+        path = self._need("io")
+        read, write, iops = limits.disk_read_bps, limits.disk_write_bps, limits.disk_iops
+        devices = sorted({*host_disks(), *([self.disk] if self.disk else [])})
+        if self._is_v2("io"):
+            for dev in devices:
+                own = dev == self.disk
+                line = f"{dev} rbps={read or 'max'} riops={iops or 'max'}"
+                if own:
+                    line += f" wbps={write or 'max'} wiops={iops or 'max'}"
+                _write_rule(path / "io.max", line, dev, self.disk)
+            return
+        for dev in devices:
+            if read is not None:
+                _write_rule(
+                    path / "blkio.throttle.read_bps_device", f"{dev} {read}", dev, self.disk
+                )
+            if iops is not None:
+                _write_rule(
+                    path / "blkio.throttle.read_iops_device", f"{dev} {iops}", dev, self.disk
+                )
+        if self.disk:
+            for where in (path, _v1_root(path)):
+                if write is not None:
+                    _write(where / "blkio.throttle.write_bps_device", f"{self.disk} {write}")
+                if iops is not None:
+                    _write(where / "blkio.throttle.write_iops_device", f"{self.disk} {iops}")
+
+    def _clear_root_io(self) -> None:
+        """Take the root group's bounds on the sandbox's disk away (v1), so the loop device's
+        next user starts unbounded (a sandbox sets its own)."""
+        path = self.dirs.get("io")
+        if not self.disk or path is None or self._is_v2("io"):
+            return
+        root = _v1_root(path)
+        for name in ("blkio.throttle.write_bps_device", "blkio.throttle.write_iops_device"):
+            with contextlib.suppress(OSError):  # (no such rule, or the device is gone)
+                (root / name).write_text(f"{self.disk} 0")
 
     def _need(self, controller: str) -> Path:
         if controller not in self.dirs:
@@ -285,6 +346,7 @@ class SandboxCgroup:
         dirs = [self.v2_dir, *(d for d in set(self.dirs.values()) if d != self.v2_dir)]
         if self.pids():
             self.kill()
+        self._clear_root_io()
         for path in dirs:
             while True:
                 try:
@@ -300,12 +362,62 @@ class SandboxCgroup:
 
     def to_state(self) -> dict[str, Any]:
         """JSON form for the state file."""
-        return {"v2_dir": str(self.v2_dir), "dirs": {k: str(v) for k, v in self.dirs.items()}}
+        state: dict[str, Any] = {
+            "v2_dir": str(self.v2_dir),
+            "dirs": {k: str(v) for k, v in self.dirs.items()},
+        }
+        if self.disk:
+            state["disk"] = self.disk
+        return state
 
     @classmethod
     def from_state(cls, data: dict[str, Any]) -> SandboxCgroup:
         """Inverse of :meth:`to_state`."""
-        return cls(Path(data["v2_dir"]), {k: Path(v) for k, v in data["dirs"].items()})
+        dirs = {k: Path(v) for k, v in data["dirs"].items()}
+        return cls(Path(data["v2_dir"]), dirs, str(data.get("disk", "")))
+
+
+def _write_rule(path: Path, rule: str, dev: str, own: str) -> None:
+    """Write one device's throttle rule; a host disk the kernel throttles not (a device with
+    no request queue of its own) is passed over, the sandbox's own disk never."""
+    try:
+        path.write_text(rule)
+    except OSError as exc:
+        if dev == own or exc.errno not in (errno.ENODEV, errno.EINVAL, errno.ENXIO):
+            raise CgroupError(f"cannot write {rule!r} to {path}: {exc.strerror}") from exc
+
+
+def _v1_root(path: Path) -> Path:
+    """The v1 hierarchy's root above a sandbox's ``<root>/dsec/<node>/<sandbox id>``."""
+    return path.parents[2]
+
+
+NOT_DISKS = ("loop", "ram", "zram")
+"""Block devices that are no host disk (a loop device is bounded as one sandbox's disk)."""
+
+
+def host_disks(sys_block: Path = Path("/sys/block")) -> list[str]:
+    """``MAJ:MIN`` of the host's disks (what a sandbox reads through its read-only views)."""
+    disks = []
+    try:
+        entries = list(sys_block.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name.startswith(NOT_DISKS):
+            continue
+        with contextlib.suppress(OSError):
+            disks.append((entry / "dev").read_text().strip())
+    return disks
+
+
+def loop_device_of(path: Path, sys_dev: Path = Path("/sys/dev/block")) -> str:
+    """``MAJ:MIN`` of the loop device whose filesystem holds ``path`` ("" where ``path`` is
+    on anything else: never a host disk, whose write-back the root group's bounds would
+    slow for the whole host)."""
+    dev = os.stat(path).st_dev
+    name = f"{os.major(dev)}:{os.minor(dev)}"
+    return name if (sys_dev / name / "loop").is_dir() else ""
 
 
 def sandbox_of_cgroup(proc_cgroup: str) -> str | None:

@@ -331,6 +331,8 @@ class SandboxManager:
                 # restarted after a crash removes it (or finds it absent). A crash before this
                 # write leaves no process (init exits at the go pipe's EOF) and no cgroup.
                 nonlocal cgroup
+                if quota_needed:  # (mounted by now) its I/O is bounded on its loop device
+                    planned.disk = cgroups.loop_device_of(quota.mount_point(data_dir))
                 self.states.write(
                     sid,
                     {
@@ -675,10 +677,14 @@ class SandboxManager:
             self._hierarchy_now(), config.sandbox_id, node=self.node_id
         )
 
-    def create_cgroup(self, sandbox_id: str, limits: Limits) -> cgroups.SandboxCgroup:
-        """A sandbox's fresh cgroups under this node's parent (a launch, or a restore)."""
+    def create_cgroup(
+        self, sandbox_id: str, limits: Limits, *, disk: bool = False
+    ) -> cgroups.SandboxCgroup:
+        """A sandbox's fresh cgroups under this node's parent (a launch, or a restore); with
+        ``disk``, its disk quota (mounted) is the disk its I/O bounds name."""
+        own = cgroups.loop_device_of(quota.mount_point(self.data_root / sandbox_id)) if disk else ""
         return cgroups.SandboxCgroup.create(
-            self._hierarchy_now(), sandbox_id, limits, node=self.node_id
+            self._hierarchy_now(), sandbox_id, limits, node=self.node_id, disk=own
         )
 
     async def prepare_restored(

@@ -69,6 +69,13 @@ class Limits(BaseModel):
             writable directories on the host (``write_allowed`` but ``/tmp``, which is a tmpfs
             charged to the memory limit).
         log_bytes: bytes kept of stdout and of stderr each: the first and the last half.
+        disk_read_bps: bytes per second the sandbox reads from block devices: its disk and
+            the host's disks (those of its read-only views), each device on its own.
+        disk_write_bps: bytes per second written to its disk, write-back included.
+        disk_iops: block I/O operations per second, reads and writes each.
+
+    The node agent always sets the block I/O bounds (from the spec's ``resources``, whose
+    defaults bound them); ``None`` here is for callers of the manager itself.
     """
 
     model_config = _FROZEN
@@ -79,6 +86,9 @@ class Limits(BaseModel):
     files: int | None = Field(default=DEFAULT_FILES, ge=16)
     disk_bytes: int | None = Field(default=DEFAULT_DISK_BYTES, ge=MIN_DISK_BYTES)
     log_bytes: int | None = Field(default=DEFAULT_LOG_BYTES, ge=4096)
+    disk_read_bps: int | None = Field(default=None, ge=4096)
+    disk_write_bps: int | None = Field(default=None, ge=4096)
+    disk_iops: int | None = Field(default=None, ge=1)
 
 
 class Mount(BaseModel):
