@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import blake3
 import hvac
 import hvac.exceptions
 import nats
@@ -330,7 +331,19 @@ async def test_ro_encrypted_objects_are_decrypted_with_a_vault_data_key(
         "sbx-enc", [], [_s3_mount("/workspace/data", s3.bucket, prefix, encrypted=True)]
     )
     assert (ctx.mounts[0].source / "rows.csv").read_bytes() == b"id,v\n1,2\n"
+    # Every user reads context.injected: its digest of the plaintext is keyed, as a secret's
+    # (before, a plain BLAKE3 over the file names and their plaintexts' BLAKE3 let anyone test
+    # guesses of the decrypted data offline)
+    digest = ctx.records[0].digest
+    assert digest is not None and digest.startswith("hmac-sha256:v1:")
+    plain = blake3.blake3(b"rows.csv\0" + blake3.blake3(b"id,v\n1,2\n").hexdigest().encode())
+    assert digest.rsplit(":", 1)[1] != plain.hexdigest()
     await injector.release(ctx)
+    again = await injector.prepare(
+        "sbx-enc-again", [], [_s3_mount("/workspace/data", s3.bucket, prefix, encrypted=True)]
+    )
+    assert again.records[0].digest == digest  # (equality stays visible)
+    await injector.release(again)
     _put(s3, prefix + "rows.csv", b"not encrypted")
     with pytest.raises(ContextError, match=r"rows.csv: cannot decrypt: not a DSec-encrypted"):
         await injector.prepare(
@@ -463,6 +476,9 @@ async def test_configmap_key_is_mounted_read_only(injector: ContextInjector, nat
     assert file.read_text() == "top_k: 5\n"
     assert oct(file.stat().st_mode & 0o777) == "0o444"
     assert ctx.records[0].source == "configmap://agent-configs/retrieval-v3"
+    digest = ctx.records[0].digest  # keyed: a config value is not guessed offline from the log
+    assert digest is not None and digest.startswith("hmac-sha256:v1:")
+    assert digest.rsplit(":", 1)[1] != blake3.blake3(b"top_k: 5\n").hexdigest()
     await injector.release(ctx)
     missing = MountPlan(
         path="/c",

@@ -373,3 +373,34 @@ def test_the_io_bounds_go_to_the_sandboxs_disk_and_the_v1_root_loses_them_at_the
         ]
     )
 
+
+async def test_a_sandbox_may_watch_changes_but_not_its_neighbours_use_of_shared_files(
+    tmp_path: Path,
+) -> None:
+    """An inotify watch is on the inode: a sandbox watching the shared runtime's files for
+    IN_OPEN/IN_ACCESS (through its read-only view) saw each module its neighbours imported.
+    Those watches are refused (EPERM); change events on its own files still work."""
+    code = (
+        "import ctypes, errno, json, os, sys\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "fd = libc.inotify_init1(0)\n"
+        "def watch(path, mask):\n"
+        "    rc = libc.inotify_add_watch(fd, path.encode(), ctypes.c_uint32(mask))\n"
+        "    return 'ok' if rc >= 0 else errno.errorcode[ctypes.get_errno()]\n"
+        "lib = os.path.dirname(os.__file__).encode().decode()\n"
+        "seen = {'open': watch(lib, 0x20), 'access': watch(lib, 0x1),\n"
+        "        'all': watch(lib, 0xFFF), 'changes': watch('/workspace/output', 0x2 | 0x100)}\n"
+        "open('/workspace/output/f', 'w').write('x')\n"
+        "seen['event'] = len(os.read(fd, 4096)) > 0\n"
+        "print(json.dumps(seen))\n"
+    )
+    async with managed(tmp_path / "home") as manager:
+        result = await run_to_end(manager, snippet_config("inotify", code, tmp_path))
+    seen = read_json_output(result)
+    assert seen == {
+        "open": "EPERM",
+        "access": "EPERM",
+        "all": "EPERM",
+        "changes": "ok",
+        "event": True,
+    }

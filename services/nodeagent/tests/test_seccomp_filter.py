@@ -63,7 +63,9 @@ def test_every_number_is_allowed_exactly_when_on_the_allow_list(arch: int) -> No
     table = seccomp.table(arch)
     program = seccomp.build_filter(arch=arch)
     allowed = {n for name in seccomp.ALLOWED_SYSCALLS if (n := table.nr(name)) is not None}
-    special = {table.nr(name) for name in ("socket", "socketpair", "clone", "clone3")}
+    special = {
+        table.nr(name) for name in ("socket", "socketpair", "clone", "clone3", "inotify_add_watch")
+    }
     for nr in range(0, 1100):
         if nr in special:
             continue
@@ -141,6 +143,32 @@ def test_clone_without_namespaces_only_and_clone3_falls_back(arch: int) -> None:
     assert run_bpf(notify, clone, arch, (0x10000000 | 17,)) == NOTIF  # CLONE_NEWUSER
     assert seccomp.refusal_errno(clone, (0x10000000 | 17,), arch) == errno.EPERM
     assert run_bpf(notify, clone3, arch) == errno_ret(errno.ENOSYS)  # silent, not notified
+
+
+IN_MODIFY, IN_CLOSE_WRITE, IN_CREATE, IN_DELETE, IN_MOVED_TO = 0x2, 0x8, 0x100, 0x200, 0x80
+
+
+def test_an_inotify_watch_may_follow_changes_but_not_a_files_use(arch: int) -> None:
+    """A watch is on the inode: through a read-only view of the shared runtime a sandbox saw
+    every neighbour's opens and reads (each module it imported, with the time). Change events
+    (what file watchers and reloaders ask for) stay; open, access and close-without-write are
+    refused, with every other bit set or not."""
+    nr = seccomp.table(arch).nr("inotify_add_watch")
+    assert nr is not None
+    notify = seccomp.build_filter(arch=arch, notify=True)
+    changes = IN_MODIFY | IN_CLOSE_WRITE | IN_CREATE | IN_DELETE | IN_MOVED_TO
+    assert run_bpf(notify, nr, arch, (3, 0, changes)) == ALLOW
+    assert run_bpf(notify, nr, arch, (3, 0, changes | 0x01000000)) == ALLOW  # IN_ONLYDIR
+    for use in (0x1, 0x10, 0x20, 0xFFF):  # IN_ACCESS, IN_CLOSE_NOWRITE, IN_OPEN, IN_ALL_EVENTS
+        assert run_bpf(notify, nr, arch, (3, 0, use)) == NOTIF, hex(use)
+        assert run_bpf(notify, nr, arch, (3, 0, changes | use)) == NOTIF, hex(use)
+        assert seccomp.refusal_errno(nr, (3, 0, use), arch) == errno.EPERM
+        alone = seccomp.build_filter(arch=arch)
+        assert run_bpf(alone, nr, arch, (3, 0, use)) == errno_ret(errno.EPERM)
+    assert seccomp.rule_id(nr, (3, 0, 0x20), arch) == "seccomp.denied"
+    assert seccomp.describe(nr, (3, 0, 0x21 | changes), arch) == (
+        "inotify_add_watch(IN_ACCESS|IN_OPEN: a file's use, not its change)"
+    )
 
 
 def test_foreign_architecture_and_x32_are_killed() -> None:

@@ -33,6 +33,7 @@ from dsec_core import events
 from dsec_core.bus import replay
 from dsec_core.codebundle import BundleError, archive_bound, extract_bundle
 from dsec_core.envelope import Envelope, MalformedEnvelope, decode
+from dsec_core.identity import DEFAULT_TENANT
 from dsec_core.ids import answer_ids
 from dsec_core.lifecycle import fold_envelopes
 from dsec_core.objectstore import BundleAltered, ObjectMissing, fetch_bundle
@@ -542,9 +543,16 @@ class SnapshotRequests:
 
     async def foreign_snapshot(self, name: str, tenant: str) -> str | None:
         """Why ``tenant`` may not use snapshot ``name``: it was taken of a sandbox of another
-        tenant (snapshot names are visible on the bus; their code is not everyone's)."""
-        owner = await self.snapshot_tenant(name)
-        if owner is not None and owner != tenant:
+        tenant (snapshot names are visible on the bus; their code is not everyone's). A
+        snapshot whose tenant is known nowhere (no ``tenant`` label, its sandbox unknown to
+        the log) is the ``default`` tenant's, as for a delete: before, every tenant could
+        restore one."""
+        try:
+            manifest = await asyncio.to_thread(self.store.load, name)
+        except (SnapshotNotFound, InvalidInput):
+            return None  # (the restore says it is not there)
+        owner = await self.tenant_of_manifest(dict(manifest.labels), manifest.source.sandbox_id)
+        if (owner or DEFAULT_TENANT) != tenant:
             return (
                 f"snapshot {name!r} belongs to another tenant; a sandbox of {tenant!r} "
                 "cannot use it"

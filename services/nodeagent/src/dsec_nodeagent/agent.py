@@ -251,6 +251,8 @@ class NodeAgent:
         self._keepalive: dict[str, asyncio.Task[None]] = {}
         self._retention: asyncio.Task[None] | None = None
         self._rules: dict[str, SemanticRules] = {}
+        # (name, value) of the secrets injected into each sandbox: scrubbed out of its reports
+        self._secrets: dict[str, tuple[tuple[str, str], ...]] = {}
         self.proxies = TlsProxies(
             self.layout.tls_proxy, self._http_refused, settings.tls_proxy_upstream_ca
         )
@@ -620,6 +622,7 @@ class NodeAgent:
         its hook did not attach is never detached here: it may be another copy's of the same
         id (fail-open)."""
         self._rules.pop(sid, None)
+        self._secrets.pop(sid, None)
         if detach and self._on_stopped is not None:
             await self._on_stopped(sid)
 
@@ -884,6 +887,9 @@ class NodeAgent:
         rules = rules_from_plan(plan, plan.spec_file)
         semantic = rules.model_dump(mode="json")
         self._rules[sid] = rules  # what the sandbox's reports are checked against
+        self._secrets[sid] = tuple(
+            (name, value.get_secret_value()) for name, value in ctx.secret_env.items()
+        )
         res = plan.resources
         assert plan.entrypoint is not None
         env = {e.name: e.value for e in plan.env}
@@ -1063,6 +1069,7 @@ class NodeAgent:
     async def detach_restored(self, sid: str) -> None:
         """A restore that was not committed: its egress programs go."""
         self._rules.pop(sid, None)
+        self._secrets.pop(sid, None)
         if self._on_stopped is not None:
             with contextlib.suppress(Exception):
                 await self._on_stopped(sid)
@@ -1138,6 +1145,7 @@ class NodeAgent:
         except Exception:  # a failed release must not cost the terminal event
             log.exception("releasing the context of %s failed", sid)
         self._rules.pop(sid, None)
+        self._secrets.pop(sid, None)
         if fenced:  # its history belongs to the node it is placed on now: nothing published
             self.recordings.forget(sid)
             self.outlet.gate.forget(sid)
@@ -1287,7 +1295,11 @@ class NodeAgent:
         ``policy.reported`` (the sandbox's claim, never the node agent's verdict)."""
         sid = decision.sandbox_id
         rules = self._rules.get(sid)
-        checked = check_report(rules, decision) if rules is not None else Refused("no-plan")
+        checked = (
+            check_report(rules, decision, self._secrets.get(sid, ()))
+            if rules is not None
+            else Refused("no-plan")
+        )
         if isinstance(checked, Refused):
             REPORTS_REFUSED.labels(checked.reason).inc()
             return

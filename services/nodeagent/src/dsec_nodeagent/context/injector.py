@@ -215,7 +215,11 @@ class ContextInjector:
             )
             ctx.records.append(
                 InjectionRecord(
-                    kind="s3", name=mount.path, source=uri, digest=done.digest, bytes=done.bytes
+                    kind="s3",
+                    name=mount.path,
+                    source=uri,
+                    digest=await self._keyed(done.digest, uri),
+                    bytes=done.bytes,
                 )
             )
         else:
@@ -227,10 +231,24 @@ class ContextInjector:
             )
             ctx.records.append(
                 InjectionRecord(
-                    kind="configmap", name=mount.path, source=uri, digest=digest, bytes=size
+                    kind="configmap",
+                    name=mount.path,
+                    source=uri,
+                    digest=await self._keyed(digest, uri),
+                    bytes=size,
                 )
             )
         ctx.mounts.append(Mount(source=dest, target=mount.path, read_only=True))
+
+    async def _keyed(self, content_digest: str, uri: str) -> str | None:
+        """What ``context.injected`` shows of a mount's content: its BLAKE3 keyed as a secret's
+        digest is (Transit's HMAC under this installation's key, which never leaves Vault), or
+        nothing where no Vault is configured. Every user reads the event: a plain BLAKE3 of a
+        config value or of an encrypted object's plaintext let anyone test guesses offline
+        (a 4-digit PIN in 10,000 hashes)."""
+        if self.vault is None:
+            return None
+        return await self.vault.digest(content_digest, uri)
 
     async def keepalive(self, ctx: PreparedContext) -> None:
         """Renew every lease at half its TTL until cancelled (run it as a task while the sandbox

@@ -14,8 +14,10 @@ class InjectionRecord(BaseModel):
         kind: ``secret``, ``s3`` or ``configmap``.
         name: env var name or mount path.
         source: the reference as the spec wrote it (``vault://...``, ``s3://...``).
-        digest: BLAKE3 of the content; a secret's is keyed (Transit HMAC, see
-            :meth:`.vault.VaultSecrets.digest`).
+        digest: keyed, so that no reader tests guesses offline: a secret's value, and a
+            mount's content BLAKE3, under Transit's HMAC (see
+            :meth:`.vault.VaultSecrets.digest`); ``None`` for a mount where no Vault is
+            configured.
         lease_id: Vault token accessor of the lease (for secrets) — not the token itself.
         ttl_s: the lease's TTL.
         bytes: size of the materialized data (mounts).

@@ -1,7 +1,7 @@
 """The sandbox's seccomp-BPF filter: an allow-list, assembled here for x86_64 and arm64.
 
 Everything a Python program and its children need is allowed (:data:`ALLOWED_SYSCALLS`); every
-other call is refused. Three calls are allowed only for some arguments, read from registers:
+other call is refused. Four calls are allowed only for some arguments, read from registers:
 
 * ``socket``: families ``AF_UNIX``, ``AF_INET``, ``AF_INET6`` (streams and datagrams only;
   protocols TCP and UDP only: an ICMP or SCTP socket sends past the egress hooks, an MPTCP one
@@ -11,10 +11,14 @@ other call is refused. Three calls are allowed only for some arguments, read fro
   protocols, ...) is refused with ``EAFNOSUPPORT``; ``socketpair`` is ``AF_UNIX`` only.
 * ``clone``: no namespace flags. ``clone3`` passes its flags in memory seccomp cannot read: it
   fails with ``ENOSYS`` so libc falls back to ``clone`` (the approach of Docker's profile).
+* ``inotify_add_watch``: change events only (no ``IN_ACCESS``, ``IN_OPEN``,
+  ``IN_CLOSE_NOWRITE``: ``EPERM``). A watch is on the inode, so a watch through a read-only view
+  of the shared runtime or environment saw every neighbour's opens and reads of those files.
 
 What a refused call returns: ``EAFNOSUPPORT`` for a socket family, ``EPERM`` for a call named in
 :data:`DENIED_SYSCALLS` (and ``SOCK_RAW``, namespace flags), ``ENOSYS`` for any other call not on
-the allow-list, so libc falls back where it can, as on a kernel without that call. A foreign
+the allow-list, so libc falls back where it can, as on a kernel without that call (``EPERM``
+too for an inotify watch on a file's use). A foreign
 architecture (32-bit or x32 entry points, whose numbers differ) kills the process, which the
 node agent reports as exit reason ``policy``.
 
@@ -86,7 +90,7 @@ ALLOWED_SYSCALLS: tuple[str, ...] = (
     "sendfile", "splice", "tee", "vmsplice", "getxattr", "lgetxattr", "fgetxattr",
     "listxattr", "llistxattr", "flistxattr", "setxattr", "lsetxattr", "fsetxattr",
     "removexattr", "lremovexattr", "fremovexattr", "inotify_init", "inotify_init1",
-    "inotify_add_watch", "inotify_rm_watch", "fanotify_mark", "memfd_create", "cachestat",
+    "inotify_rm_watch", "fanotify_mark", "memfd_create", "cachestat",
     # memory
     "brk", "mmap", "munmap", "mremap", "mprotect", "madvise", "mincore", "msync", "mlock",
     "mlock2", "munlock", "mlockall", "munlockall", "remap_file_pages", "membarrier",
@@ -266,7 +270,7 @@ def _free(pointer: int) -> None:
     _LOADED["libc"].free(pointer)
 
 
-_SPECIAL = ("socket", "socketpair", "clone", "clone3")
+_SPECIAL = ("socket", "socketpair", "clone", "clone3", "inotify_add_watch")
 
 
 _TABLES: dict[int, SyscallTable] = {}
@@ -406,11 +410,21 @@ def build_filter(*, notify: bool = False, arch: int | None = None) -> bytes:
     asm.jump("clone")
     asm.op(_JEQ_K, t.numbers["clone3"], 0, 1)
     asm.jump("enosys_silent")
+    asm.op(_JEQ_K, t.numbers["inotify_add_watch"], 0, 1)
+    asm.jump("inotify_add_watch")
     for number in denied:  # reached only by calls that are not allowed: cost off the hot path
         asm.op(_JEQ_K, number, 0, 1)
         asm.jump("eperm")
     asm.jump("enosys")
     _socket_blocks(asm)
+    # inotify_add_watch: change events only. A watch is on the inode, so one placed through a
+    # read-only view fired for every process of the host opening or reading that file: a
+    # sandbox watching the shared runtime's or environment's files saw each module its
+    # neighbours imported, with the time.
+    asm.label("inotify_add_watch")
+    asm.op(_LD_W_ABS, _OFF_ARG2)
+    asm.op(_AND_K, INOTIFY_USE_EVENTS)
+    asm.op(_JEQ_K, 0, "allow", "eperm")
     asm.label("clone")
     asm.op(_LD_W_ABS, _OFF_ARG0)
     asm.op(_AND_K, CLONE_NS_FLAGS)
@@ -511,6 +525,16 @@ _CLONE_FLAG_NAMES = (
 )
 
 
+IN_ACCESS, IN_CLOSE_NOWRITE, IN_OPEN = 0x1, 0x10, 0x20
+INOTIFY_USE_EVENTS = IN_ACCESS | IN_CLOSE_NOWRITE | IN_OPEN
+"""inotify events that tell a file's use, not its change: a sandbox may not watch for them."""
+_INOTIFY_NAMES = (
+    (IN_ACCESS, "IN_ACCESS"),
+    (IN_OPEN, "IN_OPEN"),
+    (IN_CLOSE_NOWRITE, "IN_CLOSE_NOWRITE"),
+)
+
+
 def _family(args: tuple[int, ...]) -> int:
     return args[0] & 0xFFFFFFFF
 
@@ -530,7 +554,7 @@ def refusal_errno(nr: int, args: tuple[int, ...], arch: int | None = None) -> in
     if _is_family_refusal(t, nr, args):
         return errno.EAFNOSUPPORT
     name = t.name(nr)
-    if name in DENIED_SYSCALLS or nr in (t.nr("socket"), t.nr("clone")):
+    if name in DENIED_SYSCALLS or nr in (t.nr("socket"), t.nr("clone"), t.nr("inotify_add_watch")):
         return errno.EPERM
     return errno.ENOSYS
 
@@ -572,4 +596,7 @@ def describe(nr: int, args: tuple[int, ...], arch: int | None = None) -> str:
     if nr == t.nr("clone"):
         flags = [name for bit, name in _CLONE_FLAG_NAMES if args[0] & bit]
         return f"clone({'|'.join(flags)})"
+    if nr == t.nr("inotify_add_watch"):
+        events = [name for bit, name in _INOTIFY_NAMES if args[2] & bit]
+        return f"inotify_add_watch({'|'.join(events)}: a file's use, not its change)"
     return t.name(nr) or f"syscall {nr}"
