@@ -450,7 +450,12 @@ class SnapshotTaken(Payload):
     manifest_digest: str
     files: int
     bytes_total: int
-    bytes_uploaded: int
+    bytes_uploaded: int = Field(
+        description="Bytes of content new to this snapshot's own series (not in its parent; "
+        "all of it without one). Not the object store's dedup count: the store dedups across "
+        "every tenant's snapshots, and that count would tell whether another tenant stored "
+        "the same content"
+    )
 
 
 class SnapshotRequested(Payload):

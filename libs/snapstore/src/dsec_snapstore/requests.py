@@ -670,5 +670,5 @@ def taken_event(result: CreateResult) -> events.SnapshotTaken:
         result.manifest_digest,
         result.files,
         result.bytes_total,
-        result.bytes_uploaded,
+        result.bytes_new,  # (never the store's dedup count: see CreateResult)
     )

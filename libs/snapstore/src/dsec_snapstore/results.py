@@ -41,7 +41,14 @@ class SnapshotInputs:
 
 @dataclass(frozen=True)
 class CreateResult:
-    """A stored snapshot and what storing it cost (fields of ``snapshot.taken``)."""
+    """A stored snapshot and what storing it cost (fields of ``snapshot.taken``).
+
+    ``bytes_uploaded``/``chunks_uploaded`` are what the store took (it dedups across every
+    snapshot of the bucket, every tenant's); ``bytes_new`` is what this snapshot holds that its
+    parent did not (this tree and its own parent alone decide it): what ``snapshot.taken`` and
+    the index row publish, since a count of the store's dedup told any tenant whether another
+    tenant had stored the same content.
+    """
 
     manifest: SnapshotManifest
     manifest_digest: str
@@ -52,6 +59,7 @@ class CreateResult:
     chunks_uploaded: int
     files_rehashed: int
     duration_s: float
+    bytes_new: int = 0
 
 
 @dataclass(frozen=True)

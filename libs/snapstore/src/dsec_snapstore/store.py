@@ -515,7 +515,8 @@ class SnapshotStore:
         released = self._pool.submit(lock_held[0].release)
         uploaded, uploaded_bytes = packer.chunks, packer.bytes
         total = manifest.code.total_size
-        self._write_summary(manifest, digest, uploaded_bytes)
+        new_bytes = _new_to_parent(hashed, rehashed if parent else None)
+        self._write_summary(manifest, digest, new_bytes)
         saved.result()
         released.result()
         return CreateResult(
@@ -528,6 +529,7 @@ class SnapshotStore:
             chunks_uploaded=uploaded,
             files_rehashed=len(rehashed),
             duration_s=time.perf_counter() - started,
+            bytes_new=new_bytes,
         )
 
     def _stat_cache(self, root: Path) -> StatCache:
@@ -2171,3 +2173,22 @@ def _batches(entries: Sequence[FileEntry], limit: int) -> Iterator[list[FileEntr
 
 def _note(change: domain.FileChange, note: str) -> domain.FileChange:
     return domain.FileChange(change.path, change.old, change.new, None, note)
+
+
+def _new_to_parent(hashed: dict[str, tuple[TreeEntry, HashedFile]], read: set[str] | None) -> int:
+    """Bytes of the distinct chunks of the files ``read`` (every file without a parent:
+    ``read`` None) that no file kept from the parent holds: the snapshot's content new to its
+    own series, whatever other snapshots of the store hold."""
+    kept = (
+        set()
+        if read is None
+        else {c.id for path, (_, h) in hashed.items() if path not in read for c in h.chunks}
+    )
+    fresh = {
+        c.id: c.length
+        for path, (_, h) in hashed.items()
+        if read is None or path in read
+        for c in h.chunks
+        if c.id not in kept
+    }
+    return sum(fresh.values())
