@@ -376,3 +376,94 @@ def test_one_node_agent_stopping_leaves_audit_on_for_another_of_the_host() -> No
         for holder in holders:
             holder.kill()
             holder.wait(10)
+
+
+_FLOODER = """
+import os, time, json
+end = time.monotonic() + 6
+for _ in range(3):
+    if os.fork() == 0:
+        break
+n = 0
+while time.monotonic() < end:
+    try:
+        os.open("/workspace/private/f.txt", os.O_RDONLY)
+    except PermissionError:
+        n += 1
+print(json.dumps({"denials": n}), flush=True)
+"""
+_VICTIM = """
+import json, time
+seen = []
+for i in range(10):
+    try:
+        open(f"/workspace/private/victim{i}.txt").read()
+        seen.append("ok")
+    except PermissionError:
+        seen.append("EACCES")
+    time.sleep(0.3)
+print(json.dumps(seen))
+"""
+
+
+async def test_a_sandbox_flooding_landlock_refusals_hides_no_neighbours_refusals(
+    tmp_path: Path,
+) -> None:
+    """Every sandbox's Landlock records go through one kernel audit queue and one reader with
+    a budget. Before (found by an adversarial review, 2026-12-07), four processes looping on a
+    refused ``open`` (~100,000 a second) overflowed them: a neighbour's refusals made meanwhile
+    went unreported (1 to 3 of 10), and kauditd spent ~25 % of a core. Now a sandbox past 200
+    refusals a second has its records dropped in the kernel for a while (an audit exclude rule
+    on its uid, taken back when the quiet ends or the sandbox does), and says so in one
+    refusal; the neighbour's 10 refusals are all reported."""
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "f.txt").write_text("x")
+    for i in range(10):
+        (private / f"victim{i}.txt").write_text("x")
+    mounts = [Mount(source=private, target="/workspace/private")]
+    seen: list[LandlockRefusal] = []
+
+    async def on_landlock_refusal(refusal: LandlockRefusal) -> None:
+        seen.append(refusal)
+
+    async with managed(tmp_path / "home", on_landlock_refusal=on_landlock_refusal) as manager:
+        await manager.launch(snippet_config("flood", _FLOODER, tmp_path, mounts=mounts))
+        await asyncio.sleep(1.0)
+        victim = await run_to_end(
+            manager, snippet_config("victim", _VICTIM, tmp_path, mounts=mounts)
+        )
+        flooder = await asyncio.wait_for(manager.wait("flood"), 60)
+        await asyncio.sleep(0.5)  # (the last records read)
+    assert read_json_output(victim) == ["EACCES"] * 10
+    denials = sum(
+        json.loads(line)["denials"] for line in Path(flooder.stdout_path).read_text().splitlines()
+    )
+    assert denials > 10_000, denials  # (a flood: the kernel refused each)
+    reported = sorted(r.target for r in seen if r.sandbox_id == "victim")
+    assert reported == sorted(f"/workspace/private/victim{i}.txt" for i in range(10)), reported
+    hushed = [r for r in seen if r.sandbox_id == "flood" and r.quiet_s > 0]
+    assert hushed and "dropped in the kernel" in audit.describe(hushed[0])
+    flood_reported = sum(1 for r in seen if r.sandbox_id == "flood")
+    assert flood_reported < denials / 10, (flood_reported, denials)
+    # no exclude rule outlives the sandbox (nor the reader)
+    assert not any((audit.HOST_DIR / "quiet").glob("*"))
+
+
+def test_exclude_rules_a_dead_node_agent_left_are_deleted_by_the_next(tmp_path: Path) -> None:
+    """A node agent that crashed while a sandbox was hushed left its exclude rule: the uid's
+    next sandbox would go unheard. The next reader to start deletes the rules of processes that
+    are gone (and keeps a live one's)."""
+    rules = audit._QuietRules(tmp_path)
+    gone, live = 61_001, 61_002
+    rules.add(gone)
+    rules.add(live)
+    (rules.dir / str(gone)).write_text("999999999 0")  # (its process is gone)
+    try:
+        rules.sweep()
+        assert sorted(p.name for p in rules.dir.iterdir()) == [str(live)]
+        with pytest.raises(OSError):  # the kernel has no such rule any more
+            audit._change_rule(audit.AUDIT_DEL_RULE, gone)
+    finally:
+        rules.delete(live)
+    assert not any(rules.dir.iterdir())

@@ -307,6 +307,8 @@ class SandboxManager:
                 disk = asyncio.ensure_future(self._make_quota(config, data_dir, built))
             self._uid_owners[uid] = sid
             self._watch_landlock(built.warnings)
+            if self._audit is not None:  # (a flooding sandbox's earlier uid: heard again)
+                self._audit.release_uid(uid)
             if config.agent is not None:
                 self._agents[sid] = (uid, config.agent)
             marks["plan"] = time.monotonic_ns()
@@ -1074,6 +1076,8 @@ class SandboxManager:
         except quota.QuotaError as exc:  # the terminal result still goes out
             log.error("sandbox %s: its disk quota could not be released: %s", sid, exc)
         self.states.remove(sid)
+        if self._audit is not None and isinstance(state.get("uid"), int):
+            self._audit.release_uid(state["uid"])  # (its records, if a flood hushed them)
         await asyncio.to_thread(_mark_ended, data_dir, reason, outcome)
         ready = state.get("ready") or {}
         stdout_path, stderr_path = self.log_paths(sid)
