@@ -307,14 +307,22 @@ async def test_a_spare_delivery_ends_only_a_request_no_attempt_answered(
         output = SpecValidated(name="a", spec_digest="d", plan=minimal_plan())
         await service._publish_outputs(asked[answered].envelope, [output])  # then it "died"
         wanted = output_event_id(
-            asked[forged_for].envelope.id, SpecValidated.TYPE, 0, input_type=SpecSubmitted.TYPE
+            asked[forged_for].envelope.id,
+            SpecValidated.TYPE,
+            0,
+            input_type=SpecSubmitted.TYPE,
+            key_id=asked[forged_for].envelope.key_id,
         )
         forger = Signer(service.name, SigningKey.generate())
         forged = forger.seal(output, aggregate_id=forged_for, event_id=wanted)
         await js.publish(forged.envelope.subject, forged.wire)
         assert service.publisher is not None  # a genuine answer to it, on another aggregate
         wanted = output_event_id(
-            asked[copied_for].envelope.id, SpecValidated.TYPE, 0, input_type=SpecSubmitted.TYPE
+            asked[copied_for].envelope.id,
+            SpecValidated.TYPE,
+            0,
+            input_type=SpecSubmitted.TYPE,
+            key_id=asked[copied_for].envelope.key_id,
         )
         genuine = await service.publisher.publish(output, aggregate_id=elsewhere, event_id=wanted)
         await js.publish(subject_for(SpecValidated.TYPE, copied_for), genuine.sealed.wire)
@@ -347,7 +355,11 @@ async def test_no_one_can_take_a_derived_ids_place_in_the_duplicate_window(
     sandbox = f"sbx_{uuid.uuid4().hex[:10]}"
     request = await publisher.publish(SpecSubmitted(spec_yaml="x"), aggregate_id=sandbox)
     wanted = output_event_id(
-        request.envelope.id, SpecRejected.TYPE, 0, input_type=request.envelope.type
+        request.envelope.id,
+        SpecRejected.TYPE,
+        0,
+        input_type=request.envelope.type,
+        key_id=request.envelope.key_id,
     )
     junk_subject = subject_for(SpecSubmitted.TYPE, f"sbx_{uuid.uuid4().hex[:10]}")
     await js.publish(junk_subject, b"junk", headers={"Nats-Msg-Id": wanted})

@@ -110,3 +110,16 @@ def test_retain_with_a_bad_policy_is_bad_input_before_any_store_is_opened(
     result = runner.invoke(app, ["snapshot", "retain", "--keep-last", "0", "--yes"])
     assert result.exit_code == 2, result.output
     assert "keep_last=0: must be at least 1" in flat(result.output)
+
+
+def test_rm_of_more_names_than_one_request_takes_is_refused_before_asking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("asked the snapshot service")
+
+    monkeypatch.setattr(snapshot_cmd, "ask_delete", never)
+    names = [f"snap-{i}" for i in range(1001)]
+    result = runner.invoke(app, ["snapshot", "rm", *names, "--yes"])
+    assert result.exit_code == 2, result.output
+    assert "one request deletes at most 1000 snapshots" in flat(result.output)

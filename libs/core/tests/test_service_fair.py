@@ -577,7 +577,7 @@ async def test_a_start_its_services_stop_cut_short_is_no_attempt(tmp_path: Path)
         while not runs:
             await asyncio.sleep(0)
         (fair,) = service._fair
-        key = f"{fair.handling.durable}.{request.id}.starts"
+        key = f"{fair.handling.durable}.{request.key_id}.{request.id}.starts"
         assert (await kv.get(key)).value == b"1"
         await service.stop_workers(grace_s=0.05)
         assert (await kv.get(key)).value == b"0"

@@ -25,6 +25,16 @@ pytestmark = pytest.mark.unit
 SPEC = 'version: "1.2"\nname: agent\nbase: python:3.11\nentrypoint: [python, a.py]\n'
 
 
+def _verify_finds_no_tampering(root: Any, log: MemoryLog) -> Any:
+    """``dsec audit verify`` over the log (every signature checked): no finding; its report."""
+    verifier = Verifier(bytes(root.verify_key), signature_every=1)
+    for seq, _, data in log.records:
+        verifier.feed(seq, data)
+    report = verifier.finish()
+    assert report.finding is None, f"audit verify: TAMPERING: {report.finding}"
+    return report
+
+
 async def _running_victim(log: MemoryLog, tmp_path: Path) -> tuple[str, Any]:
     """Tenant ``default``'s sandbox, running on node n1 (its genuine lifecycle)."""
     world = await pipeline(log, tmp_path, node_id="n1")  # type: ignore[arg-type]
@@ -164,11 +174,7 @@ async def test_a_user_reusing_its_own_request_id_does_not_make_audit_verify_repo
     # duplicate window, it is refused by every consumer, so no service answers it twice
     assert isinstance(verdict2, Refusal) and verdict2.reason == "id-not-fresh", verdict2
 
-    verifier = Verifier(bytes(root.verify_key), signature_every=1)
-    for seq, _, data in log.records:
-        verifier.feed(seq, data)
-    report = verifier.finish()
-    assert report.finding is None, f"audit verify: TAMPERING: {report.finding}"
+    _verify_finds_no_tampering(root, log)
 
 
 async def test_one_fresh_id_admits_one_message_for_every_consumer(tmp_path: Path) -> None:
@@ -213,14 +219,13 @@ async def test_one_fresh_id_admits_one_message_for_every_consumer(tmp_path: Path
     assert not isinstance(await admit(same_kind, "nodeagent-n1-snapshot-requested"), Refusal)
     await service._publish_outputs(taken, [failed("b", "create", "no sandbox")])
 
-    verifier = Verifier(bytes(root.verify_key), signature_every=1)
-    for seq, _, data in log.records:
-        verifier.feed(seq, data)
-    report = verifier.finish()
-    assert report.finding is None, f"audit verify: TAMPERING: {report.finding}"
-    answer = output_event_id(first.sealed.id, "snapshot.failed", input_type="snapshot.requested")
+    _verify_finds_no_tampering(root, log)
+    key = first.sealed.envelope.key_id
+    answer = output_event_id(
+        first.sealed.id, "snapshot.failed", input_type="snapshot.requested", key_id=key
+    )
     assert answer != output_event_id(
-        first.sealed.id, "snapshot.failed", input_type="snapshot.restore_requested"
+        first.sealed.id, "snapshot.failed", input_type="snapshot.restore_requested", key_id=key
     )
 
 
@@ -242,6 +247,60 @@ async def test_another_users_message_under_a_copied_id_gets_no_request_refused(
             asked.sealed.wire, stream_seq=asked.stream_seq, consumer=consumer
         )
         assert not isinstance(verdict, Refusal), (consumer, verdict)
+
+
+async def test_a_request_id_copied_by_another_tenant_onto_the_same_kind_refuses_nothing(
+    tmp_path: Path,
+) -> None:
+    """Another tenant's user reads a request off the bus and sends a request of the same kind,
+    for a sandbox of its own, under the same id (a raw publish under another ``Nats-Msg-Id``).
+    A fair runtime admits a fetched batch at once, so the copy may pass its gate first.
+
+    Before (found by an adversarial review, 2026-12-07): the consumer's replay record was
+    ``<consumer>.<event id>``, whoever signed it, so it refused the victim's genuine, earlier
+    request as a replay (12 of 12 victim specs never answered against the real policy service).
+    Its answer ids were derived without the key too: answering both put two answers under one
+    id, and JetStream dropped the second. Now both are admitted, each answered under an id of
+    its own, and each answer is stored."""
+    from dsec_core.ids import output_event_id
+    from dsec_snapstore.requests import failed
+
+    root, log, service, attacker, gate = await _snapshot_service_and_a_user(tmp_path)
+    victim = await trust.publisher(log, tmp_path, "user", tenant="default")  # type: ignore[arg-type]
+    asked = await victim.publish(SnapshotRequested(name="a"), aggregate_id=new_sandbox_id())
+    log._ids.clear()  # (the copy under a Nats-Msg-Id of its own: stored too)
+    copy = await attacker.publish(
+        SnapshotRequested(name="a"), aggregate_id=new_sandbox_id(), event_id=asked.sealed.id
+    )
+    consumer = "snapshot-snapshot-requested"
+    verdicts = []
+    for sent in (copy, asked):  # the copy's gate finished first
+        verdict = await gate.admit(sent.sealed.wire, stream_seq=sent.stream_seq, consumer=consumer)
+        assert not isinstance(verdict, Refusal), verdict
+        verdicts.append(verdict)
+        await service._publish_outputs(verdict, [failed("a", "create", "no sandbox")])
+    answers = {
+        output_event_id(
+            sent.sealed.id,
+            "snapshot.failed",
+            input_type="snapshot.requested",
+            key_id=sent.sealed.envelope.key_id,
+        )
+        for sent in (copy, asked)
+    }
+    assert len(answers) == 2
+    stored = {record[2] for record in log.records}
+    assert sum(1 for data in stored if any(a.encode() in data for a in answers)) == 2
+    # each is still one message for its consumer: a redelivery is no replay, a second copy is
+    again = await gate.admit(asked.sealed.wire, stream_seq=asked.stream_seq, consumer=consumer)
+    assert not isinstance(again, Refusal), again
+    log._ids.clear()
+    twice = await victim.publish(
+        SnapshotRequested(name="b"), aggregate_id=new_sandbox_id(), event_id=asked.sealed.id
+    )
+    refused = await gate.admit(twice.sealed.wire, stream_seq=twice.stream_seq, consumer=consumer)
+    assert isinstance(refused, Refusal) and refused.reason == "replayed", refused
+    _verify_finds_no_tampering(root, log)
 
 
 async def test_a_claim_no_such_message_backs_refuses_nothing(tmp_path: Path) -> None:
@@ -289,11 +348,7 @@ async def test_a_message_stored_under_an_answered_requests_id_makes_verify_repor
     )
     await log.publish(copy.subject, copy.wire)
 
-    verifier = Verifier(bytes(root.verify_key), signature_every=1)
-    for seq, _, data in log.records:
-        verifier.feed(seq, data)
-    report = verifier.finish()
-    assert report.finding is None, f"audit verify: TAMPERING: {report.finding}"
+    report = _verify_finds_no_tampering(root, log)
     assert [i.event_id for i in report.injected] == [asked.sealed.id]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -194,3 +195,22 @@ def test_a_sandboxs_periodic_series_is_its_own_labelled_snapshots_only() -> None
         row("auto-sbx_1-fake"),  # a user's snapshot named like one: not labelled periodic
     ]
     assert [r.name for r in periodic_series(rows, "sbx_1")] == ["auto-sbx_1-1"]
+
+
+def test_one_tenants_long_delete_holds_no_other_tenants(tmp_path: Path) -> None:
+    """A delete request named any number of snapshots, and the service handled deletes one at a
+    time in stream order: one request of 20,000 names held every tenant's `dsec snapshot rm`
+    31 s (found by an adversarial review, 2026-12-07). A request names at most 1,000 now; the
+    deletes run two at once, one per tenant, each attempt cancelled past its timeout."""
+    import pydantic
+    from dsec_core.settings import Settings
+
+    from dsec_snapshot.app import DELETE_TIMEOUT_S, create_service
+
+    events.SnapshotDeleteRequested(names=[f"s{i}" for i in range(events.MAX_DELETE_NAMES)])
+    with pytest.raises(pydantic.ValidationError, match="at most 1000 items"):
+        events.SnapshotDeleteRequested(names=[f"s{i}" for i in range(20_000)])
+    service = create_service(Settings(home=tmp_path))
+    (fair,) = [f for f in service._fair if f.handling.event_type == "snapshot.delete_requested"]
+    assert fair.workers == 2 and fair.queue.per_tenant_running == 1
+    assert fair.handling.policy.attempt_timeout_s == DELETE_TIMEOUT_S

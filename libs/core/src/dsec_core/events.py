@@ -515,13 +515,23 @@ class SnapshotFailed(Payload):
     reason: str
 
 
+MAX_DELETE_NAMES = 1000
+"""Snapshots one ``snapshot.delete_requested`` may name: each costs the snapshot service a read
+of its manifest, and a request of 125,000 names (1 MiB) held every tenant's deletes for
+minutes."""
+
+
 class SnapshotDeleteRequested(Payload):
     """A user asked to delete snapshots (``dsec snapshot rm``) or to collect garbage (``gc``)."""
 
     TYPE = "snapshot.delete_requested"
     AGGREGATE = "snapshot"
 
-    names: list[str] = Field(default_factory=list, description="Snapshots to delete")
+    names: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_DELETE_NAMES,
+        description=f"Snapshots to delete (at most {MAX_DELETE_NAMES} a request)",
+    )
     gc: bool = Field(default=False, description="Also remove chunks no snapshot refers to")
     gc_grace_s: float = Field(
         default=3600.0,

@@ -51,32 +51,47 @@ def derive_event_id(input_id: str, label: str) -> str:
     return str(uuid.uuid5(_DERIVE_NS, f"{input_id}/{label}"))
 
 
-def answer_event_id(input_type: str, input_id: str, label: str) -> str:
-    """The id of the answer ``label`` to the event ``input_id`` of type ``input_type``.
+def answer_event_id(input_type: str, input_id: str, label: str, *, key_id: str) -> str:
+    """The id of the answer ``label`` to the event ``input_id`` of type ``input_type`` signed
+    by the key ``key_id``.
 
-    The type is part of it: a user chooses its request ids (fresh UUIDv7s, but its own), and
-    replay protection is per consumer, so one id sent on two kinds of request (a raw publish
-    with another ``Nats-Msg-Id``) reaches two handlers. Answers derived from the id alone
-    then collided: two answers stored under one id, which ``dsec audit verify`` reports as
-    tampering once they land more than JetStream's duplicate window apart."""
-    return derive_event_id(f"{input_type}/{input_id}", label)
+    The type and the key are part of it: a user chooses its request ids (fresh UUIDv7s, but
+    its own). One id sent on two kinds of request (a raw publish with another
+    ``Nats-Msg-Id``) reached two handlers, whose answers then collided: two answers stored under
+    one id, which ``dsec audit verify`` reports as tampering once they land more than
+    JetStream's duplicate window apart. And another tenant may copy a request's id onto a
+    request of its own (it reads the bus): answers derived without the key were one id, so
+    JetStream dropped the second as a duplicate and that request never had an answer."""
+    return derive_event_id(f"{input_type}/{key_id}/{input_id}", label)
 
 
-def output_event_id(input_id: str, event_type: str, n: int = 0, *, input_type: str) -> str:
+def output_event_id(
+    input_id: str, event_type: str, n: int = 0, *, input_type: str, key_id: str
+) -> str:
     """The id a service runtime gives the ``n``-th output of type ``event_type`` it publishes
-    in answer to the event ``input_id`` of type ``input_type`` (so a redelivery publishes the
-    same ids, and a handler can find its earlier answer)."""
-    return answer_event_id(input_type, input_id, f"{event_type}#{n}")
+    in answer to the event ``input_id`` of type ``input_type`` signed by ``key_id`` (so a
+    redelivery publishes the same ids, and a handler can find its earlier answer)."""
+    return answer_event_id(input_type, input_id, f"{event_type}#{n}", key_id=key_id)
 
 
-def answer_ids(input_type: str, input_id: str, event_type: str) -> frozenset[str]:
+def earlier_answer_ids(input_type: str, input_id: str, label: str) -> tuple[str, str]:
+    """The ids earlier releases gave the answer ``label``: from the input's type and id
+    (2026-12-06), from its id alone (before). A request redelivered across an upgrade is
+    answered already if one of them is in the log."""
+    return (
+        derive_event_id(f"{input_type}/{input_id}", label),
+        derive_event_id(input_id, label),
+    )
+
+
+def answer_ids(input_type: str, input_id: str, event_type: str, *, key_id: str) -> frozenset[str]:
     """The ids the first answer of type ``event_type`` to an event may have: the one derived
-    now, and the one an earlier release derived from the input's id alone (its answers to
-    requests still being redelivered across an upgrade must still be found)."""
+    now, and those earlier releases derived (:func:`earlier_answer_ids`)."""
+    label = f"{event_type}#0"
     return frozenset(
         {
-            output_event_id(input_id, event_type, input_type=input_type),
-            derive_event_id(input_id, f"{event_type}#0"),
+            answer_event_id(input_type, input_id, label, key_id=key_id),
+            *earlier_answer_ids(input_type, input_id, label),
         }
     )
 

@@ -889,7 +889,7 @@ class Service:
         kv = None if self.gate is None else self.gate.handled
         if kv is None:
             return fallback
-        key = f"{h.durable}.{held.envelope.id}.starts"
+        key = _starts_key(h.durable, held.envelope)
         try:
             try:
                 await kv.create(key, b"1")
@@ -919,7 +919,7 @@ class Service:
         kv = None if self.gate is None else self.gate.handled
         if kv is None:
             return
-        key = f"{h.durable}.{held.envelope.id}.starts"
+        key = _starts_key(h.durable, held.envelope)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):
                 entry = await kv.get(key)
@@ -1063,7 +1063,8 @@ class Service:
             if isinstance(answer, tuple):
                 model, wanted = answer[0], frozenset({derive_event_id(envelope.id, answer[1])})
             else:
-                model, wanted = answer, answer_ids(envelope.type, envelope.id, answer.TYPE)
+                model = answer
+                wanted = answer_ids(envelope.type, envelope.id, answer.TYPE, key_id=envelope.key_id)
             subject = subject_for(model.TYPE, envelope.aggregate_id)
             async for seq, data in scan_seq(
                 self.publisher.js, subject, ANSWER_SCAN, after=stream_seq
@@ -1140,7 +1141,11 @@ class Service:
                 out.payload,
                 aggregate_id=out.aggregate_id or envelope.aggregate_id,
                 event_id=output_event_id(
-                    envelope.id, out.payload.TYPE, n, input_type=envelope.type
+                    envelope.id,
+                    out.payload.TYPE,
+                    n,
+                    input_type=envelope.type,
+                    key_id=envelope.key_id,
                 ),
                 causation=envelope,
             )
@@ -1462,3 +1467,9 @@ def main(create: Callable[[], Service]) -> None:
     # Stopped cleanly: every hook ran and the connection drained. The interpreter's teardown
     # would only free memory, for about 0.2 s that `dsec down` waits on each service.
     quickexit.leave(0)
+
+
+def _starts_key(durable: str, envelope: Envelope) -> str:
+    """Where a durable counts the starts of an event (by key and id: two users' requests under
+    one id, one copied off the bus, are two requests)."""
+    return f"{durable}.{envelope.key_id}.{envelope.id}.starts"

@@ -277,6 +277,20 @@ async def handled_bucket(js: JetStreamContext, *, replicas: int | None = None) -
     return kv
 
 
+def handled_key(consumer: str, envelope: Envelope, *, user: bool) -> str:
+    """Where ``consumer`` records that it handled ``envelope`` (in the handled-ids bucket).
+
+    A user's event is keyed by its signing key as well as its id: a user chooses its ids, and
+    another tenant may copy one off the bus onto a request of its own (a raw publish under
+    another ``Nats-Msg-Id`` stores both). Keyed by id alone, whichever copy a consumer admitted
+    first (not the first stored: a fair runtime admits a fetched batch at once) made it refuse
+    the other as a replay, and the victim's request never had an answer. A service's ids are
+    derived from its input's, so its events stay keyed by id alone."""
+    if user:
+        return f"{consumer}.{envelope.key_id}.{envelope.id}"
+    return f"{consumer}.{envelope.id}"
+
+
 class Gate:
     """Admits an event to a handler, or says why not. One per consumer process."""
 
@@ -653,10 +667,22 @@ class Gate:
         taken = await self._claim(envelope, stream_seq) if user else None
         if taken is not None:
             return "replayed", taken
-        seen = await self._first(f"{consumer}.{envelope.id}", stream_seq)
+        seen = await self._first(handled_key(consumer, envelope, user=user), stream_seq)
+        if seen is None and user:
+            # (handled by the release before, which keyed a user's events by id alone)
+            seen = await self._recorded(f"{consumer}.{envelope.id}")
         if seen is None or seen == str(stream_seq):
             return None  # (the same message again: a redelivery, the handler is idempotent)
         return "replayed", f"event {envelope.id} was handled at stream sequence {seen}"
+
+    async def _recorded(self, key: str) -> str | None:
+        """The stream position recorded under ``key``, if any."""
+        assert self._handled is not None
+        try:
+            entry = await self._handled.get(key)
+        except NotFoundError:
+            return None
+        return (entry.value or b"").decode()
 
     async def _first(self, key: str, stream_seq: int) -> str | None:
         """Record ``stream_seq`` under ``key`` unless a value is there: None when recorded

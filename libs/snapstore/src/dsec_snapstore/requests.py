@@ -110,7 +110,9 @@ def _answered(
     """Whether ``history`` holds an answer to ``request`` (the service runtime derives its id
     from the request's): a request delivered again after it was answered (an ack lost, its
     wait exceeded) must not act twice."""
-    ids = set().union(*(answer_ids(request.type, request.id, a.TYPE) for a in answers))
+    ids = set().union(
+        *(answer_ids(request.type, request.id, a.TYPE, key_id=request.key_id) for a in answers)
+    )
     return any(e.id in ids for e in history)
 
 

@@ -955,7 +955,9 @@ class Scheduler:
         await self._decide(
             answer,
             aggregate_id=node.node_id,
-            event_id=answer_event_id(envelope.type, envelope.id, "node.cordoned"),
+            event_id=answer_event_id(
+                envelope.type, envelope.id, "node.cordoned", key_id=envelope.key_id
+            ),
             tenant=envelope.tenant,
             causation=envelope,
         )
@@ -979,7 +981,9 @@ class Scheduler:
         await self._decide(
             end,
             aggregate_id=sbx.sandbox_id,
-            event_id=answer_event_id(envelope.type, envelope.id, f"{end.TYPE}#0"),
+            event_id=answer_event_id(
+                envelope.type, envelope.id, f"{end.TYPE}#0", key_id=envelope.key_id
+            ),
             tenant=sbx.tenant,
             causation=envelope,
         )

@@ -43,7 +43,7 @@ from dsec_core.events import (
     UnitMigrationRequested,
     UnitMigrationStarted,
 )
-from dsec_core.ids import answer_event_id, derive_event_id
+from dsec_core.ids import answer_event_id, derive_event_id, earlier_answer_ids
 from dsec_core.service import HANDLING_SEQ
 from dsec_core.subjects import subject_for
 
@@ -266,9 +266,10 @@ class Migrator:
         """An operator's request: start the migration, or refuse it (always a terminal event
         in the end)."""
         await self.s.barrier(upto=HANDLING_SEQ.get())
-        mid = answer_event_id(envelope.type, envelope.id, "migration")
-        # (or under the id an earlier release derived from the request's id alone)
-        if self.book.known(mid) or self.book.known(derive_event_id(envelope.id, "migration")):
+        mid = answer_event_id(envelope.type, envelope.id, "migration", key_id=envelope.key_id)
+        # (or under an id an earlier release derived)
+        earlier = earlier_answer_ids(envelope.type, envelope.id, "migration")
+        if any(self.book.known(known) for known in (mid, *earlier)):
             return []  # handled before (a redelivery, a restart, another replica)
         async with self.s._deciding:
             await self._start(

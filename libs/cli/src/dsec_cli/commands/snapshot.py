@@ -558,6 +558,14 @@ def rm(
     """
     for name in names:
         _validate_name(name)
+    from dsec_core.events import MAX_DELETE_NAMES
+
+    if len(names) > MAX_DELETE_NAMES:
+        fail(
+            f"{len(names)} names: one request deletes at most {MAX_DELETE_NAMES} snapshots; "
+            f"run `dsec snapshot rm` again for the rest",
+            EXIT_BAD_INPUT,
+        )
     confirm(
         f"delete snapshot(s) {', '.join(names)}" + (" and free their chunks" if collect else ""),
         yes,

@@ -123,7 +123,8 @@ async def _migrate(
         await publisher.register_key()
         request = UnitMigrationRequested(unit=unit, to_node=to_node, requested_by=submitter())
         published = await publisher.publish(request, aggregate_id=sandbox_id, tenant=tenant)
-        mid = answer_event_id(published.envelope.type, published.envelope.id, "migration")
+        asked = published.envelope
+        mid = answer_event_id(asked.type, asked.id, "migration", key_id=asked.key_id)
         if not quiet:
             target = f" to {to_node}" if to_node else ""
             err_console.print(
