@@ -161,7 +161,7 @@ def _staging_agent(
     the launch fails at once instead (a missing secret)."""
     agent, launches = _agent(placements)
     del agent._start  # type: ignore[attr-defined]
-    agent._rules, agent._on_stopped = {}, None
+    agent._rules, agent._secrets, agent._on_stopped = {}, {}, None
     never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
     async def last(event_type: str, sid: str, event_id: str) -> Any:

@@ -17,10 +17,12 @@ import blake3
 import pytest
 from dsec_core import events
 from dsec_core.envarchive import pack
+from dsec_core.envelope import Envelope
 from dsec_core.layout import NodeLayout
 from dsec_core.natsperms import durable_name
 from dsec_core.objectstore import env_archive_key
 from dsec_core.subjects import STREAM, subject_for
+from dsec_core.trust import handled_key
 from nats.js.errors import NotFoundError
 from prometheus_client import REGISTRY
 
@@ -74,12 +76,13 @@ def _sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-async def _handled(h: NodeAgentHarness, event_type: str, event_id: str) -> bool:
-    """Whether this node agent's durable for ``event_type`` handled (and acked) ``event_id``."""
+async def _handled(h: NodeAgentHarness, event_type: str, event: Envelope) -> bool:
+    """Whether this node agent's durable for ``event_type`` handled (and acked) ``event``
+    (a user's event is recorded by its key and id, a service's by id)."""
     kv = await h._nc.jetstream().key_value("dsec-handled")
     durable = durable_name("nodeagent", event_type, h.settings.node_id)
     try:
-        await kv.get(f"{durable}.{event_id}")
+        await kv.get(handled_key(durable, event, user=event.producer.startswith("user-")))
     except Exception:
         return False
     return True
@@ -148,13 +151,12 @@ async def test_a_sandbox_scheduled_on_another_node_is_neither_started_nor_stoppe
 ) -> None:
     async with NodeAgentHarness(home, nats_url) as h:
         sid = await h.submit("elsewhere", "print(1)", QUIET, node_id="other-node")
-        scheduled = h.scheduled[sid].envelope.id
+        scheduled = h.scheduled[sid].envelope
         await _until(lambda: _handled(h, "sandbox.scheduled", scheduled), "scheduled acked")
         stop = await h.upstream.user.publish(
             events.SandboxStopRequested(requested_by="test"), aggregate_id=sid
         )
-        stop_id = stop.envelope.id
-        await _until(lambda: _handled(h, "sandbox.stop_requested", stop_id), "stop acked")
+        await _until(lambda: _handled(h, "sandbox.stop_requested", stop.envelope), "stop acked")
         assert [
             a.envelope.type for a in h.recorded[sid].events if a.envelope.producer == "nodeagent"
         ] == []
@@ -232,7 +234,7 @@ async def test_a_stop_of_a_sandbox_scheduled_here_that_has_not_started_ends_it_s
             for sid in first:
                 await _until(lambda sid=sid: _starting(h, sid), "a start waits in staging")
             waiting = await h.submit("waiting", "print(2)", QUIET)
-            scheduled = h.scheduled[waiting].envelope.id
+            scheduled = h.scheduled[waiting].envelope
             await _until(lambda: _handled(h, "sandbox.scheduled", scheduled), "taken, held")
             assert not await _starting(h, waiting)
             stop = await h.upstream.user.publish(
