@@ -112,14 +112,22 @@ def test_retain_with_a_bad_policy_is_bad_input_before_any_store_is_opened(
     assert "keep_last=0: must be at least 1" in flat(result.output)
 
 
-def test_rm_of_more_names_than_one_request_takes_is_refused_before_asking(
+def test_rm_and_retain_of_more_names_than_one_request_takes_ask_in_batches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def never(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("asked the snapshot service")
+    """One request deletes at most 1,000 snapshots (the service refuses more): `rm` and
+    `retain` of more ask in batches, collecting with the last; the answers read as one."""
+    asked: list[tuple[int, bool]] = []
 
-    monkeypatch.setattr(snapshot_cmd, "ask_delete", never)
-    names = [f"snap-{i}" for i in range(1001)]
-    result = runner.invoke(app, ["snapshot", "rm", *names, "--yes"])
-    assert result.exit_code == 2, result.output
-    assert "one request deletes at most 1000 snapshots" in flat(result.output)
+    def ask(names: list[str], *, collect: bool, **kwargs: Any) -> Any:
+        asked.append((len(names), collect))
+        body = {"names": names[1:], "missing": names[:1], "chunks_removed": len(asked)}
+        return SimpleNamespace(type="snapshot.deleted", payload=body)
+
+    monkeypatch.setattr(snapshot_cmd, "ask_delete", ask)
+    names = [f"snap-{i}" for i in range(2_500)]
+    result = runner.invoke(app, ["snapshot", "rm", *names, "--gc", "--yes", "--json"])
+    assert asked == [(1000, False), (1000, False), (500, True)]
+    out = json.loads(result.output)
+    assert out["missing"] == ["snap-0", "snap-1000", "snap-2000"]
+    assert len(out["names"]) == 2_497 and out["chunks_removed"] == 3

@@ -105,7 +105,9 @@ def test_the_topology_travels_in_spec_validated_and_back() -> None:
     wire = json.loads(event.model_dump_json())
     again = decode_payload("spec.validated", SpecValidated.VERSION, wire)
     assert isinstance(again, SpecValidated) and again.plan.topology == plan.topology
-    assert SpecValidated.VERSION == "1.3"  # 1.3: the migration section's on, paths, ...
+    assert (
+        SpecValidated.VERSION == "1.4"
+    )  # 1.3: the migration section's on, paths, ...; 1.4: I/O bounds
 
 
 def test_a_plan_from_before_topologies_reads_as_one_main_unit() -> None:

@@ -480,6 +480,14 @@ async def test_configmap_key_is_mounted_read_only(injector: ContextInjector, nat
     assert digest is not None and digest.startswith("hmac-sha256:v1:")
     assert digest.rsplit(":", 1)[1] != blake3.blake3(b"top_k: 5\n").hexdigest()
     await injector.release(ctx)
+    # equal within a tenant only: another tenant holding a guess in a mount of its own learns
+    # nothing from comparing digests in the log
+    again = await injector.prepare("sbx-cm-2", [], [mount])
+    other = await injector.prepare("sbx-cm-3", [], [mount], tenant="alpha")
+    assert again.records[0].digest == digest
+    assert other.records[0].digest not in (None, digest)
+    for done in (again, other):
+        await injector.release(done)
     missing = MountPlan(
         path="/c",
         scheme="configmap",

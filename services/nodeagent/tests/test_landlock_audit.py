@@ -467,3 +467,46 @@ def test_exclude_rules_a_dead_node_agent_left_are_deleted_by_the_next(tmp_path: 
     finally:
         rules.delete(live)
     assert not any(rules.dir.iterdir())
+
+
+_SCOPED = 'audit(1796009056.066:{s}): domain=1fe blockers=scope.signal opid=1 ocomm="x"'
+_SYSCALL_OF = (
+    "audit(1796009056.066:{s}): arch=c000003e syscall=1 success=yes exit=1 a0=1 "
+    'ppid=1 pid={pid} auid=4294967295 uid={uid} gid={uid} euid={uid} comm="w" exe="/w"'
+)
+
+
+async def test_a_flood_hushes_its_own_sandboxs_uid_never_a_neighbours(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A denial can be raised in another task's context (a scoped signal: the refusing domain
+    is sandbox A's, the task doing the I/O neighbour B's): the uid its SYSCALL record names is
+    B's. Hushing by that uid would have deafened B (found in review, 2026-12-07). A sandbox is
+    hushed under its own uid only."""
+    added: list[int] = []
+    monkeypatch.setattr(audit._QUIET, "add", added.append)
+    monkeypatch.setattr(audit._QUIET, "delete", lambda uid: None)
+    owners = {65001: "sbx-a", 65002: "sbx-b"}
+    reader = audit.LandlockAudit(lambda pid, uid: owners.get(uid), None)
+    reader._loop = asyncio.get_running_loop()
+
+    def event(serial: int, uid: int) -> None:
+        reader.add_record(audit.AUDIT_LANDLOCK_ACCESS, _SCOPED.format(s=serial))
+        if serial == 1:
+            reader.add_record(
+                audit.AUDIT_LANDLOCK_DOMAIN, ALLOCATED.replace("{serial}", str(serial))
+            )
+        reader.add_record(audit.AUDIT_SYSCALL, _SYSCALL_OF.format(s=serial, pid=4242, uid=uid))
+        reader.add_record(audit.AUDIT_EOE, f"audit(1796009056.066:{serial}): ")
+
+    reader._remember("1fe", "sbx-a")
+    try:
+        for serial in range(1, 201):  # A's own: 200 in this second
+            event(serial, 65001)
+        event(201, 65002)  # A's domain, raised in B's task
+        assert added == []
+        event(202, 65001)  # A's own again, past the rate
+        assert added == [65001]
+    finally:
+        for handle in reader._quiet.values():
+            handle.cancel()

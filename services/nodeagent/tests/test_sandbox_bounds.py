@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -404,3 +405,42 @@ async def test_a_sandbox_may_watch_changes_but_not_its_neighbours_use_of_shared_
         "changes": "ok",
         "event": True,
     }
+
+
+def test_a_bound_left_on_a_free_loop_device_is_cleared_at_the_next_start(tmp_path: Path) -> None:
+    """A node agent that died while a sandbox arrived by CRIU left the v1 root group's write
+    bound on its quota's loop device (freed by the next start): the next user of that device
+    would be slowed. The next start clears bounds on loop devices no file backs; an attached
+    one (maybe another node agent's live sandbox) keeps its bound."""
+    import subprocess
+
+    from dsec_nodeagent.sandbox import cgroups
+
+    root = _root_blkio()
+    if root is None:  # (io on cgroup v2: io.max per cgroup, no root-group bound to leave)
+        assert cgroups.clear_detached_root_io(cgroups.detect()) == []
+        return
+    image = tmp_path / "img"
+    image.write_bytes(b"\0" * (1 << 20))
+    attached = subprocess.run(
+        ["losetup", "--find", "--show", str(image)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    free = subprocess.run(["losetup", "--find"], capture_output=True, text=True, check=True)
+    devices = {}
+    for path in (attached, free.stdout.strip()):
+        st = os.stat(path)
+        devices[path] = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    rules = root / "blkio.throttle.write_bps_device"
+    try:
+        for dev in devices.values():
+            rules.write_text(f"{dev} 1048576")
+        cleared = cgroups.clear_detached_root_io(cgroups.detect())
+        left = rules.read_text()
+        assert devices[free.stdout.strip()] in cleared
+        assert f"{devices[free.stdout.strip()]} " not in left
+        assert f"{devices[attached]} 1048576" in left
+    finally:
+        for dev in devices.values():
+            with contextlib.suppress(OSError):
+                rules.write_text(f"{dev} 0")
+        subprocess.run(["losetup", "-d", attached], check=False)

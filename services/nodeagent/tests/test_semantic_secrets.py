@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from dsec_core import events
+from dsec_core.text import bound
 
 from dsec_nodeagent.semantic import compile_rules
 from dsec_nodeagent.semantic.models import SemanticDecision, SemanticRules
@@ -82,3 +83,41 @@ def test_a_secret_cut_by_a_bound_loses_its_start_too() -> None:
     # a URL's password is gone whether or not DSec injected it; other text is kept
     assert scrub("curl ftp://me:pw@h/f?q=1 -v") == "curl ftp://[userinfo]@h/f?q=1 -v"
     assert scrub("echo user@example.com") == "echo user@example.com"
+
+
+def test_encoded_secrets_and_restored_sandboxes_publish_none_and_scrubbing_stays_cheap() -> None:
+    """A secret travels percent-encoded (``?access_token=``) or in base64 (an ``Authorization``
+    header, git's ``http.extraheader``): those forms are replaced too. A sandbox restored here
+    by a migration brought its secret values in its processes, which this node agent never held:
+    its reports keep the program or host only."""
+    import base64
+    import urllib.parse
+
+    from dsec_nodeagent.semantic.reports import WITHHELD
+
+    token = "p@ss/word+1=="
+    secrets = (("TOKEN", token),)
+    quoted = urllib.parse.quote(token, safe="")
+    b64 = base64.b64encode(token.encode()).decode()
+    for text in (
+        f"curl https://api.example.com/v1?access_token={quoted}",
+        f"git -c http.extraheader='Authorization: Basic {b64}' fetch",
+        f"git -c http.extraheader='Authorization: Basic {b64.rstrip('=')}' fetch",
+    ):
+        scrubbed = scrub(text, secrets)
+        assert token not in scrubbed and quoted not in scrubbed, scrubbed
+        assert b64.rstrip("=") not in scrubbed and "[secret TOKEN]" in scrubbed, scrubbed
+    assert scrub("psql postgresql://db/prod -c 'select 1'", WITHHELD) == (
+        "psql [arguments withheld: the sandbox's secrets are not known here]"
+    )
+    assert scrub("https://api.example.com/v1/tok123/items", WITHHELD) == (
+        "https://api.example.com [the rest withheld: its secrets are not known here]"
+    )
+    # texts that made the URL pattern backtrack, and secrets long enough to try every length
+    # of a cut (7 ms a report before, on the event loop; `python bench/...` not needed: the
+    # work is now linear): still scrubbed right
+    long = (("A", "a" * 3000), ("B", "tok_" + "x9" * 20))
+    assert scrub("a" * 2048, long) == "[secret A]"
+    assert scrub("y" * 200 + " tok_x9x9x9", long) == "y" * 200 + " [secret B]"
+    assert "tok_" not in bound(scrub("y" * 2048 + " tok_x9x9x9", long), TARGET_LIMIT)
+    assert scrub("ab://" + "c" * 2043, long) == "ab://" + "c" * 2043

@@ -145,7 +145,7 @@ async def test_a_delete_delivered_again_after_failing_halfway_reports_its_own_de
     envelope = Signer("user-x", SigningKey.generate()).seal(request, aggregate_id="del-2").envelope
     with pytest.raises(ConnectionError):
         await deletes.on_delete_requested(envelope, request)
-    (given_up,) = not_deleted(envelope, "S3 unreachable", 4, deletes.outcome(envelope.id))
+    (given_up,) = not_deleted(envelope, "S3 unreachable", 4, deletes.outcome(envelope))
     assert isinstance(given_up, events.SnapshotDeleted)  # (had it given up here instead)
     assert given_up.names == ["a"] and given_up.failed == ["b", "c", "z"]
     (answer,) = await deletes.on_delete_requested(envelope, request)  # the redelivery
@@ -168,7 +168,7 @@ async def test_a_delete_that_gives_up_reports_what_it_found_missing_as_missing()
     envelope = Signer("user-x", SigningKey.generate()).seal(request, aggregate_id="del-5").envelope
     with pytest.raises(ConnectionError):
         await deletes.on_delete_requested(envelope, request)
-    (given_up,) = not_deleted(envelope, "S3", 4, deletes.outcome(envelope.id))
+    (given_up,) = not_deleted(envelope, "S3", 4, deletes.outcome(envelope))
     assert isinstance(given_up, events.SnapshotDeleted)
     assert (given_up.names, given_up.missing, given_up.failed) == (["a"], ["z"], ["b"])
 

@@ -93,7 +93,7 @@ class SpecValidated(Payload):
 
     TYPE = "spec.validated"
     AGGREGATE = "sandbox"
-    VERSION = "1.3"
+    VERSION = "1.4"  # 1.4: plan.resources.disk_read_bps, disk_write_bps, disk_iops
 
     name: str
     spec_digest: str = Field(description="BLAKE3 of the spec text")

@@ -81,7 +81,13 @@ from dsec_nodeagent.sandbox.models import (
 from dsec_nodeagent.sandbox.notify import KernelRefusal
 from dsec_nodeagent.semantic.compile import rules_from_plan
 from dsec_nodeagent.semantic.models import SemanticDecision, SemanticRules
-from dsec_nodeagent.semantic.reports import MESSAGE_LIMIT, TARGET_LIMIT, Refused, check_report
+from dsec_nodeagent.semantic.reports import (
+    MESSAGE_LIMIT,
+    TARGET_LIMIT,
+    WITHHELD,
+    Refused,
+    check_report,
+)
 from dsec_nodeagent.snapshots import SnapshotStartRefused
 from dsec_nodeagent.state.keeper import SandboxState, StateKeeper
 from dsec_nodeagent.state.sealing import TenantKeys
@@ -1063,6 +1069,9 @@ class NodeAgent:
         if not isinstance(validated, events.SpecValidated):
             raise ValueError(f"no authentic spec.validated for {sid}")
         self._rules[sid] = rules_from_plan(validated.plan, validated.plan.spec_file)
+        # Its secret values came with its processes, not through this node agent: its reports
+        # keep their program (or host) only, never an argument that may hold one.
+        self._secrets[sid] = WITHHELD if validated.plan.secrets else ()
         if self._before_start is not None:
             await self._before_start(sid, cgroup_dir, cgroup_id, validated.plan, ())
 

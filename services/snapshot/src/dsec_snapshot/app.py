@@ -100,7 +100,7 @@ def create_service(settings: Settings | None = None) -> Service:
         workers=2,
         tenant_workers=1,
         on_exhausted=lambda envelope, reason, attempts: not_deleted(
-            envelope, reason, attempts, deletes.outcome(envelope.id)
+            envelope, reason, attempts, deletes.outcome(envelope)
         ),
         answers=(events.SnapshotDeleted,),
     )(deletes.on_delete_requested)

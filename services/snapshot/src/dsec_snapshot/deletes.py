@@ -46,12 +46,14 @@ class SnapshotDeletes:
         # halfway (S3 down after the first of three names) is delivered again, and must report
         # what it deleted before as deleted, not as missing (the user would read "no snapshot
         # named" for its own); one that gives up reports what it found missing as missing
-        self._done: OrderedDict[str, dict[str, bool]] = OrderedDict()
+        # (keyed by the request's signing key and id: two users' requests under one id, one
+        # copied off the bus, are two requests)
+        self._done: OrderedDict[tuple[str, str], dict[str, bool]] = OrderedDict()
 
-    def outcome(self, request_id: str) -> dict[str, bool]:
+    def outcome(self, request: Envelope) -> dict[str, bool]:
         """What this process did for the request: name -> deleted (True) or found missing
         (False); for its answer when it gives up."""
-        return dict(self._done.get(request_id, {}))
+        return dict(self._done.get((request.key_id, request.id), {}))
 
     async def on_delete_requested(
         self, envelope: Envelope, event: events.SnapshotDeleteRequested
@@ -59,8 +61,9 @@ class SnapshotDeletes:
         """Delete what the user may delete; say what was missing; GC when asked."""
         deleted: list[str] = []
         missing: list[str] = []
-        done = self._done.pop(envelope.id, {})
-        self._done[envelope.id] = done  # (the newest last: the oldest go first)
+        key = (envelope.key_id, envelope.id)
+        done = self._done.pop(key, {})
+        self._done[key] = done  # (the newest last: the oldest go first)
         while len(self._done) > _REMEMBERED:
             self._done.popitem(last=False)
         for name in dict.fromkeys(event.names):

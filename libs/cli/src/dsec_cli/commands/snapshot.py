@@ -539,6 +539,27 @@ def ask_delete(names: list[str], *, collect: bool, grace_s: float, timeout: floa
     return answer
 
 
+def delete_in_batches(
+    names: list[str], *, collect: bool, grace_s: float, timeout: float
+) -> dict[str, Any]:
+    """Delete ``names`` a request of at most ``MAX_DELETE_NAMES`` at a time (the service
+    refuses more in one), collecting (``collect``) with the last; the answers' payloads as one
+    (``names``, ``missing`` and ``failed`` of them all, the rest from the last)."""
+    from dsec_core.events import MAX_DELETE_NAMES
+
+    batches = [names[i : i + MAX_DELETE_NAMES] for i in range(0, len(names), MAX_DELETE_NAMES)]
+    merged: dict[str, Any] = {"names": [], "missing": [], "failed": []}
+    for n, batch in enumerate(batches or [[]]):
+        last = n == len(batches or [[]]) - 1
+        answer = ask_delete(batch, collect=collect and last, grace_s=grace_s, timeout=timeout)
+        payload = dict(answer.payload)
+        for key in ("names", "missing", "failed"):
+            merged[key] += list(payload.pop(key, None) or ())
+        if last:
+            merged.update(payload)
+    return merged
+
+
 @snapshot_app.command("rm")
 def rm(
     names: Annotated[list[str], typer.Argument(help="Snapshots to delete")],
@@ -558,22 +579,13 @@ def rm(
     """
     for name in names:
         _validate_name(name)
-    from dsec_core.events import MAX_DELETE_NAMES
-
-    if len(names) > MAX_DELETE_NAMES:
-        fail(
-            f"{len(names)} names: one request deletes at most {MAX_DELETE_NAMES} snapshots; "
-            f"run `dsec snapshot rm` again for the rest",
-            EXIT_BAD_INPUT,
-        )
     confirm(
         f"delete snapshot(s) {', '.join(names)}" + (" and free their chunks" if collect else ""),
         yes,
     )
-    answer = ask_delete(names, collect=collect, grace_s=3600.0, timeout=timeout)
-    p = answer.payload
+    p = delete_in_batches(names, collect=collect, grace_s=3600.0, timeout=timeout)
     if as_json:
-        print_json({"event": answer.type, **p})
+        print_json({"event": "snapshot.deleted", **p})
     else:
         for name in p["names"]:
             console.print(f"deleted {safe_text(name)}", highlight=False)
@@ -666,9 +678,9 @@ def retain(
         expired = store.apply_retention(policy, series=series, dry_run=True)
     if expired and not dry_run:
         confirm(f"delete {len(expired)} snapshot(s): {', '.join(expired)}", yes)
-        answer = ask_delete(expired, collect=False, grace_s=3600.0, timeout=60.0)
-        expired = list(answer.payload["names"])
-        failed = list(answer.payload.get("failed") or ())
+        done = delete_in_batches(expired, collect=False, grace_s=3600.0, timeout=60.0)
+        expired = list(done["names"])
+        failed = list(done.get("failed") or ())
         if failed and not as_json:
             err_console.print(
                 f"[bold red]error:[/] not deleted: {safe_text(', '.join(failed))}: {_GAVE_UP}. "

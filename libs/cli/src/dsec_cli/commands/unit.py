@@ -108,7 +108,7 @@ async def _migrate(
 ) -> tuple[dict[str, Any] | None, str]:
     from dsec_core.bus import EventPublisher, follow
     from dsec_core.events import UnitMigrationRequested
-    from dsec_core.ids import answer_event_id
+    from dsec_core.ids import answer_event_id, earlier_answer_ids
     from dsec_core.signing import Signer
     from dsec_core.subjects import STREAM, aggregate_filter
 
@@ -125,6 +125,8 @@ async def _migrate(
         published = await publisher.publish(request, aggregate_id=sandbox_id, tenant=tenant)
         asked = published.envelope
         mid = answer_event_id(asked.type, asked.id, "migration", key_id=asked.key_id)
+        # (or the id a scheduler of an earlier release gives the migration)
+        ours = {mid, *earlier_answer_ids(asked.type, asked.id, "migration")}
         if not quiet:
             target = f" to {to_node}" if to_node else ""
             err_console.print(
@@ -140,7 +142,7 @@ async def _migrate(
                 env = decode_or_warn(seq, data)
                 if env is None or env.type not in TYPES:
                     continue
-                if env.payload.get("migration_id") != mid:
+                if env.payload.get("migration_id") not in ours:
                     continue
                 if gate is not None and await gate.authentic(data) is None:
                     err_console.print(f"[yellow]ignored[/] an unauthentic {env.type} at {seq}")

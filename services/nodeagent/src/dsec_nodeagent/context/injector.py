@@ -57,6 +57,14 @@ class PreparedContext:
         }
 
 
+def tenant_bound(tenant: str, content: str) -> str:
+    """What a ``context.injected`` digest is taken of: the content with its tenant, so that the
+    digest shows equality within a tenant only. Across tenants equal digests let one tenant
+    confirm a guess of another's secret or data online (its own Vault path or mount holding
+    the guess, the digests compared in the log)."""
+    return f"dsec context digest v2\0{tenant}\0{content}"
+
+
 class ContextInjector:
     """Fetches secrets, object-store data and config maps for a sandbox.
 
@@ -109,7 +117,7 @@ class ContextInjector:
                 step = asyncio.ensure_future(self._secret(ctx, secret, tenant, tenant_vault))
                 await asyncio.shield(step)
             for index, mount in enumerate(mounts):
-                step = asyncio.ensure_future(self._mount(ctx, index, mount))
+                step = asyncio.ensure_future(self._mount(ctx, index, mount, tenant))
                 await asyncio.shield(step)
         except BaseException:
             if step is not None and not step.done():
@@ -191,13 +199,15 @@ class ContextInjector:
                 kind="secret",
                 name=secret.env_var,
                 source=uri,
-                digest=await self.vault.digest(value, uri),
+                digest=await self.vault.digest(tenant_bound(tenant, value), uri),
                 lease_id=lease.accessor,
                 ttl_s=float(lease.ttl_s),
             )
         )
 
-    async def _mount(self, ctx: PreparedContext, index: int, mount: MountPlan) -> None:
+    async def _mount(
+        self, ctx: PreparedContext, index: int, mount: MountPlan, tenant: str = "default"
+    ) -> None:
         assert ctx.directory is not None
         dest = ctx.directory / f"{index:02d}"
         if mount.scheme == "s3":
@@ -218,7 +228,7 @@ class ContextInjector:
                     kind="s3",
                     name=mount.path,
                     source=uri,
-                    digest=await self._keyed(done.digest, uri),
+                    digest=await self._keyed(tenant_bound(tenant, done.digest), uri),
                     bytes=done.bytes,
                 )
             )
@@ -234,7 +244,7 @@ class ContextInjector:
                     kind="configmap",
                     name=mount.path,
                     source=uri,
-                    digest=await self._keyed(digest, uri),
+                    digest=await self._keyed(tenant_bound(tenant, digest), uri),
                     bytes=size,
                 )
             )

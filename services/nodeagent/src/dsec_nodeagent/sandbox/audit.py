@@ -82,6 +82,7 @@ AUDIT_DEL_RULE = 1012
 AUDIT_FILTER_EXCLUDE = 0x05
 AUDIT_ALWAYS = 2
 AUDIT_UID = 1
+AUDIT_MSGTYPE = 12
 AUDIT_EQUAL = 0x40000000
 AUDIT_BITMASK_SIZE = 64
 AUDIT_MAX_FIELDS = 64
@@ -115,6 +116,7 @@ _STATUS = struct.Struct("=11I")
 _HEADER = re.compile(r"audit\(\d+\.\d+:(\d+)\):\s?")
 _FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')
 _HEX = re.compile(r"(?:[0-9A-F]{2})+")
+_DOMAIN = re.compile(rb"\): domain=([0-9a-f]+) ")
 
 # Landlock's names of the rights (security/landlock/audit.c) -> what a user calls the operation.
 OPERATIONS = {
@@ -306,18 +308,21 @@ def set_status(sock: socket.socket, mask: int, status: AuditStatus) -> None:
 
 
 def uid_rule(uid: int) -> bytes:
-    """``struct audit_rule_data`` of "exclude every record of a task whose uid is ``uid``"
-    (``auditctl -a exclude,always -F uid=UID``; the exclude list is checked in
-    ``audit_log_start``, before a record is queued)."""
+    """``struct audit_rule_data`` of "exclude the Landlock denial records of a task whose uid
+    is ``uid``" (``auditctl -a exclude,always -F uid=UID -F msgtype=LANDLOCK_ACCESS``; the
+    exclude list is checked in ``audit_log_start``, before a record is queued; the system
+    call's own records then go too, while its other audit records, an operator's auditd's,
+    stay)."""
     fields = [0] * AUDIT_MAX_FIELDS
     values = [0] * AUDIT_MAX_FIELDS
     flags = [0] * AUDIT_MAX_FIELDS
     fields[0], values[0], flags[0] = AUDIT_UID, uid, AUDIT_EQUAL
+    fields[1], values[1], flags[1] = AUDIT_MSGTYPE, AUDIT_LANDLOCK_ACCESS, AUDIT_EQUAL
     return struct.pack(
         f"=3I{AUDIT_BITMASK_SIZE}I{AUDIT_MAX_FIELDS}I{AUDIT_MAX_FIELDS}I{AUDIT_MAX_FIELDS}II",
         AUDIT_FILTER_EXCLUDE,
         AUDIT_ALWAYS,
-        1,
+        2,
         *([0xFFFFFFFF] * AUDIT_BITMASK_SIZE),
         *fields,
         *values,
@@ -451,8 +456,13 @@ class _QuietRules:
             _change_rule(AUDIT_ADD_RULE, uid)
         except OSError as exc:
             if exc.errno != errno.EEXIST:
-                (self.dir / str(uid)).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # (applied, its answer lost: taken back)
+                    self.delete(uid)
                 raise
+
+    def held(self, uid: int) -> bool:
+        """Whether a rule of ``uid`` is on record here (its delete may have failed)."""
+        return (self.dir / str(uid)).exists()
 
     def delete(self, uid: int) -> None:
         try:
@@ -592,12 +602,10 @@ class LandlockAudit:
         if kind == AUDIT_SYSCALL:
             return any(mark in data for mark in self._quiet_uids.values())
         if kind == AUDIT_LANDLOCK_ACCESS:
-            head = data[_NLMSG.size : _NLMSG.size + 96]  # (the domain comes first)
-            return any(
-                f"domain={domain} ".encode() in head
-                for domain, sandbox in self._domains.items()
-                if sandbox in self._quiet_sandboxes
-            )
+            found = _DOMAIN.search(data, _NLMSG.size, _NLMSG.size + 96)  # (it comes first)
+            if found is None:
+                return False
+            return self._domains.get(found.group(1).decode()) in self._quiet_sandboxes
         return False
 
     def _rewatch(self) -> None:
@@ -680,7 +688,9 @@ class LandlockAudit:
         )
         LANDLOCK_REFUSALS.labels(refusal.operation).inc()
         uid = _int(syscall.get("uid")) if syscall else None
-        if uid is not None and self._flooding(sandbox_id):
+        # (hushed by the sandbox's own uid: a denial raised in another task's context, a
+        # scoped signal's, names the refusing domain but the other task's uid)
+        if uid is not None and self._flooding(sandbox_id) and self.resolve(None, uid) == sandbox_id:
             refusal = dataclasses.replace(refusal, quiet_s=self._hush(uid, sandbox_id))
         if self.handler is not None:
             task = asyncio.ensure_future(self.handler(refusal))
@@ -688,7 +698,8 @@ class LandlockAudit:
             task.add_done_callback(self._done)
 
     def _flooding(self, sandbox_id: str) -> bool:
-        """Count one refusal of ``sandbox_id``; whether it passed :data:`FLOOD_PER_S` now."""
+        """Count one refusal of ``sandbox_id``; whether it is past :data:`FLOOD_PER_S` in this
+        second."""
         assert self._loop is not None
         now = self._loop.time()
         start, count = self._counts.get(sandbox_id, (now, 0))
@@ -698,7 +709,7 @@ class LandlockAudit:
         self._counts[sandbox_id] = (start, count)
         if len(self._counts) > MAX_DOMAINS:  # (bounded: the oldest sandboxes' counts go)
             del self._counts[next(iter(self._counts))]
-        return count == FLOOD_PER_S + 1
+        return count > FLOOD_PER_S
 
     def _hush(self, uid: int, sandbox_id: str) -> float:
         """Drop ``uid``'s audit records in the kernel for a while; how long (0: not done)."""
@@ -730,10 +741,14 @@ class LandlockAudit:
         self._quiet_sandboxes = {self.resolve(None, u) or "" for u in self._quiet}
         if handle is not None:
             handle.cancel()
-            try:
-                _QUIET.delete(uid)
-            except OSError as exc:
-                log.warning("audit: could not delete the exclude rule of uid %d: %s", uid, exc)
+        if handle is None and not _QUIET.held(uid):
+            return
+        try:
+            _QUIET.delete(uid)
+        except OSError as exc:  # tried again in a second: a rule left on would deafen the uid
+            log.warning("audit: could not delete the exclude rule of uid %d: %s", uid, exc)
+            if self._loop is not None and self.sock is not None:
+                self._loop.call_later(1.0, self._unhush, uid)
 
     def release_uid(self, uid: int) -> None:
         """``uid``'s sandbox ended (or the uid goes to a new one): its records are heard

@@ -387,6 +387,37 @@ def _write_rule(path: Path, rule: str, dev: str, own: str) -> None:
             raise CgroupError(f"cannot write {rule!r} to {path}: {exc.strerror}") from exc
 
 
+LOOP_MAJOR = 7
+"""The block major of loop devices (fixed in Linux)."""
+
+
+def clear_detached_root_io(
+    hierarchy: Hierarchy, sys_dev: Path = Path("/sys/dev/block")
+) -> list[str]:
+    """Take the v1 root group's write bounds off loop devices no file backs any more (what a
+    node agent that died before recording a sandbox left: its next user would be slowed);
+    the devices cleared. A loop device still attached may be a live sandbox's (of this node
+    agent or another of the host): left alone."""
+    root = hierarchy.v1.get("io") if hierarchy.backend("io") == "v1" else None
+    if root is None:
+        return []
+    cleared = []
+    for name in ("blkio.throttle.write_bps_device", "blkio.throttle.write_iops_device"):
+        try:
+            rules = (root / name).read_text().split("\n")
+        except OSError:
+            continue
+        for rule in rules:
+            dev = rule.split(" ", 1)[0]
+            major, _, minor = dev.partition(":")
+            if major != str(LOOP_MAJOR) or not minor.isdigit() or (sys_dev / dev / "loop").is_dir():
+                continue
+            with contextlib.suppress(OSError):
+                (root / name).write_text(f"{dev} 0")
+                cleared.append(dev)
+    return sorted(set(cleared))
+
+
 def _v1_root(path: Path) -> Path:
     """The v1 hierarchy's root above a sandbox's ``<root>/dsec/<node>/<sandbox id>``."""
     return path.parents[2]

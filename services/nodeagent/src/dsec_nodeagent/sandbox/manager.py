@@ -1283,6 +1283,9 @@ class SandboxManager:
         # Images a node agent that died had mounted ahead for its next starts: unmounted (their
         # loop devices freed) and deleted; the pool fills again after the first start.
         await asyncio.to_thread(self._images.clear)
+        # (a node agent that died while a sandbox arrived by CRIU left its root-group bound on
+        # the loop device its quota had, now free)
+        await asyncio.to_thread(cgroups.clear_detached_root_io, self._hierarchy_now())
         return ReconcileReport(adopted, cleaned)
 
     def _release_stray_quotas(self) -> None:

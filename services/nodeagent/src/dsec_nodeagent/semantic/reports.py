@@ -12,7 +12,9 @@ and escaped; the sandbox's free text (``detail``) is never published.
 
 from __future__ import annotations
 
+import base64
 import re
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import get_args
@@ -35,27 +37,78 @@ class Refused:
     reason: str
 
 
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s@?#]*@")
-"""A URL's ``user:password@`` (``https://x-access-token:TOKEN@github.com/...``)."""
+_USERINFO = re.compile(r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^/\s@?#]*@")
+"""A URL's ``user:password@`` (``https://x-access-token:TOKEN@github.com/...``); a scheme
+starts a word and is short, so a long run of letters costs one pass, not one per letter."""
 PARTIAL_SECRET = 6
 """A target ending in this many characters or more of a secret's start (cut by a bound) loses
 them too."""
+WITHHELD = (("", ""),)
+"""``secrets`` of a sandbox whose secret values this node agent does not hold (restored here
+from another node): its reports keep their program or host only."""
+
+
+def forms(value: str) -> set[str]:
+    """The forms of a secret a command line or URL carries: as it is, percent-encoded, and
+    base64 (with and without padding; an ``Authorization`` header, ``extraheader`` values)."""
+    raw = value.encode()
+    b64 = base64.b64encode(raw).decode()
+    return {value, urllib.parse.quote(value, safe=""), b64, b64.rstrip("=")} - {""}
 
 
 def scrub(text: str, secrets: Sequence[tuple[str, str]] = ()) -> str:
-    """``text`` without the secrets a command line or URL carries: every ``(name, value)`` of
-    ``secrets`` (those injected into the sandbox) replaced by ``[secret NAME]``, longest value
-    first, a value cut at the text's end too; and any URL's user and password."""
-    text = _USERINFO.sub(r"\1[userinfo]@", text)
-    for name, value in sorted(secrets, key=lambda item: -len(item[1])):
-        if not value:
-            continue
-        text = text.replace(value, f"[secret {name}]")
-        for keep in range(min(len(value), len(text) + 1) - 1, PARTIAL_SECRET - 1, -1):
-            if text.endswith(value[:keep]):
-                text = text[:-keep] + f"[secret {name}]"
-                break
+    """``text`` without the secrets a command line or URL carries: any URL's user and
+    password; every form (:func:`forms`) of each ``(name, value)`` of ``secrets`` (those
+    injected into the sandbox) replaced by ``[secret NAME]``, longest first, a value cut at the
+    text's end too. With :data:`WITHHELD`, only the program (or a URL's scheme and host)."""
+    if "://" in text:
+        text = _USERINFO.sub(r"\1[userinfo]@", text)
+    if secrets == WITHHELD:
+        return _program_only(text)
+    replaced = _replacements(tuple(secrets))
+    for form, name in replaced:
+        text = text.replace(form, f"[secret {name}]")
+    for form, name in replaced:
+        text = _cut_at_end(text, form, name)
     return text
+
+
+def _replacements(secrets: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """``(form, name)`` of every form of ``secrets``, longest first (computed per report: no
+    secret value outlives its sandbox in a cache)."""
+    pairs = {(form, name) for name, value in secrets for form in forms(value)}
+    return tuple(sorted(pairs, key=lambda item: -len(item[0])))
+
+
+def _cut_at_end(text: str, value: str, name: str) -> str:
+    """``text`` without a start of ``value`` (:data:`PARTIAL_SECRET` characters at least) it
+    ends with (the sandbox's runtime cut it): the earliest place where the rest of the text
+    starts ``value``, among those the published head (:data:`TARGET_LIMIT`) reaches. One search
+    per candidate, at most that many: a report costs microseconds whatever the secrets."""
+    if len(value) <= PARTIAL_SECRET:
+        return text
+    head = value[:PARTIAL_SECRET]
+    end = min(len(text), TARGET_LIMIT + PARTIAL_SECRET)
+    at = text.find(head, max(0, len(text) - len(value) + 1), end)
+    while at != -1:
+        if value.startswith(text[at:]):
+            return text[:at] + f"[secret {name}]"
+        at = text.find(head, at + 1, end)
+    return text
+
+
+def _program_only(text: str) -> str:
+    """The first word of a command line, or a URL's scheme and host."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+    except ValueError:
+        parts = None
+    if parts is not None and parts.scheme and parts.netloc:
+        return (
+            f"{parts.scheme}://{parts.netloc} [the rest withheld: its secrets are not known here]"
+        )
+    word = text.split(" ", 1)[0]
+    return f"{word} [arguments withheld: the sandbox's secrets are not known here]"
 
 
 def check_report(
