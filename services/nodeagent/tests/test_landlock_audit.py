@@ -508,5 +508,5 @@ async def test_a_flood_hushes_its_own_sandboxs_uid_never_a_neighbours(
         event(202, 65001)  # A's own again, past the rate
         assert added == [65001]
     finally:
-        for handle in reader._quiet.values():
+        for handle, _ in reader._quiet.values():
             handle.cancel()

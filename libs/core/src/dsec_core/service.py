@@ -62,7 +62,15 @@ from dsec_core.natsperms import durable_name
 from dsec_core.settings import TENANT_QUEUE_MAX, Settings, settings_problem
 from dsec_core.signing import Signer
 from dsec_core.subjects import STREAM, filter_for, subject_for
-from dsec_core.trust import Gate, KeyRing, Refusal, handled_bucket, scan_seq, unpack_fields
+from dsec_core.trust import (
+    Gate,
+    KeyRing,
+    Refusal,
+    handled_bucket,
+    handled_key,
+    scan_seq,
+    unpack_fields,
+)
 
 SYSTEM_TENANT = identity.SYSTEM_TENANT
 CONSUMER_POLL_S = 15.0
@@ -1470,6 +1478,6 @@ def main(create: Callable[[], Service]) -> None:
 
 
 def _starts_key(durable: str, envelope: Envelope) -> str:
-    """Where a durable counts the starts of an event (by key and id: two users' requests under
-    one id, one copied off the bus, are two requests)."""
-    return f"{durable}.{envelope.key_id}.{envelope.id}.starts"
+    """Where a durable counts the starts of an event: beside its record, keyed by key and id
+    (two users' requests under one id, one copied off the bus, are two requests)."""
+    return f"{handled_key(durable, envelope, user=True)}.starts"

@@ -547,10 +547,11 @@ def delete_in_batches(
     (``names``, ``missing`` and ``failed`` of them all, the rest from the last)."""
     from dsec_core.events import MAX_DELETE_NAMES
 
-    batches = [names[i : i + MAX_DELETE_NAMES] for i in range(0, len(names), MAX_DELETE_NAMES)]
+    step = MAX_DELETE_NAMES
+    batches = [names[i : i + step] for i in range(0, len(names), step)] or [[]]
     merged: dict[str, Any] = {"names": [], "missing": [], "failed": []}
-    for n, batch in enumerate(batches or [[]]):
-        last = n == len(batches or [[]]) - 1
+    for n, batch in enumerate(batches):
+        last = n == len(batches) - 1
         answer = ask_delete(batch, collect=collect and last, grace_s=grace_s, timeout=timeout)
         payload = dict(answer.payload)
         for key in ("names", "missing", "failed"):

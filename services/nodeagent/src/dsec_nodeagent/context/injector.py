@@ -199,7 +199,7 @@ class ContextInjector:
                 kind="secret",
                 name=secret.env_var,
                 source=uri,
-                digest=await self.vault.digest(tenant_bound(tenant, value), uri),
+                digest=await self._keyed(value, uri, tenant),
                 lease_id=lease.accessor,
                 ttl_s=float(lease.ttl_s),
             )
@@ -228,7 +228,7 @@ class ContextInjector:
                     kind="s3",
                     name=mount.path,
                     source=uri,
-                    digest=await self._keyed(tenant_bound(tenant, done.digest), uri),
+                    digest=await self._keyed(done.digest, uri, tenant),
                     bytes=done.bytes,
                 )
             )
@@ -244,21 +244,21 @@ class ContextInjector:
                     kind="configmap",
                     name=mount.path,
                     source=uri,
-                    digest=await self._keyed(tenant_bound(tenant, digest), uri),
+                    digest=await self._keyed(digest, uri, tenant),
                     bytes=size,
                 )
             )
         ctx.mounts.append(Mount(source=dest, target=mount.path, read_only=True))
 
-    async def _keyed(self, content_digest: str, uri: str) -> str | None:
-        """What ``context.injected`` shows of a mount's content: its BLAKE3 keyed as a secret's
-        digest is (Transit's HMAC under this installation's key, which never leaves Vault), or
-        nothing where no Vault is configured. Every user reads the event: a plain BLAKE3 of a
-        config value or of an encrypted object's plaintext let anyone test guesses offline
-        (a 4-digit PIN in 10,000 hashes)."""
+    async def _keyed(self, content: str, uri: str, tenant: str) -> str | None:
+        """What ``context.injected`` shows of a secret's value or a mount's content BLAKE3:
+        Transit's HMAC under this installation's key (which never leaves Vault) of it with its
+        tenant (:func:`tenant_bound`), or nothing where no Vault is configured. Every user reads
+        the event: a plain BLAKE3 of a config value or of an encrypted object's plaintext let
+        anyone test guesses offline (a 4-digit PIN in 10,000 hashes)."""
         if self.vault is None:
             return None
-        return await self.vault.digest(content_digest, uri)
+        return await self.vault.digest(tenant_bound(tenant, content), uri)
 
     async def keepalive(self, ctx: PreparedContext) -> None:
         """Renew every lease at half its TTL until cancelled (run it as a task while the sandbox

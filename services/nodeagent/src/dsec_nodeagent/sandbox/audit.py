@@ -523,10 +523,11 @@ class LandlockAudit:
         self._slice_start = 0.0
         self._slice_used = 0
         self._counts: dict[str, tuple[float, int]] = {}  # sandbox -> (second, refusals in it)
-        self._quiet: dict[int, asyncio.TimerHandle] = {}  # uid -> the end of its quiet
-        self._quiet_uids: dict[int, bytes] = {}  # uid -> " uid=<uid> " (its SYSCALL records)
-        self._quiet_sandboxes: set[str] = set()
+        self._quiet: dict[int, tuple[asyncio.TimerHandle, str]] = {}  # uid -> (end, sandbox)
         self._quiet_next: dict[int, float] = {}  # uid -> its next quiet's length
+        # (of _quiet, for _hushed_record: each SYSCALL record's " uid=<uid> ", the sandboxes)
+        self._quiet_marks: tuple[bytes, ...] = ()
+        self._quiet_sandboxes: frozenset[str] = frozenset()
 
     def start(self) -> None:
         """Enable audit if needed, join the read-log group, watch it from the running loop.
@@ -600,7 +601,7 @@ class LandlockAudit:
             return False
         kind = _NLMSG.unpack_from(data)[1]
         if kind == AUDIT_SYSCALL:
-            return any(mark in data for mark in self._quiet_uids.values())
+            return any(mark in data for mark in self._quiet_marks)
         if kind == AUDIT_LANDLOCK_ACCESS:
             found = _DOMAIN.search(data, _NLMSG.size, _NLMSG.size + 96)  # (it comes first)
             if found is None:
@@ -729,19 +730,21 @@ class LandlockAudit:
             FLOOD_PER_S,
             quiet,
         )
-        self._quiet[uid] = self._loop.call_later(quiet, self._unhush, uid)
-        self._quiet_uids[uid] = f" uid={uid} ".encode()
-        self._quiet_sandboxes.add(sandbox_id)
+        self._quiet[uid] = (self._loop.call_later(quiet, self._unhush, uid), sandbox_id)
+        self._quiet_changed()
         self._quiet_next[uid] = min(quiet * 2, QUIET_MAX_S)
         return quiet
 
+    def _quiet_changed(self) -> None:
+        self._quiet_marks = tuple(f" uid={uid} ".encode() for uid in self._quiet)
+        self._quiet_sandboxes = frozenset(sandbox for _, sandbox in self._quiet.values())
+
     def _unhush(self, uid: int) -> None:
-        handle = self._quiet.pop(uid, None)
-        self._quiet_uids.pop(uid, None)
-        self._quiet_sandboxes = {self.resolve(None, u) or "" for u in self._quiet}
-        if handle is not None:
-            handle.cancel()
-        if handle is None and not _QUIET.held(uid):
+        hushed = self._quiet.pop(uid, None)
+        if hushed is not None:
+            hushed[0].cancel()
+            self._quiet_changed()
+        elif not _QUIET.held(uid):
             return
         try:
             _QUIET.delete(uid)

@@ -269,10 +269,7 @@ class SandboxCgroup:
         path = self.dirs.get("io")
         if not self.disk or path is None or self._is_v2("io"):
             return
-        root = _v1_root(path)
-        for name in ("blkio.throttle.write_bps_device", "blkio.throttle.write_iops_device"):
-            with contextlib.suppress(OSError):  # (no such rule, or the device is gone)
-                (root / name).write_text(f"{self.disk} 0")
+        _clear_root_rules(_v1_root(path), self.disk)
 
     def _need(self, controller: str) -> Path:
         if controller not in self.dirs:
@@ -401,21 +398,28 @@ def clear_detached_root_io(
     root = hierarchy.v1.get("io") if hierarchy.backend("io") == "v1" else None
     if root is None:
         return []
+    bounded = set()
+    for name in ROOT_WRITE_RULES:
+        with contextlib.suppress(OSError):
+            bounded |= {rule.split(" ", 1)[0] for rule in (root / name).read_text().split("\n")}
     cleared = []
-    for name in ("blkio.throttle.write_bps_device", "blkio.throttle.write_iops_device"):
-        try:
-            rules = (root / name).read_text().split("\n")
-        except OSError:
-            continue
-        for rule in rules:
-            dev = rule.split(" ", 1)[0]
-            major, _, minor = dev.partition(":")
-            if major != str(LOOP_MAJOR) or not minor.isdigit() or (sys_dev / dev / "loop").is_dir():
-                continue
-            with contextlib.suppress(OSError):
-                (root / name).write_text(f"{dev} 0")
-                cleared.append(dev)
-    return sorted(set(cleared))
+    for dev in sorted(bounded):
+        major, _, minor = dev.partition(":")
+        if major == str(LOOP_MAJOR) and minor.isdigit() and not (sys_dev / dev / "loop").is_dir():
+            _clear_root_rules(root, dev)
+            cleared.append(dev)
+    return cleared
+
+
+ROOT_WRITE_RULES = ("blkio.throttle.write_bps_device", "blkio.throttle.write_iops_device")
+"""The v1 root group's files a sandbox's disk is bounded in (its write-back)."""
+
+
+def _clear_root_rules(root: Path, dev: str) -> None:
+    """Take ``dev``'s write bounds off the v1 root group ``root`` (0: no rule)."""
+    for name in ROOT_WRITE_RULES:
+        with contextlib.suppress(OSError):  # (no such rule, or the device is gone)
+            (root / name).write_text(f"{dev} 0")
 
 
 def _v1_root(path: Path) -> Path:
